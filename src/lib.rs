@@ -1,0 +1,14 @@
+//! memwall: train neural networks that do not fit in memory.
+//!
+//! The pipeline (see ARCHITECTURE.md):
+//! `model` (what to train) + `exec::TrainConfig` (how) → `plan` (every byte of a step, before
+//! step 1) → `exec` (walks the plan's schedule with `backend` kernels) → reports.
+//! `data` feeds tokens, `ckpt` saves and restores Hugging Face–compatible checkpoints.
+
+pub mod backend;
+pub mod ckpt;
+pub mod data;
+pub mod exec;
+pub mod model;
+pub mod plan;
+pub mod util;

@@ -1,0 +1,5 @@
+//! Small shared utilities: deterministic RNG, process memory readings, byte formatting.
+
+pub mod bytes;
+pub mod rng;
+pub mod rss;
