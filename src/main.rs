@@ -1,1 +1,387 @@
-fn main(){}
+//! The `memwall` command line: thin wrappers over the library (see `memwall --help`).
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use memwall::data::{corpus, prepare};
+use memwall::exec::bench::{self, BenchOptions};
+use memwall::exec::generate::{SampleOptions, sample_text};
+use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
+use memwall::model::ModelSpec;
+use memwall::plan::{self, Mode, StepConfig, build_plan};
+use memwall::util::bytes::{fmt_bytes, parse_bytes};
+use memwall::util::rss;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "memwall",
+    version,
+    about = "Train neural networks that do not fit in memory: plan every byte before step 1, then run the plan",
+    long_about = "memwall plans every byte of a training step (parameters, gradients, optimizer state, \
+activations, workspace, I/O) before the first step, tells you whether it fits, and then trains \
+from that plan with no allocation during steps.\n\nStart with `memwall demo` (no arguments), or:\n  \
+memwall prepare my_texts/ --out data\n  memwall plan --model gpt2 --batch 4 --seq 256\n  \
+memwall train --model gpt2-tiny --data data --out run --steps 500\n  \
+memwall sample --model run/checkpoints/step-000500 --prompt \"ROMEO:\""
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Fetch/prepare the Shakespeare corpus, plan, train a small GPT for a few minutes, sample text.
+    Demo(DemoArgs),
+    /// Tokenize UTF-8 text files (GPT-2 BPE) into token shards with a train/validation split.
+    Prepare(PrepareArgs),
+    /// Print the memory plan of a training step (by category, packed by lifetime), without training.
+    Plan(PlanArgs),
+    /// Train a GPT-2 model from a static memory plan.
+    Train(TrainArgs),
+    /// Generate text from a checkpoint.
+    Sample(SampleArgs),
+    /// Time training steps on synthetic tokens; prints JSON (tokens/s, step time, peak RSS, plan total).
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Where the demo writes its prepared data and run.
+    #[arg(long, default_value = "memwall-demo")]
+    out: PathBuf,
+    /// Training steps (about 0.5 s each on 2 cores).
+    #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args)]
+struct PrepareArgs {
+    /// Text files or directories (walked recursively).
+    #[arg(required = true)]
+    inputs: Vec<PathBuf>,
+    /// Output directory for train.bin, val.bin and meta.json.
+    #[arg(long)]
+    out: PathBuf,
+    /// Fraction of tokens (the end of the stream) held out for validation.
+    #[arg(long, default_value_t = 0.05)]
+    val_fraction: f64,
+}
+
+#[derive(Args)]
+struct StepArgs {
+    /// Model: a preset (gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl), a checkpoint directory, or a config.json.
+    #[arg(long, default_value = "gpt2-tiny")]
+    model: String,
+    /// Micro-batch size (sequences per step).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Sequence length in tokens (at most the model's n_positions).
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak exceeds it.
+    #[arg(long, value_parser = parse_bytes)]
+    max_memory: Option<u64>,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    #[command(flatten)]
+    step: StepArgs,
+    /// Print the plan as JSON (total_bytes, by_category, buffers, schedule).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    step: StepArgs,
+    /// Prepared data directory (from `memwall prepare`).
+    #[arg(long, required_unless_present = "resume")]
+    data: Option<PathBuf>,
+    /// Run directory: plan.json, metrics.jsonl, checkpoints/.
+    #[arg(long, required_unless_present = "resume")]
+    out: Option<PathBuf>,
+    /// Total optimizer steps.
+    #[arg(long, default_value_t = 500)]
+    steps: u64,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 6e-4)]
+    lr: f32,
+    /// Linear warmup steps before cosine decay.
+    #[arg(long, default_value_t = 50)]
+    warmup: u64,
+    /// Decoupled weight decay on matrices and embeddings.
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f32,
+    /// Clip the global gradient norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    grad_clip: f32,
+    /// Seed for initialisation and batch order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Evaluate validation loss every N steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    eval_every: u64,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 8)]
+    eval_batches: u64,
+    /// Save a checkpoint every N steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    save_every: u64,
+    /// Start from a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors).
+    #[arg(long, conflicts_with = "resume")]
+    init: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.
+    #[arg(long, value_name = "RUN_DIR")]
+    resume: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct SampleArgs {
+    /// Checkpoint directory (config.json + model.safetensors), e.g. RUN/checkpoints/step-000500.
+    #[arg(long)]
+    model: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "ROMEO:")]
+    prompt: String,
+    /// New tokens to generate.
+    #[arg(long, default_value_t = 100)]
+    tokens: usize,
+    /// Sampling temperature; 0 is greedy decoding.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(long, default_value = "gpt2")]
+    model: String,
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    #[arg(long, default_value_t = 256)]
+    seq: usize,
+    /// Timed steps, after one warm-up step.
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    #[arg(long)]
+    threads: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Demo(a) => demo(a),
+        Cmd::Prepare(a) => prepare_cmd(a),
+        Cmd::Plan(a) => plan_cmd(a),
+        Cmd::Train(a) => train_cmd(a),
+        Cmd::Sample(a) => sample_cmd(a),
+        Cmd::Bench(a) => bench_cmd(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn threads(t: Option<usize>) -> Result<usize> {
+    match t {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) => Ok(n),
+        None => Ok(train::default_threads()),
+    }
+}
+
+fn prepare_cmd(a: PrepareArgs) -> Result<()> {
+    let s = prepare::prepare(&prepare::PrepareOptions { inputs: a.inputs, out: a.out, val_fraction: a.val_fraction })?;
+    println!(
+        "prepared {} files ({}): {} train tokens, {} val tokens in {}",
+        s.files,
+        fmt_bytes(s.bytes),
+        s.train_tokens,
+        s.val_tokens,
+        s.out.display()
+    );
+    Ok(())
+}
+
+fn plan_cmd(a: PlanArgs) -> Result<()> {
+    let spec = ModelSpec::resolve(&a.step.model)?;
+    let cfg = StepConfig::new(a.step.batch, a.step.seq, threads(a.step.threads)?);
+    let plan = build_plan(&spec, &cfg, Mode::Train)?;
+    let baseline = rss::current_rss().unwrap_or(0);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?);
+    } else {
+        print!("{}", plan::report::table(&plan, baseline));
+    }
+    if let Some(budget) = a.step.max_memory {
+        plan::fit::check_budget(&plan, budget, baseline)?;
+        if !a.json {
+            println!("  fits --max-memory {}", fmt_bytes(budget));
+        }
+    }
+    Ok(())
+}
+
+fn train_cmd(a: TrainArgs) -> Result<()> {
+    let mut progress = ConsoleProgress::new(10);
+    let summary = if let Some(run) = &a.resume {
+        let (mut opts, ck) = train::resume_options(run)?;
+        opts.model = if a.step.model != "gpt2-tiny" { a.step.model.clone() } else { opts.model };
+        if a.steps != 500 {
+            opts.steps = a.steps;
+        }
+        train::train(&opts, Some(&ck), &mut progress)?
+    } else {
+        let (data, out) = (a.data.expect("clap requires --data"), a.out.expect("clap requires --out"));
+        let mut o = TrainOptions::new(&a.step.model, &data, &out);
+        o.steps = a.steps;
+        o.batch = a.step.batch;
+        o.seq = a.step.seq;
+        o.lr = a.lr;
+        o.warmup = a.warmup;
+        o.weight_decay = a.weight_decay;
+        o.grad_clip = a.grad_clip;
+        o.seed = a.seed;
+        o.threads = threads(a.step.threads)?;
+        o.eval_every = a.eval_every;
+        o.eval_batches = a.eval_batches;
+        o.save_every = a.save_every;
+        o.init = a.init;
+        o.max_memory = a.step.max_memory;
+        train::train(&o, None, &mut progress)?
+    };
+    print_summary(&summary);
+    Ok(())
+}
+
+fn print_summary(s: &train::TrainSummary) {
+    println!(
+        "trained steps {}..{}: loss {:.4}{} | {:.0} tokens/s | peak RSS {} (plan {} + baseline {})",
+        s.first_step,
+        s.last_step,
+        s.final_loss,
+        s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
+        s.tokens_per_s,
+        s.peak_rss_bytes.map(fmt_bytes).unwrap_or_else(|| "?".into()),
+        fmt_bytes(s.plan_total_bytes),
+        fmt_bytes(s.baseline_bytes)
+    );
+    if let Some(c) = &s.last_checkpoint {
+        println!("checkpoint: {}", c.display());
+    }
+}
+
+fn sample_cmd(a: SampleArgs) -> Result<()> {
+    let opts = SampleOptions {
+        checkpoint: a.model,
+        prompt: a.prompt.clone(),
+        tokens: a.tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+        threads: threads(a.threads)?,
+    };
+    print!("{}", a.prompt);
+    let mut out = std::io::stdout();
+    sample_text(&opts, &mut |s| {
+        let _ = out.write_all(s.as_bytes());
+        let _ = out.flush();
+    })?;
+    println!();
+    Ok(())
+}
+
+fn bench_cmd(a: BenchArgs) -> Result<()> {
+    let opts = BenchOptions {
+        model: a.model,
+        batch: a.batch,
+        seq: a.seq,
+        steps: a.steps,
+        threads: threads(a.threads)?,
+        seed: a.seed,
+    };
+    eprintln!(
+        "bench: model {} batch {} seq {} threads {} fp32, 1 warm-up + {} timed steps",
+        opts.model, opts.batch, opts.seq, opts.threads, opts.steps
+    );
+    let report = bench::run(&opts, &mut |i, dt| eprintln!("  step {i}: {dt:.3} s{}", if i == 0 { " (warm-up)" } else { "" }))?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+fn demo(a: DemoArgs) -> Result<()> {
+    let threads = threads(a.threads)?;
+    println!("memwall demo: train a small GPT-2 on Shakespeare from a static memory plan\n");
+    let corpus = corpus::demo_corpus()?;
+    let data = a.out.join("data");
+    if !data.join("meta.json").exists() {
+        let s = prepare::prepare(&prepare::PrepareOptions { inputs: vec![corpus], out: data.clone(), val_fraction: 0.05 })?;
+        println!("1. prepared {} files: {} train / {} val tokens -> {}", s.files, s.train_tokens, s.val_tokens, data.display());
+    } else {
+        println!("1. using prepared data in {}", data.display());
+    }
+    let run = a.out.join("run");
+    if run.exists() {
+        std::fs::remove_dir_all(&run).with_context(|| format!("cannot clear the previous demo run {}", run.display()))?;
+    }
+    let mut o = TrainOptions::new("gpt2-tiny", &data, &run);
+    o.steps = a.steps;
+    o.batch = 8;
+    o.seq = 128;
+    o.lr = 1e-3;
+    o.warmup = 30;
+    o.threads = threads;
+    o.eval_every = 100.min(a.steps);
+    o.save_every = 0;
+    let spec = ModelSpec::preset("gpt2-tiny")?;
+    let plan = build_plan(&spec, &StepConfig::new(o.batch, o.seq, threads), Mode::Train)?;
+    println!("\n2. the memory plan, before any step runs:\n");
+    print!("{}", plan::report::table(&plan, rss::current_rss().unwrap_or(0)));
+    println!("\n3. training {} steps (loss should fall from ~10.8):\n", o.steps);
+    let summary = train::train(&o, None, &mut ConsoleProgress::new(25))?;
+    print_summary(&summary);
+    let ck = summary.last_checkpoint.context("the demo run saved no checkpoint")?;
+    println!("\n4. a sample from the trained model (temperature 0.8, top-k 40):\n");
+    let opts = SampleOptions {
+        checkpoint: ck.clone(),
+        prompt: "ROMEO:".into(),
+        tokens: 120,
+        temperature: 0.8,
+        top_k: 40,
+        seed: 1,
+        threads,
+    };
+    print!("ROMEO:");
+    let mut out = std::io::stdout();
+    sample_text(&opts, &mut |s| {
+        let _ = out.write_all(s.as_bytes());
+        let _ = out.flush();
+    })?;
+    println!(
+        "\n\nfiles: {}/plan.json, {}/metrics.jsonl, {}\nmore: memwall sample --model {} --prompt \"JULIET:\"",
+        run.display(),
+        run.display(),
+        ck.display(),
+        ck.display()
+    );
+    Ok(())
+}

@@ -1,1 +1,75 @@
-//! (in progress)
+//! The memory plan: every byte of a training (or inference) step, decided before step 1.
+//!
+//! [`build_plan`] turns a model and a step configuration into a [`Plan`]: a [`Schedule`] (the
+//! ordered ops of one step) and the buffers those ops touch, each with a category, dtype, size
+//! and live interval derived from the schedule itself (first op that touches it to last).
+//! [`packing`] then assigns every buffer an offset in one arena so that buffers whose intervals
+//! overlap never share bytes. The executor allocates that arena once and hands out views; so the
+//! plan's arena size *is* the step's memory, and `memwall plan` answers "will it fit?" up front.
+
+pub mod buffer;
+pub mod build;
+pub mod fit;
+pub mod packing;
+pub mod report;
+pub mod schedule;
+
+pub use buffer::{BufId, Buffer, Category, DType};
+pub use build::{Mode, StepConfig, build_plan};
+pub use schedule::{Op, Schedule};
+
+use crate::model::{ModelSpec, ParamLayout};
+
+/// A complete plan for one step: schedule, buffers with offsets, and totals.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub spec: ModelSpec,
+    pub layout: ParamLayout,
+    pub cfg: StepConfig,
+    pub mode: Mode,
+    pub schedule: Schedule,
+    pub buffers: Vec<Buffer>,
+    /// Size of the one arena (bytes), after lifetime packing.
+    pub arena_bytes: u64,
+    /// Largest sum of simultaneously live buffer bytes over the schedule (packing lower bound).
+    pub peak_live_bytes: u64,
+    /// Index of the op at which `peak_live_bytes` is reached.
+    pub peak_op: usize,
+    /// Bytes allocated outside the arena, once, at start (loader staging buffers).
+    pub staging_bytes: u64,
+}
+
+impl Plan {
+    pub fn buffer(&self, id: BufId) -> &Buffer {
+        &self.buffers[id.0]
+    }
+
+    /// Total predicted bytes of the step: arena plus the loader's staging buffers.
+    pub fn total_bytes(&self) -> u64 {
+        self.arena_bytes + self.staging_bytes
+    }
+
+    /// Sum of buffer bytes per category (before packing), in `Category::ALL` order.
+    pub fn bytes_by_category(&self) -> Vec<(Category, u64)> {
+        Category::ALL
+            .iter()
+            .map(|&c| (c, self.buffers.iter().filter(|b| b.category == c).map(|b| b.bytes).sum()))
+            .collect()
+    }
+
+    /// Bytes per category of the buffers live at op `op`.
+    pub fn live_by_category(&self, op: usize) -> Vec<(Category, u64)> {
+        Category::ALL
+            .iter()
+            .map(|&c| {
+                let s = self
+                    .buffers
+                    .iter()
+                    .filter(|b| b.category == c && b.live_at(op))
+                    .map(|b| b.bytes)
+                    .sum();
+                (c, s)
+            })
+            .collect()
+    }
+}

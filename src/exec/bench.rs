@@ -1,0 +1,87 @@
+//! `memwall bench`: time training steps of a configuration on synthetic tokens and report
+//! throughput, step times, peak RSS and the plan's prediction, as JSON.
+
+use super::executor::{Executor, OptimHparams};
+use crate::model::ModelSpec;
+use crate::plan::{Mode, StepConfig, build_plan};
+use crate::util::rng::Rng;
+use crate::util::rss;
+use anyhow::{Result, bail};
+use serde_json::{Value, json};
+use std::time::Instant;
+
+/// A benchmark configuration.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub model: String,
+    pub batch: usize,
+    pub seq: usize,
+    /// Timed steps (after one warm-up step).
+    pub steps: usize,
+    pub threads: usize,
+    pub seed: u64,
+}
+
+/// Runs the benchmark; returns the JSON report.
+pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<Value> {
+    if opts.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let spec = ModelSpec::resolve(&opts.model)?;
+    let baseline = rss::current_rss().unwrap_or(0);
+    let plan = build_plan(&spec, &StepConfig::new(opts.batch, opts.seq, opts.threads), Mode::Train)?;
+    let (plan_total, flops): (u64, u64) = (plan.total_bytes(), plan.schedule.ops.iter().map(|o| o.flops).sum());
+    let layout = plan.layout.clone();
+    let mut ex = Executor::new(plan)?;
+    layout.init(ex.params_mut(), spec.n_layer, opts.seed);
+    let mut rng = Rng::new(opts.seed);
+    let mut batch = vec![0u32; opts.batch * (opts.seq + 1)];
+    let mut times = Vec::with_capacity(opts.steps);
+    let mut losses = Vec::new();
+    for step in 0..=opts.steps {
+        for x in batch.iter_mut() {
+            *x = rng.below(spec.vocab_size as u64) as u32;
+        }
+        ex.set_batch(&batch)?;
+        let t0 = Instant::now();
+        let st = ex.train_step(&OptimHparams {
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            step: step as u64 + 1,
+        });
+        let dt = t0.elapsed().as_secs_f64();
+        losses.push(st.loss);
+        if step > 0 {
+            times.push(dt);
+        }
+        on_step(step, dt);
+    }
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let tokens = (opts.batch * opts.seq) as f64;
+    let peak = rss::peak_rss();
+    let measured = peak.map(|p| p.saturating_sub(baseline));
+    Ok(json!({
+        "config": {
+            "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
+            "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": "fp32",
+            "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,
+        },
+        "tokens_per_s": tokens / median,
+        "step_s_median": median,
+        "step_s": times,
+        "gflops_per_s": flops as f64 / median / 1e9,
+        "flops_per_step": flops,
+        "peak_rss_bytes": peak,
+        "baseline_rss_bytes": baseline,
+        "plan_total_bytes": plan_total,
+        "measured_minus_baseline_bytes": measured,
+        "plan_error_pct": measured.map(|m| 100.0 * (plan_total as f64 - m as f64) / m as f64),
+        "losses": losses,
+    }))
+}

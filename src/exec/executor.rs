@@ -1,0 +1,374 @@
+//! Walks a plan's schedule. Every buffer is a view of the one arena allocated in
+//! [`Executor::new`]; kernels receive slices and allocate nothing, so the plan's bytes are the
+//! step's bytes. Ops run in a dedicated rayon pool of `threads` workers.
+
+use crate::backend::cpu::{adamw, attention, encoder, gelu, layernorm, matmul, reduce, xent};
+use crate::mem::arena::Arena;
+use crate::plan::schedule::Op;
+use crate::plan::{BufId, DType, Mode, Plan};
+use anyhow::{Result, bail};
+
+/// Optimizer hyperparameters for one step.
+#[derive(Clone, Debug)]
+pub struct OptimHparams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// Clip the global gradient norm to this value (0 disables clipping).
+    pub grad_clip: f32,
+    /// 1-based AdamW step number (bias correction).
+    pub step: u64,
+}
+
+/// What one training step reports.
+#[derive(Clone, Copy, Debug)]
+pub struct StepStats {
+    /// Mean cross-entropy over the batch's tokens.
+    pub loss: f32,
+    /// Global gradient L2 norm before clipping.
+    pub grad_norm: f32,
+}
+
+/// Executes plans: owns the arena, the plan and the worker pool.
+pub struct Executor {
+    pub plan: Plan,
+    arena: Arena,
+    pool: rayon::ThreadPool,
+    hp: Option<OptimHparams>,
+    last_grad_norm: f32,
+}
+
+impl Executor {
+    /// Allocates (and touches) the plan's arena and starts `plan.cfg.threads` workers.
+    pub fn new(plan: Plan) -> Result<Executor> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(plan.cfg.threads)
+            .thread_name(|i| format!("memwall-worker-{i}"))
+            .build()?;
+        let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
+        Ok(Executor { plan, arena, pool, hp: None, last_grad_norm: 0.0 })
+    }
+
+    // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
+    // buffers never overlap the other buffers it touches (plan::build::verify_ops), and the
+    // persistent buffers (params, grads, moments) are distinct buffers in the arena.
+    fn f32(&self, id: BufId) -> &[f32] {
+        let b = self.plan.buffer(id);
+        debug_assert_eq!(b.dtype, DType::F32);
+        unsafe { self.arena.view_mut::<f32>(b.offset, b.elems) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn f32_mut(&self, id: BufId) -> &mut [f32] {
+        let b = self.plan.buffer(id);
+        debug_assert_eq!(b.dtype, DType::F32);
+        unsafe { self.arena.view_mut::<f32>(b.offset, b.elems) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn u32_mut(&self, id: BufId) -> &mut [u32] {
+        let b = self.plan.buffer(id);
+        debug_assert_eq!(b.dtype, DType::U32);
+        unsafe { self.arena.view_mut::<u32>(b.offset, b.elems) }
+    }
+
+    fn find(&self, name: &str) -> BufId {
+        BufId(self.plan.buffers.iter().position(|b| b.name == name).expect("plan buffer"))
+    }
+
+    /// The flat parameter buffer (layout: `plan.layout`).
+    pub fn params(&self) -> &[f32] {
+        self.f32(self.plan.schedule.params)
+    }
+
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        self.f32_mut(self.plan.schedule.params)
+    }
+
+    /// Gradients of the last step (training plans only).
+    pub fn grads(&self) -> &[f32] {
+        self.f32(self.plan.schedule.grads.expect("training plan"))
+    }
+
+    /// AdamW moments (m, v), for checkpoints.
+    pub fn moments(&self) -> (&[f32], &[f32]) {
+        let s = &self.plan.schedule;
+        (self.f32(s.adam_m.expect("training plan")), self.f32(s.adam_v.expect("training plan")))
+    }
+
+    pub fn moments_mut(&mut self) -> (&mut [f32], &mut [f32]) {
+        let s = &self.plan.schedule;
+        (self.f32_mut(s.adam_m.expect("training plan")), self.f32_mut(s.adam_v.expect("training plan")))
+    }
+
+    /// Copies a batch [B, T+1] into the plan's token (and target) buffers.
+    pub fn set_batch(&mut self, batch: &[u32]) -> Result<()> {
+        let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
+        if batch.len() != b * (t + 1) {
+            bail!("internal error: batch of {} tokens, expected {}", batch.len(), b * (t + 1));
+        }
+        let v = self.plan.spec.vocab_size as u32;
+        if let Some(bad) = batch.iter().find(|&&x| x >= v) {
+            bail!("token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?");
+        }
+        let tokens = self.u32_mut(self.find("tokens"));
+        for i in 0..b {
+            tokens[i * t..(i + 1) * t].copy_from_slice(&batch[i * (t + 1)..i * (t + 1) + t]);
+        }
+        if self.plan.mode == Mode::Train {
+            let targets = self.u32_mut(self.find("targets"));
+            for i in 0..b {
+                targets[i * t..(i + 1) * t].copy_from_slice(&batch[i * (t + 1) + 1..(i + 1) * (t + 1)]);
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step on the batch set by [`Executor::set_batch`].
+    pub fn train_step(&mut self, hp: &OptimHparams) -> StepStats {
+        assert_eq!(self.plan.mode, Mode::Train);
+        self.hp = Some(hp.clone());
+        let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
+        self.run(0..self.plan.schedule.ops.len(), b, t, true);
+        StepStats { loss: self.mean_loss(), grad_norm: self.last_grad_norm }
+    }
+
+    /// Mean loss on the batch set by [`Executor::set_batch`], forward only (no state changes
+    /// besides activations).
+    pub fn eval_loss(&mut self) -> f32 {
+        let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
+        let end = self.plan.schedule.ops.iter().position(|o| matches!(o.op, Op::LmHeadLoss { .. })).expect("loss op") + 1;
+        let start = usize::from(matches!(self.plan.schedule.ops[0].op, Op::Zero { .. }));
+        self.run(start..end, b, t, false);
+        self.mean_loss()
+    }
+
+    fn mean_loss(&self) -> f32 {
+        let losses = self.f32(self.find("losses"));
+        (losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64) as f32
+    }
+
+    /// Next-token logits [V] after `context` (generation plans; `context.len()` ≤ plan seq).
+    pub fn next_token_logits(&mut self, context: &[u32]) -> Result<&[f32]> {
+        assert_eq!(self.plan.mode, Mode::Generate);
+        let t = context.len();
+        if t == 0 || t > self.plan.cfg.seq {
+            bail!("internal error: context of {t} tokens for a plan of {}", self.plan.cfg.seq);
+        }
+        let v = self.plan.spec.vocab_size as u32;
+        if let Some(bad) = context.iter().find(|&&x| x >= v) {
+            bail!("token id {bad} is outside the model's vocabulary ({v})");
+        }
+        self.u32_mut(self.find("tokens"))[..t].copy_from_slice(context);
+        self.run(0..self.plan.schedule.ops.len(), 1, t, false);
+        Ok(self.f32(self.find("logits")))
+    }
+
+    fn run(&mut self, ops: std::ops::Range<usize>, b: usize, t: usize, training: bool) {
+        let this = &*self;
+        let mut grad_norm = None;
+        this.pool.install(|| {
+            for i in ops {
+                if let Some(gn) = this.run_op(i, b, t, training) {
+                    grad_norm = Some(gn);
+                }
+            }
+        });
+        if let Some(gn) = grad_norm {
+            self.last_grad_norm = gn;
+        }
+    }
+
+    /// Runs op `i` on the first `b`×`t` rows; returns the gradient norm for the optimizer op.
+    fn run_op(&self, i: usize, b: usize, t: usize, training: bool) -> Option<f32> {
+        let spec = &self.plan.spec;
+        let (c, nh, v) = (spec.n_embd, spec.n_head, spec.vocab_size);
+        let n = b * t;
+        let s = &self.plan.schedule;
+        let params = self.f32(s.params);
+        let grads = || self.f32_mut(s.grads.expect("training plan"));
+        match &self.plan.schedule.ops[i].op {
+            Op::Zero { buf } => {
+                use rayon::prelude::*;
+                self.f32_mut(*buf).par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+            }
+            Op::Encoder { tokens, out } => {
+                let toks = &self.u32_mut(*tokens)[..n];
+                let l = &self.plan.layout;
+                encoder::encoder_forward(&mut self.f32_mut(*out)[..n * c], toks, &params[l.wte.clone()], &params[l.wpe.clone()], b, t, c);
+            }
+            Op::LayerNorm { inp, out, mean, rstd, w, b: bias } => {
+                layernorm::layernorm_forward(
+                    &mut self.f32_mut(*out)[..n * c],
+                    &mut self.f32_mut(*mean)[..n],
+                    &mut self.f32_mut(*rstd)[..n],
+                    &self.f32(*inp)[..n * c],
+                    &params[w.clone()],
+                    &params[bias.clone()],
+                    n,
+                    c,
+                    spec.layer_norm_epsilon,
+                );
+            }
+            Op::Matmul { inp, out, residual, w, b: bias, ic, oc } => {
+                let out = &mut self.f32_mut(*out)[..n * oc];
+                if let Some(r) = residual {
+                    out.copy_from_slice(&self.f32(*r)[..n * oc]);
+                }
+                let (w, bias) = (&params[w.clone()], &params[bias.clone()]);
+                matmul::matmul_forward(out, &self.f32(*inp)[..n * ic], w, Some(bias), n, *ic, *oc, residual.is_some());
+            }
+            Op::Attention { qkv, out, lse, ws } => {
+                attention::attention_forward(
+                    &mut self.f32_mut(*out)[..n * c],
+                    &mut self.f32_mut(*lse)[..b * nh * t],
+                    &self.f32(*qkv)[..n * 3 * c],
+                    b,
+                    t,
+                    c,
+                    nh,
+                    self.f32_mut(*ws),
+                );
+            }
+            Op::Gelu { inp, out } => {
+                gelu::gelu_forward(&mut self.f32_mut(*out)[..n * 4 * c], &self.f32(*inp)[..n * 4 * c]);
+            }
+            Op::LmHeadLoss { inp, targets, losses, logits, dinp, rows_per_chunk, loss_rows } => {
+                let wte = &params[self.plan.layout.wte.clone()];
+                let x = &self.f32(*inp)[..n * c];
+                let tg = &self.u32_mut(*targets)[..n];
+                let losses = &mut self.f32_mut(*losses)[..n];
+                let logits = self.f32_mut(*logits);
+                let scale = 1.0 / *loss_rows as f32;
+                let mut start = 0;
+                while start < n {
+                    let r = (*rows_per_chunk).min(n - start);
+                    let lg = &mut logits[..r * v];
+                    let xr = &x[start * c..(start + r) * c];
+                    // lg[r, V] = xr[r, C] @ wteᵀ
+                    matmul::sgemm(r, v, c, 1.0, xr, c, false, wte, c, true, lg, v, false);
+                    let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
+                    match (training, dinp) {
+                        (true, Some(d)) => {
+                            xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v);
+                            let dx = &mut self.f32_mut(*d)[start * c..(start + r) * c];
+                            // dx[r, C] = dlogits[r, V] @ wte[V, C]
+                            matmul::sgemm(r, c, v, 1.0, lg, v, false, wte, c, false, dx, c, false);
+                            // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C]
+                            let dwte = &mut grads()[self.plan.layout.wte.clone()];
+                            matmul::sgemm(v, c, r, 1.0, lg, v, true, xr, c, false, dwte, c, true);
+                        }
+                        _ => xent::softmax_xent_forward(lg, tr, lr, r, v),
+                    }
+                    start += r;
+                }
+            }
+            Op::LmHeadLast { inp, logits } => {
+                let wte = &params[self.plan.layout.wte.clone()];
+                let x = &self.f32(*inp)[(n - 1) * c..n * c];
+                matmul::sgemm(1, v, c, 1.0, x, c, false, wte, c, true, self.f32_mut(*logits), v, false);
+            }
+            Op::LayerNormBackward { dinp, dout, inp, mean, rstd, w, b: bias } => {
+                let g = grads();
+                let (dw, db) = two_ranges(g, w.clone(), bias.clone());
+                layernorm::layernorm_backward(
+                    &mut self.f32_mut(*dinp)[..n * c],
+                    dw,
+                    db,
+                    &self.f32(*dout)[..n * c],
+                    &self.f32(*inp)[..n * c],
+                    &params[w.clone()],
+                    &self.f32(*mean)[..n],
+                    &self.f32(*rstd)[..n],
+                    n,
+                    c,
+                );
+            }
+            Op::MatmulBackward { dinp, dout, inp, w, b: bias, ic, oc } => {
+                let g = grads();
+                let (dw, db) = two_ranges(g, w.clone(), bias.clone());
+                matmul::matmul_backward(
+                    &mut self.f32_mut(*dinp)[..n * ic],
+                    dw,
+                    Some(db),
+                    &self.f32(*dout)[..n * oc],
+                    &self.f32(*inp)[..n * ic],
+                    &params[w.clone()],
+                    n,
+                    *ic,
+                    *oc,
+                );
+            }
+            Op::AttentionBackward { dqkv, dout, qkv, out, lse, ws } => {
+                attention::attention_backward(
+                    &mut self.f32_mut(*dqkv)[..n * 3 * c],
+                    &self.f32(*dout)[..n * c],
+                    &self.f32(*qkv)[..n * 3 * c],
+                    &self.f32(*out)[..n * c],
+                    &self.f32(*lse)[..b * nh * t],
+                    b,
+                    t,
+                    c,
+                    nh,
+                    self.f32_mut(*ws),
+                );
+            }
+            Op::GeluBackward { d, inp } => {
+                gelu::gelu_backward_inplace(&mut self.f32_mut(*d)[..n * 4 * c], &self.f32(*inp)[..n * 4 * c]);
+            }
+            Op::EncoderBackward { dout, tokens } => {
+                let l = &self.plan.layout;
+                let g = grads();
+                let (dwte, dwpe) = two_ranges(g, l.wte.clone(), l.wpe.clone());
+                encoder::encoder_backward(dwte, dwpe, &self.f32(*dout)[..n * c], &self.u32_mut(*tokens)[..n], b, t, c);
+            }
+            Op::OptimizerStep => return Some(self.optimizer_step()),
+        }
+        None
+    }
+
+    /// Global-norm clipping then AdamW over every parameter tensor; returns the norm.
+    fn optimizer_step(&self) -> f32 {
+        let hp = self.hp.as_ref().expect("train_step sets hyperparameters");
+        let s = &self.plan.schedule;
+        let grads = self.f32(s.grads.expect("training plan"));
+        let norm = reduce::sum_squares(grads).sqrt() as f32;
+        let scale = if hp.grad_clip > 0.0 && norm > hp.grad_clip { hp.grad_clip / (norm + 1e-6) } else { 1.0 };
+        let params = self.f32_mut(s.params);
+        let m = self.f32_mut(s.adam_m.expect("training plan"));
+        let v = self.f32_mut(s.adam_v.expect("training plan"));
+        for tensor in &self.plan.layout.tensors {
+            let r = tensor.range.clone();
+            let p = adamw::AdamWParams {
+                lr: hp.lr,
+                beta1: hp.beta1,
+                beta2: hp.beta2,
+                eps: hp.eps,
+                weight_decay: if tensor.decay { hp.weight_decay } else { 0.0 },
+                step: hp.step,
+                grad_scale: scale,
+            };
+            adamw::adamw_update(&mut params[r.clone()], &grads[r.clone()], &mut m[r.clone()], &mut v[r], &p);
+        }
+        norm
+    }
+}
+
+/// Two disjoint mutable sub-slices of one buffer.
+fn two_ranges(
+    buf: &mut [f32],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> (&mut [f32], &mut [f32]) {
+    assert!(a.end <= b.start || b.end <= a.start, "overlapping parameter ranges");
+    if a.start < b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&mut lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        let bl = b.end - b.start;
+        (&mut hi[..a.end - a.start], &mut lo[b.start..b.start + bl])
+    }
+}

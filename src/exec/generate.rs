@@ -1,0 +1,117 @@
+//! Text generation from a checkpoint: greedy (`temperature 0`, the argmax a reference
+//! implementation picks) or sampled with temperature and top-k.
+
+use super::executor::Executor;
+use crate::backend::cpu::xent::softmax_row;
+use crate::ckpt;
+use crate::data::tokenizer::Tokenizer;
+use crate::plan::{Mode, StepConfig, build_plan};
+use crate::util::rng::Rng;
+use anyhow::{Result, bail};
+use std::path::PathBuf;
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct SampleOptions {
+    /// Checkpoint directory (config.json + model.safetensors).
+    pub checkpoint: PathBuf,
+    pub prompt: String,
+    /// Number of new tokens.
+    pub tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = all).
+    pub top_k: usize,
+    pub seed: u64,
+    pub threads: usize,
+}
+
+/// Generates `opts.tokens` tokens after the prompt; returns the new token ids. `on_token`
+/// is called with each new token as it is produced (for streaming output).
+pub fn generate_tokens(opts: &SampleOptions, prompt: &[u32], on_token: &mut dyn FnMut(u32)) -> Result<Vec<u32>> {
+    if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
+        bail!("--temperature must be >= 0 (0 is greedy), got {}", opts.temperature);
+    }
+    if prompt.is_empty() {
+        bail!("--prompt is empty; give at least one character of text");
+    }
+    let spec = ckpt::load_spec(&opts.checkpoint)?;
+    let ctx = spec.n_positions.min(prompt.len() + opts.tokens).max(1);
+    let plan = build_plan(&spec, &StepConfig::new(1, ctx, opts.threads), Mode::Generate)?;
+    let layout = plan.layout.clone();
+    let mut ex = Executor::new(plan)?;
+    ckpt::load_params(&opts.checkpoint, &layout, ex.params_mut())?;
+    let mut rng = Rng::new(opts.seed);
+    let mut all: Vec<u32> = prompt.to_vec();
+    let mut probs = vec![0f32; spec.vocab_size];
+    let mut order: Vec<u32> = Vec::with_capacity(spec.vocab_size);
+    let mut out = Vec::with_capacity(opts.tokens);
+    for _ in 0..opts.tokens {
+        let start = all.len().saturating_sub(ctx);
+        let logits = ex.next_token_logits(&all[start..])?;
+        let next = if opts.temperature == 0.0 {
+            argmax(logits)
+        } else {
+            pick(logits, opts.temperature, opts.top_k, &mut probs, &mut order, &mut rng)
+        };
+        all.push(next);
+        out.push(next);
+        on_token(next);
+    }
+    Ok(out)
+}
+
+/// Generates text: the decoded continuation of `opts.prompt`.
+pub fn sample_text(opts: &SampleOptions, on_text: &mut dyn FnMut(&str)) -> Result<String> {
+    let tok = Tokenizer::gpt2()?;
+    let prompt = tok.encode(&opts.prompt);
+    // Stream whole decoded text incrementally (tokens may split UTF-8 characters).
+    let mut ids = Vec::new();
+    let mut printed = String::new();
+    let out = generate_tokens(opts, &prompt, &mut |t| {
+        ids.push(t);
+        let text = tok.decode(&ids);
+        if let Some(new) = text.strip_prefix(printed.as_str())
+            && !new.ends_with('\u{FFFD}')
+        {
+            on_text(new);
+            printed = text;
+        }
+    })?;
+    let text = tok.decode(&out);
+    if let Some(rest) = text.strip_prefix(printed.as_str()) {
+        on_text(rest);
+    }
+    Ok(text)
+}
+
+/// Index of the largest logit (the first on ties, as `torch.argmax`).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn pick(logits: &[f32], temperature: f32, top_k: usize, probs: &mut [f32], order: &mut Vec<u32>, rng: &mut Rng) -> u32 {
+    softmax_row(probs, logits, temperature);
+    order.clear();
+    order.extend(0..logits.len() as u32);
+    if top_k > 0 && top_k < logits.len() {
+        order.select_nth_unstable_by(top_k - 1, |&a, &b| probs[b as usize].total_cmp(&probs[a as usize]));
+        order.truncate(top_k);
+        order.sort_unstable();
+    }
+    let total: f64 = order.iter().map(|&i| probs[i as usize] as f64).sum();
+    let mut u = rng.next_f32() as f64 * total;
+    for &i in order.iter() {
+        u -= probs[i as usize] as f64;
+        if u <= 0.0 {
+            return i;
+        }
+    }
+    *order.last().expect("non-empty vocabulary")
+}

@@ -1,0 +1,468 @@
+//! The training loop: validate everything up front, plan, allocate once, then for each step
+//! draw a batch, run the schedule, log metrics, evaluate and checkpoint.
+//!
+//! A run directory holds `plan.json`, `metrics.jsonl` (one JSON object per step) and
+//! `checkpoints/step-NNNNNN/`. `--resume RUN_DIR` continues from the newest checkpoint with
+//! the run's own configuration and is bitwise identical to an uninterrupted run.
+
+use super::executor::{Executor, OptimHparams};
+use super::lr::cosine_with_warmup;
+use crate::ckpt::{self, TrainerState};
+use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
+use crate::model::ModelSpec;
+use crate::plan::{self, Mode, StepConfig, build_plan};
+use crate::util::bytes::fmt_bytes;
+use crate::util::rss;
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Salt separating the validation batch stream from the training stream.
+const VAL_STREAM: u64 = 0x5641_4C5F_5354_524D;
+
+/// Everything that defines a training run (saved in checkpoints; `--resume` reuses it).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainOptions {
+    /// Preset name, checkpoint directory or config.json.
+    pub model: String,
+    pub data: PathBuf,
+    pub out: PathBuf,
+    /// Total optimizer steps of the run.
+    pub steps: u64,
+    pub batch: usize,
+    pub seq: usize,
+    pub lr: f32,
+    /// Final learning rate as a fraction of `lr` (cosine decay).
+    pub min_lr_frac: f32,
+    pub warmup: u64,
+    pub weight_decay: f32,
+    pub grad_clip: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub seed: u64,
+    pub threads: usize,
+    /// Evaluate validation loss every N steps (0: only at the end).
+    pub eval_every: u64,
+    /// Number of validation batches per evaluation.
+    pub eval_batches: u64,
+    /// Save a checkpoint every N steps (0: only at the end).
+    pub save_every: u64,
+    /// Start from this Hugging Face GPT-2 checkpoint directory (fine-tuning).
+    pub init: Option<PathBuf>,
+    /// Refuse plans whose predicted peak exceeds this many bytes.
+    pub max_memory: Option<u64>,
+}
+
+impl TrainOptions {
+    /// Defaults matching `memwall train --help`.
+    pub fn new(model: &str, data: &Path, out: &Path) -> TrainOptions {
+        TrainOptions {
+            model: model.to_string(),
+            data: data.to_path_buf(),
+            out: out.to_path_buf(),
+            steps: 500,
+            batch: 8,
+            seq: 128,
+            lr: 6e-4,
+            min_lr_frac: 0.1,
+            warmup: 50,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            beta1: 0.9,
+            beta2: 0.95,
+            seed: 1,
+            threads: default_threads(),
+            eval_every: 100,
+            eval_batches: 8,
+            save_every: 100,
+            init: None,
+            max_memory: None,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            bail!("--lr must be a positive number, got {}", self.lr);
+        }
+        if !(0.0..1.0).contains(&self.min_lr_frac) {
+            bail!("--min-lr-frac must be in [0, 1), got {}", self.min_lr_frac);
+        }
+        if self.weight_decay < 0.0 || !self.weight_decay.is_finite() {
+            bail!("--weight-decay must be >= 0, got {}", self.weight_decay);
+        }
+        if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
+            bail!("--grad-clip must be >= 0 (0 disables clipping), got {}", self.grad_clip);
+        }
+        if self.eval_batches == 0 {
+            bail!("--eval-batches must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// Worker threads by default: the machine's cores.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainSummary {
+    pub out: PathBuf,
+    pub first_step: u64,
+    pub last_step: u64,
+    pub final_loss: f32,
+    pub final_val_loss: Option<f32>,
+    pub tokens_per_s: f64,
+    pub plan_total_bytes: u64,
+    pub baseline_bytes: u64,
+    pub peak_rss_bytes: Option<u64>,
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Serialize, Deserialize)]
+struct Metric {
+    step: u64,
+    loss: f32,
+    lr: f32,
+    grad_norm: f32,
+    tokens_per_s: f64,
+    step_s: f64,
+    rss_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    val_loss: Option<f32>,
+}
+
+/// How a run reports progress.
+pub trait Progress {
+    fn start(&mut self, first_step: u64, total: u64);
+    fn step(&mut self, step: u64, loss: f32, tokens_per_s: f64, rss: Option<u64>);
+    fn message(&mut self, msg: &str);
+    fn finish(&mut self);
+}
+
+/// Terminal progress: a bar on a terminal, periodic lines otherwise (logs, CI).
+pub struct ConsoleProgress {
+    bar: Option<indicatif::ProgressBar>,
+    total: u64,
+    log_every: u64,
+}
+
+impl ConsoleProgress {
+    pub fn new(log_every: u64) -> ConsoleProgress {
+        ConsoleProgress { bar: None, total: 0, log_every: log_every.max(1) }
+    }
+}
+
+impl Progress for ConsoleProgress {
+    fn start(&mut self, first_step: u64, total: u64) {
+        self.total = total;
+        let bar = indicatif::ProgressBar::new(total);
+        if bar.is_hidden() {
+            return;
+        }
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} eta {eta}")
+                .expect("valid template"),
+        );
+        bar.set_position(first_step);
+        self.bar = Some(bar);
+    }
+
+    fn step(&mut self, step: u64, loss: f32, tps: f64, rss: Option<u64>) {
+        let mem = rss.map(fmt_bytes).unwrap_or_else(|| "?".into());
+        let msg = format!("loss {loss:.4} | {tps:.0} tok/s | rss {mem}");
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(step);
+                bar.set_message(msg);
+            }
+            None => {
+                if step % self.log_every == 0 || step == self.total || step == 1 {
+                    eprintln!("step {step:>6}/{} | {msg}", self.total);
+                }
+            }
+        }
+    }
+
+    fn message(&mut self, msg: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(msg),
+            None => eprintln!("{msg}"),
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish();
+        }
+    }
+}
+
+/// Silent progress (tests, benchmarks).
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn start(&mut self, _: u64, _: u64) {}
+    fn step(&mut self, _: u64, _: f32, _: f64, _: Option<u64>) {}
+    fn message(&mut self, _: &str) {}
+    fn finish(&mut self) {}
+}
+
+/// Reads the options of the run in `run_dir` from its newest checkpoint, with `--steps`
+/// optionally extended. Errors when the run has no checkpoint.
+pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
+    let Some(latest) = ckpt::latest_checkpoint(run_dir)? else {
+        bail!(
+            "--resume {}: no checkpoint found under {}; nothing to resume",
+            run_dir.display(),
+            run_dir.join("checkpoints").display()
+        );
+    };
+    let text = std::fs::read_to_string(latest.join("trainer_state.json"))
+        .with_context(|| format!("cannot read {}", latest.join("trainer_state.json").display()))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .with_context(|| format!("{}: corrupt trainer state", latest.join("trainer_state.json").display()))?;
+    let mut opts: TrainOptions = serde_json::from_value(state.train.clone())
+        .with_context(|| format!("{}: field 'train' is not a memwall training configuration", latest.display()))?;
+    opts.out = run_dir.to_path_buf();
+    Ok((opts, latest))
+}
+
+/// Runs (or resumes, when `resume` is the checkpoint to continue from) a training run.
+pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Progress) -> Result<TrainSummary> {
+    opts.check()?;
+    // ---- everything that can be checked before work starts ----
+    let init_spec = match &opts.init {
+        Some(dir) => Some(ckpt::load_spec(dir).with_context(|| format!("--init {}", dir.display()))?),
+        None => None,
+    };
+    let spec = match (&init_spec, resume) {
+        (_, Some(ck)) => {
+            let saved = ckpt::load_spec(ck)?;
+            let asked = ModelSpec::resolve(&opts.model)?;
+            if !asked.same_dims(&saved) {
+                bail!(
+                    "--resume: the run in {} has model {} but the configuration asks for {}; model dimensions cannot change on resume",
+                    opts.out.display(),
+                    saved.describe(),
+                    asked.describe()
+                );
+            }
+            saved
+        }
+        (Some(s), None) => {
+            let asked = ModelSpec::resolve(&opts.model)?;
+            if !asked.same_dims(s) {
+                bail!("--init checkpoint has model {} but --model is {}", s.describe(), asked.describe());
+            }
+            s.clone()
+        }
+        (None, None) => ModelSpec::resolve(&opts.model)?,
+    };
+    spec.check_seq(opts.seq)?;
+    let data = DataSet::open(&opts.data)?;
+    if data.meta.vocab_size > spec.vocab_size {
+        bail!(
+            "--data {}: prepared for a vocabulary of {} tokens but the model has vocab_size {}",
+            opts.data.display(),
+            data.meta.vocab_size,
+            spec.vocab_size
+        );
+    }
+    check_fits(&data.train, "train", opts.seq)?;
+    check_fits(&data.val, "val", opts.seq)?;
+    prepare_run_dir(&opts.out, resume.is_some())?;
+
+    // ---- plan, then allocate once ----
+    let baseline = rss::current_rss().unwrap_or(0);
+    let cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
+    let plan = build_plan(&spec, &cfg, Mode::Train)?;
+    if let Some(budget) = opts.max_memory {
+        plan::fit::check_budget(&plan, budget, baseline)?;
+    }
+    ckpt::write_file_atomic(
+        &opts.out.join("plan.json"),
+        serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?.as_bytes(),
+    )?;
+    progress.message(&format!(
+        "plan: {} | batch {} x seq {} | arena {} + staging {} | predicted peak RSS {}",
+        spec.describe(),
+        opts.batch,
+        opts.seq,
+        fmt_bytes(plan.arena_bytes),
+        fmt_bytes(plan.staging_bytes),
+        fmt_bytes(plan.total_bytes() + baseline)
+    ));
+    let plan_total = plan.total_bytes();
+    let mut ex = Executor::new(plan)?;
+
+    // ---- initial state ----
+    let (mut step, data_position) = match resume {
+        Some(ck) => {
+            let layout = ex.plan.layout.clone();
+            ckpt::load_params(ck, &layout, ex.params_mut())?;
+            let (m, v) = ex.moments_mut();
+            let st = ckpt::load_trainer_state(ck, &layout, m, v)?;
+            truncate_metrics(&opts.out.join("metrics.jsonl"), st.step)?;
+            progress.message(&format!("resuming from {} (step {})", ck.display(), st.step));
+            (st.step, st.data_position)
+        }
+        None => {
+            let layout = ex.plan.layout.clone();
+            match &opts.init {
+                Some(dir) => ckpt::load_params(dir, &layout, ex.params_mut())?,
+                None => layout.init(ex.params_mut(), spec.n_layer, opts.seed),
+            }
+            let _ = std::fs::remove_file(opts.out.join("metrics.jsonl"));
+            (0, 0)
+        }
+    };
+    if step >= opts.steps {
+        bail!("the run in {} is already at step {step}; pass a larger --steps to continue", opts.out.display());
+    }
+
+    let mut loader = BatchLoader::new(data.train.clone(), opts.batch, opts.seq, opts.seed, data_position);
+    let mut batch = vec![0u32; opts.batch * (opts.seq + 1)]; // [B, T+1], counted in plan staging
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(opts.out.join("metrics.jsonl"))
+        .with_context(|| format!("cannot write {}", opts.out.join("metrics.jsonl").display()))?;
+
+    let first_step = step;
+    progress.start(step, opts.steps);
+    let tokens_per_step = (opts.batch * opts.seq) as f64;
+    let (mut final_loss, mut final_val, mut last_ckpt) = (f32::NAN, None, None);
+    let (mut timed_tokens, mut timed_secs) = (0.0f64, 0.0f64);
+    while step < opts.steps {
+        let t0 = Instant::now();
+        loader.next_into(&mut batch);
+        ex.set_batch(&batch)?;
+        let lr = cosine_with_warmup(step, opts.steps, opts.warmup, opts.lr, opts.min_lr_frac);
+        let hp = OptimHparams {
+            lr,
+            beta1: opts.beta1,
+            beta2: opts.beta2,
+            eps: 1e-8,
+            weight_decay: opts.weight_decay,
+            grad_clip: opts.grad_clip,
+            step: step + 1,
+        };
+        let stats = ex.train_step(&hp);
+        let secs = t0.elapsed().as_secs_f64();
+        step += 1;
+        if !stats.loss.is_finite() {
+            bail!(
+                "loss became {} at step {step}; try a lower --lr (now {}) or --grad-clip; the last checkpoint is {}",
+                stats.loss,
+                opts.lr,
+                last_ckpt.as_ref().map(|p: &PathBuf| p.display().to_string()).unwrap_or_else(|| "none".into())
+            );
+        }
+        if step > first_step + 1 {
+            timed_tokens += tokens_per_step;
+            timed_secs += secs;
+        }
+        final_loss = stats.loss;
+        let val_loss = if (opts.eval_every > 0 && step % opts.eval_every == 0) || step == opts.steps {
+            let v = evaluate(&mut ex, &data, opts, &mut batch)?;
+            progress.message(&format!("step {step}: train loss {:.4}, val loss {v:.4}", stats.loss));
+            final_val = Some(v);
+            Some(v)
+        } else {
+            None
+        };
+        let rss_now = rss::current_rss();
+        let m = Metric {
+            step,
+            loss: stats.loss,
+            lr,
+            grad_norm: stats.grad_norm,
+            tokens_per_s: tokens_per_step / secs,
+            step_s: secs,
+            rss_bytes: rss_now,
+            val_loss,
+        };
+        writeln!(metrics, "{}", serde_json::to_string(&m)?)
+            .with_context(|| format!("cannot append to {}", opts.out.join("metrics.jsonl").display()))?;
+        progress.step(step, stats.loss, tokens_per_step / secs, rss_now);
+        if (opts.save_every > 0 && step % opts.save_every == 0) || step == opts.steps {
+            let state = TrainerState {
+                step,
+                data_position: loader.position(),
+                seed: opts.seed,
+                rng_state: opts.seed,
+                model: spec.to_hf_config(),
+                train: serde_json::to_value(opts)?,
+                memwall_version: env!("CARGO_PKG_VERSION").to_string(),
+            };
+            let (m_, v_) = ex.moments();
+            let dir = ckpt::save_checkpoint(&opts.out, &spec, &ex.plan.layout, ex.params(), m_, v_, &state)
+                .with_context(|| format!("saving the checkpoint of step {step} (earlier checkpoints are intact)"))?;
+            last_ckpt = Some(dir);
+        }
+    }
+    progress.finish();
+    metrics.flush()?;
+    Ok(TrainSummary {
+        out: opts.out.clone(),
+        first_step,
+        last_step: step,
+        final_loss,
+        final_val_loss: final_val,
+        tokens_per_s: if timed_secs > 0.0 { timed_tokens / timed_secs } else { 0.0 },
+        plan_total_bytes: plan_total,
+        baseline_bytes: baseline,
+        peak_rss_bytes: rss::peak_rss(),
+        last_checkpoint: last_ckpt,
+    })
+}
+
+/// Mean validation loss over `eval_batches` fixed batches of the validation split.
+fn evaluate(ex: &mut Executor, data: &DataSet, opts: &TrainOptions, batch: &mut [u32]) -> Result<f32> {
+    let mut sum = 0.0f64;
+    for k in 0..opts.eval_batches {
+        fill_batch(&data.val, opts.batch, opts.seq, opts.seed ^ VAL_STREAM, k, batch);
+        ex.set_batch(batch)?;
+        sum += ex.eval_loss() as f64;
+    }
+    Ok((sum / opts.eval_batches as f64) as f32)
+}
+
+/// Creates the run directory and checks it is writable; refuses to overwrite an earlier run.
+fn prepare_run_dir(out: &Path, resuming: bool) -> Result<()> {
+    if out.is_file() {
+        bail!("--out {}: is a file; give a directory for the run", out.display());
+    }
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("--out {}: cannot create the run directory", out.display()))?;
+    if !resuming && ckpt::latest_checkpoint(out)?.is_some() {
+        bail!(
+            "--out {}: already holds a run with checkpoints; continue it with --resume {} or choose a new --out",
+            out.display(),
+            out.display()
+        );
+    }
+    let probe = out.join(".memwall-write-test");
+    std::fs::write(&probe, b"ok").with_context(|| format!("--out {}: directory is not writable", out.display()))?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
+/// Keeps only the metrics of steps up to `step` (the checkpoint being resumed).
+fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: String = text
+        .lines()
+        .filter(|l| serde_json::from_str::<Metric>(l).map(|m| m.step <= step).unwrap_or(false))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    ckpt::write_file_atomic(path, kept.as_bytes())
+}

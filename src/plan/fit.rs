@@ -1,0 +1,105 @@
+//! Budget checks: does a plan fit `--max-memory`, and if not, what would.
+
+use super::{Mode, Plan, StepConfig, build_plan};
+use crate::model::ModelSpec;
+use crate::util::bytes::fmt_bytes;
+use anyhow::{Result, bail};
+
+/// Predicted peak resident memory of a process running `plan`: the plan's bytes plus the
+/// measured process baseline (code, tokenizer tables, thread stacks, allocator).
+pub fn predicted_peak(plan: &Plan, baseline: u64) -> u64 {
+    plan.total_bytes() + baseline
+}
+
+/// The largest micro-batch (at the same sequence length) whose plan fits `budget`, with its
+/// predicted peak; `None` when even batch 1 does not fit.
+pub fn largest_batch(spec: &ModelSpec, cfg: &StepConfig, mode: Mode, budget: u64, baseline: u64) -> Result<Option<(usize, u64)>> {
+    let peak = |b: usize| -> Result<u64> {
+        let c = StepConfig { batch: b, ..cfg.clone() };
+        Ok(predicted_peak(&build_plan(spec, &c, mode)?, baseline))
+    };
+    let p1 = peak(1)?;
+    if p1 > budget {
+        return Ok(None);
+    }
+    // Peak grows with batch: binary search the largest b with peak(b) <= budget.
+    let (mut lo, mut lo_peak, mut hi) = (1usize, p1, 2usize);
+    loop {
+        let p = peak(hi)?;
+        if p > budget {
+            break;
+        }
+        (lo, lo_peak) = (hi, p);
+        if hi >= 1 << 16 {
+            return Ok(Some((lo, lo_peak)));
+        }
+        hi *= 2;
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        let p = peak(mid)?;
+        if p <= budget {
+            (lo, lo_peak) = (mid, p);
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(Some((lo, lo_peak)))
+}
+
+/// Refuses a plan that does not fit `budget` (the `--max-memory` flag), saying by how much
+/// and what would fit.
+pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
+    let need = predicted_peak(plan, baseline);
+    if need <= budget {
+        return Ok(());
+    }
+    let cfg = &plan.cfg;
+    let advice = match largest_batch(&plan.spec, cfg, plan.mode, budget, baseline)? {
+        Some((b, p)) => format!("the largest batch that fits at --seq {} is --batch {b} (predicted {})", cfg.seq, fmt_bytes(p)),
+        None => {
+            let state: u64 = plan
+                .buffers
+                .iter()
+                .filter(|b| b.persistent && b.category != super::Category::IoStaging)
+                .map(|b| b.bytes)
+                .sum();
+            format!(
+                "even --batch 1 does not fit: parameters, gradients and optimizer state alone take {} \
+                 (a smaller model, or memory strategies such as mixed precision and offload, are needed)",
+                fmt_bytes(state)
+            )
+        }
+    };
+    bail!(
+        "the plan needs {} (arena {} + loader staging {} + process baseline {}) but --max-memory is {}: \
+         over by {}; {advice}",
+        fmt_bytes(need),
+        fmt_bytes(plan.arena_bytes),
+        fmt_bytes(plan.staging_bytes),
+        fmt_bytes(baseline),
+        fmt_bytes(budget),
+        fmt_bytes(need - budget)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn over_budget_names_flag_and_largest_batch() {
+        let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+        let plan = build_plan(&spec, &StepConfig::new(32, 256, 2), Mode::Train).unwrap();
+        let budget = plan.total_bytes() / 2;
+        let msg = format!("{:#}", check_budget(&plan, budget, 0).unwrap_err());
+        assert!(msg.contains("--max-memory") && msg.contains("--batch"), "{msg}");
+        let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0).unwrap().unwrap();
+        assert!(b < 32 && p <= budget);
+        let next = build_plan(&spec, &StepConfig::new(b + 1, 256, 2), Mode::Train).unwrap();
+        assert!(next.total_bytes() > budget);
+        assert!(check_budget(&plan, plan.total_bytes(), 0).is_ok());
+        let tiny = format!("{:#}", check_budget(&plan, 1 << 20, 0).unwrap_err());
+        assert!(tiny.contains("even --batch 1"), "{tiny}");
+    }
+}

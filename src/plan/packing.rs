@@ -1,0 +1,146 @@
+//! Offset assignment: pack buffers into one arena so that buffers live at the same time never
+//! share bytes, and buffers whose lifetimes are disjoint reuse the same bytes.
+//!
+//! Greedy by size (as TensorFlow Lite's arena planner): place buffers largest first, each at
+//! the lowest aligned offset that does not collide with an already-placed buffer whose live
+//! interval intersects its own. For the stack-like lifetimes of a training step (forward
+//! allocates in order, backward frees in reverse) this lands within a few percent of the lower
+//! bound, the peak of simultaneously live bytes, which the plan reports alongside.
+
+use super::Buffer;
+
+/// Every offset is a multiple of this (one cache line; enough for AVX-512 loads).
+pub const ALIGN: u64 = 64;
+
+fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// Assigns `offset` to every buffer; returns the arena size in bytes.
+pub fn pack(buffers: &mut [Buffer]) -> u64 {
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    // Largest first; ties by earlier start, then index, so the result is deterministic.
+    order.sort_by(|&a, &b| {
+        buffers[b]
+            .bytes
+            .cmp(&buffers[a].bytes)
+            .then(buffers[a].first_op.cmp(&buffers[b].first_op))
+            .then(a.cmp(&b))
+    });
+    let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
+    let mut arena = 0u64;
+    let mut conflicts: Vec<(u64, u64)> = Vec::new();
+    for &i in &order {
+        conflicts.clear();
+        for &j in &placed {
+            if buffers[i].lives_with(&buffers[j]) {
+                conflicts.push((buffers[j].offset, buffers[j].offset + align_up(buffers[j].bytes)));
+            }
+        }
+        conflicts.sort_unstable();
+        let need = align_up(buffers[i].bytes);
+        let mut at = 0u64;
+        for &(start, end) in &conflicts {
+            if at + need <= start {
+                break;
+            }
+            at = at.max(end);
+        }
+        buffers[i].offset = at;
+        arena = arena.max(at + need);
+        placed.push(i);
+    }
+    arena
+}
+
+/// Largest sum of bytes of buffers live at one op, and that op (a lower bound for any packing).
+pub fn peak_live(buffers: &[Buffer], n_ops: usize) -> (u64, usize) {
+    // Sweep: add at first_op, subtract after last_op.
+    let mut delta = vec![0i128; n_ops + 1];
+    for b in buffers {
+        delta[b.first_op] += b.bytes as i128;
+        delta[b.last_op + 1] -= b.bytes as i128;
+    }
+    let (mut cur, mut best, mut best_op) = (0i128, 0i128, 0usize);
+    for (op, d) in delta.iter().take(n_ops).enumerate() {
+        cur += d;
+        if cur > best {
+            best = cur;
+            best_op = op;
+        }
+    }
+    (best as u64, best_op)
+}
+
+/// Checks the packing: no two buffers that are live together share a byte. Returns the first
+/// offending pair's names.
+pub fn verify(buffers: &[Buffer]) -> Result<(), String> {
+    for (i, a) in buffers.iter().enumerate() {
+        if a.offset % ALIGN != 0 {
+            return Err(format!("buffer {} is misaligned", a.name));
+        }
+        for b in &buffers[i + 1..] {
+            if a.bytes > 0 && b.bytes > 0 && a.lives_with(b) && a.overlaps_in_memory(b) {
+                return Err(format!("buffers {} and {} are live together but overlap", a.name, b.name));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Category, DType};
+    use crate::util::rng::Rng;
+
+    fn buf(bytes: u64, first: usize, last: usize) -> Buffer {
+        Buffer {
+            name: format!("b{first}-{last}-{bytes}"),
+            category: Category::Activation,
+            dtype: DType::F32,
+            elems: bytes as usize / 4,
+            bytes,
+            persistent: false,
+            first_op: first,
+            last_op: last,
+            offset: 0,
+        }
+    }
+
+    #[test]
+    fn disjoint_lifetimes_share_bytes() {
+        let mut bs = vec![buf(1000, 0, 1), buf(1000, 2, 3), buf(640, 1, 2)];
+        let arena = pack(&mut bs);
+        verify(&bs).unwrap();
+        assert_eq!(bs[0].offset, bs[1].offset);
+        assert_eq!(arena, 1024 + 640);
+    }
+
+    #[test]
+    fn random_plans_are_valid_and_near_the_bound() {
+        let mut rng = Rng::new(3);
+        for _ in 0..50 {
+            let n_ops = 40;
+            let mut bs: Vec<Buffer> = (0..60)
+                .map(|_| {
+                    let a = rng.below(n_ops as u64) as usize;
+                    let b = a + rng.below((n_ops - a) as u64) as usize;
+                    buf(64 * (1 + rng.below(100)), a, b)
+                })
+                .collect();
+            let arena = pack(&mut bs);
+            verify(&bs).unwrap();
+            let (lb, _) = peak_live(&bs, n_ops);
+            assert!(arena >= lb);
+            assert!(arena <= 2 * lb, "arena {arena} vs bound {lb}");
+        }
+    }
+
+    #[test]
+    fn verify_catches_overlap() {
+        let mut bs = vec![buf(128, 0, 2), buf(128, 1, 3)];
+        bs[1].offset = 64;
+        assert!(verify(&bs).is_err());
+    }
+}

@@ -1,0 +1,87 @@
+//! Presenting a plan: the category table `memwall plan` prints, and `plan.json`.
+
+use super::{Category, Plan};
+use crate::util::bytes::fmt_bytes;
+use serde_json::{Value, json};
+use std::fmt::Write;
+
+/// The human-readable table: bytes by category, packing, baseline and predicted peak.
+pub fn table(plan: &Plan, baseline: u64) -> String {
+    let mut s = String::new();
+    let cfg = &plan.cfg;
+    let _ = writeln!(
+        s,
+        "plan: {}\n      {:?}, batch {} x seq {} = {} tokens/step, fp32, {} threads, {} ops",
+        plan.spec.describe(),
+        plan.mode,
+        cfg.batch,
+        cfg.seq,
+        cfg.batch * cfg.seq,
+        cfg.threads,
+        plan.schedule.ops.len()
+    );
+    let _ = writeln!(s, "\n  {:<18} {:>8} {:>14} {:>14}", "category", "buffers", "bytes", "live at peak");
+    let at_peak = plan.live_by_category(plan.peak_op);
+    for ((cat, bytes), (_, live)) in plan.bytes_by_category().into_iter().zip(at_peak) {
+        let count = plan.buffers.iter().filter(|b| b.category == cat).count();
+        if count == 0 {
+            continue;
+        }
+        let _ = writeln!(s, "  {:<18} {:>8} {:>14} {:>14}", cat.name(), count, fmt_bytes(bytes), fmt_bytes(live));
+    }
+    let sum: u64 = plan.buffers.iter().map(|b| b.bytes).sum();
+    let _ = writeln!(s, "  {:<18} {:>8} {:>14}", "sum of buffers", plan.buffers.len(), fmt_bytes(sum));
+    let _ = writeln!(
+        s,
+        "\n  arena (packed by lifetime)  {:>12}   lower bound {} (peak live, at op {})",
+        fmt_bytes(plan.arena_bytes),
+        fmt_bytes(plan.peak_live_bytes),
+        plan.schedule.ops[plan.peak_op].name
+    );
+    let _ = writeln!(s, "  loader staging              {:>12}", fmt_bytes(plan.staging_bytes));
+    let _ = writeln!(s, "  plan total                  {:>12}", fmt_bytes(plan.total_bytes()));
+    let _ = writeln!(s, "  process baseline (measured) {:>12}", fmt_bytes(baseline));
+    let _ = writeln!(s, "  predicted peak RSS          {:>12}", fmt_bytes(plan.total_bytes() + baseline));
+    let flops: u64 = plan.schedule.ops.iter().map(|o| o.flops).sum();
+    let _ = writeln!(s, "  arithmetic per step         {:>10.1} GFLOP", flops as f64 / 1e9);
+    s
+}
+
+/// `plan.json`: totals, bytes by category, every buffer, and the schedule.
+pub fn to_json(plan: &Plan, baseline: u64) -> Value {
+    let by_category: serde_json::Map<String, Value> =
+        plan.bytes_by_category().into_iter().map(|(c, b)| (c.name().to_string(), json!(b))).collect();
+    let live_at_peak: serde_json::Map<String, Value> =
+        plan.live_by_category(plan.peak_op).into_iter().map(|(c, b)| (c.name().to_string(), json!(b))).collect();
+    let ops: Vec<Value> = plan
+        .schedule
+        .ops
+        .iter()
+        .map(|o| json!({"name": o.name, "phase": o.phase, "flops": o.flops}))
+        .collect();
+    json!({
+        "model": plan.spec.to_hf_config(),
+        "model_name": plan.spec.name,
+        "num_params": plan.layout.total,
+        "mode": plan.mode,
+        "config": plan.cfg,
+        "precision": "fp32",
+        "total_bytes": plan.total_bytes(),
+        "arena_bytes": plan.arena_bytes,
+        "staging_bytes": plan.staging_bytes,
+        "peak_live_bytes": plan.peak_live_bytes,
+        "peak_op": plan.schedule.ops[plan.peak_op].name,
+        "baseline_bytes": baseline,
+        "predicted_peak_rss_bytes": plan.total_bytes() + baseline,
+        "by_category": by_category,
+        "live_at_peak_by_category": live_at_peak,
+        "flops_per_step": plan.schedule.ops.iter().map(|o| o.flops).sum::<u64>(),
+        "buffers": plan.buffers,
+        "schedule": ops,
+    })
+}
+
+/// Category names in report order (for scripts that read `by_category`).
+pub fn category_names() -> Vec<&'static str> {
+    Category::ALL.iter().map(|c| c.name()).collect()
+}

@@ -1,0 +1,107 @@
+//! The schedule: the ordered ops of one step. Each op names the buffers it reads and writes,
+//! so buffer lifetimes follow from the schedule alone, and the executor needs no knowledge of
+//! the strategy that produced it.
+
+use super::BufId;
+use std::ops::Range;
+
+/// Which part of the step an op belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Forward,
+    Backward,
+    Optimizer,
+}
+
+/// One op. Parameter tensors are element ranges of the flat `params` buffer; the matching
+/// gradient is the same range of `grads`. Shapes: N = B·T rows, C channels.
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// Zero a buffer (gradients at the start of a step, the residual gradient before backward).
+    Zero { buf: BufId },
+    /// out[N,C] = wte[tokens] + wpe[t].
+    Encoder { tokens: BufId, out: BufId },
+    /// out[N,C], mean[N], rstd[N] = layernorm(inp[N,C]; w, b).
+    LayerNorm { inp: BufId, out: BufId, mean: BufId, rstd: BufId, w: Range<usize>, b: Range<usize> },
+    /// out[N,OC] = (residual[N,OC] if any) + inp[N,IC] @ w[IC,OC] + b[OC].
+    Matmul { inp: BufId, out: BufId, residual: Option<BufId>, w: Range<usize>, b: Range<usize>, ic: usize, oc: usize },
+    /// out[N,C], lse[B,NH,T] = causal_attention(qkv[N,3C]).
+    Attention { qkv: BufId, out: BufId, lse: BufId, ws: BufId },
+    /// out = gelu(inp), both [N,4C].
+    Gelu { inp: BufId, out: BufId },
+    /// Tied LM head and loss, chunked over rows so only `logits` [rows,V] exists at a time:
+    /// losses[N] from inp[N,C] and targets[N]; when training also dinp[N,C] (overwritten) and
+    /// dwte (+=), the loss being the mean over `loss_rows` rows.
+    LmHeadLoss { inp: BufId, targets: BufId, losses: BufId, logits: BufId, dinp: Option<BufId>, rows_per_chunk: usize, loss_rows: usize },
+    /// logits[V] of row `row` of inp[N,C] (generation).
+    LmHeadLast { inp: BufId, logits: BufId },
+    /// dinp[N,C] += layernorm_backward(dout); dw, db +=.
+    LayerNormBackward { dinp: BufId, dout: BufId, inp: BufId, mean: BufId, rstd: BufId, w: Range<usize>, b: Range<usize> },
+    /// dinp[N,IC] = dout @ wᵀ; dw += inpᵀ @ dout; db += Σ dout.
+    MatmulBackward { dinp: BufId, dout: BufId, inp: BufId, w: Range<usize>, b: Range<usize>, ic: usize, oc: usize },
+    /// dqkv[N,3C] from dout[N,C] (probabilities recomputed from lse).
+    AttentionBackward { dqkv: BufId, dout: BufId, qkv: BufId, out: BufId, lse: BufId, ws: BufId },
+    /// d[N,4C] ← d ⊙ gelu'(inp) in place.
+    GeluBackward { d: BufId, inp: BufId },
+    /// dwte, dwpe += scatter(dout[N,C]).
+    EncoderBackward { dout: BufId, tokens: BufId },
+    /// Global-norm clipping and AdamW over all parameters.
+    OptimizerStep,
+}
+
+/// An op with its display name, phase and arithmetic cost.
+#[derive(Clone, Debug)]
+pub struct OpEntry {
+    pub name: String,
+    pub phase: Phase,
+    pub op: Op,
+    /// Floating-point operations (multiply-add = 2).
+    pub flops: u64,
+}
+
+/// The ordered ops of one step, plus the persistent buffers every op may touch implicitly.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub ops: Vec<OpEntry>,
+    pub params: BufId,
+    pub grads: Option<BufId>,
+    pub adam_m: Option<BufId>,
+    pub adam_v: Option<BufId>,
+}
+
+impl Op {
+    /// Buffers read and written by the op (parameters, gradients and optimizer state, which
+    /// are persistent, are left out).
+    pub fn reads_writes(&self) -> (Vec<BufId>, Vec<BufId>) {
+        use Op::*;
+        match self {
+            Zero { buf } => (vec![], vec![*buf]),
+            Encoder { tokens, out } => (vec![*tokens], vec![*out]),
+            LayerNorm { inp, out, mean, rstd, .. } => (vec![*inp], vec![*out, *mean, *rstd]),
+            Matmul { inp, out, residual, .. } => {
+                let mut r = vec![*inp];
+                r.extend(residual);
+                (r, vec![*out])
+            }
+            Attention { qkv, out, lse, ws } => (vec![*qkv], vec![*out, *lse, *ws]),
+            Gelu { inp, out } => (vec![*inp], vec![*out]),
+            LmHeadLoss { inp, targets, losses, logits, dinp, .. } => {
+                let mut w = vec![*losses, *logits];
+                w.extend(dinp);
+                (vec![*inp, *targets], w)
+            }
+            LmHeadLast { inp, logits } => (vec![*inp], vec![*logits]),
+            LayerNormBackward { dinp, dout, inp, mean, rstd, .. } => {
+                (vec![*dout, *inp, *mean, *rstd, *dinp], vec![*dinp])
+            }
+            MatmulBackward { dinp, dout, inp, .. } => (vec![*dout, *inp], vec![*dinp]),
+            AttentionBackward { dqkv, dout, qkv, out, lse, ws } => {
+                (vec![*dout, *qkv, *out, *lse], vec![*dqkv, *ws])
+            }
+            GeluBackward { d, inp } => (vec![*d, *inp], vec![*d]),
+            EncoderBackward { dout, tokens } => (vec![*dout, *tokens], vec![]),
+            OptimizerStep => (vec![], vec![]),
+        }
+    }
+}
