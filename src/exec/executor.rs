@@ -128,11 +128,33 @@ impl Executor {
 
     /// One optimizer step on the batch set by [`Executor::set_batch`].
     pub fn train_step(&mut self, hp: &OptimHparams) -> StepStats {
+        let loss = self.compute_gradients();
+        let grad_norm = self.apply_optimizer(hp);
+        StepStats { loss, grad_norm }
+    }
+
+    /// Forward and backward: fills the gradients, returns the mean loss. The optimizer ops
+    /// (the schedule's `Optimizer` phase) are not run.
+    pub fn compute_gradients(&mut self) -> f32 {
         assert_eq!(self.plan.mode, Mode::Train);
+        let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
+        let end = self.optimizer_start();
+        self.run(0..end, b, t, true);
+        self.mean_loss()
+    }
+
+    /// Runs the optimizer phase on the gradients; returns the gradient norm before clipping.
+    pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> f32 {
         self.hp = Some(hp.clone());
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
-        self.run(0..self.plan.schedule.ops.len(), b, t, true);
-        StepStats { loss: self.mean_loss(), grad_norm: self.last_grad_norm }
+        self.run(self.optimizer_start()..self.plan.schedule.ops.len(), b, t, true);
+        self.last_grad_norm
+    }
+
+    fn optimizer_start(&self) -> usize {
+        use crate::plan::schedule::Phase;
+        let ops = &self.plan.schedule.ops;
+        ops.iter().position(|o| o.phase == Phase::Optimizer).unwrap_or(ops.len())
     }
 
     /// Mean loss on the batch set by [`Executor::set_batch`], forward only (no state changes

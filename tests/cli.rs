@@ -1,0 +1,121 @@
+//! The `memwall` command as a user runs it: bad input gets a clear error and a non-zero
+//! exit, never a panic; plan JSON is scriptable; the plan's prediction matches measured RSS.
+
+mod common;
+
+use std::process::{Command, Output};
+
+fn memwall(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memwall")).args(args).output().expect("run memwall")
+}
+
+/// Runs memwall expecting failure; returns stderr. Asserts a clean error (exit 1, no panic).
+fn fails(args: &[&str]) -> String {
+    let o = memwall(args);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(1), "memwall {args:?} should fail cleanly; stderr:\n{err}");
+    assert!(!err.contains("panicked"), "memwall {args:?} panicked:\n{err}");
+    assert!(err.starts_with("error: "), "{err}");
+    err
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = memwall(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "memwall {args:?} failed:\n{err}");
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+#[test]
+fn plan_json_has_totals_categories_and_buffers() {
+    let out = ok(&["plan", "--model", "gpt2", "--batch", "4", "--seq", "256", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let total = v["total_bytes"].as_u64().unwrap();
+    let by: u64 = ["param", "grad", "optimizer_state"].iter().map(|k| v["by_category"][k].as_u64().unwrap()).sum();
+    assert_eq!(by, 4 * 4 * 124_439_808);
+    assert!(total > by && total < by + (1 << 30), "total {total}");
+    assert!(v["buffers"].as_array().unwrap().len() > 100);
+    let table = ok(&["plan", "--model", "gpt2", "--batch", "4", "--seq", "256"]);
+    assert!(table.contains("optimizer_state") && table.contains("predicted peak RSS"), "{table}");
+}
+
+#[test]
+fn over_budget_plans_are_refused_with_what_fits() {
+    let e = fails(&["plan", "--model", "gpt2", "--batch", "64", "--seq", "1024", "--max-memory", "4GiB"]);
+    assert!(e.contains("--max-memory") && e.contains("over by") && e.contains("--batch"), "{e}");
+    let e = fails(&["plan", "--model", "gpt2", "--max-memory", "1GiB"]);
+    assert!(e.contains("even --batch 1"), "{e}");
+    let e = fails(&["plan", "--max-memory", "lots"]);
+    assert!(e.contains("--max-memory") || e.contains("lots"), "{e}");
+}
+
+#[test]
+fn bad_models_are_refused_naming_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = fails(&["plan", "--model", "gpt5"]);
+    assert!(e.contains("unknown model preset 'gpt5'"), "{e}");
+    let cfg = tmp.path().join("config.json");
+    std::fs::write(&cfg, r#"{"n_embd": 100, "n_layer": 2, "n_head": 3}"#).unwrap();
+    let e = fails(&["plan", "--model", cfg.to_str().unwrap()]);
+    assert!(e.contains("n_embd") && e.contains("config.json"), "{e}");
+    std::fs::write(&cfg, "{ this is not json").unwrap();
+    let e = fails(&["plan", "--model", cfg.to_str().unwrap()]);
+    assert!(e.contains("not valid JSON"), "{e}");
+    let e = fails(&["plan", "--model", "gpt2", "--seq", "2048"]);
+    assert!(e.contains("--seq 2048") && e.contains("n_positions"), "{e}");
+}
+
+#[test]
+fn bad_corpora_and_data_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let out = tmp.path().join("data");
+    fails(&["prepare", empty.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let bin = tmp.path().join("garbage.bin");
+    std::fs::write(&bin, [0u8, 159, 146, 150, 0, 255, 1, 2]).unwrap();
+    let e = fails(&["prepare", bin.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(e.contains("garbage.bin"), "{e}");
+    let missing = tmp.path().join("nope");
+    let e = fails(&["train", "--data", missing.to_str().unwrap(), "--out", out.to_str().unwrap(), "--steps", "1"]);
+    assert!(e.contains("memwall prepare"), "{e}");
+    assert!(!out.join("checkpoints").exists(), "nothing half-written");
+}
+
+#[test]
+fn unwritable_output_and_mismatched_resume_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let file = tmp.path().join("a_file");
+    std::fs::write(&file, "x").unwrap();
+    let under_file = file.join("run");
+    let e = fails(&["train", "--model", cfg.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", under_file.to_str().unwrap(), "--steps", "1"]);
+    assert!(e.contains("--out"), "{e}");
+    let run = tmp.path().join("run");
+    let (d, r) = (data.to_str().unwrap(), run.to_str().unwrap());
+    ok(&["train", "--model", cfg.to_str().unwrap(), "--data", d, "--out", r, "--steps", "2", "--batch", "2", "--seq", "16", "--threads", "2"]);
+    let e = fails(&["train", "--resume", r, "--model", "gpt2-tiny", "--steps", "4"]);
+    assert!(e.contains("dimensions cannot change"), "{e}");
+    let e = fails(&["train", "--model", cfg.to_str().unwrap(), "--data", d, "--out", r, "--steps", "2"]);
+    assert!(e.contains("--resume"), "{e}");
+    // A checkpoint with a missing tensor is refused by sample, naming the tensor.
+    let ck = run.join("checkpoints/step-000002");
+    let st = std::fs::read(ck.join("model.safetensors")).unwrap();
+    std::fs::write(ck.join("model.safetensors"), &st[..st.len() / 2]).unwrap();
+    let e = fails(&["sample", "--model", ck.to_str().unwrap(), "--tokens", "3"]);
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+/// Plan versus measurement: peak RSS of a real training process minus its baseline is
+/// within 3% of the plan's total.
+#[test]
+fn measured_peak_rss_matches_the_plan() {
+    let out = ok(&["bench", "--model", "gpt2-tiny", "--batch", "16", "--seq", "256", "--steps", "2", "--threads", "2"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let err = v["plan_error_pct"].as_f64().unwrap();
+    let (plan, measured) = (v["plan_total_bytes"].as_u64().unwrap(), v["measured_minus_baseline_bytes"].as_u64().unwrap());
+    eprintln!("plan {plan} bytes, measured peak minus baseline {measured} bytes: {err:.2}%");
+    assert!(err.abs() <= 3.0, "plan {plan} vs measured {measured}: {err:.2}%");
+}
+

@@ -1,0 +1,50 @@
+//! Shared helpers for the integration tests: corpora, prepared data, small model configs.
+#![allow(dead_code)]
+
+use memwall::data::prepare::{PrepareOptions, prepare};
+use std::path::{Path, PathBuf};
+
+/// The Shakespeare corpus shipped beside the project (../shared), if present.
+pub fn shakespeare() -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/shakespeare");
+    p.is_dir().then_some(p)
+}
+
+/// A few plays of Shakespeare (or, without ../shared, generated text) as one directory.
+pub fn small_corpus(dir: &Path) -> PathBuf {
+    let out = dir.join("corpus");
+    std::fs::create_dir_all(&out).unwrap();
+    match shakespeare() {
+        Some(src) => {
+            for name in ["hamlet_gut.txt", "macbeth_gut.txt", "othello_gut.txt"] {
+                std::fs::copy(src.join(name), out.join(name)).unwrap();
+            }
+        }
+        None => {
+            let mut s = String::new();
+            for i in 0..20000 {
+                s.push_str(&format!("Line {i}: the quick brown fox jumps over the lazy dog.\n"));
+            }
+            std::fs::write(out.join("text.txt"), s).unwrap();
+        }
+    }
+    out
+}
+
+/// Prepares `corpus` into `dir/data`.
+pub fn prepared(dir: &Path, corpus: &Path) -> PathBuf {
+    let data = dir.join("data");
+    prepare(&PrepareOptions { inputs: vec![corpus.to_path_buf()], out: data.clone(), val_fraction: 0.05 }).unwrap();
+    data
+}
+
+/// A very small GPT-2 config (GPT-2 vocabulary, so it trains on prepared data) as config.json.
+pub fn micro_config(dir: &Path) -> PathBuf {
+    let p = dir.join("micro.json");
+    std::fs::write(
+        &p,
+        r#"{"model_type": "gpt2", "vocab_size": 50257, "n_positions": 64, "n_embd": 16, "n_layer": 2, "n_head": 2}"#,
+    )
+    .unwrap();
+    p
+}
