@@ -8,7 +8,7 @@
 pub mod backend;
 pub mod ckpt;
 pub mod data;
-// pub mod exec; // (enabled once the kernels land)
+pub mod exec;
 pub mod mem;
 pub mod model;
 pub mod plan;

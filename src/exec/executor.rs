@@ -43,6 +43,7 @@ pub struct Executor {
 impl Executor {
     /// Allocates (and touches) the plan's arena and starts `plan.cfg.threads` workers.
     pub fn new(plan: Plan) -> Result<Executor> {
+        crate::util::malloc::keep_library_scratch_resident();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(plan.cfg.threads)
             .thread_name(|i| format!("memwall-worker-{i}"))

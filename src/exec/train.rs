@@ -184,7 +184,7 @@ impl Progress for ConsoleProgress {
                 bar.set_message(msg);
             }
             None => {
-                if step % self.log_every == 0 || step == self.total || step == 1 {
+                if step.is_multiple_of(self.log_every) || step == self.total || step == 1 {
                     eprintln!("step {step:>6}/{} | {msg}", self.total);
                 }
             }
@@ -292,12 +292,12 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
         serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?.as_bytes(),
     )?;
     progress.message(&format!(
-        "plan: {} | batch {} x seq {} | arena {} + staging {} | predicted peak RSS {}",
+        "plan: {} | batch {} x seq {} | arena {} + outside the arena {} | predicted peak RSS {}",
         spec.describe(),
         opts.batch,
         opts.seq,
         fmt_bytes(plan.arena_bytes),
-        fmt_bytes(plan.staging_bytes),
+        fmt_bytes(plan.external_bytes),
         fmt_bytes(plan.total_bytes() + baseline)
     ));
     let plan_total = plan.total_bytes();

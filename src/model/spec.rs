@@ -143,7 +143,7 @@ impl ModelSpec {
                 bail!("field '{field}' is 0; it must be at least 1");
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             bail!(
                 "field 'n_embd' ({}) is not divisible by 'n_head' ({}); each head needs n_embd / n_head channels",
                 self.n_embd,

@@ -93,6 +93,9 @@ pub struct Buffer {
     pub last_op: usize,
     /// Byte offset in the arena, assigned by packing.
     pub offset: u64,
+    /// Allocated outside the arena, once, by its owner (the loader's staging buffers, the
+    /// `gemm` crate's packing scratch); counted in the plan's total but not packed.
+    pub external: bool,
 }
 
 impl Buffer {
@@ -102,7 +105,7 @@ impl Buffer {
 
     /// Whether the live intervals of two buffers intersect.
     pub fn lives_with(&self, o: &Buffer) -> bool {
-        self.first_op <= o.last_op && o.first_op <= self.last_op
+        !self.external && !o.external && self.first_op <= o.last_op && o.first_op <= self.last_op
     }
 
     /// Whether the byte ranges of two buffers intersect.

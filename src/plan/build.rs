@@ -66,6 +66,7 @@ impl Builder {
             first_op: usize::MAX,
             last_op: 0,
             offset: 0,
+            external: false,
         });
         BufId(self.buffers.len() - 1)
     }
@@ -259,6 +260,15 @@ fn finish(
     adam_m: Option<BufId>,
     adam_v: Option<BufId>,
 ) -> Result<Plan> {
+    // Buffers outside the arena: the loader's two prefetch buffers and the trainer's batch
+    // buffer ([B, T+1] u32 each), and the packing scratch the `gemm` crate keeps for itself.
+    if mode == Mode::Train {
+        let id = g.persistent("loader.staging", Category::IoStaging, DType::U32, 3 * cfg.batch * (cfg.seq + 1));
+        g.buffers[id.0].external = true;
+    }
+    let id = g.persistent("gemm.packing", Category::Workspace, DType::F32, (gemm_packing_bytes(cfg.threads) / 4) as usize);
+    g.buffers[id.0].external = true;
+
     // Live intervals from the schedule.
     let n_ops = g.ops.len();
     for (i, e) in g.ops.iter().enumerate() {
@@ -280,9 +290,9 @@ fn finish(
     }
     let arena_bytes = packing::pack(&mut g.buffers);
     packing::verify(&g.buffers).map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
-    let (peak_live_bytes, peak_op) = packing::peak_live(&g.buffers, n_ops);
-    // The loader's two prefetch buffers and the trainer's batch buffer, each [B, T+1] u32.
-    let staging_bytes = if mode == Mode::Train { 3 * (cfg.batch * (cfg.seq + 1) * 4) as u64 } else { 0 };
+    let external_bytes: u64 = g.buffers.iter().filter(|b| b.external).map(|b| b.bytes).sum();
+    let internal: Vec<Buffer> = g.buffers.iter().filter(|b| !b.external).cloned().collect();
+    let (peak_live_bytes, peak_op) = packing::peak_live(&internal, n_ops);
     let plan = Plan {
         spec: spec.clone(),
         layout,
@@ -293,10 +303,30 @@ fn finish(
         arena_bytes,
         peak_live_bytes,
         peak_op,
-        staging_bytes,
+        external_bytes,
     };
     verify_ops(&plan)?;
     Ok(plan)
+}
+
+/// Upper bound of the packing scratch the `gemm` crate allocates for itself: one packed
+/// right-hand panel of kc × n_block f32 per call (`backend::cpu::matmul` splits every GEMM
+/// into column blocks so that this stays below `GEMM_PACK_BYTES`; executor calls are serial,
+/// and attention's per-worker calls pack panels of T × hs, far smaller), plus one L2-sized
+/// slab per thread (main thread included). The L2 size is read from sysfs as `gemm` does.
+pub fn gemm_packing_bytes(threads: usize) -> u64 {
+    let l2 = (0..8)
+        .find_map(|i| {
+            let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+            let lvl: u32 = std::fs::read_to_string(format!("{dir}/level")).ok()?.trim().parse().ok()?;
+            if lvl != 2 {
+                return None;
+            }
+            let s = std::fs::read_to_string(format!("{dir}/size")).ok()?;
+            crate::util::bytes::parse_bytes(s.trim()).ok()
+        })
+        .unwrap_or(1 << 20);
+    (8u64 << 20) + (threads as u64 + 1) * l2
 }
 
 /// Checks that no op writes a buffer whose bytes overlap another buffer the same op touches

@@ -61,7 +61,7 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
             let state: u64 = plan
                 .buffers
                 .iter()
-                .filter(|b| b.persistent && b.category != super::Category::IoStaging)
+                .filter(|b| b.persistent && !b.external && b.category != super::Category::IoStaging)
                 .map(|b| b.bytes)
                 .sum();
             format!(
@@ -72,11 +72,11 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
         }
     };
     bail!(
-        "the plan needs {} (arena {} + loader staging {} + process baseline {}) but --max-memory is {}: \
+        "the plan needs {} (arena {} + outside the arena {} + process baseline {}) but --max-memory is {}: \
          over by {}; {advice}",
         fmt_bytes(need),
         fmt_bytes(plan.arena_bytes),
-        fmt_bytes(plan.staging_bytes),
+        fmt_bytes(plan.external_bytes),
         fmt_bytes(baseline),
         fmt_bytes(budget),
         fmt_bytes(need - budget)

@@ -35,8 +35,8 @@ pub struct Plan {
     pub peak_live_bytes: u64,
     /// Index of the op at which `peak_live_bytes` is reached.
     pub peak_op: usize,
-    /// Bytes allocated outside the arena, once, at start (loader staging buffers).
-    pub staging_bytes: u64,
+    /// Bytes of the external buffers (allocated once, outside the arena, by their owners).
+    pub external_bytes: u64,
 }
 
 impl Plan {
@@ -44,9 +44,9 @@ impl Plan {
         &self.buffers[id.0]
     }
 
-    /// Total predicted bytes of the step: arena plus the loader's staging buffers.
+    /// Total predicted bytes of the step: the arena plus the external buffers.
     pub fn total_bytes(&self) -> u64 {
-        self.arena_bytes + self.staging_bytes
+        self.arena_bytes + self.external_bytes
     }
 
     /// Sum of buffer bytes per category (before packing), in `Category::ALL` order.

@@ -18,7 +18,7 @@ fn align_up(x: u64) -> u64 {
 
 /// Assigns `offset` to every buffer; returns the arena size in bytes.
 pub fn pack(buffers: &mut [Buffer]) -> u64 {
-    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    let mut order: Vec<usize> = (0..buffers.len()).filter(|&i| !buffers[i].external).collect();
     // Largest first; ties by earlier start, then index, so the result is deterministic.
     order.sort_by(|&a, &b| {
         buffers[b]
@@ -105,6 +105,7 @@ mod tests {
             first_op: first,
             last_op: last,
             offset: 0,
+            external: false,
         }
     }
 

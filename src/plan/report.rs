@@ -38,7 +38,9 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
         fmt_bytes(plan.peak_live_bytes),
         plan.schedule.ops[plan.peak_op].name
     );
-    let _ = writeln!(s, "  loader staging              {:>12}", fmt_bytes(plan.staging_bytes));
+    for b in plan.buffers.iter().filter(|b| b.external) {
+        let _ = writeln!(s, "  + outside the arena: {:<15} {:>12}", b.name, fmt_bytes(b.bytes));
+    }
     let _ = writeln!(s, "  plan total                  {:>12}", fmt_bytes(plan.total_bytes()));
     let _ = writeln!(s, "  process baseline (measured) {:>12}", fmt_bytes(baseline));
     let _ = writeln!(s, "  predicted peak RSS          {:>12}", fmt_bytes(plan.total_bytes() + baseline));
@@ -68,7 +70,7 @@ pub fn to_json(plan: &Plan, baseline: u64) -> Value {
         "precision": "fp32",
         "total_bytes": plan.total_bytes(),
         "arena_bytes": plan.arena_bytes,
-        "staging_bytes": plan.staging_bytes,
+        "external_bytes": plan.external_bytes,
         "peak_live_bytes": plan.peak_live_bytes,
         "peak_op": plan.schedule.ops[plan.peak_op].name,
         "baseline_bytes": baseline,

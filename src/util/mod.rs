@@ -1,5 +1,6 @@
 //! Small shared utilities: deterministic RNG, process memory readings, byte formatting.
 
 pub mod bytes;
+pub mod malloc;
 pub mod rng;
 pub mod rss;

@@ -1,7 +1,17 @@
 //! CPU kernels (f32, multi-threaded with rayon). Each layer is a `_forward`/`_backward` pair
-//! side by side; each fast kernel has a naive reference twin in `naive` used by the tests.
-//! Shape legend: B batch, T sequence, C channels, NH heads, hs = C/NH head size, N = B·T rows,
-//! V vocabulary, IC/OC input/output channels of a linear layer.
+//! side by side; each fast kernel has a naive reference twin (a `naive` submodule in the same
+//! file) used by the tests. Shape legend: B batch, T sequence, C channels, NH heads,
+//! hs = C/NH head size, N = B·T rows, V vocabulary, IC/OC input/output channels of a linear.
 //!
 //! Kernels never allocate: workspace comes in as slices, sized by the `*_workspace_len`
-//! functions, so the memory plan can account for it.
+//! functions, so the memory plan can account for it. Results are deterministic for a given
+//! thread count (fixed work partitioning, reductions in a fixed order).
+
+pub mod adamw;
+pub mod attention;
+pub mod encoder;
+pub mod gelu;
+pub mod layernorm;
+pub mod matmul;
+pub mod reduce;
+pub mod xent;

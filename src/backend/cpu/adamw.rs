@@ -1,0 +1,163 @@
+//! AdamW (Loshchilov & Hutter, decoupled weight decay) with bias correction, computed the way
+//! `torch.optim.AdamW` does it:
+//!
+//! ```text
+//! g = grad · grad_scale
+//! p ← p · (1 − lr·weight_decay)                 (decay first, on the pre-step parameter)
+//! m ← β1·m + (1 − β1)·g ;  v ← β2·v + (1 − β2)·g²
+//! p ← p − (lr / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + ε)      (t is 1-based)
+//! ```
+//!
+//! which equals `p -= lr·(m̂/(sqrt(v̂)+ε) + weight_decay·p)` with `m̂ = m/(1−β1^t)`,
+//! `v̂ = v/(1−β2^t)`. Elementwise, parallel over fixed chunks: identical results for any thread
+//! count. Weight decay is per call, so the executor passes 0 for tensors that skip it.
+
+use super::reduce::ELEM_CHUNK;
+use rayon::prelude::*;
+
+/// Hyper-parameters of one AdamW step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWParams {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step number (for bias correction).
+    pub step: u64,
+    /// Multiplies the gradient before use (gradient clipping / accumulation averaging).
+    pub grad_scale: f32,
+}
+
+/// One AdamW step over a parameter range; `m` and `v` are the moment buffers of the same range.
+pub fn adamw_update(
+    params: &mut [f32], // [len]
+    grads: &[f32],      // [len]
+    m: &mut [f32],      // [len] first moment
+    v: &mut [f32],      // [len] second moment
+    hp: &AdamWParams,
+) {
+    assert_eq!(grads.len(), params.len(), "adamw_update: grads");
+    assert_eq!(m.len(), params.len(), "adamw_update: m");
+    assert_eq!(v.len(), params.len(), "adamw_update: v");
+    assert!(hp.step >= 1, "adamw_update: step is 1-based");
+    let t = hp.step as f64;
+    let bc1 = 1.0 - (hp.beta1 as f64).powf(t);
+    let bc2 = 1.0 - (hp.beta2 as f64).powf(t);
+    let step_size = (hp.lr as f64 / bc1) as f32;
+    let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
+    let decay = 1.0 - hp.lr * hp.weight_decay;
+    let (b1, b2, eps, gs) = (hp.beta1, hp.beta2, hp.eps, hp.grad_scale);
+    let (c1, c2) = (1.0 - b1, 1.0 - b2);
+    params
+        .par_chunks_mut(ELEM_CHUNK)
+        .zip(grads.par_chunks(ELEM_CHUNK))
+        .zip(m.par_chunks_mut(ELEM_CHUNK))
+        .zip(v.par_chunks_mut(ELEM_CHUNK))
+        .for_each(|(((p, g), m), v)| {
+            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let g = g * gs;
+                let mi = b1 * *m + c1 * g;
+                let vi = b2 * *v + c2 * g * g;
+                *m = mi;
+                *v = vi;
+                *p = *p * decay - step_size * mi / (vi.sqrt() * inv_sqrt_bc2 + eps);
+            }
+        });
+}
+
+/// Reference twin: the textbook formula in f64.
+pub mod naive {
+    use super::AdamWParams;
+
+    pub fn adamw_update(
+        params: &mut [f32],
+        grads: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        hp: &AdamWParams,
+    ) {
+        let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
+        let t = hp.step as i32;
+        for i in 0..params.len() {
+            let g = grads[i] as f64 * hp.grad_scale as f64;
+            let mi = b1 * m[i] as f64 + (1.0 - b1) * g;
+            let vi = b2 * v[i] as f64 + (1.0 - b2) * g * g;
+            let mhat = mi / (1.0 - b1.powi(t));
+            let vhat = vi / (1.0 - b2.powi(t));
+            let p = params[i] as f64;
+            let upd = mhat / (vhat.sqrt() + hp.eps as f64) + hp.weight_decay as f64 * p;
+            params[i] = (p - hp.lr as f64 * upd) as f32;
+            m[i] = mi as f32;
+            v[i] = vi as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::reduce::testutil::*;
+    use super::*;
+
+    fn hp(step: u64) -> AdamWParams {
+        AdamWParams {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step,
+            grad_scale: 0.5,
+        }
+    }
+
+    #[test]
+    fn first_step_is_sign_like() {
+        // Step 1: m̂ = g, v̂ = g², so p ← p(1 − lr·wd) − lr·g/(|g| + eps).
+        let p0 = randn(1000, 1.0, 1);
+        let g = randn(1000, 1.0, 2);
+        let (mut p, mut m, mut v) = (p0.clone(), vec![0.0; 1000], vec![0.0; 1000]);
+        let h = hp(1);
+        adamw_update(&mut p, &g, &mut m, &mut v, &h);
+        for i in 0..1000 {
+            let gs = g[i] * h.grad_scale;
+            let want = p0[i] * (1.0 - h.lr * h.weight_decay) - h.lr * gs / (gs.abs() + h.eps);
+            assert!((p[i] - want).abs() < 1e-6, "{i}: {} vs {want}", p[i]);
+        }
+    }
+
+    #[test]
+    fn matches_naive_over_steps() {
+        for len in [0usize, 1, 7, ELEM_CHUNK + 9, 100_003] {
+            let mut pa = randn(len, 1.0, len as u64);
+            let mut pb = pa.clone();
+            let (mut ma, mut va) = (vec![0.0; len], vec![0.0; len]);
+            let (mut mb, mut vb) = (vec![0.0; len], vec![0.0; len]);
+            for step in 1..=5u64 {
+                let g = randn(len, 1.0, 100 * step + len as u64);
+                let mut h = hp(step);
+                if step == 3 {
+                    h.weight_decay = 0.0;
+                }
+                adamw_update(&mut pa, &g, &mut ma, &mut va, &h);
+                naive::adamw_update(&mut pb, &g, &mut mb, &mut vb, &h);
+            }
+            assert_close(&pa, &pb, 1e-6, 1e-6, &format!("params len={len}"));
+            assert_close(&ma, &mb, 1e-7, 1e-5, &format!("m len={len}"));
+            assert_close(&va, &vb, 1e-8, 1e-5, &format!("v len={len}"));
+        }
+    }
+
+    #[test]
+    fn identical_for_any_thread_count() {
+        let len = 3 * ELEM_CHUNK + 11;
+        let p0 = randn(len, 1.0, 1);
+        let g = randn(len, 1.0, 2);
+        let run = || {
+            let (mut p, mut m, mut v) = (p0.clone(), vec![0.1; len], vec![0.2; len]);
+            adamw_update(&mut p, &g, &mut m, &mut v, &hp(7));
+            (p, m, v)
+        };
+        assert!(with_threads(1, run) == with_threads(3, run));
+    }
+}

@@ -1,0 +1,163 @@
+//! GELU activation, GPT-2's tanh approximation ("gelu_new"):
+//! `gelu(x) = 0.5·x·(1 + tanh(u))`, `u = sqrt(2/π)·(x + 0.044715·x³)`.
+//!
+//! Computed as the identical `x·σ(2u)` (since `0.5·(1 + tanh u) = σ(2u)`) with the
+//! vectorisable `exp_f32`, so the loops auto-vectorise instead of calling libm's `tanhf`.
+//! Elementwise and parallel over fixed chunks: identical results for any thread count.
+
+use super::reduce::{ELEM_CHUNK, exp_f32};
+use rayon::prelude::*;
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_K: f32 = 0.044_715;
+
+/// (σ(2u), 1 - σ(2u)) for the GELU argument `x`, without cancellation.
+#[inline(always)]
+fn sig2u(x: f32) -> (f32, f32) {
+    let u = SQRT_2_OVER_PI * (x + GELU_K * x * x * x);
+    let e = exp_f32(-2.0 * u); // clamped: never 0 or inf
+    let sg = 1.0 / (1.0 + e);
+    (sg, e * sg)
+}
+
+/// out = gelu(inp) elementwise.
+pub fn gelu_forward(
+    out: &mut [f32], // [len]
+    inp: &[f32],     // [len]
+) {
+    assert_eq!(out.len(), inp.len(), "gelu_forward: lengths");
+    out.par_chunks_mut(ELEM_CHUNK)
+        .zip(inp.par_chunks(ELEM_CHUNK))
+        .for_each(|(o, x)| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = x * sig2u(x).0;
+            }
+        });
+}
+
+/// In place: on entry `d` holds dL/dout, on exit dL/dinp = dL/dout · gelu'(inp), with
+/// gelu'(x) = σ(2u) + 2·x·σ(2u)·(1 - σ(2u))·sqrt(2/π)·(1 + 3·0.044715·x²).
+pub fn gelu_backward_inplace(
+    d: &mut [f32], // [len] in: dL/dout, out: dL/dinp
+    inp: &[f32],   // [len]
+) {
+    assert_eq!(d.len(), inp.len(), "gelu_backward_inplace: lengths");
+    d.par_chunks_mut(ELEM_CHUNK)
+        .zip(inp.par_chunks(ELEM_CHUNK))
+        .for_each(|(d, x)| {
+            for (d, &x) in d.iter_mut().zip(x) {
+                let (sg, one_minus) = sig2u(x);
+                // Beyond |x| = 12 the second term is below 1e-30; clamping keeps x³ finite.
+                let xc = if x > 12.0 {
+                    12.0
+                } else if x < -12.0 {
+                    -12.0
+                } else {
+                    x
+                };
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_K * xc * xc);
+                *d *= sg + 2.0 * xc * sg * one_minus * du;
+            }
+        });
+}
+
+/// Reference twins in f64 with the textbook tanh formula.
+pub mod naive {
+    fn u(x: f64) -> f64 {
+        (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)
+    }
+
+    pub fn gelu(x: f64) -> f64 {
+        0.5 * x * (1.0 + u(x).tanh())
+    }
+
+    pub fn gelu_grad(x: f64) -> f64 {
+        let t = u(x).tanh();
+        let du = (2.0 / std::f64::consts::PI).sqrt() * (1.0 + 3.0 * 0.044715 * x * x);
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+    }
+
+    pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+        for (o, &x) in out.iter_mut().zip(inp) {
+            *o = gelu(x as f64) as f32;
+        }
+    }
+
+    pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
+        for (d, &x) in d.iter_mut().zip(inp) {
+            *d = (*d as f64 * gelu_grad(x as f64)) as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::reduce::testutil::*;
+    use super::*;
+
+    fn grid() -> Vec<f32> {
+        let mut x: Vec<f32> = (0..4001).map(|i| -20.0 + i as f32 * 0.01).collect();
+        x.extend([0.0, -0.0, 1e-8, -1e-8, 50.0, -50.0, 1e6, -1e6, 3e30, -3e30]);
+        x
+    }
+
+    #[test]
+    fn forward_matches_naive() {
+        for x in [
+            grid(),
+            randn(ELEM_CHUNK * 2 + 17, 3.0, 1),
+            randn(1, 1.0, 2),
+            vec![],
+        ] {
+            let (mut a, mut b) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+            gelu_forward(&mut a, &x);
+            naive::gelu_forward(&mut b, &x);
+            assert_close(&a, &b, 1e-6, 2e-6, "gelu forward");
+        }
+    }
+
+    #[test]
+    fn backward_matches_naive() {
+        for x in [
+            grid(),
+            randn(ELEM_CHUNK + 5, 3.0, 3),
+            randn(1, 1.0, 4),
+            vec![],
+        ] {
+            let g = randn(x.len(), 1.0, 5);
+            let (mut a, mut b) = (g.clone(), g.clone());
+            gelu_backward_inplace(&mut a, &x);
+            naive::gelu_backward_inplace(&mut b, &x);
+            assert_close(&a, &b, 2e-6, 4e-6, "gelu backward");
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let x: Vec<f32> = randn(40, 2.0, 6)
+            .into_iter()
+            .chain([0.0, 0.5, -0.5, 4.0, -4.0])
+            .collect();
+        let g = randn(x.len(), 1.0, 7);
+        let mut d = g.clone();
+        gelu_backward_inplace(&mut d, &x);
+        let fd = fd_grad(&x, 1e-3, |x| {
+            x.iter()
+                .zip(&g)
+                .map(|(&x, &g)| g as f64 * naive::gelu(x as f64))
+                .sum()
+        });
+        assert_close(&d, &fd, 1e-4, 1e-3, "gelu backward vs fd");
+    }
+
+    #[test]
+    fn nan_propagates() {
+        let x = [1.0, f32::NAN, -1.0];
+        let mut o = [0.0; 3];
+        gelu_forward(&mut o, &x);
+        assert!(o[1].is_nan() && o[0].is_finite() && o[2].is_finite());
+        let mut d = [1.0; 3];
+        gelu_backward_inplace(&mut d, &x);
+        assert!(d[1].is_nan() && d[0].is_finite());
+    }
+}

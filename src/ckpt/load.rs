@@ -1,0 +1,223 @@
+//! Loading: model config, weights (any HF GPT-2 naming, F32/F16/BF16), optimizer moments and
+//! trainer state; finding the newest complete checkpoint of a run.
+
+use anyhow::{Context, Result, bail};
+use safetensors::Dtype;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use super::layout_summary as describe;
+use super::names::{EXP_AVG, EXP_AVG_SQ, LM_HEAD, resolve_exact, resolve_model_name};
+use super::safetensors_io::{StFile, Target, decode_into, supported};
+use super::{
+    CHECKPOINT_FILES, CHECKPOINTS_DIR, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
+    TrainerState,
+};
+use crate::model::{ModelSpec, ParamLayout};
+
+/// Reads `DIR/config.json` (a Hugging Face GPT-2 config).
+pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
+    let path = dir.join(CONFIG_FILE);
+    if !path.is_file() {
+        bail!(
+            "{}: no such file; {} is not a model or checkpoint directory (it needs config.json \
+             and model.safetensors)",
+            path.display(),
+            dir.display()
+        );
+    }
+    ModelSpec::from_hf_config_file(&path)
+}
+
+/// Opens a safetensors file of a checkpoint directory, with hints when it is absent.
+fn open_in(dir: &Path, file: &str) -> Result<StFile> {
+    let path = dir.join(file);
+    if !path.exists() && file == MODEL_FILE {
+        if dir.join("model.safetensors.index.json").exists() {
+            bail!(
+                "{}: no such file; sharded checkpoints (model.safetensors.index.json) are not supported, merge the shards into one file",
+                path.display()
+            );
+        }
+        if dir.join("pytorch_model.bin").exists() {
+            bail!(
+                "{}: no such file; the directory has pytorch_model.bin, convert it to safetensors first",
+                path.display()
+            );
+        }
+    }
+    StFile::open(&path)
+}
+
+/// Checks a buffer length against the layout.
+fn check_len(what: &str, len: usize, layout: &ParamLayout) -> Result<()> {
+    if len != layout.total {
+        bail!(
+            "{what} buffer holds {len} elements but the model has {} parameters",
+            layout.total
+        );
+    }
+    Ok(())
+}
+
+/// Loads `DIR/model.safetensors` into `params` (length `layout.total`).
+///
+/// Accepts `GPT2LMHeadModel` names (`transformer.h.0...`) and `GPT2Model` names (`h.0...`,
+/// `wte.weight`); skips the `attn.bias`/`attn.masked_bias` buffers and `lm_head.weight`
+/// (tied: a warning on stderr if it differs from `wte`); converts F16/BF16. Errors name the
+/// file and the tensors: missing (all listed), wrong shape (expected and found), unsupported
+/// dtype, truncated or corrupt file, missing file. Everything is checked before the copy, so
+/// on error `params` is unchanged.
+pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Result<()> {
+    check_len("parameter", params.len(), layout)
+        .with_context(|| format!("loading {}", dir.join(MODEL_FILE).display()))?;
+    let file = open_in(dir, MODEL_FILE)?;
+    let targets: Vec<Target> = layout
+        .tensors
+        .iter()
+        .map(|t| Target {
+            key: t.name.clone(),
+            shape: t.shape.clone(),
+            buf: 0,
+            range: t.range.clone(),
+        })
+        .collect();
+    super::safetensors_io::load_targets(&file, &resolve_model_name, &targets, &mut [params])
+        .with_context(|| {
+            format!(
+                "loading weights into a GPT-2 with {}; check --model / config.json",
+                describe(layout)
+            )
+        })?;
+    if tied_head_differs(&file, layout, params) {
+        eprintln!(
+            "memwall: warning: {}: lm_head.weight differs from transformer.wte.weight; memwall's \
+             GPT-2 ties them and uses wte for both (lm_head.weight is ignored)",
+            file.path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Whether the file has an `lm_head.weight` that is not (bitwise, after conversion) the
+/// `wte` just loaded into `params`.
+pub(crate) fn tied_head_differs(file: &StFile, layout: &ParamLayout, params: &[f32]) -> bool {
+    let Some(info) = file.info(LM_HEAD) else {
+        return false;
+    };
+    let Some(wte_t) = layout.tensors.first() else {
+        return false;
+    };
+    let Some(wte) = params.get(layout.wte.clone()) else {
+        return false;
+    };
+    if info.shape != wte_t.shape || !supported(info.dtype) {
+        return true;
+    }
+    let Ok(bytes) = file.bytes(LM_HEAD, info) else {
+        return true;
+    };
+    // Compare block by block so that no wte-sized copy is made.
+    let width = if info.dtype == Dtype::F32 { 4 } else { 2 };
+    let mut block = [0f32; 4096];
+    let mut differs = false;
+    for (w, src) in wte
+        .chunks(block.len())
+        .zip(bytes.chunks(block.len() * width))
+    {
+        let dst = &mut block[..w.len()];
+        if decode_into(info.dtype, src, dst).is_err()
+            || dst.iter().zip(w).any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            differs = true;
+            break;
+        }
+    }
+    file.release(info);
+    differs
+}
+
+/// Loads `DIR/optimizer.safetensors` into `m` (`exp_avg.*`) and `v` (`exp_avg_sq.*`) and
+/// returns `DIR/trainer_state.json`, checking that the state's model matches `layout`.
+/// Same validation as [`load_params`].
+pub fn load_trainer_state(
+    dir: &Path,
+    layout: &ParamLayout,
+    m: &mut [f32],
+    v: &mut [f32],
+) -> Result<TrainerState> {
+    check_len("exp_avg (m)", m.len(), layout)
+        .and_then(|_| check_len("exp_avg_sq (v)", v.len(), layout))
+        .with_context(|| format!("loading {}", dir.join(OPTIMIZER_FILE).display()))?;
+    let state_path = dir.join(STATE_FILE);
+    let state = TrainerState::read(&state_path)?;
+    state.check_layout(&state_path, layout)?;
+    let file = open_in(dir, OPTIMIZER_FILE)?;
+    let mut targets = Vec::with_capacity(2 * layout.tensors.len());
+    for (prefix, buf) in [(EXP_AVG, 0), (EXP_AVG_SQ, 1)] {
+        targets.extend(layout.tensors.iter().map(|t| Target {
+            key: format!("{prefix}{}", t.name),
+            shape: t.shape.clone(),
+            buf,
+            range: t.range.clone(),
+        }));
+    }
+    super::safetensors_io::load_targets(&file, &resolve_exact, &targets, &mut [m, v])
+        .with_context(|| {
+            format!(
+                "loading optimizer moments for a GPT-2 with {}",
+                describe(layout)
+            )
+        })?;
+    Ok(state)
+}
+
+/// The step number of a checkpoint directory name `step-NNNNNN` (digits only).
+fn step_of(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The newest complete checkpoint under `RUN_DIR/checkpoints`, or `None` if there is none.
+/// Ignores temporary (`*.tmp-*`) and other non-`step-N` entries silently, and incomplete
+/// `step-N` directories (a file missing or empty) with a warning on stderr.
+pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
+    let root = run_dir.join(CHECKPOINTS_DIR);
+    let entries = match fs::read_dir(&root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", root.display())),
+    };
+    let mut best: Option<(u64, PathBuf)> = None;
+    for entry in entries {
+        let entry = entry.with_context(|| format!("cannot list {}", root.display()))?;
+        let name = entry.file_name();
+        let Some(step) = name.to_str().and_then(step_of) else {
+            continue;
+        };
+        let path = entry.path();
+        if !path.is_dir() {
+            continue;
+        }
+        let missing: Vec<&str> = CHECKPOINT_FILES
+            .iter()
+            .copied()
+            .filter(|f| !fs::metadata(path.join(f)).is_ok_and(|m| m.is_file() && m.len() > 0))
+            .collect();
+        if !missing.is_empty() {
+            eprintln!(
+                "memwall: warning: ignoring incomplete checkpoint {} (missing or empty: {})",
+                path.display(),
+                missing.join(", ")
+            );
+            continue;
+        }
+        if best.as_ref().is_none_or(|(s, _)| step > *s) {
+            best = Some((step, path));
+        }
+    }
+    Ok(best.map(|(_, p)| p))
+}

@@ -1,0 +1,394 @@
+//! The safetensors format, both ways, without whole-file copies.
+//!
+//! A safetensors file is: `u64` little-endian header length `N`; `N` bytes of JSON
+//! (`{"<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ...,
+//! "__metadata__": {"format": "pt"}}`, padded with spaces to a multiple of 8); then the raw
+//! little-endian tensor data, offsets counted from the end of the header.
+//!
+//! Writing streams each tensor from its `&[f32]` slice of the flat buffer through one small
+//! staging buffer ([`STAGE_BYTES`]), so saving a 500 MB model allocates about a megabyte.
+//!
+//! Reading memory-maps the file, validates the header with the `safetensors` crate (offsets
+//! contiguous, sizes consistent with dtype and shape, file length exact: a truncated or
+//! padded file is rejected), then copies tensor by tensor into the destination slices,
+//! converting F16/BF16 to f32, and drops each tensor's pages from the mapping after the copy,
+//! so the mapped file never stays resident next to its destination buffer.
+
+use anyhow::{Context, Result, anyhow, bail};
+use memmap2::Mmap;
+use safetensors::tensor::TensorInfo;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::{Value, json};
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::Write;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+/// Size of the staging buffer used to convert f32 to little-endian bytes while writing.
+pub(crate) const STAGE_BYTES: usize = 1 << 20;
+
+/// Most names listed in one error message.
+const LIST_MAX: usize = 12;
+
+/// One tensor to write: name, shape and its f32 data borrowed from the flat buffer.
+pub(crate) struct OutTensor<'a> {
+    pub name: String,
+    pub shape: &'a [usize],
+    pub data: &'a [f32],
+}
+
+/// The JSON header (without its length prefix), padded with spaces to a multiple of 8 bytes
+/// so that the data section starts 8-byte aligned. Tensors are laid out in the given order.
+pub(crate) fn header_bytes(tensors: &[OutTensor]) -> Result<Vec<u8>> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), json!({ "format": "pt" }));
+    let mut offset = 0usize;
+    for t in tensors {
+        let n: usize = t.shape.iter().product();
+        if n != t.data.len() {
+            bail!(
+                "tensor {}: shape {:?} has {n} elements but its buffer holds {}",
+                t.name,
+                t.shape,
+                t.data.len()
+            );
+        }
+        let end = offset + 4 * n;
+        let info = json!({ "dtype": "F32", "shape": t.shape, "data_offsets": [offset, end] });
+        if map.insert(t.name.clone(), info).is_some() {
+            bail!("tensor name {} appears twice", t.name);
+        }
+        offset = end;
+    }
+    let mut h = serde_json::to_vec(&Value::Object(map))?;
+    h.resize(h.len().next_multiple_of(8), b' ');
+    Ok(h)
+}
+
+/// Writes a complete safetensors file (F32 tensors) to `w`, streaming the data.
+pub(crate) fn write_safetensors(w: &mut impl Write, tensors: &[OutTensor]) -> Result<()> {
+    let header = header_bytes(tensors)?;
+    w.write_all(&(header.len() as u64).to_le_bytes())
+        .and_then(|_| w.write_all(&header))
+        .context("writing the safetensors header")?;
+    let largest = tensors.iter().map(|t| 4 * t.data.len()).max().unwrap_or(0);
+    let mut stage = vec![0u8; largest.min(STAGE_BYTES)];
+    for t in tensors {
+        for chunk in t.data.chunks(STAGE_BYTES / 4) {
+            let out = &mut stage[..4 * chunk.len()];
+            for (o, x) in out.chunks_exact_mut(4).zip(chunk) {
+                o.copy_from_slice(&x.to_le_bytes());
+            }
+            w.write_all(out)
+                .with_context(|| format!("writing tensor {}", t.name))?;
+        }
+    }
+    w.flush().context("flushing")?;
+    Ok(())
+}
+
+/// A memory-mapped, header-validated safetensors file.
+pub(crate) struct StFile {
+    pub path: PathBuf,
+    map: Mmap,
+    /// Byte offset of the data section (8 + header length).
+    data_start: usize,
+    infos: HashMap<String, TensorInfo>,
+}
+
+impl StFile {
+    /// Opens and validates `path`. Errors name the file: missing, unreadable, truncated or
+    /// corrupt header.
+    pub fn open(path: &Path) -> Result<StFile> {
+        let file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                bail!("{}: no such file", path.display());
+            }
+            Err(e) => return Err(anyhow!(e)).context(format!("cannot open {}", path.display())),
+        };
+        let len = file
+            .metadata()
+            .with_context(|| format!("cannot stat {}", path.display()))?
+            .len();
+        if len < 8 {
+            bail!(
+                "{}: truncated or not a safetensors file ({len} bytes; a safetensors file starts \
+                 with an 8-byte header length); re-save or re-download it",
+                path.display()
+            );
+        }
+        // SAFETY: a read-only mapping. It is sound as long as nobody truncates or rewrites the
+        // file in place while we read it; memwall never does (it writes a temporary file and
+        // renames it, which leaves this inode intact).
+        let map = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot memory-map {}", path.display()))?;
+        let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
+            anyhow!(
+                "{}: not a valid safetensors file ({e}; {len} bytes): the file is truncated or \
+                 corrupt; re-save or re-download it",
+                path.display()
+            )
+        })?;
+        let infos = meta
+            .tensors()
+            .into_iter()
+            .map(|(k, v)| (k, v.clone()))
+            .collect();
+        Ok(StFile {
+            path: path.to_path_buf(),
+            map,
+            data_start: 8 + n,
+            infos,
+        })
+    }
+
+    /// Names of all tensors in the file (any order).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.infos.keys().map(String::as_str)
+    }
+
+    /// Header entry of a tensor.
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.infos.get(name)
+    }
+
+    /// Byte range of a tensor's data within the mapping.
+    fn byte_range(&self, info: &TensorInfo) -> Range<usize> {
+        self.data_start + info.data_offsets.0..self.data_start + info.data_offsets.1
+    }
+
+    /// Raw bytes of a tensor (validated against the file length when opened).
+    pub fn bytes(&self, name: &str, info: &TensorInfo) -> Result<&[u8]> {
+        self.map.get(self.byte_range(info)).with_context(|| {
+            format!(
+                "{}: tensor {name}: data lies outside the file",
+                self.path.display()
+            )
+        })
+    }
+
+    /// Drops a tensor's pages from this process's mapping (they are re-read from the file if
+    /// touched again). Keeps a loaded file from staying resident next to its destination.
+    pub fn release(&self, info: &TensorInfo) {
+        let r = self.byte_range(info);
+        self.release_bytes(r);
+    }
+
+    /// Drops the pages of a byte range of the mapping (see [`StFile::release`]).
+    fn release_bytes(&self, r: Range<usize>) {
+        #[cfg(unix)]
+        if !r.is_empty() {
+            // SAFETY: the mapping is read-only and file-backed, so dropping its pages loses
+            // nothing; later reads fault them back in from the file.
+            let _ = unsafe {
+                self.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    r.start,
+                    r.len(),
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = r;
+    }
+
+    /// Converts tensor `name` into `dst` (same element count), in blocks of [`READ_BLOCK`]
+    /// elements whose pages are released right after their copy, so at most one block of
+    /// the file is resident beyond the destination.
+    pub fn read_into(&self, name: &str, info: &TensorInfo, dst: &mut [f32]) -> Result<()> {
+        let src = self.bytes(name, info)?;
+        let fail = |e: String| anyhow!("{}: tensor {name}: {e}", self.path.display());
+        let width = match info.dtype {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            _ => return decode_into(info.dtype, src, dst).map_err(fail), // reports the dtype
+        };
+        if src.len() != width * dst.len() {
+            return decode_into(info.dtype, src, dst).map_err(fail); // reports the sizes
+        }
+        let start = self.byte_range(info).start;
+        for (i, (d, s)) in dst
+            .chunks_mut(READ_BLOCK)
+            .zip(src.chunks(READ_BLOCK * width))
+            .enumerate()
+        {
+            decode_into(info.dtype, s, d).map_err(fail)?;
+            let at = start + i * READ_BLOCK * width;
+            self.release_bytes(at..at + s.len());
+        }
+        Ok(())
+    }
+}
+
+/// Elements converted per block while loading (4 MiB of f32 data).
+pub(crate) const READ_BLOCK: usize = 1 << 20;
+
+/// Whether a dtype can be loaded (converted to f32).
+pub(crate) fn supported(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16)
+}
+
+/// Decodes little-endian `src` of `dtype` into `dst`, converting to f32.
+pub(crate) fn decode_into(dtype: Dtype, src: &[u8], dst: &mut [f32]) -> Result<(), String> {
+    let width = match dtype {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        other => {
+            return Err(format!(
+                "unsupported dtype {other:?} (memwall loads F32, F16 and BF16)"
+            ));
+        }
+    };
+    if src.len() != width * dst.len() {
+        return Err(format!(
+            "holds {} bytes but {} {dtype:?} elements need {}",
+            src.len(),
+            dst.len(),
+            width * dst.len()
+        ));
+    }
+    match dtype {
+        Dtype::F32 => {
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Dtype::F16 => {
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        _ => {
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// How a tensor name found in a file is to be treated.
+pub(crate) enum Resolved {
+    /// It provides the tensor with this canonical key.
+    Key(String),
+    /// A known non-parameter (e.g. the attention mask buffer, the tied LM head): skip silently.
+    Ignore,
+}
+
+/// A tensor to load: canonical key, expected shape, destination buffer index and range.
+pub(crate) struct Target {
+    pub key: String,
+    pub shape: Vec<usize>,
+    pub buf: usize,
+    pub range: Range<usize>,
+}
+
+/// Joins up to [`LIST_MAX`] items, noting how many were left out.
+pub(crate) fn list(items: &[String]) -> String {
+    let mut s = items
+        .iter()
+        .take(LIST_MAX)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if items.len() > LIST_MAX {
+        s.push_str(&format!(", and {} more", items.len() - LIST_MAX));
+    }
+    s
+}
+
+/// Loads every target from `file` into `bufs[target.buf][target.range]`.
+///
+/// Everything is checked before anything is copied (so on error the destination is
+/// untouched): each target present exactly once, with the expected shape and a supported
+/// dtype. File tensors that resolve to no target are reported on stderr and skipped.
+pub(crate) fn load_targets(
+    file: &StFile,
+    resolve: &dyn Fn(&str) -> Resolved,
+    targets: &[Target],
+    bufs: &mut [&mut [f32]],
+) -> Result<()> {
+    let path = file.path.display();
+    let wanted: HashSet<&str> = targets.iter().map(|t| t.key.as_str()).collect();
+    let mut by_key: HashMap<String, &str> = HashMap::new();
+    let mut unknown = Vec::new();
+    let mut names: Vec<&str> = file.names().collect();
+    names.sort_unstable();
+    for name in names {
+        match resolve(name) {
+            Resolved::Ignore => {}
+            Resolved::Key(k) if wanted.contains(k.as_str()) => {
+                if let Some(prev) = by_key.insert(k.clone(), name) {
+                    bail!(
+                        "{path}: tensors '{prev}' and '{name}' both provide '{k}'; keep only one of them"
+                    );
+                }
+            }
+            Resolved::Key(_) => unknown.push(name.to_string()),
+        }
+    }
+    let (mut missing, mut bad_shape, mut bad_dtype) = (Vec::new(), Vec::new(), Vec::new());
+    for t in targets {
+        let Some(info) = by_key.get(&t.key).and_then(|n| file.info(n)) else {
+            missing.push(t.key.clone());
+            continue;
+        };
+        if info.shape != t.shape {
+            bad_shape.push(format!(
+                "{} (expected shape {:?}, found {:?})",
+                t.key, t.shape, info.shape
+            ));
+        } else if !supported(info.dtype) {
+            bad_dtype.push(format!("{} ({:?})", t.key, info.dtype));
+        }
+    }
+    let mut problems = Vec::new();
+    if !missing.is_empty() {
+        problems.push(format!(
+            "{} missing tensor(s): {}",
+            missing.len(),
+            list(&missing)
+        ));
+    }
+    if !bad_shape.is_empty() {
+        problems.push(format!("wrong shape: {}", list(&bad_shape)));
+    }
+    if !bad_dtype.is_empty() {
+        problems.push(format!(
+            "unsupported dtype: {} (memwall loads F32, F16 and BF16; convert the file)",
+            list(&bad_dtype)
+        ));
+    }
+    if !problems.is_empty() {
+        bail!("{path}: {}", problems.join("; "));
+    }
+    if !unknown.is_empty() {
+        eprintln!(
+            "memwall: warning: {path}: ignoring {} unexpected tensor(s): {}",
+            unknown.len(),
+            list(&unknown)
+        );
+    }
+    for t in targets {
+        let Some(info) = by_key
+            .get(&t.key)
+            .and_then(|n| file.info(n).map(|i| (*n, i)))
+        else {
+            continue; // checked above: every target is present
+        };
+        let (name, info) = info;
+        let dst = bufs
+            .get_mut(t.buf)
+            .and_then(|b| b.get_mut(t.range.clone()))
+            .with_context(|| {
+                format!(
+                    "{path}: tensor {name}: destination range {:?} out of bounds",
+                    t.range
+                )
+            })?;
+        file.read_into(name, info, dst)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! The trainer state saved next to the weights (`trainer_state.json`): where the run stands,
+//! so that resuming continues bitwise where it stopped.
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+use crate::model::{ModelSpec, ParamLayout};
+
+/// Everything besides tensors that a resumed run needs. Written as `trainer_state.json`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Training batches consumed (the loader restarts from here).
+    pub data_position: u64,
+    /// The run's seed.
+    pub seed: u64,
+    /// The training RNG's state after `step` steps.
+    pub rng_state: u64,
+    /// `ModelSpec::to_hf_config()` of the run (dimensions are checked on resume).
+    pub model: serde_json::Value,
+    /// The run's training configuration (opaque to `ckpt`).
+    pub train: serde_json::Value,
+    /// `memwall` version that wrote the checkpoint.
+    pub memwall_version: String,
+}
+
+impl TrainerState {
+    /// The model recorded in the state.
+    pub fn model_spec(&self) -> Result<ModelSpec> {
+        ModelSpec::from_hf_config_str(&self.model.to_string(), "trainer_state.json field 'model'")
+    }
+
+    /// Reads and parses a `trainer_state.json`; errors name the file.
+    pub(crate) fn read(path: &Path) -> Result<TrainerState> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{}: not a valid trainer state (expected JSON with step, data_position, seed, \
+                 rng_state, model, train, memwall_version); the checkpoint is corrupt",
+                path.display()
+            )
+        })
+    }
+
+    /// Checks that the recorded model has the tensors of `layout` (same names and shapes).
+    pub(crate) fn check_layout(&self, path: &Path, layout: &ParamLayout) -> Result<()> {
+        let spec = self
+            .model_spec()
+            .with_context(|| format!("{}", path.display()))?;
+        let recorded = ParamLayout::new(&spec);
+        let same = recorded.total == layout.total
+            && recorded.tensors.len() == layout.tensors.len()
+            && recorded
+                .tensors
+                .iter()
+                .zip(&layout.tensors)
+                .all(|(a, b)| a.name == b.name && a.shape == b.shape);
+        if !same {
+            bail!(
+                "{}: the checkpoint was written by a run of a different model ({}) than this one \
+                 ({}); resume with the same --model",
+                path.display(),
+                super::layout_summary(&recorded),
+                super::layout_summary(layout)
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,428 @@
+//! Reading a prepared data set and drawing training batches from it.
+//!
+//! A batch is `B` windows of `T + 1` consecutive tokens, laid out `[B, T+1]`: row `b` gives
+//! the inputs `out[b][0..T]` and the next-token targets `out[b][1..T+1]`. Window offsets are
+//! uniform in `[0, len - (T+1)]` and drawn from [`Rng::stream`]`(seed, index)`, so batch
+//! `index` is a pure function of `(seed, index)`: a resumed run that restarts at the saved
+//! [`BatchLoader::position`] sees exactly the batches it would have seen.
+//!
+//! [`BatchLoader`] prefetches on a worker thread into two staging buffers allocated once at
+//! construction (the data loader's whole "I/O staging" footprint, [`BatchLoader::staging_bytes`]);
+//! nothing is allocated per batch.
+
+use crate::data::prepare::{META_FORMAT, META_VERSION};
+use crate::data::shard::Shard;
+use crate::util::rng::Rng;
+use anyhow::{Context, Result, bail, ensure};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::thread::JoinHandle;
+
+/// The parts of `meta.json` the trainer needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Meta {
+    pub vocab_size: usize,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+    /// Tokenizer name, e.g. `gpt2-r50k_base`.
+    pub tokenizer: String,
+}
+
+#[derive(Deserialize)]
+struct MetaIn {
+    format: String,
+    version: u32,
+    tokenizer: String,
+    vocab_size: usize,
+    train_tokens: u64,
+    val_tokens: u64,
+}
+
+/// A prepared data set: `meta.json` plus the two shards, validated against each other.
+#[derive(Debug)]
+pub struct DataSet {
+    pub dir: PathBuf,
+    pub meta: Meta,
+    pub train: Arc<Shard>,
+    pub val: Arc<Shard>,
+}
+
+const HOW_TO_PREPARE: &str =
+    "run `memwall prepare <FILES> --out DIR` to create a data set, then pass --data DIR";
+
+impl DataSet {
+    /// Opens `dir/meta.json`, `dir/train.bin` and `dir/val.bin` and checks that they agree.
+    pub fn open(dir: &Path) -> Result<DataSet> {
+        let d = dir.display();
+        ensure!(
+            dir.is_dir(),
+            "data directory '{d}' does not exist or is not a directory: {HOW_TO_PREPARE}"
+        );
+        let meta_path = dir.join("meta.json");
+        ensure!(
+            meta_path.is_file(),
+            "'{d}' is not a memwall data set: it has no meta.json (or a previous prepare was interrupted): {HOW_TO_PREPARE}"
+        );
+        let raw = std::fs::read(&meta_path)
+            .with_context(|| format!("cannot read '{}'", meta_path.display()))?;
+        let m: MetaIn = serde_json::from_slice(&raw).with_context(|| {
+            format!(
+                "'{}' is corrupt or not a memwall meta.json: {HOW_TO_PREPARE}",
+                meta_path.display()
+            )
+        })?;
+        ensure!(
+            m.format == META_FORMAT && m.version == META_VERSION,
+            "'{}' has format '{}' version {}, but this memwall reads '{META_FORMAT}' version {META_VERSION}: {HOW_TO_PREPARE}",
+            meta_path.display(),
+            m.format,
+            m.version
+        );
+        let open = |name: &str, expect: u64| -> Result<Arc<Shard>> {
+            let p = dir.join(name);
+            let s = Shard::open(&p).with_context(|| {
+                format!("data set '{d}' is incomplete or corrupt: {HOW_TO_PREPARE}")
+            })?;
+            ensure!(
+                s.len() as u64 == expect && s.vocab_size() == m.vocab_size,
+                "data set '{d}' is inconsistent: '{}' has {} tokens (vocabulary {}) but meta.json says {expect} \
+                 (vocabulary {}): {HOW_TO_PREPARE}",
+                p.display(),
+                s.len(),
+                s.vocab_size(),
+                m.vocab_size
+            );
+            Ok(Arc::new(s))
+        };
+        let train = open("train.bin", m.train_tokens)?;
+        let val = open("val.bin", m.val_tokens)?;
+        let meta = Meta {
+            vocab_size: m.vocab_size,
+            train_tokens: m.train_tokens,
+            val_tokens: m.val_tokens,
+            tokenizer: m.tokenizer,
+        };
+        Ok(DataSet {
+            dir: dir.to_path_buf(),
+            meta,
+            train,
+            val,
+        })
+    }
+}
+
+/// Checks that `shard` can serve windows of `t + 1` tokens (sequence length `t`).
+/// The error names the split, its token count and `--seq`.
+pub fn check_fits(shard: &Shard, split: &str, t: usize) -> Result<()> {
+    let need = t as u64 + 1;
+    if (shard.len() as u64) < need {
+        bail!(
+            "the {split} split ('{}') has {} tokens, too few for --seq {t} (a window needs {need} tokens): \
+             use a smaller --seq, or add text{}",
+            shard.path().display(),
+            shard.len(),
+            if split == "val" {
+                " or raise --val-fraction in `memwall prepare`"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
+}
+
+/// Fills `out` (`[B, T+1]`, so `b * (t + 1)` tokens) with batch `index` of `shard`:
+/// `b` windows at offsets drawn uniformly in `[0, len - (t+1)]` from `Rng::stream(seed, index)`.
+///
+/// Panics when `out` has the wrong length or the shard is shorter than `t + 1` tokens
+/// (call [`check_fits`] first; that is where bad input becomes an error).
+pub fn fill_batch(shard: &Shard, b: usize, t: usize, seed: u64, index: u64, out: &mut [u32]) {
+    let w = t + 1;
+    assert_eq!(
+        out.len(),
+        b * w,
+        "fill_batch: out has {} tokens, expected B*(T+1) = {b}*{w}",
+        out.len()
+    );
+    assert!(
+        shard.len() >= w,
+        "fill_batch: '{}' has {} tokens, fewer than T+1 = {w} (call check_fits first)",
+        shard.path().display(),
+        shard.len()
+    );
+    let positions = (shard.len() - w) as u64 + 1;
+    let mut rng = Rng::stream(seed, index);
+    for row in out.chunks_exact_mut(w) {
+        let start = rng.below(positions) as usize;
+        shard.read(start, row);
+    }
+}
+
+/// Prefetching batch source: a worker thread fills batch `k + 1` while the trainer uses `k`.
+///
+/// Two `[B, T+1]` buffers are allocated at construction and passed back and forth between the
+/// trainer and the worker over two channels (`free` → worker fills → `ready` → copied out →
+/// `free`). Batches come out in index order whatever the timing, so the `k`-th call to
+/// [`next_into`](Self::next_into) yields `fill_batch(.., start_index + k, ..)`.
+pub struct BatchLoader {
+    ready_rx: Option<Receiver<Vec<u32>>>,
+    free_tx: Option<SyncSender<Vec<u32>>>,
+    worker: Option<JoinHandle<()>>,
+    position: u64,
+    batch_len: usize,
+}
+
+impl BatchLoader {
+    /// Starts the worker at batch `start_index`.
+    ///
+    /// Panics when the shard is shorter than `t + 1` tokens (call [`check_fits`] first).
+    pub fn new(shard: Arc<Shard>, b: usize, t: usize, seed: u64, start_index: u64) -> BatchLoader {
+        assert!(
+            shard.len() > t,
+            "BatchLoader: '{}' has {} tokens, fewer than T+1 = {} (call check_fits first)",
+            shard.path().display(),
+            shard.len(),
+            t + 1
+        );
+        let batch_len = b * (t + 1);
+        let (free_tx, free_rx) = sync_channel::<Vec<u32>>(2);
+        let (ready_tx, ready_rx) = sync_channel::<Vec<u32>>(2);
+        for _ in 0..2 {
+            free_tx
+                .send(vec![0u32; batch_len])
+                .expect("receiver is alive");
+        }
+        let worker = std::thread::Builder::new()
+            .name("memwall-data".into())
+            .spawn(move || {
+                let mut index = start_index;
+                // Ends when the loader drops its sender (recv fails) or its receiver (send fails).
+                while let Ok(mut buf) = free_rx.recv() {
+                    fill_batch(&shard, b, t, seed, index, &mut buf);
+                    index += 1;
+                    if ready_tx.send(buf).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("cannot spawn the data loader thread");
+        BatchLoader {
+            ready_rx: Some(ready_rx),
+            free_tx: Some(free_tx),
+            worker: Some(worker),
+            position: start_index,
+            batch_len,
+        }
+    }
+
+    /// Copies the next batch into `out` (`[B, T+1]`) and hands its buffer back to the worker.
+    pub fn next_into(&mut self, out: &mut [u32]) {
+        assert_eq!(
+            out.len(),
+            self.batch_len,
+            "BatchLoader::next_into: out must hold B*(T+1) tokens"
+        );
+        let rx = self.ready_rx.as_ref().expect("loader is running");
+        let buf = rx
+            .recv()
+            .expect("the data loader thread stopped unexpectedly");
+        out.copy_from_slice(&buf);
+        self.position += 1;
+        // The worker only stops after we drop our ends, so this send cannot fail now; if it
+        // did, the next recv reports it.
+        let _ = self.free_tx.as_ref().expect("loader is running").send(buf);
+    }
+
+    /// `start_index` plus the number of batches handed out: the index of the next batch
+    /// (saved in checkpoints so a resumed run continues the same sequence).
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// Bytes a loader for `[B, T+1]` batches allocates: two staging buffers of u32 tokens.
+    pub fn staging_bytes(b: usize, t: usize) -> u64 {
+        2 * (b as u64) * (t as u64 + 1) * 4
+    }
+}
+
+impl Drop for BatchLoader {
+    fn drop(&mut self) {
+        // Closing both channel ends wakes the worker wherever it waits.
+        self.free_tx.take();
+        self.ready_rx.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::prepare::{PrepareOptions, prepare};
+    use crate::data::shard::write_shard;
+
+    /// A shard whose token at position i is i (mod vocab), so windows are easy to check.
+    fn counting_shard(dir: &Path, n: usize) -> Shard {
+        let p = dir.join("count.bin");
+        let toks: Vec<u32> = (0..n as u32).collect();
+        write_shard(&p, &toks, n.max(2)).unwrap();
+        Shard::open(&p).unwrap()
+    }
+
+    #[test]
+    fn fill_batch_windows_and_determinism() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = counting_shard(dir.path(), 1000);
+        let (b, t) = (4, 16);
+        let mut x = vec![0; b * (t + 1)];
+        let mut y = vec![0; b * (t + 1)];
+        fill_batch(&s, b, t, 42, 7, &mut x);
+        fill_batch(&s, b, t, 42, 7, &mut y);
+        assert_eq!(x, y, "pure function of (seed, index)");
+        for row in x.chunks_exact(t + 1) {
+            // Consecutive tokens: targets row[1..] are inputs row[..T] shifted by one.
+            assert!(row.windows(2).all(|p| p[1] == p[0] + 1), "{row:?}");
+            assert!(row[t] < 1000);
+            let (inputs, targets) = (&row[..t], &row[1..]);
+            assert_eq!(&inputs[1..], &targets[..t - 1]);
+        }
+        fill_batch(&s, b, t, 42, 8, &mut y);
+        assert_ne!(x, y, "different index, different batch");
+        fill_batch(&s, b, t, 43, 7, &mut y);
+        assert_ne!(x, y, "different seed, different batch");
+    }
+
+    #[test]
+    fn fill_batch_covers_both_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = counting_shard(dir.path(), 10);
+        let t = 7; // windows of 8 in 10 tokens: offsets 0, 1, 2
+        let mut seen = [false; 3];
+        let mut out = vec![0; 8];
+        for i in 0..200 {
+            fill_batch(&s, 1, t, 1, i, &mut out);
+            seen[out[0] as usize] = true;
+        }
+        assert_eq!(seen, [true; 3]);
+        // Exact fit: T+1 == len, the only window is the whole shard.
+        let mut out = vec![0; 10];
+        fill_batch(&s, 1, 9, 5, 0, &mut out);
+        assert_eq!(out, (0..10).collect::<Vec<u32>>());
+    }
+
+    #[test]
+    fn batch_loader_matches_fill_batch_sequence() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(counting_shard(dir.path(), 5000));
+        let (b, t, seed) = (3, 32, 9);
+        for start in [0u64, 17] {
+            let mut loader = BatchLoader::new(s.clone(), b, t, seed, start);
+            assert_eq!(loader.position(), start);
+            let mut got = vec![0; b * (t + 1)];
+            let mut want = vec![0; b * (t + 1)];
+            for k in 0..25 {
+                if k % 5 == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                loader.next_into(&mut got);
+                fill_batch(&s, b, t, seed, start + k, &mut want);
+                assert_eq!(got, want, "start {start}, batch {k}");
+                assert_eq!(loader.position(), start + k + 1);
+            }
+        }
+        assert_eq!(BatchLoader::staging_bytes(b, t), 2 * 3 * 33 * 4);
+    }
+
+    #[test]
+    fn batch_loader_drops_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(counting_shard(dir.path(), 100));
+        // Dropped before any batch is taken (worker blocked with both buffers full).
+        drop(BatchLoader::new(s.clone(), 2, 8, 1, 0));
+        // Dropped mid-stream.
+        let mut l = BatchLoader::new(s.clone(), 2, 8, 1, 0);
+        let mut out = vec![0; 18];
+        l.next_into(&mut out);
+        drop(l);
+        // The worker released its reference to the shard.
+        assert_eq!(Arc::strong_count(&s), 1);
+    }
+
+    #[test]
+    fn check_fits_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = counting_shard(dir.path(), 100);
+        assert!(check_fits(&s, "train", 99).is_ok());
+        let e = check_fits(&s, "val", 100).unwrap_err().to_string();
+        assert!(
+            e.contains("val") && e.contains("100 tokens") && e.contains("--seq 100"),
+            "{e}"
+        );
+        assert!(e.contains("--val-fraction"), "{e}");
+        let e = check_fits(&s, "train", 1024).unwrap_err().to_string();
+        assert!(e.contains("train") && e.contains("--seq 1024"), "{e}");
+    }
+
+    #[test]
+    fn dataset_open_round_trip_and_errors() {
+        let src = tempfile::tempdir().unwrap();
+        std::fs::write(
+            src.path().join("a.txt"),
+            "To be, or not to be, that is the question. ".repeat(20),
+        )
+        .unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let dir = out.path().join("data");
+        let sum = prepare(&PrepareOptions {
+            inputs: vec![src.path().into()],
+            out: dir.clone(),
+            val_fraction: 0.2,
+        })
+        .unwrap();
+        let ds = DataSet::open(&dir).unwrap();
+        assert_eq!(ds.dir, dir);
+        assert_eq!(
+            ds.meta,
+            Meta {
+                vocab_size: 50257,
+                train_tokens: sum.train_tokens,
+                val_tokens: sum.val_tokens,
+                tokenizer: "gpt2-r50k_base".into()
+            }
+        );
+        assert_eq!(ds.train.len() as u64, sum.train_tokens);
+        assert_eq!(ds.val.len() as u64, sum.val_tokens);
+
+        let hint = "memwall prepare <FILES> --out DIR";
+        let e = format!(
+            "{:#}",
+            DataSet::open(&out.path().join("missing")).unwrap_err()
+        );
+        assert!(e.contains("missing") && e.contains(hint), "{e}");
+
+        // Inconsistent: val.bin replaced by a shard of another length.
+        write_shard(&dir.join("val.bin"), &[1, 2, 3], 50257).unwrap();
+        let e = format!("{:#}", DataSet::open(&dir).unwrap_err());
+        assert!(e.contains("val.bin") && e.contains(hint), "{e}");
+
+        // Truncated train.bin.
+        let raw = std::fs::read(dir.join("train.bin")).unwrap();
+        std::fs::write(dir.join("train.bin"), &raw[..raw.len() - 1]).unwrap();
+        let e = format!("{:#}", DataSet::open(&dir).unwrap_err());
+        assert!(
+            e.contains("train.bin") && e.contains("truncated") && e.contains(hint),
+            "{e}"
+        );
+
+        std::fs::write(dir.join("meta.json"), "{not json").unwrap();
+        let e = format!("{:#}", DataSet::open(&dir).unwrap_err());
+        assert!(e.contains("meta.json") && e.contains(hint), "{e}");
+
+        std::fs::remove_file(dir.join("meta.json")).unwrap();
+        let e = format!("{:#}", DataSet::open(&dir).unwrap_err());
+        assert!(e.contains("meta.json") && e.contains(hint), "{e}");
+    }
+}

@@ -1,0 +1,699 @@
+//! `memwall prepare`: turn text files into a tokenized data set (`train.bin`, `val.bin`,
+//! `meta.json`) that [`crate::data::loader::DataSet`] opens.
+//!
+//! * **Inputs** are files or directories. A file named explicitly must be plain UTF-8 text
+//!   (no NUL bytes), else it is an error. Directories are walked recursively in path order;
+//!   hidden entries (names starting with `.`) and symlinked directories are skipped, and files
+//!   that are not UTF-8 text are skipped with a warning on stderr. Files that are empty or only
+//!   whitespace are skipped with a warning. A leading UTF-8 byte-order mark is dropped.
+//! * **Documents**: each file is one document. The token stream is
+//!   `EOT d₁ EOT d₂ … EOT dₙ` (an [`EOT`] before every document, as GPT-2's data preparation
+//!   does), so a model always sees `<|endoftext|>` before a document starts.
+//! * **Split**: the last `val_fraction` of the concatenated stream (rounded to whole tokens) is
+//!   the validation split, the rest the training split. With several documents this holds out
+//!   the last documents in path order, which keeps validation text unseen in training.
+//! * **Output**: `OUT/train.bin` and `OUT/val.bin` ([`crate::data::shard`] format) and
+//!   `OUT/meta.json`, each written atomically. `meta.json` is removed first and written last,
+//!   so a crash part-way leaves a directory that [`crate::data::loader::DataSet::open`] refuses
+//!   rather than a mix of old and new shards.
+//! * Tokenization runs in parallel (files, and pieces of large files, across rayon threads)
+//!   with a deterministic result: the same inputs give byte-identical outputs.
+
+use crate::data::shard::{write_atomic, write_shard};
+use crate::data::tokenizer::{EOT, GPT2_VOCAB, Tokenizer, split_points};
+use anyhow::{Context, Result, bail, ensure};
+use rayon::prelude::*;
+use serde::Serialize;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// What to prepare.
+#[derive(Clone, Debug)]
+pub struct PrepareOptions {
+    /// Text files and/or directories of text files.
+    pub inputs: Vec<PathBuf>,
+    /// Output directory (created if missing).
+    pub out: PathBuf,
+    /// Fraction of tokens held out for validation, in (0, 0.5].
+    pub val_fraction: f64,
+}
+
+/// What `prepare` wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrepareSummary {
+    /// Documents (files) tokenized.
+    pub files: usize,
+    /// Bytes of text read from those files.
+    pub bytes: u64,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+    /// The output directory.
+    pub out: PathBuf,
+}
+
+/// One entry of `meta.json`'s `sources`.
+#[derive(Serialize)]
+struct Source {
+    path: String,
+    bytes: u64,
+    tokens: u64,
+}
+
+/// `meta.json` as written (the reader is [`crate::data::loader`]).
+#[derive(Serialize)]
+struct MetaOut<'a> {
+    format: &'a str,
+    version: u32,
+    tokenizer: &'a str,
+    vocab_size: usize,
+    eot: u32,
+    train_tokens: u64,
+    val_tokens: u64,
+    val_fraction: f64,
+    sources: Vec<Source>,
+}
+
+/// `meta.json`'s `format` field.
+pub const META_FORMAT: &str = "memwall-tokens";
+/// `meta.json`'s `version` field.
+pub const META_VERSION: u32 = 1;
+/// `meta.json`'s `tokenizer` field for GPT-2.
+pub const TOKENIZER_NAME: &str = "gpt2-r50k_base";
+
+/// Size of the pieces a large document is cut into for parallel tokenization.
+const PIECE_BYTES: usize = 1 << 20;
+/// Text read per parallel batch; bounds memory for large corpora.
+const BATCH_BYTES: u64 = 64 << 20;
+/// Show a progress bar above this many bytes of input.
+const PROGRESS_BYTES: u64 = 4 << 20;
+
+/// A file found among the inputs.
+struct Candidate {
+    path: PathBuf,
+    /// Named on the command line (errors) rather than found in a directory (warnings).
+    explicit: bool,
+    len: u64,
+}
+
+/// Tokenizes the inputs and writes `train.bin`, `val.bin` and `meta.json` into `opts.out`.
+pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
+    let f = opts.val_fraction;
+    ensure!(
+        f.is_finite() && f > 0.0 && f <= 0.5,
+        "--val-fraction {f} is out of range: it must be greater than 0 and at most 0.5 (e.g. 0.1)"
+    );
+    ensure!(
+        !opts.inputs.is_empty(),
+        "no input files given: pass text files or directories, e.g. `memwall prepare book.txt --out data`"
+    );
+
+    // Check the inputs and the output directory before any work.
+    let out = &opts.out;
+    if out.exists() && !out.is_dir() {
+        bail!(
+            "--out '{}' is an existing file, not a directory: choose a directory path",
+            out.display()
+        );
+    }
+    let candidates = collect_inputs(&opts.inputs)?;
+    std::fs::create_dir_all(out).with_context(|| {
+        format!(
+            "cannot create output directory '{}': choose a writable --out",
+            out.display()
+        )
+    })?;
+    check_writable(out)?;
+
+    let tok = Tokenizer::gpt2()?;
+    let total: u64 = candidates.iter().map(|c| c.len).sum();
+    let bar = if total >= PROGRESS_BYTES {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(total),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "tokenizing {bar:40} {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, {eta})",
+        ) {
+            bar.set_style(style);
+        }
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+
+    // GPT-2 BPE averages 3-4 bytes per token on English text.
+    let mut stream: Vec<u32> = Vec::with_capacity((total / 3).min(1 << 28) as usize + 1);
+    let mut sources: Vec<Source> = Vec::new();
+    let mut bytes_used = 0u64;
+    let mut i = 0;
+    while i < candidates.len() {
+        // Read a batch of files (sequentially: I/O), then tokenize it in parallel.
+        let mut docs: Vec<(&Candidate, String)> = Vec::new();
+        let mut batch_bytes = 0u64;
+        while i < candidates.len() && (docs.is_empty() || batch_bytes < BATCH_BYTES) {
+            let c = &candidates[i];
+            i += 1;
+            if let Some(text) = read_text(c)? {
+                batch_bytes += c.len;
+                docs.push((c, text));
+            } else {
+                bar.inc(c.len);
+            }
+        }
+        let pieces: Vec<(usize, &str)> = docs
+            .iter()
+            .enumerate()
+            .flat_map(|(d, (_, text))| {
+                let mut bounds = vec![0];
+                bounds.extend(split_points(text, PIECE_BYTES));
+                bounds.push(text.len());
+                bounds
+                    .windows(2)
+                    .map(|w| (d, &text[w[0]..w[1]]))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let encoded: Vec<Vec<u32>> = pieces
+            .par_iter()
+            .map(|(_, piece)| {
+                let ids = tok.encode(piece);
+                bar.inc(piece.len() as u64);
+                ids
+            })
+            .collect();
+        let mut doc_tokens = vec![0u64; docs.len()];
+        let mut current = usize::MAX;
+        for ((d, _), ids) in pieces.iter().zip(encoded) {
+            if *d != current {
+                stream.push(EOT);
+                current = *d;
+            }
+            doc_tokens[*d] += ids.len() as u64;
+            stream.extend_from_slice(&ids);
+        }
+        for ((c, text), n) in docs.iter().zip(doc_tokens) {
+            bytes_used += c.len;
+            // Account for a dropped byte-order mark so the bar ends at its total.
+            bar.inc(c.len - text.len() as u64);
+            sources.push(Source {
+                path: c.path.display().to_string(),
+                bytes: c.len,
+                tokens: n,
+            });
+        }
+    }
+    bar.finish_and_clear();
+
+    if sources.is_empty() {
+        bail!(
+            "no text to prepare in {}: every file was empty, whitespace or not UTF-8 text; pass plain UTF-8 text files",
+            names(&opts.inputs)
+        );
+    }
+
+    let n = stream.len() as u64;
+    let val = ((n as f64 * f).round() as u64).min(n);
+    let train = n - val;
+    ensure!(
+        train >= 2 && val >= 2,
+        "corpus too small: {n} tokens from {} split into {train} training and {val} validation tokens \
+         with --val-fraction {f}; each split needs at least 2 tokens (and the trainer needs --seq + 1): \
+         add more text or change --val-fraction",
+        names(&opts.inputs)
+    );
+
+    let meta_path = out.join("meta.json");
+    if meta_path.exists() {
+        std::fs::remove_file(&meta_path).with_context(|| {
+            format!("cannot replace '{}': is it writable?", meta_path.display())
+        })?;
+    }
+    let (train_toks, val_toks) = stream.split_at(train as usize);
+    write_shard(&out.join("train.bin"), train_toks, GPT2_VOCAB)?;
+    write_shard(&out.join("val.bin"), val_toks, GPT2_VOCAB)?;
+    let files = sources.len();
+    let meta = MetaOut {
+        format: META_FORMAT,
+        version: META_VERSION,
+        tokenizer: TOKENIZER_NAME,
+        vocab_size: GPT2_VOCAB,
+        eot: EOT,
+        train_tokens: train,
+        val_tokens: val,
+        val_fraction: f,
+        sources,
+    };
+    let json = serde_json::to_string_pretty(&meta).context("cannot serialise meta.json")?;
+    write_atomic(&meta_path, |w| {
+        w.write_all(json.as_bytes())
+            .and_then(|_| w.write_all(b"\n"))
+            .with_context(|| format!("cannot write '{}'", meta_path.display()))
+    })?;
+
+    Ok(PrepareSummary {
+        files,
+        bytes: bytes_used,
+        train_tokens: train,
+        val_tokens: val,
+        out: out.clone(),
+    })
+}
+
+/// Fails early, naming the directory, when `dir` cannot take new files.
+fn check_writable(dir: &Path) -> Result<()> {
+    let probe = dir.join(format!(".memwall-write-test.{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| {
+        format!(
+            "output directory '{}' is not writable: choose a writable --out",
+            dir.display()
+        )
+    })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// "'a', 'b' and 2 more" for error messages.
+fn names(paths: &[PathBuf]) -> String {
+    let shown: Vec<String> = paths
+        .iter()
+        .take(3)
+        .map(|p| format!("'{}'", p.display()))
+        .collect();
+    let mut s = shown.join(", ");
+    if paths.len() > 3 {
+        s.push_str(&format!(" and {} more", paths.len() - 3));
+    }
+    s
+}
+
+/// Expands the inputs into files, in a deterministic order: inputs in the order given, each
+/// directory's files sorted by path.
+fn collect_inputs(inputs: &[PathBuf]) -> Result<Vec<Candidate>> {
+    let mut out = Vec::new();
+    for input in inputs {
+        let meta = std::fs::metadata(input).with_context(|| {
+            format!(
+                "input '{}' does not exist or cannot be read: pass text files or directories",
+                input.display()
+            )
+        })?;
+        if meta.is_dir() {
+            let mut found = Vec::new();
+            walk(input, &mut found)?;
+            found.sort_by(|a, b| a.path.cmp(&b.path));
+            if found.is_empty() {
+                eprintln!(
+                    "memwall: warning: directory '{}' holds no files",
+                    input.display()
+                );
+            }
+            out.extend(found);
+        } else if meta.is_file() {
+            out.push(Candidate {
+                path: input.clone(),
+                explicit: true,
+                len: meta.len(),
+            });
+        } else {
+            bail!(
+                "input '{}' is not a regular file or directory: pass plain UTF-8 text files",
+                input.display()
+            );
+        }
+    }
+    if out.is_empty() {
+        bail!(
+            "no files found in {}: pass plain UTF-8 text files or directories holding them",
+            names(inputs)
+        );
+    }
+    Ok(out)
+}
+
+/// Recursively lists regular files under `dir`, skipping hidden entries and symlinked
+/// directories (which could loop).
+fn walk(dir: &Path, found: &mut Vec<Candidate>) -> Result<()> {
+    let entries = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list directory '{}'", dir.display()))?;
+    for entry in entries {
+        let entry = entry.with_context(|| format!("cannot list directory '{}'", dir.display()))?;
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        let ft = entry
+            .file_type()
+            .with_context(|| format!("cannot stat '{}'", path.display()))?;
+        if ft.is_dir() {
+            walk(&path, found)?;
+        } else if ft.is_file() || ft.is_symlink() {
+            match std::fs::metadata(&path) {
+                Ok(m) if m.is_file() => found.push(Candidate {
+                    path,
+                    explicit: false,
+                    len: m.len(),
+                }),
+                Ok(m) if m.is_dir() => {
+                    eprintln!(
+                        "memwall: warning: skipping symlinked directory '{}'",
+                        path.display()
+                    )
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!("memwall: warning: skipping '{}': {e}", path.display()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads a candidate as text. `Ok(None)` means skip it (a warning was printed); a file named
+/// explicitly that is not text is an error.
+fn read_text(c: &Candidate) -> Result<Option<String>> {
+    let p = c.path.display();
+    let bytes = std::fs::read(&c.path).with_context(|| format!("cannot read input '{p}'"))?;
+    let text = if bytes.contains(&0) {
+        None
+    } else {
+        String::from_utf8(bytes).ok()
+    };
+    let Some(mut text) = text else {
+        if c.explicit {
+            bail!("binary or non-UTF-8 file '{p}': pass plain UTF-8 text");
+        }
+        eprintln!("memwall: warning: skipping '{p}': binary or non-UTF-8");
+        return Ok(None);
+    };
+    if text.trim().is_empty() {
+        eprintln!("memwall: warning: skipping '{p}': empty or only whitespace");
+        return Ok(None);
+    }
+    if text.starts_with('\u{FEFF}') {
+        text.drain(..'\u{FEFF}'.len_utf8());
+    }
+    Ok(Some(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::shard::Shard;
+
+    fn opts(inputs: Vec<PathBuf>, out: PathBuf, val_fraction: f64) -> PrepareOptions {
+        PrepareOptions {
+            inputs,
+            out,
+            val_fraction,
+        }
+    }
+
+    fn all(s: &Shard) -> Vec<u32> {
+        let mut v = vec![0; s.len()];
+        s.read(0, &mut v);
+        v
+    }
+
+    const TEXTS: [(&str, &str); 3] = [
+        (
+            "a.txt",
+            "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n",
+        ),
+        (
+            "b.md",
+            "# Notes\nO Romeo, Romeo! wherefore art thou Romeo? — naïve café ☕\n",
+        ),
+        (
+            "sub/c",
+            "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n",
+        ),
+    ];
+
+    fn corpus() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in TEXTS {
+            let p = dir.path().join(name);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+        std::fs::write(dir.path().join(".hidden.txt"), "should not be read").unwrap();
+        std::fs::write(dir.path().join("blank.txt"), "  \n\t\n").unwrap();
+        std::fs::write(
+            dir.path().join("sub/image.png"),
+            [0x89, b'P', b'N', b'G', 0, 0, 0xff],
+        )
+        .unwrap();
+        dir
+    }
+
+    #[test]
+    fn prepares_directory_counts_split_and_meta() {
+        let src = corpus();
+        let out = tempfile::tempdir().unwrap();
+        let o = out.path().join("data");
+        let s = prepare(&opts(vec![src.path().to_path_buf()], o.clone(), 0.25)).unwrap();
+        let tok = Tokenizer::gpt2().unwrap();
+
+        // Expected stream: EOT before each document, in sorted path order (a.txt, b.md, sub/c).
+        let mut expect = Vec::new();
+        for (_, text) in TEXTS {
+            expect.push(EOT);
+            expect.extend(tok.encode(text));
+        }
+        let n = expect.len() as u64;
+        assert_eq!(s.files, 3);
+        assert_eq!(
+            s.bytes,
+            TEXTS.iter().map(|(_, t)| t.len() as u64).sum::<u64>()
+        );
+        assert_eq!(s.train_tokens + s.val_tokens, n);
+        assert_eq!(s.val_tokens, (n as f64 * 0.25).round() as u64);
+        assert_eq!(s.out, o);
+
+        let train = Shard::open(&o.join("train.bin")).unwrap();
+        let val = Shard::open(&o.join("val.bin")).unwrap();
+        assert_eq!(train.len() as u64, s.train_tokens);
+        assert_eq!(val.len() as u64, s.val_tokens);
+        let mut got = all(&train);
+        got.extend(all(&val));
+        assert_eq!(got, expect);
+        assert_eq!(got[0], EOT);
+
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(o.join("meta.json")).unwrap()).unwrap();
+        assert_eq!(meta["format"], "memwall-tokens");
+        assert_eq!(meta["version"], 1);
+        assert_eq!(meta["tokenizer"], "gpt2-r50k_base");
+        assert_eq!(meta["vocab_size"], 50257);
+        assert_eq!(meta["eot"], 50256);
+        assert_eq!(meta["train_tokens"], s.train_tokens);
+        assert_eq!(meta["val_tokens"], s.val_tokens);
+        assert_eq!(meta["val_fraction"], 0.25);
+        let sources = meta["sources"].as_array().unwrap();
+        assert_eq!(sources.len(), 3);
+        assert!(sources[0]["path"].as_str().unwrap().ends_with("a.txt"));
+        assert!(sources[2]["path"].as_str().unwrap().ends_with("c"));
+        let token_sum: u64 = sources.iter().map(|s| s["tokens"].as_u64().unwrap()).sum();
+        assert_eq!(token_sum + 3, n, "documents plus one EOT each");
+        assert_eq!(sources[1]["bytes"], TEXTS[1].1.len());
+        // Only the three outputs, no temporary files.
+        let mut names: Vec<String> = std::fs::read_dir(&o)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["meta.json", "train.bin", "val.bin"]);
+    }
+
+    #[test]
+    fn deterministic_output_bytes() {
+        let src = corpus();
+        let out = tempfile::tempdir().unwrap();
+        let a = out.path().join("a");
+        let b = out.path().join("b");
+        prepare(&opts(vec![src.path().to_path_buf()], a.clone(), 0.1)).unwrap();
+        prepare(&opts(vec![src.path().to_path_buf()], b.clone(), 0.1)).unwrap();
+        for f in ["train.bin", "val.bin", "meta.json"] {
+            assert_eq!(
+                std::fs::read(a.join(f)).unwrap(),
+                std::fs::read(b.join(f)).unwrap(),
+                "{f}"
+            );
+        }
+        // Re-running into the same directory replaces the outputs identically.
+        prepare(&opts(vec![src.path().to_path_buf()], a.clone(), 0.1)).unwrap();
+        assert_eq!(
+            std::fs::read(a.join("train.bin")).unwrap(),
+            std::fs::read(b.join("train.bin")).unwrap()
+        );
+    }
+
+    #[test]
+    fn explicit_files_keep_given_order_and_bom_is_dropped() {
+        let src = corpus();
+        let out = tempfile::tempdir().unwrap();
+        let bom = src.path().join("bom.txt");
+        std::fs::write(&bom, "\u{FEFF}Hello world, hello again and again.").unwrap();
+        let s = prepare(&opts(
+            vec![bom.clone(), src.path().join("a.txt")],
+            out.path().to_path_buf(),
+            0.2,
+        ))
+        .unwrap();
+        let tok = Tokenizer::gpt2().unwrap();
+        let mut expect = vec![EOT];
+        expect.extend(tok.encode("Hello world, hello again and again."));
+        expect.push(EOT);
+        expect.extend(tok.encode(TEXTS[0].1));
+        let mut got = all(&Shard::open(&out.path().join("train.bin")).unwrap());
+        got.extend(all(&Shard::open(&out.path().join("val.bin")).unwrap()));
+        assert_eq!(got, expect);
+        assert_eq!(s.files, 2);
+    }
+
+    #[test]
+    fn large_document_is_split_and_tokenized_identically() {
+        let line = "Tomorrow, and tomorrow, and tomorrow,\nCreeps in this petty pace from day to day — ça va.\n";
+        let text = line.repeat((3 * PIECE_BYTES) / line.len());
+        assert!(split_points(&text, PIECE_BYTES).len() >= 2);
+        let src = tempfile::tempdir().unwrap();
+        let p = src.path().join("big.txt");
+        std::fs::write(&p, &text).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        prepare(&opts(vec![p], out.path().to_path_buf(), 0.5)).unwrap();
+        let mut got = all(&Shard::open(&out.path().join("train.bin")).unwrap());
+        got.extend(all(&Shard::open(&out.path().join("val.bin")).unwrap()));
+        let mut expect = vec![EOT];
+        expect.extend(Tokenizer::gpt2().unwrap().encode(&text));
+        assert_eq!(got, expect);
+    }
+
+    fn err(o: &PrepareOptions) -> String {
+        format!("{:#}", prepare(o).unwrap_err())
+    }
+
+    #[test]
+    fn errors_empty_and_missing_inputs() {
+        let out = tempfile::tempdir().unwrap();
+        let empty = tempfile::tempdir().unwrap();
+        let e = err(&opts(
+            vec![empty.path().to_path_buf()],
+            out.path().join("o"),
+            0.1,
+        ));
+        assert!(
+            e.contains("no files found") && e.contains(&empty.path().display().to_string()),
+            "{e}"
+        );
+
+        std::fs::write(empty.path().join("ws.txt"), " \n\n ").unwrap();
+        std::fs::write(empty.path().join("bin.dat"), [0u8, 1, 2, 0xff]).unwrap();
+        let e = err(&opts(
+            vec![empty.path().to_path_buf()],
+            out.path().join("o"),
+            0.1,
+        ));
+        assert!(e.contains("no text to prepare"), "{e}");
+
+        let missing = out.path().join("nope.txt");
+        let e = err(&opts(vec![missing.clone()], out.path().join("o2"), 0.1));
+        assert!(
+            e.contains("nope.txt") && e.contains("does not exist"),
+            "{e}"
+        );
+        // Bad input is caught before the output directory is created.
+        assert!(!out.path().join("o2").exists());
+
+        let e = err(&opts(vec![], out.path().join("o"), 0.1));
+        assert!(e.contains("no input files"), "{e}");
+    }
+
+    #[test]
+    fn errors_binary_file_named_explicitly() {
+        let src = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let nul = src.path().join("nul.txt");
+        std::fs::write(&nul, b"hello\0world").unwrap();
+        let e = err(&opts(vec![nul], out.path().to_path_buf(), 0.1));
+        assert!(
+            e.contains("nul.txt") && e.contains("binary or non-UTF-8") && e.contains("plain UTF-8"),
+            "{e}"
+        );
+        let latin1 = src.path().join("latin1.txt");
+        std::fs::write(&latin1, b"caf\xe9 au lait").unwrap();
+        let e = err(&opts(vec![latin1], out.path().to_path_buf(), 0.1));
+        assert!(
+            e.contains("latin1.txt") && e.contains("binary or non-UTF-8"),
+            "{e}"
+        );
+        assert!(!out.path().join("train.bin").exists());
+    }
+
+    #[test]
+    fn errors_bad_val_fraction_and_tiny_corpus() {
+        let src = corpus();
+        let out = tempfile::tempdir().unwrap();
+        for f in [0.0, -0.1, 0.51, 1.0, f64::NAN, f64::INFINITY] {
+            let e = err(&opts(
+                vec![src.path().to_path_buf()],
+                out.path().to_path_buf(),
+                f,
+            ));
+            assert!(e.contains("--val-fraction"), "{f}: {e}");
+        }
+        let tiny = src.path().join("tiny.txt");
+        std::fs::write(&tiny, "Hi there").unwrap();
+        let e = err(&opts(vec![tiny], out.path().to_path_buf(), 0.1));
+        assert!(e.contains("too small") && e.contains("3 tokens"), "{e}");
+    }
+
+    #[test]
+    fn errors_unwritable_output() {
+        let src = corpus();
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("regular");
+        std::fs::write(&file, "x").unwrap();
+        // OUT is an existing file.
+        let e = err(&opts(vec![src.path().to_path_buf()], file.clone(), 0.1));
+        assert!(e.contains("regular") && e.contains("existing file"), "{e}");
+        // OUT under a regular file cannot be created.
+        let under = file.join("data");
+        let e = err(&opts(vec![src.path().to_path_buf()], under.clone(), 0.1));
+        assert!(
+            e.contains(&under.display().to_string()) && e.contains("--out"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn real_shakespeare_if_present() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/shakespeare");
+        if !dir.is_dir() {
+            eprintln!("skipping: {} not present", dir.display());
+            return;
+        }
+        let out = tempfile::tempdir().unwrap();
+        let s = prepare(&opts(vec![dir.clone()], out.path().to_path_buf(), 0.1)).unwrap();
+        assert!(s.files >= 40, "{s:?}");
+        assert!(s.bytes > 4_000_000, "{s:?}");
+        let n = s.train_tokens + s.val_tokens;
+        assert!(n > 1_000_000 && n < 2_500_000, "{n}");
+        assert_eq!(s.val_tokens, (n as f64 * 0.1).round() as u64);
+        // One play tokenized whole matches its entry in meta.json (pieces cut correctly).
+        let hamlet = dir.join("hamlet_gut.txt");
+        if hamlet.is_file() {
+            let text = std::fs::read_to_string(&hamlet).unwrap();
+            let whole = Tokenizer::gpt2().unwrap().encode(&text).len() as u64;
+            let meta: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(out.path().join("meta.json")).unwrap())
+                    .unwrap();
+            let entry = meta["sources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["path"].as_str().unwrap().ends_with("hamlet_gut.txt"))
+                .unwrap()
+                .clone();
+            assert_eq!(entry["tokens"].as_u64().unwrap(), whole);
+        }
+    }
+}
