@@ -183,6 +183,9 @@ struct BenchArgs {
     threads: Option<usize>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Also report seconds and GFLOP/s per op kind (time_by_op).
+    #[arg(long)]
+    time_ops: bool,
 }
 
 fn main() {
@@ -318,6 +321,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         steps: a.steps,
         threads: threads(a.threads)?,
         seed: a.seed,
+        time_ops: a.time_ops,
     };
     eprintln!(
         "bench: model {} batch {} seq {} threads {} fp32, 1 warm-up + {} timed steps",

@@ -20,6 +20,8 @@ pub struct BenchOptions {
     pub steps: usize,
     pub threads: usize,
     pub seed: u64,
+    /// Time every op and report where the step's time goes (adds a clock read per op).
+    pub time_ops: bool,
 }
 
 /// Runs the benchmark; returns the JSON report.
@@ -33,6 +35,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let (plan_total, flops): (u64, u64) = (plan.total_bytes(), plan.schedule.ops.iter().map(|o| o.flops).sum());
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan)?;
+    ex.time_ops(opts.time_ops);
     layout.init(ex.params_mut(), spec.n_layer, opts.seed);
     let mut rng = Rng::new(opts.seed);
     let mut batch = vec![0u32; opts.batch * (opts.seq + 1)];
@@ -57,6 +60,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         losses.push(st.loss);
         if step > 0 {
             times.push(dt);
+        } else if opts.time_ops {
+            ex.time_ops(true); // discard the warm-up step's times
         }
         on_step(step, dt);
     }
@@ -65,6 +70,28 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let median = sorted[sorted.len() / 2];
     let tokens = (opts.batch * opts.seq) as f64;
     let peak = rss::peak_rss();
+    // Time by op kind (the name without its layer prefix), largest first.
+    let by_kind: Vec<Value> = match ex.op_seconds() {
+        None => Vec::new(),
+        Some(secs) => {
+            let mut kinds: Vec<(String, f64, u64)> = Vec::new();
+            for (e, s) in ex.plan.schedule.ops.iter().zip(secs) {
+                let kind = e.name.split_once('.').filter(|(h, _)| h.starts_with('h')).map_or(e.name.as_str(), |x| x.1);
+                match kinds.iter_mut().find(|k| k.0 == kind) {
+                    Some(k) => {
+                        k.1 += s / opts.steps as f64;
+                        k.2 += e.flops;
+                    }
+                    None => kinds.push((kind.to_string(), s / opts.steps as f64, e.flops)),
+                }
+            }
+            kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+            kinds
+                .into_iter()
+                .map(|(k, s, f)| json!({"op": k, "s_per_step": s, "gflops_per_s": if s > 0.0 { f as f64 / s / 1e9 } else { 0.0 }}))
+                .collect()
+        }
+    };
     let measured = peak.map(|p| p.saturating_sub(baseline));
     Ok(json!({
         "config": {
@@ -83,5 +110,6 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "measured_minus_baseline_bytes": measured,
         "plan_error_pct": measured.map(|m| 100.0 * (plan_total as f64 - m as f64) / m as f64),
         "losses": losses,
+        "time_by_op": by_kind,
     }))
 }

@@ -38,6 +38,8 @@ pub struct Executor {
     pool: rayon::ThreadPool,
     hp: Option<OptimHparams>,
     last_grad_norm: f32,
+    /// Seconds spent in each op of the schedule, summed over runs, when timing is on.
+    op_seconds: Option<Vec<f64>>,
 }
 
 impl Executor {
@@ -49,7 +51,7 @@ impl Executor {
             .thread_name(|i| format!("memwall-worker-{i}"))
             .build()?;
         let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
-        Ok(Executor { plan, arena, pool, hp: None, last_grad_norm: 0.0 })
+        Ok(Executor { plan, arena, pool, hp: None, last_grad_norm: 0.0, op_seconds: None })
     }
 
     // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
@@ -189,16 +191,32 @@ impl Executor {
         Ok(self.f32(self.find("logits")))
     }
 
+    /// Starts (or stops) timing each op; times accumulate until read.
+    pub fn time_ops(&mut self, on: bool) {
+        self.op_seconds = on.then(|| vec![0.0; self.plan.schedule.ops.len()]);
+    }
+
+    /// Accumulated seconds per op (index = schedule position), if timing is on.
+    pub fn op_seconds(&self) -> Option<&[f64]> {
+        self.op_seconds.as_deref()
+    }
+
     fn run(&mut self, ops: std::ops::Range<usize>, b: usize, t: usize, training: bool) {
+        let mut times = self.op_seconds.take();
         let this = &*self;
         let mut grad_norm = None;
         this.pool.install(|| {
             for i in ops {
+                let t0 = times.as_ref().map(|_| std::time::Instant::now());
                 if let Some(gn) = this.run_op(i, b, t, training) {
                     grad_norm = Some(gn);
                 }
+                if let (Some(ts), Some(t0)) = (times.as_mut(), t0) {
+                    ts[i] += t0.elapsed().as_secs_f64();
+                }
             }
         });
+        self.op_seconds = times;
         if let Some(gn) = grad_norm {
             self.last_grad_norm = gn;
         }

@@ -12,7 +12,7 @@
 //! `v̂ = v/(1−β2^t)`. Elementwise, parallel over fixed chunks: identical results for any thread
 //! count. Weight decay is per call, so the executor passes 0 for tensors that skip it.
 
-use super::reduce::ELEM_CHUNK;
+use super::reduce::{ELEM_CHUNK, multiversion};
 use rayon::prelude::*;
 
 /// Hyper-parameters of one AdamW step.
@@ -44,26 +44,51 @@ pub fn adamw_update(
     let t = hp.step as f64;
     let bc1 = 1.0 - (hp.beta1 as f64).powf(t);
     let bc2 = 1.0 - (hp.beta2 as f64).powf(t);
-    let step_size = (hp.lr as f64 / bc1) as f32;
-    let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
-    let decay = 1.0 - hp.lr * hp.weight_decay;
-    let (b1, b2, eps, gs) = (hp.beta1, hp.beta2, hp.eps, hp.grad_scale);
-    let (c1, c2) = (1.0 - b1, 1.0 - b2);
+    let k = Consts {
+        b1: hp.beta1,
+        b2: hp.beta2,
+        c1: 1.0 - hp.beta1,
+        c2: 1.0 - hp.beta2,
+        eps: hp.eps,
+        gs: hp.grad_scale,
+        step_size: (hp.lr as f64 / bc1) as f32,
+        inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
+        decay: 1.0 - hp.lr * hp.weight_decay,
+    };
     params
         .par_chunks_mut(ELEM_CHUNK)
         .zip(grads.par_chunks(ELEM_CHUNK))
         .zip(m.par_chunks_mut(ELEM_CHUNK))
         .zip(v.par_chunks_mut(ELEM_CHUNK))
-        .for_each(|(((p, g), m), v)| {
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let g = g * gs;
-                let mi = b1 * *m + c1 * g;
-                let vi = b2 * *v + c2 * g * g;
-                *m = mi;
-                *v = vi;
-                *p = *p * decay - step_size * mi / (vi.sqrt() * inv_sqrt_bc2 + eps);
-            }
-        });
+        .for_each(|(((p, g), m), v)| update_chunk(p, g, m, v, &k));
+}
+
+/// Per-step constants of the update.
+struct Consts {
+    b1: f32,
+    b2: f32,
+    c1: f32, // 1 - b1
+    c2: f32, // 1 - b2
+    eps: f32,
+    gs: f32,           // grad_scale
+    step_size: f32,    // lr / (1 - b1^t)
+    inv_sqrt_bc2: f32, // 1 / sqrt(1 - b2^t)
+    decay: f32,        // 1 - lr·weight_decay
+}
+
+multiversion! {
+    /// The update over one chunk.
+    fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &Consts) {
+        let it = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut());
+        for (((p, &g), m), v) in it {
+            let g = g * k.gs;
+            let mi = k.b1 * *m + k.c1 * g;
+            let vi = k.b2 * *v + k.c2 * g * g;
+            *m = mi;
+            *v = vi;
+            *p = *p * k.decay - k.step_size * mi / (vi.sqrt() * k.inv_sqrt_bc2 + k.eps);
+        }
+    }
 }
 
 /// Reference twin: the textbook formula in f64.

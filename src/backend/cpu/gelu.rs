@@ -5,7 +5,7 @@
 //! vectorisable `exp_f32`, so the loops auto-vectorise instead of calling libm's `tanhf`.
 //! Elementwise and parallel over fixed chunks: identical results for any thread count.
 
-use super::reduce::{ELEM_CHUNK, exp_f32};
+use super::reduce::{ELEM_CHUNK, exp_f32, multiversion};
 use rayon::prelude::*;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -20,6 +20,28 @@ fn sig2u(x: f32) -> (f32, f32) {
     (sg, e * sg)
 }
 
+multiversion! {
+    /// One chunk of the forward.
+    fn forward_chunk(o: &mut [f32], x: &[f32]) {
+        for (o, &x) in o.iter_mut().zip(x) {
+            *o = x * sig2u(x).0;
+        }
+    }
+}
+
+multiversion! {
+    /// One chunk of the backward.
+    fn backward_chunk(d: &mut [f32], x: &[f32]) {
+        for (d, &x) in d.iter_mut().zip(x) {
+            let (sg, one_minus) = sig2u(x);
+            // Beyond |x| = 12 the second term is below 1e-30; clamping keeps x³ finite.
+            let xc = x.clamp(-12.0, 12.0); // NaN stays NaN
+            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_K * xc * xc);
+            *d *= sg + 2.0 * xc * sg * one_minus * du;
+        }
+    }
+}
+
 /// out = gelu(inp) elementwise.
 pub fn gelu_forward(
     out: &mut [f32], // [len]
@@ -28,11 +50,7 @@ pub fn gelu_forward(
     assert_eq!(out.len(), inp.len(), "gelu_forward: lengths");
     out.par_chunks_mut(ELEM_CHUNK)
         .zip(inp.par_chunks(ELEM_CHUNK))
-        .for_each(|(o, x)| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = x * sig2u(x).0;
-            }
-        });
+        .for_each(|(o, x)| forward_chunk(o, x));
 }
 
 /// In place: on entry `d` holds dL/dout, on exit dL/dinp = dL/dout · gelu'(inp), with
@@ -44,21 +62,7 @@ pub fn gelu_backward_inplace(
     assert_eq!(d.len(), inp.len(), "gelu_backward_inplace: lengths");
     d.par_chunks_mut(ELEM_CHUNK)
         .zip(inp.par_chunks(ELEM_CHUNK))
-        .for_each(|(d, x)| {
-            for (d, &x) in d.iter_mut().zip(x) {
-                let (sg, one_minus) = sig2u(x);
-                // Beyond |x| = 12 the second term is below 1e-30; clamping keeps x³ finite.
-                let xc = if x > 12.0 {
-                    12.0
-                } else if x < -12.0 {
-                    -12.0
-                } else {
-                    x
-                };
-                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_K * xc * xc);
-                *d *= sg + 2.0 * xc * sg * one_minus * du;
-            }
-        });
+        .for_each(|(d, x)| backward_chunk(d, x));
 }
 
 /// Reference twins in f64 with the textbook tanh formula.

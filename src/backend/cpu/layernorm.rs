@@ -7,7 +7,7 @@
 //! it) and one over fixed column slices for the weight/bias gradients, each slice walking all
 //! rows in order, so every result is identical for any thread count.
 
-use super::reduce::{COL_CHUNK, rows_per_task, sum_f32, sum_sq_dev_f32};
+use super::reduce::{COL_CHUNK, multiversion, rows_per_task, sum_f32, sum_sq_dev_f32};
 use rayon::prelude::*;
 
 /// Layer-norm forward; also stores each row's mean and 1/std for the backward pass.
@@ -38,18 +38,34 @@ pub fn layernorm_forward(
         .zip(mean.par_chunks_mut(rows))
         .zip(rstd.par_chunks_mut(rows))
         .for_each(|(((out, inp), mean), rstd)| {
-            let it = out.chunks_exact_mut(c).zip(inp.chunks_exact(c));
-            for (((o, x), m), rs) in it.zip(mean.iter_mut()).zip(rstd.iter_mut()) {
-                let mu = sum_f32(x) / c as f32;
-                let var = sum_sq_dev_f32(x, mu) / c as f32;
-                let s = 1.0 / (var + eps).sqrt();
-                for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
-                    *o = (x - mu) * s * w + b;
-                }
-                *m = mu;
-                *rs = s;
-            }
+            forward_rows(out, inp, mean, rstd, weight, bias, c, eps)
         });
+}
+
+multiversion! {
+    /// Forward over a few whole rows.
+    fn forward_rows(
+        out: &mut [f32],
+        inp: &[f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+        weight: &[f32],
+        bias: &[f32],
+        c: usize,
+        eps: f32,
+    ) {
+        let it = out.chunks_exact_mut(c).zip(inp.chunks_exact(c));
+        for (((o, x), m), rs) in it.zip(mean.iter_mut()).zip(rstd.iter_mut()) {
+            let mu = sum_f32(x) / c as f32;
+            let var = sum_sq_dev_f32(x, mu) / c as f32;
+            let s = 1.0 / (var + eps).sqrt();
+            for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
+                *o = (x - mu) * s * w + b;
+            }
+            *m = mu;
+            *rs = s;
+        }
+    }
 }
 
 /// Layer-norm backward. `dinp` ACCUMULATES (`+=`), as do `dweight` and `dbias`.
@@ -85,50 +101,75 @@ pub fn layernorm_backward(
         .zip(inp.par_chunks(rows * c))
         .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
         .for_each(|(((dinp, dout), inp), (mean, rstd))| {
-            let it = dinp
-                .chunks_exact_mut(c)
-                .zip(dout.chunks_exact(c))
-                .zip(inp.chunks_exact(c));
-            for (((di, dy), x), (&mu, &s)) in it.zip(mean.iter().zip(rstd)) {
-                let (sum_g, sum_gn) = row_sums(dy, x, weight, mu, s);
-                let mean_g = sum_g / c as f32;
-                let mean_gn = sum_gn / c as f32;
-                for (((d, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
-                    let norm = (x - mu) * s;
-                    *d += (w * dy - mean_g - norm * mean_gn) * s;
-                }
-            }
+            backward_rows(dinp, dout, inp, mean, rstd, weight, c)
         });
     // Pass 2, over fixed column slices: dweight += Σ_r norm·dout, dbias += Σ_r dout.
     dweight
         .par_chunks_mut(COL_CHUNK)
         .zip(dbias.par_chunks_mut(COL_CHUNK))
         .enumerate()
-        .for_each(|(ci, (dw, db))| {
-            let c0 = ci * COL_CHUNK;
-            let w = dw.len();
-            let mut acc_w = [0.0f32; COL_CHUNK];
-            let mut acc_b = [0.0f32; COL_CHUNK];
-            let (acc_w, acc_b) = (&mut acc_w[..w], &mut acc_b[..w]);
-            let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c));
-            for ((dy, x), (&mu, &s)) in rows.zip(mean.iter().zip(rstd)) {
-                let (dy, x) = (&dy[c0..c0 + w], &x[c0..c0 + w]);
-                for (((aw, ab), &dy), &x) in acc_w.iter_mut().zip(acc_b.iter_mut()).zip(dy).zip(x) {
-                    *aw += (x - mu) * s * dy;
-                    *ab += dy;
-                }
+        .for_each(|(ci, (dw, db))| backward_cols(dw, db, dout, inp, mean, rstd, ci * COL_CHUNK, c));
+}
+
+multiversion! {
+    /// Input gradient over a few whole rows.
+    fn backward_rows(
+        dinp: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        weight: &[f32],
+        c: usize,
+    ) {
+        let it = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
+        for (((di, dy), x), (&mu, &s)) in it.zip(mean.iter().zip(rstd)) {
+            let (sum_g, sum_gn) = row_sums(dy, x, weight, mu, s);
+            let mean_g = sum_g / c as f32;
+            let mean_gn = sum_gn / c as f32;
+            for (((d, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
+                let norm = (x - mu) * s;
+                *d += (w * dy - mean_g - norm * mean_gn) * s;
             }
-            for (d, &a) in dw.iter_mut().zip(acc_w.iter()) {
-                *d += a;
+        }
+    }
+}
+
+multiversion! {
+    /// Weight and bias gradients of the columns `c0..c0 + dw.len()`, walking all rows in order.
+    fn backward_cols(
+        dw: &mut [f32],
+        db: &mut [f32],
+        dout: &[f32],
+        inp: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        c0: usize,
+        c: usize,
+    ) {
+        let w = dw.len();
+        let mut acc_w = [0.0f32; COL_CHUNK];
+        let mut acc_b = [0.0f32; COL_CHUNK];
+        let (acc_w, acc_b) = (&mut acc_w[..w], &mut acc_b[..w]);
+        let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c));
+        for ((dy, x), (&mu, &s)) in rows.zip(mean.iter().zip(rstd)) {
+            let (dy, x) = (&dy[c0..c0 + w], &x[c0..c0 + w]);
+            for (((aw, ab), &dy), &x) in acc_w.iter_mut().zip(acc_b.iter_mut()).zip(dy).zip(x) {
+                *aw += (x - mu) * s * dy;
+                *ab += dy;
             }
-            for (d, &a) in db.iter_mut().zip(acc_b.iter()) {
-                *d += a;
-            }
-        });
+        }
+        for (d, &a) in dw.iter_mut().zip(acc_w.iter()) {
+            *d += a;
+        }
+        for (d, &a) in db.iter_mut().zip(acc_b.iter()) {
+            *d += a;
+        }
+    }
 }
 
 /// (Σ w·dy, Σ w·dy·norm) over one row, 16 f32 lanes each.
-#[inline]
+#[inline(always)]
 fn row_sums(
     dy: &[f32], // [C]
     x: &[f32],  // [C]

@@ -8,7 +8,7 @@
 //! The bias gradient is a column sum in which each task owns a fixed slice of columns and
 //! walks all rows in order (identical for any thread count, no workspace).
 
-use super::reduce::{COL_CHUNK, rows_per_task};
+use super::reduce::{COL_CHUNK, multiversion, rows_per_task};
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
 
@@ -196,20 +196,24 @@ fn col_sum_accumulate(
     debug_assert_eq!(src.len(), n * oc);
     dst.par_chunks_mut(COL_CHUNK)
         .enumerate()
-        .for_each(|(ci, d)| {
-            let c0 = ci * COL_CHUNK;
-            let w = d.len();
-            let mut acc = [0.0f32; COL_CHUNK];
-            let acc = &mut acc[..w];
-            for row in src.chunks_exact(oc) {
-                for (a, &v) in acc.iter_mut().zip(&row[c0..c0 + w]) {
-                    *a += v;
-                }
+        .for_each(|(ci, d)| col_sum_task(d, src, ci * COL_CHUNK, oc));
+}
+
+multiversion! {
+    /// d[j] += Σ_r src[r, c0 + j] for the columns of one task.
+    fn col_sum_task(d: &mut [f32], src: &[f32], c0: usize, oc: usize) {
+        let w = d.len();
+        let mut acc = [0.0f32; COL_CHUNK];
+        let acc = &mut acc[..w];
+        for row in src.chunks_exact(oc) {
+            for (a, &v) in acc.iter_mut().zip(&row[c0..c0 + w]) {
+                *a += v;
             }
-            for (d, &a) in d.iter_mut().zip(acc.iter()) {
-                *d += a;
-            }
-        });
+        }
+        for (d, &a) in d.iter_mut().zip(acc.iter()) {
+            *d += a;
+        }
+    }
 }
 
 /// Reference twins: triple loops with f64 accumulation.

@@ -8,6 +8,7 @@
 //! whose shape depends only on the length, so its result is identical for any thread count.
 
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Elements per parallel task of the elementwise kernels (128 KiB of f32). A constant, not a
 /// function of the thread count, so partitioning never depends on the pool size.
@@ -23,6 +24,96 @@ pub fn rows_per_task(row_len: usize) -> usize {
 /// Column-slice width for kernels that reduce over rows (bias and norm-weight gradients):
 /// each task owns `COL_CHUNK` columns and walks all rows in order.
 pub const COL_CHUNK: usize = 64;
+
+/// Vector instruction set the elementwise loops are compiled for (see [`multiversion`]).
+/// Every variant performs the same arithmetic in the same order (no FMA contraction), so
+/// results are bit-identical whichever one runs; only the speed differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// The build's baseline target (SSE2 on x86-64).
+    Baseline = 1,
+    /// AVX2 + FMA.
+    Avx2 = 2,
+    /// AVX-512F (+ AVX2, FMA).
+    Avx512 = 3,
+}
+
+static ISA: AtomicU8 = AtomicU8::new(0);
+
+/// The best instruction set this CPU supports.
+pub fn detected_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        if avx2 && is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
+        }
+        if avx2 {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Baseline
+}
+
+/// The instruction set in use: the detected one, capped by `MEMWALL_CPU_ISA`
+/// (`baseline`, `avx2` or `avx512`) when that is set, or by [`set_isa`].
+#[inline]
+pub fn isa() -> Isa {
+    match ISA.load(Ordering::Relaxed) {
+        1 => Isa::Baseline,
+        2 => Isa::Avx2,
+        3 => Isa::Avx512,
+        _ => {
+            let cap = match std::env::var("MEMWALL_CPU_ISA").as_deref() {
+                Ok("baseline") => Isa::Baseline,
+                Ok("avx2") => Isa::Avx2,
+                _ => Isa::Avx512,
+            };
+            set_isa(cap)
+        }
+    }
+}
+
+/// Caps the instruction set at `want` (never above what the CPU supports); returns the one
+/// now in use. For benchmarks and tests; the results do not depend on it.
+pub fn set_isa(want: Isa) -> Isa {
+    let got = want.min(detected_isa());
+    ISA.store(got as u8, Ordering::Relaxed);
+    got
+}
+
+/// Defines a function whose body is compiled three times (baseline, AVX2+FMA, AVX-512) and
+/// dispatched on [`isa()`] at each call, so auto-vectorised loops use the widest vectors the
+/// CPU has although the crate is built for baseline x86-64. Call it on whole chunks (the
+/// dispatch is one relaxed atomic load), never per element.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn inner($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn v512($($arg: $ty),*) $(-> $ret)? { inner($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn v256($($arg: $ty),*) $(-> $ret)? { inner($($arg),*) }
+                match $crate::backend::cpu::reduce::isa() {
+                    // SAFETY: isa() never reports an instruction set the CPU lacks.
+                    $crate::backend::cpu::reduce::Isa::Avx512 => return unsafe { v512($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::backend::cpu::reduce::Isa::Avx2 => return unsafe { v256($($arg),*) },
+                    $crate::backend::cpu::reduce::Isa::Baseline => {}
+                }
+            }
+            inner($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion;
 
 /// Branch-free `e^x` for f32 (Cephes polynomial, ~2 ulp) that inlines and auto-vectorises,
 /// unlike `f32::exp`, which is a libm call. Inputs are clamped to [-87, 88], so it never
@@ -45,7 +136,7 @@ pub fn exp_f32(x: f32) -> f32 {
         * r
         + 1.666_666_5e-1)
         * r
-        + 5.000_000_1e-1)
+        + 0.5)
         * z
         + r
         + 1.0;
@@ -54,7 +145,7 @@ pub fn exp_f32(x: f32) -> f32 {
 }
 
 /// Sum of `x` in f32 with 16 independent lanes (vectorises; fixed order, so deterministic).
-#[inline]
+#[inline(always)]
 pub fn sum_f32(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 16];
     let mut it = x.chunks_exact(16);
@@ -70,7 +161,7 @@ pub fn sum_f32(x: &[f32]) -> f32 {
 }
 
 /// Sum of squared deviations `Σ (x - mean)²` in f32 with 16 lanes.
-#[inline]
+#[inline(always)]
 pub fn sum_sq_dev_f32(x: &[f32], mean: f32) -> f32 {
     let mut acc = [0.0f32; 16];
     let mut it = x.chunks_exact(16);
@@ -88,7 +179,7 @@ pub fn sum_sq_dev_f32(x: &[f32], mean: f32) -> f32 {
 }
 
 /// Maximum of `x` with 16 lanes (NaN elements are skipped, as by `f32::max`; -inf if empty).
-#[inline]
+#[inline(always)]
 pub fn max_f32(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 16];
     let mut it = x.chunks_exact(16);
@@ -114,21 +205,23 @@ fn combine16(a: [f32; 16]) -> f32 {
     (q[0] + q[2]) + (q[1] + q[3])
 }
 
-/// Serial sum of squares of one chunk, f64 lanes.
-fn sum_squares_serial(x: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let mut it = x.chunks_exact(8);
-    for ch in &mut it {
-        for (a, &v) in acc.iter_mut().zip(ch) {
+multiversion! {
+    /// Serial sum of squares of one chunk, f64 lanes.
+    fn sum_squares_serial(x: &[f32]) -> f64 {
+        let mut acc = [0.0f64; 8];
+        let mut it = x.chunks_exact(8);
+        for ch in &mut it {
+            for (a, &v) in acc.iter_mut().zip(ch) {
+                let v = v as f64;
+                *a += v * v;
+            }
+        }
+        for (a, &v) in acc.iter_mut().zip(it.remainder()) {
             let v = v as f64;
             *a += v * v;
         }
+        ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
     }
-    for (a, &v) in acc.iter_mut().zip(it.remainder()) {
-        let v = v as f64;
-        *a += v * v;
-    }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
 /// Sum of squares of all elements, accumulated in f64, deterministic (fixed chunks summed in
@@ -175,11 +268,17 @@ pub fn add(
         });
 }
 
+multiversion! {
+    /// true when every element of one chunk is finite (no early exit: vectorises).
+    fn chunk_finite(x: &[f32]) -> bool {
+        x.iter().fold(true, |ok, v| ok & v.is_finite())
+    }
+}
+
 /// true when every element is finite.
 pub fn all_finite(x: &[f32], // [len]
 ) -> bool {
-    x.par_chunks(ELEM_CHUNK)
-        .all(|ch| ch.iter().fold(true, |ok, v| ok & v.is_finite()))
+    x.par_chunks(ELEM_CHUNK).all(chunk_finite)
 }
 
 /// Reference twins: plain loops, f64 accumulation.
@@ -326,6 +425,80 @@ mod tests {
         }
     }
 
+    /// Every multiversioned kernel gives bit-identical results on every instruction set
+    /// (this also runs the baseline and AVX2 code paths, which the other tests may not reach).
+    #[test]
+    fn all_isas_bit_identical() {
+        use super::super::{adamw, gelu, layernorm, matmul, xent};
+        let run = || {
+            let (n, c, v) = (37, 203, 1001);
+            let x = randn(n * c, 2.0, 1);
+            let w = randn(c, 1.0, 2);
+            let b = randn(c, 1.0, 3);
+            let mut o = vec![0.0; n * c];
+            gelu::gelu_forward(&mut o, &x);
+            let mut d = randn(n * c, 1.0, 4);
+            gelu::gelu_backward_inplace(&mut d, &x);
+            let (mut ln, mut mu, mut rs) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+            layernorm::layernorm_forward(&mut ln, &mut mu, &mut rs, &x, &w, &b, n, c, 1e-5);
+            let (mut di, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+            layernorm::layernorm_backward(&mut di, &mut dw, &mut db, &d, &x, &w, &mu, &rs, n, c);
+            let mut lg = randn(n * v, 3.0, 5);
+            let tg: Vec<u32> = (0..n as u32).map(|i| i * 17 % v as u32).collect();
+            let mut l1 = vec![0.0; n];
+            xent::softmax_xent_forward(&lg, &tg, &mut l1, n, v);
+            let mut l2 = vec![0.0; n];
+            xent::softmax_xent_backward_inplace(&mut lg, &tg, &mut l2, 0.25, n, v);
+            let mut pr = vec![0.0; v];
+            xent::softmax_row(&mut pr, &lg[..v], 0.7);
+            let (mut p, mut m, mut vv) = (x.clone(), vec![0.0; n * c], vec![0.0; n * c]);
+            let hp = adamw::AdamWParams {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                step: 2,
+                grad_scale: 0.5,
+            };
+            adamw::adamw_update(&mut p, &d, &mut m, &mut vv, &hp);
+            let mut dbias = vec![0.0; c];
+            let mut dinp = vec![0.0; n];
+            let mut dwt = vec![0.0; c];
+            let ones = vec![1.0; c];
+            matmul::matmul_backward(
+                &mut dinp,
+                &mut dwt,
+                Some(&mut dbias),
+                &d,
+                &x[..n],
+                &ones,
+                n,
+                1,
+                c,
+            );
+            let ss = vec![sum_squares(&x) as f32, all_finite(&x) as u8 as f32];
+            [
+                o, d, ln, mu, rs, di, dw, db, l1, l2, lg, pr, p, m, vv, dbias, ss,
+            ]
+        };
+        let base = {
+            set_isa(Isa::Baseline);
+            run()
+        };
+        for want in [Isa::Avx2, Isa::Avx512] {
+            let got = set_isa(want);
+            let r = run();
+            for (i, (a, b)) in r.iter().zip(&base).enumerate() {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "output {i} differs between {got:?} and Baseline");
+            }
+        }
+        set_isa(Isa::Avx512);
+        // And the dispatch never claims more than the CPU has.
+        assert!(isa() <= detected_isa());
+    }
+
     #[test]
     fn elementwise_match_naive() {
         for n in [0usize, 1, 13, ELEM_CHUNK + 3, 100_000] {
@@ -349,5 +522,240 @@ mod tests {
         x[77_777] = 0.0;
         x[0] = f32::INFINITY;
         assert!(!all_finite(&x));
+    }
+}
+
+#[cfg(test)]
+mod tmp_bench {
+    use super::testutil::randn;
+    use std::time::Instant;
+
+    fn cpu_s() -> f64 {
+        let st = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let f: Vec<&str> = st.rsplit(')').next().unwrap().split_whitespace().collect();
+        (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / 100.0
+    }
+
+    fn t<F: FnMut()>(name: &str, work: f64, unit: &str, mut f: F) {
+        f();
+        let mut reps = 0;
+        let s = Instant::now();
+        let c0 = cpu_s();
+        let mut best = f64::MAX;
+        while reps < 5 || s.elapsed().as_secs_f64() < 2.0 {
+            let t0 = Instant::now();
+            f();
+            best = best.min(t0.elapsed().as_secs_f64());
+            reps += 1;
+        }
+        let dt = s.elapsed().as_secs_f64() / reps as f64;
+        let ct = (cpu_s() - c0) / reps as f64;
+        eprintln!(
+            "{name:34} best {:9.3} ms {:8.2} {unit} | mean {:9.3} ms | cpu/rep {:9.3} ms",
+            best * 1e3,
+            work / best / 1e9,
+            dt * 1e3,
+            ct * 1e3,
+        );
+    }
+
+    #[test]
+    #[ignore]
+    fn tmp_bench_all() {
+        use super::super::reduce::isa;
+        use super::super::*;
+        eprintln!("threads {}", rayon::current_num_threads());
+        let n = 1024;
+        {
+            let (m, k, nn) = (1024usize, 768usize, 3072usize);
+            let a = randn(m * k, 1.0, 1);
+            let b = randn(k * nn, 1.0, 2);
+            let mut c = vec![0.0f32; m * nn];
+            for par in [
+                gemm::Parallelism::None,
+                gemm::Parallelism::Rayon(rayon::current_num_threads()),
+            ] {
+                t(
+                    &format!("raw gemm {par:?}"),
+                    2.0 * (m * k * nn) as f64,
+                    "GFLOP/s",
+                    || unsafe {
+                        gemm::gemm(
+                            m,
+                            nn,
+                            k,
+                            c.as_mut_ptr(),
+                            1,
+                            nn as isize,
+                            false,
+                            a.as_ptr(),
+                            1,
+                            k as isize,
+                            b.as_ptr(),
+                            1,
+                            nn as isize,
+                            1.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            par,
+                        )
+                    },
+                );
+            }
+        }
+        if std::env::var("ONLY_GEMM").is_ok() {
+            return;
+        }
+        eprintln!("isa {:?}", isa());
+        let skip_gemm = std::env::var("SKIP_GEMM").is_ok();
+        for (ic, oc) in [(768, 3072), (768, 2304), (3072, 768), (768, 768)] {
+            if skip_gemm {
+                break;
+            }
+            let inp = randn(n * ic, 1.0, 1);
+            let w = randn(ic * oc, 0.02, 2);
+            let b = randn(oc, 0.02, 3);
+            let mut out = vec![0.0; n * oc];
+            let fl = 2.0 * (n * ic * oc) as f64;
+            t(&format!("matmul_fwd {ic}x{oc}"), fl, "GFLOP/s", || {
+                matmul::matmul_forward(&mut out, &inp, &w, Some(&b), n, ic, oc, false)
+            });
+            t(
+                &format!("matmul_fwd nobias {ic}x{oc}"),
+                fl,
+                "GFLOP/s",
+                || matmul::matmul_forward(&mut out, &inp, &w, None, n, ic, oc, false),
+            );
+            let (mut di, mut dw, mut db) = (vec![0.0; n * ic], vec![0.0; ic * oc], vec![0.0; oc]);
+            t(
+                &format!("matmul_bwd {ic}x{oc}"),
+                2.0 * fl,
+                "GFLOP/s",
+                || {
+                    matmul::matmul_backward(
+                        &mut di,
+                        &mut dw,
+                        Some(&mut db),
+                        &out,
+                        &inp,
+                        &w,
+                        n,
+                        ic,
+                        oc,
+                    )
+                },
+            );
+            t(&format!("  dinp only {ic}x{oc}"), fl, "GFLOP/s", || {
+                matmul::sgemm(
+                    n, ic, oc, 1.0, &out, oc, false, &w, oc, true, &mut di, ic, false,
+                )
+            });
+            t(&format!("  dw only {ic}x{oc}"), fl, "GFLOP/s", || {
+                matmul::sgemm(
+                    ic, oc, n, 1.0, &inp, ic, true, &out, oc, false, &mut dw, oc, true,
+                )
+            });
+        }
+        // LM head chunk: [256, 768] @ wte^T [768, 50257]
+        {
+            let (m, k, v) = (256, 768, 50257);
+            let x = randn(m * k, 1.0, 1);
+            let wte = randn(v * k, 0.02, 2);
+            let mut lg = vec![0.0; m * v];
+            if !skip_gemm {
+                t(
+                    "lmhead fwd 256x768x50257",
+                    2.0 * (m * k * v) as f64,
+                    "GFLOP/s",
+                    || matmul::sgemm(m, v, k, 1.0, &x, k, false, &wte, k, true, &mut lg, v, false),
+                );
+                let mut dx = vec![0.0; m * k];
+                t("lmhead dx", 2.0 * (m * k * v) as f64, "GFLOP/s", || {
+                    matmul::sgemm(
+                        m, k, v, 1.0, &lg, v, false, &wte, k, false, &mut dx, k, false,
+                    )
+                });
+                let mut dwte = vec![0.0; v * k];
+                t("lmhead dwte", 2.0 * (m * k * v) as f64, "GFLOP/s", || {
+                    matmul::sgemm(v, k, m, 1.0, &lg, v, true, &x, k, false, &mut dwte, k, true)
+                });
+            }
+            let tg: Vec<u32> = (0..m as u32).map(|i| i * 13 % v as u32).collect();
+            let mut ls = vec![0.0; m];
+            let lg0 = randn(m * v, 2.0, 5);
+            t("xent bwd 256x50257", (m * v) as f64, "Gelem/s", || {
+                lg.copy_from_slice(&lg0);
+                xent::softmax_xent_backward_inplace(&mut lg, &tg, &mut ls, 1.0, m, v)
+            });
+            t("  (copy only)", (m * v) as f64, "Gelem/s", || {
+                lg.copy_from_slice(&lg0)
+            });
+            t("xent fwd 256x50257", (m * v) as f64, "Gelem/s", || {
+                xent::softmax_xent_forward(&lg0, &tg, &mut ls, m, v)
+            });
+        }
+        let c = 768;
+        let x = randn(n * c, 1.0, 1);
+        let wln = randn(c, 1.0, 2);
+        let bln = randn(c, 1.0, 3);
+        let (mut o, mut mu, mut rs) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        t("layernorm fwd 1024x768", (n * c) as f64, "Gelem/s", || {
+            layernorm::layernorm_forward(&mut o, &mut mu, &mut rs, &x, &wln, &bln, n, c, 1e-5)
+        });
+        let (mut di, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+        t("layernorm bwd 1024x768", (n * c) as f64, "Gelem/s", || {
+            layernorm::layernorm_backward(&mut di, &mut dw, &mut db, &o, &x, &wln, &mu, &rs, n, c)
+        });
+        let h = randn(n * 4 * c, 1.0, 4);
+        let mut g = vec![0.0; n * 4 * c];
+        t("gelu fwd 1024x3072", (n * 4 * c) as f64, "Gelem/s", || {
+            gelu::gelu_forward(&mut g, &h)
+        });
+        t("gelu bwd 1024x3072", (n * 4 * c) as f64, "Gelem/s", || {
+            gelu::gelu_backward_inplace(&mut g, &h)
+        });
+        let mut r = vec![0.0; n * c];
+        t("residual add 1024x768", (n * c) as f64, "Gelem/s", || {
+            reduce::add(&mut r, &x, &o)
+        });
+        let (v, mt) = (50257, 1024);
+        let wte = randn(v * c, 0.02, 5);
+        let wpe = randn(mt * c, 0.02, 6);
+        let tok: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % v as u32).collect();
+        t("encoder fwd 1024x768", (n * c) as f64, "Gelem/s", || {
+            encoder::encoder_forward(&mut o, &tok, &wte, &wpe, 1, n, c)
+        });
+        let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; mt * c]);
+        t("encoder bwd 1024x768", (n * c) as f64, "Gelem/s", || {
+            encoder::encoder_backward(&mut dwte, &mut dwpe, &o, &tok, 1, n, c)
+        });
+        drop((wte, dwte));
+        let np = 124_000_000;
+        let mut p = randn(np, 0.02, 7);
+        let gr = randn(np, 0.02, 8);
+        let (mut m1, mut v1) = (vec![0.0; np], vec![0.0; np]);
+        let hp = adamw::AdamWParams {
+            lr: 1e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 3,
+            grad_scale: 1.0,
+        };
+        t("adamw 124M", np as f64, "Gelem/s", || {
+            adamw::adamw_update(&mut p, &gr, &mut m1, &mut v1, &hp)
+        });
+        t("sum_squares 124M", np as f64, "Gelem/s", || {
+            std::hint::black_box(reduce::sum_squares(&gr));
+        });
+        t("all_finite 124M", np as f64, "Gelem/s", || {
+            std::hint::black_box(reduce::all_finite(&gr));
+        });
+        t("scale 124M", np as f64, "Gelem/s", || {
+            reduce::scale_inplace(&mut p, 1.0)
+        });
     }
 }

@@ -6,11 +6,11 @@
 //! read three times and written twice while it sits in cache. Parallel over rows (rows are
 //! independent), so results are identical for any thread count.
 
-use super::reduce::{exp_f32, max_f32, rows_per_task};
+use super::reduce::{exp_f32, max_f32, multiversion, rows_per_task};
 use rayon::prelude::*;
 
-/// Σ exp(x - max) in f64 lanes; when `store` is set the exponentials overwrite `x`.
-#[inline]
+/// Σ exp(x - max) in f64 lanes; the exponentials overwrite `x`.
+#[inline(always)]
 fn exp_sum(
     x: &mut [f32], // [V]
     max: f32,
@@ -33,7 +33,7 @@ fn exp_sum(
 }
 
 /// Σ exp(x - max) in f64 lanes, read only.
-#[inline]
+#[inline(always)]
 fn exp_sum_ro(
     x: &[f32], // [V]
     max: f32,
@@ -81,20 +81,25 @@ pub fn softmax_xent_backward_inplace(
         .par_chunks_mut(rows * v)
         .zip(targets.par_chunks(rows))
         .zip(losses.par_chunks_mut(rows))
-        .for_each(|((lg, tg), ls)| {
-            for ((row, &tgt), loss) in lg.chunks_exact_mut(v).zip(tg).zip(ls) {
-                let tgt = check_target(tgt, v);
-                let max = max_f32(row);
-                let x_t = row[tgt];
-                let sum = exp_sum(row, max);
-                *loss = (sum.ln() - (x_t - max) as f64) as f32;
-                let s = (dloss_scale as f64 / sum) as f32;
-                for x in row.iter_mut() {
-                    *x *= s;
-                }
-                row[tgt] -= dloss_scale;
+        .for_each(|((lg, tg), ls)| backward_rows(lg, tg, ls, dloss_scale, v));
+}
+
+multiversion! {
+    /// The fused backward over a few whole rows.
+    fn backward_rows(lg: &mut [f32], tg: &[u32], ls: &mut [f32], dloss_scale: f32, v: usize) {
+        for ((row, &tgt), loss) in lg.chunks_exact_mut(v).zip(tg).zip(ls) {
+            let tgt = check_target(tgt, v);
+            let max = max_f32(row);
+            let x_t = row[tgt];
+            let sum = exp_sum(row, max);
+            *loss = (sum.ln() - (x_t - max) as f64) as f32;
+            let s = (dloss_scale as f64 / sum) as f32;
+            for x in row.iter_mut() {
+                *x *= s;
             }
-        });
+            row[tgt] -= dloss_scale;
+        }
+    }
 }
 
 /// Forward only (evaluation): losses[i] as above; logits untouched.
@@ -117,14 +122,19 @@ pub fn softmax_xent_forward(
         .par_chunks(rows * v)
         .zip(targets.par_chunks(rows))
         .zip(losses.par_chunks_mut(rows))
-        .for_each(|((lg, tg), ls)| {
-            for ((row, &tgt), loss) in lg.chunks_exact(v).zip(tg).zip(ls) {
-                let tgt = check_target(tgt, v);
-                let max = max_f32(row);
-                let sum = exp_sum_ro(row, max);
-                *loss = (sum.ln() - (row[tgt] - max) as f64) as f32;
-            }
-        });
+        .for_each(|((lg, tg), ls)| forward_rows(lg, tg, ls, v));
+}
+
+multiversion! {
+    /// The loss over a few whole rows.
+    fn forward_rows(lg: &[f32], tg: &[u32], ls: &mut [f32], v: usize) {
+        for ((row, &tgt), loss) in lg.chunks_exact(v).zip(tg).zip(ls) {
+            let tgt = check_target(tgt, v);
+            let max = max_f32(row);
+            let sum = exp_sum_ro(row, max);
+            *loss = (sum.ln() - (row[tgt] - max) as f64) as f32;
+        }
+    }
 }
 
 /// Softmax of one row with temperature into probs (for sampling). temperature > 0.
@@ -138,15 +148,20 @@ pub fn softmax_row(
     if logits.is_empty() {
         return;
     }
-    let inv_t = 1.0 / temperature;
-    let max = max_f32(logits);
-    for (p, &x) in probs.iter_mut().zip(logits) {
-        *p = (x - max) * inv_t;
-    }
-    let sum = exp_sum(probs, 0.0);
-    let s = (1.0 / sum) as f32;
-    for p in probs.iter_mut() {
-        *p *= s;
+    softmax_row_impl(probs, logits, 1.0 / temperature);
+}
+
+multiversion! {
+    fn softmax_row_impl(probs: &mut [f32], logits: &[f32], inv_t: f32) {
+        let max = max_f32(logits);
+        for (p, &x) in probs.iter_mut().zip(logits) {
+            *p = (x - max) * inv_t;
+        }
+        let sum = exp_sum(probs, 0.0);
+        let s = (1.0 / sum) as f32;
+        for p in probs.iter_mut() {
+            *p *= s;
+        }
     }
 }
 
