@@ -78,7 +78,13 @@ struct Consts {
 
 multiversion! {
     /// The update over one chunk.
-    fn update_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: &Consts) {
+    fn update_chunk(
+        p: &mut [f32], // [len]
+        g: &[f32],     // [len]
+        m: &mut [f32], // [len]
+        v: &mut [f32], // [len]
+        k: &Consts,
+    ) {
         let it = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut());
         for (((p, &g), m), v) in it {
             let g = g * k.gs;
@@ -96,10 +102,10 @@ pub mod naive {
     use super::AdamWParams;
 
     pub fn adamw_update(
-        params: &mut [f32],
-        grads: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        params: &mut [f32], // [len]
+        grads: &[f32],      // [len]
+        m: &mut [f32],      // [len] first moment
+        v: &mut [f32],      // [len] second moment
         hp: &AdamWParams,
     ) {
         let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);

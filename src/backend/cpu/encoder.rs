@@ -113,10 +113,10 @@ pub fn encoder_backward(
 pub mod naive {
     #[allow(clippy::too_many_arguments)]
     pub fn encoder_forward(
-        out: &mut [f32],
-        tokens: &[u32],
-        wte: &[f32],
-        wpe: &[f32],
+        out: &mut [f32], // [B, T, C]
+        tokens: &[u32],  // [B, T]
+        wte: &[f32],     // [V, C]
+        wpe: &[f32],     // [maxT, C], only the first T rows used
         b: usize,
         t: usize,
         c: usize,
@@ -132,10 +132,10 @@ pub mod naive {
     }
 
     pub fn encoder_backward(
-        dwte: &mut [f32],
-        dwpe: &mut [f32],
-        dout: &[f32],
-        tokens: &[u32],
+        dwte: &mut [f32], // [V, C] +=
+        dwpe: &mut [f32], // [maxT, C] +=, only the first T rows touched
+        dout: &[f32],     // [B, T, C]
+        tokens: &[u32],   // [B, T]
         b: usize,
         t: usize,
         c: usize,

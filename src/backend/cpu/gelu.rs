@@ -15,14 +15,20 @@ const GELU_K: f32 = 0.044_715;
 #[inline(always)]
 fn sig2u(x: f32) -> (f32, f32) {
     let u = SQRT_2_OVER_PI * (x + GELU_K * x * x * x);
-    let e = exp_f32(-2.0 * u); // clamped: never 0 or inf
+    let e = exp_f32(-2.0 * u); // saturates at e^88: never inf
     let sg = 1.0 / (1.0 + e);
+    // Below 1e-30 (x < about -9.2) flush to 0 rather than produce denormals, which would
+    // slow down every later GEMM that reads them; there |gelu(x)| < 1e-29 anyway.
+    let sg = if sg < 1e-30 { 0.0 } else { sg };
     (sg, e * sg)
 }
 
 multiversion! {
     /// One chunk of the forward.
-    fn forward_chunk(o: &mut [f32], x: &[f32]) {
+    fn forward_chunk(
+        o: &mut [f32], // [len]
+        x: &[f32],     // [len]
+    ) {
         for (o, &x) in o.iter_mut().zip(x) {
             *o = x * sig2u(x).0;
         }
@@ -31,7 +37,10 @@ multiversion! {
 
 multiversion! {
     /// One chunk of the backward.
-    fn backward_chunk(d: &mut [f32], x: &[f32]) {
+    fn backward_chunk(
+        d: &mut [f32], // [len]
+        x: &[f32],     // [len]
+    ) {
         for (d, &x) in d.iter_mut().zip(x) {
             let (sg, one_minus) = sig2u(x);
             // Beyond |x| = 12 the second term is below 1e-30; clamping keeps x³ finite.
@@ -81,13 +90,19 @@ pub mod naive {
         0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
     }
 
-    pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    pub fn gelu_forward(
+        out: &mut [f32], // [len]
+        inp: &[f32],     // [len]
+    ) {
         for (o, &x) in out.iter_mut().zip(inp) {
             *o = gelu(x as f64) as f32;
         }
     }
 
-    pub fn gelu_backward_inplace(d: &mut [f32], inp: &[f32]) {
+    pub fn gelu_backward_inplace(
+        d: &mut [f32], // [len] in: dL/dout, out: dL/dinp
+        inp: &[f32],   // [len]
+    ) {
         for (d, &x) in d.iter_mut().zip(inp) {
             *d = (*d as f64 * gelu_grad(x as f64)) as f32;
         }
@@ -152,6 +167,23 @@ mod tests {
                 .sum()
         });
         assert_close(&d, &fd, 1e-4, 1e-3, "gelu backward vs fd");
+    }
+
+    #[test]
+    fn never_denormal() {
+        let x = grid();
+        let mut o = vec![0.0; x.len()];
+        gelu_forward(&mut o, &x);
+        assert!(
+            o.iter().all(|v| !v.is_subnormal()),
+            "forward produced a denormal"
+        );
+        let mut d = vec![1.0; x.len()];
+        gelu_backward_inplace(&mut d, &x);
+        assert!(
+            d.iter().all(|v| !v.is_subnormal()),
+            "backward produced a denormal"
+        );
     }
 
     #[test]

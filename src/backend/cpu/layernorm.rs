@@ -45,12 +45,12 @@ pub fn layernorm_forward(
 multiversion! {
     /// Forward over a few whole rows.
     fn forward_rows(
-        out: &mut [f32],
-        inp: &[f32],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-        weight: &[f32],
-        bias: &[f32],
+        out: &mut [f32],  // [rows, C]
+        inp: &[f32],      // [rows, C]
+        mean: &mut [f32], // [rows]
+        rstd: &mut [f32], // [rows]
+        weight: &[f32],   // [C]
+        bias: &[f32],     // [C]
         c: usize,
         eps: f32,
     ) {
@@ -114,12 +114,12 @@ pub fn layernorm_backward(
 multiversion! {
     /// Input gradient over a few whole rows.
     fn backward_rows(
-        dinp: &mut [f32],
-        dout: &[f32],
-        inp: &[f32],
-        mean: &[f32],
-        rstd: &[f32],
-        weight: &[f32],
+        dinp: &mut [f32], // [rows, C] +=
+        dout: &[f32],     // [rows, C]
+        inp: &[f32],      // [rows, C]
+        mean: &[f32],     // [rows]
+        rstd: &[f32],     // [rows]
+        weight: &[f32],   // [C]
         c: usize,
     ) {
         let it = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
@@ -138,12 +138,12 @@ multiversion! {
 multiversion! {
     /// Weight and bias gradients of the columns `c0..c0 + dw.len()`, walking all rows in order.
     fn backward_cols(
-        dw: &mut [f32],
-        db: &mut [f32],
-        dout: &[f32],
-        inp: &[f32],
-        mean: &[f32],
-        rstd: &[f32],
+        dw: &mut [f32], // [w <= COL_CHUNK] +=: columns c0..c0 + w
+        db: &mut [f32], // [w] +=
+        dout: &[f32],   // [N, C]
+        inp: &[f32],    // [N, C]
+        mean: &[f32],   // [N]
+        rstd: &[f32],   // [N]
         c0: usize,
         c: usize,
     ) {
@@ -181,7 +181,15 @@ fn row_sums(
     let mut ag = [0.0f32; L];
     let mut agn = [0.0f32; L];
     #[inline(always)]
-    fn lanes(ag: &mut [f32], agn: &mut [f32], dy: &[f32], x: &[f32], w: &[f32], mu: f32, s: f32) {
+    fn lanes(
+        ag: &mut [f32],  // [L]
+        agn: &mut [f32], // [L]
+        dy: &[f32],      // [<= L]
+        x: &[f32],       // [<= L]
+        w: &[f32],       // [<= L]
+        mu: f32,
+        s: f32,
+    ) {
         let it = ag.iter_mut().zip(agn.iter_mut()).zip(dy).zip(x).zip(w);
         for ((((a, an), &dy), &x), &w) in it {
             let g = w * dy;
@@ -213,12 +221,12 @@ fn row_sums(
 pub mod naive {
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm_forward(
-        out: &mut [f32],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-        inp: &[f32],
-        weight: &[f32],
-        bias: &[f32],
+        out: &mut [f32],  // [N, C]
+        mean: &mut [f32], // [N]
+        rstd: &mut [f32], // [N]
+        inp: &[f32],      // [N, C]
+        weight: &[f32],   // [C]
+        bias: &[f32],     // [C]
         n: usize,
         c: usize,
         eps: f32,
@@ -239,14 +247,14 @@ pub mod naive {
 
     #[allow(clippy::too_many_arguments)]
     pub fn layernorm_backward(
-        dinp: &mut [f32],
-        dweight: &mut [f32],
-        dbias: &mut [f32],
-        dout: &[f32],
-        inp: &[f32],
-        weight: &[f32],
-        mean: &[f32],
-        rstd: &[f32],
+        dinp: &mut [f32],    // [N, C] +=
+        dweight: &mut [f32], // [C] +=
+        dbias: &mut [f32],   // [C] +=
+        dout: &[f32],        // [N, C]
+        inp: &[f32],         // [N, C]
+        weight: &[f32],      // [C]
+        mean: &[f32],        // [N]
+        rstd: &[f32],        // [N]
         n: usize,
         c: usize,
     ) {

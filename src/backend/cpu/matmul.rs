@@ -201,7 +201,12 @@ fn col_sum_accumulate(
 
 multiversion! {
     /// d[j] += Σ_r src[r, c0 + j] for the columns of one task.
-    fn col_sum_task(d: &mut [f32], src: &[f32], c0: usize, oc: usize) {
+    fn col_sum_task(
+        d: &mut [f32], // [w <= COL_CHUNK]: columns c0..c0 + w
+        src: &[f32],   // [N, OC]
+        c0: usize,
+        oc: usize,
+    ) {
         let w = d.len();
         let mut acc = [0.0f32; COL_CHUNK];
         let acc = &mut acc[..w];
@@ -221,10 +226,10 @@ pub mod naive {
     /// out = (accumulate ? out : 0) + inp @ weight + bias.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_forward(
-        out: &mut [f32],
-        inp: &[f32],
-        weight: &[f32],
-        bias: Option<&[f32]>,
+        out: &mut [f32],      // [N, OC]
+        inp: &[f32],          // [N, IC]
+        weight: &[f32],       // [IC, OC]
+        bias: Option<&[f32]>, // [OC]
         n: usize,
         ic: usize,
         oc: usize,
@@ -248,12 +253,12 @@ pub mod naive {
 
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_backward(
-        dinp: &mut [f32],
-        dweight: &mut [f32],
-        dbias: Option<&mut [f32]>,
-        dout: &[f32],
-        inp: &[f32],
-        weight: &[f32],
+        dinp: &mut [f32],          // [N, IC] overwritten
+        dweight: &mut [f32],       // [IC, OC] +=
+        dbias: Option<&mut [f32]>, // [OC] +=
+        dout: &[f32],              // [N, OC]
+        inp: &[f32],               // [N, IC]
+        weight: &[f32],            // [IC, OC]
         n: usize,
         ic: usize,
         oc: usize,
@@ -294,13 +299,13 @@ pub mod naive {
         n: usize,
         k: usize,
         alpha: f32,
-        a: &[f32],
+        a: &[f32], // stored [m, k] (or [k, m] if trans_a), row stride lda
         lda: usize,
         trans_a: bool,
-        b: &[f32],
+        b: &[f32], // stored [k, n] (or [n, k] if trans_b), row stride ldb
         ldb: usize,
         trans_b: bool,
-        c: &mut [f32],
+        c: &mut [f32], // [m, n], row stride ldc
         ldc: usize,
         accumulate: bool,
     ) {

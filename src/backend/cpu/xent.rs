@@ -1,54 +1,68 @@
 //! Fused softmax + cross-entropy over a chunk of logit rows, and softmax for sampling.
 //!
 //! Each row is stabilised by subtracting its maximum; `e^(x - max)` comes from the
-//! vectorisable `exp_f32` and is summed in f64 lanes. The fused backward works in place: it
-//! stores the exponentials into the row, then scales them into the gradient, so each row is
-//! read three times and written twice while it sits in cache. Parallel over rows (rows are
+//! vectorisable `exp_f32` and is summed in 16 f32 lanes per 1024-element block, the block sums
+//! in f64. The fused backward works in place: it stores the exponentials into the row, then
+//! scales them into the gradient, so each row is read three times and written twice while it
+//! sits in cache. Parallel over rows (rows are
 //! independent), so results are identical for any thread count.
 
-use super::reduce::{exp_f32, max_f32, multiversion, rows_per_task};
+use super::reduce::{exp_f32, max_f32, multiversion, rows_per_task, sum_f32};
 use rayon::prelude::*;
 
-/// Σ exp(x - max) in f64 lanes; the exponentials overwrite `x`.
+/// Elements per block of the exp-sums: summed in 16 f32 lanes (64 terms per lane), then the
+/// block total is added in f64, so the sum stays accurate over a 50k-entry vocabulary while
+/// the inner loop is pure f32 (which auto-vectorises; f64 lanes do not, well).
+const SUM_BLOCK: usize = 1024;
+
+/// Σ exp(x - max); the exponentials overwrite `x`.
 #[inline(always)]
 fn exp_sum(
     x: &mut [f32], // [V]
     max: f32,
 ) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let mut it = x.chunks_exact_mut(8);
-    for ch in &mut it {
-        for (a, x) in acc.iter_mut().zip(ch) {
+    let mut total = 0.0f64;
+    for block in x.chunks_mut(SUM_BLOCK) {
+        let mut acc = [0.0f32; 16];
+        let mut it = block.chunks_exact_mut(16);
+        for ch in &mut it {
+            for (a, x) in acc.iter_mut().zip(ch) {
+                let e = exp_f32(*x - max);
+                *x = e;
+                *a += e;
+            }
+        }
+        for (a, x) in acc.iter_mut().zip(it.into_remainder()) {
             let e = exp_f32(*x - max);
             *x = e;
-            *a += e as f64;
+            *a += e;
         }
+        total += sum_f32(&acc) as f64;
     }
-    for (a, x) in acc.iter_mut().zip(it.into_remainder()) {
-        let e = exp_f32(*x - max);
-        *x = e;
-        *a += e as f64;
-    }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    total
 }
 
-/// Σ exp(x - max) in f64 lanes, read only.
+/// Σ exp(x - max), read only.
 #[inline(always)]
 fn exp_sum_ro(
     x: &[f32], // [V]
     max: f32,
 ) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let mut it = x.chunks_exact(8);
-    for ch in &mut it {
-        for (a, &x) in acc.iter_mut().zip(ch) {
-            *a += exp_f32(x - max) as f64;
+    let mut total = 0.0f64;
+    for block in x.chunks(SUM_BLOCK) {
+        let mut acc = [0.0f32; 16];
+        let mut it = block.chunks_exact(16);
+        for ch in &mut it {
+            for (a, &x) in acc.iter_mut().zip(ch) {
+                *a += exp_f32(x - max);
+            }
         }
+        for (a, &x) in acc.iter_mut().zip(it.remainder()) {
+            *a += exp_f32(x - max);
+        }
+        total += sum_f32(&acc) as f64;
     }
-    for (a, &x) in acc.iter_mut().zip(it.remainder()) {
-        *a += exp_f32(x - max) as f64;
-    }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    total
 }
 
 fn check_target(target: u32, v: usize) -> usize {
@@ -86,7 +100,13 @@ pub fn softmax_xent_backward_inplace(
 
 multiversion! {
     /// The fused backward over a few whole rows.
-    fn backward_rows(lg: &mut [f32], tg: &[u32], ls: &mut [f32], dloss_scale: f32, v: usize) {
+    fn backward_rows(
+        lg: &mut [f32], // [rows, V]
+        tg: &[u32],     // [rows]
+        ls: &mut [f32], // [rows]
+        dloss_scale: f32,
+        v: usize,
+    ) {
         for ((row, &tgt), loss) in lg.chunks_exact_mut(v).zip(tg).zip(ls) {
             let tgt = check_target(tgt, v);
             let max = max_f32(row);
@@ -95,7 +115,9 @@ multiversion! {
             *loss = (sum.ln() - (x_t - max) as f64) as f32;
             let s = (dloss_scale as f64 / sum) as f32;
             for x in row.iter_mut() {
-                *x *= s;
+                // Flush what would be denormal (the LM-head GEMMs read this) to 0.
+                let g = *x * s;
+                *x = if g < 1e-30 { 0.0 } else { g };
             }
             row[tgt] -= dloss_scale;
         }
@@ -127,7 +149,12 @@ pub fn softmax_xent_forward(
 
 multiversion! {
     /// The loss over a few whole rows.
-    fn forward_rows(lg: &[f32], tg: &[u32], ls: &mut [f32], v: usize) {
+    fn forward_rows(
+        lg: &[f32],     // [rows, V]
+        tg: &[u32],     // [rows]
+        ls: &mut [f32], // [rows]
+        v: usize,
+    ) {
         for ((row, &tgt), loss) in lg.chunks_exact(v).zip(tg).zip(ls) {
             let tgt = check_target(tgt, v);
             let max = max_f32(row);
@@ -152,7 +179,11 @@ pub fn softmax_row(
 }
 
 multiversion! {
-    fn softmax_row_impl(probs: &mut [f32], logits: &[f32], inv_t: f32) {
+    fn softmax_row_impl(
+        probs: &mut [f32], // [V]
+        logits: &[f32],    // [V]
+        inv_t: f32,
+    ) {
         let max = max_f32(logits);
         for (p, &x) in probs.iter_mut().zip(logits) {
             *p = (x - max) * inv_t;
@@ -167,7 +198,10 @@ multiversion! {
 
 /// Reference twins: f64 throughout.
 pub mod naive {
-    fn row_loss_and_probs(row: &[f32], tgt: usize) -> (f64, Vec<f64>) {
+    fn row_loss_and_probs(
+        row: &[f32], // [V]
+        tgt: usize,
+    ) -> (f64, Vec<f64>) {
         let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
         let e: Vec<f64> = row.iter().map(|&x| (x as f64 - max).exp()).collect();
         let sum: f64 = e.iter().sum();
@@ -176,9 +210,9 @@ pub mod naive {
     }
 
     pub fn softmax_xent_backward_inplace(
-        logits: &mut [f32],
-        targets: &[u32],
-        losses: &mut [f32],
+        logits: &mut [f32], // [n, V] in: logits, out: dloss/dlogits
+        targets: &[u32],    // [n]
+        losses: &mut [f32], // [n]
         dloss_scale: f32,
         n: usize,
         v: usize,
@@ -196,9 +230,9 @@ pub mod naive {
     }
 
     pub fn softmax_xent_forward(
-        logits: &[f32],
-        targets: &[u32],
-        losses: &mut [f32],
+        logits: &[f32],     // [n, V]
+        targets: &[u32],    // [n]
+        losses: &mut [f32], // [n]
         n: usize,
         v: usize,
     ) {
@@ -208,7 +242,11 @@ pub mod naive {
         }
     }
 
-    pub fn softmax_row(probs: &mut [f32], logits: &[f32], temperature: f32) {
+    pub fn softmax_row(
+        probs: &mut [f32], // [V]
+        logits: &[f32],    // [V]
+        temperature: f32,
+    ) {
         let scaled: Vec<f32> = logits.iter().map(|&x| x / temperature).collect();
         let (_, p) = row_loss_and_probs(&scaled, 0);
         for (o, p) in probs.iter_mut().zip(p) {
@@ -294,7 +332,11 @@ mod tests {
         assert!((l[0] - 2e4).abs() < 1.0, "{}", l[0]);
         let mut g = logits.clone();
         softmax_xent_backward_inplace(&mut g, &[0], &mut l, 1.0, 1, v);
-        assert!(g.iter().all(|x| x.is_finite()));
+        assert!(g.iter().all(|x| x.is_finite() && !x.is_subnormal()));
+        // A gap that would leave denormal gradient entries after scaling flushes them to 0.
+        let mut g = vec![0.0f32, -84.0, -86.0, -90.0];
+        softmax_xent_backward_inplace(&mut g, &[0], &mut l, 1e-4, 1, 4);
+        assert!(g.iter().all(|x| !x.is_subnormal()), "{g:?}");
         assert!((g[0] + 1.0).abs() < 1e-6 && (g[3] - 1.0).abs() < 1e-6);
     }
 
