@@ -326,7 +326,7 @@ pub fn gemm_packing_bytes(threads: usize) -> u64 {
             crate::util::bytes::parse_bytes(s.trim()).ok()
         })
         .unwrap_or(1 << 20);
-    (8u64 << 20) + (threads as u64 + 1) * l2
+    crate::backend::cpu::matmul::GEMM_PACK_BYTES + (threads as u64 + 1) * l2
 }
 
 /// Checks that no op writes a buffer whose bytes overlap another buffer the same op touches

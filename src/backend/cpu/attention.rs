@@ -969,14 +969,19 @@ mod tests {
         }
     }
 
-    /// Very peaky softmax (score ranges of several hundred): exercises exp underflow to exact
-    /// zeros and the max subtraction (a wrong max overflows or underflows here). Both the
-    /// full-width and the ragged-block paths. Rounding of large scores costs accuracy, so the
-    /// tolerance is looser.
+    /// Very peaky softmax with large offsets (scores of several hundred): exercises exp
+    /// underflow to exact zeros and the max subtraction (a wrong max overflows or underflows
+    /// here), in both the full-width and the ragged-block paths. Rounding of scores that large
+    /// costs accuracy, so the tolerance is looser.
     #[test]
     fn peaky_scores_match_naive() {
         for (si, &(b, t, c, nh)) in [(2, 70, 16, 2), (1, 9, 6, 1)].iter().enumerate() {
-            let qkv = rand_vec(b * t * 3 * c, 505 + si as u64, 12.0);
+            let mut qkv = rand_vec(b * t * 3 * c, 505 + si as u64, 12.0);
+            // A common offset on every key shifts each score row by q_i·40 (hundreds), which
+            // the softmax must cancel exactly through its max subtraction.
+            for row in qkv.chunks_exact_mut(3 * c) {
+                row[c..2 * c].iter_mut().for_each(|k| *k += 40.0);
+            }
             let dout = rand_vec(b * t * c, 606 + si as u64, 1.0);
             let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
             let mut out_n = vec![0.0; b * t * c];
@@ -994,12 +999,12 @@ mod tests {
                 "not peaky enough: {tiny} probabilities below e^-87"
             );
             let tag = format!("{b}x{t}x{c}/{nh}");
-            assert_close(&format!("peaky out {tag}"), &out, &out_n, 1e-4);
+            assert_close(&format!("peaky out {tag}"), &out, &out_n, 3e-4);
             assert_close(&format!("peaky lse {tag}"), &lse, &lse_n, 1e-5);
             let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
             let mut dqkv_n = vec![0.0; b * t * 3 * c];
             naive::attention_backward(&mut dqkv_n, &dout, &qkv, b, t, c, nh);
-            assert_close(&format!("peaky dqkv {tag}"), &dqkv, &dqkv_n, 1e-4);
+            assert_close(&format!("peaky dqkv {tag}"), &dqkv, &dqkv_n, 3e-4);
         }
     }
 

@@ -4,7 +4,8 @@
 //! Transposed operands are passed to `gemm` as strides, never copied. `gemm` splits the output
 //! into tiles across threads and walks the reduction dimension sequentially inside a tile,
 //! so results are deterministic for a given thread count. Note that `gemm` allocates its own
-//! small packing buffers internally (a few hundred KiB per thread); nothing else here does.
+//! packing buffers internally; `sgemm` splits calls into row blocks so they stay below
+//! [`GEMM_PACK_BYTES`] (the plan counts them); nothing else here allocates.
 //! The bias gradient is a column sum in which each task owns a fixed slice of columns and
 //! walks all rows in order (identical for any thread count, no workspace).
 
@@ -84,33 +85,51 @@ pub fn sgemm(
     } else {
         (ldb as isize, 1)
     };
-    // SAFETY: the asserts above prove every (row, col) index gemm touches lies inside `a`, `b`
-    // and `c`; `c` is a unique borrow, so it aliases neither input; ldc >= n keeps distinct
-    // output elements distinct, so the parallel tiles never overlap.
-    unsafe {
-        gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            ldc as isize,
-            accumulate,
-            a.as_ptr(),
-            a_cs,
-            a_rs,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
-            1.0,
-            alpha,
-            false,
-            false,
-            false,
-            parallelism(m, n, k),
-        );
+    // Row blocks of at most GEMM_M_BLOCK rows of c bound gemm's packing scratch (it packs a
+    // panel of kc × rows of op(a) after transposing our row-major problem).
+    let mut i0 = 0;
+    while i0 < m {
+        let rows = GEMM_M_BLOCK.min(m - i0);
+        // Offset of row i0 of op(a): a row of the stored matrix, or a column when transposed.
+        let a_off = if trans_a { i0 } else { i0 * lda };
+        // SAFETY: the asserts above prove every (row, col) index gemm touches lies inside `a`,
+        // `b` and `c` (a block is a sub-window of the checked window); `c` is a unique borrow,
+        // so it aliases neither input; ldc >= n keeps distinct output elements distinct, so the
+        // parallel tiles never overlap.
+        unsafe {
+            gemm(
+                rows,
+                n,
+                k,
+                c.as_mut_ptr().add(i0 * ldc),
+                1,
+                ldc as isize,
+                accumulate,
+                a.as_ptr().add(a_off),
+                a_cs,
+                a_rs,
+                b.as_ptr(),
+                b_cs,
+                b_rs,
+                1.0,
+                alpha,
+                false,
+                false,
+                false,
+                parallelism(rows, n, k),
+            );
+        }
+        i0 += rows;
     }
 }
+
+/// Rows of `c` per `gemm` call. `gemm` packs a kc × rows panel (kc ≤ 1024) per call, so this
+/// bounds its scratch to [`GEMM_PACK_BYTES`] while keeping every call large enough to run at
+/// full speed.
+pub const GEMM_M_BLOCK: usize = 2048;
+
+/// Upper bound of the packing scratch one `sgemm` call makes `gemm` allocate.
+pub const GEMM_PACK_BYTES: u64 = (GEMM_M_BLOCK * 1024 * 4) as u64;
 
 /// out = (accumulate ? out : 0) + inp @ weight + bias.
 #[allow(clippy::too_many_arguments)]
@@ -480,6 +499,21 @@ mod tests {
         assert_close(&dinp, &fd_inp, 1e-3, 1e-3, "dinp vs fd");
         assert_close(&dw, &fd_w, 1e-3, 1e-3, "dw vs fd");
         assert_close(&db, &fd_b, 1e-3, 1e-3, "db vs fd");
+    }
+
+    #[test]
+    fn sgemm_splits_tall_problems_into_row_blocks() {
+        let (m, n, k) = (2 * GEMM_M_BLOCK + 3, 5, 7);
+        for trans_a in [false, true] {
+            let (ar, ac) = if trans_a { (k, m) } else { (m, k) };
+            let a = randn(ar * ac, 1.0, 1);
+            let b = randn(k * n, 1.0, 2);
+            let (mut c1, mut c2) = (randn(m * n, 1.0, 3), vec![0f32; m * n]);
+            c2.copy_from_slice(&c1);
+            sgemm(m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c1, n, true);
+            naive::sgemm(m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c2, n, true);
+            assert_close(&c1, &c2, 1e-4, 1e-5, &format!("tall sgemm ta={trans_a}"));
+        }
     }
 
     #[test]

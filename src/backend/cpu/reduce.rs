@@ -6,6 +6,11 @@
 //! Determinism: elementwise passes give each element the same arithmetic whatever the split;
 //! `sum_squares` sums fixed `ELEM_CHUNK`-sized chunks and combines them along a binary tree
 //! whose shape depends only on the length, so its result is identical for any thread count.
+//!
+//! Vector width: the crate is built for baseline x86-64 (SSE2), so the hot loops of all CPU
+//! kernels are wrapped in [`multiversion!`](multiversion), which compiles them again for
+//! AVX2+FMA and AVX-512 and picks one at run time ([`isa`]). The arithmetic is written
+//! without `mul_add`, so every variant gives bit-identical results (a test checks this).
 
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicU8, Ordering};
