@@ -74,15 +74,16 @@ struct PrepareArgs {
 
 #[derive(Args)]
 struct StepArgs {
-    /// Model: a preset (gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl), a checkpoint directory, or a config.json.
-    #[arg(long, default_value = "gpt2-tiny")]
-    model: String,
-    /// Micro-batch size (sequences per step).
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
-    /// Sequence length in tokens (at most the model's n_positions).
-    #[arg(long, default_value_t = 128)]
-    seq: usize,
+    /// Model: a preset (gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl), a checkpoint
+    /// directory, or a config.json [default: gpt2-tiny; with --resume: the run's]
+    #[arg(long)]
+    model: Option<String>,
+    /// Micro-batch size, sequences per step [default: 8; with --resume: the run's]
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Sequence length in tokens, at most the model's n_positions [default: 128; with --resume: the run's]
+    #[arg(long)]
+    seq: Option<usize>,
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -110,9 +111,9 @@ struct TrainArgs {
     /// Run directory: plan.json, metrics.jsonl, checkpoints/.
     #[arg(long, required_unless_present = "resume")]
     out: Option<PathBuf>,
-    /// Total optimizer steps.
-    #[arg(long, default_value_t = 500)]
-    steps: u64,
+    /// Total optimizer steps of the run [default: 500; with --resume: the run's]
+    #[arg(long)]
+    steps: Option<u64>,
     /// Peak learning rate (AdamW).
     #[arg(long, default_value_t = 6e-4)]
     lr: f32,
@@ -225,9 +226,18 @@ fn prepare_cmd(a: PrepareArgs) -> Result<()> {
     Ok(())
 }
 
+/// Defaults of `plan` and `train` (the rest live in `TrainOptions::new`).
+const DEFAULT_MODEL: &str = "gpt2-tiny";
+const DEFAULT_BATCH: usize = 8;
+const DEFAULT_SEQ: usize = 128;
+
 fn plan_cmd(a: PlanArgs) -> Result<()> {
-    let spec = ModelSpec::resolve(&a.step.model)?;
-    let cfg = StepConfig::new(a.step.batch, a.step.seq, threads(a.step.threads)?);
+    let spec = ModelSpec::resolve(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
+    let cfg = StepConfig::new(
+        a.step.batch.unwrap_or(DEFAULT_BATCH),
+        a.step.seq.unwrap_or(DEFAULT_SEQ),
+        threads(a.step.threads)?,
+    );
     let plan = build_plan(&spec, &cfg, Mode::Train)?;
     let baseline = rss::current_rss().unwrap_or(0);
     if a.json {
@@ -248,17 +258,28 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
     let mut progress = ConsoleProgress::new(10);
     let summary = if let Some(run) = &a.resume {
         let (mut opts, ck) = train::resume_options(run)?;
-        opts.model = if a.step.model != "gpt2-tiny" { a.step.model.clone() } else { opts.model };
-        if a.steps != 500 {
-            opts.steps = a.steps;
+        // The run's own configuration, except what the user explicitly gives: a model (checked
+        // against the run's dimensions), more steps. Batch and sequence cannot change.
+        if let Some(m) = &a.step.model {
+            opts.model = m.clone();
+        }
+        if let Some(s) = a.steps {
+            opts.steps = s;
+        }
+        for (flag, given, run_value) in [("--batch", a.step.batch, opts.batch), ("--seq", a.step.seq, opts.seq)] {
+            if let Some(g) = given
+                && g != run_value
+            {
+                bail!("--resume: the run in {} uses {flag} {run_value}; it cannot change to {g} (start a new run with --init instead)", run.display());
+            }
         }
         train::train(&opts, Some(&ck), &mut progress)?
     } else {
         let (data, out) = (a.data.expect("clap requires --data"), a.out.expect("clap requires --out"));
-        let mut o = TrainOptions::new(&a.step.model, &data, &out);
-        o.steps = a.steps;
-        o.batch = a.step.batch;
-        o.seq = a.step.seq;
+        let mut o = TrainOptions::new(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL), &data, &out);
+        o.steps = a.steps.unwrap_or(o.steps);
+        o.batch = a.step.batch.unwrap_or(o.batch);
+        o.seq = a.step.seq.unwrap_or(o.seq);
         o.lr = a.lr;
         o.warmup = a.warmup;
         o.weight_decay = a.weight_decay;
