@@ -214,7 +214,11 @@ fn threads(t: Option<usize>) -> Result<usize> {
 }
 
 fn prepare_cmd(a: PrepareArgs) -> Result<()> {
-    let s = prepare::prepare(&prepare::PrepareOptions { inputs: a.inputs, out: a.out, val_fraction: a.val_fraction })?;
+    let s = prepare::prepare(&prepare::PrepareOptions {
+        inputs: a.inputs,
+        out: a.out,
+        val_fraction: a.val_fraction,
+    })?;
     println!(
         "prepared {} files ({}): {} train tokens, {} val tokens in {}",
         s.files,
@@ -241,7 +245,10 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     let plan = build_plan(&spec, &cfg, Mode::Train)?;
     let baseline = rss::current_rss().unwrap_or(0);
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?
+        );
     } else {
         print!("{}", plan::report::table(&plan, baseline));
     }
@@ -266,17 +273,30 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         if let Some(s) = a.steps {
             opts.steps = s;
         }
-        for (flag, given, run_value) in [("--batch", a.step.batch, opts.batch), ("--seq", a.step.seq, opts.seq)] {
+        for (flag, given, run_value) in [
+            ("--batch", a.step.batch, opts.batch),
+            ("--seq", a.step.seq, opts.seq),
+        ] {
             if let Some(g) = given
                 && g != run_value
             {
-                bail!("--resume: the run in {} uses {flag} {run_value}; it cannot change to {g} (start a new run with --init instead)", run.display());
+                bail!(
+                    "--resume: the run in {} uses {flag} {run_value}; it cannot change to {g} (start a new run with --init instead)",
+                    run.display()
+                );
             }
         }
         train::train(&opts, Some(&ck), &mut progress)?
     } else {
-        let (data, out) = (a.data.expect("clap requires --data"), a.out.expect("clap requires --out"));
-        let mut o = TrainOptions::new(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL), &data, &out);
+        let (data, out) = (
+            a.data.expect("clap requires --data"),
+            a.out.expect("clap requires --out"),
+        );
+        let mut o = TrainOptions::new(
+            a.step.model.as_deref().unwrap_or(DEFAULT_MODEL),
+            &data,
+            &out,
+        );
         o.steps = a.steps.unwrap_or(o.steps);
         o.batch = a.step.batch.unwrap_or(o.batch);
         o.seq = a.step.seq.unwrap_or(o.seq);
@@ -303,9 +323,13 @@ fn print_summary(s: &train::TrainSummary) {
         s.first_step,
         s.last_step,
         s.final_loss,
-        s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
+        s.final_val_loss
+            .map(|v| format!(", val loss {v:.4}"))
+            .unwrap_or_default(),
         s.tokens_per_s,
-        s.peak_rss_bytes.map(fmt_bytes).unwrap_or_else(|| "?".into()),
+        s.peak_rss_bytes
+            .map(fmt_bytes)
+            .unwrap_or_else(|| "?".into()),
         fmt_bytes(s.plan_total_bytes),
         fmt_bytes(s.baseline_bytes)
     );
@@ -348,7 +372,12 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         "bench: model {} batch {} seq {} threads {} fp32, 1 warm-up + {} timed steps",
         opts.model, opts.batch, opts.seq, opts.threads, opts.steps
     );
-    let report = bench::run(&opts, &mut |i, dt| eprintln!("  step {i}: {dt:.3} s{}", if i == 0 { " (warm-up)" } else { "" }))?;
+    let report = bench::run(&opts, &mut |i, dt| {
+        eprintln!(
+            "  step {i}: {dt:.3} s{}",
+            if i == 0 { " (warm-up)" } else { "" }
+        )
+    })?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }
@@ -359,14 +388,25 @@ fn demo(a: DemoArgs) -> Result<()> {
     let corpus = corpus::demo_corpus()?;
     let data = a.out.join("data");
     if !data.join("meta.json").exists() {
-        let s = prepare::prepare(&prepare::PrepareOptions { inputs: vec![corpus], out: data.clone(), val_fraction: 0.05 })?;
-        println!("1. prepared {} files: {} train / {} val tokens -> {}", s.files, s.train_tokens, s.val_tokens, data.display());
+        let s = prepare::prepare(&prepare::PrepareOptions {
+            inputs: vec![corpus],
+            out: data.clone(),
+            val_fraction: 0.05,
+        })?;
+        println!(
+            "1. prepared {} files: {} train / {} val tokens -> {}",
+            s.files,
+            s.train_tokens,
+            s.val_tokens,
+            data.display()
+        );
     } else {
         println!("1. using prepared data in {}", data.display());
     }
     let run = a.out.join("run");
     if run.exists() {
-        std::fs::remove_dir_all(&run).with_context(|| format!("cannot clear the previous demo run {}", run.display()))?;
+        std::fs::remove_dir_all(&run)
+            .with_context(|| format!("cannot clear the previous demo run {}", run.display()))?;
     }
     let mut o = TrainOptions::new("gpt2-tiny", &data, &run);
     o.steps = a.steps;
@@ -378,13 +418,25 @@ fn demo(a: DemoArgs) -> Result<()> {
     o.eval_every = 100.min(a.steps);
     o.save_every = 0;
     let spec = ModelSpec::preset("gpt2-tiny")?;
-    let plan = build_plan(&spec, &StepConfig::new(o.batch, o.seq, threads), Mode::Train)?;
+    let plan = build_plan(
+        &spec,
+        &StepConfig::new(o.batch, o.seq, threads),
+        Mode::Train,
+    )?;
     println!("\n2. the memory plan, before any step runs:\n");
-    print!("{}", plan::report::table(&plan, rss::current_rss().unwrap_or(0)));
-    println!("\n3. training {} steps (loss should fall from ~10.8):\n", o.steps);
+    print!(
+        "{}",
+        plan::report::table(&plan, rss::current_rss().unwrap_or(0))
+    );
+    println!(
+        "\n3. training {} steps (loss should fall from ~10.8):\n",
+        o.steps
+    );
     let summary = train::train(&o, None, &mut ConsoleProgress::new(25))?;
     print_summary(&summary);
-    let ck = summary.last_checkpoint.context("the demo run saved no checkpoint")?;
+    let ck = summary
+        .last_checkpoint
+        .context("the demo run saved no checkpoint")?;
     println!("\n4. a sample from the trained model (temperature 0.8, top-k 40):\n");
     let opts = SampleOptions {
         checkpoint: ck.clone(),

@@ -6,7 +6,10 @@ mod common;
 use std::process::{Command, Output};
 
 fn memwall(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memwall")).args(args).output().expect("run memwall")
+    Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .args(args)
+        .output()
+        .expect("run memwall")
 }
 
 /// Runs memwall expecting failure; returns stderr. Asserts a clean error: exit status 1 (or
@@ -14,8 +17,15 @@ fn memwall(args: &[&str]) -> Output {
 fn fails(args: &[&str]) -> String {
     let o = memwall(args);
     let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(matches!(o.status.code(), Some(1 | 2)), "memwall {args:?} should fail cleanly ({:?}); stderr:\n{err}", o.status);
-    assert!(!err.contains("panicked"), "memwall {args:?} panicked:\n{err}");
+    assert!(
+        matches!(o.status.code(), Some(1 | 2)),
+        "memwall {args:?} should fail cleanly ({:?}); stderr:\n{err}",
+        o.status
+    );
+    assert!(
+        !err.contains("panicked"),
+        "memwall {args:?} panicked:\n{err}"
+    );
     assert!(err.lines().any(|l| l.starts_with("error: ")), "{err}");
     err
 }
@@ -29,21 +39,42 @@ fn ok(args: &[&str]) -> String {
 
 #[test]
 fn plan_json_has_totals_categories_and_buffers() {
-    let out = ok(&["plan", "--model", "gpt2", "--batch", "4", "--seq", "256", "--json"]);
+    let out = ok(&[
+        "plan", "--model", "gpt2", "--batch", "4", "--seq", "256", "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let total = v["total_bytes"].as_u64().unwrap();
-    let by: u64 = ["param", "grad", "optimizer_state"].iter().map(|k| v["by_category"][k].as_u64().unwrap()).sum();
+    let by: u64 = ["param", "grad", "optimizer_state"]
+        .iter()
+        .map(|k| v["by_category"][k].as_u64().unwrap())
+        .sum();
     assert_eq!(by, 4 * 4 * 124_439_808);
     assert!(total > by && total < by + (1 << 30), "total {total}");
     assert!(v["buffers"].as_array().unwrap().len() > 100);
     let table = ok(&["plan", "--model", "gpt2", "--batch", "4", "--seq", "256"]);
-    assert!(table.contains("optimizer_state") && table.contains("predicted peak RSS"), "{table}");
+    assert!(
+        table.contains("optimizer_state") && table.contains("predicted peak RSS"),
+        "{table}"
+    );
 }
 
 #[test]
 fn over_budget_plans_are_refused_with_what_fits() {
-    let e = fails(&["plan", "--model", "gpt2", "--batch", "64", "--seq", "1024", "--max-memory", "4GiB"]);
-    assert!(e.contains("--max-memory") && e.contains("over by") && e.contains("--batch"), "{e}");
+    let e = fails(&[
+        "plan",
+        "--model",
+        "gpt2",
+        "--batch",
+        "64",
+        "--seq",
+        "1024",
+        "--max-memory",
+        "4GiB",
+    ]);
+    assert!(
+        e.contains("--max-memory") && e.contains("over by") && e.contains("--batch"),
+        "{e}"
+    );
     let e = fails(&["plan", "--model", "gpt2", "--max-memory", "1GiB"]);
     assert!(e.contains("even --batch 1"), "{e}");
     let e = fails(&["plan", "--max-memory", "lots"]);
@@ -72,13 +103,31 @@ fn bad_corpora_and_data_are_refused() {
     let empty = tmp.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     let out = tmp.path().join("data");
-    fails(&["prepare", empty.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    fails(&[
+        "prepare",
+        empty.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     let bin = tmp.path().join("garbage.bin");
     std::fs::write(&bin, [0u8, 159, 146, 150, 0, 255, 1, 2]).unwrap();
-    let e = fails(&["prepare", bin.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let e = fails(&[
+        "prepare",
+        bin.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert!(e.contains("garbage.bin"), "{e}");
     let missing = tmp.path().join("nope");
-    let e = fails(&["train", "--data", missing.to_str().unwrap(), "--out", out.to_str().unwrap(), "--steps", "1"]);
+    let e = fails(&[
+        "train",
+        "--data",
+        missing.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
     assert!(e.contains("memwall prepare"), "{e}");
     assert!(!out.join("checkpoints").exists(), "nothing half-written");
 }
@@ -91,14 +140,62 @@ fn unwritable_output_and_mismatched_resume_are_refused() {
     let file = tmp.path().join("a_file");
     std::fs::write(&file, "x").unwrap();
     let under_file = file.join("run");
-    let e = fails(&["train", "--model", cfg.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", under_file.to_str().unwrap(), "--steps", "1", "--seq", "16"]);
+    let e = fails(&[
+        "train",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        under_file.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--seq",
+        "16",
+    ]);
     assert!(e.contains("--out"), "{e}");
     let run = tmp.path().join("run");
     let (d, r) = (data.to_str().unwrap(), run.to_str().unwrap());
-    ok(&["train", "--model", cfg.to_str().unwrap(), "--data", d, "--out", r, "--steps", "2", "--batch", "2", "--seq", "16", "--threads", "2"]);
-    let e = fails(&["train", "--resume", r, "--model", "gpt2-tiny", "--steps", "4"]);
+    ok(&[
+        "train",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--data",
+        d,
+        "--out",
+        r,
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--threads",
+        "2",
+    ]);
+    let e = fails(&[
+        "train",
+        "--resume",
+        r,
+        "--model",
+        "gpt2-tiny",
+        "--steps",
+        "4",
+    ]);
     assert!(e.contains("dimensions cannot change"), "{e}");
-    let e = fails(&["train", "--model", cfg.to_str().unwrap(), "--data", d, "--out", r, "--steps", "2", "--seq", "16"]);
+    let e = fails(&[
+        "train",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--data",
+        d,
+        "--out",
+        r,
+        "--steps",
+        "2",
+        "--seq",
+        "16",
+    ]);
     assert!(e.contains("--resume"), "{e}");
     // A checkpoint with a missing tensor is refused by sample, naming the tensor.
     let ck = run.join("checkpoints/step-000002");
@@ -112,11 +209,28 @@ fn unwritable_output_and_mismatched_resume_are_refused() {
 /// within 3% of the plan's total.
 #[test]
 fn measured_peak_rss_matches_the_plan() {
-    let out = ok(&["bench", "--model", "gpt2-tiny", "--batch", "16", "--seq", "256", "--steps", "2", "--threads", "2"]);
+    let out = ok(&[
+        "bench",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "16",
+        "--seq",
+        "256",
+        "--steps",
+        "2",
+        "--threads",
+        "2",
+    ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let err = v["plan_error_pct"].as_f64().unwrap();
-    let (plan, measured) = (v["plan_total_bytes"].as_u64().unwrap(), v["measured_minus_baseline_bytes"].as_u64().unwrap());
+    let (plan, measured) = (
+        v["plan_total_bytes"].as_u64().unwrap(),
+        v["measured_minus_baseline_bytes"].as_u64().unwrap(),
+    );
     eprintln!("plan {plan} bytes, measured peak minus baseline {measured} bytes: {err:.2}%");
-    assert!(err.abs() <= 3.0, "plan {plan} vs measured {measured}: {err:.2}%");
+    assert!(
+        err.abs() <= 3.0,
+        "plan {plan} vs measured {measured}: {err:.2}%"
+    );
 }
-

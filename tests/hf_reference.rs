@@ -10,12 +10,17 @@ use std::path::PathBuf;
 
 fn fixture() -> (PathBuf, serde_json::Value) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny-gpt2");
-    let exp = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let exp =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     (dir, exp)
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
@@ -28,10 +33,18 @@ fn logits_and_loss_match_transformers() {
     let mut ex = Executor::new(plan).unwrap();
     ckpt::load_params(&dir, &layout, ex.params_mut()).unwrap();
     let logits = ex.next_token_logits(&prompt).unwrap();
-    let want: Vec<f64> = exp["last_logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let want: Vec<f64> = exp["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
     assert_eq!(logits.len(), want.len());
     for (i, (&a, &b)) in logits.iter().zip(&want).enumerate() {
-        assert!((a as f64 - b).abs() < 1e-4, "logit {i}: memwall {a} vs transformers {b}");
+        assert!(
+            (a as f64 - b).abs() < 1e-4,
+            "logit {i}: memwall {a} vs transformers {b}"
+        );
     }
     // Mean cross-entropy of the whole greedy sequence, as transformers' `labels=` loss.
     let mut seq = prompt.clone();
@@ -43,7 +56,10 @@ fn logits_and_loss_match_transformers() {
     ex.set_batch(&seq).unwrap();
     let loss = ex.eval_loss() as f64;
     let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
-    assert!((loss - want).abs() < 1e-4, "loss: memwall {loss} vs transformers {want}");
+    assert!(
+        (loss - want).abs() < 1e-4,
+        "loss: memwall {loss} vs transformers {want}"
+    );
 }
 
 #[test]

@@ -10,7 +10,15 @@ use memwall::plan::{Mode, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 
 fn micro_spec() -> ModelSpec {
-    ModelSpec { name: "micro".into(), vocab_size: 61, n_positions: 16, n_embd: 16, n_layer: 2, n_head: 2, layer_norm_epsilon: 1e-5 }
+    ModelSpec {
+        name: "micro".into(),
+        vocab_size: 61,
+        n_positions: 16,
+        n_embd: 16,
+        n_layer: 2,
+        n_head: 2,
+        layer_norm_epsilon: 1e-5,
+    }
 }
 
 /// Executor for the micro model with random batch and params drawn with a larger spread, so
@@ -50,12 +58,19 @@ fn whole_model_gradients_match_finite_differences() {
         };
         let fd = (eval(&mut ex, eps) - eval(&mut ex, -eps)) / (2.0 * eps as f64);
         let an: f64 = g.iter().zip(&d).map(|(&a, &b)| a as f64 * b as f64).sum();
-        assert!((fd - an).abs() <= 2e-2 * an.abs().max(fd.abs()) + 1e-3, "directional derivative: analytic {an} vs finite difference {fd}");
+        assert!(
+            (fd - an).abs() <= 2e-2 * an.abs().max(fd.abs()) + 1e-3,
+            "directional derivative: analytic {an} vs finite difference {fd}"
+        );
     }
     // The largest-gradient element of every tensor.
     let layout = ex.plan.layout.clone();
     for t in &layout.tensors {
-        let i = t.range.clone().max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs())).unwrap();
+        let i = t
+            .range
+            .clone()
+            .max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs()))
+            .unwrap();
         let eps = 2e-3f32;
         let mut at = |s: f32| {
             ex.params_mut().copy_from_slice(&p0);
@@ -64,7 +79,12 @@ fn whole_model_gradients_match_finite_differences() {
         };
         let fd = (at(eps) - at(-eps)) / (2.0 * eps as f64);
         let an = g[i] as f64;
-        assert!((fd - an).abs() <= 3e-2 * an.abs().max(fd.abs()) + 2e-3, "{}[{}]: analytic {an} vs finite difference {fd}", t.name, i - t.range.start);
+        assert!(
+            (fd - an).abs() <= 3e-2 * an.abs().max(fd.abs()) + 2e-3,
+            "{}[{}]: analytic {an} vs finite difference {fd}",
+            t.name,
+            i - t.range.start
+        );
     }
 }
 
@@ -72,9 +92,20 @@ fn whole_model_gradients_match_finite_differences() {
 fn training_is_deterministic_for_a_thread_count() {
     let run = || {
         let mut ex = micro_executor(2);
-        let hp = OptimHparams { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, grad_clip: 1.0, step: 1 };
+        let hp = OptimHparams {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            step: 1,
+        };
         for s in 1..=3 {
-            ex.train_step(&OptimHparams { step: s, ..hp.clone() });
+            ex.train_step(&OptimHparams {
+                step: s,
+                ..hp.clone()
+            });
         }
         ex.params().to_vec()
     };
@@ -82,7 +113,7 @@ fn training_is_deterministic_for_a_thread_count() {
 }
 
 /// Real text: gpt2-tiny on three Shakespeare plays must beat a stated validation loss.
-/// (Initial loss is ln(50257) ≈ 10.8; the unigram entropy of this text is about 6.)
+/// (Initial loss is ln(50257) ≈ 10.8; measured here: 5.53 after 150 steps of 8×64.)
 #[test]
 fn tiny_gpt_learns_shakespeare() {
     if common::shakespeare().is_none() {
@@ -103,11 +134,20 @@ fn tiny_gpt_learns_shakespeare() {
     o.eval_batches = 16;
     let s = train(&o, None, &mut NoProgress).unwrap();
     let val = s.final_val_loss.unwrap();
-    eprintln!("gpt2-tiny, 150 steps of 8x64: train loss {:.3}, val loss {val:.3}", s.final_loss);
-    assert!(val < 6.2, "validation loss {val} after 150 steps; expected below 6.2");
+    eprintln!(
+        "gpt2-tiny, 150 steps of 8x64: train loss {:.3}, val loss {val:.3}",
+        s.final_loss
+    );
+    assert!(
+        val < 5.9,
+        "validation loss {val} after 150 steps; expected below 5.9"
+    );
     // metrics.jsonl has one object per step with the documented fields.
     let metrics = std::fs::read_to_string(tmp.path().join("run/metrics.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 150);
     for k in ["step", "loss", "lr", "tokens_per_s", "rss_bytes"] {
         assert!(lines[0].get(k).is_some(), "metrics.jsonl lacks {k}");
@@ -146,6 +186,9 @@ fn resume_continues_bitwise() {
     for f in ["model.safetensors", "optimizer.safetensors"] {
         let a = std::fs::read(tmp.path().join("full/checkpoints/step-000008").join(f)).unwrap();
         let b = std::fs::read(cut.join("checkpoints/step-000008").join(f)).unwrap();
-        assert!(a == b, "{f} differs between the resumed and the uninterrupted run");
+        assert!(
+            a == b,
+            "{f} differs between the resumed and the uninterrupted run"
+        );
     }
 }

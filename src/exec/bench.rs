@@ -31,8 +31,15 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     }
     let spec = ModelSpec::resolve(&opts.model)?;
     let baseline = rss::current_rss().unwrap_or(0);
-    let plan = build_plan(&spec, &StepConfig::new(opts.batch, opts.seq, opts.threads), Mode::Train)?;
-    let (plan_total, flops): (u64, u64) = (plan.total_bytes(), plan.schedule.ops.iter().map(|o| o.flops).sum());
+    let plan = build_plan(
+        &spec,
+        &StepConfig::new(opts.batch, opts.seq, opts.threads),
+        Mode::Train,
+    )?;
+    let (plan_total, flops): (u64, u64) = (
+        plan.total_bytes(),
+        plan.schedule.ops.iter().map(|o| o.flops).sum(),
+    );
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan)?;
     ex.time_ops(opts.time_ops);
@@ -76,7 +83,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         Some(secs) => {
             let mut kinds: Vec<(String, f64, u64)> = Vec::new();
             for (e, s) in ex.plan.schedule.ops.iter().zip(secs) {
-                let kind = e.name.split_once('.').filter(|(h, _)| h.starts_with('h')).map_or(e.name.as_str(), |x| x.1);
+                let kind = e
+                    .name
+                    .split_once('.')
+                    .filter(|(h, _)| h.starts_with('h'))
+                    .map_or(e.name.as_str(), |x| x.1);
                 match kinds.iter_mut().find(|k| k.0 == kind) {
                     Some(k) => {
                         k.1 += s / opts.steps as f64;

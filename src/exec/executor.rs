@@ -51,7 +51,14 @@ impl Executor {
             .thread_name(|i| format!("memwall-worker-{i}"))
             .build()?;
         let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
-        Ok(Executor { plan, arena, pool, hp: None, last_grad_norm: 0.0, op_seconds: None })
+        Ok(Executor {
+            plan,
+            arena,
+            pool,
+            hp: None,
+            last_grad_norm: 0.0,
+            op_seconds: None,
+        })
     }
 
     // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
@@ -78,7 +85,13 @@ impl Executor {
     }
 
     fn find(&self, name: &str) -> BufId {
-        BufId(self.plan.buffers.iter().position(|b| b.name == name).expect("plan buffer"))
+        BufId(
+            self.plan
+                .buffers
+                .iter()
+                .position(|b| b.name == name)
+                .expect("plan buffer"),
+        )
     }
 
     /// The flat parameter buffer (layout: `plan.layout`).
@@ -98,23 +111,35 @@ impl Executor {
     /// AdamW moments (m, v), for checkpoints.
     pub fn moments(&self) -> (&[f32], &[f32]) {
         let s = &self.plan.schedule;
-        (self.f32(s.adam_m.expect("training plan")), self.f32(s.adam_v.expect("training plan")))
+        (
+            self.f32(s.adam_m.expect("training plan")),
+            self.f32(s.adam_v.expect("training plan")),
+        )
     }
 
     pub fn moments_mut(&mut self) -> (&mut [f32], &mut [f32]) {
         let s = &self.plan.schedule;
-        (self.f32_mut(s.adam_m.expect("training plan")), self.f32_mut(s.adam_v.expect("training plan")))
+        (
+            self.f32_mut(s.adam_m.expect("training plan")),
+            self.f32_mut(s.adam_v.expect("training plan")),
+        )
     }
 
     /// Copies a batch [B, T+1] into the plan's token (and target) buffers.
     pub fn set_batch(&mut self, batch: &[u32]) -> Result<()> {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
         if batch.len() != b * (t + 1) {
-            bail!("internal error: batch of {} tokens, expected {}", batch.len(), b * (t + 1));
+            bail!(
+                "internal error: batch of {} tokens, expected {}",
+                batch.len(),
+                b * (t + 1)
+            );
         }
         let v = self.plan.spec.vocab_size as u32;
         if let Some(bad) = batch.iter().find(|&&x| x >= v) {
-            bail!("token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?");
+            bail!(
+                "token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?"
+            );
         }
         let tokens = self.u32_mut(self.find("tokens"));
         for i in 0..b {
@@ -123,7 +148,8 @@ impl Executor {
         if self.plan.mode == Mode::Train {
             let targets = self.u32_mut(self.find("targets"));
             for i in 0..b {
-                targets[i * t..(i + 1) * t].copy_from_slice(&batch[i * (t + 1) + 1..(i + 1) * (t + 1)]);
+                targets[i * t..(i + 1) * t]
+                    .copy_from_slice(&batch[i * (t + 1) + 1..(i + 1) * (t + 1)]);
             }
         }
         Ok(())
@@ -150,21 +176,35 @@ impl Executor {
     pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> f32 {
         self.hp = Some(hp.clone());
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
-        self.run(self.optimizer_start()..self.plan.schedule.ops.len(), b, t, true);
+        self.run(
+            self.optimizer_start()..self.plan.schedule.ops.len(),
+            b,
+            t,
+            true,
+        );
         self.last_grad_norm
     }
 
     fn optimizer_start(&self) -> usize {
         use crate::plan::schedule::Phase;
         let ops = &self.plan.schedule.ops;
-        ops.iter().position(|o| o.phase == Phase::Optimizer).unwrap_or(ops.len())
+        ops.iter()
+            .position(|o| o.phase == Phase::Optimizer)
+            .unwrap_or(ops.len())
     }
 
     /// Mean loss on the batch set by [`Executor::set_batch`], forward only (no state changes
     /// besides activations).
     pub fn eval_loss(&mut self) -> f32 {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
-        let end = self.plan.schedule.ops.iter().position(|o| matches!(o.op, Op::LmHeadLoss { .. })).expect("loss op") + 1;
+        let end = self
+            .plan
+            .schedule
+            .ops
+            .iter()
+            .position(|o| matches!(o.op, Op::LmHeadLoss { .. }))
+            .expect("loss op")
+            + 1;
         let start = usize::from(matches!(self.plan.schedule.ops[0].op, Op::Zero { .. }));
         self.run(start..end, b, t, false);
         self.mean_loss()
@@ -180,7 +220,10 @@ impl Executor {
         assert_eq!(self.plan.mode, Mode::Generate);
         let t = context.len();
         if t == 0 || t > self.plan.cfg.seq {
-            bail!("internal error: context of {t} tokens for a plan of {}", self.plan.cfg.seq);
+            bail!(
+                "internal error: context of {t} tokens for a plan of {}",
+                self.plan.cfg.seq
+            );
         }
         let v = self.plan.spec.vocab_size as u32;
         if let Some(bad) = context.iter().find(|&&x| x >= v) {
@@ -233,14 +276,31 @@ impl Executor {
         match &self.plan.schedule.ops[i].op {
             Op::Zero { buf } => {
                 use rayon::prelude::*;
-                self.f32_mut(*buf).par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+                self.f32_mut(*buf)
+                    .par_chunks_mut(1 << 16)
+                    .for_each(|c| c.fill(0.0));
             }
             Op::Encoder { tokens, out } => {
                 let toks = &self.u32_mut(*tokens)[..n];
                 let l = &self.plan.layout;
-                encoder::encoder_forward(&mut self.f32_mut(*out)[..n * c], toks, &params[l.wte.clone()], &params[l.wpe.clone()], b, t, c);
+                encoder::encoder_forward(
+                    &mut self.f32_mut(*out)[..n * c],
+                    toks,
+                    &params[l.wte.clone()],
+                    &params[l.wpe.clone()],
+                    b,
+                    t,
+                    c,
+                );
             }
-            Op::LayerNorm { inp, out, mean, rstd, w, b: bias } => {
+            Op::LayerNorm {
+                inp,
+                out,
+                mean,
+                rstd,
+                w,
+                b: bias,
+            } => {
                 layernorm::layernorm_forward(
                     &mut self.f32_mut(*out)[..n * c],
                     &mut self.f32_mut(*mean)[..n],
@@ -253,13 +313,30 @@ impl Executor {
                     spec.layer_norm_epsilon,
                 );
             }
-            Op::Matmul { inp, out, residual, w, b: bias, ic, oc } => {
+            Op::Matmul {
+                inp,
+                out,
+                residual,
+                w,
+                b: bias,
+                ic,
+                oc,
+            } => {
                 let out = &mut self.f32_mut(*out)[..n * oc];
                 if let Some(r) = residual {
                     out.copy_from_slice(&self.f32(*r)[..n * oc]);
                 }
                 let (w, bias) = (&params[w.clone()], &params[bias.clone()]);
-                matmul::matmul_forward(out, &self.f32(*inp)[..n * ic], w, Some(bias), n, *ic, *oc, residual.is_some());
+                matmul::matmul_forward(
+                    out,
+                    &self.f32(*inp)[..n * ic],
+                    w,
+                    Some(bias),
+                    n,
+                    *ic,
+                    *oc,
+                    residual.is_some(),
+                );
             }
             Op::Attention { qkv, out, lse, ws } => {
                 attention::attention_forward(
@@ -274,9 +351,20 @@ impl Executor {
                 );
             }
             Op::Gelu { inp, out } => {
-                gelu::gelu_forward(&mut self.f32_mut(*out)[..n * 4 * c], &self.f32(*inp)[..n * 4 * c]);
+                gelu::gelu_forward(
+                    &mut self.f32_mut(*out)[..n * 4 * c],
+                    &self.f32(*inp)[..n * 4 * c],
+                );
             }
-            Op::LmHeadLoss { inp, targets, losses, logits, dinp, rows_per_chunk, loss_rows } => {
+            Op::LmHeadLoss {
+                inp,
+                targets,
+                losses,
+                logits,
+                dinp,
+                rows_per_chunk,
+                loss_rows,
+            } => {
                 let wte = &params[self.plan.layout.wte.clone()];
                 let x = &self.f32(*inp)[..n * c];
                 let tg = &self.u32_mut(*targets)[..n];
@@ -309,9 +397,31 @@ impl Executor {
             Op::LmHeadLast { inp, logits } => {
                 let wte = &params[self.plan.layout.wte.clone()];
                 let x = &self.f32(*inp)[(n - 1) * c..n * c];
-                matmul::sgemm(1, v, c, 1.0, x, c, false, wte, c, true, self.f32_mut(*logits), v, false);
+                matmul::sgemm(
+                    1,
+                    v,
+                    c,
+                    1.0,
+                    x,
+                    c,
+                    false,
+                    wte,
+                    c,
+                    true,
+                    self.f32_mut(*logits),
+                    v,
+                    false,
+                );
             }
-            Op::LayerNormBackward { dinp, dout, inp, mean, rstd, w, b: bias } => {
+            Op::LayerNormBackward {
+                dinp,
+                dout,
+                inp,
+                mean,
+                rstd,
+                w,
+                b: bias,
+            } => {
                 let g = grads();
                 let (dw, db) = two_ranges(g, w.clone(), bias.clone());
                 layernorm::layernorm_backward(
@@ -327,7 +437,15 @@ impl Executor {
                     c,
                 );
             }
-            Op::MatmulBackward { dinp, dout, inp, w, b: bias, ic, oc } => {
+            Op::MatmulBackward {
+                dinp,
+                dout,
+                inp,
+                w,
+                b: bias,
+                ic,
+                oc,
+            } => {
                 let g = grads();
                 let (dw, db) = two_ranges(g, w.clone(), bias.clone());
                 matmul::matmul_backward(
@@ -342,7 +460,14 @@ impl Executor {
                     *oc,
                 );
             }
-            Op::AttentionBackward { dqkv, dout, qkv, out, lse, ws } => {
+            Op::AttentionBackward {
+                dqkv,
+                dout,
+                qkv,
+                out,
+                lse,
+                ws,
+            } => {
                 attention::attention_backward(
                     &mut self.f32_mut(*dqkv)[..n * 3 * c],
                     &self.f32(*dout)[..n * c],
@@ -357,13 +482,24 @@ impl Executor {
                 );
             }
             Op::GeluBackward { d, inp } => {
-                gelu::gelu_backward_inplace(&mut self.f32_mut(*d)[..n * 4 * c], &self.f32(*inp)[..n * 4 * c]);
+                gelu::gelu_backward_inplace(
+                    &mut self.f32_mut(*d)[..n * 4 * c],
+                    &self.f32(*inp)[..n * 4 * c],
+                );
             }
             Op::EncoderBackward { dout, tokens } => {
                 let l = &self.plan.layout;
                 let g = grads();
                 let (dwte, dwpe) = two_ranges(g, l.wte.clone(), l.wpe.clone());
-                encoder::encoder_backward(dwte, dwpe, &self.f32(*dout)[..n * c], &self.u32_mut(*tokens)[..n], b, t, c);
+                encoder::encoder_backward(
+                    dwte,
+                    dwpe,
+                    &self.f32(*dout)[..n * c],
+                    &self.u32_mut(*tokens)[..n],
+                    b,
+                    t,
+                    c,
+                );
             }
             Op::OptimizerStep => return Some(self.optimizer_step()),
         }
@@ -376,7 +512,11 @@ impl Executor {
         let s = &self.plan.schedule;
         let grads = self.f32(s.grads.expect("training plan"));
         let norm = reduce::sum_squares(grads).sqrt() as f32;
-        let scale = if hp.grad_clip > 0.0 && norm > hp.grad_clip { hp.grad_clip / (norm + 1e-6) } else { 1.0 };
+        let scale = if hp.grad_clip > 0.0 && norm > hp.grad_clip {
+            hp.grad_clip / (norm + 1e-6)
+        } else {
+            1.0
+        };
         let params = self.f32_mut(s.params);
         let m = self.f32_mut(s.adam_m.expect("training plan"));
         let v = self.f32_mut(s.adam_v.expect("training plan"));
@@ -391,7 +531,13 @@ impl Executor {
                 step: hp.step,
                 grad_scale: scale,
             };
-            adamw::adamw_update(&mut params[r.clone()], &grads[r.clone()], &mut m[r.clone()], &mut v[r], &p);
+            adamw::adamw_update(
+                &mut params[r.clone()],
+                &grads[r.clone()],
+                &mut m[r.clone()],
+                &mut v[r],
+                &p,
+            );
         }
         norm
     }
@@ -403,7 +549,10 @@ fn two_ranges(
     a: std::ops::Range<usize>,
     b: std::ops::Range<usize>,
 ) -> (&mut [f32], &mut [f32]) {
-    assert!(a.end <= b.start || b.end <= a.start, "overlapping parameter ranges");
+    assert!(
+        a.end <= b.start || b.end <= a.start,
+        "overlapping parameter ranges"
+    );
     if a.start < b.start {
         let (lo, hi) = buf.split_at_mut(b.start);
         (&mut lo[a], &mut hi[..b.end - b.start])

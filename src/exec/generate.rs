@@ -28,16 +28,27 @@ pub struct SampleOptions {
 
 /// Generates `opts.tokens` tokens after the prompt; returns the new token ids. `on_token`
 /// is called with each new token as it is produced (for streaming output).
-pub fn generate_tokens(opts: &SampleOptions, prompt: &[u32], on_token: &mut dyn FnMut(u32)) -> Result<Vec<u32>> {
+pub fn generate_tokens(
+    opts: &SampleOptions,
+    prompt: &[u32],
+    on_token: &mut dyn FnMut(u32),
+) -> Result<Vec<u32>> {
     if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
-        bail!("--temperature must be >= 0 (0 is greedy), got {}", opts.temperature);
+        bail!(
+            "--temperature must be >= 0 (0 is greedy), got {}",
+            opts.temperature
+        );
     }
     if prompt.is_empty() {
         bail!("--prompt is empty; give at least one character of text");
     }
     let spec = ckpt::load_spec(&opts.checkpoint)?;
     let ctx = spec.n_positions.min(prompt.len() + opts.tokens).max(1);
-    let plan = build_plan(&spec, &StepConfig::new(1, ctx, opts.threads), Mode::Generate)?;
+    let plan = build_plan(
+        &spec,
+        &StepConfig::new(1, ctx, opts.threads),
+        Mode::Generate,
+    )?;
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan)?;
     ckpt::load_params(&opts.checkpoint, &layout, ex.params_mut())?;
@@ -52,7 +63,14 @@ pub fn generate_tokens(opts: &SampleOptions, prompt: &[u32], on_token: &mut dyn 
         let next = if opts.temperature == 0.0 {
             argmax(logits)
         } else {
-            pick(logits, opts.temperature, opts.top_k, &mut probs, &mut order, &mut rng)
+            pick(
+                logits,
+                opts.temperature,
+                opts.top_k,
+                &mut probs,
+                &mut order,
+                &mut rng,
+            )
         };
         all.push(next);
         out.push(next);
@@ -96,12 +114,21 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-fn pick(logits: &[f32], temperature: f32, top_k: usize, probs: &mut [f32], order: &mut Vec<u32>, rng: &mut Rng) -> u32 {
+fn pick(
+    logits: &[f32],
+    temperature: f32,
+    top_k: usize,
+    probs: &mut [f32],
+    order: &mut Vec<u32>,
+    rng: &mut Rng,
+) -> u32 {
     softmax_row(probs, logits, temperature);
     order.clear();
     order.extend(0..logits.len() as u32);
     if top_k > 0 && top_k < logits.len() {
-        order.select_nth_unstable_by(top_k - 1, |&a, &b| probs[b as usize].total_cmp(&probs[a as usize]));
+        order.select_nth_unstable_by(top_k - 1, |&a, &b| {
+            probs[b as usize].total_cmp(&probs[a as usize])
+        });
         order.truncate(top_k);
         order.sort_unstable();
     }

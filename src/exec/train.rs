@@ -96,7 +96,10 @@ impl TrainOptions {
             bail!("--weight-decay must be >= 0, got {}", self.weight_decay);
         }
         if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
-            bail!("--grad-clip must be >= 0 (0 disables clipping), got {}", self.grad_clip);
+            bail!(
+                "--grad-clip must be >= 0 (0 disables clipping), got {}",
+                self.grad_clip
+            );
         }
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
@@ -107,7 +110,9 @@ impl TrainOptions {
 
 /// Worker threads by default: the machine's cores.
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 /// What a finished run reports.
@@ -156,7 +161,11 @@ pub struct ConsoleProgress {
 
 impl ConsoleProgress {
     pub fn new(log_every: u64) -> ConsoleProgress {
-        ConsoleProgress { bar: None, total: 0, log_every: log_every.max(1) }
+        ConsoleProgress {
+            bar: None,
+            total: 0,
+            log_every: log_every.max(1),
+        }
     }
 }
 
@@ -225,22 +234,41 @@ pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
             run_dir.join("checkpoints").display()
         );
     };
-    let text = std::fs::read_to_string(latest.join("trainer_state.json"))
-        .with_context(|| format!("cannot read {}", latest.join("trainer_state.json").display()))?;
-    let state: TrainerState = serde_json::from_str(&text)
-        .with_context(|| format!("{}: corrupt trainer state", latest.join("trainer_state.json").display()))?;
-    let mut opts: TrainOptions = serde_json::from_value(state.train.clone())
-        .with_context(|| format!("{}: field 'train' is not a memwall training configuration", latest.display()))?;
+    let text = std::fs::read_to_string(latest.join("trainer_state.json")).with_context(|| {
+        format!(
+            "cannot read {}",
+            latest.join("trainer_state.json").display()
+        )
+    })?;
+    let state: TrainerState = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{}: corrupt trainer state",
+            latest.join("trainer_state.json").display()
+        )
+    })?;
+    let mut opts: TrainOptions =
+        serde_json::from_value(state.train.clone()).with_context(|| {
+            format!(
+                "{}: field 'train' is not a memwall training configuration",
+                latest.display()
+            )
+        })?;
     opts.out = run_dir.to_path_buf();
     Ok((opts, latest))
 }
 
 /// Runs (or resumes, when `resume` is the checkpoint to continue from) a training run.
-pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Progress) -> Result<TrainSummary> {
+pub fn train(
+    opts: &TrainOptions,
+    resume: Option<&Path>,
+    progress: &mut dyn Progress,
+) -> Result<TrainSummary> {
     opts.check()?;
     // ---- everything that can be checked before work starts ----
     let init_spec = match &opts.init {
-        Some(dir) => Some(ckpt::load_spec(dir).with_context(|| format!("--init {}", dir.display()))?),
+        Some(dir) => {
+            Some(ckpt::load_spec(dir).with_context(|| format!("--init {}", dir.display()))?)
+        }
         None => None,
     };
     let spec = match (&init_spec, resume) {
@@ -260,7 +288,11 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
         (Some(s), None) => {
             let asked = ModelSpec::resolve(&opts.model)?;
             if !asked.same_dims(s) {
-                bail!("--init checkpoint has model {} but --model is {}", s.describe(), asked.describe());
+                bail!(
+                    "--init checkpoint has model {} but --model is {}",
+                    s.describe(),
+                    asked.describe()
+                );
             }
             s.clone()
         }
@@ -311,7 +343,11 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
             let (m, v) = ex.moments_mut();
             let st = ckpt::load_trainer_state(ck, &layout, m, v)?;
             truncate_metrics(&opts.out.join("metrics.jsonl"), st.step)?;
-            progress.message(&format!("resuming from {} (step {})", ck.display(), st.step));
+            progress.message(&format!(
+                "resuming from {} (step {})",
+                ck.display(),
+                st.step
+            ));
             (st.step, st.data_position)
         }
         None => {
@@ -325,10 +361,19 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
         }
     };
     if step >= opts.steps {
-        bail!("the run in {} is already at step {step}; pass a larger --steps to continue", opts.out.display());
+        bail!(
+            "the run in {} is already at step {step}; pass a larger --steps to continue",
+            opts.out.display()
+        );
     }
 
-    let mut loader = BatchLoader::new(data.train.clone(), opts.batch, opts.seq, opts.seed, data_position);
+    let mut loader = BatchLoader::new(
+        data.train.clone(),
+        opts.batch,
+        opts.seq,
+        opts.seed,
+        data_position,
+    );
     let mut batch = vec![0u32; opts.batch * (opts.seq + 1)]; // [B, T+1], counted in plan staging
     let mut metrics = std::fs::OpenOptions::new()
         .create(true)
@@ -363,7 +408,10 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
                 "loss became {} at step {step}; try a lower --lr (now {}) or --grad-clip; the last checkpoint is {}",
                 stats.loss,
                 opts.lr,
-                last_ckpt.as_ref().map(|p: &PathBuf| p.display().to_string()).unwrap_or_else(|| "none".into())
+                last_ckpt
+                    .as_ref()
+                    .map(|p: &PathBuf| p.display().to_string())
+                    .unwrap_or_else(|| "none".into())
             );
         }
         if step > first_step + 1 {
@@ -371,9 +419,13 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
             timed_secs += secs;
         }
         final_loss = stats.loss;
-        let val_loss = if (opts.eval_every > 0 && step % opts.eval_every == 0) || step == opts.steps {
+        let val_loss = if (opts.eval_every > 0 && step % opts.eval_every == 0) || step == opts.steps
+        {
             let v = evaluate(&mut ex, &data, opts, &mut batch)?;
-            progress.message(&format!("step {step}: train loss {:.4}, val loss {v:.4}", stats.loss));
+            progress.message(&format!(
+                "step {step}: train loss {:.4}, val loss {v:.4}",
+                stats.loss
+            ));
             final_val = Some(v);
             Some(v)
         } else {
@@ -390,8 +442,12 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
             rss_bytes: rss_now,
             val_loss,
         };
-        writeln!(metrics, "{}", serde_json::to_string(&m)?)
-            .with_context(|| format!("cannot append to {}", opts.out.join("metrics.jsonl").display()))?;
+        writeln!(metrics, "{}", serde_json::to_string(&m)?).with_context(|| {
+            format!(
+                "cannot append to {}",
+                opts.out.join("metrics.jsonl").display()
+            )
+        })?;
         progress.step(step, stats.loss, tokens_per_step / secs, rss_now);
         if (opts.save_every > 0 && step % opts.save_every == 0) || step == opts.steps {
             let state = TrainerState {
@@ -404,8 +460,18 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
                 memwall_version: env!("CARGO_PKG_VERSION").to_string(),
             };
             let (m_, v_) = ex.moments();
-            let dir = ckpt::save_checkpoint(&opts.out, &spec, &ex.plan.layout, ex.params(), m_, v_, &state)
-                .with_context(|| format!("saving the checkpoint of step {step} (earlier checkpoints are intact)"))?;
+            let dir = ckpt::save_checkpoint(
+                &opts.out,
+                &spec,
+                &ex.plan.layout,
+                ex.params(),
+                m_,
+                v_,
+                &state,
+            )
+            .with_context(|| {
+                format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
+            })?;
             last_ckpt = Some(dir);
         }
     }
@@ -417,7 +483,11 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
         last_step: step,
         final_loss,
         final_val_loss: final_val,
-        tokens_per_s: if timed_secs > 0.0 { timed_tokens / timed_secs } else { 0.0 },
+        tokens_per_s: if timed_secs > 0.0 {
+            timed_tokens / timed_secs
+        } else {
+            0.0
+        },
         plan_total_bytes: plan_total,
         baseline_bytes: baseline,
         peak_rss_bytes: rss::peak_rss(),
@@ -426,10 +496,22 @@ pub fn train(opts: &TrainOptions, resume: Option<&Path>, progress: &mut dyn Prog
 }
 
 /// Mean validation loss over `eval_batches` fixed batches of the validation split.
-fn evaluate(ex: &mut Executor, data: &DataSet, opts: &TrainOptions, batch: &mut [u32]) -> Result<f32> {
+fn evaluate(
+    ex: &mut Executor,
+    data: &DataSet,
+    opts: &TrainOptions,
+    batch: &mut [u32],
+) -> Result<f32> {
     let mut sum = 0.0f64;
     for k in 0..opts.eval_batches {
-        fill_batch(&data.val, opts.batch, opts.seq, opts.seed ^ VAL_STREAM, k, batch);
+        fill_batch(
+            &data.val,
+            opts.batch,
+            opts.seq,
+            opts.seed ^ VAL_STREAM,
+            k,
+            batch,
+        );
         ex.set_batch(batch)?;
         sum += ex.eval_loss() as f64;
     }
@@ -439,7 +521,10 @@ fn evaluate(ex: &mut Executor, data: &DataSet, opts: &TrainOptions, batch: &mut 
 /// Creates the run directory and checks it is writable; refuses to overwrite an earlier run.
 fn prepare_run_dir(out: &Path, resuming: bool) -> Result<()> {
     if out.is_file() {
-        bail!("--out {}: is a file; give a directory for the run", out.display());
+        bail!(
+            "--out {}: is a file; give a directory for the run",
+            out.display()
+        );
     }
     std::fs::create_dir_all(out)
         .with_context(|| format!("--out {}: cannot create the run directory", out.display()))?;
@@ -451,17 +536,24 @@ fn prepare_run_dir(out: &Path, resuming: bool) -> Result<()> {
         );
     }
     let probe = out.join(".memwall-write-test");
-    std::fs::write(&probe, b"ok").with_context(|| format!("--out {}: directory is not writable", out.display()))?;
+    std::fs::write(&probe, b"ok")
+        .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     let _ = std::fs::remove_file(probe);
     Ok(())
 }
 
 /// Keeps only the metrics of steps up to `step` (the checkpoint being resumed).
 fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
     let kept: String = text
         .lines()
-        .filter(|l| serde_json::from_str::<Metric>(l).map(|m| m.step <= step).unwrap_or(false))
+        .filter(|l| {
+            serde_json::from_str::<Metric>(l)
+                .map(|m| m.step <= step)
+                .unwrap_or(false)
+        })
         .map(|l| format!("{l}\n"))
         .collect();
     ckpt::write_file_atomic(path, kept.as_bytes())

@@ -61,7 +61,9 @@ impl Arena {
     pub unsafe fn view_mut<T>(&self, offset: u64, elems: usize) -> &mut [T] {
         let end = offset as usize + elems * std::mem::size_of::<T>();
         assert!(end <= self.len() && (offset as usize).is_multiple_of(std::mem::align_of::<T>()));
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize) as *mut T, elems) }
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset as usize) as *mut T, elems)
+        }
     }
 }
 

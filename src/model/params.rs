@@ -24,16 +24,16 @@ pub struct ParamTensor {
 /// Element ranges of one transformer block's parameters (C = n_embd).
 #[derive(Clone, Debug)]
 pub struct LayerParams {
-    pub ln1_w: Range<usize>,   // [C]
-    pub ln1_b: Range<usize>,   // [C]
-    pub qkv_w: Range<usize>,   // [C, 3C]
-    pub qkv_b: Range<usize>,   // [3C]
-    pub proj_w: Range<usize>,  // [C, C]
-    pub proj_b: Range<usize>,  // [C]
-    pub ln2_w: Range<usize>,   // [C]
-    pub ln2_b: Range<usize>,   // [C]
-    pub fc_w: Range<usize>,    // [C, 4C]
-    pub fc_b: Range<usize>,    // [4C]
+    pub ln1_w: Range<usize>,    // [C]
+    pub ln1_b: Range<usize>,    // [C]
+    pub qkv_w: Range<usize>,    // [C, 3C]
+    pub qkv_b: Range<usize>,    // [3C]
+    pub proj_w: Range<usize>,   // [C, C]
+    pub proj_b: Range<usize>,   // [C]
+    pub ln2_w: Range<usize>,    // [C]
+    pub ln2_b: Range<usize>,    // [C]
+    pub fc_w: Range<usize>,     // [C, 4C]
+    pub fc_b: Range<usize>,     // [4C]
     pub fcproj_w: Range<usize>, // [4C, C]
     pub fcproj_b: Range<usize>, // [C]
 }
@@ -42,8 +42,8 @@ pub struct LayerParams {
 #[derive(Clone, Debug)]
 pub struct ParamLayout {
     pub tensors: Vec<ParamTensor>,
-    pub wte: Range<usize>,  // [V, C], tied with the LM head
-    pub wpe: Range<usize>,  // [maxT, C]
+    pub wte: Range<usize>, // [V, C], tied with the LM head
+    pub wpe: Range<usize>, // [maxT, C]
     pub layers: Vec<LayerParams>,
     pub lnf_w: Range<usize>, // [C]
     pub lnf_b: Range<usize>, // [C]
@@ -61,7 +61,12 @@ impl Cursor {
         let n: usize = shape.iter().product();
         let range = self.at..self.at + n;
         self.at += n;
-        self.tensors.push(ParamTensor { name, shape: shape.to_vec(), range: range.clone(), decay });
+        self.tensors.push(ParamTensor {
+            name,
+            shape: shape.to_vec(),
+            range: range.clone(),
+            decay,
+        });
         range
     }
 }
@@ -69,7 +74,10 @@ impl Cursor {
 impl ParamLayout {
     pub fn new(spec: &ModelSpec) -> ParamLayout {
         let (v, c, t) = (spec.vocab_size, spec.n_embd, spec.n_positions);
-        let mut cur = Cursor { tensors: Vec::new(), at: 0 };
+        let mut cur = Cursor {
+            tensors: Vec::new(),
+            at: 0,
+        };
         let wte = cur.push("transformer.wte.weight".into(), &[v, c], true);
         let wpe = cur.push("transformer.wpe.weight".into(), &[t, c], true);
         let mut layers = Vec::with_capacity(spec.n_layer);
@@ -92,7 +100,15 @@ impl ParamLayout {
         }
         let lnf_w = cur.push("transformer.ln_f.weight".into(), &[c], false);
         let lnf_b = cur.push("transformer.ln_f.bias".into(), &[c], false);
-        ParamLayout { tensors: cur.tensors, wte, wpe, layers, lnf_w, lnf_b, total: cur.at }
+        ParamLayout {
+            tensors: cur.tensors,
+            wte,
+            wpe,
+            layers,
+            lnf_w,
+            lnf_b,
+            total: cur.at,
+        }
     }
 
     /// Looks a tensor up by its Hugging Face name.
@@ -114,7 +130,11 @@ impl ParamLayout {
             } else if name.contains("ln_") {
                 dst.fill(1.0);
             } else {
-                let std = if name.ends_with("c_proj.weight") { 0.02 * resid_scale } else { 0.02 };
+                let std = if name.ends_with("c_proj.weight") {
+                    0.02 * resid_scale
+                } else {
+                    0.02
+                };
                 for x in dst.iter_mut() {
                     *x = rng.normal() * std;
                 }
@@ -139,6 +159,9 @@ mod tests {
         }
         assert_eq!(at, lay.total);
         assert_eq!(lay.tensors.len(), 2 + 12 * spec.n_layer + 2);
-        assert_eq!(lay.get("transformer.h.3.mlp.c_fc.weight").unwrap().shape, vec![128, 512]);
+        assert_eq!(
+            lay.get("transformer.h.3.mlp.c_fc.weight").unwrap().shape,
+            vec![128, 512]
+        );
     }
 }

@@ -72,7 +72,9 @@ impl ModelSpec {
         } else if PRESETS.iter().any(|x| x.0 == arg) {
             Self::preset(arg)
         } else if arg.ends_with(".json") || arg.contains('/') {
-            bail!("model '{arg}': no such file or directory (expected a preset name, a checkpoint directory or a config.json)")
+            bail!(
+                "model '{arg}': no such file or directory (expected a preset name, a checkpoint directory or a config.json)"
+            )
         } else {
             Self::preset(arg)
         }
@@ -87,15 +89,19 @@ impl ModelSpec {
 
     /// Parses a Hugging Face GPT-2 config from JSON text; `source` names it in errors.
     pub fn from_hf_config_str(text: &str, source: &str) -> Result<ModelSpec> {
-        let v: Value = serde_json::from_str(text)
-            .with_context(|| format!("{source}: not valid JSON"))?;
+        let v: Value =
+            serde_json::from_str(text).with_context(|| format!("{source}: not valid JSON"))?;
         let Some(obj) = v.as_object() else {
-            bail!("{source}: expected a JSON object with GPT-2 fields (n_embd, n_layer, n_head, ...)");
+            bail!(
+                "{source}: expected a JSON object with GPT-2 fields (n_embd, n_layer, n_head, ...)"
+            );
         };
         if let Some(mt) = obj.get("model_type").and_then(Value::as_str)
             && mt != "gpt2"
         {
-            bail!("{source}: field 'model_type' is '{mt}', but memwall trains the GPT-2 architecture ('gpt2')");
+            bail!(
+                "{source}: field 'model_type' is '{mt}', but memwall trains the GPT-2 architecture ('gpt2')"
+            );
         }
         let get = |key: &str, alias: Option<&str>, default: Option<usize>| -> Result<usize> {
             let val = obj.get(key).or_else(|| alias.and_then(|a| obj.get(a)));
@@ -103,7 +109,9 @@ impl ModelSpec {
                 None => default.with_context(|| format!("{source}: missing field '{key}'")),
                 Some(x) => match x.as_u64() {
                     Some(n) => Ok(n as usize),
-                    None => bail!("{source}: field '{key}' must be a non-negative integer, found {x}"),
+                    None => {
+                        bail!("{source}: field '{key}' must be a non-negative integer, found {x}")
+                    }
                 },
             }
         };
@@ -111,11 +119,15 @@ impl ModelSpec {
             None => 1e-5,
             Some(x) => match x.as_f64() {
                 Some(e) if e > 0.0 && e < 1.0 => e as f32,
-                _ => bail!("{source}: field 'layer_norm_epsilon' must be a number in (0, 1), found {x}"),
+                _ => bail!(
+                    "{source}: field 'layer_norm_epsilon' must be a number in (0, 1), found {x}"
+                ),
             },
         };
         if obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
-            bail!("{source}: field 'tie_word_embeddings' is false; memwall's GPT-2 ties the LM head to wte");
+            bail!(
+                "{source}: field 'tie_word_embeddings' is false; memwall's GPT-2 ties the LM head to wte"
+            );
         }
         let spec = ModelSpec {
             name: source.to_string(),
@@ -126,7 +138,8 @@ impl ModelSpec {
             n_head: get("n_head", None, None)?,
             layer_norm_epsilon: eps,
         };
-        spec.validate().with_context(|| format!("{source}: inconsistent model config"))?;
+        spec.validate()
+            .with_context(|| format!("{source}: inconsistent model config"))?;
         Ok(spec)
     }
 
@@ -208,8 +221,13 @@ impl ModelSpec {
 
     /// True when two specs have the same dimensions (names may differ).
     pub fn same_dims(&self, o: &ModelSpec) -> bool {
-        (self.vocab_size, self.n_positions, self.n_embd, self.n_layer, self.n_head)
-            == (o.vocab_size, o.n_positions, o.n_embd, o.n_layer, o.n_head)
+        (
+            self.vocab_size,
+            self.n_positions,
+            self.n_embd,
+            self.n_layer,
+            self.n_head,
+        ) == (o.vocab_size, o.n_positions, o.n_embd, o.n_layer, o.n_head)
             && self.layer_norm_epsilon == o.layer_norm_epsilon
     }
 
@@ -246,13 +264,21 @@ mod tests {
 
     #[test]
     fn bad_configs_name_the_field() {
-        let e = |t: &str| format!("{:#}", ModelSpec::from_hf_config_str(t, "cfg.json").unwrap_err());
+        let e = |t: &str| {
+            format!(
+                "{:#}",
+                ModelSpec::from_hf_config_str(t, "cfg.json").unwrap_err()
+            )
+        };
         assert!(e(r#"{"n_embd": 100, "n_layer": 2, "n_head": 3}"#).contains("n_embd"));
         assert!(e(r#"{"n_embd": 96, "n_layer": 0, "n_head": 3}"#).contains("n_layer"));
         assert!(e(r#"{"n_layer": 2, "n_head": 3}"#).contains("missing field 'n_embd'"));
         assert!(e(r#"{"n_embd": "wide", "n_layer": 2, "n_head": 3}"#).contains("'n_embd'"));
         assert!(e("{not json").contains("not valid JSON"));
-        assert!(e(r#"{"model_type": "llama", "n_embd": 96, "n_layer": 2, "n_head": 3}"#).contains("model_type"));
+        assert!(
+            e(r#"{"model_type": "llama", "n_embd": 96, "n_layer": 2, "n_head": 3}"#)
+                .contains("model_type")
+        );
         let unknown = format!("{:#}", ModelSpec::resolve("gpt5").unwrap_err());
         assert!(unknown.contains("unknown model preset 'gpt5'") && unknown.contains("gpt2-tiny"));
         let s = ModelSpec::preset("gpt2-tiny").unwrap();

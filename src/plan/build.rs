@@ -37,7 +37,12 @@ pub struct StepConfig {
 
 impl StepConfig {
     pub fn new(batch: usize, seq: usize, threads: usize) -> StepConfig {
-        StepConfig { batch, seq, threads, logits_chunk_bytes: 64 << 20 }
+        StepConfig {
+            batch,
+            seq,
+            threads,
+            logits_chunk_bytes: 64 << 20,
+        }
     }
 }
 
@@ -47,7 +52,13 @@ struct Builder {
 }
 
 impl Builder {
-    fn buf(&mut self, name: impl Into<String>, category: Category, dtype: DType, elems: usize) -> BufId {
+    fn buf(
+        &mut self,
+        name: impl Into<String>,
+        category: Category,
+        dtype: DType,
+        elems: usize,
+    ) -> BufId {
         self.push(name.into(), category, dtype, elems, false)
     }
 
@@ -55,7 +66,14 @@ impl Builder {
         self.push(name.into(), category, dtype, elems, true)
     }
 
-    fn push(&mut self, name: String, category: Category, dtype: DType, elems: usize, persistent: bool) -> BufId {
+    fn push(
+        &mut self,
+        name: String,
+        category: Category,
+        dtype: DType,
+        elems: usize,
+        persistent: bool,
+    ) -> BufId {
         self.buffers.push(Buffer {
             name,
             category,
@@ -72,7 +90,12 @@ impl Builder {
     }
 
     fn op(&mut self, name: impl Into<String>, phase: Phase, flops: u64, op: Op) {
-        self.ops.push(OpEntry { name: name.into(), phase, op, flops });
+        self.ops.push(OpEntry {
+            name: name.into(),
+            phase,
+            op,
+            flops,
+        });
     }
 }
 
@@ -103,19 +126,38 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         bail!("--threads must be at least 1");
     }
     let layout = ParamLayout::new(spec);
-    let (b, t, c, nh, v) = (cfg.batch, cfg.seq, spec.n_embd, spec.n_head, spec.vocab_size);
+    let (b, t, c, nh, v) = (
+        cfg.batch,
+        cfg.seq,
+        spec.n_embd,
+        spec.n_head,
+        spec.vocab_size,
+    );
     let n = b * t;
     let (nu, cu, vu) = (n as u64, c as u64, v as u64);
     let train = mode == Mode::Train;
-    let mut g = Builder { buffers: Vec::new(), ops: Vec::new() };
+    let mut g = Builder {
+        buffers: Vec::new(),
+        ops: Vec::new(),
+    };
 
     // Persistent state: parameters, gradients, AdamW moments, the token batch.
     let params = g.persistent("params", Category::Param, DType::F32, layout.total);
     let (grads, adam_m, adam_v) = if train {
         (
             Some(g.persistent("grads", Category::Grad, DType::F32, layout.total)),
-            Some(g.persistent("adamw.m", Category::OptimizerState, DType::F32, layout.total)),
-            Some(g.persistent("adamw.v", Category::OptimizerState, DType::F32, layout.total)),
+            Some(g.persistent(
+                "adamw.m",
+                Category::OptimizerState,
+                DType::F32,
+                layout.total,
+            )),
+            Some(g.persistent(
+                "adamw.v",
+                Category::OptimizerState,
+                DType::F32,
+                layout.total,
+            )),
         )
     } else {
         (None, None, None)
@@ -131,50 +173,190 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         g.op("zero_grad", Phase::Forward, 0, Op::Zero { buf: gr });
     }
     let mut res = g.buf("encoded", Category::Activation, DType::F32, n * c); // [N, C]
-    g.op("encoder", Phase::Forward, 0, Op::Encoder { tokens, out: res });
+    g.op(
+        "encoder",
+        Phase::Forward,
+        0,
+        Op::Encoder { tokens, out: res },
+    );
     let mut residuals = vec![res]; // residual stream entering each layer, then the final one
     let mut acts: Vec<LayerActs> = Vec::with_capacity(spec.n_layer);
     for (l, p) in lw.iter().enumerate() {
         let a = LayerActs {
             ln1: g.buf(format!("h{l}.ln1"), Category::Activation, DType::F32, n * c),
-            ln1_mean: g.buf(format!("h{l}.ln1.mean"), Category::Activation, DType::F32, n),
-            ln1_rstd: g.buf(format!("h{l}.ln1.rstd"), Category::Activation, DType::F32, n),
-            qkv: g.buf(format!("h{l}.qkv"), Category::Activation, DType::F32, 3 * n * c),
-            atty: g.buf(format!("h{l}.attn"), Category::Activation, DType::F32, n * c),
-            lse: g.buf(format!("h{l}.attn.lse"), Category::Activation, DType::F32, b * nh * t),
-            res2: g.buf(format!("h{l}.res_attn"), Category::Activation, DType::F32, n * c),
+            ln1_mean: g.buf(
+                format!("h{l}.ln1.mean"),
+                Category::Activation,
+                DType::F32,
+                n,
+            ),
+            ln1_rstd: g.buf(
+                format!("h{l}.ln1.rstd"),
+                Category::Activation,
+                DType::F32,
+                n,
+            ),
+            qkv: g.buf(
+                format!("h{l}.qkv"),
+                Category::Activation,
+                DType::F32,
+                3 * n * c,
+            ),
+            atty: g.buf(
+                format!("h{l}.attn"),
+                Category::Activation,
+                DType::F32,
+                n * c,
+            ),
+            lse: g.buf(
+                format!("h{l}.attn.lse"),
+                Category::Activation,
+                DType::F32,
+                b * nh * t,
+            ),
+            res2: g.buf(
+                format!("h{l}.res_attn"),
+                Category::Activation,
+                DType::F32,
+                n * c,
+            ),
             ln2: g.buf(format!("h{l}.ln2"), Category::Activation, DType::F32, n * c),
-            ln2_mean: g.buf(format!("h{l}.ln2.mean"), Category::Activation, DType::F32, n),
-            ln2_rstd: g.buf(format!("h{l}.ln2.rstd"), Category::Activation, DType::F32, n),
-            fch: g.buf(format!("h{l}.fc"), Category::Activation, DType::F32, 4 * n * c),
-            fch_gelu: g.buf(format!("h{l}.fc.gelu"), Category::Activation, DType::F32, 4 * n * c),
+            ln2_mean: g.buf(
+                format!("h{l}.ln2.mean"),
+                Category::Activation,
+                DType::F32,
+                n,
+            ),
+            ln2_rstd: g.buf(
+                format!("h{l}.ln2.rstd"),
+                Category::Activation,
+                DType::F32,
+                n,
+            ),
+            fch: g.buf(
+                format!("h{l}.fc"),
+                Category::Activation,
+                DType::F32,
+                4 * n * c,
+            ),
+            fch_gelu: g.buf(
+                format!("h{l}.fc.gelu"),
+                Category::Activation,
+                DType::F32,
+                4 * n * c,
+            ),
         };
-        let attn_ws = g.buf(format!("h{l}.attn.ws"), Category::Workspace, DType::F32, attn_ws_len);
+        let attn_ws = g.buf(
+            format!("h{l}.attn.ws"),
+            Category::Workspace,
+            DType::F32,
+            attn_ws_len,
+        );
         let out = g.buf(format!("h{l}.out"), Category::Activation, DType::F32, n * c);
         let mm = |ic: u64, oc: u64| 2 * nu * ic * oc;
         let attn_flops = 2 * (b * nh * t * t * (c / nh)) as u64; // causal: half of 4·B·NH·T²·hs
-        g.op(format!("h{l}.ln1"), Phase::Forward, 0, Op::LayerNorm {
-            inp: res, out: a.ln1, mean: a.ln1_mean, rstd: a.ln1_rstd, w: p.ln1_w.clone(), b: p.ln1_b.clone(),
-        });
-        g.op(format!("h{l}.qkv"), Phase::Forward, mm(cu, 3 * cu), Op::Matmul {
-            inp: a.ln1, out: a.qkv, residual: None, w: p.qkv_w.clone(), b: p.qkv_b.clone(), ic: c, oc: 3 * c,
-        });
-        g.op(format!("h{l}.attn"), Phase::Forward, attn_flops, Op::Attention {
-            qkv: a.qkv, out: a.atty, lse: a.lse, ws: attn_ws,
-        });
-        g.op(format!("h{l}.attn_proj"), Phase::Forward, mm(cu, cu), Op::Matmul {
-            inp: a.atty, out: a.res2, residual: Some(res), w: p.proj_w.clone(), b: p.proj_b.clone(), ic: c, oc: c,
-        });
-        g.op(format!("h{l}.ln2"), Phase::Forward, 0, Op::LayerNorm {
-            inp: a.res2, out: a.ln2, mean: a.ln2_mean, rstd: a.ln2_rstd, w: p.ln2_w.clone(), b: p.ln2_b.clone(),
-        });
-        g.op(format!("h{l}.fc"), Phase::Forward, mm(cu, 4 * cu), Op::Matmul {
-            inp: a.ln2, out: a.fch, residual: None, w: p.fc_w.clone(), b: p.fc_b.clone(), ic: c, oc: 4 * c,
-        });
-        g.op(format!("h{l}.gelu"), Phase::Forward, 0, Op::Gelu { inp: a.fch, out: a.fch_gelu });
-        g.op(format!("h{l}.mlp_proj"), Phase::Forward, mm(4 * cu, cu), Op::Matmul {
-            inp: a.fch_gelu, out, residual: Some(a.res2), w: p.fcproj_w.clone(), b: p.fcproj_b.clone(), ic: 4 * c, oc: c,
-        });
+        g.op(
+            format!("h{l}.ln1"),
+            Phase::Forward,
+            0,
+            Op::LayerNorm {
+                inp: res,
+                out: a.ln1,
+                mean: a.ln1_mean,
+                rstd: a.ln1_rstd,
+                w: p.ln1_w.clone(),
+                b: p.ln1_b.clone(),
+            },
+        );
+        g.op(
+            format!("h{l}.qkv"),
+            Phase::Forward,
+            mm(cu, 3 * cu),
+            Op::Matmul {
+                inp: a.ln1,
+                out: a.qkv,
+                residual: None,
+                w: p.qkv_w.clone(),
+                b: p.qkv_b.clone(),
+                ic: c,
+                oc: 3 * c,
+            },
+        );
+        g.op(
+            format!("h{l}.attn"),
+            Phase::Forward,
+            attn_flops,
+            Op::Attention {
+                qkv: a.qkv,
+                out: a.atty,
+                lse: a.lse,
+                ws: attn_ws,
+            },
+        );
+        g.op(
+            format!("h{l}.attn_proj"),
+            Phase::Forward,
+            mm(cu, cu),
+            Op::Matmul {
+                inp: a.atty,
+                out: a.res2,
+                residual: Some(res),
+                w: p.proj_w.clone(),
+                b: p.proj_b.clone(),
+                ic: c,
+                oc: c,
+            },
+        );
+        g.op(
+            format!("h{l}.ln2"),
+            Phase::Forward,
+            0,
+            Op::LayerNorm {
+                inp: a.res2,
+                out: a.ln2,
+                mean: a.ln2_mean,
+                rstd: a.ln2_rstd,
+                w: p.ln2_w.clone(),
+                b: p.ln2_b.clone(),
+            },
+        );
+        g.op(
+            format!("h{l}.fc"),
+            Phase::Forward,
+            mm(cu, 4 * cu),
+            Op::Matmul {
+                inp: a.ln2,
+                out: a.fch,
+                residual: None,
+                w: p.fc_w.clone(),
+                b: p.fc_b.clone(),
+                ic: c,
+                oc: 4 * c,
+            },
+        );
+        g.op(
+            format!("h{l}.gelu"),
+            Phase::Forward,
+            0,
+            Op::Gelu {
+                inp: a.fch,
+                out: a.fch_gelu,
+            },
+        );
+        g.op(
+            format!("h{l}.mlp_proj"),
+            Phase::Forward,
+            mm(4 * cu, cu),
+            Op::Matmul {
+                inp: a.fch_gelu,
+                out,
+                residual: Some(a.res2),
+                w: p.fcproj_w.clone(),
+                b: p.fcproj_b.clone(),
+                ic: 4 * c,
+                oc: c,
+            },
+        );
         res = out;
         residuals.push(res);
         acts.push(a);
@@ -182,68 +364,236 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     let lnf = g.buf("lnf", Category::Activation, DType::F32, n * c);
     let lnf_mean = g.buf("lnf.mean", Category::Activation, DType::F32, n);
     let lnf_rstd = g.buf("lnf.rstd", Category::Activation, DType::F32, n);
-    g.op("ln_f", Phase::Forward, 0, Op::LayerNorm {
-        inp: res, out: lnf, mean: lnf_mean, rstd: lnf_rstd, w: layout.lnf_w.clone(), b: layout.lnf_b.clone(),
-    });
+    g.op(
+        "ln_f",
+        Phase::Forward,
+        0,
+        Op::LayerNorm {
+            inp: res,
+            out: lnf,
+            mean: lnf_mean,
+            rstd: lnf_rstd,
+            w: layout.lnf_w.clone(),
+            b: layout.lnf_b.clone(),
+        },
+    );
 
     if !train {
         let logits = g.buf("logits", Category::Workspace, DType::F32, v); // [V]
-        g.op("lm_head", Phase::Forward, 2 * cu * vu, Op::LmHeadLast { inp: lnf, logits });
+        g.op(
+            "lm_head",
+            Phase::Forward,
+            2 * cu * vu,
+            Op::LmHeadLast { inp: lnf, logits },
+        );
         return finish(spec, cfg, mode, layout, g, params, None, None, None);
     }
 
     // ---- LM head + loss (forward and its backward, chunked) ----
     let row_bytes = (v * 4) as u64;
-    let n_chunks = (nu * row_bytes).div_ceil(cfg.logits_chunk_bytes.max(row_bytes)).max(1);
+    let n_chunks = (nu * row_bytes)
+        .div_ceil(cfg.logits_chunk_bytes.max(row_bytes))
+        .max(1);
     let rows_per_chunk = n.div_ceil(n_chunks as usize);
-    let logits = g.buf("logits.chunk", Category::Workspace, DType::F32, rows_per_chunk * v); // [rows, V]
+    let logits = g.buf(
+        "logits.chunk",
+        Category::Workspace,
+        DType::F32,
+        rows_per_chunk * v,
+    ); // [rows, V]
     let losses = g.buf("losses", Category::Activation, DType::F32, n); // [N]
     let dlnf = g.buf("d.lnf", Category::ActivationGrad, DType::F32, n * c); // [N, C]
     let targets = targets.expect("training plans have targets");
-    g.op("lm_head+loss", Phase::Forward, 6 * nu * cu * vu, Op::LmHeadLoss {
-        inp: lnf, targets, losses, logits, dinp: Some(dlnf), rows_per_chunk, loss_rows: n,
-    });
+    g.op(
+        "lm_head+loss",
+        Phase::Forward,
+        6 * nu * cu * vu,
+        Op::LmHeadLoss {
+            inp: lnf,
+            targets,
+            losses,
+            logits,
+            dinp: Some(dlnf),
+            rows_per_chunk,
+            loss_rows: n,
+        },
+    );
 
     // ---- backward ----
     let dres = g.buf("d.residual", Category::ActivationGrad, DType::F32, n * c); // [N, C]
-    g.op("zero d.residual", Phase::Backward, 0, Op::Zero { buf: dres });
-    g.op("ln_f.bwd", Phase::Backward, 0, Op::LayerNormBackward {
-        dinp: dres, dout: dlnf, inp: res, mean: lnf_mean, rstd: lnf_rstd, w: layout.lnf_w.clone(), b: layout.lnf_b.clone(),
-    });
+    g.op(
+        "zero d.residual",
+        Phase::Backward,
+        0,
+        Op::Zero { buf: dres },
+    );
+    g.op(
+        "ln_f.bwd",
+        Phase::Backward,
+        0,
+        Op::LayerNormBackward {
+            dinp: dres,
+            dout: dlnf,
+            inp: res,
+            mean: lnf_mean,
+            rstd: lnf_rstd,
+            w: layout.lnf_w.clone(),
+            b: layout.lnf_b.clone(),
+        },
+    );
     for l in (0..spec.n_layer).rev() {
         let (a, p) = (&acts[l], &lw[l]);
         let mm = |ic: u64, oc: u64| 4 * nu * ic * oc;
-        let dfch = g.buf(format!("h{l}.d.fc"), Category::ActivationGrad, DType::F32, 4 * n * c);
-        let dln2 = g.buf(format!("h{l}.d.ln2"), Category::ActivationGrad, DType::F32, n * c);
-        let datty = g.buf(format!("h{l}.d.attn"), Category::ActivationGrad, DType::F32, n * c);
-        let dqkv = g.buf(format!("h{l}.d.qkv"), Category::ActivationGrad, DType::F32, 3 * n * c);
-        let dln1 = g.buf(format!("h{l}.d.ln1"), Category::ActivationGrad, DType::F32, n * c);
-        let attn_ws = g.buf(format!("h{l}.attn.ws.bwd"), Category::Workspace, DType::F32, attn_ws_len);
+        let dfch = g.buf(
+            format!("h{l}.d.fc"),
+            Category::ActivationGrad,
+            DType::F32,
+            4 * n * c,
+        );
+        let dln2 = g.buf(
+            format!("h{l}.d.ln2"),
+            Category::ActivationGrad,
+            DType::F32,
+            n * c,
+        );
+        let datty = g.buf(
+            format!("h{l}.d.attn"),
+            Category::ActivationGrad,
+            DType::F32,
+            n * c,
+        );
+        let dqkv = g.buf(
+            format!("h{l}.d.qkv"),
+            Category::ActivationGrad,
+            DType::F32,
+            3 * n * c,
+        );
+        let dln1 = g.buf(
+            format!("h{l}.d.ln1"),
+            Category::ActivationGrad,
+            DType::F32,
+            n * c,
+        );
+        let attn_ws = g.buf(
+            format!("h{l}.attn.ws.bwd"),
+            Category::Workspace,
+            DType::F32,
+            attn_ws_len,
+        );
         let attn_flops = 5 * (b * nh * t * t * (c / nh)) as u64;
-        g.op(format!("h{l}.mlp_proj.bwd"), Phase::Backward, mm(4 * cu, cu), Op::MatmulBackward {
-            dinp: dfch, dout: dres, inp: a.fch_gelu, w: p.fcproj_w.clone(), b: p.fcproj_b.clone(), ic: 4 * c, oc: c,
-        });
-        g.op(format!("h{l}.gelu.bwd"), Phase::Backward, 0, Op::GeluBackward { d: dfch, inp: a.fch });
-        g.op(format!("h{l}.fc.bwd"), Phase::Backward, mm(cu, 4 * cu), Op::MatmulBackward {
-            dinp: dln2, dout: dfch, inp: a.ln2, w: p.fc_w.clone(), b: p.fc_b.clone(), ic: c, oc: 4 * c,
-        });
-        g.op(format!("h{l}.ln2.bwd"), Phase::Backward, 0, Op::LayerNormBackward {
-            dinp: dres, dout: dln2, inp: a.res2, mean: a.ln2_mean, rstd: a.ln2_rstd, w: p.ln2_w.clone(), b: p.ln2_b.clone(),
-        });
-        g.op(format!("h{l}.attn_proj.bwd"), Phase::Backward, mm(cu, cu), Op::MatmulBackward {
-            dinp: datty, dout: dres, inp: a.atty, w: p.proj_w.clone(), b: p.proj_b.clone(), ic: c, oc: c,
-        });
-        g.op(format!("h{l}.attn.bwd"), Phase::Backward, attn_flops, Op::AttentionBackward {
-            dqkv, dout: datty, qkv: a.qkv, out: a.atty, lse: a.lse, ws: attn_ws,
-        });
-        g.op(format!("h{l}.qkv.bwd"), Phase::Backward, mm(cu, 3 * cu), Op::MatmulBackward {
-            dinp: dln1, dout: dqkv, inp: a.ln1, w: p.qkv_w.clone(), b: p.qkv_b.clone(), ic: c, oc: 3 * c,
-        });
-        g.op(format!("h{l}.ln1.bwd"), Phase::Backward, 0, Op::LayerNormBackward {
-            dinp: dres, dout: dln1, inp: residuals[l], mean: a.ln1_mean, rstd: a.ln1_rstd, w: p.ln1_w.clone(), b: p.ln1_b.clone(),
-        });
+        g.op(
+            format!("h{l}.mlp_proj.bwd"),
+            Phase::Backward,
+            mm(4 * cu, cu),
+            Op::MatmulBackward {
+                dinp: dfch,
+                dout: dres,
+                inp: a.fch_gelu,
+                w: p.fcproj_w.clone(),
+                b: p.fcproj_b.clone(),
+                ic: 4 * c,
+                oc: c,
+            },
+        );
+        g.op(
+            format!("h{l}.gelu.bwd"),
+            Phase::Backward,
+            0,
+            Op::GeluBackward {
+                d: dfch,
+                inp: a.fch,
+            },
+        );
+        g.op(
+            format!("h{l}.fc.bwd"),
+            Phase::Backward,
+            mm(cu, 4 * cu),
+            Op::MatmulBackward {
+                dinp: dln2,
+                dout: dfch,
+                inp: a.ln2,
+                w: p.fc_w.clone(),
+                b: p.fc_b.clone(),
+                ic: c,
+                oc: 4 * c,
+            },
+        );
+        g.op(
+            format!("h{l}.ln2.bwd"),
+            Phase::Backward,
+            0,
+            Op::LayerNormBackward {
+                dinp: dres,
+                dout: dln2,
+                inp: a.res2,
+                mean: a.ln2_mean,
+                rstd: a.ln2_rstd,
+                w: p.ln2_w.clone(),
+                b: p.ln2_b.clone(),
+            },
+        );
+        g.op(
+            format!("h{l}.attn_proj.bwd"),
+            Phase::Backward,
+            mm(cu, cu),
+            Op::MatmulBackward {
+                dinp: datty,
+                dout: dres,
+                inp: a.atty,
+                w: p.proj_w.clone(),
+                b: p.proj_b.clone(),
+                ic: c,
+                oc: c,
+            },
+        );
+        g.op(
+            format!("h{l}.attn.bwd"),
+            Phase::Backward,
+            attn_flops,
+            Op::AttentionBackward {
+                dqkv,
+                dout: datty,
+                qkv: a.qkv,
+                out: a.atty,
+                lse: a.lse,
+                ws: attn_ws,
+            },
+        );
+        g.op(
+            format!("h{l}.qkv.bwd"),
+            Phase::Backward,
+            mm(cu, 3 * cu),
+            Op::MatmulBackward {
+                dinp: dln1,
+                dout: dqkv,
+                inp: a.ln1,
+                w: p.qkv_w.clone(),
+                b: p.qkv_b.clone(),
+                ic: c,
+                oc: 3 * c,
+            },
+        );
+        g.op(
+            format!("h{l}.ln1.bwd"),
+            Phase::Backward,
+            0,
+            Op::LayerNormBackward {
+                dinp: dres,
+                dout: dln1,
+                inp: residuals[l],
+                mean: a.ln1_mean,
+                rstd: a.ln1_rstd,
+                w: p.ln1_w.clone(),
+                b: p.ln1_b.clone(),
+            },
+        );
     }
-    g.op("encoder.bwd", Phase::Backward, 0, Op::EncoderBackward { dout: dres, tokens });
+    g.op(
+        "encoder.bwd",
+        Phase::Backward,
+        0,
+        Op::EncoderBackward { dout: dres, tokens },
+    );
     g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
     finish(spec, cfg, mode, layout, g, params, grads, adam_m, adam_v)
 }
@@ -263,10 +613,20 @@ fn finish(
     // Buffers outside the arena: the loader's two prefetch buffers and the trainer's batch
     // buffer ([B, T+1] u32 each), and the packing scratch the `gemm` crate keeps for itself.
     if mode == Mode::Train {
-        let id = g.persistent("loader.staging", Category::IoStaging, DType::U32, 3 * cfg.batch * (cfg.seq + 1));
+        let id = g.persistent(
+            "loader.staging",
+            Category::IoStaging,
+            DType::U32,
+            3 * cfg.batch * (cfg.seq + 1),
+        );
         g.buffers[id.0].external = true;
     }
-    let id = g.persistent("gemm.packing", Category::Workspace, DType::F32, (gemm_packing_bytes(cfg.threads) / 4) as usize);
+    let id = g.persistent(
+        "gemm.packing",
+        Category::Workspace,
+        DType::F32,
+        (gemm_packing_bytes(cfg.threads) / 4) as usize,
+    );
     g.buffers[id.0].external = true;
 
     // Live intervals from the schedule.
@@ -289,8 +649,14 @@ fn finish(
         }
     }
     let arena_bytes = packing::pack(&mut g.buffers);
-    packing::verify(&g.buffers).map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
-    let external_bytes: u64 = g.buffers.iter().filter(|b| b.external).map(|b| b.bytes).sum();
+    packing::verify(&g.buffers)
+        .map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
+    let external_bytes: u64 = g
+        .buffers
+        .iter()
+        .filter(|b| b.external)
+        .map(|b| b.bytes)
+        .sum();
     let internal: Vec<Buffer> = g.buffers.iter().filter(|b| !b.external).cloned().collect();
     let (peak_live_bytes, peak_op) = packing::peak_live(&internal, n_ops);
     let plan = Plan {
@@ -298,7 +664,13 @@ fn finish(
         layout,
         cfg: cfg.clone(),
         mode,
-        schedule: Schedule { ops: g.ops, params, grads, adam_m, adam_v },
+        schedule: Schedule {
+            ops: g.ops,
+            params,
+            grads,
+            adam_m,
+            adam_v,
+        },
         buffers: g.buffers,
         arena_bytes,
         peak_live_bytes,
@@ -318,7 +690,11 @@ pub fn gemm_packing_bytes(threads: usize) -> u64 {
     let l2 = (0..8)
         .find_map(|i| {
             let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
-            let lvl: u32 = std::fs::read_to_string(format!("{dir}/level")).ok()?.trim().parse().ok()?;
+            let lvl: u32 = std::fs::read_to_string(format!("{dir}/level"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
             if lvl != 2 {
                 return None;
             }
@@ -341,7 +717,12 @@ fn verify_ops(plan: &Plan) -> Result<()> {
                 }
                 let (a, o) = (plan.buffer(*wid), plan.buffer(*other));
                 if a.overlaps_in_memory(o) {
-                    bail!("internal error: op {} writes {} which overlaps {}", e.name, a.name, o.name);
+                    bail!(
+                        "internal error: op {} writes {} which overlaps {}",
+                        e.name,
+                        a.name,
+                        o.name
+                    );
                 }
             }
         }
@@ -367,20 +748,30 @@ mod tests {
         // within 2% of the lower bound.
         let sum: u64 = plan.buffers.iter().map(|b| b.bytes).sum();
         assert!(plan.arena_bytes < sum);
-        assert!(plan.arena_bytes as f64 <= plan.peak_live_bytes as f64 * 1.02, "{} vs {}", plan.arena_bytes, plan.peak_live_bytes);
+        assert!(
+            plan.arena_bytes as f64 <= plan.peak_live_bytes as f64 * 1.02,
+            "{} vs {}",
+            plan.arena_bytes,
+            plan.peak_live_bytes
+        );
     }
 
     #[test]
     fn generate_plan_has_no_training_state() {
         let spec = ModelSpec::preset("gpt2-tiny").unwrap();
         let plan = build_plan(&spec, &StepConfig::new(1, 64, 2), Mode::Generate).unwrap();
-        assert!(plan.buffers.iter().all(|b| !matches!(b.category, Category::Grad | Category::OptimizerState)));
+        assert!(
+            plan.buffers
+                .iter()
+                .all(|b| !matches!(b.category, Category::Grad | Category::OptimizerState))
+        );
     }
 
     #[test]
     fn bad_step_configs_name_the_flag() {
         let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-        let e = |cfg: StepConfig| format!("{:#}", build_plan(&spec, &cfg, Mode::Train).unwrap_err());
+        let e =
+            |cfg: StepConfig| format!("{:#}", build_plan(&spec, &cfg, Mode::Train).unwrap_err());
         assert!(e(StepConfig::new(0, 64, 2)).contains("--batch"));
         assert!(e(StepConfig::new(1, 1000, 2)).contains("--seq"));
         assert!(e(StepConfig::new(1, 64, 0)).contains("--threads"));

@@ -13,9 +13,18 @@ pub fn predicted_peak(plan: &Plan, baseline: u64) -> u64 {
 
 /// The largest micro-batch (at the same sequence length) whose plan fits `budget`, with its
 /// predicted peak; `None` when even batch 1 does not fit.
-pub fn largest_batch(spec: &ModelSpec, cfg: &StepConfig, mode: Mode, budget: u64, baseline: u64) -> Result<Option<(usize, u64)>> {
+pub fn largest_batch(
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    mode: Mode,
+    budget: u64,
+    baseline: u64,
+) -> Result<Option<(usize, u64)>> {
     let peak = |b: usize| -> Result<u64> {
-        let c = StepConfig { batch: b, ..cfg.clone() };
+        let c = StepConfig {
+            batch: b,
+            ..cfg.clone()
+        };
         Ok(predicted_peak(&build_plan(spec, &c, mode)?, baseline))
     };
     let p1 = peak(1)?;
@@ -56,7 +65,11 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
     }
     let cfg = &plan.cfg;
     let advice = match largest_batch(&plan.spec, cfg, plan.mode, budget, baseline)? {
-        Some((b, p)) => format!("the largest batch that fits at --seq {} is --batch {b} (predicted {})", cfg.seq, fmt_bytes(p)),
+        Some((b, p)) => format!(
+            "the largest batch that fits at --seq {} is --batch {b} (predicted {})",
+            cfg.seq,
+            fmt_bytes(p)
+        ),
         None => {
             let state: u64 = plan
                 .buffers
@@ -93,8 +106,13 @@ mod tests {
         let plan = build_plan(&spec, &StepConfig::new(32, 256, 2), Mode::Train).unwrap();
         let budget = plan.total_bytes() / 2;
         let msg = format!("{:#}", check_budget(&plan, budget, 0).unwrap_err());
-        assert!(msg.contains("--max-memory") && msg.contains("--batch"), "{msg}");
-        let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0).unwrap().unwrap();
+        assert!(
+            msg.contains("--max-memory") && msg.contains("--batch"),
+            "{msg}"
+        );
+        let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0)
+            .unwrap()
+            .unwrap();
         assert!(b < 32 && p <= budget);
         let next = build_plan(&spec, &StepConfig::new(b + 1, 256, 2), Mode::Train).unwrap();
         assert!(next.total_bytes() > budget);

@@ -53,7 +53,16 @@ impl Plan {
     pub fn bytes_by_category(&self) -> Vec<(Category, u64)> {
         Category::ALL
             .iter()
-            .map(|&c| (c, self.buffers.iter().filter(|b| b.category == c).map(|b| b.bytes).sum()))
+            .map(|&c| {
+                (
+                    c,
+                    self.buffers
+                        .iter()
+                        .filter(|b| b.category == c)
+                        .map(|b| b.bytes)
+                        .sum(),
+                )
+            })
             .collect()
     }
 

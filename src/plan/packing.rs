@@ -18,7 +18,9 @@ fn align_up(x: u64) -> u64 {
 
 /// Assigns `offset` to every buffer; returns the arena size in bytes.
 pub fn pack(buffers: &mut [Buffer]) -> u64 {
-    let mut order: Vec<usize> = (0..buffers.len()).filter(|&i| !buffers[i].external).collect();
+    let mut order: Vec<usize> = (0..buffers.len())
+        .filter(|&i| !buffers[i].external)
+        .collect();
     // Largest first; ties by earlier start, then index, so the result is deterministic.
     order.sort_by(|&a, &b| {
         buffers[b]
@@ -34,7 +36,10 @@ pub fn pack(buffers: &mut [Buffer]) -> u64 {
         conflicts.clear();
         for &j in &placed {
             if buffers[i].lives_with(&buffers[j]) {
-                conflicts.push((buffers[j].offset, buffers[j].offset + align_up(buffers[j].bytes)));
+                conflicts.push((
+                    buffers[j].offset,
+                    buffers[j].offset + align_up(buffers[j].bytes),
+                ));
             }
         }
         conflicts.sort_unstable();
@@ -81,7 +86,10 @@ pub fn verify(buffers: &[Buffer]) -> Result<(), String> {
         }
         for b in &buffers[i + 1..] {
             if a.bytes > 0 && b.bytes > 0 && a.lives_with(b) && a.overlaps_in_memory(b) {
-                return Err(format!("buffers {} and {} are live together but overlap", a.name, b.name));
+                return Err(format!(
+                    "buffers {} and {} are live together but overlap",
+                    a.name, b.name
+                ));
             }
         }
     }

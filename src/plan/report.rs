@@ -20,17 +20,34 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
         cfg.threads,
         plan.schedule.ops.len()
     );
-    let _ = writeln!(s, "\n  {:<18} {:>8} {:>14} {:>14}", "category", "buffers", "bytes", "live at peak");
+    let _ = writeln!(
+        s,
+        "\n  {:<18} {:>8} {:>14} {:>14}",
+        "category", "buffers", "bytes", "live at peak"
+    );
     let at_peak = plan.live_by_category(plan.peak_op);
     for ((cat, bytes), (_, live)) in plan.bytes_by_category().into_iter().zip(at_peak) {
         let count = plan.buffers.iter().filter(|b| b.category == cat).count();
         if count == 0 {
             continue;
         }
-        let _ = writeln!(s, "  {:<18} {:>8} {:>14} {:>14}", cat.name(), count, fmt_bytes(bytes), fmt_bytes(live));
+        let _ = writeln!(
+            s,
+            "  {:<18} {:>8} {:>14} {:>14}",
+            cat.name(),
+            count,
+            fmt_bytes(bytes),
+            fmt_bytes(live)
+        );
     }
     let sum: u64 = plan.buffers.iter().map(|b| b.bytes).sum();
-    let _ = writeln!(s, "  {:<18} {:>8} {:>14}", "sum of buffers", plan.buffers.len(), fmt_bytes(sum));
+    let _ = writeln!(
+        s,
+        "  {:<18} {:>8} {:>14}",
+        "sum of buffers",
+        plan.buffers.len(),
+        fmt_bytes(sum)
+    );
     let _ = writeln!(
         s,
         "\n  arena (packed by lifetime)  {:>12}   lower bound {} (peak live, at op {})",
@@ -39,22 +56,49 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
         plan.schedule.ops[plan.peak_op].name
     );
     for b in plan.buffers.iter().filter(|b| b.external) {
-        let _ = writeln!(s, "  + outside the arena: {:<15} {:>12}", b.name, fmt_bytes(b.bytes));
+        let _ = writeln!(
+            s,
+            "  + outside the arena: {:<15} {:>12}",
+            b.name,
+            fmt_bytes(b.bytes)
+        );
     }
-    let _ = writeln!(s, "  plan total                  {:>12}", fmt_bytes(plan.total_bytes()));
-    let _ = writeln!(s, "  process baseline (measured) {:>12}", fmt_bytes(baseline));
-    let _ = writeln!(s, "  predicted peak RSS          {:>12}", fmt_bytes(plan.total_bytes() + baseline));
+    let _ = writeln!(
+        s,
+        "  plan total                  {:>12}",
+        fmt_bytes(plan.total_bytes())
+    );
+    let _ = writeln!(
+        s,
+        "  process baseline (measured) {:>12}",
+        fmt_bytes(baseline)
+    );
+    let _ = writeln!(
+        s,
+        "  predicted peak RSS          {:>12}",
+        fmt_bytes(plan.total_bytes() + baseline)
+    );
     let flops: u64 = plan.schedule.ops.iter().map(|o| o.flops).sum();
-    let _ = writeln!(s, "  arithmetic per step         {:>10.1} GFLOP", flops as f64 / 1e9);
+    let _ = writeln!(
+        s,
+        "  arithmetic per step         {:>10.1} GFLOP",
+        flops as f64 / 1e9
+    );
     s
 }
 
 /// `plan.json`: totals, bytes by category, every buffer, and the schedule.
 pub fn to_json(plan: &Plan, baseline: u64) -> Value {
-    let by_category: serde_json::Map<String, Value> =
-        plan.bytes_by_category().into_iter().map(|(c, b)| (c.name().to_string(), json!(b))).collect();
-    let live_at_peak: serde_json::Map<String, Value> =
-        plan.live_by_category(plan.peak_op).into_iter().map(|(c, b)| (c.name().to_string(), json!(b))).collect();
+    let by_category: serde_json::Map<String, Value> = plan
+        .bytes_by_category()
+        .into_iter()
+        .map(|(c, b)| (c.name().to_string(), json!(b)))
+        .collect();
+    let live_at_peak: serde_json::Map<String, Value> = plan
+        .live_by_category(plan.peak_op)
+        .into_iter()
+        .map(|(c, b)| (c.name().to_string(), json!(b)))
+        .collect();
     let ops: Vec<Value> = plan
         .schedule
         .ops

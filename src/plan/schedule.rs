@@ -23,25 +23,76 @@ pub enum Op {
     /// out[N,C] = wte[tokens] + wpe[t].
     Encoder { tokens: BufId, out: BufId },
     /// out[N,C], mean[N], rstd[N] = layernorm(inp[N,C]; w, b).
-    LayerNorm { inp: BufId, out: BufId, mean: BufId, rstd: BufId, w: Range<usize>, b: Range<usize> },
+    LayerNorm {
+        inp: BufId,
+        out: BufId,
+        mean: BufId,
+        rstd: BufId,
+        w: Range<usize>,
+        b: Range<usize>,
+    },
     /// out[N,OC] = (residual[N,OC] if any) + inp[N,IC] @ w[IC,OC] + b[OC].
-    Matmul { inp: BufId, out: BufId, residual: Option<BufId>, w: Range<usize>, b: Range<usize>, ic: usize, oc: usize },
+    Matmul {
+        inp: BufId,
+        out: BufId,
+        residual: Option<BufId>,
+        w: Range<usize>,
+        b: Range<usize>,
+        ic: usize,
+        oc: usize,
+    },
     /// out[N,C], lse[B,NH,T] = causal_attention(qkv[N,3C]).
-    Attention { qkv: BufId, out: BufId, lse: BufId, ws: BufId },
+    Attention {
+        qkv: BufId,
+        out: BufId,
+        lse: BufId,
+        ws: BufId,
+    },
     /// out = gelu(inp), both [N,4C].
     Gelu { inp: BufId, out: BufId },
     /// Tied LM head and loss, chunked over rows so only `logits` [rows,V] exists at a time:
     /// losses[N] from inp[N,C] and targets[N]; when training also dinp[N,C] (overwritten) and
     /// dwte (+=), the loss being the mean over `loss_rows` rows.
-    LmHeadLoss { inp: BufId, targets: BufId, losses: BufId, logits: BufId, dinp: Option<BufId>, rows_per_chunk: usize, loss_rows: usize },
+    LmHeadLoss {
+        inp: BufId,
+        targets: BufId,
+        losses: BufId,
+        logits: BufId,
+        dinp: Option<BufId>,
+        rows_per_chunk: usize,
+        loss_rows: usize,
+    },
     /// logits[V] of row `row` of inp[N,C] (generation).
     LmHeadLast { inp: BufId, logits: BufId },
     /// dinp[N,C] += layernorm_backward(dout); dw, db +=.
-    LayerNormBackward { dinp: BufId, dout: BufId, inp: BufId, mean: BufId, rstd: BufId, w: Range<usize>, b: Range<usize> },
+    LayerNormBackward {
+        dinp: BufId,
+        dout: BufId,
+        inp: BufId,
+        mean: BufId,
+        rstd: BufId,
+        w: Range<usize>,
+        b: Range<usize>,
+    },
     /// dinp[N,IC] = dout @ wᵀ; dw += inpᵀ @ dout; db += Σ dout.
-    MatmulBackward { dinp: BufId, dout: BufId, inp: BufId, w: Range<usize>, b: Range<usize>, ic: usize, oc: usize },
+    MatmulBackward {
+        dinp: BufId,
+        dout: BufId,
+        inp: BufId,
+        w: Range<usize>,
+        b: Range<usize>,
+        ic: usize,
+        oc: usize,
+    },
     /// dqkv[N,3C] from dout[N,C] (probabilities recomputed from lse).
-    AttentionBackward { dqkv: BufId, dout: BufId, qkv: BufId, out: BufId, lse: BufId, ws: BufId },
+    AttentionBackward {
+        dqkv: BufId,
+        dout: BufId,
+        qkv: BufId,
+        out: BufId,
+        lse: BufId,
+        ws: BufId,
+    },
     /// d[N,4C] ← d ⊙ gelu'(inp) in place.
     GeluBackward { d: BufId, inp: BufId },
     /// dwte, dwpe += scatter(dout[N,C]).
@@ -78,27 +129,54 @@ impl Op {
         match self {
             Zero { buf } => (vec![], vec![*buf]),
             Encoder { tokens, out } => (vec![*tokens], vec![*out]),
-            LayerNorm { inp, out, mean, rstd, .. } => (vec![*inp], vec![*out, *mean, *rstd]),
-            Matmul { inp, out, residual, .. } => {
+            LayerNorm {
+                inp,
+                out,
+                mean,
+                rstd,
+                ..
+            } => (vec![*inp], vec![*out, *mean, *rstd]),
+            Matmul {
+                inp, out, residual, ..
+            } => {
                 let mut r = vec![*inp];
                 r.extend(residual);
                 (r, vec![*out])
             }
             Attention { qkv, out, lse, ws } => (vec![*qkv], vec![*out, *lse, *ws]),
             Gelu { inp, out } => (vec![*inp], vec![*out]),
-            LmHeadLoss { inp, targets, losses, logits, dinp, .. } => {
+            LmHeadLoss {
+                inp,
+                targets,
+                losses,
+                logits,
+                dinp,
+                ..
+            } => {
                 let mut w = vec![*losses, *logits];
                 w.extend(dinp);
                 (vec![*inp, *targets], w)
             }
             LmHeadLast { inp, logits } => (vec![*inp], vec![*logits]),
-            LayerNormBackward { dinp, dout, inp, mean, rstd, .. } => {
-                (vec![*dout, *inp, *mean, *rstd, *dinp], vec![*dinp])
-            }
-            MatmulBackward { dinp, dout, inp, .. } => (vec![*dout, *inp], vec![*dinp]),
-            AttentionBackward { dqkv, dout, qkv, out, lse, ws } => {
-                (vec![*dout, *qkv, *out, *lse], vec![*dqkv, *ws])
-            }
+            LayerNormBackward {
+                dinp,
+                dout,
+                inp,
+                mean,
+                rstd,
+                ..
+            } => (vec![*dout, *inp, *mean, *rstd, *dinp], vec![*dinp]),
+            MatmulBackward {
+                dinp, dout, inp, ..
+            } => (vec![*dout, *inp], vec![*dinp]),
+            AttentionBackward {
+                dqkv,
+                dout,
+                qkv,
+                out,
+                lse,
+                ws,
+            } => (vec![*dout, *qkv, *out, *lse], vec![*dqkv, *ws]),
             GeluBackward { d, inp } => (vec![*d, *inp], vec![*d]),
             EncoderBackward { dout, tokens } => (vec![*dout, *tokens], vec![]),
             OptimizerStep => (vec![], vec![]),

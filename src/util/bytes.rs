@@ -9,7 +9,11 @@ pub fn fmt_bytes(b: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{b} B") } else { format!("{v:.2} {}", UNITS[u]) }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
 }
 
 /// Parses a size such as `3GiB`, `3G`, `2.5 GB`, `800MiB` or `1048576`.
@@ -17,11 +21,13 @@ pub fn fmt_bytes(b: u64) -> String {
 /// `GB`, `TB`) units are accepted, case-insensitively.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a size: expected a number with a unit, e.g. 3GiB or 512MB"))?;
+    let n: f64 = num.parse().map_err(|_| {
+        format!("'{s}' is not a size: expected a number with a unit, e.g. 3GiB or 512MB")
+    })?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kib" => 1024.0,
@@ -32,7 +38,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
-        u => return Err(format!("unknown unit '{u}' in '{s}': use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)")),
+        u => {
+            return Err(format!(
+                "unknown unit '{u}' in '{s}': use B, KiB, MiB, GiB, TiB (or KB, MB, GB, TB)"
+            ));
+        }
     };
     Ok((n * mult).round() as u64)
 }

@@ -18,7 +18,9 @@ pub fn keep_library_scratch_resident() -> bool {
         const M_TRIM_THRESHOLD: i32 = -1;
         const M_MMAP_THRESHOLD: i32 = -3;
         // SAFETY: mallopt only adjusts allocator parameters.
-        unsafe { mallopt(M_MMAP_THRESHOLD, 16 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1 }
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, 16 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1
+        }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {

@@ -23,7 +23,9 @@ pub fn small_corpus(dir: &Path) -> PathBuf {
         None => {
             let mut s = String::new();
             for i in 0..20000 {
-                s.push_str(&format!("Line {i}: the quick brown fox jumps over the lazy dog.\n"));
+                s.push_str(&format!(
+                    "Line {i}: the quick brown fox jumps over the lazy dog.\n"
+                ));
             }
             std::fs::write(out.join("text.txt"), s).unwrap();
         }
@@ -34,7 +36,12 @@ pub fn small_corpus(dir: &Path) -> PathBuf {
 /// Prepares `corpus` into `dir/data`.
 pub fn prepared(dir: &Path, corpus: &Path) -> PathBuf {
     let data = dir.join("data");
-    prepare(&PrepareOptions { inputs: vec![corpus.to_path_buf()], out: data.clone(), val_fraction: 0.05 }).unwrap();
+    prepare(&PrepareOptions {
+        inputs: vec![corpus.to_path_buf()],
+        out: data.clone(),
+        val_fraction: 0.05,
+    })
+    .unwrap();
     data
 }
 

@@ -999,12 +999,12 @@ mod tests {
                 "not peaky enough: {tiny} probabilities below e^-87"
             );
             let tag = format!("{b}x{t}x{c}/{nh}");
-            assert_close(&format!("peaky out {tag}"), &out, &out_n, 3e-4);
+            assert_close(&format!("peaky out {tag}"), &out, &out_n, 5e-4);
             assert_close(&format!("peaky lse {tag}"), &lse, &lse_n, 1e-5);
             let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
             let mut dqkv_n = vec![0.0; b * t * 3 * c];
             naive::attention_backward(&mut dqkv_n, &dout, &qkv, b, t, c, nh);
-            assert_close(&format!("peaky dqkv {tag}"), &dqkv, &dqkv_n, 3e-4);
+            assert_close(&format!("peaky dqkv {tag}"), &dqkv, &dqkv_n, 5e-4);
         }
     }
 
@@ -1057,31 +1057,50 @@ mod tests {
         }
     }
 
-    /// Bitwise identical results on repeated runs and for 1, 2 and 3 worker threads.
+    /// Forward and backward outputs of one run, as bit patterns.
+    fn run_bits(b: usize, t: usize, c: usize, nh: usize, seed: u64) -> [Vec<u32>; 3] {
+        let qkv = rand_vec(b * t * 3 * c, seed, 2.0);
+        let dout = rand_vec(b * t * c, seed + 1, 1.0);
+        let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
+        let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        [bits(&out), bits(&lse), bits(&dqkv)]
+    }
+
+    /// Bitwise identical results on repeated runs and for 1, 2 and 3 worker threads, including
+    /// more threads than (batch, head) units.
     #[test]
     fn deterministic_across_runs_and_thread_counts() {
-        let (b, t, c, nh) = (2, 77, 36, 3);
-        let qkv = rand_vec(b * t * 3 * c, 7, 2.0);
-        let dout = rand_vec(b * t * c, 8, 1.0);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
-                let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
-                let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
-                (out, lse, dqkv)
-            })
-        };
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let reference = run(2);
-        for threads in [2, 1, 3, 2] {
-            let got = run(threads);
-            assert_eq!(bits(&got.0), bits(&reference.0), "out, {threads} threads");
-            assert_eq!(bits(&got.1), bits(&reference.1), "lse, {threads} threads");
-            assert_eq!(bits(&got.2), bits(&reference.2), "dqkv, {threads} threads");
+        for (b, t, c, nh) in [(2, 77, 36, 3), (1, 70, 8, 1)] {
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                pool.install(|| run_bits(b, t, c, nh, 7))
+            };
+            let reference = run(2);
+            for threads in [2, 1, 3, 2] {
+                assert!(
+                    run(threads) == reference,
+                    "{b}x{t}x{c}/{nh}: {threads} threads differ from 2"
+                );
+            }
         }
+    }
+
+    /// The element-wise passes give bit-identical results on every instruction set.
+    #[test]
+    fn isa_invariant() {
+        use super::super::reduce::{Isa, set_isa};
+        let run = || run_bits(2, 70, 12, 2, 9);
+        set_isa(Isa::Baseline);
+        let base = run();
+        for want in [Isa::Avx2, Isa::Avx512] {
+            let got = set_isa(want);
+            assert!(run() == base, "{got:?} differs from Baseline");
+        }
+        set_isa(Isa::Avx512);
     }
 
     #[test]
