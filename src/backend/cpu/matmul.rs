@@ -510,8 +510,12 @@ mod tests {
             let b = randn(k * n, 1.0, 2);
             let (mut c1, mut c2) = (randn(m * n, 1.0, 3), vec![0f32; m * n]);
             c2.copy_from_slice(&c1);
-            sgemm(m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c1, n, true);
-            naive::sgemm(m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c2, n, true);
+            sgemm(
+                m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c1, n, true,
+            );
+            naive::sgemm(
+                m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c2, n, true,
+            );
             assert_close(&c1, &c2, 1e-4, 1e-5, &format!("tall sgemm ta={trans_a}"));
         }
     }
