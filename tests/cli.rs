@@ -197,6 +197,52 @@ fn unwritable_output_and_mismatched_resume_are_refused() {
         "16",
     ]);
     assert!(e.contains("--resume"), "{e}");
+    // Fine-tuning from a checkpoint (--init) starts a new run from its weights.
+    let tuned = tmp.path().join("tuned");
+    let ck = run.join("checkpoints/step-000002");
+    let t = tuned.to_str().unwrap();
+    let c = cfg.to_str().unwrap();
+    ok(&[
+        "train",
+        "--model",
+        c,
+        "--init",
+        ck.to_str().unwrap(),
+        "--data",
+        d,
+        "--out",
+        t,
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+    ]);
+    assert!(
+        tuned
+            .join("checkpoints/step-000001/model.safetensors")
+            .exists()
+    );
+    // A budget the plan cannot meet is refused before anything is written.
+    let tight = tmp.path().join("tight");
+    let e = fails(&[
+        "train",
+        "--model",
+        c,
+        "--data",
+        d,
+        "--out",
+        tight.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--seq",
+        "16",
+        "--max-memory",
+        "1MiB",
+    ]);
+    assert!(e.contains("--max-memory"), "{e}");
+    assert!(!tight.exists(), "nothing is written for a refused plan");
     // A checkpoint with a missing tensor is refused by sample, naming the tensor.
     let ck = run.join("checkpoints/step-000002");
     let st = std::fs::read(ck.join("model.safetensors")).unwrap();

@@ -310,15 +310,15 @@ pub fn train(
     }
     check_fits(&data.train, "train", opts.seq)?;
     check_fits(&data.val, "val", opts.seq)?;
-    prepare_run_dir(&opts.out, resume.is_some())?;
 
-    // ---- plan, then allocate once ----
+    // ---- plan (refused before anything is written if over budget), then allocate once ----
     let baseline = rss::current_rss().unwrap_or(0);
     let cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
     let plan = build_plan(&spec, &cfg, Mode::Train)?;
     if let Some(budget) = opts.max_memory {
         plan::fit::check_budget(&plan, budget, baseline)?;
     }
+    prepare_run_dir(&opts.out, resume.is_some())?;
     ckpt::write_file_atomic(
         &opts.out.join("plan.json"),
         serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?.as_bytes(),
