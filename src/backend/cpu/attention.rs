@@ -665,7 +665,7 @@ unsafe fn backward_unit(
         let (p, ds) = (&mut p[..r1 * nb], &mut ds[..r1 * nb]);
         gather_rows(qb, &qkv[qoff + r0 * ld3..], nb, hs, ld3);
         // dO block copy and D[li] = dO[r0+li] · O[r0+li] in one pass over the rows.
-        for (li, (g, dv)) in gb[..nb * hs]
+        for (li, (g, di)) in gb[..nb * hs]
             .chunks_exact_mut(hs)
             .zip(&mut dd[..nb])
             .enumerate()
@@ -676,7 +676,7 @@ unsafe fn backward_unit(
             // The dQ rows this block writes at its end (strided, otherwise cache misses).
             prefetch_ptr(dq.wrapping_add((r0 + li) * ld3), hs);
             g.copy_from_slice(&dout[row..row + hs]);
-            *dv = out[row..row + hs].iter().zip(&*g).map(|(a, b)| a * b).sum();
+            *di = out[row..row + hs].iter().zip(&*g).map(|(a, b)| a * b).sum();
         }
         let (qp, gp, kp, vp) = (qb.as_ptr(), gb.as_ptr(), kc.as_ptr(), vc.as_ptr());
         // SAFETY (all products below): operands are ws buffers of the stated shapes with
