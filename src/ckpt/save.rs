@@ -22,13 +22,7 @@ pub fn checkpoint_dir(run_dir: &Path, step: u64) -> PathBuf {
 /// Checks that `layout` is the layout of `spec` and that each buffer covers it.
 fn check_buffers(spec: &ModelSpec, layout: &ParamLayout, bufs: &[(&str, usize)]) -> Result<()> {
     let expect = ParamLayout::new(spec);
-    let same = expect.total == layout.total
-        && expect.tensors.len() == layout.tensors.len()
-        && expect
-            .tensors
-            .iter()
-            .zip(&layout.tensors)
-            .all(|(a, b)| a.name == b.name && a.shape == b.shape);
+    let same = expect.same_layout(layout);
     if !same {
         bail!(
             "the parameter layout ({} elements) is not the layout of model {}",

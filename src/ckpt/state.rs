@@ -51,13 +51,7 @@ impl TrainerState {
             .model_spec()
             .with_context(|| format!("{}", path.display()))?;
         let recorded = ParamLayout::new(&spec);
-        let same = recorded.total == layout.total
-            && recorded.tensors.len() == layout.tensors.len()
-            && recorded
-                .tensors
-                .iter()
-                .zip(&layout.tensors)
-                .all(|(a, b)| a.name == b.name && a.shape == b.shape);
+        let same = recorded.same_layout(layout);
         if !same {
             bail!(
                 "{}: the checkpoint was written by a run of a different model ({}) than this one \

@@ -84,16 +84,6 @@ impl Executor {
         unsafe { self.arena.view_mut::<u32>(b.offset, b.elems) }
     }
 
-    fn find(&self, name: &str) -> BufId {
-        BufId(
-            self.plan
-                .buffers
-                .iter()
-                .position(|b| b.name == name)
-                .expect("plan buffer"),
-        )
-    }
-
     /// The flat parameter buffer (layout: `plan.layout`).
     pub fn params(&self) -> &[f32] {
         self.f32(self.plan.schedule.params)
@@ -141,12 +131,12 @@ impl Executor {
                 "token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?"
             );
         }
-        let tokens = self.u32_mut(self.find("tokens"));
+        let tokens = self.u32_mut(self.plan.schedule.tokens);
         for i in 0..b {
             tokens[i * t..(i + 1) * t].copy_from_slice(&batch[i * (t + 1)..i * (t + 1) + t]);
         }
         if self.plan.mode == Mode::Train {
-            let targets = self.u32_mut(self.find("targets"));
+            let targets = self.u32_mut(self.plan.schedule.targets.expect("training plan"));
             for i in 0..b {
                 targets[i * t..(i + 1) * t]
                     .copy_from_slice(&batch[i * (t + 1) + 1..(i + 1) * (t + 1)]);
@@ -205,13 +195,17 @@ impl Executor {
             .position(|o| matches!(o.op, Op::LmHeadLoss { .. }))
             .expect("loss op")
             + 1;
-        let start = usize::from(matches!(self.plan.schedule.ops[0].op, Op::Zero { .. }));
-        self.run(start..end, b, t, false);
+        // Forward ops up to the loss, without touching the gradients.
+        let s = &self.plan.schedule;
+        let ops: Vec<usize> = (0..end)
+            .filter(|&i| !matches!(s.ops[i].op, Op::Zero { buf } if Some(buf) == s.grads))
+            .collect();
+        self.run(ops, b, t, false);
         self.mean_loss()
     }
 
     fn mean_loss(&self) -> f32 {
-        let losses = self.f32(self.find("losses"));
+        let losses = self.f32(self.plan.schedule.losses.expect("training plan"));
         (losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64) as f32
     }
 
@@ -229,9 +223,9 @@ impl Executor {
         if let Some(bad) = context.iter().find(|&&x| x >= v) {
             bail!("token id {bad} is outside the model's vocabulary ({v})");
         }
-        self.u32_mut(self.find("tokens"))[..t].copy_from_slice(context);
+        self.u32_mut(self.plan.schedule.tokens)[..t].copy_from_slice(context);
         self.run(0..self.plan.schedule.ops.len(), 1, t, false);
-        Ok(self.f32(self.find("logits")))
+        Ok(self.f32(self.plan.schedule.logits.expect("generation plan")))
     }
 
     /// Starts (or stops) timing each op; times accumulate until read.
@@ -244,7 +238,13 @@ impl Executor {
         self.op_seconds.as_deref()
     }
 
-    fn run(&mut self, ops: std::ops::Range<usize>, b: usize, t: usize, training: bool) {
+    fn run(
+        &mut self,
+        ops: impl IntoIterator<Item = usize> + Send,
+        b: usize,
+        t: usize,
+        training: bool,
+    ) {
         let mut times = self.op_seconds.take();
         let this = &*self;
         let mut grad_norm = None;

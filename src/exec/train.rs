@@ -454,6 +454,8 @@ pub fn train(
                 step,
                 data_position: loader.position(),
                 seed: opts.seed,
+                // No op draws random numbers (no dropout) and batch k is a pure function of
+                // (seed, k), so the whole RNG state is the seed.
                 rng_state: opts.seed,
                 model: spec.to_hf_config(),
                 train: serde_json::to_value(opts)?,

@@ -111,6 +111,17 @@ impl ParamLayout {
         }
     }
 
+    /// Whether `other` has the same tensors (names and shapes) in the same order.
+    pub fn same_layout(&self, other: &ParamLayout) -> bool {
+        self.total == other.total
+            && self.tensors.len() == other.tensors.len()
+            && self
+                .tensors
+                .iter()
+                .zip(&other.tensors)
+                .all(|(a, b)| a.name == b.name && a.shape == b.shape)
+    }
+
     /// Looks a tensor up by its Hugging Face name.
     pub fn get(&self, name: &str) -> Option<&ParamTensor> {
         self.tensors.iter().find(|t| t.name == name)

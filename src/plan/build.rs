@@ -62,6 +62,11 @@ impl Builder {
         self.push(name.into(), category, dtype, elems, false)
     }
 
+    /// A (non-persistent) f32 buffer.
+    fn f32(&mut self, name: impl Into<String>, category: Category, elems: usize) -> BufId {
+        self.buf(name, category, DType::F32, elems)
+    }
+
     fn persistent(&mut self, name: &str, category: Category, dtype: DType, elems: usize) -> BufId {
         self.push(name.into(), category, dtype, elems, true)
     }
@@ -172,7 +177,7 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     if let Some(gr) = grads {
         g.op("zero_grad", Phase::Forward, 0, Op::Zero { buf: gr });
     }
-    let mut res = g.buf("encoded", Category::Activation, DType::F32, n * c); // [N, C]
+    let mut res = g.f32("encoded", Category::Activation, n * c); // [N, C]
     g.op(
         "encoder",
         Phase::Forward,
@@ -183,76 +188,21 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     let mut acts: Vec<LayerActs> = Vec::with_capacity(spec.n_layer);
     for (l, p) in lw.iter().enumerate() {
         let a = LayerActs {
-            ln1: g.buf(format!("h{l}.ln1"), Category::Activation, DType::F32, n * c),
-            ln1_mean: g.buf(
-                format!("h{l}.ln1.mean"),
-                Category::Activation,
-                DType::F32,
-                n,
-            ),
-            ln1_rstd: g.buf(
-                format!("h{l}.ln1.rstd"),
-                Category::Activation,
-                DType::F32,
-                n,
-            ),
-            qkv: g.buf(
-                format!("h{l}.qkv"),
-                Category::Activation,
-                DType::F32,
-                3 * n * c,
-            ),
-            atty: g.buf(
-                format!("h{l}.attn"),
-                Category::Activation,
-                DType::F32,
-                n * c,
-            ),
-            lse: g.buf(
-                format!("h{l}.attn.lse"),
-                Category::Activation,
-                DType::F32,
-                b * nh * t,
-            ),
-            res2: g.buf(
-                format!("h{l}.res_attn"),
-                Category::Activation,
-                DType::F32,
-                n * c,
-            ),
-            ln2: g.buf(format!("h{l}.ln2"), Category::Activation, DType::F32, n * c),
-            ln2_mean: g.buf(
-                format!("h{l}.ln2.mean"),
-                Category::Activation,
-                DType::F32,
-                n,
-            ),
-            ln2_rstd: g.buf(
-                format!("h{l}.ln2.rstd"),
-                Category::Activation,
-                DType::F32,
-                n,
-            ),
-            fch: g.buf(
-                format!("h{l}.fc"),
-                Category::Activation,
-                DType::F32,
-                4 * n * c,
-            ),
-            fch_gelu: g.buf(
-                format!("h{l}.fc.gelu"),
-                Category::Activation,
-                DType::F32,
-                4 * n * c,
-            ),
+            ln1: g.f32(format!("h{l}.ln1"), Category::Activation, n * c),
+            ln1_mean: g.f32(format!("h{l}.ln1.mean"), Category::Activation, n),
+            ln1_rstd: g.f32(format!("h{l}.ln1.rstd"), Category::Activation, n),
+            qkv: g.f32(format!("h{l}.qkv"), Category::Activation, 3 * n * c),
+            atty: g.f32(format!("h{l}.attn"), Category::Activation, n * c),
+            lse: g.f32(format!("h{l}.attn.lse"), Category::Activation, b * nh * t),
+            res2: g.f32(format!("h{l}.res_attn"), Category::Activation, n * c),
+            ln2: g.f32(format!("h{l}.ln2"), Category::Activation, n * c),
+            ln2_mean: g.f32(format!("h{l}.ln2.mean"), Category::Activation, n),
+            ln2_rstd: g.f32(format!("h{l}.ln2.rstd"), Category::Activation, n),
+            fch: g.f32(format!("h{l}.fc"), Category::Activation, 4 * n * c),
+            fch_gelu: g.f32(format!("h{l}.fc.gelu"), Category::Activation, 4 * n * c),
         };
-        let attn_ws = g.buf(
-            format!("h{l}.attn.ws"),
-            Category::Workspace,
-            DType::F32,
-            attn_ws_len,
-        );
-        let out = g.buf(format!("h{l}.out"), Category::Activation, DType::F32, n * c);
+        let attn_ws = g.f32(format!("h{l}.attn.ws"), Category::Workspace, attn_ws_len);
+        let out = g.f32(format!("h{l}.out"), Category::Activation, n * c);
         let mm = |ic: u64, oc: u64| 2 * nu * ic * oc;
         let attn_flops = 2 * (b * nh * t * t * (c / nh)) as u64; // causal: half of 4·B·NH·T²·hs
         g.op(
@@ -361,9 +311,9 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         residuals.push(res);
         acts.push(a);
     }
-    let lnf = g.buf("lnf", Category::Activation, DType::F32, n * c);
-    let lnf_mean = g.buf("lnf.mean", Category::Activation, DType::F32, n);
-    let lnf_rstd = g.buf("lnf.rstd", Category::Activation, DType::F32, n);
+    let lnf = g.f32("lnf", Category::Activation, n * c);
+    let lnf_mean = g.f32("lnf.mean", Category::Activation, n);
+    let lnf_rstd = g.f32("lnf.rstd", Category::Activation, n);
     g.op(
         "ln_f",
         Phase::Forward,
@@ -379,14 +329,20 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     );
 
     if !train {
-        let logits = g.buf("logits", Category::Workspace, DType::F32, v); // [V]
+        let logits = g.f32("logits", Category::Workspace, v); // [V]
         g.op(
             "lm_head",
             Phase::Forward,
             2 * cu * vu,
             Op::LmHeadLast { inp: lnf, logits },
         );
-        return finish(spec, cfg, mode, layout, g, params, None, None, None);
+        let io = Io {
+            tokens,
+            targets: None,
+            losses: None,
+            logits: Some(logits),
+        };
+        return finish(spec, cfg, mode, layout, g, params, None, None, None, io);
     }
 
     // ---- LM head + loss (forward and its backward, chunked) ----
@@ -395,14 +351,9 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         .div_ceil(cfg.logits_chunk_bytes.max(row_bytes))
         .max(1);
     let rows_per_chunk = n.div_ceil(n_chunks as usize);
-    let logits = g.buf(
-        "logits.chunk",
-        Category::Workspace,
-        DType::F32,
-        rows_per_chunk * v,
-    ); // [rows, V]
-    let losses = g.buf("losses", Category::Activation, DType::F32, n); // [N]
-    let dlnf = g.buf("d.lnf", Category::ActivationGrad, DType::F32, n * c); // [N, C]
+    let logits = g.f32("logits.chunk", Category::Workspace, rows_per_chunk * v); // [rows, V]
+    let losses = g.f32("losses", Category::Activation, n); // [N]
+    let dlnf = g.f32("d.lnf", Category::ActivationGrad, n * c); // [N, C]
     let targets = targets.expect("training plans have targets");
     g.op(
         "lm_head+loss",
@@ -420,7 +371,7 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     );
 
     // ---- backward ----
-    let dres = g.buf("d.residual", Category::ActivationGrad, DType::F32, n * c); // [N, C]
+    let dres = g.f32("d.residual", Category::ActivationGrad, n * c); // [N, C]
     g.op(
         "zero d.residual",
         Phase::Backward,
@@ -444,40 +395,14 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     for l in (0..spec.n_layer).rev() {
         let (a, p) = (&acts[l], &lw[l]);
         let mm = |ic: u64, oc: u64| 4 * nu * ic * oc;
-        let dfch = g.buf(
-            format!("h{l}.d.fc"),
-            Category::ActivationGrad,
-            DType::F32,
-            4 * n * c,
-        );
-        let dln2 = g.buf(
-            format!("h{l}.d.ln2"),
-            Category::ActivationGrad,
-            DType::F32,
-            n * c,
-        );
-        let datty = g.buf(
-            format!("h{l}.d.attn"),
-            Category::ActivationGrad,
-            DType::F32,
-            n * c,
-        );
-        let dqkv = g.buf(
-            format!("h{l}.d.qkv"),
-            Category::ActivationGrad,
-            DType::F32,
-            3 * n * c,
-        );
-        let dln1 = g.buf(
-            format!("h{l}.d.ln1"),
-            Category::ActivationGrad,
-            DType::F32,
-            n * c,
-        );
-        let attn_ws = g.buf(
+        let dfch = g.f32(format!("h{l}.d.fc"), Category::ActivationGrad, 4 * n * c);
+        let dln2 = g.f32(format!("h{l}.d.ln2"), Category::ActivationGrad, n * c);
+        let datty = g.f32(format!("h{l}.d.attn"), Category::ActivationGrad, n * c);
+        let dqkv = g.f32(format!("h{l}.d.qkv"), Category::ActivationGrad, 3 * n * c);
+        let dln1 = g.f32(format!("h{l}.d.ln1"), Category::ActivationGrad, n * c);
+        let attn_ws = g.f32(
             format!("h{l}.attn.ws.bwd"),
             Category::Workspace,
-            DType::F32,
             attn_ws_len,
         );
         let attn_flops = 5 * (b * nh * t * t * (c / nh)) as u64;
@@ -595,7 +520,23 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         Op::EncoderBackward { dout: dres, tokens },
     );
     g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
-    finish(spec, cfg, mode, layout, g, params, grads, adam_m, adam_v)
+    let io = Io {
+        tokens,
+        targets: Some(targets),
+        losses: Some(losses),
+        logits: None,
+    };
+    finish(
+        spec, cfg, mode, layout, g, params, grads, adam_m, adam_v, io,
+    )
+}
+
+/// The buffers the executor reads and writes from outside the schedule.
+struct Io {
+    tokens: BufId,
+    targets: Option<BufId>,
+    losses: Option<BufId>,
+    logits: Option<BufId>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -609,6 +550,7 @@ fn finish(
     grads: Option<BufId>,
     adam_m: Option<BufId>,
     adam_v: Option<BufId>,
+    io: Io,
 ) -> Result<Plan> {
     // Buffers outside the arena: the loader's two prefetch buffers and the trainer's batch
     // buffer ([B, T+1] u32 each), and the packing scratch the `gemm` crate keeps for itself.
@@ -670,6 +612,10 @@ fn finish(
             grads,
             adam_m,
             adam_v,
+            tokens: io.tokens,
+            targets: io.targets,
+            losses: io.losses,
+            logits: io.logits,
         },
         buffers: g.buffers,
         arena_bytes,

@@ -119,6 +119,14 @@ pub struct Schedule {
     pub grads: Option<BufId>,
     pub adam_m: Option<BufId>,
     pub adam_v: Option<BufId>,
+    /// Input token ids [B, T].
+    pub tokens: BufId,
+    /// Target token ids [B, T] (training plans).
+    pub targets: Option<BufId>,
+    /// Per-row losses [N] (training plans).
+    pub losses: Option<BufId>,
+    /// Next-token logits [V] (generation plans).
+    pub logits: Option<BufId>,
 }
 
 impl Op {
