@@ -4,7 +4,7 @@
 
 use crate::backend::cpu::{adamw, attention, encoder, gelu, layernorm, matmul, reduce, xent};
 use crate::mem::arena::Arena;
-use crate::plan::schedule::Op;
+use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, DType, Mode, Plan};
 use anyhow::{Result, bail};
 
@@ -115,14 +115,16 @@ impl Executor {
         )
     }
 
-    /// Copies a batch [B, T+1] into the plan's token (and target) buffers.
+    /// Copies a batch [accum·B, T+1] into the plan's token (and target) buffers: rows
+    /// k·B..(k+1)·B go to micro-batch k.
     pub fn set_batch(&mut self, batch: &[u32]) -> Result<()> {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
-        if batch.len() != b * (t + 1) {
+        let micro = self.plan.schedule.tokens.len();
+        if batch.len() != micro * b * (t + 1) {
             bail!(
                 "internal error: batch of {} tokens, expected {}",
                 batch.len(),
-                b * (t + 1)
+                micro * b * (t + 1)
             );
         }
         let v = self.plan.spec.vocab_size as u32;
@@ -131,15 +133,17 @@ impl Executor {
                 "token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?"
             );
         }
-        let tokens = self.u32_mut(self.plan.schedule.tokens);
-        for i in 0..b {
-            tokens[i * t..(i + 1) * t].copy_from_slice(&batch[i * (t + 1)..i * (t + 1) + t]);
-        }
-        if self.plan.mode == Mode::Train {
-            let targets = self.u32_mut(self.plan.schedule.targets.expect("training plan"));
-            for i in 0..b {
-                targets[i * t..(i + 1) * t]
-                    .copy_from_slice(&batch[i * (t + 1) + 1..(i + 1) * (t + 1)]);
+        let s = &self.plan.schedule;
+        for (k, rows) in batch.chunks(b * (t + 1)).enumerate() {
+            let tokens = self.u32_mut(s.tokens[k]);
+            for (i, row) in rows.chunks(t + 1).enumerate() {
+                tokens[i * t..(i + 1) * t].copy_from_slice(&row[..t]);
+            }
+            if let Some(&tg) = s.targets.get(k) {
+                let targets = self.u32_mut(tg);
+                for (i, row) in rows.chunks(t + 1).enumerate() {
+                    targets[i * t..(i + 1) * t].copy_from_slice(&row[1..]);
+                }
             }
         }
         Ok(())
@@ -176,7 +180,6 @@ impl Executor {
     }
 
     fn optimizer_start(&self) -> usize {
-        use crate::plan::schedule::Phase;
         let ops = &self.plan.schedule.ops;
         ops.iter()
             .position(|o| o.phase == Phase::Optimizer)
@@ -184,29 +187,30 @@ impl Executor {
     }
 
     /// Mean loss on the batch set by [`Executor::set_batch`], forward only (no state changes
-    /// besides activations).
+    /// besides activations): every micro-batch's forward ops, without gradient zeroing.
     pub fn eval_loss(&mut self) -> f32 {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
-        let end = self
-            .plan
-            .schedule
-            .ops
-            .iter()
-            .position(|o| matches!(o.op, Op::LmHeadLoss { .. }))
-            .expect("loss op")
-            + 1;
-        // Forward ops up to the loss, without touching the gradients.
         let s = &self.plan.schedule;
-        let ops: Vec<usize> = (0..end)
-            .filter(|&i| !matches!(s.ops[i].op, Op::Zero { buf } if Some(buf) == s.grads))
+        let ops: Vec<usize> = (0..s.ops.len())
+            .filter(|&i| {
+                s.ops[i].phase == Phase::Forward
+                    && !matches!(s.ops[i].op, Op::Zero { buf } if Some(buf) == s.grads)
+            })
             .collect();
         self.run(ops, b, t, false);
         self.mean_loss()
     }
 
+    /// Mean of the per-row losses over every micro-batch.
     fn mean_loss(&self) -> f32 {
-        let losses = self.f32(self.plan.schedule.losses.expect("training plan"));
-        (losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64) as f32
+        let s = &self.plan.schedule;
+        let (mut sum, mut rows) = (0.0f64, 0usize);
+        for &id in &s.losses {
+            let losses = self.f32(id);
+            sum += losses.iter().map(|&x| x as f64).sum::<f64>();
+            rows += losses.len();
+        }
+        (sum / rows as f64) as f32
     }
 
     /// Next-token logits [V] after `context` (generation plans; `context.len()` ≤ plan seq).
@@ -223,7 +227,7 @@ impl Executor {
         if let Some(bad) = context.iter().find(|&&x| x >= v) {
             bail!("token id {bad} is outside the model's vocabulary ({v})");
         }
-        self.u32_mut(self.plan.schedule.tokens)[..t].copy_from_slice(context);
+        self.u32_mut(self.plan.schedule.tokens[0])[..t].copy_from_slice(context);
         self.run(0..self.plan.schedule.ops.len(), 1, t, false);
         Ok(self.f32(self.plan.schedule.logits.expect("generation plan")))
     }

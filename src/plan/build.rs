@@ -3,7 +3,9 @@
 //!
 //! Shapes: B batch, T sequence, C channels, NH heads, V vocabulary, N = B·T, L layers.
 
+use super::block::{self, Block, BlockActs};
 use super::packing;
+use super::strategy::Recompute;
 use super::schedule::{Op, OpEntry, Phase, Schedule};
 use super::{BufId, Buffer, Category, DType, Plan};
 use crate::backend::cpu::attention::attention_workspace_len;
@@ -33,6 +35,10 @@ pub struct StepConfig {
     /// Upper bound for the LM head's logits chunk (bytes); smaller saves memory, larger
     /// makes fewer passes over wte.
     pub logits_chunk_bytes: u64,
+    /// Activation recomputation policy.
+    pub recompute: Recompute,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    pub grad_accum: usize,
 }
 
 impl StepConfig {
@@ -42,11 +48,13 @@ impl StepConfig {
             seq,
             threads,
             logits_chunk_bytes: 64 << 20,
+            recompute: Recompute::None,
+            grad_accum: 1,
         }
     }
 }
 
-struct Builder {
+pub(super) struct Builder {
     buffers: Vec<Buffer>,
     ops: Vec<OpEntry>,
 }
@@ -63,7 +71,7 @@ impl Builder {
     }
 
     /// A (non-persistent) f32 buffer.
-    fn f32(&mut self, name: impl Into<String>, category: Category, elems: usize) -> BufId {
+    pub(super) fn f32(&mut self, name: impl Into<String>, category: Category, elems: usize) -> BufId {
         self.buf(name, category, DType::F32, elems)
     }
 
@@ -94,7 +102,7 @@ impl Builder {
         BufId(self.buffers.len() - 1)
     }
 
-    fn op(&mut self, name: impl Into<String>, phase: Phase, flops: u64, op: Op) {
+    pub(super) fn op(&mut self, name: impl Into<String>, phase: Phase, flops: u64, op: Op) {
         self.ops.push(OpEntry {
             name: name.into(),
             phase,
@@ -104,20 +112,16 @@ impl Builder {
     }
 }
 
-/// Per-layer activation buffers kept from forward to backward.
-struct LayerActs {
-    ln1: BufId,      // [N, C]
-    ln1_mean: BufId, // [N]
-    ln1_rstd: BufId, // [N]
-    qkv: BufId,      // [N, 3C]
-    atty: BufId,     // [N, C]
-    lse: BufId,      // [B, NH, T]
-    res2: BufId,     // [N, C] residual after attention
-    ln2: BufId,      // [N, C]
-    ln2_mean: BufId, // [N]
-    ln2_rstd: BufId, // [N]
-    fch: BufId,      // [N, 4C]
-    fch_gelu: BufId, // [N, 4C]
+/// Dimensions of one micro-batch, shared by the block emitters.
+pub(super) struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    pub nh: usize,
+    /// Rows per micro-batch, B·T.
+    pub n: usize,
+    /// Attention workspace elements (forward or backward).
+    pub attn_ws_len: usize,
 }
 
 /// Builds and packs the plan for `spec` and `cfg`.
@@ -130,192 +134,147 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     if cfg.threads == 0 {
         bail!("--threads must be at least 1");
     }
+    if cfg.grad_accum == 0 {
+        bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
+    }
     let layout = ParamLayout::new(spec);
-    let (b, t, c, nh, v) = (
-        cfg.batch,
-        cfg.seq,
-        spec.n_embd,
-        spec.n_head,
-        spec.vocab_size,
-    );
-    let n = b * t;
-    let (nu, cu, vu) = (n as u64, c as u64, v as u64);
+    let (b, t, c, nh) = (cfg.batch, cfg.seq, spec.n_embd, spec.n_head);
+    let d = Dims {
+        b,
+        t,
+        c,
+        nh,
+        n: b * t,
+        attn_ws_len: attention_workspace_len(t, c / nh, cfg.threads),
+    };
     let train = mode == Mode::Train;
     let mut g = Builder {
         buffers: Vec::new(),
         ops: Vec::new(),
     };
 
-    // Persistent state: parameters, gradients, AdamW moments, the token batch.
+    // Persistent state: parameters, gradients, AdamW moments.
     let params = g.persistent("params", Category::Param, DType::F32, layout.total);
-    let (grads, adam_m, adam_v) = if train {
-        (
-            Some(g.persistent("grads", Category::Grad, DType::F32, layout.total)),
-            Some(g.persistent(
-                "adamw.m",
-                Category::OptimizerState,
-                DType::F32,
-                layout.total,
-            )),
-            Some(g.persistent(
-                "adamw.v",
-                Category::OptimizerState,
-                DType::F32,
-                layout.total,
-            )),
-        )
-    } else {
-        (None, None, None)
-    };
-    let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, n); // [B, T]
-    let targets = train.then(|| g.persistent("targets", Category::IoStaging, DType::U32, n)); // [B, T]
-
-    let attn_ws_len = attention_workspace_len(t, c / nh, cfg.threads);
-    let lw = &layout.layers;
-
-    // ---- forward ----
-    if let Some(gr) = grads {
-        g.op("zero_grad", Phase::Forward, 0, Op::Zero { buf: gr });
+    if !train {
+        let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, d.n); // [B, T]
+        let fwd = forward(&mut g, &d, spec, &layout, "", tokens);
+        let logits = g.f32("logits", Category::Workspace, spec.vocab_size); // [V]
+        g.op(
+            "lm_head",
+            Phase::Forward,
+            2 * (c * spec.vocab_size) as u64,
+            Op::LmHeadLast {
+                inp: fwd.lnf,
+                logits,
+            },
+        );
+        let io = Io {
+            tokens: vec![tokens],
+            targets: vec![],
+            losses: vec![],
+            logits: Some(logits),
+        };
+        return finish(spec, cfg, mode, layout, g, params, None, io);
     }
-    let mut res = g.f32("encoded", Category::Activation, n * c); // [N, C]
+    let state = OptimizerBufs {
+        grads: g.persistent("grads", Category::Grad, DType::F32, layout.total),
+        m: g.persistent(
+            "adamw.m",
+            Category::OptimizerState,
+            DType::F32,
+            layout.total,
+        ),
+        v: g.persistent(
+            "adamw.v",
+            Category::OptimizerState,
+            DType::F32,
+            layout.total,
+        ),
+    };
     g.op(
-        "encoder",
+        "zero_grad",
+        Phase::Forward,
+        0,
+        Op::Zero { buf: state.grads },
+    );
+    let micro = cfg.grad_accum;
+    let mut io = Io {
+        tokens: vec![],
+        targets: vec![],
+        losses: vec![],
+        logits: None,
+    };
+    for k in 0..micro {
+        // Micro-batch k: its own batch buffers and activations (packing reuses the bytes of
+        // micro-batch k-1's, whose lifetimes have ended); gradients accumulate.
+        let pfx = if micro > 1 {
+            format!("mb{k}.")
+        } else {
+            String::new()
+        };
+        let io_buf = |g: &mut Builder, what: &str, dtype| {
+            g.persistent(&format!("{pfx}{what}"), Category::IoStaging, dtype, d.n)
+        };
+        let tokens = io_buf(&mut g, "tokens", DType::U32); // [B, T]
+        let targets = io_buf(&mut g, "targets", DType::U32); // [B, T]
+        let losses = io_buf(&mut g, "losses", DType::F32); // [N]
+        micro_batch(
+            &mut g, &d, spec, cfg, &layout, &pfx, tokens, targets, losses,
+        );
+        io.tokens.push(tokens);
+        io.targets.push(targets);
+        io.losses.push(losses);
+    }
+    g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
+    finish(spec, cfg, mode, layout, g, params, Some(state), io)
+}
+
+/// What the forward leaves for the LM head and the backward.
+struct Forward {
+    /// Residual stream entering each block, then the final one.
+    residuals: Vec<BufId>,
+    acts: Vec<BlockActs>,
+    lnf: BufId,      // [N, C]
+    lnf_mean: BufId, // [N]
+    lnf_rstd: BufId, // [N]
+}
+
+/// Emits the encoder, the blocks and the final layernorm of one micro-batch.
+fn forward(
+    g: &mut Builder,
+    d: &Dims,
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    pfx: &str,
+    tokens: BufId,
+) -> Forward {
+    let (n, c) = (d.n, d.c);
+    let mut res = g.f32(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
+    g.op(
+        format!("{pfx}encoder"),
         Phase::Forward,
         0,
         Op::Encoder { tokens, out: res },
     );
-    let mut residuals = vec![res]; // residual stream entering each layer, then the final one
-    let mut acts: Vec<LayerActs> = Vec::with_capacity(spec.n_layer);
-    for (l, p) in lw.iter().enumerate() {
-        let a = LayerActs {
-            ln1: g.f32(format!("h{l}.ln1"), Category::Activation, n * c),
-            ln1_mean: g.f32(format!("h{l}.ln1.mean"), Category::Activation, n),
-            ln1_rstd: g.f32(format!("h{l}.ln1.rstd"), Category::Activation, n),
-            qkv: g.f32(format!("h{l}.qkv"), Category::Activation, 3 * n * c),
-            atty: g.f32(format!("h{l}.attn"), Category::Activation, n * c),
-            lse: g.f32(format!("h{l}.attn.lse"), Category::Activation, b * nh * t),
-            res2: g.f32(format!("h{l}.res_attn"), Category::Activation, n * c),
-            ln2: g.f32(format!("h{l}.ln2"), Category::Activation, n * c),
-            ln2_mean: g.f32(format!("h{l}.ln2.mean"), Category::Activation, n),
-            ln2_rstd: g.f32(format!("h{l}.ln2.rstd"), Category::Activation, n),
-            fch: g.f32(format!("h{l}.fc"), Category::Activation, 4 * n * c),
-            fch_gelu: g.f32(format!("h{l}.fc.gelu"), Category::Activation, 4 * n * c),
+    let mut residuals = vec![res];
+    let mut acts = Vec::with_capacity(spec.n_layer);
+    for (l, p) in layout.layers.iter().enumerate() {
+        let blk = Block {
+            d,
+            p,
+            name: format!("{pfx}h{l}."),
+            res_in: res,
         };
-        let attn_ws = g.f32(format!("h{l}.attn.ws"), Category::Workspace, attn_ws_len);
-        let out = g.f32(format!("h{l}.out"), Category::Activation, n * c);
-        let mm = |ic: u64, oc: u64| 2 * nu * ic * oc;
-        let attn_flops = 2 * (b * nh * t * t * (c / nh)) as u64; // causal: half of 4·B·NH·T²·hs
-        g.op(
-            format!("h{l}.ln1"),
-            Phase::Forward,
-            0,
-            Op::LayerNorm {
-                inp: res,
-                out: a.ln1,
-                mean: a.ln1_mean,
-                rstd: a.ln1_rstd,
-                w: p.ln1_w.clone(),
-                b: p.ln1_b.clone(),
-            },
-        );
-        g.op(
-            format!("h{l}.qkv"),
-            Phase::Forward,
-            mm(cu, 3 * cu),
-            Op::Matmul {
-                inp: a.ln1,
-                out: a.qkv,
-                residual: None,
-                w: p.qkv_w.clone(),
-                b: p.qkv_b.clone(),
-                ic: c,
-                oc: 3 * c,
-            },
-        );
-        g.op(
-            format!("h{l}.attn"),
-            Phase::Forward,
-            attn_flops,
-            Op::Attention {
-                qkv: a.qkv,
-                out: a.atty,
-                lse: a.lse,
-                ws: attn_ws,
-            },
-        );
-        g.op(
-            format!("h{l}.attn_proj"),
-            Phase::Forward,
-            mm(cu, cu),
-            Op::Matmul {
-                inp: a.atty,
-                out: a.res2,
-                residual: Some(res),
-                w: p.proj_w.clone(),
-                b: p.proj_b.clone(),
-                ic: c,
-                oc: c,
-            },
-        );
-        g.op(
-            format!("h{l}.ln2"),
-            Phase::Forward,
-            0,
-            Op::LayerNorm {
-                inp: a.res2,
-                out: a.ln2,
-                mean: a.ln2_mean,
-                rstd: a.ln2_rstd,
-                w: p.ln2_w.clone(),
-                b: p.ln2_b.clone(),
-            },
-        );
-        g.op(
-            format!("h{l}.fc"),
-            Phase::Forward,
-            mm(cu, 4 * cu),
-            Op::Matmul {
-                inp: a.ln2,
-                out: a.fch,
-                residual: None,
-                w: p.fc_w.clone(),
-                b: p.fc_b.clone(),
-                ic: c,
-                oc: 4 * c,
-            },
-        );
-        g.op(
-            format!("h{l}.gelu"),
-            Phase::Forward,
-            0,
-            Op::Gelu {
-                inp: a.fch,
-                out: a.fch_gelu,
-            },
-        );
-        g.op(
-            format!("h{l}.mlp_proj"),
-            Phase::Forward,
-            mm(4 * cu, cu),
-            Op::Matmul {
-                inp: a.fch_gelu,
-                out,
-                residual: Some(a.res2),
-                w: p.fcproj_w.clone(),
-                b: p.fcproj_b.clone(),
-                ic: 4 * c,
-                oc: c,
-            },
-        );
+        let (a, out) = block::forward(g, &blk);
         res = out;
         residuals.push(res);
         acts.push(a);
     }
-    let lnf = g.f32("lnf", Category::Activation, n * c);
-    let lnf_mean = g.f32("lnf.mean", Category::Activation, n);
-    let lnf_rstd = g.f32("lnf.rstd", Category::Activation, n);
+    let lnf = g.f32(format!("{pfx}lnf"), Category::Activation, n * c);
+    let lnf_mean = g.f32(format!("{pfx}lnf.mean"), Category::Activation, n);
+    let lnf_rstd = g.f32(format!("{pfx}lnf.rstd"), Category::Activation, n);
     g.op(
-        "ln_f",
+        format!("{pfx}ln_f"),
         Phase::Forward,
         0,
         Op::LayerNorm {
@@ -327,215 +286,112 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
             b: layout.lnf_b.clone(),
         },
     );
-
-    if !train {
-        let logits = g.f32("logits", Category::Workspace, v); // [V]
-        g.op(
-            "lm_head",
-            Phase::Forward,
-            2 * cu * vu,
-            Op::LmHeadLast { inp: lnf, logits },
-        );
-        let io = Io {
-            tokens,
-            targets: None,
-            losses: None,
-            logits: Some(logits),
-        };
-        return finish(spec, cfg, mode, layout, g, params, None, None, None, io);
+    Forward {
+        residuals,
+        acts,
+        lnf,
+        lnf_mean,
+        lnf_rstd,
     }
+}
+
+/// Emits one micro-batch's forward, LM head and loss, and backward (gradients accumulate).
+#[allow(clippy::too_many_arguments)]
+fn micro_batch(
+    g: &mut Builder,
+    d: &Dims,
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    layout: &ParamLayout,
+    pfx: &str,
+    tokens: BufId,
+    targets: BufId,
+    losses: BufId,
+) {
+    let (n, c, v) = (d.n, d.c, spec.vocab_size);
+    let fwd = forward(g, d, spec, layout, pfx, tokens);
 
     // ---- LM head + loss (forward and its backward, chunked) ----
     let row_bytes = (v * 4) as u64;
-    let n_chunks = (nu * row_bytes)
+    let n_chunks = ((n as u64) * row_bytes)
         .div_ceil(cfg.logits_chunk_bytes.max(row_bytes))
         .max(1);
     let rows_per_chunk = n.div_ceil(n_chunks as usize);
-    let logits = g.f32("logits.chunk", Category::Workspace, rows_per_chunk * v); // [rows, V]
-    let losses = g.f32("losses", Category::Activation, n); // [N]
-    let dlnf = g.f32("d.lnf", Category::ActivationGrad, n * c); // [N, C]
-    let targets = targets.expect("training plans have targets");
+    let logits = g.f32(
+        format!("{pfx}logits.chunk"),
+        Category::Workspace,
+        rows_per_chunk * v,
+    ); // [rows, V]
+    let dlnf = g.f32(format!("{pfx}d.lnf"), Category::ActivationGrad, n * c); // [N, C]
     g.op(
-        "lm_head+loss",
+        format!("{pfx}lm_head+loss"),
         Phase::Forward,
-        6 * nu * cu * vu,
+        6 * (n * c * v) as u64,
         Op::LmHeadLoss {
-            inp: lnf,
+            inp: fwd.lnf,
             targets,
             losses,
             logits,
             dinp: Some(dlnf),
             rows_per_chunk,
-            loss_rows: n,
+            // The step's loss is the mean over every micro-batch's rows.
+            loss_rows: n * cfg.grad_accum,
         },
     );
 
     // ---- backward ----
-    let dres = g.f32("d.residual", Category::ActivationGrad, n * c); // [N, C]
+    let dres = g.f32(format!("{pfx}d.residual"), Category::ActivationGrad, n * c); // [N, C]
     g.op(
-        "zero d.residual",
+        format!("{pfx}zero d.residual"),
         Phase::Backward,
         0,
         Op::Zero { buf: dres },
     );
+    let res_final = *fwd.residuals.last().expect("residuals");
     g.op(
-        "ln_f.bwd",
+        format!("{pfx}ln_f.bwd"),
         Phase::Backward,
         0,
         Op::LayerNormBackward {
             dinp: dres,
             dout: dlnf,
-            inp: res,
-            mean: lnf_mean,
-            rstd: lnf_rstd,
+            inp: res_final,
+            mean: fwd.lnf_mean,
+            rstd: fwd.lnf_rstd,
             w: layout.lnf_w.clone(),
             b: layout.lnf_b.clone(),
         },
     );
     for l in (0..spec.n_layer).rev() {
-        let (a, p) = (&acts[l], &lw[l]);
-        let mm = |ic: u64, oc: u64| 4 * nu * ic * oc;
-        let dfch = g.f32(format!("h{l}.d.fc"), Category::ActivationGrad, 4 * n * c);
-        let dln2 = g.f32(format!("h{l}.d.ln2"), Category::ActivationGrad, n * c);
-        let datty = g.f32(format!("h{l}.d.attn"), Category::ActivationGrad, n * c);
-        let dqkv = g.f32(format!("h{l}.d.qkv"), Category::ActivationGrad, 3 * n * c);
-        let dln1 = g.f32(format!("h{l}.d.ln1"), Category::ActivationGrad, n * c);
-        let attn_ws = g.f32(
-            format!("h{l}.attn.ws.bwd"),
-            Category::Workspace,
-            attn_ws_len,
-        );
-        let attn_flops = 5 * (b * nh * t * t * (c / nh)) as u64;
-        g.op(
-            format!("h{l}.mlp_proj.bwd"),
-            Phase::Backward,
-            mm(4 * cu, cu),
-            Op::MatmulBackward {
-                dinp: dfch,
-                dout: dres,
-                inp: a.fch_gelu,
-                w: p.fcproj_w.clone(),
-                b: p.fcproj_b.clone(),
-                ic: 4 * c,
-                oc: c,
-            },
-        );
-        g.op(
-            format!("h{l}.gelu.bwd"),
-            Phase::Backward,
-            0,
-            Op::GeluBackward {
-                d: dfch,
-                inp: a.fch,
-            },
-        );
-        g.op(
-            format!("h{l}.fc.bwd"),
-            Phase::Backward,
-            mm(cu, 4 * cu),
-            Op::MatmulBackward {
-                dinp: dln2,
-                dout: dfch,
-                inp: a.ln2,
-                w: p.fc_w.clone(),
-                b: p.fc_b.clone(),
-                ic: c,
-                oc: 4 * c,
-            },
-        );
-        g.op(
-            format!("h{l}.ln2.bwd"),
-            Phase::Backward,
-            0,
-            Op::LayerNormBackward {
-                dinp: dres,
-                dout: dln2,
-                inp: a.res2,
-                mean: a.ln2_mean,
-                rstd: a.ln2_rstd,
-                w: p.ln2_w.clone(),
-                b: p.ln2_b.clone(),
-            },
-        );
-        g.op(
-            format!("h{l}.attn_proj.bwd"),
-            Phase::Backward,
-            mm(cu, cu),
-            Op::MatmulBackward {
-                dinp: datty,
-                dout: dres,
-                inp: a.atty,
-                w: p.proj_w.clone(),
-                b: p.proj_b.clone(),
-                ic: c,
-                oc: c,
-            },
-        );
-        g.op(
-            format!("h{l}.attn.bwd"),
-            Phase::Backward,
-            attn_flops,
-            Op::AttentionBackward {
-                dqkv,
-                dout: datty,
-                qkv: a.qkv,
-                out: a.atty,
-                lse: a.lse,
-                ws: attn_ws,
-            },
-        );
-        g.op(
-            format!("h{l}.qkv.bwd"),
-            Phase::Backward,
-            mm(cu, 3 * cu),
-            Op::MatmulBackward {
-                dinp: dln1,
-                dout: dqkv,
-                inp: a.ln1,
-                w: p.qkv_w.clone(),
-                b: p.qkv_b.clone(),
-                ic: c,
-                oc: 3 * c,
-            },
-        );
-        g.op(
-            format!("h{l}.ln1.bwd"),
-            Phase::Backward,
-            0,
-            Op::LayerNormBackward {
-                dinp: dres,
-                dout: dln1,
-                inp: residuals[l],
-                mean: a.ln1_mean,
-                rstd: a.ln1_rstd,
-                w: p.ln1_w.clone(),
-                b: p.ln1_b.clone(),
-            },
-        );
+        let blk = Block {
+            d,
+            p: &layout.layers[l],
+            name: format!("{pfx}h{l}."),
+            res_in: fwd.residuals[l],
+        };
+        let acts = block::recompute(g, &blk, &fwd.acts[l], cfg.recompute.block(l));
+        block::backward(g, &blk, &acts, dres);
     }
     g.op(
-        "encoder.bwd",
+        format!("{pfx}encoder.bwd"),
         Phase::Backward,
         0,
         Op::EncoderBackward { dout: dres, tokens },
     );
-    g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
-    let io = Io {
-        tokens,
-        targets: Some(targets),
-        losses: Some(losses),
-        logits: None,
-    };
-    finish(
-        spec, cfg, mode, layout, g, params, grads, adam_m, adam_v, io,
-    )
+}
+
+/// Gradients and AdamW moments (training plans).
+struct OptimizerBufs {
+    grads: BufId,
+    m: BufId,
+    v: BufId,
 }
 
 /// The buffers the executor reads and writes from outside the schedule.
 struct Io {
-    tokens: BufId,
-    targets: Option<BufId>,
-    losses: Option<BufId>,
+    tokens: Vec<BufId>,
+    targets: Vec<BufId>,
+    losses: Vec<BufId>,
     logits: Option<BufId>,
 }
 
@@ -547,19 +403,17 @@ fn finish(
     layout: ParamLayout,
     mut g: Builder,
     params: BufId,
-    grads: Option<BufId>,
-    adam_m: Option<BufId>,
-    adam_v: Option<BufId>,
+    state: Option<OptimizerBufs>,
     io: Io,
 ) -> Result<Plan> {
     // Buffers outside the arena: the loader's two prefetch buffers and the trainer's batch
-    // buffer ([B, T+1] u32 each), and the packing scratch the `gemm` crate keeps for itself.
+    // buffer ([accum·B, T+1] u32 each), and the packing scratch the `gemm` crate keeps for itself.
     if mode == Mode::Train {
         let id = g.persistent(
             "loader.staging",
             Category::IoStaging,
             DType::U32,
-            3 * cfg.batch * (cfg.seq + 1),
+            3 * cfg.grad_accum * cfg.batch * (cfg.seq + 1),
         );
         g.buffers[id.0].external = true;
     }
@@ -609,9 +463,9 @@ fn finish(
         schedule: Schedule {
             ops: g.ops,
             params,
-            grads,
-            adam_m,
-            adam_v,
+            grads: state.as_ref().map(|s| s.grads),
+            adam_m: state.as_ref().map(|s| s.m),
+            adam_v: state.as_ref().map(|s| s.v),
             tokens: io.tokens,
             targets: io.targets,
             losses: io.losses,

@@ -7,16 +7,19 @@
 //! overlap never share bytes. The executor allocates that arena once and hands out views; so the
 //! plan's arena size *is* the step's memory, and `memwall plan` answers "will it fit?" up front.
 
+mod block;
 pub mod buffer;
 pub mod build;
 pub mod fit;
 pub mod packing;
 pub mod report;
 pub mod schedule;
+pub mod strategy;
 
 pub use buffer::{BufId, Buffer, Category, DType};
 pub use build::{Mode, StepConfig, build_plan};
-pub use schedule::{Op, Schedule};
+pub use schedule::{Op, Phase, Schedule};
+pub use strategy::{Recompute, RecomputeChoice};
 
 use crate::model::{ModelSpec, ParamLayout};
 

@@ -10,6 +10,8 @@ use std::ops::Range;
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
     Forward,
+    /// Forward ops re-run during the backward to rebuild activations that were not kept.
+    Recompute,
     Backward,
     Optimizer,
 }
@@ -119,12 +121,12 @@ pub struct Schedule {
     pub grads: Option<BufId>,
     pub adam_m: Option<BufId>,
     pub adam_v: Option<BufId>,
-    /// Input token ids [B, T].
-    pub tokens: BufId,
-    /// Target token ids [B, T] (training plans).
-    pub targets: Option<BufId>,
-    /// Per-row losses [N] (training plans).
-    pub losses: Option<BufId>,
+    /// Input token ids [B, T], one buffer per micro-batch.
+    pub tokens: Vec<BufId>,
+    /// Target token ids [B, T] per micro-batch (training plans; empty otherwise).
+    pub targets: Vec<BufId>,
+    /// Per-row losses [N] per micro-batch (training plans; empty otherwise).
+    pub losses: Vec<BufId>,
     /// Next-token logits [V] (generation plans).
     pub logits: Option<BufId>,
 }

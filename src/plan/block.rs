@@ -1,0 +1,437 @@
+//! One transformer block in the plan: its forward ops, the recompute ops its policy asks for
+//! (emitted just before its backward), and its backward ops.
+//!
+//! The forward is a sequence of [`Stage`]s, each one op writing fresh buffers. Recomputation
+//! re-emits a subset of the stages into fresh buffers (`h{l}.re.*`, `Phase::Recompute`) and
+//! the backward reads those instead of the forward's, so the forward's buffers die at their
+//! last forward reader. Shapes: N = B·T rows, C channels, NH heads.
+
+use super::build::{Builder, Dims};
+use super::schedule::{Op, Phase};
+use super::strategy::BlockPolicy;
+use super::{BufId, Category};
+use crate::model::params::LayerParams;
+
+/// One block of one micro-batch: its dimensions, parameters, name prefix and input.
+pub(super) struct Block<'a> {
+    pub d: &'a Dims,
+    pub p: &'a LayerParams,
+    /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
+    pub name: String,
+    /// The residual stream entering the block [N, C].
+    pub res_in: BufId,
+}
+
+/// The activations of one block that its backward reads.
+#[derive(Clone, Debug)]
+pub(super) struct BlockActs {
+    ln1: BufId,      // [N, C]
+    ln1_mean: BufId, // [N]
+    ln1_rstd: BufId, // [N]
+    qkv: BufId,      // [N, 3C]
+    atty: BufId,     // [N, C]
+    lse: BufId,      // [B, NH, T]
+    res2: BufId,     // [N, C] residual after attention
+    ln2: BufId,      // [N, C]
+    ln2_mean: BufId, // [N]
+    ln2_rstd: BufId, // [N]
+    fch: BufId,      // [N, 4C]
+    fch_gelu: BufId, // [N, 4C]
+}
+
+/// The forward ops of a block that produce what its backward reads (the last op, the MLP
+/// projection, writes the next block's input, which is always kept).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Ln1,
+    Qkv,
+    Attn,
+    AttnProj,
+    Ln2,
+    Fc,
+    Gelu,
+}
+
+const ALL_STAGES: [Stage; 7] = [
+    Stage::Ln1,
+    Stage::Qkv,
+    Stage::Attn,
+    Stage::AttnProj,
+    Stage::Ln2,
+    Stage::Fc,
+    Stage::Gelu,
+];
+
+/// Selective recomputation: the cheap, memory-heavy stages (layernorm outputs, GELU).
+const SELECTIVE_STAGES: [Stage; 3] = [Stage::Ln1, Stage::Ln2, Stage::Gelu];
+
+/// FLOPs of a matmul over N rows, forward (multiply-add = 2).
+fn mm_flops(d: &Dims, ic: usize, oc: usize) -> u64 {
+    2 * (d.n * ic * oc) as u64
+}
+
+/// Causal attention forward FLOPs: half of 4·B·NH·T²·hs.
+fn attn_flops(d: &Dims) -> u64 {
+    2 * (d.b * d.nh * d.t * d.t * (d.c / d.nh)) as u64
+}
+
+/// Emits stage `s` of block `l` into fresh buffers named `{pfx}…` (`pfx` is `h3.` or
+/// `h3.re.`), reading its inputs from `partial` (the stages emitted so far), else `base`
+/// (the forward's buffers), and `res_in`.
+fn emit_stage(
+    g: &mut Builder,
+    blk: &Block,
+    s: Stage,
+    base: Option<&BlockActs>,
+    partial: &mut Partial,
+    pfx: &str,
+    phase: Phase,
+) {
+    let (d, p, res_in) = (blk.d, blk.p, blk.res_in);
+    let (n, c) = (d.n, d.c);
+    let get = |f: fn(&BlockActs) -> BufId, own: Option<BufId>| -> BufId {
+        own.or_else(|| base.map(f))
+            .expect("stages are emitted in order")
+    };
+    match s {
+        Stage::Ln1 | Stage::Ln2 => {
+            let (inp, w, b, tag) = if s == Stage::Ln1 {
+                (res_in, &p.ln1_w, &p.ln1_b, "ln1")
+            } else {
+                let res2 = get(|a| a.res2, partial.res2);
+                (res2, &p.ln2_w, &p.ln2_b, "ln2")
+            };
+            let out = g.f32(format!("{pfx}{tag}"), Category::Activation, n * c);
+            let mean = g.f32(format!("{pfx}{tag}.mean"), Category::Activation, n);
+            let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, n);
+            g.op(
+                format!("{pfx}{tag}"),
+                phase,
+                0,
+                Op::LayerNorm {
+                    inp,
+                    out,
+                    mean,
+                    rstd,
+                    w: w.clone(),
+                    b: b.clone(),
+                },
+            );
+            if s == Stage::Ln1 {
+                (partial.ln1, partial.ln1_mean, partial.ln1_rstd) = (Some(out), Some(mean), Some(rstd));
+            } else {
+                (partial.ln2, partial.ln2_mean, partial.ln2_rstd) = (Some(out), Some(mean), Some(rstd));
+            }
+        }
+        Stage::Qkv => {
+            let inp = get(|a| a.ln1, partial.ln1);
+            let out = g.f32(format!("{pfx}qkv"), Category::Activation, 3 * n * c);
+            g.op(
+                format!("{pfx}qkv"),
+                phase,
+                mm_flops(d, c, 3 * c),
+                Op::Matmul {
+                    inp,
+                    out,
+                    residual: None,
+                    w: p.qkv_w.clone(),
+                    b: p.qkv_b.clone(),
+                    ic: c,
+                    oc: 3 * c,
+                },
+            );
+            partial.qkv = Some(out);
+        }
+        Stage::Attn => {
+            let qkv = get(|a| a.qkv, partial.qkv);
+            let out = g.f32(format!("{pfx}attn"), Category::Activation, n * c);
+            let lse = g.f32(
+                format!("{pfx}attn.lse"),
+                Category::Activation,
+                d.b * d.nh * d.t,
+            );
+            let ws = g.f32(format!("{pfx}attn.ws"), Category::Workspace, d.attn_ws_len);
+            g.op(
+                format!("{pfx}attn"),
+                phase,
+                attn_flops(d),
+                Op::Attention { qkv, out, lse, ws },
+            );
+            (partial.atty, partial.lse) = (Some(out), Some(lse));
+        }
+        Stage::AttnProj => {
+            let inp = get(|a| a.atty, partial.atty);
+            let out = g.f32(format!("{pfx}res_attn"), Category::Activation, n * c);
+            g.op(
+                format!("{pfx}attn_proj"),
+                phase,
+                mm_flops(d, c, c),
+                Op::Matmul {
+                    inp,
+                    out,
+                    residual: Some(res_in),
+                    w: p.proj_w.clone(),
+                    b: p.proj_b.clone(),
+                    ic: c,
+                    oc: c,
+                },
+            );
+            partial.res2 = Some(out);
+        }
+        Stage::Fc => {
+            let inp = get(|a| a.ln2, partial.ln2);
+            let out = g.f32(format!("{pfx}fc"), Category::Activation, 4 * n * c);
+            g.op(
+                format!("{pfx}fc"),
+                phase,
+                mm_flops(d, c, 4 * c),
+                Op::Matmul {
+                    inp,
+                    out,
+                    residual: None,
+                    w: p.fc_w.clone(),
+                    b: p.fc_b.clone(),
+                    ic: c,
+                    oc: 4 * c,
+                },
+            );
+            partial.fch = Some(out);
+        }
+        Stage::Gelu => {
+            let inp = get(|a| a.fch, partial.fch);
+            let out = g.f32(format!("{pfx}fc.gelu"), Category::Activation, 4 * n * c);
+            g.op(format!("{pfx}gelu"), phase, 0, Op::Gelu { inp, out });
+            partial.fch_gelu = Some(out);
+        }
+    }
+}
+
+/// Buffers written by the stages emitted so far (the rest come from the forward).
+#[derive(Default)]
+struct Partial {
+    ln1: Option<BufId>,
+    ln1_mean: Option<BufId>,
+    ln1_rstd: Option<BufId>,
+    qkv: Option<BufId>,
+    atty: Option<BufId>,
+    lse: Option<BufId>,
+    res2: Option<BufId>,
+    ln2: Option<BufId>,
+    ln2_mean: Option<BufId>,
+    ln2_rstd: Option<BufId>,
+    fch: Option<BufId>,
+    fch_gelu: Option<BufId>,
+}
+
+impl Partial {
+    /// The block's activations: those emitted here, else `base`'s.
+    fn over(self, base: Option<&BlockActs>) -> BlockActs {
+        let pick = |own: Option<BufId>, f: fn(&BlockActs) -> BufId| {
+            own.or_else(|| base.map(f))
+                .expect("every stage emitted or inherited")
+        };
+        BlockActs {
+            ln1: pick(self.ln1, |a| a.ln1),
+            ln1_mean: pick(self.ln1_mean, |a| a.ln1_mean),
+            ln1_rstd: pick(self.ln1_rstd, |a| a.ln1_rstd),
+            qkv: pick(self.qkv, |a| a.qkv),
+            atty: pick(self.atty, |a| a.atty),
+            lse: pick(self.lse, |a| a.lse),
+            res2: pick(self.res2, |a| a.res2),
+            ln2: pick(self.ln2, |a| a.ln2),
+            ln2_mean: pick(self.ln2_mean, |a| a.ln2_mean),
+            ln2_rstd: pick(self.ln2_rstd, |a| a.ln2_rstd),
+            fch: pick(self.fch, |a| a.fch),
+            fch_gelu: pick(self.fch_gelu, |a| a.fch_gelu),
+        }
+    }
+}
+
+/// Emits the forward of the block; returns its activations and its output, the residual
+/// stream entering the next block.
+pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
+    let (d, p, name) = (blk.d, blk.p, &blk.name);
+    let mut partial = Partial::default();
+    for s in ALL_STAGES {
+        emit_stage(
+            g,
+            blk,
+            s,
+            None,
+            &mut partial,
+            name,
+            Phase::Forward,
+        );
+    }
+    let acts = partial.over(None);
+    let out = g.f32(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
+    g.op(
+        format!("{name}mlp_proj"),
+        Phase::Forward,
+        mm_flops(d, 4 * d.c, d.c),
+        Op::Matmul {
+            inp: acts.fch_gelu,
+            out,
+            residual: Some(acts.res2),
+            w: p.fcproj_w.clone(),
+            b: p.fcproj_b.clone(),
+            ic: 4 * d.c,
+            oc: d.c,
+        },
+    );
+    (acts, out)
+}
+
+/// Emits the recompute ops `policy` asks for (names `{block}re.*`); returns the activations
+/// the backward should read.
+pub(super) fn recompute(
+    g: &mut Builder,
+    blk: &Block,
+    fwd: &BlockActs,
+    policy: BlockPolicy,
+) -> BlockActs {
+    let stages: &[Stage] = match policy {
+        BlockPolicy::KeepAll => &[],
+        BlockPolicy::Selective => &SELECTIVE_STAGES,
+        BlockPolicy::Full => &ALL_STAGES,
+    };
+    let name = format!("{}re.", blk.name);
+    let mut partial = Partial::default();
+    for &s in stages {
+        emit_stage(
+            g,
+            blk,
+            s,
+            Some(fwd),
+            &mut partial,
+            &name,
+            Phase::Recompute,
+        );
+    }
+    partial.over(Some(fwd))
+}
+
+/// Emits the backward of the block: reads `a` and the block input, accumulates into the
+/// residual gradient `dres` [N, C] (in place) and the parameter gradients.
+pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
+    let (d, p, name, res_in) = (blk.d, blk.p, &blk.name, blk.res_in);
+    let (n, c) = (d.n, d.c);
+    let mm = |ic: usize, oc: usize| 2 * mm_flops(d, ic, oc);
+    let dfch = g.f32(format!("{name}d.fc"), Category::ActivationGrad, 4 * n * c);
+    let dln2 = g.f32(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
+    let datty = g.f32(format!("{name}d.attn"), Category::ActivationGrad, n * c);
+    let dqkv = g.f32(format!("{name}d.qkv"), Category::ActivationGrad, 3 * n * c);
+    let dln1 = g.f32(format!("{name}d.ln1"), Category::ActivationGrad, n * c);
+    let attn_ws = g.f32(
+        format!("{name}attn.ws.bwd"),
+        Category::Workspace,
+        d.attn_ws_len,
+    );
+    let bwd = Phase::Backward;
+    g.op(
+        format!("{name}mlp_proj.bwd"),
+        bwd,
+        mm(4 * c, c),
+        Op::MatmulBackward {
+            dinp: dfch,
+            dout: dres,
+            inp: a.fch_gelu,
+            w: p.fcproj_w.clone(),
+            b: p.fcproj_b.clone(),
+            ic: 4 * c,
+            oc: c,
+        },
+    );
+    g.op(
+        format!("{name}gelu.bwd"),
+        bwd,
+        0,
+        Op::GeluBackward {
+            d: dfch,
+            inp: a.fch,
+        },
+    );
+    g.op(
+        format!("{name}fc.bwd"),
+        bwd,
+        mm(c, 4 * c),
+        Op::MatmulBackward {
+            dinp: dln2,
+            dout: dfch,
+            inp: a.ln2,
+            w: p.fc_w.clone(),
+            b: p.fc_b.clone(),
+            ic: c,
+            oc: 4 * c,
+        },
+    );
+    g.op(
+        format!("{name}ln2.bwd"),
+        bwd,
+        0,
+        Op::LayerNormBackward {
+            dinp: dres,
+            dout: dln2,
+            inp: a.res2,
+            mean: a.ln2_mean,
+            rstd: a.ln2_rstd,
+            w: p.ln2_w.clone(),
+            b: p.ln2_b.clone(),
+        },
+    );
+    g.op(
+        format!("{name}attn_proj.bwd"),
+        bwd,
+        mm(c, c),
+        Op::MatmulBackward {
+            dinp: datty,
+            dout: dres,
+            inp: a.atty,
+            w: p.proj_w.clone(),
+            b: p.proj_b.clone(),
+            ic: c,
+            oc: c,
+        },
+    );
+    g.op(
+        format!("{name}attn.bwd"),
+        bwd,
+        5 * attn_flops(d) / 2,
+        Op::AttentionBackward {
+            dqkv,
+            dout: datty,
+            qkv: a.qkv,
+            out: a.atty,
+            lse: a.lse,
+            ws: attn_ws,
+        },
+    );
+    g.op(
+        format!("{name}qkv.bwd"),
+        bwd,
+        mm(c, 3 * c),
+        Op::MatmulBackward {
+            dinp: dln1,
+            dout: dqkv,
+            inp: a.ln1,
+            w: p.qkv_w.clone(),
+            b: p.qkv_b.clone(),
+            ic: c,
+            oc: 3 * c,
+        },
+    );
+    g.op(
+        format!("{name}ln1.bwd"),
+        bwd,
+        0,
+        Op::LayerNormBackward {
+            dinp: dres,
+            dout: dln1,
+            inp: res_in,
+            mean: a.ln1_mean,
+            rstd: a.ln1_rstd,
+            w: p.ln1_w.clone(),
+            b: p.ln1_b.clone(),
+        },
+    );
+}

@@ -1,0 +1,180 @@
+//! Memory strategies, each a transformation of the plan the builder emits (never a special
+//! case in the executor):
+//!
+//! - [`Recompute`]: which forward activations a block keeps for its backward. What is not kept
+//!   dies at its last forward reader and is recomputed by `Phase::Recompute` ops emitted just
+//!   before the block's backward; packing then reuses the freed bytes.
+//! - gradient accumulation (`StepConfig::grad_accum`): the forward/backward of the step is
+//!   unrolled once per micro-batch, each with its own token, target and loss buffers; the
+//!   gradients accumulate and the optimizer runs once.
+//!
+//! Kernels are deterministic for a thread count, so recomputed activations are bitwise the
+//! forward's and every recompute policy gives bitwise the same weights as `none`.
+
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Activation recomputation policy (`--recompute`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Keep every activation the backward reads.
+    #[default]
+    None,
+    /// Keep matmul outputs; recompute layernorm outputs and GELU (cheap, memory-heavy). The
+    /// attention probabilities are always recomputed (flash-style attention keeps only lse).
+    Selective,
+    /// Keep each block's input only; recompute the block's forward before its backward.
+    Full,
+    /// Full recomputation for every block except blocks K, 2K, … (1-based), which keep all.
+    Every(usize),
+}
+
+/// What one block keeps under a policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockPolicy {
+    KeepAll,
+    Selective,
+    Full,
+}
+
+impl Recompute {
+    /// The policy of block `l` (0-based).
+    pub fn block(self, l: usize) -> BlockPolicy {
+        match self {
+            Recompute::None => BlockPolicy::KeepAll,
+            Recompute::Selective => BlockPolicy::Selective,
+            Recompute::Full => BlockPolicy::Full,
+            Recompute::Every(k) if (l + 1).is_multiple_of(k.max(1)) => BlockPolicy::KeepAll,
+            Recompute::Every(_) => BlockPolicy::Full,
+        }
+    }
+
+    /// The candidates `--recompute auto` considers, least recomputation first: none,
+    /// selective, every:2 … every:L, full.
+    pub fn candidates(n_layer: usize) -> Vec<Recompute> {
+        let mut c = vec![Recompute::None, Recompute::Selective];
+        c.extend((2..=n_layer).map(Recompute::Every));
+        c.push(Recompute::Full);
+        c
+    }
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Recompute::None => write!(f, "none"),
+            Recompute::Selective => write!(f, "selective"),
+            Recompute::Full => write!(f, "full"),
+            Recompute::Every(k) => write!(f, "every:{k}"),
+        }
+    }
+}
+
+/// The `--recompute` flag: a policy, or `auto` (the least recomputation that fits
+/// `--max-memory`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecomputeChoice {
+    Fixed(Recompute),
+    Auto,
+}
+
+impl Default for RecomputeChoice {
+    fn default() -> RecomputeChoice {
+        RecomputeChoice::Fixed(Recompute::None)
+    }
+}
+
+impl FromStr for RecomputeChoice {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<RecomputeChoice> {
+        let p = match s.trim() {
+            "none" => Recompute::None,
+            "selective" => Recompute::Selective,
+            "full" => Recompute::Full,
+            "auto" => return Ok(RecomputeChoice::Auto),
+            other => match other.strip_prefix("every:") {
+                Some(k) => match k.parse::<usize>() {
+                    Ok(k) if k >= 1 => Recompute::Every(k),
+                    _ => bail!(
+                        "--recompute {other}: K must be a whole number >= 1 (every:K keeps blocks K, 2K, ... and recomputes the others)"
+                    ),
+                },
+                None => bail!(
+                    "--recompute {other}: expected none, selective, full, every:K (K >= 1) or auto"
+                ),
+            },
+        };
+        Ok(RecomputeChoice::Fixed(p))
+    }
+}
+
+impl fmt::Display for RecomputeChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RecomputeChoice::Fixed(p) => p.fmt(f),
+            RecomputeChoice::Auto => write!(f, "auto"),
+        }
+    }
+}
+
+impl Serialize for Recompute {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Recompute {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Recompute, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.parse::<RecomputeChoice>() {
+            Ok(RecomputeChoice::Fixed(p)) => Ok(p),
+            Ok(RecomputeChoice::Auto) => Err(serde::de::Error::custom(
+                "recompute 'auto' must be resolved to a policy",
+            )),
+            Err(e) => Err(serde::de::Error::custom(format!("{e:#}"))),
+        }
+    }
+}
+
+impl Serialize for RecomputeChoice {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for RecomputeChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RecomputeChoice, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints_every_policy() {
+        for s in ["none", "selective", "full", "every:3", "auto"] {
+            let c: RecomputeChoice = s.parse().unwrap();
+            assert_eq!(c.to_string(), s);
+        }
+        for bad in ["every:0", "every:", "every:x", "most", ""] {
+            let e = format!("{:#}", bad.parse::<RecomputeChoice>().unwrap_err());
+            assert!(e.contains("--recompute"), "{e}");
+        }
+    }
+
+    #[test]
+    fn every_k_keeps_every_kth_block() {
+        let p = Recompute::Every(3);
+        let kept: Vec<usize> = (0..12)
+            .filter(|&l| p.block(l) == BlockPolicy::KeepAll)
+            .collect();
+        assert_eq!(kept, vec![2, 5, 8, 11]);
+        assert!((0..12).all(|l| Recompute::Every(1).block(l) == BlockPolicy::KeepAll));
+    }
+}
