@@ -7,7 +7,7 @@ use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::model::ModelSpec;
-use memwall::plan::{self, Mode, StepConfig, build_plan};
+use memwall::plan::{self, Mode, RecomputeChoice, StepConfig, build_plan};
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
 use std::io::Write;
@@ -90,6 +90,27 @@ struct StepArgs {
     /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak exceeds it.
     #[arg(long, value_parser = parse_bytes)]
     max_memory: Option<u64>,
+    #[command(flatten)]
+    strategy: StrategyArgs,
+}
+
+/// The memory strategies (plan transformations) shared by `plan`, `train` and `bench`.
+#[derive(Args)]
+struct StrategyArgs {
+    /// Activation recomputation: none (keep everything), selective (recompute layernorm and
+    /// GELU outputs), full (keep only each block's input), every:K (full except every K-th
+    /// block), auto (the least recomputation that fits --max-memory). Weights are bitwise the
+    /// same under every policy [default: none; with --resume: the run's]
+    #[arg(long, value_parser = parse_recompute)]
+    recompute: Option<RecomputeChoice>,
+    /// Micro-batches per optimizer step: each step sees grad-accum x --batch sequences while
+    /// activations are planned for one micro-batch of --batch [default: 1; with --resume: the run's]
+    #[arg(long)]
+    grad_accum: Option<usize>,
+}
+
+fn parse_recompute(s: &str) -> Result<RecomputeChoice, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
 #[derive(Args)]
@@ -187,6 +208,11 @@ struct BenchArgs {
     /// Also report seconds and GFLOP/s per op kind (time_by_op).
     #[arg(long)]
     time_ops: bool,
+    /// Memory budget for --recompute auto, e.g. 3GiB.
+    #[arg(long, value_parser = parse_bytes)]
+    max_memory: Option<u64>,
+    #[command(flatten)]
+    strategy: StrategyArgs,
 }
 
 fn main() {
@@ -237,13 +263,33 @@ const DEFAULT_SEQ: usize = 128;
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let spec = ModelSpec::resolve(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
-    let cfg = StepConfig::new(
+    let mut cfg = StepConfig::new(
         a.step.batch.unwrap_or(DEFAULT_BATCH),
         a.step.seq.unwrap_or(DEFAULT_SEQ),
         threads(a.step.threads)?,
     );
-    let plan = build_plan(&spec, &cfg, Mode::Train)?;
+    cfg.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
     let baseline = rss::current_rss().unwrap_or(0);
+    let choice = a.step.strategy.recompute.unwrap_or_default();
+    // An over-budget fixed policy still prints its plan, then the refusal.
+    let plan = match choice {
+        RecomputeChoice::Fixed(r) => build_plan(
+            &spec,
+            &StepConfig {
+                recompute: r,
+                ..cfg.clone()
+            },
+            Mode::Train,
+        )?,
+        RecomputeChoice::Auto => plan::fit::plan_with_recompute(
+            &spec,
+            &cfg,
+            Mode::Train,
+            choice,
+            a.step.max_memory,
+            baseline,
+        )?,
+    };
     if a.json {
         println!(
             "{}",
@@ -273,9 +319,17 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         if let Some(s) = a.steps {
             opts.steps = s;
         }
+        // Recomputation never changes the weights, so a resumed run may change it.
+        if let Some(r) = a.step.strategy.recompute {
+            opts.recompute = r;
+        }
+        if a.step.max_memory.is_some() {
+            opts.max_memory = a.step.max_memory;
+        }
         for (flag, given, run_value) in [
             ("--batch", a.step.batch, opts.batch),
             ("--seq", a.step.seq, opts.seq),
+            ("--grad-accum", a.step.strategy.grad_accum, opts.grad_accum),
         ] {
             if let Some(g) = given
                 && g != run_value
@@ -311,6 +365,8 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.save_every = a.save_every;
         o.init = a.init;
         o.max_memory = a.step.max_memory;
+        o.recompute = a.step.strategy.recompute.unwrap_or_default();
+        o.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
         train::train(&o, None, &mut progress)?
     };
     print_summary(&summary);
@@ -367,10 +423,13 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         threads: threads(a.threads)?,
         seed: a.seed,
         time_ops: a.time_ops,
+        recompute: a.strategy.recompute.unwrap_or_default(),
+        grad_accum: a.strategy.grad_accum.unwrap_or(1),
+        max_memory: a.max_memory,
     };
     eprintln!(
-        "bench: model {} batch {} seq {} threads {} fp32, 1 warm-up + {} timed steps",
-        opts.model, opts.batch, opts.seq, opts.threads, opts.steps
+        "bench: model {} batch {} x grad-accum {} seq {} threads {} fp32 recompute {}, 1 warm-up + {} timed steps",
+        opts.model, opts.batch, opts.grad_accum, opts.seq, opts.threads, opts.recompute, opts.steps
     );
     let report = bench::run(&opts, &mut |i, dt| {
         eprintln!(

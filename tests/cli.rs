@@ -69,7 +69,7 @@ fn over_budget_plans_are_refused_with_what_fits() {
         "--seq",
         "1024",
         "--max-memory",
-        "4GiB",
+        "3GiB",
     ]);
     assert!(
         e.contains("--max-memory") && e.contains("over by") && e.contains("--batch"),
@@ -252,31 +252,102 @@ fn unwritable_output_and_mismatched_resume_are_refused() {
 }
 
 /// Plan versus measurement: peak RSS of a real training process minus its baseline is
-/// within 3% of the plan's total.
+/// within 3% of the plan's total, for each strategy combination.
 #[test]
 fn measured_peak_rss_matches_the_plan() {
-    let out = ok(&[
-        "bench",
+    for extra in [
+        &[][..],
+        &["--recompute", "full"][..],
+        &["--recompute", "selective", "--grad-accum", "2"][..],
+        &["--recompute", "every:2"][..],
+    ] {
+        let mut args = vec![
+            "bench",
+            "--model",
+            "gpt2-tiny",
+            "--batch",
+            "16",
+            "--seq",
+            "256",
+            "--steps",
+            "2",
+            "--threads",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        let out = ok(&args);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let err = v["plan_error_pct"].as_f64().unwrap();
+        let (plan, measured) = (
+            v["plan_total_bytes"].as_u64().unwrap(),
+            v["measured_minus_baseline_bytes"].as_u64().unwrap(),
+        );
+        eprintln!(
+            "{extra:?}: plan {plan} bytes, measured peak minus baseline {measured} bytes: {err:.2}%"
+        );
+        assert!(
+            err.abs() <= 3.0,
+            "{extra:?}: plan {plan} vs measured {measured}: {err:.2}%"
+        );
+    }
+}
+
+/// Strategy flags that cannot work are refused with the flag named and what would work.
+#[test]
+fn bad_strategy_flags_are_explained() {
+    let e = fails(&["plan", "--recompute", "every:0"]);
+    assert!(e.contains("--recompute") && e.contains("K"), "{e}");
+    let e = fails(&["plan", "--recompute", "auto"]);
+    assert!(e.contains("--max-memory"), "{e}");
+    let e = fails(&["plan", "--grad-accum", "0"]);
+    assert!(e.contains("--grad-accum"), "{e}");
+    let e = fails(&[
+        "plan",
         "--model",
-        "gpt2-tiny",
+        "gpt2",
+        "--recompute",
+        "auto",
+        "--max-memory",
+        "1GiB",
+    ]);
+    assert!(
+        e.contains("no recomputation policy fits") && e.contains("--recompute full"),
+        "{e}"
+    );
+    // auto picks the least recomputation that fits: with room for everything, none.
+    let out = ok(&[
+        "plan",
+        "--model",
+        "gpt2",
         "--batch",
-        "16",
+        "8",
         "--seq",
-        "256",
-        "--steps",
-        "2",
-        "--threads",
-        "2",
+        "512",
+        "--recompute",
+        "auto",
+        "--max-memory",
+        "20GiB",
+        "--json",
     ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let err = v["plan_error_pct"].as_f64().unwrap();
-    let (plan, measured) = (
-        v["plan_total_bytes"].as_u64().unwrap(),
-        v["measured_minus_baseline_bytes"].as_u64().unwrap(),
-    );
-    eprintln!("plan {plan} bytes, measured peak minus baseline {measured} bytes: {err:.2}%");
-    assert!(
-        err.abs() <= 3.0,
-        "plan {plan} vs measured {measured}: {err:.2}%"
-    );
+    assert_eq!(v["config"]["recompute"], "none");
+    // ... with less room, selective (no matmul recomputed); with less still, blocks recomputed.
+    let out = ok(&[
+        "plan",
+        "--model",
+        "gpt2",
+        "--batch",
+        "8",
+        "--seq",
+        "512",
+        "--recompute",
+        "auto",
+        "--max-memory",
+        "4GiB",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_ne!(v["config"]["recompute"], "none");
+    assert!(v["predicted_peak_rss_bytes"].as_u64().unwrap() <= 3 << 30);
+    assert!(v["recompute_flops_per_step"].as_u64().unwrap() > 0);
 }

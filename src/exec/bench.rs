@@ -3,7 +3,8 @@
 
 use super::executor::{Executor, OptimHparams};
 use crate::model::ModelSpec;
-use crate::plan::{Mode, StepConfig, build_plan};
+use crate::plan::fit::plan_with_recompute;
+use crate::plan::{Mode, RecomputeChoice, StepConfig};
 use crate::util::rng::Rng;
 use crate::util::rss;
 use anyhow::{Result, bail};
@@ -22,6 +23,11 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Time every op and report where the step's time goes (adds a clock read per op).
     pub time_ops: bool,
+    pub recompute: RecomputeChoice,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Budget for `--recompute auto`.
+    pub max_memory: Option<u64>,
 }
 
 /// Runs the benchmark; returns the JSON report.
@@ -31,21 +37,31 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     }
     let spec = ModelSpec::resolve(&opts.model)?;
     let baseline = rss::current_rss().unwrap_or(0);
-    let plan = build_plan(
+    let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
+    cfg.grad_accum = opts.grad_accum;
+    let plan = plan_with_recompute(
         &spec,
-        &StepConfig::new(opts.batch, opts.seq, opts.threads),
+        &cfg,
         Mode::Train,
+        opts.recompute,
+        opts.max_memory,
+        baseline,
     )?;
-    let (plan_total, flops): (u64, u64) = (
-        plan.total_bytes(),
-        plan.schedule.ops.iter().map(|o| o.flops).sum(),
-    );
+    let recompute = plan.cfg.recompute;
+    let (plan_total, flops, recompute_flops) =
+        (plan.total_bytes(), plan.flops(), plan.recompute_flops());
+    let by_category: serde_json::Map<String, Value> = plan
+        .peak_by_category()
+        .into_iter()
+        .filter(|&(_, b)| b > 0)
+        .map(|(c, b)| (c.name().to_string(), json!(b)))
+        .collect();
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan)?;
     ex.time_ops(opts.time_ops);
     layout.init(ex.params_mut(), spec.n_layer, opts.seed);
     let mut rng = Rng::new(opts.seed);
-    let mut batch = vec![0u32; opts.batch * (opts.seq + 1)];
+    let mut batch = vec![0u32; opts.grad_accum * opts.batch * (opts.seq + 1)];
     let mut times = Vec::with_capacity(opts.steps);
     let mut losses = Vec::new();
     for step in 0..=opts.steps {
@@ -75,7 +91,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
-    let tokens = (opts.batch * opts.seq) as f64;
+    let tokens = (opts.grad_accum * opts.batch * opts.seq) as f64;
     let peak = rss::peak_rss();
     // Time by op kind (the name without its layer prefix), largest first.
     let by_kind: Vec<Value> = match ex.op_seconds() {
@@ -83,11 +99,19 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         Some(secs) => {
             let mut kinds: Vec<(String, f64, u64)> = Vec::new();
             for (e, s) in ex.plan.schedule.ops.iter().zip(secs) {
-                let kind = e
-                    .name
-                    .split_once('.')
-                    .filter(|(h, _)| h.starts_with('h'))
-                    .map_or(e.name.as_str(), |x| x.1);
+                // Strip the micro-batch (`mb1.`) and layer (`h3.`) prefixes.
+                let strip = |s: &'static str, name: &str| -> Option<usize> {
+                    let (h, _) = name.split_once('.')?;
+                    let digits = h.strip_prefix(s)?;
+                    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+                        .then_some(h.len() + 1)
+                };
+                let mut kind = e.name.as_str();
+                for p in ["mb", "h"] {
+                    if let Some(k) = strip(p, kind) {
+                        kind = &kind[k..];
+                    }
+                }
                 match kinds.iter_mut().find(|k| k.0 == kind) {
                     Some(k) => {
                         k.1 += s / opts.steps as f64;
@@ -108,6 +132,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "config": {
             "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
             "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": "fp32",
+            "recompute": recompute.to_string(), "grad_accum": opts.grad_accum,
             "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,
         },
         "tokens_per_s": tokens / median,
@@ -118,6 +143,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "peak_rss_bytes": peak,
         "baseline_rss_bytes": baseline,
         "plan_total_bytes": plan_total,
+        "plan_peak_by_category": by_category,
+        "recompute_flops_per_step": recompute_flops,
         "measured_minus_baseline_bytes": measured,
         "plan_error_pct": measured.map(|m| 100.0 * (plan_total as f64 - m as f64) / m as f64),
         "losses": losses,

@@ -10,7 +10,7 @@ use super::lr::cosine_with_warmup;
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
 use crate::model::ModelSpec;
-use crate::plan::{self, Mode, StepConfig, build_plan};
+use crate::plan::{self, Mode, RecomputeChoice, StepConfig};
 use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -53,6 +53,16 @@ pub struct TrainOptions {
     pub init: Option<PathBuf>,
     /// Refuse plans whose predicted peak exceeds this many bytes.
     pub max_memory: Option<u64>,
+    /// Activation recomputation policy (`auto` is resolved against `max_memory`).
+    #[serde(default)]
+    pub recompute: RecomputeChoice,
+    /// Micro-batches per optimizer step (`batch` is the micro-batch).
+    #[serde(default = "one")]
+    pub grad_accum: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl TrainOptions {
@@ -79,6 +89,8 @@ impl TrainOptions {
             save_every: 100,
             init: None,
             max_memory: None,
+            recompute: RecomputeChoice::default(),
+            grad_accum: 1,
         }
     }
 
@@ -103,6 +115,9 @@ impl TrainOptions {
         }
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
+        }
+        if self.grad_accum == 0 {
+            bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
         }
         Ok(())
     }
@@ -313,21 +328,28 @@ pub fn train(
 
     // ---- plan (refused before anything is written if over budget), then allocate once ----
     let baseline = rss::current_rss().unwrap_or(0);
-    let cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
-    let plan = build_plan(&spec, &cfg, Mode::Train)?;
-    if let Some(budget) = opts.max_memory {
-        plan::fit::check_budget(&plan, budget, baseline)?;
-    }
+    let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
+    cfg.grad_accum = opts.grad_accum;
+    let plan = plan::fit::plan_with_recompute(
+        &spec,
+        &cfg,
+        Mode::Train,
+        opts.recompute,
+        opts.max_memory,
+        baseline,
+    )?;
     prepare_run_dir(&opts.out, resume.is_some())?;
     ckpt::write_file_atomic(
         &opts.out.join("plan.json"),
         serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?.as_bytes(),
     )?;
     progress.message(&format!(
-        "plan: {} | batch {} x seq {} | arena {} + outside the arena {} | predicted peak RSS {}",
+        "plan: {} | batch {} x grad-accum {} x seq {} | recompute {} | arena {} + outside the arena {} | predicted peak RSS {}",
         spec.describe(),
         opts.batch,
+        opts.grad_accum,
         opts.seq,
+        plan.cfg.recompute,
         fmt_bytes(plan.arena_bytes),
         fmt_bytes(plan.external_bytes),
         fmt_bytes(plan.total_bytes() + baseline)
@@ -367,14 +389,10 @@ pub fn train(
         );
     }
 
-    let mut loader = BatchLoader::new(
-        data.train.clone(),
-        opts.batch,
-        opts.seq,
-        opts.seed,
-        data_position,
-    );
-    let mut batch = vec![0u32; opts.batch * (opts.seq + 1)]; // [B, T+1], counted in plan staging
+    // One loader batch is one optimizer step: grad_accum micro-batches of `batch` rows.
+    let rows = opts.batch * opts.grad_accum;
+    let mut loader = BatchLoader::new(data.train.clone(), rows, opts.seq, opts.seed, data_position);
+    let mut batch = vec![0u32; rows * (opts.seq + 1)]; // [accum·B, T+1], counted in plan staging
     let mut metrics = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -383,7 +401,7 @@ pub fn train(
 
     let first_step = step;
     progress.start(step, opts.steps);
-    let tokens_per_step = (opts.batch * opts.seq) as f64;
+    let tokens_per_step = (rows * opts.seq) as f64;
     let (mut final_loss, mut final_val, mut last_ckpt) = (f32::NAN, None, None);
     let (mut timed_tokens, mut timed_secs) = (0.0f64, 0.0f64);
     while step < opts.steps {
@@ -508,7 +526,7 @@ fn evaluate(
     for k in 0..opts.eval_batches {
         fill_batch(
             &data.val,
-            opts.batch,
+            opts.batch * opts.grad_accum,
             opts.seq,
             opts.seed ^ VAL_STREAM,
             k,

@@ -118,9 +118,11 @@ fn emit_stage(
                 },
             );
             if s == Stage::Ln1 {
-                (partial.ln1, partial.ln1_mean, partial.ln1_rstd) = (Some(out), Some(mean), Some(rstd));
+                (partial.ln1, partial.ln1_mean, partial.ln1_rstd) =
+                    (Some(out), Some(mean), Some(rstd));
             } else {
-                (partial.ln2, partial.ln2_mean, partial.ln2_rstd) = (Some(out), Some(mean), Some(rstd));
+                (partial.ln2, partial.ln2_mean, partial.ln2_rstd) =
+                    (Some(out), Some(mean), Some(rstd));
             }
         }
         Stage::Qkv => {
@@ -253,15 +255,7 @@ pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
     let (d, p, name) = (blk.d, blk.p, &blk.name);
     let mut partial = Partial::default();
     for s in ALL_STAGES {
-        emit_stage(
-            g,
-            blk,
-            s,
-            None,
-            &mut partial,
-            name,
-            Phase::Forward,
-        );
+        emit_stage(g, blk, s, None, &mut partial, name, Phase::Forward);
     }
     let acts = partial.over(None);
     let out = g.f32(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
@@ -298,15 +292,7 @@ pub(super) fn recompute(
     let name = format!("{}re.", blk.name);
     let mut partial = Partial::default();
     for &s in stages {
-        emit_stage(
-            g,
-            blk,
-            s,
-            Some(fwd),
-            &mut partial,
-            &name,
-            Phase::Recompute,
-        );
+        emit_stage(g, blk, s, Some(fwd), &mut partial, &name, Phase::Recompute);
     }
     partial.over(Some(fwd))
 }

@@ -5,8 +5,8 @@
 
 use super::block::{self, Block, BlockActs};
 use super::packing;
-use super::strategy::Recompute;
 use super::schedule::{Op, OpEntry, Phase, Schedule};
+use super::strategy::Recompute;
 use super::{BufId, Buffer, Category, DType, Plan};
 use crate::backend::cpu::attention::attention_workspace_len;
 use crate::model::{ModelSpec, ParamLayout};
@@ -71,7 +71,12 @@ impl Builder {
     }
 
     /// A (non-persistent) f32 buffer.
-    pub(super) fn f32(&mut self, name: impl Into<String>, category: Category, elems: usize) -> BufId {
+    pub(super) fn f32(
+        &mut self,
+        name: impl Into<String>,
+        category: Category,
+        elems: usize,
+    ) -> BufId {
         self.buf(name, category, DType::F32, elems)
     }
 
@@ -417,11 +422,17 @@ fn finish(
         );
         g.buffers[id.0].external = true;
     }
+    let panel = g
+        .ops
+        .iter()
+        .map(|e| gemm_panel_bytes(&e.op, spec, cfg))
+        .max()
+        .unwrap_or(0);
     let id = g.persistent(
         "gemm.packing",
         Category::Workspace,
         DType::F32,
-        (gemm_packing_bytes(cfg.threads) / 4) as usize,
+        (gemm_packing_bytes(cfg.threads, panel) / 4) as usize,
     );
     g.buffers[id.0].external = true;
 
@@ -481,12 +492,32 @@ fn finish(
     Ok(plan)
 }
 
-/// Upper bound of the packing scratch the `gemm` crate allocates for itself: one packed
-/// right-hand panel of kc × n_block f32 per call (`backend::cpu::matmul` splits every GEMM
-/// into column blocks so that this stays below `GEMM_PACK_BYTES`; executor calls are serial,
-/// and attention's per-worker calls pack panels of T × hs, far smaller), plus one L2-sized
-/// slab per thread (main thread included). The L2 size is read from sysfs as `gemm` does.
-pub fn gemm_packing_bytes(threads: usize) -> u64 {
+/// The largest packing panel the GEMMs of `op` make `gemm` allocate
+/// (`backend::cpu::matmul::packing_bytes` of each call's rows and depth).
+fn gemm_panel_bytes(op: &Op, spec: &ModelSpec, cfg: &StepConfig) -> u64 {
+    use crate::backend::cpu::matmul::packing_bytes;
+    let (n, c, v) = (cfg.batch * cfg.seq, spec.n_embd, spec.vocab_size);
+    match op {
+        Op::Matmul { ic, .. } => packing_bytes(n, *ic),
+        // dinp = dout @ wᵀ (n rows, depth oc); dw += inpᵀ @ dout (ic rows, depth n).
+        Op::MatmulBackward { ic, oc, .. } => packing_bytes(n, *oc).max(packing_bytes(*ic, n)),
+        // logits = x @ wteᵀ, dx = dlogits @ wte, dwte += dlogitsᵀ @ x, per chunk of r rows.
+        Op::LmHeadLoss { rows_per_chunk, .. } => {
+            let r = *rows_per_chunk;
+            packing_bytes(r, c)
+                .max(packing_bytes(r, v))
+                .max(packing_bytes(v, r))
+        }
+        Op::LmHeadLast { .. } => packing_bytes(1, c),
+        _ => 0,
+    }
+}
+
+/// Upper bound of the packing scratch the `gemm` crate allocates for itself: the largest
+/// packed panel of any call (`panel`; executor calls are serial, and attention's per-worker
+/// calls pack panels of T × hs, far smaller), plus one L2-sized slab per thread (main thread
+/// included). The L2 size is read from sysfs as `gemm` does.
+pub fn gemm_packing_bytes(threads: usize, panel: u64) -> u64 {
     let l2 = (0..8)
         .find_map(|i| {
             let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
@@ -502,7 +533,7 @@ pub fn gemm_packing_bytes(threads: usize) -> u64 {
             crate::util::bytes::parse_bytes(s.trim()).ok()
         })
         .unwrap_or(1 << 20);
-    crate::backend::cpu::matmul::GEMM_PACK_BYTES + (threads as u64 + 1) * l2
+    panel + (threads as u64 + 1) * l2
 }
 
 /// Checks that no op writes a buffer whose bytes overlap another buffer the same op touches

@@ -1,6 +1,6 @@
 //! Budget checks: does a plan fit `--max-memory`, and if not, what would.
 
-use super::{Mode, Plan, StepConfig, build_plan};
+use super::{Mode, Plan, Recompute, RecomputeChoice, StepConfig, build_plan};
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};
@@ -56,6 +56,67 @@ pub fn largest_batch(
     Ok(Some((lo, lo_peak)))
 }
 
+/// Builds the plan of `cfg` with the recomputation policy `choice`, refusing it when it does
+/// not fit `budget`. `auto` picks, among none, selective, every:K and full, the plan with the
+/// fewest recomputed FLOPs whose predicted peak fits (ties: the earlier candidate).
+pub fn plan_with_recompute(
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    mode: Mode,
+    choice: RecomputeChoice,
+    budget: Option<u64>,
+    baseline: u64,
+) -> Result<Plan> {
+    let with = |r: Recompute| {
+        build_plan(
+            spec,
+            &StepConfig {
+                recompute: r,
+                ..cfg.clone()
+            },
+            mode,
+        )
+    };
+    let budget = match (choice, budget) {
+        (RecomputeChoice::Fixed(r), budget) => {
+            let plan = with(r)?;
+            if let Some(b) = budget {
+                check_budget(&plan, b, baseline)?;
+            }
+            return Ok(plan);
+        }
+        (RecomputeChoice::Auto, None) => bail!(
+            "--recompute auto needs --max-memory: it picks the least recomputation whose plan fits that budget"
+        ),
+        (RecomputeChoice::Auto, Some(b)) => b,
+    };
+    let mut plans = Recompute::candidates(spec.n_layer)
+        .into_iter()
+        .map(with)
+        .collect::<Result<Vec<Plan>>>()?;
+    plans.sort_by_key(|p| p.recompute_flops()); // stable: ties keep candidate order
+    let smallest = plans
+        .iter()
+        .min_by_key(|p| p.total_bytes())
+        .expect("candidates")
+        .clone();
+    match plans
+        .into_iter()
+        .find(|p| predicted_peak(p, baseline) <= budget)
+    {
+        Some(p) => Ok(p),
+        None => {
+            let err = check_budget(&smallest, budget, baseline).expect_err("does not fit");
+            Err(err.context(format!(
+                "--recompute auto: no recomputation policy fits --max-memory {}; the smallest plan is --recompute {} with a predicted peak of {}",
+                fmt_bytes(budget),
+                smallest.cfg.recompute,
+                fmt_bytes(predicted_peak(&smallest, baseline))
+            )))
+        }
+    }
+}
+
 /// Refuses a plan that does not fit `budget` (the `--max-memory` flag), saying by how much
 /// and what would fit.
 pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
@@ -64,7 +125,7 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
         return Ok(());
     }
     let cfg = &plan.cfg;
-    let advice = match largest_batch(&plan.spec, cfg, plan.mode, budget, baseline)? {
+    let mut advice = match largest_batch(&plan.spec, cfg, plan.mode, budget, baseline)? {
         Some((b, p)) => format!(
             "the largest batch that fits at --seq {} is --batch {b} (predicted {})",
             cfg.seq,
@@ -84,6 +145,24 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
             )
         }
     };
+    if plan.mode == Mode::Train && cfg.recompute != Recompute::Full {
+        let full = build_plan(
+            &plan.spec,
+            &StepConfig {
+                recompute: Recompute::Full,
+                ..cfg.clone()
+            },
+            plan.mode,
+        )?;
+        let p = predicted_peak(&full, baseline);
+        if p <= budget {
+            advice.push_str(&format!(
+                "; or keep --batch {} with --recompute auto (--recompute full needs {})",
+                cfg.batch,
+                fmt_bytes(p)
+            ));
+        }
+    }
     bail!(
         "the plan needs {} (arena {} + outside the arena {} + process baseline {}) but --max-memory is {}: \
          over by {}; {advice}",

@@ -69,6 +69,43 @@ impl Plan {
             .collect()
     }
 
+    /// Per category, the most bytes live at any one op (each category's own high-water mark;
+    /// what a strategy such as recomputation shrinks).
+    pub fn peak_by_category(&self) -> Vec<(Category, u64)> {
+        let n_ops = self.schedule.ops.len();
+        Category::ALL
+            .iter()
+            .map(|&c| {
+                let mut delta = vec![0i128; n_ops + 1];
+                for b in self.buffers.iter().filter(|b| b.category == c) {
+                    delta[b.first_op] += b.bytes as i128;
+                    delta[b.last_op + 1] -= b.bytes as i128;
+                }
+                let (mut cur, mut best) = (0i128, 0i128);
+                for d in &delta[..n_ops] {
+                    cur += d;
+                    best = best.max(cur);
+                }
+                (c, best as u64)
+            })
+            .collect()
+    }
+
+    /// Arithmetic of the whole step (FLOPs, multiply-add = 2).
+    pub fn flops(&self) -> u64 {
+        self.schedule.ops.iter().map(|o| o.flops).sum()
+    }
+
+    /// Arithmetic spent recomputing activations (the `Recompute` phase).
+    pub fn recompute_flops(&self) -> u64 {
+        self.schedule
+            .ops
+            .iter()
+            .filter(|o| o.phase == Phase::Recompute)
+            .map(|o| o.flops)
+            .sum()
+    }
+
     /// Bytes per category of the buffers live at op `op`.
     pub fn live_by_category(&self, op: usize) -> Vec<(Category, u64)> {
         Category::ALL

@@ -1,4 +1,8 @@
 //! Presenting a plan: the category table `memwall plan` prints, and `plan.json`.
+//!
+//! Per category, three figures: the sum of its buffers' bytes (as if nothing were reused),
+//! its own peak (the most of its bytes live at one op), and its bytes live at the plan's peak
+//! op (the attribution of the peak).
 
 use super::{Category, Plan};
 use crate::util::bytes::fmt_bytes;
@@ -9,34 +13,48 @@ use std::fmt::Write;
 pub fn table(plan: &Plan, baseline: u64) -> String {
     let mut s = String::new();
     let cfg = &plan.cfg;
+    let micro = if cfg.grad_accum > 1 {
+        format!(
+            "micro-batch {} x grad-accum {} x seq {}",
+            cfg.batch, cfg.grad_accum, cfg.seq
+        )
+    } else {
+        format!("batch {} x seq {}", cfg.batch, cfg.seq)
+    };
     let _ = writeln!(
         s,
-        "plan: {}\n      {:?}, batch {} x seq {} = {} tokens/step, fp32, {} threads, {} ops",
+        "plan: {}\n      {:?}, {micro} = {} tokens/step, fp32, recompute {}, {} threads, {} ops",
         plan.spec.describe(),
         plan.mode,
-        cfg.batch,
-        cfg.seq,
-        cfg.batch * cfg.seq,
+        cfg.batch * cfg.grad_accum * cfg.seq,
+        cfg.recompute,
         cfg.threads,
         plan.schedule.ops.len()
     );
     let _ = writeln!(
         s,
-        "\n  {:<18} {:>8} {:>14} {:>14}",
-        "category", "buffers", "bytes", "live at peak"
+        "\n  {:<18} {:>8} {:>14} {:>14} {:>14}",
+        "category", "buffers", "sum of bytes", "own peak", "live at peak"
     );
     let at_peak = plan.live_by_category(plan.peak_op);
-    for ((cat, bytes), (_, live)) in plan.bytes_by_category().into_iter().zip(at_peak) {
+    let own_peak = plan.peak_by_category();
+    for (((cat, bytes), (_, live)), (_, own)) in plan
+        .bytes_by_category()
+        .into_iter()
+        .zip(at_peak)
+        .zip(own_peak)
+    {
         let count = plan.buffers.iter().filter(|b| b.category == cat).count();
         if count == 0 {
             continue;
         }
         let _ = writeln!(
             s,
-            "  {:<18} {:>8} {:>14} {:>14}",
+            "  {:<18} {:>8} {:>14} {:>14} {:>14}",
             cat.name(),
             count,
             fmt_bytes(bytes),
+            fmt_bytes(own),
             fmt_bytes(live)
         );
     }
@@ -78,12 +96,21 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
         "  predicted peak RSS          {:>12}",
         fmt_bytes(plan.total_bytes() + baseline)
     );
-    let flops: u64 = plan.schedule.ops.iter().map(|o| o.flops).sum();
+    let flops = plan.flops();
     let _ = writeln!(
         s,
         "  arithmetic per step         {:>10.1} GFLOP",
         flops as f64 / 1e9
     );
+    let re = plan.recompute_flops();
+    if re > 0 {
+        let _ = writeln!(
+            s,
+            "    of which recomputation    {:>10.1} GFLOP ({:.1}%)",
+            re as f64 / 1e9,
+            100.0 * re as f64 / flops as f64
+        );
+    }
     s
 }
 
@@ -91,6 +118,11 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
 pub fn to_json(plan: &Plan, baseline: u64) -> Value {
     let by_category: serde_json::Map<String, Value> = plan
         .bytes_by_category()
+        .into_iter()
+        .map(|(c, b)| (c.name().to_string(), json!(b)))
+        .collect();
+    let peak_by_category: serde_json::Map<String, Value> = plan
+        .peak_by_category()
         .into_iter()
         .map(|(c, b)| (c.name().to_string(), json!(b)))
         .collect();
@@ -120,8 +152,10 @@ pub fn to_json(plan: &Plan, baseline: u64) -> Value {
         "baseline_bytes": baseline,
         "predicted_peak_rss_bytes": plan.total_bytes() + baseline,
         "by_category": by_category,
+        "peak_by_category": peak_by_category,
         "live_at_peak_by_category": live_at_peak,
-        "flops_per_step": plan.schedule.ops.iter().map(|o| o.flops).sum::<u64>(),
+        "flops_per_step": plan.flops(),
+        "recompute_flops_per_step": plan.recompute_flops(),
         "buffers": plan.buffers,
         "schedule": ops,
     })

@@ -148,7 +148,8 @@ impl Serialize for RecomputeChoice {
 impl<'de> Deserialize<'de> for RecomputeChoice {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RecomputeChoice, D::Error> {
         let s = String::deserialize(d)?;
-        s.parse().map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+        s.parse()
+            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
     }
 }
 

@@ -128,8 +128,17 @@ pub fn sgemm(
 /// full speed.
 pub const GEMM_M_BLOCK: usize = 2048;
 
+/// Largest reduction depth `gemm` packs at once (its kc).
+const GEMM_KC_MAX: usize = 1024;
+
 /// Upper bound of the packing scratch one `sgemm` call makes `gemm` allocate.
-pub const GEMM_PACK_BYTES: u64 = (GEMM_M_BLOCK * 1024 * 4) as u64;
+pub const GEMM_PACK_BYTES: u64 = (GEMM_M_BLOCK * GEMM_KC_MAX * 4) as u64;
+
+/// Packing scratch of an `sgemm` call with `m` output rows and reduction depth `k`: a
+/// kc × rows panel, kc ≤ 1024, rows ≤ [`GEMM_M_BLOCK`] (at most [`GEMM_PACK_BYTES`]).
+pub fn packing_bytes(m: usize, k: usize) -> u64 {
+    (m.min(GEMM_M_BLOCK) * k.min(GEMM_KC_MAX) * 4) as u64
+}
 
 /// out = (accumulate ? out : 0) + inp @ weight + bias.
 #[allow(clippy::too_many_arguments)]
