@@ -69,7 +69,7 @@ fn over_budget_plans_are_refused_with_what_fits() {
         "--seq",
         "1024",
         "--max-memory",
-        "3GiB",
+        "4GiB",
     ]);
     assert!(
         e.contains("--max-memory") && e.contains("over by") && e.contains("--batch"),
@@ -343,7 +343,7 @@ fn bad_strategy_flags_are_explained() {
         "--recompute",
         "auto",
         "--max-memory",
-        "4GiB",
+        "3GiB",
         "--json",
     ]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
