@@ -7,7 +7,7 @@ use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::model::ModelSpec;
-use memwall::plan::{self, Mode, RecomputeChoice, StepConfig, build_plan};
+use memwall::plan::{self, Mode, OptimState, RecomputeChoice, StepConfig, build_plan};
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
 use std::io::Write;
@@ -107,6 +107,14 @@ struct StrategyArgs {
     /// activations are planned for one micro-batch of --batch [default: 1; with --resume: the run's]
     #[arg(long)]
     grad_accum: Option<usize>,
+    /// AdamW moment storage: fp32 (8 bytes per parameter), bf16 (4), int8 (8-bit log-scale
+    /// codes in blocks of 2048 with one f32 scale each, about 2) [default: fp32; with --resume: the run's]
+    #[arg(long, value_parser = parse_optim_state)]
+    optim_state: Option<OptimState>,
+}
+
+fn parse_optim_state(s: &str) -> Result<OptimState, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
 fn parse_recompute(s: &str) -> Result<RecomputeChoice, String> {
@@ -269,6 +277,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         threads(a.step.threads)?,
     );
     cfg.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
+    cfg.optim_state = a.step.strategy.optim_state.unwrap_or_default();
     let baseline = rss::current_rss().unwrap_or(0);
     let choice = a.step.strategy.recompute.unwrap_or_default();
     // An over-budget fixed policy still prints its plan, then the refusal.
@@ -340,6 +349,15 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
                 );
             }
         }
+        if let Some(f) = a.step.strategy.optim_state
+            && f != opts.optim_state
+        {
+            bail!(
+                "--resume: the run in {} stores its optimizer state as {}; it cannot change to {f}",
+                run.display(),
+                opts.optim_state
+            );
+        }
         train::train(&opts, Some(&ck), &mut progress)?
     } else {
         let (data, out) = (
@@ -367,6 +385,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.max_memory = a.step.max_memory;
         o.recompute = a.step.strategy.recompute.unwrap_or_default();
         o.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
+        o.optim_state = a.step.strategy.optim_state.unwrap_or_default();
         train::train(&o, None, &mut progress)?
     };
     print_summary(&summary);
@@ -425,6 +444,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         time_ops: a.time_ops,
         recompute: a.strategy.recompute.unwrap_or_default(),
         grad_accum: a.strategy.grad_accum.unwrap_or(1),
+        optim_state: a.strategy.optim_state.unwrap_or_default(),
         max_memory: a.max_memory,
     };
     eprintln!(

@@ -7,7 +7,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::layout_summary as describe;
-use super::names::{EXP_AVG, EXP_AVG_SQ, LM_HEAD, resolve_exact, resolve_model_name};
+use super::moments::MomentsMut;
+use super::names::{
+    ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, LM_HEAD, resolve_exact,
+    resolve_model_name,
+};
 use super::safetensors_io::{StFile, Target, decode_into, supported};
 use super::{
     CHECKPOINT_FILES, CHECKPOINTS_DIR, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
@@ -137,39 +141,130 @@ pub(crate) fn tied_head_differs(file: &StFile, layout: &ParamLayout, params: &[f
     differs
 }
 
-/// Loads `DIR/optimizer.safetensors` into `m` (`exp_avg.*`) and `v` (`exp_avg_sq.*`) and
-/// returns `DIR/trainer_state.json`, checking that the state's model matches `layout`.
-/// Same validation as [`load_params`].
+/// Loads `DIR/optimizer.safetensors` into the moments (in their stored format, see
+/// `moments.rs`) and returns `DIR/trainer_state.json`, checking that the state's model
+/// matches `layout`. Same validation as [`load_params`]; a file written for another
+/// `--optim-state` is refused, naming the tensor.
 pub fn load_trainer_state(
     dir: &Path,
     layout: &ParamLayout,
-    m: &mut [f32],
-    v: &mut [f32],
+    moments: MomentsMut,
 ) -> Result<TrainerState> {
-    check_len("exp_avg (m)", m.len(), layout)
-        .and_then(|_| check_len("exp_avg_sq (v)", v.len(), layout))
-        .with_context(|| format!("loading {}", dir.join(OPTIMIZER_FILE).display()))?;
+    let path = dir.join(OPTIMIZER_FILE);
     let state_path = dir.join(STATE_FILE);
     let state = TrainerState::read(&state_path)?;
     state.check_layout(&state_path, layout)?;
     let file = open_in(dir, OPTIMIZER_FILE)?;
-    let mut targets = Vec::with_capacity(2 * layout.tensors.len());
-    for (prefix, buf) in [(EXP_AVG, 0), (EXP_AVG_SQ, 1)] {
-        targets.extend(layout.tensors.iter().map(|t| Target {
-            key: format!("{prefix}{}", t.name),
-            shape: t.shape.clone(),
-            buf,
-            range: t.range.clone(),
-        }));
+    let what = || {
+        format!(
+            "loading {} optimizer moments for a GPT-2 with {}",
+            moments_format_name(&moments),
+            describe(layout)
+        )
+    };
+    match moments {
+        MomentsMut::F32 { m, v } => {
+            check_len("exp_avg (m)", m.len(), layout)
+                .and_then(|_| check_len("exp_avg_sq (v)", v.len(), layout))
+                .with_context(|| format!("loading {}", path.display()))?;
+            let mut targets = Vec::with_capacity(2 * layout.tensors.len());
+            for (prefix, buf) in [(EXP_AVG, 0), (EXP_AVG_SQ, 1)] {
+                targets.extend(layout.tensors.iter().map(|t| Target {
+                    key: format!("{prefix}{}", t.name),
+                    shape: t.shape.clone(),
+                    buf,
+                    range: t.range.clone(),
+                }));
+            }
+            super::safetensors_io::load_targets(&file, &resolve_exact, &targets, &mut [m, v])
+                .with_context(what)?;
+        }
+        MomentsMut::Bf16 { m, v } => {
+            read_raw(&file, FLAT_EXP_AVG, Dtype::BF16, m.len(), |b| {
+                for (d, c) in m.iter_mut().zip(b.chunks_exact(2)) {
+                    *d = half::bf16::from_le_bytes([c[0], c[1]]);
+                }
+            })
+            .and_then(|_| {
+                read_raw(&file, FLAT_EXP_AVG_SQ, Dtype::BF16, v.len(), |b| {
+                    for (d, c) in v.iter_mut().zip(b.chunks_exact(2)) {
+                        *d = half::bf16::from_le_bytes([c[0], c[1]]);
+                    }
+                })
+            })
+            .with_context(what)?;
+        }
+        MomentsMut::Int8 {
+            m,
+            m_absmax,
+            v,
+            v_absmax,
+        } => {
+            let f32s = |dst: &mut [f32], b: &[u8]| {
+                for (d, c) in dst.iter_mut().zip(b.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            };
+            read_raw(&file, FLAT_EXP_AVG, Dtype::I8, m.len(), |b| {
+                for (d, &x) in m.iter_mut().zip(b) {
+                    *d = x as i8;
+                }
+            })
+            .and_then(|_| {
+                read_raw(&file, FLAT_EXP_AVG_SQ, Dtype::U8, v.len(), |b| {
+                    v.copy_from_slice(b)
+                })
+            })
+            .and_then(|_| {
+                let name = format!("{FLAT_EXP_AVG}{ABSMAX}");
+                read_raw(&file, &name, Dtype::F32, m_absmax.len(), |b| {
+                    f32s(m_absmax, b)
+                })
+            })
+            .and_then(|_| {
+                let name = format!("{FLAT_EXP_AVG_SQ}{ABSMAX}");
+                read_raw(&file, &name, Dtype::F32, v_absmax.len(), |b| {
+                    f32s(v_absmax, b)
+                })
+            })
+            .with_context(what)?;
+        }
     }
-    super::safetensors_io::load_targets(&file, &resolve_exact, &targets, &mut [m, v])
-        .with_context(|| {
-            format!(
-                "loading optimizer moments for a GPT-2 with {}",
-                describe(layout)
-            )
-        })?;
     Ok(state)
+}
+
+fn moments_format_name(m: &MomentsMut) -> String {
+    m.format().to_string()
+}
+
+/// Hands the bytes of flat tensor `name` (dtype `dtype`, shape `[len]`) to `copy`, after
+/// checking both; errors name the file and the tensor.
+fn read_raw(
+    file: &StFile,
+    name: &str,
+    dtype: Dtype,
+    len: usize,
+    copy: impl FnOnce(&[u8]),
+) -> Result<()> {
+    let p = file.path.display();
+    let Some(info) = file.info(name) else {
+        let found: Vec<&str> = file.names().take(4).collect();
+        bail!(
+            "{p}: no tensor {name} (found {}); was the checkpoint written with another --optim-state?",
+            found.join(", ")
+        );
+    };
+    if info.dtype != dtype || info.shape != [len] {
+        bail!(
+            "{p}: tensor {name} is {:?} {:?}, expected {dtype:?} [{len}]; was the checkpoint written with another --optim-state?",
+            info.dtype,
+            info.shape
+        );
+    }
+    let bytes = file.bytes(name, info)?;
+    copy(bytes);
+    file.release(info);
+    Ok(())
 }
 
 /// The step number of a checkpoint directory name `step-NNNNNN` (digits only).

@@ -7,7 +7,7 @@
 //! |--------------------------|---------------------------------------------------------------|
 //! | `config.json`            | `ModelSpec::to_hf_config()`: `GPT2LMHeadModel.from_pretrained(dir)` loads the directory |
 //! | `model.safetensors`      | every parameter under its HF name, F32, HF shape (Conv1D weights `[in, out]`); no `lm_head.weight` (tied to `wte`) |
-//! | `optimizer.safetensors`  | AdamW moments `exp_avg.<name>` and `exp_avg_sq.<name>`, F32   |
+//! | `optimizer.safetensors`  | AdamW moments: `exp_avg.<name>` and `exp_avg_sq.<name>` (F32), or flat bf16/int8 state as stored (see `moments.rs`) |
 //! | `trainer_state.json`     | [`TrainerState`]: step, data position, seed, RNG state, model and training config |
 //!
 //! **Architecture Invariant: nothing is lost.** A checkpoint is written into a temporary
@@ -24,6 +24,7 @@
 
 mod atomic;
 mod load;
+mod moments;
 mod names;
 mod safetensors_io;
 mod save;
@@ -32,6 +33,7 @@ mod state;
 mod tests;
 
 pub use atomic::write_file_atomic;
+pub use moments::{Moments, MomentsMut};
 pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
 pub use save::{checkpoint_dir, save_checkpoint, save_model};
 pub use state::TrainerState;

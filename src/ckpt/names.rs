@@ -18,6 +18,11 @@ pub(crate) const LM_HEAD: &str = "lm_head.weight";
 /// Prefixes of the optimizer moment tensors in `optimizer.safetensors`.
 pub(crate) const EXP_AVG: &str = "exp_avg.";
 pub(crate) const EXP_AVG_SQ: &str = "exp_avg_sq.";
+/// Flat (whole-buffer) moment tensors of compressed optimizer state, and the suffix of their
+/// block scales.
+pub(crate) const FLAT_EXP_AVG: &str = "exp_avg";
+pub(crate) const FLAT_EXP_AVG_SQ: &str = "exp_avg_sq";
+pub(crate) const ABSMAX: &str = ".absmax";
 
 /// Maps a tensor name from a model file to memwall's canonical (`GPT2LMHeadModel`) name.
 pub(crate) fn resolve_model_name(name: &str) -> Resolved {

@@ -31,11 +31,51 @@ pub(crate) const STAGE_BYTES: usize = 1 << 20;
 /// Most names listed in one error message.
 const LIST_MAX: usize = 12;
 
-/// One tensor to write: name, shape and its f32 data borrowed from the flat buffer.
+/// One tensor to write: name, shape and its data borrowed from a flat buffer.
 pub(crate) struct OutTensor<'a> {
     pub name: String,
-    pub shape: &'a [usize],
-    pub data: &'a [f32],
+    pub shape: Vec<usize>,
+    pub data: OutData<'a>,
+}
+
+/// Tensor data in one of the element types memwall writes.
+#[derive(Clone, Copy)]
+pub(crate) enum OutData<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    I8(&'a [i8]),
+    U8(&'a [u8]),
+}
+
+impl OutData<'_> {
+    fn len(&self) -> usize {
+        match self {
+            OutData::F32(x) => x.len(),
+            OutData::Bf16(x) => x.len(),
+            OutData::I8(x) => x.len(),
+            OutData::U8(x) => x.len(),
+        }
+    }
+
+    /// Bytes per element and the safetensors dtype name.
+    fn dtype(&self) -> (usize, &'static str) {
+        match self {
+            OutData::F32(_) => (4, "F32"),
+            OutData::Bf16(_) => (2, "BF16"),
+            OutData::I8(_) => (1, "I8"),
+            OutData::U8(_) => (1, "U8"),
+        }
+    }
+
+    /// Appends elements `range` as little-endian bytes to `out`.
+    fn put(&self, range: Range<usize>, out: &mut Vec<u8>) {
+        match self {
+            OutData::F32(x) => x[range].iter().for_each(|v| out.extend(v.to_le_bytes())),
+            OutData::Bf16(x) => x[range].iter().for_each(|v| out.extend(v.to_le_bytes())),
+            OutData::I8(x) => x[range].iter().for_each(|v| out.extend(v.to_le_bytes())),
+            OutData::U8(x) => out.extend_from_slice(&x[range]),
+        }
+    }
 }
 
 /// The JSON header (without its length prefix), padded with spaces to a multiple of 8 bytes
@@ -54,8 +94,9 @@ pub(crate) fn header_bytes(tensors: &[OutTensor]) -> Result<Vec<u8>> {
                 t.data.len()
             );
         }
-        let end = offset + 4 * n;
-        let info = json!({ "dtype": "F32", "shape": t.shape, "data_offsets": [offset, end] });
+        let (width, dtype) = t.data.dtype();
+        let end = offset + width * n;
+        let info = json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] });
         if map.insert(t.name.clone(), info).is_some() {
             bail!("tensor name {} appears twice", t.name);
         }
@@ -66,22 +107,29 @@ pub(crate) fn header_bytes(tensors: &[OutTensor]) -> Result<Vec<u8>> {
     Ok(h)
 }
 
-/// Writes a complete safetensors file (F32 tensors) to `w`, streaming the data.
+/// Writes a complete safetensors file to `w`, streaming the data through one staging buffer
+/// of at most [`STAGE_BYTES`].
 pub(crate) fn write_safetensors(w: &mut impl Write, tensors: &[OutTensor]) -> Result<()> {
     let header = header_bytes(tensors)?;
     w.write_all(&(header.len() as u64).to_le_bytes())
         .and_then(|_| w.write_all(&header))
         .context("writing the safetensors header")?;
-    let largest = tensors.iter().map(|t| 4 * t.data.len()).max().unwrap_or(0);
-    let mut stage = vec![0u8; largest.min(STAGE_BYTES)];
+    let largest = tensors
+        .iter()
+        .map(|t| t.data.dtype().0 * t.data.len())
+        .max()
+        .unwrap_or(0);
+    let mut stage: Vec<u8> = Vec::with_capacity(largest.min(STAGE_BYTES));
     for t in tensors {
-        for chunk in t.data.chunks(STAGE_BYTES / 4) {
-            let out = &mut stage[..4 * chunk.len()];
-            for (o, x) in out.chunks_exact_mut(4).zip(chunk) {
-                o.copy_from_slice(&x.to_le_bytes());
-            }
-            w.write_all(out)
+        let per = STAGE_BYTES / t.data.dtype().0;
+        let mut at = 0;
+        while at < t.data.len() {
+            let end = (at + per).min(t.data.len());
+            stage.clear();
+            t.data.put(at..end, &mut stage);
+            w.write_all(&stage)
                 .with_context(|| format!("writing tensor {}", t.name))?;
+            at = end;
         }
     }
     w.flush().context("flushing")?;

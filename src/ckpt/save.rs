@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use super::atomic::{
     TempDir, parent_dir, sync_dir, write_atomic_with, write_file_atomic, write_synced,
 };
-use super::names::{EXP_AVG, EXP_AVG_SQ};
-use super::safetensors_io::{OutTensor, write_safetensors};
+use super::moments::Moments;
+use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
+use super::safetensors_io::{OutData, OutTensor, write_safetensors};
 use super::{CHECKPOINTS_DIR, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
 use crate::model::{ModelSpec, ParamLayout};
 
@@ -48,27 +49,56 @@ fn model_tensors<'a>(layout: &'a ParamLayout, params: &'a [f32]) -> Vec<OutTenso
         .iter()
         .map(|t| OutTensor {
             name: t.name.clone(),
-            shape: &t.shape,
-            data: &params[t.range.clone()],
+            shape: t.shape.clone(),
+            data: OutData::F32(&params[t.range.clone()]),
         })
         .collect()
 }
 
-/// The optimizer moments `exp_avg.<name>` then `exp_avg_sq.<name>`, borrowing `m` and `v`.
-fn optimizer_tensors<'a>(
-    layout: &'a ParamLayout,
-    m: &'a [f32],
-    v: &'a [f32],
-) -> Vec<OutTensor<'a>> {
-    let mut out = Vec::with_capacity(2 * layout.tensors.len());
-    for (prefix, buf) in [(EXP_AVG, m), (EXP_AVG_SQ, v)] {
-        out.extend(layout.tensors.iter().map(|t| OutTensor {
-            name: format!("{prefix}{}", t.name),
-            shape: &t.shape,
-            data: &buf[t.range.clone()],
-        }));
+/// The optimizer moments in their stored format (see `moments.rs`), borrowed.
+fn optimizer_tensors<'a>(layout: &'a ParamLayout, moments: &Moments<'a>) -> Vec<OutTensor<'a>> {
+    let flat = |name: &str, data: OutData<'a>| OutTensor {
+        name: name.to_string(),
+        shape: vec![data_len(&data)],
+        data,
+    };
+    match *moments {
+        Moments::F32 { m, v } => {
+            let mut out = Vec::with_capacity(2 * layout.tensors.len());
+            for (prefix, buf) in [(EXP_AVG, m), (EXP_AVG_SQ, v)] {
+                out.extend(layout.tensors.iter().map(|t| OutTensor {
+                    name: format!("{prefix}{}", t.name),
+                    shape: t.shape.clone(),
+                    data: OutData::F32(&buf[t.range.clone()]),
+                }));
+            }
+            out
+        }
+        Moments::Bf16 { m, v } => vec![
+            flat(FLAT_EXP_AVG, OutData::Bf16(m)),
+            flat(FLAT_EXP_AVG_SQ, OutData::Bf16(v)),
+        ],
+        Moments::Int8 {
+            m,
+            m_absmax,
+            v,
+            v_absmax,
+        } => vec![
+            flat(FLAT_EXP_AVG, OutData::I8(m)),
+            flat(&format!("{FLAT_EXP_AVG}{ABSMAX}"), OutData::F32(m_absmax)),
+            flat(FLAT_EXP_AVG_SQ, OutData::U8(v)),
+            flat(&format!("{FLAT_EXP_AVG_SQ}{ABSMAX}"), OutData::F32(v_absmax)),
+        ],
     }
-    out
+}
+
+fn data_len(d: &OutData) -> usize {
+    match d {
+        OutData::F32(x) => x.len(),
+        OutData::Bf16(x) => x.len(),
+        OutData::I8(x) => x.len(),
+        OutData::U8(x) => x.len(),
+    }
 }
 
 /// Pretty JSON bytes with a trailing newline.
@@ -79,7 +109,8 @@ fn json_bytes(v: &impl serde::Serialize) -> Result<Vec<u8>> {
 }
 
 /// Writes `RUN_DIR/checkpoints/step-{step:06}/` with `config.json`, `model.safetensors`,
-/// `optimizer.safetensors` and `trainer_state.json` (step = `state.step`).
+/// `optimizer.safetensors` (the moments in their stored format) and `trainer_state.json`
+/// (step = `state.step`).
 ///
 /// Atomic: written into a temporary sibling directory, each file fsynced, the directory
 /// fsynced, renamed into place (replacing a checkpoint of the same step), the parent fsynced.
@@ -90,19 +121,23 @@ pub fn save_checkpoint(
     spec: &ModelSpec,
     layout: &ParamLayout,
     params: &[f32],
-    m: &[f32],
-    v: &[f32],
+    moments: &Moments,
     state: &TrainerState,
 ) -> Result<PathBuf> {
     let final_dir = checkpoint_dir(run_dir, state.step);
     let what = || format!("saving checkpoint {}", final_dir.display());
+    let (m_len, v_len) = match moments {
+        Moments::F32 { m, v } => (m.len(), v.len()),
+        Moments::Bf16 { m, v } => (m.len(), v.len()),
+        Moments::Int8 { m, v, .. } => (m.len(), v.len()),
+    };
     check_buffers(
         spec,
         layout,
         &[
             ("parameter", params.len()),
-            ("exp_avg (m)", m.len()),
-            ("exp_avg_sq (v)", v.len()),
+            ("exp_avg (m)", m_len),
+            ("exp_avg_sq (v)", v_len),
         ],
     )
     .with_context(what)?;
@@ -121,7 +156,7 @@ pub fn save_checkpoint(
         })?;
         let model = model_tensors(layout, params);
         write_synced(&tmp.path.join(MODEL_FILE), |f| write_safetensors(f, &model))?;
-        let moments = optimizer_tensors(layout, m, v);
+        let moments = optimizer_tensors(layout, moments);
         write_synced(&tmp.path.join(OPTIMIZER_FILE), |f| {
             write_safetensors(f, &moments)
         })?;

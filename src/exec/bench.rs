@@ -4,7 +4,7 @@
 use super::executor::{Executor, OptimHparams};
 use crate::model::ModelSpec;
 use crate::plan::fit::plan_with_recompute;
-use crate::plan::{Mode, RecomputeChoice, StepConfig};
+use crate::plan::{Mode, OptimState, RecomputeChoice, StepConfig};
 use crate::util::rng::Rng;
 use crate::util::rss;
 use anyhow::{Result, bail};
@@ -26,6 +26,8 @@ pub struct BenchOptions {
     pub recompute: RecomputeChoice,
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
+    /// Storage of the AdamW moments.
+    pub optim_state: OptimState,
     /// Budget for `--recompute auto`.
     pub max_memory: Option<u64>,
 }
@@ -39,6 +41,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let baseline = rss::current_rss().unwrap_or(0);
     let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
     cfg.grad_accum = opts.grad_accum;
+    cfg.optim_state = opts.optim_state;
     let plan = plan_with_recompute(
         &spec,
         &cfg,
@@ -133,6 +136,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
             "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": "fp32",
             "recompute": recompute.to_string(), "grad_accum": opts.grad_accum,
+            "optim_state": opts.optim_state.to_string(),
             "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,
         },
         "tokens_per_s": tokens / median,

@@ -2,10 +2,13 @@
 //! [`Executor::new`]; kernels receive slices and allocate nothing, so the plan's bytes are the
 //! step's bytes. Ops run in a dedicated rayon pool of `threads` workers.
 
-use crate::backend::cpu::{adamw, attention, encoder, gelu, layernorm, matmul, reduce, xent};
+use crate::backend::cpu::{
+    adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent,
+};
+use crate::ckpt::{Moments, MomentsMut};
 use crate::mem::arena::Arena;
 use crate::plan::schedule::{Op, Phase};
-use crate::plan::{BufId, DType, Mode, Plan};
+use crate::plan::{BufId, DType, Mode, OptimState, Plan};
 use anyhow::{Result, bail};
 
 /// Optimizer hyperparameters for one step.
@@ -79,9 +82,16 @@ impl Executor {
 
     #[allow(clippy::mut_from_ref)]
     fn u32_mut(&self, id: BufId) -> &mut [u32] {
+        self.typed(id, DType::U32)
+    }
+
+    /// A view of buffer `id`, whose element type `T` is `dtype`'s.
+    #[allow(clippy::mut_from_ref)]
+    fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
         let b = self.plan.buffer(id);
-        debug_assert_eq!(b.dtype, DType::U32);
-        unsafe { self.arena.view_mut::<u32>(b.offset, b.elems) }
+        assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
+        debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
+        unsafe { self.arena.view_mut::<T>(b.offset, b.elems) }
     }
 
     /// The flat parameter buffer (layout: `plan.layout`).
@@ -98,21 +108,47 @@ impl Executor {
         self.f32(self.plan.schedule.grads.expect("training plan"))
     }
 
-    /// AdamW moments (m, v), for checkpoints.
-    pub fn moments(&self) -> (&[f32], &[f32]) {
-        let s = &self.plan.schedule;
-        (
-            self.f32(s.adam_m.expect("training plan")),
-            self.f32(s.adam_v.expect("training plan")),
-        )
+    /// AdamW moments in their stored format, for checkpoints.
+    pub fn moments(&self) -> Moments<'_> {
+        match self.moments_view() {
+            MomentsMut::F32 { m, v } => Moments::F32 { m, v },
+            MomentsMut::Bf16 { m, v } => Moments::Bf16 { m, v },
+            MomentsMut::Int8 {
+                m,
+                m_absmax,
+                v,
+                v_absmax,
+            } => Moments::Int8 {
+                m,
+                m_absmax,
+                v,
+                v_absmax,
+            },
+        }
     }
 
-    pub fn moments_mut(&mut self) -> (&mut [f32], &mut [f32]) {
-        let s = &self.plan.schedule;
-        (
-            self.f32_mut(s.adam_m.expect("training plan")),
-            self.f32_mut(s.adam_v.expect("training plan")),
-        )
+    pub fn moments_mut(&mut self) -> MomentsMut<'_> {
+        self.moments_view()
+    }
+
+    fn moments_view(&self) -> MomentsMut<'_> {
+        let o = self.plan.schedule.optim.expect("training plan");
+        match o.format {
+            OptimState::F32 => MomentsMut::F32 {
+                m: self.typed(o.m, DType::F32),
+                v: self.typed(o.v, DType::F32),
+            },
+            OptimState::Bf16 => MomentsMut::Bf16 {
+                m: self.typed(o.m, DType::Bf16),
+                v: self.typed(o.v, DType::Bf16),
+            },
+            OptimState::Int8 => MomentsMut::Int8 {
+                m: self.typed(o.m, DType::I8),
+                m_absmax: self.typed(o.m_scale.expect("int8 scales"), DType::F32),
+                v: self.typed(o.v, DType::U8),
+                v_absmax: self.typed(o.v_scale.expect("int8 scales"), DType::F32),
+            },
+        }
     }
 
     /// Copies a batch [accum·B, T+1] into the plan's token (and target) buffers: rows
@@ -522,10 +558,11 @@ impl Executor {
             1.0
         };
         let params = self.f32_mut(s.params);
-        let m = self.f32_mut(s.adam_m.expect("training plan"));
-        let v = self.f32_mut(s.adam_v.expect("training plan"));
-        for tensor in &self.plan.layout.tensors {
+        let mut state = self.moments_view();
+        let (block_of, _) = self.plan.layout.block_offsets(quant::QBLOCK);
+        for (tensor, &b0) in self.plan.layout.tensors.iter().zip(&block_of) {
             let r = tensor.range.clone();
+            let blocks = b0..b0 + r.len().div_ceil(quant::QBLOCK);
             let p = adamw::AdamWParams {
                 lr: hp.lr,
                 beta1: hp.beta1,
@@ -535,13 +572,29 @@ impl Executor {
                 step: hp.step,
                 grad_scale: scale,
             };
-            adamw::adamw_update(
-                &mut params[r.clone()],
-                &grads[r.clone()],
-                &mut m[r.clone()],
-                &mut v[r],
-                &p,
-            );
+            let (p_, g) = (&mut params[r.clone()], &grads[r.clone()]);
+            match &mut state {
+                MomentsMut::F32 { m, v } => {
+                    adamw::adamw_update(p_, g, &mut m[r.clone()], &mut v[r], &p)
+                }
+                MomentsMut::Bf16 { m, v } => {
+                    quant::adamw_update_bf16(p_, g, &mut m[r.clone()], &mut v[r], &p)
+                }
+                MomentsMut::Int8 {
+                    m,
+                    m_absmax,
+                    v,
+                    v_absmax,
+                } => quant::adamw_update_int8(
+                    p_,
+                    g,
+                    &mut m[r.clone()],
+                    &mut m_absmax[blocks.clone()],
+                    &mut v[r],
+                    &mut v_absmax[blocks],
+                    &p,
+                ),
+            }
         }
         norm
     }

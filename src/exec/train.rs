@@ -10,7 +10,7 @@ use super::lr::cosine_with_warmup;
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
 use crate::model::ModelSpec;
-use crate::plan::{self, Mode, RecomputeChoice, StepConfig};
+use crate::plan::{self, Mode, OptimState, RecomputeChoice, StepConfig};
 use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -59,6 +59,9 @@ pub struct TrainOptions {
     /// Micro-batches per optimizer step (`batch` is the micro-batch).
     #[serde(default = "one")]
     pub grad_accum: usize,
+    /// Storage of the AdamW moments.
+    #[serde(default)]
+    pub optim_state: OptimState,
 }
 
 fn one() -> usize {
@@ -91,6 +94,7 @@ impl TrainOptions {
             max_memory: None,
             recompute: RecomputeChoice::default(),
             grad_accum: 1,
+            optim_state: OptimState::F32,
         }
     }
 
@@ -330,6 +334,7 @@ pub fn train(
     let baseline = rss::current_rss().unwrap_or(0);
     let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
     cfg.grad_accum = opts.grad_accum;
+    cfg.optim_state = opts.optim_state;
     let plan = plan::fit::plan_with_recompute(
         &spec,
         &cfg,
@@ -362,8 +367,7 @@ pub fn train(
         Some(ck) => {
             let layout = ex.plan.layout.clone();
             ckpt::load_params(ck, &layout, ex.params_mut())?;
-            let (m, v) = ex.moments_mut();
-            let st = ckpt::load_trainer_state(ck, &layout, m, v)?;
+            let st = ckpt::load_trainer_state(ck, &layout, ex.moments_mut())?;
             truncate_metrics(&opts.out.join("metrics.jsonl"), st.step)?;
             progress.message(&format!(
                 "resuming from {} (step {})",
@@ -479,14 +483,12 @@ pub fn train(
                 train: serde_json::to_value(opts)?,
                 memwall_version: env!("CARGO_PKG_VERSION").to_string(),
             };
-            let (m_, v_) = ex.moments();
             let dir = ckpt::save_checkpoint(
                 &opts.out,
                 &spec,
                 &ex.plan.layout,
                 ex.params(),
-                m_,
-                v_,
+                &ex.moments(),
                 &state,
             )
             .with_context(|| {

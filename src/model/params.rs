@@ -154,6 +154,20 @@ impl ParamLayout {
     }
 }
 
+impl ParamLayout {
+    /// Cutting each tensor into blocks of `block` values (its last block partial): the index
+    /// of every tensor's first block, and the total number of blocks.
+    pub fn block_offsets(&self, block: usize) -> (Vec<usize>, usize) {
+        let mut offsets = Vec::with_capacity(self.tensors.len());
+        let mut total = 0;
+        for t in &self.tensors {
+            offsets.push(total);
+            total += t.range.len().div_ceil(block);
+        }
+        (offsets, total)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -65,12 +65,17 @@ impl Category {
 pub enum DType {
     F32,
     U32,
+    Bf16,
+    I8,
+    U8,
 }
 
 impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::U32 => 4,
+            DType::Bf16 => 2,
+            DType::I8 | DType::U8 => 1,
         }
     }
 }

@@ -6,7 +6,9 @@
 use super::block::{self, Block, BlockActs};
 use super::packing;
 use super::schedule::{Op, OpEntry, Phase, Schedule};
-use super::strategy::Recompute;
+use super::schedule::OptimBufs;
+use super::strategy::{OptimState, Recompute};
+use crate::backend::cpu::quant::QBLOCK;
 use super::{BufId, Buffer, Category, DType, Plan};
 use crate::backend::cpu::attention::attention_workspace_len;
 use crate::model::{ModelSpec, ParamLayout};
@@ -39,6 +41,8 @@ pub struct StepConfig {
     pub recompute: Recompute,
     /// Micro-batches per optimizer step (gradient accumulation).
     pub grad_accum: usize,
+    /// Storage of the AdamW moments.
+    pub optim_state: OptimState,
 }
 
 impl StepConfig {
@@ -50,6 +54,7 @@ impl StepConfig {
             logits_chunk_bytes: 64 << 20,
             recompute: Recompute::None,
             grad_accum: 1,
+            optim_state: OptimState::F32,
         }
     }
 }
@@ -181,27 +186,9 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         };
         return finish(spec, cfg, mode, layout, g, params, None, io);
     }
-    let state = OptimizerBufs {
-        grads: g.persistent("grads", Category::Grad, DType::F32, layout.total),
-        m: g.persistent(
-            "adamw.m",
-            Category::OptimizerState,
-            DType::F32,
-            layout.total,
-        ),
-        v: g.persistent(
-            "adamw.v",
-            Category::OptimizerState,
-            DType::F32,
-            layout.total,
-        ),
-    };
-    g.op(
-        "zero_grad",
-        Phase::Forward,
-        0,
-        Op::Zero { buf: state.grads },
-    );
+    let grads = g.persistent("grads", Category::Grad, DType::F32, layout.total);
+    let optim = optimizer_state(&mut g, &layout, cfg.optim_state);
+    g.op("zero_grad", Phase::Forward, 0, Op::Zero { buf: grads });
     let micro = cfg.grad_accum;
     let mut io = Io {
         tokens: vec![],
@@ -231,7 +218,41 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         io.losses.push(losses);
     }
     g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
-    finish(spec, cfg, mode, layout, g, params, Some(state), io)
+    finish(spec, cfg, mode, layout, g, params, Some((grads, optim)), io)
+}
+
+/// Declares the AdamW moments in `format` (see [`OptimBufs`]).
+fn optimizer_state(g: &mut Builder, layout: &ParamLayout, format: OptimState) -> OptimBufs {
+    let st = |g: &mut Builder, name: &str, dtype, elems| {
+        g.persistent(name, Category::OptimizerState, dtype, elems)
+    };
+    let p = layout.total;
+    match format {
+        OptimState::F32 | OptimState::Bf16 => {
+            let dt = if format == OptimState::F32 {
+                DType::F32
+            } else {
+                DType::Bf16
+            };
+            OptimBufs {
+                format,
+                m: st(g, "adamw.m", dt, p),
+                v: st(g, "adamw.v", dt, p),
+                m_scale: None,
+                v_scale: None,
+            }
+        }
+        OptimState::Int8 => {
+            let (_, blocks) = layout.block_offsets(QBLOCK);
+            OptimBufs {
+                format,
+                m: st(g, "adamw.m.q", DType::I8, p),
+                v: st(g, "adamw.v.q", DType::U8, p),
+                m_scale: Some(st(g, "adamw.m.absmax", DType::F32, blocks)),
+                v_scale: Some(st(g, "adamw.v.absmax", DType::F32, blocks)),
+            }
+        }
+    }
 }
 
 /// What the forward leaves for the LM head and the backward.
@@ -385,13 +406,6 @@ fn micro_batch(
     );
 }
 
-/// Gradients and AdamW moments (training plans).
-struct OptimizerBufs {
-    grads: BufId,
-    m: BufId,
-    v: BufId,
-}
-
 /// The buffers the executor reads and writes from outside the schedule.
 struct Io {
     tokens: Vec<BufId>,
@@ -408,7 +422,7 @@ fn finish(
     layout: ParamLayout,
     mut g: Builder,
     params: BufId,
-    state: Option<OptimizerBufs>,
+    state: Option<(BufId, OptimBufs)>,
     io: Io,
 ) -> Result<Plan> {
     // Buffers outside the arena: the loader's two prefetch buffers and the trainer's batch
@@ -474,9 +488,8 @@ fn finish(
         schedule: Schedule {
             ops: g.ops,
             params,
-            grads: state.as_ref().map(|s| s.grads),
-            adam_m: state.as_ref().map(|s| s.m),
-            adam_v: state.as_ref().map(|s| s.v),
+            grads: state.map(|s| s.0),
+            optim: state.map(|s| s.1),
             tokens: io.tokens,
             targets: io.targets,
             losses: io.losses,

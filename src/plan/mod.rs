@@ -18,8 +18,8 @@ pub mod strategy;
 
 pub use buffer::{BufId, Buffer, Category, DType};
 pub use build::{Mode, StepConfig, build_plan};
-pub use schedule::{Op, Phase, Schedule};
-pub use strategy::{Recompute, RecomputeChoice};
+pub use schedule::{Op, OptimBufs, Phase, Schedule};
+pub use strategy::{OptimState, Recompute, RecomputeChoice};
 
 use crate::model::{ModelSpec, ParamLayout};
 

@@ -23,11 +23,12 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
     };
     let _ = writeln!(
         s,
-        "plan: {}\n      {:?}, {micro} = {} tokens/step, fp32, recompute {}, {} threads, {} ops",
+        "plan: {}\n      {:?}, {micro} = {} tokens/step, fp32, recompute {}, optimizer state {}, {} threads, {} ops",
         plan.spec.describe(),
         plan.mode,
         cfg.batch * cfg.grad_accum * cfg.seq,
         cfg.recompute,
+        cfg.optim_state,
         cfg.threads,
         plan.schedule.ops.len()
     );

@@ -3,6 +3,7 @@
 //! the strategy that produced it.
 
 use super::BufId;
+use super::strategy::OptimState;
 use std::ops::Range;
 
 /// Which part of the step an op belongs to.
@@ -113,14 +114,26 @@ pub struct OpEntry {
     pub flops: u64,
 }
 
+/// The AdamW moment buffers, in the plan's `OptimState` format: f32 or bf16 `m`, `v`
+/// [params]; or int8 codes `m` (i8) and `v` (u8) [params] with f32 block scales
+/// `m_scale`, `v_scale` [blocks] (blocks of `QBLOCK` values counted per tensor).
+#[derive(Clone, Copy, Debug)]
+pub struct OptimBufs {
+    pub format: OptimState,
+    pub m: BufId,
+    pub v: BufId,
+    pub m_scale: Option<BufId>,
+    pub v_scale: Option<BufId>,
+}
+
 /// The ordered ops of one step, plus the persistent buffers every op may touch implicitly.
 #[derive(Clone, Debug)]
 pub struct Schedule {
     pub ops: Vec<OpEntry>,
     pub params: BufId,
     pub grads: Option<BufId>,
-    pub adam_m: Option<BufId>,
-    pub adam_v: Option<BufId>,
+    /// AdamW moments (training plans).
+    pub optim: Option<OptimBufs>,
     /// Input token ids [B, T], one buffer per micro-batch.
     pub tokens: Vec<BufId>,
     /// Target token ids [B, T] per micro-batch (training plans; empty otherwise).

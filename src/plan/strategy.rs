@@ -8,6 +8,9 @@
 //!   unrolled once per micro-batch, each with its own token, target and loss buffers; the
 //!   gradients accumulate and the optimizer runs once.
 //!
+//! - [`OptimState`]: how the AdamW moments are stored (fp32, bf16, or 8-bit blockwise codes
+//!   with one f32 scale per block of `backend::cpu::quant::QBLOCK` values of a tensor).
+//!
 //! Kernels are deterministic for a thread count, so recomputed activations are bitwise the
 //! forward's and every recompute policy gives bitwise the same weights as `none`.
 
@@ -153,6 +156,54 @@ impl<'de> Deserialize<'de> for RecomputeChoice {
     }
 }
 
+/// Storage of the AdamW moments (`--optim-state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OptimState {
+    /// f32 moments (8 bytes per parameter).
+    #[default]
+    F32,
+    /// bf16 moments (4 bytes per parameter).
+    Bf16,
+    /// 8-bit log-scale codes per block with an f32 absmax per block (~2 bytes per parameter).
+    Int8,
+}
+
+impl fmt::Display for OptimState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OptimState::F32 => "fp32",
+            OptimState::Bf16 => "bf16",
+            OptimState::Int8 => "int8",
+        })
+    }
+}
+
+impl FromStr for OptimState {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<OptimState> {
+        Ok(match s.trim() {
+            "fp32" | "f32" => OptimState::F32,
+            "bf16" => OptimState::Bf16,
+            "int8" => OptimState::Int8,
+            other => bail!("--optim-state {other}: expected fp32, bf16 or int8"),
+        })
+    }
+}
+
+impl Serialize for OptimState {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for OptimState {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<OptimState, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +218,15 @@ mod tests {
             let e = format!("{:#}", bad.parse::<RecomputeChoice>().unwrap_err());
             assert!(e.contains("--recompute"), "{e}");
         }
+    }
+
+    #[test]
+    fn optimizer_state_formats_parse() {
+        for s in ["fp32", "bf16", "int8"] {
+            assert_eq!(s.parse::<OptimState>().unwrap().to_string(), s);
+        }
+        let e = format!("{:#}", "fp8".parse::<OptimState>().unwrap_err());
+        assert!(e.contains("--optim-state"), "{e}");
     }
 
     #[test]
