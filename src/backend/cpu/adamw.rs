@@ -40,21 +40,7 @@ pub fn adamw_update(
     assert_eq!(grads.len(), params.len(), "adamw_update: grads");
     assert_eq!(m.len(), params.len(), "adamw_update: m");
     assert_eq!(v.len(), params.len(), "adamw_update: v");
-    assert!(hp.step >= 1, "adamw_update: step is 1-based");
-    let t = hp.step as f64;
-    let bc1 = 1.0 - (hp.beta1 as f64).powf(t);
-    let bc2 = 1.0 - (hp.beta2 as f64).powf(t);
-    let k = Consts {
-        b1: hp.beta1,
-        b2: hp.beta2,
-        c1: 1.0 - hp.beta1,
-        c2: 1.0 - hp.beta2,
-        eps: hp.eps,
-        gs: hp.grad_scale,
-        step_size: (hp.lr as f64 / bc1) as f32,
-        inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
-        decay: 1.0 - hp.lr * hp.weight_decay,
-    };
+    let k = consts(hp);
     params
         .par_chunks_mut(ELEM_CHUNK)
         .zip(grads.par_chunks(ELEM_CHUNK))
@@ -63,8 +49,9 @@ pub fn adamw_update(
         .for_each(|(((p, g), m), v)| update_chunk(p, g, m, v, &k));
 }
 
-/// Per-step constants of the update.
-struct Consts {
+/// Per-step constants of the update (shared with the compressed-state variants in
+/// [`quant`](super::quant), which run this same arithmetic on dequantized moments).
+pub(crate) struct Consts {
     b1: f32,
     b2: f32,
     c1: f32, // 1 - b1
@@ -76,9 +63,28 @@ struct Consts {
     decay: f32,        // 1 - lr·weight_decay
 }
 
+/// The per-step constants of `hp`. Panics unless `hp.step >= 1`.
+pub(crate) fn consts(hp: &AdamWParams) -> Consts {
+    assert!(hp.step >= 1, "adamw_update: step is 1-based");
+    let t = hp.step as f64;
+    let bc1 = 1.0 - (hp.beta1 as f64).powf(t);
+    let bc2 = 1.0 - (hp.beta2 as f64).powf(t);
+    Consts {
+        b1: hp.beta1,
+        b2: hp.beta2,
+        c1: 1.0 - hp.beta1,
+        c2: 1.0 - hp.beta2,
+        eps: hp.eps,
+        gs: hp.grad_scale,
+        step_size: (hp.lr as f64 / bc1) as f32,
+        inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
+        decay: 1.0 - hp.lr * hp.weight_decay,
+    }
+}
+
 multiversion! {
-    /// The update over one chunk.
-    fn update_chunk(
+    /// The update over one chunk (any length; elementwise, so the split never matters).
+    pub(crate) fn update_chunk(
         p: &mut [f32], // [len]
         g: &[f32],     // [len]
         m: &mut [f32], // [len]

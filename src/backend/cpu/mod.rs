@@ -13,5 +13,6 @@ pub mod encoder;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
+pub mod quant;
 pub mod reduce;
 pub mod xent;
