@@ -3,7 +3,7 @@
 
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::model::ModelSpec;
-use memwall::plan::{Category, Mode, Phase, Recompute, StepConfig, build_plan};
+use memwall::plan::{Category, Mode, OptimState, Phase, Recompute, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 
 /// Four blocks, so that every:2 and every:3 differ from both none and full.
@@ -155,4 +155,50 @@ fn activation_bytes_shrink_sixfold_with_full_recompute_on_gpt2() {
     );
     assert!(full <= none / 6.0);
     assert!(sel < none && full < sel);
+}
+
+#[test]
+fn compressed_optimizer_state_shrinks_its_category() {
+    let spec = ModelSpec::preset("gpt2").unwrap();
+    let state_bytes = |f: OptimState| {
+        let cfg = StepConfig {
+            optim_state: f,
+            ..StepConfig::new(4, 256, 2)
+        };
+        let plan = build_plan(&spec, &cfg, Mode::Train).unwrap();
+        plan.bytes_by_category()
+            .into_iter()
+            .find(|(c, _)| *c == Category::OptimizerState)
+            .unwrap()
+            .1 as f64
+    };
+    let fp32 = state_bytes(OptimState::F32);
+    assert_eq!(fp32, 8.0 * 124_439_808.0);
+    let (bf16, int8) = (state_bytes(OptimState::Bf16), state_bytes(OptimState::Int8));
+    eprintln!(
+        "optimizer state: fp32 {fp32}, bf16 {bf16} ({:.3}), int8 {int8} ({:.4})",
+        bf16 / fp32,
+        int8 / fp32
+    );
+    assert_eq!(bf16, fp32 / 2.0);
+    assert!(int8 <= 0.27 * fp32);
+}
+
+#[test]
+fn compressed_optimizer_state_trains_close_to_fp32() {
+    let run = |f: OptimState| {
+        let cfg = StepConfig {
+            optim_state: f,
+            ..StepConfig::new(4, 16, 2)
+        };
+        train(&cfg, 30).1
+    };
+    let fp32 = run(OptimState::F32);
+    for f in [OptimState::Bf16, OptimState::Int8] {
+        let l = run(f);
+        let (a, b) = (fp32[29], l[29]);
+        eprintln!("{f}: final loss {b} vs fp32 {a}");
+        assert!(b < 0.8 * l[0], "{f} must learn: {l:?}");
+        assert!((b - a).abs() <= 0.05 * a, "{f}: {b} vs fp32 {a}");
+    }
 }

@@ -6,7 +6,7 @@ mod common;
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::exec::train::{NoProgress, TrainOptions, resume_options, train};
 use memwall::model::ModelSpec;
-use memwall::plan::{Mode, StepConfig, build_plan};
+use memwall::plan::{Mode, OptimState, Recompute, RecomputeChoice, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 
 fn micro_spec() -> ModelSpec {
@@ -157,10 +157,24 @@ fn tiny_gpt_learns_shakespeare() {
 
 #[test]
 fn resume_continues_bitwise() {
+    // Every optimizer-state format (its bytes are saved as stored), with strategies on.
+    for (state, accum, recompute) in [
+        (OptimState::F32, 1, Recompute::None),
+        (OptimState::Bf16, 2, Recompute::Selective),
+        (OptimState::Int8, 1, Recompute::Full),
+    ] {
+        resume_bitwise(state, accum, recompute);
+    }
+}
+
+fn resume_bitwise(state: OptimState, accum: usize, recompute: Recompute) {
     let tmp = tempfile::tempdir().unwrap();
     let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
     let cfg = common::micro_config(tmp.path());
     let mut o = TrainOptions::new(cfg.to_str().unwrap(), &data, &tmp.path().join("full"));
+    o.optim_state = state;
+    o.grad_accum = accum;
+    o.recompute = RecomputeChoice::Fixed(recompute);
     o.steps = 8;
     o.batch = 2;
     o.seq = 32;
@@ -188,7 +202,7 @@ fn resume_continues_bitwise() {
         let b = std::fs::read(cut.join("checkpoints/step-000008").join(f)).unwrap();
         assert!(
             a == b,
-            "{f} differs between the resumed and the uninterrupted run"
+            "{state}: {f} differs between the resumed and the uninterrupted run"
         );
     }
 }

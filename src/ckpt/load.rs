@@ -155,10 +155,10 @@ pub fn load_trainer_state(
     let state = TrainerState::read(&state_path)?;
     state.check_layout(&state_path, layout)?;
     let file = open_in(dir, OPTIMIZER_FILE)?;
+    let format = moments.format();
     let what = || {
         format!(
-            "loading {} optimizer moments for a GPT-2 with {}",
-            moments_format_name(&moments),
+            "loading {format} optimizer moments for a GPT-2 with {}",
             describe(layout)
         )
     };
@@ -231,10 +231,6 @@ pub fn load_trainer_state(
         }
     }
     Ok(state)
-}
-
-fn moments_format_name(m: &MomentsMut) -> String {
-    m.format().to_string()
 }
 
 /// Hands the bytes of flat tensor `name` (dtype `dtype`, shape `[len]`) to `copy`, after

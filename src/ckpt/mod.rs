@@ -33,8 +33,8 @@ mod state;
 mod tests;
 
 pub use atomic::write_file_atomic;
-pub use moments::{Moments, MomentsMut};
 pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
+pub use moments::{Moments, MomentsMut};
 pub use save::{checkpoint_dir, save_checkpoint, save_model};
 pub use state::TrainerState;
 

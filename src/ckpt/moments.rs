@@ -21,9 +21,9 @@ pub enum Moments<'a> {
         v: &'a [bf16], // [params]
     },
     Int8 {
-        m: &'a [i8],        // [params] codes
+        m: &'a [i8],         // [params] codes
         m_absmax: &'a [f32], // [blocks]
-        v: &'a [u8],        // [params] codes
+        v: &'a [u8],         // [params] codes
         v_absmax: &'a [f32], // [blocks]
     },
 }

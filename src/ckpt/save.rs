@@ -87,7 +87,10 @@ fn optimizer_tensors<'a>(layout: &'a ParamLayout, moments: &Moments<'a>) -> Vec<
             flat(FLAT_EXP_AVG, OutData::I8(m)),
             flat(&format!("{FLAT_EXP_AVG}{ABSMAX}"), OutData::F32(m_absmax)),
             flat(FLAT_EXP_AVG_SQ, OutData::U8(v)),
-            flat(&format!("{FLAT_EXP_AVG_SQ}{ABSMAX}"), OutData::F32(v_absmax)),
+            flat(
+                &format!("{FLAT_EXP_AVG_SQ}{ABSMAX}"),
+                OutData::F32(v_absmax),
+            ),
         ],
     }
 }

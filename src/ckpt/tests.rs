@@ -115,7 +115,15 @@ fn checkpoint_round_trips_bitwise() {
     let (layout, p, m, v) = setup(&spec);
     let run = tempfile::tempdir().unwrap();
     let st = state(&spec, 42);
-    let dir = save_checkpoint(run.path(), &spec, &layout, &p, &Moments::F32 { m: &m, v: &v }, &st).unwrap();
+    let dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &m, v: &v },
+        &st,
+    )
+    .unwrap();
     assert_eq!(dir, run.path().join("checkpoints/step-000042"));
     assert_eq!(dir, checkpoint_dir(run.path(), 42));
     for f in CHECKPOINT_FILES {
@@ -133,7 +141,15 @@ fn checkpoint_round_trips_bitwise() {
     load_params(&dir, &layout, &mut p2).unwrap();
     assert_eq!(bits(&p2), bits(&p));
     let (mut m2, mut v2) = (vec![0f32; layout.total], vec![0f32; layout.total]);
-    let st2 = load_trainer_state(&dir, &layout, MomentsMut::F32 { m: &mut m2, v: &mut v2 }).unwrap();
+    let st2 = load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    )
+    .unwrap();
     assert_eq!(bits(&m2), bits(&m));
     assert_eq!(bits(&v2), bits(&v));
     assert_eq!(st2, st);
@@ -142,7 +158,15 @@ fn checkpoint_round_trips_bitwise() {
     // Saving the same step again replaces it.
     let mut p3 = p.clone();
     p3[5] += 1.0;
-    save_checkpoint(run.path(), &spec, &layout, &p3, &Moments::F32 { m: &m, v: &v }, &st).unwrap();
+    save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p3,
+        &Moments::F32 { m: &m, v: &v },
+        &st,
+    )
+    .unwrap();
     load_params(&dir, &layout, &mut p2).unwrap();
     assert_eq!(bits(&p2), bits(&p3));
     assert_eq!(
@@ -158,7 +182,15 @@ fn model_file_has_hf_names_and_shapes() {
     let spec = small_spec(97);
     let (layout, p, m, v) = setup(&spec);
     let run = tempfile::tempdir().unwrap();
-    let dir = save_checkpoint(run.path(), &spec, &layout, &p, &Moments::F32 { m: &m, v: &v }, &state(&spec, 1)).unwrap();
+    let dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &m, v: &v },
+        &state(&spec, 1),
+    )
+    .unwrap();
     let bytes = fs::read(dir.join(MODEL_FILE)).unwrap();
     let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
     assert_eq!(meta.metadata().as_ref().unwrap()["format"], "pt");
@@ -448,7 +480,15 @@ fn corrupt_files_are_errors_naming_the_file() {
     let spec = small_spec(97);
     let (layout, p, m, v) = setup(&spec);
     let run = tempfile::tempdir().unwrap();
-    let dir = save_checkpoint(run.path(), &spec, &layout, &p, &Moments::F32 { m: &m, v: &v }, &state(&spec, 5)).unwrap();
+    let dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &m, v: &v },
+        &state(&spec, 5),
+    )
+    .unwrap();
     let good = fs::read(dir.join(MODEL_FILE)).unwrap();
     let mut q = vec![0f32; layout.total];
     let (mut m2, mut v2) = (vec![0f32; layout.total], vec![0f32; layout.total]);
@@ -499,7 +539,14 @@ fn corrupt_files_are_errors_naming_the_file() {
     let opt_path = dir.join(OPTIMIZER_FILE);
     let opt = fs::read(&opt_path).unwrap();
     fs::write(&opt_path, &opt[..opt.len() - 8]).unwrap();
-    let e = err_text(load_trainer_state(&dir, &layout, MomentsMut::F32 { m: &mut m2, v: &mut v2 }));
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ));
     assert!(e.contains(&opt_path.display().to_string()), "{e}");
     // Optimizer file lacking a moment.
     fs::write(&opt_path, &opt).unwrap();
@@ -507,10 +554,24 @@ fn corrupt_files_are_errors_naming_the_file() {
     let st_text = fs::read_to_string(&st_path).unwrap();
     // Trainer state garbage, then with a field missing, then of another model.
     fs::write(&st_path, "{ step: 3").unwrap();
-    let e = err_text(load_trainer_state(&dir, &layout, MomentsMut::F32 { m: &mut m2, v: &mut v2 }));
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ));
     assert!(e.contains(&st_path.display().to_string()), "{e}");
     fs::write(&st_path, st_text.replace("\"rng_state\"", "\"rng\"")).unwrap();
-    let e = err_text(load_trainer_state(&dir, &layout, MomentsMut::F32 { m: &mut m2, v: &mut v2 }));
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ));
     assert!(
         e.contains("trainer_state.json") && e.contains("rng_state"),
         "{e}"
@@ -518,7 +579,14 @@ fn corrupt_files_are_errors_naming_the_file() {
     let mut other = state(&small_spec(101), 5);
     other.step = 5;
     fs::write(&st_path, serde_json::to_vec(&other).unwrap()).unwrap();
-    let e = err_text(load_trainer_state(&dir, &layout, MomentsMut::F32 { m: &mut m2, v: &mut v2 }));
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ));
     assert!(e.contains("different model"), "{e}");
     // Config missing.
     fs::remove_file(dir.join(CONFIG_FILE)).unwrap();
@@ -531,7 +599,15 @@ fn optimizer_moment_missing_is_named() {
     let spec = small_spec(97);
     let (layout, p, m, v) = setup(&spec);
     let run = tempfile::tempdir().unwrap();
-    let dir = save_checkpoint(run.path(), &spec, &layout, &p, &Moments::F32 { m: &m, v: &v }, &state(&spec, 5)).unwrap();
+    let dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &m, v: &v },
+        &state(&spec, 5),
+    )
+    .unwrap();
     // Rewrite optimizer.safetensors without one exp_avg_sq tensor.
     let bytes = fs::read(dir.join(OPTIMIZER_FILE)).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -544,7 +620,14 @@ fn optimizer_moment_missing_is_named() {
     drop(st);
     fs::write(dir.join(OPTIMIZER_FILE), out).unwrap();
     let (mut m2, mut v2) = (vec![0f32; layout.total], vec![0f32; layout.total]);
-    let e = err_text(load_trainer_state(&dir, &layout, MomentsMut::F32 { m: &mut m2, v: &mut v2 }));
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ));
     assert!(
         e.contains("optimizer.safetensors")
             && e.contains("exp_avg_sq.transformer.h.1.mlp.c_fc.bias"),
@@ -591,7 +674,15 @@ fn latest_checkpoint_picks_highest_complete_step() {
     fs::create_dir_all(run.path().join(CHECKPOINTS_DIR)).unwrap();
     assert_eq!(latest_checkpoint(run.path()).unwrap(), None);
     for step in [100, 200, 50] {
-        save_checkpoint(run.path(), &spec, &layout, &p, &Moments::F32 { m: &m, v: &v }, &state(&spec, step)).unwrap();
+        save_checkpoint(
+            run.path(),
+            &spec,
+            &layout,
+            &p,
+            &Moments::F32 { m: &m, v: &v },
+            &state(&spec, step),
+        )
+        .unwrap();
     }
     let ck = run.path().join(CHECKPOINTS_DIR);
     // A leftover temporary of a crashed save, complete in content: still ignored.
@@ -692,7 +783,15 @@ fn full_disk_leaves_previous_checkpoint_loadable() {
     // Small: about 3 × 35 KB, fits in 1 MiB.
     let spec = small_spec(97);
     let (layout, p, m, v) = setup(&spec);
-    let first = save_checkpoint(&run, &spec, &layout, &p, &Moments::F32 { m: &m, v: &v }, &state(&spec, 1)).unwrap();
+    let first = save_checkpoint(
+        &run,
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &m, v: &v },
+        &state(&spec, 1),
+    )
+    .unwrap();
 
     // Big: wte alone is 20000 × 16 × 4 B = 1.28 MB per file.
     let big = small_spec(20_000);
@@ -723,7 +822,15 @@ fn full_disk_leaves_previous_checkpoint_loadable() {
     assert_eq!(bits(&q), bits(&p));
     let (mut m2, mut v2) = (vec![0f32; layout.total], vec![0f32; layout.total]);
     assert_eq!(
-        load_trainer_state(&first, &layout, MomentsMut::F32 { m: &mut m2, v: &mut v2 }).unwrap(),
+        load_trainer_state(
+            &first,
+            &layout,
+            MomentsMut::F32 {
+                m: &mut m2,
+                v: &mut v2
+            }
+        )
+        .unwrap(),
         state(&spec, 1)
     );
     assert_eq!(bits(&m2), bits(&m));

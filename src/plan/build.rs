@@ -5,12 +5,12 @@
 
 use super::block::{self, Block, BlockActs};
 use super::packing;
-use super::schedule::{Op, OpEntry, Phase, Schedule};
 use super::schedule::OptimBufs;
+use super::schedule::{Op, OpEntry, Phase, Schedule};
 use super::strategy::{OptimState, Recompute};
-use crate::backend::cpu::quant::QBLOCK;
 use super::{BufId, Buffer, Category, DType, Plan};
 use crate::backend::cpu::attention::attention_workspace_len;
+use crate::backend::cpu::quant::QBLOCK;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;

@@ -200,7 +200,8 @@ impl Serialize for OptimState {
 impl<'de> Deserialize<'de> for OptimState {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<OptimState, D::Error> {
         let s = String::deserialize(d)?;
-        s.parse().map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+        s.parse()
+            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
     }
 }
 
