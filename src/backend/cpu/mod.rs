@@ -9,6 +9,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod elem;
 pub mod encoder;
 pub mod gelu;
 pub mod layernorm;
