@@ -7,7 +7,9 @@ use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::model::ModelSpec;
-use memwall::plan::{self, Mode, OptimState, RecomputeChoice, StepConfig, build_plan};
+use memwall::plan::{
+    self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan,
+};
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
 use std::io::Write;
@@ -111,6 +113,15 @@ struct StrategyArgs {
     /// codes in blocks of 2048 with one f32 scale each, about 2) [default: fp32; with --resume: the run's]
     #[arg(long, value_parser = parse_optim_state)]
     optim_state: Option<OptimState>,
+    /// Format of compute weights, activations and gradients: fp32, bf16 or fp16 (both with
+    /// fp32 master weights and f32 accumulation; fp16 with dynamic loss scaling)
+    /// [default: fp32; with --resume: the run's]
+    #[arg(long, value_parser = parse_precision)]
+    precision: Option<Precision>,
+}
+
+fn parse_precision(s: &str) -> Result<Precision, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
 fn parse_optim_state(s: &str) -> Result<OptimState, String> {
@@ -278,6 +289,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     );
     cfg.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
     cfg.optim_state = a.step.strategy.optim_state.unwrap_or_default();
+    cfg.precision = a.step.strategy.precision.unwrap_or_default();
     let baseline = rss::current_rss().unwrap_or(0);
     let choice = a.step.strategy.recompute.unwrap_or_default();
     // An over-budget fixed policy still prints its plan, then the refusal.
@@ -349,6 +361,15 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
                 );
             }
         }
+        if let Some(p) = a.step.strategy.precision
+            && p != opts.precision
+        {
+            bail!(
+                "--resume: the run in {} trains in {}; it cannot change to {p}",
+                run.display(),
+                opts.precision
+            );
+        }
         if let Some(f) = a.step.strategy.optim_state
             && f != opts.optim_state
         {
@@ -386,6 +407,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.recompute = a.step.strategy.recompute.unwrap_or_default();
         o.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
         o.optim_state = a.step.strategy.optim_state.unwrap_or_default();
+        o.precision = a.step.strategy.precision.unwrap_or_default();
         train::train(&o, None, &mut progress)?
     };
     print_summary(&summary);
@@ -445,6 +467,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         recompute: a.strategy.recompute.unwrap_or_default(),
         grad_accum: a.strategy.grad_accum.unwrap_or(1),
         optim_state: a.strategy.optim_state.unwrap_or_default(),
+        precision: a.strategy.precision.unwrap_or_default(),
         max_memory: a.max_memory,
     };
     eprintln!(

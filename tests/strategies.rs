@@ -3,7 +3,9 @@
 
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::model::ModelSpec;
-use memwall::plan::{Category, Mode, OptimState, Phase, Recompute, StepConfig, build_plan};
+use memwall::plan::{
+    Category, Mode, OptimState, Phase, Precision, Recompute, StepConfig, build_plan,
+};
 use memwall::util::rng::Rng;
 
 /// Four blocks, so that every:2 and every:3 differ from both none and full.
@@ -201,4 +203,83 @@ fn compressed_optimizer_state_trains_close_to_fp32() {
         assert!(b < 0.8 * l[0], "{f} must learn: {l:?}");
         assert!((b - a).abs() <= 0.05 * a, "{f}: {b} vs fp32 {a}");
     }
+}
+
+#[test]
+fn mixed_precision_trains_close_to_fp32() {
+    let run = |p: Precision| {
+        let cfg = StepConfig {
+            precision: p,
+            ..StepConfig::new(4, 16, 2)
+        };
+        train(&cfg, 30).1
+    };
+    let fp32 = run(Precision::F32);
+    for p in [Precision::Bf16, Precision::F16] {
+        let l = run(p);
+        let (a, b) = (fp32[29], l[29]);
+        eprintln!("{p}: final loss {b} vs fp32 {a}");
+        assert!(b < 0.8 * l[0], "{p} must learn: {l:?}");
+        assert!((b - a).abs() <= 0.05 * a, "{p}: {b} vs fp32 {a}");
+        assert!(l != fp32, "{p} computed exactly like fp32: not mixed precision");
+    }
+}
+
+#[test]
+fn overflowing_gradients_skip_the_update() {
+    let spec = small_spec();
+    let cfg = StepConfig {
+        precision: Precision::F16,
+        ..StepConfig::new(2, 16, 2)
+    };
+    let plan = build_plan(&spec, &cfg, Mode::Train).unwrap();
+    let mut ex = Executor::new(plan).unwrap();
+    let layout = ex.plan.layout.clone();
+    layout.init(ex.params_mut(), spec.n_layer, 7);
+    let batch: Vec<u32> = (0..2 * 17).map(|i| (i * 5 % 97) as u32).collect();
+    ex.set_batch(&batch).unwrap();
+    let before = ex.params().to_vec();
+    // A loss scale far beyond f16's range: the gradients overflow, the step is skipped.
+    ex.set_loss_scale(1e30);
+    let st = ex.train_step(&hp(1));
+    assert!(st.skipped && !st.grad_norm.is_finite(), "{st:?}");
+    assert_eq!(ex.params(), &before[..], "a skipped step must not move the weights");
+    // A sane scale: the step runs and the weights move.
+    ex.set_loss_scale(1024.0);
+    let st = ex.train_step(&hp(1));
+    assert!(!st.skipped && st.grad_norm.is_finite(), "{st:?}");
+    assert_ne!(ex.params(), &before[..]);
+}
+
+#[test]
+fn mixed_precision_plans_halve_activations_and_keep_fp32_masters() {
+    let spec = ModelSpec::preset("gpt2").unwrap();
+    let plan = |p: Precision| {
+        let cfg = StepConfig {
+            precision: p,
+            ..StepConfig::new(4, 256, 2)
+        };
+        build_plan(&spec, &cfg, Mode::Train).unwrap()
+    };
+    let (f, b) = (plan(Precision::F32), plan(Precision::Bf16));
+    let cat = |p: &memwall::plan::Plan, c: Category| {
+        p.peak_by_category()
+            .into_iter()
+            .find(|x| x.0 == c)
+            .unwrap()
+            .1
+    };
+    let n = 124_439_808u64;
+    assert_eq!(cat(&b, Category::Master), 4 * n);
+    assert_eq!(cat(&b, Category::Param), 2 * n);
+    assert_eq!(cat(&b, Category::Grad), 2 * n);
+    assert_eq!(cat(&b, Category::OptimizerState), 8 * n);
+    assert_eq!(cat(&f, Category::Master), 0);
+    let (fa, ba) = (
+        cat(&f, Category::Activation) as f64,
+        cat(&b, Category::Activation) as f64,
+    );
+    eprintln!("activations fp32 {fa}, bf16 {ba}; totals {} vs {}", f.total_bytes(), b.total_bytes());
+    // Layernorm statistics and attention lse stay f32: a little over half.
+    assert!(ba < 0.55 * fa && ba > 0.45 * fa);
 }

@@ -36,7 +36,7 @@ pub use atomic::write_file_atomic;
 pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
 pub use moments::{Moments, MomentsMut};
 pub use save::{checkpoint_dir, save_checkpoint, save_model};
-pub use state::TrainerState;
+pub use state::{LossScaleState, TrainerState};
 
 /// Model config file name (Hugging Face).
 pub const CONFIG_FILE: &str = "config.json";

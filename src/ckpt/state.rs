@@ -24,6 +24,17 @@ pub struct TrainerState {
     pub train: serde_json::Value,
     /// `memwall` version that wrote the checkpoint.
     pub memwall_version: String,
+    /// Dynamic loss scaling (fp16 runs): the current scale and the clean steps since it last
+    /// changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScaleState>,
+}
+
+/// The state of dynamic loss scaling.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LossScaleState {
+    pub scale: f32,
+    pub clean_steps: u64,
 }
 
 impl TrainerState {

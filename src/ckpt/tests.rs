@@ -48,6 +48,10 @@ fn state(spec: &ModelSpec, step: u64) -> TrainerState {
         model: spec.to_hf_config(),
         train: serde_json::json!({ "lr": 6e-4, "batch": 4, "seq": 64 }),
         memwall_version: "0.1.0".into(),
+        loss_scale: Some(LossScaleState {
+            scale: 1024.0,
+            clean_steps: 7,
+        }),
     }
 }
 

@@ -4,7 +4,7 @@
 use super::executor::{Executor, OptimHparams};
 use crate::model::ModelSpec;
 use crate::plan::fit::plan_with_recompute;
-use crate::plan::{Mode, OptimState, RecomputeChoice, StepConfig};
+use crate::plan::{Mode, OptimState, Precision, RecomputeChoice, StepConfig};
 use crate::util::rng::Rng;
 use crate::util::rss;
 use anyhow::{Result, bail};
@@ -28,6 +28,8 @@ pub struct BenchOptions {
     pub grad_accum: usize,
     /// Storage of the AdamW moments.
     pub optim_state: OptimState,
+    /// Format of compute weights, activations and gradients.
+    pub precision: Precision,
     /// Budget for `--recompute auto`.
     pub max_memory: Option<u64>,
 }
@@ -42,6 +44,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
     cfg.grad_accum = opts.grad_accum;
     cfg.optim_state = opts.optim_state;
+    cfg.precision = opts.precision;
     let plan = plan_with_recompute(
         &spec,
         &cfg,
@@ -73,6 +76,9 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         }
         ex.set_batch(&batch)?;
         let t0 = Instant::now();
+        if opts.precision == Precision::F16 {
+            ex.set_loss_scale(crate::exec::train::LossScaler::INITIAL);
+        }
         let st = ex.train_step(&OptimHparams {
             lr: 3e-4,
             beta1: 0.9,
@@ -134,7 +140,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     Ok(json!({
         "config": {
             "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
-            "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": "fp32",
+            "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": opts.precision.to_string(),
+            "bf16_dot_product": false,
             "recompute": recompute.to_string(), "grad_accum": opts.grad_accum,
             "optim_state": opts.optim_state.to_string(),
             "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,

@@ -2,13 +2,13 @@
 //! [`Executor::new`]; kernels receive slices and allocate nothing, so the plan's bytes are the
 //! step's bytes. Ops run in a dedicated rayon pool of `threads` workers.
 
-use crate::backend::cpu::{
-    adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent,
-};
+use super::ops::OptimOutcome;
+use crate::backend::cpu::elem::Elem;
 use crate::ckpt::{Moments, MomentsMut};
+use half::{bf16, f16};
 use crate::mem::arena::Arena;
 use crate::plan::schedule::{Op, Phase};
-use crate::plan::{BufId, DType, Mode, OptimState, Plan};
+use crate::plan::{BufId, DType, Mode, OptimState, Plan, Precision};
 use anyhow::{Result, bail};
 
 /// Optimizer hyperparameters for one step.
@@ -30,8 +30,10 @@ pub struct OptimHparams {
 pub struct StepStats {
     /// Mean cross-entropy over the batch's tokens.
     pub loss: f32,
-    /// Global gradient L2 norm before clipping.
+    /// Global gradient L2 norm before clipping (of the unscaled gradients).
     pub grad_norm: f32,
+    /// The update was skipped because the gradients were not finite (fp16 overflow).
+    pub skipped: bool,
 }
 
 /// Executes plans: owns the arena, the plan and the worker pool.
@@ -39,8 +41,10 @@ pub struct Executor {
     pub plan: Plan,
     arena: Arena,
     pool: rayon::ThreadPool,
-    hp: Option<OptimHparams>,
-    last_grad_norm: f32,
+    pub(super) hp: Option<OptimHparams>,
+    /// The loss is multiplied by this before backward (fp16 loss scaling; 1 otherwise).
+    pub(super) loss_scale: f32,
+    last: Option<OptimOutcome>,
     /// Seconds spent in each op of the schedule, summed over runs, when timing is on.
     op_seconds: Option<Vec<f64>>,
 }
@@ -48,6 +52,11 @@ pub struct Executor {
 impl Executor {
     /// Allocates (and touches) the plan's arena and starts `plan.cfg.threads` workers.
     pub fn new(plan: Plan) -> Result<Executor> {
+        if plan.cfg.precision == Precision::F16 && !f16_conversions_available() {
+            bail!(
+                "--precision fp16: this CPU has no F16C half-precision conversions, so fp16 storage would be converted in software, far slower than fp32; use --precision bf16"
+            );
+        }
         crate::util::malloc::keep_library_scratch_resident();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(plan.cfg.threads)
@@ -59,7 +68,8 @@ impl Executor {
             arena,
             pool,
             hp: None,
-            last_grad_norm: 0.0,
+            loss_scale: 1.0,
+            last: None,
             op_seconds: None,
         })
     }
@@ -68,21 +78,38 @@ impl Executor {
     // buffers never overlap the other buffers it touches (plan::build::verify_ops), and the
     // persistent buffers (params, grads, moments) are distinct buffers in the arena.
     fn f32(&self, id: BufId) -> &[f32] {
-        let b = self.plan.buffer(id);
-        debug_assert_eq!(b.dtype, DType::F32);
-        unsafe { self.arena.view_mut::<f32>(b.offset, b.elems) }
+        self.typed(id, DType::F32)
     }
 
     #[allow(clippy::mut_from_ref)]
     fn f32_mut(&self, id: BufId) -> &mut [f32] {
-        let b = self.plan.buffer(id);
-        debug_assert_eq!(b.dtype, DType::F32);
-        unsafe { self.arena.view_mut::<f32>(b.offset, b.elems) }
+        self.typed(id, DType::F32)
     }
 
     #[allow(clippy::mut_from_ref)]
-    fn u32_mut(&self, id: BufId) -> &mut [u32] {
+    pub(super) fn u32_mut(&self, id: BufId) -> &mut [u32] {
         self.typed(id, DType::U32)
+    }
+
+    /// A view of buffer `id` as elements of `T` (whose dtype it must have).
+    #[allow(clippy::mut_from_ref)]
+    pub(super) fn view<T: Elem>(&self, id: BufId) -> &mut [T] {
+        let dtype = match T::NAME {
+            "f32" => DType::F32,
+            "bf16" => DType::Bf16,
+            "f16" => DType::F16,
+            other => unreachable!("element type {other}"),
+        };
+        self.typed(id, dtype)
+    }
+
+    /// Zeroes a buffer of any dtype (all-zero bits are 0 in every element type).
+    pub(super) fn zero(&self, id: BufId) {
+        use rayon::prelude::*;
+        let b = self.plan.buffer(id);
+        // SAFETY: as for every view; u8 has no alignment or validity requirement.
+        let bytes = unsafe { self.arena.view_mut::<u8>(b.offset, b.bytes as usize) };
+        bytes.par_chunks_mut(1 << 18).for_each(|c| c.fill(0));
     }
 
     /// A view of buffer `id`, whose element type `T` is `dtype`'s.
@@ -94,18 +121,31 @@ impl Executor {
         unsafe { self.arena.view_mut::<T>(b.offset, b.elems) }
     }
 
-    /// The flat parameter buffer (layout: `plan.layout`).
+    /// The flat fp32 parameter buffer (layout: `plan.layout`): the master weights under mixed
+    /// precision (each step starts by casting them into the compute copy).
     pub fn params(&self) -> &[f32] {
-        self.f32(self.plan.schedule.params)
+        let s = &self.plan.schedule;
+        self.f32(s.master.unwrap_or(s.params))
     }
 
     pub fn params_mut(&mut self) -> &mut [f32] {
-        self.f32_mut(self.plan.schedule.params)
+        let s = &self.plan.schedule;
+        self.f32_mut(s.master.unwrap_or(s.params))
     }
 
-    /// Gradients of the last step (training plans only).
-    pub fn grads(&self) -> &[f32] {
-        self.f32(self.plan.schedule.grads.expect("training plan"))
+    /// Gradients of the last step as f32 (training plans only; scaled by the loss scale).
+    pub fn grads(&self) -> Vec<f32> {
+        let id = self.plan.schedule.grads.expect("training plan");
+        match self.plan.cfg.precision {
+            Precision::F32 => self.f32(id).to_vec(),
+            Precision::Bf16 => self.view::<bf16>(id).iter().map(|x| x.to_f32()).collect(),
+            Precision::F16 => self.view::<f16>(id).iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// Sets the factor the loss is multiplied by before backward (fp16 loss scaling).
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
     }
 
     /// AdamW moments in their stored format, for checkpoints.
@@ -131,7 +171,7 @@ impl Executor {
         self.moments_view()
     }
 
-    fn moments_view(&self) -> MomentsMut<'_> {
+    pub(super) fn moments_view(&self) -> MomentsMut<'_> {
         let o = self.plan.schedule.optim.expect("training plan");
         match o.format {
             OptimState::F32 => MomentsMut::F32 {
@@ -188,8 +228,12 @@ impl Executor {
     /// One optimizer step on the batch set by [`Executor::set_batch`].
     pub fn train_step(&mut self, hp: &OptimHparams) -> StepStats {
         let loss = self.compute_gradients();
-        let grad_norm = self.apply_optimizer(hp);
-        StepStats { loss, grad_norm }
+        let o = self.apply_optimizer(hp);
+        StepStats {
+            loss,
+            grad_norm: o.grad_norm,
+            skipped: o.skipped,
+        }
     }
 
     /// Forward and backward: fills the gradients, returns the mean loss. The optimizer ops
@@ -202,8 +246,9 @@ impl Executor {
         self.mean_loss()
     }
 
-    /// Runs the optimizer phase on the gradients; returns the gradient norm before clipping.
-    pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> f32 {
+    /// Runs the optimizer phase on the gradients; returns the gradient norm before clipping and
+    /// whether the update was skipped (non-finite gradients).
+    pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> StepOutcome {
         self.hp = Some(hp.clone());
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
         self.run(
@@ -212,7 +257,11 @@ impl Executor {
             t,
             true,
         );
-        self.last_grad_norm
+        let o = self.last.expect("the optimizer op ran");
+        StepOutcome {
+            grad_norm: o.grad_norm,
+            skipped: o.skipped,
+        }
     }
 
     fn optimizer_start(&self) -> usize {
@@ -287,12 +336,18 @@ impl Executor {
     ) {
         let mut times = self.op_seconds.take();
         let this = &*self;
-        let mut grad_norm = None;
+        let mut outcome = None;
+        let precision = self.plan.cfg.precision;
         this.pool.install(|| {
             for i in ops {
                 let t0 = times.as_ref().map(|_| std::time::Instant::now());
-                if let Some(gn) = this.run_op(i, b, t, training) {
-                    grad_norm = Some(gn);
+                let o = match precision {
+                    Precision::F32 => this.run_op::<f32>(i, b, t, training),
+                    Precision::Bf16 => this.run_op::<bf16>(i, b, t, training),
+                    Precision::F16 => this.run_op::<f16>(i, b, t, training),
+                };
+                if o.is_some() {
+                    outcome = o;
                 }
                 if let (Some(ts), Some(t0)) = (times.as_mut(), t0) {
                     ts[i] += t0.elapsed().as_secs_f64();
@@ -300,312 +355,37 @@ impl Executor {
             }
         });
         self.op_seconds = times;
-        if let Some(gn) = grad_norm {
-            self.last_grad_norm = gn;
+        if outcome.is_some() {
+            self.last = outcome;
         }
-    }
-
-    /// Runs op `i` on the first `b`×`t` rows; returns the gradient norm for the optimizer op.
-    fn run_op(&self, i: usize, b: usize, t: usize, training: bool) -> Option<f32> {
-        let spec = &self.plan.spec;
-        let (c, nh, v) = (spec.n_embd, spec.n_head, spec.vocab_size);
-        let n = b * t;
-        let s = &self.plan.schedule;
-        let params = self.f32(s.params);
-        let grads = || self.f32_mut(s.grads.expect("training plan"));
-        match &self.plan.schedule.ops[i].op {
-            Op::Zero { buf } => {
-                use rayon::prelude::*;
-                self.f32_mut(*buf)
-                    .par_chunks_mut(1 << 16)
-                    .for_each(|c| c.fill(0.0));
-            }
-            Op::Encoder { tokens, out } => {
-                let toks = &self.u32_mut(*tokens)[..n];
-                let l = &self.plan.layout;
-                encoder::encoder_forward(
-                    &mut self.f32_mut(*out)[..n * c],
-                    toks,
-                    &params[l.wte.clone()],
-                    &params[l.wpe.clone()],
-                    b,
-                    t,
-                    c,
-                );
-            }
-            Op::LayerNorm {
-                inp,
-                out,
-                mean,
-                rstd,
-                w,
-                b: bias,
-            } => {
-                layernorm::layernorm_forward(
-                    &mut self.f32_mut(*out)[..n * c],
-                    &mut self.f32_mut(*mean)[..n],
-                    &mut self.f32_mut(*rstd)[..n],
-                    &self.f32(*inp)[..n * c],
-                    &params[w.clone()],
-                    &params[bias.clone()],
-                    n,
-                    c,
-                    spec.layer_norm_epsilon,
-                );
-            }
-            Op::Matmul {
-                inp,
-                out,
-                residual,
-                w,
-                b: bias,
-                ic,
-                oc,
-            } => {
-                let out = &mut self.f32_mut(*out)[..n * oc];
-                if let Some(r) = residual {
-                    out.copy_from_slice(&self.f32(*r)[..n * oc]);
-                }
-                let (w, bias) = (&params[w.clone()], &params[bias.clone()]);
-                matmul::matmul_forward(
-                    out,
-                    &self.f32(*inp)[..n * ic],
-                    w,
-                    Some(bias),
-                    n,
-                    *ic,
-                    *oc,
-                    residual.is_some(),
-                );
-            }
-            Op::Attention { qkv, out, lse, ws } => {
-                attention::attention_forward(
-                    &mut self.f32_mut(*out)[..n * c],
-                    &mut self.f32_mut(*lse)[..b * nh * t],
-                    &self.f32(*qkv)[..n * 3 * c],
-                    b,
-                    t,
-                    c,
-                    nh,
-                    self.f32_mut(*ws),
-                );
-            }
-            Op::Gelu { inp, out } => {
-                gelu::gelu_forward(
-                    &mut self.f32_mut(*out)[..n * 4 * c],
-                    &self.f32(*inp)[..n * 4 * c],
-                );
-            }
-            Op::LmHeadLoss {
-                inp,
-                targets,
-                losses,
-                logits,
-                dinp,
-                rows_per_chunk,
-                loss_rows,
-            } => {
-                let wte = &params[self.plan.layout.wte.clone()];
-                let x = &self.f32(*inp)[..n * c];
-                let tg = &self.u32_mut(*targets)[..n];
-                let losses = &mut self.f32_mut(*losses)[..n];
-                let logits = self.f32_mut(*logits);
-                let scale = 1.0 / *loss_rows as f32;
-                let mut start = 0;
-                while start < n {
-                    let r = (*rows_per_chunk).min(n - start);
-                    let lg = &mut logits[..r * v];
-                    let xr = &x[start * c..(start + r) * c];
-                    // lg[r, V] = xr[r, C] @ wteᵀ
-                    matmul::sgemm(r, v, c, 1.0, xr, c, false, wte, c, true, lg, v, false);
-                    let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
-                    match (training, dinp) {
-                        (true, Some(d)) => {
-                            xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v);
-                            let dx = &mut self.f32_mut(*d)[start * c..(start + r) * c];
-                            // dx[r, C] = dlogits[r, V] @ wte[V, C]
-                            matmul::sgemm(r, c, v, 1.0, lg, v, false, wte, c, false, dx, c, false);
-                            // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C]
-                            let dwte = &mut grads()[self.plan.layout.wte.clone()];
-                            matmul::sgemm(v, c, r, 1.0, lg, v, true, xr, c, false, dwte, c, true);
-                        }
-                        _ => xent::softmax_xent_forward(lg, tr, lr, r, v),
-                    }
-                    start += r;
-                }
-            }
-            Op::LmHeadLast { inp, logits } => {
-                let wte = &params[self.plan.layout.wte.clone()];
-                let x = &self.f32(*inp)[(n - 1) * c..n * c];
-                matmul::sgemm(
-                    1,
-                    v,
-                    c,
-                    1.0,
-                    x,
-                    c,
-                    false,
-                    wte,
-                    c,
-                    true,
-                    self.f32_mut(*logits),
-                    v,
-                    false,
-                );
-            }
-            Op::LayerNormBackward {
-                dinp,
-                dout,
-                inp,
-                mean,
-                rstd,
-                w,
-                b: bias,
-            } => {
-                let g = grads();
-                let (dw, db) = two_ranges(g, w.clone(), bias.clone());
-                layernorm::layernorm_backward(
-                    &mut self.f32_mut(*dinp)[..n * c],
-                    dw,
-                    db,
-                    &self.f32(*dout)[..n * c],
-                    &self.f32(*inp)[..n * c],
-                    &params[w.clone()],
-                    &self.f32(*mean)[..n],
-                    &self.f32(*rstd)[..n],
-                    n,
-                    c,
-                );
-            }
-            Op::MatmulBackward {
-                dinp,
-                dout,
-                inp,
-                w,
-                b: bias,
-                ic,
-                oc,
-            } => {
-                let g = grads();
-                let (dw, db) = two_ranges(g, w.clone(), bias.clone());
-                matmul::matmul_backward(
-                    &mut self.f32_mut(*dinp)[..n * ic],
-                    dw,
-                    Some(db),
-                    &self.f32(*dout)[..n * oc],
-                    &self.f32(*inp)[..n * ic],
-                    &params[w.clone()],
-                    n,
-                    *ic,
-                    *oc,
-                );
-            }
-            Op::AttentionBackward {
-                dqkv,
-                dout,
-                qkv,
-                out,
-                lse,
-                ws,
-            } => {
-                attention::attention_backward(
-                    &mut self.f32_mut(*dqkv)[..n * 3 * c],
-                    &self.f32(*dout)[..n * c],
-                    &self.f32(*qkv)[..n * 3 * c],
-                    &self.f32(*out)[..n * c],
-                    &self.f32(*lse)[..b * nh * t],
-                    b,
-                    t,
-                    c,
-                    nh,
-                    self.f32_mut(*ws),
-                );
-            }
-            Op::GeluBackward { d, inp } => {
-                gelu::gelu_backward_inplace(
-                    &mut self.f32_mut(*d)[..n * 4 * c],
-                    &self.f32(*inp)[..n * 4 * c],
-                );
-            }
-            Op::EncoderBackward { dout, tokens } => {
-                let l = &self.plan.layout;
-                let g = grads();
-                let (dwte, dwpe) = two_ranges(g, l.wte.clone(), l.wpe.clone());
-                encoder::encoder_backward(
-                    dwte,
-                    dwpe,
-                    &self.f32(*dout)[..n * c],
-                    &self.u32_mut(*tokens)[..n],
-                    b,
-                    t,
-                    c,
-                );
-            }
-            Op::OptimizerStep => return Some(self.optimizer_step()),
-        }
-        None
-    }
-
-    /// Global-norm clipping then AdamW over every parameter tensor; returns the norm.
-    fn optimizer_step(&self) -> f32 {
-        let hp = self.hp.as_ref().expect("train_step sets hyperparameters");
-        let s = &self.plan.schedule;
-        let grads = self.f32(s.grads.expect("training plan"));
-        let norm = reduce::sum_squares(grads).sqrt() as f32;
-        let scale = if hp.grad_clip > 0.0 && norm > hp.grad_clip {
-            hp.grad_clip / (norm + 1e-6)
-        } else {
-            1.0
-        };
-        let params = self.f32_mut(s.params);
-        let mut state = self.moments_view();
-        let (block_of, _) = self.plan.layout.block_offsets(quant::QBLOCK);
-        for (tensor, &b0) in self.plan.layout.tensors.iter().zip(&block_of) {
-            let r = tensor.range.clone();
-            let blocks = b0..b0 + r.len().div_ceil(quant::QBLOCK);
-            let p = adamw::AdamWParams {
-                lr: hp.lr,
-                beta1: hp.beta1,
-                beta2: hp.beta2,
-                eps: hp.eps,
-                weight_decay: if tensor.decay { hp.weight_decay } else { 0.0 },
-                step: hp.step,
-                grad_scale: scale,
-            };
-            let (p_, g) = (&mut params[r.clone()], &grads[r.clone()]);
-            match &mut state {
-                MomentsMut::F32 { m, v } => {
-                    adamw::adamw_update(p_, g, &mut m[r.clone()], &mut v[r], &p)
-                }
-                MomentsMut::Bf16 { m, v } => {
-                    quant::adamw_update_bf16(p_, g, &mut m[r.clone()], &mut v[r], &p)
-                }
-                MomentsMut::Int8 {
-                    m,
-                    m_absmax,
-                    v,
-                    v_absmax,
-                } => quant::adamw_update_int8(
-                    p_,
-                    g,
-                    &mut m[r.clone()],
-                    &mut m_absmax[blocks.clone()],
-                    &mut v[r],
-                    &mut v_absmax[blocks],
-                    &p,
-                ),
-            }
-        }
-        norm
     }
 }
 
+/// Whether the CPU converts f16 in hardware (F16C).
+fn f16_conversions_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        cfg!(target_arch = "aarch64")
+    }
+}
+
+/// What the optimizer phase reports.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    pub grad_norm: f32,
+    pub skipped: bool,
+}
+
 /// Two disjoint mutable sub-slices of one buffer.
-fn two_ranges(
-    buf: &mut [f32],
+pub(super) fn two_ranges<T>(
+    buf: &mut [T],
     a: std::ops::Range<usize>,
     b: std::ops::Range<usize>,
-) -> (&mut [f32], &mut [f32]) {
+) -> (&mut [T], &mut [T]) {
     assert!(
         a.end <= b.start || b.end <= a.start,
         "overlapping parameter ranges"

@@ -8,6 +8,7 @@ pub mod bench;
 pub mod executor;
 pub mod generate;
 pub mod lr;
+mod ops;
 pub mod train;
 
 pub use executor::{Executor, OptimHparams, StepStats};

@@ -7,10 +7,10 @@
 
 use super::executor::{Executor, OptimHparams};
 use super::lr::cosine_with_warmup;
-use crate::ckpt::{self, TrainerState};
+use crate::ckpt::{self, LossScaleState, TrainerState};
 use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
 use crate::model::ModelSpec;
-use crate::plan::{self, Mode, OptimState, RecomputeChoice, StepConfig};
+use crate::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig};
 use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -62,6 +62,51 @@ pub struct TrainOptions {
     /// Storage of the AdamW moments.
     #[serde(default)]
     pub optim_state: OptimState,
+    /// Format of compute weights, activations and gradients.
+    #[serde(default)]
+    pub precision: Precision,
+}
+
+/// Dynamic loss scaling for fp16 (as `torch.cuda.amp.GradScaler`): start at 2^16, halve and
+/// skip the update when the gradients overflow, double after 2000 clean steps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScaler {
+    pub state: LossScaleState,
+}
+
+impl LossScaler {
+    pub const INITIAL: f32 = 65536.0;
+    pub const GROWTH_INTERVAL: u64 = 2000;
+
+    pub fn new() -> LossScaler {
+        LossScaler {
+            state: LossScaleState {
+                scale: Self::INITIAL,
+                clean_steps: 0,
+            },
+        }
+    }
+
+    /// Updates the scale after a step that did (`skipped`) or did not overflow.
+    pub fn update(&mut self, skipped: bool) {
+        let s = &mut self.state;
+        if skipped {
+            s.scale = (s.scale * 0.5).max(f32::MIN_POSITIVE);
+            s.clean_steps = 0;
+        } else {
+            s.clean_steps += 1;
+            if s.clean_steps >= Self::GROWTH_INTERVAL {
+                s.scale = (s.scale * 2.0).min(f32::MAX / 2.0);
+                s.clean_steps = 0;
+            }
+        }
+    }
+}
+
+impl Default for LossScaler {
+    fn default() -> LossScaler {
+        LossScaler::new()
+    }
 }
 
 fn one() -> usize {
@@ -95,6 +140,7 @@ impl TrainOptions {
             recompute: RecomputeChoice::default(),
             grad_accum: 1,
             optim_state: OptimState::F32,
+            precision: Precision::F32,
         }
     }
 
@@ -156,6 +202,11 @@ struct Metric {
     loss: f32,
     lr: f32,
     grad_norm: f32,
+    /// fp16 runs: the loss scale used by this step, and whether its update was skipped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loss_scale: Option<f32>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    skipped: bool,
     tokens_per_s: f64,
     step_s: f64,
     rss_bytes: Option<u64>,
@@ -335,6 +386,7 @@ pub fn train(
     let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
     cfg.grad_accum = opts.grad_accum;
     cfg.optim_state = opts.optim_state;
+    cfg.precision = opts.precision;
     let plan = plan::fit::plan_with_recompute(
         &spec,
         &cfg,
@@ -363,6 +415,8 @@ pub fn train(
     let mut ex = Executor::new(plan)?;
 
     // ---- initial state ----
+    let fp16 = opts.precision == Precision::F16;
+    let mut scaler = fp16.then(LossScaler::new);
     let (mut step, data_position) = match resume {
         Some(ck) => {
             let layout = ex.plan.layout.clone();
@@ -374,6 +428,9 @@ pub fn train(
                 ck.display(),
                 st.step
             ));
+            if let (Some(sc), Some(saved)) = (scaler.as_mut(), st.loss_scale) {
+                sc.state = saved;
+            }
             (st.step, st.data_position)
         }
         None => {
@@ -422,7 +479,19 @@ pub fn train(
             grad_clip: opts.grad_clip,
             step: step + 1,
         };
+        let scale = scaler.map(|s| s.state.scale);
+        ex.set_loss_scale(scale.unwrap_or(1.0));
         let stats = ex.train_step(&hp);
+        if let Some(sc) = scaler.as_mut() {
+            sc.update(stats.skipped);
+        } else if stats.skipped {
+            bail!(
+                "the gradients became {} at step {}; try a lower --lr (now {}) or --grad-clip",
+                stats.grad_norm,
+                step + 1,
+                opts.lr
+            );
+        }
         let secs = t0.elapsed().as_secs_f64();
         step += 1;
         if !stats.loss.is_finite() {
@@ -459,6 +528,8 @@ pub fn train(
             loss: stats.loss,
             lr,
             grad_norm: stats.grad_norm,
+            loss_scale: scale,
+            skipped: stats.skipped,
             tokens_per_s: tokens_per_step / secs,
             step_s: secs,
             rss_bytes: rss_now,
@@ -482,6 +553,7 @@ pub fn train(
                 model: spec.to_hf_config(),
                 train: serde_json::to_value(opts)?,
                 memwall_version: env!("CARGO_PKG_VERSION").to_string(),
+                loss_scale: scaler.map(|s| s.state),
             };
             let dir = ckpt::save_checkpoint(
                 &opts.out,
@@ -579,4 +651,29 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
         .map(|l| format!("{l}\n"))
         .collect();
     ckpt::write_file_atomic(path, kept.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LossScaler;
+
+    #[test]
+    fn loss_scale_halves_on_overflow_and_doubles_after_clean_steps() {
+        let mut s = LossScaler::new();
+        assert_eq!(s.state.scale, 65536.0);
+        s.update(true);
+        assert_eq!((s.state.scale, s.state.clean_steps), (32768.0, 0));
+        for _ in 0..LossScaler::GROWTH_INTERVAL - 1 {
+            s.update(false);
+        }
+        assert_eq!(s.state.scale, 32768.0);
+        s.update(false);
+        assert_eq!((s.state.scale, s.state.clean_steps), (65536.0, 0));
+        // An overflow resets the count of clean steps.
+        for _ in 0..10 {
+            s.update(false);
+        }
+        s.update(true);
+        assert_eq!((s.state.scale, s.state.clean_steps), (32768.0, 0));
+    }
 }

@@ -101,7 +101,7 @@ fn emit_stage(
                 let res2 = get(|a| a.res2, partial.res2);
                 (res2, &p.ln2_w, &p.ln2_b, "ln2")
             };
-            let out = g.f32(format!("{pfx}{tag}"), Category::Activation, n * c);
+            let out = g.act(format!("{pfx}{tag}"), Category::Activation, n * c);
             let mean = g.f32(format!("{pfx}{tag}.mean"), Category::Activation, n);
             let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, n);
             g.op(
@@ -127,7 +127,7 @@ fn emit_stage(
         }
         Stage::Qkv => {
             let inp = get(|a| a.ln1, partial.ln1);
-            let out = g.f32(format!("{pfx}qkv"), Category::Activation, 3 * n * c);
+            let out = g.act(format!("{pfx}qkv"), Category::Activation, 3 * n * c);
             g.op(
                 format!("{pfx}qkv"),
                 phase,
@@ -146,7 +146,7 @@ fn emit_stage(
         }
         Stage::Attn => {
             let qkv = get(|a| a.qkv, partial.qkv);
-            let out = g.f32(format!("{pfx}attn"), Category::Activation, n * c);
+            let out = g.act(format!("{pfx}attn"), Category::Activation, n * c);
             let lse = g.f32(
                 format!("{pfx}attn.lse"),
                 Category::Activation,
@@ -163,7 +163,7 @@ fn emit_stage(
         }
         Stage::AttnProj => {
             let inp = get(|a| a.atty, partial.atty);
-            let out = g.f32(format!("{pfx}res_attn"), Category::Activation, n * c);
+            let out = g.act(format!("{pfx}res_attn"), Category::Activation, n * c);
             g.op(
                 format!("{pfx}attn_proj"),
                 phase,
@@ -182,7 +182,7 @@ fn emit_stage(
         }
         Stage::Fc => {
             let inp = get(|a| a.ln2, partial.ln2);
-            let out = g.f32(format!("{pfx}fc"), Category::Activation, 4 * n * c);
+            let out = g.act(format!("{pfx}fc"), Category::Activation, 4 * n * c);
             g.op(
                 format!("{pfx}fc"),
                 phase,
@@ -201,7 +201,7 @@ fn emit_stage(
         }
         Stage::Gelu => {
             let inp = get(|a| a.fch, partial.fch);
-            let out = g.f32(format!("{pfx}fc.gelu"), Category::Activation, 4 * n * c);
+            let out = g.act(format!("{pfx}fc.gelu"), Category::Activation, 4 * n * c);
             g.op(format!("{pfx}gelu"), phase, 0, Op::Gelu { inp, out });
             partial.fch_gelu = Some(out);
         }
@@ -258,7 +258,7 @@ pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
         emit_stage(g, blk, s, None, &mut partial, name, Phase::Forward);
     }
     let acts = partial.over(None);
-    let out = g.f32(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
+    let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
     g.op(
         format!("{name}mlp_proj"),
         Phase::Forward,
@@ -303,11 +303,11 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
     let (d, p, name, res_in) = (blk.d, blk.p, &blk.name, blk.res_in);
     let (n, c) = (d.n, d.c);
     let mm = |ic: usize, oc: usize| 2 * mm_flops(d, ic, oc);
-    let dfch = g.f32(format!("{name}d.fc"), Category::ActivationGrad, 4 * n * c);
-    let dln2 = g.f32(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
-    let datty = g.f32(format!("{name}d.attn"), Category::ActivationGrad, n * c);
-    let dqkv = g.f32(format!("{name}d.qkv"), Category::ActivationGrad, 3 * n * c);
-    let dln1 = g.f32(format!("{name}d.ln1"), Category::ActivationGrad, n * c);
+    let dfch = g.act(format!("{name}d.fc"), Category::ActivationGrad, 4 * n * c);
+    let dln2 = g.act(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
+    let datty = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * c);
+    let dqkv = g.act(format!("{name}d.qkv"), Category::ActivationGrad, 3 * n * c);
+    let dln1 = g.act(format!("{name}d.ln1"), Category::ActivationGrad, n * c);
     let attn_ws = g.f32(
         format!("{name}attn.ws.bwd"),
         Category::Workspace,

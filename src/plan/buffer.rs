@@ -15,7 +15,7 @@ pub enum Category {
     Param,
     /// Parameter gradients.
     Grad,
-    /// fp32 master weights (mixed precision; unused in fp32 plans).
+    /// fp32 master weights that the optimizer updates (mixed precision; unused in fp32 plans).
     Master,
     /// Optimizer state (AdamW first and second moments).
     OptimizerState,
@@ -66,6 +66,7 @@ pub enum DType {
     F32,
     U32,
     Bf16,
+    F16,
     I8,
     U8,
 }
@@ -74,7 +75,7 @@ impl DType {
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::U32 => 4,
-            DType::Bf16 => 2,
+            DType::Bf16 | DType::F16 => 2,
             DType::I8 | DType::U8 => 1,
         }
     }

@@ -7,7 +7,8 @@ use super::block::{self, Block, BlockActs};
 use super::packing;
 use super::schedule::OptimBufs;
 use super::schedule::{Op, OpEntry, Phase, Schedule};
-use super::strategy::{OptimState, Recompute};
+use super::strategy::{OptimState, Precision, Recompute};
+use crate::backend::cpu::matmul::gemm_mixed_workspace_len;
 use super::{BufId, Buffer, Category, DType, Plan};
 use crate::backend::cpu::attention::attention_workspace_len;
 use crate::backend::cpu::quant::QBLOCK;
@@ -43,6 +44,8 @@ pub struct StepConfig {
     pub grad_accum: usize,
     /// Storage of the AdamW moments.
     pub optim_state: OptimState,
+    /// Format of compute weights, activations and gradients.
+    pub precision: Precision,
 }
 
 impl StepConfig {
@@ -55,6 +58,7 @@ impl StepConfig {
             recompute: Recompute::None,
             grad_accum: 1,
             optim_state: OptimState::F32,
+            precision: Precision::F32,
         }
     }
 }
@@ -62,9 +66,22 @@ impl StepConfig {
 pub(super) struct Builder {
     buffers: Vec<Buffer>,
     ops: Vec<OpEntry>,
+    /// Element type of activations, compute weights and gradients.
+    storage: DType,
 }
 
 impl Builder {
+    /// A (non-persistent) buffer in the plan's storage type (activations and their grads).
+    pub(super) fn act(
+        &mut self,
+        name: impl Into<String>,
+        category: Category,
+        elems: usize,
+    ) -> BufId {
+        let dt = self.storage;
+        self.buf(name, category, dt, elems)
+    }
+
     fn buf(
         &mut self,
         name: impl Into<String>,
@@ -155,16 +172,40 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         c,
         nh,
         n: b * t,
-        attn_ws_len: attention_workspace_len(t, c / nh, cfg.threads),
+        attn_ws_len: match cfg.precision {
+            Precision::F32 => attention_workspace_len::<f32>(t, c / nh, cfg.threads),
+            Precision::Bf16 => attention_workspace_len::<half::bf16>(t, c / nh, cfg.threads),
+            Precision::F16 => attention_workspace_len::<half::f16>(t, c / nh, cfg.threads),
+        },
     };
     let train = mode == Mode::Train;
+    if mode == Mode::Generate && cfg.precision != Precision::F32 {
+        bail!("internal error: generation plans run in fp32");
+    }
+    let storage = cfg.precision.storage();
     let mut g = Builder {
         buffers: Vec::new(),
         ops: Vec::new(),
+        storage,
     };
 
-    // Persistent state: parameters, gradients, AdamW moments.
-    let params = g.persistent("params", Category::Param, DType::F32, layout.total);
+    // Persistent state: parameters (with fp32 master weights under mixed precision), the
+    // mixed-precision GEMM workspace, gradients, AdamW moments.
+    let mixed = cfg.precision != Precision::F32;
+    let master =
+        mixed.then(|| g.persistent("params.master", Category::Master, DType::F32, layout.total));
+    let params = g.persistent("params", Category::Param, storage, layout.total);
+    let gemm_ws = mixed.then(|| {
+        g.persistent(
+            "gemm.mixed_tiles",
+            Category::Workspace,
+            DType::F32,
+            gemm_mixed_workspace_len(),
+        )
+    });
+    if mixed {
+        g.op("cast_params", Phase::Forward, 0, Op::CastParams);
+    }
     if !train {
         let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, d.n); // [B, T]
         let fwd = forward(&mut g, &d, spec, &layout, "", tokens);
@@ -184,9 +225,16 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
             losses: vec![],
             logits: Some(logits),
         };
-        return finish(spec, cfg, mode, layout, g, params, None, io);
+        let p = Persistent {
+            params,
+            master,
+            gemm_ws,
+            grads: None,
+            optim: None,
+        };
+        return finish(spec, cfg, mode, layout, g, p, io);
     }
-    let grads = g.persistent("grads", Category::Grad, DType::F32, layout.total);
+    let grads = g.persistent("grads", Category::Grad, storage, layout.total);
     let optim = optimizer_state(&mut g, &layout, cfg.optim_state);
     g.op("zero_grad", Phase::Forward, 0, Op::Zero { buf: grads });
     let micro = cfg.grad_accum;
@@ -218,7 +266,23 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         io.losses.push(losses);
     }
     g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
-    finish(spec, cfg, mode, layout, g, params, Some((grads, optim)), io)
+    let p = Persistent {
+        params,
+        master,
+        gemm_ws,
+        grads: Some(grads),
+        optim: Some(optim),
+    };
+    finish(spec, cfg, mode, layout, g, p, io)
+}
+
+/// The persistent buffers every op may touch implicitly.
+struct Persistent {
+    params: BufId,
+    master: Option<BufId>,
+    gemm_ws: Option<BufId>,
+    grads: Option<BufId>,
+    optim: Option<OptimBufs>,
 }
 
 /// Declares the AdamW moments in `format` (see [`OptimBufs`]).
@@ -275,7 +339,7 @@ fn forward(
     tokens: BufId,
 ) -> Forward {
     let (n, c) = (d.n, d.c);
-    let mut res = g.f32(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
+    let mut res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
     g.op(
         format!("{pfx}encoder"),
         Phase::Forward,
@@ -296,7 +360,7 @@ fn forward(
         residuals.push(res);
         acts.push(a);
     }
-    let lnf = g.f32(format!("{pfx}lnf"), Category::Activation, n * c);
+    let lnf = g.act(format!("{pfx}lnf"), Category::Activation, n * c);
     let lnf_mean = g.f32(format!("{pfx}lnf.mean"), Category::Activation, n);
     let lnf_rstd = g.f32(format!("{pfx}lnf.rstd"), Category::Activation, n);
     g.op(
@@ -348,7 +412,7 @@ fn micro_batch(
         Category::Workspace,
         rows_per_chunk * v,
     ); // [rows, V]
-    let dlnf = g.f32(format!("{pfx}d.lnf"), Category::ActivationGrad, n * c); // [N, C]
+    let dlnf = g.act(format!("{pfx}d.lnf"), Category::ActivationGrad, n * c); // [N, C]
     g.op(
         format!("{pfx}lm_head+loss"),
         Phase::Forward,
@@ -366,7 +430,7 @@ fn micro_batch(
     );
 
     // ---- backward ----
-    let dres = g.f32(format!("{pfx}d.residual"), Category::ActivationGrad, n * c); // [N, C]
+    let dres = g.act(format!("{pfx}d.residual"), Category::ActivationGrad, n * c); // [N, C]
     g.op(
         format!("{pfx}zero d.residual"),
         Phase::Backward,
@@ -421,8 +485,7 @@ fn finish(
     mode: Mode,
     layout: ParamLayout,
     mut g: Builder,
-    params: BufId,
-    state: Option<(BufId, OptimBufs)>,
+    p: Persistent,
     io: Io,
 ) -> Result<Plan> {
     // Buffers outside the arena: the loader's two prefetch buffers and the trainer's batch
@@ -487,9 +550,11 @@ fn finish(
         mode,
         schedule: Schedule {
             ops: g.ops,
-            params,
-            grads: state.map(|s| s.0),
-            optim: state.map(|s| s.1),
+            params: p.params,
+            master: p.master,
+            gemm_ws: p.gemm_ws,
+            grads: p.grads,
+            optim: p.optim,
             tokens: io.tokens,
             targets: io.targets,
             losses: io.losses,

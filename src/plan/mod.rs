@@ -19,7 +19,7 @@ pub mod strategy;
 pub use buffer::{BufId, Buffer, Category, DType};
 pub use build::{Mode, StepConfig, build_plan};
 pub use schedule::{Op, OptimBufs, Phase, Schedule};
-pub use strategy::{OptimState, Recompute, RecomputeChoice};
+pub use strategy::{OptimState, Precision, Recompute, RecomputeChoice};
 
 use crate::model::{ModelSpec, ParamLayout};
 

@@ -23,10 +23,11 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
     };
     let _ = writeln!(
         s,
-        "plan: {}\n      {:?}, {micro} = {} tokens/step, fp32, recompute {}, optimizer state {}, {} threads, {} ops",
+        "plan: {}\n      {:?}, {micro} = {} tokens/step, {}, recompute {}, optimizer state {}, {} threads, {} ops",
         plan.spec.describe(),
         plan.mode,
         cfg.batch * cfg.grad_accum * cfg.seq,
+        cfg.precision,
         cfg.recompute,
         cfg.optim_state,
         cfg.threads,
@@ -144,7 +145,7 @@ pub fn to_json(plan: &Plan, baseline: u64) -> Value {
         "num_params": plan.layout.total,
         "mode": plan.mode,
         "config": plan.cfg,
-        "precision": "fp32",
+        "precision": plan.cfg.precision.to_string(),
         "total_bytes": plan.total_bytes(),
         "arena_bytes": plan.arena_bytes,
         "external_bytes": plan.external_bytes,

@@ -100,8 +100,11 @@ pub enum Op {
     GeluBackward { d: BufId, inp: BufId },
     /// dwte, dwpe += scatter(dout[N,C]).
     EncoderBackward { dout: BufId, tokens: BufId },
-    /// Global-norm clipping and AdamW over all parameters.
+    /// Global-norm clipping and AdamW over all parameters (the master weights under mixed
+    /// precision); skipped when the gradients are not finite.
     OptimizerStep,
+    /// Mixed precision: round the fp32 master weights into the compute copy `params`.
+    CastParams,
 }
 
 /// An op with its display name, phase and arithmetic cost.
@@ -130,7 +133,12 @@ pub struct OptimBufs {
 #[derive(Clone, Debug)]
 pub struct Schedule {
     pub ops: Vec<OpEntry>,
+    /// Weights used in compute, in the plan's storage type [params].
     pub params: BufId,
+    /// fp32 master weights [params] (mixed precision; the optimizer updates these).
+    pub master: Option<BufId>,
+    /// f32 tiles of the mixed-precision GEMM (mixed precision).
+    pub gemm_ws: Option<BufId>,
     pub grads: Option<BufId>,
     /// AdamW moments (training plans).
     pub optim: Option<OptimBufs>,
@@ -202,7 +210,7 @@ impl Op {
             } => (vec![*dout, *qkv, *out, *lse], vec![*dqkv, *ws]),
             GeluBackward { d, inp } => (vec![*d, *inp], vec![*d]),
             EncoderBackward { dout, tokens } => (vec![*dout, *tokens], vec![]),
-            OptimizerStep => (vec![], vec![]),
+            OptimizerStep | CastParams => (vec![], vec![]),
         }
     }
 }

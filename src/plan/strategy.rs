@@ -14,6 +14,7 @@
 //! Kernels are deterministic for a thread count, so recomputed activations are bitwise the
 //! forward's and every recompute policy gives bitwise the same weights as `none`.
 
+use super::DType;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -153,6 +154,66 @@ impl<'de> Deserialize<'de> for RecomputeChoice {
         let s = String::deserialize(d)?;
         s.parse()
             .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
+/// Numeric format of weights used in compute, activations and gradients (`--precision`).
+/// Mixed precision keeps fp32 master weights (category `master`) that the optimizer updates;
+/// each step starts by casting them into the compute copy (category `param`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    #[default]
+    F32,
+    /// bfloat16 storage, f32 compute and accumulation; no loss scaling needed.
+    Bf16,
+    /// IEEE half storage, f32 compute; dynamic loss scaling against its narrow range.
+    F16,
+}
+
+impl Precision {
+    /// The element type of activations, compute weights and gradients.
+    pub fn storage(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::Bf16,
+            Precision::F16 => DType::F16,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "fp16",
+        })
+    }
+}
+
+impl FromStr for Precision {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Precision> {
+        Ok(match s.trim() {
+            "fp32" | "f32" => Precision::F32,
+            "bf16" => Precision::Bf16,
+            "fp16" | "f16" => Precision::F16,
+            other => bail!("--precision {other}: expected fp32, bf16 or fp16"),
+        })
+    }
+}
+
+impl Serialize for Precision {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Precision {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Precision, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(|e| serde::de::Error::custom(format!("{e:#}")))
     }
 }
 
