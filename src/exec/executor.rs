@@ -376,6 +376,7 @@ impl Executor {
                     *ic,
                     *oc,
                     residual.is_some(),
+                    &mut [],
                 );
             }
             Op::Attention { qkv, out, lse, ws } => {
@@ -498,6 +499,7 @@ impl Executor {
                     n,
                     *ic,
                     *oc,
+                    &mut [],
                 );
             }
             Op::AttentionBackward {
