@@ -1,6 +1,7 @@
-//! CPU kernels (f32, multi-threaded with rayon). Each layer is a `_forward`/`_backward` pair
-//! side by side; each fast kernel has a naive reference twin (a `naive` submodule in the same
-//! file) used by the tests. Shape legend: B batch, T sequence, C channels, NH heads,
+//! CPU kernels (f32 compute, multi-threaded with rayon; some are generic over the storage
+//! type, f32/bf16/f16, see [`elem`] and [`gemm_mixed`]). Each layer is a `_forward`/`_backward`
+//! pair side by side; each fast kernel has a naive reference twin (a `naive` submodule in the
+//! same file) used by the tests. Shape legend: B batch, T sequence, C channels, NH heads,
 //! hs = C/NH head size, N = B·T rows, V vocabulary, IC/OC input/output channels of a linear.
 //!
 //! Kernels never allocate: workspace comes in as slices, sized by the `*_workspace_len`
@@ -12,6 +13,7 @@ pub mod attention;
 pub mod elem;
 pub mod encoder;
 pub mod gelu;
+pub mod gemm_mixed;
 pub mod layernorm;
 pub mod matmul;
 pub mod quant;

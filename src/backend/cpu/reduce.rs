@@ -500,6 +500,7 @@ mod tests {
                 n,
                 1,
                 c,
+                &mut [],
             );
             let ss = vec![sum_squares(&x) as f32, all_finite(&x) as u8 as f32];
             [

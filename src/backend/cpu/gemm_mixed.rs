@@ -1,0 +1,740 @@
+//! Mixed-precision GEMM: operands and output stored as any [`Elem`] (f32, bf16, f16),
+//! arithmetic in f32 on the `gemm` crate's f32 kernel ([`sgemm`]).
+//!
+//! Design. The CPUs this runs on have AVX-512F but not AVX512_BF16, so there is no bf16
+//! dot-product instruction and the fast way to multiply bf16/f16 matrices is to widen them
+//! to f32 and run the f32 GEMM. [`gemm_mixed`] blocks the problem into tiles of at most
+//! [`MIXED_BLOCK`] in m, n and k. For each output tile it
+//! 1. sets up an f32 C tile in the workspace: loaded from `c` (via `to_f32`) when
+//!    accumulating, and kept there across the whole k loop;
+//! 2. for each k block, widens the A tile and the B tile into the workspace (elementwise,
+//!    rayon-parallel over row tasks) and calls [`sgemm`] on the f32 tiles, accumulating into
+//!    the C tile;
+//! 3. narrows the C tile into `c` with `C::from_f32`: every output element is rounded once
+//!    per call, however many k blocks there are.
+//!
+//! Tiles are walked n-block outer, m-block inner, so when k fits in one block the B tile is
+//! widened once per n block and reused for every m block. Widening costs about
+//! mk·⌈n/NB⌉ + nk·⌈m/NB⌉ conversions against mnk multiply-adds (NB = [`MIXED_BLOCK`]), a few
+//! percent of the work for the shapes of GPT-2. An operand stored as f32 is read in place (no
+//! copy), and an f32 output is accumulated in place (no C tile): the same f32 arithmetic.
+//! When A, B and C are all f32 the call is exactly [`sgemm`] (bit-identical, workspace
+//! unused).
+//!
+//! Memory: the workspace is three NB² f32 tiles ([`gemm_mixed_workspace_len`], 12 MiB). Each
+//! [`sgemm`] call has at most NB rows and depth NB, so `gemm`'s own packing scratch stays
+//! within [`super::matmul::packing_bytes`]`(NB, NB)`.
+//!
+//! Determinism: the tiling depends only on the shape, the conversions are elementwise, and
+//! [`sgemm`] is deterministic for a given thread count, so results are too.
+//!
+//! Planned fast path (not on this CPU): on CPUs with AVX512_BF16 (Cooper Lake, Sapphire
+//! Rapids, Zen 4) a bf16 micro-kernel built on `vdpbf16ps` (pairs of bf16 products summed into
+//! f32 lanes) would read bf16 operands directly, skipping the widening and halving operand
+//! bandwidth. Its results would differ from this path in the last bits (different summation
+//! order; `vdpbf16ps` also flushes denormals), so it would be selected per machine, like the
+//! instruction-set variants of `reduce::multiversion!`.
+
+use super::elem::Elem;
+use super::matmul::{sgemm, span};
+use super::reduce::rows_per_task;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+use std::any::TypeId;
+
+/// Largest m, n and k extent of one tile of [`gemm_mixed`].
+pub const MIXED_BLOCK: usize = 1024;
+
+/// f32 elements of workspace [`gemm_mixed`] needs (three `MIXED_BLOCK²` tiles: A, B, C),
+/// whatever the shape. Unused when all three element types are f32.
+pub fn gemm_mixed_workspace_len() -> usize {
+    workspace_len(MIXED_BLOCK)
+}
+
+fn workspace_len(block: usize) -> usize {
+    3 * block * block
+}
+
+/// `x` as `&[U]` when `T` is `U`.
+fn cast<T: 'static, U: 'static>(x: &[T]) -> Option<&[U]> {
+    (TypeId::of::<T>() == TypeId::of::<U>()).then(|| {
+        // SAFETY: T and U are the same type, so the layout is the same.
+        unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<U>(), x.len()) }
+    })
+}
+
+/// `x` as `&mut [U]` when `T` is `U`.
+fn cast_mut<T: 'static, U: 'static>(x: &mut [T]) -> Option<&mut [U]> {
+    (TypeId::of::<T>() == TypeId::of::<U>()).then(|| {
+        // SAFETY: T and U are the same type; the borrow is moved into the result.
+        unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<U>(), x.len()) }
+    })
+}
+
+/// The slice as f32 when `T` is f32 (for the f32 fast paths of generic kernels).
+pub(crate) fn as_f32<T: Elem>(x: &[T]) -> Option<&[f32]> {
+    cast(x)
+}
+
+/// The slice as f32 when `T` is f32.
+pub(crate) fn as_f32_mut<T: Elem>(x: &mut [T]) -> Option<&mut [f32]> {
+    cast_mut(x)
+}
+
+/// Like [`super::reduce::multiversion`], for a function generic over one [`Elem`] type `T`:
+/// the body is compiled for baseline, AVX2+FMA and AVX-512 and dispatched on
+/// [`isa()`](super::reduce::isa) once per call (call it on rows or chunks, never per element).
+macro_rules! multiversion_elem {
+    ($(#[$m:meta])* $vis:vis fn $name:ident<$T:ident>($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
+        $(#[$m])*
+        $vis fn $name<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) {
+            #[inline(always)]
+            fn inner<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                fn v512<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) {
+                    inner::<$T>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn v256<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) {
+                    inner::<$T>($($arg),*)
+                }
+                match $crate::backend::cpu::reduce::isa() {
+                    // SAFETY: isa() never reports an instruction set the CPU lacks.
+                    $crate::backend::cpu::reduce::Isa::Avx512 => {
+                        return unsafe { v512::<$T>($($arg),*) };
+                    }
+                    // SAFETY: as above.
+                    $crate::backend::cpu::reduce::Isa::Avx2 => {
+                        return unsafe { v256::<$T>($($arg),*) };
+                    }
+                    $crate::backend::cpu::reduce::Isa::Baseline => {}
+                }
+            }
+            inner::<$T>($($arg),*)
+        }
+    };
+}
+pub(crate) use multiversion_elem;
+
+multiversion_elem! {
+    /// dst[i] = src[i].to_f32() (f16 through `half`'s F16C slice conversion).
+    fn widen_row<T>(
+        dst: &mut [f32], // [len]
+        src: &[T],       // [len]
+    ) {
+        if let Some(s) = cast::<T, f16>(src) {
+            s.convert_to_f32_slice(dst);
+            return;
+        }
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+}
+
+multiversion_elem! {
+    /// dst[i] = T::from_f32(src[i]) (f16 through `half`'s F16C slice conversion, which
+    /// rounds like `f16::from_f32`).
+    fn narrow_row<T>(
+        dst: &mut [T], // [len]
+        src: &[f32],   // [len]
+    ) {
+        if let Some(d) = cast_mut::<T, f16>(dst) {
+            d.convert_from_f32_slice(src);
+            return;
+        }
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = T::from_f32(s);
+        }
+    }
+}
+
+/// Calls `f(r, row)` for each row `r < rows` of the window `w` (row stride `ld`, `row` =
+/// the first `cols` elements), in parallel tasks of whole rows (partition fixed by shape).
+fn par_rows_mut<T: Send>(
+    w: &mut [T], // [rows, ld], the last row may stop after `cols`
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let rpt = rows_per_task(cols);
+    w[..span(rows, cols, ld)]
+        .par_chunks_mut(rpt * ld)
+        .enumerate()
+        .for_each(|(t, ch)| {
+            for (r, row) in ch.chunks_mut(ld).enumerate() {
+                f(t * rpt + r, &mut row[..cols]);
+            }
+        });
+}
+
+/// Widens the `nr × nc` window at (r0, c0) of the stored matrix `src` (row stride `ld`) into
+/// `buf` (row stride `nc`). Nothing to do when `T` is f32: [`view`] reads it in place.
+fn widen_window<T: Elem>(
+    buf: &mut [f32], // [nr, nc] written
+    src: &[T],       // stored matrix, row stride ld
+    ld: usize,
+    (r0, nr): (usize, usize),
+    (c0, nc): (usize, usize),
+) {
+    if as_f32(src).is_some() {
+        return;
+    }
+    par_rows_mut(&mut buf[..nr * nc], nc, nr, nc, |r, d| {
+        widen_row(d, &src[(r0 + r) * ld + c0..][..nc]);
+    });
+}
+
+/// The f32 window at (r0, c0) of a stored operand as (slice, row stride): the operand
+/// itself when it is f32, else `buf` as filled by [`widen_window`].
+fn view<'s, T: Elem>(
+    src: &'s [T], // stored matrix, row stride ld
+    ld: usize,
+    r0: usize,
+    c0: usize,
+    nc: usize,
+    buf: &'s [f32], // [nr, nc]
+) -> (&'s [f32], usize) {
+    match as_f32(src) {
+        Some(s) => (&s[r0 * ld + c0..], ld),
+        None => (buf, nc),
+    }
+}
+
+/// Mixed-precision GEMM with f32 accumulation:
+/// `c[m,n] = (accumulate ? c : 0) + op(a)[m,k] @ op(b)[k,n]`, where op transposes when the
+/// flag is set; a, b, c are row-major with the given leading dimensions, exactly as for [`sgemm`]
+/// (a is stored `[m, k]`, or `[k, m]` when `a_trans`; alpha is 1). Elements of `c` outside the
+/// `m × n` window are untouched. Each output element is rounded to `C` once.
+///
+/// `ws` must hold at least [`gemm_mixed_workspace_len`] f32 unless A, B and C are all f32,
+/// in which case this is exactly [`sgemm`] and `ws` is unused (may be empty).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_mixed<A: Elem, B: Elem, C: Elem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[A], // stored [m, k] (or [k, m] if a_trans), row stride lda
+    lda: usize,
+    a_trans: bool,
+    b: &[B], // stored [k, n] (or [n, k] if b_trans), row stride ldb
+    ldb: usize,
+    b_trans: bool,
+    c: &mut [C], // [m, n], row stride ldc
+    ldc: usize,
+    accumulate: bool,
+    ws: &mut [f32], // [gemm_mixed_workspace_len()] scratch, or empty when all f32
+) {
+    if let (Some(a), Some(b), Some(c)) = (as_f32(a), as_f32(b), as_f32_mut(&mut *c)) {
+        sgemm(
+            m, n, k, 1.0, a, lda, a_trans, b, ldb, b_trans, c, ldc, accumulate,
+        );
+        return;
+    }
+    gemm_mixed_blocked(
+        MIXED_BLOCK,
+        (m, n, k),
+        (a, lda, a_trans),
+        (b, ldb, b_trans),
+        (c, ldc),
+        accumulate,
+        None,
+        ws,
+    );
+}
+
+/// The blocked path of [`gemm_mixed`] with tiles of at most `block` (a parameter so tests can
+/// exercise many tiles on small shapes), plus an optional `bias[n]` added to every row of the
+/// output before the products (for the linear layer; still one rounding per element).
+/// Needs `ws.len() >= 3·block²`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem>(
+    block: usize,
+    (m, n, k): (usize, usize, usize),
+    (a, lda, a_trans): (&[A], usize, bool), // stored [m, k] (or [k, m] if a_trans)
+    (b, ldb, b_trans): (&[B], usize, bool), // stored [k, n] (or [n, k] if b_trans)
+    (c, ldc): (&mut [C], usize),            // [m, n], row stride ldc
+    accumulate: bool,
+    bias: Option<&[C]>, // [n], added to every row of c
+    ws: &mut [f32],     // [3, block, block] scratch: A, B and C tiles
+) {
+    let (a_rows, a_cols) = if a_trans { (k, m) } else { (m, k) };
+    let (b_rows, b_cols) = if b_trans { (n, k) } else { (k, n) };
+    assert!(block > 0, "gemm_mixed: block size 0");
+    assert!(lda >= a_cols, "gemm_mixed: lda {lda} < {a_cols}");
+    assert!(ldb >= b_cols, "gemm_mixed: ldb {ldb} < {b_cols}");
+    assert!(ldc >= n, "gemm_mixed: ldc {ldc} < {n}");
+    assert!(
+        a.len() >= span(a_rows, a_cols, lda),
+        "gemm_mixed: a too short"
+    );
+    assert!(
+        b.len() >= span(b_rows, b_cols, ldb),
+        "gemm_mixed: b too short"
+    );
+    assert!(c.len() >= span(m, n, ldc), "gemm_mixed: c too short");
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), n, "gemm_mixed: bias length");
+    }
+    let need = workspace_len(block);
+    assert!(
+        ws.len() >= need,
+        "gemm_mixed: workspace has {} f32, needs {need} (gemm_mixed_workspace_len)",
+        ws.len()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (a_buf, rest) = ws[..need].split_at_mut(block * block);
+    let (b_buf, c_buf) = rest.split_at_mut(block * block);
+    let c_in_place = as_f32(c).is_some();
+    // The (j0, p0) of the B tile in b_buf, to reuse it across m blocks.
+    let mut b_tile: Option<(usize, usize)> = None;
+    for j0 in (0..n).step_by(block) {
+        let cols = block.min(n - j0);
+        for i0 in (0..m).step_by(block) {
+            let rows = block.min(m - i0);
+            // The f32 C tile: c itself when f32, else c_buf (loaded when accumulating).
+            let (ct, ldt): (&mut [f32], usize) = match as_f32_mut(&mut *c) {
+                Some(c) => (&mut c[i0 * ldc + j0..], ldc),
+                None => {
+                    if accumulate {
+                        widen_window(c_buf, c, ldc, (i0, rows), (j0, cols));
+                    }
+                    (&mut c_buf[..rows * cols], cols)
+                }
+            };
+            // Whether ct holds values to accumulate onto (else sgemm overwrites it).
+            let mut read_ct = accumulate;
+            if let Some(bias) = bias {
+                let bias = &bias[j0..j0 + cols];
+                par_rows_mut(ct, ldt, rows, cols, |_, row| {
+                    for (o, &b) in row.iter_mut().zip(bias) {
+                        *o = if accumulate {
+                            *o + b.to_f32()
+                        } else {
+                            b.to_f32()
+                        };
+                    }
+                });
+                read_ct = true;
+            }
+            if k == 0 && !read_ct {
+                par_rows_mut(ct, ldt, rows, cols, |_, row| row.fill(0.0));
+            }
+            for p0 in (0..k).step_by(block) {
+                let kk = block.min(k - p0);
+                // Stored windows: op(a)[i0.., p0..] and op(b)[p0.., j0..].
+                let a_win = if a_trans {
+                    ((p0, kk), (i0, rows))
+                } else {
+                    ((i0, rows), (p0, kk))
+                };
+                let b_win = if b_trans {
+                    ((j0, cols), (p0, kk))
+                } else {
+                    ((p0, kk), (j0, cols))
+                };
+                widen_window(a_buf, a, lda, a_win.0, a_win.1);
+                if b_tile != Some((j0, p0)) {
+                    widen_window(b_buf, b, ldb, b_win.0, b_win.1);
+                    b_tile = Some((j0, p0));
+                }
+                let (at, lat) = view(a, lda, a_win.0.0, a_win.1.0, a_win.1.1, a_buf);
+                let (bt, lbt) = view(b, ldb, b_win.0.0, b_win.1.0, b_win.1.1, b_buf);
+                sgemm(
+                    rows,
+                    cols,
+                    kk,
+                    1.0,
+                    at,
+                    lat,
+                    a_trans,
+                    bt,
+                    lbt,
+                    b_trans,
+                    ct,
+                    ldt,
+                    read_ct || p0 > 0,
+                );
+            }
+            if !c_in_place {
+                let ct = &c_buf[..rows * cols];
+                par_rows_mut(&mut c[i0 * ldc + j0..], ldc, rows, cols, |r, row| {
+                    narrow_row(row, &ct[r * cols..(r + 1) * cols]);
+                });
+            }
+        }
+    }
+}
+
+/// Reference twin: triple loop, f64 accumulation, one rounding to `C` per element.
+pub mod naive {
+    use super::Elem;
+
+    /// Same contract as the fast [`super::gemm_mixed`] (no workspace).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_mixed<A: Elem, B: Elem, C: Elem>(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[A], // stored [m, k] (or [k, m] if a_trans), row stride lda
+        lda: usize,
+        a_trans: bool,
+        b: &[B], // stored [k, n] (or [n, k] if b_trans), row stride ldb
+        ldb: usize,
+        b_trans: bool,
+        c: &mut [C], // [m, n], row stride ldc
+        ldc: usize,
+        accumulate: bool,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = if accumulate {
+                    c[i * ldc + j].to_f32() as f64
+                } else {
+                    0.0
+                };
+                for p in 0..k {
+                    let av = if a_trans {
+                        a[p * lda + i]
+                    } else {
+                        a[i * lda + p]
+                    };
+                    let bv = if b_trans {
+                        b[j * ldb + p]
+                    } else {
+                        b[p * ldb + j]
+                    };
+                    s += av.to_f32() as f64 * bv.to_f32() as f64;
+                }
+                c[i * ldc + j] = C::from_f32(s as f32);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::matmul::naive as f32_naive;
+    use super::super::reduce::testutil::*;
+    use super::*;
+    use half::bf16;
+
+    fn round_to<T: Elem>(v: &[f32]) -> Vec<T> {
+        v.iter().map(|&x| T::from_f32(x)).collect()
+    }
+
+    fn widened<T: Elem>(v: &[T]) -> Vec<f32> {
+        v.iter().map(|x| x.to_f32()).collect()
+    }
+
+    /// Ulp-scale relative tolerance of storing into `T` (a rounding may differ by one ulp
+    /// from the reference's when the f32 sums differ in the last bits).
+    fn rtol<T: Elem>() -> f32 {
+        match T::NAME {
+            "bf16" => 1.0 / 128.0,
+            "f16" => 1.0 / 1024.0,
+            _ => 1e-5,
+        }
+    }
+
+    /// Runs fast (tiles of `block`) and naive on one problem and compares; also checks that
+    /// the row padding of c is untouched.
+    #[allow(clippy::too_many_arguments)]
+    fn check<A: Elem, B: Elem, C: Elem>(
+        block: usize,
+        (m, n, k): (usize, usize, usize),
+        a_trans: bool,
+        b_trans: bool,
+        accumulate: bool,
+        seed: u64,
+    ) {
+        let (ar, ac) = if a_trans { (k, m) } else { (m, k) };
+        let (br, bc) = if b_trans { (n, k) } else { (k, n) };
+        let (lda, ldb, ldc) = (ac + 3, bc + 1, n + 2);
+        let a: Vec<A> = round_to(&randn(ar * lda, 1.0, seed));
+        let b: Vec<B> = round_to(&randn(br * ldb, 1.0, seed + 1));
+        let c0: Vec<C> = round_to(&randn(m * ldc, 4.0, seed + 2));
+        let (mut got, mut want) = (c0.clone(), c0.clone());
+        let mut ws = vec![f32::NAN; workspace_len(block)];
+        gemm_mixed_blocked(
+            block,
+            (m, n, k),
+            (&a, lda, a_trans),
+            (&b, ldb, b_trans),
+            (&mut got, ldc),
+            accumulate,
+            None,
+            &mut ws,
+        );
+        naive::gemm_mixed(
+            m, n, k, &a, lda, a_trans, &b, ldb, b_trans, &mut want, ldc, accumulate,
+        );
+        let what = format!(
+            "{}x{}x{} {}·{}→{} ta={a_trans} tb={b_trans} acc={accumulate} block={block}",
+            m,
+            n,
+            k,
+            A::NAME,
+            B::NAME,
+            C::NAME
+        );
+        let (g, w) = (widened(&got), widened(&want));
+        assert_close(&g, &w, 2e-5 * (k as f32).sqrt(), rtol::<C>(), &what);
+        for i in 0..m {
+            let pad = i * ldc + n..(i + 1) * ldc;
+            assert_eq!(&got[pad.clone()], &c0[pad], "{what}: padding of row {i}");
+        }
+    }
+
+    fn check_all_flags<A: Elem, B: Elem, C: Elem>(block: usize, shape: (usize, usize, usize)) {
+        for a_trans in [false, true] {
+            for b_trans in [false, true] {
+                for accumulate in [false, true] {
+                    let seed = (a_trans as u64) * 4 + (b_trans as u64) * 2 + accumulate as u64;
+                    check::<A, B, C>(block, shape, a_trans, b_trans, accumulate, 10 * seed);
+                }
+            }
+        }
+    }
+
+    /// Shapes with several partial tiles in every dimension for blocks of 16 and 32.
+    const SMALL: [(usize, usize, usize); 5] = [
+        (1, 1, 1),
+        (3, 40, 17),
+        (37, 5, 70),
+        (50, 33, 100),
+        (16, 32, 48),
+    ];
+
+    #[test]
+    fn blocked_matches_naive_small_blocks() {
+        for block in [16, 32] {
+            for &shape in &SMALL {
+                check_all_flags::<bf16, bf16, f32>(block, shape);
+                check_all_flags::<bf16, bf16, bf16>(block, shape);
+                check_all_flags::<f16, f16, f32>(block, shape);
+                check_all_flags::<f16, f16, bf16>(block, shape);
+                check_all_flags::<f16, f16, f16>(block, shape);
+                // Operands stored as f32 are read in place.
+                check_all_flags::<f32, bf16, bf16>(block, shape);
+                check_all_flags::<bf16, f32, f32>(block, shape);
+            }
+        }
+    }
+
+    #[test]
+    fn full_blocks_on_shapes_that_are_not_multiples() {
+        // Partial m and k tiles of MIXED_BLOCK (1100 = 1024 + 76, 2100 = 2·1024 + 52).
+        let shape = (1100, 37, 2100);
+        check_all_flags::<bf16, bf16, bf16>(MIXED_BLOCK, shape);
+        check::<f16, f16, f32>(MIXED_BLOCK, shape, true, false, true, 7);
+        check::<bf16, bf16, f32>(MIXED_BLOCK, shape, false, true, false, 8);
+        // And many tiles of a small block on the same shape.
+        check::<bf16, bf16, bf16>(100, shape, true, true, true, 9);
+    }
+
+    #[test]
+    fn public_entry_matches_naive() {
+        let (m, n, k) = (70, 45, 90);
+        let a: Vec<bf16> = round_to(&randn(m * k, 1.0, 1));
+        let b: Vec<bf16> = round_to(&randn(n * k, 1.0, 2));
+        let c0: Vec<bf16> = round_to(&randn(m * n, 1.0, 3));
+        let (mut got, mut want) = (c0.clone(), c0.clone());
+        let mut ws = vec![0.0; gemm_mixed_workspace_len()];
+        gemm_mixed(
+            m, n, k, &a, k, false, &b, k, true, &mut got, n, true, &mut ws,
+        );
+        naive::gemm_mixed(m, n, k, &a, k, false, &b, k, true, &mut want, n, true);
+        let (g, w) = (widened(&got), widened(&want));
+        assert_close(&g, &w, 1e-3, rtol::<bf16>(), "public gemm_mixed");
+    }
+
+    #[test]
+    fn tiny_and_empty_shapes() {
+        let mut ws = vec![0.0; workspace_len(4)];
+        let one = [bf16::from_f32(1.5)];
+        let two = [bf16::from_f32(-2.0)];
+        // 1x1x1, overwrite and accumulate.
+        let mut c = [bf16::from_f32(7.0)];
+        gemm_mixed_blocked(
+            4,
+            (1, 1, 1),
+            (&one, 1, false),
+            (&two, 1, true),
+            (&mut c, 1),
+            false,
+            None,
+            &mut ws,
+        );
+        assert_eq!(c[0].to_f32(), -3.0);
+        gemm_mixed_blocked(
+            4,
+            (1, 1, 1),
+            (&one, 1, true),
+            (&two, 1, false),
+            (&mut c, 1),
+            true,
+            None,
+            &mut ws,
+        );
+        assert_eq!(c[0].to_f32(), -6.0);
+        // k = 0: overwrite zeroes the window (not the padding), accumulate leaves it.
+        for accumulate in [false, true] {
+            let mut c = vec![bf16::from_f32(5.0); 2 * 4];
+            let mut c32 = vec![5.0f32; 2 * 4];
+            let none: [bf16; 0] = [];
+            gemm_mixed_blocked(
+                4,
+                (2, 3, 0),
+                (&none, 0, false),
+                (&none, 3, false),
+                (&mut c, 4),
+                accumulate,
+                None,
+                &mut ws,
+            );
+            gemm_mixed_blocked(
+                4,
+                (2, 3, 0),
+                (&none, 0, false),
+                (&none, 3, false),
+                (&mut c32, 4),
+                accumulate,
+                None,
+                &mut ws,
+            );
+            let v = if accumulate { 5.0 } else { 0.0 };
+            let want = vec![v, v, v, 5.0, v, v, v, 5.0];
+            assert_eq!(widened(&c), want, "k=0 bf16 acc={accumulate}");
+            assert_eq!(c32, want, "k=0 f32 acc={accumulate}");
+        }
+        // m = 0 and n = 0 touch nothing.
+        let mut ws = vec![0.0; gemm_mixed_workspace_len()];
+        let mut c = vec![bf16::from_f32(5.0); 3];
+        let a = vec![bf16::from_f32(1.0); 6];
+        let none: &[bf16] = &[];
+        gemm_mixed(
+            0, 3, 2, none, 2, false, &a, 3, false, &mut c, 3, false, &mut ws,
+        );
+        gemm_mixed(
+            3, 0, 2, &a, 2, false, none, 2, true, &mut c, 1, false, &mut ws,
+        );
+        assert_eq!(widened(&c), vec![5.0; 3]);
+    }
+
+    #[test]
+    #[should_panic(expected = "gemm_mixed: workspace has")]
+    fn short_workspace_panics() {
+        let a = vec![bf16::from_f32(1.0); 4];
+        let mut c = vec![0.0f32; 4];
+        let mut ws = vec![0.0; gemm_mixed_workspace_len() - 1];
+        gemm_mixed(
+            2, 2, 2, &a, 2, false, &a, 2, false, &mut c, 2, false, &mut ws,
+        );
+    }
+
+    #[test]
+    fn all_f32_is_exactly_sgemm() {
+        let (m, n, k) = (90, 130, 70);
+        let a = randn(k * (m + 1), 1.0, 1); // stored [k, m + 1], transposed
+        let b = randn(k * n, 1.0, 2);
+        let c0 = randn(m * (n + 3), 1.0, 3);
+        for accumulate in [false, true] {
+            let (mut c1, mut c2) = (c0.clone(), c0.clone());
+            with_threads(3, || {
+                gemm_mixed(
+                    m,
+                    n,
+                    k,
+                    &a,
+                    m + 1,
+                    true,
+                    &b,
+                    n,
+                    false,
+                    &mut c1,
+                    n + 3,
+                    accumulate,
+                    &mut [],
+                );
+                sgemm(
+                    m,
+                    n,
+                    k,
+                    1.0,
+                    &a,
+                    m + 1,
+                    true,
+                    &b,
+                    n,
+                    false,
+                    &mut c2,
+                    n + 3,
+                    accumulate,
+                );
+            });
+            assert!(c1 == c2, "f32 path differs from sgemm (acc={accumulate})");
+            // And it is a real product (sgemm is checked against naive in matmul).
+            let mut c3 = c0.clone();
+            f32_naive::sgemm(
+                m,
+                n,
+                k,
+                1.0,
+                &a,
+                m + 1,
+                true,
+                &b,
+                n,
+                false,
+                &mut c3,
+                n + 3,
+                accumulate,
+            );
+            assert_close(&c1, &c3, 1e-4, 1e-5, "f32 path vs naive");
+        }
+    }
+
+    #[test]
+    fn identical_for_one_and_three_threads() {
+        let (m, n, k) = (300, 260, 530);
+        let a: Vec<bf16> = round_to(&randn(m * k, 1.0, 1));
+        let b: Vec<f16> = round_to(&randn(k * n, 1.0, 2));
+        let c0: Vec<bf16> = round_to(&randn(m * n, 1.0, 3));
+        let run = |block: usize| {
+            let mut c = c0.clone();
+            let mut ws = vec![0.0; workspace_len(block)];
+            gemm_mixed_blocked(
+                block,
+                (m, n, k),
+                (&a, k, false),
+                (&b, n, false),
+                (&mut c, n),
+                true,
+                None,
+                &mut ws,
+            );
+            c
+        };
+        for block in [128, MIXED_BLOCK] {
+            let r1 = with_threads(1, || run(block));
+            let r3 = with_threads(3, || run(block));
+            let r3b = with_threads(3, || run(block));
+            assert!(
+                r3 == r3b,
+                "not deterministic with 3 threads (block {block})"
+            );
+            assert!(r1 == r3, "1 and 3 threads differ (block {block})");
+            assert!(r1 != c0, "nothing computed");
+        }
+    }
+}
