@@ -5,7 +5,9 @@
 
 use super::executor::{Executor, two_ranges};
 use crate::backend::cpu::elem::{self, Elem};
-use crate::backend::cpu::{adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent};
+use crate::backend::cpu::{
+    adamw, attention, encoder, gelu, gemm_mixed, layernorm, matmul, quant, reduce, xent,
+};
 use crate::ckpt::MomentsMut;
 use crate::plan::schedule::Op;
 
@@ -135,7 +137,7 @@ impl Executor {
                     let lg = &mut logits[..r * v];
                     let xr = &x[start * c..(start + r) * c];
                     // lg[r, V] = xr[r, C] @ wteᵀ
-                    matmul::gemm_mixed(
+                    gemm_mixed::gemm_mixed(
                         r,
                         v,
                         c,
@@ -156,7 +158,7 @@ impl Executor {
                             xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v);
                             let dx = &mut self.view::<T>(*d)[start * c..(start + r) * c];
                             // dx[r, C] = dlogits[r, V] @ wte[V, C]
-                            matmul::gemm_mixed(
+                            gemm_mixed::gemm_mixed(
                                 r,
                                 c,
                                 v,
@@ -173,7 +175,7 @@ impl Executor {
                             );
                             // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C]
                             let dwte = &mut grads()[self.plan.layout.wte.clone()];
-                            matmul::gemm_mixed(
+                            gemm_mixed::gemm_mixed(
                                 v,
                                 c,
                                 r,
@@ -197,7 +199,7 @@ impl Executor {
             Op::LmHeadLast { inp, logits } => {
                 let wte = &params[self.plan.layout.wte.clone()];
                 let x = &act(*inp)[(n - 1) * c..n * c];
-                matmul::gemm_mixed(
+                gemm_mixed::gemm_mixed(
                     1,
                     v,
                     c,

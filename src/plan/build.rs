@@ -8,7 +8,7 @@ use super::packing;
 use super::schedule::OptimBufs;
 use super::schedule::{Op, OpEntry, Phase, Schedule};
 use super::strategy::{OptimState, Precision, Recompute};
-use crate::backend::cpu::matmul::gemm_mixed_workspace_len;
+use crate::backend::cpu::gemm_mixed::gemm_mixed_workspace_len;
 use super::{BufId, Buffer, Category, DType, Plan};
 use crate::backend::cpu::attention::attention_workspace_len;
 use crate::backend::cpu::quant::QBLOCK;
