@@ -155,7 +155,8 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         c,
         nh,
         n: b * t,
-        attn_ws_len: attention_workspace_len(t, c / nh, cfg.threads),
+        // f32 storage until the activation type is wired through the plan.
+        attn_ws_len: attention_workspace_len::<f32>(t, c / nh, cfg.threads),
     };
     let train = mode == Mode::Train;
     let mut g = Builder {
