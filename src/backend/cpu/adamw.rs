@@ -11,7 +11,12 @@
 //! which equals `p -= lr·(m̂/(sqrt(v̂)+ε) + weight_decay·p)` with `m̂ = m/(1−β1^t)`,
 //! `v̂ = v/(1−β2^t)`. Elementwise, parallel over fixed chunks: identical results for any thread
 //! count. Weight decay is per call, so the executor passes 0 for tensors that skip it.
+//!
+//! Parameters and moments are f32 (the master weights); the gradients may be stored in any
+//! [`Elem`] type (f32, bf16, f16) and are widened exactly as they are read, so an update
+//! from bf16 gradients equals the f32 update from the widened gradients.
 
+use super::elem::Elem;
 use super::reduce::{ELEM_CHUNK, multiversion};
 use rayon::prelude::*;
 
@@ -30,9 +35,9 @@ pub struct AdamWParams {
 }
 
 /// One AdamW step over a parameter range; `m` and `v` are the moment buffers of the same range.
-pub fn adamw_update(
+pub fn adamw_update<G: Elem>(
     params: &mut [f32], // [len]
-    grads: &[f32],      // [len]
+    grads: &[G],        // [len]
     m: &mut [f32],      // [len] first moment
     v: &mut [f32],      // [len] second moment
     hp: &AdamWParams,
@@ -84,16 +89,16 @@ pub(crate) fn consts(hp: &AdamWParams) -> Consts {
 
 multiversion! {
     /// The update over one chunk (any length; elementwise, so the split never matters).
-    pub(crate) fn update_chunk(
+    pub(crate) fn update_chunk<G: Elem>(
         p: &mut [f32], // [len]
-        g: &[f32],     // [len]
+        g: &[G],       // [len]
         m: &mut [f32], // [len]
         v: &mut [f32], // [len]
         k: &Consts,
     ) {
         let it = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut());
         for (((p, &g), m), v) in it {
-            let g = g * k.gs;
+            let g = g.to_f32() * k.gs;
             let mi = k.b1 * *m + k.c1 * g;
             let vi = k.b2 * *v + k.c2 * g * g;
             *m = mi;
@@ -105,11 +110,11 @@ multiversion! {
 
 /// Reference twin: the textbook formula in f64.
 pub mod naive {
-    use super::AdamWParams;
+    use super::{AdamWParams, Elem};
 
-    pub fn adamw_update(
+    pub fn adamw_update<G: Elem>(
         params: &mut [f32], // [len]
-        grads: &[f32],      // [len]
+        grads: &[G],        // [len]
         m: &mut [f32],      // [len] first moment
         v: &mut [f32],      // [len] second moment
         hp: &AdamWParams,
@@ -117,7 +122,7 @@ pub mod naive {
         let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
         let t = hp.step as i32;
         for i in 0..params.len() {
-            let g = grads[i] as f64 * hp.grad_scale as f64;
+            let g = grads[i].to_f32() as f64 * hp.grad_scale as f64;
             let mi = b1 * m[i] as f64 + (1.0 - b1) * g;
             let vi = b2 * v[i] as f64 + (1.0 - b2) * g * g;
             let mhat = mi / (1.0 - b1.powi(t));
@@ -196,5 +201,46 @@ mod tests {
             (p, m, v)
         };
         assert!(with_threads(1, run) == with_threads(3, run));
+    }
+
+    /// bf16 / f16 gradients: bitwise the f32 update from the widened gradients, for any
+    /// thread count; non-finite gradients give non-finite parameters without a panic.
+    fn narrow_grads_are_widened<G: Elem>() {
+        let len = 2 * ELEM_CHUNK + 11;
+        let p0 = randn(len, 1.0, 1);
+        let mut g: Vec<G> = narrow_vec(&randn(len, 1.0, 2));
+        g[7] = G::from_f32(f32::NAN);
+        g[8] = G::from_f32(f32::INFINITY);
+        fn run<H: Elem>(p0: &[f32], g: &[H]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+            let (mut p, mut m, mut v) = (p0.to_vec(), vec![0.1; p0.len()], vec![0.2; p0.len()]);
+            adamw_update(&mut p, g, &mut m, &mut v, &hp(3));
+            (p, m, v)
+        }
+        let got = with_threads(1, || run(&p0, &g));
+        let three = with_threads(3, || run(&p0, &g));
+        let want = run(&p0, &widen_vec(&g));
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.0), bits(&three.0), "{}: threads", G::NAME);
+        assert_eq!(bits(&got.0), bits(&want.0), "{} params", G::NAME);
+        assert_eq!(bits(&got.1), bits(&want.1), "{} m", G::NAME);
+        assert_eq!(bits(&got.2), bits(&want.2), "{} v", G::NAME);
+        assert!(got.0[7].is_nan() && !got.0[8].is_finite() && got.0[9].is_finite());
+        // The naive twin reads the same widened values.
+        let (mut p, mut m, mut v) = (p0.clone(), vec![0.1; len], vec![0.2; len]);
+        naive::adamw_update(&mut p, &g, &mut m, &mut v, &hp(3));
+        p[7..9].fill(0.0);
+        let mut gp = got.0.clone();
+        gp[7..9].fill(0.0);
+        assert_close(&gp, &p, 1e-6, 1e-6, "fast vs naive");
+    }
+
+    #[test]
+    fn bf16_grads_are_widened() {
+        narrow_grads_are_widened::<half::bf16>();
+    }
+
+    #[test]
+    fn f16_grads_are_widened() {
+        narrow_grads_are_widened::<half::f16>();
     }
 }

@@ -44,7 +44,16 @@
 //! LLVM vectorises them and are compiled per instruction set with `reduce::multiversion!`
 //! (same arithmetic, no FMA, so bitwise the same results on every ISA). Full 64-query blocks
 //! use fixed-size rows so those loops unroll completely.
+//!
+//! Storage type `T` ([`Elem`]: f32, bf16, f16) for `qkv`, `out`, `dout` and `dqkv`; `lse` and
+//! the workspace are f32, and all the math above runs in f32. For f32, Q, O, dO and dQ are
+//! read and written in place (strided) as described. For a narrower `T` every operand a unit
+//! reads is widened into the worker's workspace first (K and V as above, and a Q block of
+//! [nb, hs], also in the forward), and the O and dQ blocks and the dK, dV accumulators are
+//! computed in f32 workspace and rounded once into `out` / `dqkv`; this costs one more
+//! [min(64,T), hs] block per worker ([`attention_workspace_len`]).
 
+use super::elem::{Elem, is_f32};
 use super::reduce::multiversion;
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
@@ -52,20 +61,23 @@ use rayon::prelude::*;
 /// Query rows per block.
 const BR: usize = 64;
 
-/// Workspace elements per worker (backward needs the most):
+/// Workspace elements (f32) per worker (backward needs the most):
 /// Pᵀ and dSᵀ tiles [br, T] each, K and V copies [T, hs] each, dK and dV accumulators [T, hs]
-/// each, Q and dO block copies [br, hs] each, D [br]; the forward uses a prefix of it
-/// (tile, K, V, and m, l [br] each).
-fn per_worker_len(t: usize, hs: usize) -> usize {
+/// each, Q and dO block copies [br, hs] each, D [br], and for a storage type other than f32 a
+/// dQ block [br, hs]. The forward uses less: tile, K, V, m and l [br] each, and for other
+/// types Q and O blocks [br, hs] each.
+fn per_worker_len<T: Elem>(t: usize, hs: usize) -> usize {
     let br = BR.min(t);
-    2 * br * t + 4 * t * hs + 2 * br * hs + 2 * br
+    let narrow = if is_f32::<T>() { 0 } else { br * hs };
+    2 * br * t + 4 * t * hs + 2 * br * hs + 2 * br + narrow
 }
 
-/// Workspace elements the kernels need for `threads` workers: per worker two score tiles of
-/// [min(64,T), T], four [T, hs] buffers (K, V copies; dK, dV accumulators) and a few
-/// [min(64,T), hs] / [min(64,T)] block buffers.
-pub fn attention_workspace_len(t: usize, hs: usize, threads: usize) -> usize {
-    threads.max(1) * per_worker_len(t, hs)
+/// Workspace elements (f32) the kernels need for `threads` workers with storage type `T`:
+/// per worker two score tiles of [min(64,T), T], four [T, hs] buffers (K, V copies; dK, dV
+/// accumulators) and a few [min(64,T), hs] / [min(64,T)] block buffers (one more
+/// [min(64,T), hs] block for types other than f32).
+pub fn attention_workspace_len<T: Elem>(t: usize, hs: usize, threads: usize) -> usize {
+    threads.max(1) * per_worker_len::<T>(t, hs)
 }
 
 /// Raw pointer that can be shared between rayon workers.
@@ -76,13 +88,18 @@ pub fn attention_workspace_len(t: usize, hs: usize, threads: usize) -> usize {
 /// unit is processed by exactly one worker, and nothing reads those elements concurrently, so no
 /// two threads ever touch the same element. The pointers stay valid because the borrowed slices
 /// outlive the rayon scope.
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-impl SyncPtr {
+struct SyncPtr<P>(*mut P);
+impl<P> Clone for SyncPtr<P> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<P> Copy for SyncPtr<P> {}
+unsafe impl<P> Send for SyncPtr<P> {}
+unsafe impl<P> Sync for SyncPtr<P> {}
+impl<P> SyncPtr<P> {
     /// Method (not field) access so closures capture the whole `Send + Sync` wrapper.
-    fn get(self) -> *mut f32 {
+    fn get(self) -> *mut P {
         self.0
     }
 }
@@ -190,7 +207,7 @@ const PREFETCH_ROWS: usize = 8;
 
 /// Hints the CPU to pull `src[at..at + len]` into cache (no-op when out of range).
 #[inline(always)]
-fn prefetch(src: &[f32], at: usize, len: usize) {
+fn prefetch<T>(src: &[T], at: usize, len: usize) {
     if at + len <= src.len() {
         prefetch_ptr(src.as_ptr().wrapping_add(at), len);
     }
@@ -199,32 +216,42 @@ fn prefetch(src: &[f32], at: usize, len: usize) {
 /// Hints the CPU to pull the `len` elements at `p` into cache (also before writing them).
 /// Never dereferences `p`; a no-op on other architectures.
 #[inline(always)]
-fn prefetch_ptr(p: *const f32, len: usize) {
+fn prefetch_ptr<T>(p: *const T, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if len > 0 {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        // One hint per 64-byte line (16 floats), plus the last element for unaligned rows.
-        for off in (0..len).step_by(16).chain(std::iter::once(len - 1)) {
+        let (p, bytes) = (p.cast::<i8>(), len * size_of::<T>());
+        // One hint per 64-byte line, plus the last byte for unaligned rows.
+        for off in (0..bytes).step_by(64).chain(std::iter::once(bytes - 1)) {
             // SAFETY: a prefetch is only a hint: it never faults and has no architectural
             // effect, whatever the address (`wrapping_add` keeps the arithmetic defined).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast::<i8>()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, len);
 }
 
-/// Copies `rows` rows of `hs` elements from `src` (row stride `ld`) into contiguous `dst`.
-fn gather_rows(dst: &mut [f32], src: &[f32], rows: usize, hs: usize, ld: usize) {
+/// `dst[i] = src[i].to_f32()` over equal-length slices (a plain copy for f32).
+#[inline(always)]
+fn widen_into<T: Elem>(dst: &mut [f32], src: &[T]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
+/// Copies `rows` rows of `hs` elements from `src` (row stride `ld`) into contiguous `dst`,
+/// widened to f32.
+fn gather_rows<T: Elem>(dst: &mut [f32], src: &[T], rows: usize, hs: usize, ld: usize) {
     for (i, d) in dst[..rows * hs].chunks_exact_mut(hs).enumerate() {
         prefetch(src, (i + PREFETCH_ROWS) * ld, hs);
-        d.copy_from_slice(&src[i * ld..i * ld + hs]);
+        widen_into(d, &src[i * ld..i * ld + hs]);
     }
 }
 
 /// Copies one unit's K and V ([T, hs] each, at offsets `c` and `2c` of each [3C] row of `src`)
-/// into contiguous `kc` and `vc` in a single pass over the rows.
-fn gather_kv(kc: &mut [f32], vc: &mut [f32], src: &[f32], t: usize, hs: usize, c: usize) {
+/// into contiguous f32 `kc` and `vc` in a single pass over the rows.
+fn gather_kv<T: Elem>(kc: &mut [f32], vc: &mut [f32], src: &[T], t: usize, hs: usize, c: usize) {
     let kv = kc[..t * hs]
         .chunks_exact_mut(hs)
         .zip(vc[..t * hs].chunks_exact_mut(hs));
@@ -233,8 +260,25 @@ fn gather_kv(kc: &mut [f32], vc: &mut [f32], src: &[f32], t: usize, hs: usize, c
         prefetch(src, ahead + c, hs);
         prefetch(src, ahead + 2 * c, hs);
         let row = &src[i * 3 * c..];
-        kd.copy_from_slice(&row[c..c + hs]);
-        vd.copy_from_slice(&row[2 * c..2 * c + hs]);
+        widen_into(kd, &row[c..c + hs]);
+        widen_into(vd, &row[2 * c..2 * c + hs]);
+    }
+}
+
+/// Rounds the f32 rows `src` [rows, hs] (contiguous) into `rows` rows of `hs` elements at `dst`
+/// (row stride `ld`).
+///
+/// # Safety
+/// `dst` must be valid for writes of every addressed element, and nothing else may access
+/// them during the call; `src` must not overlap them.
+#[inline(always)]
+unsafe fn narrow_rows<T: Elem>(dst: *mut T, ld: usize, src: &[f32], hs: usize) {
+    for (i, s) in src.chunks_exact(hs).enumerate() {
+        // SAFETY: row i of the caller's destination, exclusively ours.
+        let d = unsafe { std::slice::from_raw_parts_mut(dst.add(i * ld), hs) };
+        for (d, &s) in d.iter_mut().zip(s) {
+            *d = T::from_f32(s);
+        }
     }
 }
 
@@ -429,24 +473,24 @@ multiversion! {
 /// Forward of causal self-attention.
 ///
 /// `out` [B,T,C] and `lse` [B,NH,T] are written in full; `qkv` is [B,T,3C]; `ws` must hold at
-/// least `attention_workspace_len(t, c/nh, rayon::current_num_threads())` elements.
+/// least `attention_workspace_len::<T>(t, c/nh, rayon::current_num_threads())` elements.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward(
-    out: &mut [f32],
-    lse: &mut [f32],
-    qkv: &[f32],
+pub fn attention_forward<T: Elem>(
+    out: &mut [T],   // [B, T, C]
+    lse: &mut [f32], // [B, NH, T]
+    qkv: &[T],       // [B, T, 3C]
     b: usize,
     t: usize,
     c: usize,
     nh: usize,
-    ws: &mut [f32],
+    ws: &mut [f32], // [attention_workspace_len::<T>(T, hs, threads)]
 ) {
     let dims = Dims::new(t, c, nh);
     assert_eq!(out.len(), b * t * c, "out must be [B,T,C]");
     assert_eq!(lse.len(), b * nh * t, "lse must be [B,NH,T]");
     assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be [B,T,3C]");
     let threads = rayon::current_num_threads();
-    let need = attention_workspace_len(t, dims.hs, threads);
+    let need = attention_workspace_len::<T>(t, dims.hs, threads);
     assert!(
         ws.len() >= need,
         "attention workspace too small: {} < {need}",
@@ -456,7 +500,7 @@ pub fn attention_forward(
     if units == 0 || t == 0 {
         return;
     }
-    let per = per_worker_len(t, dims.hs);
+    let per = per_worker_len::<T>(t, dims.hs);
     let workers = threads.min(units);
     let out_p = SyncPtr(out.as_mut_ptr());
     let lse_p = SyncPtr(lse.as_mut_ptr());
@@ -477,10 +521,10 @@ pub fn attention_forward(
 /// # Safety
 /// `out` must point to the [B,T,C] output and `lse` to the [B,NH,T] log-sum-exp buffer; the
 /// caller guarantees no other thread touches unit `u`'s elements.
-unsafe fn forward_unit(
-    out: *mut f32,
+unsafe fn forward_unit<T: Elem>(
+    out: *mut T,
     lse: *mut f32,
-    qkv: &[f32],
+    qkv: &[T], // [B, T, 3C]
     u: usize,
     d: Dims,
     ws: &mut [f32],
@@ -501,9 +545,13 @@ unsafe fn forward_unit(
     let (kc, rest) = rest.split_at_mut(t * hs); // K [T, hs]
     let (vc, rest) = rest.split_at_mut(t * hs); // V [T, hs]
     let (mx, rest) = rest.split_at_mut(br); // row max m [nb]
-    let sum = &mut rest[..br]; // row sum l [nb]
+    let (sum, rest) = rest.split_at_mut(br); // row sum l [nb]
+    // T = f32 reads Q and writes O in place; other types widen Q into, and compute O in, these.
+    let direct = is_f32::<T>();
+    let nbuf = if direct { 0 } else { br * hs };
+    let (qbuf, rest) = rest.split_at_mut(nbuf); // Q block [nb, hs]
+    let obuf = &mut rest[..nbuf]; // O block [nb, hs]
     gather_kv(kc, vc, &qkv[qoff..], t, hs, c);
-    let q = qkv[qoff..].as_ptr(); // Q [T, hs], row stride 3C
     // SAFETY: in-bounds offsets of the caller's buffers; this unit's exclusive regions.
     let (o, lse_u) = unsafe {
         (
@@ -520,29 +568,44 @@ unsafe fn forward_unit(
             // The O rows this block writes at its end (strided, otherwise cache misses).
             prefetch_ptr(o.wrapping_add(i * c), hs);
         }
-        // SAFETY: Q rows r0..r1 < T of this batch; kc/tile are [r1, hs] / [r1, nb] in ws.
+        let qrows = &qkv[qoff + r0 * ld3..]; // Q[r0..], row stride 3C
+        let qv = if direct {
+            tr(qrows.as_ptr().cast::<f32>(), ld3) // T is f32: the same memory
+        } else {
+            gather_rows(qbuf, qrows, nb, hs, ld3);
+            tr(qbuf.as_ptr(), hs)
+        };
+        // SAFETY: Q rows r0..r1 < T of this batch (or their copy); kc/tile are [r1, hs] /
+        // [r1, nb] in ws.
         unsafe {
             // S'ᵀ[r1, nb] = scale2 · K[0..r1] Q[r0..r1]ᵀ  (scores in base-2 units)
-            let qb = q.add(r0 * ld3);
             mm(
                 (r1, nb, hs),
                 tile.as_mut_ptr(),
                 nb,
                 false,
                 rm(kc.as_ptr(), hs),
-                tr(qb, ld3),
+                qv,
                 scale2,
             );
         }
         softmax_tile(tile, nb, r0, mx, sum);
-        // SAFETY: O rows r0..r1 belong to this unit; vc rows 0..r1 are in ws.
+        // O rows r0..r1: in place for f32 (T is f32, so the cast is the same memory), else
+        // the f32 block, rounded into `out` below.
+        let (ob, ob_ld) = if direct {
+            // SAFETY: in-bounds offset of this unit's O rows.
+            (unsafe { o.add(r0 * c) }.cast::<f32>(), c)
+        } else {
+            (obuf.as_mut_ptr(), hs)
+        };
+        // SAFETY: O rows r0..r1 belong to this unit (or are the ws block); vc rows 0..r1 are
+        // in ws.
         unsafe {
             // O[r0..r1] = P[nb, r1] V[0..r1]   (P = tileᵀ: column stride nb, row stride 1)
-            let ob = o.add(r0 * c);
             mm(
                 (nb, hs, r1),
                 ob,
-                c,
+                ob_ld,
                 false,
                 tr(tile.as_ptr(), nb),
                 rm(vc.as_ptr(), hs),
@@ -552,8 +615,11 @@ unsafe fn forward_unit(
             for (li, &l) in sum[..nb].iter().enumerate() {
                 let inv = 1.0 / l;
                 for e in 0..hs {
-                    *ob.add(li * c + e) *= inv;
+                    *ob.add(li * ob_ld + e) *= inv;
                 }
+            }
+            if !direct {
+                narrow_rows(o.add(r0 * c), c, &obuf[..nb * hs], hs);
             }
         }
         for ((lv, &m), &l) in lse_u[r0..r1].iter_mut().zip(&*mx).zip(&*sum) {
@@ -570,17 +636,17 @@ unsafe fn forward_unit(
 /// the forward's inputs `qkv` and its results `out` [B,T,C] and `lse` [B,NH,T]. `ws` as for
 /// the forward.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
-    dqkv: &mut [f32],
-    dout: &[f32],
-    qkv: &[f32],
-    out: &[f32],
-    lse: &[f32],
+pub fn attention_backward<T: Elem>(
+    dqkv: &mut [T], // [B, T, 3C]
+    dout: &[T],     // [B, T, C]
+    qkv: &[T],      // [B, T, 3C]
+    out: &[T],      // [B, T, C]
+    lse: &[f32],    // [B, NH, T]
     b: usize,
     t: usize,
     c: usize,
     nh: usize,
-    ws: &mut [f32],
+    ws: &mut [f32], // [attention_workspace_len::<T>(T, hs, threads)]
 ) {
     let dims = Dims::new(t, c, nh);
     assert_eq!(dqkv.len(), b * t * 3 * c, "dqkv must be [B,T,3C]");
@@ -589,7 +655,7 @@ pub fn attention_backward(
     assert_eq!(out.len(), b * t * c, "out must be [B,T,C]");
     assert_eq!(lse.len(), b * nh * t, "lse must be [B,NH,T]");
     let threads = rayon::current_num_threads();
-    let need = attention_workspace_len(t, dims.hs, threads);
+    let need = attention_workspace_len::<T>(t, dims.hs, threads);
     assert!(
         ws.len() >= need,
         "attention workspace too small: {} < {need}",
@@ -599,7 +665,7 @@ pub fn attention_backward(
     if units == 0 || t == 0 {
         return;
     }
-    let per = per_worker_len(t, dims.hs);
+    let per = per_worker_len::<T>(t, dims.hs);
     let workers = threads.min(units);
     let dqkv_p = SyncPtr(dqkv.as_mut_ptr());
     ws[..workers * per]
@@ -620,12 +686,12 @@ pub fn attention_backward(
 /// `dqkv` must point to the [B,T,3C] gradient buffer; the caller guarantees no other thread
 /// touches unit `u`'s elements of it.
 #[allow(clippy::too_many_arguments)]
-unsafe fn backward_unit(
-    dqkv: *mut f32,
-    dout: &[f32],
-    qkv: &[f32],
-    out: &[f32],
-    lse: &[f32],
+unsafe fn backward_unit<T: Elem>(
+    dqkv: *mut T,
+    dout: &[T],  // [B, T, C]
+    qkv: &[T],   // [B, T, 3C]
+    out: &[T],   // [B, T, C]
+    lse: &[f32], // [B, NH, T]
     u: usize,
     d: Dims,
     ws: &mut [f32],
@@ -651,7 +717,10 @@ unsafe fn backward_unit(
     let (dv, rest) = rest.split_at_mut(t * hs); // dV accumulator [T, hs]
     let (qb, rest) = rest.split_at_mut(br * hs); // Q block [nb, hs]
     let (gb, rest) = rest.split_at_mut(br * hs); // dO block [nb, hs]
-    let dd = &mut rest[..br]; // D block [nb]
+    let (dd, rest) = rest.split_at_mut(br); // D block [nb]
+    // T = f32 writes dQ in place; other types compute it in this f32 block [nb, hs].
+    let direct = is_f32::<T>();
+    let dqbuf = &mut rest[..if direct { 0 } else { br * hs }];
     gather_kv(kc, vc, &qkv[qoff..], t, hs, c);
     dk.fill(0.0);
     dv.fill(0.0);
@@ -675,8 +744,12 @@ unsafe fn backward_unit(
             prefetch(out, row + PREFETCH_ROWS * c, hs);
             // The dQ rows this block writes at its end (strided, otherwise cache misses).
             prefetch_ptr(dq.wrapping_add((r0 + li) * ld3), hs);
-            g.copy_from_slice(&dout[row..row + hs]);
-            *di = out[row..row + hs].iter().zip(&*g).map(|(a, b)| a * b).sum();
+            widen_into(g, &dout[row..row + hs]);
+            *di = out[row..row + hs]
+                .iter()
+                .zip(&*g)
+                .map(|(a, b)| a.to_f32() * b)
+                .sum();
         }
         let (qp, gp, kp, vp) = (qb.as_ptr(), gb.as_ptr(), kc.as_ptr(), vc.as_ptr());
         // SAFETY (all products below): operands are ws buffers of the stated shapes with
@@ -719,16 +792,25 @@ unsafe fn backward_unit(
         ds_tile(ds, p, nb, &dd[..nb], scale);
         unsafe {
             // dQ[r0..r1] = dS K[0..r1]          ([nb, r1] · [r1, hs]; dS = dSᵀ transposed)
-            let dqb = dq.add(r0 * ld3);
+            // In place for f32 (T is f32, so the cast is the same memory), else into the
+            // f32 block, rounded into `dqkv` right after.
+            let (dqb, dqb_ld) = if direct {
+                (dq.add(r0 * ld3).cast::<f32>(), ld3)
+            } else {
+                (dqbuf.as_mut_ptr(), hs)
+            };
             mm(
                 (nb, hs, r1),
                 dqb,
-                ld3,
+                dqb_ld,
                 false,
                 tr(ds.as_ptr(), nb),
                 rm(kp, hs),
                 1.0,
             );
+            if !direct {
+                narrow_rows(dq.add(r0 * ld3), ld3, &dqbuf[..nb * hs], hs);
+            }
             // dK[0..r1] += dSᵀ Q[r0..r1]        ([r1, nb] · [nb, hs])
             mm(
                 (r1, hs, nb),
@@ -752,8 +834,14 @@ unsafe fn backward_unit(
                 prefetch_ptr(ahead.wrapping_add(c), hs);
                 prefetch_ptr(ahead.wrapping_add(2 * c), hs);
             }
-            std::ptr::copy_nonoverlapping(dkr.as_ptr(), row.add(c), hs);
-            std::ptr::copy_nonoverlapping(dvr.as_ptr(), row.add(2 * c), hs);
+            if direct {
+                // T is f32: plain copies.
+                std::ptr::copy_nonoverlapping(dkr.as_ptr(), row.add(c).cast::<f32>(), hs);
+                std::ptr::copy_nonoverlapping(dvr.as_ptr(), row.add(2 * c).cast::<f32>(), hs);
+            } else {
+                narrow_rows(row.add(c), 0, dkr, hs);
+                narrow_rows(row.add(2 * c), 0, dvr, hs);
+            }
         }
     }
 }
@@ -896,7 +984,9 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::reduce::testutil::{bits, narrow_vec, widen_vec};
     use super::*;
+    use half::{bf16, f16};
 
     /// Deterministic pseudo-random values in [-amp, amp] (xorshift64*).
     fn rand_vec(n: usize, seed: u64, amp: f32) -> Vec<f32> {
@@ -912,32 +1002,33 @@ mod tests {
             .collect()
     }
 
-    fn ws_for(t: usize, c: usize, nh: usize) -> Vec<f32> {
-        vec![f32::NAN; attention_workspace_len(t, c / nh, rayon::current_num_threads())]
+    fn ws_for<T: Elem>(t: usize, c: usize, nh: usize) -> Vec<f32> {
+        let threads = rayon::current_num_threads();
+        vec![f32::NAN; attention_workspace_len::<T>(t, c / nh, threads)]
     }
 
-    fn fast_fwd(qkv: &[f32], b: usize, t: usize, c: usize, nh: usize) -> (Vec<f32>, Vec<f32>) {
+    fn fast_fwd<T: Elem>(qkv: &[T], b: usize, t: usize, c: usize, nh: usize) -> (Vec<T>, Vec<f32>) {
         // NaN-filled outputs and workspace: any element not written shows up.
-        let mut out = vec![f32::NAN; b * t * c];
+        let mut out = vec![T::from_f32(f32::NAN); b * t * c];
         let mut lse = vec![f32::NAN; b * nh * t];
-        let mut ws = ws_for(t, c, nh);
+        let mut ws = ws_for::<T>(t, c, nh);
         attention_forward(&mut out, &mut lse, qkv, b, t, c, nh, &mut ws);
         (out, lse)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn fast_bwd(
-        dout: &[f32],
-        qkv: &[f32],
-        out: &[f32],
+    fn fast_bwd<T: Elem>(
+        dout: &[T],
+        qkv: &[T],
+        out: &[T],
         lse: &[f32],
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
-    ) -> Vec<f32> {
-        let mut dqkv = vec![f32::NAN; b * t * 3 * c];
-        let mut ws = ws_for(t, c, nh);
+    ) -> Vec<T> {
+        let mut dqkv = vec![T::from_f32(f32::NAN); b * t * 3 * c];
+        let mut ws = ws_for::<T>(t, c, nh);
         attention_backward(&mut dqkv, dout, qkv, out, lse, b, t, c, nh, &mut ws);
         dqkv
     }
@@ -1100,13 +1191,12 @@ mod tests {
         }
     }
 
-    /// Forward and backward outputs of one run, as bit patterns.
-    fn run_bits(b: usize, t: usize, c: usize, nh: usize, seed: u64) -> [Vec<u32>; 3] {
-        let qkv = rand_vec(b * t * 3 * c, seed, 2.0);
-        let dout = rand_vec(b * t * c, seed + 1, 1.0);
+    /// Forward and backward outputs of one run with storage type `T`, as bit patterns.
+    fn run_bits<T: Elem>(b: usize, t: usize, c: usize, nh: usize, seed: u64) -> [Vec<u32>; 3] {
+        let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * 3 * c, seed, 2.0));
+        let dout: Vec<T> = narrow_vec(&rand_vec(b * t * c, seed + 1, 1.0));
         let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
         let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         [bits(&out), bits(&lse), bits(&dqkv)]
     }
 
@@ -1120,7 +1210,13 @@ mod tests {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                pool.install(|| run_bits(b, t, c, nh, 7))
+                pool.install(|| {
+                    (
+                        run_bits::<f32>(b, t, c, nh, 7),
+                        run_bits::<bf16>(b, t, c, nh, 7),
+                        run_bits::<f16>(b, t, c, nh, 7),
+                    )
+                })
             };
             let reference = run(2);
             for threads in [2, 1, 3, 2] {
@@ -1136,7 +1232,12 @@ mod tests {
     #[test]
     fn isa_invariant() {
         use super::super::reduce::{Isa, set_isa};
-        let run = || run_bits(2, 70, 12, 2, 9);
+        let run = || {
+            (
+                run_bits::<f32>(2, 70, 12, 2, 9),
+                run_bits::<bf16>(2, 70, 12, 2, 9),
+            )
+        };
         set_isa(Isa::Baseline);
         let base = run();
         for want in [Isa::Avx2, Isa::Avx512] {
@@ -1154,7 +1255,100 @@ mod tests {
         let mut out = vec![0.0; b * t * c];
         let mut lse = vec![0.0; b * nh * t];
         let mut ws =
-            vec![0.0; attention_workspace_len(t, c / nh, rayon::current_num_threads()) - 1];
+            vec![0.0; attention_workspace_len::<f32>(t, c / nh, rayon::current_num_threads()) - 1];
         attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, &mut ws);
+    }
+
+    /// Narrow types need one more [min(64,T), hs] block per worker, and check for it.
+    #[test]
+    #[should_panic(expected = "workspace too small")]
+    fn rejects_f32_sized_workspace_for_bf16() {
+        let (b, t, c, nh) = (1, 8, 8, 2);
+        let threads = rayon::current_num_threads();
+        let len32 = attention_workspace_len::<f32>(t, c / nh, threads);
+        let len16 = attention_workspace_len::<bf16>(t, c / nh, threads);
+        assert_eq!(len16, len32 + threads * t * (c / nh));
+        assert_eq!(len16, attention_workspace_len::<f16>(t, c / nh, threads));
+        let qkv: Vec<bf16> = narrow_vec(&rand_vec(b * t * 3 * c, 1, 1.0));
+        let mut out = vec![bf16::ZERO; b * t * c];
+        let mut lse = vec![0.0; b * nh * t];
+        let mut ws = vec![0.0; len32];
+        attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, &mut ws);
+    }
+
+    /// bf16 / f16 storage: forward and backward against the f32 kernel on the widened inputs
+    /// (the backward given the same rounded `out` and the same `lse`). All math is f32 in both,
+    /// so the narrow results are the f32 ones rounded once, up to f32 rounding noise from the
+    /// products running on contiguous copies instead of in place: within half a unit in the
+    /// last place of `T` plus 1e-5 of the largest magnitude.
+    fn narrow_matches_f32<T: Elem>(half_ulp: f32) {
+        let mut differ = 0usize;
+        let mut total = 0usize;
+        for (si, &(b, t, c, nh)) in SHAPES.iter().enumerate() {
+            let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * 3 * c, 11 + si as u64, 2.0));
+            let dout: Vec<T> = narrow_vec(&rand_vec(b * t * c, 202 + si as u64, 1.0));
+            let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
+            let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
+            let (qkv32, dout32, out_w) = (widen_vec(&qkv), widen_vec(&dout), widen_vec(&out));
+            let (out32, lse32) = fast_fwd(&qkv32, b, t, c, nh);
+            let dqkv32 = fast_bwd(&dout32, &qkv32, &out_w, &lse, b, t, c, nh);
+            let tag = format!("{} {b}x{t}x{c}/{nh}", T::NAME);
+            for (name, got, want) in [
+                ("out", widen_vec(&out), out32),
+                ("lse", lse, lse32),
+                ("dqkv", widen_vec(&dqkv), dqkv32),
+            ] {
+                let rel = if name == "lse" { 1e-6 } else { half_ulp };
+                let maxabs = want.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+                assert!(maxabs > 0.1, "{name} {tag}: degenerate");
+                for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let tol = rel * w.abs() + 1e-5 * maxabs + 1e-7;
+                    assert!((g - w).abs() <= tol, "{name} {tag} [{i}]: {g} vs f32 {w}");
+                    let rounded = if name == "lse" {
+                        w
+                    } else {
+                        T::from_f32(w).to_f32()
+                    };
+                    differ += (g.to_bits() != rounded.to_bits()) as usize;
+                    total += 1;
+                }
+            }
+        }
+        println!(
+            "{}: {differ} of {total} results differ from the rounded f32 ones",
+            T::NAME
+        );
+    }
+
+    #[test]
+    fn bf16_matches_f32() {
+        narrow_matches_f32::<bf16>(2f32.powi(-8));
+    }
+
+    #[test]
+    fn f16_matches_f32() {
+        narrow_matches_f32::<f16>(2f32.powi(-11));
+    }
+
+    /// A NaN in one key of batch 0, head 0, position 5: queries of that head from position 5
+    /// on become NaN, everything else stays finite; the backward does not panic and keeps
+    /// batch 1 finite.
+    #[test]
+    fn non_finite_stays_in_its_unit() {
+        let (b, t, c, nh) = (2, 70, 8, 2);
+        let hs = c / nh;
+        let mut qkv: Vec<bf16> = narrow_vec(&rand_vec(b * t * 3 * c, 3, 1.0));
+        qkv[5 * 3 * c + c + 1] = bf16::NAN; // K of (batch 0, position 5), head 0
+        let dout: Vec<bf16> = narrow_vec(&rand_vec(b * t * c, 4, 1.0));
+        let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
+        for (r, row) in out.chunks_exact(c).enumerate() {
+            let (head0, head1) = row.split_at(hs);
+            let poisoned = r >= 5 && r < t; // batch 0 rows 5.. of head 0
+            assert!(head0.iter().all(|v| v.is_nan() == poisoned), "row {r}");
+            assert!(head1.iter().all(|v| v.is_finite()), "row {r} head 1");
+        }
+        assert_eq!(lse.iter().filter(|v| v.is_nan()).count(), t - 5);
+        let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
+        assert!(dqkv[t * 3 * c..].iter().all(|v| v.is_finite()), "batch 1");
     }
 }

@@ -5,20 +5,40 @@
 //! in order, adding only those that fall into its block; the position gradient is split over
 //! positions, each summing its batch rows in order. Every element therefore receives its
 //! contributions in token order, so results are identical for any thread count.
+//!
+//! Storage type `T` ([`Elem`]: f32, bf16, f16) for the tables, activations and gradients;
+//! arithmetic in f32. The forward rounds each sum once; the backward adds all of a call's
+//! contributions to an element in f32 and rounds once (for narrow types through f32 stack
+//! accumulators, see [`encoder_backward`]), so the result for any `T` is the f32 kernel's
+//! result on the widened inputs, rounded to `T`.
 
-use super::reduce::rows_per_task;
+use super::elem::{Elem, is_f32};
+use super::reduce::{multiversion, rows_per_task};
 use rayon::prelude::*;
 
-/// Vocabulary rows per task in `encoder_backward` (each task scans all B·T tokens once).
+/// Vocabulary rows per task in `encoder_backward` for f32 (each task scans all B·T tokens once).
 const VOCAB_ROWS_PER_TASK: usize = 512;
 
-/// out = wte[tokens] + wpe[position].
+/// Vocabulary rows per task in `encoder_backward` for narrow storage types: the rows of one
+/// task, in column slices of [`ACC_COLS`], are accumulated in an f32 stack buffer.
+const ACC_ROWS: usize = 128;
+
+/// Column-slice width of the f32 accumulators of the narrow-type backward (the stack buffer
+/// is [ACC_ROWS, ACC_COLS] f32 = 32 KiB).
+const ACC_COLS: usize = 64;
+
+/// Token positions a narrow-type backward task lists on the stack (16 KiB) after one scan of
+/// the tokens; a task whose rows occur more often than this rescans the tokens once per
+/// column slice instead (same additions in the same order).
+const HIT_CAP: usize = 4096;
+
+/// out = wte[tokens] + wpe[position], summed in f32 and rounded once to `T`.
 #[allow(clippy::too_many_arguments)]
-pub fn encoder_forward(
-    out: &mut [f32], // [B, T, C]
-    tokens: &[u32],  // [B, T]
-    wte: &[f32],     // [V, C]
-    wpe: &[f32],     // [maxT, C], only the first T rows used
+pub fn encoder_forward<T: Elem>(
+    out: &mut [T],  // [B, T, C]
+    tokens: &[u32], // [B, T]
+    wte: &[T],      // [V, C]
+    wpe: &[T],      // [maxT, C], only the first T rows used
     b: usize,
     t: usize,
     c: usize,
@@ -46,18 +66,24 @@ pub fn encoder_forward(
                 let pos = r % t;
                 let (e, p) = (&wte[tok * c..(tok + 1) * c], &wpe[pos * c..(pos + 1) * c]);
                 for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
-                    *o = e + p;
+                    *o = T::from_f32(e.to_f32() + p.to_f32());
                 }
             }
         });
 }
 
 /// dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t].
-pub fn encoder_backward(
-    dwte: &mut [f32], // [V, C] +=
-    dwpe: &mut [f32], // [maxT, C] +=, only the first T rows touched
-    dout: &[f32],     // [B, T, C]
-    tokens: &[u32],   // [B, T]
+///
+/// Every element receives its contributions in token order, added in f32 to its widened
+/// value and rounded to `T` once per call (a token that occurs k times is not rounded k
+/// times). For f32 each task adds straight into its block of `dwte`; for narrower types each
+/// task owns [`ACC_ROWS`] vocabulary rows, lists the positions of its tokens in one scan, and
+/// accumulates [`ACC_COLS`] columns at a time in an f32 stack buffer.
+pub fn encoder_backward<T: Elem>(
+    dwte: &mut [T], // [V, C] +=
+    dwpe: &mut [T], // [maxT, C] +=, only the first T rows touched
+    dout: &[T],     // [B, T, C]
+    tokens: &[u32], // [B, T]
     b: usize,
     t: usize,
     c: usize,
@@ -76,37 +102,131 @@ pub fn encoder_backward(
     if let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
         panic!("encoder_backward: token {bad} >= vocabulary {v}");
     }
-    dwte.par_chunks_mut(VOCAB_ROWS_PER_TASK * c)
-        .enumerate()
-        .for_each(|(bi, block)| {
-            let lo = bi * VOCAB_ROWS_PER_TASK;
-            let hi = lo + block.len() / c;
-            for (&tok, dy) in tokens.iter().zip(dout.chunks_exact(c)) {
-                let tok = tok as usize;
-                if tok >= lo && tok < hi {
-                    let d = &mut block[(tok - lo) * c..(tok - lo + 1) * c];
-                    for (d, &g) in d.iter_mut().zip(dy) {
-                        *d += g;
+    if is_f32::<T>() {
+        dwte.par_chunks_mut(VOCAB_ROWS_PER_TASK * c)
+            .enumerate()
+            .for_each(|(bi, block)| {
+                let lo = bi * VOCAB_ROWS_PER_TASK;
+                let hi = lo + block.len() / c;
+                for (&tok, dy) in tokens.iter().zip(dout.chunks_exact(c)) {
+                    let tok = tok as usize;
+                    if tok >= lo && tok < hi {
+                        let d = &mut block[(tok - lo) * c..(tok - lo + 1) * c];
+                        for (d, &g) in d.iter_mut().zip(dy) {
+                            *d = T::from_f32(d.to_f32() + g.to_f32());
+                        }
                     }
                 }
-            }
-        });
+            });
+    } else {
+        dwte.par_chunks_mut(ACC_ROWS * c)
+            .enumerate()
+            .for_each(|(bi, block)| dwte_block_acc(block, bi * ACC_ROWS, dout, tokens, c));
+    }
     let rows = rows_per_task(c * b.max(1));
     dwpe[..t * c]
         .par_chunks_mut(rows * c)
         .enumerate()
-        .for_each(|(pi, block)| {
-            let p0 = pi * rows;
-            for (i, d) in block.chunks_exact_mut(c).enumerate() {
-                let pos = p0 + i;
-                for bb in 0..b {
-                    let dy = &dout[(bb * t + pos) * c..(bb * t + pos + 1) * c];
-                    for (d, &g) in d.iter_mut().zip(dy) {
-                        *d += g;
+        .for_each(|(pi, block)| dwpe_block(block, pi * rows, dout, b, t, c));
+}
+
+multiversion! {
+    /// dwte rows `lo..lo + block.len()/C` (at most [`ACC_ROWS`]) for a narrow storage type:
+    /// per column slice of [`ACC_COLS`], walk the positions whose token is in the block in
+    /// order (listed once, or rescanned if more than [`HIT_CAP`]), adding each one's dout
+    /// slice into an f32 accumulator row (initialised from the row's stored value at its first
+    /// hit), then round the rows that were hit back into `block`.
+    fn dwte_block_acc<T: Elem>(
+        block: &mut [T], // [rows <= ACC_ROWS, C] +=
+        lo: usize,
+        dout: &[T],      // [N, C]
+        tokens: &[u32],  // [N], all < V
+        c: usize,
+    ) {
+        let rows = block.len() / c;
+        let ours = |tok: u32| (tok as usize).wrapping_sub(lo) < rows; // wraps when tok < lo
+        let nhit = tokens.iter().filter(|t| ours(**t)).count();
+        if nhit == 0 {
+            return; // common when B·T is small next to V: skip the stack buffers
+        }
+        let listed = nhit <= HIT_CAP;
+        let mut hits = [0u32; HIT_CAP]; // positions r with tokens[r] in the block, in order
+        if listed {
+            let it = tokens.iter().enumerate().filter(|(_, t)| ours(**t));
+            for (h, (r, _)) in hits.iter_mut().zip(it) {
+                *h = r as u32;
+            }
+        }
+        let mut acc = [0.0f32; ACC_ROWS * ACC_COLS]; // [ACC_ROWS, ACC_COLS]
+        let mut c0 = 0;
+        while c0 < c {
+            let w = ACC_COLS.min(c - c0);
+            let mut hit = [false; ACC_ROWS];
+            let mut add = |r: usize| {
+                let k = tokens[r] as usize - lo;
+                let a = &mut acc[k * ACC_COLS..k * ACC_COLS + w];
+                if !hit[k] {
+                    hit[k] = true;
+                    for (a, &d) in a.iter_mut().zip(&block[k * c + c0..k * c + c0 + w]) {
+                        *a = d.to_f32();
                     }
                 }
+                for (a, &g) in a.iter_mut().zip(&dout[r * c + c0..r * c + c0 + w]) {
+                    *a += g.to_f32();
+                }
+            };
+            if listed {
+                hits[..nhit].iter().for_each(|&r| add(r as usize));
+            } else {
+                let it = tokens.iter().enumerate().filter(|(_, t)| ours(**t));
+                it.for_each(|(r, _)| add(r));
             }
-        });
+            for (k, _) in hit[..rows].iter().enumerate().filter(|(_, h)| **h) {
+                let a = &acc[k * ACC_COLS..k * ACC_COLS + w];
+                for (d, &a) in block[k * c + c0..k * c + c0 + w].iter_mut().zip(a) {
+                    *d = T::from_f32(a);
+                }
+            }
+            c0 += w;
+        }
+    }
+}
+
+/// Width of the column slices the position gradient is accumulated over in f32.
+const POS_COLS: usize = 256;
+
+multiversion! {
+    /// dwpe rows `p0..p0 + block.len()/C`: each element is widened, gets its B contributions
+    /// in batch order in f32, and is rounded back once.
+    fn dwpe_block<T: Elem>(
+        block: &mut [T], // [rows, C] +=: positions p0..
+        p0: usize,
+        dout: &[T],      // [B, T, C]
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        for (i, d) in block.chunks_exact_mut(c).enumerate() {
+            let pos = p0 + i;
+            for (ci, d) in d.chunks_mut(POS_COLS).enumerate() {
+                let c0 = ci * POS_COLS;
+                let mut acc = [0.0f32; POS_COLS];
+                let acc = &mut acc[..d.len()];
+                for (a, &v) in acc.iter_mut().zip(d.iter()) {
+                    *a = v.to_f32();
+                }
+                for bb in 0..b {
+                    let dy = &dout[(bb * t + pos) * c + c0..][..acc.len()];
+                    for (a, &g) in acc.iter_mut().zip(dy) {
+                        *a += g.to_f32();
+                    }
+                }
+                for (d, &a) in d.iter_mut().zip(acc.iter()) {
+                    *d = T::from_f32(a);
+                }
+            }
+        }
+    }
 }
 
 /// Reference twins: plain loops.
@@ -158,6 +278,7 @@ mod tests {
     use super::super::reduce::testutil::*;
     use super::*;
     use crate::util::rng::Rng;
+    use half::{bf16, f16};
 
     fn tokens(n: usize, v: usize, seed: u64) -> Vec<u32> {
         let mut r = Rng::new(seed);
@@ -251,6 +372,101 @@ mod tests {
             1e-3,
             "dwpe vs fd",
         );
+    }
+
+    /// bf16 / f16 storage: forward and backward are the f32 kernel on the widened inputs,
+    /// rounded once, for any thread count.
+    fn narrow_is_f32_rounded<T: Elem>() {
+        // The last shape has more than HIT_CAP occurrences of tokens 0..ACC_ROWS, so that
+        // task takes the rescanning path; every other task lists its hits.
+        let many = (1, 5000, 70, 130, 5000);
+        assert!(tokens(5000, 130, 6).iter().filter(|&&t| t < 128).count() > HIT_CAP);
+        for (si, &(b, t, c, v, mt)) in SHAPES.iter().chain([&many]).enumerate() {
+            let tok = tokens(b * t, v, si as u64);
+            let wte: Vec<T> = narrow_vec(&randn(v * c, 1.0, si as u64));
+            let wpe: Vec<T> = narrow_vec(&randn(mt * c, 1.0, 50 + si as u64));
+            let dout: Vec<T> = narrow_vec(&randn(b * t * c, 1.0, 100 + si as u64));
+            let dwte0: Vec<T> = narrow_vec(&randn(v * c, 1.0, 200 + si as u64));
+            let dwpe0: Vec<T> = narrow_vec(&randn(mt * c, 1.0, 300 + si as u64));
+            let what = format!("{} {b}x{t}x{c}", T::NAME);
+            let fwd = || {
+                let mut o = vec![T::from_f32(f32::NAN); b * t * c];
+                encoder_forward(&mut o, &tok, &wte, &wpe, b, t, c);
+                o
+            };
+            let bwd = || {
+                let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
+                encoder_backward(&mut a, &mut p, &dout, &tok, b, t, c);
+                (a, p)
+            };
+            let o = with_threads(1, fwd);
+            assert_eq!(bits(&o), bits(&with_threads(3, fwd)), "fwd threads {what}");
+            let (a, p) = with_threads(1, bwd);
+            let (a3, p3) = with_threads(3, bwd);
+            assert!(
+                bits(&a) == bits(&a3) && bits(&p) == bits(&p3),
+                "threads {what}"
+            );
+            let mut o32 = vec![0.0; b * t * c];
+            let (wte32, wpe32) = (widen_vec(&wte), widen_vec(&wpe));
+            encoder_forward(&mut o32, &tok, &wte32, &wpe32, b, t, c);
+            assert_rounded_f32(&o, &o32, &format!("out {what}"));
+            let (mut a32, mut p32) = (widen_vec(&dwte0), widen_vec(&dwpe0));
+            encoder_backward(&mut a32, &mut p32, &widen_vec(&dout), &tok, b, t, c);
+            assert_rounded_f32(&a, &a32, &format!("dwte {what}"));
+            assert_rounded_f32(&p, &p32, &format!("dwpe {what}"));
+        }
+    }
+
+    #[test]
+    fn bf16_is_f32_rounded() {
+        narrow_is_f32_rounded::<bf16>();
+    }
+
+    #[test]
+    fn f16_is_f32_rounded() {
+        narrow_is_f32_rounded::<f16>();
+    }
+
+    /// 300 unit contributions to one element: bf16 (8 significant bits) represents 300, but
+    /// rounding after every addition would stall at 256 (256 + 1 rounds back to 256).
+    #[test]
+    fn bf16_backward_rounds_once_per_call() {
+        let one = bf16::from_f32(1.0);
+        // One token repeated 300 times (dwte), and one position over a batch of 300 (dwpe).
+        let (b, t, c, v) = (300, 1, 70, 130);
+        let tok = vec![129u32; b * t];
+        let dout = vec![one; b * t * c];
+        let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
+        encoder_backward(&mut dwte, &mut dwpe, &dout, &tok, b, t, c);
+        assert!(dwte[129 * c..].iter().all(|&x| x.to_f32() == 300.0), "dwte");
+        assert!(dwte[..129 * c].iter().all(|&x| x == bf16::ZERO));
+        assert!(dwpe.iter().all(|&x| x.to_f32() == 300.0), "dwpe");
+    }
+
+    /// Non-finite values propagate to exactly the elements they feed; nothing panics.
+    #[test]
+    fn non_finite_propagates() {
+        let (b, t, c, v) = (2, 2, 3, 200);
+        let tok = vec![3, 150, 150, 7];
+        let mut dout: Vec<bf16> = narrow_vec(&randn(b * t * c, 1.0, 1));
+        dout[c] = bf16::from_f32(f32::NAN); // token 150, position 1, channel 0
+        dout[2] = bf16::from_f32(f32::INFINITY); // token 3, position 0, channel 2
+        let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
+        encoder_backward(&mut dwte, &mut dwpe, &dout, &tok, b, t, c);
+        assert!(dwte[150 * c].is_nan() && dwpe[c].is_nan());
+        assert!(dwte[3 * c + 2].is_infinite() && dwpe[2].is_infinite());
+        let finite = |x: &[bf16]| x.iter().filter(|v| v.is_finite()).count();
+        assert_eq!(finite(&dwte), v * c - 2);
+        assert_eq!(finite(&dwpe), t * c - 2);
+        let mut out = vec![bf16::ZERO; b * t * c];
+        let mut wte = vec![bf16::ONE; v * c];
+        wte[7 * c + 1] = bf16::NAN; // token 7: row 3
+        let mut wpe = vec![bf16::ONE; t * c];
+        wpe[2] = bf16::INFINITY; // position 0: rows 0 and 2
+        encoder_forward(&mut out, &tok, &wte, &wpe, b, t, c);
+        assert!(out[3 * c + 1].is_nan() && out[2].is_infinite() && out[2 * c + 2].is_infinite());
+        assert_eq!(finite(&out), b * t * c - 3);
     }
 
     #[test]

@@ -4,7 +4,12 @@
 //! Computed as the identical `x·σ(2u)` (since `0.5·(1 + tanh u) = σ(2u)`) with the
 //! vectorisable `exp_f32`, so the loops auto-vectorise instead of calling libm's `tanhf`.
 //! Elementwise and parallel over fixed chunks: identical results for any thread count.
+//!
+//! Storage type `T` ([`Elem`]: f32, bf16, f16) for inputs and outputs: each element is
+//! widened to f32, computed in f32 and rounded once, so the result for any `T` is the f32
+//! kernel's result on the widened input, rounded to `T`.
 
+use super::elem::Elem;
 use super::reduce::{ELEM_CHUNK, exp_f32, multiversion};
 use rayon::prelude::*;
 
@@ -25,36 +30,38 @@ fn sig2u(x: f32) -> (f32, f32) {
 
 multiversion! {
     /// One chunk of the forward.
-    fn forward_chunk(
-        o: &mut [f32], // [len]
-        x: &[f32],     // [len]
+    fn forward_chunk<T: Elem>(
+        o: &mut [T], // [len]
+        x: &[T],     // [len]
     ) {
         for (o, &x) in o.iter_mut().zip(x) {
-            *o = x * sig2u(x).0;
+            let x = x.to_f32();
+            *o = T::from_f32(x * sig2u(x).0);
         }
     }
 }
 
 multiversion! {
     /// One chunk of the backward.
-    fn backward_chunk(
-        d: &mut [f32], // [len]
-        x: &[f32],     // [len]
+    fn backward_chunk<T: Elem>(
+        d: &mut [T], // [len]
+        x: &[T],     // [len]
     ) {
         for (d, &x) in d.iter_mut().zip(x) {
+            let x = x.to_f32();
             let (sg, one_minus) = sig2u(x);
             // Beyond |x| = 12 the second term is below 1e-30; clamping keeps x³ finite.
             let xc = x.clamp(-12.0, 12.0); // NaN stays NaN
             let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_K * xc * xc);
-            *d *= sg + 2.0 * xc * sg * one_minus * du;
+            *d = T::from_f32(d.to_f32() * (sg + 2.0 * xc * sg * one_minus * du));
         }
     }
 }
 
 /// out = gelu(inp) elementwise.
-pub fn gelu_forward(
-    out: &mut [f32], // [len]
-    inp: &[f32],     // [len]
+pub fn gelu_forward<T: Elem>(
+    out: &mut [T], // [len]
+    inp: &[T],     // [len]
 ) {
     assert_eq!(out.len(), inp.len(), "gelu_forward: lengths");
     out.par_chunks_mut(ELEM_CHUNK)
@@ -64,9 +71,9 @@ pub fn gelu_forward(
 
 /// In place: on entry `d` holds dL/dout, on exit dL/dinp = dL/dout · gelu'(inp), with
 /// gelu'(x) = σ(2u) + 2·x·σ(2u)·(1 - σ(2u))·sqrt(2/π)·(1 + 3·0.044715·x²).
-pub fn gelu_backward_inplace(
-    d: &mut [f32], // [len] in: dL/dout, out: dL/dinp
-    inp: &[f32],   // [len]
+pub fn gelu_backward_inplace<T: Elem>(
+    d: &mut [T], // [len] in: dL/dout, out: dL/dinp
+    inp: &[T],   // [len]
 ) {
     assert_eq!(d.len(), inp.len(), "gelu_backward_inplace: lengths");
     d.par_chunks_mut(ELEM_CHUNK)
@@ -113,6 +120,7 @@ pub mod naive {
 mod tests {
     use super::super::reduce::testutil::*;
     use super::*;
+    use half::{bf16, f16};
 
     fn grid() -> Vec<f32> {
         let mut x: Vec<f32> = (0..4001).map(|i| -20.0 + i as f32 * 0.01).collect();
@@ -186,6 +194,49 @@ mod tests {
         );
     }
 
+    /// bf16 / f16: the f32 kernel on the widened input, rounded once; thread invariant.
+    fn narrow_is_f32_rounded<T: Elem>() {
+        let mut x = grid();
+        x.extend(randn(ELEM_CHUNK * 2 + 17, 3.0, 8));
+        let x: Vec<T> = narrow_vec(&x);
+        let g: Vec<T> = narrow_vec(&randn(x.len(), 1.0, 9));
+        let fwd = || {
+            let mut o = vec![T::from_f32(f32::NAN); x.len()];
+            gelu_forward(&mut o, &x);
+            o
+        };
+        let bwd = || {
+            let mut d = g.clone();
+            gelu_backward_inplace(&mut d, &x);
+            d
+        };
+        let (o, d) = (with_threads(1, fwd), with_threads(1, bwd));
+        assert_eq!(bits(&o), bits(&with_threads(3, fwd)), "{} forward", T::NAME);
+        assert_eq!(
+            bits(&d),
+            bits(&with_threads(3, bwd)),
+            "{} backward",
+            T::NAME
+        );
+        let x32 = widen_vec(&x);
+        let mut o32 = vec![0.0; x.len()];
+        gelu_forward(&mut o32, &x32);
+        assert_rounded_f32(&o, &o32, "gelu forward");
+        let mut d32 = widen_vec(&g);
+        gelu_backward_inplace(&mut d32, &x32);
+        assert_rounded_f32(&d, &d32, "gelu backward");
+    }
+
+    #[test]
+    fn bf16_is_f32_rounded() {
+        narrow_is_f32_rounded::<bf16>();
+    }
+
+    #[test]
+    fn f16_is_f32_rounded() {
+        narrow_is_f32_rounded::<f16>();
+    }
+
     #[test]
     fn nan_propagates() {
         let x = [1.0, f32::NAN, -1.0];
@@ -195,5 +246,17 @@ mod tests {
         let mut d = [1.0; 3];
         gelu_backward_inplace(&mut d, &x);
         assert!(d[1].is_nan() && d[0].is_finite());
+        // Narrow types: NaN stays NaN, overflow of the f16 range gives ±inf, no panic.
+        let x = [bf16::ONE, bf16::NAN, bf16::INFINITY, bf16::NEG_INFINITY];
+        let mut o = [bf16::ZERO; 4];
+        gelu_forward(&mut o, &x);
+        assert!(o[0].is_finite() && o[1].is_nan() && o[2] == bf16::INFINITY);
+        let mut d = [bf16::ONE; 4];
+        gelu_backward_inplace(&mut d, &x);
+        assert!(d[0].is_finite() && d[1].is_nan());
+        let x = [f16::from_f32(2.0), f16::NAN];
+        let mut d = [f16::MAX, f16::ONE];
+        gelu_backward_inplace(&mut d, &x);
+        assert!(d[0] == f16::INFINITY && d[1].is_nan());
     }
 }

@@ -6,19 +6,26 @@
 //! (which accumulates, `+=`, because the executor feeds the residual-stream gradient through
 //! it) and one over fixed column slices for the weight/bias gradients, each slice walking all
 //! rows in order, so every result is identical for any thread count.
+//!
+//! Storage type `T` ([`Elem`]: f32, bf16, f16) for activations, weights and their gradients;
+//! `mean` and `rstd` stay f32. Elements are widened to f32 as they are read, all arithmetic
+//! and accumulation is f32, and each stored element is rounded to `T` once per call (the
+//! accumulating gradients as `T::from_f32(old + sum)`), so the result for any `T` is the
+//! f32 kernel's result on the widened inputs, rounded to `T`.
 
+use super::elem::Elem;
 use super::reduce::{COL_CHUNK, multiversion, rows_per_task, sum_f32, sum_sq_dev_f32};
 use rayon::prelude::*;
 
 /// Layer-norm forward; also stores each row's mean and 1/std for the backward pass.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_forward(
-    out: &mut [f32],  // [N, C]
+pub fn layernorm_forward<T: Elem>(
+    out: &mut [T],    // [N, C]
     mean: &mut [f32], // [N]
     rstd: &mut [f32], // [N]
-    inp: &[f32],      // [N, C]
-    weight: &[f32],   // [C]
-    bias: &[f32],     // [C]
+    inp: &[T],        // [N, C]
+    weight: &[T],     // [C]
+    bias: &[T],       // [C]
     n: usize,
     c: usize,
     eps: f32,
@@ -44,13 +51,13 @@ pub fn layernorm_forward(
 
 multiversion! {
     /// Forward over a few whole rows.
-    fn forward_rows(
-        out: &mut [f32],  // [rows, C]
-        inp: &[f32],      // [rows, C]
+    fn forward_rows<T: Elem>(
+        out: &mut [T],    // [rows, C]
+        inp: &[T],        // [rows, C]
         mean: &mut [f32], // [rows]
         rstd: &mut [f32], // [rows]
-        weight: &[f32],   // [C]
-        bias: &[f32],     // [C]
+        weight: &[T],     // [C]
+        bias: &[T],       // [C]
         c: usize,
         eps: f32,
     ) {
@@ -60,7 +67,7 @@ multiversion! {
             let var = sum_sq_dev_f32(x, mu) / c as f32;
             let s = 1.0 / (var + eps).sqrt();
             for (((o, &x), &w), &b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
-                *o = (x - mu) * s * w + b;
+                *o = T::from_f32((x.to_f32() - mu) * s * w.to_f32() + b.to_f32());
             }
             *m = mu;
             *rs = s;
@@ -70,15 +77,15 @@ multiversion! {
 
 /// Layer-norm backward. `dinp` ACCUMULATES (`+=`), as do `dweight` and `dbias`.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward(
-    dinp: &mut [f32],    // [N, C] +=
-    dweight: &mut [f32], // [C] +=
-    dbias: &mut [f32],   // [C] +=
-    dout: &[f32],        // [N, C]
-    inp: &[f32],         // [N, C]
-    weight: &[f32],      // [C]
-    mean: &[f32],        // [N]
-    rstd: &[f32],        // [N]
+pub fn layernorm_backward<T: Elem>(
+    dinp: &mut [T],    // [N, C] +=
+    dweight: &mut [T], // [C] +=
+    dbias: &mut [T],   // [C] +=
+    dout: &[T],        // [N, C]
+    inp: &[T],         // [N, C]
+    weight: &[T],      // [C]
+    mean: &[f32],      // [N]
+    rstd: &[f32],      // [N]
     n: usize,
     c: usize,
 ) {
@@ -113,13 +120,13 @@ pub fn layernorm_backward(
 
 multiversion! {
     /// Input gradient over a few whole rows.
-    fn backward_rows(
-        dinp: &mut [f32], // [rows, C] +=
-        dout: &[f32],     // [rows, C]
-        inp: &[f32],      // [rows, C]
+    fn backward_rows<T: Elem>(
+        dinp: &mut [T],   // [rows, C] +=
+        dout: &[T],       // [rows, C]
+        inp: &[T],        // [rows, C]
         mean: &[f32],     // [rows]
         rstd: &[f32],     // [rows]
-        weight: &[f32],   // [C]
+        weight: &[T],     // [C]
         c: usize,
     ) {
         let it = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
@@ -128,8 +135,9 @@ multiversion! {
             let mean_g = sum_g / c as f32;
             let mean_gn = sum_gn / c as f32;
             for (((d, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
-                let norm = (x - mu) * s;
-                *d += (w * dy - mean_g - norm * mean_gn) * s;
+                let norm = (x.to_f32() - mu) * s;
+                let g = w.to_f32() * dy.to_f32();
+                *d = T::from_f32(d.to_f32() + (g - mean_g - norm * mean_gn) * s);
             }
         }
     }
@@ -137,11 +145,11 @@ multiversion! {
 
 multiversion! {
     /// Weight and bias gradients of the columns `c0..c0 + dw.len()`, walking all rows in order.
-    fn backward_cols(
-        dw: &mut [f32], // [w <= COL_CHUNK] +=: columns c0..c0 + w
-        db: &mut [f32], // [w] +=
-        dout: &[f32],   // [N, C]
-        inp: &[f32],    // [N, C]
+    fn backward_cols<T: Elem>(
+        dw: &mut [T],   // [w <= COL_CHUNK] +=: columns c0..c0 + w
+        db: &mut [T],   // [w] +=
+        dout: &[T],     // [N, C]
+        inp: &[T],      // [N, C]
         mean: &[f32],   // [N]
         rstd: &[f32],   // [N]
         c0: usize,
@@ -155,25 +163,26 @@ multiversion! {
         for ((dy, x), (&mu, &s)) in rows.zip(mean.iter().zip(rstd)) {
             let (dy, x) = (&dy[c0..c0 + w], &x[c0..c0 + w]);
             for (((aw, ab), &dy), &x) in acc_w.iter_mut().zip(acc_b.iter_mut()).zip(dy).zip(x) {
-                *aw += (x - mu) * s * dy;
+                let dy = dy.to_f32();
+                *aw += (x.to_f32() - mu) * s * dy;
                 *ab += dy;
             }
         }
         for (d, &a) in dw.iter_mut().zip(acc_w.iter()) {
-            *d += a;
+            *d = T::from_f32(d.to_f32() + a);
         }
         for (d, &a) in db.iter_mut().zip(acc_b.iter()) {
-            *d += a;
+            *d = T::from_f32(d.to_f32() + a);
         }
     }
 }
 
 /// (Σ w·dy, Σ w·dy·norm) over one row, 16 f32 lanes each.
 #[inline(always)]
-fn row_sums(
-    dy: &[f32], // [C]
-    x: &[f32],  // [C]
-    w: &[f32],  // [C]
+fn row_sums<T: Elem>(
+    dy: &[T], // [C]
+    x: &[T],  // [C]
+    w: &[T],  // [C]
     mu: f32,
     s: f32,
 ) -> (f32, f32) {
@@ -181,20 +190,20 @@ fn row_sums(
     let mut ag = [0.0f32; L];
     let mut agn = [0.0f32; L];
     #[inline(always)]
-    fn lanes(
+    fn lanes<T: Elem>(
         ag: &mut [f32],  // [L]
         agn: &mut [f32], // [L]
-        dy: &[f32],      // [<= L]
-        x: &[f32],       // [<= L]
-        w: &[f32],       // [<= L]
+        dy: &[T],        // [<= L]
+        x: &[T],         // [<= L]
+        w: &[T],         // [<= L]
         mu: f32,
         s: f32,
     ) {
         let it = ag.iter_mut().zip(agn.iter_mut()).zip(dy).zip(x).zip(w);
         for ((((a, an), &dy), &x), &w) in it {
-            let g = w * dy;
+            let g = w.to_f32() * dy.to_f32();
             *a += g;
-            *an += g * ((x - mu) * s);
+            *an += g * ((x.to_f32() - mu) * s);
         }
     }
     let mut it = dy
@@ -286,6 +295,7 @@ pub mod naive {
 mod tests {
     use super::super::reduce::testutil::*;
     use super::*;
+    use half::{bf16, f16};
 
     const SHAPES: [(usize, usize); 8] = [
         (1, 1),
@@ -397,5 +407,91 @@ mod tests {
         };
         let a = with_threads(1, run);
         assert!(a == with_threads(2, run) && a == with_threads(3, run));
+    }
+
+    /// bf16 / f16: forward and backward are the f32 kernel on the widened inputs, each stored
+    /// element rounded once (mean and rstd bitwise equal), for 1 and 3 threads.
+    fn narrow_is_f32_rounded<T: Elem>() {
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            let (inp, w, b) = data(n, c, si as u64 * 10);
+            let (inp, w, b): (Vec<T>, Vec<T>, Vec<T>) =
+                (narrow_vec(&inp), narrow_vec(&w), narrow_vec(&b));
+            let dout: Vec<T> = narrow_vec(&randn(n * c, 1.0, 77 + si as u64));
+            let di0: Vec<T> = narrow_vec(&randn(n * c, 1.0, 78 + si as u64));
+            let dw0: Vec<T> = narrow_vec(&randn(c, 1.0, 79 + si as u64));
+            let db0: Vec<T> = narrow_vec(&randn(c, 1.0, 80 + si as u64));
+            let run = || {
+                let nan = T::from_f32(f32::NAN);
+                let (mut o, mut m, mut r) = (vec![nan; n * c], vec![0.0; n], vec![0.0; n]);
+                layernorm_forward(&mut o, &mut m, &mut r, &inp, &w, &b, n, c, 1e-5);
+                let (mut di, mut dw, mut db) = (di0.clone(), dw0.clone(), db0.clone());
+                layernorm_backward(&mut di, &mut dw, &mut db, &dout, &inp, &w, &m, &r, n, c);
+                (o, m, r, di, dw, db)
+            };
+            let (o, m, r, di, dw, db) = with_threads(1, run);
+            let (o3, m3, r3, di3, dw3, db3) = with_threads(3, run);
+            let what = format!("{} {n}x{c}", T::NAME);
+            assert!(
+                bits(&o) == bits(&o3) && m == m3 && r == r3 && bits(&di) == bits(&di3),
+                "threads {what}"
+            );
+            assert!(
+                bits(&dw) == bits(&dw3) && bits(&db) == bits(&db3),
+                "threads {what}"
+            );
+            let (inp, w, b) = (widen_vec(&inp), widen_vec(&w), widen_vec(&b));
+            let (mut o32, mut m32, mut r32) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+            layernorm_forward(&mut o32, &mut m32, &mut r32, &inp, &w, &b, n, c, 1e-5);
+            let (mut di32, mut dw32, mut db32) =
+                (widen_vec(&di0), widen_vec(&dw0), widen_vec(&db0));
+            let dout = widen_vec(&dout);
+            let (d, dw_, db_) = (&mut di32, &mut dw32, &mut db32);
+            layernorm_backward(d, dw_, db_, &dout, &inp, &w, &m32, &r32, n, c);
+            assert_rounded_f32(&o, &o32, &format!("out {what}"));
+            assert_eq!((m, r), (m32, r32), "mean, rstd {what}");
+            assert_rounded_f32(&di, &di32, &format!("dinp {what}"));
+            assert_rounded_f32(&dw, &dw32, &format!("dweight {what}"));
+            assert_rounded_f32(&db, &db32, &format!("dbias {what}"));
+        }
+    }
+
+    #[test]
+    fn bf16_is_f32_rounded() {
+        narrow_is_f32_rounded::<bf16>();
+    }
+
+    #[test]
+    fn f16_is_f32_rounded() {
+        narrow_is_f32_rounded::<f16>();
+    }
+
+    /// A non-finite input poisons its row (forward, dinp) and its column sums (dweight,
+    /// dbias) and nothing else; no panic.
+    #[test]
+    fn non_finite_stays_local() {
+        let (n, c) = (4, 70);
+        let (inp, w, b) = data(n, c, 9);
+        let (mut inp, w, b): (Vec<bf16>, Vec<bf16>, Vec<bf16>) =
+            (narrow_vec(&inp), narrow_vec(&w), narrow_vec(&b));
+        inp[2 * c + 5] = bf16::NAN;
+        let (mut o, mut m, mut r) = (vec![bf16::ZERO; n * c], vec![0.0; n], vec![0.0; n]);
+        layernorm_forward(&mut o, &mut m, &mut r, &inp, &w, &b, n, c, 1e-5);
+        let row_bad = |x: &[bf16], i: usize| x[i * c..(i + 1) * c].iter().all(|v| v.is_nan());
+        let row_ok = |x: &[bf16], i: usize| x[i * c..(i + 1) * c].iter().all(|v| v.is_finite());
+        assert!(row_bad(&o, 2) && row_ok(&o, 0) && row_ok(&o, 1) && row_ok(&o, 3));
+        let mut dout: Vec<bf16> = narrow_vec(&randn(n * c, 1.0, 1));
+        dout[c + 3] = bf16::INFINITY;
+        let (mut di, mut dw, mut db) = (
+            vec![bf16::ZERO; n * c],
+            vec![bf16::ZERO; c],
+            vec![bf16::ZERO; c],
+        );
+        layernorm_backward(&mut di, &mut dw, &mut db, &dout, &inp, &w, &m, &r, n, c);
+        assert!(row_ok(&di, 0) && row_ok(&di, 3) && !row_ok(&di, 1) && !row_ok(&di, 2));
+        assert!(
+            dw.iter().all(|v| v.is_nan()),
+            "row 2 is NaN: every dweight column"
+        );
+        assert!(!db[3].is_finite() && db.iter().filter(|v| v.is_finite()).count() == c - 1);
     }
 }

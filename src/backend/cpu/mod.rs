@@ -7,6 +7,13 @@
 //! Kernels never allocate: workspace comes in as slices, sized by the `*_workspace_len`
 //! functions, so the memory plan can account for it. Results are deterministic for a given
 //! thread count (fixed work partitioning, reductions in a fixed order).
+//!
+//! Storage types: the encoder, layer norm, GELU and attention kernels, the optimizer's
+//! gradient input and the whole-buffer passes of `reduce` are generic over
+//! [`elem::Elem`] (f32, bf16, f16). They widen to f32 as they read, compute and accumulate in
+//! f32, and round once per stored element; the f32 instantiation is bitwise the f32 kernel.
+//! Statistics (`mean`, `rstd`, `lse`), workspaces, optimizer moments and master weights stay
+//! f32.
 
 pub mod adamw;
 pub mod attention;

@@ -1,6 +1,7 @@
 //! AdamW with compressed optimizer state: the two moments stored as bf16 (4 bytes per
 //! parameter instead of 8) or as 8-bit blockwise codes (about 2 bytes per parameter). The
-//! parameters and gradients stay f32, and both variants run exactly the fp32 update of
+//! parameters stay f32 (master weights); the gradients are of any [`Elem`] storage type,
+//! widened exactly as they are read. Both variants run exactly the fp32 update of
 //! [`adamw`](super::adamw) (same constants, same arithmetic, same order) on moments decoded to
 //! f32, then encode the new moments again. Only the storage of m and v changes.
 //!
@@ -69,6 +70,7 @@
 //! compiled and use no FMA, so results are also identical on every instruction set.
 
 use super::adamw::{self, AdamWParams};
+use super::elem::Elem;
 use super::reduce::multiversion;
 use half::bf16;
 use rayon::prelude::*;
@@ -275,9 +277,9 @@ multiversion! {
 /// codes and scales. Per block: decode m and v to f32 on the stack, run the fp32 update,
 /// encode them again. Parallel over blocks; identical results for any thread count.
 #[allow(clippy::too_many_arguments)]
-pub fn adamw_update_int8(
+pub fn adamw_update_int8<G: Elem>(
     params: &mut [f32],  // [len]
-    grads: &[f32],       // [len]
+    grads: &[G],         // [len]
     m_q: &mut [i8],      // [len] first-moment codes
     m_scale: &mut [f32], // [len.div_ceil(QBLOCK)] first-moment block scales
     v_q: &mut [u8],      // [len] second-moment codes
@@ -315,9 +317,9 @@ pub fn adamw_update_int8(
 /// One AdamW step with the moments stored as bf16 (round to nearest even). Per chunk of
 /// [`QBLOCK`] values: widen m and v to f32 on the stack, run the fp32 update, narrow them back.
 /// Parallel over chunks; identical results for any thread count.
-pub fn adamw_update_bf16(
+pub fn adamw_update_bf16<G: Elem>(
     params: &mut [f32], // [len]
-    grads: &[f32],      // [len]
+    grads: &[G],        // [len]
     m: &mut [bf16],     // [len] first moment
     v: &mut [bf16],     // [len] second moment
     hp: &AdamWParams,
@@ -349,6 +351,7 @@ pub fn adamw_update_bf16(
 /// "decode everything, run `adamw::naive::adamw_update` (f64), encode per block".
 pub mod naive {
     use super::super::adamw::{self, AdamWParams};
+    use super::super::elem::Elem;
     use super::QBLOCK;
     use half::bf16;
 
@@ -438,9 +441,9 @@ pub mod naive {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn adamw_update_int8(
+    pub fn adamw_update_int8<G: Elem>(
         params: &mut [f32],  // [len]
-        grads: &[f32],       // [len]
+        grads: &[G],         // [len]
         m_q: &mut [i8],      // [len]
         m_scale: &mut [f32], // [len.div_ceil(QBLOCK)]
         v_q: &mut [u8],      // [len]
@@ -462,9 +465,9 @@ pub mod naive {
         }
     }
 
-    pub fn adamw_update_bf16(
+    pub fn adamw_update_bf16<G: Elem>(
         params: &mut [f32], // [len]
-        grads: &[f32],      // [len]
+        grads: &[G],        // [len]
         m: &mut [bf16],     // [len]
         v: &mut [bf16],     // [len]
         hp: &AdamWParams,
@@ -873,6 +876,38 @@ mod tests {
             }
             assert!(flips <= 2 + len / 100, "len={len}: {flips} bf16 flips");
         }
+    }
+
+    /// bf16 / f16 gradients: both compressed-state updates equal, bitwise, the same update
+    /// from the widened f32 gradients.
+    #[test]
+    fn narrow_grads_are_widened() {
+        type Int8State = (Vec<f32>, Vec<i8>, Vec<f32>, Vec<u8>, Vec<f32>);
+        fn int8<G: Elem>(p0: &[f32], g: &[G]) -> Int8State {
+            let (len, nb) = (p0.len(), p0.len().div_ceil(QBLOCK));
+            let mut p = p0.to_vec();
+            let (mut mq, mut vq) = (vec![0i8; len], vec![0u8; len]);
+            let (mut ms, mut vs) = (vec![0.0f32; nb], vec![0.0f32; nb]);
+            adamw_update_int8(&mut p, g, &mut mq, &mut ms, &mut vq, &mut vs, &hp(2));
+            (p, mq, ms, vq, vs)
+        }
+        fn bf<G: Elem>(p0: &[f32], g: &[G]) -> (Vec<f32>, Vec<bf16>, Vec<bf16>) {
+            let mut p = p0.to_vec();
+            let (mut m, mut v) = (vec![bf16::ZERO; p0.len()], vec![bf16::ZERO; p0.len()]);
+            adamw_update_bf16(&mut p, g, &mut m, &mut v, &hp(2));
+            (p, m, v)
+        }
+        fn check<G: Elem>() {
+            let p0 = randn(3 * QBLOCK + 5, 1.0, 1);
+            let g: Vec<G> = narrow_vec(&randn(p0.len(), 1.0, 2));
+            let g32 = widen_vec(&g);
+            let a = int8(&p0, &g);
+            assert!(a == int8(&p0, &g32) && a.0 != p0, "{} int8", G::NAME);
+            let a = bf(&p0, &g);
+            assert!(a == bf(&p0, &g32) && a.0 != p0, "{} bf16 state", G::NAME);
+        }
+        check::<bf16>();
+        check::<half::f16>();
     }
 
     #[test]

@@ -1,7 +1,13 @@
 //! Whole-buffer reductions and elementwise passes (gradient-norm sum of squares, gradient
-//! scaling, residual add, finiteness check), plus the small vectorisable building blocks the
-//! other CPU kernels share: a branch-free `exp_f32`, lane-split sums and maxima, and the fixed
-//! task sizes that make every kernel's work partitioning independent of the thread count.
+//! scaling, residual add, finiteness check, casting the f32 master weights to the storage
+//! type, zeroing), plus the small vectorisable building blocks the other CPU kernels share: a
+//! branch-free `exp_f32`, lane-split sums and maxima, and the fixed task sizes that make every
+//! kernel's work partitioning independent of the thread count.
+//!
+//! `sum_squares`, `all_finite`, `cast_params`, `fill_zero` and the lane sums `sum_f32`,
+//! `sum_sq_dev_f32` are generic over the storage type ([`Elem`]); elements are widened
+//! exactly to f32, so the f32 instantiation is the f32 kernel and the others see the stored
+//! values exactly.
 //!
 //! Determinism: elementwise passes give each element the same arithmetic whatever the split;
 //! `sum_squares` sums fixed `ELEM_CHUNK`-sized chunks and combines them along a binary tree
@@ -12,6 +18,7 @@
 //! AVX2+FMA and AVX-512 and picks one at run time ([`isa`]). The arithmetic is written
 //! without `mul_add`, so every variant gives bit-identical results (a test checks this).
 
+use super::elem::Elem;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -90,32 +97,43 @@ pub fn set_isa(want: Isa) -> Isa {
 /// Defines a function whose body is compiled three times (baseline, AVX2+FMA, AVX-512) and
 /// dispatched on [`isa()`] at each call, so auto-vectorised loops use the widest vectors the
 /// CPU has although the crate is built for baseline x86-64. Call it on whole chunks (the
-/// dispatch is one relaxed atomic load), never per element.
+/// dispatch is one relaxed atomic load), never per element. The function may have type
+/// parameters with one bound each (`fn f<T: Elem>(x: &[T])`); each instantiation is
+/// multiversioned.
 macro_rules! multiversion {
-    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+    ($(#[$m:meta])* $vis:vis fn $name:ident $(<$($g:ident : $b:path),+ $(,)?>)?
+        ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$m])*
         #[allow(clippy::too_many_arguments)]
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
             #[allow(clippy::too_many_arguments)]
-            fn inner($($arg: $ty),*) $(-> $ret)? $body
+            fn inner $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v512($($arg: $ty),*) $(-> $ret)? { inner($($arg),*) }
+                fn v512 $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
+                    inner $(::<$($g),+>)? ($($arg),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v256($($arg: $ty),*) $(-> $ret)? { inner($($arg),*) }
+                fn v256 $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
+                    inner $(::<$($g),+>)? ($($arg),*)
+                }
                 match $crate::backend::cpu::reduce::isa() {
                     // SAFETY: isa() never reports an instruction set the CPU lacks.
-                    $crate::backend::cpu::reduce::Isa::Avx512 => return unsafe { v512($($arg),*) },
+                    $crate::backend::cpu::reduce::Isa::Avx512 => {
+                        return unsafe { v512 $(::<$($g),+>)? ($($arg),*) }
+                    }
                     // SAFETY: as above.
-                    $crate::backend::cpu::reduce::Isa::Avx2 => return unsafe { v256($($arg),*) },
+                    $crate::backend::cpu::reduce::Isa::Avx2 => {
+                        return unsafe { v256 $(::<$($g),+>)? ($($arg),*) }
+                    }
                     $crate::backend::cpu::reduce::Isa::Baseline => {}
                 }
             }
-            inner($($arg),*)
+            inner $(::<$($g),+>)? ($($arg),*)
         }
     };
 }
@@ -154,37 +172,38 @@ pub fn exp_f32(x: f32) -> f32 {
 }
 
 /// Sum of `x` in f32 with 16 independent lanes (vectorises; fixed order, so deterministic).
+/// Elements of any storage type are widened to f32 first.
 #[inline(always)]
-pub fn sum_f32(x: &[f32] /* [len] */) -> f32 {
+pub fn sum_f32<T: Elem>(x: &[T] /* [len] */) -> f32 {
     let mut acc = [0.0f32; 16];
     let mut it = x.chunks_exact(16);
     for ch in &mut it {
         for (a, &v) in acc.iter_mut().zip(ch) {
-            *a += v;
+            *a += v.to_f32();
         }
     }
     for (a, &v) in acc.iter_mut().zip(it.remainder()) {
-        *a += v;
+        *a += v.to_f32();
     }
     combine16(acc)
 }
 
-/// Sum of squared deviations `Σ (x - mean)²` in f32 with 16 lanes.
+/// Sum of squared deviations `Σ (x - mean)²` in f32 with 16 lanes (elements widened to f32).
 #[inline(always)]
-pub fn sum_sq_dev_f32(
-    x: &[f32], // [len]
+pub fn sum_sq_dev_f32<T: Elem>(
+    x: &[T], // [len]
     mean: f32,
 ) -> f32 {
     let mut acc = [0.0f32; 16];
     let mut it = x.chunks_exact(16);
     for ch in &mut it {
         for (a, &v) in acc.iter_mut().zip(ch) {
-            let d = v - mean;
+            let d = v.to_f32() - mean;
             *a += d * d;
         }
     }
     for (a, &v) in acc.iter_mut().zip(it.remainder()) {
-        let d = v - mean;
+        let d = v.to_f32() - mean;
         *a += d * d;
     }
     combine16(acc)
@@ -219,19 +238,19 @@ fn combine16(a: [f32; 16]) -> f32 {
 
 multiversion! {
     /// Serial sum of squares of one chunk, f64 lanes.
-    fn sum_squares_serial(
-        x: &[f32], // [len]
+    fn sum_squares_serial<T: Elem>(
+        x: &[T], // [len]
     ) -> f64 {
         let mut acc = [0.0f64; 8];
         let mut it = x.chunks_exact(8);
         for ch in &mut it {
             for (a, &v) in acc.iter_mut().zip(ch) {
-                let v = v as f64;
+                let v = v.to_f32() as f64;
                 *a += v * v;
             }
         }
         for (a, &v) in acc.iter_mut().zip(it.remainder()) {
-            let v = v as f64;
+            let v = v.to_f32() as f64;
             *a += v * v;
         }
         ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
@@ -240,8 +259,10 @@ multiversion! {
 
 /// Sum of squares of all elements, accumulated in f64, deterministic (fixed chunks summed in
 /// order), parallel. The chunks are combined along a binary tree that depends only on
-/// `x.len()`, so the result is bit-identical for any thread count.
-pub fn sum_squares(x: &[f32] /* [len] */) -> f64 {
+/// `x.len()`, so the result is bit-identical for any thread count. Elements of any storage
+/// type (the gradients, for the global norm) are widened exactly, so the result depends only
+/// on the stored values.
+pub fn sum_squares<T: Elem>(x: &[T] /* [len] */) -> f64 {
     if x.len() <= ELEM_CHUNK {
         return sum_squares_serial(x);
     }
@@ -283,22 +304,67 @@ pub fn add(
 
 multiversion! {
     /// true when every element of one chunk is finite (no early exit: vectorises).
-    fn chunk_finite(
-        x: &[f32], // [len]
+    fn chunk_finite<T: Elem>(
+        x: &[T], // [len]
     ) -> bool {
-        x.iter().fold(true, |ok, v| ok & v.is_finite())
+        x.iter().fold(true, |ok, v| ok & v.to_f32().is_finite())
     }
 }
 
-/// true when every element is finite.
-pub fn all_finite(x: &[f32] /* [len] */) -> bool {
+/// true when every element is finite (of any storage type: an element is finite iff its
+/// exact f32 widening is).
+pub fn all_finite<T: Elem>(x: &[T] /* [len] */) -> bool {
     x.par_chunks(ELEM_CHUNK).all(chunk_finite)
+}
+
+multiversion! {
+    /// One chunk of `cast_params`.
+    fn cast_chunk<T: Elem>(
+        dst: &mut [T], // [len]
+        src: &[f32],   // [len]
+    ) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = T::from_f32(s);
+        }
+    }
+}
+
+/// `dst[i] = T::from_f32(src[i])` (round to nearest even), parallel: refreshes the working
+/// copy of the weights in the storage type from the f32 master weights after each optimizer
+/// step. For `T = f32` a plain copy.
+pub fn cast_params<T: Elem>(
+    dst: &mut [T], // [len] working copy
+    src: &[f32],   // [len] master weights
+) {
+    assert_eq!(dst.len(), src.len(), "cast_params: lengths");
+    dst.par_chunks_mut(ELEM_CHUNK)
+        .zip(src.par_chunks(ELEM_CHUNK))
+        .for_each(|(d, s)| cast_chunk(d, s));
+}
+
+/// x = 0 (positive zero in the storage type), parallel: clears gradient buffers.
+pub fn fill_zero<T: Elem>(x: &mut [T] /* [len] */) {
+    let zero = T::from_f32(0.0);
+    x.par_chunks_mut(ELEM_CHUNK).for_each(|ch| ch.fill(zero));
 }
 
 /// Reference twins: plain loops, f64 accumulation.
 pub mod naive {
-    pub fn sum_squares(x: &[f32] /* [len] */) -> f64 {
-        x.iter().map(|&v| (v as f64) * (v as f64)).sum()
+    use super::Elem;
+
+    pub fn sum_squares<T: Elem>(x: &[T] /* [len] */) -> f64 {
+        x.iter()
+            .map(|&v| (v.to_f32() as f64) * (v.to_f32() as f64))
+            .sum()
+    }
+
+    pub fn cast_params<T: Elem>(
+        dst: &mut [T], // [len]
+        src: &[f32],   // [len]
+    ) {
+        for i in 0..dst.len() {
+            dst[i] = T::from_f32(src[i]);
+        }
     }
 
     pub fn scale_inplace(
@@ -320,15 +386,49 @@ pub mod naive {
         }
     }
 
-    pub fn all_finite(x: &[f32] /* [len] */) -> bool {
-        x.iter().all(|v| v.is_finite())
+    pub fn all_finite<T: Elem>(x: &[T] /* [len] */) -> bool {
+        x.iter().all(|v| v.to_f32().is_finite())
     }
 }
 
 /// Helpers shared by the CPU kernel tests.
 #[cfg(test)]
 pub(crate) mod testutil {
+    use super::Elem;
     use crate::util::rng::Rng;
+
+    /// `x` rounded to `T` (round to nearest even).
+    pub fn narrow_vec<T: Elem>(x: &[f32]) -> Vec<T> {
+        x.iter().map(|&v| T::from_f32(v)).collect()
+    }
+
+    /// `x` widened to f32 (exact).
+    pub fn widen_vec<T: Elem>(x: &[T]) -> Vec<f32> {
+        x.iter().map(|&v| v.to_f32()).collect()
+    }
+
+    /// Bit patterns of the widened values: equal iff the stored values are identical
+    /// (NaN payloads and signed zeros included).
+    pub fn bits<T: Elem>(x: &[T]) -> Vec<u32> {
+        x.iter().map(|&v| v.to_f32().to_bits()).collect()
+    }
+
+    /// Asserts `got` (a kernel's result in `T`) is bitwise `want` (the f32 kernel's result
+    /// on the widened inputs) rounded to `T`.
+    #[track_caller]
+    pub fn assert_rounded_f32<T: Elem>(got: &[T], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let r = T::from_f32(w);
+            assert!(
+                g.to_f32().to_bits() == r.to_f32().to_bits(),
+                "{what}[{i}] ({}): {:?} vs f32 {w} rounded {:?}",
+                T::NAME,
+                g,
+                r
+            );
+        }
+    }
 
     /// `n` standard-normal values times `scale`.
     pub fn randn(n: usize, scale: f32, seed: u64) -> Vec<f32> {
@@ -503,8 +603,55 @@ mod tests {
                 &mut [],
             );
             let ss = vec![sum_squares(&x) as f32, all_finite(&x) as u8 as f32];
+            // bf16 instantiations of the generic kernels.
+            let xb: Vec<half::bf16> = narrow_vec(&x);
+            let (wb, bb): (Vec<half::bf16>, Vec<half::bf16>) = (narrow_vec(&w), narrow_vec(&b));
+            let mut ob = xb.clone();
+            gelu::gelu_forward(&mut ob, &xb);
+            let mut db16: Vec<half::bf16> = narrow_vec(&randn(n * c, 1.0, 4));
+            gelu::gelu_backward_inplace(&mut db16, &xb);
+            let (mut lnb, mut mub, mut rsb) = (xb.clone(), vec![0.0; n], vec![0.0; n]);
+            layernorm::layernorm_forward(&mut lnb, &mut mub, &mut rsb, &xb, &wb, &bb, n, c, 1e-5);
+            let (mut dib, mut dwb, mut dbb) = (xb.clone(), wb.clone(), bb.clone());
+            let (dib_, dwb_, dbb_) = (&mut dib, &mut dwb, &mut dbb);
+            layernorm::layernorm_backward(dib_, dwb_, dbb_, &db16, &xb, &wb, &mub, &rsb, n, c);
+            let (mut pb, mut mb, mut vb) = (x.clone(), vec![0.0; n * c], vec![0.0; n * c]);
+            adamw::adamw_update(&mut pb, &db16, &mut mb, &mut vb, &hp);
+            let mut cb = vec![half::bf16::ZERO; n * c];
+            cast_params(&mut cb, &p);
+            let ssb = vec![sum_squares(&db16) as f32, all_finite(&db16) as u8 as f32];
+            let w16 = |v: &[half::bf16]| widen_vec(v);
             [
-                o, d, ln, mu, rs, di, dw, db, l1, l2, lg, pr, p, m, vv, dbias, ss,
+                o,
+                d,
+                ln,
+                mu,
+                rs,
+                di,
+                dw,
+                db,
+                l1,
+                l2,
+                lg,
+                pr,
+                p,
+                m,
+                vv,
+                dbias,
+                ss,
+                w16(&ob),
+                w16(&db16),
+                w16(&lnb),
+                mub,
+                rsb,
+                w16(&dib),
+                w16(&dwb),
+                w16(&dbb),
+                pb,
+                mb,
+                vb,
+                w16(&cb),
+                ssb,
             ]
         };
         let base = {
@@ -522,6 +669,76 @@ mod tests {
         set_isa(Isa::Avx512);
         // And the dispatch never claims more than the CPU has.
         assert!(isa() <= detected_isa());
+    }
+
+    /// Narrow storage: `sum_squares` and `all_finite` see exactly the widened values
+    /// (bitwise the f32 result), for any thread count.
+    #[test]
+    fn sum_squares_and_all_finite_of_narrow_types() {
+        fn check<T: Elem>() {
+            for n in [0usize, 5, ELEM_CHUNK + 1, 3 * ELEM_CHUNK + 5] {
+                let x: Vec<T> = narrow_vec(&randn(n, 100.0, 7 + n as u64));
+                let want = sum_squares(&widen_vec(&x));
+                let got1 = with_threads(1, || sum_squares(&x));
+                let got3 = with_threads(3, || sum_squares(&x));
+                assert_eq!(got1.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
+                assert_eq!(got3.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
+                assert!((got1 - naive::sum_squares(&x)).abs() <= 1e-12 * want.max(1.0));
+                assert!(all_finite(&x) && naive::all_finite(&x));
+            }
+            let mut x: Vec<T> = narrow_vec(&randn(100_000, 1.0, 3));
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                x[77_777] = T::from_f32(bad);
+                assert!(
+                    !all_finite(&x) && !naive::all_finite(&x),
+                    "{} {bad}",
+                    T::NAME
+                );
+                assert!(!sum_squares(&x).is_finite());
+            }
+        }
+        check::<half::bf16>();
+        check::<half::f16>();
+    }
+
+    /// `cast_params` rounds every master weight to nearest even (like the naive twin),
+    /// overflows f16 to ±inf, keeps NaN, and is an exact copy for f32; `fill_zero` zeroes.
+    #[test]
+    fn cast_params_and_fill_zero() {
+        fn check<T: Elem>() {
+            let mut src = randn(2 * ELEM_CHUNK + 3, 3.0, 5);
+            src[..4].copy_from_slice(&[1e5, -1e5, f32::NAN, 3e-39]);
+            let mut got = vec![T::from_f32(7.0); src.len()];
+            let mut want = got.clone();
+            with_threads(3, || cast_params(&mut got, &src));
+            naive::cast_params(&mut want, &src);
+            assert_eq!(bits(&got), bits(&want), "{}", T::NAME);
+            // Within half an ulp: relative 2^-8 (bf16), 2^-11 (f16) in the normal range.
+            let rel = if T::NAME == "bf16" {
+                2f32.powi(-8)
+            } else {
+                2f32.powi(-11)
+            };
+            for (&g, &s) in got.iter().zip(&src).skip(4) {
+                assert!(
+                    (g.to_f32() - s).abs() <= rel * s.abs() + 3e-8,
+                    "{s} -> {g:?}"
+                );
+            }
+            assert!(got[2].to_f32().is_nan());
+            fill_zero(&mut got);
+            assert!(got.iter().all(|v| v.to_f32().to_bits() == 0));
+        }
+        check::<half::bf16>();
+        check::<half::f16>();
+        let src = randn(1000, 1.0, 6);
+        let mut dst = vec![0.0f32; 1000];
+        cast_params(&mut dst, &src);
+        assert_eq!(dst, src);
+        // f16 overflows to infinity.
+        let mut h = [half::f16::ZERO; 2];
+        cast_params(&mut h, &[1e5, -1e5]);
+        assert!(h[0] == half::f16::INFINITY && h[1] == half::f16::NEG_INFINITY);
     }
 
     #[test]
