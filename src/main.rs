@@ -7,9 +7,7 @@ use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::model::ModelSpec;
-use memwall::plan::{
-    self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan,
-};
+use memwall::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan};
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
 use std::io::Write;

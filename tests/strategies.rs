@@ -221,7 +221,10 @@ fn mixed_precision_trains_close_to_fp32() {
         eprintln!("{p}: final loss {b} vs fp32 {a}");
         assert!(b < 0.8 * l[0], "{p} must learn: {l:?}");
         assert!((b - a).abs() <= 0.05 * a, "{p}: {b} vs fp32 {a}");
-        assert!(l != fp32, "{p} computed exactly like fp32: not mixed precision");
+        assert!(
+            l != fp32,
+            "{p} computed exactly like fp32: not mixed precision"
+        );
     }
 }
 
@@ -243,7 +246,11 @@ fn overflowing_gradients_skip_the_update() {
     ex.set_loss_scale(1e30);
     let st = ex.train_step(&hp(1));
     assert!(st.skipped && !st.grad_norm.is_finite(), "{st:?}");
-    assert_eq!(ex.params(), &before[..], "a skipped step must not move the weights");
+    assert_eq!(
+        ex.params(),
+        &before[..],
+        "a skipped step must not move the weights"
+    );
     // A sane scale: the step runs and the weights move.
     ex.set_loss_scale(1024.0);
     let st = ex.train_step(&hp(1));
@@ -279,7 +286,11 @@ fn mixed_precision_plans_halve_activations_and_keep_fp32_masters() {
         cat(&f, Category::Activation) as f64,
         cat(&b, Category::Activation) as f64,
     );
-    eprintln!("activations fp32 {fa}, bf16 {ba}; totals {} vs {}", f.total_bytes(), b.total_bytes());
+    eprintln!(
+        "activations fp32 {fa}, bf16 {ba}; totals {} vs {}",
+        f.total_bytes(),
+        b.total_bytes()
+    );
     // Layernorm statistics and attention lse stay f32: a little over half.
     assert!(ba < 0.55 * fa && ba > 0.45 * fa);
 }

@@ -5,11 +5,11 @@
 use super::ops::OptimOutcome;
 use crate::backend::cpu::elem::Elem;
 use crate::ckpt::{Moments, MomentsMut};
-use half::{bf16, f16};
 use crate::mem::arena::Arena;
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, DType, Mode, OptimState, Plan, Precision};
 use anyhow::{Result, bail};
+use half::{bf16, f16};
 
 /// Optimizer hyperparameters for one step.
 #[derive(Clone, Debug)]

@@ -4,7 +4,7 @@
 //! logits chunk are f32; the optimizer updates f32 master weights under mixed precision.
 
 use super::executor::{Executor, two_ranges};
-use crate::backend::cpu::elem::{self, Elem};
+use crate::backend::cpu::elem::Elem;
 use crate::backend::cpu::{
     adamw, attention, encoder, gelu, gemm_mixed, layernorm, matmul, quant, reduce, xent,
 };
@@ -44,7 +44,7 @@ impl Executor {
             Op::Zero { buf } => self.zero(*buf),
             Op::CastParams => {
                 let master = self.view::<f32>(s.master.expect("mixed-precision plan"));
-                elem::cast_params(self.view::<T>(s.params), master);
+                reduce::cast_params(self.view::<T>(s.params), master);
             }
             Op::Encoder { tokens, out } => {
                 let l = &self.plan.layout;
@@ -137,21 +137,7 @@ impl Executor {
                     let lg = &mut logits[..r * v];
                     let xr = &x[start * c..(start + r) * c];
                     // lg[r, V] = xr[r, C] @ wteᵀ
-                    gemm_mixed::gemm_mixed(
-                        r,
-                        v,
-                        c,
-                        xr,
-                        c,
-                        false,
-                        wte,
-                        c,
-                        true,
-                        lg,
-                        v,
-                        false,
-                        ws(),
-                    );
+                    gemm_mixed::gemm_mixed(r, v, c, xr, c, false, wte, c, true, lg, v, false, ws());
                     let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
                     match (training, dinp) {
                         (true, Some(d)) => {

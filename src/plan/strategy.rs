@@ -213,7 +213,8 @@ impl Serialize for Precision {
 impl<'de> Deserialize<'de> for Precision {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Precision, D::Error> {
         let s = String::deserialize(d)?;
-        s.parse().map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+        s.parse()
+            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
     }
 }
 
