@@ -260,6 +260,8 @@ fn measured_peak_rss_matches_the_plan() {
         &["--recompute", "full"][..],
         &["--recompute", "selective", "--grad-accum", "2"][..],
         &["--recompute", "every:2"][..],
+        &["--precision", "bf16", "--optim-state", "int8"][..],
+        &["--precision", "fp16", "--optim-state", "bf16"][..],
     ] {
         let mut args = vec![
             "bench",

@@ -6,7 +6,9 @@ mod common;
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::exec::train::{NoProgress, TrainOptions, resume_options, train};
 use memwall::model::ModelSpec;
-use memwall::plan::{Mode, OptimState, Recompute, RecomputeChoice, StepConfig, build_plan};
+use memwall::plan::{
+    Mode, OptimState, Precision, Recompute, RecomputeChoice, StepConfig, build_plan,
+};
 use memwall::util::rng::Rng;
 
 fn micro_spec() -> ModelSpec {
@@ -158,21 +160,23 @@ fn tiny_gpt_learns_shakespeare() {
 #[test]
 fn resume_continues_bitwise() {
     // Every optimizer-state format (its bytes are saved as stored), with strategies on.
-    for (state, accum, recompute) in [
-        (OptimState::F32, 1, Recompute::None),
-        (OptimState::Bf16, 2, Recompute::Selective),
-        (OptimState::Int8, 1, Recompute::Full),
+    // fp16 resumes its loss scale too.
+    for (state, accum, recompute, precision) in [
+        (OptimState::F32, 1, Recompute::None, Precision::F32),
+        (OptimState::Bf16, 2, Recompute::Selective, Precision::Bf16),
+        (OptimState::Int8, 1, Recompute::Full, Precision::F16),
     ] {
-        resume_bitwise(state, accum, recompute);
+        resume_bitwise(state, accum, recompute, precision);
     }
 }
 
-fn resume_bitwise(state: OptimState, accum: usize, recompute: Recompute) {
+fn resume_bitwise(state: OptimState, accum: usize, recompute: Recompute, precision: Precision) {
     let tmp = tempfile::tempdir().unwrap();
     let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
     let cfg = common::micro_config(tmp.path());
     let mut o = TrainOptions::new(cfg.to_str().unwrap(), &data, &tmp.path().join("full"));
     o.optim_state = state;
+    o.precision = precision;
     o.grad_accum = accum;
     o.recompute = RecomputeChoice::Fixed(recompute);
     o.steps = 8;
