@@ -138,11 +138,32 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
                 .filter(|b| b.persistent && !b.external && b.category != super::Category::IoStaging)
                 .map(|b| b.bytes)
                 .sum();
-            format!(
-                "even --batch 1 does not fit: parameters, gradients and optimizer state alone take {} \
-                 (a smaller model, or memory strategies such as mixed precision and offload, are needed)",
+            let mut s = format!(
+                "even --batch 1 does not fit: parameters, gradients and optimizer state alone take {}",
                 fmt_bytes(state)
-            )
+            );
+            // The smallest state this build offers: bf16 compute copies, int8 moments.
+            let small = StepConfig {
+                batch: 1,
+                precision: super::Precision::Bf16,
+                optim_state: super::OptimState::Int8,
+                recompute: Recompute::Full,
+                ..cfg.clone()
+            };
+            if plan.mode == Mode::Train
+                && (cfg.precision, cfg.optim_state)
+                    != (super::Precision::Bf16, super::OptimState::Int8)
+            {
+                let p = predicted_peak(&build_plan(&plan.spec, &small, plan.mode)?, baseline);
+                s.push_str(&format!(
+                    "; with --precision bf16 --optim-state int8 --recompute full, --batch 1 needs {}{}",
+                    fmt_bytes(p),
+                    if p <= budget { " and fits" } else { " (still too much: a smaller model, or offload, is needed)" }
+                ));
+            } else {
+                s.push_str(" (a smaller model, or offload, is needed)");
+            }
+            s
         }
     };
     if plan.mode == Mode::Train && cfg.recompute != Recompute::Full {
