@@ -104,6 +104,19 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
         "  arithmetic per step         {:>10.1} GFLOP",
         flops as f64 / 1e9
     );
+    if cfg.precision != crate::plan::Precision::F32 {
+        let _ = writeln!(
+            s,
+            "  {} compute                {} (this CPU {} AVX512_BF16)",
+            cfg.precision,
+            crate::backend::cpu::gemm_mixed::COMPUTE_PATH,
+            if crate::backend::cpu::gemm_mixed::cpu_has_bf16_dot() {
+                "has"
+            } else {
+                "lacks"
+            }
+        );
+    }
     let re = plan.recompute_flops();
     if re > 0 {
         let _ = writeln!(

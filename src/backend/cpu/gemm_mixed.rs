@@ -44,6 +44,22 @@ use rayon::prelude::*;
 use std::any::TypeId;
 
 /// Largest m, n and k extent of one tile of [`gemm_mixed`].
+/// How bf16/f16 operands are multiplied today (reported by `bench` and `plan`).
+pub const COMPUTE_PATH: &str =
+    "f32 GEMM on operands converted in 1024-tiles (no vdpbf16ps path yet)";
+
+/// Whether this CPU has the AVX512_BF16 dot product (`vdpbf16ps`) a bf16 fast path would use.
+pub fn cpu_has_bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 pub const MIXED_BLOCK: usize = 1024;
 
 /// f32 elements of workspace [`gemm_mixed`] needs (three `MIXED_BLOCK²` tiles: A, B, C),
