@@ -121,16 +121,14 @@ impl Executor {
         unsafe { self.arena.view_mut::<T>(b.offset, b.elems) }
     }
 
-    /// The flat fp32 parameter buffer (layout: `plan.layout`): the master weights under mixed
-    /// precision (each step starts by casting them into the compute copy).
+    /// The flat fp32 parameter buffer (layout: `plan.layout`); the master weights under mixed
+    /// precision.
     pub fn params(&self) -> &[f32] {
-        let s = &self.plan.schedule;
-        self.f32(s.master.unwrap_or(s.params))
+        self.f32(self.plan.schedule.params)
     }
 
     pub fn params_mut(&mut self) -> &mut [f32] {
-        let s = &self.plan.schedule;
-        self.f32_mut(s.master.unwrap_or(s.params))
+        self.f32_mut(self.plan.schedule.params)
     }
 
     /// Gradients of the last step as f32 (training plans only; scaled by the loss scale).

@@ -1,7 +1,8 @@
 //! The op → kernel mapping: the only place that knows which kernel runs an [`Op`]. Generic
-//! over the plan's storage type `T` (f32, bf16, f16): activations, compute weights and
-//! gradients are `T`; layernorm statistics, attention log-sum-exps, losses and the LM head's
-//! logits chunk are f32; the optimizer updates f32 master weights under mixed precision.
+//! over the plan's storage type `T` (f32, bf16, f16): activations and gradients are `T`;
+//! weights are always the fp32 parameters (the master weights under mixed precision: kernels
+//! convert them per tile, so no reduced-precision copy is stored); layernorm statistics,
+//! attention log-sum-exps, losses and the LM head's logits chunk are f32.
 
 use super::executor::{Executor, two_ranges};
 use crate::backend::cpu::elem::Elem;
@@ -33,7 +34,7 @@ impl Executor {
         let (c, nh, v) = (spec.n_embd, spec.n_head, spec.vocab_size);
         let n = b * t;
         let s = &self.plan.schedule;
-        let params: &[T] = self.view(s.params);
+        let params: &[f32] = self.view(s.params); // fp32 (master) weights, read by every kernel
         let grads = || self.view::<T>(s.grads.expect("training plan"));
         let ws = || match s.gemm_ws {
             Some(id) => self.view::<f32>(id),
@@ -42,10 +43,6 @@ impl Executor {
         let act = |id| &self.view::<T>(id)[..];
         match &s.ops[i].op {
             Op::Zero { buf } => self.zero(*buf),
-            Op::CastParams => {
-                let master = self.view::<f32>(s.master.expect("mixed-precision plan"));
-                reduce::cast_params(self.view::<T>(s.params), master);
-            }
             Op::Encoder { tokens, out } => {
                 let l = &self.plan.layout;
                 encoder::encoder_forward(
@@ -307,7 +304,7 @@ impl Executor {
         } else {
             1.0
         };
-        let master = self.view::<f32>(s.master.unwrap_or(s.params));
+        let master = self.view::<f32>(s.params);
         let mut state = self.moments_view();
         let (block_of, _) = self.plan.layout.block_offsets(quant::QBLOCK);
         for (tensor, &b0) in self.plan.layout.tensors.iter().zip(&block_of) {

@@ -189,12 +189,15 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         storage,
     };
 
-    // Persistent state: parameters (with fp32 master weights under mixed precision), the
+    // Persistent state: the fp32 parameters (the master weights under mixed precision, which
+    // kernels read directly, converting per tile: no reduced-precision copy is stored), the
     // mixed-precision GEMM workspace, gradients, AdamW moments.
     let mixed = cfg.precision != Precision::F32;
-    let master =
-        mixed.then(|| g.persistent("params.master", Category::Master, DType::F32, layout.total));
-    let params = g.persistent("params", Category::Param, storage, layout.total);
+    let params = if mixed {
+        g.persistent("params.master", Category::Master, DType::F32, layout.total)
+    } else {
+        g.persistent("params", Category::Param, DType::F32, layout.total)
+    };
     let gemm_ws = mixed.then(|| {
         g.persistent(
             "gemm.mixed_tiles",
@@ -203,9 +206,6 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
             gemm_mixed_workspace_len(),
         )
     });
-    if mixed {
-        g.op("cast_params", Phase::Forward, 0, Op::CastParams);
-    }
     if !train {
         let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, d.n); // [B, T]
         let fwd = forward(&mut g, &d, spec, &layout, "", tokens);
@@ -227,7 +227,6 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         };
         let p = Persistent {
             params,
-            master,
             gemm_ws,
             grads: None,
             optim: None,
@@ -268,7 +267,6 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
     g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
     let p = Persistent {
         params,
-        master,
         gemm_ws,
         grads: Some(grads),
         optim: Some(optim),
@@ -279,7 +277,6 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
 /// The persistent buffers every op may touch implicitly.
 struct Persistent {
     params: BufId,
-    master: Option<BufId>,
     gemm_ws: Option<BufId>,
     grads: Option<BufId>,
     optim: Option<OptimBufs>,
@@ -551,7 +548,6 @@ fn finish(
         schedule: Schedule {
             ops: g.ops,
             params: p.params,
-            master: p.master,
             gemm_ws: p.gemm_ws,
             grads: p.grads,
             optim: p.optim,

@@ -100,11 +100,9 @@ pub enum Op {
     GeluBackward { d: BufId, inp: BufId },
     /// dwte, dwpe += scatter(dout[N,C]).
     EncoderBackward { dout: BufId, tokens: BufId },
-    /// Global-norm clipping and AdamW over all parameters (the master weights under mixed
-    /// precision); skipped when the gradients are not finite.
+    /// Global-norm clipping and AdamW over all parameters; skipped when the gradients are
+    /// not finite.
     OptimizerStep,
-    /// Mixed precision: round the fp32 master weights into the compute copy `params`.
-    CastParams,
 }
 
 /// An op with its display name, phase and arithmetic cost.
@@ -133,10 +131,9 @@ pub struct OptimBufs {
 #[derive(Clone, Debug)]
 pub struct Schedule {
     pub ops: Vec<OpEntry>,
-    /// Weights used in compute, in the plan's storage type [params].
+    /// The fp32 parameters [params] (the master weights under mixed precision; kernels read
+    /// them directly and the optimizer updates them).
     pub params: BufId,
-    /// fp32 master weights [params] (mixed precision; the optimizer updates these).
-    pub master: Option<BufId>,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
     pub gemm_ws: Option<BufId>,
     pub grads: Option<BufId>,
@@ -210,7 +207,7 @@ impl Op {
             } => (vec![*dout, *qkv, *out, *lse], vec![*dqkv, *ws]),
             GeluBackward { d, inp } => (vec![*d, *inp], vec![*d]),
             EncoderBackward { dout, tokens } => (vec![*dout, *tokens], vec![]),
-            OptimizerStep | CastParams => (vec![], vec![]),
+            OptimizerStep => (vec![], vec![]),
         }
     }
 }

@@ -158,8 +158,8 @@ impl<'de> Deserialize<'de> for RecomputeChoice {
 }
 
 /// Numeric format of weights used in compute, activations and gradients (`--precision`).
-/// Mixed precision keeps fp32 master weights (category `master`) that the optimizer updates;
-/// each step starts by casting them into the compute copy (category `param`).
+/// Mixed precision keeps the weights in fp32 (category `master`); kernels convert them per
+/// tile, and the optimizer updates them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
     #[default]

@@ -34,11 +34,11 @@ const HIT_CAP: usize = 4096;
 
 /// out = wte[tokens] + wpe[position], summed in f32 and rounded once to `T`.
 #[allow(clippy::too_many_arguments)]
-pub fn encoder_forward<T: Elem>(
+pub fn encoder_forward<T: Elem, W: Elem>(
     out: &mut [T],  // [B, T, C]
     tokens: &[u32], // [B, T]
-    wte: &[T],      // [V, C]
-    wpe: &[T],      // [maxT, C], only the first T rows used
+    wte: &[W],      // [V, C]
+    wpe: &[W],      // [maxT, C], only the first T rows used
     b: usize,
     t: usize,
     c: usize,

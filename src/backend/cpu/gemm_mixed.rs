@@ -261,7 +261,7 @@ pub fn gemm_mixed<A: Elem, B: Elem, C: Elem>(
         (b, ldb, b_trans),
         (c, ldc),
         accumulate,
-        None,
+        None::<&[f32]>,
         ws,
     );
 }
@@ -271,14 +271,14 @@ pub fn gemm_mixed<A: Elem, B: Elem, C: Elem>(
 /// output before the products (for the linear layer; still one rounding per element).
 /// Needs `ws.len() >= 3·block²`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem>(
+pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
     block: usize,
     (m, n, k): (usize, usize, usize),
     (a, lda, a_trans): (&[A], usize, bool), // stored [m, k] (or [k, m] if a_trans)
     (b, ldb, b_trans): (&[B], usize, bool), // stored [k, n] (or [n, k] if b_trans)
     (c, ldc): (&mut [C], usize),            // [m, n], row stride ldc
     accumulate: bool,
-    bias: Option<&[C]>, // [n], added to every row of c
+    bias: Option<&[D]>, // [n], added to every row of c
     ws: &mut [f32],     // [3, block, block] scratch: A, B and C tiles
 ) {
     let (a_rows, a_cols) = if a_trans { (k, m) } else { (m, k) };
@@ -488,7 +488,7 @@ mod tests {
             (&b, ldb, b_trans),
             (&mut got, ldc),
             accumulate,
-            None,
+            None::<&[f32]>,
             &mut ws,
         );
         naive::gemm_mixed(
@@ -588,7 +588,7 @@ mod tests {
             (&two, 1, true),
             (&mut c, 1),
             false,
-            None,
+            None::<&[f32]>,
             &mut ws,
         );
         assert_eq!(c[0].to_f32(), -3.0);
@@ -599,7 +599,7 @@ mod tests {
             (&two, 1, false),
             (&mut c, 1),
             true,
-            None,
+            None::<&[f32]>,
             &mut ws,
         );
         assert_eq!(c[0].to_f32(), -6.0);
@@ -615,7 +615,7 @@ mod tests {
                 (&none, 3, false),
                 (&mut c, 4),
                 accumulate,
-                None,
+                None::<&[f32]>,
                 &mut ws,
             );
             gemm_mixed_blocked(
@@ -625,7 +625,7 @@ mod tests {
                 (&none, 3, false),
                 (&mut c32, 4),
                 accumulate,
-                None,
+                None::<&[f32]>,
                 &mut ws,
             );
             let v = if accumulate { 5.0 } else { 0.0 };
@@ -736,7 +736,7 @@ mod tests {
                 (&b, n, false),
                 (&mut c, n),
                 true,
-                None,
+                None::<&[f32]>,
                 &mut ws,
             );
             c

@@ -7,7 +7,8 @@
 //! it) and one over fixed column slices for the weight/bias gradients, each slice walking all
 //! rows in order, so every result is identical for any thread count.
 //!
-//! Storage type `T` ([`Elem`]: f32, bf16, f16) for activations, weights and their gradients;
+//! Storage type `T` ([`Elem`]: f32, bf16, f16) for activations and gradients, `W` for the
+//! weights (the fp32 master weights under mixed precision);
 //! `mean` and `rstd` stay f32. Elements are widened to f32 as they are read, all arithmetic
 //! and accumulation is f32, and each stored element is rounded to `T` once per call (the
 //! accumulating gradients as `T::from_f32(old + sum)`), so the result for any `T` is the
@@ -19,13 +20,13 @@ use rayon::prelude::*;
 
 /// Layer-norm forward; also stores each row's mean and 1/std for the backward pass.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_forward<T: Elem>(
+pub fn layernorm_forward<T: Elem, W: Elem>(
     out: &mut [T],    // [N, C]
     mean: &mut [f32], // [N]
     rstd: &mut [f32], // [N]
     inp: &[T],        // [N, C]
-    weight: &[T],     // [C]
-    bias: &[T],       // [C]
+    weight: &[W],     // [C]
+    bias: &[W],       // [C]
     n: usize,
     c: usize,
     eps: f32,
@@ -51,13 +52,13 @@ pub fn layernorm_forward<T: Elem>(
 
 multiversion! {
     /// Forward over a few whole rows.
-    fn forward_rows<T: Elem>(
+    fn forward_rows<T: Elem, W: Elem>(
         out: &mut [T],    // [rows, C]
         inp: &[T],        // [rows, C]
         mean: &mut [f32], // [rows]
         rstd: &mut [f32], // [rows]
-        weight: &[T],     // [C]
-        bias: &[T],       // [C]
+        weight: &[W],     // [C]
+        bias: &[W],       // [C]
         c: usize,
         eps: f32,
     ) {
@@ -77,13 +78,13 @@ multiversion! {
 
 /// Layer-norm backward. `dinp` ACCUMULATES (`+=`), as do `dweight` and `dbias`.
 #[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward<T: Elem>(
+pub fn layernorm_backward<T: Elem, W: Elem>(
     dinp: &mut [T],    // [N, C] +=
     dweight: &mut [T], // [C] +=
     dbias: &mut [T],   // [C] +=
     dout: &[T],        // [N, C]
     inp: &[T],         // [N, C]
-    weight: &[T],      // [C]
+    weight: &[W],      // [C]
     mean: &[f32],      // [N]
     rstd: &[f32],      // [N]
     n: usize,
@@ -120,13 +121,13 @@ pub fn layernorm_backward<T: Elem>(
 
 multiversion! {
     /// Input gradient over a few whole rows.
-    fn backward_rows<T: Elem>(
+    fn backward_rows<T: Elem, W: Elem>(
         dinp: &mut [T],   // [rows, C] +=
         dout: &[T],       // [rows, C]
         inp: &[T],        // [rows, C]
         mean: &[f32],     // [rows]
         rstd: &[f32],     // [rows]
-        weight: &[T],     // [C]
+        weight: &[W],     // [C]
         c: usize,
     ) {
         let it = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
@@ -179,10 +180,10 @@ multiversion! {
 
 /// (Σ w·dy, Σ w·dy·norm) over one row, 16 f32 lanes each.
 #[inline(always)]
-fn row_sums<T: Elem>(
+fn row_sums<T: Elem, W: Elem>(
     dy: &[T], // [C]
     x: &[T],  // [C]
-    w: &[T],  // [C]
+    w: &[W],  // [C]
     mu: f32,
     s: f32,
 ) -> (f32, f32) {
@@ -190,12 +191,12 @@ fn row_sums<T: Elem>(
     let mut ag = [0.0f32; L];
     let mut agn = [0.0f32; L];
     #[inline(always)]
-    fn lanes<T: Elem>(
+    fn lanes<T: Elem, W: Elem>(
         ag: &mut [f32],  // [L]
         agn: &mut [f32], // [L]
         dy: &[T],        // [<= L]
         x: &[T],         // [<= L]
-        w: &[T],         // [<= L]
+        w: &[W],         // [<= L]
         mu: f32,
         s: f32,
     ) {

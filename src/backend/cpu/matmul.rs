@@ -157,11 +157,11 @@ pub fn packing_bytes(m: usize, k: usize) -> u64 {
 /// folded into its f32 output tile (f32 accumulation, one rounding per element); `ws` must
 /// hold [`gemm_mixed_workspace_len`](super::gemm_mixed::gemm_mixed_workspace_len) f32.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_forward<T: Elem>(
+pub fn matmul_forward<T: Elem, W: Elem>(
     out: &mut [T],      // [N, OC]
     inp: &[T],          // [N, IC]
-    weight: &[T],       // [IC, OC]
-    bias: Option<&[T]>, // [OC]
+    weight: &[W],       // [IC, OC]
+    bias: Option<&[W]>, // [OC]
     n: usize,
     ic: usize,
     oc: usize,
@@ -235,13 +235,13 @@ fn matmul_forward_f32(
 /// column sum added to each dbias element once; `ws` must hold
 /// [`gemm_mixed_workspace_len`](super::gemm_mixed::gemm_mixed_workspace_len) f32.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_backward<T: Elem>(
+pub fn matmul_backward<T: Elem, W: Elem>(
     dinp: &mut [T],          // [N, IC] overwritten
     dweight: &mut [T],       // [IC, OC] +=
     dbias: Option<&mut [T]>, // [OC] +=
     dout: &[T],              // [N, OC]
     inp: &[T],               // [N, IC]
-    weight: &[T],            // [IC, OC]
+    weight: &[W],            // [IC, OC]
     n: usize,
     ic: usize,
     oc: usize,
