@@ -37,7 +37,7 @@
 
 use super::elem::Elem;
 use super::matmul::{sgemm, span};
-use super::reduce::rows_per_task;
+use super::reduce::{multiversion, rows_per_task};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -98,46 +98,9 @@ pub(crate) fn as_f32_mut<T: Elem>(x: &mut [T]) -> Option<&mut [f32]> {
     cast_mut(x)
 }
 
-/// Like [`super::reduce::multiversion`], for a function generic over one [`Elem`] type `T`:
-/// the body is compiled for baseline, AVX2+FMA and AVX-512 and dispatched on
-/// [`isa()`](super::reduce::isa) once per call (call it on rows or chunks, never per element).
-macro_rules! multiversion_elem {
-    ($(#[$m:meta])* $vis:vis fn $name:ident<$T:ident>($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
-        $(#[$m])*
-        $vis fn $name<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) {
-            #[inline(always)]
-            fn inner<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                fn v512<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) {
-                    inner::<$T>($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                fn v256<$T: $crate::backend::cpu::elem::Elem>($($arg: $ty),*) {
-                    inner::<$T>($($arg),*)
-                }
-                match $crate::backend::cpu::reduce::isa() {
-                    // SAFETY: isa() never reports an instruction set the CPU lacks.
-                    $crate::backend::cpu::reduce::Isa::Avx512 => {
-                        return unsafe { v512::<$T>($($arg),*) };
-                    }
-                    // SAFETY: as above.
-                    $crate::backend::cpu::reduce::Isa::Avx2 => {
-                        return unsafe { v256::<$T>($($arg),*) };
-                    }
-                    $crate::backend::cpu::reduce::Isa::Baseline => {}
-                }
-            }
-            inner::<$T>($($arg),*)
-        }
-    };
-}
-pub(crate) use multiversion_elem;
-
-multiversion_elem! {
+multiversion! {
     /// dst[i] = src[i].to_f32() (f16 through `half`'s F16C slice conversion).
-    fn widen_row<T>(
+    fn widen_row<T: Elem>(
         dst: &mut [f32], // [len]
         src: &[T],       // [len]
     ) {
@@ -151,10 +114,10 @@ multiversion_elem! {
     }
 }
 
-multiversion_elem! {
+multiversion! {
     /// dst[i] = T::from_f32(src[i]) (f16 through `half`'s F16C slice conversion, which
     /// rounds like `f16::from_f32`).
-    fn narrow_row<T>(
+    fn narrow_row<T: Elem>(
         dst: &mut [T], // [len]
         src: &[f32],   // [len]
     ) {

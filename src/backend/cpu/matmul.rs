@@ -17,9 +17,7 @@
 //! workspace; the bias gradient is summed in f32 and added to `dbias` once per element.
 
 use super::elem::Elem;
-use super::gemm_mixed::{
-    MIXED_BLOCK, as_f32, as_f32_mut, gemm_mixed, gemm_mixed_blocked, multiversion_elem,
-};
+use super::gemm_mixed::{MIXED_BLOCK, as_f32, as_f32_mut, gemm_mixed, gemm_mixed_blocked};
 use super::reduce::{COL_CHUNK, multiversion, rows_per_task};
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
@@ -274,10 +272,7 @@ pub fn matmul_backward<T: Elem, W: Elem>(
         ic, oc, n, inp, ic, true, dout, oc, false, dweight, oc, true, ws,
     );
     if let Some(dbias) = dbias {
-        dbias
-            .par_chunks_mut(COL_CHUNK)
-            .enumerate()
-            .for_each(|(ci, d)| col_sum_task_elem(d, dout, ci * COL_CHUNK, oc));
+        col_sum_accumulate(dbias, dout, n, oc);
     }
 }
 
@@ -309,9 +304,9 @@ fn matmul_backward_f32(
 
 /// dst[j] += Σ_r src[r, j]. Each task owns `COL_CHUNK` columns and sums all rows in order, in
 /// f32 lanes on the stack, then adds once into `dst`: identical for any thread count.
-fn col_sum_accumulate(
-    dst: &mut [f32], // [OC]
-    src: &[f32],     // [N, OC]
+fn col_sum_accumulate<T: Elem>(
+    dst: &mut [T], // [OC]
+    src: &[T],     // [N, OC]
     n: usize,
     oc: usize,
 ) {
@@ -323,31 +318,9 @@ fn col_sum_accumulate(
 }
 
 multiversion! {
-    /// d[j] += Σ_r src[r, c0 + j] for the columns of one task.
-    fn col_sum_task(
-        d: &mut [f32], // [w <= COL_CHUNK]: columns c0..c0 + w
-        src: &[f32],   // [N, OC]
-        c0: usize,
-        oc: usize,
-    ) {
-        let w = d.len();
-        let mut acc = [0.0f32; COL_CHUNK];
-        let acc = &mut acc[..w];
-        for row in src.chunks_exact(oc) {
-            for (a, &v) in acc.iter_mut().zip(&row[c0..c0 + w]) {
-                *a += v;
-            }
-        }
-        for (d, &a) in d.iter_mut().zip(acc.iter()) {
-            *d += a;
-        }
-    }
-}
-
-multiversion_elem! {
     /// d[j] = T(d[j] + Σ_r src[r, c0 + j]) for the columns of one task: the sum in f32 lanes
     /// on the stack (rows in order, thread-count independent), one rounding per element.
-    fn col_sum_task_elem<T>(
+    fn col_sum_task<T: Elem>(
         d: &mut [T], // [w <= COL_CHUNK]: columns c0..c0 + w
         src: &[T],   // [N, OC]
         c0: usize,
