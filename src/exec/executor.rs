@@ -47,6 +47,9 @@ pub struct Executor {
     last: Option<OptimOutcome>,
     /// Seconds spent in each op of the schedule, summed over runs, when timing is on.
     op_seconds: Option<Vec<f64>>,
+    /// Per parameter tensor, its first 8-bit optimizer-state block (computed once, so the
+    /// optimizer step allocates nothing).
+    pub(super) state_block_of: Vec<usize>,
 }
 
 impl Executor {
@@ -63,6 +66,9 @@ impl Executor {
             .thread_name(|i| format!("memwall-worker-{i}"))
             .build()?;
         let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
+        let (state_block_of, _) = plan
+            .layout
+            .block_offsets(crate::backend::cpu::quant::QBLOCK);
         Ok(Executor {
             plan,
             arena,
@@ -71,6 +77,7 @@ impl Executor {
             loss_scale: 1.0,
             last: None,
             op_seconds: None,
+            state_block_of,
         })
     }
 

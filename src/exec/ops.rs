@@ -306,8 +306,7 @@ impl Executor {
         };
         let master = self.view::<f32>(s.params);
         let mut state = self.moments_view();
-        let (block_of, _) = self.plan.layout.block_offsets(quant::QBLOCK);
-        for (tensor, &b0) in self.plan.layout.tensors.iter().zip(&block_of) {
+        for (tensor, &b0) in self.plan.layout.tensors.iter().zip(&self.state_block_of) {
             let r = tensor.range.clone();
             let blocks = b0..b0 + r.len().div_ceil(quant::QBLOCK);
             let p = adamw::AdamWParams {
