@@ -12,4 +12,5 @@ pub mod exec;
 pub mod mem;
 pub mod model;
 pub mod plan;
+pub mod profile;
 pub mod util;

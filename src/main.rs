@@ -44,6 +44,15 @@ enum Cmd {
     Sample(SampleArgs),
     /// Time training steps on synthetic tokens; prints JSON (tokens/s, step time, peak RSS, plan total).
     Bench(BenchArgs),
+    /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
+    Report(ReportArgs),
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// Run directory (from `memwall train --out` or `memwall bench --profile`).
+    #[arg(value_name = "RUN_DIR")]
+    run_dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -137,6 +146,9 @@ struct PlanArgs {
     /// Print the plan as JSON (total_bytes, by_category, buffers, schedule).
     #[arg(long)]
     json: bool,
+    /// Also draw the predicted memory timeline (stacked by category, peak marked) to this SVG file.
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -182,6 +194,13 @@ struct TrainArgs {
     /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.
     #[arg(long, value_name = "RUN_DIR")]
     resume: Option<PathBuf>,
+    /// Profile the first steps: writes profile.json, trace.json (Perfetto / chrome://tracing),
+    /// memory.svg and report.html into the run directory.
+    #[arg(long)]
+    profile: bool,
+    /// Steps to profile with --profile.
+    #[arg(long, default_value_t = 3, requires = "profile")]
+    profile_steps: u64,
 }
 
 #[derive(Args)]
@@ -225,6 +244,10 @@ struct BenchArgs {
     /// Also report seconds and GFLOP/s per op kind (time_by_op).
     #[arg(long)]
     time_ops: bool,
+    /// Profile every step and write plan.json, metrics.jsonl, profile.json, trace.json,
+    /// memory.svg and report.html into DIR.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "bench-profile")]
+    profile: Option<PathBuf>,
     /// Memory budget for --recompute auto, e.g. 3GiB.
     #[arg(long, value_parser = parse_bytes)]
     max_memory: Option<u64>,
@@ -241,6 +264,7 @@ fn main() {
         Cmd::Train(a) => train_cmd(a),
         Cmd::Sample(a) => sample_cmd(a),
         Cmd::Bench(a) => bench_cmd(a),
+        Cmd::Report(a) => report_cmd(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -309,6 +333,13 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             baseline,
         )?,
     };
+    if let Some(path) = &a.svg {
+        let data = memwall::profile::timeline::PlanData::from_plan(&plan, baseline)?;
+        let tl = memwall::profile::timeline::MemoryTimeline::new(&data);
+        let svg = memwall::profile::chart::memory_svg(&data, &tl, None, baseline)?;
+        std::fs::write(path, svg)
+            .with_context(|| format!("--svg {}: cannot write the file", path.display()))?;
+    }
     if a.json {
         println!(
             "{}",
@@ -316,6 +347,9 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         );
     } else {
         print!("{}", plan::report::table(&plan, baseline));
+        if let Some(path) = &a.svg {
+            println!("  memory timeline drawn to {}", path.display());
+        }
     }
     if let Some(budget) = a.step.max_memory {
         plan::fit::check_budget(&plan, budget, baseline)?;
@@ -345,6 +379,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         if a.step.max_memory.is_some() {
             opts.max_memory = a.step.max_memory;
         }
+        opts.profile_steps = if a.profile { a.profile_steps } else { 0 };
         for (flag, given, run_value) in [
             ("--batch", a.step.batch, opts.batch),
             ("--seq", a.step.seq, opts.seq),
@@ -406,6 +441,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
         o.optim_state = a.step.strategy.optim_state.unwrap_or_default();
         o.precision = a.step.strategy.precision.unwrap_or_default();
+        o.profile_steps = if a.profile { a.profile_steps } else { 0 };
         train::train(&o, None, &mut progress)?
     };
     print_summary(&summary);
@@ -430,6 +466,9 @@ fn print_summary(s: &train::TrainSummary) {
     );
     if let Some(c) = &s.last_checkpoint {
         println!("checkpoint: {}", c.display());
+    }
+    if let Some(r) = &s.report {
+        println!("report: {} (trace.json, memory.svg beside it)", r.display());
     }
 }
 
@@ -467,10 +506,23 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         optim_state: a.strategy.optim_state.unwrap_or_default(),
         precision: a.strategy.precision.unwrap_or_default(),
         max_memory: a.max_memory,
+        profile: a.profile,
     };
     eprintln!(
-        "bench: model {} batch {} x grad-accum {} seq {} threads {} fp32 recompute {}, 1 warm-up + {} timed steps",
-        opts.model, opts.batch, opts.grad_accum, opts.seq, opts.threads, opts.recompute, opts.steps
+        "bench: model {} batch {} x grad-accum {} seq {} threads {} {} recompute {} optimizer state {}{}, 1 warm-up + {} timed steps",
+        opts.model,
+        opts.batch,
+        opts.grad_accum,
+        opts.seq,
+        opts.threads,
+        opts.precision,
+        opts.recompute,
+        opts.optim_state,
+        opts.profile
+            .as_ref()
+            .map(|d| format!(", profiling into {}", d.display()))
+            .unwrap_or_default(),
+        opts.steps
     );
     let report = bench::run(&opts, &mut |i, dt| {
         eprintln!(
@@ -479,6 +531,20 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         )
     })?;
     println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+fn report_cmd(a: ReportArgs) -> Result<()> {
+    let w = memwall::profile::report::write_reports(&a.run_dir)?;
+    println!("report: {}", w.html.display());
+    println!("memory timeline: {}", w.memory_svg.display());
+    match &w.trace {
+        Some(t) => println!("trace (Perfetto / chrome://tracing): {}", t.display()),
+        None => println!("no trace.json: the run was not profiled (train with --profile)"),
+    }
+    if let Some(l) = &w.leak {
+        println!("{}", l.message());
+    }
     Ok(())
 }
 
@@ -517,6 +583,7 @@ fn demo(a: DemoArgs) -> Result<()> {
     o.threads = threads;
     o.eval_every = 100.min(a.steps);
     o.save_every = 0;
+    o.profile_steps = 3;
     let spec = ModelSpec::preset("gpt2-tiny")?;
     let plan = build_plan(
         &spec,

@@ -2,13 +2,19 @@
 //! throughput, step times, peak RSS and the plan's prediction, as JSON.
 
 use super::executor::{Executor, OptimHparams};
+use crate::ckpt;
+use crate::exec::train::Metric;
 use crate::model::ModelSpec;
 use crate::plan::fit::plan_with_recompute;
 use crate::plan::{Mode, OptimState, Precision, RecomputeChoice, StepConfig};
+use crate::profile::leak::LeakCheck;
+use crate::profile::record::micros;
+use crate::profile::{OpRecorder, Profile, StepProfile};
 use crate::util::rng::Rng;
 use crate::util::rss;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+use std::path::PathBuf;
 use std::time::Instant;
 
 /// A benchmark configuration.
@@ -32,6 +38,9 @@ pub struct BenchOptions {
     pub precision: Precision,
     /// Budget for `--recompute auto`.
     pub max_memory: Option<u64>,
+    /// Profile every step into this directory (plan.json, metrics.jsonl, profile.json,
+    /// trace.json, memory.svg, report.html).
+    pub profile: Option<PathBuf>,
 }
 
 /// Runs the benchmark; returns the JSON report.
@@ -53,6 +62,15 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         opts.max_memory,
         baseline,
     )?;
+    if let Some(dir) = &opts.profile {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
+        ckpt::write_file_atomic(
+            &dir.join("plan.json"),
+            serde_json::to_string_pretty(&crate::plan::report::to_json(&plan, baseline))?
+                .as_bytes(),
+        )?;
+    }
     let recompute = plan.cfg.recompute;
     let (plan_total, flops, recompute_flops) =
         (plan.total_bytes(), plan.flops(), plan.recompute_flops());
@@ -63,8 +81,18 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         .map(|(c, b)| (c.name().to_string(), json!(b)))
         .collect();
     let layout = plan.layout.clone();
+    let n_ops = plan.schedule.ops.len();
     let mut ex = Executor::new(plan)?;
-    ex.time_ops(opts.time_ops);
+    let epoch = Instant::now();
+    if opts.time_ops || opts.profile.is_some() {
+        ex.record_ops(Some(OpRecorder::new(epoch, n_ops * (opts.steps + 1))));
+    }
+    let mut profile = Profile {
+        baseline_rss: baseline,
+        steps: Vec::new(),
+    };
+    let mut metrics = Vec::new();
+    let mut leak = LeakCheck::new(plan_total);
     layout.init(ex.params_mut(), spec.n_layer, opts.seed);
     let mut rng = Rng::new(opts.seed);
     let mut batch = vec![0u32; opts.grad_accum * opts.batch * (opts.seq + 1)];
@@ -90,10 +118,38 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         });
         let dt = t0.elapsed().as_secs_f64();
         losses.push(st.loss);
+        if opts.profile.is_some()
+            && let Some(r) = ex.recorder_mut()
+        {
+            profile.steps.push(StepProfile {
+                step: step as u64 + 1,
+                start_us: micros(epoch, t0),
+                end_us: micros(epoch, Instant::now()),
+                ops: r.spans[r.spans.len().saturating_sub(n_ops)..].to_vec(),
+                spans: Vec::new(),
+            });
+        }
+        let rss_now = rss::current_rss();
+        if let Some(r) = rss_now {
+            leak.observe(step as u64 + 1, r);
+        }
+        metrics.push(Metric {
+            step: step as u64 + 1,
+            loss: st.loss,
+            lr: 3e-4,
+            grad_norm: st.grad_norm,
+            loss_scale: None,
+            skipped: st.skipped,
+            tokens_per_s: (opts.grad_accum * opts.batch * opts.seq) as f64 / dt,
+            step_s: dt,
+            rss_bytes: rss_now,
+            process_step: Some(step as u64 + 1),
+            val_loss: None,
+        });
         if step > 0 {
             times.push(dt);
-        } else if opts.time_ops {
-            ex.time_ops(true); // discard the warm-up step's times
+        } else if let Some(r) = ex.recorder_mut() {
+            r.take(n_ops * opts.steps); // the warm-up step's times stay out of time_by_op
         }
         on_step(step, dt);
     }
@@ -103,24 +159,16 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let tokens = (opts.grad_accum * opts.batch * opts.seq) as f64;
     let peak = rss::peak_rss();
     // Time by op kind (the name without its layer prefix), largest first.
-    let by_kind: Vec<Value> = match ex.op_seconds() {
+    let by_kind: Vec<Value> = match ex.record_ops(None) {
         None => Vec::new(),
-        Some(secs) => {
+        Some(rec) => {
+            let mut secs = vec![0.0f64; n_ops];
+            for s in &rec.spans {
+                secs[s.op as usize] += (s.end_us - s.start_us) * 1e-6;
+            }
             let mut kinds: Vec<(String, f64, u64)> = Vec::new();
             for (e, s) in ex.plan.schedule.ops.iter().zip(secs) {
-                // Strip the micro-batch (`mb1.`) and layer (`h3.`) prefixes.
-                let strip = |s: &'static str, name: &str| -> Option<usize> {
-                    let (h, _) = name.split_once('.')?;
-                    let digits = h.strip_prefix(s)?;
-                    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
-                        .then_some(h.len() + 1)
-                };
-                let mut kind = e.name.as_str();
-                for p in ["mb", "h"] {
-                    if let Some(k) = strip(p, kind) {
-                        kind = &kind[k..];
-                    }
-                }
+                let kind = crate::profile::timeline::op_kind(&e.name);
                 match kinds.iter_mut().find(|k| k.0 == kind) {
                     Some(k) => {
                         k.1 += s / opts.steps as f64;
@@ -137,8 +185,29 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         }
     };
     let measured = peak.map(|p| p.saturating_sub(baseline));
+    let leak = leak.report();
+    let report = match &opts.profile {
+        Some(dir) => {
+            let mut lines = String::new();
+            for m in &metrics {
+                lines.push_str(&serde_json::to_string(m)?);
+                lines.push('\n');
+            }
+            ckpt::write_file_atomic(&dir.join("metrics.jsonl"), lines.as_bytes())?;
+            ckpt::write_file_atomic(
+                &dir.join("profile.json"),
+                serde_json::to_string(&profile)?.as_bytes(),
+            )?;
+            let w = crate::profile::report::write_reports(dir)?;
+            Some(
+                json!({"dir": dir, "report_html": w.html, "trace_json": w.trace, "memory_svg": w.memory_svg}),
+            )
+        }
+        None => None,
+    };
     Ok(json!({
         "config": {
+            "profile": opts.profile.is_some(),
             "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
             "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": opts.precision.to_string(),
             "mixed_compute": crate::backend::cpu::gemm_mixed::COMPUTE_PATH,
@@ -161,5 +230,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "plan_error_pct": measured.map(|m| 100.0 * (plan_total as f64 - m as f64) / m as f64),
         "losses": losses,
         "time_by_op": by_kind,
+        "leak_check": leak.map(|l| json!({"leaking": l.leaking, "message": l.message(), "growth_bytes": l.growth()})),
+        "profile": report,
     }))
 }

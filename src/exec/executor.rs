@@ -8,6 +8,7 @@ use crate::ckpt::{Moments, MomentsMut};
 use crate::mem::arena::Arena;
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, DType, Mode, OptimState, Plan, Precision};
+use crate::profile::record::OpRecorder;
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 
@@ -45,8 +46,8 @@ pub struct Executor {
     /// The loss is multiplied by this before backward (fp16 loss scaling; 1 otherwise).
     pub(super) loss_scale: f32,
     last: Option<OptimOutcome>,
-    /// Seconds spent in each op of the schedule, summed over runs, when timing is on.
-    op_seconds: Option<Vec<f64>>,
+    /// Records each executed op's span when profiling (see [`Executor::record_ops`]).
+    recorder: Option<OpRecorder>,
     /// Per parameter tensor, its first 8-bit optimizer-state block (computed once, so the
     /// optimizer step allocates nothing).
     pub(super) state_block_of: Vec<usize>,
@@ -76,7 +77,7 @@ impl Executor {
             hp: None,
             loss_scale: 1.0,
             last: None,
-            op_seconds: None,
+            recorder: None,
             state_block_of,
         })
     }
@@ -322,14 +323,15 @@ impl Executor {
         Ok(self.f32(self.plan.schedule.logits.expect("generation plan")))
     }
 
-    /// Starts (or stops) timing each op; times accumulate until read.
-    pub fn time_ops(&mut self, on: bool) {
-        self.op_seconds = on.then(|| vec![0.0; self.plan.schedule.ops.len()]);
+    /// Starts recording a span per executed op into `recorder` (profiling, `bench --time-ops`),
+    /// or stops when `None`; returns the previous recorder with what it holds.
+    pub fn record_ops(&mut self, recorder: Option<OpRecorder>) -> Option<OpRecorder> {
+        std::mem::replace(&mut self.recorder, recorder)
     }
 
-    /// Accumulated seconds per op (index = schedule position), if timing is on.
-    pub fn op_seconds(&self) -> Option<&[f64]> {
-        self.op_seconds.as_deref()
+    /// The active recorder, to take its spans between steps.
+    pub fn recorder_mut(&mut self) -> Option<&mut OpRecorder> {
+        self.recorder.as_mut()
     }
 
     fn run(
@@ -339,13 +341,13 @@ impl Executor {
         t: usize,
         training: bool,
     ) {
-        let mut times = self.op_seconds.take();
+        let mut recorder = self.recorder.take();
         let this = &*self;
         let mut outcome = None;
         let precision = self.plan.cfg.precision;
         this.pool.install(|| {
             for i in ops {
-                let t0 = times.as_ref().map(|_| std::time::Instant::now());
+                let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
                 let o = match precision {
                     Precision::F32 => this.run_op::<f32>(i, b, t, training),
                     Precision::Bf16 => this.run_op::<bf16>(i, b, t, training),
@@ -354,12 +356,12 @@ impl Executor {
                 if o.is_some() {
                     outcome = o;
                 }
-                if let (Some(ts), Some(t0)) = (times.as_mut(), t0) {
-                    ts[i] += t0.elapsed().as_secs_f64();
+                if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
+                    r.record(i, t0);
                 }
             }
         });
-        self.op_seconds = times;
+        self.recorder = recorder;
         if outcome.is_some() {
             self.last = outcome;
         }

@@ -11,6 +11,9 @@ use crate::ckpt::{self, LossScaleState, TrainerState};
 use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
 use crate::model::ModelSpec;
 use crate::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig};
+use crate::profile::leak::{LeakCheck, LeakReport};
+use crate::profile::record::micros;
+use crate::profile::{OpRecorder, Profile, Span, StepProfile, Track};
 use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -65,6 +68,10 @@ pub struct TrainOptions {
     /// Format of compute weights, activations and gradients.
     #[serde(default)]
     pub precision: Precision,
+    /// Profile the first N steps of this invocation (0: off): `profile.json`, `trace.json`,
+    /// `memory.svg` and `report.html` in the run directory.
+    #[serde(default)]
+    pub profile_steps: u64,
 }
 
 /// Dynamic loss scaling for fp16 (as `torch.cuda.amp.GradScaler`): start at 2^16, halve and
@@ -141,6 +148,7 @@ impl TrainOptions {
             grad_accum: 1,
             optim_state: OptimState::F32,
             precision: Precision::F32,
+            profile_steps: 0,
         }
     }
 
@@ -193,25 +201,33 @@ pub struct TrainSummary {
     pub baseline_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
     pub last_checkpoint: Option<PathBuf>,
+    /// The leak check's verdict (`None` when the run had too few steps for one).
+    pub leak: Option<LeakReport>,
+    /// The reports written when profiling (`report.html` and its siblings).
+    pub report: Option<PathBuf>,
 }
 
 /// One line of `metrics.jsonl`.
-#[derive(Serialize, Deserialize)]
-struct Metric {
-    step: u64,
-    loss: f32,
-    lr: f32,
-    grad_norm: f32,
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Metric {
+    pub step: u64,
+    pub loss: f32,
+    pub lr: f32,
+    pub grad_norm: f32,
     /// fp16 runs: the loss scale used by this step, and whether its update was skipped.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    loss_scale: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    skipped: bool,
-    tokens_per_s: f64,
-    step_s: f64,
-    rss_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    val_loss: Option<f32>,
+    pub skipped: bool,
+    pub tokens_per_s: f64,
+    pub step_s: f64,
+    pub rss_bytes: Option<u64>,
+    /// Steps done by the process that wrote this line (1-based; restarts on `--resume`): the
+    /// leak check's clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f32>,
 }
 
 /// How a run reports progress.
@@ -461,14 +477,42 @@ pub fn train(
         .with_context(|| format!("cannot write {}", opts.out.join("metrics.jsonl").display()))?;
 
     let first_step = step;
+    let epoch = Instant::now();
+    let n_ops = ex.plan.schedule.ops.len();
+    let mut profile = (opts.profile_steps > 0).then(|| Profile {
+        baseline_rss: baseline,
+        steps: Vec::new(),
+    });
+    let mut recorder = Some(OpRecorder::new(epoch, n_ops));
+    let mut leak = LeakCheck::new(plan_total);
     progress.start(step, opts.steps);
     let tokens_per_step = (rows * opts.seq) as f64;
     let (mut final_loss, mut final_val, mut last_ckpt) = (f32::NAN, None, None);
     let (mut timed_tokens, mut timed_secs) = (0.0f64, 0.0f64);
     while step < opts.steps {
         let t0 = Instant::now();
+        let profiling = profile.is_some() && step - first_step < opts.profile_steps;
+        let mut spans = Vec::new();
         loader.next_into(&mut batch);
+        let t_loaded = Instant::now();
         ex.set_batch(&batch)?;
+        if profiling {
+            spans.push(Span {
+                track: Track::Io,
+                name: "loader: next batch".into(),
+                start_us: micros(epoch, t0),
+                end_us: micros(epoch, t_loaded),
+                bytes: None,
+            });
+            spans.push(Span {
+                track: Track::Io,
+                name: "stage batch into the arena".into(),
+                start_us: micros(epoch, t_loaded),
+                end_us: micros(epoch, Instant::now()),
+                bytes: Some(std::mem::size_of_val(batch.as_slice()) as u64),
+            });
+            ex.record_ops(recorder.take());
+        }
         let lr = cosine_with_warmup(step, opts.steps, opts.warmup, opts.lr, opts.min_lr_frac);
         let hp = OptimHparams {
             lr,
@@ -482,6 +526,17 @@ pub fn train(
         let scale = scaler.map(|s| s.state.scale);
         ex.set_loss_scale(scale.unwrap_or(1.0));
         let stats = ex.train_step(&hp);
+        let mut step_profile = None;
+        if profiling {
+            recorder = ex.record_ops(None);
+            step_profile = Some(StepProfile {
+                step: step + 1,
+                start_us: micros(epoch, t0),
+                end_us: micros(epoch, Instant::now()),
+                ops: recorder.as_mut().map(|r| r.take(n_ops)).unwrap_or_default(),
+                spans,
+            });
+        }
         if let Some(sc) = scaler.as_mut() {
             sc.update(stats.skipped);
         } else if stats.skipped {
@@ -512,7 +567,17 @@ pub fn train(
         final_loss = stats.loss;
         let val_loss = if (opts.eval_every > 0 && step % opts.eval_every == 0) || step == opts.steps
         {
+            let te = Instant::now();
             let v = evaluate(&mut ex, &data, opts, &mut batch)?;
+            if let Some(sp) = step_profile.as_mut() {
+                sp.spans.push(Span {
+                    track: Track::Compute,
+                    name: format!("evaluate ({} validation batches)", opts.eval_batches),
+                    start_us: micros(epoch, te),
+                    end_us: micros(epoch, Instant::now()),
+                    bytes: None,
+                });
+            }
             progress.message(&format!(
                 "step {step}: train loss {:.4}, val loss {v:.4}",
                 stats.loss
@@ -533,8 +598,12 @@ pub fn train(
             tokens_per_s: tokens_per_step / secs,
             step_s: secs,
             rss_bytes: rss_now,
+            process_step: Some(step - first_step),
             val_loss,
         };
+        if let Some(w) = rss_now.and_then(|r| leak.observe(step - first_step, r)) {
+            progress.message(&w.message());
+        }
         writeln!(metrics, "{}", serde_json::to_string(&m)?).with_context(|| {
             format!(
                 "cannot append to {}",
@@ -543,6 +612,7 @@ pub fn train(
         })?;
         progress.step(step, stats.loss, tokens_per_step / secs, rss_now);
         if (opts.save_every > 0 && step % opts.save_every == 0) || step == opts.steps {
+            let ts = Instant::now();
             let state = TrainerState {
                 step,
                 data_position: loader.position(),
@@ -566,11 +636,41 @@ pub fn train(
             .with_context(|| {
                 format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
             })?;
+            if let Some(sp) = step_profile.as_mut() {
+                sp.spans.push(Span {
+                    track: Track::Io,
+                    name: format!("write checkpoint {}", dir.display()),
+                    start_us: micros(epoch, ts),
+                    end_us: micros(epoch, Instant::now()),
+                    bytes: Some(dir_bytes(&dir)),
+                });
+            }
             last_ckpt = Some(dir);
+        }
+        if let (Some(p), Some(sp)) = (profile.as_mut(), step_profile) {
+            p.steps.push(sp);
+            // Write the reports as soon as the profiled steps are done, so they exist even
+            // if the run stops later; they are refreshed at the end with the whole curves.
+            if p.steps.len() as u64 == opts.profile_steps || step == opts.steps {
+                metrics.flush()?;
+                write_profile(&opts.out, p)?;
+                progress.message(&format!(
+                    "profile: {} written (trace.json, memory.svg, profile.json)",
+                    opts.out.join("report.html").display()
+                ));
+            }
         }
     }
     progress.finish();
     metrics.flush()?;
+    let report = match &profile {
+        Some(p) if !p.steps.is_empty() => Some(write_profile(&opts.out, p)?),
+        _ => None,
+    };
+    let leak = leak.report();
+    if let Some(l) = &leak {
+        progress.message(&l.message());
+    }
     Ok(TrainSummary {
         out: opts.out.clone(),
         first_step,
@@ -586,7 +686,30 @@ pub fn train(
         baseline_bytes: baseline,
         peak_rss_bytes: rss::peak_rss(),
         last_checkpoint: last_ckpt,
+        leak,
+        report,
     })
+}
+
+/// Saves `profile.json` and regenerates the reports from the run directory; returns the
+/// path of `report.html`.
+fn write_profile(out: &Path, profile: &Profile) -> Result<PathBuf> {
+    ckpt::write_file_atomic(
+        &out.join("profile.json"),
+        serde_json::to_string(profile)?.as_bytes(),
+    )?;
+    Ok(crate::profile::report::write_reports(out)?.html)
+}
+
+/// Bytes of the files directly in `dir` (a checkpoint's size, for the I/O track).
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
 }
 
 /// Mean validation loss over `eval_batches` fixed batches of the validation split.

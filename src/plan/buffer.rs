@@ -1,14 +1,14 @@
 //! Buffers of a plan: what each byte is for (category), its element type, size, and the
 //! interval of the schedule over which it must hold its value.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Index of a buffer in `Plan::buffers`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct BufId(pub usize);
 
 /// What a buffer is for. Every byte of a step has one (invariant 4 of ARCHITECTURE.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {
     /// Model weights used in compute.

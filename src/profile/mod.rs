@@ -1,0 +1,21 @@
+//! The profiler: where every byte and second of a step went, predicted and measured.
+//!
+//! - [`record`]: what is recorded while steps run (op spans with the RSS after each op,
+//!   transfers), saved as `RUN_DIR/profile.json`.
+//! - [`timeline`]: the plan's memory by category at every op, read back from `plan.json`, so a
+//!   report needs no model or executor, only the run directory.
+//! - [`trace`]: Chrome trace events (`trace.json`, opens in Perfetto or chrome://tracing).
+//! - [`chart`]: SVG charts drawn with `plotters` (memory timeline, loss, throughput).
+//! - [`html`]: the self-contained `report.html`.
+//! - [`leak`]: the per-step RSS check that warns when a static plan's process grows.
+//! - [`report`]: writes all of the above into a run directory (`memwall report RUN_DIR`).
+
+pub mod chart;
+pub mod html;
+pub mod leak;
+pub mod record;
+pub mod report;
+pub mod timeline;
+pub mod trace;
+
+pub use record::{OpRecorder, OpSpan, Profile, Span, StepProfile, Track};

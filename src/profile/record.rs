@@ -1,0 +1,206 @@
+//! What the profiler records while steps run: one [`OpSpan`] per executed op (start, end,
+//! resident memory right after), one [`Span`] per piece of I/O or communication, grouped by
+//! step into a [`Profile`] that is saved as `RUN_DIR/profile.json` and drawn by the reports.
+//!
+//! Recording costs two clock reads and one `pread` of `/proc/self/statm` per op, into a
+//! vector reserved before the step, so a profiled step allocates nothing more than an
+//! unprofiled one.
+
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+
+/// One executed op of the schedule. Times are microseconds since the profile's epoch.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+pub struct OpSpan {
+    /// Index of the op in the plan's schedule.
+    pub op: u32,
+    pub start_us: f64,
+    pub end_us: f64,
+    /// Resident set size of the process right after the op (bytes; 0 if unreadable).
+    pub rss: u64,
+}
+
+/// Which timeline track a span belongs to.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Track {
+    Compute,
+    /// Transfers: batches into their staging buffers, checkpoints to disk, tier moves.
+    Io,
+    /// Collectives between processes.
+    Communication,
+}
+
+/// A span that is not a schedule op: a transfer, a checkpoint write, an evaluation.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Span {
+    pub track: Track,
+    pub name: String,
+    pub start_us: f64,
+    pub end_us: f64,
+    /// Bytes moved, for transfers.
+    pub bytes: Option<u64>,
+}
+
+/// Everything recorded for one profiled step.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StepProfile {
+    /// 1-based optimizer step.
+    pub step: u64,
+    pub start_us: f64,
+    pub end_us: f64,
+    pub ops: Vec<OpSpan>,
+    pub spans: Vec<Span>,
+}
+
+/// `profile.json`: the profiled steps and the process baseline they are measured against.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Profile {
+    /// Resident memory before the arena was allocated (bytes).
+    pub baseline_rss: u64,
+    pub steps: Vec<StepProfile>,
+}
+
+impl Profile {
+    /// The last profiled step: the warmest one, which the memory chart draws.
+    pub fn chart_step(&self) -> Option<&StepProfile> {
+        self.steps.iter().rev().find(|s| !s.ops.is_empty())
+    }
+}
+
+/// Microseconds from `epoch` to `t`.
+pub fn micros(epoch: Instant, t: Instant) -> f64 {
+    t.saturating_duration_since(epoch).as_secs_f64() * 1e6
+}
+
+/// Records op spans inside the executor (see [`crate::exec::Executor::record_ops`]).
+pub struct OpRecorder {
+    epoch: Instant,
+    rss: RssProbe,
+    /// Reserved up front; recording stops adding (and counts `dropped`) when full rather than
+    /// allocate during a step.
+    pub spans: Vec<OpSpan>,
+    pub dropped: usize,
+}
+
+impl OpRecorder {
+    /// A recorder with room for `capacity` ops, timing relative to `epoch`.
+    pub fn new(epoch: Instant, capacity: usize) -> OpRecorder {
+        OpRecorder {
+            epoch,
+            rss: RssProbe::open(),
+            spans: Vec::with_capacity(capacity),
+            dropped: 0,
+        }
+    }
+
+    /// Records op `op`, which started at `start` and has just finished.
+    #[inline]
+    pub fn record(&mut self, op: usize, start: Instant) {
+        let end = Instant::now();
+        if self.spans.len() == self.spans.capacity() {
+            self.dropped += 1;
+            return;
+        }
+        let rss = self.rss.read();
+        self.spans.push(OpSpan {
+            op: op as u32,
+            start_us: micros(self.epoch, start),
+            end_us: micros(self.epoch, end),
+            rss,
+        });
+    }
+
+    /// Takes the spans recorded so far, leaving room for `capacity` more.
+    pub fn take(&mut self, capacity: usize) -> Vec<OpSpan> {
+        std::mem::replace(&mut self.spans, Vec::with_capacity(capacity))
+    }
+}
+
+/// Reads the resident set size cheaply: `/proc/self/statm` kept open and re-read with `pread`
+/// into a stack buffer (no allocation). Reads 0 where the file does not exist.
+pub struct RssProbe {
+    file: Option<std::fs::File>,
+    page_bytes: u64,
+}
+
+impl RssProbe {
+    pub fn open() -> RssProbe {
+        let file = std::fs::File::open("/proc/self/statm").ok();
+        let mut probe = RssProbe {
+            file,
+            page_bytes: 4096,
+        };
+        // statm counts pages; calibrate the page size against VmRSS (bytes) once.
+        if let (Some(bytes), pages) = (crate::util::rss::current_rss(), probe.pages())
+            && pages > 0
+        {
+            let ratio = bytes as f64 / pages as f64;
+            probe.page_bytes = [4096u64, 16384, 65536]
+                .into_iter()
+                .min_by(|a, b| {
+                    (*a as f64 - ratio)
+                        .abs()
+                        .total_cmp(&(*b as f64 - ratio).abs())
+                })
+                .unwrap_or(4096);
+        }
+        probe
+    }
+
+    fn pages(&self) -> u64 {
+        use std::os::unix::fs::FileExt;
+        let Some(f) = &self.file else { return 0 };
+        let mut buf = [0u8; 128];
+        let Ok(n) = f.read_at(&mut buf, 0) else {
+            return 0;
+        };
+        // "size resident shared text lib data dt": the second field.
+        buf[..n]
+            .split(|&c| c == b' ')
+            .nth(1)
+            .and_then(|s| std::str::from_utf8(s).ok()?.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Resident bytes now (0 when unreadable).
+    #[inline]
+    pub fn read(&self) -> u64 {
+        self.pages() * self.page_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rss_probe_agrees_with_proc_status() {
+        let probe = RssProbe::open();
+        let statm = probe.read();
+        let status = crate::util::rss::current_rss().expect("Linux /proc");
+        // Both read the same counter at slightly different moments.
+        let diff = (statm as f64 - status as f64).abs();
+        assert!(diff < 8e6, "statm {statm} vs VmRSS {status}");
+        // Touching 64 MiB shows up.
+        let v = vec![1u8; 64 << 20];
+        let after = probe.read();
+        assert!(after >= statm + (60 << 20), "{statm} -> {after}");
+        drop(v);
+    }
+
+    #[test]
+    fn recorder_never_grows_past_its_reservation() {
+        let epoch = Instant::now();
+        let mut r = OpRecorder::new(epoch, 3);
+        for i in 0..5 {
+            r.record(i, Instant::now());
+        }
+        assert_eq!(r.spans.len(), 3);
+        assert_eq!(r.dropped, 2);
+        assert!(r.spans.iter().all(|s| s.end_us >= s.start_us));
+        let spans = r.take(3);
+        assert_eq!(spans.iter().map(|s| s.op).collect::<Vec<_>>(), [0, 1, 2]);
+        assert!(r.spans.is_empty() && r.spans.capacity() >= 3);
+    }
+}

@@ -1,0 +1,188 @@
+//! Writes the reports of a run directory from what it holds: `plan.json` (required),
+//! `metrics.jsonl` and `profile.json` (when present). Used at the end of a profiled
+//! `train`/`bench` and by `memwall report RUN_DIR`; every file is written atomically.
+
+use super::chart::{Line, line_svg, memory_svg};
+use super::html::ReportPage;
+use super::leak::LeakCheck;
+use super::record::Profile;
+use super::timeline::{MemoryTimeline, PlanData};
+use super::trace;
+use crate::ckpt::write_file_atomic;
+use crate::exec::train::Metric;
+use anyhow::{Context, Result, bail};
+use plotters::style::RGBColor;
+use std::path::{Path, PathBuf};
+
+/// The files a report run wrote.
+#[derive(Clone, Debug)]
+pub struct Written {
+    pub trace: Option<PathBuf>,
+    pub memory_svg: PathBuf,
+    pub html: PathBuf,
+    /// The leak check's one-line verdict, when the metrics allow one.
+    pub leak: Option<super::leak::LeakReport>,
+}
+
+/// Reads `metrics.jsonl` (one JSON object per line); the error names the file and line.
+pub fn read_metrics(path: &Path) -> Result<Vec<Metric>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .with_context(|| format!("{} line {}: not a metrics record", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// Reads `profile.json` if the run was profiled.
+pub fn read_profile(path: &Path) -> Result<Option<Profile>> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(Some(serde_json::from_str(&t).with_context(|| {
+            format!("{} is not a memwall profile.json", path.display())
+        })?)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+}
+
+/// The leak check over the metrics of the last process that wrote them (a resumed run starts
+/// its warm-up again).
+pub fn leak_check(metrics: &[Metric], plan_bytes: u64) -> Option<super::leak::LeakReport> {
+    let start = metrics
+        .iter()
+        .rposition(|m| m.process_step == Some(1))
+        .unwrap_or(0);
+    let mut check = LeakCheck::new(plan_bytes);
+    for (i, m) in metrics[start..].iter().enumerate() {
+        if let Some(rss) = m.rss_bytes {
+            check.observe(m.process_step.unwrap_or(i as u64 + 1), rss);
+        }
+    }
+    check.report()
+}
+
+fn curves(metrics: &[Metric]) -> Result<Vec<String>> {
+    if metrics.is_empty() {
+        return Ok(Vec::new());
+    }
+    let step = |m: &Metric| m.step as f64;
+    let mut loss = vec![Line {
+        label: "train loss".into(),
+        points: metrics.iter().map(|m| (step(m), m.loss as f64)).collect(),
+        color: RGBColor(31, 119, 180),
+    }];
+    let val: Vec<(f64, f64)> = metrics
+        .iter()
+        .filter_map(|m| Some((step(m), m.val_loss? as f64)))
+        .collect();
+    if !val.is_empty() {
+        loss.push(Line {
+            label: "val loss".into(),
+            points: val,
+            color: RGBColor(214, 39, 40),
+        });
+    }
+    let tps = [Line {
+        label: "tokens/s".into(),
+        points: metrics.iter().map(|m| (step(m), m.tokens_per_s)).collect(),
+        color: RGBColor(44, 160, 44),
+    }];
+    let rss = [Line {
+        label: "RSS after the step".into(),
+        points: metrics
+            .iter()
+            .filter_map(|m| Some((step(m), m.rss_bytes? as f64 / (1u64 << 20) as f64)))
+            .collect(),
+        color: RGBColor(0, 0, 0),
+    }];
+    Ok(vec![
+        line_svg("loss", "step", "cross-entropy", &loss, true)?,
+        line_svg("throughput", "step", "tokens/s", &tps, false)?,
+        line_svg(
+            "resident memory per step (leak check)",
+            "step",
+            "MiB",
+            &rss,
+            false,
+        )?,
+    ])
+}
+
+/// Writes `memory.svg`, `report.html` and (when profiled) `trace.json` into `run_dir`.
+pub fn write_reports(run_dir: &Path) -> Result<Written> {
+    if !run_dir.is_dir() {
+        bail!(
+            "{} is not a directory; pass a run directory written by `memwall train --out` or `memwall bench --profile`",
+            run_dir.display()
+        );
+    }
+    let plan_path = run_dir.join("plan.json");
+    if !plan_path.exists() {
+        bail!(
+            "{} has no plan.json; is it a memwall run directory (`memwall train --out DIR`)?",
+            run_dir.display()
+        );
+    }
+    let plan = PlanData::load(&plan_path)?;
+    let metrics = read_metrics(&run_dir.join("metrics.jsonl"))?;
+    let profile = read_profile(&run_dir.join("profile.json"))?;
+    let tl = MemoryTimeline::new(&plan);
+    let baseline = profile
+        .as_ref()
+        .map(|p| p.baseline_rss)
+        .unwrap_or(plan.baseline_bytes);
+
+    let trace = match &profile {
+        Some(p) => {
+            let path = run_dir.join("trace.json");
+            let t = trace::chrome_trace(&plan, p, &tl);
+            write_file_atomic(&path, serde_json::to_string(&t)?.as_bytes())?;
+            Some(path)
+        }
+        None => None,
+    };
+    let svg = memory_svg(
+        &plan,
+        &tl,
+        profile.as_ref().and_then(|p| p.chart_step()),
+        baseline,
+    )?;
+    let svg_path = run_dir.join("memory.svg");
+    write_file_atomic(&svg_path, svg.as_bytes())?;
+
+    let measured = metrics
+        .iter()
+        .filter_map(|m| m.rss_bytes)
+        .chain(
+            profile
+                .iter()
+                .flat_map(|p| p.steps.iter().flat_map(|s| s.ops.iter().map(|o| o.rss))),
+        )
+        .max();
+    let leak = leak_check(&metrics, plan.total_bytes);
+    let page = ReportPage {
+        plan: &plan,
+        timeline: &tl,
+        profile: profile.as_ref(),
+        memory_svg: &svg,
+        curves: curves(&metrics)?,
+        measured_peak_rss: measured,
+        leak: leak.clone(),
+        steps: metrics.len(),
+    };
+    let html_path = run_dir.join("report.html");
+    write_file_atomic(&html_path, page.render().as_bytes())?;
+    Ok(Written {
+        trace,
+        memory_svg: svg_path,
+        html: html_path,
+        leak,
+    })
+}
