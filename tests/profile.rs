@@ -191,7 +191,7 @@ fn train_profile_writes_trace_svg_and_a_report_that_renders_in_chromium() {
         );
     }
     assert!(ev.iter().any(|e| e["ph"] == "C"
-        && e["name"] == "plan: bytes by category"
+        && e["name"] == "plan: host RAM by category"
         && e["args"]["param"].as_u64().unwrap() > 0));
     assert!(
         ev.iter()

@@ -232,5 +232,10 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "time_by_op": by_kind,
         "leak_check": leak.map(|l| json!({"leaking": l.leaking, "message": l.message(), "growth_bytes": l.growth()})),
         "profile": report,
+        "profile_overhead": (opts.profile.is_some() || opts.time_ops).then(|| {
+            let per_op = crate::profile::record::seconds_per_record(20_000);
+            json!({"recorded_ops_per_step": n_ops, "s_per_recorded_op": per_op,
+                   "share_of_step": per_op * n_ops as f64 / median})
+        }),
     }))
 }

@@ -232,37 +232,6 @@ impl ReportPage<'_> {
             esc(&p.schedule[tl.peak_op].name)
         );
 
-        // ---- peak attribution ----
-        let at_peak = live_buffers(p, tl.peak_op);
-        let _ = write!(
-            h,
-            "<h2>Peak attribution: the buffers live at the peak</h2>\
-             <input id=\"buffer-filter\" placeholder=\"filter by name or category\"> \
-             <span id=\"buffer-count\">{n} of {n}</span>\
-             <table class=\"sortable\" id=\"peak-buffers\"><thead><tr><th>buffer</th><th>category</th>\
-             <th>dtype</th><th>bytes</th><th>share</th><th>live over ops</th></tr></thead><tbody>",
-            n = at_peak.len()
-        );
-        for b in &at_peak {
-            let _ = write!(
-                h,
-                "<tr><td>{}</td><td><span class=\"swatch\" style=\"background:{}\"></span>{}</td><td>{}</td>{}<td class=\"num\" data-v=\"{}\">{:.2}%</td><td>{}</td></tr>",
-                esc(&b.name),
-                category_hex(b.category),
-                b.category.name(),
-                esc(&b.dtype),
-                bytes_cell(b.bytes),
-                b.bytes,
-                100.0 * b.bytes as f64 / tl.peak_bytes.max(1) as f64,
-                if b.persistent {
-                    "whole step (persistent)".to_string()
-                } else {
-                    format!("{} – {}", b.first_op, b.last_op)
-                }
-            );
-        }
-        let _ = write!(h, "</tbody></table>");
-
         // ---- time ----
         if let Some(step) = self.profile.and_then(|pr| pr.chart_step()) {
             let total: f64 = step.ops.iter().map(|o| o.end_us - o.start_us).sum();
@@ -328,6 +297,37 @@ impl ReportPage<'_> {
             }
             let _ = write!(h, "</div>");
         }
+        // ---- peak attribution ----
+        let at_peak = live_buffers(p, tl.peak_op);
+        let _ = write!(
+            h,
+            "<h2>Peak attribution: the buffers live at the peak</h2>\
+             <input id=\"buffer-filter\" placeholder=\"filter by name or category\"> \
+             <span id=\"buffer-count\">{n} of {n}</span>\
+             <table class=\"sortable\" id=\"peak-buffers\"><thead><tr><th>buffer</th><th>category</th>\
+             <th>dtype</th><th>bytes</th><th>share</th><th>live over ops</th></tr></thead><tbody>",
+            n = at_peak.len()
+        );
+        for b in &at_peak {
+            let _ = write!(
+                h,
+                "<tr><td>{}</td><td><span class=\"swatch\" style=\"background:{}\"></span>{}</td><td>{}</td>{}<td class=\"num\" data-v=\"{}\">{:.2}%</td><td>{}</td></tr>",
+                esc(&b.name),
+                category_hex(b.category),
+                b.category.name(),
+                esc(&b.dtype),
+                bytes_cell(b.bytes),
+                b.bytes,
+                100.0 * b.bytes as f64 / tl.peak_bytes.max(1) as f64,
+                if b.persistent {
+                    "whole step (persistent)".to_string()
+                } else {
+                    format!("{} – {}", b.first_op, b.last_op)
+                }
+            );
+        }
+        let _ = write!(h, "</tbody></table>");
+
         let _ = writeln!(
             h,
             "<p style=\"color:#888\">written by memwall {}; regenerate with <code>memwall report RUN_DIR</code></p>\

@@ -2,7 +2,7 @@
 //! and chrome://tracing): one process with three tracks — compute (every op of the profiled
 //! steps inside its step), I/O (batches staged, checkpoints written, tier transfers) and
 //! communication (collectives) — plus counter tracks: the plan's bytes by category at each op
-//! and the measured resident memory above the process baseline.
+//! (one tier today, host RAM) and the measured resident memory above the process baseline.
 
 use super::record::{Profile, Track};
 use super::timeline::{MemoryTimeline, PlanData};
@@ -70,7 +70,7 @@ pub fn chrome_trace(plan: &PlanData, profile: &Profile, timeline: &MemoryTimelin
                     .map(|(c, b)| (c.name().to_string(), json!(b)))
                     .collect();
                 ev.push(
-                    json!({"ph": "C", "pid": PID, "name": "plan: bytes by category",
+                    json!({"ph": "C", "pid": PID, "name": "plan: host RAM by category",
                                "ts": s.start_us, "args": args}),
                 );
                 last_live = Some(live);
