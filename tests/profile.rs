@@ -106,7 +106,10 @@ fn check_report_renders(html: &Path, scratch: &Path) {
         "script errors on the page: {body_tag}"
     );
     let chart = dom.find("id=\"memory-chart\"").expect("memory chart");
-    assert!(dom[chart..].trim_start().contains("<svg"), "chart has no svg");
+    assert!(
+        dom[chart..].trim_start().contains("<svg"),
+        "chart has no svg"
+    );
     let table = dom.find("id=\"plan-table\"").expect("plan table");
     for cat in ["param", "grad", "optimizer_state", "activation"] {
         assert!(dom[table..].contains(cat), "plan table lacks {cat}");
@@ -209,17 +212,27 @@ fn train_profile_writes_trace_svg_and_a_report_that_renders_in_chromium() {
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let clock: Vec<u64> = metrics
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["process_step"].as_u64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["process_step"]
+                .as_u64()
+                .unwrap()
+        })
         .collect();
     assert_eq!(clock, (1..=8).collect::<Vec<_>>());
     let page = std::fs::read_to_string(&html).unwrap();
-    assert!(page.contains("memory check: resident memory flat"), "leak verdict missing");
+    assert!(
+        page.contains("memory check: resident memory flat"),
+        "leak verdict missing"
+    );
 
     // `memwall report` regenerates the same page from the run directory alone.
     std::fs::remove_file(&html).unwrap();
     std::fs::remove_file(run.join("trace.json")).unwrap();
     let out = ok(&["report", run.to_str().unwrap()]);
-    assert!(out.contains("report.html") && out.contains("trace.json"), "{out}");
+    assert!(
+        out.contains("report.html") && out.contains("trace.json"),
+        "{out}"
+    );
     assert_eq!(std::fs::read_to_string(&html).unwrap(), page);
 }
 
@@ -249,7 +262,13 @@ fn bench_profile_and_plan_svg() {
     let t = json(&prof.join("trace.json"));
     trace::validate(&t).unwrap();
     check_svg(&prof.join("memory.svg"));
-    assert_eq!(json(&prof.join("profile.json"))["steps"].as_array().unwrap().len(), 4);
+    assert_eq!(
+        json(&prof.join("profile.json"))["steps"]
+            .as_array()
+            .unwrap()
+            .len(),
+        4
+    );
     check_report_renders(&prof.join("report.html"), &dir.path().join("chromium"));
     // The browser check is not blind: the same page with a failing script is caught.
     let page = std::fs::read_to_string(prof.join("report.html")).unwrap();
@@ -289,7 +308,10 @@ fn report_refuses_what_is_not_a_run_directory() {
     let o = memwall(&["report", dir.path().to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("has no plan.json") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("has no plan.json") && !err.contains("panicked"),
+        "{err}"
+    );
     std::fs::write(dir.path().join("plan.json"), "{not json").unwrap();
     let o = memwall(&["report", dir.path().to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);

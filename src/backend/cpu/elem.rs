@@ -119,22 +119,6 @@ pub fn is_f32<T: Elem>() -> bool {
     std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
 }
 
-/// `dst[i] = T::from_f32(src[i])`.
-pub fn narrow<T: Elem>(dst: &mut [T], src: &[f32]) {
-    assert_eq!(dst.len(), src.len(), "narrow: lengths");
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = T::from_f32(s);
-    }
-}
-
-/// `dst[i] = src[i].to_f32()`.
-pub fn widen<T: Elem>(dst: &mut [f32], src: &[T]) {
-    assert_eq!(dst.len(), src.len(), "widen: lengths");
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = s.to_f32();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,8 +239,7 @@ mod tests {
     #[test]
     fn f32_is_the_identity() {
         let v = [1.5f32, -0.0, 3e-39, f32::MAX];
-        let mut w = [0f32; 4];
-        narrow(&mut w, &v);
-        assert_eq!(v, w);
+        let w = v.map(f32::from_f32);
+        assert_eq!(v.map(f32::to_bits), w.map(f32::to_bits));
     }
 }

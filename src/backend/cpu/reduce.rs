@@ -1,10 +1,9 @@
 //! Whole-buffer reductions and elementwise passes (gradient-norm sum of squares, gradient
-//! scaling, residual add, finiteness check, casting the f32 master weights to the storage
-//! type, zeroing), plus the small vectorisable building blocks the other CPU kernels share: a
+//! scaling, residual add, finiteness check), plus the small vectorisable building blocks the other CPU kernels share: a
 //! branch-free `exp_f32`, lane-split sums and maxima, and the fixed task sizes that make every
 //! kernel's work partitioning independent of the thread count.
 //!
-//! `sum_squares`, `all_finite`, `cast_params`, `fill_zero` and the lane sums `sum_f32`,
+//! `sum_squares`, `all_finite` and the lane sums `sum_f32`,
 //! `sum_sq_dev_f32` are generic over the storage type ([`Elem`]); elements are widened
 //! exactly to f32, so the f32 instantiation is the f32 kernel and the others see the stored
 //! values exactly.
@@ -317,37 +316,6 @@ pub fn all_finite<T: Elem>(x: &[T] /* [len] */) -> bool {
     x.par_chunks(ELEM_CHUNK).all(chunk_finite)
 }
 
-multiversion! {
-    /// One chunk of `cast_params`.
-    fn cast_chunk<T: Elem>(
-        dst: &mut [T], // [len]
-        src: &[f32],   // [len]
-    ) {
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = T::from_f32(s);
-        }
-    }
-}
-
-/// `dst[i] = T::from_f32(src[i])` (round to nearest even), parallel: refreshes the working
-/// copy of the weights in the storage type from the f32 master weights after each optimizer
-/// step. For `T = f32` a plain copy.
-pub fn cast_params<T: Elem>(
-    dst: &mut [T], // [len] working copy
-    src: &[f32],   // [len] master weights
-) {
-    assert_eq!(dst.len(), src.len(), "cast_params: lengths");
-    dst.par_chunks_mut(ELEM_CHUNK)
-        .zip(src.par_chunks(ELEM_CHUNK))
-        .for_each(|(d, s)| cast_chunk(d, s));
-}
-
-/// x = 0 (positive zero in the storage type), parallel: clears gradient buffers.
-pub fn fill_zero<T: Elem>(x: &mut [T] /* [len] */) {
-    let zero = T::from_f32(0.0);
-    x.par_chunks_mut(ELEM_CHUNK).for_each(|ch| ch.fill(zero));
-}
-
 /// Reference twins: plain loops, f64 accumulation.
 pub mod naive {
     use super::Elem;
@@ -356,15 +324,6 @@ pub mod naive {
         x.iter()
             .map(|&v| (v.to_f32() as f64) * (v.to_f32() as f64))
             .sum()
-    }
-
-    pub fn cast_params<T: Elem>(
-        dst: &mut [T], // [len]
-        src: &[f32],   // [len]
-    ) {
-        for i in 0..dst.len() {
-            dst[i] = T::from_f32(src[i]);
-        }
     }
 
     pub fn scale_inplace(
@@ -617,8 +576,6 @@ mod tests {
             layernorm::layernorm_backward(dib_, dwb_, dbb_, &db16, &xb, &wb, &mub, &rsb, n, c);
             let (mut pb, mut mb, mut vb) = (x.clone(), vec![0.0; n * c], vec![0.0; n * c]);
             adamw::adamw_update(&mut pb, &db16, &mut mb, &mut vb, &hp);
-            let mut cb = vec![half::bf16::ZERO; n * c];
-            cast_params(&mut cb, &p);
             let ssb = vec![sum_squares(&db16) as f32, all_finite(&db16) as u8 as f32];
             let w16 = |v: &[half::bf16]| widen_vec(v);
             [
@@ -650,7 +607,6 @@ mod tests {
                 pb,
                 mb,
                 vb,
-                w16(&cb),
                 ssb,
             ]
         };
@@ -699,46 +655,6 @@ mod tests {
         }
         check::<half::bf16>();
         check::<half::f16>();
-    }
-
-    /// `cast_params` rounds every master weight to nearest even (like the naive twin),
-    /// overflows f16 to ±inf, keeps NaN, and is an exact copy for f32; `fill_zero` zeroes.
-    #[test]
-    fn cast_params_and_fill_zero() {
-        fn check<T: Elem>() {
-            let mut src = randn(2 * ELEM_CHUNK + 3, 3.0, 5);
-            src[..4].copy_from_slice(&[1e5, -1e5, f32::NAN, 3e-39]);
-            let mut got = vec![T::from_f32(7.0); src.len()];
-            let mut want = got.clone();
-            with_threads(3, || cast_params(&mut got, &src));
-            naive::cast_params(&mut want, &src);
-            assert_eq!(bits(&got), bits(&want), "{}", T::NAME);
-            // Within half an ulp: relative 2^-8 (bf16), 2^-11 (f16) in the normal range.
-            let rel = if T::NAME == "bf16" {
-                2f32.powi(-8)
-            } else {
-                2f32.powi(-11)
-            };
-            for (&g, &s) in got.iter().zip(&src).skip(4) {
-                assert!(
-                    (g.to_f32() - s).abs() <= rel * s.abs() + 3e-8,
-                    "{s} -> {g:?}"
-                );
-            }
-            assert!(got[2].to_f32().is_nan());
-            fill_zero(&mut got);
-            assert!(got.iter().all(|v| v.to_f32().to_bits() == 0));
-        }
-        check::<half::bf16>();
-        check::<half::f16>();
-        let src = randn(1000, 1.0, 6);
-        let mut dst = vec![0.0f32; 1000];
-        cast_params(&mut dst, &src);
-        assert_eq!(dst, src);
-        // f16 overflows to infinity.
-        let mut h = [half::f16::ZERO; 2];
-        cast_params(&mut h, &[1e5, -1e5]);
-        assert!(h[0] == half::f16::INFINITY && h[1] == half::f16::NEG_INFINITY);
     }
 
     #[test]
