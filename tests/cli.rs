@@ -3,39 +3,7 @@
 
 mod common;
 
-use std::process::{Command, Output};
-
-fn memwall(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memwall"))
-        .args(args)
-        .output()
-        .expect("run memwall")
-}
-
-/// Runs memwall expecting failure; returns stderr. Asserts a clean error: exit status 1 (or
-/// 2, clap's status for a malformed flag), an `error:` line, no panic.
-fn fails(args: &[&str]) -> String {
-    let o = memwall(args);
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(
-        matches!(o.status.code(), Some(1 | 2)),
-        "memwall {args:?} should fail cleanly ({:?}); stderr:\n{err}",
-        o.status
-    );
-    assert!(
-        !err.contains("panicked"),
-        "memwall {args:?} panicked:\n{err}"
-    );
-    assert!(err.lines().any(|l| l.starts_with("error: ")), "{err}");
-    err
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = memwall(args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "memwall {args:?} failed:\n{err}");
-    String::from_utf8_lossy(&o.stdout).to_string()
-}
+use common::{fails, ok};
 
 #[test]
 fn plan_json_has_totals_categories_and_buffers() {

@@ -5,27 +5,11 @@
 
 mod common;
 
+use common::{memwall, ok};
 use memwall::profile::trace;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn memwall(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_memwall"))
-        .args(args)
-        .output()
-        .expect("run memwall")
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = memwall(args);
-    assert!(
-        o.status.success(),
-        "memwall {args:?} failed:\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).to_string()
-}
+use std::process::Command;
 
 fn json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()

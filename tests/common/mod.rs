@@ -3,6 +3,7 @@
 
 use memwall::data::prepare::{PrepareOptions, prepare};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 /// The Shakespeare corpus shipped beside the project (../shared), if present.
 pub fn shakespeare() -> Option<PathBuf> {
@@ -54,4 +55,37 @@ pub fn micro_config(dir: &Path) -> PathBuf {
     )
     .unwrap();
     p
+}
+
+/// Runs the `memwall` binary built for the tests.
+pub fn memwall(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .args(args)
+        .output()
+        .expect("run memwall")
+}
+
+/// Runs memwall expecting failure; returns stderr. Asserts a clean error: exit status 1 (or
+/// 2, clap's status for a malformed flag), an `error:` line, no panic.
+pub fn fails(args: &[&str]) -> String {
+    let o = memwall(args);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        matches!(o.status.code(), Some(1 | 2)),
+        "memwall {args:?} should fail cleanly ({:?}); stderr:\n{err}",
+        o.status
+    );
+    assert!(
+        !err.contains("panicked"),
+        "memwall {args:?} panicked:\n{err}"
+    );
+    assert!(err.lines().any(|l| l.starts_with("error: ")), "{err}");
+    err
+}
+
+pub fn ok(args: &[&str]) -> String {
+    let o = memwall(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "memwall {args:?} failed:\n{err}");
+    String::from_utf8_lossy(&o.stdout).to_string()
 }
