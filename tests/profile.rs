@@ -304,3 +304,49 @@ fn report_refuses_what_is_not_a_run_directory() {
     let o = memwall(&["report", missing.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("is not a directory"));
 }
+
+#[test]
+fn a_report_that_cannot_be_written_does_not_end_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::prepared(dir.path(), &common::small_corpus(dir.path()));
+    let cfg = common::micro_config(dir.path());
+    let run = dir.path().join("run");
+    // report.html is taken by a non-empty directory: the atomic rename onto it fails.
+    std::fs::create_dir_all(run.join("report.html/x")).unwrap();
+    let o = memwall(&[
+        "train",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        run.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--threads",
+        "1",
+        "--profile",
+        "--profile-steps",
+        "1",
+    ]);
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{all}");
+    assert!(
+        all.contains("warning: the profile could not be written"),
+        "{all}"
+    );
+    assert!(
+        run.join("checkpoints/step-000003/model.safetensors")
+            .exists()
+    );
+    // What could be written was: the profile and the trace.
+    trace::validate(&json(&run.join("trace.json"))).unwrap();
+}

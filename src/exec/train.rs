@@ -653,18 +653,32 @@ pub fn train(
             // if the run stops later; they are refreshed at the end with the whole curves.
             if p.steps.len() as u64 == opts.profile_steps || step == opts.steps {
                 metrics.flush()?;
-                write_profile(&opts.out, p)?;
-                progress.message(&format!(
-                    "profile: {} written (trace.json, memory.svg, profile.json)",
-                    opts.out.join("report.html").display()
-                ));
+                // A report that cannot be written (a full disk, say) must not end the run.
+                match write_profile(&opts.out, p) {
+                    Ok(html) => progress.message(&format!(
+                        "profile: {} written (trace.json, memory.svg, profile.json)",
+                        html.display()
+                    )),
+                    Err(e) => progress.message(&format!(
+                        "warning: the profile could not be written ({e:#}); training goes on"
+                    )),
+                }
             }
         }
     }
     progress.finish();
     metrics.flush()?;
     let report = match &profile {
-        Some(p) if !p.steps.is_empty() => Some(write_profile(&opts.out, p)?),
+        Some(p) if !p.steps.is_empty() => match write_profile(&opts.out, p) {
+            Ok(html) => Some(html),
+            Err(e) => {
+                progress.message(&format!(
+                    "warning: the report could not be written ({e:#}); `memwall report {}` retries",
+                    opts.out.display()
+                ));
+                None
+            }
+        },
         _ => None,
     };
     let leak = leak.report();

@@ -39,16 +39,29 @@ pub struct PlanData {
     pub num_params: usize,
     /// The step configuration: batch, seq, threads, grad_accum, precision, recompute, ….
     pub config: serde_json::Value,
+    // Fields added as memwall grew default to zero or "fp32", so older run directories
+    // still get a report.
+    #[serde(default = "fp32")]
     pub precision: String,
     pub total_bytes: u64,
+    #[serde(default)]
     pub arena_bytes: u64,
+    #[serde(default)]
     pub external_bytes: u64,
+    #[serde(default)]
     pub peak_live_bytes: u64,
+    #[serde(default)]
     pub baseline_bytes: u64,
+    #[serde(default)]
     pub flops_per_step: u64,
+    #[serde(default)]
     pub recompute_flops_per_step: u64,
     pub buffers: Vec<BufferInfo>,
     pub schedule: Vec<OpInfo>,
+}
+
+fn fp32() -> String {
+    "fp32".into()
 }
 
 impl PlanData {
