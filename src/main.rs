@@ -536,6 +536,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 
 fn report_cmd(a: ReportArgs) -> Result<()> {
     let w = memwall::profile::report::write_reports(&a.run_dir)?;
+    print!("{}", w.summary);
     println!("report: {}", w.html.display());
     println!("memory timeline: {}", w.memory_svg.display());
     match &w.trace {

@@ -217,6 +217,13 @@ fn train_profile_writes_trace_svg_and_a_report_that_renders_in_chromium() {
         out.contains("report.html") && out.contains("trace.json"),
         "{out}"
     );
+    // The terminal summary names the peak, its largest buffer and the step's phases.
+    assert!(out.contains("peak of live bytes"), "{out}");
+    assert!(
+        out.contains("params (param)") || out.contains("(optimizer_state)"),
+        "{out}"
+    );
+    assert!(out.contains("forward") && out.contains("backward"), "{out}");
     assert_eq!(std::fs::read_to_string(&html).unwrap(), page);
 }
 

@@ -22,6 +22,62 @@ pub struct Written {
     pub html: PathBuf,
     /// The leak check's one-line verdict, when the metrics allow one.
     pub leak: Option<super::leak::LeakReport>,
+    /// A few lines for the terminal: the peak, what is live there, where the time went.
+    pub summary: String,
+}
+
+/// The terminal summary of a report: the peak and its largest buffers, and (when profiled)
+/// the time of the last profiled step by phase.
+pub fn summary(plan: &PlanData, tl: &MemoryTimeline, profile: Option<&Profile>) -> String {
+    use crate::util::bytes::fmt_bytes;
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "peak of live bytes {} at op {} ({}); plan total {}",
+        fmt_bytes(tl.peak_bytes),
+        tl.peak_op,
+        plan.schedule[tl.peak_op].name,
+        fmt_bytes(plan.total_bytes)
+    );
+    let at_peak = super::timeline::live_buffers(plan, tl.peak_op);
+    for b in at_peak.iter().take(5) {
+        let _ = writeln!(
+            s,
+            "  {:>12}  {:5.1}%  {} ({})",
+            fmt_bytes(b.bytes),
+            100.0 * b.bytes as f64 / tl.peak_bytes.max(1) as f64,
+            b.name,
+            b.category.name()
+        );
+    }
+    if at_peak.len() > 5 {
+        let _ = writeln!(s, "  … and {} more buffers", at_peak.len() - 5);
+    }
+    if let Some(step) = profile.and_then(|p| p.chart_step()) {
+        let mut phases: Vec<(&str, f64)> = Vec::new();
+        for o in &step.ops {
+            if let Some(info) = plan.schedule.get(o.op as usize) {
+                let d = o.end_us - o.start_us;
+                match phases.iter_mut().find(|x| x.0 == info.phase) {
+                    Some(x) => x.1 += d,
+                    None => phases.push((&info.phase, d)),
+                }
+            }
+        }
+        let parts: Vec<String> = phases
+            .iter()
+            .map(|(ph, d)| format!("{ph} {:.1} ms", d / 1e3))
+            .collect();
+        let _ = writeln!(
+            s,
+            "step {}: {:.1} ms ({})",
+            step.step,
+            (step.end_us - step.start_us) / 1e3,
+            parts.join(", ")
+        );
+    }
+    s
 }
 
 /// Reads `metrics.jsonl` (one JSON object per line); the error names the file and line.
@@ -184,5 +240,6 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         memory_svg: svg_path,
         html: html_path,
         leak,
+        summary: summary(&plan, &tl, profile.as_ref()),
     })
 }
