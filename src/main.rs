@@ -53,6 +53,9 @@ struct ReportArgs {
     /// Run directory (from `memwall train --out` or `memwall bench --profile`).
     #[arg(value_name = "RUN_DIR")]
     run_dir: PathBuf,
+    /// Print what was written and found as JSON (paths, peak, leak check) instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -536,6 +539,20 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 
 fn report_cmd(a: ReportArgs) -> Result<()> {
     let w = memwall::profile::report::write_reports(&a.run_dir)?;
+    if a.json {
+        let v = serde_json::json!({
+            "report_html": w.html,
+            "memory_svg": w.memory_svg,
+            "trace_json": w.trace,
+            "peak_live_bytes": w.peak_bytes,
+            "peak_op": w.peak_op,
+            "leak_check": w.leak.as_ref().map(|l| serde_json::json!({
+                "leaking": l.leaking, "growth_bytes": l.growth(), "message": l.message(),
+            })),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
     print!("{}", w.summary);
     println!("report: {}", w.html.display());
     println!("memory timeline: {}", w.memory_svg.display());

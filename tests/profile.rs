@@ -225,6 +225,14 @@ fn train_profile_writes_trace_svg_and_a_report_that_renders_in_chromium() {
     );
     assert!(out.contains("forward") && out.contains("backward"), "{out}");
     assert_eq!(std::fs::read_to_string(&html).unwrap(), page);
+    // And for scripts, JSON: the peak agrees with plan.json's accounting.
+    let v: Value = serde_json::from_str(&ok(&["report", run.to_str().unwrap(), "--json"])).unwrap();
+    assert_eq!(
+        v["peak_live_bytes"].as_u64().unwrap(),
+        plan["peak_live_bytes"].as_u64().unwrap() + plan["external_bytes"].as_u64().unwrap()
+    );
+    assert_eq!(v["peak_op"], plan["peak_op"]);
+    assert_eq!(v["leak_check"]["leaking"], false);
 }
 
 #[test]

@@ -24,6 +24,9 @@ pub struct Written {
     pub leak: Option<super::leak::LeakReport>,
     /// A few lines for the terminal: the peak, what is live there, where the time went.
     pub summary: String,
+    /// The plan's peak of live bytes (arena and outside it) and the op where it is reached.
+    pub peak_bytes: u64,
+    pub peak_op: String,
 }
 
 /// The terminal summary of a report: the peak and its largest buffers, and (when profiled)
@@ -241,5 +244,7 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         html: html_path,
         leak,
         summary: summary(&plan, &tl, profile.as_ref()),
+        peak_bytes: tl.peak_bytes,
+        peak_op: plan.schedule[tl.peak_op].name.clone(),
     })
 }
