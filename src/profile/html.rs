@@ -6,7 +6,7 @@
 use super::chart::category_hex;
 use super::leak::LeakReport;
 use super::record::Profile;
-use super::timeline::{MemoryTimeline, PlanData, live_buffers, op_kind};
+use super::timeline::{MemoryTimeline, PlanData, StepTimes, live_buffers};
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
 
@@ -234,25 +234,11 @@ impl ReportPage<'_> {
 
         // ---- time ----
         if let Some(step) = self.profile.and_then(|pr| pr.chart_step()) {
-            let total: f64 = step.ops.iter().map(|o| o.end_us - o.start_us).sum();
-            let mut phases: Vec<(String, f64)> = Vec::new();
-            let mut kinds: Vec<(String, f64, u64)> = Vec::new();
-            for o in &step.ops {
-                let Some(info) = p.schedule.get(o.op as usize) else {
-                    continue;
-                };
-                let d = o.end_us - o.start_us;
-                match phases.iter_mut().find(|x| x.0 == info.phase) {
-                    Some(x) => x.1 += d,
-                    None => phases.push((info.phase.clone(), d)),
-                }
-                let kind = op_kind(&info.name);
-                match kinds.iter_mut().find(|x| x.0 == kind) {
-                    Some(x) => (x.1, x.2) = (x.1 + d, x.2 + info.flops),
-                    None => kinds.push((kind.to_string(), d, info.flops)),
-                }
-            }
-            kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let StepTimes {
+                phases,
+                kinds,
+                total_us: total,
+            } = StepTimes::new(p, step);
             let _ = write!(
                 h,
                 "<h2>Where step {}'s time went ({:.1} ms in ops, {:.1} ms wall)</h2><p>",

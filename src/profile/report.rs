@@ -58,16 +58,7 @@ pub fn summary(plan: &PlanData, tl: &MemoryTimeline, profile: Option<&Profile>) 
         let _ = writeln!(s, "  … and {} more buffers", at_peak.len() - 5);
     }
     if let Some(step) = profile.and_then(|p| p.chart_step()) {
-        let mut phases: Vec<(&str, f64)> = Vec::new();
-        for o in &step.ops {
-            if let Some(info) = plan.schedule.get(o.op as usize) {
-                let d = o.end_us - o.start_us;
-                match phases.iter_mut().find(|x| x.0 == info.phase) {
-                    Some(x) => x.1 += d,
-                    None => phases.push((&info.phase, d)),
-                }
-            }
-        }
+        let phases = super::timeline::StepTimes::new(plan, step).phases;
         let parts: Vec<String> = phases
             .iter()
             .map(|(ph, d)| format!("{ph} {:.1} ms", d / 1e3))

@@ -184,6 +184,43 @@ pub fn live_buffers(plan: &PlanData, op: usize) -> Vec<&BufferInfo> {
     v
 }
 
+/// Where one profiled step's op time went (microseconds): by phase in schedule order, and by
+/// op kind (see [`op_kind`]) with the kind's FLOPs, largest time first.
+pub struct StepTimes {
+    pub phases: Vec<(String, f64)>,
+    pub kinds: Vec<(String, f64, u64)>,
+    /// Sum of the ops' durations.
+    pub total_us: f64,
+}
+
+impl StepTimes {
+    pub fn new(plan: &PlanData, step: &super::record::StepProfile) -> StepTimes {
+        let mut t = StepTimes {
+            phases: Vec::new(),
+            kinds: Vec::new(),
+            total_us: 0.0,
+        };
+        for o in &step.ops {
+            let Some(info) = plan.schedule.get(o.op as usize) else {
+                continue;
+            };
+            let d = o.end_us - o.start_us;
+            t.total_us += d;
+            match t.phases.iter_mut().find(|x| x.0 == info.phase) {
+                Some(x) => x.1 += d,
+                None => t.phases.push((info.phase.clone(), d)),
+            }
+            let kind = op_kind(&info.name);
+            match t.kinds.iter_mut().find(|x| x.0 == kind) {
+                Some(x) => (x.1, x.2) = (x.1 + d, x.2 + info.flops),
+                None => t.kinds.push((kind.to_string(), d, info.flops)),
+            }
+        }
+        t.kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+        t
+    }
+}
+
 /// An op's kind: its name without the micro-batch (`mb1.`) and layer (`h3.`) prefixes, so
 /// `mb1.h3.fc` and `h0.fc` are both `fc`.
 pub fn op_kind(name: &str) -> &str {
