@@ -36,19 +36,17 @@
 //! instruction-set variants of `reduce::multiversion!`.
 
 use super::elem::Elem;
+use super::gemm_bf16::{Dot, gemm_bf16, pack_fits};
 use super::matmul::{sgemm, span};
 use super::reduce::{multiversion, rows_per_task};
+use half::bf16;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use std::any::TypeId;
+use std::sync::OnceLock;
 
-/// Largest m, n and k extent of one tile of [`gemm_mixed`].
-/// How bf16/f16 operands are multiplied today (reported by `bench` and `plan`).
-pub const COMPUTE_PATH: &str =
-    "f32 GEMM on operands converted in 1024-tiles (no vdpbf16ps path yet)";
-
-/// Whether this CPU has the AVX512_BF16 dot product (`vdpbf16ps`) a bf16 fast path would use.
+/// Whether this CPU has the AVX512_BF16 dot product (`vdpbf16ps`).
 pub fn cpu_has_bf16_dot() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -60,6 +58,7 @@ pub fn cpu_has_bf16_dot() -> bool {
     }
 }
 
+/// Largest m, n and k extent of one tile of [`gemm_mixed`].
 pub const MIXED_BLOCK: usize = 1024;
 
 /// f32 elements of workspace [`gemm_mixed`] needs (three `MIXED_BLOCK²` tiles: A, B, C),
@@ -86,6 +85,41 @@ fn cast_mut<T: 'static, U: 'static>(x: &mut [T]) -> Option<&mut [U]> {
         // SAFETY: T and U are the same type; the borrow is moved into the result.
         unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<U>(), x.len()) }
     })
+}
+
+/// f32 scratch reused as 32-bit words (the dot-product path's packing buffer).
+fn as_words(x: &mut [f32]) -> &mut [u32] {
+    // SAFETY: f32 and u32 have the same size and alignment, and every bit pattern is valid
+    // for both; the borrow is moved into the result.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u32>(), x.len()) }
+}
+
+/// Which bf16 dot-product kernel multiplies bf16 × bf16 operands here, if any: `vdpbf16ps`
+/// on CPUs with AVX512_BF16. `MEMWALL_BF16_DOT=off` asks for the widening path (to compare
+/// the two on one machine); `MEMWALL_BF16_DOT=emulated` for the dot-product path with the
+/// instruction emulated (slow; to exercise the path on CPUs without it). Decided once per
+/// process.
+pub fn bf16_dot() -> Option<Dot> {
+    #[cfg(test)]
+    if let Some(forced) = tests::FORCED_DOT.with(|f| f.get()) {
+        return forced;
+    }
+    static CHOICE: OnceLock<Option<Dot>> = OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("MEMWALL_BF16_DOT").as_deref() {
+        Ok("off" | "0") => None,
+        Ok("emulated") => Some(Dot::Emulated).filter(|d| d.available()),
+        _ => Some(Dot::Hardware).filter(|d| d.available()),
+    })
+}
+
+/// How bf16/f16 operands are multiplied in this process (reported by `bench` and `plan`).
+pub fn compute_path() -> &'static str {
+    match bf16_dot() {
+        Some(_) => {
+            "bf16 x bf16: vdpbf16ps micro-kernel (AVX512_BF16); f16: f32 GEMM on operands converted in 1024-tiles"
+        }
+        None => "f32 GEMM on operands converted in 1024-tiles (no AVX512_BF16 dot product used)",
+    }
 }
 
 /// The slice as f32 when `T` is f32 (for the f32 fast paths of generic kernels).
@@ -271,8 +305,13 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
     if m == 0 || n == 0 {
         return;
     }
-    let (a_buf, rest) = ws[..need].split_at_mut(block * block);
-    let (b_buf, c_buf) = rest.split_at_mut(block * block);
+    // The A and B tiles, adjacent (the dot-product path packs into both), then the C tile.
+    let (ab_buf, c_buf) = ws[..need].split_at_mut(2 * block * block);
+    let dot = bf16_dot().filter(|_| {
+        TypeId::of::<A>() == TypeId::of::<bf16>()
+            && TypeId::of::<B>() == TypeId::of::<bf16>()
+            && pack_fits(ab_buf.len())
+    });
     let c_in_place = as_f32(c).is_some();
     // The (j0, p0) of the B tile in b_buf, to reuse it across m blocks.
     let mut b_tile: Option<(usize, usize)> = None;
@@ -321,6 +360,23 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                 } else {
                     ((p0, kk), (j0, cols))
                 };
+                if let (Some(dot), Some(a), Some(b)) = (dot, cast::<A, bf16>(a), cast::<B, bf16>(b))
+                {
+                    // bf16 × bf16 on the dot-product kernel: no widening; the A/B tile
+                    // buffers are its packing scratch.
+                    let pack = as_words(&mut ab_buf[..]);
+                    gemm_bf16(
+                        dot,
+                        (rows, cols, kk),
+                        (&a[a_win.0.0 * lda + a_win.1.0..], lda, a_trans),
+                        (&b[b_win.0.0 * ldb + b_win.1.0..], ldb, b_trans),
+                        (&mut *ct, ldt),
+                        read_ct || p0 > 0,
+                        pack,
+                    );
+                    continue;
+                }
+                let (a_buf, b_buf) = ab_buf.split_at_mut(block * block);
                 widen_window(a_buf, a, lda, a_win.0, a_win.1);
                 if b_tile != Some((j0, p0)) {
                     widen_window(b_buf, b, ldb, b_win.0, b_win.1);
@@ -483,6 +539,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    thread_local! {
+        /// Overrides [`bf16_dot`] on this test thread (Some(choice)).
+        pub(super) static FORCED_DOT: std::cell::Cell<Option<Option<Dot>>> =
+            const { std::cell::Cell::new(None) };
+    }
+
+    /// Runs `f` with bf16 × bf16 products on `dot` (None: the widening path) on this thread;
+    /// returns how many `gemm_bf16` calls it made.
+    fn with_dot(dot: Option<Dot>, f: impl FnOnce()) -> usize {
+        let before = super::super::gemm_bf16::CALLS.with(|c| c.get());
+        FORCED_DOT.with(|d| d.set(Some(dot)));
+        f();
+        FORCED_DOT.with(|d| d.set(None));
+        super::super::gemm_bf16::CALLS.with(|c| c.get()) - before
+    }
+
+    #[test]
+    fn bf16_dot_path_matches_naive() {
+        // The emulated instruction runs the dot-product path's packing, blocking and kernel
+        // on any AVX-512 CPU (the hardware variant is compared with it where it exists).
+        if !Dot::Emulated.available() {
+            eprintln!("skipped: no AVX-512F/BW on this CPU");
+            return;
+        }
+        let calls = with_dot(Some(Dot::Emulated), || {
+            for block in [16, 64] {
+                for &shape in &SMALL {
+                    check_all_flags::<bf16, bf16, f32>(block, shape);
+                    check_all_flags::<bf16, bf16, bf16>(block, shape);
+                }
+            }
+            check_all_flags::<bf16, bf16, bf16>(MIXED_BLOCK, (1100, 37, 2100));
+            // f16 and mixed operands keep the widening path.
+            check_all_flags::<f16, f16, f16>(16, (3, 40, 17));
+            check_all_flags::<f32, bf16, bf16>(16, (3, 40, 17));
+        });
+        // One call per (tile, k block) of the bf16 × bf16 problems, none for the others.
+        assert!(
+            calls >= 2 * 2 * 5 * 8,
+            "the dot-product path ran {calls} times"
+        );
+        let none = with_dot(Some(Dot::Emulated), || {
+            check_all_flags::<f16, f16, f16>(16, (3, 40, 17));
+            check_all_flags::<bf16, f32, f32>(16, (3, 40, 17));
+        });
+        assert_eq!(none, 0, "only bf16 × bf16 takes the dot-product path");
+        // A workspace too small to pack into falls back to widening (block 4: 32 words).
+        let tiny = with_dot(Some(Dot::Emulated), || {
+            check_all_flags::<bf16, bf16, f32>(4, (9, 9, 9))
+        });
+        assert_eq!(tiny, 0);
     }
 
     /// Shapes with several partial tiles in every dimension for blocks of 16 and 32.

@@ -20,6 +20,7 @@ pub mod attention;
 pub mod elem;
 pub mod encoder;
 pub mod gelu;
+pub mod gemm_bf16;
 pub mod gemm_mixed;
 pub mod layernorm;
 pub mod matmul;

@@ -1,0 +1,750 @@
+//! bf16 × bf16 → f32 GEMM on the AVX512_BF16 dot product (`vdpbf16ps`), for CPUs that have
+//! it (Cooper Lake, Sapphire Rapids and later, Zen 4 and later); selected at run time by
+//! [`super::gemm_mixed`], which otherwise widens bf16 tiles to f32 and runs the f32 GEMM.
+//!
+//! `c[m, n] (f32) = (accumulate ? c : 0) + op(a)[m, k] · op(b)[k, n]`, a and b bf16 at any
+//! strides (transposes are strides). One `vdpbf16ps` does, in each of 16 f32 lanes j,
+//! `acc[j] += a[2j+1]·b[2j+1]; acc[j] += a[2j]·b[2j]` (bf16 products are exact in f32, each
+//! sum rounds once): two steps of k at once. So the operands are packed by **pairs of k**:
+//!
+//! - A (broadcast operand) in slivers `[mc/MR][kc/2][MR]` of u32, each u32 the pair
+//!   (A[i, p], A[i, p+1]) — for a row-major A that pair is already adjacent in memory;
+//! - B (vector operand) in panels `[nc/NR][kc/2][NR]` of u32, each the pair
+//!   (B[p, j], B[p+1, j]) — interleaving two rows of B (`vpermt2w`), or, for a transposed B,
+//!   adjacent in memory again (one 32-bit gather per column);
+//! - an odd k is padded with a zero pair member, partial tiles with zero rows/columns.
+//!
+//! The micro-kernel keeps an MR × NR = 12 × 32 f32 tile in 24 registers; per pair of k it
+//! loads two B vectors, broadcasts 12 A pairs and issues 24 `vdpbf16ps`. Blocking as BLIS:
+//! the A sliver (kc/2 · MR · 4 = 12 KiB) in L1, the B block (kc/2 · nc · 4 = 256 KiB) in
+//! L2, C touched once per kc slice. Threads take fixed stripes of C's columns (or rows when
+//! m > n); every element of C gets the same arithmetic in the same order whatever the thread
+//! count, so results are deterministic and identical for any number of threads. They differ
+//! in the last bits from the widening path (another summation order; `vdpbf16ps` also treats
+//! denormal inputs and results as zero).
+//!
+//! Scratch: no allocation; the caller lends `pack`, split per thread ([`blocking`] sizes the
+//! blocks to what it gets). [`Dot::Emulated`] runs the same packing, blocking and kernel
+//! with `vdpbf16ps` emulated by AVX-512F shifts and FMAs in the instruction's order — the
+//! naive twin of the instruction, so that every part but the instruction itself is tested on
+//! CPUs without it.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::matmul::span;
+use half::bf16;
+
+/// Rows of a micro-tile (broadcast A pairs).
+pub const MR: usize = 12;
+/// Columns of a micro-tile (two vectors of 16 f32 lanes).
+pub const NR: usize = 32;
+/// Pairs of k per packed slice (512 values of k).
+const KC2: usize = 256;
+/// Columns of B per packed block (its panels stay in L2).
+const NC: usize = 256;
+/// Most rows of A packed at once.
+const MC_MAX: usize = 960;
+
+/// How the pair dot product is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dot {
+    /// `vdpbf16ps` (AVX512_BF16).
+    Hardware,
+    /// The same arithmetic from AVX-512F instructions (tests; CPUs without AVX512_BF16).
+    Emulated,
+}
+
+impl Dot {
+    /// Whether this CPU can run the variant.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw");
+            match self {
+                Dot::Hardware => f && std::arch::is_x86_feature_detected!("avx512bf16"),
+                Dot::Emulated => f,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+}
+
+/// Block sizes (pairs of k per slice, rows of A, columns of B per block) that fit one
+/// thread's share of the packing scratch (`per` u32), or None when not even one micro-tile's
+/// slivers fit.
+fn blocking(per: usize) -> Option<(usize, usize, usize)> {
+    let (kc2, nc) = if per >= KC2 * (MR + NC) {
+        (KC2, NC)
+    } else {
+        (KC2.min(per / (MR + NR)), NR)
+    };
+    if kc2 == 0 {
+        return None;
+    }
+    let mc = (per / kc2 - nc) / MR * MR;
+    Some((kc2, mc.min(MC_MAX), nc))
+}
+
+/// Whether `pack` (u32 words) is enough for [`gemm_bf16`] on the current rayon pool.
+pub fn pack_fits(pack_words: usize) -> bool {
+    blocking(pack_words / rayon::current_num_threads().max(1)).is_some()
+}
+
+/// A strided bf16 operand: element (i, j) at `ptr + i·rs + j·cs` (in bf16 elements).
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: *const u16,
+    rs: isize,
+    cs: isize,
+}
+
+// SAFETY: the pointer is only read, within the window the caller proved valid.
+unsafe impl Send for Mat {}
+unsafe impl Sync for Mat {}
+
+impl Mat {
+    /// Element (i, j) as bits.
+    ///
+    /// # Safety
+    /// (i, j) must be in the window.
+    #[inline(always)]
+    unsafe fn at(&self, i: usize, j: usize) -> u32 {
+        unsafe { *self.ptr.offset(i as isize * self.rs + j as isize * self.cs) as u32 }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: stripes write disjoint elements of C.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+#[derive(Clone, Copy)]
+struct Scratch(*mut u32, usize);
+// SAFETY: each stripe uses its own disjoint chunk of the scratch.
+unsafe impl Send for Scratch {}
+unsafe impl Sync for Scratch {}
+
+/// `c[m, n] = (accumulate ? c : 0) + op(a)[m, k] · op(b)[k, n]` with `dot`, parallel over
+/// the current rayon pool. Layout as [`super::matmul::sgemm`]: a is stored `[m, k]` (or
+/// `[k, m]` when `a_trans`) with row stride `lda`, b `[k, n]` (or `[n, k]`), c `[m, n]` with
+/// row stride `ldc`; elements of c outside the window are untouched.
+///
+/// # Panics
+/// When `dot` is not available on this CPU, `pack` is too small ([`pack_fits`]), or a
+/// stride or length does not cover its window.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16(
+    dot: Dot,
+    (m, n, k): (usize, usize, usize),
+    (a, lda, a_trans): (&[bf16], usize, bool), // stored [m, k] (or [k, m])
+    (b, ldb, b_trans): (&[bf16], usize, bool), // stored [k, n] (or [n, k])
+    (c, ldc): (&mut [f32], usize),             // [m, n], row stride ldc
+    accumulate: bool,
+    pack: &mut [u32], // packing scratch, split per thread
+) {
+    let (a_rows, a_cols) = if a_trans { (k, m) } else { (m, k) };
+    let (b_rows, b_cols) = if b_trans { (n, k) } else { (k, n) };
+    // These asserts guard the raw-pointer code below: keep them in release builds.
+    assert!(
+        dot.available(),
+        "gemm_bf16: {dot:?} is not available on this CPU"
+    );
+    assert!(lda >= a_cols, "gemm_bf16: lda {lda} < {a_cols}");
+    assert!(ldb >= b_cols, "gemm_bf16: ldb {ldb} < {b_cols}");
+    assert!(ldc >= n, "gemm_bf16: ldc {ldc} < {n}");
+    assert!(
+        a.len() >= span(a_rows, a_cols, lda),
+        "gemm_bf16: a too short"
+    );
+    assert!(
+        b.len() >= span(b_rows, b_cols, ldb),
+        "gemm_bf16: b too short"
+    );
+    assert!(c.len() >= span(m, n, ldc), "gemm_bf16: c too short");
+    #[cfg(test)]
+    CALLS.with(|c| c.set(c.get() + 1));
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for row in c.chunks_mut(ldc).take(m) {
+                row[..n].fill(0.0);
+            }
+        }
+        return;
+    }
+    let a = Mat {
+        ptr: a.as_ptr().cast(),
+        rs: if a_trans { 1 } else { lda as isize },
+        cs: if a_trans { lda as isize } else { 1 },
+    };
+    let b = Mat {
+        ptr: b.as_ptr().cast(),
+        rs: if b_trans { 1 } else { ldb as isize },
+        cs: if b_trans { ldb as isize } else { 1 },
+    };
+    // Below ~2 MFLOP a second thread costs more than it saves.
+    let parts = if m * n * k < (1 << 20) {
+        1
+    } else {
+        rayon::current_num_threads().max(1)
+    };
+    let per = pack.len() / parts;
+    let (kc2, mc, nc) = blocking(per).expect("gemm_bf16: packing scratch too small (pack_fits)");
+    let by_cols = n >= m;
+    let len = if by_cols { n } else { m };
+    let unit = if by_cols { NR } else { MR };
+    let units = len.div_ceil(unit);
+    let per_part = units.div_ceil(parts);
+    let out = Out(c.as_mut_ptr());
+    let scratch = Scratch(pack.as_mut_ptr(), per);
+    let blocks = Blocks { kc2, mc, nc };
+    let stripe = move |s: usize| {
+        let (u0, u1) = (s * per_part, ((s + 1) * per_part).min(units));
+        if u0 >= u1 {
+            return;
+        }
+        let (x0, x1) = (u0 * unit, (u1 * unit).min(len));
+        let (out, scratch) = (out, scratch);
+        // SAFETY: chunk s of the scratch is this stripe's alone (s < parts, per·parts ≤
+        // len); the stripe is a sub-window of the checked window; stripes of C are disjoint.
+        unsafe {
+            let pack = std::slice::from_raw_parts_mut(scratch.0.add(s * scratch.1), scratch.1);
+            if by_cols {
+                let bs = Mat {
+                    ptr: b.ptr.offset(x0 as isize * b.cs),
+                    ..b
+                };
+                let c = out.0.add(x0);
+                serial(
+                    dot,
+                    blocks,
+                    (m, x1 - x0, k),
+                    a,
+                    bs,
+                    c,
+                    ldc,
+                    accumulate,
+                    pack,
+                );
+            } else {
+                let as_ = Mat {
+                    ptr: a.ptr.offset(x0 as isize * a.rs),
+                    ..a
+                };
+                let c = out.0.add(x0 * ldc);
+                serial(
+                    dot,
+                    blocks,
+                    (x1 - x0, n, k),
+                    as_,
+                    b,
+                    c,
+                    ldc,
+                    accumulate,
+                    pack,
+                );
+            }
+        }
+    };
+    if parts == 1 {
+        stripe(0);
+    } else {
+        rayon::scope(|s| {
+            for p in 1..parts {
+                s.spawn(move |_| stripe(p));
+            }
+            stripe(0);
+        });
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Calls of [`gemm_bf16`] on this thread (tests check which path a GEMM took).
+    pub(crate) static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+#[derive(Clone, Copy)]
+struct Blocks {
+    kc2: usize,
+    mc: usize,
+    nc: usize,
+}
+
+/// One thread's GEMM over its stripe, with the variant's instruction set enabled.
+///
+/// # Safety
+/// `dot` is available; the windows are valid; `pack` holds `kc2·(mc + nc)` words.
+#[allow(clippy::too_many_arguments)]
+unsafe fn serial(
+    dot: Dot,
+    blocks: Blocks,
+    shape: (usize, usize, usize),
+    a: Mat,
+    b: Mat,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+    pack: &mut [u32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        match dot {
+            Dot::Hardware => serial_hw(blocks, shape, a, b, c, ldc, accumulate, pack),
+            Dot::Emulated => serial_emu(blocks, shape, a, b, c, ldc, accumulate, pack),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (dot, blocks, shape, a, b, c, ldc, accumulate, pack);
+        unreachable!("gemm_bf16 needs x86_64 (Dot::available is false)");
+    }
+}
+
+/// The two instantiations of the driver: the whole driver is inlined into each, so the
+/// kernel is compiled with the instructions its variant may use.
+#[cfg(target_arch = "x86_64")]
+macro_rules! variant {
+    ($name:ident, $features:literal, $dot:path) => {
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            blocks: Blocks,
+            shape: (usize, usize, usize),
+            a: Mat,
+            b: Mat,
+            c: *mut f32,
+            ldc: usize,
+            accumulate: bool,
+            pack: &mut [u32],
+        ) {
+            unsafe { driver::<$dot>(blocks, shape, a, b, c, ldc, accumulate, pack) }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+variant!(serial_hw, "avx512f,avx512bw,avx512bf16", HwDot);
+#[cfg(target_arch = "x86_64")]
+variant!(serial_emu, "avx512f,avx512bw", EmuDot);
+
+/// `acc + Σ pairs` in each f32 lane, as `vdpbf16ps`.
+#[cfg(target_arch = "x86_64")]
+trait PairDot {
+    /// # Safety
+    /// The variant's instructions are available.
+    unsafe fn dot(acc: __m512, a: __m512i, b: __m512i) -> __m512;
+}
+
+#[cfg(target_arch = "x86_64")]
+struct HwDot;
+#[cfg(target_arch = "x86_64")]
+impl PairDot for HwDot {
+    #[inline(always)]
+    unsafe fn dot(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
+        // SAFETY: __m512i and __m512bh are both 64 plain bytes; the caller has AVX512_BF16.
+        unsafe {
+            let (a, b) = (
+                std::mem::transmute::<__m512i, __m512bh>(a),
+                std::mem::transmute::<__m512i, __m512bh>(b),
+            );
+            _mm512_dpbf16_ps(acc, a, b)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct EmuDot;
+#[cfg(target_arch = "x86_64")]
+impl PairDot for EmuDot {
+    /// The odd (high) halves first, then the even (low) ones, as the instruction's
+    /// definition orders them; bf16 products are exact in f32, so each FMA rounds as the
+    /// instruction's add does.
+    #[inline(always)]
+    unsafe fn dot(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
+        // SAFETY: AVX-512F only.
+        unsafe {
+            let hi = _mm512_set1_epi32(0xffff_0000u32 as i32);
+            let (a_odd, b_odd) = (_mm512_and_si512(a, hi), _mm512_and_si512(b, hi));
+            let (a_even, b_even) = (_mm512_slli_epi32::<16>(a), _mm512_slli_epi32::<16>(b));
+            let acc = _mm512_fmadd_ps(_mm512_castsi512_ps(a_odd), _mm512_castsi512_ps(b_odd), acc);
+            _mm512_fmadd_ps(
+                _mm512_castsi512_ps(a_even),
+                _mm512_castsi512_ps(b_even),
+                acc,
+            )
+        }
+    }
+}
+
+/// The BLIS loops: row blocks of A, k slices, column blocks of B, slivers × panels.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn driver<D: PairDot>(
+    Blocks { kc2, mc, nc }: Blocks,
+    (m, n, k): (usize, usize, usize),
+    a: Mat,
+    b: Mat,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+    pack: &mut [u32], // [kc2·mc] A slivers, then [kc2·nc] B panels
+) {
+    let (ap, bp) = pack.split_at_mut(kc2 * mc);
+    let kc_max = 2 * kc2;
+    for i0 in (0..m).step_by(mc) {
+        let rows_blk = mc.min(m - i0);
+        for p0 in (0..k).step_by(kc_max) {
+            let kc = kc_max.min(k - p0);
+            let pairs = kc.div_ceil(2);
+            // The first slice overwrites C unless accumulating; later slices add.
+            let load_c = accumulate || p0 > 0;
+            unsafe { pack_a(ap, a, i0, rows_blk, p0, kc) };
+            for j0 in (0..n).step_by(nc) {
+                let cols_blk = nc.min(n - j0);
+                unsafe { pack_b(bp, b, p0, kc, j0, cols_blk) };
+                for ir in (0..rows_blk).step_by(MR) {
+                    let rows = MR.min(rows_blk - ir);
+                    let sliver = ap[ir * pairs..].as_ptr();
+                    for jr in (0..cols_blk).step_by(NR) {
+                        let cols = NR.min(cols_blk - jr);
+                        let panel = bp[jr * pairs..].as_ptr();
+                        // SAFETY: the tile (i0+ir.., j0+jr..) of rows × cols is in the window.
+                        unsafe {
+                            let ct = c.add((i0 + ir) * ldc + j0 + jr);
+                            kernel::<D>(pairs, sliver, panel, ct, ldc, rows, cols, load_c);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Packs op(A)[i0.., p0..] (mc × kc) into slivers `[mc/MR][⌈kc/2⌉][MR]` of pairs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pack_a(ap: &mut [u32], a: Mat, i0: usize, mc: usize, p0: usize, kc: usize) {
+    let pairs = kc.div_ceil(2);
+    for (s, sliver) in ap
+        .chunks_exact_mut(pairs * MR)
+        .take(mc.div_ceil(MR))
+        .enumerate()
+    {
+        let r0 = i0 + s * MR;
+        let rows = MR.min(mc - s * MR);
+        for q in 0..pairs {
+            let dst = &mut sliver[q * MR..(q + 1) * MR];
+            let p = p0 + 2 * q;
+            if a.cs == 1 && 2 * q + 1 < kc {
+                // Row-major A: the pair is one (unaligned) 32-bit word.
+                for (i, d) in dst.iter_mut().enumerate().take(rows) {
+                    // SAFETY: (r0 + i, p) and (r0 + i, p + 1) are in the window.
+                    *d = unsafe {
+                        (a.ptr.offset((r0 + i) as isize * a.rs + p as isize) as *const u32)
+                            .read_unaligned()
+                    };
+                }
+            } else {
+                let second = 2 * q + 1 < kc;
+                for (i, d) in dst.iter_mut().enumerate().take(rows) {
+                    // SAFETY: (r0 + i, p) and, when second, (r0 + i, p + 1) are in the window.
+                    *d = unsafe {
+                        let odd = if second { a.at(r0 + i, p + 1) } else { 0 };
+                        a.at(r0 + i, p) | (odd << 16)
+                    };
+                }
+            }
+            dst[rows..].fill(0);
+        }
+    }
+}
+
+/// Packs op(B)[p0.., j0..] (kc × nc) into panels `[nc/NR][⌈kc/2⌉][NR]` of pairs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pack_b(bp: &mut [u32], b: Mat, p0: usize, kc: usize, j0: usize, nc: usize) {
+    let pairs = kc.div_ceil(2);
+    // Interleaves two rows of 32 bf16 into 32 pairs: out0 takes columns 0..16, out1 16..32.
+    // SAFETY: AVX-512F/BW, which every variant enables.
+    let (lo, hi) = unsafe {
+        let lo = _mm512_set_epi16(
+            47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36,
+            4, 35, 3, 34, 2, 33, 1, 32, 0,
+        );
+        (lo, _mm512_add_epi16(lo, _mm512_set1_epi16(16)))
+    };
+    for (s, panel) in bp
+        .chunks_exact_mut(pairs * NR)
+        .take(nc.div_ceil(NR))
+        .enumerate()
+    {
+        let c0 = j0 + s * NR;
+        let cols = NR.min(nc - s * NR);
+        for q in 0..pairs {
+            let dst = &mut panel[q * NR..(q + 1) * NR];
+            let p = p0 + 2 * q;
+            let full = cols == NR && 2 * q + 1 < kc;
+            if full && b.cs == 1 {
+                // SAFETY: rows p and p + 1, columns c0..c0+32 are in the window.
+                unsafe {
+                    let r0 =
+                        _mm512_loadu_si512(b.ptr.offset(p as isize * b.rs + c0 as isize).cast());
+                    let r1 = _mm512_loadu_si512(
+                        b.ptr.offset((p + 1) as isize * b.rs + c0 as isize).cast(),
+                    );
+                    let d = dst.as_mut_ptr();
+                    _mm512_storeu_si512(d.cast(), _mm512_permutex2var_epi16(r0, lo, r1));
+                    _mm512_storeu_si512(d.add(16).cast(), _mm512_permutex2var_epi16(r0, hi, r1));
+                }
+            } else if full && b.rs == 1 {
+                // Transposed B: the pair (p, p+1) of column j is one 32-bit word of row j.
+                for (j, d) in dst.iter_mut().enumerate() {
+                    // SAFETY: (p, c0 + j) and (p + 1, c0 + j) are in the window.
+                    *d = unsafe {
+                        (b.ptr.offset(p as isize + (c0 + j) as isize * b.cs) as *const u32)
+                            .read_unaligned()
+                    };
+                }
+            } else {
+                let second = 2 * q + 1 < kc;
+                for (j, d) in dst.iter_mut().enumerate().take(cols) {
+                    // SAFETY: (p, c0 + j) and, when second, (p + 1, c0 + j) are in the window.
+                    *d = unsafe {
+                        let odd = if second { b.at(p + 1, c0 + j) } else { 0 };
+                        b.at(p, c0 + j) | (odd << 16)
+                    };
+                }
+                dst[cols..].fill(0);
+            }
+        }
+    }
+}
+
+/// The MR × NR micro-kernel: acc = Σ_q dot(a[q][0..MR], b[q][0..NR]) over `pairs`; then the
+/// `rows × cols` corner of C = acc (+ C when `load_c`).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn kernel<D: PairDot>(
+    pairs: usize,
+    a: *const u32, // [pairs][MR]
+    b: *const u32, // [pairs][NR]
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    load_c: bool,
+) {
+    // SAFETY: AVX-512F, which every variant enables.
+    let mut acc = [[unsafe { _mm512_setzero_ps() }; 2]; MR];
+    let (mut a, mut b) = (a, b);
+    for _ in 0..pairs {
+        // SAFETY: the packed sliver and panel hold `pairs` rows of MR and NR words.
+        unsafe {
+            let b0 = _mm512_loadu_si512(b.cast());
+            let b1 = _mm512_loadu_si512(b.add(16).cast());
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai = _mm512_set1_epi32(*a.add(i) as i32);
+                row[0] = D::dot(row[0], ai, b0);
+                row[1] = D::dot(row[1], ai, b1);
+            }
+            a = a.add(MR);
+            b = b.add(NR);
+        }
+    }
+    let mask = |from: usize| -> __mmask16 {
+        let live = cols.saturating_sub(from).min(16);
+        ((1u32 << live) - 1) as u16
+    };
+    let (m0, m1) = (mask(0), mask(16));
+    for (i, row) in acc.iter().enumerate().take(rows) {
+        // SAFETY: row i < rows and the masked columns < cols are in the caller's window.
+        unsafe {
+            let p = c.add(i * ldc);
+            let (mut r0, mut r1) = (row[0], row[1]);
+            if load_c {
+                r0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, p), r0);
+                r1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, p.add(16)), r1);
+            }
+            _mm512_mask_storeu_ps(p, m0, r0);
+            _mm512_mask_storeu_ps(p.add(16), m1, r1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::gemm_mixed::naive;
+    use super::super::reduce::testutil::*;
+    use super::*;
+
+    fn bf(v: &[f32]) -> Vec<bf16> {
+        v.iter().map(|&x| bf16::from_f32(x)).collect()
+    }
+
+    /// Runs `gemm_bf16` and the naive twin on one problem; checks the row padding of c.
+    fn check(
+        dot: Dot,
+        (m, n, k): (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        acc: bool,
+        pack_words: usize,
+    ) -> Vec<f32> {
+        let (ar, ac) = if ta { (k, m) } else { (m, k) };
+        let (br, bc) = if tb { (n, k) } else { (k, n) };
+        let (lda, ldb, ldc) = (ac + 3, bc + 1, n + 2);
+        let a = bf(&randn(ar * lda, 1.0, 1 + m as u64));
+        let b = bf(&randn(br * ldb, 1.0, 2 + n as u64));
+        let c0 = randn(m * ldc, 4.0, 3 + k as u64);
+        let (mut got, mut want) = (c0.clone(), c0.clone());
+        let mut pack = vec![0xdead_beefu32; pack_words];
+        gemm_bf16(
+            dot,
+            (m, n, k),
+            (&a, lda, ta),
+            (&b, ldb, tb),
+            (&mut got, ldc),
+            acc,
+            &mut pack,
+        );
+        naive::gemm_mixed(m, n, k, &a, lda, ta, &b, ldb, tb, &mut want, ldc, acc);
+        let what = format!("{dot:?} {m}x{n}x{k} ta={ta} tb={tb} acc={acc} pack={pack_words}");
+        for i in 0..m {
+            assert_close(
+                &got[i * ldc..i * ldc + n],
+                &want[i * ldc..i * ldc + n],
+                2e-5 * (k as f32).sqrt(),
+                1e-5,
+                &what,
+            );
+            assert_eq!(
+                &got[i * ldc + n..(i + 1) * ldc],
+                &c0[i * ldc + n..(i + 1) * ldc],
+                "{what}: padding of c"
+            );
+        }
+        got
+    }
+
+    fn dots() -> Vec<Dot> {
+        let v: Vec<Dot> = [Dot::Emulated, Dot::Hardware]
+            .into_iter()
+            .filter(|d| d.available())
+            .collect();
+        if !Dot::Hardware.available() {
+            eprintln!(
+                "note: this CPU has no AVX512_BF16; the vdpbf16ps kernel itself is not run here"
+            );
+        }
+        v
+    }
+
+    #[test]
+    fn matches_naive_on_every_layout_and_edge() {
+        let big = 1 << 20;
+        for dot in dots() {
+            for &shape in &[
+                (1, 1, 1),
+                (13, 33, 3),
+                (12, 32, 2),
+                (25, 70, 9),
+                (40, 17, 600),
+                (7, 100, 1025),
+            ] {
+                for ta in [false, true] {
+                    for tb in [false, true] {
+                        for acc in [false, true] {
+                            check(dot, shape, ta, tb, acc, big);
+                        }
+                    }
+                }
+            }
+            // Small scratch: short k slices and one-panel B blocks.
+            check(dot, (50, 70, 37), false, false, true, 2 * (MR + NR) * 3);
+        }
+    }
+
+    #[test]
+    fn identical_for_any_thread_count_and_scratch_split() {
+        for dot in dots() {
+            let shape = (130, 300, 520);
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            let three = rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap();
+            let x = one.install(|| check(dot, shape, false, true, true, 1 << 21));
+            let y = three.install(|| check(dot, shape, false, true, true, 3 << 21));
+            assert_eq!(x, y, "{dot:?}");
+        }
+    }
+
+    #[test]
+    fn hardware_agrees_with_its_emulation() {
+        if !Dot::Hardware.available() {
+            eprintln!("skipped: no AVX512_BF16 on this CPU");
+            return;
+        }
+        for ta in [false, true] {
+            let x = check(Dot::Hardware, (37, 81, 333), ta, false, false, 1 << 20);
+            let y = check(Dot::Emulated, (37, 81, 333), ta, false, false, 1 << 20);
+            assert_eq!(
+                x, y,
+                "vdpbf16ps and its emulation (normal inputs, no denormals)"
+            );
+        }
+    }
+
+    #[test]
+    fn blocking_fits_its_share() {
+        assert_eq!(blocking(MR + NR - 1), None);
+        for per in [MR + NR, 1000, 100_000, 1 << 20, 1 << 24] {
+            let (kc2, mc, nc) = blocking(per).unwrap();
+            assert!(
+                kc2 >= 1 && mc >= MR && mc % MR == 0 && nc % NR == 0,
+                "{per}"
+            );
+            assert!(kc2 * (mc + nc) <= per, "{per}: {kc2} {mc} {nc}");
+        }
+    }
+
+    #[test]
+    fn unavailable_or_short_scratch_panics_with_the_reason() {
+        let a = bf(&[1.0; 4]);
+        let mut c = [0.0f32; 4];
+        let r = std::panic::catch_unwind(move || {
+            let mut pack = vec![0u32; 3];
+            gemm_bf16(
+                Dot::Emulated,
+                (2, 2, 2),
+                (&a, 2, false),
+                (&a, 2, false),
+                (&mut c, 2),
+                false,
+                &mut pack,
+            );
+        });
+        if Dot::Emulated.available() {
+            let e = r.unwrap_err();
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
+            assert!(msg.unwrap().contains("scratch"));
+        }
+    }
+}
