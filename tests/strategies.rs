@@ -8,6 +8,8 @@ use memwall::plan::{
 };
 use memwall::util::rng::Rng;
 
+mod common;
+
 /// Four blocks, so that every:2 and every:3 differ from both none and full.
 fn small_spec() -> ModelSpec {
     ModelSpec {
@@ -297,4 +299,79 @@ fn mixed_precision_plans_halve_activations_and_keep_fp32_masters() {
     );
     // Layernorm statistics and attention lse stay f32: a little over half.
     assert!(ba < 0.55 * fa && ba > 0.45 * fa);
+}
+
+/// Final train loss of `memwall train` on `data` in bf16 with `MEMWALL_BF16_DOT=dot`.
+fn bf16_run_loss(dir: &std::path::Path, data: &std::path::Path, dot: &str) -> (f64, f64) {
+    let cfg = common::micro_config(dir);
+    let out = dir.join(format!("run-{dot}"));
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .env("MEMWALL_BF16_DOT", dot)
+        .args([
+            "train",
+            "--model",
+            cfg.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+        ])
+        .args([
+            "--out",
+            out.to_str().unwrap(),
+            "--steps",
+            "40",
+            "--batch",
+            "4",
+            "--seq",
+            "32",
+        ])
+        .args([
+            "--precision",
+            "bf16",
+            "--threads",
+            "2",
+            "--eval-every",
+            "0",
+            "--lr",
+            "1e-2",
+            "--warmup",
+            "3",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let losses: Vec<f64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    (losses[0], *losses.last().unwrap())
+}
+
+#[test]
+fn bf16_dot_product_path_trains_like_the_widening_path() {
+    // The vdpbf16ps path (emulated here when the CPU lacks AVX512_BF16) in a whole training
+    // run: every matmul of the step on the dot-product kernel, f32 masters rounded to bf16
+    // as they are packed. It must learn as the widening path does, not bit for bit.
+    if !memwall::backend::cpu::gemm_bf16::Dot::Emulated.available() {
+        eprintln!("skipped: no AVX-512F/BW on this CPU");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let (first_w, last_w) = bf16_run_loss(tmp.path(), &data, "off");
+    let (first_d, last_d) = bf16_run_loss(tmp.path(), &data, "emulated");
+    eprintln!("bf16 loss: widening {first_w} -> {last_w}, dot product {first_d} -> {last_d}");
+    assert!(
+        last_w < 0.9 * first_w && last_d < 0.9 * first_d,
+        "both must learn"
+    );
+    assert!(
+        (last_d - last_w).abs() <= 0.01 * last_w,
+        "{last_d} vs {last_w}"
+    );
+    assert_ne!(last_d, last_w, "the dot-product path did not run");
 }

@@ -95,12 +95,60 @@ pub fn pack_fits(pack_words: usize) -> bool {
     blocking(pack_words / rayon::current_num_threads().max(1)).is_some()
 }
 
-/// A strided bf16 operand: element (i, j) at `ptr + i·rs + j·cs` (in bf16 elements).
+/// An operand of [`gemm_bf16`]: bf16, or f32 rounded to bf16 (to nearest even, as
+/// `half::bf16::from_f32`) while it is packed — how mixed precision multiplies bf16
+/// activations with the f32 master weights without a bf16 copy of them.
+#[derive(Clone, Copy)]
+pub enum Operand<'a> {
+    Bf16(&'a [bf16]),
+    F32(&'a [f32]),
+}
+
+impl<'a> Operand<'a> {
+    /// The operand from element `offset` on.
+    pub fn from(self, offset: usize) -> Operand<'a> {
+        match self {
+            Operand::Bf16(x) => Operand::Bf16(&x[offset..]),
+            Operand::F32(x) => Operand::F32(&x[offset..]),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Operand::Bf16(x) => x.len(),
+            Operand::F32(x) => x.len(),
+        }
+    }
+
+    fn mat(&self, rs: usize, cs: usize) -> Mat {
+        let (ptr, f32) = match self {
+            Operand::Bf16(x) => (x.as_ptr().cast::<u8>(), false),
+            Operand::F32(x) => (x.as_ptr().cast::<u8>(), true),
+        };
+        Mat {
+            ptr,
+            rs: rs as isize,
+            cs: cs as isize,
+            f32,
+        }
+    }
+}
+
+/// The bits of `x` rounded to bf16 (as `half::bf16::from_f32`: to nearest even, NaN kept
+/// quiet).
+#[inline(always)]
+fn bf16_bits(x: f32) -> u32 {
+    bf16::from_f32(x).to_bits() as u32
+}
+
+/// A strided operand, bf16 or f32: element (i, j) at `ptr + (i·rs + j·cs)·size`.
 #[derive(Clone, Copy)]
 struct Mat {
-    ptr: *const u16,
+    ptr: *const u8,
     rs: isize,
     cs: isize,
+    /// Elements are f32 (else bf16).
+    f32: bool,
 }
 
 // SAFETY: the pointer is only read, within the window the caller proved valid.
@@ -108,13 +156,50 @@ unsafe impl Send for Mat {}
 unsafe impl Sync for Mat {}
 
 impl Mat {
-    /// Element (i, j) as bits.
+    /// Address of element (i, j) (no bounds check).
+    #[inline(always)]
+    fn addr(&self, i: usize, j: usize) -> *const u8 {
+        let e = i as isize * self.rs + j as isize * self.cs;
+        self.ptr
+            .wrapping_offset(if self.f32 { 4 * e } else { 2 * e })
+    }
+
+    /// The window starting at element (i, j).
+    fn from(self, i: usize, j: usize) -> Mat {
+        Mat {
+            ptr: self.addr(i, j),
+            ..self
+        }
+    }
+
+    /// Element (i, j) as bf16 bits.
     ///
     /// # Safety
     /// (i, j) must be in the window.
     #[inline(always)]
     unsafe fn at(&self, i: usize, j: usize) -> u32 {
-        unsafe { *self.ptr.offset(i as isize * self.rs + j as isize * self.cs) as u32 }
+        unsafe {
+            if self.f32 {
+                bf16_bits((self.addr(i, j) as *const f32).read_unaligned())
+            } else {
+                (self.addr(i, j) as *const u16).read_unaligned() as u32
+            }
+        }
+    }
+
+    /// The pair (element (i, j), element (i, j + 1)) as one word, low half first.
+    ///
+    /// # Safety
+    /// Both elements must be in the window.
+    #[inline(always)]
+    unsafe fn pair(&self, i: usize, j: usize) -> u32 {
+        unsafe {
+            if self.cs == 1 && !self.f32 {
+                (self.addr(i, j) as *const u32).read_unaligned()
+            } else {
+                self.at(i, j) | (self.at(i, j + 1) << 16)
+            }
+        }
     }
 }
 
@@ -142,8 +227,8 @@ unsafe impl Sync for Scratch {}
 pub fn gemm_bf16(
     dot: Dot,
     (m, n, k): (usize, usize, usize),
-    (a, lda, a_trans): (&[bf16], usize, bool), // stored [m, k] (or [k, m])
-    (b, ldb, b_trans): (&[bf16], usize, bool), // stored [k, n] (or [n, k])
+    (a, lda, a_trans): (Operand, usize, bool), // stored [m, k] (or [k, m])
+    (b, ldb, b_trans): (Operand, usize, bool), // stored [k, n] (or [n, k])
     (c, ldc): (&mut [f32], usize),             // [m, n], row stride ldc
     accumulate: bool,
     pack: &mut [u32], // packing scratch, split per thread
@@ -180,15 +265,15 @@ pub fn gemm_bf16(
         }
         return;
     }
-    let a = Mat {
-        ptr: a.as_ptr().cast(),
-        rs: if a_trans { 1 } else { lda as isize },
-        cs: if a_trans { lda as isize } else { 1 },
+    let a = if a_trans {
+        a.mat(1, lda)
+    } else {
+        a.mat(lda, 1)
     };
-    let b = Mat {
-        ptr: b.as_ptr().cast(),
-        rs: if b_trans { 1 } else { ldb as isize },
-        cs: if b_trans { ldb as isize } else { 1 },
+    let b = if b_trans {
+        b.mat(1, ldb)
+    } else {
+        b.mat(ldb, 1)
     };
     // Below ~2 MFLOP a second thread costs more than it saves.
     let parts = if m * n * k < (1 << 20) {
@@ -218,10 +303,7 @@ pub fn gemm_bf16(
         unsafe {
             let pack = std::slice::from_raw_parts_mut(scratch.0.add(s * scratch.1), scratch.1);
             if by_cols {
-                let bs = Mat {
-                    ptr: b.ptr.offset(x0 as isize * b.cs),
-                    ..b
-                };
+                let bs = b.from(0, x0);
                 let c = out.0.add(x0);
                 serial(
                     dot,
@@ -235,10 +317,7 @@ pub fn gemm_bf16(
                     pack,
                 );
             } else {
-                let as_ = Mat {
-                    ptr: a.ptr.offset(x0 as isize * a.rs),
-                    ..a
-                };
+                let as_ = a.from(x0, 0);
                 let c = out.0.add(x0 * ldc);
                 serial(
                     dot,
@@ -445,27 +524,34 @@ unsafe fn pack_a(ap: &mut [u32], a: Mat, i0: usize, mc: usize, p0: usize, kc: us
         for q in 0..pairs {
             let dst = &mut sliver[q * MR..(q + 1) * MR];
             let p = p0 + 2 * q;
-            if a.cs == 1 && 2 * q + 1 < kc {
-                // Row-major A: the pair is one (unaligned) 32-bit word.
-                for (i, d) in dst.iter_mut().enumerate().take(rows) {
-                    // SAFETY: (r0 + i, p) and (r0 + i, p + 1) are in the window.
-                    *d = unsafe {
-                        (a.ptr.offset((r0 + i) as isize * a.rs + p as isize) as *const u32)
-                            .read_unaligned()
-                    };
-                }
-            } else {
-                let second = 2 * q + 1 < kc;
-                for (i, d) in dst.iter_mut().enumerate().take(rows) {
-                    // SAFETY: (r0 + i, p) and, when second, (r0 + i, p + 1) are in the window.
-                    *d = unsafe {
-                        let odd = if second { a.at(r0 + i, p + 1) } else { 0 };
-                        a.at(r0 + i, p) | (odd << 16)
-                    };
-                }
+            let second = 2 * q + 1 < kc;
+            for (i, d) in dst.iter_mut().enumerate().take(rows) {
+                // SAFETY: (r0 + i, p) and, when second, (r0 + i, p + 1) are in the window.
+                *d = unsafe {
+                    if second {
+                        a.pair(r0 + i, p)
+                    } else {
+                        a.at(r0 + i, p)
+                    }
+                };
             }
             dst[rows..].fill(0);
         }
+    }
+}
+
+/// f32 lanes rounded to bf16 in their high 16 bits (to nearest even; NaN made quiet), as
+/// [`bf16_bits`] (the low 16 bits are garbage).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn round_high(x: __m512i) -> __m512i {
+    // SAFETY: AVX-512F, which every variant enables.
+    unsafe {
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+        let r = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        let xf = _mm512_castsi512_ps(x);
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(xf, xf);
+        _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000)))
     }
 }
 
@@ -474,14 +560,15 @@ unsafe fn pack_a(ap: &mut [u32], a: Mat, i0: usize, mc: usize, p0: usize, kc: us
 #[inline(always)]
 unsafe fn pack_b(bp: &mut [u32], b: Mat, p0: usize, kc: usize, j0: usize, nc: usize) {
     let pairs = kc.div_ceil(2);
-    // Interleaves two rows of 32 bf16 into 32 pairs: out0 takes columns 0..16, out1 16..32.
     // SAFETY: AVX-512F/BW, which every variant enables.
-    let (lo, hi) = unsafe {
+    let (lo, hi, high_half) = unsafe {
+        // Interleave two rows of 32 bf16 into 32 pairs: `lo` takes columns 0..16, `hi` 16..32.
         let lo = _mm512_set_epi16(
             47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36,
             4, 35, 3, 34, 2, 33, 1, 32, 0,
         );
-        (lo, _mm512_add_epi16(lo, _mm512_set1_epi16(16)))
+        let hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        (lo, hi, _mm512_set1_epi32(0xffff_0000u32 as i32))
     };
     for (s, panel) in bp
         .chunks_exact_mut(pairs * NR)
@@ -493,35 +580,45 @@ unsafe fn pack_b(bp: &mut [u32], b: Mat, p0: usize, kc: usize, j0: usize, nc: us
         for q in 0..pairs {
             let dst = &mut panel[q * NR..(q + 1) * NR];
             let p = p0 + 2 * q;
-            let full = cols == NR && 2 * q + 1 < kc;
-            if full && b.cs == 1 {
+            let second = 2 * q + 1 < kc;
+            if cols == NR && second && b.cs == 1 {
+                // Row-major B: two rows of 32 columns, interleaved.
                 // SAFETY: rows p and p + 1, columns c0..c0+32 are in the window.
                 unsafe {
-                    let r0 =
-                        _mm512_loadu_si512(b.ptr.offset(p as isize * b.rs + c0 as isize).cast());
-                    let r1 = _mm512_loadu_si512(
-                        b.ptr.offset((p + 1) as isize * b.rs + c0 as isize).cast(),
-                    );
+                    let (r0, r1) = (b.addr(p, c0), b.addr(p + 1, c0));
                     let d = dst.as_mut_ptr();
-                    _mm512_storeu_si512(d.cast(), _mm512_permutex2var_epi16(r0, lo, r1));
-                    _mm512_storeu_si512(d.add(16).cast(), _mm512_permutex2var_epi16(r0, hi, r1));
-                }
-            } else if full && b.rs == 1 {
-                // Transposed B: the pair (p, p+1) of column j is one 32-bit word of row j.
-                for (j, d) in dst.iter_mut().enumerate() {
-                    // SAFETY: (p, c0 + j) and (p + 1, c0 + j) are in the window.
-                    *d = unsafe {
-                        (b.ptr.offset(p as isize + (c0 + j) as isize * b.cs) as *const u32)
-                            .read_unaligned()
-                    };
+                    if b.f32 {
+                        for h in 0..2 {
+                            let x0 = round_high(_mm512_loadu_si512(r0.add(64 * h).cast()));
+                            let x1 = round_high(_mm512_loadu_si512(r1.add(64 * h).cast()));
+                            let v = _mm512_or_si512(
+                                _mm512_srli_epi32::<16>(x0),
+                                _mm512_and_si512(x1, high_half),
+                            );
+                            _mm512_storeu_si512(d.add(16 * h).cast(), v);
+                        }
+                    } else {
+                        let x0 = _mm512_loadu_si512(r0.cast());
+                        let x1 = _mm512_loadu_si512(r1.cast());
+                        _mm512_storeu_si512(d.cast(), _mm512_permutex2var_epi16(x0, lo, x1));
+                        _mm512_storeu_si512(
+                            d.add(16).cast(),
+                            _mm512_permutex2var_epi16(x0, hi, x1),
+                        );
+                    }
                 }
             } else {
-                let second = 2 * q + 1 < kc;
                 for (j, d) in dst.iter_mut().enumerate().take(cols) {
                     // SAFETY: (p, c0 + j) and, when second, (p + 1, c0 + j) are in the window.
                     *d = unsafe {
-                        let odd = if second { b.at(p + 1, c0 + j) } else { 0 };
-                        b.at(p, c0 + j) | (odd << 16)
+                        if !second {
+                            b.at(p, c0 + j)
+                        } else if b.rs == 1 && !b.f32 {
+                            // Transposed bf16 B: the pair is adjacent in memory.
+                            (b.addr(p, c0 + j) as *const u32).read_unaligned()
+                        } else {
+                            b.at(p, c0 + j) | (b.at(p + 1, c0 + j) << 16)
+                        }
                     };
                 }
                 dst[cols..].fill(0);
@@ -592,49 +689,141 @@ mod tests {
         v.iter().map(|&x| bf16::from_f32(x)).collect()
     }
 
-    /// Runs `gemm_bf16` and the naive twin on one problem; checks the row padding of c.
-    fn check(
+    /// Runs `gemm_bf16` and the naive twin (on the operands rounded to bf16) on one problem,
+    /// with each operand passed as bf16 or as f32 (`f32s`: A, B); checks the padding of c.
+    #[allow(clippy::too_many_arguments)]
+    fn check_as(
         dot: Dot,
         (m, n, k): (usize, usize, usize),
         ta: bool,
         tb: bool,
         acc: bool,
         pack_words: usize,
+        f32s: (bool, bool),
     ) -> Vec<f32> {
         let (ar, ac) = if ta { (k, m) } else { (m, k) };
         let (br, bc) = if tb { (n, k) } else { (k, n) };
         let (lda, ldb, ldc) = (ac + 3, bc + 1, n + 2);
-        let a = bf(&randn(ar * lda, 1.0, 1 + m as u64));
-        let b = bf(&randn(br * ldb, 1.0, 2 + n as u64));
+        let (a32, b32) = (
+            randn(ar * lda, 1.0, 1 + m as u64),
+            randn(br * ldb, 1.0, 2 + n as u64),
+        );
+        let (a, b) = (bf(&a32), bf(&b32));
+        let op = |x32: &'static [f32], x: &'static [bf16], f: bool| {
+            if f {
+                Operand::F32(x32)
+            } else {
+                Operand::Bf16(x)
+            }
+        };
+        let leak = |v: Vec<f32>| -> &'static [f32] { Box::leak(v.into_boxed_slice()) };
+        let leakb = |v: Vec<bf16>| -> &'static [bf16] { Box::leak(v.into_boxed_slice()) };
+        let (a32, b32, ab, bb) = (leak(a32), leak(b32), leakb(a.clone()), leakb(b.clone()));
         let c0 = randn(m * ldc, 4.0, 3 + k as u64);
         let (mut got, mut want) = (c0.clone(), c0.clone());
         let mut pack = vec![0xdead_beefu32; pack_words];
         gemm_bf16(
             dot,
             (m, n, k),
-            (&a, lda, ta),
-            (&b, ldb, tb),
+            (op(a32, ab, f32s.0), lda, ta),
+            (op(b32, bb, f32s.1), ldb, tb),
             (&mut got, ldc),
             acc,
             &mut pack,
         );
         naive::gemm_mixed(m, n, k, &a, lda, ta, &b, ldb, tb, &mut want, ldc, acc);
-        let what = format!("{dot:?} {m}x{n}x{k} ta={ta} tb={tb} acc={acc} pack={pack_words}");
+        let what = format!(
+            "{dot:?} {m}x{n}x{k} ta={ta} tb={tb} acc={acc} pack={pack_words} f32 operands {f32s:?}"
+        );
         for i in 0..m {
+            let row = i * ldc..i * ldc + n;
             assert_close(
-                &got[i * ldc..i * ldc + n],
-                &want[i * ldc..i * ldc + n],
+                &got[row.clone()],
+                &want[row],
                 2e-5 * (k as f32).sqrt(),
                 1e-5,
                 &what,
             );
-            assert_eq!(
-                &got[i * ldc + n..(i + 1) * ldc],
-                &c0[i * ldc + n..(i + 1) * ldc],
-                "{what}: padding of c"
-            );
+            let pad = i * ldc + n..(i + 1) * ldc;
+            assert_eq!(&got[pad.clone()], &c0[pad], "{what}: padding of c");
         }
         got
+    }
+
+    fn check(
+        dot: Dot,
+        shape: (usize, usize, usize),
+        ta: bool,
+        tb: bool,
+        acc: bool,
+        pack_words: usize,
+    ) -> Vec<f32> {
+        check_as(dot, shape, ta, tb, acc, pack_words, (false, false))
+    }
+
+    #[test]
+    fn f32_operands_are_rounded_to_bf16_while_packed() {
+        for dot in dots() {
+            for f32s in [(true, false), (false, true), (true, true)] {
+                for &shape in &[(13, 33, 3), (25, 70, 9), (40, 64, 600)] {
+                    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                        let x = check_as(dot, shape, ta, tb, true, 1 << 20, f32s);
+                        // Exactly what the bf16 copies of the operands give.
+                        let y = check_as(dot, shape, ta, tb, true, 1 << 20, (false, false));
+                        assert_eq!(x, y, "{dot:?} {shape:?} {f32s:?} ta={ta} tb={tb}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn vector_rounding_matches_half() {
+        if !Dot::Emulated.available() {
+            return;
+        }
+        let mut xs: Vec<f32> = randn(4096, 3.0, 9);
+        xs.extend([
+            0.0,
+            -0.0,
+            1.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x3f80_8001),
+            f32::from_bits(0x7f7f_ffff),
+            f32::from_bits(0x7fc0_0001),
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xffbf_ffff),
+        ]);
+        while !xs.len().is_multiple_of(16) {
+            xs.push(0.5);
+        }
+        #[target_feature(enable = "avx512f")]
+        unsafe fn round_all(xs: &[f32]) -> Vec<u32> {
+            let mut out = vec![0u32; xs.len()];
+            for (o, x) in out.chunks_exact_mut(16).zip(xs.chunks_exact(16)) {
+                // SAFETY: 16 floats read, 16 words written.
+                unsafe {
+                    let v = round_high(_mm512_loadu_si512(x.as_ptr().cast()));
+                    _mm512_storeu_si512(o.as_mut_ptr().cast(), _mm512_srli_epi32::<16>(v));
+                }
+            }
+            out
+        }
+        // SAFETY: AVX-512F checked above.
+        let got = unsafe { round_all(&xs) };
+        for (x, g) in xs.iter().zip(got) {
+            assert_eq!(g, bf16_bits(*x), "{x:e} ({:#x})", x.to_bits());
+        }
     }
 
     fn dots() -> Vec<Dot> {
@@ -731,8 +920,8 @@ mod tests {
             gemm_bf16(
                 Dot::Emulated,
                 (2, 2, 2),
-                (&a, 2, false),
-                (&a, 2, false),
+                (Operand::Bf16(&a), 2, false),
+                (Operand::Bf16(&a), 2, false),
                 (&mut c, 2),
                 false,
                 &mut pack,

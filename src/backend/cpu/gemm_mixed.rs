@@ -36,7 +36,7 @@
 //! instruction-set variants of `reduce::multiversion!`.
 
 use super::elem::Elem;
-use super::gemm_bf16::{Dot, gemm_bf16, pack_fits};
+use super::gemm_bf16::{Dot, Operand, gemm_bf16, pack_fits};
 use super::matmul::{sgemm, span};
 use super::reduce::{multiversion, rows_per_task};
 use half::bf16;
@@ -85,6 +85,13 @@ fn cast_mut<T: 'static, U: 'static>(x: &mut [T]) -> Option<&mut [U]> {
         // SAFETY: T and U are the same type; the borrow is moved into the result.
         unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<U>(), x.len()) }
     })
+}
+
+/// `x` as an operand of the dot-product GEMM, when stored as bf16 or f32.
+fn dot_operand<T: Elem>(x: &[T]) -> Option<Operand<'_>> {
+    cast::<T, bf16>(x)
+        .map(Operand::Bf16)
+        .or_else(|| cast::<T, f32>(x).map(Operand::F32))
 }
 
 /// f32 scratch reused as 32-bit words (the dot-product path's packing buffer).
@@ -307,9 +314,13 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
     }
     // The A and B tiles, adjacent (the dot-product path packs into both), then the C tile.
     let (ab_buf, c_buf) = ws[..need].split_at_mut(2 * block * block);
+    // bf16 × bf16 and bf16 × f32 products (an f32 operand rounded to bf16 as it is packed,
+    // as autocast does) run on the dot-product kernel when there is one.
+    let is_bf16 = |t: TypeId| t == TypeId::of::<bf16>();
     let dot = bf16_dot().filter(|_| {
-        TypeId::of::<A>() == TypeId::of::<bf16>()
-            && TypeId::of::<B>() == TypeId::of::<bf16>()
+        (is_bf16(TypeId::of::<A>()) || is_bf16(TypeId::of::<B>()))
+            && dot_operand(a).is_some()
+            && dot_operand(b).is_some()
             && pack_fits(ab_buf.len())
     });
     let c_in_place = as_f32(c).is_some();
@@ -360,16 +371,15 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                 } else {
                     ((p0, kk), (j0, cols))
                 };
-                if let (Some(dot), Some(a), Some(b)) = (dot, cast::<A, bf16>(a), cast::<B, bf16>(b))
-                {
-                    // bf16 × bf16 on the dot-product kernel: no widening; the A/B tile
-                    // buffers are its packing scratch.
+                if let (Some(dot), Some(a), Some(b)) = (dot, dot_operand(a), dot_operand(b)) {
+                    // On the dot-product kernel: no widening; the A/B tile buffers are its
+                    // packing scratch.
                     let pack = as_words(&mut ab_buf[..]);
                     gemm_bf16(
                         dot,
                         (rows, cols, kk),
-                        (&a[a_win.0.0 * lda + a_win.1.0..], lda, a_trans),
-                        (&b[b_win.0.0 * ldb + b_win.1.0..], ldb, b_trans),
+                        (a.from(a_win.0.0 * lda + a_win.1.0), lda, a_trans),
+                        (b.from(b_win.0.0 * ldb + b_win.1.0), ldb, b_trans),
                         (&mut *ct, ldt),
                         read_ct || p0 > 0,
                         pack,
@@ -573,25 +583,119 @@ mod tests {
                 }
             }
             check_all_flags::<bf16, bf16, bf16>(MIXED_BLOCK, (1100, 37, 2100));
-            // f16 and mixed operands keep the widening path.
-            check_all_flags::<f16, f16, f16>(16, (3, 40, 17));
-            check_all_flags::<f32, bf16, bf16>(16, (3, 40, 17));
         });
-        // One call per (tile, k block) of the bf16 × bf16 problems, none for the others.
+        // One call per (tile, k block).
         assert!(
             calls >= 2 * 2 * 5 * 8,
             "the dot-product path ran {calls} times"
         );
+        // f16 operands and f32 × f32 products keep the widening path.
         let none = with_dot(Some(Dot::Emulated), || {
             check_all_flags::<f16, f16, f16>(16, (3, 40, 17));
-            check_all_flags::<bf16, f32, f32>(16, (3, 40, 17));
+            check_all_flags::<f16, f32, f32>(16, (3, 40, 17));
+            let (a, b) = (randn(6 * 5, 1.0, 1), randn(5 * 7, 1.0, 2));
+            let mut c = vec![bf16::ZERO; 6 * 7];
+            let mut ws = vec![0.0; workspace_len(16)];
+            gemm_mixed_blocked(
+                16,
+                (6, 7, 5),
+                (&a, 5, false),
+                (&b, 7, false),
+                (&mut c, 7),
+                false,
+                None::<&[f32]>,
+                &mut ws,
+            );
         });
-        assert_eq!(none, 0, "only bf16 × bf16 takes the dot-product path");
+        assert_eq!(none, 0, "only bf16 products take the dot-product path");
         // A workspace too small to pack into falls back to widening (block 4: 32 words).
         let tiny = with_dot(Some(Dot::Emulated), || {
             check_all_flags::<bf16, bf16, f32>(4, (9, 9, 9))
         });
         assert_eq!(tiny, 0);
+    }
+
+    #[test]
+    fn bf16_dot_path_rounds_f32_operands_to_bf16() {
+        // bf16 activations × f32 master weights: the weights are rounded to bf16 as they are
+        // packed, so the product equals the one with a bf16 copy of the weights.
+        if !Dot::Emulated.available() {
+            return;
+        }
+        let (m, n, k) = (70, 90, 150);
+        let a: Vec<bf16> = round_to(&randn(m * k, 1.0, 5));
+        let w = randn(k * n, 1.0, 6);
+        let w16: Vec<bf16> = round_to(&w);
+        for b_trans in [false, true] {
+            let run = |b: &dyn Fn(&mut [f32], &mut [f32])| {
+                let mut c = vec![0.0f32; m * n];
+                let mut ws = vec![0.0; workspace_len(64)];
+                b(&mut c, &mut ws);
+                c
+            };
+            let ld = if b_trans { k } else { n };
+            let mixed = run(&|c, ws| {
+                gemm_mixed_blocked(
+                    64,
+                    (m, n, k),
+                    (&a, k, false),
+                    (&w, ld, b_trans),
+                    (c, n),
+                    false,
+                    None::<&[f32]>,
+                    ws,
+                )
+            });
+            let copy = run(&|c, ws| {
+                gemm_mixed_blocked(
+                    64,
+                    (m, n, k),
+                    (&a, k, false),
+                    (&w16, ld, b_trans),
+                    (c, n),
+                    false,
+                    None::<&[f32]>,
+                    ws,
+                )
+            });
+            let (mut x, mut y) = (vec![], vec![]);
+            let used = with_dot(Some(Dot::Emulated), || {
+                x = run(&|c, ws| {
+                    gemm_mixed_blocked(
+                        64,
+                        (m, n, k),
+                        (&a, k, false),
+                        (&w, ld, b_trans),
+                        (c, n),
+                        false,
+                        None::<&[f32]>,
+                        ws,
+                    )
+                });
+                y = run(&|c, ws| {
+                    gemm_mixed_blocked(
+                        64,
+                        (m, n, k),
+                        (&a, k, false),
+                        (&w16, ld, b_trans),
+                        (c, n),
+                        false,
+                        None::<&[f32]>,
+                        ws,
+                    )
+                });
+            });
+            assert!(used > 0);
+            assert_eq!(x, y, "b_trans={b_trans}: f32 operand rounded while packed");
+            // Without a dot-product kernel the f32 operand is used exactly (no rounding), so
+            // the two differ; the rounded result stays within bf16 accuracy of it.
+            if bf16_dot().is_none() {
+                assert_ne!(mixed, copy);
+            }
+            // Each weight moves by up to 2^-9 of itself: sums of k such errors.
+            let tol = (k as f32).sqrt() / 50.0;
+            assert_close(&x, &mixed, tol, 1.0 / 64.0, "rounded vs exact f32 weights");
+        }
     }
 
     /// Shapes with several partial tiles in every dimension for blocks of 16 and 32.
