@@ -1,15 +1,26 @@
 //! Mixed-precision GEMM: operands and output stored as any [`Elem`] (f32, bf16, f16),
-//! arithmetic in f32 on the `gemm` crate's f32 kernel ([`sgemm`]).
+//! accumulation in f32: on the bf16 dot-product kernel ([`super::gemm_bf16`]) where the CPU
+//! has AVX512_BF16, else on the `gemm` crate's f32 kernel ([`sgemm`]) after widening.
 //!
-//! Design. The CPUs this runs on have AVX-512F but not AVX512_BF16, so there is no bf16
-//! dot-product instruction and the fast way to multiply bf16/f16 matrices is to widen them
-//! to f32 and run the f32 GEMM. [`gemm_mixed`] blocks the problem into tiles of at most
+//! Two paths, chosen once per process by [`bf16_dot`]:
+//! - **dot product** (CPUs with AVX512_BF16: Cooper Lake, Sapphire Rapids, Zen 4 and later):
+//!   a product with a bf16 operand and the other bf16 or f32 runs on `vdpbf16ps`, reading
+//!   bf16 directly; an f32 operand (the master weights) is rounded to bf16 as it is packed,
+//!   as autocast casts weights per op, so no bf16 copy of the weights is stored. Results
+//!   differ from the widening path in the last bits (another summation order, weights
+//!   rounded, denormals flushed), so the choice is per machine, like the ISA variants of
+//!   `reduce::multiversion!`; `MEMWALL_BF16_DOT=off` forces widening.
+//! - **widening** (every other case: f16, CPUs without AVX512_BF16, as the Skylake Xeon this
+//!   was first measured on): bf16/f16 operands are widened to f32 and the f32 GEMM runs.
+//!
+//! Both work tile by tile. [`gemm_mixed`] blocks the problem into tiles of at most
 //! [`MIXED_BLOCK`] in m, n and k. For each output tile it
 //! 1. sets up an f32 C tile in the workspace: loaded from `c` (via `to_f32`) when
 //!    accumulating, and kept there across the whole k loop;
 //! 2. for each k block, widens the A tile and the B tile into the workspace (elementwise,
 //!    rayon-parallel over row tasks) and calls [`sgemm`] on the f32 tiles, accumulating into
-//!    the C tile;
+//!    the C tile — or, on the dot-product path, calls [`gemm_bf16`] on the stored tiles
+//!    with the A/B tile buffers as its packing scratch;
 //! 3. narrows the C tile into `c` with `C::from_f32`: every output element is rounded once
 //!    per call, however many k blocks there are.
 //!
@@ -26,14 +37,8 @@
 //! within [`super::matmul::packing_bytes`]`(NB, NB)`.
 //!
 //! Determinism: the tiling depends only on the shape, the conversions are elementwise, and
-//! [`sgemm`] is deterministic for a given thread count, so results are too.
-//!
-//! Planned fast path (not on this CPU): on CPUs with AVX512_BF16 (Cooper Lake, Sapphire
-//! Rapids, Zen 4) a bf16 micro-kernel built on `vdpbf16ps` (pairs of bf16 products summed into
-//! f32 lanes) would read bf16 operands directly, skipping the widening and halving operand
-//! bandwidth. Its results would differ from this path in the last bits (different summation
-//! order; `vdpbf16ps` also flushes denormals), so it would be selected per machine, like the
-//! instruction-set variants of `reduce::multiversion!`.
+//! [`sgemm`] and [`gemm_bf16`] are deterministic, so results are too (for a given machine
+//! and thread count).
 
 use super::elem::Elem;
 use super::gemm_bf16::{Dot, Operand, gemm_bf16, pack_fits};
