@@ -23,7 +23,7 @@
 //! in the last bits from the widening path (another summation order; `vdpbf16ps` also treats
 //! denormal inputs and results as zero).
 //!
-//! Scratch: no allocation; the caller lends `pack`, split per thread ([`blocking`] sizes the
+//! Scratch: no allocation; the caller lends `pack`, split per thread (`blocking` sizes the
 //! blocks to what it gets). [`Dot::Emulated`] runs the same packing, blocking and kernel
 //! with `vdpbf16ps` emulated by AVX-512F shifts and FMAs in the instruction's order — the
 //! naive twin of the instruction, so that every part but the instruction itself is tested on
