@@ -515,16 +515,21 @@ mod tests {
         let c0: Vec<C> = round_to(&randn(m * ldc, 4.0, seed + 2));
         let (mut got, mut want) = (c0.clone(), c0.clone());
         let mut ws = vec![f32::NAN; workspace_len(block)];
-        gemm_mixed_blocked(
-            block,
-            (m, n, k),
-            (&a, lda, a_trans),
-            (&b, ldb, b_trans),
-            (&mut got, ldc),
-            accumulate,
-            None::<&[f32]>,
-            &mut ws,
-        );
+        // The widening path unless a test chose one (the dot-product path rounds an f32
+        // operand to bf16, which the naive twin does not).
+        let path = FORCED_DOT.with(|d| d.get()).unwrap_or(None);
+        with_dot(path, || {
+            gemm_mixed_blocked(
+                block,
+                (m, n, k),
+                (&a, lda, a_trans),
+                (&b, ldb, b_trans),
+                (&mut got, ldc),
+                accumulate,
+                None::<&[f32]>,
+                &mut ws,
+            )
+        });
         naive::gemm_mixed(
             m, n, k, &a, lda, a_trans, &b, ldb, b_trans, &mut want, ldc, accumulate,
         );
@@ -566,9 +571,9 @@ mod tests {
     /// returns how many `gemm_bf16` calls it made.
     fn with_dot(dot: Option<Dot>, f: impl FnOnce()) -> usize {
         let before = super::super::gemm_bf16::CALLS.with(|c| c.get());
-        FORCED_DOT.with(|d| d.set(Some(dot)));
+        let outer = FORCED_DOT.with(|d| d.replace(Some(dot)));
         f();
-        FORCED_DOT.with(|d| d.set(None));
+        FORCED_DOT.with(|d| d.set(outer));
         super::super::gemm_bf16::CALLS.with(|c| c.get()) - before
     }
 
