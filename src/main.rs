@@ -7,6 +7,7 @@ use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::model::ModelSpec;
+use memwall::plan::fit::Strategies;
 use memwall::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan};
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
@@ -128,6 +129,20 @@ struct StrategyArgs {
     /// [default: fp32; with --resume: the run's]
     #[arg(long, value_parser = parse_precision)]
     precision: Option<Precision>,
+}
+
+impl StrategyArgs {
+    /// The strategies these flags ask for, defaults filled in, with the budget `max_memory`.
+    fn resolve(&self, max_memory: Option<u64>) -> Strategies {
+        let d = Strategies::default();
+        Strategies {
+            recompute: self.recompute.unwrap_or(d.recompute),
+            grad_accum: self.grad_accum.unwrap_or(d.grad_accum),
+            optim_state: self.optim_state.unwrap_or(d.optim_state),
+            precision: self.precision.unwrap_or(d.precision),
+            max_memory,
+        }
+    }
 }
 
 fn parse_precision(s: &str) -> Result<Precision, String> {
@@ -307,14 +322,11 @@ const DEFAULT_SEQ: usize = 128;
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let spec = ModelSpec::resolve(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
-    let mut cfg = StepConfig::new(
+    let cfg = a.step.strategy.resolve(a.step.max_memory).step_config(
         a.step.batch.unwrap_or(DEFAULT_BATCH),
         a.step.seq.unwrap_or(DEFAULT_SEQ),
         threads(a.step.threads)?,
     );
-    cfg.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
-    cfg.optim_state = a.step.strategy.optim_state.unwrap_or_default();
-    cfg.precision = a.step.strategy.precision.unwrap_or_default();
     let baseline = rss::current_rss().unwrap_or(0);
     let choice = a.step.strategy.recompute.unwrap_or_default();
     // An over-budget fixed policy still prints its plan, then the refusal.
@@ -377,16 +389,20 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         }
         // Recomputation never changes the weights, so a resumed run may change it.
         if let Some(r) = a.step.strategy.recompute {
-            opts.recompute = r;
+            opts.strategies.recompute = r;
         }
         if a.step.max_memory.is_some() {
-            opts.max_memory = a.step.max_memory;
+            opts.strategies.max_memory = a.step.max_memory;
         }
         opts.profile_steps = if a.profile { a.profile_steps } else { 0 };
         for (flag, given, run_value) in [
             ("--batch", a.step.batch, opts.batch),
             ("--seq", a.step.seq, opts.seq),
-            ("--grad-accum", a.step.strategy.grad_accum, opts.grad_accum),
+            (
+                "--grad-accum",
+                a.step.strategy.grad_accum,
+                opts.strategies.grad_accum,
+            ),
         ] {
             if let Some(g) = given
                 && g != run_value
@@ -398,21 +414,21 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
             }
         }
         if let Some(p) = a.step.strategy.precision
-            && p != opts.precision
+            && p != opts.strategies.precision
         {
             bail!(
                 "--resume: the run in {} trains in {}; it cannot change to {p}",
                 run.display(),
-                opts.precision
+                opts.strategies.precision
             );
         }
         if let Some(f) = a.step.strategy.optim_state
-            && f != opts.optim_state
+            && f != opts.strategies.optim_state
         {
             bail!(
                 "--resume: the run in {} stores its optimizer state as {}; it cannot change to {f}",
                 run.display(),
-                opts.optim_state
+                opts.strategies.optim_state
             );
         }
         train::train(&opts, Some(&ck), &mut progress)?
@@ -439,11 +455,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.eval_batches = a.eval_batches;
         o.save_every = a.save_every;
         o.init = a.init;
-        o.max_memory = a.step.max_memory;
-        o.recompute = a.step.strategy.recompute.unwrap_or_default();
-        o.grad_accum = a.step.strategy.grad_accum.unwrap_or(1);
-        o.optim_state = a.step.strategy.optim_state.unwrap_or_default();
-        o.precision = a.step.strategy.precision.unwrap_or_default();
+        o.strategies = a.step.strategy.resolve(a.step.max_memory);
         o.profile_steps = if a.profile { a.profile_steps } else { 0 };
         train::train(&o, None, &mut progress)?
     };
@@ -504,23 +516,19 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         threads: threads(a.threads)?,
         seed: a.seed,
         time_ops: a.time_ops,
-        recompute: a.strategy.recompute.unwrap_or_default(),
-        grad_accum: a.strategy.grad_accum.unwrap_or(1),
-        optim_state: a.strategy.optim_state.unwrap_or_default(),
-        precision: a.strategy.precision.unwrap_or_default(),
-        max_memory: a.max_memory,
+        strategies: a.strategy.resolve(a.max_memory),
         profile: a.profile,
     };
     eprintln!(
         "bench: model {} batch {} x grad-accum {} seq {} threads {} {} recompute {} optimizer state {}{}, 1 warm-up + {} timed steps",
         opts.model,
         opts.batch,
-        opts.grad_accum,
+        opts.strategies.grad_accum,
         opts.seq,
         opts.threads,
-        opts.precision,
-        opts.recompute,
-        opts.optim_state,
+        opts.strategies.precision,
+        opts.strategies.recompute,
+        opts.strategies.optim_state,
         opts.profile
             .as_ref()
             .map(|d| format!(", profiling into {}", d.display()))

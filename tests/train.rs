@@ -175,10 +175,10 @@ fn resume_bitwise(state: OptimState, accum: usize, recompute: Recompute, precisi
     let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
     let cfg = common::micro_config(tmp.path());
     let mut o = TrainOptions::new(cfg.to_str().unwrap(), &data, &tmp.path().join("full"));
-    o.optim_state = state;
-    o.precision = precision;
-    o.grad_accum = accum;
-    o.recompute = RecomputeChoice::Fixed(recompute);
+    o.strategies.optim_state = state;
+    o.strategies.precision = precision;
+    o.strategies.grad_accum = accum;
+    o.strategies.recompute = RecomputeChoice::Fixed(recompute);
     o.steps = 8;
     o.batch = 2;
     o.seq = 32;

@@ -5,8 +5,8 @@ use super::executor::{Executor, OptimHparams};
 use crate::ckpt;
 use crate::exec::train::Metric;
 use crate::model::ModelSpec;
-use crate::plan::fit::plan_with_recompute;
-use crate::plan::{Mode, OptimState, Precision, RecomputeChoice, StepConfig};
+use crate::plan::Precision;
+use crate::plan::fit::Strategies;
 use crate::profile::leak::LeakCheck;
 use crate::profile::record::micros;
 use crate::profile::{OpRecorder, Profile, StepProfile};
@@ -29,15 +29,8 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Time every op and report where the step's time goes (adds a clock read per op).
     pub time_ops: bool,
-    pub recompute: RecomputeChoice,
-    /// Micro-batches per optimizer step.
-    pub grad_accum: usize,
-    /// Storage of the AdamW moments.
-    pub optim_state: OptimState,
-    /// Format of compute weights, activations and gradients.
-    pub precision: Precision,
-    /// Budget for `--recompute auto`.
-    pub max_memory: Option<u64>,
+    /// Memory strategies; `max_memory` is the budget of `--recompute auto`.
+    pub strategies: Strategies,
     /// Profile every step into this directory (plan.json, metrics.jsonl, profile.json,
     /// trace.json, memory.svg, report.html).
     pub profile: Option<PathBuf>,
@@ -50,18 +43,9 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     }
     let spec = ModelSpec::resolve(&opts.model)?;
     let baseline = rss::current_rss().unwrap_or(0);
-    let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
-    cfg.grad_accum = opts.grad_accum;
-    cfg.optim_state = opts.optim_state;
-    cfg.precision = opts.precision;
-    let plan = plan_with_recompute(
-        &spec,
-        &cfg,
-        Mode::Train,
-        opts.recompute,
-        opts.max_memory,
-        baseline,
-    )?;
+    let plan = opts
+        .strategies
+        .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline)?;
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
@@ -95,7 +79,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let mut leak = LeakCheck::new(plan_total);
     layout.init(ex.params_mut(), spec.n_layer, opts.seed);
     let mut rng = Rng::new(opts.seed);
-    let mut batch = vec![0u32; opts.grad_accum * opts.batch * (opts.seq + 1)];
+    let mut batch = vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)];
     let mut times = Vec::with_capacity(opts.steps);
     let mut losses = Vec::new();
     for step in 0..=opts.steps {
@@ -104,7 +88,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         }
         ex.set_batch(&batch)?;
         let t0 = Instant::now();
-        if opts.precision == Precision::F16 {
+        if opts.strategies.precision == Precision::F16 {
             ex.set_loss_scale(crate::exec::train::LossScaler::INITIAL);
         }
         let st = ex.train_step(&OptimHparams {
@@ -140,7 +124,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             grad_norm: st.grad_norm,
             loss_scale: None,
             skipped: st.skipped,
-            tokens_per_s: (opts.grad_accum * opts.batch * opts.seq) as f64 / dt,
+            tokens_per_s: (opts.strategies.grad_accum * opts.batch * opts.seq) as f64 / dt,
             step_s: dt,
             rss_bytes: rss_now,
             process_step: Some(step as u64 + 1),
@@ -156,7 +140,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
-    let tokens = (opts.grad_accum * opts.batch * opts.seq) as f64;
+    let tokens = (opts.strategies.grad_accum * opts.batch * opts.seq) as f64;
     let peak = rss::peak_rss();
     // Time by op kind (the name without its layer prefix), largest first.
     let by_kind: Vec<Value> = match ex.record_ops(None) {
@@ -209,11 +193,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "config": {
             "profile": opts.profile.is_some(),
             "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
-            "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": opts.precision.to_string(),
+            "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": opts.strategies.precision.to_string(),
             "mixed_compute": crate::backend::cpu::gemm_mixed::compute_path(),
             "cpu_has_avx512_bf16": crate::backend::cpu::gemm_mixed::cpu_has_bf16_dot(),
-            "recompute": recompute.to_string(), "grad_accum": opts.grad_accum,
-            "optim_state": opts.optim_state.to_string(),
+            "recompute": recompute.to_string(), "grad_accum": opts.strategies.grad_accum,
+            "optim_state": opts.strategies.optim_state.to_string(),
             "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,
         },
         "tokens_per_s": tokens / median,

@@ -10,7 +10,8 @@ use super::lr::cosine_with_warmup;
 use crate::ckpt::{self, LossScaleState, TrainerState};
 use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
 use crate::model::ModelSpec;
-use crate::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig};
+use crate::plan::fit::Strategies;
+use crate::plan::{self, Precision};
 use crate::profile::leak::{LeakCheck, LeakReport};
 use crate::profile::record::micros;
 use crate::profile::{OpRecorder, Profile, Span, StepProfile, Track};
@@ -54,20 +55,9 @@ pub struct TrainOptions {
     pub save_every: u64,
     /// Start from this Hugging Face GPT-2 checkpoint directory (fine-tuning).
     pub init: Option<PathBuf>,
-    /// Refuse plans whose predicted peak exceeds this many bytes.
-    pub max_memory: Option<u64>,
-    /// Activation recomputation policy (`auto` is resolved against `max_memory`).
-    #[serde(default)]
-    pub recompute: RecomputeChoice,
-    /// Micro-batches per optimizer step (`batch` is the micro-batch).
-    #[serde(default = "one")]
-    pub grad_accum: usize,
-    /// Storage of the AdamW moments.
-    #[serde(default)]
-    pub optim_state: OptimState,
-    /// Format of compute weights, activations and gradients.
-    #[serde(default)]
-    pub precision: Precision,
+    /// Memory strategies and budget (flattened: the same keys as separate fields).
+    #[serde(flatten)]
+    pub strategies: Strategies,
     /// Profile the first N steps of this invocation (0: off): `profile.json`, `trace.json`,
     /// `memory.svg` and `report.html` in the run directory.
     #[serde(default)]
@@ -116,10 +106,6 @@ impl Default for LossScaler {
     }
 }
 
-fn one() -> usize {
-    1
-}
-
 impl TrainOptions {
     /// Defaults matching `memwall train --help`.
     pub fn new(model: &str, data: &Path, out: &Path) -> TrainOptions {
@@ -143,11 +129,7 @@ impl TrainOptions {
             eval_batches: 8,
             save_every: 100,
             init: None,
-            max_memory: None,
-            recompute: RecomputeChoice::default(),
-            grad_accum: 1,
-            optim_state: OptimState::F32,
-            precision: Precision::F32,
+            strategies: Strategies::default(),
             profile_steps: 0,
         }
     }
@@ -174,7 +156,7 @@ impl TrainOptions {
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
         }
-        if self.grad_accum == 0 {
+        if self.strategies.grad_accum == 0 {
             bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
         }
         Ok(())
@@ -399,18 +381,9 @@ pub fn train(
 
     // ---- plan (refused before anything is written if over budget), then allocate once ----
     let baseline = rss::current_rss().unwrap_or(0);
-    let mut cfg = StepConfig::new(opts.batch, opts.seq, opts.threads);
-    cfg.grad_accum = opts.grad_accum;
-    cfg.optim_state = opts.optim_state;
-    cfg.precision = opts.precision;
-    let plan = plan::fit::plan_with_recompute(
-        &spec,
-        &cfg,
-        Mode::Train,
-        opts.recompute,
-        opts.max_memory,
-        baseline,
-    )?;
+    let plan = opts
+        .strategies
+        .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline)?;
     prepare_run_dir(&opts.out, resume.is_some())?;
     ckpt::write_file_atomic(
         &opts.out.join("plan.json"),
@@ -420,7 +393,7 @@ pub fn train(
         "plan: {} | batch {} x grad-accum {} x seq {} | recompute {} | arena {} + outside the arena {} | predicted peak RSS {}",
         spec.describe(),
         opts.batch,
-        opts.grad_accum,
+        opts.strategies.grad_accum,
         opts.seq,
         plan.cfg.recompute,
         fmt_bytes(plan.arena_bytes),
@@ -431,7 +404,7 @@ pub fn train(
     let mut ex = Executor::new(plan)?;
 
     // ---- initial state ----
-    let fp16 = opts.precision == Precision::F16;
+    let fp16 = opts.strategies.precision == Precision::F16;
     let mut scaler = fp16.then(LossScaler::new);
     let (mut step, data_position) = match resume {
         Some(ck) => {
@@ -467,7 +440,7 @@ pub fn train(
     }
 
     // One loader batch is one optimizer step: grad_accum micro-batches of `batch` rows.
-    let rows = opts.batch * opts.grad_accum;
+    let rows = opts.batch * opts.strategies.grad_accum;
     let mut loader = BatchLoader::new(data.train.clone(), rows, opts.seq, opts.seed, data_position);
     let mut batch = vec![0u32; rows * (opts.seq + 1)]; // [accum·B, T+1], counted in plan staging
     let mut metrics = std::fs::OpenOptions::new()
@@ -737,7 +710,7 @@ fn evaluate(
     for k in 0..opts.eval_batches {
         fill_batch(
             &data.val,
-            opts.batch * opts.grad_accum,
+            opts.batch * opts.strategies.grad_accum,
             opts.seq,
             opts.seed ^ VAL_STREAM,
             k,

@@ -1,9 +1,80 @@
-//! Budget checks: does a plan fit `--max-memory`, and if not, what would.
+//! The strategies a run asks for, and budget checks: does a plan fit `--max-memory`, and if
+//! not, what would.
 
-use super::{Mode, Plan, Recompute, RecomputeChoice, StepConfig, build_plan};
+use super::{
+    Mode, OptimState, Plan, Precision, Recompute, RecomputeChoice, StepConfig, build_plan,
+};
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+
+/// The memory strategies of a run — the plan transformations `plan`, `train` and `bench`
+/// share — and the budget they must fit (saved flattened into a run's options).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Strategies {
+    /// Activation recomputation policy (`auto` is resolved against `max_memory`).
+    #[serde(default)]
+    pub recompute: RecomputeChoice,
+    /// Micro-batches per optimizer step (`batch` is the micro-batch).
+    #[serde(default = "one")]
+    pub grad_accum: usize,
+    /// Storage of the AdamW moments.
+    #[serde(default)]
+    pub optim_state: OptimState,
+    /// Format of compute weights, activations and gradients.
+    #[serde(default)]
+    pub precision: Precision,
+    /// Refuse plans whose predicted peak exceeds this many bytes.
+    #[serde(default)]
+    pub max_memory: Option<u64>,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl Default for Strategies {
+    fn default() -> Self {
+        Strategies {
+            recompute: RecomputeChoice::default(),
+            grad_accum: 1,
+            optim_state: OptimState::default(),
+            precision: Precision::default(),
+            max_memory: None,
+        }
+    }
+}
+
+impl Strategies {
+    /// The step configuration of a `batch` × `seq` micro-batch on `threads` (recomputation
+    /// left at none: [`Strategies::plan`] resolves it).
+    pub fn step_config(&self, batch: usize, seq: usize, threads: usize) -> StepConfig {
+        let mut cfg = StepConfig::new(batch, seq, threads);
+        cfg.grad_accum = self.grad_accum;
+        cfg.optim_state = self.optim_state;
+        cfg.precision = self.precision;
+        cfg
+    }
+
+    /// The training-step plan: [`plan_with_recompute`] of [`Strategies::step_config`].
+    pub fn plan(
+        &self,
+        spec: &ModelSpec,
+        (batch, seq, threads): (usize, usize, usize),
+        baseline: u64,
+    ) -> Result<Plan> {
+        let cfg = self.step_config(batch, seq, threads);
+        plan_with_recompute(
+            spec,
+            &cfg,
+            Mode::Train,
+            self.recompute,
+            self.max_memory,
+            baseline,
+        )
+    }
+}
 
 /// Predicted peak resident memory of a process running `plan`: the plan's bytes plus the
 /// measured process baseline (code, tokenizer tables, thread stacks, allocator).
