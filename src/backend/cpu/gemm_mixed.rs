@@ -124,13 +124,17 @@ pub fn bf16_dot() -> Option<Dot> {
     })
 }
 
-/// How bf16/f16 operands are multiplied in this process (reported by `bench` and `plan`).
-pub fn compute_path() -> &'static str {
-    match bf16_dot() {
-        Some(_) => {
-            "bf16 x bf16: vdpbf16ps micro-kernel (AVX512_BF16); f16: f32 GEMM on operands converted in 1024-tiles"
+/// How products of bf16 (`bf16` true) or f16 storage are computed in this process
+/// (reported by `bench` and `plan`).
+pub fn compute_path(bf16: bool) -> &'static str {
+    match (bf16, bf16_dot()) {
+        (true, Some(Dot::Hardware)) => {
+            "vdpbf16ps micro-kernel (AVX512_BF16): bf16 pairs, f32 accumulation, f32 weights rounded to bf16 while packed"
         }
-        None => "f32 GEMM on operands converted in 1024-tiles (no AVX512_BF16 dot product used)",
+        (true, Some(Dot::Emulated)) => {
+            "dot-product micro-kernel with vdpbf16ps emulated (MEMWALL_BF16_DOT=emulated: slow, for checking)"
+        }
+        _ => "f32 GEMM on operands converted to f32 in 1024-tiles",
     }
 }
 
