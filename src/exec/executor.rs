@@ -197,7 +197,7 @@ impl Executor {
         }
     }
 
-    /// Copies a batch [accum·B, T+1] into the plan's token (and target) buffers: rows
+    /// Copies a batch `[accum·B, T+1]` into the plan's token (and target) buffers: rows
     /// k·B..(k+1)·B go to micro-batch k.
     pub fn set_batch(&mut self, batch: &[u32]) -> Result<()> {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
@@ -304,7 +304,7 @@ impl Executor {
         (sum / rows as f64) as f32
     }
 
-    /// Next-token logits [V] after `context` (generation plans; `context.len()` ≤ plan seq).
+    /// Next-token logits \[V\] after `context` (generation plans; `context.len()` ≤ plan seq).
     pub fn next_token_logits(&mut self, context: &[u32]) -> Result<&[f32]> {
         assert_eq!(self.plan.mode, Mode::Generate);
         let t = context.len();

@@ -18,7 +18,7 @@ pub(super) struct Block<'a> {
     pub p: &'a LayerParams,
     /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
     pub name: String,
-    /// The residual stream entering the block [N, C].
+    /// The residual stream entering the block `[N, C]`.
     pub res_in: BufId,
 }
 
@@ -298,7 +298,7 @@ pub(super) fn recompute(
 }
 
 /// Emits the backward of the block: reads `a` and the block input, accumulates into the
-/// residual gradient `dres` [N, C] (in place) and the parameter gradients.
+/// residual gradient `dres` `[N, C]` (in place) and the parameter gradients.
 pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
     let (d, p, name, res_in) = (blk.d, blk.p, &blk.name, blk.res_in);
     let (n, c) = (d.n, d.c);

@@ -1,34 +1,34 @@
 //! Causal multi-head self-attention, forward and backward, without keeping the attention
 //! matrix (FlashAttention-style recomputation).
 //!
-//! Shapes: `qkv` is [B, T, 3C] row-major; for row (b, t) the query is `qkv[.., 0..C]`, the key
+//! Shapes: `qkv` is `[B, T, 3C]` row-major; for row (b, t) the query is `qkv[.., 0..C]`, the key
 //! `qkv[.., C..2C]` and the value `qkv[.., 2C..3C]`; head h owns channels `h*hs..(h+1)*hs` of
-//! each (hs = C/NH). `out` is [B, T, C] with head h in channels `h*hs..(h+1)*hs` (GPT-2 / HF
+//! each (hs = C/NH). `out` is `[B, T, C]` with head h in channels `h*hs..(h+1)*hs` (GPT-2 / HF
 //! layout). Scores are scaled by 1/sqrt(hs); query position i attends to key positions 0..=i.
 //!
 //! The work is split into B·NH independent (batch, head) units. Per unit, K and V are first
-//! copied into contiguous [T, hs] scratch (with software prefetch: rows 3C apart defeat the
+//! copied into contiguous `[T, hs]` scratch (with software prefetch: rows 3C apart defeat the
 //! hardware prefetchers, and the products run faster on contiguous operands), then the queries
 //! are processed in row blocks of `BR` = 64 rows `r0..r1` (nb = r1 - r0 rows). A block only
 //! needs key columns 0..r1: the masked upper triangle is skipped except inside the diagonal
 //! nb×nb square, which is computed and then zeroed. Score tiles are stored transposed,
-//! Sᵀ [r1, nb] (key index j major, query index li contiguous), which suits `gemm` and turns the
+//! Sᵀ `[r1, nb]` (key index j major, query index li contiguous), which suits `gemm` and turns the
 //! per-query reductions of the element-wise passes into lane-wise vector ops.
 //!
 //! Scores are kept in base-2 units, S' = log2(e) · S (the factor is folded into the product's
 //! scale), so the softmax needs 2^x, which is cheaper than e^x. Forward, per block:
-//!   S'ᵀ = scale · log2(e) · K[0..r1] Q[r0..r1]ᵀ   [r1, nb]
-//!   m[li] = max_j S', Pᵀ = 2^(S'ᵀ - m), l[li] = Σ_j P    (masked j > r0+li set to 0)
-//!   O[r0..r1] = P V[0..r1], then row li scaled by 1/l[li]  (written in place into `out`)
-//!   lse[r0+li] = (m[li] + log2 l[li]) · ln 2     (natural log-sum-exp of the scores S)
-//! Only `out` and `lse` ([B, NH, T]) are kept for backward, never the [B, NH, T, T] matrix.
+//!   S'ᵀ = scale · log2(e) · K[0..r1] Q[r0..r1]ᵀ   `[r1, nb]`
+//!   m\[li\] = max_j S', Pᵀ = 2^(S'ᵀ - m), l\[li\] = Σ_j P    (masked j > r0+li set to 0)
+//!   O[r0..r1] = P V[0..r1], then row li scaled by 1/l\[li\]  (written in place into `out`)
+//!   lse[r0+li] = (m\[li\] + log2 l\[li\]) · ln 2     (natural log-sum-exp of the scores S)
+//! Only `out` and `lse` (`[B, NH, T]`) are kept for backward, never the `[B, NH, T, T]` matrix.
 //!
 //! Backward, per unit: K and V copied as in the forward, Q and dO copied per block, dK and dV
-//! accumulated in zeroed contiguous [T, hs] scratch (in a fixed block order) and copied into
-//! `dqkv` at the end; per block, with D[i] = Σ_c dO[i,c] O[i,c] (= Σ_j P[i,j] dP[i,j]):
-//!   Pᵀ  = 2^(S'ᵀ - log2(e) · lse)               [r1, nb] (recomputed; masked entries 0)
+//! accumulated in zeroed contiguous `[T, hs]` scratch (in a fixed block order) and copied into
+//! `dqkv` at the end; per block, with D\[i\] = Σ_c dO`[i,c]` O`[i,c]` (= Σ_j P`[i,j]` dP`[i,j]`):
+//!   Pᵀ  = 2^(S'ᵀ - log2(e) · lse)               `[r1, nb]` (recomputed; masked entries 0)
 //!   dV[0..r1] += Pᵀ dO[r0..r1]
-//!   dPᵀ = V[0..r1] dO[r0..r1]ᵀ                  [r1, nb]
+//!   dPᵀ = V[0..r1] dO[r0..r1]ᵀ                  `[r1, nb]`
 //!   dSᵀ = scale · Pᵀ ∘ (dPᵀ - D)                 (the score scale folded in here)
 //!   dQ[r0..r1] = dS K[0..r1]                     (written in place into `dqkv`)
 //!   dK[0..r1] += dSᵀ Q[r0..r1]
@@ -49,7 +49,7 @@
 //! the workspace are f32, and all the math above runs in f32. For f32, Q, O, dO and dQ are
 //! read and written in place (strided) as described. For a narrower `T` every operand a unit
 //! reads is widened into the worker's workspace first (K and V as above, and a Q block of
-//! [nb, hs], also in the forward), and the O and dQ blocks and the dK, dV accumulators are
+//! `[nb, hs]`, also in the forward), and the O and dQ blocks and the dK, dV accumulators are
 //! computed in f32 workspace and rounded once into `out` / `dqkv`; this costs one more
 //! [min(64,T), hs] block per worker ([`attention_workspace_len`]).
 
@@ -62,10 +62,10 @@ use rayon::prelude::*;
 const BR: usize = 64;
 
 /// Workspace elements (f32) per worker (backward needs the most):
-/// Pᵀ and dSᵀ tiles [br, T] each, K and V copies [T, hs] each, dK and dV accumulators [T, hs]
-/// each, Q and dO block copies [br, hs] each, D [br], and for a storage type other than f32 a
-/// dQ block [br, hs]. The forward uses less: tile, K, V, m and l [br] each, and for other
-/// types Q and O blocks [br, hs] each.
+/// Pᵀ and dSᵀ tiles `[br, T]` each, K and V copies `[T, hs]` each, dK and dV accumulators `[T, hs]`
+/// each, Q and dO block copies `[br, hs]` each, D [br], and for a storage type other than f32 a
+/// dQ block `[br, hs]`. The forward uses less: tile, K, V, m and l [br] each, and for other
+/// types Q and O blocks `[br, hs]` each.
 fn per_worker_len<T: Elem>(t: usize, hs: usize) -> usize {
     let br = BR.min(t);
     let narrow = if is_f32::<T>() { 0 } else { br * hs };
@@ -73,7 +73,7 @@ fn per_worker_len<T: Elem>(t: usize, hs: usize) -> usize {
 }
 
 /// Workspace elements (f32) the kernels need for `threads` workers with storage type `T`:
-/// per worker two score tiles of [min(64,T), T], four [T, hs] buffers (K, V copies; dK, dV
+/// per worker two score tiles of [min(64,T), T], four `[T, hs]` buffers (K, V copies; dK, dV
 /// accumulators) and a few [min(64,T), hs] / [min(64,T)] block buffers (one more
 /// [min(64,T), hs] block for types other than f32).
 pub fn attention_workspace_len<T: Elem>(t: usize, hs: usize, threads: usize) -> usize {
@@ -249,7 +249,7 @@ fn gather_rows<T: Elem>(dst: &mut [f32], src: &[T], rows: usize, hs: usize, ld: 
     }
 }
 
-/// Copies one unit's K and V ([T, hs] each, at offsets `c` and `2c` of each [3C] row of `src`)
+/// Copies one unit's K and V (`[T, hs]` each, at offsets `c` and `2c` of each [3C] row of `src`)
 /// into contiguous f32 `kc` and `vc` in a single pass over the rows.
 fn gather_kv<T: Elem>(kc: &mut [f32], vc: &mut [f32], src: &[T], t: usize, hs: usize, c: usize) {
     let kv = kc[..t * hs]
@@ -265,7 +265,7 @@ fn gather_kv<T: Elem>(kc: &mut [f32], vc: &mut [f32], src: &[T], t: usize, hs: u
     }
 }
 
-/// Rounds the f32 rows `src` [rows, hs] (contiguous) into `rows` rows of `hs` elements at `dst`
+/// Rounds the f32 rows `src` `[rows, hs]` (contiguous) into `rows` rows of `hs` elements at `dst`
 /// (row stride `ld`).
 ///
 /// # Safety
@@ -320,7 +320,7 @@ fn fmax(a: f32, b: f32) -> f32 {
     if a > b { a } else { b }
 }
 
-/// Forward softmax, in place on base-2 scores S'ᵀ [r1, nb] → unnormalised Pᵀ = 2^(S' - m)
+/// Forward softmax, in place on base-2 scores S'ᵀ `[r1, nb]` → unnormalised Pᵀ = 2^(S' - m)
 /// (masked entries 0). Writes the per-query max `m` [nb] and sum `l` [nb].
 #[inline(always)]
 fn softmax_body(tile: &mut [f32], nb: usize, r0: usize, m: &mut [f32], l: &mut [f32]) {
@@ -390,7 +390,7 @@ fn softmax_full(tile: &mut [f32], r0: usize, m: &mut [f32; BR], l: &mut [f32; BR
     }
 }
 
-/// Backward: base-2 scores S'ᵀ [r1, nb] → Pᵀ = 2^(S' - lse·log2 e) in place (masked entries
+/// Backward: base-2 scores S'ᵀ `[r1, nb]` → Pᵀ = 2^(S' - lse·log2 e) in place (masked entries
 /// 0); `lse` [nb] is the natural log-sum-exp of the forward.
 #[inline(always)]
 fn probs_body(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
@@ -424,7 +424,7 @@ fn probs_body(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
     }
 }
 
-/// Backward: dSᵀ = scale · Pᵀ ∘ (dPᵀ - D) in place in `dp` [r1, nb]; `d` [nb].
+/// Backward: dSᵀ = scale · Pᵀ ∘ (dPᵀ - D) in place in `dp` `[r1, nb]`; `d` [nb].
 #[inline(always)]
 fn ds_body(dp: &mut [f32], p: &[f32], nb: usize, d: &[f32], scale: f32) {
     if nb == BR {
@@ -472,7 +472,7 @@ multiversion! {
 
 /// Forward of causal self-attention.
 ///
-/// `out` [B,T,C] and `lse` [B,NH,T] are written in full; `qkv` is [B,T,3C]; `ws` must hold at
+/// `out` `[B,T,C]` and `lse` `[B,NH,T]` are written in full; `qkv` is `[B,T,3C]`; `ws` must hold at
 /// least `attention_workspace_len::<T>(t, c/nh, rayon::current_num_threads())` elements.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<T: Elem>(
@@ -519,7 +519,7 @@ pub fn attention_forward<T: Elem>(
 /// Forward of unit `u` = b·NH + h.
 ///
 /// # Safety
-/// `out` must point to the [B,T,C] output and `lse` to the [B,NH,T] log-sum-exp buffer; the
+/// `out` must point to the `[B,T,C]` output and `lse` to the `[B,NH,T]` log-sum-exp buffer; the
 /// caller guarantees no other thread touches unit `u`'s elements.
 unsafe fn forward_unit<T: Elem>(
     out: *mut T,
@@ -632,8 +632,8 @@ unsafe fn forward_unit<T: Elem>(
 // ---------------------------------------------------------------------------------------------
 // Backward
 
-/// Backward of causal self-attention: overwrites all of `dqkv` [B,T,3C] from `dout` [B,T,C],
-/// the forward's inputs `qkv` and its results `out` [B,T,C] and `lse` [B,NH,T]. `ws` as for
+/// Backward of causal self-attention: overwrites all of `dqkv` `[B,T,3C]` from `dout` `[B,T,C]`,
+/// the forward's inputs `qkv` and its results `out` `[B,T,C]` and `lse` `[B,NH,T]`. `ws` as for
 /// the forward.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: Elem>(
@@ -683,7 +683,7 @@ pub fn attention_backward<T: Elem>(
 /// Backward of unit `u` = b·NH + h.
 ///
 /// # Safety
-/// `dqkv` must point to the [B,T,3C] gradient buffer; the caller guarantees no other thread
+/// `dqkv` must point to the `[B,T,3C]` gradient buffer; the caller guarantees no other thread
 /// touches unit `u`'s elements of it.
 #[allow(clippy::too_many_arguments)]
 unsafe fn backward_unit<T: Elem>(
@@ -848,7 +848,7 @@ unsafe fn backward_unit<T: Elem>(
 
 /// Straightforward reference twins (allocating, f64 accumulation, materialised probabilities).
 pub mod naive {
-    /// f64 forward: returns (out [B,T,C], lse [B,NH,T], att [B,NH,T,T] probabilities, zero above
+    /// f64 forward: returns (out `[B,T,C]`, lse `[B,NH,T]`, att `[B,NH,T,T]` probabilities, zero above
     /// the diagonal).
     pub fn forward_f64(
         qkv: &[f64],
@@ -897,7 +897,7 @@ pub mod naive {
         (out, lse, att)
     }
 
-    /// Naive forward (f32 in/out, f64 inside): writes `out` [B,T,C] and `lse` [B,NH,T].
+    /// Naive forward (f32 in/out, f64 inside): writes `out` `[B,T,C]` and `lse` `[B,NH,T]`.
     pub fn attention_forward(
         out: &mut [f32],
         lse: &mut [f32],
@@ -918,7 +918,7 @@ pub mod naive {
     }
 
     /// f64 backward from scratch (recomputes the probabilities from `qkv`): returns dqkv
-    /// [B,T,3C] for upstream gradient `dout` [B,T,C].
+    /// `[B,T,3C]` for upstream gradient `dout` `[B,T,C]`.
     pub fn backward_f64(
         dout: &[f64],
         qkv: &[f64],
@@ -962,7 +962,7 @@ pub mod naive {
         dqkv
     }
 
-    /// Naive backward (f32 in/out, f64 inside): overwrites `dqkv` [B,T,3C].
+    /// Naive backward (f32 in/out, f64 inside): overwrites `dqkv` `[B,T,3C]`.
     pub fn attention_backward(
         dqkv: &mut [f32],
         dout: &[f32],

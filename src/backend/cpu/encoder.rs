@@ -24,7 +24,7 @@ const VOCAB_ROWS_PER_TASK: usize = 512;
 const ACC_ROWS: usize = 128;
 
 /// Column-slice width of the f32 accumulators of the narrow-type backward (the stack buffer
-/// is [ACC_ROWS, ACC_COLS] f32 = 32 KiB).
+/// is `[ACC_ROWS, ACC_COLS]` f32 = 32 KiB).
 const ACC_COLS: usize = 64;
 
 /// Token positions a narrow-type backward task lists on the stack (16 KiB) after one scan of
@@ -32,7 +32,7 @@ const ACC_COLS: usize = 64;
 /// column slice instead (same additions in the same order).
 const HIT_CAP: usize = 4096;
 
-/// out = wte[tokens] + wpe[position], summed in f32 and rounded once to `T`.
+/// out = wte\[tokens\] + wpe\[position\], summed in f32 and rounded once to `T`.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward<T: Elem, W: Elem>(
     out: &mut [T],  // [B, T, C]
@@ -72,13 +72,13 @@ pub fn encoder_forward<T: Elem, W: Elem>(
         });
 }
 
-/// dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t].
+/// dwte[tokens`[b, t]`] += dout`[b, t]`; dwpe\[t\] += Σ_b dout`[b, t]`.
 ///
 /// Every element receives its contributions in token order, added in f32 to its widened
 /// value and rounded to `T` once per call (a token that occurs k times is not rounded k
 /// times). For f32 each task adds straight into its block of `dwte`; for narrower types each
-/// task owns [`ACC_ROWS`] vocabulary rows, lists the positions of its tokens in one scan, and
-/// accumulates [`ACC_COLS`] columns at a time in an f32 stack buffer.
+/// task owns `ACC_ROWS` vocabulary rows, lists the positions of its tokens in one scan, and
+/// accumulates `ACC_COLS` columns at a time in an f32 stack buffer.
 pub fn encoder_backward<T: Elem>(
     dwte: &mut [T], // [V, C] +=
     dwpe: &mut [T], // [maxT, C] +=, only the first T rows touched

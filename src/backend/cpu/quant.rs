@@ -2,7 +2,7 @@
 //! parameter instead of 8) or as 8-bit blockwise codes (about 2 bytes per parameter). The
 //! parameters stay f32 (master weights); the gradients are of any [`Elem`] storage type,
 //! widened exactly as they are read. Both variants run exactly the fp32 update of
-//! [`adamw`](super::adamw) (same constants, same arithmetic, same order) on moments decoded to
+//! [`adamw`] (same constants, same arithmetic, same order) on moments decoded to
 //! f32, then encode the new moments again. Only the storage of m and v changes.
 //!
 //! # bf16 state
@@ -67,7 +67,7 @@
 //! run.
 //!
 //! Determinism: blocks are independent and each is processed whole by one task, so results are
-//! identical for any thread count. The loops are [`multiversion!`](super::reduce::multiversion)
+//! identical for any thread count. The loops are `reduce::multiversion!`
 //! compiled and use no FMA, so results are also identical on every instruction set.
 
 use super::adamw::{self, AdamWParams};

@@ -13,7 +13,7 @@
 //! whose shape depends only on the length, so its result is identical for any thread count.
 //!
 //! Vector width: the crate is built for baseline x86-64 (SSE2), so the hot loops of all CPU
-//! kernels are wrapped in [`multiversion!`](multiversion), which compiles them again for
+//! kernels are wrapped in `multiversion!`, which compiles them again for
 //! AVX2+FMA and AVX-512 and picks one at run time ([`isa`]). The arithmetic is written
 //! without `mul_add`, so every variant gives bit-identical results (a test checks this).
 
@@ -36,7 +36,7 @@ pub fn rows_per_task(row_len: usize) -> usize {
 /// each task owns `COL_CHUNK` columns and walks all rows in order.
 pub const COL_CHUNK: usize = 64;
 
-/// Vector instruction set the elementwise loops are compiled for (see [`multiversion`]).
+/// Vector instruction set the elementwise loops are compiled for (see `multiversion!`).
 /// Every variant performs the same arithmetic in the same order (no FMA contraction), so
 /// results are bit-identical whichever one runs; only the speed differs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
