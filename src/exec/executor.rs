@@ -304,7 +304,7 @@ impl Executor {
         (sum / rows as f64) as f32
     }
 
-    /// Next-token logits \[V\] after `context` (generation plans; `context.len()` ≤ plan seq).
+    /// `Next-token logits [V] after context (generation plans; context.len() ≤ plan seq)`.
     pub fn next_token_logits(&mut self, context: &[u32]) -> Result<&[f32]> {
         assert_eq!(self.plan.mode, Mode::Generate);
         let t = context.len();

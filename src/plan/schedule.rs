@@ -23,9 +23,9 @@ pub enum Phase {
 pub enum Op {
     /// Zero a buffer (gradients at the start of a step, the residual gradient before backward).
     Zero { buf: BufId },
-    /// out`[N,C]` = wte\[tokens\] + wpe\[t\].
+    /// `out[N,C] = wte[tokens] + wpe[t]`.
     Encoder { tokens: BufId, out: BufId },
-    /// out`[N,C]`, mean\[N\], rstd\[N\] = layernorm(inp`[N,C]`; w, b).
+    /// `out[N,C], mean[N], rstd[N] = layernorm(inp[N,C]; w, b)`.
     LayerNorm {
         inp: BufId,
         out: BufId,
@@ -34,7 +34,7 @@ pub enum Op {
         w: Range<usize>,
         b: Range<usize>,
     },
-    /// out`[N,OC]` = (residual`[N,OC]` if any) + inp`[N,IC]` @ w`[IC,OC]` + b\[OC\].
+    /// `out[N,OC] = (residual[N,OC] if any) + inp[N,IC] @ w[IC,OC] + b[OC]`.
     Matmul {
         inp: BufId,
         out: BufId,
@@ -44,7 +44,7 @@ pub enum Op {
         ic: usize,
         oc: usize,
     },
-    /// out`[N,C]`, lse`[B,NH,T]` = causal_attention(qkv`[N,3C]`).
+    /// `out[N,C], lse[B,NH,T] = causal_attention(qkv[N,3C])`.
     Attention {
         qkv: BufId,
         out: BufId,
@@ -54,7 +54,7 @@ pub enum Op {
     /// out = gelu(inp), both `[N,4C]`.
     Gelu { inp: BufId, out: BufId },
     /// Tied LM head and loss, chunked over rows so only `logits` `[rows,V]` exists at a time:
-    /// losses\[N\] from inp`[N,C]` and targets\[N\]; when training also dinp`[N,C]` (overwritten) and
+    /// `losses[N] from inp[N,C] and targets[N]; when training also dinp[N,C] (overwritten) and`
     /// dwte (+=), the loss being the mean over `loss_rows` rows.
     LmHeadLoss {
         inp: BufId,
@@ -65,9 +65,9 @@ pub enum Op {
         rows_per_chunk: usize,
         loss_rows: usize,
     },
-    /// logits\[V\] of row `row` of inp`[N,C]` (generation).
+    /// `logits[V] of row row of inp[N,C] (generation)`.
     LmHeadLast { inp: BufId, logits: BufId },
-    /// dinp`[N,C]` += layernorm_backward(dout); dw, db +=.
+    /// `dinp[N,C] += layernorm_backward(dout); dw, db +=`.
     LayerNormBackward {
         dinp: BufId,
         dout: BufId,
@@ -77,7 +77,7 @@ pub enum Op {
         w: Range<usize>,
         b: Range<usize>,
     },
-    /// dinp`[N,IC]` = dout @ wᵀ; dw += inpᵀ @ dout; db += Σ dout.
+    /// `dinp[N,IC] = dout @ wᵀ; dw += inpᵀ @ dout; db += Σ dout`.
     MatmulBackward {
         dinp: BufId,
         dout: BufId,
@@ -87,7 +87,7 @@ pub enum Op {
         ic: usize,
         oc: usize,
     },
-    /// dqkv`[N,3C]` from dout`[N,C]` (probabilities recomputed from lse).
+    /// `dqkv[N,3C] from dout[N,C] (probabilities recomputed from lse)`.
     AttentionBackward {
         dqkv: BufId,
         dout: BufId,
@@ -96,9 +96,9 @@ pub enum Op {
         lse: BufId,
         ws: BufId,
     },
-    /// d`[N,4C]` ← d ⊙ gelu'(inp) in place.
+    /// `d[N,4C] ← d ⊙ gelu'(inp) in place`.
     GeluBackward { d: BufId, inp: BufId },
-    /// dwte, dwpe += scatter(dout`[N,C]`).
+    /// `dwte, dwpe += scatter(dout[N,C])`.
     EncoderBackward { dout: BufId, tokens: BufId },
     /// Global-norm clipping and AdamW over all parameters; skipped when the gradients are
     /// not finite.
@@ -116,8 +116,8 @@ pub struct OpEntry {
 }
 
 /// The AdamW moment buffers, in the plan's `OptimState` format: f32 or bf16 `m`, `v`
-/// \[params\]; or int8 codes `m` (i8) and `v` (u8) \[params\] with f32 block scales
-/// `m_scale`, `v_scale` \[blocks\] (blocks of `QBLOCK` values counted per tensor).
+/// `[params]; or int8 codes m (i8) and v (u8) [params] with f32 block scales`
+/// `m_scale, v_scale [blocks] (blocks of QBLOCK values counted per tensor)`.
 #[derive(Clone, Copy, Debug)]
 pub struct OptimBufs {
     pub format: OptimState,
@@ -131,7 +131,7 @@ pub struct OptimBufs {
 #[derive(Clone, Debug)]
 pub struct Schedule {
     pub ops: Vec<OpEntry>,
-    /// The fp32 parameters \[params\] (the master weights under mixed precision; kernels read
+    /// `The fp32 parameters [params] (the master weights under mixed precision; kernels read`
     /// them directly and the optimizer updates them).
     pub params: BufId,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
@@ -143,9 +143,9 @@ pub struct Schedule {
     pub tokens: Vec<BufId>,
     /// Target token ids `[B, T]` per micro-batch (training plans; empty otherwise).
     pub targets: Vec<BufId>,
-    /// Per-row losses \[N\] per micro-batch (training plans; empty otherwise).
+    /// `Per-row losses [N] per micro-batch (training plans; empty otherwise)`.
     pub losses: Vec<BufId>,
-    /// Next-token logits \[V\] (generation plans).
+    /// `Next-token logits [V] (generation plans)`.
     pub logits: Option<BufId>,
 }
 

@@ -18,14 +18,14 @@
 //! Scores are kept in base-2 units, S' = log2(e) · S (the factor is folded into the product's
 //! scale), so the softmax needs 2^x, which is cheaper than e^x. Forward, per block:
 //!   S'ᵀ = scale · log2(e) · K[0..r1] Q[r0..r1]ᵀ   `[r1, nb]`
-//!   m\[li\] = max_j S', Pᵀ = 2^(S'ᵀ - m), l\[li\] = Σ_j P    (masked j > r0+li set to 0)
-//!   O[r0..r1] = P V[0..r1], then row li scaled by 1/l\[li\]  (written in place into `out`)
-//!   lse[r0+li] = (m\[li\] + log2 l\[li\]) · ln 2     (natural log-sum-exp of the scores S)
+//!   `m[li] = max_j S', Pᵀ = 2^(S'ᵀ - m), l[li] = Σ_j P    (masked j > r0+li set to 0)`
+//!   `O[r0..r1] = P V[0..r1], then row li scaled by 1/l[li]  (written in place into out)`
+//!   `lse[r0+li] = (m[li] + log2 l[li]) · ln 2     (natural log-sum-exp of the scores S)`
 //! Only `out` and `lse` (`[B, NH, T]`) are kept for backward, never the `[B, NH, T, T]` matrix.
 //!
 //! Backward, per unit: K and V copied as in the forward, Q and dO copied per block, dK and dV
 //! accumulated in zeroed contiguous `[T, hs]` scratch (in a fixed block order) and copied into
-//! `dqkv` at the end; per block, with D\[i\] = Σ_c dO`[i,c]` O`[i,c]` (= Σ_j P`[i,j]` dP`[i,j]`):
+//! `dqkv at the end; per block, with D[i] = Σ_c dO[i,c] O[i,c] (= Σ_j P[i,j] dP[i,j]):`
 //!   Pᵀ  = 2^(S'ᵀ - log2(e) · lse)               `[r1, nb]` (recomputed; masked entries 0)
 //!   dV[0..r1] += Pᵀ dO[r0..r1]
 //!   dPᵀ = V[0..r1] dO[r0..r1]ᵀ                  `[r1, nb]`

@@ -32,7 +32,7 @@ const ACC_COLS: usize = 64;
 /// column slice instead (same additions in the same order).
 const HIT_CAP: usize = 4096;
 
-/// out = wte\[tokens\] + wpe\[position\], summed in f32 and rounded once to `T`.
+/// `out = wte[tokens] + wpe[position], summed in f32 and rounded once to T`.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward<T: Elem, W: Elem>(
     out: &mut [T],  // [B, T, C]
@@ -72,7 +72,7 @@ pub fn encoder_forward<T: Elem, W: Elem>(
         });
 }
 
-/// dwte[tokens`[b, t]`] += dout`[b, t]`; dwpe\[t\] += Σ_b dout`[b, t]`.
+/// `dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t]`.
 ///
 /// Every element receives its contributions in token order, added in f32 to its widened
 /// value and rounded to `T` once per call (a token that occurs k times is not rounded k

@@ -8,9 +8,9 @@
 //! sum rounds once): two steps of k at once. So the operands are packed by **pairs of k**:
 //!
 //! - A (broadcast operand) in slivers `[mc/MR][kc/2][MR]` of u32, each u32 the pair
-//!   (A`[i, p]`, A`[i, p+1]`) — for a row-major A that pair is already adjacent in memory;
+//!   `(A[i, p], A[i, p+1]) — for a row-major A that pair is already adjacent in memory;`
 //! - B (vector operand) in panels `[nc/NR][kc/2][NR]` of u32, each the pair
-//!   (B`[p, j]`, B[p+1, j]) — interleaving two rows of B (`vpermt2w`), or, for a transposed B,
+//!   `(B[p, j], B[p+1, j]) — interleaving two rows of B (vpermt2w), or, for a transposed B,`
 //!   adjacent in memory again (one 32-bit gather per column);
 //! - an odd k is padded with a zero pair member, partial tiles with zero rows/columns.
 //!

@@ -44,7 +44,7 @@ pub(super) fn span(rows: usize, cols: usize, ld: usize) -> usize {
 }
 
 /// General strided single-precision GEMM used by the executor for the tied LM head:
-/// c`[m,n]` = (accumulate ? c : 0) + alpha * op(a)`[m,k]` @ op(b)`[k,n]`, where op transposes when
+/// `c[m,n] = (accumulate ? c : 0) + alpha * op(a)[m,k] @ op(b)[k,n], where op transposes when`
 /// the flag is set; a, b, c are row-major with the given leading dimensions (lda etc. = row
 /// stride in elements of the stored matrix: a is stored `[m, k]`, or `[k, m]` when `trans_a`).
 /// Elements of `c` outside the `m × n` window (row padding when `ldc > n`) are untouched.
@@ -302,7 +302,7 @@ fn matmul_backward_f32(
     }
 }
 
-/// dst[j] += Σ_r src`[r, j]`. Each task owns `COL_CHUNK` columns and sums all rows in order, in
+/// `dst[j] += Σ_r src[r, j]. Each task owns COL_CHUNK columns and sums all rows in order, in`
 /// f32 lanes on the stack, then adds once into `dst`: identical for any thread count.
 fn col_sum_accumulate<T: Elem>(
     dst: &mut [T], // [OC]

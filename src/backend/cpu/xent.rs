@@ -73,7 +73,7 @@ fn check_target(target: u32, v: usize) -> usize {
 
 /// On entry `logits` holds logits `[n, v]`; on exit it holds
 /// d(loss_scale * sum_rows loss)/d(logits) = dloss_scale*(softmax - onehot(target)).
-/// losses\[i\] = -ln softmax(logits\[i\])[targets\[i\]] (computed stably with max-subtraction,
+/// `losses[i] = -ln softmax(logits[i])[targets[i]] (computed stably with max-subtraction,`
 /// exponentials summed in f64).
 pub fn softmax_xent_backward_inplace(
     logits: &mut [f32], // [n, V] in: logits, out: dloss/dlogits
@@ -124,7 +124,7 @@ multiversion! {
     }
 }
 
-/// Forward only (evaluation): losses\[i\] as above; logits untouched.
+/// `Forward only (evaluation): losses[i] as above; logits untouched`.
 pub fn softmax_xent_forward(
     logits: &[f32],     // [n, V]
     targets: &[u32],    // [n]
