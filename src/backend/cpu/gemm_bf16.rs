@@ -60,8 +60,10 @@ impl Dot {
     pub fn available(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            let f = std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw");
+            let f = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl");
             match self {
                 Dot::Hardware => f && std::arch::is_x86_feature_detected!("avx512bf16"),
                 Dot::Emulated => f,
@@ -411,9 +413,13 @@ macro_rules! variant {
 }
 
 #[cfg(target_arch = "x86_64")]
-variant!(serial_hw, "avx512f,avx512bw,avx512bf16", HwDot);
+variant!(
+    serial_hw,
+    "avx2,avx512f,avx512bw,avx512vl,avx512bf16",
+    HwDot
+);
 #[cfg(target_arch = "x86_64")]
-variant!(serial_emu, "avx512f,avx512bw", EmuDot);
+variant!(serial_emu, "avx2,avx512f,avx512bw,avx512vl", EmuDot);
 
 /// `acc + Σ pairs` in each f32 lane, as `vdpbf16ps`.
 #[cfg(target_arch = "x86_64")]
@@ -514,6 +520,21 @@ unsafe fn driver<D: PairDot>(
 #[inline(always)]
 unsafe fn pack_a(ap: &mut [u32], a: Mat, i0: usize, mc: usize, p0: usize, kc: usize) {
     let pairs = kc.div_ceil(2);
+    // Gather offsets (in elements) of the sliver's 12 rows of a row-major f32 A.
+    let gather_ok = a.rs.unsigned_abs() * MR < i32::MAX as usize;
+    // SAFETY: AVX2 and AVX-512F/BW/VL, which every variant enables.
+    let (row_idx, low16, high_half) = unsafe {
+        let rs = if gather_ok { a.rs as i32 } else { 0 };
+        let idx = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0, 0),
+            _mm512_set1_epi32(rs),
+        );
+        (
+            idx,
+            _mm512_set1_epi64(0xffff),
+            _mm512_set1_epi32(0xffff_0000u32 as i32),
+        )
+    };
     for (s, sliver) in ap
         .chunks_exact_mut(pairs * MR)
         .take(mc.div_ceil(MR))
@@ -521,19 +542,73 @@ unsafe fn pack_a(ap: &mut [u32], a: Mat, i0: usize, mc: usize, p0: usize, kc: us
     {
         let r0 = i0 + s * MR;
         let rows = MR.min(mc - s * MR);
+        let live: __mmask16 = ((1u32 << rows) - 1) as u16;
         for q in 0..pairs {
             let dst = &mut sliver[q * MR..(q + 1) * MR];
             let p = p0 + 2 * q;
             let second = 2 * q + 1 < kc;
-            for (i, d) in dst.iter_mut().enumerate().take(rows) {
-                // SAFETY: (r0 + i, p) and, when second, (r0 + i, p + 1) are in the window.
-                *d = unsafe {
-                    if second {
+            // SAFETY (all branches): rows r0..r0+rows at columns p and, when second, p + 1
+            // are in the window; masked lanes are not read; dst has MR words.
+            unsafe {
+                if second && a.rs == 1 {
+                    // Transposed A: columns p and p + 1 of the sliver are two contiguous runs.
+                    let (x0, x1) = if a.f32 {
+                        let x0 = _mm512_maskz_loadu_epi32(live, a.addr(r0, p).cast());
+                        let x1 = _mm512_maskz_loadu_epi32(live, a.addr(r0, p + 1).cast());
+                        (
+                            _mm512_srli_epi32::<16>(round_high(x0)),
+                            _mm512_and_si512(round_high(x1), high_half),
+                        )
+                    } else {
+                        let x0 = _mm256_maskz_loadu_epi16(live, a.addr(r0, p).cast());
+                        let x1 = _mm256_maskz_loadu_epi16(live, a.addr(r0, p + 1).cast());
+                        (
+                            _mm512_cvtepu16_epi32(x0),
+                            _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(x1)),
+                        )
+                    };
+                    let v = _mm512_or_si512(x0, x1);
+                    _mm512_mask_storeu_epi32(dst.as_mut_ptr().cast(), 0x0fff, v);
+                    continue;
+                }
+                if second && a.cs == 1 && a.f32 && gather_ok {
+                    // Row-major f32 A: each pair is one 64-bit word of a row; gather the
+                    // sliver's rows 8 + 4 at a time, round both halves.
+                    let base = a.addr(r0, p);
+                    for (h, lanes) in [(0usize, live as u8), (8, (live >> 8) as u8 & 0x0f)] {
+                        let idx = _mm512_castsi512_si256(if h == 0 {
+                            row_idx
+                        } else {
+                            _mm512_shuffle_i64x2::<0b00_00_11_10>(row_idx, row_idx)
+                        });
+                        let x = _mm512_mask_i32gather_epi64::<4>(
+                            _mm512_setzero_si512(),
+                            lanes,
+                            idx,
+                            base.cast(),
+                        );
+                        let r = round_high(x);
+                        let even = _mm512_and_si512(_mm512_srli_epi64::<16>(r), low16);
+                        let odd = _mm512_and_si512(_mm512_srli_epi64::<32>(r), high_half);
+                        let pairs8 = _mm512_cvtepi64_epi32(_mm512_or_si512(even, odd));
+                        if h == 0 {
+                            _mm256_storeu_si256(dst.as_mut_ptr().cast(), pairs8);
+                        } else {
+                            _mm_storeu_si128(
+                                dst.as_mut_ptr().add(8).cast(),
+                                _mm256_castsi256_si128(pairs8),
+                            );
+                        }
+                    }
+                    continue;
+                }
+                for (i, d) in dst.iter_mut().enumerate().take(rows) {
+                    *d = if second {
                         a.pair(r0 + i, p)
                     } else {
                         a.at(r0 + i, p)
-                    }
-                };
+                    };
+                }
             }
             dst[rows..].fill(0);
         }
@@ -545,7 +620,7 @@ unsafe fn pack_a(ap: &mut [u32], a: Mat, i0: usize, mc: usize, p0: usize, kc: us
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn round_high(x: __m512i) -> __m512i {
-    // SAFETY: AVX-512F, which every variant enables.
+    // SAFETY: AVX2 and AVX-512F/BW/VL, which every variant enables.
     unsafe {
         let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
         let r = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
@@ -560,7 +635,7 @@ unsafe fn round_high(x: __m512i) -> __m512i {
 #[inline(always)]
 unsafe fn pack_b(bp: &mut [u32], b: Mat, p0: usize, kc: usize, j0: usize, nc: usize) {
     let pairs = kc.div_ceil(2);
-    // SAFETY: AVX-512F/BW, which every variant enables.
+    // SAFETY: AVX2 and AVX-512F/BW/VL, which every variant enables.
     let (lo, hi, high_half) = unsafe {
         // Interleave two rows of 32 bf16 into 32 pairs: `lo` takes columns 0..16, `hi` 16..32.
         let lo = _mm512_set_epi16(
@@ -569,6 +644,19 @@ unsafe fn pack_b(bp: &mut [u32], b: Mat, p0: usize, kc: usize, j0: usize, nc: us
         );
         let hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
         (lo, hi, _mm512_set1_epi32(0xffff_0000u32 as i32))
+    };
+    // Gather offsets (in f32) of 8 consecutive columns of a transposed f32 B.
+    let gather_ok = b.cs.unsigned_abs() * 32 < i32::MAX as usize;
+    // SAFETY: AVX2 and AVX-512F/BW/VL, which every variant enables.
+    let (col_idx, low16) = unsafe {
+        let cs = if gather_ok { b.cs as i32 } else { 0 };
+        (
+            _mm256_mullo_epi32(
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                _mm256_set1_epi32(cs),
+            ),
+            _mm512_set1_epi64(0xffff),
+        )
     };
     for (s, panel) in bp
         .chunks_exact_mut(pairs * NR)
@@ -607,6 +695,23 @@ unsafe fn pack_b(bp: &mut [u32], b: Mat, p0: usize, kc: usize, j0: usize, nc: us
                         );
                     }
                 }
+            } else if cols == NR && second && b.rs == 1 && b.f32 && gather_ok {
+                // Transposed f32 B: each pair is one 64-bit word of a stored row; gather 8
+                // at a time, round both halves, keep the high 16 bits of each.
+                // SAFETY: (p, c0 + j) and (p + 1, c0 + j) are in the window for j < 32.
+                unsafe {
+                    let base = b.addr(p, c0);
+                    let d = dst.as_mut_ptr();
+                    for h in 0..4 {
+                        let col0 = base.wrapping_offset(4 * 8 * h as isize * b.cs);
+                        let x = _mm512_i32gather_epi64::<4>(col_idx, col0.cast());
+                        let r = round_high(x);
+                        let even = _mm512_and_si512(_mm512_srli_epi64::<16>(r), low16);
+                        let odd = _mm512_and_si512(_mm512_srli_epi64::<32>(r), high_half);
+                        let pairs8 = _mm512_cvtepi64_epi32(_mm512_or_si512(even, odd));
+                        _mm256_storeu_si256(d.add(8 * h).cast(), pairs8);
+                    }
+                }
             } else {
                 for (j, d) in dst.iter_mut().enumerate().take(cols) {
                     // SAFETY: (p, c0 + j) and, when second, (p + 1, c0 + j) are in the window.
@@ -642,7 +747,7 @@ unsafe fn kernel<D: PairDot>(
     cols: usize,
     load_c: bool,
 ) {
-    // SAFETY: AVX-512F, which every variant enables.
+    // SAFETY: AVX2 and AVX-512F/BW/VL, which every variant enables.
     let mut acc = [[unsafe { _mm512_setzero_ps() }; 2]; MR];
     let (mut a, mut b) = (a, b);
     for _ in 0..pairs {
