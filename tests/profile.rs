@@ -107,30 +107,29 @@ fn train_profile_writes_trace_svg_and_a_report_that_renders_in_chromium() {
     let data = common::prepared(dir.path(), &common::small_corpus(dir.path()));
     let cfg = common::micro_config(dir.path());
     let run = dir.path().join("run");
-    let out = ok(&[
-        "train",
-        "--model",
-        cfg.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        run.to_str().unwrap(),
-        "--steps",
-        "8",
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--threads",
-        "1",
-        "--eval-every",
-        "4",
-        "--save-every",
-        "2",
-        "--profile",
-        "--profile-steps",
-        "2",
-    ]);
+    let args = common::train_args(
+        &cfg,
+        &data,
+        &run,
+        &[
+            "--steps",
+            "8",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--threads",
+            "1",
+            "--eval-every",
+            "4",
+            "--save-every",
+            "2",
+            "--profile",
+            "--profile-steps",
+            "2",
+        ],
+    );
+    let out = ok(&args);
     assert!(out.contains("report.html"), "{out}");
 
     // profile.json: two steps, every op of the schedule once per step, in order, with RSS.
@@ -328,26 +327,25 @@ fn a_report_that_cannot_be_written_does_not_end_the_run() {
     let run = dir.path().join("run");
     // report.html is taken by a non-empty directory: the atomic rename onto it fails.
     std::fs::create_dir_all(run.join("report.html/x")).unwrap();
-    let o = memwall(&[
-        "train",
-        "--model",
-        cfg.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        run.to_str().unwrap(),
-        "--steps",
-        "3",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--threads",
-        "1",
-        "--profile",
-        "--profile-steps",
-        "1",
-    ]);
+    let args = common::train_args(
+        &cfg,
+        &data,
+        &run,
+        &[
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--threads",
+            "1",
+            "--profile",
+            "--profile-steps",
+            "1",
+        ],
+    );
+    let o = memwall(&args);
     let all = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),

@@ -305,26 +305,17 @@ fn mixed_precision_plans_halve_activations_and_keep_fp32_masters() {
 fn bf16_run_loss(dir: &std::path::Path, data: &std::path::Path, dot: &str) -> (f64, f64) {
     let cfg = common::micro_config(dir);
     let out = dir.join(format!("run-{dot}"));
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
-        .env("MEMWALL_BF16_DOT", dot)
-        .args([
-            "train",
-            "--model",
-            cfg.to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-        ])
-        .args([
-            "--out",
-            out.to_str().unwrap(),
+    let args = common::train_args(
+        &cfg,
+        data,
+        &out,
+        &[
             "--steps",
             "40",
             "--batch",
             "4",
             "--seq",
             "32",
-        ])
-        .args([
             "--precision",
             "bf16",
             "--threads",
@@ -335,9 +326,9 @@ fn bf16_run_loss(dir: &std::path::Path, data: &std::path::Path, dot: &str) -> (f
             "1e-2",
             "--warmup",
             "3",
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
+    let o = common::memwall_env(&[("MEMWALL_BF16_DOT", dot)], &args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let losses: Vec<f64> = metrics

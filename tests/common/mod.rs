@@ -57,18 +57,34 @@ pub fn micro_config(dir: &Path) -> PathBuf {
     p
 }
 
-/// Runs the `memwall` binary built for the tests.
-pub fn memwall(args: &[&str]) -> Output {
+/// `train --model CFG --data DATA --out RUN` followed by `extra`, as arguments for [`memwall`].
+pub fn train_args(cfg: &Path, data: &Path, run: &Path, extra: &[&str]) -> Vec<String> {
+    let paths = [cfg, data, run].map(|p| p.to_str().unwrap().to_string());
+    let head = [
+        "train", "--model", &paths[0], "--data", &paths[1], "--out", &paths[2],
+    ];
+    head.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// Runs the `memwall` binary built for the tests with extra environment variables.
+pub fn memwall_env<S: AsRef<str>>(env: &[(&str, &str)], args: &[S]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_memwall"))
-        .args(args)
+        .envs(env.iter().copied())
+        .args(args.iter().map(|a| a.as_ref()))
         .output()
         .expect("run memwall")
 }
 
+/// Runs the `memwall` binary built for the tests.
+pub fn memwall<S: AsRef<str>>(args: &[S]) -> Output {
+    memwall_env(&[], args)
+}
+
 /// Runs memwall expecting failure; returns stderr. Asserts a clean error: exit status 1 (or
 /// 2, clap's status for a malformed flag), an `error:` line, no panic.
-pub fn fails(args: &[&str]) -> String {
+pub fn fails<S: AsRef<str>>(args: &[S]) -> String {
     let o = memwall(args);
+    let args: Vec<&str> = args.iter().map(|a| a.as_ref()).collect();
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(
         matches!(o.status.code(), Some(1 | 2)),
@@ -83,8 +99,9 @@ pub fn fails(args: &[&str]) -> String {
     err
 }
 
-pub fn ok(args: &[&str]) -> String {
+pub fn ok<S: AsRef<str>>(args: &[S]) -> String {
     let o = memwall(args);
+    let args: Vec<&str> = args.iter().map(|a| a.as_ref()).collect();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "memwall {args:?} failed:\n{err}");
     String::from_utf8_lossy(&o.stdout).to_string()

@@ -32,7 +32,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::matmul::span;
+use super::matmul::{check_windows, zero_window};
 use half::bf16;
 
 /// Rows of a micro-tile (broadcast A pairs).
@@ -225,7 +225,6 @@ unsafe impl Sync for Scratch {}
 /// # Panics
 /// When `dot` is not available on this CPU, `pack` is too small ([`pack_fits`]), or a
 /// stride or length does not cover its window.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16(
     dot: Dot,
     (m, n, k): (usize, usize, usize),
@@ -235,25 +234,18 @@ pub fn gemm_bf16(
     accumulate: bool,
     pack: &mut [u32], // packing scratch, split per thread
 ) {
-    let (a_rows, a_cols) = if a_trans { (k, m) } else { (m, k) };
-    let (b_rows, b_cols) = if b_trans { (n, k) } else { (k, n) };
     // These asserts guard the raw-pointer code below: keep them in release builds.
     assert!(
         dot.available(),
         "gemm_bf16: {dot:?} is not available on this CPU"
     );
-    assert!(lda >= a_cols, "gemm_bf16: lda {lda} < {a_cols}");
-    assert!(ldb >= b_cols, "gemm_bf16: ldb {ldb} < {b_cols}");
-    assert!(ldc >= n, "gemm_bf16: ldc {ldc} < {n}");
-    assert!(
-        a.len() >= span(a_rows, a_cols, lda),
-        "gemm_bf16: a too short"
+    check_windows(
+        "gemm_bf16",
+        (m, n, k),
+        (a.len(), lda, a_trans),
+        (b.len(), ldb, b_trans),
+        (c.len(), ldc),
     );
-    assert!(
-        b.len() >= span(b_rows, b_cols, ldb),
-        "gemm_bf16: b too short"
-    );
-    assert!(c.len() >= span(m, n, ldc), "gemm_bf16: c too short");
     #[cfg(test)]
     CALLS.with(|c| c.set(c.get() + 1));
     if m == 0 || n == 0 {
@@ -261,9 +253,7 @@ pub fn gemm_bf16(
     }
     if k == 0 {
         if !accumulate {
-            for row in c.chunks_mut(ldc).take(m) {
-                row[..n].fill(0.0);
-            }
+            zero_window(c, ldc, m, n);
         }
         return;
     }
@@ -290,7 +280,16 @@ pub fn gemm_bf16(
     let unit = if by_cols { NR } else { MR };
     let units = len.div_ceil(unit);
     let per_part = units.div_ceil(parts);
-    let out = Out(c.as_mut_ptr());
+    let job = Job {
+        m,
+        n,
+        k,
+        a,
+        b,
+        c: Out(c.as_mut_ptr()),
+        ldc,
+        accumulate,
+    };
     let scratch = Scratch(pack.as_mut_ptr(), per);
     let blocks = Blocks { kc2, mc, nc };
     let stripe = move |s: usize| {
@@ -299,40 +298,17 @@ pub fn gemm_bf16(
             return;
         }
         let (x0, x1) = (u0 * unit, (u1 * unit).min(len));
-        let (out, scratch) = (out, scratch);
+        let scratch = scratch;
         // SAFETY: chunk s of the scratch is this stripe's alone (s < parts, per·parts ≤
         // len); the stripe is a sub-window of the checked window; stripes of C are disjoint.
         unsafe {
             let pack = std::slice::from_raw_parts_mut(scratch.0.add(s * scratch.1), scratch.1);
-            if by_cols {
-                let bs = b.from(0, x0);
-                let c = out.0.add(x0);
-                serial(
-                    dot,
-                    blocks,
-                    (m, x1 - x0, k),
-                    a,
-                    bs,
-                    c,
-                    ldc,
-                    accumulate,
-                    pack,
-                );
+            let job = if by_cols {
+                job.cols(x0, x1)
             } else {
-                let as_ = a.from(x0, 0);
-                let c = out.0.add(x0 * ldc);
-                serial(
-                    dot,
-                    blocks,
-                    (x1 - x0, n, k),
-                    as_,
-                    b,
-                    c,
-                    ldc,
-                    accumulate,
-                    pack,
-                );
-            }
+                job.rows(x0, x1)
+            };
+            serial(dot, blocks, job, pack);
         }
     };
     if parts == 1 {
@@ -360,32 +336,57 @@ struct Blocks {
     nc: usize,
 }
 
+/// One GEMM over a window: `c` (`m × n`, row stride `ldc`) = (`accumulate` ? c : 0) +
+/// op(a) · op(b).
+#[derive(Clone, Copy)]
+struct Job {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Mat,
+    b: Mat,
+    c: Out,
+    ldc: usize,
+    accumulate: bool,
+}
+
+impl Job {
+    /// Columns `x0..x1` of this job's C.
+    fn cols(self, x0: usize, x1: usize) -> Job {
+        Job {
+            n: x1 - x0,
+            b: self.b.from(0, x0),
+            c: Out(self.c.0.wrapping_add(x0)),
+            ..self
+        }
+    }
+
+    /// Rows `x0..x1` of this job's C.
+    fn rows(self, x0: usize, x1: usize) -> Job {
+        Job {
+            m: x1 - x0,
+            a: self.a.from(x0, 0),
+            c: Out(self.c.0.wrapping_add(x0 * self.ldc)),
+            ..self
+        }
+    }
+}
+
 /// One thread's GEMM over its stripe, with the variant's instruction set enabled.
 ///
 /// # Safety
-/// `dot` is available; the windows are valid; `pack` holds `kc2·(mc + nc)` words.
-#[allow(clippy::too_many_arguments)]
-unsafe fn serial(
-    dot: Dot,
-    blocks: Blocks,
-    shape: (usize, usize, usize),
-    a: Mat,
-    b: Mat,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-    pack: &mut [u32],
-) {
+/// `dot` is available; the job's windows are valid; `pack` holds `kc2·(mc + nc)` words.
+unsafe fn serial(dot: Dot, blocks: Blocks, job: Job, pack: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     unsafe {
         match dot {
-            Dot::Hardware => serial_hw(blocks, shape, a, b, c, ldc, accumulate, pack),
-            Dot::Emulated => serial_emu(blocks, shape, a, b, c, ldc, accumulate, pack),
+            Dot::Hardware => serial_hw(blocks, job, pack),
+            Dot::Emulated => serial_emu(blocks, job, pack),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (dot, blocks, shape, a, b, c, ldc, accumulate, pack);
+        let _ = (dot, blocks, job, pack);
         unreachable!("gemm_bf16 needs x86_64 (Dot::available is false)");
     }
 }
@@ -395,19 +396,9 @@ unsafe fn serial(
 #[cfg(target_arch = "x86_64")]
 macro_rules! variant {
     ($name:ident, $features:literal, $dot:path) => {
-        #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = $features)]
-        unsafe fn $name(
-            blocks: Blocks,
-            shape: (usize, usize, usize),
-            a: Mat,
-            b: Mat,
-            c: *mut f32,
-            ldc: usize,
-            accumulate: bool,
-            pack: &mut [u32],
-        ) {
-            unsafe { driver::<$dot>(blocks, shape, a, b, c, ldc, accumulate, pack) }
+        unsafe fn $name(blocks: Blocks, job: Job, pack: &mut [u32]) {
+            unsafe { driver::<$dot>(blocks, job, pack) }
         }
     };
 }
@@ -472,16 +463,19 @@ impl PairDot for EmuDot {
 
 /// The BLIS loops: row blocks of A, k slices, column blocks of B, slivers × panels.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn driver<D: PairDot>(
     Blocks { kc2, mc, nc }: Blocks,
-    (m, n, k): (usize, usize, usize),
-    a: Mat,
-    b: Mat,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
+    Job {
+        m,
+        n,
+        k,
+        a,
+        b,
+        c: Out(c),
+        ldc,
+        accumulate,
+    }: Job,
     pack: &mut [u32], // [kc2·mc] A slivers, then [kc2·nc] B panels
 ) {
     let (ap, bp) = pack.split_at_mut(kc2 * mc);

@@ -42,7 +42,7 @@
 
 use super::elem::Elem;
 use super::gemm_bf16::{Dot, Operand, gemm_bf16, pack_fits};
-use super::matmul::{sgemm, span};
+use super::matmul::{check_windows, sgemm, span};
 use super::reduce::{multiversion, rows_per_task};
 use half::bf16;
 use half::f16;
@@ -294,21 +294,14 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
     bias: Option<&[D]>, // [n], added to every row of c
     ws: &mut [f32],     // [3, block, block] scratch: A, B and C tiles
 ) {
-    let (a_rows, a_cols) = if a_trans { (k, m) } else { (m, k) };
-    let (b_rows, b_cols) = if b_trans { (n, k) } else { (k, n) };
     assert!(block > 0, "gemm_mixed: block size 0");
-    assert!(lda >= a_cols, "gemm_mixed: lda {lda} < {a_cols}");
-    assert!(ldb >= b_cols, "gemm_mixed: ldb {ldb} < {b_cols}");
-    assert!(ldc >= n, "gemm_mixed: ldc {ldc} < {n}");
-    assert!(
-        a.len() >= span(a_rows, a_cols, lda),
-        "gemm_mixed: a too short"
+    check_windows(
+        "gemm_mixed",
+        (m, n, k),
+        (a.len(), lda, a_trans),
+        (b.len(), ldb, b_trans),
+        (c.len(), ldc),
     );
-    assert!(
-        b.len() >= span(b_rows, b_cols, ldb),
-        "gemm_mixed: b too short"
-    );
-    assert!(c.len() >= span(m, n, ldc), "gemm_mixed: c too short");
     if let Some(bias) = bias {
         assert_eq!(bias.len(), n, "gemm_mixed: bias length");
     }
@@ -641,74 +634,44 @@ mod tests {
         let w = randn(k * n, 1.0, 6);
         let w16: Vec<bf16> = round_to(&w);
         for b_trans in [false, true] {
-            let run = |b: &dyn Fn(&mut [f32], &mut [f32])| {
+            let ld = if b_trans { k } else { n };
+            // a @ w on the given path; returns the product and the dot-product calls made.
+            fn product<W: Elem>(
+                dot: Option<Dot>,
+                (m, n, k, ld, b_trans): (usize, usize, usize, usize, bool),
+                a: &[bf16],
+                w: &[W],
+            ) -> (Vec<f32>, usize) {
                 let mut c = vec![0.0f32; m * n];
                 let mut ws = vec![0.0; workspace_len(64)];
-                b(&mut c, &mut ws);
-                c
-            };
-            let ld = if b_trans { k } else { n };
-            let mixed = run(&|c, ws| {
-                gemm_mixed_blocked(
-                    64,
-                    (m, n, k),
-                    (&a, k, false),
-                    (&w, ld, b_trans),
-                    (c, n),
-                    false,
-                    None::<&[f32]>,
-                    ws,
-                )
-            });
-            let copy = run(&|c, ws| {
-                gemm_mixed_blocked(
-                    64,
-                    (m, n, k),
-                    (&a, k, false),
-                    (&w16, ld, b_trans),
-                    (c, n),
-                    false,
-                    None::<&[f32]>,
-                    ws,
-                )
-            });
-            let (mut x, mut y) = (vec![], vec![]);
-            let used = with_dot(Some(Dot::Emulated), || {
-                x = run(&|c, ws| {
+                let calls = with_dot(dot, || {
+                    let (b, cc) = ((w, ld, b_trans), (&mut c[..], n));
                     gemm_mixed_blocked(
                         64,
                         (m, n, k),
-                        (&a, k, false),
-                        (&w, ld, b_trans),
-                        (c, n),
+                        (a, k, false),
+                        b,
+                        cc,
                         false,
                         None::<&[f32]>,
-                        ws,
+                        &mut ws,
                     )
                 });
-                y = run(&|c, ws| {
-                    gemm_mixed_blocked(
-                        64,
-                        (m, n, k),
-                        (&a, k, false),
-                        (&w16, ld, b_trans),
-                        (c, n),
-                        false,
-                        None::<&[f32]>,
-                        ws,
-                    )
-                });
-            });
+                (c, calls)
+            }
+            let shape = (m, n, k, ld, b_trans);
+            let (exact, _) = product(None, shape, &a, &w);
+            let (exact16, _) = product(None, shape, &a, &w16);
+            let (x, used) = product(Some(Dot::Emulated), shape, &a, &w);
+            let (y, _) = product(Some(Dot::Emulated), shape, &a, &w16);
             assert!(used > 0);
             assert_eq!(x, y, "b_trans={b_trans}: f32 operand rounded while packed");
-            // Without a dot-product kernel the f32 operand is used exactly (no rounding), so
-            // the two differ; the rounded result stays within bf16 accuracy of it.
-            if bf16_dot().is_none() {
-                assert_ne!(mixed, copy);
-            }
+            // The widening path uses the f32 operand exactly (no rounding), so the two differ
+            // there; the rounded result stays within bf16 accuracy of it.
+            assert_ne!(exact, exact16);
             // Each weight moves by up to 2^-9 of itself: sums of k such errors.
             let tol = (k as f32).sqrt() / 50.0;
-            assert_close(&x, &mixed, tol, 1.0 / 64.0, "rounded vs exact f32 weights");
+            assert_close(&x, &exact, tol, 1.0 / 64.0, "rounded vs exact f32 weights");
         }
     }
 

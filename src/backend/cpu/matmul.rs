@@ -43,6 +43,34 @@ pub(super) fn span(rows: usize, cols: usize, ld: usize) -> usize {
     }
 }
 
+/// Panics (naming `who`) unless the strides and lengths cover the windows of a GEMM
+/// `c[m,n] = op(a)[m,k] @ op(b)[k,n]` laid out as [`sgemm`] describes. The GEMMs read their
+/// operands through raw pointers on the strength of this check: it runs in release builds.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_windows(
+    who: &str,
+    (m, n, k): (usize, usize, usize),
+    (a_len, lda, a_trans): (usize, usize, bool),
+    (b_len, ldb, b_trans): (usize, usize, bool),
+    (c_len, ldc): (usize, usize),
+) {
+    let (a_rows, a_cols) = if a_trans { (k, m) } else { (m, k) };
+    let (b_rows, b_cols) = if b_trans { (n, k) } else { (k, n) };
+    assert!(lda >= a_cols, "{who}: lda {lda} < {a_cols}");
+    assert!(ldb >= b_cols, "{who}: ldb {ldb} < {b_cols}");
+    assert!(ldc >= n, "{who}: ldc {ldc} < {n}");
+    assert!(a_len >= span(a_rows, a_cols, lda), "{who}: a too short");
+    assert!(b_len >= span(b_rows, b_cols, ldb), "{who}: b too short");
+    assert!(c_len >= span(m, n, ldc), "{who}: c too short");
+}
+
+/// Zeroes the `m × n` window of `c` (row stride `ldc`): a GEMM's output when k is 0.
+pub(super) fn zero_window(c: &mut [f32], ldc: usize, m: usize, n: usize) {
+    for row in c.chunks_mut(ldc).take(m) {
+        row[..n].fill(0.0);
+    }
+}
+
 /// General strided single-precision GEMM used by the executor for the tied LM head:
 /// `c[m,n] = (accumulate ? c : 0) + alpha * op(a)[m,k] @ op(b)[k,n], where op transposes when`
 /// the flag is set; a, b, c are row-major with the given leading dimensions (lda etc. = row
@@ -64,23 +92,19 @@ pub fn sgemm(
     ldc: usize,
     accumulate: bool,
 ) {
-    let (a_rows, a_cols) = if trans_a { (k, m) } else { (m, k) };
-    let (b_rows, b_cols) = if trans_b { (n, k) } else { (k, n) };
-    // These asserts guard the raw-pointer call below: keep them in release builds.
-    assert!(lda >= a_cols, "sgemm: lda {lda} < {a_cols}");
-    assert!(ldb >= b_cols, "sgemm: ldb {ldb} < {b_cols}");
-    assert!(ldc >= n, "sgemm: ldc {ldc} < {n}");
-    assert!(a.len() >= span(a_rows, a_cols, lda), "sgemm: a too short");
-    assert!(b.len() >= span(b_rows, b_cols, ldb), "sgemm: b too short");
-    assert!(c.len() >= span(m, n, ldc), "sgemm: c too short");
+    check_windows(
+        "sgemm",
+        (m, n, k),
+        (a.len(), lda, trans_a),
+        (b.len(), ldb, trans_b),
+        (c.len(), ldc),
+    );
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            for row in c.chunks_mut(ldc).take(m) {
-                row[..n].fill(0.0);
-            }
+            zero_window(c, ldc, m, n);
         }
         return;
     }
