@@ -259,6 +259,19 @@ fn measured_peak_rss_matches_the_plan() {
             err.abs() <= 3.0,
             "{extra:?}: plan {plan} vs measured {measured}: {err:.2}%"
         );
+        // The sitting's FMA ceiling comes with every figure (null only without AVX2/AVX-512).
+        let peak = &v["fma_peak"];
+        if !peak.is_null() {
+            for key in [
+                "gflops_per_s_before",
+                "gflops_per_s_after",
+                "fraction_reached",
+            ] {
+                let x = peak[key].as_f64().unwrap();
+                assert!(x.is_finite() && x > 0.0, "fma_peak.{key} = {x}");
+            }
+            assert_eq!(peak["threads"], 2, "{peak}");
+        }
     }
 }
 

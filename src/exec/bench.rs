@@ -67,6 +67,10 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let layout = plan.layout.clone();
     let n_ops = plan.schedule.ops.len();
     let mut ex = Executor::new(plan)?;
+    // The sitting's arithmetic ceiling, measured on the same threads before and after the
+    // steps (a shared machine's ceiling moves; a fraction of it is what a figure means).
+    let fma_peak = || crate::backend::cpu::peak::measure(5, 0.02);
+    let peak_before = fma_peak();
     let epoch = Instant::now();
     if opts.time_ops || opts.profile.is_some() {
         ex.record_ops(Some(OpRecorder::new(epoch, n_ops * (opts.steps + 1))));
@@ -137,6 +141,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         }
         on_step(step, dt);
     }
+    let peak_after = fma_peak();
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
@@ -205,6 +210,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "step_s": times,
         "gflops_per_s": flops as f64 / median / 1e9,
         "flops_per_step": flops,
+        "fma_peak": peak_before.zip(peak_after).map(|(b, a)| json!({
+            "gflops_per_s_before": b.gflops_per_s, "gflops_per_s_after": a.gflops_per_s,
+            "isa": b.isa, "threads": b.threads,
+            "fraction_reached": flops as f64 / median / 1e9 / b.gflops_per_s.max(a.gflops_per_s),
+        })),
         "peak_rss_bytes": peak,
         "baseline_rss_bytes": baseline,
         "plan_total_bytes": plan_total,

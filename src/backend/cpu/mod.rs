@@ -24,6 +24,7 @@ pub mod gemm_bf16;
 pub mod gemm_mixed;
 pub mod layernorm;
 pub mod matmul;
+pub mod peak;
 pub mod quant;
 pub mod reduce;
 pub mod xent;
