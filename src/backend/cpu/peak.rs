@@ -8,7 +8,7 @@
 //!
 //! The loop keeps [`CHAINS`] independent accumulators per thread (more than the FMA latency
 //! times the FMA ports of current x86 cores), touches no memory, and returns the sum of its
-//! accumulators so the work cannot be optimised away; [`tests`] check that sum against a
+//! accumulators so the work cannot be optimised away; the tests check that sum against a
 //! scalar twin, which proves the loop performs the multiply-adds it is credited with.
 
 /// Independent accumulator vectors per thread.
