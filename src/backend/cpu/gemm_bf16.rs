@@ -32,7 +32,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::matmul::{check_windows, zero_window};
+use super::matmul::checked_work;
 use half::bf16;
 
 /// Rows of a micro-tile (broadcast A pairs).
@@ -239,22 +239,17 @@ pub fn gemm_bf16(
         dot.available(),
         "gemm_bf16: {dot:?} is not available on this CPU"
     );
-    check_windows(
+    #[cfg(test)]
+    CALLS.with(|c| c.set(c.get() + 1));
+    if !checked_work(
         "gemm_bf16",
         (m, n, k),
         (a.len(), lda, a_trans),
         (b.len(), ldb, b_trans),
-        (c.len(), ldc),
-    );
-    #[cfg(test)]
-    CALLS.with(|c| c.set(c.get() + 1));
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            zero_window(c, ldc, m, n);
-        }
+        c,
+        ldc,
+        accumulate,
+    ) {
         return;
     }
     let a = if a_trans {

@@ -64,11 +64,31 @@ pub(super) fn check_windows(
     assert!(c_len >= span(m, n, ldc), "{who}: c too short");
 }
 
-/// Zeroes the `m × n` window of `c` (row stride `ldc`): a GEMM's output when k is 0.
-pub(super) fn zero_window(c: &mut [f32], ldc: usize, m: usize, n: usize) {
-    for row in c.chunks_mut(ldc).take(m) {
-        row[..n].fill(0.0);
+/// The common entry of the f32-output GEMMs: [`check_windows`], then the degenerate
+/// products settled here. Returns false when nothing is left to compute: `m` or `n` is 0, or
+/// `k` is 0 (the window of `c` zeroed unless accumulating).
+pub(super) fn checked_work(
+    who: &str,
+    (m, n, k): (usize, usize, usize),
+    a: (usize, usize, bool), // (len, lda, trans)
+    b: (usize, usize, bool), // (len, ldb, trans)
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+) -> bool {
+    check_windows(who, (m, n, k), a, b, (c.len(), ldc));
+    if m == 0 || n == 0 {
+        return false;
     }
+    if k == 0 {
+        if !accumulate {
+            for row in c.chunks_mut(ldc).take(m) {
+                row[..n].fill(0.0);
+            }
+        }
+        return false;
+    }
+    true
 }
 
 /// General strided single-precision GEMM used by the executor for the tied LM head:
@@ -92,20 +112,15 @@ pub fn sgemm(
     ldc: usize,
     accumulate: bool,
 ) {
-    check_windows(
+    if !checked_work(
         "sgemm",
         (m, n, k),
         (a.len(), lda, trans_a),
         (b.len(), ldb, trans_b),
-        (c.len(), ldc),
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            zero_window(c, ldc, m, n);
-        }
+        c,
+        ldc,
+        accumulate,
+    ) {
         return;
     }
     let (a_rs, a_cs) = if trans_a {
@@ -125,7 +140,7 @@ pub fn sgemm(
         let rows = GEMM_M_BLOCK.min(m - i0);
         // Offset of row i0 of op(a): a row of the stored matrix, or a column when transposed.
         let a_off = if trans_a { i0 } else { i0 * lda };
-        // SAFETY: the asserts above prove every (row, col) index gemm touches lies inside `a`,
+        // SAFETY: `checked_work`'s asserts prove every (row, col) index gemm touches lies inside `a`,
         // `b` and `c` (a block is a sub-window of the checked window); `c` is a unique borrow,
         // so it aliases neither input; ldc >= n keeps distinct output elements distinct, so the
         // parallel tiles never overlap.
