@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use memwall::backend::cpu::Cpu;
 use memwall::data::{corpus, prepare};
 use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
@@ -338,6 +339,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
                 ..cfg.clone()
             },
             Mode::Train,
+            &Cpu,
         )?,
         RecomputeChoice::Auto => plan::fit::plan_with_recompute(
             &spec,
@@ -346,6 +348,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             choice,
             a.step.max_memory,
             baseline,
+            &Cpu,
         )?,
     };
     if let Some(path) = &a.svg {
@@ -361,13 +364,13 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?
         );
     } else {
-        print!("{}", plan::report::table(&plan, baseline));
+        print!("{}", plan::report::table(&plan, baseline, &Cpu));
         if let Some(path) = &a.svg {
             println!("  memory timeline drawn to {}", path.display());
         }
     }
     if let Some(budget) = a.step.max_memory {
-        plan::fit::check_budget(&plan, budget, baseline)?;
+        plan::fit::check_budget(&plan, budget, baseline, &Cpu)?;
         if !a.json {
             println!("  fits --max-memory {}", fmt_bytes(budget));
         }
@@ -615,11 +618,12 @@ fn demo(a: DemoArgs) -> Result<()> {
         &spec,
         &StepConfig::new(o.batch, o.seq, threads),
         Mode::Train,
+        &Cpu,
     )?;
     println!("\n2. the memory plan, before any step runs:\n");
     print!(
         "{}",
-        plan::report::table(&plan, rss::current_rss().unwrap_or(0))
+        plan::report::table(&plan, rss::current_rss().unwrap_or(0), &Cpu)
     );
     println!(
         "\n3. training {} steps (loss should fall from ~10.8):\n",

@@ -2,6 +2,7 @@
 //! transformers (tests/fixtures/hf-tiny-gpt2, made by make_hf_fixture.py) loads, and memwall
 //! computes the same logits, the same loss and the same greedy continuation as transformers.
 
+use memwall::backend::cpu::Cpu;
 use memwall::ckpt;
 use memwall::exec::Executor;
 use memwall::exec::generate::{SampleOptions, generate_tokens};
@@ -28,10 +29,11 @@ fn logits_and_loss_match_transformers() {
     let (dir, exp) = fixture();
     let spec = ckpt::load_spec(&dir).unwrap();
     let prompt = ids(&exp["prompt"]);
-    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, &Cpu).unwrap();
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan).unwrap();
-    ckpt::load_params(&dir, &layout, ex.params_mut()).unwrap();
+    ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap();
     let logits = ex.next_token_logits(&prompt).unwrap();
     let want: Vec<f64> = exp["last_logits"]
         .as_array()
@@ -50,10 +52,11 @@ fn logits_and_loss_match_transformers() {
     let mut seq = prompt.clone();
     seq.extend(ids(&exp["greedy"]));
     let t = seq.len() - 1;
-    let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
-    ckpt::load_params(&dir, &layout, ex.params_mut()).unwrap();
-    ex.set_batch(&seq).unwrap();
+    ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap();
+    ex.upload_batch(&seq).unwrap();
     let loss = ex.eval_loss() as f64;
     let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
     assert!(

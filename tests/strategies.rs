@@ -1,6 +1,7 @@
 //! Memory strategies against their promises: recomputation changes memory but not one bit of
 //! the weights; gradient accumulation trains like the larger batch.
 
+use memwall::backend::cpu::Cpu;
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::model::ModelSpec;
 use memwall::plan::{
@@ -40,10 +41,10 @@ fn hp(step: u64) -> OptimHparams {
 /// micro-batching; returns the weights and the losses.
 fn train(cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
     let spec = small_spec();
-    let plan = build_plan(&spec, cfg, Mode::Train).unwrap();
+    let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let layout = ex.plan.layout.clone();
-    layout.init(ex.params_mut(), spec.n_layer, 7);
+    ex.with_params_mut(|p| layout.init(p, spec.n_layer, 7));
     let mut rng = Rng::new(3);
     let rows = cfg.batch * cfg.grad_accum;
     let mut losses = Vec::new();
@@ -57,14 +58,14 @@ fn train(cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
                 x = (3 * x + 1) % v;
             }
         }
-        ex.set_batch(&batch).unwrap();
+        ex.upload_batch(&batch).unwrap();
         losses.push(ex.train_step(&hp(step)).loss);
     }
-    (ex.params().to_vec(), losses)
+    (ex.download_params(), losses)
 }
 
 fn activation_peak(cfg: &StepConfig) -> u64 {
-    let plan = build_plan(&small_spec(), cfg, Mode::Train).unwrap();
+    let plan = build_plan(&small_spec(), cfg, Mode::Train, &Cpu).unwrap();
     plan.peak_by_category()
         .into_iter()
         .find(|(c, _)| *c == Category::Activation)
@@ -92,7 +93,7 @@ fn every_recompute_policy_gives_bitwise_identical_weights() {
             ..base.clone()
         };
         // The plan really recomputes, and keeps fewer activation bytes.
-        let plan = build_plan(&small_spec(), &cfg, Mode::Train).unwrap();
+        let plan = build_plan(&small_spec(), &cfg, Mode::Train, &Cpu).unwrap();
         let re_ops = plan
             .schedule
             .ops
@@ -140,7 +141,7 @@ fn activation_bytes_shrink_sixfold_with_full_recompute_on_gpt2() {
             recompute: r,
             ..StepConfig::new(8, 512, 2)
         };
-        let plan = build_plan(&spec, &cfg, Mode::Train).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
         plan.peak_by_category()
             .into_iter()
             .find(|(c, _)| *c == Category::Activation)
@@ -169,7 +170,7 @@ fn compressed_optimizer_state_shrinks_its_category() {
             optim_state: f,
             ..StepConfig::new(4, 256, 2)
         };
-        let plan = build_plan(&spec, &cfg, Mode::Train).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
         plan.bytes_by_category()
             .into_iter()
             .find(|(c, _)| *c == Category::OptimizerState)
@@ -237,27 +238,27 @@ fn overflowing_gradients_skip_the_update() {
         precision: Precision::F16,
         ..StepConfig::new(2, 16, 2)
     };
-    let plan = build_plan(&spec, &cfg, Mode::Train).unwrap();
+    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let layout = ex.plan.layout.clone();
-    layout.init(ex.params_mut(), spec.n_layer, 7);
+    ex.with_params_mut(|p| layout.init(p, spec.n_layer, 7));
     let batch: Vec<u32> = (0..2 * 17).map(|i| (i * 5 % 97) as u32).collect();
-    ex.set_batch(&batch).unwrap();
-    let before = ex.params().to_vec();
+    ex.upload_batch(&batch).unwrap();
+    let before = ex.download_params();
     // A loss scale far beyond f16's range: the gradients overflow, the step is skipped.
     ex.set_loss_scale(1e30);
     let st = ex.train_step(&hp(1));
     assert!(st.skipped && !st.grad_norm.is_finite(), "{st:?}");
     assert_eq!(
-        ex.params(),
-        &before[..],
+        ex.download_params(),
+        before,
         "a skipped step must not move the weights"
     );
     // A sane scale: the step runs and the weights move.
     ex.set_loss_scale(1024.0);
     let st = ex.train_step(&hp(1));
     assert!(!st.skipped && st.grad_norm.is_finite(), "{st:?}");
-    assert_ne!(ex.params(), &before[..]);
+    assert_ne!(ex.download_params(), before);
 }
 
 #[test]
@@ -268,7 +269,7 @@ fn mixed_precision_plans_halve_activations_and_keep_fp32_masters() {
             precision: p,
             ..StepConfig::new(4, 256, 2)
         };
-        build_plan(&spec, &cfg, Mode::Train).unwrap()
+        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
     };
     let (f, b) = (plan(Precision::F32), plan(Precision::Bf16));
     let cat = |p: &memwall::plan::Plan, c: Category| {

@@ -3,6 +3,7 @@
 
 mod common;
 
+use memwall::backend::cpu::Cpu;
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::exec::train::{NoProgress, TrainOptions, resume_options, train};
 use memwall::model::ModelSpec;
@@ -27,16 +28,18 @@ fn micro_spec() -> ModelSpec {
 /// every gradient is well above f32 noise.
 fn micro_executor(threads: usize) -> Executor {
     let spec = micro_spec();
-    let plan = build_plan(&spec, &StepConfig::new(3, 7, threads), Mode::Train).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(3, 7, threads), Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let mut rng = Rng::new(11);
     let layout = ex.plan.layout.clone();
-    layout.init(ex.params_mut(), spec.n_layer, 5);
-    for x in ex.params_mut().iter_mut() {
-        *x += 0.1 * rng.normal();
-    }
+    ex.with_params_mut(|p| {
+        layout.init(p, spec.n_layer, 5);
+        for x in p.iter_mut() {
+            *x += 0.1 * rng.normal();
+        }
+    });
     let batch: Vec<u32> = (0..3 * 8).map(|_| rng.below(61) as u32).collect();
-    ex.set_batch(&batch).unwrap();
+    ex.upload_batch(&batch).unwrap();
     ex
 }
 
@@ -45,17 +48,19 @@ fn whole_model_gradients_match_finite_differences() {
     let mut ex = micro_executor(2);
     let loss = ex.compute_gradients();
     assert!(loss.is_finite());
-    let g: Vec<f32> = ex.grads().to_vec();
-    let p0: Vec<f32> = ex.params().to_vec();
+    let g: Vec<f32> = ex.download_grads();
+    let p0: Vec<f32> = ex.download_params();
     let mut rng = Rng::new(99);
     // Directional derivatives along random directions (all parameters at once).
     for _ in 0..3 {
         let d: Vec<f32> = (0..p0.len()).map(|_| rng.normal()).collect();
         let eps = 1e-3f32;
         let eval = |ex: &mut Executor, s: f32| {
-            for ((p, &q), &di) in ex.params_mut().iter_mut().zip(&p0).zip(&d) {
-                *p = q + s * di;
-            }
+            ex.with_params_mut(|p| {
+                for ((p, &q), &di) in p.iter_mut().zip(&p0).zip(&d) {
+                    *p = q + s * di;
+                }
+            });
             ex.eval_loss() as f64
         };
         let fd = (eval(&mut ex, eps) - eval(&mut ex, -eps)) / (2.0 * eps as f64);
@@ -75,8 +80,10 @@ fn whole_model_gradients_match_finite_differences() {
             .unwrap();
         let eps = 2e-3f32;
         let mut at = |s: f32| {
-            ex.params_mut().copy_from_slice(&p0);
-            ex.params_mut()[i] += s;
+            ex.with_params_mut(|p| {
+                p.copy_from_slice(&p0);
+                p[i] += s;
+            });
             ex.eval_loss() as f64
         };
         let fd = (at(eps) - at(-eps)) / (2.0 * eps as f64);
@@ -109,7 +116,7 @@ fn training_is_deterministic_for_a_thread_count() {
                 ..hp.clone()
             });
         }
-        ex.params().to_vec()
+        ex.download_params()
     };
     assert_eq!(run(), run());
 }

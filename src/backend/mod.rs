@@ -1,5 +1,100 @@
 //! Backends compute; they do not decide. A backend never chooses placement or lifetime and
-//! never allocates: every output and workspace slice is handed to it by the executor, carved
-//! from the memory plan's arena. `cpu` is the only backend today.
+//! never allocates during a step: the plan says which buffers exist, where and when, and the
+//! backend allocates each packed tier once ([`Backend::start`]) and runs the schedule's ops
+//! on views of it. `cpu` is the only backend today.
+//!
+//! The seam has two sides:
+//! - [`Sizing`], what the planner asks: the workspace the backend's kernels need and the
+//!   scratch its libraries keep for themselves. The plan does not know which backend runs it
+//!   beyond these answers.
+//! - [`Device`], a started backend: runs one [`Op`] at a time, and moves bytes between the
+//!   host and plan buffers ([`Device::download`], [`Device::upload`]), which is the only way
+//!   anything outside the backend reads or writes a plan buffer.
 
 pub mod cpu;
+
+use crate::plan::schedule::OpEntry;
+use crate::plan::{BufId, DType, Op, Plan};
+use anyhow::Result;
+
+/// What the planner asks of a backend.
+pub trait Sizing {
+    /// Short name for reports, e.g. `cpu`.
+    fn name(&self) -> &'static str;
+    /// f32 elements of workspace one attention op needs (forward or backward) over `t`
+    /// positions with head size `hs` when activations are stored as `storage`, run by
+    /// `threads` workers (the plan's `--threads`).
+    fn attention_workspace_elems(
+        &self,
+        storage: DType,
+        t: usize,
+        hs: usize,
+        threads: usize,
+    ) -> usize;
+    /// f32 elements of the tiles matmuls use when operands are not all f32 (mixed precision).
+    fn mixed_gemm_workspace_elems(&self) -> usize;
+    /// Bytes the backend's libraries allocate for themselves, once, to run `ops` on `threads`
+    /// workers (listed in the plan as an owned buffer: counted, not packed).
+    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64;
+    /// One line on how matmuls with operands stored as `storage` are computed, for `plan`
+    /// and `bench` (e.g. which bf16 path this machine takes); `None` when there is nothing to say.
+    fn compute_note(&self, storage: DType) -> Option<String>;
+}
+
+/// A backend that can run plans.
+pub trait Backend: Sizing {
+    /// Allocates the plan's packed tiers (touching every page, so an impossible allocation
+    /// fails here, before any step) and starts the backend's workers (`plan.cfg.threads`).
+    fn start(&self, plan: &Plan) -> Result<Box<dyn Device>>;
+}
+
+/// The per-step values an op may need besides its buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct StepCtx {
+    /// Run on the first `t` positions of every sequence instead of the plan's (generation).
+    pub seq: Option<usize>,
+    /// Training step (the LM head also produces gradients); false for evaluation.
+    pub training: bool,
+    /// The loss is multiplied by this before backward (fp16 loss scaling; 1 otherwise).
+    pub loss_scale: f32,
+    /// The optimizer's values for this step (set for `AdamW` ops).
+    pub update: Option<AdamWStep>,
+}
+
+/// One AdamW step's hyperparameters, as every `AdamW` op of the step applies them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Applied to tensors whose [`crate::plan::ParamSlice::decay`] is set.
+    pub weight_decay: f32,
+    /// 1-based step number (bias correction).
+    pub step: u64,
+    /// Gradients are multiplied by this before the update (clipping factor / loss scale).
+    pub grad_scale: f32,
+}
+
+/// What an op produced besides its buffers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OpResult {
+    Done,
+    /// `GradNorm`: the sum of squares of its gradient range (f64).
+    SumOfSquares(f64),
+}
+
+/// A started backend holding a plan's memory.
+pub trait Device: Send + Sync {
+    /// Runs `op` (an op of the plan this device was started with).
+    fn run(&self, op: &Op, ctx: &StepCtx) -> OpResult;
+    /// Runs `f` where the backend's ops are meant to be issued from (the CPU backend's worker
+    /// pool), so a sequence of [`Device::run`] calls pays no hand-off per op.
+    fn scope(&self, f: &mut (dyn FnMut() + Send));
+    /// Hands `f` the bytes of `bufs`, in order (a device backend downloads them first; the
+    /// CPU backend lends the arena's own bytes).
+    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]]));
+    /// Hands `f` the bytes of `bufs` to fill, in order; they are in the buffers when it returns
+    /// (a device backend uploads them then).
+    fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]]));
+}

@@ -2,6 +2,7 @@
 //! throughput, step times, peak RSS and the plan's prediction, as JSON.
 
 use super::executor::{Executor, OptimHparams};
+use crate::backend::cpu::Cpu;
 use crate::ckpt;
 use crate::exec::train::Metric;
 use crate::model::ModelSpec;
@@ -45,7 +46,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let baseline = rss::current_rss().unwrap_or(0);
     let plan = opts
         .strategies
-        .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline)?;
+        .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
@@ -81,7 +82,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     };
     let mut metrics = Vec::new();
     let mut leak = LeakCheck::new(plan_total);
-    layout.init(ex.params_mut(), spec.n_layer, opts.seed);
+    ex.with_params_mut(|p| layout.init(p, spec.n_layer, opts.seed));
     let mut rng = Rng::new(opts.seed);
     let mut batch = vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)];
     let mut times = Vec::with_capacity(opts.steps);
@@ -90,7 +91,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         for x in batch.iter_mut() {
             *x = rng.below(spec.vocab_size as u64) as u32;
         }
-        ex.set_batch(&batch)?;
+        ex.upload_batch(&batch)?;
         let t0 = Instant::now();
         if opts.strategies.precision == Precision::F16 {
             ex.set_loss_scale(crate::exec::train::LossScaler::INITIAL);

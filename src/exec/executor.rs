@@ -1,13 +1,14 @@
-//! Walks a plan's schedule. Every buffer is a view of the one arena allocated in
-//! [`Executor::new`]; kernels receive slices and allocate nothing, so the plan's bytes are the
-//! step's bytes. Ops run in a dedicated rayon pool of `threads` workers.
+//! Walks a plan's schedule on a backend. The backend ([`crate::backend::Device`]) holds the
+//! plan's memory and runs one op at a time; the executor decides which ops run (a training
+//! step, its optimizer phase, a forward-only evaluation, a generation prefix), keeps the
+//! step's scalars (loss scale, gradient norm, whether the update is skipped) and moves bytes
+//! between the host and plan buffers only through the backend's download and upload.
 
-use super::ops::OptimOutcome;
-use crate::backend::cpu::elem::Elem;
+use crate::backend::cpu::Cpu;
+use crate::backend::{AdamWStep, Backend, Device, OpResult, StepCtx};
 use crate::ckpt::{Moments, MomentsMut};
-use crate::mem::arena::Arena;
 use crate::plan::schedule::{Op, Phase};
-use crate::plan::{BufId, DType, Mode, OptimState, Plan, Precision};
+use crate::plan::{BufId, DType, Mode, OptimState, Plan};
 use crate::profile::record::OpRecorder;
 use anyhow::{Result, bail};
 use half::{bf16, f16};
@@ -37,116 +38,169 @@ pub struct StepStats {
     pub skipped: bool,
 }
 
-/// Executes plans: owns the arena, the plan and the worker pool.
+/// What the optimizer phase reports.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutcome {
+    pub grad_norm: f32,
+    pub skipped: bool,
+}
+
+/// Executes plans: owns the plan and the started backend holding its memory.
 pub struct Executor {
     pub plan: Plan,
-    arena: Arena,
-    pool: rayon::ThreadPool,
-    pub(super) hp: Option<OptimHparams>,
+    device: Box<dyn Device>,
     /// The loss is multiplied by this before backward (fp16 loss scaling; 1 otherwise).
-    pub(super) loss_scale: f32,
-    last: Option<OptimOutcome>,
+    loss_scale: f32,
     /// Records each executed op's span when profiling (see [`Executor::record_ops`]).
     recorder: Option<OpRecorder>,
-    /// Per parameter tensor, its first 8-bit optimizer-state block (computed once, so the
-    /// optimizer step allocates nothing).
-    pub(super) state_block_of: Vec<usize>,
+    /// Next-token logits downloaded by [`Executor::next_token_logits`].
+    logits: Vec<f32>,
+}
+
+/// Typed views of plan buffers' bytes (every dtype of a plan is plain old data, and every
+/// buffer starts at an offset aligned for it).
+mod pod {
+    pub fn cast<T: Copy>(b: &[u8]) -> &[T] {
+        assert!(b.as_ptr().cast::<T>().is_aligned() && b.len() % size_of::<T>() == 0);
+        // SAFETY: aligned, in bounds, and T is one of the plan's plain element types.
+        unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), b.len() / size_of::<T>()) }
+    }
+
+    pub fn cast_mut<T: Copy>(b: &mut [u8]) -> &mut [T] {
+        assert!(b.as_ptr().cast::<T>().is_aligned() && b.len() % size_of::<T>() == 0);
+        // SAFETY: as in `cast`, and the bytes are borrowed exclusively.
+        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), b.len() / size_of::<T>()) }
+    }
 }
 
 impl Executor {
-    /// Allocates (and touches) the plan's arena and starts `plan.cfg.threads` workers.
+    /// Starts the plan on the CPU backend with `plan.cfg.threads` workers.
     pub fn new(plan: Plan) -> Result<Executor> {
-        if plan.cfg.precision == Precision::F16 && !f16_conversions_available() {
-            bail!(
-                "--precision fp16: this CPU has no F16C half-precision conversions, so fp16 storage would be converted in software, far slower than fp32; use --precision bf16"
-            );
-        }
-        crate::util::malloc::keep_library_scratch_resident();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(plan.cfg.threads)
-            .thread_name(|i| format!("memwall-worker-{i}"))
-            .build()?;
-        let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
-        let (state_block_of, _) = plan
-            .layout
-            .block_offsets(crate::backend::cpu::quant::QBLOCK);
+        Executor::on(plan, &Cpu)
+    }
+
+    /// Starts the plan on `backend` (allocates and touches its memory).
+    pub fn on(plan: Plan, backend: &dyn Backend) -> Result<Executor> {
+        let device = backend.start(&plan)?;
         Ok(Executor {
             plan,
-            arena,
-            pool,
-            hp: None,
+            device,
             loss_scale: 1.0,
-            last: None,
             recorder: None,
-            state_block_of,
+            logits: Vec::new(),
         })
     }
 
-    // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
-    // buffers never overlap the other buffers it touches (plan::build::verify_ops), and the
-    // persistent buffers (params, grads, moments) are distinct buffers in the arena.
-    fn f32(&self, id: BufId) -> &[f32] {
-        self.typed(id, DType::F32)
+    /// Lends `f` the flat fp32 parameters (layout: `plan.layout`; the master weights under
+    /// mixed precision).
+    pub fn with_params<R>(&self, f: impl FnOnce(&[f32]) -> R) -> R {
+        let mut f = Some(f);
+        let mut out = None;
+        let id = self.plan.schedule.implicit.params;
+        self.device.download(&[id], &mut |b| {
+            out = Some((f.take().expect("called once"))(pod::cast(b[0])))
+        });
+        out.expect("download calls back")
     }
 
-    #[allow(clippy::mut_from_ref)]
-    fn f32_mut(&self, id: BufId) -> &mut [f32] {
-        self.typed(id, DType::F32)
+    /// Lends `f` the parameters to change; they are on the backend when it returns.
+    pub fn with_params_mut<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        let mut f = Some(f);
+        let mut out = None;
+        let id = self.plan.schedule.implicit.params;
+        self.device.upload(&[id], &mut |b| {
+            out = Some((f.take().expect("called once"))(pod::cast_mut(b[0])))
+        });
+        out.expect("upload calls back")
     }
 
-    #[allow(clippy::mut_from_ref)]
-    pub(super) fn u32_mut(&self, id: BufId) -> &mut [u32] {
-        self.typed(id, DType::U32)
+    /// A copy of the parameters.
+    pub fn download_params(&self) -> Vec<f32> {
+        self.with_params(|p| p.to_vec())
     }
 
-    /// A view of buffer `id` as elements of `T` (whose dtype it must have).
-    #[allow(clippy::mut_from_ref)]
-    pub(super) fn view<T: Elem>(&self, id: BufId) -> &mut [T] {
-        let dtype = match T::NAME {
-            "f32" => DType::F32,
-            "bf16" => DType::Bf16,
-            "f16" => DType::F16,
-            other => unreachable!("element type {other}"),
-        };
-        self.typed(id, dtype)
-    }
-
-    /// Zeroes a buffer of any dtype (all-zero bits are 0 in every element type).
-    pub(super) fn zero(&self, id: BufId) {
-        use rayon::prelude::*;
-        let b = self.plan.buffer(id);
-        // SAFETY: as for every view; u8 has no alignment or validity requirement.
-        let bytes = unsafe { self.arena.view_mut::<u8>(b.offset, b.bytes as usize) };
-        bytes.par_chunks_mut(1 << 18).for_each(|c| c.fill(0));
-    }
-
-    /// A view of buffer `id`, whose element type `T` is `dtype`'s.
-    #[allow(clippy::mut_from_ref)]
-    fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
-        let b = self.plan.buffer(id);
-        assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
-        debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
-        unsafe { self.arena.view_mut::<T>(b.offset, b.elems) }
-    }
-
-    /// The flat fp32 parameter buffer (layout: `plan.layout`); the master weights under mixed
-    /// precision.
-    pub fn params(&self) -> &[f32] {
-        self.f32(self.plan.schedule.params)
-    }
-
-    pub fn params_mut(&mut self) -> &mut [f32] {
-        self.f32_mut(self.plan.schedule.params)
+    /// Replaces the parameters.
+    pub fn upload_params(&mut self, p: &[f32]) {
+        self.with_params_mut(|dst| dst.copy_from_slice(p))
     }
 
     /// Gradients of the last step as f32 (training plans only; scaled by the loss scale).
-    pub fn grads(&self) -> Vec<f32> {
-        let id = self.plan.schedule.grads.expect("training plan");
-        match self.plan.cfg.precision {
-            Precision::F32 => self.f32(id).to_vec(),
-            Precision::Bf16 => self.view::<bf16>(id).iter().map(|x| x.to_f32()).collect(),
-            Precision::F16 => self.view::<f16>(id).iter().map(|x| x.to_f32()).collect(),
-        }
+    pub fn download_grads(&self) -> Vec<f32> {
+        let id = self.plan.schedule.implicit.grads.expect("training plan");
+        let storage = self.plan.buffer(id).dtype;
+        let mut out = Vec::new();
+        self.device.download(&[id], &mut |b| {
+            out = match storage {
+                DType::Bf16 => pod::cast::<bf16>(b[0]).iter().map(|x| x.to_f32()).collect(),
+                DType::F16 => pod::cast::<f16>(b[0]).iter().map(|x| x.to_f32()).collect(),
+                _ => pod::cast::<f32>(b[0]).to_vec(),
+            }
+        });
+        out
+    }
+
+    /// The AdamW moment buffers, in the order [`Executor::with_moments`] hands them out.
+    fn moment_bufs(&self) -> (OptimState, Vec<BufId>) {
+        let o = self.plan.schedule.implicit.optim.expect("training plan");
+        let mut ids = vec![o.m, o.v];
+        ids.extend(o.m_scale);
+        ids.extend(o.v_scale);
+        (o.format, ids)
+    }
+
+    /// Lends `f` the AdamW moments in their stored format (for checkpoints).
+    pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> R {
+        let (format, ids) = self.moment_bufs();
+        let mut f = Some(f);
+        let mut out = None;
+        self.device.download(&ids, &mut |b| {
+            let m = match format {
+                OptimState::F32 => Moments::F32 {
+                    m: pod::cast(b[0]),
+                    v: pod::cast(b[1]),
+                },
+                OptimState::Bf16 => Moments::Bf16 {
+                    m: pod::cast(b[0]),
+                    v: pod::cast(b[1]),
+                },
+                OptimState::Int8 => Moments::Int8 {
+                    m: pod::cast(b[0]),
+                    v: pod::cast(b[1]),
+                    m_absmax: pod::cast(b[2]),
+                    v_absmax: pod::cast(b[3]),
+                },
+            };
+            out = Some((f.take().expect("called once"))(m))
+        });
+        out.expect("download calls back")
+    }
+
+    /// Lends `f` the AdamW moments to fill (resume); they are on the backend when it returns.
+    pub fn with_moments_mut<R>(&mut self, f: impl FnOnce(MomentsMut<'_>) -> R) -> R {
+        let (format, ids) = self.moment_bufs();
+        let mut f = Some(f);
+        let mut out = None;
+        self.device.upload(&ids, &mut |b| {
+            let m = match (format, b) {
+                (OptimState::F32, [m, v]) => MomentsMut::F32 {
+                    m: pod::cast_mut(m),
+                    v: pod::cast_mut(v),
+                },
+                (OptimState::Bf16, [m, v]) => MomentsMut::Bf16 {
+                    m: pod::cast_mut(m),
+                    v: pod::cast_mut(v),
+                },
+                (OptimState::Int8, [m, v, ms, vs]) => MomentsMut::Int8 {
+                    m: pod::cast_mut(m),
+                    v: pod::cast_mut(v),
+                    m_absmax: pod::cast_mut(ms),
+                    v_absmax: pod::cast_mut(vs),
+                },
+                _ => unreachable!("moment buffers match their format"),
+            };
+            out = Some((f.take().expect("called once"))(m))
+        });
+        out.expect("upload calls back")
     }
 
     /// Sets the factor the loss is multiplied by before backward (fp16 loss scaling).
@@ -154,54 +208,12 @@ impl Executor {
         self.loss_scale = scale;
     }
 
-    /// AdamW moments in their stored format, for checkpoints.
-    pub fn moments(&self) -> Moments<'_> {
-        match self.moments_view() {
-            MomentsMut::F32 { m, v } => Moments::F32 { m, v },
-            MomentsMut::Bf16 { m, v } => Moments::Bf16 { m, v },
-            MomentsMut::Int8 {
-                m,
-                m_absmax,
-                v,
-                v_absmax,
-            } => Moments::Int8 {
-                m,
-                m_absmax,
-                v,
-                v_absmax,
-            },
-        }
-    }
-
-    pub fn moments_mut(&mut self) -> MomentsMut<'_> {
-        self.moments_view()
-    }
-
-    pub(super) fn moments_view(&self) -> MomentsMut<'_> {
-        let o = self.plan.schedule.optim.expect("training plan");
-        match o.format {
-            OptimState::F32 => MomentsMut::F32 {
-                m: self.typed(o.m, DType::F32),
-                v: self.typed(o.v, DType::F32),
-            },
-            OptimState::Bf16 => MomentsMut::Bf16 {
-                m: self.typed(o.m, DType::Bf16),
-                v: self.typed(o.v, DType::Bf16),
-            },
-            OptimState::Int8 => MomentsMut::Int8 {
-                m: self.typed(o.m, DType::I8),
-                m_absmax: self.typed(o.m_scale.expect("int8 scales"), DType::F32),
-                v: self.typed(o.v, DType::U8),
-                v_absmax: self.typed(o.v_scale.expect("int8 scales"), DType::F32),
-            },
-        }
-    }
-
     /// Copies a batch `[accum·B, T+1]` into the plan's token (and target) buffers: rows
     /// k·B..(k+1)·B go to micro-batch k.
-    pub fn set_batch(&mut self, batch: &[u32]) -> Result<()> {
+    pub fn upload_batch(&mut self, batch: &[u32]) -> Result<()> {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
-        let micro = self.plan.schedule.tokens.len();
+        let s = &self.plan.schedule;
+        let micro = s.tokens.len();
         if batch.len() != micro * b * (t + 1) {
             bail!(
                 "internal error: batch of {} tokens, expected {}",
@@ -215,23 +227,28 @@ impl Executor {
                 "token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?"
             );
         }
-        let s = &self.plan.schedule;
-        for (k, rows) in batch.chunks(b * (t + 1)).enumerate() {
-            let tokens = self.u32_mut(s.tokens[k]);
-            for (i, row) in rows.chunks(t + 1).enumerate() {
-                tokens[i * t..(i + 1) * t].copy_from_slice(&row[..t]);
-            }
-            if let Some(&tg) = s.targets.get(k) {
-                let targets = self.u32_mut(tg);
+        let mut ids = s.tokens.clone();
+        ids.extend(&s.targets);
+        let with_targets = !s.targets.is_empty();
+        self.device.upload(&ids, &mut |bufs| {
+            let (tokens, targets) = bufs.split_at_mut(micro);
+            for (k, rows) in batch.chunks(b * (t + 1)).enumerate() {
+                let tk = pod::cast_mut::<u32>(tokens[k]);
                 for (i, row) in rows.chunks(t + 1).enumerate() {
-                    targets[i * t..(i + 1) * t].copy_from_slice(&row[1..]);
+                    tk[i * t..(i + 1) * t].copy_from_slice(&row[..t]);
+                }
+                if with_targets {
+                    let tg = pod::cast_mut::<u32>(targets[k]);
+                    for (i, row) in rows.chunks(t + 1).enumerate() {
+                        tg[i * t..(i + 1) * t].copy_from_slice(&row[1..]);
+                    }
                 }
             }
-        }
+        });
         Ok(())
     }
 
-    /// One optimizer step on the batch set by [`Executor::set_batch`].
+    /// One optimizer step on the batch set by [`Executor::upload_batch`].
     pub fn train_step(&mut self, hp: &OptimHparams) -> StepStats {
         let loss = self.compute_gradients();
         let o = self.apply_optimizer(hp);
@@ -246,27 +263,27 @@ impl Executor {
     /// (the schedule's `Optimizer` phase) are not run.
     pub fn compute_gradients(&mut self) -> f32 {
         assert_eq!(self.plan.mode, Mode::Train);
-        let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
         let end = self.optimizer_start();
-        self.run(0..end, b, t, true);
+        self.run(0..end, self.ctx(true), None);
         self.mean_loss()
     }
 
-    /// Runs the optimizer phase on the gradients; returns the gradient norm before clipping and
-    /// whether the update was skipped (non-finite gradients).
+    /// Runs the optimizer phase on the gradients: the gradient norm, then (unless the
+    /// gradients are not finite) clipping and AdamW. Returns the norm before clipping and
+    /// whether the update was skipped.
     pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> StepOutcome {
-        self.hp = Some(hp.clone());
-        let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
-        self.run(
-            self.optimizer_start()..self.plan.schedule.ops.len(),
-            b,
-            t,
-            true,
-        );
-        let o = self.last.expect("the optimizer op ran");
-        StepOutcome {
-            grad_norm: o.grad_norm,
-            skipped: o.skipped,
+        let ops = self.optimizer_start()..self.plan.schedule.ops.len();
+        let ctx = self.ctx(true);
+        self.run(ops, ctx, Some(hp))
+            .expect("the optimizer phase has a gradient-norm op")
+    }
+
+    fn ctx(&self, training: bool) -> StepCtx {
+        StepCtx {
+            seq: None,
+            training,
+            loss_scale: self.loss_scale,
+            update: None,
         }
     }
 
@@ -277,30 +294,31 @@ impl Executor {
             .unwrap_or(ops.len())
     }
 
-    /// Mean loss on the batch set by [`Executor::set_batch`], forward only (no state changes
-    /// besides activations): every micro-batch's forward ops, without gradient zeroing.
+    /// Mean loss on the batch set by [`Executor::upload_batch`], forward only (no state
+    /// changes besides activations): every micro-batch's forward ops, without gradient zeroing.
     pub fn eval_loss(&mut self) -> f32 {
-        let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
         let s = &self.plan.schedule;
         let ops: Vec<usize> = (0..s.ops.len())
             .filter(|&i| {
                 s.ops[i].phase == Phase::Forward
-                    && !matches!(s.ops[i].op, Op::Zero { buf } if Some(buf) == s.grads)
+                    && !matches!(s.ops[i].op, Op::Zero { buf } if Some(buf) == s.implicit.grads)
             })
             .collect();
-        self.run(ops, b, t, false);
+        self.run(ops.into_iter(), self.ctx(false), None);
         self.mean_loss()
     }
 
     /// Mean of the per-row losses over every micro-batch.
     fn mean_loss(&self) -> f32 {
-        let s = &self.plan.schedule;
         let (mut sum, mut rows) = (0.0f64, 0usize);
-        for &id in &s.losses {
-            let losses = self.f32(id);
-            sum += losses.iter().map(|&x| x as f64).sum::<f64>();
-            rows += losses.len();
-        }
+        self.device
+            .download(&self.plan.schedule.losses, &mut |bufs| {
+                for b in bufs {
+                    let losses = pod::cast::<f32>(b);
+                    sum += losses.iter().map(|&x| x as f64).sum::<f64>();
+                    rows += losses.len();
+                }
+            });
         (sum / rows as f64) as f32
     }
 
@@ -318,9 +336,23 @@ impl Executor {
         if let Some(bad) = context.iter().find(|&&x| x >= v) {
             bail!("token id {bad} is outside the model's vocabulary ({v})");
         }
-        self.u32_mut(self.plan.schedule.tokens[0])[..t].copy_from_slice(context);
-        self.run(0..self.plan.schedule.ops.len(), 1, t, false);
-        Ok(self.f32(self.plan.schedule.logits.expect("generation plan")))
+        let s = &self.plan.schedule;
+        let (tokens, logits) = (s.tokens[0], s.logits.expect("generation plan"));
+        self.device.upload(&[tokens], &mut |b| {
+            pod::cast_mut::<u32>(b[0])[..t].copy_from_slice(context)
+        });
+        let ctx = StepCtx {
+            seq: Some(t),
+            ..self.ctx(false)
+        };
+        self.run(0..self.plan.schedule.ops.len(), ctx, None);
+        let mut out = std::mem::take(&mut self.logits);
+        self.device.download(&[logits], &mut |b| {
+            out.clear();
+            out.extend_from_slice(pod::cast::<f32>(b[0]))
+        });
+        self.logits = out;
+        Ok(&self.logits)
     }
 
     /// Starts recording a span per executed op into `recorder` (profiling, `bench --time-ops`),
@@ -334,27 +366,33 @@ impl Executor {
         self.recorder.as_mut()
     }
 
+    /// Runs ops `ops` in order. With `hp`, a `GradNorm` op's result sets the step's norm and
+    /// clipping, and the `AdamW` ops after it run with them, or not at all when the norm is
+    /// not finite; returns what the optimizer found.
     fn run(
         &mut self,
-        ops: impl IntoIterator<Item = usize> + Send,
-        b: usize,
-        t: usize,
-        training: bool,
-    ) {
+        ops: impl Iterator<Item = usize> + Send,
+        mut ctx: StepCtx,
+        hp: Option<&OptimHparams>,
+    ) -> Option<StepOutcome> {
         let mut recorder = self.recorder.take();
-        let this = &*self;
         let mut outcome = None;
-        let precision = self.plan.cfg.precision;
-        this.pool.install(|| {
-            for i in ops {
+        let (plan, device) = (&self.plan, &*self.device);
+        let loss_scale = self.loss_scale;
+        let mut ops = ops;
+        device.scope(&mut || {
+            for i in ops.by_ref() {
+                let op = &plan.schedule.ops[i].op;
+                if matches!(op, Op::AdamW { .. }) && outcome.is_some_and(|o: StepOutcome| o.skipped)
+                {
+                    continue;
+                }
                 let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
-                let o = match precision {
-                    Precision::F32 => this.run_op::<f32>(i, b, t, training),
-                    Precision::Bf16 => this.run_op::<bf16>(i, b, t, training),
-                    Precision::F16 => this.run_op::<f16>(i, b, t, training),
-                };
-                if o.is_some() {
-                    outcome = o;
+                if let OpResult::SumOfSquares(sq) = device.run(op, &ctx) {
+                    let hp = hp.expect("the optimizer phase runs with hyperparameters");
+                    let (o, update) = clip(sq, loss_scale, hp);
+                    outcome = Some(o);
+                    ctx.update = update;
                 }
                 if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
                     r.record(i, t0);
@@ -362,47 +400,39 @@ impl Executor {
             }
         });
         self.recorder = recorder;
-        if outcome.is_some() {
-            self.last = outcome;
-        }
+        outcome
     }
 }
 
-/// Whether the CPU converts f16 in hardware (F16C).
-fn f16_conversions_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("f16c")
+/// From the gradients' sum of squares (which carry the loss scale): the norm of the unscaled
+/// gradients, and the AdamW step with global-norm clipping, or none when the norm is not
+/// finite (the update is skipped).
+fn clip(sum_sq: f64, loss_scale: f32, hp: &OptimHparams) -> (StepOutcome, Option<AdamWStep>) {
+    let norm = (sum_sq.sqrt() / loss_scale as f64) as f32;
+    if !norm.is_finite() {
+        let o = StepOutcome {
+            grad_norm: norm,
+            skipped: true,
+        };
+        return (o, None);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        cfg!(target_arch = "aarch64")
-    }
-}
-
-/// What the optimizer phase reports.
-#[derive(Clone, Copy, Debug)]
-pub struct StepOutcome {
-    pub grad_norm: f32,
-    pub skipped: bool,
-}
-
-/// Two disjoint mutable sub-slices of one buffer.
-pub(super) fn two_ranges<T>(
-    buf: &mut [T],
-    a: std::ops::Range<usize>,
-    b: std::ops::Range<usize>,
-) -> (&mut [T], &mut [T]) {
-    assert!(
-        a.end <= b.start || b.end <= a.start,
-        "overlapping parameter ranges"
-    );
-    if a.start < b.start {
-        let (lo, hi) = buf.split_at_mut(b.start);
-        (&mut lo[a], &mut hi[..b.end - b.start])
+    let clip = if hp.grad_clip > 0.0 && norm > hp.grad_clip {
+        hp.grad_clip / (norm + 1e-6)
     } else {
-        let (lo, hi) = buf.split_at_mut(a.start);
-        let bl = b.end - b.start;
-        (&mut hi[..a.end - a.start], &mut lo[b.start..b.start + bl])
-    }
+        1.0
+    };
+    let step = AdamWStep {
+        lr: hp.lr,
+        beta1: hp.beta1,
+        beta2: hp.beta2,
+        eps: hp.eps,
+        weight_decay: hp.weight_decay,
+        step: hp.step,
+        grad_scale: clip / loss_scale,
+    };
+    let o = StepOutcome {
+        grad_norm: norm,
+        skipped: false,
+    };
+    (o, Some(step))
 }

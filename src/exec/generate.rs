@@ -2,6 +2,7 @@
 //! implementation picks) or sampled with temperature and top-k.
 
 use super::executor::Executor;
+use crate::backend::cpu::Cpu;
 use crate::backend::cpu::xent::softmax_row;
 use crate::ckpt;
 use crate::data::tokenizer::Tokenizer;
@@ -48,10 +49,11 @@ pub fn generate_tokens(
         &spec,
         &StepConfig::new(1, ctx, opts.threads),
         Mode::Generate,
+        &Cpu,
     )?;
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan)?;
-    ckpt::load_params(&opts.checkpoint, &layout, ex.params_mut())?;
+    ex.with_params_mut(|p| ckpt::load_params(&opts.checkpoint, &layout, p))?;
     let mut rng = Rng::new(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();
     let mut probs = vec![0f32; spec.vocab_size];

@@ -7,6 +7,7 @@
 
 use super::executor::{Executor, OptimHparams};
 use super::lr::cosine_with_warmup;
+use crate::backend::cpu::Cpu;
 use crate::ckpt::{self, LossScaleState, TrainerState};
 use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
 use crate::model::ModelSpec;
@@ -383,7 +384,7 @@ pub fn train(
     let baseline = rss::current_rss().unwrap_or(0);
     let plan = opts
         .strategies
-        .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline)?;
+        .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
     prepare_run_dir(&opts.out, resume.is_some())?;
     ckpt::write_file_atomic(
         &opts.out.join("plan.json"),
@@ -409,8 +410,8 @@ pub fn train(
     let (mut step, data_position) = match resume {
         Some(ck) => {
             let layout = ex.plan.layout.clone();
-            ckpt::load_params(ck, &layout, ex.params_mut())?;
-            let st = ckpt::load_trainer_state(ck, &layout, ex.moments_mut())?;
+            ex.with_params_mut(|p| ckpt::load_params(ck, &layout, p))?;
+            let st = ex.with_moments_mut(|m| ckpt::load_trainer_state(ck, &layout, m))?;
             truncate_metrics(&opts.out.join("metrics.jsonl"), st.step)?;
             progress.message(&format!(
                 "resuming from {} (step {})",
@@ -425,8 +426,8 @@ pub fn train(
         None => {
             let layout = ex.plan.layout.clone();
             match &opts.init {
-                Some(dir) => ckpt::load_params(dir, &layout, ex.params_mut())?,
-                None => layout.init(ex.params_mut(), spec.n_layer, opts.seed),
+                Some(dir) => ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))?,
+                None => ex.with_params_mut(|p| layout.init(p, spec.n_layer, opts.seed)),
             }
             let _ = std::fs::remove_file(opts.out.join("metrics.jsonl"));
             (0, 0)
@@ -468,7 +469,7 @@ pub fn train(
         let mut spans = Vec::new();
         loader.next_into(&mut batch);
         let t_loaded = Instant::now();
-        ex.set_batch(&batch)?;
+        ex.upload_batch(&batch)?;
         if profiling {
             spans.push(Span {
                 track: Track::Io,
@@ -598,17 +599,15 @@ pub fn train(
                 memwall_version: env!("CARGO_PKG_VERSION").to_string(),
                 loss_scale: scaler.map(|s| s.state),
             };
-            let dir = ckpt::save_checkpoint(
-                &opts.out,
-                &spec,
-                &ex.plan.layout,
-                ex.params(),
-                &ex.moments(),
-                &state,
-            )
-            .with_context(|| {
-                format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
-            })?;
+            let dir = ex
+                .with_params(|p| {
+                    ex.with_moments(|m| {
+                        ckpt::save_checkpoint(&opts.out, &spec, &ex.plan.layout, p, &m, &state)
+                    })
+                })
+                .with_context(|| {
+                    format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
+                })?;
             if let Some(sp) = step_profile.as_mut() {
                 sp.spans.push(Span {
                     track: Track::Io,
@@ -716,7 +715,7 @@ fn evaluate(
             k,
             batch,
         );
-        ex.set_batch(batch)?;
+        ex.upload_batch(batch)?;
         sum += ex.eval_loss() as f64;
     }
     Ok((sum / opts.eval_batches as f64) as f32)

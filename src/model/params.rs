@@ -38,10 +38,22 @@ pub struct LayerParams {
     pub fcproj_b: Range<usize>, // [C]
 }
 
+/// Consecutive parameter tensors updated together (an embedding, a block, the final norm):
+/// the unit the optimizer phase is emitted in, so a strategy can stream or shard by group.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamGroup {
+    /// Short name, e.g. `h3` (the optimizer op is `adamw.h3`).
+    pub name: String,
+    /// Indices into [`ParamLayout::tensors`].
+    pub tensors: Range<usize>,
+}
+
 /// All parameter tensors of a model, in buffer order.
 #[derive(Clone, Debug)]
 pub struct ParamLayout {
     pub tensors: Vec<ParamTensor>,
+    /// The tensors cut into consecutive groups, in order, covering every tensor once.
+    pub groups: Vec<ParamGroup>,
     pub wte: Range<usize>, // [V, C], tied with the LM head
     pub wpe: Range<usize>, // [maxT, C]
     pub layers: Vec<LayerParams>,
@@ -78,10 +90,19 @@ impl ParamLayout {
             tensors: Vec::new(),
             at: 0,
         };
+        let mut groups = Vec::with_capacity(spec.n_layer + 2);
+        let mut group = |cur: &Cursor, name: String, from: usize| {
+            groups.push(ParamGroup {
+                name,
+                tensors: from..cur.tensors.len(),
+            })
+        };
         let wte = cur.push("transformer.wte.weight".into(), &[v, c], true);
         let wpe = cur.push("transformer.wpe.weight".into(), &[t, c], true);
+        group(&cur, "embed".into(), 0);
         let mut layers = Vec::with_capacity(spec.n_layer);
         for l in 0..spec.n_layer {
+            let from = cur.tensors.len();
             let p = |s: &str| format!("transformer.h.{l}.{s}");
             layers.push(LayerParams {
                 ln1_w: cur.push(p("ln_1.weight"), &[c], false),
@@ -97,10 +118,14 @@ impl ParamLayout {
                 fcproj_w: cur.push(p("mlp.c_proj.weight"), &[4 * c, c], true),
                 fcproj_b: cur.push(p("mlp.c_proj.bias"), &[c], false),
             });
+            group(&cur, format!("h{l}"), from);
         }
+        let from = cur.tensors.len();
         let lnf_w = cur.push("transformer.ln_f.weight".into(), &[c], false);
         let lnf_b = cur.push("transformer.ln_f.bias".into(), &[c], false);
+        group(&cur, "ln_f".into(), from);
         ParamLayout {
+            groups,
             tensors: cur.tensors,
             wte,
             wpe,

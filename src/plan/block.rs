@@ -115,6 +115,9 @@ fn emit_stage(
                     rstd,
                     w: w.clone(),
                     b: b.clone(),
+                    rows: d.rows,
+                    c,
+                    eps: d.eps,
                 },
             );
             if s == Stage::Ln1 {
@@ -137,7 +140,8 @@ fn emit_stage(
                     out,
                     residual: None,
                     w: p.qkv_w.clone(),
-                    b: p.qkv_b.clone(),
+                    b: Some(p.qkv_b.clone()),
+                    rows: d.rows,
                     ic: c,
                     oc: 3 * c,
                 },
@@ -157,7 +161,15 @@ fn emit_stage(
                 format!("{pfx}attn"),
                 phase,
                 attn_flops(d),
-                Op::Attention { qkv, out, lse, ws },
+                Op::Attention {
+                    qkv,
+                    out,
+                    lse,
+                    ws,
+                    rows: d.rows,
+                    c,
+                    nh: d.nh,
+                },
             );
             (partial.atty, partial.lse) = (Some(out), Some(lse));
         }
@@ -173,7 +185,8 @@ fn emit_stage(
                     out,
                     residual: Some(res_in),
                     w: p.proj_w.clone(),
-                    b: p.proj_b.clone(),
+                    b: Some(p.proj_b.clone()),
+                    rows: d.rows,
                     ic: c,
                     oc: c,
                 },
@@ -192,7 +205,8 @@ fn emit_stage(
                     out,
                     residual: None,
                     w: p.fc_w.clone(),
-                    b: p.fc_b.clone(),
+                    b: Some(p.fc_b.clone()),
+                    rows: d.rows,
                     ic: c,
                     oc: 4 * c,
                 },
@@ -202,7 +216,17 @@ fn emit_stage(
         Stage::Gelu => {
             let inp = get(|a| a.fch, partial.fch);
             let out = g.act(format!("{pfx}fc.gelu"), Category::Activation, 4 * n * c);
-            g.op(format!("{pfx}gelu"), phase, 0, Op::Gelu { inp, out });
+            g.op(
+                format!("{pfx}gelu"),
+                phase,
+                0,
+                Op::Gelu {
+                    inp,
+                    out,
+                    rows: d.rows,
+                    width: 4 * c,
+                },
+            );
             partial.fch_gelu = Some(out);
         }
     }
@@ -268,7 +292,8 @@ pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
             out,
             residual: Some(acts.res2),
             w: p.fcproj_w.clone(),
-            b: p.fcproj_b.clone(),
+            b: Some(p.fcproj_b.clone()),
+            rows: d.rows,
             ic: 4 * d.c,
             oc: d.c,
         },
@@ -323,7 +348,8 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             dout: dres,
             inp: a.fch_gelu,
             w: p.fcproj_w.clone(),
-            b: p.fcproj_b.clone(),
+            b: Some(p.fcproj_b.clone()),
+            rows: d.rows,
             ic: 4 * c,
             oc: c,
         },
@@ -335,6 +361,8 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
         Op::GeluBackward {
             d: dfch,
             inp: a.fch,
+            rows: d.rows,
+            width: 4 * c,
         },
     );
     g.op(
@@ -346,7 +374,8 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             dout: dfch,
             inp: a.ln2,
             w: p.fc_w.clone(),
-            b: p.fc_b.clone(),
+            b: Some(p.fc_b.clone()),
+            rows: d.rows,
             ic: c,
             oc: 4 * c,
         },
@@ -363,6 +392,8 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             rstd: a.ln2_rstd,
             w: p.ln2_w.clone(),
             b: p.ln2_b.clone(),
+            rows: d.rows,
+            c,
         },
     );
     g.op(
@@ -374,7 +405,8 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             dout: dres,
             inp: a.atty,
             w: p.proj_w.clone(),
-            b: p.proj_b.clone(),
+            b: Some(p.proj_b.clone()),
+            rows: d.rows,
             ic: c,
             oc: c,
         },
@@ -390,6 +422,9 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             out: a.atty,
             lse: a.lse,
             ws: attn_ws,
+            rows: d.rows,
+            c,
+            nh: d.nh,
         },
     );
     g.op(
@@ -401,7 +436,8 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             dout: dqkv,
             inp: a.ln1,
             w: p.qkv_w.clone(),
-            b: p.qkv_b.clone(),
+            b: Some(p.qkv_b.clone()),
+            rows: d.rows,
             ic: c,
             oc: 3 * c,
         },
@@ -418,6 +454,8 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             rstd: a.ln1_rstd,
             w: p.ln1_w.clone(),
             b: p.ln1_b.clone(),
+            rows: d.rows,
+            c,
         },
     );
 }

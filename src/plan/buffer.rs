@@ -97,11 +97,59 @@ pub struct Buffer {
     /// First and last op index (inclusive) that touch the buffer; whole schedule if persistent.
     pub first_op: usize,
     pub last_op: usize,
-    /// Byte offset in the arena, assigned by packing.
+    /// Where its bytes live: a memory tier and the offset packing gave it there.
+    #[serde(flatten)]
+    pub placement: Placement,
+}
+
+/// A memory tier. Each tier the plan packs is one allocation made by the backend (today only
+/// host RAM); [`Tier::Owned`] buffers are allocated once by their owners and only counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    /// The plan's arena in host RAM.
+    Host,
+    /// Allocated outside the arena, once, by its owner (the loader's staging buffers, a
+    /// kernel library's own scratch): counted in the plan's total, never packed.
+    Owned,
+}
+
+impl Tier {
+    /// The tiers packing assigns offsets in (one arena each).
+    pub const PACKED: [Tier; 1] = [Tier::Host];
+}
+
+/// Where a buffer's bytes are: its tier and its byte offset in that tier's arena (0 for
+/// [`Tier::Owned`]). Serialised as `tier`, `offset` and `external` (true for owned buffers;
+/// kept for readers of older `plan.json` files).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub tier: Tier,
     pub offset: u64,
-    /// Allocated outside the arena, once, by its owner (the loader's staging buffers, the
-    /// `gemm` crate's packing scratch); counted in the plan's total but not packed.
-    pub external: bool,
+}
+
+impl Placement {
+    /// A buffer in the host arena, offset not yet packed.
+    pub const HOST: Placement = Placement {
+        tier: Tier::Host,
+        offset: 0,
+    };
+    /// A buffer its owner allocates.
+    pub const OWNED: Placement = Placement {
+        tier: Tier::Owned,
+        offset: 0,
+    };
+}
+
+impl Serialize for Placement {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Placement", 3)?;
+        st.serialize_field("offset", &self.offset)?;
+        st.serialize_field("external", &(self.tier == Tier::Owned))?;
+        st.serialize_field("tier", &self.tier)?;
+        st.end()
+    }
 }
 
 impl Buffer {
@@ -109,13 +157,23 @@ impl Buffer {
         self.first_op <= op && op <= self.last_op
     }
 
-    /// Whether the live intervals of two buffers intersect.
-    pub fn lives_with(&self, o: &Buffer) -> bool {
-        !self.external && !o.external && self.first_op <= o.last_op && o.first_op <= self.last_op
+    /// Allocated by its owner outside the plan's arenas (counted, not packed).
+    pub fn is_owned(&self) -> bool {
+        self.placement.tier == Tier::Owned
     }
 
-    /// Whether the byte ranges of two buffers intersect.
+    /// Whether the two buffers compete for the same bytes: packed in the same tier with
+    /// intersecting live intervals.
+    pub fn lives_with(&self, o: &Buffer) -> bool {
+        self.placement.tier == o.placement.tier
+            && !self.is_owned()
+            && self.first_op <= o.last_op
+            && o.first_op <= self.last_op
+    }
+
+    /// Whether the byte ranges of two buffers of the same tier intersect.
     pub fn overlaps_in_memory(&self, o: &Buffer) -> bool {
-        self.offset < o.offset + o.bytes && o.offset < self.offset + self.bytes
+        let (a, b) = (self.placement.offset, o.placement.offset);
+        self.placement.tier == o.placement.tier && a < b + o.bytes && b < a + self.bytes
     }
 }

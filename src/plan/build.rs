@@ -5,13 +5,10 @@
 
 use super::block::{self, Block, BlockActs};
 use super::packing;
-use super::schedule::OptimBufs;
-use super::schedule::{Op, OpEntry, Phase, Schedule};
-use super::strategy::{OptimState, Precision, Recompute};
-use super::{BufId, Buffer, Category, DType, Plan};
-use crate::backend::cpu::attention::attention_workspace_len;
-use crate::backend::cpu::gemm_mixed::gemm_mixed_workspace_len;
-use crate::backend::cpu::quant::QBLOCK;
+use super::schedule::{ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule};
+use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
+use super::{BufId, Buffer, Category, DType, Placement, Plan, Tier};
+use crate::backend::Sizing;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;
@@ -123,8 +120,7 @@ impl Builder {
             persistent,
             first_op: usize::MAX,
             last_op: 0,
-            offset: 0,
-            external: false,
+            placement: Placement::HOST,
         });
         BufId(self.buffers.len() - 1)
     }
@@ -147,12 +143,21 @@ pub(super) struct Dims {
     pub nh: usize,
     /// Rows per micro-batch, B·T.
     pub n: usize,
+    /// The same rows as ops carry them.
+    pub rows: Rows,
+    /// Layer-norm epsilon.
+    pub eps: f32,
     /// Attention workspace elements (forward or backward).
     pub attn_ws_len: usize,
 }
 
-/// Builds and packs the plan for `spec` and `cfg`.
-pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan> {
+/// Builds and packs the plan for `spec` and `cfg`, with workspace sized by `backend`.
+pub fn build_plan(
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    mode: Mode,
+    backend: &dyn Sizing,
+) -> Result<Plan> {
     spec.validate()?;
     spec.check_seq(cfg.seq)?;
     if cfg.batch == 0 {
@@ -172,11 +177,14 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         c,
         nh,
         n: b * t,
-        attn_ws_len: match cfg.precision {
-            Precision::F32 => attention_workspace_len::<f32>(t, c / nh, cfg.threads),
-            Precision::Bf16 => attention_workspace_len::<half::bf16>(t, c / nh, cfg.threads),
-            Precision::F16 => attention_workspace_len::<half::f16>(t, c / nh, cfg.threads),
-        },
+        rows: Rows { b, t },
+        eps: spec.layer_norm_epsilon,
+        attn_ws_len: backend.attention_workspace_elems(
+            cfg.precision.storage(),
+            t,
+            c / nh,
+            cfg.threads,
+        ),
     };
     let train = mode == Mode::Train;
     if mode == Mode::Generate && cfg.precision != Precision::F32 {
@@ -203,7 +211,7 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
             "gemm.mixed_tiles",
             Category::Workspace,
             DType::F32,
-            gemm_mixed_workspace_len(),
+            backend.mixed_gemm_workspace_elems(),
         )
     });
     if !train {
@@ -217,6 +225,10 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
             Op::LmHeadLast {
                 inp: fwd.lnf,
                 logits,
+                w: layout.wte.clone(),
+                rows: d.rows,
+                c,
+                v: spec.vocab_size,
             },
         );
         let io = Io {
@@ -225,13 +237,13 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
             losses: vec![],
             logits: Some(logits),
         };
-        let p = Persistent {
+        let p = ImplicitBufs {
             params,
             gemm_ws,
             grads: None,
             optim: None,
         };
-        return finish(spec, cfg, mode, layout, g, p, io);
+        return finish(spec, cfg, mode, layout, g, p, io, backend);
     }
     let grads = g.persistent("grads", Category::Grad, storage, layout.total);
     let optim = optimizer_state(&mut g, &layout, cfg.optim_state);
@@ -264,22 +276,48 @@ pub fn build_plan(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<Plan
         io.targets.push(targets);
         io.losses.push(losses);
     }
-    g.op("adamw", Phase::Optimizer, 0, Op::OptimizerStep);
-    let p = Persistent {
+    optimizer(&mut g, &layout);
+    let p = ImplicitBufs {
         params,
         gemm_ws,
         grads: Some(grads),
         optim: Some(optim),
     };
-    finish(spec, cfg, mode, layout, g, p, io)
+    finish(spec, cfg, mode, layout, g, p, io, backend)
 }
 
-/// The persistent buffers every op may touch implicitly.
-struct Persistent {
-    params: BufId,
-    gemm_ws: Option<BufId>,
-    grads: Option<BufId>,
-    optim: Option<OptimBufs>,
+/// Emits the optimizer phase: the global gradient norm over every parameter, then AdamW over
+/// the parameter groups (embeddings, each block, the final norm), one op each.
+fn optimizer(g: &mut Builder, layout: &ParamLayout) {
+    g.op(
+        "grad_norm",
+        Phase::Optimizer,
+        0,
+        Op::GradNorm {
+            range: 0..layout.total,
+        },
+    );
+    let (state_block, _) = layout.block_offsets(QBLOCK);
+    for group in &layout.groups {
+        let tensors = group
+            .tensors
+            .clone()
+            .map(|i| {
+                let t = &layout.tensors[i];
+                ParamSlice {
+                    range: t.range.clone(),
+                    decay: t.decay,
+                    state_block: state_block[i],
+                }
+            })
+            .collect();
+        g.op(
+            format!("adamw.{}", group.name),
+            Phase::Optimizer,
+            0,
+            Op::AdamW { tensors },
+        );
+    }
 }
 
 /// Declares the AdamW moments in `format` (see [`OptimBufs`]).
@@ -341,7 +379,14 @@ fn forward(
         format!("{pfx}encoder"),
         Phase::Forward,
         0,
-        Op::Encoder { tokens, out: res },
+        Op::Encoder {
+            tokens,
+            out: res,
+            wte: layout.wte.clone(),
+            wpe: layout.wpe.clone(),
+            rows: d.rows,
+            c,
+        },
     );
     let mut residuals = vec![res];
     let mut acts = Vec::with_capacity(spec.n_layer);
@@ -371,6 +416,9 @@ fn forward(
             rstd: lnf_rstd,
             w: layout.lnf_w.clone(),
             b: layout.lnf_b.clone(),
+            rows: d.rows,
+            c,
+            eps: d.eps,
         },
     );
     Forward {
@@ -420,6 +468,10 @@ fn micro_batch(
             losses,
             logits,
             dinp: Some(dlnf),
+            w: layout.wte.clone(),
+            rows: d.rows,
+            c,
+            v,
             rows_per_chunk,
             // The step's loss is the mean over every micro-batch's rows.
             loss_rows: n * cfg.grad_accum,
@@ -447,6 +499,8 @@ fn micro_batch(
             rstd: fwd.lnf_rstd,
             w: layout.lnf_w.clone(),
             b: layout.lnf_b.clone(),
+            rows: d.rows,
+            c,
         },
     );
     for l in (0..spec.n_layer).rev() {
@@ -463,7 +517,14 @@ fn micro_batch(
         format!("{pfx}encoder.bwd"),
         Phase::Backward,
         0,
-        Op::EncoderBackward { dout: dres, tokens },
+        Op::EncoderBackward {
+            dout: dres,
+            tokens,
+            wte: layout.wte.clone(),
+            wpe: layout.wpe.clone(),
+            rows: d.rows,
+            c,
+        },
     );
 }
 
@@ -482,11 +543,13 @@ fn finish(
     mode: Mode,
     layout: ParamLayout,
     mut g: Builder,
-    p: Persistent,
+    implicit: ImplicitBufs,
     io: Io,
+    backend: &dyn Sizing,
 ) -> Result<Plan> {
-    // Buffers outside the arena: the loader's two prefetch buffers and the trainer's batch
-    // buffer ([accum·B, T+1] u32 each), and the packing scratch the `gemm` crate keeps for itself.
+    // Owned buffers, outside the arena: the loader's two prefetch buffers and the trainer's
+    // batch buffer ([accum·B, T+1] u32 each), and the scratch the backend's libraries keep
+    // for themselves (the `gemm` crate's packing on the CPU).
     if mode == Mode::Train {
         let id = g.persistent(
             "loader.staging",
@@ -494,21 +557,16 @@ fn finish(
             DType::U32,
             3 * cfg.grad_accum * cfg.batch * (cfg.seq + 1),
         );
-        g.buffers[id.0].external = true;
+        g.buffers[id.0].placement = Placement::OWNED;
     }
-    let panel = g
-        .ops
-        .iter()
-        .map(|e| gemm_panel_bytes(&e.op, spec, cfg))
-        .max()
-        .unwrap_or(0);
+    let scratch = backend.library_scratch_bytes(&g.ops, cfg.threads);
     let id = g.persistent(
         "gemm.packing",
         Category::Workspace,
         DType::F32,
-        (gemm_packing_bytes(cfg.threads, panel) / 4) as usize,
+        (scratch / 4) as usize,
     );
-    g.buffers[id.0].external = true;
+    g.buffers[id.0].placement = Placement::OWNED;
 
     // Live intervals from the schedule.
     let n_ops = g.ops.len();
@@ -529,16 +587,21 @@ fn finish(
             bail!("internal error: plan buffer {} is never used", buf.name);
         }
     }
-    let arena_bytes = packing::pack(&mut g.buffers);
+    let arena_bytes = packing::pack(&mut g.buffers, Tier::Host);
     packing::verify(&g.buffers)
         .map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
     let external_bytes: u64 = g
         .buffers
         .iter()
-        .filter(|b| b.external)
+        .filter(|b| b.is_owned())
         .map(|b| b.bytes)
         .sum();
-    let internal: Vec<Buffer> = g.buffers.iter().filter(|b| !b.external).cloned().collect();
+    let internal: Vec<Buffer> = g
+        .buffers
+        .iter()
+        .filter(|b| !b.is_owned())
+        .cloned()
+        .collect();
     let (peak_live_bytes, peak_op) = packing::peak_live(&internal, n_ops);
     let plan = Plan {
         spec: spec.clone(),
@@ -547,10 +610,7 @@ fn finish(
         mode,
         schedule: Schedule {
             ops: g.ops,
-            params: p.params,
-            gemm_ws: p.gemm_ws,
-            grads: p.grads,
-            optim: p.optim,
+            implicit,
             tokens: io.tokens,
             targets: io.targets,
             losses: io.losses,
@@ -564,50 +624,6 @@ fn finish(
     };
     verify_ops(&plan)?;
     Ok(plan)
-}
-
-/// The largest packing panel the GEMMs of `op` make `gemm` allocate
-/// (`backend::cpu::matmul::packing_bytes` of each call's rows and depth).
-fn gemm_panel_bytes(op: &Op, spec: &ModelSpec, cfg: &StepConfig) -> u64 {
-    use crate::backend::cpu::matmul::packing_bytes;
-    let (n, c, v) = (cfg.batch * cfg.seq, spec.n_embd, spec.vocab_size);
-    match op {
-        Op::Matmul { ic, .. } => packing_bytes(n, *ic),
-        // dinp = dout @ wᵀ (n rows, depth oc); dw += inpᵀ @ dout (ic rows, depth n).
-        Op::MatmulBackward { ic, oc, .. } => packing_bytes(n, *oc).max(packing_bytes(*ic, n)),
-        // logits = x @ wteᵀ, dx = dlogits @ wte, dwte += dlogitsᵀ @ x, per chunk of r rows.
-        Op::LmHeadLoss { rows_per_chunk, .. } => {
-            let r = *rows_per_chunk;
-            packing_bytes(r, c)
-                .max(packing_bytes(r, v))
-                .max(packing_bytes(v, r))
-        }
-        Op::LmHeadLast { .. } => packing_bytes(1, c),
-        _ => 0,
-    }
-}
-
-/// Upper bound of the packing scratch the `gemm` crate allocates for itself: the largest
-/// packed panel of any call (`panel`; executor calls are serial, and attention's per-worker
-/// calls pack panels of T × hs, far smaller), plus one L2-sized slab per thread (main thread
-/// included). The L2 size is read from sysfs as `gemm` does.
-pub fn gemm_packing_bytes(threads: usize, panel: u64) -> u64 {
-    let l2 = (0..8)
-        .find_map(|i| {
-            let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
-            let lvl: u32 = std::fs::read_to_string(format!("{dir}/level"))
-                .ok()?
-                .trim()
-                .parse()
-                .ok()?;
-            if lvl != 2 {
-                return None;
-            }
-            let s = std::fs::read_to_string(format!("{dir}/size")).ok()?;
-            crate::util::bytes::parse_bytes(s.trim()).ok()
-        })
-        .unwrap_or(1 << 20);
-    panel + (threads as u64 + 1) * l2
 }
 
 /// Checks that no op writes a buffer whose bytes overlap another buffer the same op touches
@@ -638,11 +654,12 @@ fn verify_ops(plan: &Plan) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::Cpu;
 
     #[test]
     fn gpt2_plan_is_valid_and_packs_tightly() {
         let spec = ModelSpec::preset("gpt2").unwrap();
-        let plan = build_plan(&spec, &StepConfig::new(4, 256, 2), Mode::Train).unwrap();
+        let plan = build_plan(&spec, &StepConfig::new(4, 256, 2), Mode::Train, &Cpu).unwrap();
         let p = 124_439_808u64 * 4;
         let by = plan.bytes_by_category();
         let get = |c: Category| by.iter().find(|x| x.0 == c).unwrap().1;
@@ -664,7 +681,7 @@ mod tests {
     #[test]
     fn generate_plan_has_no_training_state() {
         let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-        let plan = build_plan(&spec, &StepConfig::new(1, 64, 2), Mode::Generate).unwrap();
+        let plan = build_plan(&spec, &StepConfig::new(1, 64, 2), Mode::Generate, &Cpu).unwrap();
         assert!(
             plan.buffers
                 .iter()
@@ -675,8 +692,12 @@ mod tests {
     #[test]
     fn bad_step_configs_name_the_flag() {
         let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-        let e =
-            |cfg: StepConfig| format!("{:#}", build_plan(&spec, &cfg, Mode::Train).unwrap_err());
+        let e = |cfg: StepConfig| {
+            format!(
+                "{:#}",
+                build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap_err()
+            )
+        };
         assert!(e(StepConfig::new(0, 64, 2)).contains("--batch"));
         assert!(e(StepConfig::new(1, 1000, 2)).contains("--seq"));
         assert!(e(StepConfig::new(1, 64, 0)).contains("--threads"));

@@ -4,6 +4,7 @@
 use super::{
     Mode, OptimState, Plan, Precision, Recompute, RecomputeChoice, StepConfig, build_plan,
 };
+use crate::backend::Sizing;
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};
@@ -63,6 +64,7 @@ impl Strategies {
         spec: &ModelSpec,
         (batch, seq, threads): (usize, usize, usize),
         baseline: u64,
+        backend: &dyn Sizing,
     ) -> Result<Plan> {
         let cfg = self.step_config(batch, seq, threads);
         plan_with_recompute(
@@ -72,6 +74,7 @@ impl Strategies {
             self.recompute,
             self.max_memory,
             baseline,
+            backend,
         )
     }
 }
@@ -90,13 +93,17 @@ pub fn largest_batch(
     mode: Mode,
     budget: u64,
     baseline: u64,
+    backend: &dyn Sizing,
 ) -> Result<Option<(usize, u64)>> {
     let peak = |b: usize| -> Result<u64> {
         let c = StepConfig {
             batch: b,
             ..cfg.clone()
         };
-        Ok(predicted_peak(&build_plan(spec, &c, mode)?, baseline))
+        Ok(predicted_peak(
+            &build_plan(spec, &c, mode, backend)?,
+            baseline,
+        ))
     };
     let p1 = peak(1)?;
     if p1 > budget {
@@ -137,6 +144,7 @@ pub fn plan_with_recompute(
     choice: RecomputeChoice,
     budget: Option<u64>,
     baseline: u64,
+    backend: &dyn Sizing,
 ) -> Result<Plan> {
     let with = |r: Recompute| {
         build_plan(
@@ -146,13 +154,14 @@ pub fn plan_with_recompute(
                 ..cfg.clone()
             },
             mode,
+            backend,
         )
     };
     let budget = match (choice, budget) {
         (RecomputeChoice::Fixed(r), budget) => {
             let plan = with(r)?;
             if let Some(b) = budget {
-                check_budget(&plan, b, baseline)?;
+                check_budget(&plan, b, baseline, backend)?;
             }
             return Ok(plan);
         }
@@ -177,7 +186,7 @@ pub fn plan_with_recompute(
     {
         Some(p) => Ok(p),
         None => {
-            let err = check_budget(&smallest, budget, baseline).expect_err("does not fit");
+            let err = check_budget(&smallest, budget, baseline, backend).expect_err("does not fit");
             Err(err.context(format!(
                 "--recompute auto: no recomputation policy fits --max-memory {}; the smallest plan is --recompute {} with a predicted peak of {}",
                 fmt_bytes(budget),
@@ -190,13 +199,13 @@ pub fn plan_with_recompute(
 
 /// Refuses a plan that does not fit `budget` (the `--max-memory` flag), saying by how much
 /// and what would fit.
-pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
+pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -> Result<()> {
     let need = predicted_peak(plan, baseline);
     if need <= budget {
         return Ok(());
     }
     let cfg = &plan.cfg;
-    let mut advice = match largest_batch(&plan.spec, cfg, plan.mode, budget, baseline)? {
+    let mut advice = match largest_batch(&plan.spec, cfg, plan.mode, budget, baseline, backend)? {
         Some((b, p)) => format!(
             "the largest batch that fits at --seq {} is --batch {b} (predicted {})",
             cfg.seq,
@@ -206,7 +215,9 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
             let state: u64 = plan
                 .buffers
                 .iter()
-                .filter(|b| b.persistent && !b.external && b.category != super::Category::IoStaging)
+                .filter(|b| {
+                    b.persistent && !b.is_owned() && b.category != super::Category::IoStaging
+                })
                 .map(|b| b.bytes)
                 .sum();
             let mut s = format!(
@@ -225,7 +236,10 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
                 && (cfg.precision, cfg.optim_state)
                     != (super::Precision::Bf16, super::OptimState::Int8)
             {
-                let p = predicted_peak(&build_plan(&plan.spec, &small, plan.mode)?, baseline);
+                let p = predicted_peak(
+                    &build_plan(&plan.spec, &small, plan.mode, backend)?,
+                    baseline,
+                );
                 s.push_str(&format!(
                     "; with --precision bf16 --optim-state int8 --recompute full, --batch 1 needs {}{}",
                     fmt_bytes(p),
@@ -245,6 +259,7 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
                 ..cfg.clone()
             },
             plan.mode,
+            backend,
         )?;
         let p = predicted_peak(&full, baseline);
         if p <= budget {
@@ -270,25 +285,26 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::Cpu;
 
     #[test]
     fn over_budget_names_flag_and_largest_batch() {
         let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-        let plan = build_plan(&spec, &StepConfig::new(32, 256, 2), Mode::Train).unwrap();
+        let plan = build_plan(&spec, &StepConfig::new(32, 256, 2), Mode::Train, &Cpu).unwrap();
         let budget = plan.total_bytes() / 2;
-        let msg = format!("{:#}", check_budget(&plan, budget, 0).unwrap_err());
+        let msg = format!("{:#}", check_budget(&plan, budget, 0, &Cpu).unwrap_err());
         assert!(
             msg.contains("--max-memory") && msg.contains("--batch"),
             "{msg}"
         );
-        let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0)
+        let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0, &Cpu)
             .unwrap()
             .unwrap();
         assert!(b < 32 && p <= budget);
-        let next = build_plan(&spec, &StepConfig::new(b + 1, 256, 2), Mode::Train).unwrap();
+        let next = build_plan(&spec, &StepConfig::new(b + 1, 256, 2), Mode::Train, &Cpu).unwrap();
         assert!(next.total_bytes() > budget);
-        assert!(check_budget(&plan, plan.total_bytes(), 0).is_ok());
-        let tiny = format!("{:#}", check_budget(&plan, 1 << 20, 0).unwrap_err());
+        assert!(check_budget(&plan, plan.total_bytes(), 0, &Cpu).is_ok());
+        let tiny = format!("{:#}", check_budget(&plan, 1 << 20, 0, &Cpu).unwrap_err());
         assert!(tiny.contains("even --batch 1"), "{tiny}");
     }
 }

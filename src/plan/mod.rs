@@ -16,9 +16,9 @@ pub mod report;
 pub mod schedule;
 pub mod strategy;
 
-pub use buffer::{BufId, Buffer, Category, DType};
+pub use buffer::{BufId, Buffer, Category, DType, Placement, Tier};
 pub use build::{Mode, StepConfig, build_plan};
-pub use schedule::{Op, OptimBufs, Phase, Schedule};
+pub use schedule::{Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
 pub use strategy::{OptimState, Precision, Recompute, RecomputeChoice};
 
 use crate::model::{ModelSpec, ParamLayout};
@@ -32,13 +32,14 @@ pub struct Plan {
     pub mode: Mode,
     pub schedule: Schedule,
     pub buffers: Vec<Buffer>,
-    /// Size of the one arena (bytes), after lifetime packing.
+    /// Size of the host tier's arena (bytes), after lifetime packing.
     pub arena_bytes: u64,
     /// Largest sum of simultaneously live buffer bytes over the schedule (packing lower bound).
     pub peak_live_bytes: u64,
     /// Index of the op at which `peak_live_bytes` is reached.
     pub peak_op: usize,
-    /// Bytes of the external buffers (allocated once, outside the arena, by their owners).
+    /// Bytes of the owned buffers ([`Tier::Owned`]: allocated once, outside the arena, by
+    /// their owners).
     pub external_bytes: u64,
 }
 
@@ -76,17 +77,12 @@ impl Plan {
         Category::ALL
             .iter()
             .map(|&c| {
-                let mut delta = vec![0i128; n_ops + 1];
-                for b in self.buffers.iter().filter(|b| b.category == c) {
-                    delta[b.first_op] += b.bytes as i128;
-                    delta[b.last_op + 1] -= b.bytes as i128;
-                }
-                let (mut cur, mut best) = (0i128, 0i128);
-                for d in &delta[..n_ops] {
-                    cur += d;
-                    best = best.max(cur);
-                }
-                (c, best as u64)
+                let of_c = self.buffers.iter().filter(|b| b.category == c);
+                let live = packing::live_bytes_per_op(
+                    of_c.map(|b| (b.first_op, b.last_op, b.bytes)),
+                    n_ops,
+                );
+                (c, live.into_iter().max().unwrap_or(0))
             })
             .collect()
     }

@@ -7,7 +7,7 @@
 //! allocates in order, backward frees in reverse) this lands within a few percent of the lower
 //! bound, the peak of simultaneously live bytes, which the plan reports alongside.
 
-use super::Buffer;
+use super::{Buffer, Tier};
 
 /// Every offset is a multiple of this (one cache line; enough for AVX-512 loads).
 pub const ALIGN: u64 = 64;
@@ -16,10 +16,10 @@ fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
 
-/// Assigns `offset` to every buffer; returns the arena size in bytes.
-pub fn pack(buffers: &mut [Buffer]) -> u64 {
+/// Assigns an offset to every buffer placed in `tier`; returns that tier's arena size in bytes.
+pub fn pack(buffers: &mut [Buffer], tier: Tier) -> u64 {
     let mut order: Vec<usize> = (0..buffers.len())
-        .filter(|&i| !buffers[i].external)
+        .filter(|&i| buffers[i].placement.tier == tier)
         .collect();
     // Largest first; ties by earlier start, then index, so the result is deterministic.
     order.sort_by(|&a, &b| {
@@ -36,10 +36,8 @@ pub fn pack(buffers: &mut [Buffer]) -> u64 {
         conflicts.clear();
         for &j in &placed {
             if buffers[i].lives_with(&buffers[j]) {
-                conflicts.push((
-                    buffers[j].offset,
-                    buffers[j].offset + align_up(buffers[j].bytes),
-                ));
+                let at = buffers[j].placement.offset;
+                conflicts.push((at, at + align_up(buffers[j].bytes)));
             }
         }
         conflicts.sort_unstable();
@@ -51,37 +49,57 @@ pub fn pack(buffers: &mut [Buffer]) -> u64 {
             }
             at = at.max(end);
         }
-        buffers[i].offset = at;
+        buffers[i].placement.offset = at;
         arena = arena.max(at + need);
         placed.push(i);
     }
     arena
 }
 
-/// Largest sum of bytes of buffers live at one op, and that op (a lower bound for any packing).
-pub fn peak_live(buffers: &[Buffer], n_ops: usize) -> (u64, usize) {
-    // Sweep: add at first_op, subtract after last_op.
+/// Bytes live at each of `n_ops` ops, from `(first_op, last_op, bytes)` live intervals
+/// (inclusive): the one sweep behind the plan's peak, its per-category peaks and the
+/// profiler's memory timeline (add at `first_op`, subtract after `last_op`).
+pub fn live_bytes_per_op(
+    intervals: impl IntoIterator<Item = (usize, usize, u64)>,
+    n_ops: usize,
+) -> Vec<u64> {
     let mut delta = vec![0i128; n_ops + 1];
-    for b in buffers {
-        delta[b.first_op] += b.bytes as i128;
-        delta[b.last_op + 1] -= b.bytes as i128;
+    for (first, last, bytes) in intervals {
+        delta[first] += bytes as i128;
+        delta[last + 1] -= bytes as i128;
     }
-    let (mut cur, mut best, mut best_op) = (0i128, 0i128, 0usize);
-    for (op, d) in delta.iter().take(n_ops).enumerate() {
-        cur += d;
-        if cur > best {
-            best = cur;
+    let mut cur = 0i128;
+    delta[..n_ops]
+        .iter()
+        .map(|d| {
+            cur += d;
+            cur as u64
+        })
+        .collect()
+}
+
+/// Largest sum of bytes of buffers live at one op, and that op (the first such; a lower bound
+/// for any packing).
+pub fn peak_live(buffers: &[Buffer], n_ops: usize) -> (u64, usize) {
+    let live = live_bytes_per_op(
+        buffers.iter().map(|b| (b.first_op, b.last_op, b.bytes)),
+        n_ops,
+    );
+    let (mut best, mut best_op) = (0u64, 0usize);
+    for (op, &x) in live.iter().enumerate() {
+        if x > best {
+            best = x;
             best_op = op;
         }
     }
-    (best as u64, best_op)
+    (best, best_op)
 }
 
 /// Checks the packing: no two buffers that are live together share a byte. Returns the first
 /// offending pair's names.
 pub fn verify(buffers: &[Buffer]) -> Result<(), String> {
     for (i, a) in buffers.iter().enumerate() {
-        if a.offset % ALIGN != 0 {
+        if a.placement.offset % ALIGN != 0 {
             return Err(format!("buffer {} is misaligned", a.name));
         }
         for b in &buffers[i + 1..] {
@@ -112,17 +130,16 @@ mod tests {
             persistent: false,
             first_op: first,
             last_op: last,
-            offset: 0,
-            external: false,
+            placement: crate::plan::Placement::HOST,
         }
     }
 
     #[test]
     fn disjoint_lifetimes_share_bytes() {
         let mut bs = vec![buf(1000, 0, 1), buf(1000, 2, 3), buf(640, 1, 2)];
-        let arena = pack(&mut bs);
+        let arena = pack(&mut bs, Tier::Host);
         verify(&bs).unwrap();
-        assert_eq!(bs[0].offset, bs[1].offset);
+        assert_eq!(bs[0].placement, bs[1].placement);
         assert_eq!(arena, 1024 + 640);
     }
 
@@ -138,7 +155,7 @@ mod tests {
                     buf(64 * (1 + rng.below(100)), a, b)
                 })
                 .collect();
-            let arena = pack(&mut bs);
+            let arena = pack(&mut bs, Tier::Host);
             verify(&bs).unwrap();
             let (lb, _) = peak_live(&bs, n_ops);
             assert!(arena >= lb);
@@ -149,7 +166,7 @@ mod tests {
     #[test]
     fn verify_catches_overlap() {
         let mut bs = vec![buf(128, 0, 2), buf(128, 1, 3)];
-        bs[1].offset = 64;
+        bs[1].placement.offset = 64;
         assert!(verify(&bs).is_err());
     }
 }

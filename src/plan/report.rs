@@ -5,12 +5,14 @@
 //! op (the attribution of the peak).
 
 use super::{Category, Plan};
+use crate::backend::Sizing;
 use crate::util::bytes::fmt_bytes;
 use serde_json::{Value, json};
 use std::fmt::Write;
 
-/// The human-readable table: bytes by category, packing, baseline and predicted peak.
-pub fn table(plan: &Plan, baseline: u64) -> String {
+/// The human-readable table: bytes by category, packing, baseline and predicted peak, and how
+/// `backend` computes in the plan's precision.
+pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
     let mut s = String::new();
     let cfg = &plan.cfg;
     let micro = if cfg.grad_accum > 1 {
@@ -75,7 +77,7 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
         fmt_bytes(plan.peak_live_bytes),
         plan.schedule.ops[plan.peak_op].name
     );
-    for b in plan.buffers.iter().filter(|b| b.external) {
+    for b in plan.buffers.iter().filter(|b| b.is_owned()) {
         let _ = writeln!(
             s,
             "  + outside the arena: {:<15} {:>12}",
@@ -104,18 +106,8 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
         "  arithmetic per step         {:>10.1} GFLOP",
         flops as f64 / 1e9
     );
-    if cfg.precision != crate::plan::Precision::F32 {
-        let _ = writeln!(
-            s,
-            "  {} compute                {} (this CPU {} AVX512_BF16)",
-            cfg.precision,
-            crate::backend::cpu::gemm_mixed::compute_path(cfg.precision == super::Precision::Bf16),
-            if crate::backend::cpu::gemm_mixed::cpu_has_bf16_dot() {
-                "has"
-            } else {
-                "lacks"
-            }
-        );
+    if let Some(note) = backend.compute_note(cfg.precision.storage()) {
+        let _ = writeln!(s, "  {} compute                {note}", cfg.precision);
     }
     let re = plan.recompute_flops();
     if re > 0 {

@@ -1,9 +1,11 @@
-//! The schedule: the ordered ops of one step. Each op names the buffers it reads and writes,
-//! so buffer lifetimes follow from the schedule alone, and the executor needs no knowledge of
-//! the strategy that produced it.
+//! The schedule: the ordered ops of one step. Each op names the buffers it reads and writes
+//! and carries every dimension and parameter range its kernel needs, so buffer lifetimes
+//! follow from the schedule alone and a backend runs an op knowing nothing of the model, its
+//! parameter layout or the strategy that produced it.
 
 use super::BufId;
 use super::strategy::OptimState;
+use serde::Serialize;
 use std::ops::Range;
 
 /// Which part of the step an op belongs to.
@@ -17,30 +19,74 @@ pub enum Phase {
     Optimizer,
 }
 
+/// The token rows an op works on: B sequences of T positions, N = B·T rows. This is the
+/// plan's (largest) shape; generation runs a plan on a shorter prefix ([`Rows::with_seq`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Rows {
+    pub b: usize,
+    pub t: usize,
+}
+
+impl Rows {
+    /// N = B·T.
+    pub fn n(self) -> usize {
+        self.b * self.t
+    }
+
+    /// The same sequences cut to their first `t` positions, when `t` is given.
+    pub fn with_seq(self, t: Option<usize>) -> Rows {
+        Rows {
+            b: self.b,
+            t: t.unwrap_or(self.t),
+        }
+    }
+}
+
+/// One parameter tensor an optimizer op updates: its element range (the same range of the
+/// parameters, the gradients and the moments), whether weight decay applies, and the index of
+/// its first block of 8-bit optimizer state (see [`super::strategy::QBLOCK`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSlice {
+    pub range: Range<usize>,
+    pub decay: bool,
+    pub state_block: usize,
+}
+
 /// One op. Parameter tensors are element ranges of the flat `params` buffer; the matching
-/// gradient is the same range of `grads`. Shapes: N = B·T rows, C channels.
+/// gradient is the same range of `grads`. Shapes: N = B·T rows (`rows`), C channels.
 #[derive(Clone, Debug)]
 pub enum Op {
     /// Zero a buffer (gradients at the start of a step, the residual gradient before backward).
     Zero { buf: BufId },
     /// `out[N,C] = wte[tokens] + wpe[t]`.
-    Encoder { tokens: BufId, out: BufId },
+    Encoder {
+        tokens: BufId,
+        out: BufId,
+        wte: Range<usize>, // [V, C]
+        wpe: Range<usize>, // [maxT, C]
+        rows: Rows,
+        c: usize,
+    },
     /// `out[N,C], mean[N], rstd[N] = layernorm(inp[N,C]; w, b)`.
     LayerNorm {
         inp: BufId,
         out: BufId,
         mean: BufId,
         rstd: BufId,
-        w: Range<usize>,
-        b: Range<usize>,
+        w: Range<usize>, // [C]
+        b: Range<usize>, // [C]
+        rows: Rows,
+        c: usize,
+        eps: f32,
     },
     /// `out[N,OC] = (residual[N,OC] if any) + inp[N,IC] @ w[IC,OC] + b[OC]`.
     Matmul {
         inp: BufId,
         out: BufId,
         residual: Option<BufId>,
-        w: Range<usize>,
-        b: Range<usize>,
+        w: Range<usize>,         // [IC, OC]
+        b: Option<Range<usize>>, // [OC]
+        rows: Rows,
         ic: usize,
         oc: usize,
     },
@@ -50,23 +96,42 @@ pub enum Op {
         out: BufId,
         lse: BufId,
         ws: BufId,
+        rows: Rows,
+        c: usize,
+        nh: usize,
     },
-    /// out = gelu(inp), both `[N,4C]`.
-    Gelu { inp: BufId, out: BufId },
-    /// Tied LM head and loss, chunked over rows so only `logits` `[rows,V]` exists at a time:
-    /// `losses[N] from inp[N,C] and targets[N]; when training also dinp[N,C] (overwritten) and`
-    /// dwte (+=), the loss being the mean over `loss_rows` rows.
+    /// `out = gelu(inp)`, both `[N, width]`.
+    Gelu {
+        inp: BufId,
+        out: BufId,
+        rows: Rows,
+        width: usize,
+    },
+    /// LM head `w[V,C]` and loss, chunked over rows so only `logits` `[rows,V]` exists at a
+    /// time: `losses[N] from inp[N,C] and targets[N]; when training also dinp[N,C]`
+    /// (overwritten) and `dw` (+=), the loss being the mean over `loss_rows` rows.
     LmHeadLoss {
         inp: BufId,
         targets: BufId,
         losses: BufId,
         logits: BufId,
         dinp: Option<BufId>,
+        w: Range<usize>, // [V, C]
+        rows: Rows,
+        c: usize,
+        v: usize,
         rows_per_chunk: usize,
         loss_rows: usize,
     },
-    /// `logits[V] of row row of inp[N,C] (generation)`.
-    LmHeadLast { inp: BufId, logits: BufId },
+    /// `logits[V]` of the last row of `inp[N,C]` (generation).
+    LmHeadLast {
+        inp: BufId,
+        logits: BufId,
+        w: Range<usize>, // [V, C]
+        rows: Rows,
+        c: usize,
+        v: usize,
+    },
     /// `dinp[N,C] += layernorm_backward(dout); dw, db +=`.
     LayerNormBackward {
         dinp: BufId,
@@ -76,6 +141,8 @@ pub enum Op {
         rstd: BufId,
         w: Range<usize>,
         b: Range<usize>,
+        rows: Rows,
+        c: usize,
     },
     /// `dinp[N,IC] = dout @ wᵀ; dw += inpᵀ @ dout; db += Σ dout`.
     MatmulBackward {
@@ -83,7 +150,8 @@ pub enum Op {
         dout: BufId,
         inp: BufId,
         w: Range<usize>,
-        b: Range<usize>,
+        b: Option<Range<usize>>,
+        rows: Rows,
         ic: usize,
         oc: usize,
     },
@@ -95,14 +163,33 @@ pub enum Op {
         out: BufId,
         lse: BufId,
         ws: BufId,
+        rows: Rows,
+        c: usize,
+        nh: usize,
     },
-    /// `d[N,4C] ← d ⊙ gelu'(inp) in place`.
-    GeluBackward { d: BufId, inp: BufId },
+    /// `d[N,width] ← d ⊙ gelu'(inp)` in place.
+    GeluBackward {
+        d: BufId,
+        inp: BufId,
+        rows: Rows,
+        width: usize,
+    },
     /// `dwte, dwpe += scatter(dout[N,C])`.
-    EncoderBackward { dout: BufId, tokens: BufId },
-    /// Global-norm clipping and AdamW over all parameters; skipped when the gradients are
-    /// not finite.
-    OptimizerStep,
+    EncoderBackward {
+        dout: BufId,
+        tokens: BufId,
+        wte: Range<usize>,
+        wpe: Range<usize>,
+        rows: Rows,
+        c: usize,
+    },
+    /// The sum of squares of `grads[range]` (the global gradient norm's input; a step scalar,
+    /// not a buffer). The executor turns it into the norm, the clipping factor and whether the
+    /// step is skipped (gradients not finite).
+    GradNorm { range: Range<usize> },
+    /// AdamW on these parameter tensors (master weights, gradients and moments of the same
+    /// ranges), with the step's clipping factor; not run when the step is skipped.
+    AdamW { tensors: Vec<ParamSlice> },
 }
 
 /// An op with its display name, phase and arithmetic cost.
@@ -127,18 +214,27 @@ pub struct OptimBufs {
     pub v_scale: Option<BufId>,
 }
 
-/// The ordered ops of one step, plus the persistent buffers every op may touch implicitly.
-#[derive(Clone, Debug)]
-pub struct Schedule {
-    pub ops: Vec<OpEntry>,
+/// The persistent buffers ops touch without naming them: parameter ranges index `params` and
+/// `grads`, optimizer ops the moments, matmuls the mixed-precision tiles.
+#[derive(Clone, Copy, Debug)]
+pub struct ImplicitBufs {
     /// `The fp32 parameters [params] (the master weights under mixed precision; kernels read`
     /// them directly and the optimizer updates them).
     pub params: BufId,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
     pub gemm_ws: Option<BufId>,
+    /// `Parameter gradients [params]` in the storage type (training plans).
     pub grads: Option<BufId>,
     /// AdamW moments (training plans).
     pub optim: Option<OptimBufs>,
+}
+
+/// The ordered ops of one step, the buffers they use implicitly, and the buffers the host
+/// fills or reads between steps.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub ops: Vec<OpEntry>,
+    pub implicit: ImplicitBufs,
     /// Input token ids `[B, T]`, one buffer per micro-batch.
     pub tokens: Vec<BufId>,
     /// Target token ids `[B, T]` per micro-batch (training plans; empty otherwise).
@@ -156,7 +252,7 @@ impl Op {
         use Op::*;
         match self {
             Zero { buf } => (vec![], vec![*buf]),
-            Encoder { tokens, out } => (vec![*tokens], vec![*out]),
+            Encoder { tokens, out, .. } => (vec![*tokens], vec![*out]),
             LayerNorm {
                 inp,
                 out,
@@ -171,8 +267,10 @@ impl Op {
                 r.extend(residual);
                 (r, vec![*out])
             }
-            Attention { qkv, out, lse, ws } => (vec![*qkv], vec![*out, *lse, *ws]),
-            Gelu { inp, out } => (vec![*inp], vec![*out]),
+            Attention {
+                qkv, out, lse, ws, ..
+            } => (vec![*qkv], vec![*out, *lse, *ws]),
+            Gelu { inp, out, .. } => (vec![*inp], vec![*out]),
             LmHeadLoss {
                 inp,
                 targets,
@@ -185,7 +283,7 @@ impl Op {
                 w.extend(dinp);
                 (vec![*inp, *targets], w)
             }
-            LmHeadLast { inp, logits } => (vec![*inp], vec![*logits]),
+            LmHeadLast { inp, logits, .. } => (vec![*inp], vec![*logits]),
             LayerNormBackward {
                 dinp,
                 dout,
@@ -204,10 +302,11 @@ impl Op {
                 out,
                 lse,
                 ws,
+                ..
             } => (vec![*dout, *qkv, *out, *lse], vec![*dqkv, *ws]),
-            GeluBackward { d, inp } => (vec![*d, *inp], vec![*d]),
-            EncoderBackward { dout, tokens } => (vec![*dout, *tokens], vec![]),
-            OptimizerStep => (vec![], vec![]),
+            GeluBackward { d, inp, .. } => (vec![*d, *inp], vec![*d]),
+            EncoderBackward { dout, tokens, .. } => (vec![*dout, *tokens], vec![]),
+            GradNorm { .. } | AdamW { .. } => (vec![], vec![]),
         }
     }
 }

@@ -9,12 +9,17 @@
 //!   gradients accumulate and the optimizer runs once.
 //!
 //! - [`OptimState`]: how the AdamW moments are stored (fp32, bf16, or 8-bit blockwise codes
-//!   with one f32 scale per block of `backend::cpu::quant::QBLOCK` values of a tensor).
+//!   with one f32 scale per block of [`QBLOCK`] values of a tensor).
 //!
 //! Kernels are deterministic for a thread count, so recomputed activations are bitwise the
 //! forward's and every recompute policy gives bitwise the same weights as `none`.
 
 use super::DType;
+
+/// Values per block of 8-bit optimizer state: each tensor's moments are cut into blocks of
+/// this many consecutive values (the last one possibly shorter), each with one f32 absmax.
+/// Part of the state's format (checkpoints store it as is), so every backend uses it.
+pub const QBLOCK: usize = 2048;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 use std::fmt;

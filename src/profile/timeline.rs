@@ -241,6 +241,7 @@ pub fn op_kind(name: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::Cpu;
     use crate::model::ModelSpec;
     use crate::plan::{Mode, Recompute, StepConfig, build_plan};
 
@@ -250,7 +251,7 @@ mod tests {
         for r in [Recompute::None, Recompute::Full] {
             let mut cfg = StepConfig::new(2, 32, 1);
             cfg.recompute = r;
-            let plan = build_plan(&spec, &cfg, Mode::Train).unwrap();
+            let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
             let data = PlanData::from_plan(&plan, 0).unwrap();
             let tl = MemoryTimeline::new(&data);
             // The timeline also counts the buffers outside the arena, live over the whole step.
@@ -284,7 +285,7 @@ mod tests {
     #[test]
     fn inconsistent_plan_json_is_refused_with_the_buffer_named() {
         let spec = ModelSpec::resolve("gpt2-tiny").unwrap();
-        let plan = build_plan(&spec, &StepConfig::new(1, 16, 1), Mode::Train).unwrap();
+        let plan = build_plan(&spec, &StepConfig::new(1, 16, 1), Mode::Train, &Cpu).unwrap();
         let mut v = crate::plan::report::to_json(&plan, 0);
         v["buffers"][3]["last_op"] = serde_json::json!(1_000_000);
         let dir = tempfile::tempdir().unwrap();

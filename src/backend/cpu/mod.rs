@@ -17,6 +17,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod device;
 pub mod elem;
 pub mod encoder;
 pub mod gelu;
@@ -24,7 +25,10 @@ pub mod gemm_bf16;
 pub mod gemm_mixed;
 pub mod layernorm;
 pub mod matmul;
+mod ops;
 pub mod peak;
 pub mod quant;
 pub mod reduce;
 pub mod xent;
+
+pub use device::{Cpu, CpuDevice};

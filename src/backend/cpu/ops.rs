@@ -1,57 +1,46 @@
-//! The op → kernel mapping: the only place that knows which kernel runs an [`Op`]. Generic
-//! over the plan's storage type `T` (f32, bf16, f16): activations and gradients are `T`;
-//! weights are always the fp32 parameters (the master weights under mixed precision: kernels
-//! convert them per tile, so no reduced-precision copy is stored); layernorm statistics,
-//! attention log-sum-exps, losses and the LM head's logits chunk are f32.
+//! The op → kernel mapping of the CPU backend: the only place that knows which kernel runs an
+//! [`Op`]. Generic over the plan's storage type `T` (f32, bf16, f16): activations and
+//! gradients are `T`; weights are always the fp32 parameters (the master weights under mixed
+//! precision: kernels convert them per tile, so no reduced-precision copy is stored);
+//! layernorm statistics, attention log-sum-exps, losses and the LM head's logits chunk are
+//! f32. Every dimension comes from the op itself; nothing here reads the model.
 
-use super::executor::{Executor, two_ranges};
-use crate::backend::cpu::elem::Elem;
-use crate::backend::cpu::{
-    adamw, attention, encoder, gelu, gemm_mixed, layernorm, matmul, quant, reduce, xent,
-};
+use super::device::{CpuDevice, two_ranges};
+use super::elem::Elem;
+use super::{adamw, attention, encoder, gelu, gemm_mixed, layernorm, matmul, quant, reduce, xent};
+use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
-use crate::plan::schedule::Op;
+use crate::plan::schedule::{Op, ParamSlice};
 
-/// What the optimizer op found.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct OptimOutcome {
-    /// Global gradient norm of the (unscaled) gradients; non-finite when they overflowed.
-    pub grad_norm: f32,
-    /// The update was skipped because the gradients were not finite.
-    pub skipped: bool,
-}
-
-impl Executor {
-    /// Runs op `i` on the first `b`×`t` rows; returns the optimizer's outcome for its op.
-    pub(super) fn run_op<T: Elem>(
-        &self,
-        i: usize,
-        b: usize,
-        t: usize,
-        training: bool,
-    ) -> Option<OptimOutcome> {
-        let spec = &self.plan.spec;
-        let (c, nh, v) = (spec.n_embd, spec.n_head, spec.vocab_size);
-        let n = b * t;
-        let s = &self.plan.schedule;
-        let params: &[f32] = self.view(s.params); // fp32 (master) weights, read by every kernel
-        let grads = || self.view::<T>(s.grads.expect("training plan"));
-        let ws = || match s.gemm_ws {
+impl CpuDevice {
+    /// Runs `op` with activations stored as `T`.
+    pub(super) fn run_op<T: Elem>(&self, op: &Op, ctx: &StepCtx) -> OpResult {
+        let params: &[f32] = self.view(self.state.params); // fp32 (master) weights
+        let grads = || self.view::<T>(self.state.grads.expect("training plan"));
+        let ws = || match self.state.gemm_ws {
             Some(id) => self.view::<f32>(id),
             None => &mut [],
         };
         let act = |id| &self.view::<T>(id)[..];
-        match &s.ops[i].op {
+        match op {
             Op::Zero { buf } => self.zero(*buf),
-            Op::Encoder { tokens, out } => {
-                let l = &self.plan.layout;
+            Op::Encoder {
+                tokens,
+                out,
+                wte,
+                wpe,
+                rows,
+                c,
+            } => {
+                let (r, c) = (rows.with_seq(ctx.seq), *c);
+                let n = r.n();
                 encoder::encoder_forward(
                     &mut self.view::<T>(*out)[..n * c],
                     &self.u32_mut(*tokens)[..n],
-                    &params[l.wte.clone()],
-                    &params[l.wpe.clone()],
-                    b,
-                    t,
+                    &params[wte.clone()],
+                    &params[wpe.clone()],
+                    r.b,
+                    r.t,
                     c,
                 );
             }
@@ -62,26 +51,34 @@ impl Executor {
                 rstd,
                 w,
                 b: bias,
-            } => layernorm::layernorm_forward(
-                &mut self.view::<T>(*out)[..n * c],
-                &mut self.view::<f32>(*mean)[..n],
-                &mut self.view::<f32>(*rstd)[..n],
-                &act(*inp)[..n * c],
-                &params[w.clone()],
-                &params[bias.clone()],
-                n,
+                rows,
                 c,
-                spec.layer_norm_epsilon,
-            ),
+                eps,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                layernorm::layernorm_forward(
+                    &mut self.view::<T>(*out)[..n * c],
+                    &mut self.view::<f32>(*mean)[..n],
+                    &mut self.view::<f32>(*rstd)[..n],
+                    &act(*inp)[..n * c],
+                    &params[w.clone()],
+                    &params[bias.clone()],
+                    n,
+                    c,
+                    *eps,
+                )
+            }
             Op::Matmul {
                 inp,
                 out,
                 residual,
                 w,
                 b: bias,
+                rows,
                 ic,
                 oc,
             } => {
+                let (n, ic, oc) = (rows.with_seq(ctx.seq).n(), *ic, *oc);
                 let out = &mut self.view::<T>(*out)[..n * oc];
                 if let Some(r) = residual {
                     out.copy_from_slice(&act(*r)[..n * oc]);
@@ -90,44 +87,66 @@ impl Executor {
                     out,
                     &act(*inp)[..n * ic],
                     &params[w.clone()],
-                    Some(&params[bias.clone()]),
+                    bias.as_ref().map(|b| &params[b.clone()]),
                     n,
-                    *ic,
-                    *oc,
+                    ic,
+                    oc,
                     residual.is_some(),
                     ws(),
                 );
             }
-            Op::Attention { qkv, out, lse, ws } => attention::attention_forward(
-                &mut self.view::<T>(*out)[..n * c],
-                &mut self.view::<f32>(*lse)[..b * nh * t],
-                &act(*qkv)[..n * 3 * c],
-                b,
-                t,
+            Op::Attention {
+                qkv,
+                out,
+                lse,
+                ws,
+                rows,
                 c,
                 nh,
-                self.view::<f32>(*ws),
-            ),
-            Op::Gelu { inp, out } => gelu::gelu_forward(
-                &mut self.view::<T>(*out)[..n * 4 * c],
-                &act(*inp)[..n * 4 * c],
-            ),
+            } => {
+                let (r, c, nh) = (rows.with_seq(ctx.seq), *c, *nh);
+                let n = r.n();
+                attention::attention_forward(
+                    &mut self.view::<T>(*out)[..n * c],
+                    &mut self.view::<f32>(*lse)[..r.b * nh * r.t],
+                    &act(*qkv)[..n * 3 * c],
+                    r.b,
+                    r.t,
+                    c,
+                    nh,
+                    self.view::<f32>(*ws),
+                )
+            }
+            Op::Gelu {
+                inp,
+                out,
+                rows,
+                width,
+            } => {
+                let len = rows.with_seq(ctx.seq).n() * width;
+                gelu::gelu_forward(&mut self.view::<T>(*out)[..len], &act(*inp)[..len])
+            }
             Op::LmHeadLoss {
                 inp,
                 targets,
                 losses,
                 logits,
                 dinp,
+                w,
+                rows,
+                c,
+                v,
                 rows_per_chunk,
                 loss_rows,
             } => {
-                let wte = &params[self.plan.layout.wte.clone()];
+                let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
+                let wte = &params[w.clone()];
                 let x = &act(*inp)[..n * c];
                 let tg = &self.u32_mut(*targets)[..n];
                 let losses = &mut self.view::<f32>(*losses)[..n];
                 let logits = self.view::<f32>(*logits);
                 // d(loss·loss_scale)/dlogits: the mean over every micro-batch's rows, scaled.
-                let scale = self.loss_scale / *loss_rows as f32;
+                let scale = ctx.loss_scale / *loss_rows as f32;
                 let mut start = 0;
                 while start < n {
                     let r = (*rows_per_chunk).min(n - start);
@@ -136,7 +155,7 @@ impl Executor {
                     // lg[r, V] = xr[r, C] @ wteᵀ
                     gemm_mixed::gemm_mixed(r, v, c, xr, c, false, wte, c, true, lg, v, false, ws());
                     let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
-                    match (training, dinp) {
+                    match (ctx.training, dinp) {
                         (true, Some(d)) => {
                             xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v);
                             let dx = &mut self.view::<T>(*d)[start * c..(start + r) * c];
@@ -157,7 +176,7 @@ impl Executor {
                                 ws(),
                             );
                             // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C]
-                            let dwte = &mut grads()[self.plan.layout.wte.clone()];
+                            let dwte = &mut grads()[w.clone()];
                             gemm_mixed::gemm_mixed(
                                 v,
                                 c,
@@ -179,8 +198,15 @@ impl Executor {
                     start += r;
                 }
             }
-            Op::LmHeadLast { inp, logits } => {
-                let wte = &params[self.plan.layout.wte.clone()];
+            Op::LmHeadLast {
+                inp,
+                logits,
+                w,
+                rows,
+                c,
+                v,
+            } => {
+                let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
                 let x = &act(*inp)[(n - 1) * c..n * c];
                 gemm_mixed::gemm_mixed(
                     1,
@@ -189,7 +215,7 @@ impl Executor {
                     x,
                     c,
                     false,
-                    wte,
+                    &params[w.clone()],
                     c,
                     true,
                     self.view::<f32>(*logits),
@@ -206,7 +232,10 @@ impl Executor {
                 rstd,
                 w,
                 b: bias,
+                rows,
+                c,
             } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
                 let (dw, db) = two_ranges(grads(), w.clone(), bias.clone());
                 layernorm::layernorm_backward(
                     &mut self.view::<T>(*dinp)[..n * c],
@@ -227,20 +256,28 @@ impl Executor {
                 inp,
                 w,
                 b: bias,
+                rows,
                 ic,
                 oc,
             } => {
-                let (dw, db) = two_ranges(grads(), w.clone(), bias.clone());
+                let (n, ic, oc) = (rows.with_seq(ctx.seq).n(), *ic, *oc);
+                let (dw, db) = match bias {
+                    Some(b) => {
+                        let (dw, db) = two_ranges(grads(), w.clone(), b.clone());
+                        (dw, Some(db))
+                    }
+                    None => (&mut grads()[w.clone()], None),
+                };
                 matmul::matmul_backward(
                     &mut self.view::<T>(*dinp)[..n * ic],
                     dw,
-                    Some(db),
+                    db,
                     &act(*dout)[..n * oc],
                     &act(*inp)[..n * ic],
                     &params[w.clone()],
                     n,
-                    *ic,
-                    *oc,
+                    ic,
+                    oc,
                     ws(),
                 );
             }
@@ -251,72 +288,83 @@ impl Executor {
                 out,
                 lse,
                 ws,
-            } => attention::attention_backward(
-                &mut self.view::<T>(*dqkv)[..n * 3 * c],
-                &act(*dout)[..n * c],
-                &act(*qkv)[..n * 3 * c],
-                &act(*out)[..n * c],
-                &self.view::<f32>(*lse)[..b * nh * t],
-                b,
-                t,
+                rows,
                 c,
                 nh,
-                self.view::<f32>(*ws),
-            ),
-            Op::GeluBackward { d, inp } => gelu::gelu_backward_inplace(
-                &mut self.view::<T>(*d)[..n * 4 * c],
-                &act(*inp)[..n * 4 * c],
-            ),
-            Op::EncoderBackward { dout, tokens } => {
-                let l = &self.plan.layout;
-                let (dwte, dwpe) = two_ranges(grads(), l.wte.clone(), l.wpe.clone());
+            } => {
+                let (r, c, nh) = (rows.with_seq(ctx.seq), *c, *nh);
+                let n = r.n();
+                attention::attention_backward(
+                    &mut self.view::<T>(*dqkv)[..n * 3 * c],
+                    &act(*dout)[..n * c],
+                    &act(*qkv)[..n * 3 * c],
+                    &act(*out)[..n * c],
+                    &self.view::<f32>(*lse)[..r.b * nh * r.t],
+                    r.b,
+                    r.t,
+                    c,
+                    nh,
+                    self.view::<f32>(*ws),
+                )
+            }
+            Op::GeluBackward {
+                d,
+                inp,
+                rows,
+                width,
+            } => {
+                let len = rows.with_seq(ctx.seq).n() * width;
+                gelu::gelu_backward_inplace(&mut self.view::<T>(*d)[..len], &act(*inp)[..len])
+            }
+            Op::EncoderBackward {
+                dout,
+                tokens,
+                wte,
+                wpe,
+                rows,
+                c,
+            } => {
+                let (r, c) = (rows.with_seq(ctx.seq), *c);
+                let n = r.n();
+                let (dwte, dwpe) = two_ranges(grads(), wte.clone(), wpe.clone());
                 encoder::encoder_backward(
                     dwte,
                     dwpe,
                     &act(*dout)[..n * c],
                     &self.u32_mut(*tokens)[..n],
-                    b,
-                    t,
+                    r.b,
+                    r.t,
                     c,
                 );
             }
-            Op::OptimizerStep => return Some(self.optimizer_step::<T>()),
+            Op::GradNorm { range } => {
+                return OpResult::SumOfSquares(reduce::sum_squares(&grads()[range.clone()]));
+            }
+            Op::AdamW { tensors } => {
+                let step = ctx.update.expect("the executor sets the AdamW step");
+                self.adamw::<T>(tensors, &step);
+            }
         }
-        None
+        OpResult::Done
     }
 
-    /// Global-norm clipping then AdamW over every parameter tensor, on the master weights
-    /// (the compute weights themselves in fp32 plans). Gradients carry the loss scale, which
-    /// is divided out here; non-finite gradients skip the update.
-    fn optimizer_step<T: Elem>(&self) -> OptimOutcome {
-        let hp = self.hp.as_ref().expect("train_step sets hyperparameters");
-        let s = &self.plan.schedule;
-        let grads = &self.view::<T>(s.grads.expect("training plan"))[..];
-        let norm = (reduce::sum_squares(grads).sqrt() / self.loss_scale as f64) as f32;
-        if !norm.is_finite() {
-            return OptimOutcome {
-                grad_norm: norm,
-                skipped: true,
-            };
-        }
-        let clip = if hp.grad_clip > 0.0 && norm > hp.grad_clip {
-            hp.grad_clip / (norm + 1e-6)
-        } else {
-            1.0
-        };
-        let master = self.view::<f32>(s.params);
+    /// AdamW over `tensors` on the master weights (the compute weights themselves in fp32
+    /// plans), the moments in the plan's format.
+    fn adamw<T: Elem>(&self, tensors: &[ParamSlice], step: &AdamWStep) {
+        let grads = &self.view::<T>(self.state.grads.expect("training plan"))[..];
+        let master = self.view::<f32>(self.state.params);
         let mut state = self.moments_view();
-        for (tensor, &b0) in self.plan.layout.tensors.iter().zip(&self.state_block_of) {
-            let r = tensor.range.clone();
-            let blocks = b0..b0 + r.len().div_ceil(quant::QBLOCK);
+        for t in tensors {
+            let r = t.range.clone();
+            let blocks = t.state_block..t.state_block + r.len().div_ceil(quant::QBLOCK);
             let p = adamw::AdamWParams {
-                lr: hp.lr,
-                beta1: hp.beta1,
-                beta2: hp.beta2,
-                eps: hp.eps,
-                weight_decay: if tensor.decay { hp.weight_decay } else { 0.0 },
-                step: hp.step,
-                grad_scale: clip / self.loss_scale,
+                lr: step.lr,
+                beta1: step.beta1,
+                beta2: step.beta2,
+                eps: step.eps,
+                weight_decay: if t.decay { step.weight_decay } else { 0.0 },
+                step: step.step,
+                grad_scale: step.grad_scale,
             };
             let (p_, g) = (&mut master[r.clone()], &grads[r.clone()]);
             match &mut state {
@@ -341,10 +389,6 @@ impl Executor {
                     &p,
                 ),
             }
-        }
-        OptimOutcome {
-            grad_norm: norm,
-            skipped: false,
         }
     }
 }

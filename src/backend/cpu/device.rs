@@ -1,0 +1,285 @@
+//! The CPU backend: [`Cpu`] answers the planner's sizing questions, and [`CpuDevice`] holds a
+//! started plan (the host arena, the worker pool) and runs its ops ([`super::ops`]).
+
+use super::attention::attention_workspace_len;
+use super::elem::Elem;
+use super::gemm_mixed::{compute_path, cpu_has_bf16_dot, gemm_mixed_workspace_len};
+use super::matmul::packing_bytes;
+use crate::backend::{Backend, Device, OpResult, Sizing, StepCtx};
+use crate::ckpt::MomentsMut;
+use crate::mem::arena::Arena;
+use crate::plan::schedule::{ImplicitBufs, OpEntry};
+use crate::plan::{BufId, Buffer, DType, Op, OptimState, Plan};
+use anyhow::{Result, bail};
+use half::{bf16, f16};
+
+/// The CPU backend: kernels on a pool of the plan's `threads` workers, one host arena.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+impl Sizing for Cpu {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn attention_workspace_elems(
+        &self,
+        storage: DType,
+        t: usize,
+        hs: usize,
+        threads: usize,
+    ) -> usize {
+        match storage {
+            DType::Bf16 => attention_workspace_len::<bf16>(t, hs, threads),
+            DType::F16 => attention_workspace_len::<f16>(t, hs, threads),
+            _ => attention_workspace_len::<f32>(t, hs, threads),
+        }
+    }
+
+    fn mixed_gemm_workspace_elems(&self) -> usize {
+        gemm_mixed_workspace_len()
+    }
+
+    /// The packing scratch the `gemm` crate allocates for itself: the largest packed panel
+    /// of any call (executor calls are serial, and attention's per-worker calls pack panels
+    /// of T × hs, far smaller), plus one L2-sized slab per thread (main thread included). The
+    /// L2 size is read from sysfs as `gemm` does.
+    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64 {
+        let panel = ops
+            .iter()
+            .map(|e| gemm_panel_bytes(&e.op))
+            .max()
+            .unwrap_or(0);
+        panel + (threads as u64 + 1) * l2_bytes()
+    }
+
+    fn compute_note(&self, storage: DType) -> Option<String> {
+        (storage != DType::F32).then(|| {
+            format!(
+                "{} (this CPU {} AVX512_BF16)",
+                compute_path(storage == DType::Bf16),
+                if cpu_has_bf16_dot() { "has" } else { "lacks" }
+            )
+        })
+    }
+}
+
+impl Backend for Cpu {
+    fn start(&self, plan: &Plan) -> Result<Box<dyn Device>> {
+        Ok(Box::new(CpuDevice::new(plan)?))
+    }
+}
+
+/// The largest packing panel the GEMMs of `op` make `gemm` allocate
+/// ([`packing_bytes`] of each call's rows and depth).
+fn gemm_panel_bytes(op: &Op) -> u64 {
+    match op {
+        Op::Matmul { rows, ic, .. } => packing_bytes(rows.n(), *ic),
+        // dinp = dout @ wᵀ (n rows, depth oc); dw += inpᵀ @ dout (ic rows, depth n).
+        Op::MatmulBackward { rows, ic, oc, .. } => {
+            packing_bytes(rows.n(), *oc).max(packing_bytes(*ic, rows.n()))
+        }
+        // logits = x @ wteᵀ, dx = dlogits @ wte, dwte += dlogitsᵀ @ x, per chunk of r rows.
+        Op::LmHeadLoss {
+            rows_per_chunk,
+            c,
+            v,
+            ..
+        } => {
+            let r = *rows_per_chunk;
+            packing_bytes(r, *c)
+                .max(packing_bytes(r, *v))
+                .max(packing_bytes(*v, r))
+        }
+        Op::LmHeadLast { c, .. } => packing_bytes(1, *c),
+        _ => 0,
+    }
+}
+
+/// This machine's L2 cache size (cpu0), 1 MiB when sysfs does not say.
+fn l2_bytes() -> u64 {
+    (0..8)
+        .find_map(|i| {
+            let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+            let lvl: u32 = std::fs::read_to_string(format!("{dir}/level"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            if lvl != 2 {
+                return None;
+            }
+            let s = std::fs::read_to_string(format!("{dir}/size")).ok()?;
+            crate::util::bytes::parse_bytes(s.trim()).ok()
+        })
+        .unwrap_or(1 << 20)
+}
+
+/// A plan started on the CPU: its host arena, its buffers' placements and the worker pool.
+pub struct CpuDevice {
+    arena: Arena,
+    pool: rayon::ThreadPool,
+    buffers: Vec<Buffer>,
+    /// Element type of activations and gradients (f32, bf16 or f16).
+    storage: DType,
+    pub(super) state: ImplicitBufs,
+}
+
+impl CpuDevice {
+    fn new(plan: &Plan) -> Result<CpuDevice> {
+        let storage = plan.cfg.precision.storage();
+        if storage == DType::F16 && !f16_conversions_available() {
+            bail!(
+                "--precision fp16: this CPU has no F16C half-precision conversions, so fp16 storage would be converted in software, far slower than fp32; use --precision bf16"
+            );
+        }
+        crate::util::malloc::keep_library_scratch_resident();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(plan.cfg.threads)
+            .thread_name(|i| format!("memwall-worker-{i}"))
+            .build()?;
+        let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
+        Ok(CpuDevice {
+            arena,
+            pool,
+            buffers: plan.buffers.clone(),
+            storage,
+            state: plan.schedule.implicit,
+        })
+    }
+
+    // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
+    // buffers never overlap the other buffers it touches (plan::build::verify_ops), and the
+    // persistent buffers (params, grads, moments) are distinct buffers in the arena.
+
+    /// A view of buffer `id` as elements of `T`, whose dtype must be `dtype`.
+    #[allow(clippy::mut_from_ref)]
+    fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
+        let b = &self.buffers[id.0];
+        assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
+        assert!(!b.is_owned(), "buffer {} is not in the arena", b.name);
+        debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
+        unsafe { self.arena.view_mut::<T>(b.placement.offset, b.elems) }
+    }
+
+    /// The bytes of buffer `id`.
+    #[allow(clippy::mut_from_ref)]
+    fn bytes(&self, id: BufId) -> &mut [u8] {
+        let b = &self.buffers[id.0];
+        assert!(!b.is_owned(), "buffer {} is not in the arena", b.name);
+        // SAFETY: as for every view; u8 has no alignment or validity requirement.
+        unsafe {
+            self.arena
+                .view_mut::<u8>(b.placement.offset, b.bytes as usize)
+        }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    pub(super) fn u32_mut(&self, id: BufId) -> &mut [u32] {
+        self.typed(id, DType::U32)
+    }
+
+    /// A view of buffer `id` as elements of `T` (whose dtype it must have).
+    #[allow(clippy::mut_from_ref)]
+    pub(super) fn view<T: Elem>(&self, id: BufId) -> &mut [T] {
+        let dtype = match T::NAME {
+            "f32" => DType::F32,
+            "bf16" => DType::Bf16,
+            "f16" => DType::F16,
+            other => unreachable!("element type {other}"),
+        };
+        self.typed(id, dtype)
+    }
+
+    /// Zeroes a buffer of any dtype (all-zero bits are 0 in every element type).
+    pub(super) fn zero(&self, id: BufId) {
+        use rayon::prelude::*;
+        self.bytes(id)
+            .par_chunks_mut(1 << 18)
+            .for_each(|c| c.fill(0));
+    }
+
+    /// The AdamW moments in their stored format.
+    pub(super) fn moments_view(&self) -> MomentsMut<'_> {
+        let o = self.state.optim.expect("training plan");
+        match o.format {
+            OptimState::F32 => MomentsMut::F32 {
+                m: self.typed(o.m, DType::F32),
+                v: self.typed(o.v, DType::F32),
+            },
+            OptimState::Bf16 => MomentsMut::Bf16 {
+                m: self.typed(o.m, DType::Bf16),
+                v: self.typed(o.v, DType::Bf16),
+            },
+            OptimState::Int8 => MomentsMut::Int8 {
+                m: self.typed(o.m, DType::I8),
+                m_absmax: self.typed(o.m_scale.expect("int8 scales"), DType::F32),
+                v: self.typed(o.v, DType::U8),
+                v_absmax: self.typed(o.v_scale.expect("int8 scales"), DType::F32),
+            },
+        }
+    }
+
+    /// Mutable byte views of distinct buffers.
+    fn bytes_of(&self, bufs: &[BufId]) -> Vec<&mut [u8]> {
+        for (i, a) in bufs.iter().enumerate() {
+            assert!(!bufs[..i].contains(a), "buffer listed twice");
+        }
+        bufs.iter().map(|&id| self.bytes(id)).collect()
+    }
+}
+
+impl Device for CpuDevice {
+    fn run(&self, op: &Op, ctx: &StepCtx) -> OpResult {
+        match self.storage {
+            DType::Bf16 => self.run_op::<bf16>(op, ctx),
+            DType::F16 => self.run_op::<f16>(op, ctx),
+            _ => self.run_op::<f32>(op, ctx),
+        }
+    }
+
+    fn scope(&self, f: &mut (dyn FnMut() + Send)) {
+        self.pool.install(f)
+    }
+
+    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) {
+        let views: Vec<&[u8]> = self.bytes_of(bufs).into_iter().map(|b| &*b).collect();
+        f(&views)
+    }
+
+    fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) {
+        f(&mut self.bytes_of(bufs))
+    }
+}
+
+/// Whether the CPU converts f16 in hardware (F16C).
+fn f16_conversions_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        cfg!(target_arch = "aarch64")
+    }
+}
+
+/// Two disjoint mutable sub-slices of one buffer.
+pub(super) fn two_ranges<T>(
+    buf: &mut [T],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> (&mut [T], &mut [T]) {
+    assert!(
+        a.end <= b.start || b.end <= a.start,
+        "overlapping parameter ranges"
+    );
+    if a.start < b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&mut lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        let bl = b.end - b.start;
+        (&mut hi[..a.end - a.start], &mut lo[b.start..b.start + bl])
+    }
+}
