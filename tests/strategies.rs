@@ -13,15 +13,7 @@ mod common;
 
 /// Four blocks, so that every:2 and every:3 differ from both none and full.
 fn small_spec() -> ModelSpec {
-    ModelSpec {
-        name: "small".into(),
-        vocab_size: 97,
-        n_positions: 32,
-        n_embd: 32,
-        n_layer: 4,
-        n_head: 4,
-        layer_norm_epsilon: 1e-5,
-    }
+    memwall::model::gpt2::spec("small", [97, 32, 32, 4, 4])
 }
 
 fn hp(step: u64) -> OptimHparams {
@@ -44,7 +36,7 @@ fn train(cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
     let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let layout = ex.plan.layout.clone();
-    ex.with_params_mut(|p| layout.init(p, spec.n_layer, 7));
+    ex.with_params_mut(|p| layout.init(p, 7));
     let mut rng = Rng::new(3);
     let rows = cfg.batch * cfg.grad_accum;
     let mut losses = Vec::new();
@@ -241,7 +233,7 @@ fn overflowing_gradients_skip_the_update() {
     let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let layout = ex.plan.layout.clone();
-    ex.with_params_mut(|p| layout.init(p, spec.n_layer, 7));
+    ex.with_params_mut(|p| layout.init(p, 7));
     let batch: Vec<u32> = (0..2 * 17).map(|i| (i * 5 % 97) as u32).collect();
     ex.upload_batch(&batch).unwrap();
     let before = ex.download_params();

@@ -13,15 +13,7 @@ use memwall::plan::{
 use memwall::util::rng::Rng;
 
 fn micro_spec() -> ModelSpec {
-    ModelSpec {
-        name: "micro".into(),
-        vocab_size: 61,
-        n_positions: 16,
-        n_embd: 16,
-        n_layer: 2,
-        n_head: 2,
-        layer_norm_epsilon: 1e-5,
-    }
+    memwall::model::gpt2::spec("micro", [61, 16, 16, 2, 2])
 }
 
 /// Executor for the micro model with random batch and params drawn with a larger spread, so
@@ -33,7 +25,7 @@ fn micro_executor(threads: usize) -> Executor {
     let mut rng = Rng::new(11);
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| {
-        layout.init(p, spec.n_layer, 5);
+        layout.init(p, 5);
         for x in p.iter_mut() {
             *x += 0.1 * rng.normal();
         }

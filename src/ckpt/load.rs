@@ -8,11 +8,8 @@ use std::path::{Path, PathBuf};
 
 use super::layout_summary as describe;
 use super::moments::MomentsMut;
-use super::names::{
-    ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, LM_HEAD, resolve_exact,
-    resolve_model_name,
-};
-use super::safetensors_io::{StFile, Target, decode_into, supported};
+use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, resolve_exact};
+use super::safetensors_io::{Resolved, StFile, Target, decode_into, supported};
 use super::{
     CHECKPOINT_FILES, CHECKPOINTS_DIR, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
     TrainerState,
@@ -86,39 +83,55 @@ pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Resu
             range: t.range.clone(),
         })
         .collect();
-    super::safetensors_io::load_targets(&file, &resolve_model_name, &targets, &mut [params])
-        .with_context(|| {
+    let family = layout.family;
+    let resolve = |name: &str| match family.canonical_name(name) {
+        Some(k) => Resolved::Key(k),
+        None => Resolved::Ignore,
+    };
+    super::safetensors_io::load_targets(&file, &resolve, &targets, &mut [params]).with_context(
+        || {
             format!(
-                "loading weights into a GPT-2 with {}; check --model / config.json",
+                "loading weights into a {} with {}; check --model / config.json",
+                family.model_type(),
                 describe(layout)
             )
-        })?;
-    if tied_head_differs(&file, layout, params) {
-        eprintln!(
-            "memwall: warning: {}: lm_head.weight differs from transformer.wte.weight; memwall's \
-             GPT-2 ties them and uses wte for both (lm_head.weight is ignored)",
-            file.path.display()
-        );
+        },
+    )?;
+    for tied in &layout.tied {
+        let to = &layout.tensors[tied.tensor];
+        if tied_differs(&file, &tied.name, to, params) {
+            eprintln!(
+                "memwall: warning: {}: {} differs from {}; memwall ties them and uses {} for \
+                 both ({} is ignored)",
+                file.path.display(),
+                tied.name,
+                to.name,
+                to.name,
+                tied.name
+            );
+        }
     }
     Ok(())
 }
 
-/// Whether the file has an `lm_head.weight` that is not (bitwise, after conversion) the
-/// `wte` just loaded into `params`.
-pub(crate) fn tied_head_differs(file: &StFile, layout: &ParamLayout, params: &[f32]) -> bool {
-    let Some(info) = file.info(LM_HEAD) else {
+/// Whether the file has a tensor `name` that is not (bitwise, after conversion) the tensor
+/// `to` it is tied to, just loaded into `params`.
+pub(crate) fn tied_differs(
+    file: &StFile,
+    name: &str,
+    to: &crate::model::ParamTensor,
+    params: &[f32],
+) -> bool {
+    let Some(info) = file.info(name) else {
         return false;
     };
-    let Some(wte_t) = layout.tensors.first() else {
-        return false;
-    };
-    let Some(wte) = params.get(layout.wte.clone()) else {
+    let (wte_t, Some(wte)) = (to, params.get(to.range.clone())) else {
         return false;
     };
     if info.shape != wte_t.shape || !supported(info.dtype) {
         return true;
     }
-    let Ok(bytes) = file.bytes(LM_HEAD, info) else {
+    let Ok(bytes) = file.bytes(name, info) else {
         return true;
     };
     // Compare block by block so that no wte-sized copy is made.

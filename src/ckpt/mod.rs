@@ -51,21 +51,21 @@ pub const CHECKPOINTS_DIR: &str = "checkpoints";
 /// The files a checkpoint is complete with.
 pub const CHECKPOINT_FILES: [&str; 4] = [CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
 
-/// One-line dimensions of a layout for messages, e.g. `L=12 C=768 V=50257 maxT=1024 (124439808 parameters)`.
+/// One-line description of a layout for messages, e.g. `gpt2: 14 parameter groups, 148
+/// tensors, 124439808 parameters (transformer.wte.weight [50257, 768], ...)`.
 pub(crate) fn layout_summary(layout: &crate::model::ParamLayout) -> String {
-    let rows = |i: usize| {
-        layout
-            .tensors
-            .get(i)
-            .and_then(|t| t.shape.first().copied())
-            .unwrap_or(0)
-    };
+    let first: Vec<String> = layout
+        .tensors
+        .iter()
+        .take(2)
+        .map(|t| format!("{} {:?}", t.name, t.shape))
+        .collect();
     format!(
-        "L={} C={} V={} maxT={} ({} parameters)",
-        layout.layers.len(),
-        layout.lnf_w.len(),
-        rows(0),
-        rows(1),
-        layout.total
+        "{}: {} parameter groups, {} tensors, {} parameters ({}, ...)",
+        layout.family.model_type(),
+        layout.groups.len(),
+        layout.tensors.len(),
+        layout.total,
+        first.join(", ")
     )
 }

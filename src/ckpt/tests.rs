@@ -10,15 +10,7 @@ use std::path::Path;
 
 /// A small GPT-2: V=97, maxT=32, C=16, L=2, NH=2.
 fn small_spec(vocab: usize) -> ModelSpec {
-    let s = ModelSpec {
-        name: "small".into(),
-        vocab_size: vocab,
-        n_positions: 32,
-        n_embd: 16,
-        n_layer: 2,
-        n_head: 2,
-        layer_norm_epsilon: 1e-5,
-    };
+    let s = crate::model::gpt2::spec("small", [vocab, 32, 16, 2, 2]);
     s.validate().unwrap();
     s
 }
@@ -28,9 +20,9 @@ fn small_spec(vocab: usize) -> ModelSpec {
 fn setup(spec: &ModelSpec) -> (ParamLayout, Vec<f32>, Vec<f32>, Vec<f32>) {
     let layout = ParamLayout::new(spec);
     let mut p = vec![0f32; layout.total];
-    layout.init(&mut p, spec.n_layer, 7);
+    layout.init(&mut p, 7);
     let mut m = vec![0f32; layout.total];
-    layout.init(&mut m, spec.n_layer, 8);
+    layout.init(&mut m, 8);
     let mut v: Vec<f32> = m.iter().map(|x| x * x + 1e-30).collect();
     m[0] = -0.0;
     m[1] = f32::from_bits(0x7fc0_1234);
@@ -231,7 +223,10 @@ fn model_file_has_hf_names_and_shapes() {
         &[16, 48]
     );
     let wte = opt.tensor("exp_avg_sq.transformer.wte.weight").unwrap();
-    assert_eq!(wte.data(), le_bytes(&v[layout.wte.clone()]).as_slice());
+    assert_eq!(
+        wte.data(),
+        le_bytes(&v[layout.range("transformer.wte.weight")]).as_slice()
+    );
 
     let cfg: serde_json::Value =
         serde_json::from_slice(&fs::read(dir.join(CONFIG_FILE)).unwrap()).unwrap();
@@ -245,7 +240,7 @@ fn gpt2_tiny_model_export_round_trips() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let layout = ParamLayout::new(&spec);
     let mut p = vec![0f32; layout.total];
-    layout.init(&mut p, spec.n_layer, 3);
+    layout.init(&mut p, 3);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("export");
     save_model(&out, &spec, &layout, &p).unwrap();
@@ -287,7 +282,7 @@ fn loads_gpt2model_names_and_skips_buffers() {
     let dir = tempfile::tempdir().unwrap();
     let mask: Vec<u8> = le_bytes(&vec![1f32; 32 * 32]);
     let masked_bias = le_bytes(&[-1e4f32]);
-    let lm_head = le_bytes(&p[layout.wte.clone()]);
+    let lm_head = le_bytes(&p[layout.range("transformer.wte.weight")]);
     write_custom(
         dir.path(),
         &layout,
@@ -323,12 +318,12 @@ fn loads_gpt2model_names_and_skips_buffers() {
     assert_eq!(bits(&q), bits(&p));
     let file = safetensors_io::StFile::open(&dir.path().join(MODEL_FILE)).unwrap();
     assert!(
-        !load::tied_head_differs(&file, &layout, &q),
+        !load::tied_differs(&file, "lm_head.weight", &layout.tensors[0], &q),
         "identical lm_head must not warn"
     );
-    q[layout.wte.end - 1] += 1.0;
+    q[layout.range("transformer.wte.weight").end - 1] += 1.0;
     assert!(
-        load::tied_head_differs(&file, &layout, &q),
+        load::tied_differs(&file, "lm_head.weight", &layout.tensors[0], &q),
         "a differing lm_head must warn"
     );
 }
@@ -466,7 +461,7 @@ fn unsupported_dtype_and_duplicates_are_errors() {
 
     // Both naming variants of one tensor: ambiguous.
     let dir = tempfile::tempdir().unwrap();
-    let bias = le_bytes(&p[layout.lnf_b.clone()]);
+    let bias = le_bytes(&p[layout.range("transformer.ln_f.bias")]);
     write_custom(
         dir.path(),
         &layout,

@@ -427,7 +427,7 @@ pub fn train(
             let layout = ex.plan.layout.clone();
             match &opts.init {
                 Some(dir) => ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))?,
-                None => ex.with_params_mut(|p| layout.init(p, spec.n_layer, opts.seed)),
+                None => ex.with_params_mut(|p| layout.init(p, opts.seed)),
             }
             let _ = std::fs::remove_file(opts.out.join("metrics.jsonl"));
             (0, 0)

@@ -1,8 +1,19 @@
-//! What to train: the GPT-2 family's dimensions ([`ModelSpec`]) and its parameter inventory
-//! ([`ParamLayout`]), with Hugging Face tensor names and layouts.
+//! What to train: a model's dimensions ([`ModelSpec`]), its family ([`Family`], the seam
+//! behind which each architecture lives in one module, [`gpt2`] today) and its parameter
+//! inventory ([`ParamLayout`]) with Hugging Face tensor names and layouts.
 
+pub mod family;
+pub mod gpt2;
 pub mod params;
 pub mod spec;
 
-pub use params::{LayerParams, ParamLayout, ParamTensor};
-pub use spec::ModelSpec;
+pub use family::Family;
+pub use params::{Init, ParamGroup, ParamLayout, ParamTensor, TiedName};
+pub use spec::{ModelSpec, Norm, Position};
+
+impl ParamLayout {
+    /// The parameter inventory of `spec`, by its family.
+    pub fn new(spec: &ModelSpec) -> ParamLayout {
+        spec.family.layout(spec)
+    }
+}

@@ -1,18 +1,35 @@
-//! GPT-2 family model dimensions: presets, Hugging Face `config.json` in and out, validation.
+//! Model dimensions for every family ([`ModelSpec`]): presets, Hugging Face `config.json` in
+//! and out (dispatched on `model_type` to the family's module), validation naming the field.
 
+use super::Family;
 use anyhow::{Context, Result, bail};
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::path::Path;
 
-/// The dimensions of a GPT-2 architecture model (tied input/output embeddings, pre-LN blocks,
-/// learned positions, tanh-GELU MLP of width 4·C).
+/// How a block normalises its input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    /// Mean and variance, learned scale and bias (GPT-2).
+    LayerNorm,
+}
+
+/// How positions enter the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Position {
+    /// A learned embedding per position, added to the token embedding (GPT-2).
+    Learned,
+}
+
+/// The dimensions and architectural choices of a decoder-only transformer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSpec {
     /// Preset name or the config file it came from (for messages only).
     pub name: String,
+    /// The family whose module builds it.
+    pub family: Family,
     /// V: vocabulary size (GPT-2 BPE: 50257).
     pub vocab_size: usize,
-    /// maxT: number of learned positions, the longest sequence the model accepts.
+    /// maxT: the longest sequence the model accepts (learned positions: their number).
     pub n_positions: usize,
     /// C: embedding width.
     pub n_embd: usize,
@@ -20,42 +37,33 @@ pub struct ModelSpec {
     pub n_layer: usize,
     /// NH: attention heads; head size is C / NH.
     pub n_head: usize,
-    /// Layer-norm epsilon.
-    pub layer_norm_epsilon: f32,
+    /// Key/value heads (grouped-query attention); `n_head` for multi-head attention.
+    pub n_kv_head: usize,
+    /// Width of the MLP's hidden layer (GPT-2: `n_inner`, 4·C by default).
+    pub mlp_hidden: usize,
+    pub norm: Norm,
+    /// Normalisation epsilon.
+    pub norm_eps: f32,
+    pub position: Position,
+    /// The LM head is the token embedding (stored once).
+    pub tied_embeddings: bool,
 }
 
-/// Presets: name, (vocab, positions, embd, layers, heads).
-const PRESETS: &[(&str, [usize; 5])] = &[
-    ("gpt2-tiny", [50257, 256, 128, 4, 4]),
-    ("gpt2", [50257, 1024, 768, 12, 12]),
-    ("gpt2-medium", [50257, 1024, 1024, 24, 16]),
-    ("gpt2-large", [50257, 1024, 1280, 36, 20]),
-    ("gpt2-xl", [50257, 1024, 1600, 48, 25]),
-];
-
 impl ModelSpec {
-    /// Names of the built-in presets.
+    /// Names of the built-in presets, every family's.
     pub fn preset_names() -> Vec<&'static str> {
-        PRESETS.iter().map(|p| p.0).collect()
+        Family::ALL.iter().flat_map(|f| f.preset_names()).collect()
     }
 
     /// A built-in preset by name.
     pub fn preset(name: &str) -> Result<ModelSpec> {
-        let Some((n, d)) = PRESETS.iter().find(|p| p.0 == name) else {
+        let Some(spec) = Family::ALL.iter().find_map(|f| f.preset(name)) else {
             bail!(
                 "unknown model preset '{name}': choose one of {}, or pass a directory or \
-                 config.json of a Hugging Face GPT-2 model",
-                Self::preset_names().join(", ")
+                 config.json of a Hugging Face model ({})",
+                Self::preset_names().join(", "),
+                Family::ALL.map(|f| f.model_type()).join(", ")
             );
-        };
-        let spec = ModelSpec {
-            name: n.to_string(),
-            vocab_size: d[0],
-            n_positions: d[1],
-            n_embd: d[2],
-            n_layer: d[3],
-            n_head: d[4],
-            layer_norm_epsilon: 1e-5,
         };
         spec.validate()?;
         Ok(spec)
@@ -69,7 +77,7 @@ impl ModelSpec {
             Self::from_hf_config_file(&p.join("config.json"))
         } else if p.is_file() {
             Self::from_hf_config_file(p)
-        } else if PRESETS.iter().any(|x| x.0 == arg) {
+        } else if Self::preset_names().contains(&arg) {
             Self::preset(arg)
         } else if arg.ends_with(".json") || arg.contains('/') {
             bail!(
@@ -80,77 +88,56 @@ impl ModelSpec {
         }
     }
 
-    /// Reads a Hugging Face GPT-2 `config.json`.
+    /// Reads a Hugging Face `config.json`.
     pub fn from_hf_config_file(path: &Path) -> Result<ModelSpec> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read model config {}", path.display()))?;
         Self::from_hf_config_str(&text, &path.display().to_string())
     }
 
-    /// Parses a Hugging Face GPT-2 config from JSON text; `source` names it in errors.
+    /// Parses a Hugging Face config from JSON text, by its `model_type` (GPT-2 when absent);
+    /// `source` names it in errors.
     pub fn from_hf_config_str(text: &str, source: &str) -> Result<ModelSpec> {
         let v: Value =
             serde_json::from_str(text).with_context(|| format!("{source}: not valid JSON"))?;
         let Some(obj) = v.as_object() else {
             bail!(
-                "{source}: expected a JSON object with GPT-2 fields (n_embd, n_layer, n_head, ...)"
+                "{source}: expected a JSON object with the model's fields (n_embd, n_layer, ...)"
             );
         };
-        if let Some(mt) = obj.get("model_type").and_then(Value::as_str)
-            && mt != "gpt2"
-        {
-            bail!(
-                "{source}: field 'model_type' is '{mt}', but memwall trains the GPT-2 architecture ('gpt2')"
-            );
-        }
-        let get = |key: &str, alias: Option<&str>, default: Option<usize>| -> Result<usize> {
-            let val = obj.get(key).or_else(|| alias.and_then(|a| obj.get(a)));
-            match val {
-                None => default.with_context(|| format!("{source}: missing field '{key}'")),
-                Some(x) => match x.as_u64() {
-                    Some(n) => Ok(n as usize),
-                    None => {
-                        bail!("{source}: field '{key}' must be a non-negative integer, found {x}")
-                    }
-                },
-            }
-        };
-        let eps = match obj.get("layer_norm_epsilon") {
-            None => 1e-5,
-            Some(x) => match x.as_f64() {
-                Some(e) if e > 0.0 && e < 1.0 => e as f32,
-                _ => bail!(
-                    "{source}: field 'layer_norm_epsilon' must be a number in (0, 1), found {x}"
+        let family = match obj.get("model_type").and_then(Value::as_str) {
+            None => Family::Gpt2,
+            Some(mt) => match Family::ALL.iter().find(|f| f.model_type() == mt) {
+                Some(&f) => f,
+                None => bail!(
+                    "{source}: field 'model_type' is '{mt}', but memwall trains {}",
+                    Family::ALL
+                        .map(|f| format!("'{}'", f.model_type()))
+                        .join(", ")
                 ),
             },
         };
-        if obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
-            bail!(
-                "{source}: field 'tie_word_embeddings' is false; memwall's GPT-2 ties the LM head to wte"
-            );
-        }
-        let spec = ModelSpec {
-            name: source.to_string(),
-            vocab_size: get("vocab_size", None, Some(50257))?,
-            n_positions: get("n_positions", Some("n_ctx"), Some(1024))?,
-            n_embd: get("n_embd", None, None)?,
-            n_layer: get("n_layer", None, None)?,
-            n_head: get("n_head", None, None)?,
-            layer_norm_epsilon: eps,
-        };
+        let spec = family.from_hf_config(obj, source)?;
         spec.validate()
             .with_context(|| format!("{source}: inconsistent model config"))?;
         Ok(spec)
     }
 
+    /// The Hugging Face `config.json` for this model (loadable by transformers).
+    pub fn to_hf_config(&self) -> Value {
+        self.family.to_hf_config(self)
+    }
+
     /// Checks that the dimensions describe a model we can build.
     pub fn validate(&self) -> Result<()> {
+        let f = self.family.field_names();
         for (field, v) in [
-            ("vocab_size", self.vocab_size),
-            ("n_positions", self.n_positions),
-            ("n_embd", self.n_embd),
-            ("n_layer", self.n_layer),
-            ("n_head", self.n_head),
+            (f.vocab, self.vocab_size),
+            (f.positions, self.n_positions),
+            (f.embd, self.n_embd),
+            (f.layers, self.n_layer),
+            (f.heads, self.n_head),
+            (f.mlp, self.mlp_hidden),
         ] {
             if v == 0 {
                 bail!("field '{field}' is 0; it must be at least 1");
@@ -158,15 +145,19 @@ impl ModelSpec {
         }
         if !self.n_embd.is_multiple_of(self.n_head) {
             bail!(
-                "field 'n_embd' ({}) is not divisible by 'n_head' ({}); each head needs n_embd / n_head channels",
+                "field '{}' ({}) is not divisible by '{}' ({}); each head needs {} / {} channels",
+                f.embd,
                 self.n_embd,
-                self.n_head
+                f.heads,
+                self.n_head,
+                f.embd,
+                f.heads
             );
         }
         if self.vocab_size > u32::MAX as usize {
-            bail!("field 'vocab_size' ({}) exceeds 2^32", self.vocab_size);
+            bail!("field '{}' ({}) exceeds 2^32", f.vocab, self.vocab_size);
         }
-        Ok(())
+        self.family.validate(self)
     }
 
     /// Checks a sequence length against the model; names the flag in the error.
@@ -176,7 +167,8 @@ impl ModelSpec {
         }
         if seq > self.n_positions {
             bail!(
-                "--seq {seq} is longer than the model's n_positions ({}); use --seq {} or less",
+                "--seq {seq} is longer than the model's {} ({}); use --seq {} or less",
+                self.family.field_names().positions,
                 self.n_positions,
                 self.n_positions
             );
@@ -189,46 +181,20 @@ impl ModelSpec {
         self.n_embd / self.n_head
     }
 
-    /// Total number of parameters (tied LM head counted once).
+    /// Total number of parameters (a tied LM head counted once).
     pub fn num_params(&self) -> usize {
         super::ParamLayout::new(self).total
     }
 
-    /// The Hugging Face `config.json` for this model (loadable by `GPT2LMHeadModel`).
-    pub fn to_hf_config(&self) -> Value {
-        json!({
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": self.vocab_size,
-            "n_positions": self.n_positions,
-            "n_ctx": self.n_positions,
-            "n_embd": self.n_embd,
-            "n_layer": self.n_layer,
-            "n_head": self.n_head,
-            "n_inner": null,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "initializer_range": 0.02,
-            "bos_token_id": 50256,
-            "eos_token_id": 50256,
-            "tie_word_embeddings": true,
-            "torch_dtype": "float32"
-        })
-    }
-
-    /// True when two specs have the same dimensions (names may differ).
+    /// True when two specs describe the same architecture (names may differ).
     pub fn same_dims(&self, o: &ModelSpec) -> bool {
-        (
-            self.vocab_size,
-            self.n_positions,
-            self.n_embd,
-            self.n_layer,
-            self.n_head,
-        ) == (o.vocab_size, o.n_positions, o.n_embd, o.n_layer, o.n_head)
-            && self.layer_norm_epsilon == o.layer_norm_epsilon
+        ModelSpec {
+            name: String::new(),
+            ..self.clone()
+        } == ModelSpec {
+            name: String::new(),
+            ..o.clone()
+        }
     }
 
     /// One-line description, e.g. `gpt2 (124.4M params: L=12 C=768 NH=12 V=50257 maxT=1024)`.
@@ -260,6 +226,10 @@ mod tests {
         let s = ModelSpec::preset("gpt2-medium").unwrap();
         let back = ModelSpec::from_hf_config_str(&s.to_hf_config().to_string(), "x").unwrap();
         assert!(s.same_dims(&back));
+        let mut wide = s.clone();
+        wide.mlp_hidden = 3 * s.n_embd;
+        let back = ModelSpec::from_hf_config_str(&wide.to_hf_config().to_string(), "x").unwrap();
+        assert!(wide.same_dims(&back) && !s.same_dims(&back));
     }
 
     #[test]
@@ -274,6 +244,9 @@ mod tests {
         assert!(e(r#"{"n_embd": 96, "n_layer": 0, "n_head": 3}"#).contains("n_layer"));
         assert!(e(r#"{"n_layer": 2, "n_head": 3}"#).contains("missing field 'n_embd'"));
         assert!(e(r#"{"n_embd": "wide", "n_layer": 2, "n_head": 3}"#).contains("'n_embd'"));
+        assert!(
+            e(r#"{"n_embd": 96, "n_layer": 2, "n_head": 3, "n_inner": 0}"#).contains("n_inner")
+        );
         assert!(e("{not json").contains("not valid JSON"));
         assert!(
             e(r#"{"model_type": "llama", "n_embd": 96, "n_layer": 2, "n_head": 3}"#)

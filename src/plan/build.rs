@@ -3,9 +3,9 @@
 //!
 //! Shapes: B batch, T sequence, C channels, NH heads, V vocabulary, N = B·T, L layers.
 
-use super::block::{self, Block, BlockActs};
+use super::builder::{Builder, Loss, MicroBatch};
 use super::packing;
-use super::schedule::{ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule};
+use super::schedule::{ImplicitBufs, Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
 use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
 use super::{BufId, Buffer, Category, DType, Placement, Plan, Tier};
 use crate::backend::Sizing;
@@ -60,97 +60,6 @@ impl StepConfig {
     }
 }
 
-pub(super) struct Builder {
-    buffers: Vec<Buffer>,
-    ops: Vec<OpEntry>,
-    /// Element type of activations, compute weights and gradients.
-    storage: DType,
-}
-
-impl Builder {
-    /// A (non-persistent) buffer in the plan's storage type (activations and their grads).
-    pub(super) fn act(
-        &mut self,
-        name: impl Into<String>,
-        category: Category,
-        elems: usize,
-    ) -> BufId {
-        let dt = self.storage;
-        self.buf(name, category, dt, elems)
-    }
-
-    fn buf(
-        &mut self,
-        name: impl Into<String>,
-        category: Category,
-        dtype: DType,
-        elems: usize,
-    ) -> BufId {
-        self.push(name.into(), category, dtype, elems, false)
-    }
-
-    /// A (non-persistent) f32 buffer.
-    pub(super) fn f32(
-        &mut self,
-        name: impl Into<String>,
-        category: Category,
-        elems: usize,
-    ) -> BufId {
-        self.buf(name, category, DType::F32, elems)
-    }
-
-    fn persistent(&mut self, name: &str, category: Category, dtype: DType, elems: usize) -> BufId {
-        self.push(name.into(), category, dtype, elems, true)
-    }
-
-    fn push(
-        &mut self,
-        name: String,
-        category: Category,
-        dtype: DType,
-        elems: usize,
-        persistent: bool,
-    ) -> BufId {
-        self.buffers.push(Buffer {
-            name,
-            category,
-            dtype,
-            elems,
-            bytes: (elems * dtype.size()) as u64,
-            persistent,
-            first_op: usize::MAX,
-            last_op: 0,
-            placement: Placement::HOST,
-        });
-        BufId(self.buffers.len() - 1)
-    }
-
-    pub(super) fn op(&mut self, name: impl Into<String>, phase: Phase, flops: u64, op: Op) {
-        self.ops.push(OpEntry {
-            name: name.into(),
-            phase,
-            op,
-            flops,
-        });
-    }
-}
-
-/// Dimensions of one micro-batch, shared by the block emitters.
-pub(super) struct Dims {
-    pub b: usize,
-    pub t: usize,
-    pub c: usize,
-    pub nh: usize,
-    /// Rows per micro-batch, B·T.
-    pub n: usize,
-    /// The same rows as ops carry them.
-    pub rows: Rows,
-    /// Layer-norm epsilon.
-    pub eps: f32,
-    /// Attention workspace elements (forward or backward).
-    pub attn_ws_len: usize,
-}
-
 /// Builds and packs the plan for `spec` and `cfg`, with workspace sized by `backend`.
 pub fn build_plan(
     spec: &ModelSpec,
@@ -169,33 +78,19 @@ pub fn build_plan(
     if cfg.grad_accum == 0 {
         bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
     }
-    let layout = ParamLayout::new(spec);
-    let (b, t, c, nh) = (cfg.batch, cfg.seq, spec.n_embd, spec.n_head);
-    let d = Dims {
-        b,
-        t,
-        c,
-        nh,
-        n: b * t,
-        rows: Rows { b, t },
-        eps: spec.layer_norm_epsilon,
-        attn_ws_len: backend.attention_workspace_elems(
-            cfg.precision.storage(),
-            t,
-            c / nh,
-            cfg.threads,
-        ),
-    };
-    let train = mode == Mode::Train;
     if mode == Mode::Generate && cfg.precision != Precision::F32 {
         bail!("internal error: generation plans run in fp32");
     }
-    let storage = cfg.precision.storage();
-    let mut g = Builder {
-        buffers: Vec::new(),
-        ops: Vec::new(),
-        storage,
+    let layout = ParamLayout::new(spec);
+    let rows = Rows {
+        b: cfg.batch,
+        t: cfg.seq,
     };
+    let n = rows.n();
+    let storage = cfg.precision.storage();
+    let attn_ws_len =
+        backend.attention_workspace_elems(storage, cfg.seq, spec.head_size(), cfg.threads);
+    let mut g = Builder::new(storage);
 
     // Persistent state: the fp32 parameters (the master weights under mixed precision, which
     // kernels read directly, converting per tile: no reduced-precision copy is stored), the
@@ -214,28 +109,21 @@ pub fn build_plan(
             backend.mixed_gemm_workspace_elems(),
         )
     });
-    if !train {
-        let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, d.n); // [B, T]
-        let fwd = forward(&mut g, &d, spec, &layout, "", tokens);
-        let logits = g.f32("logits", Category::Workspace, spec.vocab_size); // [V]
-        g.op(
-            "lm_head",
-            Phase::Forward,
-            2 * (c * spec.vocab_size) as u64,
-            Op::LmHeadLast {
-                inp: fwd.lnf,
-                logits,
-                w: layout.wte.clone(),
-                rows: d.rows,
-                c,
-                v: spec.vocab_size,
-            },
-        );
+    if mode == Mode::Generate {
+        let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, n); // [B, T]
+        let mb = MicroBatch {
+            prefix: String::new(),
+            tokens,
+            loss: None,
+            rows,
+            attn_ws_len,
+        };
+        let emitted = spec.family.emit(&mut g, spec, cfg, &mb);
         let io = Io {
             tokens: vec![tokens],
             targets: vec![],
             losses: vec![],
-            logits: Some(logits),
+            logits: emitted.logits,
         };
         let p = ImplicitBufs {
             params,
@@ -258,20 +146,30 @@ pub fn build_plan(
     for k in 0..micro {
         // Micro-batch k: its own batch buffers and activations (packing reuses the bytes of
         // micro-batch k-1's, whose lifetimes have ended); gradients accumulate.
-        let pfx = if micro > 1 {
+        let prefix = if micro > 1 {
             format!("mb{k}.")
         } else {
             String::new()
         };
         let io_buf = |g: &mut Builder, what: &str, dtype| {
-            g.persistent(&format!("{pfx}{what}"), Category::IoStaging, dtype, d.n)
+            g.persistent(&format!("{prefix}{what}"), Category::IoStaging, dtype, n)
         };
         let tokens = io_buf(&mut g, "tokens", DType::U32); // [B, T]
         let targets = io_buf(&mut g, "targets", DType::U32); // [B, T]
         let losses = io_buf(&mut g, "losses", DType::F32); // [N]
-        micro_batch(
-            &mut g, &d, spec, cfg, &layout, &pfx, tokens, targets, losses,
-        );
+        let mb = MicroBatch {
+            prefix,
+            tokens,
+            loss: Some(Loss {
+                targets,
+                losses,
+                // The step's loss is the mean over every micro-batch's rows.
+                loss_rows: n * micro,
+            }),
+            rows,
+            attn_ws_len,
+        };
+        spec.family.emit(&mut g, spec, cfg, &mb);
         io.tokens.push(tokens);
         io.targets.push(targets);
         io.losses.push(losses);
@@ -352,180 +250,6 @@ fn optimizer_state(g: &mut Builder, layout: &ParamLayout, format: OptimState) ->
             }
         }
     }
-}
-
-/// What the forward leaves for the LM head and the backward.
-struct Forward {
-    /// Residual stream entering each block, then the final one.
-    residuals: Vec<BufId>,
-    acts: Vec<BlockActs>,
-    lnf: BufId,      // [N, C]
-    lnf_mean: BufId, // [N]
-    lnf_rstd: BufId, // [N]
-}
-
-/// Emits the encoder, the blocks and the final layernorm of one micro-batch.
-fn forward(
-    g: &mut Builder,
-    d: &Dims,
-    spec: &ModelSpec,
-    layout: &ParamLayout,
-    pfx: &str,
-    tokens: BufId,
-) -> Forward {
-    let (n, c) = (d.n, d.c);
-    let mut res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
-    g.op(
-        format!("{pfx}encoder"),
-        Phase::Forward,
-        0,
-        Op::Encoder {
-            tokens,
-            out: res,
-            wte: layout.wte.clone(),
-            wpe: layout.wpe.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
-    let mut residuals = vec![res];
-    let mut acts = Vec::with_capacity(spec.n_layer);
-    for (l, p) in layout.layers.iter().enumerate() {
-        let blk = Block {
-            d,
-            p,
-            name: format!("{pfx}h{l}."),
-            res_in: res,
-        };
-        let (a, out) = block::forward(g, &blk);
-        res = out;
-        residuals.push(res);
-        acts.push(a);
-    }
-    let lnf = g.act(format!("{pfx}lnf"), Category::Activation, n * c);
-    let lnf_mean = g.f32(format!("{pfx}lnf.mean"), Category::Activation, n);
-    let lnf_rstd = g.f32(format!("{pfx}lnf.rstd"), Category::Activation, n);
-    g.op(
-        format!("{pfx}ln_f"),
-        Phase::Forward,
-        0,
-        Op::LayerNorm {
-            inp: res,
-            out: lnf,
-            mean: lnf_mean,
-            rstd: lnf_rstd,
-            w: layout.lnf_w.clone(),
-            b: layout.lnf_b.clone(),
-            rows: d.rows,
-            c,
-            eps: d.eps,
-        },
-    );
-    Forward {
-        residuals,
-        acts,
-        lnf,
-        lnf_mean,
-        lnf_rstd,
-    }
-}
-
-/// Emits one micro-batch's forward, LM head and loss, and backward (gradients accumulate).
-#[allow(clippy::too_many_arguments)]
-fn micro_batch(
-    g: &mut Builder,
-    d: &Dims,
-    spec: &ModelSpec,
-    cfg: &StepConfig,
-    layout: &ParamLayout,
-    pfx: &str,
-    tokens: BufId,
-    targets: BufId,
-    losses: BufId,
-) {
-    let (n, c, v) = (d.n, d.c, spec.vocab_size);
-    let fwd = forward(g, d, spec, layout, pfx, tokens);
-
-    // ---- LM head + loss (forward and its backward, chunked) ----
-    let row_bytes = (v * 4) as u64;
-    let n_chunks = ((n as u64) * row_bytes)
-        .div_ceil(cfg.logits_chunk_bytes.max(row_bytes))
-        .max(1);
-    let rows_per_chunk = n.div_ceil(n_chunks as usize);
-    let logits = g.f32(
-        format!("{pfx}logits.chunk"),
-        Category::Workspace,
-        rows_per_chunk * v,
-    ); // [rows, V]
-    let dlnf = g.act(format!("{pfx}d.lnf"), Category::ActivationGrad, n * c); // [N, C]
-    g.op(
-        format!("{pfx}lm_head+loss"),
-        Phase::Forward,
-        6 * (n * c * v) as u64,
-        Op::LmHeadLoss {
-            inp: fwd.lnf,
-            targets,
-            losses,
-            logits,
-            dinp: Some(dlnf),
-            w: layout.wte.clone(),
-            rows: d.rows,
-            c,
-            v,
-            rows_per_chunk,
-            // The step's loss is the mean over every micro-batch's rows.
-            loss_rows: n * cfg.grad_accum,
-        },
-    );
-
-    // ---- backward ----
-    let dres = g.act(format!("{pfx}d.residual"), Category::ActivationGrad, n * c); // [N, C]
-    g.op(
-        format!("{pfx}zero d.residual"),
-        Phase::Backward,
-        0,
-        Op::Zero { buf: dres },
-    );
-    let res_final = *fwd.residuals.last().expect("residuals");
-    g.op(
-        format!("{pfx}ln_f.bwd"),
-        Phase::Backward,
-        0,
-        Op::LayerNormBackward {
-            dinp: dres,
-            dout: dlnf,
-            inp: res_final,
-            mean: fwd.lnf_mean,
-            rstd: fwd.lnf_rstd,
-            w: layout.lnf_w.clone(),
-            b: layout.lnf_b.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
-    for l in (0..spec.n_layer).rev() {
-        let blk = Block {
-            d,
-            p: &layout.layers[l],
-            name: format!("{pfx}h{l}."),
-            res_in: fwd.residuals[l],
-        };
-        let acts = block::recompute(g, &blk, &fwd.acts[l], cfg.recompute.block(l));
-        block::backward(g, &blk, &acts, dres);
-    }
-    g.op(
-        format!("{pfx}encoder.bwd"),
-        Phase::Backward,
-        0,
-        Op::EncoderBackward {
-            dout: dres,
-            tokens,
-            wte: layout.wte.clone(),
-            wpe: layout.wpe.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
 }
 
 /// The buffers the executor reads and writes from outside the schedule.

@@ -7,9 +7,9 @@
 //! overlap never share bytes. The executor allocates that arena once and hands out views; so the
 //! plan's arena size *is* the step's memory, and `memwall plan` answers "will it fit?" up front.
 
-mod block;
 pub mod buffer;
 pub mod build;
+pub(crate) mod builder;
 pub mod fit;
 pub mod packing;
 pub mod report;

@@ -1,19 +1,40 @@
-//! One transformer block in the plan: its forward ops, the recompute ops its policy asks for
-//! (emitted just before its backward), and its backward ops.
+//! GPT-2's layers in a step's schedule: the encoder, the blocks, the final layer norm, the
+//! tied LM head with the loss, and the backward of each, for one micro-batch.
 //!
-//! The forward is a sequence of [`Stage`]s, each one op writing fresh buffers. Recomputation
-//! re-emits a subset of the stages into fresh buffers (`h{l}.re.*`, `Phase::Recompute`) and
-//! the backward reads those instead of the forward's, so the forward's buffers die at their
-//! last forward reader. Shapes: N = B·T rows, C channels, NH heads.
+//! A block's forward is a sequence of [`Stage`]s, each one op writing fresh buffers.
+//! Recomputation re-emits a subset of the stages into fresh buffers (`h{l}.re.*`,
+//! `Phase::Recompute`) just before the block's backward, and the backward reads those instead
+//! of the forward's, so the forward's buffers die at their last forward reader.
+//! Shapes: B batch, T sequence, C channels, H MLP width, NH heads, V vocabulary, N = B·T.
 
-use super::build::{Builder, Dims};
-use super::schedule::{Op, Phase};
-use super::strategy::BlockPolicy;
-use super::{BufId, Category};
-use crate::model::params::LayerParams;
+use super::params::{Gpt2Params, LayerParams, inventory};
+use crate::model::ModelSpec;
+use crate::model::family::Emitted;
+use crate::plan::builder::{Builder, MicroBatch};
+use crate::plan::schedule::{Op, Phase, Rows};
+use crate::plan::strategy::BlockPolicy;
+use crate::plan::{BufId, Category, StepConfig};
+
+/// Dimensions of one micro-batch, shared by the emitters.
+struct Dims {
+    b: usize,
+    t: usize,
+    c: usize,
+    /// MLP width.
+    h: usize,
+    nh: usize,
+    /// Rows, B·T.
+    n: usize,
+    /// The same rows as ops carry them.
+    rows: Rows,
+    /// Layer-norm epsilon.
+    eps: f32,
+    /// Attention workspace elements (forward or backward).
+    attn_ws_len: usize,
+}
 
 /// One block of one micro-batch: its dimensions, parameters, name prefix and input.
-pub(super) struct Block<'a> {
+struct Block<'a> {
     pub d: &'a Dims,
     pub p: &'a LayerParams,
     /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
@@ -24,7 +45,7 @@ pub(super) struct Block<'a> {
 
 /// The activations of one block that its backward reads.
 #[derive(Clone, Debug)]
-pub(super) struct BlockActs {
+struct BlockActs {
     ln1: BufId,      // [N, C]
     ln1_mean: BufId, // [N]
     ln1_rstd: BufId, // [N]
@@ -195,11 +216,11 @@ fn emit_stage(
         }
         Stage::Fc => {
             let inp = get(|a| a.ln2, partial.ln2);
-            let out = g.act(format!("{pfx}fc"), Category::Activation, 4 * n * c);
+            let out = g.act(format!("{pfx}fc"), Category::Activation, n * d.h);
             g.op(
                 format!("{pfx}fc"),
                 phase,
-                mm_flops(d, c, 4 * c),
+                mm_flops(d, c, d.h),
                 Op::Matmul {
                     inp,
                     out,
@@ -208,14 +229,14 @@ fn emit_stage(
                     b: Some(p.fc_b.clone()),
                     rows: d.rows,
                     ic: c,
-                    oc: 4 * c,
+                    oc: d.h,
                 },
             );
             partial.fch = Some(out);
         }
         Stage::Gelu => {
             let inp = get(|a| a.fch, partial.fch);
-            let out = g.act(format!("{pfx}fc.gelu"), Category::Activation, 4 * n * c);
+            let out = g.act(format!("{pfx}fc.gelu"), Category::Activation, n * d.h);
             g.op(
                 format!("{pfx}gelu"),
                 phase,
@@ -224,7 +245,7 @@ fn emit_stage(
                     inp,
                     out,
                     rows: d.rows,
-                    width: 4 * c,
+                    width: d.h,
                 },
             );
             partial.fch_gelu = Some(out);
@@ -275,7 +296,7 @@ impl Partial {
 
 /// Emits the forward of the block; returns its activations and its output, the residual
 /// stream entering the next block.
-pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
+fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
     let (d, p, name) = (blk.d, blk.p, &blk.name);
     let mut partial = Partial::default();
     for s in ALL_STAGES {
@@ -286,7 +307,7 @@ pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
     g.op(
         format!("{name}mlp_proj"),
         Phase::Forward,
-        mm_flops(d, 4 * d.c, d.c),
+        mm_flops(d, d.h, d.c),
         Op::Matmul {
             inp: acts.fch_gelu,
             out,
@@ -294,7 +315,7 @@ pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
             w: p.fcproj_w.clone(),
             b: Some(p.fcproj_b.clone()),
             rows: d.rows,
-            ic: 4 * d.c,
+            ic: d.h,
             oc: d.c,
         },
     );
@@ -303,12 +324,7 @@ pub(super) fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
 
 /// Emits the recompute ops `policy` asks for (names `{block}re.*`); returns the activations
 /// the backward should read.
-pub(super) fn recompute(
-    g: &mut Builder,
-    blk: &Block,
-    fwd: &BlockActs,
-    policy: BlockPolicy,
-) -> BlockActs {
+fn recompute(g: &mut Builder, blk: &Block, fwd: &BlockActs, policy: BlockPolicy) -> BlockActs {
     let stages: &[Stage] = match policy {
         BlockPolicy::KeepAll => &[],
         BlockPolicy::Selective => &SELECTIVE_STAGES,
@@ -324,11 +340,11 @@ pub(super) fn recompute(
 
 /// Emits the backward of the block: reads `a` and the block input, accumulates into the
 /// residual gradient `dres` `[N, C]` (in place) and the parameter gradients.
-pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
+fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
     let (d, p, name, res_in) = (blk.d, blk.p, &blk.name, blk.res_in);
     let (n, c) = (d.n, d.c);
     let mm = |ic: usize, oc: usize| 2 * mm_flops(d, ic, oc);
-    let dfch = g.act(format!("{name}d.fc"), Category::ActivationGrad, 4 * n * c);
+    let dfch = g.act(format!("{name}d.fc"), Category::ActivationGrad, n * d.h);
     let dln2 = g.act(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
     let datty = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * c);
     let dqkv = g.act(format!("{name}d.qkv"), Category::ActivationGrad, 3 * n * c);
@@ -342,7 +358,7 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
     g.op(
         format!("{name}mlp_proj.bwd"),
         bwd,
-        mm(4 * c, c),
+        mm(d.h, c),
         Op::MatmulBackward {
             dinp: dfch,
             dout: dres,
@@ -350,7 +366,7 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             w: p.fcproj_w.clone(),
             b: Some(p.fcproj_b.clone()),
             rows: d.rows,
-            ic: 4 * c,
+            ic: d.h,
             oc: c,
         },
     );
@@ -362,13 +378,13 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             d: dfch,
             inp: a.fch,
             rows: d.rows,
-            width: 4 * c,
+            width: d.h,
         },
     );
     g.op(
         format!("{name}fc.bwd"),
         bwd,
-        mm(c, 4 * c),
+        mm(c, d.h),
         Op::MatmulBackward {
             dinp: dln2,
             dout: dfch,
@@ -377,7 +393,7 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             b: Some(p.fc_b.clone()),
             rows: d.rows,
             ic: c,
-            oc: 4 * c,
+            oc: d.h,
         },
     );
     g.op(
@@ -458,4 +474,198 @@ pub(super) fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId)
             c,
         },
     );
+}
+
+/// What the forward leaves for the LM head and the backward.
+struct Forward {
+    /// Residual stream entering each block, then the final one.
+    residuals: Vec<BufId>,
+    acts: Vec<BlockActs>,
+    lnf: BufId,      // [N, C]
+    lnf_mean: BufId, // [N]
+    lnf_rstd: BufId, // [N]
+}
+
+/// Emits the encoder, the blocks and the final layernorm of one micro-batch.
+fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: BufId) -> Forward {
+    let (n, c) = (d.n, d.c);
+    let mut res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
+    g.op(
+        format!("{pfx}encoder"),
+        Phase::Forward,
+        0,
+        Op::Encoder {
+            tokens,
+            out: res,
+            wte: p.wte.clone(),
+            wpe: p.wpe.clone(),
+            rows: d.rows,
+            c,
+        },
+    );
+    let mut residuals = vec![res];
+    let mut acts = Vec::with_capacity(p.layers.len());
+    for (l, lp) in p.layers.iter().enumerate() {
+        let blk = Block {
+            d,
+            p: lp,
+            name: format!("{pfx}h{l}."),
+            res_in: res,
+        };
+        let (a, out) = forward(g, &blk);
+        res = out;
+        residuals.push(res);
+        acts.push(a);
+    }
+    let lnf = g.act(format!("{pfx}lnf"), Category::Activation, n * c);
+    let lnf_mean = g.f32(format!("{pfx}lnf.mean"), Category::Activation, n);
+    let lnf_rstd = g.f32(format!("{pfx}lnf.rstd"), Category::Activation, n);
+    g.op(
+        format!("{pfx}ln_f"),
+        Phase::Forward,
+        0,
+        Op::LayerNorm {
+            inp: res,
+            out: lnf,
+            mean: lnf_mean,
+            rstd: lnf_rstd,
+            w: p.lnf_w.clone(),
+            b: p.lnf_b.clone(),
+            rows: d.rows,
+            c,
+            eps: d.eps,
+        },
+    );
+    Forward {
+        residuals,
+        acts,
+        lnf,
+        lnf_mean,
+        lnf_rstd,
+    }
+}
+
+/// Emits one micro-batch: the forward, then in training plans the LM head with the loss and
+/// the backward (gradients accumulate), in generation plans the next-token logits.
+pub(crate) fn micro_batch(
+    g: &mut Builder,
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    mb: &MicroBatch,
+) -> Emitted {
+    let (_, p) = inventory(spec);
+    let Rows { b, t } = mb.rows;
+    let d = Dims {
+        b,
+        t,
+        c: spec.n_embd,
+        h: spec.mlp_hidden,
+        nh: spec.n_head,
+        n: b * t,
+        rows: mb.rows,
+        eps: spec.norm_eps,
+        attn_ws_len: mb.attn_ws_len,
+    };
+    let (n, c, v, pfx) = (d.n, d.c, spec.vocab_size, mb.prefix.as_str());
+    let fwd = forward_all(g, &d, &p, pfx, mb.tokens);
+    let Some(loss) = &mb.loss else {
+        let logits = g.f32("logits", Category::Workspace, v); // [V]
+        g.op(
+            "lm_head",
+            Phase::Forward,
+            2 * (c * v) as u64,
+            Op::LmHeadLast {
+                inp: fwd.lnf,
+                logits,
+                w: p.wte.clone(),
+                rows: d.rows,
+                c,
+                v,
+            },
+        );
+        return Emitted {
+            logits: Some(logits),
+        };
+    };
+
+    // ---- LM head + loss (forward and its backward, chunked) ----
+    let row_bytes = (v * 4) as u64;
+    let n_chunks = ((n as u64) * row_bytes)
+        .div_ceil(cfg.logits_chunk_bytes.max(row_bytes))
+        .max(1);
+    let rows_per_chunk = n.div_ceil(n_chunks as usize);
+    let logits = g.f32(
+        format!("{pfx}logits.chunk"),
+        Category::Workspace,
+        rows_per_chunk * v,
+    ); // [rows, V]
+    let dlnf = g.act(format!("{pfx}d.lnf"), Category::ActivationGrad, n * c); // [N, C]
+    g.op(
+        format!("{pfx}lm_head+loss"),
+        Phase::Forward,
+        6 * (n * c * v) as u64,
+        Op::LmHeadLoss {
+            inp: fwd.lnf,
+            targets: loss.targets,
+            losses: loss.losses,
+            logits,
+            dinp: Some(dlnf),
+            w: p.wte.clone(),
+            rows: d.rows,
+            c,
+            v,
+            rows_per_chunk,
+            loss_rows: loss.loss_rows,
+        },
+    );
+
+    // ---- backward ----
+    let dres = g.act(format!("{pfx}d.residual"), Category::ActivationGrad, n * c); // [N, C]
+    g.op(
+        format!("{pfx}zero d.residual"),
+        Phase::Backward,
+        0,
+        Op::Zero { buf: dres },
+    );
+    let res_final = *fwd.residuals.last().expect("residuals");
+    g.op(
+        format!("{pfx}ln_f.bwd"),
+        Phase::Backward,
+        0,
+        Op::LayerNormBackward {
+            dinp: dres,
+            dout: dlnf,
+            inp: res_final,
+            mean: fwd.lnf_mean,
+            rstd: fwd.lnf_rstd,
+            w: p.lnf_w.clone(),
+            b: p.lnf_b.clone(),
+            rows: d.rows,
+            c,
+        },
+    );
+    for l in (0..spec.n_layer).rev() {
+        let blk = Block {
+            d: &d,
+            p: &p.layers[l],
+            name: format!("{pfx}h{l}."),
+            res_in: fwd.residuals[l],
+        };
+        let acts = recompute(g, &blk, &fwd.acts[l], cfg.recompute.block(l));
+        backward(g, &blk, &acts, dres);
+    }
+    g.op(
+        format!("{pfx}encoder.bwd"),
+        Phase::Backward,
+        0,
+        Op::EncoderBackward {
+            dout: dres,
+            tokens: mb.tokens,
+            wte: p.wte.clone(),
+            wpe: p.wpe.clone(),
+            rows: d.rows,
+            c,
+        },
+    );
+    Emitted { logits: None }
 }

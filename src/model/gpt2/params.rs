@@ -1,0 +1,105 @@
+//! GPT-2's parameter inventory: every tensor with its Hugging Face name, shape and
+//! initialisation, in buffer order, grouped as embeddings, one group per block, final norm.
+//!
+//! Linear weights are stored as Hugging Face's Conv1D does, `[in, out]` row-major, so a
+//! checkpoint is a straight copy and `out[N, OC] = inp[N, IC] @ w[IC, OC] + b[OC]`.
+//! Initialisation as the GPT-2 paper: weights ~ N(0, 0.02), residual output projections
+//! scaled by 1/sqrt(2L), biases 0, layer-norm weights 1.
+
+use crate::model::params::{Init, LayoutBuilder, TiedName};
+use crate::model::{Family, ModelSpec, ParamLayout};
+use std::ops::Range;
+
+/// Element ranges of one transformer block's parameters (C = n_embd, H = MLP width).
+#[derive(Clone, Debug)]
+pub struct LayerParams {
+    pub ln1_w: Range<usize>,    // [C]
+    pub ln1_b: Range<usize>,    // [C]
+    pub qkv_w: Range<usize>,    // [C, 3C]
+    pub qkv_b: Range<usize>,    // [3C]
+    pub proj_w: Range<usize>,   // [C, C]
+    pub proj_b: Range<usize>,   // [C]
+    pub ln2_w: Range<usize>,    // [C]
+    pub ln2_b: Range<usize>,    // [C]
+    pub fc_w: Range<usize>,     // [C, H]
+    pub fc_b: Range<usize>,     // [H]
+    pub fcproj_w: Range<usize>, // [H, C]
+    pub fcproj_b: Range<usize>, // [C]
+}
+
+/// Element ranges of every GPT-2 tensor, by role.
+#[derive(Clone, Debug)]
+pub struct Gpt2Params {
+    pub wte: Range<usize>, // [V, C], tied with the LM head
+    pub wpe: Range<usize>, // [maxT, C]
+    pub layers: Vec<LayerParams>,
+    pub lnf_w: Range<usize>, // [C]
+    pub lnf_b: Range<usize>, // [C]
+}
+
+/// The layout and the ranges by role.
+pub fn inventory(spec: &ModelSpec) -> (ParamLayout, Gpt2Params) {
+    let (v, c, t, h) = (
+        spec.vocab_size,
+        spec.n_embd,
+        spec.n_positions,
+        spec.mlp_hidden,
+    );
+    let normal = Init::Normal { std: 0.02 };
+    let resid = Init::Normal {
+        std: 0.02 * (1.0 / ((2 * spec.n_layer) as f32).sqrt()),
+    };
+    let mut cur = LayoutBuilder::new(Family::Gpt2);
+    let wte = cur.push("transformer.wte.weight".into(), &[v, c], true, normal);
+    let wpe = cur.push("transformer.wpe.weight".into(), &[t, c], true, normal);
+    cur.group("embed");
+    let mut layers = Vec::with_capacity(spec.n_layer);
+    for l in 0..spec.n_layer {
+        let p = |s: &str| format!("transformer.h.{l}.{s}");
+        let weight = |cur: &mut LayoutBuilder, s: &str, shape: &[usize], init| {
+            cur.push(p(s), shape, true, init)
+        };
+        let ln1_w = cur.push(p("ln_1.weight"), &[c], false, Init::Ones);
+        let ln1_b = cur.push(p("ln_1.bias"), &[c], false, Init::Zeros);
+        let qkv_w = weight(&mut cur, "attn.c_attn.weight", &[c, 3 * c], normal);
+        let qkv_b = cur.push(p("attn.c_attn.bias"), &[3 * c], false, Init::Zeros);
+        let proj_w = weight(&mut cur, "attn.c_proj.weight", &[c, c], resid);
+        let proj_b = cur.push(p("attn.c_proj.bias"), &[c], false, Init::Zeros);
+        let ln2_w = cur.push(p("ln_2.weight"), &[c], false, Init::Ones);
+        let ln2_b = cur.push(p("ln_2.bias"), &[c], false, Init::Zeros);
+        let fc_w = weight(&mut cur, "mlp.c_fc.weight", &[c, h], normal);
+        let fc_b = cur.push(p("mlp.c_fc.bias"), &[h], false, Init::Zeros);
+        let fcproj_w = weight(&mut cur, "mlp.c_proj.weight", &[h, c], resid);
+        let fcproj_b = cur.push(p("mlp.c_proj.bias"), &[c], false, Init::Zeros);
+        cur.group(format!("h{l}"));
+        layers.push(LayerParams {
+            ln1_w,
+            ln1_b,
+            qkv_w,
+            qkv_b,
+            proj_w,
+            proj_b,
+            ln2_w,
+            ln2_b,
+            fc_w,
+            fc_b,
+            fcproj_w,
+            fcproj_b,
+        });
+    }
+    let lnf_w = cur.push("transformer.ln_f.weight".into(), &[c], false, Init::Ones);
+    let lnf_b = cur.push("transformer.ln_f.bias".into(), &[c], false, Init::Zeros);
+    cur.group("ln_f");
+    let tied = vec![TiedName {
+        name: super::LM_HEAD.into(),
+        tensor: 0,
+    }];
+    let params = Gpt2Params {
+        wte,
+        wpe,
+        layers,
+        lnf_w,
+        lnf_b,
+    };
+    (cur.finish(tied), params)
+}

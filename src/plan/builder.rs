@@ -1,0 +1,120 @@
+//! The builder a plan is emitted into: buffers declared by name, category, dtype and size
+//! (their lifetimes come later, from the ops that touch them), and ops appended in schedule
+//! order. The planner ([`super::build`]) emits the persistent state, the micro-batch loop and
+//! the optimizer phase; a model family emits each micro-batch's layers ([`MicroBatch`]).
+
+use super::schedule::{Op, OpEntry, Phase, Rows};
+use super::{BufId, Buffer, Category, DType, Placement};
+
+/// One micro-batch as the planner hands it to the model family: its buffers and shape.
+pub(crate) struct MicroBatch {
+    /// Name prefix of its ops and buffers: empty, or `mb1.` under gradient accumulation.
+    pub prefix: String,
+    /// Input token ids `[B, T]` (u32).
+    pub tokens: BufId,
+    /// Training plans: what the loss needs; `None` for generation (next-token logits).
+    pub loss: Option<Loss>,
+    pub rows: Rows,
+    /// f32 elements of one attention op's workspace (the backend's answer).
+    pub attn_ws_len: usize,
+}
+
+/// The loss of a training micro-batch.
+pub(crate) struct Loss {
+    /// Target token ids `[B, T]` (u32).
+    pub targets: BufId,
+    /// `Per-row losses [N]` (f32).
+    pub losses: BufId,
+    /// Rows the step's mean loss is over (every micro-batch's).
+    pub loss_rows: usize,
+}
+
+/// Buffers and ops of a plan being built.
+pub(crate) struct Builder {
+    pub(super) buffers: Vec<Buffer>,
+    pub(super) ops: Vec<OpEntry>,
+    /// Element type of activations, compute weights and gradients.
+    storage: DType,
+}
+
+impl Builder {
+    pub(super) fn new(storage: DType) -> Builder {
+        Builder {
+            buffers: Vec::new(),
+            ops: Vec::new(),
+            storage,
+        }
+    }
+
+    /// A (non-persistent) buffer in the plan's storage type (activations and their grads).
+    pub(crate) fn act(
+        &mut self,
+        name: impl Into<String>,
+        category: Category,
+        elems: usize,
+    ) -> BufId {
+        let dt = self.storage;
+        self.buf(name, category, dt, elems)
+    }
+
+    fn buf(
+        &mut self,
+        name: impl Into<String>,
+        category: Category,
+        dtype: DType,
+        elems: usize,
+    ) -> BufId {
+        self.push(name.into(), category, dtype, elems, false)
+    }
+
+    /// A (non-persistent) f32 buffer.
+    pub(crate) fn f32(
+        &mut self,
+        name: impl Into<String>,
+        category: Category,
+        elems: usize,
+    ) -> BufId {
+        self.buf(name, category, DType::F32, elems)
+    }
+
+    pub(crate) fn persistent(
+        &mut self,
+        name: &str,
+        category: Category,
+        dtype: DType,
+        elems: usize,
+    ) -> BufId {
+        self.push(name.into(), category, dtype, elems, true)
+    }
+
+    fn push(
+        &mut self,
+        name: String,
+        category: Category,
+        dtype: DType,
+        elems: usize,
+        persistent: bool,
+    ) -> BufId {
+        self.buffers.push(Buffer {
+            name,
+            category,
+            dtype,
+            elems,
+            bytes: (elems * dtype.size()) as u64,
+            persistent,
+            first_op: usize::MAX,
+            last_op: 0,
+            placement: Placement::HOST,
+        });
+        BufId(self.buffers.len() - 1)
+    }
+
+    pub(crate) fn op(&mut self, name: impl Into<String>, phase: Phase, flops: u64, op: Op) {
+        self.ops.push(OpEntry {
+            name: name.into(),
+            phase,
+            op,
+            flops,
+        });
+    }
+}
