@@ -1,38 +1,16 @@
 //! The model-family seam. A family is one module ([`super::gpt2`]) that knows its
 //! architecture: presets, `config.json` reading, writing and validation, the parameter
 //! inventory with Hugging Face names, shapes and initialisation, checkpoint naming variants,
-//! and the emission of its layers into a step's schedule. [`Family`] dispatches to it; the
+//! and the emission of its layers into a step's schedule. [`Family`]'s methods, here,
+//! dispatch to it (the enum itself is plain data in [`super::spec`]); the
 //! planner's packing, the executor and the checkpoint writer never name a family.
 
+use super::spec::{Family, FieldNames};
 use super::{ModelSpec, ParamLayout, gpt2};
-use crate::plan::builder::{Builder, MicroBatch};
-use crate::plan::{BufId, StepConfig};
+use crate::plan::StepConfig;
+use crate::plan::builder::{Builder, Emitted, MicroBatch};
 use anyhow::Result;
 use serde_json::{Map, Value};
-
-/// A model family memwall can build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    /// GPT-2: learned positions, pre-LN blocks with biases, tanh-GELU MLP, tied LM head.
-    Gpt2,
-}
-
-/// The names a family's `config.json` gives the generic dimensions (for error messages).
-pub struct FieldNames {
-    pub vocab: &'static str,
-    pub positions: &'static str,
-    pub embd: &'static str,
-    pub layers: &'static str,
-    pub heads: &'static str,
-    pub mlp: &'static str,
-}
-
-/// What a step's emission leaves for the planner: the loss buffer's rows are written, and in
-/// training plans the gradients accumulated.
-pub struct Emitted {
-    /// `Next-token logits [V]` (generation plans).
-    pub logits: Option<BufId>,
-}
 
 impl Family {
     pub const ALL: [Family; 1] = [Family::Gpt2];

@@ -7,9 +7,8 @@ pub mod gpt2;
 pub mod params;
 pub mod spec;
 
-pub use family::Family;
 pub use params::{Init, ParamGroup, ParamLayout, ParamTensor, TiedName};
-pub use spec::{ModelSpec, Norm, Position};
+pub use spec::{Family, ModelSpec, Norm, Position};
 
 impl ParamLayout {
     /// The parameter inventory of `spec`, by its family.

@@ -5,7 +5,7 @@
 //! family module ([`super::gpt2`]) decides the tensors; everything downstream (planner,
 //! executor, checkpoints) reads only this.
 
-use super::Family;
+use super::spec::Family;
 use std::ops::Range;
 
 /// How a tensor is initialised when training starts from scratch.

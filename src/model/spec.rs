@@ -1,10 +1,26 @@
 //! Model dimensions for every family ([`ModelSpec`]): presets, Hugging Face `config.json` in
 //! and out (dispatched on `model_type` to the family's module), validation naming the field.
 
-use super::Family;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::path::Path;
+
+/// The names a family's `config.json` gives the generic dimensions (for error messages).
+pub struct FieldNames {
+    pub vocab: &'static str,
+    pub positions: &'static str,
+    pub embd: &'static str,
+    pub layers: &'static str,
+    pub heads: &'static str,
+    pub mlp: &'static str,
+}
+
+/// A model family memwall can build (its module is named in [`super::family`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// GPT-2: learned positions, pre-LN blocks with biases, tanh-GELU MLP, tied LM head.
+    Gpt2,
+}
 
 /// How a block normalises its input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

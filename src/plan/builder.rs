@@ -29,6 +29,12 @@ pub(crate) struct Loss {
     pub loss_rows: usize,
 }
 
+/// What a family's emission of a micro-batch leaves for the planner.
+pub(crate) struct Emitted {
+    /// `Next-token logits [V]` (generation plans).
+    pub logits: Option<BufId>,
+}
+
 /// Buffers and ops of a plan being built.
 pub(crate) struct Builder {
     pub(super) buffers: Vec<Buffer>,

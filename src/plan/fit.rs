@@ -281,30 +281,3 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
         fmt_bytes(need - budget)
     )
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::backend::cpu::Cpu;
-
-    #[test]
-    fn over_budget_names_flag_and_largest_batch() {
-        let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-        let plan = build_plan(&spec, &StepConfig::new(32, 256, 2), Mode::Train, &Cpu).unwrap();
-        let budget = plan.total_bytes() / 2;
-        let msg = format!("{:#}", check_budget(&plan, budget, 0, &Cpu).unwrap_err());
-        assert!(
-            msg.contains("--max-memory") && msg.contains("--batch"),
-            "{msg}"
-        );
-        let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0, &Cpu)
-            .unwrap()
-            .unwrap();
-        assert!(b < 32 && p <= budget);
-        let next = build_plan(&spec, &StepConfig::new(b + 1, 256, 2), Mode::Train, &Cpu).unwrap();
-        assert!(next.total_bytes() > budget);
-        assert!(check_budget(&plan, plan.total_bytes(), 0, &Cpu).is_ok());
-        let tiny = format!("{:#}", check_budget(&plan, 1 << 20, 0, &Cpu).unwrap_err());
-        assert!(tiny.contains("even --batch 1"), "{tiny}");
-    }
-}

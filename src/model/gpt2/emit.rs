@@ -9,8 +9,7 @@
 
 use super::params::{Gpt2Params, LayerParams, inventory};
 use crate::model::ModelSpec;
-use crate::model::family::Emitted;
-use crate::plan::builder::{Builder, MicroBatch};
+use crate::plan::builder::{Builder, Emitted, MicroBatch};
 use crate::plan::schedule::{Op, Phase, Rows};
 use crate::plan::strategy::BlockPolicy;
 use crate::plan::{BufId, Category, StepConfig};

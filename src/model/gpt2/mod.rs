@@ -7,8 +7,8 @@
 pub(crate) mod emit;
 pub mod params;
 
-use super::family::FieldNames;
-use super::{Family, ModelSpec, Norm, ParamLayout, Position};
+use super::ParamLayout;
+use super::spec::{Family, FieldNames, ModelSpec, Norm, Position};
 use anyhow::{Context, Result, bail};
 use serde_json::{Map, Value, json};
 

@@ -6,8 +6,9 @@
 //! Initialisation as the GPT-2 paper: weights ~ N(0, 0.02), residual output projections
 //! scaled by 1/sqrt(2L), biases 0, layer-norm weights 1.
 
+use crate::model::ParamLayout;
 use crate::model::params::{Init, LayoutBuilder, TiedName};
-use crate::model::{Family, ModelSpec, ParamLayout};
+use crate::model::spec::{Family, ModelSpec};
 use std::ops::Range;
 
 /// Element ranges of one transformer block's parameters (C = n_embd, H = MLP width).
