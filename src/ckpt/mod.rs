@@ -32,7 +32,6 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-pub use atomic::write_file_atomic;
 pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
 pub use moments::{Moments, MomentsMut};
 pub use save::{checkpoint_dir, save_checkpoint, save_model};

@@ -732,23 +732,6 @@ fn latest_checkpoint_picks_highest_complete_step() {
     );
 }
 
-#[test]
-fn write_file_atomic_replaces_and_reports() {
-    let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("a.json");
-    write_file_atomic(&f, b"one").unwrap();
-    write_file_atomic(&f, b"two").unwrap();
-    assert_eq!(fs::read(&f).unwrap(), b"two");
-    assert_eq!(
-        fs::read_dir(dir.path()).unwrap().count(),
-        1,
-        "no temporary left"
-    );
-    let bad = dir.path().join("no/such/dir/a.json");
-    let e = err_text(write_file_atomic(&bad, b"x"));
-    assert!(e.contains(&bad.display().to_string()), "{e}");
-}
-
 /// Unmounts a tmpfs when dropped (also when the test fails).
 struct Unmount(std::path::PathBuf);
 

@@ -2,7 +2,6 @@
 //! throughput, step times, peak RSS and the plan's prediction, as JSON.
 
 use super::executor::{Executor, OptimHparams};
-use crate::ckpt;
 use crate::exec::train::Metric;
 use crate::model::ModelSpec;
 use crate::plan::Precision;
@@ -49,7 +48,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
-        ckpt::write_file_atomic(
+        crate::util::atomic::write_file(
             &dir.join("plan.json"),
             serde_json::to_string_pretty(&crate::plan::report::to_json(&plan, baseline))?
                 .as_bytes(),
@@ -182,8 +181,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
                 lines.push_str(&serde_json::to_string(m)?);
                 lines.push('\n');
             }
-            ckpt::write_file_atomic(&dir.join("metrics.jsonl"), lines.as_bytes())?;
-            ckpt::write_file_atomic(
+            crate::util::atomic::write_file(&dir.join("metrics.jsonl"), lines.as_bytes())?;
+            crate::util::atomic::write_file(
                 &dir.join("profile.json"),
                 serde_json::to_string(&profile)?.as_bytes(),
             )?;

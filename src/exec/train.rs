@@ -385,7 +385,7 @@ pub fn train(
         .strategies
         .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline)?;
     prepare_run_dir(&opts.out, resume.is_some())?;
-    ckpt::write_file_atomic(
+    crate::util::atomic::write_file(
         &opts.out.join("plan.json"),
         serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?.as_bytes(),
     )?;
@@ -681,7 +681,7 @@ pub fn train(
 /// Saves `profile.json` and regenerates the reports from the run directory; returns the
 /// path of `report.html`.
 fn write_profile(out: &Path, profile: &Profile) -> Result<PathBuf> {
-    ckpt::write_file_atomic(
+    crate::util::atomic::write_file(
         &out.join("profile.json"),
         serde_json::to_string(profile)?.as_bytes(),
     )?;
@@ -760,7 +760,7 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
         })
         .map(|l| format!("{l}\n"))
         .collect();
-    ckpt::write_file_atomic(path, kept.as_bytes())
+    crate::util::atomic::write_file(path, kept.as_bytes())
 }
 
 #[cfg(test)]

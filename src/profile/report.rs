@@ -8,8 +8,8 @@ use super::leak::LeakCheck;
 use super::record::Profile;
 use super::timeline::{MemoryTimeline, PlanData};
 use super::trace;
-use crate::ckpt::write_file_atomic;
 use crate::exec::train::Metric;
+use crate::util::atomic;
 use anyhow::{Context, Result, bail};
 use plotters::style::RGBColor;
 use std::path::{Path, PathBuf};
@@ -193,7 +193,7 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         Some(p) => {
             let path = run_dir.join("trace.json");
             let t = trace::chrome_trace(&plan, p, &tl);
-            write_file_atomic(&path, serde_json::to_string(&t)?.as_bytes())?;
+            atomic::write_file(&path, serde_json::to_string(&t)?.as_bytes())?;
             Some(path)
         }
         None => None,
@@ -205,7 +205,7 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         baseline,
     )?;
     let svg_path = run_dir.join("memory.svg");
-    write_file_atomic(&svg_path, svg.as_bytes())?;
+    atomic::write_file(&svg_path, svg.as_bytes())?;
 
     let measured = metrics
         .iter()
@@ -228,7 +228,7 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         steps: metrics.len(),
     };
     let html_path = run_dir.join("report.html");
-    write_file_atomic(&html_path, page.render().as_bytes())?;
+    atomic::write_file(&html_path, page.render().as_bytes())?;
     Ok(Written {
         trace,
         memory_svg: svg_path,
