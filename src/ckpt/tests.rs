@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::model::{ModelSpec, ParamLayout};
+use crate::run_dir::{CHECKPOINTS_DIR, RunDir};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use std::fs;
@@ -129,7 +130,7 @@ fn checkpoint_round_trips_bitwise() {
     )
     .unwrap();
     assert_eq!(dir, run.path().join("checkpoints/step-000042"));
-    assert_eq!(dir, checkpoint_dir(run.path(), 42));
+    assert_eq!(dir, RunDir::new(run.path()).checkpoint(42));
     for f in CHECKPOINT_FILES {
         assert!(dir.join(f).is_file(), "{f}");
     }

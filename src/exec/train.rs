@@ -10,16 +10,16 @@ use super::lr::cosine_with_warmup;
 use crate::ckpt::{self, LossScaleState, TrainerState};
 use crate::data::loader::{BatchLoader, DataSet, check_fits, fill_batch};
 use crate::model::ModelSpec;
+use crate::plan::Precision;
 use crate::plan::fit::Strategies;
-use crate::plan::{self, Precision};
 use crate::profile::leak::{LeakCheck, LeakReport};
 use crate::profile::record::micros;
 use crate::profile::{OpRecorder, Profile, Span, StepProfile, Track};
+use crate::run_dir::{self, Metric, MetricsLog, PlanJson, RunDir};
 use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -189,29 +189,6 @@ pub struct TrainSummary {
     pub report: Option<PathBuf>,
 }
 
-/// One line of `metrics.jsonl`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Metric {
-    pub step: u64,
-    pub loss: f32,
-    pub lr: f32,
-    pub grad_norm: f32,
-    /// fp16 runs: the loss scale used by this step, and whether its update was skipped.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_scale: Option<f32>,
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub skipped: bool,
-    pub tokens_per_s: f64,
-    pub step_s: f64,
-    pub rss_bytes: Option<u64>,
-    /// Steps done by the process that wrote this line (1-based; restarts on `--resume`): the
-    /// leak check's clock.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub process_step: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub val_loss: Option<f32>,
-}
-
 /// How a run reports progress.
 pub trait Progress {
     fn start(&mut self, first_step: u64, total: u64);
@@ -299,21 +276,14 @@ pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
         bail!(
             "--resume {}: no checkpoint found under {}; nothing to resume",
             run_dir.display(),
-            run_dir.join("checkpoints").display()
+            RunDir::new(run_dir).checkpoints().display()
         );
     };
-    let text = std::fs::read_to_string(latest.join("trainer_state.json")).with_context(|| {
-        format!(
-            "cannot read {}",
-            latest.join("trainer_state.json").display()
-        )
-    })?;
-    let state: TrainerState = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{}: corrupt trainer state",
-            latest.join("trainer_state.json").display()
-        )
-    })?;
+    let state_path = latest.join(ckpt::STATE_FILE);
+    let text = std::fs::read_to_string(&state_path)
+        .with_context(|| format!("cannot read {}", state_path.display()))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .with_context(|| format!("{}: corrupt trainer state", state_path.display()))?;
     let mut opts: TrainOptions =
         serde_json::from_value(state.train.clone()).with_context(|| {
             format!(
@@ -384,11 +354,9 @@ pub fn train(
     let plan = opts
         .strategies
         .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline)?;
-    prepare_run_dir(&opts.out, resume.is_some())?;
-    crate::util::atomic::write_file(
-        &opts.out.join("plan.json"),
-        serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?.as_bytes(),
-    )?;
+    let run = RunDir::new(&opts.out);
+    prepare_run_dir(&run, resume.is_some())?;
+    PlanJson::from_plan(&plan, baseline)?.write(&run.plan())?;
     progress.message(&format!(
         "plan: {} | batch {} x grad-accum {} x seq {} | recompute {} | arena {} + outside the arena {} | predicted peak RSS {}",
         spec.describe(),
@@ -411,7 +379,7 @@ pub fn train(
             let layout = ex.plan.layout.clone();
             ckpt::load_params(ck, &layout, ex.params_mut())?;
             let st = ckpt::load_trainer_state(ck, &layout, ex.moments_mut())?;
-            truncate_metrics(&opts.out.join("metrics.jsonl"), st.step)?;
+            run_dir::metrics::truncate(&run.metrics(), st.step)?;
             progress.message(&format!(
                 "resuming from {} (step {})",
                 ck.display(),
@@ -428,7 +396,7 @@ pub fn train(
                 Some(dir) => ckpt::load_params(dir, &layout, ex.params_mut())?,
                 None => layout.init(ex.params_mut(), spec.n_layer, opts.seed),
             }
-            let _ = std::fs::remove_file(opts.out.join("metrics.jsonl"));
+            let _ = std::fs::remove_file(run.metrics());
             (0, 0)
         }
     };
@@ -443,11 +411,7 @@ pub fn train(
     let rows = opts.batch * opts.strategies.grad_accum;
     let mut loader = BatchLoader::new(data.train.clone(), rows, opts.seq, opts.seed, data_position);
     let mut batch = vec![0u32; rows * (opts.seq + 1)]; // [accum·B, T+1], counted in plan staging
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(opts.out.join("metrics.jsonl"))
-        .with_context(|| format!("cannot write {}", opts.out.join("metrics.jsonl").display()))?;
+    let mut metrics = MetricsLog::append_to(&run.metrics())?;
 
     let first_step = step;
     let epoch = Instant::now();
@@ -577,12 +541,7 @@ pub fn train(
         if let Some(w) = rss_now.and_then(|r| leak.observe(step - first_step, r)) {
             progress.message(&w.message());
         }
-        writeln!(metrics, "{}", serde_json::to_string(&m)?).with_context(|| {
-            format!(
-                "cannot append to {}",
-                opts.out.join("metrics.jsonl").display()
-            )
-        })?;
+        metrics.push(&m)?;
         progress.step(step, stats.loss, tokens_per_step / secs, rss_now);
         if (opts.save_every > 0 && step % opts.save_every == 0) || step == opts.steps {
             let ts = Instant::now();
@@ -627,7 +586,7 @@ pub fn train(
             if p.steps.len() as u64 == opts.profile_steps || step == opts.steps {
                 metrics.flush()?;
                 // A report that cannot be written (a full disk, say) must not end the run.
-                match write_profile(&opts.out, p) {
+                match write_profile(&run, p) {
                     Ok(html) => progress.message(&format!(
                         "profile: {} written (trace.json, memory.svg, profile.json)",
                         html.display()
@@ -642,7 +601,7 @@ pub fn train(
     progress.finish();
     metrics.flush()?;
     let report = match &profile {
-        Some(p) if !p.steps.is_empty() => match write_profile(&opts.out, p) {
+        Some(p) if !p.steps.is_empty() => match write_profile(&run, p) {
             Ok(html) => Some(html),
             Err(e) => {
                 progress.message(&format!(
@@ -680,12 +639,9 @@ pub fn train(
 
 /// Saves `profile.json` and regenerates the reports from the run directory; returns the
 /// path of `report.html`.
-fn write_profile(out: &Path, profile: &Profile) -> Result<PathBuf> {
-    crate::util::atomic::write_file(
-        &out.join("profile.json"),
-        serde_json::to_string(profile)?.as_bytes(),
-    )?;
-    Ok(crate::profile::report::write_reports(out)?.html)
+fn write_profile(run: &RunDir, profile: &Profile) -> Result<PathBuf> {
+    profile.write(&run.profile())?;
+    Ok(crate::profile::report::write_reports(run.root())?.html)
 }
 
 /// Bytes of the files directly in `dir` (a checkpoint's size, for the I/O track).
@@ -723,7 +679,8 @@ fn evaluate(
 }
 
 /// Creates the run directory and checks it is writable; refuses to overwrite an earlier run.
-fn prepare_run_dir(out: &Path, resuming: bool) -> Result<()> {
+fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
+    let out = run.root();
     if out.is_file() {
         bail!(
             "--out {}: is a file; give a directory for the run",
@@ -739,28 +696,11 @@ fn prepare_run_dir(out: &Path, resuming: bool) -> Result<()> {
             out.display()
         );
     }
-    let probe = out.join(".memwall-write-test");
+    let probe = run.write_probe();
     std::fs::write(&probe, b"ok")
         .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     let _ = std::fs::remove_file(probe);
     Ok(())
-}
-
-/// Keeps only the metrics of steps up to `step` (the checkpoint being resumed).
-fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
-    };
-    let kept: String = text
-        .lines()
-        .filter(|l| {
-            serde_json::from_str::<Metric>(l)
-                .map(|m| m.step <= step)
-                .unwrap_or(false)
-        })
-        .map(|l| format!("{l}\n"))
-        .collect();
-    crate::util::atomic::write_file(path, kept.as_bytes())
 }
 
 #[cfg(test)]
