@@ -3,7 +3,8 @@
 //! The pipeline (see ARCHITECTURE.md):
 //! `model` (what to train) + `exec::TrainConfig` (how) → `plan` (every byte of a step, before
 //! step 1) → `exec` (walks the plan's schedule with `backend` kernels) → reports.
-//! `data` feeds tokens, `ckpt` saves and restores Hugging Face–compatible checkpoints.
+//! `data` feeds tokens, `ckpt` saves and restores Hugging Face–compatible checkpoints,
+//! `run_dir` names the files of a run directory and owns their formats.
 
 pub mod backend;
 pub mod ckpt;
@@ -13,4 +14,5 @@ pub mod mem;
 pub mod model;
 pub mod plan;
 pub mod profile;
+pub mod run_dir;
 pub mod util;

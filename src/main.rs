@@ -10,6 +10,7 @@ use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::Strategies;
 use memwall::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan};
+use memwall::run_dir::{PlanJson, RunDir};
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
 use std::io::Write;
@@ -352,7 +353,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         )?,
     };
     if let Some(path) = &a.svg {
-        let data = memwall::profile::timeline::PlanData::from_plan(&plan, baseline)?;
+        let data = PlanJson::from_plan(&plan, baseline)?;
         let tl = memwall::profile::timeline::MemoryTimeline::new(&data);
         let svg = memwall::profile::chart::memory_svg(&data, &tl, None, baseline)?;
         std::fs::write(path, svg)
@@ -361,7 +362,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&plan::report::to_json(&plan, baseline))?
+            PlanJson::from_plan(&plan, baseline)?.to_pretty_json()?
         );
     } else {
         print!("{}", plan::report::table(&plan, baseline, &Cpu));
@@ -651,9 +652,9 @@ fn demo(a: DemoArgs) -> Result<()> {
         let _ = out.flush();
     })?;
     println!(
-        "\n\nfiles: {}/plan.json, {}/metrics.jsonl, {}\nmore: memwall sample --model {} --prompt \"JULIET:\"",
-        run.display(),
-        run.display(),
+        "\n\nfiles: {}, {}, {}\nmore: memwall sample --model {} --prompt \"JULIET:\"",
+        RunDir::new(&run).plan().display(),
+        RunDir::new(&run).metrics().display(),
         ck.display(),
         ck.display()
     );

@@ -1,101 +1,17 @@
-//! Crash-safe writes: a file or a whole checkpoint directory becomes visible under its final
-//! name only once every byte of it is on disk.
+//! Crash-safe checkpoint directories: a checkpoint becomes visible under its final name only
+//! once every file in it is on disk.
 //!
-//! The recipe (POSIX): write into a temporary sibling (same directory, so the same
-//! filesystem), `fsync` it, `rename` it over the final name (atomic), then `fsync` the parent
-//! directory so the rename itself survives a crash. On any error the temporary is removed
-//! and the previous file or directory, if any, is untouched.
-//!
-//! Temporary names carry `tmp-<pid>-<n>` so that concurrent writers never collide and
-//! leftovers of a crashed process are recognisable (`latest_checkpoint` skips them).
+//! The files are written into a temporary sibling directory `<final>.tmp-<pid>-<n>` with
+//! [`write_synced`](crate::util::atomic::write_synced); the directory is fsynced, renamed into
+//! place and its parent fsynced (the directory form of the recipe in
+//! [`crate::util::atomic`], which writes single files). On any error the temporary directory
+//! is removed and earlier checkpoints are untouched; leftovers of a crashed process are
+//! recognisable by their `tmp-` suffix (`latest_checkpoint` skips them).
 
+use crate::util::atomic::{parent_dir, sync_dir, tmp_suffix};
 use anyhow::{Context, Result, bail};
-use std::fs::{self, File};
-use std::io::Write;
+use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Process-wide counter that makes temporary names unique within one process.
-static SEQ: AtomicU64 = AtomicU64::new(0);
-
-/// A fresh `tmp-<pid>-<n>` suffix for a temporary sibling.
-pub(crate) fn tmp_suffix() -> String {
-    format!(
-        "tmp-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// The directory holding `path` (`.` for a bare file name).
-pub(crate) fn parent_dir(path: &Path) -> &Path {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    }
-}
-
-/// Writes a file atomically: temporary file in the same directory, write, fsync, rename over
-/// `path`, fsync the directory. On error the temporary file is removed and an existing file
-/// at `path` is unchanged; the error names `path`.
-pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomic_with(path, |f| Ok(f.write_all(bytes)?))
-}
-
-/// Like [`write_file_atomic`], but the content is produced by `write` streaming into the
-/// temporary file (so large files need no in-memory copy).
-pub(crate) fn write_atomic_with(
-    path: &Path,
-    write: impl FnOnce(&mut File) -> Result<()>,
-) -> Result<()> {
-    let dir = parent_dir(path);
-    let Some(name) = path.file_name() else {
-        bail!(
-            "cannot write {}: the path does not name a file",
-            path.display()
-        );
-    };
-    let tmp = dir.join(format!(".{}.{}", name.to_string_lossy(), tmp_suffix()));
-    let result = (|| -> Result<()> {
-        write_synced(&tmp, write)?;
-        fs::rename(&tmp, path)
-            .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(e.context(format!(
-            "writing {} failed (the previous file, if any, is unchanged; check the path and free disk space)",
-            path.display()
-        )));
-    }
-    sync_dir(dir)
-}
-
-/// Creates `path` (which must not exist), lets `write` fill it, and fsyncs it. Used for files
-/// inside a temporary directory that is published as a whole.
-pub(crate) fn write_synced(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
-    let mut f =
-        File::create_new(path).with_context(|| format!("cannot create {}", path.display()))?;
-    write(&mut f).with_context(|| format!("cannot write {}", path.display()))?;
-    f.sync_all()
-        .with_context(|| format!("cannot fsync {}", path.display()))?;
-    Ok(())
-}
-
-/// Flushes a directory's entries (new names, renames) to disk. A no-op where directories
-/// cannot be opened as files (non-Unix).
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    #[cfg(unix)]
-    {
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .with_context(|| format!("cannot fsync directory {}", dir.display()))?;
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
-    Ok(())
-}
 
 /// A directory being written under a temporary name next to its final name. Publish it with
 /// [`TempDir::publish`]; dropping it unpublished removes it with everything inside.

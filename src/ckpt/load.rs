@@ -10,11 +10,9 @@ use super::layout_summary as describe;
 use super::moments::MomentsMut;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, resolve_exact};
 use super::safetensors_io::{Resolved, StFile, Target, decode_into, supported};
-use super::{
-    CHECKPOINT_FILES, CHECKPOINTS_DIR, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE,
-    TrainerState,
-};
+use super::{CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
 use crate::model::{ModelSpec, ParamLayout};
+use crate::run_dir::{RunDir, checkpoint_step};
 
 /// Reads `DIR/config.json` (a Hugging Face GPT-2 config).
 pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
@@ -276,20 +274,11 @@ fn read_raw(
     Ok(())
 }
 
-/// The step number of a checkpoint directory name `step-NNNNNN` (digits only).
-fn step_of(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("step-")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
-}
-
 /// The newest complete checkpoint under `RUN_DIR/checkpoints`, or `None` if there is none.
 /// Ignores temporary (`*.tmp-*`) and other non-`step-N` entries silently, and incomplete
 /// `step-N` directories (a file missing or empty) with a warning on stderr.
 pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
-    let root = run_dir.join(CHECKPOINTS_DIR);
+    let root = RunDir::new(run_dir).checkpoints();
     let entries = match fs::read_dir(&root) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -299,7 +288,7 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
     for entry in entries {
         let entry = entry.with_context(|| format!("cannot list {}", root.display()))?;
         let name = entry.file_name();
-        let Some(step) = name.to_str().and_then(step_of) else {
+        let Some(step) = name.to_str().and_then(checkpoint_step) else {
             continue;
         };
         let path = entry.path();

@@ -1,7 +1,8 @@
 //! Checkpoints: Hugging Face–compatible safetensors weights, optimizer moments and trainer
 //! state, written atomically, loaded without doubling memory.
 //!
-//! A checkpoint directory (`RUN_DIR/checkpoints/step-000100/`) holds:
+//! A checkpoint directory (`RUN_DIR/checkpoints/step-000100/`, named by [`crate::run_dir`])
+//! holds:
 //!
 //! | file                     | content                                                       |
 //! |--------------------------|---------------------------------------------------------------|
@@ -32,10 +33,9 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-pub use atomic::write_file_atomic;
 pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
 pub use moments::{Moments, MomentsMut};
-pub use save::{checkpoint_dir, save_checkpoint, save_model};
+pub use save::{save_checkpoint, save_model};
 pub use state::{LossScaleState, TrainerState};
 
 /// Model config file name (Hugging Face).
@@ -46,8 +46,6 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Trainer state file name.
 pub const STATE_FILE: &str = "trainer_state.json";
-/// Subdirectory of a run directory holding its checkpoints.
-pub const CHECKPOINTS_DIR: &str = "checkpoints";
 /// The files a checkpoint is complete with.
 pub const CHECKPOINT_FILES: [&str; 4] = [CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
 

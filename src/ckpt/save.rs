@@ -4,21 +4,14 @@ use anyhow::{Context, Result, bail};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::atomic::{
-    TempDir, parent_dir, sync_dir, write_atomic_with, write_file_atomic, write_synced,
-};
+use super::atomic::TempDir;
 use super::moments::Moments;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
 use super::safetensors_io::{OutData, OutTensor, write_safetensors};
-use super::{CHECKPOINTS_DIR, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
+use super::{CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
 use crate::model::{ModelSpec, ParamLayout};
-
-/// `RUN_DIR/checkpoints/step-{step:06}`: where [`save_checkpoint`] puts step `step`.
-pub fn checkpoint_dir(run_dir: &Path, step: u64) -> PathBuf {
-    run_dir
-        .join(CHECKPOINTS_DIR)
-        .join(format!("step-{step:06}"))
-}
+use crate::run_dir::RunDir;
+use crate::util::atomic::{self, parent_dir, sync_dir, write_synced};
 
 /// Checks that `layout` is the layout of `spec` and that each buffer covers it.
 fn check_buffers(spec: &ModelSpec, layout: &ParamLayout, bufs: &[(&str, usize)]) -> Result<()> {
@@ -127,7 +120,7 @@ pub fn save_checkpoint(
     moments: &Moments,
     state: &TrainerState,
 ) -> Result<PathBuf> {
-    let final_dir = checkpoint_dir(run_dir, state.step);
+    let final_dir = RunDir::new(run_dir).checkpoint(state.step);
     let what = || format!("saving checkpoint {}", final_dir.display());
     let (m_len, v_len) = match moments {
         Moments::F32 { m, v } => (m.len(), v.len()),
@@ -199,9 +192,9 @@ pub fn save_model(
     fs::create_dir_all(dir)
         .with_context(|| format!("cannot create directory {}", dir.display()))?;
     let model = model_tensors(layout, params);
-    write_atomic_with(&dir.join(MODEL_FILE), |f| write_safetensors(f, &model))
+    atomic::write_with(&dir.join(MODEL_FILE), |f| write_safetensors(f, &model))
         .with_context(what)?;
-    write_file_atomic(&dir.join(CONFIG_FILE), &json_bytes(&spec.to_hf_config())?)
+    atomic::write_file(&dir.join(CONFIG_FILE), &json_bytes(&spec.to_hf_config())?)
         .with_context(what)?;
     Ok(())
 }

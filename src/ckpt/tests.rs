@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::model::{ModelSpec, ParamLayout};
+use crate::run_dir::{CHECKPOINTS_DIR, RunDir};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use std::fs;
@@ -121,7 +122,7 @@ fn checkpoint_round_trips_bitwise() {
     )
     .unwrap();
     assert_eq!(dir, run.path().join("checkpoints/step-000042"));
-    assert_eq!(dir, checkpoint_dir(run.path(), 42));
+    assert_eq!(dir, RunDir::new(run.path()).checkpoint(42));
     for f in CHECKPOINT_FILES {
         assert!(dir.join(f).is_file(), "{f}");
     }
@@ -725,23 +726,6 @@ fn latest_checkpoint_picks_highest_complete_step() {
         latest_checkpoint(run.path()).unwrap(),
         Some(ck.join("step-1000000"))
     );
-}
-
-#[test]
-fn write_file_atomic_replaces_and_reports() {
-    let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("a.json");
-    write_file_atomic(&f, b"one").unwrap();
-    write_file_atomic(&f, b"two").unwrap();
-    assert_eq!(fs::read(&f).unwrap(), b"two");
-    assert_eq!(
-        fs::read_dir(dir.path()).unwrap().count(),
-        1,
-        "no temporary left"
-    );
-    let bad = dir.path().join("no/such/dir/a.json");
-    let e = err_text(write_file_atomic(&bad, b"x"));
-    assert!(e.contains(&bad.display().to_string()), "{e}");
 }
 
 /// Unmounts a tmpfs when dropped (also when the test fails).

@@ -19,8 +19,9 @@
 //! * Tokenization runs in parallel (files, and pieces of large files, across rayon threads)
 //!   with a deterministic result: the same inputs give byte-identical outputs.
 
-use crate::data::shard::{write_atomic, write_shard};
+use crate::data::shard::write_shard;
 use crate::data::tokenizer::{EOT, GPT2_VOCAB, Tokenizer, split_points};
+use crate::util::atomic;
 use anyhow::{Context, Result, bail, ensure};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -244,7 +245,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
         sources,
     };
     let json = serde_json::to_string_pretty(&meta).context("cannot serialise meta.json")?;
-    write_atomic(&meta_path, |w| {
+    atomic::write_with(&meta_path, |w| {
         w.write_all(json.as_bytes())
             .and_then(|_| w.write_all(b"\n"))
             .with_context(|| format!("cannot write '{}'", meta_path.display()))

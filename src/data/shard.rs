@@ -19,8 +19,8 @@
 //! a reader rejects anything else, so a truncated copy is caught on open, not mid-training.
 //! The token data starts at offset 32, so a page-aligned map keeps it aligned for either width.
 //!
-//! [`write_shard`] writes atomically (temporary file in the same directory, fsync, rename), so
-//! a crash leaves either the old shard or the new one. [`Shard::open`] maps the file read-only,
+//! [`write_shard`] writes atomically (temporary file in the same directory, fsync, rename: see
+//! [`crate::util::atomic`]), so a crash leaves either the old shard or the new one. [`Shard::open`] maps the file read-only,
 //! checks the header and the size, and scans the tokens once (with ordinary reads, not through
 //! the map, so opening does not grow the process's resident set) to check each is below
 //! `vocab_size`: a corrupt token becomes an error naming the file instead of an out-of-range
@@ -31,7 +31,8 @@ use memmap2::Mmap;
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::util::atomic;
 
 /// The 8 bytes every shard starts with.
 pub const MAGIC: [u8; 8] = *b"MWTOKEN\0";
@@ -57,61 +58,6 @@ fn header(width: usize, vocab_size: usize, count: u64) -> [u8; HEADER_BYTES] {
     h
 }
 
-/// Writes `path` atomically: `write` fills a temporary file in the same directory, which is
-/// flushed, fsynced and renamed over `path`; the directory is then fsynced (best effort).
-/// On any error the temporary file is removed and `path` is untouched.
-pub(crate) fn write_atomic(
-    path: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
-) -> Result<()> {
-    let name = path.file_name().with_context(|| {
-        format!(
-            "cannot write '{}': the path has no file name",
-            path.display()
-        )
-    })?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(
-        ".{}.tmp.{}.{seq}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| -> Result<()> {
-        let file = File::create(&tmp).with_context(|| {
-            format!(
-                "cannot create '{}': is the directory '{}' writable?",
-                tmp.display(),
-                dir.display()
-            )
-        })?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
-        write(&mut w)?;
-        let file = w
-            .into_inner()
-            .map_err(|e| e.into_error())
-            .with_context(|| format!("cannot write '{}' (disk full?)", tmp.display()))?;
-        file.sync_all()
-            .with_context(|| format!("cannot fsync '{}' (disk full?)", tmp.display()))?;
-        drop(file);
-        std::fs::rename(&tmp, path).with_context(|| {
-            format!("cannot rename '{}' to '{}'", tmp.display(), path.display())
-        })?;
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    } else if let Ok(d) = File::open(&dir) {
-        // Persist the rename itself; some filesystems refuse fsync on a directory.
-        let _ = d.sync_all();
-    }
-    result
-}
-
 /// Writes `tokens` as a shard at `path` (atomically; see the module docs for the format).
 ///
 /// Errors when `vocab_size` is 0 or above `u32::MAX`, when a token is `>= vocab_size` (naming
@@ -130,8 +76,9 @@ pub fn write_shard(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<()>
         );
     }
     let width = token_width(vocab_size);
-    write_atomic(path, |w| {
+    atomic::write_with(path, |f| {
         let ctx = || format!("cannot write shard '{}' (disk full?)", path.display());
+        let mut w = BufWriter::with_capacity(1 << 20, f);
         w.write_all(&header(width, vocab_size, tokens.len() as u64))
             .with_context(ctx)?;
         let mut buf = Vec::with_capacity(64 * 1024 * width);
@@ -148,7 +95,7 @@ pub fn write_shard(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<()>
             }
             w.write_all(&buf).with_context(ctx)?;
         }
-        Ok(())
+        w.flush().with_context(ctx)
     })
 }
 

@@ -3,14 +3,13 @@
 
 use super::executor::{Executor, OptimHparams};
 use crate::backend::cpu::Cpu;
-use crate::ckpt;
-use crate::exec::train::Metric;
 use crate::model::ModelSpec;
 use crate::plan::Precision;
 use crate::plan::fit::Strategies;
 use crate::profile::leak::LeakCheck;
 use crate::profile::record::micros;
 use crate::profile::{OpRecorder, Profile, StepProfile};
+use crate::run_dir::{self, Metric, PlanJson, RunDir};
 use crate::util::rng::Rng;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -50,11 +49,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
-        ckpt::write_file_atomic(
-            &dir.join("plan.json"),
-            serde_json::to_string_pretty(&crate::plan::report::to_json(&plan, baseline))?
-                .as_bytes(),
-        )?;
+        PlanJson::from_plan(&plan, baseline)?.write(&RunDir::new(dir).plan())?;
     }
     let recompute = plan.cfg.recompute;
     let (plan_total, flops, recompute_flops) =
@@ -178,16 +173,9 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let leak = leak.report();
     let report = match &opts.profile {
         Some(dir) => {
-            let mut lines = String::new();
-            for m in &metrics {
-                lines.push_str(&serde_json::to_string(m)?);
-                lines.push('\n');
-            }
-            ckpt::write_file_atomic(&dir.join("metrics.jsonl"), lines.as_bytes())?;
-            ckpt::write_file_atomic(
-                &dir.join("profile.json"),
-                serde_json::to_string(&profile)?.as_bytes(),
-            )?;
+            let run = RunDir::new(dir);
+            run_dir::metrics::write(&run.metrics(), &metrics)?;
+            profile.write(&run.profile())?;
             let w = crate::profile::report::write_reports(dir)?;
             Some(
                 json!({"dir": dir, "report_html": w.html, "trace_json": w.trace, "memory_svg": w.memory_svg}),

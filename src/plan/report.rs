@@ -1,13 +1,13 @@
-//! Presenting a plan: the category table `memwall plan` prints, and `plan.json`.
+//! Presenting a plan: the category table `memwall plan` prints (`plan.json` is
+//! [`crate::run_dir::PlanJson`]).
 //!
 //! Per category, three figures: the sum of its buffers' bytes (as if nothing were reused),
 //! its own peak (the most of its bytes live at one op), and its bytes live at the plan's peak
 //! op (the attribution of the peak).
 
-use super::{Category, Plan};
+use super::Plan;
 use crate::backend::Sizing;
 use crate::util::bytes::fmt_bytes;
-use serde_json::{Value, json};
 use std::fmt::Write;
 
 /// The human-readable table: bytes by category, packing, baseline and predicted peak, and how
@@ -119,56 +119,4 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
         );
     }
     s
-}
-
-/// `plan.json`: totals, bytes by category, every buffer, and the schedule.
-pub fn to_json(plan: &Plan, baseline: u64) -> Value {
-    let by_category: serde_json::Map<String, Value> = plan
-        .bytes_by_category()
-        .into_iter()
-        .map(|(c, b)| (c.name().to_string(), json!(b)))
-        .collect();
-    let peak_by_category: serde_json::Map<String, Value> = plan
-        .peak_by_category()
-        .into_iter()
-        .map(|(c, b)| (c.name().to_string(), json!(b)))
-        .collect();
-    let live_at_peak: serde_json::Map<String, Value> = plan
-        .live_by_category(plan.peak_op)
-        .into_iter()
-        .map(|(c, b)| (c.name().to_string(), json!(b)))
-        .collect();
-    let ops: Vec<Value> = plan
-        .schedule
-        .ops
-        .iter()
-        .map(|o| json!({"name": o.name, "phase": o.phase, "flops": o.flops}))
-        .collect();
-    json!({
-        "model": plan.spec.to_hf_config(),
-        "model_name": plan.spec.name,
-        "num_params": plan.layout.total,
-        "mode": plan.mode,
-        "config": plan.cfg,
-        "precision": plan.cfg.precision.to_string(),
-        "total_bytes": plan.total_bytes(),
-        "arena_bytes": plan.arena_bytes,
-        "external_bytes": plan.external_bytes,
-        "peak_live_bytes": plan.peak_live_bytes,
-        "peak_op": plan.schedule.ops[plan.peak_op].name,
-        "baseline_bytes": baseline,
-        "predicted_peak_rss_bytes": plan.total_bytes() + baseline,
-        "by_category": by_category,
-        "peak_by_category": peak_by_category,
-        "live_at_peak_by_category": live_at_peak,
-        "flops_per_step": plan.flops(),
-        "recompute_flops_per_step": plan.recompute_flops(),
-        "buffers": plan.buffers,
-        "schedule": ops,
-    })
-}
-
-/// Category names in report order (for scripts that read `by_category`).
-pub fn category_names() -> Vec<&'static str> {
-    Category::ALL.iter().map(|c| c.name()).collect()
 }

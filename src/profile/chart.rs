@@ -4,8 +4,9 @@
 //! the line charts of a run (loss, throughput, resident memory per step).
 
 use super::record::StepProfile;
-use super::timeline::{MemoryTimeline, PlanData, live_buffers};
+use super::timeline::{MemoryTimeline, live_buffers};
 use crate::plan::Category;
+use crate::run_dir::PlanJson;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, anyhow};
 use plotters::prelude::*;
@@ -69,7 +70,7 @@ fn op_extents(n_ops: usize, step: Option<&StepProfile>) -> (Vec<(f64, f64)>, &'s
 
 /// The memory timeline of one step as SVG.
 pub fn memory_svg(
-    plan: &PlanData,
+    plan: &PlanJson,
     tl: &MemoryTimeline,
     step: Option<&StepProfile>,
     baseline_rss: u64,

@@ -6,13 +6,14 @@
 use super::chart::category_hex;
 use super::leak::LeakReport;
 use super::record::Profile;
-use super::timeline::{MemoryTimeline, PlanData, StepTimes, live_buffers};
+use super::timeline::{MemoryTimeline, StepTimes, live_buffers};
+use crate::run_dir::PlanJson;
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
 
 /// What the page shows.
 pub struct ReportPage<'a> {
-    pub plan: &'a PlanData,
+    pub plan: &'a PlanJson,
     pub timeline: &'a MemoryTimeline,
     pub profile: Option<&'a Profile>,
     /// The memory chart (SVG markup).

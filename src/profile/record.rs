@@ -6,7 +6,10 @@
 //! vector reserved before the step, so a profiled step allocates nothing more than an
 //! unprofiled one.
 
+use crate::util::atomic;
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
+use std::path::Path;
 use std::time::Instant;
 
 /// One executed op of the schedule. Times are microseconds since the profile's epoch.
@@ -62,6 +65,22 @@ pub struct Profile {
 }
 
 impl Profile {
+    /// Writes `profile.json` (atomically).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        atomic::write_file(path, serde_json::to_string(self)?.as_bytes())
+    }
+
+    /// Reads `profile.json`; `None` when the run was not profiled (no such file).
+    pub fn read(path: &Path) -> Result<Option<Profile>> {
+        match std::fs::read_to_string(path) {
+            Ok(t) => Ok(Some(serde_json::from_str(&t).with_context(|| {
+                format!("{} is not a memwall profile.json", path.display())
+            })?)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+        }
+    }
+
     /// The last profiled step: the warmest one, which the memory chart draws.
     pub fn chart_step(&self) -> Option<&StepProfile> {
         self.steps.iter().rev().find(|s| !s.ops.is_empty())
@@ -73,7 +92,7 @@ pub fn micros(epoch: Instant, t: Instant) -> f64 {
     t.saturating_duration_since(epoch).as_secs_f64() * 1e6
 }
 
-/// Records op spans inside the executor (see [`crate::exec::Executor::record_ops`]).
+/// Records op spans inside the executor (see `Executor::record_ops` in `exec`).
 pub struct OpRecorder {
     epoch: Instant,
     rss: RssProbe,

@@ -6,11 +6,11 @@ use super::chart::{Line, line_svg, memory_svg};
 use super::html::ReportPage;
 use super::leak::LeakCheck;
 use super::record::Profile;
-use super::timeline::{MemoryTimeline, PlanData};
+use super::timeline::MemoryTimeline;
 use super::trace;
-use crate::ckpt::write_file_atomic;
-use crate::exec::train::Metric;
-use anyhow::{Context, Result, bail};
+use crate::run_dir::{self, Metric, PLAN_FILE, PlanJson, RunDir};
+use crate::util::atomic;
+use anyhow::{Result, bail};
 use plotters::style::RGBColor;
 use std::path::{Path, PathBuf};
 
@@ -31,7 +31,7 @@ pub struct Written {
 
 /// The terminal summary of a report: the peak and its largest buffers, and (when profiled)
 /// the time of the last profiled step by phase.
-pub fn summary(plan: &PlanData, tl: &MemoryTimeline, profile: Option<&Profile>) -> String {
+pub fn summary(plan: &PlanJson, tl: &MemoryTimeline, profile: Option<&Profile>) -> String {
     use crate::util::bytes::fmt_bytes;
     use std::fmt::Write;
     let mut s = String::new();
@@ -72,34 +72,6 @@ pub fn summary(plan: &PlanData, tl: &MemoryTimeline, profile: Option<&Profile>) 
         );
     }
     s
-}
-
-/// Reads `metrics.jsonl` (one JSON object per line); the error names the file and line.
-pub fn read_metrics(path: &Path) -> Result<Vec<Metric>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-    };
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l)
-                .with_context(|| format!("{} line {}: not a metrics record", path.display(), i + 1))
-        })
-        .collect()
-}
-
-/// Reads `profile.json` if the run was profiled.
-pub fn read_profile(path: &Path) -> Result<Option<Profile>> {
-    match std::fs::read_to_string(path) {
-        Ok(t) => Ok(Some(serde_json::from_str(&t).with_context(|| {
-            format!("{} is not a memwall profile.json", path.display())
-        })?)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
-    }
 }
 
 /// The leak check over the metrics of the last process that wrote them (a resumed run starts
@@ -173,16 +145,17 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
             run_dir.display()
         );
     }
-    let plan_path = run_dir.join("plan.json");
+    let run = RunDir::new(run_dir);
+    let plan_path = run.plan();
     if !plan_path.exists() {
         bail!(
-            "{} has no plan.json; is it a memwall run directory (`memwall train --out DIR`)?",
+            "{} has no {PLAN_FILE}; is it a memwall run directory (`memwall train --out DIR`)?",
             run_dir.display()
         );
     }
-    let plan = PlanData::load(&plan_path)?;
-    let metrics = read_metrics(&run_dir.join("metrics.jsonl"))?;
-    let profile = read_profile(&run_dir.join("profile.json"))?;
+    let plan = PlanJson::load(&plan_path)?;
+    let metrics = run_dir::metrics::read(&run.metrics())?;
+    let profile = Profile::read(&run.profile())?;
     let tl = MemoryTimeline::new(&plan);
     let baseline = profile
         .as_ref()
@@ -191,9 +164,9 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
 
     let trace = match &profile {
         Some(p) => {
-            let path = run_dir.join("trace.json");
+            let path = run.trace();
             let t = trace::chrome_trace(&plan, p, &tl);
-            write_file_atomic(&path, serde_json::to_string(&t)?.as_bytes())?;
+            atomic::write_file(&path, serde_json::to_string(&t)?.as_bytes())?;
             Some(path)
         }
         None => None,
@@ -204,8 +177,8 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         profile.as_ref().and_then(|p| p.chart_step()),
         baseline,
     )?;
-    let svg_path = run_dir.join("memory.svg");
-    write_file_atomic(&svg_path, svg.as_bytes())?;
+    let svg_path = run.memory_svg();
+    atomic::write_file(&svg_path, svg.as_bytes())?;
 
     let measured = metrics
         .iter()
@@ -227,8 +200,8 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         leak: leak.clone(),
         steps: metrics.len(),
     };
-    let html_path = run_dir.join("report.html");
-    write_file_atomic(&html_path, page.render().as_bytes())?;
+    let html_path = run.report_html();
+    atomic::write_file(&html_path, page.render().as_bytes())?;
     Ok(Written {
         trace,
         memory_svg: svg_path,

@@ -1,120 +1,11 @@
-//! The plan's memory over one step, read back from `plan.json`: bytes live per category at
-//! every op, the peak op, and the buffers live there. Reports are drawn from this (and from
+//! The plan's memory over one step, computed from `plan.json` ([`PlanJson`]): bytes live per
+//! category at every op, the peak op, and the buffers live there. Reports are drawn from this (and from
 //! `profile.json` when a run was profiled), so `memwall report RUN_DIR` needs nothing but the
 //! run directory.
 
 use crate::plan::Category;
-use anyhow::{Context, Result, bail};
-use serde::Deserialize;
-use std::path::Path;
-
-/// One buffer as `plan.json` lists it.
-#[derive(Clone, Debug, Deserialize)]
-pub struct BufferInfo {
-    pub name: String,
-    pub category: Category,
-    pub dtype: String,
-    pub bytes: u64,
-    pub persistent: bool,
-    pub first_op: usize,
-    pub last_op: usize,
-    pub offset: u64,
-    #[serde(default)]
-    pub external: bool,
-}
-
-/// One op of the schedule as `plan.json` lists it.
-#[derive(Clone, Debug, Deserialize)]
-pub struct OpInfo {
-    pub name: String,
-    /// forward, recompute, backward or optimizer.
-    pub phase: String,
-    pub flops: u64,
-}
-
-/// The parts of `plan.json` the reports use.
-#[derive(Clone, Debug, Deserialize)]
-pub struct PlanData {
-    pub model_name: String,
-    pub num_params: usize,
-    /// The step configuration: batch, seq, threads, grad_accum, precision, recompute, ….
-    pub config: serde_json::Value,
-    // Fields added as memwall grew default to zero or "fp32", so older run directories
-    // still get a report.
-    #[serde(default = "fp32")]
-    pub precision: String,
-    pub total_bytes: u64,
-    #[serde(default)]
-    pub arena_bytes: u64,
-    #[serde(default)]
-    pub external_bytes: u64,
-    #[serde(default)]
-    pub peak_live_bytes: u64,
-    #[serde(default)]
-    pub baseline_bytes: u64,
-    #[serde(default)]
-    pub flops_per_step: u64,
-    #[serde(default)]
-    pub recompute_flops_per_step: u64,
-    pub buffers: Vec<BufferInfo>,
-    pub schedule: Vec<OpInfo>,
-}
-
-fn fp32() -> String {
-    "fp32".into()
-}
-
-impl PlanData {
-    /// Reads `plan.json`, naming the file in every error.
-    pub fn load(path: &Path) -> Result<PlanData> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let p: PlanData = serde_json::from_str(&text).with_context(|| {
-            format!(
-                "{} is not a memwall plan.json (written by `memwall train`, `bench --profile` or `plan --json`)",
-                path.display()
-            )
-        })?;
-        p.check().with_context(|| format!("{}", path.display()))?;
-        Ok(p)
-    }
-
-    /// From a plan in memory (`memwall plan --svg`), through the same JSON as `plan.json`.
-    pub fn from_plan(plan: &crate::plan::Plan, baseline: u64) -> Result<PlanData> {
-        let p: PlanData = serde_json::from_value(crate::plan::report::to_json(plan, baseline))?;
-        p.check()?;
-        Ok(p)
-    }
-
-    fn check(&self) -> Result<()> {
-        if self.schedule.is_empty() {
-            bail!("field 'schedule' is empty");
-        }
-        let n = self.schedule.len();
-        if let Some(b) = self
-            .buffers
-            .iter()
-            .find(|b| b.first_op > b.last_op || b.last_op >= n)
-        {
-            bail!(
-                "buffer '{}' lives over ops {}..={} but the schedule has {n} ops",
-                b.name,
-                b.first_op,
-                b.last_op
-            );
-        }
-        Ok(())
-    }
-
-    /// A configuration field as text (`"?"` when absent).
-    pub fn config_str(&self, key: &str) -> String {
-        match self.config.get(key) {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(v) => v.to_string(),
-            None => "?".into(),
-        }
-    }
-}
+use crate::plan::packing::live_bytes_per_op;
+use crate::run_dir::{BufferInfo, PlanJson};
 
 /// Bytes live per category at every op of the schedule, the buffers outside the arena (which
 /// live over the whole step) included.
@@ -130,28 +21,23 @@ pub struct MemoryTimeline {
 }
 
 impl MemoryTimeline {
-    pub fn new(plan: &PlanData) -> MemoryTimeline {
+    pub fn new(plan: &PlanJson) -> MemoryTimeline {
         let n = plan.schedule.len();
         let categories: Vec<Category> = Category::ALL
             .into_iter()
             .filter(|c| plan.buffers.iter().any(|b| b.category == *c && b.bytes > 0))
             .collect();
-        // Difference arrays per category: +bytes at first_op, -bytes after last_op.
-        let mut delta = vec![vec![0i128; n + 1]; categories.len()];
-        for b in &plan.buffers {
-            if let Some(k) = categories.iter().position(|&c| c == b.category) {
-                delta[k][b.first_op] += b.bytes as i128;
-                delta[k][b.last_op + 1] -= b.bytes as i128;
-            }
-        }
-        let mut cur = vec![0i128; categories.len()];
-        let mut live = Vec::with_capacity(n);
-        for op in 0..n {
-            for (c, d) in cur.iter_mut().zip(&delta) {
-                *c += d[op];
-            }
-            live.push(cur.iter().map(|&x| x as u64).collect::<Vec<u64>>());
-        }
+        // One sweep per category (the planner's own), transposed to rows per op.
+        let per_category: Vec<Vec<u64>> = categories
+            .iter()
+            .map(|&c| {
+                let of_c = plan.buffers.iter().filter(|b| b.category == c);
+                live_bytes_per_op(of_c.map(|b| (b.first_op, b.last_op, b.bytes)), n)
+            })
+            .collect();
+        let live: Vec<Vec<u64>> = (0..n)
+            .map(|op| per_category.iter().map(|l| l[op]).collect())
+            .collect();
         let (mut peak_op, mut peak_bytes) = (0, 0);
         for (op, row) in live.iter().enumerate() {
             let total: u64 = row.iter().sum();
@@ -174,7 +60,7 @@ impl MemoryTimeline {
 }
 
 /// The buffers live at `op`, largest first.
-pub fn live_buffers(plan: &PlanData, op: usize) -> Vec<&BufferInfo> {
+pub fn live_buffers(plan: &PlanJson, op: usize) -> Vec<&BufferInfo> {
     let mut v: Vec<&BufferInfo> = plan
         .buffers
         .iter()
@@ -194,7 +80,7 @@ pub struct StepTimes {
 }
 
 impl StepTimes {
-    pub fn new(plan: &PlanData, step: &super::record::StepProfile) -> StepTimes {
+    pub fn new(plan: &PlanJson, step: &super::record::StepProfile) -> StepTimes {
         let mut t = StepTimes {
             phases: Vec::new(),
             kinds: Vec::new(),
@@ -252,7 +138,7 @@ mod tests {
             let mut cfg = StepConfig::new(2, 32, 1);
             cfg.recompute = r;
             let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
-            let data = PlanData::from_plan(&plan, 0).unwrap();
+            let data = PlanJson::from_plan(&plan, 0).unwrap();
             let tl = MemoryTimeline::new(&data);
             // The timeline also counts the buffers outside the arena, live over the whole step.
             let peak = plan.peak_live_bytes + plan.external_bytes;
@@ -280,24 +166,5 @@ mod tests {
         assert_eq!(op_kind("h11.re.gelu"), "re.gelu");
         assert_eq!(op_kind("lm_head"), "lm_head");
         assert_eq!(op_kind("hx.fc"), "hx.fc");
-    }
-
-    #[test]
-    fn inconsistent_plan_json_is_refused_with_the_buffer_named() {
-        let spec = ModelSpec::resolve("gpt2-tiny").unwrap();
-        let plan = build_plan(&spec, &StepConfig::new(1, 16, 1), Mode::Train, &Cpu).unwrap();
-        let mut v = crate::plan::report::to_json(&plan, 0);
-        v["buffers"][3]["last_op"] = serde_json::json!(1_000_000);
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("plan.json");
-        std::fs::write(&path, v.to_string()).unwrap();
-        let e = format!("{:#}", PlanData::load(&path).unwrap_err());
-        assert!(
-            e.contains("plan.json") && e.contains("lives over ops"),
-            "{e}"
-        );
-        std::fs::write(&path, "{\"model_name\": 3}").unwrap();
-        let e = format!("{:#}", PlanData::load(&path).unwrap_err());
-        assert!(e.contains("is not a memwall plan.json"), "{e}");
     }
 }

@@ -5,7 +5,8 @@
 //! (one tier today, host RAM) and the measured resident memory above the process baseline.
 
 use super::record::{Profile, Track};
-use super::timeline::{MemoryTimeline, PlanData};
+use super::timeline::MemoryTimeline;
+use crate::run_dir::PlanJson;
 use serde_json::{Map, Value, json};
 
 const PID: u32 = 1;
@@ -27,7 +28,7 @@ fn track_name(track: Track) -> &'static str {
 }
 
 /// Builds the trace of every profiled step.
-pub fn chrome_trace(plan: &PlanData, profile: &Profile, timeline: &MemoryTimeline) -> Value {
+pub fn chrome_trace(plan: &PlanJson, profile: &Profile, timeline: &MemoryTimeline) -> Value {
     let mut ev: Vec<Value> = Vec::new();
     ev.push(
         json!({"ph": "M", "pid": PID, "tid": 0, "name": "process_name",

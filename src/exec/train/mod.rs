@@ -1,0 +1,155 @@
+//! The training loop: validate everything up front, plan, allocate once, then for each step
+//! draw a batch, run the schedule, log metrics, evaluate and checkpoint.
+//!
+//! A run directory (see [`crate::run_dir`]) holds `plan.json`, `metrics.jsonl` (one JSON object
+//! per step) and `checkpoints/step-NNNNNN/`. `--resume RUN_DIR` continues from the newest
+//! checkpoint with the run's own configuration and is bitwise identical to an uninterrupted
+//! run.
+//!
+//! [`train`] reads as its three phases, each in its own file:
+//! - `setup.rs`: every check that can fail before work starts, the plan (and `plan.json`),
+//!   the executor, and the initial state (fresh, `--init` or `--resume`);
+//! - `step.rs`: one optimizer step with its evaluation, metrics line, checkpoint and profile;
+//! - `Run::finish`, here: the final reports and the summary.
+//!
+//! Around them: [`TrainOptions`] (`options.rs`), [`LossScaler`] (`loss_scale.rs`), the
+//! [`Progress`] reporters (`progress.rs`), and the profiler's files (`profiling.rs`).
+
+mod loss_scale;
+mod options;
+mod profiling;
+mod progress;
+mod setup;
+mod step;
+
+pub use loss_scale::LossScaler;
+pub use options::{TrainOptions, default_threads, resume_options};
+pub use progress::{ConsoleProgress, NoProgress, Progress};
+
+use super::executor::Executor;
+use crate::data::loader::{BatchLoader, DataSet};
+use crate::model::ModelSpec;
+use crate::profile::leak::{LeakCheck, LeakReport};
+use crate::profile::{OpRecorder, Profile};
+use crate::run_dir::{MetricsLog, RunDir};
+use crate::util::rss;
+use anyhow::Result;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainSummary {
+    pub out: PathBuf,
+    pub first_step: u64,
+    pub last_step: u64,
+    pub final_loss: f32,
+    pub final_val_loss: Option<f32>,
+    pub tokens_per_s: f64,
+    pub plan_total_bytes: u64,
+    pub baseline_bytes: u64,
+    pub peak_rss_bytes: Option<u64>,
+    pub last_checkpoint: Option<PathBuf>,
+    /// The leak check's verdict (`None` when the run had too few steps for one).
+    pub leak: Option<LeakReport>,
+    /// The reports written when profiling (`report.html` and its siblings).
+    pub report: Option<PathBuf>,
+}
+
+/// Runs (or resumes, when `resume` is the checkpoint to continue from) a training run.
+pub fn train(
+    opts: &TrainOptions,
+    resume: Option<&Path>,
+    progress: &mut dyn Progress,
+) -> Result<TrainSummary> {
+    let mut run = Run::start(opts, resume, progress)?;
+    while run.step < opts.steps {
+        run.next_step(progress)?;
+    }
+    run.finish(progress)
+}
+
+/// A training run in progress: what [`Run::start`] set up and each step carries on.
+struct Run<'a> {
+    opts: &'a TrainOptions,
+    dir: RunDir,
+    spec: ModelSpec,
+    data: DataSet,
+    ex: Executor,
+    /// fp16 runs only.
+    scaler: Option<LossScaler>,
+    loader: BatchLoader,
+    /// One optimizer step's tokens, `[grad_accum·batch, seq + 1]` (counted in plan staging).
+    batch: Vec<u32>,
+    metrics: MetricsLog,
+    /// Optimizer steps done, counting those before a resume.
+    step: u64,
+    /// The step this process started from (0, or the resumed checkpoint's).
+    first_step: u64,
+    /// Resident memory before the plan was allocated.
+    baseline: u64,
+    plan_total: u64,
+    /// Tokens of one optimizer step.
+    tokens_per_step: f64,
+    /// Time zero of the profile and of every recorded span.
+    epoch: Instant,
+    n_ops: usize,
+    /// The profile of the first `profile_steps` steps (`None` when not profiling).
+    profile: Option<Profile>,
+    /// The op recorder, lent to the executor during profiled steps.
+    recorder: Option<OpRecorder>,
+    leak: LeakCheck,
+    final_loss: f32,
+    final_val: Option<f32>,
+    last_ckpt: Option<PathBuf>,
+    /// Tokens and seconds of the steps after this process's first (its warm-up), for the
+    /// summary's throughput.
+    timed_tokens: f64,
+    timed_secs: f64,
+}
+
+impl Run<'_> {
+    /// After the last step: the final reports (when profiled), the leak check's verdict and
+    /// the summary.
+    fn finish(mut self, progress: &mut dyn Progress) -> Result<TrainSummary> {
+        let opts = self.opts;
+        progress.finish();
+        self.metrics.flush()?;
+        let report = match &self.profile {
+            Some(p) if !p.steps.is_empty() => match profiling::write_profile(&self.dir, p) {
+                Ok(html) => Some(html),
+                Err(e) => {
+                    progress.message(&format!(
+                        "warning: the report could not be written ({e:#}); `memwall report {}` retries",
+                        opts.out.display()
+                    ));
+                    None
+                }
+            },
+            _ => None,
+        };
+        let leak = self.leak.report();
+        if let Some(l) = &leak {
+            progress.message(&l.message());
+        }
+        Ok(TrainSummary {
+            out: opts.out.clone(),
+            first_step: self.first_step,
+            last_step: self.step,
+            final_loss: self.final_loss,
+            final_val_loss: self.final_val,
+            tokens_per_s: if self.timed_secs > 0.0 {
+                self.timed_tokens / self.timed_secs
+            } else {
+                0.0
+            },
+            plan_total_bytes: self.plan_total,
+            baseline_bytes: self.baseline,
+            peak_rss_bytes: rss::peak_rss(),
+            last_checkpoint: self.last_ckpt,
+            leak,
+            report,
+        })
+    }
+}

@@ -1,0 +1,187 @@
+//! The options of a training run ([`TrainOptions`]): their defaults, their validation, and
+//! reading them back from a run's newest checkpoint for `--resume`.
+//!
+//! They are saved as JSON in every checkpoint's `trainer_state.json` (field `train`), so their
+//! serialised keys are a file format: runs resume from saved options.
+
+use crate::ckpt::{self, TrainerState};
+use crate::plan::fit::Strategies;
+use crate::run_dir::RunDir;
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Everything that defines a training run (saved in checkpoints; `--resume` reuses it).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainOptions {
+    /// Preset name, checkpoint directory or config.json.
+    pub model: String,
+    pub data: PathBuf,
+    pub out: PathBuf,
+    /// Total optimizer steps of the run.
+    pub steps: u64,
+    pub batch: usize,
+    pub seq: usize,
+    pub lr: f32,
+    /// Final learning rate as a fraction of `lr` (cosine decay).
+    pub min_lr_frac: f32,
+    pub warmup: u64,
+    pub weight_decay: f32,
+    pub grad_clip: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub seed: u64,
+    pub threads: usize,
+    /// Evaluate validation loss every N steps (0: only at the end).
+    pub eval_every: u64,
+    /// Number of validation batches per evaluation.
+    pub eval_batches: u64,
+    /// Save a checkpoint every N steps (0: only at the end).
+    pub save_every: u64,
+    /// Start from this Hugging Face GPT-2 checkpoint directory (fine-tuning).
+    pub init: Option<PathBuf>,
+    /// Memory strategies and budget (flattened: the same keys as separate fields).
+    #[serde(flatten)]
+    pub strategies: Strategies,
+    /// Profile the first N steps of this invocation (0: off): `profile.json`, `trace.json`,
+    /// `memory.svg` and `report.html` in the run directory.
+    #[serde(default)]
+    pub profile_steps: u64,
+}
+
+impl TrainOptions {
+    /// Defaults matching `memwall train --help`.
+    pub fn new(model: &str, data: &Path, out: &Path) -> TrainOptions {
+        TrainOptions {
+            model: model.to_string(),
+            data: data.to_path_buf(),
+            out: out.to_path_buf(),
+            steps: 500,
+            batch: 8,
+            seq: 128,
+            lr: 6e-4,
+            min_lr_frac: 0.1,
+            warmup: 50,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            beta1: 0.9,
+            beta2: 0.95,
+            seed: 1,
+            threads: default_threads(),
+            eval_every: 100,
+            eval_batches: 8,
+            save_every: 100,
+            init: None,
+            strategies: Strategies::default(),
+            profile_steps: 0,
+        }
+    }
+
+    /// Refuses values the loop cannot run with, naming the flag.
+    pub(super) fn check(&self) -> Result<()> {
+        if self.steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            bail!("--lr must be a positive number, got {}", self.lr);
+        }
+        if !(0.0..1.0).contains(&self.min_lr_frac) {
+            bail!("--min-lr-frac must be in [0, 1), got {}", self.min_lr_frac);
+        }
+        if self.weight_decay < 0.0 || !self.weight_decay.is_finite() {
+            bail!("--weight-decay must be >= 0, got {}", self.weight_decay);
+        }
+        if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
+            bail!(
+                "--grad-clip must be >= 0 (0 disables clipping), got {}",
+                self.grad_clip
+            );
+        }
+        if self.eval_batches == 0 {
+            bail!("--eval-batches must be at least 1");
+        }
+        if self.strategies.grad_accum == 0 {
+            bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
+        }
+        Ok(())
+    }
+}
+
+/// Worker threads by default: the machine's cores.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+/// Reads the options of the run in `run_dir` from its newest checkpoint, with `--steps`
+/// optionally extended. Errors when the run has no checkpoint.
+pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
+    let Some(latest) = ckpt::latest_checkpoint(run_dir)? else {
+        bail!(
+            "--resume {}: no checkpoint found under {}; nothing to resume",
+            run_dir.display(),
+            RunDir::new(run_dir).checkpoints().display()
+        );
+    };
+    let state_path = latest.join(ckpt::STATE_FILE);
+    let text = std::fs::read_to_string(&state_path)
+        .with_context(|| format!("cannot read {}", state_path.display()))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .with_context(|| format!("{}: corrupt trainer state", state_path.display()))?;
+    let mut opts: TrainOptions =
+        serde_json::from_value(state.train.clone()).with_context(|| {
+            format!(
+                "{}: field 'train' is not a memwall training configuration",
+                latest.display()
+            )
+        })?;
+    opts.out = run_dir.to_path_buf();
+    Ok((opts, latest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The keys are a file format: every checkpoint's `trainer_state.json` holds them, and
+    /// `--resume` reads them back.
+    #[test]
+    fn serialised_keys_are_stable() {
+        let o = TrainOptions::new("gpt2-tiny", Path::new("data"), Path::new("run"));
+        let v = serde_json::to_value(&o).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "batch",
+                "beta1",
+                "beta2",
+                "data",
+                "eval_batches",
+                "eval_every",
+                "grad_accum",
+                "grad_clip",
+                "init",
+                "lr",
+                "max_memory",
+                "min_lr_frac",
+                "model",
+                "optim_state",
+                "out",
+                "precision",
+                "profile_steps",
+                "recompute",
+                "save_every",
+                "seed",
+                "seq",
+                "steps",
+                "threads",
+                "warmup",
+                "weight_decay",
+            ]
+        );
+        let back: TrainOptions = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&back).unwrap(), v);
+    }
+}

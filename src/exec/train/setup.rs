@@ -1,0 +1,230 @@
+//! Setting a run up: everything that can be refused is checked before anything is written
+//! (options, model, data, the plan against the budget), then the run directory is prepared,
+//! `plan.json` written, the arena allocated once, and the initial state made: fresh weights,
+//! `--init` weights, or a `--resume` checkpoint's weights, moments and position.
+
+use super::{LossScaler, Progress, Run, TrainOptions};
+use crate::backend::cpu::Cpu;
+use crate::ckpt;
+use crate::data::loader::{BatchLoader, DataSet, check_fits};
+use crate::exec::executor::Executor;
+use crate::model::ModelSpec;
+use crate::plan::{Plan, Precision};
+use crate::profile::leak::LeakCheck;
+use crate::profile::{OpRecorder, Profile};
+use crate::run_dir::{self, MetricsLog, PlanJson, RunDir};
+use crate::util::bytes::fmt_bytes;
+use crate::util::rss;
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+use std::time::Instant;
+
+impl<'a> Run<'a> {
+    /// Checks, plans, allocates and restores; on return the run is ready for its next step,
+    /// which is below `opts.steps`.
+    pub(super) fn start(
+        opts: &'a TrainOptions,
+        resume: Option<&Path>,
+        progress: &mut dyn Progress,
+    ) -> Result<Run<'a>> {
+        opts.check()?;
+        // ---- everything that can be checked before work starts ----
+        let spec = model_spec(opts, resume)?;
+        let data = open_data(opts, &spec)?;
+
+        // ---- plan (refused before anything is written if over budget), then allocate once ----
+        let baseline = rss::current_rss().unwrap_or(0);
+        let plan =
+            opts.strategies
+                .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
+        let dir = RunDir::new(&opts.out);
+        prepare_run_dir(&dir, resume.is_some())?;
+        PlanJson::from_plan(&plan, baseline)?.write(&dir.plan())?;
+        progress.message(&plan_line(opts, &spec, &plan, baseline));
+        let plan_total = plan.total_bytes();
+        let mut ex = Executor::new(plan)?;
+
+        // ---- initial state ----
+        let mut scaler = (opts.strategies.precision == Precision::F16).then(LossScaler::new);
+        let (step, data_position) = match resume {
+            Some(ck) => restore(ck, &dir, &mut ex, &mut scaler, progress)?,
+            None => {
+                let layout = ex.plan.layout.clone();
+                match &opts.init {
+                    Some(dir) => ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))?,
+                    None => ex.with_params_mut(|p| layout.init(p, opts.seed)),
+                }
+                let _ = std::fs::remove_file(dir.metrics());
+                (0, 0)
+            }
+        };
+        if step >= opts.steps {
+            bail!(
+                "the run in {} is already at step {step}; pass a larger --steps to continue",
+                opts.out.display()
+            );
+        }
+
+        // One loader batch is one optimizer step: grad_accum micro-batches of `batch` rows.
+        let rows = opts.batch * opts.strategies.grad_accum;
+        let loader = BatchLoader::new(data.train.clone(), rows, opts.seq, opts.seed, data_position);
+        let batch = vec![0u32; rows * (opts.seq + 1)];
+        let metrics = MetricsLog::append_to(&dir.metrics())?;
+
+        let epoch = Instant::now();
+        let n_ops = ex.plan.schedule.ops.len();
+        let profile = (opts.profile_steps > 0).then(|| Profile {
+            baseline_rss: baseline,
+            steps: Vec::new(),
+        });
+        let recorder = Some(OpRecorder::new(epoch, n_ops));
+        let leak = LeakCheck::new(plan_total);
+        progress.start(step, opts.steps);
+        Ok(Run {
+            opts,
+            dir,
+            spec,
+            data,
+            ex,
+            scaler,
+            loader,
+            batch,
+            metrics,
+            step,
+            first_step: step,
+            baseline,
+            plan_total,
+            tokens_per_step: (rows * opts.seq) as f64,
+            epoch,
+            n_ops,
+            profile,
+            recorder,
+            leak,
+            final_loss: f32::NAN,
+            final_val: None,
+            last_ckpt: None,
+            timed_tokens: 0.0,
+            timed_secs: 0.0,
+        })
+    }
+}
+
+/// The model to train: the resumed checkpoint's, the `--init` checkpoint's, or `--model`;
+/// `--model` must have the dimensions of the checkpoint it continues.
+fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
+    let init_spec = match &opts.init {
+        Some(dir) => {
+            Some(ckpt::load_spec(dir).with_context(|| format!("--init {}", dir.display()))?)
+        }
+        None => None,
+    };
+    let spec = match (&init_spec, resume) {
+        (_, Some(ck)) => {
+            let saved = ckpt::load_spec(ck)?;
+            let asked = ModelSpec::resolve(&opts.model)?;
+            if !asked.same_dims(&saved) {
+                bail!(
+                    "--resume: the run in {} has model {} but the configuration asks for {}; model dimensions cannot change on resume",
+                    opts.out.display(),
+                    saved.describe(),
+                    asked.describe()
+                );
+            }
+            saved
+        }
+        (Some(s), None) => {
+            let asked = ModelSpec::resolve(&opts.model)?;
+            if !asked.same_dims(s) {
+                bail!(
+                    "--init checkpoint has model {} but --model is {}",
+                    s.describe(),
+                    asked.describe()
+                );
+            }
+            s.clone()
+        }
+        (None, None) => ModelSpec::resolve(&opts.model)?,
+    };
+    spec.check_seq(opts.seq)?;
+    Ok(spec)
+}
+
+/// Opens the prepared data and checks it suits the model and holds a sequence per split.
+fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
+    let data = DataSet::open(&opts.data)?;
+    if data.meta.vocab_size > spec.vocab_size {
+        bail!(
+            "--data {}: prepared for a vocabulary of {} tokens but the model has vocab_size {}",
+            opts.data.display(),
+            data.meta.vocab_size,
+            spec.vocab_size
+        );
+    }
+    check_fits(&data.train, "train", opts.seq)?;
+    check_fits(&data.val, "val", opts.seq)?;
+    Ok(data)
+}
+
+/// Creates the run directory and checks it is writable; refuses to overwrite an earlier run.
+fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
+    let out = run.root();
+    if out.is_file() {
+        bail!(
+            "--out {}: is a file; give a directory for the run",
+            out.display()
+        );
+    }
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("--out {}: cannot create the run directory", out.display()))?;
+    if !resuming && ckpt::latest_checkpoint(out)?.is_some() {
+        bail!(
+            "--out {}: already holds a run with checkpoints; continue it with --resume {} or choose a new --out",
+            out.display(),
+            out.display()
+        );
+    }
+    let probe = run.write_probe();
+    std::fs::write(&probe, b"ok")
+        .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
+/// The one line that announces the plan.
+fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) -> String {
+    format!(
+        "plan: {} | batch {} x grad-accum {} x seq {} | recompute {} | arena {} + outside the arena {} | predicted peak RSS {}",
+        spec.describe(),
+        opts.batch,
+        opts.strategies.grad_accum,
+        opts.seq,
+        plan.cfg.recompute,
+        fmt_bytes(plan.arena_bytes),
+        fmt_bytes(plan.external_bytes),
+        fmt_bytes(plan.total_bytes() + baseline)
+    )
+}
+
+/// Loads checkpoint `ck` (weights, moments, loss scale) and cuts `metrics.jsonl` back to its
+/// step; returns the step and the data position to continue from.
+fn restore(
+    ck: &Path,
+    dir: &RunDir,
+    ex: &mut Executor,
+    scaler: &mut Option<LossScaler>,
+    progress: &mut dyn Progress,
+) -> Result<(u64, u64)> {
+    let layout = ex.plan.layout.clone();
+    ex.with_params_mut(|p| ckpt::load_params(ck, &layout, p))?;
+    let st = ex.with_moments_mut(|m| ckpt::load_trainer_state(ck, &layout, m))?;
+    run_dir::metrics::truncate(&dir.metrics(), st.step)?;
+    progress.message(&format!(
+        "resuming from {} (step {})",
+        ck.display(),
+        st.step
+    ));
+    if let (Some(sc), Some(saved)) = (scaler.as_mut(), st.loss_scale) {
+        sc.state = saved;
+    }
+    Ok((st.step, st.data_position))
+}

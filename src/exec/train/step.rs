@@ -1,0 +1,285 @@
+//! One optimizer step of a run, and what falls due after it: the validation loss, the
+//! metrics line, a checkpoint, and (for the first `--profile-steps` steps) the profile.
+
+use super::profiling::{dir_bytes, span, write_profile};
+use super::{Progress, Run, TrainOptions};
+use crate::ckpt::{self, TrainerState};
+use crate::data::loader::{DataSet, fill_batch};
+use crate::exec::executor::{Executor, OptimHparams, StepStats};
+use crate::exec::lr::cosine_with_warmup;
+use crate::profile::record::micros;
+use crate::profile::{Span, StepProfile, Track};
+use crate::run_dir::{MEMORY_SVG_FILE, Metric, PROFILE_FILE, TRACE_FILE};
+use crate::util::rss;
+use anyhow::{Context, Result, bail};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Salt separating the validation batch stream from the training stream.
+const VAL_STREAM: u64 = 0x5641_4C5F_5354_524D;
+
+/// Whether something done every `every` steps (0: only at the end) is due at `step` of `last`.
+fn due(every: u64, step: u64, last: u64) -> bool {
+    (every > 0 && step.is_multiple_of(every)) || step == last
+}
+
+impl Run<'_> {
+    /// Runs step `self.step + 1`: batch, schedule, loss scale; then evaluation, metrics,
+    /// checkpoint and profile as due. Errors when the loss or the gradients stop being finite.
+    pub(super) fn next_step(&mut self, progress: &mut dyn Progress) -> Result<()> {
+        let opts = self.opts;
+        let t0 = Instant::now();
+        let profiling = self.profile.is_some() && self.step - self.first_step < opts.profile_steps;
+        let spans = self.load_batch(t0, profiling)?;
+        let lr = cosine_with_warmup(
+            self.step,
+            opts.steps,
+            opts.warmup,
+            opts.lr,
+            opts.min_lr_frac,
+        );
+        let hp = OptimHparams {
+            lr,
+            beta1: opts.beta1,
+            beta2: opts.beta2,
+            eps: 1e-8,
+            weight_decay: opts.weight_decay,
+            grad_clip: opts.grad_clip,
+            step: self.step + 1,
+        };
+        let scale = self.scaler.map(|s| s.state.scale);
+        self.ex.set_loss_scale(scale.unwrap_or(1.0));
+        let stats = self.ex.train_step(&hp);
+        let mut step_profile = profiling.then(|| self.end_recording(t0, spans));
+        if let Some(sc) = self.scaler.as_mut() {
+            sc.update(stats.skipped);
+        } else if stats.skipped {
+            bail!(
+                "the gradients became {} at step {}; try a lower --lr (now {}) or --grad-clip",
+                stats.grad_norm,
+                self.step + 1,
+                opts.lr
+            );
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        self.step += 1;
+        let step = self.step;
+        if !stats.loss.is_finite() {
+            bail!(
+                "loss became {} at step {step}; try a lower --lr (now {}) or --grad-clip; the last checkpoint is {}",
+                stats.loss,
+                opts.lr,
+                self.last_ckpt
+                    .as_ref()
+                    .map(|p: &PathBuf| p.display().to_string())
+                    .unwrap_or_else(|| "none".into())
+            );
+        }
+        if step > self.first_step + 1 {
+            self.timed_tokens += self.tokens_per_step;
+            self.timed_secs += secs;
+        }
+        self.final_loss = stats.loss;
+        let val_loss = if due(opts.eval_every, step, opts.steps) {
+            Some(self.evaluate(stats.loss, step_profile.as_mut(), progress)?)
+        } else {
+            None
+        };
+        self.log(&stats, lr, scale, secs, val_loss, progress)?;
+        if due(opts.save_every, step, opts.steps) {
+            self.save_checkpoint(step_profile.as_mut())?;
+        }
+        if let Some(sp) = step_profile {
+            self.add_profiled_step(sp, progress)?;
+        }
+        Ok(())
+    }
+
+    /// Draws the step's batch and stages it into the arena; when profiling, returns the two
+    /// I/O spans and lends the recorder to the executor.
+    fn load_batch(&mut self, t0: Instant, profiling: bool) -> Result<Vec<Span>> {
+        let mut spans = Vec::new();
+        self.loader.next_into(&mut self.batch);
+        let t_loaded = Instant::now();
+        self.ex.upload_batch(&self.batch)?;
+        if profiling {
+            spans.push(span(
+                self.epoch,
+                Track::Io,
+                "loader: next batch".into(),
+                (t0, t_loaded),
+                None,
+            ));
+            spans.push(span(
+                self.epoch,
+                Track::Io,
+                "stage batch into the arena".into(),
+                (t_loaded, Instant::now()),
+                Some(std::mem::size_of_val(self.batch.as_slice()) as u64),
+            ));
+            self.ex.record_ops(self.recorder.take());
+        }
+        Ok(spans)
+    }
+
+    /// Takes the recorder back after a profiled step; the step's ops and `spans`.
+    fn end_recording(&mut self, t0: Instant, spans: Vec<Span>) -> StepProfile {
+        self.recorder = self.ex.record_ops(None);
+        StepProfile {
+            step: self.step + 1,
+            start_us: micros(self.epoch, t0),
+            end_us: micros(self.epoch, Instant::now()),
+            ops: self
+                .recorder
+                .as_mut()
+                .map(|r| r.take(self.n_ops))
+                .unwrap_or_default(),
+            spans,
+        }
+    }
+
+    /// The validation loss after the step that trained to `train_loss`, announced.
+    fn evaluate(
+        &mut self,
+        train_loss: f32,
+        step_profile: Option<&mut StepProfile>,
+        progress: &mut dyn Progress,
+    ) -> Result<f32> {
+        let te = Instant::now();
+        let v = evaluate(&mut self.ex, &self.data, self.opts, &mut self.batch)?;
+        if let Some(sp) = step_profile {
+            sp.spans.push(span(
+                self.epoch,
+                Track::Compute,
+                format!("evaluate ({} validation batches)", self.opts.eval_batches),
+                (te, Instant::now()),
+                None,
+            ));
+        }
+        progress.message(&format!(
+            "step {}: train loss {train_loss:.4}, val loss {v:.4}",
+            self.step
+        ));
+        self.final_val = Some(v);
+        Ok(v)
+    }
+
+    /// Appends the step's line to `metrics.jsonl` (with the leak check's warning, if any) and
+    /// reports progress.
+    fn log(
+        &mut self,
+        stats: &StepStats,
+        lr: f32,
+        loss_scale: Option<f32>,
+        secs: f64,
+        val_loss: Option<f32>,
+        progress: &mut dyn Progress,
+    ) -> Result<()> {
+        let step = self.step;
+        let rss_now = rss::current_rss();
+        let m = Metric {
+            step,
+            loss: stats.loss,
+            lr,
+            grad_norm: stats.grad_norm,
+            loss_scale,
+            skipped: stats.skipped,
+            tokens_per_s: self.tokens_per_step / secs,
+            step_s: secs,
+            rss_bytes: rss_now,
+            process_step: Some(step - self.first_step),
+            val_loss,
+        };
+        if let Some(w) = rss_now.and_then(|r| self.leak.observe(step - self.first_step, r)) {
+            progress.message(&w.message());
+        }
+        self.metrics.push(&m)?;
+        progress.step(step, stats.loss, self.tokens_per_step / secs, rss_now);
+        Ok(())
+    }
+
+    /// Saves `checkpoints/step-NNNNNN/`: weights, moments and the trainer state.
+    fn save_checkpoint(&mut self, step_profile: Option<&mut StepProfile>) -> Result<()> {
+        let (opts, step) = (self.opts, self.step);
+        let ts = Instant::now();
+        let state = TrainerState {
+            step,
+            data_position: self.loader.position(),
+            seed: opts.seed,
+            // No op draws random numbers (no dropout) and batch k is a pure function of
+            // (seed, k), so the whole RNG state is the seed.
+            rng_state: opts.seed,
+            model: self.spec.to_hf_config(),
+            train: serde_json::to_value(opts)?,
+            memwall_version: env!("CARGO_PKG_VERSION").to_string(),
+            loss_scale: self.scaler.map(|s| s.state),
+        };
+        let (ex, spec) = (&self.ex, &self.spec);
+        let dir = ex
+            .with_params(|p| {
+                ex.with_moments(|m| {
+                    ckpt::save_checkpoint(&opts.out, spec, &ex.plan.layout, p, &m, &state)
+                })
+            })
+            .with_context(|| {
+                format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
+            })?;
+        if let Some(sp) = step_profile {
+            sp.spans.push(span(
+                self.epoch,
+                Track::Io,
+                format!("write checkpoint {}", dir.display()),
+                (ts, Instant::now()),
+                Some(dir_bytes(&dir)),
+            ));
+        }
+        self.last_ckpt = Some(dir);
+        Ok(())
+    }
+
+    /// Adds a profiled step; after the last one, writes the reports at once, so they exist
+    /// even if the run stops later (they are refreshed at the end with the whole curves).
+    fn add_profiled_step(&mut self, sp: StepProfile, progress: &mut dyn Progress) -> Result<()> {
+        let Some(p) = self.profile.as_mut() else {
+            return Ok(());
+        };
+        p.steps.push(sp);
+        if p.steps.len() as u64 == self.opts.profile_steps || self.step == self.opts.steps {
+            self.metrics.flush()?;
+            // A report that cannot be written (a full disk, say) must not end the run.
+            match write_profile(&self.dir, p) {
+                Ok(html) => progress.message(&format!(
+                    "profile: {} written ({TRACE_FILE}, {MEMORY_SVG_FILE}, {PROFILE_FILE})",
+                    html.display()
+                )),
+                Err(e) => progress.message(&format!(
+                    "warning: the profile could not be written ({e:#}); training goes on"
+                )),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Mean validation loss over `eval_batches` fixed batches of the validation split.
+fn evaluate(
+    ex: &mut Executor,
+    data: &DataSet,
+    opts: &TrainOptions,
+    batch: &mut [u32],
+) -> Result<f32> {
+    let mut sum = 0.0f64;
+    for k in 0..opts.eval_batches {
+        fill_batch(
+            &data.val,
+            opts.batch * opts.strategies.grad_accum,
+            opts.seq,
+            opts.seed ^ VAL_STREAM,
+            k,
+            batch,
+        );
+        ex.upload_batch(batch)?;
+        sum += ex.eval_loss() as f64;
+    }
+    Ok((sum / opts.eval_batches as f64) as f32)
+}

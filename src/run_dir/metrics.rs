@@ -1,0 +1,162 @@
+//! `metrics.jsonl`: one JSON object per optimizer step ([`Metric`]). Training appends a line per
+//! step ([`MetricsLog`]) and, on `--resume`, first cuts the file back to the checkpoint's step
+//! ([`truncate`]); a profiled benchmark writes it whole ([`write()`]); the reports read it back
+//! ([`read`]).
+
+use crate::util::atomic;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Metric {
+    pub step: u64,
+    pub loss: f32,
+    pub lr: f32,
+    pub grad_norm: f32,
+    /// fp16 runs: the loss scale used by this step, and whether its update was skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
+    pub tokens_per_s: f64,
+    pub step_s: f64,
+    pub rss_bytes: Option<u64>,
+    /// Steps done by the process that wrote this line (1-based; restarts on `--resume`): the
+    /// leak check's clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f32>,
+}
+
+/// `metrics.jsonl` open for appending, a line per step.
+pub struct MetricsLog {
+    file: File,
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    /// Opens `path` for appending, creating it if absent.
+    pub fn append_to(path: &Path) -> Result<MetricsLog> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        Ok(MetricsLog {
+            file,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Appends `m` as one line.
+    pub fn push(&mut self, m: &Metric) -> Result<()> {
+        let line = serde_json::to_string(m)?;
+        writeln!(self.file, "{line}")
+            .with_context(|| format!("cannot append to {}", self.path.display()))
+    }
+
+    pub fn flush(&mut self) -> Result<()> {
+        Ok(self.file.flush()?)
+    }
+}
+
+/// Writes `metrics` as the whole of `path`, atomically.
+pub fn write(path: &Path, metrics: &[Metric]) -> Result<()> {
+    let mut lines = String::new();
+    for m in metrics {
+        lines.push_str(&serde_json::to_string(m)?);
+        lines.push('\n');
+    }
+    atomic::write_file(path, lines.as_bytes())
+}
+
+/// Reads `metrics.jsonl` (empty when the file does not exist); the error names the file and
+/// line.
+pub fn read(path: &Path) -> Result<Vec<Metric>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .with_context(|| format!("{} line {}: not a metrics record", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// Keeps only the lines of steps up to `step` (the checkpoint being resumed), atomically;
+/// lines that are not metrics records go too. Nothing to do when the file does not exist.
+pub fn truncate(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<Metric>(l)
+                .map(|m| m.step <= step)
+                .unwrap_or(false)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    atomic::write_file(path, kept.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metric(step: u64) -> Metric {
+        Metric {
+            step,
+            loss: 10.5,
+            lr: 6e-4,
+            grad_norm: 1.25,
+            loss_scale: None,
+            skipped: false,
+            tokens_per_s: 1000.0,
+            step_s: 0.5,
+            rss_bytes: Some(1 << 20),
+            process_step: Some(step),
+            val_loss: (step == 2).then_some(10.75),
+        }
+    }
+
+    #[test]
+    fn appended_written_truncated_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(super::super::METRICS_FILE);
+        let mut log = MetricsLog::append_to(&path).unwrap();
+        for s in 1..=3 {
+            log.push(&metric(s)).unwrap();
+        }
+        log.flush().unwrap();
+        let appended = std::fs::read_to_string(&path).unwrap();
+        // The optional fields are left out when empty; one object per line.
+        assert_eq!(appended.lines().count(), 3);
+        assert!(!appended.lines().next().unwrap().contains("val_loss"));
+        assert!(!appended.contains("skipped") && !appended.contains("loss_scale"));
+        let copy = dir.path().join("copy.jsonl");
+        write(&copy, &read(&path).unwrap()).unwrap();
+        assert_eq!(std::fs::read_to_string(&copy).unwrap(), appended);
+
+        truncate(&path, 2).unwrap();
+        let kept = read(&path).unwrap();
+        assert_eq!(kept.iter().map(|m| m.step).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(kept[1].val_loss, Some(10.75));
+        assert!(read(&dir.path().join("absent.jsonl")).unwrap().is_empty());
+
+        std::fs::write(&path, "{\"step\": 1}\n").unwrap();
+        let e = format!("{:#}", read(&path).unwrap_err());
+        assert!(e.contains("line 1: not a metrics record"), "{e}");
+    }
+}

@@ -1,0 +1,149 @@
+//! The run directory: what a training run (`memwall train --out DIR`) or a profiled benchmark
+//! (`memwall bench --profile DIR`) leaves on disk, under which names, in which formats.
+//!
+//! | path                        | written by                    | content                                        |
+//! |-----------------------------|-------------------------------|------------------------------------------------|
+//! | `plan.json`                 | `train`, `bench --profile`    | [`PlanJson`]: every byte of a step, planned     |
+//! | `metrics.jsonl`             | `train`, `bench --profile`    | one [`Metric`] per optimizer step              |
+//! | `profile.json`              | profiled runs                 | `profile::Profile`: op spans and RSS            |
+//! | `trace.json`                | reports (`profile::report`)   | Chrome trace events                            |
+//! | `memory.svg`                | reports                       | the plan's memory timeline                     |
+//! | `report.html`               | reports                       | the self-contained report page                 |
+//! | `checkpoints/step-NNNNNN/`  | `train`                       | a checkpoint (`ckpt`); its `trainer_state.json` holds the run's options, which `--resume` reads back |
+//!
+//! [`RunDir`] names these paths; the submodules own the formats this module defines:
+//! [`plan_json`] (written by the trainer, the benchmark and `memwall plan --json`, read back by
+//! the reports) and [`metrics`]. Every file is written atomically (`util::atomic`), except
+//! `metrics.jsonl` while training, which grows a line per step (and is cut back atomically to
+//! the resumed checkpoint's step).
+
+pub mod metrics;
+pub mod plan_json;
+
+pub use metrics::{Metric, MetricsLog};
+pub use plan_json::{BufferInfo, OpInfo, PlanJson};
+
+use std::path::{Path, PathBuf};
+
+/// The plan of one step ([`PlanJson`]).
+pub const PLAN_FILE: &str = "plan.json";
+/// One [`Metric`] per line.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// What the profiler recorded (`profile::Profile`).
+pub const PROFILE_FILE: &str = "profile.json";
+/// Chrome trace events of the profiled steps.
+pub const TRACE_FILE: &str = "trace.json";
+/// The plan's memory timeline chart.
+pub const MEMORY_SVG_FILE: &str = "memory.svg";
+/// The report page.
+pub const REPORT_HTML_FILE: &str = "report.html";
+/// Subdirectory holding the run's checkpoints, one `step-NNNNNN` directory each.
+pub const CHECKPOINTS_DIR: &str = "checkpoints";
+/// Written and removed again to check that the directory is writable before a run starts.
+pub const WRITE_PROBE_FILE: &str = ".memwall-write-test";
+
+/// The name of the checkpoint directory of step `step`: `step-NNNNNN` (at least six digits).
+pub fn checkpoint_name(step: u64) -> String {
+    format!("step-{step:06}")
+}
+
+/// The step of a checkpoint directory name `step-NNNNNN` (digits only), or `None` for
+/// anything else (temporary `*.tmp-*` directories included).
+pub fn checkpoint_step(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// A run directory: where each of its files lives (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunDir {
+    root: PathBuf,
+}
+
+impl RunDir {
+    pub fn new(root: &Path) -> RunDir {
+        RunDir {
+            root: root.to_path_buf(),
+        }
+    }
+
+    /// The directory itself.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// `plan.json`.
+    pub fn plan(&self) -> PathBuf {
+        self.root.join(PLAN_FILE)
+    }
+
+    /// `metrics.jsonl`.
+    pub fn metrics(&self) -> PathBuf {
+        self.root.join(METRICS_FILE)
+    }
+
+    /// `profile.json`.
+    pub fn profile(&self) -> PathBuf {
+        self.root.join(PROFILE_FILE)
+    }
+
+    /// `trace.json`.
+    pub fn trace(&self) -> PathBuf {
+        self.root.join(TRACE_FILE)
+    }
+
+    /// `memory.svg`.
+    pub fn memory_svg(&self) -> PathBuf {
+        self.root.join(MEMORY_SVG_FILE)
+    }
+
+    /// `report.html`.
+    pub fn report_html(&self) -> PathBuf {
+        self.root.join(REPORT_HTML_FILE)
+    }
+
+    /// The probe file that checks the directory is writable.
+    pub fn write_probe(&self) -> PathBuf {
+        self.root.join(WRITE_PROBE_FILE)
+    }
+
+    /// `checkpoints/`.
+    pub fn checkpoints(&self) -> PathBuf {
+        self.root.join(CHECKPOINTS_DIR)
+    }
+
+    /// `checkpoints/step-NNNNNN/`: where the checkpoint of step `step` goes.
+    pub fn checkpoint(&self, step: u64) -> PathBuf {
+        self.checkpoints().join(checkpoint_name(step))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_names_round_trip_and_others_are_not_checkpoints() {
+        let run = RunDir::new(Path::new("run"));
+        assert_eq!(
+            run.checkpoint(100),
+            Path::new("run/checkpoints/step-000100")
+        );
+        assert_eq!(checkpoint_name(1_000_000), "step-1000000");
+        for step in [0, 7, 100, 999_999, 1_000_000] {
+            assert_eq!(checkpoint_step(&checkpoint_name(step)), Some(step));
+        }
+        for name in [
+            "step-",
+            "step-12a",
+            "step-000100.tmp-1-0",
+            "steps-1",
+            "model",
+        ] {
+            assert_eq!(checkpoint_step(name), None, "{name}");
+        }
+    }
+}
