@@ -370,14 +370,7 @@ impl Executor {
 
 /// Whether the CPU converts f16 in hardware (F16C).
 fn f16_conversions_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        cfg!(target_arch = "aarch64")
-    }
+    crate::backend::cpu::features::f16_conversions_available()
 }
 
 /// What the optimizer phase reports.

@@ -17,7 +17,8 @@
 //! from bf16 gradients equals the f32 update from the widened gradients.
 
 use super::elem::Elem;
-use super::reduce::{ELEM_CHUNK, multiversion};
+use super::features::multiversion;
+use super::reduce::ELEM_CHUNK;
 use rayon::prelude::*;
 
 /// Hyper-parameters of one AdamW step.

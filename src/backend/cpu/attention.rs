@@ -41,7 +41,7 @@
 //!
 //! The kernels allocate nothing themselves (the `gemm` crate may use internal packing buffers).
 //! The element-wise passes (softmax with the polynomial `exp2_nonpos`, dS) are written so that
-//! LLVM vectorises them and are compiled per instruction set with `reduce::multiversion!`
+//! LLVM vectorises them and are compiled per instruction set with `features::multiversion!`
 //! (same arithmetic, no FMA, so bitwise the same results on every ISA). Full 64-query blocks
 //! use fixed-size rows so those loops unroll completely.
 //!
@@ -54,7 +54,7 @@
 //! [min(64,T), hs] block per worker ([`attention_workspace_len`]).
 
 use super::elem::{Elem, is_f32};
-use super::reduce::multiversion;
+use super::features::multiversion;
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
 
@@ -1231,7 +1231,7 @@ mod tests {
     /// The element-wise passes give bit-identical results on every instruction set.
     #[test]
     fn isa_invariant() {
-        use super::super::reduce::{Isa, set_isa};
+        use super::super::features::{Isa, set_isa};
         let run = || {
             (
                 run_bits::<f32>(2, 70, 12, 2, 9),

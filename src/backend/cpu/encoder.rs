@@ -13,7 +13,8 @@
 //! result on the widened inputs, rounded to `T`.
 
 use super::elem::{Elem, is_f32};
-use super::reduce::{multiversion, rows_per_task};
+use super::features::multiversion;
+use super::reduce::rows_per_task;
 use rayon::prelude::*;
 
 /// Vocabulary rows per task in `encoder_backward` for f32 (each task scans all B·T tokens once).

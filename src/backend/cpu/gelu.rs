@@ -10,7 +10,8 @@
 //! kernel's result on the widened input, rounded to `T`.
 
 use super::elem::Elem;
-use super::reduce::{ELEM_CHUNK, exp_f32, multiversion};
+use super::features::multiversion;
+use super::reduce::{ELEM_CHUNK, exp_f32};
 use rayon::prelude::*;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;

@@ -32,6 +32,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use super::features::features;
 use super::matmul::checked_work;
 use half::bf16;
 
@@ -58,20 +59,11 @@ pub enum Dot {
 impl Dot {
     /// Whether this CPU can run the variant.
     pub fn available(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let f = std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("avx512vl");
-            match self {
-                Dot::Hardware => f && std::arch::is_x86_feature_detected!("avx512bf16"),
-                Dot::Emulated => f,
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
+        let f = features();
+        let avx512 = f.avx2 && f.avx512f && f.avx512bw && f.avx512vl;
+        match self {
+            Dot::Hardware => avx512 && f.avx512bf16,
+            Dot::Emulated => avx512,
         }
     }
 }

@@ -9,7 +9,7 @@
 //!   as autocast casts weights per op, so no bf16 copy of the weights is stored. Results
 //!   differ from the widening path in the last bits (another summation order, weights
 //!   rounded, denormals flushed), so the choice is per machine, like the ISA variants of
-//!   `reduce::multiversion!`; `MEMWALL_BF16_DOT=off` forces widening.
+//!   `features::multiversion!`; `MEMWALL_BF16_DOT=off` forces widening.
 //! - **widening** (every other case: f16, CPUs without AVX512_BF16, as the Skylake Xeon this
 //!   was first measured on): bf16/f16 operands are widened to f32 and the f32 GEMM runs.
 //!
@@ -41,27 +41,17 @@
 //! and thread count).
 
 use super::elem::Elem;
+use super::features::multiversion;
+use super::features::{Bf16DotRequest, bf16_dot_request};
 use super::gemm_bf16::{Dot, Operand, gemm_bf16, pack_fits};
 use super::matmul::{check_windows, sgemm, span};
-use super::reduce::{multiversion, rows_per_task};
+use super::reduce::rows_per_task;
 use half::bf16;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use std::any::TypeId;
 use std::sync::OnceLock;
-
-/// Whether this CPU has the AVX512_BF16 dot product (`vdpbf16ps`).
-pub fn cpu_has_bf16_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
 
 /// Largest m, n and k extent of one tile of [`gemm_mixed`].
 pub const MIXED_BLOCK: usize = 1024;
@@ -117,10 +107,10 @@ pub fn bf16_dot() -> Option<Dot> {
         return forced;
     }
     static CHOICE: OnceLock<Option<Dot>> = OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var("MEMWALL_BF16_DOT").as_deref() {
-        Ok("off" | "0") => None,
-        Ok("emulated") => Some(Dot::Emulated).filter(|d| d.available()),
-        _ => Some(Dot::Hardware).filter(|d| d.available()),
+    *CHOICE.get_or_init(|| match bf16_dot_request() {
+        Bf16DotRequest::Off => None,
+        Bf16DotRequest::Emulated => Some(Dot::Emulated).filter(|d| d.available()),
+        Bf16DotRequest::Hardware => Some(Dot::Hardware).filter(|d| d.available()),
     })
 }
 

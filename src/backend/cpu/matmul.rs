@@ -17,8 +17,9 @@
 //! workspace; the bias gradient is summed in f32 and added to `dbias` once per element.
 
 use super::elem::Elem;
+use super::features::multiversion;
 use super::gemm_mixed::{MIXED_BLOCK, as_f32, as_f32_mut, gemm_mixed, gemm_mixed_blocked};
-use super::reduce::{COL_CHUNK, multiversion, rows_per_task};
+use super::reduce::{COL_CHUNK, rows_per_task};
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
 

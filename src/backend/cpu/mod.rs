@@ -19,6 +19,7 @@ pub mod adamw;
 pub mod attention;
 pub mod elem;
 pub mod encoder;
+pub mod features;
 pub mod gelu;
 pub mod gemm_bf16;
 pub mod gemm_mixed;

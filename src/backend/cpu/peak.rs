@@ -11,6 +11,8 @@
 //! accumulators so the work cannot be optimised away; the tests check that sum against a
 //! scalar twin, which proves the loop performs the multiply-adds it is credited with.
 
+use super::features::features;
+
 /// Independent accumulator vectors per thread.
 pub const CHAINS: usize = 16;
 
@@ -40,16 +42,12 @@ enum Isa {
 
 impl Isa {
     fn detect() -> Option<Isa> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Some(Isa::Avx512);
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Some(Isa::Avx2);
-            }
+        let f = features();
+        if f.avx512f {
+            return Some(Isa::Avx512);
+        }
+        if f.avx2 && f.fma {
+            return Some(Isa::Avx2);
         }
         None
     }

@@ -67,12 +67,12 @@
 //! run.
 //!
 //! Determinism: blocks are independent and each is processed whole by one task, so results are
-//! identical for any thread count. The loops are `reduce::multiversion!`
+//! identical for any thread count. The loops are `features::multiversion!`
 //! compiled and use no FMA, so results are also identical on every instruction set.
 
 use super::adamw::{self, AdamWParams};
 use super::elem::Elem;
-use super::reduce::multiversion;
+use super::features::multiversion;
 use half::bf16;
 use rayon::prelude::*;
 #[cfg(test)]
@@ -524,8 +524,8 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::features::{Isa, set_isa};
     use super::super::reduce::testutil::*;
-    use super::super::reduce::{Isa, set_isa};
     use super::*;
     use crate::util::rng::Rng;
 

@@ -12,14 +12,14 @@
 //! `sum_squares` sums fixed `ELEM_CHUNK`-sized chunks and combines them along a binary tree
 //! whose shape depends only on the length, so its result is identical for any thread count.
 //!
-//! Vector width: the crate is built for baseline x86-64 (SSE2), so the hot loops of all CPU
-//! kernels are wrapped in `multiversion!`, which compiles them again for
-//! AVX2+FMA and AVX-512 and picks one at run time ([`isa`]). The arithmetic is written
-//! without `mul_add`, so every variant gives bit-identical results (a test checks this).
+//! Vector width: the hot loops here, as in every CPU kernel, are wrapped in `multiversion!`
+//! (see [`super::features`]), which compiles them for AVX2+FMA and AVX-512 too and picks one
+//! at run time; every variant gives bit-identical results (a test here checks this for all
+//! the kernels).
 
 use super::elem::Elem;
+use super::features::multiversion;
 use rayon::prelude::*;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Elements per parallel task of the elementwise kernels (128 KiB of f32). A constant, not a
 /// function of the thread count, so partitioning never depends on the pool size.
@@ -35,108 +35,6 @@ pub fn rows_per_task(row_len: usize) -> usize {
 /// Column-slice width for kernels that reduce over rows (bias and norm-weight gradients):
 /// each task owns `COL_CHUNK` columns and walks all rows in order.
 pub const COL_CHUNK: usize = 64;
-
-/// Vector instruction set the elementwise loops are compiled for (see `multiversion!`).
-/// Every variant performs the same arithmetic in the same order (no FMA contraction), so
-/// results are bit-identical whichever one runs; only the speed differs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Isa {
-    /// The build's baseline target (SSE2 on x86-64).
-    Baseline = 1,
-    /// AVX2 + FMA.
-    Avx2 = 2,
-    /// AVX-512F (+ AVX2, FMA).
-    Avx512 = 3,
-}
-
-static ISA: AtomicU8 = AtomicU8::new(0);
-
-/// The best instruction set this CPU supports.
-pub fn detected_isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        if avx2 && is_x86_feature_detected!("avx512f") {
-            return Isa::Avx512;
-        }
-        if avx2 {
-            return Isa::Avx2;
-        }
-    }
-    Isa::Baseline
-}
-
-/// The instruction set in use: the detected one, capped by `MEMWALL_CPU_ISA`
-/// (`baseline`, `avx2` or `avx512`) when that is set, or by [`set_isa`].
-#[inline]
-pub fn isa() -> Isa {
-    match ISA.load(Ordering::Relaxed) {
-        1 => Isa::Baseline,
-        2 => Isa::Avx2,
-        3 => Isa::Avx512,
-        _ => {
-            let cap = match std::env::var("MEMWALL_CPU_ISA").as_deref() {
-                Ok("baseline") => Isa::Baseline,
-                Ok("avx2") => Isa::Avx2,
-                _ => Isa::Avx512,
-            };
-            set_isa(cap)
-        }
-    }
-}
-
-/// Caps the instruction set at `want` (never above what the CPU supports); returns the one
-/// now in use. For benchmarks and tests; the results do not depend on it.
-pub fn set_isa(want: Isa) -> Isa {
-    let got = want.min(detected_isa());
-    ISA.store(got as u8, Ordering::Relaxed);
-    got
-}
-
-/// Defines a function whose body is compiled three times (baseline, AVX2+FMA, AVX-512) and
-/// dispatched on [`isa()`] at each call, so auto-vectorised loops use the widest vectors the
-/// CPU has although the crate is built for baseline x86-64. Call it on whole chunks (the
-/// dispatch is one relaxed atomic load), never per element. The function may have type
-/// parameters with one bound each (`fn f<T: Elem>(x: &[T])`); each instantiation is
-/// multiversioned.
-macro_rules! multiversion {
-    ($(#[$m:meta])* $vis:vis fn $name:ident $(<$($g:ident : $b:path),+ $(,)?>)?
-        ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
-        $(#[$m])*
-        #[allow(clippy::too_many_arguments)]
-        $vis fn $name $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
-            #[inline(always)]
-            #[allow(clippy::too_many_arguments)]
-            fn inner $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v512 $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
-                    inner $(::<$($g),+>)? ($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v256 $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
-                    inner $(::<$($g),+>)? ($($arg),*)
-                }
-                match $crate::backend::cpu::reduce::isa() {
-                    // SAFETY: isa() never reports an instruction set the CPU lacks.
-                    $crate::backend::cpu::reduce::Isa::Avx512 => {
-                        return unsafe { v512 $(::<$($g),+>)? ($($arg),*) }
-                    }
-                    // SAFETY: as above.
-                    $crate::backend::cpu::reduce::Isa::Avx2 => {
-                        return unsafe { v256 $(::<$($g),+>)? ($($arg),*) }
-                    }
-                    $crate::backend::cpu::reduce::Isa::Baseline => {}
-                }
-            }
-            inner $(::<$($g),+>)? ($($arg),*)
-        }
-    };
-}
-pub(crate) use multiversion;
 
 /// Branch-free `e^x` for f32 (Cephes polynomial, ~2 ulp) that inlines and auto-vectorises,
 /// unlike `f32::exp`, which is a libm call. Below -87.3 it returns exactly 0 (never a
@@ -439,6 +337,7 @@ pub(crate) mod testutil {
 
 #[cfg(test)]
 mod tests {
+    use super::super::features::{Isa, detected_isa, isa, set_isa};
     use super::testutil::*;
     use super::*;
 
