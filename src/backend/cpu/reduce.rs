@@ -1,16 +1,15 @@
-//! Whole-buffer reductions and elementwise passes (gradient-norm sum of squares, gradient
-//! scaling, residual add, finiteness check), plus the small vectorisable building blocks the other CPU kernels share: a
-//! branch-free `exp_f32`, lane-split sums and maxima, and the fixed task sizes that make every
-//! kernel's work partitioning independent of the thread count.
+//! Whole-buffer reductions (the gradient-norm sum of squares), plus the small vectorisable
+//! building blocks the other CPU kernels share: a branch-free `exp_f32`, lane-split sums and
+//! maxima, and the fixed task sizes that make every kernel's work partitioning independent of
+//! the thread count.
 //!
-//! `sum_squares`, `all_finite` and the lane sums `sum_f32`,
-//! `sum_sq_dev_f32` are generic over the storage type ([`Elem`]); elements are widened
-//! exactly to f32, so the f32 instantiation is the f32 kernel and the others see the stored
-//! values exactly.
+//! `sum_squares` and the lane sums `sum_f32`, `sum_sq_dev_f32` are generic over the storage
+//! type ([`Elem`]); elements are widened exactly to f32, so the f32 instantiation is the f32
+//! kernel and the others see the stored values exactly.
 //!
-//! Determinism: elementwise passes give each element the same arithmetic whatever the split;
-//! `sum_squares` sums fixed `ELEM_CHUNK`-sized chunks and combines them along a binary tree
-//! whose shape depends only on the length, so its result is identical for any thread count.
+//! Determinism: `sum_squares` sums fixed `ELEM_CHUNK`-sized chunks and combines them along a
+//! binary tree whose shape depends only on the length, so its result is identical for any
+//! thread count.
 //!
 //! Vector width: the hot loops here, as in every CPU kernel, are wrapped in `multiversion!`
 //! (see [`super::features`]), which compiles them for AVX2+FMA and AVX-512 too and picks one
@@ -19,7 +18,6 @@
 
 use super::elem::Elem;
 use super::features::multiversion;
-use rayon::prelude::*;
 
 /// Elements per parallel task of the elementwise kernels (128 KiB of f32). A constant, not a
 /// function of the thread count, so partitioning never depends on the pool size.
@@ -169,51 +167,6 @@ pub fn sum_squares<T: Elem>(x: &[T] /* [len] */) -> f64 {
     sa + sb
 }
 
-/// x *= s, parallel.
-pub fn scale_inplace(
-    x: &mut [f32], // [len]
-    s: f32,
-) {
-    x.par_chunks_mut(ELEM_CHUNK).for_each(|ch| {
-        for v in ch {
-            *v *= s;
-        }
-    });
-}
-
-/// out = a + b elementwise, parallel (residual add).
-pub fn add(
-    out: &mut [f32], // [len]
-    a: &[f32],       // [len]
-    b: &[f32],       // [len]
-) {
-    assert_eq!(out.len(), a.len(), "add: out/a length");
-    assert_eq!(out.len(), b.len(), "add: out/b length");
-    out.par_chunks_mut(ELEM_CHUNK)
-        .zip(a.par_chunks(ELEM_CHUNK))
-        .zip(b.par_chunks(ELEM_CHUNK))
-        .for_each(|((o, a), b)| {
-            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                *o = a + b;
-            }
-        });
-}
-
-multiversion! {
-    /// true when every element of one chunk is finite (no early exit: vectorises).
-    fn chunk_finite<T: Elem>(
-        x: &[T], // [len]
-    ) -> bool {
-        x.iter().fold(true, |ok, v| ok & v.to_f32().is_finite())
-    }
-}
-
-/// true when every element is finite (of any storage type: an element is finite iff its
-/// exact f32 widening is).
-pub fn all_finite<T: Elem>(x: &[T] /* [len] */) -> bool {
-    x.par_chunks(ELEM_CHUNK).all(chunk_finite)
-}
-
 /// Reference twins: plain loops, f64 accumulation.
 pub mod naive {
     use super::Elem;
@@ -222,29 +175,6 @@ pub mod naive {
         x.iter()
             .map(|&v| (v.to_f32() as f64) * (v.to_f32() as f64))
             .sum()
-    }
-
-    pub fn scale_inplace(
-        x: &mut [f32], // [len]
-        s: f32,
-    ) {
-        for v in x {
-            *v *= s;
-        }
-    }
-
-    pub fn add(
-        out: &mut [f32], // [len]
-        a: &[f32],       // [len]
-        b: &[f32],       // [len]
-    ) {
-        for i in 0..out.len() {
-            out[i] = a[i] + b[i];
-        }
-    }
-
-    pub fn all_finite<T: Elem>(x: &[T] /* [len] */) -> bool {
-        x.iter().all(|v| v.to_f32().is_finite())
     }
 }
 
@@ -460,7 +390,7 @@ mod tests {
                 c,
                 &mut [],
             );
-            let ss = vec![sum_squares(&x) as f32, all_finite(&x) as u8 as f32];
+            let ss = vec![sum_squares(&x) as f32];
             // bf16 instantiations of the generic kernels.
             let xb: Vec<half::bf16> = narrow_vec(&x);
             let (wb, bb): (Vec<half::bf16>, Vec<half::bf16>) = (narrow_vec(&w), narrow_vec(&b));
@@ -475,7 +405,7 @@ mod tests {
             layernorm::layernorm_backward(dib_, dwb_, dbb_, &db16, &xb, &wb, &mub, &rsb, n, c);
             let (mut pb, mut mb, mut vb) = (x.clone(), vec![0.0; n * c], vec![0.0; n * c]);
             adamw::adamw_update(&mut pb, &db16, &mut mb, &mut vb, &hp);
-            let ssb = vec![sum_squares(&db16) as f32, all_finite(&db16) as u8 as f32];
+            let ssb = vec![sum_squares(&db16) as f32];
             let w16 = |v: &[half::bf16]| widen_vec(v);
             [
                 o,
@@ -526,10 +456,10 @@ mod tests {
         assert!(isa() <= detected_isa());
     }
 
-    /// Narrow storage: `sum_squares` and `all_finite` see exactly the widened values
-    /// (bitwise the f32 result), for any thread count.
+    /// Narrow storage: `sum_squares` sees exactly the widened values (bitwise the f32
+    /// result), for any thread count.
     #[test]
-    fn sum_squares_and_all_finite_of_narrow_types() {
+    fn sum_squares_of_narrow_types() {
         fn check<T: Elem>() {
             for n in [0usize, 5, ELEM_CHUNK + 1, 3 * ELEM_CHUNK + 5] {
                 let x: Vec<T> = narrow_vec(&randn(n, 100.0, 7 + n as u64));
@@ -539,45 +469,14 @@ mod tests {
                 assert_eq!(got1.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
                 assert_eq!(got3.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
                 assert!((got1 - naive::sum_squares(&x)).abs() <= 1e-12 * want.max(1.0));
-                assert!(all_finite(&x) && naive::all_finite(&x));
             }
             let mut x: Vec<T> = narrow_vec(&randn(100_000, 1.0, 3));
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 x[77_777] = T::from_f32(bad);
-                assert!(
-                    !all_finite(&x) && !naive::all_finite(&x),
-                    "{} {bad}",
-                    T::NAME
-                );
-                assert!(!sum_squares(&x).is_finite());
+                assert!(!sum_squares(&x).is_finite(), "{} {bad}", T::NAME);
             }
         }
         check::<half::bf16>();
         check::<half::f16>();
-    }
-
-    #[test]
-    fn elementwise_match_naive() {
-        for n in [0usize, 1, 13, ELEM_CHUNK + 3, 100_000] {
-            let a = randn(n, 1.0, 1);
-            let b = randn(n, 1.0, 2);
-            let (mut o1, mut o2) = (vec![0.0; n], vec![0.0; n]);
-            add(&mut o1, &a, &b);
-            naive::add(&mut o2, &a, &b);
-            assert_eq!(o1, o2);
-            scale_inplace(&mut o1, 0.37);
-            naive::scale_inplace(&mut o2, 0.37);
-            assert_eq!(o1, o2);
-            assert!(all_finite(&o1));
-        }
-        let mut x = randn(100_000, 1.0, 3);
-        assert!(all_finite(&x));
-        x[77_777] = f32::NAN;
-        assert!(!all_finite(&x) && !naive::all_finite(&x));
-        x[77_777] = f32::NEG_INFINITY;
-        assert!(!all_finite(&x));
-        x[77_777] = 0.0;
-        x[0] = f32::INFINITY;
-        assert!(!all_finite(&x));
     }
 }
