@@ -199,7 +199,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             "profile": opts.profile.is_some(),
             "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
             "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": opts.strategies.precision.to_string(),
-            "mixed_compute": crate::backend::cpu::gemm_mixed::compute_path(opts.strategies.precision == Precision::Bf16),
+            "mixed_compute": crate::backend::cpu::gemm::mixed::compute_path(opts.strategies.precision == Precision::Bf16),
             "cpu_has_avx512_bf16": crate::backend::cpu::features::cpu_has_bf16_dot(),
             "recompute": recompute.to_string(), "grad_accum": opts.strategies.grad_accum,
             "optim_state": opts.strategies.optim_state.to_string(),

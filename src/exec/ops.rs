@@ -6,8 +6,9 @@
 
 use super::executor::{Executor, two_ranges};
 use crate::backend::cpu::elem::Elem;
+use crate::backend::cpu::gemm::mixed as gemm_mixed;
 use crate::backend::cpu::{
-    adamw, attention, encoder, gelu, gemm_mixed, layernorm, matmul, quant, reduce, xent,
+    adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent,
 };
 use crate::ckpt::MomentsMut;
 use crate::plan::schedule::Op;

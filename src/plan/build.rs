@@ -10,7 +10,7 @@ use super::schedule::{Op, OpEntry, Phase, Schedule};
 use super::strategy::{OptimState, Precision, Recompute};
 use super::{BufId, Buffer, Category, DType, Plan};
 use crate::backend::cpu::attention::attention_workspace_len;
-use crate::backend::cpu::gemm_mixed::gemm_mixed_workspace_len;
+use crate::backend::cpu::gemm::mixed::gemm_mixed_workspace_len;
 use crate::backend::cpu::quant::QBLOCK;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
@@ -567,9 +567,9 @@ fn finish(
 }
 
 /// The largest packing panel the GEMMs of `op` make `gemm` allocate
-/// (`backend::cpu::matmul::packing_bytes` of each call's rows and depth).
+/// (`backend::cpu::gemm::f32::packing_bytes` of each call's rows and depth).
 fn gemm_panel_bytes(op: &Op, spec: &ModelSpec, cfg: &StepConfig) -> u64 {
-    use crate::backend::cpu::matmul::packing_bytes;
+    use crate::backend::cpu::gemm::f32::packing_bytes;
     let (n, c, v) = (cfg.batch * cfg.seq, spec.n_embd, spec.vocab_size);
     match op {
         Op::Matmul { ic, .. } => packing_bytes(n, *ic),

@@ -109,7 +109,7 @@ pub fn table(plan: &Plan, baseline: u64) -> String {
             s,
             "  {} compute                {} (this CPU {} AVX512_BF16)",
             cfg.precision,
-            crate::backend::cpu::gemm_mixed::compute_path(cfg.precision == super::Precision::Bf16),
+            crate::backend::cpu::gemm::mixed::compute_path(cfg.precision == super::Precision::Bf16),
             if crate::backend::cpu::features::cpu_has_bf16_dot() {
                 "has"
             } else {

@@ -9,7 +9,7 @@
 //!   `multiversion!` macro that dispatches on it.
 //! - [`bf16_dot_request`]: what `MEMWALL_BF16_DOT` asks of the bf16 dot-product GEMM (`off`
 //!   or `0`: the widening path; `emulated`: the instruction emulated; otherwise the hardware
-//!   instruction where the CPU has it); [`crate::backend::cpu::gemm_mixed::bf16_dot`]
+//!   instruction where the CPU has it); [`crate::backend::cpu::gemm::mixed::bf16_dot`]
 //!   turns it into the kernel variant, once per process.
 //!
 //! Vector width: the crate is built for baseline x86-64 (SSE2), so the hot loops of all CPU
@@ -133,7 +133,7 @@ pub fn set_isa(want: Isa) -> Isa {
 }
 
 /// What `MEMWALL_BF16_DOT` asks of bf16 products (read on each call; the GEMM reads it once,
-/// see [`crate::backend::cpu::gemm_mixed::bf16_dot`]).
+/// see [`crate::backend::cpu::gemm::mixed::bf16_dot`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16DotRequest {
     /// `off` or `0`: the widening path, to compare the two on one machine.

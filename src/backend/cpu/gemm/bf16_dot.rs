@@ -1,6 +1,6 @@
 //! bf16 × bf16 → f32 GEMM on the AVX512_BF16 dot product (`vdpbf16ps`), for CPUs that have
 //! it (Cooper Lake, Sapphire Rapids and later, Zen 4 and later); selected at run time by
-//! [`super::gemm_mixed`], which otherwise widens bf16 tiles to f32 and runs the f32 GEMM.
+//! [`super::mixed`], which otherwise widens bf16 tiles to f32 and runs the f32 GEMM.
 //!
 //! `c[m, n] (f32) = (accumulate ? c : 0) + op(a)[m, k] · op(b)[k, n]`, a and b bf16 at any
 //! strides (transposes are strides). One `vdpbf16ps` does, in each of 16 f32 lanes j,
@@ -32,8 +32,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::features::features;
-use super::matmul::checked_work;
+use super::f32::checked_work;
+use crate::backend::cpu::elem::bf16_bits;
+use crate::backend::cpu::features::features;
 use half::bf16;
 
 /// Rows of a micro-tile (broadcast A pairs).
@@ -128,13 +129,6 @@ impl<'a> Operand<'a> {
     }
 }
 
-/// The bits of `x` rounded to bf16 (as `half::bf16::from_f32`: to nearest even, NaN kept
-/// quiet).
-#[inline(always)]
-fn bf16_bits(x: f32) -> u32 {
-    bf16::from_f32(x).to_bits() as u32
-}
-
 /// A strided operand, bf16 or f32: element (i, j) at `ptr + (i·rs + j·cs)·size`.
 #[derive(Clone, Copy)]
 struct Mat {
@@ -210,7 +204,7 @@ unsafe impl Send for Scratch {}
 unsafe impl Sync for Scratch {}
 
 /// `c[m, n] = (accumulate ? c : 0) + op(a)[m, k] · op(b)[k, n]` with `dot`, parallel over
-/// the current rayon pool. Layout as [`super::matmul::sgemm`]: a is stored `[m, k]` (or
+/// the current rayon pool. Layout as [`super::f32::sgemm`]: a is stored `[m, k]` (or
 /// `[k, m]` when `a_trans`) with row stride `lda`, b `[k, n]` (or `[n, k]`), c `[m, n]` with
 /// row stride `ldc`; elements of c outside the window are untouched.
 ///
@@ -767,9 +761,9 @@ unsafe fn kernel<D: PairDot>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm_mixed::naive;
-    use super::super::reduce::testutil::*;
+    use super::super::naive;
     use super::*;
+    use crate::backend::cpu::reduce::testutil::*;
 
     fn bf(v: &[f32]) -> Vec<bf16> {
         v.iter().map(|&x| bf16::from_f32(x)).collect()
