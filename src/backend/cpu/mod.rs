@@ -28,6 +28,8 @@
 
 pub mod adamw;
 pub mod attention;
+#[cfg(test)]
+pub(crate) mod conformance;
 pub mod elem;
 pub mod encoder;
 pub mod features;

@@ -200,23 +200,6 @@ pub(crate) mod testutil {
         x.iter().map(|&v| v.to_f32().to_bits()).collect()
     }
 
-    /// Asserts `got` (a kernel's result in `T`) is bitwise `want` (the f32 kernel's result
-    /// on the widened inputs) rounded to `T`.
-    #[track_caller]
-    pub fn assert_rounded_f32<T: Elem>(got: &[T], want: &[f32], what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths");
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            let r = T::from_f32(w);
-            assert!(
-                g.to_f32().to_bits() == r.to_f32().to_bits(),
-                "{what}[{i}] ({}): {:?} vs f32 {w} rounded {:?}",
-                T::NAME,
-                g,
-                r
-            );
-        }
-    }
-
     /// `n` standard-normal values times `scale`.
     pub fn randn(n: usize, scale: f32, seed: u64) -> Vec<f32> {
         let mut r = Rng::new(seed);
@@ -267,7 +250,8 @@ pub(crate) mod testutil {
 
 #[cfg(test)]
 mod tests {
-    use super::super::features::{Isa, detected_isa, isa, set_isa};
+    use super::super::conformance::{Case, Out, check_stored_as, isa_invariant, isas_here, stored};
+    use super::super::features::{Isa, detected_isa, isa};
     use super::testutil::*;
     use super::*;
 
@@ -337,10 +321,8 @@ mod tests {
         }
     }
 
-    /// Every multiversioned kernel gives bit-identical results on every instruction set
-    /// (this also runs the baseline and AVX2 code paths, which the other tests may not reach).
-    #[test]
-    fn all_isas_bit_identical() {
+    /// The outputs (as bit patterns) of every multiversioned kernel on fixed inputs.
+    fn all_kernels() -> Vec<Vec<u32>> {
         use super::super::{adamw, gelu, layernorm, matmul, xent};
         let run = || {
             let (n, c, v) = (37, 203, 1001);
@@ -439,36 +421,51 @@ mod tests {
                 ssb,
             ]
         };
-        let base = {
-            set_isa(Isa::Baseline);
-            run()
-        };
-        for want in [Isa::Avx2, Isa::Avx512] {
-            let got = set_isa(want);
-            let r = run();
-            for (i, (a, b)) in r.iter().zip(&base).enumerate() {
-                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "output {i} differs between {got:?} and Baseline");
-            }
-        }
-        set_isa(Isa::Avx512);
+        run()
+            .iter()
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    }
+
+    /// Every multiversioned kernel gives bit-identical results on every instruction set this
+    /// CPU has (this also runs the baseline and AVX2 code paths, which the other tests may not
+    /// reach).
+    #[test]
+    fn all_isas_bit_identical() {
+        isa_invariant(&isas_here(), all_kernels, "all kernels");
         // And the dispatch never claims more than the CPU has.
         assert!(isa() <= detected_isa());
     }
 
-    /// Narrow storage: `sum_squares` sees exactly the widened values (bitwise the f32
-    /// result), for any thread count.
+    /// The AVX-512 variants against the baseline (fails on a CPU without AVX-512F).
+    #[test]
+    #[ignore = "needs AVX-512F"]
+    fn all_isas_bit_identical_avx512() {
+        isa_invariant(&[Isa::Avx512], all_kernels, "all kernels");
+    }
+
+    /// `sum_squares` of `len` values (times 100): stored as bf16 / f16 it sees exactly the
+    /// widened values (bitwise the f32 result), for any thread count.
+    struct Narrow(usize);
+
+    impl Case for Narrow {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let n = self.0;
+            let x: Vec<S> = stored::<T, S>(&randn(n, 100.0, 7 + n as u64));
+            vec![Out::f64("sum_squares", &[sum_squares(&x)])]
+        }
+    }
+
     #[test]
     fn sum_squares_of_narrow_types() {
         fn check<T: Elem>() {
             for n in [0usize, 5, ELEM_CHUNK + 1, 3 * ELEM_CHUNK + 5] {
+                let (_, want) = check_stored_as::<T>(&Narrow(n), &format!("sum_squares n={n}"));
+                let want = want[0].f64s();
                 let x: Vec<T> = narrow_vec(&randn(n, 100.0, 7 + n as u64));
-                let want = sum_squares(&widen_vec(&x));
-                let got1 = with_threads(1, || sum_squares(&x));
-                let got3 = with_threads(3, || sum_squares(&x));
-                assert_eq!(got1.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
-                assert_eq!(got3.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
-                assert!((got1 - naive::sum_squares(&x)).abs() <= 1e-12 * want.max(1.0));
+                let got = sum_squares(&x);
+                assert_eq!(got.to_bits(), want[0].to_bits(), "{} n={n}", T::NAME);
+                assert!((got - naive::sum_squares(&x)).abs() <= 1e-12 * want[0].max(1.0));
             }
             let mut x: Vec<T> = narrow_vec(&randn(100_000, 1.0, 3));
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
