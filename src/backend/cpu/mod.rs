@@ -5,7 +5,8 @@
 //! C channels, NH heads, hs = C/NH head size, N = B·T rows, V vocabulary, IC/OC input/output
 //! channels of a linear.
 //!
-//! Layout, bottom up (a file imports only files listed before it):
+//! Layout, bottom up (a file imports only files listed before it, except `reduce`'s test that
+//! runs every kernel at every instruction set):
 //! - [`features`]: what the CPU can run, detected once (and the `MEMWALL_CPU_ISA` /
 //!   `MEMWALL_BF16_DOT` overrides); the `multiversion!` dispatch every hot loop uses.
 //! - [`elem`]: the storage types and the slice casts between them and f32.
@@ -15,6 +16,14 @@
 //! - the layers: [`encoder`], [`layernorm`], [`matmul`] (the linear layer, on [`gemm`]),
 //!   [`attention`], [`gelu`], [`xent`]; the optimizers [`adamw`] and [`quant`] (compressed
 //!   optimizer state); [`peak`] (the machine's measured FMA ceiling).
+//!
+//! Tests: each kernel's tests sit in its file; [`reduce`]'s `testutil` and the test-only
+//! `conformance` module hold what they share (random data, tolerances, the storage-type check
+//! of the generic kernels against their f32 instantiation, the instruction-set invariance
+//! check). Tests that need an instruction set this CPU may lack are `#[ignore]`d with it
+//! (`needs AVX-512F`, `needs AVX-512F/BW/VL`, `needs AVX512_BF16`; names ending `_avx512` or
+//! `_avx512bf16`) and fail, rather than pass without running, under `--ignored` on a CPU
+//! without it.
 //!
 //! Kernels never allocate: workspace comes in as slices, sized by the `*_workspace_len`
 //! functions, so the memory plan can account for it. Results are deterministic for a given

@@ -27,7 +27,9 @@
 //! blocks to what it gets). [`Dot::Emulated`] runs the same packing, blocking and kernel
 //! with `vdpbf16ps` emulated by AVX-512F shifts and FMAs in the instruction's order — the
 //! naive twin of the instruction, so that every part but the instruction itself is tested on
-//! CPUs without it.
+//! CPUs without it. Both variants need AVX-512, so their tests are `#[ignore]`d with what they
+//! need (`needs AVX-512F/BW/VL`: names ending `_avx512`; `needs AVX512_BF16`: `_avx512bf16`)
+//! and run with `cargo test -- --ignored` where the CPU has it; they fail elsewhere.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -66,6 +68,29 @@ impl Dot {
             Dot::Hardware => avx512 && f.avx512bf16,
             Dot::Emulated => avx512,
         }
+    }
+}
+
+#[cfg(test)]
+impl Dot {
+    /// What the variant needs beyond baseline x86-64: the reason its tests are ignored.
+    pub(crate) fn needs(self) -> &'static str {
+        match self {
+            Dot::Hardware => "AVX512_BF16",
+            Dot::Emulated => "AVX-512F/BW/VL",
+        }
+    }
+
+    /// Panics unless this CPU runs the variant. Its tests are `#[ignore]`d with the reason
+    /// ([`Dot::needs`]) and call this first, so that where the CPU lacks it they fail, rather
+    /// than pass without running.
+    #[track_caller]
+    pub(crate) fn require(self) {
+        assert!(
+            self.available(),
+            "{self:?} needs {}, which this CPU lacks",
+            self.needs()
+        );
     }
 }
 
@@ -841,27 +866,36 @@ mod tests {
         check_as(dot, shape, ta, tb, acc, pack_words, (false, false))
     }
 
-    #[test]
-    fn f32_operands_are_rounded_to_bf16_while_packed() {
-        for dot in dots() {
-            for f32s in [(true, false), (false, true), (true, true)] {
-                for &shape in &[(13, 33, 3), (25, 70, 9), (40, 64, 600)] {
-                    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-                        let x = check_as(dot, shape, ta, tb, true, 1 << 20, f32s);
-                        // Exactly what the bf16 copies of the operands give.
-                        let y = check_as(dot, shape, ta, tb, true, 1 << 20, (false, false));
-                        assert_eq!(x, y, "{dot:?} {shape:?} {f32s:?} ta={ta} tb={tb}");
-                    }
+    fn f32_operands_are_rounded_to_bf16_while_packed(dot: Dot) {
+        dot.require();
+        for f32s in [(true, false), (false, true), (true, true)] {
+            for &shape in &[(13, 33, 3), (25, 70, 9), (40, 64, 600)] {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let x = check_as(dot, shape, ta, tb, true, 1 << 20, f32s);
+                    // Exactly what the bf16 copies of the operands give.
+                    let y = check_as(dot, shape, ta, tb, true, 1 << 20, (false, false));
+                    assert_eq!(x, y, "{dot:?} {shape:?} {f32s:?} ta={ta} tb={tb}");
                 }
             }
         }
     }
 
     #[test]
-    fn vector_rounding_matches_half() {
-        if !Dot::Emulated.available() {
-            return;
-        }
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn f32_operands_are_rounded_to_bf16_while_packed_avx512() {
+        f32_operands_are_rounded_to_bf16_while_packed(Dot::Emulated);
+    }
+
+    #[test]
+    #[ignore = "needs AVX512_BF16"]
+    fn f32_operands_are_rounded_to_bf16_while_packed_avx512bf16() {
+        f32_operands_are_rounded_to_bf16_while_packed(Dot::Hardware);
+    }
+
+    #[test]
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn vector_rounding_matches_half_avx512() {
+        Dot::Emulated.require();
         let mut xs: Vec<f32> = randn(4096, 3.0, 9);
         xs.extend([
             0.0,
@@ -899,75 +933,80 @@ mod tests {
             }
             out
         }
-        // SAFETY: AVX-512F checked above.
+        // SAFETY: AVX-512F required above.
         let got = unsafe { round_all(&xs) };
         for (x, g) in xs.iter().zip(got) {
             assert_eq!(g, bf16_bits(*x), "{x:e} ({:#x})", x.to_bits());
         }
     }
 
-    fn dots() -> Vec<Dot> {
-        let v: Vec<Dot> = [Dot::Emulated, Dot::Hardware]
-            .into_iter()
-            .filter(|d| d.available())
-            .collect();
-        if !Dot::Hardware.available() {
-            eprintln!(
-                "note: this CPU has no AVX512_BF16; the vdpbf16ps kernel itself is not run here"
-            );
-        }
-        v
-    }
-
-    #[test]
-    fn matches_naive_on_every_layout_and_edge() {
+    fn matches_naive_on_every_layout_and_edge(dot: Dot) {
+        dot.require();
         let big = 1 << 20;
-        for dot in dots() {
-            for &shape in &[
-                (1, 1, 1),
-                (13, 33, 3),
-                (12, 32, 2),
-                (25, 70, 9),
-                (40, 17, 600),
-                (7, 100, 1025),
-            ] {
-                for ta in [false, true] {
-                    for tb in [false, true] {
-                        for acc in [false, true] {
-                            check(dot, shape, ta, tb, acc, big);
-                        }
+        for &shape in &[
+            (1, 1, 1),
+            (13, 33, 3),
+            (12, 32, 2),
+            (25, 70, 9),
+            (40, 17, 600),
+            (7, 100, 1025),
+        ] {
+            for ta in [false, true] {
+                for tb in [false, true] {
+                    for acc in [false, true] {
+                        check(dot, shape, ta, tb, acc, big);
                     }
                 }
             }
-            // Small scratch: short k slices and one-panel B blocks.
-            check(dot, (50, 70, 37), false, false, true, 2 * (MR + NR) * 3);
         }
+        // Small scratch: short k slices and one-panel B blocks.
+        check(dot, (50, 70, 37), false, false, true, 2 * (MR + NR) * 3);
     }
 
     #[test]
-    fn identical_for_any_thread_count_and_scratch_split() {
-        for dot in dots() {
-            let shape = (130, 300, 520);
-            let one = rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .build()
-                .unwrap();
-            let three = rayon::ThreadPoolBuilder::new()
-                .num_threads(3)
-                .build()
-                .unwrap();
-            let x = one.install(|| check(dot, shape, false, true, true, 1 << 21));
-            let y = three.install(|| check(dot, shape, false, true, true, 3 << 21));
-            assert_eq!(x, y, "{dot:?}");
-        }
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn matches_naive_on_every_layout_and_edge_avx512() {
+        matches_naive_on_every_layout_and_edge(Dot::Emulated);
     }
 
     #[test]
-    fn hardware_agrees_with_its_emulation() {
-        if !Dot::Hardware.available() {
-            eprintln!("skipped: no AVX512_BF16 on this CPU");
-            return;
-        }
+    #[ignore = "needs AVX512_BF16"]
+    fn matches_naive_on_every_layout_and_edge_avx512bf16() {
+        matches_naive_on_every_layout_and_edge(Dot::Hardware);
+    }
+
+    fn identical_for_any_thread_count_and_scratch_split(dot: Dot) {
+        dot.require();
+        let shape = (130, 300, 520);
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let three = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let x = one.install(|| check(dot, shape, false, true, true, 1 << 21));
+        let y = three.install(|| check(dot, shape, false, true, true, 3 << 21));
+        assert_eq!(x, y, "{dot:?}");
+    }
+
+    #[test]
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn identical_for_any_thread_count_and_scratch_split_avx512() {
+        identical_for_any_thread_count_and_scratch_split(Dot::Emulated);
+    }
+
+    #[test]
+    #[ignore = "needs AVX512_BF16"]
+    fn identical_for_any_thread_count_and_scratch_split_avx512bf16() {
+        identical_for_any_thread_count_and_scratch_split(Dot::Hardware);
+    }
+
+    #[test]
+    #[ignore = "needs AVX512_BF16"]
+    fn hardware_agrees_with_its_emulation_avx512bf16() {
+        Dot::Hardware.require();
         for ta in [false, true] {
             let x = check(Dot::Hardware, (37, 81, 333), ta, false, false, 1 << 20);
             let y = check(Dot::Emulated, (37, 81, 333), ta, false, false, 1 << 20);
@@ -1018,13 +1057,18 @@ mod tests {
                 &mut pack,
             );
         });
-        if Dot::Emulated.available() {
-            let e = r.unwrap_err();
-            let msg = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
-            assert!(msg.unwrap().contains("scratch"));
-        }
+        // The scratch is checked where the variant runs; elsewhere the variant is refused.
+        let want = if Dot::Emulated.available() {
+            "scratch"
+        } else {
+            "is not available on this CPU"
+        };
+        let e = r.unwrap_err();
+        let msg = e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap();
+        assert!(msg.contains(want), "{msg}");
     }
 }

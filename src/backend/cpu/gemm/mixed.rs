@@ -450,13 +450,11 @@ mod tests {
     }
 
     #[test]
-    fn bf16_dot_path_matches_naive() {
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn bf16_dot_path_matches_naive_avx512() {
         // The emulated instruction runs the dot-product path's packing, blocking and kernel
         // on any AVX-512 CPU (the hardware variant is compared with it where it exists).
-        if !Dot::Emulated.available() {
-            eprintln!("skipped: no AVX-512F/BW on this CPU");
-            return;
-        }
+        Dot::Emulated.require();
         let calls = with_dot(Some(Dot::Emulated), || {
             for block in [16, 64] {
                 for &shape in &SMALL {
@@ -498,12 +496,11 @@ mod tests {
     }
 
     #[test]
-    fn bf16_dot_path_rounds_f32_operands_to_bf16() {
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn bf16_dot_path_rounds_f32_operands_to_bf16_avx512() {
         // bf16 activations × f32 master weights: the weights are rounded to bf16 as they are
         // packed, so the product equals the one with a bf16 copy of the weights.
-        if !Dot::Emulated.available() {
-            return;
-        }
+        Dot::Emulated.require();
         let (m, n, k) = (70, 90, 150);
         let a: Vec<bf16> = round_to(&randn(m * k, 1.0, 5));
         let w = randn(k * n, 1.0, 6);
