@@ -247,3 +247,85 @@ pub fn isa_invariant<R: PartialEq>(isas: &[Isa], run: impl Fn() -> R, what: &str
     }
     base
 }
+
+/// The checks fail on kernels that break their rule.
+mod tests {
+    use super::*;
+    use crate::backend::cpu::reduce::testutil::randn;
+    use half::bf16;
+
+    /// Rounds to the storage type twice (x·3, then ·1.001): not the f32 result rounded once.
+    struct RoundsTwice;
+
+    impl Case for RoundsTwice {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let x: Vec<S> = stored::<T, S>(&randn(1000, 1.0, 1));
+            let y: Vec<S> = x
+                .iter()
+                .map(|v| S::from_f32(S::from_f32(v.to_f32() * 3.0).to_f32() * 1.001))
+                .collect();
+            vec![Out::stored("y", &y)]
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "rounded")]
+    fn double_rounding_fails() {
+        check_stored_as::<bf16>(&RoundsTwice, "rounds twice");
+    }
+
+    #[test]
+    fn double_rounding_passes_within_a_tolerance() {
+        struct Close;
+        impl Case for Close {
+            fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+                let tol = Tol {
+                    rel: 1.0 / 128.0,
+                    of_max: 0.0,
+                    abs: 0.0,
+                };
+                let out = RoundsTwice.run::<T, S>().remove(0);
+                vec![out.close(tol)]
+            }
+        }
+        check_stored_as::<bf16>(&Close, "rounds twice, within a tolerance");
+    }
+
+    /// An "f32" output that depends on the storage type.
+    struct DependsOnStorage;
+
+    impl Case for DependsOnStorage {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            vec![Out::f32("name length", &[S::NAME.len() as f32])]
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "bits")]
+    fn exact_output_that_depends_on_storage_fails() {
+        check_stored_as::<bf16>(&DependsOnStorage, "depends on storage");
+    }
+
+    /// An output that depends on the thread count.
+    struct DependsOnThreads;
+
+    impl Case for DependsOnThreads {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            vec![Out::f32("threads", &[rayon::current_num_threads() as f32])]
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "1 and 3 threads differ")]
+    fn thread_dependent_output_fails() {
+        check_stored_as::<bf16>(&DependsOnThreads, "depends on threads");
+    }
+
+    /// (Needs an instruction set above the baseline: AVX2 + FMA on x86-64.)
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[should_panic(expected = "differs from Baseline")]
+    fn isa_dependent_result_fails() {
+        isa_invariant(&[Isa::Avx2], isa, "reports the ISA");
+    }
+}

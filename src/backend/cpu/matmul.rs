@@ -290,6 +290,8 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::conformance::{Case, Out, Tol, check_stored_as, stored};
+    use super::super::elem::is_f32;
     use super::super::gemm::mixed::gemm_mixed_workspace_len;
     use super::super::reduce::testutil::*;
     use super::*;
@@ -543,30 +545,60 @@ mod tests {
         (1100, 40, 1030),
     ];
 
-    /// matmul_forward::<T> against the f32 kernel on the same T-representable inputs: equal
-    /// up to the one rounding of each output to T.
+    /// The workspace of a linear layer stored as `S` (none for f32).
+    fn ws_for<S: Elem>() -> Vec<f32> {
+        if is_f32::<S>() {
+            vec![]
+        } else {
+            vec![f32::NAN; gemm_mixed_workspace_len()]
+        }
+    }
+
+    /// The tolerance of a result summed over `depth` products and stored as `T`: up to the
+    /// one rounding of each output to `T`.
+    fn tol<T: Elem>(depth: usize) -> Tol {
+        Tol {
+            rel: store_rtol::<T>(),
+            of_max: 0.0,
+            abs: 2e-5 * (depth as f32).sqrt(),
+        }
+    }
+
+    /// matmul_forward stored as `T` against the f32 kernel on the same T-representable
+    /// inputs: equal up to the one rounding of each output to `T`.
+    struct Forward {
+        shape: (usize, usize, usize), // (N, IC, OC)
+        seed: u64,
+        accumulate: bool,
+        with_bias: bool,
+    }
+
+    impl Case for Forward {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let ((n, ic, oc), s) = (self.shape, self.seed);
+            let inp: Vec<S> = stored::<T, S>(&randn(n * ic, 1.0, s));
+            let w: Vec<S> = stored::<T, S>(&randn(ic * oc, 0.5, s + 1));
+            let bias: Vec<S> = stored::<T, S>(&randn(oc, 1.0, s + 2));
+            let mut out: Vec<S> = stored::<T, S>(&randn(n * oc, 1.0, s + 3));
+            let b = self.with_bias.then_some(bias.as_slice());
+            let mut ws = ws_for::<S>();
+            matmul_forward(&mut out, &inp, &w, b, n, ic, oc, self.accumulate, &mut ws);
+            vec![Out::stored("out", &out).close(tol::<T>(ic))]
+        }
+    }
+
     fn forward_vs_f32<T: Elem>() {
-        let mut ws = vec![f32::NAN; gemm_mixed_workspace_len()];
         for (si, &(n, ic, oc)) in MIXED_SHAPES.iter().enumerate() {
-            let s = 10 * si as u64;
-            let (inp, inp32) = rand_elem::<T>(n * ic, 1.0, s);
-            let (w, w32) = rand_elem::<T>(ic * oc, 0.5, s + 1);
-            let (bias, bias32) = rand_elem::<T>(oc, 1.0, s + 2);
-            let (init, init32) = rand_elem::<T>(n * oc, 1.0, s + 3);
             for accumulate in [false, true] {
                 for with_bias in [false, true] {
-                    let mut got = init.clone();
-                    let mut want = init32.clone();
-                    let b = with_bias.then_some(bias.as_slice());
-                    let b32 = with_bias.then_some(bias32.as_slice());
-                    matmul_forward(&mut got, &inp, &w, b, n, ic, oc, accumulate, &mut ws);
-                    matmul_forward(&mut want, &inp32, &w32, b32, n, ic, oc, accumulate, &mut []);
-                    let what = format!(
-                        "{} fwd {n}x{ic}x{oc} acc={accumulate} bias={with_bias}",
-                        T::NAME
-                    );
-                    let atol = 2e-5 * (ic as f32).sqrt();
-                    assert_close(&widened(&got), &want, atol, store_rtol::<T>(), &what);
+                    let case = Forward {
+                        shape: (n, ic, oc),
+                        seed: 10 * si as u64,
+                        accumulate,
+                        with_bias,
+                    };
+                    let what = format!("fwd {n}x{ic}x{oc} acc={accumulate} bias={with_bias}");
+                    check_stored_as::<T>(&case, &what);
                 }
             }
         }
@@ -582,59 +614,57 @@ mod tests {
         forward_vs_f32::<f16>();
     }
 
-    #[test]
-    fn backward_bf16_matches_f32_kernel() {
-        let mut ws = vec![f32::NAN; gemm_mixed_workspace_len()];
-        for (si, &(n, ic, oc)) in MIXED_SHAPES.iter().enumerate() {
-            let s = 10 * si as u64;
-            let (inp, inp32) = rand_elem::<bf16>(n * ic, 1.0, s);
-            let (w, w32) = rand_elem::<bf16>(ic * oc, 0.5, s + 1);
-            let (dout, dout32) = rand_elem::<bf16>(n * oc, 1.0, s + 2);
-            let (dw0, dw032) = rand_elem::<bf16>(ic * oc, 1.0, s + 3);
-            let (db0, db032) = rand_elem::<bf16>(oc, 1.0, s + 4);
-            let mut dinp = vec![bf16::NAN; n * ic];
-            let (mut dw, mut db) = (dw0.clone(), db0.clone());
-            matmul_backward(
-                &mut dinp,
-                &mut dw,
-                Some(&mut db),
-                &dout,
-                &inp,
-                &w,
-                n,
-                ic,
-                oc,
-                &mut ws,
-            );
-            let mut dinp32 = vec![0.0; n * ic];
-            let (mut dw32, mut db32) = (dw032.clone(), db032.clone());
-            matmul_backward(
-                &mut dinp32,
-                &mut dw32,
-                Some(&mut db32),
-                &dout32,
-                &inp32,
-                &w32,
-                n,
-                ic,
-                oc,
-                &mut [],
-            );
-            let what = format!("bf16 bwd {n}x{ic}x{oc}");
-            let rt = store_rtol::<bf16>();
-            let (at_oc, at_n) = (2e-5 * (oc as f32).sqrt(), 2e-5 * (n as f32).sqrt());
-            assert_close(&widened(&dinp), &dinp32, at_oc, rt, &format!("dinp {what}"));
-            assert_close(&widened(&dw), &dw32, at_n, rt, &format!("dw {what}"));
-            assert_close(&widened(&db), &db32, at_n, rt, &format!("db {what}"));
-            // Without a bias gradient dweight is the same, and dinp is overwritten again.
-            let mut dw2 = dw0.clone();
-            let mut dinp2 = vec![bf16::NAN; n * ic];
+    /// matmul_backward stored as `T` against the f32 kernel on the same T-representable
+    /// inputs, with a bias gradient and without one.
+    struct Backward {
+        shape: (usize, usize, usize), // (N, IC, OC)
+        seed: u64,
+    }
+
+    impl Case for Backward {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let ((n, ic, oc), s) = (self.shape, self.seed);
+            let inp: Vec<S> = stored::<T, S>(&randn(n * ic, 1.0, s));
+            let w: Vec<S> = stored::<T, S>(&randn(ic * oc, 0.5, s + 1));
+            let dout: Vec<S> = stored::<T, S>(&randn(n * oc, 1.0, s + 2));
+            let dw0: Vec<S> = stored::<T, S>(&randn(ic * oc, 1.0, s + 3));
+            let mut db: Vec<S> = stored::<T, S>(&randn(oc, 1.0, s + 4));
+            let mut ws = ws_for::<S>();
+            let mut dinp = vec![S::from_f32(f32::NAN); n * ic];
+            let mut dw = dw0.clone();
+            let db_ = Some(&mut db[..]);
             let args = (&dout, &inp, &w);
+            matmul_backward(
+                &mut dinp, &mut dw, db_, args.0, args.1, args.2, n, ic, oc, &mut ws,
+            );
+            // Without a bias gradient: dinp overwritten again, dweight accumulated the same.
+            let mut dinp2 = vec![S::from_f32(f32::NAN); n * ic];
+            let mut dw2 = dw0;
             matmul_backward(
                 &mut dinp2, &mut dw2, None, args.0, args.1, args.2, n, ic, oc, &mut ws,
             );
+            vec![
+                Out::stored("dinp", &dinp).close(tol::<T>(oc)),
+                Out::stored("dweight", &dw).close(tol::<T>(n)),
+                Out::stored("dbias", &db).close(tol::<T>(n)),
+                Out::stored("dinp without dbias", &dinp2).close(tol::<T>(oc)),
+                Out::stored("dweight without dbias", &dw2).close(tol::<T>(n)),
+            ]
+        }
+    }
+
+    #[test]
+    fn backward_bf16_matches_f32_kernel() {
+        for (si, &(n, ic, oc)) in MIXED_SHAPES.iter().enumerate() {
+            let case = Backward {
+                shape: (n, ic, oc),
+                seed: 10 * si as u64,
+            };
+            let what = format!("bwd {n}x{ic}x{oc}");
+            let (got, _) = check_stored_as::<bf16>(&case, &what);
+            let bits = |o: &Out| o.f32s().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert!(
-                dw2 == dw && dinp2 == dinp,
+                bits(&got[3]) == bits(&got[0]) && bits(&got[4]) == bits(&got[1]),
                 "{what}: dbias = None changed the rest"
             );
         }
