@@ -340,7 +340,7 @@ fn bf16_dot_product_path_trains_like_the_widening_path() {
     // The vdpbf16ps path (emulated here when the CPU lacks AVX512_BF16) in a whole training
     // run: every matmul of the step on the dot-product kernel, f32 masters rounded to bf16
     // as they are packed. It must learn as the widening path does, not bit for bit.
-    if !memwall::backend::cpu::gemm_bf16::Dot::Emulated.available() {
+    if !memwall::backend::cpu::gemm::bf16_dot::Dot::Emulated.available() {
         eprintln!("skipped: no AVX-512F/BW on this CPU");
         return;
     }

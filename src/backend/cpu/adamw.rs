@@ -17,7 +17,8 @@
 //! from bf16 gradients equals the f32 update from the widened gradients.
 
 use super::elem::Elem;
-use super::reduce::{ELEM_CHUNK, multiversion};
+use super::features::multiversion;
+use super::reduce::ELEM_CHUNK;
 use rayon::prelude::*;
 
 /// Hyper-parameters of one AdamW step.
@@ -138,6 +139,7 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::conformance::{Case, Out, check_stored_as, stored};
     use super::super::reduce::testutil::*;
     use super::*;
 
@@ -203,33 +205,41 @@ mod tests {
         assert!(with_threads(1, run) == with_threads(3, run));
     }
 
-    /// bf16 / f16 gradients: bitwise the f32 update from the widened gradients, for any
-    /// thread count; non-finite gradients give non-finite parameters without a panic.
+    /// One update from bf16 / f16 gradients (two of them non-finite): bitwise the f32 update
+    /// from the widened gradients, for any thread count.
+    struct NarrowGrads;
+
+    const NARROW_LEN: usize = 2 * ELEM_CHUNK + 11;
+
+    impl Case for NarrowGrads {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let len = NARROW_LEN;
+            let mut p = randn(len, 1.0, 1);
+            let mut g = randn(len, 1.0, 2);
+            g[7] = f32::NAN;
+            g[8] = f32::INFINITY;
+            let g: Vec<S> = stored::<T, S>(&g);
+            let (mut m, mut v) = (vec![0.1; len], vec![0.2; len]);
+            adamw_update(&mut p, &g, &mut m, &mut v, &hp(3));
+            vec![Out::f32("params", &p), Out::f32("m", &m), Out::f32("v", &v)]
+        }
+    }
+
+    /// [`NarrowGrads`]; non-finite gradients give non-finite parameters without a panic, and
+    /// the naive twin reads the same widened values.
     fn narrow_grads_are_widened<G: Elem>() {
-        let len = 2 * ELEM_CHUNK + 11;
+        let (got, _) = check_stored_as::<G>(&NarrowGrads, "adamw");
+        let got = got[0].f32s();
+        assert!(got[7].is_nan() && !got[8].is_finite() && got[9].is_finite());
+        let len = NARROW_LEN;
         let p0 = randn(len, 1.0, 1);
         let mut g: Vec<G> = narrow_vec(&randn(len, 1.0, 2));
         g[7] = G::from_f32(f32::NAN);
         g[8] = G::from_f32(f32::INFINITY);
-        fn run<H: Elem>(p0: &[f32], g: &[H]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-            let (mut p, mut m, mut v) = (p0.to_vec(), vec![0.1; p0.len()], vec![0.2; p0.len()]);
-            adamw_update(&mut p, g, &mut m, &mut v, &hp(3));
-            (p, m, v)
-        }
-        let got = with_threads(1, || run(&p0, &g));
-        let three = with_threads(3, || run(&p0, &g));
-        let want = run(&p0, &widen_vec(&g));
-        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got.0), bits(&three.0), "{}: threads", G::NAME);
-        assert_eq!(bits(&got.0), bits(&want.0), "{} params", G::NAME);
-        assert_eq!(bits(&got.1), bits(&want.1), "{} m", G::NAME);
-        assert_eq!(bits(&got.2), bits(&want.2), "{} v", G::NAME);
-        assert!(got.0[7].is_nan() && !got.0[8].is_finite() && got.0[9].is_finite());
-        // The naive twin reads the same widened values.
         let (mut p, mut m, mut v) = (p0.clone(), vec![0.1; len], vec![0.2; len]);
         naive::adamw_update(&mut p, &g, &mut m, &mut v, &hp(3));
         p[7..9].fill(0.0);
-        let mut gp = got.0.clone();
+        let mut gp = got.to_vec();
         gp[7..9].fill(0.0);
         assert_close(&gp, &p, 1e-6, 1e-6, "fast vs naive");
     }

@@ -41,7 +41,7 @@
 //!
 //! The kernels allocate nothing themselves (the `gemm` crate may use internal packing buffers).
 //! The element-wise passes (softmax with the polynomial `exp2_nonpos`, dS) are written so that
-//! LLVM vectorises them and are compiled per instruction set with `reduce::multiversion!`
+//! LLVM vectorises them and are compiled per instruction set with `features::multiversion!`
 //! (same arithmetic, no FMA, so bitwise the same results on every ISA). Full 64-query blocks
 //! use fixed-size rows so those loops unroll completely.
 //!
@@ -54,7 +54,7 @@
 //! [min(64,T), hs] block per worker ([`attention_workspace_len`]).
 
 use super::elem::{Elem, is_f32};
-use super::reduce::multiversion;
+use super::features::multiversion;
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
 
@@ -984,6 +984,8 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::conformance::{self, Case, Out, Tol, check_stored_as, isas_here, stored};
+    use super::super::features::Isa;
     use super::super::reduce::testutil::{bits, narrow_vec, widen_vec};
     use super::*;
     use half::{bf16, f16};
@@ -1228,23 +1230,26 @@ mod tests {
         }
     }
 
-    /// The element-wise passes give bit-identical results on every instruction set.
+    /// f32 and bf16 forward and backward outputs (bit patterns) on fixed inputs.
+    fn isa_run() -> ([Vec<u32>; 3], [Vec<u32>; 3]) {
+        (
+            run_bits::<f32>(2, 70, 12, 2, 9),
+            run_bits::<bf16>(2, 70, 12, 2, 9),
+        )
+    }
+
+    /// The element-wise passes give bit-identical results on every instruction set this CPU
+    /// has.
     #[test]
     fn isa_invariant() {
-        use super::super::reduce::{Isa, set_isa};
-        let run = || {
-            (
-                run_bits::<f32>(2, 70, 12, 2, 9),
-                run_bits::<bf16>(2, 70, 12, 2, 9),
-            )
-        };
-        set_isa(Isa::Baseline);
-        let base = run();
-        for want in [Isa::Avx2, Isa::Avx512] {
-            let got = set_isa(want);
-            assert!(run() == base, "{got:?} differs from Baseline");
-        }
-        set_isa(Isa::Avx512);
+        conformance::isa_invariant(&isas_here(), isa_run, "attention");
+    }
+
+    /// The AVX-512 variants against the baseline (fails on a CPU without AVX-512F).
+    #[test]
+    #[ignore = "needs AVX-512F"]
+    fn isa_invariant_avx512() {
+        conformance::isa_invariant(&[Isa::Avx512], isa_run, "attention");
     }
 
     #[test]
@@ -1280,44 +1285,51 @@ mod tests {
     /// (the backward given the same rounded `out` and the same `lse`). All math is f32 in both,
     /// so the narrow results are the f32 ones rounded once, up to f32 rounding noise from the
     /// products running on contiguous copies instead of in place: within half a unit in the
-    /// last place of `T` plus 1e-5 of the largest magnitude.
-    fn narrow_matches_f32<T: Elem>(half_ulp: f32) {
-        let mut differ = 0usize;
-        let mut total = 0usize;
-        for (si, &(b, t, c, nh)) in SHAPES.iter().enumerate() {
-            let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * 3 * c, 11 + si as u64, 2.0));
-            let dout: Vec<T> = narrow_vec(&rand_vec(b * t * c, 202 + si as u64, 1.0));
+    /// last place of `T` (`half_ulp`) plus 1e-5 of the largest magnitude.
+    struct Narrow {
+        shape: (usize, usize, usize, usize), // (B, T, C, NH)
+        seed: u64,
+        half_ulp: f32,
+    }
+
+    impl Case for Narrow {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let ((b, t, c, nh), si) = (self.shape, self.seed);
+            let qkv32 = rand_vec(b * t * 3 * c, 11 + si, 2.0);
+            let qkv: Vec<S> = stored::<T, S>(&qkv32);
+            let dout: Vec<S> = stored::<T, S>(&rand_vec(b * t * c, 202 + si, 1.0));
             let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
-            let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
-            let (qkv32, dout32, out_w) = (widen_vec(&qkv), widen_vec(&dout), widen_vec(&out));
-            let (out32, lse32) = fast_fwd(&qkv32, b, t, c, nh);
-            let dqkv32 = fast_bwd(&dout32, &qkv32, &out_w, &lse, b, t, c, nh);
-            let tag = format!("{} {b}x{t}x{c}/{nh}", T::NAME);
-            for (name, got, want) in [
-                ("out", widen_vec(&out), out32),
-                ("lse", lse, lse32),
-                ("dqkv", widen_vec(&dqkv), dqkv32),
-            ] {
-                let rel = if name == "lse" { 1e-6 } else { half_ulp };
-                let maxabs = want.iter().fold(0.0f32, |m, w| m.max(w.abs()));
-                assert!(maxabs > 0.1, "{name} {tag}: degenerate");
-                for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-                    let tol = rel * w.abs() + 1e-5 * maxabs + 1e-7;
-                    assert!((g - w).abs() <= tol, "{name} {tag} [{i}]: {g} vs f32 {w}");
-                    let rounded = if name == "lse" {
-                        w
-                    } else {
-                        T::from_f32(w).to_f32()
-                    };
-                    differ += (g.to_bits() != rounded.to_bits()) as usize;
-                    total += 1;
-                }
+            // Both backwards take the narrow forward's results: `out` as stored in `T`, `lse`.
+            let (out_t, lse_t) = fast_fwd(&stored::<T, T>(&qkv32), b, t, c, nh);
+            let out_t: Vec<S> = stored::<T, S>(&widen_vec(&out_t));
+            let dqkv = fast_bwd(&dout, &qkv, &out_t, &lse_t, b, t, c, nh);
+            let tol = |rel| Tol {
+                rel,
+                of_max: 1e-5,
+                abs: 1e-7,
+            };
+            vec![
+                Out::stored("out", &out).close(tol(self.half_ulp)),
+                Out::f32("lse", &lse).close(tol(1e-6)),
+                Out::stored("dqkv", &dqkv).close(tol(self.half_ulp)),
+            ]
+        }
+    }
+
+    fn narrow_matches_f32<T: Elem>(half_ulp: f32) {
+        for (si, &shape) in SHAPES.iter().enumerate() {
+            let case = Narrow {
+                shape,
+                seed: si as u64,
+                half_ulp,
+            };
+            let (b, t, c, nh) = shape;
+            let (_, want) = check_stored_as::<T>(&case, &format!("attention {b}x{t}x{c}/{nh}"));
+            for w in want {
+                let maxabs = w.f32s().iter().fold(0.0f32, |m, w| m.max(w.abs()));
+                assert!(maxabs > 0.1, "{} {b}x{t}x{c}/{nh}: degenerate", w.name);
             }
         }
-        println!(
-            "{}: {differ} of {total} results differ from the rounded f32 ones",
-            T::NAME
-        );
     }
 
     #[test]

@@ -3,8 +3,9 @@
 
 use super::attention::attention_workspace_len;
 use super::elem::Elem;
-use super::gemm_mixed::{compute_path, cpu_has_bf16_dot, gemm_mixed_workspace_len};
-use super::matmul::packing_bytes;
+use super::features::{cpu_has_bf16_dot, f16_conversions_available};
+use super::gemm::f32::packing_bytes;
+use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
 use crate::backend::{Backend, Device, OpResult, Sizing, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::mem::arena::Arena;
@@ -249,18 +250,6 @@ impl Device for CpuDevice {
 
     fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) {
         f(&mut self.bytes_of(bufs))
-    }
-}
-
-/// Whether the CPU converts f16 in hardware (F16C).
-fn f16_conversions_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        cfg!(target_arch = "aarch64")
     }
 }
 

@@ -13,7 +13,8 @@
 //! result on the widened inputs, rounded to `T`.
 
 use super::elem::{Elem, is_f32};
-use super::reduce::{multiversion, rows_per_task};
+use super::features::multiversion;
+use super::reduce::rows_per_task;
 use rayon::prelude::*;
 
 /// Vocabulary rows per task in `encoder_backward` for f32 (each task scans all B·T tokens once).
@@ -275,6 +276,7 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::conformance::{Case, Out, check_stored_as, stored};
     use super::super::reduce::testutil::*;
     use super::*;
     use crate::util::rng::Rng;
@@ -374,47 +376,45 @@ mod tests {
         );
     }
 
-    /// bf16 / f16 storage: forward and backward are the f32 kernel on the widened inputs,
-    /// rounded once, for any thread count.
+    /// One shape: forward and backward stored as bf16 / f16 are the f32 kernel on the widened
+    /// inputs, rounded once, for any thread count.
+    struct Narrow {
+        shape: (usize, usize, usize, usize, usize), // (b, t, c, v, max_t)
+        seed: u64,
+    }
+
+    impl Case for Narrow {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let ((b, t, c, v, mt), si) = (self.shape, self.seed);
+            let tok = tokens(b * t, v, si);
+            let wte: Vec<S> = stored::<T, S>(&randn(v * c, 1.0, si));
+            let wpe: Vec<S> = stored::<T, S>(&randn(mt * c, 1.0, 50 + si));
+            let dout: Vec<S> = stored::<T, S>(&randn(b * t * c, 1.0, 100 + si));
+            let mut dwte: Vec<S> = stored::<T, S>(&randn(v * c, 1.0, 200 + si));
+            let mut dwpe: Vec<S> = stored::<T, S>(&randn(mt * c, 1.0, 300 + si));
+            let mut o = vec![S::from_f32(f32::NAN); b * t * c];
+            encoder_forward(&mut o, &tok, &wte, &wpe, b, t, c);
+            encoder_backward(&mut dwte, &mut dwpe, &dout, &tok, b, t, c);
+            vec![
+                Out::stored("out", &o),
+                Out::stored("dwte", &dwte),
+                Out::stored("dwpe", &dwpe),
+            ]
+        }
+    }
+
     fn narrow_is_f32_rounded<T: Elem>() {
         // The last shape has more than HIT_CAP occurrences of tokens 0..ACC_ROWS, so that
         // task takes the rescanning path; every other task lists its hits.
         let many = (1, 5000, 70, 130, 5000);
         assert!(tokens(5000, 130, 6).iter().filter(|&&t| t < 128).count() > HIT_CAP);
-        for (si, &(b, t, c, v, mt)) in SHAPES.iter().chain([&many]).enumerate() {
-            let tok = tokens(b * t, v, si as u64);
-            let wte: Vec<T> = narrow_vec(&randn(v * c, 1.0, si as u64));
-            let wpe: Vec<T> = narrow_vec(&randn(mt * c, 1.0, 50 + si as u64));
-            let dout: Vec<T> = narrow_vec(&randn(b * t * c, 1.0, 100 + si as u64));
-            let dwte0: Vec<T> = narrow_vec(&randn(v * c, 1.0, 200 + si as u64));
-            let dwpe0: Vec<T> = narrow_vec(&randn(mt * c, 1.0, 300 + si as u64));
-            let what = format!("{} {b}x{t}x{c}", T::NAME);
-            let fwd = || {
-                let mut o = vec![T::from_f32(f32::NAN); b * t * c];
-                encoder_forward(&mut o, &tok, &wte, &wpe, b, t, c);
-                o
+        for (si, &shape) in SHAPES.iter().chain([&many]).enumerate() {
+            let (b, t, c, _, _) = shape;
+            let case = Narrow {
+                shape,
+                seed: si as u64,
             };
-            let bwd = || {
-                let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
-                encoder_backward(&mut a, &mut p, &dout, &tok, b, t, c);
-                (a, p)
-            };
-            let o = with_threads(1, fwd);
-            assert_eq!(bits(&o), bits(&with_threads(3, fwd)), "fwd threads {what}");
-            let (a, p) = with_threads(1, bwd);
-            let (a3, p3) = with_threads(3, bwd);
-            assert!(
-                bits(&a) == bits(&a3) && bits(&p) == bits(&p3),
-                "threads {what}"
-            );
-            let mut o32 = vec![0.0; b * t * c];
-            let (wte32, wpe32) = (widen_vec(&wte), widen_vec(&wpe));
-            encoder_forward(&mut o32, &tok, &wte32, &wpe32, b, t, c);
-            assert_rounded_f32(&o, &o32, &format!("out {what}"));
-            let (mut a32, mut p32) = (widen_vec(&dwte0), widen_vec(&dwpe0));
-            encoder_backward(&mut a32, &mut p32, &widen_vec(&dout), &tok, b, t, c);
-            assert_rounded_f32(&a, &a32, &format!("dwte {what}"));
-            assert_rounded_f32(&p, &p32, &format!("dwpe {what}"));
+            check_stored_as::<T>(&case, &format!("encoder {b}x{t}x{c}"));
         }
     }
 

@@ -10,7 +10,8 @@
 //! kernel's result on the widened input, rounded to `T`.
 
 use super::elem::Elem;
-use super::reduce::{ELEM_CHUNK, exp_f32, multiversion};
+use super::features::multiversion;
+use super::reduce::{ELEM_CHUNK, exp_f32};
 use rayon::prelude::*;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -118,6 +119,7 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::conformance::{Case, Out, check_stored_as, stored};
     use super::super::reduce::testutil::*;
     use super::*;
     use half::{bf16, f16};
@@ -194,47 +196,35 @@ mod tests {
         );
     }
 
-    /// bf16 / f16: the f32 kernel on the widened input, rounded once; thread invariant.
-    fn narrow_is_f32_rounded<T: Elem>() {
-        let mut x = grid();
-        x.extend(randn(ELEM_CHUNK * 2 + 17, 3.0, 8));
-        let x: Vec<T> = narrow_vec(&x);
-        let g: Vec<T> = narrow_vec(&randn(x.len(), 1.0, 9));
-        let fwd = || {
-            let mut o = vec![T::from_f32(f32::NAN); x.len()];
+    /// Forward and backward on a grid and random values: stored as bf16 / f16, the f32
+    /// kernel on the widened input, rounded once; thread invariant.
+    struct Narrow;
+
+    impl Case for Narrow {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let mut x = grid();
+            x.extend(randn(ELEM_CHUNK * 2 + 17, 3.0, 8));
+            let x: Vec<S> = stored::<T, S>(&x);
+            let g: Vec<S> = stored::<T, S>(&randn(x.len(), 1.0, 9));
+            let mut o = vec![S::from_f32(f32::NAN); x.len()];
             gelu_forward(&mut o, &x);
-            o
-        };
-        let bwd = || {
-            let mut d = g.clone();
+            let mut d = g;
             gelu_backward_inplace(&mut d, &x);
-            d
-        };
-        let (o, d) = (with_threads(1, fwd), with_threads(1, bwd));
-        assert_eq!(bits(&o), bits(&with_threads(3, fwd)), "{} forward", T::NAME);
-        assert_eq!(
-            bits(&d),
-            bits(&with_threads(3, bwd)),
-            "{} backward",
-            T::NAME
-        );
-        let x32 = widen_vec(&x);
-        let mut o32 = vec![0.0; x.len()];
-        gelu_forward(&mut o32, &x32);
-        assert_rounded_f32(&o, &o32, "gelu forward");
-        let mut d32 = widen_vec(&g);
-        gelu_backward_inplace(&mut d32, &x32);
-        assert_rounded_f32(&d, &d32, "gelu backward");
+            vec![
+                Out::stored("gelu forward", &o),
+                Out::stored("gelu backward", &d),
+            ]
+        }
     }
 
     #[test]
     fn bf16_is_f32_rounded() {
-        narrow_is_f32_rounded::<bf16>();
+        check_stored_as::<bf16>(&Narrow, "gelu");
     }
 
     #[test]
     fn f16_is_f32_rounded() {
-        narrow_is_f32_rounded::<f16>();
+        check_stored_as::<f16>(&Narrow, "gelu");
     }
 
     #[test]

@@ -15,7 +15,8 @@
 //! f32 kernel's result on the widened inputs, rounded to `T`.
 
 use super::elem::Elem;
-use super::reduce::{COL_CHUNK, multiversion, rows_per_task, sum_f32, sum_sq_dev_f32};
+use super::features::multiversion;
+use super::reduce::{COL_CHUNK, rows_per_task, sum_f32, sum_sq_dev_f32};
 use rayon::prelude::*;
 
 /// Layer-norm forward; also stores each row's mean and 1/std for the backward pass.
@@ -294,6 +295,7 @@ pub mod naive {
 
 #[cfg(test)]
 mod tests {
+    use super::super::conformance::{Case, Out, check_stored_as, stored};
     use super::super::reduce::testutil::*;
     use super::*;
     use half::{bf16, f16};
@@ -410,60 +412,49 @@ mod tests {
         assert!(a == with_threads(2, run) && a == with_threads(3, run));
     }
 
-    /// bf16 / f16: forward and backward are the f32 kernel on the widened inputs, each stored
-    /// element rounded once (mean and rstd bitwise equal), for 1 and 3 threads.
-    fn narrow_is_f32_rounded<T: Elem>() {
-        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+    /// One shape of [`SHAPES`]: forward and backward stored as bf16 / f16 are the f32 kernel
+    /// on the widened inputs, each stored element rounded once (mean and rstd bitwise equal),
+    /// for 1 and 3 threads.
+    struct Narrow(usize);
+
+    impl Case for Narrow {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let si = self.0;
+            let (n, c) = SHAPES[si];
             let (inp, w, b) = data(n, c, si as u64 * 10);
-            let (inp, w, b): (Vec<T>, Vec<T>, Vec<T>) =
-                (narrow_vec(&inp), narrow_vec(&w), narrow_vec(&b));
-            let dout: Vec<T> = narrow_vec(&randn(n * c, 1.0, 77 + si as u64));
-            let di0: Vec<T> = narrow_vec(&randn(n * c, 1.0, 78 + si as u64));
-            let dw0: Vec<T> = narrow_vec(&randn(c, 1.0, 79 + si as u64));
-            let db0: Vec<T> = narrow_vec(&randn(c, 1.0, 80 + si as u64));
-            let run = || {
-                let nan = T::from_f32(f32::NAN);
-                let (mut o, mut m, mut r) = (vec![nan; n * c], vec![0.0; n], vec![0.0; n]);
-                layernorm_forward(&mut o, &mut m, &mut r, &inp, &w, &b, n, c, 1e-5);
-                let (mut di, mut dw, mut db) = (di0.clone(), dw0.clone(), db0.clone());
-                layernorm_backward(&mut di, &mut dw, &mut db, &dout, &inp, &w, &m, &r, n, c);
-                (o, m, r, di, dw, db)
-            };
-            let (o, m, r, di, dw, db) = with_threads(1, run);
-            let (o3, m3, r3, di3, dw3, db3) = with_threads(3, run);
-            let what = format!("{} {n}x{c}", T::NAME);
-            assert!(
-                bits(&o) == bits(&o3) && m == m3 && r == r3 && bits(&di) == bits(&di3),
-                "threads {what}"
-            );
-            assert!(
-                bits(&dw) == bits(&dw3) && bits(&db) == bits(&db3),
-                "threads {what}"
-            );
-            let (inp, w, b) = (widen_vec(&inp), widen_vec(&w), widen_vec(&b));
-            let (mut o32, mut m32, mut r32) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
-            layernorm_forward(&mut o32, &mut m32, &mut r32, &inp, &w, &b, n, c, 1e-5);
-            let (mut di32, mut dw32, mut db32) =
-                (widen_vec(&di0), widen_vec(&dw0), widen_vec(&db0));
-            let dout = widen_vec(&dout);
-            let (d, dw_, db_) = (&mut di32, &mut dw32, &mut db32);
-            layernorm_backward(d, dw_, db_, &dout, &inp, &w, &m32, &r32, n, c);
-            assert_rounded_f32(&o, &o32, &format!("out {what}"));
-            assert_eq!((m, r), (m32, r32), "mean, rstd {what}");
-            assert_rounded_f32(&di, &di32, &format!("dinp {what}"));
-            assert_rounded_f32(&dw, &dw32, &format!("dweight {what}"));
-            assert_rounded_f32(&db, &db32, &format!("dbias {what}"));
+            let (inp, w, b): (Vec<S>, Vec<S>, Vec<S>) =
+                (stored::<T, S>(&inp), stored::<T, S>(&w), stored::<T, S>(&b));
+            let dout: Vec<S> = stored::<T, S>(&randn(n * c, 1.0, 77 + si as u64));
+            let mut di: Vec<S> = stored::<T, S>(&randn(n * c, 1.0, 78 + si as u64));
+            let mut dw: Vec<S> = stored::<T, S>(&randn(c, 1.0, 79 + si as u64));
+            let mut db: Vec<S> = stored::<T, S>(&randn(c, 1.0, 80 + si as u64));
+            let nan = S::from_f32(f32::NAN);
+            let (mut o, mut m, mut r) = (vec![nan; n * c], vec![0.0; n], vec![0.0; n]);
+            layernorm_forward(&mut o, &mut m, &mut r, &inp, &w, &b, n, c, 1e-5);
+            layernorm_backward(&mut di, &mut dw, &mut db, &dout, &inp, &w, &m, &r, n, c);
+            vec![
+                Out::stored("out", &o),
+                Out::f32("mean", &m),
+                Out::f32("rstd", &r),
+                Out::stored("dinp", &di),
+                Out::stored("dweight", &dw),
+                Out::stored("dbias", &db),
+            ]
         }
     }
 
     #[test]
     fn bf16_is_f32_rounded() {
-        narrow_is_f32_rounded::<bf16>();
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            check_stored_as::<bf16>(&Narrow(si), &format!("layernorm {n}x{c}"));
+        }
     }
 
     #[test]
     fn f16_is_f32_rounded() {
-        narrow_is_f32_rounded::<f16>();
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            check_stored_as::<f16>(&Narrow(si), &format!("layernorm {n}x{c}"));
+        }
     }
 
     /// A non-finite input poisons its row (forward, dinp) and its column sums (dweight,

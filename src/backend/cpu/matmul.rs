@@ -1,198 +1,31 @@
-//! Linear layers and general GEMM on the `gemm` crate. Weights use Hugging Face's Conv1D
-//! layout, `[IC, OC]` row-major, so `out[N, OC] = inp[N, IC] @ w[IC, OC] + b[OC]`.
+//! Linear layers: `out[N, OC] = inp[N, IC] @ w[IC, OC] + b[OC]`, weights in Hugging Face's
+//! Conv1D layout (`[IC, OC]` row-major), forward and backward. The products run on the GEMMs
+//! of [`super::gemm`]: [`sgemm`] for f32 storage, [`gemm_mixed`] for bf16/f16.
 //!
-//! Transposed operands are passed to `gemm` as strides, never copied. `gemm` splits the output
-//! into tiles across threads and walks the reduction dimension sequentially inside a tile,
-//! so results are deterministic for a given thread count. Note that `gemm` allocates its own
-//! packing buffers internally; `sgemm` splits calls into row blocks so they stay below
-//! [`GEMM_PACK_BYTES`] (the plan counts them); nothing else here allocates.
 //! The bias gradient is a column sum in which each task owns a fixed slice of columns and
-//! walks all rows in order (identical for any thread count, no workspace).
+//! walks all rows in order (identical for any thread count, no workspace). Nothing here
+//! allocates (`gemm`'s own packing scratch is bounded and counted by the plan, see
+//! [`packing_bytes`](super::gemm::f32::packing_bytes)).
 //!
 //! The linear layer is generic over the storage type ([`Elem`]). For f32 it is the f32 kernel
 //! (same code, bit-identical, no workspace); for bf16/f16 the products run through
-//! [`gemm_mixed`](super::gemm_mixed) (operands widened to f32 tile by tile, f32 accumulation,
-//! one rounding per output element per call), which needs
-//! [`gemm_mixed_workspace_len`](super::gemm_mixed::gemm_mixed_workspace_len) f32 of
+//! [`gemm_mixed`] (tile by tile, f32 accumulation, one rounding per output element per
+//! call), which needs
+//! [`gemm_mixed_workspace_len`](super::gemm::mixed::gemm_mixed_workspace_len) f32 of
 //! workspace; the bias gradient is summed in f32 and added to `dbias` once per element.
 
-use super::elem::Elem;
-use super::gemm_mixed::{MIXED_BLOCK, as_f32, as_f32_mut, gemm_mixed, gemm_mixed_blocked};
-use super::reduce::{COL_CHUNK, multiversion, rows_per_task};
-use gemm::{Parallelism, gemm};
+use super::elem::{Elem, as_f32, as_f32_mut};
+use super::features::multiversion;
+use super::gemm::f32::sgemm;
+use super::gemm::mixed::{MIXED_BLOCK, gemm_mixed, gemm_mixed_blocked};
+use super::reduce::{COL_CHUNK, rows_per_task};
 use rayon::prelude::*;
-
-/// Below this many multiply-adds a GEMM runs single-threaded.
-const PAR_MIN_MACS: usize = 64 * 64 * 64;
-
-fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
-    let threads = rayon::current_num_threads();
-    if threads <= 1 || m.saturating_mul(n).saturating_mul(k) < PAR_MIN_MACS {
-        Parallelism::None
-    } else {
-        Parallelism::Rayon(threads)
-    }
-}
-
-/// Elements a row-major `rows × cols` matrix with row stride `ld` spans.
-pub(super) fn span(rows: usize, cols: usize, ld: usize) -> usize {
-    if rows == 0 || cols == 0 {
-        0
-    } else {
-        (rows - 1) * ld + cols
-    }
-}
-
-/// Panics (naming `who`) unless the strides and lengths cover the windows of a GEMM
-/// `c[m,n] = op(a)[m,k] @ op(b)[k,n]` laid out as [`sgemm`] describes. The GEMMs read their
-/// operands through raw pointers on the strength of this check: it runs in release builds.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn check_windows(
-    who: &str,
-    (m, n, k): (usize, usize, usize),
-    (a_len, lda, a_trans): (usize, usize, bool),
-    (b_len, ldb, b_trans): (usize, usize, bool),
-    (c_len, ldc): (usize, usize),
-) {
-    let (a_rows, a_cols) = if a_trans { (k, m) } else { (m, k) };
-    let (b_rows, b_cols) = if b_trans { (n, k) } else { (k, n) };
-    assert!(lda >= a_cols, "{who}: lda {lda} < {a_cols}");
-    assert!(ldb >= b_cols, "{who}: ldb {ldb} < {b_cols}");
-    assert!(ldc >= n, "{who}: ldc {ldc} < {n}");
-    assert!(a_len >= span(a_rows, a_cols, lda), "{who}: a too short");
-    assert!(b_len >= span(b_rows, b_cols, ldb), "{who}: b too short");
-    assert!(c_len >= span(m, n, ldc), "{who}: c too short");
-}
-
-/// The common entry of the f32-output GEMMs: [`check_windows`], then the degenerate
-/// products settled here. Returns false when nothing is left to compute: `m` or `n` is 0, or
-/// `k` is 0 (the window of `c` zeroed unless accumulating).
-pub(super) fn checked_work(
-    who: &str,
-    (m, n, k): (usize, usize, usize),
-    a: (usize, usize, bool), // (len, lda, trans)
-    b: (usize, usize, bool), // (len, ldb, trans)
-    c: &mut [f32],
-    ldc: usize,
-    accumulate: bool,
-) -> bool {
-    check_windows(who, (m, n, k), a, b, (c.len(), ldc));
-    if m == 0 || n == 0 {
-        return false;
-    }
-    if k == 0 {
-        if !accumulate {
-            for row in c.chunks_mut(ldc).take(m) {
-                row[..n].fill(0.0);
-            }
-        }
-        return false;
-    }
-    true
-}
-
-/// General strided single-precision GEMM used by the executor for the tied LM head:
-/// `c[m,n] = (accumulate ? c : 0) + alpha * op(a)[m,k] @ op(b)[k,n], where op transposes when`
-/// the flag is set; a, b, c are row-major with the given leading dimensions (lda etc. = row
-/// stride in elements of the stored matrix: a is stored `[m, k]`, or `[k, m]` when `trans_a`).
-/// Elements of `c` outside the `m × n` window (row padding when `ldc > n`) are untouched.
-#[allow(clippy::too_many_arguments)]
-pub fn sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
-    a: &[f32], // stored [m, k] (or [k, m] if trans_a), row stride lda
-    lda: usize,
-    trans_a: bool,
-    b: &[f32], // stored [k, n] (or [n, k] if trans_b), row stride ldb
-    ldb: usize,
-    trans_b: bool,
-    c: &mut [f32], // [m, n], row stride ldc
-    ldc: usize,
-    accumulate: bool,
-) {
-    if !checked_work(
-        "sgemm",
-        (m, n, k),
-        (a.len(), lda, trans_a),
-        (b.len(), ldb, trans_b),
-        c,
-        ldc,
-        accumulate,
-    ) {
-        return;
-    }
-    let (a_rs, a_cs) = if trans_a {
-        (1, lda as isize)
-    } else {
-        (lda as isize, 1)
-    };
-    let (b_rs, b_cs) = if trans_b {
-        (1, ldb as isize)
-    } else {
-        (ldb as isize, 1)
-    };
-    // Row blocks of at most GEMM_M_BLOCK rows of c bound gemm's packing scratch (it packs a
-    // panel of kc × rows of op(a) after transposing our row-major problem).
-    let mut i0 = 0;
-    while i0 < m {
-        let rows = GEMM_M_BLOCK.min(m - i0);
-        // Offset of row i0 of op(a): a row of the stored matrix, or a column when transposed.
-        let a_off = if trans_a { i0 } else { i0 * lda };
-        // SAFETY: `checked_work`'s asserts prove every (row, col) index gemm touches lies inside `a`,
-        // `b` and `c` (a block is a sub-window of the checked window); `c` is a unique borrow,
-        // so it aliases neither input; ldc >= n keeps distinct output elements distinct, so the
-        // parallel tiles never overlap.
-        unsafe {
-            gemm(
-                rows,
-                n,
-                k,
-                c.as_mut_ptr().add(i0 * ldc),
-                1,
-                ldc as isize,
-                accumulate,
-                a.as_ptr().add(a_off),
-                a_cs,
-                a_rs,
-                b.as_ptr(),
-                b_cs,
-                b_rs,
-                1.0,
-                alpha,
-                false,
-                false,
-                false,
-                parallelism(rows, n, k),
-            );
-        }
-        i0 += rows;
-    }
-}
-
-/// Rows of `c` per `gemm` call. `gemm` packs a kc × rows panel (kc ≤ 1024) per call, so this
-/// bounds its scratch to [`GEMM_PACK_BYTES`] while keeping every call large enough to run at
-/// full speed.
-pub const GEMM_M_BLOCK: usize = 2048;
-
-/// Largest reduction depth `gemm` packs at once (its kc).
-const GEMM_KC_MAX: usize = 1024;
-
-/// Upper bound of the packing scratch one `sgemm` call makes `gemm` allocate.
-pub const GEMM_PACK_BYTES: u64 = (GEMM_M_BLOCK * GEMM_KC_MAX * 4) as u64;
-
-/// Packing scratch of an `sgemm` call with `m` output rows and reduction depth `k`: a
-/// kc × rows panel, kc ≤ 1024, rows ≤ [`GEMM_M_BLOCK`] (at most [`GEMM_PACK_BYTES`]).
-pub fn packing_bytes(m: usize, k: usize) -> u64 {
-    (m.min(GEMM_M_BLOCK) * k.min(GEMM_KC_MAX) * 4) as u64
-}
 
 /// out = (accumulate ? out : 0) + inp @ weight + bias, stored as `T`.
 ///
 /// f32: the f32 kernel (`ws` unused, may be empty). bf16/f16: [`gemm_mixed`] with the bias
 /// folded into its f32 output tile (f32 accumulation, one rounding per element); `ws` must
-/// hold [`gemm_mixed_workspace_len`](super::gemm_mixed::gemm_mixed_workspace_len) f32.
+/// hold [`gemm_mixed_workspace_len`](super::gemm::mixed::gemm_mixed_workspace_len) f32.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_forward<T: Elem, W: Elem>(
     out: &mut [T],      // [N, OC]
@@ -270,7 +103,7 @@ fn matmul_forward_f32(
 /// f32: the f32 kernel (`ws` unused, may be empty). bf16/f16: two [`gemm_mixed`] calls (f32
 /// accumulation over all N rows, one rounding of each dinp/dweight element) and an f32
 /// column sum added to each dbias element once; `ws` must hold
-/// [`gemm_mixed_workspace_len`](super::gemm_mixed::gemm_mixed_workspace_len) f32.
+/// [`gemm_mixed_workspace_len`](super::gemm::mixed::gemm_mixed_workspace_len) f32.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward<T: Elem, W: Elem>(
     dinp: &mut [T],          // [N, IC] overwritten
@@ -453,54 +286,13 @@ pub mod naive {
             }
         }
     }
-
-    /// Same contract as the fast `sgemm`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn sgemm(
-        m: usize,
-        n: usize,
-        k: usize,
-        alpha: f32,
-        a: &[f32], // stored [m, k] (or [k, m] if trans_a), row stride lda
-        lda: usize,
-        trans_a: bool,
-        b: &[f32], // stored [k, n] (or [n, k] if trans_b), row stride ldb
-        ldb: usize,
-        trans_b: bool,
-        c: &mut [f32], // [m, n], row stride ldc
-        ldc: usize,
-        accumulate: bool,
-    ) {
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = 0.0f64;
-                for p in 0..k {
-                    let av = if trans_a {
-                        a[p * lda + i]
-                    } else {
-                        a[i * lda + p]
-                    };
-                    let bv = if trans_b {
-                        b[j * ldb + p]
-                    } else {
-                        b[p * ldb + j]
-                    };
-                    s += av as f64 * bv as f64;
-                }
-                let prev = if accumulate {
-                    c[i * ldc + j] as f64
-                } else {
-                    0.0
-                };
-                c[i * ldc + j] = (prev + alpha as f64 * s) as f32;
-            }
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm_mixed::gemm_mixed_workspace_len;
+    use super::super::conformance::{Case, Out, Tol, check_stored_as, stored};
+    use super::super::elem::is_f32;
+    use super::super::gemm::mixed::gemm_mixed_workspace_len;
     use super::super::reduce::testutil::*;
     use super::*;
     use half::{bf16, f16};
@@ -670,91 +462,7 @@ mod tests {
     }
 
     #[test]
-    fn sgemm_splits_tall_problems_into_row_blocks() {
-        let (m, n, k) = (2 * GEMM_M_BLOCK + 3, 5, 7);
-        for trans_a in [false, true] {
-            let (ar, ac) = if trans_a { (k, m) } else { (m, k) };
-            let a = randn(ar * ac, 1.0, 1);
-            let b = randn(k * n, 1.0, 2);
-            let (mut c1, mut c2) = (randn(m * n, 1.0, 3), vec![0f32; m * n]);
-            c2.copy_from_slice(&c1);
-            sgemm(
-                m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c1, n, true,
-            );
-            naive::sgemm(
-                m, n, k, 0.5, &a, ac, trans_a, &b, n, false, &mut c2, n, true,
-            );
-            assert_close(&c1, &c2, 1e-4, 1e-5, &format!("tall sgemm ta={trans_a}"));
-        }
-    }
-
-    #[test]
-    fn sgemm_all_transposes_strides_and_alpha() {
-        let shapes = [
-            (1usize, 1usize, 1usize),
-            (7, 5, 3),
-            (33, 17, 65),
-            (70, 129, 40),
-            (2, 300, 9),
-        ];
-        for (si, &(m, n, k)) in shapes.iter().enumerate() {
-            for trans_a in [false, true] {
-                for trans_b in [false, true] {
-                    for accumulate in [false, true] {
-                        let (ar, ac) = if trans_a { (k, m) } else { (m, k) };
-                        let (br, bc) = if trans_b { (n, k) } else { (k, n) };
-                        let (lda, ldb, ldc) = (ac + 3, bc + 1, n + 5);
-                        let a = randn(ar * lda, 1.0, si as u64);
-                        let b = randn(br * ldb, 1.0, 10 + si as u64);
-                        let c0 = randn(m * ldc, 1.0, 20 + si as u64);
-                        let (mut c1, mut c2) = (c0.clone(), c0.clone());
-                        let alpha = -0.75;
-                        sgemm(
-                            m, n, k, alpha, &a, lda, trans_a, &b, ldb, trans_b, &mut c1, ldc,
-                            accumulate,
-                        );
-                        naive::sgemm(
-                            m, n, k, alpha, &a, lda, trans_a, &b, ldb, trans_b, &mut c2, ldc,
-                            accumulate,
-                        );
-                        let what =
-                            format!("{m}x{n}x{k} ta={trans_a} tb={trans_b} acc={accumulate}");
-                        assert_close(&c1, &c2, 2e-5 * (k as f32).sqrt(), 1e-5, &what);
-                        // Row padding of c is untouched.
-                        for i in 0..m {
-                            assert_eq!(
-                                &c1[i * ldc + n..(i + 1) * ldc],
-                                &c0[i * ldc + n..(i + 1) * ldc]
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn sgemm_degenerate_sizes() {
-        let mut c = vec![5.0f32; 6];
-        sgemm(2, 3, 0, 1.0, &[], 0, false, &[], 3, false, &mut c, 3, true);
-        assert_eq!(c, vec![5.0; 6]);
-        sgemm(2, 3, 0, 1.0, &[], 0, false, &[], 3, false, &mut c, 3, false);
-        assert_eq!(c, vec![0.0; 6]);
-        sgemm(
-            0,
-            3,
-            4,
-            1.0,
-            &[],
-            4,
-            false,
-            &[1.0; 12],
-            3,
-            false,
-            &mut [],
-            3,
-            false,
-        );
+    fn forward_without_inputs_is_the_bias() {
         let mut out = vec![f32::NAN; 4];
         matmul_forward(
             &mut out,
@@ -837,30 +545,60 @@ mod tests {
         (1100, 40, 1030),
     ];
 
-    /// matmul_forward::<T> against the f32 kernel on the same T-representable inputs: equal
-    /// up to the one rounding of each output to T.
+    /// The workspace of a linear layer stored as `S` (none for f32).
+    fn ws_for<S: Elem>() -> Vec<f32> {
+        if is_f32::<S>() {
+            vec![]
+        } else {
+            vec![f32::NAN; gemm_mixed_workspace_len()]
+        }
+    }
+
+    /// The tolerance of a result summed over `depth` products and stored as `T`: up to the
+    /// one rounding of each output to `T`.
+    fn tol<T: Elem>(depth: usize) -> Tol {
+        Tol {
+            rel: store_rtol::<T>(),
+            of_max: 0.0,
+            abs: 2e-5 * (depth as f32).sqrt(),
+        }
+    }
+
+    /// matmul_forward stored as `T` against the f32 kernel on the same T-representable
+    /// inputs: equal up to the one rounding of each output to `T`.
+    struct Forward {
+        shape: (usize, usize, usize), // (N, IC, OC)
+        seed: u64,
+        accumulate: bool,
+        with_bias: bool,
+    }
+
+    impl Case for Forward {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let ((n, ic, oc), s) = (self.shape, self.seed);
+            let inp: Vec<S> = stored::<T, S>(&randn(n * ic, 1.0, s));
+            let w: Vec<S> = stored::<T, S>(&randn(ic * oc, 0.5, s + 1));
+            let bias: Vec<S> = stored::<T, S>(&randn(oc, 1.0, s + 2));
+            let mut out: Vec<S> = stored::<T, S>(&randn(n * oc, 1.0, s + 3));
+            let b = self.with_bias.then_some(bias.as_slice());
+            let mut ws = ws_for::<S>();
+            matmul_forward(&mut out, &inp, &w, b, n, ic, oc, self.accumulate, &mut ws);
+            vec![Out::stored("out", &out).close(tol::<T>(ic))]
+        }
+    }
+
     fn forward_vs_f32<T: Elem>() {
-        let mut ws = vec![f32::NAN; gemm_mixed_workspace_len()];
         for (si, &(n, ic, oc)) in MIXED_SHAPES.iter().enumerate() {
-            let s = 10 * si as u64;
-            let (inp, inp32) = rand_elem::<T>(n * ic, 1.0, s);
-            let (w, w32) = rand_elem::<T>(ic * oc, 0.5, s + 1);
-            let (bias, bias32) = rand_elem::<T>(oc, 1.0, s + 2);
-            let (init, init32) = rand_elem::<T>(n * oc, 1.0, s + 3);
             for accumulate in [false, true] {
                 for with_bias in [false, true] {
-                    let mut got = init.clone();
-                    let mut want = init32.clone();
-                    let b = with_bias.then_some(bias.as_slice());
-                    let b32 = with_bias.then_some(bias32.as_slice());
-                    matmul_forward(&mut got, &inp, &w, b, n, ic, oc, accumulate, &mut ws);
-                    matmul_forward(&mut want, &inp32, &w32, b32, n, ic, oc, accumulate, &mut []);
-                    let what = format!(
-                        "{} fwd {n}x{ic}x{oc} acc={accumulate} bias={with_bias}",
-                        T::NAME
-                    );
-                    let atol = 2e-5 * (ic as f32).sqrt();
-                    assert_close(&widened(&got), &want, atol, store_rtol::<T>(), &what);
+                    let case = Forward {
+                        shape: (n, ic, oc),
+                        seed: 10 * si as u64,
+                        accumulate,
+                        with_bias,
+                    };
+                    let what = format!("fwd {n}x{ic}x{oc} acc={accumulate} bias={with_bias}");
+                    check_stored_as::<T>(&case, &what);
                 }
             }
         }
@@ -876,59 +614,57 @@ mod tests {
         forward_vs_f32::<f16>();
     }
 
-    #[test]
-    fn backward_bf16_matches_f32_kernel() {
-        let mut ws = vec![f32::NAN; gemm_mixed_workspace_len()];
-        for (si, &(n, ic, oc)) in MIXED_SHAPES.iter().enumerate() {
-            let s = 10 * si as u64;
-            let (inp, inp32) = rand_elem::<bf16>(n * ic, 1.0, s);
-            let (w, w32) = rand_elem::<bf16>(ic * oc, 0.5, s + 1);
-            let (dout, dout32) = rand_elem::<bf16>(n * oc, 1.0, s + 2);
-            let (dw0, dw032) = rand_elem::<bf16>(ic * oc, 1.0, s + 3);
-            let (db0, db032) = rand_elem::<bf16>(oc, 1.0, s + 4);
-            let mut dinp = vec![bf16::NAN; n * ic];
-            let (mut dw, mut db) = (dw0.clone(), db0.clone());
-            matmul_backward(
-                &mut dinp,
-                &mut dw,
-                Some(&mut db),
-                &dout,
-                &inp,
-                &w,
-                n,
-                ic,
-                oc,
-                &mut ws,
-            );
-            let mut dinp32 = vec![0.0; n * ic];
-            let (mut dw32, mut db32) = (dw032.clone(), db032.clone());
-            matmul_backward(
-                &mut dinp32,
-                &mut dw32,
-                Some(&mut db32),
-                &dout32,
-                &inp32,
-                &w32,
-                n,
-                ic,
-                oc,
-                &mut [],
-            );
-            let what = format!("bf16 bwd {n}x{ic}x{oc}");
-            let rt = store_rtol::<bf16>();
-            let (at_oc, at_n) = (2e-5 * (oc as f32).sqrt(), 2e-5 * (n as f32).sqrt());
-            assert_close(&widened(&dinp), &dinp32, at_oc, rt, &format!("dinp {what}"));
-            assert_close(&widened(&dw), &dw32, at_n, rt, &format!("dw {what}"));
-            assert_close(&widened(&db), &db32, at_n, rt, &format!("db {what}"));
-            // Without a bias gradient dweight is the same, and dinp is overwritten again.
-            let mut dw2 = dw0.clone();
-            let mut dinp2 = vec![bf16::NAN; n * ic];
+    /// matmul_backward stored as `T` against the f32 kernel on the same T-representable
+    /// inputs, with a bias gradient and without one.
+    struct Backward {
+        shape: (usize, usize, usize), // (N, IC, OC)
+        seed: u64,
+    }
+
+    impl Case for Backward {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let ((n, ic, oc), s) = (self.shape, self.seed);
+            let inp: Vec<S> = stored::<T, S>(&randn(n * ic, 1.0, s));
+            let w: Vec<S> = stored::<T, S>(&randn(ic * oc, 0.5, s + 1));
+            let dout: Vec<S> = stored::<T, S>(&randn(n * oc, 1.0, s + 2));
+            let dw0: Vec<S> = stored::<T, S>(&randn(ic * oc, 1.0, s + 3));
+            let mut db: Vec<S> = stored::<T, S>(&randn(oc, 1.0, s + 4));
+            let mut ws = ws_for::<S>();
+            let mut dinp = vec![S::from_f32(f32::NAN); n * ic];
+            let mut dw = dw0.clone();
+            let db_ = Some(&mut db[..]);
             let args = (&dout, &inp, &w);
+            matmul_backward(
+                &mut dinp, &mut dw, db_, args.0, args.1, args.2, n, ic, oc, &mut ws,
+            );
+            // Without a bias gradient: dinp overwritten again, dweight accumulated the same.
+            let mut dinp2 = vec![S::from_f32(f32::NAN); n * ic];
+            let mut dw2 = dw0;
             matmul_backward(
                 &mut dinp2, &mut dw2, None, args.0, args.1, args.2, n, ic, oc, &mut ws,
             );
+            vec![
+                Out::stored("dinp", &dinp).close(tol::<T>(oc)),
+                Out::stored("dweight", &dw).close(tol::<T>(n)),
+                Out::stored("dbias", &db).close(tol::<T>(n)),
+                Out::stored("dinp without dbias", &dinp2).close(tol::<T>(oc)),
+                Out::stored("dweight without dbias", &dw2).close(tol::<T>(n)),
+            ]
+        }
+    }
+
+    #[test]
+    fn backward_bf16_matches_f32_kernel() {
+        for (si, &(n, ic, oc)) in MIXED_SHAPES.iter().enumerate() {
+            let case = Backward {
+                shape: (n, ic, oc),
+                seed: 10 * si as u64,
+            };
+            let what = format!("bwd {n}x{ic}x{oc}");
+            let (got, _) = check_stored_as::<bf16>(&case, &what);
+            let bits = |o: &Out| o.f32s().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert!(
-                dw2 == dw && dinp2 == dinp,
+                bits(&got[3]) == bits(&got[0]) && bits(&got[4]) == bits(&got[1]),
                 "{what}: dbias = None changed the rest"
             );
         }

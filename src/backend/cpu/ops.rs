@@ -7,7 +7,8 @@
 
 use super::device::{CpuDevice, two_ranges};
 use super::elem::Elem;
-use super::{adamw, attention, encoder, gelu, gemm_mixed, layernorm, matmul, quant, reduce, xent};
+use super::gemm::mixed as gemm_mixed;
+use super::{adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::plan::schedule::{Op, ParamSlice};

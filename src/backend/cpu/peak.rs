@@ -11,6 +11,8 @@
 //! accumulators so the work cannot be optimised away; the tests check that sum against a
 //! scalar twin, which proves the loop performs the multiply-adds it is credited with.
 
+use super::features::features;
+
 /// Independent accumulator vectors per thread.
 pub const CHAINS: usize = 16;
 
@@ -40,16 +42,12 @@ enum Isa {
 
 impl Isa {
     fn detect() -> Option<Isa> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Some(Isa::Avx512);
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Some(Isa::Avx2);
-            }
+        let f = features();
+        if f.avx512f {
+            return Some(Isa::Avx512);
+        }
+        if f.avx2 && f.fma {
+            return Some(Isa::Avx2);
         }
         None
     }
@@ -175,11 +173,14 @@ mod tests {
             .sum()
     }
 
-    #[test]
-    fn vector_loop_does_the_multiply_adds_of_its_scalar_twin() {
-        let Some(isa) = Isa::detect() else {
-            return; // no vector loop on this CPU: `measure` returns None (tested below)
+    /// The vector loop of `isa` against its scalar twin; panics when the CPU lacks `isa`.
+    fn loop_does_the_multiply_adds_of_its_scalar_twin(isa: Isa) {
+        let f = features();
+        let runs = match isa {
+            Isa::Avx512 => f.avx512f,
+            Isa::Avx2 => f.avx2 && f.fma,
         };
+        assert!(runs, "this CPU cannot run the {} loop", isa.name());
         for iters in [0, 1, 7, 1000, 100_000] {
             let got = isa.run(iters) as f64;
             let want = chains_naive(iters, isa.lanes());
@@ -191,6 +192,20 @@ mod tests {
         }
         // The result depends on the iteration count, so no iteration can be skipped.
         assert_ne!(isa.run(1000), isa.run(1001));
+    }
+
+    /// The AVX2 + FMA loop (every x86-64 CPU memwall targets has AVX2 + FMA; the test fails
+    /// on one without).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_loop_does_the_multiply_adds_of_its_scalar_twin() {
+        loop_does_the_multiply_adds_of_its_scalar_twin(Isa::Avx2);
+    }
+
+    #[test]
+    #[ignore = "needs AVX-512F"]
+    fn avx512_loop_does_the_multiply_adds_of_its_scalar_twin() {
+        loop_does_the_multiply_adds_of_its_scalar_twin(Isa::Avx512);
     }
 
     #[test]

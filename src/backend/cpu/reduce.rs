@@ -1,25 +1,23 @@
-//! Whole-buffer reductions and elementwise passes (gradient-norm sum of squares, gradient
-//! scaling, residual add, finiteness check), plus the small vectorisable building blocks the other CPU kernels share: a
-//! branch-free `exp_f32`, lane-split sums and maxima, and the fixed task sizes that make every
-//! kernel's work partitioning independent of the thread count.
+//! Whole-buffer reductions (the gradient-norm sum of squares), plus the small vectorisable
+//! building blocks the other CPU kernels share: a branch-free `exp_f32`, lane-split sums and
+//! maxima, and the fixed task sizes that make every kernel's work partitioning independent of
+//! the thread count.
 //!
-//! `sum_squares`, `all_finite` and the lane sums `sum_f32`,
-//! `sum_sq_dev_f32` are generic over the storage type ([`Elem`]); elements are widened
-//! exactly to f32, so the f32 instantiation is the f32 kernel and the others see the stored
-//! values exactly.
+//! `sum_squares` and the lane sums `sum_f32`, `sum_sq_dev_f32` are generic over the storage
+//! type ([`Elem`]); elements are widened exactly to f32, so the f32 instantiation is the f32
+//! kernel and the others see the stored values exactly.
 //!
-//! Determinism: elementwise passes give each element the same arithmetic whatever the split;
-//! `sum_squares` sums fixed `ELEM_CHUNK`-sized chunks and combines them along a binary tree
-//! whose shape depends only on the length, so its result is identical for any thread count.
+//! Determinism: `sum_squares` sums fixed `ELEM_CHUNK`-sized chunks and combines them along a
+//! binary tree whose shape depends only on the length, so its result is identical for any
+//! thread count.
 //!
-//! Vector width: the crate is built for baseline x86-64 (SSE2), so the hot loops of all CPU
-//! kernels are wrapped in `multiversion!`, which compiles them again for
-//! AVX2+FMA and AVX-512 and picks one at run time ([`isa`]). The arithmetic is written
-//! without `mul_add`, so every variant gives bit-identical results (a test checks this).
+//! Vector width: the hot loops here, as in every CPU kernel, are wrapped in `multiversion!`
+//! (see [`super::features`]), which compiles them for AVX2+FMA and AVX-512 too and picks one
+//! at run time; every variant gives bit-identical results (a test here checks this for all
+//! the kernels).
 
 use super::elem::Elem;
-use rayon::prelude::*;
-use std::sync::atomic::{AtomicU8, Ordering};
+use super::features::multiversion;
 
 /// Elements per parallel task of the elementwise kernels (128 KiB of f32). A constant, not a
 /// function of the thread count, so partitioning never depends on the pool size.
@@ -35,108 +33,6 @@ pub fn rows_per_task(row_len: usize) -> usize {
 /// Column-slice width for kernels that reduce over rows (bias and norm-weight gradients):
 /// each task owns `COL_CHUNK` columns and walks all rows in order.
 pub const COL_CHUNK: usize = 64;
-
-/// Vector instruction set the elementwise loops are compiled for (see `multiversion!`).
-/// Every variant performs the same arithmetic in the same order (no FMA contraction), so
-/// results are bit-identical whichever one runs; only the speed differs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Isa {
-    /// The build's baseline target (SSE2 on x86-64).
-    Baseline = 1,
-    /// AVX2 + FMA.
-    Avx2 = 2,
-    /// AVX-512F (+ AVX2, FMA).
-    Avx512 = 3,
-}
-
-static ISA: AtomicU8 = AtomicU8::new(0);
-
-/// The best instruction set this CPU supports.
-pub fn detected_isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        if avx2 && is_x86_feature_detected!("avx512f") {
-            return Isa::Avx512;
-        }
-        if avx2 {
-            return Isa::Avx2;
-        }
-    }
-    Isa::Baseline
-}
-
-/// The instruction set in use: the detected one, capped by `MEMWALL_CPU_ISA`
-/// (`baseline`, `avx2` or `avx512`) when that is set, or by [`set_isa`].
-#[inline]
-pub fn isa() -> Isa {
-    match ISA.load(Ordering::Relaxed) {
-        1 => Isa::Baseline,
-        2 => Isa::Avx2,
-        3 => Isa::Avx512,
-        _ => {
-            let cap = match std::env::var("MEMWALL_CPU_ISA").as_deref() {
-                Ok("baseline") => Isa::Baseline,
-                Ok("avx2") => Isa::Avx2,
-                _ => Isa::Avx512,
-            };
-            set_isa(cap)
-        }
-    }
-}
-
-/// Caps the instruction set at `want` (never above what the CPU supports); returns the one
-/// now in use. For benchmarks and tests; the results do not depend on it.
-pub fn set_isa(want: Isa) -> Isa {
-    let got = want.min(detected_isa());
-    ISA.store(got as u8, Ordering::Relaxed);
-    got
-}
-
-/// Defines a function whose body is compiled three times (baseline, AVX2+FMA, AVX-512) and
-/// dispatched on [`isa()`] at each call, so auto-vectorised loops use the widest vectors the
-/// CPU has although the crate is built for baseline x86-64. Call it on whole chunks (the
-/// dispatch is one relaxed atomic load), never per element. The function may have type
-/// parameters with one bound each (`fn f<T: Elem>(x: &[T])`); each instantiation is
-/// multiversioned.
-macro_rules! multiversion {
-    ($(#[$m:meta])* $vis:vis fn $name:ident $(<$($g:ident : $b:path),+ $(,)?>)?
-        ($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
-        $(#[$m])*
-        #[allow(clippy::too_many_arguments)]
-        $vis fn $name $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
-            #[inline(always)]
-            #[allow(clippy::too_many_arguments)]
-            fn inner $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v512 $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
-                    inner $(::<$($g),+>)? ($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn v256 $(<$($g: $b),+>)? ($($arg: $ty),*) $(-> $ret)? {
-                    inner $(::<$($g),+>)? ($($arg),*)
-                }
-                match $crate::backend::cpu::reduce::isa() {
-                    // SAFETY: isa() never reports an instruction set the CPU lacks.
-                    $crate::backend::cpu::reduce::Isa::Avx512 => {
-                        return unsafe { v512 $(::<$($g),+>)? ($($arg),*) }
-                    }
-                    // SAFETY: as above.
-                    $crate::backend::cpu::reduce::Isa::Avx2 => {
-                        return unsafe { v256 $(::<$($g),+>)? ($($arg),*) }
-                    }
-                    $crate::backend::cpu::reduce::Isa::Baseline => {}
-                }
-            }
-            inner $(::<$($g),+>)? ($($arg),*)
-        }
-    };
-}
-pub(crate) use multiversion;
 
 /// Branch-free `e^x` for f32 (Cephes polynomial, ~2 ulp) that inlines and auto-vectorises,
 /// unlike `f32::exp`, which is a libm call. Below -87.3 it returns exactly 0 (never a
@@ -271,51 +167,6 @@ pub fn sum_squares<T: Elem>(x: &[T] /* [len] */) -> f64 {
     sa + sb
 }
 
-/// x *= s, parallel.
-pub fn scale_inplace(
-    x: &mut [f32], // [len]
-    s: f32,
-) {
-    x.par_chunks_mut(ELEM_CHUNK).for_each(|ch| {
-        for v in ch {
-            *v *= s;
-        }
-    });
-}
-
-/// out = a + b elementwise, parallel (residual add).
-pub fn add(
-    out: &mut [f32], // [len]
-    a: &[f32],       // [len]
-    b: &[f32],       // [len]
-) {
-    assert_eq!(out.len(), a.len(), "add: out/a length");
-    assert_eq!(out.len(), b.len(), "add: out/b length");
-    out.par_chunks_mut(ELEM_CHUNK)
-        .zip(a.par_chunks(ELEM_CHUNK))
-        .zip(b.par_chunks(ELEM_CHUNK))
-        .for_each(|((o, a), b)| {
-            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                *o = a + b;
-            }
-        });
-}
-
-multiversion! {
-    /// true when every element of one chunk is finite (no early exit: vectorises).
-    fn chunk_finite<T: Elem>(
-        x: &[T], // [len]
-    ) -> bool {
-        x.iter().fold(true, |ok, v| ok & v.to_f32().is_finite())
-    }
-}
-
-/// true when every element is finite (of any storage type: an element is finite iff its
-/// exact f32 widening is).
-pub fn all_finite<T: Elem>(x: &[T] /* [len] */) -> bool {
-    x.par_chunks(ELEM_CHUNK).all(chunk_finite)
-}
-
 /// Reference twins: plain loops, f64 accumulation.
 pub mod naive {
     use super::Elem;
@@ -324,29 +175,6 @@ pub mod naive {
         x.iter()
             .map(|&v| (v.to_f32() as f64) * (v.to_f32() as f64))
             .sum()
-    }
-
-    pub fn scale_inplace(
-        x: &mut [f32], // [len]
-        s: f32,
-    ) {
-        for v in x {
-            *v *= s;
-        }
-    }
-
-    pub fn add(
-        out: &mut [f32], // [len]
-        a: &[f32],       // [len]
-        b: &[f32],       // [len]
-    ) {
-        for i in 0..out.len() {
-            out[i] = a[i] + b[i];
-        }
-    }
-
-    pub fn all_finite<T: Elem>(x: &[T] /* [len] */) -> bool {
-        x.iter().all(|v| v.to_f32().is_finite())
     }
 }
 
@@ -370,23 +198,6 @@ pub(crate) mod testutil {
     /// (NaN payloads and signed zeros included).
     pub fn bits<T: Elem>(x: &[T]) -> Vec<u32> {
         x.iter().map(|&v| v.to_f32().to_bits()).collect()
-    }
-
-    /// Asserts `got` (a kernel's result in `T`) is bitwise `want` (the f32 kernel's result
-    /// on the widened inputs) rounded to `T`.
-    #[track_caller]
-    pub fn assert_rounded_f32<T: Elem>(got: &[T], want: &[f32], what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: lengths");
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            let r = T::from_f32(w);
-            assert!(
-                g.to_f32().to_bits() == r.to_f32().to_bits(),
-                "{what}[{i}] ({}): {:?} vs f32 {w} rounded {:?}",
-                T::NAME,
-                g,
-                r
-            );
-        }
     }
 
     /// `n` standard-normal values times `scale`.
@@ -439,6 +250,8 @@ pub(crate) mod testutil {
 
 #[cfg(test)]
 mod tests {
+    use super::super::conformance::{Case, Out, check_stored_as, isa_invariant, isas_here, stored};
+    use super::super::features::{Isa, detected_isa, isa};
     use super::testutil::*;
     use super::*;
 
@@ -508,10 +321,8 @@ mod tests {
         }
     }
 
-    /// Every multiversioned kernel gives bit-identical results on every instruction set
-    /// (this also runs the baseline and AVX2 code paths, which the other tests may not reach).
-    #[test]
-    fn all_isas_bit_identical() {
+    /// The outputs (as bit patterns) of every multiversioned kernel on fixed inputs.
+    fn all_kernels() -> Vec<Vec<u32>> {
         use super::super::{adamw, gelu, layernorm, matmul, xent};
         let run = || {
             let (n, c, v) = (37, 203, 1001);
@@ -561,7 +372,7 @@ mod tests {
                 c,
                 &mut [],
             );
-            let ss = vec![sum_squares(&x) as f32, all_finite(&x) as u8 as f32];
+            let ss = vec![sum_squares(&x) as f32];
             // bf16 instantiations of the generic kernels.
             let xb: Vec<half::bf16> = narrow_vec(&x);
             let (wb, bb): (Vec<half::bf16>, Vec<half::bf16>) = (narrow_vec(&w), narrow_vec(&b));
@@ -576,7 +387,7 @@ mod tests {
             layernorm::layernorm_backward(dib_, dwb_, dbb_, &db16, &xb, &wb, &mub, &rsb, n, c);
             let (mut pb, mut mb, mut vb) = (x.clone(), vec![0.0; n * c], vec![0.0; n * c]);
             adamw::adamw_update(&mut pb, &db16, &mut mb, &mut vb, &hp);
-            let ssb = vec![sum_squares(&db16) as f32, all_finite(&db16) as u8 as f32];
+            let ssb = vec![sum_squares(&db16) as f32];
             let w16 = |v: &[half::bf16]| widen_vec(v);
             [
                 o,
@@ -610,75 +421,59 @@ mod tests {
                 ssb,
             ]
         };
-        let base = {
-            set_isa(Isa::Baseline);
-            run()
-        };
-        for want in [Isa::Avx2, Isa::Avx512] {
-            let got = set_isa(want);
-            let r = run();
-            for (i, (a, b)) in r.iter().zip(&base).enumerate() {
-                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "output {i} differs between {got:?} and Baseline");
-            }
-        }
-        set_isa(Isa::Avx512);
+        run()
+            .iter()
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    }
+
+    /// Every multiversioned kernel gives bit-identical results on every instruction set this
+    /// CPU has (this also runs the baseline and AVX2 code paths, which the other tests may not
+    /// reach).
+    #[test]
+    fn all_isas_bit_identical() {
+        isa_invariant(&isas_here(), all_kernels, "all kernels");
         // And the dispatch never claims more than the CPU has.
         assert!(isa() <= detected_isa());
     }
 
-    /// Narrow storage: `sum_squares` and `all_finite` see exactly the widened values
-    /// (bitwise the f32 result), for any thread count.
+    /// The AVX-512 variants against the baseline (fails on a CPU without AVX-512F).
     #[test]
-    fn sum_squares_and_all_finite_of_narrow_types() {
+    #[ignore = "needs AVX-512F"]
+    fn all_isas_bit_identical_avx512() {
+        isa_invariant(&[Isa::Avx512], all_kernels, "all kernels");
+    }
+
+    /// `sum_squares` of `len` values (times 100): stored as bf16 / f16 it sees exactly the
+    /// widened values (bitwise the f32 result), for any thread count.
+    struct Narrow(usize);
+
+    impl Case for Narrow {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            let n = self.0;
+            let x: Vec<S> = stored::<T, S>(&randn(n, 100.0, 7 + n as u64));
+            vec![Out::f64("sum_squares", &[sum_squares(&x)])]
+        }
+    }
+
+    #[test]
+    fn sum_squares_of_narrow_types() {
         fn check<T: Elem>() {
             for n in [0usize, 5, ELEM_CHUNK + 1, 3 * ELEM_CHUNK + 5] {
+                let (_, want) = check_stored_as::<T>(&Narrow(n), &format!("sum_squares n={n}"));
+                let want = want[0].f64s();
                 let x: Vec<T> = narrow_vec(&randn(n, 100.0, 7 + n as u64));
-                let want = sum_squares(&widen_vec(&x));
-                let got1 = with_threads(1, || sum_squares(&x));
-                let got3 = with_threads(3, || sum_squares(&x));
-                assert_eq!(got1.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
-                assert_eq!(got3.to_bits(), want.to_bits(), "{} n={n}", T::NAME);
-                assert!((got1 - naive::sum_squares(&x)).abs() <= 1e-12 * want.max(1.0));
-                assert!(all_finite(&x) && naive::all_finite(&x));
+                let got = sum_squares(&x);
+                assert_eq!(got.to_bits(), want[0].to_bits(), "{} n={n}", T::NAME);
+                assert!((got - naive::sum_squares(&x)).abs() <= 1e-12 * want[0].max(1.0));
             }
             let mut x: Vec<T> = narrow_vec(&randn(100_000, 1.0, 3));
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 x[77_777] = T::from_f32(bad);
-                assert!(
-                    !all_finite(&x) && !naive::all_finite(&x),
-                    "{} {bad}",
-                    T::NAME
-                );
-                assert!(!sum_squares(&x).is_finite());
+                assert!(!sum_squares(&x).is_finite(), "{} {bad}", T::NAME);
             }
         }
         check::<half::bf16>();
         check::<half::f16>();
-    }
-
-    #[test]
-    fn elementwise_match_naive() {
-        for n in [0usize, 1, 13, ELEM_CHUNK + 3, 100_000] {
-            let a = randn(n, 1.0, 1);
-            let b = randn(n, 1.0, 2);
-            let (mut o1, mut o2) = (vec![0.0; n], vec![0.0; n]);
-            add(&mut o1, &a, &b);
-            naive::add(&mut o2, &a, &b);
-            assert_eq!(o1, o2);
-            scale_inplace(&mut o1, 0.37);
-            naive::scale_inplace(&mut o2, 0.37);
-            assert_eq!(o1, o2);
-            assert!(all_finite(&o1));
-        }
-        let mut x = randn(100_000, 1.0, 3);
-        assert!(all_finite(&x));
-        x[77_777] = f32::NAN;
-        assert!(!all_finite(&x) && !naive::all_finite(&x));
-        x[77_777] = f32::NEG_INFINITY;
-        assert!(!all_finite(&x));
-        x[77_777] = 0.0;
-        x[0] = f32::INFINITY;
-        assert!(!all_finite(&x));
     }
 }

@@ -7,7 +7,8 @@
 //! sits in cache. Parallel over rows (rows are
 //! independent), so results are identical for any thread count.
 
-use super::reduce::{exp_f32, max_f32, multiversion, rows_per_task, sum_f32};
+use super::features::multiversion;
+use super::reduce::{exp_f32, max_f32, rows_per_task, sum_f32};
 use rayon::prelude::*;
 
 /// Elements per block of the exp-sums: summed in 16 f32 lanes (64 terms per lane), then the

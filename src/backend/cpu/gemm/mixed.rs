@@ -1,5 +1,5 @@
 //! Mixed-precision GEMM: operands and output stored as any [`Elem`] (f32, bf16, f16),
-//! accumulation in f32: on the bf16 dot-product kernel ([`super::gemm_bf16`]) where the CPU
+//! accumulation in f32: on the bf16 dot-product kernel ([`super::bf16_dot`]) where the CPU
 //! has AVX512_BF16, else on the `gemm` crate's f32 kernel ([`sgemm`]) after widening.
 //!
 //! Two paths, chosen once per process by [`bf16_dot`]:
@@ -9,7 +9,7 @@
 //!   as autocast casts weights per op, so no bf16 copy of the weights is stored. Results
 //!   differ from the widening path in the last bits (another summation order, weights
 //!   rounded, denormals flushed), so the choice is per machine, like the ISA variants of
-//!   `reduce::multiversion!`; `MEMWALL_BF16_DOT=off` forces widening.
+//!   `features::multiversion!`; `MEMWALL_BF16_DOT=off` forces widening.
 //! - **widening** (every other case: f16, CPUs without AVX512_BF16, as the Skylake Xeon this
 //!   was first measured on): bf16/f16 operands are widened to f32 and the f32 GEMM runs.
 //!
@@ -34,34 +34,21 @@
 //!
 //! Memory: the workspace is three NB² f32 tiles ([`gemm_mixed_workspace_len`], 12 MiB). Each
 //! [`sgemm`] call has at most NB rows and depth NB, so `gemm`'s own packing scratch stays
-//! within [`super::matmul::packing_bytes`]`(NB, NB)`.
+//! within [`super::f32::packing_bytes`]`(NB, NB)`.
 //!
 //! Determinism: the tiling depends only on the shape, the conversions are elementwise, and
 //! [`sgemm`] and [`gemm_bf16`] are deterministic, so results are too (for a given machine
 //! and thread count).
 
-use super::elem::Elem;
-use super::gemm_bf16::{Dot, Operand, gemm_bf16, pack_fits};
-use super::matmul::{check_windows, sgemm, span};
-use super::reduce::{multiversion, rows_per_task};
+use super::bf16_dot::{Dot, Operand, gemm_bf16, pack_fits};
+use super::f32::{check_windows, sgemm, span};
+use crate::backend::cpu::elem::{Elem, as_f32, as_f32_mut, as_words, cast, narrow_row, widen_row};
+use crate::backend::cpu::features::{Bf16DotRequest, bf16_dot_request};
+use crate::backend::cpu::reduce::rows_per_task;
 use half::bf16;
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use std::any::TypeId;
 use std::sync::OnceLock;
-
-/// Whether this CPU has the AVX512_BF16 dot product (`vdpbf16ps`).
-pub fn cpu_has_bf16_dot() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
 
 /// Largest m, n and k extent of one tile of [`gemm_mixed`].
 pub const MIXED_BLOCK: usize = 1024;
@@ -76,34 +63,11 @@ fn workspace_len(block: usize) -> usize {
     3 * block * block
 }
 
-/// `x` as `&[U]` when `T` is `U`.
-fn cast<T: 'static, U: 'static>(x: &[T]) -> Option<&[U]> {
-    (TypeId::of::<T>() == TypeId::of::<U>()).then(|| {
-        // SAFETY: T and U are the same type, so the layout is the same.
-        unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<U>(), x.len()) }
-    })
-}
-
-/// `x` as `&mut [U]` when `T` is `U`.
-fn cast_mut<T: 'static, U: 'static>(x: &mut [T]) -> Option<&mut [U]> {
-    (TypeId::of::<T>() == TypeId::of::<U>()).then(|| {
-        // SAFETY: T and U are the same type; the borrow is moved into the result.
-        unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<U>(), x.len()) }
-    })
-}
-
 /// `x` as an operand of the dot-product GEMM, when stored as bf16 or f32.
 fn dot_operand<T: Elem>(x: &[T]) -> Option<Operand<'_>> {
     cast::<T, bf16>(x)
         .map(Operand::Bf16)
         .or_else(|| cast::<T, f32>(x).map(Operand::F32))
-}
-
-/// f32 scratch reused as 32-bit words (the dot-product path's packing buffer).
-fn as_words(x: &mut [f32]) -> &mut [u32] {
-    // SAFETY: f32 and u32 have the same size and alignment, and every bit pattern is valid
-    // for both; the borrow is moved into the result.
-    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u32>(), x.len()) }
 }
 
 /// Which bf16 dot-product kernel multiplies bf16 × bf16 operands here, if any: `vdpbf16ps`
@@ -117,10 +81,10 @@ pub fn bf16_dot() -> Option<Dot> {
         return forced;
     }
     static CHOICE: OnceLock<Option<Dot>> = OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var("MEMWALL_BF16_DOT").as_deref() {
-        Ok("off" | "0") => None,
-        Ok("emulated") => Some(Dot::Emulated).filter(|d| d.available()),
-        _ => Some(Dot::Hardware).filter(|d| d.available()),
+    *CHOICE.get_or_init(|| match bf16_dot_request() {
+        Bf16DotRequest::Off => None,
+        Bf16DotRequest::Emulated => Some(Dot::Emulated).filter(|d| d.available()),
+        Bf16DotRequest::Hardware => Some(Dot::Hardware).filter(|d| d.available()),
     })
 }
 
@@ -135,49 +99,6 @@ pub fn compute_path(bf16: bool) -> &'static str {
             "dot-product micro-kernel with vdpbf16ps emulated (MEMWALL_BF16_DOT=emulated: slow, for checking)"
         }
         _ => "f32 GEMM on operands converted to f32 in 1024-tiles",
-    }
-}
-
-/// The slice as f32 when `T` is f32 (for the f32 fast paths of generic kernels).
-pub(crate) fn as_f32<T: Elem>(x: &[T]) -> Option<&[f32]> {
-    cast(x)
-}
-
-/// The slice as f32 when `T` is f32.
-pub(crate) fn as_f32_mut<T: Elem>(x: &mut [T]) -> Option<&mut [f32]> {
-    cast_mut(x)
-}
-
-multiversion! {
-    /// dst[i] = src[i].to_f32() (f16 through `half`'s F16C slice conversion).
-    fn widen_row<T: Elem>(
-        dst: &mut [f32], // [len]
-        src: &[T],       // [len]
-    ) {
-        if let Some(s) = cast::<T, f16>(src) {
-            s.convert_to_f32_slice(dst);
-            return;
-        }
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = s.to_f32();
-        }
-    }
-}
-
-multiversion! {
-    /// dst[i] = T::from_f32(src[i]) (f16 through `half`'s F16C slice conversion, which
-    /// rounds like `f16::from_f32`).
-    fn narrow_row<T: Elem>(
-        dst: &mut [T], // [len]
-        src: &[f32],   // [len]
-    ) {
-        if let Some(d) = cast_mut::<T, f16>(dst) {
-            d.convert_from_f32_slice(src);
-            return;
-        }
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = T::from_f32(s);
-        }
     }
 }
 
@@ -422,58 +343,12 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
     }
 }
 
-/// Reference twin: triple loop, f64 accumulation, one rounding to `C` per element.
-pub mod naive {
-    use super::Elem;
-
-    /// Same contract as the fast [`super::gemm_mixed`] (no workspace).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm_mixed<A: Elem, B: Elem, C: Elem>(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[A], // stored [m, k] (or [k, m] if a_trans), row stride lda
-        lda: usize,
-        a_trans: bool,
-        b: &[B], // stored [k, n] (or [n, k] if b_trans), row stride ldb
-        ldb: usize,
-        b_trans: bool,
-        c: &mut [C], // [m, n], row stride ldc
-        ldc: usize,
-        accumulate: bool,
-    ) {
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = if accumulate {
-                    c[i * ldc + j].to_f32() as f64
-                } else {
-                    0.0
-                };
-                for p in 0..k {
-                    let av = if a_trans {
-                        a[p * lda + i]
-                    } else {
-                        a[i * lda + p]
-                    };
-                    let bv = if b_trans {
-                        b[j * ldb + p]
-                    } else {
-                        b[p * ldb + j]
-                    };
-                    s += av.to_f32() as f64 * bv.to_f32() as f64;
-                }
-                c[i * ldc + j] = C::from_f32(s as f32);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::super::matmul::naive as f32_naive;
-    use super::super::reduce::testutil::*;
+    use super::super::naive;
     use super::*;
-    use half::bf16;
+    use crate::backend::cpu::reduce::testutil::*;
+    use half::f16;
 
     fn round_to<T: Elem>(v: &[f32]) -> Vec<T> {
         v.iter().map(|&x| T::from_f32(x)).collect()
@@ -567,21 +442,19 @@ mod tests {
     /// Runs `f` with bf16 × bf16 products on `dot` (None: the widening path) on this thread;
     /// returns how many `gemm_bf16` calls it made.
     fn with_dot(dot: Option<Dot>, f: impl FnOnce()) -> usize {
-        let before = super::super::gemm_bf16::CALLS.with(|c| c.get());
+        let before = super::super::bf16_dot::CALLS.with(|c| c.get());
         let outer = FORCED_DOT.with(|d| d.replace(Some(dot)));
         f();
         FORCED_DOT.with(|d| d.set(outer));
-        super::super::gemm_bf16::CALLS.with(|c| c.get()) - before
+        super::super::bf16_dot::CALLS.with(|c| c.get()) - before
     }
 
     #[test]
-    fn bf16_dot_path_matches_naive() {
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn bf16_dot_path_matches_naive_avx512() {
         // The emulated instruction runs the dot-product path's packing, blocking and kernel
         // on any AVX-512 CPU (the hardware variant is compared with it where it exists).
-        if !Dot::Emulated.available() {
-            eprintln!("skipped: no AVX-512F/BW on this CPU");
-            return;
-        }
+        Dot::Emulated.require();
         let calls = with_dot(Some(Dot::Emulated), || {
             for block in [16, 64] {
                 for &shape in &SMALL {
@@ -623,12 +496,11 @@ mod tests {
     }
 
     #[test]
-    fn bf16_dot_path_rounds_f32_operands_to_bf16() {
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn bf16_dot_path_rounds_f32_operands_to_bf16_avx512() {
         // bf16 activations × f32 master weights: the weights are rounded to bf16 as they are
         // packed, so the product equals the one with a bf16 copy of the weights.
-        if !Dot::Emulated.available() {
-            return;
-        }
+        Dot::Emulated.require();
         let (m, n, k) = (70, 90, 150);
         let a: Vec<bf16> = round_to(&randn(m * k, 1.0, 5));
         let w = randn(k * n, 1.0, 6);
@@ -852,9 +724,9 @@ mod tests {
                 );
             });
             assert!(c1 == c2, "f32 path differs from sgemm (acc={accumulate})");
-            // And it is a real product (sgemm is checked against naive in matmul).
+            // And it is a real product (sgemm is checked against naive in gemm::f32).
             let mut c3 = c0.clone();
-            f32_naive::sgemm(
+            naive::sgemm(
                 m,
                 n,
                 k,

@@ -1,6 +1,6 @@
 //! bf16 × bf16 → f32 GEMM on the AVX512_BF16 dot product (`vdpbf16ps`), for CPUs that have
 //! it (Cooper Lake, Sapphire Rapids and later, Zen 4 and later); selected at run time by
-//! [`super::gemm_mixed`], which otherwise widens bf16 tiles to f32 and runs the f32 GEMM.
+//! [`super::mixed`], which otherwise widens bf16 tiles to f32 and runs the f32 GEMM.
 //!
 //! `c[m, n] (f32) = (accumulate ? c : 0) + op(a)[m, k] · op(b)[k, n]`, a and b bf16 at any
 //! strides (transposes are strides). One `vdpbf16ps` does, in each of 16 f32 lanes j,
@@ -27,12 +27,16 @@
 //! blocks to what it gets). [`Dot::Emulated`] runs the same packing, blocking and kernel
 //! with `vdpbf16ps` emulated by AVX-512F shifts and FMAs in the instruction's order — the
 //! naive twin of the instruction, so that every part but the instruction itself is tested on
-//! CPUs without it.
+//! CPUs without it. Both variants need AVX-512, so their tests are `#[ignore]`d with what they
+//! need (`needs AVX-512F/BW/VL`: names ending `_avx512`; `needs AVX512_BF16`: `_avx512bf16`)
+//! and run with `cargo test -- --ignored` where the CPU has it; they fail elsewhere.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::matmul::checked_work;
+use super::f32::checked_work;
+use crate::backend::cpu::elem::bf16_bits;
+use crate::backend::cpu::features::features;
 use half::bf16;
 
 /// Rows of a micro-tile (broadcast A pairs).
@@ -58,21 +62,35 @@ pub enum Dot {
 impl Dot {
     /// Whether this CPU can run the variant.
     pub fn available(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let f = std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("avx512vl");
-            match self {
-                Dot::Hardware => f && std::arch::is_x86_feature_detected!("avx512bf16"),
-                Dot::Emulated => f,
-            }
+        let f = features();
+        let avx512 = f.avx2 && f.avx512f && f.avx512bw && f.avx512vl;
+        match self {
+            Dot::Hardware => avx512 && f.avx512bf16,
+            Dot::Emulated => avx512,
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
+    }
+}
+
+#[cfg(test)]
+impl Dot {
+    /// What the variant needs beyond baseline x86-64: the reason its tests are ignored.
+    pub(crate) fn needs(self) -> &'static str {
+        match self {
+            Dot::Hardware => "AVX512_BF16",
+            Dot::Emulated => "AVX-512F/BW/VL",
         }
+    }
+
+    /// Panics unless this CPU runs the variant. Its tests are `#[ignore]`d with the reason
+    /// ([`Dot::needs`]) and call this first, so that where the CPU lacks it they fail, rather
+    /// than pass without running.
+    #[track_caller]
+    pub(crate) fn require(self) {
+        assert!(
+            self.available(),
+            "{self:?} needs {}, which this CPU lacks",
+            self.needs()
+        );
     }
 }
 
@@ -134,13 +152,6 @@ impl<'a> Operand<'a> {
             f32,
         }
     }
-}
-
-/// The bits of `x` rounded to bf16 (as `half::bf16::from_f32`: to nearest even, NaN kept
-/// quiet).
-#[inline(always)]
-fn bf16_bits(x: f32) -> u32 {
-    bf16::from_f32(x).to_bits() as u32
 }
 
 /// A strided operand, bf16 or f32: element (i, j) at `ptr + (i·rs + j·cs)·size`.
@@ -218,7 +229,7 @@ unsafe impl Send for Scratch {}
 unsafe impl Sync for Scratch {}
 
 /// `c[m, n] = (accumulate ? c : 0) + op(a)[m, k] · op(b)[k, n]` with `dot`, parallel over
-/// the current rayon pool. Layout as [`super::matmul::sgemm`]: a is stored `[m, k]` (or
+/// the current rayon pool. Layout as [`super::f32::sgemm`]: a is stored `[m, k]` (or
 /// `[k, m]` when `a_trans`) with row stride `lda`, b `[k, n]` (or `[n, k]`), c `[m, n]` with
 /// row stride `ldc`; elements of c outside the window are untouched.
 ///
@@ -775,9 +786,9 @@ unsafe fn kernel<D: PairDot>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm_mixed::naive;
-    use super::super::reduce::testutil::*;
+    use super::super::naive;
     use super::*;
+    use crate::backend::cpu::reduce::testutil::*;
 
     fn bf(v: &[f32]) -> Vec<bf16> {
         v.iter().map(|&x| bf16::from_f32(x)).collect()
@@ -855,27 +866,36 @@ mod tests {
         check_as(dot, shape, ta, tb, acc, pack_words, (false, false))
     }
 
-    #[test]
-    fn f32_operands_are_rounded_to_bf16_while_packed() {
-        for dot in dots() {
-            for f32s in [(true, false), (false, true), (true, true)] {
-                for &shape in &[(13, 33, 3), (25, 70, 9), (40, 64, 600)] {
-                    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-                        let x = check_as(dot, shape, ta, tb, true, 1 << 20, f32s);
-                        // Exactly what the bf16 copies of the operands give.
-                        let y = check_as(dot, shape, ta, tb, true, 1 << 20, (false, false));
-                        assert_eq!(x, y, "{dot:?} {shape:?} {f32s:?} ta={ta} tb={tb}");
-                    }
+    fn f32_operands_are_rounded_to_bf16_while_packed(dot: Dot) {
+        dot.require();
+        for f32s in [(true, false), (false, true), (true, true)] {
+            for &shape in &[(13, 33, 3), (25, 70, 9), (40, 64, 600)] {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let x = check_as(dot, shape, ta, tb, true, 1 << 20, f32s);
+                    // Exactly what the bf16 copies of the operands give.
+                    let y = check_as(dot, shape, ta, tb, true, 1 << 20, (false, false));
+                    assert_eq!(x, y, "{dot:?} {shape:?} {f32s:?} ta={ta} tb={tb}");
                 }
             }
         }
     }
 
     #[test]
-    fn vector_rounding_matches_half() {
-        if !Dot::Emulated.available() {
-            return;
-        }
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn f32_operands_are_rounded_to_bf16_while_packed_avx512() {
+        f32_operands_are_rounded_to_bf16_while_packed(Dot::Emulated);
+    }
+
+    #[test]
+    #[ignore = "needs AVX512_BF16"]
+    fn f32_operands_are_rounded_to_bf16_while_packed_avx512bf16() {
+        f32_operands_are_rounded_to_bf16_while_packed(Dot::Hardware);
+    }
+
+    #[test]
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn vector_rounding_matches_half_avx512() {
+        Dot::Emulated.require();
         let mut xs: Vec<f32> = randn(4096, 3.0, 9);
         xs.extend([
             0.0,
@@ -913,75 +933,80 @@ mod tests {
             }
             out
         }
-        // SAFETY: AVX-512F checked above.
+        // SAFETY: AVX-512F required above.
         let got = unsafe { round_all(&xs) };
         for (x, g) in xs.iter().zip(got) {
             assert_eq!(g, bf16_bits(*x), "{x:e} ({:#x})", x.to_bits());
         }
     }
 
-    fn dots() -> Vec<Dot> {
-        let v: Vec<Dot> = [Dot::Emulated, Dot::Hardware]
-            .into_iter()
-            .filter(|d| d.available())
-            .collect();
-        if !Dot::Hardware.available() {
-            eprintln!(
-                "note: this CPU has no AVX512_BF16; the vdpbf16ps kernel itself is not run here"
-            );
-        }
-        v
-    }
-
-    #[test]
-    fn matches_naive_on_every_layout_and_edge() {
+    fn matches_naive_on_every_layout_and_edge(dot: Dot) {
+        dot.require();
         let big = 1 << 20;
-        for dot in dots() {
-            for &shape in &[
-                (1, 1, 1),
-                (13, 33, 3),
-                (12, 32, 2),
-                (25, 70, 9),
-                (40, 17, 600),
-                (7, 100, 1025),
-            ] {
-                for ta in [false, true] {
-                    for tb in [false, true] {
-                        for acc in [false, true] {
-                            check(dot, shape, ta, tb, acc, big);
-                        }
+        for &shape in &[
+            (1, 1, 1),
+            (13, 33, 3),
+            (12, 32, 2),
+            (25, 70, 9),
+            (40, 17, 600),
+            (7, 100, 1025),
+        ] {
+            for ta in [false, true] {
+                for tb in [false, true] {
+                    for acc in [false, true] {
+                        check(dot, shape, ta, tb, acc, big);
                     }
                 }
             }
-            // Small scratch: short k slices and one-panel B blocks.
-            check(dot, (50, 70, 37), false, false, true, 2 * (MR + NR) * 3);
         }
+        // Small scratch: short k slices and one-panel B blocks.
+        check(dot, (50, 70, 37), false, false, true, 2 * (MR + NR) * 3);
     }
 
     #[test]
-    fn identical_for_any_thread_count_and_scratch_split() {
-        for dot in dots() {
-            let shape = (130, 300, 520);
-            let one = rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .build()
-                .unwrap();
-            let three = rayon::ThreadPoolBuilder::new()
-                .num_threads(3)
-                .build()
-                .unwrap();
-            let x = one.install(|| check(dot, shape, false, true, true, 1 << 21));
-            let y = three.install(|| check(dot, shape, false, true, true, 3 << 21));
-            assert_eq!(x, y, "{dot:?}");
-        }
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn matches_naive_on_every_layout_and_edge_avx512() {
+        matches_naive_on_every_layout_and_edge(Dot::Emulated);
     }
 
     #[test]
-    fn hardware_agrees_with_its_emulation() {
-        if !Dot::Hardware.available() {
-            eprintln!("skipped: no AVX512_BF16 on this CPU");
-            return;
-        }
+    #[ignore = "needs AVX512_BF16"]
+    fn matches_naive_on_every_layout_and_edge_avx512bf16() {
+        matches_naive_on_every_layout_and_edge(Dot::Hardware);
+    }
+
+    fn identical_for_any_thread_count_and_scratch_split(dot: Dot) {
+        dot.require();
+        let shape = (130, 300, 520);
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let three = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let x = one.install(|| check(dot, shape, false, true, true, 1 << 21));
+        let y = three.install(|| check(dot, shape, false, true, true, 3 << 21));
+        assert_eq!(x, y, "{dot:?}");
+    }
+
+    #[test]
+    #[ignore = "needs AVX-512F/BW/VL"]
+    fn identical_for_any_thread_count_and_scratch_split_avx512() {
+        identical_for_any_thread_count_and_scratch_split(Dot::Emulated);
+    }
+
+    #[test]
+    #[ignore = "needs AVX512_BF16"]
+    fn identical_for_any_thread_count_and_scratch_split_avx512bf16() {
+        identical_for_any_thread_count_and_scratch_split(Dot::Hardware);
+    }
+
+    #[test]
+    #[ignore = "needs AVX512_BF16"]
+    fn hardware_agrees_with_its_emulation_avx512bf16() {
+        Dot::Hardware.require();
         for ta in [false, true] {
             let x = check(Dot::Hardware, (37, 81, 333), ta, false, false, 1 << 20);
             let y = check(Dot::Emulated, (37, 81, 333), ta, false, false, 1 << 20);
@@ -1032,13 +1057,18 @@ mod tests {
                 &mut pack,
             );
         });
-        if Dot::Emulated.available() {
-            let e = r.unwrap_err();
-            let msg = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
-            assert!(msg.unwrap().contains("scratch"));
-        }
+        // The scratch is checked where the variant runs; elsewhere the variant is refused.
+        let want = if Dot::Emulated.available() {
+            "scratch"
+        } else {
+            "is not available on this CPU"
+        };
+        let e = r.unwrap_err();
+        let msg = e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap();
+        assert!(msg.contains(want), "{msg}");
     }
 }

@@ -1,0 +1,23 @@
+//! The GEMMs under the linear layer and the tied LM head, all with one contract:
+//! `c[m,n] = (accumulate ? c : 0) + op(a)[m,k] @ op(b)[k,n]` on row-major operands with
+//! their own row strides, a transposed operand read through its strides, f32 accumulation,
+//! elements of `c` outside the `m × n` window untouched.
+//!
+//! - [`f32`](mod@f32): the f32 GEMM on the `gemm` crate ([`sgemm`](f32::sgemm)), split
+//!   into row blocks so `gemm`'s packing scratch stays bounded
+//!   ([`packing_bytes`](f32::packing_bytes)), and the window checks all three GEMMs run first.
+//! - [`bf16_dot`]: bf16 × bf16 (or f32 rounded to bf16) → f32 on the AVX512_BF16 dot product
+//!   `vdpbf16ps`, with an AVX-512F emulation of the instruction as its tested twin.
+//! - [`mixed`]: operands and output of any storage type ([`Elem`](super::elem::Elem)), tile
+//!   by tile: on [`bf16_dot`] where the CPU has it and the operands are bf16, else widened to
+//!   f32 for [`f32`](mod@f32); each output element rounded once.
+//! - [`naive`]: the reference twins the tests of all three compare with.
+//!
+//! Dependencies run one way: [`super::matmul`] → [`mixed`] → {[`bf16_dot`],
+//! [`f32`](mod@f32)}, and [`bf16_dot`] → [`f32`](mod@f32) (the window checks); nothing here
+//! imports the linear layer, and this file re-exports nothing.
+
+pub mod bf16_dot;
+pub mod f32;
+pub mod mixed;
+pub mod naive;
