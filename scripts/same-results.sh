@@ -47,7 +47,7 @@
 #                   - the run's plan.json, as for plan-*;
 #                   - `memwall sample` from the final checkpoint (stdout).
 #
-# Takes about 4 minutes on 2 cores once both binaries are built.
+# Takes about 3 minutes on 2 cores once both binaries are built; building a base adds about 5.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
