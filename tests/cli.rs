@@ -46,7 +46,11 @@ fn over_budget_plans_are_refused_with_what_fits() {
     let e = fails(&["plan", "--model", "gpt2", "--max-memory", "1GiB"]);
     assert!(e.contains("even --batch 1"), "{e}");
     let e = fails(&["plan", "--max-memory", "lots"]);
-    assert!(e.contains("--max-memory") || e.contains("lots"), "{e}");
+    // The error names the flag and the value, and says what a size looks like.
+    assert!(
+        e.contains("--max-memory") && e.contains("'lots' is not a size") && e.contains("3GiB"),
+        "{e}"
+    );
 }
 
 #[test]

