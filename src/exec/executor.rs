@@ -61,13 +61,13 @@ pub struct Executor {
 /// buffer starts at an offset aligned for it).
 mod pod {
     pub fn cast<T: Copy>(b: &[u8]) -> &[T] {
-        assert!(b.as_ptr().cast::<T>().is_aligned() && b.len() % size_of::<T>() == 0);
+        assert!(b.as_ptr().cast::<T>().is_aligned() && b.len().is_multiple_of(size_of::<T>()));
         // SAFETY: aligned, in bounds, and T is one of the plan's plain element types.
         unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), b.len() / size_of::<T>()) }
     }
 
     pub fn cast_mut<T: Copy>(b: &mut [u8]) -> &mut [T] {
-        assert!(b.as_ptr().cast::<T>().is_aligned() && b.len() % size_of::<T>() == 0);
+        assert!(b.as_ptr().cast::<T>().is_aligned() && b.len().is_multiple_of(size_of::<T>()));
         // SAFETY: as in `cast`, and the bytes are borrowed exclusively.
         unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), b.len() / size_of::<T>()) }
     }

@@ -1,5 +1,5 @@
 //! The CPU backend: [`Cpu`] answers the planner's sizing questions, and [`CpuDevice`] holds a
-//! started plan (the host arena, the worker pool) and runs its ops ([`super::ops`]).
+//! started plan (the host arena, the worker pool) and runs its ops (`ops`).
 
 use super::attention::attention_workspace_len;
 use super::elem::Elem;

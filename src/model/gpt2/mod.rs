@@ -1,8 +1,8 @@
 //! The GPT-2 family: learned positions, pre-LN blocks (layer norm with bias), fused QKV
 //! attention, tanh-GELU MLP of width `n_inner` (4·C by default), LM head tied to the token
 //! embedding. Presets, `config.json` as `GPT2LMHeadModel` reads it, Hugging Face naming
-//! variants ([`canonical_name`]), the parameter inventory ([`params`]) and the emission of
-//! a step ([`emit`]).
+//! variants (`canonical_name`), the parameter inventory ([`params`]) and the emission of
+//! a step (`emit`).
 
 pub(crate) mod emit;
 pub mod params;
