@@ -25,14 +25,18 @@
 # Environment:
 #   MEMWALL_CORPUS  text file(s) directory to tokenize (default ../shared/data/shakespeare)
 #   KEEP_WORK=1     keep the work directory (it is also kept when a check differs)
+#   PLAN_COMPARE=whole  compare plans whole (schedule and op indices too), not by bytes
 #
 # The checks, each run with both binaries (same arguments, same paths):
 #   prepare         `memwall prepare CORPUS`: train.bin, val.bin and meta.json byte for byte
 #                   (the runs below all read the new binary's data).
 #   plan-*          `memwall plan --model gpt2 --batch 4 --seq 256 --json` (plain, bf16,
-#                   recompute full): the whole JSON except baseline_bytes and
-#                   predicted_peak_rss_bytes, which hold the process's measured resident
-#                   memory at start-up (machine- and moment-dependent).
+#                   recompute full): the totals, bytes by category and every buffer's name,
+#                   category, dtype, size and offset, but not the schedule nor the buffers'
+#                   op indices and tiers (a refactor may add or split ops without moving a
+#                   byte; PLAN_COMPARE=whole compares those too). Never compared:
+#                   baseline_bytes and predicted_peak_rss_bytes, which hold the process's
+#                   measured resident memory at start-up (machine- and moment-dependent).
 #   train configs   20 steps of gpt2-tiny (batch 4, seq 64, 2 threads, evaluation and a
 #                   checkpoint every 10 steps), plain and with each memory strategy, and a
 #                   run stopped at step 10 and resumed to 20. Compared:
@@ -138,7 +142,7 @@ if cmp -s "$old_bin" "$new_bin"; then echo "note: the two binaries are byte-iden
 
 # compare.py KIND A B: prints what differs (nothing when the same); exit 1 when different.
 cat >"$work/compare.py" <<'EOF'
-import json, re, sys
+import json, os, re, sys
 
 # Fields that hold measured time or memory: they differ between any two runs.
 PLAN_MEASURED = {"baseline_bytes", "predicted_peak_rss_bytes"}
@@ -169,6 +173,13 @@ def plan(path):
     d = json.load(open(path))
     for k in PLAN_MEASURED:
         d.pop(k, None)
+    if os.environ.get("PLAN_COMPARE", "bytes") == "bytes":
+        # Where every byte is, not how the schedule is cut into ops: a refactor may split or
+        # add ops (op indices move) without moving a byte.
+        d.pop("schedule", None)
+        for b in d.get("buffers", []):
+            for k in ("first_op", "last_op", "tier"):
+                b.pop(k, None)
     return d
 
 def metrics(path):
@@ -240,7 +251,8 @@ plan_check() { # name, extra plan args...
         "$bin" plan --model gpt2 --batch 4 --seq 256 --json "$@" >"$work/$name.$side.json" 2>"$work/$name.$side.err" ||
             why="$why${why:+; }$side exited $? ($(tail -1 "$work/$name.$side.err"))"
     done
-    [ -n "$why" ] || why=$(python3 "$work/compare.py" plan "$work/$name.old.json" "$work/$name.new.json") || true
+    # compare.py exits 1 with the difference on stdout; anything else (a crash) is reported too.
+    [ -n "$why" ] || why=$(python3 "$work/compare.py" plan "$work/$name.old.json" "$work/$name.new.json" 2>&1 | join) || true
     report "$name" "$why"
 }
 plan_check plan-fp32
