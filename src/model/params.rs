@@ -37,7 +37,7 @@ pub struct ParamTensor {
 /// the unit the optimizer phase is emitted in, so a strategy can stream or shard by group.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamGroup {
-    /// Short name, e.g. `h3` (the optimizer op is `adamw.h3`).
+    /// Short name, e.g. `h3` (the optimizer op is `h3.adamw`, which reports group with the other blocks' `adamw`).
     pub name: String,
     /// Indices into [`ParamLayout::tensors`].
     pub tensors: Range<usize>,

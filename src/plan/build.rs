@@ -210,7 +210,7 @@ fn optimizer(g: &mut Builder, layout: &ParamLayout) {
             })
             .collect();
         g.op(
-            format!("adamw.{}", group.name),
+            format!("{}.adamw", group.name),
             Phase::Optimizer,
             0,
             Op::AdamW { tensors },
