@@ -19,8 +19,6 @@ use anyhow::Result;
 
 /// What the planner asks of a backend.
 pub trait Sizing {
-    /// Short name for reports, e.g. `cpu`.
-    fn name(&self) -> &'static str;
     /// f32 elements of workspace one attention op needs (forward or backward) over `t`
     /// positions with head size `hs` when activations are stored as `storage`, run by
     /// `threads` workers (the plan's `--threads`).
@@ -61,7 +59,8 @@ pub struct StepCtx {
     pub update: Option<AdamWStep>,
 }
 
-/// One AdamW step's hyperparameters, as every `AdamW` op of the step applies them.
+/// One AdamW step's hyperparameters, as every `AdamW` op of the step applies them (a
+/// kernel gets them with `weight_decay` zeroed for tensors without decay).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWStep {
     pub lr: f32,

@@ -119,11 +119,6 @@ impl Executor {
         self.with_params(|p| p.to_vec())
     }
 
-    /// Replaces the parameters.
-    pub fn upload_params(&mut self, p: &[f32]) {
-        self.with_params_mut(|dst| dst.copy_from_slice(p))
-    }
-
     /// Gradients of the last step as f32 (training plans only; scaled by the loss scale).
     pub fn download_grads(&self) -> Vec<f32> {
         let id = self.plan.schedule.implicit.grads.expect("training plan");

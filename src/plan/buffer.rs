@@ -114,11 +114,6 @@ pub enum Tier {
     Owned,
 }
 
-impl Tier {
-    /// The tiers packing assigns offsets in (one arena each).
-    pub const PACKED: [Tier; 1] = [Tier::Host];
-}
-
 /// Where a buffer's bytes are: its tier and its byte offset in that tier's arena (0 for
 /// [`Tier::Owned`]). Serialised as `tier`, `offset` and `external` (true for owned buffers;
 /// kept for readers of older `plan.json` files).

@@ -21,19 +21,8 @@ use super::features::multiversion;
 use super::reduce::ELEM_CHUNK;
 use rayon::prelude::*;
 
-/// Hyper-parameters of one AdamW step.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWParams {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// 1-based step number (for bias correction).
-    pub step: u64,
-    /// Multiplies the gradient before use (gradient clipping / accumulation averaging).
-    pub grad_scale: f32,
-}
+/// Hyper-parameters of one AdamW step (the backend-neutral type every backend applies).
+pub use crate::backend::AdamWStep;
 
 /// One AdamW step over a parameter range; `m` and `v` are the moment buffers of the same range.
 pub fn adamw_update<G: Elem>(
@@ -41,7 +30,7 @@ pub fn adamw_update<G: Elem>(
     grads: &[G],        // [len]
     m: &mut [f32],      // [len] first moment
     v: &mut [f32],      // [len] second moment
-    hp: &AdamWParams,
+    hp: &AdamWStep,
 ) {
     assert_eq!(grads.len(), params.len(), "adamw_update: grads");
     assert_eq!(m.len(), params.len(), "adamw_update: m");
@@ -70,7 +59,7 @@ pub(crate) struct Consts {
 }
 
 /// The per-step constants of `hp`. Panics unless `hp.step >= 1`.
-pub(crate) fn consts(hp: &AdamWParams) -> Consts {
+pub(crate) fn consts(hp: &AdamWStep) -> Consts {
     assert!(hp.step >= 1, "adamw_update: step is 1-based");
     let t = hp.step as f64;
     let bc1 = 1.0 - (hp.beta1 as f64).powf(t);
@@ -111,14 +100,14 @@ multiversion! {
 
 /// Reference twin: the textbook formula in f64.
 pub mod naive {
-    use super::{AdamWParams, Elem};
+    use super::{AdamWStep, Elem};
 
     pub fn adamw_update<G: Elem>(
         params: &mut [f32], // [len]
         grads: &[G],        // [len]
         m: &mut [f32],      // [len] first moment
         v: &mut [f32],      // [len] second moment
-        hp: &AdamWParams,
+        hp: &AdamWStep,
     ) {
         let (b1, b2) = (hp.beta1 as f64, hp.beta2 as f64);
         let t = hp.step as i32;
@@ -143,8 +132,8 @@ mod tests {
     use super::super::reduce::testutil::*;
     use super::*;
 
-    fn hp(step: u64) -> AdamWParams {
-        AdamWParams {
+    fn hp(step: u64) -> AdamWStep {
+        AdamWStep {
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.95,

@@ -19,10 +19,6 @@ use half::{bf16, f16};
 pub struct Cpu;
 
 impl Sizing for Cpu {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
     fn attention_workspace_elems(
         &self,
         storage: DType,

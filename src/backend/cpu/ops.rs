@@ -358,14 +358,9 @@ impl CpuDevice {
         for t in tensors {
             let r = t.range.clone();
             let blocks = t.state_block..t.state_block + r.len().div_ceil(quant::QBLOCK);
-            let p = adamw::AdamWParams {
-                lr: step.lr,
-                beta1: step.beta1,
-                beta2: step.beta2,
-                eps: step.eps,
+            let p = AdamWStep {
                 weight_decay: if t.decay { step.weight_decay } else { 0.0 },
-                step: step.step,
-                grad_scale: step.grad_scale,
+                ..*step
             };
             let (p_, g) = (&mut master[r.clone()], &grads[r.clone()]);
             match &mut state {

@@ -70,7 +70,7 @@
 //! identical for any thread count. The loops are `features::multiversion!`
 //! compiled and use no FMA, so results are also identical on every instruction set.
 
-use super::adamw::{self, AdamWParams};
+use super::adamw::{self, AdamWStep};
 use super::elem::Elem;
 use super::features::multiversion;
 use half::bf16;
@@ -322,7 +322,7 @@ pub fn adamw_update_int8<G: Elem>(
     m_scale: &mut [f32], // [len.div_ceil(QBLOCK)] first-moment block scales
     v_q: &mut [u8],      // [len] second-moment codes
     v_scale: &mut [f32], // [len.div_ceil(QBLOCK)] second-moment block scales
-    hp: &AdamWParams,
+    hp: &AdamWStep,
 ) {
     let len = params.len();
     let blocks = len.div_ceil(QBLOCK);
@@ -360,7 +360,7 @@ pub fn adamw_update_bf16<G: Elem>(
     grads: &[G],        // [len]
     m: &mut [bf16],     // [len] first moment
     v: &mut [bf16],     // [len] second moment
-    hp: &AdamWParams,
+    hp: &AdamWStep,
 ) {
     let len = params.len();
     assert_eq!(grads.len(), len, "adamw_update_bf16: grads length");
@@ -388,7 +388,7 @@ pub fn adamw_update_bf16<G: Elem>(
 /// Reference twins: codes from f64 `log2`/`round`, levels from f64 `powf`, and the updates as
 /// "decode everything, run `adamw::naive::adamw_update` (f64), encode per block".
 pub mod naive {
-    use super::super::adamw::{self, AdamWParams};
+    use super::super::adamw::{self, AdamWStep};
     use super::super::elem::Elem;
     use super::QBLOCK;
     use half::bf16;
@@ -486,7 +486,7 @@ pub mod naive {
         m_scale: &mut [f32], // [len.div_ceil(QBLOCK)]
         v_q: &mut [u8],      // [len]
         v_scale: &mut [f32], // [len.div_ceil(QBLOCK)]
-        hp: &AdamWParams,
+        hp: &AdamWStep,
     ) {
         let len = params.len();
         let (mut m, mut v) = (vec![0.0f32; len], vec![0.0f32; len]); // [len] each
@@ -508,7 +508,7 @@ pub mod naive {
         grads: &[G],        // [len]
         m: &mut [bf16],     // [len]
         v: &mut [bf16],     // [len]
-        hp: &AdamWParams,
+        hp: &AdamWStep,
     ) {
         let mut mf: Vec<f32> = m.iter().map(|x| x.to_f32()).collect(); // [len]
         let mut vf: Vec<f32> = v.iter().map(|x| x.to_f32()).collect(); // [len]
@@ -530,8 +530,8 @@ mod tests {
     use super::*;
     use crate::util::rng::Rng;
 
-    fn hp(step: u64) -> AdamWParams {
-        AdamWParams {
+    fn hp(step: u64) -> AdamWStep {
+        AdamWStep {
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -1102,7 +1102,7 @@ mod tests {
             s / len as f64
         };
         let steps = 200u64;
-        let hp_at = |t: u64| AdamWParams {
+        let hp_at = |t: u64| AdamWStep {
             lr: 0.5 * lr0 * (1.0 + (std::f32::consts::PI * (t - 1) as f32 / steps as f32).cos()),
             beta1: 0.9,
             beta2: 0.95,

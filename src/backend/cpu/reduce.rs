@@ -346,7 +346,7 @@ mod tests {
             let mut pr = vec![0.0; v];
             xent::softmax_row(&mut pr, &lg[..v], 0.7);
             let (mut p, mut m, mut vv) = (x.clone(), vec![0.0; n * c], vec![0.0; n * c]);
-            let hp = adamw::AdamWParams {
+            let hp = adamw::AdamWStep {
                 lr: 1e-3,
                 beta1: 0.9,
                 beta2: 0.95,

@@ -72,8 +72,10 @@ pub(super) fn from_hf_config(obj: &Map<String, Value>, source: &str) -> Result<M
     let get = |key: &str, alias: Option<&str>, default: Option<usize>| -> Result<usize> {
         let val = obj.get(key).or_else(|| alias.and_then(|a| obj.get(a)));
         match val {
-            None | Some(Value::Null) if default.is_some() => Ok(default.unwrap_or_default()),
-            None => default.with_context(|| format!("{source}: missing field '{key}'")),
+            // `null` means "the default", as transformers reads `n_inner: null`.
+            None | Some(Value::Null) => {
+                default.with_context(|| format!("{source}: missing field '{key}'"))
+            }
             Some(x) => match x.as_u64() {
                 Some(n) => Ok(n as usize),
                 None => {
