@@ -184,6 +184,9 @@ def plan(path):
 
 def metrics(path):
     rows = [json.loads(l) for l in open(path) if l.strip()]
+    # The step-0 record (validation loss before the first update, no training figures) is
+    # newer than some builds compared: the trajectory is compared from step 1 on.
+    rows = [r for r in rows if not (r.get("step") == 0 and "loss" not in r)]
     if not rows or any("loss" not in r for r in rows):
         sys.exit(f"{path}: no loss in some line")
     return [{k: v for k, v in r.items() if not METRIC_MEASURED.search(k)} for r in rows]

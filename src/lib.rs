@@ -4,12 +4,14 @@
 //! `model` (what to train) + `exec::TrainConfig` (how) → `plan` (every byte of a step, before
 //! step 1) → `exec` (walks the plan's schedule with `backend` kernels) → reports.
 //! `data` feeds tokens, `ckpt` saves and restores Hugging Face–compatible checkpoints,
-//! `run_dir` names the files of a run directory and owns their formats.
+//! `run_dir` names the files of a run directory and owns their formats; `gguf` imports
+//! llama.cpp GGUF files as Hugging Face model directories.
 
 pub mod backend;
 pub mod ckpt;
 pub mod data;
 pub mod exec;
+pub mod gguf;
 pub mod mem;
 pub mod model;
 pub mod plan;

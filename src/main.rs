@@ -3,10 +3,11 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memwall::backend::cpu::Cpu;
-use memwall::data::{corpus, prepare};
+use memwall::data::{Tokenizer, corpus, prepare};
 use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
+use memwall::gguf::{self, ConvertOptions, OutDtype};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::Strategies;
 use memwall::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan};
@@ -37,11 +38,11 @@ struct Cli {
 enum Cmd {
     /// Fetch/prepare the Shakespeare corpus, plan, train a small GPT for a few minutes, sample text.
     Demo(DemoArgs),
-    /// Tokenize UTF-8 text files (GPT-2 BPE) into token shards with a train/validation split.
+    /// Tokenize UTF-8 text files (GPT-2 BPE, or a model's tokenizer.json with --tokenizer) into token shards with a train/validation split.
     Prepare(PrepareArgs),
     /// Print the memory plan of a training step (by category, packed by lifetime), without training.
     Plan(PlanArgs),
-    /// Train a GPT-2 model from a static memory plan.
+    /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
     Train(TrainArgs),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
@@ -49,6 +50,37 @@ enum Cmd {
     Bench(BenchArgs),
     /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
     Report(ReportArgs),
+    /// Turn a llama.cpp GGUF file (llama or qwen2) into a Hugging Face model directory.
+    #[command(
+        long_about = "Turn a llama.cpp GGUF file into a Hugging Face model directory: config.json, \
+model.safetensors, tokenizer.json and tokenizer_config.json, which transformers' \
+LlamaForCausalLM / Qwen2ForCausalLM (and AutoTokenizer) load.\n\n\
+Supported: general.architecture llama or qwen2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
+Q4_1, Q4_K, Q6_K (dequantized to f32: quantization error is kept, not undone); tokenizers \
+gpt2 (byte-level BPE, pre-tokenizer default, gpt2, smollm, llama-bpe or qwen2) and llama \
+(SentencePiece BPE with byte fallback). \
+The Q and K rows that llama.cpp permutes in llama files are put back in Hugging Face order. \
+The directory is written under a temporary name and renamed when complete.",
+        after_help = "Examples:\n  memwall convert SmolLM2-135M-Instruct.Q4_1.gguf --out smollm2\n  \
+memwall convert model.gguf --out model-hf --dtype bf16 --force"
+    )]
+    Convert(ConvertArgs),
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// The GGUF file to convert.
+    #[arg(value_name = "FILE.gguf")]
+    input: PathBuf,
+    /// Output directory (created; must not exist or be empty unless --force).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Weight dtype: f32 keeps the dequantized values exactly; bf16 rounds them (half the size).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    dtype: OutDtype,
+    /// Replace DIR if it exists and is not empty.
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Args)]
@@ -85,12 +117,21 @@ struct PrepareArgs {
     /// Fraction of tokens (the end of the stream) held out for validation.
     #[arg(long, default_value_t = 0.05)]
     val_fraction: f64,
+    /// Tokenizer: `gpt2` (GPT-2's BPE, built in), a model directory holding a Hugging Face
+    /// tokenizer.json (e.g. a downloaded SmolLM2-135M), or the path of a tokenizer.json.
+    /// Use the tokenizer of the model you will train: `train` refuses data prepared with
+    /// another. Documents are separated by its end-of-text token (eos_token of
+    /// tokenizer_config.json, else eos_token_id of config.json, else <|endoftext|>, ...).
+    #[arg(long, default_value = "gpt2", value_name = "gpt2|DIR|FILE")]
+    tokenizer: String,
 }
 
 #[derive(Args)]
 struct StepArgs {
-    /// Model: a preset (gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl), a checkpoint
-    /// directory, or a config.json [default: gpt2-tiny; with --resume: the run's]
+    /// Model: a preset (GPT-2: gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama:
+    /// llama-tiny, smollm2-135m, smollm2-360m, qwen2.5-0.5b, llama-3.2-1b, tinyllama-1.1b,
+    /// llama-3.2-3b, llama-2-7b, llama-3-8b), a Hugging Face model or checkpoint directory, or
+    /// a config.json [default: gpt2-tiny; with --init: its model; with --resume: the run's]
     #[arg(long)]
     model: Option<String>,
     /// Micro-batch size, sequences per step [default: 8; with --resume: the run's]
@@ -155,6 +196,10 @@ fn parse_optim_state(s: &str) -> Result<OptimState, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
+fn parse_dtype(s: &str) -> Result<OutDtype, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
 fn parse_recompute(s: &str) -> Result<RecomputeChoice, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
@@ -208,7 +253,10 @@ struct TrainArgs {
     /// Save a checkpoint every N steps (and at the end).
     #[arg(long, default_value_t = 100)]
     save_every: u64,
-    /// Start from a Hugging Face GPT-2 checkpoint directory (config.json + model.safetensors).
+    /// Start from the weights of a Hugging Face model directory (config.json +
+    /// model.safetensors, or shards with model.safetensors.index.json): a GPT-2, Llama or
+    /// Qwen2 checkpoint, or a memwall checkpoint. Gives the architecture when --model is left
+    /// out (fine-tuning).
     #[arg(long, conflicts_with = "resume")]
     init: Option<PathBuf>,
     /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.
@@ -285,6 +333,7 @@ fn main() {
         Cmd::Sample(a) => sample_cmd(a),
         Cmd::Bench(a) => bench_cmd(a),
         Cmd::Report(a) => report_cmd(a),
+        Cmd::Convert(a) => convert_cmd(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -301,18 +350,23 @@ fn threads(t: Option<usize>) -> Result<usize> {
 }
 
 fn prepare_cmd(a: PrepareArgs) -> Result<()> {
-    let s = prepare::prepare(&prepare::PrepareOptions {
-        inputs: a.inputs,
-        out: a.out,
-        val_fraction: a.val_fraction,
-    })?;
+    let tok = Tokenizer::load(&a.tokenizer).context("--tokenizer")?;
+    let s = prepare::prepare_with(
+        &prepare::PrepareOptions {
+            inputs: a.inputs,
+            out: a.out,
+            val_fraction: a.val_fraction,
+        },
+        &tok,
+    )?;
     println!(
-        "prepared {} files ({}): {} train tokens, {} val tokens in {}",
+        "prepared {} files ({}): {} train tokens, {} val tokens in {} with tokenizer {}",
         s.files,
         fmt_bytes(s.bytes),
         s.train_tokens,
         s.val_tokens,
-        s.out.display()
+        s.out.display(),
+        tok.id().describe()
     );
     Ok(())
 }
@@ -441,11 +495,10 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
             a.data.expect("clap requires --data"),
             a.out.expect("clap requires --out"),
         );
-        let mut o = TrainOptions::new(
-            a.step.model.as_deref().unwrap_or(DEFAULT_MODEL),
-            &data,
-            &out,
-        );
+        // --init gives the architecture when --model is left out.
+        let init_model = a.init.as_ref().map(|p| p.to_string_lossy().into_owned());
+        let model = a.step.model.as_deref().or(init_model.as_deref());
+        let mut o = TrainOptions::new(model.unwrap_or(DEFAULT_MODEL), &data, &out);
         o.steps = a.steps.unwrap_or(o.steps);
         o.batch = a.step.batch.unwrap_or(o.batch);
         o.seq = a.step.seq.unwrap_or(o.seq);
@@ -546,6 +599,18 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         )
     })?;
     println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+fn convert_cmd(a: ConvertArgs) -> Result<()> {
+    let s = gguf::convert(&ConvertOptions {
+        input: a.input,
+        out: a.out,
+        dtype: a.dtype,
+        force: a.force,
+        progress: true,
+    })?;
+    println!("{}", s.describe());
     Ok(())
 }
 

@@ -338,3 +338,122 @@ fn bad_strategy_flags_are_explained() {
     assert!(v["predicted_peak_rss_bytes"].as_u64().unwrap() <= 3 << 30);
     assert!(v["recompute_flops_per_step"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn prepare_with_a_tokenizer_json_and_train_checks_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |x: &std::path::Path| x.to_str().unwrap().to_string();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-bpe");
+    let help = ok(&["prepare", "--help"]);
+    assert!(
+        help.contains("--tokenizer") && help.contains("tokenizer.json"),
+        "{help}"
+    );
+
+    let corpus = tmp.path().join("text.txt");
+    let text: String = (0..400)
+        .map(|i| format!("Line {i}: the cat and the hat sat on the mat.\n"))
+        .collect();
+    std::fs::write(&corpus, text).unwrap();
+    let (hf_data, gpt2_data) = (tmp.path().join("hf-data"), tmp.path().join("gpt2-data"));
+    let out = ok(&[
+        "prepare",
+        &p(&corpus),
+        "--tokenizer",
+        &p(&fixture),
+        "--out",
+        &p(&hf_data),
+    ]);
+    assert!(out.contains("hf:tiny-bpe"), "{out}");
+    ok(&["prepare", &p(&corpus), "--out", &p(&gpt2_data)]);
+    let e = fails(&[
+        "prepare",
+        &p(&corpus),
+        "--tokenizer",
+        &p(&tmp.path().join("nope")),
+        "--out",
+        &p(&hf_data),
+    ]);
+    assert!(e.contains("--tokenizer") && e.contains("nope"), "{e}");
+
+    // A GPT-2 model whose directory holds the fixture's tokenizer.json (267 tokens).
+    let model = tmp.path().join("tiny-model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::copy(fixture.join("tokenizer.json"), model.join("tokenizer.json")).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"model_type": "gpt2", "vocab_size": 267, "n_positions": 32, "n_embd": 16, "n_layer": 1, "n_head": 2}"#,
+    )
+    .unwrap();
+    let train = |model: &str, data: &std::path::Path, run: &str| {
+        let run = p(&tmp.path().join(run));
+        let args = [
+            "train",
+            "--model",
+            model,
+            "--data",
+            &p(data),
+            "--out",
+            &run,
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--threads",
+            "2",
+        ];
+        args.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    // Data of another tokenizer is refused, naming both and the fix, in either direction.
+    let e = fails(&train(&p(&model), &gpt2_data, "r1"));
+    assert!(
+        e.contains("gpt2-r50k_base (hash r50k_base)")
+            && e.contains("hf:tiny-model (hash ")
+            && e.contains("--tokenizer <the model's directory"),
+        "{e}"
+    );
+    let e = fails(&train(
+        &p(&common::micro_config(tmp.path())),
+        &hf_data,
+        "r2",
+    ));
+    assert!(
+        e.contains("hf:tiny-bpe (hash ")
+            && e.contains("gpt2-r50k_base")
+            && e.contains("--tokenizer gpt2"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("r1").exists() && !tmp.path().join("r2").exists());
+
+    // The same tokenizer.json (another directory name) trains; sample decodes with it.
+    ok(&train(&p(&model), &hf_data, "run"));
+    let ck = std::fs::read_dir(tmp.path().join("run/checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .max()
+        .unwrap();
+    let sample = [
+        "sample",
+        "--model",
+        &p(&ck),
+        "--prompt",
+        "the cat",
+        "--tokens",
+        "4",
+        "--temperature",
+        "0",
+    ];
+    // The checkpoint carries the model's tokenizer.json; sample decodes with it.
+    assert_eq!(
+        std::fs::read(ck.join("tokenizer.json")).unwrap(),
+        std::fs::read(fixture.join("tokenizer.json")).unwrap()
+    );
+    let out = ok(&sample);
+    assert!(!out.is_empty());
+    // Without it the checkpoint is GPT-2's: "the cat" is outside its 267 tokens.
+    std::fs::remove_file(ck.join("tokenizer.json")).unwrap();
+    let e = fails(&sample);
+    assert!(e.contains("vocabulary"), "{e}");
+}

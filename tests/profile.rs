@@ -191,15 +191,18 @@ fn train_profile_writes_trace_svg_and_a_report_that_renders_in_chromium() {
     let html = run.join("report.html");
     check_report_renders(&html, &dir.path().join("chromium"));
 
-    // The metrics carry the leak check's clock, and this run does not leak.
+    // The metrics carry the leak check's clock (the step-0 line, the validation loss before
+    // the first update, has no update and no clock), and this run does not leak.
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let clock: Vec<u64> = metrics
+    let lines: Vec<Value> = metrics
         .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l).unwrap()["process_step"]
-                .as_u64()
-                .unwrap()
-        })
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["step"], 0);
+    assert!(lines[0]["val_loss"].is_number() && lines[0].get("loss").is_none());
+    let clock: Vec<u64> = lines[1..]
+        .iter()
+        .map(|l| l["process_step"].as_u64().unwrap())
         .collect();
     assert_eq!(clock, (1..=8).collect::<Vec<_>>());
     let page = std::fs::read_to_string(&html).unwrap();

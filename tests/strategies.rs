@@ -1,5 +1,7 @@
 //! Memory strategies against their promises: recomputation changes memory but not one bit of
-//! the weights; gradient accumulation trains like the larger batch.
+//! the weights; gradient accumulation trains like the larger batch; compressed optimizer
+//! state and mixed precision train close to fp32. Each for a small GPT-2 and a small Llama
+//! (grouped-query attention, rotary positions, SwiGLU).
 
 use memwall::backend::cpu::Cpu;
 use memwall::exec::executor::{Executor, OptimHparams};
@@ -14,6 +16,22 @@ mod common;
 /// Four blocks, so that every:2 and every:3 differ from both none and full.
 fn small_spec() -> ModelSpec {
     memwall::model::gpt2::spec("small", [97, 32, 32, 4, 4])
+}
+
+/// A Llama of the same size: 4 query heads sharing 2 key/value heads, untied head.
+fn small_llama() -> ModelSpec {
+    let mut s = ModelSpec::preset("llama-tiny").unwrap();
+    s.name = "small-llama".into();
+    (s.vocab_size, s.n_positions, s.n_embd, s.n_layer) = (97, 32, 32, 4);
+    (s.n_head, s.n_kv_head, s.head_dim, s.mlp_hidden) = (4, 2, 8, 48);
+    s.tied_embeddings = false;
+    s.validate().unwrap();
+    s
+}
+
+/// The models every strategy is checked on.
+fn specs() -> [ModelSpec; 2] {
+    [small_spec(), small_llama()]
 }
 
 fn hp(step: u64) -> OptimHparams {
@@ -31,9 +49,8 @@ fn hp(step: u64) -> OptimHparams {
 /// Trains `steps` steps of `cfg` on learnable sequences (x[t+1] = 3·x[t] + 1 mod V from random
 /// starts) drawn from one seed, so step k sees the same `rows` sequences whatever the
 /// micro-batching; returns the weights and the losses.
-fn train(cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
-    let spec = small_spec();
-    let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
+fn train(spec: &ModelSpec, cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
+    let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| layout.init(p, 7));
@@ -56,8 +73,8 @@ fn train(cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
     (ex.download_params(), losses)
 }
 
-fn activation_peak(cfg: &StepConfig) -> u64 {
-    let plan = build_plan(&small_spec(), cfg, Mode::Train, &Cpu).unwrap();
+fn activation_peak(spec: &ModelSpec, cfg: &StepConfig) -> u64 {
+    let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
     plan.peak_by_category()
         .into_iter()
         .find(|(c, _)| *c == Category::Activation)
@@ -67,74 +84,86 @@ fn activation_peak(cfg: &StepConfig) -> u64 {
 
 #[test]
 fn every_recompute_policy_gives_bitwise_identical_weights() {
-    let base = StepConfig::new(2, 16, 2);
-    let (want, want_losses) = train(&base, 20);
-    assert!(
-        want_losses[19] < 0.9 * want_losses[0],
-        "the model must learn: {want_losses:?}"
-    );
-    let none_peak = activation_peak(&base);
-    for r in [
-        Recompute::Selective,
-        Recompute::Full,
-        Recompute::Every(2),
-        Recompute::Every(3),
-    ] {
-        let cfg = StepConfig {
-            recompute: r,
-            ..base.clone()
-        };
-        // The plan really recomputes, and keeps fewer activation bytes.
-        let plan = build_plan(&small_spec(), &cfg, Mode::Train, &Cpu).unwrap();
-        let re_ops = plan
-            .schedule
-            .ops
-            .iter()
-            .filter(|o| o.phase == Phase::Recompute)
-            .count();
-        assert!(re_ops > 0, "{r}: no recompute ops");
-        assert!(activation_peak(&cfg) < none_peak, "{r}: no memory saved");
-        let (got, losses) = train(&cfg, 20);
-        assert_eq!(losses, want_losses, "{r}: losses differ");
-        let same = got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{r}: weights are not bitwise identical to none");
+    for spec in specs() {
+        let name = &spec.name;
+        let base = StepConfig::new(2, 16, 2);
+        let (want, want_losses) = train(&spec, &base, 20);
+        assert!(
+            want_losses[19] < 0.9 * want_losses[0],
+            "{name}: the model must learn: {want_losses:?}"
+        );
+        let none_peak = activation_peak(&spec, &base);
+        for r in [
+            Recompute::Selective,
+            Recompute::Full,
+            Recompute::Every(2),
+            Recompute::Every(3),
+        ] {
+            let cfg = StepConfig {
+                recompute: r,
+                ..base.clone()
+            };
+            // The plan really recomputes, and keeps fewer activation bytes.
+            let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+            let re_ops = plan
+                .schedule
+                .ops
+                .iter()
+                .filter(|o| o.phase == Phase::Recompute)
+                .count();
+            assert!(re_ops > 0, "{name} {r}: no recompute ops");
+            assert!(
+                activation_peak(&spec, &cfg) < none_peak,
+                "{name} {r}: no memory saved"
+            );
+            let (got, losses) = train(&spec, &cfg, 20);
+            assert_eq!(losses, want_losses, "{name} {r}: losses differ");
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{name} {r}: weights are not bitwise identical to none"
+            );
+        }
     }
 }
 
 #[test]
 fn gradient_accumulation_matches_the_larger_batch() {
-    let big = StepConfig::new(8, 16, 2);
-    let accum = StepConfig {
-        grad_accum: 2,
-        ..StepConfig::new(4, 16, 2)
-    };
-    let (a, la) = train(&big, 20);
-    let (b, lb) = train(&accum, 20);
-    let norm = |x: &[f32]| x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
-    let diff: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
-    let rel = norm(&diff) / norm(&a);
-    eprintln!(
-        "batch 8 vs 4 x accum 2: relative weight difference {rel:.3e}; losses {la:?} vs {lb:?}"
-    );
-    assert!(rel <= 1e-5, "relative weight difference {rel:e}");
-    // Two micro-batches sum their gradients in another order than one batch of 8: the weights
-    // must differ in rounding, or the accumulated run did not run as micro-batches.
-    assert!(
-        diff.iter().any(|&d| d != 0.0),
-        "weights bitwise identical to the batch-8 run: the micro-batches were not accumulated"
-    );
-    for (step, (x, y)) in la.iter().zip(&lb).enumerate() {
-        assert!(
-            (x - y).abs() <= 1e-5 * x.abs(),
-            "step {}: loss {x} (batch 8) vs {y} (4 x accum 2)",
-            step + 1
+    for spec in specs() {
+        let name = &spec.name;
+        let big = StepConfig::new(8, 16, 2);
+        let accum = StepConfig {
+            grad_accum: 2,
+            ..StepConfig::new(4, 16, 2)
+        };
+        let (a, la) = train(&spec, &big, 20);
+        let (b, lb) = train(&spec, &accum, 20);
+        let norm = |x: &[f32]| x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+        let diff: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+        let rel = norm(&diff) / norm(&a);
+        eprintln!(
+            "{name}: batch 8 vs 4 x accum 2: relative weight difference {rel:.3e}; losses {la:?} vs {lb:?}"
         );
+        assert!(rel <= 1e-5, "{name}: relative weight difference {rel:e}");
+        // Two micro-batches sum their gradients in another order than one batch of 8: the
+        // weights must differ in rounding, or the accumulated run did not run as micro-batches.
+        assert!(
+            diff.iter().any(|&d| d != 0.0),
+            "{name}: weights bitwise identical to the batch-8 run: the micro-batches were not accumulated"
+        );
+        for (step, (x, y)) in la.iter().zip(&lb).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs(),
+                "{name} step {}: loss {x} (batch 8) vs {y} (4 x accum 2)",
+                step + 1
+            );
+        }
+        // The micro-batched plan holds activations for 4 sequences, not 8.
+        assert!(activation_peak(&spec, &accum) < activation_peak(&spec, &big));
     }
-    // The micro-batched plan holds activations for 4 sequences, not 8.
-    assert!(activation_peak(&accum) < activation_peak(&big));
 }
 
 #[test]
@@ -195,43 +224,49 @@ fn compressed_optimizer_state_shrinks_its_category() {
 
 #[test]
 fn compressed_optimizer_state_trains_close_to_fp32() {
-    let run = |f: OptimState| {
-        let cfg = StepConfig {
-            optim_state: f,
-            ..StepConfig::new(4, 16, 2)
+    for spec in specs() {
+        let name = &spec.name;
+        let run = |f: OptimState| {
+            let cfg = StepConfig {
+                optim_state: f,
+                ..StepConfig::new(4, 16, 2)
+            };
+            train(&spec, &cfg, 30).1
         };
-        train(&cfg, 30).1
-    };
-    let fp32 = run(OptimState::F32);
-    for f in [OptimState::Bf16, OptimState::Int8] {
-        let l = run(f);
-        let (a, b) = (fp32[29], l[29]);
-        eprintln!("{f}: final loss {b} vs fp32 {a}");
-        assert!(b < 0.8 * l[0], "{f} must learn: {l:?}");
-        assert!((b - a).abs() <= 0.05 * a, "{f}: {b} vs fp32 {a}");
+        let fp32 = run(OptimState::F32);
+        for f in [OptimState::Bf16, OptimState::Int8] {
+            let l = run(f);
+            let (a, b) = (fp32[29], l[29]);
+            eprintln!("{name} {f}: final loss {b} vs fp32 {a}");
+            assert!(b < 0.8 * l[0], "{name} {f} must learn: {l:?}");
+            assert!((b - a).abs() <= 0.05 * a, "{name} {f}: {b} vs fp32 {a}");
+        }
     }
 }
 
 #[test]
 fn mixed_precision_trains_close_to_fp32() {
-    let run = |p: Precision| {
-        let cfg = StepConfig {
-            precision: p,
-            ..StepConfig::new(4, 16, 2)
+    for spec in specs() {
+        let name = &spec.name;
+        let run = |p: Precision| {
+            let cfg = StepConfig {
+                precision: p,
+                ..StepConfig::new(4, 16, 2)
+            };
+            train(&spec, &cfg, 30).1
         };
-        train(&cfg, 30).1
-    };
-    let fp32 = run(Precision::F32);
-    for p in [Precision::Bf16, Precision::F16] {
-        let l = run(p);
-        let (a, b) = (fp32[29], l[29]);
-        eprintln!("{p}: final loss {b} vs fp32 {a}");
-        assert!(b < 0.8 * l[0], "{p} must learn: {l:?}");
-        assert!((b - a).abs() <= 0.05 * a, "{p}: {b} vs fp32 {a}");
-        assert!(
-            l != fp32,
-            "{p} computed exactly like fp32: not mixed precision"
-        );
+        let fp32 = run(Precision::F32);
+        for p in [Precision::Bf16, Precision::F16] {
+            let l = run(p);
+            let (a, b) = (fp32[29], l[29]);
+            eprintln!("{name} {p}: final loss {b} vs fp32 {a}");
+            assert!(b < 0.8 * l[0], "{name} {p} must learn: {l:?}");
+            assert!((b - a).abs() <= 0.05 * a, "{name} {p}: {b} vs fp32 {a}");
+            assert!(
+                l != fp32,
+                "{name} {p} computed exactly like fp32: not mixed precision"
+            );
+        }
     }
 }
 
@@ -336,13 +371,10 @@ fn bf16_run_loss(dir: &std::path::Path, data: &std::path::Path, dot: &str) -> (f
     let o = common::memwall_env(&[("MEMWALL_BF16_DOT", dot)], &args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    // The step-0 line (validation loss before the first update) has no training loss.
     let losses: Vec<f64> = metrics
         .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
         .collect();
     (losses[0], *losses.last().unwrap())
 }

@@ -1,5 +1,6 @@
-//! Loading: model config, weights (any HF GPT-2 naming, F32/F16/BF16), optimizer moments and
-//! trainer state; finding the newest complete checkpoint of a run.
+//! Loading: model config, weights (one file or shards; the family's HF naming variants;
+//! F32/F16/BF16), optimizer moments and trainer state; finding the newest complete checkpoint
+//! of a run.
 
 use anyhow::{Context, Result, bail};
 use safetensors::Dtype;
@@ -9,18 +10,22 @@ use std::path::{Path, PathBuf};
 use super::layout_summary as describe;
 use super::moments::MomentsMut;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, resolve_exact};
-use super::safetensors_io::{Resolved, StFile, Target, decode_into, supported};
-use super::{CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
+use super::safetensors_io::{Resolved, Sources, StFile, Target, decode_into, supported};
+use super::shards::{Sharded, weights_missing};
+use super::{
+    CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
+    TrainerState,
+};
 use crate::model::{ModelSpec, ParamLayout};
 use crate::run_dir::{RunDir, checkpoint_step};
 
-/// Reads `DIR/config.json` (a Hugging Face GPT-2 config).
+/// Reads `DIR/config.json` (a Hugging Face config of a family memwall trains).
 pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
     let path = dir.join(CONFIG_FILE);
     if !path.is_file() {
         bail!(
             "{}: no such file; {} is not a model or checkpoint directory (it needs config.json \
-             and model.safetensors)",
+             and model.safetensors, or model.safetensors.index.json and its shards)",
             path.display(),
             dir.display()
         );
@@ -31,19 +36,11 @@ pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
 /// Opens a safetensors file of a checkpoint directory, with hints when it is absent.
 fn open_in(dir: &Path, file: &str) -> Result<StFile> {
     let path = dir.join(file);
-    if !path.exists() && file == MODEL_FILE {
-        if dir.join("model.safetensors.index.json").exists() {
-            bail!(
-                "{}: no such file; sharded checkpoints (model.safetensors.index.json) are not supported, merge the shards into one file",
-                path.display()
-            );
-        }
-        if dir.join("pytorch_model.bin").exists() {
-            bail!(
-                "{}: no such file; the directory has pytorch_model.bin, convert it to safetensors first",
-                path.display()
-            );
-        }
+    if !path.exists() && file == MODEL_FILE && dir.join("pytorch_model.bin").exists() {
+        bail!(
+            "{}: no such file; the directory has pytorch_model.bin, convert it to safetensors first",
+            path.display()
+        );
     }
     StFile::open(&path)
 }
@@ -59,18 +56,29 @@ fn check_len(what: &str, len: usize, layout: &ParamLayout) -> Result<()> {
     Ok(())
 }
 
-/// Loads `DIR/model.safetensors` into `params` (length `layout.total`).
+/// Loads the weights of directory `dir` into `params` (length `layout.total`): from
+/// `DIR/model.safetensors` when it exists, else from the shards that
+/// `DIR/model.safetensors.index.json` names (each tensor from the shard its `weight_map`
+/// names; a directory with both loads `model.safetensors` and ignores the index).
 ///
-/// Accepts `GPT2LMHeadModel` names (`transformer.h.0...`) and `GPT2Model` names (`h.0...`,
-/// `wte.weight`); skips the `attn.bias`/`attn.masked_bias` buffers and `lm_head.weight`
-/// (tied: a warning on stderr if it differs from `wte`); converts F16/BF16. Errors name the
-/// file and the tensors: missing (all listed), wrong shape (expected and found), unsupported
-/// dtype, truncated or corrupt file, missing file. Everything is checked before the copy, so
-/// on error `params` is unchanged.
+/// Accepts the family's HF naming variants (GPT-2: `GPT2LMHeadModel` names
+/// `transformer.h.0...` and `GPT2Model` names `h.0...`); skips known non-parameters (GPT-2's
+/// `attn.bias`/`attn.masked_bias` buffers) and a tied `lm_head.weight` (a warning on stderr
+/// if it differs from the embedding); converts F16/BF16. Errors name the file (the index for
+/// sharded weights, and the shard where it matters) and the tensors: missing (all listed),
+/// wrong shape (expected and found), unsupported dtype, truncated or corrupt file, missing
+/// file or shard, an index that does not match its shards. Every file is opened and checked
+/// before anything is copied, so on error `params` is unchanged.
 pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Result<()> {
-    check_len("parameter", params.len(), layout)
-        .with_context(|| format!("loading {}", dir.join(MODEL_FILE).display()))?;
-    let file = open_in(dir, MODEL_FILE)?;
+    let single = dir.join(MODEL_FILE);
+    let index = dir.join(MODEL_INDEX_FILE);
+    let sharded = !single.exists() && index.exists();
+    check_len("parameter", params.len(), layout).with_context(|| {
+        format!(
+            "loading {}",
+            if sharded { &index } else { &single }.display()
+        )
+    })?;
     let targets: Vec<Target> = layout
         .tensors
         .iter()
@@ -82,11 +90,21 @@ pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Resu
         })
         .collect();
     let family = layout.family;
+    // Tied names (a tied LM head) are checked below, not loaded.
     let resolve = |name: &str| match family.canonical_name(name) {
+        _ if layout.tied.iter().any(|t| t.name == name) => Resolved::Ignore,
         Some(k) => Resolved::Key(k),
         None => Resolved::Ignore,
     };
-    super::safetensors_io::load_targets(&file, &resolve, &targets, &mut [params]).with_context(
+    let (file, shards);
+    let src = if sharded {
+        shards = Sharded::open(dir, &resolve)?;
+        shards.sources()
+    } else {
+        file = open_in(dir, MODEL_FILE)?;
+        Sources::single(&file)
+    };
+    super::safetensors_io::load_targets(&src, &resolve, &targets, &mut [params]).with_context(
         || {
             format!(
                 "loading weights into a {} with {}; check --model / config.json",
@@ -97,7 +115,10 @@ pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Resu
     )?;
     for tied in &layout.tied {
         let to = &layout.tensors[tied.tensor];
-        if tied_differs(&file, &tied.name, to, params) {
+        let Some((file, _)) = src.get(&tied.name) else {
+            continue;
+        };
+        if tied_differs(file, &tied.name, to, params) {
             eprintln!(
                 "memwall: warning: {}: {} differs from {}; memwall ties them and uses {} for \
                  both ({} is ignored)",
@@ -169,7 +190,8 @@ pub fn load_trainer_state(
     let format = moments.format();
     let what = || {
         format!(
-            "loading {format} optimizer moments for a GPT-2 with {}",
+            "loading {format} optimizer moments for a {} with {}",
+            layout.family.model_type(),
             describe(layout)
         )
     };
@@ -187,7 +209,8 @@ pub fn load_trainer_state(
                     range: t.range.clone(),
                 }));
             }
-            super::safetensors_io::load_targets(&file, &resolve_exact, &targets, &mut [m, v])
+            let src = Sources::single(&file);
+            super::safetensors_io::load_targets(&src, &resolve_exact, &targets, &mut [m, v])
                 .with_context(what)?;
         }
         MomentsMut::Bf16 { m, v } => {
@@ -276,7 +299,9 @@ fn read_raw(
 
 /// The newest complete checkpoint under `RUN_DIR/checkpoints`, or `None` if there is none.
 /// Ignores temporary (`*.tmp-*`) and other non-`step-N` entries silently, and incomplete
-/// `step-N` directories (a file missing or empty) with a warning on stderr.
+/// `step-N` directories (one of [`CHECKPOINT_FILES`] missing or empty, or the weights: no
+/// `model.safetensors`, or no index, or a shard the index names missing or empty) with a
+/// warning on stderr.
 pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
     let root = RunDir::new(run_dir).checkpoints();
     let entries = match fs::read_dir(&root) {
@@ -295,11 +320,12 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
         if !path.is_dir() {
             continue;
         }
-        let missing: Vec<&str> = CHECKPOINT_FILES
+        let mut missing: Vec<String> = CHECKPOINT_FILES
             .iter()
-            .copied()
             .filter(|f| !fs::metadata(path.join(f)).is_ok_and(|m| m.is_file() && m.len() > 0))
+            .map(|f| f.to_string())
             .collect();
+        missing.extend(weights_missing(&path));
         if !missing.is_empty() {
             eprintln!(
                 "memwall: warning: ignoring incomplete checkpoint {} (missing or empty: {})",

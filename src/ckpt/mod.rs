@@ -1,15 +1,25 @@
-//! Checkpoints: Hugging Face–compatible safetensors weights, optimizer moments and trainer
-//! state, written atomically, loaded without doubling memory.
+//! Checkpoints: Hugging Face–compatible safetensors weights (one file or shards), optimizer
+//! moments, trainer state and the model's tokenizer files, written atomically, loaded without
+//! doubling memory.
 //!
 //! A checkpoint directory (`RUN_DIR/checkpoints/step-000100/`, named by [`crate::run_dir`])
 //! holds:
 //!
 //! | file                     | content                                                       |
 //! |--------------------------|---------------------------------------------------------------|
-//! | `config.json`            | `ModelSpec::to_hf_config()`: `GPT2LMHeadModel.from_pretrained(dir)` loads the directory |
-//! | `model.safetensors`      | every parameter under its HF name, F32, HF shape (Conv1D weights `[in, out]`); no `lm_head.weight` (tied to `wte`) |
+//! | `config.json`            | `ModelSpec::to_hf_config()`: `AutoModelForCausalLM.from_pretrained(dir)` loads the directory |
+//! | `model.safetensors`      | every parameter under its HF name, F32, HF shape (GPT-2 Conv1D weights `[in, out]`, Linear weights `[out, in]`); a tied LM head is not stored (it is the embedding). Written while the tensors total at most `max_shard_bytes` (5 GB by default, as transformers) |
+//! | `model-00001-of-0000n.safetensors` ... | instead of `model.safetensors` above `max_shard_bytes`: the same tensors in layout order, cut into shards of at most that size (a larger tensor alone in its shard), as transformers' `save_pretrained` |
+//! | `model.safetensors.index.json` | with the shards: `{"metadata": {"total_size": tensor bytes}, "weight_map": {"name": "shard file"}}` |
 //! | `optimizer.safetensors`  | AdamW moments: `exp_avg.<name>` and `exp_avg_sq.<name>` (F32), or flat bf16/int8 state as stored (see `moments.rs`) |
 //! | `trainer_state.json`     | [`TrainerState`]: step, data position, seed, RNG state, model and training config |
+//! | `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json` | those of them the run's tokenizer directory holds (`--init` or `--model` directory), copied byte for byte (see `tokenizer.rs`); absent for preset models |
+//!
+//! Loading weights ([`load_params`], `--init`, `generate`) reads `model.safetensors` when the
+//! directory has it, else the index and its shards: **a directory with both loads
+//! `model.safetensors`** and ignores the index. Sharded weights are checked against their
+//! index (every shard present, every mapped tensor in its shard, no unmapped parameter in a
+//! shard) before anything is copied (see `shards.rs`).
 //!
 //! **Architecture Invariant: nothing is lost.** A checkpoint is written into a temporary
 //! sibling (`step-000100.tmp-<pid>-<n>`), every file fsynced, the directory fsynced, renamed
@@ -17,8 +27,9 @@
 //! and at worst a `*.tmp-*` directory that [`latest_checkpoint`] ignores.
 //!
 //! **Architecture Invariant: no whole-file copies.** Saving streams each tensor from its
-//! slice of the flat buffer; loading memory-maps the file and copies tensor by tensor into
-//! the destination, releasing the mapped pages as it goes (see `safetensors_io.rs`).
+//! slice of the flat buffer; loading memory-maps the file (every shard) and copies tensor by
+//! tensor into the destination, releasing the mapped pages as it goes (see
+//! `safetensors_io.rs`). Tokenizer files are streamed too.
 //!
 //! Loading accepts the hub's naming variants (see `names.rs`) and F32/F16/BF16 data; every
 //! error names the file and the tensor or field.
@@ -29,25 +40,35 @@ mod moments;
 mod names;
 mod safetensors_io;
 mod save;
+mod shards;
 mod state;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_sharded;
+mod tokenizer;
 
 pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
 pub use moments::{Moments, MomentsMut};
-pub use save::{save_checkpoint, save_model};
+pub use save::{SaveOptions, save_checkpoint, save_checkpoint_with, save_model, save_model_with};
+pub use shards::DEFAULT_MAX_SHARD_BYTES;
 pub use state::{LossScaleState, TrainerState};
+pub use tokenizer::{TOKENIZER_FILE, TOKENIZER_FILES, copy_tokenizer_files};
 
 /// Model config file name (Hugging Face).
 pub const CONFIG_FILE: &str = "config.json";
-/// Model weights file name (Hugging Face).
+/// Model weights file name (Hugging Face), when the weights are one file.
 pub const MODEL_FILE: &str = "model.safetensors";
+/// Index of sharded weights (Hugging Face): which shard holds each tensor.
+pub const MODEL_INDEX_FILE: &str = "model.safetensors.index.json";
 /// Optimizer moments file name.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// Trainer state file name.
 pub const STATE_FILE: &str = "trainer_state.json";
-/// The files a checkpoint is complete with.
-pub const CHECKPOINT_FILES: [&str; 4] = [CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE];
+/// The files every complete checkpoint has besides its weights. The weights are
+/// [`MODEL_FILE`], or [`MODEL_INDEX_FILE`] and the shards it names ([`latest_checkpoint`]
+/// checks both).
+pub const CHECKPOINT_FILES: [&str; 3] = [CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE];
 
 /// One-line description of a layout for messages, e.g. `gpt2: 14 parameter groups, 148
 /// tensors, 124439808 parameters (transformer.wte.weight [50257, 768], ...)`.

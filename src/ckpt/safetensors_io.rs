@@ -12,7 +12,8 @@
 //! contiguous, sizes consistent with dtype and shape, file length exact: a truncated or
 //! padded file is rejected), then copies tensor by tensor into the destination slices,
 //! converting F16/BF16 to f32, and drops each tensor's pages from the mapping after the copy,
-//! so the mapped file never stays resident next to its destination buffer.
+//! so the mapped file never stays resident next to its destination buffer. The tensors of a
+//! sharded checkpoint are read the same way from the shard that holds each ([`Sources`]).
 
 use anyhow::{Context, Result, anyhow, bail};
 use memmap2::Mmap;
@@ -55,6 +56,11 @@ impl OutData<'_> {
             OutData::I8(x) => x.len(),
             OutData::U8(x) => x.len(),
         }
+    }
+
+    /// Bytes of the data (what `total_size` of a sharded index counts).
+    pub(crate) fn nbytes(&self) -> u64 {
+        (self.dtype().0 * self.len()) as u64
     }
 
     /// Bytes per element and the safetensors dtype name.
@@ -347,22 +353,75 @@ pub(crate) fn list(items: &[String]) -> String {
     s
 }
 
-/// Loads every target from `file` into `bufs[target.buf][target.range]`.
+/// The tensors of one source of weights: a single file, or the shards that an index names
+/// (see `shards.rs`). Each name is served by exactly one file.
+pub(crate) struct Sources<'f> {
+    /// What messages name first: the file, or the index.
+    pub label: String,
+    /// Sharded: per-tensor messages also name the shard holding the tensor.
+    sharded: bool,
+    at: HashMap<&'f str, &'f StFile>,
+}
+
+impl<'f> Sources<'f> {
+    /// Every tensor of one file.
+    pub fn single(file: &'f StFile) -> Sources<'f> {
+        Sources {
+            label: file.path.display().to_string(),
+            sharded: false,
+            at: file.names().map(|n| (n, file)).collect(),
+        }
+    }
+
+    /// Tensors spread over several files: `at` names the file of each (checked by the caller
+    /// to hold it); messages start with `label` (the index).
+    pub fn sharded(label: String, at: HashMap<&'f str, &'f StFile>) -> Sources<'f> {
+        Sources {
+            label,
+            sharded: true,
+            at,
+        }
+    }
+
+    /// Names of all tensors (any order).
+    pub fn names(&self) -> impl Iterator<Item = &'f str> + '_ {
+        self.at.keys().copied()
+    }
+
+    /// The file holding tensor `name` and its header entry.
+    pub fn get(&self, name: &str) -> Option<(&'f StFile, &'f TensorInfo)> {
+        let file = *self.at.get(name)?;
+        Some((file, file.info(name)?))
+    }
+
+    /// ` (in <shard file name>)` when sharded, else nothing: appended to per-tensor messages.
+    fn where_is(&self, name: &str) -> String {
+        match self.at.get(name) {
+            Some(f) if self.sharded => {
+                let file = f.path.file_name().unwrap_or_default().to_string_lossy();
+                format!(" in {file}")
+            }
+            _ => String::new(),
+        }
+    }
+}
+
+/// Loads every target from `src` into `bufs[target.buf][target.range]`.
 ///
 /// Everything is checked before anything is copied (so on error the destination is
 /// untouched): each target present exactly once, with the expected shape and a supported
-/// dtype. File tensors that resolve to no target are reported on stderr and skipped.
+/// dtype. Tensors that resolve to no target are reported on stderr and skipped.
 pub(crate) fn load_targets(
-    file: &StFile,
+    src: &Sources,
     resolve: &dyn Fn(&str) -> Resolved,
     targets: &[Target],
     bufs: &mut [&mut [f32]],
 ) -> Result<()> {
-    let path = file.path.display();
+    let path = &src.label;
     let wanted: HashSet<&str> = targets.iter().map(|t| t.key.as_str()).collect();
     let mut by_key: HashMap<String, &str> = HashMap::new();
     let mut unknown = Vec::new();
-    let mut names: Vec<&str> = file.names().collect();
+    let mut names: Vec<&str> = src.names().collect();
     names.sort_unstable();
     for name in names {
         match resolve(name) {
@@ -379,17 +438,28 @@ pub(crate) fn load_targets(
     }
     let (mut missing, mut bad_shape, mut bad_dtype) = (Vec::new(), Vec::new(), Vec::new());
     for t in targets {
-        let Some(info) = by_key.get(&t.key).and_then(|n| file.info(n)) else {
+        let Some((name, (_, info))) = by_key
+            .get(&t.key)
+            .and_then(|n| src.get(n).map(|fi| (*n, fi)))
+        else {
             missing.push(t.key.clone());
             continue;
         };
         if info.shape != t.shape {
             bad_shape.push(format!(
-                "{} (expected shape {:?}, found {:?})",
-                t.key, t.shape, info.shape
+                "{} (expected shape {:?}, found {:?}){}",
+                t.key,
+                t.shape,
+                info.shape,
+                src.where_is(name)
             ));
         } else if !supported(info.dtype) {
-            bad_dtype.push(format!("{} ({:?})", t.key, info.dtype));
+            bad_dtype.push(format!(
+                "{} ({:?}){}",
+                t.key,
+                info.dtype,
+                src.where_is(name)
+            ));
         }
     }
     let mut problems = Vec::new();
@@ -420,13 +490,12 @@ pub(crate) fn load_targets(
         );
     }
     for t in targets {
-        let Some(info) = by_key
+        let Some((name, (file, info))) = by_key
             .get(&t.key)
-            .and_then(|n| file.info(n).map(|i| (*n, i)))
+            .and_then(|n| src.get(n).map(|fi| (*n, fi)))
         else {
             continue; // checked above: every target is present
         };
-        let (name, info) = info;
         let dst = bufs
             .get_mut(t.buf)
             .and_then(|b| b.get_mut(t.range.clone()))

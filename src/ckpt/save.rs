@@ -1,4 +1,5 @@
-//! Saving: whole checkpoints (atomic as a directory) and model-only exports (atomic per file).
+//! Saving: whole checkpoints (atomic as a directory) and model-only exports (atomic per file),
+//! the weights as one file or as shards (see `shards.rs`), the tokenizer files copied along.
 
 use anyhow::{Context, Result, bail};
 use std::fs;
@@ -8,10 +9,33 @@ use super::atomic::TempDir;
 use super::moments::Moments;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
 use super::safetensors_io::{OutData, OutTensor, write_safetensors};
-use super::{CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
+use super::shards::{DEFAULT_MAX_SHARD_BYTES, is_shard_name, weight_files};
+use super::tokenizer::copy_tokenizer_files;
+use super::{CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
 use crate::model::{ModelSpec, ParamLayout};
 use crate::run_dir::RunDir;
 use crate::util::atomic::{self, parent_dir, sync_dir, write_synced};
+
+/// How a save writes the weights, and what it copies next to them.
+#[derive(Clone, Copy, Debug)]
+pub struct SaveOptions<'a> {
+    /// One `model.safetensors` while the tensors' bytes total at most this; above it,
+    /// `model-0000k-of-0000n.safetensors` shards of at most this many bytes each (a larger
+    /// tensor alone in its shard) and `model.safetensors.index.json`. Default
+    /// [`DEFAULT_MAX_SHARD_BYTES`] (5 GB, as transformers' `save_pretrained`).
+    pub max_shard_bytes: u64,
+    /// Copy the tokenizer files this directory holds (see [`copy_tokenizer_files`]).
+    pub tokenizer_dir: Option<&'a Path>,
+}
+
+impl Default for SaveOptions<'_> {
+    fn default() -> Self {
+        SaveOptions {
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            tokenizer_dir: None,
+        }
+    }
+}
 
 /// Checks that `layout` is the layout of `spec` and that each buffer covers it.
 fn check_buffers(spec: &ModelSpec, layout: &ParamLayout, bufs: &[(&str, usize)]) -> Result<()> {
@@ -104,14 +128,8 @@ fn json_bytes(v: &impl serde::Serialize) -> Result<Vec<u8>> {
     Ok(b)
 }
 
-/// Writes `RUN_DIR/checkpoints/step-{step:06}/` with `config.json`, `model.safetensors`,
-/// `optimizer.safetensors` (the moments in their stored format) and `trainer_state.json`
-/// (step = `state.step`).
-///
-/// Atomic: written into a temporary sibling directory, each file fsynced, the directory
-/// fsynced, renamed into place (replacing a checkpoint of the same step), the parent fsynced.
-/// On error the temporary directory is removed, earlier checkpoints are untouched, and the
-/// error names the path. Tensors stream from the slices; no buffer is copied.
+/// [`save_checkpoint_with`] with the default [`SaveOptions`] (shards above 5 GB, no
+/// tokenizer files).
 pub fn save_checkpoint(
     run_dir: &Path,
     spec: &ModelSpec,
@@ -119,6 +137,28 @@ pub fn save_checkpoint(
     params: &[f32],
     moments: &Moments,
     state: &TrainerState,
+) -> Result<PathBuf> {
+    let opts = SaveOptions::default();
+    save_checkpoint_with(run_dir, spec, layout, params, moments, state, &opts)
+}
+
+/// Writes `RUN_DIR/checkpoints/step-{step:06}/` with `config.json`, the weights
+/// (`model.safetensors`, or shards and their index above `opts.max_shard_bytes`),
+/// `optimizer.safetensors` (the moments in their stored format), `trainer_state.json`
+/// (step = `state.step`) and the tokenizer files of `opts.tokenizer_dir`.
+///
+/// Atomic: written into a temporary sibling directory, each file fsynced, the directory
+/// fsynced, renamed into place (replacing a checkpoint of the same step), the parent fsynced.
+/// On error the temporary directory is removed, earlier checkpoints are untouched, and the
+/// error names the path. Tensors stream from the slices; no buffer is copied.
+pub fn save_checkpoint_with(
+    run_dir: &Path,
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    params: &[f32],
+    moments: &Moments,
+    state: &TrainerState,
+    opts: &SaveOptions,
 ) -> Result<PathBuf> {
     let final_dir = RunDir::new(run_dir).checkpoint(state.step);
     let what = || format!("saving checkpoint {}", final_dir.display());
@@ -151,7 +191,9 @@ pub fn save_checkpoint(
             Ok(std::io::Write::write_all(f, &config)?)
         })?;
         let model = model_tensors(layout, params);
-        write_synced(&tmp.path.join(MODEL_FILE), |f| write_safetensors(f, &model))?;
+        for (name, file) in weight_files(&model, opts.max_shard_bytes)? {
+            write_synced(&tmp.path.join(name), |f| file.write_to(f))?;
+        }
         let moments = optimizer_tensors(layout, moments);
         write_synced(&tmp.path.join(OPTIMIZER_FILE), |f| {
             write_safetensors(f, &moments)
@@ -160,6 +202,9 @@ pub fn save_checkpoint(
         write_synced(&tmp.path.join(STATE_FILE), |f| {
             Ok(std::io::Write::write_all(f, &st)?)
         })?;
+        if let Some(src) = opts.tokenizer_dir {
+            copy_tokenizer_files(src, &tmp.path)?;
+        }
         Ok(())
     })();
     let result = match written {
@@ -179,22 +224,76 @@ pub fn save_checkpoint(
     Ok(final_dir)
 }
 
-/// Writes a model-only export into `dir` (created if needed): `config.json` and
-/// `model.safetensors`, each atomically (temporary file, fsync, rename, fsync the directory).
+/// [`save_model_with`] with the default [`SaveOptions`] (shards above 5 GB, no tokenizer
+/// files).
 pub fn save_model(
     dir: &Path,
     spec: &ModelSpec,
     layout: &ParamLayout,
     params: &[f32],
 ) -> Result<()> {
+    save_model_with(dir, spec, layout, params, &SaveOptions::default())
+}
+
+/// Writes a model-only export into `dir` (created if needed): `config.json`, the weights
+/// (`model.safetensors`, or shards and their index above `opts.max_shard_bytes`) and the
+/// tokenizer files of `opts.tokenizer_dir`, each file atomically (temporary file, fsync,
+/// rename, fsync the directory).
+///
+/// Weights files of the other form left by an earlier export (a `model.safetensors` when
+/// writing shards; an index and shards when writing one file; shards of another count) are
+/// removed after the new files are in place. A crash between the two leaves both forms, and
+/// loading prefers `model.safetensors`; the export is atomic per file, not as a directory
+/// (checkpoints are: [`save_checkpoint_with`]).
+pub fn save_model_with(
+    dir: &Path,
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    params: &[f32],
+    opts: &SaveOptions,
+) -> Result<()> {
     let what = || format!("saving model to {}", dir.display());
     check_buffers(spec, layout, &[("parameter", params.len())]).with_context(what)?;
     fs::create_dir_all(dir)
         .with_context(|| format!("cannot create directory {}", dir.display()))?;
     let model = model_tensors(layout, params);
-    atomic::write_with(&dir.join(MODEL_FILE), |f| write_safetensors(f, &model))
-        .with_context(what)?;
+    let files = weight_files(&model, opts.max_shard_bytes).with_context(what)?;
+    for (name, file) in &files {
+        atomic::write_with(&dir.join(name), |f| file.write_to(f)).with_context(what)?;
+    }
+    let written: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
+    remove_stale_weights(dir, &written).with_context(what)?;
     atomic::write_file(&dir.join(CONFIG_FILE), &json_bytes(&spec.to_hf_config())?)
         .with_context(what)?;
+    if let Some(src) = opts.tokenizer_dir {
+        copy_tokenizer_files(src, dir).with_context(what)?;
+    }
+    Ok(())
+}
+
+/// Removes the weights files in `dir` (`model.safetensors`, the index, shards) that are not
+/// among `written`, then fsyncs the directory.
+fn remove_stale_weights(dir: &Path, written: &[&str]) -> Result<()> {
+    let entries = fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?;
+    let mut removed = false;
+    for entry in entries {
+        let entry = entry.with_context(|| format!("cannot list {}", dir.display()))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let weights = name == MODEL_FILE || name == MODEL_INDEX_FILE || is_shard_name(name);
+        if weights && !written.contains(&name) {
+            fs::remove_file(entry.path()).with_context(|| {
+                format!(
+                    "cannot remove {}, weights of an earlier export that the new ones replace; \
+                     delete it by hand",
+                    entry.path().display()
+                )
+            })?;
+            removed = true;
+        }
+    }
+    if removed {
+        sync_dir(dir)?;
+    }
     Ok(())
 }

@@ -10,7 +10,7 @@ use std::fs;
 use std::path::Path;
 
 /// A small GPT-2: V=97, maxT=32, C=16, L=2, NH=2.
-fn small_spec(vocab: usize) -> ModelSpec {
+pub(super) fn small_spec(vocab: usize) -> ModelSpec {
     let s = crate::model::gpt2::spec("small", [vocab, 32, 16, 2, 2]);
     s.validate().unwrap();
     s
@@ -18,7 +18,7 @@ fn small_spec(vocab: usize) -> ModelSpec {
 
 /// Layout, initialised params and moments with awkward bit patterns (-0.0, NaN payload,
 /// subnormal, infinity) that only a bitwise copy preserves.
-fn setup(spec: &ModelSpec) -> (ParamLayout, Vec<f32>, Vec<f32>, Vec<f32>) {
+pub(super) fn setup(spec: &ModelSpec) -> (ParamLayout, Vec<f32>, Vec<f32>, Vec<f32>) {
     let layout = ParamLayout::new(spec);
     let mut p = vec![0f32; layout.total];
     layout.init(&mut p, 7);
@@ -32,7 +32,7 @@ fn setup(spec: &ModelSpec) -> (ParamLayout, Vec<f32>, Vec<f32>, Vec<f32>) {
     (layout, p, m, v)
 }
 
-fn state(spec: &ModelSpec, step: u64) -> TrainerState {
+pub(super) fn state(spec: &ModelSpec, step: u64) -> TrainerState {
     TrainerState {
         step,
         data_position: step * 4 + 1,
@@ -48,11 +48,11 @@ fn state(spec: &ModelSpec, step: u64) -> TrainerState {
     }
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
+pub(super) fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|f| f.to_bits()).collect()
 }
 
-fn err_text<T>(r: anyhow::Result<T>) -> String {
+pub(super) fn err_text<T>(r: anyhow::Result<T>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
         Err(e) => {
@@ -64,7 +64,7 @@ fn err_text<T>(r: anyhow::Result<T>) -> String {
 }
 
 /// Raw little-endian bytes of f32 data.
-fn le_bytes(x: &[f32]) -> Vec<u8> {
+pub(super) fn le_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|f| f.to_le_bytes()).collect()
 }
 
@@ -123,9 +123,13 @@ fn checkpoint_round_trips_bitwise() {
     .unwrap();
     assert_eq!(dir, run.path().join("checkpoints/step-000042"));
     assert_eq!(dir, RunDir::new(run.path()).checkpoint(42));
-    for f in CHECKPOINT_FILES {
+    for f in CHECKPOINT_FILES.iter().chain([&MODEL_FILE]) {
         assert!(dir.join(f).is_file(), "{f}");
     }
+    assert!(
+        !dir.join(MODEL_INDEX_FILE).exists(),
+        "not sharded below 5 GB"
+    );
     // Only the published directory: no temporary left behind.
     let names: Vec<_> = fs::read_dir(run.path().join("checkpoints"))
         .unwrap()
@@ -688,7 +692,7 @@ fn latest_checkpoint_picks_highest_complete_step() {
     // A leftover temporary of a crashed save, complete in content: still ignored.
     let leftover = ck.join("step-000300.tmp-123");
     fs::create_dir(&leftover).unwrap();
-    for f in CHECKPOINT_FILES {
+    for f in CHECKPOINT_FILES.iter().chain([&MODEL_FILE]) {
         fs::copy(ck.join("step-000200").join(f), leftover.join(f)).unwrap();
     }
     // An incomplete step directory, one with an empty file, and unrelated entries.
@@ -700,12 +704,9 @@ fn latest_checkpoint_picks_highest_complete_step() {
     .unwrap();
     fs::create_dir(ck.join("step-000500")).unwrap();
     for f in CHECKPOINT_FILES {
-        fs::write(
-            ck.join("step-000500").join(f),
-            if f == MODEL_FILE { &b""[..] } else { &b"x"[..] },
-        )
-        .unwrap();
+        fs::write(ck.join("step-000500").join(f), b"x").unwrap();
     }
+    fs::write(ck.join("step-000500").join(MODEL_FILE), b"").unwrap();
     fs::create_dir(ck.join("step-abc")).unwrap();
     fs::write(ck.join("step-000900"), b"a file, not a directory").unwrap();
     assert_eq!(

@@ -12,6 +12,7 @@
 
 use crate::data::prepare::{META_FORMAT, META_VERSION};
 use crate::data::shard::Shard;
+use crate::data::tokenizer::{EOT, GPT2_HASH, GPT2_NAME};
 use crate::util::rng::Rng;
 use anyhow::{Context, Result, bail, ensure};
 use serde::Deserialize;
@@ -26,8 +27,13 @@ pub struct Meta {
     pub vocab_size: usize,
     pub train_tokens: u64,
     pub val_tokens: u64,
-    /// Tokenizer name, e.g. `gpt2-r50k_base`.
+    /// Tokenizer name, e.g. `gpt2-r50k_base` or `hf:SmolLM2-135M`.
     pub tokenizer: String,
+    /// Tokenizer content hash ([`crate::data::TokenizerId::hash`]); a `meta.json` written
+    /// before hashes were recorded is GPT-2's, `r50k_base`.
+    pub tokenizer_hash: String,
+    /// The end-of-text token between documents.
+    pub eot: u32,
 }
 
 #[derive(Deserialize)]
@@ -35,7 +41,11 @@ struct MetaIn {
     format: String,
     version: u32,
     tokenizer: String,
+    #[serde(default)]
+    tokenizer_hash: Option<String>,
     vocab_size: usize,
+    #[serde(default)]
+    eot: Option<u32>,
     train_tokens: u64,
     val_tokens: u64,
 }
@@ -80,6 +90,18 @@ impl DataSet {
             m.format,
             m.version
         );
+        // Files from before tokenizer hashes were recorded hold GPT-2 tokens.
+        let gpt2 = m.tokenizer == GPT2_NAME;
+        let (tokenizer_hash, eot) = match (m.tokenizer_hash, m.eot) {
+            (Some(h), Some(e)) => (h, e),
+            (None, e) if gpt2 => (GPT2_HASH.to_string(), e.unwrap_or(EOT)),
+            (h, _) => bail!(
+                "'{}' records tokenizer '{}' without its '{}': {HOW_TO_PREPARE}",
+                meta_path.display(),
+                m.tokenizer,
+                if h.is_none() { "tokenizer_hash" } else { "eot" }
+            ),
+        };
         let open = |name: &str, expect: u64| -> Result<Arc<Shard>> {
             let p = dir.join(name);
             let s = Shard::open(&p).with_context(|| {
@@ -103,6 +125,8 @@ impl DataSet {
             train_tokens: m.train_tokens,
             val_tokens: m.val_tokens,
             tokenizer: m.tokenizer,
+            tokenizer_hash,
+            eot,
         };
         Ok(DataSet {
             dir: dir.to_path_buf(),
@@ -390,7 +414,9 @@ mod tests {
                 vocab_size: 50257,
                 train_tokens: sum.train_tokens,
                 val_tokens: sum.val_tokens,
-                tokenizer: "gpt2-r50k_base".into()
+                tokenizer: "gpt2-r50k_base".into(),
+                tokenizer_hash: "r50k_base".into(),
+                eot: 50256,
             }
         );
         assert_eq!(ds.train.len() as u64, sum.train_tokens);
@@ -402,6 +428,25 @@ mod tests {
             DataSet::open(&out.path().join("missing")).unwrap_err()
         );
         assert!(e.contains("missing") && e.contains(hint), "{e}");
+
+        // A meta.json from before tokenizer hashes were recorded is GPT-2's.
+        let meta_path = dir.join("meta.json");
+        let fresh = std::fs::read_to_string(&meta_path).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&fresh).unwrap();
+        v.as_object_mut().unwrap().remove("tokenizer_hash");
+        std::fs::write(&meta_path, v.to_string()).unwrap();
+        let old = DataSet::open(&dir).unwrap();
+        assert_eq!(old.meta, ds.meta);
+        // Another tokenizer's name without a hash is refused.
+        v["tokenizer"] = "hf:smol".into();
+        std::fs::write(&meta_path, v.to_string()).unwrap();
+        let e = format!("{:#}", DataSet::open(&dir).unwrap_err());
+        assert!(
+            e.contains("hf:smol") && e.contains("tokenizer_hash") && e.contains(hint),
+            "{e}"
+        );
+        std::fs::write(&meta_path, fresh).unwrap();
+        DataSet::open(&dir).unwrap();
 
         // Inconsistent: val.bin replaced by a shard of another length.
         write_shard(&dir.join("val.bin"), &[1, 2, 3], 50257).unwrap();

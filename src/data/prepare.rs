@@ -6,9 +6,14 @@
 //!   hidden entries (names starting with `.`) and symlinked directories are skipped, and files
 //!   that are not UTF-8 text are skipped with a warning on stderr. Files that are empty or only
 //!   whitespace are skipped with a warning. A leading UTF-8 byte-order mark is dropped.
+//! * **Tokenizer**: GPT-2's ([`prepare`]) or any [`Tokenizer`] ([`prepare_with`]; the CLI's
+//!   `--tokenizer`). Its vocabulary fixes the token width of the shards (u16 up to 65536
+//!   tokens, else u32) and `meta.json` records its name, content hash, vocabulary size and
+//!   end-of-text token, so training can refuse data made for another model.
 //! * **Documents**: each file is one document. The token stream is
-//!   `EOT d₁ EOT d₂ … EOT dₙ` (an [`EOT`] before every document, as GPT-2's data preparation
-//!   does), so a model always sees `<|endoftext|>` before a document starts.
+//!   `EOT d₁ EOT d₂ … EOT dₙ` (the tokenizer's end-of-text token, [`EOT`] for GPT-2, before
+//!   every document, as GPT-2's data preparation does), so a model always sees it before a
+//!   document starts.
 //! * **Split**: the last `val_fraction` of the concatenated stream (rounded to whole tokens) is
 //!   the validation split, the rest the training split. With several documents this holds out
 //!   the last documents in path order, which keeps validation text unseen in training.
@@ -17,10 +22,14 @@
 //!   so a crash part-way leaves a directory that [`crate::data::loader::DataSet::open`] refuses
 //!   rather than a mix of old and new shards.
 //! * Tokenization runs in parallel (files, and pieces of large files, across rayon threads)
-//!   with a deterministic result: the same inputs give byte-identical outputs.
+//!   with a deterministic result: the same inputs give byte-identical outputs. A file is cut
+//!   into pieces only where the tokenizer allows it ([`Tokenizer::split_points`]); otherwise
+//!   it is encoded whole.
 
 use crate::data::shard::write_shard;
-use crate::data::tokenizer::{EOT, GPT2_VOCAB, Tokenizer, split_points};
+#[cfg(doc)]
+use crate::data::tokenizer::EOT;
+use crate::data::tokenizer::Tokenizer;
 use crate::util::atomic;
 use anyhow::{Context, Result, bail, ensure};
 use rayon::prelude::*;
@@ -66,6 +75,7 @@ struct MetaOut<'a> {
     format: &'a str,
     version: u32,
     tokenizer: &'a str,
+    tokenizer_hash: &'a str,
     vocab_size: usize,
     eot: u32,
     train_tokens: u64,
@@ -79,7 +89,7 @@ pub const META_FORMAT: &str = "memwall-tokens";
 /// `meta.json`'s `version` field.
 pub const META_VERSION: u32 = 1;
 /// `meta.json`'s `tokenizer` field for GPT-2.
-pub const TOKENIZER_NAME: &str = "gpt2-r50k_base";
+pub const TOKENIZER_NAME: &str = crate::data::tokenizer::GPT2_NAME;
 
 /// Size of the pieces a large document is cut into for parallel tokenization.
 const PIECE_BYTES: usize = 1 << 20;
@@ -96,8 +106,15 @@ struct Candidate {
     len: u64,
 }
 
-/// Tokenizes the inputs and writes `train.bin`, `val.bin` and `meta.json` into `opts.out`.
+/// Tokenizes the inputs with GPT-2's tokenizer and writes `train.bin`, `val.bin` and
+/// `meta.json` into `opts.out`.
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
+    prepare_with(opts, &Tokenizer::gpt2()?)
+}
+
+/// Tokenizes the inputs with `tok` and writes `train.bin`, `val.bin` and `meta.json` into
+/// `opts.out`.
+pub fn prepare_with(opts: &PrepareOptions, tok: &Tokenizer) -> Result<PrepareSummary> {
     let f = opts.val_fraction;
     ensure!(
         f.is_finite() && f > 0.0 && f <= 0.5,
@@ -125,7 +142,8 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
     })?;
     check_writable(out)?;
 
-    let tok = Tokenizer::gpt2()?;
+    let id = tok.id();
+    let eot = id.eot;
     let total: u64 = candidates.iter().map(|c| c.len).sum();
     let bar = if total >= PROGRESS_BYTES {
         let bar = indicatif::ProgressBar::with_draw_target(
@@ -166,7 +184,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
             .enumerate()
             .flat_map(|(d, (_, text))| {
                 let mut bounds = vec![0];
-                bounds.extend(split_points(text, PIECE_BYTES));
+                bounds.extend(tok.split_points(text, PIECE_BYTES));
                 bounds.push(text.len());
                 bounds
                     .windows(2)
@@ -176,17 +194,23 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
             .collect();
         let encoded: Vec<Vec<u32>> = pieces
             .par_iter()
-            .map(|(_, piece)| {
-                let ids = tok.encode(piece);
+            .map(|(d, piece)| {
+                let ids = tok.encode(piece).with_context(|| {
+                    format!(
+                        "cannot tokenize '{}' with {}",
+                        docs[*d].0.path.display(),
+                        id.describe()
+                    )
+                })?;
                 bar.inc(piece.len() as u64);
-                ids
+                Ok(ids)
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let mut doc_tokens = vec![0u64; docs.len()];
         let mut current = usize::MAX;
         for ((d, _), ids) in pieces.iter().zip(encoded) {
             if *d != current {
-                stream.push(EOT);
+                stream.push(eot);
                 current = *d;
             }
             doc_tokens[*d] += ids.len() as u64;
@@ -230,15 +254,16 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
         })?;
     }
     let (train_toks, val_toks) = stream.split_at(train as usize);
-    write_shard(&out.join("train.bin"), train_toks, GPT2_VOCAB)?;
-    write_shard(&out.join("val.bin"), val_toks, GPT2_VOCAB)?;
+    write_shard(&out.join("train.bin"), train_toks, id.vocab_size)?;
+    write_shard(&out.join("val.bin"), val_toks, id.vocab_size)?;
     let files = sources.len();
     let meta = MetaOut {
         format: META_FORMAT,
         version: META_VERSION,
-        tokenizer: TOKENIZER_NAME,
-        vocab_size: GPT2_VOCAB,
-        eot: EOT,
+        tokenizer: &id.name,
+        tokenizer_hash: &id.hash,
+        vocab_size: id.vocab_size,
+        eot,
         train_tokens: train,
         val_tokens: val,
         val_fraction: f,
@@ -399,6 +424,8 @@ fn read_text(c: &Candidate) -> Result<Option<String>> {
 mod tests {
     use super::*;
     use crate::data::shard::Shard;
+    use crate::data::tokenizer::fixture::Spec;
+    use crate::data::tokenizer::{EOT, split_points};
 
     fn opts(inputs: Vec<PathBuf>, out: PathBuf, val_fraction: f64) -> PrepareOptions {
         PrepareOptions {
@@ -458,7 +485,7 @@ mod tests {
         let mut expect = Vec::new();
         for (_, text) in TEXTS {
             expect.push(EOT);
-            expect.extend(tok.encode(text));
+            expect.extend(tok.encode(text).unwrap());
         }
         let n = expect.len() as u64;
         assert_eq!(s.files, 3);
@@ -484,6 +511,7 @@ mod tests {
         assert_eq!(meta["format"], "memwall-tokens");
         assert_eq!(meta["version"], 1);
         assert_eq!(meta["tokenizer"], "gpt2-r50k_base");
+        assert_eq!(meta["tokenizer_hash"], "r50k_base");
         assert_eq!(meta["vocab_size"], 50257);
         assert_eq!(meta["eot"], 50256);
         assert_eq!(meta["train_tokens"], s.train_tokens);
@@ -542,9 +570,9 @@ mod tests {
         .unwrap();
         let tok = Tokenizer::gpt2().unwrap();
         let mut expect = vec![EOT];
-        expect.extend(tok.encode("Hello world, hello again and again."));
+        expect.extend(tok.encode("Hello world, hello again and again.").unwrap());
         expect.push(EOT);
-        expect.extend(tok.encode(TEXTS[0].1));
+        expect.extend(tok.encode(TEXTS[0].1).unwrap());
         let mut got = all(&Shard::open(&out.path().join("train.bin")).unwrap());
         got.extend(all(&Shard::open(&out.path().join("val.bin")).unwrap()));
         assert_eq!(got, expect);
@@ -564,8 +592,177 @@ mod tests {
         let mut got = all(&Shard::open(&out.path().join("train.bin")).unwrap());
         got.extend(all(&Shard::open(&out.path().join("val.bin")).unwrap()));
         let mut expect = vec![EOT];
-        expect.extend(Tokenizer::gpt2().unwrap().encode(&text));
+        expect.extend(Tokenizer::gpt2().unwrap().encode(&text).unwrap());
         assert_eq!(got, expect);
+    }
+
+    fn sha256_hex(p: &Path) -> String {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(std::fs::read(p).unwrap());
+        d.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// GPT-2 output is byte for byte what `memwall prepare` wrote before the tokenizer
+    /// interface (digests taken with that binary on this corpus, --val-fraction 0.25).
+    #[test]
+    fn gpt2_output_bytes_unchanged() {
+        let src = corpus();
+        let out = tempfile::tempdir().unwrap();
+        prepare(&opts(
+            vec![src.path().to_path_buf()],
+            out.path().to_path_buf(),
+            0.25,
+        ))
+        .unwrap();
+        assert_eq!(
+            sha256_hex(&out.path().join("train.bin")),
+            "dc500be9ee3d0d8ea73bab28af3429ed42eafa864714778c864eabd65501cdad"
+        );
+        assert_eq!(
+            sha256_hex(&out.path().join("val.bin")),
+            "af9ed19c09cd01d47f6f49ae6b47c86d6dff3db3f423176512101e0159c72cb8"
+        );
+        // prepare_with GPT-2 is the same thing.
+        let again = tempfile::tempdir().unwrap();
+        let o = opts(
+            vec![src.path().to_path_buf()],
+            again.path().to_path_buf(),
+            0.25,
+        );
+        prepare_with(&o, &Tokenizer::gpt2().unwrap()).unwrap();
+        for f in ["train.bin", "val.bin"] {
+            assert_eq!(
+                sha256_hex(&out.path().join(f)),
+                sha256_hex(&again.path().join(f))
+            );
+        }
+    }
+
+    /// All tokens of a prepared directory, train then val.
+    fn stream(dir: &Path) -> Vec<u32> {
+        let mut got = all(&Shard::open(&dir.join("train.bin")).unwrap());
+        got.extend(all(&Shard::open(&dir.join("val.bin")).unwrap()));
+        got
+    }
+
+    #[test]
+    fn prepare_with_hf_tokenizer_end_to_end() {
+        let src = corpus();
+        let tmp = tempfile::tempdir().unwrap();
+        let tok =
+            Tokenizer::from_file(Spec::llama3_style().write(&tmp.path().join("smol"))).unwrap();
+        let id = tok.id();
+        assert_eq!((id.vocab_size, id.eot), (267, 266));
+        let o = tmp.path().join("data");
+        let s = prepare_with(&opts(vec![src.path().to_path_buf()], o.clone(), 0.25), &tok).unwrap();
+
+        // The tokenizer's encoding of each document, its end-of-text token before each.
+        let mut expect = Vec::new();
+        for (_, text) in TEXTS {
+            expect.push(266);
+            expect.extend(tok.encode(text).unwrap());
+        }
+        assert_eq!(stream(&o), expect);
+        assert_eq!(s.train_tokens + s.val_tokens, expect.len() as u64);
+        // u16 tokens for 267 ids.
+        let train = Shard::open(&o.join("train.bin")).unwrap();
+        assert_eq!(train.vocab_size(), 267);
+        assert_eq!(
+            std::fs::metadata(o.join("train.bin")).unwrap().len(),
+            32 + 2 * s.train_tokens
+        );
+
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(o.join("meta.json")).unwrap()).unwrap();
+        assert_eq!(meta["tokenizer"], "hf:smol");
+        assert_eq!(meta["tokenizer_hash"], id.hash.as_str());
+        assert_eq!(meta["vocab_size"], 267);
+        assert_eq!(meta["eot"], 266);
+        let ds = crate::data::DataSet::open(&o).unwrap();
+        assert_eq!(ds.meta.tokenizer_hash, id.hash);
+        assert_eq!((ds.meta.vocab_size, ds.meta.eot), (267, 266));
+    }
+
+    #[test]
+    fn large_vocabulary_gives_u32_shards_and_eot_from_config() {
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = Spec {
+            unused: 70_000,
+            added: vec![("<|endoftext|>", true), ("<|im_end|>", true)],
+            ..Spec::byte_level()
+        };
+        let dir = tmp.path().join("big");
+        spec.write(&dir);
+        let im_end = spec.first_added_id() + 1;
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"eos_token": "<|im_end|>"}"#,
+        )
+        .unwrap();
+        let tok = Tokenizer::load(dir.to_str().unwrap()).unwrap();
+        assert_eq!(tok.vocab_size(), im_end as usize + 1);
+        assert_eq!(tok.eot(), im_end);
+
+        let src = tmp.path().join("t.txt");
+        std::fs::write(&src, "the cat and the hat. ".repeat(10)).unwrap();
+        let o = tmp.path().join("data");
+        let s = prepare_with(&opts(vec![src], o.clone(), 0.2), &tok).unwrap();
+        let mut expect = vec![im_end];
+        expect.extend(tok.encode(&"the cat and the hat. ".repeat(10)).unwrap());
+        assert_eq!(stream(&o), expect);
+        assert_eq!(
+            std::fs::metadata(o.join("val.bin")).unwrap().len(),
+            32 + 4 * s.val_tokens,
+            "4-byte tokens above 65536 ids"
+        );
+    }
+
+    #[test]
+    fn split_unsafe_tokenizer_encodes_large_documents_whole() {
+        // SentencePiece style: every encode call prepends `▁` (here via the normalizer), so a
+        // document cut into pieces would get one `▁` per piece.
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = Spec {
+            normalizer: serde_json::json!({"type": "Prepend", "prepend": "Ġ"}),
+            ..Spec::byte_level()
+        };
+        let tok = Tokenizer::from_file(spec.write(&tmp.path().join("sp"))).unwrap();
+        let line =
+            "Tomorrow, and tomorrow, and tomorrow,\nCreeps in this petty pace from day to day.\n";
+        let text = line.repeat((2 * PIECE_BYTES) / line.len());
+        assert!(tok.split_points(&text, PIECE_BYTES).is_empty());
+        // Cut where GPT-2 may be cut, the tokens would differ (a prefix per piece).
+        let cut = split_points(&text, PIECE_BYTES)[0];
+        let mut pieces = tok.encode(&text[..cut]).unwrap();
+        pieces.extend(tok.encode(&text[cut..]).unwrap());
+        assert_ne!(pieces, tok.encode(&text).unwrap());
+        let p = tmp.path().join("big.txt");
+        std::fs::write(&p, &text).unwrap();
+        let o = tmp.path().join("data");
+        prepare_with(&opts(vec![p], o.clone(), 0.5), &tok).unwrap();
+        let mut expect = vec![tok.eot()];
+        expect.extend(tok.encode(&text).unwrap());
+        assert_eq!(stream(&o), expect);
+    }
+
+    #[test]
+    fn bad_tokenizer_files_are_errors_naming_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let e = format!(
+            "{:#}",
+            Tokenizer::load(tmp.path().join("none").to_str().unwrap()).unwrap_err()
+        );
+        assert!(e.contains("none") && e.contains("gpt2"), "{e}");
+        let p = tmp.path().join("tokenizer.json");
+        std::fs::write(&p, "{\"model\": {\"type\": \"BPE\", \"vocab\": ").unwrap();
+        let e = format!(
+            "{:#}",
+            Tokenizer::load(tmp.path().to_str().unwrap()).unwrap_err()
+        );
+        assert!(
+            e.contains(&p.display().to_string()) && e.contains("not valid JSON"),
+            "{e}"
+        );
     }
 
     fn err(o: &PrepareOptions) -> String {
@@ -684,7 +881,7 @@ mod tests {
         assert_eq!(s.val_tokens, (n as f64 * 0.1).round() as u64);
         // One play tokenized whole matches its entry in meta.json (pieces cut correctly).
         let text = std::fs::read_to_string(dir.join("hamlet_gut.txt")).unwrap();
-        let whole = Tokenizer::gpt2().unwrap().encode(&text).len() as u64;
+        let whole = Tokenizer::gpt2().unwrap().encode(&text).unwrap().len() as u64;
         let meta: serde_json::Value =
             serde_json::from_slice(&std::fs::read(out.path().join("meta.json")).unwrap()).unwrap();
         let entry = meta["sources"]

@@ -9,7 +9,7 @@ use crate::plan::fit::Strategies;
 use crate::profile::leak::LeakCheck;
 use crate::profile::record::micros;
 use crate::profile::{OpRecorder, Profile, StepProfile};
-use crate::run_dir::{self, Metric, PlanJson, RunDir};
+use crate::run_dir::{self, Metric, PlanJson, RunDir, Update};
 use crate::util::rng::Rng;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -119,15 +119,17 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         }
         metrics.push(Metric {
             step: step as u64 + 1,
-            loss: st.loss,
-            lr: 3e-4,
-            grad_norm: st.grad_norm,
-            loss_scale: None,
-            skipped: st.skipped,
-            tokens_per_s: (opts.strategies.grad_accum * opts.batch * opts.seq) as f64 / dt,
-            step_s: dt,
-            rss_bytes: rss_now,
-            process_step: Some(step as u64 + 1),
+            update: Some(Update {
+                loss: st.loss,
+                lr: 3e-4,
+                grad_norm: st.grad_norm,
+                loss_scale: None,
+                skipped: st.skipped,
+                tokens_per_s: (opts.strategies.grad_accum * opts.batch * opts.seq) as f64 / dt,
+                step_s: dt,
+                rss_bytes: rss_now,
+                process_step: Some(step as u64 + 1),
+            }),
             val_loss: None,
         });
         if step > 0 {

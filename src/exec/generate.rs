@@ -5,11 +5,12 @@ use super::executor::Executor;
 use crate::backend::cpu::Cpu;
 use crate::backend::cpu::xent::softmax_row;
 use crate::ckpt;
-use crate::data::tokenizer::Tokenizer;
+use crate::data::tokenizer::{Tokenizer, model_tokenizer};
+use crate::model::Family;
 use crate::plan::{Mode, StepConfig, build_plan};
 use crate::util::rng::Rng;
-use anyhow::{Result, bail};
-use std::path::PathBuf;
+use anyhow::{Result, anyhow, bail};
+use std::path::{Path, PathBuf};
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -83,8 +84,8 @@ pub fn generate_tokens(
 
 /// Generates text: the decoded continuation of `opts.prompt`.
 pub fn sample_text(opts: &SampleOptions, on_text: &mut dyn FnMut(&str)) -> Result<String> {
-    let tok = Tokenizer::gpt2()?;
-    let prompt = tok.encode(&opts.prompt);
+    let tok = checkpoint_tokenizer(&opts.checkpoint)?;
+    let prompt = tok.encode(&opts.prompt)?;
     // Stream whole decoded text incrementally (tokens may split UTF-8 characters).
     let mut ids = Vec::new();
     let mut printed = String::new();
@@ -103,6 +104,19 @@ pub fn sample_text(opts: &SampleOptions, on_text: &mut dyn FnMut(&str)) -> Resul
         on_text(rest);
     }
     Ok(text)
+}
+
+/// The checkpoint's tokenizer: its `tokenizer.json` when it has one, else GPT-2's for a
+/// GPT-2 model.
+fn checkpoint_tokenizer(dir: &Path) -> Result<Tokenizer> {
+    let spec = ckpt::load_spec(dir)?;
+    model_tokenizer(&[dir], spec.family == Family::Gpt2)?.ok_or_else(|| {
+        anyhow!(
+            "checkpoint '{}' ({}) has no tokenizer.json: copy the model's tokenizer.json into it",
+            dir.display(),
+            spec.describe()
+        )
+    })
 }
 
 /// Index of the largest logit (the first on ties, as `torch.argmax`).

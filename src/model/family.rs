@@ -1,4 +1,4 @@
-//! The model-family seam. A family is one module ([`super::gpt2`]) that knows its
+//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`]) that knows its
 //! architecture: presets, `config.json` reading, writing and validation, the parameter
 //! inventory with Hugging Face names, shapes and initialisation, checkpoint naming variants,
 //! and the emission of its layers into a step's schedule. [`Family`]'s methods, here,
@@ -6,37 +6,42 @@
 //! planner's packing, the executor and the checkpoint writer never name a family.
 
 use super::spec::{Family, FieldNames};
-use super::{ModelSpec, ParamLayout, gpt2};
+use super::{ModelSpec, ParamLayout, gpt2, llama};
 use crate::plan::StepConfig;
 use crate::plan::builder::{Builder, Emitted, MicroBatch};
 use anyhow::Result;
 use serde_json::{Map, Value};
 
 impl Family {
-    pub const ALL: [Family; 1] = [Family::Gpt2];
+    pub const ALL: [Family; 3] = [Family::Gpt2, Family::Llama, Family::Qwen2];
 
     /// Hugging Face's `model_type`.
     pub fn model_type(self) -> &'static str {
         match self {
             Family::Gpt2 => "gpt2",
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
         }
     }
 
     pub fn preset_names(self) -> Vec<&'static str> {
         match self {
             Family::Gpt2 => gpt2::preset_names(),
+            Family::Llama | Family::Qwen2 => llama::preset_names(self),
         }
     }
 
     pub fn preset(self, name: &str) -> Option<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::preset(name),
+            Family::Llama | Family::Qwen2 => llama::preset(self, name),
         }
     }
 
     pub fn field_names(self) -> FieldNames {
         match self {
             Family::Gpt2 => gpt2::FIELDS,
+            Family::Llama | Family::Qwen2 => llama::FIELDS,
         }
     }
 
@@ -44,12 +49,14 @@ impl Family {
     pub fn from_hf_config(self, obj: &Map<String, Value>, source: &str) -> Result<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::from_hf_config(obj, source),
+            Family::Llama | Family::Qwen2 => llama::from_hf_config(self, obj, source),
         }
     }
 
     pub fn to_hf_config(self, spec: &ModelSpec) -> Value {
         match self {
             Family::Gpt2 => gpt2::to_hf_config(spec),
+            Family::Llama | Family::Qwen2 => llama::to_hf_config(spec),
         }
     }
 
@@ -57,6 +64,7 @@ impl Family {
     pub fn validate(self, spec: &ModelSpec) -> Result<()> {
         match self {
             Family::Gpt2 => gpt2::validate(spec),
+            Family::Llama | Family::Qwen2 => llama::validate(spec),
         }
     }
 
@@ -64,14 +72,17 @@ impl Family {
     pub fn layout(self, spec: &ModelSpec) -> ParamLayout {
         match self {
             Family::Gpt2 => gpt2::layout(spec),
+            Family::Llama | Family::Qwen2 => llama::layout(spec),
         }
     }
 
     /// The canonical name of a tensor named `name` in a model file, or `None` for entries that
-    /// are not parameters (buffers some versions save, tied duplicates).
+    /// are not parameters (buffers some versions save). Tied names are the layout's
+    /// ([`super::TiedName`]).
     pub fn canonical_name(self, name: &str) -> Option<String> {
         match self {
             Family::Gpt2 => gpt2::canonical_name(name),
+            Family::Llama | Family::Qwen2 => llama::canonical_name(name),
         }
     }
 
@@ -86,6 +97,7 @@ impl Family {
     ) -> Emitted {
         match self {
             Family::Gpt2 => gpt2::emit::micro_batch(g, spec, cfg, mb),
+            Family::Llama | Family::Qwen2 => llama::emit::micro_batch(g, spec, cfg, mb),
         }
     }
 }

@@ -1,14 +1,17 @@
 //! What to train: a model's dimensions ([`ModelSpec`]), its family ([`Family`], the seam
-//! behind which each architecture lives in one module, [`gpt2`] today) and its parameter
+//! behind which each architecture lives in one module: [`gpt2`], [`llama`] (with Qwen2)) and its parameter
 //! inventory ([`ParamLayout`]) with Hugging Face tensor names and layouts.
 
 pub mod family;
 pub mod gpt2;
+pub mod llama;
+pub(crate) mod lm_head;
 pub mod params;
+pub mod rope;
 pub mod spec;
 
 pub use params::{Init, ParamGroup, ParamLayout, ParamTensor, TiedName};
-pub use spec::{Family, ModelSpec, Norm, Position};
+pub use spec::{Biases, Family, ModelSpec, Norm, Position, SpecialTokens};
 
 impl ParamLayout {
     /// The parameter inventory of `spec`, by its family.

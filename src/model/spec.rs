@@ -1,6 +1,7 @@
 //! Model dimensions for every family ([`ModelSpec`]): presets, Hugging Face `config.json` in
 //! and out (dispatched on `model_type` to the family's module), validation naming the field.
 
+pub use super::rope::Llama3Scaling;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::path::Path;
@@ -12,6 +13,7 @@ pub struct FieldNames {
     pub embd: &'static str,
     pub layers: &'static str,
     pub heads: &'static str,
+    pub kv_heads: &'static str,
     pub mlp: &'static str,
 }
 
@@ -20,6 +22,11 @@ pub struct FieldNames {
 pub enum Family {
     /// GPT-2: learned positions, pre-LN blocks with biases, tanh-GELU MLP, tied LM head.
     Gpt2,
+    /// Llama (Llama 2/3, SmolLM2, TinyLlama): RMSNorm, rotary positions, grouped-query
+    /// attention, SwiGLU MLP, Linear layers without biases unless the config asks.
+    Llama,
+    /// Qwen2/2.5: Llama's architecture with q/k/v biases (none on the output projection).
+    Qwen2,
 }
 
 /// How a block normalises its input.
@@ -27,13 +34,53 @@ pub enum Family {
 pub enum Norm {
     /// Mean and variance, learned scale and bias (GPT-2).
     LayerNorm,
+    /// Root mean square, learned scale, no bias (Llama).
+    RmsNorm,
 }
 
 /// How positions enter the model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Position {
     /// A learned embedding per position, added to the token embedding (GPT-2).
     Learned,
+    /// Rotary embeddings applied to queries and keys (rotate-half convention), with base
+    /// `theta` and Llama 3's frequency scaling when set.
+    Rotary {
+        theta: f32,
+        scaling: Option<Llama3Scaling>,
+    },
+}
+
+/// Which linear layers have biases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Biases {
+    /// Query, key and value projections.
+    pub qkv: bool,
+    /// The attention output projection.
+    pub attn_out: bool,
+    /// The MLP's projections.
+    pub mlp: bool,
+}
+
+impl Biases {
+    pub const ALL: Biases = Biases {
+        qkv: true,
+        attn_out: true,
+        mlp: true,
+    };
+    pub const NONE: Biases = Biases {
+        qkv: false,
+        attn_out: false,
+        mlp: false,
+    };
+}
+
+/// Special token ids a model's config names (generation stops at an end token).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct SpecialTokens {
+    pub bos: Option<u32>,
+    /// `eos_token_id`, which may be a list.
+    pub eos: Vec<u32>,
 }
 
 /// The dimensions and architectural choices of a decoder-only transformer.
@@ -51,10 +98,12 @@ pub struct ModelSpec {
     pub n_embd: usize,
     /// L: number of transformer blocks.
     pub n_layer: usize,
-    /// NH: attention heads; head size is C / NH.
+    /// NH: attention heads.
     pub n_head: usize,
-    /// Key/value heads (grouped-query attention); `n_head` for multi-head attention.
+    /// NKV: key/value heads (grouped-query attention); `n_head` for multi-head attention.
     pub n_kv_head: usize,
+    /// hd: channels per head (C / NH unless the config says otherwise).
+    pub head_dim: usize,
     /// Width of the MLP's hidden layer (GPT-2: `n_inner`, 4·C by default).
     pub mlp_hidden: usize,
     pub norm: Norm,
@@ -63,6 +112,9 @@ pub struct ModelSpec {
     pub position: Position,
     /// The LM head is the token embedding (stored once).
     pub tied_embeddings: bool,
+    pub biases: Biases,
+    /// Not architecture (ignored by [`ModelSpec::same_dims`]): written back into config.json.
+    pub special_tokens: SpecialTokens,
 }
 
 impl ModelSpec {
@@ -153,13 +205,14 @@ impl ModelSpec {
             (f.embd, self.n_embd),
             (f.layers, self.n_layer),
             (f.heads, self.n_head),
+            (f.kv_heads, self.n_kv_head),
             (f.mlp, self.mlp_hidden),
         ] {
             if v == 0 {
                 bail!("field '{field}' is 0; it must be at least 1");
             }
         }
-        if !self.n_embd.is_multiple_of(self.n_head) {
+        if self.family == Family::Gpt2 && !self.n_embd.is_multiple_of(self.n_head) {
             bail!(
                 "field '{}' ({}) is not divisible by '{}' ({}); each head needs {} / {} channels",
                 f.embd,
@@ -168,6 +221,22 @@ impl ModelSpec {
                 self.n_head,
                 f.embd,
                 f.heads
+            );
+        }
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
+            bail!(
+                "field '{}' ({}) is not divisible by '{}' ({}); each key/value head serves a \
+                 whole group of query heads",
+                f.heads,
+                self.n_head,
+                f.kv_heads,
+                self.n_kv_head
+            );
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            bail!(
+                "head size {} (width / heads, or 'head_dim') must be even and at least 2",
+                self.head_dim
             );
         }
         if self.vocab_size > u32::MAX as usize {
@@ -192,9 +261,9 @@ impl ModelSpec {
         Ok(())
     }
 
-    /// Head size C / NH.
+    /// Head size hd.
     pub fn head_size(&self) -> usize {
-        self.n_embd / self.n_head
+        self.head_dim
     }
 
     /// Total number of parameters (a tied LM head counted once).
@@ -202,26 +271,33 @@ impl ModelSpec {
         super::ParamLayout::new(self).total
     }
 
-    /// True when two specs describe the same architecture (names may differ).
+    /// True when two specs describe the same architecture (names and special tokens may
+    /// differ).
     pub fn same_dims(&self, o: &ModelSpec) -> bool {
-        ModelSpec {
+        let bare = |s: &ModelSpec| ModelSpec {
             name: String::new(),
-            ..self.clone()
-        } == ModelSpec {
-            name: String::new(),
-            ..o.clone()
-        }
+            special_tokens: SpecialTokens::default(),
+            ..s.clone()
+        };
+        bare(self) == bare(o)
     }
 
-    /// One-line description, e.g. `gpt2 (124.4M params: L=12 C=768 NH=12 V=50257 maxT=1024)`.
+    /// One-line description, e.g. `gpt2 (124.4M params: L=12 C=768 NH=12 V=50257 maxT=1024)`
+    /// (grouped-query models also show `NKV`, and `hd` when it is not C / NH).
     pub fn describe(&self) -> String {
+        let mut heads = format!("NH={}", self.n_head);
+        if self.n_kv_head != self.n_head {
+            heads += &format!(" NKV={}", self.n_kv_head);
+        }
+        if self.head_dim * self.n_head != self.n_embd {
+            heads += &format!(" hd={}", self.head_dim);
+        }
         format!(
-            "{} ({:.1}M params: L={} C={} NH={} V={} maxT={})",
+            "{} ({:.1}M params: L={} C={} {heads} V={} maxT={})",
             self.name,
             self.num_params() as f64 / 1e6,
             self.n_layer,
             self.n_embd,
-            self.n_head,
             self.vocab_size,
             self.n_positions
         )
@@ -265,7 +341,7 @@ mod tests {
         );
         assert!(e("{not json").contains("not valid JSON"));
         assert!(
-            e(r#"{"model_type": "llama", "n_embd": 96, "n_layer": 2, "n_head": 3}"#)
+            e(r#"{"model_type": "bert", "n_embd": 96, "n_layer": 2, "n_head": 3}"#)
                 .contains("model_type")
         );
         let unknown = format!("{:#}", ModelSpec::resolve("gpt5").unwrap_err());

@@ -19,6 +19,15 @@ pub enum Phase {
     Optimizer,
 }
 
+/// How a linear layer's weight matrix is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum WeightLayout {
+    /// `[IC, OC]` row-major: Hugging Face's Conv1D (GPT-2).
+    InOut,
+    /// `[OC, IC]` row-major: `torch.nn.Linear` (Llama and most models).
+    OutIn,
+}
+
 /// The token rows an op works on: B sequences of T positions, N = B·T rows. This is the
 /// plan's (largest) shape; generation runs a plan on a shorter prefix ([`Rows::with_seq`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -58,12 +67,12 @@ pub struct ParamSlice {
 pub enum Op {
     /// Zero a buffer (gradients at the start of a step, the residual gradient before backward).
     Zero { buf: BufId },
-    /// `out[N,C] = wte[tokens] + wpe[t]`.
+    /// `out[N,C] = wte[tokens] (+ wpe[t] with learned positions)`.
     Encoder {
         tokens: BufId,
         out: BufId,
-        wte: Range<usize>, // [V, C]
-        wpe: Range<usize>, // [maxT, C]
+        wte: Range<usize>,         // [V, C]
+        wpe: Option<Range<usize>>, // [maxT, C]
         rows: Rows,
         c: usize,
     },
@@ -79,26 +88,58 @@ pub enum Op {
         c: usize,
         eps: f32,
     },
-    /// `out[N,OC] = (residual[N,OC] if any) + inp[N,IC] @ w[IC,OC] + b[OC]`.
+    /// `out[N,OC] = (residual[N,OC] if any) + inp[N,IC] @ W + b[OC]`, W `[IC,OC]` or the
+    /// transpose of `w[OC,IC]` (see [`WeightLayout`]).
     Matmul {
         inp: BufId,
         out: BufId,
         residual: Option<BufId>,
-        w: Range<usize>,         // [IC, OC]
+        w: Range<usize>,         // [IC, OC] or [OC, IC]
         b: Option<Range<usize>>, // [OC]
+        layout: WeightLayout,
         rows: Rows,
         ic: usize,
         oc: usize,
     },
-    /// `out[N,C], lse[B,NH,T] = causal_attention(qkv[N,3C])`.
+    /// `out[N,NH·hd], lse[B,NH,T] = causal_attention(qkv[N,(NH+2·NKV)·hd])`: NH query heads,
+    /// then NKV key heads, then NKV value heads; KV head j serves query heads j·g…j·g+g−1
+    /// (g = NH/NKV).
     Attention {
         qkv: BufId,
         out: BufId,
         lse: BufId,
         ws: BufId,
         rows: Rows,
-        c: usize,
         nh: usize,
+        nkv: usize,
+        hd: usize,
+    },
+    /// `out[N,C], rstd[N] = rmsnorm(inp[N,C]; w)`.
+    RmsNorm {
+        inp: BufId,
+        out: BufId,
+        rstd: BufId,
+        w: Range<usize>, // [C]
+        rows: Rows,
+        c: usize,
+        eps: f32,
+    },
+    /// Rotary embedding of `x[N,width]` in place: the first `rotated` channels, head by head
+    /// (hd channels, element i paired with i + hd/2), position t turned by `t · inv_freq[i]`.
+    Rope {
+        x: BufId,
+        rows: Rows,
+        width: usize,
+        rotated: usize,
+        hd: usize,
+        inv_freq: Vec<f32>, // [hd/2]
+    },
+    /// `out[N,H] = silu(inp[.., 0..H]) · inp[.., H..2H]` (inp `[N, 2H]`: gate | up).
+    Swiglu {
+        inp: BufId,
+        out: BufId,
+        rows: Rows,
+        h: usize,
     },
     /// `out = gelu(inp)`, both `[N, width]`.
     Gelu {
@@ -144,18 +185,20 @@ pub enum Op {
         rows: Rows,
         c: usize,
     },
-    /// `dinp[N,IC] = dout @ wᵀ; dw += inpᵀ @ dout; db += Σ dout`.
+    /// `dinp[N,IC] = dout @ Wᵀ; dW += inpᵀ @ dout; db += Σ dout` (W as in [`Op::Matmul`]).
     MatmulBackward {
         dinp: BufId,
         dout: BufId,
         inp: BufId,
         w: Range<usize>,
         b: Option<Range<usize>>,
+        layout: WeightLayout,
         rows: Rows,
         ic: usize,
         oc: usize,
     },
-    /// `dqkv[N,3C] from dout[N,C] (probabilities recomputed from lse)`.
+    /// `dqkv[N,(NH+2·NKV)·hd] from dout[N,NH·hd]` (probabilities recomputed from lse; a KV
+    /// head's gradient sums over its query heads).
     AttentionBackward {
         dqkv: BufId,
         dout: BufId,
@@ -164,8 +207,36 @@ pub enum Op {
         lse: BufId,
         ws: BufId,
         rows: Rows,
-        c: usize,
         nh: usize,
+        nkv: usize,
+        hd: usize,
+    },
+    /// `dinp[N,C] += rmsnorm_backward(dout); dw +=`.
+    RmsNormBackward {
+        dinp: BufId,
+        dout: BufId,
+        inp: BufId,
+        rstd: BufId,
+        w: Range<usize>,
+        rows: Rows,
+        c: usize,
+    },
+    /// The inverse rotation of [`Op::Rope`] in place (the gradient of the un-rotated values).
+    RopeBackward {
+        dx: BufId,
+        rows: Rows,
+        width: usize,
+        rotated: usize,
+        hd: usize,
+        inv_freq: Vec<f32>, // [hd/2]
+    },
+    /// `dinp[N,2H] = swiglu_backward(dout[N,H], inp[N,2H])` (overwritten).
+    SwigluBackward {
+        dinp: BufId,
+        dout: BufId,
+        inp: BufId,
+        rows: Rows,
+        h: usize,
     },
     /// `d[N,width] ← d ⊙ gelu'(inp)` in place.
     GeluBackward {
@@ -174,12 +245,12 @@ pub enum Op {
         rows: Rows,
         width: usize,
     },
-    /// `dwte, dwpe += scatter(dout[N,C])`.
+    /// `dwte (, dwpe) += scatter(dout[N,C])`.
     EncoderBackward {
         dout: BufId,
         tokens: BufId,
         wte: Range<usize>,
-        wpe: Range<usize>,
+        wpe: Option<Range<usize>>,
         rows: Rows,
         c: usize,
     },
@@ -270,7 +341,20 @@ impl Op {
             Attention {
                 qkv, out, lse, ws, ..
             } => (vec![*qkv], vec![*out, *lse, *ws]),
-            Gelu { inp, out, .. } => (vec![*inp], vec![*out]),
+            Gelu { inp, out, .. } | Swiglu { inp, out, .. } => (vec![*inp], vec![*out]),
+            RmsNorm { inp, out, rstd, .. } => (vec![*inp], vec![*out, *rstd]),
+            Rope { x, .. } => (vec![*x], vec![*x]),
+            RopeBackward { dx, .. } => (vec![*dx], vec![*dx]),
+            RmsNormBackward {
+                dinp,
+                dout,
+                inp,
+                rstd,
+                ..
+            } => (vec![*dout, *inp, *rstd, *dinp], vec![*dinp]),
+            SwigluBackward {
+                dinp, dout, inp, ..
+            } => (vec![*dout, *inp], vec![*dinp]),
             LmHeadLoss {
                 inp,
                 targets,

@@ -8,7 +8,7 @@ use super::leak::LeakCheck;
 use super::record::Profile;
 use super::timeline::MemoryTimeline;
 use super::trace;
-use crate::run_dir::{self, Metric, PLAN_FILE, PlanJson, RunDir};
+use crate::run_dir::{self, Metric, PLAN_FILE, PlanJson, RunDir, Update};
 use crate::util::atomic;
 use anyhow::{Result, bail};
 use plotters::style::RGBColor;
@@ -77,14 +77,15 @@ pub fn summary(plan: &PlanJson, tl: &MemoryTimeline, profile: Option<&Profile>) 
 /// The leak check over the metrics of the last process that wrote them (a resumed run starts
 /// its warm-up again).
 pub fn leak_check(metrics: &[Metric], plan_bytes: u64) -> Option<super::leak::LeakReport> {
-    let start = metrics
+    let updates: Vec<&Update> = metrics.iter().filter_map(|m| m.update.as_ref()).collect();
+    let start = updates
         .iter()
-        .rposition(|m| m.process_step == Some(1))
+        .rposition(|u| u.process_step == Some(1))
         .unwrap_or(0);
     let mut check = LeakCheck::new(plan_bytes);
-    for (i, m) in metrics[start..].iter().enumerate() {
-        if let Some(rss) = m.rss_bytes {
-            check.observe(m.process_step.unwrap_or(i as u64 + 1), rss);
+    for (i, u) in updates[start..].iter().enumerate() {
+        if let Some(rss) = u.rss_bytes {
+            check.observe(u.process_step.unwrap_or(i as u64 + 1), rss);
         }
     }
     check.report()
@@ -95,9 +96,16 @@ fn curves(metrics: &[Metric]) -> Result<Vec<String>> {
         return Ok(Vec::new());
     }
     let step = |m: &Metric| m.step as f64;
+    fn update(m: &Metric) -> Option<(f64, &Update)> {
+        m.update.as_ref().map(|u| (m.step as f64, u))
+    }
     let mut loss = vec![Line {
         label: "train loss".into(),
-        points: metrics.iter().map(|m| (step(m), m.loss as f64)).collect(),
+        points: metrics
+            .iter()
+            .filter_map(update)
+            .map(|(x, u)| (x, u.loss as f64))
+            .collect(),
         color: RGBColor(31, 119, 180),
     }];
     let val: Vec<(f64, f64)> = metrics
@@ -113,14 +121,19 @@ fn curves(metrics: &[Metric]) -> Result<Vec<String>> {
     }
     let tps = [Line {
         label: "tokens/s".into(),
-        points: metrics.iter().map(|m| (step(m), m.tokens_per_s)).collect(),
+        points: metrics
+            .iter()
+            .filter_map(update)
+            .map(|(x, u)| (x, u.tokens_per_s))
+            .collect(),
         color: RGBColor(44, 160, 44),
     }];
     let rss = [Line {
         label: "RSS after the step".into(),
         points: metrics
             .iter()
-            .filter_map(|m| Some((step(m), m.rss_bytes? as f64 / (1u64 << 20) as f64)))
+            .filter_map(update)
+            .filter_map(|(x, u)| Some((x, u.rss_bytes? as f64 / (1u64 << 20) as f64)))
             .collect(),
         color: RGBColor(0, 0, 0),
     }];
@@ -182,7 +195,7 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
 
     let measured = metrics
         .iter()
-        .filter_map(|m| m.rss_bytes)
+        .filter_map(|m| m.update.as_ref()?.rss_bytes)
         .chain(
             profile
                 .iter()

@@ -10,10 +10,22 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// One line of `metrics.jsonl`.
+/// One line of `metrics.jsonl`: an optimizer step's figures, with the validation loss when it
+/// was measured after the step; or, at step 0, only the validation loss measured before the
+/// first update (runs with `--eval-every`), so a fine-tune shows where it started.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Metric {
     pub step: u64,
+    /// The update's figures (absent in the step-0 record).
+    #[serde(flatten)]
+    pub update: Option<Update>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f32>,
+}
+
+/// What an optimizer step measured.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Update {
     pub loss: f32,
     pub lr: f32,
     pub grad_norm: f32,
@@ -29,8 +41,17 @@ pub struct Metric {
     /// leak check's clock.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process_step: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub val_loss: Option<f32>,
+}
+
+impl Metric {
+    /// The step-0 record: the validation loss before the first update.
+    pub fn initial(val_loss: f32) -> Metric {
+        Metric {
+            step: 0,
+            update: None,
+            val_loss: Some(val_loss),
+        }
+    }
 }
 
 /// `metrics.jsonl` open for appending, a line per step.
@@ -87,10 +108,19 @@ pub fn read(path: &Path) -> Result<Vec<Metric>> {
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
-            serde_json::from_str(l)
+            parse(l)
                 .with_context(|| format!("{} line {}: not a metrics record", path.display(), i + 1))
         })
         .collect()
+}
+
+/// One line: a step with its update's figures, or the step-0 validation loss.
+fn parse(line: &str) -> Result<Metric> {
+    let m: Metric = serde_json::from_str(line)?;
+    match (&m.update, m.val_loss, m.step) {
+        (Some(_), _, _) | (None, Some(_), 0) => Ok(m),
+        _ => anyhow::bail!("step {} has neither loss nor (at step 0) val_loss", m.step),
+    }
 }
 
 /// Keeps only the lines of steps up to `step` (the checkpoint being resumed), atomically;
@@ -101,11 +131,7 @@ pub fn truncate(path: &Path, step: u64) -> Result<()> {
     };
     let kept: String = text
         .lines()
-        .filter(|l| {
-            serde_json::from_str::<Metric>(l)
-                .map(|m| m.step <= step)
-                .unwrap_or(false)
-        })
+        .filter(|l| parse(l).map(|m| m.step <= step).unwrap_or(false))
         .map(|l| format!("{l}\n"))
         .collect();
     atomic::write_file(path, kept.as_bytes())
@@ -118,15 +144,17 @@ mod tests {
     fn metric(step: u64) -> Metric {
         Metric {
             step,
-            loss: 10.5,
-            lr: 6e-4,
-            grad_norm: 1.25,
-            loss_scale: None,
-            skipped: false,
-            tokens_per_s: 1000.0,
-            step_s: 0.5,
-            rss_bytes: Some(1 << 20),
-            process_step: Some(step),
+            update: Some(Update {
+                loss: 10.5,
+                lr: 6e-4,
+                grad_norm: 1.25,
+                loss_scale: None,
+                skipped: false,
+                tokens_per_s: 1000.0,
+                step_s: 0.5,
+                rss_bytes: Some(1 << 20),
+                process_step: Some(step),
+            }),
             val_loss: (step == 2).then_some(10.75),
         }
     }
@@ -136,14 +164,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(super::super::METRICS_FILE);
         let mut log = MetricsLog::append_to(&path).unwrap();
+        log.push(&Metric::initial(11.0)).unwrap();
         for s in 1..=3 {
             log.push(&metric(s)).unwrap();
         }
         log.flush().unwrap();
         let appended = std::fs::read_to_string(&path).unwrap();
         // The optional fields are left out when empty; one object per line.
-        assert_eq!(appended.lines().count(), 3);
-        assert!(!appended.lines().next().unwrap().contains("val_loss"));
+        assert_eq!(appended.lines().count(), 4);
+        assert_eq!(
+            appended.lines().next().unwrap(),
+            r#"{"step":0,"val_loss":11.0}"#
+        );
+        assert!(!appended.lines().nth(1).unwrap().contains("val_loss"));
         assert!(!appended.contains("skipped") && !appended.contains("loss_scale"));
         let copy = dir.path().join("copy.jsonl");
         write(&copy, &read(&path).unwrap()).unwrap();
@@ -151,12 +184,15 @@ mod tests {
 
         truncate(&path, 2).unwrap();
         let kept = read(&path).unwrap();
-        assert_eq!(kept.iter().map(|m| m.step).collect::<Vec<_>>(), [1, 2]);
-        assert_eq!(kept[1].val_loss, Some(10.75));
+        assert_eq!(kept.iter().map(|m| m.step).collect::<Vec<_>>(), [0, 1, 2]);
+        assert!(kept[0].update.is_none() && kept[0].val_loss == Some(11.0));
+        assert_eq!(kept[2].val_loss, Some(10.75));
         assert!(read(&dir.path().join("absent.jsonl")).unwrap().is_empty());
 
-        std::fs::write(&path, "{\"step\": 1}\n").unwrap();
-        let e = format!("{:#}", read(&path).unwrap_err());
-        assert!(e.contains("line 1: not a metrics record"), "{e}");
+        for bad in ["{\"step\": 1}", "{\"step\": 1, \"val_loss\": 2.0}"] {
+            std::fs::write(&path, format!("{bad}\n")).unwrap();
+            let e = format!("{:#}", read(&path).unwrap_err());
+            assert!(e.contains("line 1: not a metrics record"), "{e}");
+        }
     }
 }

@@ -4,7 +4,7 @@
 //! | path                        | written by                    | content                                        |
 //! |-----------------------------|-------------------------------|------------------------------------------------|
 //! | `plan.json`                 | `train`, `bench --profile`    | [`PlanJson`]: every byte of a step, planned     |
-//! | `metrics.jsonl`             | `train`, `bench --profile`    | one [`Metric`] per optimizer step              |
+//! | `metrics.jsonl`             | `train`, `bench --profile`    | one [`Metric`] per optimizer step (and step 0) |
 //! | `profile.json`              | profiled runs                 | `profile::Profile`: op spans and RSS            |
 //! | `trace.json`                | reports (`profile::report`)   | Chrome trace events                            |
 //! | `memory.svg`                | reports                       | the plan's memory timeline                     |
@@ -20,7 +20,7 @@
 pub mod metrics;
 pub mod plan_json;
 
-pub use metrics::{Metric, MetricsLog};
+pub use metrics::{Metric, MetricsLog, Update};
 pub use plan_json::{BufferInfo, OpInfo, PlanJson};
 
 use std::path::{Path, PathBuf};

@@ -1,37 +1,50 @@
-//! Causal multi-head self-attention, forward and backward, without keeping the attention
-//! matrix (FlashAttention-style recomputation).
+//! Causal self-attention with grouped-query attention (GQA), forward and backward, without
+//! keeping the attention matrix (FlashAttention-style recomputation).
 //!
-//! Shapes: `qkv` is `[B, T, 3C]` row-major; for row (b, t) the query is `qkv[.., 0..C]`, the key
-//! `qkv[.., C..2C]` and the value `qkv[.., 2C..3C]`; head h owns channels `h*hs..(h+1)*hs` of
-//! each (hs = C/NH). `out` is `[B, T, C]` with head h in channels `h*hs..(h+1)*hs` (GPT-2 / HF
-//! layout). Scores are scaled by 1/sqrt(hs); query position i attends to key positions 0..=i.
+//! Shapes: NH query heads and NKV key/value heads (NKV divides NH; g = NH/NKV query heads per
+//! KV head), each of `hd` channels (an explicit head size: Llama's `head_dim` need not be
+//! width/NH). `qkv` is `[B, T, (NH + 2·NKV)·hd]` row-major; for row (b, t) query head h is
+//! channels `h·hd..(h+1)·hd`, key head j channels `NH·hd + j·hd..` and value head j channels
+//! `(NH+NKV)·hd + j·hd..` (`hd` each). KV head j serves query heads j·g … j·g+g−1
+//! (repeat-interleave, as transformers' `repeat_kv`, not tiling). `out` is `[B, T, NH·hd]` with
+//! head h in channels `h·hd..(h+1)·hd`; `dqkv` is laid out like `qkv`. Multi-head attention is
+//! NKV = NH (GPT-2: `[B, T, 3C]`, hd = C/NH). Scores are scaled by 1/sqrt(hd); query position i
+//! attends to key positions 0..=i.
 //!
-//! The work is split into B·NH independent (batch, head) units. Per unit, K and V are first
-//! copied into contiguous `[T, hs]` scratch (with software prefetch: rows 3C apart defeat the
-//! hardware prefetchers, and the products run faster on contiguous operands), then the queries
-//! are processed in row blocks of `BR` = 64 rows `r0..r1` (nb = r1 - r0 rows). A block only
-//! needs key columns 0..r1: the masked upper triangle is skipped except inside the diagonal
-//! nb×nb square, which is computed and then zeroed. Score tiles are stored transposed,
-//! Sᵀ `[r1, nb]` (key index j major, query index li contiguous), which suits `gemm` and turns the
-//! per-query reductions of the element-wise passes into lane-wise vector ops.
+//! The work is split into B·NKV independent (batch, KV head) units. Per unit, K and V of its
+//! KV head are first copied once into contiguous `[T, hd]` scratch (with software prefetch: rows
+//! several KiB apart defeat the hardware prefetchers, and the products run faster on contiguous
+//! operands); then the unit's g query heads are processed in order, h = j·g … j·g+g−1, each
+//! exactly as a multi-head kernel processes one head: the queries in row blocks of `BR` = 64
+//! rows `r0..r1` (nb = r1 - r0 rows). A block only needs key columns 0..r1: the masked upper
+//! triangle is skipped except inside the diagonal nb×nb square, which is computed and then
+//! zeroed. Score tiles are stored transposed, Sᵀ `[r1, nb]` (key index j major, query index li
+//! contiguous), which suits `gemm` and turns the per-query reductions of the element-wise passes
+//! into lane-wise vector ops.
 //!
 //! Scores are kept in base-2 units, S' = log2(e) · S (the factor is folded into the product's
-//! scale), so the softmax needs 2^x, which is cheaper than e^x. Forward, per block:
+//! scale), so the softmax needs 2^x, which is cheaper than e^x. Forward, per query head and block:
 //!   S'ᵀ = scale · log2(e) · K[0..r1] Q[r0..r1]ᵀ   `[r1, nb]`
 //!   `m[li] = max_j S', Pᵀ = 2^(S'ᵀ - m), l[li] = Σ_j P    (masked j > r0+li set to 0)`
 //!   `O[r0..r1] = P V[0..r1], then row li scaled by 1/l[li]  (written in place into out)`
 //!   `lse[r0+li] = (m[li] + log2 l[li]) · ln 2     (natural log-sum-exp of the scores S)`
 //! Only `out` and `lse` (`[B, NH, T]`) are kept for backward, never the `[B, NH, T, T]` matrix.
 //!
-//! Backward, per unit: K and V copied as in the forward, Q and dO copied per block, dK and dV
-//! accumulated in zeroed contiguous `[T, hs]` scratch (in a fixed block order) and copied into
-//! `dqkv at the end; per block, with D[i] = Σ_c dO[i,c] O[i,c] (= Σ_j P[i,j] dP[i,j]):`
+//! Backward, per unit: K and V copied as in the forward, and dK and dV accumulated in contiguous
+//! `[T, hd]` scratch zeroed once per unit, over its g query heads in order and, per head, over
+//! the blocks in order (so a KV head's gradient is the sum over the query heads it serves), then
+//! rounded / copied into `dqkv` once at the end. Per query head, Q and dO are copied per block;
+//! per block, with `D[i] = Σ_c dO[i,c] O[i,c]` (= `Σ_j P[i,j] dP[i,j]`):
 //!   Pᵀ  = 2^(S'ᵀ - log2(e) · lse)               `[r1, nb]` (recomputed; masked entries 0)
 //!   dV[0..r1] += Pᵀ dO[r0..r1]
 //!   dPᵀ = V[0..r1] dO[r0..r1]ᵀ                  `[r1, nb]`
 //!   dSᵀ = scale · Pᵀ ∘ (dPᵀ - D)                 (the score scale folded in here)
 //!   dQ[r0..r1] = dS K[0..r1]                     (written in place into `dqkv`)
 //!   dK[0..r1] += dSᵀ Q[r0..r1]
+//!
+//! With NKV = NH (g = 1) this is operation for operation the multi-head kernel: one head per
+//! unit, the same products in the same order, so results are bitwise those of multi-head
+//! attention.
 //!
 //! All matrix products go through `gemm::gemm` with `Parallelism::None` (arbitrary strides, so
 //! `out`, `dout` and `dqkv` are read and written in place). Parallelism is over units: they are
@@ -49,9 +62,9 @@
 //! the workspace are f32, and all the math above runs in f32. For f32, Q, O, dO and dQ are
 //! read and written in place (strided) as described. For a narrower `T` every operand a unit
 //! reads is widened into the worker's workspace first (K and V as above, and a Q block of
-//! `[nb, hs]`, also in the forward), and the O and dQ blocks and the dK, dV accumulators are
+//! `[nb, hd]`, also in the forward), and the O and dQ blocks and the dK, dV accumulators are
 //! computed in f32 workspace and rounded once into `out` / `dqkv`; this costs one more
-//! [min(64,T), hs] block per worker ([`attention_workspace_len`]).
+//! [min(64,T), hd] block per worker ([`attention_workspace_len`]).
 
 use super::elem::{Elem, is_f32};
 use super::features::multiversion;
@@ -62,32 +75,37 @@ use rayon::prelude::*;
 const BR: usize = 64;
 
 /// Workspace elements (f32) per worker (backward needs the most):
-/// Pᵀ and dSᵀ tiles `[br, T]` each, K and V copies `[T, hs]` each, dK and dV accumulators `[T, hs]`
-/// each, Q and dO block copies `[br, hs]` each, D [br], and for a storage type other than f32 a
-/// dQ block `[br, hs]`. The forward uses less: tile, K, V, m and l [br] each, and for other
-/// types Q and O blocks `[br, hs]` each.
-fn per_worker_len<T: Elem>(t: usize, hs: usize) -> usize {
+/// Pᵀ and dSᵀ tiles `[br, T]` each, K and V copies `[T, hd]` each, dK and dV accumulators `[T, hd]`
+/// each, Q and dO block copies `[br, hd]` each, D [br], and for a storage type other than f32 a
+/// dQ block `[br, hd]`. The forward uses less: tile, K, V, m and l [br] each, and for other
+/// types Q and O blocks `[br, hd]` each. Independent of the number of query heads per KV head:
+/// a unit reuses the same buffers for each of its query heads.
+fn per_worker_len<T: Elem>(t: usize, hd: usize) -> usize {
     let br = BR.min(t);
-    let narrow = if is_f32::<T>() { 0 } else { br * hs };
-    2 * br * t + 4 * t * hs + 2 * br * hs + 2 * br + narrow
+    let narrow = if is_f32::<T>() { 0 } else { br * hd };
+    2 * br * t + 4 * t * hd + 2 * br * hd + 2 * br + narrow
 }
 
 /// Workspace elements (f32) the kernels need for `threads` workers with storage type `T`:
-/// per worker two score tiles of [min(64,T), T], four `[T, hs]` buffers (K, V copies; dK, dV
-/// accumulators) and a few [min(64,T), hs] / [min(64,T)] block buffers (one more
-/// [min(64,T), hs] block for types other than f32).
-pub fn attention_workspace_len<T: Elem>(t: usize, hs: usize, threads: usize) -> usize {
-    threads.max(1) * per_worker_len::<T>(t, hs)
+/// per worker two score tiles of [min(64,T), T], four `[T, hd]` buffers (K, V copies; dK, dV
+/// accumulators) and a few [min(64,T), hd] / [min(64,T)] block buffers (one more
+/// [min(64,T), hd] block for types other than f32). `hd` is the head size; the numbers of query
+/// and KV heads do not enter.
+pub fn attention_workspace_len<T: Elem>(t: usize, hd: usize, threads: usize) -> usize {
+    threads.max(1) * per_worker_len::<T>(t, hd)
 }
 
 /// Raw pointer that can be shared between rayon workers.
 ///
-/// SAFETY (of every use in this file): the (batch, head) units write disjoint elements of the
-/// destination buffers: unit (b, h) writes only rows b·T..(b+1)·T, columns h·hs..(h+1)·hs of
-/// `out` (and of each of the q/k/v thirds of `dqkv`), and only `lse[(b·NH+h)·T..][..T]`. Each
-/// unit is processed by exactly one worker, and nothing reads those elements concurrently, so no
-/// two threads ever touch the same element. The pointers stay valid because the borrowed slices
-/// outlive the rayon scope.
+/// SAFETY (of every use in this file): the (batch, KV head) units write disjoint elements of
+/// the destination buffers. Unit (b, j) serves query heads h = j·g … j·g+g−1 and writes only
+/// rows b·T..(b+1)·T of `out` and `dqkv`, and in them only: the columns h·hd..(h+1)·hd of its g
+/// query heads (`out`, and the q part of `dqkv`), the columns of key head j (NH·hd + j·hd..) and
+/// of value head j ((NH+NKV)·hd + j·hd..) of `dqkv`, and the `lse` rows `lse[(b·NH+h)·T..][..T]`
+/// of its g query heads. Query heads belong to exactly one KV head and KV heads to exactly one
+/// unit, so these sets are disjoint between units. Each unit is processed by exactly one worker,
+/// and nothing reads those elements concurrently, so no two threads ever touch the same element.
+/// The pointers stay valid because the borrowed slices outlive the rayon scope.
 struct SyncPtr<P>(*mut P);
 impl<P> Clone for SyncPtr<P> {
     fn clone(&self) -> Self {
@@ -108,30 +126,52 @@ impl<P> SyncPtr<P> {
 #[derive(Clone, Copy)]
 struct Dims {
     t: usize,
-    c: usize,
+    /// Query heads.
     nh: usize,
-    hs: usize,
-    /// 1/sqrt(hs): scores are scale · q·k.
+    /// Key / value heads.
+    nkv: usize,
+    /// Query heads per KV head, NH/NKV.
+    g: usize,
+    /// Head size.
+    hd: usize,
+    /// Row width of `qkv` / `dqkv`, (NH + 2·NKV)·hd.
+    ld: usize,
+    /// Row width of `out` / `dout`, NH·hd.
+    co: usize,
+    /// 1/sqrt(hd): scores are scale · q·k.
     scale: f32,
     /// scale · log2(e): scores in base-2 units, the exponent `exp2_nonpos` takes.
     scale2: f32,
 }
 
 impl Dims {
-    fn new(t: usize, c: usize, nh: usize) -> Self {
+    fn new(t: usize, nh: usize, nkv: usize, hd: usize) -> Self {
         assert!(
-            nh > 0 && c > 0 && c.is_multiple_of(nh),
-            "C={c} must be a positive multiple of NH={nh}"
+            nh > 0 && nkv > 0 && nh.is_multiple_of(nkv),
+            "NH={nh} must be a positive multiple of NKV={nkv}"
         );
-        let hs = c / nh;
+        assert!(hd > 0, "head size hd must be positive");
         Dims {
             t,
-            c,
             nh,
-            hs,
-            scale: 1.0 / (hs as f32).sqrt(),
-            scale2: std::f32::consts::LOG2_E / (hs as f32).sqrt(),
+            nkv,
+            g: nh / nkv,
+            hd,
+            ld: (nh + 2 * nkv) * hd,
+            co: nh * hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            scale2: std::f32::consts::LOG2_E / (hd as f32).sqrt(),
         }
+    }
+
+    /// Offset, within a row of `qkv`, of key head 0, NH·hd.
+    fn k0(&self) -> usize {
+        self.nh * self.hd
+    }
+
+    /// Offset, within a row of `qkv`, of value head 0, (NH + NKV)·hd.
+    fn v0(&self) -> usize {
+        (self.nh + self.nkv) * self.hd
     }
 }
 
@@ -240,42 +280,47 @@ fn widen_into<T: Elem>(dst: &mut [f32], src: &[T]) {
     }
 }
 
-/// Copies `rows` rows of `hs` elements from `src` (row stride `ld`) into contiguous `dst`,
+/// Copies `rows` rows of `hd` elements from `src` (row stride `ld`) into contiguous `dst`,
 /// widened to f32.
-fn gather_rows<T: Elem>(dst: &mut [f32], src: &[T], rows: usize, hs: usize, ld: usize) {
-    for (i, d) in dst[..rows * hs].chunks_exact_mut(hs).enumerate() {
-        prefetch(src, (i + PREFETCH_ROWS) * ld, hs);
-        widen_into(d, &src[i * ld..i * ld + hs]);
+fn gather_rows<T: Elem>(dst: &mut [f32], src: &[T], rows: usize, hd: usize, ld: usize) {
+    for (i, d) in dst[..rows * hd].chunks_exact_mut(hd).enumerate() {
+        prefetch(src, (i + PREFETCH_ROWS) * ld, hd);
+        widen_into(d, &src[i * ld..i * ld + hd]);
     }
 }
 
-/// Copies one unit's K and V (`[T, hs]` each, at offsets `c` and `2c` of each [3C] row of `src`)
-/// into contiguous f32 `kc` and `vc` in a single pass over the rows.
-fn gather_kv<T: Elem>(kc: &mut [f32], vc: &mut [f32], src: &[T], t: usize, hs: usize, c: usize) {
-    let kv = kc[..t * hs]
-        .chunks_exact_mut(hs)
-        .zip(vc[..t * hs].chunks_exact_mut(hs));
+/// Copies one unit's K and V (`[T, hd]` each, at offsets `ko` and `vo` of each row of `src`,
+/// row stride `ld`) into contiguous f32 `kc` and `vc` in a single pass over the rows.
+fn gather_kv<T: Elem>(
+    (kc, vc): (&mut [f32], &mut [f32]),
+    src: &[T],
+    (t, hd, ld): (usize, usize, usize),
+    (ko, vo): (usize, usize),
+) {
+    let kv = kc[..t * hd]
+        .chunks_exact_mut(hd)
+        .zip(vc[..t * hd].chunks_exact_mut(hd));
     for (i, (kd, vd)) in kv.enumerate() {
-        let ahead = (i + PREFETCH_ROWS) * 3 * c;
-        prefetch(src, ahead + c, hs);
-        prefetch(src, ahead + 2 * c, hs);
-        let row = &src[i * 3 * c..];
-        widen_into(kd, &row[c..c + hs]);
-        widen_into(vd, &row[2 * c..2 * c + hs]);
+        let ahead = (i + PREFETCH_ROWS) * ld;
+        prefetch(src, ahead + ko, hd);
+        prefetch(src, ahead + vo, hd);
+        let row = &src[i * ld..];
+        widen_into(kd, &row[ko..ko + hd]);
+        widen_into(vd, &row[vo..vo + hd]);
     }
 }
 
-/// Rounds the f32 rows `src` `[rows, hs]` (contiguous) into `rows` rows of `hs` elements at `dst`
+/// Rounds the f32 rows `src` `[rows, hd]` (contiguous) into `rows` rows of `hd` elements at `dst`
 /// (row stride `ld`).
 ///
 /// # Safety
 /// `dst` must be valid for writes of every addressed element, and nothing else may access
 /// them during the call; `src` must not overlap them.
 #[inline(always)]
-unsafe fn narrow_rows<T: Elem>(dst: *mut T, ld: usize, src: &[f32], hs: usize) {
-    for (i, s) in src.chunks_exact(hs).enumerate() {
+unsafe fn narrow_rows<T: Elem>(dst: *mut T, ld: usize, src: &[f32], hd: usize) {
+    for (i, s) in src.chunks_exact(hd).enumerate() {
         // SAFETY: row i of the caller's destination, exclusively ours.
-        let d = unsafe { std::slice::from_raw_parts_mut(dst.add(i * ld), hs) };
+        let d = unsafe { std::slice::from_raw_parts_mut(dst.add(i * ld), hd) };
         for (d, &s) in d.iter_mut().zip(s) {
             *d = T::from_f32(s);
         }
@@ -470,37 +515,43 @@ multiversion! {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-/// Forward of causal self-attention.
+/// Forward of causal self-attention with NH query heads and NKV key/value heads of size `hd`.
 ///
-/// `out` `[B,T,C]` and `lse` `[B,NH,T]` are written in full; `qkv` is `[B,T,3C]`; `ws` must hold at
-/// least `attention_workspace_len::<T>(t, c/nh, rayon::current_num_threads())` elements.
+/// `out` `[B,T,NH·hd]` and `lse` `[B,NH,T]` are written in full; `qkv` is `[B,T,(NH+2·NKV)·hd]`;
+/// NKV must divide NH. `ws` must hold at least
+/// `attention_workspace_len::<T>(t, hd, rayon::current_num_threads())` elements.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<T: Elem>(
-    out: &mut [T],   // [B, T, C]
+    out: &mut [T],   // [B, T, NH·hd]
     lse: &mut [f32], // [B, NH, T]
-    qkv: &[T],       // [B, T, 3C]
+    qkv: &[T],       // [B, T, (NH + 2·NKV)·hd]
     b: usize,
     t: usize,
-    c: usize,
     nh: usize,
-    ws: &mut [f32], // [attention_workspace_len::<T>(T, hs, threads)]
+    nkv: usize,
+    hd: usize,
+    ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, threads)]
 ) {
-    let dims = Dims::new(t, c, nh);
-    assert_eq!(out.len(), b * t * c, "out must be [B,T,C]");
+    let dims = Dims::new(t, nh, nkv, hd);
+    assert_eq!(out.len(), b * t * dims.co, "out must be [B,T,NH·hd]");
     assert_eq!(lse.len(), b * nh * t, "lse must be [B,NH,T]");
-    assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be [B,T,3C]");
+    assert_eq!(
+        qkv.len(),
+        b * t * dims.ld,
+        "qkv must be [B,T,(NH+2·NKV)·hd]"
+    );
     let threads = rayon::current_num_threads();
-    let need = attention_workspace_len::<T>(t, dims.hs, threads);
+    let need = attention_workspace_len::<T>(t, hd, threads);
     assert!(
         ws.len() >= need,
         "attention workspace too small: {} < {need}",
         ws.len()
     );
-    let units = b * nh;
+    let units = b * nkv;
     if units == 0 || t == 0 {
         return;
     }
-    let per = per_worker_len::<T>(t, dims.hs);
+    let per = per_worker_len::<T>(t, hd);
     let workers = threads.min(units);
     let out_p = SyncPtr(out.as_mut_ptr());
     let lse_p = SyncPtr(lse.as_mut_ptr());
@@ -516,156 +567,169 @@ pub fn attention_forward<T: Elem>(
         });
 }
 
-/// Forward of unit `u` = b·NH + h.
+/// Forward of unit `u` = b·NKV + j: KV head j of batch b and its query heads j·g … j·g+g−1.
 ///
 /// # Safety
-/// `out` must point to the `[B,T,C]` output and `lse` to the `[B,NH,T]` log-sum-exp buffer; the
-/// caller guarantees no other thread touches unit `u`'s elements.
+/// `out` must point to the `[B,T,NH·hd]` output and `lse` to the `[B,NH,T]` log-sum-exp buffer;
+/// the caller guarantees no other thread touches unit `u`'s elements.
 unsafe fn forward_unit<T: Elem>(
     out: *mut T,
     lse: *mut f32,
-    qkv: &[T], // [B, T, 3C]
+    qkv: &[T], // [B, T, (NH + 2·NKV)·hd]
     u: usize,
     d: Dims,
     ws: &mut [f32],
 ) {
     let Dims {
         t,
-        c,
         nh,
-        hs,
+        nkv,
+        g,
+        hd,
+        ld,
+        co,
         scale2,
         ..
     } = d;
-    let (bi, h) = (u / nh, u % nh);
-    let ld3 = 3 * c;
-    let qoff = bi * t * ld3 + h * hs;
+    let (bi, j) = (u / nkv, u % nkv);
     let br = BR.min(t);
     let (tile, rest) = ws.split_at_mut(br * t); // Sᵀ / Pᵀ block [r1, nb]
-    let (kc, rest) = rest.split_at_mut(t * hs); // K [T, hs]
-    let (vc, rest) = rest.split_at_mut(t * hs); // V [T, hs]
+    let (kc, rest) = rest.split_at_mut(t * hd); // K [T, hd]
+    let (vc, rest) = rest.split_at_mut(t * hd); // V [T, hd]
     let (mx, rest) = rest.split_at_mut(br); // row max m [nb]
     let (sum, rest) = rest.split_at_mut(br); // row sum l [nb]
     // T = f32 reads Q and writes O in place; other types widen Q into, and compute O in, these.
     let direct = is_f32::<T>();
-    let nbuf = if direct { 0 } else { br * hs };
-    let (qbuf, rest) = rest.split_at_mut(nbuf); // Q block [nb, hs]
-    let obuf = &mut rest[..nbuf]; // O block [nb, hs]
-    gather_kv(kc, vc, &qkv[qoff..], t, hs, c);
-    // SAFETY: in-bounds offsets of the caller's buffers; this unit's exclusive regions.
-    let (o, lse_u) = unsafe {
-        (
-            out.add(bi * t * c + h * hs), // O [T, hs], row stride C
-            std::slice::from_raw_parts_mut(lse.add(u * t), t), // lse [T]
-        )
-    };
-    let mut r0 = 0;
-    while r0 < t {
-        let r1 = (r0 + BR).min(t);
-        let nb = r1 - r0;
-        let tile = &mut tile[..r1 * nb];
-        for i in r0..r1 {
-            // The O rows this block writes at its end (strided, otherwise cache misses).
-            prefetch_ptr(o.wrapping_add(i * c), hs);
-        }
-        let qrows = &qkv[qoff + r0 * ld3..]; // Q[r0..], row stride 3C
-        let qv = if direct {
-            tr(qrows.as_ptr().cast::<f32>(), ld3) // T is f32: the same memory
-        } else {
-            gather_rows(qbuf, qrows, nb, hs, ld3);
-            tr(qbuf.as_ptr(), hs)
+    let nbuf = if direct { 0 } else { br * hd };
+    let (qbuf, rest) = rest.split_at_mut(nbuf); // Q block [nb, hd]
+    let obuf = &mut rest[..nbuf]; // O block [nb, hd]
+    // K and V of KV head j, once for its g query heads.
+    gather_kv(
+        (kc, vc),
+        &qkv[bi * t * ld + j * hd..],
+        (t, hd, ld),
+        (d.k0(), d.v0()),
+    );
+    for h in j * g..(j + 1) * g {
+        let qoff = bi * t * ld + h * hd;
+        // SAFETY: in-bounds offsets of the caller's buffers; this unit's exclusive regions.
+        let (o, lse_u) = unsafe {
+            (
+                out.add(bi * t * co + h * hd), // O [T, hd], row stride NH·hd
+                std::slice::from_raw_parts_mut(lse.add((bi * nh + h) * t), t), // lse [T]
+            )
         };
-        // SAFETY: Q rows r0..r1 < T of this batch (or their copy); kc/tile are [r1, hs] /
-        // [r1, nb] in ws.
-        unsafe {
-            // S'ᵀ[r1, nb] = scale2 · K[0..r1] Q[r0..r1]ᵀ  (scores in base-2 units)
-            mm(
-                (r1, nb, hs),
-                tile.as_mut_ptr(),
-                nb,
-                false,
-                rm(kc.as_ptr(), hs),
-                qv,
-                scale2,
-            );
-        }
-        softmax_tile(tile, nb, r0, mx, sum);
-        // O rows r0..r1: in place for f32 (T is f32, so the cast is the same memory), else
-        // the f32 block, rounded into `out` below.
-        let (ob, ob_ld) = if direct {
-            // SAFETY: in-bounds offset of this unit's O rows.
-            (unsafe { o.add(r0 * c) }.cast::<f32>(), c)
-        } else {
-            (obuf.as_mut_ptr(), hs)
-        };
-        // SAFETY: O rows r0..r1 belong to this unit (or are the ws block); vc rows 0..r1 are
-        // in ws.
-        unsafe {
-            // O[r0..r1] = P[nb, r1] V[0..r1]   (P = tileᵀ: column stride nb, row stride 1)
-            mm(
-                (nb, hs, r1),
-                ob,
-                ob_ld,
-                false,
-                tr(tile.as_ptr(), nb),
-                rm(vc.as_ptr(), hs),
-                1.0,
-            );
-            // Normalise: O row li /= l[li].
-            for (li, &l) in sum[..nb].iter().enumerate() {
-                let inv = 1.0 / l;
-                for e in 0..hs {
-                    *ob.add(li * ob_ld + e) *= inv;
+        let mut r0 = 0;
+        while r0 < t {
+            let r1 = (r0 + BR).min(t);
+            let nb = r1 - r0;
+            let tile = &mut tile[..r1 * nb];
+            for i in r0..r1 {
+                // The O rows this block writes at its end (strided, otherwise cache misses).
+                prefetch_ptr(o.wrapping_add(i * co), hd);
+            }
+            let qrows = &qkv[qoff + r0 * ld..]; // Q[r0..], row stride (NH + 2·NKV)·hd
+            let qv = if direct {
+                tr(qrows.as_ptr().cast::<f32>(), ld) // T is f32: the same memory
+            } else {
+                gather_rows(qbuf, qrows, nb, hd, ld);
+                tr(qbuf.as_ptr(), hd)
+            };
+            // SAFETY: Q rows r0..r1 < T of this batch (or their copy); kc/tile are [r1, hd] /
+            // [r1, nb] in ws.
+            unsafe {
+                // S'ᵀ[r1, nb] = scale2 · K[0..r1] Q[r0..r1]ᵀ  (scores in base-2 units)
+                mm(
+                    (r1, nb, hd),
+                    tile.as_mut_ptr(),
+                    nb,
+                    false,
+                    rm(kc.as_ptr(), hd),
+                    qv,
+                    scale2,
+                );
+            }
+            softmax_tile(tile, nb, r0, mx, sum);
+            // O rows r0..r1: in place for f32 (T is f32, so the cast is the same memory), else
+            // the f32 block, rounded into `out` below.
+            let (ob, ob_ld) = if direct {
+                // SAFETY: in-bounds offset of this unit's O rows.
+                (unsafe { o.add(r0 * co) }.cast::<f32>(), co)
+            } else {
+                (obuf.as_mut_ptr(), hd)
+            };
+            // SAFETY: O rows r0..r1 belong to this unit (or are the ws block); vc rows 0..r1
+            // are in ws.
+            unsafe {
+                // O[r0..r1] = P[nb, r1] V[0..r1]   (P = tileᵀ: column stride nb, row stride 1)
+                mm(
+                    (nb, hd, r1),
+                    ob,
+                    ob_ld,
+                    false,
+                    tr(tile.as_ptr(), nb),
+                    rm(vc.as_ptr(), hd),
+                    1.0,
+                );
+                // Normalise: O row li /= l[li].
+                for (li, &l) in sum[..nb].iter().enumerate() {
+                    let inv = 1.0 / l;
+                    for e in 0..hd {
+                        *ob.add(li * ob_ld + e) *= inv;
+                    }
+                }
+                if !direct {
+                    narrow_rows(o.add(r0 * co), co, &obuf[..nb * hd], hd);
                 }
             }
-            if !direct {
-                narrow_rows(o.add(r0 * c), c, &obuf[..nb * hs], hs);
+            for ((lv, &m), &l) in lse_u[r0..r1].iter_mut().zip(&*mx).zip(&*sum) {
+                *lv = (m + l.log2()) * std::f32::consts::LN_2;
             }
+            r0 = r1;
         }
-        for ((lv, &m), &l) in lse_u[r0..r1].iter_mut().zip(&*mx).zip(&*sum) {
-            *lv = (m + l.log2()) * std::f32::consts::LN_2;
-        }
-        r0 = r1;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward
 
-/// Backward of causal self-attention: overwrites all of `dqkv` `[B,T,3C]` from `dout` `[B,T,C]`,
-/// the forward's inputs `qkv` and its results `out` `[B,T,C]` and `lse` `[B,NH,T]`. `ws` as for
-/// the forward.
+/// Backward of causal self-attention: overwrites all of `dqkv` `[B,T,(NH+2·NKV)·hd]` from `dout`
+/// `[B,T,NH·hd]`, the forward's inputs `qkv` `[B,T,(NH+2·NKV)·hd]` and its results `out`
+/// `[B,T,NH·hd]` and `lse` `[B,NH,T]`. The gradient of a KV head is the sum over the g query
+/// heads it serves. `ws` as for the forward.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: Elem>(
-    dqkv: &mut [T], // [B, T, 3C]
-    dout: &[T],     // [B, T, C]
-    qkv: &[T],      // [B, T, 3C]
-    out: &[T],      // [B, T, C]
+    dqkv: &mut [T], // [B, T, (NH + 2·NKV)·hd]
+    dout: &[T],     // [B, T, NH·hd]
+    qkv: &[T],      // [B, T, (NH + 2·NKV)·hd]
+    out: &[T],      // [B, T, NH·hd]
     lse: &[f32],    // [B, NH, T]
     b: usize,
     t: usize,
-    c: usize,
     nh: usize,
-    ws: &mut [f32], // [attention_workspace_len::<T>(T, hs, threads)]
+    nkv: usize,
+    hd: usize,
+    ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, threads)]
 ) {
-    let dims = Dims::new(t, c, nh);
-    assert_eq!(dqkv.len(), b * t * 3 * c, "dqkv must be [B,T,3C]");
-    assert_eq!(dout.len(), b * t * c, "dout must be [B,T,C]");
-    assert_eq!(qkv.len(), b * t * 3 * c, "qkv must be [B,T,3C]");
-    assert_eq!(out.len(), b * t * c, "out must be [B,T,C]");
+    let dims = Dims::new(t, nh, nkv, hd);
+    let (ld, co) = (dims.ld, dims.co);
+    assert_eq!(dqkv.len(), b * t * ld, "dqkv must be [B,T,(NH+2·NKV)·hd]");
+    assert_eq!(dout.len(), b * t * co, "dout must be [B,T,NH·hd]");
+    assert_eq!(qkv.len(), b * t * ld, "qkv must be [B,T,(NH+2·NKV)·hd]");
+    assert_eq!(out.len(), b * t * co, "out must be [B,T,NH·hd]");
     assert_eq!(lse.len(), b * nh * t, "lse must be [B,NH,T]");
     let threads = rayon::current_num_threads();
-    let need = attention_workspace_len::<T>(t, dims.hs, threads);
+    let need = attention_workspace_len::<T>(t, hd, threads);
     assert!(
         ws.len() >= need,
         "attention workspace too small: {} < {need}",
         ws.len()
     );
-    let units = b * nh;
+    let units = b * nkv;
     if units == 0 || t == 0 {
         return;
     }
-    let per = per_worker_len::<T>(t, dims.hs);
+    let per = per_worker_len::<T>(t, hd);
     let workers = threads.min(units);
     let dqkv_p = SyncPtr(dqkv.as_mut_ptr());
     ws[..workers * per]
@@ -680,17 +744,17 @@ pub fn attention_backward<T: Elem>(
         });
 }
 
-/// Backward of unit `u` = b·NH + h.
+/// Backward of unit `u` = b·NKV + j: KV head j of batch b and its query heads j·g … j·g+g−1.
 ///
 /// # Safety
-/// `dqkv` must point to the `[B,T,3C]` gradient buffer; the caller guarantees no other thread
-/// touches unit `u`'s elements of it.
+/// `dqkv` must point to the `[B,T,(NH+2·NKV)·hd]` gradient buffer; the caller guarantees no other
+/// thread touches unit `u`'s elements of it.
 #[allow(clippy::too_many_arguments)]
 unsafe fn backward_unit<T: Elem>(
     dqkv: *mut T,
-    dout: &[T],  // [B, T, C]
-    qkv: &[T],   // [B, T, 3C]
-    out: &[T],   // [B, T, C]
+    dout: &[T],  // [B, T, NH·hd]
+    qkv: &[T],   // [B, T, (NH + 2·NKV)·hd]
+    out: &[T],   // [B, T, NH·hd]
     lse: &[f32], // [B, NH, T]
     u: usize,
     d: Dims,
@@ -698,179 +762,211 @@ unsafe fn backward_unit<T: Elem>(
 ) {
     let Dims {
         t,
-        c,
         nh,
-        hs,
+        nkv,
+        g,
+        hd,
+        ld,
+        co,
         scale,
         scale2,
     } = d;
-    let (bi, h) = (u / nh, u % nh);
-    let ld3 = 3 * c;
-    let qoff = bi * t * ld3 + h * hs;
-    let ooff = bi * t * c + h * hs;
+    let (bi, j) = (u / nkv, u % nkv);
+    let (k0, v0) = (d.k0(), d.v0());
+    let kvoff = bi * t * ld + j * hd; // row 0 of this batch, plus j·hd: K at +k0, V at +v0
     let br = BR.min(t);
     let (p, rest) = ws.split_at_mut(br * t); // Pᵀ block [r1, nb]
     let (ds, rest) = rest.split_at_mut(br * t); // dPᵀ, then dSᵀ, block [r1, nb]
-    let (kc, rest) = rest.split_at_mut(t * hs); // K [T, hs]
-    let (vc, rest) = rest.split_at_mut(t * hs); // V [T, hs]
-    let (dk, rest) = rest.split_at_mut(t * hs); // dK accumulator [T, hs]
-    let (dv, rest) = rest.split_at_mut(t * hs); // dV accumulator [T, hs]
-    let (qb, rest) = rest.split_at_mut(br * hs); // Q block [nb, hs]
-    let (gb, rest) = rest.split_at_mut(br * hs); // dO block [nb, hs]
+    let (kc, rest) = rest.split_at_mut(t * hd); // K [T, hd]
+    let (vc, rest) = rest.split_at_mut(t * hd); // V [T, hd]
+    let (dk, rest) = rest.split_at_mut(t * hd); // dK accumulator [T, hd]
+    let (dv, rest) = rest.split_at_mut(t * hd); // dV accumulator [T, hd]
+    let (qb, rest) = rest.split_at_mut(br * hd); // Q block [nb, hd]
+    let (gb, rest) = rest.split_at_mut(br * hd); // dO block [nb, hd]
     let (dd, rest) = rest.split_at_mut(br); // D block [nb]
-    // T = f32 writes dQ in place; other types compute it in this f32 block [nb, hs].
+    // T = f32 writes dQ in place; other types compute it in this f32 block [nb, hd].
     let direct = is_f32::<T>();
-    let dqbuf = &mut rest[..if direct { 0 } else { br * hs }];
-    gather_kv(kc, vc, &qkv[qoff..], t, hs, c);
+    let dqbuf = &mut rest[..if direct { 0 } else { br * hd }];
+    // K and V of KV head j, once for its g query heads; dK, dV summed over them.
+    gather_kv((kc, vc), &qkv[kvoff..], (t, hd, ld), (k0, v0));
     dk.fill(0.0);
     dv.fill(0.0);
-    let lse_u = &lse[u * t..(u + 1) * t]; // [T]
-    // SAFETY: in-bounds offset; this unit's exclusive dQ region [T, hs], row stride 3C.
-    let dq = unsafe { dqkv.add(qoff) };
-    let mut r0 = 0;
-    while r0 < t {
-        let r1 = (r0 + BR).min(t);
-        let nb = r1 - r0;
-        let (p, ds) = (&mut p[..r1 * nb], &mut ds[..r1 * nb]);
-        gather_rows(qb, &qkv[qoff + r0 * ld3..], nb, hs, ld3);
-        // dO block copy and D[li] = dO[r0+li] · O[r0+li] in one pass over the rows.
-        for (li, (g, di)) in gb[..nb * hs]
-            .chunks_exact_mut(hs)
-            .zip(&mut dd[..nb])
-            .enumerate()
-        {
-            let row = ooff + (r0 + li) * c;
-            prefetch(dout, row + PREFETCH_ROWS * c, hs);
-            prefetch(out, row + PREFETCH_ROWS * c, hs);
-            // The dQ rows this block writes at its end (strided, otherwise cache misses).
-            prefetch_ptr(dq.wrapping_add((r0 + li) * ld3), hs);
-            widen_into(g, &dout[row..row + hs]);
-            *di = out[row..row + hs]
-                .iter()
-                .zip(&*g)
-                .map(|(a, b)| a.to_f32() * b)
-                .sum();
-        }
-        let (qp, gp, kp, vp) = (qb.as_ptr(), gb.as_ptr(), kc.as_ptr(), vc.as_ptr());
-        // SAFETY (all products below): operands are ws buffers of the stated shapes with
-        // rows < r1 ≤ T, and this unit's dQ rows r0..r1 in dqkv.
-        unsafe {
-            // S'ᵀ[r1, nb] = scale2 · K[0..r1] Q[r0..r1]ᵀ  (scores in base-2 units)
-            mm(
-                (r1, nb, hs),
-                p.as_mut_ptr(),
-                nb,
-                false,
-                rm(kp, hs),
-                tr(qp, hs),
-                scale2,
-            );
-        }
-        probs_tile(p, nb, r0, &lse_u[r0..r1]);
-        unsafe {
-            // dV[0..r1] += Pᵀ dO[r0..r1]        ([r1, nb] · [nb, hs])
-            mm(
-                (r1, hs, nb),
-                dv.as_mut_ptr(),
-                hs,
-                true,
-                rm(p.as_ptr(), nb),
-                rm(gp, hs),
-                1.0,
-            );
-            // dPᵀ[r1, nb] = V[0..r1] dO[r0..r1]ᵀ
-            mm(
-                (r1, nb, hs),
-                ds.as_mut_ptr(),
-                nb,
-                false,
-                rm(vp, hs),
-                tr(gp, hs),
-                1.0,
-            );
-        }
-        ds_tile(ds, p, nb, &dd[..nb], scale);
-        unsafe {
-            // dQ[r0..r1] = dS K[0..r1]          ([nb, r1] · [r1, hs]; dS = dSᵀ transposed)
-            // In place for f32 (T is f32, so the cast is the same memory), else into the
-            // f32 block, rounded into `dqkv` right after.
-            let (dqb, dqb_ld) = if direct {
-                (dq.add(r0 * ld3).cast::<f32>(), ld3)
-            } else {
-                (dqbuf.as_mut_ptr(), hs)
-            };
-            mm(
-                (nb, hs, r1),
-                dqb,
-                dqb_ld,
-                false,
-                tr(ds.as_ptr(), nb),
-                rm(kp, hs),
-                1.0,
-            );
-            if !direct {
-                narrow_rows(dq.add(r0 * ld3), ld3, &dqbuf[..nb * hs], hs);
+    for h in j * g..(j + 1) * g {
+        let qoff = bi * t * ld + h * hd;
+        let ooff = bi * t * co + h * hd;
+        let lse_u = &lse[(bi * nh + h) * t..][..t]; // [T]
+        // SAFETY: in-bounds offset; this unit's exclusive dQ region [T, hd], row stride ld.
+        let dq = unsafe { dqkv.add(qoff) };
+        let mut r0 = 0;
+        while r0 < t {
+            let r1 = (r0 + BR).min(t);
+            let nb = r1 - r0;
+            let (p, ds) = (&mut p[..r1 * nb], &mut ds[..r1 * nb]);
+            gather_rows(qb, &qkv[qoff + r0 * ld..], nb, hd, ld);
+            // dO block copy and D[li] = dO[r0+li] · O[r0+li] in one pass over the rows.
+            for (li, (gr, di)) in gb[..nb * hd]
+                .chunks_exact_mut(hd)
+                .zip(&mut dd[..nb])
+                .enumerate()
+            {
+                let row = ooff + (r0 + li) * co;
+                prefetch(dout, row + PREFETCH_ROWS * co, hd);
+                prefetch(out, row + PREFETCH_ROWS * co, hd);
+                // The dQ rows this block writes at its end (strided, otherwise cache misses).
+                prefetch_ptr(dq.wrapping_add((r0 + li) * ld), hd);
+                widen_into(gr, &dout[row..row + hd]);
+                *di = out[row..row + hd]
+                    .iter()
+                    .zip(&*gr)
+                    .map(|(a, b)| a.to_f32() * b)
+                    .sum();
             }
-            // dK[0..r1] += dSᵀ Q[r0..r1]        ([r1, nb] · [nb, hs])
-            mm(
-                (r1, hs, nb),
-                dk.as_mut_ptr(),
-                hs,
-                true,
-                rm(ds.as_ptr(), nb),
-                rm(qp, hs),
-                1.0,
-            );
+            let (qp, gp, kp, vp) = (qb.as_ptr(), gb.as_ptr(), kc.as_ptr(), vc.as_ptr());
+            // SAFETY (all products below): operands are ws buffers of the stated shapes with
+            // rows < r1 ≤ T, and this unit's dQ rows r0..r1 in dqkv.
+            unsafe {
+                // S'ᵀ[r1, nb] = scale2 · K[0..r1] Q[r0..r1]ᵀ  (scores in base-2 units)
+                mm(
+                    (r1, nb, hd),
+                    p.as_mut_ptr(),
+                    nb,
+                    false,
+                    rm(kp, hd),
+                    tr(qp, hd),
+                    scale2,
+                );
+            }
+            probs_tile(p, nb, r0, &lse_u[r0..r1]);
+            unsafe {
+                // dV[0..r1] += Pᵀ dO[r0..r1]        ([r1, nb] · [nb, hd])
+                mm(
+                    (r1, hd, nb),
+                    dv.as_mut_ptr(),
+                    hd,
+                    true,
+                    rm(p.as_ptr(), nb),
+                    rm(gp, hd),
+                    1.0,
+                );
+                // dPᵀ[r1, nb] = V[0..r1] dO[r0..r1]ᵀ
+                mm(
+                    (r1, nb, hd),
+                    ds.as_mut_ptr(),
+                    nb,
+                    false,
+                    rm(vp, hd),
+                    tr(gp, hd),
+                    1.0,
+                );
+            }
+            ds_tile(ds, p, nb, &dd[..nb], scale);
+            unsafe {
+                // dQ[r0..r1] = dS K[0..r1]          ([nb, r1] · [r1, hd]; dS = dSᵀ transposed)
+                // In place for f32 (T is f32, so the cast is the same memory), else into the
+                // f32 block, rounded into `dqkv` right after.
+                let (dqb, dqb_ld) = if direct {
+                    (dq.add(r0 * ld).cast::<f32>(), ld)
+                } else {
+                    (dqbuf.as_mut_ptr(), hd)
+                };
+                mm(
+                    (nb, hd, r1),
+                    dqb,
+                    dqb_ld,
+                    false,
+                    tr(ds.as_ptr(), nb),
+                    rm(kp, hd),
+                    1.0,
+                );
+                if !direct {
+                    narrow_rows(dq.add(r0 * ld), ld, &dqbuf[..nb * hd], hd);
+                }
+                // dK[0..r1] += dSᵀ Q[r0..r1]        ([r1, nb] · [nb, hd])
+                mm(
+                    (r1, hd, nb),
+                    dk.as_mut_ptr(),
+                    hd,
+                    true,
+                    rm(ds.as_ptr(), nb),
+                    rm(qp, hd),
+                    1.0,
+                );
+            }
+            r0 = r1;
         }
-        r0 = r1;
     }
-    for (i, (dkr, dvr)) in dk.chunks_exact(hs).zip(dv.chunks_exact(hs)).enumerate() {
-        // SAFETY: row i < T of this unit's dK / dV regions of dqkv ([T, hs], row stride 3C),
-        // which no other thread touches; sources are ws rows of hs elements.
+    for (i, (dkr, dvr)) in dk.chunks_exact(hd).zip(dv.chunks_exact(hd)).enumerate() {
+        // SAFETY: row i < T of this unit's dK / dV regions of dqkv ([T, hd] each, row stride
+        // ld), which no other thread touches; sources are ws rows of hd elements.
         unsafe {
-            let row = dqkv.add(qoff + i * ld3);
-            let ahead = row.wrapping_add(PREFETCH_ROWS * ld3);
+            let row = dqkv.add(kvoff + i * ld);
+            let ahead = row.wrapping_add(PREFETCH_ROWS * ld);
             if i + PREFETCH_ROWS < t {
-                prefetch_ptr(ahead.wrapping_add(c), hs);
-                prefetch_ptr(ahead.wrapping_add(2 * c), hs);
+                prefetch_ptr(ahead.wrapping_add(k0), hd);
+                prefetch_ptr(ahead.wrapping_add(v0), hd);
             }
             if direct {
                 // T is f32: plain copies.
-                std::ptr::copy_nonoverlapping(dkr.as_ptr(), row.add(c).cast::<f32>(), hs);
-                std::ptr::copy_nonoverlapping(dvr.as_ptr(), row.add(2 * c).cast::<f32>(), hs);
+                std::ptr::copy_nonoverlapping(dkr.as_ptr(), row.add(k0).cast::<f32>(), hd);
+                std::ptr::copy_nonoverlapping(dvr.as_ptr(), row.add(v0).cast::<f32>(), hd);
             } else {
-                narrow_rows(row.add(c), 0, dkr, hs);
-                narrow_rows(row.add(2 * c), 0, dvr, hs);
+                narrow_rows(row.add(k0), 0, dkr, hd);
+                narrow_rows(row.add(v0), 0, dvr, hd);
             }
         }
     }
 }
 
-/// Straightforward reference twins (allocating, f64 accumulation, materialised probabilities).
+/// Straightforward reference twins (allocating, f64 accumulation, materialised probabilities,
+/// K and V literally repeat-interleaved to NH heads).
 pub mod naive {
-    /// f64 forward: returns (out `[B,T,C]`, lse `[B,NH,T]`, att `[B,NH,T,T]` probabilities, zero above
-    /// the diagonal).
+    /// Key (`v = false`) or value (`v = true`) heads of `qkv` `[B,T,(NH+2·NKV)·hd]`
+    /// repeat-interleaved to NH heads, `[B, T, NH·hd]`: head h is KV head h / (NH/NKV), as
+    /// transformers' `repeat_kv` (each KV head repeated g times in a row, not the heads tiled).
+    pub fn repeat_kv(
+        qkv: &[f64],
+        (b, t): (usize, usize),
+        (nh, nkv, hd): (usize, usize, usize),
+        v: bool,
+    ) -> Vec<f64> {
+        let (ld, g) = ((nh + 2 * nkv) * hd, nh / nkv);
+        let off = if v { (nh + nkv) * hd } else { nh * hd };
+        let mut rep = vec![0.0; b * t * nh * hd];
+        for r in 0..b * t {
+            for h in 0..nh {
+                for e in 0..hd {
+                    rep[(r * nh + h) * hd + e] = qkv[r * ld + off + (h / g) * hd + e];
+                }
+            }
+        }
+        rep
+    }
+
+    /// f64 forward: returns (out `[B,T,NH·hd]`, lse `[B,NH,T]`, att `[B,NH,T,T]` probabilities,
+    /// zero above the diagonal) for `qkv` `[B,T,(NH+2·NKV)·hd]`.
     pub fn forward_f64(
         qkv: &[f64],
         b: usize,
         t: usize,
-        c: usize,
-        nh: usize,
+        (nh, nkv, hd): (usize, usize, usize),
     ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-        assert_eq!(qkv.len(), b * t * 3 * c);
-        let hs = c / nh;
-        let scale = 1.0 / (hs as f64).sqrt();
-        let mut out = vec![0.0; b * t * c];
+        assert!(nkv > 0 && nh.is_multiple_of(nkv));
+        let (ld, co) = ((nh + 2 * nkv) * hd, nh * hd);
+        assert_eq!(qkv.len(), b * t * ld);
+        let k = repeat_kv(qkv, (b, t), (nh, nkv, hd), false); // [B, T, NH·hd]
+        let v = repeat_kv(qkv, (b, t), (nh, nkv, hd), true); // [B, T, NH·hd]
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut out = vec![0.0; b * t * co];
         let mut lse = vec![0.0; b * nh * t];
         let mut att = vec![0.0; b * nh * t * t];
         for bi in 0..b {
             for h in 0..nh {
                 for i in 0..t {
-                    let qi = &qkv[(bi * t + i) * 3 * c + h * hs..][..hs];
+                    let qi = &qkv[(bi * t + i) * ld + h * hd..][..hd];
                     let row = &mut att[((bi * nh + h) * t + i) * t..][..t];
                     let mut mx = f64::NEG_INFINITY;
                     for (j, r) in row.iter_mut().enumerate().take(i + 1) {
-                        let kj = &qkv[(bi * t + j) * 3 * c + c + h * hs..][..hs];
+                        let kj = &k[(bi * t + j) * co + h * hd..][..hd];
                         let s: f64 = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * scale;
                         *r = s;
                         mx = mx.max(s);
@@ -884,9 +980,9 @@ pub mod naive {
                         *r /= sum;
                     }
                     lse[(bi * nh + h) * t + i] = mx + sum.ln();
-                    let o = &mut out[(bi * t + i) * c + h * hs..][..hs];
+                    let o = &mut out[(bi * t + i) * co + h * hd..][..hd];
                     for (j, &pr) in row.iter().enumerate().take(i + 1) {
-                        let vj = &qkv[(bi * t + j) * 3 * c + 2 * c + h * hs..][..hs];
+                        let vj = &v[(bi * t + j) * co + h * hd..][..hd];
                         for (oo, vv) in o.iter_mut().zip(vj) {
                             *oo += pr * vv;
                         }
@@ -897,18 +993,22 @@ pub mod naive {
         (out, lse, att)
     }
 
-    /// Naive forward (f32 in/out, f64 inside): writes `out` `[B,T,C]` and `lse` `[B,NH,T]`.
+    /// Naive forward (f32 in/out, f64 inside): writes `out` `[B,T,NH·hd]` and `lse` `[B,NH,T]`
+    /// from `qkv` `[B,T,(NH+2·NKV)·hd]`.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_forward(
         out: &mut [f32],
         lse: &mut [f32],
         qkv: &[f32],
         b: usize,
         t: usize,
-        c: usize,
         nh: usize,
+        nkv: usize,
+        hd: usize,
     ) {
         let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-        let (o, l, _) = forward_f64(&q64, b, t, c, nh);
+        let (o, l, _) = forward_f64(&q64, b, t, (nh, nkv, hd));
+        assert_eq!((out.len(), lse.len()), (o.len(), l.len()));
         for (d, s) in out.iter_mut().zip(&o) {
             *d = *s as f32;
         }
@@ -918,63 +1018,81 @@ pub mod naive {
     }
 
     /// f64 backward from scratch (recomputes the probabilities from `qkv`): returns dqkv
-    /// `[B,T,3C]` for upstream gradient `dout` `[B,T,C]`.
+    /// `[B,T,(NH+2·NKV)·hd]` for upstream gradient `dout` `[B,T,NH·hd]`. The gradients of the
+    /// repeated K and V (`[B,T,NH·hd]`) are computed per query head, then summed over each
+    /// KV head's g copies.
     pub fn backward_f64(
         dout: &[f64],
         qkv: &[f64],
         b: usize,
         t: usize,
-        c: usize,
-        nh: usize,
+        (nh, nkv, hd): (usize, usize, usize),
     ) -> Vec<f64> {
-        let hs = c / nh;
-        let scale = 1.0 / (hs as f64).sqrt();
-        let (_, _, att) = forward_f64(qkv, b, t, c, nh);
-        let mut dqkv = vec![0.0; b * t * 3 * c];
+        let (ld, co, g) = ((nh + 2 * nkv) * hd, nh * hd, nh / nkv);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let (_, _, att) = forward_f64(qkv, b, t, (nh, nkv, hd));
+        let k = repeat_kv(qkv, (b, t), (nh, nkv, hd), false); // [B, T, NH·hd]
+        let v = repeat_kv(qkv, (b, t), (nh, nkv, hd), true); // [B, T, NH·hd]
+        let mut dqkv = vec![0.0; b * t * ld];
+        let mut dk = vec![0.0; b * t * co]; // gradient of the repeated K [B, T, NH·hd]
+        let mut dv = vec![0.0; b * t * co]; // gradient of the repeated V [B, T, NH·hd]
         let mut dp = vec![0.0; t];
         for bi in 0..b {
             for h in 0..nh {
                 for i in 0..t {
                     let p = &att[((bi * nh + h) * t + i) * t..][..t];
-                    let doi = &dout[(bi * t + i) * c + h * hs..][..hs];
+                    let doi = &dout[(bi * t + i) * co + h * hd..][..hd];
                     // dP[j] = dO_i · V_j ; dV_j += P[j] dO_i
                     for j in 0..=i {
-                        let vrow = (bi * t + j) * 3 * c + 2 * c + h * hs;
-                        dp[j] = (0..hs).map(|e| doi[e] * qkv[vrow + e]).sum();
-                        for e in 0..hs {
-                            dqkv[vrow + e] += p[j] * doi[e];
+                        let vrow = (bi * t + j) * co + h * hd;
+                        dp[j] = (0..hd).map(|e| doi[e] * v[vrow + e]).sum();
+                        for e in 0..hd {
+                            dv[vrow + e] += p[j] * doi[e];
                         }
                     }
                     // softmax backward: dS[j] = P[j] (dP[j] - Σ_k P[k] dP[k])
                     let dot: f64 = (0..=i).map(|j| p[j] * dp[j]).sum();
-                    let qrow = (bi * t + i) * 3 * c + h * hs;
+                    let qrow = (bi * t + i) * ld + h * hd;
                     for j in 0..=i {
                         let ds = p[j] * (dp[j] - dot) * scale;
-                        let krow = (bi * t + j) * 3 * c + c + h * hs;
-                        for e in 0..hs {
-                            dqkv[qrow + e] += ds * qkv[krow + e];
-                            dqkv[krow + e] += ds * qkv[qrow + e];
+                        let krow = (bi * t + j) * co + h * hd;
+                        for e in 0..hd {
+                            dqkv[qrow + e] += ds * k[krow + e];
+                            dk[krow + e] += ds * qkv[qrow + e];
                         }
                     }
+                }
+            }
+        }
+        // Undo the repeat: KV head j's gradient is the sum over its query heads j·g … j·g+g−1.
+        let (k0, v0) = (nh * hd, (nh + nkv) * hd);
+        for r in 0..b * t {
+            for h in 0..nh {
+                for e in 0..hd {
+                    let (src, dst) = ((r * nh + h) * hd + e, r * ld + (h / g) * hd + e);
+                    dqkv[dst + k0] += dk[src];
+                    dqkv[dst + v0] += dv[src];
                 }
             }
         }
         dqkv
     }
 
-    /// Naive backward (f32 in/out, f64 inside): overwrites `dqkv` `[B,T,3C]`.
+    /// Naive backward (f32 in/out, f64 inside): overwrites `dqkv` `[B,T,(NH+2·NKV)·hd]`.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         dqkv: &mut [f32],
         dout: &[f32],
         qkv: &[f32],
         b: usize,
         t: usize,
-        c: usize,
         nh: usize,
+        nkv: usize,
+        hd: usize,
     ) {
         let d64: Vec<f64> = dout.iter().map(|&x| x as f64).collect();
         let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-        let g = backward_f64(&d64, &q64, b, t, c, nh);
+        let g = backward_f64(&d64, &q64, b, t, (nh, nkv, hd));
         assert_eq!(dqkv.len(), g.len());
         for (d, s) in dqkv.iter_mut().zip(&g) {
             *d = *s as f32;
@@ -990,6 +1108,19 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
+    /// (NH, NKV, hd) of a call.
+    type Heads = (usize, usize, usize);
+
+    /// The multi-head (GPT-2) heads of width C with NH heads: NKV = NH, hd = C/NH.
+    fn mha(c: usize, nh: usize) -> Heads {
+        (nh, nh, c / nh)
+    }
+
+    /// Row widths of `qkv` ((NH + 2·NKV)·hd) and of `out` (NH·hd).
+    fn widths((nh, nkv, hd): Heads) -> (usize, usize) {
+        ((nh + 2 * nkv) * hd, nh * hd)
+    }
+
     /// Deterministic pseudo-random values in [-amp, amp] (xorshift64*).
     fn rand_vec(n: usize, seed: u64, amp: f32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -1004,17 +1135,18 @@ mod tests {
             .collect()
     }
 
-    fn ws_for<T: Elem>(t: usize, c: usize, nh: usize) -> Vec<f32> {
+    fn ws_for<T: Elem>(t: usize, hd: usize) -> Vec<f32> {
         let threads = rayon::current_num_threads();
-        vec![f32::NAN; attention_workspace_len::<T>(t, c / nh, threads)]
+        vec![f32::NAN; attention_workspace_len::<T>(t, hd, threads)]
     }
 
-    fn fast_fwd<T: Elem>(qkv: &[T], b: usize, t: usize, c: usize, nh: usize) -> (Vec<T>, Vec<f32>) {
+    fn fast_fwd<T: Elem>(qkv: &[T], b: usize, t: usize, heads: Heads) -> (Vec<T>, Vec<f32>) {
+        let (nh, nkv, hd) = heads;
         // NaN-filled outputs and workspace: any element not written shows up.
-        let mut out = vec![T::from_f32(f32::NAN); b * t * c];
+        let mut out = vec![T::from_f32(f32::NAN); b * t * widths(heads).1];
         let mut lse = vec![f32::NAN; b * nh * t];
-        let mut ws = ws_for::<T>(t, c, nh);
-        attention_forward(&mut out, &mut lse, qkv, b, t, c, nh, &mut ws);
+        let mut ws = ws_for::<T>(t, hd);
+        attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd, &mut ws);
         (out, lse)
     }
 
@@ -1026,12 +1158,27 @@ mod tests {
         lse: &[f32],
         b: usize,
         t: usize,
-        c: usize,
-        nh: usize,
+        heads: Heads,
     ) -> Vec<T> {
-        let mut dqkv = vec![T::from_f32(f32::NAN); b * t * 3 * c];
-        let mut ws = ws_for::<T>(t, c, nh);
-        attention_backward(&mut dqkv, dout, qkv, out, lse, b, t, c, nh, &mut ws);
+        let (nh, nkv, hd) = heads;
+        let mut dqkv = vec![T::from_f32(f32::NAN); b * t * widths(heads).0];
+        let mut ws = ws_for::<T>(t, hd);
+        attention_backward(&mut dqkv, dout, qkv, out, lse, b, t, nh, nkv, hd, &mut ws);
+        dqkv
+    }
+
+    fn naive_fwd(qkv: &[f32], b: usize, t: usize, heads: Heads) -> (Vec<f32>, Vec<f32>) {
+        let (nh, nkv, hd) = heads;
+        let mut out = vec![0.0; b * t * widths(heads).1];
+        let mut lse = vec![0.0; b * nh * t];
+        naive::attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd);
+        (out, lse)
+    }
+
+    fn naive_bwd(dout: &[f32], qkv: &[f32], b: usize, t: usize, heads: Heads) -> Vec<f32> {
+        let (nh, nkv, hd) = heads;
+        let mut dqkv = vec![0.0; b * t * widths(heads).0];
+        naive::attention_backward(&mut dqkv, dout, qkv, b, t, nh, nkv, hd);
         dqkv
     }
 
@@ -1048,17 +1195,31 @@ mod tests {
         }
     }
 
-    /// (B, T, C, NH): single position, odd head sizes, several row blocks with a ragged tail,
-    /// exact block multiple, head size not a multiple of 16.
-    const SHAPES: &[(usize, usize, usize, usize)] = &[
-        (1, 1, 4, 1),
-        (2, 7, 9, 3),
-        (1, 5, 6, 2),
-        (2, 70, 40, 2),
-        (1, 130, 60, 3),
-        (3, 64, 32, 4),
-        (1, 200, 24, 1),
+    /// (B, T, (NH, NKV, hd)). Multi-head first: single position, odd head sizes, several row
+    /// blocks with a ragged tail, exact block multiple, head size not a multiple of 16. Then
+    /// grouped-query: SmolLM2-135M's heads (9 query, 3 KV, hd 64) with T not a multiple of 64,
+    /// T = 1, multi-query (NKV = 1, g = NH) over three blocks, g = 3 with an odd head size, one
+    /// exact block, and a head size of 32 with 4 heads (as for a model of width 64: hd need not
+    /// be the width over NH).
+    const SHAPES: &[(usize, usize, Heads)] = &[
+        (1, 1, (1, 1, 4)),
+        (2, 7, (3, 3, 3)),
+        (1, 5, (2, 2, 3)),
+        (2, 70, (2, 2, 20)),
+        (1, 130, (3, 3, 20)),
+        (3, 64, (4, 4, 8)),
+        (1, 200, (1, 1, 24)),
+        (1, 70, (9, 3, 64)),
+        (2, 1, (4, 2, 8)),
+        (1, 130, (4, 1, 12)),
+        (2, 33, (6, 2, 5)),
+        (1, 64, (8, 2, 16)),
+        (2, 20, (4, 2, 32)),
     ];
+
+    fn tag(b: usize, t: usize, (nh, nkv, hd): Heads) -> String {
+        format!("{b}x{t} NH={nh} NKV={nkv} hd={hd}")
+    }
 
     #[test]
     fn exp2_nonpos_matches_std() {
@@ -1078,15 +1239,25 @@ mod tests {
         assert!(exp2_nonpos(f32::NAN).is_nan());
     }
 
+    /// The naive twin's K/V repeat is repeat-interleave (transformers' `repeat_kv`): with 4
+    /// query heads and 2 KV heads, query heads 0, 1 see KV head 0 and 2, 3 see KV head 1.
+    #[test]
+    fn naive_repeat_kv_interleaves() {
+        // One row, hd = 1: q heads 1..=4, k heads 10, 20, v heads 30, 40.
+        let qkv = [1.0, 2.0, 3.0, 4.0, 10.0, 20.0, 30.0, 40.0];
+        let k = naive::repeat_kv(&qkv, (1, 1), (4, 2, 1), false);
+        let v = naive::repeat_kv(&qkv, (1, 1), (4, 2, 1), true);
+        assert_eq!(k, [10.0, 10.0, 20.0, 20.0]);
+        assert_eq!(v, [30.0, 30.0, 40.0, 40.0]);
+    }
+
     #[test]
     fn forward_matches_naive() {
-        for (si, &(b, t, c, nh)) in SHAPES.iter().enumerate() {
-            let qkv = rand_vec(b * t * 3 * c, 11 + si as u64, 2.0);
-            let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
-            let mut out_n = vec![0.0; b * t * c];
-            let mut lse_n = vec![0.0; b * nh * t];
-            naive::attention_forward(&mut out_n, &mut lse_n, &qkv, b, t, c, nh);
-            let tag = format!("{b}x{t}x{c}/{nh}");
+        for (si, &(b, t, heads)) in SHAPES.iter().enumerate() {
+            let qkv = rand_vec(b * t * widths(heads).0, 11 + si as u64, 2.0);
+            let (out, lse) = fast_fwd(&qkv, b, t, heads);
+            let (out_n, lse_n) = naive_fwd(&qkv, b, t, heads);
+            let tag = tag(b, t, heads);
             assert_close(&format!("out {tag}"), &out, &out_n, 1e-5);
             assert_close(&format!("lse {tag}"), &lse, &lse_n, 1e-5);
         }
@@ -1094,14 +1265,13 @@ mod tests {
 
     #[test]
     fn backward_matches_naive() {
-        for (si, &(b, t, c, nh)) in SHAPES.iter().enumerate() {
-            let qkv = rand_vec(b * t * 3 * c, 101 + si as u64, 2.0);
-            let dout = rand_vec(b * t * c, 202 + si as u64, 1.0);
-            let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
-            let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
-            let mut dqkv_n = vec![0.0; b * t * 3 * c];
-            naive::attention_backward(&mut dqkv_n, &dout, &qkv, b, t, c, nh);
-            assert_close(&format!("dqkv {b}x{t}x{c}/{nh}"), &dqkv, &dqkv_n, 1e-5);
+        for (si, &(b, t, heads)) in SHAPES.iter().enumerate() {
+            let qkv = rand_vec(b * t * widths(heads).0, 101 + si as u64, 2.0);
+            let dout = rand_vec(b * t * widths(heads).1, 202 + si as u64, 1.0);
+            let (out, lse) = fast_fwd(&qkv, b, t, heads);
+            let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, heads);
+            let dqkv_n = naive_bwd(&dout, &qkv, b, t, heads);
+            assert_close(&format!("dqkv {}", tag(b, t, heads)), &dqkv, &dqkv_n, 1e-5);
         }
     }
 
@@ -1111,21 +1281,24 @@ mod tests {
     /// costs accuracy, so the tolerance is looser.
     #[test]
     fn peaky_scores_match_naive() {
-        for (si, &(b, t, c, nh)) in [(2, 70, 16, 2), (1, 9, 6, 1)].iter().enumerate() {
-            let mut qkv = rand_vec(b * t * 3 * c, 505 + si as u64, 12.0);
+        let cases = [(2, 70, mha(16, 2)), (1, 9, mha(6, 1)), (1, 70, (4, 2, 4))];
+        for (si, &(b, t, heads)) in cases.iter().enumerate() {
+            let (ld, co) = widths(heads);
+            let (nh, nkv, hd) = heads;
+            let mut qkv = rand_vec(b * t * ld, 505 + si as u64, 12.0);
             // A common offset on every key shifts each score row by q_i·40 (hundreds), which
             // the softmax must cancel exactly through its max subtraction.
-            for row in qkv.chunks_exact_mut(3 * c) {
-                row[c..2 * c].iter_mut().for_each(|k| *k += 40.0);
+            for row in qkv.chunks_exact_mut(ld) {
+                row[nh * hd..(nh + nkv) * hd]
+                    .iter_mut()
+                    .for_each(|k| *k += 40.0);
             }
-            let dout = rand_vec(b * t * c, 606 + si as u64, 1.0);
-            let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
-            let mut out_n = vec![0.0; b * t * c];
-            let mut lse_n = vec![0.0; b * nh * t];
-            naive::attention_forward(&mut out_n, &mut lse_n, &qkv, b, t, c, nh);
+            let dout = rand_vec(b * t * co, 606 + si as u64, 1.0);
+            let (out, lse) = fast_fwd(&qkv, b, t, heads);
+            let (out_n, lse_n) = naive_fwd(&qkv, b, t, heads);
             // Probabilities below 2^-126 (flushed to 0 by the fast kernel) must occur.
             let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-            let (_, _, att) = naive::forward_f64(&q64, b, t, c, nh);
+            let (_, _, att) = naive::forward_f64(&q64, b, t, heads);
             let tiny = att
                 .iter()
                 .filter(|&&p| p > 0.0 && p < 2f64.powi(-126))
@@ -1134,29 +1307,34 @@ mod tests {
                 tiny > t,
                 "not peaky enough: {tiny} probabilities below 2^-126"
             );
-            let tag = format!("{b}x{t}x{c}/{nh}");
+            let tag = tag(b, t, heads);
             assert_close(&format!("peaky out {tag}"), &out, &out_n, 5e-4);
             assert_close(&format!("peaky lse {tag}"), &lse, &lse_n, 1e-5);
-            let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
-            let mut dqkv_n = vec![0.0; b * t * 3 * c];
-            naive::attention_backward(&mut dqkv_n, &dout, &qkv, b, t, c, nh);
+            let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, heads);
+            let dqkv_n = naive_bwd(&dout, &qkv, b, t, heads);
             assert_close(&format!("peaky dqkv {tag}"), &dqkv, &dqkv_n, 5e-4);
         }
     }
 
-    /// Both backwards against central differences of L = Σ out ∘ R (f64 naive forward).
+    /// Both backwards against central differences of L = Σ out ∘ R (f64 naive forward), for
+    /// multi-head, grouped-query (g = 2) and multi-query (g = 3) heads.
     #[test]
     fn backward_matches_finite_differences() {
-        for (si, &(b, t, c, nh)) in [(1, 1, 4, 1), (2, 5, 6, 3), (1, 9, 10, 2)]
-            .iter()
-            .enumerate()
-        {
-            let qkv = rand_vec(b * t * 3 * c, 303 + si as u64, 1.5);
-            let r = rand_vec(b * t * c, 404 + si as u64, 1.0);
+        let cases = [
+            (1, 1, mha(4, 1)),
+            (2, 5, mha(6, 3)),
+            (1, 9, mha(10, 2)),
+            (1, 7, (4, 2, 3)),
+            (2, 5, (3, 1, 4)),
+        ];
+        for (si, &(b, t, heads)) in cases.iter().enumerate() {
+            let (ld, co) = widths(heads);
+            let qkv = rand_vec(b * t * ld, 303 + si as u64, 1.5);
+            let r = rand_vec(b * t * co, 404 + si as u64, 1.0);
             let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
             let r64: Vec<f64> = r.iter().map(|&x| x as f64).collect();
             let loss = |x: &[f64]| -> f64 {
-                let (o, _, _) = naive::forward_f64(x, b, t, c, nh);
+                let (o, _, _) = naive::forward_f64(x, b, t, heads);
                 o.iter().zip(&r64).map(|(a, b)| a * b).sum()
             };
             let eps = 1e-5;
@@ -1174,39 +1352,113 @@ mod tests {
                 .collect();
             let maxabs = num.iter().fold(0.0f64, |m, v| m.max(v.abs()));
             assert!(maxabs > 1e-3, "degenerate test: gradient is ~0");
-            let ana64 = naive::backward_f64(&r64, &q64, b, t, c, nh);
+            let ana64 = naive::backward_f64(&r64, &q64, b, t, heads);
             for (i, (&a, &n)) in ana64.iter().zip(&num).enumerate() {
                 assert!(
                     (a - n).abs() <= 1e-7 * (1.0 + maxabs),
                     "naive d[{i}]: {a} vs fd {n}"
                 );
             }
-            let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
-            let fast = fast_bwd(&r, &qkv, &out, &lse, b, t, c, nh);
+            let (out, lse) = fast_fwd(&qkv, b, t, heads);
+            let fast = fast_bwd(&r, &qkv, &out, &lse, b, t, heads);
             for (i, (&a, &n)) in fast.iter().zip(&num).enumerate() {
                 let a = a as f64;
                 assert!(
                     (a - n).abs() <= 2e-5 * (n.abs() + 0.1 * maxabs),
-                    "fast d[{i}]: {a} vs fd {n} ({b}x{t}x{c}/{nh})"
+                    "fast d[{i}]: {a} vs fd {n} ({})",
+                    tag(b, t, heads)
                 );
             }
         }
     }
 
+    /// `qkv` `[B,T,(NH+2·NKV)·hd]` with K and V repeat-interleaved to NH heads:
+    /// `[B,T,3·NH·hd]`, the multi-head input of the same attention.
+    fn repeat_to_mha<T: Elem>(qkv: &[T], (nh, nkv, hd): Heads) -> Vec<T> {
+        let (ld, g, co) = ((nh + 2 * nkv) * hd, nh / nkv, nh * hd);
+        let mut rep = Vec::with_capacity(qkv.len() / ld * 3 * co);
+        for row in qkv.chunks_exact(ld) {
+            rep.extend_from_slice(&row[..co]);
+            for base in [co, co + nkv * hd] {
+                for h in 0..nh {
+                    rep.extend_from_slice(&row[base + (h / g) * hd..][..hd]);
+                }
+            }
+        }
+        rep
+    }
+
+    /// The grouped-query kernel against the multi-head kernel on explicitly repeat-interleaved
+    /// K and V: forward (`out`, `lse`) and dQ bitwise equal (each query head does the same
+    /// operations on the same values), and dK, dV equal to the sums of the multi-head run's
+    /// over each KV head's g query heads (close: the GQA kernel accumulates them in another
+    /// order). f32 for all three; bf16 for the bitwise parts.
+    #[test]
+    fn gqa_equals_mha_on_repeated_kv() {
+        fn check<T: Elem>(b: usize, t: usize, heads: Heads, seed: u64) {
+            let (nh, nkv, hd) = heads;
+            let (ld, co) = widths(heads);
+            let mh = mha(co, nh);
+            let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * ld, seed, 2.0));
+            let dout: Vec<T> = narrow_vec(&rand_vec(b * t * co, seed + 1, 1.0));
+            let qkv_m = repeat_to_mha(&qkv, heads);
+            let (out, lse) = fast_fwd(&qkv, b, t, heads);
+            let (out_m, lse_m) = fast_fwd(&qkv_m, b, t, mh);
+            let tag = tag(b, t, heads);
+            assert!(bits(&out) == bits(&out_m), "out {tag}");
+            assert!(bits(&lse) == bits(&lse_m), "lse {tag}");
+            let dqkv = widen_vec(&fast_bwd(&dout, &qkv, &out, &lse, b, t, heads));
+            let dqkv_m = widen_vec(&fast_bwd(&dout, &qkv_m, &out_m, &lse_m, b, t, mh));
+            let g = nh / nkv;
+            let (mut dkv, mut dkv_sum) = (Vec::new(), Vec::new());
+            for (row, row_m) in dqkv.chunks_exact(ld).zip(dqkv_m.chunks_exact(3 * co)) {
+                assert!(bits(&row[..co]) == bits(&row_m[..co]), "dq {tag}");
+                dkv.extend_from_slice(&row[co..]);
+                // Group sums, KV head by KV head, of the repeated dK then dV.
+                for base in [co, 2 * co] {
+                    for j in 0..nkv {
+                        dkv_sum.extend((0..hd).map(|e| {
+                            (0..g)
+                                .map(|i| row_m[base + (j * g + i) * hd + e] as f64)
+                                .sum::<f64>() as f32
+                        }));
+                    }
+                }
+            }
+            if is_f32::<T>() {
+                assert_close(&format!("dk, dv {tag}"), &dkv, &dkv_sum, 1e-5);
+            }
+        }
+        let gqa = SHAPES
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, _, (nh, nkv, _)))| nkv < nh);
+        for (si, &(b, t, heads)) in gqa {
+            check::<f32>(b, t, heads, 700 + si as u64);
+            check::<bf16>(b, t, heads, 800 + si as u64);
+        }
+    }
+
     /// Forward and backward outputs of one run with storage type `T`, as bit patterns.
-    fn run_bits<T: Elem>(b: usize, t: usize, c: usize, nh: usize, seed: u64) -> [Vec<u32>; 3] {
-        let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * 3 * c, seed, 2.0));
-        let dout: Vec<T> = narrow_vec(&rand_vec(b * t * c, seed + 1, 1.0));
-        let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
-        let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
+    fn run_bits<T: Elem>(b: usize, t: usize, heads: Heads, seed: u64) -> [Vec<u32>; 3] {
+        let (ld, co) = widths(heads);
+        let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * ld, seed, 2.0));
+        let dout: Vec<T> = narrow_vec(&rand_vec(b * t * co, seed + 1, 1.0));
+        let (out, lse) = fast_fwd(&qkv, b, t, heads);
+        let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, heads);
         [bits(&out), bits(&lse), bits(&dqkv)]
     }
 
     /// Bitwise identical results on repeated runs and for 1, 2 and 3 worker threads, including
-    /// more threads than (batch, head) units.
+    /// more threads than (batch, KV head) units, for multi-head and grouped-query heads.
     #[test]
     fn deterministic_across_runs_and_thread_counts() {
-        for (b, t, c, nh) in [(2, 77, 36, 3), (1, 70, 8, 1)] {
+        for (b, t, heads) in [
+            (2, 77, mha(36, 3)),
+            (1, 70, mha(8, 1)),
+            (2, 77, (6, 2, 12)),
+            (1, 70, (3, 1, 8)),
+        ] {
             let run = |threads: usize| {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
@@ -1214,9 +1466,9 @@ mod tests {
                     .unwrap();
                 pool.install(|| {
                     (
-                        run_bits::<f32>(b, t, c, nh, 7),
-                        run_bits::<bf16>(b, t, c, nh, 7),
-                        run_bits::<f16>(b, t, c, nh, 7),
+                        run_bits::<f32>(b, t, heads, 7),
+                        run_bits::<bf16>(b, t, heads, 7),
+                        run_bits::<f16>(b, t, heads, 7),
                     )
                 })
             };
@@ -1224,7 +1476,8 @@ mod tests {
             for threads in [2, 1, 3, 2] {
                 assert!(
                     run(threads) == reference,
-                    "{b}x{t}x{c}/{nh}: {threads} threads differ from 2"
+                    "{}: {threads} threads differ from 2",
+                    tag(b, t, heads)
                 );
             }
         }
@@ -1233,8 +1486,8 @@ mod tests {
     /// f32 and bf16 forward and backward outputs (bit patterns) on fixed inputs.
     fn isa_run() -> ([Vec<u32>; 3], [Vec<u32>; 3]) {
         (
-            run_bits::<f32>(2, 70, 12, 2, 9),
-            run_bits::<bf16>(2, 70, 12, 2, 9),
+            run_bits::<f32>(2, 70, mha(12, 2), 9),
+            run_bits::<bf16>(2, 70, mha(12, 2), 9),
         )
     }
 
@@ -1261,10 +1514,10 @@ mod tests {
         let mut lse = vec![0.0; b * nh * t];
         let mut ws =
             vec![0.0; attention_workspace_len::<f32>(t, c / nh, rayon::current_num_threads()) - 1];
-        attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, &mut ws);
+        attention_forward(&mut out, &mut lse, &qkv, b, t, nh, nh, c / nh, &mut ws);
     }
 
-    /// Narrow types need one more [min(64,T), hs] block per worker, and check for it.
+    /// Narrow types need one more [min(64,T), hd] block per worker, and check for it.
     #[test]
     #[should_panic(expected = "workspace too small")]
     fn rejects_f32_sized_workspace_for_bf16() {
@@ -1278,7 +1531,16 @@ mod tests {
         let mut out = vec![bf16::ZERO; b * t * c];
         let mut lse = vec![0.0; b * nh * t];
         let mut ws = vec![0.0; len32];
-        attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, &mut ws);
+        attention_forward(&mut out, &mut lse, &qkv, b, t, nh, nh, c / nh, &mut ws);
+    }
+
+    /// NKV must divide NH.
+    #[test]
+    #[should_panic(expected = "must be a positive multiple of NKV")]
+    fn rejects_nkv_not_dividing_nh() {
+        let (b, t, heads) = (1, 4, (3, 2, 4));
+        let qkv = rand_vec(b * t * widths(heads).0, 1, 1.0);
+        fast_fwd(&qkv, b, t, heads);
     }
 
     /// bf16 / f16 storage: forward and backward against the f32 kernel on the widened inputs
@@ -1287,22 +1549,23 @@ mod tests {
     /// products running on contiguous copies instead of in place: within half a unit in the
     /// last place of `T` (`half_ulp`) plus 1e-5 of the largest magnitude.
     struct Narrow {
-        shape: (usize, usize, usize, usize), // (B, T, C, NH)
+        shape: (usize, usize, Heads), // (B, T, (NH, NKV, hd))
         seed: u64,
         half_ulp: f32,
     }
 
     impl Case for Narrow {
         fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
-            let ((b, t, c, nh), si) = (self.shape, self.seed);
-            let qkv32 = rand_vec(b * t * 3 * c, 11 + si, 2.0);
+            let ((b, t, heads), si) = (self.shape, self.seed);
+            let (ld, co) = widths(heads);
+            let qkv32 = rand_vec(b * t * ld, 11 + si, 2.0);
             let qkv: Vec<S> = stored::<T, S>(&qkv32);
-            let dout: Vec<S> = stored::<T, S>(&rand_vec(b * t * c, 202 + si, 1.0));
-            let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
+            let dout: Vec<S> = stored::<T, S>(&rand_vec(b * t * co, 202 + si, 1.0));
+            let (out, lse) = fast_fwd(&qkv, b, t, heads);
             // Both backwards take the narrow forward's results: `out` as stored in `T`, `lse`.
-            let (out_t, lse_t) = fast_fwd(&stored::<T, T>(&qkv32), b, t, c, nh);
+            let (out_t, lse_t) = fast_fwd(&stored::<T, T>(&qkv32), b, t, heads);
             let out_t: Vec<S> = stored::<T, S>(&widen_vec(&out_t));
-            let dqkv = fast_bwd(&dout, &qkv, &out_t, &lse_t, b, t, c, nh);
+            let dqkv = fast_bwd(&dout, &qkv, &out_t, &lse_t, b, t, heads);
             let tol = |rel| Tol {
                 rel,
                 of_max: 1e-5,
@@ -1323,11 +1586,12 @@ mod tests {
                 seed: si as u64,
                 half_ulp,
             };
-            let (b, t, c, nh) = shape;
-            let (_, want) = check_stored_as::<T>(&case, &format!("attention {b}x{t}x{c}/{nh}"));
+            let (b, t, heads) = shape;
+            let tag = tag(b, t, heads);
+            let (_, want) = check_stored_as::<T>(&case, &format!("attention {tag}"));
             for w in want {
                 let maxabs = w.f32s().iter().fold(0.0f32, |m, w| m.max(w.abs()));
-                assert!(maxabs > 0.1, "{} {b}x{t}x{c}/{nh}: degenerate", w.name);
+                assert!(maxabs > 0.1, "{} {tag}: degenerate", w.name);
             }
         }
     }
@@ -1352,7 +1616,7 @@ mod tests {
         let mut qkv: Vec<bf16> = narrow_vec(&rand_vec(b * t * 3 * c, 3, 1.0));
         qkv[5 * 3 * c + c + 1] = bf16::NAN; // K of (batch 0, position 5), head 0
         let dout: Vec<bf16> = narrow_vec(&rand_vec(b * t * c, 4, 1.0));
-        let (out, lse) = fast_fwd(&qkv, b, t, c, nh);
+        let (out, lse) = fast_fwd(&qkv, b, t, mha(c, nh));
         for (r, row) in out.chunks_exact(c).enumerate() {
             let (head0, head1) = row.split_at(hs);
             let poisoned = r >= 5 && r < t; // batch 0 rows 5.. of head 0
@@ -1360,7 +1624,39 @@ mod tests {
             assert!(head1.iter().all(|v| v.is_finite()), "row {r} head 1");
         }
         assert_eq!(lse.iter().filter(|v| v.is_nan()).count(), t - 5);
-        let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, c, nh);
+        let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, mha(c, nh));
         assert!(dqkv[t * 3 * c..].iter().all(|v| v.is_finite()), "batch 1");
+    }
+
+    /// GQA (NH 4, NKV 2): a NaN in KV head 0's key at batch 0, position 5 reaches exactly the
+    /// query heads 0 and 1 that share it (repeat-interleave), from position 5 on; query heads 2
+    /// and 3 (KV head 1) and batch 1 stay finite, also in the backward.
+    #[test]
+    fn non_finite_stays_in_its_kv_group() {
+        let (b, t, heads) = (2, 70, (4, 2, 4));
+        let (nh, _, hd) = heads;
+        let (ld, co) = widths(heads);
+        let mut qkv: Vec<bf16> = narrow_vec(&rand_vec(b * t * ld, 3, 1.0));
+        qkv[5 * ld + nh * hd + 1] = bf16::NAN; // K head 0 of (batch 0, position 5)
+        let dout: Vec<bf16> = narrow_vec(&rand_vec(b * t * co, 4, 1.0));
+        let (out, lse) = fast_fwd(&qkv, b, t, heads);
+        for (r, row) in out.chunks_exact(co).enumerate() {
+            let poisoned = r >= 5 && r < t; // batch 0 rows 5..
+            let (group0, group1) = row.split_at(2 * hd);
+            assert!(group0.iter().all(|v| v.is_nan() == poisoned), "row {r}");
+            assert!(group1.iter().all(|v| v.is_finite()), "row {r} heads 2, 3");
+        }
+        assert_eq!(lse.iter().filter(|v| v.is_nan()).count(), 2 * (t - 5));
+        let dqkv = fast_bwd(&dout, &qkv, &out, &lse, b, t, heads);
+        assert!(dqkv[t * ld..].iter().all(|v| v.is_finite()), "batch 1");
+        for row in dqkv[..t * ld].chunks_exact(ld) {
+            let (q23, k1, v1) = (
+                &row[2 * hd..nh * hd],
+                &row[(nh + 1) * hd..(nh + 2) * hd],
+                &row[(nh + 3) * hd..],
+            );
+            let finite = q23.iter().chain(k1).chain(v1).all(|v| v.is_finite());
+            assert!(finite, "batch 0: the gradient of KV head 1's group");
+        }
     }
 }

@@ -9,7 +9,7 @@ use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
 use crate::backend::{Backend, Device, OpResult, Sizing, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::mem::arena::Arena;
-use crate::plan::schedule::{ImplicitBufs, OpEntry};
+use crate::plan::schedule::{ImplicitBufs, OpEntry, WeightLayout};
 use crate::plan::{BufId, Buffer, DType, Op, OptimState, Plan};
 use anyhow::{Result, bail};
 use half::{bf16, f16};
@@ -72,9 +72,20 @@ impl Backend for Cpu {
 fn gemm_panel_bytes(op: &Op) -> u64 {
     match op {
         Op::Matmul { rows, ic, .. } => packing_bytes(rows.n(), *ic),
-        // dinp = dout @ wᵀ (n rows, depth oc); dw += inpᵀ @ dout (ic rows, depth n).
-        Op::MatmulBackward { rows, ic, oc, .. } => {
-            packing_bytes(rows.n(), *oc).max(packing_bytes(*ic, rows.n()))
+        // dinp = dout @ wᵀ (n rows, depth oc); dw += inpᵀ @ dout (ic rows, depth n), or
+        // for an `[OC, IC]` weight dw += doutᵀ @ inp (oc rows, depth n).
+        Op::MatmulBackward {
+            rows,
+            ic,
+            oc,
+            layout,
+            ..
+        } => {
+            let dw_rows = match layout {
+                WeightLayout::InOut => *ic,
+                WeightLayout::OutIn => *oc,
+            };
+            packing_bytes(rows.n(), *oc).max(packing_bytes(dw_rows, rows.n()))
         }
         // logits = x @ wteᵀ, dx = dlogits @ wte, dwte += dlogitsᵀ @ x, per chunk of r rows.
         Op::LmHeadLoss {

@@ -33,13 +33,13 @@ const ACC_COLS: usize = 64;
 /// column slice instead (same additions in the same order).
 const HIT_CAP: usize = 4096;
 
-/// `out = wte[tokens] + wpe[position], summed in f32 and rounded once to T`.
+/// `out = wte[tokens] (+ wpe[position] when given), summed in f32 and rounded once to T`.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward<T: Elem, W: Elem>(
-    out: &mut [T],  // [B, T, C]
-    tokens: &[u32], // [B, T]
-    wte: &[W],      // [V, C]
-    wpe: &[W],      // [maxT, C], only the first T rows used
+    out: &mut [T],     // [B, T, C]
+    tokens: &[u32],    // [B, T]
+    wte: &[W],         // [V, C]
+    wpe: Option<&[W]>, // [maxT, C], only the first T rows used (learned positions)
     b: usize,
     t: usize,
     c: usize,
@@ -47,7 +47,7 @@ pub fn encoder_forward<T: Elem, W: Elem>(
     assert_eq!(out.len(), b * t * c, "encoder_forward: out");
     assert_eq!(tokens.len(), b * t, "encoder_forward: tokens");
     assert!(
-        wpe.len() >= t * c,
+        wpe.is_none_or(|w| w.len() >= t * c),
         "encoder_forward: wpe has fewer than T rows"
     );
     if c == 0 || out.is_empty() {
@@ -64,16 +64,26 @@ pub fn encoder_forward<T: Elem, W: Elem>(
                 let r = r0 + i;
                 let tok = tokens[r] as usize;
                 assert!(tok < v, "encoder_forward: token {tok} >= vocabulary {v}");
-                let pos = r % t;
-                let (e, p) = (&wte[tok * c..(tok + 1) * c], &wpe[pos * c..(pos + 1) * c]);
-                for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
-                    *o = T::from_f32(e.to_f32() + p.to_f32());
+                let e = &wte[tok * c..(tok + 1) * c];
+                match wpe {
+                    Some(wpe) => {
+                        let pos = r % t;
+                        let p = &wpe[pos * c..(pos + 1) * c];
+                        for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
+                            *o = T::from_f32(e.to_f32() + p.to_f32());
+                        }
+                    }
+                    None => {
+                        for (o, &e) in o.iter_mut().zip(e) {
+                            *o = T::from_f32(e.to_f32());
+                        }
+                    }
                 }
             }
         });
 }
 
-/// `dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t]`.
+/// `dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t]` (when given).
 ///
 /// Every element receives its contributions in token order, added in f32 to its widened
 /// value and rounded to `T` once per call (a token that occurs k times is not rounded k
@@ -81,10 +91,10 @@ pub fn encoder_forward<T: Elem, W: Elem>(
 /// task owns `ACC_ROWS` vocabulary rows, lists the positions of its tokens in one scan, and
 /// accumulates `ACC_COLS` columns at a time in an f32 stack buffer.
 pub fn encoder_backward<T: Elem>(
-    dwte: &mut [T], // [V, C] +=
-    dwpe: &mut [T], // [maxT, C] +=, only the first T rows touched
-    dout: &[T],     // [B, T, C]
-    tokens: &[u32], // [B, T]
+    dwte: &mut [T],         // [V, C] +=
+    dwpe: Option<&mut [T]>, // [maxT, C] +=, only the first T rows touched (learned positions)
+    dout: &[T],             // [B, T, C]
+    tokens: &[u32],         // [B, T]
     b: usize,
     t: usize,
     c: usize,
@@ -92,7 +102,7 @@ pub fn encoder_backward<T: Elem>(
     assert_eq!(dout.len(), b * t * c, "encoder_backward: dout");
     assert_eq!(tokens.len(), b * t, "encoder_backward: tokens");
     assert!(
-        dwpe.len() >= t * c,
+        dwpe.as_ref().is_none_or(|w| w.len() >= t * c),
         "encoder_backward: dwpe has fewer than T rows"
     );
     if c == 0 || dout.is_empty() {
@@ -124,6 +134,9 @@ pub fn encoder_backward<T: Elem>(
             .enumerate()
             .for_each(|(bi, block)| dwte_block_acc(block, bi * ACC_ROWS, dout, tokens, c));
     }
+    let Some(dwpe) = dwpe else {
+        return;
+    };
     let rows = rows_per_task(c * b.max(1));
     dwpe[..t * c]
         .par_chunks_mut(rows * c)
@@ -313,9 +326,36 @@ mod tests {
             let wpe = randn(mt * c, 1.0, 50 + si as u64);
             let tok = tokens(b * t, v, si as u64);
             let (mut o1, mut o2) = (vec![f32::NAN; b * t * c], vec![0.0; b * t * c]);
-            encoder_forward(&mut o1, &tok, &wte, &wpe, b, t, c);
+            encoder_forward(&mut o1, &tok, &wte, Some(&wpe), b, t, c);
             naive::encoder_forward(&mut o2, &tok, &wte, &wpe, b, t, c);
             assert_eq!(o1, o2, "{b}x{t}x{c}");
+        }
+    }
+
+    /// Without learned positions the forward copies the token rows (rounded to the storage
+    /// type), and the backward's token gradient is the one it computes with positions.
+    #[test]
+    fn without_positions_is_the_token_embedding() {
+        for (si, &(b, t, c, v, mt)) in SHAPES.iter().enumerate() {
+            let wte = randn(v * c, 1.0, si as u64);
+            let tok = tokens(b * t, v, si as u64);
+            let mut out = vec![f32::NAN; b * t * c];
+            encoder_forward::<f32, f32>(&mut out, &tok, &wte, None, b, t, c);
+            for (r, row) in out.chunks_exact(c).enumerate() {
+                let k = tok[r] as usize;
+                assert_eq!(row, &wte[k * c..(k + 1) * c], "row {r}");
+            }
+            let mut narrow = vec![bf16::ZERO; b * t * c];
+            encoder_forward(&mut narrow, &tok, &wte, None, b, t, c);
+            let rounded: Vec<bf16> = out.iter().map(|&x| bf16::from_f32(x)).collect();
+            assert_eq!(narrow, rounded);
+            let dout = randn(b * t * c, 1.0, 100 + si as u64);
+            let dwte0 = randn(v * c, 1.0, 200 + si as u64);
+            let (mut with, mut without) = (dwte0.clone(), dwte0.clone());
+            let mut dwpe = vec![0.0; mt * c];
+            encoder_backward(&mut with, Some(&mut dwpe), &dout, &tok, b, t, c);
+            encoder_backward(&mut without, None, &dout, &tok, b, t, c);
+            assert_eq!(with, without, "{b}x{t}x{c}");
         }
     }
 
@@ -328,7 +368,7 @@ mod tests {
             let dwpe0 = randn(mt * c, 1.0, 300 + si as u64);
             let run = || {
                 let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
-                encoder_backward(&mut a, &mut p, &dout, &tok, b, t, c);
+                encoder_backward(&mut a, Some(&mut p), &dout, &tok, b, t, c);
                 (a, p)
             };
             let (a1, p1) = with_threads(1, run);
@@ -359,7 +399,7 @@ mod tests {
             dot(&g, &o)
         };
         let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; mt * c]);
-        encoder_backward(&mut dwte, &mut dwpe, &g, &tok, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &g, &tok, b, t, c);
         assert_close(
             &dwte,
             &fd_grad(&wte, 1e-2, |x| loss(x, &wpe)),
@@ -393,8 +433,8 @@ mod tests {
             let mut dwte: Vec<S> = stored::<T, S>(&randn(v * c, 1.0, 200 + si));
             let mut dwpe: Vec<S> = stored::<T, S>(&randn(mt * c, 1.0, 300 + si));
             let mut o = vec![S::from_f32(f32::NAN); b * t * c];
-            encoder_forward(&mut o, &tok, &wte, &wpe, b, t, c);
-            encoder_backward(&mut dwte, &mut dwpe, &dout, &tok, b, t, c);
+            encoder_forward(&mut o, &tok, &wte, Some(&wpe), b, t, c);
+            encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, b, t, c);
             vec![
                 Out::stored("out", &o),
                 Out::stored("dwte", &dwte),
@@ -438,7 +478,7 @@ mod tests {
         let tok = vec![129u32; b * t];
         let dout = vec![one; b * t * c];
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, &mut dwpe, &dout, &tok, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, b, t, c);
         assert!(dwte[129 * c..].iter().all(|&x| x.to_f32() == 300.0), "dwte");
         assert!(dwte[..129 * c].iter().all(|&x| x == bf16::ZERO));
         assert!(dwpe.iter().all(|&x| x.to_f32() == 300.0), "dwpe");
@@ -453,7 +493,7 @@ mod tests {
         dout[c] = bf16::from_f32(f32::NAN); // token 150, position 1, channel 0
         dout[2] = bf16::from_f32(f32::INFINITY); // token 3, position 0, channel 2
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, &mut dwpe, &dout, &tok, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, b, t, c);
         assert!(dwte[150 * c].is_nan() && dwpe[c].is_nan());
         assert!(dwte[3 * c + 2].is_infinite() && dwpe[2].is_infinite());
         let finite = |x: &[bf16]| x.iter().filter(|v| v.is_finite()).count();
@@ -464,7 +504,7 @@ mod tests {
         wte[7 * c + 1] = bf16::NAN; // token 7: row 3
         let mut wpe = vec![bf16::ONE; t * c];
         wpe[2] = bf16::INFINITY; // position 0: rows 0 and 2
-        encoder_forward(&mut out, &tok, &wte, &wpe, b, t, c);
+        encoder_forward(&mut out, &tok, &wte, Some(&wpe), b, t, c);
         assert!(out[3 * c + 1].is_nan() && out[2].is_infinite() && out[2 * c + 2].is_infinite());
         assert_eq!(finite(&out), b * t * c - 3);
     }
@@ -473,6 +513,6 @@ mod tests {
     #[should_panic(expected = "vocabulary")]
     fn out_of_range_token_panics() {
         let mut out = vec![0.0; 2];
-        encoder_forward(&mut out, &[0, 2], &[0.0; 2], &[0.0; 2], 1, 2, 1);
+        encoder_forward(&mut out, &[0, 2], &[0.0; 2], Some(&[0.0; 2]), 1, 2, 1);
     }
 }

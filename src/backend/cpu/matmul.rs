@@ -1,6 +1,8 @@
-//! Linear layers: `out[N, OC] = inp[N, IC] @ w[IC, OC] + b[OC]`, weights in Hugging Face's
-//! Conv1D layout (`[IC, OC]` row-major), forward and backward. The products run on the GEMMs
-//! of [`super::gemm`]: [`sgemm`] for f32 storage, [`gemm_mixed`] for bf16/f16.
+//! Linear layers: `out[N, OC] = inp[N, IC] @ W + b[OC]`, forward and backward, with W stored
+//! either in Hugging Face's Conv1D layout (`[IC, OC]` row-major, GPT-2) or in
+//! `torch.nn.Linear`'s (`[OC, IC]` row-major, Llama): [`Layout`]. The two differ only in the
+//! strides the GEMMs read W with. The products run on the GEMMs of [`super::gemm`]: [`sgemm`]
+//! for f32 storage, [`gemm_mixed`] for bf16/f16.
 //!
 //! The bias gradient is a column sum in which each task owns a fixed slice of columns and
 //! walks all rows in order (identical for any thread count, no workspace). Nothing here
@@ -21,7 +23,35 @@ use super::gemm::mixed::{MIXED_BLOCK, gemm_mixed, gemm_mixed_blocked};
 use super::reduce::{COL_CHUNK, rows_per_task};
 use rayon::prelude::*;
 
-/// out = (accumulate ? out : 0) + inp @ weight + bias, stored as `T`.
+/// How a weight matrix W (logically `[IC, OC]`) is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// `[IC, OC]` row-major (Conv1D).
+    InOut,
+    /// `[OC, IC]` row-major (`nn.Linear`).
+    OutIn,
+}
+
+impl Layout {
+    /// W as a GEMM's right operand `[IC, OC]`: its row stride and whether it is stored
+    /// transposed.
+    fn as_b(self, ic: usize, oc: usize) -> (usize, bool) {
+        match self {
+            Layout::InOut => (oc, false),
+            Layout::OutIn => (ic, true),
+        }
+    }
+
+    /// Wᵀ as a GEMM's right operand `[OC, IC]`.
+    fn transposed_as_b(self, ic: usize, oc: usize) -> (usize, bool) {
+        match self {
+            Layout::InOut => (oc, true),
+            Layout::OutIn => (ic, false),
+        }
+    }
+}
+
+/// out = (accumulate ? out : 0) + inp @ W + bias, stored as `T`.
 ///
 /// f32: the f32 kernel (`ws` unused, may be empty). bf16/f16: [`gemm_mixed`] with the bias
 /// folded into its f32 output tile (f32 accumulation, one rounding per element); `ws` must
@@ -30,8 +60,9 @@ use rayon::prelude::*;
 pub fn matmul_forward<T: Elem, W: Elem>(
     out: &mut [T],      // [N, OC]
     inp: &[T],          // [N, IC]
-    weight: &[W],       // [IC, OC]
+    weight: &[W],       // [IC, OC] or [OC, IC] (layout)
     bias: Option<&[W]>, // [OC]
+    layout: Layout,
     n: usize,
     ic: usize,
     oc: usize,
@@ -48,13 +79,14 @@ pub fn matmul_forward<T: Elem, W: Elem>(
         (as_f32_mut(&mut *out), as_f32(inp), as_f32(weight))
     {
         let bias = bias.map(|b| as_f32(b).expect("bias has the element type of out"));
-        return matmul_forward_f32(out, inp, weight, bias, n, ic, oc, accumulate);
+        return matmul_forward_f32(out, inp, weight, bias, layout, n, ic, oc, accumulate);
     }
+    let (ldw, w_trans) = layout.as_b(ic, oc);
     gemm_mixed_blocked(
         MIXED_BLOCK,
         (n, oc, ic),
         (inp, ic, false),
-        (weight, oc, false),
+        (weight, ldw, w_trans),
         (out, oc),
         accumulate,
         bias,
@@ -67,8 +99,9 @@ pub fn matmul_forward<T: Elem, W: Elem>(
 fn matmul_forward_f32(
     out: &mut [f32],      // [N, OC]
     inp: &[f32],          // [N, IC]
-    weight: &[f32],       // [IC, OC]
+    weight: &[f32],       // [IC, OC] or [OC, IC] (layout)
     bias: Option<&[f32]>, // [OC]
+    layout: Layout,
     n: usize,
     ic: usize,
     oc: usize,
@@ -92,13 +125,15 @@ fn matmul_forward_f32(
         }
         read_out = true;
     }
+    let (ldw, w_trans) = layout.as_b(ic, oc);
     sgemm(
-        n, oc, ic, 1.0, inp, ic, false, weight, oc, false, out, oc, read_out,
+        n, oc, ic, 1.0, inp, ic, false, weight, ldw, w_trans, out, oc, read_out,
     );
 }
 
-/// Backward of `matmul_forward`: dinp = dout @ weight^T (overwritten),
-/// dweight += inp^T @ dout, dbias += column sums of dout, stored as `T`.
+/// Backward of `matmul_forward`: dinp = dout @ Wᵀ (overwritten), dW += inpᵀ @ dout (into
+/// `dweight` in the weight's layout: `[OC, IC]` receives doutᵀ @ inp), dbias += column sums
+/// of dout, stored as `T`.
 ///
 /// f32: the f32 kernel (`ws` unused, may be empty). bf16/f16: two [`gemm_mixed`] calls (f32
 /// accumulation over all N rows, one rounding of each dinp/dweight element) and an f32
@@ -107,11 +142,12 @@ fn matmul_forward_f32(
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward<T: Elem, W: Elem>(
     dinp: &mut [T],          // [N, IC] overwritten
-    dweight: &mut [T],       // [IC, OC] +=
+    dweight: &mut [T],       // [IC, OC] or [OC, IC] (layout) +=
     dbias: Option<&mut [T]>, // [OC] +=
     dout: &[T],              // [N, OC]
     inp: &[T],               // [N, IC]
-    weight: &[W],            // [IC, OC]
+    weight: &[W],            // [IC, OC] or [OC, IC] (layout)
+    layout: Layout,
     n: usize,
     ic: usize,
     oc: usize,
@@ -133,16 +169,23 @@ pub fn matmul_backward<T: Elem, W: Elem>(
         as_f32(weight),
     ) {
         let dbias = dbias.map(|d| as_f32_mut(d).expect("dbias has the element type of dout"));
-        return matmul_backward_f32(dinp, dweight, dbias, dout, inp, weight, n, ic, oc);
+        return matmul_backward_f32(dinp, dweight, dbias, dout, inp, weight, layout, n, ic, oc);
     }
-    // dinp[N, IC] = dout[N, OC] @ weight^T (weight^T read through strides).
+    // dinp[N, IC] = dout[N, OC] @ Wᵀ (read through strides).
+    let (ldw, w_trans) = layout.transposed_as_b(ic, oc);
     gemm_mixed(
-        n, ic, oc, dout, oc, false, weight, oc, true, dinp, ic, false, ws,
+        n, ic, oc, dout, oc, false, weight, ldw, w_trans, dinp, ic, false, ws,
     );
-    // dweight[IC, OC] += inp^T @ dout.
-    gemm_mixed(
-        ic, oc, n, inp, ic, true, dout, oc, false, dweight, oc, true, ws,
-    );
+    match layout {
+        // dweight[IC, OC] += inpᵀ @ dout.
+        Layout::InOut => gemm_mixed(
+            ic, oc, n, inp, ic, true, dout, oc, false, dweight, oc, true, ws,
+        ),
+        // dweight[OC, IC] += doutᵀ @ inp.
+        Layout::OutIn => gemm_mixed(
+            oc, ic, n, dout, oc, true, inp, ic, false, dweight, ic, true, ws,
+        ),
+    }
     if let Some(dbias) = dbias {
         col_sum_accumulate(dbias, dout, n, oc);
     }
@@ -152,23 +195,31 @@ pub fn matmul_backward<T: Elem, W: Elem>(
 #[allow(clippy::too_many_arguments)]
 fn matmul_backward_f32(
     dinp: &mut [f32],          // [N, IC] overwritten
-    dweight: &mut [f32],       // [IC, OC] +=
+    dweight: &mut [f32],       // [IC, OC] or [OC, IC] (layout) +=
     dbias: Option<&mut [f32]>, // [OC] +=
     dout: &[f32],              // [N, OC]
     inp: &[f32],               // [N, IC]
-    weight: &[f32],            // [IC, OC]
+    weight: &[f32],            // [IC, OC] or [OC, IC] (layout)
+    layout: Layout,
     n: usize,
     ic: usize,
     oc: usize,
 ) {
-    // dinp[N, IC] = dout[N, OC] @ weight^T (weight^T read through strides).
+    // dinp[N, IC] = dout[N, OC] @ Wᵀ (read through strides).
+    let (ldw, w_trans) = layout.transposed_as_b(ic, oc);
     sgemm(
-        n, ic, oc, 1.0, dout, oc, false, weight, oc, true, dinp, ic, false,
+        n, ic, oc, 1.0, dout, oc, false, weight, ldw, w_trans, dinp, ic, false,
     );
-    // dweight[IC, OC] += inp^T @ dout.
-    sgemm(
-        ic, oc, n, 1.0, inp, ic, true, dout, oc, false, dweight, oc, true,
-    );
+    match layout {
+        // dweight[IC, OC] += inpᵀ @ dout.
+        Layout::InOut => sgemm(
+            ic, oc, n, 1.0, inp, ic, true, dout, oc, false, dweight, oc, true,
+        ),
+        // dweight[OC, IC] += doutᵀ @ inp.
+        Layout::OutIn => sgemm(
+            oc, ic, n, 1.0, dout, oc, true, inp, ic, false, dweight, ic, true,
+        ),
+    }
     if let Some(dbias) = dbias {
         col_sum_accumulate(dbias, dout, n, oc);
     }
@@ -322,13 +373,104 @@ mod tests {
                     let b = with_bias.then_some(bias.as_slice());
                     let mut got = init.clone();
                     let mut want = init.clone();
-                    matmul_forward(&mut got, &inp, &w, b, n, ic, oc, accumulate, &mut []);
+                    matmul_forward(
+                        &mut got,
+                        &inp,
+                        &w,
+                        b,
+                        Layout::InOut,
+                        n,
+                        ic,
+                        oc,
+                        accumulate,
+                        &mut [],
+                    );
                     naive::matmul_forward(&mut want, &inp, &w, b, n, ic, oc, accumulate);
                     let what = format!("fwd {n}x{ic}x{oc} acc={accumulate} bias={with_bias}");
                     assert_close(&got, &want, tol, 1e-5, &what);
                 }
             }
         }
+    }
+
+    /// `w[rows, cols]` transposed.
+    fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        let mut t = vec![0.0; w.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * rows + r] = w[r * cols + c];
+            }
+        }
+        t
+    }
+
+    /// The `nn.Linear` layout computes what Conv1D computes on the transposed weight, forward
+    /// and backward (the weight gradient in the weight's own layout), for f32 storage and for
+    /// bf16 (the mixed GEMM reading the weight through other strides).
+    #[test]
+    fn out_in_layout_is_the_transposed_weight() {
+        fn run<T: Elem>(tol: f32) {
+            for (si, &(n, ic, oc)) in SHAPES.iter().enumerate() {
+                let si = si as u64;
+                let inp: Vec<T> = stored::<T, T>(&randn(n * ic, 1.0, si));
+                let w = randn(ic * oc, 0.5, 100 + si); // [IC, OC]
+                let wt = transpose(&w, ic, oc); // [OC, IC]
+                let bias = randn(oc, 1.0, 200 + si);
+                let dout: Vec<T> = stored::<T, T>(&randn(n * oc, 1.0, 300 + si));
+                let mut ws = vec![0.0; gemm_mixed_workspace_len()];
+                let f = |x: &[T]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+                let (mut a, mut b) = (
+                    vec![T::from_f32(0.0); n * oc],
+                    vec![T::from_f32(0.0); n * oc],
+                );
+                let bs = Some(bias.as_slice());
+                matmul_forward(
+                    &mut a,
+                    &inp,
+                    &w,
+                    bs,
+                    Layout::InOut,
+                    n,
+                    ic,
+                    oc,
+                    false,
+                    &mut ws,
+                );
+                matmul_forward(
+                    &mut b,
+                    &inp,
+                    &wt,
+                    bs,
+                    Layout::OutIn,
+                    n,
+                    ic,
+                    oc,
+                    false,
+                    &mut ws,
+                );
+                let what = format!("fwd {n}x{ic}x{oc}");
+                assert_close(&f(&b), &f(&a), tol * (ic as f32).sqrt(), tol, &what);
+                let zero = |k| vec![T::from_f32(0.0); k];
+                let (mut dx_a, mut dw_a, mut db_a) = (zero(n * ic), zero(ic * oc), zero(oc));
+                let (mut dx_b, mut dw_b, mut db_b) = (zero(n * ic), zero(ic * oc), zero(oc));
+                let l = Layout::InOut;
+                let (dba, dbb) = (Some(&mut db_a[..]), Some(&mut db_b[..]));
+                matmul_backward(
+                    &mut dx_a, &mut dw_a, dba, &dout, &inp, &w, l, n, ic, oc, &mut ws,
+                );
+                let l = Layout::OutIn;
+                matmul_backward(
+                    &mut dx_b, &mut dw_b, dbb, &dout, &inp, &wt, l, n, ic, oc, &mut ws,
+                );
+                let what = format!("bwd {n}x{ic}x{oc}");
+                assert_close(&f(&dx_b), &f(&dx_a), tol * (oc as f32).sqrt(), tol, &what);
+                let dw_b_as_a = transpose(&f(&dw_b), oc, ic);
+                assert_close(&dw_b_as_a, &f(&dw_a), tol * (n as f32).sqrt(), tol, &what);
+                assert_eq!(f(&db_a), f(&db_b), "{what}: bias gradient");
+            }
+        }
+        run::<f32>(2e-5);
+        run::<bf16>(1e-2);
     }
 
     #[test]
@@ -338,12 +480,34 @@ mod tests {
         let w = randn(ic * oc, 1.0, 2);
         let mut got = vec![f32::NAN; n * oc];
         let mut want = vec![0.0; n * oc];
-        matmul_forward(&mut got, &inp, &w, None, n, ic, oc, false, &mut []);
+        matmul_forward(
+            &mut got,
+            &inp,
+            &w,
+            None,
+            Layout::InOut,
+            n,
+            ic,
+            oc,
+            false,
+            &mut [],
+        );
         naive::matmul_forward(&mut want, &inp, &w, None, n, ic, oc, false);
         assert_close(&got, &want, 1e-4, 1e-5, "nan-initialised out");
         let mut got = vec![f32::NAN; n * oc];
         let bias = randn(oc, 1.0, 3);
-        matmul_forward(&mut got, &inp, &w, Some(&bias), n, ic, oc, false, &mut []);
+        matmul_forward(
+            &mut got,
+            &inp,
+            &w,
+            Some(&bias),
+            Layout::InOut,
+            n,
+            ic,
+            oc,
+            false,
+            &mut [],
+        );
         naive::matmul_forward(&mut want, &inp, &w, Some(&bias), n, ic, oc, false);
         assert_close(&got, &want, 1e-4, 1e-5, "nan-initialised out with bias");
     }
@@ -365,6 +529,7 @@ mod tests {
                 &dout,
                 &inp,
                 &w,
+                Layout::InOut,
                 n,
                 ic,
                 oc,
@@ -412,6 +577,7 @@ mod tests {
                 &dout,
                 &inp,
                 &w,
+                Layout::InOut,
                 n,
                 ic,
                 oc,
@@ -447,6 +613,7 @@ mod tests {
             &g,
             &inp,
             &w,
+            Layout::InOut,
             n,
             ic,
             oc,
@@ -469,6 +636,7 @@ mod tests {
             &[],
             &[],
             Some(&[1.0, 2.0]),
+            Layout::InOut,
             2,
             0,
             2,
@@ -486,7 +654,18 @@ mod tests {
         let dout = randn(n * oc, 1.0, 3);
         let run = || {
             let mut out = vec![0.0; n * oc];
-            matmul_forward(&mut out, &inp, &w, None, n, ic, oc, false, &mut []);
+            matmul_forward(
+                &mut out,
+                &inp,
+                &w,
+                None,
+                Layout::InOut,
+                n,
+                ic,
+                oc,
+                false,
+                &mut [],
+            );
             let (mut dinp, mut dw, mut db) = (vec![0.0; n * ic], vec![0.0; ic * oc], vec![0.0; oc]);
             matmul_backward(
                 &mut dinp,
@@ -495,6 +674,7 @@ mod tests {
                 &dout,
                 &inp,
                 &w,
+                Layout::InOut,
                 n,
                 ic,
                 oc,
@@ -582,7 +762,18 @@ mod tests {
             let mut out: Vec<S> = stored::<T, S>(&randn(n * oc, 1.0, s + 3));
             let b = self.with_bias.then_some(bias.as_slice());
             let mut ws = ws_for::<S>();
-            matmul_forward(&mut out, &inp, &w, b, n, ic, oc, self.accumulate, &mut ws);
+            matmul_forward(
+                &mut out,
+                &inp,
+                &w,
+                b,
+                Layout::InOut,
+                n,
+                ic,
+                oc,
+                self.accumulate,
+                &mut ws,
+            );
             vec![Out::stored("out", &out).close(tol::<T>(ic))]
         }
     }
@@ -635,13 +826,33 @@ mod tests {
             let db_ = Some(&mut db[..]);
             let args = (&dout, &inp, &w);
             matmul_backward(
-                &mut dinp, &mut dw, db_, args.0, args.1, args.2, n, ic, oc, &mut ws,
+                &mut dinp,
+                &mut dw,
+                db_,
+                args.0,
+                args.1,
+                args.2,
+                Layout::InOut,
+                n,
+                ic,
+                oc,
+                &mut ws,
             );
             // Without a bias gradient: dinp overwritten again, dweight accumulated the same.
             let mut dinp2 = vec![S::from_f32(f32::NAN); n * ic];
             let mut dw2 = dw0;
             matmul_backward(
-                &mut dinp2, &mut dw2, None, args.0, args.1, args.2, n, ic, oc, &mut ws,
+                &mut dinp2,
+                &mut dw2,
+                None,
+                args.0,
+                args.1,
+                args.2,
+                Layout::InOut,
+                n,
+                ic,
+                oc,
+                &mut ws,
             );
             vec![
                 Out::stored("dinp", &dinp).close(tol::<T>(oc)),
@@ -689,6 +900,7 @@ mod tests {
             &dout,
             &inp,
             &w,
+            Layout::InOut,
             n,
             ic,
             oc,
@@ -709,7 +921,18 @@ mod tests {
         let mut ws = vec![0.0; gemm_mixed_workspace_len()];
         let rt = 2.0 * store_rtol::<bf16>(); // both sides round: may differ by one ulp
         let (mut got, mut want) = (init.clone(), init.clone());
-        matmul_forward(&mut got, &inp, &w, Some(&bias), n, ic, oc, true, &mut ws);
+        matmul_forward(
+            &mut got,
+            &inp,
+            &w,
+            Some(&bias),
+            Layout::InOut,
+            n,
+            ic,
+            oc,
+            true,
+            &mut ws,
+        );
         naive::matmul_forward(&mut want, &inp, &w, Some(&bias), n, ic, oc, true);
         assert_close(&widened(&got), &widened(&want), 1e-3, rt, "fwd vs naive");
         let (dw0, _) = rand_elem::<bf16>(ic * oc, 1.0, 5);
@@ -723,6 +946,7 @@ mod tests {
             &init,
             &inp,
             &w,
+            Layout::InOut,
             n,
             ic,
             oc,
@@ -754,7 +978,18 @@ mod tests {
         let run = || {
             let mut ws = vec![0.0; gemm_mixed_workspace_len()];
             let mut out = vec![bf16::ZERO; n * oc];
-            matmul_forward(&mut out, &inp, &w, Some(&bias), n, ic, oc, false, &mut ws);
+            matmul_forward(
+                &mut out,
+                &inp,
+                &w,
+                Some(&bias),
+                Layout::InOut,
+                n,
+                ic,
+                oc,
+                false,
+                &mut ws,
+            );
             let mut dinp = vec![bf16::ZERO; n * ic];
             let (mut dw, mut db) = (vec![bf16::ZERO; ic * oc], vec![bf16::ZERO; oc]);
             matmul_backward(
@@ -764,6 +999,7 @@ mod tests {
                 &dout,
                 &inp,
                 &w,
+                Layout::InOut,
                 n,
                 ic,
                 oc,

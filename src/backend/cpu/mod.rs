@@ -13,9 +13,11 @@
 //! - [`reduce`]: whole-buffer reductions and the shared building blocks (task sizes, lane
 //!   sums, `exp_f32`); its `testutil` holds the helpers every kernel test uses.
 //! - [`gemm`]: the GEMMs ([`gemm::f32`], [`gemm::bf16_dot`], [`gemm::mixed`]).
-//! - the layers: [`encoder`], [`layernorm`], [`matmul`] (the linear layer, on [`gemm`]),
-//!   [`attention`], [`gelu`], [`xent`]; the optimizers [`adamw`] and [`quant`] (compressed
-//!   optimizer state); [`peak`] (the machine's measured FMA ceiling).
+//! - the layers: [`encoder`], [`layernorm`] and [`rmsnorm`], [`matmul`] (the linear layer, on
+//!   [`gemm`]), [`attention`], [`rope`] (rotary position embedding, in place on q|k|v),
+//!   [`gelu`] and [`swiglu`] (the Llama MLP's activation), [`xent`]; the optimizers [`adamw`]
+//!   and [`quant`] (compressed optimizer state); [`peak`] (the machine's measured FMA
+//!   ceiling).
 //!
 //! Tests: each kernel's tests sit in its file; [`reduce`]'s `testutil` and the test-only
 //! `conformance` module hold what they share (random data, tolerances, the storage-type check
@@ -29,10 +31,11 @@
 //! functions, so the memory plan can account for it. Results are deterministic for a given
 //! thread count (fixed work partitioning, reductions in a fixed order).
 //!
-//! Storage types: the encoder, layer norm, GELU, linear and attention kernels, the
-//! optimizer's gradient input and `reduce::sum_squares` are generic over [`elem::Elem`]
-//! (f32, bf16, f16). They widen to f32 as they read, compute and accumulate in f32, and round
-//! once per stored element; the f32 instantiation is bitwise the f32 kernel. Statistics
+//! Storage types: the encoder, layer norm, RMS norm, RoPE, GELU, SwiGLU, linear and
+//! attention kernels, the optimizer's gradient input and `reduce::sum_squares` are generic
+//! over [`elem::Elem`] (f32, bf16, f16). They widen to f32 as they read, compute and
+//! accumulate in f32, and round once per stored element; the f32 instantiation is bitwise the
+//! f32 kernel. Statistics
 //! (`mean`, `rstd`, `lse`), workspaces, optimizer moments and master weights stay f32.
 
 pub mod adamw;
@@ -51,6 +54,9 @@ mod ops;
 pub mod peak;
 pub mod quant;
 pub mod reduce;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
 pub mod xent;
 
 pub use device::{Cpu, CpuDevice};

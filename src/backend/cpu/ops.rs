@@ -9,9 +9,18 @@ use super::device::{CpuDevice, two_ranges};
 use super::elem::Elem;
 use super::gemm::mixed as gemm_mixed;
 use super::{adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent};
+use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
-use crate::plan::schedule::{Op, ParamSlice};
+use crate::plan::schedule::{Op, ParamSlice, WeightLayout};
+
+/// The kernel's name for a plan's weight layout.
+fn weight_layout(l: WeightLayout) -> matmul::Layout {
+    match l {
+        WeightLayout::InOut => matmul::Layout::InOut,
+        WeightLayout::OutIn => matmul::Layout::OutIn,
+    }
+}
 
 impl CpuDevice {
     /// Runs `op` with activations stored as `T`.
@@ -39,7 +48,7 @@ impl CpuDevice {
                     &mut self.view::<T>(*out)[..n * c],
                     &self.u32_mut(*tokens)[..n],
                     &params[wte.clone()],
-                    &params[wpe.clone()],
+                    wpe.as_ref().map(|p| &params[p.clone()]),
                     r.b,
                     r.t,
                     c,
@@ -75,6 +84,7 @@ impl CpuDevice {
                 residual,
                 w,
                 b: bias,
+                layout,
                 rows,
                 ic,
                 oc,
@@ -89,6 +99,7 @@ impl CpuDevice {
                     &act(*inp)[..n * ic],
                     &params[w.clone()],
                     bias.as_ref().map(|b| &params[b.clone()]),
+                    weight_layout(*layout),
                     n,
                     ic,
                     oc,
@@ -102,20 +113,71 @@ impl CpuDevice {
                 lse,
                 ws,
                 rows,
-                c,
                 nh,
+                nkv,
+                hd,
             } => {
-                let (r, c, nh) = (rows.with_seq(ctx.seq), *c, *nh);
+                let (r, nh, nkv, hd) = (rows.with_seq(ctx.seq), *nh, *nkv, *hd);
                 let n = r.n();
                 attention::attention_forward(
-                    &mut self.view::<T>(*out)[..n * c],
+                    &mut self.view::<T>(*out)[..n * nh * hd],
                     &mut self.view::<f32>(*lse)[..r.b * nh * r.t],
-                    &act(*qkv)[..n * 3 * c],
+                    &act(*qkv)[..n * (nh + 2 * nkv) * hd],
                     r.b,
                     r.t,
-                    c,
                     nh,
+                    nkv,
+                    hd,
                     self.view::<f32>(*ws),
+                )
+            }
+            Op::RmsNorm {
+                inp,
+                out,
+                rstd,
+                w,
+                rows,
+                c,
+                eps,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                rmsnorm::rmsnorm_forward(
+                    &mut self.view::<T>(*out)[..n * c],
+                    &mut self.view::<f32>(*rstd)[..n],
+                    &act(*inp)[..n * c],
+                    &params[w.clone()],
+                    n,
+                    c,
+                    *eps,
+                )
+            }
+            Op::Rope {
+                x,
+                rows,
+                width,
+                rotated,
+                hd,
+                inv_freq,
+            } => {
+                let r = rows.with_seq(ctx.seq);
+                rope::rope_forward(
+                    &mut self.view::<T>(*x)[..r.n() * width],
+                    r.b,
+                    r.t,
+                    *width,
+                    *rotated,
+                    *hd,
+                    inv_freq,
+                    0,
+                )
+            }
+            Op::Swiglu { inp, out, rows, h } => {
+                let (n, h) = (rows.with_seq(ctx.seq).n(), *h);
+                swiglu::swiglu_forward(
+                    &mut self.view::<T>(*out)[..n * h],
+                    &act(*inp)[..n * 2 * h],
+                    n,
+                    h,
                 )
             }
             Op::Gelu {
@@ -257,6 +319,7 @@ impl CpuDevice {
                 inp,
                 w,
                 b: bias,
+                layout,
                 rows,
                 ic,
                 oc,
@@ -276,6 +339,7 @@ impl CpuDevice {
                     &act(*dout)[..n * oc],
                     &act(*inp)[..n * ic],
                     &params[w.clone()],
+                    weight_layout(*layout),
                     n,
                     ic,
                     oc,
@@ -290,22 +354,82 @@ impl CpuDevice {
                 lse,
                 ws,
                 rows,
-                c,
                 nh,
+                nkv,
+                hd,
             } => {
-                let (r, c, nh) = (rows.with_seq(ctx.seq), *c, *nh);
+                let (r, nh, nkv, hd) = (rows.with_seq(ctx.seq), *nh, *nkv, *hd);
                 let n = r.n();
+                let (a, qkv_w) = (nh * hd, (nh + 2 * nkv) * hd);
                 attention::attention_backward(
-                    &mut self.view::<T>(*dqkv)[..n * 3 * c],
-                    &act(*dout)[..n * c],
-                    &act(*qkv)[..n * 3 * c],
-                    &act(*out)[..n * c],
+                    &mut self.view::<T>(*dqkv)[..n * qkv_w],
+                    &act(*dout)[..n * a],
+                    &act(*qkv)[..n * qkv_w],
+                    &act(*out)[..n * a],
                     &self.view::<f32>(*lse)[..r.b * nh * r.t],
                     r.b,
                     r.t,
-                    c,
                     nh,
+                    nkv,
+                    hd,
                     self.view::<f32>(*ws),
+                )
+            }
+            Op::RmsNormBackward {
+                dinp,
+                dout,
+                inp,
+                rstd,
+                w,
+                rows,
+                c,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                rmsnorm::rmsnorm_backward(
+                    &mut self.view::<T>(*dinp)[..n * c],
+                    &mut grads()[w.clone()],
+                    &act(*dout)[..n * c],
+                    &act(*inp)[..n * c],
+                    &params[w.clone()],
+                    &self.view::<f32>(*rstd)[..n],
+                    n,
+                    c,
+                );
+            }
+            Op::RopeBackward {
+                dx,
+                rows,
+                width,
+                rotated,
+                hd,
+                inv_freq,
+            } => {
+                let r = rows.with_seq(ctx.seq);
+                rope::rope_backward(
+                    &mut self.view::<T>(*dx)[..r.n() * width],
+                    r.b,
+                    r.t,
+                    *width,
+                    *rotated,
+                    *hd,
+                    inv_freq,
+                    0,
+                )
+            }
+            Op::SwigluBackward {
+                dinp,
+                dout,
+                inp,
+                rows,
+                h,
+            } => {
+                let (n, h) = (rows.with_seq(ctx.seq).n(), *h);
+                swiglu::swiglu_backward(
+                    &mut self.view::<T>(*dinp)[..n * 2 * h],
+                    &act(*dout)[..n * h],
+                    &act(*inp)[..n * 2 * h],
+                    n,
+                    h,
                 )
             }
             Op::GeluBackward {
@@ -327,7 +451,13 @@ impl CpuDevice {
             } => {
                 let (r, c) = (rows.with_seq(ctx.seq), *c);
                 let n = r.n();
-                let (dwte, dwpe) = two_ranges(grads(), wte.clone(), wpe.clone());
+                let (dwte, dwpe) = match wpe {
+                    Some(wpe) => {
+                        let (dwte, dwpe) = two_ranges(grads(), wte.clone(), wpe.clone());
+                        (dwte, Some(dwpe))
+                    }
+                    None => (&mut grads()[wte.clone()], None),
+                };
                 encoder::encoder_backward(
                     dwte,
                     dwpe,

@@ -367,6 +367,7 @@ mod tests {
                 &d,
                 &x[..n],
                 &ones,
+                matmul::Layout::InOut,
                 n,
                 1,
                 c,

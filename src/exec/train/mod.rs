@@ -63,7 +63,11 @@ pub fn train(
     resume: Option<&Path>,
     progress: &mut dyn Progress,
 ) -> Result<TrainSummary> {
+    let opts = &setup::with_tokenizer_dir(opts, resume)?;
     let mut run = Run::start(opts, resume, progress)?;
+    if resume.is_none() && opts.eval_every > 0 && opts.steps > 0 {
+        run.evaluate_initial(progress)?;
+    }
     while run.step < opts.steps {
         run.next_step(progress)?;
     }

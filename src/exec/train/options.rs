@@ -38,8 +38,18 @@ pub struct TrainOptions {
     pub eval_batches: u64,
     /// Save a checkpoint every N steps (0: only at the end).
     pub save_every: u64,
-    /// Start from this Hugging Face GPT-2 checkpoint directory (fine-tuning).
+    /// Start from this Hugging Face checkpoint directory (fine-tuning).
     pub init: Option<PathBuf>,
+    /// Copy this directory's tokenizer files (`tokenizer.json`, ...) into every checkpoint.
+    /// When `None` on a fresh run, training sets it to the `--init` directory if it holds a
+    /// `tokenizer.json`, else to the `--model` directory if that holds one; `--resume` keeps
+    /// the run's own (`None` for runs saved before the field existed).
+    #[serde(default)]
+    pub tokenizer_dir: Option<PathBuf>,
+    /// Checkpoint weights above this many bytes are written as shards of at most this size
+    /// (see [`crate::ckpt::SaveOptions`]); runs saved before the field existed get the default.
+    #[serde(default = "default_max_shard_bytes")]
+    pub max_shard_bytes: u64,
     /// Memory strategies and budget (flattened: the same keys as separate fields).
     #[serde(flatten)]
     pub strategies: Strategies,
@@ -72,6 +82,8 @@ impl TrainOptions {
             eval_batches: 8,
             save_every: 100,
             init: None,
+            tokenizer_dir: None,
+            max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
             strategies: Strategies::default(),
             profile_steps: 0,
         }
@@ -100,11 +112,19 @@ impl TrainOptions {
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
         }
+        if self.max_shard_bytes == 0 {
+            bail!("max_shard_bytes must be at least 1 (bytes of checkpoint weights per shard)");
+        }
         if self.strategies.grad_accum == 0 {
             bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
         }
         Ok(())
     }
+}
+
+/// The shard limit of runs saved before `max_shard_bytes` existed: the default.
+fn default_max_shard_bytes() -> u64 {
+    ckpt::DEFAULT_MAX_SHARD_BYTES
 }
 
 /// Worker threads by default: the machine's cores.
@@ -165,6 +185,7 @@ mod tests {
                 "init",
                 "lr",
                 "max_memory",
+                "max_shard_bytes",
                 "min_lr_frac",
                 "model",
                 "optim_state",
@@ -177,11 +198,28 @@ mod tests {
                 "seq",
                 "steps",
                 "threads",
+                "tokenizer_dir",
                 "warmup",
                 "weight_decay",
             ]
         );
         let back: TrainOptions = serde_json::from_value(v.clone()).unwrap();
         assert_eq!(serde_json::to_value(&back).unwrap(), v);
+    }
+
+    /// Options saved before `tokenizer_dir` and `max_shard_bytes` existed still read back,
+    /// with no tokenizer directory and the default shard limit.
+    #[test]
+    fn options_saved_before_sharding_read_back() {
+        let mut o = TrainOptions::new("gpt2-tiny", Path::new("data"), Path::new("run"));
+        o.max_shard_bytes = 1234;
+        o.tokenizer_dir = Some(PathBuf::from("tok"));
+        let mut v = serde_json::to_value(&o).unwrap();
+        let obj = v.as_object_mut().unwrap();
+        obj.remove("tokenizer_dir").unwrap();
+        obj.remove("max_shard_bytes").unwrap();
+        let back: TrainOptions = serde_json::from_value(v).unwrap();
+        assert_eq!(back.tokenizer_dir, None);
+        assert_eq!(back.max_shard_bytes, ckpt::DEFAULT_MAX_SHARD_BYTES);
     }
 }

@@ -7,8 +7,9 @@ use super::{LossScaler, Progress, Run, TrainOptions};
 use crate::backend::cpu::Cpu;
 use crate::ckpt;
 use crate::data::loader::{BatchLoader, DataSet, check_fits};
+use crate::data::{check_tokenizer, tokenizer};
 use crate::exec::executor::Executor;
-use crate::model::ModelSpec;
+use crate::model::{Family, ModelSpec};
 use crate::plan::{Plan, Precision};
 use crate::profile::leak::LeakCheck;
 use crate::profile::{OpRecorder, Profile};
@@ -152,6 +153,17 @@ fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
 /// Opens the prepared data and checks it suits the model and holds a sequence per split.
 fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
     let data = DataSet::open(&opts.data)?;
+    // The model's tokenizer: a tokenizer.json beside --init or --model, else GPT-2's for GPT-2;
+    // a model with neither gets only the vocabulary check below.
+    let places: Vec<&Path> = opts
+        .init
+        .iter()
+        .map(|p| p.as_path())
+        .chain([Path::new(&opts.model)])
+        .collect();
+    if let Some(id) = tokenizer::model_tokenizer_id(&places, spec.family == Family::Gpt2)? {
+        check_tokenizer(&id, &data.meta, &opts.data)?;
+    }
     if data.meta.vocab_size > spec.vocab_size {
         bail!(
             "--data {}: prepared for a vocabulary of {} tokens but the model has vocab_size {}",
@@ -227,4 +239,36 @@ fn restore(
         sc.state = saved;
     }
     Ok((st.step, st.data_position))
+}
+
+/// The run's options with `tokenizer_dir` settled: a fresh run without one takes the `--init`
+/// directory when it holds a `tokenizer.json`, else the `--model` argument when that is a
+/// directory holding one; a resumed run keeps its own. A directory set (or kept) that holds
+/// no `tokenizer.json` is refused before anything is written.
+pub(super) fn with_tokenizer_dir(
+    opts: &TrainOptions,
+    resume: Option<&Path>,
+) -> Result<TrainOptions> {
+    let has_tokenizer = |d: &Path| d.join(ckpt::TOKENIZER_FILE).is_file();
+    let mut o = opts.clone();
+    if o.tokenizer_dir.is_none() && resume.is_none() {
+        let model = Path::new(&o.model);
+        o.tokenizer_dir = match &o.init {
+            Some(init) if has_tokenizer(init) => Some(init.clone()),
+            _ if model.is_dir() && has_tokenizer(model) => Some(model.to_path_buf()),
+            _ => None,
+        };
+    }
+    if let Some(d) = &o.tokenizer_dir
+        && !has_tokenizer(d)
+    {
+        bail!(
+            "tokenizer directory {} (the run's 'tokenizer_dir', whose tokenizer files every \
+             checkpoint copies) has no {}; restore it, or for a resumed run remove \
+             'tokenizer_dir' from the checkpoint's trainer_state.json to go on without them",
+            d.display(),
+            ckpt::TOKENIZER_FILE
+        );
+    }
+    Ok(o)
 }

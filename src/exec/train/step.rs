@@ -9,7 +9,7 @@ use crate::exec::executor::{Executor, OptimHparams, StepStats};
 use crate::exec::lr::cosine_with_warmup;
 use crate::profile::record::micros;
 use crate::profile::{Span, StepProfile, Track};
-use crate::run_dir::{MEMORY_SVG_FILE, Metric, PROFILE_FILE, TRACE_FILE};
+use crate::run_dir::{MEMORY_SVG_FILE, Metric, PROFILE_FILE, TRACE_FILE, Update};
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
@@ -92,6 +92,17 @@ impl Run<'_> {
         if let Some(sp) = step_profile {
             self.add_profiled_step(sp, progress)?;
         }
+        Ok(())
+    }
+
+    /// The validation loss before the first update (runs with `--eval-every`), recorded as
+    /// `metrics.jsonl`'s step-0 line, so a fine-tune shows where it started.
+    pub(super) fn evaluate_initial(&mut self, progress: &mut dyn Progress) -> Result<()> {
+        let v = evaluate(&mut self.ex, &self.data, self.opts, &mut self.batch)?;
+        progress.message(&format!(
+            "step 0: val loss {v:.4} (before the first update)"
+        ));
+        self.metrics.push(&Metric::initial(v))?;
         Ok(())
     }
 
@@ -179,15 +190,17 @@ impl Run<'_> {
         let rss_now = rss::current_rss();
         let m = Metric {
             step,
-            loss: stats.loss,
-            lr,
-            grad_norm: stats.grad_norm,
-            loss_scale,
-            skipped: stats.skipped,
-            tokens_per_s: self.tokens_per_step / secs,
-            step_s: secs,
-            rss_bytes: rss_now,
-            process_step: Some(step - self.first_step),
+            update: Some(Update {
+                loss: stats.loss,
+                lr,
+                grad_norm: stats.grad_norm,
+                loss_scale,
+                skipped: stats.skipped,
+                tokens_per_s: self.tokens_per_step / secs,
+                step_s: secs,
+                rss_bytes: rss_now,
+                process_step: Some(step - self.first_step),
+            }),
             val_loss,
         };
         if let Some(w) = rss_now.and_then(|r| self.leak.observe(step - self.first_step, r)) {
@@ -198,7 +211,8 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// Saves `checkpoints/step-NNNNNN/`: weights, moments and the trainer state.
+    /// Saves `checkpoints/step-NNNNNN/`: weights (sharded above `max_shard_bytes`), moments,
+    /// the trainer state and the tokenizer files of `tokenizer_dir`.
     fn save_checkpoint(&mut self, step_profile: Option<&mut StepProfile>) -> Result<()> {
         let (opts, step) = (self.opts, self.step);
         let ts = Instant::now();
@@ -218,7 +232,12 @@ impl Run<'_> {
         let dir = ex
             .with_params(|p| {
                 ex.with_moments(|m| {
-                    ckpt::save_checkpoint(&opts.out, spec, &ex.plan.layout, p, &m, &state)
+                    let save = ckpt::SaveOptions {
+                        max_shard_bytes: opts.max_shard_bytes,
+                        tokenizer_dir: opts.tokenizer_dir.as_deref(),
+                    };
+                    let layout = &ex.plan.layout;
+                    ckpt::save_checkpoint_with(&opts.out, spec, layout, p, &m, &state, &save)
                 })
             })
             .with_context(|| {

@@ -9,8 +9,9 @@
 
 use super::params::{Gpt2Params, LayerParams, inventory};
 use crate::model::ModelSpec;
+use crate::model::lm_head::{self, Head};
 use crate::plan::builder::{Builder, Emitted, MicroBatch};
-use crate::plan::schedule::{Op, Phase, Rows};
+use crate::plan::schedule::{Op, Phase, Rows, WeightLayout};
 use crate::plan::strategy::BlockPolicy;
 use crate::plan::{BufId, Category, StepConfig};
 
@@ -161,6 +162,7 @@ fn emit_stage(
                     residual: None,
                     w: p.qkv_w.clone(),
                     b: Some(p.qkv_b.clone()),
+                    layout: WeightLayout::InOut,
                     rows: d.rows,
                     ic: c,
                     oc: 3 * c,
@@ -187,8 +189,9 @@ fn emit_stage(
                     lse,
                     ws,
                     rows: d.rows,
-                    c,
                     nh: d.nh,
+                    nkv: d.nh,
+                    hd: c / d.nh,
                 },
             );
             (partial.atty, partial.lse) = (Some(out), Some(lse));
@@ -206,6 +209,7 @@ fn emit_stage(
                     residual: Some(res_in),
                     w: p.proj_w.clone(),
                     b: Some(p.proj_b.clone()),
+                    layout: WeightLayout::InOut,
                     rows: d.rows,
                     ic: c,
                     oc: c,
@@ -226,6 +230,7 @@ fn emit_stage(
                     residual: None,
                     w: p.fc_w.clone(),
                     b: Some(p.fc_b.clone()),
+                    layout: WeightLayout::InOut,
                     rows: d.rows,
                     ic: c,
                     oc: d.h,
@@ -313,6 +318,7 @@ fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
             residual: Some(acts.res2),
             w: p.fcproj_w.clone(),
             b: Some(p.fcproj_b.clone()),
+            layout: WeightLayout::InOut,
             rows: d.rows,
             ic: d.h,
             oc: d.c,
@@ -364,6 +370,7 @@ fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
             inp: a.fch_gelu,
             w: p.fcproj_w.clone(),
             b: Some(p.fcproj_b.clone()),
+            layout: WeightLayout::InOut,
             rows: d.rows,
             ic: d.h,
             oc: c,
@@ -390,6 +397,7 @@ fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
             inp: a.ln2,
             w: p.fc_w.clone(),
             b: Some(p.fc_b.clone()),
+            layout: WeightLayout::InOut,
             rows: d.rows,
             ic: c,
             oc: d.h,
@@ -421,6 +429,7 @@ fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
             inp: a.atty,
             w: p.proj_w.clone(),
             b: Some(p.proj_b.clone()),
+            layout: WeightLayout::InOut,
             rows: d.rows,
             ic: c,
             oc: c,
@@ -438,8 +447,9 @@ fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
             lse: a.lse,
             ws: attn_ws,
             rows: d.rows,
-            c,
             nh: d.nh,
+            nkv: d.nh,
+            hd: c / d.nh,
         },
     );
     g.op(
@@ -452,6 +462,7 @@ fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
             inp: a.ln1,
             w: p.qkv_w.clone(),
             b: Some(p.qkv_b.clone()),
+            layout: WeightLayout::InOut,
             rows: d.rows,
             ic: c,
             oc: 3 * c,
@@ -497,7 +508,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
             tokens,
             out: res,
             wte: p.wte.clone(),
-            wpe: p.wpe.clone(),
+            wpe: Some(p.wpe.clone()),
             rows: d.rows,
             c,
         },
@@ -567,56 +578,14 @@ pub(crate) fn micro_batch(
     };
     let (n, c, v, pfx) = (d.n, d.c, spec.vocab_size, mb.prefix.as_str());
     let fwd = forward_all(g, &d, &p, pfx, mb.tokens);
-    let Some(loss) = &mb.loss else {
-        let logits = g.f32("logits", Category::Workspace, v); // [V]
-        g.op(
-            "lm_head",
-            Phase::Forward,
-            2 * (c * v) as u64,
-            Op::LmHeadLast {
-                inp: fwd.lnf,
-                logits,
-                w: p.wte.clone(),
-                rows: d.rows,
-                c,
-                v,
-            },
-        );
-        return Emitted {
-            logits: Some(logits),
-        };
+    let dlnf = match lm_head::emit(g, cfg, mb, fwd.lnf, p.wte.clone(), (c, v), "d.lnf") {
+        Head::Logits(logits) => {
+            return Emitted {
+                logits: Some(logits),
+            };
+        }
+        Head::InputGrad(dlnf) => dlnf,
     };
-
-    // ---- LM head + loss (forward and its backward, chunked) ----
-    let row_bytes = (v * 4) as u64;
-    let n_chunks = ((n as u64) * row_bytes)
-        .div_ceil(cfg.logits_chunk_bytes.max(row_bytes))
-        .max(1);
-    let rows_per_chunk = n.div_ceil(n_chunks as usize);
-    let logits = g.f32(
-        format!("{pfx}logits.chunk"),
-        Category::Workspace,
-        rows_per_chunk * v,
-    ); // [rows, V]
-    let dlnf = g.act(format!("{pfx}d.lnf"), Category::ActivationGrad, n * c); // [N, C]
-    g.op(
-        format!("{pfx}lm_head+loss"),
-        Phase::Forward,
-        6 * (n * c * v) as u64,
-        Op::LmHeadLoss {
-            inp: fwd.lnf,
-            targets: loss.targets,
-            losses: loss.losses,
-            logits,
-            dinp: Some(dlnf),
-            w: p.wte.clone(),
-            rows: d.rows,
-            c,
-            v,
-            rows_per_chunk,
-            loss_rows: loss.loss_rows,
-        },
-    );
 
     // ---- backward ----
     let dres = g.act(format!("{pfx}d.residual"), Category::ActivationGrad, n * c); // [N, C]
@@ -661,7 +630,7 @@ pub(crate) fn micro_batch(
             dout: dres,
             tokens: mb.tokens,
             wte: p.wte.clone(),
-            wpe: p.wpe.clone(),
+            wpe: Some(p.wpe.clone()),
             rows: d.rows,
             c,
         },

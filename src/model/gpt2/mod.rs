@@ -8,7 +8,7 @@ pub(crate) mod emit;
 pub mod params;
 
 use super::ParamLayout;
-use super::spec::{Family, FieldNames, ModelSpec, Norm, Position};
+use super::spec::{Biases, Family, FieldNames, ModelSpec, Norm, Position, SpecialTokens};
 use anyhow::{Context, Result, bail};
 use serde_json::{Map, Value, json};
 
@@ -29,6 +29,7 @@ pub(super) const FIELDS: FieldNames = FieldNames {
     embd: "n_embd",
     layers: "n_layer",
     heads: "n_head",
+    kv_heads: "n_head",
     mlp: "n_inner",
 };
 
@@ -36,6 +37,9 @@ pub(super) const FIELDS: FieldNames = FieldNames {
 const PREFIX: &str = "transformer.";
 /// The output projection, tied to `transformer.wte.weight`.
 pub(crate) const LM_HEAD: &str = "lm_head.weight";
+
+/// GPT-2's `<|endoftext|>`, its config's `bos_token_id` and `eos_token_id`.
+const EOT: u32 = 50256;
 
 /// A GPT-2 of these dimensions (vocabulary, positions, width, layers, heads), MLP width 4·C.
 pub fn spec(name: &str, [v, t, c, l, h]: [usize; 5]) -> ModelSpec {
@@ -48,11 +52,17 @@ pub fn spec(name: &str, [v, t, c, l, h]: [usize; 5]) -> ModelSpec {
         n_layer: l,
         n_head: h,
         n_kv_head: h,
+        head_dim: c.checked_div(h).unwrap_or(0),
         mlp_hidden: 4 * c,
         norm: Norm::LayerNorm,
         norm_eps: 1e-5,
         position: Position::Learned,
         tied_embeddings: true,
+        biases: Biases::ALL,
+        special_tokens: SpecialTokens {
+            bos: Some(EOT),
+            eos: vec![EOT],
+        },
     }
 }
 
@@ -138,8 +148,8 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
         "initializer_range": 0.02,
-        "bos_token_id": 50256,
-        "eos_token_id": 50256,
+        "bos_token_id": EOT,
+        "eos_token_id": EOT,
         "tie_word_embeddings": true,
         "torch_dtype": "float32"
     })
@@ -154,8 +164,16 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
             s.n_kv_head
         );
     }
-    if s.norm != Norm::LayerNorm || s.position != Position::Learned || !s.tied_embeddings {
-        bail!("GPT-2 uses layer norm, learned positions and a tied LM head");
+    if s.norm != Norm::LayerNorm
+        || s.position != Position::Learned
+        || !s.tied_embeddings
+        || s.biases != Biases::ALL
+        || s.head_dim * s.n_head != s.n_embd
+    {
+        bail!(
+            "GPT-2 uses layer norm, learned positions, biases on every linear layer, a tied \
+             LM head and heads of n_embd / n_head channels"
+        );
     }
     Ok(())
 }

@@ -1,0 +1,493 @@
+//! RMS normalisation over the channel dimension of `[N, C]` rows (Llama's norm, as
+//! transformers' `LlamaRMSNorm` computes it): `out = x · rstd · weight`,
+//! `rstd = 1 / sqrt(mean(x²) + eps)`, statistics in f32; no mean subtraction, no bias.
+//!
+//! Forward is parallel over rows; `Σ x²` is an f32 sum in 16 lanes. Backward runs two
+//! parallel passes with no workspace: one over rows for the input gradient (which
+//! accumulates, `+=`, because the executor feeds the residual-stream gradient through it) and
+//! one over fixed column slices for the weight gradient, each slice walking all rows in
+//! order, so every result is identical for any thread count.
+//!
+//! Storage type `T` ([`Elem`]: f32, bf16, f16) for activations and gradients, `W` for the
+//! weight (the fp32 master weight under mixed precision); `rstd` stays f32. Elements are
+//! widened to f32 as they are read, all arithmetic and accumulation is f32, and each stored
+//! element is rounded to `T` once per call (the accumulating gradients as
+//! `T::from_f32(old + sum)`), so the result for any `T` is the f32 kernel's result on the
+//! widened inputs, rounded to `T`. (transformers, given a half-precision input, rounds
+//! `x · rstd` to the input's type before multiplying by the weight; here that product is
+//! rounded once, after the weight.)
+
+use super::elem::Elem;
+use super::features::multiversion;
+use super::reduce::{COL_CHUNK, rows_per_task, sum_f32, sum_sq_dev_f32};
+use rayon::prelude::*;
+
+/// RMS-norm forward; also stores each row's 1/rms for the backward pass.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_forward<T: Elem, W: Elem>(
+    out: &mut [T],    // [N, C]
+    rstd: &mut [f32], // [N]
+    inp: &[T],        // [N, C]
+    weight: &[W],     // [C]
+    n: usize,
+    c: usize,
+    eps: f32,
+) {
+    assert_eq!(out.len(), n * c, "rmsnorm_forward: out");
+    assert_eq!(rstd.len(), n, "rmsnorm_forward: rstd");
+    assert_eq!(inp.len(), n * c, "rmsnorm_forward: inp");
+    assert_eq!(weight.len(), c, "rmsnorm_forward: weight");
+    if n == 0 || c == 0 {
+        return;
+    }
+    let rows = rows_per_task(c);
+    out.par_chunks_mut(rows * c)
+        .zip(inp.par_chunks(rows * c))
+        .zip(rstd.par_chunks_mut(rows))
+        .for_each(|((out, inp), rstd)| forward_rows(out, inp, rstd, weight, c, eps));
+}
+
+multiversion! {
+    /// Forward over a few whole rows.
+    fn forward_rows<T: Elem, W: Elem>(
+        out: &mut [T],    // [rows, C]
+        inp: &[T],        // [rows, C]
+        rstd: &mut [f32], // [rows]
+        weight: &[W],     // [C]
+        c: usize,
+        eps: f32,
+    ) {
+        let it = out.chunks_exact_mut(c).zip(inp.chunks_exact(c));
+        for ((o, x), rs) in it.zip(rstd.iter_mut()) {
+            // Σ (x - 0)² = Σ x²: the shared 16-lane sum of squared deviations.
+            let ms = sum_sq_dev_f32(x, 0.0) / c as f32;
+            let s = 1.0 / (ms + eps).sqrt();
+            for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
+                *o = T::from_f32(x.to_f32() * s * w.to_f32());
+            }
+            *rs = s;
+        }
+    }
+}
+
+/// RMS-norm backward. `dinp` ACCUMULATES (`+=`), as does `dweight`. With x̂ = x·rstd and
+/// g = dout·w: dinp += rstd·(g − x̂·mean(g·x̂)), dweight += Σ_rows dout·x̂.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_backward<T: Elem, W: Elem>(
+    dinp: &mut [T],    // [N, C] +=
+    dweight: &mut [T], // [C] +=
+    dout: &[T],        // [N, C]
+    inp: &[T],         // [N, C]
+    weight: &[W],      // [C]
+    rstd: &[f32],      // [N]
+    n: usize,
+    c: usize,
+) {
+    assert_eq!(dinp.len(), n * c, "rmsnorm_backward: dinp");
+    assert_eq!(dweight.len(), c, "rmsnorm_backward: dweight");
+    assert_eq!(dout.len(), n * c, "rmsnorm_backward: dout");
+    assert_eq!(inp.len(), n * c, "rmsnorm_backward: inp");
+    assert_eq!(weight.len(), c, "rmsnorm_backward: weight");
+    assert_eq!(rstd.len(), n, "rmsnorm_backward: rstd");
+    if n == 0 || c == 0 {
+        return;
+    }
+    // Pass 1, over rows: the input gradient.
+    let rows = rows_per_task(c);
+    dinp.par_chunks_mut(rows * c)
+        .zip(dout.par_chunks(rows * c))
+        .zip(inp.par_chunks(rows * c))
+        .zip(rstd.par_chunks(rows))
+        .for_each(|(((dinp, dout), inp), rstd)| backward_rows(dinp, dout, inp, rstd, weight, c));
+    // Pass 2, over fixed column slices: dweight += Σ_r x̂·dout.
+    dweight
+        .par_chunks_mut(COL_CHUNK)
+        .enumerate()
+        .for_each(|(ci, dw)| backward_cols(dw, dout, inp, rstd, ci * COL_CHUNK, c));
+}
+
+multiversion! {
+    /// Input gradient over a few whole rows.
+    fn backward_rows<T: Elem, W: Elem>(
+        dinp: &mut [T],   // [rows, C] +=
+        dout: &[T],       // [rows, C]
+        inp: &[T],        // [rows, C]
+        rstd: &[f32],     // [rows]
+        weight: &[W],     // [C]
+        c: usize,
+    ) {
+        let it = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
+        for (((di, dy), x), &s) in it.zip(rstd) {
+            let mean_gn = row_sum_gn(dy, x, weight, s) / c as f32;
+            for (((d, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
+                let norm = x.to_f32() * s;
+                let g = w.to_f32() * dy.to_f32();
+                *d = T::from_f32(d.to_f32() + (g - norm * mean_gn) * s);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// Weight gradient of the columns `c0..c0 + dw.len()`, walking all rows in order.
+    fn backward_cols<T: Elem>(
+        dw: &mut [T],   // [w <= COL_CHUNK] +=: columns c0..c0 + w
+        dout: &[T],     // [N, C]
+        inp: &[T],      // [N, C]
+        rstd: &[f32],   // [N]
+        c0: usize,
+        c: usize,
+    ) {
+        let w = dw.len();
+        let mut acc = [0.0f32; COL_CHUNK];
+        let acc = &mut acc[..w];
+        let rows = dout.chunks_exact(c).zip(inp.chunks_exact(c));
+        for ((dy, x), &s) in rows.zip(rstd) {
+            let (dy, x) = (&dy[c0..c0 + w], &x[c0..c0 + w]);
+            for ((a, &dy), &x) in acc.iter_mut().zip(dy).zip(x) {
+                *a += x.to_f32() * s * dy.to_f32();
+            }
+        }
+        for (d, &a) in dw.iter_mut().zip(acc.iter()) {
+            *d = T::from_f32(d.to_f32() + a);
+        }
+    }
+}
+
+/// Σ (w·dy)·(x·rstd) over one row, in 16 f32 lanes.
+#[inline(always)]
+fn row_sum_gn<T: Elem, W: Elem>(
+    dy: &[T], // [C]
+    x: &[T],  // [C]
+    w: &[W],  // [C]
+    s: f32,
+) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0.0f32; L];
+    #[inline(always)]
+    fn lanes<T: Elem, W: Elem>(
+        acc: &mut [f32], // [L]
+        dy: &[T],        // [<= L]
+        x: &[T],         // [<= L]
+        w: &[W],         // [<= L]
+        s: f32,
+    ) {
+        for (((a, &dy), &x), &w) in acc.iter_mut().zip(dy).zip(x).zip(w) {
+            *a += (w.to_f32() * dy.to_f32()) * (x.to_f32() * s);
+        }
+    }
+    let mut it = dy
+        .chunks_exact(L)
+        .zip(x.chunks_exact(L))
+        .zip(w.chunks_exact(L));
+    for ((dy, x), w) in &mut it {
+        lanes(&mut acc, dy, x, w, s);
+    }
+    let tail = dy.len() - dy.len() % L;
+    lanes(&mut acc, &dy[tail..], &x[tail..], &w[tail..], s);
+    sum_f32(&acc)
+}
+
+/// Reference twins: per-row loops in f64.
+pub mod naive {
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_forward(
+        out: &mut [f32],  // [N, C]
+        rstd: &mut [f32], // [N]
+        inp: &[f32],      // [N, C]
+        weight: &[f32],   // [C]
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) {
+        for r in 0..n {
+            let x = &inp[r * c..(r + 1) * c];
+            let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / c as f64;
+            let s = 1.0 / (ms + eps as f64).sqrt();
+            for i in 0..c {
+                out[r * c + i] = (x[i] as f64 * s * weight[i] as f64) as f32;
+            }
+            rstd[r] = s as f32;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward(
+        dinp: &mut [f32],    // [N, C] +=
+        dweight: &mut [f32], // [C] +=
+        dout: &[f32],        // [N, C]
+        inp: &[f32],         // [N, C]
+        weight: &[f32],      // [C]
+        rstd: &[f32],        // [N]
+        n: usize,
+        c: usize,
+    ) {
+        for r in 0..n {
+            let s = rstd[r] as f64;
+            let norm = |i: usize| inp[r * c + i] as f64 * s;
+            let g = |i: usize| weight[i] as f64 * dout[r * c + i] as f64;
+            let mean_gn = (0..c).map(|i| g(i) * norm(i)).sum::<f64>() / c as f64;
+            for i in 0..c {
+                let d = (g(i) - norm(i) * mean_gn) * s;
+                dinp[r * c + i] = (dinp[r * c + i] as f64 + d) as f32;
+            }
+        }
+        for i in 0..c {
+            let mut sw = dweight[i] as f64;
+            for r in 0..n {
+                sw += inp[r * c + i] as f64 * rstd[r] as f64 * dout[r * c + i] as f64;
+            }
+            dweight[i] = sw as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::conformance::{self, Case, Out, check_stored_as, isas_here, stored};
+    use super::super::features::Isa;
+    use super::super::reduce::testutil::*;
+    use super::*;
+    use half::{bf16, f16};
+
+    const SHAPES: [(usize, usize); 8] = [
+        (1, 1),
+        (1, 7),
+        (3, 16),
+        (5, 17),
+        (2, 64),
+        (13, 100),
+        (40, 576),
+        (300, 33),
+    ];
+
+    fn data(n: usize, c: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        // Rows of different scales, some far from 1, to exercise the statistics.
+        let mut inp = randn(n * c, 1.0, seed);
+        for (r, row) in inp.chunks_exact_mut(c.max(1)).enumerate() {
+            let scale = [0.01f32, 1.0, 30.0][r % 3];
+            row.iter_mut().for_each(|v| *v = *v * scale + 0.5 * scale);
+        }
+        let w: Vec<f32> = randn(c, 0.5, seed + 1).iter().map(|v| v + 1.0).collect();
+        (inp, w)
+    }
+
+    #[test]
+    fn forward_matches_naive() {
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            let (inp, w) = data(n, c, si as u64 * 10);
+            let (mut o1, mut r1) = (vec![0.0; n * c], vec![0.0; n]);
+            let (mut o2, mut r2) = (vec![0.0; n * c], vec![0.0; n]);
+            rmsnorm_forward(&mut o1, &mut r1, &inp, &w, n, c, 1e-5);
+            naive::rmsnorm_forward(&mut o2, &mut r2, &inp, &w, n, c, 1e-5);
+            let what = format!("{n}x{c}");
+            assert_close(&o1, &o2, 2e-5, 2e-5, &format!("out {what}"));
+            assert_close(&r1, &r2, 0.0, 1e-5, &format!("rstd {what}"));
+        }
+    }
+
+    /// Rows of ±2 with eps = 0: mean(x²) = 4, rstd = 1/2 exactly, out = x·w/2 exactly.
+    #[test]
+    fn hand_computed_row() {
+        let inp = [2.0f32, -2.0, 2.0, -2.0, 0.0, 0.0, 0.0, 0.0];
+        let w = [1.0f32, 3.0, -0.5, 0.25];
+        let (mut o, mut r) = ([9.0f32; 8], [9.0f32; 2]);
+        rmsnorm_forward(&mut o, &mut r, &inp, &w, 2, 4, 0.0);
+        assert_eq!(r[0], 0.5);
+        assert_eq!(&o[..4], &[1.0, -3.0, -0.5, -0.25]);
+        // An all-zero row with eps > 0: rstd = 1/sqrt(eps), out = 0 (no NaN).
+        rmsnorm_forward(&mut o, &mut r, &inp, &w, 2, 4, 1e-6);
+        assert!((r[1] - 1000.0).abs() < 1e-2, "rstd {}", r[1]);
+        assert!(o[4..].iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn backward_matches_naive_and_accumulates() {
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            let (inp, w) = data(n, c, si as u64 * 10);
+            let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+            naive::rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+            let dout = randn(n * c, 1.0, 77 + si as u64);
+            let di0 = randn(n * c, 1.0, 78 + si as u64);
+            let dw0 = randn(c, 1.0, 79 + si as u64);
+            let (mut di1, mut dw1) = (di0.clone(), dw0.clone());
+            let (mut di2, mut dw2) = (di0.clone(), dw0.clone());
+            rmsnorm_backward(&mut di1, &mut dw1, &dout, &inp, &w, &r, n, c);
+            naive::rmsnorm_backward(&mut di2, &mut dw2, &dout, &inp, &w, &r, n, c);
+            let what = format!("{n}x{c}");
+            // dinp scales with rstd (up to 100 for the 0.01-scaled rows).
+            assert_close(&di1, &di2, 1e-3, 1e-4, &format!("dinp {what}"));
+            let tol = 2e-5 * (n as f32).sqrt();
+            assert_close(&dw1, &dw2, tol, 1e-5, &format!("dweight {what}"));
+            // And it accumulated: the kernel's result minus its start is the gradient alone.
+            let (mut di3, mut dw3) = (vec![0.0; n * c], vec![0.0; c]);
+            naive::rmsnorm_backward(&mut di3, &mut dw3, &dout, &inp, &w, &r, n, c);
+            let d: Vec<f32> = di1.iter().zip(&di0).map(|(a, b)| a - b).collect();
+            assert_close(&d, &di3, 1e-3, 1e-3, &format!("dinp increment {what}"));
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (n, c) = (3, 6);
+        let inp = randn(n * c, 1.0, 5);
+        let w = randn(c, 1.0, 6);
+        let g = randn(n * c, 1.0, 8);
+        let loss = |inp: &[f32], w: &[f32]| {
+            let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+            naive::rmsnorm_forward(&mut o, &mut r, inp, w, n, c, 1e-5);
+            dot(&g, &o)
+        };
+        let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+        let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+        rmsnorm_backward(&mut di, &mut dw, &g, &inp, &w, &r, n, c);
+        let h = 1e-3;
+        let fd_di = fd_grad(&inp, h, |x| loss(x, &w));
+        assert_close(&di, &fd_di, 2e-3, 2e-3, "dinp vs fd");
+        let fd_dw = fd_grad(&w, h, |x| loss(&inp, x));
+        assert_close(&dw, &fd_dw, 2e-3, 2e-3, "dw vs fd");
+    }
+
+    fn run_f32(n: usize, c: usize) -> [Vec<f32>; 4] {
+        let (inp, w) = data(n, c, 3);
+        let dout = randn(n * c, 1.0, 4);
+        let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+        let (mut di, mut dw) = (randn(n * c, 1.0, 5), randn(c, 1.0, 6));
+        rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &r, n, c);
+        [o, r, di, dw]
+    }
+
+    #[test]
+    fn identical_for_any_thread_count() {
+        let (n, c) = (97, 300);
+        let bits = |v: [Vec<f32>; 4]| v.map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        let a = bits(with_threads(1, || run_f32(n, c)));
+        assert!(a == bits(with_threads(2, || run_f32(n, c))));
+        assert!(a == bits(with_threads(3, || run_f32(n, c))));
+    }
+
+    /// One shape of [`SHAPES`]: forward and backward stored as bf16 / f16 are the f32 kernel
+    /// on the widened inputs, each stored element rounded once (rstd bitwise equal), for 1
+    /// and 3 threads. `master`: the weight stays f32 (mixed precision) instead of `S`.
+    struct Narrow {
+        si: usize,
+        master: bool,
+    }
+
+    impl Narrow {
+        fn go<T: Elem, S: Elem, W: Elem>(&self) -> Vec<Out> {
+            let si = self.si;
+            let (n, c) = SHAPES[si];
+            let (inp, w) = data(n, c, si as u64 * 10);
+            let inp: Vec<S> = stored::<T, S>(&inp);
+            // Master weights are not rounded to T: the same f32 values in both runs.
+            let w: Vec<W> = if self.master {
+                stored::<f32, W>(&w)
+            } else {
+                stored::<T, W>(&w)
+            };
+            let dout: Vec<S> = stored::<T, S>(&randn(n * c, 1.0, 77 + si as u64));
+            let mut di: Vec<S> = stored::<T, S>(&randn(n * c, 1.0, 78 + si as u64));
+            let mut dw: Vec<S> = stored::<T, S>(&randn(c, 1.0, 79 + si as u64));
+            let (mut o, mut r) = (vec![S::from_f32(f32::NAN); n * c], vec![0.0; n]);
+            rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+            rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &r, n, c);
+            vec![
+                Out::stored("out", &o),
+                Out::f32("rstd", &r),
+                Out::stored("dinp", &di),
+                Out::stored("dweight", &dw),
+            ]
+        }
+    }
+
+    impl Case for Narrow {
+        fn run<T: Elem, S: Elem>(&self) -> Vec<Out> {
+            if self.master {
+                self.go::<T, S, f32>()
+            } else {
+                self.go::<T, S, S>()
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_is_f32_rounded() {
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            for master in [false, true] {
+                let what = format!("rmsnorm {n}x{c} master {master}");
+                check_stored_as::<bf16>(&Narrow { si, master }, &what);
+            }
+        }
+    }
+
+    #[test]
+    fn f16_is_f32_rounded() {
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            for master in [false, true] {
+                let what = format!("rmsnorm {n}x{c} master {master}");
+                check_stored_as::<f16>(&Narrow { si, master }, &what);
+            }
+        }
+    }
+
+    /// f32 and bf16 outputs (bit patterns) on fixed inputs.
+    fn isa_run() -> Vec<Vec<u32>> {
+        let (n, c) = (37, 203);
+        let mut all: Vec<Vec<u32>> = run_f32(n, c)
+            .iter()
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect();
+        let narrow = Narrow {
+            si: 5,
+            master: true,
+        }
+        .run::<bf16, bf16>();
+        all.extend(
+            narrow
+                .iter()
+                .map(|o| o.f32s().iter().map(|x| x.to_bits()).collect()),
+        );
+        all
+    }
+
+    /// Bit-identical results on every instruction set this CPU has.
+    #[test]
+    fn isa_invariant() {
+        conformance::isa_invariant(&isas_here(), isa_run, "rmsnorm");
+    }
+
+    /// The AVX-512 variants against the baseline (fails on a CPU without AVX-512F).
+    #[test]
+    #[ignore = "needs AVX-512F"]
+    fn isa_invariant_avx512() {
+        conformance::isa_invariant(&[Isa::Avx512], isa_run, "rmsnorm");
+    }
+
+    /// A non-finite input poisons its row (forward, dinp) and its column sums (dweight) and
+    /// nothing else; no panic.
+    #[test]
+    fn non_finite_stays_local() {
+        let (n, c) = (4, 70);
+        let (inp, w) = data(n, c, 9);
+        let (mut inp, w): (Vec<bf16>, Vec<bf16>) = (narrow_vec(&inp), narrow_vec(&w));
+        inp[2 * c + 5] = bf16::NAN;
+        let (mut o, mut r) = (vec![bf16::ZERO; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+        let row_bad = |x: &[bf16], i: usize| x[i * c..(i + 1) * c].iter().all(|v| v.is_nan());
+        let row_ok = |x: &[bf16], i: usize| x[i * c..(i + 1) * c].iter().all(|v| v.is_finite());
+        assert!(row_bad(&o, 2) && row_ok(&o, 0) && row_ok(&o, 1) && row_ok(&o, 3));
+        assert!(r[2].is_nan() && r[0].is_finite() && r[1].is_finite() && r[3].is_finite());
+        let mut dout: Vec<bf16> = narrow_vec(&randn(n * c, 1.0, 1));
+        dout[c + 3] = bf16::INFINITY;
+        let (mut di, mut dw) = (vec![bf16::ZERO; n * c], vec![bf16::ZERO; c]);
+        rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &r, n, c);
+        assert!(row_ok(&di, 0) && row_ok(&di, 3) && !row_ok(&di, 1) && !row_ok(&di, 2));
+        assert!(
+            dw.iter().all(|v| v.is_nan()),
+            "row 2 is NaN: every dweight column"
+        );
+    }
+}

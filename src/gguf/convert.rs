@@ -1,0 +1,460 @@
+//! `memwall convert FILE.gguf --out DIR`: a GGUF file as a Hugging Face model directory.
+//!
+//! Everything that can be checked is checked before a byte is written: the architecture and
+//! its dimensions, every tensor's name, shape and type (all must be decodable), the
+//! tokenizer (loaded in the `tokenizers` crate). The files are then written into a temporary
+//! sibling `<DIR>.tmp-<pid>-<n>`, fsynced, and the directory is renamed to DIR, so an error or
+//! a crash never leaves a half-written model under DIR. An existing non-empty DIR is refused
+//! unless `force` is set.
+//!
+//! `model.safetensors` is written by the `safetensors` crate from views that dequantize one
+//! tensor at a time when the writer asks for its bytes, so memory holds one tensor at a time
+//! (plus the map of the GGUF file), whatever the model's size.
+
+use super::dequant::{check_supported, dequantize};
+use super::file::GgufFile;
+use super::hf::{Dims, HfModel, HfTensor, map_model, unpermute_rows};
+use super::tokenizer;
+use crate::util::atomic::{parent_dir, sync_dir, tmp_suffix, write_synced};
+use anyhow::{Context, Result, bail};
+use safetensors::{Dtype, View};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Mutex;
+
+/// The files a converted directory holds.
+pub const CONFIG_FILE: &str = "config.json";
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+
+/// GGUF files at least this large get a progress bar (when asked for one).
+const PROGRESS_MIN_BYTES: u64 = 64 << 20;
+
+/// The dtype of the written weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutDtype {
+    /// The dequantized values exactly.
+    F32,
+    /// Rounded to nearest even bfloat16 (half the size).
+    Bf16,
+}
+
+impl OutDtype {
+    /// transformers' name (`config.json` `torch_dtype`).
+    pub fn torch_dtype(self) -> &'static str {
+        match self {
+            OutDtype::F32 => "float32",
+            OutDtype::Bf16 => "bfloat16",
+        }
+    }
+
+    fn safetensors(self) -> Dtype {
+        match self {
+            OutDtype::F32 => Dtype::F32,
+            OutDtype::Bf16 => Dtype::BF16,
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            OutDtype::F32 => 4,
+            OutDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl FromStr for OutDtype {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<OutDtype> {
+        match s {
+            "f32" | "fp32" | "float32" => Ok(OutDtype::F32),
+            "bf16" | "bfloat16" => Ok(OutDtype::Bf16),
+            _ => bail!("--dtype {s:?} is not supported: use f32 (exact) or bf16"),
+        }
+    }
+}
+
+/// What to convert and where.
+#[derive(Clone, Debug)]
+pub struct ConvertOptions {
+    pub input: PathBuf,
+    pub out: PathBuf,
+    pub dtype: OutDtype,
+    /// Replace an existing non-empty output directory.
+    pub force: bool,
+    /// Show a progress bar on stderr for large files.
+    pub progress: bool,
+}
+
+/// What a conversion wrote.
+#[derive(Clone, Debug)]
+pub struct ConvertSummary {
+    pub out: PathBuf,
+    pub architecture: String,
+    pub hf_class: String,
+    pub dims: Dims,
+    pub tied: bool,
+    pub parameters: u64,
+    pub tensors: usize,
+    /// GGUF tensor types seen, with how many tensors had each.
+    pub tensor_types: BTreeMap<String, usize>,
+    pub dtype: OutDtype,
+    pub tokenizer: String,
+    /// Files written with their sizes in bytes.
+    pub files: Vec<(String, u64)>,
+}
+
+impl ConvertSummary {
+    /// Bytes written in all.
+    pub fn total_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.1).sum()
+    }
+
+    /// A few lines for the terminal.
+    pub fn describe(&self) -> String {
+        let d = &self.dims;
+        let types: Vec<String> = self
+            .tensor_types
+            .iter()
+            .map(|(t, n)| format!("{t} ×{n}"))
+            .collect();
+        let mut s = format!(
+            "{} ({}): {} layers, width {}, {} heads ({} KV, head size {}), MLP {}, vocabulary {}, context {}, θ {}, eps {}, {}\n",
+            self.architecture,
+            self.hf_class,
+            d.layers,
+            d.hidden,
+            d.heads,
+            d.kv_heads,
+            d.head_dim,
+            d.ffn,
+            d.vocab,
+            d.context,
+            d.rope_theta,
+            d.rms_eps,
+            if self.tied {
+                "tied head"
+            } else {
+                "separate head"
+            }
+        );
+        s += &format!(
+            "{} parameters in {} tensors; GGUF types {} -> {}\n",
+            self.parameters,
+            self.tensors,
+            types.join(", "),
+            self.dtype.torch_dtype()
+        );
+        s += &format!("tokenizer: {}\n", self.tokenizer);
+        for (f, n) in &self.files {
+            s += &format!("  {f} ({})\n", crate::util::bytes::fmt_bytes(*n));
+        }
+        s += &format!(
+            "wrote {} to {}",
+            crate::util::bytes::fmt_bytes(self.total_bytes()),
+            self.out.display()
+        );
+        s
+    }
+}
+
+/// Converts `o.input` into a HF directory at `o.out` (see the module doc).
+pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
+    check_out_dir(&o.out, o.force)?;
+    let f = GgufFile::open(&o.input)?;
+    let path = f.path().display().to_string();
+    let model = map_model(&f)?;
+    let tok = tokenizer::from_gguf(&f, model.dims.context)?;
+    let tok_text = serde_json::to_string(&tok.tokenizer_json)?;
+    let loaded = tokenizer::load(&tok_text).with_context(|| format!("{path}: tokenizer"))?;
+    if loaded.get_vocab_size(true) != model.dims.vocab {
+        bail!(
+            "{path}: the tokenizer has {} distinct tokens but the embedding has {} rows (duplicate tokens in tokenizer.ggml.tokens?)",
+            loaded.get_vocab_size(true),
+            model.dims.vocab
+        );
+    }
+    let mut tensor_types = BTreeMap::new();
+    for t in &f.tensors {
+        check_supported(t.ty).with_context(|| format!("{path}: tensor {}", t.name))?;
+        *tensor_types.entry(t.ty.name.to_string()).or_insert(0) += 1;
+    }
+
+    let tmp = TempDir::create_for(&o.out)?;
+    let json = |v: &serde_json::Value| -> Result<Vec<u8>> {
+        let mut b = serde_json::to_vec_pretty(v)?;
+        b.push(b'\n');
+        Ok(b)
+    };
+    let mut files = Vec::new();
+    let mut put = |name: &str, bytes: &[u8]| -> Result<()> {
+        write_synced(&tmp.path.join(name), |w| Ok(w.write_all(bytes)?))?;
+        files.push((name.to_string(), bytes.len() as u64));
+        Ok(())
+    };
+    put(
+        CONFIG_FILE,
+        &json(&model.config_json(o.dtype.torch_dtype()))?,
+    )?;
+    put(TOKENIZER_FILE, tok_text.as_bytes())?;
+    put(TOKENIZER_CONFIG_FILE, &json(&tok.tokenizer_config)?)?;
+    let st = tmp.path.join(MODEL_FILE);
+    write_model(&f, &model, o.dtype, &st, o.progress)?;
+    // The safetensors crate creates its file 0600 (a tempfile); give it the permissions the
+    // other files got from the umask.
+    let perms = fs::metadata(tmp.path.join(CONFIG_FILE))
+        .with_context(|| format!("cannot stat {}", tmp.path.display()))?
+        .permissions();
+    fs::set_permissions(&st, perms)
+        .with_context(|| format!("cannot set the permissions of {}", st.display()))?;
+    let st_len = fs::metadata(&st)
+        .with_context(|| format!("cannot stat {}", st.display()))?
+        .len();
+    fs::File::open(&st)
+        .and_then(|h| h.sync_all())
+        .with_context(|| format!("cannot fsync {}", st.display()))?;
+    files.push((MODEL_FILE.to_string(), st_len));
+    tmp.publish(&o.out)?;
+
+    Ok(ConvertSummary {
+        out: o.out.clone(),
+        architecture: model.arch.name().to_string(),
+        hf_class: model.arch.hf_class().to_string(),
+        dims: model.dims.clone(),
+        tied: model.tied,
+        parameters: model.parameter_count(),
+        tensors: model.tensors.len(),
+        tensor_types,
+        dtype: o.dtype,
+        tokenizer: format!(
+            "{} BPE, pre-tokenizer {}, {} tokens",
+            tok.model, tok.pre, tok.vocab_size
+        ),
+        files,
+    })
+}
+
+/// Refuses an output path that is a file, or a non-empty directory without `force`.
+fn check_out_dir(out: &Path, force: bool) -> Result<()> {
+    if out.file_name().is_none() {
+        bail!("--out {} does not name a directory", out.display());
+    }
+    match fs::metadata(out) {
+        Err(_) => Ok(()),
+        Ok(m) if !m.is_dir() => bail!(
+            "--out {} exists and is not a directory; choose another path",
+            out.display()
+        ),
+        Ok(_) => {
+            let non_empty = fs::read_dir(out)
+                .with_context(|| format!("cannot list --out {}", out.display()))?
+                .next()
+                .is_some();
+            if non_empty && !force {
+                bail!(
+                    "--out {} exists and is not empty; pass --force to replace it, or choose another directory",
+                    out.display()
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Writes `model.safetensors` at `path`: every tensor under its HF name and shape.
+fn write_model(
+    f: &GgufFile,
+    model: &HfModel,
+    dtype: OutDtype,
+    path: &Path,
+    progress: bool,
+) -> Result<()> {
+    let bar = if progress && f.len() >= PROGRESS_MIN_BYTES {
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(model.tensors.len() as u64),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} tensors {msg} eta {eta}")
+                .expect("valid template"),
+        );
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let error = Mutex::new(None);
+    let views: Vec<(&str, LazyTensor)> = model
+        .tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.as_str(),
+                LazyTensor {
+                    file: f,
+                    t,
+                    dtype,
+                    bar: &bar,
+                    error: &error,
+                },
+            )
+        })
+        .collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let written = safetensors::serialize_to_file(views, Some(meta), path);
+    bar.finish_and_clear();
+    if let Some(e) = error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    written.map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))
+}
+
+/// A tensor whose bytes are produced (dequantized, un-permuted, converted) only when the
+/// safetensors writer asks for them. A failure is kept in `error` (a `View` cannot return
+/// one) and turns the remaining tensors into no-ops; [`write_model`] reports it.
+struct LazyTensor<'a> {
+    file: &'a GgufFile,
+    t: &'a HfTensor,
+    dtype: OutDtype,
+    bar: &'a indicatif::ProgressBar,
+    error: &'a Mutex<Option<anyhow::Error>>,
+}
+
+impl LazyTensor<'_> {
+    fn produce(&self) -> Result<Vec<u8>> {
+        let info = self
+            .file
+            .tensor(&self.t.gguf)
+            .context("tensor listed but not in the file")?;
+        let n = info.n_elements as usize;
+        let mut vals = vec![0f32; n]; // [HF shape], row-major
+        dequantize(info.ty, self.file.tensor_data(info), &mut vals)?;
+        if let Some(heads) = self.t.unpermute_heads {
+            let cols = if self.t.shape.len() == 2 {
+                self.t.shape[1]
+            } else {
+                1
+            };
+            let mut hf = vec![0f32; n]; // [rows, cols] in HF row order
+            unpermute_rows(&vals, &mut hf, heads, cols)?;
+            vals = hf;
+        }
+        Ok(match self.dtype {
+            OutDtype::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            OutDtype::Bf16 => vals
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        })
+    }
+}
+
+impl View for LazyTensor<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype.safetensors()
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.t.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        if self
+            .error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+        {
+            return Cow::Owned(Vec::new());
+        }
+        self.bar.set_message(self.t.gguf.clone());
+        let out = self.produce().with_context(|| {
+            format!(
+                "{}: tensor {} ({})",
+                self.file.path().display(),
+                self.t.gguf,
+                self.t.name
+            )
+        });
+        self.bar.inc(1);
+        match out {
+            Ok(b) => Cow::Owned(b),
+            Err(e) => {
+                *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                Cow::Owned(Vec::new())
+            }
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.t.shape.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// The output directory while it is written: a sibling `<name>.tmp-<pid>-<n>`, removed on
+/// drop unless published. (The same recipe as the checkpoint writer's, kept local so that
+/// `gguf` does not reach into `ckpt`'s private modules.)
+struct TempDir {
+    path: PathBuf,
+    done: bool,
+}
+
+impl TempDir {
+    fn create_for(out: &Path) -> Result<TempDir> {
+        let name = out.file_name().expect("checked by check_out_dir");
+        let path = parent_dir(out).join(format!("{}.{}", name.to_string_lossy(), tmp_suffix()));
+        fs::create_dir(&path)
+            .with_context(|| format!("cannot create directory {}", path.display()))?;
+        Ok(TempDir { path, done: false })
+    }
+
+    /// Fsyncs the directory and renames it to `out` (an existing directory there, empty or
+    /// replaced under `--force`, is moved aside first and removed after).
+    fn publish(mut self, out: &Path) -> Result<()> {
+        sync_dir(&self.path)?;
+        let parent = parent_dir(out);
+        let aside = if out.exists() {
+            let name = out.file_name().expect("checked").to_string_lossy();
+            let aside = parent.join(format!("{name}.old-{}", tmp_suffix()));
+            fs::rename(out, &aside).with_context(|| {
+                format!(
+                    "cannot move the existing {} aside to replace it",
+                    out.display()
+                )
+            })?;
+            Some(aside)
+        } else {
+            None
+        };
+        if let Err(e) = fs::rename(&self.path, out) {
+            if let Some(a) = &aside {
+                let _ = fs::rename(a, out);
+            }
+            return Err(e).with_context(|| {
+                format!("cannot rename {} to {}", self.path.display(), out.display())
+            });
+        }
+        self.done = true;
+        sync_dir(parent)?;
+        if let Some(a) = aside {
+            fs::remove_dir_all(&a)
+                .with_context(|| format!("cannot remove the replaced directory {}", a.display()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,608 @@
+//! GGUF `llama` / `qwen2` models as Hugging Face sees them: `config.json` from the
+//! `{arch}.*` metadata, HF tensor names and shapes from GGUF's, and the inverse of the Q/K row
+//! permutation llama.cpp applies to `llama` files.
+//!
+//! Names (`N` a layer index):
+//!
+//! | GGUF                         | Hugging Face                                   |
+//! |------------------------------|------------------------------------------------|
+//! | `token_embd.weight`          | `model.embed_tokens.weight`                    |
+//! | `blk.N.attn_{q,k,v}.{weight,bias}` | `model.layers.N.self_attn.{q,k,v}_proj.{weight,bias}` |
+//! | `blk.N.attn_output.{weight,bias}` | `model.layers.N.self_attn.o_proj.{weight,bias}` |
+//! | `blk.N.attn_norm.weight`     | `model.layers.N.input_layernorm.weight`        |
+//! | `blk.N.ffn_norm.weight`      | `model.layers.N.post_attention_layernorm.weight` |
+//! | `blk.N.ffn_{gate,up,down}.weight` | `model.layers.N.mlp.{gate,up,down}_proj.weight` |
+//! | `output_norm.weight`         | `model.norm.weight`                            |
+//! | `output.weight`              | `lm_head.weight` (absent: the head is tied)    |
+//!
+//! GGUF lists dimensions innermost first, so a HF `[out, in]` weight has GGUF dims
+//! `[in, out]` and the same bytes; the HF shape is the GGUF dims reversed.
+//!
+//! **Q/K permutation.** llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel.permute`) reorders
+//! the rows of `q_proj` (with the head count) and `k_proj` (with the KV head count) so that
+//! rotary pairs are adjacent (GGML's interleaved RoPE) instead of half a head apart (HF's
+//! rotate-half): `w.reshape(n_head, 2, rows / n_head / 2, cols).swapaxes(1, 2)`. HF row
+//! `h·d + s·d/2 + i` (head `h`, half `s`, index `i`) lands on GGUF row `h·d + 2i + s`;
+//! [`unpermute_rows`] moves it back. `qwen2` files are written without the permutation.
+
+use super::file::{GgufFile, TensorInfo, Value};
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+
+/// The architectures `general.architecture` may name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+}
+
+impl Arch {
+    /// The `general.architecture` value, also HF's `model_type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+
+    /// The transformers class that loads the directory.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// Reads `general.architecture`; anything but llama and qwen2 is refused by name.
+    pub fn of(f: &GgufFile) -> Result<Arch> {
+        let path = f.path().display();
+        match f.get_str("general.architecture")? {
+            Some("llama") => Ok(Arch::Llama),
+            Some("qwen2") => Ok(Arch::Qwen2),
+            Some(other) => bail!(
+                "{path}: architecture {other:?} is not supported (general.architecture must be llama or qwen2)"
+            ),
+            None => bail!("{path}: metadata general.architecture is missing"),
+        }
+    }
+}
+
+/// The model's dimensions, from metadata (and the tensors where metadata is silent).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dims {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+}
+
+/// One tensor to write: where it comes from and what HF calls it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfTensor {
+    /// The GGUF tensor name.
+    pub gguf: String,
+    /// The HF name.
+    pub name: String,
+    /// HF shape, outermost first.
+    pub shape: Vec<usize>,
+    /// `Some(n_head)` for the rows of a `llama` Q or K weight or bias, which must be
+    /// un-permuted with that head count.
+    pub unpermute_heads: Option<usize>,
+}
+
+/// A GGUF model mapped to HF: dimensions, tying, special tokens, tensors in file order.
+#[derive(Clone, Debug)]
+pub struct HfModel {
+    pub arch: Arch,
+    pub dims: Dims,
+    pub tied: bool,
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u64>,
+    pub eos_token_id: Option<u64>,
+    /// HF `rope_scaling`, when the file has linear scaling.
+    pub rope_scaling: Option<serde_json::Value>,
+    pub tensors: Vec<HfTensor>,
+}
+
+impl HfModel {
+    /// Parameters written (a tied head counted once).
+    pub fn parameter_count(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
+    /// `config.json` as transformers' `LlamaConfig` / `Qwen2Config` read it; `torch_dtype`
+    /// names the dtype of `model.safetensors` (`float32` or `bfloat16`).
+    pub fn config_json(&self, torch_dtype: &str) -> serde_json::Value {
+        let d = &self.dims;
+        let mut c = json!({
+            "architectures": [self.arch.hf_class()],
+            "model_type": self.arch.name(),
+            "hidden_size": d.hidden,
+            "intermediate_size": d.ffn,
+            "num_hidden_layers": d.layers,
+            "num_attention_heads": d.heads,
+            "num_key_value_heads": d.kv_heads,
+            "max_position_embeddings": d.context,
+            "rms_norm_eps": d.rms_eps,
+            "rope_theta": d.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "vocab_size": d.vocab,
+            "tie_word_embeddings": self.tied,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": true,
+            "torch_dtype": torch_dtype,
+        });
+        if d.head_dim * d.heads != d.hidden {
+            c["head_dim"] = json!(d.head_dim);
+        }
+        match self.arch {
+            Arch::Llama => c["mlp_bias"] = json!(false),
+            Arch::Qwen2 => {
+                c["use_sliding_window"] = json!(false);
+                c["sliding_window"] = json!(d.context);
+                c["max_window_layers"] = json!(d.layers);
+            }
+        }
+        c
+    }
+}
+
+/// What one GGUF tensor name is, once parsed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Embed,
+    FinalNorm,
+    Head,
+    /// Layer, part (q, k, v, o, attn_norm, ffn_norm, gate, up, down), and whether it is a bias.
+    Layer(usize, Part, bool),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Q,
+    K,
+    V,
+    O,
+    AttnNorm,
+    FfnNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+const PARTS: [(&str, Part, &str); 9] = [
+    ("attn_q", Part::Q, "self_attn.q_proj"),
+    ("attn_k", Part::K, "self_attn.k_proj"),
+    ("attn_v", Part::V, "self_attn.v_proj"),
+    ("attn_output", Part::O, "self_attn.o_proj"),
+    ("attn_norm", Part::AttnNorm, "input_layernorm"),
+    ("ffn_norm", Part::FfnNorm, "post_attention_layernorm"),
+    ("ffn_gate", Part::Gate, "mlp.gate_proj"),
+    ("ffn_up", Part::Up, "mlp.up_proj"),
+    ("ffn_down", Part::Down, "mlp.down_proj"),
+];
+
+fn parse_name(name: &str) -> Option<Role> {
+    match name {
+        "token_embd.weight" => return Some(Role::Embed),
+        "output_norm.weight" => return Some(Role::FinalNorm),
+        "output.weight" => return Some(Role::Head),
+        _ => {}
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let layer: usize = layer.parse().ok()?;
+    let (part, suffix) = rest.split_once('.')?;
+    let bias = match suffix {
+        "weight" => false,
+        "bias" => true,
+        _ => return None,
+    };
+    let p = PARTS.iter().find(|p| p.0 == part)?.1;
+    Some(Role::Layer(layer, p, bias))
+}
+
+/// The HF name of GGUF tensor `name`; an unknown name is an error naming it.
+pub fn hf_tensor_name(name: &str) -> Result<String> {
+    let Some(role) = parse_name(name) else {
+        if name == "rope_freqs.weight" {
+            bail!(
+                "tensor rope_freqs.weight (Llama 3.1-style RoPE scaling factors) is not supported: the converter cannot rebuild its rope_scaling"
+            );
+        }
+        bail!(
+            "unknown tensor {name}: a llama/qwen2 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}}"
+        );
+    };
+    Ok(match role {
+        Role::Embed => "model.embed_tokens.weight".into(),
+        Role::FinalNorm => "model.norm.weight".into(),
+        Role::Head => "lm_head.weight".into(),
+        Role::Layer(l, p, bias) => {
+            let hf = PARTS
+                .iter()
+                .find(|x| x.1 == p)
+                .expect("every part is listed")
+                .2;
+            format!(
+                "model.layers.{l}.{hf}.{}",
+                if bias { "bias" } else { "weight" }
+            )
+        }
+    })
+}
+
+/// An f32 metadata value as its shortest decimal (so `9.999999747e-6` stored as f32 is
+/// written as `1e-5`, the value the model was configured with).
+fn get_float(f: &GgufFile, key: &str) -> Result<Option<f64>> {
+    Ok(match f.get(key) {
+        Some(Value::F32(x)) => Some(x.to_string().parse::<f64>().expect("f32 prints as a float")),
+        _ => f.get_f64(key)?,
+    })
+}
+
+fn usize_of(v: u64, key: &str, f: &GgufFile) -> Result<usize> {
+    usize::try_from(v)
+        .with_context(|| format!("{}: metadata {key} = {v} is too large", f.path().display()))
+}
+
+/// Maps a llama / qwen2 GGUF file to HF: dimensions, config fields, tensor names and shapes.
+/// Every tensor is checked against the dimensions; unknown names, missing tensors and shape
+/// mismatches are errors naming the tensor.
+pub fn map_model(f: &GgufFile) -> Result<HfModel> {
+    let arch = Arch::of(f)?;
+    let a = arch.name();
+    let path = f.path().display().to_string();
+    let need = |key: &str| -> Result<usize> {
+        let k = format!("{a}.{key}");
+        match f.get_u64(&k)? {
+            Some(v) if v > 0 => usize_of(v, &k, f),
+            Some(_) => bail!("{path}: metadata {k} is 0"),
+            None => bail!("{path}: metadata {k} is missing"),
+        }
+    };
+    let layers = need("block_count")?;
+    let hidden = need("embedding_length")?;
+    let heads = need("attention.head_count")?;
+    let ffn = need("feed_forward_length")?;
+    let context = need("context_length")?;
+    let kv_heads = match f.get_u64(&format!("{a}.attention.head_count_kv"))? {
+        Some(0) => bail!("{path}: metadata {a}.attention.head_count_kv is 0"),
+        Some(v) => usize_of(v, "head_count_kv", f)?,
+        None => heads,
+    };
+    if heads % kv_heads != 0 {
+        bail!(
+            "{path}: {a}.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}"
+        );
+    }
+    let head_dim = match (
+        f.get_u64(&format!("{a}.attention.key_length"))?,
+        f.get_u64(&format!("{a}.rope.dimension_count"))?,
+    ) {
+        (Some(k), _) | (None, Some(k)) if k > 0 => usize_of(k, "head dimension", f)?,
+        _ if hidden % heads == 0 => hidden / heads,
+        _ => bail!(
+            "{path}: embedding_length {hidden} is not a multiple of head_count {heads} and neither {a}.attention.key_length nor {a}.rope.dimension_count says the head size"
+        ),
+    };
+    let rms_eps =
+        get_float(f, &format!("{a}.attention.layer_norm_rms_epsilon"))?.with_context(|| {
+            format!("{path}: metadata {a}.attention.layer_norm_rms_epsilon is missing")
+        })?;
+    let rope_theta = get_float(f, &format!("{a}.rope.freq_base"))?.unwrap_or(10000.0);
+    let rope_scaling = rope_scaling(f, a)?;
+    let embed = f
+        .tensor("token_embd.weight")
+        .with_context(|| format!("{path}: tensor token_embd.weight is missing"))?;
+    let vocab = match (
+        f.get_str_array("tokenizer.ggml.tokens")?,
+        f.get_u64(&format!("{a}.vocab_size"))?,
+    ) {
+        (Some(t), _) => t.len(),
+        (None, Some(v)) => usize_of(v, "vocab_size", f)?,
+        (None, None) => *embed.dims.last().expect("tensors have dims") as usize,
+    };
+    let dims = Dims {
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        ffn,
+        vocab,
+        context,
+        rms_eps,
+        rope_theta,
+    };
+    let tied = f.tensor("output.weight").is_none();
+    let attention_bias = match arch {
+        Arch::Qwen2 => true,
+        Arch::Llama => f.tensor("blk.0.attn_q.bias").is_some(),
+    };
+    let mut tensors = Vec::with_capacity(f.tensors.len());
+    for t in &f.tensors {
+        let name = hf_tensor_name(&t.name).with_context(|| path.clone())?;
+        let role = parse_name(&t.name).expect("hf_tensor_name accepted it");
+        let expected = expected_dims(role, &dims, arch, attention_bias)
+            .with_context(|| format!("{path}: tensor {}", t.name))?;
+        check_dims(t, &expected).with_context(|| path.clone())?;
+        let unpermute_heads = match (arch, role) {
+            (Arch::Llama, Role::Layer(_, Part::Q, _)) => Some(heads),
+            (Arch::Llama, Role::Layer(_, Part::K, _)) => Some(kv_heads),
+            _ => None,
+        };
+        tensors.push(HfTensor {
+            gguf: t.name.clone(),
+            name,
+            shape: t.dims.iter().rev().map(|&d| d as usize).collect(),
+            unpermute_heads,
+        });
+    }
+    // Every tensor the HF model has must be there.
+    let mut missing = Vec::new();
+    let mut want = vec!["token_embd.weight".to_string(), "output_norm.weight".into()];
+    for l in 0..layers {
+        for (p, part, _) in PARTS {
+            want.push(format!("blk.{l}.{p}.weight"));
+            let bias = match arch {
+                Arch::Qwen2 => matches!(part, Part::Q | Part::K | Part::V),
+                Arch::Llama => {
+                    attention_bias && matches!(part, Part::Q | Part::K | Part::V | Part::O)
+                }
+            };
+            if bias {
+                want.push(format!("blk.{l}.{p}.bias"));
+            }
+        }
+    }
+    for w in &want {
+        if f.tensor(w).is_none() {
+            missing.push(w.as_str());
+        }
+    }
+    if !missing.is_empty() {
+        let n = missing.len();
+        missing.truncate(5);
+        bail!(
+            "{path}: {n} tensors of a {layers}-layer {a} model are missing: {}{}",
+            missing.join(", "),
+            if n > 5 { ", ..." } else { "" }
+        );
+    }
+    Ok(HfModel {
+        arch,
+        dims,
+        tied,
+        attention_bias,
+        bos_token_id: f.get_u64("tokenizer.ggml.bos_token_id")?,
+        eos_token_id: f.get_u64("tokenizer.ggml.eos_token_id")?,
+        rope_scaling,
+        tensors,
+    })
+}
+
+/// HF `rope_scaling` from `{arch}.rope.scaling.*` (or the older `rope.scale_linear`): none or
+/// linear; other kinds are refused by name.
+fn rope_scaling(f: &GgufFile, a: &str) -> Result<Option<serde_json::Value>> {
+    let path = f.path().display();
+    let kind = f.get_str(&format!("{a}.rope.scaling.type"))?;
+    let factor = get_float(f, &format!("{a}.rope.scaling.factor"))?
+        .or(get_float(f, &format!("{a}.rope.scale_linear"))?);
+    match (kind, factor) {
+        (None | Some("none"), None) | (Some("none"), _) => Ok(None),
+        (None | Some("linear"), Some(1.0)) => Ok(None),
+        (None | Some("linear"), Some(x)) => Ok(Some(
+            json!({"type": "linear", "rope_type": "linear", "factor": x}),
+        )),
+        (Some("linear"), None) => {
+            bail!("{path}: {a}.rope.scaling.type is linear but no factor is given")
+        }
+        (Some(other), _) => {
+            bail!("{path}: {a}.rope.scaling.type {other:?} is not supported (only none and linear)")
+        }
+    }
+}
+
+/// GGUF dims (innermost first) the tensor must have.
+fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Result<Vec<u64>> {
+    let u = |x: usize| x as u64;
+    let (q, kv) = (u(d.heads * d.head_dim), u(d.kv_heads * d.head_dim));
+    let (h, ffn) = (u(d.hidden), u(d.ffn));
+    Ok(match role {
+        Role::Embed | Role::Head => vec![h, u(d.vocab)],
+        Role::FinalNorm => vec![h],
+        Role::Layer(l, _, _) if l >= d.layers => {
+            bail!("layer {l} is beyond block_count {}", d.layers)
+        }
+        Role::Layer(_, p, true) => {
+            let allowed = match arch {
+                Arch::Qwen2 => matches!(p, Part::Q | Part::K | Part::V),
+                Arch::Llama => attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O),
+            };
+            if !allowed {
+                bail!("a bias here is not part of a {} model", arch.name());
+            }
+            match p {
+                Part::Q => vec![q],
+                Part::K | Part::V => vec![kv],
+                _ => vec![h],
+            }
+        }
+        Role::Layer(_, p, false) => match p {
+            Part::Q => vec![h, q],
+            Part::K | Part::V => vec![h, kv],
+            Part::O => vec![q, h],
+            Part::AttnNorm | Part::FfnNorm => vec![h],
+            Part::Gate | Part::Up => vec![h, ffn],
+            Part::Down => vec![ffn, h],
+        },
+    })
+}
+
+fn check_dims(t: &TensorInfo, expected: &[u64]) -> Result<()> {
+    if t.dims != expected {
+        bail!(
+            "tensor {} has GGUF dims {:?} (innermost first), expected {:?} from the metadata",
+            t.name,
+            t.dims,
+            expected
+        );
+    }
+    Ok(())
+}
+
+/// Undoes llama.cpp's Q/K row permutation: `src` [rows, cols] in GGUF row order → `dst`
+/// [rows, cols] in HF order, with `n_head` heads of `rows / n_head` rows each. HF row
+/// `h·d + s·d/2 + i` is GGUF row `h·d + 2i + s`. Biases are the case `cols` = 1.
+pub fn unpermute_rows(src: &[f32], dst: &mut [f32], n_head: usize, cols: usize) -> Result<()> {
+    if cols == 0 || src.len() != dst.len() || !src.len().is_multiple_of(cols) {
+        bail!(
+            "unpermute_rows: {} values in, {} out, rows of {cols}",
+            src.len(),
+            dst.len()
+        );
+    }
+    let rows = src.len() / cols;
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        bail!("{rows} rows cannot be split into {n_head} heads of an even number of rows");
+    }
+    let d = rows / n_head;
+    let half = d / 2;
+    for h in 0..n_head {
+        for s in 0..2 {
+            for i in 0..half {
+                let to = (h * d + s * half + i) * cols;
+                let from = (h * d + 2 * i + s) * cols;
+                dst[to..to + cols].copy_from_slice(&src[from..from + cols]);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama.cpp's forward permutation, written from its numpy expression:
+    /// `w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)`.
+    /// Output row (h, i, s) (index h·d + 2i + s) is input row (h, s, i) (h·d + s·d/2 + i).
+    fn permute_forward(w: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
+        let rows = w.len() / cols;
+        let half = rows / n_head / 2;
+        let mut out = Vec::with_capacity(w.len());
+        for h in 0..n_head {
+            for i in 0..half {
+                for s in 0..2 {
+                    let r = h * 2 * half + s * half + i;
+                    out.extend_from_slice(&w[r * cols..(r + 1) * cols]);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permutation() {
+        for (n_head, rows, cols) in [(1, 8, 3), (2, 8, 1), (3, 12, 5), (4, 32, 2)] {
+            let w: Vec<f32> = (0..rows * cols).map(|x| x as f32).collect();
+            let p = permute_forward(&w, n_head, cols);
+            assert_ne!(p, w, "the permutation moves rows");
+            let mut back = vec![0f32; w.len()];
+            unpermute_rows(&p, &mut back, n_head, cols).unwrap();
+            assert_eq!(back, w, "n_head {n_head} rows {rows} cols {cols}");
+        }
+    }
+
+    #[test]
+    fn unpermute_hand_checked_8_rows() {
+        // 2 heads of 4 rows (d = 4, pairs half a head apart in HF: rows 0,2 and 1,3).
+        // GGUF stores head 0 as HF rows 0, 2, 1, 3 and head 1 as 4, 6, 5, 7.
+        let gguf = [0., 2., 1., 3., 4., 6., 5., 7.];
+        let mut hf = [0f32; 8];
+        unpermute_rows(&gguf, &mut hf, 2, 1).unwrap();
+        assert_eq!(hf, [0., 1., 2., 3., 4., 5., 6., 7.]);
+        // With 1 head of 8: GGUF rows are HF rows 0, 4, 1, 5, 2, 6, 3, 7.
+        let gguf = [10., 14., 11., 15., 12., 16., 13., 17.];
+        unpermute_rows(&gguf, &mut hf, 1, 1).unwrap();
+        assert_eq!(hf, [10., 11., 12., 13., 14., 15., 16., 17.]);
+        assert!(unpermute_rows(&gguf, &mut hf, 3, 1).is_err());
+    }
+
+    #[test]
+    fn tensor_names_map_to_hf() {
+        for (g, h) in [
+            ("token_embd.weight", "model.embed_tokens.weight"),
+            ("output_norm.weight", "model.norm.weight"),
+            ("output.weight", "lm_head.weight"),
+            (
+                "blk.0.attn_q.weight",
+                "model.layers.0.self_attn.q_proj.weight",
+            ),
+            (
+                "blk.11.attn_k.bias",
+                "model.layers.11.self_attn.k_proj.bias",
+            ),
+            (
+                "blk.2.attn_v.weight",
+                "model.layers.2.self_attn.v_proj.weight",
+            ),
+            (
+                "blk.2.attn_output.weight",
+                "model.layers.2.self_attn.o_proj.weight",
+            ),
+            (
+                "blk.3.attn_norm.weight",
+                "model.layers.3.input_layernorm.weight",
+            ),
+            (
+                "blk.3.ffn_norm.weight",
+                "model.layers.3.post_attention_layernorm.weight",
+            ),
+            (
+                "blk.4.ffn_gate.weight",
+                "model.layers.4.mlp.gate_proj.weight",
+            ),
+            ("blk.4.ffn_up.weight", "model.layers.4.mlp.up_proj.weight"),
+            (
+                "blk.4.ffn_down.weight",
+                "model.layers.4.mlp.down_proj.weight",
+            ),
+        ] {
+            assert_eq!(hf_tensor_name(g).unwrap(), h);
+        }
+        for bad in [
+            "blk.x.attn_q.weight",
+            "blk.1.attn_qkv.weight",
+            "blk.1.attn_q.scale",
+            "foo",
+        ] {
+            let e = format!("{:#}", hf_tensor_name(bad).unwrap_err());
+            assert!(e.contains(&format!("unknown tensor {bad}")), "{e}");
+        }
+        assert!(
+            hf_tensor_name("rope_freqs.weight")
+                .unwrap_err()
+                .to_string()
+                .contains("rope_freqs")
+        );
+    }
+}

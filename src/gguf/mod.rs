@@ -1,0 +1,26 @@
+//! GGUF import: llama.cpp model files turned into Hugging Face model directories.
+//!
+//! `memwall convert FILE.gguf --out DIR` ([`convert::convert`]) reads a GGUF file
+//! ([`file::GgufFile`], memory-mapped), dequantizes every tensor to f32 ([`dequant`]), maps
+//! llama / qwen2 metadata and tensor names to a transformers `config.json` and HF names
+//! and shapes ([`hf`], undoing llama.cpp's Q/K row permutation), rebuilds the tokenizer from
+//! the `tokenizer.ggml.*` metadata ([`tokenizer`]), and writes `config.json`,
+//! `model.safetensors`, `tokenizer.json` and `tokenizer_config.json` into a temporary
+//! sibling directory that is renamed into place once complete.
+//!
+//! The output is a plain directory that `LlamaForCausalLM.from_pretrained` /
+//! `Qwen2ForCausalLM.from_pretrained` load; this module knows nothing of memwall's own model
+//! code.
+
+pub mod convert;
+pub mod dequant;
+pub mod file;
+pub mod hf;
+#[cfg(test)]
+mod testutil;
+pub mod tokenizer;
+pub mod types;
+
+pub use convert::{ConvertOptions, ConvertSummary, OutDtype, convert};
+pub use file::{GgufFile, TensorInfo, Value};
+pub use types::GgmlType;

@@ -1,0 +1,311 @@
+//! Test-only GGUF writer: builds files byte by byte so the reader, the dequantizers and the
+//! converter are tested on files the tests write (no model download needed).
+
+use super::file::Value;
+use super::types::GgmlType;
+use std::path::PathBuf;
+
+/// A GGUF file under construction: metadata and tensors in the order they are added.
+pub struct GgufWriter {
+    pub version: u32,
+    /// Data-section alignment used for padding (set `general.alignment` to match).
+    pub alignment: usize,
+    kvs: Vec<(String, Value)>,
+    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+}
+
+impl GgufWriter {
+    pub fn new(version: u32) -> GgufWriter {
+        GgufWriter {
+            version,
+            alignment: 32,
+            kvs: Vec::new(),
+            tensors: Vec::new(),
+        }
+    }
+
+    pub fn kv(&mut self, key: &str, v: Value) -> &mut Self {
+        self.kvs.push((key.to_string(), v));
+        self
+    }
+
+    /// Replaces the value of `key` (added at the end if absent).
+    pub fn set_kv(&mut self, key: &str, v: Value) -> &mut Self {
+        self.kvs.retain(|(k, _)| k != key);
+        self.kv(key, v)
+    }
+
+    /// Drops the tensor `name`.
+    pub fn remove_tensor(&mut self, name: &str) -> &mut Self {
+        self.tensors.retain(|t| t.0 != name);
+        self
+    }
+
+    /// A tensor with `dims` innermost first and its raw bytes.
+    pub fn tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, data: &[u8]) -> &mut Self {
+        self.tensor_raw(name, dims, ty.id, data)
+    }
+
+    /// Like [`GgufWriter::tensor`] with any type id (also invalid ones).
+    pub fn tensor_raw(&mut self, name: &str, dims: &[u64], ty: u32, data: &[u8]) -> &mut Self {
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ty, data.to_vec()));
+        self
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"GGUF");
+        b.extend_from_slice(&self.version.to_le_bytes());
+        b.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        b.extend_from_slice(&(self.kvs.len() as u64).to_le_bytes());
+        for (k, v) in &self.kvs {
+            put_str(&mut b, k);
+            b.extend_from_slice(&type_id(v).to_le_bytes());
+            put_value(&mut b, v);
+        }
+        let mut offset = 0usize;
+        let mut offsets = Vec::new();
+        for (name, dims, ty, data) in &self.tensors {
+            put_str(&mut b, name);
+            b.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in dims {
+                b.extend_from_slice(&d.to_le_bytes());
+            }
+            b.extend_from_slice(&ty.to_le_bytes());
+            b.extend_from_slice(&(offset as u64).to_le_bytes());
+            offsets.push(offset);
+            offset = (offset + data.len()).next_multiple_of(self.alignment);
+        }
+        b.resize(b.len().next_multiple_of(self.alignment), 0);
+        let start = b.len();
+        for ((_, _, _, data), off) in self.tensors.iter().zip(offsets) {
+            b.resize(start + off, 0);
+            b.extend_from_slice(data);
+        }
+        b
+    }
+}
+
+fn type_id(v: &Value) -> u32 {
+    match v {
+        Value::U8(_) => 0,
+        Value::I8(_) => 1,
+        Value::U16(_) => 2,
+        Value::I16(_) => 3,
+        Value::U32(_) => 4,
+        Value::I32(_) => 5,
+        Value::F32(_) => 6,
+        Value::Bool(_) => 7,
+        Value::String(_) => 8,
+        Value::Array(_) => 9,
+        Value::U64(_) => 10,
+        Value::I64(_) => 11,
+        Value::F64(_) => 12,
+    }
+}
+
+fn put_str(b: &mut Vec<u8>, s: &str) {
+    b.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    b.extend_from_slice(s.as_bytes());
+}
+
+fn put_value(b: &mut Vec<u8>, v: &Value) {
+    match v {
+        Value::U8(x) => b.push(*x),
+        Value::I8(x) => b.push(*x as u8),
+        Value::U16(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::I16(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::U32(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::I32(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::U64(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::I64(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::F32(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::F64(x) => b.extend_from_slice(&x.to_le_bytes()),
+        Value::Bool(x) => b.push(*x as u8),
+        Value::String(s) => put_str(b, s),
+        Value::Array(items) => {
+            // An empty array's element type is irrelevant; say int32.
+            let elem = items.first().map_or(5, type_id);
+            b.extend_from_slice(&elem.to_le_bytes());
+            b.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            for x in items {
+                put_value(b, x);
+            }
+        }
+    }
+}
+
+/// Writes `bytes` to `model.gguf` in a fresh temporary directory (kept alive by the guard).
+pub fn write_temp(bytes: &[u8]) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    (dir, path)
+}
+
+/// Shorthand for a string value.
+pub fn s(x: &str) -> Value {
+    Value::String(x.to_string())
+}
+
+/// Shorthand for an array of strings.
+pub fn strs<'a>(xs: impl IntoIterator<Item = &'a str>) -> Value {
+    Value::Array(xs.into_iter().map(s).collect())
+}
+
+/// Tokens of the test vocabulary [`GgufWriter::tokenizer`] writes.
+pub const TEST_VOCAB: usize = 3 + 256 + 6 + 1;
+
+impl GgufWriter {
+    /// A small byte-level BPE tokenizer: 3 control tokens (`<|endoftext|>`, `<|im_start|>`
+    /// = bos, `<|im_end|>` = eos), the 256 byte characters, 6 merged tokens (merges
+    /// `Ġ t`, `h e`, `Ġt he`, `1 2`, `l l`, `he ll`) and one user-defined token `<my_tok>`.
+    pub fn tokenizer(&mut self, pre: Option<&str>, add_bos: bool) -> &mut Self {
+        let alphabet = super::tokenizer::byte_level_alphabet();
+        let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+            .map(String::from)
+            .to_vec();
+        let mut types = vec![3, 3, 3];
+        for c in alphabet {
+            tokens.push(c.to_string());
+            types.push(1);
+        }
+        let merges = ["Ġ t", "h e", "Ġt he", "1 2", "l l", "he ll"];
+        for m in merges {
+            tokens.push(m.replace(' ', ""));
+            types.push(1);
+        }
+        tokens.push("<my_tok>".into());
+        types.push(4);
+        assert_eq!(tokens.len(), TEST_VOCAB);
+        self.kv("tokenizer.ggml.model", s("gpt2"));
+        if let Some(p) = pre {
+            self.kv("tokenizer.ggml.pre", s(p));
+        }
+        self.kv(
+            "tokenizer.ggml.tokens",
+            strs(tokens.iter().map(String::as_str)),
+        );
+        self.kv(
+            "tokenizer.ggml.token_type",
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        );
+        self.kv("tokenizer.ggml.merges", strs(merges));
+        self.kv("tokenizer.ggml.bos_token_id", Value::U32(1));
+        self.kv("tokenizer.ggml.eos_token_id", Value::U32(2));
+        self.kv("tokenizer.ggml.add_bos_token", Value::Bool(add_bos));
+        self
+    }
+
+    /// A tensor of `dims` (innermost first) of type `ty` filled with pseudo-random blocks
+    /// whose f16 scales are finite (0.01 to 0.02), so every value decodes to a number.
+    pub fn random_tensor(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+        seed: u64,
+    ) -> &mut Self {
+        let n: u64 = dims.iter().product();
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let bytes = ty.bytes_for(n).expect("whole blocks") as usize;
+        let mut data: Vec<u8> = (0..bytes).map(|_| next() as u8).collect();
+        let scale = |at: usize, data: &mut [u8], r: u64| {
+            let v = half::f16::from_f32(0.01 + (r % 100) as f32 * 1e-4);
+            data[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        };
+        let ts = ty.type_size as usize;
+        let scale_at: &[usize] = match ty.name {
+            "F32" => {
+                for (i, c) in data.chunks_exact_mut(4).enumerate() {
+                    let v = ((i as f32) * 0.37).sin() * 0.1 + (next() % 7) as f32 * 1e-3;
+                    c.copy_from_slice(&v.to_le_bytes());
+                }
+                &[]
+            }
+            "F16" | "BF16" => {
+                for c in data.chunks_exact_mut(2) {
+                    let v = (next() % 1000) as f32 * 1e-3 - 0.5;
+                    let b = if ty.name == "F16" {
+                        half::f16::from_f32(v).to_le_bytes()
+                    } else {
+                        half::bf16::from_f32(v).to_le_bytes()
+                    };
+                    c.copy_from_slice(&b);
+                }
+                &[]
+            }
+            "Q8_0" | "Q4_0" => &[0],
+            "Q4_1" | "Q4_K" => &[0, 2],
+            "Q6_K" => &[208],
+            _ => &[],
+        };
+        for b in 0..bytes / ts {
+            for &at in scale_at {
+                let r = next();
+                scale(b * ts + at, &mut data, r);
+            }
+        }
+        self.tensor(name, dims, ty, &data)
+    }
+}
+
+/// A tiny `arch` model (llama or qwen2): 2 layers, width 32, 4 heads of 8, 2 KV heads, MLP
+/// 256, the test vocabulary; quantized tensors of every decodable type; `tied` leaves out
+/// `output.weight`.
+pub fn tiny_model(arch: &str, tied: bool) -> GgufWriter {
+    let (h, q, kv, ffn, vocab) = (32u64, 32u64, 16u64, 256u64, TEST_VOCAB as u64);
+    let mut w = GgufWriter::new(3);
+    w.kv("general.architecture", s(arch));
+    w.kv(&format!("{arch}.block_count"), Value::U32(2));
+    w.kv(&format!("{arch}.context_length"), Value::U32(128));
+    w.kv(&format!("{arch}.embedding_length"), Value::U32(h as u32));
+    w.kv(
+        &format!("{arch}.feed_forward_length"),
+        Value::U32(ffn as u32),
+    );
+    w.kv(&format!("{arch}.attention.head_count"), Value::U32(4));
+    w.kv(&format!("{arch}.attention.head_count_kv"), Value::U32(2));
+    w.kv(
+        &format!("{arch}.attention.layer_norm_rms_epsilon"),
+        Value::F32(1e-5),
+    );
+    w.kv(&format!("{arch}.rope.freq_base"), Value::F32(100000.0));
+    w.kv(&format!("{arch}.rope.dimension_count"), Value::U32(8));
+    w.tokenizer(Some("smollm"), false);
+    w.random_tensor("token_embd.weight", &[h, vocab], GgmlType::Q8_0, 1);
+    for l in 0..2u64 {
+        let t = |n: &str| format!("blk.{l}.{n}");
+        w.random_tensor(&t("attn_norm.weight"), &[h], GgmlType::F32, 10 + l);
+        w.random_tensor(&t("attn_q.weight"), &[h, q], GgmlType::Q4_1, 20 + l);
+        w.random_tensor(&t("attn_k.weight"), &[h, kv], GgmlType::Q4_0, 30 + l);
+        w.random_tensor(&t("attn_v.weight"), &[h, kv], GgmlType::F16, 40 + l);
+        if arch == "qwen2" {
+            w.random_tensor(&t("attn_q.bias"), &[q], GgmlType::F32, 50 + l);
+            w.random_tensor(&t("attn_k.bias"), &[kv], GgmlType::F32, 60 + l);
+            w.random_tensor(&t("attn_v.bias"), &[kv], GgmlType::F32, 70 + l);
+        }
+        w.random_tensor(&t("attn_output.weight"), &[q, h], GgmlType::BF16, 80 + l);
+        w.random_tensor(&t("ffn_norm.weight"), &[h], GgmlType::F32, 90 + l);
+        w.random_tensor(&t("ffn_gate.weight"), &[h, ffn], GgmlType::Q8_0, 100 + l);
+        w.random_tensor(&t("ffn_up.weight"), &[h, ffn], GgmlType::Q4_1, 110 + l);
+        let down = if l == 0 {
+            GgmlType::Q4_K
+        } else {
+            GgmlType::Q6_K
+        };
+        w.random_tensor(&t("ffn_down.weight"), &[ffn, h], down, 120 + l);
+    }
+    w.random_tensor("output_norm.weight", &[h], GgmlType::F32, 200);
+    if !tied {
+        w.random_tensor("output.weight", &[h, vocab], GgmlType::Q4_0, 201);
+    }
+    w
+}

@@ -1,0 +1,682 @@
+//! The Llama family's layers in a step's schedule: the token embedding, the blocks, the final
+//! RMSNorm, the LM head with the loss, and the backward of each, for one micro-batch.
+//!
+//! A block (pre-norm, as transformers' `LlamaDecoderLayer`):
+//!   x1 = rmsnorm(x); qkv = x1 @ [Wq; Wk; Wv]ᵀ (+ b); rope(q, k) in place;
+//!   a = attention(qkv); r = x + a @ Woᵀ (+ bo);
+//!   x2 = rmsnorm(r); gu = x2 @ [Wgate; Wup]ᵀ (+ b); s = silu(gate) · up; out = r + s @ Wdownᵀ.
+//! As in GPT-2's emission, the forward is a sequence of [`Stage`]s writing fresh buffers, and
+//! recomputation re-emits a subset of them (`h{l}.re.*`, `Phase::Recompute`) just before the
+//! block's backward. The RoPE op rotates the fused q|k|v buffer in place right after the
+//! projection that wrote it, so the buffer every later reader sees is the rotated one; the
+//! backward un-rotates the attention's gradient in place before the projection's backward.
+//! Shapes: B batch, T sequence, N = B·T rows, C width, H MLP width, NH query heads, NKV
+//! key/value heads, hd head size, QKV = (NH + 2·NKV)·hd, A = NH·hd, V vocabulary.
+
+use super::params::{LayerParams, LlamaParams, inventory};
+use crate::model::lm_head::{self, Head};
+use crate::model::{ModelSpec, Position, rope};
+use crate::plan::builder::{Builder, Emitted, MicroBatch};
+use crate::plan::schedule::{Op, Phase, Rows, WeightLayout};
+use crate::plan::strategy::BlockPolicy;
+use crate::plan::{BufId, Category, StepConfig};
+use std::ops::Range;
+
+/// Dimensions of one micro-batch, shared by the emitters.
+struct Dims {
+    b: usize,
+    t: usize,
+    n: usize,
+    rows: Rows,
+    c: usize,
+    h: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    eps: f32,
+    /// RoPE frequencies `[hd/2]`.
+    inv_freq: Vec<f32>,
+    /// Attention workspace elements (forward or backward).
+    attn_ws_len: usize,
+}
+
+impl Dims {
+    /// Width of the fused q|k|v row.
+    fn qkv(&self) -> usize {
+        (self.nh + 2 * self.nkv) * self.hd
+    }
+    /// Width of the attention output (all query heads).
+    fn a(&self) -> usize {
+        self.nh * self.hd
+    }
+    /// FLOPs of a linear layer over N rows, forward (multiply-add = 2).
+    fn mm_flops(&self, ic: usize, oc: usize) -> u64 {
+        2 * (self.n * ic * oc) as u64
+    }
+    /// Causal attention forward FLOPs: half of 4·B·NH·T²·hd.
+    fn attn_flops(&self) -> u64 {
+        2 * (self.b * self.nh * self.t * self.t * self.hd) as u64
+    }
+}
+
+/// One block of one micro-batch.
+struct Block<'a> {
+    d: &'a Dims,
+    p: &'a LayerParams,
+    /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
+    name: String,
+    /// The residual stream entering the block `[N, C]`.
+    res_in: BufId,
+}
+
+/// The activations of one block that its backward reads.
+#[derive(Clone, Debug)]
+struct BlockActs {
+    x1: BufId,      // [N, C] attention norm output
+    x1_rstd: BufId, // [N]
+    qkv: BufId,     // [N, QKV] (q and k rotated)
+    attn: BufId,    // [N, A]
+    lse: BufId,     // [B, NH, T]
+    res2: BufId,    // [N, C] residual after attention
+    x2: BufId,      // [N, C] MLP norm output
+    x2_rstd: BufId, // [N]
+    gu: BufId,      // [N, 2H] gate | up
+    act: BufId,     // [N, H] silu(gate) · up
+}
+
+/// The forward ops of a block that produce what its backward reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    AttnNorm,
+    /// The q|k|v projection and RoPE.
+    Qkv,
+    Attn,
+    AttnOut,
+    MlpNorm,
+    GateUp,
+    Swiglu,
+}
+
+const ALL_STAGES: [Stage; 7] = [
+    Stage::AttnNorm,
+    Stage::Qkv,
+    Stage::Attn,
+    Stage::AttnOut,
+    Stage::MlpNorm,
+    Stage::GateUp,
+    Stage::Swiglu,
+];
+
+/// Selective recomputation: the cheap, memory-heavy stages (norm outputs, the SwiGLU product).
+const SELECTIVE_STAGES: [Stage; 3] = [Stage::AttnNorm, Stage::MlpNorm, Stage::Swiglu];
+
+/// Buffers written by the stages emitted so far (the rest come from the forward).
+#[derive(Default)]
+struct Partial {
+    x1: Option<BufId>,
+    x1_rstd: Option<BufId>,
+    qkv: Option<BufId>,
+    attn: Option<BufId>,
+    lse: Option<BufId>,
+    res2: Option<BufId>,
+    x2: Option<BufId>,
+    x2_rstd: Option<BufId>,
+    gu: Option<BufId>,
+    act: Option<BufId>,
+}
+
+impl Partial {
+    /// The block's activations: those emitted here, else `base`'s.
+    fn over(self, base: Option<&BlockActs>) -> BlockActs {
+        let pick = |own: Option<BufId>, f: fn(&BlockActs) -> BufId| {
+            own.or_else(|| base.map(f))
+                .expect("every stage emitted or inherited")
+        };
+        BlockActs {
+            x1: pick(self.x1, |a| a.x1),
+            x1_rstd: pick(self.x1_rstd, |a| a.x1_rstd),
+            qkv: pick(self.qkv, |a| a.qkv),
+            attn: pick(self.attn, |a| a.attn),
+            lse: pick(self.lse, |a| a.lse),
+            res2: pick(self.res2, |a| a.res2),
+            x2: pick(self.x2, |a| a.x2),
+            x2_rstd: pick(self.x2_rstd, |a| a.x2_rstd),
+            gu: pick(self.gu, |a| a.gu),
+            act: pick(self.act, |a| a.act),
+        }
+    }
+}
+
+/// A linear layer `out[N, oc] = (residual +) inp[N, ic] @ wᵀ (+ b)`, `w` `[oc, ic]`.
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    g: &mut Builder,
+    d: &Dims,
+    name: String,
+    phase: Phase,
+    (inp, out, residual): (BufId, BufId, Option<BufId>),
+    w: &Range<usize>,
+    b: &Option<Range<usize>>,
+    (ic, oc): (usize, usize),
+) {
+    g.op(
+        name,
+        phase,
+        d.mm_flops(ic, oc),
+        Op::Matmul {
+            inp,
+            out,
+            residual,
+            w: w.clone(),
+            b: b.clone(),
+            layout: WeightLayout::OutIn,
+            rows: d.rows,
+            ic,
+            oc,
+        },
+    );
+}
+
+/// The backward of [`linear`]: `dinp` overwritten, the weight and bias gradients accumulated.
+#[allow(clippy::too_many_arguments)]
+fn linear_backward(
+    g: &mut Builder,
+    d: &Dims,
+    name: String,
+    (dinp, dout, inp): (BufId, BufId, BufId),
+    w: &Range<usize>,
+    b: &Option<Range<usize>>,
+    (ic, oc): (usize, usize),
+) {
+    g.op(
+        name,
+        Phase::Backward,
+        2 * d.mm_flops(ic, oc),
+        Op::MatmulBackward {
+            dinp,
+            dout,
+            inp,
+            w: w.clone(),
+            b: b.clone(),
+            layout: WeightLayout::OutIn,
+            rows: d.rows,
+            ic,
+            oc,
+        },
+    );
+}
+
+/// An RMSNorm of `inp` into fresh buffers `{pfx}{tag}` and `{pfx}{tag}.rstd`.
+fn rmsnorm(
+    g: &mut Builder,
+    d: &Dims,
+    (pfx, tag): (&str, &str),
+    phase: Phase,
+    inp: BufId,
+    w: &Range<usize>,
+) -> (BufId, BufId) {
+    let out = g.act(format!("{pfx}{tag}"), Category::Activation, d.n * d.c); // [N, C]
+    let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, d.n); // [N]
+    g.op(
+        format!("{pfx}{tag}"),
+        phase,
+        0,
+        Op::RmsNorm {
+            inp,
+            out,
+            rstd,
+            w: w.clone(),
+            rows: d.rows,
+            c: d.c,
+            eps: d.eps,
+        },
+    );
+    (out, rstd)
+}
+
+/// Emits stage `s` of a block into fresh buffers named `{pfx}…` (`pfx` is `h3.` or
+/// `h3.re.`), reading its inputs from `partial` (the stages emitted so far), else `base`
+/// (the forward's buffers), and the block input.
+fn emit_stage(
+    g: &mut Builder,
+    blk: &Block,
+    s: Stage,
+    base: Option<&BlockActs>,
+    partial: &mut Partial,
+    pfx: &str,
+    phase: Phase,
+) {
+    let (d, p) = (blk.d, blk.p);
+    let get = |f: fn(&BlockActs) -> BufId, own: Option<BufId>| -> BufId {
+        own.or_else(|| base.map(f))
+            .expect("stages are emitted in order")
+    };
+    match s {
+        Stage::AttnNorm => {
+            let (x1, rstd) = rmsnorm(g, d, (pfx, "attn_norm"), phase, blk.res_in, &p.attn_norm);
+            (partial.x1, partial.x1_rstd) = (Some(x1), Some(rstd));
+        }
+        Stage::Qkv => {
+            let inp = get(|a| a.x1, partial.x1);
+            let qkv = g.act(format!("{pfx}qkv"), Category::Activation, d.n * d.qkv());
+            let io = (inp, qkv, None);
+            linear(
+                g,
+                d,
+                format!("{pfx}qkv"),
+                phase,
+                io,
+                &p.qkv_w,
+                &p.qkv_b,
+                (d.c, d.qkv()),
+            );
+            g.op(
+                format!("{pfx}rope"),
+                phase,
+                0,
+                Op::Rope {
+                    x: qkv,
+                    rows: d.rows,
+                    width: d.qkv(),
+                    rotated: (d.nh + d.nkv) * d.hd,
+                    hd: d.hd,
+                    inv_freq: d.inv_freq.clone(),
+                },
+            );
+            partial.qkv = Some(qkv);
+        }
+        Stage::Attn => {
+            let qkv = get(|a| a.qkv, partial.qkv);
+            let out = g.act(format!("{pfx}attn"), Category::Activation, d.n * d.a());
+            let lse = g.f32(
+                format!("{pfx}attn.lse"),
+                Category::Activation,
+                d.b * d.nh * d.t,
+            );
+            let ws = g.f32(format!("{pfx}attn.ws"), Category::Workspace, d.attn_ws_len);
+            g.op(
+                format!("{pfx}attn"),
+                phase,
+                d.attn_flops(),
+                Op::Attention {
+                    qkv,
+                    out,
+                    lse,
+                    ws,
+                    rows: d.rows,
+                    nh: d.nh,
+                    nkv: d.nkv,
+                    hd: d.hd,
+                },
+            );
+            (partial.attn, partial.lse) = (Some(out), Some(lse));
+        }
+        Stage::AttnOut => {
+            let inp = get(|a| a.attn, partial.attn);
+            let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.n * d.c);
+            let io = (inp, out, Some(blk.res_in));
+            linear(
+                g,
+                d,
+                format!("{pfx}attn_out"),
+                phase,
+                io,
+                &p.o_w,
+                &p.o_b,
+                (d.a(), d.c),
+            );
+            partial.res2 = Some(out);
+        }
+        Stage::MlpNorm => {
+            let res2 = get(|a| a.res2, partial.res2);
+            let (x2, rstd) = rmsnorm(g, d, (pfx, "mlp_norm"), phase, res2, &p.mlp_norm);
+            (partial.x2, partial.x2_rstd) = (Some(x2), Some(rstd));
+        }
+        Stage::GateUp => {
+            let inp = get(|a| a.x2, partial.x2);
+            let gu = g.act(format!("{pfx}gate_up"), Category::Activation, d.n * 2 * d.h);
+            let io = (inp, gu, None);
+            let (w, b) = (&p.gate_up_w, &p.gate_up_b);
+            linear(
+                g,
+                d,
+                format!("{pfx}gate_up"),
+                phase,
+                io,
+                w,
+                b,
+                (d.c, 2 * d.h),
+            );
+            partial.gu = Some(gu);
+        }
+        Stage::Swiglu => {
+            let inp = get(|a| a.gu, partial.gu);
+            let out = g.act(format!("{pfx}swiglu"), Category::Activation, d.n * d.h);
+            g.op(
+                format!("{pfx}swiglu"),
+                phase,
+                0,
+                Op::Swiglu {
+                    inp,
+                    out,
+                    rows: d.rows,
+                    h: d.h,
+                },
+            );
+            partial.act = Some(out);
+        }
+    }
+}
+
+/// Emits the forward of the block; returns its activations and its output.
+fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
+    let (d, p, name) = (blk.d, blk.p, &blk.name);
+    let mut partial = Partial::default();
+    for s in ALL_STAGES {
+        emit_stage(g, blk, s, None, &mut partial, name, Phase::Forward);
+    }
+    let acts = partial.over(None);
+    let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
+    let io = (acts.act, out, Some(acts.res2));
+    let name = format!("{name}down");
+    linear(
+        g,
+        d,
+        name,
+        Phase::Forward,
+        io,
+        &p.down_w,
+        &p.down_b,
+        (d.h, d.c),
+    );
+    (acts, out)
+}
+
+/// Emits the recompute ops `policy` asks for; returns the activations the backward reads.
+fn recompute(g: &mut Builder, blk: &Block, fwd: &BlockActs, policy: BlockPolicy) -> BlockActs {
+    let stages: &[Stage] = match policy {
+        BlockPolicy::KeepAll => &[],
+        BlockPolicy::Selective => &SELECTIVE_STAGES,
+        BlockPolicy::Full => &ALL_STAGES,
+    };
+    let name = format!("{}re.", blk.name);
+    let mut partial = Partial::default();
+    for &s in stages {
+        emit_stage(g, blk, s, Some(fwd), &mut partial, &name, Phase::Recompute);
+    }
+    partial.over(Some(fwd))
+}
+
+/// Emits the backward of the block: reads `a` and the block input, accumulates into the
+/// residual gradient `dres` `[N, C]` (in place) and the parameter gradients.
+fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
+    let (d, p, name) = (blk.d, blk.p, &blk.name);
+    let (n, c) = (d.n, d.c);
+    let dact = g.act(format!("{name}d.swiglu"), Category::ActivationGrad, n * d.h);
+    let dgu = g.act(
+        format!("{name}d.gate_up"),
+        Category::ActivationGrad,
+        n * 2 * d.h,
+    );
+    let dx2 = g.act(format!("{name}d.mlp_norm"), Category::ActivationGrad, n * c);
+    let dattn = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * d.a());
+    let dqkv = g.act(
+        format!("{name}d.qkv"),
+        Category::ActivationGrad,
+        n * d.qkv(),
+    );
+    let dx1 = g.act(
+        format!("{name}d.attn_norm"),
+        Category::ActivationGrad,
+        n * c,
+    );
+    let attn_ws = g.f32(
+        format!("{name}attn.ws.bwd"),
+        Category::Workspace,
+        d.attn_ws_len,
+    );
+    let bwd = Phase::Backward;
+    let (down, gate_up) = ((&p.down_w, &p.down_b), (&p.gate_up_w, &p.gate_up_b));
+    let io = (dact, dres, a.act);
+    linear_backward(
+        g,
+        d,
+        format!("{name}down.bwd"),
+        io,
+        down.0,
+        down.1,
+        (d.h, c),
+    );
+    g.op(
+        format!("{name}swiglu.bwd"),
+        bwd,
+        0,
+        Op::SwigluBackward {
+            dinp: dgu,
+            dout: dact,
+            inp: a.gu,
+            rows: d.rows,
+            h: d.h,
+        },
+    );
+    let io = (dx2, dgu, a.x2);
+    let name_gu = format!("{name}gate_up.bwd");
+    linear_backward(g, d, name_gu, io, gate_up.0, gate_up.1, (c, 2 * d.h));
+    g.op(
+        format!("{name}mlp_norm.bwd"),
+        bwd,
+        0,
+        Op::RmsNormBackward {
+            dinp: dres,
+            dout: dx2,
+            inp: a.res2,
+            rstd: a.x2_rstd,
+            w: p.mlp_norm.clone(),
+            rows: d.rows,
+            c,
+        },
+    );
+    let io = (dattn, dres, a.attn);
+    linear_backward(
+        g,
+        d,
+        format!("{name}attn_out.bwd"),
+        io,
+        &p.o_w,
+        &p.o_b,
+        (d.a(), c),
+    );
+    g.op(
+        format!("{name}attn.bwd"),
+        bwd,
+        5 * d.attn_flops() / 2,
+        Op::AttentionBackward {
+            dqkv,
+            dout: dattn,
+            qkv: a.qkv,
+            out: a.attn,
+            lse: a.lse,
+            ws: attn_ws,
+            rows: d.rows,
+            nh: d.nh,
+            nkv: d.nkv,
+            hd: d.hd,
+        },
+    );
+    g.op(
+        format!("{name}rope.bwd"),
+        bwd,
+        0,
+        Op::RopeBackward {
+            dx: dqkv,
+            rows: d.rows,
+            width: d.qkv(),
+            rotated: (d.nh + d.nkv) * d.hd,
+            hd: d.hd,
+            inv_freq: d.inv_freq.clone(),
+        },
+    );
+    let io = (dx1, dqkv, a.x1);
+    linear_backward(
+        g,
+        d,
+        format!("{name}qkv.bwd"),
+        io,
+        &p.qkv_w,
+        &p.qkv_b,
+        (c, d.qkv()),
+    );
+    g.op(
+        format!("{name}attn_norm.bwd"),
+        bwd,
+        0,
+        Op::RmsNormBackward {
+            dinp: dres,
+            dout: dx1,
+            inp: blk.res_in,
+            rstd: a.x1_rstd,
+            w: p.attn_norm.clone(),
+            rows: d.rows,
+            c,
+        },
+    );
+}
+
+/// What the forward leaves for the LM head and the backward.
+struct Forward {
+    /// Residual stream entering each block, then the final one.
+    residuals: Vec<BufId>,
+    acts: Vec<BlockActs>,
+    normed: BufId, // [N, C]
+    rstd: BufId,   // [N]
+}
+
+/// Emits the embedding, the blocks and the final norm of one micro-batch.
+fn forward_all(g: &mut Builder, d: &Dims, p: &LlamaParams, pfx: &str, tokens: BufId) -> Forward {
+    let mut res = g.act(format!("{pfx}embedded"), Category::Activation, d.n * d.c); // [N, C]
+    g.op(
+        format!("{pfx}embed"),
+        Phase::Forward,
+        0,
+        Op::Encoder {
+            tokens,
+            out: res,
+            wte: p.embed.clone(),
+            wpe: None,
+            rows: d.rows,
+            c: d.c,
+        },
+    );
+    let mut residuals = vec![res];
+    let mut acts = Vec::with_capacity(p.layers.len());
+    for (l, lp) in p.layers.iter().enumerate() {
+        let blk = Block {
+            d,
+            p: lp,
+            name: format!("{pfx}h{l}."),
+            res_in: res,
+        };
+        let (a, out) = forward(g, &blk);
+        res = out;
+        residuals.push(res);
+        acts.push(a);
+    }
+    let (normed, rstd) = rmsnorm(g, d, (pfx, "norm"), Phase::Forward, res, &p.norm);
+    Forward {
+        residuals,
+        acts,
+        normed,
+        rstd,
+    }
+}
+
+/// Emits one micro-batch: the forward, then in training plans the LM head with the loss and
+/// the backward (gradients accumulate), in generation plans the next-token logits.
+pub(crate) fn micro_batch(
+    g: &mut Builder,
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    mb: &MicroBatch,
+) -> Emitted {
+    let (_, p) = inventory(spec);
+    let Position::Rotary { theta, scaling } = spec.position else {
+        unreachable!("validated: Llama-family models use rotary positions")
+    };
+    let Rows { b, t } = mb.rows;
+    let d = Dims {
+        b,
+        t,
+        n: b * t,
+        rows: mb.rows,
+        c: spec.n_embd,
+        h: spec.mlp_hidden,
+        nh: spec.n_head,
+        nkv: spec.n_kv_head,
+        hd: spec.head_dim,
+        eps: spec.norm_eps,
+        inv_freq: rope::inv_freq(spec.head_dim, theta, scaling.as_ref()),
+        attn_ws_len: mb.attn_ws_len,
+    };
+    let pfx = mb.prefix.as_str();
+    let fwd = forward_all(g, &d, &p, pfx, mb.tokens);
+    let cv = (d.c, spec.vocab_size);
+    let dnormed = match lm_head::emit(g, cfg, mb, fwd.normed, p.lm_head.clone(), cv, "d.norm") {
+        Head::Logits(logits) => {
+            return Emitted {
+                logits: Some(logits),
+            };
+        }
+        Head::InputGrad(dnormed) => dnormed,
+    };
+
+    let dres = g.act(
+        format!("{pfx}d.residual"),
+        Category::ActivationGrad,
+        d.n * d.c,
+    ); // [N, C]
+    g.op(
+        format!("{pfx}zero d.residual"),
+        Phase::Backward,
+        0,
+        Op::Zero { buf: dres },
+    );
+    let res_final = *fwd.residuals.last().expect("residuals");
+    g.op(
+        format!("{pfx}norm.bwd"),
+        Phase::Backward,
+        0,
+        Op::RmsNormBackward {
+            dinp: dres,
+            dout: dnormed,
+            inp: res_final,
+            rstd: fwd.rstd,
+            w: p.norm.clone(),
+            rows: d.rows,
+            c: d.c,
+        },
+    );
+    for l in (0..spec.n_layer).rev() {
+        let blk = Block {
+            d: &d,
+            p: &p.layers[l],
+            name: format!("{pfx}h{l}."),
+            res_in: fwd.residuals[l],
+        };
+        let acts = recompute(g, &blk, &fwd.acts[l], cfg.recompute.block(l));
+        backward(g, &blk, &acts, dres);
+    }
+    g.op(
+        format!("{pfx}embed.bwd"),
+        Phase::Backward,
+        0,
+        Op::EncoderBackward {
+            dout: dres,
+            tokens: mb.tokens,
+            wte: p.embed.clone(),
+            wpe: None,
+            rows: d.rows,
+            c: d.c,
+        },
+    );
+    Emitted { logits: None }
+}

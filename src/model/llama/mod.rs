@@ -1,0 +1,705 @@
+//! The Llama family (Llama 2/3, SmolLM2, TinyLlama) and Qwen2, its sibling with q/k/v
+//! biases: pre-norm blocks with RMSNorm, rotary positions, grouped-query attention, a SwiGLU
+//! MLP, `torch.nn.Linear` weights (`[out, in]`), a tied or separate LM head. Presets,
+//! `config.json` as `LlamaForCausalLM` / `Qwen2ForCausalLM` read it, the parameter
+//! inventory ([`params`]) and the emission of a step (`emit`).
+
+pub(crate) mod emit;
+pub mod params;
+
+use super::ParamLayout;
+use super::rope::Llama3Scaling;
+use super::spec::{Biases, Family, FieldNames, ModelSpec, Norm, Position, SpecialTokens};
+use anyhow::{Context, Result, bail};
+use serde_json::{Map, Value, json};
+
+pub use params::{LayerParams, LlamaParams};
+
+pub(super) const FIELDS: FieldNames = FieldNames {
+    vocab: "vocab_size",
+    positions: "max_position_embeddings",
+    embd: "hidden_size",
+    layers: "num_hidden_layers",
+    heads: "num_attention_heads",
+    kv_heads: "num_key_value_heads",
+    mlp: "intermediate_size",
+};
+
+/// The untied output projection's name.
+pub(crate) const LM_HEAD: &str = "lm_head.weight";
+
+/// A preset's dimensions.
+struct Preset {
+    name: &'static str,
+    family: Family,
+    vocab: usize,
+    positions: usize,
+    embd: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    mlp: usize,
+    eps: f32,
+    theta: f32,
+    /// Llama 3.2's scaling (factor 32, low 1, high 4, original 8192) when set.
+    llama32_scaling: bool,
+    tied: bool,
+    bos: u32,
+    eos: u32,
+}
+
+/// Presets, from the models' published `config.json` files (`llama-tiny` is memwall's own,
+/// for tests: a few million parameters with GPT-2's vocabulary, so GPT-2-tokenized data fits).
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "llama-tiny",
+        family: Family::Llama,
+        vocab: 50257,
+        positions: 256,
+        embd: 128,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        mlp: 352,
+        eps: 1e-5,
+        theta: 10_000.0,
+        llama32_scaling: false,
+        tied: true,
+        bos: 50256,
+        eos: 50256,
+    },
+    Preset {
+        name: "smollm2-135m",
+        family: Family::Llama,
+        vocab: 49152,
+        positions: 8192,
+        embd: 576,
+        layers: 30,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        mlp: 1536,
+        eps: 1e-5,
+        theta: 100_000.0,
+        llama32_scaling: false,
+        tied: true,
+        bos: 0,
+        eos: 0,
+    },
+    Preset {
+        name: "smollm2-360m",
+        family: Family::Llama,
+        vocab: 49152,
+        positions: 8192,
+        embd: 960,
+        layers: 32,
+        heads: 15,
+        kv_heads: 5,
+        head_dim: 64,
+        mlp: 2560,
+        eps: 1e-5,
+        theta: 100_000.0,
+        llama32_scaling: false,
+        tied: true,
+        bos: 0,
+        eos: 0,
+    },
+    Preset {
+        name: "qwen2.5-0.5b",
+        family: Family::Qwen2,
+        vocab: 151936,
+        positions: 32768,
+        embd: 896,
+        layers: 24,
+        heads: 14,
+        kv_heads: 2,
+        head_dim: 64,
+        mlp: 4864,
+        eps: 1e-6,
+        theta: 1_000_000.0,
+        llama32_scaling: false,
+        tied: true,
+        bos: 151643,
+        eos: 151643,
+    },
+    Preset {
+        name: "llama-3.2-1b",
+        family: Family::Llama,
+        vocab: 128256,
+        positions: 131072,
+        embd: 2048,
+        layers: 16,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 64,
+        mlp: 8192,
+        eps: 1e-5,
+        theta: 500_000.0,
+        llama32_scaling: true,
+        tied: true,
+        bos: 128000,
+        eos: 128001,
+    },
+    Preset {
+        name: "tinyllama-1.1b",
+        family: Family::Llama,
+        vocab: 32000,
+        positions: 2048,
+        embd: 2048,
+        layers: 22,
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 64,
+        mlp: 5632,
+        eps: 1e-5,
+        theta: 10_000.0,
+        llama32_scaling: false,
+        tied: false,
+        bos: 1,
+        eos: 2,
+    },
+    Preset {
+        name: "llama-3.2-3b",
+        family: Family::Llama,
+        vocab: 128256,
+        positions: 131072,
+        embd: 3072,
+        layers: 28,
+        heads: 24,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 8192,
+        eps: 1e-5,
+        theta: 500_000.0,
+        llama32_scaling: true,
+        tied: true,
+        bos: 128000,
+        eos: 128001,
+    },
+    Preset {
+        name: "llama-2-7b",
+        family: Family::Llama,
+        vocab: 32000,
+        positions: 4096,
+        embd: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 32,
+        head_dim: 128,
+        mlp: 11008,
+        eps: 1e-5,
+        theta: 10_000.0,
+        llama32_scaling: false,
+        tied: false,
+        bos: 1,
+        eos: 2,
+    },
+    Preset {
+        name: "llama-3-8b",
+        family: Family::Llama,
+        vocab: 128256,
+        positions: 8192,
+        embd: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 14336,
+        eps: 1e-5,
+        theta: 500_000.0,
+        llama32_scaling: false,
+        tied: false,
+        bos: 128000,
+        eos: 128001,
+    },
+];
+
+/// Llama 3.2's rope scaling.
+const LLAMA32_SCALING: Llama3Scaling = Llama3Scaling {
+    factor: 32.0,
+    low_freq_factor: 1.0,
+    high_freq_factor: 4.0,
+    original_max_position_embeddings: 8192,
+};
+
+/// The biases a family's linear layers have (`attention_bias` / `mlp_bias` for Llama).
+fn biases(family: Family, attention_bias: bool, mlp_bias: bool) -> Biases {
+    match family {
+        // Qwen2: q/k/v biases always, none on o_proj, none in the MLP.
+        Family::Qwen2 => Biases {
+            qkv: true,
+            attn_out: false,
+            mlp: false,
+        },
+        _ => Biases {
+            qkv: attention_bias,
+            attn_out: attention_bias,
+            mlp: mlp_bias,
+        },
+    }
+}
+
+fn from_preset(p: &Preset) -> ModelSpec {
+    ModelSpec {
+        name: p.name.to_string(),
+        family: p.family,
+        vocab_size: p.vocab,
+        n_positions: p.positions,
+        n_embd: p.embd,
+        n_layer: p.layers,
+        n_head: p.heads,
+        n_kv_head: p.kv_heads,
+        head_dim: p.head_dim,
+        mlp_hidden: p.mlp,
+        norm: Norm::RmsNorm,
+        norm_eps: p.eps,
+        position: Position::Rotary {
+            theta: p.theta,
+            scaling: p.llama32_scaling.then_some(LLAMA32_SCALING),
+        },
+        tied_embeddings: p.tied,
+        biases: biases(p.family, false, false),
+        special_tokens: SpecialTokens {
+            bos: Some(p.bos),
+            eos: vec![p.eos],
+        },
+    }
+}
+
+pub(super) fn preset_names(family: Family) -> Vec<&'static str> {
+    PRESETS
+        .iter()
+        .filter(|p| p.family == family)
+        .map(|p| p.name)
+        .collect()
+}
+
+pub(super) fn preset(family: Family, name: &str) -> Option<ModelSpec> {
+    PRESETS
+        .iter()
+        .find(|p| p.family == family && p.name == name)
+        .map(from_preset)
+}
+
+/// Reads a `config.json` of `model_type` `llama` or `qwen2`.
+pub(super) fn from_hf_config(
+    family: Family,
+    obj: &Map<String, Value>,
+    source: &str,
+) -> Result<ModelSpec> {
+    let field = |key: &str| obj.get(key).filter(|v| !v.is_null());
+    let uint = |key: &str, default: Option<usize>| -> Result<usize> {
+        match field(key) {
+            None => default.with_context(|| format!("{source}: missing field '{key}'")),
+            Some(x) => match x.as_u64() {
+                Some(n) => Ok(n as usize),
+                None => bail!("{source}: field '{key}' must be a non-negative integer, found {x}"),
+            },
+        }
+    };
+    let float = |key: &str, default: f64| -> Result<f64> {
+        match field(key) {
+            None => Ok(default),
+            Some(x) => match x.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(f),
+                _ => bail!("{source}: field '{key}' must be a positive number, found {x}"),
+            },
+        }
+    };
+    let flag = |key: &str, default: bool| -> Result<bool> {
+        match field(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(x) => bail!("{source}: field '{key}' must be true or false, found {x}"),
+        }
+    };
+    if let Some(act) = field("hidden_act")
+        && act.as_str() != Some("silu")
+    {
+        bail!("{source}: field 'hidden_act' is {act}; memwall's Llama MLP is SwiGLU (\"silu\")");
+    }
+    if family == Family::Qwen2 && flag("use_sliding_window", false)? {
+        bail!(
+            "{source}: field 'use_sliding_window' is true; memwall attends over the whole \
+             sequence (set it to false, as Qwen2.5's released configs do)"
+        );
+    }
+    let c = uint("hidden_size", None)?;
+    let nh = uint("num_attention_heads", None)?;
+    let nkv = uint("num_key_value_heads", Some(nh))?;
+    if nh > 0 && field("head_dim").is_none() && !c.is_multiple_of(nh) {
+        bail!(
+            "{source}: field 'hidden_size' ({c}) is not divisible by 'num_attention_heads' \
+             ({nh}), and no 'head_dim' is given; each head needs hidden_size / heads channels"
+        );
+    }
+    let head_dim = uint("head_dim", Some(c.checked_div(nh).unwrap_or(0)))?;
+    let (theta, scaling) = rope(obj, source)?;
+    let eos = match field("eos_token_id") {
+        None => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| token_id(x, "eos_token_id", source))
+            .collect::<Result<_>>()?,
+        Some(x) => vec![token_id(x, "eos_token_id", source)?],
+    };
+    let bos = field("bos_token_id")
+        .map(|x| token_id(x, "bos_token_id", source))
+        .transpose()?;
+    Ok(ModelSpec {
+        name: source.to_string(),
+        family,
+        vocab_size: uint("vocab_size", None)?,
+        n_positions: uint("max_position_embeddings", Some(2048))?,
+        n_embd: c,
+        n_layer: uint("num_hidden_layers", None)?,
+        n_head: nh,
+        n_kv_head: nkv,
+        head_dim,
+        mlp_hidden: uint("intermediate_size", None)?,
+        norm: Norm::RmsNorm,
+        norm_eps: float("rms_norm_eps", 1e-6)? as f32,
+        position: Position::Rotary { theta, scaling },
+        tied_embeddings: flag("tie_word_embeddings", false)?,
+        biases: biases(
+            family,
+            flag("attention_bias", false)?,
+            flag("mlp_bias", false)?,
+        ),
+        special_tokens: SpecialTokens { bos, eos },
+    })
+}
+
+fn token_id(x: &Value, key: &str, source: &str) -> Result<u32> {
+    x.as_u64()
+        .and_then(|n| u32::try_from(n).ok())
+        .with_context(|| {
+            format!("{source}: field '{key}' must be a token id (or a list of them), found {x}")
+        })
+}
+
+/// θ and the scaling, from `rope_theta` / `rope_scaling` or the newer `rope_parameters`.
+fn rope(obj: &Map<String, Value>, source: &str) -> Result<(f32, Option<Llama3Scaling>)> {
+    let params = obj.get("rope_parameters").filter(|v| !v.is_null());
+    let (scaling_key, scaling) = match params {
+        Some(p) => ("rope_parameters", Some(p)),
+        None => (
+            "rope_scaling",
+            obj.get("rope_scaling").filter(|v| !v.is_null()),
+        ),
+    };
+    let theta_value = params
+        .and_then(|p| p.get("rope_theta"))
+        .or_else(|| obj.get("rope_theta"))
+        .filter(|v| !v.is_null());
+    let theta = match theta_value {
+        None => 10_000.0,
+        Some(x) => match x.as_f64() {
+            Some(t) if t > 1.0 && t.is_finite() => t as f32,
+            _ => bail!("{source}: field 'rope_theta' must be a number above 1, found {x}"),
+        },
+    };
+    let Some(s) = scaling else {
+        return Ok((theta, None));
+    };
+    let Some(s) = s.as_object() else {
+        bail!("{source}: field '{scaling_key}' must be an object, found {s}");
+    };
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok((theta, None)),
+        "llama3" => {
+            let num = |k: &str| -> Result<f64> {
+                s.get(k).and_then(Value::as_f64).filter(|f| f.is_finite() && *f > 0.0).with_context(|| {
+                    format!("{source}: field '{scaling_key}.{k}' must be a positive number for rope_type llama3")
+                })
+            };
+            let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+            if high <= low {
+                bail!(
+                    "{source}: '{scaling_key}': high_freq_factor ({high}) must exceed low_freq_factor ({low})"
+                );
+            }
+            Ok((
+                theta,
+                Some(Llama3Scaling {
+                    factor: num("factor")? as f32,
+                    low_freq_factor: low as f32,
+                    high_freq_factor: high as f32,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?
+                        as usize,
+                }),
+            ))
+        }
+        other => bail!(
+            "{source}: field '{scaling_key}' has rope_type '{other}'; memwall supports 'default' \
+             and 'llama3'"
+        ),
+    }
+}
+
+/// The `config.json` transformers loads (`LlamaForCausalLM` or `Qwen2ForCausalLM`).
+pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
+    let Position::Rotary { theta, scaling } = s.position else {
+        unreachable!("validated: Llama-family models use rotary positions")
+    };
+    let rope_scaling = match scaling {
+        None => Value::Null,
+        Some(r) => json!({
+            "rope_type": "llama3",
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+        }),
+    };
+    let eos = match s.special_tokens.eos.as_slice() {
+        [] => Value::Null,
+        [one] => json!(one),
+        many => json!(many),
+    };
+    let mut v = json!({
+        "architectures": [if s.family == Family::Qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "model_type": s.family.model_type(),
+        "vocab_size": s.vocab_size,
+        "hidden_size": s.n_embd,
+        "intermediate_size": s.mlp_hidden,
+        "num_hidden_layers": s.n_layer,
+        "num_attention_heads": s.n_head,
+        "num_key_value_heads": s.n_kv_head,
+        "head_dim": s.head_dim,
+        "max_position_embeddings": s.n_positions,
+        "rms_norm_eps": s.norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "hidden_act": "silu",
+        "tie_word_embeddings": s.tied_embeddings,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "bos_token_id": s.special_tokens.bos,
+        "eos_token_id": eos,
+        "use_cache": true,
+        "torch_dtype": "float32",
+    });
+    let obj = v.as_object_mut().expect("an object");
+    if s.family == Family::Qwen2 {
+        obj.insert("use_sliding_window".into(), json!(false));
+    } else {
+        obj.insert("attention_bias".into(), json!(s.biases.qkv));
+        obj.insert("mlp_bias".into(), json!(s.biases.mlp));
+        obj.insert("pretraining_tp".into(), json!(1));
+    }
+    v
+}
+
+/// What the family fixes beyond the generic dimensions.
+pub(super) fn validate(s: &ModelSpec) -> Result<()> {
+    if s.norm != Norm::RmsNorm || !matches!(s.position, Position::Rotary { .. }) {
+        bail!(
+            "{} models use RMSNorm and rotary positions",
+            s.family.model_type()
+        );
+    }
+    if s.head_dim > 512 {
+        bail!(
+            "head size {} exceeds the 512 channels memwall's RoPE kernel supports",
+            s.head_dim
+        );
+    }
+    Ok(())
+}
+
+/// The parameter inventory (see [`params`]).
+pub(super) fn layout(s: &ModelSpec) -> ParamLayout {
+    params::inventory(s).0
+}
+
+/// Hugging Face Llama names are used as they are; `model.`-less names (from a bare
+/// `LlamaModel`) get the prefix; the rotary `inv_freq` buffers old checkpoints saved are not
+/// parameters.
+pub(super) fn canonical_name(name: &str) -> Option<String> {
+    if name.ends_with("rotary_emb.inv_freq") {
+        return None;
+    }
+    if name == LM_HEAD || name.starts_with("model.") {
+        return Some(name.to_string());
+    }
+    Some(format!("model.{name}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parameter counts of the released models (their model cards and `num_parameters()`).
+    #[test]
+    fn presets_have_the_released_parameter_counts() {
+        for (name, want) in [
+            ("smollm2-135m", 134_515_008),
+            ("smollm2-360m", 361_821_120),
+            ("qwen2.5-0.5b", 494_032_768),
+            ("llama-3.2-1b", 1_235_814_400),
+            ("tinyllama-1.1b", 1_100_048_384),
+            ("llama-3.2-3b", 3_212_749_824),
+            ("llama-2-7b", 6_738_415_616),
+            ("llama-3-8b", 8_030_261_248),
+        ] {
+            let s = ModelSpec::preset(name).unwrap();
+            assert_eq!(s.num_params(), want, "{name}");
+        }
+        let tiny = ModelSpec::preset("llama-tiny").unwrap();
+        assert!((1_000_000..10_000_000).contains(&tiny.num_params()));
+        assert!(
+            tiny.n_kv_head < tiny.n_head,
+            "llama-tiny exercises grouped-query attention"
+        );
+    }
+
+    #[test]
+    fn configs_round_trip() {
+        for name in preset_names(Family::Llama)
+            .into_iter()
+            .chain(preset_names(Family::Qwen2))
+        {
+            let s = ModelSpec::preset(name).unwrap();
+            let text = s.to_hf_config().to_string();
+            let back = ModelSpec::from_hf_config_str(&text, "config.json").unwrap();
+            assert!(s.same_dims(&back), "{name}: {s:?} vs {back:?}");
+            assert_eq!(s.special_tokens, back.special_tokens, "{name}");
+        }
+    }
+
+    /// The fields of a published config, and the variants transformers accepts.
+    #[test]
+    fn reads_hugging_face_configs() {
+        let smollm = r#"{"architectures": ["LlamaForCausalLM"], "attention_bias": false,
+            "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64,
+            "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+            "intermediate_size": 1536, "is_llama_config": true, "max_position_embeddings": 8192,
+            "mlp_bias": false, "model_type": "llama", "num_attention_heads": 9,
+            "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2,
+            "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": false,
+            "rope_scaling": null, "rope_theta": 100000, "tie_word_embeddings": true,
+            "torch_dtype": "bfloat16", "transformers_version": "4.42.3", "use_cache": true,
+            "vocab_size": 49152}"#;
+        let s = ModelSpec::from_hf_config_str(smollm, "smollm2/config.json").unwrap();
+        assert!(s.same_dims(&ModelSpec::preset("smollm2-135m").unwrap()));
+        assert_eq!(s.special_tokens.eos, vec![2]);
+        // Llama 3.2: rope scaling, eos a list; the newer rope_parameters form the same.
+        let llama32 = |rope: &str| {
+            format!(
+                r#"{{"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "vocab_size": 128256,
+                "tie_word_embeddings": true, "bos_token_id": 128000,
+                "eos_token_id": [128001, 128008, 128009], {rope}}}"#
+            )
+        };
+        let scaling = r#""factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3""#;
+        let old = llama32(&format!(
+            r#""rope_theta": 500000.0, "rope_scaling": {{{scaling}}}"#
+        ));
+        let new = llama32(&format!(
+            r#""rope_parameters": {{"rope_theta": 500000.0, {scaling}}}"#
+        ));
+        let preset = ModelSpec::preset("llama-3.2-1b").unwrap();
+        for text in [old, new] {
+            let s = ModelSpec::from_hf_config_str(&text, "c.json").unwrap();
+            assert!(s.same_dims(&preset), "{s:?}");
+            assert_eq!(s.special_tokens.eos, vec![128001, 128008, 128009]);
+        }
+        // No num_key_value_heads: as many as heads; no head_dim: width / heads.
+        let mha = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10}"#;
+        let s = ModelSpec::from_hf_config_str(mha, "c.json").unwrap();
+        assert_eq!((s.n_kv_head, s.head_dim), (4, 16));
+        // Qwen2: q/k/v biases, none on o_proj.
+        let qwen = r#"{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 10, "use_sliding_window": false}"#;
+        let s = ModelSpec::from_hf_config_str(qwen, "c.json").unwrap();
+        assert!(s.biases.qkv && !s.biases.attn_out && !s.biases.mlp);
+        let lay = s.family.layout(&s);
+        assert!(lay.get("model.layers.0.self_attn.k_proj.bias").is_some());
+        assert!(lay.get("model.layers.0.self_attn.o_proj.bias").is_none());
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        let e = |extra: &str| {
+            let text = format!(
+                r#"{{"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 1, "vocab_size": 10, {extra}}}"#
+            );
+            format!(
+                "{:#}",
+                ModelSpec::from_hf_config_str(&text, "cfg.json").unwrap_err()
+            )
+        };
+        let m = e(r#""num_attention_heads": 5"#);
+        assert!(
+            m.contains("'hidden_size' (64) is not divisible by 'num_attention_heads' (5)"),
+            "{m}"
+        );
+        let m = e(r#""num_attention_heads": 4, "num_key_value_heads": 3"#);
+        assert!(
+            m.contains("'num_attention_heads' (4) is not divisible by 'num_key_value_heads' (3)"),
+            "{m}"
+        );
+        let m =
+            e(r#""num_attention_heads": 4, "rope_scaling": {"rope_type": "yarn", "factor": 4}"#);
+        assert!(m.contains("rope_type 'yarn'"), "{m}");
+        let m = e(r#""num_attention_heads": 4, "hidden_act": "gelu""#);
+        assert!(m.contains("hidden_act"), "{m}");
+        let m = e(r#""num_attention_heads": 4, "eos_token_id": "end""#);
+        assert!(m.contains("eos_token_id"), "{m}");
+        let m = e(r#""num_attention_heads": 4, "tie_word_embeddings": "yes""#);
+        assert!(m.contains("tie_word_embeddings"), "{m}");
+        let m = e(r#""num_attention_heads": 0"#);
+        assert!(m.contains("num_attention_heads"), "{m}");
+        let m =
+            e(r#""num_attention_heads": 4, "rope_scaling": {"rope_type": "llama3", "factor": 8}"#);
+        assert!(m.contains("low_freq_factor"), "{m}");
+    }
+
+    #[test]
+    fn layout_fuses_projections_that_share_an_input() {
+        let s = ModelSpec::preset("llama-tiny").unwrap();
+        let (lay, p) = params::inventory(&s);
+        let l0 = &p.layers[0];
+        let q = lay.range("model.layers.0.self_attn.q_proj.weight");
+        let v = lay.range("model.layers.0.self_attn.v_proj.weight");
+        assert_eq!(l0.qkv_w, q.start..v.end);
+        assert_eq!(
+            l0.qkv_w.len(),
+            (s.n_head + 2 * s.n_kv_head) * s.head_dim * s.n_embd
+        );
+        let g = lay.range("model.layers.0.mlp.gate_proj.weight");
+        let u = lay.range("model.layers.0.mlp.up_proj.weight");
+        assert_eq!(l0.gate_up_w, g.start..u.end);
+        assert_eq!(
+            lay.get("model.layers.0.self_attn.o_proj.weight")
+                .unwrap()
+                .shape,
+            vec![s.n_embd, s.n_head * s.head_dim]
+        );
+        // Tied: the head is the embedding, stored once; untied: its own group at the end.
+        assert_eq!(p.lm_head, p.embed);
+        assert_eq!(lay.tied[0].name, "lm_head.weight");
+        let untied = ModelSpec {
+            tied_embeddings: false,
+            ..s.clone()
+        };
+        let (lay, p) = params::inventory(&untied);
+        assert_eq!(lay.range("lm_head.weight"), p.lm_head);
+        assert_eq!(lay.groups.last().unwrap().name, "lm_head");
+        assert!(lay.tied.is_empty());
+    }
+}

@@ -1,0 +1,129 @@
+//! The Llama family's parameter inventory: every tensor with its Hugging Face name, shape and
+//! initialisation, in buffer order, grouped as the embedding, one group per block, the final
+//! norm, and the LM head when it is not tied.
+//!
+//! Linear weights are stored as `torch.nn.Linear` does, `[out, in]` row-major, so checkpoints
+//! are straight copies and the linear ops use `WeightLayout::OutIn`
+//! (`crate::plan::schedule::WeightLayout`). Inside a block the tensors are placed so that
+//! projections reading the same input are one matrix: `q_proj`, `k_proj` and `v_proj` rows
+//! follow each other (`[(NH + 2·NKV)·hd, C]` together, one GEMM writing the fused q|k|v row),
+//! as do `gate_proj` and `up_proj` (`[2H, C]`); their biases likewise.
+//! Initialisation as transformers' `LlamaPreTrainedModel`: weights and embeddings
+//! N(0, 0.02), biases 0, norm weights 1.
+
+use super::LM_HEAD;
+use crate::model::ParamLayout;
+use crate::model::params::{Init, LayoutBuilder, TiedName};
+use crate::model::spec::ModelSpec;
+use std::ops::Range;
+
+/// Element ranges of one block's parameters (C width, H MLP width, hd head size; QKV =
+/// (NH + 2·NKV)·hd, A = NH·hd).
+#[derive(Clone, Debug)]
+pub struct LayerParams {
+    pub attn_norm: Range<usize>,         // [C]
+    pub qkv_w: Range<usize>,             // [QKV, C]: q_proj, k_proj, v_proj
+    pub qkv_b: Option<Range<usize>>,     // [QKV]
+    pub o_w: Range<usize>,               // [C, A]
+    pub o_b: Option<Range<usize>>,       // [C]
+    pub mlp_norm: Range<usize>,          // [C]
+    pub gate_up_w: Range<usize>,         // [2H, C]: gate_proj, up_proj
+    pub gate_up_b: Option<Range<usize>>, // [2H]
+    pub down_w: Range<usize>,            // [C, H]
+    pub down_b: Option<Range<usize>>,    // [C]
+}
+
+/// Element ranges of every tensor, by role.
+#[derive(Clone, Debug)]
+pub struct LlamaParams {
+    pub embed: Range<usize>, // [V, C]
+    pub layers: Vec<LayerParams>,
+    pub norm: Range<usize>,    // [C]
+    pub lm_head: Range<usize>, // [V, C]: `embed` when tied
+}
+
+/// The layout and the ranges by role.
+pub fn inventory(spec: &ModelSpec) -> (ParamLayout, LlamaParams) {
+    let (v, c, h) = (spec.vocab_size, spec.n_embd, spec.mlp_hidden);
+    let (q, kv) = (spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim);
+    let normal = Init::Normal { std: 0.02 };
+    let mut cur = LayoutBuilder::new(spec.family);
+    let embed = cur.push("model.embed_tokens.weight".into(), &[v, c], true, normal);
+    cur.group("embed");
+    let join = |a: Range<usize>, b: Range<usize>| {
+        debug_assert_eq!(a.end, b.start, "consecutive tensors");
+        a.start..b.end
+    };
+    let mut layers = Vec::with_capacity(spec.n_layer);
+    for l in 0..spec.n_layer {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let bias =
+            |cur: &mut LayoutBuilder, s: &str, n: usize| cur.push(p(s), &[n], false, Init::Zeros);
+        let attn_norm = cur.push(p("input_layernorm.weight"), &[c], false, Init::Ones);
+        let q_w = cur.push(p("self_attn.q_proj.weight"), &[q, c], true, normal);
+        let k_w = cur.push(p("self_attn.k_proj.weight"), &[kv, c], true, normal);
+        let v_w = cur.push(p("self_attn.v_proj.weight"), &[kv, c], true, normal);
+        let qkv_b = spec.biases.qkv.then(|| {
+            let qb = bias(&mut cur, "self_attn.q_proj.bias", q);
+            let kb = bias(&mut cur, "self_attn.k_proj.bias", kv);
+            let vb = bias(&mut cur, "self_attn.v_proj.bias", kv);
+            join(join(qb, kb), vb)
+        });
+        let o_w = cur.push(p("self_attn.o_proj.weight"), &[c, q], true, normal);
+        let o_b = spec
+            .biases
+            .attn_out
+            .then(|| bias(&mut cur, "self_attn.o_proj.bias", c));
+        let mlp_norm = cur.push(
+            p("post_attention_layernorm.weight"),
+            &[c],
+            false,
+            Init::Ones,
+        );
+        let gate_w = cur.push(p("mlp.gate_proj.weight"), &[h, c], true, normal);
+        let up_w = cur.push(p("mlp.up_proj.weight"), &[h, c], true, normal);
+        let gate_up_b = spec.biases.mlp.then(|| {
+            let gb = bias(&mut cur, "mlp.gate_proj.bias", h);
+            let ub = bias(&mut cur, "mlp.up_proj.bias", h);
+            join(gb, ub)
+        });
+        let down_w = cur.push(p("mlp.down_proj.weight"), &[c, h], true, normal);
+        let down_b = spec
+            .biases
+            .mlp
+            .then(|| bias(&mut cur, "mlp.down_proj.bias", c));
+        cur.group(format!("h{l}"));
+        layers.push(LayerParams {
+            attn_norm,
+            qkv_w: join(join(q_w, k_w), v_w),
+            qkv_b,
+            o_w,
+            o_b,
+            mlp_norm,
+            gate_up_w: join(gate_w, up_w),
+            gate_up_b,
+            down_w,
+            down_b,
+        });
+    }
+    let norm = cur.push("model.norm.weight".into(), &[c], false, Init::Ones);
+    cur.group("norm");
+    let (lm_head, tied) = if spec.tied_embeddings {
+        let tied = vec![TiedName {
+            name: LM_HEAD.into(),
+            tensor: 0,
+        }];
+        (embed.clone(), tied)
+    } else {
+        let w = cur.push(LM_HEAD.into(), &[v, c], true, normal);
+        cur.group("lm_head");
+        (w, vec![])
+    };
+    let params = LlamaParams {
+        embed,
+        layers,
+        norm,
+        lm_head,
+    };
+    (cur.finish(tied), params)
+}
