@@ -255,9 +255,9 @@ struct TrainArgs {
     save_every: u64,
     /// Start from the weights of a Hugging Face model directory (config.json +
     /// model.safetensors, or shards with model.safetensors.index.json): a GPT-2, Llama or
-    /// Qwen2 checkpoint, or a memwall checkpoint. Gives the architecture when --model is left
-    /// out (fine-tuning).
-    #[arg(long, conflicts_with = "resume")]
+    /// Qwen2 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2), converted
+    /// once into the user cache. Gives the architecture when --model is left out (fine-tuning).
+    #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
     init: Option<PathBuf>,
     /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.
     #[arg(long, value_name = "RUN_DIR")]
@@ -273,8 +273,10 @@ struct TrainArgs {
 
 #[derive(Args)]
 struct SampleArgs {
-    /// Checkpoint directory (config.json + model.safetensors), e.g. RUN/checkpoints/step-000500.
-    #[arg(long)]
+    /// Checkpoint directory (config.json + model.safetensors), e.g. RUN/checkpoints/step-000500
+    /// or a Hugging Face model directory; or a GGUF file (llama / qwen2), converted once into
+    /// the user cache.
+    #[arg(long, value_name = "DIR|FILE.gguf")]
     model: PathBuf,
     /// Text to continue.
     #[arg(long, default_value = "ROMEO:")]
@@ -496,7 +498,11 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
             a.out.expect("clap requires --out"),
         );
         // --init gives the architecture when --model is left out.
-        let init_model = a.init.as_ref().map(|p| p.to_string_lossy().into_owned());
+        let init = match &a.init {
+            Some(p) => Some(gguf::cache::model_dir(p, "--init")?),
+            None => None,
+        };
+        let init_model = init.as_ref().map(|p| p.to_string_lossy().into_owned());
         let model = a.step.model.as_deref().or(init_model.as_deref());
         let mut o = TrainOptions::new(model.unwrap_or(DEFAULT_MODEL), &data, &out);
         o.steps = a.steps.unwrap_or(o.steps);
@@ -511,7 +517,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.eval_every = a.eval_every;
         o.eval_batches = a.eval_batches;
         o.save_every = a.save_every;
-        o.init = a.init;
+        o.init = init;
         o.strategies = a.step.strategy.resolve(a.step.max_memory);
         o.profile_steps = if a.profile { a.profile_steps } else { 0 };
         train::train(&o, None, &mut progress)?
@@ -546,7 +552,7 @@ fn print_summary(s: &train::TrainSummary) {
 
 fn sample_cmd(a: SampleArgs) -> Result<()> {
     let opts = SampleOptions {
-        checkpoint: a.model,
+        checkpoint: gguf::cache::model_dir(&a.model, "--model")?,
         prompt: a.prompt.clone(),
         tokens: a.tokens,
         temperature: a.temperature,

@@ -72,14 +72,7 @@ pub(crate) struct Env {
 
 impl Env {
     fn from_process() -> Env {
-        let cache_home = std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .filter(|p| p.is_absolute())
-            .or_else(|| {
-                std::env::var_os("HOME")
-                    .filter(|h| !h.is_empty())
-                    .map(|h| PathBuf::from(h).join(".cache"))
-            });
+        let cache_home = crate::util::cache::cache_home();
         Env {
             memwall_corpus: std::env::var_os("MEMWALL_CORPUS").filter(|v| !v.is_empty()),
             cwd: std::env::current_dir().ok(),

@@ -8,10 +8,14 @@
 //! `model.safetensors`, `tokenizer.json` and `tokenizer_config.json` into a temporary
 //! sibling directory that is renamed into place once complete.
 //!
+//! `sample --model FILE.gguf` and `train --init FILE.gguf` convert once into the user cache
+//! ([`cache::model_dir`]) and use that directory.
+//!
 //! The output is a plain directory that `LlamaForCausalLM.from_pretrained` /
 //! `Qwen2ForCausalLM.from_pretrained` load; this module knows nothing of memwall's own model
 //! code.
 
+pub mod cache;
 pub mod convert;
 pub mod dequant;
 pub mod file;

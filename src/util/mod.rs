@@ -1,8 +1,9 @@
 //! Small shared utilities: crash-safe file writes, deterministic RNG, process memory readings,
-//! byte formatting.
+//! byte formatting, the user cache's location.
 
 pub mod atomic;
 pub mod bytes;
+pub mod cache;
 pub mod malloc;
 pub mod rng;
 pub mod rss;
