@@ -34,7 +34,6 @@
 //! Loading accepts the hub's naming variants (see `names.rs`) and F32/F16/BF16 data; every
 //! error names the file and the tensor or field.
 
-mod atomic;
 mod load;
 mod moments;
 mod names;

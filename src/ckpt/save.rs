@@ -5,7 +5,6 @@ use anyhow::{Context, Result, bail};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use super::atomic::TempDir;
 use super::moments::Moments;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
 use super::safetensors_io::{OutData, OutTensor, write_safetensors};
@@ -15,6 +14,7 @@ use super::{CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FIL
 use crate::model::{ModelSpec, ParamLayout};
 use crate::run_dir::RunDir;
 use crate::util::atomic::{self, parent_dir, sync_dir, write_synced};
+use crate::util::atomic_dir::TempDir;
 
 /// How a save writes the weights, and what it copies next to them.
 #[derive(Clone, Copy, Debug)]

@@ -15,7 +15,8 @@ use super::dequant::{check_supported, dequantize};
 use super::file::GgufFile;
 use super::hf::{Dims, HfModel, HfTensor, map_model, unpermute_rows};
 use super::tokenizer;
-use crate::util::atomic::{parent_dir, sync_dir, tmp_suffix, write_synced};
+use crate::util::atomic::write_synced;
+use crate::util::atomic_dir::TempDir;
 use anyhow::{Context, Result, bail};
 use safetensors::{Dtype, View};
 use std::borrow::Cow;
@@ -392,67 +393,6 @@ impl View for LazyTensor<'_> {
 
     fn data_len(&self) -> usize {
         self.t.shape.iter().product::<usize>() * self.dtype.size()
-    }
-}
-
-/// The output directory while it is written: a sibling `<name>.tmp-<pid>-<n>`, removed on
-/// drop unless published. (The same recipe as the checkpoint writer's, kept local so that
-/// `gguf` does not reach into `ckpt`'s private modules.)
-struct TempDir {
-    path: PathBuf,
-    done: bool,
-}
-
-impl TempDir {
-    fn create_for(out: &Path) -> Result<TempDir> {
-        let name = out.file_name().expect("checked by check_out_dir");
-        let path = parent_dir(out).join(format!("{}.{}", name.to_string_lossy(), tmp_suffix()));
-        fs::create_dir(&path)
-            .with_context(|| format!("cannot create directory {}", path.display()))?;
-        Ok(TempDir { path, done: false })
-    }
-
-    /// Fsyncs the directory and renames it to `out` (an existing directory there, empty or
-    /// replaced under `--force`, is moved aside first and removed after).
-    fn publish(mut self, out: &Path) -> Result<()> {
-        sync_dir(&self.path)?;
-        let parent = parent_dir(out);
-        let aside = if out.exists() {
-            let name = out.file_name().expect("checked").to_string_lossy();
-            let aside = parent.join(format!("{name}.old-{}", tmp_suffix()));
-            fs::rename(out, &aside).with_context(|| {
-                format!(
-                    "cannot move the existing {} aside to replace it",
-                    out.display()
-                )
-            })?;
-            Some(aside)
-        } else {
-            None
-        };
-        if let Err(e) = fs::rename(&self.path, out) {
-            if let Some(a) = &aside {
-                let _ = fs::rename(a, out);
-            }
-            return Err(e).with_context(|| {
-                format!("cannot rename {} to {}", self.path.display(), out.display())
-            });
-        }
-        self.done = true;
-        sync_dir(parent)?;
-        if let Some(a) = aside {
-            fs::remove_dir_all(&a)
-                .with_context(|| format!("cannot remove the replaced directory {}", a.display()))?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if !self.done {
-            let _ = fs::remove_dir_all(&self.path);
-        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! byte formatting, the user cache's location.
 
 pub mod atomic;
+pub mod atomic_dir;
 pub mod bytes;
 pub mod cache;
 pub mod malloc;

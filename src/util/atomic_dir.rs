@@ -1,11 +1,11 @@
-//! Crash-safe checkpoint directories: a checkpoint becomes visible under its final name only
-//! once every file in it is on disk.
+//! Crash-safe directories (checkpoints, converted GGUF models): a directory becomes visible
+//! under its final name only once every file in it is on disk.
 //!
 //! The files are written into a temporary sibling directory `<final>.tmp-<pid>-<n>` with
 //! [`write_synced`](crate::util::atomic::write_synced); the directory is fsynced, renamed into
 //! place and its parent fsynced (the directory form of the recipe in
 //! [`crate::util::atomic`], which writes single files). On any error the temporary directory
-//! is removed and earlier checkpoints are untouched; leftovers of a crashed process are
+//! is removed and what was there before is untouched; leftovers of a crashed process are
 //! recognisable by their `tmp-` suffix (`latest_checkpoint` skips them).
 
 use crate::util::atomic::{parent_dir, sync_dir, tmp_suffix};
@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 /// A directory being written under a temporary name next to its final name. Publish it with
 /// [`TempDir::publish`]; dropping it unpublished removes it with everything inside.
-pub(crate) struct TempDir {
+pub struct TempDir {
     pub path: PathBuf,
     done: bool,
 }
