@@ -130,10 +130,16 @@ mod tests {
         let a = model_dir_in(&cache, &gguf, "--model").unwrap();
         assert!(a.starts_with(&cache), "{}", a.display());
         assert!(a.join(CONFIG_FILE).is_file() && a.join(MODEL_FILE).is_file());
-        let config_time = fs::metadata(a.join(CONFIG_FILE)).unwrap().modified().unwrap();
+        let config_time = fs::metadata(a.join(CONFIG_FILE))
+            .unwrap()
+            .modified()
+            .unwrap();
         let b = model_dir_in(&cache, &gguf, "--model").unwrap();
         assert_eq!(a, b);
-        let again = fs::metadata(b.join(CONFIG_FILE)).unwrap().modified().unwrap();
+        let again = fs::metadata(b.join(CONFIG_FILE))
+            .unwrap()
+            .modified()
+            .unwrap();
         assert_eq!(config_time, again, "the second use reuses the conversion");
 
         // A replaced file (another size) gets its own conversion.
