@@ -5,11 +5,12 @@
 //! step 1) → `exec` (walks the plan's schedule with `backend` kernels) → reports.
 //! `data` feeds tokens, `ckpt` saves and restores Hugging Face–compatible checkpoints,
 //! `run_dir` names the files of a run directory and owns their formats; `gguf` imports
-//! llama.cpp GGUF files as Hugging Face model directories.
+//! llama.cpp GGUF files as Hugging Face model directories; `demo` holds `memwall demo`'s tours.
 
 pub mod backend;
 pub mod ckpt;
 pub mod data;
+pub mod demo;
 pub mod exec;
 pub mod gguf;
 pub mod mem;

