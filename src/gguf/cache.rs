@@ -3,7 +3,7 @@
 //!
 //! The converted directory is `<cache>/memwall/gguf/<stem>-<key>`, where the key hashes the
 //! file's canonical path, size and modification time: the same unchanged file is converted
-//! once, a replaced file again. [`convert`](super::convert) publishes a directory only when it
+//! once, a replaced file again. [`convert`](fn@super::convert) publishes a directory only when it
 //! is complete, so an existing directory is a whole conversion.
 
 use super::convert::{ConvertOptions, OutDtype, convert};
