@@ -75,3 +75,49 @@ fn over_budget_names_flag_and_largest_batch() {
     let tiny = format!("{:#}", check_budget(&plan, 1 << 20, 0, &Cpu).unwrap_err());
     assert!(tiny.contains("even --batch 1"), "{tiny}");
 }
+
+/// A group's gradients are live from a `Zero` just before the group's first gradient write
+/// to its `AdamW` op, so where the forward's activations peak only the head's exist; under
+/// accumulation they live from the first micro-batch's backward through the second's forward.
+#[test]
+fn gradient_buffers_live_from_first_write_to_update() {
+    use memwall::plan::schedule::{Op, Phase};
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    for accum in [1, 2] {
+        let mut cfg = StepConfig::new(2, 32, 1);
+        cfg.grad_accum = accum;
+        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let ops = &plan.schedule.ops;
+        let grads = plan.schedule.implicit.grads.as_ref().unwrap();
+        assert_eq!(grads.segments.len(), plan.layout.groups.len());
+        let total: usize = grads.segments.iter().map(|s| s.range.len()).sum();
+        assert_eq!(total, plan.layout.total);
+        let first_backward = ops.iter().position(|o| o.phase == Phase::Backward).unwrap();
+        for (seg, group) in grads.segments.iter().zip(&plan.layout.groups) {
+            let b = plan.buffer(seg.buf);
+            assert_eq!(b.category, Category::Grad);
+            assert!(matches!(ops[b.first_op].op, Op::Zero { buf } if buf == seg.buf));
+            // The next op is the group's first gradient write.
+            assert!(!grads.touched_by(&ops[b.first_op + 1].op).is_empty());
+            assert_eq!(ops[b.last_op].name, format!("{}.adamw", group.name));
+            if group.name.starts_with('h') {
+                // Blocks: born in micro-batch 0's backward, never before.
+                assert!(b.first_op > first_backward, "{}", b.name);
+                assert!(ops[b.first_op].name.starts_with("zero_"));
+            }
+        }
+        if accum == 1 {
+            // At the end of the forward (the LM head, where activations peak) no block's
+            // gradients exist yet.
+            let head = ops.iter().rposition(|o| o.phase == Phase::Forward).unwrap();
+            let live: Vec<&str> = grads
+                .segments
+                .iter()
+                .map(|s| plan.buffer(s.buf))
+                .filter(|b| b.first_op <= head && head <= b.last_op)
+                .map(|b| b.name.as_str())
+                .collect();
+            assert!(live.iter().all(|n| !n.starts_with('h')), "{live:?}");
+        }
+    }
+}

@@ -119,16 +119,26 @@ impl Executor {
         self.with_params(|p| p.to_vec())
     }
 
-    /// Gradients of the last step as f32 (training plans only; scaled by the loss scale).
+    /// Gradients of the last [`Executor::compute_gradients`] as f32, in parameter order
+    /// (training plans only; scaled by the loss scale).
     pub fn download_grads(&self) -> Vec<f32> {
-        let id = self.plan.schedule.implicit.grads.expect("training plan");
-        let storage = self.plan.buffer(id).dtype;
-        let mut out = Vec::new();
-        self.device.download(&[id], &mut |b| {
-            out = match storage {
-                DType::Bf16 => pod::cast::<bf16>(b[0]).iter().map(|x| x.to_f32()).collect(),
-                DType::F16 => pod::cast::<f16>(b[0]).iter().map(|x| x.to_f32()).collect(),
-                _ => pod::cast::<f32>(b[0]).to_vec(),
+        let grads = self
+            .plan
+            .schedule
+            .implicit
+            .grads
+            .as_ref()
+            .expect("training plan");
+        let ids: Vec<BufId> = grads.segments.iter().map(|s| s.buf).collect();
+        let storage = self.plan.buffer(ids[0]).dtype;
+        let mut out = Vec::with_capacity(self.plan.layout.total);
+        self.device.download(&ids, &mut |bufs| {
+            for b in bufs {
+                match storage {
+                    DType::Bf16 => out.extend(pod::cast::<bf16>(b).iter().map(|x| x.to_f32())),
+                    DType::F16 => out.extend(pod::cast::<f16>(b).iter().map(|x| x.to_f32())),
+                    _ => out.extend_from_slice(pod::cast::<f32>(b)),
+                }
             }
         });
         out
@@ -290,14 +300,12 @@ impl Executor {
     }
 
     /// Mean loss on the batch set by [`Executor::upload_batch`], forward only (no state
-    /// changes besides activations): every micro-batch's forward ops, without gradient zeroing.
+    /// changes besides activations): every micro-batch's forward ops (gradient zeroing is in
+    /// the backward phase).
     pub fn eval_loss(&mut self) -> f32 {
         let s = &self.plan.schedule;
         let ops: Vec<usize> = (0..s.ops.len())
-            .filter(|&i| {
-                s.ops[i].phase == Phase::Forward
-                    && !matches!(s.ops[i].op, Op::Zero { buf } if Some(buf) == s.implicit.grads)
-            })
+            .filter(|&i| s.ops[i].phase == Phase::Forward)
             .collect();
         self.run(ops.into_iter(), self.ctx(false), None);
         self.mean_loss()
@@ -361,9 +369,9 @@ impl Executor {
         self.recorder.as_mut()
     }
 
-    /// Runs ops `ops` in order. With `hp`, a `GradNorm` op's result sets the step's norm and
-    /// clipping, and the `AdamW` ops after it run with them, or not at all when the norm is
-    /// not finite; returns what the optimizer found.
+    /// Runs ops `ops` in order. With `hp`, the `GradNorm` ops' sums of squares add up to the
+    /// step's norm and clipping, settled before the first `AdamW` op, which then run with
+    /// them, or not at all when the norm is not finite; returns what the optimizer found.
     fn run(
         &mut self,
         ops: impl Iterator<Item = usize> + Send,
@@ -372,26 +380,37 @@ impl Executor {
     ) -> Option<StepOutcome> {
         let mut recorder = self.recorder.take();
         let mut outcome = None;
+        let mut sum_sq = None;
         let (plan, device) = (&self.plan, &*self.device);
         let loss_scale = self.loss_scale;
         let mut ops = ops;
+        let settle = |sum_sq: Option<f64>, ctx: &mut StepCtx| {
+            let hp = hp.expect("the optimizer phase runs with hyperparameters");
+            let (o, update) = clip(sum_sq.expect("GradNorm ops precede AdamW"), loss_scale, hp);
+            ctx.update = update;
+            o
+        };
         device.scope(&mut || {
             for i in ops.by_ref() {
                 let op = &plan.schedule.ops[i].op;
-                if matches!(op, Op::AdamW { .. }) && outcome.is_some_and(|o: StepOutcome| o.skipped)
-                {
-                    continue;
+                if matches!(op, Op::AdamW { .. }) {
+                    if outcome.is_none() {
+                        outcome = Some(settle(sum_sq, &mut ctx));
+                    }
+                    if outcome.is_some_and(|o: StepOutcome| o.skipped) {
+                        continue;
+                    }
                 }
                 let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
                 if let OpResult::SumOfSquares(sq) = device.run(op, &ctx) {
-                    let hp = hp.expect("the optimizer phase runs with hyperparameters");
-                    let (o, update) = clip(sq, loss_scale, hp);
-                    outcome = Some(o);
-                    ctx.update = update;
+                    sum_sq = Some(sum_sq.unwrap_or(0.0) + sq);
                 }
                 if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
                     r.record(i, t0);
                 }
+            }
+            if outcome.is_none() && sum_sq.is_some() {
+                outcome = Some(settle(sum_sq, &mut ctx));
             }
         });
         self.recorder = recorder;

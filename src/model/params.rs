@@ -177,6 +177,12 @@ impl ParamLayout {
         }
     }
 
+    /// The element range of `group`'s tensors (contiguous: tensors are in buffer order).
+    pub fn group_range(&self, group: &ParamGroup) -> Range<usize> {
+        let (first, last) = (group.tensors.start, group.tensors.end - 1);
+        self.tensors[first].range.start..self.tensors[last].range.end
+    }
+
     /// Cutting each tensor into blocks of `block` values (its last block partial): the index
     /// of every tensor's first block, and the total number of blocks.
     pub fn block_offsets(&self, block: usize) -> (Vec<usize>, usize) {

@@ -5,7 +5,9 @@
 
 use super::builder::{Builder, Loss, MicroBatch};
 use super::packing;
-use super::schedule::{ImplicitBufs, Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
+use super::schedule::{
+    GradBufs, GradSegment, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule,
+};
 use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
 use super::{BufId, Buffer, Category, DType, Placement, Plan, Tier};
 use crate::backend::Sizing;
@@ -94,7 +96,8 @@ pub fn build_plan(
 
     // Persistent state: the fp32 parameters (the master weights under mixed precision, which
     // kernels read directly, converting per tile: no reduced-precision copy is stored), the
-    // mixed-precision GEMM workspace, gradients, AdamW moments.
+    // mixed-precision GEMM workspace, AdamW moments. Gradients are per parameter group and
+    // live from the group's first backward write to its update (`grad_buffers`).
     let mixed = cfg.precision != Precision::F32;
     let params = if mixed {
         g.persistent("params.master", Category::Master, DType::F32, layout.total)
@@ -133,9 +136,8 @@ pub fn build_plan(
         };
         return finish(spec, cfg, mode, layout, g, p, io, backend);
     }
-    let grads = g.persistent("grads", Category::Grad, storage, layout.total);
+    let grads = grad_buffers(&mut g, &layout);
     let optim = optimizer_state(&mut g, &layout, cfg.optim_state);
-    g.op("zero_grad", Phase::Forward, 0, Op::Zero { buf: grads });
     let micro = cfg.grad_accum;
     let mut io = Io {
         tokens: vec![],
@@ -175,6 +177,7 @@ pub fn build_plan(
         io.losses.push(losses);
     }
     optimizer(&mut g, &layout);
+    zero_grads_before_first_write(&mut g, &grads);
     let p = ImplicitBufs {
         params,
         gemm_ws,
@@ -184,17 +187,56 @@ pub fn build_plan(
     finish(spec, cfg, mode, layout, g, p, io, backend)
 }
 
-/// Emits the optimizer phase: the global gradient norm over every parameter, then AdamW over
-/// the parameter groups (embeddings, each block, the final norm), one op each.
+/// Declares one gradient buffer per parameter group (`{group}.grad`, in the storage type).
+fn grad_buffers(g: &mut Builder, layout: &ParamLayout) -> GradBufs {
+    let segments = layout
+        .groups
+        .iter()
+        .map(|group| {
+            let range = layout.group_range(group);
+            let buf = g.act(format!("{}.grad", group.name), Category::Grad, range.len());
+            GradSegment { range, buf }
+        })
+        .collect();
+    GradBufs { segments }
+}
+
+/// Inserts a `Zero` of each gradient buffer just before the first op that touches it (the
+/// group's first backward write, or the LM head's for a tied embedding), so its bytes are
+/// live from there on and nothing earlier in the step pays for them. These ops are in the
+/// backward phase: evaluation, which runs the forward ops, never zeroes gradients.
+fn zero_grads_before_first_write(g: &mut Builder, grads: &GradBufs) {
+    let mut zeroed = vec![false; g.buffers.len()];
+    let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
+    for e in std::mem::take(&mut g.ops) {
+        for id in grads.touched_by(&e.op) {
+            if !std::mem::replace(&mut zeroed[id.0], true) {
+                ops.push(OpEntry {
+                    name: format!("zero_{}", g.buffers[id.0].name),
+                    phase: Phase::Backward,
+                    op: Op::Zero { buf: id },
+                    flops: 0,
+                });
+            }
+        }
+        ops.push(e);
+    }
+    g.ops = ops;
+}
+
+/// Emits the optimizer phase: each parameter group's share of the global gradient norm, then
+/// AdamW over the groups (embeddings, each block, the final norm), one op each.
 fn optimizer(g: &mut Builder, layout: &ParamLayout) {
-    g.op(
-        "grad_norm",
-        Phase::Optimizer,
-        0,
-        Op::GradNorm {
-            range: 0..layout.total,
-        },
-    );
+    for group in &layout.groups {
+        g.op(
+            format!("{}.grad_norm", group.name),
+            Phase::Optimizer,
+            0,
+            Op::GradNorm {
+                range: layout.group_range(group),
+            },
+        );
+    }
     let (state_block, _) = layout.block_offsets(QBLOCK);
     for group in &layout.groups {
         let tensors = group
@@ -292,11 +334,12 @@ fn finish(
     );
     g.buffers[id.0].placement = Placement::OWNED;
 
-    // Live intervals from the schedule.
+    // Live intervals from the schedule (gradient buffers from the ops' parameter ranges).
     let n_ops = g.ops.len();
     for (i, e) in g.ops.iter().enumerate() {
         let (r, w) = e.op.reads_writes();
-        for id in r.into_iter().chain(w) {
+        let grads = implicit.grads.as_ref().map(|gr| gr.touched_by(&e.op));
+        for id in r.into_iter().chain(w).chain(grads.into_iter().flatten()) {
             let buf = &mut g.buffers[id.0];
             buf.first_op = buf.first_op.min(i);
             buf.last_op = buf.last_op.max(i);
@@ -354,7 +397,13 @@ fn finish(
 /// (the executor relies on this to hand out `&mut` and `&` views of one arena).
 fn verify_ops(plan: &Plan) -> Result<()> {
     for e in &plan.schedule.ops {
-        let (r, w) = e.op.reads_writes();
+        let (mut r, mut w) = e.op.reads_writes();
+        if let Some(grads) = &plan.schedule.implicit.grads {
+            // Gradients are read and written in place: count them as both.
+            let g = grads.touched_by(&e.op);
+            r.extend(&g);
+            w.extend(g);
+        }
         for wid in &w {
             for other in r.iter().chain(w.iter()) {
                 if other == wid {

@@ -62,10 +62,12 @@ pub struct ParamSlice {
 }
 
 /// One op. Parameter tensors are element ranges of the flat `params` buffer; the matching
-/// gradient is the same range of `grads`. Shapes: N = B·T rows (`rows`), C channels.
+/// gradient is the same range of the gradients ([`GradBufs`]: one buffer per parameter group,
+/// found by range). Shapes: N = B·T rows (`rows`), C channels.
 #[derive(Clone, Debug)]
 pub enum Op {
-    /// Zero a buffer (gradients at the start of a step, the residual gradient before backward).
+    /// Zero a buffer (a parameter group's gradients before their first write, the residual
+    /// gradient before backward).
     Zero { buf: BufId },
     /// `out[N,C] = wte[tokens] (+ wpe[t] with learned positions)`.
     Encoder {
@@ -254,9 +256,10 @@ pub enum Op {
         rows: Rows,
         c: usize,
     },
-    /// The sum of squares of `grads[range]` (the global gradient norm's input; a step scalar,
-    /// not a buffer). The executor turns it into the norm, the clipping factor and whether the
-    /// step is skipped (gradients not finite).
+    /// The sum of squares of the gradients of `range` (one parameter group's share of the
+    /// global gradient norm; a step scalar, not a buffer). The executor sums the shares of
+    /// every group into the norm, the clipping factor and whether the step is skipped
+    /// (gradients not finite) before the first `AdamW` op runs.
     GradNorm { range: Range<usize> },
     /// AdamW on these parameter tensors (master weights, gradients and moments of the same
     /// ranges), with the step's clipping factor; not run when the step is skipped.
@@ -285,17 +288,55 @@ pub struct OptimBufs {
     pub v_scale: Option<BufId>,
 }
 
-/// The persistent buffers ops touch without naming them: parameter ranges index `params` and
-/// `grads`, optimizer ops the moments, matmuls the mixed-precision tiles.
-#[derive(Clone, Copy, Debug)]
+/// One parameter group's gradients: `buf` holds the gradients of parameter elements `range`
+/// (`buf[i - range.start]` is the gradient of `params[i]`), in the storage type.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GradSegment {
+    pub range: Range<usize>,
+    pub buf: BufId,
+}
+
+/// The parameter gradients: one buffer per parameter group, in parameter order, covering
+/// every parameter once. A group's buffer is zeroed just before the first op that writes it
+/// and dies after its `AdamW` op, so its bytes are live only from the group's backward to its
+/// update (under gradient accumulation, from the first micro-batch's backward on).
+#[derive(Clone, Debug, Default)]
+pub struct GradBufs {
+    pub segments: Vec<GradSegment>,
+}
+
+impl GradBufs {
+    /// The segment holding the gradients of parameter range `r` and `r` relative to it.
+    /// Every parameter range an op names lies in one group (internal error otherwise).
+    pub fn locate(&self, r: &Range<usize>) -> (BufId, Range<usize>) {
+        let i = self.segments.partition_point(|s| s.range.end <= r.start);
+        match self.segments.get(i) {
+            Some(s) if s.range.start <= r.start && r.end <= s.range.end => {
+                (s.buf, r.start - s.range.start..r.end - s.range.start)
+            }
+            _ => panic!("internal error: parameter range {r:?} is not inside one group"),
+        }
+    }
+
+    /// The buffers op `op` reads or writes through its parameter ranges, each once.
+    pub fn touched_by(&self, op: &Op) -> Vec<BufId> {
+        let mut ids: Vec<BufId> = op.grad_ranges().iter().map(|r| self.locate(r).0).collect();
+        ids.dedup();
+        ids
+    }
+}
+
+/// The buffers ops touch without naming them: parameter ranges index `params` and the
+/// gradients, optimizer ops the moments, matmuls the mixed-precision tiles.
+#[derive(Clone, Debug)]
 pub struct ImplicitBufs {
     /// `The fp32 parameters [params] (the master weights under mixed precision; kernels read`
     /// them directly and the optimizer updates them).
     pub params: BufId,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
     pub gemm_ws: Option<BufId>,
-    /// `Parameter gradients [params]` in the storage type (training plans).
-    pub grads: Option<BufId>,
+    /// Parameter gradients in the storage type, per group (training plans).
+    pub grads: Option<GradBufs>,
     /// AdamW moments (training plans).
     pub optim: Option<OptimBufs>,
 }
@@ -317,8 +358,42 @@ pub struct Schedule {
 }
 
 impl Op {
-    /// Buffers read and written by the op (parameters, gradients and optimizer state, which
-    /// are persistent, are left out).
+    /// The parameter ranges whose gradients the op reads or writes (backward ops with
+    /// weights, a training LM head, the optimizer's ops), in parameter order within the op.
+    pub fn grad_ranges(&self) -> Vec<Range<usize>> {
+        use Op::*;
+        match self {
+            LmHeadLoss {
+                dinp: Some(_), w, ..
+            }
+            | RmsNormBackward { w, .. } => vec![w.clone()],
+            LayerNormBackward { w, b, .. } => vec![w.clone(), b.clone()],
+            MatmulBackward { w, b, .. } => std::iter::once(w.clone()).chain(b.clone()).collect(),
+            EncoderBackward { wte, wpe, .. } => {
+                std::iter::once(wte.clone()).chain(wpe.clone()).collect()
+            }
+            GradNorm { range } => vec![range.clone()],
+            AdamW { tensors } => tensors.iter().map(|t| t.range.clone()).collect(),
+            Zero { .. }
+            | Encoder { .. }
+            | LayerNorm { .. }
+            | Matmul { .. }
+            | Attention { .. }
+            | RmsNorm { .. }
+            | Rope { .. }
+            | Swiglu { .. }
+            | Gelu { .. }
+            | LmHeadLoss { dinp: None, .. }
+            | LmHeadLast { .. }
+            | AttentionBackward { .. }
+            | RopeBackward { .. }
+            | SwigluBackward { .. }
+            | GeluBackward { .. } => vec![],
+        }
+    }
+
+    /// Buffers the op names (parameters, gradients and optimizer state, which it reaches
+    /// through parameter ranges, are left out: see [`Op::grad_ranges`]).
     pub fn reads_writes(&self) -> (Vec<BufId>, Vec<BufId>) {
         use Op::*;
         match self {

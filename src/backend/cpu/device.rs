@@ -152,13 +152,14 @@ impl CpuDevice {
             pool,
             buffers: plan.buffers.clone(),
             storage,
-            state: plan.schedule.implicit,
+            state: plan.schedule.implicit.clone(),
         })
     }
 
     // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
     // buffers never overlap the other buffers it touches (plan::build::verify_ops), and the
-    // persistent buffers (params, grads, moments) are distinct buffers in the arena.
+    // persistent buffers (params, moments) are distinct buffers in the arena, and each op's
+    // gradient buffers are among the buffers it touches.
 
     /// A view of buffer `id` as elements of `T`, whose dtype must be `dtype`.
     #[allow(clippy::mut_from_ref)]

@@ -13,6 +13,7 @@ use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::plan::schedule::{Op, ParamSlice, WeightLayout};
+use std::ops::Range;
 
 /// The kernel's name for a plan's weight layout.
 fn weight_layout(l: WeightLayout) -> matmul::Layout {
@@ -23,10 +24,30 @@ fn weight_layout(l: WeightLayout) -> matmul::Layout {
 }
 
 impl CpuDevice {
+    /// The gradients of parameter range `r` (in its group's gradient buffer).
+    #[allow(clippy::mut_from_ref)]
+    fn grad<T: Elem>(&self, r: &Range<usize>) -> &mut [T] {
+        let grads = self.state.grads.as_ref().expect("training plan");
+        let (id, local) = grads.locate(r);
+        &mut self.view::<T>(id)[local]
+    }
+
+    /// The gradients of two disjoint parameter ranges of one group (a weight and its bias).
+    fn grad2<T: Elem>(&self, a: &Range<usize>, b: &Range<usize>) -> (&mut [T], &mut [T]) {
+        let grads = self.state.grads.as_ref().expect("training plan");
+        let ((ia, la), (ib, lb)) = (grads.locate(a), grads.locate(b));
+        assert_eq!(
+            ia, ib,
+            "internal error: a weight and its bias in two groups"
+        );
+        two_ranges(self.view::<T>(ia), la, lb)
+    }
+
     /// Runs `op` with activations stored as `T`.
     pub(super) fn run_op<T: Elem>(&self, op: &Op, ctx: &StepCtx) -> OpResult {
         let params: &[f32] = self.view(self.state.params); // fp32 (master) weights
-        let grads = || self.view::<T>(self.state.grads.expect("training plan"));
+        let grad = |r: &Range<usize>| self.grad::<T>(r);
+        let grad2 = |a: &Range<usize>, b: &Range<usize>| self.grad2::<T>(a, b);
         let ws = || match self.state.gemm_ws {
             Some(id) => self.view::<f32>(id),
             None => &mut [],
@@ -239,7 +260,7 @@ impl CpuDevice {
                                 ws(),
                             );
                             // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C]
-                            let dwte = &mut grads()[w.clone()];
+                            let dwte = grad(w);
                             gemm_mixed::gemm_mixed(
                                 v,
                                 c,
@@ -299,7 +320,7 @@ impl CpuDevice {
                 c,
             } => {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
-                let (dw, db) = two_ranges(grads(), w.clone(), bias.clone());
+                let (dw, db) = grad2(w, bias);
                 layernorm::layernorm_backward(
                     &mut self.view::<T>(*dinp)[..n * c],
                     dw,
@@ -327,10 +348,10 @@ impl CpuDevice {
                 let (n, ic, oc) = (rows.with_seq(ctx.seq).n(), *ic, *oc);
                 let (dw, db) = match bias {
                     Some(b) => {
-                        let (dw, db) = two_ranges(grads(), w.clone(), b.clone());
+                        let (dw, db) = grad2(w, b);
                         (dw, Some(db))
                     }
-                    None => (&mut grads()[w.clone()], None),
+                    None => (grad(w), None),
                 };
                 matmul::matmul_backward(
                     &mut self.view::<T>(*dinp)[..n * ic],
@@ -387,7 +408,7 @@ impl CpuDevice {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
                 rmsnorm::rmsnorm_backward(
                     &mut self.view::<T>(*dinp)[..n * c],
-                    &mut grads()[w.clone()],
+                    grad(w),
                     &act(*dout)[..n * c],
                     &act(*inp)[..n * c],
                     &params[w.clone()],
@@ -453,10 +474,10 @@ impl CpuDevice {
                 let n = r.n();
                 let (dwte, dwpe) = match wpe {
                     Some(wpe) => {
-                        let (dwte, dwpe) = two_ranges(grads(), wte.clone(), wpe.clone());
+                        let (dwte, dwpe) = grad2(wte, wpe);
                         (dwte, Some(dwpe))
                     }
-                    None => (&mut grads()[wte.clone()], None),
+                    None => (grad(wte), None),
                 };
                 encoder::encoder_backward(
                     dwte,
@@ -469,7 +490,7 @@ impl CpuDevice {
                 );
             }
             Op::GradNorm { range } => {
-                return OpResult::SumOfSquares(reduce::sum_squares(&grads()[range.clone()]));
+                return OpResult::SumOfSquares(reduce::sum_squares(&*grad(range)));
             }
             Op::AdamW { tensors } => {
                 let step = ctx.update.expect("the executor sets the AdamW step");
@@ -482,7 +503,6 @@ impl CpuDevice {
     /// AdamW over `tensors` on the master weights (the compute weights themselves in fp32
     /// plans), the moments in the plan's format.
     fn adamw<T: Elem>(&self, tensors: &[ParamSlice], step: &AdamWStep) {
-        let grads = &self.view::<T>(self.state.grads.expect("training plan"))[..];
         let master = self.view::<f32>(self.state.params);
         let mut state = self.moments_view();
         for t in tensors {
@@ -492,7 +512,7 @@ impl CpuDevice {
                 weight_decay: if t.decay { step.weight_decay } else { 0.0 },
                 ..*step
             };
-            let (p_, g) = (&mut master[r.clone()], &grads[r.clone()]);
+            let (p_, g) = (&mut master[r.clone()], &*self.grad::<T>(&r));
             match &mut state {
                 MomentsMut::F32 { m, v } => {
                     adamw::adamw_update(p_, g, &mut m[r.clone()], &mut v[r], &p)
