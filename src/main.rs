@@ -203,10 +203,11 @@ struct StepArgs {
 /// The memory strategies (plan transformations) shared by `plan`, `train` and `bench`.
 #[derive(Args)]
 struct StrategyArgs {
-    /// Activation recomputation: none (keep everything), selective (recompute layernorm and
-    /// GELU outputs), full (keep only each block's input), every:K (full except every K-th
-    /// block), auto (the least recomputation that fits --max-memory). Weights are bitwise the
-    /// same under every policy [default: none; with --resume: the run's]
+    /// Activation recomputation: none (keep everything), selective (recompute the norm
+    /// outputs and the GELU or SwiGLU product: elementwise work, no matmul, about a tenth less
+    /// memory), full (keep only each block's input), every:K (full except every K-th block),
+    /// auto (the least recomputation that fits --max-memory). Weights are bitwise the same
+    /// under every policy [default: selective; with --resume: the run's]
     #[arg(long, value_parser = parse_recompute)]
     recompute: Option<RecomputeChoice>,
     /// Micro-batches per optimizer step: each step sees grad-accum x --batch sequences while
