@@ -135,6 +135,9 @@ pub enum Op {
         rotated: usize,
         hd: usize,
         inv_freq: Vec<f32>, // [hd/2]
+        /// The inverse rotation (angle −θ): the backward, turning the gradient of the
+        /// rotated values into that of the un-rotated ones.
+        inverse: bool,
     },
     /// `out[N,H] = silu(inp[.., 0..H]) · inp[.., H..2H]` (inp `[N, 2H]`: gate | up).
     Swiglu {
@@ -222,15 +225,6 @@ pub enum Op {
         w: Range<usize>,
         rows: Rows,
         c: usize,
-    },
-    /// The inverse rotation of [`Op::Rope`] in place (the gradient of the un-rotated values).
-    RopeBackward {
-        dx: BufId,
-        rows: Rows,
-        width: usize,
-        rotated: usize,
-        hd: usize,
-        inv_freq: Vec<f32>, // [hd/2]
     },
     /// `dinp[N,2H] = swiglu_backward(dout[N,H], inp[N,2H])` (overwritten).
     SwigluBackward {
@@ -386,7 +380,6 @@ impl Op {
             | LmHeadLoss { dinp: None, .. }
             | LmHeadLast { .. }
             | AttentionBackward { .. }
-            | RopeBackward { .. }
             | SwigluBackward { .. }
             | GeluBackward { .. } => vec![],
         }
@@ -419,7 +412,6 @@ impl Op {
             Gelu { inp, out, .. } | Swiglu { inp, out, .. } => (vec![*inp], vec![*out]),
             RmsNorm { inp, out, rstd, .. } => (vec![*inp], vec![*out, *rstd]),
             Rope { x, .. } => (vec![*x], vec![*x]),
-            RopeBackward { dx, .. } => (vec![*dx], vec![*dx]),
             RmsNormBackward {
                 dinp,
                 dout,

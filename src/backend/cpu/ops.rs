@@ -179,9 +179,15 @@ impl CpuDevice {
                 rotated,
                 hd,
                 inv_freq,
+                inverse,
             } => {
                 let r = rows.with_seq(ctx.seq);
-                rope::rope_forward(
+                let rotate = if *inverse {
+                    rope::rope_backward
+                } else {
+                    rope::rope_forward
+                };
+                rotate(
                     &mut self.view::<T>(*x)[..r.n() * width],
                     r.b,
                     r.t,
@@ -416,26 +422,6 @@ impl CpuDevice {
                     n,
                     c,
                 );
-            }
-            Op::RopeBackward {
-                dx,
-                rows,
-                width,
-                rotated,
-                hd,
-                inv_freq,
-            } => {
-                let r = rows.with_seq(ctx.seq);
-                rope::rope_backward(
-                    &mut self.view::<T>(*dx)[..r.n() * width],
-                    r.b,
-                    r.t,
-                    *width,
-                    *rotated,
-                    *hd,
-                    inv_freq,
-                    0,
-                )
             }
             Op::SwigluBackward {
                 dinp,

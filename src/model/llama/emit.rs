@@ -281,6 +281,7 @@ fn emit_stage(
                     rotated: (d.nh + d.nkv) * d.hd,
                     hd: d.hd,
                     inv_freq: d.inv_freq.clone(),
+                    inverse: false,
                 },
             );
             partial.qkv = Some(qkv);
@@ -507,13 +508,14 @@ fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
         format!("{name}rope.bwd"),
         bwd,
         0,
-        Op::RopeBackward {
-            dx: dqkv,
+        Op::Rope {
+            x: dqkv,
             rows: d.rows,
             width: d.qkv(),
             rotated: (d.nh + d.nkv) * d.hd,
             hd: d.hd,
             inv_freq: d.inv_freq.clone(),
+            inverse: true,
         },
     );
     let io = (dx1, dqkv, a.x1);
