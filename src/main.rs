@@ -11,7 +11,9 @@ use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::gguf::{self, ConvertOptions, OutDtype};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::Strategies;
-use memwall::plan::{self, Mode, OptimState, Precision, RecomputeChoice, StepConfig, build_plan};
+use memwall::plan::{
+    self, Mode, OffloadSet, OptimState, Precision, RecomputeChoice, StepConfig, build_plan,
+};
 use memwall::run_dir::PlanJson;
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
 use memwall::util::rss;
@@ -223,6 +225,16 @@ struct StrategyArgs {
     /// [default: fp32; with --resume: the run's]
     #[arg(long, value_parser = parse_precision)]
     precision: Option<Precision>,
+    /// What to keep on disk between uses, so it needs no RAM outside its turn: none, or
+    /// optimizer (the AdamW moments, read one parameter group at a time into staging buffers
+    /// for its update and written back). params, grads, activations, all and auto are not
+    /// implemented yet [default: none; with --resume: the run's]
+    #[arg(long, value_parser = parse_offload)]
+    offload: Option<OffloadSet>,
+    /// Directory of the offload file (one preallocated file, removed at the end; put it on a
+    /// local SSD) [default: train: RUN/offload; bench: ./memwall-offload]
+    #[arg(long, value_name = "DIR")]
+    offload_dir: Option<PathBuf>,
 }
 
 impl StrategyArgs {
@@ -235,8 +247,14 @@ impl StrategyArgs {
             optim_state: self.optim_state.unwrap_or(d.optim_state),
             precision: self.precision.unwrap_or(d.precision),
             max_memory,
+            offload: self.offload.unwrap_or(d.offload),
+            offload_dir: self.offload_dir.clone(),
         }
     }
+}
+
+fn parse_offload(s: &str) -> Result<OffloadSet, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
 fn parse_precision(s: &str) -> Result<Precision, String> {

@@ -67,7 +67,7 @@ fn logits_and_loss_match_transformers() {
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap();
     ex.upload_batch(&seq).unwrap();
-    let loss = ex.eval_loss() as f64;
+    let loss = ex.eval_loss().unwrap() as f64;
     let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
     assert!(
         (loss - want).abs() < 1e-4,
@@ -122,7 +122,7 @@ fn llama_family_matches_transformers(name: &str) {
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap();
     ex.upload_batch(&seq).unwrap();
-    let loss = ex.compute_gradients() as f64;
+    let loss = ex.compute_gradients().unwrap() as f64;
     let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
     assert!(
         (loss - want).abs() < 1e-5,
@@ -238,7 +238,7 @@ fn smollm2_answers_and_models_shakespeare() {
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap();
     ex.upload_batch(seq).unwrap();
-    let loss = ex.eval_loss();
+    let loss = ex.eval_loss().unwrap();
     eprintln!(
         "SmolLM2-135M on the first 256 tokens of {}: loss {loss}",
         play.display()

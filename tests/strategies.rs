@@ -68,7 +68,7 @@ fn train(spec: &ModelSpec, cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>)
             }
         }
         ex.upload_batch(&batch).unwrap();
-        losses.push(ex.train_step(&hp(step)).loss);
+        losses.push(ex.train_step(&hp(step)).unwrap().loss);
     }
     (ex.download_params(), losses)
 }
@@ -286,7 +286,7 @@ fn overflowing_gradients_skip_the_update() {
     let before = ex.download_params();
     // A loss scale far beyond f16's range: the gradients overflow, the step is skipped.
     ex.set_loss_scale(1e30);
-    let st = ex.train_step(&hp(1));
+    let st = ex.train_step(&hp(1)).unwrap();
     assert!(st.skipped && !st.grad_norm.is_finite(), "{st:?}");
     assert_eq!(
         ex.download_params(),
@@ -295,7 +295,7 @@ fn overflowing_gradients_skip_the_update() {
     );
     // A sane scale: the step runs and the weights move.
     ex.set_loss_scale(1024.0);
-    let st = ex.train_step(&hp(1));
+    let st = ex.train_step(&hp(1)).unwrap();
     assert!(!st.skipped && st.grad_norm.is_finite(), "{st:?}");
     assert_ne!(ex.download_params(), before);
 }
@@ -403,4 +403,85 @@ fn bf16_dot_product_path_trains_like_the_widening_path() {
         "{last_d} vs {last_w}"
     );
     assert_ne!(last_d, last_w, "the dot-product path did not run");
+}
+
+/// The AdamW moments of a trained executor, as checkpoints see them (bytes per buffer).
+fn moment_bytes(ex: &Executor) -> Vec<Vec<u8>> {
+    use memwall::ckpt::Moments;
+    fn raw<T: Copy>(x: &[T]) -> Vec<u8> {
+        // SAFETY: plain element types; viewing their bytes.
+        unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
+            .to_vec()
+    }
+    ex.with_moments(|m| match m {
+        Moments::F32 { m, v } => vec![raw(m), raw(v)],
+        Moments::Bf16 { m, v } => vec![raw(m), raw(v)],
+        Moments::Int8 {
+            m,
+            v,
+            m_absmax,
+            v_absmax,
+        } => vec![raw(m), raw(v), raw(m_absmax), raw(v_absmax)],
+    })
+    .unwrap()
+}
+
+/// `--offload optimizer` moves the moments to the disk tier and streams them group by group
+/// through staging buffers: weights, losses and moments stay bitwise those of the run that
+/// keeps them in RAM, for every moment format and with accumulation and recomputation.
+#[test]
+fn offloading_the_optimizer_changes_no_bit() {
+    use memwall::plan::{OffloadSet, Tier};
+    let dir = tempfile::tempdir().unwrap();
+    for spec in specs() {
+        let name = &spec.name;
+        for (what, base) in [
+            ("fp32", StepConfig::new(2, 16, 2)),
+            ("int8 state", {
+                let mut c = StepConfig::new(2, 16, 2);
+                c.optim_state = OptimState::Int8;
+                c
+            }),
+            ("bf16 state, accum 2, full recompute", {
+                let mut c = StepConfig::new(2, 16, 2);
+                c.optim_state = OptimState::Bf16;
+                c.grad_accum = 2;
+                c.recompute = Recompute::Full;
+                c
+            }),
+        ] {
+            let run = |cfg: &StepConfig| train(&spec, cfg, 6);
+            let mut off = base.clone();
+            off.offload.set = OffloadSet { optimizer: true };
+            off.offload.dir = Some(dir.path().to_path_buf());
+            let plan = build_plan(&spec, &off, Mode::Train, &Cpu).unwrap();
+            assert!(plan.nvme_bytes > 0, "{name} {what}: nothing on disk");
+            for b in &plan.buffers {
+                if b.category == Category::OptimizerState && b.persistent {
+                    assert_eq!(b.placement.tier, Tier::Nvme, "{name} {what}: {}", b.name);
+                }
+            }
+            let in_ram = build_plan(&spec, &base, Mode::Train, &Cpu).unwrap();
+            assert!(plan.arena_bytes < in_ram.arena_bytes, "{name} {what}: no RAM saved");
+            let (want_w, want_l) = run(&base);
+            let (got_w, got_l) = run(&off);
+            assert_eq!(got_l, want_l, "{name} {what}: losses differ");
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got_w), bits(&want_w), "{name} {what}: weights differ");
+            let moments = |cfg: &StepConfig| {
+                let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
+                let mut ex = Executor::new(plan).unwrap();
+                let layout = ex.plan.layout.clone();
+                ex.with_params_mut(|p| layout.init(p, 7));
+                let batch: Vec<u32> = (0..2 * cfg.grad_accum as u32 * 17).map(|i| i % 97).collect();
+                ex.upload_batch(&batch).unwrap();
+                for s in 1..=2 {
+                    ex.train_step(&hp(s)).unwrap();
+                }
+                moment_bytes(&ex)
+            };
+            assert_eq!(moments(&off), moments(&base), "{name} {what}: moments differ");
+        }
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the offload file is removed");
 }

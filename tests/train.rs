@@ -38,7 +38,7 @@ fn micro_executor(threads: usize) -> Executor {
 #[test]
 fn whole_model_gradients_match_finite_differences() {
     let mut ex = micro_executor(2);
-    let loss = ex.compute_gradients();
+    let loss = ex.compute_gradients().unwrap();
     assert!(loss.is_finite());
     let g: Vec<f32> = ex.download_grads();
     let p0: Vec<f32> = ex.download_params();
@@ -53,7 +53,7 @@ fn whole_model_gradients_match_finite_differences() {
                     *p = q + s * di;
                 }
             });
-            ex.eval_loss() as f64
+            ex.eval_loss().unwrap() as f64
         };
         let fd = (eval(&mut ex, eps) - eval(&mut ex, -eps)) / (2.0 * eps as f64);
         let an: f64 = g.iter().zip(&d).map(|(&a, &b)| a as f64 * b as f64).sum();
@@ -76,7 +76,7 @@ fn whole_model_gradients_match_finite_differences() {
                 p.copy_from_slice(&p0);
                 p[i] += s;
             });
-            ex.eval_loss() as f64
+            ex.eval_loss().unwrap() as f64
         };
         let fd = (at(eps) - at(-eps)) / (2.0 * eps as f64);
         let an = g[i] as f64;
@@ -106,7 +106,8 @@ fn training_is_deterministic_for_a_thread_count() {
             ex.train_step(&OptimHparams {
                 step: s,
                 ..hp.clone()
-            });
+            })
+            .unwrap();
         }
         ex.download_params()
     };

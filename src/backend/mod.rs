@@ -85,15 +85,16 @@ pub enum OpResult {
 
 /// A started backend holding a plan's memory.
 pub trait Device: Send + Sync {
-    /// Runs `op` (an op of the plan this device was started with).
-    fn run(&self, op: &Op, ctx: &StepCtx) -> OpResult;
+    /// Runs `op` (an op of the plan this device was started with). Fails only where the
+    /// op moves bytes to or from a tier that can fail (a disk transfer), naming it.
+    fn run(&self, op: &Op, ctx: &StepCtx) -> Result<OpResult>;
     /// Runs `f` where the backend's ops are meant to be issued from (the CPU backend's worker
     /// pool), so a sequence of [`Device::run`] calls pays no hand-off per op.
     fn scope(&self, f: &mut (dyn FnMut() + Send));
     /// Hands `f` the bytes of `bufs`, in order (a device backend downloads them first; the
-    /// CPU backend lends the arena's own bytes).
-    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]]));
+    /// CPU backend lends the arena's own bytes, and reads disk-tier buffers into copies).
+    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) -> Result<()>;
     /// Hands `f` the bytes of `bufs` to fill, in order; they are in the buffers when it returns
-    /// (a device backend uploads them then).
-    fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]]));
+    /// (a device backend uploads them then; disk-tier buffers are written back).
+    fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()>;
 }

@@ -45,6 +45,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let baseline = rss::current_rss().unwrap_or(0);
     let plan = opts
         .strategies
+        .with_offload_dir(std::path::Path::new("memwall-offload"))?
         .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
@@ -99,7 +100,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             weight_decay: 0.1,
             grad_clip: 1.0,
             step: step as u64 + 1,
-        });
+        })?;
         let dt = t0.elapsed().as_secs_f64();
         losses.push(st.loss);
         if opts.profile.is_some()

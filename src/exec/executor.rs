@@ -7,7 +7,7 @@
 use crate::backend::cpu::Cpu;
 use crate::backend::{AdamWStep, Backend, Device, OpResult, StepCtx};
 use crate::ckpt::{Moments, MomentsMut};
-use crate::plan::schedule::{Op, Phase};
+use crate::plan::schedule::{Op, OptimBufs, Phase};
 use crate::plan::{BufId, DType, Mode, OptimState, Plan};
 use crate::profile::record::OpRecorder;
 use anyhow::{Result, bail};
@@ -57,6 +57,70 @@ pub struct Executor {
     logits: Vec<f32>,
 }
 
+/// The moments of `format` over their buffers' bytes (m, v, then the int8 scales).
+fn moments_mut<'a>(format: OptimState, b: &'a mut [&mut [u8]]) -> MomentsMut<'a> {
+    match (format, b) {
+        (OptimState::F32, [m, v]) => MomentsMut::F32 {
+            m: pod::cast_mut(m),
+            v: pod::cast_mut(v),
+        },
+        (OptimState::Bf16, [m, v]) => MomentsMut::Bf16 {
+            m: pod::cast_mut(m),
+            v: pod::cast_mut(v),
+        },
+        (OptimState::Int8, [m, v, ms, vs]) => MomentsMut::Int8 {
+            m: pod::cast_mut(m),
+            v: pod::cast_mut(v),
+            m_absmax: pod::cast_mut(ms),
+            v_absmax: pod::cast_mut(vs),
+        },
+        _ => unreachable!("moment buffers match their format"),
+    }
+}
+
+/// Byte slices joined into one 8-byte-aligned host copy (or kept as it is when there is one).
+enum Joined<'a> {
+    One(&'a [u8]),
+    Many(Vec<u64>, usize),
+}
+
+impl<'a> Joined<'a> {
+    fn of(parts: impl Iterator<Item = &'a [u8]>) -> Joined<'a> {
+        let parts: Vec<&[u8]> = parts.collect();
+        if let [one] = parts[..] {
+            return Joined::One(one);
+        }
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let mut v = vec![0u64; len.div_ceil(8)];
+        let mut at = 0;
+        for p in parts {
+            pod_bytes_mut(&mut v)[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        Joined::Many(v, len)
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Joined::One(b) => b,
+            Joined::Many(v, len) => &pod_bytes(v)[..*len],
+        }
+    }
+}
+
+fn pod_bytes(v: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding; any byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len() * 8) }
+}
+
+fn pod_bytes_mut(v: &mut [u64]) -> &mut [u8] {
+    // SAFETY: as in `pod_bytes`, borrowed exclusively.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
+}
+
+/// Why a download or upload of arena buffers cannot fail (only disk-tier buffers can).
+const HOST_ONLY: &str = "internal error: arena buffers move without I/O";
+
 /// Typed views of plan buffers' bytes (every dtype of a plan is plain old data, and every
 /// buffer starts at an offset aligned for it).
 mod pod {
@@ -97,9 +161,11 @@ impl Executor {
         let mut f = Some(f);
         let mut out = None;
         let id = self.plan.schedule.implicit.params;
-        self.device.download(&[id], &mut |b| {
-            out = Some((f.take().expect("called once"))(pod::cast(b[0])))
-        });
+        self.device
+            .download(&[id], &mut |b| {
+                out = Some((f.take().expect("called once"))(pod::cast(b[0])))
+            })
+            .expect(HOST_ONLY);
         out.expect("download calls back")
     }
 
@@ -108,9 +174,11 @@ impl Executor {
         let mut f = Some(f);
         let mut out = None;
         let id = self.plan.schedule.implicit.params;
-        self.device.upload(&[id], &mut |b| {
-            out = Some((f.take().expect("called once"))(pod::cast_mut(b[0])))
-        });
+        self.device
+            .upload(&[id], &mut |b| {
+                out = Some((f.take().expect("called once"))(pod::cast_mut(b[0])))
+            })
+            .expect(HOST_ONLY);
         out.expect("upload calls back")
     }
 
@@ -132,33 +200,44 @@ impl Executor {
         let ids: Vec<BufId> = grads.segments.iter().map(|s| s.buf).collect();
         let storage = self.plan.buffer(ids[0]).dtype;
         let mut out = Vec::with_capacity(self.plan.layout.total);
-        self.device.download(&ids, &mut |bufs| {
-            for b in bufs {
-                match storage {
-                    DType::Bf16 => out.extend(pod::cast::<bf16>(b).iter().map(|x| x.to_f32())),
-                    DType::F16 => out.extend(pod::cast::<f16>(b).iter().map(|x| x.to_f32())),
-                    _ => out.extend_from_slice(pod::cast::<f32>(b)),
+        self.device
+            .download(&ids, &mut |bufs| {
+                for b in bufs {
+                    match storage {
+                        DType::Bf16 => out.extend(pod::cast::<bf16>(b).iter().map(|x| x.to_f32())),
+                        DType::F16 => out.extend(pod::cast::<f16>(b).iter().map(|x| x.to_f32())),
+                        _ => out.extend_from_slice(pod::cast::<f32>(b)),
+                    }
                 }
-            }
-        });
+            })
+            .expect(HOST_ONLY);
         out
     }
 
-    /// The AdamW moment buffers, in the order [`Executor::with_moments`] hands them out.
-    fn moment_bufs(&self) -> (OptimState, Vec<BufId>) {
-        let o = self.plan.schedule.implicit.optim.expect("training plan");
-        let mut ids = vec![o.m, o.v];
-        ids.extend(o.m_scale);
-        ids.extend(o.v_scale);
-        (o.format, ids)
+    /// The AdamW moment buffers where they live between steps: one set, or one per group.
+    fn moment_sets(&self) -> &[OptimBufs] {
+        self.plan
+            .schedule
+            .implicit
+            .optim
+            .as_deref()
+            .expect("training plan")
     }
 
-    /// Lends `f` the AdamW moments in their stored format (for checkpoints).
-    pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> R {
-        let (format, ids) = self.moment_bufs();
+    /// Lends `f` the AdamW moments in their stored format (for checkpoints). Moments kept
+    /// per parameter group (offloaded) are gathered into one host copy first.
+    pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> Result<R> {
+        let sets = self.moment_sets();
+        let (format, kinds) = (sets[0].format, sets[0].ids().len());
+        let ids: Vec<BufId> = sets.iter().flat_map(|s| s.ids()).collect();
         let mut f = Some(f);
         let mut out = None;
         self.device.download(&ids, &mut |b| {
+            // b holds the sets one after the other; join each kind (m, v, scales) across them.
+            let joined: Vec<Joined> = (0..kinds)
+                .map(|k| Joined::of(b.iter().skip(k).step_by(kinds).copied()))
+                .collect();
+            let b: Vec<&[u8]> = joined.iter().map(Joined::bytes).collect();
             let m = match format {
                 OptimState::F32 => Moments::F32 {
                     m: pod::cast(b[0]),
@@ -176,36 +255,52 @@ impl Executor {
                 },
             };
             out = Some((f.take().expect("called once"))(m))
-        });
-        out.expect("download calls back")
+        })?;
+        Ok(out.expect("download calls back"))
     }
 
-    /// Lends `f` the AdamW moments to fill (resume); they are on the backend when it returns.
-    pub fn with_moments_mut<R>(&mut self, f: impl FnOnce(MomentsMut<'_>) -> R) -> R {
-        let (format, ids) = self.moment_bufs();
+    /// Lends `f` the AdamW moments to fill (resume); they are on the backend when it returns
+    /// (moments kept per group are filled as one host copy, then split back).
+    pub fn with_moments_mut<R>(&mut self, f: impl FnOnce(MomentsMut<'_>) -> R) -> Result<R> {
+        let sets = self.moment_sets().to_vec();
+        let (format, kinds) = (sets[0].format, sets[0].ids().len());
+        let ids: Vec<BufId> = sets.iter().flat_map(|s| s.ids()).collect();
         let mut f = Some(f);
         let mut out = None;
+        let per_group = sets.len() > 1;
         self.device.upload(&ids, &mut |b| {
-            let m = match (format, b) {
-                (OptimState::F32, [m, v]) => MomentsMut::F32 {
-                    m: pod::cast_mut(m),
-                    v: pod::cast_mut(v),
-                },
-                (OptimState::Bf16, [m, v]) => MomentsMut::Bf16 {
-                    m: pod::cast_mut(m),
-                    v: pod::cast_mut(v),
-                },
-                (OptimState::Int8, [m, v, ms, vs]) => MomentsMut::Int8 {
-                    m: pod::cast_mut(m),
-                    v: pod::cast_mut(v),
-                    m_absmax: pod::cast_mut(ms),
-                    v_absmax: pod::cast_mut(vs),
-                },
-                _ => unreachable!("moment buffers match their format"),
-            };
-            out = Some((f.take().expect("called once"))(m))
-        });
-        out.expect("upload calls back")
+            let f = f.take().expect("called once");
+            if !per_group {
+                out = Some(f(moments_mut(format, b)));
+                return;
+            }
+            // One host copy per kind (m, v, scales) across the sets, split back after `f`.
+            let mut joined: Vec<(Vec<u64>, usize)> = (0..kinds)
+                .map(|k| {
+                    let len = b
+                        .iter()
+                        .skip(k)
+                        .step_by(kinds)
+                        .map(|p| p.len())
+                        .sum::<usize>();
+                    (vec![0u64; len.div_ceil(8)], len)
+                })
+                .collect();
+            let mut views: Vec<&mut [u8]> = joined
+                .iter_mut()
+                .map(|(v, len)| &mut pod_bytes_mut(v)[..*len])
+                .collect();
+            out = Some(f(moments_mut(format, &mut views)));
+            for (k, (v, _)) in joined.iter().enumerate() {
+                let mut at = 0;
+                for part in b.iter_mut().skip(k).step_by(kinds) {
+                    let n = part.len();
+                    part.copy_from_slice(&pod_bytes(v)[at..at + n]);
+                    at += n;
+                }
+            }
+        })?;
+        Ok(out.expect("upload calls back"))
     }
 
     /// Sets the factor the loss is multiplied by before backward (fp16 loss scaling).
@@ -235,52 +330,55 @@ impl Executor {
         let mut ids = s.tokens.clone();
         ids.extend(&s.targets);
         let with_targets = !s.targets.is_empty();
-        self.device.upload(&ids, &mut |bufs| {
-            let (tokens, targets) = bufs.split_at_mut(micro);
-            for (k, rows) in batch.chunks(b * (t + 1)).enumerate() {
-                let tk = pod::cast_mut::<u32>(tokens[k]);
-                for (i, row) in rows.chunks(t + 1).enumerate() {
-                    tk[i * t..(i + 1) * t].copy_from_slice(&row[..t]);
-                }
-                if with_targets {
-                    let tg = pod::cast_mut::<u32>(targets[k]);
+        self.device
+            .upload(&ids, &mut |bufs| {
+                let (tokens, targets) = bufs.split_at_mut(micro);
+                for (k, rows) in batch.chunks(b * (t + 1)).enumerate() {
+                    let tk = pod::cast_mut::<u32>(tokens[k]);
                     for (i, row) in rows.chunks(t + 1).enumerate() {
-                        tg[i * t..(i + 1) * t].copy_from_slice(&row[1..]);
+                        tk[i * t..(i + 1) * t].copy_from_slice(&row[..t]);
+                    }
+                    if with_targets {
+                        let tg = pod::cast_mut::<u32>(targets[k]);
+                        for (i, row) in rows.chunks(t + 1).enumerate() {
+                            tg[i * t..(i + 1) * t].copy_from_slice(&row[1..]);
+                        }
                     }
                 }
-            }
-        });
+            })
+            .expect(HOST_ONLY);
         Ok(())
     }
 
     /// One optimizer step on the batch set by [`Executor::upload_batch`].
-    pub fn train_step(&mut self, hp: &OptimHparams) -> StepStats {
-        let loss = self.compute_gradients();
-        let o = self.apply_optimizer(hp);
-        StepStats {
+    pub fn train_step(&mut self, hp: &OptimHparams) -> Result<StepStats> {
+        let loss = self.compute_gradients()?;
+        let o = self.apply_optimizer(hp)?;
+        Ok(StepStats {
             loss,
             grad_norm: o.grad_norm,
             skipped: o.skipped,
-        }
+        })
     }
 
     /// Forward and backward: fills the gradients, returns the mean loss. The optimizer ops
     /// (the schedule's `Optimizer` phase) are not run.
-    pub fn compute_gradients(&mut self) -> f32 {
+    pub fn compute_gradients(&mut self) -> Result<f32> {
         assert_eq!(self.plan.mode, Mode::Train);
         let end = self.optimizer_start();
-        self.run(0..end, self.ctx(true), None);
-        self.mean_loss()
+        self.run(0..end, self.ctx(true), None)?;
+        Ok(self.mean_loss())
     }
 
     /// Runs the optimizer phase on the gradients: the gradient norm, then (unless the
     /// gradients are not finite) clipping and AdamW. Returns the norm before clipping and
     /// whether the update was skipped.
-    pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> StepOutcome {
+    pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> Result<StepOutcome> {
         let ops = self.optimizer_start()..self.plan.schedule.ops.len();
         let ctx = self.ctx(true);
-        self.run(ops, ctx, Some(hp))
-            .expect("the optimizer phase has a gradient-norm op")
+        Ok(self
+            .run(ops, ctx, Some(hp))?
+            .expect("the optimizer phase has a gradient-norm op"))
     }
 
     fn ctx(&self, training: bool) -> StepCtx {
@@ -302,13 +400,13 @@ impl Executor {
     /// Mean loss on the batch set by [`Executor::upload_batch`], forward only (no state
     /// changes besides activations): every micro-batch's forward ops (gradient zeroing is in
     /// the backward phase).
-    pub fn eval_loss(&mut self) -> f32 {
+    pub fn eval_loss(&mut self) -> Result<f32> {
         let s = &self.plan.schedule;
         let ops: Vec<usize> = (0..s.ops.len())
             .filter(|&i| s.ops[i].phase == Phase::Forward)
             .collect();
-        self.run(ops.into_iter(), self.ctx(false), None);
-        self.mean_loss()
+        self.run(ops.into_iter(), self.ctx(false), None)?;
+        Ok(self.mean_loss())
     }
 
     /// Mean of the per-row losses over every micro-batch.
@@ -321,7 +419,8 @@ impl Executor {
                     sum += losses.iter().map(|&x| x as f64).sum::<f64>();
                     rows += losses.len();
                 }
-            });
+            })
+            .expect(HOST_ONLY);
         (sum / rows as f64) as f32
     }
 
@@ -341,19 +440,23 @@ impl Executor {
         }
         let s = &self.plan.schedule;
         let (tokens, logits) = (s.tokens[0], s.logits.expect("generation plan"));
-        self.device.upload(&[tokens], &mut |b| {
-            pod::cast_mut::<u32>(b[0])[..t].copy_from_slice(context)
-        });
+        self.device
+            .upload(&[tokens], &mut |b| {
+                pod::cast_mut::<u32>(b[0])[..t].copy_from_slice(context)
+            })
+            .expect(HOST_ONLY);
         let ctx = StepCtx {
             seq: Some(t),
             ..self.ctx(false)
         };
-        self.run(0..self.plan.schedule.ops.len(), ctx, None);
+        self.run(0..self.plan.schedule.ops.len(), ctx, None)?;
         let mut out = std::mem::take(&mut self.logits);
-        self.device.download(&[logits], &mut |b| {
-            out.clear();
-            out.extend_from_slice(pod::cast::<f32>(b[0]))
-        });
+        self.device
+            .download(&[logits], &mut |b| {
+                out.clear();
+                out.extend_from_slice(pod::cast::<f32>(b[0]))
+            })
+            .expect(HOST_ONLY);
         self.logits = out;
         Ok(&self.logits)
     }
@@ -372,15 +475,17 @@ impl Executor {
     /// Runs ops `ops` in order. With `hp`, the `GradNorm` ops' sums of squares add up to the
     /// step's norm and clipping, settled before the first `AdamW` op, which then run with
     /// them, or not at all when the norm is not finite; returns what the optimizer found.
+    /// Stops at the first op that fails (a disk transfer), with its error.
     fn run(
         &mut self,
         ops: impl Iterator<Item = usize> + Send,
         mut ctx: StepCtx,
         hp: Option<&OptimHparams>,
-    ) -> Option<StepOutcome> {
+    ) -> Result<Option<StepOutcome>> {
         let mut recorder = self.recorder.take();
         let mut outcome = None;
         let mut sum_sq = None;
+        let mut failed = None;
         let (plan, device) = (&self.plan, &*self.device);
         let loss_scale = self.loss_scale;
         let mut ops = ops;
@@ -402,8 +507,13 @@ impl Executor {
                     }
                 }
                 let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
-                if let OpResult::SumOfSquares(sq) = device.run(op, &ctx) {
-                    sum_sq = Some(sum_sq.unwrap_or(0.0) + sq);
+                match device.run(op, &ctx) {
+                    Ok(OpResult::SumOfSquares(sq)) => sum_sq = Some(sum_sq.unwrap_or(0.0) + sq),
+                    Ok(OpResult::Done) => {}
+                    Err(e) => {
+                        failed = Some(e.context(format!("op {}", plan.schedule.ops[i].name)));
+                        return;
+                    }
                 }
                 if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
                     r.record(i, t0);
@@ -414,7 +524,10 @@ impl Executor {
             }
         });
         self.recorder = recorder;
-        outcome
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(outcome),
+        }
     }
 }
 

@@ -1,4 +1,8 @@
-//! Memory tiers. Today one tier, host RAM, held in one [`arena::Arena`] per plan; NVMe and
-//! device tiers come with offload and the CUDA backend.
+//! Memory tiers: host RAM, held in one [`arena::Arena`] per plan, and the disk tier
+//! ([`disk::DiskTier`], `--offload`), one preallocated file per run. Device tiers come with
+//! the CUDA backend.
 
 pub mod arena;
+pub mod disk;
+
+pub use arena::Arena;

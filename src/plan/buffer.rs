@@ -100,6 +100,11 @@ pub struct Buffer {
     /// Where its bytes live: a memory tier and the offset packing gave it there.
     #[serde(flatten)]
     pub placement: Placement,
+    /// Its offset is a multiple of this, and it owns the bytes up to the next multiple of it
+    /// after its end ([`super::packing::ALIGN`]; [`super::packing::IO_ALIGN`] for the two ends
+    /// of a disk transfer, which direct I/O reads and writes whole).
+    #[serde(skip)]
+    pub align: u64,
 }
 
 /// A memory tier. Each tier the plan packs is one allocation made by the backend (today only
@@ -112,6 +117,9 @@ pub enum Tier {
     /// Allocated outside the arena, once, by its owner (the loader's staging buffers, a
     /// kernel library's own scratch): counted in the plan's total, never packed.
     Owned,
+    /// The offload file on disk (`--offload`): packed like the host arena, read into and
+    /// written from host staging buffers by transfer ops.
+    Nvme,
 }
 
 /// Where a buffer's bytes are: its tier and its byte offset in that tier's arena (0 for
@@ -132,6 +140,11 @@ impl Placement {
     /// A buffer its owner allocates.
     pub const OWNED: Placement = Placement {
         tier: Tier::Owned,
+        offset: 0,
+    };
+    /// A buffer in the offload file, offset not yet packed.
+    pub const NVME: Placement = Placement {
+        tier: Tier::Nvme,
         offset: 0,
     };
 }
@@ -166,9 +179,17 @@ impl Buffer {
             && o.first_op <= self.last_op
     }
 
-    /// Whether the byte ranges of two buffers of the same tier intersect.
+    /// Whether the byte ranges of two buffers of the same tier intersect (each with its
+    /// padding to its alignment).
     pub fn overlaps_in_memory(&self, o: &Buffer) -> bool {
         let (a, b) = (self.placement.offset, o.placement.offset);
-        self.placement.tier == o.placement.tier && a < b + o.bytes && b < a + self.bytes
+        self.placement.tier == o.placement.tier
+            && a < b + o.padded_bytes()
+            && b < a + self.padded_bytes()
+    }
+
+    /// Its bytes rounded up to its alignment: what packing reserves and a transfer moves.
+    pub fn padded_bytes(&self) -> u64 {
+        self.bytes.div_ceil(self.align) * self.align
     }
 }

@@ -9,7 +9,7 @@ use super::schedule::{
     GradBufs, GradSegment, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule,
 };
 use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
-use super::{BufId, Buffer, Category, DType, Placement, Plan, Tier};
+use super::{BufId, Buffer, Category, DType, Offload, Placement, Plan, Tier};
 use crate::backend::Sizing;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
@@ -45,6 +45,8 @@ pub struct StepConfig {
     pub optim_state: OptimState,
     /// Format of compute weights, activations and gradients.
     pub precision: Precision,
+    /// What lives on the disk tier, and where its file is.
+    pub offload: Offload,
 }
 
 impl StepConfig {
@@ -58,6 +60,7 @@ impl StepConfig {
             grad_accum: 1,
             optim_state: OptimState::F32,
             precision: Precision::F32,
+            offload: Offload::default(),
         }
     }
 }
@@ -137,7 +140,7 @@ pub fn build_plan(
         return finish(spec, cfg, mode, layout, g, p, io, backend);
     }
     let grads = grad_buffers(&mut g, &layout);
-    let optim = optimizer_state(&mut g, &layout, cfg.optim_state);
+    let optim = optimizer_state(&mut g, &layout, cfg.optim_state, cfg.offload.set.optimizer);
     let micro = cfg.grad_accum;
     let mut io = Io {
         tokens: vec![],
@@ -176,7 +179,7 @@ pub fn build_plan(
         io.targets.push(targets);
         io.losses.push(losses);
     }
-    optimizer(&mut g, &layout);
+    optimizer(&mut g, &layout, &optim);
     zero_grads_before_first_write(&mut g, &grads);
     let p = ImplicitBufs {
         params,
@@ -225,8 +228,10 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &GradBufs) {
 }
 
 /// Emits the optimizer phase: each parameter group's share of the global gradient norm, then
-/// AdamW over the groups (embeddings, each block, the final norm), one op each.
-fn optimizer(g: &mut Builder, layout: &ParamLayout) {
+/// AdamW over the groups (embeddings, each block, the final norm), one op each. With the
+/// moments on the disk tier (one `OptimBufs` per group), each group's moments are read into
+/// host staging buffers just before its AdamW and written back just after.
+fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
     for group in &layout.groups {
         g.op(
             format!("{}.grad_norm", group.name),
@@ -238,7 +243,7 @@ fn optimizer(g: &mut Builder, layout: &ParamLayout) {
         );
     }
     let (state_block, _) = layout.block_offsets(QBLOCK);
-    for group in &layout.groups {
+    for (k, group) in layout.groups.iter().enumerate() {
         let tensors = group
             .tensors
             .clone()
@@ -251,46 +256,131 @@ fn optimizer(g: &mut Builder, layout: &ParamLayout) {
                 }
             })
             .collect();
+        let name = &group.name;
+        let (state, home) = match state {
+            [whole] => (*whole, None),
+            per_group => {
+                let home = per_group[k];
+                let stage = staging(g, &home);
+                for (from, to) in home.ids().into_iter().zip(stage.ids()) {
+                    let what = g.buffers[from.0].name.clone();
+                    g.op(
+                        format!("{what}.read"),
+                        Phase::Optimizer,
+                        0,
+                        Op::Transfer { from, to },
+                    );
+                }
+                (stage, Some(home))
+            }
+        };
         g.op(
-            format!("{}.adamw", group.name),
+            format!("{name}.adamw"),
             Phase::Optimizer,
             0,
-            Op::AdamW { tensors },
+            Op::AdamW { tensors, state },
         );
+        if let Some(home) = home {
+            for (from, to) in state.ids().into_iter().zip(home.ids()) {
+                let what = g.buffers[to.0].name.clone();
+                g.op(
+                    format!("{what}.write"),
+                    Phase::Optimizer,
+                    0,
+                    Op::Transfer { from, to },
+                );
+            }
+        }
     }
 }
 
-/// Declares the AdamW moments in `format` (see [`OptimBufs`]).
-fn optimizer_state(g: &mut Builder, layout: &ParamLayout, format: OptimState) -> OptimBufs {
-    let st = |g: &mut Builder, name: &str, dtype, elems| {
-        g.persistent(name, Category::OptimizerState, dtype, elems)
+/// Host staging buffers (`{name}.stage`, aligned for direct I/O) for the group state `home`.
+fn staging(g: &mut Builder, home: &OptimBufs) -> OptimBufs {
+    let mut stage = |id: BufId| {
+        let b = &g.buffers[id.0];
+        let (name, dtype, elems) = (format!("{}.stage", b.name), b.dtype, b.elems);
+        let s = g.buf(name, Category::OptimizerState, dtype, elems);
+        g.for_io(s, false)
     };
-    let p = layout.total;
-    match format {
-        OptimState::F32 | OptimState::Bf16 => {
-            let dt = if format == OptimState::F32 {
-                DType::F32
-            } else {
-                DType::Bf16
-            };
-            OptimBufs {
-                format,
-                m: st(g, "adamw.m", dt, p),
-                v: st(g, "adamw.v", dt, p),
-                m_scale: None,
-                v_scale: None,
-            }
-        }
-        OptimState::Int8 => {
-            let (_, blocks) = layout.block_offsets(QBLOCK);
-            OptimBufs {
-                format,
-                m: st(g, "adamw.m.q", DType::I8, p),
-                v: st(g, "adamw.v.q", DType::U8, p),
-                m_scale: Some(st(g, "adamw.m.absmax", DType::F32, blocks)),
-                v_scale: Some(st(g, "adamw.v.absmax", DType::F32, blocks)),
-            }
-        }
+    OptimBufs {
+        m: stage(home.m),
+        v: stage(home.v),
+        m_scale: home.m_scale.map(&mut stage),
+        v_scale: home.v_scale.map(&mut stage),
+        ..*home
+    }
+}
+
+/// Declares the AdamW moments in `format` (see [`OptimBufs`]): one set covering every
+/// parameter in RAM, or with `on_disk` one set per parameter group on the disk tier.
+fn optimizer_state(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    format: OptimState,
+    on_disk: bool,
+) -> Vec<OptimBufs> {
+    let (first_block, blocks) = layout.block_offsets(QBLOCK);
+    if !on_disk {
+        return vec![moments(
+            g,
+            "adamw",
+            format,
+            0..layout.total,
+            0..blocks,
+            false,
+        )];
+    }
+    layout
+        .groups
+        .iter()
+        .map(|group| {
+            let (first, last) = (group.tensors.start, group.tensors.end - 1);
+            let last_blocks = layout.tensors[last].range.len().div_ceil(QBLOCK);
+            let blocks = first_block[first]..first_block[last] + last_blocks;
+            let name = format!("{}.adamw", group.name);
+            moments(g, &name, format, layout.group_range(group), blocks, true)
+        })
+        .collect()
+}
+
+/// Persistent moment buffers `{name}.m`, `{name}.v` (int8: `.m.q`, `.v.q`, `.m.absmax`,
+/// `.v.absmax`) for parameter elements `range` and 8-bit blocks `blocks`.
+fn moments(
+    g: &mut Builder,
+    name: &str,
+    format: OptimState,
+    range: std::ops::Range<usize>,
+    blocks: std::ops::Range<usize>,
+    on_disk: bool,
+) -> OptimBufs {
+    let mut st = |what: &str, dtype, elems| {
+        let id = g.persistent(
+            &format!("{name}.{what}"),
+            Category::OptimizerState,
+            dtype,
+            elems,
+        );
+        if on_disk { g.for_io(id, true) } else { id }
+    };
+    let p = range.len();
+    let (m, v, m_scale, v_scale) = match format {
+        OptimState::F32 => (st("m", DType::F32, p), st("v", DType::F32, p), None, None),
+        OptimState::Bf16 => (st("m", DType::Bf16, p), st("v", DType::Bf16, p), None, None),
+        OptimState::Int8 => (
+            st("m.q", DType::I8, p),
+            st("v.q", DType::U8, p),
+            Some(st("m.absmax", DType::F32, blocks.len())),
+            Some(st("v.absmax", DType::F32, blocks.len())),
+        ),
+    };
+    OptimBufs {
+        format,
+        m,
+        v,
+        m_scale,
+        v_scale,
+        base: range.start,
+        block_base: blocks.start,
     }
 }
 
@@ -355,6 +445,7 @@ fn finish(
         }
     }
     let arena_bytes = packing::pack(&mut g.buffers, Tier::Host);
+    let nvme_bytes = packing::pack(&mut g.buffers, Tier::Nvme);
     packing::verify(&g.buffers)
         .map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
     let external_bytes: u64 = g
@@ -363,13 +454,13 @@ fn finish(
         .filter(|b| b.is_owned())
         .map(|b| b.bytes)
         .sum();
-    let internal: Vec<Buffer> = g
+    let in_arena: Vec<Buffer> = g
         .buffers
         .iter()
-        .filter(|b| !b.is_owned())
+        .filter(|b| b.placement.tier == Tier::Host)
         .cloned()
         .collect();
-    let (peak_live_bytes, peak_op) = packing::peak_live(&internal, n_ops);
+    let (peak_live_bytes, peak_op) = packing::peak_live(&in_arena, n_ops);
     let plan = Plan {
         spec: spec.clone(),
         layout,
@@ -388,6 +479,7 @@ fn finish(
         peak_live_bytes,
         peak_op,
         external_bytes,
+        nvme_bytes,
     };
     verify_ops(&plan)?;
     Ok(plan)

@@ -63,7 +63,8 @@ impl Builder {
         self.buf(name, category, dt, elems)
     }
 
-    fn buf(
+    /// A (non-persistent) buffer of any element type.
+    pub(crate) fn buf(
         &mut self,
         name: impl Into<String>,
         category: Category,
@@ -111,8 +112,20 @@ impl Builder {
             first_op: usize::MAX,
             last_op: 0,
             placement: Placement::HOST,
+            align: super::packing::ALIGN,
         });
         BufId(self.buffers.len() - 1)
+    }
+
+    /// Makes `id` one end of disk transfers: on the offload tier when `on_disk`, and aligned
+    /// for direct I/O ([`super::packing::IO_ALIGN`]) in either tier.
+    pub(crate) fn for_io(&mut self, id: BufId, on_disk: bool) -> BufId {
+        let b = &mut self.buffers[id.0];
+        b.align = super::packing::IO_ALIGN;
+        if on_disk {
+            b.placement = Placement::NVME;
+        }
+        id
     }
 
     pub(crate) fn op(&mut self, name: impl Into<String>, phase: Phase, flops: u64, op: Op) {

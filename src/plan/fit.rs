@@ -2,7 +2,8 @@
 //! not, what would.
 
 use super::{
-    Mode, OptimState, Plan, Precision, Recompute, RecomputeChoice, StepConfig, build_plan,
+    Mode, OffloadSet, OptimState, Plan, Precision, Recompute, RecomputeChoice, StepConfig,
+    build_plan,
 };
 use crate::backend::Sizing;
 use crate::model::ModelSpec;
@@ -29,6 +30,13 @@ pub struct Strategies {
     /// Refuse plans whose predicted peak exceeds this many bytes.
     #[serde(default)]
     pub max_memory: Option<u64>,
+    /// What lives on the disk tier between uses (`--offload`).
+    #[serde(default)]
+    pub offload: OffloadSet,
+    /// Directory of the disk tier's file (`--offload-dir`; train's default: `offload/` in
+    /// the run directory, bench's: `memwall-offload/` in the current directory).
+    #[serde(default)]
+    pub offload_dir: Option<std::path::PathBuf>,
 }
 
 fn one() -> usize {
@@ -43,6 +51,8 @@ impl Default for Strategies {
             optim_state: OptimState::default(),
             precision: Precision::default(),
             max_memory: None,
+            offload: OffloadSet::NONE,
+            offload_dir: None,
         }
     }
 }
@@ -55,7 +65,21 @@ impl Strategies {
         cfg.grad_accum = self.grad_accum;
         cfg.optim_state = self.optim_state;
         cfg.precision = self.precision;
+        cfg.offload.set = self.offload;
+        cfg.offload.dir = self.offload_dir.clone().filter(|_| self.offload.any());
         cfg
+    }
+
+    /// With `--offload` and no `--offload-dir`: `default` as the directory, created.
+    pub fn with_offload_dir(&self, default: &std::path::Path) -> Result<Strategies> {
+        let mut s = self.clone();
+        if s.offload.any() {
+            let dir = s.offload_dir.get_or_insert_with(|| default.to_path_buf());
+            std::fs::create_dir_all(&*dir).map_err(|e| {
+                anyhow::anyhow!("--offload-dir {}: cannot create it: {e}", dir.display())
+            })?;
+        }
+        Ok(s)
     }
 
     /// The training-step plan: [`plan_with_recompute`] of [`Strategies::step_config`].

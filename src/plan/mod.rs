@@ -11,6 +11,7 @@ pub mod buffer;
 pub mod build;
 pub(crate) mod builder;
 pub mod fit;
+pub mod offload;
 pub mod packing;
 pub mod report;
 pub mod schedule;
@@ -18,6 +19,7 @@ pub mod strategy;
 
 pub use buffer::{BufId, Buffer, Category, DType, Placement, Tier};
 pub use build::{Mode, StepConfig, build_plan};
+pub use offload::{Offload, OffloadSet};
 pub use schedule::{Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
 pub use strategy::{OptimState, Precision, Recompute, RecomputeChoice};
 
@@ -41,6 +43,8 @@ pub struct Plan {
     /// Bytes of the owned buffers ([`Tier::Owned`]: allocated once, outside the arena, by
     /// their owners).
     pub external_bytes: u64,
+    /// Size of the disk tier's file (`--offload`; 0 when nothing is offloaded).
+    pub nvme_bytes: u64,
 }
 
 impl Plan {
@@ -70,14 +74,18 @@ impl Plan {
             .collect()
     }
 
-    /// Per category, the most bytes live at any one op (each category's own high-water mark;
-    /// what a strategy such as recomputation shrinks).
+    /// Per category, the most bytes in RAM live at any one op (each category's own
+    /// high-water mark; what a strategy such as recomputation shrinks). Disk-tier buffers
+    /// are left out: see [`Plan::nvme_bytes`].
     pub fn peak_by_category(&self) -> Vec<(Category, u64)> {
         let n_ops = self.schedule.ops.len();
         Category::ALL
             .iter()
             .map(|&c| {
-                let of_c = self.buffers.iter().filter(|b| b.category == c);
+                let of_c = self
+                    .buffers
+                    .iter()
+                    .filter(|b| b.category == c && b.placement.tier != Tier::Nvme);
                 let live = packing::live_bytes_per_op(
                     of_c.map(|b| (b.first_op, b.last_op, b.bytes)),
                     n_ops,
@@ -102,7 +110,23 @@ impl Plan {
             .sum()
     }
 
-    /// Bytes per category of the buffers live at op `op`.
+    /// Bytes of transfers per step: (read from the disk tier, written to it).
+    pub fn io_bytes_per_step(&self) -> (u64, u64) {
+        let (mut read, mut written) = (0, 0);
+        for e in &self.schedule.ops {
+            if let Op::Transfer { from, to } = e.op {
+                let (f, t) = (self.buffer(from), self.buffer(to));
+                if f.placement.tier == Tier::Nvme {
+                    read += f.padded_bytes();
+                } else {
+                    written += t.padded_bytes();
+                }
+            }
+        }
+        (read, written)
+    }
+
+    /// Bytes per category of the RAM buffers live at op `op`.
     pub fn live_by_category(&self, op: usize) -> Vec<(Category, u64)> {
         Category::ALL
             .iter()
@@ -110,7 +134,7 @@ impl Plan {
                 let s = self
                     .buffers
                     .iter()
-                    .filter(|b| b.category == c && b.live_at(op))
+                    .filter(|b| b.category == c && b.live_at(op) && b.placement.tier != Tier::Nvme)
                     .map(|b| b.bytes)
                     .sum();
                 (c, s)

@@ -12,8 +12,13 @@ use super::{Buffer, Tier};
 /// Every offset is a multiple of this (one cache line; enough for AVX-512 loads).
 pub const ALIGN: u64 = 64;
 
-fn align_up(x: u64) -> u64 {
-    x.div_ceil(ALIGN) * ALIGN
+/// Offsets and sizes of the buffers a disk transfer moves (both ends): direct I/O needs the
+/// file offset, the length and the memory address aligned to the device's block (4 KiB covers
+/// the logical block sizes of NVMe and SATA disks and the page size).
+pub const IO_ALIGN: u64 = 4096;
+
+fn align_up(x: u64, align: u64) -> u64 {
+    x.div_ceil(align) * align
 }
 
 /// Assigns an offset to every buffer placed in `tier`; returns that tier's arena size in bytes.
@@ -37,17 +42,18 @@ pub fn pack(buffers: &mut [Buffer], tier: Tier) -> u64 {
         for &j in &placed {
             if buffers[i].lives_with(&buffers[j]) {
                 let at = buffers[j].placement.offset;
-                conflicts.push((at, at + align_up(buffers[j].bytes)));
+                conflicts.push((at, at + buffers[j].padded_bytes()));
             }
         }
         conflicts.sort_unstable();
-        let need = align_up(buffers[i].bytes);
+        let align = buffers[i].align;
+        let need = buffers[i].padded_bytes();
         let mut at = 0u64;
         for &(start, end) in &conflicts {
             if at + need <= start {
                 break;
             }
-            at = at.max(end);
+            at = align_up(at.max(end), align);
         }
         buffers[i].placement.offset = at;
         arena = arena.max(at + need);
@@ -99,7 +105,7 @@ pub fn peak_live(buffers: &[Buffer], n_ops: usize) -> (u64, usize) {
 /// offending pair's names.
 pub fn verify(buffers: &[Buffer]) -> Result<(), String> {
     for (i, a) in buffers.iter().enumerate() {
-        if a.placement.offset % ALIGN != 0 {
+        if a.placement.offset % a.align != 0 {
             return Err(format!("buffer {} is misaligned", a.name));
         }
         for b in &buffers[i + 1..] {
@@ -131,6 +137,7 @@ mod tests {
             first_op: first,
             last_op: last,
             placement: crate::plan::Placement::HOST,
+            align: ALIGN,
         }
     }
 

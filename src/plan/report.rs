@@ -25,20 +25,21 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
     };
     let _ = writeln!(
         s,
-        "plan: {}\n      {:?}, {micro} = {} tokens/step, {}, recompute {}, optimizer state {}, {} threads, {} ops",
+        "plan: {}\n      {:?}, {micro} = {} tokens/step, {}, recompute {}, optimizer state {}, offload {}, {} threads, {} ops",
         plan.spec.describe(),
         plan.mode,
         cfg.batch * cfg.grad_accum * cfg.seq,
         cfg.precision,
         cfg.recompute,
         cfg.optim_state,
+        cfg.offload.set,
         cfg.threads,
         plan.schedule.ops.len()
     );
     let _ = writeln!(
         s,
         "\n  {:<18} {:>8} {:>14} {:>14} {:>14}",
-        "category", "buffers", "sum of bytes", "own peak", "live at peak"
+        "category", "buffers", "sum of bytes", "own RAM peak", "live at peak"
     );
     let at_peak = plan.live_by_category(plan.peak_op);
     let own_peak = plan.peak_by_category();
@@ -100,6 +101,16 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
         "  predicted peak RSS          {:>12}",
         fmt_bytes(plan.total_bytes() + baseline)
     );
+    if plan.nvme_bytes > 0 {
+        let (read, written) = plan.io_bytes_per_step();
+        let _ = writeln!(
+            s,
+            "  on disk (offload file)      {:>12}   per step: {} read, {} written",
+            fmt_bytes(plan.nvme_bytes),
+            fmt_bytes(read),
+            fmt_bytes(written)
+        );
+    }
     let flops = plan.flops();
     let _ = writeln!(
         s,

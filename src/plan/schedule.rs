@@ -256,8 +256,15 @@ pub enum Op {
     /// (gradients not finite) before the first `AdamW` op runs.
     GradNorm { range: Range<usize> },
     /// AdamW on these parameter tensors (master weights, gradients and moments of the same
-    /// ranges), with the step's clipping factor; not run when the step is skipped.
-    AdamW { tensors: Vec<ParamSlice> },
+    /// ranges; the moments in `state`), with the step's clipping factor; not run when the
+    /// step is skipped.
+    AdamW {
+        tensors: Vec<ParamSlice>,
+        state: OptimBufs,
+    },
+    /// Copies buffer `from` into buffer `to` (same size; one on the offload tier, the other
+    /// a host staging buffer): a read from disk or a write to it.
+    Transfer { from: BufId, to: BufId },
 }
 
 /// An op with its display name, phase and arithmetic cost.
@@ -270,16 +277,32 @@ pub struct OpEntry {
     pub flops: u64,
 }
 
-/// The AdamW moment buffers, in the plan's `OptimState` format: f32 or bf16 `m`, `v`
-/// `[params]; or int8 codes m (i8) and v (u8) [params] with f32 block scales`
-/// `m_scale, v_scale [blocks] (blocks of QBLOCK values counted per tensor)`.
-#[derive(Clone, Copy, Debug)]
+/// AdamW moment buffers in the plan's `OptimState` format, holding the moments of parameter
+/// elements `base..base + len`: f32 or bf16 `m`, `v` `[len]`; or int8 codes m (i8) and v (u8)
+/// `[len]` with f32 block scales `m_scale, v_scale [blocks]` for 8-bit blocks
+/// `block_base..` (blocks of QBLOCK values counted per tensor). Either the whole model's
+/// state (`base` 0) or one parameter group's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OptimBufs {
     pub format: OptimState,
     pub m: BufId,
     pub v: BufId,
     pub m_scale: Option<BufId>,
     pub v_scale: Option<BufId>,
+    /// First parameter element whose moments `m[0]` and `v[0]` hold.
+    pub base: usize,
+    /// First 8-bit block whose scale `m_scale[0]` and `v_scale[0]` hold.
+    pub block_base: usize,
+}
+
+impl OptimBufs {
+    /// The buffers, in the order checkpoints and transfers list them: m, v (, scales).
+    pub fn ids(&self) -> Vec<BufId> {
+        let mut ids = vec![self.m, self.v];
+        ids.extend(self.m_scale);
+        ids.extend(self.v_scale);
+        ids
+    }
 }
 
 /// One parameter group's gradients: `buf` holds the gradients of parameter elements `range`
@@ -331,8 +354,10 @@ pub struct ImplicitBufs {
     pub gemm_ws: Option<BufId>,
     /// Parameter gradients in the storage type, per group (training plans).
     pub grads: Option<GradBufs>,
-    /// AdamW moments (training plans).
-    pub optim: Option<OptimBufs>,
+    /// AdamW moments where they live between steps (training plans): one entry covering
+    /// every parameter when they stay in RAM, or one per parameter group on the offload tier
+    /// (`--offload optimizer`; each group's `AdamW` then reads host staging copies).
+    pub optim: Option<Vec<OptimBufs>>,
 }
 
 /// The ordered ops of one step, the buffers they use implicitly, and the buffers the host
@@ -367,7 +392,7 @@ impl Op {
                 std::iter::once(wte.clone()).chain(wpe.clone()).collect()
             }
             GradNorm { range } => vec![range.clone()],
-            AdamW { tensors } => tensors.iter().map(|t| t.range.clone()).collect(),
+            AdamW { tensors, .. } => tensors.iter().map(|t| t.range.clone()).collect(),
             Zero { .. }
             | Encoder { .. }
             | LayerNorm { .. }
@@ -381,7 +406,8 @@ impl Op {
             | LmHeadLast { .. }
             | AttentionBackward { .. }
             | SwigluBackward { .. }
-            | GeluBackward { .. } => vec![],
+            | GeluBackward { .. }
+            | Transfer { .. } => vec![],
         }
     }
 
@@ -457,7 +483,9 @@ impl Op {
             } => (vec![*dout, *qkv, *out, *lse], vec![*dqkv, *ws]),
             GeluBackward { d, inp, .. } => (vec![*d, *inp], vec![*d]),
             EncoderBackward { dout, tokens, .. } => (vec![*dout, *tokens], vec![]),
-            GradNorm { .. } | AdamW { .. } => (vec![], vec![]),
+            AdamW { state, .. } => (state.ids(), state.ids()),
+            Transfer { from, to } => (vec![*from], vec![*to]),
+            GradNorm { .. } => (vec![], vec![]),
         }
     }
 }

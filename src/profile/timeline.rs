@@ -3,7 +3,7 @@
 //! `profile.json` when a run was profiled), so `memwall report RUN_DIR` needs nothing but the
 //! run directory.
 
-use crate::plan::Category;
+use crate::plan::{Category, Tier};
 use crate::plan::packing::live_bytes_per_op;
 use crate::run_dir::{BufferInfo, PlanJson};
 
@@ -25,13 +25,13 @@ impl MemoryTimeline {
         let n = plan.schedule.len();
         let categories: Vec<Category> = Category::ALL
             .into_iter()
-            .filter(|c| plan.buffers.iter().any(|b| b.category == *c && b.bytes > 0))
+            .filter(|c| in_ram(plan).any(|b| b.category == *c && b.bytes > 0))
             .collect();
         // One sweep per category (the planner's own), transposed to rows per op.
         let per_category: Vec<Vec<u64>> = categories
             .iter()
             .map(|&c| {
-                let of_c = plan.buffers.iter().filter(|b| b.category == c);
+                let of_c = in_ram(plan).filter(|b| b.category == c);
                 live_bytes_per_op(of_c.map(|b| (b.first_op, b.last_op, b.bytes)), n)
             })
             .collect();
@@ -59,11 +59,14 @@ impl MemoryTimeline {
     }
 }
 
+/// The buffers in RAM (the disk tier's are not memory: `plan.json`'s `by_tier` has them).
+fn in_ram(plan: &PlanJson) -> impl Iterator<Item = &BufferInfo> {
+    plan.buffers.iter().filter(|b| b.tier != Tier::Nvme)
+}
+
 /// The buffers live at `op`, largest first.
 pub fn live_buffers(plan: &PlanJson, op: usize) -> Vec<&BufferInfo> {
-    let mut v: Vec<&BufferInfo> = plan
-        .buffers
-        .iter()
+    let mut v: Vec<&BufferInfo> = in_ram(plan)
         .filter(|b| b.first_op <= op && op <= b.last_op)
         .collect();
     v.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.name.cmp(&b.name)));

@@ -100,6 +100,14 @@ pub struct PlanJson {
     pub flops_per_step: u64,
     #[serde(default)]
     pub recompute_flops_per_step: u64,
+    /// Bytes per memory tier: `host` (the plan total in RAM) and `nvme` (the offload file).
+    #[serde(default)]
+    pub by_tier: CategoryBytes,
+    /// Bytes read from and written to the disk tier per step (`--offload`).
+    #[serde(default)]
+    pub io_read_bytes_per_step: u64,
+    #[serde(default)]
+    pub io_write_bytes_per_step: u64,
     pub buffers: Vec<BufferInfo>,
     pub schedule: Vec<OpInfo>,
 }
@@ -173,6 +181,14 @@ impl PlanJson {
             live_at_peak_by_category: by_category(plan.live_by_category(plan.peak_op)),
             flops_per_step: plan.flops(),
             recompute_flops_per_step: plan.recompute_flops(),
+            by_tier: [
+                ("host".to_string(), Value::from(plan.total_bytes())),
+                ("nvme".to_string(), Value::from(plan.nvme_bytes)),
+            ]
+            .into_iter()
+            .collect(),
+            io_read_bytes_per_step: plan.io_bytes_per_step().0,
+            io_write_bytes_per_step: plan.io_bytes_per_step().1,
             buffers,
             schedule,
         };

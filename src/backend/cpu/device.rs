@@ -9,9 +9,12 @@ use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
 use crate::backend::{Backend, Device, OpResult, Sizing, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::mem::arena::Arena;
+use crate::mem::disk::DiskTier;
+use crate::plan::offload::OFFLOAD_FILE;
+use crate::plan::schedule::OptimBufs;
 use crate::plan::schedule::{ImplicitBufs, OpEntry, WeightLayout};
-use crate::plan::{BufId, Buffer, DType, Op, OptimState, Plan};
-use anyhow::{Result, bail};
+use crate::plan::{BufId, Buffer, DType, Op, OptimState, Plan, Tier};
+use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
 
 /// The CPU backend: kernels on a pool of the plan's `threads` workers, one host arena.
@@ -131,6 +134,8 @@ pub struct CpuDevice {
     /// Element type of activations and gradients (f32, bf16 or f16).
     storage: DType,
     pub(super) state: ImplicitBufs,
+    /// The disk tier's file (plans with `--offload`).
+    disk: Option<DiskTier>,
 }
 
 impl CpuDevice {
@@ -146,6 +151,11 @@ impl CpuDevice {
             .num_threads(plan.cfg.threads)
             .thread_name(|i| format!("memwall-worker-{i}"))
             .build()?;
+        let disk = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
+            (0, _) => None,
+            (bytes, Some(dir)) => Some(DiskTier::create(dir, OFFLOAD_FILE, bytes)?),
+            (_, None) => bail!("--offload needs --offload-dir (a directory on a local disk)"),
+        };
         let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
         Ok(CpuDevice {
             arena,
@@ -153,7 +163,55 @@ impl CpuDevice {
             buffers: plan.buffers.clone(),
             storage,
             state: plan.schedule.implicit.clone(),
+            disk,
         })
+    }
+
+    /// Whether the disk tier fell back to buffered I/O (its file system refused `O_DIRECT`).
+    pub fn disk_buffered(&self) -> bool {
+        self.disk.as_ref().is_some_and(|d| !d.direct)
+    }
+
+    fn disk(&self) -> &DiskTier {
+        self.disk
+            .as_ref()
+            .expect("a plan with a disk tier has its file")
+    }
+
+    /// Copies buffer `from` into `to`, one on the disk tier and the other in the arena (both
+    /// padded to the I/O alignment by the plan, so the whole padded extent moves).
+    pub(super) fn transfer(&self, from: BufId, to: BufId) -> Result<()> {
+        let (f, t) = (&self.buffers[from.0], &self.buffers[to.0]);
+        assert_eq!(
+            f.bytes, t.bytes,
+            "transfer {} -> {}: sizes differ",
+            f.name, t.name
+        );
+        match (f.placement.tier, t.placement.tier) {
+            (Tier::Nvme, Tier::Host) => self.disk().read(f.placement.offset, self.padded(to)),
+            (Tier::Host, Tier::Nvme) => self.disk().write(t.placement.offset, self.padded(from)),
+            (a, b) => panic!(
+                "internal error: transfer {} ({a:?}) -> {} ({b:?})",
+                f.name, t.name
+            ),
+        }
+    }
+
+    /// The bytes of arena buffer `id` with its padding to its alignment.
+    #[allow(clippy::mut_from_ref)]
+    fn padded(&self, id: BufId) -> &mut [u8] {
+        let b = &self.buffers[id.0];
+        assert_eq!(
+            b.placement.tier,
+            Tier::Host,
+            "buffer {} is not in the arena",
+            b.name
+        );
+        // SAFETY: as for every view; packing reserves the padding for the buffer.
+        unsafe {
+            self.arena
+                .view_mut::<u8>(b.placement.offset, b.padded_bytes() as usize)
+        }
     }
 
     // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
@@ -166,7 +224,12 @@ impl CpuDevice {
     fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
         let b = &self.buffers[id.0];
         assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
-        assert!(!b.is_owned(), "buffer {} is not in the arena", b.name);
+        assert_eq!(
+            b.placement.tier,
+            Tier::Host,
+            "buffer {} is not in the arena",
+            b.name
+        );
         debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
         unsafe { self.arena.view_mut::<T>(b.placement.offset, b.elems) }
     }
@@ -175,7 +238,12 @@ impl CpuDevice {
     #[allow(clippy::mut_from_ref)]
     fn bytes(&self, id: BufId) -> &mut [u8] {
         let b = &self.buffers[id.0];
-        assert!(!b.is_owned(), "buffer {} is not in the arena", b.name);
+        assert_eq!(
+            b.placement.tier,
+            Tier::Host,
+            "buffer {} is not in the arena",
+            b.name
+        );
         // SAFETY: as for every view; u8 has no alignment or validity requirement.
         unsafe {
             self.arena
@@ -208,9 +276,8 @@ impl CpuDevice {
             .for_each(|c| c.fill(0));
     }
 
-    /// The AdamW moments in their stored format.
-    pub(super) fn moments_view(&self) -> MomentsMut<'_> {
-        let o = self.state.optim.expect("training plan");
+    /// The AdamW moments `o` (the whole model's or a group's staging copy) in their format.
+    pub(super) fn moments_view(&self, o: &OptimBufs) -> MomentsMut<'_> {
         match o.format {
             OptimState::F32 => MomentsMut::F32 {
                 m: self.typed(o.m, DType::F32),
@@ -229,35 +296,78 @@ impl CpuDevice {
         }
     }
 
-    /// Mutable byte views of distinct buffers.
-    fn bytes_of(&self, bufs: &[BufId]) -> Vec<&mut [u8]> {
+    /// Host copies of the disk-tier buffers among `bufs` (page-aligned scratch, read whole),
+    /// by position in `bufs`.
+    fn read_disk_buffers(&self, bufs: &[BufId]) -> Result<Vec<Option<Arena>>> {
+        bufs.iter()
+            .map(|&id| {
+                let b = &self.buffers[id.0];
+                if b.placement.tier != Tier::Nvme {
+                    return Ok(None);
+                }
+                let scratch = Arena::new(b.padded_bytes())
+                    .with_context(|| format!("a host copy of {}", b.name))?;
+                // SAFETY: the whole fresh scratch, exclusively ours.
+                let all = unsafe { scratch.view_mut::<u8>(0, b.padded_bytes() as usize) };
+                self.disk().read(b.placement.offset, all)?;
+                Ok(Some(scratch))
+            })
+            .collect()
+    }
+
+    /// Byte views of `bufs`: arena buffers in place, disk-tier buffers in their `copies`.
+    #[allow(clippy::mut_from_ref)]
+    fn views<'a>(&'a self, bufs: &[BufId], copies: &'a [Option<Arena>]) -> Vec<&'a mut [u8]> {
         for (i, a) in bufs.iter().enumerate() {
             assert!(!bufs[..i].contains(a), "buffer listed twice");
         }
-        bufs.iter().map(|&id| self.bytes(id)).collect()
+        bufs.iter()
+            .zip(copies)
+            .map(|(&id, copy)| match copy {
+                // SAFETY: the scratch holds this buffer's bytes (and its padding).
+                Some(c) => unsafe { c.view_mut::<u8>(0, self.buffers[id.0].bytes as usize) },
+                None => self.bytes(id),
+            })
+            .collect()
     }
 }
 
 impl Device for CpuDevice {
-    fn run(&self, op: &Op, ctx: &StepCtx) -> OpResult {
-        match self.storage {
+    fn run(&self, op: &Op, ctx: &StepCtx) -> Result<OpResult> {
+        if let Op::Transfer { from, to } = op {
+            self.transfer(*from, *to)?;
+            return Ok(OpResult::Done);
+        }
+        Ok(match self.storage {
             DType::Bf16 => self.run_op::<bf16>(op, ctx),
             DType::F16 => self.run_op::<f16>(op, ctx),
             _ => self.run_op::<f32>(op, ctx),
-        }
+        })
     }
 
     fn scope(&self, f: &mut (dyn FnMut() + Send)) {
         self.pool.install(f)
     }
 
-    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) {
-        let views: Vec<&[u8]> = self.bytes_of(bufs).into_iter().map(|b| &*b).collect();
-        f(&views)
+    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) -> Result<()> {
+        let copies = self.read_disk_buffers(bufs)?;
+        let views: Vec<&[u8]> = self.views(bufs, &copies).into_iter().map(|b| &*b).collect();
+        f(&views);
+        Ok(())
     }
 
-    fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) {
-        f(&mut self.bytes_of(bufs))
+    fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()> {
+        let copies = self.read_disk_buffers(bufs)?;
+        f(&mut self.views(bufs, &copies));
+        for (&id, copy) in bufs.iter().zip(&copies) {
+            if let Some(c) = copy {
+                let b = &self.buffers[id.0];
+                // SAFETY: the whole scratch, no other view alive.
+                let all = unsafe { c.view_mut::<u8>(0, b.padded_bytes() as usize) };
+                self.disk().write(b.placement.offset, all)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -12,7 +12,7 @@ use super::{adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, x
 use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
-use crate::plan::schedule::{Op, ParamSlice, WeightLayout};
+use crate::plan::schedule::{Op, OptimBufs, ParamSlice, WeightLayout};
 use std::ops::Range;
 
 /// The kernel's name for a plan's weight layout.
@@ -478,27 +478,33 @@ impl CpuDevice {
             Op::GradNorm { range } => {
                 return OpResult::SumOfSquares(reduce::sum_squares(&*grad(range)));
             }
-            Op::AdamW { tensors } => {
+            Op::AdamW { tensors, state } => {
                 let step = ctx.update.expect("the executor sets the AdamW step");
-                self.adamw::<T>(tensors, &step);
+                self.adamw::<T>(tensors, state, &step);
             }
+            Op::Transfer { .. } => unreachable!("the device runs transfers itself"),
         }
         OpResult::Done
     }
 
     /// AdamW over `tensors` on the master weights (the compute weights themselves in fp32
-    /// plans), the moments in the plan's format.
-    fn adamw<T: Elem>(&self, tensors: &[ParamSlice], step: &AdamWStep) {
+    /// plans), the moments in `moments` (in the plan's format; the whole model's, or a
+    /// group's staging copy whose element 0 is parameter `moments.base`).
+    fn adamw<T: Elem>(&self, tensors: &[ParamSlice], moments: &OptimBufs, step: &AdamWStep) {
         let master = self.view::<f32>(self.state.params);
-        let mut state = self.moments_view();
+        let mut state = self.moments_view(moments);
         for t in tensors {
             let r = t.range.clone();
-            let blocks = t.state_block..t.state_block + r.len().div_ceil(quant::QBLOCK);
+            let (base, block_base) = (moments.base, moments.block_base);
+            let b0 = t.state_block - block_base;
+            let blocks = b0..b0 + r.len().div_ceil(quant::QBLOCK);
+            let local = r.start - base..r.end - base;
             let p = AdamWStep {
                 weight_decay: if t.decay { step.weight_decay } else { 0.0 },
                 ..*step
             };
             let (p_, g) = (&mut master[r.clone()], &*self.grad::<T>(&r));
+            let r = local;
             match &mut state {
                 MomentsMut::F32 { m, v } => {
                     adamw::adamw_update(p_, g, &mut m[r.clone()], &mut v[r], &p)

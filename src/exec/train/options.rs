@@ -188,6 +188,8 @@ mod tests {
                 "max_shard_bytes",
                 "min_lr_frac",
                 "model",
+                "offload",
+                "offload_dir",
                 "optim_state",
                 "out",
                 "precision",

@@ -35,9 +35,10 @@ impl<'a> Run<'a> {
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = rss::current_rss().unwrap_or(0);
-        let plan =
-            opts.strategies
-                .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
+        let strategies = opts
+            .strategies
+            .with_offload_dir(&opts.out.join("offload"))?;
+        let plan = strategies.plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
         let dir = RunDir::new(&opts.out);
         prepare_run_dir(&dir, resume.is_some())?;
         PlanJson::from_plan(&plan, baseline)?.write(&dir.plan())?;
@@ -228,7 +229,7 @@ fn restore(
 ) -> Result<(u64, u64)> {
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| ckpt::load_params(ck, &layout, p))?;
-    let st = ex.with_moments_mut(|m| ckpt::load_trainer_state(ck, &layout, m))?;
+    let st = ex.with_moments_mut(|m| ckpt::load_trainer_state(ck, &layout, m))??;
     run_dir::metrics::truncate(&dir.metrics(), st.step)?;
     progress.message(&format!(
         "resuming from {} (step {})",

@@ -49,7 +49,10 @@ impl Run<'_> {
         };
         let scale = self.scaler.map(|s| s.state.scale);
         self.ex.set_loss_scale(scale.unwrap_or(1.0));
-        let stats = self.ex.train_step(&hp);
+        let stats = self
+            .ex
+            .train_step(&hp)
+            .with_context(|| format!("step {}", self.step + 1))?;
         let mut step_profile = profiling.then(|| self.end_recording(t0, spans));
         if let Some(sc) = self.scaler.as_mut() {
             sc.update(stats.skipped);
@@ -240,6 +243,7 @@ impl Run<'_> {
                     ckpt::save_checkpoint_with(&opts.out, spec, layout, p, &m, &state, &save)
                 })
             })
+            .and_then(|r| r)
             .with_context(|| {
                 format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
             })?;
@@ -298,7 +302,7 @@ fn evaluate(
             batch,
         );
         ex.upload_batch(batch)?;
-        sum += ex.eval_loss() as f64;
+        sum += ex.eval_loss()? as f64;
     }
     Ok((sum / opts.eval_batches as f64) as f32)
 }

@@ -1,0 +1,219 @@
+//! The disk tier (`--offload`): one preallocated file per run in the offload directory,
+//! holding the plan's [`crate::plan::Tier::Nvme`] buffers at their packed offsets, read and
+//! written whole with direct I/O (`O_DIRECT`: no page cache, so offloading does not grow the
+//! machine's memory behind the plan's back). Where the file system refuses `O_DIRECT` (tmpfs,
+//! some overlay file systems) the file is opened buffered and every transfer is followed by
+//! `posix_fadvise(DONTNEED)`, which the caller says once in its output.
+//!
+//! Offsets, lengths and host addresses are multiples of [`IO_ALIGN`] (the plan pads every
+//! transfer's two ends to it). The file is scratch: removed when the tier is dropped; the
+//! checkpoint is the record.
+
+use crate::plan::packing::IO_ALIGN;
+use crate::util::bytes::fmt_bytes;
+use anyhow::{Context, Result, bail};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// An open offload file.
+pub struct DiskTier {
+    file: File,
+    path: PathBuf,
+    /// Opened with `O_DIRECT` (else buffered, with the page cache dropped after each transfer).
+    pub direct: bool,
+}
+
+impl DiskTier {
+    /// Creates `dir/name` of `bytes` bytes (space checked, then reserved with `fallocate`),
+    /// replacing a previous run's file. Errors name the directory and what would fix it.
+    pub fn create(dir: &Path, name: &str, bytes: u64) -> Result<DiskTier> {
+        if !dir.is_dir() {
+            bail!(
+                "--offload-dir {}: not a directory (create it, or point --offload-dir at a directory on a disk with {} free)",
+                dir.display(),
+                fmt_bytes(bytes)
+            );
+        }
+        let path = dir.join(name);
+        let _ = std::fs::remove_file(&path); // a previous run's scratch
+        let free = free_bytes(dir)?;
+        if free < bytes {
+            bail!(
+                "--offload-dir {}: the offload file needs {} but the disk has {} free; free space or choose another directory",
+                dir.display(),
+                fmt_bytes(bytes),
+                fmt_bytes(free)
+            );
+        }
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(true).create(true).truncate(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(&path)
+        };
+        let (file, direct) = match open(true) {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (
+                open(false)
+                    .with_context(|| format!("--offload-dir: cannot create {}", path.display()))?,
+                false,
+            ),
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "--offload-dir {}: cannot create {} (is the directory writable?)",
+                        dir.display(),
+                        path.display()
+                    )
+                });
+            }
+        };
+        let tier = DiskTier { file, path, direct };
+        // SAFETY: a valid descriptor; fallocate only reserves blocks.
+        let r = unsafe { libc::fallocate(tier.file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                tier.file
+                    .set_len(bytes)
+                    .with_context(|| tier.what("size"))?;
+            } else {
+                return Err(e).with_context(|| {
+                    format!("reserving {} for {}", fmt_bytes(bytes), tier.path.display())
+                });
+            }
+        }
+        Ok(tier)
+    }
+
+    /// The file's path (for messages).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads `buf.len()` bytes at `offset` (both multiples of [`IO_ALIGN`], `buf` aligned).
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        check_aligned(offset, buf.as_ptr(), buf.len());
+        self.file
+            .read_exact_at(buf, offset)
+            .with_context(|| self.what_at("read", offset, buf.len()))?;
+        self.drop_cache(offset, buf.len());
+        Ok(())
+    }
+
+    /// Writes `buf` at `offset` (both multiples of [`IO_ALIGN`], `buf` aligned).
+    pub fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
+        check_aligned(offset, buf.as_ptr(), buf.len());
+        self.file
+            .write_all_at(buf, offset)
+            .with_context(|| self.what_at("write", offset, buf.len()))?;
+        self.drop_cache(offset, buf.len());
+        Ok(())
+    }
+
+    fn drop_cache(&self, offset: u64, len: usize) {
+        if !self.direct {
+            // SAFETY: a valid descriptor; advice only.
+            unsafe {
+                libc::posix_fadvise(
+                    self.file.as_raw_fd(),
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_DONTNEED,
+                );
+            }
+        }
+    }
+
+    fn what(&self, op: &str) -> String {
+        format!("offload file {}: {op}", self.path.display())
+    }
+
+    fn what_at(&self, op: &str, offset: u64, len: usize) -> String {
+        format!(
+            "offload file {}: {op} of {len} bytes at offset {offset} failed",
+            self.path.display()
+        )
+    }
+}
+
+impl Drop for DiskTier {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn check_aligned(offset: u64, ptr: *const u8, len: usize) {
+    let a = IO_ALIGN as usize;
+    assert!(
+        offset.is_multiple_of(IO_ALIGN)
+            && (ptr as usize).is_multiple_of(a)
+            && len.is_multiple_of(a),
+        "internal error: unaligned disk transfer (offset {offset}, length {len})"
+    );
+}
+
+/// Bytes free to an unprivileged user on the file system holding `dir`.
+pub fn free_bytes(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .with_context(|| format!("--offload-dir {}: a path with a NUL byte", dir.display()))?;
+    // SAFETY: statvfs fills the zeroed struct; c is a valid C string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| {
+            format!(
+                "--offload-dir {}: cannot read its free space",
+                dir.display()
+            )
+        });
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::Arena;
+
+    #[test]
+    fn round_trip_and_removal() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 3 * IO_ALIGN as usize;
+        let tier = DiskTier::create(dir.path(), "t.bin", 4 * n as u64).unwrap();
+        let path = tier.path().to_path_buf();
+        let a = Arena::new(2 * n as u64).unwrap();
+        // SAFETY: two disjoint views of a fresh arena.
+        let (src, dst) = unsafe { (a.view_mut::<u8>(0, n), a.view_mut::<u8>(n as u64, n)) };
+        for (i, x) in src.iter_mut().enumerate() {
+            *x = (i * 7 % 251) as u8;
+        }
+        tier.write(IO_ALIGN, src).unwrap();
+        tier.read(IO_ALIGN, dst).unwrap();
+        assert_eq!(src, dst);
+        drop(tier);
+        assert!(!path.exists(), "the scratch file is removed");
+    }
+
+    #[test]
+    fn errors_name_the_directory() {
+        let e = DiskTier::create(Path::new("/nonexistent/mw"), "t.bin", 4096)
+            .err()
+            .unwrap();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("--offload-dir /nonexistent/mw") && e.contains("not a directory"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let e = DiskTier::create(dir.path(), "t.bin", u64::MAX / 2)
+            .err()
+            .unwrap();
+        let e = format!("{e:#}");
+        assert!(e.contains("free") && e.contains("needs"), "{e}");
+    }
+}
