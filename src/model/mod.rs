@@ -2,6 +2,7 @@
 //! behind which each architecture lives in one module: [`gpt2`], [`llama`] (with Qwen2)) and its parameter
 //! inventory ([`ParamLayout`]) with Hugging Face tensor names and layouts.
 
+pub(crate) mod block_emit;
 pub mod family;
 pub mod gpt2;
 pub mod llama;

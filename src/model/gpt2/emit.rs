@@ -2,17 +2,17 @@
 //! tied LM head with the loss, and the backward of each, for one micro-batch.
 //!
 //! A block's forward is a sequence of [`Stage`]s, each one op writing fresh buffers.
-//! Recomputation re-emits a subset of the stages into fresh buffers (`h{l}.re.*`,
-//! `Phase::Recompute`) just before the block's backward, and the backward reads those instead
-//! of the forward's, so the forward's buffers die at their last forward reader.
+//! [`block_emit`] emits them and, for recomputation, re-emits a subset into fresh buffers
+//! (`h{l}.re.*`, `Phase::Recompute`) just before the block's backward, which reads those
+//! instead of the forward's, so the forward's buffers die at their last forward reader.
 //! Shapes: B batch, T sequence, C channels, H MLP width, NH heads, V vocabulary, N = B·T.
 
 use super::params::{Gpt2Params, LayerParams, inventory};
 use crate::model::ModelSpec;
+use crate::model::block_emit::{self, Blocks, StagedBlock};
 use crate::model::lm_head::{self, Head};
 use crate::plan::builder::{Builder, Emitted, MicroBatch};
 use crate::plan::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::plan::strategy::BlockPolicy;
 use crate::plan::{BufId, Category, StepConfig};
 
 /// Dimensions of one micro-batch, shared by the emitters.
@@ -33,15 +33,8 @@ struct Dims {
     attn_ws_len: usize,
 }
 
-/// One block of one micro-batch: its dimensions, parameters, name prefix and input.
-struct Block<'a> {
-    pub d: &'a Dims,
-    pub p: &'a LayerParams,
-    /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
-    pub name: String,
-    /// The residual stream entering the block `[N, C]`.
-    pub res_in: BufId,
-}
+/// One block of one micro-batch.
+type Block<'a> = block_emit::Block<'a, Dims>;
 
 /// The activations of one block that its backward reads.
 #[derive(Clone, Debug)]
@@ -73,190 +66,6 @@ enum Stage {
     Gelu,
 }
 
-const ALL_STAGES: [Stage; 7] = [
-    Stage::Ln1,
-    Stage::Qkv,
-    Stage::Attn,
-    Stage::AttnProj,
-    Stage::Ln2,
-    Stage::Fc,
-    Stage::Gelu,
-];
-
-/// Selective recomputation: the cheap, memory-heavy stages (layernorm outputs, GELU).
-const SELECTIVE_STAGES: [Stage; 3] = [Stage::Ln1, Stage::Ln2, Stage::Gelu];
-
-/// FLOPs of a matmul over N rows, forward (multiply-add = 2).
-fn mm_flops(d: &Dims, ic: usize, oc: usize) -> u64 {
-    2 * (d.n * ic * oc) as u64
-}
-
-/// Causal attention forward FLOPs: half of 4·B·NH·T²·hs.
-fn attn_flops(d: &Dims) -> u64 {
-    2 * (d.b * d.nh * d.t * d.t * (d.c / d.nh)) as u64
-}
-
-/// Emits stage `s` of block `l` into fresh buffers named `{pfx}…` (`pfx` is `h3.` or
-/// `h3.re.`), reading its inputs from `partial` (the stages emitted so far), else `base`
-/// (the forward's buffers), and `res_in`.
-fn emit_stage(
-    g: &mut Builder,
-    blk: &Block,
-    s: Stage,
-    base: Option<&BlockActs>,
-    partial: &mut Partial,
-    pfx: &str,
-    phase: Phase,
-) {
-    let (d, p, res_in) = (blk.d, blk.p, blk.res_in);
-    let (n, c) = (d.n, d.c);
-    let get = |f: fn(&BlockActs) -> BufId, own: Option<BufId>| -> BufId {
-        own.or_else(|| base.map(f))
-            .expect("stages are emitted in order")
-    };
-    match s {
-        Stage::Ln1 | Stage::Ln2 => {
-            let (inp, w, b, tag) = if s == Stage::Ln1 {
-                (res_in, &p.ln1_w, &p.ln1_b, "ln1")
-            } else {
-                let res2 = get(|a| a.res2, partial.res2);
-                (res2, &p.ln2_w, &p.ln2_b, "ln2")
-            };
-            let out = g.act(format!("{pfx}{tag}"), Category::Activation, n * c);
-            let mean = g.f32(format!("{pfx}{tag}.mean"), Category::Activation, n);
-            let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, n);
-            g.op(
-                format!("{pfx}{tag}"),
-                phase,
-                0,
-                Op::LayerNorm {
-                    inp,
-                    out,
-                    mean,
-                    rstd,
-                    w: w.clone(),
-                    b: b.clone(),
-                    rows: d.rows,
-                    c,
-                    eps: d.eps,
-                },
-            );
-            if s == Stage::Ln1 {
-                (partial.ln1, partial.ln1_mean, partial.ln1_rstd) =
-                    (Some(out), Some(mean), Some(rstd));
-            } else {
-                (partial.ln2, partial.ln2_mean, partial.ln2_rstd) =
-                    (Some(out), Some(mean), Some(rstd));
-            }
-        }
-        Stage::Qkv => {
-            let inp = get(|a| a.ln1, partial.ln1);
-            let out = g.act(format!("{pfx}qkv"), Category::Activation, 3 * n * c);
-            g.op(
-                format!("{pfx}qkv"),
-                phase,
-                mm_flops(d, c, 3 * c),
-                Op::Matmul {
-                    inp,
-                    out,
-                    residual: None,
-                    w: p.qkv_w.clone(),
-                    b: Some(p.qkv_b.clone()),
-                    layout: WeightLayout::InOut,
-                    rows: d.rows,
-                    ic: c,
-                    oc: 3 * c,
-                },
-            );
-            partial.qkv = Some(out);
-        }
-        Stage::Attn => {
-            let qkv = get(|a| a.qkv, partial.qkv);
-            let out = g.act(format!("{pfx}attn"), Category::Activation, n * c);
-            let lse = g.f32(
-                format!("{pfx}attn.lse"),
-                Category::Activation,
-                d.b * d.nh * d.t,
-            );
-            let ws = g.f32(format!("{pfx}attn.ws"), Category::Workspace, d.attn_ws_len);
-            g.op(
-                format!("{pfx}attn"),
-                phase,
-                attn_flops(d),
-                Op::Attention {
-                    qkv,
-                    out,
-                    lse,
-                    ws,
-                    rows: d.rows,
-                    nh: d.nh,
-                    nkv: d.nh,
-                    hd: c / d.nh,
-                },
-            );
-            (partial.atty, partial.lse) = (Some(out), Some(lse));
-        }
-        Stage::AttnProj => {
-            let inp = get(|a| a.atty, partial.atty);
-            let out = g.act(format!("{pfx}res_attn"), Category::Activation, n * c);
-            g.op(
-                format!("{pfx}attn_proj"),
-                phase,
-                mm_flops(d, c, c),
-                Op::Matmul {
-                    inp,
-                    out,
-                    residual: Some(res_in),
-                    w: p.proj_w.clone(),
-                    b: Some(p.proj_b.clone()),
-                    layout: WeightLayout::InOut,
-                    rows: d.rows,
-                    ic: c,
-                    oc: c,
-                },
-            );
-            partial.res2 = Some(out);
-        }
-        Stage::Fc => {
-            let inp = get(|a| a.ln2, partial.ln2);
-            let out = g.act(format!("{pfx}fc"), Category::Activation, n * d.h);
-            g.op(
-                format!("{pfx}fc"),
-                phase,
-                mm_flops(d, c, d.h),
-                Op::Matmul {
-                    inp,
-                    out,
-                    residual: None,
-                    w: p.fc_w.clone(),
-                    b: Some(p.fc_b.clone()),
-                    layout: WeightLayout::InOut,
-                    rows: d.rows,
-                    ic: c,
-                    oc: d.h,
-                },
-            );
-            partial.fch = Some(out);
-        }
-        Stage::Gelu => {
-            let inp = get(|a| a.fch, partial.fch);
-            let out = g.act(format!("{pfx}fc.gelu"), Category::Activation, n * d.h);
-            g.op(
-                format!("{pfx}gelu"),
-                phase,
-                0,
-                Op::Gelu {
-                    inp,
-                    out,
-                    rows: d.rows,
-                    width: d.h,
-                },
-            );
-            partial.fch_gelu = Some(out);
-        }
-    }
-}
-
 /// Buffers written by the stages emitted so far (the rest come from the forward).
 #[derive(Default)]
 struct Partial {
@@ -274,223 +83,382 @@ struct Partial {
     fch_gelu: Option<BufId>,
 }
 
-impl Partial {
-    /// The block's activations: those emitted here, else `base`'s.
-    fn over(self, base: Option<&BlockActs>) -> BlockActs {
+/// FLOPs of a matmul over N rows, forward (multiply-add = 2).
+fn mm_flops(d: &Dims, ic: usize, oc: usize) -> u64 {
+    2 * (d.n * ic * oc) as u64
+}
+
+/// Causal attention forward FLOPs: half of 4·B·NH·T²·hs.
+fn attn_flops(d: &Dims) -> u64 {
+    2 * (d.b * d.nh * d.t * d.t * (d.c / d.nh)) as u64
+}
+
+impl StagedBlock for Dims {
+    type Layer = LayerParams;
+    type Stage = Stage;
+    type Acts = BlockActs;
+    type Partial = Partial;
+
+    const ALL_STAGES: &'static [Stage] = &[
+        Stage::Ln1,
+        Stage::Qkv,
+        Stage::Attn,
+        Stage::AttnProj,
+        Stage::Ln2,
+        Stage::Fc,
+        Stage::Gelu,
+    ];
+
+    /// Selective recomputation: the cheap, memory-heavy stages (layernorm outputs, GELU).
+    const SELECTIVE_STAGES: &'static [Stage] = &[Stage::Ln1, Stage::Ln2, Stage::Gelu];
+
+    fn emit_stage(
+        g: &mut Builder,
+        blk: &Block,
+        s: Stage,
+        base: Option<&BlockActs>,
+        partial: &mut Partial,
+        pfx: &str,
+        phase: Phase,
+    ) {
+        let (d, p, res_in) = (blk.d, blk.p, blk.res_in);
+        let (n, c) = (d.n, d.c);
+        let get = |f: fn(&BlockActs) -> BufId, own: Option<BufId>| -> BufId {
+            own.or_else(|| base.map(f))
+                .expect("stages are emitted in order")
+        };
+        match s {
+            Stage::Ln1 | Stage::Ln2 => {
+                let (inp, w, b, tag) = if s == Stage::Ln1 {
+                    (res_in, &p.ln1_w, &p.ln1_b, "ln1")
+                } else {
+                    let res2 = get(|a| a.res2, partial.res2);
+                    (res2, &p.ln2_w, &p.ln2_b, "ln2")
+                };
+                let out = g.act(format!("{pfx}{tag}"), Category::Activation, n * c);
+                let mean = g.f32(format!("{pfx}{tag}.mean"), Category::Activation, n);
+                let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, n);
+                g.op(
+                    format!("{pfx}{tag}"),
+                    phase,
+                    0,
+                    Op::LayerNorm {
+                        inp,
+                        out,
+                        mean,
+                        rstd,
+                        w: w.clone(),
+                        b: b.clone(),
+                        rows: d.rows,
+                        c,
+                        eps: d.eps,
+                    },
+                );
+                if s == Stage::Ln1 {
+                    (partial.ln1, partial.ln1_mean, partial.ln1_rstd) =
+                        (Some(out), Some(mean), Some(rstd));
+                } else {
+                    (partial.ln2, partial.ln2_mean, partial.ln2_rstd) =
+                        (Some(out), Some(mean), Some(rstd));
+                }
+            }
+            Stage::Qkv => {
+                let inp = get(|a| a.ln1, partial.ln1);
+                let out = g.act(format!("{pfx}qkv"), Category::Activation, 3 * n * c);
+                g.op(
+                    format!("{pfx}qkv"),
+                    phase,
+                    mm_flops(d, c, 3 * c),
+                    Op::Matmul {
+                        inp,
+                        out,
+                        residual: None,
+                        w: p.qkv_w.clone(),
+                        b: Some(p.qkv_b.clone()),
+                        layout: WeightLayout::InOut,
+                        rows: d.rows,
+                        ic: c,
+                        oc: 3 * c,
+                    },
+                );
+                partial.qkv = Some(out);
+            }
+            Stage::Attn => {
+                let qkv = get(|a| a.qkv, partial.qkv);
+                let out = g.act(format!("{pfx}attn"), Category::Activation, n * c);
+                let lse = g.f32(
+                    format!("{pfx}attn.lse"),
+                    Category::Activation,
+                    d.b * d.nh * d.t,
+                );
+                let ws = g.f32(format!("{pfx}attn.ws"), Category::Workspace, d.attn_ws_len);
+                g.op(
+                    format!("{pfx}attn"),
+                    phase,
+                    attn_flops(d),
+                    Op::Attention {
+                        qkv,
+                        out,
+                        lse,
+                        ws,
+                        rows: d.rows,
+                        nh: d.nh,
+                        nkv: d.nh,
+                        hd: c / d.nh,
+                    },
+                );
+                (partial.atty, partial.lse) = (Some(out), Some(lse));
+            }
+            Stage::AttnProj => {
+                let inp = get(|a| a.atty, partial.atty);
+                let out = g.act(format!("{pfx}res_attn"), Category::Activation, n * c);
+                g.op(
+                    format!("{pfx}attn_proj"),
+                    phase,
+                    mm_flops(d, c, c),
+                    Op::Matmul {
+                        inp,
+                        out,
+                        residual: Some(res_in),
+                        w: p.proj_w.clone(),
+                        b: Some(p.proj_b.clone()),
+                        layout: WeightLayout::InOut,
+                        rows: d.rows,
+                        ic: c,
+                        oc: c,
+                    },
+                );
+                partial.res2 = Some(out);
+            }
+            Stage::Fc => {
+                let inp = get(|a| a.ln2, partial.ln2);
+                let out = g.act(format!("{pfx}fc"), Category::Activation, n * d.h);
+                g.op(
+                    format!("{pfx}fc"),
+                    phase,
+                    mm_flops(d, c, d.h),
+                    Op::Matmul {
+                        inp,
+                        out,
+                        residual: None,
+                        w: p.fc_w.clone(),
+                        b: Some(p.fc_b.clone()),
+                        layout: WeightLayout::InOut,
+                        rows: d.rows,
+                        ic: c,
+                        oc: d.h,
+                    },
+                );
+                partial.fch = Some(out);
+            }
+            Stage::Gelu => {
+                let inp = get(|a| a.fch, partial.fch);
+                let out = g.act(format!("{pfx}fc.gelu"), Category::Activation, n * d.h);
+                g.op(
+                    format!("{pfx}gelu"),
+                    phase,
+                    0,
+                    Op::Gelu {
+                        inp,
+                        out,
+                        rows: d.rows,
+                        width: d.h,
+                    },
+                );
+                partial.fch_gelu = Some(out);
+            }
+        }
+    }
+
+    fn acts(partial: Partial, base: Option<&BlockActs>) -> BlockActs {
         let pick = |own: Option<BufId>, f: fn(&BlockActs) -> BufId| {
             own.or_else(|| base.map(f))
                 .expect("every stage emitted or inherited")
         };
         BlockActs {
-            ln1: pick(self.ln1, |a| a.ln1),
-            ln1_mean: pick(self.ln1_mean, |a| a.ln1_mean),
-            ln1_rstd: pick(self.ln1_rstd, |a| a.ln1_rstd),
-            qkv: pick(self.qkv, |a| a.qkv),
-            atty: pick(self.atty, |a| a.atty),
-            lse: pick(self.lse, |a| a.lse),
-            res2: pick(self.res2, |a| a.res2),
-            ln2: pick(self.ln2, |a| a.ln2),
-            ln2_mean: pick(self.ln2_mean, |a| a.ln2_mean),
-            ln2_rstd: pick(self.ln2_rstd, |a| a.ln2_rstd),
-            fch: pick(self.fch, |a| a.fch),
-            fch_gelu: pick(self.fch_gelu, |a| a.fch_gelu),
+            ln1: pick(partial.ln1, |a| a.ln1),
+            ln1_mean: pick(partial.ln1_mean, |a| a.ln1_mean),
+            ln1_rstd: pick(partial.ln1_rstd, |a| a.ln1_rstd),
+            qkv: pick(partial.qkv, |a| a.qkv),
+            atty: pick(partial.atty, |a| a.atty),
+            lse: pick(partial.lse, |a| a.lse),
+            res2: pick(partial.res2, |a| a.res2),
+            ln2: pick(partial.ln2, |a| a.ln2),
+            ln2_mean: pick(partial.ln2_mean, |a| a.ln2_mean),
+            ln2_rstd: pick(partial.ln2_rstd, |a| a.ln2_rstd),
+            fch: pick(partial.fch, |a| a.fch),
+            fch_gelu: pick(partial.fch_gelu, |a| a.fch_gelu),
         }
     }
-}
 
-/// Emits the forward of the block; returns its activations and its output, the residual
-/// stream entering the next block.
-fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
-    let (d, p, name) = (blk.d, blk.p, &blk.name);
-    let mut partial = Partial::default();
-    for s in ALL_STAGES {
-        emit_stage(g, blk, s, None, &mut partial, name, Phase::Forward);
+    /// The MLP projection.
+    fn emit_output(g: &mut Builder, blk: &Block, acts: &BlockActs) -> BufId {
+        let (d, p, name) = (blk.d, blk.p, &blk.name);
+        let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
+        g.op(
+            format!("{name}mlp_proj"),
+            Phase::Forward,
+            mm_flops(d, d.h, d.c),
+            Op::Matmul {
+                inp: acts.fch_gelu,
+                out,
+                residual: Some(acts.res2),
+                w: p.fcproj_w.clone(),
+                b: Some(p.fcproj_b.clone()),
+                layout: WeightLayout::InOut,
+                rows: d.rows,
+                ic: d.h,
+                oc: d.c,
+            },
+        );
+        out
     }
-    let acts = partial.over(None);
-    let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
-    g.op(
-        format!("{name}mlp_proj"),
-        Phase::Forward,
-        mm_flops(d, d.h, d.c),
-        Op::Matmul {
-            inp: acts.fch_gelu,
-            out,
-            residual: Some(acts.res2),
-            w: p.fcproj_w.clone(),
-            b: Some(p.fcproj_b.clone()),
-            layout: WeightLayout::InOut,
-            rows: d.rows,
-            ic: d.h,
-            oc: d.c,
-        },
-    );
-    (acts, out)
-}
 
-/// Emits the recompute ops `policy` asks for (names `{block}re.*`); returns the activations
-/// the backward should read.
-fn recompute(g: &mut Builder, blk: &Block, fwd: &BlockActs, policy: BlockPolicy) -> BlockActs {
-    let stages: &[Stage] = match policy {
-        BlockPolicy::KeepAll => &[],
-        BlockPolicy::Selective => &SELECTIVE_STAGES,
-        BlockPolicy::Full => &ALL_STAGES,
-    };
-    let name = format!("{}re.", blk.name);
-    let mut partial = Partial::default();
-    for &s in stages {
-        emit_stage(g, blk, s, Some(fwd), &mut partial, &name, Phase::Recompute);
+    fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
+        let (d, p, name, res_in) = (blk.d, blk.p, &blk.name, blk.res_in);
+        let (n, c) = (d.n, d.c);
+        let mm = |ic: usize, oc: usize| 2 * mm_flops(d, ic, oc);
+        let dfch = g.act(format!("{name}d.fc"), Category::ActivationGrad, n * d.h);
+        let dln2 = g.act(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
+        let datty = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * c);
+        let dqkv = g.act(format!("{name}d.qkv"), Category::ActivationGrad, 3 * n * c);
+        let dln1 = g.act(format!("{name}d.ln1"), Category::ActivationGrad, n * c);
+        let attn_ws = g.f32(
+            format!("{name}attn.ws.bwd"),
+            Category::Workspace,
+            d.attn_ws_len,
+        );
+        let bwd = Phase::Backward;
+        g.op(
+            format!("{name}mlp_proj.bwd"),
+            bwd,
+            mm(d.h, c),
+            Op::MatmulBackward {
+                dinp: dfch,
+                dout: dres,
+                inp: a.fch_gelu,
+                w: p.fcproj_w.clone(),
+                b: Some(p.fcproj_b.clone()),
+                layout: WeightLayout::InOut,
+                rows: d.rows,
+                ic: d.h,
+                oc: c,
+            },
+        );
+        g.op(
+            format!("{name}gelu.bwd"),
+            bwd,
+            0,
+            Op::GeluBackward {
+                d: dfch,
+                inp: a.fch,
+                rows: d.rows,
+                width: d.h,
+            },
+        );
+        g.op(
+            format!("{name}fc.bwd"),
+            bwd,
+            mm(c, d.h),
+            Op::MatmulBackward {
+                dinp: dln2,
+                dout: dfch,
+                inp: a.ln2,
+                w: p.fc_w.clone(),
+                b: Some(p.fc_b.clone()),
+                layout: WeightLayout::InOut,
+                rows: d.rows,
+                ic: c,
+                oc: d.h,
+            },
+        );
+        g.op(
+            format!("{name}ln2.bwd"),
+            bwd,
+            0,
+            Op::LayerNormBackward {
+                dinp: dres,
+                dout: dln2,
+                inp: a.res2,
+                mean: a.ln2_mean,
+                rstd: a.ln2_rstd,
+                w: p.ln2_w.clone(),
+                b: p.ln2_b.clone(),
+                rows: d.rows,
+                c,
+            },
+        );
+        g.op(
+            format!("{name}attn_proj.bwd"),
+            bwd,
+            mm(c, c),
+            Op::MatmulBackward {
+                dinp: datty,
+                dout: dres,
+                inp: a.atty,
+                w: p.proj_w.clone(),
+                b: Some(p.proj_b.clone()),
+                layout: WeightLayout::InOut,
+                rows: d.rows,
+                ic: c,
+                oc: c,
+            },
+        );
+        g.op(
+            format!("{name}attn.bwd"),
+            bwd,
+            5 * attn_flops(d) / 2,
+            Op::AttentionBackward {
+                dqkv,
+                dout: datty,
+                qkv: a.qkv,
+                out: a.atty,
+                lse: a.lse,
+                ws: attn_ws,
+                rows: d.rows,
+                nh: d.nh,
+                nkv: d.nh,
+                hd: c / d.nh,
+            },
+        );
+        g.op(
+            format!("{name}qkv.bwd"),
+            bwd,
+            mm(c, 3 * c),
+            Op::MatmulBackward {
+                dinp: dln1,
+                dout: dqkv,
+                inp: a.ln1,
+                w: p.qkv_w.clone(),
+                b: Some(p.qkv_b.clone()),
+                layout: WeightLayout::InOut,
+                rows: d.rows,
+                ic: c,
+                oc: 3 * c,
+            },
+        );
+        g.op(
+            format!("{name}ln1.bwd"),
+            bwd,
+            0,
+            Op::LayerNormBackward {
+                dinp: dres,
+                dout: dln1,
+                inp: res_in,
+                mean: a.ln1_mean,
+                rstd: a.ln1_rstd,
+                w: p.ln1_w.clone(),
+                b: p.ln1_b.clone(),
+                rows: d.rows,
+                c,
+            },
+        );
     }
-    partial.over(Some(fwd))
-}
-
-/// Emits the backward of the block: reads `a` and the block input, accumulates into the
-/// residual gradient `dres` `[N, C]` (in place) and the parameter gradients.
-fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
-    let (d, p, name, res_in) = (blk.d, blk.p, &blk.name, blk.res_in);
-    let (n, c) = (d.n, d.c);
-    let mm = |ic: usize, oc: usize| 2 * mm_flops(d, ic, oc);
-    let dfch = g.act(format!("{name}d.fc"), Category::ActivationGrad, n * d.h);
-    let dln2 = g.act(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
-    let datty = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * c);
-    let dqkv = g.act(format!("{name}d.qkv"), Category::ActivationGrad, 3 * n * c);
-    let dln1 = g.act(format!("{name}d.ln1"), Category::ActivationGrad, n * c);
-    let attn_ws = g.f32(
-        format!("{name}attn.ws.bwd"),
-        Category::Workspace,
-        d.attn_ws_len,
-    );
-    let bwd = Phase::Backward;
-    g.op(
-        format!("{name}mlp_proj.bwd"),
-        bwd,
-        mm(d.h, c),
-        Op::MatmulBackward {
-            dinp: dfch,
-            dout: dres,
-            inp: a.fch_gelu,
-            w: p.fcproj_w.clone(),
-            b: Some(p.fcproj_b.clone()),
-            layout: WeightLayout::InOut,
-            rows: d.rows,
-            ic: d.h,
-            oc: c,
-        },
-    );
-    g.op(
-        format!("{name}gelu.bwd"),
-        bwd,
-        0,
-        Op::GeluBackward {
-            d: dfch,
-            inp: a.fch,
-            rows: d.rows,
-            width: d.h,
-        },
-    );
-    g.op(
-        format!("{name}fc.bwd"),
-        bwd,
-        mm(c, d.h),
-        Op::MatmulBackward {
-            dinp: dln2,
-            dout: dfch,
-            inp: a.ln2,
-            w: p.fc_w.clone(),
-            b: Some(p.fc_b.clone()),
-            layout: WeightLayout::InOut,
-            rows: d.rows,
-            ic: c,
-            oc: d.h,
-        },
-    );
-    g.op(
-        format!("{name}ln2.bwd"),
-        bwd,
-        0,
-        Op::LayerNormBackward {
-            dinp: dres,
-            dout: dln2,
-            inp: a.res2,
-            mean: a.ln2_mean,
-            rstd: a.ln2_rstd,
-            w: p.ln2_w.clone(),
-            b: p.ln2_b.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
-    g.op(
-        format!("{name}attn_proj.bwd"),
-        bwd,
-        mm(c, c),
-        Op::MatmulBackward {
-            dinp: datty,
-            dout: dres,
-            inp: a.atty,
-            w: p.proj_w.clone(),
-            b: Some(p.proj_b.clone()),
-            layout: WeightLayout::InOut,
-            rows: d.rows,
-            ic: c,
-            oc: c,
-        },
-    );
-    g.op(
-        format!("{name}attn.bwd"),
-        bwd,
-        5 * attn_flops(d) / 2,
-        Op::AttentionBackward {
-            dqkv,
-            dout: datty,
-            qkv: a.qkv,
-            out: a.atty,
-            lse: a.lse,
-            ws: attn_ws,
-            rows: d.rows,
-            nh: d.nh,
-            nkv: d.nh,
-            hd: c / d.nh,
-        },
-    );
-    g.op(
-        format!("{name}qkv.bwd"),
-        bwd,
-        mm(c, 3 * c),
-        Op::MatmulBackward {
-            dinp: dln1,
-            dout: dqkv,
-            inp: a.ln1,
-            w: p.qkv_w.clone(),
-            b: Some(p.qkv_b.clone()),
-            layout: WeightLayout::InOut,
-            rows: d.rows,
-            ic: c,
-            oc: 3 * c,
-        },
-    );
-    g.op(
-        format!("{name}ln1.bwd"),
-        bwd,
-        0,
-        Op::LayerNormBackward {
-            dinp: dres,
-            dout: dln1,
-            inp: res_in,
-            mean: a.ln1_mean,
-            rstd: a.ln1_rstd,
-            w: p.ln1_w.clone(),
-            b: p.ln1_b.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
 }
 
 /// What the forward leaves for the LM head and the backward.
 struct Forward {
-    /// Residual stream entering each block, then the final one.
-    residuals: Vec<BufId>,
-    acts: Vec<BlockActs>,
+    blocks: Blocks<BlockActs>,
     lnf: BufId,      // [N, C]
     lnf_mean: BufId, // [N]
     lnf_rstd: BufId, // [N]
@@ -499,7 +467,7 @@ struct Forward {
 /// Emits the encoder, the blocks and the final layernorm of one micro-batch.
 fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: BufId) -> Forward {
     let (n, c) = (d.n, d.c);
-    let mut res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
+    let res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
     g.op(
         format!("{pfx}encoder"),
         Phase::Forward,
@@ -513,20 +481,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
             c,
         },
     );
-    let mut residuals = vec![res];
-    let mut acts = Vec::with_capacity(p.layers.len());
-    for (l, lp) in p.layers.iter().enumerate() {
-        let blk = Block {
-            d,
-            p: lp,
-            name: format!("{pfx}h{l}."),
-            res_in: res,
-        };
-        let (a, out) = forward(g, &blk);
-        res = out;
-        residuals.push(res);
-        acts.push(a);
-    }
+    let blocks = block_emit::forward(g, d, &p.layers, pfx, res);
     let lnf = g.act(format!("{pfx}lnf"), Category::Activation, n * c);
     let lnf_mean = g.f32(format!("{pfx}lnf.mean"), Category::Activation, n);
     let lnf_rstd = g.f32(format!("{pfx}lnf.rstd"), Category::Activation, n);
@@ -535,7 +490,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
         Phase::Forward,
         0,
         Op::LayerNorm {
-            inp: res,
+            inp: blocks.out(),
             out: lnf,
             mean: lnf_mean,
             rstd: lnf_rstd,
@@ -547,8 +502,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
         },
     );
     Forward {
-        residuals,
-        acts,
+        blocks,
         lnf,
         lnf_mean,
         lnf_rstd,
@@ -588,14 +542,7 @@ pub(crate) fn micro_batch(
     };
 
     // ---- backward ----
-    let dres = g.act(format!("{pfx}d.residual"), Category::ActivationGrad, n * c); // [N, C]
-    g.op(
-        format!("{pfx}zero d.residual"),
-        Phase::Backward,
-        0,
-        Op::Zero { buf: dres },
-    );
-    let res_final = *fwd.residuals.last().expect("residuals");
+    let dres = block_emit::residual_grad(g, pfx, n * c);
     g.op(
         format!("{pfx}ln_f.bwd"),
         Phase::Backward,
@@ -603,7 +550,7 @@ pub(crate) fn micro_batch(
         Op::LayerNormBackward {
             dinp: dres,
             dout: dlnf,
-            inp: res_final,
+            inp: fwd.blocks.out(),
             mean: fwd.lnf_mean,
             rstd: fwd.lnf_rstd,
             w: p.lnf_w.clone(),
@@ -612,16 +559,7 @@ pub(crate) fn micro_batch(
             c,
         },
     );
-    for l in (0..spec.n_layer).rev() {
-        let blk = Block {
-            d: &d,
-            p: &p.layers[l],
-            name: format!("{pfx}h{l}."),
-            res_in: fwd.residuals[l],
-        };
-        let acts = recompute(g, &blk, &fwd.acts[l], cfg.recompute.block(l));
-        backward(g, &blk, &acts, dres);
-    }
+    block_emit::backward(g, &d, &p.layers, pfx, &fwd.blocks, cfg.recompute, dres);
     g.op(
         format!("{pfx}encoder.bwd"),
         Phase::Backward,

@@ -5,20 +5,20 @@
 //!   x1 = rmsnorm(x); qkv = x1 @ [Wq; Wk; Wv]ᵀ (+ b); rope(q, k) in place;
 //!   a = attention(qkv); r = x + a @ Woᵀ (+ bo);
 //!   x2 = rmsnorm(r); gu = x2 @ [Wgate; Wup]ᵀ (+ b); s = silu(gate) · up; out = r + s @ Wdownᵀ.
-//! As in GPT-2's emission, the forward is a sequence of [`Stage`]s writing fresh buffers, and
-//! recomputation re-emits a subset of them (`h{l}.re.*`, `Phase::Recompute`) just before the
-//! block's backward. The RoPE op rotates the fused q|k|v buffer in place right after the
+//! As in GPT-2's emission, the forward is a sequence of [`Stage`]s writing fresh buffers, which
+//! [`block_emit`] emits and re-emits in part (`h{l}.re.*`, `Phase::Recompute`) just before
+//! the block's backward. The RoPE op rotates the fused q|k|v buffer in place right after the
 //! projection that wrote it, so the buffer every later reader sees is the rotated one; the
 //! backward un-rotates the attention's gradient in place before the projection's backward.
 //! Shapes: B batch, T sequence, N = B·T rows, C width, H MLP width, NH query heads, NKV
 //! key/value heads, hd head size, QKV = (NH + 2·NKV)·hd, A = NH·hd, V vocabulary.
 
 use super::params::{LayerParams, LlamaParams, inventory};
+use crate::model::block_emit::{self, Blocks, StagedBlock};
 use crate::model::lm_head::{self, Head};
 use crate::model::{ModelSpec, Position, rope};
 use crate::plan::builder::{Builder, Emitted, MicroBatch};
 use crate::plan::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::plan::strategy::BlockPolicy;
 use crate::plan::{BufId, Category, StepConfig};
 use std::ops::Range;
 
@@ -60,14 +60,7 @@ impl Dims {
 }
 
 /// One block of one micro-batch.
-struct Block<'a> {
-    d: &'a Dims,
-    p: &'a LayerParams,
-    /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
-    name: String,
-    /// The residual stream entering the block `[N, C]`.
-    res_in: BufId,
-}
+type Block<'a> = block_emit::Block<'a, Dims>;
 
 /// The activations of one block that its backward reads.
 #[derive(Clone, Debug)]
@@ -97,19 +90,6 @@ enum Stage {
     Swiglu,
 }
 
-const ALL_STAGES: [Stage; 7] = [
-    Stage::AttnNorm,
-    Stage::Qkv,
-    Stage::Attn,
-    Stage::AttnOut,
-    Stage::MlpNorm,
-    Stage::GateUp,
-    Stage::Swiglu,
-];
-
-/// Selective recomputation: the cheap, memory-heavy stages (norm outputs, the SwiGLU product).
-const SELECTIVE_STAGES: [Stage; 3] = [Stage::AttnNorm, Stage::MlpNorm, Stage::Swiglu];
-
 /// Buffers written by the stages emitted so far (the rest come from the forward).
 #[derive(Default)]
 struct Partial {
@@ -123,28 +103,6 @@ struct Partial {
     x2_rstd: Option<BufId>,
     gu: Option<BufId>,
     act: Option<BufId>,
-}
-
-impl Partial {
-    /// The block's activations: those emitted here, else `base`'s.
-    fn over(self, base: Option<&BlockActs>) -> BlockActs {
-        let pick = |own: Option<BufId>, f: fn(&BlockActs) -> BufId| {
-            own.or_else(|| base.map(f))
-                .expect("every stage emitted or inherited")
-        };
-        BlockActs {
-            x1: pick(self.x1, |a| a.x1),
-            x1_rstd: pick(self.x1_rstd, |a| a.x1_rstd),
-            qkv: pick(self.qkv, |a| a.qkv),
-            attn: pick(self.attn, |a| a.attn),
-            lse: pick(self.lse, |a| a.lse),
-            res2: pick(self.res2, |a| a.res2),
-            x2: pick(self.x2, |a| a.x2),
-            x2_rstd: pick(self.x2_rstd, |a| a.x2_rstd),
-            gu: pick(self.gu, |a| a.gu),
-            act: pick(self.act, |a| a.act),
-        }
-    }
 }
 
 /// A linear layer `out[N, oc] = (residual +) inp[N, ic] @ wᵀ (+ b)`, `w` `[oc, ic]`.
@@ -234,328 +192,340 @@ fn rmsnorm(
     (out, rstd)
 }
 
-/// Emits stage `s` of a block into fresh buffers named `{pfx}…` (`pfx` is `h3.` or
-/// `h3.re.`), reading its inputs from `partial` (the stages emitted so far), else `base`
-/// (the forward's buffers), and the block input.
-fn emit_stage(
-    g: &mut Builder,
-    blk: &Block,
-    s: Stage,
-    base: Option<&BlockActs>,
-    partial: &mut Partial,
-    pfx: &str,
-    phase: Phase,
-) {
-    let (d, p) = (blk.d, blk.p);
-    let get = |f: fn(&BlockActs) -> BufId, own: Option<BufId>| -> BufId {
-        own.or_else(|| base.map(f))
-            .expect("stages are emitted in order")
-    };
-    match s {
-        Stage::AttnNorm => {
-            let (x1, rstd) = rmsnorm(g, d, (pfx, "attn_norm"), phase, blk.res_in, &p.attn_norm);
-            (partial.x1, partial.x1_rstd) = (Some(x1), Some(rstd));
-        }
-        Stage::Qkv => {
-            let inp = get(|a| a.x1, partial.x1);
-            let qkv = g.act(format!("{pfx}qkv"), Category::Activation, d.n * d.qkv());
-            let io = (inp, qkv, None);
-            linear(
-                g,
-                d,
-                format!("{pfx}qkv"),
-                phase,
-                io,
-                &p.qkv_w,
-                &p.qkv_b,
-                (d.c, d.qkv()),
-            );
-            g.op(
-                format!("{pfx}rope"),
-                phase,
-                0,
-                Op::Rope {
-                    x: qkv,
-                    rows: d.rows,
-                    width: d.qkv(),
-                    rotated: (d.nh + d.nkv) * d.hd,
-                    hd: d.hd,
-                    inv_freq: d.inv_freq.clone(),
-                    inverse: false,
-                },
-            );
-            partial.qkv = Some(qkv);
-        }
-        Stage::Attn => {
-            let qkv = get(|a| a.qkv, partial.qkv);
-            let out = g.act(format!("{pfx}attn"), Category::Activation, d.n * d.a());
-            let lse = g.f32(
-                format!("{pfx}attn.lse"),
-                Category::Activation,
-                d.b * d.nh * d.t,
-            );
-            let ws = g.f32(format!("{pfx}attn.ws"), Category::Workspace, d.attn_ws_len);
-            g.op(
-                format!("{pfx}attn"),
-                phase,
-                d.attn_flops(),
-                Op::Attention {
-                    qkv,
-                    out,
-                    lse,
-                    ws,
-                    rows: d.rows,
-                    nh: d.nh,
-                    nkv: d.nkv,
-                    hd: d.hd,
-                },
-            );
-            (partial.attn, partial.lse) = (Some(out), Some(lse));
-        }
-        Stage::AttnOut => {
-            let inp = get(|a| a.attn, partial.attn);
-            let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.n * d.c);
-            let io = (inp, out, Some(blk.res_in));
-            linear(
-                g,
-                d,
-                format!("{pfx}attn_out"),
-                phase,
-                io,
-                &p.o_w,
-                &p.o_b,
-                (d.a(), d.c),
-            );
-            partial.res2 = Some(out);
-        }
-        Stage::MlpNorm => {
-            let res2 = get(|a| a.res2, partial.res2);
-            let (x2, rstd) = rmsnorm(g, d, (pfx, "mlp_norm"), phase, res2, &p.mlp_norm);
-            (partial.x2, partial.x2_rstd) = (Some(x2), Some(rstd));
-        }
-        Stage::GateUp => {
-            let inp = get(|a| a.x2, partial.x2);
-            let gu = g.act(format!("{pfx}gate_up"), Category::Activation, d.n * 2 * d.h);
-            let io = (inp, gu, None);
-            let (w, b) = (&p.gate_up_w, &p.gate_up_b);
-            linear(
-                g,
-                d,
-                format!("{pfx}gate_up"),
-                phase,
-                io,
-                w,
-                b,
-                (d.c, 2 * d.h),
-            );
-            partial.gu = Some(gu);
-        }
-        Stage::Swiglu => {
-            let inp = get(|a| a.gu, partial.gu);
-            let out = g.act(format!("{pfx}swiglu"), Category::Activation, d.n * d.h);
-            g.op(
-                format!("{pfx}swiglu"),
-                phase,
-                0,
-                Op::Swiglu {
-                    inp,
-                    out,
-                    rows: d.rows,
-                    h: d.h,
-                },
-            );
-            partial.act = Some(out);
+impl StagedBlock for Dims {
+    type Layer = LayerParams;
+    type Stage = Stage;
+    type Acts = BlockActs;
+    type Partial = Partial;
+
+    const ALL_STAGES: &'static [Stage] = &[
+        Stage::AttnNorm,
+        Stage::Qkv,
+        Stage::Attn,
+        Stage::AttnOut,
+        Stage::MlpNorm,
+        Stage::GateUp,
+        Stage::Swiglu,
+    ];
+
+    /// Selective recomputation: the cheap, memory-heavy stages (norm outputs, the SwiGLU product).
+    const SELECTIVE_STAGES: &'static [Stage] = &[Stage::AttnNorm, Stage::MlpNorm, Stage::Swiglu];
+
+    fn emit_stage(
+        g: &mut Builder,
+        blk: &Block,
+        s: Stage,
+        base: Option<&BlockActs>,
+        partial: &mut Partial,
+        pfx: &str,
+        phase: Phase,
+    ) {
+        let (d, p) = (blk.d, blk.p);
+        let get = |f: fn(&BlockActs) -> BufId, own: Option<BufId>| -> BufId {
+            own.or_else(|| base.map(f))
+                .expect("stages are emitted in order")
+        };
+        match s {
+            Stage::AttnNorm => {
+                let (x1, rstd) = rmsnorm(g, d, (pfx, "attn_norm"), phase, blk.res_in, &p.attn_norm);
+                (partial.x1, partial.x1_rstd) = (Some(x1), Some(rstd));
+            }
+            Stage::Qkv => {
+                let inp = get(|a| a.x1, partial.x1);
+                let qkv = g.act(format!("{pfx}qkv"), Category::Activation, d.n * d.qkv());
+                let io = (inp, qkv, None);
+                linear(
+                    g,
+                    d,
+                    format!("{pfx}qkv"),
+                    phase,
+                    io,
+                    &p.qkv_w,
+                    &p.qkv_b,
+                    (d.c, d.qkv()),
+                );
+                g.op(
+                    format!("{pfx}rope"),
+                    phase,
+                    0,
+                    Op::Rope {
+                        x: qkv,
+                        rows: d.rows,
+                        width: d.qkv(),
+                        rotated: (d.nh + d.nkv) * d.hd,
+                        hd: d.hd,
+                        inv_freq: d.inv_freq.clone(),
+                        inverse: false,
+                    },
+                );
+                partial.qkv = Some(qkv);
+            }
+            Stage::Attn => {
+                let qkv = get(|a| a.qkv, partial.qkv);
+                let out = g.act(format!("{pfx}attn"), Category::Activation, d.n * d.a());
+                let lse = g.f32(
+                    format!("{pfx}attn.lse"),
+                    Category::Activation,
+                    d.b * d.nh * d.t,
+                );
+                let ws = g.f32(format!("{pfx}attn.ws"), Category::Workspace, d.attn_ws_len);
+                g.op(
+                    format!("{pfx}attn"),
+                    phase,
+                    d.attn_flops(),
+                    Op::Attention {
+                        qkv,
+                        out,
+                        lse,
+                        ws,
+                        rows: d.rows,
+                        nh: d.nh,
+                        nkv: d.nkv,
+                        hd: d.hd,
+                    },
+                );
+                (partial.attn, partial.lse) = (Some(out), Some(lse));
+            }
+            Stage::AttnOut => {
+                let inp = get(|a| a.attn, partial.attn);
+                let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.n * d.c);
+                let io = (inp, out, Some(blk.res_in));
+                linear(
+                    g,
+                    d,
+                    format!("{pfx}attn_out"),
+                    phase,
+                    io,
+                    &p.o_w,
+                    &p.o_b,
+                    (d.a(), d.c),
+                );
+                partial.res2 = Some(out);
+            }
+            Stage::MlpNorm => {
+                let res2 = get(|a| a.res2, partial.res2);
+                let (x2, rstd) = rmsnorm(g, d, (pfx, "mlp_norm"), phase, res2, &p.mlp_norm);
+                (partial.x2, partial.x2_rstd) = (Some(x2), Some(rstd));
+            }
+            Stage::GateUp => {
+                let inp = get(|a| a.x2, partial.x2);
+                let gu = g.act(format!("{pfx}gate_up"), Category::Activation, d.n * 2 * d.h);
+                let io = (inp, gu, None);
+                let (w, b) = (&p.gate_up_w, &p.gate_up_b);
+                linear(
+                    g,
+                    d,
+                    format!("{pfx}gate_up"),
+                    phase,
+                    io,
+                    w,
+                    b,
+                    (d.c, 2 * d.h),
+                );
+                partial.gu = Some(gu);
+            }
+            Stage::Swiglu => {
+                let inp = get(|a| a.gu, partial.gu);
+                let out = g.act(format!("{pfx}swiglu"), Category::Activation, d.n * d.h);
+                g.op(
+                    format!("{pfx}swiglu"),
+                    phase,
+                    0,
+                    Op::Swiglu {
+                        inp,
+                        out,
+                        rows: d.rows,
+                        h: d.h,
+                    },
+                );
+                partial.act = Some(out);
+            }
         }
     }
-}
 
-/// Emits the forward of the block; returns its activations and its output.
-fn forward(g: &mut Builder, blk: &Block) -> (BlockActs, BufId) {
-    let (d, p, name) = (blk.d, blk.p, &blk.name);
-    let mut partial = Partial::default();
-    for s in ALL_STAGES {
-        emit_stage(g, blk, s, None, &mut partial, name, Phase::Forward);
+    fn acts(partial: Partial, base: Option<&BlockActs>) -> BlockActs {
+        let pick = |own: Option<BufId>, f: fn(&BlockActs) -> BufId| {
+            own.or_else(|| base.map(f))
+                .expect("every stage emitted or inherited")
+        };
+        BlockActs {
+            x1: pick(partial.x1, |a| a.x1),
+            x1_rstd: pick(partial.x1_rstd, |a| a.x1_rstd),
+            qkv: pick(partial.qkv, |a| a.qkv),
+            attn: pick(partial.attn, |a| a.attn),
+            lse: pick(partial.lse, |a| a.lse),
+            res2: pick(partial.res2, |a| a.res2),
+            x2: pick(partial.x2, |a| a.x2),
+            x2_rstd: pick(partial.x2_rstd, |a| a.x2_rstd),
+            gu: pick(partial.gu, |a| a.gu),
+            act: pick(partial.act, |a| a.act),
+        }
     }
-    let acts = partial.over(None);
-    let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
-    let io = (acts.act, out, Some(acts.res2));
-    let name = format!("{name}down");
-    linear(
-        g,
-        d,
-        name,
-        Phase::Forward,
-        io,
-        &p.down_w,
-        &p.down_b,
-        (d.h, d.c),
-    );
-    (acts, out)
-}
 
-/// Emits the recompute ops `policy` asks for; returns the activations the backward reads.
-fn recompute(g: &mut Builder, blk: &Block, fwd: &BlockActs, policy: BlockPolicy) -> BlockActs {
-    let stages: &[Stage] = match policy {
-        BlockPolicy::KeepAll => &[],
-        BlockPolicy::Selective => &SELECTIVE_STAGES,
-        BlockPolicy::Full => &ALL_STAGES,
-    };
-    let name = format!("{}re.", blk.name);
-    let mut partial = Partial::default();
-    for &s in stages {
-        emit_stage(g, blk, s, Some(fwd), &mut partial, &name, Phase::Recompute);
+    /// The down projection.
+    fn emit_output(g: &mut Builder, blk: &Block, acts: &BlockActs) -> BufId {
+        let (d, p, name) = (blk.d, blk.p, &blk.name);
+        let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
+        let io = (acts.act, out, Some(acts.res2));
+        let name = format!("{name}down");
+        linear(
+            g,
+            d,
+            name,
+            Phase::Forward,
+            io,
+            &p.down_w,
+            &p.down_b,
+            (d.h, d.c),
+        );
+        out
     }
-    partial.over(Some(fwd))
-}
 
-/// Emits the backward of the block: reads `a` and the block input, accumulates into the
-/// residual gradient `dres` `[N, C]` (in place) and the parameter gradients.
-fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
-    let (d, p, name) = (blk.d, blk.p, &blk.name);
-    let (n, c) = (d.n, d.c);
-    let dact = g.act(format!("{name}d.swiglu"), Category::ActivationGrad, n * d.h);
-    let dgu = g.act(
-        format!("{name}d.gate_up"),
-        Category::ActivationGrad,
-        n * 2 * d.h,
-    );
-    let dx2 = g.act(format!("{name}d.mlp_norm"), Category::ActivationGrad, n * c);
-    let dattn = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * d.a());
-    let dqkv = g.act(
-        format!("{name}d.qkv"),
-        Category::ActivationGrad,
-        n * d.qkv(),
-    );
-    let dx1 = g.act(
-        format!("{name}d.attn_norm"),
-        Category::ActivationGrad,
-        n * c,
-    );
-    let attn_ws = g.f32(
-        format!("{name}attn.ws.bwd"),
-        Category::Workspace,
-        d.attn_ws_len,
-    );
-    let bwd = Phase::Backward;
-    let (down, gate_up) = ((&p.down_w, &p.down_b), (&p.gate_up_w, &p.gate_up_b));
-    let io = (dact, dres, a.act);
-    linear_backward(
-        g,
-        d,
-        format!("{name}down.bwd"),
-        io,
-        down.0,
-        down.1,
-        (d.h, c),
-    );
-    g.op(
-        format!("{name}swiglu.bwd"),
-        bwd,
-        0,
-        Op::SwigluBackward {
-            dinp: dgu,
-            dout: dact,
-            inp: a.gu,
-            rows: d.rows,
-            h: d.h,
-        },
-    );
-    let io = (dx2, dgu, a.x2);
-    let name_gu = format!("{name}gate_up.bwd");
-    linear_backward(g, d, name_gu, io, gate_up.0, gate_up.1, (c, 2 * d.h));
-    g.op(
-        format!("{name}mlp_norm.bwd"),
-        bwd,
-        0,
-        Op::RmsNormBackward {
-            dinp: dres,
-            dout: dx2,
-            inp: a.res2,
-            rstd: a.x2_rstd,
-            w: p.mlp_norm.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
-    let io = (dattn, dres, a.attn);
-    linear_backward(
-        g,
-        d,
-        format!("{name}attn_out.bwd"),
-        io,
-        &p.o_w,
-        &p.o_b,
-        (d.a(), c),
-    );
-    g.op(
-        format!("{name}attn.bwd"),
-        bwd,
-        5 * d.attn_flops() / 2,
-        Op::AttentionBackward {
-            dqkv,
-            dout: dattn,
-            qkv: a.qkv,
-            out: a.attn,
-            lse: a.lse,
-            ws: attn_ws,
-            rows: d.rows,
-            nh: d.nh,
-            nkv: d.nkv,
-            hd: d.hd,
-        },
-    );
-    g.op(
-        format!("{name}rope.bwd"),
-        bwd,
-        0,
-        Op::Rope {
-            x: dqkv,
-            rows: d.rows,
-            width: d.qkv(),
-            rotated: (d.nh + d.nkv) * d.hd,
-            hd: d.hd,
-            inv_freq: d.inv_freq.clone(),
-            inverse: true,
-        },
-    );
-    let io = (dx1, dqkv, a.x1);
-    linear_backward(
-        g,
-        d,
-        format!("{name}qkv.bwd"),
-        io,
-        &p.qkv_w,
-        &p.qkv_b,
-        (c, d.qkv()),
-    );
-    g.op(
-        format!("{name}attn_norm.bwd"),
-        bwd,
-        0,
-        Op::RmsNormBackward {
-            dinp: dres,
-            dout: dx1,
-            inp: blk.res_in,
-            rstd: a.x1_rstd,
-            w: p.attn_norm.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
+    fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
+        let (d, p, name) = (blk.d, blk.p, &blk.name);
+        let (n, c) = (d.n, d.c);
+        let dact = g.act(format!("{name}d.swiglu"), Category::ActivationGrad, n * d.h);
+        let dgu = g.act(
+            format!("{name}d.gate_up"),
+            Category::ActivationGrad,
+            n * 2 * d.h,
+        );
+        let dx2 = g.act(format!("{name}d.mlp_norm"), Category::ActivationGrad, n * c);
+        let dattn = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * d.a());
+        let dqkv = g.act(
+            format!("{name}d.qkv"),
+            Category::ActivationGrad,
+            n * d.qkv(),
+        );
+        let dx1 = g.act(
+            format!("{name}d.attn_norm"),
+            Category::ActivationGrad,
+            n * c,
+        );
+        let attn_ws = g.f32(
+            format!("{name}attn.ws.bwd"),
+            Category::Workspace,
+            d.attn_ws_len,
+        );
+        let bwd = Phase::Backward;
+        let (down, gate_up) = ((&p.down_w, &p.down_b), (&p.gate_up_w, &p.gate_up_b));
+        let io = (dact, dres, a.act);
+        linear_backward(
+            g,
+            d,
+            format!("{name}down.bwd"),
+            io,
+            down.0,
+            down.1,
+            (d.h, c),
+        );
+        g.op(
+            format!("{name}swiglu.bwd"),
+            bwd,
+            0,
+            Op::SwigluBackward {
+                dinp: dgu,
+                dout: dact,
+                inp: a.gu,
+                rows: d.rows,
+                h: d.h,
+            },
+        );
+        let io = (dx2, dgu, a.x2);
+        let name_gu = format!("{name}gate_up.bwd");
+        linear_backward(g, d, name_gu, io, gate_up.0, gate_up.1, (c, 2 * d.h));
+        g.op(
+            format!("{name}mlp_norm.bwd"),
+            bwd,
+            0,
+            Op::RmsNormBackward {
+                dinp: dres,
+                dout: dx2,
+                inp: a.res2,
+                rstd: a.x2_rstd,
+                w: p.mlp_norm.clone(),
+                rows: d.rows,
+                c,
+            },
+        );
+        let io = (dattn, dres, a.attn);
+        linear_backward(
+            g,
+            d,
+            format!("{name}attn_out.bwd"),
+            io,
+            &p.o_w,
+            &p.o_b,
+            (d.a(), c),
+        );
+        g.op(
+            format!("{name}attn.bwd"),
+            bwd,
+            5 * d.attn_flops() / 2,
+            Op::AttentionBackward {
+                dqkv,
+                dout: dattn,
+                qkv: a.qkv,
+                out: a.attn,
+                lse: a.lse,
+                ws: attn_ws,
+                rows: d.rows,
+                nh: d.nh,
+                nkv: d.nkv,
+                hd: d.hd,
+            },
+        );
+        g.op(
+            format!("{name}rope.bwd"),
+            bwd,
+            0,
+            Op::Rope {
+                x: dqkv,
+                rows: d.rows,
+                width: d.qkv(),
+                rotated: (d.nh + d.nkv) * d.hd,
+                hd: d.hd,
+                inv_freq: d.inv_freq.clone(),
+                inverse: true,
+            },
+        );
+        let io = (dx1, dqkv, a.x1);
+        linear_backward(
+            g,
+            d,
+            format!("{name}qkv.bwd"),
+            io,
+            &p.qkv_w,
+            &p.qkv_b,
+            (c, d.qkv()),
+        );
+        g.op(
+            format!("{name}attn_norm.bwd"),
+            bwd,
+            0,
+            Op::RmsNormBackward {
+                dinp: dres,
+                dout: dx1,
+                inp: blk.res_in,
+                rstd: a.x1_rstd,
+                w: p.attn_norm.clone(),
+                rows: d.rows,
+                c,
+            },
+        );
+    }
 }
 
 /// What the forward leaves for the LM head and the backward.
 struct Forward {
-    /// Residual stream entering each block, then the final one.
-    residuals: Vec<BufId>,
-    acts: Vec<BlockActs>,
+    blocks: Blocks<BlockActs>,
     normed: BufId, // [N, C]
     rstd: BufId,   // [N]
 }
 
 /// Emits the embedding, the blocks and the final norm of one micro-batch.
 fn forward_all(g: &mut Builder, d: &Dims, p: &LlamaParams, pfx: &str, tokens: BufId) -> Forward {
-    let mut res = g.act(format!("{pfx}embedded"), Category::Activation, d.n * d.c); // [N, C]
+    let res = g.act(format!("{pfx}embedded"), Category::Activation, d.n * d.c); // [N, C]
     g.op(
         format!("{pfx}embed"),
         Phase::Forward,
@@ -569,24 +539,10 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &LlamaParams, pfx: &str, tokens: Bu
             c: d.c,
         },
     );
-    let mut residuals = vec![res];
-    let mut acts = Vec::with_capacity(p.layers.len());
-    for (l, lp) in p.layers.iter().enumerate() {
-        let blk = Block {
-            d,
-            p: lp,
-            name: format!("{pfx}h{l}."),
-            res_in: res,
-        };
-        let (a, out) = forward(g, &blk);
-        res = out;
-        residuals.push(res);
-        acts.push(a);
-    }
-    let (normed, rstd) = rmsnorm(g, d, (pfx, "norm"), Phase::Forward, res, &p.norm);
+    let blocks = block_emit::forward(g, d, &p.layers, pfx, res);
+    let (normed, rstd) = rmsnorm(g, d, (pfx, "norm"), Phase::Forward, blocks.out(), &p.norm);
     Forward {
-        residuals,
-        acts,
+        blocks,
         normed,
         rstd,
     }
@@ -631,18 +587,7 @@ pub(crate) fn micro_batch(
         Head::InputGrad(dnormed) => dnormed,
     };
 
-    let dres = g.act(
-        format!("{pfx}d.residual"),
-        Category::ActivationGrad,
-        d.n * d.c,
-    ); // [N, C]
-    g.op(
-        format!("{pfx}zero d.residual"),
-        Phase::Backward,
-        0,
-        Op::Zero { buf: dres },
-    );
-    let res_final = *fwd.residuals.last().expect("residuals");
+    let dres = block_emit::residual_grad(g, pfx, d.n * d.c);
     g.op(
         format!("{pfx}norm.bwd"),
         Phase::Backward,
@@ -650,23 +595,14 @@ pub(crate) fn micro_batch(
         Op::RmsNormBackward {
             dinp: dres,
             dout: dnormed,
-            inp: res_final,
+            inp: fwd.blocks.out(),
             rstd: fwd.rstd,
             w: p.norm.clone(),
             rows: d.rows,
             c: d.c,
         },
     );
-    for l in (0..spec.n_layer).rev() {
-        let blk = Block {
-            d: &d,
-            p: &p.layers[l],
-            name: format!("{pfx}h{l}."),
-            res_in: fwd.residuals[l],
-        };
-        let acts = recompute(g, &blk, &fwd.acts[l], cfg.recompute.block(l));
-        backward(g, &blk, &acts, dres);
-    }
+    block_emit::backward(g, &d, &p.layers, pfx, &fwd.blocks, cfg.recompute, dres);
     g.op(
         format!("{pfx}embed.bwd"),
         Phase::Backward,

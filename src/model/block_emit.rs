@@ -1,0 +1,159 @@
+//! A micro-batch's blocks, whatever the family. Each block's forward is a sequence of stages
+//! writing fresh buffers; the backward goes over the blocks in reverse, re-emitting first the
+//! stages the block's [`BlockPolicy`] recomputes into fresh buffers (`h{l}.re.*`,
+//! `Phase::Recompute`), which its backward then reads instead of the forward's. A family
+//! describes its block ([`StagedBlock`]: its stages and how each is emitted, the block's
+//! output and its backward) and emits the rest of the micro-batch (embedding, final norm,
+//! head) around [`forward`] and [`backward`].
+
+use crate::plan::builder::Builder;
+use crate::plan::schedule::{Op, Phase};
+use crate::plan::strategy::{BlockPolicy, Recompute};
+use crate::plan::{BufId, Category};
+
+/// A family's block as stages. Implemented by the family's dimensions of one micro-batch,
+/// which all its blocks share.
+pub(crate) trait StagedBlock: Sized {
+    /// One block's parameters.
+    type Layer;
+    /// A forward op (or a few) producing activations the backward reads.
+    type Stage: Copy + 'static;
+    /// The activations of one block that its backward reads.
+    type Acts;
+    /// The buffers written by the stages emitted so far (the rest come from the forward).
+    type Partial: Default;
+    /// Every stage, in forward order.
+    const ALL_STAGES: &'static [Self::Stage];
+    /// The stages selective recomputation re-emits: cheap ones with large outputs.
+    const SELECTIVE_STAGES: &'static [Self::Stage];
+
+    /// Emits stage `s` of `blk` into fresh buffers named `{pfx}…` (`pfx` is `h3.` or
+    /// `h3.re.`), reading its inputs from `partial`, else `base` (the forward's buffers), and
+    /// the block input.
+    fn emit_stage(
+        g: &mut Builder,
+        blk: &Block<Self>,
+        s: Self::Stage,
+        base: Option<&Self::Acts>,
+        partial: &mut Self::Partial,
+        pfx: &str,
+        phase: Phase,
+    );
+    /// The block's activations: those in `partial`, else `base`'s.
+    fn acts(partial: Self::Partial, base: Option<&Self::Acts>) -> Self::Acts;
+    /// Emits the forward op after the last stage; returns the block's output, the residual
+    /// stream entering the next block `[N, C]`.
+    fn emit_output(g: &mut Builder, blk: &Block<Self>, a: &Self::Acts) -> BufId;
+    /// Emits the backward of the block: reads `a` and the block input, accumulates into the
+    /// residual gradient `dres` `[N, C]` (in place) and the parameter gradients.
+    fn backward(g: &mut Builder, blk: &Block<Self>, a: &Self::Acts, dres: BufId);
+}
+
+/// One block of one micro-batch: its dimensions, parameters, name prefix and input.
+pub(crate) struct Block<'a, F: StagedBlock> {
+    pub d: &'a F,
+    pub p: &'a F::Layer,
+    /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
+    pub name: String,
+    /// The residual stream entering the block `[N, C]`.
+    pub res_in: BufId,
+}
+
+/// What the blocks' forward leaves for their backward.
+pub(crate) struct Blocks<A> {
+    /// Residual stream entering each block, then the last block's output.
+    pub residuals: Vec<BufId>,
+    pub acts: Vec<A>,
+}
+
+impl<A> Blocks<A> {
+    /// The last block's output `[N, C]`.
+    pub fn out(&self) -> BufId {
+        *self.residuals.last().expect("residuals")
+    }
+}
+
+/// Emits the forward of the blocks `layers` (named `{pfx}h{l}.`), the first reading `res`.
+pub(crate) fn forward<F: StagedBlock>(
+    g: &mut Builder,
+    d: &F,
+    layers: &[F::Layer],
+    pfx: &str,
+    res: BufId,
+) -> Blocks<F::Acts> {
+    let mut residuals = vec![res];
+    let mut acts = Vec::with_capacity(layers.len());
+    for (l, p) in layers.iter().enumerate() {
+        let blk = block(d, p, pfx, l, residuals[l]);
+        let a = emit_stages(g, &blk, F::ALL_STAGES, None, &blk.name, Phase::Forward);
+        residuals.push(F::emit_output(g, &blk, &a));
+        acts.push(a);
+    }
+    Blocks { residuals, acts }
+}
+
+/// Emits, per block in reverse, the recompute ops its policy under `recompute` asks for
+/// (names `{block}re.*`), then its backward reading them, accumulating into `dres`.
+pub(crate) fn backward<F: StagedBlock>(
+    g: &mut Builder,
+    d: &F,
+    layers: &[F::Layer],
+    pfx: &str,
+    fwd: &Blocks<F::Acts>,
+    recompute: Recompute,
+    dres: BufId,
+) {
+    for (l, p) in layers.iter().enumerate().rev() {
+        let blk = block(d, p, pfx, l, fwd.residuals[l]);
+        let stages = match recompute.block(l) {
+            BlockPolicy::KeepAll => &[],
+            BlockPolicy::Selective => F::SELECTIVE_STAGES,
+            BlockPolicy::Full => F::ALL_STAGES,
+        };
+        let re = format!("{}re.", blk.name);
+        let base = Some(&fwd.acts[l]);
+        let acts = emit_stages(g, &blk, stages, base, &re, Phase::Recompute);
+        F::backward(g, &blk, &acts, dres);
+    }
+}
+
+/// Block `l` of the micro-batch named by `pfx`.
+fn block<'a, F: StagedBlock>(
+    d: &'a F,
+    p: &'a F::Layer,
+    pfx: &str,
+    l: usize,
+    res_in: BufId,
+) -> Block<'a, F> {
+    let name = format!("{pfx}h{l}.");
+    Block { d, p, name, res_in }
+}
+
+/// Emits `stages` of `blk` over `base`; returns the activations the backward reads.
+fn emit_stages<F: StagedBlock>(
+    g: &mut Builder,
+    blk: &Block<F>,
+    stages: &[F::Stage],
+    base: Option<&F::Acts>,
+    pfx: &str,
+    phase: Phase,
+) -> F::Acts {
+    let mut partial = F::Partial::default();
+    for &s in stages {
+        F::emit_stage(g, blk, s, base, &mut partial, pfx, phase);
+    }
+    F::acts(partial, base)
+}
+
+/// The gradient of the residual stream `{pfx}d.residual` `[N, C]` (`len` = N·C), zeroed: the
+/// final norm's backward and every block's accumulate into it.
+pub(crate) fn residual_grad(g: &mut Builder, pfx: &str, len: usize) -> BufId {
+    let dres = g.act(format!("{pfx}d.residual"), Category::ActivationGrad, len);
+    g.op(
+        format!("{pfx}zero d.residual"),
+        Phase::Backward,
+        0,
+        Op::Zero { buf: dres },
+    );
+    dres
+}
