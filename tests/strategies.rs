@@ -462,7 +462,10 @@ fn offloading_the_optimizer_changes_no_bit() {
                 }
             }
             let in_ram = build_plan(&spec, &base, Mode::Train, &Cpu).unwrap();
-            assert!(plan.arena_bytes < in_ram.arena_bytes, "{name} {what}: no RAM saved");
+            assert!(
+                plan.arena_bytes < in_ram.arena_bytes,
+                "{name} {what}: no RAM saved"
+            );
             let (want_w, want_l) = run(&base);
             let (got_w, got_l) = run(&off);
             assert_eq!(got_l, want_l, "{name} {what}: losses differ");
@@ -473,15 +476,25 @@ fn offloading_the_optimizer_changes_no_bit() {
                 let mut ex = Executor::new(plan).unwrap();
                 let layout = ex.plan.layout.clone();
                 ex.with_params_mut(|p| layout.init(p, 7));
-                let batch: Vec<u32> = (0..2 * cfg.grad_accum as u32 * 17).map(|i| i % 97).collect();
+                let batch: Vec<u32> = (0..2 * cfg.grad_accum as u32 * 17)
+                    .map(|i| i % 97)
+                    .collect();
                 ex.upload_batch(&batch).unwrap();
                 for s in 1..=2 {
                     ex.train_step(&hp(s)).unwrap();
                 }
                 moment_bytes(&ex)
             };
-            assert_eq!(moments(&off), moments(&base), "{name} {what}: moments differ");
+            assert_eq!(
+                moments(&off),
+                moments(&base),
+                "{name} {what}: moments differ"
+            );
         }
     }
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the offload file is removed");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the offload file is removed"
+    );
 }

@@ -53,6 +53,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         PlanJson::from_plan(&plan, baseline)?.write(&RunDir::new(dir).plan())?;
     }
     let recompute = plan.cfg.recompute;
+    let (io_read, io_write) = plan.io_bytes_per_step();
+    let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes});
     let (plan_total, flops, recompute_flops) =
         (plan.total_bytes(), plan.flops(), plan.recompute_flops());
     let by_category: serde_json::Map<String, Value> = plan
@@ -195,6 +197,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             "cpu_has_avx512_bf16": crate::backend::cpu::features::cpu_has_bf16_dot(),
             "recompute": recompute.to_string(), "grad_accum": opts.strategies.grad_accum,
             "optim_state": opts.strategies.optim_state.to_string(),
+            "offload": opts.strategies.offload.to_string(),
             "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,
         },
         "tokens_per_s": tokens / median,
@@ -211,6 +214,9 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "baseline_rss_bytes": baseline,
         "plan_total_bytes": plan_total,
         "plan_peak_by_category": by_category,
+        "by_tier": by_tier,
+        "io_read_bytes_per_step": io_read,
+        "io_write_bytes_per_step": io_write,
         "recompute_flops_per_step": recompute_flops,
         "measured_minus_baseline_bytes": measured,
         "plan_error_pct": measured.map(|m| 100.0 * (plan_total as f64 - m as f64) / m as f64),

@@ -16,6 +16,12 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::SeqCst;
+
+/// Fault injection for tests: with `MEMWALL_OFFLOAD_FAIL_AFTER=N` in the environment, every
+/// transfer after the first N fails as a disk error would.
+pub const FAIL_AFTER_ENV: &str = "MEMWALL_OFFLOAD_FAIL_AFTER";
 
 /// An open offload file.
 pub struct DiskTier {
@@ -23,6 +29,8 @@ pub struct DiskTier {
     path: PathBuf,
     /// Opened with `O_DIRECT` (else buffered, with the page cache dropped after each transfer).
     pub direct: bool,
+    /// Transfers left before an injected failure ([`FAIL_AFTER_ENV`]).
+    fail_after: Option<AtomicU64>,
 }
 
 impl DiskTier {
@@ -72,7 +80,16 @@ impl DiskTier {
                 });
             }
         };
-        let tier = DiskTier { file, path, direct };
+        let fail_after = std::env::var(FAIL_AFTER_ENV)
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .map(AtomicU64::new);
+        let tier = DiskTier {
+            file,
+            path,
+            direct,
+            fail_after,
+        };
         // SAFETY: a valid descriptor; fallocate only reserves blocks.
         let r = unsafe { libc::fallocate(tier.file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
         if r != 0 {
@@ -98,8 +115,8 @@ impl DiskTier {
     /// Reads `buf.len()` bytes at `offset` (both multiples of [`IO_ALIGN`], `buf` aligned).
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         check_aligned(offset, buf.as_ptr(), buf.len());
-        self.file
-            .read_exact_at(buf, offset)
+        self.injected_failure()
+            .and_then(|()| self.file.read_exact_at(buf, offset))
             .with_context(|| self.what_at("read", offset, buf.len()))?;
         self.drop_cache(offset, buf.len());
         Ok(())
@@ -108,11 +125,26 @@ impl DiskTier {
     /// Writes `buf` at `offset` (both multiples of [`IO_ALIGN`], `buf` aligned).
     pub fn write(&self, offset: u64, buf: &[u8]) -> Result<()> {
         check_aligned(offset, buf.as_ptr(), buf.len());
-        self.file
-            .write_all_at(buf, offset)
+        self.injected_failure()
+            .and_then(|()| self.file.write_all_at(buf, offset))
             .with_context(|| self.what_at("write", offset, buf.len()))?;
         self.drop_cache(offset, buf.len());
         Ok(())
+    }
+
+    fn injected_failure(&self) -> std::io::Result<()> {
+        match &self.fail_after {
+            Some(left)
+                if left
+                    .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                    .is_err() =>
+            {
+                Err(std::io::Error::other(format!(
+                    "injected by {FAIL_AFTER_ENV}"
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn drop_cache(&self, offset: u64, len: usize) {

@@ -3,8 +3,8 @@
 //! `profile.json` when a run was profiled), so `memwall report RUN_DIR` needs nothing but the
 //! run directory.
 
-use crate::plan::{Category, Tier};
 use crate::plan::packing::live_bytes_per_op;
+use crate::plan::{Category, Tier};
 use crate::run_dir::{BufferInfo, PlanJson};
 
 /// Bytes live per category at every op of the schedule, the buffers outside the arena (which

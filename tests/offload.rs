@@ -1,0 +1,190 @@
+//! `--offload optimizer` from the command line: the same checkpoints as a run that keeps its
+//! moments in RAM, a resumed offloaded run bitwise equal to an uninterrupted one, a measured
+//! peak as planned, and clear errors (bad directory, a disk failure mid-step that leaves the
+//! last checkpoint loadable).
+
+mod common;
+
+use common::{fails, memwall_env, ok, train_args};
+use std::path::Path;
+
+const STEPS: &[&str] = &[
+    "--batch",
+    "4",
+    "--seq",
+    "32",
+    "--threads",
+    "2",
+    "--warmup",
+    "2",
+    "--eval-every",
+    "5",
+    "--eval-batches",
+    "2",
+    "--save-every",
+    "5",
+];
+
+fn args(cfg: &Path, data: &Path, run: &Path, steps: &str, extra: &[&str]) -> Vec<String> {
+    let mut a = train_args(cfg, data, run, &["--steps", steps]);
+    a.extend(STEPS.iter().chain(extra).map(|s| s.to_string()));
+    a
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    std::fs::read(a).unwrap() == std::fs::read(b).unwrap()
+}
+
+/// The offloaded run, and an offloaded run whose disk fails mid-run (an injected write
+/// error after the step-5 checkpoint) resumed from its last checkpoint, end with the same
+/// checkpoint files as the run that keeps its moments in RAM.
+#[test]
+fn offloaded_runs_and_a_failed_run_resumed_are_bitwise_those_in_ram() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let (ram, off, failed) = (
+        tmp.path().join("ram"),
+        tmp.path().join("off"),
+        tmp.path().join("failed"),
+    );
+    ok(&args(&cfg, &data, &ram, "10", &["--optim-state", "int8"]));
+    let offload = ["--optim-state", "int8", "--offload", "optimizer"];
+    ok(&args(&cfg, &data, &off, "10", &offload));
+
+    // 4 groups (embeddings, 2 blocks, final norm) x 4 int8 buffers, read and written: 32
+    // transfers a step, and the step-5 checkpoint reads them too: fail in step 6.
+    let o = memwall_env(
+        &[("MEMWALL_OFFLOAD_FAIL_AFTER", "200")],
+        &args(&cfg, &data, &failed, "10", &offload),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("memwall-offload.bin")
+            && err.contains("at offset")
+            && err.contains("step 6: op"),
+        "{err}"
+    );
+    assert!(failed.join("checkpoints/step-000005").is_dir());
+    assert!(!failed.join("checkpoints/step-000010").exists());
+    ok(&[
+        "train",
+        "--resume",
+        failed.to_str().unwrap(),
+        "--steps",
+        "10",
+        "--threads",
+        "2",
+    ]);
+
+    for run in [&off, &failed] {
+        for f in ["model.safetensors", "optimizer.safetensors"] {
+            let a = ram.join("checkpoints/step-000010").join(f);
+            let b = run.join("checkpoints/step-000010").join(f);
+            assert!(
+                same_file(&a, &b),
+                "{} differs from {}",
+                b.display(),
+                a.display()
+            );
+        }
+        // The offload file is scratch: gone when the run ends.
+        let dir = run.join("offload");
+        assert!(dir.is_dir(), "default --offload-dir is RUN/offload");
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "{}",
+            dir.display()
+        );
+    }
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(off.join("plan.json")).unwrap()).unwrap();
+    assert!(
+        plan["by_tier"]["nvme"].as_u64().unwrap() > 0,
+        "{}",
+        plan["by_tier"]
+    );
+    assert!(plan["io_read_bytes_per_step"].as_u64().unwrap() > 0);
+    assert_eq!(
+        plan["io_read_bytes_per_step"],
+        plan["io_write_bytes_per_step"]
+    );
+}
+
+#[test]
+fn offloaded_bench_peak_rss_matches_the_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let ram = ok(&[
+        "bench",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--steps",
+        "2",
+        "--threads",
+        "2",
+    ]);
+    let ram: serde_json::Value = serde_json::from_str(&ram).unwrap();
+    let out = ok(&[
+        "bench",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--steps",
+        "2",
+        "--threads",
+        "2",
+        "--offload",
+        "optimizer",
+        "--offload-dir",
+        dir,
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let err = v["plan_error_pct"].as_f64().unwrap();
+    assert!(err.abs() <= 3.0, "plan vs measured: {err:.2}% ({v})");
+    // The moments (8 bytes per parameter) left RAM; one group's staging came back.
+    let saved = ram["plan_total_bytes"].as_u64().unwrap() - v["plan_total_bytes"].as_u64().unwrap();
+    let nvme = v["by_tier"]["nvme"].as_u64().unwrap();
+    assert!(
+        saved as f64 > 0.3 * nvme as f64,
+        "saved {saved} of {nvme} bytes on disk"
+    );
+    assert_eq!(v["losses"], ram["losses"], "offloading changed the losses");
+    assert!(v["io_read_bytes_per_step"].as_u64().unwrap() >= nvme);
+}
+
+#[test]
+fn offload_errors_name_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let file = tmp.path().join("a_file");
+    std::fs::write(&file, "x").unwrap();
+    let run = tmp.path().join("run");
+    let dir = file.to_str().unwrap();
+    let e = fails(&args(
+        &cfg,
+        &data,
+        &run,
+        "2",
+        &["--offload", "optimizer", "--offload-dir", dir],
+    ));
+    assert!(e.contains("--offload-dir"), "{e}");
+    let e = fails(&args(&cfg, &data, &run, "2", &["--offload", "params"]));
+    assert!(
+        e.contains("--offload params") && e.contains("not implemented"),
+        "{e}"
+    );
+    let e = fails(&args(&cfg, &data, &run, "2", &["--offload", "disk"]));
+    assert!(e.contains("--offload disk"), "{e}");
+}
