@@ -58,6 +58,26 @@ pub struct Executor {
 }
 
 /// The moments of `format` over their buffers' bytes (m, v, then the int8 scales).
+fn moments<'a>(format: OptimState, b: &[&'a [u8]]) -> Moments<'a> {
+    match format {
+        OptimState::F32 => Moments::F32 {
+            m: pod::cast(b[0]),
+            v: pod::cast(b[1]),
+        },
+        OptimState::Bf16 => Moments::Bf16 {
+            m: pod::cast(b[0]),
+            v: pod::cast(b[1]),
+        },
+        OptimState::Int8 => Moments::Int8 {
+            m: pod::cast(b[0]),
+            v: pod::cast(b[1]),
+            m_absmax: pod::cast(b[2]),
+            v_absmax: pod::cast(b[3]),
+        },
+    }
+}
+
+/// The writable moments of `format` over their buffers' bytes (m, v, then the int8 scales).
 fn moments_mut<'a>(format: OptimState, b: &'a mut [&mut [u8]]) -> MomentsMut<'a> {
     match (format, b) {
         (OptimState::F32, [m, v]) => MomentsMut::F32 {
@@ -75,36 +95,6 @@ fn moments_mut<'a>(format: OptimState, b: &'a mut [&mut [u8]]) -> MomentsMut<'a>
             v_absmax: pod::cast_mut(vs),
         },
         _ => unreachable!("moment buffers match their format"),
-    }
-}
-
-/// Byte slices joined into one 8-byte-aligned host copy (or kept as it is when there is one).
-enum Joined<'a> {
-    One(&'a [u8]),
-    Many(Vec<u64>, usize),
-}
-
-impl<'a> Joined<'a> {
-    fn of(parts: impl Iterator<Item = &'a [u8]>) -> Joined<'a> {
-        let parts: Vec<&[u8]> = parts.collect();
-        if let [one] = parts[..] {
-            return Joined::One(one);
-        }
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        let mut v = vec![0u64; len.div_ceil(8)];
-        let mut at = 0;
-        for p in parts {
-            pod_bytes_mut(&mut v)[at..at + p.len()].copy_from_slice(p);
-            at += p.len();
-        }
-        Joined::Many(v, len)
-    }
-
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Joined::One(b) => b,
-            Joined::Many(v, len) => &pod_bytes(v)[..*len],
-        }
     }
 }
 
@@ -225,82 +215,74 @@ impl Executor {
     }
 
     /// Lends `f` the AdamW moments in their stored format (for checkpoints). Moments kept
-    /// per parameter group (offloaded) are gathered into one host copy first.
+    /// per parameter group (offloaded) are gathered into one host copy first, group by group.
     pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> Result<R> {
         let sets = self.moment_sets();
-        let (format, kinds) = (sets[0].format, sets[0].ids().len());
-        let ids: Vec<BufId> = sets.iter().flat_map(|s| s.ids()).collect();
+        let format = sets[0].format;
         let mut f = Some(f);
         let mut out = None;
-        self.device.download(&ids, &mut |b| {
-            // b holds the sets one after the other; join each kind (m, v, scales) across them.
-            let joined: Vec<Joined> = (0..kinds)
-                .map(|k| Joined::of(b.iter().skip(k).step_by(kinds).copied()))
-                .collect();
-            let b: Vec<&[u8]> = joined.iter().map(Joined::bytes).collect();
-            let m = match format {
-                OptimState::F32 => Moments::F32 {
-                    m: pod::cast(b[0]),
-                    v: pod::cast(b[1]),
-                },
-                OptimState::Bf16 => Moments::Bf16 {
-                    m: pod::cast(b[0]),
-                    v: pod::cast(b[1]),
-                },
-                OptimState::Int8 => Moments::Int8 {
-                    m: pod::cast(b[0]),
-                    v: pod::cast(b[1]),
-                    m_absmax: pod::cast(b[2]),
-                    v_absmax: pod::cast(b[3]),
-                },
-            };
-            out = Some((f.take().expect("called once"))(m))
-        })?;
-        Ok(out.expect("download calls back"))
+        if let [whole] = sets {
+            self.device.download(&whole.ids(), &mut |b| {
+                out = Some((f.take().expect("called once"))(moments(format, b)))
+            })?;
+            return Ok(out.expect("download calls back"));
+        }
+        let mut joined = self.joined_moments();
+        let mut at = vec![0usize; joined.len()];
+        for set in sets {
+            self.device.download(&set.ids(), &mut |b| {
+                for (k, part) in b.iter().enumerate() {
+                    pod_bytes_mut(&mut joined[k].0)[at[k]..at[k] + part.len()].copy_from_slice(part);
+                    at[k] += part.len();
+                }
+            })?;
+        }
+        let views: Vec<&[u8]> = joined.iter().map(|(v, len)| &pod_bytes(v)[..*len]).collect();
+        Ok((f.take().expect("called once"))(moments(format, &views)))
     }
 
     /// Lends `f` the AdamW moments to fill (resume); they are on the backend when it returns
-    /// (moments kept per group are filled as one host copy, then split back).
+    /// (moments kept per group are filled as one host copy, then written group by group).
     pub fn with_moments_mut<R>(&mut self, f: impl FnOnce(MomentsMut<'_>) -> R) -> Result<R> {
         let sets = self.moment_sets().to_vec();
-        let (format, kinds) = (sets[0].format, sets[0].ids().len());
-        let ids: Vec<BufId> = sets.iter().flat_map(|s| s.ids()).collect();
+        let format = sets[0].format;
         let mut f = Some(f);
         let mut out = None;
-        let per_group = sets.len() > 1;
-        self.device.upload(&ids, &mut |b| {
-            let f = f.take().expect("called once");
-            if !per_group {
-                out = Some(f(moments_mut(format, b)));
-                return;
-            }
-            // One host copy per kind (m, v, scales) across the sets, split back after `f`.
-            let mut joined: Vec<(Vec<u64>, usize)> = (0..kinds)
-                .map(|k| {
-                    let len = b
-                        .iter()
-                        .skip(k)
-                        .step_by(kinds)
-                        .map(|p| p.len())
-                        .sum::<usize>();
-                    (vec![0u64; len.div_ceil(8)], len)
-                })
-                .collect();
-            let mut views: Vec<&mut [u8]> = joined
-                .iter_mut()
-                .map(|(v, len)| &mut pod_bytes_mut(v)[..*len])
-                .collect();
-            out = Some(f(moments_mut(format, &mut views)));
-            for (k, (v, _)) in joined.iter().enumerate() {
-                let mut at = 0;
-                for part in b.iter_mut().skip(k).step_by(kinds) {
+        if let [whole] = &sets[..] {
+            self.device.upload(&whole.ids(), &mut |b| {
+                out = Some((f.take().expect("called once"))(moments_mut(format, b)))
+            })?;
+            return Ok(out.expect("upload calls back"));
+        }
+        let mut joined = self.joined_moments();
+        let mut views: Vec<&mut [u8]> = joined
+            .iter_mut()
+            .map(|(v, len)| &mut pod_bytes_mut(v)[..*len])
+            .collect();
+        let out = (f.take().expect("called once"))(moments_mut(format, &mut views));
+        let mut at = vec![0usize; joined.len()];
+        for set in &sets {
+            self.device.upload(&set.ids(), &mut |b| {
+                for (k, part) in b.iter_mut().enumerate() {
                     let n = part.len();
-                    part.copy_from_slice(&pod_bytes(v)[at..at + n]);
-                    at += n;
+                    part.copy_from_slice(&pod_bytes(&joined[k].0)[at[k]..at[k] + n]);
+                    at[k] += n;
                 }
-            }
-        })?;
-        Ok(out.expect("upload calls back"))
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Zeroed 8-byte-aligned host buffers for each kind of moment buffer (m, v, scales) of
+    /// per-group moments, each as long as that kind's buffers of every group together.
+    fn joined_moments(&self) -> Vec<(Vec<u64>, usize)> {
+        let sets = self.moment_sets();
+        (0..sets[0].ids().len())
+            .map(|k| {
+                let len: u64 = sets.iter().map(|s| self.plan.buffer(s.ids()[k]).bytes).sum();
+                (vec![0u64; (len as usize).div_ceil(8)], len as usize)
+            })
+            .collect()
     }
 
     /// Sets the factor the loss is multiplied by before backward (fp16 loss scaling).
