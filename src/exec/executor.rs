@@ -232,12 +232,16 @@ impl Executor {
         for set in sets {
             self.device.download(&set.ids(), &mut |b| {
                 for (k, part) in b.iter().enumerate() {
-                    pod_bytes_mut(&mut joined[k].0)[at[k]..at[k] + part.len()].copy_from_slice(part);
+                    pod_bytes_mut(&mut joined[k].0)[at[k]..at[k] + part.len()]
+                        .copy_from_slice(part);
                     at[k] += part.len();
                 }
             })?;
         }
-        let views: Vec<&[u8]> = joined.iter().map(|(v, len)| &pod_bytes(v)[..*len]).collect();
+        let views: Vec<&[u8]> = joined
+            .iter()
+            .map(|(v, len)| &pod_bytes(v)[..*len])
+            .collect();
         Ok((f.take().expect("called once"))(moments(format, &views)))
     }
 
@@ -279,7 +283,10 @@ impl Executor {
         let sets = self.moment_sets();
         (0..sets[0].ids().len())
             .map(|k| {
-                let len: u64 = sets.iter().map(|s| self.plan.buffer(s.ids()[k]).bytes).sum();
+                let len: u64 = sets
+                    .iter()
+                    .map(|s| self.plan.buffer(s.ids()[k]).bytes)
+                    .sum();
                 (vec![0u64; (len as usize).div_ceil(8)], len as usize)
             })
             .collect()

@@ -8,6 +8,10 @@
 //! Offsets, lengths and host addresses are multiples of [`IO_ALIGN`] (the plan pads every
 //! transfer's two ends to it). The file is scratch: removed when the tier is dropped; the
 //! checkpoint is the record.
+//!
+//! [`IoThread`] runs a step's transfers on a thread of their own, in the order they were
+//! started, so that reading the next group's state and writing the last one's overlap the
+//! compute; each transfer's [`Ticket`] is waited on before its host buffer is used.
 
 use crate::plan::packing::IO_ALIGN;
 use crate::util::bytes::fmt_bytes;
@@ -18,6 +22,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::SeqCst;
+use std::sync::{Arc, mpsc};
 
 /// Fault injection for tests: with `MEMWALL_OFFLOAD_FAIL_AFTER=N` in the environment, every
 /// transfer after the first N fails as a disk error would.
@@ -176,6 +181,112 @@ impl DiskTier {
 impl Drop for DiskTier {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A transfer in flight: wait on it before touching its host buffer.
+pub struct Ticket(mpsc::Receiver<Result<()>>);
+
+impl Ticket {
+    /// Blocks until the transfer is done; its error names the file and offset.
+    pub fn wait(self) -> Result<()> {
+        self.0
+            .recv()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the offload I/O thread stopped")))
+    }
+}
+
+enum Job {
+    Read { offset: u64, ptr: usize, len: usize },
+    Write { offset: u64, ptr: usize, len: usize },
+}
+
+/// The offload file's I/O thread: transfers run one after the other, beside the compute.
+pub struct IoThread {
+    disk: Arc<DiskTier>,
+    jobs: Option<mpsc::Sender<(Job, mpsc::Sender<Result<()>>)>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl IoThread {
+    pub fn new(disk: DiskTier) -> Result<IoThread> {
+        let disk = Arc::new(disk);
+        let (tx, rx) = mpsc::channel::<(Job, mpsc::Sender<Result<()>>)>();
+        let d = disk.clone();
+        let worker = std::thread::Builder::new()
+            .name("memwall-io".into())
+            .spawn(move || {
+                for (job, done) in rx {
+                    // SAFETY: the submitter keeps the memory valid and untouched until it
+                    // has waited on the ticket (`IoThread::read`/`write`'s contract).
+                    let r = unsafe {
+                        match job {
+                            Job::Read { offset, ptr, len } => {
+                                d.read(offset, std::slice::from_raw_parts_mut(ptr as *mut u8, len))
+                            }
+                            Job::Write { offset, ptr, len } => {
+                                d.write(offset, std::slice::from_raw_parts(ptr as *const u8, len))
+                            }
+                        }
+                    };
+                    let _ = done.send(r);
+                }
+            })
+            .context("starting the offload I/O thread")?;
+        Ok(IoThread {
+            disk,
+            jobs: Some(tx),
+            worker: Some(worker),
+        })
+    }
+
+    /// The file, for transfers made between steps (none in flight then).
+    pub fn disk(&self) -> &DiskTier {
+        &self.disk
+    }
+
+    fn submit(&self, job: Job) -> Ticket {
+        let (done, ticket) = mpsc::channel();
+        let jobs = self.jobs.as_ref().expect("open until dropped");
+        if let Err(mpsc::SendError((_, done))) = jobs.send((job, done)) {
+            let _ = done.send(Err(anyhow::anyhow!("the offload I/O thread stopped")));
+        }
+        Ticket(ticket)
+    }
+
+    /// Starts reading `buf.len()` bytes at `offset` into `buf`.
+    ///
+    /// # Safety
+    /// `buf` must stay valid, and be neither read nor written by anyone else, until the
+    /// returned ticket has been waited on (or this thread dropped).
+    pub unsafe fn read(&self, offset: u64, buf: &mut [u8]) -> Ticket {
+        self.submit(Job::Read {
+            offset,
+            ptr: buf.as_mut_ptr() as usize,
+            len: buf.len(),
+        })
+    }
+
+    /// Starts writing `buf` at `offset`.
+    ///
+    /// # Safety
+    /// `buf` must stay valid and unwritten until the returned ticket has been waited on.
+    pub unsafe fn write(&self, offset: u64, buf: &[u8]) -> Ticket {
+        self.submit(Job::Write {
+            offset,
+            ptr: buf.as_ptr() as usize,
+            len: buf.len(),
+        })
+    }
+}
+
+impl Drop for IoThread {
+    /// Finishes the transfers in flight (their memory is still the caller's), then stops.
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
     }
 }
 

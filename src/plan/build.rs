@@ -229,8 +229,11 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &GradBufs) {
 
 /// Emits the optimizer phase: each parameter group's share of the global gradient norm, then
 /// AdamW over the groups (embeddings, each block, the final norm), one op each. With the
-/// moments on the disk tier (one `OptimBufs` per group), each group's moments are read into
-/// host staging buffers just before its AdamW and written back just after.
+/// moments on the disk tier (one `OptimBufs` per group) the groups are pipelined: group
+/// k+1's moments are being read into its staging buffers while group k updates, and group
+/// k's are being written back while group k+1 updates; an `AwaitTransfers` before each
+/// consumer (and before a staging buffer's bytes may be reused) keeps it exact, so at most
+/// three groups' staging buffers are live at once.
 fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
     for group in &layout.groups {
         g.op(
@@ -243,7 +246,8 @@ fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
         );
     }
     let (state_block, _) = layout.block_offsets(QBLOCK);
-    for (k, group) in layout.groups.iter().enumerate() {
+    let adamw = |g: &mut Builder, k: usize, state: OptimBufs| {
+        let group = &layout.groups[k];
         let tensors = group
             .tensors
             .clone()
@@ -256,42 +260,45 @@ fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
                 }
             })
             .collect();
-        let name = &group.name;
-        let (state, home) = match state {
-            [whole] => (*whole, None),
-            per_group => {
-                let home = per_group[k];
-                let stage = staging(g, &home);
-                for (from, to) in home.ids().into_iter().zip(stage.ids()) {
-                    let what = g.buffers[from.0].name.clone();
-                    g.op(
-                        format!("{what}.read"),
-                        Phase::Optimizer,
-                        0,
-                        Op::Transfer { from, to },
-                    );
-                }
-                (stage, Some(home))
-            }
-        };
         g.op(
-            format!("{name}.adamw"),
+            format!("{}.adamw", group.name),
             Phase::Optimizer,
             0,
             Op::AdamW { tensors, state },
         );
-        if let Some(home) = home {
-            for (from, to) in state.ids().into_iter().zip(home.ids()) {
-                let what = g.buffers[to.0].name.clone();
-                g.op(
-                    format!("{what}.write"),
-                    Phase::Optimizer,
-                    0,
-                    Op::Transfer { from, to },
-                );
-            }
+    };
+    if let [whole] = state {
+        for k in 0..layout.groups.len() {
+            adamw(g, k, *whole);
+        }
+        return;
+    }
+    let stage: Vec<OptimBufs> = state.iter().map(|home| staging(g, home)).collect();
+    let transfer = |g: &mut Builder, from: OptimBufs, to: OptimBufs, what: &str| {
+        for (from, to) in from.ids().into_iter().zip(to.ids()) {
+            let name = format!("{}.{what}", g.buffers[from.0].name);
+            g.op(name, Phase::Optimizer, 0, Op::Transfer { from, to });
+        }
+    };
+    let wait = |g: &mut Builder, k: usize, what: &str| {
+        let name = format!("{}.{what}.wait", layout.groups[k].name);
+        let bufs = stage[k].ids();
+        g.op(name, Phase::Optimizer, 0, Op::AwaitTransfers { bufs });
+    };
+    let n = stage.len();
+    transfer(g, state[0], stage[0], "read");
+    for k in 0..n {
+        if k + 1 < n {
+            transfer(g, state[k + 1], stage[k + 1], "read");
+        }
+        wait(g, k, "read");
+        adamw(g, k, stage[k]);
+        transfer(g, stage[k], state[k], "write");
+        if k > 0 {
+            wait(g, k - 1, "write");
         }
     }
+    wait(g, n - 1, "write");
 }
 
 /// Host staging buffers (`{name}.stage`, aligned for direct I/O) for the group state `home`.

@@ -262,9 +262,13 @@ pub enum Op {
         tensors: Vec<ParamSlice>,
         state: OptimBufs,
     },
-    /// Copies buffer `from` into buffer `to` (same size; one on the offload tier, the other
-    /// a host staging buffer): a read from disk or a write to it.
+    /// Starts copying buffer `from` into buffer `to` (same size; one on the disk tier, the
+    /// other a host staging buffer): a read from disk or a write to it. It runs beside the
+    /// ops that follow, until an [`Op::AwaitTransfers`] naming the staging buffer.
     Transfer { from: BufId, to: BufId },
+    /// Waits until every transfer started into or out of `bufs` (host staging buffers) is
+    /// done; fails with the first one that failed.
+    AwaitTransfers { bufs: Vec<BufId> },
 }
 
 /// An op with its display name, phase and arithmetic cost.
@@ -407,7 +411,8 @@ impl Op {
             | AttentionBackward { .. }
             | SwigluBackward { .. }
             | GeluBackward { .. }
-            | Transfer { .. } => vec![],
+            | Transfer { .. }
+            | AwaitTransfers { .. } => vec![],
         }
     }
 
@@ -485,6 +490,7 @@ impl Op {
             EncoderBackward { dout, tokens, .. } => (vec![*dout, *tokens], vec![]),
             AdamW { state, .. } => (state.ids(), state.ids()),
             Transfer { from, to } => (vec![*from], vec![*to]),
+            AwaitTransfers { bufs } => (bufs.clone(), bufs.clone()),
             GradNorm { .. } => (vec![], vec![]),
         }
     }

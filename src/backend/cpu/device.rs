@@ -9,7 +9,7 @@ use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
 use crate::backend::{Backend, Device, OpResult, Sizing, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::mem::arena::Arena;
-use crate::mem::disk::DiskTier;
+use crate::mem::disk::{DiskTier, IoThread, Ticket};
 use crate::plan::offload::OFFLOAD_FILE;
 use crate::plan::schedule::OptimBufs;
 use crate::plan::schedule::{ImplicitBufs, OpEntry, WeightLayout};
@@ -128,14 +128,17 @@ fn l2_bytes() -> u64 {
 
 /// A plan started on the CPU: its host arena, its buffers' placements and the worker pool.
 pub struct CpuDevice {
+    /// The disk tier's file and its I/O thread (plans with `--offload`). Declared first so
+    /// that it is dropped first: its transfers in flight finish while the arena still exists.
+    io: Option<IoThread>,
+    /// Transfers in flight, by their host staging buffer.
+    pending: std::sync::Mutex<Vec<(BufId, Ticket)>>,
     arena: Arena,
     pool: rayon::ThreadPool,
     buffers: Vec<Buffer>,
     /// Element type of activations and gradients (f32, bf16 or f16).
     storage: DType,
     pub(super) state: ImplicitBufs,
-    /// The disk tier's file (plans with `--offload`).
-    disk: Option<DiskTier>,
 }
 
 impl CpuDevice {
@@ -151,50 +154,88 @@ impl CpuDevice {
             .num_threads(plan.cfg.threads)
             .thread_name(|i| format!("memwall-worker-{i}"))
             .build()?;
-        let disk = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
+        let io = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
             (0, _) => None,
-            (bytes, Some(dir)) => Some(DiskTier::create(dir, OFFLOAD_FILE, bytes)?),
+            (bytes, Some(dir)) => Some(IoThread::new(DiskTier::create(dir, OFFLOAD_FILE, bytes)?)?),
             (_, None) => bail!("--offload needs --offload-dir (a directory on a local disk)"),
         };
         let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
         Ok(CpuDevice {
+            io,
+            pending: Default::default(),
             arena,
             pool,
             buffers: plan.buffers.clone(),
             storage,
             state: plan.schedule.implicit.clone(),
-            disk,
         })
     }
 
     /// Whether the disk tier fell back to buffered I/O (its file system refused `O_DIRECT`).
     pub fn disk_buffered(&self) -> bool {
-        self.disk.as_ref().is_some_and(|d| !d.direct)
+        self.io.as_ref().is_some_and(|io| !io.disk().direct)
     }
 
-    fn disk(&self) -> &DiskTier {
-        self.disk
+    fn io(&self) -> &IoThread {
+        self.io
             .as_ref()
             .expect("a plan with a disk tier has its file")
     }
 
-    /// Copies buffer `from` into `to`, one on the disk tier and the other in the arena (both
-    /// padded to the I/O alignment by the plan, so the whole padded extent moves).
-    pub(super) fn transfer(&self, from: BufId, to: BufId) -> Result<()> {
+    fn disk(&self) -> &DiskTier {
+        self.io().disk()
+    }
+
+    /// Starts copying buffer `from` into `to`, one on the disk tier and the other in the
+    /// arena (both padded to the I/O alignment by the plan, so the whole padded extent moves).
+    fn start_transfer(&self, from: BufId, to: BufId) {
         let (f, t) = (&self.buffers[from.0], &self.buffers[to.0]);
         assert_eq!(
             f.bytes, t.bytes,
             "transfer {} -> {}: sizes differ",
             f.name, t.name
         );
-        match (f.placement.tier, t.placement.tier) {
-            (Tier::Nvme, Tier::Host) => self.disk().read(f.placement.offset, self.padded(to)),
-            (Tier::Host, Tier::Nvme) => self.disk().write(t.placement.offset, self.padded(from)),
-            (a, b) => panic!(
-                "internal error: transfer {} ({a:?}) -> {} ({b:?})",
-                f.name, t.name
-            ),
+        // SAFETY: the plan keeps the staging buffer live, and touched by no other op, from
+        // this op to the `AwaitTransfers` that names it (its interval spans both, and
+        // packing gives no other buffer live in between its bytes).
+        let (host, ticket) = unsafe {
+            match (f.placement.tier, t.placement.tier) {
+                (Tier::Nvme, Tier::Host) => {
+                    (to, self.io().read(f.placement.offset, self.padded(to)))
+                }
+                (Tier::Host, Tier::Nvme) => {
+                    (from, self.io().write(t.placement.offset, self.padded(from)))
+                }
+                (a, b) => panic!(
+                    "internal error: transfer {} ({a:?}) -> {} ({b:?})",
+                    f.name, t.name
+                ),
+            }
+        };
+        self.pending
+            .lock()
+            .expect("not poisoned")
+            .push((host, ticket));
+    }
+
+    /// Waits for the transfers in flight into or out of `bufs`; the first error, if any.
+    fn await_transfers(&self, bufs: &[BufId]) -> Result<()> {
+        let mine: Vec<Ticket> = {
+            let mut pending = self.pending.lock().expect("not poisoned");
+            let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
+                .into_iter()
+                .partition(|(b, _)| bufs.contains(b));
+            *pending = rest;
+            mine.into_iter().map(|(_, t)| t).collect()
+        };
+        let mut first = Ok(());
+        for t in mine {
+            let r = t.wait();
+            if first.is_ok() {
+                first = r;
+            }
         }
+        first
     }
 
     /// The bytes of arena buffer `id` with its padding to its alignment.
@@ -334,9 +375,16 @@ impl CpuDevice {
 
 impl Device for CpuDevice {
     fn run(&self, op: &Op, ctx: &StepCtx) -> Result<OpResult> {
-        if let Op::Transfer { from, to } = op {
-            self.transfer(*from, *to)?;
-            return Ok(OpResult::Done);
+        match op {
+            Op::Transfer { from, to } => {
+                self.start_transfer(*from, *to);
+                return Ok(OpResult::Done);
+            }
+            Op::AwaitTransfers { bufs } => {
+                self.await_transfers(bufs)?;
+                return Ok(OpResult::Done);
+            }
+            _ => {}
         }
         Ok(match self.storage {
             DType::Bf16 => self.run_op::<bf16>(op, ctx),

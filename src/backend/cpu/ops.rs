@@ -482,7 +482,9 @@ impl CpuDevice {
                 let step = ctx.update.expect("the executor sets the AdamW step");
                 self.adamw::<T>(tensors, state, &step);
             }
-            Op::Transfer { .. } => unreachable!("the device runs transfers itself"),
+            Op::Transfer { .. } | Op::AwaitTransfers { .. } => {
+                unreachable!("the device runs transfers itself")
+            }
         }
         OpResult::Done
     }
