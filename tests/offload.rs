@@ -161,6 +161,17 @@ fn offloaded_bench_peak_rss_matches_the_plan() {
     );
     assert_eq!(v["losses"], ram["losses"], "offloading changed the losses");
     assert!(v["io_read_bytes_per_step"].as_u64().unwrap() >= nvme);
+    // The I/O thread worked; compute waited for it at most the whole step.
+    let (busy, stall) = (
+        v["io_busy_s"].as_f64().unwrap(),
+        v["stall_s"].as_f64().unwrap(),
+    );
+    let step = v["step_s_median"].as_f64().unwrap();
+    assert!(
+        busy > 0.0 && (0.0..=step * 1.5).contains(&stall),
+        "busy {busy} stall {stall}"
+    );
+    assert_eq!(ram["io_busy_s"], 0.0);
 }
 
 #[test]

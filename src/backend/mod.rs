@@ -97,4 +97,17 @@ pub trait Device: Send + Sync {
     /// Hands `f` the bytes of `bufs` to fill, in order; they are in the buffers when it returns
     /// (a device backend uploads them then; disk-tier buffers are written back).
     fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()>;
+    /// Time spent on transfers to and from the disk tier since the device started.
+    fn io_time(&self) -> IoTime {
+        IoTime::default()
+    }
+}
+
+/// Where a device's disk-tier time went (seconds, since it started).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct IoTime {
+    /// The I/O thread was reading or writing.
+    pub busy_s: f64,
+    /// The ops waited for transfers to finish (`AwaitTransfers`): I/O not hidden by compute.
+    pub stall_s: f64,
 }

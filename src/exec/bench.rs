@@ -85,6 +85,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let mut batch = vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)];
     let mut times = Vec::with_capacity(opts.steps);
     let mut losses = Vec::new();
+    let mut io_after_warmup = Default::default();
     for step in 0..=opts.steps {
         for x in batch.iter_mut() {
             *x = rng.below(spec.vocab_size as u64) as u32;
@@ -135,6 +136,9 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             }),
             val_loss: None,
         });
+        if step == 0 {
+            io_after_warmup = ex.io_time();
+        }
         if step > 0 {
             times.push(dt);
         } else if let Some(r) = ex.recorder_mut() {
@@ -142,6 +146,12 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         }
         on_step(step, dt);
     }
+    let io: crate::backend::IoTime = ex.io_time();
+    let per_step = |x: f64| x / opts.steps as f64;
+    let (io_busy_s, stall_s) = (
+        per_step(io.busy_s - io_after_warmup.busy_s),
+        per_step(io.stall_s - io_after_warmup.stall_s),
+    );
     let peak_after = fma_peak();
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
@@ -217,6 +227,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "by_tier": by_tier,
         "io_read_bytes_per_step": io_read,
         "io_write_bytes_per_step": io_write,
+        "io_busy_s": io_busy_s,
+        "stall_s": stall_s,
         "recompute_flops_per_step": recompute_flops,
         "measured_minus_baseline_bytes": measured,
         "plan_error_pct": measured.map(|m| 100.0 * (plan_total as f64 - m as f64) / m as f64),

@@ -292,6 +292,11 @@ impl Executor {
             .collect()
     }
 
+    /// Time the backend has spent on disk-tier transfers since it started.
+    pub fn io_time(&self) -> crate::backend::IoTime {
+        self.device.io_time()
+    }
+
     /// Sets the factor the loss is multiplied by before backward (fp16 loss scaling).
     pub fn set_loss_scale(&mut self, scale: f32) {
         self.loss_scale = scale;

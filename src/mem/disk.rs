@@ -204,6 +204,8 @@ enum Job {
 /// The offload file's I/O thread: transfers run one after the other, beside the compute.
 pub struct IoThread {
     disk: Arc<DiskTier>,
+    /// Nanoseconds the thread spent in transfers.
+    busy_ns: Arc<AtomicU64>,
     jobs: Option<mpsc::Sender<(Job, mpsc::Sender<Result<()>>)>>,
     worker: Option<std::thread::JoinHandle<()>>,
 }
@@ -213,10 +215,13 @@ impl IoThread {
         let disk = Arc::new(disk);
         let (tx, rx) = mpsc::channel::<(Job, mpsc::Sender<Result<()>>)>();
         let d = disk.clone();
+        let busy_ns = Arc::new(AtomicU64::new(0));
+        let busy = busy_ns.clone();
         let worker = std::thread::Builder::new()
             .name("memwall-io".into())
             .spawn(move || {
                 for (job, done) in rx {
+                    let t0 = std::time::Instant::now();
                     // SAFETY: the submitter keeps the memory valid and untouched until it
                     // has waited on the ticket (`IoThread::read`/`write`'s contract).
                     let r = unsafe {
@@ -229,15 +234,22 @@ impl IoThread {
                             }
                         }
                     };
+                    busy.fetch_add(t0.elapsed().as_nanos() as u64, SeqCst);
                     let _ = done.send(r);
                 }
             })
             .context("starting the offload I/O thread")?;
         Ok(IoThread {
             disk,
+            busy_ns,
             jobs: Some(tx),
             worker: Some(worker),
         })
+    }
+
+    /// Seconds the thread has spent in transfers.
+    pub fn busy_s(&self) -> f64 {
+        self.busy_ns.load(SeqCst) as f64 * 1e-9
     }
 
     /// The file, for transfers made between steps (none in flight then).

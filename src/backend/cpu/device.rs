@@ -6,7 +6,7 @@ use super::elem::Elem;
 use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::packing_bytes;
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
-use crate::backend::{Backend, Device, OpResult, Sizing, StepCtx};
+use crate::backend::{Backend, Device, IoTime, OpResult, Sizing, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::mem::arena::Arena;
 use crate::mem::disk::{DiskTier, IoThread, Ticket};
@@ -133,6 +133,8 @@ pub struct CpuDevice {
     io: Option<IoThread>,
     /// Transfers in flight, by their host staging buffer.
     pending: std::sync::Mutex<Vec<(BufId, Ticket)>>,
+    /// Nanoseconds ops waited for transfers.
+    stall_ns: std::sync::atomic::AtomicU64,
     arena: Arena,
     pool: rayon::ThreadPool,
     buffers: Vec<Buffer>,
@@ -163,6 +165,7 @@ impl CpuDevice {
         Ok(CpuDevice {
             io,
             pending: Default::default(),
+            stall_ns: Default::default(),
             arena,
             pool,
             buffers: plan.buffers.clone(),
@@ -228,6 +231,7 @@ impl CpuDevice {
             *pending = rest;
             mine.into_iter().map(|(_, t)| t).collect()
         };
+        let t0 = std::time::Instant::now();
         let mut first = Ok(());
         for t in mine {
             let r = t.wait();
@@ -235,6 +239,9 @@ impl CpuDevice {
                 first = r;
             }
         }
+        let waited = t0.elapsed().as_nanos() as u64;
+        self.stall_ns
+            .fetch_add(waited, std::sync::atomic::Ordering::Relaxed);
         first
     }
 
@@ -402,6 +409,13 @@ impl Device for CpuDevice {
         let views: Vec<&[u8]> = self.views(bufs, &copies).into_iter().map(|b| &*b).collect();
         f(&views);
         Ok(())
+    }
+
+    fn io_time(&self) -> IoTime {
+        IoTime {
+            busy_s: self.io.as_ref().map_or(0.0, |io| io.busy_s()),
+            stall_s: self.stall_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9,
+        }
     }
 
     fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()> {
