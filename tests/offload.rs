@@ -118,7 +118,7 @@ fn offloaded_runs_and_a_failed_run_resumed_are_bitwise_those_in_ram() {
 fn offloaded_bench_peak_rss_matches_the_plan() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().to_str().unwrap();
-    let ram = ok(&[
+    let bench = [
         "bench",
         "--model",
         "gpt2-tiny",
@@ -130,25 +130,14 @@ fn offloaded_bench_peak_rss_matches_the_plan() {
         "2",
         "--threads",
         "2",
-    ]);
-    let ram: serde_json::Value = serde_json::from_str(&ram).unwrap();
-    let out = ok(&[
-        "bench",
-        "--model",
-        "gpt2-tiny",
-        "--batch",
-        "8",
-        "--seq",
-        "128",
-        "--steps",
-        "2",
-        "--threads",
-        "2",
-        "--offload",
-        "optimizer",
-        "--offload-dir",
-        dir,
-    ]);
+    ];
+    let ram: serde_json::Value = serde_json::from_str(&ok(&bench)).unwrap();
+    let offloaded = [
+        &bench[..],
+        &["--offload", "optimizer", "--offload-dir", dir],
+    ]
+    .concat();
+    let out = ok(&offloaded);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let err = v["plan_error_pct"].as_f64().unwrap();
     assert!(err.abs() <= 3.0, "plan vs measured: {err:.2}% ({v})");

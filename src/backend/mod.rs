@@ -97,6 +97,10 @@ pub trait Device: Send + Sync {
     /// Hands `f` the bytes of `bufs` to fill, in order; they are in the buffers when it returns
     /// (a device backend uploads them then; disk-tier buffers are written back).
     fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()>;
+    /// A line to show the user about the disk tier once (a fallback it had to take).
+    fn offload_note(&self) -> Option<String> {
+        None
+    }
     /// Time spent on transfers to and from the disk tier since the device started.
     fn io_time(&self) -> IoTime {
         IoTime::default()

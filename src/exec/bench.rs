@@ -45,7 +45,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let baseline = rss::current_rss().unwrap_or(0);
     let plan = opts
         .strategies
-        .with_offload_dir(std::path::Path::new("memwall-offload"))?
+        .with_offload_dir(std::path::Path::new("memwall-offload"))
         .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
@@ -147,6 +147,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         on_step(step, dt);
     }
     let io: crate::backend::IoTime = ex.io_time();
+    let offload_note = ex.offload_note();
     let per_step = |x: f64| x / opts.steps as f64;
     let (io_busy_s, stall_s) = (
         per_step(io.busy_s - io_after_warmup.busy_s),
@@ -228,6 +229,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "io_read_bytes_per_step": io_read,
         "io_write_bytes_per_step": io_write,
         "io_busy_s": io_busy_s,
+        "offload_note": offload_note,
         "stall_s": stall_s,
         "recompute_flops_per_step": recompute_flops,
         "measured_minus_baseline_bytes": measured,

@@ -292,6 +292,11 @@ impl Executor {
             .collect()
     }
 
+    /// What the backend has to say once about its disk tier (e.g. a buffered-I/O fallback).
+    pub fn offload_note(&self) -> Option<String> {
+        self.device.offload_note()
+    }
+
     /// Time the backend has spent on disk-tier transfers since it started.
     pub fn io_time(&self) -> crate::backend::IoTime {
         self.device.io_time()

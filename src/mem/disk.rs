@@ -39,9 +39,11 @@ pub struct DiskTier {
 }
 
 impl DiskTier {
-    /// Creates `dir/name` of `bytes` bytes (space checked, then reserved with `fallocate`),
+    /// Creates `dir` if needed and `dir/name` of `bytes` bytes (space checked, then reserved
+    /// with `fallocate`),
     /// replacing a previous run's file. Errors name the directory and what would fix it.
     pub fn create(dir: &Path, name: &str, bytes: u64) -> Result<DiskTier> {
+        let _ = std::fs::create_dir_all(dir); // a failure is named just below
         if !dir.is_dir() {
             bail!(
                 "--offload-dir {}: not a directory (create it, or point --offload-dir at a directory on a disk with {} free)",
@@ -356,15 +358,18 @@ mod tests {
 
     #[test]
     fn errors_name_the_directory() {
-        let e = DiskTier::create(Path::new("/nonexistent/mw"), "t.bin", 4096)
-            .err()
-            .unwrap();
+        // A directory that cannot be created: its parent is a file.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a_file");
+        std::fs::write(&file, "x").unwrap();
+        let bad = file.join("mw");
+        let e = DiskTier::create(&bad, "t.bin", 4096).err().unwrap();
         let e = format!("{e:#}");
         assert!(
-            e.contains("--offload-dir /nonexistent/mw") && e.contains("not a directory"),
+            e.contains(&format!("--offload-dir {}", bad.display()))
+                && e.contains("not a directory"),
             "{e}"
         );
-        let dir = tempfile::tempdir().unwrap();
         let e = DiskTier::create(dir.path(), "t.bin", u64::MAX / 2)
             .err()
             .unwrap();

@@ -70,16 +70,14 @@ impl Strategies {
         cfg
     }
 
-    /// With `--offload` and no `--offload-dir`: `default` as the directory, created.
-    pub fn with_offload_dir(&self, default: &std::path::Path) -> Result<Strategies> {
+    /// With `--offload` and no `--offload-dir`: `default` as the directory (the disk tier
+    /// creates it when the plan starts).
+    pub fn with_offload_dir(&self, default: &std::path::Path) -> Strategies {
         let mut s = self.clone();
-        if s.offload.any() {
-            let dir = s.offload_dir.get_or_insert_with(|| default.to_path_buf());
-            std::fs::create_dir_all(&*dir).map_err(|e| {
-                anyhow::anyhow!("--offload-dir {}: cannot create it: {e}", dir.display())
-            })?;
+        if s.offload.any() && s.offload_dir.is_none() {
+            s.offload_dir = Some(default.to_path_buf());
         }
-        Ok(s)
+        s
     }
 
     /// The training-step plan: [`plan_with_recompute`] of [`Strategies::step_config`].

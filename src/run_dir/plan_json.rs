@@ -162,6 +162,7 @@ impl PlanJson {
                 })
             })
             .collect::<Result<_>>()?;
+        let (io_read, io_write) = plan.io_bytes_per_step();
         let p = PlanJson {
             model: plan.spec.to_hf_config(),
             model_name: plan.spec.name.clone(),
@@ -187,8 +188,8 @@ impl PlanJson {
             ]
             .into_iter()
             .collect(),
-            io_read_bytes_per_step: plan.io_bytes_per_step().0,
-            io_write_bytes_per_step: plan.io_bytes_per_step().1,
+            io_read_bytes_per_step: io_read,
+            io_write_bytes_per_step: io_write,
             buffers,
             schedule,
         };

@@ -175,10 +175,6 @@ impl CpuDevice {
     }
 
     /// Whether the disk tier fell back to buffered I/O (its file system refused `O_DIRECT`).
-    pub fn disk_buffered(&self) -> bool {
-        self.io.as_ref().is_some_and(|io| !io.disk().direct)
-    }
-
     fn io(&self) -> &IoThread {
         self.io
             .as_ref()
@@ -245,39 +241,28 @@ impl CpuDevice {
         first
     }
 
-    /// The bytes of arena buffer `id` with its padding to its alignment.
-    #[allow(clippy::mut_from_ref)]
-    fn padded(&self, id: BufId) -> &mut [u8] {
-        let b = &self.buffers[id.0];
-        assert_eq!(
-            b.placement.tier,
-            Tier::Host,
-            "buffer {} is not in the arena",
-            b.name
-        );
-        // SAFETY: as for every view; packing reserves the padding for the buffer.
-        unsafe {
-            self.arena
-                .view_mut::<u8>(b.placement.offset, b.padded_bytes() as usize)
-        }
-    }
-
     // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
     // buffers never overlap the other buffers it touches (plan::build::verify_ops), and the
     // persistent buffers (params, moments) are distinct buffers in the arena, and each op's
     // gradient buffers are among the buffers it touches.
 
-    /// A view of buffer `id` as elements of `T`, whose dtype must be `dtype`.
-    #[allow(clippy::mut_from_ref)]
-    fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
+    /// Buffer `id`, which must be in the arena.
+    fn in_arena(&self, id: BufId) -> &Buffer {
         let b = &self.buffers[id.0];
-        assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
         assert_eq!(
             b.placement.tier,
             Tier::Host,
             "buffer {} is not in the arena",
             b.name
         );
+        b
+    }
+
+    /// A view of buffer `id` as elements of `T`, whose dtype must be `dtype`.
+    #[allow(clippy::mut_from_ref)]
+    fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
+        let b = self.in_arena(id);
+        assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
         debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
         unsafe { self.arena.view_mut::<T>(b.placement.offset, b.elems) }
     }
@@ -285,17 +270,19 @@ impl CpuDevice {
     /// The bytes of buffer `id`.
     #[allow(clippy::mut_from_ref)]
     fn bytes(&self, id: BufId) -> &mut [u8] {
-        let b = &self.buffers[id.0];
-        assert_eq!(
-            b.placement.tier,
-            Tier::Host,
-            "buffer {} is not in the arena",
-            b.name
-        );
-        // SAFETY: as for every view; u8 has no alignment or validity requirement.
+        let n = self.in_arena(id).bytes as usize;
+        &mut self.padded(id)[..n]
+    }
+
+    /// The bytes of buffer `id` with its padding to its alignment (what a transfer moves).
+    #[allow(clippy::mut_from_ref)]
+    fn padded(&self, id: BufId) -> &mut [u8] {
+        let b = self.in_arena(id);
+        // SAFETY: as for every view; packing reserves the padding for the buffer, and u8
+        // has no alignment or validity requirement.
         unsafe {
             self.arena
-                .view_mut::<u8>(b.placement.offset, b.bytes as usize)
+                .view_mut::<u8>(b.placement.offset, b.padded_bytes() as usize)
         }
     }
 
@@ -409,6 +396,16 @@ impl Device for CpuDevice {
         let views: Vec<&[u8]> = self.views(bufs, &copies).into_iter().map(|b| &*b).collect();
         f(&views);
         Ok(())
+    }
+
+    fn offload_note(&self) -> Option<String> {
+        let disk = self.io.as_ref()?.disk();
+        (!disk.direct).then(|| {
+            format!(
+                "offload: the file system of {} refused O_DIRECT; using buffered I/O and dropping the page cache after each transfer",
+                disk.path().display()
+            )
+        })
     }
 
     fn io_time(&self) -> IoTime {

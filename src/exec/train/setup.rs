@@ -35,9 +35,7 @@ impl<'a> Run<'a> {
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = rss::current_rss().unwrap_or(0);
-        let strategies = opts
-            .strategies
-            .with_offload_dir(&opts.out.join("offload"))?;
+        let strategies = opts.strategies.with_offload_dir(&opts.out.join("offload"));
         let plan = strategies.plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
         let dir = RunDir::new(&opts.out);
         prepare_run_dir(&dir, resume.is_some())?;
@@ -45,6 +43,9 @@ impl<'a> Run<'a> {
         progress.message(&plan_line(opts, &spec, &plan, baseline));
         let plan_total = plan.total_bytes();
         let mut ex = Executor::new(plan)?;
+        if let Some(note) = ex.offload_note() {
+            progress.message(&note);
+        }
 
         // ---- initial state ----
         let mut scaler = (opts.strategies.precision == Precision::F16).then(LossScaler::new);
