@@ -12,7 +12,7 @@ use memwall::gguf::{self, ConvertOptions, OutDtype};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::Strategies;
 use memwall::plan::{
-    self, Mode, OffloadSet, OptimState, Precision, RecomputeChoice, StepConfig, build_plan,
+    self, Mode, OffloadChoice, OptimState, Precision, RecomputeChoice, StepConfig, build_plan,
 };
 use memwall::run_dir::PlanJson;
 use memwall::util::bytes::{fmt_bytes, parse_bytes};
@@ -225,12 +225,16 @@ struct StrategyArgs {
     /// [default: fp32; with --resume: the run's]
     #[arg(long, value_parser = parse_precision)]
     precision: Option<Precision>,
-    /// What to keep on disk between uses, so it needs no RAM outside its turn: none, or
-    /// optimizer (the AdamW moments, read one parameter group at a time into staging buffers
-    /// for its update and written back). params, grads, activations, all and auto are not
-    /// implemented yet [default: none; with --resume: the run's]
+    /// What to keep on disk between uses, so it needs RAM only in its turn: none, all, auto
+    /// (the placement with the least disk I/O that fits --max-memory), or a comma list of
+    /// optimizer (the AdamW moments, read one parameter group at a time for its update and
+    /// written back), params (read one group at a time before its forward, its backward and
+    /// its update), grads (written after each group's backward, read back for the update),
+    /// activations (what the forward keeps for the backward: with --recompute full, only the
+    /// block inputs). Weights are bitwise the same under every placement
+    /// [default: none; with --resume: the run's]
     #[arg(long, value_parser = parse_offload)]
-    offload: Option<OffloadSet>,
+    offload: Option<OffloadChoice>,
     /// Directory of the offload file (one preallocated file, removed at the end; put it on a
     /// local SSD) [default: train: RUN/offload; bench: ./memwall-offload]
     #[arg(long, value_name = "DIR")]
@@ -253,7 +257,7 @@ impl StrategyArgs {
     }
 }
 
-fn parse_offload(s: &str) -> Result<OffloadSet, String> {
+fn parse_offload(s: &str) -> Result<OffloadChoice, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
@@ -470,10 +474,11 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         threads(a.step.threads)?,
     );
     let baseline = rss::current_rss().unwrap_or(0);
-    let choice = a.step.strategy.recompute.unwrap_or_default();
-    // An over-budget fixed policy still prints its plan, then the refusal.
-    let plan = match choice {
-        RecomputeChoice::Fixed(r) => build_plan(
+    let recompute = a.step.strategy.recompute.unwrap_or_default();
+    let offload = a.step.strategy.offload.unwrap_or_default();
+    // An over-budget fixed choice still prints its plan, then the refusal.
+    let plan = match (recompute, offload) {
+        (RecomputeChoice::Fixed(r), OffloadChoice::Set(_)) => build_plan(
             &spec,
             &StepConfig {
                 recompute: r,
@@ -482,7 +487,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             Mode::Train,
             &Cpu,
         )?,
-        RecomputeChoice::Auto => plan::fit::plan_with_recompute(
+        choice => plan::fit::plan_fitting(
             &spec,
             &cfg,
             Mode::Train,

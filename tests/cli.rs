@@ -316,7 +316,7 @@ fn bad_strategy_flags_are_explained() {
         "1GiB",
     ]);
     assert!(
-        e.contains("no recomputation policy fits") && e.contains("--recompute full"),
+        e.contains("--recompute auto: nothing fits") && e.contains("--recompute full"),
         "{e}"
     );
     // auto picks the least recomputation that fits: with room for everything, none.

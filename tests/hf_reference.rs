@@ -43,6 +43,7 @@ fn logits_and_loss_match_transformers() {
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap()
         .unwrap();
     let logits = ex.next_token_logits(&prompt).unwrap();
     let want: Vec<f64> = exp["last_logits"]
@@ -65,6 +66,7 @@ fn logits_and_loss_match_transformers() {
     let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap()
         .unwrap();
     ex.upload_batch(&seq).unwrap();
     let loss = ex.eval_loss().unwrap() as f64;
@@ -102,6 +104,7 @@ fn llama_family_matches_transformers(name: &str) {
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap()
         .unwrap();
     let logits = ex.next_token_logits(&prompt).unwrap().to_vec();
     let want = exp["last_logits"].as_array().unwrap();
@@ -120,6 +123,7 @@ fn llama_family_matches_transformers(name: &str) {
     let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap()
         .unwrap();
     ex.upload_batch(&seq).unwrap();
     let loss = ex.compute_gradients().unwrap() as f64;
@@ -236,6 +240,7 @@ fn smollm2_answers_and_models_shakespeare() {
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap()
         .unwrap();
     ex.upload_batch(seq).unwrap();
     let loss = ex.eval_loss().unwrap();

@@ -98,7 +98,7 @@ fn gradient_buffers_live_from_first_write_to_update() {
             assert_eq!(b.category, Category::Grad);
             assert!(matches!(ops[b.first_op].op, Op::Zero { buf } if buf == seg.buf));
             // The next op is the group's first gradient write.
-            assert!(!grads.touched_by(&ops[b.first_op + 1].op).is_empty());
+            assert_eq!(ops[b.first_op + 1].grads.map(|g| g.buf), Some(seg.buf));
             assert_eq!(ops[b.last_op].name, format!("{}.adamw", group.name));
             if group.name.starts_with('h') {
                 // Blocks: born in micro-batch 0's backward, never before.

@@ -53,7 +53,7 @@ fn train(spec: &ModelSpec, cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>)
     let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let layout = ex.plan.layout.clone();
-    ex.with_params_mut(|p| layout.init(p, 7));
+    ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
     let mut rng = Rng::new(3);
     let rows = cfg.batch * cfg.grad_accum;
     let mut losses = Vec::new();
@@ -280,7 +280,7 @@ fn overflowing_gradients_skip_the_update() {
     let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
     let mut ex = Executor::new(plan).unwrap();
     let layout = ex.plan.layout.clone();
-    ex.with_params_mut(|p| layout.init(p, 7));
+    ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
     let batch: Vec<u32> = (0..2 * 17).map(|i| (i * 5 % 97) as u32).collect();
     ex.upload_batch(&batch).unwrap();
     let before = ex.download_params();
@@ -426,20 +426,22 @@ fn moment_bytes(ex: &Executor) -> Vec<Vec<u8>> {
     .unwrap()
 }
 
-/// `--offload optimizer` moves the moments to the disk tier and streams them group by group
-/// through staging buffers: weights, losses and moments stay bitwise those of the run that
-/// keeps them in RAM, for every moment format and with accumulation and recomputation.
+/// Every `--offload` placement moves its state to the disk tier and streams it through
+/// staging buffers: weights, losses and moments stay bitwise those of the run that keeps
+/// everything in RAM, for every moment format and with accumulation and recomputation.
 #[test]
-fn offloading_the_optimizer_changes_no_bit() {
+fn offloading_changes_no_bit() {
     use memwall::plan::{OffloadSet, Tier};
     let dir = tempfile::tempdir().unwrap();
+    let placements = ["optimizer", "params", "grads", "activations", "all"];
     for spec in specs() {
         let name = &spec.name;
         for (what, base) in [
             ("fp32", StepConfig::new(2, 16, 2)),
-            ("int8 state", {
+            ("int8 state, selective recompute", {
                 let mut c = StepConfig::new(2, 16, 2);
                 c.optim_state = OptimState::Int8;
+                c.recompute = Recompute::Selective;
                 c
             }),
             ("bf16 state, accum 2, full recompute", {
@@ -451,45 +453,55 @@ fn offloading_the_optimizer_changes_no_bit() {
             }),
         ] {
             let run = |cfg: &StepConfig| train(&spec, cfg, 6);
-            let mut off = base.clone();
-            off.offload.set = OffloadSet { optimizer: true };
-            off.offload.dir = Some(dir.path().to_path_buf());
-            let plan = build_plan(&spec, &off, Mode::Train, &Cpu).unwrap();
-            assert!(plan.nvme_bytes > 0, "{name} {what}: nothing on disk");
-            for b in &plan.buffers {
-                if b.category == Category::OptimizerState && b.persistent {
-                    assert_eq!(b.placement.tier, Tier::Nvme, "{name} {what}: {}", b.name);
-                }
-            }
-            let in_ram = build_plan(&spec, &base, Mode::Train, &Cpu).unwrap();
-            assert!(
-                plan.arena_bytes < in_ram.arena_bytes,
-                "{name} {what}: no RAM saved"
-            );
             let (want_w, want_l) = run(&base);
-            let (got_w, got_l) = run(&off);
-            assert_eq!(got_l, want_l, "{name} {what}: losses differ");
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got_w), bits(&want_w), "{name} {what}: weights differ");
-            let moments = |cfg: &StepConfig| {
-                let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
-                let mut ex = Executor::new(plan).unwrap();
-                let layout = ex.plan.layout.clone();
-                ex.with_params_mut(|p| layout.init(p, 7));
-                let batch: Vec<u32> = (0..2 * cfg.grad_accum as u32 * 17)
-                    .map(|i| i % 97)
-                    .collect();
-                ex.upload_batch(&batch).unwrap();
-                for s in 1..=2 {
-                    ex.train_step(&hp(s)).unwrap();
+            let in_ram = build_plan(&spec, &base, Mode::Train, &Cpu).unwrap();
+            for placement in placements {
+                let mut off = base.clone();
+                off.offload.set = placement.parse::<OffloadSet>().unwrap();
+                off.offload.dir = Some(dir.path().to_path_buf());
+                let set = off.offload.set;
+                let what = format!("{what}, --offload {placement}");
+                let plan = build_plan(&spec, &off, Mode::Train, &Cpu).unwrap();
+                assert!(plan.nvme_bytes > 0, "{name} {what}: nothing on disk");
+                for b in plan.buffers.iter().filter(|b| b.persistent) {
+                    let on_disk = match b.category {
+                        Category::OptimizerState => set.optimizer,
+                        Category::Param | Category::Master => set.params,
+                        _ => continue,
+                    };
+                    let tier = if on_disk { Tier::Nvme } else { Tier::Host };
+                    assert_eq!(b.placement.tier, tier, "{name} {what}: {}", b.name);
                 }
-                moment_bytes(&ex)
-            };
-            assert_eq!(
-                moments(&off),
-                moments(&base),
-                "{name} {what}: moments differ"
-            );
+                if set.optimizer || set.params {
+                    assert!(
+                        plan.arena_bytes < in_ram.arena_bytes,
+                        "{name} {what}: no RAM saved"
+                    );
+                }
+                let (got_w, got_l) = run(&off);
+                assert_eq!(got_l, want_l, "{name} {what}: losses differ");
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got_w), bits(&want_w), "{name} {what}: weights differ");
+                let moments = |cfg: &StepConfig| {
+                    let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
+                    let mut ex = Executor::new(plan).unwrap();
+                    let layout = ex.plan.layout.clone();
+                    ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
+                    let batch: Vec<u32> = (0..2 * cfg.grad_accum as u32 * 17)
+                        .map(|i| i % 97)
+                        .collect();
+                    ex.upload_batch(&batch).unwrap();
+                    for s in 1..=2 {
+                        ex.train_step(&hp(s)).unwrap();
+                    }
+                    moment_bytes(&ex)
+                };
+                assert_eq!(
+                    moments(&off),
+                    moments(&base),
+                    "{name} {what}: moments differ"
+                );
+            }
         }
     }
     assert_eq!(

@@ -29,7 +29,8 @@ fn micro_executor(threads: usize) -> Executor {
         for x in p.iter_mut() {
             *x += 0.1 * rng.normal();
         }
-    });
+    })
+    .unwrap();
     let batch: Vec<u32> = (0..3 * 8).map(|_| rng.below(61) as u32).collect();
     ex.upload_batch(&batch).unwrap();
     ex
@@ -52,7 +53,8 @@ fn whole_model_gradients_match_finite_differences() {
                 for ((p, &q), &di) in p.iter_mut().zip(&p0).zip(&d) {
                     *p = q + s * di;
                 }
-            });
+            })
+            .unwrap();
             ex.eval_loss().unwrap() as f64
         };
         let fd = (eval(&mut ex, eps) - eval(&mut ex, -eps)) / (2.0 * eps as f64);
@@ -75,7 +77,8 @@ fn whole_model_gradients_match_finite_differences() {
             ex.with_params_mut(|p| {
                 p.copy_from_slice(&p0);
                 p[i] += s;
-            });
+            })
+            .unwrap();
             ex.eval_loss().unwrap() as f64
         };
         let fd = (at(eps) - at(-eps)) / (2.0 * eps as f64);

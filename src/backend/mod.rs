@@ -14,7 +14,7 @@
 pub mod cpu;
 
 use crate::plan::schedule::OpEntry;
-use crate::plan::{BufId, DType, Op, Plan};
+use crate::plan::{BufId, DType, Plan};
 use anyhow::Result;
 
 /// What the planner asks of a backend.
@@ -85,9 +85,10 @@ pub enum OpResult {
 
 /// A started backend holding a plan's memory.
 pub trait Device: Send + Sync {
-    /// Runs `op` (an op of the plan this device was started with). Fails only where the
-    /// op moves bytes to or from a tier that can fail (a disk transfer), naming it.
-    fn run(&self, op: &Op, ctx: &StepCtx) -> Result<OpResult>;
+    /// Runs op `e` (an op of the plan this device was started with, with the buffers its
+    /// parameters and gradients are bound to). Fails only where the op moves bytes to or from
+    /// a tier that can fail (a disk transfer), naming it.
+    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<OpResult>;
     /// Runs `f` where the backend's ops are meant to be issued from (the CPU backend's worker
     /// pool), so a sequence of [`Device::run`] calls pays no hand-off per op.
     fn scope(&self, f: &mut (dyn FnMut() + Send));

@@ -80,7 +80,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     };
     let mut metrics = Vec::new();
     let mut leak = LeakCheck::new(plan_total);
-    ex.with_params_mut(|p| layout.init(p, opts.seed));
+    ex.with_params_mut(|p| layout.init(p, opts.seed))?;
     let mut rng = Rng::new(opts.seed);
     let mut batch = vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)];
     let mut times = Vec::with_capacity(opts.steps);
@@ -208,7 +208,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             "cpu_has_avx512_bf16": crate::backend::cpu::features::cpu_has_bf16_dot(),
             "recompute": recompute.to_string(), "grad_accum": opts.strategies.grad_accum,
             "optim_state": opts.strategies.optim_state.to_string(),
-            "offload": opts.strategies.offload.to_string(),
+            "offload": ex.plan.cfg.offload.set.to_string(),
             "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,
         },
         "tokens_per_s": tokens / median,

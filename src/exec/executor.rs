@@ -7,7 +7,7 @@
 use crate::backend::cpu::Cpu;
 use crate::backend::{AdamWStep, Backend, Device, OpResult, StepCtx};
 use crate::ckpt::{Moments, MomentsMut};
-use crate::plan::schedule::{Op, OptimBufs, Phase};
+use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, DType, Mode, OptimState, Plan};
 use crate::profile::record::OpRecorder;
 use anyhow::{Result, bail};
@@ -55,6 +55,9 @@ pub struct Executor {
     recorder: Option<OpRecorder>,
     /// Next-token logits downloaded by [`Executor::next_token_logits`].
     logits: Vec<f32>,
+    /// The step's gradient-norm shares so far: (first element of the group, sum of squares),
+    /// added in parameter order when the update is settled.
+    norm_shares: Vec<(usize, f64)>,
 }
 
 /// The moments of `format` over their buffers' bytes (m, v, then the int8 scales).
@@ -142,39 +145,60 @@ impl Executor {
             loss_scale: 1.0,
             recorder: None,
             logits: Vec::new(),
+            norm_shares: Vec::new(),
         })
     }
 
+    /// The parameter buffers where they live between steps, one row per buffer (one, or one
+    /// per group), as [`Executor::gather`] takes them.
+    fn param_sets(&self) -> Vec<Vec<BufId>> {
+        let params = &self.plan.schedule.implicit.params;
+        params.bufs().into_iter().map(|id| vec![id]).collect()
+    }
+
     /// Lends `f` the flat fp32 parameters (layout: `plan.layout`; the master weights under
-    /// mixed precision).
-    pub fn with_params<R>(&self, f: impl FnOnce(&[f32]) -> R) -> R {
+    /// mixed precision). Parameters kept per group (offloaded) are gathered into one host
+    /// copy first, group by group.
+    pub fn with_params<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        let sets = self.param_sets();
         let mut f = Some(f);
-        let mut out = None;
-        let id = self.plan.schedule.implicit.params;
-        self.device
-            .download(&[id], &mut |b| {
+        if let [whole] = &sets[..] {
+            let mut out = None;
+            self.device.download(whole, &mut |b| {
                 out = Some((f.take().expect("called once"))(pod::cast(b[0])))
-            })
-            .expect(HOST_ONLY);
-        out.expect("download calls back")
+            })?;
+            return Ok(out.expect("download calls back"));
+        }
+        let joined = self.gather(&sets)?;
+        let (v, len) = &joined[0];
+        Ok((f.take().expect("called once"))(pod::cast(
+            &pod_bytes(v)[..*len],
+        )))
     }
 
     /// Lends `f` the parameters to change; they are on the backend when it returns.
-    pub fn with_params_mut<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    pub fn with_params_mut<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+        let sets = self.param_sets();
         let mut f = Some(f);
-        let mut out = None;
-        let id = self.plan.schedule.implicit.params;
-        self.device
-            .upload(&[id], &mut |b| {
+        if let [whole] = &sets[..] {
+            let mut out = None;
+            self.device.upload(whole, &mut |b| {
                 out = Some((f.take().expect("called once"))(pod::cast_mut(b[0])))
-            })
-            .expect(HOST_ONLY);
-        out.expect("upload calls back")
+            })?;
+            return Ok(out.expect("upload calls back"));
+        }
+        let mut joined = self.joined(&sets);
+        let (v, len) = &mut joined[0];
+        let out = (f.take().expect("called once"))(pod::cast_mut(&mut pod_bytes_mut(v)[..*len]));
+        self.scatter(&sets, &joined)?;
+        Ok(out)
     }
 
-    /// A copy of the parameters.
+    /// A copy of the parameters. Panics where they cannot be read (a disk-tier read
+    /// failing); [`Executor::with_params`] returns the error instead.
     pub fn download_params(&self) -> Vec<f32> {
         self.with_params(|p| p.to_vec())
+            .expect("the parameters can be read")
     }
 
     /// Gradients of the last [`Executor::compute_gradients`] as f32, in parameter order
@@ -205,39 +229,32 @@ impl Executor {
     }
 
     /// The AdamW moment buffers where they live between steps: one set, or one per group.
-    fn moment_sets(&self) -> &[OptimBufs] {
-        self.plan
-            .schedule
-            .implicit
-            .optim
-            .as_deref()
-            .expect("training plan")
+    fn moment_sets(&self) -> Vec<Vec<BufId>> {
+        let sets = self.plan.schedule.implicit.optim.as_deref();
+        sets.expect("training plan")
+            .iter()
+            .map(|o| o.ids())
+            .collect()
+    }
+
+    fn moment_format(&self) -> OptimState {
+        self.plan.cfg.optim_state
     }
 
     /// Lends `f` the AdamW moments in their stored format (for checkpoints). Moments kept
     /// per parameter group (offloaded) are gathered into one host copy first, group by group.
     pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> Result<R> {
         let sets = self.moment_sets();
-        let format = sets[0].format;
+        let format = self.moment_format();
         let mut f = Some(f);
-        let mut out = None;
-        if let [whole] = sets {
-            self.device.download(&whole.ids(), &mut |b| {
+        if let [whole] = &sets[..] {
+            let mut out = None;
+            self.device.download(whole, &mut |b| {
                 out = Some((f.take().expect("called once"))(moments(format, b)))
             })?;
             return Ok(out.expect("download calls back"));
         }
-        let mut joined = self.joined_moments();
-        let mut at = vec![0usize; joined.len()];
-        for set in sets {
-            self.device.download(&set.ids(), &mut |b| {
-                for (k, part) in b.iter().enumerate() {
-                    pod_bytes_mut(&mut joined[k].0)[at[k]..at[k] + part.len()]
-                        .copy_from_slice(part);
-                    at[k] += part.len();
-                }
-            })?;
-        }
+        let joined = self.gather(&sets)?;
         let views: Vec<&[u8]> = joined
             .iter()
             .map(|(v, len)| &pod_bytes(v)[..*len])
@@ -248,25 +265,58 @@ impl Executor {
     /// Lends `f` the AdamW moments to fill (resume); they are on the backend when it returns
     /// (moments kept per group are filled as one host copy, then written group by group).
     pub fn with_moments_mut<R>(&mut self, f: impl FnOnce(MomentsMut<'_>) -> R) -> Result<R> {
-        let sets = self.moment_sets().to_vec();
-        let format = sets[0].format;
+        let sets = self.moment_sets();
+        let format = self.moment_format();
         let mut f = Some(f);
-        let mut out = None;
         if let [whole] = &sets[..] {
-            self.device.upload(&whole.ids(), &mut |b| {
+            let mut out = None;
+            self.device.upload(whole, &mut |b| {
                 out = Some((f.take().expect("called once"))(moments_mut(format, b)))
             })?;
             return Ok(out.expect("upload calls back"));
         }
-        let mut joined = self.joined_moments();
+        let mut joined = self.joined(&sets);
         let mut views: Vec<&mut [u8]> = joined
             .iter_mut()
             .map(|(v, len)| &mut pod_bytes_mut(v)[..*len])
             .collect();
         let out = (f.take().expect("called once"))(moments_mut(format, &mut views));
+        self.scatter(&sets, &joined)?;
+        Ok(out)
+    }
+
+    /// Zeroed 8-byte-aligned host buffers, one per column of `sets` (rows: parameter groups;
+    /// columns: kinds of buffer, e.g. m and v), each as long as its column's buffers together.
+    fn joined(&self, sets: &[Vec<BufId>]) -> Vec<(Vec<u64>, usize)> {
+        (0..sets[0].len())
+            .map(|k| {
+                let len: u64 = sets.iter().map(|s| self.plan.buffer(s[k]).bytes).sum();
+                (vec![0u64; (len as usize).div_ceil(8)], len as usize)
+            })
+            .collect()
+    }
+
+    /// The buffers of `sets` joined column by column into host copies, read row by row.
+    fn gather(&self, sets: &[Vec<BufId>]) -> Result<Vec<(Vec<u64>, usize)>> {
+        let mut joined = self.joined(sets);
         let mut at = vec![0usize; joined.len()];
-        for set in &sets {
-            self.device.upload(&set.ids(), &mut |b| {
+        for set in sets {
+            self.device.download(set, &mut |b| {
+                for (k, part) in b.iter().enumerate() {
+                    pod_bytes_mut(&mut joined[k].0)[at[k]..at[k] + part.len()]
+                        .copy_from_slice(part);
+                    at[k] += part.len();
+                }
+            })?;
+        }
+        Ok(joined)
+    }
+
+    /// Writes host copies `joined` (as [`Executor::gather`] makes them) back, row by row.
+    fn scatter(&mut self, sets: &[Vec<BufId>], joined: &[(Vec<u64>, usize)]) -> Result<()> {
+        let mut at = vec![0usize; joined.len()];
+        for set in sets {
+            self.device.upload(set, &mut |b| {
                 for (k, part) in b.iter_mut().enumerate() {
                     let n = part.len();
                     part.copy_from_slice(&pod_bytes(&joined[k].0)[at[k]..at[k] + n]);
@@ -274,22 +324,7 @@ impl Executor {
                 }
             })?;
         }
-        Ok(out)
-    }
-
-    /// Zeroed 8-byte-aligned host buffers for each kind of moment buffer (m, v, scales) of
-    /// per-group moments, each as long as that kind's buffers of every group together.
-    fn joined_moments(&self) -> Vec<(Vec<u64>, usize)> {
-        let sets = self.moment_sets();
-        (0..sets[0].ids().len())
-            .map(|k| {
-                let len: u64 = sets
-                    .iter()
-                    .map(|s| self.plan.buffer(s.ids()[k]).bytes)
-                    .sum();
-                (vec![0u64; (len as usize).div_ceil(8)], len as usize)
-            })
-            .collect()
+        Ok(())
     }
 
     /// What the backend has to say once about its disk tier (e.g. a buffered-I/O fallback).
@@ -349,35 +384,41 @@ impl Executor {
         Ok(())
     }
 
-    /// One optimizer step on the batch set by [`Executor::upload_batch`].
+    /// One optimizer step on the batch set by [`Executor::upload_batch`]: the whole
+    /// schedule in order (so transfers for the update overlap the backward).
     pub fn train_step(&mut self, hp: &OptimHparams) -> Result<StepStats> {
-        let loss = self.compute_gradients()?;
-        let o = self.apply_optimizer(hp)?;
+        assert_eq!(self.plan.mode, Mode::Train);
+        self.norm_shares.clear();
+        let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
+        let o = self.run(&ops, self.ctx(true), Some(hp))?;
+        let o = o.expect("a training step has AdamW ops");
         Ok(StepStats {
-            loss,
+            loss: self.mean_loss(),
             grad_norm: o.grad_norm,
             skipped: o.skipped,
         })
     }
 
     /// Forward and backward: fills the gradients, returns the mean loss. The optimizer ops
-    /// (the schedule's `Optimizer` phase) are not run.
+    /// (the schedule's `Optimizer` phase, transfers for it included) are not run.
     pub fn compute_gradients(&mut self) -> Result<f32> {
         assert_eq!(self.plan.mode, Mode::Train);
-        let end = self.optimizer_start();
-        self.run(0..end, self.ctx(true), None)?;
+        self.norm_shares.clear();
+        let ops = self.ops_where(|p| p != Phase::Optimizer);
+        self.run(&ops, self.ctx(true), None)?;
         Ok(self.mean_loss())
     }
 
-    /// Runs the optimizer phase on the gradients: the gradient norm, then (unless the
-    /// gradients are not finite) clipping and AdamW. Returns the norm before clipping and
-    /// whether the update was skipped.
+    /// Runs the optimizer phase on the gradients of [`Executor::compute_gradients`]:
+    /// clipping by the gradient norm (whose shares the backward took) and AdamW, unless the
+    /// gradients are not finite. Returns the norm before clipping and whether the update was
+    /// skipped.
     pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> Result<StepOutcome> {
-        let ops = self.optimizer_start()..self.plan.schedule.ops.len();
+        let ops = self.ops_where(|p| p == Phase::Optimizer);
         let ctx = self.ctx(true);
         Ok(self
-            .run(ops, ctx, Some(hp))?
-            .expect("the optimizer phase has a gradient-norm op"))
+            .run(&ops, ctx, Some(hp))?
+            .expect("the optimizer phase has AdamW ops"))
     }
 
     fn ctx(&self, training: bool) -> StepCtx {
@@ -389,22 +430,18 @@ impl Executor {
         }
     }
 
-    fn optimizer_start(&self) -> usize {
+    /// Indices of the ops whose phase satisfies `keep`, in schedule order.
+    fn ops_where(&self, keep: impl Fn(Phase) -> bool) -> Vec<usize> {
         let ops = &self.plan.schedule.ops;
-        ops.iter()
-            .position(|o| o.phase == Phase::Optimizer)
-            .unwrap_or(ops.len())
+        (0..ops.len()).filter(|&i| keep(ops[i].phase)).collect()
     }
 
     /// Mean loss on the batch set by [`Executor::upload_batch`], forward only (no state
     /// changes besides activations): every micro-batch's forward ops (gradient zeroing is in
     /// the backward phase).
     pub fn eval_loss(&mut self) -> Result<f32> {
-        let s = &self.plan.schedule;
-        let ops: Vec<usize> = (0..s.ops.len())
-            .filter(|&i| s.ops[i].phase == Phase::Forward)
-            .collect();
-        self.run(ops.into_iter(), self.ctx(false), None)?;
+        let ops = self.ops_where(|p| p == Phase::Forward);
+        self.run(&ops, self.ctx(false), None)?;
         Ok(self.mean_loss())
     }
 
@@ -448,7 +485,8 @@ impl Executor {
             seq: Some(t),
             ..self.ctx(false)
         };
-        self.run(0..self.plan.schedule.ops.len(), ctx, None)?;
+        let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
+        self.run(&ops, ctx, None)?;
         let mut out = std::mem::take(&mut self.logits);
         self.device
             .download(&[logits], &mut |b| {
@@ -471,55 +509,56 @@ impl Executor {
         self.recorder.as_mut()
     }
 
-    /// Runs ops `ops` in order. With `hp`, the `GradNorm` ops' sums of squares add up to the
-    /// step's norm and clipping, settled before the first `AdamW` op, which then run with
-    /// them, or not at all when the norm is not finite; returns what the optimizer found.
-    /// Stops at the first op that fails (a disk transfer), with its error.
+    /// Runs ops `ops` in order. `GradNorm` ops add their group's share of the norm; with
+    /// `hp`, the norm and clipping are settled before the first `AdamW` op (from the shares,
+    /// added in parameter order), which then run with them, or not at all when the norm is
+    /// not finite; returns what the optimizer found. Stops at the first op that fails (a
+    /// disk transfer), with its error.
     fn run(
         &mut self,
-        ops: impl Iterator<Item = usize> + Send,
+        ops: &[usize],
         mut ctx: StepCtx,
         hp: Option<&OptimHparams>,
     ) -> Result<Option<StepOutcome>> {
         let mut recorder = self.recorder.take();
         let mut outcome = None;
-        let mut sum_sq = None;
         let mut failed = None;
         let (plan, device) = (&self.plan, &*self.device);
+        let shares = &mut self.norm_shares;
         let loss_scale = self.loss_scale;
-        let mut ops = ops;
-        let settle = |sum_sq: Option<f64>, ctx: &mut StepCtx| {
-            let hp = hp.expect("the optimizer phase runs with hyperparameters");
-            let (o, update) = clip(sum_sq.expect("GradNorm ops precede AdamW"), loss_scale, hp);
-            ctx.update = update;
-            o
-        };
         device.scope(&mut || {
-            for i in ops.by_ref() {
-                let op = &plan.schedule.ops[i].op;
-                if matches!(op, Op::AdamW { .. }) {
+            for &i in ops {
+                let e = &plan.schedule.ops[i];
+                if matches!(e.op, Op::AdamW { .. }) {
                     if outcome.is_none() {
-                        outcome = Some(settle(sum_sq, &mut ctx));
+                        let hp = hp.expect("the optimizer phase runs with hyperparameters");
+                        shares.sort_by_key(|s| s.0);
+                        let sum_sq = shares.iter().map(|s| s.1).sum::<f64>();
+                        let (o, update) = clip(sum_sq, loss_scale, hp);
+                        ctx.update = update;
+                        outcome = Some(o);
                     }
                     if outcome.is_some_and(|o: StepOutcome| o.skipped) {
                         continue;
                     }
                 }
                 let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
-                match device.run(op, &ctx) {
-                    Ok(OpResult::SumOfSquares(sq)) => sum_sq = Some(sum_sq.unwrap_or(0.0) + sq),
+                match device.run(e, &ctx) {
+                    Ok(OpResult::SumOfSquares(sq)) => {
+                        let Op::GradNorm { range } = &e.op else {
+                            unreachable!("only GradNorm ops return a sum of squares")
+                        };
+                        shares.push((range.start, sq));
+                    }
                     Ok(OpResult::Done) => {}
-                    Err(e) => {
-                        failed = Some(e.context(format!("op {}", plan.schedule.ops[i].name)));
+                    Err(err) => {
+                        failed = Some(err.context(format!("op {}", e.name)));
                         return;
                     }
                 }
                 if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
                     r.record(i, t0);
                 }
-            }
-            if outcome.is_none() && sum_sq.is_some() {
-                outcome = Some(settle(sum_sq, &mut ctx));
             }
         });
         self.recorder = recorder;

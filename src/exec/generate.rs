@@ -54,7 +54,7 @@ pub fn generate_tokens(
     )?;
     let layout = plan.layout.clone();
     let mut ex = Executor::new(plan)?;
-    ex.with_params_mut(|p| ckpt::load_params(&opts.checkpoint, &layout, p))?;
+    ex.with_params_mut(|p| ckpt::load_params(&opts.checkpoint, &layout, p))??;
     let mut rng = Rng::new(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();
     let mut probs = vec![0f32; spec.vocab_size];

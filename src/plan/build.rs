@@ -6,10 +6,12 @@
 use super::builder::{Builder, Loss, MicroBatch};
 use super::packing;
 use super::schedule::{
-    GradBufs, GradSegment, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule,
+    Binding, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule, Segment,
+    Segments,
 };
+use super::stage::{self, Home, Kind};
 use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
-use super::{BufId, Buffer, Category, DType, Offload, Placement, Plan, Tier};
+use super::{BufId, Buffer, Category, DType, Offload, OffloadSet, Placement, Plan, Tier};
 use crate::backend::Sizing;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
@@ -102,11 +104,11 @@ pub fn build_plan(
     // mixed-precision GEMM workspace, AdamW moments. Gradients are per parameter group and
     // live from the group's first backward write to its update (`grad_buffers`).
     let mixed = cfg.precision != Precision::F32;
-    let params = if mixed {
-        g.persistent("params.master", Category::Master, DType::F32, layout.total)
-    } else {
-        g.persistent("params", Category::Param, DType::F32, layout.total)
+    let offload = match mode {
+        Mode::Train => cfg.offload.set,
+        Mode::Generate => OffloadSet::NONE,
     };
+    let params = param_buffers(&mut g, &layout, mixed, offload.params);
     let gemm_ws = mixed.then(|| {
         g.persistent(
             "gemm.mixed_tiles",
@@ -131,6 +133,7 @@ pub fn build_plan(
             losses: vec![],
             logits: emitted.logits,
         };
+        bind_state(&mut g, &params, None);
         let p = ImplicitBufs {
             params,
             gemm_ws,
@@ -140,7 +143,7 @@ pub fn build_plan(
         return finish(spec, cfg, mode, layout, g, p, io, backend);
     }
     let grads = grad_buffers(&mut g, &layout);
-    let optim = optimizer_state(&mut g, &layout, cfg.optim_state, cfg.offload.set.optimizer);
+    let optim = optimizer_state(&mut g, &layout, cfg.optim_state, offload.optimizer);
     let micro = cfg.grad_accum;
     let mut io = Io {
         tokens: vec![],
@@ -181,6 +184,24 @@ pub fn build_plan(
     }
     optimizer(&mut g, &layout, &optim);
     zero_grads_before_first_write(&mut g, &grads);
+    norm_when_final(&mut g, &layout, &grads);
+    bind_state(&mut g, &params, Some(&grads));
+    let mut homes = Vec::new();
+    let mut home =
+        |ids: Vec<BufId>, kind| homes.extend(ids.into_iter().map(|id| Home { id, kind }));
+    if offload.params {
+        home(params.bufs(), Kind::Params);
+    }
+    if offload.grads {
+        home(grads.bufs(), Kind::Grads);
+    }
+    if offload.optimizer {
+        home(optim.iter().flat_map(|o| o.ids()).collect(), Kind::Moments);
+    }
+    if offload.activations {
+        home(stage::kept_activations(&g), Kind::Activations);
+    }
+    stage::stage(&mut g, &homes);
     let p = ImplicitBufs {
         params,
         gemm_ws,
@@ -190,35 +211,66 @@ pub fn build_plan(
     finish(spec, cfg, mode, layout, g, p, io, backend)
 }
 
+/// Declares the fp32 parameters (the master weights under mixed precision): one persistent
+/// buffer, or with `per_group` one per parameter group (`{group}.params`, for the disk tier).
+fn param_buffers(g: &mut Builder, layout: &ParamLayout, mixed: bool, per_group: bool) -> Segments {
+    let (name, category) = if mixed {
+        ("params.master", Category::Master)
+    } else {
+        ("params", Category::Param)
+    };
+    if !per_group {
+        let buf = g.persistent(name, category, DType::F32, layout.total);
+        let range = 0..layout.total;
+        return Segments {
+            segments: vec![Segment { range, buf }],
+        };
+    }
+    let segments = layout
+        .groups
+        .iter()
+        .map(|group| {
+            let range = layout.group_range(group);
+            let name = format!("{}.{name}", group.name);
+            let buf = g.persistent(&name, category, DType::F32, range.len());
+            Segment { range, buf }
+        })
+        .collect();
+    Segments { segments }
+}
+
 /// Declares one gradient buffer per parameter group (`{group}.grad`, in the storage type).
-fn grad_buffers(g: &mut Builder, layout: &ParamLayout) -> GradBufs {
+fn grad_buffers(g: &mut Builder, layout: &ParamLayout) -> Segments {
     let segments = layout
         .groups
         .iter()
         .map(|group| {
             let range = layout.group_range(group);
             let buf = g.act(format!("{}.grad", group.name), Category::Grad, range.len());
-            GradSegment { range, buf }
+            Segment { range, buf }
         })
         .collect();
-    GradBufs { segments }
+    Segments { segments }
 }
 
 /// Inserts a `Zero` of each gradient buffer just before the first op that touches it (the
 /// group's first backward write, or the LM head's for a tied embedding), so its bytes are
 /// live from there on and nothing earlier in the step pays for them. These ops are in the
 /// backward phase: evaluation, which runs the forward ops, never zeroes gradients.
-fn zero_grads_before_first_write(g: &mut Builder, grads: &GradBufs) {
+fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
     let mut zeroed = vec![false; g.buffers.len()];
     let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
     for e in std::mem::take(&mut g.ops) {
-        for id in grads.touched_by(&e.op) {
+        if let Some(r) = e.op.grad_ranges().first() {
+            let id = grads.locate(r).buf;
             if !std::mem::replace(&mut zeroed[id.0], true) {
                 ops.push(OpEntry {
                     name: format!("zero_{}", g.buffers[id.0].name),
                     phase: Phase::Backward,
                     op: Op::Zero { buf: id },
                     flops: 0,
+                    params: None,
+                    grads: None,
                 });
             }
         }
@@ -227,27 +279,76 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &GradBufs) {
     g.ops = ops;
 }
 
-/// Emits the optimizer phase: each parameter group's share of the global gradient norm, then
-/// AdamW over the groups (embeddings, each block, the final norm), one op each. With the
-/// moments on the disk tier (one `OptimBufs` per group) the groups are pipelined: group
-/// k+1's moments are being read into its staging buffers while group k updates, and group
-/// k's are being written back while group k+1 updates; an `AwaitTransfers` before each
-/// consumer (and before a staging buffer's bytes may be reused) keeps it exact, so at most
-/// three groups' staging buffers are live at once.
-fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
-    for group in &layout.groups {
-        g.op(
-            format!("{}.grad_norm", group.name),
-            Phase::Optimizer,
-            0,
-            Op::GradNorm {
-                range: layout.group_range(group),
-            },
-        );
+/// Inserts each group's `GradNorm` (its share of the global gradient norm) just after the
+/// last op that writes its gradients (in the last micro-batch's backward): the share is
+/// taken while the gradients are still at hand, so gradients on the disk tier are not read
+/// back for it. The executor sums the shares in parameter order, whatever the op order.
+fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
+    let mut last = vec![None; grads.segments.len()];
+    for (i, e) in g.ops.iter().enumerate() {
+        if e.phase == Phase::Optimizer {
+            continue;
+        }
+        if let Some(r) = e.op.grad_ranges().first() {
+            let k = grads.segments.partition_point(|s| s.range.end <= r.start);
+            last[k] = Some(i);
+        }
     }
+    let mut after: Vec<Vec<usize>> = vec![Vec::new(); g.ops.len()];
+    for (k, at) in last.iter().enumerate() {
+        let at = at.expect("internal error: a parameter group without gradients");
+        after[at].push(k);
+    }
+    let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
+    for (i, e) in std::mem::take(&mut g.ops).into_iter().enumerate() {
+        ops.push(e);
+        for &k in &after[i] {
+            ops.push(OpEntry {
+                name: format!("{}.grad_norm", layout.groups[k].name),
+                phase: Phase::Backward,
+                op: Op::GradNorm {
+                    range: grads.segments[k].range.clone(),
+                },
+                flops: 0,
+                params: None,
+                grads: None,
+            });
+        }
+    }
+    g.ops = ops;
+}
+
+/// Binds every op to the buffers holding the parameters and gradients its ranges name
+/// ([`Binding`]): the parameter buffer (or its group's, per group) and its group's
+/// gradient buffer.
+fn bind_state(g: &mut Builder, params: &Segments, grads: Option<&Segments>) {
+    let bind = |segs: &Segments, ranges: Vec<std::ops::Range<usize>>| {
+        let first = ranges.first()?;
+        let s = segs.locate(first);
+        for r in &ranges {
+            assert!(
+                s.range.start <= r.start && r.end <= s.range.end,
+                "internal error: an op's parameter ranges span two groups"
+            );
+        }
+        Some(Binding {
+            buf: s.buf,
+            base: s.range.start,
+        })
+    };
+    for e in &mut g.ops {
+        e.params = bind(params, e.op.param_ranges());
+        e.grads = grads.and_then(|gr| bind(gr, e.op.grad_ranges()));
+    }
+}
+
+/// Emits the optimizer phase: AdamW over each parameter group (embeddings, each block, the
+/// final norm), one op each, with the group's moments (`state`: one set covering every
+/// parameter, or one per group). The gradient norm's shares are taken in the backward
+/// ([`norm_when_final`]); moments on the disk tier are staged by `plan::stage`.
+fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
     let (state_block, _) = layout.block_offsets(QBLOCK);
-    let adamw = |g: &mut Builder, k: usize, state: OptimBufs| {
-        let group = &layout.groups[k];
+    for (k, group) in layout.groups.iter().enumerate() {
         let tensors = group
             .tensors
             .clone()
@@ -260,82 +361,31 @@ fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
                 }
             })
             .collect();
+        let state = if let [whole] = state {
+            *whole
+        } else {
+            state[k]
+        };
         g.op(
             format!("{}.adamw", group.name),
             Phase::Optimizer,
             0,
             Op::AdamW { tensors, state },
         );
-    };
-    if let [whole] = state {
-        for k in 0..layout.groups.len() {
-            adamw(g, k, *whole);
-        }
-        return;
-    }
-    let stage: Vec<OptimBufs> = state.iter().map(|home| staging(g, home)).collect();
-    let transfer = |g: &mut Builder, from: OptimBufs, to: OptimBufs, what: &str| {
-        for (from, to) in from.ids().into_iter().zip(to.ids()) {
-            let name = format!("{}.{what}", g.buffers[from.0].name);
-            g.op(name, Phase::Optimizer, 0, Op::Transfer { from, to });
-        }
-    };
-    let wait = |g: &mut Builder, k: usize, what: &str| {
-        let name = format!("{}.{what}.wait", layout.groups[k].name);
-        let bufs = stage[k].ids();
-        g.op(name, Phase::Optimizer, 0, Op::AwaitTransfers { bufs });
-    };
-    let n = stage.len();
-    transfer(g, state[0], stage[0], "read");
-    for k in 0..n {
-        if k + 1 < n {
-            transfer(g, state[k + 1], stage[k + 1], "read");
-        }
-        wait(g, k, "read");
-        adamw(g, k, stage[k]);
-        transfer(g, stage[k], state[k], "write");
-        if k > 0 {
-            wait(g, k - 1, "write");
-        }
-    }
-    wait(g, n - 1, "write");
-}
-
-/// Host staging buffers (`{name}.stage`, aligned for direct I/O) for the group state `home`.
-fn staging(g: &mut Builder, home: &OptimBufs) -> OptimBufs {
-    let mut stage = |id: BufId| {
-        let b = &g.buffers[id.0];
-        let (name, dtype, elems) = (format!("{}.stage", b.name), b.dtype, b.elems);
-        let s = g.buf(name, Category::OptimizerState, dtype, elems);
-        g.for_io(s, false)
-    };
-    OptimBufs {
-        m: stage(home.m),
-        v: stage(home.v),
-        m_scale: home.m_scale.map(&mut stage),
-        v_scale: home.v_scale.map(&mut stage),
-        ..*home
     }
 }
 
 /// Declares the AdamW moments in `format` (see [`OptimBufs`]): one set covering every
-/// parameter in RAM, or with `on_disk` one set per parameter group on the disk tier.
+/// parameter, or with `per_group` one set per parameter group (for the disk tier).
 fn optimizer_state(
     g: &mut Builder,
     layout: &ParamLayout,
     format: OptimState,
-    on_disk: bool,
+    per_group: bool,
 ) -> Vec<OptimBufs> {
     let (first_block, blocks) = layout.block_offsets(QBLOCK);
-    if !on_disk {
-        return vec![moments(
-            g,
-            "adamw",
-            format,
-            0..layout.total,
-            0..blocks,
-            false,
-        )];
+    if !per_group {
+        return vec![moments(g, "adamw", format, 0..layout.total, 0..blocks)];
     }
     layout
         .groups
@@ -345,7 +395,7 @@ fn optimizer_state(
             let last_blocks = layout.tensors[last].range.len().div_ceil(QBLOCK);
             let blocks = first_block[first]..first_block[last] + last_blocks;
             let name = format!("{}.adamw", group.name);
-            moments(g, &name, format, layout.group_range(group), blocks, true)
+            moments(g, &name, format, layout.group_range(group), blocks)
         })
         .collect()
 }
@@ -358,16 +408,10 @@ fn moments(
     format: OptimState,
     range: std::ops::Range<usize>,
     blocks: std::ops::Range<usize>,
-    on_disk: bool,
 ) -> OptimBufs {
     let mut st = |what: &str, dtype, elems| {
-        let id = g.persistent(
-            &format!("{name}.{what}"),
-            Category::OptimizerState,
-            dtype,
-            elems,
-        );
-        if on_disk { g.for_io(id, true) } else { id }
+        let name = format!("{name}.{what}");
+        g.persistent(&name, Category::OptimizerState, dtype, elems)
     };
     let p = range.len();
     let (m, v, m_scale, v_scale) = match format {
@@ -434,9 +478,8 @@ fn finish(
     // Live intervals from the schedule (gradient buffers from the ops' parameter ranges).
     let n_ops = g.ops.len();
     for (i, e) in g.ops.iter().enumerate() {
-        let (r, w) = e.op.reads_writes();
-        let grads = implicit.grads.as_ref().map(|gr| gr.touched_by(&e.op));
-        for id in r.into_iter().chain(w).chain(grads.into_iter().flatten()) {
+        let (r, w) = e.touches();
+        for id in r.into_iter().chain(w) {
             let buf = &mut g.buffers[id.0];
             buf.first_op = buf.first_op.min(i);
             buf.last_op = buf.last_op.max(i);
@@ -496,13 +539,7 @@ fn finish(
 /// (the executor relies on this to hand out `&mut` and `&` views of one arena).
 fn verify_ops(plan: &Plan) -> Result<()> {
     for e in &plan.schedule.ops {
-        let (mut r, mut w) = e.op.reads_writes();
-        if let Some(grads) = &plan.schedule.implicit.grads {
-            // Gradients are read and written in place: count them as both.
-            let g = grads.touched_by(&e.op);
-            r.extend(&g);
-            w.extend(g);
-        }
+        let (r, w) = e.touches();
         for wid in &w {
             for other in r.iter().chain(w.iter()) {
                 if other == wid {

@@ -134,6 +134,8 @@ impl Builder {
             phase,
             op,
             flops,
+            params: None,
+            grads: None,
         });
     }
 }

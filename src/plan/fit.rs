@@ -2,8 +2,8 @@
 //! not, what would.
 
 use super::{
-    Mode, OffloadSet, OptimState, Plan, Precision, Recompute, RecomputeChoice, StepConfig,
-    build_plan,
+    Mode, OffloadChoice, OffloadSet, OptimState, Plan, Precision, Recompute, RecomputeChoice,
+    StepConfig, build_plan,
 };
 use crate::backend::Sizing;
 use crate::model::ModelSpec;
@@ -30,9 +30,10 @@ pub struct Strategies {
     /// Refuse plans whose predicted peak exceeds this many bytes.
     #[serde(default)]
     pub max_memory: Option<u64>,
-    /// What lives on the disk tier between uses (`--offload`).
+    /// What lives on the disk tier between uses (`--offload`; `auto` is resolved against
+    /// `max_memory`).
     #[serde(default)]
-    pub offload: OffloadSet,
+    pub offload: OffloadChoice,
     /// Directory of the disk tier's file (`--offload-dir`; train's default: `offload/` in
     /// the run directory, bench's: `memwall-offload/` in the current directory).
     #[serde(default)]
@@ -51,7 +52,7 @@ impl Default for Strategies {
             optim_state: OptimState::default(),
             precision: Precision::default(),
             max_memory: None,
-            offload: OffloadSet::NONE,
+            offload: OffloadChoice::default(),
             offload_dir: None,
         }
     }
@@ -59,14 +60,19 @@ impl Default for Strategies {
 
 impl Strategies {
     /// The step configuration of a `batch` × `seq` micro-batch on `threads` (recomputation
-    /// left at none: [`Strategies::plan`] resolves it).
+    /// left at none and nothing offloaded under `auto`: [`Strategies::plan`] resolves them).
     pub fn step_config(&self, batch: usize, seq: usize, threads: usize) -> StepConfig {
         let mut cfg = StepConfig::new(batch, seq, threads);
         cfg.grad_accum = self.grad_accum;
         cfg.optim_state = self.optim_state;
         cfg.precision = self.precision;
-        cfg.offload.set = self.offload;
-        cfg.offload.dir = self.offload_dir.clone().filter(|_| self.offload.any());
+        if let OffloadChoice::Set(set) = self.offload {
+            cfg.offload.set = set;
+        }
+        cfg.offload.dir = self
+            .offload_dir
+            .clone()
+            .filter(|_| self.offload.may_offload());
         cfg
     }
 
@@ -74,13 +80,13 @@ impl Strategies {
     /// creates it when the plan starts).
     pub fn with_offload_dir(&self, default: &std::path::Path) -> Strategies {
         let mut s = self.clone();
-        if s.offload.any() && s.offload_dir.is_none() {
+        if s.offload.may_offload() && s.offload_dir.is_none() {
             s.offload_dir = Some(default.to_path_buf());
         }
         s
     }
 
-    /// The training-step plan: [`plan_with_recompute`] of [`Strategies::step_config`].
+    /// The training-step plan: [`plan_fitting`] of [`Strategies::step_config`].
     pub fn plan(
         &self,
         spec: &ModelSpec,
@@ -89,11 +95,11 @@ impl Strategies {
         backend: &dyn Sizing,
     ) -> Result<Plan> {
         let cfg = self.step_config(batch, seq, threads);
-        plan_with_recompute(
+        plan_fitting(
             spec,
             &cfg,
             Mode::Train,
-            self.recompute,
+            (self.recompute, self.offload),
             self.max_memory,
             baseline,
             backend,
@@ -156,47 +162,59 @@ pub fn largest_batch(
     Ok(Some((lo, lo_peak)))
 }
 
-/// Builds the plan of `cfg` with the recomputation policy `choice`, refusing it when it does
-/// not fit `budget`. `auto` picks, among none, selective, every:K and full, the plan with the
-/// fewest recomputed FLOPs whose predicted peak fits (ties: the earlier candidate).
-pub fn plan_with_recompute(
+/// Builds the plan of `cfg` with the recomputation policy and offload placement `choice`,
+/// refusing it when it does not fit `budget`. Where either is `auto`, every candidate
+/// (recompute: none, selective, every:K, full; offload: every placement) is built and the
+/// one that fits with the least disk I/O per step, then the fewest recomputed FLOPs, is
+/// kept (ties: the earlier candidate).
+pub fn plan_fitting(
     spec: &ModelSpec,
     cfg: &StepConfig,
     mode: Mode,
-    choice: RecomputeChoice,
+    (recompute, offload): (RecomputeChoice, OffloadChoice),
     budget: Option<u64>,
     baseline: u64,
     backend: &dyn Sizing,
 ) -> Result<Plan> {
-    let with = |r: Recompute| {
-        build_plan(
-            spec,
-            &StepConfig {
-                recompute: r,
-                ..cfg.clone()
-            },
-            mode,
-            backend,
-        )
+    let with = |r: Recompute, o: OffloadSet| {
+        let mut c = StepConfig {
+            recompute: r,
+            ..cfg.clone()
+        };
+        c.offload.set = o;
+        build_plan(spec, &c, mode, backend)
     };
-    let budget = match (choice, budget) {
-        (RecomputeChoice::Fixed(r), budget) => {
-            let plan = with(r)?;
+    let budget = match (recompute, offload, budget) {
+        (RecomputeChoice::Fixed(r), OffloadChoice::Set(o), budget) => {
+            let plan = with(r, o)?;
             if let Some(b) = budget {
                 check_budget(&plan, b, baseline, backend)?;
             }
             return Ok(plan);
         }
-        (RecomputeChoice::Auto, None) => bail!(
+        (RecomputeChoice::Auto, _, None) => bail!(
             "--recompute auto needs --max-memory: it picks the least recomputation whose plan fits that budget"
         ),
-        (RecomputeChoice::Auto, Some(b)) => b,
+        (_, OffloadChoice::Auto, None) => bail!(
+            "--offload auto needs --max-memory: it picks the placement with the least disk I/O whose plan fits that budget"
+        ),
+        (_, _, Some(b)) => b,
     };
-    let mut plans = Recompute::candidates(spec.n_layer)
-        .into_iter()
-        .map(with)
-        .collect::<Result<Vec<Plan>>>()?;
-    plans.sort_by_key(|p| p.recompute_flops()); // stable: ties keep candidate order
+    let recomputes = match recompute {
+        RecomputeChoice::Fixed(r) => vec![r],
+        RecomputeChoice::Auto => Recompute::candidates(spec.n_layer),
+    };
+    let mut plans = Vec::new();
+    for o in offload.candidates() {
+        for &r in &recomputes {
+            plans.push(with(r, o)?);
+        }
+    }
+    // Stable: ties keep candidate order.
+    plans.sort_by_key(|p| {
+        let (read, written) = p.io_bytes_per_step();
+        (read + written, p.recompute_flops())
+    });
     let smallest = plans
         .iter()
         .min_by_key(|p| p.total_bytes())
@@ -209,10 +227,26 @@ pub fn plan_with_recompute(
         Some(p) => Ok(p),
         None => {
             let err = check_budget(&smallest, budget, baseline, backend).expect_err("does not fit");
+            let mut what = Vec::new();
+            if recompute == RecomputeChoice::Auto {
+                what.push(format!("--recompute {}", smallest.cfg.recompute));
+            }
+            if offload == OffloadChoice::Auto {
+                what.push(format!("--offload {}", smallest.cfg.offload.set));
+            }
+            let auto: Vec<&str> = [
+                (recompute == RecomputeChoice::Auto, "--recompute auto"),
+                (offload == OffloadChoice::Auto, "--offload auto"),
+            ]
+            .into_iter()
+            .filter(|x| x.0)
+            .map(|x| x.1)
+            .collect();
             Err(err.context(format!(
-                "--recompute auto: no recomputation policy fits --max-memory {}; the smallest plan is --recompute {} with a predicted peak of {}",
+                "{}: nothing fits --max-memory {}; the smallest plan is {} with a predicted peak of {}",
+                auto.join(" with "),
                 fmt_bytes(budget),
-                smallest.cfg.recompute,
+                what.join(" "),
                 fmt_bytes(predicted_peak(&smallest, baseline))
             )))
         }
@@ -238,12 +272,14 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
                 .buffers
                 .iter()
                 .filter(|b| {
-                    b.persistent && !b.is_owned() && b.category != super::Category::IoStaging
+                    b.persistent
+                        && b.placement.tier == super::Tier::Host
+                        && b.category != super::Category::IoStaging
                 })
                 .map(|b| b.bytes)
                 .sum();
             let mut s = format!(
-                "even --batch 1 does not fit: parameters, gradients and optimizer state alone take {}",
+                "even --batch 1 does not fit: parameters, gradients and optimizer state kept in RAM alone take {}",
                 fmt_bytes(state)
             );
             // The smallest state this build offers: bf16 compute copies, int8 moments.
@@ -273,6 +309,23 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
             s
         }
     };
+    if plan.mode == Mode::Train && cfg.offload.set != OffloadSet::ALL {
+        let mut all = StepConfig {
+            recompute: Recompute::Full,
+            ..cfg.clone()
+        };
+        all.offload.set = OffloadSet::ALL;
+        let p = predicted_peak(&build_plan(&plan.spec, &all, plan.mode, backend)?, baseline);
+        advice.push_str(&format!(
+            "; --offload all --recompute full needs {}{}",
+            fmt_bytes(p),
+            if p <= budget {
+                " and fits (or let --offload auto choose)"
+            } else {
+                ""
+            }
+        ));
+    }
     if plan.mode == Mode::Train && cfg.recompute != Recompute::Full {
         let full = build_plan(
             &plan.spec,

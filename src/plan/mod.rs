@@ -15,11 +15,12 @@ pub mod offload;
 pub mod packing;
 pub mod report;
 pub mod schedule;
+mod stage;
 pub mod strategy;
 
 pub use buffer::{BufId, Buffer, Category, DType, Placement, Tier};
 pub use build::{Mode, StepConfig, build_plan};
-pub use offload::{Offload, OffloadSet};
+pub use offload::{Offload, OffloadChoice, OffloadSet};
 pub use schedule::{Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
 pub use strategy::{OptimState, Precision, Recompute, RecomputeChoice};
 

@@ -4,8 +4,7 @@
 //! into a host staging buffer before its use and write it back after, so the staging bytes
 //! are in the plan and the host peak stays predicted exactly.
 //!
-//! Today: `optimizer` (the AdamW moments, streamed one parameter group at a time through the
-//! optimizer phase). Parameters, gradients and activations come next.
+//! The transformation itself is `plan::stage`; this module names what it applies to.
 
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
@@ -14,18 +13,59 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 /// What lives on the disk tier.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct OffloadSet {
     /// The AdamW moments (and their 8-bit block scales).
     pub optimizer: bool,
+    /// The parameters (the fp32 master weights under mixed precision), streamed one group
+    /// at a time through the forward, the backward and the optimizer.
+    pub params: bool,
+    /// The parameter gradients, written after each group's backward and read back for the
+    /// next micro-batch's and for the update.
+    pub grads: bool,
+    /// Activations kept from the forward for the backward (under recomputation, the block
+    /// inputs), written after their last forward use and read back before the backward's.
+    pub activations: bool,
 }
 
 impl OffloadSet {
-    pub const NONE: OffloadSet = OffloadSet { optimizer: false };
+    pub const NONE: OffloadSet = OffloadSet {
+        optimizer: false,
+        params: false,
+        grads: false,
+        activations: false,
+    };
+    pub const ALL: OffloadSet = OffloadSet {
+        optimizer: true,
+        params: true,
+        grads: true,
+        activations: true,
+    };
 
     /// Whether anything is offloaded.
     pub fn any(self) -> bool {
-        self.optimizer
+        self != OffloadSet::NONE
+    }
+
+    /// Every placement, from nothing offloaded to everything (what `--offload auto` tries).
+    pub fn every() -> Vec<OffloadSet> {
+        (0..16u8)
+            .map(|bits| OffloadSet {
+                optimizer: bits & 1 != 0,
+                params: bits & 2 != 0,
+                grads: bits & 4 != 0,
+                activations: bits & 8 != 0,
+            })
+            .collect()
+    }
+
+    fn parts(self) -> [(bool, &'static str); 4] {
+        [
+            (self.optimizer, "optimizer"),
+            (self.params, "params"),
+            (self.grads, "grads"),
+            (self.activations, "activations"),
+        ]
     }
 }
 
@@ -37,14 +77,17 @@ impl FromStr for OffloadSet {
         for part in s.split(',').map(str::trim) {
             match part {
                 "none" => {}
+                "all" => set = OffloadSet::ALL,
                 "optimizer" => set.optimizer = true,
-                "params" | "grads" | "activations" | "all" | "auto" => bail!(
-                    "--offload {part}: not implemented yet; this version offloads `optimizer` \
-                     (the AdamW moments) only"
-                ),
+                "params" => set.params = true,
+                "grads" => set.grads = true,
+                "activations" => set.activations = true,
+                "auto" => {
+                    bail!("--offload auto cannot be combined with other placements (it picks one)")
+                }
                 other => bail!(
-                    "--offload {other}: expected none or optimizer (a comma list of what to keep \
-                     on disk)"
+                    "--offload {other}: expected none, all, auto, or a comma list of optimizer, \
+                     params, grads, activations (what to keep on disk)"
                 ),
             }
         }
@@ -54,7 +97,19 @@ impl FromStr for OffloadSet {
 
 impl fmt::Display for OffloadSet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.optimizer { "optimizer" } else { "none" })
+        if *self == OffloadSet::NONE {
+            return f.write_str("none");
+        }
+        if *self == OffloadSet::ALL {
+            return f.write_str("all");
+        }
+        let names: Vec<&str> = self
+            .parts()
+            .into_iter()
+            .filter(|p| p.0)
+            .map(|p| p.1)
+            .collect();
+        f.write_str(&names.join(","))
     }
 }
 
@@ -69,6 +124,69 @@ impl<'de> Deserialize<'de> for OffloadSet {
         String::deserialize(d)?
             .parse()
             .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
+/// `--offload`: a placement, or `auto` (the placement with the least I/O per step that fits
+/// `--max-memory`, chosen by `plan::fit`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffloadChoice {
+    Set(OffloadSet),
+    Auto,
+}
+
+impl Default for OffloadChoice {
+    fn default() -> OffloadChoice {
+        OffloadChoice::Set(OffloadSet::NONE)
+    }
+}
+
+impl FromStr for OffloadChoice {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<OffloadChoice> {
+        if s.trim() == "auto" {
+            return Ok(OffloadChoice::Auto);
+        }
+        s.parse().map(OffloadChoice::Set)
+    }
+}
+
+impl Serialize for OffloadChoice {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for OffloadChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<OffloadChoice, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
+impl OffloadChoice {
+    /// Whether this may put anything on disk (so an offload directory is needed).
+    pub fn may_offload(self) -> bool {
+        self != OffloadChoice::Set(OffloadSet::NONE)
+    }
+
+    /// The placements to try: the one asked for, or every one for `auto`.
+    pub fn candidates(self) -> Vec<OffloadSet> {
+        match self {
+            OffloadChoice::Set(s) => vec![s],
+            OffloadChoice::Auto => OffloadSet::every(),
+        }
+    }
+}
+
+impl fmt::Display for OffloadChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OffloadChoice::Set(s) => s.fmt(f),
+            OffloadChoice::Auto => f.write_str("auto"),
+        }
     }
 }
 
@@ -90,16 +208,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_and_refuses_by_name() {
+    fn parses_prints_and_refuses_by_name() {
         assert_eq!("none".parse::<OffloadSet>().unwrap(), OffloadSet::NONE);
-        assert!("optimizer".parse::<OffloadSet>().unwrap().optimizer);
-        assert_eq!(OffloadSet { optimizer: true }.to_string(), "optimizer");
-        let e = format!("{:#}", "params".parse::<OffloadSet>().unwrap_err());
-        assert!(
-            e.contains("--offload params") && e.contains("optimizer"),
-            "{e}"
+        assert_eq!("all".parse::<OffloadSet>().unwrap(), OffloadSet::ALL);
+        let s: OffloadSet = "params, optimizer".parse().unwrap();
+        assert!(s.optimizer && s.params && !s.grads && !s.activations);
+        assert_eq!(s.to_string(), "optimizer,params");
+        for set in OffloadSet::every() {
+            assert_eq!(set.to_string().parse::<OffloadSet>().unwrap(), set);
+        }
+        assert_eq!(OffloadSet::every().len(), 16);
+        assert_eq!(
+            "auto".parse::<OffloadChoice>().unwrap(),
+            OffloadChoice::Auto
         );
         let e = format!("{:#}", "disk".parse::<OffloadSet>().unwrap_err());
-        assert!(e.contains("--offload disk"), "{e}");
+        assert!(e.contains("--offload disk") && e.contains("params"), "{e}");
+        let e = format!("{:#}", "auto,params".parse::<OffloadChoice>().unwrap_err());
+        assert!(e.contains("auto"), "{e}");
     }
 }

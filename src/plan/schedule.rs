@@ -271,7 +271,8 @@ pub enum Op {
     AwaitTransfers { bufs: Vec<BufId> },
 }
 
-/// An op with its display name, phase and arithmetic cost.
+/// An op with its display name, phase, arithmetic cost, and where it finds the parameters
+/// and gradients its ranges name.
 #[derive(Clone, Debug)]
 pub struct OpEntry {
     pub name: String,
@@ -279,6 +280,47 @@ pub struct OpEntry {
     pub op: Op,
     /// Floating-point operations (multiply-add = 2).
     pub flops: u64,
+    /// The buffer holding the parameters of [`Op::param_ranges`] (set when there are any).
+    pub params: Option<Binding>,
+    /// The buffer holding the gradients of [`Op::grad_ranges`] (set when there are any).
+    pub grads: Option<Binding>,
+}
+
+impl OpEntry {
+    /// Every buffer the op reads and writes: those it names, and those it reaches through
+    /// its bindings (parameters are read, and written by `AdamW`; gradients are read and
+    /// written, except by the ops that only read them, `GradNorm` and `AdamW`).
+    pub fn touches(&self) -> (Vec<BufId>, Vec<BufId>) {
+        let (mut r, mut w) = self.op.reads_writes();
+        let optimizer = matches!(self.op, Op::AdamW { .. } | Op::GradNorm { .. });
+        if let Some(p) = self.params {
+            r.push(p.buf);
+            if matches!(self.op, Op::AdamW { .. }) {
+                w.push(p.buf);
+            }
+        }
+        if let Some(g) = self.grads {
+            r.push(g.buf);
+            if !optimizer {
+                w.push(g.buf);
+            }
+        }
+        (r, w)
+    }
+
+    /// Replaces buffer `from` by `to` wherever the op names it or is bound to it.
+    pub fn rename(&mut self, from: BufId, to: BufId) {
+        for id in self.op.bufs_mut() {
+            if *id == from {
+                *id = to;
+            }
+        }
+        for b in [&mut self.params, &mut self.grads].into_iter().flatten() {
+            if b.buf == from {
+                b.buf = to;
+            }
+        }
+    }
 }
 
 /// AdamW moment buffers in the plan's `OptimState` format, holding the moments of parameter
@@ -309,41 +351,52 @@ impl OptimBufs {
     }
 }
 
-/// One parameter group's gradients: `buf` holds the gradients of parameter elements `range`
-/// (`buf[i - range.start]` is the gradient of `params[i]`), in the storage type.
+/// One buffer holding the parameters (or gradients, or moments) of parameter elements
+/// `range`: `buf[i - range.start]` is element `i`'s.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GradSegment {
+pub struct Segment {
     pub range: Range<usize>,
     pub buf: BufId,
 }
 
-/// The parameter gradients: one buffer per parameter group, in parameter order, covering
-/// every parameter once. A group's buffer is zeroed just before the first op that writes it
-/// and dies after its `AdamW` op, so its bytes are live only from the group's backward to its
-/// update (under gradient accumulation, from the first micro-batch's backward on).
+/// Buffers covering every parameter once, in parameter order: the parameters (one buffer in
+/// RAM, or one per group on the disk tier) or the gradients (one per group).
 #[derive(Clone, Debug, Default)]
-pub struct GradBufs {
-    pub segments: Vec<GradSegment>,
+pub struct Segments {
+    pub segments: Vec<Segment>,
 }
 
-impl GradBufs {
-    /// The segment holding the gradients of parameter range `r` and `r` relative to it.
-    /// Every parameter range an op names lies in one group (internal error otherwise).
-    pub fn locate(&self, r: &Range<usize>) -> (BufId, Range<usize>) {
+impl Segments {
+    /// The segment holding parameter range `r`. Every parameter range an op names lies in
+    /// one parameter group, and so in one segment (internal error otherwise).
+    pub fn locate(&self, r: &Range<usize>) -> &Segment {
         let i = self.segments.partition_point(|s| s.range.end <= r.start);
         match self.segments.get(i) {
-            Some(s) if s.range.start <= r.start && r.end <= s.range.end => {
-                (s.buf, r.start - s.range.start..r.end - s.range.start)
-            }
+            Some(s) if s.range.start <= r.start && r.end <= s.range.end => s,
             _ => panic!("internal error: parameter range {r:?} is not inside one group"),
         }
     }
 
-    /// The buffers op `op` reads or writes through its parameter ranges, each once.
-    pub fn touched_by(&self, op: &Op) -> Vec<BufId> {
-        let mut ids: Vec<BufId> = op.grad_ranges().iter().map(|r| self.locate(r).0).collect();
-        ids.dedup();
-        ids
+    /// The buffers, in parameter order.
+    pub fn bufs(&self) -> Vec<BufId> {
+        self.segments.iter().map(|s| s.buf).collect()
+    }
+}
+
+/// Where an op finds parameter (or gradient) element `i` of the ranges it names:
+/// `buf[i - base]`. The planner binds every op that reads parameters or touches gradients
+/// (`plan::build::bind_state`); an op's ranges lie in one parameter group, so one binding
+/// serves them all. Staging (`plan::stage`) rebinds an op to a group's host staging copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Binding {
+    pub buf: BufId,
+    pub base: usize,
+}
+
+impl Binding {
+    /// The binding's elements for parameter range `r`.
+    pub fn local(&self, r: &Range<usize>) -> Range<usize> {
+        r.start - self.base..r.end - self.base
     }
 }
 
@@ -351,13 +404,16 @@ impl GradBufs {
 /// gradients, optimizer ops the moments, matmuls the mixed-precision tiles.
 #[derive(Clone, Debug)]
 pub struct ImplicitBufs {
-    /// `The fp32 parameters [params] (the master weights under mixed precision; kernels read`
-    /// them directly and the optimizer updates them).
-    pub params: BufId,
+    /// The fp32 parameters (the master weights under mixed precision; kernels read them
+    /// directly and the optimizer updates them) where they live between steps: one buffer
+    /// in RAM, or one per parameter group on the disk tier (`--offload params`).
+    pub params: Segments,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
     pub gemm_ws: Option<BufId>,
-    /// Parameter gradients in the storage type, per group (training plans).
-    pub grads: Option<GradBufs>,
+    /// Parameter gradients in the storage type, one buffer per group (training plans): in
+    /// RAM from the group's first backward write to its update, or on the disk tier
+    /// (`--offload grads`).
+    pub grads: Option<Segments>,
     /// AdamW moments where they live between steps (training plans): one entry covering
     /// every parameter when they stay in RAM, or one per parameter group on the offload tier
     /// (`--offload optimizer`; each group's `AdamW` then reads host staging copies).
@@ -381,6 +437,119 @@ pub struct Schedule {
 }
 
 impl Op {
+    /// The parameter ranges whose values the op's kernel reads (the optimizer's also writes
+    /// them), in parameter order within the op.
+    pub fn param_ranges(&self) -> Vec<Range<usize>> {
+        use Op::*;
+        match self {
+            Encoder { wte, wpe, .. } => std::iter::once(wte.clone()).chain(wpe.clone()).collect(),
+            LayerNorm { w, b, .. } => vec![w.clone(), b.clone()],
+            Matmul { w, b, .. } => std::iter::once(w.clone()).chain(b.clone()).collect(),
+            RmsNorm { w, .. }
+            | LmHeadLoss { w, .. }
+            | LmHeadLast { w, .. }
+            | LayerNormBackward { w, .. }
+            | MatmulBackward { w, .. }
+            | RmsNormBackward { w, .. } => vec![w.clone()],
+            AdamW { tensors, .. } => tensors.iter().map(|t| t.range.clone()).collect(),
+            Zero { .. }
+            | Attention { .. }
+            | Rope { .. }
+            | Swiglu { .. }
+            | Gelu { .. }
+            | AttentionBackward { .. }
+            | SwigluBackward { .. }
+            | GeluBackward { .. }
+            | EncoderBackward { .. }
+            | GradNorm { .. }
+            | Transfer { .. }
+            | AwaitTransfers { .. } => vec![],
+        }
+    }
+
+    /// Every buffer the op names, to rename (each once, in no particular order).
+    pub fn bufs_mut(&mut self) -> Vec<&mut BufId> {
+        use Op::*;
+        match self {
+            Zero { buf } => vec![buf],
+            Encoder { tokens, out, .. } => vec![tokens, out],
+            LayerNorm {
+                inp,
+                out,
+                mean,
+                rstd,
+                ..
+            } => vec![inp, out, mean, rstd],
+            Matmul {
+                inp, out, residual, ..
+            } => {
+                let mut v = vec![inp, out];
+                v.extend(residual.as_mut());
+                v
+            }
+            Attention {
+                qkv, out, lse, ws, ..
+            } => vec![qkv, out, lse, ws],
+            RmsNorm { inp, out, rstd, .. } => vec![inp, out, rstd],
+            Rope { x, .. } => vec![x],
+            Swiglu { inp, out, .. } | Gelu { inp, out, .. } => vec![inp, out],
+            LmHeadLoss {
+                inp,
+                targets,
+                losses,
+                logits,
+                dinp,
+                ..
+            } => {
+                let mut v = vec![inp, targets, losses, logits];
+                v.extend(dinp.as_mut());
+                v
+            }
+            LmHeadLast { inp, logits, .. } => vec![inp, logits],
+            LayerNormBackward {
+                dinp,
+                dout,
+                inp,
+                mean,
+                rstd,
+                ..
+            } => vec![dinp, dout, inp, mean, rstd],
+            MatmulBackward {
+                dinp, dout, inp, ..
+            } => vec![dinp, dout, inp],
+            AttentionBackward {
+                dqkv,
+                dout,
+                qkv,
+                out,
+                lse,
+                ws,
+                ..
+            } => vec![dqkv, dout, qkv, out, lse, ws],
+            RmsNormBackward {
+                dinp,
+                dout,
+                inp,
+                rstd,
+                ..
+            } => vec![dinp, dout, inp, rstd],
+            SwigluBackward {
+                dinp, dout, inp, ..
+            } => vec![dinp, dout, inp],
+            GeluBackward { d, inp, .. } => vec![d, inp],
+            EncoderBackward { dout, tokens, .. } => vec![dout, tokens],
+            GradNorm { .. } => vec![],
+            AdamW { state, .. } => {
+                let mut v = vec![&mut state.m, &mut state.v];
+                v.extend(state.m_scale.as_mut());
+                v.extend(state.v_scale.as_mut());
+                v
+            }
+            Transfer { from, to } => vec![from, to],
+            AwaitTransfers { bufs } => bufs.iter_mut().collect(),
+        }
+    }
+
     /// The parameter ranges whose gradients the op reads or writes (backward ops with
     /// weights, a training LM head, the optimizer's ops), in parameter order within the op.
     pub fn grad_ranges(&self) -> Vec<Range<usize>> {
@@ -416,8 +585,8 @@ impl Op {
         }
     }
 
-    /// Buffers the op names (parameters, gradients and optimizer state, which it reaches
-    /// through parameter ranges, are left out: see [`Op::grad_ranges`]).
+    /// Buffers the op names, read and written (the parameters and gradients it reaches
+    /// through parameter ranges are left out: see [`OpEntry::touches`]).
     pub fn reads_writes(&self) -> (Vec<BufId>, Vec<BufId>) {
         use Op::*;
         match self {

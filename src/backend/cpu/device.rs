@@ -368,8 +368,8 @@ impl CpuDevice {
 }
 
 impl Device for CpuDevice {
-    fn run(&self, op: &Op, ctx: &StepCtx) -> Result<OpResult> {
-        match op {
+    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<OpResult> {
+        match &e.op {
             Op::Transfer { from, to } => {
                 self.start_transfer(*from, *to);
                 return Ok(OpResult::Done);
@@ -381,9 +381,9 @@ impl Device for CpuDevice {
             _ => {}
         }
         Ok(match self.storage {
-            DType::Bf16 => self.run_op::<bf16>(op, ctx),
-            DType::F16 => self.run_op::<f16>(op, ctx),
-            _ => self.run_op::<f32>(op, ctx),
+            DType::Bf16 => self.run_op::<bf16>(e, ctx),
+            DType::F16 => self.run_op::<f16>(e, ctx),
+            _ => self.run_op::<f32>(e, ctx),
         })
     }
 

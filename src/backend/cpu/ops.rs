@@ -12,7 +12,7 @@ use super::{adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, x
 use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
-use crate::plan::schedule::{Op, OptimBufs, ParamSlice, WeightLayout};
+use crate::plan::schedule::{Op, OpEntry, OptimBufs, ParamSlice, WeightLayout};
 use std::ops::Range;
 
 /// The kernel's name for a plan's weight layout.
@@ -24,30 +24,39 @@ fn weight_layout(l: WeightLayout) -> matmul::Layout {
 }
 
 impl CpuDevice {
-    /// The gradients of parameter range `r` (in its group's gradient buffer).
+    /// The gradients of parameter range `r`, in the buffer `e` is bound to.
     #[allow(clippy::mut_from_ref)]
-    fn grad<T: Elem>(&self, r: &Range<usize>) -> &mut [T] {
-        let grads = self.state.grads.as_ref().expect("training plan");
-        let (id, local) = grads.locate(r);
-        &mut self.view::<T>(id)[local]
+    fn grad<T: Elem>(&self, e: &OpEntry, r: &Range<usize>) -> &mut [T] {
+        let b = e
+            .grads
+            .expect("internal error: an op with gradients has them bound");
+        &mut self.view::<T>(b.buf)[b.local(r)]
     }
 
     /// The gradients of two disjoint parameter ranges of one group (a weight and its bias).
-    fn grad2<T: Elem>(&self, a: &Range<usize>, b: &Range<usize>) -> (&mut [T], &mut [T]) {
-        let grads = self.state.grads.as_ref().expect("training plan");
-        let ((ia, la), (ib, lb)) = (grads.locate(a), grads.locate(b));
-        assert_eq!(
-            ia, ib,
-            "internal error: a weight and its bias in two groups"
-        );
-        two_ranges(self.view::<T>(ia), la, lb)
+    fn grad2<T: Elem>(
+        &self,
+        e: &OpEntry,
+        a: &Range<usize>,
+        c: &Range<usize>,
+    ) -> (&mut [T], &mut [T]) {
+        let b = e
+            .grads
+            .expect("internal error: an op with gradients has them bound");
+        two_ranges(self.view::<T>(b.buf), b.local(a), b.local(c))
     }
 
     /// Runs `op` with activations stored as `T`.
-    pub(super) fn run_op<T: Elem>(&self, op: &Op, ctx: &StepCtx) -> OpResult {
-        let params: &[f32] = self.view(self.state.params); // fp32 (master) weights
-        let grad = |r: &Range<usize>| self.grad::<T>(r);
-        let grad2 = |a: &Range<usize>, b: &Range<usize>| self.grad2::<T>(a, b);
+    pub(super) fn run_op<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+        let op = &e.op;
+        // The fp32 (master) weights of the op's parameter ranges, where the op is bound.
+        let (params, base): (&[f32], usize) = match e.params {
+            Some(b) => (self.view(b.buf), b.base),
+            None => (&[], 0),
+        };
+        let weights = |r: &Range<usize>| &params[r.start - base..r.end - base];
+        let grad = |r: &Range<usize>| self.grad::<T>(e, r);
+        let grad2 = |a: &Range<usize>, b: &Range<usize>| self.grad2::<T>(e, a, b);
         let ws = || match self.state.gemm_ws {
             Some(id) => self.view::<f32>(id),
             None => &mut [],
@@ -68,8 +77,8 @@ impl CpuDevice {
                 encoder::encoder_forward(
                     &mut self.view::<T>(*out)[..n * c],
                     &self.u32_mut(*tokens)[..n],
-                    &params[wte.clone()],
-                    wpe.as_ref().map(|p| &params[p.clone()]),
+                    weights(wte),
+                    wpe.as_ref().map(weights),
                     r.b,
                     r.t,
                     c,
@@ -92,8 +101,8 @@ impl CpuDevice {
                     &mut self.view::<f32>(*mean)[..n],
                     &mut self.view::<f32>(*rstd)[..n],
                     &act(*inp)[..n * c],
-                    &params[w.clone()],
-                    &params[bias.clone()],
+                    weights(w),
+                    weights(bias),
                     n,
                     c,
                     *eps,
@@ -118,8 +127,8 @@ impl CpuDevice {
                 matmul::matmul_forward(
                     out,
                     &act(*inp)[..n * ic],
-                    &params[w.clone()],
-                    bias.as_ref().map(|b| &params[b.clone()]),
+                    weights(w),
+                    bias.as_ref().map(weights),
                     weight_layout(*layout),
                     n,
                     ic,
@@ -166,7 +175,7 @@ impl CpuDevice {
                     &mut self.view::<T>(*out)[..n * c],
                     &mut self.view::<f32>(*rstd)[..n],
                     &act(*inp)[..n * c],
-                    &params[w.clone()],
+                    weights(w),
                     n,
                     c,
                     *eps,
@@ -230,7 +239,7 @@ impl CpuDevice {
                 loss_rows,
             } => {
                 let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
-                let wte = &params[w.clone()];
+                let wte = weights(w);
                 let x = &act(*inp)[..n * c];
                 let tg = &self.u32_mut(*targets)[..n];
                 let losses = &mut self.view::<f32>(*losses)[..n];
@@ -305,7 +314,7 @@ impl CpuDevice {
                     x,
                     c,
                     false,
-                    &params[w.clone()],
+                    weights(w),
                     c,
                     true,
                     self.view::<f32>(*logits),
@@ -333,7 +342,7 @@ impl CpuDevice {
                     db,
                     &act(*dout)[..n * c],
                     &act(*inp)[..n * c],
-                    &params[w.clone()],
+                    weights(w),
                     &self.view::<f32>(*mean)[..n],
                     &self.view::<f32>(*rstd)[..n],
                     n,
@@ -365,7 +374,7 @@ impl CpuDevice {
                     db,
                     &act(*dout)[..n * oc],
                     &act(*inp)[..n * ic],
-                    &params[w.clone()],
+                    weights(w),
                     weight_layout(*layout),
                     n,
                     ic,
@@ -417,7 +426,7 @@ impl CpuDevice {
                     grad(w),
                     &act(*dout)[..n * c],
                     &act(*inp)[..n * c],
-                    &params[w.clone()],
+                    weights(w),
                     &self.view::<f32>(*rstd)[..n],
                     n,
                     c,
@@ -480,7 +489,7 @@ impl CpuDevice {
             }
             Op::AdamW { tensors, state } => {
                 let step = ctx.update.expect("the executor sets the AdamW step");
-                self.adamw::<T>(tensors, state, &step);
+                self.adamw::<T>(e, tensors, state, &step);
             }
             Op::Transfer { .. } | Op::AwaitTransfers { .. } => {
                 unreachable!("the device runs transfers itself")
@@ -492,8 +501,17 @@ impl CpuDevice {
     /// AdamW over `tensors` on the master weights (the compute weights themselves in fp32
     /// plans), the moments in `moments` (in the plan's format; the whole model's, or a
     /// group's staging copy whose element 0 is parameter `moments.base`).
-    fn adamw<T: Elem>(&self, tensors: &[ParamSlice], moments: &OptimBufs, step: &AdamWStep) {
-        let master = self.view::<f32>(self.state.params);
+    fn adamw<T: Elem>(
+        &self,
+        e: &OpEntry,
+        tensors: &[ParamSlice],
+        moments: &OptimBufs,
+        step: &AdamWStep,
+    ) {
+        let bound = e
+            .params
+            .expect("internal error: AdamW has its parameters bound");
+        let master = self.view::<f32>(bound.buf);
         let mut state = self.moments_view(moments);
         for t in tensors {
             let r = t.range.clone();
@@ -505,7 +523,7 @@ impl CpuDevice {
                 weight_decay: if t.decay { step.weight_decay } else { 0.0 },
                 ..*step
             };
-            let (p_, g) = (&mut master[r.clone()], &*self.grad::<T>(&r));
+            let (p_, g) = (&mut master[bound.local(&r)], &*self.grad::<T>(e, &r));
             let r = local;
             match &mut state {
                 MomentsMut::F32 { m, v } => {

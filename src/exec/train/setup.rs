@@ -54,8 +54,8 @@ impl<'a> Run<'a> {
             None => {
                 let layout = ex.plan.layout.clone();
                 match &opts.init {
-                    Some(dir) => ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))?,
-                    None => ex.with_params_mut(|p| layout.init(p, opts.seed)),
+                    Some(dir) => ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))??,
+                    None => ex.with_params_mut(|p| layout.init(p, opts.seed))?,
                 }
                 let _ = std::fs::remove_file(dir.metrics());
                 (0, 0)
@@ -229,7 +229,7 @@ fn restore(
     progress: &mut dyn Progress,
 ) -> Result<(u64, u64)> {
     let layout = ex.plan.layout.clone();
-    ex.with_params_mut(|p| ckpt::load_params(ck, &layout, p))?;
+    ex.with_params_mut(|p| ckpt::load_params(ck, &layout, p))??;
     let st = ex.with_moments_mut(|m| ckpt::load_trainer_state(ck, &layout, m))??;
     run_dir::metrics::truncate(&dir.metrics(), st.step)?;
     progress.message(&format!(

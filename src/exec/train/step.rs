@@ -244,6 +244,7 @@ impl Run<'_> {
                 })
             })
             .and_then(|r| r)
+            .and_then(|r| r)
             .with_context(|| {
                 format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
             })?;

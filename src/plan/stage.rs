@@ -1,0 +1,278 @@
+//! Staging: the plan transformation behind `--offload`. Some buffers live on the disk tier
+//! (their *home*); every run of ops that uses one (a *span*) gets a host staging copy, and
+//! the planner emits the transfers that fill the copy before the span and write it back
+//! after, so staging bytes are ordinary plan buffers and the host peak stays exact.
+//!
+//! - A home's uses are split into spans where the step's part changes (forward; recompute
+//!   and backward; optimizer) and, for parameters, gradients and moments, where another home
+//!   of the same kind is used in between (another parameter group). So the parameters of
+//!   block l are read before its forward and again before its backward, its gradients are
+//!   written after each micro-batch's backward and read back for the next and for the
+//!   update, and its moments are read for its `AdamW` op and written after it.
+//! - A span reads its home first when its first op reads it (not when it starts by zeroing
+//!   or overwriting it), and writes it back when an op in it writes and the value is needed
+//!   later (a later span, or state that persists across steps).
+//! - Pipelining, per kind: a span's read starts when the previous span of its kind starts
+//!   (one span of prefetch; never before the same home's previous write-back is queued), and
+//!   is awaited just before its first op; its write-back starts after its last op and is
+//!   awaited after the next span of its kind, so about three spans' copies are live at once.
+//!   Transfers run in order on one I/O thread, so a read queued after a write of the same
+//!   bytes sees them.
+//! - A transfer and its wait take the phase of the span they serve, so evaluation (forward
+//!   ops only) and the executor's split of a step into gradients and update each start and
+//!   wait for their own transfers.
+
+use super::builder::Builder;
+use super::schedule::{Op, OpEntry, Phase};
+use super::{BufId, Category};
+
+/// What a home holds. Spans of one kind form one pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Params,
+    Grads,
+    Moments,
+    Activations,
+}
+
+/// A buffer to keep on the disk tier.
+pub(super) struct Home {
+    pub id: BufId,
+    pub kind: Kind,
+}
+
+/// One run of ops using a home through one staging copy.
+struct Span {
+    home: usize,
+    /// First and last op (inclusive, original schedule indices).
+    first: usize,
+    last: usize,
+    read: bool,
+    write: bool,
+    class: Phase,
+    stage: BufId,
+}
+
+/// The part of the step an op's use of a home belongs to (Forward, Backward or Optimizer;
+/// recomputation is part of the backward). Gradients are only touched when training, so the
+/// LM head's forward write of them counts as backward.
+fn class(kind: Kind, phase: Phase) -> Phase {
+    match (kind, phase) {
+        (_, Phase::Optimizer) => Phase::Optimizer,
+        (Kind::Grads, _) => Phase::Backward,
+        (_, Phase::Forward) => Phase::Forward,
+        _ => Phase::Backward,
+    }
+}
+
+/// Activations kept from the forward for the backward: non-persistent activation buffers
+/// used both by forward ops and by recompute or backward ops.
+pub(super) fn kept_activations(g: &Builder) -> Vec<BufId> {
+    let mut seen = vec![(false, false); g.buffers.len()];
+    for e in &g.ops {
+        let (r, w) = e.touches();
+        for id in r.into_iter().chain(w) {
+            let s = &mut seen[id.0];
+            if e.phase == Phase::Forward {
+                s.0 = true;
+            } else {
+                s.1 = true;
+            }
+        }
+    }
+    (0..g.buffers.len())
+        .filter(|&i| {
+            let b = &g.buffers[i];
+            b.category == Category::Activation && !b.persistent && seen[i] == (true, true)
+        })
+        .map(BufId)
+        .collect()
+}
+
+/// Puts `homes` on the disk tier and stages every use of them (see the module docs).
+pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
+    if homes.is_empty() {
+        return;
+    }
+    let n_ops = g.ops.len();
+    let mut home_of = vec![None; g.buffers.len()];
+    for (k, h) in homes.iter().enumerate() {
+        home_of[h.id.0] = Some(k);
+    }
+    // Each home's uses: (op, reads, writes).
+    let mut uses: Vec<Vec<(usize, bool, bool)>> = homes.iter().map(|_| Vec::new()).collect();
+    for (i, e) in g.ops.iter().enumerate() {
+        let (r, w) = e.touches();
+        for (id, writes) in r
+            .iter()
+            .map(|x| (x, false))
+            .chain(w.iter().map(|x| (x, true)))
+        {
+            let Some(k) = home_of[id.0] else { continue };
+            match uses[k].last_mut() {
+                Some(u) if u.0 == i => {
+                    u.1 |= !writes;
+                    u.2 |= writes;
+                }
+                _ => uses[k].push((i, !writes, writes)),
+            }
+        }
+    }
+    // Ops using each kind, sorted (to find another home of the kind used between two uses).
+    let kind_ops = |kind: Kind| {
+        let mut ops: Vec<usize> = (0..homes.len())
+            .filter(|&k| homes[k].kind == kind)
+            .flat_map(|k| uses[k].iter().map(|u| u.0))
+            .collect();
+        ops.sort_unstable();
+        ops
+    };
+    let by_kind: Vec<(Kind, Vec<usize>)> = [Kind::Params, Kind::Grads, Kind::Moments]
+        .into_iter()
+        .map(|k| (k, kind_ops(k)))
+        .collect();
+
+    let mut spans: Vec<Span> = Vec::new();
+    for (k, home) in homes.iter().enumerate() {
+        let between = by_kind.iter().find(|(kind, _)| *kind == home.kind);
+        let us = &uses[k];
+        if us.is_empty() {
+            continue;
+        }
+        let persistent = g.buffers[home.id.0].persistent;
+        let mut start = 0;
+        for j in 1..=us.len() {
+            let split = j == us.len() || {
+                let (a, b) = (us[j - 1].0, us[j].0);
+                let other = between.is_some_and(|(_, ops)| {
+                    let i = ops.partition_point(|&o| o <= a);
+                    i < ops.len() && ops[i] < b
+                });
+                other || class(home.kind, g.ops[a].phase) != class(home.kind, g.ops[b].phase)
+            };
+            if !split {
+                continue;
+            }
+            let run = &us[start..j];
+            let written = run.iter().any(|u| u.2);
+            let later = j < us.len();
+            spans.push(Span {
+                home: k,
+                first: run[0].0,
+                last: run[run.len() - 1].0,
+                read: run[0].1,
+                write: written && (persistent || later),
+                class: class(home.kind, g.ops[run[0].0].phase),
+                stage: home.id, // set below
+            });
+            start = j;
+        }
+    }
+
+    // Staging buffers, named by the part of the step they serve.
+    let mut count = std::collections::HashMap::new();
+    for s in &mut spans {
+        let home = &g.buffers[homes[s.home].id.0];
+        let part = match s.class {
+            Phase::Forward => "fwd",
+            Phase::Optimizer => "opt",
+            _ => "bwd",
+        };
+        let n = count.entry((s.home, part)).or_insert(0usize);
+        let name = match *n {
+            0 => format!("{}.{part}", home.name),
+            n => format!("{}.{part}{n}", home.name),
+        };
+        *n += 1;
+        let (category, dtype, elems) = (home.category, home.dtype, home.elems);
+        let id = g.buf(name, category, dtype, elems);
+        s.stage = g.for_io(id, false);
+    }
+    for h in homes {
+        g.for_io(h.id, true);
+    }
+    for s in &spans {
+        let home = homes[s.home].id;
+        for e in &mut g.ops[s.first..=s.last] {
+            e.rename(home, s.stage);
+        }
+    }
+
+    // Transfers: (position: before original op, order at that position, entry). At one
+    // position writes start, then earlier writes are awaited, then reads start, then reads
+    // are awaited.
+    let mut inserts: Vec<(usize, u8, OpEntry)> = Vec::new();
+    let entry = |g: &Builder, stage: BufId, what: &str, phase: Phase, op: Op| OpEntry {
+        name: format!("{}.{what}", g.buffers[stage.0].name),
+        phase,
+        op,
+        flops: 0,
+        params: None,
+        grads: None,
+    };
+    for kind in [Kind::Params, Kind::Grads, Kind::Moments, Kind::Activations] {
+        let mut of_kind: Vec<&Span> = spans
+            .iter()
+            .filter(|s| homes[s.home].kind == kind)
+            .collect();
+        of_kind.sort_by_key(|s| (s.first, s.home));
+        for s in &of_kind {
+            let home = homes[s.home].id;
+            if s.read {
+                // One span of prefetch: from the start of the kind's previous span, but not
+                // before this home's previous write-back is queued.
+                let prev_kind = of_kind
+                    .iter()
+                    .filter(|o| o.first < s.first)
+                    .map(|o| o.first)
+                    .max();
+                let prev_home = of_kind
+                    .iter()
+                    .filter(|o| o.home == s.home && o.last < s.first)
+                    .map(|o| o.last + 1)
+                    .max();
+                let at = prev_kind
+                    .unwrap_or(s.first)
+                    .max(prev_home.unwrap_or(0))
+                    .min(s.first);
+                let read = Op::Transfer {
+                    from: home,
+                    to: s.stage,
+                };
+                inserts.push((at, 2, entry(g, s.stage, "read", s.class, read)));
+                let wait = Op::AwaitTransfers {
+                    bufs: vec![s.stage],
+                };
+                inserts.push((s.first, 3, entry(g, s.stage, "read.wait", s.class, wait)));
+            }
+            if s.write {
+                let write = Op::Transfer {
+                    from: s.stage,
+                    to: home,
+                };
+                inserts.push((s.last + 1, 0, entry(g, s.stage, "write", s.class, write)));
+                let next = of_kind
+                    .iter()
+                    .filter(|o| o.first > s.last)
+                    .map(|o| o.last + 1)
+                    .min()
+                    .unwrap_or(n_ops);
+                let wait = Op::AwaitTransfers {
+                    bufs: vec![s.stage],
+                };
+                inserts.push((next, 1, entry(g, s.stage, "write.wait", s.class, wait)));
+            }
+        }
+    }
+    inserts.sort_by_key(|(at, order, _)| (*at, *order));
+    let mut inserts = inserts.into_iter().peekable();
+    let mut ops = Vec::with_capacity(n_ops + inserts.len());
+    for (i, e) in std::mem::take(&mut g.ops).into_iter().enumerate() {
+        while let Some((_, _, ins)) = inserts.next_if(|x| x.0 == i) {
+            ops.push(ins);
+        }
+        ops.push(e);
+    }
+    ops.extend(inserts.map(|x| x.2));
+    g.ops = ops;
+}
