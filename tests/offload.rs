@@ -212,3 +212,71 @@ fn offload_errors_name_the_flag() {
     let e = fails(&args(&cfg, &data, &run, "2", &["--offload", "disk"]));
     assert!(e.contains("--offload disk"), "{e}");
 }
+
+/// `kill -9` in the middle of an offloaded run (everything on disk): the last checkpoint is
+/// loadable, and `--resume` ends with the checkpoint files of an uninterrupted run.
+#[test]
+fn a_killed_offloaded_run_resumes_bitwise() {
+    use std::process::{Command, Stdio};
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let (whole, killed) = (tmp.path().join("whole"), tmp.path().join("killed"));
+    let offload = [
+        "--offload",
+        "all",
+        "--recompute",
+        "full",
+        "--grad-accum",
+        "2",
+    ];
+    let steps = "60";
+    ok(&args(&cfg, &data, &whole, steps, &offload));
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .args(args(&cfg, &data, &killed, steps, &offload))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = killed.join("checkpoints/step-000005");
+    let t0 = std::time::Instant::now();
+    while !first.is_dir() {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(t0.elapsed().as_secs() < 300, "no checkpoint after 300 s");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Killed mid-run: still running, its last checkpoint not yet written.
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the run ended before the kill"
+    );
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let last = killed.join("checkpoints/step-000060");
+    assert!(!last.exists(), "the run finished before it was killed");
+    assert!(
+        killed.join("offload/memwall-offload.bin").exists(),
+        "a killed run leaves its scratch file (the next start replaces it)"
+    );
+
+    ok(&[
+        "train",
+        "--resume",
+        killed.to_str().unwrap(),
+        "--steps",
+        steps,
+        "--threads",
+        "2",
+    ]);
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let a = whole.join("checkpoints/step-000060").join(f);
+        let b = last.join(f);
+        assert!(
+            same_file(&a, &b),
+            "{} differs from {}",
+            b.display(),
+            a.display()
+        );
+    }
+}

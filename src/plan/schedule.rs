@@ -61,9 +61,10 @@ pub struct ParamSlice {
     pub state_block: usize,
 }
 
-/// One op. Parameter tensors are element ranges of the flat `params` buffer; the matching
-/// gradient is the same range of the gradients ([`GradBufs`]: one buffer per parameter group,
-/// found by range). Shapes: N = B·T rows (`rows`), C channels.
+/// One op. Parameter tensors are element ranges of the flat parameter vector; the matching
+/// gradient is the same range of the gradients. Which buffers hold them is the op entry's
+/// [`Binding`]s ([`OpEntry::params`], [`OpEntry::grads`]). Shapes: N = B·T rows (`rows`),
+/// C channels.
 #[derive(Clone, Debug)]
 pub enum Op {
     /// Zero a buffer (a parameter group's gradients before their first write, the residual
