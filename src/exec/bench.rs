@@ -80,7 +80,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     };
     let mut metrics = Vec::new();
     let mut leak = LeakCheck::new(plan_total);
-    ex.with_params_mut(|p| layout.init(p, opts.seed))?;
+    let mut init = layout.initializer(opts.seed);
+    ex.fill_params(|range, p| {
+        init.fill(range, p);
+        Ok(())
+    })?;
     let mut rng = Rng::new(opts.seed);
     let mut batch = vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)];
     let mut times = Vec::with_capacity(opts.steps);

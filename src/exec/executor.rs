@@ -194,6 +194,24 @@ impl Executor {
         Ok(out)
     }
 
+    /// Lends `f` the parameters buffer by buffer, in parameter order (one call for
+    /// parameters in RAM, one per group on the disk tier), each with its element range; each
+    /// is on the backend before the next is lent. No whole host copy is made.
+    pub fn fill_params(
+        &mut self,
+        mut f: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        let segments = self.plan.schedule.implicit.params.segments.clone();
+        for s in segments {
+            let mut out = Ok(());
+            self.device.upload(&[s.buf], &mut |b| {
+                out = f(s.range.clone(), pod::cast_mut(b[0]));
+            })?;
+            out?;
+        }
+        Ok(())
+    }
+
     /// A copy of the parameters. Panics where they cannot be read (a disk-tier read
     /// failing); [`Executor::with_params`] returns the error instead.
     pub fn download_params(&self) -> Vec<f32> {

@@ -11,7 +11,7 @@ pub mod params;
 pub mod rope;
 pub mod spec;
 
-pub use params::{Init, ParamGroup, ParamLayout, ParamTensor, TiedName};
+pub use params::{Init, ParamGroup, ParamInit, ParamLayout, ParamTensor, TiedName};
 pub use spec::{Biases, Family, ModelSpec, Norm, Position, SpecialTokens};
 
 impl ParamLayout {

@@ -162,18 +162,17 @@ impl ParamLayout {
     /// one generator seeded with `seed`, tensor by tensor in buffer order.
     pub fn init(&self, params: &mut [f32], seed: u64) {
         assert_eq!(params.len(), self.total);
-        let mut rng = crate::util::rng::Rng::new(seed);
-        for t in &self.tensors {
-            let dst = &mut params[t.range.clone()];
-            match t.init {
-                Init::Zeros => dst.fill(0.0),
-                Init::Ones => dst.fill(1.0),
-                Init::Normal { std } => {
-                    for x in dst.iter_mut() {
-                        *x = rng.normal() * std;
-                    }
-                }
-            }
+        self.initializer(seed).fill(0..self.total, params);
+    }
+
+    /// Fills the parameters piece by piece, in order, with the values [`ParamLayout::init`]
+    /// gives (one random stream over the tensors in buffer order), so parameters kept per
+    /// group never need one whole host copy.
+    pub fn initializer(&self, seed: u64) -> ParamInit<'_> {
+        ParamInit {
+            layout: self,
+            rng: crate::util::rng::Rng::new(seed),
+            next: 0,
         }
     }
 
@@ -193,6 +192,46 @@ impl ParamLayout {
             total += t.range.len().div_ceil(block);
         }
         (offsets, total)
+    }
+}
+
+/// Initialises consecutive ranges of the parameters (see [`ParamLayout::initializer`]).
+pub struct ParamInit<'a> {
+    layout: &'a ParamLayout,
+    rng: crate::util::rng::Rng,
+    /// The first element not yet filled.
+    next: usize,
+}
+
+impl ParamInit<'_> {
+    /// Fills `dst`, the parameters of `range`: the next range (starting where the previous
+    /// one ended), made of whole tensors.
+    pub fn fill(&mut self, range: Range<usize>, dst: &mut [f32]) {
+        assert_eq!(
+            range.start, self.next,
+            "parameters are initialised in order"
+        );
+        assert_eq!(dst.len(), range.len());
+        for t in &self.layout.tensors {
+            if t.range.end <= range.start || t.range.start >= range.end {
+                continue;
+            }
+            assert!(
+                range.start <= t.range.start && t.range.end <= range.end,
+                "initialised ranges hold whole tensors"
+            );
+            let dst = &mut dst[t.range.start - range.start..t.range.end - range.start];
+            match t.init {
+                Init::Zeros => dst.fill(0.0),
+                Init::Ones => dst.fill(1.0),
+                Init::Normal { std } => {
+                    for x in dst.iter_mut() {
+                        *x = self.rng.normal() * std;
+                    }
+                }
+            }
+        }
+        self.next = range.end;
     }
 }
 
@@ -223,5 +262,24 @@ mod tests {
         }
         assert_eq!(next, lay.tensors.len());
         assert_eq!(lay.groups.len(), spec.n_layer + 2);
+    }
+
+    /// Initialising group by group gives the values of initialising the whole vector.
+    #[test]
+    fn initialising_by_group_is_initialising_the_whole() {
+        for name in ["gpt2-tiny", "llama-tiny"] {
+            let lay = ParamLayout::new(&ModelSpec::preset(name).unwrap());
+            let mut whole = vec![0.0f32; lay.total];
+            lay.init(&mut whole, 3);
+            let mut pieces = vec![f32::NAN; lay.total];
+            let mut init = lay.initializer(3);
+            for g in &lay.groups {
+                let r = lay.group_range(g);
+                init.fill(r.clone(), &mut pieces[r]);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&pieces), bits(&whole), "{name}");
+            assert!(whole.iter().any(|&x| x != 0.0 && x != 1.0), "{name}: no random values");
+        }
     }
 }

@@ -140,6 +140,9 @@ pub struct CpuDevice {
     buffers: Vec<Buffer>,
     /// Element type of activations and gradients (f32, bf16 or f16).
     storage: DType,
+    /// The arena's largest byte range no persistent buffer holds (host copies of disk-tier
+    /// buffers go there between steps).
+    free_between_steps: (u64, u64),
     pub(super) state: ImplicitBufs,
 }
 
@@ -170,6 +173,7 @@ impl CpuDevice {
             pool,
             buffers: plan.buffers.clone(),
             storage,
+            free_between_steps: free_between_steps(&plan.buffers, plan.arena_bytes),
             state: plan.schedule.implicit.clone(),
         })
     }
@@ -331,40 +335,91 @@ impl CpuDevice {
         }
     }
 
-    /// Host copies of the disk-tier buffers among `bufs` (page-aligned scratch, read whole),
-    /// by position in `bufs`.
-    fn read_disk_buffers(&self, bufs: &[BufId]) -> Result<Vec<Option<Arena>>> {
+    /// Host copies of the disk-tier buffers among `bufs`, read whole, by position in `bufs`.
+    /// They go in the arena's bytes that no persistent buffer holds (between steps nothing
+    /// else is live, and `download`/`upload` are only called between steps), so reading
+    /// offloaded state costs no memory outside the plan; where they do not fit there, in
+    /// fresh page-aligned scratch.
+    fn read_disk_buffers(&self, bufs: &[BufId]) -> Result<Vec<Option<HostCopy>>> {
+        let (mut at, end) = self.free_between_steps;
         bufs.iter()
             .map(|&id| {
                 let b = &self.buffers[id.0];
                 if b.placement.tier != Tier::Nvme {
                     return Ok(None);
                 }
-                let scratch = Arena::new(b.padded_bytes())
-                    .with_context(|| format!("a host copy of {}", b.name))?;
-                // SAFETY: the whole fresh scratch, exclusively ours.
-                let all = unsafe { scratch.view_mut::<u8>(0, b.padded_bytes() as usize) };
-                self.disk().read(b.placement.offset, all)?;
-                Ok(Some(scratch))
+                let len = b.padded_bytes();
+                let start = at.next_multiple_of(crate::plan::packing::IO_ALIGN);
+                let copy = if start + len <= end {
+                    at = start + len;
+                    HostCopy::InArena(start)
+                } else {
+                    let scratch = Arena::new(len)
+                        .with_context(|| format!("a host copy of {}", b.name))?;
+                    HostCopy::Scratch(scratch)
+                };
+                self.disk().read(b.placement.offset, self.copy_bytes(&copy, len))?;
+                Ok(Some(copy))
             })
             .collect()
     }
 
+    /// The `len` bytes of a host copy.
+    #[allow(clippy::mut_from_ref)]
+    fn copy_bytes(&self, copy: &HostCopy, len: u64) -> &mut [u8] {
+        // SAFETY: an arena copy lies in bytes no persistent buffer holds, disjoint from the
+        // other copies of the same call; scratch is exclusively the copy's.
+        unsafe {
+            match copy {
+                HostCopy::InArena(offset) => self.arena.view_mut::<u8>(*offset, len as usize),
+                HostCopy::Scratch(a) => a.view_mut::<u8>(0, len as usize),
+            }
+        }
+    }
+
     /// Byte views of `bufs`: arena buffers in place, disk-tier buffers in their `copies`.
     #[allow(clippy::mut_from_ref)]
-    fn views<'a>(&'a self, bufs: &[BufId], copies: &'a [Option<Arena>]) -> Vec<&'a mut [u8]> {
+    fn views<'a>(&'a self, bufs: &[BufId], copies: &'a [Option<HostCopy>]) -> Vec<&'a mut [u8]> {
         for (i, a) in bufs.iter().enumerate() {
             assert!(!bufs[..i].contains(a), "buffer listed twice");
         }
         bufs.iter()
             .zip(copies)
             .map(|(&id, copy)| match copy {
-                // SAFETY: the scratch holds this buffer's bytes (and its padding).
-                Some(c) => unsafe { c.view_mut::<u8>(0, self.buffers[id.0].bytes as usize) },
+                Some(c) => &mut self.copy_bytes(c, self.buffers[id.0].padded_bytes())
+                    [..self.buffers[id.0].bytes as usize],
                 None => self.bytes(id),
             })
             .collect()
     }
+}
+
+/// Where a disk-tier buffer's bytes are read to for the host ([`CpuDevice::download`],
+/// [`CpuDevice::upload`]).
+enum HostCopy {
+    /// At this offset of the arena, in bytes no persistent buffer holds.
+    InArena(u64),
+    /// In scratch of its own (it did not fit in the arena's free bytes).
+    Scratch(Arena),
+}
+
+/// The largest byte range of an arena of `arena_bytes` that no persistent host buffer of
+/// `buffers` holds: free between steps.
+fn free_between_steps(buffers: &[Buffer], arena_bytes: u64) -> (u64, u64) {
+    let mut held: Vec<(u64, u64)> = buffers
+        .iter()
+        .filter(|b| b.persistent && b.placement.tier == Tier::Host)
+        .map(|b| (b.placement.offset, b.placement.offset + b.padded_bytes()))
+        .collect();
+    held.sort_unstable();
+    let (mut best, mut at) = ((0, 0), 0);
+    for (start, end) in held.into_iter().chain([(arena_bytes, arena_bytes)]) {
+        if start > at && start - at > best.1 - best.0 {
+            best = (at, start);
+        }
+        at = at.max(end);
+    }
+    best
 }
 
 impl Device for CpuDevice {
@@ -421,9 +476,8 @@ impl Device for CpuDevice {
         for (&id, copy) in bufs.iter().zip(&copies) {
             if let Some(c) = copy {
                 let b = &self.buffers[id.0];
-                // SAFETY: the whole scratch, no other view alive.
-                let all = unsafe { c.view_mut::<u8>(0, b.padded_bytes() as usize) };
-                self.disk().write(b.placement.offset, all)?;
+                self.disk()
+                    .write(b.placement.offset, self.copy_bytes(c, b.padded_bytes()))?;
             }
         }
         Ok(())

@@ -55,7 +55,13 @@ impl<'a> Run<'a> {
                 let layout = ex.plan.layout.clone();
                 match &opts.init {
                     Some(dir) => ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))??,
-                    None => ex.with_params_mut(|p| layout.init(p, opts.seed))?,
+                    None => {
+                        let mut init = layout.initializer(opts.seed);
+                        ex.fill_params(|range, p| {
+                            init.fill(range, p);
+                            Ok(())
+                        })?
+                    }
                 }
                 let _ = std::fs::remove_file(dir.metrics());
                 (0, 0)
