@@ -279,7 +279,10 @@ mod tests {
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&pieces), bits(&whole), "{name}");
-            assert!(whole.iter().any(|&x| x != 0.0 && x != 1.0), "{name}: no random values");
+            assert!(
+                whole.iter().any(|&x| x != 0.0 && x != 1.0),
+                "{name}: no random values"
+            );
         }
     }
 }

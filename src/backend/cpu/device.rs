@@ -354,11 +354,12 @@ impl CpuDevice {
                     at = start + len;
                     HostCopy::InArena(start)
                 } else {
-                    let scratch = Arena::new(len)
-                        .with_context(|| format!("a host copy of {}", b.name))?;
+                    let scratch =
+                        Arena::new(len).with_context(|| format!("a host copy of {}", b.name))?;
                     HostCopy::Scratch(scratch)
                 };
-                self.disk().read(b.placement.offset, self.copy_bytes(&copy, len))?;
+                self.disk()
+                    .read(b.placement.offset, self.copy_bytes(&copy, len))?;
                 Ok(Some(copy))
             })
             .collect()
@@ -366,7 +367,7 @@ impl CpuDevice {
 
     /// The `len` bytes of a host copy.
     #[allow(clippy::mut_from_ref)]
-    fn copy_bytes(&self, copy: &HostCopy, len: u64) -> &mut [u8] {
+    fn copy_bytes<'a>(&'a self, copy: &'a HostCopy, len: u64) -> &'a mut [u8] {
         // SAFETY: an arena copy lies in bytes no persistent buffer holds, disjoint from the
         // other copies of the same call; scratch is exclusively the copy's.
         unsafe {
