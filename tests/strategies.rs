@@ -426,6 +426,58 @@ fn moment_bytes(ex: &Executor) -> Vec<Vec<u8>> {
     .unwrap()
 }
 
+/// The files of a checkpoint of `ex`, saved by [`Executor::save_checkpoint`] (streamed from
+/// where the state lives, sharded small so that shards cut through parameter groups) under
+/// `run`, after checking them byte for byte against those that `ckpt::save_checkpoint_with`
+/// writes from the host copies of `with_params` and `with_moments`; `run` is removed.
+fn checkpoint_files(ex: &Executor, run: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    use memwall::ckpt::{SaveOptions, TrainerState, save_checkpoint_with};
+    let state = TrainerState {
+        step: 2,
+        data_position: 2,
+        seed: 7,
+        rng_state: 7,
+        model: ex.plan.spec.to_hf_config(),
+        train: serde_json::Value::Null,
+        memwall_version: "test".into(),
+        loss_scale: None,
+    };
+    let opts = SaveOptions {
+        max_shard_bytes: 40_000,
+        tokenizer_dir: None,
+    };
+    let files = |dir: &std::path::Path| {
+        let mut f: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                let name = e.file_name().into_string().unwrap();
+                (name, std::fs::read(e.path()).unwrap())
+            })
+            .collect();
+        f.sort();
+        f
+    };
+    let (streamed, copied) = (run.join("streamed"), run.join("copied"));
+    let dir = ex.save_checkpoint(&streamed, &state, &opts).unwrap();
+    let (spec, layout) = (&ex.plan.spec, &ex.plan.layout);
+    let want = ex
+        .with_params(|p| {
+            ex.with_moments(|m| save_checkpoint_with(&copied, spec, layout, p, &m, &state, &opts))
+        })
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let got = files(&dir);
+    assert!(got.len() > 5, "{} files: not sharded", got.len());
+    assert!(
+        got == files(&want),
+        "streamed and copied checkpoints differ"
+    );
+    std::fs::remove_dir_all(run).unwrap();
+    got
+}
+
 /// Every `--offload` placement moves its state to the disk tier and streams it through
 /// staging buffers: weights, losses and moments stay bitwise those of the run that keeps
 /// everything in RAM, for every moment format and with accumulation and recomputation.
@@ -494,13 +546,13 @@ fn offloading_changes_no_bit() {
                     for s in 1..=2 {
                         ex.train_step(&hp(s)).unwrap();
                     }
-                    moment_bytes(&ex)
+                    let ckpt = dir.path().join(format!("ckpt-{}", cfg.offload.set));
+                    (moment_bytes(&ex), checkpoint_files(&ex, &ckpt))
                 };
-                assert_eq!(
-                    moments(&off),
-                    moments(&base),
-                    "{name} {what}: moments differ"
-                );
+                let (off_moments, off_files) = moments(&off);
+                let (ram_moments, ram_files) = moments(&base);
+                assert_eq!(off_moments, ram_moments, "{name} {what}: moments differ");
+                assert!(off_files == ram_files, "{name} {what}: checkpoints differ");
             }
         }
     }

@@ -27,7 +27,8 @@
 //! and at worst a `*.tmp-*` directory that [`latest_checkpoint`] ignores.
 //!
 //! **Architecture Invariant: no whole-file copies.** Saving streams each tensor from its
-//! slice of the flat buffer; loading memory-maps the file (every shard) and copies tensor by
+//! flat array: a slice in place, or state the executor lends one parameter group's buffer
+//! at a time when it is offloaded (`Executor::save_checkpoint`); loading memory-maps the file (every shard) and copies tensor by
 //! tensor into the destination, releasing the mapped pages as it goes (see
 //! `safetensors_io.rs`). Tokenizer files are streamed too.
 //!
@@ -49,6 +50,8 @@ mod tokenizer;
 
 pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
 pub use moments::{Moments, MomentsMut};
+pub(crate) use safetensors_io::{Lend, OutData};
+pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent};
 pub use save::{SaveOptions, save_checkpoint, save_checkpoint_with, save_model, save_model_with};
 pub use shards::DEFAULT_MAX_SHARD_BYTES;
 pub use state::{LossScaleState, TrainerState};

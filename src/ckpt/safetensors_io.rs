@@ -5,8 +5,10 @@
 //! "__metadata__": {"format": "pt"}}`, padded with spaces to a multiple of 8); then the raw
 //! little-endian tensor data, offsets counted from the end of the header.
 //!
-//! Writing streams each tensor from its `&[f32]` slice of the flat buffer through one small
-//! staging buffer ([`STAGE_BYTES`]), so saving a 500 MB model allocates about a megabyte.
+//! Writing streams each tensor from its flat array through one small staging buffer
+//! ([`STAGE_BYTES`]), so saving a 500 MB model allocates about a megabyte. An array is
+//! borrowed whole ([`Whole`]) or lent piece by piece ([`Lend`]): offloaded parameters and
+//! moments are read one parameter group at a time while they are written.
 //!
 //! Reading memory-maps the file, validates the header with the `safetensors` crate (offsets
 //! contiguous, sizes consistent with dtype and shape, file length exact: a truncated or
@@ -32,11 +34,76 @@ pub(crate) const STAGE_BYTES: usize = 1 << 20;
 /// Most names listed in one error message.
 const LIST_MAX: usize = 12;
 
-/// One tensor to write: name, shape and its data borrowed from a flat buffer.
+/// One tensor to write: name, shape, and elements `range` of the flat array `from`.
 pub(crate) struct OutTensor<'a> {
     pub name: String,
     pub shape: Vec<usize>,
-    pub data: OutData<'a>,
+    pub from: &'a dyn Lend,
+    pub range: Range<usize>,
+}
+
+impl OutTensor<'_> {
+    /// Bytes of the data (what `total_size` of a sharded index counts).
+    pub(crate) fn nbytes(&self) -> u64 {
+        (self.from.width() * self.range.len()) as u64
+    }
+}
+
+/// A flat array of one element type that the writer reads piece by piece, in order: a slice
+/// borrowed whole ([`Whole`]), or state that lives elsewhere (the executor's parameters and
+/// moments, kept per parameter group on the disk tier and read one group at a time), so
+/// that writing it never needs a host copy of the whole array.
+pub(crate) trait Lend {
+    /// The element type, as the (empty) piece of that type: [`OutData::F32`] of `&[]`, ...
+    fn elem(&self) -> OutData<'static>;
+    /// Number of elements.
+    fn len(&self) -> usize;
+    /// Calls `put` with elements `range`, in order, as consecutive pieces of the type of
+    /// [`Lend::elem`] (at least one element each); stops at the first error, `put`'s or its
+    /// own (naming what could not be read).
+    fn lend(
+        &self,
+        range: Range<usize>,
+        put: &mut dyn FnMut(OutData<'_>) -> Result<()>,
+    ) -> Result<()>;
+
+    /// Bytes per element.
+    fn width(&self) -> usize {
+        self.elem().dtype().0
+    }
+}
+
+/// A slice lent whole (in place, no copy).
+#[derive(Clone, Copy)]
+pub(crate) struct Whole<'a>(pub OutData<'a>);
+
+impl Lend for Whole<'_> {
+    fn elem(&self) -> OutData<'static> {
+        match self.0 {
+            OutData::F32(_) => OutData::F32(&[]),
+            OutData::Bf16(_) => OutData::Bf16(&[]),
+            OutData::I8(_) => OutData::I8(&[]),
+            OutData::U8(_) => OutData::U8(&[]),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn lend(
+        &self,
+        range: Range<usize>,
+        put: &mut dyn FnMut(OutData<'_>) -> Result<()>,
+    ) -> Result<()> {
+        if range.end > self.0.len() {
+            bail!(
+                "internal error: elements {range:?} of an array of {}",
+                self.0.len()
+            );
+        }
+        put(self.0.slice(range))
+    }
 }
 
 /// Tensor data in one of the element types memwall writes.
@@ -48,8 +115,8 @@ pub(crate) enum OutData<'a> {
     U8(&'a [u8]),
 }
 
-impl OutData<'_> {
-    fn len(&self) -> usize {
+impl<'a> OutData<'a> {
+    pub(crate) fn len(&self) -> usize {
         match self {
             OutData::F32(x) => x.len(),
             OutData::Bf16(x) => x.len(),
@@ -58,18 +125,23 @@ impl OutData<'_> {
         }
     }
 
-    /// Bytes of the data (what `total_size` of a sharded index counts).
-    pub(crate) fn nbytes(&self) -> u64 {
-        (self.dtype().0 * self.len()) as u64
-    }
-
     /// Bytes per element and the safetensors dtype name.
-    fn dtype(&self) -> (usize, &'static str) {
+    pub(crate) fn dtype(&self) -> (usize, &'static str) {
         match self {
             OutData::F32(_) => (4, "F32"),
             OutData::Bf16(_) => (2, "BF16"),
             OutData::I8(_) => (1, "I8"),
             OutData::U8(_) => (1, "U8"),
+        }
+    }
+
+    /// Elements `range`.
+    pub(crate) fn slice(&self, range: Range<usize>) -> OutData<'a> {
+        match *self {
+            OutData::F32(x) => OutData::F32(&x[range]),
+            OutData::Bf16(x) => OutData::Bf16(&x[range]),
+            OutData::I8(x) => OutData::I8(&x[range]),
+            OutData::U8(x) => OutData::U8(&x[range]),
         }
     }
 
@@ -92,15 +164,17 @@ pub(crate) fn header_bytes(tensors: &[OutTensor]) -> Result<Vec<u8>> {
     let mut offset = 0usize;
     for t in tensors {
         let n: usize = t.shape.iter().product();
-        if n != t.data.len() {
+        if n != t.range.len() || t.range.end > t.from.len() {
             bail!(
-                "tensor {}: shape {:?} has {n} elements but its buffer holds {}",
+                "tensor {}: shape {:?} has {n} elements but it is given elements {:?} of an \
+                 array of {}",
                 t.name,
                 t.shape,
-                t.data.len()
+                t.range,
+                t.from.len()
             );
         }
-        let (width, dtype) = t.data.dtype();
+        let (width, dtype) = t.from.elem().dtype();
         let end = offset + width * n;
         let info = json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] });
         if map.insert(t.name.clone(), info).is_some() {
@@ -113,29 +187,73 @@ pub(crate) fn header_bytes(tensors: &[OutTensor]) -> Result<Vec<u8>> {
     Ok(h)
 }
 
-/// Writes a complete safetensors file to `w`, streaming the data through one staging buffer
-/// of at most [`STAGE_BYTES`].
+/// The tensors cut into runs that are one lend each: consecutive tensors reading
+/// consecutive elements of the same array (so an array lent group by group is read once
+/// per file, not once per tensor).
+fn runs(tensors: &[OutTensor]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r)
+                if std::ptr::addr_eq(tensors[r.end - 1].from, t.from)
+                    && tensors[r.end - 1].range.end == t.range.start =>
+            {
+                r.end = i + 1
+            }
+            _ => runs.push(i..i + 1),
+        }
+    }
+    runs
+}
+
+/// Writes a complete safetensors file to `w`, reading each run of tensors from its array
+/// ([`Lend`]) and streaming it through one staging buffer of at most [`STAGE_BYTES`].
 pub(crate) fn write_safetensors(w: &mut impl Write, tensors: &[OutTensor]) -> Result<()> {
     let header = header_bytes(tensors)?;
     w.write_all(&(header.len() as u64).to_le_bytes())
         .and_then(|_| w.write_all(&header))
         .context("writing the safetensors header")?;
-    let largest = tensors
-        .iter()
-        .map(|t| t.data.dtype().0 * t.data.len())
-        .max()
-        .unwrap_or(0);
-    let mut stage: Vec<u8> = Vec::with_capacity(largest.min(STAGE_BYTES));
-    for t in tensors {
-        let per = STAGE_BYTES / t.data.dtype().0;
-        let mut at = 0;
-        while at < t.data.len() {
-            let end = (at + per).min(t.data.len());
-            stage.clear();
-            t.data.put(at..end, &mut stage);
-            w.write_all(&stage)
-                .with_context(|| format!("writing tensor {}", t.name))?;
-            at = end;
+    let largest = tensors.iter().map(OutTensor::nbytes).max().unwrap_or(0);
+    let mut stage: Vec<u8> = Vec::with_capacity((largest as usize).min(STAGE_BYTES));
+    for run in runs(tensors) {
+        let run = &tensors[run];
+        let (first, last) = (&run[0], &run[run.len() - 1]);
+        let elems = first.range.start..last.range.end;
+        let names = match run.len() {
+            1 => format!("tensor {}", first.name),
+            n => format!("tensors {} to {} ({n})", first.name, last.name),
+        };
+        let (width, dtype) = first.from.elem().dtype();
+        let per = STAGE_BYTES / width;
+        let mut written = 0;
+        first
+            .from
+            .lend(elems.clone(), &mut |piece| {
+                if piece.dtype().1 != dtype || written + piece.len() > elems.len() {
+                    bail!(
+                        "internal error: lent {} {} elements after {written} of {} {dtype}",
+                        piece.len(),
+                        piece.dtype().1,
+                        elems.len()
+                    );
+                }
+                let mut at = 0;
+                while at < piece.len() {
+                    let end = (at + per).min(piece.len());
+                    stage.clear();
+                    piece.put(at..end, &mut stage);
+                    w.write_all(&stage)?;
+                    at = end;
+                }
+                written += piece.len();
+                Ok(())
+            })
+            .with_context(|| format!("writing {names}"))?;
+        if written != elems.len() {
+            bail!(
+                "writing {names}: internal error: lent {written} of {} elements",
+                elems.len()
+            );
         }
     }
     w.flush().context("flushing")?;

@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 
 use super::moments::Moments;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
-use super::safetensors_io::{OutData, OutTensor, write_safetensors};
+use super::safetensors_io::{Lend, OutData, OutTensor, Whole, write_safetensors};
 use super::shards::{DEFAULT_MAX_SHARD_BYTES, is_shard_name, weight_files};
 use super::tokenizer::copy_tokenizer_files;
 use super::{CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
 use crate::model::{ModelSpec, ParamLayout};
+use crate::plan::OptimState;
 use crate::run_dir::RunDir;
 use crate::util::atomic::{self, parent_dir, sync_dir, write_synced};
 use crate::util::atomic_dir::TempDir;
@@ -59,66 +60,74 @@ fn check_buffers(spec: &ModelSpec, layout: &ParamLayout, bufs: &[(&str, usize)])
     Ok(())
 }
 
-/// The model's tensors under their HF names, borrowing `params`.
-fn model_tensors<'a>(layout: &'a ParamLayout, params: &'a [f32]) -> Vec<OutTensor<'a>> {
+/// The state a checkpoint holds as the writer reads it: flat arrays lent piece by piece
+/// ([`Lend`]), borrowed whole when they are in RAM ([`Whole`]) or read one parameter group
+/// at a time when they are offloaded (the executor's).
+pub(crate) struct LentState<'a> {
+    /// The f32 parameters [params].
+    pub params: &'a dyn Lend,
+    pub moments: LentMoments<'a>,
+}
+
+/// The AdamW moments in their stored format (see `moments.rs`), lent.
+pub(crate) struct LentMoments<'a> {
+    pub format: OptimState,
+    /// exp_avg [params]: f32, bf16, or int8 codes (i8).
+    pub m: &'a dyn Lend,
+    /// exp_avg_sq [params]: f32, bf16, or int8 codes (u8).
+    pub v: &'a dyn Lend,
+    /// Int8 only: the f32 scales of m's and v's blocks [blocks].
+    pub absmax: Option<[&'a dyn Lend; 2]>,
+}
+
+/// The model's tensors under their HF names, reading `params`.
+fn model_tensors<'a>(layout: &ParamLayout, params: &'a dyn Lend) -> Vec<OutTensor<'a>> {
     layout
         .tensors
         .iter()
         .map(|t| OutTensor {
             name: t.name.clone(),
             shape: t.shape.clone(),
-            data: OutData::F32(&params[t.range.clone()]),
+            from: params,
+            range: t.range.clone(),
         })
         .collect()
 }
 
-/// The optimizer moments in their stored format (see `moments.rs`), borrowed.
-fn optimizer_tensors<'a>(layout: &'a ParamLayout, moments: &Moments<'a>) -> Vec<OutTensor<'a>> {
-    let flat = |name: &str, data: OutData<'a>| OutTensor {
+/// The optimizer moments in their stored format (see `moments.rs`).
+fn optimizer_tensors<'a>(
+    layout: &ParamLayout,
+    moments: &LentMoments<'a>,
+) -> Result<Vec<OutTensor<'a>>> {
+    let flat = |name: &str, from: &'a dyn Lend| OutTensor {
         name: name.to_string(),
-        shape: vec![data_len(&data)],
-        data,
+        shape: vec![from.len()],
+        from,
+        range: 0..from.len(),
     };
-    match *moments {
-        Moments::F32 { m, v } => {
+    let (m, v) = (moments.m, moments.v);
+    Ok(match (moments.format, moments.absmax) {
+        (OptimState::F32, _) => {
             let mut out = Vec::with_capacity(2 * layout.tensors.len());
-            for (prefix, buf) in [(EXP_AVG, m), (EXP_AVG_SQ, v)] {
+            for (prefix, from) in [(EXP_AVG, m), (EXP_AVG_SQ, v)] {
                 out.extend(layout.tensors.iter().map(|t| OutTensor {
                     name: format!("{prefix}{}", t.name),
                     shape: t.shape.clone(),
-                    data: OutData::F32(&buf[t.range.clone()]),
+                    from,
+                    range: t.range.clone(),
                 }));
             }
             out
         }
-        Moments::Bf16 { m, v } => vec![
-            flat(FLAT_EXP_AVG, OutData::Bf16(m)),
-            flat(FLAT_EXP_AVG_SQ, OutData::Bf16(v)),
+        (OptimState::Bf16, _) => vec![flat(FLAT_EXP_AVG, m), flat(FLAT_EXP_AVG_SQ, v)],
+        (OptimState::Int8, Some([m_absmax, v_absmax])) => vec![
+            flat(FLAT_EXP_AVG, m),
+            flat(&format!("{FLAT_EXP_AVG}{ABSMAX}"), m_absmax),
+            flat(FLAT_EXP_AVG_SQ, v),
+            flat(&format!("{FLAT_EXP_AVG_SQ}{ABSMAX}"), v_absmax),
         ],
-        Moments::Int8 {
-            m,
-            m_absmax,
-            v,
-            v_absmax,
-        } => vec![
-            flat(FLAT_EXP_AVG, OutData::I8(m)),
-            flat(&format!("{FLAT_EXP_AVG}{ABSMAX}"), OutData::F32(m_absmax)),
-            flat(FLAT_EXP_AVG_SQ, OutData::U8(v)),
-            flat(
-                &format!("{FLAT_EXP_AVG_SQ}{ABSMAX}"),
-                OutData::F32(v_absmax),
-            ),
-        ],
-    }
-}
-
-fn data_len(d: &OutData) -> usize {
-    match d {
-        OutData::F32(x) => x.len(),
-        OutData::Bf16(x) => x.len(),
-        OutData::I8(x) => x.len(),
-        OutData::U8(x) => x.len(),
-    }
+        (OptimState::Int8, None) => bail!("internal error: int8 moments without their scales"),
+    })
 }
 
 /// Pretty JSON bytes with a trailing newline.
@@ -160,20 +169,57 @@ pub fn save_checkpoint_with(
     state: &TrainerState,
     opts: &SaveOptions,
 ) -> Result<PathBuf> {
+    let params = Whole(OutData::F32(params));
+    let (m, v, absmax) = match *moments {
+        Moments::F32 { m, v } => (OutData::F32(m), OutData::F32(v), None),
+        Moments::Bf16 { m, v } => (OutData::Bf16(m), OutData::Bf16(v), None),
+        Moments::Int8 {
+            m,
+            m_absmax,
+            v,
+            v_absmax,
+        } => (
+            OutData::I8(m),
+            OutData::U8(v),
+            Some([Whole(OutData::F32(m_absmax)), Whole(OutData::F32(v_absmax))]),
+        ),
+    };
+    let (m, v) = (Whole(m), Whole(v));
+    let lent = LentState {
+        params: &params,
+        moments: LentMoments {
+            format: moments.format(),
+            m: &m,
+            v: &v,
+            absmax: absmax
+                .as_ref()
+                .map(|[a, b]| [a as &dyn Lend, b as &dyn Lend]),
+        },
+    };
+    save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)
+}
+
+/// [`save_checkpoint_with`] reading the parameters and moments from `lent`: each file is
+/// written in one pass over its arrays, so state lent group by group (offloaded) is never
+/// held whole in RAM.
+pub(crate) fn save_checkpoint_lent(
+    run_dir: &Path,
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    lent: &LentState,
+    state: &TrainerState,
+    opts: &SaveOptions,
+) -> Result<PathBuf> {
     let final_dir = RunDir::new(run_dir).checkpoint(state.step);
     let what = || format!("saving checkpoint {}", final_dir.display());
-    let (m_len, v_len) = match moments {
-        Moments::F32 { m, v } => (m.len(), v.len()),
-        Moments::Bf16 { m, v } => (m.len(), v.len()),
-        Moments::Int8 { m, v, .. } => (m.len(), v.len()),
-    };
+    let moments = &lent.moments;
     check_buffers(
         spec,
         layout,
         &[
-            ("parameter", params.len()),
-            ("exp_avg (m)", m_len),
-            ("exp_avg_sq (v)", v_len),
+            ("parameter", lent.params.len()),
+            ("exp_avg (m)", moments.m.len()),
+            ("exp_avg_sq (v)", moments.v.len()),
         ],
     )
     .with_context(what)?;
@@ -190,11 +236,11 @@ pub fn save_checkpoint_with(
         write_synced(&tmp.path.join(CONFIG_FILE), |f| {
             Ok(std::io::Write::write_all(f, &config)?)
         })?;
-        let model = model_tensors(layout, params);
+        let model = model_tensors(layout, lent.params);
         for (name, file) in weight_files(&model, opts.max_shard_bytes)? {
             write_synced(&tmp.path.join(name), |f| file.write_to(f))?;
         }
-        let moments = optimizer_tensors(layout, moments);
+        let moments = optimizer_tensors(layout, moments)?;
         write_synced(&tmp.path.join(OPTIMIZER_FILE), |f| {
             write_safetensors(f, &moments)
         })?;
@@ -256,7 +302,8 @@ pub fn save_model_with(
     check_buffers(spec, layout, &[("parameter", params.len())]).with_context(what)?;
     fs::create_dir_all(dir)
         .with_context(|| format!("cannot create directory {}", dir.display()))?;
-    let model = model_tensors(layout, params);
+    let params = Whole(OutData::F32(params));
+    let model = model_tensors(layout, &params);
     let files = weight_files(&model, opts.max_shard_bytes).with_context(what)?;
     for (name, file) in &files {
         atomic::write_with(&dir.join(name), |f| file.write_to(f)).with_context(what)?;

@@ -98,7 +98,7 @@ pub(crate) fn weight_files<'t, 'a>(
     tensors: &'t [OutTensor<'a>],
     max_shard_bytes: u64,
 ) -> Result<Vec<(String, WeightsFile<'t, 'a>)>> {
-    let sizes: Vec<u64> = tensors.iter().map(|t| t.data.nbytes()).collect();
+    let sizes: Vec<u64> = tensors.iter().map(OutTensor::nbytes).collect();
     let total_size: u64 = sizes.iter().sum();
     if total_size <= max_shard_bytes {
         return Ok(vec![(

@@ -833,3 +833,117 @@ fn full_disk_leaves_previous_checkpoint_loadable() {
         "temporary file must be removed"
     );
 }
+
+/// An array lent in pieces of `piece` elements (as the executor lends offloaded state, one
+/// group's buffer at a time), failing instead of lending piece `fail_at`, or lending one
+/// element short.
+struct Pieces<'a> {
+    data: &'a [f32],
+    piece: usize,
+    fail_at: Option<usize>,
+    short: bool,
+}
+
+impl Lend for Pieces<'_> {
+    fn elem(&self) -> OutData<'static> {
+        OutData::F32(&[])
+    }
+
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    fn lend(
+        &self,
+        range: std::ops::Range<usize>,
+        put: &mut dyn FnMut(OutData<'_>) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        let end = range.end - usize::from(self.short);
+        let mut at = range.start;
+        while at < end {
+            let k = at / self.piece;
+            if self.fail_at == Some(k) {
+                anyhow::bail!("cannot read piece {k} of the test array");
+            }
+            let stop = ((k + 1) * self.piece).min(end);
+            put(OutData::F32(&self.data[at..stop]))?;
+            at = stop;
+        }
+        Ok(())
+    }
+}
+
+/// Lent piece by piece (pieces cutting through tensors and shards), a checkpoint is the one
+/// written from slices, byte for byte; a lender that fails or lends short fails the save with
+/// an error naming the tensors, and leaves no checkpoint behind.
+#[test]
+fn lent_state_saves_like_slices_and_its_failures_are_errors() {
+    let spec = small_spec(97);
+    let (layout, p, m, v) = setup(&spec);
+    let st = state(&spec, 3);
+    let opts = SaveOptions {
+        max_shard_bytes: 9_000,
+        tokenizer_dir: None,
+    };
+    let want_run = tempfile::tempdir().unwrap();
+    let want = save_checkpoint_with(
+        want_run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &m, v: &v },
+        &st,
+        &opts,
+    )
+    .unwrap();
+    let lent = |data, fail_at, short| Pieces {
+        data,
+        piece: 777,
+        fail_at,
+        short,
+    };
+    let save = |run: &Path, params: &Pieces| {
+        let (m, v) = (lent(&m, None, false), lent(&v, None, false));
+        let state = LentState {
+            params,
+            moments: LentMoments {
+                format: crate::plan::OptimState::F32,
+                m: &m,
+                v: &v,
+                absmax: None,
+            },
+        };
+        save_checkpoint_lent(run, &spec, &layout, &state, &st, &opts)
+    };
+    let run = tempfile::tempdir().unwrap();
+    let got = save(run.path(), &lent(&p, None, false)).unwrap();
+    let names: Vec<_> = fs::read_dir(&want)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(names.len() > 6, "{names:?}: not sharded");
+    for name in names {
+        assert!(
+            fs::read(want.join(&name)).unwrap() == fs::read(got.join(&name)).unwrap(),
+            "{name:?} differs"
+        );
+    }
+
+    for (params, expect) in [
+        (
+            lent(&p, Some(5), false),
+            "cannot read piece 5 of the test array",
+        ),
+        (lent(&p, None, true), "internal error: lent"),
+    ] {
+        let run = tempfile::tempdir().unwrap();
+        let e = err_text(save(run.path(), &params));
+        assert!(e.contains(expect) && e.contains("writing tensor"), "{e}");
+        assert!(e.contains("earlier checkpoints are untouched"), "{e}");
+        assert!(latest_checkpoint(run.path()).unwrap().is_none());
+        let left = fs::read_dir(run.path().join(CHECKPOINTS_DIR))
+            .unwrap()
+            .count();
+        assert_eq!(left, 0, "the incomplete checkpoint is removed");
+    }
+}

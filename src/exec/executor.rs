@@ -6,12 +6,16 @@
 
 use crate::backend::cpu::Cpu;
 use crate::backend::{AdamWStep, Backend, Device, OpResult, StepCtx};
-use crate::ckpt::{Moments, MomentsMut};
+use crate::ckpt::{
+    Lend, LentMoments, LentState, Moments, MomentsMut, OutData, SaveOptions, TrainerState,
+};
 use crate::plan::schedule::{Op, Phase};
-use crate::plan::{BufId, DType, Mode, OptimState, Plan};
+use crate::plan::{BufId, DType, Mode, OptimBufs, OptimState, Plan};
 use crate::profile::record::OpRecorder;
 use anyhow::{Result, bail};
 use half::{bf16, f16};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
 
 /// Optimizer hyperparameters for one step.
 #[derive(Clone, Debug)]
@@ -130,6 +134,85 @@ mod pod {
     }
 }
 
+/// A flat array of parameters or moments as the plan keeps it between steps: consecutive
+/// buffers (the whole model's, or one per parameter group), lent to the checkpoint writer
+/// one buffer at a time: an arena buffer in place, a disk-tier one through a host copy of
+/// that buffer alone (the device's scratch, freed before the next buffer is read).
+struct Stored<'e> {
+    device: &'e dyn Device,
+    /// The element type, as an empty piece.
+    elem: OutData<'static>,
+    /// Each buffer and the elements of the array it holds, in order.
+    parts: Vec<(Range<usize>, BufId)>,
+}
+
+impl<'e> Stored<'e> {
+    /// The array held by `bufs`: (index in the array of the buffer's first element, buffer),
+    /// in order; the element type is the buffers'.
+    fn new(ex: &'e Executor, bufs: impl IntoIterator<Item = (usize, BufId)>) -> Stored<'e> {
+        let mut elem = OutData::F32(&[]);
+        let parts = bufs
+            .into_iter()
+            .map(|(start, id)| {
+                let b = ex.plan.buffer(id);
+                elem = match b.dtype {
+                    DType::F32 => OutData::F32(&[]),
+                    DType::Bf16 => OutData::Bf16(&[]),
+                    DType::I8 => OutData::I8(&[]),
+                    DType::U8 => OutData::U8(&[]),
+                    other => unreachable!("checkpoints hold no {other:?} state"),
+                };
+                (start..start + b.bytes as usize / b.dtype.size(), id)
+            })
+            .collect();
+        Stored {
+            device: &*ex.device,
+            elem,
+            parts,
+        }
+    }
+}
+
+/// A buffer's bytes as elements of `elem`'s type.
+fn typed<'a>(elem: OutData<'static>, b: &'a [u8]) -> OutData<'a> {
+    match elem {
+        OutData::F32(_) => OutData::F32(pod::cast(b)),
+        OutData::Bf16(_) => OutData::Bf16(pod::cast(b)),
+        OutData::I8(_) => OutData::I8(pod::cast(b)),
+        OutData::U8(_) => OutData::U8(b),
+    }
+}
+
+impl Lend for Stored<'_> {
+    fn elem(&self) -> OutData<'static> {
+        self.elem
+    }
+
+    fn len(&self) -> usize {
+        self.parts.last().map_or(0, |p| p.0.end)
+    }
+
+    fn lend(
+        &self,
+        range: Range<usize>,
+        put: &mut dyn FnMut(OutData<'_>) -> Result<()>,
+    ) -> Result<()> {
+        for (held, id) in &self.parts {
+            let (lo, hi) = (range.start.max(held.start), range.end.min(held.end));
+            if lo >= hi {
+                continue;
+            }
+            let mut put_result = Ok(());
+            self.device.download(&[*id], &mut |b| {
+                let piece = typed(self.elem, b[0]).slice(lo - held.start..hi - held.start);
+                put_result = put(piece);
+            })?;
+            put_result?;
+        }
+        Ok(())
+    }
+}
+
 impl Executor {
     /// Starts the plan on the CPU backend with `plan.cfg.threads` workers.
     pub fn new(plan: Plan) -> Result<Executor> {
@@ -158,7 +241,7 @@ impl Executor {
 
     /// Lends `f` the flat fp32 parameters (layout: `plan.layout`; the master weights under
     /// mixed precision). Parameters kept per group (offloaded) are gathered into one host
-    /// copy first, group by group.
+    /// copy first, group by group ([`Executor::save_checkpoint`] streams them instead).
     pub fn with_params<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         let sets = self.param_sets();
         let mut f = Some(f);
@@ -259,8 +342,9 @@ impl Executor {
         self.plan.cfg.optim_state
     }
 
-    /// Lends `f` the AdamW moments in their stored format (for checkpoints). Moments kept
-    /// per parameter group (offloaded) are gathered into one host copy first, group by group.
+    /// Lends `f` the AdamW moments in their stored format. Moments kept per parameter group
+    /// (offloaded) are gathered into one host copy first, group by group
+    /// ([`Executor::save_checkpoint`] streams them instead).
     pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> Result<R> {
         let sets = self.moment_sets();
         let format = self.moment_format();
@@ -301,6 +385,56 @@ impl Executor {
         let out = (f.take().expect("called once"))(moments_mut(format, &mut views));
         self.scatter(&sets, &joined)?;
         Ok(out)
+    }
+
+    /// Writes checkpoint `RUN_DIR/checkpoints/step-NNNNNN/` of the plan's model, its
+    /// parameters and AdamW moments (as [`crate::ckpt::save_checkpoint_with`] does, with
+    /// `state` and `opts`), read straight from where they live: in RAM in place, offloaded
+    /// one parameter group's buffer at a time while each file is written, so the save holds
+    /// at most one buffer's host copy (and the writer's 1 MiB staging) beyond the plan.
+    pub fn save_checkpoint(
+        &self,
+        run_dir: &Path,
+        state: &TrainerState,
+        opts: &SaveOptions,
+    ) -> Result<PathBuf> {
+        let implicit = &self.plan.schedule.implicit;
+        let optim = implicit.optim.as_deref().unwrap_or_default();
+        if optim.is_empty() {
+            bail!("internal error: a checkpoint of a plan without optimizer state");
+        }
+        let params = Stored::new(
+            self,
+            implicit
+                .params
+                .segments
+                .iter()
+                .map(|s| (s.range.start, s.buf)),
+        );
+        let m = Stored::new(self, optim.iter().map(|o| (o.base, o.m)));
+        let v = Stored::new(self, optim.iter().map(|o| (o.base, o.v)));
+        let scales = |pick: fn(&OptimBufs) -> Option<BufId>| {
+            let bufs: Option<Vec<(usize, BufId)>> = optim
+                .iter()
+                .map(|o| Some((o.block_base, pick(o)?)))
+                .collect();
+            bufs.map(|b| Stored::new(self, b))
+        };
+        let (m_absmax, v_absmax) = (scales(|o| o.m_scale), scales(|o| o.v_scale));
+        let lent = LentState {
+            params: &params,
+            moments: LentMoments {
+                format: self.moment_format(),
+                m: &m,
+                v: &v,
+                absmax: m_absmax
+                    .as_ref()
+                    .zip(v_absmax.as_ref())
+                    .map(|(a, b)| [a as &dyn Lend, b as &dyn Lend]),
+            },
+        };
+        let (spec, layout) = (&self.plan.spec, &self.plan.layout);
+        crate::ckpt::save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)
     }
 
     /// Zeroed 8-byte-aligned host buffers, one per column of `sets` (rows: parameter groups;

@@ -231,20 +231,13 @@ impl Run<'_> {
             memwall_version: env!("CARGO_PKG_VERSION").to_string(),
             loss_scale: self.scaler.map(|s| s.state),
         };
-        let (ex, spec) = (&self.ex, &self.spec);
-        let dir = ex
-            .with_params(|p| {
-                ex.with_moments(|m| {
-                    let save = ckpt::SaveOptions {
-                        max_shard_bytes: opts.max_shard_bytes,
-                        tokenizer_dir: opts.tokenizer_dir.as_deref(),
-                    };
-                    let layout = &ex.plan.layout;
-                    ckpt::save_checkpoint_with(&opts.out, spec, layout, p, &m, &state, &save)
-                })
-            })
-            .and_then(|r| r)
-            .and_then(|r| r)
+        let save = ckpt::SaveOptions {
+            max_shard_bytes: opts.max_shard_bytes,
+            tokenizer_dir: opts.tokenizer_dir.as_deref(),
+        };
+        let dir = self
+            .ex
+            .save_checkpoint(&opts.out, &state, &save)
             .with_context(|| {
                 format!("saving the checkpoint of step {step} (earlier checkpoints are intact)")
             })?;
