@@ -7,9 +7,10 @@
 //! - [`Sizing`], what the planner asks: the workspace the backend's kernels need and the
 //!   scratch its libraries keep for themselves. The plan does not know which backend runs it
 //!   beyond these answers.
-//! - [`Device`], a started backend: runs one [`Op`] at a time, and moves bytes between the
-//!   host and plan buffers ([`Device::download`], [`Device::upload`]), which is the only way
-//!   anything outside the backend reads or writes a plan buffer.
+//! - [`Device`], a started backend: runs one [`Op`](crate::plan::Op) at a time, and moves
+//!   bytes between the host and plan buffers ([`Device::download`], [`Device::upload`]), which
+//!   is the only way anything outside the backend reads or writes a plan buffer; it also hands
+//!   the profiler the transfers between tiers it performed ([`Device::take_io_spans`]).
 
 pub mod cpu;
 

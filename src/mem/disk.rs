@@ -424,6 +424,36 @@ mod tests {
     }
 
     #[test]
+    fn the_io_thread_times_its_transfers_in_a_bounded_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = IO_ALIGN as usize;
+        let io = IoThread::new(
+            DiskTier::create(dir.path(), "t.bin", 4 * n as u64).unwrap(),
+            2,
+        )
+        .unwrap();
+        let a = Arena::new(3 * n as u64).unwrap();
+        // SAFETY: two disjoint views of a fresh arena, untouched until the tickets are waited.
+        let (src, dst) = unsafe { (a.view_mut::<u8>(0, n), a.view_mut::<u8>(n as u64, 2 * n)) };
+        let t0 = Instant::now();
+        // SAFETY: each buffer is left alone until its ticket is waited on.
+        unsafe {
+            io.write(0, src, 7).wait().unwrap();
+            io.read(0, dst, 9).wait().unwrap();
+            io.read(0, &mut dst[..n], 11).wait().unwrap(); // past the log's room: counted
+        }
+        let mut got = Vec::new();
+        assert_eq!(io.take_timed(&mut |t| got.push(t)), 1);
+        let kinds: Vec<_> = got.iter().map(|t| (t.tag, t.read, t.bytes)).collect();
+        assert_eq!(kinds, [(7, false, n as u64), (9, true, 2 * n as u64)]);
+        assert!(got[0].start >= t0 && got[0].end <= got[1].start && got[1].start <= got[1].end);
+        // Taken means gone; the room is kept.
+        assert_eq!(io.take_timed(&mut |_| panic!("taken twice")), 0);
+        unsafe { io.read(0, src, 1).wait().unwrap() };
+        assert_eq!(io.take_timed(&mut |t| assert_eq!(t.tag, 1)), 0);
+    }
+
+    #[test]
     fn errors_name_the_directory() {
         // A directory that cannot be created: its parent is a file.
         let dir = tempfile::tempdir().unwrap();

@@ -62,8 +62,8 @@ pub struct ParamSlice {
 }
 
 /// One op. Parameter tensors are element ranges of the flat `params` buffer; the matching
-/// gradient is the same range of the gradients ([`GradBufs`]: one buffer per parameter group,
-/// found by range). Shapes: N = B·T rows (`rows`), C channels.
+/// gradient is the same range of the gradients ([`ImplicitBufs::grads`]: one buffer per
+/// parameter group, found by range). Shapes: N = B·T rows (`rows`), C channels.
 #[derive(Clone, Debug)]
 pub enum Op {
     /// Zero a buffer (a parameter group's gradients before their first write, the residual
