@@ -1,7 +1,8 @@
 //! The profiler as a user meets it: `train --profile` and `bench --profile` write a valid Chrome
 //! trace, a valid SVG memory chart and a report page that renders in a real browser (headless
 //! Chromium, installed by `.ci/run`) with its chart and plan table and no script errors;
-//! `memwall report` regenerates the same page; `plan --svg` draws without training.
+//! `memwall report` regenerates the same page; `plan --svg` draws without training; an
+//! offloaded run's trace has every disk transfer of a step, adding up to the plan's traffic.
 
 mod common;
 
@@ -235,6 +236,163 @@ fn train_profile_writes_trace_svg_and_a_report_that_renders_in_chromium() {
     );
     assert_eq!(v["peak_op"], plan["peak_op"]);
     assert_eq!(v["leak_check"]["leaking"], false);
+}
+
+/// An offloaded run's profile shows every disk transfer of a step on the I/O track, with its
+/// bytes, direction and rate, adding up to the plan's traffic per step (the transfers of the
+/// evaluation between the profiled steps, run unprofiled, are not counted in either), and
+/// the trace, chart and report show the disk tier.
+#[test]
+fn offloaded_profile_shows_every_disk_transfer_and_the_disk_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::prepared(dir.path(), &common::small_corpus(dir.path()));
+    let cfg = common::micro_config(dir.path());
+    let run = dir.path().join("run");
+    let args = common::train_args(
+        &cfg,
+        &data,
+        &run,
+        &[
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--threads",
+            "1",
+            "--eval-every",
+            "1",
+            "--eval-batches",
+            "1",
+            "--offload",
+            "all",
+            "--profile",
+            "--profile-steps",
+            "2",
+        ],
+    );
+    ok(&args);
+    let plan = json(&run.join("plan.json"));
+    let (read, written) = (
+        plan["io_read_bytes_per_step"].as_u64().unwrap(),
+        plan["io_write_bytes_per_step"].as_u64().unwrap(),
+    );
+    assert!(read > 0 && written > 0, "not offloaded: {read} / {written}");
+    let schedule = plan["schedule"].as_array().unwrap();
+    let transfers = schedule
+        .iter()
+        .filter(|o| {
+            let n = o["name"].as_str().unwrap();
+            n.ends_with(".read") || n.ends_with(".write")
+        })
+        .count();
+    let staging: Vec<&str> = plan["buffers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["tier"] == "host")
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
+
+    // profile.json: per step, one span per transfer op, named after its host buffer.
+    let profile = json(&run.join("profile.json"));
+    let steps = profile["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    for s in steps {
+        let io: Vec<&Value> = s["spans"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|sp| sp.get("direction").is_some())
+            .collect();
+        assert_eq!(io.len(), transfers, "step {}", s["step"]);
+        let sum = |dir: &str| -> u64 {
+            io.iter()
+                .filter(|sp| sp["direction"] == dir)
+                .map(|sp| sp["bytes"].as_u64().unwrap())
+                .sum()
+        };
+        assert_eq!(
+            (sum("read"), sum("write")),
+            (read, written),
+            "step {}",
+            s["step"]
+        );
+        for sp in &io {
+            assert_eq!(sp["track"], "io");
+            let name = sp["name"].as_str().unwrap();
+            let (dir, buf) = name.split_once(' ').unwrap();
+            assert_eq!(sp["direction"], dir, "{name}");
+            assert!(staging.contains(&buf), "{name}: no host buffer {buf}");
+            let (a, b) = (
+                sp["start_us"].as_f64().unwrap(),
+                sp["end_us"].as_f64().unwrap(),
+            );
+            assert!(
+                s["start_us"].as_f64().unwrap() <= a
+                    && a <= b
+                    && b <= s["end_us"].as_f64().unwrap(),
+                "{name} outside its step"
+            );
+        }
+    }
+
+    // trace.json: the transfers as complete events on the I/O track, per step, with their
+    // bytes, direction and rate; the disk tier's live bytes as a counter.
+    let t = json(&run.join("trace.json"));
+    trace::validate(&t).unwrap();
+    let ev = t["traceEvents"].as_array().unwrap();
+    let io_tid = ev
+        .iter()
+        .find(|e| e["name"] == "thread_name" && e["args"]["name"] == "io")
+        .unwrap()["tid"]
+        .clone();
+    let step_events: Vec<&Value> = ev.iter().filter(|e| e["cat"] == "step").collect();
+    assert_eq!(step_events.len(), 2);
+    for st in step_events {
+        let (a, b) = (
+            st["ts"].as_f64().unwrap(),
+            st["ts"].as_f64().unwrap() + st["dur"].as_f64().unwrap(),
+        );
+        let mut bytes = 0;
+        for e in ev.iter().filter(|e| {
+            e["ph"] == "X"
+                && e["tid"] == io_tid
+                && e["args"].get("direction").is_some()
+                && (a..=b).contains(&e["ts"].as_f64().unwrap())
+        }) {
+            assert!(["read", "write"].contains(&e["args"]["direction"].as_str().unwrap()));
+            assert!(e["args"]["gb_per_s"].as_f64().unwrap() > 0.0, "{e}");
+            bytes += e["args"]["bytes"].as_u64().unwrap();
+        }
+        assert_eq!(bytes, read + written, "{}", st["name"]);
+    }
+    let disk: Vec<u64> = ev
+        .iter()
+        .filter(|e| e["ph"] == "C" && e["name"] == trace::DISK_COUNTER)
+        .map(|e| e["args"]["bytes"].as_u64().unwrap())
+        .collect();
+    let file = plan["by_tier"]["nvme"].as_u64().unwrap();
+    assert!(
+        !disk.is_empty() && disk.iter().all(|&d| d > 0 && d <= file),
+        "{disk:?} (file {file})"
+    );
+
+    // The chart, the page and the terminal summary name the disk tier and its traffic.
+    let svg = check_svg(&run.join("memory.svg"));
+    assert!(svg.contains("disk tier (offload file)"), "chart");
+    let page = std::fs::read_to_string(run.join("report.html")).unwrap();
+    assert!(
+        page.contains("on disk (offload file") && page.contains("disk transfers in step 2"),
+        "report.html lacks the disk tier"
+    );
+    let out = ok(&["report", run.to_str().unwrap()]);
+    assert!(
+        out.contains("disk tier: ") && out.contains("read/written per step"),
+        "{out}"
+    );
+    assert!(out.contains("  disk transfers: "), "{out}");
 }
 
 #[test]

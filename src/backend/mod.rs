@@ -7,9 +7,10 @@
 //! - [`Sizing`], what the planner asks: the workspace the backend's kernels need and the
 //!   scratch its libraries keep for themselves. The plan does not know which backend runs it
 //!   beyond these answers.
-//! - [`Device`], a started backend: runs one [`Op`] at a time, and moves bytes between the
-//!   host and plan buffers ([`Device::download`], [`Device::upload`]), which is the only way
-//!   anything outside the backend reads or writes a plan buffer.
+//! - [`Device`], a started backend: runs one [`Op`](crate::plan::Op) at a time, and moves
+//!   bytes between the host and plan buffers ([`Device::download`], [`Device::upload`]), which
+//!   is the only way anything outside the backend reads or writes a plan buffer; it also hands
+//!   the profiler the transfers between tiers it performed ([`Device::take_io_spans`]).
 
 pub mod cpu;
 
@@ -106,6 +107,28 @@ pub trait Device: Send + Sync {
     fn io_time(&self) -> IoTime {
         IoTime::default()
     }
+    /// Moves the transfers between tiers that finished since the last call (the ones that
+    /// [`crate::plan::Op::Transfer`] ops started, in the order they ran) into `out`, as many
+    /// as its spare capacity holds: `out` never grows, so a caller that reserved it before a
+    /// step allocates nothing, and one that passes an empty vector discards them. Returns how
+    /// many were not kept (for lack of room here or in the device's own log).
+    fn take_io_spans(&self, out: &mut Vec<IoSpan>) -> u64 {
+        let _ = out;
+        0
+    }
+}
+
+/// One transfer between a slower tier and the host that a device performed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IoSpan {
+    /// The host buffer it filled or emptied (a staging buffer of the plan).
+    pub buf: BufId,
+    /// Into the host buffer (else out of it).
+    pub read: bool,
+    /// Bytes moved (the buffer padded to its alignment, as the plan counts them).
+    pub bytes: u64,
+    pub start: std::time::Instant,
+    pub end: std::time::Instant,
 }
 
 /// Where a device's disk-tier time went (seconds, since it started).

@@ -110,15 +110,17 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         })?;
         let dt = t0.elapsed().as_secs_f64();
         losses.push(st.loss);
+        let end_us = micros(epoch, Instant::now());
+        let io_spans = ex.take_io_spans(epoch);
         if opts.profile.is_some()
             && let Some(r) = ex.recorder_mut()
         {
             profile.steps.push(StepProfile {
                 step: step as u64 + 1,
                 start_us: micros(epoch, t0),
-                end_us: micros(epoch, Instant::now()),
+                end_us,
                 ops: r.spans[r.spans.len().saturating_sub(n_ops)..].to_vec(),
-                spans: Vec::new(),
+                spans: io_spans,
             });
         }
         let rss_now = rss::current_rss();

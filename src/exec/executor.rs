@@ -5,13 +5,13 @@
 //! between the host and plan buffers only through the backend's download and upload.
 
 use crate::backend::cpu::Cpu;
-use crate::backend::{AdamWStep, Backend, Device, OpResult, StepCtx};
+use crate::backend::{AdamWStep, Backend, Device, IoSpan, OpResult, StepCtx};
 use crate::ckpt::{
     Lend, LentMoments, LentState, Moments, MomentsMut, OutData, SaveOptions, TrainerState,
 };
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, DType, Mode, OptimBufs, OptimState, Plan};
-use crate::profile::record::OpRecorder;
+use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 use std::ops::Range;
@@ -57,6 +57,9 @@ pub struct Executor {
     loss_scale: f32,
     /// Records each executed op's span when profiling (see [`Executor::record_ops`]).
     recorder: Option<OpRecorder>,
+    /// The device's transfers between tiers while ops were recorded, reserved for one step's
+    /// (see [`Executor::take_io_spans`]).
+    io_spans: Vec<IoSpan>,
     /// Next-token logits downloaded by [`Executor::next_token_logits`].
     logits: Vec<f32>,
     /// The step's gradient-norm shares so far: (first element of the group, sum of squares),
@@ -227,6 +230,7 @@ impl Executor {
             device,
             loss_scale: 1.0,
             recorder: None,
+            io_spans: Vec::new(),
             logits: Vec::new(),
             norm_shares: Vec::new(),
         })
@@ -652,8 +656,42 @@ impl Executor {
 
     /// Starts recording a span per executed op into `recorder` (profiling, `bench --time-ops`),
     /// or stops when `None`; returns the previous recorder with what it holds.
+    /// Transfers between tiers (the disk tier's reads and writes) are recorded with the ops;
+    /// [`Executor::take_io_spans`] takes them.
     pub fn record_ops(&mut self, recorder: Option<OpRecorder>) -> Option<OpRecorder> {
+        if recorder.is_some() {
+            let per_step = self.plan.schedule.ops.iter();
+            let per_step = per_step.filter(|e| matches!(e.op, Op::Transfer { .. }));
+            self.io_spans.reserve(per_step.count());
+        }
         std::mem::replace(&mut self.recorder, recorder)
+    }
+
+    /// The transfers between tiers the device performed while ops were recorded, since the
+    /// last call: one I/O-track span each, named after the host buffer it filled or emptied,
+    /// with its bytes and direction, times in microseconds since `epoch` (the recorder's).
+    pub fn take_io_spans(&mut self, epoch: std::time::Instant) -> Vec<Span> {
+        let spans = self
+            .io_spans
+            .iter()
+            .map(|t| {
+                let direction = if t.read {
+                    Direction::Read
+                } else {
+                    Direction::Write
+                };
+                Span {
+                    track: Track::Io,
+                    name: format!("{} {}", direction.name(), self.plan.buffer(t.buf).name),
+                    start_us: micros(epoch, t.start),
+                    end_us: micros(epoch, t.end),
+                    bytes: Some(t.bytes),
+                    direction: Some(direction),
+                }
+            })
+            .collect();
+        self.io_spans.clear();
+        spans
     }
 
     /// The active recorder, to take its spans between steps.
@@ -713,6 +751,14 @@ impl Executor {
                 }
             }
         });
+        // The transfers the ops started are done (each is awaited within the ops that need
+        // it): keep their times when recording, within the reserved room; else drop them.
+        match recorder.as_mut() {
+            Some(r) => r.dropped += device.take_io_spans(&mut self.io_spans) as usize,
+            None => {
+                device.take_io_spans(&mut Vec::new());
+            }
+        }
         self.recorder = recorder;
         match failed {
             Some(e) => Err(e),

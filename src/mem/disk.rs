@@ -11,7 +11,9 @@
 //!
 //! [`IoThread`] runs a step's transfers on a thread of their own, in the order they were
 //! started, so that reading the next group's state and writing the last one's overlap the
-//! compute; each transfer's [`Ticket`] is waited on before its host buffer is used.
+//! compute; each transfer's [`Ticket`] is waited on before its host buffer is used. It keeps
+//! the times of the transfers it performed ([`Timed`]) in a log reserved when it starts, for
+//! the profiler's I/O track.
 
 use crate::plan::packing::IO_ALIGN;
 use crate::util::bytes::fmt_bytes;
@@ -22,7 +24,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::SeqCst;
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Instant;
 
 /// Fault injection for tests: with `MEMWALL_OFFLOAD_FAIL_AFTER=N` in the environment, every
 /// transfer after the first N fails as a disk error would.
@@ -198,9 +201,33 @@ impl Ticket {
     }
 }
 
-enum Job {
-    Read { offset: u64, ptr: usize, len: usize },
-    Write { offset: u64, ptr: usize, len: usize },
+struct Job {
+    /// Read from the file into the host (else write the host bytes to the file).
+    read: bool,
+    offset: u64,
+    ptr: usize,
+    len: usize,
+    /// The submitter's name for the transfer, returned in its [`Timed`] record.
+    tag: usize,
+}
+
+/// One transfer the I/O thread performed, successful or not.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Timed {
+    /// The submitter's tag (the CPU device: the index of the host buffer).
+    pub tag: usize,
+    /// From the file into host memory (else host memory to the file).
+    pub read: bool,
+    pub bytes: u64,
+    pub start: Instant,
+    pub end: Instant,
+}
+
+/// The log of timed transfers: reserved once, never grown (records past its capacity are
+/// counted, not kept), so the I/O thread allocates nothing per transfer.
+struct TimedLog {
+    done: Vec<Timed>,
+    dropped: u64,
 }
 
 /// The offload file's I/O thread: transfers run one after the other, beside the compute.
@@ -208,35 +235,61 @@ pub struct IoThread {
     disk: Arc<DiskTier>,
     /// Nanoseconds the thread spent in transfers.
     busy_ns: Arc<AtomicU64>,
+    log: Arc<Mutex<TimedLog>>,
     jobs: Option<mpsc::Sender<(Job, mpsc::Sender<Result<()>>)>>,
     worker: Option<std::thread::JoinHandle<()>>,
 }
 
 impl IoThread {
-    pub fn new(disk: DiskTier) -> Result<IoThread> {
+    /// Starts the thread, with room to log `log_capacity` transfers between two calls of
+    /// [`IoThread::take_timed`].
+    pub fn new(disk: DiskTier, log_capacity: usize) -> Result<IoThread> {
         let disk = Arc::new(disk);
         let (tx, rx) = mpsc::channel::<(Job, mpsc::Sender<Result<()>>)>();
         let d = disk.clone();
         let busy_ns = Arc::new(AtomicU64::new(0));
         let busy = busy_ns.clone();
+        let log = Arc::new(Mutex::new(TimedLog {
+            done: Vec::with_capacity(log_capacity),
+            dropped: 0,
+        }));
+        let log_w = log.clone();
         let worker = std::thread::Builder::new()
             .name("memwall-io".into())
             .spawn(move || {
                 for (job, done) in rx {
-                    let t0 = std::time::Instant::now();
+                    let start = Instant::now();
+                    let Job {
+                        read,
+                        offset,
+                        ptr,
+                        len,
+                        tag,
+                    } = job;
                     // SAFETY: the submitter keeps the memory valid and untouched until it
                     // has waited on the ticket (`IoThread::read`/`write`'s contract).
                     let r = unsafe {
-                        match job {
-                            Job::Read { offset, ptr, len } => {
-                                d.read(offset, std::slice::from_raw_parts_mut(ptr as *mut u8, len))
-                            }
-                            Job::Write { offset, ptr, len } => {
-                                d.write(offset, std::slice::from_raw_parts(ptr as *const u8, len))
-                            }
+                        if read {
+                            d.read(offset, std::slice::from_raw_parts_mut(ptr as *mut u8, len))
+                        } else {
+                            d.write(offset, std::slice::from_raw_parts(ptr as *const u8, len))
                         }
                     };
-                    busy.fetch_add(t0.elapsed().as_nanos() as u64, SeqCst);
+                    let end = Instant::now();
+                    busy.fetch_add((end - start).as_nanos() as u64, SeqCst);
+                    if let Ok(mut log) = log_w.lock() {
+                        if log.done.len() < log.done.capacity() {
+                            log.done.push(Timed {
+                                tag,
+                                read,
+                                bytes: len as u64,
+                                start,
+                                end,
+                            });
+                        } else {
+                            log.dropped += 1;
+                        }
+                    }
                     let _ = done.send(r);
                 }
             })
@@ -244,9 +297,18 @@ impl IoThread {
         Ok(IoThread {
             disk,
             busy_ns,
+            log,
             jobs: Some(tx),
             worker: Some(worker),
         })
+    }
+
+    /// Hands `f` the transfers finished since the last call, in the order they ran, and
+    /// empties the log (keeping its reservation); returns how many did not fit the log.
+    pub fn take_timed(&self, f: &mut dyn FnMut(Timed)) -> u64 {
+        let mut log = self.log.lock().expect("not poisoned");
+        log.done.drain(..).for_each(&mut *f);
+        std::mem::take(&mut log.dropped)
     }
 
     /// Seconds the thread has spent in transfers.
@@ -268,28 +330,33 @@ impl IoThread {
         Ticket(ticket)
     }
 
-    /// Starts reading `buf.len()` bytes at `offset` into `buf`.
+    /// Starts reading `buf.len()` bytes at `offset` into `buf`; `tag` names the transfer in
+    /// its [`Timed`] record.
     ///
     /// # Safety
     /// `buf` must stay valid, and be neither read nor written by anyone else, until the
     /// returned ticket has been waited on (or this thread dropped).
-    pub unsafe fn read(&self, offset: u64, buf: &mut [u8]) -> Ticket {
-        self.submit(Job::Read {
+    pub unsafe fn read(&self, offset: u64, buf: &mut [u8], tag: usize) -> Ticket {
+        self.submit(Job {
+            read: true,
             offset,
             ptr: buf.as_mut_ptr() as usize,
             len: buf.len(),
+            tag,
         })
     }
 
-    /// Starts writing `buf` at `offset`.
+    /// Starts writing `buf` at `offset`; `tag` names the transfer in its [`Timed`] record.
     ///
     /// # Safety
     /// `buf` must stay valid and unwritten until the returned ticket has been waited on.
-    pub unsafe fn write(&self, offset: u64, buf: &[u8]) -> Ticket {
-        self.submit(Job::Write {
+    pub unsafe fn write(&self, offset: u64, buf: &[u8], tag: usize) -> Ticket {
+        self.submit(Job {
+            read: false,
             offset,
             ptr: buf.as_ptr() as usize,
             len: buf.len(),
+            tag,
         })
     }
 }
@@ -354,6 +421,36 @@ mod tests {
         assert_eq!(src, dst);
         drop(tier);
         assert!(!path.exists(), "the scratch file is removed");
+    }
+
+    #[test]
+    fn the_io_thread_times_its_transfers_in_a_bounded_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = IO_ALIGN as usize;
+        let io = IoThread::new(
+            DiskTier::create(dir.path(), "t.bin", 4 * n as u64).unwrap(),
+            2,
+        )
+        .unwrap();
+        let a = Arena::new(3 * n as u64).unwrap();
+        // SAFETY: two disjoint views of a fresh arena, untouched until the tickets are waited.
+        let (src, dst) = unsafe { (a.view_mut::<u8>(0, n), a.view_mut::<u8>(n as u64, 2 * n)) };
+        let t0 = Instant::now();
+        // SAFETY: each buffer is left alone until its ticket is waited on.
+        unsafe {
+            io.write(0, src, 7).wait().unwrap();
+            io.read(0, dst, 9).wait().unwrap();
+            io.read(0, &mut dst[..n], 11).wait().unwrap(); // past the log's room: counted
+        }
+        let mut got = Vec::new();
+        assert_eq!(io.take_timed(&mut |t| got.push(t)), 1);
+        let kinds: Vec<_> = got.iter().map(|t| (t.tag, t.read, t.bytes)).collect();
+        assert_eq!(kinds, [(7, false, n as u64), (9, true, 2 * n as u64)]);
+        assert!(got[0].start >= t0 && got[0].end <= got[1].start && got[1].start <= got[1].end);
+        // Taken means gone; the room is kept.
+        assert_eq!(io.take_timed(&mut |_| panic!("taken twice")), 0);
+        unsafe { io.read(0, src, 1).wait().unwrap() };
+        assert_eq!(io.take_timed(&mut |t| assert_eq!(t.tag, 1)), 0);
     }
 
     #[test]

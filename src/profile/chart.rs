@@ -1,6 +1,7 @@
 //! SVG charts, drawn with `plotters` (SVG backend; text is emitted as SVG `<text>`, so no
 //! system fonts are needed): the memory timeline of one step, stacked by category, with the
-//! peak marked, the measured RSS over the prediction and the buffers live at the peak; and
+//! peak marked, the measured RSS over the prediction, the disk tier's size and traffic
+//! (`--offload`) and the buffers live at the peak; and
 //! the line charts of a run (loss, throughput, resident memory per step).
 
 use super::record::StepProfile;
@@ -235,6 +236,28 @@ pub fn memory_svg(
                 .draw(&Text::new(label, (26, y - 9), style.clone()))
                 .map_err(plot_err)?;
             y += 16;
+        }
+        // The disk tier is not memory: named here, with its traffic, not stacked.
+        let file = plan
+            .by_tier
+            .get("nvme")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0);
+        if file > 0 {
+            let disk = [
+                format!("disk tier (offload file): {}", fmt_bytes(file)),
+                format!(
+                    "  read {}, written {} per step",
+                    fmt_bytes(plan.io_read_bytes_per_step),
+                    fmt_bytes(plan.io_write_bytes_per_step)
+                ),
+            ];
+            for label in disk {
+                right
+                    .draw(&Text::new(label, (8, y - 9), style.clone()))
+                    .map_err(plot_err)?;
+                y += 16;
+            }
         }
         y += 14;
         let at_peak = live_buffers(plan, tl.peak_op);

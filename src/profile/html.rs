@@ -6,7 +6,7 @@
 use super::chart::category_hex;
 use super::leak::LeakReport;
 use super::record::Profile;
-use super::timeline::{MemoryTimeline, StepTimes, live_buffers};
+use super::timeline::{MemoryTimeline, StepIo, StepTimes, disk_tier_line, live_buffers};
 use crate::run_dir::PlanJson;
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
@@ -164,6 +164,17 @@ impl ReportPage<'_> {
                 fmt_bytes(p.external_bytes)
             ),
         );
+        if let Some(line) = disk_tier_line(p, tl) {
+            kv("disk tier", line);
+        }
+        if let Some(step) = self.profile.and_then(|pr| pr.chart_step())
+            && let Some(io) = StepIo::new(step)
+        {
+            kv(
+                &format!("disk transfers in step {}", step.step),
+                io.line(step.end_us - step.start_us),
+            );
+        }
         kv(
             "predicted peak RSS",
             format!(

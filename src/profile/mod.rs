@@ -1,7 +1,8 @@
 //! The profiler: where every byte and second of a step went, predicted and measured.
 //!
 //! - [`record`]: what is recorded while steps run (op spans with the RSS after each op,
-//!   transfers), saved as `RUN_DIR/profile.json`.
+//!   transfers: batches, checkpoints, the disk tier's reads and writes), saved as
+//!   `RUN_DIR/profile.json`.
 //! - [`timeline`]: the plan's memory by category at every op, read back from `plan.json`, so a
 //!   report needs no model or executor, only the run directory.
 //! - [`trace`]: Chrome trace events (`trace.json`, opens in Perfetto or chrome://tracing).
@@ -18,4 +19,4 @@ pub mod report;
 pub mod timeline;
 pub mod trace;
 
-pub use record::{OpRecorder, OpSpan, Profile, Span, StepProfile, Track};
+pub use record::{Direction, OpRecorder, OpSpan, Profile, Span, StepProfile, Track};

@@ -34,6 +34,25 @@ pub enum Track {
     Communication,
 }
 
+/// Which way a transfer between a memory tier and host RAM went.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    /// From the tier (the offload file) into host RAM.
+    Read,
+    /// From host RAM to the tier.
+    Write,
+}
+
+impl Direction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Read => "read",
+            Direction::Write => "write",
+        }
+    }
+}
+
 /// A span that is not a schedule op: a transfer, a checkpoint write, an evaluation.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Span {
@@ -43,6 +62,10 @@ pub struct Span {
     pub end_us: f64,
     /// Bytes moved, for transfers.
     pub bytes: Option<u64>,
+    /// For a transfer between a memory tier and host RAM (the offload file's reads and
+    /// writes during a step): which way it went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub direction: Option<Direction>,
 }
 
 /// Everything recorded for one profiled step.

@@ -57,6 +57,9 @@ pub fn summary(plan: &PlanJson, tl: &MemoryTimeline, profile: Option<&Profile>) 
     if at_peak.len() > 5 {
         let _ = writeln!(s, "  … and {} more buffers", at_peak.len() - 5);
     }
+    if let Some(line) = super::timeline::disk_tier_line(plan, tl) {
+        let _ = writeln!(s, "disk tier: {line}");
+    }
     if let Some(step) = profile.and_then(|p| p.chart_step()) {
         let phases = super::timeline::StepTimes::new(plan, step).phases;
         let parts: Vec<String> = phases
@@ -70,6 +73,13 @@ pub fn summary(plan: &PlanJson, tl: &MemoryTimeline, profile: Option<&Profile>) 
             (step.end_us - step.start_us) / 1e3,
             parts.join(", ")
         );
+        if let Some(io) = super::timeline::StepIo::new(step) {
+            let _ = writeln!(
+                s,
+                "  disk transfers: {}",
+                io.line(step.end_us - step.start_us)
+            );
+        }
     }
     s
 }

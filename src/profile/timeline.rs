@@ -18,6 +18,9 @@ pub struct MemoryTimeline {
     /// The op with the most bytes live (the first, if several).
     pub peak_op: usize,
     pub peak_bytes: u64,
+    /// `disk[op]`: bytes of the disk tier's buffers (`--offload`: the offload file) live at
+    /// op `op`; empty when the plan has no disk tier. Not memory, so not in `live`.
+    pub disk: Vec<u64>,
 }
 
 impl MemoryTimeline {
@@ -45,11 +48,17 @@ impl MemoryTimeline {
                 (peak_op, peak_bytes) = (op, total);
             }
         }
+        let on_disk = plan.buffers.iter().filter(|b| b.tier == Tier::Nvme);
+        let disk = match on_disk.clone().next() {
+            None => Vec::new(),
+            Some(_) => live_bytes_per_op(on_disk.map(|b| (b.first_op, b.last_op, b.bytes)), n),
+        };
         MemoryTimeline {
             categories,
             live,
             peak_op,
             peak_bytes,
+            disk,
         }
     }
 
@@ -107,6 +116,81 @@ impl StepTimes {
         }
         t.kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
         t
+    }
+}
+
+/// The disk tier in one line, when the plan has one (`--offload`): the offload file's size,
+/// the most of it live at once, and the bytes read and written per step.
+pub fn disk_tier_line(plan: &PlanJson, tl: &MemoryTimeline) -> Option<String> {
+    use crate::util::bytes::fmt_bytes;
+    let file = plan
+        .by_tier
+        .get("nvme")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0);
+    if file == 0 && tl.disk.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "{} on disk (offload file; {} live at most), read/written per step: {} / {}",
+        fmt_bytes(file),
+        fmt_bytes(tl.disk.iter().copied().max().unwrap_or(0)),
+        fmt_bytes(plan.io_read_bytes_per_step),
+        fmt_bytes(plan.io_write_bytes_per_step)
+    ))
+}
+
+/// The disk tier's transfers in one profiled step (its I/O spans with a direction).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepIo {
+    pub reads: usize,
+    pub read_bytes: u64,
+    /// Sum of the reads' durations (microseconds).
+    pub read_us: f64,
+    pub writes: usize,
+    pub write_bytes: u64,
+    pub write_us: f64,
+}
+
+impl StepIo {
+    /// `None` when the step recorded no transfer of a tier.
+    pub fn new(step: &super::record::StepProfile) -> Option<StepIo> {
+        use super::record::Direction;
+        let mut io = StepIo::default();
+        for sp in &step.spans {
+            let b = sp.bytes.unwrap_or(0);
+            let d = sp.end_us - sp.start_us;
+            match sp.direction {
+                Some(Direction::Read) => {
+                    (io.reads, io.read_bytes, io.read_us) =
+                        (io.reads + 1, io.read_bytes + b, io.read_us + d)
+                }
+                Some(Direction::Write) => {
+                    (io.writes, io.write_bytes, io.write_us) =
+                        (io.writes + 1, io.write_bytes + b, io.write_us + d)
+                }
+                None => {}
+            }
+        }
+        (io.reads + io.writes > 0).then_some(io)
+    }
+
+    /// One line: counts, bytes and rates of the reads and writes, and the I/O thread's busy
+    /// time against the step's `step_us`.
+    pub fn line(&self, step_us: f64) -> String {
+        use crate::util::bytes::fmt_bytes;
+        let rate = |b: u64, us: f64| if us > 0.0 { b as f64 / us / 1e3 } else { 0.0 };
+        format!(
+            "{} reads, {} at {:.2} GB/s; {} writes, {} at {:.2} GB/s; disk busy {:.1} ms of the step's {:.1} ms",
+            self.reads,
+            fmt_bytes(self.read_bytes),
+            rate(self.read_bytes, self.read_us),
+            self.writes,
+            fmt_bytes(self.write_bytes),
+            rate(self.write_bytes, self.write_us),
+            (self.read_us + self.write_us) / 1e3,
+            step_us / 1e3
+        )
     }
 }
 

@@ -2,7 +2,9 @@
 //! and chrome://tracing): one process with three tracks — compute (every op of the profiled
 //! steps inside its step), I/O (batches staged, checkpoints written, tier transfers) and
 //! communication (collectives) — plus counter tracks: the plan's bytes by category at each op
-//! (one tier today, host RAM) and the measured resident memory above the process baseline.
+//! in host RAM, the disk tier's live bytes (`--offload`), and the measured resident memory
+//! above the process baseline. Each read and write of the disk tier during a step is a
+//! complete event on the I/O track with its bytes, direction and GB/s.
 
 use super::record::{Profile, Track};
 use super::timeline::MemoryTimeline;
@@ -10,6 +12,9 @@ use crate::run_dir::PlanJson;
 use serde_json::{Map, Value, json};
 
 const PID: u32 = 1;
+
+/// The counter track of the disk tier's live bytes.
+pub const DISK_COUNTER: &str = "plan: disk tier (offload file) live bytes";
 
 fn tid(track: Track) -> u32 {
     match track {
@@ -50,6 +55,7 @@ pub fn chrome_trace(plan: &PlanJson, profile: &Profile, timeline: &MemoryTimelin
                        "name": format!("step {}", step.step), "cat": "step",
                        "ts": step.start_us, "dur": step.end_us - step.start_us}));
         let mut last_live: Option<&[u64]> = None;
+        let mut last_disk: Option<u64> = None;
         for s in &step.ops {
             let op = s.op as usize;
             let Some(info) = plan.schedule.get(op) else {
@@ -76,6 +82,13 @@ pub fn chrome_trace(plan: &PlanJson, profile: &Profile, timeline: &MemoryTimelin
                 );
                 last_live = Some(live);
             }
+            if let Some(&d) = timeline.disk.get(op)
+                && last_disk != Some(d)
+            {
+                ev.push(json!({"ph": "C", "pid": PID, "name": DISK_COUNTER,
+                               "ts": s.start_us, "args": {"bytes": d}}));
+                last_disk = Some(d);
+            }
             if s.rss > 0 {
                 ev.push(
                     json!({"ph": "C", "pid": PID, "name": "measured: RSS above baseline",
@@ -93,6 +106,9 @@ pub fn chrome_trace(plan: &PlanJson, profile: &Profile, timeline: &MemoryTimelin
                     args["gb_per_s"] = json!(b as f64 / dur / 1e3);
                 }
             }
+            if let Some(d) = sp.direction {
+                args["direction"] = json!(d.name());
+            }
             ev.push(json!({"ph": "X", "pid": PID, "tid": tid(sp.track),
                            "name": sp.name, "cat": track_name(sp.track),
                            "ts": sp.start_us, "dur": dur, "args": args}));
@@ -106,6 +122,9 @@ pub fn chrome_trace(plan: &PlanJson, profile: &Profile, timeline: &MemoryTimelin
             "precision": plan.precision,
             "recompute": plan.config_str("recompute"),
             "plan_total_bytes": plan.total_bytes,
+            "disk_tier_bytes": plan.by_tier.get("nvme").and_then(Value::as_u64).unwrap_or(0),
+            "io_read_bytes_per_step": plan.io_read_bytes_per_step,
+            "io_write_bytes_per_step": plan.io_write_bytes_per_step,
             "baseline_rss_bytes": profile.baseline_rss,
             "profiled_steps": profile.steps.iter().map(|s| s.step).collect::<Vec<_>>(),
         }

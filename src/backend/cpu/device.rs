@@ -6,7 +6,7 @@ use super::elem::Elem;
 use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::packing_bytes;
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
-use crate::backend::{Backend, Device, IoTime, OpResult, Sizing, StepCtx};
+use crate::backend::{Backend, Device, IoSpan, IoTime, OpResult, Sizing, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::mem::arena::Arena;
 use crate::mem::disk::{DiskTier, IoThread, Ticket};
@@ -161,7 +161,13 @@ impl CpuDevice {
             .build()?;
         let io = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
             (0, _) => None,
-            (bytes, Some(dir)) => Some(IoThread::new(DiskTier::create(dir, OFFLOAD_FILE, bytes)?)?),
+            (bytes, Some(dir)) => {
+                // Room to time one step's transfers (the executor takes them after each run).
+                let per_step = plan.schedule.ops.iter();
+                let per_step = per_step.filter(|e| matches!(e.op, Op::Transfer { .. }));
+                let disk = DiskTier::create(dir, OFFLOAD_FILE, bytes)?;
+                Some(IoThread::new(disk, per_step.count())?)
+            }
             (_, None) => bail!("--offload needs --offload-dir (a directory on a local disk)"),
         };
         let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
@@ -203,12 +209,15 @@ impl CpuDevice {
         // packing gives no other buffer live in between its bytes).
         let (host, ticket) = unsafe {
             match (f.placement.tier, t.placement.tier) {
-                (Tier::Nvme, Tier::Host) => {
-                    (to, self.io().read(f.placement.offset, self.padded(to)))
-                }
-                (Tier::Host, Tier::Nvme) => {
-                    (from, self.io().write(t.placement.offset, self.padded(from)))
-                }
+                (Tier::Nvme, Tier::Host) => (
+                    to,
+                    self.io().read(f.placement.offset, self.padded(to), to.0),
+                ),
+                (Tier::Host, Tier::Nvme) => (
+                    from,
+                    self.io()
+                        .write(t.placement.offset, self.padded(from), from.0),
+                ),
                 (a, b) => panic!(
                     "internal error: transfer {} ({a:?}) -> {} ({b:?})",
                     f.name, t.name
@@ -469,6 +478,25 @@ impl Device for CpuDevice {
             busy_s: self.io.as_ref().map_or(0.0, |io| io.busy_s()),
             stall_s: self.stall_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9,
         }
+    }
+
+    fn take_io_spans(&self, out: &mut Vec<IoSpan>) -> u64 {
+        let Some(io) = &self.io else { return 0 };
+        let mut no_room = 0;
+        let not_logged = io.take_timed(&mut |t| {
+            if out.len() < out.capacity() {
+                out.push(IoSpan {
+                    buf: BufId(t.tag),
+                    read: t.read,
+                    bytes: t.bytes,
+                    start: t.start,
+                    end: t.end,
+                });
+            } else {
+                no_room += 1;
+            }
+        });
+        not_logged + no_room
     }
 
     fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()> {

@@ -22,6 +22,7 @@ pub(super) fn span(
         start_us: micros(epoch, start),
         end_us: micros(epoch, end),
         bytes,
+        direction: None,
     }
 }
 

@@ -136,13 +136,16 @@ impl Run<'_> {
         Ok(spans)
     }
 
-    /// Takes the recorder back after a profiled step; the step's ops and `spans`.
-    fn end_recording(&mut self, t0: Instant, spans: Vec<Span>) -> StepProfile {
+    /// Takes the recorder back after a profiled step; the step's ops, `spans` and the disk
+    /// tier's transfers.
+    fn end_recording(&mut self, t0: Instant, mut spans: Vec<Span>) -> StepProfile {
+        let end_us = micros(self.epoch, Instant::now());
         self.recorder = self.ex.record_ops(None);
+        spans.extend(self.ex.take_io_spans(self.epoch));
         StepProfile {
             step: self.step + 1,
             start_us: micros(self.epoch, t0),
-            end_us: micros(self.epoch, Instant::now()),
+            end_us,
             ops: self
                 .recorder
                 .as_mut()
