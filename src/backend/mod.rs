@@ -112,8 +112,7 @@ pub trait Device: Send + Sync {
     /// as its spare capacity holds: `out` never grows, so a caller that reserved it before a
     /// step allocates nothing, and one that passes an empty vector discards them. Returns how
     /// many were not kept (for lack of room here or in the device's own log).
-    fn take_io_spans(&self, out: &mut Vec<IoSpan>) -> u64 {
-        let _ = out;
+    fn take_io_spans(&self, _out: &mut Vec<IoSpan>) -> u64 {
         0
     }
 }
