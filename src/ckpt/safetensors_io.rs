@@ -59,8 +59,8 @@ pub(crate) trait Lend {
     /// Number of elements.
     fn len(&self) -> usize;
     /// Calls `put` with elements `range`, in order, as consecutive pieces of the type of
-    /// [`Lend::elem`] (at least one element each); stops at the first error, `put`'s or its
-    /// own (naming what could not be read).
+    /// [`Lend::elem`]; stops at the first error, `put`'s or its own (naming what could not
+    /// be read).
     fn lend(
         &self,
         range: Range<usize>,
@@ -79,12 +79,7 @@ pub(crate) struct Whole<'a>(pub OutData<'a>);
 
 impl Lend for Whole<'_> {
     fn elem(&self) -> OutData<'static> {
-        match self.0 {
-            OutData::F32(_) => OutData::F32(&[]),
-            OutData::Bf16(_) => OutData::Bf16(&[]),
-            OutData::I8(_) => OutData::I8(&[]),
-            OutData::U8(_) => OutData::U8(&[]),
-        }
+        self.0.kind()
     }
 
     fn len(&self) -> usize {
@@ -132,6 +127,16 @@ impl<'a> OutData<'a> {
             OutData::Bf16(_) => (2, "BF16"),
             OutData::I8(_) => (1, "I8"),
             OutData::U8(_) => (1, "U8"),
+        }
+    }
+
+    /// The empty piece of this element type (what [`Lend::elem`] returns).
+    pub(crate) fn kind(&self) -> OutData<'static> {
+        match self {
+            OutData::F32(_) => OutData::F32(&[]),
+            OutData::Bf16(_) => OutData::Bf16(&[]),
+            OutData::I8(_) => OutData::I8(&[]),
+            OutData::U8(_) => OutData::U8(&[]),
         }
     }
 
