@@ -7,6 +7,26 @@
 //! overlap never share bytes. The executor allocates that arena once and hands out views; so the
 //! plan's arena size *is* the step's memory, and `memwall plan` answers "will it fit?" up front.
 
+/// Serialises a strategy type as its flag text (`Display`) and reads it back with its flag
+/// parser (`FromStr`), so `plan.json`, a run's options and the CLI share one spelling.
+macro_rules! serde_as_flag_text {
+    ($t:ty) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$t, D::Error> {
+                <String as serde::Deserialize>::deserialize(d)?
+                    .parse()
+                    .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+            }
+        }
+    };
+}
+
 pub mod buffer;
 pub mod build;
 pub(crate) mod builder;

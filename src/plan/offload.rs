@@ -7,7 +7,7 @@
 //! The transformation itself is `plan::stage`; this module names what it applies to.
 
 use anyhow::{Result, bail};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -113,19 +113,7 @@ impl fmt::Display for OffloadSet {
     }
 }
 
-impl Serialize for OffloadSet {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for OffloadSet {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<OffloadSet, D::Error> {
-        String::deserialize(d)?
-            .parse()
-            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
-    }
-}
+serde_as_flag_text!(OffloadSet);
 
 /// `--offload`: a placement, or `auto` (the placement with the least I/O per step that fits
 /// `--max-memory`, chosen by `plan::fit`).
@@ -152,19 +140,7 @@ impl FromStr for OffloadChoice {
     }
 }
 
-impl Serialize for OffloadChoice {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for OffloadChoice {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<OffloadChoice, D::Error> {
-        String::deserialize(d)?
-            .parse()
-            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
-    }
-}
+serde_as_flag_text!(OffloadChoice);
 
 impl OffloadChoice {
     /// Whether this may put anything on disk (so an offload directory is needed).

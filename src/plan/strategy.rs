@@ -151,19 +151,7 @@ impl<'de> Deserialize<'de> for Recompute {
     }
 }
 
-impl Serialize for RecomputeChoice {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for RecomputeChoice {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RecomputeChoice, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse()
-            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
-    }
-}
+serde_as_flag_text!(RecomputeChoice);
 
 /// Numeric format of weights used in compute, activations and gradients (`--precision`).
 /// Mixed precision keeps the weights in fp32 (category `master`); kernels convert them per
@@ -212,19 +200,7 @@ impl FromStr for Precision {
     }
 }
 
-impl Serialize for Precision {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Precision {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Precision, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse()
-            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
-    }
-}
+serde_as_flag_text!(Precision);
 
 /// Storage of the AdamW moments (`--optim-state`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -261,19 +237,7 @@ impl FromStr for OptimState {
     }
 }
 
-impl Serialize for OptimState {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for OptimState {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<OptimState, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse()
-            .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
-    }
-}
+serde_as_flag_text!(OptimState);
 
 #[cfg(test)]
 mod tests {
