@@ -229,7 +229,8 @@ struct StrategyArgs {
     /// (the placement with the least disk I/O that fits --max-memory), or a comma list of
     /// optimizer (the AdamW moments, read one parameter group at a time for its update and
     /// written back), params (read one group at a time before its forward, its backward and
-    /// its update), grads (written after each group's backward, read back for the update),
+    /// its update), grads (written after each group's backward, read back for the update,
+    /// which then runs in the next step's forward so its disk traffic overlaps arithmetic),
     /// activations (what the forward keeps for the backward: with --recompute full, only the
     /// block inputs). Weights are bitwise the same under every placement
     /// [default: none; with --resume: the run's]
@@ -371,17 +372,23 @@ struct SampleArgs {
 
 #[derive(Args)]
 struct BenchArgs {
+    /// Model: a preset (gpt2-tiny ... gpt2-xl, llama-tiny ... llama-3-8b; see `plan --help`),
+    /// a Hugging Face model or checkpoint directory, or a config.json. Weights are random.
     #[arg(long, default_value = "gpt2")]
     model: String,
+    /// Micro-batch size, sequences per step.
     #[arg(long, default_value_t = 4)]
     batch: usize,
+    /// Sequence length in tokens (random token ids).
     #[arg(long, default_value_t = 256)]
     seq: usize,
     /// Timed steps, after one warm-up step.
     #[arg(long, default_value_t = 4)]
     steps: usize,
+    /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Seed of the initial weights and of the random tokens.
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Also report seconds and GFLOP/s per op kind (time_by_op).
@@ -391,7 +398,8 @@ struct BenchArgs {
     /// memory.svg and report.html into DIR.
     #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "bench-profile")]
     profile: Option<PathBuf>,
-    /// Memory budget for --recompute auto, e.g. 3GiB.
+    /// Memory budget, e.g. 3GiB: refuse plans whose predicted peak exceeds it (needed by
+    /// --recompute auto and --offload auto).
     #[arg(long, value_parser = parse_bytes)]
     max_memory: Option<u64>,
     #[command(flatten)]

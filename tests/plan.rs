@@ -129,22 +129,17 @@ fn gradient_buffers_live_from_first_write_to_update() {
 #[test]
 fn staged_transfers_own_their_copies_until_waited() {
     use memwall::plan::schedule::Op;
-    use memwall::plan::{OffloadSet, Tier};
-    for (model, accum, recompute) in [
-        ("gpt2-tiny", 1, Recompute::Selective),
-        ("llama-tiny", 2, Recompute::Full),
-        ("gpt2", 1, Recompute::Selective),
-    ] {
-        let spec = ModelSpec::preset(model).unwrap();
-        let mut cfg = StepConfig::new(2, 32, 1);
-        cfg.grad_accum = accum;
-        cfg.recompute = recompute;
-        cfg.offload.set = OffloadSet::ALL;
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
-        let ops = &plan.schedule.ops;
-        let mut in_flight: Vec<(memwall::plan::BufId, memwall::plan::Phase)> = Vec::new();
+    use memwall::plan::{OffloadSet, Phase, Plan, Tier};
+    // Walks the ops the executor runs together (those whose phase `runs` keeps): no op
+    // touches a copy while it is in flight or reads a disk-tier buffer directly, every
+    // transfer is awaited in its own phase and before the run ends. Returns the transfers.
+    fn walk(plan: &Plan, what: &str, runs: &dyn Fn(Phase) -> bool) -> usize {
+        let mut in_flight: Vec<(memwall::plan::BufId, Phase)> = Vec::new();
         let mut transfers = 0;
-        for (i, e) in ops.iter().enumerate() {
+        for (i, e) in plan.schedule.ops.iter().enumerate() {
+            if !runs(e.phase) {
+                continue;
+            }
             let (r, w) = e.touches();
             match &e.op {
                 Op::Transfer { from, to } => {
@@ -156,7 +151,7 @@ fn staged_transfers_own_their_copies_until_waited() {
                     };
                     assert!(
                         !in_flight.iter().any(|x| x.0 == host),
-                        "{model}: op {i} {} starts a second transfer of one copy",
+                        "{what}: op {i} {} starts a second transfer of one copy",
                         e.name
                     );
                     in_flight.push((host, e.phase));
@@ -164,11 +159,10 @@ fn staged_transfers_own_their_copies_until_waited() {
                 Op::AwaitTransfers { bufs } => {
                     for b in bufs {
                         let k = in_flight.iter().position(|x| x.0 == *b);
-                        let k =
-                            k.unwrap_or_else(|| panic!("{model}: {} waits for nothing", e.name));
+                        let k = k.unwrap_or_else(|| panic!("{what}: {} waits for nothing", e.name));
                         assert_eq!(
                             in_flight[k].1, e.phase,
-                            "{model}: {} in another phase",
+                            "{what}: {} in another phase",
                             e.name
                         );
                         in_flight.remove(k);
@@ -178,14 +172,14 @@ fn staged_transfers_own_their_copies_until_waited() {
                     for id in r.iter().chain(&w) {
                         assert!(
                             !in_flight.iter().any(|x| x.0 == *id),
-                            "{model}: op {i} {} touches {} while it is being transferred",
+                            "{what}: op {i} {} touches {} while it is being transferred",
                             e.name,
                             plan.buffer(*id).name
                         );
                         assert_eq!(
                             plan.buffer(*id).placement.tier,
                             Tier::Host,
-                            "{model}: op {} reads a disk-tier buffer directly",
+                            "{what}: op {} reads a disk-tier buffer directly",
                             e.name
                         );
                     }
@@ -194,12 +188,55 @@ fn staged_transfers_own_their_copies_until_waited() {
         }
         assert!(
             in_flight.is_empty(),
-            "{model}: transfers left in flight at the end"
+            "{what}: transfers left in flight at the end"
         );
+        transfers
+    }
+    for (model, accum, recompute, placement) in [
+        ("gpt2-tiny", 1, Recompute::Selective, "all"),
+        ("llama-tiny", 2, Recompute::Full, "all"),
+        ("gpt2", 1, Recompute::Selective, "all"),
+        ("gpt2-tiny", 2, Recompute::None, "optimizer,params"),
+    ] {
+        let spec = ModelSpec::preset(model).unwrap();
+        let mut cfg = StepConfig::new(2, 32, 1);
+        cfg.grad_accum = accum;
+        cfg.recompute = recompute;
+        cfg.offload.set = placement.parse().unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let what = format!("{model} --offload {placement}");
+        let s = &plan.schedule;
+        // Gradients on disk defer each update into the next step's forward.
+        assert_eq!(s.deferred_update, cfg.offload.set.grads, "{what}");
+        let update = |p| matches!(p, Phase::Optimizer | Phase::DeferredUpdate);
+        // The runs of the executor: a step (with its update, or in a deferred plan with the
+        // previous step's, or none), the update alone, an evaluation.
+        let step = walk(&plan, &what, &|p| s.in_step(p));
+        walk(&plan, &what, &|p| !update(p));
+        walk(&plan, &what, &|p| p == Phase::Optimizer);
+        walk(&plan, &what, &|p| p == Phase::Forward);
         assert!(
-            transfers > 4 * plan.layout.groups.len(),
-            "{model}: {transfers} transfers"
+            step > 4 * plan.layout.groups.len(),
+            "{what}: {step} transfers"
         );
+        if s.deferred_update {
+            // Each group's deferred update comes before any other op of the step touches
+            // its parameters or gradients.
+            let mut seen = vec![false; plan.layout.groups.len()];
+            for e in s.ops.iter().filter(|e| s.in_step(e.phase)) {
+                let group = |r: &std::ops::Range<usize>| {
+                    let g = &plan.layout.groups;
+                    g.partition_point(|g| plan.layout.group_range(g).end <= r.start)
+                };
+                let ranges = e.op.param_ranges().into_iter().chain(e.op.grad_ranges());
+                for k in ranges.map(|r| group(&r)) {
+                    match e.phase {
+                        Phase::DeferredUpdate => seen[k] = true,
+                        _ => assert!(seen[k], "{what}: {} before its group's update", e.name),
+                    }
+                }
+            }
+        }
         // GPT-2 124M: the host arena holds under half of what it holds with everything in
         // RAM (the tiny models' embeddings, staged whole for their update, outweigh the rest).
         cfg.offload.set = OffloadSet::NONE;

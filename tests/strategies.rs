@@ -70,6 +70,7 @@ fn train(spec: &ModelSpec, cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>)
         ex.upload_batch(&batch).unwrap();
         losses.push(ex.train_step(&hp(step)).unwrap().loss);
     }
+    ex.finish_update().unwrap();
     (ex.download_params(), losses)
 }
 
@@ -546,6 +547,7 @@ fn offloading_changes_no_bit() {
                     for s in 1..=2 {
                         ex.train_step(&hp(s)).unwrap();
                     }
+                    ex.finish_update().unwrap();
                     let ckpt = dir.path().join(format!("ckpt-{}", cfg.offload.set));
                     (moment_bytes(&ex), checkpoint_files(&ex, &ckpt))
                 };

@@ -29,7 +29,7 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Time every op and report where the step's time goes (adds a clock read per op).
     pub time_ops: bool,
-    /// Memory strategies; `max_memory` is the budget of `--recompute auto`.
+    /// Memory strategies; `max_memory` is the budget the plan must fit (and `auto` choices fit).
     pub strategies: Strategies,
     /// Profile every step into this directory (plan.json, metrics.jsonl, profile.json,
     /// trace.json, memory.svg, report.html).
@@ -164,7 +164,6 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
     let tokens = (opts.strategies.grad_accum * opts.batch * opts.seq) as f64;
-    let peak = rss::peak_rss();
     // Time by op kind (the name without its layer prefix), largest first.
     let by_kind: Vec<Value> = match ex.record_ops(None) {
         None => Vec::new(),
@@ -191,6 +190,10 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
                 .collect()
         }
     };
+    // A deferred update is finished as a run's end finishes it (untimed), so the peak
+    // covers the ops that do it.
+    ex.finish_update()?;
+    let peak = rss::peak_rss();
     let measured = peak.map(|p| p.saturating_sub(baseline));
     let leak = leak.report();
     let report = match &opts.profile {

@@ -65,6 +65,10 @@ pub struct Executor {
     /// The step's gradient-norm shares so far: (first element of the group, sum of squares),
     /// added in parameter order when the update is settled.
     norm_shares: Vec<(usize, f64)>,
+    /// With a deferred update ([`crate::plan::Schedule::deferred_update`]): the update the
+    /// last step settled, which the next step's forward (or [`Executor::finish_update`])
+    /// applies. The weights and moments are not readable while it is pending.
+    pending: Option<AdamWStep>,
 }
 
 /// The moments of `format` over their buffers' bytes (m, v, then the int8 scales).
@@ -233,6 +237,7 @@ impl Executor {
             io_spans: Vec::new(),
             logits: Vec::new(),
             norm_shares: Vec::new(),
+            pending: None,
         })
     }
 
@@ -247,6 +252,7 @@ impl Executor {
     /// mixed precision). Parameters kept per group (offloaded) are gathered into one host
     /// copy first, group by group ([`Executor::save_checkpoint`] streams them instead).
     pub fn with_params<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        self.settled()?;
         let sets = self.param_sets();
         let mut f = Some(f);
         if let [whole] = &sets[..] {
@@ -265,6 +271,7 @@ impl Executor {
 
     /// Lends `f` the parameters to change; they are on the backend when it returns.
     pub fn with_params_mut<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+        self.settled()?;
         let sets = self.param_sets();
         let mut f = Some(f);
         if let [whole] = &sets[..] {
@@ -288,6 +295,7 @@ impl Executor {
         &mut self,
         mut f: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<()> {
+        self.settled()?;
         let segments = self.plan.schedule.implicit.params.segments.clone();
         for s in segments {
             let mut out = Ok(());
@@ -350,6 +358,7 @@ impl Executor {
     /// (offloaded) are gathered into one host copy first, group by group
     /// ([`Executor::save_checkpoint`] streams them instead).
     pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> Result<R> {
+        self.settled()?;
         let sets = self.moment_sets();
         let format = self.moment_format();
         let mut f = Some(f);
@@ -371,6 +380,7 @@ impl Executor {
     /// Lends `f` the AdamW moments to fill (resume); they are on the backend when it returns
     /// (moments kept per group are filled as one host copy, then written group by group).
     pub fn with_moments_mut<R>(&mut self, f: impl FnOnce(MomentsMut<'_>) -> R) -> Result<R> {
+        self.settled()?;
         let sets = self.moment_sets();
         let format = self.moment_format();
         let mut f = Some(f);
@@ -402,6 +412,7 @@ impl Executor {
         state: &TrainerState,
         opts: &SaveOptions,
     ) -> Result<PathBuf> {
+        self.settled()?;
         let implicit = &self.plan.schedule.implicit;
         let optim = implicit.optim.as_deref().unwrap_or_default();
         if optim.is_empty() {
@@ -439,6 +450,16 @@ impl Executor {
         };
         let (spec, layout) = (&self.plan.spec, &self.plan.layout);
         crate::ckpt::save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)
+    }
+
+    /// Refuses to lend the weights or moments while an update is pending.
+    fn settled(&self) -> Result<()> {
+        if self.pending.is_some() {
+            bail!(
+                "internal error: the last step's update is still pending (Executor::finish_update applies it)"
+            );
+        }
+        Ok(())
     }
 
     /// Zeroed 8-byte-aligned host buffers, one per column of `sets` (rows: parameter groups;
@@ -541,13 +562,32 @@ impl Executor {
     }
 
     /// One optimizer step on the batch set by [`Executor::upload_batch`]: the whole
-    /// schedule in order (so transfers for the update overlap the backward).
+    /// schedule in order (so transfers for the update overlap the backward). With a deferred
+    /// update, the step applies the previous step's update in its forward and leaves its own
+    /// pending (settled: the norm, clipping and whether it is skipped are known); the
+    /// weights are readable again after [`Executor::finish_update`]. After an error the
+    /// weights in the executor are undefined (a checkpoint is the record).
     pub fn train_step(&mut self, hp: &OptimHparams) -> Result<StepStats> {
         assert_eq!(self.plan.mode, Mode::Train);
         self.norm_shares.clear();
-        let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
-        let o = self.run(&ops, self.ctx(true), Some(hp))?;
-        let o = o.expect("a training step has AdamW ops");
+        let o = if self.plan.schedule.deferred_update {
+            let pending = self.pending.take();
+            let ops = self.ops_where(|p| {
+                p != Phase::Optimizer && (p != Phase::DeferredUpdate || pending.is_some())
+            });
+            let ctx = StepCtx {
+                update: pending,
+                ..self.ctx(true)
+            };
+            self.run(&ops, ctx, None)?;
+            let (o, update) = self.settle(hp);
+            self.pending = update;
+            o
+        } else {
+            let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
+            let o = self.run(&ops, self.ctx(true), Some(hp))?;
+            o.expect("a training step has AdamW ops")
+        };
         Ok(StepStats {
             loss: self.mean_loss(),
             grad_norm: o.grad_norm,
@@ -555,12 +595,35 @@ impl Executor {
         })
     }
 
-    /// Forward and backward: fills the gradients, returns the mean loss. The optimizer ops
-    /// (the schedule's `Optimizer` phase, transfers for it included) are not run.
+    /// Applies the update the last step left pending (plans with a deferred update; does
+    /// nothing otherwise): the schedule's `Optimizer` ops. Run before reading or saving the
+    /// weights, evaluating, or ending a run.
+    pub fn finish_update(&mut self) -> Result<()> {
+        let Some(update) = self.pending.take() else {
+            return Ok(());
+        };
+        let ops = self.ops_where(|p| p == Phase::Optimizer);
+        let ctx = StepCtx {
+            update: Some(update),
+            ..self.ctx(true)
+        };
+        self.run(&ops, ctx, None)?;
+        Ok(())
+    }
+
+    /// The update from the step's gradient-norm shares (added in parameter order): the
+    /// norm, and the AdamW step with clipping, or none when the gradients are not finite.
+    fn settle(&mut self, hp: &OptimHparams) -> (StepOutcome, Option<AdamWStep>) {
+        settle(&mut self.norm_shares, self.loss_scale, hp)
+    }
+
+    /// Forward and backward: fills the gradients, returns the mean loss (after finishing a
+    /// pending update). No update is run (neither phase's, nor their transfers).
     pub fn compute_gradients(&mut self) -> Result<f32> {
         assert_eq!(self.plan.mode, Mode::Train);
+        self.finish_update()?;
         self.norm_shares.clear();
-        let ops = self.ops_where(|p| p != Phase::Optimizer);
+        let ops = self.ops_where(|p| !matches!(p, Phase::Optimizer | Phase::DeferredUpdate));
         self.run(&ops, self.ctx(true), None)?;
         Ok(self.mean_loss())
     }
@@ -596,6 +659,7 @@ impl Executor {
     /// changes besides activations): every micro-batch's forward ops (gradient zeroing is in
     /// the backward phase).
     pub fn eval_loss(&mut self) -> Result<f32> {
+        self.finish_update()?;
         let ops = self.ops_where(|p| p == Phase::Forward);
         self.run(&ops, self.ctx(false), None)?;
         Ok(self.mean_loss())
@@ -701,9 +765,9 @@ impl Executor {
 
     /// Runs ops `ops` in order. `GradNorm` ops add their group's share of the norm; with
     /// `hp`, the norm and clipping are settled before the first `AdamW` op (from the shares,
-    /// added in parameter order), which then run with them, or not at all when the norm is
-    /// not finite; returns what the optimizer found. Stops at the first op that fails (a
-    /// disk transfer), with its error.
+    /// added in parameter order) and returned; `AdamW` ops run with `ctx.update` (settled
+    /// or given), or not at all when there is none (gradients not finite). Stops at the first
+    /// op that fails (a disk transfer), with its error.
     fn run(
         &mut self,
         ops: &[usize],
@@ -720,15 +784,12 @@ impl Executor {
             for &i in ops {
                 let e = &plan.schedule.ops[i];
                 if matches!(e.op, Op::AdamW { .. }) {
-                    if outcome.is_none() {
-                        let hp = hp.expect("the optimizer phase runs with hyperparameters");
-                        shares.sort_by_key(|s| s.0);
-                        let sum_sq = shares.iter().map(|s| s.1).sum::<f64>();
-                        let (o, update) = clip(sum_sq, loss_scale, hp);
+                    if let (None, Some(hp)) = (outcome, hp) {
+                        let (o, update) = settle(shares, loss_scale, hp);
                         ctx.update = update;
                         outcome = Some(o);
                     }
-                    if outcome.is_some_and(|o: StepOutcome| o.skipped) {
+                    if ctx.update.is_none() {
                         continue;
                     }
                 }
@@ -765,6 +826,18 @@ impl Executor {
             None => Ok(outcome),
         }
     }
+}
+
+/// The update from gradient-norm shares `(first element of the group, sum of squares)`,
+/// added in parameter order whatever order the backward took them in (see [`clip`]).
+fn settle(
+    shares: &mut [(usize, f64)],
+    loss_scale: f32,
+    hp: &OptimHparams,
+) -> (StepOutcome, Option<AdamWStep>) {
+    shares.sort_by_key(|s| s.0);
+    let sum_sq = shares.iter().map(|s| s.1).sum::<f64>();
+    clip(sum_sq, loss_scale, hp)
 }
 
 /// From the gradients' sum of squares (which carry the loss scale): the norm of the unscaled

@@ -132,6 +132,7 @@ pub fn build_plan(
             targets: vec![],
             losses: vec![],
             logits: emitted.logits,
+            deferred_update: false,
         };
         bind_state(&mut g, &params, None);
         let p = ImplicitBufs {
@@ -150,6 +151,7 @@ pub fn build_plan(
         targets: vec![],
         losses: vec![],
         logits: None,
+        deferred_update: false,
     };
     for k in 0..micro {
         // Micro-batch k: its own batch buffers and activations (packing reuses the bytes of
@@ -183,6 +185,16 @@ pub fn build_plan(
         io.losses.push(losses);
     }
     optimizer(&mut g, &layout, &optim);
+    // With gradients on the disk tier, each step runs the previous step's update in its
+    // forward, so the update's transfers overlap arithmetic; the gradients are then kept
+    // across the step boundary (on disk: no RAM for it).
+    io.deferred_update = offload.grads;
+    if io.deferred_update {
+        defer_updates(&mut g, &grads);
+        for id in grads.bufs() {
+            g.buffers[id.0].persistent = true;
+        }
+    }
     zero_grads_before_first_write(&mut g, &grads);
     norm_when_final(&mut g, &layout, &grads);
     bind_state(&mut g, &params, Some(&grads));
@@ -261,7 +273,7 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
     let mut zeroed = vec![false; g.buffers.len()];
     let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
     for e in std::mem::take(&mut g.ops) {
-        if let Some(r) = e.op.grad_ranges().first() {
+        if let Some(r) = e.op.grad_ranges().first().filter(|_| !is_update(e.phase)) {
             let id = grads.locate(r).buf;
             if !std::mem::replace(&mut zeroed[id.0], true) {
                 ops.push(OpEntry {
@@ -286,7 +298,7 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
 fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
     let mut last = vec![None; grads.segments.len()];
     for (i, e) in g.ops.iter().enumerate() {
-        if e.phase == Phase::Optimizer {
+        if is_update(e.phase) {
             continue;
         }
         if let Some(r) = e.op.grad_ranges().first() {
@@ -314,6 +326,55 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
                 grads: None,
             });
         }
+    }
+    g.ops = ops;
+}
+
+/// Whether ops of `phase` apply an update (they read the step's gradients, never write them).
+fn is_update(phase: Phase) -> bool {
+    matches!(phase, Phase::Optimizer | Phase::DeferredUpdate)
+}
+
+/// Copies each group's `AdamW` op (of the `Optimizer` phase, at the end of the schedule) to
+/// just before the first op of the step that uses the group's parameters or gradients (its
+/// first forward op), as a [`Phase::DeferredUpdate`] op: there it applies the previous
+/// step's update, before anything reads the new values or overwrites the gradients (runs
+/// before gradient zeroing is inserted, which then comes after it).
+fn defer_updates(g: &mut Builder, grads: &Segments) {
+    let group =
+        |r: &std::ops::Range<usize>| grads.segments.partition_point(|s| s.range.end <= r.start);
+    let mut updates: Vec<Option<OpEntry>> = vec![None; grads.segments.len()];
+    let mut at = vec![usize::MAX; grads.segments.len()];
+    for (i, e) in g.ops.iter().enumerate() {
+        let ranges = e.op.param_ranges().into_iter().chain(e.op.grad_ranges());
+        if e.phase == Phase::Optimizer {
+            let k = group(&e.op.param_ranges()[0]);
+            updates[k] = Some(OpEntry {
+                name: format!("{}.deferred", e.name),
+                phase: Phase::DeferredUpdate,
+                ..e.clone()
+            });
+        } else {
+            for r in ranges {
+                let k = group(&r);
+                at[k] = at[k].min(i);
+            }
+        }
+    }
+    let mut before: Vec<Vec<OpEntry>> = vec![Vec::new(); g.ops.len()];
+    for (k, update) in updates.into_iter().enumerate() {
+        let update = update.expect("internal error: a parameter group without an update");
+        let at = at[k];
+        assert!(
+            at < g.ops.len(),
+            "internal error: a parameter group no op uses"
+        );
+        before[at].push(update);
+    }
+    let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
+    for (e, updates) in std::mem::take(&mut g.ops).into_iter().zip(before) {
+        ops.extend(updates);
+        ops.push(e);
     }
     g.ops = ops;
 }
@@ -435,12 +496,14 @@ fn moments(
     }
 }
 
-/// The buffers the executor reads and writes from outside the schedule.
+/// The buffers the executor reads and writes from outside the schedule, and how it runs
+/// the schedule's update ([`Schedule::deferred_update`]).
 struct Io {
     tokens: Vec<BufId>,
     targets: Vec<BufId>,
     losses: Vec<BufId>,
     logits: Option<BufId>,
+    deferred_update: bool,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -523,6 +586,7 @@ fn finish(
             targets: io.targets,
             losses: io.losses,
             logits: io.logits,
+            deferred_update: io.deferred_update,
         },
         buffers: g.buffers,
         arena_bytes,

@@ -131,10 +131,17 @@ impl Plan {
             .sum()
     }
 
-    /// Bytes of transfers per step: (read from the disk tier, written to it).
+    /// Bytes of transfers per step: (read from the disk tier, written to it). With a
+    /// deferred update, a step's transfers are those of its forward (with the previous
+    /// step's update) and backward.
     pub fn io_bytes_per_step(&self) -> (u64, u64) {
         let (mut read, mut written) = (0, 0);
-        for e in &self.schedule.ops {
+        let in_step = self
+            .schedule
+            .ops
+            .iter()
+            .filter(|e| self.schedule.in_step(e.phase));
+        for e in in_step {
             if let Op::Transfer { from, to } = e.op {
                 let (f, t) = (self.buffer(from), self.buffer(to));
                 if f.placement.tier == Tier::Nvme {

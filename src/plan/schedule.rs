@@ -10,13 +10,22 @@ use std::ops::Range;
 
 /// Which part of the step an op belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Phase {
     Forward,
     /// Forward ops re-run during the backward to rebuild activations that were not kept.
     Recompute,
     Backward,
+    /// The update after the backward: `AdamW` over each parameter group. In plans with a
+    /// deferred update ([`Schedule::deferred_update`]) these ops run only to finish an update
+    /// outside a step (before a checkpoint, an evaluation or a read of the weights).
     Optimizer,
+    /// The previous step's `AdamW` of one parameter group, run in this step's forward just
+    /// before the group's first use (plans with [`Schedule::deferred_update`]): the update's
+    /// disk transfers then overlap the forward's arithmetic instead of stalling after the
+    /// backward. The same ops as the `Optimizer` phase's, on the same values: weights are
+    /// bitwise those of an update at the end of the step.
+    DeferredUpdate,
 }
 
 /// How a linear layer's weight matrix is stored.
@@ -435,6 +444,18 @@ pub struct Schedule {
     pub losses: Vec<BufId>,
     /// `Next-token logits [V] (generation plans)`.
     pub logits: Option<BufId>,
+    /// Each step runs the previous step's update in its forward (`DeferredUpdate` ops), and
+    /// the `Optimizer` ops only finish a pending update between steps. Set when gradients
+    /// live on the disk tier (they are then kept across the step boundary there).
+    pub deferred_update: bool,
+}
+
+impl Schedule {
+    /// Whether a training step runs ops of `phase` (a deferred update's `Optimizer` copy
+    /// runs only between steps, to finish an update).
+    pub fn in_step(&self, phase: Phase) -> bool {
+        !(self.deferred_update && phase == Phase::Optimizer)
+    }
 }
 
 impl Op {

@@ -21,6 +21,10 @@
 //! - A transfer and its wait take the phase of the span they serve, so evaluation (forward
 //!   ops only) and the executor's split of a step into gradients and update each start and
 //!   wait for their own transfers.
+//! - With a deferred update ([`super::schedule::Phase::DeferredUpdate`]), a group's update
+//!   and its forward ops share one parameter copy (read, updated, used, written back: one
+//!   read and one write fewer per step), and the `Optimizer` ops, which then run only
+//!   between steps, prefetch and wait among themselves.
 
 use super::builder::Builder;
 use super::schedule::{Op, OpEntry, Phase};
@@ -59,6 +63,10 @@ struct Span {
 fn class(kind: Kind, phase: Phase) -> Phase {
     match (kind, phase) {
         (_, Phase::Optimizer) => Phase::Optimizer,
+        // A deferred update and the forward ops after it share the group's parameter copy:
+        // read once, updated, used, written back.
+        (Kind::Params, Phase::DeferredUpdate) => Phase::Forward,
+        (_, Phase::DeferredUpdate) => Phase::DeferredUpdate,
         (Kind::Grads, _) => Phase::Backward,
         (_, Phase::Forward) => Phase::Forward,
         _ => Phase::Backward,
@@ -176,6 +184,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
         let part = match s.class {
             Phase::Forward => "fwd",
             Phase::Optimizer => "opt",
+            Phase::DeferredUpdate => "upd",
             _ => "bwd",
         };
         let n = count.entry((s.home, part)).or_insert(0usize);
@@ -201,6 +210,20 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
     // Transfers: (position: before original op, order at that position, entry). At one
     // position writes start, then earlier writes are awaited, then reads start, then reads
     // are awaited.
+    // With a deferred update, a step runs every op but the `Optimizer` ones, which run
+    // alone between steps: a transfer is prefetched and awaited within the ops that run
+    // together with it (`step_end`: where the step's ops end).
+    let deferred = g.ops.iter().any(|e| e.phase == Phase::DeferredUpdate);
+    let together =
+        |a: Phase, b: Phase| !deferred || (a == Phase::Optimizer) == (b == Phase::Optimizer);
+    let step_end = match deferred {
+        true => g.ops.iter().position(|e| e.phase == Phase::Optimizer),
+        false => None,
+    };
+    let end_of = |class: Phase| match class {
+        Phase::Optimizer => n_ops,
+        _ => step_end.unwrap_or(n_ops),
+    };
     let mut inserts: Vec<(usize, u8, OpEntry)> = Vec::new();
     let entry = |g: &Builder, stage: BufId, what: &str, phase: Phase, op: Op| OpEntry {
         name: format!("{}.{what}", g.buffers[stage.0].name),
@@ -223,7 +246,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
                 // before this home's previous write-back is queued.
                 let prev_kind = of_kind
                     .iter()
-                    .filter(|o| o.first < s.first)
+                    .filter(|o| o.first < s.first && together(o.class, s.class))
                     .map(|o| o.first)
                     .max();
                 let prev_home = of_kind
@@ -253,10 +276,10 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
                 inserts.push((s.last + 1, 0, entry(g, s.stage, "write", s.class, write)));
                 let next = of_kind
                     .iter()
-                    .filter(|o| o.first > s.last)
+                    .filter(|o| o.first > s.last && together(o.class, s.class))
                     .map(|o| o.last + 1)
                     .min()
-                    .unwrap_or(n_ops);
+                    .unwrap_or(end_of(s.class));
                 let wait = Op::AwaitTransfers {
                     bufs: vec![s.stage],
                 };

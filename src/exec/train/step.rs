@@ -238,6 +238,9 @@ impl Run<'_> {
             max_shard_bytes: opts.max_shard_bytes,
             tokenizer_dir: opts.tokenizer_dir.as_deref(),
         };
+        self.ex
+            .finish_update()
+            .with_context(|| format!("finishing step {step}'s update before its checkpoint"))?;
         let dir = self
             .ex
             .save_checkpoint(&opts.out, &state, &save)
