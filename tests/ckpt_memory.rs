@@ -1,12 +1,12 @@
-//! A checkpoint of offloaded state is streamed into its files: saving it takes about one
-//! parameter group's buffer of host memory beyond what the process already holds, not a copy
-//! of the parameters and moments.
+//! A checkpoint of offloaded state is streamed into its files and back: saving it, and
+//! resuming from it, take about one parameter group's buffer of host memory beyond what the
+//! process already holds, not a copy of the parameters and moments.
 //!
 //! Alone in its own test binary: it reads the whole process's peak resident set, which tests
 //! running beside it in one process (allocating and freeing) would move.
 
 use memwall::backend::cpu::Cpu;
-use memwall::ckpt::{SaveOptions, TrainerState};
+use memwall::ckpt::{Moments, SaveOptions, TrainerState};
 use memwall::exec::executor::Executor;
 use memwall::plan::{Category, Mode, OffloadSet, OptimState, StepConfig, Tier, build_plan};
 use memwall::util::rss;
@@ -82,5 +82,55 @@ fn saving_offloaded_state_takes_one_group_not_a_copy_of_the_state() {
             "{format}: saving took {extra} bytes beyond the {before} resident; one group's \
              buffer is {largest}, the whole state {state}"
         );
+
+        // Resuming streams the other way: into a fresh executor of the same plan, group by
+        // group, to the same bits.
+        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let mut back = Executor::new(plan).unwrap();
+        assert!(rss::reset_peak_rss());
+        let before = rss::current_rss().unwrap();
+        memwall::ckpt::load_params_by(&dir, &layout, |copy| back.fill_params(|r, p| copy(r, p)))
+            .unwrap();
+        let st = memwall::ckpt::load_trainer_state_by(&dir, &layout, format, |copy| {
+            back.fill_moments(copy)
+        })
+        .unwrap();
+        let extra = rss::peak_rss().unwrap().saturating_sub(before);
+        eprintln!(
+            "{format}: peak RSS during the resume +{:.1} MiB (bound {:.1} MiB)",
+            extra as f64 / MIB as f64,
+            bound as f64 / MIB as f64
+        );
+        assert!(
+            extra <= bound,
+            "{format}: resuming took {extra} bytes beyond the {before} resident; one group's \
+             buffer is {largest}, the whole state {state}"
+        );
+        assert_eq!(st.step, 1);
+        let bits = |ex: &Executor| {
+            let p = ex.with_params(|p| p.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            (p.unwrap(), ex.with_moments(moment_bits).unwrap())
+        };
+        assert!(
+            bits(&back) == bits(&ex),
+            "{format}: the resumed state differs"
+        );
+    }
+}
+
+/// Every moment value's bits, m then v (then the int8 scales).
+fn moment_bits(m: Moments<'_>) -> Vec<u32> {
+    match m {
+        Moments::F32 { m, v } => m.iter().chain(v).map(|x| x.to_bits()).collect(),
+        Moments::Bf16 { m, v } => m.iter().chain(v).map(|x| x.to_bits() as u32).collect(),
+        Moments::Int8 {
+            m,
+            m_absmax,
+            v,
+            v_absmax,
+        } => (m.iter().map(|&x| x as u8 as u32))
+            .chain(v.iter().map(|&x| x as u32))
+            .chain(m_absmax.iter().chain(v_absmax).map(|x| x.to_bits()))
+            .collect(),
     }
 }

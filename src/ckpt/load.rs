@@ -5,18 +5,23 @@
 use anyhow::{Context, Result, bail};
 use safetensors::Dtype;
 use std::fs;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use super::layout_summary as describe;
 use super::moments::MomentsMut;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, resolve_exact};
-use super::safetensors_io::{Resolved, Sources, StFile, Target, decode_into, supported};
+use super::safetensors_io::{
+    Resolved, Sources, StFile, Target, check_targets, copy_targets, decode_into, supported,
+};
 use super::shards::{Sharded, weights_missing};
 use super::{
     CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
     TrainerState,
 };
 use crate::model::{ModelSpec, ParamLayout};
+use crate::plan::OptimState;
+use crate::plan::strategy::QBLOCK;
 use crate::run_dir::{RunDir, checkpoint_step};
 
 /// Reads `DIR/config.json` (a Hugging Face config of a family memwall trains).
@@ -70,15 +75,33 @@ fn check_len(what: &str, len: usize, layout: &ParamLayout) -> Result<()> {
 /// file or shard, an index that does not match its shards. Every file is opened and checked
 /// before anything is copied, so on error `params` is unchanged.
 pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Result<()> {
+    check_len("parameter", params.len(), layout).with_context(|| {
+        let single = dir.join(MODEL_FILE);
+        let file = match !single.exists() && dir.join(MODEL_INDEX_FILE).exists() {
+            true => dir.join(MODEL_INDEX_FILE),
+            false => single,
+        };
+        format!("loading {}", file.display())
+    })?;
+    load_params_by(dir, layout, |copy| copy(0..layout.total, params))
+}
+
+/// What [`load_params_by`] lends: copies the parameters `range` (whole tensors) from the
+/// checked files into `dst` (`range.len()` elements).
+pub type CopyParams<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
+
+/// [`load_params`] range by range, without a host copy of the whole model: opens and checks
+/// the files (every check of [`load_params`], before `fill` runs), then lends `fill` the
+/// copier, which it calls for the ranges it holds (e.g. one parameter group's buffer at a
+/// time). A tied tensor is compared with its twin when the range holding it is copied.
+pub fn load_params_by(
+    dir: &Path,
+    layout: &ParamLayout,
+    fill: impl FnOnce(&mut CopyParams<'_>) -> Result<()>,
+) -> Result<()> {
     let single = dir.join(MODEL_FILE);
     let index = dir.join(MODEL_INDEX_FILE);
     let sharded = !single.exists() && index.exists();
-    check_len("parameter", params.len(), layout).with_context(|| {
-        format!(
-            "loading {}",
-            if sharded { &index } else { &single }.display()
-        )
-    })?;
     let targets: Vec<Target> = layout
         .tensors
         .iter()
@@ -104,50 +127,71 @@ pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Resu
         file = open_in(dir, MODEL_FILE)?;
         Sources::single(&file)
     };
-    super::safetensors_io::load_targets(&src, &resolve, &targets, &mut [params]).with_context(
-        || {
-            format!(
-                "loading weights into a {} with {}; check --model / config.json",
-                family.model_type(),
-                describe(layout)
-            )
-        },
-    )?;
-    for tied in &layout.tied {
-        let to = &layout.tensors[tied.tensor];
-        let Some((file, _)) = src.get(&tied.name) else {
-            continue;
-        };
-        if tied_differs(file, &tied.name, to, params) {
-            eprintln!(
-                "memwall: warning: {}: {} differs from {}; memwall ties them and uses {} for \
-                 both ({} is ignored)",
-                file.path.display(),
-                tied.name,
-                to.name,
-                to.name,
-                tied.name
+    let what = || {
+        format!(
+            "loading weights into a {} with {}; check --model / config.json",
+            family.model_type(),
+            describe(layout)
+        )
+    };
+    let located = check_targets(&src, &resolve, &targets).with_context(what)?;
+    let mut copy = |range: Range<usize>, dst: &mut [f32]| -> Result<()> {
+        let inside = |r: &Range<usize>| range.start <= r.start && r.end <= range.end;
+        let cut = targets
+            .iter()
+            .any(|t| t.range.start < range.end && range.start < t.range.end && !inside(&t.range));
+        if dst.len() != range.len() || cut {
+            bail!(
+                "internal error: parameters {range:?} are not whole tensors of {} elements",
+                dst.len()
             );
         }
-    }
-    Ok(())
+        let within: Vec<Target> = targets
+            .iter()
+            .filter(|t| inside(&t.range))
+            .map(|t| Target {
+                range: t.range.start - range.start..t.range.end - range.start,
+                ..t.clone()
+            })
+            .collect();
+        let copied = copy_targets(&src, &located, &within, &mut [&mut *dst]);
+        src.release_all();
+        copied.with_context(what)?;
+        for tied in &layout.tied {
+            let to = &layout.tensors[tied.tensor];
+            let Some((file, _)) = src.get(&tied.name).filter(|_| inside(&to.range)) else {
+                continue;
+            };
+            let values = &dst[to.range.start - range.start..to.range.end - range.start];
+            if tied_differs(file, &tied.name, to, values) {
+                eprintln!(
+                    "memwall: warning: {}: {} differs from {}; memwall ties them and uses {} for \
+                     both ({} is ignored)",
+                    file.path.display(),
+                    tied.name,
+                    to.name,
+                    to.name,
+                    tied.name
+                );
+            }
+        }
+        Ok(())
+    };
+    fill(&mut copy)
 }
 
 /// Whether the file has a tensor `name` that is not (bitwise, after conversion) the tensor
-/// `to` it is tied to, just loaded into `params`.
+/// `to` it is tied to, whose values `wte` were just loaded.
 pub(crate) fn tied_differs(
     file: &StFile,
     name: &str,
     to: &crate::model::ParamTensor,
-    params: &[f32],
+    wte: &[f32],
 ) -> bool {
     let Some(info) = file.info(name) else {
         return false;
     };
-    let (wte_t, Some(wte)) = (to, params.get(to.range.clone())) else {
-        return false;
-    };
-    if info.shape != wte_t.shape || !supported(info.dtype) {
+    if info.shape != to.shape || !supported(info.dtype) {
         return true;
     }
     let Ok(bytes) = file.bytes(name, info) else {
@@ -182,12 +226,39 @@ pub fn load_trainer_state(
     layout: &ParamLayout,
     moments: MomentsMut,
 ) -> Result<TrainerState> {
-    let path = dir.join(OPTIMIZER_FILE);
+    let format = moments.format();
+    let (m_len, v_len) = match &moments {
+        MomentsMut::F32 { m, v } => (m.len(), v.len()),
+        MomentsMut::Bf16 { m, v } => (m.len(), v.len()),
+        MomentsMut::Int8 { m, v, .. } => (m.len(), v.len()),
+    };
+    check_len("exp_avg (m)", m_len, layout)
+        .and_then(|_| check_len("exp_avg_sq (v)", v_len, layout))
+        .with_context(|| format!("loading {}", dir.join(OPTIMIZER_FILE).display()))?;
+    let blocks = 0..layout.block_offsets(QBLOCK).1;
+    load_trainer_state_by(dir, layout, format, |copy| {
+        copy(0..layout.total, blocks, moments)
+    })
+}
+
+/// What [`load_trainer_state_by`] lends: copies the moments of parameters `elems` (whole
+/// tensors) and, for int8 state, their 8-bit blocks `blocks`, into `dst`.
+pub type CopyMoments<'a> = dyn FnMut(Range<usize>, Range<usize>, MomentsMut<'_>) -> Result<()> + 'a;
+
+/// [`load_trainer_state`] range by range, without a host copy of all the moments: reads and
+/// checks the trainer state and the moments file (before `fill` runs), then lends `fill`
+/// the copier, which it calls for the ranges it holds (e.g. one parameter group's moments
+/// at a time), in `format`.
+pub fn load_trainer_state_by(
+    dir: &Path,
+    layout: &ParamLayout,
+    format: OptimState,
+    fill: impl FnOnce(&mut CopyMoments<'_>) -> Result<()>,
+) -> Result<TrainerState> {
     let state_path = dir.join(STATE_FILE);
     let state = TrainerState::read(&state_path)?;
     state.check_layout(&state_path, layout)?;
     let file = open_in(dir, OPTIMIZER_FILE)?;
-    let format = moments.format();
     let what = || {
         format!(
             "loading {format} optimizer moments for a {} with {}",
@@ -195,12 +266,11 @@ pub fn load_trainer_state(
             describe(layout)
         )
     };
-    match moments {
-        MomentsMut::F32 { m, v } => {
-            check_len("exp_avg (m)", m.len(), layout)
-                .and_then(|_| check_len("exp_avg_sq (v)", v.len(), layout))
-                .with_context(|| format!("loading {}", path.display()))?;
-            let mut targets = Vec::with_capacity(2 * layout.tensors.len());
+    let (total, n_blocks) = (layout.total, layout.block_offsets(QBLOCK).1);
+    let src = Sources::single(&file);
+    let mut targets = Vec::new();
+    let located = match format {
+        OptimState::F32 => {
             for (prefix, buf) in [(EXP_AVG, 0), (EXP_AVG_SQ, 1)] {
                 targets.extend(layout.tensors.iter().map(|t| Target {
                     key: format!("{prefix}{}", t.name),
@@ -209,73 +279,94 @@ pub fn load_trainer_state(
                     range: t.range.clone(),
                 }));
             }
-            let src = Sources::single(&file);
-            super::safetensors_io::load_targets(&src, &resolve_exact, &targets, &mut [m, v])
-                .with_context(what)?;
+            check_targets(&src, &resolve_exact, &targets).with_context(what)?
         }
-        MomentsMut::Bf16 { m, v } => {
-            read_raw(&file, FLAT_EXP_AVG, Dtype::BF16, m.len(), |b| {
-                for (d, c) in m.iter_mut().zip(b.chunks_exact(2)) {
-                    *d = half::bf16::from_le_bytes([c[0], c[1]]);
-                }
-            })
-            .and_then(|_| {
-                read_raw(&file, FLAT_EXP_AVG_SQ, Dtype::BF16, v.len(), |b| {
-                    for (d, c) in v.iter_mut().zip(b.chunks_exact(2)) {
+        OptimState::Bf16 => {
+            check_raw(&file, FLAT_EXP_AVG, Dtype::BF16, total)
+                .and_then(|_| check_raw(&file, FLAT_EXP_AVG_SQ, Dtype::BF16, total))
+                .with_context(what)?;
+            Default::default()
+        }
+        OptimState::Int8 => {
+            let (m_absmax, v_absmax) = (
+                format!("{FLAT_EXP_AVG}{ABSMAX}"),
+                format!("{FLAT_EXP_AVG_SQ}{ABSMAX}"),
+            );
+            check_raw(&file, FLAT_EXP_AVG, Dtype::I8, total)
+                .and_then(|_| check_raw(&file, FLAT_EXP_AVG_SQ, Dtype::U8, total))
+                .and_then(|_| check_raw(&file, &m_absmax, Dtype::F32, n_blocks))
+                .and_then(|_| check_raw(&file, &v_absmax, Dtype::F32, n_blocks))
+                .with_context(what)?;
+            Default::default()
+        }
+    };
+    let f32s = |dst: &mut [f32], b: &[u8]| {
+        for (d, c) in dst.iter_mut().zip(b.chunks_exact(4)) {
+            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    };
+    let mut copy = |elems: Range<usize>, blocks: Range<usize>, dst: MomentsMut| -> Result<()> {
+        if dst.format() != format || elems.end > total || blocks.end > n_blocks {
+            bail!("internal error: moments {elems:?} (blocks {blocks:?}) of another layout");
+        }
+        match dst {
+            MomentsMut::F32 { m, v } => {
+                let inside = |r: &Range<usize>| elems.start <= r.start && r.end <= elems.end;
+                let within: Vec<Target> = targets
+                    .iter()
+                    .filter(|t| inside(&t.range))
+                    .map(|t| Target {
+                        range: t.range.start - elems.start..t.range.end - elems.start,
+                        ..t.clone()
+                    })
+                    .collect();
+                let copied = copy_targets(&src, &located, &within, &mut [m, v]);
+                file.release_all();
+                copied
+            }
+            MomentsMut::Bf16 { m, v } => {
+                let bf16s = |dst: &mut [half::bf16], b: &[u8]| {
+                    for (d, c) in dst.iter_mut().zip(b.chunks_exact(2)) {
                         *d = half::bf16::from_le_bytes([c[0], c[1]]);
                     }
-                })
-            })
-            .with_context(what)?;
-        }
-        MomentsMut::Int8 {
-            m,
-            m_absmax,
-            v,
-            v_absmax,
-        } => {
-            let f32s = |dst: &mut [f32], b: &[u8]| {
-                for (d, c) in dst.iter_mut().zip(b.chunks_exact(4)) {
-                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-            };
-            read_raw(&file, FLAT_EXP_AVG, Dtype::I8, m.len(), |b| {
-                for (d, &x) in m.iter_mut().zip(b) {
-                    *d = x as i8;
-                }
-            })
-            .and_then(|_| {
-                read_raw(&file, FLAT_EXP_AVG_SQ, Dtype::U8, v.len(), |b| {
+                };
+                read_part(&file, FLAT_EXP_AVG, 2, &elems, m.len(), |b| bf16s(m, b))?;
+                read_part(&file, FLAT_EXP_AVG_SQ, 2, &elems, v.len(), |b| bf16s(v, b))
+            }
+            MomentsMut::Int8 {
+                m,
+                m_absmax,
+                v,
+                v_absmax,
+            } => {
+                read_part(&file, FLAT_EXP_AVG, 1, &elems, m.len(), |b| {
+                    for (d, &x) in m.iter_mut().zip(b) {
+                        *d = x as i8;
+                    }
+                })?;
+                read_part(&file, FLAT_EXP_AVG_SQ, 1, &elems, v.len(), |b| {
                     v.copy_from_slice(b)
-                })
-            })
-            .and_then(|_| {
+                })?;
                 let name = format!("{FLAT_EXP_AVG}{ABSMAX}");
-                read_raw(&file, &name, Dtype::F32, m_absmax.len(), |b| {
+                read_part(&file, &name, 4, &blocks, m_absmax.len(), |b| {
                     f32s(m_absmax, b)
-                })
-            })
-            .and_then(|_| {
+                })?;
                 let name = format!("{FLAT_EXP_AVG_SQ}{ABSMAX}");
-                read_raw(&file, &name, Dtype::F32, v_absmax.len(), |b| {
+                read_part(&file, &name, 4, &blocks, v_absmax.len(), |b| {
                     f32s(v_absmax, b)
                 })
-            })
-            .with_context(what)?;
+            }
         }
-    }
+        .with_context(what)
+    };
+    fill(&mut copy)?;
+    file.release_all();
     Ok(state)
 }
 
-/// Hands the bytes of flat tensor `name` (dtype `dtype`, shape `[len]`) to `copy`, after
-/// checking both; errors name the file and the tensor.
-fn read_raw(
-    file: &StFile,
-    name: &str,
-    dtype: Dtype,
-    len: usize,
-    copy: impl FnOnce(&[u8]),
-) -> Result<()> {
+/// Checks that flat tensor `name` is `dtype` of shape `[len]`; errors name the file and the
+/// tensor.
+fn check_raw(file: &StFile, name: &str, dtype: Dtype, len: usize) -> Result<()> {
     let p = file.path.display();
     let Some(info) = file.info(name) else {
         let found: Vec<&str> = file.names().take(4).collect();
@@ -291,8 +382,27 @@ fn read_raw(
             info.shape
         );
     }
+    Ok(())
+}
+
+/// Hands the bytes of elements `range` (each `width` bytes) of flat tensor `name` (checked
+/// by [`check_raw`]) to `copy`, whose destination holds `dst_len` elements.
+fn read_part(
+    file: &StFile,
+    name: &str,
+    width: usize,
+    range: &Range<usize>,
+    dst_len: usize,
+    copy: impl FnOnce(&[u8]),
+) -> Result<()> {
+    if range.len() != dst_len {
+        bail!("internal error: {dst_len} elements for {name} {range:?}");
+    }
+    let info = file
+        .info(name)
+        .with_context(|| format!("internal error: {name} was not checked"))?;
     let bytes = file.bytes(name, info)?;
-    copy(bytes);
+    copy(&bytes[range.start * width..range.end * width]);
     file.release(info);
     Ok(())
 }

@@ -48,7 +48,10 @@ mod tests;
 mod tests_sharded;
 mod tokenizer;
 
-pub use load::{latest_checkpoint, load_params, load_spec, load_trainer_state};
+pub use load::{
+    CopyMoments, CopyParams, latest_checkpoint, load_params, load_params_by, load_spec,
+    load_trainer_state, load_trainer_state_by,
+};
 pub use moments::{Moments, MomentsMut};
 pub(crate) use safetensors_io::{Lend, OutData};
 pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent};

@@ -353,6 +353,12 @@ impl StFile {
         self.release_bytes(r);
     }
 
+    /// Drops every page of the mapping (also those the kernel mapped around the tensors
+    /// read: a streamed load calls this after each range, so its resident pages stay few).
+    pub fn release_all(&self) {
+        self.release_bytes(0..self.map.len());
+    }
+
     /// Drops the pages of a byte range of the mapping (see [`StFile::release`]).
     fn release_bytes(&self, r: Range<usize>) {
         #[cfg(unix)]
@@ -455,6 +461,7 @@ pub(crate) enum Resolved {
 }
 
 /// A tensor to load: canonical key, expected shape, destination buffer index and range.
+#[derive(Clone)]
 pub(crate) struct Target {
     pub key: String,
     pub shape: Vec<usize>,
@@ -517,6 +524,17 @@ impl<'f> Sources<'f> {
         Some((file, file.info(name)?))
     }
 
+    /// Drops every page of every file's mapping ([`StFile::release_all`]).
+    pub fn release_all(&self) {
+        let mut done: Vec<*const StFile> = Vec::new();
+        for &f in self.at.values() {
+            if !done.contains(&(f as *const StFile)) {
+                done.push(f);
+                f.release_all();
+            }
+        }
+    }
+
     /// ` (in <shard file name>)` when sharded, else nothing: appended to per-tensor messages.
     fn where_is(&self, name: &str) -> String {
         match self.at.get(name) {
@@ -529,17 +547,15 @@ impl<'f> Sources<'f> {
     }
 }
 
-/// Loads every target from `src` into `bufs[target.buf][target.range]`.
-///
-/// Everything is checked before anything is copied (so on error the destination is
-/// untouched): each target present exactly once, with the expected shape and a supported
-/// dtype. Tensors that resolve to no target are reported on stderr and skipped.
-pub(crate) fn load_targets(
+/// Checks, before anything is copied (so on error no destination is touched), that every
+/// target is present exactly once, with the expected shape and a supported dtype; tensors
+/// that resolve to no target are reported on stderr. Returns each target key's tensor name,
+/// for [`copy_targets`].
+pub(crate) fn check_targets(
     src: &Sources,
     resolve: &dyn Fn(&str) -> Resolved,
     targets: &[Target],
-    bufs: &mut [&mut [f32]],
-) -> Result<()> {
+) -> Result<HashMap<String, String>> {
     let path = &src.label;
     let wanted: HashSet<&str> = targets.iter().map(|t| t.key.as_str()).collect();
     let mut by_key: HashMap<String, &str> = HashMap::new();
@@ -612,12 +628,27 @@ pub(crate) fn load_targets(
             list(&unknown)
         );
     }
+    Ok(by_key
+        .into_iter()
+        .map(|(k, n)| (k, n.to_string()))
+        .collect())
+}
+
+/// Copies targets (checked by [`check_targets`], which returned `located`) from `src` into
+/// `bufs[target.buf][target.range]`.
+pub(crate) fn copy_targets(
+    src: &Sources,
+    located: &HashMap<String, String>,
+    targets: &[Target],
+    bufs: &mut [&mut [f32]],
+) -> Result<()> {
+    let path = &src.label;
     for t in targets {
-        let Some((name, (file, info))) = by_key
+        let Some((name, (file, info))) = located
             .get(&t.key)
-            .and_then(|n| src.get(n).map(|fi| (*n, fi)))
+            .and_then(|n| src.get(n).map(|fi| (n.as_str(), fi)))
         else {
-            continue; // checked above: every target is present
+            bail!("internal error: {path}: tensor {} was not checked", t.key);
         };
         let dst = bufs
             .get_mut(t.buf)

@@ -401,6 +401,38 @@ impl Executor {
         Ok(out)
     }
 
+    /// Lends `f` the AdamW moments to fill, set by set in parameter order (one call for
+    /// moments in RAM, one per group on the disk tier), each with its parameter range and
+    /// 8-bit block range; each is on the backend before the next is lent. No whole host
+    /// copy is made (resume: [`crate::ckpt::load_trainer_state_by`]).
+    pub fn fill_moments(
+        &mut self,
+        mut f: impl FnMut(Range<usize>, Range<usize>, MomentsMut<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.settled()?;
+        let format = self.moment_format();
+        let sets = self
+            .plan
+            .schedule
+            .implicit
+            .optim
+            .clone()
+            .unwrap_or_default();
+        for o in sets {
+            let elems = o.base..o.base + self.plan.buffer(o.m).elems;
+            let blocks = match o.m_scale {
+                Some(s) => o.block_base..o.block_base + self.plan.buffer(s).elems,
+                None => o.block_base..o.block_base,
+            };
+            let mut out = Ok(());
+            self.device.upload(&o.ids(), &mut |b| {
+                out = f(elems.clone(), blocks.clone(), moments_mut(format, b));
+            })?;
+            out?;
+        }
+        Ok(())
+    }
+
     /// Writes checkpoint `RUN_DIR/checkpoints/step-NNNNNN/` of the plan's model, its
     /// parameters and AdamW moments (as [`crate::ckpt::save_checkpoint_with`] does, with
     /// `state` and `opts`), read straight from where they live: in RAM in place, offloaded

@@ -54,7 +54,9 @@ impl<'a> Run<'a> {
             None => {
                 let layout = ex.plan.layout.clone();
                 match &opts.init {
-                    Some(dir) => ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))??,
+                    Some(dir) => ckpt::load_params_by(dir, &layout, |copy| {
+                        ex.fill_params(|r, p| copy(r, p))
+                    })?,
                     None => {
                         let mut init = layout.initializer(opts.seed);
                         ex.fill_params(|range, p| {
@@ -234,9 +236,11 @@ fn restore(
     scaler: &mut Option<LossScaler>,
     progress: &mut dyn Progress,
 ) -> Result<(u64, u64)> {
+    // Group by group where the state is offloaded: no host copy of the whole model.
     let layout = ex.plan.layout.clone();
-    ex.with_params_mut(|p| ckpt::load_params(ck, &layout, p))??;
-    let st = ex.with_moments_mut(|m| ckpt::load_trainer_state(ck, &layout, m))??;
+    ckpt::load_params_by(ck, &layout, |copy| ex.fill_params(|r, p| copy(r, p)))?;
+    let format = ex.plan.cfg.optim_state;
+    let st = ckpt::load_trainer_state_by(ck, &layout, format, |copy| ex.fill_moments(copy))?;
     run_dir::metrics::truncate(&dir.metrics(), st.step)?;
     progress.message(&format!(
         "resuming from {} (step {})",
