@@ -213,7 +213,7 @@ pub fn build_plan(
     if offload.activations {
         home(stage::kept_activations(&g), Kind::Activations);
     }
-    stage::stage(&mut g, &homes);
+    stage::stage(&mut g, &homes, spec.n_layer);
     let p = ImplicitBufs {
         params,
         gemm_ws,

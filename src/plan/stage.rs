@@ -16,6 +16,9 @@
 //!   (one span of prefetch; never before the same home's previous write-back is queued), and
 //!   is awaited just before its first op; its write-back starts after its last op and is
 //!   awaited after the next span of its kind, so about three spans' copies are live at once.
+//!   Activations, whose spans are one or two ops each, look a block's worth of spans ahead
+//!   and behind instead (kept activations per block), so their transfers hide behind a
+//!   block's arithmetic.
 //!   Transfers run in order on one I/O thread, so a read queued after a write of the same
 //!   bytes sees them.
 //! - A transfer and its wait take the phase of the span they serve, so evaluation (forward
@@ -97,8 +100,9 @@ pub(super) fn kept_activations(g: &Builder) -> Vec<BufId> {
         .collect()
 }
 
-/// Puts `homes` on the disk tier and stages every use of them (see the module docs).
-pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
+/// Puts `homes` on the disk tier and stages every use of them (see the module docs);
+/// `layers` (the model's blocks) sets how far ahead activations move.
+pub(super) fn stage(g: &mut Builder, homes: &[Home], layers: usize) {
     if homes.is_empty() {
         return;
     }
@@ -239,16 +243,32 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
             .filter(|s| homes[s.home].kind == kind)
             .collect();
         of_kind.sort_by_key(|s| (s.first, s.home));
+        // Spans ahead a read starts and a write is awaited: one for per-group state (a
+        // group's span is a block's worth of ops); for activations, a block's worth of
+        // spans (each is one or two ops, too short to hide a transfer behind).
+        let ahead = match kind {
+            Kind::Activations => {
+                let n = homes.iter().filter(|h| h.kind == kind).count();
+                n.div_ceil(layers.max(1)).max(1)
+            }
+            _ => 1,
+        };
         for s in &of_kind {
             let home = homes[s.home].id;
             if s.read {
-                // One span of prefetch: from the start of the kind's previous span, but not
-                // before this home's previous write-back is queued.
-                let prev_kind = of_kind
+                // Prefetch: from the start of the kind's `ahead`-th previous span (or its
+                // first), but not before this home's previous write-back is queued.
+                let mut starts: Vec<usize> = of_kind
                     .iter()
                     .filter(|o| o.first < s.first && together(o.class, s.class))
                     .map(|o| o.first)
-                    .max();
+                    .collect();
+                starts.dedup();
+                let prev_kind = starts
+                    .len()
+                    .checked_sub(ahead)
+                    .map(|i| starts[i])
+                    .or(starts.first().copied());
                 let prev_home = of_kind
                     .iter()
                     .filter(|o| o.home == s.home && o.last < s.first)
@@ -274,11 +294,16 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home]) {
                     to: home,
                 };
                 inserts.push((s.last + 1, 0, entry(g, s.stage, "write", s.class, write)));
-                let next = of_kind
+                // Awaited after the kind's `ahead`-th next span (or where the run ends).
+                let mut later: Vec<&Span> = of_kind
                     .iter()
                     .filter(|o| o.first > s.last && together(o.class, s.class))
+                    .copied()
+                    .collect();
+                later.dedup_by_key(|o| o.first);
+                let next = later
+                    .get(ahead - 1)
                     .map(|o| o.last + 1)
-                    .min()
                     .unwrap_or(end_of(s.class));
                 let wait = Op::AwaitTransfers {
                     bufs: vec![s.stage],
