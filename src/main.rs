@@ -519,6 +519,9 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         );
     } else {
         print!("{}", plan::report::table(&plan, baseline, &Cpu));
+        if plan.nvme_bytes > 0 {
+            print_disk_time(&plan, a.step.strategy.offload_dir.as_deref())?;
+        }
         if let Some(path) = &a.svg {
             println!("  memory timeline drawn to {}", path.display());
         }
@@ -529,6 +532,34 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             println!("  fits --max-memory {}", fmt_bytes(budget));
         }
     }
+    Ok(())
+}
+
+/// Probes the disk of `--offload-dir` (512 MiB written and read back) and prints how long
+/// the plan's transfers of a step take on it; without the flag, says how to get that.
+fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<()> {
+    let Some(dir) = dir else {
+        println!(
+            "  disk time                    pass --offload-dir DIR to measure that disk and predict a step's I/O time"
+        );
+        return Ok(());
+    };
+    let speed = memwall::mem::probe::probe(dir, 512 << 20)?;
+    let (read, written) = plan.io_bytes_per_step();
+    let gbs = |x: f64| format!("{:.2} GB/s", x / 1e9);
+    println!(
+        "  disk at {} (probed {}{})   read {}, write {}: a step's transfers take at least {:.1} s",
+        dir.display(),
+        fmt_bytes(speed.bytes),
+        if speed.direct {
+            ", direct I/O"
+        } else {
+            ", buffered"
+        },
+        gbs(speed.read_bytes_per_s),
+        gbs(speed.write_bytes_per_s),
+        speed.io_seconds(read, written)
+    );
     Ok(())
 }
 

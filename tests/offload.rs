@@ -279,3 +279,38 @@ fn a_killed_offloaded_run_resumes_bitwise() {
         );
     }
 }
+
+/// `plan` with an offload directory measures that disk and predicts a step's I/O time; the
+/// probe leaves nothing behind, and a directory it cannot use is named.
+#[test]
+fn plan_probes_the_offload_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("disk");
+    let plan = |dir: &str| {
+        vec![
+            "plan".to_string(),
+            "--model".into(),
+            "gpt2-tiny".into(),
+            "--offload".into(),
+            "all".into(),
+            "--offload-dir".into(),
+            dir.into(),
+        ]
+    };
+    let out = ok(&plan(dir.to_str().unwrap()));
+    assert!(
+        out.contains("probed 512.00 MiB") && out.contains("a step's transfers take at least"),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "probe file left"
+    );
+    let file = tmp.path().join("a_file");
+    std::fs::write(&file, "x").unwrap();
+    let e = fails(&plan(file.to_str().unwrap()));
+    assert!(e.contains("--offload-dir") && e.contains("a_file"), "{e}");
+    let out = ok(&["plan", "--model", "gpt2-tiny", "--offload", "all"]);
+    assert!(out.contains("pass --offload-dir DIR"), "{out}");
+}

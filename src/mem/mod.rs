@@ -4,5 +4,6 @@
 
 pub mod arena;
 pub mod disk;
+pub mod probe;
 
 pub use arena::Arena;
