@@ -136,24 +136,14 @@ pub fn load_params_by(
     };
     let located = check_targets(&src, &resolve, &targets).with_context(what)?;
     let mut copy = |range: Range<usize>, dst: &mut [f32]| -> Result<()> {
-        let inside = |r: &Range<usize>| range.start <= r.start && r.end <= range.end;
-        let cut = targets
-            .iter()
-            .any(|t| t.range.start < range.end && range.start < t.range.end && !inside(&t.range));
-        if dst.len() != range.len() || cut {
+        if dst.len() != range.len() {
             bail!(
-                "internal error: parameters {range:?} are not whole tensors of {} elements",
+                "internal error: {} elements for parameters {range:?}",
                 dst.len()
             );
         }
-        let within: Vec<Target> = targets
-            .iter()
-            .filter(|t| inside(&t.range))
-            .map(|t| Target {
-                range: t.range.start - range.start..t.range.end - range.start,
-                ..t.clone()
-            })
-            .collect();
+        let inside = |r: &Range<usize>| range.start <= r.start && r.end <= range.end;
+        let within = targets_within(&targets, &range)?;
         let copied = copy_targets(&src, &located, &within, &mut [&mut *dst]);
         src.release_all();
         copied.with_context(what)?;
@@ -178,6 +168,28 @@ pub fn load_params_by(
         Ok(())
     };
     fill(&mut copy)
+}
+
+/// The targets lying in parameter elements `range`, their ranges made relative to its start
+/// (for a destination holding just `range`); a target `range` cuts is an internal error.
+fn targets_within(targets: &[Target], range: &Range<usize>) -> Result<Vec<Target>> {
+    let mut within = Vec::new();
+    for t in targets {
+        let r = &t.range;
+        if r.start < range.end && range.start < r.end {
+            if r.start < range.start || range.end < r.end {
+                bail!(
+                    "internal error: elements {range:?} cut tensor {} ({r:?})",
+                    t.key
+                );
+            }
+            within.push(Target {
+                range: r.start - range.start..r.end - range.start,
+                ..t.clone()
+            });
+        }
+    }
+    Ok(within)
 }
 
 /// Whether the file has a tensor `name` that is not (bitwise, after conversion) the tensor
@@ -311,15 +323,7 @@ pub fn load_trainer_state_by(
         }
         match dst {
             MomentsMut::F32 { m, v } => {
-                let inside = |r: &Range<usize>| elems.start <= r.start && r.end <= elems.end;
-                let within: Vec<Target> = targets
-                    .iter()
-                    .filter(|t| inside(&t.range))
-                    .map(|t| Target {
-                        range: t.range.start - elems.start..t.range.end - elems.start,
-                        ..t.clone()
-                    })
-                    .collect();
+                let within = targets_within(&targets, &elems)?;
                 let copied = copy_targets(&src, &located, &within, &mut [m, v]);
                 file.release_all();
                 copied

@@ -377,30 +377,6 @@ impl Executor {
         Ok((f.take().expect("called once"))(moments(format, &views)))
     }
 
-    /// Lends `f` the AdamW moments to fill (resume); they are on the backend when it returns
-    /// (moments kept per group are filled as one host copy, then written group by group).
-    pub fn with_moments_mut<R>(&mut self, f: impl FnOnce(MomentsMut<'_>) -> R) -> Result<R> {
-        self.settled()?;
-        let sets = self.moment_sets();
-        let format = self.moment_format();
-        let mut f = Some(f);
-        if let [whole] = &sets[..] {
-            let mut out = None;
-            self.device.upload(whole, &mut |b| {
-                out = Some((f.take().expect("called once"))(moments_mut(format, b)))
-            })?;
-            return Ok(out.expect("upload calls back"));
-        }
-        let mut joined = self.joined(&sets);
-        let mut views: Vec<&mut [u8]> = joined
-            .iter_mut()
-            .map(|(v, len)| &mut pod_bytes_mut(v)[..*len])
-            .collect();
-        let out = (f.take().expect("called once"))(moments_mut(format, &mut views));
-        self.scatter(&sets, &joined)?;
-        Ok(out)
-    }
-
     /// Lends `f` the AdamW moments to fill, set by set in parameter order (one call for
     /// moments in RAM, one per group on the disk tier), each with its parameter range and
     /// 8-bit block range; each is on the backend before the next is lent. No whole host

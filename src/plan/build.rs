@@ -346,7 +346,6 @@ fn defer_updates(g: &mut Builder, grads: &Segments) {
     let mut updates: Vec<Option<OpEntry>> = vec![None; grads.segments.len()];
     let mut at = vec![usize::MAX; grads.segments.len()];
     for (i, e) in g.ops.iter().enumerate() {
-        let ranges = e.op.param_ranges().into_iter().chain(e.op.grad_ranges());
         if e.phase == Phase::Optimizer {
             let k = group(&e.op.param_ranges()[0]);
             updates[k] = Some(OpEntry {
@@ -355,7 +354,7 @@ fn defer_updates(g: &mut Builder, grads: &Segments) {
                 ..e.clone()
             });
         } else {
-            for r in ranges {
+            for r in e.op.param_ranges().into_iter().chain(e.op.grad_ranges()) {
                 let k = group(&r);
                 at[k] = at[k].min(i);
             }
