@@ -11,6 +11,7 @@ use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
 use memwall::gguf::{self, ConvertOptions, OutDtype};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::Strategies;
+use memwall::plan::search::{self, Pick};
 use memwall::plan::{
     self, Mode, OffloadChoice, OptimState, Precision, RecomputeChoice, StepConfig, build_plan,
 };
@@ -62,6 +63,19 @@ after, and a sample before and after (see `memwall demo finetune --help`).",
     Sample(SampleArgs),
     /// Time training steps on synthetic tokens; prints JSON (tokens/s, step time, peak RSS, plan total).
     Bench(BenchArgs),
+    /// Measure this machine once (about a minute): op throughput by kind and precision, the
+    /// FMA peak, the offload disk; saved in the user cache for predicted step times.
+    #[command(
+        long_about = "Measure this machine once, for the step-time model of `plan`, `bench` and --fit.\n\n\
+Trains a suite of small GPT-2 and Llama shaped models (2 blocks, widths 256 to 2048) in fp32, bf16 \
+and fp16, and in every optimizer-state format, with every op timed, and fits per op kind \
+seconds = a * FLOPs + b * bytes + c. With --offload-dir it also measures that directory's disk \
+(512 MiB written then read with direct I/O). The result is saved as JSON in the user cache \
+(~/.cache/memwall/calibration/threads-N.json), one file per thread count; without it, predicted \
+times are estimated from the FMA peak and say so. Run it again after changing the machine.",
+        after_help = "Examples:\n  memwall calibrate\n  memwall calibrate --threads 2 --offload-dir /mnt/nvme/tmp\n  memwall calibrate --json"
+    )]
+    Calibrate(CalibrateArgs),
     /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
     Report(ReportArgs),
     /// Turn a llama.cpp GGUF file (llama or qwen2) into a Hugging Face model directory.
@@ -95,6 +109,19 @@ struct ConvertArgs {
     /// Replace DIR if it exists and is not empty.
     #[arg(long)]
     force: bool,
+}
+
+#[derive(Args)]
+struct CalibrateArgs {
+    /// Worker threads to calibrate (default: all cores); plans for another count use their own file.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Also measure the disk of this directory (where offload files will go).
+    #[arg(long, value_name = "DIR")]
+    offload_dir: Option<PathBuf>,
+    /// Print the calibration as JSON (also saved in the user cache).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -186,9 +213,21 @@ struct StepArgs {
     /// a config.json [default: gpt2-tiny; with --init: its model; with --resume: the run's]
     #[arg(long)]
     model: Option<String>,
-    /// Micro-batch size, sequences per step [default: 8; with --resume: the run's]
-    #[arg(long)]
-    batch: Option<usize>,
+    /// Micro-batch size, sequences per step, or auto: the largest that fits --max-memory, by
+    /// prediction (never by trying) [default: 8; with --resume: the run's]
+    #[arg(long, value_parser = parse_batch, value_name = "N|auto")]
+    batch: Option<Pick<usize>>,
+    /// Sequences per optimizer step (micro-batch x accumulation): with --batch N it sets
+    /// --grad-accum to the quotient; with --fit or --batch auto the micro-batch is chosen among
+    /// its divisors
+    #[arg(long, value_name = "N")]
+    global_batch: Option<usize>,
+    /// Choose the fastest plan that fits --max-memory, by predicted step time: searches the
+    /// micro-batch (keeping --global-batch), --recompute and --offload unless given, and
+    /// --precision / --optim-state where given as auto (they change the numerics); prints the
+    /// five best (`memwall calibrate` makes the prediction a measured one)
+    #[arg(long, requires = "max_memory")]
+    fit: bool,
     /// Sequence length in tokens, at most the model's n_positions [default: 128; with --resume: the run's]
     #[arg(long)]
     seq: Option<usize>,
@@ -218,13 +257,13 @@ struct StrategyArgs {
     grad_accum: Option<usize>,
     /// AdamW moment storage: fp32 (8 bytes per parameter), bf16 (4), int8 (8-bit log-scale
     /// codes in blocks of 2048 with one f32 scale each, about 2) [default: fp32; with --resume: the run's]
-    #[arg(long, value_parser = parse_optim_state)]
-    optim_state: Option<OptimState>,
+    #[arg(long, value_parser = parse_optim_state, value_name = "fp32|bf16|int8|auto")]
+    optim_state: Option<Pick<OptimState>>,
     /// Format of compute weights, activations and gradients: fp32, bf16 or fp16 (both with
-    /// fp32 master weights and f32 accumulation; fp16 with dynamic loss scaling)
-    /// [default: fp32; with --resume: the run's]
-    #[arg(long, value_parser = parse_precision)]
-    precision: Option<Precision>,
+    /// fp32 master weights and f32 accumulation; fp16 with dynamic loss scaling); auto lets
+    /// --fit choose [default: fp32; with --resume: the run's]
+    #[arg(long, value_parser = parse_precision, value_name = "fp32|bf16|fp16|auto")]
+    precision: Option<Pick<Precision>>,
     /// What to keep on disk between uses, so it needs RAM only in its turn: none, all, auto
     /// (the placement with the least disk I/O that fits --max-memory), or a comma list of
     /// optimizer (the AdamW moments, read one parameter group at a time for its update and
@@ -243,18 +282,40 @@ struct StrategyArgs {
 }
 
 impl StrategyArgs {
-    /// The strategies these flags ask for, defaults filled in, with the budget `max_memory`.
-    fn resolve(&self, max_memory: Option<u64>) -> Strategies {
+    /// The strategies these flags ask for, defaults filled in, with the budget `max_memory`
+    /// (`auto` precision or optimizer state is for --fit only).
+    fn resolve(&self, max_memory: Option<u64>) -> Result<Strategies> {
         let d = Strategies::default();
-        Strategies {
+        Ok(Strategies {
             recompute: self.recompute.unwrap_or(d.recompute),
             grad_accum: self.grad_accum.unwrap_or(d.grad_accum),
-            optim_state: self.optim_state.unwrap_or(d.optim_state),
-            precision: self.precision.unwrap_or(d.precision),
+            optim_state: fixed(self.optim_state, "--optim-state")?.unwrap_or(d.optim_state),
+            precision: fixed(self.precision, "--precision")?.unwrap_or(d.precision),
             max_memory,
             offload: self.offload.unwrap_or(d.offload),
             offload_dir: self.offload_dir.clone(),
-        }
+        })
+    }
+}
+
+/// A flag's value, refusing `auto` outside --fit.
+fn fixed<T>(v: Option<Pick<T>>, flag: &str) -> Result<Option<T>> {
+    match v {
+        Some(Pick::Auto) => bail!(
+            "{flag} auto needs --fit (and --max-memory): the search then picks it by predicted step time"
+        ),
+        Some(Pick::Fixed(t)) => Ok(Some(t)),
+        None => Ok(None),
+    }
+}
+
+fn parse_batch(s: &str) -> Result<Pick<usize>, String> {
+    match s.trim() {
+        "auto" => Ok(Pick::Auto),
+        n => n
+            .parse()
+            .map(Pick::Fixed)
+            .map_err(|_| format!("'{s}' is not a batch size: give a number of sequences, or auto")),
     }
 }
 
@@ -262,11 +323,11 @@ fn parse_offload(s: &str) -> Result<OffloadChoice, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
-fn parse_precision(s: &str) -> Result<Precision, String> {
+fn parse_precision(s: &str) -> Result<Pick<Precision>, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
-fn parse_optim_state(s: &str) -> Result<OptimState, String> {
+fn parse_optim_state(s: &str) -> Result<Pick<OptimState>, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
@@ -415,6 +476,7 @@ fn main() {
         Cmd::Train(a) => train_cmd(a),
         Cmd::Sample(a) => sample_cmd(a),
         Cmd::Bench(a) => bench_cmd(a),
+        Cmd::Calibrate(a) => calibrate_cmd(a),
         Cmd::Report(a) => report_cmd(a),
         Cmd::Convert(a) => convert_cmd(a),
     };
@@ -474,22 +536,245 @@ const DEFAULT_MODEL: &str = "gpt2-tiny";
 const DEFAULT_BATCH: usize = 8;
 const DEFAULT_SEQ: usize = 128;
 
+/// A step's micro-batch and strategies as the flags give them, or as `--fit` / `--batch
+/// auto` choose them.
+struct Resolved {
+    batch: usize,
+    strategies: Strategies,
+    /// The search, when `--fit` ran one.
+    found: Option<search::Found>,
+    /// The search's record for plan.json.
+    fit: Option<serde_json::Value>,
+}
+
+/// Resolves `--batch`, `--global-batch`, `--fit` and the strategy flags for `spec`.
+fn resolve_step(
+    step: &StepArgs,
+    spec: &ModelSpec,
+    threads: usize,
+    baseline: u64,
+    default_batch: usize,
+) -> Result<Resolved> {
+    let st = &step.strategy;
+    if step.fit {
+        let budget = step.max_memory.context("--fit needs --max-memory")?;
+        let micro = match step.batch {
+            Some(Pick::Fixed(b)) if step.global_batch.is_some() => Some(b),
+            _ => None,
+        };
+        let global = match (step.global_batch, step.batch) {
+            (Some(g), _) => g,
+            (None, Some(Pick::Fixed(b))) => b * st.grad_accum.unwrap_or(1),
+            (None, _) => default_batch * st.grad_accum.unwrap_or(1),
+        };
+        if st.grad_accum.is_some() && step.global_batch.is_some() {
+            bail!("--fit chooses --grad-accum from --global-batch: give one of them");
+        }
+        let space = search::Space {
+            global_batch: global,
+            seq: step.seq.unwrap_or(DEFAULT_SEQ),
+            threads,
+            micro_batch: micro,
+            recompute: match st.recompute {
+                Some(RecomputeChoice::Fixed(r)) => Pick::Fixed(r),
+                _ => Pick::Auto,
+            },
+            offload: match st.offload {
+                Some(OffloadChoice::Set(o)) => Pick::Fixed(o),
+                _ => Pick::Auto,
+            },
+            precision: st.precision.unwrap_or(Pick::Fixed(Precision::F32)),
+            optim_state: st.optim_state.unwrap_or(Pick::Fixed(OptimState::F32)),
+            offload_dir: st.offload_dir.clone(),
+        };
+        let cal = memwall::exec::calibrate::current(threads)?;
+        let t0 = std::time::Instant::now();
+        let found = search::search(spec, &space, budget, baseline, &cal, &Cpu)?;
+        let search_s = t0.elapsed().as_secs_f64();
+        let Some(best) = found.ranked.first() else {
+            return Err(search::nothing_fits(&found, budget));
+        };
+        let c = &best.cfg;
+        let strategies = Strategies {
+            recompute: RecomputeChoice::Fixed(c.recompute),
+            grad_accum: c.grad_accum,
+            optim_state: c.optim_state,
+            precision: c.precision,
+            max_memory: Some(budget),
+            offload: OffloadChoice::Set(c.offload.set),
+            offload_dir: st.offload_dir.clone(),
+        };
+        let fit = serde_json::json!({
+            "max_memory": budget,
+            "global_batch": global,
+            "calibration": cal.describe(),
+            "plans_built": found.plans_built,
+            "search_s": search_s,
+            "candidates": found.ranked.iter().map(|k| serde_json::json!({
+                "flags": k.flags(), "batch": k.cfg.batch, "grad_accum": k.cfg.grad_accum,
+                "recompute": k.cfg.recompute.to_string(), "offload": k.cfg.offload.set.to_string(),
+                "precision": k.cfg.precision.to_string(), "optim_state": k.cfg.optim_state.to_string(),
+                "predicted_peak_bytes": k.peak, "predicted_step_s": k.time.step_s,
+                "tokens_per_s": k.tokens_per_s(), "bound": k.time.bound,
+            })).collect::<Vec<_>>(),
+            "not_fitting": found.rejected.iter().map(|r| serde_json::json!({
+                "flags": r.what, "smallest_peak_bytes": r.smallest_peak,
+            })).collect::<Vec<_>>(),
+            "groups_skipped": found.skipped,
+        });
+        return Ok(Resolved {
+            batch: c.batch,
+            strategies,
+            found: Some(found),
+            fit: Some(fit),
+        });
+    }
+    let mut strategies = st.resolve(step.max_memory)?;
+    let batch = match step.batch {
+        Some(Pick::Auto) => {
+            let budget = step
+                .max_memory
+                .context("--batch auto needs --max-memory: it picks the largest micro-batch that fits that budget")?;
+            let (RecomputeChoice::Fixed(r), OffloadChoice::Set(_)) =
+                (strategies.recompute, strategies.offload)
+            else {
+                bail!(
+                    "--batch auto needs a fixed --recompute and --offload (or use --fit, which searches all three)"
+                );
+            };
+            let mut cfg = strategies.step_config(1, step.seq.unwrap_or(DEFAULT_SEQ), threads);
+            cfg.recompute = r;
+            let largest =
+                plan::fit::largest_batch(spec, &cfg, Mode::Train, budget, baseline, &Cpu)?;
+            let Some((b, _)) = largest else {
+                let one = build_plan(spec, &cfg, Mode::Train, &Cpu)?;
+                plan::fit::check_budget(&one, budget, baseline, &Cpu)?;
+                bail!("internal error: batch 1 fits but was not found");
+            };
+            match step.global_batch {
+                // The largest divisor of the global batch that fits.
+                Some(g) => {
+                    let d = (1..=b.min(g))
+                        .rev()
+                        .find(|&d| g.is_multiple_of(d))
+                        .unwrap_or(1);
+                    strategies.grad_accum = g / d;
+                    d
+                }
+                None => b,
+            }
+        }
+        fixed => {
+            let b = match fixed {
+                Some(Pick::Fixed(b)) => b,
+                _ => default_batch,
+            };
+            if let Some(g) = step.global_batch {
+                if b == 0 || !g.is_multiple_of(b) {
+                    bail!(
+                        "--global-batch {g} is not a multiple of --batch {b}: the accumulation must be a whole number of micro-batches"
+                    );
+                }
+                if step.strategy.grad_accum.is_some_and(|a| a * b != g) {
+                    bail!(
+                        "--global-batch {g} disagrees with --batch {b} x --grad-accum {}: give two of the three",
+                        strategies.grad_accum
+                    );
+                }
+                strategies.grad_accum = g / b;
+            }
+            b
+        }
+    };
+    Ok(Resolved {
+        batch,
+        strategies,
+        found: None,
+        fit: None,
+    })
+}
+
+/// Prints the five best candidates of a `--fit` search.
+fn print_fit(found: &search::Found, budget: u64) {
+    println!(
+        "fastest plans that fit --max-memory {} ({} plans built):",
+        fmt_bytes(budget),
+        found.plans_built
+    );
+    println!(
+        "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9} {:>9} {:>8}",
+        "#",
+        "batch x accum",
+        "recompute",
+        "offload",
+        "prec",
+        "optim",
+        "peak",
+        "s/step",
+        "tokens/s",
+        "bound"
+    );
+    for (i, k) in found.ranked.iter().enumerate() {
+        let c = &k.cfg;
+        println!(
+            "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9.2} {:>9.1} {:>8}",
+            i + 1,
+            format!("{} x {}", c.batch, c.grad_accum),
+            c.recompute.to_string(),
+            c.offload.set.to_string(),
+            c.precision.to_string(),
+            c.optim_state.to_string(),
+            fmt_bytes(k.peak),
+            k.time.step_s,
+            k.tokens_per_s(),
+            format!("{:?}", k.time.bound).to_lowercase()
+        );
+    }
+    for r in &found.rejected {
+        println!(
+            "  does not fit: {} (its smallest plan needs {})",
+            r.what,
+            fmt_bytes(r.smallest_peak)
+        );
+    }
+    if found.skipped > 0 {
+        println!(
+            "  {} more micro-batch/precision groups not searched: even unconstrained they are slower than these",
+            found.skipped
+        );
+    }
+}
+
+/// One line: the plan's predicted step time, its bound, and where the calibration came from.
+fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Calibration) -> String {
+    let tokens = (plan.cfg.batch * plan.cfg.grad_accum * plan.cfg.seq) as f64;
+    format!(
+        "  predicted step time          {:.2} s ({:.0} tokens/s; {}-bound: compute {:.2} s, disk {:.2} s, waiting {:.2} s)\n  time model                   {}",
+        t.step_s,
+        tokens / t.step_s,
+        format!("{:?}", t.bound).to_lowercase(),
+        t.compute_s,
+        t.io_s,
+        t.stall_s,
+        cal.describe()
+    )
+}
+
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let spec = ModelSpec::resolve(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
-    let cfg = a.step.strategy.resolve(a.step.max_memory).step_config(
-        a.step.batch.unwrap_or(DEFAULT_BATCH),
-        a.step.seq.unwrap_or(DEFAULT_SEQ),
-        threads(a.step.threads)?,
-    );
+    let threads = threads(a.step.threads)?;
     let baseline = rss::current_rss().unwrap_or(0);
-    let recompute = a.step.strategy.recompute.unwrap_or_default();
-    let offload = a.step.strategy.offload.unwrap_or_default();
+    let r = resolve_step(&a.step, &spec, threads, baseline, DEFAULT_BATCH)?;
+    let cfg = r
+        .strategies
+        .step_config(r.batch, a.step.seq.unwrap_or(DEFAULT_SEQ), threads);
+    let (recompute, offload) = (r.strategies.recompute, r.strategies.offload);
     // An over-budget fixed choice still prints its plan, then the refusal.
     let plan = match (recompute, offload) {
-        (RecomputeChoice::Fixed(r), OffloadChoice::Set(_)) => build_plan(
+        (RecomputeChoice::Fixed(rc), OffloadChoice::Set(_)) => build_plan(
             &spec,
             &StepConfig {
-                recompute: r,
+                recompute: rc,
                 ..cfg.clone()
             },
             Mode::Train,
@@ -505,20 +790,29 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             &Cpu,
         )?,
     };
+    let cal = memwall::exec::calibrate::current(threads)?;
+    let predicted = plan::time::predict(&plan, &cal);
+    let plan_json = || -> Result<PlanJson> {
+        let mut p = PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &cal);
+        p.fit = r.fit.clone();
+        Ok(p)
+    };
     if let Some(path) = &a.svg {
-        let data = PlanJson::from_plan(&plan, baseline)?;
+        let data = plan_json()?;
         let tl = memwall::profile::timeline::MemoryTimeline::new(&data);
         let svg = memwall::profile::chart::memory_svg(&data, &tl, None, baseline)?;
         std::fs::write(path, svg)
             .with_context(|| format!("--svg {}: cannot write the file", path.display()))?;
     }
     if a.json {
-        println!(
-            "{}",
-            PlanJson::from_plan(&plan, baseline)?.to_pretty_json()?
-        );
+        println!("{}", plan_json()?.to_pretty_json()?);
     } else {
+        if let (Some(found), Some(budget)) = (&r.found, a.step.max_memory) {
+            print_fit(found, budget);
+            println!("plan of the fastest:");
+        }
         print!("{}", plan::report::table(&plan, baseline, &Cpu));
+        println!("{}", time_line(&plan, &predicted, &cal));
         if plan.nvme_bytes > 0 {
             print_disk_time(&plan, a.step.strategy.offload_dir.as_deref())?;
         }
@@ -583,8 +877,18 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
             opts.strategies.max_memory = a.step.max_memory;
         }
         opts.profile_steps = if a.profile { a.profile_steps } else { 0 };
+        if a.step.fit || a.step.batch == Some(Pick::Auto) || a.step.global_batch.is_some() {
+            bail!(
+                "--resume continues the run in {} with its own batch and strategies: --fit, --batch auto and --global-batch are for new runs",
+                run.display()
+            );
+        }
+        let batch = match a.step.batch {
+            Some(Pick::Fixed(b)) => Some(b),
+            _ => None,
+        };
         for (flag, given, run_value) in [
-            ("--batch", a.step.batch, opts.batch),
+            ("--batch", batch, opts.batch),
             ("--seq", a.step.seq, opts.seq),
             (
                 "--grad-accum",
@@ -601,7 +905,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
                 );
             }
         }
-        if let Some(p) = a.step.strategy.precision
+        if let Some(p) = fixed(a.step.strategy.precision, "--precision")?
             && p != opts.strategies.precision
         {
             bail!(
@@ -610,7 +914,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
                 opts.strategies.precision
             );
         }
-        if let Some(f) = a.step.strategy.optim_state
+        if let Some(f) = fixed(a.step.strategy.optim_state, "--optim-state")?
             && f != opts.strategies.optim_state
         {
             bail!(
@@ -634,7 +938,6 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         let model = a.step.model.as_deref().or(init_model.as_deref());
         let mut o = TrainOptions::new(model.unwrap_or(DEFAULT_MODEL), &data, &out);
         o.steps = a.steps.unwrap_or(o.steps);
-        o.batch = a.step.batch.unwrap_or(o.batch);
         o.seq = a.step.seq.unwrap_or(o.seq);
         o.lr = a.lr;
         o.warmup = a.warmup;
@@ -642,11 +945,20 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.grad_clip = a.grad_clip;
         o.seed = a.seed;
         o.threads = threads(a.step.threads)?;
+        let spec = ModelSpec::resolve(&o.model)?;
+        let baseline = rss::current_rss().unwrap_or(0);
+        let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch)?;
+        if let (Some(found), Some(budget)) = (&r.found, a.step.max_memory) {
+            print_fit(found, budget);
+            println!("training with the fastest: {}", found.ranked[0].flags());
+        }
+        o.batch = r.batch;
+        o.strategies = r.strategies;
+        o.fit = r.fit;
         o.eval_every = a.eval_every;
         o.eval_batches = a.eval_batches;
         o.save_every = a.save_every;
         o.init = init;
-        o.strategies = a.step.strategy.resolve(a.step.max_memory);
         o.profile_steps = if a.profile { a.profile_steps } else { 0 };
         train::train(&o, None, &mut progress)?
     };
@@ -687,7 +999,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         threads: threads(a.threads)?,
         seed: a.seed,
         time_ops: a.time_ops,
-        strategies: a.strategy.resolve(a.max_memory),
+        strategies: a.strategy.resolve(a.max_memory)?,
         profile: a.profile,
     };
     eprintln!(
@@ -713,6 +1025,52 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         )
     })?;
     println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
+    use memwall::exec::calibrate;
+    let opts = calibrate::CalibrateOptions {
+        threads: threads(a.threads)?,
+        offload_dir: a.offload_dir,
+    };
+    let path = calibrate::cache_file(opts.threads)
+        .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;
+    eprintln!(
+        "calibrating {} on {} threads (about a minute on 2 cores)",
+        calibrate::cpu_name(),
+        opts.threads
+    );
+    let cal = calibrate::run(&opts, &mut |s| eprintln!("  {s}"))?;
+    calibrate::save(&cal, &path)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&cal)?);
+        return Ok(());
+    }
+    println!("{}", cal.describe());
+    println!(
+        "  {:<26} {:>10} {:>12} {:>9} {:>8} {:>8}",
+        "op kind", "GFLOP/s", "GB/s", "us/call", "ops", "fit err"
+    );
+    for (k, c) in &cal.kinds {
+        let rate = |s: f64, unit: f64| {
+            if s > 0.0 {
+                format!("{:.1}", 1.0 / s / unit)
+            } else {
+                "-".into()
+            }
+        };
+        println!(
+            "  {:<26} {:>10} {:>12} {:>9.1} {:>8} {:>7.1}%",
+            k,
+            rate(c.s_per_flop, 1e9),
+            rate(c.s_per_byte, 1e9),
+            c.s_per_op * 1e6,
+            c.samples,
+            c.fit_error_pct
+        );
+    }
+    println!("saved to {}", path.display());
     Ok(())
 }
 

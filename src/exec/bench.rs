@@ -52,6 +52,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
         PlanJson::from_plan(&plan, baseline)?.write(&RunDir::new(dir).plan())?;
     }
+    let calibration = super::calibrate::current(opts.threads)?;
+    let predicted = crate::plan::time::predict(&plan, &calibration);
     let recompute = plan.cfg.recompute;
     let (io_read, io_write) = plan.io_bytes_per_step();
     let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes});
@@ -223,6 +225,13 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         "tokens_per_s": tokens / median,
         "step_s_median": median,
         "step_s": times,
+        "predicted_step_s": predicted.step_s,
+        "time_error_pct": 100.0 * (predicted.step_s - median) / median,
+        "predicted": {
+            "compute_s": predicted.compute_s, "io_s": predicted.io_s, "stall_s": predicted.stall_s,
+            "bound": predicted.bound, "estimated": predicted.estimated,
+            "calibration": calibration.describe(),
+        },
         "gflops_per_s": flops as f64 / median / 1e9,
         "flops_per_step": flops,
         "fma_peak": peak_before.zip(peak_after).map(|(b, a)| json!({

@@ -5,6 +5,7 @@
 //! learning rates, metrics, checkpoints, resume); [`generate`] samples text.
 
 pub mod bench;
+pub mod calibrate;
 pub mod executor;
 pub mod generate;
 pub mod lr;

@@ -35,8 +35,10 @@ pub mod offload;
 pub mod packing;
 pub mod report;
 pub mod schedule;
+pub mod search;
 mod stage;
 pub mod strategy;
+pub mod time;
 
 pub use buffer::{BufId, Buffer, Category, DType, Placement, Tier};
 pub use build::{Mode, StepConfig, build_plan};

@@ -21,7 +21,15 @@ fn align_up(x: u64, align: u64) -> u64 {
     x.div_ceil(align) * align
 }
 
+/// Ops per bucket of [`pack`]'s index of placed buffers by lifetime.
+const BUCKET_OPS: usize = 64;
+
 /// Assigns an offset to every buffer placed in `tier`; returns that tier's arena size in bytes.
+///
+/// The placed buffers are indexed by the buckets of [`BUCKET_OPS`] ops their lifetimes
+/// cover, so a buffer is checked only against those that may live with it: a plan's cost is
+/// about its buffers times those live at once, not its buffers squared (gradient
+/// accumulation unrolls the micro-batches, and `--fit` builds hundreds of plans).
 pub fn pack(buffers: &mut [Buffer], tier: Tier) -> u64 {
     let mut order: Vec<usize> = (0..buffers.len())
         .filter(|&i| buffers[i].placement.tier == tier)
@@ -34,15 +42,32 @@ pub fn pack(buffers: &mut [Buffer], tier: Tier) -> u64 {
             .then(buffers[a].first_op.cmp(&buffers[b].first_op))
             .then(a.cmp(&b))
     });
-    let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
+    let n_buckets = order
+        .iter()
+        .filter(|&&i| buffers[i].first_op <= buffers[i].last_op)
+        .map(|&i| buffers[i].last_op / BUCKET_OPS + 1)
+        .max()
+        .unwrap_or(0);
+    let mut buckets: Vec<Vec<usize>> = vec![Vec::new(); n_buckets];
+    // The last buffer `j` was checked against (each is checked once per buffer placed).
+    let mut seen: Vec<usize> = vec![usize::MAX; buffers.len()];
     let mut arena = 0u64;
     let mut conflicts: Vec<(u64, u64)> = Vec::new();
     for &i in &order {
         conflicts.clear();
-        for &j in &placed {
-            if buffers[i].lives_with(&buffers[j]) {
-                let at = buffers[j].placement.offset;
-                conflicts.push((at, at + buffers[j].padded_bytes()));
+        let (first, last) = (buffers[i].first_op, buffers[i].last_op);
+        let live = first <= last;
+        if live {
+            for bucket in &buckets[first / BUCKET_OPS..=last / BUCKET_OPS] {
+                for &j in bucket {
+                    if seen[j] != i {
+                        seen[j] = i;
+                        if buffers[i].lives_with(&buffers[j]) {
+                            let at = buffers[j].placement.offset;
+                            conflicts.push((at, at + buffers[j].padded_bytes()));
+                        }
+                    }
+                }
             }
         }
         conflicts.sort_unstable();
@@ -57,7 +82,11 @@ pub fn pack(buffers: &mut [Buffer], tier: Tier) -> u64 {
         }
         buffers[i].placement.offset = at;
         arena = arena.max(at + need);
-        placed.push(i);
+        if live {
+            for bucket in &mut buckets[first / BUCKET_OPS..=last / BUCKET_OPS] {
+                bucket.push(i);
+            }
+        }
     }
     arena
 }
@@ -102,20 +131,33 @@ pub fn peak_live(buffers: &[Buffer], n_ops: usize) -> (u64, usize) {
 }
 
 /// Checks the packing: no two buffers that are live together share a byte. Returns the first
-/// offending pair's names.
+/// offending pair's names. A sweep over lifetimes: each buffer is checked against those
+/// still live when it starts.
 pub fn verify(buffers: &[Buffer]) -> Result<(), String> {
-    for (i, a) in buffers.iter().enumerate() {
+    for a in buffers {
         if a.placement.offset % a.align != 0 {
             return Err(format!("buffer {} is misaligned", a.name));
         }
-        for b in &buffers[i + 1..] {
-            if a.bytes > 0 && b.bytes > 0 && a.lives_with(b) && a.overlaps_in_memory(b) {
+    }
+    let mut by_start: Vec<usize> = (0..buffers.len())
+        .filter(|&i| buffers[i].bytes > 0 && buffers[i].first_op <= buffers[i].last_op)
+        .collect();
+    by_start.sort_by_key(|&i| (buffers[i].first_op, i));
+    let mut active: Vec<usize> = Vec::new();
+    for &i in &by_start {
+        let b = &buffers[i];
+        active.retain(|&j| buffers[j].last_op >= b.first_op);
+        for &j in &active {
+            let a = &buffers[j];
+            if a.lives_with(b) && a.overlaps_in_memory(b) {
+                let (x, y) = if j < i { (a, b) } else { (b, a) };
                 return Err(format!(
                     "buffers {} and {} are live together but overlap",
-                    a.name, b.name
+                    x.name, y.name
                 ));
             }
         }
+        active.push(i);
     }
     Ok(())
 }

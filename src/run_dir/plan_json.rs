@@ -108,6 +108,16 @@ pub struct PlanJson {
     pub io_read_bytes_per_step: u64,
     #[serde(default)]
     pub io_write_bytes_per_step: u64,
+    /// Predicted seconds of one training step (`plan::time`; absent in older files).
+    #[serde(default)]
+    pub predicted_step_s: Option<f64>,
+    /// The prediction's parts (compute, I/O, stall, bound) and where its calibration came from.
+    #[serde(default)]
+    pub predicted: Option<Value>,
+    /// The `--fit` search that chose this configuration: its budget, its ranked candidates
+    /// with their predicted times, and what did not fit.
+    #[serde(default)]
+    pub fit: Option<Value>,
     pub buffers: Vec<BufferInfo>,
     pub schedule: Vec<OpInfo>,
 }
@@ -190,11 +200,28 @@ impl PlanJson {
             .collect(),
             io_read_bytes_per_step: io_read,
             io_write_bytes_per_step: io_write,
+            predicted_step_s: None,
+            predicted: None,
+            fit: None,
             buffers,
             schedule,
         };
         p.check()?;
         Ok(p)
+    }
+
+    /// Records the plan's predicted step time `t`, from calibration `cal`.
+    pub fn with_prediction(
+        mut self,
+        t: &crate::plan::time::StepTime,
+        cal: &crate::plan::time::Calibration,
+    ) -> PlanJson {
+        self.predicted_step_s = Some(t.step_s);
+        self.predicted = Some(serde_json::json!({
+            "compute_s": t.compute_s, "io_s": t.io_s, "stall_s": t.stall_s, "bound": t.bound,
+            "estimated": t.estimated, "calibration": cal.describe(),
+        }));
+        self
     }
 
     /// The file's text: pretty-printed, every object's keys sorted.

@@ -57,6 +57,9 @@ pub struct TrainOptions {
     /// `memory.svg` and `report.html` in the run directory.
     #[serde(default)]
     pub profile_steps: u64,
+    /// The `--fit` search that chose `batch` and `strategies` (recorded in plan.json).
+    #[serde(default)]
+    pub fit: Option<serde_json::Value>,
 }
 
 impl TrainOptions {
@@ -85,6 +88,7 @@ impl TrainOptions {
             tokenizer_dir: None,
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
             strategies: Strategies::default(),
+            fit: None,
             profile_steps: 0,
         }
     }

@@ -39,7 +39,12 @@ impl<'a> Run<'a> {
         let plan = strategies.plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
         let dir = RunDir::new(&opts.out);
         prepare_run_dir(&dir, resume.is_some())?;
-        PlanJson::from_plan(&plan, baseline)?.write(&dir.plan())?;
+        let calibration = crate::exec::calibrate::current(opts.threads)?;
+        let predicted = crate::plan::time::predict(&plan, &calibration);
+        let mut plan_json =
+            PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &calibration);
+        plan_json.fit = opts.fit.clone();
+        plan_json.write(&dir.plan())?;
         progress.message(&plan_line(opts, &spec, &plan, baseline));
         let plan_total = plan.total_bytes();
         let mut ex = Executor::new(plan)?;

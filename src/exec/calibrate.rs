@@ -1,0 +1,451 @@
+//! `memwall calibrate`: measure what this machine does per second, once, for the step-time
+//! model ([`crate::plan::time`]).
+//!
+//! It trains a suite of small models (GPT-2 and Llama shaped, 2 blocks, a 4096-token
+//! vocabulary, widths from 256 to 2048, 512 to 2048 rows) for one warm-up and one timed step
+//! in every storage precision, and a small one in every optimizer-state format, with every op
+//! timed. Per op kind it fits `seconds = s_per_flop · flops + s_per_byte · bytes + s_per_op`
+//! (non-negative least squares on relative error). It then measures the offload directory's
+//! disk ([`crate::mem::probe`]) and the FMA peak, and saves the whole as JSON in the user
+//! cache, one file per thread count. The ops run through the executor on the real backend,
+//! so what is fitted is what a training step runs.
+
+use super::executor::{Executor, OptimHparams};
+use crate::backend::cpu::Cpu;
+use crate::model::ModelSpec;
+use crate::plan::time::{Calibration, Cost, DiskRates, Source, op_bytes, op_kind};
+use crate::plan::{Mode, OptimState, Precision, StepConfig, build_plan};
+use crate::profile::OpRecorder;
+use crate::util::rng::Rng;
+use anyhow::{Context, Result, bail};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What to calibrate.
+#[derive(Clone, Debug)]
+pub struct CalibrateOptions {
+    pub threads: usize,
+    /// Directory whose disk is measured (the offload file's); `None`: not measured.
+    pub offload_dir: Option<PathBuf>,
+}
+
+/// One model of the suite: a preset's family with these dimensions, at `b × t`.
+struct Case {
+    preset: &'static str,
+    c: usize,
+    heads: usize,
+    kv_heads: usize,
+    mlp: usize,
+    b: usize,
+    t: usize,
+}
+
+/// The suite: widths and row counts around those of the presets (hd 64 and 128; GPT-2's
+/// 4·C MLP, Llama's 8/3·C SwiGLU with grouped-query attention).
+const SUITE: [Case; 7] = [
+    Case {
+        preset: "gpt2",
+        c: 256,
+        heads: 4,
+        kv_heads: 4,
+        mlp: 1024,
+        b: 4,
+        t: 128,
+    },
+    Case {
+        preset: "gpt2",
+        c: 768,
+        heads: 12,
+        kv_heads: 12,
+        mlp: 3072,
+        b: 2,
+        t: 256,
+    },
+    Case {
+        preset: "gpt2",
+        c: 768,
+        heads: 12,
+        kv_heads: 12,
+        mlp: 3072,
+        b: 4,
+        t: 512,
+    },
+    Case {
+        preset: "gpt2",
+        c: 1280,
+        heads: 20,
+        kv_heads: 20,
+        mlp: 5120,
+        b: 1,
+        t: 1024,
+    },
+    Case {
+        preset: "gpt2",
+        c: 1600,
+        heads: 25,
+        kv_heads: 25,
+        mlp: 6400,
+        b: 2,
+        t: 256,
+    },
+    Case {
+        preset: "smollm2-135m",
+        c: 576,
+        heads: 9,
+        kv_heads: 3,
+        mlp: 1536,
+        b: 4,
+        t: 256,
+    },
+    Case {
+        preset: "smollm2-135m",
+        c: 2048,
+        heads: 16,
+        kv_heads: 8,
+        mlp: 5632,
+        b: 1,
+        t: 512,
+    },
+];
+
+impl Case {
+    fn spec(&self) -> Result<ModelSpec> {
+        let mut s = ModelSpec::preset(self.preset)?;
+        s.name = format!(
+            "calibration {} C={} {}x{}",
+            self.preset, self.c, self.b, self.t
+        );
+        s.n_layer = 2;
+        s.vocab_size = 4096;
+        s.n_embd = self.c;
+        s.n_head = self.heads;
+        s.n_kv_head = self.kv_heads;
+        s.head_dim = self.c / self.heads;
+        s.mlp_hidden = self.mlp;
+        s.n_positions = s.n_positions.max(self.t);
+        s.validate()?;
+        Ok(s)
+    }
+}
+
+/// One timed op: its kind, FLOPs, bytes and seconds.
+struct Sample {
+    kind: String,
+    flops: f64,
+    bytes: f64,
+    secs: f64,
+}
+
+/// Trains `cfg` on `spec` for a warm-up and one timed step, every op timed.
+fn time_ops(spec: &ModelSpec, cfg: &StepConfig, out: &mut Vec<Sample>) -> Result<()> {
+    let plan = build_plan(spec, cfg, Mode::Train, &Cpu)?;
+    let n_ops = plan.schedule.ops.len();
+    let layout = plan.layout.clone();
+    let mut ex = Executor::new(plan)?;
+    let mut init = layout.initializer(1);
+    ex.fill_params(|range, p| {
+        init.fill(range, p);
+        Ok(())
+    })?;
+    let mut rng = Rng::new(1);
+    let batch: Vec<u32> = (0..cfg.grad_accum * cfg.batch * (cfg.seq + 1))
+        .map(|_| rng.below(spec.vocab_size as u64) as u32)
+        .collect();
+    ex.upload_batch(&batch)?;
+    ex.record_ops(Some(OpRecorder::new(Instant::now(), 2 * n_ops)));
+    let hp = |step| OptimHparams {
+        lr: 1e-4,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        step,
+    };
+    if cfg.precision == Precision::F16 {
+        ex.set_loss_scale(super::train::LossScaler::INITIAL);
+    }
+    ex.train_step(&hp(1))?;
+    let warm = ex.recorder_mut().map_or(0, |r| r.spans.len());
+    ex.train_step(&hp(2))?;
+    let rec = ex.record_ops(None).context("the recorder is set")?;
+    for s in &rec.spans[warm..] {
+        let e = &ex.plan.schedule.ops[s.op as usize];
+        if let Some(kind) = op_kind(&ex.plan, e) {
+            out.push(Sample {
+                kind,
+                flops: e.flops as f64,
+                bytes: op_bytes(&ex.plan, e) as f64,
+                secs: ((s.end_us - s.start_us) * 1e-6).max(1e-7),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Solves the `k × k` system `a · x = b` (Gaussian elimination, partial pivoting); `None`
+/// when singular.
+fn solve(mut a: Vec<Vec<f64>>, mut b: Vec<f64>) -> Option<Vec<f64>> {
+    let k = b.len();
+    for col in 0..k {
+        let p = (col..k).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[p][col].abs() < 1e-300 {
+            return None;
+        }
+        a.swap(col, p);
+        b.swap(col, p);
+        let pivot = a[col].clone();
+        for row in col + 1..k {
+            let f = a[row][col] / pivot[col];
+            for (x, p) in a[row][col..].iter_mut().zip(&pivot[col..]) {
+                *x -= f * p;
+            }
+            b[row] -= f * b[col];
+        }
+    }
+    let mut x = vec![0.0; k];
+    for row in (0..k).rev() {
+        let s: f64 = (row + 1..k).map(|c| a[row][c] * x[c]).sum();
+        x[row] = (b[row] - s) / a[row][row];
+    }
+    Some(x)
+}
+
+/// Fits `secs ≈ a · flops + b · bytes + c` with a, b, c ≥ 0, minimising the squared relative
+/// error: every subset of the three terms is solved by least squares, and the best fit whose
+/// coefficients are all non-negative is kept.
+fn fit(samples: &[&Sample]) -> Cost {
+    let feats = |s: &Sample| [s.flops, s.bytes, 1.0];
+    let mut best: Option<(f64, [f64; 3])> = None;
+    for mask in 1u8..8 {
+        let terms: Vec<usize> = (0..3).filter(|i| mask & (1 << i) != 0).collect();
+        if terms
+            .iter()
+            .any(|&i| samples.iter().all(|s| feats(s)[i] == 0.0))
+        {
+            continue;
+        }
+        // Rows x_i / t (weights 1/t): minimise Σ (x·coef / t − 1)².
+        let k = terms.len();
+        let mut ata = vec![vec![0.0; k]; k];
+        let mut atb = vec![0.0; k];
+        // Scale each column to unit size so flops (1e9) and the constant (1) condition well.
+        let scale: Vec<f64> = terms
+            .iter()
+            .map(|&i| {
+                samples
+                    .iter()
+                    .map(|s| feats(s)[i] / s.secs)
+                    .fold(0.0, f64::max)
+                    .max(1e-300)
+            })
+            .collect();
+        for s in samples {
+            let x: Vec<f64> = terms
+                .iter()
+                .zip(&scale)
+                .map(|(&i, sc)| feats(s)[i] / s.secs / sc)
+                .collect();
+            for r in 0..k {
+                atb[r] += x[r];
+                for c in 0..k {
+                    ata[r][c] += x[r] * x[c];
+                }
+            }
+        }
+        let Some(sol) = solve(ata, atb) else { continue };
+        if sol.iter().any(|&v| v < 0.0 || !v.is_finite()) {
+            continue;
+        }
+        let mut coef = [0.0; 3];
+        for ((&i, v), sc) in terms.iter().zip(&sol).zip(&scale) {
+            coef[i] = v / sc;
+        }
+        let err: f64 = samples
+            .iter()
+            .map(|s| {
+                let p: f64 = feats(s).iter().zip(&coef).map(|(f, c)| f * c).sum();
+                (p / s.secs - 1.0).powi(2)
+            })
+            .sum();
+        if best.is_none_or(|(e, _)| err < e) {
+            best = Some((err, coef));
+        }
+    }
+    let (err, [a, b, c]) = best.unwrap_or((0.0, [0.0, 0.0, 1e-5]));
+    Cost {
+        s_per_flop: a,
+        s_per_byte: b,
+        s_per_op: c,
+        samples: samples.len(),
+        fit_error_pct: 100.0 * (err / samples.len().max(1) as f64).sqrt(),
+    }
+}
+
+/// The CPU's model name (`/proc/cpuinfo`), or the architecture where that is unreadable.
+pub fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// The FMA peak of `threads` threads (GFLOP/s), measured in a pool of that size.
+pub fn fma_peak(threads: usize) -> Result<f64> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("cannot start the worker threads")?;
+    Ok(pool
+        .install(|| crate::backend::cpu::peak::measure(5, 0.02))
+        .map_or(0.0, |p| p.gflops_per_s))
+}
+
+/// Where the calibration of `threads` threads is kept in the user cache.
+pub fn cache_file(threads: usize) -> Option<PathBuf> {
+    crate::util::cache::memwall_cache().map(|d| {
+        d.join("calibration")
+            .join(format!("threads-{threads}.json"))
+    })
+}
+
+/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
+fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Measures this machine on `opts.threads` threads (about a minute on 2 cores), reporting
+/// each model of the suite to `progress`.
+pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Calibration> {
+    if opts.threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    let mut samples = Vec::new();
+    let mut runs: Vec<(ModelSpec, StepConfig)> = Vec::new();
+    for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+        for case in &SUITE {
+            let mut cfg = StepConfig::new(case.b, case.t, opts.threads);
+            cfg.precision = precision;
+            runs.push((case.spec()?, cfg));
+        }
+        // The optimizer-state formats' AdamW, on the smaller GPT-2 shapes.
+        for state in [OptimState::Bf16, OptimState::Int8] {
+            for case in &SUITE[..2] {
+                let mut cfg = StepConfig::new(case.b, case.t, opts.threads);
+                cfg.precision = precision;
+                cfg.optim_state = state;
+                runs.push((case.spec()?, cfg));
+            }
+        }
+    }
+    let t0 = Instant::now();
+    for (i, (spec, cfg)) in runs.iter().enumerate() {
+        progress(&format!(
+            "[{}/{}] {}, {}, optimizer state {} ({:.0} s)",
+            i + 1,
+            runs.len(),
+            spec.name,
+            cfg.precision,
+            cfg.optim_state,
+            t0.elapsed().as_secs_f64()
+        ));
+        time_ops(spec, cfg, &mut samples)
+            .with_context(|| format!("calibrating on {}", spec.name))?;
+    }
+    let mut by_kind: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
+    for s in &samples {
+        by_kind.entry(s.kind.clone()).or_default().push(s);
+    }
+    let kinds = by_kind.into_iter().map(|(k, ss)| (k, fit(&ss))).collect();
+    let disk = match &opts.offload_dir {
+        Some(dir) => {
+            progress(&format!(
+                "disk at {} (512 MiB written, then read)",
+                dir.display()
+            ));
+            let d = crate::mem::probe::probe(dir, 512 << 20)?;
+            Some(DiskRates {
+                read_bytes_per_s: d.read_bytes_per_s,
+                write_bytes_per_s: d.write_bytes_per_s,
+            })
+        }
+        None => None,
+    };
+    Ok(Calibration {
+        source: Source::Measured { at: utc_now() },
+        cpu: cpu_name(),
+        threads: opts.threads,
+        fma_peak_gflops: fma_peak(opts.threads)?,
+        kinds,
+        disk,
+        disk_dir: opts.offload_dir.clone(),
+    })
+}
+
+/// Writes `cal` to `path` (atomically; the directory is created).
+pub fn save(cal: &Calibration, path: &Path) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the directory {}", dir.display()))?;
+    }
+    crate::util::atomic::write_file(path, serde_json::to_string_pretty(cal)?.as_bytes())
+        .with_context(|| format!("cannot write the calibration {}", path.display()))
+}
+
+/// The saved calibration of `threads` threads on this CPU: `Ok(None)` when there is none (or
+/// it was taken on another CPU), an error naming the file when it cannot be read.
+pub fn load(threads: usize) -> Result<Option<Calibration>> {
+    let Some(path) = cache_file(threads) else {
+        return Ok(None);
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let cal: Calibration = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a calibration memwall can read: delete it or run `memwall calibrate` again",
+            path.display()
+        )
+    })?;
+    Ok((cal.cpu == cpu_name() && cal.threads == threads).then_some(cal))
+}
+
+/// The calibration the time model uses on `threads` threads: the saved one, else an
+/// estimate from the FMA peak measured now (about 0.1 s).
+pub fn current(threads: usize) -> Result<Calibration> {
+    match load(threads)? {
+        Some(c) => Ok(c),
+        None => Ok(Calibration::estimate(
+            cpu_name(),
+            threads,
+            fma_peak(threads)?,
+        )),
+    }
+}

@@ -1,0 +1,440 @@
+//! `--fit`: the fastest combination of strategies that fits a memory budget, by prediction.
+//!
+//! The space: the micro-batch × accumulation pairs that keep the global batch, every offload
+//! placement, every recomputation policy (none, selective, every:K, full), and, only where
+//! the user allows it, the precision and the optimizer-state format. Memory is exact, so a
+//! candidate either fits or not; those that fit are ranked by predicted step time
+//! ([`super::time::predict`]).
+//!
+//! Pruning keeps the search to a few hundred plan builds for gpt2-xl:
+//! - for a placement and micro-batch, the policies are ordered by recomputed FLOPs (none,
+//!   selective, every:2, …, every:L, full) and memory falls along that order, so the least
+//!   recomputation that fits is found by bisection;
+//! - offloading more never makes a step faster with the same recomputation, so a placement is
+//!   tried only when every smaller placement needed more recomputation than the one that
+//!   fits it could ([`OffloadSet`] subsets);
+//! - groups (precision, state, micro-batch) are visited fastest-first by the time of their
+//!   unconstrained plan (no recomputation, nothing offloaded), a lower bound of the group, and
+//!   the search stops when that bound is no better than the fifth best found.
+
+use super::fit::predicted_peak;
+use super::time::{Calibration, StepTime, predict};
+use super::{Mode, OffloadSet, OptimState, Plan, Precision, Recompute, StepConfig, build_plan};
+use crate::backend::Sizing;
+use crate::model::ModelSpec;
+use crate::util::bytes::fmt_bytes;
+use anyhow::{Result, bail};
+use rayon::prelude::*;
+use std::fmt;
+use std::str::FromStr;
+
+/// A strategy flag that may be left to the search: `auto` or a value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick<T> {
+    Auto,
+    Fixed(T),
+}
+
+impl<T: FromStr<Err = anyhow::Error>> FromStr for Pick<T> {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Pick<T>> {
+        match s.trim() {
+            "auto" => Ok(Pick::Auto),
+            other => other.parse().map(Pick::Fixed),
+        }
+    }
+}
+
+impl<T: fmt::Display> fmt::Display for Pick<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Pick::Auto => write!(f, "auto"),
+            Pick::Fixed(t) => t.fmt(f),
+        }
+    }
+}
+
+impl<T: Copy> Pick<T> {
+    fn options(self, all: &[T]) -> Vec<T> {
+        match self {
+            Pick::Auto => all.to_vec(),
+            Pick::Fixed(t) => vec![t],
+        }
+    }
+}
+
+/// What `--fit` may choose, and what it keeps.
+#[derive(Clone, Debug)]
+pub struct Space {
+    /// Sequences per optimizer step: micro-batch × accumulation.
+    pub global_batch: usize,
+    pub seq: usize,
+    pub threads: usize,
+    /// A fixed micro-batch (`--batch N` with `--fit`), or every divisor of the global batch.
+    pub micro_batch: Option<usize>,
+    pub recompute: Pick<Recompute>,
+    pub offload: Pick<OffloadSet>,
+    pub precision: Pick<Precision>,
+    pub optim_state: Pick<OptimState>,
+    /// The offload file's directory (recorded in the chosen configuration).
+    pub offload_dir: Option<std::path::PathBuf>,
+}
+
+/// One configuration that fits, with its plan's peak and predicted time.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub cfg: StepConfig,
+    pub peak: u64,
+    pub time: StepTime,
+}
+
+impl Candidate {
+    /// The flags that select it.
+    pub fn flags(&self) -> String {
+        let c = &self.cfg;
+        format!(
+            "--batch {} --grad-accum {} --recompute {} --offload {} --precision {} --optim-state {}",
+            c.batch, c.grad_accum, c.recompute, c.offload.set, c.precision, c.optim_state
+        )
+    }
+
+    /// Tokens per second at the predicted step time.
+    pub fn tokens_per_s(&self) -> f64 {
+        (self.cfg.batch * self.cfg.grad_accum * self.cfg.seq) as f64 / self.time.step_s
+    }
+}
+
+/// A group of the space that nothing fits, with its smallest plan's peak.
+#[derive(Clone, Debug)]
+pub struct Rejected {
+    pub what: String,
+    pub smallest_peak: u64,
+}
+
+/// What the search found.
+#[derive(Clone, Debug)]
+pub struct Found {
+    /// Candidates that fit, fastest first (at most [`Found::KEEP`]).
+    pub ranked: Vec<Candidate>,
+    /// Groups (precision, state, micro-batch) in which nothing fits.
+    pub rejected: Vec<Rejected>,
+    /// Groups never searched: their fastest plan could not beat the candidates kept.
+    pub skipped: usize,
+    pub plans_built: usize,
+}
+
+impl Found {
+    /// How many of the fastest candidates are kept.
+    pub const KEEP: usize = 5;
+}
+
+/// The recomputation policies in order of recomputed FLOPs (memory falls along it).
+fn policies(pick: Pick<Recompute>, n_layer: usize) -> Vec<Recompute> {
+    match pick {
+        Pick::Fixed(r) => vec![r],
+        Pick::Auto => {
+            let mut v = vec![Recompute::None, Recompute::Selective];
+            v.extend((2..=n_layer).map(Recompute::Every));
+            v.push(Recompute::Full);
+            v
+        }
+    }
+}
+
+/// Whether placement `a` offloads a subset of what `b` does.
+fn subset(a: OffloadSet, b: OffloadSet) -> bool {
+    (!a.optimizer || b.optimizer)
+        && (!a.params || b.params)
+        && (!a.grads || b.grads)
+        && (!a.activations || b.activations)
+}
+
+fn count(o: OffloadSet) -> usize {
+    [o.optimizer, o.params, o.grads, o.activations]
+        .iter()
+        .filter(|&&x| x)
+        .count()
+}
+
+/// One group of the space: a precision, a state format and a micro-batch, with a lower
+/// bound of its step time.
+struct Group {
+    bound: f64,
+    cfg: StepConfig,
+}
+
+/// What searching one group found.
+struct GroupResult {
+    fitting: Vec<Candidate>,
+    /// The smallest peak among the plans built (for the refusal when nothing fits).
+    smallest: u64,
+    built: usize,
+}
+
+/// Searches `space` for the fastest plans of `spec` that fit `budget` (bytes of peak
+/// resident memory, with the process `baseline`), timed with `cal`.
+pub fn search(
+    spec: &ModelSpec,
+    space: &Space,
+    budget: u64,
+    baseline: u64,
+    cal: &Calibration,
+    backend: &(dyn Sizing + Sync),
+) -> Result<Found> {
+    if space.global_batch == 0 {
+        bail!("--global-batch must be at least 1");
+    }
+    let micro: Vec<usize> = match space.micro_batch {
+        Some(b) if b == 0 || !space.global_batch.is_multiple_of(b) => bail!(
+            "--batch {b} does not divide --global-batch {}: the micro-batch times the accumulation must make the global batch",
+            space.global_batch
+        ),
+        Some(b) => vec![b],
+        None => (1..=space.global_batch)
+            .filter(|&b| space.global_batch.is_multiple_of(b))
+            .collect(),
+    };
+    let placements = {
+        let mut p = space.offload.options(&OffloadSet::every());
+        p.sort_by_key(|&o| count(o));
+        p
+    };
+    let policies = policies(space.recompute, spec.n_layer);
+    // Groups, each with a lower bound of its time: its unconstrained plan (least
+    // recomputation, least offload) without accumulation, its micro-batch part repeated.
+    let mut configs = Vec::new();
+    for &precision in &space
+        .precision
+        .options(&[Precision::F32, Precision::Bf16, Precision::F16])
+    {
+        for &state in
+            &space
+                .optim_state
+                .options(&[OptimState::F32, OptimState::Bf16, OptimState::Int8])
+        {
+            for &b in &micro {
+                let mut cfg = StepConfig::new(b, space.seq, space.threads);
+                cfg.grad_accum = space.global_batch / b;
+                cfg.precision = precision;
+                cfg.optim_state = state;
+                cfg.offload.dir = space.offload_dir.clone();
+                configs.push(cfg);
+            }
+        }
+    }
+    let mut groups = configs
+        .into_par_iter()
+        .map(|cfg| -> Result<Group> {
+            let mut one = cfg.clone();
+            one.grad_accum = 1;
+            one.recompute = policies[0];
+            one.offload.set = placements[0];
+            let t = predict(&build_plan(spec, &one, Mode::Train, backend)?, cal);
+            let k = cfg.grad_accum as f64;
+            Ok(Group {
+                bound: k * (t.step_s - t.update_s) + t.update_s,
+                cfg,
+            })
+        })
+        .collect::<Result<Vec<Group>>>()?;
+    let mut built = groups.len();
+    groups.sort_by(|a, b| a.bound.total_cmp(&b.bound));
+    let mut ranked: Vec<Candidate> = Vec::new();
+    let mut rejected = Vec::new();
+    let mut skipped = 0;
+    // Groups are searched fastest bound first, as many at once as there are threads.
+    let width = rayon::current_num_threads().max(1);
+    let mut rest = &groups[..];
+    while !rest.is_empty() {
+        let (chunk, tail) = rest.split_at(width.min(rest.len()));
+        rest = tail;
+        let beaten = |g: &Group| {
+            ranked.len() >= Found::KEEP && ranked[Found::KEEP - 1].time.step_s <= g.bound
+        };
+        let todo: Vec<&Group> = chunk.iter().filter(|g| !beaten(g)).collect();
+        skipped += chunk.len() - todo.len();
+        let results = todo
+            .par_iter()
+            .map(|g| {
+                search_group(
+                    spec,
+                    &g.cfg,
+                    &placements,
+                    &policies,
+                    budget,
+                    baseline,
+                    cal,
+                    backend,
+                )
+            })
+            .collect::<Result<Vec<GroupResult>>>()?;
+        for (g, r) in todo.iter().zip(results) {
+            built += r.built;
+            if r.fitting.is_empty() {
+                rejected.push(Rejected {
+                    what: format!(
+                        "--batch {} --grad-accum {} --precision {} --optim-state {}",
+                        g.cfg.batch, g.cfg.grad_accum, g.cfg.precision, g.cfg.optim_state
+                    ),
+                    smallest_peak: r.smallest,
+                });
+            }
+            ranked.extend(r.fitting);
+        }
+        ranked.sort_by(|a, b| a.time.step_s.total_cmp(&b.time.step_s));
+        ranked.truncate(Found::KEEP);
+    }
+    let (ranked, rebuilt) = exact(spec, ranked, budget, baseline, cal, backend)?;
+    built += rebuilt;
+    Ok(Found {
+        ranked,
+        rejected,
+        skipped,
+        plans_built: built,
+    })
+}
+
+/// The time of a step of `k` micro-batches from that of `built` (1 or 2): the update once,
+/// the rest `k / built` times (an estimate; [`exact`] replaces it for the plans kept).
+fn repeat_micro_batches(t: StepTime, built: usize, k: usize) -> StepTime {
+    if built == k {
+        return t;
+    }
+    let f = k as f64 / built as f64;
+    let scale = |x: f64| x * f;
+    StepTime {
+        step_s: t.update_s + (t.step_s - t.update_s) * f,
+        compute_s: t.update_s + (t.compute_s - t.update_s) * f,
+        io_s: scale(t.io_s),
+        stall_s: scale(t.stall_s),
+        by_kind: t.by_kind.into_iter().map(|(k, s)| (k, scale(s))).collect(),
+        ..t
+    }
+}
+
+/// Rebuilds the kept candidates with their own accumulation, for their exact peak and
+/// time; drops any that then exceeds `budget` (by its extra micro-batches' token buffers).
+fn exact(
+    spec: &ModelSpec,
+    ranked: Vec<Candidate>,
+    budget: u64,
+    baseline: u64,
+    cal: &Calibration,
+    backend: &(dyn Sizing + Sync),
+) -> Result<(Vec<Candidate>, usize)> {
+    let rebuilt = ranked
+        .into_par_iter()
+        .map(|k| -> Result<(Candidate, bool)> {
+            if k.cfg.grad_accum <= 2 {
+                return Ok((k, false));
+            }
+            let plan = build_plan(spec, &k.cfg, Mode::Train, backend)?;
+            Ok((
+                Candidate {
+                    peak: predicted_peak(&plan, baseline),
+                    time: predict(&plan, cal),
+                    cfg: k.cfg,
+                },
+                true,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let built = rebuilt.iter().filter(|r| r.1).count();
+    let mut kept: Vec<Candidate> = rebuilt
+        .into_iter()
+        .map(|r| r.0)
+        .filter(|k| k.peak <= budget)
+        .collect();
+    kept.sort_by(|a, b| a.time.step_s.total_cmp(&b.time.step_s));
+    Ok((kept, built))
+}
+
+/// For each placement (fewest parts first), the least recomputation that fits, where it is
+/// less than every smaller placement's: the candidates of one group.
+#[allow(clippy::too_many_arguments)]
+fn search_group(
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    placements: &[OffloadSet],
+    policies: &[Recompute],
+    budget: u64,
+    baseline: u64,
+    cal: &Calibration,
+    backend: &dyn Sizing,
+) -> Result<GroupResult> {
+    let mut out = GroupResult {
+        fitting: Vec::new(),
+        smallest: u64::MAX,
+        built: 0,
+    };
+    // For each placement that fits: the index of the least recomputation that does.
+    let mut least: Vec<(OffloadSet, usize)> = Vec::new();
+    for &o in placements {
+        // Less recomputation than every smaller placement's least is needed to be faster.
+        let cap = least
+            .iter()
+            .filter(|(s, _)| subset(*s, o))
+            .map(|&(_, i)| i)
+            .min()
+            .unwrap_or(policies.len());
+        if cap == 0 {
+            continue;
+        }
+        let mut fits_at = |i: usize| -> Result<(bool, Plan)> {
+            let mut c = cfg.clone();
+            c.recompute = policies[i];
+            c.offload.set = o;
+            // Micro-batches after the second repeat its buffers and ops: the search builds
+            // two (fast), and `exact` rebuilds the plans it keeps. Not with activations on
+            // disk, whose staging makes the peak grow with the micro-batches.
+            if !o.activations {
+                c.grad_accum = c.grad_accum.min(2);
+            }
+            let plan = build_plan(spec, &c, Mode::Train, backend)?;
+            out.built += 1;
+            let peak = predicted_peak(&plan, baseline);
+            out.smallest = out.smallest.min(peak);
+            Ok((peak <= budget, plan))
+        };
+        // The most recomputation allowed must fit, else nothing does with this placement.
+        let (ok, plan) = fits_at(cap - 1)?;
+        if !ok {
+            continue;
+        }
+        // Bisect for the least recomputation that fits: fits(hi) holds, fits(lo - 1) not.
+        let (mut lo, mut hi, mut best) = (0usize, cap - 1, plan);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let (ok, plan) = fits_at(mid)?;
+            if ok {
+                (hi, best) = (mid, plan);
+            } else {
+                lo = mid + 1;
+            }
+        }
+        least.push((o, hi));
+        let mut cfg_k = best.cfg.clone();
+        cfg_k.grad_accum = cfg.grad_accum;
+        out.fitting.push(Candidate {
+            cfg: cfg_k,
+            peak: predicted_peak(&best, baseline),
+            time: repeat_micro_batches(predict(&best, cal), best.cfg.grad_accum, cfg.grad_accum),
+        });
+    }
+    Ok(out)
+}
+
+/// The refusal when nothing fits: the smallest plan's peak, and what it was.
+pub fn nothing_fits(found: &Found, budget: u64) -> anyhow::Error {
+    let smallest = found.rejected.iter().min_by_key(|r| r.smallest_peak);
+    match smallest {
+        Some(r) => anyhow::anyhow!(
+            "--fit: nothing fits --max-memory {}: the smallest plan ({} with the most recomputation and offload searched) needs {}; raise --max-memory, or allow --precision auto --optim-state auto",
+            fmt_bytes(budget),
+            r.what,
+            fmt_bytes(r.smallest_peak)
+        ),
+        None => anyhow::anyhow!("--fit: nothing fits --max-memory {}", fmt_bytes(budget)),
+    }
+}

@@ -1,0 +1,347 @@
+//! Predicted step time: every op's seconds from a machine's [`Calibration`], and the disk
+//! transfers overlapped with them as the schedule allows.
+//!
+//! Each op kind (`matmul/f32`, `attention_bwd/bf16`, `adamw.int8/bf16`, …) costs
+//! `s_per_flop · flops + s_per_byte · bytes + s_per_op`: arithmetic at the calibrated rate,
+//! memory traffic at the calibrated bandwidth, and a fixed cost per call, fitted on ops the
+//! machine actually ran (`exec::calibrate`). Without a calibration, [`Calibration::estimate`]
+//! derives the same coefficients from the machine's FMA peak, and says so.
+//!
+//! Transfers run on one I/O thread in schedule order; [`predict`] walks a step's ops with two
+//! clocks, compute and I/O: a `Transfer` starts when both the I/O thread is free and the
+//! compute clock has issued it, an `AwaitTransfers` moves the compute clock to the end of the
+//! transfers it waits for. The step ends when both clocks have. Like the plan, this needs no
+//! backend: the calibration is data.
+
+use super::schedule::{Op, OpEntry, Phase};
+use super::{BufId, DType, OptimState, Plan, Tier};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The cost of one op kind: `s_per_flop · flops + s_per_byte · bytes + s_per_op` seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cost {
+    pub s_per_flop: f64,
+    pub s_per_byte: f64,
+    pub s_per_op: f64,
+    /// Ops the coefficients were fitted on (0: derived from the FMA peak).
+    #[serde(default)]
+    pub samples: usize,
+    /// Root-mean-square relative error of the fit on those ops (percent).
+    #[serde(default)]
+    pub fit_error_pct: f64,
+}
+
+impl Cost {
+    /// Seconds for an op of `flops` and `bytes`.
+    pub fn seconds(&self, flops: u64, bytes: u64) -> f64 {
+        self.s_per_flop * flops as f64 + self.s_per_byte * bytes as f64 + self.s_per_op
+    }
+}
+
+/// Sequential disk bandwidth of the offload directory (direct I/O).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DiskRates {
+    pub read_bytes_per_s: f64,
+    pub write_bytes_per_s: f64,
+}
+
+/// Where a calibration's figures come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// `memwall calibrate` ran on this machine (when, as RFC 3339 UTC).
+    Measured { at: String },
+    /// No calibration was found: coefficients derived from the FMA peak measured just now
+    /// (and a nominal disk); good to tens of percent.
+    Estimate,
+}
+
+/// What a machine does per second, per op kind, at a thread count.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    pub source: Source,
+    /// The CPU's model name (a calibration taken on another CPU is not used).
+    pub cpu: String,
+    pub threads: usize,
+    /// The f32 FMA ceiling of these threads (GFLOP/s).
+    pub fma_peak_gflops: f64,
+    /// Fitted costs by op kind ([`op_kind`]).
+    pub kinds: BTreeMap<String, Cost>,
+    /// The offload directory's disk, if it was measured.
+    pub disk: Option<DiskRates>,
+    /// The offload directory that was measured.
+    #[serde(default)]
+    pub disk_dir: Option<std::path::PathBuf>,
+}
+
+/// Assumed disk bandwidth when none was measured (a SATA-class SSD's).
+pub const NOMINAL_DISK: DiskRates = DiskRates {
+    read_bytes_per_s: 1e9,
+    write_bytes_per_s: 1e9,
+};
+
+impl Calibration {
+    /// Coefficients derived from an FMA peak of `fma_peak_gflops` on `threads` threads:
+    /// matmuls at 0.7 of it, attention at 0.4, memory-bound ops at 20 GB/s, 10 µs a call.
+    pub fn estimate(cpu: String, threads: usize, fma_peak_gflops: f64) -> Calibration {
+        Calibration {
+            source: Source::Estimate,
+            cpu,
+            threads,
+            fma_peak_gflops,
+            kinds: BTreeMap::new(),
+            disk: None,
+            disk_dir: None,
+        }
+    }
+
+    /// The cost of `kind`: fitted, or else derived from the FMA peak.
+    pub fn cost(&self, kind: &str) -> Cost {
+        if let Some(c) = self.kinds.get(kind) {
+            return *c;
+        }
+        let peak = self.fma_peak_gflops.max(1.0) * 1e9;
+        let base = kind.split('/').next().unwrap_or(kind);
+        let efficiency = match base {
+            "matmul" | "matmul_bwd" | "lm_head_loss" | "lm_head_eval" | "lm_head_last" => 0.7,
+            "attention" | "attention_bwd" => 0.4,
+            _ => 0.0,
+        };
+        Cost {
+            s_per_flop: if efficiency > 0.0 {
+                1.0 / (efficiency * peak)
+            } else {
+                0.0
+            },
+            s_per_byte: 1.0 / 20e9,
+            s_per_op: 10e-6,
+            samples: 0,
+            fit_error_pct: 0.0,
+        }
+    }
+
+    /// Disk bandwidth: measured, or [`NOMINAL_DISK`].
+    pub fn disk_rates(&self) -> DiskRates {
+        self.disk.unwrap_or(NOMINAL_DISK)
+    }
+
+    /// One line saying where the figures come from.
+    pub fn describe(&self) -> String {
+        let disk = match (&self.disk, &self.disk_dir) {
+            (Some(d), dir) => format!(
+                "disk{} read {:.2} GB/s, write {:.2} GB/s",
+                dir.as_ref()
+                    .map(|p| format!(" at {}", p.display()))
+                    .unwrap_or_default(),
+                d.read_bytes_per_s / 1e9,
+                d.write_bytes_per_s / 1e9
+            ),
+            (None, _) => "disk not measured (1 GB/s assumed)".to_string(),
+        };
+        match &self.source {
+            Source::Measured { at } => format!(
+                "calibrated {at} on {} threads ({} op kinds, FMA peak {:.0} GFLOP/s; {disk})",
+                self.threads,
+                self.kinds.len(),
+                self.fma_peak_gflops
+            ),
+            Source::Estimate => format!(
+                "estimated from the FMA peak ({:.0} GFLOP/s on {} threads; {disk}): run `memwall calibrate` for a measured figure",
+                self.fma_peak_gflops, self.threads
+            ),
+        }
+    }
+}
+
+/// The storage type's spelling in op kinds.
+fn dtype_key(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+        DType::I8 => "i8",
+        DType::U8 => "u8",
+        DType::U32 => "u32",
+    }
+}
+
+/// The kind of op `e` for costing (the kernel it runs and its storage type), or `None` for
+/// the transfers and waits, which [`predict`] times on the I/O clock.
+pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
+    let storage = dtype_key(plan.cfg.precision.storage());
+    let base = match &e.op {
+        Op::Zero { .. } => "zero",
+        Op::Encoder { .. } => "encoder",
+        Op::LayerNorm { .. } => "layernorm",
+        Op::Matmul { .. } => "matmul",
+        Op::Attention { .. } => "attention",
+        Op::RmsNorm { .. } => "rmsnorm",
+        Op::Rope { .. } => "rope",
+        Op::Swiglu { .. } => "swiglu",
+        Op::Gelu { .. } => "gelu",
+        Op::LmHeadLoss { dinp: Some(_), .. } => "lm_head_loss",
+        Op::LmHeadLoss { dinp: None, .. } => "lm_head_eval",
+        Op::LmHeadLast { .. } => "lm_head_last",
+        Op::LayerNormBackward { .. } => "layernorm_bwd",
+        Op::MatmulBackward { .. } => "matmul_bwd",
+        Op::AttentionBackward { .. } => "attention_bwd",
+        Op::RmsNormBackward { .. } => "rmsnorm_bwd",
+        Op::SwigluBackward { .. } => "swiglu_bwd",
+        Op::GeluBackward { .. } => "gelu_bwd",
+        Op::EncoderBackward { .. } => "encoder_bwd",
+        Op::GradNorm { .. } => "grad_norm",
+        Op::AdamW { state, .. } => {
+            return Some(format!("adamw.{}/{storage}", state.format));
+        }
+        Op::Transfer { .. } | Op::AwaitTransfers { .. } => return None,
+    };
+    Some(format!("{base}/{storage}"))
+}
+
+/// Bytes of AdamW state per parameter in `format` (int8: one code per moment plus a share
+/// of the block scales).
+fn state_bytes(format: OptimState) -> f64 {
+    match format {
+        OptimState::F32 => 8.0,
+        OptimState::Bf16 => 4.0,
+        OptimState::Int8 => 2.0 + 8.0 / super::strategy::QBLOCK as f64,
+    }
+}
+
+/// The memory traffic of op `e` (bytes read plus bytes written, roughly): the buffers it
+/// names, its parameter ranges (f32) and its gradient ranges (storage type).
+pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
+    let g = plan.cfg.precision.storage().size() as f64;
+    let elems = |rs: Vec<std::ops::Range<usize>>| rs.iter().map(|r| r.len()).sum::<usize>() as f64;
+    let bytes = match &e.op {
+        Op::AdamW { tensors, state } => {
+            let n: usize = tensors.iter().map(|t| t.range.len()).sum();
+            // Parameters read and written, gradients read, moments read and written.
+            n as f64 * (8.0 + g + 2.0 * state_bytes(state.format))
+        }
+        Op::GradNorm { range } => range.len() as f64 * g,
+        // A gather (or scatter) of N rows of the table: twice the activation's bytes.
+        Op::Encoder { out: a, .. } | Op::EncoderBackward { dout: a, .. } => {
+            2.0 * plan.buffer(*a).bytes as f64
+        }
+        Op::Transfer { .. } | Op::AwaitTransfers { .. } => 0.0,
+        op => {
+            let (r, w) = op.reads_writes();
+            let mut ids: Vec<BufId> = r.into_iter().chain(w).collect();
+            ids.sort_by_key(|b| b.0);
+            ids.dedup();
+            let named: u64 = ids.iter().map(|&b| plan.buffer(b).bytes).sum();
+            named as f64 + 4.0 * elems(op.param_ranges()) + g * elems(op.grad_ranges())
+        }
+    };
+    bytes as u64
+}
+
+/// Which way a transfer moves bytes, and how many.
+fn transfer(plan: &Plan, from: BufId, to: BufId) -> (bool, u64) {
+    let (f, t) = (plan.buffer(from), plan.buffer(to));
+    if f.placement.tier == Tier::Nvme {
+        (true, f.padded_bytes())
+    } else {
+        (false, t.padded_bytes())
+    }
+}
+
+/// Whether a step is bounded by arithmetic or by the disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bound {
+    Compute,
+    Io,
+}
+
+/// A step's predicted time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepTime {
+    /// Predicted seconds of one training step (compute plus waits for the disk).
+    pub step_s: f64,
+    /// Seconds of the ops themselves.
+    pub compute_s: f64,
+    /// Seconds the I/O thread is busy.
+    pub io_s: f64,
+    /// Seconds the compute waits for transfers.
+    pub stall_s: f64,
+    /// Seconds of the update's ops (`Optimizer` and `DeferredUpdate` phases), in `compute_s`.
+    pub update_s: f64,
+    pub bound: Bound,
+    /// Seconds by op kind, largest first.
+    pub by_kind: Vec<(String, f64)>,
+    /// Whether the calibration was an estimate ([`Source::Estimate`]) or lacked some of the
+    /// plan's op kinds (then derived from the FMA peak).
+    pub estimated: bool,
+}
+
+/// Predicts the time of one training step of `plan` on the calibrated machine: the ops a
+/// step runs ([`super::Schedule::in_step`]) in order, transfers on the I/O clock.
+pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
+    let disk = cal.disk_rates();
+    let mut estimated = cal.source == Source::Estimate;
+    let (mut tc, mut ti, mut stall, mut busy) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    // End time of the last transfer into or out of each staging buffer.
+    let mut done: Vec<f64> = vec![0.0; plan.buffers.len()];
+    let mut by_kind: BTreeMap<String, f64> = BTreeMap::new();
+    let mut costs: BTreeMap<String, Cost> = BTreeMap::new();
+    let mut update_s = 0.0;
+    for e in &plan.schedule.ops {
+        if !plan.schedule.in_step(e.phase) {
+            continue;
+        }
+        match &e.op {
+            Op::Transfer { from, to } => {
+                let (read, bytes) = transfer(plan, *from, *to);
+                let rate = if read {
+                    disk.read_bytes_per_s
+                } else {
+                    disk.write_bytes_per_s
+                };
+                let d = bytes as f64 / rate;
+                ti = ti.max(tc) + d;
+                busy += d;
+                done[from.0] = ti;
+                done[to.0] = ti;
+            }
+            Op::AwaitTransfers { bufs } => {
+                let until = bufs.iter().map(|b| done[b.0]).fold(tc, f64::max);
+                stall += until - tc;
+                tc = until;
+            }
+            _ => {
+                let kind = op_kind(plan, e).expect("compute ops have a kind");
+                let cost = *costs.entry(kind.clone()).or_insert_with(|| {
+                    estimated |= !cal.kinds.contains_key(&kind);
+                    cal.cost(&kind)
+                });
+                let s = cost.seconds(e.flops, op_bytes(plan, e));
+                tc += s;
+                *by_kind.entry(kind).or_default() += s;
+                if matches!(e.phase, Phase::Optimizer | Phase::DeferredUpdate) {
+                    update_s += s;
+                }
+            }
+        }
+    }
+    let compute_s: f64 = by_kind.values().sum();
+    let step_s = tc.max(ti);
+    let mut by_kind: Vec<(String, f64)> = by_kind.into_iter().collect();
+    by_kind.sort_by(|a, b| b.1.total_cmp(&a.1));
+    StepTime {
+        step_s,
+        compute_s,
+        io_s: busy,
+        stall_s: stall + (ti - tc).max(0.0),
+        update_s,
+        bound: if busy > compute_s {
+            Bound::Io
+        } else {
+            Bound::Compute
+        },
+        by_kind,
+        estimated,
+    }
+}
