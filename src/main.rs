@@ -122,6 +122,10 @@ struct CalibrateArgs {
     /// Print the calibration as JSON (also saved in the user cache).
     #[arg(long)]
     json: bool,
+    /// A few seconds instead of a minute: fp32 only, on three small models (other kinds are
+    /// then estimated from the FMA peak).
+    #[arg(long)]
+    quick: bool,
 }
 
 #[derive(Args)]
@@ -545,6 +549,8 @@ struct Resolved {
     found: Option<search::Found>,
     /// The search's record for plan.json.
     fit: Option<serde_json::Value>,
+    /// The calibration the search timed with (an estimate is measured once per run).
+    cal: Option<plan::time::Calibration>,
 }
 
 /// Resolves `--batch`, `--global-batch`, `--fit` and the strategy flags for `spec`.
@@ -627,6 +633,7 @@ fn resolve_step(
             strategies,
             found: Some(found),
             fit: Some(fit),
+            cal: Some(cal),
         });
     }
     let mut strategies = st.resolve(step.max_memory)?;
@@ -691,6 +698,7 @@ fn resolve_step(
         strategies,
         found: None,
         fit: None,
+        cal: None,
     })
 }
 
@@ -790,7 +798,10 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             &Cpu,
         )?,
     };
-    let cal = memwall::exec::calibrate::current(threads)?;
+    let cal = match &r.cal {
+        Some(c) => c.clone(),
+        None => memwall::exec::calibrate::current(threads)?,
+    };
     let predicted = plan::time::predict(&plan, &cal);
     let plan_json = || -> Result<PlanJson> {
         let mut p = PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &cal);
@@ -1033,6 +1044,7 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
     let opts = calibrate::CalibrateOptions {
         threads: threads(a.threads)?,
         offload_dir: a.offload_dir,
+        quick: a.quick,
     };
     let path = calibrate::cache_file(opts.threads)
         .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;

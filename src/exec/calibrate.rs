@@ -28,6 +28,9 @@ pub struct CalibrateOptions {
     pub threads: usize,
     /// Directory whose disk is measured (the offload file's); `None`: not measured.
     pub offload_dir: Option<PathBuf>,
+    /// A few seconds instead of a minute: fp32 only, the three smallest models of the suite
+    /// (kinds it misses are estimated from the FMA peak, and predictions say so).
+    pub quick: bool,
 }
 
 /// One model of the suite: a preset's family with these dimensions, at `b × t`.
@@ -347,8 +350,19 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     }
     let mut samples = Vec::new();
     let mut runs: Vec<(ModelSpec, StepConfig)> = Vec::new();
-    for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
-        for case in &SUITE {
+    let (precisions, suite): (&[Precision], Vec<&Case>) = if opts.quick {
+        (
+            &[Precision::F32],
+            [0, 1, 5].iter().map(|&i| &SUITE[i]).collect(),
+        )
+    } else {
+        (
+            &[Precision::F32, Precision::Bf16, Precision::F16],
+            SUITE.iter().collect(),
+        )
+    };
+    for &precision in precisions {
+        for case in &suite {
             let mut cfg = StepConfig::new(case.b, case.t, opts.threads);
             cfg.precision = precision;
             runs.push((case.spec()?, cfg));
@@ -447,5 +461,63 @@ pub fn current(threads: usize) -> Result<Calibration> {
             threads,
             fma_peak(threads)?,
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(flops: f64, bytes: f64, secs: f64) -> Sample {
+        Sample {
+            kind: "k".into(),
+            flops,
+            bytes,
+            secs,
+        }
+    }
+
+    #[test]
+    fn fit_recovers_the_coefficients_of_exact_samples() {
+        let (a, b, c) = (1.0 / 150e9, 1.0 / 20e9, 30e-6);
+        let ss: Vec<Sample> = [(1e9, 4e6), (8e9, 3e7), (2e7, 9e5), (6e10, 1e8), (3e8, 2e8)]
+            .iter()
+            .map(|&(f, m)| sample(f, m, a * f + b * m + c))
+            .collect();
+        let refs: Vec<&Sample> = ss.iter().collect();
+        let cost = fit(&refs);
+        for (got, want) in [
+            (cost.s_per_flop, a),
+            (cost.s_per_byte, b),
+            (cost.s_per_op, c),
+        ] {
+            assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+        }
+        assert!(cost.fit_error_pct < 1e-6);
+        assert_eq!(cost.samples, 5);
+    }
+
+    #[test]
+    fn fit_never_goes_negative() {
+        // Times that fall with size would want a negative coefficient: the fit drops that term.
+        let ss = [
+            sample(0.0, 1e6, 2e-3),
+            sample(0.0, 2e6, 1e-3),
+            sample(0.0, 4e6, 1.5e-3),
+        ];
+        let refs: Vec<&Sample> = ss.iter().collect();
+        let cost = fit(&refs);
+        assert!(cost.s_per_flop == 0.0 && cost.s_per_byte >= 0.0 && cost.s_per_op >= 0.0);
+        assert!(cost.seconds(0, 2_000_000) > 0.0);
+    }
+
+    #[test]
+    fn utc_dates_are_civil() {
+        let s = utc_now();
+        assert_eq!(s.len(), 20, "{s}");
+        assert!(
+            s.starts_with("20") && s.ends_with('Z') && &s[10..11] == "T",
+            "{s}"
+        );
     }
 }

@@ -142,6 +142,20 @@ fn policies(pick: Pick<Recompute>, n_layer: usize) -> Vec<Recompute> {
     }
 }
 
+/// Indices into `policies` of a coarse ladder up the order: selective, every:2, every:4,
+/// every:8, …, full (all of them for a fixed policy).
+fn coarse(policies: &[Recompute]) -> Vec<usize> {
+    policies
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| match r {
+            Recompute::Every(k) => k.is_power_of_two(),
+            _ => true,
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
 /// Whether placement `a` offloads a subset of what `b` does.
 fn subset(a: OffloadSet, b: OffloadSet) -> bool {
     (!a.optimizer || b.optimizer)
@@ -414,12 +428,24 @@ fn search_group(
             }
         }
         least.push((o, hi));
+        let mut time = predict(&best, cal);
+        if o.activations {
+            // With activations on disk, recomputing more moves fewer bytes: a step bound by
+            // the disk can be faster with more recomputation. Try a few steps up the order.
+            for i in coarse(policies).into_iter().filter(|&i| hi < i && i < cap) {
+                let (ok, plan) = fits_at(i)?;
+                let t = predict(&plan, cal);
+                if ok && t.step_s < time.step_s {
+                    (best, time) = (plan, t);
+                }
+            }
+        }
         let mut cfg_k = best.cfg.clone();
         cfg_k.grad_accum = cfg.grad_accum;
         out.fitting.push(Candidate {
             cfg: cfg_k,
             peak: predicted_peak(&best, baseline),
-            time: repeat_micro_batches(predict(&best, cal), best.cfg.grad_accum, cfg.grad_accum),
+            time: repeat_micro_batches(time, best.cfg.grad_accum, cfg.grad_accum),
         });
     }
     Ok(out)

@@ -184,6 +184,7 @@ mod tests {
                 "data",
                 "eval_batches",
                 "eval_every",
+                "fit",
                 "grad_accum",
                 "grad_clip",
                 "init",

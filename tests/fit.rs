@@ -1,0 +1,360 @@
+//! The step-time model and `--fit`: transfers overlapped as the schedule allows, the search
+//! against every candidate built one by one, `--batch auto`, calibration end to end.
+
+mod common;
+
+use common::{fails, memwall_env};
+use memwall::backend::cpu::Cpu;
+use memwall::model::ModelSpec;
+use memwall::plan::fit::predicted_peak;
+use memwall::plan::search::{self, Pick, Space};
+use memwall::plan::time::{Bound, Calibration, DiskRates, predict};
+use memwall::plan::{Mode, OffloadSet, OptimState, Precision, Recompute, StepConfig, build_plan};
+
+fn estimate() -> Calibration {
+    Calibration::estimate("test cpu".into(), 2, 100.0)
+}
+
+fn with_disk(bytes_per_s: f64) -> Calibration {
+    let mut c = estimate();
+    c.disk = Some(DiskRates {
+        read_bytes_per_s: bytes_per_s,
+        write_bytes_per_s: bytes_per_s,
+    });
+    c
+}
+
+#[test]
+fn transfers_hide_behind_compute_on_a_fast_disk_and_bound_a_slow_one() {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut cfg = StepConfig::new(4, 64, 2);
+    cfg.offload.set = OffloadSet::ALL;
+    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let (read, written) = plan.io_bytes_per_step();
+    assert!(read > 0 && written > 0);
+
+    let fast = predict(&plan, &with_disk(1e15));
+    assert_eq!(fast.bound, Bound::Compute);
+    assert!(fast.stall_s < 1e-6 * fast.step_s, "{fast:?}");
+    assert!((fast.step_s - fast.compute_s).abs() < 1e-6 * fast.step_s);
+
+    let rate = 1e6;
+    let slow = predict(&plan, &with_disk(rate));
+    let io = (read + written) as f64 / rate;
+    assert_eq!(slow.bound, Bound::Io);
+    assert!((slow.io_s - io).abs() < 1e-9 * io, "{} vs {io}", slow.io_s);
+    // The I/O thread works through every transfer, and compute cannot end before it.
+    assert!(slow.step_s >= io && slow.step_s <= io + slow.compute_s + 1e-9);
+    assert!((slow.step_s - (slow.compute_s + slow.stall_s)).abs() < 1e-6 * slow.step_s);
+    // The same compute either way.
+    assert!((slow.compute_s - fast.compute_s).abs() < 1e-12);
+}
+
+#[test]
+fn more_work_is_predicted_slower() {
+    let spec = ModelSpec::preset("gpt2").unwrap();
+    let cal = estimate();
+    let time = |f: &dyn Fn(&mut StepConfig)| {
+        let mut cfg = StepConfig::new(4, 256, 2);
+        f(&mut cfg);
+        predict(&build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap(), &cal).step_s
+    };
+    let base = time(&|_| {});
+    assert!(time(&|c| c.recompute = Recompute::Full) > base);
+    assert!(time(&|c| c.batch = 8) > 1.8 * base);
+    assert!(time(&|c| c.grad_accum = 2) > 1.8 * base);
+}
+
+/// The best configuration over every micro-batch, policy and placement, built one by one.
+fn exhaustive(spec: &ModelSpec, space: &Space, budget: u64, cal: &Calibration) -> (f64, String) {
+    let mut best = (f64::INFINITY, String::new());
+    let mut policies = vec![Recompute::None, Recompute::Selective];
+    policies.extend((2..=spec.n_layer).map(Recompute::Every));
+    policies.push(Recompute::Full);
+    for b in (1..=space.global_batch).filter(|b| space.global_batch % b == 0) {
+        for &r in &policies {
+            for o in OffloadSet::every() {
+                let mut cfg = StepConfig::new(b, space.seq, space.threads);
+                cfg.grad_accum = space.global_batch / b;
+                cfg.recompute = r;
+                cfg.offload.set = o;
+                let plan = build_plan(spec, &cfg, Mode::Train, &Cpu).unwrap();
+                if predicted_peak(&plan, 0) <= budget {
+                    let t = predict(&plan, cal).step_s;
+                    if t < best.0 {
+                        best = (t, format!("{b} {r} {o}"));
+                    }
+                }
+            }
+        }
+    }
+    best
+}
+
+fn space(global_batch: usize) -> Space {
+    Space {
+        global_batch,
+        seq: 64,
+        threads: 2,
+        micro_batch: None,
+        recompute: Pick::Auto,
+        offload: Pick::Auto,
+        precision: Pick::Fixed(Precision::F32),
+        optim_state: Pick::Fixed(OptimState::F32),
+        offload_dir: None,
+    }
+}
+
+#[test]
+fn the_search_finds_what_building_every_candidate_finds() {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let cal = with_disk(2e8);
+    let sp = space(2);
+    // Budgets from roomy to tight: below the unconstrained plan's peak, and near the smallest.
+    let free = build_plan(&spec, &StepConfig::new(2, 64, 2), Mode::Train, &Cpu).unwrap();
+    let mut smallest = StepConfig::new(1, 64, 2);
+    smallest.grad_accum = 2;
+    smallest.recompute = Recompute::Full;
+    smallest.offload.set = OffloadSet::ALL;
+    let small = build_plan(&spec, &smallest, Mode::Train, &Cpu).unwrap();
+    let (hi, lo) = (predicted_peak(&free, 0), predicted_peak(&small, 0));
+    for budget in [hi, hi - 1, (hi + lo) / 2, lo + (hi - lo) / 8, lo] {
+        let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
+        let (want, what) = exhaustive(&spec, &sp, budget, &cal);
+        let best = &found.ranked[0];
+        assert!(
+            (best.time.step_s - want).abs() <= 1e-9 * want,
+            "budget {budget}: search {} ({}) vs every candidate {want} ({what})",
+            best.time.step_s,
+            best.flags()
+        );
+        for k in &found.ranked {
+            // Every candidate fits, with the peak and time of its plan built afresh.
+            let plan = build_plan(&spec, &k.cfg, Mode::Train, &Cpu).unwrap();
+            assert_eq!(predicted_peak(&plan, 0), k.peak);
+            assert!(k.peak <= budget);
+            assert_eq!(predict(&plan, &cal).step_s, k.time.step_s);
+        }
+        assert!(
+            found
+                .ranked
+                .windows(2)
+                .all(|w| w[0].time.step_s <= w[1].time.step_s)
+        );
+    }
+}
+
+#[test]
+fn the_search_with_accumulation_reports_exact_plans() {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let cal = with_disk(2e8);
+    let sp = space(8);
+    let free = build_plan(&spec, &StepConfig::new(8, 64, 2), Mode::Train, &Cpu).unwrap();
+    let budget = predicted_peak(&free, 0) * 3 / 4;
+    let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
+    let (want, what) = exhaustive(&spec, &sp, budget, &cal);
+    let best = &found.ranked[0];
+    // Plans of more than two micro-batches are ranked from two and rebuilt when kept.
+    assert!(
+        best.time.step_s <= want * 1.02,
+        "search {} ({}) vs every candidate {want} ({what})",
+        best.time.step_s,
+        best.flags()
+    );
+    for k in &found.ranked {
+        assert_eq!(k.cfg.batch * k.cfg.grad_accum, 8);
+        let plan = build_plan(&spec, &k.cfg, Mode::Train, &Cpu).unwrap();
+        assert_eq!(predicted_peak(&plan, 0), k.peak);
+        assert!(k.peak <= budget);
+    }
+}
+
+#[test]
+fn a_budget_nothing_reaches_is_refused_with_the_smallest_plan() {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let found = search::search(&spec, &space(2), 1 << 20, 0, &estimate(), &Cpu).unwrap();
+    assert!(found.ranked.is_empty());
+    let e = format!("{:#}", search::nothing_fits(&found, 1 << 20));
+    assert!(
+        e.contains("nothing fits --max-memory 1.00 MiB") && e.contains("needs"),
+        "{e}"
+    );
+    let e = fails(&["plan", "--model", "gpt2", "--fit", "--max-memory", "100MiB"]);
+    assert!(
+        e.contains("nothing fits") && e.contains("smallest plan"),
+        "{e}"
+    );
+}
+
+fn cache_env(dir: &std::path::Path) -> [(&'static str, String); 1] {
+    [("XDG_CACHE_HOME", dir.display().to_string())]
+}
+
+fn run_ok(env: &[(&str, String)], args: &[&str]) -> String {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = memwall_env(&env, args);
+    assert!(
+        o.status.success(),
+        "memwall {args:?} failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+#[test]
+fn fit_and_batch_auto_from_the_command_line() {
+    let cache = tempfile::tempdir().unwrap();
+    let env = cache_env(cache.path());
+    let args = [
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--seq",
+        "64",
+        "--threads",
+        "2",
+        "--max-memory",
+    ];
+    // --fit: the five best, then the plan of the first; --json records the search.
+    let mut a = args.to_vec();
+    a.extend(["150MiB", "--global-batch", "8", "--fit"]);
+    let table = run_ok(&env, &a);
+    assert!(
+        table.contains("fastest plans that fit --max-memory 150.00 MiB"),
+        "{table}"
+    );
+    assert!(table.contains("predicted step time") && table.contains("estimated from the FMA peak"));
+    a.push("--json");
+    let p: serde_json::Value = serde_json::from_str(&run_ok(&env, &a)).unwrap();
+    let fit = &p["fit"];
+    let first = &fit["candidates"][0];
+    assert_eq!(p["predicted_step_s"], first["predicted_step_s"]);
+    assert_eq!(p["config"]["batch"], first["batch"]);
+    assert_eq!(p["config"]["grad_accum"], first["grad_accum"]);
+    assert_eq!(
+        first["batch"].as_u64().unwrap() * first["grad_accum"].as_u64().unwrap(),
+        8
+    );
+    assert!(p["predicted_peak_rss_bytes"].as_u64().unwrap() <= 150 << 20);
+
+    // --batch auto: the largest micro-batch that fits; one more does not.
+    let mut a = args.to_vec();
+    a.extend(["160MiB", "--recompute", "none", "--batch", "auto", "--json"]);
+    let p: serde_json::Value = serde_json::from_str(&run_ok(&env, &a)).unwrap();
+    let b = p["config"]["batch"].as_u64().unwrap();
+    assert!(b >= 1 && p["predicted_peak_rss_bytes"].as_u64().unwrap() <= 160 << 20);
+    let e = fails(&[
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--seq",
+        "64",
+        "--threads",
+        "2",
+        "--recompute",
+        "none",
+        "--max-memory",
+        "160MiB",
+        "--batch",
+        &(b + 1).to_string(),
+    ]);
+    assert!(e.contains("over by"), "{e}");
+
+    // --global-batch with --batch sets the accumulation.
+    let p: serde_json::Value = serde_json::from_str(&run_ok(
+        &env,
+        &[
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--seq",
+            "64",
+            "--batch",
+            "2",
+            "--global-batch",
+            "8",
+            "--json",
+        ],
+    ))
+    .unwrap();
+    assert_eq!(p["config"]["grad_accum"], 4);
+
+    // Bad combinations say what to do.
+    let e = fails(&["plan", "--precision", "auto"]);
+    assert!(e.contains("--precision auto needs --fit"), "{e}");
+    let e = fails(&["plan", "--batch", "auto"]);
+    assert!(e.contains("--batch auto needs --max-memory"), "{e}");
+    let e = fails(&["plan", "--batch", "3", "--global-batch", "8"]);
+    assert!(e.contains("not a multiple of --batch 3"), "{e}");
+    let e = fails(&["plan", "--batch", "many"]);
+    assert!(e.contains("'many' is not a batch size"), "{e}");
+}
+
+#[test]
+fn calibration_is_saved_and_used() {
+    let cache = tempfile::tempdir().unwrap();
+    let disk = tempfile::tempdir().unwrap();
+    let env = cache_env(cache.path());
+    let out = run_ok(
+        &env,
+        &[
+            "calibrate",
+            "--quick",
+            "--threads",
+            "2",
+            "--offload-dir",
+            &disk.path().display().to_string(),
+            "--json",
+        ],
+    );
+    let cal: Calibration = serde_json::from_str(&out).unwrap();
+    assert_eq!(cal.threads, 2);
+    let mm = cal.kinds.get("matmul/f32").expect("matmuls were timed");
+    assert!(mm.samples > 0 && mm.s_per_flop > 0.0, "{mm:?}");
+    assert!(cal.kinds.contains_key("adamw.int8/f32") && cal.kinds.contains_key("rmsnorm/f32"));
+    let d = cal.disk.expect("the disk was measured");
+    assert!(d.read_bytes_per_s > 0.0 && d.write_bytes_per_s > 0.0);
+    let saved = cache.path().join("memwall/calibration/threads-2.json");
+    assert!(saved.is_file());
+    // plan and bench now use it.
+    let table = run_ok(&env, &["plan", "--model", "gpt2-tiny", "--threads", "2"]);
+    assert!(
+        table.contains("calibrated 20") && table.contains("predicted step time"),
+        "{table}"
+    );
+    let bench: serde_json::Value = serde_json::from_str(&run_ok(
+        &env,
+        &[
+            "bench",
+            "--model",
+            "gpt2-tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "1",
+            "--threads",
+            "2",
+        ],
+    ))
+    .unwrap();
+    assert!(bench["predicted_step_s"].as_f64().unwrap() > 0.0);
+    assert!(bench["time_error_pct"].as_f64().unwrap().is_finite());
+    assert_eq!(
+        bench["predicted"]["estimated"], false,
+        "{}",
+        bench["predicted"]
+    );
+    // A damaged file is named, with what to do.
+    std::fs::write(&saved, "{").unwrap();
+    let o = memwall_env(
+        &[("XDG_CACHE_HOME", cache.path().to_str().unwrap())],
+        &["plan", "--model", "gpt2-tiny", "--threads", "2"],
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("threads-2.json") && e.contains("memwall calibrate"),
+        "{e}"
+    );
+}
