@@ -71,7 +71,7 @@ fn exhaustive(spec: &ModelSpec, space: &Space, budget: u64, cal: &Calibration) -
     let mut policies = vec![Recompute::None, Recompute::Selective];
     policies.extend((2..=spec.n_layer).map(Recompute::Every));
     policies.push(Recompute::Full);
-    for b in (1..=space.global_batch).filter(|b| space.global_batch % b == 0) {
+    for b in (1..=space.global_batch).filter(|&b| space.global_batch.is_multiple_of(b)) {
         for &r in &policies {
             for o in OffloadSet::every() {
                 let mut cfg = StepConfig::new(b, space.seq, space.threads);
