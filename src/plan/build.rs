@@ -74,6 +74,26 @@ pub fn build_plan(
     mode: Mode,
     backend: &dyn Sizing,
 ) -> Result<Plan> {
+    build(spec, cfg, mode, backend, Verify::Yes)
+}
+
+/// Whether a plan's packing and ops are verified ([`packing::verify`], `verify_ops`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Verify {
+    Yes,
+    /// For plans that are only measured and timed, never run (`--fit`'s candidates: the
+    /// one chosen is built again, verified, before it runs).
+    No,
+}
+
+/// [`build_plan`], verifying or not.
+pub(super) fn build(
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    mode: Mode,
+    backend: &dyn Sizing,
+    verify: Verify,
+) -> Result<Plan> {
     spec.validate()?;
     spec.check_seq(cfg.seq)?;
     if cfg.batch == 0 {
@@ -141,7 +161,7 @@ pub fn build_plan(
             grads: None,
             optim: None,
         };
-        return finish(spec, cfg, mode, layout, g, p, io, backend);
+        return finish(spec, cfg, mode, layout, g, p, io, backend, verify);
     }
     let grads = grad_buffers(&mut g, &layout);
     let optim = optimizer_state(&mut g, &layout, cfg.optim_state, offload.optimizer);
@@ -213,14 +233,15 @@ pub fn build_plan(
     if offload.activations {
         home(stage::kept_activations(&g), Kind::Activations);
     }
-    stage::stage(&mut g, &homes, spec.n_layer);
+    // Blocks in the step: every micro-batch's.
+    stage::stage(&mut g, &homes, spec.n_layer * micro);
     let p = ImplicitBufs {
         params,
         gemm_ws,
         grads: Some(grads),
         optim: Some(optim),
     };
-    finish(spec, cfg, mode, layout, g, p, io, backend)
+    finish(spec, cfg, mode, layout, g, p, io, backend, verify)
 }
 
 /// Declares the fp32 parameters (the master weights under mixed precision): one persistent
@@ -515,6 +536,7 @@ fn finish(
     implicit: ImplicitBufs,
     io: Io,
     backend: &dyn Sizing,
+    verify: Verify,
 ) -> Result<Plan> {
     // Owned buffers, outside the arena: the loader's two prefetch buffers and the trainer's
     // batch buffer ([accum·B, T+1] u32 each), and the scratch the backend's libraries keep
@@ -558,8 +580,10 @@ fn finish(
     }
     let arena_bytes = packing::pack(&mut g.buffers, Tier::Host);
     let nvme_bytes = packing::pack(&mut g.buffers, Tier::Nvme);
-    packing::verify(&g.buffers)
-        .map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
+    if verify == Verify::Yes {
+        packing::verify(&g.buffers)
+            .map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
+    }
     let external_bytes: u64 = g
         .buffers
         .iter()
@@ -594,7 +618,9 @@ fn finish(
         external_bytes,
         nvme_bytes,
     };
-    verify_ops(&plan)?;
+    if verify == Verify::Yes {
+        verify_ops(&plan)?;
+    }
     Ok(plan)
 }
 

@@ -42,13 +42,18 @@ pub fn pack(buffers: &mut [Buffer], tier: Tier) -> u64 {
             .then(buffers[a].first_op.cmp(&buffers[b].first_op))
             .then(a.cmp(&b))
     });
-    let n_buckets = order
+    // Buffers live at every op conflict with every other: kept apart in `whole`, sorted by
+    // offset as they are placed, and merged with the bucketed ones of each query.
+    let last = order
         .iter()
         .filter(|&&i| buffers[i].first_op <= buffers[i].last_op)
-        .map(|&i| buffers[i].last_op / BUCKET_OPS + 1)
+        .map(|&i| buffers[i].last_op)
         .max()
         .unwrap_or(0);
+    let spans_all = |b: &Buffer| b.first_op == 0 && b.last_op == last;
+    let n_buckets = last / BUCKET_OPS + 1;
     let mut buckets: Vec<Vec<usize>> = vec![Vec::new(); n_buckets];
+    let mut whole: Vec<(u64, u64)> = Vec::new();
     // The last buffer `j` was checked against (each is checked once per buffer placed).
     let mut seen: Vec<usize> = vec![usize::MAX; buffers.len()];
     let mut arena = 0u64;
@@ -74,17 +79,35 @@ pub fn pack(buffers: &mut [Buffer], tier: Tier) -> u64 {
         let align = buffers[i].align;
         let need = buffers[i].padded_bytes();
         let mut at = 0u64;
-        for &(start, end) in &conflicts {
-            if at + need <= start {
+        // The lowest gap of both sorted lists (the whole-step ones when `i` lives at all).
+        let (mut a, mut b) = (0, 0);
+        let whole_here: &[(u64, u64)] = if live { &whole } else { &[] };
+        while a < conflicts.len() || b < whole_here.len() {
+            let next = if b == whole_here.len()
+                || (a < conflicts.len() && conflicts[a] <= whole_here[b])
+            {
+                a += 1;
+                conflicts[a - 1]
+            } else {
+                b += 1;
+                whole_here[b - 1]
+            };
+            if at + need <= next.0 {
                 break;
             }
-            at = align_up(at.max(end), align);
+            at = align_up(at.max(next.1), align);
         }
         buffers[i].placement.offset = at;
         arena = arena.max(at + need);
         if live {
-            for bucket in &mut buckets[first / BUCKET_OPS..=last / BUCKET_OPS] {
-                bucket.push(i);
+            if spans_all(&buffers[i]) {
+                let r = (at, at + need);
+                let k = whole.partition_point(|&x| x < r);
+                whole.insert(k, r);
+            } else {
+                for bucket in &mut buckets[first / BUCKET_OPS..=last / BUCKET_OPS] {
+                    bucket.push(i);
+                }
             }
         }
     }

@@ -17,9 +17,10 @@
 //!   unconstrained plan (no recomputation, nothing offloaded), a lower bound of the group, and
 //!   the search stops when that bound is no better than the fifth best found.
 
+use super::build::{Verify, build};
 use super::fit::predicted_peak;
 use super::time::{Calibration, StepTime, predict};
-use super::{Mode, OffloadSet, OptimState, Plan, Precision, Recompute, StepConfig, build_plan};
+use super::{Mode, OffloadSet, OptimState, Plan, Precision, Recompute, StepConfig};
 use crate::backend::Sizing;
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
@@ -129,13 +130,24 @@ impl Found {
     pub const KEEP: usize = 5;
 }
 
-/// The recomputation policies in order of recomputed FLOPs (memory falls along it).
+/// The recomputation policies in order of recomputed FLOPs (memory falls along it): none,
+/// selective, every:K from K = 2 up (a ladder, not every K), full.
 fn policies(pick: Pick<Recompute>, n_layer: usize) -> Vec<Recompute> {
     match pick {
         Pick::Fixed(r) => vec![r],
         Pick::Auto => {
+            // every:K for K up to 6, then about a third apart: memory between every:K and
+            // every:K+1 differs by one block's activations over L/K(K+1) blocks.
             let mut v = vec![Recompute::None, Recompute::Selective];
-            v.extend((2..=n_layer).map(Recompute::Every));
+            let mut k = 2;
+            while k <= n_layer {
+                v.push(Recompute::Every(k));
+                k = if k < 6 {
+                    k + 1
+                } else {
+                    (k * 4 / 3).next_multiple_of(2)
+                };
+            }
             v.push(Recompute::Full);
             v
         }
@@ -244,7 +256,7 @@ pub fn search(
             one.grad_accum = 1;
             one.recompute = policies[0];
             one.offload.set = placements[0];
-            let t = predict(&build_plan(spec, &one, Mode::Train, backend)?, cal);
+            let t = predict(&build(spec, &one, Mode::Train, backend, Verify::No)?, cal);
             let k = cfg.grad_accum as f64;
             Ok(Group {
                 bound: k * (t.step_s - t.update_s) + t.update_s,
@@ -343,7 +355,7 @@ fn exact(
             if k.cfg.grad_accum <= 2 {
                 return Ok((k, false));
             }
-            let plan = build_plan(spec, &k.cfg, Mode::Train, backend)?;
+            let plan = build(spec, &k.cfg, Mode::Train, backend, Verify::No)?;
             Ok((
                 Candidate {
                     peak: predicted_peak(&plan, baseline),
@@ -400,12 +412,9 @@ fn search_group(
             c.recompute = policies[i];
             c.offload.set = o;
             // Micro-batches after the second repeat its buffers and ops: the search builds
-            // two (fast), and `exact` rebuilds the plans it keeps. Not with activations on
-            // disk, whose staging makes the peak grow with the micro-batches.
-            if !o.activations {
-                c.grad_accum = c.grad_accum.min(2);
-            }
-            let plan = build_plan(spec, &c, Mode::Train, backend)?;
+            // two (fast), and `exact` rebuilds the plans it keeps.
+            c.grad_accum = c.grad_accum.min(2);
+            let plan = build(spec, &c, Mode::Train, backend, Verify::No)?;
             out.built += 1;
             let peak = predicted_peak(&plan, baseline);
             out.smallest = out.smallest.min(peak);
@@ -429,9 +438,9 @@ fn search_group(
         }
         least.push((o, hi));
         let mut time = predict(&best, cal);
-        if o.activations {
-            // With activations on disk, recomputing more moves fewer bytes: a step bound by
-            // the disk can be faster with more recomputation. Try a few steps up the order.
+        if o.activations && time.stall_s > 0.01 * time.step_s {
+            // With activations on disk, recomputing more moves fewer bytes: a step that waits
+            // for the disk can be faster with more recomputation. Try a few steps up the order.
             for i in coarse(policies).into_iter().filter(|&i| hi < i && i < cap) {
                 let (ok, plan) = fits_at(i)?;
                 let t = predict(&plan, cal);

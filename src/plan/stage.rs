@@ -101,8 +101,8 @@ pub(super) fn kept_activations(g: &Builder) -> Vec<BufId> {
 }
 
 /// Puts `homes` on the disk tier and stages every use of them (see the module docs);
-/// `layers` (the model's blocks) sets how far ahead activations move.
-pub(super) fn stage(g: &mut Builder, homes: &[Home], layers: usize) {
+/// `blocks` (the step's blocks: layers × micro-batches) sets how far ahead activations move.
+pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
     if homes.is_empty() {
         return;
     }
@@ -249,7 +249,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], layers: usize) {
         let ahead = match kind {
             Kind::Activations => {
                 let n = homes.iter().filter(|h| h.kind == kind).count();
-                n.div_ceil(layers.max(1)).max(1)
+                n.div_ceil(blocks.max(1)).max(1)
             }
             _ => 1,
         };

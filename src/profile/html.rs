@@ -25,6 +25,8 @@ pub struct ReportPage<'a> {
     pub leak: Option<LeakReport>,
     /// Steps in metrics.jsonl.
     pub steps: usize,
+    /// Median seconds of the recorded steps after the first (warm-up), if any.
+    pub measured_step_s: Option<f64>,
 }
 
 /// HTML-escapes text.
@@ -192,6 +194,37 @@ impl ReportPage<'_> {
                     fmt_bytes(m),
                     fmt_bytes(above),
                     100.0 * (p.total_bytes as f64 - above as f64) / above.max(1) as f64
+                ),
+            );
+        }
+        if let Some(t) = p.predicted_step_s {
+            let how = p
+                .predicted
+                .as_ref()
+                .and_then(|v| v["calibration"].as_str())
+                .unwrap_or("");
+            kv("predicted step time", format!("{t:.3} s ({how})"));
+        }
+        if let Some(m) = self.measured_step_s {
+            let err = p
+                .predicted_step_s
+                .map(|t| format!(" (prediction error {:+.1}%)", 100.0 * (t - m) / m))
+                .unwrap_or_default();
+            kv(
+                "measured step time",
+                format!("{m:.3} s, median after the first step{err}"),
+            );
+        }
+        if let Some(fit) = &p.fit {
+            let first = &fit["candidates"][0];
+            kv(
+                "chosen by --fit",
+                format!(
+                    "{} (the fastest of {} candidates that fit --max-memory {}, {} plans built)",
+                    first["flags"].as_str().unwrap_or(""),
+                    fit["candidates"].as_array().map_or(0, |a| a.len()),
+                    fmt_bytes(fit["max_memory"].as_u64().unwrap_or(0)),
+                    fit["plans_built"]
                 ),
             );
         }

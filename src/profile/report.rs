@@ -213,6 +213,12 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         )
         .max();
     let leak = leak_check(&metrics, plan.total_bytes);
+    let mut step_s: Vec<f64> = metrics
+        .iter()
+        .filter_map(|m| m.update.as_ref().map(|u| u.step_s))
+        .skip(1)
+        .collect();
+    step_s.sort_by(f64::total_cmp);
     let page = ReportPage {
         plan: &plan,
         timeline: &tl,
@@ -222,6 +228,7 @@ pub fn write_reports(run_dir: &Path) -> Result<Written> {
         measured_peak_rss: measured,
         leak: leak.clone(),
         steps: metrics.len(),
+        measured_step_s: step_s.get(step_s.len() / 2).copied(),
     };
     let html_path = run.report_html();
     atomic::write_file(&html_path, page.render().as_bytes())?;
