@@ -302,6 +302,18 @@ impl StrategyArgs {
     }
 }
 
+impl StrategyArgs {
+    /// The strategies of a `--fit` run before its search: the budget and the offload
+    /// directory (the search sets the rest).
+    fn resolve_for_fit(&self, max_memory: Option<u64>) -> Result<Strategies> {
+        Ok(Strategies {
+            max_memory,
+            offload_dir: self.offload_dir.clone(),
+            ..Strategies::default()
+        })
+    }
+}
+
 /// A flag's value, refusing `auto` outside --fit.
 fn fixed<T>(v: Option<Pick<T>>, flag: &str) -> Result<Option<T>> {
     match v {
@@ -553,6 +565,41 @@ struct Resolved {
     cal: Option<plan::time::Calibration>,
 }
 
+/// What `--fit` may choose: the flags given are kept, the rest (and those given as auto)
+/// searched.
+fn fit_space(step: &StepArgs, threads: usize, default_batch: usize) -> Result<search::Space> {
+    let st = &step.strategy;
+    if st.grad_accum.is_some() && step.global_batch.is_some() {
+        bail!("--fit chooses --grad-accum from --global-batch: give one of them");
+    }
+    let micro = match step.batch {
+        Some(Pick::Fixed(b)) if step.global_batch.is_some() => Some(b),
+        _ => None,
+    };
+    let global = match (step.global_batch, step.batch) {
+        (Some(g), _) => g,
+        (None, Some(Pick::Fixed(b))) => b * st.grad_accum.unwrap_or(1),
+        (None, _) => default_batch * st.grad_accum.unwrap_or(1),
+    };
+    Ok(search::Space {
+        global_batch: global,
+        seq: step.seq.unwrap_or(DEFAULT_SEQ),
+        threads,
+        micro_batch: micro,
+        recompute: match st.recompute {
+            Some(RecomputeChoice::Fixed(r)) => Pick::Fixed(r),
+            _ => Pick::Auto,
+        },
+        offload: match st.offload {
+            Some(OffloadChoice::Set(o)) => Pick::Fixed(o),
+            _ => Pick::Auto,
+        },
+        precision: st.precision.unwrap_or(Pick::Fixed(Precision::F32)),
+        optim_state: st.optim_state.unwrap_or(Pick::Fixed(OptimState::F32)),
+        offload_dir: st.offload_dir.clone(),
+    })
+}
+
 /// Resolves `--batch`, `--global-batch`, `--fit` and the strategy flags for `spec`.
 fn resolve_step(
     step: &StepArgs,
@@ -564,35 +611,7 @@ fn resolve_step(
     let st = &step.strategy;
     if step.fit {
         let budget = step.max_memory.context("--fit needs --max-memory")?;
-        let micro = match step.batch {
-            Some(Pick::Fixed(b)) if step.global_batch.is_some() => Some(b),
-            _ => None,
-        };
-        let global = match (step.global_batch, step.batch) {
-            (Some(g), _) => g,
-            (None, Some(Pick::Fixed(b))) => b * st.grad_accum.unwrap_or(1),
-            (None, _) => default_batch * st.grad_accum.unwrap_or(1),
-        };
-        if st.grad_accum.is_some() && step.global_batch.is_some() {
-            bail!("--fit chooses --grad-accum from --global-batch: give one of them");
-        }
-        let space = search::Space {
-            global_batch: global,
-            seq: step.seq.unwrap_or(DEFAULT_SEQ),
-            threads,
-            micro_batch: micro,
-            recompute: match st.recompute {
-                Some(RecomputeChoice::Fixed(r)) => Pick::Fixed(r),
-                _ => Pick::Auto,
-            },
-            offload: match st.offload {
-                Some(OffloadChoice::Set(o)) => Pick::Fixed(o),
-                _ => Pick::Auto,
-            },
-            precision: st.precision.unwrap_or(Pick::Fixed(Precision::F32)),
-            optim_state: st.optim_state.unwrap_or(Pick::Fixed(OptimState::F32)),
-            offload_dir: st.offload_dir.clone(),
-        };
+        let space = fit_space(step, threads, default_batch)?;
         let cal = memwall::exec::calibrate::current(threads)?;
         let t0 = std::time::Instant::now();
         let found = search::search(spec, &space, budget, baseline, &cal, &Cpu)?;
@@ -600,37 +619,10 @@ fn resolve_step(
         let Some(best) = found.ranked.first() else {
             return Err(search::nothing_fits(&found, budget));
         };
-        let c = &best.cfg;
-        let strategies = Strategies {
-            recompute: RecomputeChoice::Fixed(c.recompute),
-            grad_accum: c.grad_accum,
-            optim_state: c.optim_state,
-            precision: c.precision,
-            max_memory: Some(budget),
-            offload: OffloadChoice::Set(c.offload.set),
-            offload_dir: st.offload_dir.clone(),
-        };
-        let fit = serde_json::json!({
-            "max_memory": budget,
-            "global_batch": global,
-            "calibration": cal.describe(),
-            "plans_built": found.plans_built,
-            "search_s": search_s,
-            "candidates": found.ranked.iter().map(|k| serde_json::json!({
-                "flags": k.flags(), "batch": k.cfg.batch, "grad_accum": k.cfg.grad_accum,
-                "recompute": k.cfg.recompute.to_string(), "offload": k.cfg.offload.set.to_string(),
-                "precision": k.cfg.precision.to_string(), "optim_state": k.cfg.optim_state.to_string(),
-                "predicted_peak_bytes": k.peak, "predicted_step_s": k.time.step_s,
-                "tokens_per_s": k.tokens_per_s(), "bound": k.time.bound,
-            })).collect::<Vec<_>>(),
-            "not_fitting": found.rejected.iter().map(|r| serde_json::json!({
-                "flags": r.what, "smallest_peak_bytes": r.smallest_peak,
-            })).collect::<Vec<_>>(),
-            "groups_skipped": found.skipped,
-        });
+        let fit = found.record(&space, budget, &cal, search_s);
         return Ok(Resolved {
-            batch: c.batch,
-            strategies,
+            batch: best.cfg.batch,
+            strategies: Strategies::chosen(&best.cfg, budget, st.offload_dir.clone()),
             found: Some(found),
             fit: Some(fit),
             cal: Some(cal),
@@ -702,57 +694,6 @@ fn resolve_step(
     })
 }
 
-/// Prints the five best candidates of a `--fit` search.
-fn print_fit(found: &search::Found, budget: u64) {
-    println!(
-        "fastest plans that fit --max-memory {} ({} plans built):",
-        fmt_bytes(budget),
-        found.plans_built
-    );
-    println!(
-        "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9} {:>9} {:>8}",
-        "#",
-        "batch x accum",
-        "recompute",
-        "offload",
-        "prec",
-        "optim",
-        "peak",
-        "s/step",
-        "tokens/s",
-        "bound"
-    );
-    for (i, k) in found.ranked.iter().enumerate() {
-        let c = &k.cfg;
-        println!(
-            "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9.2} {:>9.1} {:>8}",
-            i + 1,
-            format!("{} x {}", c.batch, c.grad_accum),
-            c.recompute.to_string(),
-            c.offload.set.to_string(),
-            c.precision.to_string(),
-            c.optim_state.to_string(),
-            fmt_bytes(k.peak),
-            k.time.step_s,
-            k.tokens_per_s(),
-            format!("{:?}", k.time.bound).to_lowercase()
-        );
-    }
-    for r in &found.rejected {
-        println!(
-            "  does not fit: {} (its smallest plan needs {})",
-            r.what,
-            fmt_bytes(r.smallest_peak)
-        );
-    }
-    if found.skipped > 0 {
-        println!(
-            "  {} more micro-batch/precision groups not searched: even unconstrained they are slower than these",
-            found.skipped
-        );
-    }
-}
-
 /// One line: the plan's predicted step time, its bound, and where the calibration came from.
 fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Calibration) -> String {
     let tokens = (plan.cfg.batch * plan.cfg.grad_accum * plan.cfg.seq) as f64;
@@ -819,7 +760,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         println!("{}", plan_json()?.to_pretty_json()?);
     } else {
         if let (Some(found), Some(budget)) = (&r.found, a.step.max_memory) {
-            print_fit(found, budget);
+            print!("{}", found.table(budget));
             println!("plan of the fastest:");
         }
         print!("{}", plan::report::table(&plan, baseline, &Cpu));
@@ -956,16 +897,17 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.grad_clip = a.grad_clip;
         o.seed = a.seed;
         o.threads = threads(a.step.threads)?;
-        let spec = ModelSpec::resolve(&o.model)?;
-        let baseline = rss::current_rss().unwrap_or(0);
-        let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch)?;
-        if let (Some(found), Some(budget)) = (&r.found, a.step.max_memory) {
-            print_fit(found, budget);
-            println!("training with the fastest: {}", found.ranked[0].flags());
+        if a.step.fit {
+            // Searched when the run has opened its data, with the process baseline it plans with.
+            o.fit_search = Some(fit_space(&a.step, o.threads, o.batch)?);
+            o.strategies = a.step.strategy.resolve_for_fit(a.step.max_memory)?;
+        } else {
+            let spec = ModelSpec::resolve(&o.model)?;
+            let baseline = rss::current_rss().unwrap_or(0);
+            let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch)?;
+            o.batch = r.batch;
+            o.strategies = r.strategies;
         }
-        o.batch = r.batch;
-        o.strategies = r.strategies;
-        o.fit = r.fit;
         o.eval_every = a.eval_every;
         o.eval_batches = a.eval_batches;
         o.save_every = a.save_every;

@@ -76,6 +76,23 @@ impl Strategies {
         cfg
     }
 
+    /// The strategies of configuration `cfg` (a `--fit` choice) under `budget`.
+    pub fn chosen(
+        cfg: &StepConfig,
+        budget: u64,
+        offload_dir: Option<std::path::PathBuf>,
+    ) -> Strategies {
+        Strategies {
+            recompute: RecomputeChoice::Fixed(cfg.recompute),
+            grad_accum: cfg.grad_accum,
+            optim_state: cfg.optim_state,
+            precision: cfg.precision,
+            max_memory: Some(budget),
+            offload: OffloadChoice::Set(cfg.offload.set),
+            offload_dir,
+        }
+    }
+
     /// With `--offload` and no `--offload-dir`: `default` as the directory (the disk tier
     /// creates it when the plan starts).
     pub fn with_offload_dir(&self, default: &std::path::Path) -> Strategies {

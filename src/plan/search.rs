@@ -128,6 +128,94 @@ pub struct Found {
 impl Found {
     /// How many of the fastest candidates are kept.
     pub const KEEP: usize = 5;
+
+    /// The search as plan.json records it (`fit`): budget, candidates with their predicted
+    /// peak and time, the groups that do not fit.
+    pub fn record(
+        &self,
+        space: &Space,
+        budget: u64,
+        cal: &Calibration,
+        search_s: f64,
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "max_memory": budget,
+            "global_batch": space.global_batch,
+            "calibration": cal.describe(),
+            "plans_built": self.plans_built,
+            "search_s": search_s,
+            "candidates": self.ranked.iter().map(|k| serde_json::json!({
+                "flags": k.flags(), "batch": k.cfg.batch, "grad_accum": k.cfg.grad_accum,
+                "recompute": k.cfg.recompute.to_string(), "offload": k.cfg.offload.set.to_string(),
+                "precision": k.cfg.precision.to_string(), "optim_state": k.cfg.optim_state.to_string(),
+                "predicted_peak_bytes": k.peak, "predicted_step_s": k.time.step_s,
+                "tokens_per_s": k.tokens_per_s(), "bound": k.time.bound,
+            })).collect::<Vec<_>>(),
+            "not_fitting": self.rejected.iter().map(|r| serde_json::json!({
+                "flags": r.what, "smallest_peak_bytes": r.smallest_peak,
+            })).collect::<Vec<_>>(),
+            "groups_skipped": self.skipped,
+        })
+    }
+
+    /// The five best as a table, then what does not fit.
+    pub fn table(&self, budget: u64) -> String {
+        use std::fmt::Write;
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "fastest plans that fit --max-memory {} ({} plans built):",
+            fmt_bytes(budget),
+            self.plans_built
+        );
+        let _ = writeln!(
+            o,
+            "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9} {:>9} {:>8}",
+            "#",
+            "batch x accum",
+            "recompute",
+            "offload",
+            "prec",
+            "optim",
+            "peak",
+            "s/step",
+            "tokens/s",
+            "bound"
+        );
+        for (i, k) in self.ranked.iter().enumerate() {
+            let c = &k.cfg;
+            let _ = writeln!(
+                o,
+                "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9.2} {:>9.1} {:>8}",
+                i + 1,
+                format!("{} x {}", c.batch, c.grad_accum),
+                c.recompute.to_string(),
+                c.offload.set.to_string(),
+                c.precision.to_string(),
+                c.optim_state.to_string(),
+                fmt_bytes(k.peak),
+                k.time.step_s,
+                k.tokens_per_s(),
+                format!("{:?}", k.time.bound).to_lowercase()
+            );
+        }
+        for r in &self.rejected {
+            let _ = writeln!(
+                o,
+                "  does not fit: {} (its smallest plan needs {})",
+                r.what,
+                fmt_bytes(r.smallest_peak)
+            );
+        }
+        if self.skipped > 0 {
+            let _ = writeln!(
+                o,
+                "  {} more micro-batch/precision groups not searched: even unconstrained they are slower than these",
+                self.skipped
+            );
+        }
+        o
+    }
 }
 
 /// The recomputation policies in order of recomputed FLOPs (memory falls along it): none,

@@ -96,8 +96,10 @@ pub fn train(
     resume: Option<&Path>,
     progress: &mut dyn Progress,
 ) -> Result<TrainSummary> {
-    let opts = &setup::with_tokenizer_dir(opts, resume)?;
-    let mut run = Run::start(opts, resume, progress)?;
+    let opts = setup::with_tokenizer_dir(opts, resume)?;
+    let (opts, baseline) = setup::with_fit(opts, progress)?;
+    let opts = &opts;
+    let mut run = Run::start(opts, resume, baseline, progress)?;
     if resume.is_none() && opts.eval_every > 0 && opts.steps > 0 {
         run.evaluate_initial(progress)?;
     }

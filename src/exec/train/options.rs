@@ -60,6 +60,10 @@ pub struct TrainOptions {
     /// The `--fit` search that chose `batch` and `strategies` (recorded in plan.json).
     #[serde(default)]
     pub fit: Option<serde_json::Value>,
+    /// `--fit`: search this space when the run starts (with the data open, so the process
+    /// baseline is the one the run plans with); `batch` and `strategies` are then the choice.
+    #[serde(skip)]
+    pub fit_search: Option<crate::plan::search::Space>,
 }
 
 impl TrainOptions {
@@ -89,6 +93,7 @@ impl TrainOptions {
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
             strategies: Strategies::default(),
             fit: None,
+            fit_search: None,
             profile_steps: 0,
         }
     }

@@ -23,9 +23,12 @@ use std::time::Instant;
 impl<'a> Run<'a> {
     /// Checks, plans, allocates and restores; on return the run is ready for its next step,
     /// which is below `opts.steps`.
+    /// `baseline`: the process's resident memory to plan with, when [`with_fit`] measured
+    /// it (else measured here, once the data is open).
     pub(super) fn start(
         opts: &'a TrainOptions,
         resume: Option<&Path>,
+        baseline: Option<u64>,
         progress: &mut dyn Progress,
     ) -> Result<Run<'a>> {
         opts.check()?;
@@ -34,7 +37,7 @@ impl<'a> Run<'a> {
         let data = open_data(opts, &spec)?;
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
-        let baseline = rss::current_rss().unwrap_or(0);
+        let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
         let strategies = opts.strategies.with_offload_dir(&opts.out.join("offload"));
         let plan = strategies.plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
         let dir = RunDir::new(&opts.out);
@@ -127,6 +130,48 @@ impl<'a> Run<'a> {
 
 /// The model to train: the resumed checkpoint's, the `--init` checkpoint's, or `--model`;
 /// `--model` must have the dimensions of the checkpoint it continues.
+/// `--fit`: opens the data as the run will, measures the process baseline, searches
+/// `opts.fit_search` with it and returns the options of the fastest plan that fits (with the
+/// search's record), and that baseline for the run to plan with. Without a search: `opts`.
+pub(super) fn with_fit(
+    opts: TrainOptions,
+    progress: &mut dyn Progress,
+) -> Result<(TrainOptions, Option<u64>)> {
+    let Some(space) = opts.fit_search.clone() else {
+        return Ok((opts, None));
+    };
+    let budget = opts
+        .strategies
+        .max_memory
+        .context("--fit needs --max-memory: it picks the fastest plan that fits that budget")?;
+    opts.check()?;
+    let spec = model_spec(&opts, None)?;
+    let data = open_data(&opts, &spec)?;
+    let baseline = rss::current_rss().unwrap_or(0);
+    let cal = crate::exec::calibrate::current(opts.threads)?;
+    let t0 = std::time::Instant::now();
+    let found = crate::plan::search::search(&spec, &space, budget, baseline, &cal, &Cpu)?;
+    let search_s = t0.elapsed().as_secs_f64();
+    drop(data);
+    let Some(best) = found.ranked.first() else {
+        return Err(crate::plan::search::nothing_fits(&found, budget));
+    };
+    for line in found.table(budget).lines() {
+        progress.message(line);
+    }
+    progress.message(&format!("training with the fastest: {}", best.flags()));
+    let mut o = opts.clone();
+    o.batch = best.cfg.batch;
+    o.strategies = crate::plan::fit::Strategies::chosen(
+        &best.cfg,
+        budget,
+        opts.strategies.offload_dir.clone(),
+    );
+    o.fit = Some(found.record(&space, budget, &cal, search_s));
+    o.fit_search = None;
+    Ok((o, Some(baseline)))
+}
+
 fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
     let init_spec = match &opts.init {
         Some(dir) => {
