@@ -260,7 +260,8 @@ struct StrategyArgs {
     #[arg(long)]
     grad_accum: Option<usize>,
     /// AdamW moment storage: fp32 (8 bytes per parameter), bf16 (4), int8 (8-bit log-scale
-    /// codes in blocks of 2048 with one f32 scale each, about 2) [default: fp32; with --resume: the run's]
+    /// codes in blocks of 2048 with one f32 scale each, about 2); auto lets --fit choose (int8
+    /// changes the mathematics) [default: fp32; with --resume: the run's]
     #[arg(long, value_parser = parse_optim_state, value_name = "fp32|bf16|int8|auto")]
     optim_state: Option<Pick<OptimState>>,
     /// Format of compute weights, activations and gradients: fp32, bf16 or fp16 (both with
