@@ -26,7 +26,7 @@ const BUCKET_OPS: usize = 64;
 
 /// Assigns an offset to every buffer placed in `tier`; returns that tier's arena size in bytes.
 ///
-/// The placed buffers are indexed by the buckets of [`BUCKET_OPS`] ops their lifetimes
+/// The placed buffers are indexed by the buckets of 64 ops their lifetimes
 /// cover, so a buffer is checked only against those that may live with it: a plan's cost is
 /// about its buffers times those live at once, not its buffers squared (gradient
 /// accumulation unrolls the micro-batches, and `--fit` builds hundreds of plans).
