@@ -251,7 +251,8 @@ struct StrategyArgs {
     /// Activation recomputation: none (keep everything), selective (recompute the norm
     /// outputs and the GELU or SwiGLU product: elementwise work, no matmul, about a tenth less
     /// memory), full (keep only each block's input), every:K (full except every K-th block),
-    /// auto (the least recomputation that fits --max-memory). Weights are bitwise the same
+    /// auto (the fastest policy that fits --max-memory, by predicted step time: the least
+    /// recomputation, unless activations go to a slow disk). Weights are bitwise the same
     /// under every policy [default: selective; with --resume: the run's]
     #[arg(long, value_parser = parse_recompute)]
     recompute: Option<RecomputeChoice>,
@@ -270,7 +271,7 @@ struct StrategyArgs {
     #[arg(long, value_parser = parse_precision, value_name = "fp32|bf16|fp16|auto")]
     precision: Option<Pick<Precision>>,
     /// What to keep on disk between uses, so it needs RAM only in its turn: none, all, auto
-    /// (the placement with the least disk I/O that fits --max-memory), or a comma list of
+    /// (the fastest placement that fits --max-memory, by predicted step time), or a comma list of
     /// optimizer (the AdamW moments, read one parameter group at a time for its update and
     /// written back), params (read one group at a time before its forward, its backward and
     /// its update), grads (written after each group's backward, read back for the update,
@@ -719,6 +720,10 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         .strategies
         .step_config(r.batch, a.step.seq.unwrap_or(DEFAULT_SEQ), threads);
     let (recompute, offload) = (r.strategies.recompute, r.strategies.offload);
+    let cal = match &r.cal {
+        Some(c) => c.clone(),
+        None => memwall::exec::calibrate::current(threads)?,
+    };
     // An over-budget fixed choice still prints its plan, then the refusal.
     let plan = match (recompute, offload) {
         (RecomputeChoice::Fixed(rc), OffloadChoice::Set(_)) => build_plan(
@@ -735,14 +740,10 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             &cfg,
             Mode::Train,
             choice,
-            a.step.max_memory,
-            baseline,
+            (a.step.max_memory, baseline),
+            &cal,
             &Cpu,
         )?,
-    };
-    let cal = match &r.cal {
-        Some(c) => c.clone(),
-        None => memwall::exec::calibrate::current(threads)?,
     };
     let predicted = plan::time::predict(&plan, &cal);
     let plan_json = || -> Result<PlanJson> {

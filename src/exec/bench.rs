@@ -43,16 +43,22 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     }
     let spec = ModelSpec::resolve(&opts.model)?;
     let baseline = rss::current_rss().unwrap_or(0);
+    let calibration = super::calibrate::current(opts.threads)?;
     let plan = opts
         .strategies
         .with_offload_dir(std::path::Path::new("memwall-offload"))
-        .plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
+        .plan(
+            &spec,
+            (opts.batch, opts.seq, opts.threads),
+            baseline,
+            &calibration,
+            &Cpu,
+        )?;
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
         PlanJson::from_plan(&plan, baseline)?.write(&RunDir::new(dir).plan())?;
     }
-    let calibration = super::calibrate::current(opts.threads)?;
     let predicted = crate::plan::time::predict(&plan, &calibration);
     let recompute = plan.cfg.recompute;
     let (io_read, io_write) = plan.io_bytes_per_step();

@@ -1,6 +1,8 @@
 //! The strategies a run asks for, and budget checks: does a plan fit `--max-memory`, and if
 //! not, what would.
 
+use super::search::{Pick, Space, search};
+use super::time::Calibration;
 use super::{
     Mode, OffloadChoice, OffloadSet, OptimState, Plan, Precision, Recompute, RecomputeChoice,
     StepConfig, build_plan,
@@ -103,13 +105,15 @@ impl Strategies {
         s
     }
 
-    /// The training-step plan: [`plan_fitting`] of [`Strategies::step_config`].
+    /// The training-step plan: [`plan_fitting`] of [`Strategies::step_config`] (`auto`
+    /// choices timed with `cal`).
     pub fn plan(
         &self,
         spec: &ModelSpec,
         (batch, seq, threads): (usize, usize, usize),
         baseline: u64,
-        backend: &dyn Sizing,
+        cal: &Calibration,
+        backend: &(dyn Sizing + Sync),
     ) -> Result<Plan> {
         let cfg = self.step_config(batch, seq, threads);
         plan_fitting(
@@ -117,8 +121,8 @@ impl Strategies {
             &cfg,
             Mode::Train,
             (self.recompute, self.offload),
-            self.max_memory,
-            baseline,
+            (self.max_memory, baseline),
+            cal,
             backend,
         )
     }
@@ -127,7 +131,7 @@ impl Strategies {
 /// Predicted peak resident memory of a process running `plan`: the plan's bytes plus the
 /// measured process baseline (code, tokenizer tables, thread stacks, allocator).
 pub fn predicted_peak(plan: &Plan, baseline: u64) -> u64 {
-    plan.total_bytes() + baseline
+    plan.predicted_peak(baseline)
 }
 
 /// The largest micro-batch (at the same sequence length) whose plan fits `budget`, with its
@@ -180,18 +184,17 @@ pub fn largest_batch(
 }
 
 /// Builds the plan of `cfg` with the recomputation policy and offload placement `choice`,
-/// refusing it when it does not fit `budget`. Where either is `auto`, every candidate
-/// (recompute: none, selective, every:K, full; offload: every placement) is built and the
-/// one that fits with the least disk I/O per step, then the fewest recomputed FLOPs, is
-/// kept (ties: the earlier candidate).
+/// refusing it when it does not fit `budget` (with the process `baseline`). Where either is
+/// `auto`, the fastest candidate that fits by predicted step time (timed with `cal`) is kept:
+/// [`super::search`] with the micro-batch, accumulation, precision and optimizer state fixed.
 pub fn plan_fitting(
     spec: &ModelSpec,
     cfg: &StepConfig,
     mode: Mode,
     (recompute, offload): (RecomputeChoice, OffloadChoice),
-    budget: Option<u64>,
-    baseline: u64,
-    backend: &dyn Sizing,
+    (budget, baseline): (Option<u64>, u64),
+    cal: &Calibration,
+    backend: &(dyn Sizing + Sync),
 ) -> Result<Plan> {
     let with = |r: Recompute, o: OffloadSet| {
         let mut c = StepConfig {
@@ -210,64 +213,72 @@ pub fn plan_fitting(
             return Ok(plan);
         }
         (RecomputeChoice::Auto, _, None) => bail!(
-            "--recompute auto needs --max-memory: it picks the least recomputation whose plan fits that budget"
+            "--recompute auto needs --max-memory: it picks the fastest policy whose plan fits that budget"
         ),
         (_, OffloadChoice::Auto, None) => bail!(
-            "--offload auto needs --max-memory: it picks the placement with the least disk I/O whose plan fits that budget"
+            "--offload auto needs --max-memory: it picks the fastest placement whose plan fits that budget"
         ),
         (_, _, Some(b)) => b,
     };
-    let recomputes = match recompute {
-        RecomputeChoice::Fixed(r) => vec![r],
-        RecomputeChoice::Auto => Recompute::candidates(spec.n_layer),
+    let space = Space {
+        global_batch: cfg.batch * cfg.grad_accum,
+        seq: cfg.seq,
+        threads: cfg.threads,
+        micro_batch: Some(cfg.batch),
+        recompute: match recompute {
+            RecomputeChoice::Fixed(r) => Pick::Fixed(r),
+            RecomputeChoice::Auto => Pick::Auto,
+        },
+        offload: match offload {
+            OffloadChoice::Set(o) => Pick::Fixed(o),
+            OffloadChoice::Auto => Pick::Auto,
+        },
+        precision: Pick::Fixed(cfg.precision),
+        optim_state: Pick::Fixed(cfg.optim_state),
+        offload_dir: cfg.offload.dir.clone(),
     };
-    let mut plans = Vec::new();
-    for o in offload.candidates() {
-        for &r in &recomputes {
-            plans.push(with(r, o)?);
-        }
+    let found = search(spec, &space, budget, baseline, cal, backend)?;
+    if let Some(best) = found.ranked.first() {
+        return with(best.cfg.recompute, best.cfg.offload.set);
     }
-    // Stable: ties keep candidate order.
-    plans.sort_by_key(|p| {
-        let (read, written) = p.io_bytes_per_step();
-        (read + written, p.recompute_flops())
-    });
-    let smallest = plans
-        .iter()
-        .min_by_key(|p| p.total_bytes())
-        .expect("candidates")
-        .clone();
-    match plans
-        .into_iter()
-        .find(|p| predicted_peak(p, baseline) <= budget)
-    {
-        Some(p) => Ok(p),
-        None => {
-            let err = check_budget(&smallest, budget, baseline, backend).expect_err("does not fit");
-            let mut what = Vec::new();
-            if recompute == RecomputeChoice::Auto {
-                what.push(format!("--recompute {}", smallest.cfg.recompute));
-            }
-            if offload == OffloadChoice::Auto {
-                what.push(format!("--offload {}", smallest.cfg.offload.set));
-            }
-            let auto: Vec<&str> = [
-                (recompute == RecomputeChoice::Auto, "--recompute auto"),
-                (offload == OffloadChoice::Auto, "--offload auto"),
-            ]
-            .into_iter()
-            .filter(|x| x.0)
-            .map(|x| x.1)
-            .collect();
-            Err(err.context(format!(
-                "{}: nothing fits --max-memory {}; the smallest plan is {} with a predicted peak of {}",
-                auto.join(" with "),
-                fmt_bytes(budget),
-                what.join(" "),
-                fmt_bytes(predicted_peak(&smallest, baseline))
-            )))
-        }
+    // Nothing fits: name the smallest candidate (the most recomputation, the most offload).
+    let most = |r: RecomputeChoice, all: Recompute| match r {
+        RecomputeChoice::Fixed(r) => r,
+        RecomputeChoice::Auto => all,
+    };
+    let smallest = with(
+        most(recompute, Recompute::Full),
+        match offload {
+            OffloadChoice::Set(o) => o,
+            OffloadChoice::Auto => OffloadSet::ALL,
+        },
+    )?;
+    let err = match check_budget(&smallest, budget, baseline, backend) {
+        Err(e) => e,
+        Ok(()) => anyhow::anyhow!("the smallest plan fits but the search found nothing"),
+    };
+    let mut what = Vec::new();
+    if recompute == RecomputeChoice::Auto {
+        what.push(format!("--recompute {}", smallest.cfg.recompute));
     }
+    if offload == OffloadChoice::Auto {
+        what.push(format!("--offload {}", smallest.cfg.offload.set));
+    }
+    let auto: Vec<&str> = [
+        (recompute == RecomputeChoice::Auto, "--recompute auto"),
+        (offload == OffloadChoice::Auto, "--offload auto"),
+    ]
+    .into_iter()
+    .filter(|x| x.0)
+    .map(|x| x.1)
+    .collect();
+    Err(err.context(format!(
+        "{}: nothing fits --max-memory {}; the smallest plan is {} with a predicted peak of {}",
+        auto.join(" with "),
+        fmt_bytes(budget),
+        what.join(" "),
+        fmt_bytes(predicted_peak(&smallest, baseline))
+    )))
 }
 
 /// Refuses a plan that does not fit `budget` (the `--max-memory` flag), saying by how much

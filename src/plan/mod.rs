@@ -80,6 +80,12 @@ impl Plan {
         self.arena_bytes + self.external_bytes
     }
 
+    /// Predicted peak resident memory of a process running the plan: its bytes plus the
+    /// measured process `baseline` (code, tokenizer tables, thread stacks, allocator).
+    pub fn predicted_peak(&self, baseline: u64) -> u64 {
+        self.total_bytes() + baseline
+    }
+
     /// Sum of buffer bytes per category (before packing), in `Category::ALL` order.
     pub fn bytes_by_category(&self) -> Vec<(Category, u64)> {
         Category::ALL

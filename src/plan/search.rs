@@ -18,7 +18,6 @@
 //!   the search stops when that bound is no better than the fifth best found.
 
 use super::build::{Verify, build};
-use super::fit::predicted_peak;
 use super::time::{Calibration, StepTime, predict};
 use super::{Mode, OffloadSet, OptimState, Plan, Precision, Recompute, StepConfig};
 use crate::backend::Sizing;
@@ -446,7 +445,7 @@ fn exact(
             let plan = build(spec, &k.cfg, Mode::Train, backend, Verify::No)?;
             Ok((
                 Candidate {
-                    peak: predicted_peak(&plan, baseline),
+                    peak: plan.predicted_peak(baseline),
                     time: predict(&plan, cal),
                     cfg: k.cfg,
                 },
@@ -504,7 +503,7 @@ fn search_group(
             c.grad_accum = c.grad_accum.min(2);
             let plan = build(spec, &c, Mode::Train, backend, Verify::No)?;
             out.built += 1;
-            let peak = predicted_peak(&plan, baseline);
+            let peak = plan.predicted_peak(baseline);
             out.smallest = out.smallest.min(peak);
             Ok((peak <= budget, plan))
         };
@@ -541,7 +540,7 @@ fn search_group(
         cfg_k.grad_accum = cfg.grad_accum;
         out.fitting.push(Candidate {
             cfg: cfg_k,
-            peak: predicted_peak(&best, baseline),
+            peak: best.predicted_peak(baseline),
             time: repeat_micro_batches(time, best.cfg.grad_accum, cfg.grad_accum),
         });
     }

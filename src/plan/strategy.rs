@@ -81,8 +81,8 @@ impl fmt::Display for Recompute {
     }
 }
 
-/// The `--recompute` flag: a policy, or `auto` (the least recomputation that fits
-/// `--max-memory`).
+/// The `--recompute` flag: a policy, or `auto` (the fastest that fits `--max-memory`, by
+/// predicted step time).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecomputeChoice {
     Fixed(Recompute),

@@ -39,10 +39,16 @@ impl<'a> Run<'a> {
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
         let strategies = opts.strategies.with_offload_dir(&opts.out.join("offload"));
-        let plan = strategies.plan(&spec, (opts.batch, opts.seq, opts.threads), baseline, &Cpu)?;
+        let calibration = crate::exec::calibrate::current(opts.threads)?;
+        let plan = strategies.plan(
+            &spec,
+            (opts.batch, opts.seq, opts.threads),
+            baseline,
+            &calibration,
+            &Cpu,
+        )?;
         let dir = RunDir::new(&opts.out);
         prepare_run_dir(&dir, resume.is_some())?;
-        let calibration = crate::exec::calibrate::current(opts.threads)?;
         let predicted = crate::plan::time::predict(&plan, &calibration);
         let mut plan_json =
             PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &calibration);
