@@ -302,17 +302,15 @@ impl StrategyArgs {
             offload_dir: self.offload_dir.clone(),
         })
     }
-}
 
-impl StrategyArgs {
     /// The strategies of a `--fit` run before its search: the budget and the offload
     /// directory (the search sets the rest).
-    fn resolve_for_fit(&self, max_memory: Option<u64>) -> Result<Strategies> {
-        Ok(Strategies {
+    fn resolve_for_fit(&self, max_memory: Option<u64>) -> Strategies {
+        Strategies {
             max_memory,
             offload_dir: self.offload_dir.clone(),
             ..Strategies::default()
-        })
+        }
     }
 }
 
@@ -615,18 +613,12 @@ fn resolve_step(
         let budget = step.max_memory.context("--fit needs --max-memory")?;
         let space = fit_space(step, threads, default_batch)?;
         let cal = memwall::exec::calibrate::current(threads)?;
-        let t0 = std::time::Instant::now();
-        let found = search::search(spec, &space, budget, baseline, &cal, &Cpu)?;
-        let search_s = t0.elapsed().as_secs_f64();
-        let Some(best) = found.ranked.first() else {
-            return Err(search::nothing_fits(&found, budget));
-        };
-        let fit = found.record(&space, budget, &cal, search_s);
+        let f = search::fit(spec, &space, budget, baseline, &cal, &Cpu)?;
         return Ok(Resolved {
-            batch: best.cfg.batch,
-            strategies: Strategies::chosen(&best.cfg, budget, st.offload_dir.clone()),
-            found: Some(found),
-            fit: Some(fit),
+            batch: f.cfg.batch,
+            strategies: Strategies::chosen(&f.cfg, budget, st.offload_dir.clone()),
+            found: Some(f.found),
+            fit: Some(f.record),
             cal: Some(cal),
         });
     }
@@ -902,7 +894,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         if a.step.fit {
             // Searched when the run has opened its data, with the process baseline it plans with.
             o.fit_search = Some(fit_space(&a.step, o.threads, o.batch)?);
-            o.strategies = a.step.strategy.resolve_for_fit(a.step.max_memory)?;
+            o.strategies = a.step.strategy.resolve_for_fit(a.step.max_memory);
         } else {
             let spec = ModelSpec::resolve(&o.model)?;
             let baseline = rss::current_rss().unwrap_or(0);

@@ -54,12 +54,14 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             &calibration,
             &Cpu,
         )?;
+    let predicted = crate::plan::time::predict(&plan, &calibration);
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
-        PlanJson::from_plan(&plan, baseline)?.write(&RunDir::new(dir).plan())?;
+        PlanJson::from_plan(&plan, baseline)?
+            .with_prediction(&predicted, &calibration)
+            .write(&RunDir::new(dir).plan())?;
     }
-    let predicted = crate::plan::time::predict(&plan, &calibration);
     let recompute = plan.cfg.recompute;
     let (io_read, io_write) = plan.io_bytes_per_step();
     let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes});

@@ -547,6 +547,37 @@ fn search_group(
     Ok(out)
 }
 
+/// What `--fit` chose: the search, its record for plan.json, and the fastest candidate's
+/// configuration (`found.ranked[0]`).
+pub struct Fitted {
+    pub found: Found,
+    pub record: serde_json::Value,
+    pub cfg: StepConfig,
+}
+
+/// `--fit`: searches `space` and keeps the fastest plan that fits `budget`; refuses with the
+/// smallest plan when nothing does.
+pub fn fit(
+    spec: &ModelSpec,
+    space: &Space,
+    budget: u64,
+    baseline: u64,
+    cal: &Calibration,
+    backend: &(dyn Sizing + Sync),
+) -> Result<Fitted> {
+    let t0 = std::time::Instant::now();
+    let found = search(spec, space, budget, baseline, cal, backend)?;
+    let search_s = t0.elapsed().as_secs_f64();
+    let Some(best) = found.ranked.first() else {
+        return Err(nothing_fits(&found, budget));
+    };
+    Ok(Fitted {
+        cfg: best.cfg.clone(),
+        record: found.record(space, budget, cal, search_s),
+        found,
+    })
+}
+
 /// The refusal when nothing fits: the smallest plan's peak, and what it was.
 pub fn nothing_fits(found: &Found, budget: u64) -> anyhow::Error {
     let smallest = found.rejected.iter().min_by_key(|r| r.smallest_peak);

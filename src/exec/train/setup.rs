@@ -155,25 +155,20 @@ pub(super) fn with_fit(
     let data = open_data(&opts, &spec)?;
     let baseline = rss::current_rss().unwrap_or(0);
     let cal = crate::exec::calibrate::current(opts.threads)?;
-    let t0 = std::time::Instant::now();
-    let found = crate::plan::search::search(&spec, &space, budget, baseline, &cal, &Cpu)?;
-    let search_s = t0.elapsed().as_secs_f64();
+    let f = crate::plan::search::fit(&spec, &space, budget, baseline, &cal, &Cpu)?;
     drop(data);
-    let Some(best) = found.ranked.first() else {
-        return Err(crate::plan::search::nothing_fits(&found, budget));
-    };
-    for line in found.table(budget).lines() {
+    for line in f.found.table(budget).lines() {
         progress.message(line);
     }
-    progress.message(&format!("training with the fastest: {}", best.flags()));
+    progress.message(&format!(
+        "training with the fastest: {}",
+        f.found.ranked[0].flags()
+    ));
     let mut o = opts.clone();
-    o.batch = best.cfg.batch;
-    o.strategies = crate::plan::fit::Strategies::chosen(
-        &best.cfg,
-        budget,
-        opts.strategies.offload_dir.clone(),
-    );
-    o.fit = Some(found.record(&space, budget, &cal, search_s));
+    o.batch = f.cfg.batch;
+    o.strategies =
+        crate::plan::fit::Strategies::chosen(&f.cfg, budget, opts.strategies.offload_dir.clone());
+    o.fit = Some(f.record);
     o.fit_search = None;
     Ok((o, Some(baseline)))
 }
