@@ -11,6 +11,7 @@ pub mod backend;
 pub mod ckpt;
 pub mod data;
 pub mod demo;
+pub mod dist;
 pub mod exec;
 pub mod gguf;
 pub mod mem;

@@ -1,0 +1,337 @@
+//! Ring collectives over [`Comm::sendrecv`], in place on the caller's buffers.
+//!
+//! A buffer of `N·S` elements is `N` chunks of `S`; chunk `r` is rank `r`'s shard.
+//! - [`reduce_scatter`]: N−1 steps; at step k rank r sends its partial sum of chunk
+//!   r−k−1 to rank r+1 and adds the partial of chunk r−k−2 it receives from rank r−1 into
+//!   its own. Chunk c is summed in the fixed order c+1, c+2, …, c (every run, every
+//!   transport): results are deterministic. The buffer's other chunks are left holding
+//!   partial sums.
+//! - [`all_gather`]: N−1 steps; at step k rank r sends chunk r−k to rank r+1 and receives
+//!   chunk r−k−1 from rank r−1 straight into place.
+//! - [`all_reduce`]: the two in turn, in place.
+//!
+//! Messages go in pieces of at most the scratch's length (the plan sizes it), so nothing is
+//! allocated here. Each rank sends (N−1)·S elements per reduce-scatter or all-gather and
+//! twice that per all-reduce ([`sent_bytes`]): the bandwidth-optimal figure the plan
+//! predicts and the transport's counter confirms. bf16 and f16 partial sums are added in f32
+//! and rounded once per hop, as NCCL does.
+
+use super::Comm;
+use crate::backend::cpu::elem::Elem;
+use anyhow::{Result, ensure};
+use half::{bf16, f16};
+
+/// An element type the collectives can sum.
+pub trait Summable: Copy + Send + Sync + 'static {
+    /// `acc[i] += x[i]`, in f32 or wider, rounded once.
+    fn add_into(acc: &mut [Self], x: &[Self]);
+}
+
+impl Summable for f32 {
+    fn add_into(acc: &mut [f32], x: &[f32]) {
+        acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b);
+    }
+}
+
+impl Summable for f64 {
+    fn add_into(acc: &mut [f64], x: &[f64]) {
+        acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b);
+    }
+}
+
+impl Summable for bf16 {
+    fn add_into(acc: &mut [bf16], x: &[bf16]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, b)| *a = bf16::from_f32(a.to_f32() + b.to_f32()));
+    }
+}
+
+impl Summable for f16 {
+    fn add_into(acc: &mut [f16], x: &[f16]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, b)| *a = <f16 as Elem>::from_f32(Elem::to_f32(*a) + Elem::to_f32(*b)));
+    }
+}
+
+/// Which collective, for [`sent_bytes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+/// Bytes one rank sends in collective `c` over a buffer of `bytes` (all N chunks) among `n`
+/// ranks.
+pub fn sent_bytes(c: Collective, bytes: u64, n: usize) -> u64 {
+    let n = n as u64;
+    let one_way = bytes / n * (n - 1);
+    match c {
+        Collective::AllReduce => 2 * one_way,
+        Collective::ReduceScatter | Collective::AllGather => one_way,
+    }
+}
+
+fn as_bytes<T: Copy>(s: &[T]) -> &[u8] {
+    // SAFETY: the collectives' element types (f32, f64, bf16, f16, u64) are plain data with
+    // no padding; any initialised value is valid bytes.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+fn as_bytes_mut<T: Copy>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern is a valid value of these types.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+/// The chunk length of `buf` among the comm's ranks (its length must divide evenly).
+fn chunk_len<T>(comm: &dyn Comm, buf: &[T]) -> Result<usize> {
+    let n = comm.size();
+    ensure!(
+        buf.len().is_multiple_of(n),
+        "internal error: a collective over {} elements among {n} ranks (not padded to a multiple)",
+        buf.len()
+    );
+    Ok(buf.len() / n)
+}
+
+/// Leaves chunk `rank` of `buf` holding the sum of every rank's chunk `rank` (the other
+/// chunks hold partial sums), using `scratch` for the pieces received.
+fn reduce_in_place<T: Summable>(comm: &dyn Comm, buf: &mut [T], scratch: &mut [T]) -> Result<()> {
+    let (r, n) = (comm.rank(), comm.size());
+    let s = chunk_len(comm, buf)?;
+    if n == 1 || s == 0 {
+        return Ok(());
+    }
+    ensure!(
+        !scratch.is_empty(),
+        "internal error: an empty collective scratch"
+    );
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    for k in 0..n - 1 {
+        let send_c = (r + 2 * n - k - 1) % n;
+        let recv_c = (r + 2 * n - k - 2) % n;
+        let mut o = 0;
+        while o < s {
+            let len = scratch.len().min(s - o);
+            let piece = &mut scratch[..len];
+            let sent = &buf[send_c * s + o..][..len];
+            comm.sendrecv(as_bytes(sent), next, as_bytes_mut(piece), prev)?;
+            T::add_into(&mut buf[recv_c * s + o..][..len], piece);
+            o += len;
+        }
+    }
+    Ok(())
+}
+
+/// `out` (S elements) becomes (with `accumulate`, gains) the sum over ranks of chunk `rank`
+/// of `buf` (N·S elements), whose contents are destroyed.
+pub fn reduce_scatter<T: Summable>(
+    comm: &dyn Comm,
+    buf: &mut [T],
+    out: &mut [T],
+    scratch: &mut [T],
+    accumulate: bool,
+) -> Result<()> {
+    let s = chunk_len(comm, buf)?;
+    ensure!(
+        out.len() == s,
+        "internal error: a reduce-scatter into {} elements, chunks of {s}",
+        out.len()
+    );
+    reduce_in_place(comm, buf, scratch)?;
+    let mine = &buf[comm.rank() * s..][..s];
+    if accumulate {
+        T::add_into(out, mine);
+    } else {
+        out.copy_from_slice(mine);
+    }
+    Ok(())
+}
+
+/// Every rank's chunk `rank` of `buf` (N·S elements) is copied into every rank's `buf`.
+pub fn all_gather<T: Copy>(comm: &dyn Comm, buf: &mut [T]) -> Result<()> {
+    let (r, n) = (comm.rank(), comm.size());
+    let s = chunk_len(comm, buf)?;
+    if n == 1 || s == 0 {
+        return Ok(());
+    }
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    for k in 0..n - 1 {
+        let send_c = (r + n - k) % n;
+        let recv_c = (r + 2 * n - k - 1) % n;
+        let (send, recv) = two_chunks(buf, s, send_c, recv_c);
+        comm.sendrecv(as_bytes(send), next, as_bytes_mut(recv), prev)?;
+    }
+    Ok(())
+}
+
+/// Every element of `buf` becomes its sum over ranks (the buffer's length a multiple of N),
+/// using `scratch` for the pieces received.
+pub fn all_reduce<T: Summable>(comm: &dyn Comm, buf: &mut [T], scratch: &mut [T]) -> Result<()> {
+    reduce_in_place(comm, buf, scratch)?;
+    all_gather(comm, buf)
+}
+
+/// `out` (N·`mine.len()` elements) becomes every rank's `mine`, in rank order (small
+/// values: loss, gradient-norm shares, configuration hashes).
+pub fn gather_values<T: Copy>(comm: &dyn Comm, mine: &[T], out: &mut [T]) -> Result<()> {
+    ensure!(
+        out.len() == mine.len() * comm.size(),
+        "internal error: gathering {} values from {} ranks into {}",
+        mine.len(),
+        comm.size(),
+        out.len()
+    );
+    out[comm.rank() * mine.len()..][..mine.len()].copy_from_slice(mine);
+    all_gather(comm, out)
+}
+
+/// Chunks `a` (read) and `b` (written) of `buf`, chunks of `s`; `a != b`.
+fn two_chunks<T>(buf: &mut [T], s: usize, a: usize, b: usize) -> (&[T], &mut [T]) {
+    assert_ne!(a, b, "internal error: a chunk sent into itself");
+    if a < b {
+        let (lo, hi) = buf.split_at_mut(b * s);
+        (&lo[a * s..][..s], &mut hi[..s])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a * s);
+        (&hi[..s], &mut lo[b * s..][..s])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dist::{Local, Single};
+
+    /// Runs `f` on every rank of a `Local` group of `n`, one thread each; results by rank.
+    fn on_ranks<R: Send>(n: usize, f: impl Fn(&dyn Comm) -> R + Sync) -> Vec<R> {
+        let group = Local::group(n);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|c| s.spawn(|| f(c as &dyn Comm)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Rank r's value of element i: distinct per rank and element, exact in f32 sums.
+    fn value(r: usize, i: usize) -> f32 {
+        ((r * 131 + i * 7) % 97) as f32 - 40.0
+    }
+
+    #[test]
+    fn all_reduce_sums_in_place_for_any_rank_count_and_piece_size() {
+        for n in 1..=5 {
+            for piece in [1, 3, 64] {
+                let s = 11;
+                let out = on_ranks(n, |c| {
+                    let mut buf: Vec<f32> = (0..n * s).map(|i| value(c.rank(), i)).collect();
+                    let mut scratch = vec![0.0; piece];
+                    all_reduce(c, &mut buf, &mut scratch).unwrap();
+                    (buf, c.bytes_sent())
+                });
+                let want: Vec<f32> = (0..n * s)
+                    .map(|i| (0..n).map(|r| value(r, i)).sum())
+                    .collect();
+                for (buf, sent) in out {
+                    assert_eq!(buf, want, "n={n} piece={piece}");
+                    let bytes = (n * s * 4) as u64;
+                    assert_eq!(sent, sent_bytes(Collective::AllReduce, bytes, n));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_and_all_gather_move_the_shards() {
+        let (n, s) = (4, 6);
+        let out = on_ranks(n, |c| {
+            let r = c.rank();
+            let mut grads: Vec<f32> = (0..n * s).map(|i| value(r, i)).collect();
+            let mut shard = vec![1.0f32; s];
+            let mut scratch = vec![0.0; 4];
+            reduce_scatter(c, &mut grads, &mut shard, &mut scratch, true).unwrap();
+            let after_rs = c.bytes_sent();
+            // Each rank puts its shard in place, then gathers everyone's.
+            let mut full = vec![0.0f32; n * s];
+            full[r * s..][..s].copy_from_slice(&shard);
+            all_gather(c, &mut full).unwrap();
+            (shard, full, after_rs, c.bytes_sent() - after_rs)
+        });
+        let sum = |i: usize| -> f32 { (0..n).map(|r| value(r, i)).sum() };
+        for (r, (shard, full, rs, ag)) in out.into_iter().enumerate() {
+            let want: Vec<f32> = (0..s).map(|j| 1.0 + sum(r * s + j)).collect();
+            assert_eq!(shard, want, "rank {r}'s shard accumulated");
+            let all: Vec<f32> = (0..n * s).map(|i| 1.0 + sum(i)).collect();
+            assert_eq!(full, all);
+            let bytes = (n * s * 4) as u64;
+            assert_eq!(rs, sent_bytes(Collective::ReduceScatter, bytes, n));
+            assert_eq!(ag, sent_bytes(Collective::AllGather, bytes, n));
+        }
+    }
+
+    #[test]
+    fn bf16_sums_in_f32_per_hop_and_every_rank_agrees() {
+        let n = 3;
+        let out = on_ranks(n, |c| {
+            let mut buf: Vec<bf16> = (0..n * 5)
+                .map(|i| bf16::from_f32(value(c.rank(), i) / 8.0))
+                .collect();
+            let mut scratch = vec![bf16::ZERO; 5];
+            all_reduce(c, &mut buf, &mut scratch).unwrap();
+            buf
+        });
+        for i in 0..n * 5 {
+            let want: f32 = (0..n).map(|r| value(r, i) / 8.0).sum();
+            assert!((out[0][i].to_f32() - want).abs() <= want.abs() / 128.0 + 1e-3);
+        }
+        assert!(out.iter().all(|b| *b == out[0]), "identical on every rank");
+    }
+
+    #[test]
+    fn results_do_not_depend_on_timing() {
+        // Sums of values whose f32 addition is not associative: the fixed ring order gives
+        // the same bits every run.
+        let run = || {
+            on_ranks(4, |c| {
+                let mut buf: Vec<f32> = (0..8)
+                    .map(|i| 0.1f32 * (c.rank() + i) as f32 + 1e-7)
+                    .collect();
+                let mut scratch = vec![0.0; 2];
+                all_reduce(c, &mut buf, &mut scratch).unwrap();
+                buf
+            })
+        };
+        let first = run();
+        for _ in 0..5 {
+            assert_eq!(run(), first);
+        }
+    }
+
+    #[test]
+    fn gather_values_and_single_process() {
+        let out = on_ranks(3, |c| {
+            let mut all = vec![0u64; 6];
+            gather_values(c, &[c.rank() as u64, 10], &mut all).unwrap();
+            c.barrier().unwrap();
+            all
+        });
+        assert!(out.iter().all(|v| *v == [0, 10, 1, 10, 2, 10]));
+        let mut buf = vec![1.0f32, 2.0];
+        all_reduce(&Single, &mut buf, &mut [0.0]).unwrap();
+        assert_eq!(buf, [1.0, 2.0]);
+    }
+
+    #[test]
+    fn a_lost_peer_is_named() {
+        let group = Local::group(2);
+        let mut it = group.into_iter();
+        let (a, b) = (it.next().unwrap(), it.next().unwrap());
+        drop(b);
+        let err = a.sendrecv(&[1], 1, &mut [0], 1).unwrap_err();
+        assert!(format!("{err}").contains("rank 1"), "{err}");
+    }
+}
