@@ -5,6 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use memwall::backend::cpu::Cpu;
 use memwall::data::{Tokenizer, prepare};
 use memwall::demo::{self, finetune::FinetuneOptions, shakespeare::ShakespeareOptions};
+use memwall::dist::shard::Zero;
 use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{SampleOptions, sample_text};
 use memwall::exec::train::{self, ConsoleProgress, TrainOptions};
@@ -285,6 +286,18 @@ struct StrategyArgs {
     /// local SSD) [default: train: RUN/offload; bench: ./memwall-offload]
     #[arg(long, value_name = "DIR")]
     offload_dir: Option<PathBuf>,
+    /// ZeRO stage across the ranks of `mpirun -np N` (or `plan --ranks N`): 0 keeps
+    /// everything on every rank and all-reduces gradients (plain data parallelism); 1 shards
+    /// the optimizer state (each rank updates its 1/N and all-gathers the parameters); 2 also
+    /// the gradients (reduce-scattered as each group's are final); 3 also the parameters
+    /// (gathered for each use). Needs a build with `--features mpi` to train
+    /// [default: 0; with --resume: the run's]
+    #[arg(long, value_name = "0|1|2|3", value_parser = parse_zero)]
+    zero: Option<Zero>,
+}
+
+fn parse_zero(s: &str) -> Result<Zero, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
 impl StrategyArgs {
@@ -300,6 +313,8 @@ impl StrategyArgs {
             max_memory,
             offload: self.offload.unwrap_or(d.offload),
             offload_dir: self.offload_dir.clone(),
+            zero: self.zero.unwrap_or(d.zero),
+            ..d
         })
     }
 
@@ -359,9 +374,14 @@ fn parse_recompute(s: &str) -> Result<RecomputeChoice, String> {
 struct PlanArgs {
     #[command(flatten)]
     step: StepArgs,
-    /// Print the plan as JSON (total_bytes, by_category, buffers, schedule).
+    /// Print the plan as JSON (total_bytes, by_category, buffers, schedule; with --ranks,
+    /// per_rank and comm_bytes_per_step).
     #[arg(long)]
     json: bool,
+    /// Plan one rank of N processes training together (data parallel, with --zero K): its
+    /// memory and the bytes it sends per step, for any N.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    ranks: usize,
     /// Also draw the predicted memory timeline (stacked by category, peak marked) to this SVG file.
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
@@ -607,8 +627,14 @@ fn resolve_step(
     threads: usize,
     baseline: u64,
     default_batch: usize,
+    ranks: usize,
 ) -> Result<Resolved> {
     let st = &step.strategy;
+    if step.fit && (ranks > 1 || st.zero.is_some()) {
+        bail!(
+            "--fit searches one process's plan; with --ranks or --zero give the strategies yourself (the per-rank search is not there yet)"
+        );
+    }
     if step.fit {
         let budget = step.max_memory.context("--fit needs --max-memory")?;
         let space = fit_space(step, threads, default_batch)?;
@@ -623,6 +649,7 @@ fn resolve_step(
         });
     }
     let mut strategies = st.resolve(step.max_memory)?;
+    strategies.ranks = ranks;
     let batch = match step.batch {
         Some(Pick::Auto) => {
             let budget = step
@@ -707,7 +734,10 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     let spec = ModelSpec::resolve(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
     let threads = threads(a.step.threads)?;
     let baseline = rss::current_rss().unwrap_or(0);
-    let r = resolve_step(&a.step, &spec, threads, baseline, DEFAULT_BATCH)?;
+    if a.ranks == 0 {
+        bail!("--ranks must be at least 1 (processes training together)");
+    }
+    let r = resolve_step(&a.step, &spec, threads, baseline, DEFAULT_BATCH, a.ranks)?;
     let cfg = r
         .strategies
         .step_config(r.batch, a.step.seq.unwrap_or(DEFAULT_SEQ), threads);
@@ -898,7 +928,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         } else {
             let spec = ModelSpec::resolve(&o.model)?;
             let baseline = rss::current_rss().unwrap_or(0);
-            let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch)?;
+            let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch, 1)?;
             o.batch = r.batch;
             o.strategies = r.strategies;
         }

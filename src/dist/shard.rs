@@ -4,7 +4,7 @@
 //! Buffers that collectives move are laid out this way, so reduce-scatter and all-gather
 //! work in place with equal chunks.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
 /// Shard lengths are multiples of this many elements (64 bytes of f32).
@@ -15,7 +15,7 @@ pub const SHARD_ALIGN: usize = 16;
 pub const PIECE_ELEMS: usize = 1 << 22;
 
 /// The ZeRO stage: what each rank keeps of the model's state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Zero(pub u8);
 
 impl Zero {

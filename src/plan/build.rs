@@ -11,8 +11,10 @@ use super::schedule::{
 };
 use super::stage::{self, Home, Kind};
 use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
+use super::zero;
 use super::{BufId, Buffer, Category, DType, Offload, OffloadSet, Placement, Plan, Tier};
 use crate::backend::Sizing;
+use crate::dist::shard::{Sharding, Zero};
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;
@@ -49,6 +51,12 @@ pub struct StepConfig {
     pub precision: Precision,
     /// What lives on the disk tier, and where its file is.
     pub offload: Offload,
+    /// Processes training together (data parallel; each runs this plan on its own batch).
+    pub ranks: usize,
+    /// This process's rank (which shard of sharded state it keeps).
+    pub rank: usize,
+    /// What each rank keeps of the model's state (`--zero`).
+    pub zero: Zero,
 }
 
 impl StepConfig {
@@ -63,7 +71,19 @@ impl StepConfig {
             optim_state: OptimState::F32,
             precision: Precision::F32,
             offload: Offload::default(),
+            ranks: 1,
+            rank: 0,
+            zero: Zero::DP,
         }
+    }
+
+    /// How state is split among ranks, for plans with more than one rank or a ZeRO stage.
+    pub fn sharding(&self) -> Option<Sharding> {
+        (self.ranks > 1 || self.zero != Zero::DP).then_some(Sharding {
+            ranks: self.ranks,
+            rank: self.rank,
+            zero: self.zero,
+        })
     }
 }
 
@@ -108,6 +128,13 @@ pub(super) fn build(
     if mode == Mode::Generate && cfg.precision != Precision::F32 {
         bail!("internal error: generation plans run in fp32");
     }
+    let sharding = match mode {
+        Mode::Train => cfg.sharding(),
+        Mode::Generate => None,
+    };
+    if let Some(sh) = &sharding {
+        zero::check(cfg, sh)?;
+    }
     let layout = ParamLayout::new(spec);
     let rows = Rows {
         b: cfg.batch,
@@ -128,7 +155,10 @@ pub(super) fn build(
         Mode::Train => cfg.offload.set,
         Mode::Generate => OffloadSet::NONE,
     };
-    let params = param_buffers(&mut g, &layout, mixed, offload.params);
+    let params = match &sharding {
+        Some(sh) if sh.zero.shards_optimizer() => zero::param_buffers(&mut g, &layout, mixed, sh),
+        _ => param_buffers(&mut g, &layout, mixed, offload.params),
+    };
     let gemm_ws = mixed.then(|| {
         g.persistent(
             "gemm.mixed_tiles",
@@ -163,8 +193,13 @@ pub(super) fn build(
         };
         return finish(spec, cfg, mode, layout, g, p, io, backend, verify);
     }
-    let grads = grad_buffers(&mut g, &layout);
-    let optim = optimizer_state(&mut g, &layout, cfg.optim_state, offload.optimizer);
+    let grads = grad_buffers(&mut g, &layout, sharding.as_ref());
+    let optim = match &sharding {
+        Some(sh) if sh.zero.shards_optimizer() => {
+            zero::shard_moments(&mut g, &layout, cfg.optim_state, sh)
+        }
+        _ => optimizer_state(&mut g, &layout, cfg.optim_state, offload.optimizer),
+    };
     let micro = cfg.grad_accum;
     let mut io = Io {
         tokens: vec![],
@@ -193,18 +228,20 @@ pub(super) fn build(
             loss: Some(Loss {
                 targets,
                 losses,
-                // The step's loss is the mean over every micro-batch's rows.
-                loss_rows: n * micro,
+                // The step's loss is the mean over every micro-batch's rows, on every rank.
+                loss_rows: n * micro * cfg.ranks,
             }),
             rows,
             attn_ws_len,
         };
+        g.micro = k;
         spec.family.emit(&mut g, spec, cfg, &mb);
+        g.micro = 0;
         io.tokens.push(tokens);
         io.targets.push(targets);
         io.losses.push(losses);
     }
-    optimizer(&mut g, &layout, &optim);
+    optimizer(&mut g, &layout, &optim, sharding.as_ref());
     // With gradients on the disk tier, each step runs the previous step's update in its
     // forward, so the update's transfers overlap arithmetic; the gradients are then kept
     // across the step boundary (on disk: no RAM for it).
@@ -218,6 +255,10 @@ pub(super) fn build(
     zero_grads_before_first_write(&mut g, &grads);
     norm_when_final(&mut g, &layout, &grads);
     bind_state(&mut g, &params, Some(&grads));
+    let params = match &sharding {
+        Some(sh) => zero::collectives(&mut g, &layout, sh, &params, &grads, micro),
+        None => params,
+    };
     let mut homes = Vec::new();
     let mut home =
         |ids: Vec<BufId>, kind| homes.extend(ids.into_iter().map(|id| Home { id, kind }));
@@ -272,14 +313,16 @@ fn param_buffers(g: &mut Builder, layout: &ParamLayout, mixed: bool, per_group: 
     Segments { segments }
 }
 
-/// Declares one gradient buffer per parameter group (`{group}.grad`, in the storage type).
-fn grad_buffers(g: &mut Builder, layout: &ParamLayout) -> Segments {
+/// Declares one gradient buffer per parameter group (`{group}.grad`, in the storage type;
+/// padded to N·S elements for the collectives of a plan with `sharding`).
+fn grad_buffers(g: &mut Builder, layout: &ParamLayout, sharding: Option<&Sharding>) -> Segments {
     let segments = layout
         .groups
         .iter()
         .map(|group| {
             let range = layout.group_range(group);
-            let buf = g.act(format!("{}.grad", group.name), Category::Grad, range.len());
+            let elems = sharding.map_or(range.len(), |sh| sh.padded(range.len()));
+            let buf = g.act(format!("{}.grad", group.name), Category::Grad, elems);
             Segment { range, buf }
         })
         .collect();
@@ -304,6 +347,7 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
                     flops: 0,
                     params: None,
                     grads: None,
+                    micro: e.micro,
                 });
             }
         }
@@ -334,6 +378,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
     }
     let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
     for (i, e) in std::mem::take(&mut g.ops).into_iter().enumerate() {
+        let micro = e.micro;
         ops.push(e);
         for &k in &after[i] {
             ops.push(OpEntry {
@@ -345,6 +390,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
                 flops: 0,
                 params: None,
                 grads: None,
+                micro,
             });
         }
     }
@@ -426,20 +472,32 @@ fn bind_state(g: &mut Builder, params: &Segments, grads: Option<&Segments>) {
 /// Emits the optimizer phase: AdamW over each parameter group (embeddings, each block, the
 /// final norm), one op each, with the group's moments (`state`: one set covering every
 /// parameter, or one per group). The gradient norm's shares are taken in the backward
-/// ([`norm_when_final`]); moments on the disk tier are staged by `plan::stage`.
-fn optimizer(g: &mut Builder, layout: &ParamLayout, state: &[OptimBufs]) {
+/// ([`norm_when_final`]); moments on the disk tier are staged by `plan::stage`. With a
+/// sharded optimizer (`--zero 1` and up) each op updates the rank's shard of the group.
+fn optimizer(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    state: &[OptimBufs],
+    sharding: Option<&Sharding>,
+) {
     let (state_block, _) = layout.block_offsets(QBLOCK);
     for (k, group) in layout.groups.iter().enumerate() {
+        let owned = match sharding {
+            Some(sh) if sh.zero.shards_optimizer() => sh.owned(&layout.group_range(group)),
+            _ => layout.group_range(group),
+        };
         let tensors = group
             .tensors
             .clone()
-            .map(|i| {
+            .filter_map(|i| {
                 let t = &layout.tensors[i];
-                ParamSlice {
-                    range: t.range.clone(),
+                let lo = t.range.start.max(owned.start);
+                let hi = t.range.end.min(owned.end);
+                (lo < hi).then(|| ParamSlice {
+                    range: lo..hi,
                     decay: t.decay,
-                    state_block: state_block[i],
-                }
+                    state_block: state_block[i] + (lo - t.range.start) / QBLOCK,
+                })
             })
             .collect();
         let state = if let [whole] = state {
@@ -483,7 +541,7 @@ fn optimizer_state(
 
 /// Persistent moment buffers `{name}.m`, `{name}.v` (int8: `.m.q`, `.v.q`, `.m.absmax`,
 /// `.v.absmax`) for parameter elements `range` and 8-bit blocks `blocks`.
-fn moments(
+pub(super) fn moments(
     g: &mut Builder,
     name: &str,
     format: OptimState,

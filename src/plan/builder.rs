@@ -41,6 +41,8 @@ pub(crate) struct Builder {
     pub(super) ops: Vec<OpEntry>,
     /// Element type of activations, compute weights and gradients.
     storage: DType,
+    /// The micro-batch the ops emitted now belong to ([`OpEntry::micro`]).
+    pub(super) micro: usize,
 }
 
 impl Builder {
@@ -49,6 +51,7 @@ impl Builder {
             buffers: Vec::new(),
             ops: Vec::new(),
             storage,
+            micro: 0,
         }
     }
 
@@ -136,6 +139,7 @@ impl Builder {
             flops,
             params: None,
             grads: None,
+            micro: self.micro,
         });
     }
 }

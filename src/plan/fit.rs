@@ -8,6 +8,7 @@ use super::{
     StepConfig, build_plan,
 };
 use crate::backend::Sizing;
+use crate::dist::shard::Zero;
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};
@@ -40,6 +41,15 @@ pub struct Strategies {
     /// the run directory, bench's: `memwall-offload/` in the current directory).
     #[serde(default)]
     pub offload_dir: Option<std::path::PathBuf>,
+    /// Processes training together (`mpirun -np N`; `plan --ranks N` on paper).
+    #[serde(default = "one")]
+    pub ranks: usize,
+    /// What each rank keeps of the model's state (`--zero`).
+    #[serde(default)]
+    pub zero: Zero,
+    /// This process's rank (not saved: every rank's options are the same).
+    #[serde(skip)]
+    pub rank: usize,
 }
 
 fn one() -> usize {
@@ -56,6 +66,9 @@ impl Default for Strategies {
             max_memory: None,
             offload: OffloadChoice::default(),
             offload_dir: None,
+            ranks: 1,
+            zero: Zero::DP,
+            rank: 0,
         }
     }
 }
@@ -75,6 +88,9 @@ impl Strategies {
             .offload_dir
             .clone()
             .filter(|_| self.offload.may_offload());
+        cfg.ranks = self.ranks;
+        cfg.rank = self.rank;
+        cfg.zero = self.zero;
         cfg
     }
 
@@ -92,6 +108,9 @@ impl Strategies {
             max_memory: Some(budget),
             offload: OffloadChoice::Set(cfg.offload.set),
             offload_dir,
+            ranks: cfg.ranks,
+            zero: cfg.zero,
+            rank: cfg.rank,
         }
     }
 

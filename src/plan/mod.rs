@@ -39,6 +39,7 @@ pub mod search;
 mod stage;
 pub mod strategy;
 pub mod time;
+pub mod zero;
 
 pub use buffer::{BufId, Buffer, Category, DType, Placement, Tier};
 pub use build::{Mode, StepConfig, build_plan};
@@ -160,6 +161,29 @@ impl Plan {
             }
         }
         (read, written)
+    }
+
+    /// Bytes this rank sends in collective op `e` (0 for other ops): the ring's figure
+    /// ([`crate::dist::ring::sent_bytes`]), which the transport's counter confirms.
+    pub fn comm_bytes(&self, e: &schedule::OpEntry) -> u64 {
+        use crate::dist::ring::{Collective, sent_bytes};
+        let (c, buf) = match e.op {
+            Op::AllReduce { buf, .. } => (Collective::AllReduce, buf),
+            Op::ReduceScatter { buf, .. } => (Collective::ReduceScatter, buf),
+            Op::AllGather { buf, .. } => (Collective::AllGather, buf),
+            _ => return 0,
+        };
+        sent_bytes(c, self.buffer(buf).bytes, self.cfg.ranks)
+    }
+
+    /// Bytes this rank sends per step in collectives (every rank sends as much).
+    pub fn comm_bytes_per_step(&self) -> u64 {
+        let s = &self.schedule;
+        s.ops
+            .iter()
+            .filter(|e| s.in_step(e.phase))
+            .map(|e| self.comm_bytes(e))
+            .sum()
     }
 
     /// Bytes per category of the RAM buffers live at op `op`.

@@ -36,6 +36,20 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
         cfg.threads,
         plan.schedule.ops.len()
     );
+    let per_rank = (cfg.ranks > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
+    if let Some(r) = &per_rank {
+        let stage = match r.zero {
+            0 => "plain data parallelism: every rank keeps everything",
+            1 => "optimizer state sharded",
+            2 => "optimizer state and gradients sharded",
+            _ => "optimizer state, gradients and parameters sharded",
+        };
+        let _ = writeln!(
+            s,
+            "      one rank of {} (--zero {}: {stage}); each rank runs this plan on its own batch",
+            r.ranks, r.zero
+        );
+    }
     let _ = writeln!(
         s,
         "\n  {:<18} {:>8} {:>14} {:>14} {:>14}",
@@ -109,6 +123,36 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
             fmt_bytes(plan.nvme_bytes),
             fmt_bytes(read),
             fmt_bytes(written)
+        );
+    }
+    if let Some(r) = &per_rank {
+        let parts: Vec<String> = r
+            .comm_by_collective
+            .iter()
+            .map(|(k, v)| format!("{} {}", k.replace('_', "-"), fmt_bytes(*v)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "  sent per step by each rank  {:>12}   ({})",
+            fmt_bytes(r.comm_bytes_per_step),
+            parts.join(", ")
+        );
+        let (m, z) = (&r.model_state, &r.zero_paper);
+        let _ = writeln!(
+            s,
+            "  model state per rank        {:>12}   params {}, grads {} (peak), optimizer {}",
+            fmt_bytes(m.total()),
+            fmt_bytes(m.params),
+            fmt_bytes(m.grads),
+            fmt_bytes(m.optimizer)
+        );
+        let _ = writeln!(
+            s,
+            "    ZeRO paper's formula      {:>12}   params {}, grads {}, optimizer {} (same bytes per parameter)",
+            fmt_bytes(z.total()),
+            fmt_bytes(z.params),
+            fmt_bytes(z.grads),
+            fmt_bytes(z.optimizer)
         );
     }
     let flops = plan.flops();

@@ -279,6 +279,21 @@ pub enum Op {
     /// Waits until every transfer started into or out of `bufs` (host staging buffers) is
     /// done; fails with the first one that failed.
     AwaitTransfers { bufs: Vec<BufId> },
+    /// `buf[N·S]` becomes its sum over the ranks, in place (a parameter group's gradients,
+    /// `--zero 0`); `scratch` receives the pieces in flight (`dist::ring`).
+    AllReduce { buf: BufId, scratch: BufId },
+    /// `shard[S]` becomes (`accumulate`: gains) the sum over the ranks of chunk `rank` of
+    /// `buf[N·S]`, whose contents are consumed (`--zero 1` and up: a group's gradients).
+    ReduceScatter {
+        buf: BufId,
+        shard: BufId,
+        scratch: BufId,
+        accumulate: bool,
+    },
+    /// Every rank's chunk `rank` of `buf[N·S]` is copied into every rank's `buf`; with
+    /// `shard[S]`, the rank's chunk is first copied from there (a group's parameters after
+    /// its sharded update, `--zero 1` and up, or gathered for use, `--zero 3`).
+    AllGather { buf: BufId, shard: Option<BufId> },
 }
 
 /// An op with its display name, phase, arithmetic cost, and where it finds the parameters
@@ -294,6 +309,8 @@ pub struct OpEntry {
     pub params: Option<Binding>,
     /// The buffer holding the gradients of [`Op::grad_ranges`] (set when there are any).
     pub grads: Option<Binding>,
+    /// The micro-batch the op belongs to (0 for the optimizer's ops and single-batch steps).
+    pub micro: usize,
 }
 
 impl OpEntry {
@@ -485,7 +502,10 @@ impl Op {
             | EncoderBackward { .. }
             | GradNorm { .. }
             | Transfer { .. }
-            | AwaitTransfers { .. } => vec![],
+            | AwaitTransfers { .. }
+            | AllReduce { .. }
+            | ReduceScatter { .. }
+            | AllGather { .. } => vec![],
         }
     }
 
@@ -569,6 +589,18 @@ impl Op {
             }
             Transfer { from, to } => vec![from, to],
             AwaitTransfers { bufs } => bufs.iter_mut().collect(),
+            AllReduce { buf, scratch } => vec![buf, scratch],
+            ReduceScatter {
+                buf,
+                shard,
+                scratch,
+                ..
+            } => vec![buf, shard, scratch],
+            AllGather { buf, shard } => {
+                let mut v = vec![buf];
+                v.extend(shard.as_mut());
+                v
+            }
         }
     }
 
@@ -603,7 +635,10 @@ impl Op {
             | SwigluBackward { .. }
             | GeluBackward { .. }
             | Transfer { .. }
-            | AwaitTransfers { .. } => vec![],
+            | AwaitTransfers { .. }
+            | AllReduce { .. }
+            | ReduceScatter { .. }
+            | AllGather { .. } => vec![],
         }
     }
 
@@ -683,6 +718,24 @@ impl Op {
             Transfer { from, to } => (vec![*from], vec![*to]),
             AwaitTransfers { bufs } => (bufs.clone(), bufs.clone()),
             GradNorm { .. } => (vec![], vec![]),
+            AllReduce { buf, scratch } => (vec![*buf], vec![*buf, *scratch]),
+            ReduceScatter {
+                buf,
+                shard,
+                scratch,
+                accumulate,
+            } => {
+                let mut r = vec![*buf];
+                if *accumulate {
+                    r.push(*shard);
+                }
+                (r, vec![*buf, *shard, *scratch])
+            }
+            AllGather { buf, shard } => {
+                let mut r = vec![*buf];
+                r.extend(shard);
+                (r, vec![*buf])
+            }
         }
     }
 }

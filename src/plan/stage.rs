@@ -236,6 +236,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
         flops: 0,
         params: None,
         grads: None,
+        micro: 0,
     };
     for kind in [Kind::Params, Kind::Grads, Kind::Moments, Kind::Activations] {
         let mut of_kind: Vec<&Span> = spans

@@ -108,13 +108,16 @@ impl Calibration {
             "attention" | "attention_bwd" => 0.4,
             _ => 0.0,
         };
+        // Collectives between processes of one machine move bytes through shared memory,
+        // about a quarter of the copy bandwidth each way.
+        let collective = matches!(base, "all_reduce" | "reduce_scatter" | "all_gather");
         Cost {
             s_per_flop: if efficiency > 0.0 {
                 1.0 / (efficiency * peak)
             } else {
                 0.0
             },
-            s_per_byte: 1.0 / 20e9,
+            s_per_byte: if collective { 1.0 / 5e9 } else { 1.0 / 20e9 },
             s_per_op: 10e-6,
             samples: 0,
             fit_error_pct: 0.0,
@@ -195,8 +198,18 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
             return Some(format!("adamw.{}/{storage}", state.format));
         }
         Op::Transfer { .. } | Op::AwaitTransfers { .. } => return None,
+        Op::AllReduce { buf, .. } => return Some(collective_kind("all_reduce", plan, *buf)),
+        Op::ReduceScatter { buf, .. } => {
+            return Some(collective_kind("reduce_scatter", plan, *buf));
+        }
+        Op::AllGather { buf, .. } => return Some(collective_kind("all_gather", plan, *buf)),
     };
     Some(format!("{base}/{storage}"))
+}
+
+/// A collective's kind: its name and the element type it moves.
+fn collective_kind(name: &str, plan: &Plan, buf: BufId) -> String {
+    format!("{name}/{}", dtype_key(plan.buffer(buf).dtype))
 }
 
 /// Bytes of AdamW state per parameter in `format` (int8: one code per moment plus a share
@@ -226,6 +239,10 @@ pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
             2.0 * plan.buffer(*a).bytes as f64
         }
         Op::Transfer { .. } | Op::AwaitTransfers { .. } => 0.0,
+        // What the rank sends (and receives as much): its time is bandwidth.
+        Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
+            plan.comm_bytes(e) as f64
+        }
         op => {
             let (r, w) = op.reads_writes();
             let mut ids: Vec<BufId> = r.into_iter().chain(w).collect();

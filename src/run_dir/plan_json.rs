@@ -118,6 +118,14 @@ pub struct PlanJson {
     /// with their predicted times, and what did not fit.
     #[serde(default)]
     pub fit: Option<Value>,
+    /// Bytes this rank sends per step in collectives (0 for one process).
+    #[serde(default)]
+    pub comm_bytes_per_step: u64,
+    /// Plans of one rank among several (`--ranks N`, `mpirun -np N`): ranks, ZeRO stage,
+    /// what is sent by collective, the model state held and the ZeRO paper's figure for it
+    /// ([`crate::plan::zero::PerRank`]).
+    #[serde(default)]
+    pub per_rank: Option<Value>,
     pub buffers: Vec<BufferInfo>,
     pub schedule: Vec<OpInfo>,
 }
@@ -203,6 +211,10 @@ impl PlanJson {
             predicted_step_s: None,
             predicted: None,
             fit: None,
+            comm_bytes_per_step: plan.comm_bytes_per_step(),
+            per_rank: (plan.cfg.ranks > 1 || plan.cfg.zero.0 > 0)
+                .then(|| serde_json::to_value(crate::plan::zero::per_rank(plan)))
+                .transpose()?,
             buffers,
             schedule,
         };

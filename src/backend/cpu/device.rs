@@ -432,6 +432,44 @@ fn free_between_steps(buffers: &[Buffer], arena_bytes: u64) -> (u64, u64) {
     best
 }
 
+impl CpuDevice {
+    /// A collective over buffers of element type `T` (views as for every op: the plan
+    /// keeps a collective's buffers apart).
+    fn collective<T: Elem + crate::dist::Summable>(
+        &self,
+        op: &Op,
+        comm: &dyn crate::dist::Comm,
+    ) -> Result<()> {
+        use crate::dist::ring;
+        match op {
+            Op::AllReduce { buf, scratch } => {
+                ring::all_reduce(comm, self.view::<T>(*buf), self.view::<T>(*scratch))
+            }
+            Op::ReduceScatter {
+                buf,
+                shard,
+                scratch,
+                accumulate,
+            } => ring::reduce_scatter(
+                comm,
+                self.view::<T>(*buf),
+                self.view::<T>(*shard),
+                self.view::<T>(*scratch),
+                *accumulate,
+            ),
+            Op::AllGather { buf, shard } => {
+                let full = self.view::<T>(*buf);
+                if let Some(shard) = shard {
+                    let mine = self.view::<T>(*shard);
+                    full[comm.rank() * mine.len()..][..mine.len()].copy_from_slice(mine);
+                }
+                ring::all_gather(comm, full)
+            }
+            other => bail!("internal error: {other:?} is not a collective"),
+        }
+    }
+}
+
 impl Device for CpuDevice {
     fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<OpResult> {
         match &e.op {
@@ -454,6 +492,15 @@ impl Device for CpuDevice {
 
     fn scope(&self, f: &mut (dyn FnMut() + Send)) {
         self.pool.install(f)
+    }
+
+    fn run_collective(&self, e: &OpEntry, comm: &dyn crate::dist::Comm) -> Result<()> {
+        match self.buffers[e.op.reads_writes().1[0].0].dtype {
+            DType::Bf16 => self.collective::<bf16>(&e.op, comm),
+            DType::F16 => self.collective::<f16>(&e.op, comm),
+            DType::F32 => self.collective::<f32>(&e.op, comm),
+            other => bail!("internal error: a collective over {other:?} elements"),
+        }
     }
 
     fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) -> Result<()> {

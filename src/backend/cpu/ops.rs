@@ -494,6 +494,9 @@ impl CpuDevice {
             Op::Transfer { .. } | Op::AwaitTransfers { .. } => {
                 unreachable!("the device runs transfers itself")
             }
+            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
+                unreachable!("collectives run through Device::run_collective")
+            }
         }
         OpResult::Done
     }

@@ -1,0 +1,480 @@
+//! Data parallelism and ZeRO as a plan transformation (`--ranks N --zero K`): every rank
+//! runs the same plan on its own batch; this module declares what a rank keeps and inserts
+//! the collectives ([`Op::AllReduce`], [`Op::ReduceScatter`], [`Op::AllGather`]) that keep
+//! the ranks' state consistent. Collective buffers are plan buffers: a group's gradients
+//! and parameters are padded to `N·S` ([`Sharding`]) so the ring collectives work in place,
+//! and each collective has a scratch piece (category `communication`) for what it receives.
+//!
+//! Per parameter group (embeddings, each block, the final norm), on each rank:
+//! - `--zero 0`: parameters, gradients and moments whole. The group's gradients are
+//!   all-reduced as soon as they are final (after the group's last backward op), so the
+//!   exchange of late layers happens while the backward goes on with earlier ones; the norm
+//!   share is then the same on every rank.
+//! - `--zero 1`: moments of the rank's shard only (`{group}.adamw.*` of S elements). The
+//!   group's gradients are reduce-scattered once final into `{group}.grad.shard`, and
+//!   freed; the update runs on the shard; the updated shard is all-gathered into the
+//!   group's parameters. Under accumulation the whole gradients are kept until the last
+//!   micro-batch.
+//! - `--zero 2`: as 1, but under accumulation every micro-batch's gradients go to a buffer
+//!   of their own (`mb{k}.{group}.grad`), reduce-scattered (accumulated into the shard)
+//!   when final and freed: a rank holds one micro-batch's whole gradients of a group at a
+//!   time.
+//! - `--zero 3`: as 2, and parameters as shards (`{group}.params.shard`). Each run of ops
+//!   using a group's parameters (a *span*: the group's forward, its recompute and backward,
+//!   the LM head) gets its own gathered copy (`{group}.params.{k}`), all-gathered just
+//!   before the span and freed after it.
+//!
+//! Norm shares of sharded gradients are partial: the executor gathers every rank's and adds
+//! them in (group, rank) order.
+
+use super::builder::Builder;
+use super::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
+use super::{BufId, Category, DType, OffloadSet, OptimState, Plan, StepConfig};
+use crate::dist::Sharding;
+use crate::model::ParamLayout;
+use anyhow::{Result, bail};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Refuses what sharded plans cannot do yet, naming the flags.
+pub(super) fn check(cfg: &StepConfig, sh: &Sharding) -> Result<()> {
+    if sh.ranks == 0 || sh.rank >= sh.ranks {
+        bail!("internal error: rank {} of {} ranks", sh.rank, sh.ranks);
+    }
+    if cfg.offload.set != OffloadSet::NONE {
+        bail!(
+            "--offload with --zero or several ranks is not supported yet: shard the state across ranks (--zero 1|2|3) or offload it in one process, not both"
+        );
+    }
+    if sh.zero.shards_optimizer() && cfg.optim_state == OptimState::Int8 {
+        bail!(
+            "--optim-state int8 with --zero {}: 8-bit blocks would straddle the shards; use --optim-state fp32 or bf16, or --zero 0",
+            sh.zero
+        );
+    }
+    Ok(())
+}
+
+/// The fp32 parameters (master weights under mixed precision) of a sharded plan, one buffer
+/// per group padded to N·S: persistent under ZeRO 1 and 2 (the whole parameters, the rank's
+/// chunk updated in place and all-gathered), transient under ZeRO 3 (the ops bind to them,
+/// then [`collectives`] gives every span its own gathered copy).
+pub(super) fn param_buffers(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    mixed: bool,
+    sh: &Sharding,
+) -> Segments {
+    let (name, category) = if mixed {
+        ("params.master", Category::Master)
+    } else {
+        ("params", Category::Param)
+    };
+    let segments = layout
+        .groups
+        .iter()
+        .map(|group| {
+            let range = layout.group_range(group);
+            let name = format!("{}.{name}", group.name);
+            let elems = sh.padded(range.len());
+            let buf = if sh.zero.shards_params() {
+                g.f32(name, category, elems)
+            } else {
+                g.persistent(&name, category, DType::F32, elems)
+            };
+            Segment { range, buf }
+        })
+        .collect();
+    Segments { segments }
+}
+
+/// The AdamW moments of this rank's shard of every group (ZeRO ≥ 1): `{group}.adamw.m`,
+/// `.v` of S elements, element 0 holding the moments of parameter `shard_base`.
+pub(super) fn shard_moments(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    format: OptimState,
+    sh: &Sharding,
+) -> Vec<OptimBufs> {
+    layout
+        .groups
+        .iter()
+        .map(|group| {
+            let range = layout.group_range(group);
+            let base = sh.shard_base(&range);
+            let name = format!("{}.adamw", group.name);
+            super::build::moments(g, &name, format, base..base + sh.chunk(range.len()), 0..0)
+        })
+        .collect()
+}
+
+/// Inserts the collectives of `sh.zero` and rebinds the sharded update (see the module
+/// documentation). Runs on a bound schedule (norm shares and gradient zeroing placed).
+/// Returns the parameters as they persist between steps: `params` itself, or under ZeRO 3
+/// the rank's shards (one segment per group over the elements it owns).
+pub(super) fn collectives(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    sh: &Sharding,
+    params: &Segments,
+    grads: &Segments,
+    micro: usize,
+) -> Segments {
+    let groups: Vec<std::ops::Range<usize>> =
+        grads.segments.iter().map(|s| s.range.clone()).collect();
+    let scratch = |g: &mut Builder, name: &str, dtype: DType, n: usize| {
+        g.buf(
+            format!("{name}.comm"),
+            Category::Communication,
+            dtype,
+            sh.scratch(n),
+        )
+    };
+    let storage = g.buffers[grads.segments[0].buf.0].dtype;
+    // Inserts: (before op index, entry), applied at the end in order.
+    let mut before: Vec<(usize, OpEntry)> = Vec::new();
+    let mut after: Vec<(usize, OpEntry)> = Vec::new();
+    let entry = |name: String, phase: Phase, micro: usize, op: Op| OpEntry {
+        name,
+        phase,
+        op,
+        flops: 0,
+        params: None,
+        grads: None,
+        micro,
+    };
+    let norm_at: Vec<usize> = (0..groups.len())
+        .map(|k| {
+            g.ops
+                .iter()
+                .position(|e| matches!(&e.op, Op::GradNorm { range } if range == &groups[k]))
+                .expect("internal error: a group without a norm share")
+        })
+        .collect();
+    // The optimizer phase has one `AdamW` per group, in group order.
+    let update_at: Vec<usize> = (0..g.ops.len())
+        .filter(|&i| g.ops[i].phase == Phase::Optimizer && matches!(g.ops[i].op, Op::AdamW { .. }))
+        .collect();
+    assert_eq!(
+        update_at.len(),
+        groups.len(),
+        "internal error: one update per group"
+    );
+    let mut shards: Vec<Segment> = Vec::new();
+    for (k, range) in groups.iter().enumerate() {
+        let name = layout.groups[k].name.clone();
+        let grad = grads.segments[k].buf;
+        let n = range.len();
+        if !sh.zero.shards_optimizer() {
+            let op = Op::AllReduce {
+                buf: grad,
+                scratch: scratch(g, &format!("{name}.grad"), storage, n),
+            };
+            let at = norm_at[k];
+            let micro = g.ops[at].micro;
+            before.push((
+                at,
+                entry(
+                    format!("{name}.grad.all_reduce"),
+                    Phase::Backward,
+                    micro,
+                    op,
+                ),
+            ));
+            continue;
+        }
+        let owned = sh.owned(range);
+        let base = sh.shard_base(range);
+        let shard = g.act(format!("{name}.grad.shard"), Category::Grad, sh.chunk(n));
+        let shard_binding = Binding { buf: shard, base };
+        // Gradients: reduce-scattered once final (ZeRO 1, or one micro-batch), or every
+        // micro-batch from a buffer of its own (ZeRO 2).
+        if sh.zero.shards_grads() && micro > 1 {
+            for j in 0..micro {
+                let buf = if j == 0 {
+                    grad
+                } else {
+                    let id = g.act(format!("mb{j}.{name}.grad"), Category::Grad, sh.padded(n));
+                    let mut first = None;
+                    for (i, e) in g.ops.iter_mut().enumerate() {
+                        if e.micro == j
+                            && e.grads.is_some_and(|b| b.buf == grad)
+                            && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
+                        {
+                            e.rename(grad, id);
+                            first.get_or_insert(i);
+                        }
+                    }
+                    let first = first.expect("internal error: a micro-batch without gradients");
+                    let op = Op::Zero { buf: id };
+                    before.push((
+                        first,
+                        entry(format!("zero_mb{j}.{name}.grad"), Phase::Backward, j, op),
+                    ));
+                    id
+                };
+                let last = g
+                    .ops
+                    .iter()
+                    .rposition(|e| {
+                        e.micro == j
+                            && e.grads.is_some_and(|b| b.buf == buf)
+                            && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
+                    })
+                    .expect("internal error: a micro-batch without gradients");
+                let op = Op::ReduceScatter {
+                    buf,
+                    shard,
+                    scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, n),
+                    accumulate: j > 0,
+                };
+                after.push((
+                    last,
+                    entry(
+                        format!("mb{j}.{name}.grad.reduce_scatter"),
+                        Phase::Backward,
+                        j,
+                        op,
+                    ),
+                ));
+            }
+        } else {
+            let op = Op::ReduceScatter {
+                buf: grad,
+                shard,
+                scratch: scratch(g, &format!("{name}.grad"), storage, n),
+                accumulate: false,
+            };
+            let at = norm_at[k];
+            let micro = g.ops[at].micro;
+            before.push((
+                at,
+                entry(
+                    format!("{name}.grad.reduce_scatter"),
+                    Phase::Backward,
+                    micro,
+                    op,
+                ),
+            ));
+        }
+        // The norm share and the update read the shard.
+        let e = &mut g.ops[norm_at[k]];
+        e.op = Op::GradNorm {
+            range: if owned.is_empty() {
+                base..base
+            } else {
+                owned.clone()
+            },
+        };
+        e.grads = Some(shard_binding);
+        let upd = update_at[k];
+        g.ops[upd].grads = Some(shard_binding);
+        g.ops[upd].params = Some(Binding {
+            buf: params.segments[k].buf,
+            base: range.start,
+        });
+        if sh.zero.shards_params() {
+            let full = &g.buffers[params.segments[k].buf.0];
+            let (shard_name, category) = (format!("{}.shard", full.name), full.category);
+            let shard_params = g.persistent(&shard_name, category, DType::F32, sh.chunk(n));
+            g.ops[upd].params = Some(Binding {
+                buf: shard_params,
+                base,
+            });
+            gather_spans(g, params.segments[k].buf, shard_params, &mut before);
+            shards.push(Segment {
+                range: if owned.is_empty() { base..base } else { owned },
+                buf: shard_params,
+            });
+        } else {
+            let op = Op::AllGather {
+                buf: params.segments[k].buf,
+                shard: None,
+            };
+            after.push((
+                upd,
+                entry(format!("{name}.params.all_gather"), Phase::Optimizer, 0, op),
+            ));
+        }
+    }
+    apply(g, before, after);
+    if sh.zero.shards_params() {
+        Segments { segments: shards }
+    } else {
+        params.clone()
+    }
+}
+
+/// ZeRO 3: splits the uses of a group's transient parameter buffer `full` into spans (runs
+/// of ops with no other parameter group's op in between, within one phase class), gives
+/// each span a gathered copy of its own and inserts its all-gather from `shard`.
+fn gather_spans(g: &mut Builder, full: BufId, shard: BufId, before: &mut Vec<(usize, OpEntry)>) {
+    let uses: Vec<usize> = (0..g.ops.len())
+        .filter(|&i| g.ops[i].params.is_some_and(|b| b.buf == full))
+        .collect();
+    let mut spans: Vec<Vec<usize>> = Vec::new();
+    for &i in &uses {
+        // Recomputation is part of the backward: one span with it.
+        let class = |p: Phase| match p {
+            Phase::Recompute => Phase::Backward,
+            p => p,
+        };
+        let joins = spans.last().is_some_and(|s| {
+            let last = *s.last().expect("spans are not empty");
+            let other_group_between = g.ops[last + 1..i]
+                .iter()
+                .any(|e| e.params.is_some_and(|b| b.buf != full));
+            !other_group_between && class(g.ops[last].phase) == class(g.ops[i].phase)
+        });
+        if joins {
+            spans.last_mut().expect("checked").push(i);
+        } else {
+            spans.push(vec![i]);
+        }
+    }
+    let base_name = g.buffers[full.0].name.clone();
+    for (k, span) in spans.iter().enumerate() {
+        let copy = if k == 0 {
+            full
+        } else {
+            let b = g.buffers[full.0].clone();
+            g.buf(format!("{base_name}.{k}"), b.category, b.dtype, b.elems)
+        };
+        for &i in span {
+            g.ops[i].rename(full, copy);
+        }
+        let first = span[0];
+        let e = OpEntry {
+            name: format!("{}.all_gather", g.buffers[copy.0].name),
+            phase: g.ops[first].phase,
+            op: Op::AllGather {
+                buf: copy,
+                shard: Some(shard),
+            },
+            flops: 0,
+            params: None,
+            grads: None,
+            micro: g.ops[first].micro,
+        };
+        before.push((first, e));
+    }
+}
+
+/// Inserts `before[i]` entries just before op i and `after[i]` just after it, in the order
+/// given.
+fn apply(g: &mut Builder, before: Vec<(usize, OpEntry)>, after: Vec<(usize, OpEntry)>) {
+    let n = g.ops.len();
+    let mut pre: Vec<Vec<OpEntry>> = vec![Vec::new(); n];
+    let mut post: Vec<Vec<OpEntry>> = vec![Vec::new(); n];
+    for (i, e) in before {
+        pre[i].push(e);
+    }
+    for (i, e) in after {
+        post[i].push(e);
+    }
+    let mut ops = Vec::with_capacity(n + pre.iter().chain(&post).map(Vec::len).sum::<usize>());
+    for ((e, pre), post) in std::mem::take(&mut g.ops).into_iter().zip(pre).zip(post) {
+        ops.extend(pre);
+        ops.push(e);
+        ops.extend(post);
+    }
+    g.ops = ops;
+}
+
+/// What one rank of a plan keeps and sends, next to the ZeRO paper's figures.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PerRank {
+    pub ranks: usize,
+    pub zero: u8,
+    /// Bytes each rank sends per step in collectives (every rank sends as much).
+    pub comm_bytes_per_step: u64,
+    /// Of which, by collective: `all_reduce`, `reduce_scatter`, `all_gather`.
+    pub comm_by_collective: BTreeMap<String, u64>,
+    /// The model state this rank holds (parameters as kept between steps, the gradients'
+    /// own peak, the optimizer state).
+    pub model_state: ModelState,
+    /// The same by Rajbhandari et al. (2020), §5: (P + G + K)·Ψ for plain data
+    /// parallelism, (P + G)·Ψ + K·Ψ/N for stage 1, P·Ψ + (G + K)·Ψ/N for stage 2 and
+    /// (P + G + K)·Ψ/N for stage 3, with this plan's bytes per parameter: P = 4 (the f32
+    /// master weights, which kernels read directly: no 2-byte copy), G = the gradients'
+    /// storage type, K = the moments' format.
+    pub zero_paper: ModelState,
+}
+
+/// Bytes of model state.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ModelState {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+}
+
+impl ModelState {
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// A training plan's per-rank figures.
+pub fn per_rank(plan: &Plan) -> PerRank {
+    let cfg = &plan.cfg;
+    let mut comm_by_collective = BTreeMap::new();
+    for e in plan
+        .schedule
+        .ops
+        .iter()
+        .filter(|e| plan.schedule.in_step(e.phase))
+    {
+        let name = match e.op {
+            Op::AllReduce { .. } => "all_reduce",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllGather { .. } => "all_gather",
+            _ => continue,
+        };
+        *comm_by_collective.entry(name.to_string()).or_insert(0) += plan.comm_bytes(e);
+    }
+    let sum = |keep: &dyn Fn(&super::Buffer) -> bool| -> u64 {
+        plan.buffers
+            .iter()
+            .filter(|b| keep(b))
+            .map(|b| b.bytes)
+            .sum()
+    };
+    let grads = plan
+        .peak_by_category()
+        .into_iter()
+        .find(|(c, _)| *c == Category::Grad)
+        .map_or(0, |(_, b)| b);
+    let model_state = ModelState {
+        params: sum(&|b| b.persistent && matches!(b.category, Category::Param | Category::Master)),
+        grads,
+        optimizer: sum(&|b| b.category == Category::OptimizerState),
+    };
+    let psi = plan.layout.total as f64;
+    let n = cfg.ranks as f64;
+    let (p, g) = (4.0, cfg.precision.storage().size() as f64);
+    let k = match cfg.optim_state {
+        OptimState::F32 => 8.0,
+        OptimState::Bf16 => 4.0,
+        OptimState::Int8 => 2.0 + 8.0 / super::strategy::QBLOCK as f64,
+    };
+    let (pd, gd, kd) = match cfg.zero.0 {
+        0 => (1.0, 1.0, 1.0),
+        1 => (1.0, 1.0, n),
+        2 => (1.0, n, n),
+        _ => (n, n, n),
+    };
+    let zero_paper = ModelState {
+        params: (p * psi / pd) as u64,
+        grads: (g * psi / gd) as u64,
+        optimizer: (k * psi / kd) as u64,
+    };
+    PerRank {
+        ranks: cfg.ranks,
+        zero: cfg.zero.0,
+        comm_bytes_per_step: plan.comm_bytes_per_step(),
+        comm_by_collective,
+        model_state,
+        zero_paper,
+    }
+}

@@ -1,0 +1,143 @@
+//! Plans of one rank among several (`--ranks N --zero K`): what each rank keeps against the
+//! ZeRO paper's formulas at N = 64 and 1024, what it sends per step, that the ranks' updates
+//! cover every parameter once, and the refusals.
+
+use memwall::backend::cpu::Cpu;
+use memwall::dist::shard::Zero;
+use memwall::model::ModelSpec;
+use memwall::plan::schedule::Op;
+use memwall::plan::zero::per_rank;
+use memwall::plan::{Category, Mode, OffloadSet, OptimState, Plan, StepConfig, build_plan};
+
+fn plan(
+    model: &str,
+    batch: usize,
+    seq: usize,
+    ranks: usize,
+    zero: u8,
+    f: impl Fn(&mut StepConfig),
+) -> Plan {
+    let spec = ModelSpec::preset(model).unwrap();
+    let mut cfg = StepConfig::new(batch, seq, 1);
+    cfg.ranks = ranks;
+    cfg.zero = Zero(zero);
+    f(&mut cfg);
+    build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+}
+
+/// `a` is within `tol` (relative) of `b`.
+fn close(a: u64, b: u64, tol: f64) -> bool {
+    (a as f64 - b as f64).abs() <= tol * b as f64
+}
+
+#[test]
+fn model_state_and_traffic_follow_the_zero_paper_at_64_and_1024_ranks() {
+    for ranks in [64, 1024] {
+        let dp = per_rank(&plan("gpt2-xl", 1, 64, ranks, 0, |_| {}));
+        let psi = 1_557_611_200u64;
+        // Plain data parallelism (fp32): 4 bytes of parameters, 4 of gradients, 8 of moments.
+        assert_eq!(dp.zero_paper.total(), 16 * psi);
+        // Padded to N·S per group: at most 16 elements per rank per group beyond.
+        let pad = |x: u64| x + (ranks as u64 * 16 * 4 * 51);
+        assert!(dp.model_state.params >= 4 * psi && dp.model_state.params <= pad(4 * psi));
+        assert!(dp.model_state.grads >= 4 * psi && dp.model_state.grads <= pad(4 * psi));
+        // Data parallelism all-reduces every gradient: 2(N-1)/N of them.
+        let ar = 2.0 * (ranks - 1) as f64 / ranks as f64 * 4.0 * psi as f64;
+        assert!(
+            close(dp.comm_bytes_per_step, ar as u64, 2e-3),
+            "{ranks}: {}",
+            dp.comm_bytes_per_step
+        );
+        for zero in 1..=3u8 {
+            let r = per_rank(&plan("gpt2-xl", 1, 64, ranks, zero, |_| {}));
+            let (m, z) = (&r.model_state, &r.zero_paper);
+            // Sharded state: 1/N of it, within the padding of the shards.
+            assert!(
+                close(m.optimizer, z.optimizer, 0.01),
+                "{ranks}/{zero}: {m:?} {z:?}"
+            );
+            assert!(
+                close(m.params, z.params, 0.01),
+                "{ranks}/{zero}: {m:?} {z:?}"
+            );
+            // Gradients: never more than the formula's plus the whole gradients in flight:
+            // the tied embedding's (live through the backward) and one block's.
+            let (wte, block) = (50257u64 * 1600 * 4, (12 * 1600 * 1600 + 13 * 1600) * 4);
+            let in_flight = (wte + block) as f64 * 1.01;
+            assert!(
+                m.grads <= pad(z.grads) + in_flight as u64,
+                "{ranks}/{zero}: {m:?} {z:?}"
+            );
+            // Stages 1 and 2 send what data parallelism sends (reduce-scatter + all-gather
+            // in fp32); stage 3 gathers the parameters twice (forward, backward): 1.5x.
+            let want = if zero == 3 { 1.5 } else { 1.0 };
+            assert!(
+                close(
+                    r.comm_bytes_per_step,
+                    (want * dp.comm_bytes_per_step as f64) as u64,
+                    2e-3
+                ),
+                "{ranks}/{zero}: {} vs {}",
+                r.comm_bytes_per_step,
+                dp.comm_bytes_per_step
+            );
+        }
+    }
+}
+
+#[test]
+fn every_parameter_is_updated_by_exactly_one_rank() {
+    for zero in [1u8, 2, 3] {
+        let ranks = 3;
+        let total = ModelSpec::preset("gpt2-tiny").unwrap().num_params();
+        let mut count = vec![0u8; total];
+        for rank in 0..ranks {
+            let p = plan("gpt2-tiny", 2, 32, ranks, zero, |c| c.rank = rank);
+            for e in &p.schedule.ops {
+                if let Op::AdamW { tensors, .. } = &e.op {
+                    for t in tensors {
+                        t.range.clone().for_each(|i| count[i] += 1);
+                    }
+                }
+            }
+        }
+        assert!(count.iter().all(|&c| c == 1), "zero {zero}");
+    }
+}
+
+#[test]
+fn each_stage_keeps_less_and_plain_plans_have_no_collectives() {
+    let peak = |zero: u8| plan("gpt2", 1, 128, 4, zero, |c| c.grad_accum = 2).total_bytes();
+    let (p0, p1, p2, p3) = (peak(0), peak(1), peak(2), peak(3));
+    assert!(p0 > p1 && p1 > p2 && p2 > p3, "{p0} {p1} {p2} {p3}");
+    let single = plan("gpt2", 1, 128, 1, 0, |_| {});
+    assert_eq!(single.comm_bytes_per_step(), 0);
+    assert!(
+        single
+            .buffers
+            .iter()
+            .all(|b| b.category != Category::Communication)
+    );
+}
+
+#[test]
+fn sharded_plans_refuse_what_they_cannot_do_yet() {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut cfg = StepConfig::new(1, 32, 1);
+    cfg.ranks = 2;
+    cfg.zero = Zero(1);
+    cfg.optim_state = OptimState::Int8;
+    let e = build_plan(&spec, &cfg, Mode::Train, &Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--optim-state int8") && e.contains("--zero 1"),
+        "{e}"
+    );
+    cfg.optim_state = OptimState::F32;
+    cfg.offload.set = OffloadSet::ALL;
+    let e = build_plan(&spec, &cfg, Mode::Train, &Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--offload"), "{e}");
+}
