@@ -188,6 +188,36 @@ pub fn gather_values<T: Copy>(comm: &dyn Comm, mine: &[T], out: &mut [T]) -> Res
     all_gather(comm, out)
 }
 
+/// Rank `root`'s `buf` (N chunks of `mine.len()` bytes) receives every rank's `mine` in rank
+/// order; the other ranks pass no `buf` (checkpoints: one group's shards at a time, so no
+/// rank holds more than one group's whole state).
+pub fn gather_to_root(
+    comm: &dyn Comm,
+    root: usize,
+    mine: &[u8],
+    buf: Option<&mut [u8]>,
+) -> Result<()> {
+    let (r, n, s) = (comm.rank(), comm.size(), mine.len());
+    match buf {
+        Some(buf) => {
+            ensure!(
+                r == root && buf.len() == n * s,
+                "internal error: gathering {n} x {s} bytes into {} at rank {r}",
+                buf.len()
+            );
+            buf[r * s..][..s].copy_from_slice(mine);
+            for from in (0..n).filter(|&k| k != root) {
+                comm.sendrecv(&[], from, &mut buf[from * s..][..s], from)?;
+            }
+        }
+        None => {
+            ensure!(r != root, "internal error: the root gathers into nothing");
+            comm.sendrecv(mine, root, &mut [], root)?;
+        }
+    }
+    Ok(())
+}
+
 /// Chunks `a` (read) and `b` (written) of `buf`, chunks of `s`; `a != b`.
 fn two_chunks<T>(buf: &mut [T], s: usize, a: usize, b: usize) -> (&[T], &mut [T]) {
     assert_ne!(a, b, "internal error: a chunk sent into itself");
@@ -323,6 +353,22 @@ mod tests {
         let mut buf = vec![1.0f32, 2.0];
         all_reduce(&Single, &mut buf, &mut [0.0]).unwrap();
         assert_eq!(buf, [1.0, 2.0]);
+    }
+
+    #[test]
+    fn gather_to_root_collects_every_rank_in_order() {
+        let out = on_ranks(3, |c| {
+            let mine = [c.rank() as u8; 4];
+            if c.rank() == 1 {
+                let mut buf = vec![9u8; 12];
+                gather_to_root(c, 1, &mine, Some(&mut buf)).unwrap();
+                buf
+            } else {
+                gather_to_root(c, 1, &mine, None).unwrap();
+                vec![]
+            }
+        });
+        assert_eq!(out[1], [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use crate::backend::{AdamWStep, Backend, Device, IoSpan, OpResult, StepCtx};
 use crate::ckpt::{
     Lend, LentMoments, LentState, Moments, MomentsMut, OutData, SaveOptions, TrainerState,
 };
+use crate::dist::{Comm, Single};
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, DType, Mode, OptimBufs, OptimState, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
@@ -16,6 +17,7 @@ use anyhow::{Result, bail};
 use half::{bf16, f16};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Optimizer hyperparameters for one step.
 #[derive(Clone, Debug)]
@@ -69,6 +71,8 @@ pub struct Executor {
     /// last step settled, which the next step's forward (or [`Executor::finish_update`])
     /// applies. The weights and moments are not readable while it is pending.
     pending: Option<AdamWStep>,
+    /// The ranks running this plan together (`plan.cfg.ranks` of them; one process: `Single`).
+    comm: Arc<dyn Comm>,
 }
 
 /// The moments of `format` over their buffers' bytes (m, v, then the int8 scales).
@@ -154,29 +158,125 @@ struct Stored<'e> {
 }
 
 impl<'e> Stored<'e> {
-    /// The array held by `bufs`: (index in the array of the buffer's first element, buffer),
-    /// in order; the element type is the buffers'.
-    fn new(ex: &'e Executor, bufs: impl IntoIterator<Item = (usize, BufId)>) -> Stored<'e> {
+    /// The array held by `bufs`: (the elements of the array the buffer's first elements
+    /// hold, buffer), in order (a buffer padded for collectives holds more elements than its
+    /// range); the element type is the buffers'.
+    fn new(ex: &'e Executor, bufs: impl IntoIterator<Item = (Range<usize>, BufId)>) -> Stored<'e> {
         let mut elem = OutData::F32(&[]);
         let parts = bufs
             .into_iter()
-            .map(|(start, id)| {
-                let b = ex.plan.buffer(id);
-                elem = match b.dtype {
-                    DType::F32 => OutData::F32(&[]),
-                    DType::Bf16 => OutData::Bf16(&[]),
-                    DType::I8 => OutData::I8(&[]),
-                    DType::U8 => OutData::U8(&[]),
-                    other => unreachable!("checkpoints hold no {other:?} state"),
-                };
-                (start..start + b.bytes as usize / b.dtype.size(), id)
-            })
+            .inspect(|(_, id)| elem = elem_of(ex.plan.buffer(*id).dtype))
             .collect();
         Stored {
             device: &*ex.device,
             elem,
             parts,
         }
+    }
+}
+
+/// The checkpoint element type of buffers of `dtype`, as an empty piece.
+fn elem_of(dtype: DType) -> OutData<'static> {
+    match dtype {
+        DType::F32 => OutData::F32(&[]),
+        DType::Bf16 => OutData::Bf16(&[]),
+        DType::I8 => OutData::I8(&[]),
+        DType::U8 => OutData::U8(&[]),
+        other => unreachable!("checkpoints hold no {other:?} state"),
+    }
+}
+
+/// A flat array sharded among ranks (`--zero`: moments from stage 1, parameters at stage 3),
+/// lent to rank 0's checkpoint writer one parameter group at a time: the group's shards are
+/// gathered from every rank into one host copy of that group (the other ranks run
+/// [`Gathered::serve`] in the same order), so no rank holds more than one group's whole state.
+struct Gathered<'e> {
+    device: &'e dyn Device,
+    comm: &'e dyn Comm,
+    elem: OutData<'static>,
+    /// Per group: its elements, the rank's shard buffer (S elements: chunk `rank` of the
+    /// group padded to N·S).
+    groups: Vec<(Range<usize>, BufId)>,
+    len: usize,
+    /// The group gathered last (its index) and its N·S elements' bytes.
+    current: std::cell::RefCell<Option<(usize, Vec<u64>)>>,
+}
+
+impl<'e> Gathered<'e> {
+    fn new(ex: &'e Executor, groups: Vec<(Range<usize>, BufId)>) -> Gathered<'e> {
+        Gathered {
+            device: &*ex.device,
+            comm: &*ex.comm,
+            elem: elem_of(ex.plan.buffer(groups[0].1).dtype),
+            len: groups.last().map_or(0, |g| g.0.end),
+            groups,
+            current: Default::default(),
+        }
+    }
+
+    /// Group `k`'s shard from this rank, to the root (`into`: the root's N chunks).
+    fn exchange(&self, k: usize, mut into: Option<&mut [u8]>) -> Result<()> {
+        let mut out = Ok(());
+        self.device.download(&[self.groups[k].1], &mut |b| {
+            out = crate::dist::ring::gather_to_root(self.comm, 0, b[0], into.take());
+        })?;
+        out
+    }
+
+    /// A rank other than 0: sends its shard of every group, in the order rank 0's writer
+    /// reads them.
+    fn serve(&self) -> Result<()> {
+        (0..self.groups.len()).try_for_each(|k| self.exchange(k, None))
+    }
+}
+
+impl Lend for Gathered<'_> {
+    fn elem(&self) -> OutData<'static> {
+        self.elem
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn lend(
+        &self,
+        range: Range<usize>,
+        put: &mut dyn FnMut(OutData<'_>) -> Result<()>,
+    ) -> Result<()> {
+        for (k, (held, shard)) in self.groups.iter().enumerate() {
+            let (lo, hi) = (range.start.max(held.start), range.end.min(held.end));
+            if lo >= hi {
+                continue;
+            }
+            let mut current = self.current.borrow_mut();
+            let next = current.as_ref().map_or(0, |c| c.0 + 1);
+            if current.as_ref().is_none_or(|c| c.0 != k) {
+                if k < next {
+                    bail!("internal error: a sharded array read out of group order");
+                }
+                // Groups the writer skipped are gathered too: every rank serves them all.
+                let bytes = self.comm.size() * self.device_bytes(*shard);
+                let mut all = vec![0u64; bytes.div_ceil(8)];
+                for j in next..=k {
+                    self.exchange(j, Some(&mut pod_bytes_mut(&mut all)[..bytes]))?;
+                }
+                *current = Some((k, all));
+            }
+            let all = &current.as_ref().expect("gathered above").1;
+            let elems = typed(self.elem, pod_bytes(all));
+            put(elems.slice(lo - held.start..hi - held.start))?;
+        }
+        Ok(())
+    }
+}
+
+impl Gathered<'_> {
+    /// Bytes of shard buffer `id`.
+    fn device_bytes(&self, id: BufId) -> usize {
+        let mut n = 0;
+        let _ = self.device.download(&[id], &mut |b| n = b[0].len());
+        n
     }
 }
 
@@ -228,6 +328,21 @@ impl Executor {
 
     /// Starts the plan on `backend` (allocates and touches its memory).
     pub fn on(plan: Plan, backend: &dyn Backend) -> Result<Executor> {
+        Executor::among(plan, backend, Arc::new(Single))
+    }
+
+    /// Starts one rank's plan on `backend`, its collectives run among `comm`'s ranks (as
+    /// many as the plan was made for, this process being the plan's rank).
+    pub fn among(plan: Plan, backend: &dyn Backend, comm: Arc<dyn Comm>) -> Result<Executor> {
+        if comm.size() != plan.cfg.ranks || comm.rank() != plan.cfg.rank {
+            bail!(
+                "internal error: a plan for rank {} of {} run as rank {} of {}",
+                plan.cfg.rank,
+                plan.cfg.ranks,
+                comm.rank(),
+                comm.size()
+            );
+        }
         let device = backend.start(&plan)?;
         Ok(Executor {
             plan,
@@ -238,14 +353,54 @@ impl Executor {
             logits: Vec::new(),
             norm_shares: Vec::new(),
             pending: None,
+            comm,
         })
+    }
+
+    /// The ranks this executor runs with.
+    pub fn comm(&self) -> &dyn Comm {
+        &*self.comm
+    }
+
+    /// Whether parameters are sharded (`--zero 3`): each rank holds its shards only.
+    fn params_sharded(&self) -> bool {
+        self.plan
+            .cfg
+            .sharding()
+            .is_some_and(|s| s.zero.shards_params())
+    }
+
+    /// Whether the AdamW moments are sharded (`--zero 1` and up).
+    fn moments_sharded(&self) -> bool {
+        self.plan
+            .cfg
+            .sharding()
+            .is_some_and(|s| s.zero.shards_optimizer())
+    }
+
+    /// The parameter elements moment set `k` holds: the whole model's, a group's, or this
+    /// rank's shard of group `k` (owned elements only; the padding holds no parameter).
+    fn moment_elems(&self, k: usize, o: &OptimBufs) -> Range<usize> {
+        match self
+            .plan
+            .cfg
+            .sharding()
+            .filter(|s| s.zero.shards_optimizer())
+        {
+            Some(sh) => sh.owned(&self.plan.layout.group_range(&self.plan.layout.groups[k])),
+            None => o.base..o.base + self.plan.buffer(o.m).elems,
+        }
     }
 
     /// The parameter buffers where they live between steps, one row per buffer (one, or one
     /// per group), as [`Executor::gather`] takes them.
-    fn param_sets(&self) -> Vec<Vec<BufId>> {
+    fn param_sets(&self) -> Vec<Vec<(BufId, usize)>> {
         let params = &self.plan.schedule.implicit.params;
-        params.bufs().into_iter().map(|id| vec![id]).collect()
+        params
+            .segments
+            .iter()
+            .map(|s| vec![(s.buf, s.range.len() * 4)])
+            .collect()
     }
 
     /// Lends `f` the flat fp32 parameters (layout: `plan.layout`; the master weights under
@@ -253,11 +408,12 @@ impl Executor {
     /// copy first, group by group ([`Executor::save_checkpoint`] streams them instead).
     pub fn with_params<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         self.settled()?;
+        self.not_sharded("the parameters", self.params_sharded())?;
         let sets = self.param_sets();
         let mut f = Some(f);
         if let [whole] = &sets[..] {
             let mut out = None;
-            self.device.download(whole, &mut |b| {
+            self.device.download(&[whole[0].0], &mut |b| {
                 out = Some((f.take().expect("called once"))(pod::cast(b[0])))
             })?;
             return Ok(out.expect("download calls back"));
@@ -272,11 +428,12 @@ impl Executor {
     /// Lends `f` the parameters to change; they are on the backend when it returns.
     pub fn with_params_mut<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
         self.settled()?;
+        self.not_sharded("the parameters", self.params_sharded())?;
         let sets = self.param_sets();
         let mut f = Some(f);
         if let [whole] = &sets[..] {
             let mut out = None;
-            self.device.upload(whole, &mut |b| {
+            self.device.upload(&[whole[0].0], &mut |b| {
                 out = Some((f.take().expect("called once"))(pod::cast_mut(b[0])))
             })?;
             return Ok(out.expect("upload calls back"));
@@ -297,10 +454,10 @@ impl Executor {
     ) -> Result<()> {
         self.settled()?;
         let segments = self.plan.schedule.implicit.params.segments.clone();
-        for s in segments {
+        for s in segments.into_iter().filter(|s| !s.range.is_empty()) {
             let mut out = Ok(());
             self.device.upload(&[s.buf], &mut |b| {
-                out = f(s.range.clone(), pod::cast_mut(b[0]));
+                out = f(s.range.clone(), &mut pod::cast_mut(b[0])[..s.range.len()]);
             })?;
             out?;
         }
@@ -342,12 +499,28 @@ impl Executor {
     }
 
     /// The AdamW moment buffers where they live between steps: one set, or one per group.
-    fn moment_sets(&self) -> Vec<Vec<BufId>> {
+    fn moment_sets(&self) -> Vec<Vec<(BufId, usize)>> {
         let sets = self.plan.schedule.implicit.optim.as_deref();
         sets.expect("training plan")
             .iter()
-            .map(|o| o.ids())
+            .map(|o| {
+                o.ids()
+                    .into_iter()
+                    .map(|id| (id, self.plan.buffer(id).bytes as usize))
+                    .collect()
+            })
             .collect()
+    }
+
+    /// Refuses a whole-array read of state sharded among ranks (checkpoints gather it).
+    fn not_sharded(&self, what: &str, sharded: bool) -> Result<()> {
+        if sharded {
+            bail!(
+                "internal error: {what} are sharded among {} ranks; read them from a checkpoint",
+                self.plan.cfg.ranks
+            );
+        }
+        Ok(())
     }
 
     fn moment_format(&self) -> OptimState {
@@ -359,12 +532,14 @@ impl Executor {
     /// ([`Executor::save_checkpoint`] streams them instead).
     pub fn with_moments<R>(&self, f: impl FnOnce(Moments<'_>) -> R) -> Result<R> {
         self.settled()?;
+        self.not_sharded("the optimizer moments", self.moments_sharded())?;
         let sets = self.moment_sets();
         let format = self.moment_format();
         let mut f = Some(f);
         if let [whole] = &sets[..] {
+            let ids: Vec<BufId> = whole.iter().map(|w| w.0).collect();
             let mut out = None;
-            self.device.download(whole, &mut |b| {
+            self.device.download(&ids, &mut |b| {
                 out = Some((f.take().expect("called once"))(moments(format, b)))
             })?;
             return Ok(out.expect("download calls back"));
@@ -394,15 +569,26 @@ impl Executor {
             .optim
             .clone()
             .unwrap_or_default();
-        for o in sets {
-            let elems = o.base..o.base + self.plan.buffer(o.m).elems;
+        for (k, o) in sets.iter().enumerate() {
+            let elems = self.moment_elems(k, o);
+            if elems.is_empty() {
+                continue;
+            }
             let blocks = match o.m_scale {
                 Some(s) => o.block_base..o.block_base + self.plan.buffer(s).elems,
                 None => o.block_base..o.block_base,
             };
+            // A shard's padding holds no parameter: lend only the owned elements.
+            let size = self.plan.buffer(o.m).dtype.size();
             let mut out = Ok(());
             self.device.upload(&o.ids(), &mut |b| {
-                out = f(elems.clone(), blocks.clone(), moments_mut(format, b));
+                let mut b: Vec<&mut [u8]> = b.iter_mut().map(|x| &mut **x).collect();
+                if o.m_scale.is_none() {
+                    for x in b.iter_mut() {
+                        *x = &mut std::mem::take(x)[..elems.len() * size];
+                    }
+                }
+                out = f(elems.clone(), blocks.clone(), moments_mut(format, &mut b));
             })?;
             out?;
         }
@@ -426,30 +612,65 @@ impl Executor {
         if optim.is_empty() {
             bail!("internal error: a checkpoint of a plan without optimizer state");
         }
-        let params = Stored::new(
-            self,
-            implicit
-                .params
-                .segments
+        // Arrays sharded among ranks are gathered into rank 0's writer group by group; the
+        // other ranks serve their shards in the order it reads them (parameters, then m, v).
+        let layout = &self.plan.layout;
+        let groups = |bufs: Vec<BufId>| -> Vec<(Range<usize>, BufId)> {
+            layout
+                .groups
                 .iter()
-                .map(|s| (s.range.start, s.buf)),
+                .map(|g| layout.group_range(g))
+                .zip(bufs)
+                .collect()
+        };
+        let lend = |sharded: bool,
+                    parts: Vec<(Range<usize>, BufId)>,
+                    bufs: Vec<BufId>|
+         -> Box<dyn Lend + '_> {
+            if sharded {
+                Box::new(Gathered::new(self, groups(bufs)))
+            } else {
+                Box::new(Stored::new(self, parts))
+            }
+        };
+        let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
+        let segments = &implicit.params.segments;
+        let params = lend(
+            params_sharded,
+            segments.iter().map(|s| (s.range.clone(), s.buf)).collect(),
+            segments.iter().map(|s| s.buf).collect(),
         );
-        let m = Stored::new(self, optim.iter().map(|o| (o.base, o.m)));
-        let v = Stored::new(self, optim.iter().map(|o| (o.base, o.v)));
-        let scales = |pick: fn(&OptimBufs) -> Option<BufId>| {
-            let bufs: Option<Vec<(usize, BufId)>> = optim
+        let parts = |pick: fn(&OptimBufs) -> BufId| -> Vec<(Range<usize>, BufId)> {
+            optim
                 .iter()
-                .map(|o| Some((o.block_base, pick(o)?)))
+                .enumerate()
+                .map(|(k, o)| (self.moment_elems(k, o), pick(o)))
+                .collect()
+        };
+        let bufs = |pick: fn(&OptimBufs) -> BufId| optim.iter().map(pick).collect::<Vec<_>>();
+        let m = lend(moments_sharded, parts(|o| o.m), bufs(|o| o.m));
+        let v = lend(moments_sharded, parts(|o| o.v), bufs(|o| o.v));
+        if self.comm.rank() != 0 {
+            return self.serve_checkpoint(params_sharded, moments_sharded, run_dir, state.step);
+        }
+        let scales = |pick: fn(&OptimBufs) -> Option<BufId>| {
+            let bufs: Option<Vec<(Range<usize>, BufId)>> = optim
+                .iter()
+                .map(|o| {
+                    let id = pick(o)?;
+                    let n = self.plan.buffer(id).elems;
+                    Some((o.block_base..o.block_base + n, id))
+                })
                 .collect();
             bufs.map(|b| Stored::new(self, b))
         };
         let (m_absmax, v_absmax) = (scales(|o| o.m_scale), scales(|o| o.v_scale));
         let lent = LentState {
-            params: &params,
+            params: &*params,
             moments: LentMoments {
                 format: self.moment_format(),
-                m: &m,
-                v: &v,
+                m: &*m,
+                v: &*v,
                 absmax: m_absmax
                     .as_ref()
                     .zip(v_absmax.as_ref())
@@ -458,6 +679,38 @@ impl Executor {
         };
         let (spec, layout) = (&self.plan.spec, &self.plan.layout);
         crate::ckpt::save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)
+    }
+
+    /// A rank other than 0 during a checkpoint: sends its shards of what is sharded
+    /// (parameters, then m, then v, group by group) to rank 0's writer; returns the
+    /// checkpoint's directory (written by rank 0).
+    fn serve_checkpoint(
+        &self,
+        params_sharded: bool,
+        moments_sharded: bool,
+        run_dir: &Path,
+        step: u64,
+    ) -> Result<PathBuf> {
+        let layout = &self.plan.layout;
+        let groups = |bufs: Vec<BufId>| -> Vec<(Range<usize>, BufId)> {
+            layout
+                .groups
+                .iter()
+                .map(|g| layout.group_range(g))
+                .zip(bufs)
+                .collect()
+        };
+        let implicit = &self.plan.schedule.implicit;
+        if params_sharded {
+            Gathered::new(self, groups(implicit.params.bufs())).serve()?;
+        }
+        if moments_sharded {
+            let optim = implicit.optim.as_deref().unwrap_or_default();
+            for pick in [|o: &OptimBufs| o.m, |o: &OptimBufs| o.v] {
+                Gathered::new(self, groups(optim.iter().map(pick).collect())).serve()?;
+            }
+        }
+        Ok(crate::run_dir::RunDir::new(run_dir).checkpoint(step))
     }
 
     /// Refuses to lend the weights or moments while an update is pending.
@@ -472,22 +725,25 @@ impl Executor {
 
     /// Zeroed 8-byte-aligned host buffers, one per column of `sets` (rows: parameter groups;
     /// columns: kinds of buffer, e.g. m and v), each as long as its column's buffers together.
-    fn joined(&self, sets: &[Vec<BufId>]) -> Vec<(Vec<u64>, usize)> {
+    fn joined(&self, sets: &[Vec<(BufId, usize)>]) -> Vec<(Vec<u64>, usize)> {
         (0..sets[0].len())
             .map(|k| {
-                let len: u64 = sets.iter().map(|s| self.plan.buffer(s[k]).bytes).sum();
-                (vec![0u64; (len as usize).div_ceil(8)], len as usize)
+                let len: usize = sets.iter().map(|s| s[k].1).sum();
+                (vec![0u64; len.div_ceil(8)], len)
             })
             .collect()
     }
 
     /// The buffers of `sets` joined column by column into host copies, read row by row.
-    fn gather(&self, sets: &[Vec<BufId>]) -> Result<Vec<(Vec<u64>, usize)>> {
+    /// (Each buffer's first `used` bytes: a buffer padded for collectives holds more.)
+    fn gather(&self, sets: &[Vec<(BufId, usize)>]) -> Result<Vec<(Vec<u64>, usize)>> {
         let mut joined = self.joined(sets);
         let mut at = vec![0usize; joined.len()];
         for set in sets {
-            self.device.download(set, &mut |b| {
+            let ids: Vec<BufId> = set.iter().map(|s| s.0).collect();
+            self.device.download(&ids, &mut |b| {
                 for (k, part) in b.iter().enumerate() {
+                    let part = &part[..set[k].1];
                     pod_bytes_mut(&mut joined[k].0)[at[k]..at[k] + part.len()]
                         .copy_from_slice(part);
                     at[k] += part.len();
@@ -498,12 +754,18 @@ impl Executor {
     }
 
     /// Writes host copies `joined` (as [`Executor::gather`] makes them) back, row by row.
-    fn scatter(&mut self, sets: &[Vec<BufId>], joined: &[(Vec<u64>, usize)]) -> Result<()> {
+    fn scatter(
+        &mut self,
+        sets: &[Vec<(BufId, usize)>],
+        joined: &[(Vec<u64>, usize)],
+    ) -> Result<()> {
         let mut at = vec![0usize; joined.len()];
         for set in sets {
-            self.device.upload(set, &mut |b| {
+            let ids: Vec<BufId> = set.iter().map(|s| s.0).collect();
+            self.device.upload(&ids, &mut |b| {
                 for (k, part) in b.iter_mut().enumerate() {
-                    let n = part.len();
+                    let n = set[k].1;
+                    let part = &mut part[..n];
                     part.copy_from_slice(&pod_bytes(&joined[k].0)[at[k]..at[k] + n]);
                     at[k] += n;
                 }
@@ -588,7 +850,7 @@ impl Executor {
                 ..self.ctx(true)
             };
             self.run(&ops, ctx, None)?;
-            let (o, update) = self.settle(hp);
+            let (o, update) = self.settle(hp)?;
             self.pending = update;
             o
         } else {
@@ -597,7 +859,7 @@ impl Executor {
             o.expect("a training step has AdamW ops")
         };
         Ok(StepStats {
-            loss: self.mean_loss(),
+            loss: self.mean_loss()?,
             grad_norm: o.grad_norm,
             skipped: o.skipped,
         })
@@ -621,8 +883,9 @@ impl Executor {
 
     /// The update from the step's gradient-norm shares (added in parameter order): the
     /// norm, and the AdamW step with clipping, or none when the gradients are not finite.
-    fn settle(&mut self, hp: &OptimHparams) -> (StepOutcome, Option<AdamWStep>) {
-        settle(&mut self.norm_shares, self.loss_scale, hp)
+    fn settle(&mut self, hp: &OptimHparams) -> Result<(StepOutcome, Option<AdamWStep>)> {
+        let partial = self.moments_sharded().then_some(&*self.comm);
+        settle(&mut self.norm_shares, self.loss_scale, hp, partial)
     }
 
     /// Forward and backward: fills the gradients, returns the mean loss (after finishing a
@@ -633,7 +896,7 @@ impl Executor {
         self.norm_shares.clear();
         let ops = self.ops_where(|p| !matches!(p, Phase::Optimizer | Phase::DeferredUpdate));
         self.run(&ops, self.ctx(true), None)?;
-        Ok(self.mean_loss())
+        self.mean_loss()
     }
 
     /// Runs the optimizer phase on the gradients of [`Executor::compute_gradients`]:
@@ -670,11 +933,12 @@ impl Executor {
         self.finish_update()?;
         let ops = self.ops_where(|p| p == Phase::Forward);
         self.run(&ops, self.ctx(false), None)?;
-        Ok(self.mean_loss())
+        self.mean_loss()
     }
 
-    /// Mean of the per-row losses over every micro-batch.
-    fn mean_loss(&self) -> f32 {
+    /// Mean of the per-row losses over every micro-batch (and every rank: ranks exchange
+    /// their sums).
+    fn mean_loss(&self) -> Result<f32> {
         let (mut sum, mut rows) = (0.0f64, 0usize);
         self.device
             .download(&self.plan.schedule.losses, &mut |bufs| {
@@ -685,7 +949,14 @@ impl Executor {
                 }
             })
             .expect(HOST_ONLY);
-        (sum / rows as f64) as f32
+        if self.comm.size() > 1 {
+            let mut all = vec![0.0f64; 2 * self.comm.size()];
+            crate::dist::ring::gather_values(&*self.comm, &[sum, rows as f64], &mut all)?;
+            sum = all.chunks(2).map(|c| c[0]).sum();
+            let n: f64 = all.chunks(2).map(|c| c[1]).sum();
+            return Ok((sum / n) as f32);
+        }
+        Ok((sum / rows as f64) as f32)
     }
 
     /// `Next-token logits [V] after context (generation plans; context.len() ≤ plan seq)`.
@@ -785,23 +1056,47 @@ impl Executor {
         let mut recorder = self.recorder.take();
         let mut outcome = None;
         let mut failed = None;
+        // Sharded gradients give partial norm shares: every rank's are gathered.
+        let sharded = self.moments_sharded();
         let (plan, device) = (&self.plan, &*self.device);
         let shares = &mut self.norm_shares;
         let loss_scale = self.loss_scale;
+        let comm = &*self.comm;
+        let partial_norms = sharded.then_some(comm);
         device.scope(&mut || {
             for &i in ops {
                 let e = &plan.schedule.ops[i];
                 if matches!(e.op, Op::AdamW { .. }) {
                     if let (None, Some(hp)) = (outcome, hp) {
-                        let (o, update) = settle(shares, loss_scale, hp);
-                        ctx.update = update;
-                        outcome = Some(o);
+                        match settle(shares, loss_scale, hp, partial_norms) {
+                            Ok((o, update)) => {
+                                ctx.update = update;
+                                outcome = Some(o);
+                            }
+                            Err(err) => {
+                                failed = Some(err.context("gathering the gradient norm"));
+                                return;
+                            }
+                        }
                     }
                     if ctx.update.is_none() {
                         continue;
                     }
                 }
                 let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
+                if matches!(
+                    e.op,
+                    Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. }
+                ) {
+                    if let Err(err) = device.run_collective(e, comm) {
+                        failed = Some(err.context(format!("op {}", e.name)));
+                        return;
+                    }
+                    if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
+                        r.record(i, t0);
+                    }
+                    continue;
+                }
                 match device.run(e, &ctx) {
                     Ok(OpResult::SumOfSquares(sq)) => {
                         let Op::GradNorm { range } = &e.op else {
@@ -837,15 +1132,32 @@ impl Executor {
 }
 
 /// The update from gradient-norm shares `(first element of the group, sum of squares)`,
-/// added in parameter order whatever order the backward took them in (see [`clip`]).
+/// added in parameter order whatever order the backward took them in (see [`clip`]). With
+/// `partial` (sharded gradients) each rank's shares cover its shards: every rank's are
+/// gathered and added in (group, rank) order, so every rank settles the same update.
 fn settle(
     shares: &mut [(usize, f64)],
     loss_scale: f32,
     hp: &OptimHparams,
-) -> (StepOutcome, Option<AdamWStep>) {
+    partial: Option<&dyn Comm>,
+) -> Result<(StepOutcome, Option<AdamWStep>)> {
     shares.sort_by_key(|s| s.0);
-    let sum_sq = shares.iter().map(|s| s.1).sum::<f64>();
-    clip(sum_sq, loss_scale, hp)
+    let sum_sq = match partial {
+        Some(comm) if comm.size() > 1 => {
+            let mine: Vec<f64> = shares.iter().map(|s| s.1).collect();
+            let mut all = vec![0.0f64; mine.len() * comm.size()];
+            crate::dist::ring::gather_values(comm, &mine, &mut all)?;
+            (0..mine.len())
+                .map(|g| {
+                    (0..comm.size())
+                        .map(|r| all[r * mine.len() + g])
+                        .sum::<f64>()
+                })
+                .sum()
+        }
+        _ => shares.iter().map(|s| s.1).sum::<f64>(),
+    };
+    Ok(clip(sum_sq, loss_scale, hp))
 }
 
 /// From the gradients' sum of squares (which carry the loss scale): the norm of the unscaled

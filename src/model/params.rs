@@ -204,30 +204,29 @@ pub struct ParamInit<'a> {
 }
 
 impl ParamInit<'_> {
-    /// Fills `dst`, the parameters of `range`: the next range (starting where the previous
-    /// one ended), made of whole tensors.
+    /// Fills `dst`, the parameters of `range`: a range at or after where the previous one
+    /// ended (the values in between are drawn and dropped, so a rank filling only its shards
+    /// gets the values of the whole model's initialisation), whole tensors or not.
     pub fn fill(&mut self, range: Range<usize>, dst: &mut [f32]) {
-        assert_eq!(
-            range.start, self.next,
+        assert!(
+            range.start >= self.next,
             "parameters are initialised in order"
         );
         assert_eq!(dst.len(), range.len());
         for t in &self.layout.tensors {
-            if t.range.end <= range.start || t.range.start >= range.end {
+            let lo = t.range.start.max(self.next);
+            let hi = t.range.end.min(range.end);
+            if lo >= hi {
                 continue;
             }
-            assert!(
-                range.start <= t.range.start && t.range.end <= range.end,
-                "initialised ranges hold whole tensors"
-            );
-            let dst = &mut dst[t.range.start - range.start..t.range.end - range.start];
-            match t.init {
-                Init::Zeros => dst.fill(0.0),
-                Init::Ones => dst.fill(1.0),
-                Init::Normal { std } => {
-                    for x in dst.iter_mut() {
-                        *x = self.rng.normal() * std;
-                    }
+            for i in lo..hi {
+                let x = match t.init {
+                    Init::Zeros => 0.0,
+                    Init::Ones => 1.0,
+                    Init::Normal { std } => self.rng.normal() * std,
+                };
+                if i >= range.start {
+                    dst[i - range.start] = x;
                 }
             }
         }

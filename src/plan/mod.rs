@@ -176,14 +176,35 @@ impl Plan {
         sent_bytes(c, self.buffer(buf).bytes, self.cfg.ranks)
     }
 
-    /// Bytes this rank sends per step in collectives (every rank sends as much).
+    /// Bytes this rank sends per step in collectives (every rank sends as much): the
+    /// schedule's, and the step's scalars ([`Plan::scalar_comm_bytes`]).
     pub fn comm_bytes_per_step(&self) -> u64 {
         let s = &self.schedule;
-        s.ops
+        let ops: u64 = s
+            .ops
             .iter()
             .filter(|e| s.in_step(e.phase))
             .map(|e| self.comm_bytes(e))
-            .sum()
+            .sum();
+        ops + self.scalar_comm_bytes()
+    }
+
+    /// Bytes of scalars this rank sends per training step: its loss sum and row count
+    /// (two f64, gathered by every rank), and with sharded gradients its share of the norm
+    /// per parameter group (f64 each); each gathered around the ring, so sent N−1 times.
+    pub fn scalar_comm_bytes(&self) -> u64 {
+        let n = self.cfg.ranks as u64;
+        if n == 1 || self.mode != Mode::Train {
+            return 0;
+        }
+        let sharded = self.cfg.zero.shards_optimizer();
+        let per_rank = 16
+            + if sharded {
+                8 * self.layout.groups.len() as u64
+            } else {
+                0
+            };
+        (n - 1) * per_rank
     }
 
     /// Bytes per category of the RAM buffers live at op `op`.

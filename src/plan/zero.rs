@@ -433,6 +433,9 @@ pub fn per_rank(plan: &Plan) -> PerRank {
         };
         *comm_by_collective.entry(name.to_string()).or_insert(0) += plan.comm_bytes(e);
     }
+    if plan.scalar_comm_bytes() > 0 {
+        comm_by_collective.insert("scalars".into(), plan.scalar_comm_bytes());
+    }
     let sum = |keep: &dyn Fn(&super::Buffer) -> bool| -> u64 {
         plan.buffers
             .iter()

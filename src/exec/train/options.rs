@@ -204,6 +204,7 @@ mod tests {
                 "out",
                 "precision",
                 "profile_steps",
+                "ranks",
                 "recompute",
                 "save_every",
                 "seed",
@@ -213,6 +214,7 @@ mod tests {
                 "tokenizer_dir",
                 "warmup",
                 "weight_decay",
+                "zero",
             ]
         );
         let back: TrainOptions = serde_json::from_value(v.clone()).unwrap();

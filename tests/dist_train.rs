@@ -1,0 +1,168 @@
+//! Ranks training together in one process (threads over `dist::Local`, the same executor and
+//! collectives as MPI ranks): N ranks × batch B give the losses and weights of one process
+//! with batch B × accumulation N, for every ZeRO stage; the traffic counted by the transport
+//! equals the plan's figure.
+
+use memwall::backend::cpu::Cpu;
+use memwall::dist::shard::Zero;
+use memwall::dist::{Comm, Local};
+use memwall::exec::{Executor, OptimHparams};
+use memwall::model::{ModelSpec, ParamLayout};
+use memwall::plan::{Mode, StepConfig, build_plan};
+use memwall::util::rng::Rng;
+use std::sync::Arc;
+
+const SEQ: usize = 32;
+
+/// Step `step`'s global batch: `rows` rows of SEQ+1 tokens below `vocab`.
+fn global_batch(step: u64, rows: usize, vocab: usize) -> Vec<u32> {
+    let mut rng = Rng::stream(7, step);
+    (0..rows * (SEQ + 1))
+        .map(|_| rng.below(vocab as u64) as u32)
+        .collect()
+}
+
+fn hparams(step: u64) -> OptimHparams {
+    OptimHparams {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        step,
+    }
+}
+
+/// One executor's run: per-step losses and grad norms, the final weights (when they can be
+/// read whole), and the bytes the comm sent per step against the plan's figure.
+struct Outcome {
+    losses: Vec<f32>,
+    norms: Vec<f32>,
+    params: Option<Vec<f32>>,
+    sent: u64,
+    planned: u64,
+}
+
+fn train(cfg: StepConfig, comm: Arc<dyn Comm>, rows_per_rank: usize, steps: u64) -> Outcome {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let planned = plan.comm_bytes_per_step();
+    let mut ex = Executor::among(plan, &Cpu, comm.clone()).unwrap();
+    let layout = ParamLayout::new(&spec);
+    let mut init = layout.initializer(3);
+    ex.fill_params(|r, p| {
+        init.fill(r, p);
+        Ok(())
+    })
+    .unwrap();
+    let (mut losses, mut norms) = (vec![], vec![]);
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let before = comm.bytes_sent();
+    for step in 1..=steps {
+        let all = global_batch(step, rows_per_rank * ranks, spec.vocab_size);
+        let w = rows_per_rank * (SEQ + 1);
+        ex.upload_batch(&all[rank * w..(rank + 1) * w]).unwrap();
+        let s = ex.train_step(&hparams(step)).unwrap();
+        losses.push(s.loss);
+        norms.push(s.grad_norm);
+    }
+    let sent = (comm.bytes_sent() - before) / steps;
+    let params = (cfg.zero.0 < 3).then(|| ex.download_params());
+    Outcome {
+        losses,
+        norms,
+        params,
+        sent,
+        planned,
+    }
+}
+
+/// `ranks` ranks of batch `b` as threads, stage `zero`.
+fn ranks(zero: u8, ranks: usize, b: usize, steps: u64) -> Vec<Outcome> {
+    let group: Vec<Arc<dyn Comm>> = Local::group(ranks)
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Comm>)
+        .collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                s.spawn(move || {
+                    let mut cfg = StepConfig::new(b, SEQ, 1);
+                    cfg.ranks = ranks;
+                    cfg.rank = rank;
+                    cfg.zero = Zero(zero);
+                    train(cfg, comm, b, steps)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn one_process(b: usize, accum: usize, steps: u64) -> Outcome {
+    let mut cfg = StepConfig::new(b, SEQ, 1);
+    cfg.grad_accum = accum;
+    train(cfg, Arc::new(memwall::dist::Single), b * accum, steps)
+}
+
+fn rel(a: f32, b: f32) -> f32 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// Worst relative Frobenius distance over the model's tensors.
+fn worst_tensor(layout: &ParamLayout, a: &[f32], b: &[f32]) -> f64 {
+    layout
+        .tensors
+        .iter()
+        .map(|t| {
+            let r = t.range.clone();
+            let d: f64 = a[r.clone()]
+                .iter()
+                .zip(&b[r.clone()])
+                .map(|(x, y)| ((x - y) as f64).powi(2))
+                .sum();
+            let n: f64 = b[r].iter().map(|y| (*y as f64).powi(2)).sum();
+            (d / n.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn two_and_four_ranks_train_like_one_process_with_accumulation_at_every_stage() {
+    let steps = 6;
+    let layout = ParamLayout::new(&ModelSpec::preset("gpt2-tiny").unwrap());
+    for n in [2usize, 4] {
+        let reference = one_process(2, n, steps);
+        for zero in 0..=3u8 {
+            let out = ranks(zero, n, 2, steps);
+            for (rank, o) in out.iter().enumerate() {
+                for (k, (a, b)) in o.losses.iter().zip(&reference.losses).enumerate() {
+                    assert!(
+                        rel(*a, *b) < 1e-5,
+                        "n={n} zero={zero} rank={rank} step {}: {a} vs {b}",
+                        k + 1
+                    );
+                }
+                for (a, b) in o.norms.iter().zip(&reference.norms) {
+                    assert!(rel(*a, *b) < 1e-4, "n={n} zero={zero}: norm {a} vs {b}");
+                }
+                if let Some(p) = &o.params {
+                    let w = worst_tensor(&layout, p, reference.params.as_ref().unwrap());
+                    assert!(
+                        w < 1e-3,
+                        "n={n} zero={zero} rank={rank}: weights differ by {w}"
+                    );
+                }
+                assert_eq!(o.sent, o.planned, "n={n} zero={zero}: bytes sent per step");
+                assert!(o.planned > 0);
+            }
+            // Every rank holds the same weights.
+            for o in &out[1..] {
+                assert_eq!(o.params, out[0].params, "n={n} zero={zero}");
+            }
+        }
+    }
+}
