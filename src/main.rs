@@ -674,11 +674,17 @@ fn resolve_step(
             match step.global_batch {
                 // The largest divisor of the global batch that fits.
                 Some(g) => {
-                    let d = (1..=b.min(g))
+                    if !g.is_multiple_of(ranks) {
+                        bail!(
+                            "--global-batch {g} is not a multiple of the {ranks} ranks: each rank takes an equal part"
+                        );
+                    }
+                    let per_rank = g / ranks;
+                    let d = (1..=b.min(per_rank))
                         .rev()
-                        .find(|&d| g.is_multiple_of(d))
+                        .find(|&d| per_rank.is_multiple_of(d))
                         .unwrap_or(1);
-                    strategies.grad_accum = g / d;
+                    strategies.grad_accum = per_rank / d;
                     d
                 }
                 None => b,
@@ -690,18 +696,30 @@ fn resolve_step(
                 _ => default_batch,
             };
             if let Some(g) = step.global_batch {
-                if b == 0 || !g.is_multiple_of(b) {
+                // Every rank runs --batch b per micro-batch: a step holds ranks x b x accum.
+                let per_step = b * ranks;
+                if b == 0 || !g.is_multiple_of(per_step) {
+                    let of = if ranks > 1 {
+                        format!("{ranks} ranks x --batch {b}")
+                    } else {
+                        format!("--batch {b}")
+                    };
                     bail!(
-                        "--global-batch {g} is not a multiple of --batch {b}: the accumulation must be a whole number of micro-batches"
+                        "--global-batch {g} is not a multiple of {of}: the accumulation must be a whole number of micro-batches"
                     );
                 }
-                if step.strategy.grad_accum.is_some_and(|a| a * b != g) {
+                if step.strategy.grad_accum.is_some_and(|a| a * per_step != g) {
                     bail!(
-                        "--global-batch {g} disagrees with --batch {b} x --grad-accum {}: give two of the three",
-                        strategies.grad_accum
+                        "--global-batch {g} disagrees with --batch {b} x --grad-accum {}{}: give two of the three",
+                        strategies.grad_accum,
+                        if ranks > 1 {
+                            format!(" x {ranks} ranks")
+                        } else {
+                            String::new()
+                        }
                     );
                 }
-                strategies.grad_accum = g / b;
+                strategies.grad_accum = g / per_step;
             }
             b
         }
@@ -834,7 +852,12 @@ fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<(
 }
 
 fn train_cmd(a: TrainArgs) -> Result<()> {
-    let mut progress = ConsoleProgress::new(10);
+    let comm = memwall::dist::world(a.step.strategy.zero)?;
+    let rank = comm.rank();
+    // Rank 0 reports; the other ranks print only their own summary line.
+    let mut console = ConsoleProgress::new(10);
+    let mut quiet = train::NoProgress;
+    let progress: &mut dyn train::Progress = if rank == 0 { &mut console } else { &mut quiet };
     let summary = if let Some(run) = &a.resume {
         let (mut opts, ck) = train::resume_options(run)?;
         // The run's own configuration, except what the user explicitly gives: a model (checked
@@ -851,6 +874,11 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         }
         if a.step.max_memory.is_some() {
             opts.strategies.max_memory = a.step.max_memory;
+        }
+        // Checkpoints hold the whole state whatever the stage: a run resumes on any number
+        // of ranks, at any stage.
+        if let Some(z) = a.step.strategy.zero {
+            opts.strategies.zero = z;
         }
         opts.profile_steps = if a.profile { a.profile_steps } else { 0 };
         if a.step.fit || a.step.batch == Some(Pick::Auto) || a.step.global_batch.is_some() {
@@ -899,7 +927,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
                 opts.strategies.optim_state
             );
         }
-        train::train(&opts, Some(&ck), &mut progress)?
+        train::train_among(&opts, Some(&ck), comm, progress)?
     } else {
         let (data, out) = (
             a.data.expect("clap requires --data"),
@@ -928,7 +956,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         } else {
             let spec = ModelSpec::resolve(&o.model)?;
             let baseline = rss::current_rss().unwrap_or(0);
-            let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch, 1)?;
+            let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch, comm.size())?;
             o.batch = r.batch;
             o.strategies = r.strategies;
         }
@@ -937,9 +965,21 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         o.save_every = a.save_every;
         o.init = init;
         o.profile_steps = if a.profile { a.profile_steps } else { 0 };
-        train::train(&o, None, &mut progress)?
+        train::train_among(&o, None, comm, progress)?
     };
-    print_summary(&summary);
+    if rank == 0 {
+        print_summary(&summary);
+    } else {
+        println!(
+            "rank {rank}: peak RSS {} (plan {} + baseline {})",
+            summary
+                .peak_rss_bytes
+                .map(fmt_bytes)
+                .unwrap_or_else(|| "?".into()),
+            fmt_bytes(summary.plan_total_bytes),
+            fmt_bytes(summary.baseline_bytes)
+        );
+    }
     Ok(())
 }
 

@@ -103,6 +103,16 @@ pub trait Device: Send + Sync {
     /// Hands `f` the bytes of `bufs` to fill, in order; they are in the buffers when it returns
     /// (a device backend uploads them then; disk-tier buffers are written back).
     fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()>;
+    /// `bytes` of host memory in which the plan keeps nothing between steps (the CPU backend:
+    /// arena bytes no persistent buffer holds), or `None` when there is not that much: a
+    /// checkpoint gathers one parameter group's shards there without growing the process.
+    ///
+    /// # Safety
+    /// Only between steps (no op runs while the slice lives), and one slice at a time.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn spare_between_steps(&self, _bytes: usize) -> Option<&mut [u8]> {
+        None
+    }
     /// A line to show the user about the disk tier once (a fallback it had to take).
     fn offload_note(&self) -> Option<String> {
         None

@@ -163,6 +163,34 @@ pub fn check_fits(shard: &Shard, split: &str, t: usize) -> Result<()> {
 /// Panics when `out` has the wrong length or the shard is shorter than `t + 1` tokens
 /// (call [`check_fits`] first; that is where bad input becomes an error).
 pub fn fill_batch(shard: &Shard, b: usize, t: usize, seed: u64, index: u64, out: &mut [u32]) {
+    fill_batch_part(shard, b, t, seed, index, Part::WHOLE, out)
+}
+
+/// Which rows of each batch a process takes: batch `index` has `b · of` rows, drawn in
+/// order from one stream, and process `index` of `of` (a rank) takes rows
+/// `index·b .. (index+1)·b`. So N ranks of batch B see, together, the rows one process of
+/// batch B × accumulation N sees, rank k those of micro-batch k.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub index: usize,
+    pub of: usize,
+}
+
+impl Part {
+    /// One process takes every row.
+    pub const WHOLE: Part = Part { index: 0, of: 1 };
+}
+
+/// [`fill_batch`] of `part`'s rows: the windows of rows before it are drawn and dropped.
+pub fn fill_batch_part(
+    shard: &Shard,
+    b: usize,
+    t: usize,
+    seed: u64,
+    index: u64,
+    part: Part,
+    out: &mut [u32],
+) {
     let w = t + 1;
     assert_eq!(
         out.len(),
@@ -178,6 +206,9 @@ pub fn fill_batch(shard: &Shard, b: usize, t: usize, seed: u64, index: u64, out:
     );
     let positions = (shard.len() - w) as u64 + 1;
     let mut rng = Rng::stream(seed, index);
+    for _ in 0..part.index * b {
+        rng.below(positions);
+    }
     for row in out.chunks_exact_mut(w) {
         let start = rng.below(positions) as usize;
         shard.read(start, row);
@@ -203,6 +234,18 @@ impl BatchLoader {
     ///
     /// Panics when the shard is shorter than `t + 1` tokens (call [`check_fits`] first).
     pub fn new(shard: Arc<Shard>, b: usize, t: usize, seed: u64, start_index: u64) -> BatchLoader {
+        BatchLoader::part(shard, b, t, seed, start_index, Part::WHOLE)
+    }
+
+    /// [`BatchLoader::new`] drawing `part`'s rows of each batch (a rank's).
+    pub fn part(
+        shard: Arc<Shard>,
+        b: usize,
+        t: usize,
+        seed: u64,
+        start_index: u64,
+        part: Part,
+    ) -> BatchLoader {
         assert!(
             shard.len() > t,
             "BatchLoader: '{}' has {} tokens, fewer than T+1 = {} (call check_fits first)",
@@ -224,7 +267,7 @@ impl BatchLoader {
                 let mut index = start_index;
                 // Ends when the loader drops its sender (recv fails) or its receiver (send fails).
                 while let Ok(mut buf) = free_rx.recv() {
-                    fill_batch(&shard, b, t, seed, index, &mut buf);
+                    fill_batch_part(&shard, b, t, seed, index, part, &mut buf);
                     index += 1;
                     if ready_tx.send(buf).is_err() {
                         break;
@@ -317,6 +360,20 @@ mod tests {
         assert_ne!(x, y, "different index, different batch");
         fill_batch(&s, b, t, 43, 7, &mut y);
         assert_ne!(x, y, "different seed, different batch");
+    }
+
+    #[test]
+    fn parts_of_a_batch_are_its_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = counting_shard(dir.path(), 5000);
+        let (b, t) = (2, 16);
+        let mut whole = vec![0u32; 3 * b * (t + 1)];
+        fill_batch(&s, 3 * b, t, 4, 11, &mut whole);
+        for k in 0..3 {
+            let mut part = vec![0u32; b * (t + 1)];
+            fill_batch_part(&s, b, t, 4, 11, Part { index: k, of: 3 }, &mut part);
+            assert_eq!(part, whole[k * b * (t + 1)..][..b * (t + 1)], "part {k}");
+        }
     }
 
     #[test]

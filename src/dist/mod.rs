@@ -52,6 +52,42 @@ pub trait Comm: Send + Sync {
     }
 }
 
+/// The environment variables a process started by an MPI launcher has (Open MPI, MPICH,
+/// PMIx).
+const LAUNCHER_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"];
+
+/// Whether this process was started by `mpirun` (or `mpiexec`, `srun`): known without MPI,
+/// so a build without the `mpi` feature can refuse to run as N independent copies.
+pub fn launched() -> bool {
+    LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// The ranks this process belongs to: `MPI_COMM_WORLD` when started by `mpirun` (in a
+/// build with the `mpi` feature), else one process. `zero` is the `--zero` flag, refused
+/// outside `mpirun` with how to run it.
+pub fn world(zero: Option<shard::Zero>) -> Result<std::sync::Arc<dyn Comm>> {
+    #[cfg(not(feature = "mpi"))]
+    const BUILD: &str = "cargo build --release --features mpi (needs Open MPI or MPICH and libclang: apt-get install openmpi-bin libopenmpi-dev libclang-dev)";
+    if launched() {
+        #[cfg(feature = "mpi")]
+        return Ok(std::sync::Arc::new(mpi::Mpi::init()?));
+        #[cfg(not(feature = "mpi"))]
+        anyhow::bail!(
+            "this memwall was built without MPI, yet mpirun started it: each process would train alone and write the same run directory; build it with `{BUILD}`"
+        );
+    }
+    if let Some(z) = zero {
+        #[cfg(feature = "mpi")]
+        let how = String::new();
+        #[cfg(not(feature = "mpi"))]
+        let how = format!(", with a memwall built by `{BUILD}`");
+        anyhow::bail!(
+            "--zero {z} spreads the model's state over processes: start them with `mpirun -np N memwall train ... --zero {z}` (N >= 2){how}; `memwall plan --ranks N --zero {z}` shows a rank's plan without MPI"
+        );
+    }
+    Ok(std::sync::Arc::new(Single))
+}
+
 /// One process: rank 0 of 1.
 #[derive(Debug, Default)]
 pub struct Single;

@@ -17,15 +17,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// MPI counts are `int`: messages go in pieces of at most this many bytes.
 const MAX_MESSAGE: usize = 1 << 30;
 
-/// The environment variables a process started by an MPI launcher has (Open MPI, MPICH,
-/// PMIx).
-const LAUNCHER_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"];
-
-/// Whether this process was started by `mpirun` (or `mpiexec`, `srun`).
-pub fn launched() -> bool {
-    LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some())
-}
-
 /// `MPI_COMM_WORLD` of a process started by `mpirun`. Keep it alive for the whole run:
 /// dropping it finalises MPI.
 pub struct Mpi {

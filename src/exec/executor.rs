@@ -198,19 +198,65 @@ struct Gathered<'e> {
     /// group padded to N·S).
     groups: Vec<(Range<usize>, BufId)>,
     len: usize,
-    /// The group gathered last (its index) and its N·S elements' bytes.
-    current: std::cell::RefCell<Option<(usize, Vec<u64>)>>,
+    /// Which of the checkpoint's gathered arrays this is (parameters, m, v).
+    id: usize,
+    /// Room for one group's N·S elements, shared by the checkpoint's gathered arrays (rank 0
+    /// only).
+    room: Option<&'e std::cell::RefCell<Room<'e>>>,
+}
+
+/// Where rank 0 gathers a group's shards at a checkpoint, and what it holds.
+struct Room<'e> {
+    spare: Spare<'e>,
+    /// (array, group) gathered there last.
+    holds: Option<(usize, usize)>,
+}
+
+impl<'e> Room<'e> {
+    /// Room for `bytes`: arena bytes free between steps, or a host copy where the arena has
+    /// not that much.
+    fn new(ex: &'e Executor, bytes: usize) -> Room<'e> {
+        // SAFETY: checkpoints are written between steps, and this is the one spare slice.
+        let spare = match unsafe { ex.device.spare_between_steps(bytes) } {
+            Some(b) => Spare::Arena(b),
+            None => Spare::Owned(vec![0u64; bytes.div_ceil(8)], bytes),
+        };
+        Room { spare, holds: None }
+    }
+}
+
+/// Where a checkpoint gathers a group's shards.
+enum Spare<'e> {
+    Arena(&'e mut [u8]),
+    Owned(Vec<u64>, usize),
+}
+
+impl Spare<'_> {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Spare::Arena(b) => b,
+            Spare::Owned(v, n) => &mut pod_bytes_mut(v)[..*n],
+        }
+    }
 }
 
 impl<'e> Gathered<'e> {
-    fn new(ex: &'e Executor, groups: Vec<(Range<usize>, BufId)>) -> Gathered<'e> {
+    /// Array `id` of `groups` (each with its shard buffer) of executor `ex`; rank 0, which
+    /// writes, gathers into `room`.
+    fn new(
+        ex: &'e Executor,
+        id: usize,
+        groups: Vec<(Range<usize>, BufId)>,
+        room: Option<&'e std::cell::RefCell<Room<'e>>>,
+    ) -> Gathered<'e> {
         Gathered {
             device: &*ex.device,
             comm: &*ex.comm,
             elem: elem_of(ex.plan.buffer(groups[0].1).dtype),
             len: groups.last().map_or(0, |g| g.0.end),
             groups,
-            current: Default::default(),
+            id,
+            room,
         }
     }
 
@@ -249,22 +295,26 @@ impl Lend for Gathered<'_> {
             if lo >= hi {
                 continue;
             }
-            let mut current = self.current.borrow_mut();
-            let next = current.as_ref().map_or(0, |c| c.0 + 1);
-            if current.as_ref().is_none_or(|c| c.0 != k) {
+            let mut room = self
+                .room
+                .expect("internal error: a gathered array without room")
+                .borrow_mut();
+            let bytes = self.comm.size() * self.device_bytes(*shard);
+            if room.holds != Some((self.id, k)) {
+                let next = match room.holds {
+                    Some((id, j)) if id == self.id => j + 1,
+                    _ => 0,
+                };
                 if k < next {
                     bail!("internal error: a sharded array read out of group order");
                 }
                 // Groups the writer skipped are gathered too: every rank serves them all.
-                let bytes = self.comm.size() * self.device_bytes(*shard);
-                let mut all = vec![0u64; bytes.div_ceil(8)];
                 for j in next..=k {
-                    self.exchange(j, Some(&mut pod_bytes_mut(&mut all)[..bytes]))?;
+                    self.exchange(j, Some(&mut room.spare.bytes()[..bytes]))?;
                 }
-                *current = Some((k, all));
+                room.holds = Some((self.id, k));
             }
-            let all = &current.as_ref().expect("gathered above").1;
-            let elems = typed(self.elem, pod_bytes(all));
+            let elems = typed(self.elem, &room.spare.bytes()[..bytes]);
             put(elems.slice(lo - held.start..hi - held.start))?;
         }
         Ok(())
@@ -623,19 +673,44 @@ impl Executor {
                 .zip(bufs)
                 .collect()
         };
-        let lend = |sharded: bool,
+        let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
+        if self.comm.rank() != 0 {
+            return self.serve_checkpoint(params_sharded, moments_sharded, run_dir, state.step);
+        }
+        // Room for the largest group's whole state (rank 0 gathers one group at a time).
+        let shard_bufs = optim
+            .iter()
+            .filter(|_| moments_sharded)
+            .flat_map(|o| [o.m, o.v])
+            .chain(
+                implicit
+                    .params
+                    .bufs()
+                    .into_iter()
+                    .filter(|_| params_sharded),
+            );
+        let most = shard_bufs.map(|b| self.plan.buffer(b).bytes as usize).max();
+        let room_bytes = if params_sharded || moments_sharded {
+            most.unwrap_or(0) * self.comm.size()
+        } else {
+            0
+        };
+        let room = std::cell::RefCell::new(Room::new(self, room_bytes));
+        let room = &room;
+        let lend = |id: usize,
+                    sharded: bool,
                     parts: Vec<(Range<usize>, BufId)>,
                     bufs: Vec<BufId>|
          -> Box<dyn Lend + '_> {
             if sharded {
-                Box::new(Gathered::new(self, groups(bufs)))
+                Box::new(Gathered::new(self, id, groups(bufs), Some(room)))
             } else {
                 Box::new(Stored::new(self, parts))
             }
         };
-        let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
         let segments = &implicit.params.segments;
         let params = lend(
+            0,
             params_sharded,
             segments.iter().map(|s| (s.range.clone(), s.buf)).collect(),
             segments.iter().map(|s| s.buf).collect(),
@@ -648,11 +723,8 @@ impl Executor {
                 .collect()
         };
         let bufs = |pick: fn(&OptimBufs) -> BufId| optim.iter().map(pick).collect::<Vec<_>>();
-        let m = lend(moments_sharded, parts(|o| o.m), bufs(|o| o.m));
-        let v = lend(moments_sharded, parts(|o| o.v), bufs(|o| o.v));
-        if self.comm.rank() != 0 {
-            return self.serve_checkpoint(params_sharded, moments_sharded, run_dir, state.step);
-        }
+        let m = lend(1, moments_sharded, parts(|o| o.m), bufs(|o| o.m));
+        let v = lend(2, moments_sharded, parts(|o| o.v), bufs(|o| o.v));
         let scales = |pick: fn(&OptimBufs) -> Option<BufId>| {
             let bufs: Option<Vec<(Range<usize>, BufId)>> = optim
                 .iter()
@@ -702,12 +774,12 @@ impl Executor {
         };
         let implicit = &self.plan.schedule.implicit;
         if params_sharded {
-            Gathered::new(self, groups(implicit.params.bufs())).serve()?;
+            Gathered::new(self, 0, groups(implicit.params.bufs()), None).serve()?;
         }
         if moments_sharded {
             let optim = implicit.optim.as_deref().unwrap_or_default();
             for pick in [|o: &OptimBufs| o.m, |o: &OptimBufs| o.v] {
-                Gathered::new(self, groups(optim.iter().map(pick).collect())).serve()?;
+                Gathered::new(self, 1, groups(optim.iter().map(pick).collect()), None).serve()?;
             }
         }
         Ok(crate::run_dir::RunDir::new(run_dir).checkpoint(step))

@@ -85,6 +85,15 @@ impl RunDir {
         self.root.join(METRICS_FILE)
     }
 
+    /// The metrics of rank `rank` of a multi-process run: `metrics.jsonl` for rank 0 (the
+    /// run's), `metrics.rank{r}.jsonl` for the others (their own step times and memory).
+    pub fn metrics_of(&self, rank: usize) -> PathBuf {
+        match rank {
+            0 => self.metrics(),
+            r => self.root.join(format!("metrics.rank{r}.jsonl")),
+        }
+    }
+
     /// `profile.json`.
     pub fn profile(&self) -> PathBuf {
         self.root.join(PROFILE_FILE)

@@ -494,6 +494,14 @@ impl Device for CpuDevice {
         self.pool.install(f)
     }
 
+    unsafe fn spare_between_steps(&self, bytes: usize) -> Option<&mut [u8]> {
+        let (at, end) = self.free_between_steps;
+        let start = at.next_multiple_of(8);
+        // SAFETY: bytes no persistent buffer holds, so nothing is in them between steps; the
+        // caller holds one such slice at a time and runs no op meanwhile.
+        (start + bytes as u64 <= end).then(|| unsafe { self.arena.view_mut::<u8>(start, bytes) })
+    }
+
     fn run_collective(&self, e: &OpEntry, comm: &dyn crate::dist::Comm) -> Result<()> {
         match self.buffers[e.op.reads_writes().1[0].0].dtype {
             DType::Bf16 => self.collective::<bf16>(&e.op, comm),

@@ -28,15 +28,17 @@ pub use progress::{ConsoleProgress, NoProgress, Progress};
 
 use super::executor::Executor;
 use crate::data::loader::{BatchLoader, DataSet};
+use crate::dist::{Comm, Single};
 use crate::model::ModelSpec;
 use crate::profile::leak::{LeakCheck, LeakReport};
 use crate::profile::{OpRecorder, Profile};
 use crate::run_dir::{MetricsLog, RunDir};
 use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
-use anyhow::Result;
+use anyhow::{Result, bail};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What a finished run reports.
@@ -96,10 +98,28 @@ pub fn train(
     resume: Option<&Path>,
     progress: &mut dyn Progress,
 ) -> Result<TrainSummary> {
-    let opts = setup::with_tokenizer_dir(opts, resume)?;
+    train_among(opts, resume, Arc::new(Single), progress)
+}
+
+/// [`train`] as one rank of `comm`'s: every rank runs this with the same options; each
+/// draws its own rows of every batch, the ranks keep their state consistent through the
+/// plan's collectives (`--zero`), and rank 0 writes the run directory (`plan.json`,
+/// `metrics.jsonl`, checkpoints; the others their own `metrics.rank{r}.jsonl`).
+pub fn train_among(
+    opts: &TrainOptions,
+    resume: Option<&Path>,
+    comm: Arc<dyn Comm>,
+    progress: &mut dyn Progress,
+) -> Result<TrainSummary> {
+    let mut opts = setup::with_tokenizer_dir(opts, resume)?;
+    opts.strategies.ranks = comm.size();
+    opts.strategies.rank = comm.rank();
+    if opts.fit_search.is_some() && comm.size() > 1 {
+        bail!("--fit searches one process's plan; under mpirun give the strategies yourself");
+    }
     let (opts, baseline) = setup::with_fit(opts, progress)?;
     let opts = &opts;
-    let mut run = Run::start(opts, resume, baseline, progress)?;
+    let mut run = Run::start(opts, resume, baseline, comm, progress)?;
     if resume.is_none() && opts.eval_every > 0 && opts.steps > 0 {
         run.evaluate_initial(progress)?;
     }

@@ -6,8 +6,9 @@
 use super::{LossScaler, Progress, Run, TrainOptions};
 use crate::backend::cpu::Cpu;
 use crate::ckpt;
-use crate::data::loader::{BatchLoader, DataSet, check_fits};
+use crate::data::loader::{BatchLoader, DataSet, Part, check_fits};
 use crate::data::{check_tokenizer, tokenizer};
+use crate::dist::Comm;
 use crate::exec::executor::Executor;
 use crate::model::{Family, ModelSpec};
 use crate::plan::{Plan, Precision};
@@ -18,6 +19,7 @@ use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 impl<'a> Run<'a> {
@@ -29,12 +31,15 @@ impl<'a> Run<'a> {
         opts: &'a TrainOptions,
         resume: Option<&Path>,
         baseline: Option<u64>,
+        comm: Arc<dyn Comm>,
         progress: &mut dyn Progress,
     ) -> Result<Run<'a>> {
         opts.check()?;
+        same_configuration(opts, resume, &*comm)?;
         // ---- everything that can be checked before work starts ----
         let spec = model_spec(opts, resume)?;
         let data = open_data(opts, &spec)?;
+        let (rank, ranks) = (comm.rank(), comm.size());
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
@@ -48,15 +53,27 @@ impl<'a> Run<'a> {
             &Cpu,
         )?;
         let dir = RunDir::new(&opts.out);
-        prepare_run_dir(&dir, resume.is_some())?;
-        let predicted = crate::plan::time::predict(&plan, &calibration);
-        let mut plan_json =
-            PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &calibration);
-        plan_json.fit = opts.fit.clone();
-        plan_json.write(&dir.plan())?;
+        // Rank 0 owns the run directory; the others wait until it is there.
+        if rank == 0 {
+            prepare_run_dir(&dir, resume.is_some())?;
+            let predicted = crate::plan::time::predict(&plan, &calibration);
+            let mut plan_json =
+                PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &calibration);
+            plan_json.fit = opts.fit.clone();
+            plan_json.write(&dir.plan())?;
+        }
+        comm.barrier()?;
         progress.message(&plan_line(opts, &spec, &plan, baseline));
+        if ranks > 1 {
+            progress.message(&format!(
+                "ranks: {ranks} ({}), --zero {}; each rank sends {} per step",
+                comm.describe(),
+                plan.cfg.zero,
+                fmt_bytes(plan.comm_bytes_per_step())
+            ));
+        }
         let plan_total = plan.total_bytes();
-        let mut ex = Executor::new(plan)?;
+        let mut ex = Executor::among(plan, &Cpu, comm)?;
         if let Some(note) = ex.offload_note() {
             progress.message(&note);
         }
@@ -79,7 +96,7 @@ impl<'a> Run<'a> {
                         })?
                     }
                 }
-                let _ = std::fs::remove_file(dir.metrics());
+                let _ = std::fs::remove_file(dir.metrics_of(rank));
                 (0, 0)
             }
         };
@@ -90,11 +107,23 @@ impl<'a> Run<'a> {
             );
         }
 
-        // One loader batch is one optimizer step: grad_accum micro-batches of `batch` rows.
+        // One loader batch is one optimizer step: grad_accum micro-batches of `batch` rows,
+        // this rank's part of the step's rows.
         let rows = opts.batch * opts.strategies.grad_accum;
-        let loader = BatchLoader::new(data.train.clone(), rows, opts.seq, opts.seed, data_position);
+        let part = Part {
+            index: rank,
+            of: ranks,
+        };
+        let loader = BatchLoader::part(
+            data.train.clone(),
+            rows,
+            opts.seq,
+            opts.seed,
+            data_position,
+            part,
+        );
         let batch = vec![0u32; rows * (opts.seq + 1)];
-        let metrics = MetricsLog::append_to(&dir.metrics())?;
+        let metrics = MetricsLog::append_to(&dir.metrics_of(rank))?;
 
         let epoch = Instant::now();
         let n_ops = ex.plan.schedule.ops.len();
@@ -119,7 +148,7 @@ impl<'a> Run<'a> {
             first_step: step,
             baseline,
             plan_total,
-            tokens_per_step: (rows * opts.seq) as f64,
+            tokens_per_step: (rows * opts.seq * ranks) as f64,
             epoch,
             n_ops,
             profile,
@@ -132,6 +161,30 @@ impl<'a> Run<'a> {
             timed_secs: 0.0,
         })
     }
+}
+
+/// Refuses to start when this rank's configuration differs from rank 0's (ranks started
+/// with different flags): every rank's hash of its options and resume point is gathered.
+fn same_configuration(opts: &TrainOptions, resume: Option<&Path>, comm: &dyn Comm) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    use sha2::{Digest, Sha256};
+    let mut mine = opts.clone();
+    mine.strategies.rank = 0;
+    let text = serde_json::to_string(&(mine, resume, env!("CARGO_PKG_VERSION")))?;
+    let digest = Sha256::digest(text.as_bytes());
+    let hash = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
+    let mut all = vec![0u64; comm.size()];
+    crate::dist::ring::gather_values(comm, &[hash], &mut all)?;
+    if let Some(r) = all.iter().position(|&h| h != all[0]) {
+        bail!(
+            "rank {r} was started with a different configuration from rank 0's (flags, data, \
+             run directory or memwall version differ); start every rank with the same command \
+             (one `mpirun -np N memwall train ...`)"
+        );
+    }
+    Ok(())
 }
 
 /// The model to train: the resumed checkpoint's, the `--init` checkpoint's, or `--model`;
@@ -292,7 +345,7 @@ fn restore(
     ckpt::load_params_by(ck, &layout, |copy| ex.fill_params(|r, p| copy(r, p)))?;
     let format = ex.plan.cfg.optim_state;
     let st = ckpt::load_trainer_state_by(ck, &layout, format, |copy| ex.fill_moments(copy))?;
-    run_dir::metrics::truncate(&dir.metrics(), st.step)?;
+    run_dir::metrics::truncate(&dir.metrics_of(ex.comm().rank()), st.step)?;
     progress.message(&format!(
         "resuming from {} (step {})",
         ck.display(),

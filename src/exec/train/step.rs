@@ -4,7 +4,7 @@
 use super::profiling::{dir_bytes, span, write_profile};
 use super::{Progress, Run, TrainOptions};
 use crate::ckpt::{self, TrainerState};
-use crate::data::loader::{DataSet, fill_batch};
+use crate::data::loader::{DataSet, Part, fill_batch_part};
 use crate::exec::executor::{Executor, OptimHparams, StepStats};
 use crate::exec::lr::cosine_with_warmup;
 use crate::profile::record::micros;
@@ -14,6 +14,25 @@ use crate::util::rss;
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 use std::time::Instant;
+
+/// Fault injection for tests: with `MEMWALL_KILL_RANK=R:S` in the environment, rank R kills
+/// itself (SIGKILL: no unwinding, no goodbye to its peers) in step S, after drawing its batch,
+/// while the other ranks wait in the step's collectives.
+pub const KILL_RANK_ENV: &str = "MEMWALL_KILL_RANK";
+
+/// Kills this process when [`KILL_RANK_ENV`] names its rank and `step`.
+fn injected_kill(rank: usize, step: u64) {
+    let Ok(v) = std::env::var(KILL_RANK_ENV) else {
+        return;
+    };
+    let parsed = v
+        .split_once(':')
+        .and_then(|(r, s)| Some((r.parse::<usize>().ok()?, s.parse::<u64>().ok()?)));
+    if parsed == Some((rank, step)) {
+        // SAFETY: sending a signal to this process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
 
 /// Salt separating the validation batch stream from the training stream.
 const VAL_STREAM: u64 = 0x5641_4C5F_5354_524D;
@@ -31,6 +50,7 @@ impl Run<'_> {
         let t0 = Instant::now();
         let profiling = self.profile.is_some() && self.step - self.first_step < opts.profile_steps;
         let spans = self.load_batch(t0, profiling)?;
+        injected_kill(self.ex.comm().rank(), self.step + 1);
         let lr = cosine_with_warmup(
             self.step,
             opts.steps,
@@ -292,13 +312,20 @@ fn evaluate(
     batch: &mut [u32],
 ) -> Result<f32> {
     let mut sum = 0.0f64;
+    // Each rank evaluates its part of every validation batch; the executor averages the
+    // ranks' losses.
+    let part = Part {
+        index: ex.comm().rank(),
+        of: ex.comm().size(),
+    };
     for k in 0..opts.eval_batches {
-        fill_batch(
+        fill_batch_part(
             &data.val,
             opts.batch * opts.strategies.grad_accum,
             opts.seq,
             opts.seed ^ VAL_STREAM,
             k,
+            part,
             batch,
         );
         ex.upload_batch(batch)?;
