@@ -891,14 +891,27 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
             Some(Pick::Fixed(b)) => Some(b),
             _ => None,
         };
+        // On another number of ranks, --grad-accum may change where it keeps the global
+        // batch (ranks x batch x accumulation): the same rows per step, re-sharded state.
+        if let Some(acc) = a.step.strategy.grad_accum {
+            let (was, now) = (
+                opts.strategies.ranks * opts.strategies.grad_accum,
+                comm.size() * acc,
+            );
+            if acc != opts.strategies.grad_accum && was != now {
+                bail!(
+                    "--resume: the run in {} steps on {} rank(s) x --grad-accum {} micro-batches; on {} rank(s) --grad-accum {acc} would change the global batch (keep ranks x --grad-accum at {was})",
+                    run.display(),
+                    opts.strategies.ranks,
+                    opts.strategies.grad_accum,
+                    comm.size()
+                );
+            }
+            opts.strategies.grad_accum = acc;
+        }
         for (flag, given, run_value) in [
             ("--batch", batch, opts.batch),
             ("--seq", a.step.seq, opts.seq),
-            (
-                "--grad-accum",
-                a.step.strategy.grad_accum,
-                opts.strategies.grad_accum,
-            ),
         ] {
             if let Some(g) = given
                 && g != run_value

@@ -110,6 +110,7 @@ pub fn load_params_by(
             shape: t.shape.clone(),
             buf: 0,
             range: t.range.clone(),
+            from: 0,
         })
         .collect();
     let family = layout.family;
@@ -171,20 +172,17 @@ pub fn load_params_by(
 }
 
 /// The targets lying in parameter elements `range`, their ranges made relative to its start
-/// (for a destination holding just `range`); a target `range` cuts is an internal error.
+/// (for a destination holding just `range`); a target `range` cuts is cut to its part inside
+/// (a rank's shard holds parts of tensors).
 fn targets_within(targets: &[Target], range: &Range<usize>) -> Result<Vec<Target>> {
     let mut within = Vec::new();
     for t in targets {
         let r = &t.range;
-        if r.start < range.end && range.start < r.end {
-            if r.start < range.start || range.end < r.end {
-                bail!(
-                    "internal error: elements {range:?} cut tensor {} ({r:?})",
-                    t.key
-                );
-            }
+        let (lo, hi) = (r.start.max(range.start), r.end.min(range.end));
+        if lo < hi {
             within.push(Target {
-                range: r.start - range.start..r.end - range.start,
+                range: lo - range.start..hi - range.start,
+                from: t.from + (lo - r.start),
                 ..t.clone()
             });
         }
@@ -289,6 +287,7 @@ pub fn load_trainer_state_by(
                     shape: t.shape.clone(),
                     buf,
                     range: t.range.clone(),
+                    from: 0,
                 }));
             }
             check_targets(&src, &resolve_exact, &targets).with_context(what)?

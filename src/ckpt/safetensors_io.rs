@@ -377,21 +377,34 @@ impl StFile {
         let _ = r;
     }
 
-    /// Converts tensor `name` into `dst` (same element count), in blocks of [`READ_BLOCK`]
-    /// elements whose pages are released right after their copy, so at most one block of
-    /// the file is resident beyond the destination.
-    pub fn read_into(&self, name: &str, info: &TensorInfo, dst: &mut [f32]) -> Result<()> {
-        let src = self.bytes(name, info)?;
+    /// Converts elements `from..from + dst.len()` of tensor `name` (all of it, or a rank's
+    /// part; its shape was checked against its target's) into `dst`, in blocks of
+    /// [`READ_BLOCK`] elements whose pages are released right after their copy, so at most
+    /// one block of the file is resident beyond the destination.
+    pub fn read_into_from(
+        &self,
+        name: &str,
+        info: &TensorInfo,
+        from: usize,
+        dst: &mut [f32],
+    ) -> Result<()> {
+        let whole = self.bytes(name, info)?;
         let fail = |e: String| anyhow!("{}: tensor {name}: {e}", self.path.display());
         let width = match info.dtype {
             Dtype::F32 => 4,
             Dtype::F16 | Dtype::BF16 => 2,
-            _ => return decode_into(info.dtype, src, dst).map_err(fail), // reports the dtype
+            _ => return decode_into(info.dtype, whole, dst).map_err(fail), // reports the dtype
+        };
+        let end = (from + dst.len()) * width;
+        let src = if end <= whole.len() {
+            &whole[from * width..end]
+        } else {
+            whole
         };
         if src.len() != width * dst.len() {
             return decode_into(info.dtype, src, dst).map_err(fail); // reports the sizes
         }
-        let start = self.byte_range(info).start;
+        let start = self.byte_range(info).start + from * width;
         for (i, (d, s)) in dst
             .chunks_mut(READ_BLOCK)
             .zip(src.chunks(READ_BLOCK * width))
@@ -467,6 +480,9 @@ pub(crate) struct Target {
     pub shape: Vec<usize>,
     pub buf: usize,
     pub range: Range<usize>,
+    /// The tensor's element that `range.start` receives (0 unless the destination holds a
+    /// part of the tensor: a rank's shard).
+    pub from: usize,
 }
 
 /// Joins up to [`LIST_MAX`] items, noting how many were left out.
@@ -659,7 +675,7 @@ pub(crate) fn copy_targets(
                     t.range
                 )
             })?;
-        file.read_into(name, info, dst)?;
+        file.read_into_from(name, info, t.from, dst)?;
     }
     Ok(())
 }

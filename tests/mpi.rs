@@ -1,0 +1,329 @@
+//! Ranks as processes under `mpirun` (cargo feature `mpi`; `.ci/run` installs Open MPI and
+//! runs these): the same mathematics as one process with accumulation at every ZeRO stage
+//! (2 and 4 ranks), each rank's memory as planned, resume on the same and on another number
+//! of ranks, a killed rank, ranks started with different flags.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use memwall::model::{ModelSpec, ParamLayout};
+use memwall::run_dir::metrics;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_memwall");
+
+/// `mpirun -np N memwall ARGS` as root in a container, more ranks than cores allowed,
+/// threaded ranks unbound; `env` passed to every rank.
+fn mpirun(np: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ]);
+    c.args(["-np", &np.to_string()]);
+    for (k, v) in env {
+        c.env(k, v).args(["-x", k]);
+    }
+    c.arg(BIN).args(args);
+    c.output().unwrap_or_else(|e| {
+        panic!(
+            "cannot run mpirun ({e}): these tests need Open MPI (apt-get install openmpi-bin libopenmpi-dev)"
+        )
+    })
+}
+
+fn memwall(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn ok(o: &Output) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "failed:\n{text}");
+    text
+}
+
+/// A prepared corpus shared by the tests of this file.
+fn data(dir: &Path) -> PathBuf {
+    common::prepared(dir, &common::small_corpus(dir))
+}
+
+/// The flags of a run of `steps` steps of gpt2-tiny, 1 thread, micro-batch `b`.
+fn run_args(data: &Path, out: &Path, b: usize, steps: u64) -> Vec<String> {
+    [
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--seq",
+        "64",
+        "--threads",
+        "1",
+        "--lr",
+        "2e-3",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "10",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([
+        "--data".into(),
+        data.display().to_string(),
+        "--out".into(),
+        out.display().to_string(),
+        "--batch".into(),
+        b.to_string(),
+        "--steps".into(),
+        steps.to_string(),
+    ])
+    .collect()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(|s| s.as_str()).collect()
+}
+
+fn losses(run: &Path) -> Vec<f32> {
+    metrics::read(&run.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .filter_map(|m| m.update.as_ref().map(|u| u.loss))
+        .collect()
+}
+
+fn weights(run: &Path, step: u64) -> (ParamLayout, Vec<f32>) {
+    let dir = run.join(format!("checkpoints/step-{step:06}"));
+    let layout = ParamLayout::new(&ModelSpec::preset("gpt2-tiny").unwrap());
+    let mut p = vec![0.0f32; layout.total];
+    memwall::ckpt::load_params(&dir, &layout, &mut p).unwrap();
+    (layout, p)
+}
+
+/// Worst relative Frobenius distance over the tensors.
+fn worst_tensor(layout: &ParamLayout, a: &[f32], b: &[f32]) -> f64 {
+    layout
+        .tensors
+        .iter()
+        .map(|t| {
+            let r = t.range.clone();
+            let d: f64 = a[r.clone()]
+                .iter()
+                .zip(&b[r.clone()])
+                .map(|(x, y)| ((x - y) as f64).powi(2))
+                .sum();
+            let n: f64 = b[r].iter().map(|y| (*y as f64).powi(2)).sum();
+            (d / n.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+fn assert_same_training(what: &str, run: &Path, reference: &Path, steps: u64) {
+    let (a, b) = (losses(run), losses(reference));
+    assert_eq!(a.len() as u64, steps, "{what}");
+    for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "{what}: step {} loss {x} vs {y}",
+            k + 1
+        );
+    }
+    let (layout, w) = weights(run, steps);
+    let (_, r) = weights(reference, steps);
+    let worst = worst_tensor(&layout, &w, &r);
+    assert!(worst < 1e-3, "{what}: weights differ by {worst}");
+}
+
+#[test]
+fn ranks_train_like_one_process_with_accumulation_at_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 20;
+    for (ranks, b) in [(2usize, 4usize), (4, 2)] {
+        let reference = dir.path().join(format!("ref{ranks}"));
+        let mut args = run_args(&data, &reference, b, steps);
+        args.extend(["--grad-accum".into(), ranks.to_string()]);
+        ok(&memwall(&strs(&args)));
+        for zero in 0..=3 {
+            let out = dir.path().join(format!("n{ranks}z{zero}"));
+            let mut args = run_args(&data, &out, b, steps);
+            args.extend(["--zero".into(), zero.to_string()]);
+            let text = ok(&mpirun(ranks, &strs(&args), &[]));
+            assert!(text.contains(&format!("ranks: {ranks} (MPI")), "{text}");
+            assert_same_training(
+                &format!("{ranks} ranks, --zero {zero}"),
+                &out,
+                &reference,
+                steps,
+            );
+            // Every rank wrote its own metrics; rank 0 the run's.
+            for r in 1..ranks {
+                assert!(out.join(format!("metrics.rank{r}.jsonl")).is_file());
+            }
+        }
+    }
+}
+
+/// (peak RSS, plan + baseline) from a rank's summary line.
+fn peaks(text: &str) -> Vec<(f64, f64)> {
+    let bytes = |s: &str| memwall::util::bytes::parse_bytes(s.trim()).unwrap() as f64;
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.split("peak RSS ").nth(1)?;
+            let (peak, rest) = rest.split_once(" (plan ")?;
+            let (plan, rest) = rest.split_once(" + baseline ")?;
+            let base = rest.split(')').next()?;
+            Some((bytes(peak), bytes(plan) + bytes(base)))
+        })
+        .collect()
+}
+
+#[test]
+fn each_rank_peaks_as_planned() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    for zero in [0, 1, 3] {
+        let out = dir.path().join(format!("z{zero}"));
+        let mut args = run_args(&data, &out, 4, 12);
+        args.extend(["--zero".into(), zero.to_string()]);
+        let text = ok(&mpirun(2, &strs(&args), &[]));
+        let p = peaks(&text);
+        assert_eq!(p.len(), 2, "a summary per rank:\n{text}");
+        for (peak, planned) in p {
+            let err = (peak - planned).abs() / planned;
+            assert!(
+                err <= 0.03,
+                "--zero {zero}: peak RSS {peak} vs plan {planned} ({:.1}%)",
+                err * 100.0
+            );
+        }
+    }
+}
+
+#[test]
+fn a_killed_rank_stops_the_run_which_resumes_bitwise_or_re_sharded() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let args = |out: &Path| {
+        let mut a = run_args(&data, out, 2, 20);
+        a.extend(["--zero".into(), "1".into()]);
+        a
+    };
+    let whole = dir.path().join("whole");
+    ok(&mpirun(4, &strs(&args(&whole)), &[]));
+    // Rank 1 killed in step 15: every rank ends, non-zero, within a minute, the lost rank
+    // named; the checkpoint of step 10 stays loadable.
+    let killed = dir.path().join("killed");
+    let t0 = Instant::now();
+    let o = mpirun(4, &strs(&args(&killed)), &[("MEMWALL_KILL_RANK", "1:15")]);
+    let took = t0.elapsed();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!o.status.success(), "{text}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    assert!(text.contains("rank 1"), "the lost rank is named:\n{text}");
+    let (_, w) = weights(&killed, 10);
+    assert!(w.iter().all(|x| x.is_finite()));
+    let copy = dir.path().join("copy");
+    copy_dir(&killed, &copy);
+    // Resumed on the same 4 ranks: bitwise the uninterrupted run.
+    let resume = |run: &Path| {
+        vec![
+            "train".to_string(),
+            "--resume".into(),
+            run.display().to_string(),
+        ]
+    };
+    ok(&mpirun(4, &strs(&resume(&killed)), &[]));
+    let file =
+        |run: &Path| std::fs::read(run.join("checkpoints/step-000020/model.safetensors")).unwrap();
+    assert!(
+        file(&killed) == file(&whole),
+        "resumed on the same ranks: bitwise"
+    );
+    assert_eq!(losses(&killed), losses(&whole));
+    // Resumed on 2 ranks of 2 micro-batches at stage 3 (the same global batch): the
+    // state re-sharded, the same mathematics.
+    let mut other = resume(&copy);
+    other.extend([
+        "--grad-accum".into(),
+        "2".into(),
+        "--zero".into(),
+        "3".into(),
+    ]);
+    let text = ok(&mpirun(2, &strs(&other), &[]));
+    assert!(
+        text.contains("ranks: 2") && text.contains("--zero 3"),
+        "{text}"
+    );
+    assert_same_training("resumed on 2 ranks", &copy, &whole, 20);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
+
+#[test]
+fn ranks_with_different_flags_and_zero_without_mpirun_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let out = dir.path().join("run");
+    let a = run_args(&data, &out, 2, 4);
+    let mut b = a.clone();
+    b.extend(["--seed".into(), "5".into()]);
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        "1",
+        BIN,
+    ])
+    .args(&a)
+    .args([":", "-np", "1", BIN])
+    .args(&b);
+    let o = c.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!o.status.success());
+    assert!(
+        text.contains("rank 1 was started with a different configuration"),
+        "{text}"
+    );
+    assert!(
+        !out.join("plan.json").exists(),
+        "refused before anything is written"
+    );
+    // --zero outside mpirun says how to run it.
+    let mut z = run_args(&data, &dir.path().join("z"), 2, 4);
+    z.extend(["--zero".into(), "1".into()]);
+    let o = memwall(&strs(&z));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("mpirun -np N"), "{err}");
+}
