@@ -1021,6 +1021,16 @@ fn sample_cmd(a: SampleArgs) -> Result<()> {
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {
+    if let Some(z) = a.strategy.zero {
+        bail!(
+            "--zero {z}: bench measures one process; time ranks with `mpirun -np N memwall train ... --zero {z} --eval-every 0` (its summary gives tokens/s and the time in collectives; metrics.jsonl has comm_s and comm_bytes per step), or see a rank's plan with `memwall plan --ranks N --zero {z}`"
+        );
+    }
+    if memwall::dist::launched() {
+        bail!(
+            "bench measures one process; under mpirun each rank would bench alone: time ranks with `mpirun -np N memwall train ... --eval-every 0`"
+        );
+    }
     let opts = BenchOptions {
         model: a.model,
         batch: a.batch,

@@ -141,3 +141,59 @@ fn sharded_plans_refuse_what_they_cannot_do_yet() {
         .to_string();
     assert!(e.contains("--offload"), "{e}");
 }
+
+#[test]
+fn the_cli_plans_one_rank_and_refuses_zero_outside_mpirun() {
+    let bin = env!("CARGO_BIN_EXE_memwall");
+    let run = |args: &[&str]| std::process::Command::new(bin).args(args).output().unwrap();
+    let plan = [
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+    ];
+    let o = run(&[&plan[..], &["--ranks", "4", "--zero", "2", "--json"]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let r = &j["per_rank"];
+    assert_eq!(
+        (r["ranks"].as_u64(), r["zero"].as_u64()),
+        (Some(4), Some(2))
+    );
+    let sent = j["comm_bytes_per_step"].as_u64().unwrap();
+    assert!(sent > 0 && r["comm_bytes_per_step"].as_u64() == Some(sent));
+    let o = run(&[&plan[..], &["--ranks", "4", "--zero", "3"]].concat());
+    let text = String::from_utf8_lossy(&o.stdout);
+    for want in [
+        "one rank of 4 (--zero 3",
+        "sent per step by each rank",
+        "ZeRO paper's formula",
+    ] {
+        assert!(text.contains(want), "{want}:\n{text}");
+    }
+    let o = run(&[&plan[..], &["--ranks", "0"]].concat());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--ranks"));
+    // Outside mpirun: --zero says how to run it; bench measures one process.
+    let o = run(&[
+        "train",
+        "--model",
+        "gpt2-tiny",
+        "--data",
+        "d",
+        "--out",
+        "o",
+        "--zero",
+        "1",
+    ]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("mpirun -np N"), "{e}");
+    let o = run(&["bench", "--model", "gpt2-tiny", "--zero", "1"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("bench measures one process"),
+        "{e}"
+    );
+}

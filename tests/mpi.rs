@@ -165,9 +165,28 @@ fn ranks_train_like_one_process_with_accumulation_at_every_stage() {
                 &reference,
                 steps,
             );
-            // Every rank wrote its own metrics; rank 0 the run's.
-            for r in 1..ranks {
-                assert!(out.join(format!("metrics.rank{r}.jsonl")).is_file());
+            // Every rank wrote its own metrics (rank 0 the run's), and sent per step what the
+            // plan says, as MPI's transport counted it.
+            let plan: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap())
+                    .unwrap();
+            let planned = plan["comm_bytes_per_step"].as_u64().unwrap();
+            assert!(planned > 0);
+            for r in 0..ranks {
+                let name = match r {
+                    0 => "metrics.jsonl".to_string(),
+                    r => format!("metrics.rank{r}.jsonl"),
+                };
+                let steps = metrics::read(&out.join(name)).unwrap();
+                let sent: Vec<u64> = steps
+                    .iter()
+                    .filter_map(|m| m.update.as_ref()?.comm_bytes)
+                    .collect();
+                assert_eq!(sent.len(), steps.len(), "rank {r}: every step counted");
+                assert!(
+                    sent.iter().all(|&b| b == planned),
+                    "rank {r}: sent {sent:?}, planned {planned}"
+                );
             }
         }
     }

@@ -149,6 +149,8 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
                 step_s: dt,
                 rss_bytes: rss_now,
                 process_step: Some(step as u64 + 1),
+                comm_s: None,
+                comm_bytes: None,
             }),
             val_loss: None,
         });

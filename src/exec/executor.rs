@@ -42,6 +42,11 @@ pub struct StepStats {
     pub grad_norm: f32,
     /// The update was skipped because the gradients were not finite (fp16 overflow).
     pub skipped: bool,
+    /// Seconds spent in collectives (none overlapped with compute: exposed communication);
+    /// 0 for one process.
+    pub comm_s: f64,
+    /// Bytes this rank sent during the step, as the transport counted them.
+    pub comm_bytes: u64,
 }
 
 /// What the optimizer phase reports.
@@ -71,6 +76,11 @@ pub struct Executor {
     /// last step settled, which the next step's forward (or [`Executor::finish_update`])
     /// applies. The weights and moments are not readable while it is pending.
     pending: Option<AdamWStep>,
+    /// Seconds spent in collectives since the last [`Executor::train_step`] began.
+    comm_s: f64,
+    /// The collectives run while ops were recorded: (op index, start, end), reserved for
+    /// one step's (see [`Executor::take_io_spans`]).
+    comm_spans: Vec<(usize, std::time::Instant, std::time::Instant)>,
     /// The ranks running this plan together (`plan.cfg.ranks` of them; one process: `Single`).
     comm: Arc<dyn Comm>,
 }
@@ -404,6 +414,8 @@ impl Executor {
             norm_shares: Vec::new(),
             pending: None,
             comm,
+            comm_s: 0.0,
+            comm_spans: Vec::new(),
         })
     }
 
@@ -912,6 +924,8 @@ impl Executor {
     pub fn train_step(&mut self, hp: &OptimHparams) -> Result<StepStats> {
         assert_eq!(self.plan.mode, Mode::Train);
         self.norm_shares.clear();
+        self.comm_s = 0.0;
+        let sent_before = self.comm.bytes_sent();
         let o = if self.plan.schedule.deferred_update {
             let pending = self.pending.take();
             let ops = self.ops_where(|p| {
@@ -930,10 +944,13 @@ impl Executor {
             let o = self.run(&ops, self.ctx(true), Some(hp))?;
             o.expect("a training step has AdamW ops")
         };
+        let loss = self.mean_loss()?;
         Ok(StepStats {
-            loss: self.mean_loss()?,
+            loss,
             grad_norm: o.grad_norm,
             skipped: o.skipped,
+            comm_s: self.comm_s,
+            comm_bytes: self.comm.bytes_sent() - sent_before,
         })
     }
 
@@ -1078,14 +1095,37 @@ impl Executor {
             let per_step = self.plan.schedule.ops.iter();
             let per_step = per_step.filter(|e| matches!(e.op, Op::Transfer { .. }));
             self.io_spans.reserve(per_step.count());
+            let comm = self
+                .plan
+                .schedule
+                .ops
+                .iter()
+                .filter(|e| self.plan.comm_bytes(e) > 0);
+            self.comm_spans.reserve(comm.count());
         }
         std::mem::replace(&mut self.recorder, recorder)
     }
 
     /// The transfers between tiers the device performed while ops were recorded, since the
     /// last call: one I/O-track span each, named after the host buffer it filled or emptied,
-    /// with its bytes and direction, times in microseconds since `epoch` (the recorder's).
+    /// with its bytes and direction, times in microseconds since `epoch` (the recorder's);
+    /// then the collectives, one communication-track span each with the bytes this rank sent.
     pub fn take_io_spans(&mut self, epoch: std::time::Instant) -> Vec<Span> {
+        let comm: Vec<Span> = self
+            .comm_spans
+            .drain(..)
+            .map(|(i, start, end)| {
+                let e = &self.plan.schedule.ops[i];
+                Span {
+                    track: Track::Communication,
+                    name: e.name.clone(),
+                    start_us: micros(epoch, start),
+                    end_us: micros(epoch, end),
+                    bytes: Some(self.plan.comm_bytes(e)),
+                    direction: None,
+                }
+            })
+            .collect();
         let spans = self
             .io_spans
             .iter()
@@ -1104,6 +1144,7 @@ impl Executor {
                     direction: Some(direction),
                 }
             })
+            .chain(comm)
             .collect();
         self.io_spans.clear();
         spans
@@ -1135,6 +1176,8 @@ impl Executor {
         let loss_scale = self.loss_scale;
         let comm = &*self.comm;
         let partial_norms = sharded.then_some(comm);
+        let mut comm_s = 0.0;
+        let comm_spans = &mut self.comm_spans;
         device.scope(&mut || {
             for &i in ops {
                 let e = &plan.schedule.ops[i];
@@ -1160,12 +1203,17 @@ impl Executor {
                     e.op,
                     Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. }
                 ) {
+                    let t = std::time::Instant::now();
                     if let Err(err) = device.run_collective(e, comm) {
                         failed = Some(err.context(format!("op {}", e.name)));
                         return;
                     }
+                    comm_s += t.elapsed().as_secs_f64();
                     if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
                         r.record(i, t0);
+                        if comm_spans.len() < comm_spans.capacity() {
+                            comm_spans.push((i, t0, std::time::Instant::now()));
+                        }
                     }
                     continue;
                 }
@@ -1196,6 +1244,7 @@ impl Executor {
             }
         }
         self.recorder = recorder;
+        self.comm_s += comm_s;
         match failed {
             Some(e) => Err(e),
             None => Ok(outcome),

@@ -149,6 +149,34 @@ impl ReportPage<'_> {
         kv("precision", p.precision.clone());
         kv("recompute", p.config_str("recompute"));
         kv("optimizer state", p.config_str("optim_state"));
+        if let Some(r) = &p.per_rank {
+            let num = |k: &str| r.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+            let by: Vec<String> = r
+                .get("comm_by_collective")
+                .and_then(|v| v.as_object())
+                .map(|o| {
+                    o.iter()
+                        .map(|(k, v)| {
+                            format!(
+                                "{} {}",
+                                k.replace('_', "-"),
+                                fmt_bytes(v.as_u64().unwrap_or(0))
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            kv(
+                "ranks",
+                format!(
+                    "{} processes, --zero {}; this page is rank 0's; each rank sends {} per step ({})",
+                    num("ranks"),
+                    num("zero"),
+                    fmt_bytes(p.comm_bytes_per_step),
+                    by.join(", ")
+                ),
+            );
+        }
         kv(
             "arithmetic per step",
             format!(

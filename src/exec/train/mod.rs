@@ -50,6 +50,9 @@ pub struct TrainSummary {
     pub final_loss: f32,
     pub final_val_loss: Option<f32>,
     pub tokens_per_s: f64,
+    /// Multi-process runs: the share of step time spent in collectives, none overlapped
+    /// with compute (after the first step).
+    pub comm_exposed_frac: Option<f64>,
     pub plan_total_bytes: u64,
     pub baseline_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
@@ -79,6 +82,12 @@ impl TrainSummary {
             fmt_bytes(self.plan_total_bytes),
             fmt_bytes(self.baseline_bytes)
         );
+        if let Some(f) = self.comm_exposed_frac {
+            s.push_str(&format!(
+                "\ncommunication: {:.1}% of step time in collectives, none overlapped with compute",
+                100.0 * f
+            ));
+        }
         if let Some(c) = &self.last_checkpoint {
             s.push_str(&format!("\ncheckpoint: {}", c.display()));
         }
@@ -166,6 +175,8 @@ struct Run<'a> {
     /// summary's throughput.
     timed_tokens: f64,
     timed_secs: f64,
+    /// Of `timed_secs`, the seconds in collectives (exposed communication).
+    timed_comm_secs: f64,
 }
 
 impl Run<'_> {
@@ -203,6 +214,8 @@ impl Run<'_> {
             } else {
                 0.0
             },
+            comm_exposed_frac: (self.ex.comm().size() > 1 && self.timed_secs > 0.0)
+                .then(|| self.timed_comm_secs / self.timed_secs),
             plan_total_bytes: self.plan_total,
             baseline_bytes: self.baseline,
             peak_rss_bytes: rss::peak_rss(),

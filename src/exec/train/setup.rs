@@ -159,6 +159,7 @@ impl<'a> Run<'a> {
             last_ckpt: None,
             timed_tokens: 0.0,
             timed_secs: 0.0,
+            timed_comm_secs: 0.0,
         })
     }
 }
