@@ -1,12 +1,14 @@
 //! Checkpoints from where the state lives: the executor lends the parameters and moments to
 //! `ckpt`'s writer buffer by buffer ([`Stored`]: in place in RAM, through a host copy of one
-//! buffer on the disk tier) or, for state sharded among ranks, group by group gathered into
-//! rank 0's writer while the other ranks serve their shards in the same order ([`Gathered`]).
+//! buffer on the disk tier) or, for state sharded among ranks, streamed into rank 0's writer
+//! ([`Gathered`]): rank 0 lends its own shards in place and receives the others' piece by
+//! piece ([`PIECE`] elements, into arena bytes free between steps) in the order the writer
+//! reads them, while the other ranks send theirs in that same order ([`Shards`]). No rank
+//! holds more than one piece beyond its plan.
 
 use super::{Executor, pod, pod_bytes_mut};
 use crate::backend::Device;
 use crate::ckpt::{Lend, LentMoments, LentState, OutData, SaveOptions, TrainerState};
-use crate::dist::Comm;
 use crate::plan::{BufId, DType, OptimBufs};
 use anyhow::{Result, bail};
 use std::ops::Range;
@@ -53,93 +55,170 @@ fn elem_of(dtype: DType) -> OutData<'static> {
     }
 }
 
-/// A flat array sharded among ranks (`--zero`: moments from stage 1, parameters at stage 3),
-/// lent to rank 0's checkpoint writer one parameter group at a time: the group's shards are
-/// gathered from every rank into one host copy of that group (the other ranks run
-/// [`Gathered::serve`] in the same order), so no rank holds more than one group's whole state.
-struct Gathered<'e> {
-    device: &'e dyn Device,
-    comm: &'e dyn Comm,
-    elem: OutData<'static>,
-    /// Per group: its elements, the rank's shard buffer (S elements: chunk `rank` of the
-    /// group padded to N·S).
-    groups: Vec<(Range<usize>, BufId)>,
-    len: usize,
-    /// Which of the checkpoint's gathered arrays this is (parameters, m, v).
-    id: usize,
-    /// Room for one group's N·S elements, shared by the checkpoint's gathered arrays (rank 0
-    /// only).
-    room: Option<&'e std::cell::RefCell<Room<'e>>>,
+/// Elements per message when rank 0 gathers sharded state for a checkpoint (4 MiB of f32):
+/// rank 0 holds one piece beyond the plan, whatever the model's size.
+const PIECE: usize = 1 << 20;
+
+/// The sharded arrays of a checkpoint, in the order the writer reads them (the parameters
+/// at stage 3, then m and v from stage 1), each as (group elements, this rank's shard
+/// buffer) per group. The message schedule: every rank other than 0 sends, array by array,
+/// group by group, its shard in pieces of [`PIECE`] elements (padding included); rank 0
+/// receives them in that order, rank by rank.
+struct Shards {
+    arrays: Vec<Vec<(Range<usize>, BufId)>>,
 }
 
-/// Where rank 0 gathers a group's shards at a checkpoint, and what it holds.
-struct Room<'e> {
-    spare: Spare<'e>,
-    /// (array, group) gathered there last.
-    holds: Option<(usize, usize)>,
+/// A piece of the schedule: (array, group, rank ≥ 1, piece).
+type At = (usize, usize, usize, usize);
+
+/// Rank 0's end of the schedule: the piece it received last, held in `room`.
+struct Stream<'e> {
+    ex: &'e Executor,
+    shards: &'e Shards,
+    at: Option<At>,
+    room: Spare<'e>,
 }
 
-impl<'e> Room<'e> {
-    /// Room for `bytes`: arena bytes free between steps, or a host copy where the arena has
-    /// not that much.
-    fn new(ex: &'e Executor, bytes: usize) -> Room<'e> {
-        // SAFETY: checkpoints are written between steps, and this is the one spare slice.
-        let spare = match unsafe { ex.device.spare_between_steps(bytes) } {
-            Some(b) => Spare::Arena(b),
-            None => Spare::Owned(vec![0u64; bytes.div_ceil(8)], bytes),
-        };
-        Room { spare, holds: None }
-    }
-}
-
-/// Where a checkpoint gathers a group's shards.
+/// Where rank 0 receives a piece: arena bytes free between steps, or a host copy of one
+/// piece where the arena has not that much.
 enum Spare<'e> {
     Arena(&'e mut [u8]),
-    Owned(Vec<u64>, usize),
+    Owned(Vec<u64>),
 }
 
 impl Spare<'_> {
     fn bytes(&mut self) -> &mut [u8] {
         match self {
             Spare::Arena(b) => b,
-            Spare::Owned(v, n) => &mut pod_bytes_mut(v)[..*n],
+            Spare::Owned(v) => pod_bytes_mut(v),
         }
     }
 }
 
-impl<'e> Gathered<'e> {
-    /// Array `id` of `groups` (each with its shard buffer) of executor `ex`; rank 0, which
-    /// writes, gathers into `room`.
-    fn new(
-        ex: &'e Executor,
-        id: usize,
-        groups: Vec<(Range<usize>, BufId)>,
-        room: Option<&'e std::cell::RefCell<Room<'e>>>,
-    ) -> Gathered<'e> {
-        Gathered {
-            device: &*ex.device,
-            comm: &*ex.comm,
-            elem: elem_of(ex.plan.buffer(groups[0].1).dtype),
-            len: groups.last().map_or(0, |g| g.0.end),
-            groups,
-            id,
+impl<'e> Stream<'e> {
+    fn new(ex: &'e Executor, shards: &'e Shards) -> Stream<'e> {
+        let bytes = PIECE * 4;
+        // SAFETY: checkpoints are written between steps, and this is the one spare slice.
+        let room = match unsafe { ex.device.spare_between_steps(bytes) } {
+            Some(b) => Spare::Arena(b),
+            None => Spare::Owned(vec![0u64; bytes / 8]),
+        };
+        Stream {
+            ex,
+            shards,
+            at: None,
             room,
         }
     }
 
-    /// Group `k`'s shard from this rank, to the root (`into`: the root's N chunks).
-    fn exchange(&self, k: usize, mut into: Option<&mut [u8]>) -> Result<()> {
-        let mut out = Ok(());
-        self.device.download(&[self.groups[k].1], &mut |b| {
-            out = crate::dist::ring::gather_to_root(self.comm, 0, b[0], into.take());
-        })?;
-        out
+    /// Bytes of the shard buffer of group `k` of array `a`, and of one of its elements.
+    fn shard_bytes(&self, a: usize, k: usize) -> (usize, usize) {
+        let b = self.ex.plan.buffer(self.shards.arrays[a][k].1);
+        (b.bytes as usize, b.dtype.size())
     }
 
-    /// A rank other than 0: sends its shard of every group, in the order rank 0's writer
-    /// reads them.
-    fn serve(&self) -> Result<()> {
-        (0..self.groups.len()).try_for_each(|k| self.exchange(k, None))
+    /// The byte range of piece `j` within a shard.
+    fn piece(&self, (a, k, _, j): At) -> Range<usize> {
+        let (bytes, size) = self.shard_bytes(a, k);
+        let lo = j * PIECE * size;
+        lo..(lo + PIECE * size).min(bytes)
+    }
+
+    /// The piece after `at` in the schedule (the first when `None`).
+    fn next(&self, at: Option<At>) -> Option<At> {
+        let n = self.ex.comm.size();
+        let (mut a, mut k, mut r, mut j) = match at {
+            None => (0, 0, 1, 0),
+            Some((a, k, r, j)) => (a, k, r, j + 1),
+        };
+        loop {
+            let arrays = &self.shards.arrays;
+            if a >= arrays.len() {
+                return None;
+            }
+            if k >= arrays[a].len() {
+                (a, k, r, j) = (a + 1, 0, 1, 0);
+            } else if r >= n {
+                (k, r, j) = (k + 1, 1, 0);
+            } else if j * PIECE * self.shard_bytes(a, k).1 >= self.shard_bytes(a, k).0 {
+                (r, j) = (r + 1, 0);
+            } else {
+                return Some((a, k, r, j));
+            }
+        }
+    }
+
+    /// Receives the schedule up to piece `want` (pieces before it that nothing asked for,
+    /// padding, are dropped) and returns its bytes.
+    fn reach(&mut self, want: At) -> Result<&[u8]> {
+        if self.at.is_some_and(|at| at > want) {
+            bail!("internal error: sharded state read out of order");
+        }
+        while self.at != Some(want) {
+            let Some(p) = self.next(self.at) else {
+                bail!("internal error: a piece beyond the sharded state");
+            };
+            self.receive(p)?;
+        }
+        let len = self.piece(want).len();
+        Ok(&self.room.bytes()[..len])
+    }
+
+    fn receive(&mut self, p: At) -> Result<()> {
+        let len = self.piece(p).len();
+        let comm = &*self.ex.comm;
+        comm.sendrecv(&[], p.2, &mut self.room.bytes()[..len], p.2)?;
+        self.at = Some(p);
+        Ok(())
+    }
+
+    /// Receives what is left of the schedule (what the writer did not read).
+    fn finish(&mut self) -> Result<()> {
+        while let Some(p) = self.next(self.at) {
+            self.receive(p)?;
+        }
+        Ok(())
+    }
+}
+
+impl Shards {
+    /// A rank other than 0: sends its part of the schedule.
+    fn serve(&self, ex: &Executor) -> Result<()> {
+        for groups in &self.arrays {
+            for (_, shard) in groups {
+                let mut out = Ok(());
+                ex.device.download(&[*shard], &mut |b| {
+                    let size = ex.plan.buffer(*shard).dtype.size();
+                    out = b[0]
+                        .chunks(PIECE * size)
+                        .try_for_each(|piece| ex.comm.sendrecv(piece, 0, &mut [], 0));
+                })?;
+                out?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Array `a` of the sharded state, lent to rank 0's writer: its own chunks from its shard
+/// buffers, the other ranks' received piece by piece through the stream.
+struct Gathered<'e> {
+    stream: &'e std::cell::RefCell<Stream<'e>>,
+    a: usize,
+    elem: OutData<'static>,
+    len: usize,
+}
+
+impl<'e> Gathered<'e> {
+    fn new(stream: &'e std::cell::RefCell<Stream<'e>>, a: usize) -> Gathered<'e> {
+        let s = stream.borrow();
+        let groups = &s.shards.arrays[a];
+        Gathered {
+            stream,
+            a,
+            elem: elem_of(s.ex.plan.buffer(groups[0].1).dtype),
+            len: groups.last().map_or(0, |g| g.0.end),
+        }
     }
 }
 
@@ -157,43 +236,37 @@ impl Lend for Gathered<'_> {
         range: Range<usize>,
         put: &mut dyn FnMut(OutData<'_>) -> Result<()>,
     ) -> Result<()> {
-        for (k, (held, shard)) in self.groups.iter().enumerate() {
+        let mut stream = self.stream.borrow_mut();
+        let (ex, shards) = (stream.ex, stream.shards);
+        for (k, (held, own)) in shards.arrays[self.a].iter().enumerate() {
             let (lo, hi) = (range.start.max(held.start), range.end.min(held.end));
             if lo >= hi {
                 continue;
             }
-            let mut room = self
-                .room
-                .expect("internal error: a gathered array without room")
-                .borrow_mut();
-            let bytes = self.comm.size() * self.device_bytes(*shard);
-            if room.holds != Some((self.id, k)) {
-                let next = match room.holds {
-                    Some((id, j)) if id == self.id => j + 1,
-                    _ => 0,
-                };
-                if k < next {
-                    bail!("internal error: a sharded array read out of group order");
+            // Group elements lo..hi: chunk r (S elements each) is rank r's shard.
+            let s = ex.plan.buffer(*own).elems;
+            let (rel_lo, rel_hi) = (lo - held.start, hi - held.start);
+            for r in rel_lo / s..=(rel_hi - 1) / s {
+                let (c_lo, c_hi) = (rel_lo.max(r * s) - r * s, rel_hi.min((r + 1) * s) - r * s);
+                if r == 0 {
+                    let mut out = Ok(());
+                    ex.device.download(&[*own], &mut |b| {
+                        out = put(typed(self.elem, b[0]).slice(c_lo..c_hi));
+                    })?;
+                    out?;
+                    continue;
                 }
-                // Groups the writer skipped are gathered too: every rank serves them all.
-                for j in next..=k {
-                    self.exchange(j, Some(&mut room.spare.bytes()[..bytes]))?;
+                for j in c_lo / PIECE..=(c_hi - 1) / PIECE {
+                    let bytes = stream.reach((self.a, k, r, j))?;
+                    let (p_lo, p_hi) = (
+                        c_lo.max(j * PIECE) - j * PIECE,
+                        c_hi.min((j + 1) * PIECE) - j * PIECE,
+                    );
+                    put(typed(self.elem, bytes).slice(p_lo..p_hi))?;
                 }
-                room.holds = Some((self.id, k));
             }
-            let elems = typed(self.elem, &room.spare.bytes()[..bytes]);
-            put(elems.slice(lo - held.start..hi - held.start))?;
         }
         Ok(())
-    }
-}
-
-impl Gathered<'_> {
-    /// Bytes of shard buffer `id`.
-    fn device_bytes(&self, id: BufId) -> usize {
-        let mut n = 0;
-        let _ = self.device.download(&[id], &mut |b| n = b[0].len());
-        n
     }
 }
 
@@ -267,46 +340,39 @@ impl Executor {
                 .collect()
         };
         let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
-        if self.comm.rank() != 0 {
-            return self.serve_checkpoint(params_sharded, moments_sharded, run_dir, state.step);
-        }
-        // Room for the largest group's whole state (rank 0 gathers one group at a time).
-        let shard_bufs = optim
-            .iter()
-            .filter(|_| moments_sharded)
-            .flat_map(|o| [o.m, o.v])
-            .chain(
-                implicit
-                    .params
-                    .bufs()
-                    .into_iter()
-                    .filter(|_| params_sharded),
-            );
-        let most = shard_bufs.map(|b| self.plan.buffer(b).bytes as usize).max();
-        let room_bytes = if params_sharded || moments_sharded {
-            most.unwrap_or(0) * self.comm.size()
-        } else {
-            0
-        };
-        let room = std::cell::RefCell::new(Room::new(self, room_bytes));
-        let room = &room;
-        let lend = |id: usize,
-                    sharded: bool,
-                    parts: Vec<(Range<usize>, BufId)>,
-                    bufs: Vec<BufId>|
-         -> Box<dyn Lend + '_> {
-            if sharded {
-                Box::new(Gathered::new(self, id, groups(bufs), Some(room)))
-            } else {
-                Box::new(Stored::new(self, parts))
+        let shards = {
+            let mut arrays = Vec::new();
+            if params_sharded {
+                arrays.push(groups(implicit.params.bufs()));
             }
+            if moments_sharded {
+                arrays.push(groups(optim.iter().map(|o| o.m).collect()));
+                arrays.push(groups(optim.iter().map(|o| o.v).collect()));
+            }
+            Shards { arrays }
         };
+        if self.comm.rank() != 0 {
+            shards.serve(self)?;
+            return Ok(crate::run_dir::RunDir::new(run_dir).checkpoint(state.step));
+        }
+        let stream = std::cell::RefCell::new(Stream::new(self, &shards));
+        let stream = &stream;
+        // The index of each sharded array in the schedule.
+        let params_at = 0;
+        let m_at = usize::from(params_sharded);
+        let lend =
+            |at: usize, sharded: bool, parts: Vec<(Range<usize>, BufId)>| -> Box<dyn Lend + '_> {
+                if sharded {
+                    Box::new(Gathered::new(stream, at))
+                } else {
+                    Box::new(Stored::new(self, parts))
+                }
+            };
         let segments = &implicit.params.segments;
         let params = lend(
-            0,
+            params_at,
             params_sharded,
             segments.iter().map(|s| (s.range.clone(), s.buf)).collect(),
-            segments.iter().map(|s| s.buf).collect(),
         );
         let parts = |pick: fn(&OptimBufs) -> BufId| -> Vec<(Range<usize>, BufId)> {
             optim
@@ -315,9 +381,8 @@ impl Executor {
                 .map(|(k, o)| (self.moment_elems(k, o), pick(o)))
                 .collect()
         };
-        let bufs = |pick: fn(&OptimBufs) -> BufId| optim.iter().map(pick).collect::<Vec<_>>();
-        let m = lend(1, moments_sharded, parts(|o| o.m), bufs(|o| o.m));
-        let v = lend(2, moments_sharded, parts(|o| o.v), bufs(|o| o.v));
+        let m = lend(m_at, moments_sharded, parts(|o| o.m));
+        let v = lend(m_at + 1, moments_sharded, parts(|o| o.v));
         let scales = |pick: fn(&OptimBufs) -> Option<BufId>| {
             let bufs: Option<Vec<(Range<usize>, BufId)>> = optim
                 .iter()
@@ -343,38 +408,9 @@ impl Executor {
             },
         };
         let (spec, layout) = (&self.plan.spec, &self.plan.layout);
-        crate::ckpt::save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)
-    }
-
-    /// A rank other than 0 during a checkpoint: sends its shards of what is sharded
-    /// (parameters, then m, then v, group by group) to rank 0's writer; returns the
-    /// checkpoint's directory (written by rank 0).
-    fn serve_checkpoint(
-        &self,
-        params_sharded: bool,
-        moments_sharded: bool,
-        run_dir: &Path,
-        step: u64,
-    ) -> Result<PathBuf> {
-        let layout = &self.plan.layout;
-        let groups = |bufs: Vec<BufId>| -> Vec<(Range<usize>, BufId)> {
-            layout
-                .groups
-                .iter()
-                .map(|g| layout.group_range(g))
-                .zip(bufs)
-                .collect()
-        };
-        let implicit = &self.plan.schedule.implicit;
-        if params_sharded {
-            Gathered::new(self, 0, groups(implicit.params.bufs()), None).serve()?;
-        }
-        if moments_sharded {
-            let optim = implicit.optim.as_deref().unwrap_or_default();
-            for pick in [|o: &OptimBufs| o.m, |o: &OptimBufs| o.v] {
-                Gathered::new(self, 1, groups(optim.iter().map(pick).collect()), None).serve()?;
-            }
-        }
-        Ok(crate::run_dir::RunDir::new(run_dir).checkpoint(step))
+        let dir = crate::ckpt::save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)?;
+        // The other ranks' sends the writer did not need (padding) are received too.
+        stream.borrow_mut().finish()?;
+        Ok(dir)
     }
 }
