@@ -157,7 +157,21 @@ fn ranks_train_like_one_process_with_accumulation_at_every_stage() {
             let out = dir.path().join(format!("n{ranks}z{zero}"));
             let mut args = run_args(&data, &out, b, steps);
             args.extend(["--zero".into(), zero.to_string()]);
+            // Profiling changes nothing that runs: one stage is profiled (rank 0's files).
+            if zero == 1 {
+                args.extend(["--profile".into(), "--profile-steps".into(), "2".into()]);
+            }
             let text = ok(&mpirun(ranks, &strs(&args), &[]));
+            if zero == 1 {
+                let trace = std::fs::read_to_string(out.join("trace.json")).unwrap();
+                assert!(trace.contains("reduce_scatter"), "collectives on the trace");
+                assert!(trace.contains("\"communication\""), "a communication track");
+                let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+                assert!(
+                    html.contains(&format!("{ranks} processes, --zero 1")),
+                    "ranks in the report"
+                );
+            }
             assert!(text.contains(&format!("ranks: {ranks} (MPI")), "{text}");
             assert_same_training(
                 &format!("{ranks} ranks, --zero {zero}"),

@@ -127,7 +127,9 @@ impl<'a> Run<'a> {
 
         let epoch = Instant::now();
         let n_ops = ex.plan.schedule.ops.len();
-        let profile = (opts.profile_steps > 0).then(|| Profile {
+        // Rank 0 profiles (its files are the run directory's; the others' would overwrite
+        // them): its trace has the communication track.
+        let profile = (opts.profile_steps > 0 && rank == 0).then(|| Profile {
             baseline_rss: baseline,
             steps: Vec::new(),
         });
