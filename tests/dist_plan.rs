@@ -2,6 +2,8 @@
 //! ZeRO paper's formulas at N = 64 and 1024, what it sends per step, that the ranks' updates
 //! cover every parameter once, and the refusals.
 
+mod common;
+
 use memwall::backend::cpu::Cpu;
 use memwall::dist::shard::Zero;
 use memwall::model::ModelSpec;
@@ -144,8 +146,6 @@ fn sharded_plans_refuse_what_they_cannot_do_yet() {
 
 #[test]
 fn the_cli_plans_one_rank_and_refuses_zero_outside_mpirun() {
-    let bin = env!("CARGO_BIN_EXE_memwall");
-    let run = |args: &[&str]| std::process::Command::new(bin).args(args).output().unwrap();
     let plan = [
         "plan",
         "--model",
@@ -155,9 +155,8 @@ fn the_cli_plans_one_rank_and_refuses_zero_outside_mpirun() {
         "--seq",
         "64",
     ];
-    let o = run(&[&plan[..], &["--ranks", "4", "--zero", "2", "--json"]].concat());
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let json = common::ok(&[&plan[..], &["--ranks", "4", "--zero", "2", "--json"]].concat());
+    let j: serde_json::Value = serde_json::from_str(&json).unwrap();
     let r = &j["per_rank"];
     assert_eq!(
         (r["ranks"].as_u64(), r["zero"].as_u64()),
@@ -165,8 +164,7 @@ fn the_cli_plans_one_rank_and_refuses_zero_outside_mpirun() {
     );
     let sent = j["comm_bytes_per_step"].as_u64().unwrap();
     assert!(sent > 0 && r["comm_bytes_per_step"].as_u64() == Some(sent));
-    let o = run(&[&plan[..], &["--ranks", "4", "--zero", "3"]].concat());
-    let text = String::from_utf8_lossy(&o.stdout);
+    let text = common::ok(&[&plan[..], &["--ranks", "4", "--zero", "3"]].concat());
     for want in [
         "one rank of 4 (--zero 3",
         "sent per step by each rank",
@@ -174,26 +172,12 @@ fn the_cli_plans_one_rank_and_refuses_zero_outside_mpirun() {
     ] {
         assert!(text.contains(want), "{want}:\n{text}");
     }
-    let o = run(&[&plan[..], &["--ranks", "0"]].concat());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--ranks"));
+    let e = common::fails(&[&plan[..], &["--ranks", "0"]].concat());
+    assert!(e.contains("--ranks"), "{e}");
     // Outside mpirun: --zero says how to run it; bench measures one process.
-    let o = run(&[
-        "train",
-        "--model",
-        "gpt2-tiny",
-        "--data",
-        "d",
-        "--out",
-        "o",
-        "--zero",
-        "1",
-    ]);
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && e.contains("mpirun -np N"), "{e}");
-    let o = run(&["bench", "--model", "gpt2-tiny", "--zero", "1"]);
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && e.contains("bench measures one process"),
-        "{e}"
-    );
+    let train = ["train", "--model", "gpt2-tiny", "--data", "d", "--out", "o"];
+    let e = common::fails(&[&train[..], &["--zero", "1"]].concat());
+    assert!(e.contains("mpirun -np N"), "{e}");
+    let e = common::fails(&["bench", "--model", "gpt2-tiny", "--zero", "1"]);
+    assert!(e.contains("bench measures one process"), "{e}");
 }

@@ -3,6 +3,9 @@
 //! with batch B × accumulation N, for every ZeRO stage; the traffic counted by the transport
 //! equals the plan's figure.
 
+mod common;
+
+use common::worst_tensor;
 use memwall::backend::cpu::Cpu;
 use memwall::dist::shard::Zero;
 use memwall::dist::{Comm, Local};
@@ -110,24 +113,6 @@ fn one_process(b: usize, accum: usize, steps: u64) -> Outcome {
 
 fn rel(a: f32, b: f32) -> f32 {
     (a - b).abs() / b.abs().max(1e-12)
-}
-
-/// Worst relative Frobenius distance over the model's tensors.
-fn worst_tensor(layout: &ParamLayout, a: &[f32], b: &[f32]) -> f64 {
-    layout
-        .tensors
-        .iter()
-        .map(|t| {
-            let r = t.range.clone();
-            let d: f64 = a[r.clone()]
-                .iter()
-                .zip(&b[r.clone()])
-                .map(|(x, y)| ((x - y) as f64).powi(2))
-                .sum();
-            let n: f64 = b[r].iter().map(|y| (*y as f64).powi(2)).sum();
-            (d / n.max(1e-30)).sqrt()
-        })
-        .fold(0.0, f64::max)
 }
 
 #[test]

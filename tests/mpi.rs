@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::worst_tensor;
+
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::run_dir::metrics;
 use std::path::{Path, PathBuf};
@@ -34,10 +36,6 @@ fn mpirun(np: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
             "cannot run mpirun ({e}): these tests need Open MPI (apt-get install openmpi-bin libopenmpi-dev)"
         )
     })
-}
-
-fn memwall(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().unwrap()
 }
 
 fn ok(o: &Output) -> String {
@@ -109,24 +107,6 @@ fn weights(run: &Path, step: u64) -> (ParamLayout, Vec<f32>) {
     (layout, p)
 }
 
-/// Worst relative Frobenius distance over the tensors.
-fn worst_tensor(layout: &ParamLayout, a: &[f32], b: &[f32]) -> f64 {
-    layout
-        .tensors
-        .iter()
-        .map(|t| {
-            let r = t.range.clone();
-            let d: f64 = a[r.clone()]
-                .iter()
-                .zip(&b[r.clone()])
-                .map(|(x, y)| ((x - y) as f64).powi(2))
-                .sum();
-            let n: f64 = b[r].iter().map(|y| (*y as f64).powi(2)).sum();
-            (d / n.max(1e-30)).sqrt()
-        })
-        .fold(0.0, f64::max)
-}
-
 fn assert_same_training(what: &str, run: &Path, reference: &Path, steps: u64) {
     let (a, b) = (losses(run), losses(reference));
     assert_eq!(a.len() as u64, steps, "{what}");
@@ -152,7 +132,7 @@ fn ranks_train_like_one_process_with_accumulation_at_every_stage() {
         let reference = dir.path().join(format!("ref{ranks}"));
         let mut args = run_args(&data, &reference, b, steps);
         args.extend(["--grad-accum".into(), ranks.to_string()]);
-        ok(&memwall(&strs(&args)));
+        ok(&common::memwall(&strs(&args)));
         for zero in 0..=3 {
             let out = dir.path().join(format!("n{ranks}z{zero}"));
             let mut args = run_args(&data, &out, b, steps);
@@ -365,7 +345,7 @@ fn ranks_with_different_flags_and_zero_without_mpirun_are_refused() {
     // --zero outside mpirun says how to run it.
     let mut z = run_args(&data, &dir.path().join("z"), 2, 4);
     z.extend(["--zero".into(), "1".into()]);
-    let o = memwall(&strs(&z));
+    let o = common::memwall(&strs(&z));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("mpirun -np N"), "{err}");
 }

@@ -52,6 +52,25 @@ pub trait Comm: Send + Sync {
     }
 }
 
+/// Which collective, for [`sent_bytes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+/// Bytes one rank sends in collective `c` over a buffer of `bytes` (all N chunks) among `n`
+/// ranks.
+pub fn sent_bytes(c: Collective, bytes: u64, n: usize) -> u64 {
+    let n = n as u64;
+    let one_way = bytes / n * (n - 1);
+    match c {
+        Collective::AllReduce => 2 * one_way,
+        Collective::ReduceScatter | Collective::AllGather => one_way,
+    }
+}
+
 /// The environment variables a process started by an MPI launcher has (Open MPI, MPICH,
 /// PMIx).
 const LAUNCHER_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"];

@@ -12,11 +12,13 @@
 //!
 //! Messages go in pieces of at most the scratch's length (the plan sizes it), so nothing is
 //! allocated here. Each rank sends (N−1)·S elements per reduce-scatter or all-gather and
-//! twice that per all-reduce ([`sent_bytes`]): the bandwidth-optimal figure the plan
+//! twice that per all-reduce ([`crate::dist::sent_bytes`]): the bandwidth-optimal figure the plan
 //! predicts and the transport's counter confirms. bf16 and f16 partial sums are added in f32
 //! and rounded once per hop, as NCCL does.
 
 use super::Comm;
+#[cfg(test)]
+use super::{Collective, sent_bytes};
 use crate::backend::cpu::elem::Elem;
 use anyhow::{Result, ensure};
 use half::{bf16, f16};
@@ -52,25 +54,6 @@ impl Summable for f16 {
         acc.iter_mut()
             .zip(x)
             .for_each(|(a, b)| *a = <f16 as Elem>::from_f32(Elem::to_f32(*a) + Elem::to_f32(*b)));
-    }
-}
-
-/// Which collective, for [`sent_bytes`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Collective {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-}
-
-/// Bytes one rank sends in collective `c` over a buffer of `bytes` (all N chunks) among `n`
-/// ranks.
-pub fn sent_bytes(c: Collective, bytes: u64, n: usize) -> u64 {
-    let n = n as u64;
-    let one_way = bytes / n * (n - 1);
-    match c {
-        Collective::AllReduce => 2 * one_way,
-        Collective::ReduceScatter | Collective::AllGather => one_way,
     }
 }
 

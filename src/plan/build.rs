@@ -155,10 +155,8 @@ pub(super) fn build(
         Mode::Train => cfg.offload.set,
         Mode::Generate => OffloadSet::NONE,
     };
-    let params = match &sharding {
-        Some(sh) if sh.zero.shards_optimizer() => zero::param_buffers(&mut g, &layout, mixed, sh),
-        _ => param_buffers(&mut g, &layout, mixed, offload.params),
-    };
+    let sharded = sharding.filter(|sh| sh.zero.shards_optimizer());
+    let params = param_buffers(&mut g, &layout, mixed, offload.params, sharded.as_ref());
     let gemm_ws = mixed.then(|| {
         g.persistent(
             "gemm.mixed_tiles",
@@ -286,14 +284,22 @@ pub(super) fn build(
 }
 
 /// Declares the fp32 parameters (the master weights under mixed precision): one persistent
-/// buffer, or with `per_group` one per parameter group (`{group}.params`, for the disk tier).
-fn param_buffers(g: &mut Builder, layout: &ParamLayout, mixed: bool, per_group: bool) -> Segments {
+/// buffer, or one per parameter group (`{group}.params`) with `per_group` (for the disk tier)
+/// or `sharded` (a ZeRO plan: each padded to N·S for the collectives; transient at stage 3,
+/// where `plan::zero` gives each span of use its own gathered copy and keeps shards).
+fn param_buffers(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    mixed: bool,
+    per_group: bool,
+    sharded: Option<&Sharding>,
+) -> Segments {
     let (name, category) = if mixed {
         ("params.master", Category::Master)
     } else {
         ("params", Category::Param)
     };
-    if !per_group {
+    if !per_group && sharded.is_none() {
         let buf = g.persistent(name, category, DType::F32, layout.total);
         let range = 0..layout.total;
         return Segments {
@@ -306,7 +312,13 @@ fn param_buffers(g: &mut Builder, layout: &ParamLayout, mixed: bool, per_group: 
         .map(|group| {
             let range = layout.group_range(group);
             let name = format!("{}.{name}", group.name);
-            let buf = g.persistent(&name, category, DType::F32, range.len());
+            let buf = match sharded {
+                Some(sh) if sh.zero.shards_params() => {
+                    g.f32(name, category, sh.padded(range.len()))
+                }
+                Some(sh) => g.persistent(&name, category, DType::F32, sh.padded(range.len())),
+                None => g.persistent(&name, category, DType::F32, range.len()),
+            };
             Segment { range, buf }
         })
         .collect();

@@ -164,9 +164,9 @@ impl Plan {
     }
 
     /// Bytes this rank sends in collective op `e` (0 for other ops): the ring's figure
-    /// ([`crate::dist::ring::sent_bytes`]), which the transport's counter confirms.
+    /// ([`crate::dist::sent_bytes`]), which the transport's counter confirms.
     pub fn comm_bytes(&self, e: &schedule::OpEntry) -> u64 {
-        use crate::dist::ring::{Collective, sent_bytes};
+        use crate::dist::{Collective, sent_bytes};
         let (c, buf) = match e.op {
             Op::AllReduce { buf, .. } => (Collective::AllReduce, buf),
             Op::ReduceScatter { buf, .. } => (Collective::ReduceScatter, buf),

@@ -55,39 +55,6 @@ pub(super) fn check(cfg: &StepConfig, sh: &Sharding) -> Result<()> {
     Ok(())
 }
 
-/// The fp32 parameters (master weights under mixed precision) of a sharded plan, one buffer
-/// per group padded to N·S: persistent under ZeRO 1 and 2 (the whole parameters, the rank's
-/// chunk updated in place and all-gathered), transient under ZeRO 3 (the ops bind to them,
-/// then [`collectives`] gives every span its own gathered copy).
-pub(super) fn param_buffers(
-    g: &mut Builder,
-    layout: &ParamLayout,
-    mixed: bool,
-    sh: &Sharding,
-) -> Segments {
-    let (name, category) = if mixed {
-        ("params.master", Category::Master)
-    } else {
-        ("params", Category::Param)
-    };
-    let segments = layout
-        .groups
-        .iter()
-        .map(|group| {
-            let range = layout.group_range(group);
-            let name = format!("{}.{name}", group.name);
-            let elems = sh.padded(range.len());
-            let buf = if sh.zero.shards_params() {
-                g.f32(name, category, elems)
-            } else {
-                g.persistent(&name, category, DType::F32, elems)
-            };
-            Segment { range, buf }
-        })
-        .collect();
-    Segments { segments }
-}
-
 /// The AdamW moments of this rank's shard of every group (ZeRO ≥ 1): `{group}.adamw.m`,
 /// `.v` of S elements, element 0 holding the moments of parameter `shard_base`.
 pub(super) fn shard_moments(
@@ -183,13 +150,24 @@ pub(super) fn collectives(
             ));
             continue;
         }
-        let owned = sh.owned(range);
+        // The elements this rank owns (an empty range at its shard's start when it owns
+        // padding only).
         let base = sh.shard_base(range);
+        let owned = Some(sh.owned(range))
+            .filter(|o| !o.is_empty())
+            .unwrap_or(base..base);
         let shard = g.act(format!("{name}.grad.shard"), Category::Grad, sh.chunk(n));
         let shard_binding = Binding { buf: shard, base };
         // Gradients: reduce-scattered once final (ZeRO 1, or one micro-batch), or every
         // micro-batch from a buffer of its own (ZeRO 2).
         if sh.zero.shards_grads() && micro > 1 {
+            // The ops of micro-batch j that write gradient buffer `buf` (not the norm share
+            // or the update, which read the shard).
+            let writes = |e: &OpEntry, j: usize, buf: BufId| {
+                e.micro == j
+                    && e.grads.is_some_and(|b| b.buf == buf)
+                    && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
+            };
             for j in 0..micro {
                 let buf = if j == 0 {
                     grad
@@ -197,10 +175,7 @@ pub(super) fn collectives(
                     let id = g.act(format!("mb{j}.{name}.grad"), Category::Grad, sh.padded(n));
                     let mut first = None;
                     for (i, e) in g.ops.iter_mut().enumerate() {
-                        if e.micro == j
-                            && e.grads.is_some_and(|b| b.buf == grad)
-                            && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
-                        {
+                        if writes(e, j, grad) {
                             e.rename(grad, id);
                             first.get_or_insert(i);
                         }
@@ -216,11 +191,7 @@ pub(super) fn collectives(
                 let last = g
                     .ops
                     .iter()
-                    .rposition(|e| {
-                        e.micro == j
-                            && e.grads.is_some_and(|b| b.buf == buf)
-                            && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
-                    })
+                    .rposition(|e| writes(e, j, buf))
                     .expect("internal error: a micro-batch without gradients");
                 let op = Op::ReduceScatter {
                     buf,
@@ -260,19 +231,11 @@ pub(super) fn collectives(
         // The norm share and the update read the shard.
         let e = &mut g.ops[norm_at[k]];
         e.op = Op::GradNorm {
-            range: if owned.is_empty() {
-                base..base
-            } else {
-                owned.clone()
-            },
+            range: owned.clone(),
         };
         e.grads = Some(shard_binding);
         let upd = update_at[k];
         g.ops[upd].grads = Some(shard_binding);
-        g.ops[upd].params = Some(Binding {
-            buf: params.segments[k].buf,
-            base: range.start,
-        });
         if sh.zero.shards_params() {
             let full = &g.buffers[params.segments[k].buf.0];
             let (shard_name, category) = (format!("{}.shard", full.name), full.category);
@@ -283,10 +246,16 @@ pub(super) fn collectives(
             });
             gather_spans(g, params.segments[k].buf, shard_params, &mut before);
             shards.push(Segment {
-                range: if owned.is_empty() { base..base } else { owned },
+                range: owned,
                 buf: shard_params,
             });
         } else {
+            // (Bound here too for a rank whose shard holds no parameter: its update has no
+            // tensors, so binding found none.)
+            g.ops[upd].params = Some(Binding {
+                buf: params.segments[k].buf,
+                base: range.start,
+            });
             let op = Op::AllGather {
                 buf: params.segments[k].buf,
                 shard: None,

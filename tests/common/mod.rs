@@ -118,3 +118,21 @@ pub fn ok<S: AsRef<str>>(args: &[S]) -> String {
     assert!(o.status.success(), "memwall {args:?} failed:\n{err}");
     String::from_utf8_lossy(&o.stdout).to_string()
 }
+
+/// The worst relative Frobenius distance of `a` from `b` over the tensors of `layout`.
+pub fn worst_tensor(layout: &memwall::model::ParamLayout, a: &[f32], b: &[f32]) -> f64 {
+    layout
+        .tensors
+        .iter()
+        .map(|t| {
+            let r = t.range.clone();
+            let d: f64 = a[r.clone()]
+                .iter()
+                .zip(&b[r.clone()])
+                .map(|(x, y)| ((x - y) as f64).powi(2))
+                .sum();
+            let n: f64 = b[r].iter().map(|y| (*y as f64).powi(2)).sum();
+            (d / n.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
