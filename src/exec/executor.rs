@@ -414,15 +414,17 @@ impl Executor {
                 Some(s) => o.block_base..o.block_base + self.plan.buffer(s).elems,
                 None => o.block_base..o.block_base,
             };
-            // A shard's padding holds no parameter: lend only the owned elements.
-            let size = self.plan.buffer(o.m).dtype.size();
+            // A shard's padding holds no parameter: m and v are lent for the owned
+            // elements only (the whole buffers everywhere else).
+            let sizes = [
+                self.plan.buffer(o.m).dtype.size(),
+                self.plan.buffer(o.v).dtype.size(),
+            ];
             let mut out = Ok(());
             self.device.upload(&o.ids(), &mut |b| {
                 let mut b: Vec<&mut [u8]> = b.iter_mut().map(|x| &mut **x).collect();
-                if o.m_scale.is_none() {
-                    for x in b.iter_mut() {
-                        *x = &mut std::mem::take(x)[..elems.len() * size];
-                    }
+                for (x, size) in b.iter_mut().zip(sizes) {
+                    *x = &mut std::mem::take(x)[..elems.len() * size];
                 }
                 out = f(elems.clone(), blocks.clone(), moments_mut(format, &mut b));
             })?;
