@@ -853,6 +853,20 @@ fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<(
 
 fn train_cmd(a: TrainArgs) -> Result<()> {
     let comm = memwall::dist::world(a.step.strategy.zero)?;
+    let result = train_rank(a, comm.clone());
+    if let Err(e) = &result
+        && comm.size() > 1
+    {
+        // The other ranks may be waiting on this one: the error is printed, then every
+        // rank's process ends (MPI would otherwise wait, even in finalising).
+        eprintln!("error (rank {}): {e:#}", comm.rank());
+        comm.abort(1);
+    }
+    result
+}
+
+/// `train` as this process's rank of `comm`.
+fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Result<()> {
     let rank = comm.rank();
     // Rank 0 reports; the other ranks print only their own summary line.
     let mut console = ConsoleProgress::new(10);

@@ -108,6 +108,11 @@ fn weights(run: &Path, step: u64) -> (ParamLayout, Vec<f32>) {
 }
 
 fn assert_same_training(what: &str, run: &Path, reference: &Path, steps: u64) {
+    assert_close_training(what, run, reference, steps, 1e-3);
+}
+
+/// Losses within 1e-5 relative, weights within `tol` (worst tensor).
+fn assert_close_training(what: &str, run: &Path, reference: &Path, steps: u64, tol: f64) {
     let (a, b) = (losses(run), losses(reference));
     assert_eq!(a.len() as u64, steps, "{what}");
     for (k, (x, y)) in a.iter().zip(&b).enumerate() {
@@ -120,7 +125,7 @@ fn assert_same_training(what: &str, run: &Path, reference: &Path, steps: u64) {
     let (layout, w) = weights(run, steps);
     let (_, r) = weights(reference, steps);
     let worst = worst_tensor(&layout, &w, &r);
-    assert!(worst < 1e-3, "{what}: weights differ by {worst}");
+    assert!(worst < tol, "{what}: weights differ by {worst}");
 }
 
 #[test]
@@ -146,6 +151,12 @@ fn ranks_train_like_one_process_with_accumulation_at_every_stage() {
                 let trace = std::fs::read_to_string(out.join("trace.json")).unwrap();
                 assert!(trace.contains("reduce_scatter"), "collectives on the trace");
                 assert!(trace.contains("\"communication\""), "a communication track");
+                for r in 1..ranks {
+                    assert!(
+                        trace.contains(&format!("communication, rank {r}")),
+                        "rank {r}'s communication track"
+                    );
+                }
                 let html = std::fs::read_to_string(out.join("report.html")).unwrap();
                 assert!(
                     html.contains(&format!("{ranks} processes, --zero 1")),
@@ -291,6 +302,89 @@ fn a_killed_rank_stops_the_run_which_resumes_bitwise_or_re_sharded() {
         "{text}"
     );
     assert_same_training("resumed on 2 ranks", &copy, &whole, 20);
+}
+
+#[test]
+fn int8_state_sharded_at_block_edges_trains_saves_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    // 3 ranks: uneven cuts at the 8-bit blocks' edges, a rank owning none of a group.
+    let args = |out: &Path, zero: &str| {
+        let mut a = run_args(&data, out, 2, 20);
+        a.extend(["--optim-state", "int8", "--zero", zero].map(String::from));
+        a
+    };
+    let reference = dir.path().join("reference");
+    let mut one = args(&reference, "0");
+    one.extend(["--grad-accum".into(), "3".into()]);
+    ok(&common::memwall(&strs(&one)));
+    let whole = dir.path().join("whole");
+    ok(&mpirun(3, &strs(&args(&whole, "2")), &[]));
+    // 8-bit moments round the sums' last bits into whole codes now and then: one process
+    // with batch 2 x 3 micro-batches against batch 6 or 3 x 2 differs by 1.8e-3 and 4.5e-3
+    // (worst tensor, step 20), so the weights are held to 1e-2 here; the losses to 1e-5.
+    let int8_tol = 1e-2;
+    assert_close_training("3 ranks, int8, --zero 2", &whole, &reference, 20, int8_tol);
+    // Killed after the step-10 checkpoint, resumed on the same ranks: bitwise (the scales
+    // and codes of every rank's blocks were gathered and loaded back exactly).
+    let killed = dir.path().join("killed");
+    let o = mpirun(
+        3,
+        &strs(&args(&killed, "2")),
+        &[("MEMWALL_KILL_RANK", "2:15")],
+    );
+    assert!(!o.status.success());
+    let copy = dir.path().join("copy");
+    copy_dir(&killed, &copy);
+    let resume = |run: &Path| {
+        vec![
+            "train".to_string(),
+            "--resume".into(),
+            run.display().to_string(),
+        ]
+    };
+    ok(&mpirun(3, &strs(&resume(&killed)), &[]));
+    let file = |run: &Path| {
+        std::fs::read(run.join("checkpoints/step-000020/optimizer.safetensors")).unwrap()
+    };
+    assert!(
+        file(&killed) == file(&whole),
+        "resumed on the same ranks: bitwise"
+    );
+    // Resumed in one process of 3 micro-batches (`--zero 0`): the same mathematics.
+    let mut alone = resume(&copy);
+    alone.extend(["--grad-accum", "3", "--zero", "0"].map(String::from));
+    ok(&common::memwall(&strs(&alone)));
+    assert_close_training("int8 resumed in one process", &copy, &whole, 20, int8_tol);
+}
+
+#[test]
+fn an_error_on_one_rank_ends_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    // Rank 0 cannot write the checkpoint of step 10 (a file stands where its directory
+    // goes) while the others send it their shards: every rank ends, the error printed.
+    let out = dir.path().join("run");
+    std::fs::create_dir_all(out.join("checkpoints")).unwrap();
+    std::fs::write(out.join("checkpoints/step-000010"), "in the way").unwrap();
+    let mut args = run_args(&data, &out, 2, 12);
+    args.extend(["--zero".into(), "1".into()]);
+    let t0 = Instant::now();
+    let o = mpirun(2, &strs(&args), &[]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!o.status.success(), "{text}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "no rank waits for ever"
+    );
+    assert!(
+        text.contains("error (rank 0): saving the checkpoint of step 10"),
+        "{text}"
+    );
 }
 
 fn copy_dir(from: &Path, to: &Path) {

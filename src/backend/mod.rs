@@ -91,9 +91,15 @@ pub trait Device: Send + Sync {
     /// a tier that can fail (a disk transfer), naming it.
     fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<OpResult>;
     /// Runs collective op `e` ([`crate::plan::Op::AllReduce`], `ReduceScatter`,
-    /// `AllGather`) among `comm`'s ranks, on the plan buffers it names. Fails naming the rank
-    /// when a peer is lost.
-    fn run_collective(&self, e: &OpEntry, comm: &dyn crate::dist::Comm) -> Result<()>;
+    /// `AllGather`) among `comm`'s ranks, on the plan buffers it names, cut among the ranks
+    /// by `cut` (its group's, [`crate::plan::Plan::cuts`]). Fails naming the rank when a
+    /// peer is lost.
+    fn run_collective(
+        &self,
+        e: &OpEntry,
+        cut: &crate::dist::Cut,
+        comm: &dyn crate::dist::Comm,
+    ) -> Result<()>;
     /// Runs `f` where the backend's ops are meant to be issued from (the CPU backend's worker
     /// pool), so a sequence of [`Device::run`] calls pays no hand-off per op.
     fn scope(&self, f: &mut (dyn FnMut() + Send));

@@ -23,7 +23,7 @@ pub mod shard;
 
 pub use local::Local;
 pub use ring::Summable;
-pub use shard::Sharding;
+pub use shard::{Cut, Sharding};
 
 use anyhow::Result;
 
@@ -39,6 +39,13 @@ pub trait Comm: Send + Sync {
     fn bytes_sent(&self) -> u64;
     /// The transport, for messages (`single process`, `MPI (Open MPI 4.1.4)`, …).
     fn describe(&self) -> String;
+    /// Ends every rank's process with exit status `code`, where the transport can (MPI's
+    /// abort: a rank that fails alone would leave the others waiting on it for ever, and
+    /// finalising MPI would wait too). Transports that cannot return, leaving it to their
+    /// caller.
+    fn abort(&self, code: i32) {
+        let _ = code;
+    }
     /// Returns when every rank has called it: a dissemination barrier over `sendrecv`
     /// (⌈log₂ N⌉ rounds of empty messages).
     fn barrier(&self) -> Result<()> {
@@ -52,23 +59,12 @@ pub trait Comm: Send + Sync {
     }
 }
 
-/// Which collective, for [`sent_bytes`].
+/// Which collective, for [`Cut::sent`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Collective {
     AllReduce,
     ReduceScatter,
     AllGather,
-}
-
-/// Bytes one rank sends in collective `c` over a buffer of `bytes` (all N chunks) among `n`
-/// ranks.
-pub fn sent_bytes(c: Collective, bytes: u64, n: usize) -> u64 {
-    let n = n as u64;
-    let one_way = bytes / n * (n - 1);
-    match c {
-        Collective::AllReduce => 2 * one_way,
-        Collective::ReduceScatter | Collective::AllGather => one_way,
-    }
 }
 
 /// The environment variables a process started by an MPI launcher has (Open MPI, MPICH,
@@ -82,8 +78,9 @@ pub fn launched() -> bool {
 }
 
 /// The ranks this process belongs to: `MPI_COMM_WORLD` when started by `mpirun` (in a
-/// build with the `mpi` feature), else one process. `zero` is the `--zero` flag, refused
-/// outside `mpirun` with how to run it.
+/// build with the `mpi` feature), else one process. `zero` is the `--zero` flag: a stage
+/// that shards (1 to 3) is refused outside `mpirun` with how to run it; `--zero 0` is one
+/// process's plain training (e.g. resuming a sharded run alone).
 pub fn world(zero: Option<shard::Zero>) -> Result<std::sync::Arc<dyn Comm>> {
     #[cfg(not(feature = "mpi"))]
     const BUILD: &str = "cargo build --release --features mpi (needs Open MPI or MPICH and libclang: apt-get install openmpi-bin libopenmpi-dev libclang-dev)";
@@ -95,7 +92,7 @@ pub fn world(zero: Option<shard::Zero>) -> Result<std::sync::Arc<dyn Comm>> {
             "this memwall was built without MPI, yet mpirun started it: each process would train alone and write the same run directory; build it with `{BUILD}`"
         );
     }
-    if let Some(z) = zero {
+    if let Some(z) = zero.filter(|z| z.shards_optimizer()) {
         #[cfg(feature = "mpi")]
         let how = String::new();
         #[cfg(not(feature = "mpi"))]

@@ -3,7 +3,8 @@
 //! calls it from one thread at a time (a worker of its pool), never concurrently.
 //!
 //! A rank that dies makes `mpirun` end the others (Open MPI's default), which the run's
-//! wrapper reports naming the rank; a message larger than the receive buffer is an MPI error
+//! wrapper reports naming the rank; a rank that fails with an error aborts the job
+//! ([`Comm::abort`]) once it has printed it; a message larger than the receive buffer is an MPI error
 //! (fatal by MPI's default error handler), so sizes are also checked here.
 
 use super::Comm;
@@ -64,6 +65,10 @@ impl Mpi {
 }
 
 impl Comm for Mpi {
+    fn abort(&self, code: i32) {
+        self.world.abort(code)
+    }
+
     fn rank(&self) -> usize {
         self.world.rank() as usize
     }

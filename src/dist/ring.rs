@@ -1,6 +1,7 @@
 //! Ring collectives over [`Comm::sendrecv`], in place on the caller's buffers.
 //!
-//! A buffer of `N·S` elements is `N` chunks of `S`; chunk `r` is rank `r`'s shard.
+//! A buffer is cut into `N` chunks ([`Cut`]: equal, or at allowed edges); chunk `r` is rank
+//! `r`'s shard.
 //! - [`reduce_scatter`]: N−1 steps; at step k rank r sends its partial sum of chunk
 //!   r−k−1 to rank r+1 and adds the partial of chunk r−k−2 it receives from rank r−1 into
 //!   its own. Chunk c is summed in the fixed order c+1, c+2, …, c (every run, every
@@ -11,14 +12,16 @@
 //! - [`all_reduce`]: the two in turn, in place.
 //!
 //! Messages go in pieces of at most the scratch's length (the plan sizes it), so nothing is
-//! allocated here. Each rank sends (N−1)·S elements per reduce-scatter or all-gather and
-//! twice that per all-reduce ([`crate::dist::sent_bytes`]): the bandwidth-optimal figure the plan
-//! predicts and the transport's counter confirms. bf16 and f16 partial sums are added in f32
+//! allocated here; every rank sends as many pieces per step, enough for the longest chunk
+//! (some empty), so that messages pair up when chunks differ. Each rank sends every chunk
+//! but one per reduce-scatter or all-gather, (N−1)·S elements with equal chunks, and both
+//! per all-reduce ([`Cut::sent`]): the bandwidth-optimal figure the plan predicts and the
+//! transport's counter confirms. bf16 and f16 partial sums are added in f32
 //! and rounded once per hop, as NCCL does.
 
-use super::Comm;
 #[cfg(test)]
-use super::{Collective, sent_bytes};
+use super::Collective;
+use super::{Comm, Cut};
 use crate::backend::cpu::elem::Elem;
 use anyhow::{Result, ensure};
 use half::{bf16, f16};
@@ -68,23 +71,30 @@ fn as_bytes_mut<T: Copy>(s: &mut [T]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
 }
 
-/// The chunk length of `buf` among the comm's ranks (its length must divide evenly).
-fn chunk_len<T>(comm: &dyn Comm, buf: &[T]) -> Result<usize> {
-    let n = comm.size();
+/// Checks that `cut` cuts `buf` among the comm's ranks.
+fn check_cut<T>(comm: &dyn Comm, buf: &[T], cut: &Cut) -> Result<()> {
     ensure!(
-        buf.len().is_multiple_of(n),
-        "internal error: a collective over {} elements among {n} ranks (not padded to a multiple)",
-        buf.len()
+        cut.ranks() == comm.size() && cut.len() == buf.len(),
+        "internal error: a collective over {} elements among {} ranks, cut for {} elements among {}",
+        buf.len(),
+        comm.size(),
+        cut.len(),
+        cut.ranks()
     );
-    Ok(buf.len() / n)
+    Ok(())
 }
 
 /// Leaves chunk `rank` of `buf` holding the sum of every rank's chunk `rank` (the other
 /// chunks hold partial sums), using `scratch` for the pieces received.
-fn reduce_in_place<T: Summable>(comm: &dyn Comm, buf: &mut [T], scratch: &mut [T]) -> Result<()> {
+fn reduce_in_place<T: Summable>(
+    comm: &dyn Comm,
+    buf: &mut [T],
+    cut: &Cut,
+    scratch: &mut [T],
+) -> Result<()> {
     let (r, n) = (comm.rank(), comm.size());
-    let s = chunk_len(comm, buf)?;
-    if n == 1 || s == 0 {
+    check_cut(comm, buf, cut)?;
+    if n == 1 || cut.largest() == 0 {
         return Ok(());
     }
     ensure!(
@@ -92,39 +102,43 @@ fn reduce_in_place<T: Summable>(comm: &dyn Comm, buf: &mut [T], scratch: &mut [T
         "internal error: an empty collective scratch"
     );
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let p = scratch.len();
     for k in 0..n - 1 {
-        let send_c = (r + 2 * n - k - 1) % n;
-        let recv_c = (r + 2 * n - k - 2) % n;
-        let mut o = 0;
-        while o < s {
-            let len = scratch.len().min(s - o);
-            let piece = &mut scratch[..len];
-            let sent = &buf[send_c * s + o..][..len];
-            comm.sendrecv(as_bytes(sent), next, as_bytes_mut(piece), prev)?;
-            T::add_into(&mut buf[recv_c * s + o..][..len], piece);
-            o += len;
+        let send = cut.shard((r + 2 * n - k - 1) % n);
+        let recv = cut.shard((r + 2 * n - k - 2) % n);
+        for j in 0..cut.pieces(p) {
+            let part = |c: &std::ops::Range<usize>| {
+                let lo = (c.start + j * p).min(c.end);
+                lo..(lo + p).min(c.end)
+            };
+            let (send, recv) = (part(&send), part(&recv));
+            let piece = &mut scratch[..recv.len()];
+            comm.sendrecv(as_bytes(&buf[send]), next, as_bytes_mut(piece), prev)?;
+            T::add_into(&mut buf[recv], piece);
         }
     }
     Ok(())
 }
 
-/// `out` (S elements) becomes (with `accumulate`, gains) the sum over ranks of chunk `rank`
-/// of `buf` (N·S elements), whose contents are destroyed.
+/// `out` (rank's chunk long) becomes (with `accumulate`, gains) the sum over ranks of chunk
+/// `rank` of `buf` (cut by `cut`), whose contents are destroyed.
 pub fn reduce_scatter<T: Summable>(
     comm: &dyn Comm,
     buf: &mut [T],
+    cut: &Cut,
     out: &mut [T],
     scratch: &mut [T],
     accumulate: bool,
 ) -> Result<()> {
-    let s = chunk_len(comm, buf)?;
+    let mine = cut.shard(comm.rank());
     ensure!(
-        out.len() == s,
-        "internal error: a reduce-scatter into {} elements, chunks of {s}",
-        out.len()
+        out.len() == mine.len(),
+        "internal error: a reduce-scatter into {} elements, a chunk of {}",
+        out.len(),
+        mine.len()
     );
-    reduce_in_place(comm, buf, scratch)?;
-    let mine = &buf[comm.rank() * s..][..s];
+    reduce_in_place(comm, buf, cut, scratch)?;
+    let mine = &buf[mine];
     if accumulate {
         T::add_into(out, mine);
     } else {
@@ -133,28 +147,33 @@ pub fn reduce_scatter<T: Summable>(
     Ok(())
 }
 
-/// Every rank's chunk `rank` of `buf` (N·S elements) is copied into every rank's `buf`.
-pub fn all_gather<T: Copy>(comm: &dyn Comm, buf: &mut [T]) -> Result<()> {
+/// Every rank's chunk `rank` of `buf` (cut by `cut`) is copied into every rank's `buf`.
+pub fn all_gather<T: Copy>(comm: &dyn Comm, buf: &mut [T], cut: &Cut) -> Result<()> {
     let (r, n) = (comm.rank(), comm.size());
-    let s = chunk_len(comm, buf)?;
-    if n == 1 || s == 0 {
+    check_cut(comm, buf, cut)?;
+    if n == 1 || cut.largest() == 0 {
         return Ok(());
     }
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     for k in 0..n - 1 {
-        let send_c = (r + n - k) % n;
-        let recv_c = (r + 2 * n - k - 1) % n;
-        let (send, recv) = two_chunks(buf, s, send_c, recv_c);
+        let send = cut.shard((r + n - k) % n);
+        let recv = cut.shard((r + 2 * n - k - 1) % n);
+        let (send, recv) = two_ranges(buf, send, recv);
         comm.sendrecv(as_bytes(send), next, as_bytes_mut(recv), prev)?;
     }
     Ok(())
 }
 
-/// Every element of `buf` becomes its sum over ranks (the buffer's length a multiple of N),
-/// using `scratch` for the pieces received.
-pub fn all_reduce<T: Summable>(comm: &dyn Comm, buf: &mut [T], scratch: &mut [T]) -> Result<()> {
-    reduce_in_place(comm, buf, scratch)?;
-    all_gather(comm, buf)
+/// Every element of `buf` (cut by `cut`) becomes its sum over ranks, using `scratch` for
+/// the pieces received.
+pub fn all_reduce<T: Summable>(
+    comm: &dyn Comm,
+    buf: &mut [T],
+    cut: &Cut,
+    scratch: &mut [T],
+) -> Result<()> {
+    reduce_in_place(comm, buf, cut, scratch)?;
+    all_gather(comm, buf, cut)
 }
 
 /// `out` (N·`mine.len()` elements) becomes every rank's `mine`, in rank order (small
@@ -168,7 +187,7 @@ pub fn gather_values<T: Copy>(comm: &dyn Comm, mine: &[T], out: &mut [T]) -> Res
         out.len()
     );
     out[comm.rank() * mine.len()..][..mine.len()].copy_from_slice(mine);
-    all_gather(comm, out)
+    all_gather(comm, out, &Cut::equal(mine.len(), comm.size()))
 }
 
 /// Rank `root`'s `buf` (N chunks of `mine.len()` bytes) receives every rank's `mine` in rank
@@ -201,15 +220,22 @@ pub fn gather_to_root(
     Ok(())
 }
 
-/// Chunks `a` (read) and `b` (written) of `buf`, chunks of `s`; `a != b`.
-fn two_chunks<T>(buf: &mut [T], s: usize, a: usize, b: usize) -> (&[T], &mut [T]) {
-    assert_ne!(a, b, "internal error: a chunk sent into itself");
-    if a < b {
-        let (lo, hi) = buf.split_at_mut(b * s);
-        (&lo[a * s..][..s], &mut hi[..s])
+/// Ranges `a` (read) and `b` (written) of `buf`, which do not overlap.
+fn two_ranges<T>(
+    buf: &mut [T],
+    a: std::ops::Range<usize>,
+    b: std::ops::Range<usize>,
+) -> (&[T], &mut [T]) {
+    assert!(
+        a.end <= b.start || b.end <= a.start,
+        "internal error: a chunk sent into itself"
+    );
+    if a.start < b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
     } else {
-        let (lo, hi) = buf.split_at_mut(a * s);
-        (&hi[..s], &mut lo[b * s..][..s])
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
     }
 }
 
@@ -243,7 +269,7 @@ mod tests {
                 let out = on_ranks(n, |c| {
                     let mut buf: Vec<f32> = (0..n * s).map(|i| value(c.rank(), i)).collect();
                     let mut scratch = vec![0.0; piece];
-                    all_reduce(c, &mut buf, &mut scratch).unwrap();
+                    all_reduce(c, &mut buf, &Cut::equal(s, n), &mut scratch).unwrap();
                     (buf, c.bytes_sent())
                 });
                 let want: Vec<f32> = (0..n * s)
@@ -251,8 +277,7 @@ mod tests {
                     .collect();
                 for (buf, sent) in out {
                     assert_eq!(buf, want, "n={n} piece={piece}");
-                    let bytes = (n * s * 4) as u64;
-                    assert_eq!(sent, sent_bytes(Collective::AllReduce, bytes, n));
+                    assert_eq!(sent, (2 * (n - 1) * s * 4) as u64);
                 }
             }
         }
@@ -266,12 +291,13 @@ mod tests {
             let mut grads: Vec<f32> = (0..n * s).map(|i| value(r, i)).collect();
             let mut shard = vec![1.0f32; s];
             let mut scratch = vec![0.0; 4];
-            reduce_scatter(c, &mut grads, &mut shard, &mut scratch, true).unwrap();
+            let cut = Cut::equal(s, n);
+            reduce_scatter(c, &mut grads, &cut, &mut shard, &mut scratch, true).unwrap();
             let after_rs = c.bytes_sent();
             // Each rank puts its shard in place, then gathers everyone's.
             let mut full = vec![0.0f32; n * s];
             full[r * s..][..s].copy_from_slice(&shard);
-            all_gather(c, &mut full).unwrap();
+            all_gather(c, &mut full, &cut).unwrap();
             (shard, full, after_rs, c.bytes_sent() - after_rs)
         });
         let sum = |i: usize| -> f32 { (0..n).map(|r| value(r, i)).sum() };
@@ -280,9 +306,38 @@ mod tests {
             assert_eq!(shard, want, "rank {r}'s shard accumulated");
             let all: Vec<f32> = (0..n * s).map(|i| 1.0 + sum(i)).collect();
             assert_eq!(full, all);
-            let bytes = (n * s * 4) as u64;
-            assert_eq!(rs, sent_bytes(Collective::ReduceScatter, bytes, n));
-            assert_eq!(ag, sent_bytes(Collective::AllGather, bytes, n));
+            let bytes = ((n - 1) * s * 4) as u64;
+            assert_eq!((rs, ag), (bytes, bytes));
+        }
+    }
+
+    #[test]
+    fn uneven_chunks_pair_up_and_are_counted() {
+        // Chunks of 5, 10, 0 and 0 elements (ranks owning nothing), pieces of 2.
+        let sh = crate::dist::Sharding {
+            ranks: 4,
+            rank: 0,
+            zero: crate::dist::shard::Zero(1),
+        };
+        let cut = sh.at_edges(15, &[5, 6, 15]);
+        assert_eq!((cut.shard(1), cut.shard(2)), (5..15, 15..15));
+        let out = on_ranks(4, |c| {
+            let r = c.rank();
+            let mut grads: Vec<f32> = (0..15).map(|i| value(r, i)).collect();
+            let mut shard = vec![0.0f32; cut.shard(r).len()];
+            let mut scratch = vec![0.0; 2];
+            reduce_scatter(c, &mut grads, &cut, &mut shard, &mut scratch, false).unwrap();
+            let rs = c.bytes_sent();
+            let mut full = vec![0.0f32; 15];
+            full[cut.shard(r)].copy_from_slice(&shard);
+            all_gather(c, &mut full, &cut).unwrap();
+            (full, rs, c.bytes_sent() - rs)
+        });
+        let all: Vec<f32> = (0..15).map(|i| (0..4).map(|r| value(r, i)).sum()).collect();
+        for (r, (full, rs, ag)) in out.into_iter().enumerate() {
+            assert_eq!(full, all, "rank {r}");
+            assert_eq!(rs, 4 * cut.sent(Collective::ReduceScatter, r) as u64);
+            assert_eq!(ag, 4 * cut.sent(Collective::AllGather, r) as u64);
         }
     }
 
@@ -294,7 +349,7 @@ mod tests {
                 .map(|i| bf16::from_f32(value(c.rank(), i) / 8.0))
                 .collect();
             let mut scratch = vec![bf16::ZERO; 5];
-            all_reduce(c, &mut buf, &mut scratch).unwrap();
+            all_reduce(c, &mut buf, &Cut::equal(5, n), &mut scratch).unwrap();
             buf
         });
         for (i, got) in out[0].iter().enumerate() {
@@ -314,7 +369,7 @@ mod tests {
                     .map(|i| 0.1f32 * (c.rank() + i) as f32 + 1e-7)
                     .collect();
                 let mut scratch = vec![0.0; 2];
-                all_reduce(c, &mut buf, &mut scratch).unwrap();
+                all_reduce(c, &mut buf, &Cut::equal(2, 4), &mut scratch).unwrap();
                 buf
             })
         };
@@ -334,7 +389,7 @@ mod tests {
         });
         assert!(out.iter().all(|v| *v == [0, 10, 1, 10, 2, 10]));
         let mut buf = vec![1.0f32, 2.0];
-        all_reduce(&Single, &mut buf, &mut [0.0]).unwrap();
+        all_reduce(&Single, &mut buf, &Cut::equal(2, 1), &mut [0.0]).unwrap();
         assert_eq!(buf, [1.0, 2.0]);
     }
 

@@ -217,14 +217,12 @@ impl Executor {
     /// The parameter elements moment set `k` holds: the whole model's, a group's, or this
     /// rank's shard of group `k` (owned elements only; the padding holds no parameter).
     fn moment_elems(&self, k: usize, o: &OptimBufs) -> Range<usize> {
-        match self
-            .plan
-            .cfg
-            .sharding()
-            .filter(|s| s.zero.shards_optimizer())
-        {
-            Some(sh) => sh.owned(&self.plan.layout.group_range(&self.plan.layout.groups[k])),
-            None => o.base..o.base + self.plan.buffer(o.m).elems,
+        match self.moments_sharded() {
+            true => self.plan.cuts[k].owned(
+                &self.plan.layout.group_range(&self.plan.layout.groups[k]),
+                self.comm.rank(),
+            ),
+            false => o.base..o.base + self.plan.buffer(o.m).elems,
         }
     }
 
@@ -759,6 +757,7 @@ impl Executor {
                     end_us: micros(epoch, end),
                     bytes: Some(self.plan.comm_bytes(e)),
                     direction: None,
+                    rank: None,
                 }
             })
             .collect();
@@ -778,6 +777,7 @@ impl Executor {
                     end_us: micros(epoch, t.end),
                     bytes: Some(t.bytes),
                     direction: Some(direction),
+                    rank: None,
                 }
             })
             .chain(comm)
@@ -811,6 +811,7 @@ impl Executor {
         let shares = &mut self.norm_shares;
         let loss_scale = self.loss_scale;
         let comm = &*self.comm;
+        let cuts = &self.plan.cuts;
         let partial_norms = sharded.then_some(comm);
         let mut comm_s = 0.0;
         let comm_spans = &mut self.comm_spans;
@@ -835,12 +836,9 @@ impl Executor {
                     }
                 }
                 let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
-                if matches!(
-                    e.op,
-                    Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. }
-                ) {
+                if let Some(group) = e.op.collective_group() {
                     let t = std::time::Instant::now();
-                    if let Err(err) = device.run_collective(e, comm) {
+                    if let Err(err) = device.run_collective(e, &cuts[group], comm) {
                         failed = Some(err.context(format!("op {}", e.name)));
                         return;
                     }

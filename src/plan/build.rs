@@ -136,6 +136,7 @@ pub(super) fn build(
         zero::check(cfg, sh)?;
     }
     let layout = ParamLayout::new(spec);
+    let split = sharding.map(|sh| zero::Split::new(&layout, cfg.optim_state, sh));
     let rows = Rows {
         b: cfg.batch,
         t: cfg.seq,
@@ -155,8 +156,8 @@ pub(super) fn build(
         Mode::Train => cfg.offload.set,
         Mode::Generate => OffloadSet::NONE,
     };
-    let sharded = sharding.filter(|sh| sh.zero.shards_optimizer());
-    let params = param_buffers(&mut g, &layout, mixed, offload.params, sharded.as_ref());
+    let sharded = split.as_ref().filter(|s| s.sh.zero.shards_optimizer());
+    let params = param_buffers(&mut g, &layout, mixed, offload.params, sharded);
     let gemm_ws = mixed.then(|| {
         g.persistent(
             "gemm.mixed_tiles",
@@ -191,12 +192,10 @@ pub(super) fn build(
         };
         return finish(spec, cfg, mode, layout, g, p, io, backend, verify);
     }
-    let grads = grad_buffers(&mut g, &layout, sharding.as_ref());
-    let optim = match &sharding {
-        Some(sh) if sh.zero.shards_optimizer() => {
-            zero::shard_moments(&mut g, &layout, cfg.optim_state, sh)
-        }
-        _ => optimizer_state(&mut g, &layout, cfg.optim_state, offload.optimizer),
+    let grads = grad_buffers(&mut g, &layout, split.as_ref());
+    let optim = match sharded {
+        Some(split) => zero::shard_moments(&mut g, &layout, cfg.optim_state, split),
+        None => optimizer_state(&mut g, &layout, cfg.optim_state, offload.optimizer),
     };
     let micro = cfg.grad_accum;
     let mut io = Io {
@@ -239,7 +238,7 @@ pub(super) fn build(
         io.targets.push(targets);
         io.losses.push(losses);
     }
-    optimizer(&mut g, &layout, &optim, sharding.as_ref());
+    optimizer(&mut g, &layout, &optim, sharded);
     // With gradients on the disk tier, each step runs the previous step's update in its
     // forward, so the update's transfers overlap arithmetic; the gradients are then kept
     // across the step boundary (on disk: no RAM for it).
@@ -253,8 +252,8 @@ pub(super) fn build(
     zero_grads_before_first_write(&mut g, &grads);
     norm_when_final(&mut g, &layout, &grads);
     bind_state(&mut g, &params, Some(&grads));
-    let params = match &sharding {
-        Some(sh) => zero::collectives(&mut g, &layout, sh, &params, &grads, micro),
+    let params = match &split {
+        Some(split) => zero::collectives(&mut g, &layout, split, &params, &grads, micro),
         None => params,
     };
     let mut homes = Vec::new();
@@ -280,19 +279,22 @@ pub(super) fn build(
         grads: Some(grads),
         optim: Some(optim),
     };
-    finish(spec, cfg, mode, layout, g, p, io, backend, verify)
+    let mut plan = finish(spec, cfg, mode, layout, g, p, io, backend, verify)?;
+    plan.cuts = split.map(|s| s.cuts).unwrap_or_default();
+    Ok(plan)
 }
 
 /// Declares the fp32 parameters (the master weights under mixed precision): one persistent
 /// buffer, or one per parameter group (`{group}.params`) with `per_group` (for the disk tier)
-/// or `sharded` (a ZeRO plan: each padded to N·S for the collectives; transient at stage 3,
-/// where `plan::zero` gives each span of use its own gathered copy and keeps shards).
+/// or `sharded` (a ZeRO plan: each as long as its group's cut for the collectives; transient
+/// at stage 3, where `plan::zero` gives each span of use its own gathered copy and keeps
+/// shards).
 fn param_buffers(
     g: &mut Builder,
     layout: &ParamLayout,
     mixed: bool,
     per_group: bool,
-    sharded: Option<&Sharding>,
+    sharded: Option<&zero::Split>,
 ) -> Segments {
     let (name, category) = if mixed {
         ("params.master", Category::Master)
@@ -309,14 +311,13 @@ fn param_buffers(
     let segments = layout
         .groups
         .iter()
-        .map(|group| {
+        .enumerate()
+        .map(|(k, group)| {
             let range = layout.group_range(group);
             let name = format!("{}.{name}", group.name);
             let buf = match sharded {
-                Some(sh) if sh.zero.shards_params() => {
-                    g.f32(name, category, sh.padded(range.len()))
-                }
-                Some(sh) => g.persistent(&name, category, DType::F32, sh.padded(range.len())),
+                Some(s) if s.sh.zero.shards_params() => g.f32(name, category, s.cuts[k].len()),
+                Some(s) => g.persistent(&name, category, DType::F32, s.cuts[k].len()),
                 None => g.persistent(&name, category, DType::F32, range.len()),
             };
             Segment { range, buf }
@@ -326,14 +327,15 @@ fn param_buffers(
 }
 
 /// Declares one gradient buffer per parameter group (`{group}.grad`, in the storage type;
-/// padded to N·S elements for the collectives of a plan with `sharding`).
-fn grad_buffers(g: &mut Builder, layout: &ParamLayout, sharding: Option<&Sharding>) -> Segments {
+/// as long as the group's cut for the collectives of a plan with ranks, `split`).
+fn grad_buffers(g: &mut Builder, layout: &ParamLayout, split: Option<&zero::Split>) -> Segments {
     let segments = layout
         .groups
         .iter()
-        .map(|group| {
+        .enumerate()
+        .map(|(k, group)| {
             let range = layout.group_range(group);
-            let elems = sharding.map_or(range.len(), |sh| sh.padded(range.len()));
+            let elems = split.map_or(range.len(), |s| s.cuts[k].len());
             let buf = g.act(format!("{}.grad", group.name), Category::Grad, elems);
             Segment { range, buf }
         })
@@ -490,13 +492,13 @@ fn optimizer(
     g: &mut Builder,
     layout: &ParamLayout,
     state: &[OptimBufs],
-    sharding: Option<&Sharding>,
+    sharded: Option<&zero::Split>,
 ) {
     let (state_block, _) = layout.block_offsets(QBLOCK);
     for (k, group) in layout.groups.iter().enumerate() {
-        let owned = match sharding {
-            Some(sh) if sh.zero.shards_optimizer() => sh.owned(&layout.group_range(group)),
-            _ => layout.group_range(group),
+        let owned = match sharded {
+            Some(s) => s.owned(&layout.group_range(group), k),
+            None => layout.group_range(group),
         };
         let tensors = group
             .tensors
@@ -687,6 +689,7 @@ fn finish(
         peak_op,
         external_bytes,
         nvme_bytes,
+        cuts: Vec::new(),
     };
     if verify == Verify::Yes {
         verify_ops(&plan)?;

@@ -69,6 +69,9 @@ pub struct Plan {
     pub external_bytes: u64,
     /// Size of the disk tier's file (`--offload`; 0 when nothing is offloaded).
     pub nvme_bytes: u64,
+    /// With ranks: how each parameter group's buffers are split among them (indexed by
+    /// group, as the collective ops name them; empty for one process).
+    pub cuts: Vec<crate::dist::Cut>,
 }
 
 impl Plan {
@@ -164,16 +167,17 @@ impl Plan {
     }
 
     /// Bytes this rank sends in collective op `e` (0 for other ops): the ring's figure
-    /// ([`crate::dist::sent_bytes`]), which the transport's counter confirms.
+    /// ([`crate::dist::Cut::sent`]), which the transport's counter confirms.
     pub fn comm_bytes(&self, e: &schedule::OpEntry) -> u64 {
-        use crate::dist::{Collective, sent_bytes};
-        let (c, buf) = match e.op {
-            Op::AllReduce { buf, .. } => (Collective::AllReduce, buf),
-            Op::ReduceScatter { buf, .. } => (Collective::ReduceScatter, buf),
-            Op::AllGather { buf, .. } => (Collective::AllGather, buf),
+        use crate::dist::Collective;
+        let (c, buf, group) = match e.op {
+            Op::AllReduce { buf, group, .. } => (Collective::AllReduce, buf, group),
+            Op::ReduceScatter { buf, group, .. } => (Collective::ReduceScatter, buf, group),
+            Op::AllGather { buf, group, .. } => (Collective::AllGather, buf, group),
             _ => return 0,
         };
-        sent_bytes(c, self.buffer(buf).bytes, self.cfg.ranks)
+        let elems = self.cuts[group].sent(c, self.cfg.rank);
+        (elems * self.buffer(buf).dtype.size()) as u64
     }
 
     /// Bytes this rank sends per step in collectives (every rank sends as much): the

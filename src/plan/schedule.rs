@@ -279,21 +279,33 @@ pub enum Op {
     /// Waits until every transfer started into or out of `bufs` (host staging buffers) is
     /// done; fails with the first one that failed.
     AwaitTransfers { bufs: Vec<BufId> },
-    /// `buf[N·S]` becomes its sum over the ranks, in place (a parameter group's gradients,
-    /// `--zero 0`); `scratch` receives the pieces in flight (`dist::ring`).
-    AllReduce { buf: BufId, scratch: BufId },
-    /// `shard[S]` becomes (`accumulate`: gains) the sum over the ranks of chunk `rank` of
-    /// `buf[N·S]`, whose contents are consumed (`--zero 1` and up: a group's gradients).
+    /// `buf` (cut among the ranks as parameter group `group`'s buffers are,
+    /// [`super::Plan::cuts`]) becomes its sum over the ranks, in place (the group's
+    /// gradients, `--zero 0`); `scratch` receives the pieces in flight (`dist::ring`).
+    AllReduce {
+        buf: BufId,
+        scratch: BufId,
+        group: usize,
+    },
+    /// `shard` (as long as the rank's chunk) becomes (`accumulate`: gains) the sum over the
+    /// ranks of chunk `rank` of `buf` (cut as group `group`'s), whose contents are consumed
+    /// (`--zero 1` and up: a group's gradients).
     ReduceScatter {
         buf: BufId,
         shard: BufId,
         scratch: BufId,
         accumulate: bool,
+        group: usize,
     },
-    /// Every rank's chunk `rank` of `buf[N·S]` is copied into every rank's `buf`; with
-    /// `shard[S]`, the rank's chunk is first copied from there (a group's parameters after
-    /// its sharded update, `--zero 1` and up, or gathered for use, `--zero 3`).
-    AllGather { buf: BufId, shard: Option<BufId> },
+    /// Every rank's chunk `rank` of `buf` (cut as group `group`'s) is copied into every
+    /// rank's `buf`; with `shard`, the rank's chunk is first copied from there (a group's
+    /// parameters after its sharded update, `--zero 1` and up, or gathered for use,
+    /// `--zero 3`).
+    AllGather {
+        buf: BufId,
+        shard: Option<BufId>,
+        group: usize,
+    },
 }
 
 /// An op with its display name, phase, arithmetic cost, and where it finds the parameters
@@ -589,18 +601,29 @@ impl Op {
             }
             Transfer { from, to } => vec![from, to],
             AwaitTransfers { bufs } => bufs.iter_mut().collect(),
-            AllReduce { buf, scratch } => vec![buf, scratch],
+            AllReduce { buf, scratch, .. } => vec![buf, scratch],
             ReduceScatter {
                 buf,
                 shard,
                 scratch,
                 ..
             } => vec![buf, shard, scratch],
-            AllGather { buf, shard } => {
+            AllGather { buf, shard, .. } => {
                 let mut v = vec![buf];
                 v.extend(shard.as_mut());
                 v
             }
+        }
+    }
+
+    /// The parameter group a collective moves (its cut is [`super::Plan::cuts`]`[group]`);
+    /// `None` for other ops.
+    pub fn collective_group(&self) -> Option<usize> {
+        match self {
+            Op::AllReduce { group, .. }
+            | Op::ReduceScatter { group, .. }
+            | Op::AllGather { group, .. } => Some(*group),
+            _ => None,
         }
     }
 
@@ -718,12 +741,13 @@ impl Op {
             Transfer { from, to } => (vec![*from], vec![*to]),
             AwaitTransfers { bufs } => (bufs.clone(), bufs.clone()),
             GradNorm { .. } => (vec![], vec![]),
-            AllReduce { buf, scratch } => (vec![*buf], vec![*buf, *scratch]),
+            AllReduce { buf, scratch, .. } => (vec![*buf], vec![*buf, *scratch]),
             ReduceScatter {
                 buf,
                 shard,
                 scratch,
                 accumulate,
+                ..
             } => {
                 let mut r = vec![*buf];
                 if *accumulate {
@@ -731,7 +755,7 @@ impl Op {
                 }
                 (r, vec![*buf, *shard, *scratch])
             }
-            AllGather { buf, shard } => {
+            AllGather { buf, shard, .. } => {
                 let mut r = vec![*buf];
                 r.extend(shard);
                 (r, vec![*buf])

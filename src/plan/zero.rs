@@ -4,6 +4,9 @@
 //! the ranks' state consistent. Collective buffers are plan buffers: a group's gradients
 //! and parameters are padded to `N·S` ([`Sharding`]) so the ring collectives work in place,
 //! and each collective has a scratch piece (category `communication`) for what it receives.
+//! With 8-bit optimizer state the groups are cut at the blocks' edges instead ([`Split`]),
+//! so each rank's moments are whole blocks: the same blocks, and so the same arithmetic, as
+//! one process's.
 //!
 //! Per parameter group (embeddings, each block, the final norm), on each rank:
 //! - `--zero 0`: parameters, gradients and moments whole. The group's gradients are
@@ -29,9 +32,10 @@
 
 use super::builder::Builder;
 use super::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
+use super::strategy::QBLOCK;
 use super::{BufId, Category, DType, OffloadSet, OptimState, Plan, StepConfig};
-use crate::dist::Sharding;
-use crate::model::ParamLayout;
+use crate::dist::{Cut, Sharding};
+use crate::model::{ParamGroup, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -46,31 +50,99 @@ pub(super) fn check(cfg: &StepConfig, sh: &Sharding) -> Result<()> {
             "--offload with --zero or several ranks is not supported yet: shard the state across ranks (--zero 1|2|3) or offload it in one process, not both"
         );
     }
-    if sh.zero.shards_optimizer() && cfg.optim_state == OptimState::Int8 {
-        bail!(
-            "--optim-state int8 with --zero {}: 8-bit blocks would straddle the shards; use --optim-state fp32 or bf16, or --zero 0",
-            sh.zero
-        );
-    }
     Ok(())
 }
 
+/// A plan's ranks: this rank's place and stage, and how each parameter group is cut.
+pub(super) struct Split {
+    pub sh: Sharding,
+    /// One per parameter group: even ([`Sharding::even`]), or with 8-bit moments sharded at
+    /// the blocks' edges ([`block_edges`]).
+    pub cuts: Vec<Cut>,
+}
+
+impl Split {
+    pub fn new(layout: &ParamLayout, format: OptimState, sh: Sharding) -> Split {
+        let at_blocks = sh.zero.shards_optimizer() && format == OptimState::Int8;
+        let cuts = layout
+            .groups
+            .iter()
+            .map(|group| {
+                let n = layout.group_range(group).len();
+                if at_blocks {
+                    sh.at_edges(n, &block_edges(layout, group))
+                } else {
+                    sh.even(n)
+                }
+            })
+            .collect();
+        Split { sh, cuts }
+    }
+
+    /// The parameter elements of group `k` (elements `group` of the model) this rank owns.
+    pub fn owned(&self, group: &std::ops::Range<usize>, k: usize) -> std::ops::Range<usize> {
+        self.cuts[k].owned(group, self.sh.rank)
+    }
+}
+
+/// Offsets within `group` where one of its 8-bit blocks starts (blocks of [`QBLOCK`] values
+/// counted per tensor, [`ParamLayout::block_offsets`]), and its length last, ascending.
+fn block_edges(layout: &ParamLayout, group: &ParamGroup) -> Vec<usize> {
+    let start = layout.group_range(group).start;
+    let mut edges: Vec<usize> = layout.tensors[group.tensors.clone()]
+        .iter()
+        .flat_map(|t| t.range.clone().step_by(QBLOCK).map(|e| e - start))
+        .skip(1)
+        .collect();
+    edges.push(layout.group_range(group).len());
+    edges
+}
+
+/// The 8-bit blocks of `group` that start before group offset `e` (a block edge or the
+/// group's end).
+fn blocks_before(layout: &ParamLayout, group: &ParamGroup, e: usize) -> usize {
+    let start = layout.group_range(group).start;
+    layout.tensors[group.tensors.clone()]
+        .iter()
+        .map(|t| (start + e).clamp(t.range.start, t.range.end) - t.range.start)
+        .map(|len| len.div_ceil(QBLOCK))
+        .sum()
+}
+
+/// The 8-bit blocks of group `k` cut as its elements are by `cut` (block indices within the
+/// group: its first block is 0).
+pub fn block_cut(layout: &ParamLayout, k: usize, cut: &Cut) -> Cut {
+    let group = &layout.groups[k];
+    let n = layout.group_range(group).len();
+    cut.map(|e| blocks_before(layout, group, e.min(n)))
+}
+
 /// The AdamW moments of this rank's shard of every group (ZeRO ≥ 1): `{group}.adamw.m`,
-/// `.v` of S elements, element 0 holding the moments of parameter `shard_base`.
+/// `.v` of the rank's chunk, element 0 holding the moments of the chunk's first parameter
+/// (8-bit state: the chunk's whole blocks and their scales).
 pub(super) fn shard_moments(
     g: &mut Builder,
     layout: &ParamLayout,
     format: OptimState,
-    sh: &Sharding,
+    split: &Split,
 ) -> Vec<OptimBufs> {
+    let (first_block, _) = layout.block_offsets(QBLOCK);
+    let rank = split.sh.rank;
     layout
         .groups
         .iter()
-        .map(|group| {
-            let range = layout.group_range(group);
-            let base = sh.shard_base(&range);
+        .enumerate()
+        .map(|(k, group)| {
+            let chunk = split.cuts[k].shard(rank);
+            let base = layout.group_range(group).start + chunk.start;
+            let blocks = block_cut(layout, k, &split.cuts[k]).shard(rank);
+            let first = first_block[group.tensors.start];
             let name = format!("{}.adamw", group.name);
-            super::build::moments(g, &name, format, base..base + sh.chunk(range.len()), 0..0)
+            let (elems, blocks) = (
+                base..base + chunk.len(),
+                first + blocks.start..first + blocks.end,
+            );
+            super::build::moments(g, &name, format, elems, blocks)
         })
         .collect()
 }
@@ -82,19 +154,20 @@ pub(super) fn shard_moments(
 pub(super) fn collectives(
     g: &mut Builder,
     layout: &ParamLayout,
-    sh: &Sharding,
+    split: &Split,
     params: &Segments,
     grads: &Segments,
     micro: usize,
 ) -> Segments {
+    let sh = &split.sh;
     let groups: Vec<std::ops::Range<usize>> =
         grads.segments.iter().map(|s| s.range.clone()).collect();
-    let scratch = |g: &mut Builder, name: &str, dtype: DType, n: usize| {
+    let scratch = |g: &mut Builder, name: &str, dtype: DType, cut: &Cut| {
         g.buf(
             format!("{name}.comm"),
             Category::Communication,
             dtype,
-            sh.scratch(n),
+            cut.scratch(),
         )
     };
     let storage = g.buffers[grads.segments[0].buf.0].dtype;
@@ -131,11 +204,12 @@ pub(super) fn collectives(
     for (k, range) in groups.iter().enumerate() {
         let name = layout.groups[k].name.clone();
         let grad = grads.segments[k].buf;
-        let n = range.len();
+        let cut = &split.cuts[k];
         if !sh.zero.shards_optimizer() {
             let op = Op::AllReduce {
                 buf: grad,
-                scratch: scratch(g, &format!("{name}.grad"), storage, n),
+                scratch: scratch(g, &format!("{name}.grad"), storage, cut),
+                group: k,
             };
             let at = norm_at[k];
             let micro = g.ops[at].micro;
@@ -150,13 +224,14 @@ pub(super) fn collectives(
             ));
             continue;
         }
-        // The elements this rank owns (an empty range at its shard's start when it owns
-        // padding only).
-        let base = sh.shard_base(range);
-        let owned = Some(sh.owned(range))
+        // The elements this rank owns (an empty range at its chunk's start when it owns
+        // padding or nothing).
+        let chunk = cut.shard(sh.rank);
+        let base = range.start + chunk.start;
+        let owned = Some(split.owned(range, k))
             .filter(|o| !o.is_empty())
             .unwrap_or(base..base);
-        let shard = g.act(format!("{name}.grad.shard"), Category::Grad, sh.chunk(n));
+        let shard = g.act(format!("{name}.grad.shard"), Category::Grad, chunk.len());
         let shard_binding = Binding { buf: shard, base };
         // Gradients: reduce-scattered once final (ZeRO 1, or one micro-batch), or every
         // micro-batch from a buffer of its own (ZeRO 2).
@@ -172,7 +247,7 @@ pub(super) fn collectives(
                 let buf = if j == 0 {
                     grad
                 } else {
-                    let id = g.act(format!("mb{j}.{name}.grad"), Category::Grad, sh.padded(n));
+                    let id = g.act(format!("mb{j}.{name}.grad"), Category::Grad, cut.len());
                     let mut first = None;
                     for (i, e) in g.ops.iter_mut().enumerate() {
                         if writes(e, j, grad) {
@@ -196,8 +271,9 @@ pub(super) fn collectives(
                 let op = Op::ReduceScatter {
                     buf,
                     shard,
-                    scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, n),
+                    scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, cut),
                     accumulate: j > 0,
+                    group: k,
                 };
                 after.push((
                     last,
@@ -213,8 +289,9 @@ pub(super) fn collectives(
             let op = Op::ReduceScatter {
                 buf: grad,
                 shard,
-                scratch: scratch(g, &format!("{name}.grad"), storage, n),
+                scratch: scratch(g, &format!("{name}.grad"), storage, cut),
                 accumulate: false,
+                group: k,
             };
             let at = norm_at[k];
             let micro = g.ops[at].micro;
@@ -239,12 +316,12 @@ pub(super) fn collectives(
         if sh.zero.shards_params() {
             let full = &g.buffers[params.segments[k].buf.0];
             let (shard_name, category) = (format!("{}.shard", full.name), full.category);
-            let shard_params = g.persistent(&shard_name, category, DType::F32, sh.chunk(n));
+            let shard_params = g.persistent(&shard_name, category, DType::F32, chunk.len());
             g.ops[upd].params = Some(Binding {
                 buf: shard_params,
                 base,
             });
-            gather_spans(g, params.segments[k].buf, shard_params, &mut before);
+            gather_spans(g, params.segments[k].buf, shard_params, k, &mut before);
             shards.push(Segment {
                 range: owned,
                 buf: shard_params,
@@ -259,6 +336,7 @@ pub(super) fn collectives(
             let op = Op::AllGather {
                 buf: params.segments[k].buf,
                 shard: None,
+                group: k,
             };
             after.push((
                 upd,
@@ -274,10 +352,16 @@ pub(super) fn collectives(
     }
 }
 
-/// ZeRO 3: splits the uses of a group's transient parameter buffer `full` into spans (runs
-/// of ops with no other parameter group's op in between, within one phase class), gives
-/// each span a gathered copy of its own and inserts its all-gather from `shard`.
-fn gather_spans(g: &mut Builder, full: BufId, shard: BufId, before: &mut Vec<(usize, OpEntry)>) {
+/// ZeRO 3: splits the uses of group `group`'s transient parameter buffer `full` into spans
+/// (runs of ops with no other parameter group's op in between, within one phase class),
+/// gives each span a gathered copy of its own and inserts its all-gather from `shard`.
+fn gather_spans(
+    g: &mut Builder,
+    full: BufId,
+    shard: BufId,
+    group: usize,
+    before: &mut Vec<(usize, OpEntry)>,
+) {
     let uses: Vec<usize> = (0..g.ops.len())
         .filter(|&i| g.ops[i].params.is_some_and(|b| b.buf == full))
         .collect();
@@ -319,6 +403,7 @@ fn gather_spans(g: &mut Builder, full: BufId, shard: BufId, before: &mut Vec<(us
             op: Op::AllGather {
                 buf: copy,
                 shard: Some(shard),
+                group,
             },
             flops: 0,
             params: None,

@@ -68,6 +68,11 @@ pub struct Span {
     /// writes during a step): which way it went.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub direction: Option<Direction>,
+    /// For a collective of another rank than the one that wrote the profile (rank 0): that
+    /// rank, whose span was sent to rank 0 (times on rank 0's clock, aligned by a barrier
+    /// when profiling started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
 }
 
 /// Everything recorded for one profiled step.

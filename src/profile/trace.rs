@@ -1,7 +1,8 @@
 //! `trace.json` in the Chrome trace event format (the JSON object form, opened by Perfetto
 //! and chrome://tracing): one process with three tracks — compute (every op of the profiled
 //! steps inside its step), I/O (batches staged, checkpoints written, tier transfers) and
-//! communication (collectives) — plus counter tracks: the plan's bytes by category at each op
+//! communication (collectives; under `mpirun`, rank 0's, then one track per other rank:
+//! `communication, rank r`) — plus counter tracks: the plan's bytes by category at each op
 //! in host RAM, the disk tier's live bytes (`--offload`), and the measured resident memory
 //! above the process baseline. Each read and write of the disk tier during a step is a
 //! complete event on the I/O track with its bytes, direction and GB/s.
@@ -22,6 +23,11 @@ fn tid(track: Track) -> u32 {
         Track::Io => 2,
         Track::Communication => 3,
     }
+}
+
+/// The track of another rank's collectives (sent to rank 0, which writes the trace).
+fn rank_tid(rank: u32) -> u32 {
+    100 + rank
 }
 
 fn track_name(track: Track) -> &'static str {
@@ -47,6 +53,24 @@ pub fn chrome_trace(plan: &PlanJson, profile: &Profile, timeline: &MemoryTimelin
         ev.push(
             json!({"ph": "M", "pid": PID, "tid": tid(track), "name": "thread_sort_index",
                        "args": {"sort_index": tid(track)}}),
+        );
+    }
+    // The other ranks' communication tracks, one per rank below rank 0's.
+    let mut ranks: Vec<u32> = profile
+        .steps
+        .iter()
+        .flat_map(|s| s.spans.iter().filter_map(|sp| sp.rank))
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    for r in ranks {
+        ev.push(
+            json!({"ph": "M", "pid": PID, "tid": rank_tid(r), "name": "thread_name",
+                       "args": {"name": format!("communication, rank {r}")}}),
+        );
+        ev.push(
+            json!({"ph": "M", "pid": PID, "tid": rank_tid(r), "name": "thread_sort_index",
+                       "args": {"sort_index": rank_tid(r)}}),
         );
     }
     let cats = &timeline.categories;
@@ -109,7 +133,8 @@ pub fn chrome_trace(plan: &PlanJson, profile: &Profile, timeline: &MemoryTimelin
             if let Some(d) = sp.direction {
                 args["direction"] = json!(d.name());
             }
-            ev.push(json!({"ph": "X", "pid": PID, "tid": tid(sp.track),
+            let tid = sp.rank.map_or(tid(sp.track), rank_tid);
+            ev.push(json!({"ph": "X", "pid": PID, "tid": tid,
                            "name": sp.name, "cat": track_name(sp.track),
                            "ts": sp.start_us, "dur": dur, "args": args}));
         }

@@ -438,32 +438,34 @@ impl CpuDevice {
     fn collective<T: Elem + crate::dist::Summable>(
         &self,
         op: &Op,
+        cut: &crate::dist::Cut,
         comm: &dyn crate::dist::Comm,
     ) -> Result<()> {
         use crate::dist::ring;
         match op {
-            Op::AllReduce { buf, scratch } => {
-                ring::all_reduce(comm, self.view::<T>(*buf), self.view::<T>(*scratch))
+            Op::AllReduce { buf, scratch, .. } => {
+                ring::all_reduce(comm, self.view::<T>(*buf), cut, self.view::<T>(*scratch))
             }
             Op::ReduceScatter {
                 buf,
                 shard,
                 scratch,
                 accumulate,
+                ..
             } => ring::reduce_scatter(
                 comm,
                 self.view::<T>(*buf),
+                cut,
                 self.view::<T>(*shard),
                 self.view::<T>(*scratch),
                 *accumulate,
             ),
-            Op::AllGather { buf, shard } => {
+            Op::AllGather { buf, shard, .. } => {
                 let full = self.view::<T>(*buf);
                 if let Some(shard) = shard {
-                    let mine = self.view::<T>(*shard);
-                    full[comm.rank() * mine.len()..][..mine.len()].copy_from_slice(mine);
+                    full[cut.shard(comm.rank())].copy_from_slice(self.view::<T>(*shard));
                 }
-                ring::all_gather(comm, full)
+                ring::all_gather(comm, full, cut)
             }
             other => bail!("internal error: {other:?} is not a collective"),
         }
@@ -502,11 +504,16 @@ impl Device for CpuDevice {
         (start + bytes as u64 <= end).then(|| unsafe { self.arena.view_mut::<u8>(start, bytes) })
     }
 
-    fn run_collective(&self, e: &OpEntry, comm: &dyn crate::dist::Comm) -> Result<()> {
+    fn run_collective(
+        &self,
+        e: &OpEntry,
+        cut: &crate::dist::Cut,
+        comm: &dyn crate::dist::Comm,
+    ) -> Result<()> {
         match self.buffers[e.op.reads_writes().1[0].0].dtype {
-            DType::Bf16 => self.collective::<bf16>(&e.op, comm),
-            DType::F16 => self.collective::<f16>(&e.op, comm),
-            DType::F32 => self.collective::<f32>(&e.op, comm),
+            DType::Bf16 => self.collective::<bf16>(&e.op, cut, comm),
+            DType::F16 => self.collective::<f16>(&e.op, cut, comm),
+            DType::F32 => self.collective::<f32>(&e.op, cut, comm),
             other => bail!("internal error: a collective over {other:?} elements"),
         }
     }

@@ -60,12 +60,22 @@ fn elem_of(dtype: DType) -> OutData<'static> {
 const PIECE: usize = 1 << 20;
 
 /// The sharded arrays of a checkpoint, in the order the writer reads them (the parameters
-/// at stage 3, then m and v from stage 1), each as (group elements, this rank's shard
-/// buffer) per group. The message schedule: every rank other than 0 sends, array by array,
-/// group by group, its shard in pieces of [`PIECE`] elements (padding included); rank 0
+/// at stage 3, then m and v from stage 1, then the 8-bit moments' block scales), each as one
+/// [`Part`] per group. The message schedule: every rank other than 0 sends, array by array,
+/// group by group, its chunk in pieces of [`PIECE`] elements (padding included); rank 0
 /// receives them in that order, rank by rank.
 struct Shards {
-    arrays: Vec<Vec<(Range<usize>, BufId)>>,
+    arrays: Vec<Vec<Part>>,
+}
+
+/// One group's share of a sharded array.
+struct Part {
+    /// The array's elements the group holds.
+    held: Range<usize>,
+    /// This rank's chunk of them.
+    own: BufId,
+    /// How the group's elements are cut among the ranks (in the array's elements).
+    cut: crate::dist::Cut,
 }
 
 /// A piece of the schedule: (array, group, rank ≥ 1, piece).
@@ -111,15 +121,16 @@ impl<'e> Stream<'e> {
         }
     }
 
-    /// Bytes of the shard buffer of group `k` of array `a`, and of one of its elements.
-    fn shard_bytes(&self, a: usize, k: usize) -> (usize, usize) {
-        let b = self.ex.plan.buffer(self.shards.arrays[a][k].1);
-        (b.bytes as usize, b.dtype.size())
+    /// Bytes of rank `r`'s chunk of group `k` of array `a`, and of one of its elements.
+    fn shard_bytes(&self, a: usize, k: usize, r: usize) -> (usize, usize) {
+        let part = &self.shards.arrays[a][k];
+        let size = self.ex.plan.buffer(part.own).dtype.size();
+        (part.cut.shard(r).len() * size, size)
     }
 
-    /// The byte range of piece `j` within a shard.
-    fn piece(&self, (a, k, _, j): At) -> Range<usize> {
-        let (bytes, size) = self.shard_bytes(a, k);
+    /// The byte range of piece `j` within a chunk.
+    fn piece(&self, (a, k, r, j): At) -> Range<usize> {
+        let (bytes, size) = self.shard_bytes(a, k, r);
         let lo = j * PIECE * size;
         lo..(lo + PIECE * size).min(bytes)
     }
@@ -140,7 +151,7 @@ impl<'e> Stream<'e> {
                 (a, k, r, j) = (a + 1, 0, 1, 0);
             } else if r >= n {
                 (k, r, j) = (k + 1, 1, 0);
-            } else if j * PIECE * self.shard_bytes(a, k).1 >= self.shard_bytes(a, k).0 {
+            } else if j * PIECE * self.shard_bytes(a, k, r).1 >= self.shard_bytes(a, k, r).0 {
                 (r, j) = (r + 1, 0);
             } else {
                 return Some((a, k, r, j));
@@ -185,7 +196,7 @@ impl Shards {
     /// A rank other than 0: sends its part of the schedule.
     fn serve(&self, ex: &Executor) -> Result<()> {
         for groups in &self.arrays {
-            for (_, shard) in groups {
+            for Part { own: shard, .. } in groups {
                 let mut out = Ok(());
                 ex.device.download(&[*shard], &mut |b| {
                     let size = ex.plan.buffer(*shard).dtype.size();
@@ -216,8 +227,8 @@ impl<'e> Gathered<'e> {
         Gathered {
             stream,
             a,
-            elem: elem_of(s.ex.plan.buffer(groups[0].1).dtype),
-            len: groups.last().map_or(0, |g| g.0.end),
+            elem: elem_of(s.ex.plan.buffer(groups[0].own).dtype),
+            len: groups.last().map_or(0, |g| g.held.end),
         }
     }
 }
@@ -238,16 +249,20 @@ impl Lend for Gathered<'_> {
     ) -> Result<()> {
         let mut stream = self.stream.borrow_mut();
         let (ex, shards) = (stream.ex, stream.shards);
-        for (k, (held, own)) in shards.arrays[self.a].iter().enumerate() {
+        for (k, Part { held, own, cut }) in shards.arrays[self.a].iter().enumerate() {
             let (lo, hi) = (range.start.max(held.start), range.end.min(held.end));
             if lo >= hi {
                 continue;
             }
-            // Group elements lo..hi: chunk r (S elements each) is rank r's shard.
-            let s = ex.plan.buffer(*own).elems;
+            // Group elements lo..hi: chunk r of the cut is rank r's shard.
             let (rel_lo, rel_hi) = (lo - held.start, hi - held.start);
-            for r in rel_lo / s..=(rel_hi - 1) / s {
-                let (c_lo, c_hi) = (rel_lo.max(r * s) - r * s, rel_hi.min((r + 1) * s) - r * s);
+            for r in 0..cut.ranks() {
+                let chunk = cut.shard(r);
+                let (c_lo, c_hi) = (rel_lo.max(chunk.start), rel_hi.min(chunk.end));
+                if c_lo >= c_hi {
+                    continue;
+                }
+                let (c_lo, c_hi) = (c_lo - chunk.start, c_hi - chunk.start);
                 if r == 0 {
                     let mut out = Ok(());
                     ex.device.download(&[*own], &mut |b| {
@@ -331,47 +346,74 @@ impl Executor {
         // Arrays sharded among ranks are gathered into rank 0's writer group by group; the
         // other ranks serve their shards in the order it reads them (parameters, then m, v).
         let layout = &self.plan.layout;
-        let groups = |bufs: Vec<BufId>| -> Vec<(Range<usize>, BufId)> {
-            layout
-                .groups
-                .iter()
-                .map(|g| layout.group_range(g))
-                .zip(bufs)
+        let groups = |bufs: Vec<BufId>| -> Vec<Part> {
+            let held = layout.groups.iter().map(|g| layout.group_range(g));
+            (held.zip(bufs).zip(&self.plan.cuts))
+                .map(|((held, own), cut)| Part {
+                    held,
+                    own,
+                    cut: cut.clone(),
+                })
                 .collect()
         };
         let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
-        let shards = {
-            let mut arrays = Vec::new();
-            if params_sharded {
-                arrays.push(groups(implicit.params.bufs()));
-            }
-            if moments_sharded {
-                arrays.push(groups(optim.iter().map(|o| o.m).collect()));
-                arrays.push(groups(optim.iter().map(|o| o.v).collect()));
-            }
-            Shards { arrays }
+        // 8-bit moments' scales, sharded by blocks: (block range held, buffer, cut) per group.
+        let (first_block, _) = layout.block_offsets(crate::plan::strategy::QBLOCK);
+        let scale_parts = |pick: fn(&OptimBufs) -> Option<BufId>| -> Option<Vec<Part>> {
+            optim
+                .iter()
+                .enumerate()
+                .map(|(k, o)| {
+                    let cut = crate::plan::zero::block_cut(layout, k, &self.plan.cuts[k]);
+                    let first = first_block[layout.groups[k].tensors.start];
+                    Some(Part {
+                        held: first..first + cut.len(),
+                        own: pick(o)?,
+                        cut,
+                    })
+                })
+                .collect()
         };
+        let scales_sharded = moments_sharded && optim.iter().any(|o| o.m_scale.is_some());
+        // The sharded arrays in the order the writer reads them (the weights, then m, its
+        // scales, v, its scales) and the index of each in that schedule.
+        let mut arrays = Vec::new();
+        let mut push = |parts: Vec<Part>| {
+            arrays.push(parts);
+            Some(arrays.len() - 1)
+        };
+        let params_at = params_sharded
+            .then(|| push(groups(implicit.params.bufs())))
+            .flatten();
+        let m_at = moments_sharded
+            .then(|| push(groups(optim.iter().map(|o| o.m).collect())))
+            .flatten();
+        let m_scale_at = scales_sharded
+            .then(|| push(scale_parts(|o| o.m_scale)?))
+            .flatten();
+        let v_at = moments_sharded
+            .then(|| push(groups(optim.iter().map(|o| o.v).collect())))
+            .flatten();
+        let v_scale_at = scales_sharded
+            .then(|| push(scale_parts(|o| o.v_scale)?))
+            .flatten();
+        let shards = Shards { arrays };
         if self.comm.rank() != 0 {
             shards.serve(self)?;
             return Ok(crate::run_dir::RunDir::new(run_dir).checkpoint(state.step));
         }
         let stream = std::cell::RefCell::new(Stream::new(self, &shards));
         let stream = &stream;
-        // The index of each sharded array in the schedule.
-        let params_at = 0;
-        let m_at = usize::from(params_sharded);
-        let lend =
-            |at: usize, sharded: bool, parts: Vec<(Range<usize>, BufId)>| -> Box<dyn Lend + '_> {
-                if sharded {
-                    Box::new(Gathered::new(stream, at))
-                } else {
-                    Box::new(Stored::new(self, parts))
-                }
-            };
+        // A sharded array streams in; the others are lent from where they are.
+        let lend = |at: Option<usize>, parts: Vec<(Range<usize>, BufId)>| -> Box<dyn Lend + '_> {
+            match at {
+                Some(at) => Box::new(Gathered::new(stream, at)),
+                None => Box::new(Stored::new(self, parts)),
+            }
+        };
         let segments = &implicit.params.segments;
         let params = lend(
             params_at,
-            params_sharded,
             segments.iter().map(|s| (s.range.clone(), s.buf)).collect(),
         );
         let parts = |pick: fn(&OptimBufs) -> BufId| -> Vec<(Range<usize>, BufId)> {
@@ -381,9 +423,9 @@ impl Executor {
                 .map(|(k, o)| (self.moment_elems(k, o), pick(o)))
                 .collect()
         };
-        let m = lend(m_at, moments_sharded, parts(|o| o.m));
-        let v = lend(m_at + 1, moments_sharded, parts(|o| o.v));
-        let scales = |pick: fn(&OptimBufs) -> Option<BufId>| {
+        let m = lend(m_at, parts(|o| o.m));
+        let v = lend(v_at, parts(|o| o.v));
+        let scales = |at: Option<usize>, pick: fn(&OptimBufs) -> Option<BufId>| {
             let bufs: Option<Vec<(Range<usize>, BufId)>> = optim
                 .iter()
                 .map(|o| {
@@ -392,9 +434,12 @@ impl Executor {
                     Some((o.block_base..o.block_base + n, id))
                 })
                 .collect();
-            bufs.map(|b| Stored::new(self, b))
+            bufs.map(|b| lend(at, b))
         };
-        let (m_absmax, v_absmax) = (scales(|o| o.m_scale), scales(|o| o.v_scale));
+        let (m_absmax, v_absmax) = (
+            scales(m_scale_at, |o| o.m_scale),
+            scales(v_scale_at, |o| o.v_scale),
+        );
         let lent = LentState {
             params: &*params,
             moments: LentMoments {
@@ -404,7 +449,7 @@ impl Executor {
                 absmax: m_absmax
                     .as_ref()
                     .zip(v_absmax.as_ref())
-                    .map(|(a, b)| [a as &dyn Lend, b as &dyn Lend]),
+                    .map(|(a, b)| [&**a, &**b]),
             },
         };
         let (spec, layout) = (&self.plan.spec, &self.plan.layout);

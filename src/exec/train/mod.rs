@@ -187,16 +187,18 @@ impl Run<'_> {
         progress.finish();
         self.metrics.flush()?;
         let report = match &self.profile {
-            Some(p) if !p.steps.is_empty() => match profiling::write_profile(&self.dir, p) {
-                Ok(html) => Some(html),
-                Err(e) => {
-                    progress.message(&format!(
+            Some(p) if !p.steps.is_empty() && self.ex.comm().rank() == 0 => {
+                match profiling::write_profile(&self.dir, p) {
+                    Ok(html) => Some(html),
+                    Err(e) => {
+                        progress.message(&format!(
                         "warning: the report could not be written ({e:#}); `memwall report {}` retries",
                         opts.out.display()
                     ));
-                    None
+                        None
+                    }
                 }
-            },
+            }
             _ => None,
         };
         let leak = self.leak.report();

@@ -125,11 +125,15 @@ impl<'a> Run<'a> {
         let batch = vec![0u32; rows * (opts.seq + 1)];
         let metrics = MetricsLog::append_to(&dir.metrics_of(rank))?;
 
+        // Every rank profiles; rank 0 writes the files (the run directory's), with the
+        // others' collectives (`profiling::gather_comm_spans`). The barrier lines up the
+        // ranks' time zeros to within its own latency.
+        if opts.profile_steps > 0 {
+            ex.comm().barrier()?;
+        }
         let epoch = Instant::now();
         let n_ops = ex.plan.schedule.ops.len();
-        // Rank 0 profiles (its files are the run directory's; the others' would overwrite
-        // them): its trace has the communication track.
-        let profile = (opts.profile_steps > 0 && rank == 0).then(|| Profile {
+        let profile = (opts.profile_steps > 0).then(|| Profile {
             baseline_rss: baseline,
             steps: Vec::new(),
         });

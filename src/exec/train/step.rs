@@ -291,6 +291,11 @@ impl Run<'_> {
         };
         p.steps.push(sp);
         if p.steps.len() as u64 == self.opts.profile_steps || self.step == self.opts.steps {
+            // Every rank profiles; rank 0 alone writes, with the others' collectives.
+            super::profiling::gather_comm_spans(self.ex.comm(), p)?;
+            if self.ex.comm().rank() != 0 {
+                return Ok(());
+            }
             self.metrics.flush()?;
             // A report that cannot be written (a full disk, say) must not end the run.
             match write_profile(&self.dir, p) {
