@@ -736,8 +736,16 @@ fn resolve_step(
 /// One line: the plan's predicted step time, its bound, and where the calibration came from.
 fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Calibration) -> String {
     let tokens = (plan.cfg.batch * plan.cfg.grad_accum * plan.cfg.seq) as f64;
+    let comm = if plan.cfg.ranks > 1 {
+        format!(
+            "\n  predicted collectives         {:.2} s beside compute, {:.2} s of it exposed (at the time model's bandwidth)",
+            t.comm_s, t.comm_wait_s
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "  predicted step time          {:.2} s ({:.0} tokens/s; {}-bound: compute {:.2} s, disk {:.2} s, waiting {:.2} s)\n  time model                   {}",
+        "  predicted step time          {:.2} s ({:.0} tokens/s; {}-bound: compute {:.2} s, disk {:.2} s, waiting {:.2} s){comm}\n  time model                   {}",
         t.step_s,
         tokens / t.step_s,
         format!("{:?}", t.bound).to_lowercase(),

@@ -150,6 +150,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
                 rss_bytes: rss_now,
                 process_step: Some(step as u64 + 1),
                 comm_s: None,
+                comm_wait_s: None,
                 comm_bytes: None,
             }),
             val_loss: None,

@@ -11,10 +11,12 @@ use crate::dist::{Comm, Single};
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, DType, Mode, OptimBufs, OptimState, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
+use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
+use std::time::Instant;
 
 mod checkpoint;
 
@@ -41,9 +43,10 @@ pub struct StepStats {
     pub grad_norm: f32,
     /// The update was skipped because the gradients were not finite (fp16 overflow).
     pub skipped: bool,
-    /// Seconds spent in collectives (none overlapped with compute: exposed communication);
-    /// 0 for one process.
+    /// Seconds the communication thread spent in collectives; 0 for one process.
     pub comm_s: f64,
+    /// Seconds the ops waited for collectives (communication not hidden by compute).
+    pub comm_wait_s: f64,
     /// Bytes this rank sent during the step, as the transport counted them.
     pub comm_bytes: u64,
 }
@@ -77,6 +80,8 @@ pub struct Executor {
     pending: Option<AdamWStep>,
     /// Seconds spent in collectives since the last [`Executor::train_step`] began.
     comm_s: f64,
+    /// Of which the ops waited for (not overlapped with compute).
+    comm_wait_s: f64,
     /// The collectives run while ops were recorded: (op index, start, end), reserved for
     /// one step's (see [`Executor::take_io_spans`]).
     comm_spans: Vec<(usize, std::time::Instant, std::time::Instant)>,
@@ -189,6 +194,7 @@ impl Executor {
             pending: None,
             comm,
             comm_s: 0.0,
+            comm_wait_s: 0.0,
             comm_spans: Vec::new(),
         })
     }
@@ -559,6 +565,7 @@ impl Executor {
         assert_eq!(self.plan.mode, Mode::Train);
         self.norm_shares.clear();
         self.comm_s = 0.0;
+        self.comm_wait_s = 0.0;
         let sent_before = self.comm.bytes_sent();
         let o = if self.plan.schedule.deferred_update {
             let pending = self.pending.take();
@@ -584,6 +591,7 @@ impl Executor {
             grad_norm: o.grad_norm,
             skipped: o.skipped,
             comm_s: self.comm_s,
+            comm_wait_s: self.comm_wait_s,
             comm_bytes: self.comm.bytes_sent() - sent_before,
         })
     }
@@ -813,60 +821,128 @@ impl Executor {
         let comm = &*self.comm;
         let cuts = &self.plan.cuts;
         let partial_norms = sharded.then_some(comm);
-        let mut comm_s = 0.0;
+        let (mut comm_s, mut comm_wait_s) = (0.0, 0.0);
         let comm_spans = &mut self.comm_spans;
-        device.scope(&mut || {
-            for &i in ops {
-                let e = &plan.schedule.ops[i];
-                if matches!(e.op, Op::AdamW { .. }) {
-                    if let (None, Some(hp)) = (outcome, hp) {
-                        match settle(shares, loss_scale, hp, partial_norms) {
-                            Ok((o, update)) => {
-                                ctx.update = update;
-                                outcome = Some(o);
+        let has_collectives = ops
+            .iter()
+            .any(|&i| plan.schedule.ops[i].op.collective_group().is_some());
+        std::thread::scope(|scope| {
+            // The communication thread: the collectives the ops start, in schedule order,
+            // each reported back (op, result, start, end) as it ends.
+            let (jobs, job_rx) = mpsc::channel::<usize>();
+            let (done_tx, done) = mpsc::channel::<(usize, Result<()>, Instant, Instant)>();
+            let thread = has_collectives.then(|| {
+                scope.spawn(move || {
+                    for i in job_rx {
+                        let e = &plan.schedule.ops[i];
+                        let group = e.op.collective_group().expect("only collectives are sent");
+                        let t0 = Instant::now();
+                        let result = device
+                            .run_collective(e, &cuts[group], comm)
+                            .with_context(|| format!("op {}", e.name));
+                        let failed = result.is_err();
+                        if done_tx.send((i, result, t0, Instant::now())).is_err() || failed {
+                            break;
+                        }
+                    }
+                })
+            });
+            let mut in_flight: VecDeque<usize> = VecDeque::new();
+            // Waits for the oldest collective in flight to end (owning the receiver, which
+            // the worker that runs the ops must not share).
+            let busy = &mut comm_s;
+            let mut finish_one =
+                move |in_flight: &mut VecDeque<usize>, recording: bool| -> Result<()> {
+                    let i = in_flight.pop_front().expect("a collective in flight");
+                    let Ok((j, result, t0, t1)) = done.recv() else {
+                        bail!(
+                            "internal error: the communication thread ended before op {}",
+                            plan.schedule.ops[i].name
+                        );
+                    };
+                    debug_assert_eq!(i, j, "collectives end in the order they started");
+                    *busy += (t1 - t0).as_secs_f64();
+                    if recording && comm_spans.len() < comm_spans.capacity() {
+                        comm_spans.push((j, t0, t1));
+                    }
+                    result
+                };
+            device.scope(&mut || {
+                for &i in ops {
+                    let e = &plan.schedule.ops[i];
+                    if matches!(e.op, Op::AdamW { .. }) {
+                        if let (None, Some(hp)) = (outcome, hp) {
+                            match settle(shares, loss_scale, hp, partial_norms) {
+                                Ok((o, update)) => {
+                                    ctx.update = update;
+                                    outcome = Some(o);
+                                }
+                                Err(err) => {
+                                    failed = Some(err.context("gathering the gradient norm"));
+                                    return;
+                                }
                             }
+                        }
+                        if ctx.update.is_none() {
+                            continue;
+                        }
+                    }
+                    let t0 = recorder.as_ref().map(|_| Instant::now());
+                    if e.op.collective_group().is_some() {
+                        // Started here, run beside the ops that follow.
+                        if jobs.send(i).is_err() {
+                            failed = Some(anyhow::anyhow!(
+                                "internal error: the communication thread is gone (op {})",
+                                e.name
+                            ));
+                            return;
+                        }
+                        in_flight.push_back(i);
+                    } else if let Op::AwaitCollective { bufs } = &e.op {
+                        let t = Instant::now();
+                        // The collective on bufs[0] and those before it (they end in order).
+                        let key = |j: &usize| plan.schedule.ops[*j].op.collective_buf();
+                        if let Some(pos) = in_flight.iter().rposition(|j| key(j) == Some(bufs[0])) {
+                            for _ in 0..=pos {
+                                if let Err(err) = finish_one(&mut in_flight, recorder.is_some()) {
+                                    failed = Some(err);
+                                    return;
+                                }
+                            }
+                        }
+                        comm_wait_s += t.elapsed().as_secs_f64();
+                    } else {
+                        match device.run(e, &ctx) {
+                            Ok(OpResult::SumOfSquares(sq)) => {
+                                let Op::GradNorm { range } = &e.op else {
+                                    unreachable!("only GradNorm ops return a sum of squares")
+                                };
+                                shares.push((range.start, sq));
+                            }
+                            Ok(OpResult::Done) => {}
                             Err(err) => {
-                                failed = Some(err.context("gathering the gradient norm"));
+                                failed = Some(err.context(format!("op {}", e.name)));
                                 return;
                             }
                         }
                     }
-                    if ctx.update.is_none() {
-                        continue;
-                    }
-                }
-                let t0 = recorder.as_ref().map(|_| std::time::Instant::now());
-                if let Some(group) = e.op.collective_group() {
-                    let t = std::time::Instant::now();
-                    if let Err(err) = device.run_collective(e, &cuts[group], comm) {
-                        failed = Some(err.context(format!("op {}", e.name)));
-                        return;
-                    }
-                    comm_s += t.elapsed().as_secs_f64();
                     if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
                         r.record(i, t0);
-                        if comm_spans.len() < comm_spans.capacity() {
-                            comm_spans.push((i, t0, std::time::Instant::now()));
-                        }
-                    }
-                    continue;
-                }
-                match device.run(e, &ctx) {
-                    Ok(OpResult::SumOfSquares(sq)) => {
-                        let Op::GradNorm { range } = &e.op else {
-                            unreachable!("only GradNorm ops return a sum of squares")
-                        };
-                        shares.push((range.start, sq));
-                    }
-                    Ok(OpResult::Done) => {}
-                    Err(err) => {
-                        failed = Some(err.context(format!("op {}", e.name)));
-                        return;
                     }
                 }
-                if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
-                    r.record(i, t0);
+            });
+            // What is still in flight: a run of part of the schedule, or one that failed.
+            drop(jobs);
+            let t = Instant::now();
+            while !in_flight.is_empty() {
+                if let Err(err) = finish_one(&mut in_flight, recorder.is_some()) {
+                    failed.get_or_insert(err);
+                    in_flight.clear();
                 }
+            }
+            comm_wait_s += t.elapsed().as_secs_f64();
+            if let Some(t) = thread {
+                t.join().expect("the communication thread does not panic");
             }
         });
         // The transfers the ops started are done (each is awaited within the ops that need
@@ -879,6 +955,7 @@ impl Executor {
         }
         self.recorder = recorder;
         self.comm_s += comm_s;
+        self.comm_wait_s += comm_wait_s;
         match failed {
             Some(e) => Err(e),
             None => Ok(outcome),

@@ -700,6 +700,7 @@ fn finish(
 /// Checks that no op writes a buffer whose bytes overlap another buffer the same op touches
 /// (the executor relies on this to hand out `&mut` and `&` views of one arena).
 fn verify_ops(plan: &Plan) -> Result<()> {
+    verify_collectives(plan)?;
     for e in &plan.schedule.ops {
         let (r, w) = e.touches();
         for wid in &w {
@@ -716,6 +717,38 @@ fn verify_ops(plan: &Plan) -> Result<()> {
                         o.name
                     );
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every collective is awaited later in the step, and that no op in between
+/// touches its buffers (the communication thread works on them meanwhile).
+fn verify_collectives(plan: &Plan) -> Result<()> {
+    let ops = &plan.schedule.ops;
+    for (i, e) in ops.iter().enumerate() {
+        let Some(buf) = e.op.collective_buf() else {
+            continue;
+        };
+        let awaited = ops[i + 1..]
+            .iter()
+            .position(|x| matches!(&x.op, Op::AwaitCollective { bufs } if bufs[0] == buf))
+            .map(|k| i + 1 + k);
+        let Some(end) = awaited else {
+            bail!("internal error: collective {} is never awaited", e.name);
+        };
+        let (r, w) = e.op.reads_writes();
+        for x in &ops[i + 1..end] {
+            let (xr, xw) = x.touches();
+            let clash = xr.iter().any(|b| w.contains(b))
+                || xw.iter().any(|b| w.contains(b) || r.contains(b));
+            if clash && x.op.collective_buf().is_none() {
+                bail!(
+                    "internal error: op {} touches the buffers of collective {} before it is awaited",
+                    x.name,
+                    e.name
+                );
             }
         }
     }

@@ -306,6 +306,11 @@ pub enum Op {
         shard: Option<BufId>,
         group: usize,
     },
+    /// Waits until the collective on `bufs[0]` (its `buf`), started earlier in the step,
+    /// is done. Collectives run on the rank's communication thread, in schedule order,
+    /// beside the ops between the collective and this one, which touch none of `bufs` (the
+    /// collective's buffers, kept live until here).
+    AwaitCollective { bufs: Vec<BufId> },
 }
 
 /// An op with its display name, phase, arithmetic cost, and where it finds the parameters
@@ -515,6 +520,7 @@ impl Op {
             | GradNorm { .. }
             | Transfer { .. }
             | AwaitTransfers { .. }
+            | AwaitCollective { .. }
             | AllReduce { .. }
             | ReduceScatter { .. }
             | AllGather { .. } => vec![],
@@ -600,7 +606,7 @@ impl Op {
                 v
             }
             Transfer { from, to } => vec![from, to],
-            AwaitTransfers { bufs } => bufs.iter_mut().collect(),
+            AwaitTransfers { bufs } | AwaitCollective { bufs } => bufs.iter_mut().collect(),
             AllReduce { buf, scratch, .. } => vec![buf, scratch],
             ReduceScatter {
                 buf,
@@ -613,6 +619,17 @@ impl Op {
                 v.extend(shard.as_mut());
                 v
             }
+        }
+    }
+
+    /// The buffer a collective works on (its `buf`, which no other collective of a step
+    /// names: an [`Op::AwaitCollective`] names it first); `None` for other ops.
+    pub fn collective_buf(&self) -> Option<BufId> {
+        match self {
+            Op::AllReduce { buf, .. }
+            | Op::ReduceScatter { buf, .. }
+            | Op::AllGather { buf, .. } => Some(*buf),
+            _ => None,
         }
     }
 
@@ -659,6 +676,7 @@ impl Op {
             | GeluBackward { .. }
             | Transfer { .. }
             | AwaitTransfers { .. }
+            | AwaitCollective { .. }
             | AllReduce { .. }
             | ReduceScatter { .. }
             | AllGather { .. } => vec![],
@@ -739,7 +757,7 @@ impl Op {
             EncoderBackward { dout, tokens, .. } => (vec![*dout, *tokens], vec![]),
             AdamW { state, .. } => (state.ids(), state.ids()),
             Transfer { from, to } => (vec![*from], vec![*to]),
-            AwaitTransfers { bufs } => (bufs.clone(), bufs.clone()),
+            AwaitTransfers { bufs } | AwaitCollective { bufs } => (bufs.clone(), bufs.clone()),
             GradNorm { .. } => (vec![], vec![]),
             AllReduce { buf, scratch, .. } => (vec![*buf], vec![*buf, *scratch]),
             ReduceScatter {

@@ -7,10 +7,11 @@
 //! machine actually ran (`exec::calibrate`). Without a calibration, [`Calibration::estimate`]
 //! derives the same coefficients from the machine's FMA peak, and says so.
 //!
-//! Transfers run on one I/O thread in schedule order; [`predict`] walks a step's ops with two
-//! clocks, compute and I/O: a `Transfer` starts when both the I/O thread is free and the
-//! compute clock has issued it, an `AwaitTransfers` moves the compute clock to the end of the
-//! transfers it waits for. The step ends when both clocks have. Like the plan, this needs no
+//! Transfers run on one I/O thread in schedule order, collectives on one communication
+//! thread; [`predict`] walks a step's ops with three clocks, compute, I/O and
+//! communication: a `Transfer` (a collective) starts when both its thread is free and the
+//! compute clock has issued it, an `AwaitTransfers` (`AwaitCollective`) moves the compute
+//! clock to the end of what it waits for. The step ends when every clock has. Like the plan, this needs no
 //! backend: the calibration is data.
 
 use super::schedule::{Op, OpEntry, Phase};
@@ -197,7 +198,9 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::AdamW { state, .. } => {
             return Some(format!("adamw.{}/{storage}", state.format));
         }
-        Op::Transfer { .. } | Op::AwaitTransfers { .. } => return None,
+        Op::Transfer { .. } | Op::AwaitTransfers { .. } | Op::AwaitCollective { .. } => {
+            return None;
+        }
         Op::AllReduce { buf, .. } => return Some(collective_kind("all_reduce", plan, *buf)),
         Op::ReduceScatter { buf, .. } => {
             return Some(collective_kind("reduce_scatter", plan, *buf));
@@ -238,7 +241,7 @@ pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
         Op::Encoder { out: a, .. } | Op::EncoderBackward { dout: a, .. } => {
             2.0 * plan.buffer(*a).bytes as f64
         }
-        Op::Transfer { .. } | Op::AwaitTransfers { .. } => 0.0,
+        Op::Transfer { .. } | Op::AwaitTransfers { .. } | Op::AwaitCollective { .. } => 0.0,
         // What the rank sends (and receives as much): its time is bandwidth.
         Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
             plan.comm_bytes(e) as f64
@@ -284,6 +287,10 @@ pub struct StepTime {
     pub io_s: f64,
     /// Seconds the compute waits for transfers.
     pub stall_s: f64,
+    /// Seconds the communication thread is busy with collectives (ranks).
+    pub comm_s: f64,
+    /// Seconds the compute waits for collectives: communication not hidden.
+    pub comm_wait_s: f64,
     /// Seconds of the update's ops (`Optimizer` and `DeferredUpdate` phases), in `compute_s`.
     pub update_s: f64,
     pub bound: Bound,
@@ -300,6 +307,9 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
     let disk = cal.disk_rates();
     let mut estimated = cal.source == Source::Estimate;
     let (mut tc, mut ti, mut stall, mut busy) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    // The communication thread's clock, and the compute clock's waits for it.
+    let (mut tcomm, mut comm_wait) = (0.0f64, 0.0f64);
+    let mut comm_kinds: std::collections::BTreeSet<String> = Default::default();
     // End time of the last transfer into or out of each staging buffer.
     let mut done: Vec<f64> = vec![0.0; plan.buffers.len()];
     let mut by_kind: BTreeMap<String, f64> = BTreeMap::new();
@@ -328,6 +338,25 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
                 stall += until - tc;
                 tc = until;
             }
+            Op::AwaitCollective { bufs } => {
+                let until = done[bufs[0].0].max(tc);
+                comm_wait += until - tc;
+                tc = until;
+            }
+            Op::AllReduce { buf, .. }
+            | Op::ReduceScatter { buf, .. }
+            | Op::AllGather { buf, .. } => {
+                let kind = op_kind(plan, e).expect("collectives have a kind");
+                let cost = *costs.entry(kind.clone()).or_insert_with(|| {
+                    estimated |= !cal.kinds.contains_key(&kind);
+                    cal.cost(&kind)
+                });
+                let s = cost.seconds(e.flops, op_bytes(plan, e));
+                tcomm = tcomm.max(tc) + s;
+                done[buf.0] = tcomm;
+                *by_kind.entry(kind.clone()).or_default() += s;
+                comm_kinds.insert(kind);
+            }
             _ => {
                 let kind = op_kind(plan, e).expect("compute ops have a kind");
                 let cost = *costs.entry(kind.clone()).or_insert_with(|| {
@@ -343,8 +372,9 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
             }
         }
     }
-    let compute_s: f64 = by_kind.values().sum();
-    let step_s = tc.max(ti);
+    let comm_s: f64 = comm_kinds.iter().map(|k| by_kind[k]).sum();
+    let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s;
+    let step_s = tc.max(ti).max(tcomm);
     let mut by_kind: Vec<(String, f64)> = by_kind.into_iter().collect();
     by_kind.sort_by(|a, b| b.1.total_cmp(&a.1));
     StepTime {
@@ -352,6 +382,8 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
         compute_s,
         io_s: busy,
         stall_s: stall + (ti - tc).max(0.0),
+        comm_s,
+        comm_wait_s: comm_wait + (tcomm - tc.max(ti)).max(0.0),
         update_s,
         bound: if busy > compute_s {
             Bound::Io

@@ -2,11 +2,13 @@
 //! runs the same plan on its own batch; this module declares what a rank keeps and inserts
 //! the collectives ([`Op::AllReduce`], [`Op::ReduceScatter`], [`Op::AllGather`]) that keep
 //! the ranks' state consistent. Collective buffers are plan buffers: a group's gradients
-//! and parameters are padded to `N·S` ([`Sharding`]) so the ring collectives work in place,
-//! and each collective has a scratch piece (category `communication`) for what it receives.
-//! With 8-bit optimizer state the groups are cut at the blocks' edges instead ([`Split`]),
-//! so each rank's moments are whole blocks: the same blocks, and so the same arithmetic, as
-//! one process's.
+//! and parameters are padded to `N·S` ([`Sharding::even`]) so the ring collectives work in
+//! place, and each collective has a scratch piece (category `communication`) for what it
+//! receives. With 8-bit optimizer state the groups are cut at the blocks' edges instead
+//! ([`Sharding::at_edges`]), so each rank's moments are whole blocks: the same blocks, and
+//! so the same arithmetic, as one process's. Each collective runs beside the ops after it
+//! until its [`Op::AwaitCollective`] (`overlap`); stage 3 gathers the next group's
+//! parameters while the current one computes (`prefetch`).
 //!
 //! Per parameter group (embeddings, each block, the final norm), on each rank:
 //! - `--zero 0`: parameters, gradients and moments whole. The group's gradients are
@@ -173,6 +175,8 @@ pub(super) fn collectives(
     let storage = g.buffers[grads.segments[0].buf.0].dtype;
     // Inserts: (before op index, entry), applied at the end in order.
     let mut before: Vec<(usize, OpEntry)> = Vec::new();
+    // ZeRO 3: each span's all-gather, with the span's first op (placed by `prefetch`).
+    let mut gathers: Vec<(usize, OpEntry)> = Vec::new();
     let mut after: Vec<(usize, OpEntry)> = Vec::new();
     let entry = |name: String, phase: Phase, micro: usize, op: Op| OpEntry {
         name,
@@ -321,7 +325,7 @@ pub(super) fn collectives(
                 buf: shard_params,
                 base,
             });
-            gather_spans(g, params.segments[k].buf, shard_params, k, &mut before);
+            gather_spans(g, params.segments[k].buf, shard_params, k, &mut gathers);
             shards.push(Segment {
                 range: owned,
                 buf: shard_params,
@@ -344,7 +348,9 @@ pub(super) fn collectives(
             ));
         }
     }
+    before.extend(prefetch(g, gathers));
     apply(g, before, after);
+    overlap(g);
     if sh.zero.shards_params() {
         Segments { segments: shards }
     } else {
@@ -354,13 +360,14 @@ pub(super) fn collectives(
 
 /// ZeRO 3: splits the uses of group `group`'s transient parameter buffer `full` into spans
 /// (runs of ops with no other parameter group's op in between, within one phase class),
-/// gives each span a gathered copy of its own and inserts its all-gather from `shard`.
+/// gives each span a gathered copy of its own, and adds to `gathers` the all-gather from
+/// `shard` that fills it, with the span's first op ([`prefetch`] places it).
 fn gather_spans(
     g: &mut Builder,
     full: BufId,
     shard: BufId,
     group: usize,
-    before: &mut Vec<(usize, OpEntry)>,
+    gathers: &mut Vec<(usize, OpEntry)>,
 ) {
     let uses: Vec<usize> = (0..g.ops.len())
         .filter(|&i| g.ops[i].params.is_some_and(|b| b.buf == full))
@@ -410,8 +417,119 @@ fn gather_spans(
             grads: None,
             micro: g.ops[first].micro,
         };
-        before.push((first, e));
+        gathers.push((first, e));
     }
+}
+
+/// ZeRO 3: where each span's all-gather goes, `gathers` being (the span's first op, its
+/// all-gather): just before the previous span's first op (of whichever group) in the same
+/// phase class, so the next group's parameters arrive while the current group computes
+/// (awaited just before its span, [`overlap`]); the first span of a phase class's before
+/// its own first op.
+fn prefetch(g: &Builder, mut gathers: Vec<(usize, OpEntry)>) -> Vec<(usize, OpEntry)> {
+    gathers.sort_by_key(|(first, _)| *first);
+    let mut placed = Vec::with_capacity(gathers.len());
+    let mut prev: Option<usize> = None;
+    for (first, e) in gathers {
+        let class = phase_class(g.ops[first].phase);
+        let at = match prev {
+            Some(p) if phase_class(g.ops[p].phase) == class => p,
+            _ => first,
+        };
+        placed.push((at, e));
+        prev = Some(first);
+    }
+    placed
+}
+
+/// Phases whose ops a collective may overlap: the forward; the recompute and backward; the
+/// update. A collective is awaited within its own.
+fn phase_class(p: Phase) -> u8 {
+    match p {
+        Phase::Forward => 0,
+        Phase::Recompute | Phase::Backward => 1,
+        Phase::Optimizer | Phase::DeferredUpdate => 2,
+    }
+}
+
+/// Runs each collective beside the ops after it (the executor's communication thread takes
+/// them in schedule order): inserts its [`Op::AwaitCollective`] just before the first later
+/// op that touches its buffers, but no later than just after the next collective of its
+/// kind starts, nor past its phase. So a group's exchange runs beside the compute of the
+/// next group (the backward of the group before it; at stage 3 also the gathering of the
+/// next group's parameters), and at most two groups' buffers of a kind are in flight. A
+/// gradient-norm share that reads the collective's result moves to just after the await.
+fn overlap(g: &mut Builder) {
+    let colls: Vec<usize> = (0..g.ops.len())
+        .filter(|&i| g.ops[i].op.collective_group().is_some())
+        .collect();
+    // (insert before index, entries): the await, then the norm shares it lets through.
+    let mut awaits: Vec<(usize, OpEntry)> = Vec::new();
+    let mut moved: Vec<usize> = Vec::new();
+    for (c, &i) in colls.iter().enumerate() {
+        let (r, w) = g.ops[i].op.reads_writes();
+        let buf = g.ops[i].op.collective_buf().expect("a collective");
+        let class = phase_class(g.ops[i].phase);
+        let kind = std::mem::discriminant(&g.ops[i].op);
+        let next = colls[c + 1..]
+            .iter()
+            .find(|&&j| std::mem::discriminant(&g.ops[j].op) == kind)
+            .map_or(g.ops.len(), |&j| j + 1);
+        let mut at = next;
+        let mut norms = Vec::new();
+        for j in i + 1..next {
+            let e = &g.ops[j];
+            if phase_class(e.phase) != class {
+                at = j;
+                break;
+            }
+            let (er, ew) = e.touches();
+            let conflict = er.iter().any(|b| w.contains(b))
+                || ew.iter().any(|b| w.contains(b) || r.contains(b));
+            if conflict && matches!(e.op, Op::GradNorm { .. }) && !moved.contains(&j) {
+                norms.push(j);
+            } else if conflict {
+                at = j;
+                break;
+            }
+        }
+        let mut bufs = vec![buf];
+        bufs.extend(r.iter().chain(&w).copied().filter(|b| *b != buf));
+        bufs.sort_by_key(|b| (*b != buf, b.0));
+        bufs.dedup();
+        // The await keeps the collective's phase (the op it lands before may be the next
+        // phase's first).
+        awaits.push((
+            at,
+            OpEntry {
+                name: format!("{}.await", g.ops[i].name),
+                phase: g.ops[i].phase,
+                op: Op::AwaitCollective { bufs },
+                flops: 0,
+                params: None,
+                grads: None,
+                micro: g.ops[i].micro,
+            },
+        ));
+        for j in norms {
+            awaits.push((at, g.ops[j].clone()));
+            moved.push(j);
+        }
+    }
+    let n = g.ops.len();
+    let mut pre: Vec<Vec<OpEntry>> = vec![Vec::new(); n + 1];
+    for (at, e) in awaits {
+        pre[at].push(e);
+    }
+    let mut ops = Vec::with_capacity(n + pre.iter().map(Vec::len).sum::<usize>());
+    for (j, e) in std::mem::take(&mut g.ops).into_iter().enumerate() {
+        ops.append(&mut pre[j]);
+        if !moved.contains(&j) {
+            ops.push(e);
+        }
+    }
+    ops.append(&mut pre[n]);
+    g.ops = ops;
 }
 
 /// Inserts `before[i]` entries just before op i and `after[i]` just after it, in the order

@@ -41,10 +41,14 @@ pub struct Update {
     /// leak check's clock.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process_step: Option<u64>,
-    /// Multi-process runs: seconds this rank spent in collectives during the step, none of
-    /// it overlapped with compute (exposed communication).
+    /// Multi-process runs: seconds this rank's communication thread spent in collectives
+    /// during the step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_s: Option<f64>,
+    /// Multi-process runs: seconds the step's ops waited for collectives (communication not
+    /// overlapped with compute: exposed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_wait_s: Option<f64>,
     /// Multi-process runs: bytes this rank sent during the step, as its transport counted
     /// them (the plan's `comm_bytes_per_step`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -163,6 +167,7 @@ mod tests {
                 rss_bytes: Some(1 << 20),
                 process_step: Some(step),
                 comm_s: None,
+                comm_wait_s: None,
                 comm_bytes: None,
             }),
             val_loss: (step == 2).then_some(10.75),

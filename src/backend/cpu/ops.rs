@@ -494,8 +494,11 @@ impl CpuDevice {
             Op::Transfer { .. } | Op::AwaitTransfers { .. } => {
                 unreachable!("the device runs transfers itself")
             }
-            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
-                unreachable!("collectives run through Device::run_collective")
+            Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::AwaitCollective { .. } => {
+                unreachable!("the executor runs collectives through Device::run_collective")
             }
         }
         OpResult::Done

@@ -50,8 +50,11 @@ pub struct TrainSummary {
     pub final_loss: f32,
     pub final_val_loss: Option<f32>,
     pub tokens_per_s: f64,
-    /// Multi-process runs: the share of step time spent in collectives, none overlapped
-    /// with compute (after the first step).
+    /// Multi-process runs: the share of step time the communication thread spent in
+    /// collectives (after the first step).
+    pub comm_frac: Option<f64>,
+    /// Of step time, the share the ops waited for collectives: communication not hidden
+    /// behind compute.
     pub comm_exposed_frac: Option<f64>,
     pub plan_total_bytes: u64,
     pub baseline_bytes: u64,
@@ -82,10 +85,11 @@ impl TrainSummary {
             fmt_bytes(self.plan_total_bytes),
             fmt_bytes(self.baseline_bytes)
         );
-        if let Some(f) = self.comm_exposed_frac {
+        if let (Some(busy), Some(exposed)) = (self.comm_frac, self.comm_exposed_frac) {
             s.push_str(&format!(
-                "\ncommunication: {:.1}% of step time in collectives, none overlapped with compute",
-                100.0 * f
+                "\ncommunication: collectives busy {:.1}% of step time, beside compute; {:.1}% exposed (ops waiting for them)",
+                100.0 * busy,
+                100.0 * exposed
             ));
         }
         if let Some(c) = &self.last_checkpoint {
@@ -177,6 +181,7 @@ struct Run<'a> {
     timed_secs: f64,
     /// Of `timed_secs`, the seconds in collectives (exposed communication).
     timed_comm_secs: f64,
+    timed_comm_wait_secs: f64,
 }
 
 impl Run<'_> {
@@ -216,8 +221,10 @@ impl Run<'_> {
             } else {
                 0.0
             },
-            comm_exposed_frac: (self.ex.comm().size() > 1 && self.timed_secs > 0.0)
+            comm_frac: (self.ex.comm().size() > 1 && self.timed_secs > 0.0)
                 .then(|| self.timed_comm_secs / self.timed_secs),
+            comm_exposed_frac: (self.ex.comm().size() > 1 && self.timed_secs > 0.0)
+                .then(|| self.timed_comm_wait_secs / self.timed_secs),
             plan_total_bytes: self.plan_total,
             baseline_bytes: self.baseline,
             peak_rss_bytes: rss::peak_rss(),

@@ -166,6 +166,7 @@ impl<'a> Run<'a> {
             timed_tokens: 0.0,
             timed_secs: 0.0,
             timed_comm_secs: 0.0,
+            timed_comm_wait_secs: 0.0,
         })
     }
 }

@@ -102,6 +102,7 @@ impl Run<'_> {
             self.timed_tokens += self.tokens_per_step;
             self.timed_secs += secs;
             self.timed_comm_secs += stats.comm_s;
+            self.timed_comm_wait_secs += stats.comm_wait_s;
         }
         self.final_loss = stats.loss;
         let val_loss = if due(opts.eval_every, step, opts.steps) {
@@ -228,6 +229,7 @@ impl Run<'_> {
                 rss_bytes: rss_now,
                 process_step: Some(step - self.first_step),
                 comm_s: (self.ex.comm().size() > 1).then_some(stats.comm_s),
+                comm_wait_s: (self.ex.comm().size() > 1).then_some(stats.comm_wait_s),
                 comm_bytes: (self.ex.comm().size() > 1).then_some(stats.comm_bytes),
             }),
             val_loss,
