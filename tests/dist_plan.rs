@@ -231,3 +231,45 @@ fn the_cli_plans_one_rank_and_refuses_zero_outside_mpirun() {
     let e = common::fails(&["bench", "--model", "gpt2-tiny", "--zero", "1"]);
     assert!(e.contains("bench measures one process"), "{e}");
 }
+
+#[test]
+fn collectives_overlap_compute_and_the_time_model_hides_them() {
+    use memwall::plan::time::{Calibration, predict};
+    let cal = Calibration::estimate("test cpu".into(), 1, 100.0);
+    for zero in 0..=3u8 {
+        let p = plan("gpt2", 4, 256, 2, zero, |_| {});
+        let ops = &p.schedule.ops;
+        // Every collective but the last of each phase has compute between its start and its
+        // await; at stage 3 the forward's gathers run one group ahead.
+        let mut overlapped = 0;
+        let mut collectives = 0;
+        for (i, e) in ops.iter().enumerate() {
+            let Some(buf) = e.op.collective_buf() else {
+                continue;
+            };
+            collectives += 1;
+            let end = i + ops[i..]
+                .iter()
+                .position(|x| matches!(&x.op, Op::AwaitCollective { bufs } if bufs[0] == buf))
+                .expect("every collective is awaited");
+            let compute = ops[i + 1..end].iter().any(|x| {
+                x.op.collective_buf().is_none() && !matches!(x.op, Op::AwaitCollective { .. })
+            });
+            overlapped += usize::from(compute);
+        }
+        assert!(
+            overlapped + 3 >= collectives,
+            "zero {zero}: {overlapped} of {collectives} collectives beside compute"
+        );
+        // The time model runs them on their own clock: most of their time is hidden.
+        let t = predict(&p, &cal);
+        assert!(t.comm_s > 0.0, "zero {zero}");
+        assert!(
+            t.comm_wait_s < 0.5 * t.comm_s,
+            "zero {zero}: {} s of {} s exposed",
+            t.comm_wait_s,
+            t.comm_s
+        );
+        assert!(t.step_s < t.compute_s + t.comm_s, "zero {zero}");
+    }
+}

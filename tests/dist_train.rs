@@ -48,11 +48,18 @@ struct Outcome {
     planned: u64,
 }
 
-fn train(cfg: StepConfig, comm: Arc<dyn Comm>, rows_per_rank: usize, steps: u64) -> Outcome {
+fn train(
+    cfg: StepConfig,
+    comm: Arc<dyn Comm>,
+    rows_per_rank: usize,
+    steps: u64,
+    comm_thread: bool,
+) -> Outcome {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
     let planned = plan.comm_bytes_per_step();
     let mut ex = Executor::among(plan, &Cpu, comm.clone()).unwrap();
+    ex.set_comm_thread(comm_thread);
     let layout = ParamLayout::new(&spec);
     let mut init = layout.initializer(3);
     ex.fill_params(|r, p| {
@@ -82,8 +89,16 @@ fn train(cfg: StepConfig, comm: Arc<dyn Comm>, rows_per_rank: usize, steps: u64)
     }
 }
 
-/// `ranks` ranks of batch `b` as threads, stage `zero`, moments in `format`.
-fn ranks(zero: u8, ranks: usize, b: usize, steps: u64, format: OptimState) -> Vec<Outcome> {
+/// `ranks` ranks of batch `b` as threads, stage `zero`, moments in `format`, collectives on a
+/// communication thread or inline.
+fn ranks(
+    zero: u8,
+    ranks: usize,
+    b: usize,
+    steps: u64,
+    format: OptimState,
+    comm_thread: bool,
+) -> Vec<Outcome> {
     let group: Vec<Arc<dyn Comm>> = Local::group(ranks)
         .into_iter()
         .map(|c| Arc::new(c) as Arc<dyn Comm>)
@@ -99,7 +114,7 @@ fn ranks(zero: u8, ranks: usize, b: usize, steps: u64, format: OptimState) -> Ve
                     cfg.rank = rank;
                     cfg.zero = Zero(zero);
                     cfg.optim_state = format;
-                    train(cfg, comm, b, steps)
+                    train(cfg, comm, b, steps, comm_thread)
                 })
             })
             .collect();
@@ -111,7 +126,7 @@ fn one_process(b: usize, accum: usize, steps: u64, format: OptimState) -> Outcom
     let mut cfg = StepConfig::new(b, SEQ, 1);
     cfg.grad_accum = accum;
     cfg.optim_state = format;
-    train(cfg, Arc::new(memwall::dist::Single), b * accum, steps)
+    train(cfg, Arc::new(memwall::dist::Single), b * accum, steps, true)
 }
 
 fn rel(a: f32, b: f32) -> f32 {
@@ -119,12 +134,24 @@ fn rel(a: f32, b: f32) -> f32 {
 }
 
 /// `n` ranks at every stage against one process accumulating `n` micro-batches: losses
-/// within 1e-5, norms within 1e-4, weights within 1e-3, bytes sent as planned.
+/// within 1e-5, norms within 1e-4, weights within 1e-3, bytes sent as planned; the weights
+/// bitwise the same whether collectives run on a communication thread or inline.
 fn ranks_match_accumulation(n: usize, format: OptimState, steps: u64) {
     let layout = ParamLayout::new(&ModelSpec::preset("gpt2-tiny").unwrap());
     let reference = one_process(2, n, steps, format);
     for zero in 0..=3u8 {
-        let out = ranks(zero, n, 2, steps, format);
+        let out = ranks(zero, n, 2, steps, format, true);
+        let inline = ranks(zero, n, 2, steps, format, false);
+        for (a, b) in out.iter().zip(&inline) {
+            assert_eq!(
+                a.losses, b.losses,
+                "n={n} zero={zero}: inline vs beside compute"
+            );
+            assert_eq!(
+                a.params, b.params,
+                "n={n} zero={zero}: inline vs beside compute"
+            );
+        }
         for (rank, o) in out.iter().enumerate() {
             for (k, (a, b)) in o.losses.iter().zip(&reference.losses).enumerate() {
                 assert!(

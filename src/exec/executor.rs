@@ -82,6 +82,9 @@ pub struct Executor {
     comm_s: f64,
     /// Of which the ops waited for (not overlapped with compute).
     comm_wait_s: f64,
+    /// Whether collectives run on a communication thread beside the ops (else inline,
+    /// where the op starts them: [`Executor::set_comm_thread`]).
+    comm_thread: bool,
     /// The collectives run while ops were recorded: (op index, start, end), reserved for
     /// one step's (see [`Executor::take_io_spans`]).
     comm_spans: Vec<(usize, std::time::Instant, std::time::Instant)>,
@@ -195,8 +198,17 @@ impl Executor {
             comm,
             comm_s: 0.0,
             comm_wait_s: 0.0,
+            comm_thread: true,
             comm_spans: Vec::new(),
         })
+    }
+
+    /// Runs collectives on a communication thread beside the ops that follow them (`true`,
+    /// the default) or inline, each where its op starts it (for machines with no core to
+    /// spare for the thread, [`crate::dist::spare_core_for_comm`]). Either way the results
+    /// are the same bits: the plan keeps a collective's buffers apart until its await.
+    pub fn set_comm_thread(&mut self, on: bool) {
+        self.comm_thread = on;
     }
 
     /// The ranks this executor runs with.
@@ -822,10 +834,26 @@ impl Executor {
         let cuts = &self.plan.cuts;
         let partial_norms = sharded.then_some(comm);
         let (mut comm_s, mut comm_wait_s) = (0.0, 0.0);
-        let comm_spans = &mut self.comm_spans;
-        let has_collectives = ops
-            .iter()
-            .any(|&i| plan.schedule.ops[i].op.collective_group().is_some());
+        // The collectives' spans, when recording (from the ops' worker or as they end).
+        let recording = recorder.is_some();
+        let comm_spans = std::sync::Mutex::new(&mut self.comm_spans);
+        let record_span = |i: usize, t0: Instant, t1: Instant| {
+            if recording {
+                let mut spans = comm_spans
+                    .lock()
+                    .expect("no thread panics holding the spans");
+                if spans.len() < spans.capacity() {
+                    spans.push((i, t0, t1));
+                }
+            }
+        };
+        let comm_thread = self.comm_thread;
+        let has_collectives = comm_thread
+            && ops
+                .iter()
+                .any(|&i| plan.schedule.ops[i].op.collective_group().is_some());
+        // Collectives run inline (no communication thread): all their time is exposed.
+        let mut inline_s = 0.0;
         std::thread::scope(|scope| {
             // The communication thread: the collectives the ops start, in schedule order,
             // each reported back (op, result, start, end) as it ends.
@@ -851,22 +879,20 @@ impl Executor {
             // Waits for the oldest collective in flight to end (owning the receiver, which
             // the worker that runs the ops must not share).
             let busy = &mut comm_s;
-            let mut finish_one =
-                move |in_flight: &mut VecDeque<usize>, recording: bool| -> Result<()> {
-                    let i = in_flight.pop_front().expect("a collective in flight");
-                    let Ok((j, result, t0, t1)) = done.recv() else {
-                        bail!(
-                            "internal error: the communication thread ended before op {}",
-                            plan.schedule.ops[i].name
-                        );
-                    };
-                    debug_assert_eq!(i, j, "collectives end in the order they started");
-                    *busy += (t1 - t0).as_secs_f64();
-                    if recording && comm_spans.len() < comm_spans.capacity() {
-                        comm_spans.push((j, t0, t1));
-                    }
-                    result
+            let record_span = &record_span;
+            let mut finish_one = move |in_flight: &mut VecDeque<usize>| -> Result<()> {
+                let i = in_flight.pop_front().expect("a collective in flight");
+                let Ok((j, result, t0, t1)) = done.recv() else {
+                    bail!(
+                        "internal error: the communication thread ended before op {}",
+                        plan.schedule.ops[i].name
+                    );
                 };
+                debug_assert_eq!(i, j, "collectives end in the order they started");
+                *busy += (t1 - t0).as_secs_f64();
+                record_span(j, t0, t1);
+                result
+            };
             device.scope(&mut || {
                 for &i in ops {
                     let e = &plan.schedule.ops[i];
@@ -888,7 +914,15 @@ impl Executor {
                         }
                     }
                     let t0 = recorder.as_ref().map(|_| Instant::now());
-                    if e.op.collective_group().is_some() {
+                    if let (Some(group), false) = (e.op.collective_group(), comm_thread) {
+                        let t = Instant::now();
+                        if let Err(err) = device.run_collective(e, &cuts[group], comm) {
+                            failed = Some(err.context(format!("op {}", e.name)));
+                            return;
+                        }
+                        inline_s += t.elapsed().as_secs_f64();
+                        record_span(i, t, Instant::now());
+                    } else if e.op.collective_group().is_some() {
                         // Started here, run beside the ops that follow.
                         if jobs.send(i).is_err() {
                             failed = Some(anyhow::anyhow!(
@@ -904,7 +938,7 @@ impl Executor {
                         let key = |j: &usize| plan.schedule.ops[*j].op.collective_buf();
                         if let Some(pos) = in_flight.iter().rposition(|j| key(j) == Some(bufs[0])) {
                             for _ in 0..=pos {
-                                if let Err(err) = finish_one(&mut in_flight, recorder.is_some()) {
+                                if let Err(err) = finish_one(&mut in_flight) {
                                     failed = Some(err);
                                     return;
                                 }
@@ -935,7 +969,7 @@ impl Executor {
             drop(jobs);
             let t = Instant::now();
             while !in_flight.is_empty() {
-                if let Err(err) = finish_one(&mut in_flight, recorder.is_some()) {
+                if let Err(err) = finish_one(&mut in_flight) {
                     failed.get_or_insert(err);
                     in_flight.clear();
                 }
@@ -954,8 +988,8 @@ impl Executor {
             }
         }
         self.recorder = recorder;
-        self.comm_s += comm_s;
-        self.comm_wait_s += comm_wait_s;
+        self.comm_s += comm_s + inline_s;
+        self.comm_wait_s += comm_wait_s + inline_s;
         match failed {
             Some(e) => Err(e),
             None => Ok(outcome),

@@ -87,7 +87,7 @@ impl TrainSummary {
         );
         if let (Some(busy), Some(exposed)) = (self.comm_frac, self.comm_exposed_frac) {
             s.push_str(&format!(
-                "\ncommunication: collectives busy {:.1}% of step time, beside compute; {:.1}% exposed (ops waiting for them)",
+                "\ncommunication: collectives busy {:.1}% of step time; {:.1}% exposed (ops waiting for them)",
                 100.0 * busy,
                 100.0 * exposed
             ));

@@ -64,16 +64,24 @@ impl<'a> Run<'a> {
         }
         comm.barrier()?;
         progress.message(&plan_line(opts, &spec, &plan, baseline));
+        let (comm_thread, why) = crate::dist::comm_thread_wanted(opts.threads, ranks);
         if ranks > 1 {
+            let thread = comm_thread;
             progress.message(&format!(
-                "ranks: {ranks} ({}), --zero {}; each rank sends {} per step",
+                "ranks: {ranks} ({}), --zero {}; each rank sends {} per step; collectives {} ({why})",
                 comm.describe(),
                 plan.cfg.zero,
-                fmt_bytes(plan.comm_bytes_per_step())
+                fmt_bytes(plan.comm_bytes_per_step()),
+                if thread {
+                    "beside compute, on a communication thread"
+                } else {
+                    "inline: no core to spare for a communication thread"
+                }
             ));
         }
         let plan_total = plan.total_bytes();
         let mut ex = Executor::among(plan, &Cpu, comm)?;
+        ex.set_comm_thread(comm_thread);
         if let Some(note) = ex.offload_note() {
             progress.message(&note);
         }
