@@ -205,7 +205,7 @@ impl Executor {
 
     /// Runs collectives on a communication thread beside the ops that follow them (`true`,
     /// the default) or inline, each where its op starts it (for machines with no core to
-    /// spare for the thread, [`crate::dist::spare_core_for_comm`]). Either way the results
+    /// spare for the thread, [`crate::dist::comm_thread_wanted`]). Either way the results
     /// are the same bits: the plan keeps a collective's buffers apart until its await.
     pub fn set_comm_thread(&mut self, on: bool) {
         self.comm_thread = on;
