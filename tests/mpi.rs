@@ -38,12 +38,17 @@ fn mpirun(np: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
     })
 }
 
-fn ok(o: &Output) -> String {
-    let text = format!(
+/// What a command printed, standard output then standard error.
+fn output_text(o: &Output) -> String {
+    format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
-    );
+    )
+}
+
+fn ok(o: &Output) -> String {
+    let text = output_text(o);
     assert!(o.status.success(), "failed:\n{text}");
     text
 }
@@ -85,6 +90,15 @@ fn run_args(data: &Path, out: &Path, b: usize, steps: u64) -> Vec<String> {
         steps.to_string(),
     ])
     .collect()
+}
+
+/// `train --resume RUN`.
+fn resume(run: &Path) -> Vec<String> {
+    vec![
+        "train".to_string(),
+        "--resume".into(),
+        run.display().to_string(),
+    ]
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
@@ -272,11 +286,7 @@ fn a_killed_rank_stops_the_run_which_resumes_bitwise_or_re_sharded() {
     let t0 = Instant::now();
     let o = mpirun(4, &strs(&args(&killed)), &[("MEMWALL_KILL_RANK", "1:15")]);
     let took = t0.elapsed();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let text = output_text(&o);
     assert!(!o.status.success(), "{text}");
     assert!(took < Duration::from_secs(60), "took {took:?}");
     assert!(text.contains("rank 1"), "the lost rank is named:\n{text}");
@@ -285,13 +295,6 @@ fn a_killed_rank_stops_the_run_which_resumes_bitwise_or_re_sharded() {
     let copy = dir.path().join("copy");
     copy_dir(&killed, &copy);
     // Resumed on the same 4 ranks: bitwise the uninterrupted run.
-    let resume = |run: &Path| {
-        vec![
-            "train".to_string(),
-            "--resume".into(),
-            run.display().to_string(),
-        ]
-    };
     ok(&mpirun(4, &strs(&resume(&killed)), &[]));
     let file =
         |run: &Path| std::fs::read(run.join("checkpoints/step-000020/model.safetensors")).unwrap();
@@ -353,13 +356,6 @@ fn int8_state_sharded_at_block_edges_trains_saves_and_resumes() {
     assert!(!o.status.success());
     let copy = dir.path().join("copy");
     copy_dir(&killed, &copy);
-    let resume = |run: &Path| {
-        vec![
-            "train".to_string(),
-            "--resume".into(),
-            run.display().to_string(),
-        ]
-    };
     ok(&mpirun(3, &strs(&resume(&killed)), &[]));
     let file = |run: &Path| {
         std::fs::read(run.join("checkpoints/step-000020/optimizer.safetensors")).unwrap()
@@ -388,11 +384,7 @@ fn an_error_on_one_rank_ends_every_rank() {
     args.extend(["--zero".into(), "1".into()]);
     let t0 = Instant::now();
     let o = mpirun(2, &strs(&args), &[]);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let text = output_text(&o);
     assert!(!o.status.success(), "{text}");
     assert!(
         t0.elapsed() < Duration::from_secs(60),
@@ -439,11 +431,7 @@ fn ranks_with_different_flags_and_zero_without_mpirun_are_refused() {
     .args([":", "-np", "1", BIN])
     .args(&b);
     let o = c.output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let text = output_text(&o);
     assert!(!o.status.success());
     assert!(
         text.contains("rank 1 was started with a different configuration"),

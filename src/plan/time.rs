@@ -307,9 +307,9 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
     let disk = cal.disk_rates();
     let mut estimated = cal.source == Source::Estimate;
     let (mut tc, mut ti, mut stall, mut busy) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    // The communication thread's clock, and the compute clock's waits for it.
-    let (mut tcomm, mut comm_wait) = (0.0f64, 0.0f64);
-    let mut comm_kinds: std::collections::BTreeSet<String> = Default::default();
+    // The communication thread's clock, its busy seconds, and the compute clock's waits
+    // for it.
+    let (mut tcomm, mut comm_s, mut comm_wait) = (0.0f64, 0.0f64, 0.0f64);
     // End time of the last transfer into or out of each staging buffer.
     let mut done: Vec<f64> = vec![0.0; plan.buffers.len()];
     let mut by_kind: BTreeMap<String, f64> = BTreeMap::new();
@@ -343,36 +343,27 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
                 comm_wait += until - tc;
                 tc = until;
             }
-            Op::AllReduce { buf, .. }
-            | Op::ReduceScatter { buf, .. }
-            | Op::AllGather { buf, .. } => {
-                let kind = op_kind(plan, e).expect("collectives have a kind");
-                let cost = *costs.entry(kind.clone()).or_insert_with(|| {
-                    estimated |= !cal.kinds.contains_key(&kind);
-                    cal.cost(&kind)
-                });
-                let s = cost.seconds(e.flops, op_bytes(plan, e));
-                tcomm = tcomm.max(tc) + s;
-                done[buf.0] = tcomm;
-                *by_kind.entry(kind.clone()).or_default() += s;
-                comm_kinds.insert(kind);
-            }
             _ => {
-                let kind = op_kind(plan, e).expect("compute ops have a kind");
+                let kind = op_kind(plan, e).expect("ops other than transfers have a kind");
                 let cost = *costs.entry(kind.clone()).or_insert_with(|| {
                     estimated |= !cal.kinds.contains_key(&kind);
                     cal.cost(&kind)
                 });
                 let s = cost.seconds(e.flops, op_bytes(plan, e));
-                tc += s;
                 *by_kind.entry(kind).or_default() += s;
-                if matches!(e.phase, Phase::Optimizer | Phase::DeferredUpdate) {
-                    update_s += s;
+                if let Some(buf) = e.op.collective_buf() {
+                    tcomm = tcomm.max(tc) + s;
+                    done[buf.0] = tcomm;
+                    comm_s += s;
+                } else {
+                    tc += s;
+                    if matches!(e.phase, Phase::Optimizer | Phase::DeferredUpdate) {
+                        update_s += s;
+                    }
                 }
             }
         }
     }
-    let comm_s: f64 = comm_kinds.iter().map(|k| by_kind[k]).sum();
     let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s;
     let step_s = tc.max(ti).max(tcomm);
     let mut by_kind: Vec<(String, f64)> = by_kind.into_iter().collect();
