@@ -73,8 +73,13 @@ and fp16, and in every optimizer-state format, with every op timed, and fits per
 seconds = a * FLOPs + b * bytes + c. With --offload-dir it also measures that directory's disk \
 (512 MiB written then read with direct I/O). The result is saved as JSON in the user cache \
 (~/.cache/memwall/calibration/threads-N.json), one file per thread count; without it, predicted \
-times are estimated from the FMA peak and say so. Run it again after changing the machine.",
-        after_help = "Examples:\n  memwall calibrate\n  memwall calibrate --threads 2 --offload-dir /mnt/nvme/tmp\n  memwall calibrate --json"
+times are estimated from the FMA peak and say so. Run it again after changing the machine.\n\n\
+Started by mpirun, it measures the transport instead: every rank runs the all-reduce, \
+reduce-scatter and all-gather that training runs, on f32, bf16 and f16 buffers of 64 Ki to 16 Mi \
+elements, and a fit of seconds = b * bytes sent + c per collective is saved as \
+~/.cache/memwall/calibration/ranks-N.json. Plans for N ranks (`plan --ranks N`, training under \
+mpirun) time their collectives with it; without it they assume 5 GB/s and say so.",
+        after_help = "Examples:\n  memwall calibrate\n  memwall calibrate --threads 2 --offload-dir /mnt/nvme/tmp\n  memwall calibrate --json\n  mpirun -np 2 memwall calibrate      # the collectives among 2 ranks"
     )]
     Calibrate(CalibrateArgs),
     /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
@@ -738,8 +743,10 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
     let tokens = (plan.cfg.batch * plan.cfg.grad_accum * plan.cfg.seq) as f64;
     let comm = if plan.cfg.ranks > 1 {
         format!(
-            "\n  predicted collectives         {:.2} s beside compute, {:.2} s of it exposed (at the time model's bandwidth)",
-            t.comm_s, t.comm_wait_s
+            "\n  predicted collectives         {:.2} s beside compute, {:.2} s of it exposed ({})",
+            t.comm_s,
+            t.comm_wait_s,
+            cal.describe_transport(plan.cfg.ranks)
         )
     } else {
         String::new()
@@ -770,7 +777,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     let (recompute, offload) = (r.strategies.recompute, r.strategies.offload);
     let cal = match &r.cal {
         Some(c) => c.clone(),
-        None => memwall::exec::calibrate::current(threads)?,
+        None => memwall::exec::calibrate_transport::current(threads, a.ranks)?,
     };
     // An over-budget fixed choice still prints its plan, then the refusal.
     let plan = match (recompute, offload) {
@@ -1092,6 +1099,9 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 
 fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
     use memwall::exec::calibrate;
+    if memwall::dist::launched() {
+        return calibrate_transport_cmd(a);
+    }
     let opts = calibrate::CalibrateOptions {
         threads: threads(a.threads)?,
         offload_dir: a.offload_dir,
@@ -1111,11 +1121,70 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
         return Ok(());
     }
     println!("{}", cal.describe());
+    print_costs(&cal.kinds);
+    println!("saved to {}", path.display());
+    Ok(())
+}
+
+/// `calibrate` under mpirun: the collectives among the ranks, saved by rank 0.
+fn calibrate_transport_cmd(a: CalibrateArgs) -> Result<()> {
+    use memwall::exec::calibrate_transport as transport;
+    if let Some(dir) = &a.offload_dir {
+        bail!(
+            "--offload-dir {}: under mpirun `calibrate` measures the transport only; measure the disk with `memwall calibrate --offload-dir {}` alone",
+            dir.display(),
+            dir.display()
+        );
+    }
+    let comm = memwall::dist::world(None)?;
+    let rank = comm.rank();
+    let result = (|| -> Result<()> {
+        let path = transport::cache_file(comm.size())
+            .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;
+        if rank == 0 {
+            eprintln!(
+                "measuring the collectives among {} ranks over {} (a few seconds)",
+                comm.size(),
+                comm.describe()
+            );
+        }
+        let t = transport::measure(comm.as_ref(), &mut |s| {
+            if rank == 0 {
+                eprintln!("  {s}");
+            }
+        })?;
+        if rank != 0 {
+            return Ok(());
+        }
+        transport::save(&t, &path)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&t)?);
+            return Ok(());
+        }
+        println!(
+            "collectives among {} ranks over {}, measured {}",
+            t.ranks, t.transport, t.at
+        );
+        print_costs(&t.kinds);
+        println!("saved to {}", path.display());
+        Ok(())
+    })();
+    if let Err(e) = &result
+        && comm.size() > 1
+    {
+        eprintln!("error (rank {rank}): {e:#}");
+        comm.abort(1);
+    }
+    result
+}
+
+/// A table of fitted costs by op kind (GB/s: bytes moved, or for a collective, sent).
+fn print_costs(kinds: &std::collections::BTreeMap<String, plan::time::Cost>) {
     println!(
         "  {:<26} {:>10} {:>12} {:>9} {:>8} {:>8}",
         "op kind", "GFLOP/s", "GB/s", "us/call", "ops", "fit err"
     );
-    for (k, c) in &cal.kinds {
+    for (k, c) in kinds {
         let rate = |s: f64, unit: f64| {
             if s > 0.0 {
                 format!("{:.1}", 1.0 / s / unit)
@@ -1133,8 +1202,6 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
             c.fit_error_pct
         );
     }
-    println!("saved to {}", path.display());
-    Ok(())
 }
 
 fn convert_cmd(a: ConvertArgs) -> Result<()> {

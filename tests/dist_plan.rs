@@ -273,3 +273,64 @@ fn collectives_overlap_compute_and_the_time_model_hides_them() {
         assert!(t.step_s < t.compute_s + t.comm_s, "zero {zero}");
     }
 }
+
+#[test]
+fn collectives_are_timed_on_the_transport_measured_for_that_many_ranks() {
+    use memwall::plan::time::{
+        Calibration, Cost, NOMINAL_COLLECTIVE_BYTES_PER_S, Transport, predict,
+    };
+    let nominal = Calibration::estimate("test cpu".into(), 1, 100.0);
+    // Every collective at 1 GB/s and 1 ms a call, as if measured among 2 ranks.
+    let cost = Cost {
+        s_per_flop: 0.0,
+        s_per_byte: 1e-9,
+        s_per_op: 1e-3,
+        samples: 5,
+        fit_error_pct: 0.0,
+    };
+    let mut measured = nominal.clone();
+    measured.transport = Some(Transport {
+        at: "2026-11-24T00:00:00Z".into(),
+        ranks: 2,
+        transport: "test".into(),
+        cpu: "test cpu".into(),
+        kinds: ["all_reduce", "reduce_scatter", "all_gather"]
+            .iter()
+            .map(|k| (format!("{k}/f32"), cost))
+            .collect(),
+    });
+    for zero in 0..=3 {
+        for ranks in [2, 3] {
+            let p = plan("gpt2-tiny", 2, 64, ranks, zero, |_| {});
+            let calls = p
+                .schedule
+                .ops
+                .iter()
+                .filter(|e| p.schedule.in_step(e.phase) && e.op.collective_buf().is_some())
+                .count() as f64;
+            // The schedule's collectives (the step's scalars go outside the time model).
+            let bytes = (p.comm_bytes_per_step() - p.scalar_comm_bytes()) as f64;
+            let (b, c) = if ranks == 2 {
+                (1e-9, 1e-3)
+            } else {
+                // Measured among 2 ranks, so not used for 3: the assumed bandwidth.
+                (1.0 / NOMINAL_COLLECTIVE_BYTES_PER_S, 10e-6)
+            };
+            let t = predict(&p, &measured);
+            let want = b * bytes + c * calls;
+            assert!(
+                (t.comm_s - want).abs() <= 1e-9 * want,
+                "--zero {zero}, {ranks} ranks: {} s, want {want} s",
+                t.comm_s
+            );
+            assert_eq!(predict(&p, &nominal).comm_s == t.comm_s, ranks == 3);
+            let text = measured.describe_transport(ranks);
+            let says = if ranks == 2 {
+                "measured among 2 ranks"
+            } else {
+                "assumed"
+            };
+            assert!(text.contains(says), "{text}");
+        }
+    }
+}

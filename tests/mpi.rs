@@ -448,3 +448,86 @@ fn ranks_with_different_flags_and_zero_without_mpirun_are_refused() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("mpirun -np N"), "{err}");
 }
+
+#[test]
+fn calibrating_under_mpirun_measures_the_collectives_that_plans_for_as_many_ranks_use() {
+    let cache = tempfile::tempdir().unwrap();
+    let xdg = cache.path().to_str().unwrap();
+    let env = [("XDG_CACHE_HOME", xdg)];
+    let text = ok(&mpirun(2, &["calibrate"], &env));
+    assert!(
+        text.contains("collectives among 2 ranks over MPI"),
+        "{text}"
+    );
+    assert!(text.contains("all_reduce/bf16"), "{text}");
+    let saved = cache.path().join("memwall/calibration/ranks-2.json");
+    let t: memwall::plan::time::Transport =
+        serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    assert_eq!((t.ranks, t.kinds.len()), (2, 9), "{t:?}");
+    assert!(
+        t.kinds
+            .values()
+            .all(|c| c.samples == 5 && c.s_per_byte > 0.0)
+    );
+
+    // `plan --ranks 2` times its collectives with it; `--ranks 3` has none measured.
+    let plan = |ranks: &str| -> serde_json::Value {
+        let o = common::memwall_env(
+            &env,
+            &[
+                "plan",
+                "--model",
+                "gpt2-tiny",
+                "--seq",
+                "64",
+                "--batch",
+                "2",
+                "--ranks",
+                ranks,
+                "--zero",
+                "1",
+                "--json",
+            ],
+        );
+        serde_json::from_str(&ok(&o)).unwrap()
+    };
+    let two = plan("2");
+    let said = two["predicted"]["collectives"].as_str().unwrap();
+    assert!(
+        said.starts_with("measured among 2 ranks over MPI"),
+        "{said}"
+    );
+    let three = plan("3");
+    let said = three["predicted"]["collectives"].as_str().unwrap();
+    assert!(
+        said.contains("assumed") && said.contains("mpirun -np 3 memwall calibrate"),
+        "{said}"
+    );
+
+    // The predicted seconds are the fitted costs' (the plan rebuilt here, the same way).
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut cfg = memwall::plan::StepConfig::new(2, 64, 2);
+    cfg.ranks = 2;
+    cfg.zero = memwall::dist::shard::Zero(1);
+    let p = memwall::plan::build_plan(
+        &spec,
+        &cfg,
+        memwall::plan::Mode::Train,
+        &memwall::backend::cpu::Cpu,
+    )
+    .unwrap();
+    let mut cal = memwall::plan::time::Calibration::estimate("any".into(), 2, 100.0);
+    cal.transport = Some(t);
+    let want = memwall::plan::time::predict(&p, &cal).comm_s;
+    let got = two["predicted"]["comm_s"].as_f64().unwrap();
+    assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}");
+
+    // Under mpirun, calibrate measures the transport only.
+    let o = mpirun(2, &["calibrate", "--offload-dir", xdg], &env);
+    assert!(!o.status.success());
+    assert!(
+        output_text(&o).contains("--offload-dir"),
+        "{}",
+        output_text(&o)
+    );
+}

@@ -319,7 +319,7 @@ pub fn cache_file(threads: usize) -> Option<PathBuf> {
 }
 
 /// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
-fn utc_now() -> String {
+pub(super) fn utc_now() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -418,6 +418,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         kinds,
         disk,
         disk_dir: opts.offload_dir.clone(),
+        transport: None,
     })
 }
 

@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod calibrate;
+pub mod calibrate_transport;
 pub mod executor;
 pub mod generate;
 pub mod lr;

@@ -74,6 +74,36 @@ pub struct Calibration {
     /// The offload directory that was measured.
     #[serde(default)]
     pub disk_dir: Option<std::path::PathBuf>,
+    /// The collectives among the plan's ranks, if they were measured (a file of their own per
+    /// rank count, attached when a plan for ranks is timed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<Transport>,
+}
+
+/// What the collectives cost among `ranks` processes, measured by
+/// `mpirun -np N memwall calibrate`: per kind (`all_reduce/f32`, `all_gather/bf16`, …),
+/// seconds from the bytes one rank sends (`s_per_byte · bytes + s_per_op`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Transport {
+    /// When it was measured (RFC 3339 UTC).
+    pub at: String,
+    pub ranks: usize,
+    /// The transport's description (`MPI (Open MPI 4.1.4)`, …).
+    pub transport: String,
+    /// The CPU's model name (a measurement taken on another CPU is not used).
+    pub cpu: String,
+    pub kinds: BTreeMap<String, Cost>,
+}
+
+/// Assumed bandwidth of a collective (bytes one rank sends per second) when the transport
+/// was not measured: processes of one machine move bytes through shared memory at about a
+/// quarter of the copy bandwidth each way.
+pub const NOMINAL_COLLECTIVE_BYTES_PER_S: f64 = 5e9;
+
+/// Whether an op kind (`all_reduce/f32`) is a collective.
+pub fn is_collective(kind: &str) -> bool {
+    let base = kind.split('/').next().unwrap_or(kind);
+    matches!(base, "all_reduce" | "reduce_scatter" | "all_gather")
 }
 
 /// Assumed disk bandwidth when none was measured (a SATA-class SSD's).
@@ -94,13 +124,26 @@ impl Calibration {
             kinds: BTreeMap::new(),
             disk: None,
             disk_dir: None,
+            transport: None,
         }
     }
 
-    /// The cost of `kind`: fitted, or else derived from the FMA peak.
-    pub fn cost(&self, kind: &str) -> Cost {
-        if let Some(c) = self.kinds.get(kind) {
-            return *c;
+    /// The fitted cost of `kind` on this machine, if it was measured: a collective's on the
+    /// transport measured among `ranks` ranks, any other from the op suite.
+    pub fn fitted(&self, kind: &str, ranks: usize) -> Option<Cost> {
+        if is_collective(kind) {
+            let t = self.transport.as_ref().filter(|t| t.ranks == ranks)?;
+            t.kinds.get(kind).copied()
+        } else {
+            self.kinds.get(kind).copied()
+        }
+    }
+
+    /// The cost of `kind` among `ranks` ranks: fitted ([`Calibration::fitted`]), or else
+    /// derived from the FMA peak (a collective's from [`NOMINAL_COLLECTIVE_BYTES_PER_S`]).
+    pub fn cost(&self, kind: &str, ranks: usize) -> Cost {
+        if let Some(c) = self.fitted(kind, ranks) {
+            return c;
         }
         let peak = self.fma_peak_gflops.max(1.0) * 1e9;
         let base = kind.split('/').next().unwrap_or(kind);
@@ -109,16 +152,17 @@ impl Calibration {
             "attention" | "attention_bwd" => 0.4,
             _ => 0.0,
         };
-        // Collectives between processes of one machine move bytes through shared memory,
-        // about a quarter of the copy bandwidth each way.
-        let collective = matches!(base, "all_reduce" | "reduce_scatter" | "all_gather");
         Cost {
             s_per_flop: if efficiency > 0.0 {
                 1.0 / (efficiency * peak)
             } else {
                 0.0
             },
-            s_per_byte: if collective { 1.0 / 5e9 } else { 1.0 / 20e9 },
+            s_per_byte: if is_collective(kind) {
+                1.0 / NOMINAL_COLLECTIVE_BYTES_PER_S
+            } else {
+                1.0 / 20e9
+            },
             s_per_op: 10e-6,
             samples: 0,
             fit_error_pct: 0.0,
@@ -128,6 +172,20 @@ impl Calibration {
     /// Disk bandwidth: measured, or [`NOMINAL_DISK`].
     pub fn disk_rates(&self) -> DiskRates {
         self.disk.unwrap_or(NOMINAL_DISK)
+    }
+
+    /// Where the collectives' figures come from, for a plan among `ranks` ranks.
+    pub fn describe_transport(&self, ranks: usize) -> String {
+        match &self.transport {
+            Some(t) if t.ranks == ranks => format!(
+                "measured among {} ranks over {} at {}",
+                t.ranks, t.transport, t.at
+            ),
+            _ => format!(
+                "at {:.0} GB/s assumed: `mpirun -np {ranks} memwall calibrate` measures the transport",
+                NOMINAL_COLLECTIVE_BYTES_PER_S / 1e9
+            ),
+        }
     }
 
     /// One line saying where the figures come from.
@@ -346,8 +404,9 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
             _ => {
                 let kind = op_kind(plan, e).expect("ops other than transfers have a kind");
                 let cost = *costs.entry(kind.clone()).or_insert_with(|| {
-                    estimated |= !cal.kinds.contains_key(&kind);
-                    cal.cost(&kind)
+                    let fitted = cal.fitted(&kind, plan.cfg.ranks);
+                    estimated |= fitted.is_none();
+                    fitted.unwrap_or_else(|| cal.cost(&kind, plan.cfg.ranks))
                 });
                 let s = cost.seconds(e.flops, op_bytes(plan, e));
                 *by_kind.entry(kind).or_default() += s;

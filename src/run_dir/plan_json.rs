@@ -234,6 +234,16 @@ impl PlanJson {
             "comm_s": t.comm_s, "comm_wait_s": t.comm_wait_s,
             "estimated": t.estimated, "calibration": cal.describe(),
         }));
+        if self.comm_bytes_per_step > 0 {
+            let ranks = self
+                .per_rank
+                .as_ref()
+                .and_then(|p| p["ranks"].as_u64())
+                .unwrap_or(1);
+            if let Some(p) = self.predicted.as_mut() {
+                p["collectives"] = cal.describe_transport(ranks as usize).into();
+            }
+        }
         self
     }
 

@@ -44,7 +44,7 @@ impl<'a> Run<'a> {
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
         let strategies = opts.strategies.with_offload_dir(&opts.out.join("offload"));
-        let calibration = crate::exec::calibrate::current(opts.threads)?;
+        let calibration = crate::exec::calibrate_transport::current(opts.threads, ranks)?;
         let plan = strategies.plan(
             &spec,
             (opts.batch, opts.seq, opts.threads),
