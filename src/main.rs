@@ -1143,7 +1143,7 @@ fn calibrate_transport_cmd(a: CalibrateArgs) -> Result<()> {
             .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;
         if rank == 0 {
             eprintln!(
-                "measuring the collectives among {} ranks over {} (a few seconds)",
+                "measuring the collectives among {} ranks over {} (about 10 s on 2 ranks)",
                 comm.size(),
                 comm.describe()
             );

@@ -11,6 +11,7 @@
 //! count; plans for that many ranks then time their collectives with it.
 
 use super::calibrate::{cpu_name, utc_now};
+use crate::backend::cpu::elem::Elem;
 use crate::dist::{Collective, Comm, Cut, Summable, ring};
 use crate::plan::time::{Calibration, Cost, Transport};
 use anyhow::{Context, Result, bail};
@@ -23,6 +24,11 @@ use std::time::Instant;
 /// to 16 Mi, the sizes of parameter groups' gradients (a GPT-2 124M block is 7 Mi), where a
 /// ring is bound by bandwidth and caches no longer hold the buffers.
 pub const SIZES: [usize; 5] = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24];
+
+/// Bytes written before each timed collective, more than a CPU's last-level cache holds: in
+/// a training step compute runs between collectives and evicts their buffers, so they are
+/// timed from memory, not from cache (measured: all-gathers 1.6x too fast without).
+pub const EVICT_BYTES: usize = 256 << 20;
 
 /// Timed repetitions per size (after one warm-up); the median is kept.
 pub const REPS: usize = 5;
@@ -42,6 +48,8 @@ pub fn measure(comm: &dyn Comm, progress: &mut dyn FnMut(&str)) -> Result<Transp
             "one rank has no collectives to measure: start it with `mpirun -np N memwall calibrate` (N >= 2)"
         );
     }
+    // [EVICT_BYTES] written before each repetition.
+    let mut evict = vec![0u8; EVICT_BYTES];
     let mut kinds = BTreeMap::new();
     for (c, name) in COLLECTIVES {
         for (dtype, size) in [("f32", 4), ("bf16", 2), ("f16", 2)] {
@@ -50,9 +58,9 @@ pub fn measure(comm: &dyn Comm, progress: &mut dyn FnMut(&str)) -> Result<Transp
             let mut samples = Vec::new();
             for elems in SIZES {
                 let secs = match dtype {
-                    "f32" => time_collective::<f32>(comm, c, elems)?,
-                    "bf16" => time_collective::<bf16>(comm, c, elems)?,
-                    _ => time_collective::<f16>(comm, c, elems)?,
+                    "f32" => time_collective::<f32>(comm, c, elems, &mut evict)?,
+                    "bf16" => time_collective::<bf16>(comm, c, elems, &mut evict)?,
+                    _ => time_collective::<f16>(comm, c, elems, &mut evict)?,
                 };
                 let cut = cut(elems, n);
                 samples.push(((cut.sent(c, comm.rank()) * size) as f64, secs));
@@ -135,19 +143,29 @@ fn cut(elems: usize, n: usize) -> Cut {
 }
 
 /// Seconds of collective `c` over a buffer of `elems` elements of `T`: the median over
-/// [`REPS`] of the slowest rank's time, each after a barrier.
-fn time_collective<T: Summable + Default>(
+/// [`REPS`] of the slowest rank's time, each after `evict` is written and a barrier.
+fn time_collective<T: Summable + Elem>(
     comm: &dyn Comm,
     c: Collective,
     elems: usize,
+    evict: &mut [u8],
 ) -> Result<f64> {
     let cut = cut(elems, comm.size());
+    // Values written into every page: a zeroed allocation's untouched pages all map the one
+    // zero page, which a send would read from cache (all-gathers measured 3.5x too fast).
+    let values = |n: usize| -> Vec<T> {
+        (0..n)
+            .map(|i| T::from_f32((i % 251) as f32 * 1e-3))
+            .collect()
+    };
     // [cut.len()] the buffer, [scratch] the pieces received, [chunk] a reduce-scatter's out.
-    let mut buf = vec![T::default(); cut.len()];
-    let mut scratch = vec![T::default(); cut.scratch()];
-    let mut out = vec![T::default(); cut.shard(comm.rank()).len()];
+    let mut buf = values(cut.len());
+    let mut scratch = values(cut.scratch());
+    let mut out = values(cut.shard(comm.rank()).len());
     let mut times = Vec::with_capacity(REPS);
     for rep in 0..=REPS {
+        evict.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+        std::hint::black_box(&mut *evict);
         comm.barrier()?;
         let t0 = Instant::now();
         match c {
