@@ -3,12 +3,13 @@
 //!
 //! Every rank runs the ring collectives the executor runs ([`crate::dist::ring`]: all-reduce,
 //! reduce-scatter, all-gather) on f32, bf16 and f16 buffers of 64 Ki to 16 Mi elements, on
-//! the scratch the plan would give them. Each size is timed [`REPS`] times after a barrier;
-//! a repetition's time is the slowest rank's (gathered), and the median repetition is
-//! kept. Per kind, `seconds = s_per_byte · bytes sent + s_per_op` is fitted by least squares
-//! in seconds ([`fit_seconds`]), so the large collectives that make most of a step's
-//! communication are fitted best (caches make small ones faster per byte). Rank 0 saves the result in the user cache, one file per rank
-//! count; plans for that many ranks then time their collectives with it.
+//! the scratch the plan would give them, filled with values and timed from memory, as in a
+//! step. Each size is timed [`REPS`] times after a barrier; a repetition's time is the
+//! slowest rank's (gathered), and the median repetition is kept. Per kind,
+//! `seconds = s_per_byte · bytes sent + s_per_op` is fitted by least squares in seconds
+//! ([`fit_seconds`]), so the large collectives that make most of a step's communication
+//! weigh most. Rank 0 saves the result in the user cache, one file per rank count; plans for
+//! that many ranks then time their collectives with it.
 
 use super::calibrate::{cpu_name, utc_now};
 use crate::backend::cpu::elem::Elem;
@@ -27,7 +28,8 @@ pub const SIZES: [usize; 5] = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24];
 
 /// Bytes written before each timed collective, more than a CPU's last-level cache holds: in
 /// a training step compute runs between collectives and evicts their buffers, so they are
-/// timed from memory, not from cache (measured: all-gathers 1.6x too fast without).
+/// timed from memory, not from cache (measured: without it, sizes up to 1 Mi elements timed
+/// 2–5× faster).
 pub const EVICT_BYTES: usize = 256 << 20;
 
 /// Timed repetitions per size (after one warm-up); the median is kept.
