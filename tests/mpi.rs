@@ -464,11 +464,13 @@ fn calibrating_under_mpirun_measures_the_collectives_that_plans_for_as_many_rank
     let t: memwall::plan::time::Transport =
         serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
     assert_eq!((t.ranks, t.kinds.len()), (2, 9), "{t:?}");
-    assert!(
-        t.kinds
-            .values()
-            .all(|c| c.samples == 5 && c.s_per_byte > 0.0)
-    );
+    // Fitted on every size (the slope is not checked: the tests beside this one share the
+    // cores, and a stalled small size can flatten a fit).
+    let valid = |v: f64| v.is_finite() && v >= 0.0;
+    assert!(t.kinds.values().all(|c| c.samples == 5
+        && valid(c.s_per_byte)
+        && valid(c.s_per_op)
+        && c.seconds(0, 1 << 26) > 0.0));
 
     // `plan --ranks 2` times its collectives with it; `--ranks 3` has none measured.
     let plan = |ranks: &str| -> serde_json::Value {
