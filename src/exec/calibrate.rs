@@ -424,12 +424,36 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
 
 /// Writes `cal` to `path` (atomically; the directory is created).
 pub fn save(cal: &Calibration, path: &Path) -> Result<()> {
+    save_json(cal, path)
+}
+
+/// Writes `value` as JSON to `path` (atomically; the directory is created).
+pub(super) fn save_json<T: serde::Serialize>(value: &T, path: &Path) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the directory {}", dir.display()))?;
     }
-    crate::util::atomic::write_file(path, serde_json::to_string_pretty(cal)?.as_bytes())
+    crate::util::atomic::write_file(path, serde_json::to_string_pretty(value)?.as_bytes())
         .with_context(|| format!("cannot write the calibration {}", path.display()))
+}
+
+/// The JSON value saved at `path`: `Ok(None)` when the file is not there, an error naming
+/// the file, and saying to run `redo` again, when it cannot be read.
+pub(super) fn load_json<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    redo: &str,
+) -> Result<Option<T>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    serde_json::from_str(&text).map(Some).with_context(|| {
+        format!(
+            "{} is not a calibration memwall can read: delete it or run `{redo}` again",
+            path.display()
+        )
+    })
 }
 
 /// The saved calibration of `threads` threads on this CPU: `Ok(None)` when there is none (or
@@ -438,18 +462,8 @@ pub fn load(threads: usize) -> Result<Option<Calibration>> {
     let Some(path) = cache_file(threads) else {
         return Ok(None);
     };
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-    };
-    let cal: Calibration = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{} is not a calibration memwall can read: delete it or run `memwall calibrate` again",
-            path.display()
-        )
-    })?;
-    Ok((cal.cpu == cpu_name() && cal.threads == threads).then_some(cal))
+    let cal: Option<Calibration> = load_json(&path, "memwall calibrate")?;
+    Ok(cal.filter(|c| c.cpu == cpu_name() && c.threads == threads))
 }
 
 /// The calibration the time model uses on `threads` threads: the saved one, else an

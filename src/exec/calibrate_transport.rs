@@ -15,7 +15,7 @@ use super::calibrate::{cpu_name, utc_now};
 use crate::backend::cpu::elem::Elem;
 use crate::dist::{Collective, Comm, Cut, Summable, ring};
 use crate::plan::time::{Calibration, Cost, Transport};
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -196,12 +196,7 @@ pub fn cache_file(ranks: usize) -> Option<PathBuf> {
 
 /// Writes `t` to `path` (atomically; the directory is created).
 pub fn save(t: &Transport, path: &std::path::Path) -> Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create the directory {}", dir.display()))?;
-    }
-    crate::util::atomic::write_file(path, serde_json::to_string_pretty(t)?.as_bytes())
-        .with_context(|| format!("cannot write the calibration {}", path.display()))
+    super::calibrate::save_json(t, path)
 }
 
 /// The saved transport among `ranks` ranks on this CPU: `Ok(None)` when there is none (or
@@ -210,18 +205,9 @@ pub fn load(ranks: usize) -> Result<Option<Transport>> {
     let Some(path) = cache_file(ranks) else {
         return Ok(None);
     };
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-    };
-    let t: Transport = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{} is not a transport calibration memwall can read: delete it or run `mpirun -np {ranks} memwall calibrate` again",
-            path.display()
-        )
-    })?;
-    Ok((t.cpu == cpu_name() && t.ranks == ranks).then_some(t))
+    let redo = format!("mpirun -np {ranks} memwall calibrate");
+    let t: Option<Transport> = super::calibrate::load_json(&path, &redo)?;
+    Ok(t.filter(|t| t.cpu == cpu_name() && t.ranks == ranks))
 }
 
 /// The calibration the time model uses on `threads` threads among `ranks` ranks: the
