@@ -497,3 +497,72 @@ fn demo_help_names_both_demos_and_bad_finetune_flags_are_refused() {
     let e = fails(&["demo", "--steps", "3", "finetune"]);
     assert!(e.contains("finetune") && e.contains("--steps"), "{e}");
 }
+
+/// Replacing a run (as the demos do before they train again) removes only what a run wrote:
+/// a real run's every file is recognised, and a file of the user's stops it.
+#[test]
+fn a_run_directory_is_replaced_only_when_memwall_wrote_all_of_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let run = tmp.path().join("run");
+    let args = common::train_args(
+        &cfg,
+        &data,
+        &run,
+        &[
+            "--steps",
+            "2",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--save-every",
+            "1",
+            "--profile",
+            "--profile-steps",
+            "1",
+            "--offload",
+            "optimizer",
+        ],
+    );
+    ok(&args);
+    let dir = memwall::run_dir::RunDir::new(&run);
+    std::fs::write(run.join("notes.txt"), "mine").unwrap();
+    std::fs::write(run.join("checkpoints/keep.txt"), "mine").unwrap();
+    let e = format!("{:#}", dir.replace_previous("the run").unwrap_err());
+    assert!(e.contains("notes.txt") && e.contains("keep.txt"), "{e}");
+    assert!(run.join("notes.txt").is_file() && run.join("plan.json").is_file());
+    std::fs::remove_file(run.join("notes.txt")).unwrap();
+    std::fs::remove_file(run.join("checkpoints/keep.txt")).unwrap();
+    dir.replace_previous("the run")
+        .expect("everything left is the run's own");
+    assert!(!run.exists());
+}
+
+/// `memwall demo --out X` once emptied `X/run` whatever it held.
+#[test]
+fn the_demo_does_not_delete_a_run_directory_it_did_not_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join("notes.txt"), "mine").unwrap();
+    let corpus = common::small_corpus(tmp.path());
+    let o = common::memwall_env(
+        &[("MEMWALL_CORPUS", corpus.to_str().unwrap())],
+        &[
+            "demo",
+            "--out",
+            tmp.path().to_str().unwrap(),
+            "--steps",
+            "1",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("did not write") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(run.join("notes.txt")).unwrap(), b"mine");
+}

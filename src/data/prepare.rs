@@ -133,6 +133,7 @@ pub fn prepare_with(opts: &PrepareOptions, tok: &Tokenizer) -> Result<PrepareSum
             out.display()
         );
     }
+    check_not_foreign_shards(out)?;
     let candidates = collect_inputs(&opts.inputs)?;
     std::fs::create_dir_all(out).with_context(|| {
         format!(
@@ -283,6 +284,31 @@ pub fn prepare_with(opts: &PrepareOptions, tok: &Tokenizer) -> Result<PrepareSum
         val_tokens: val,
         out: out.clone(),
     })
+}
+
+/// Refuses an `--out` holding a `train.bin` or `val.bin` that memwall did not write (one
+/// without the shard magic: another tool's shards, e.g. nanoGPT's, have the same names), so
+/// that preparing never overwrites them.
+fn check_not_foreign_shards(out: &Path) -> Result<()> {
+    for name in ["train.bin", "val.bin"] {
+        let path = out.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let mut head = [0u8; 8];
+        let ours = std::fs::File::open(&path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+            .is_ok()
+            && head == crate::data::shard::MAGIC;
+        if !ours {
+            bail!(
+                "--out '{}' holds {name}, which memwall did not write (not a memwall token \
+                 shard); preparing would overwrite it: choose another --out",
+                out.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Fails early, naming the directory, when `dir` cannot take new files.
@@ -531,6 +557,19 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["meta.json", "train.bin", "val.bin"]);
+
+        // Preparing again replaces memwall's own shards; another tool's are never overwritten.
+        prepare(&opts(vec![src.path().to_path_buf()], o.clone(), 0.25)).unwrap();
+        std::fs::write(o.join("val.bin"), b"nanoGPT's uint16 tokens").unwrap();
+        let e = format!(
+            "{:#}",
+            prepare(&opts(vec![src.path().to_path_buf()], o.clone(), 0.25)).unwrap_err()
+        );
+        assert!(e.contains("val.bin") && e.contains("did not write"), "{e}");
+        assert_eq!(
+            std::fs::read(o.join("val.bin")).unwrap(),
+            b"nanoGPT's uint16 tokens"
+        );
     }
 
     #[test]

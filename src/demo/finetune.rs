@@ -118,10 +118,8 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     prepare_data(&dir, &data)?;
 
     let run = o.out.join("run-smollm2");
-    if run.exists() {
-        std::fs::remove_dir_all(&run)
-            .with_context(|| format!("cannot clear the previous demo run {}", run.display()))?;
-    }
+    // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused.
+    RunDir::new(&run).replace_previous(&format!("the previous demo run {}", run.display()))?;
     let mut t = TrainOptions::new(&dir.to_string_lossy(), &data, &run);
     t.init = Some(dir.clone());
     t.steps = o.steps;

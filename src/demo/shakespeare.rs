@@ -48,10 +48,8 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
         println!("1. using prepared data in {}", data.display());
     }
     let run = a.out.join("run");
-    if run.exists() {
-        std::fs::remove_dir_all(&run)
-            .with_context(|| format!("cannot clear the previous demo run {}", run.display()))?;
-    }
+    // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused.
+    RunDir::new(&run).replace_previous(&format!("the previous demo run {}", run.display()))?;
     let mut o = TrainOptions::new("gpt2-tiny", &data, &run);
     o.steps = a.steps;
     o.batch = 8;

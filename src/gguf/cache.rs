@@ -66,6 +66,12 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
     }
     fs::create_dir_all(cache)
         .with_context(|| format!("cannot create the cache folder {}", cache.display()))?;
+    // A directory under memwall's own key without its model file is an interrupted
+    // conversion of an older memwall (conversions are published whole): it goes.
+    if dir.exists() {
+        fs::remove_dir_all(&dir)
+            .with_context(|| format!("cannot remove the incomplete {}", dir.display()))?;
+    }
     eprintln!(
         "{flag} {}: converting it once into {}",
         path.display(),
@@ -75,8 +81,7 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
         input: path.to_path_buf(),
         out: dir.clone(),
         dtype: OutDtype::F32,
-        // A directory without its model file is debris of another tool: replace it.
-        force: true,
+        force: false,
         progress: true,
     })
     .with_context(|| format!("{flag} {}", path.display()))?;

@@ -5,7 +5,9 @@
 //! tokenizer (loaded in the `tokenizers` crate). The files are then written into a temporary
 //! sibling `<DIR>.tmp-<pid>-<n>`, fsynced, and the directory is renamed to DIR, so an error or
 //! a crash never leaves a half-written model under DIR. An existing non-empty DIR is refused
-//! unless `force` is set.
+//! unless `force` is set, and even then replaced only when it is an earlier conversion
+//! (`util::owned_dir`: its marker, and only the files a conversion writes), never when it
+//! holds the input or anything else.
 //!
 //! `model.safetensors` is written by the `safetensors` crate from views that dequantize one
 //! tensor at a time when the writer asks for its bytes, so memory holds one tensor at a time
@@ -32,6 +34,17 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+
+/// Whether `name` is a file a conversion writes (what `--force` may replace).
+fn written_by_convert(name: &str) -> bool {
+    [
+        CONFIG_FILE,
+        MODEL_FILE,
+        TOKENIZER_FILE,
+        TOKENIZER_CONFIG_FILE,
+    ]
+    .contains(&name)
+}
 
 /// GGUF files at least this large get a progress bar (when asked for one).
 const PROGRESS_MIN_BYTES: u64 = 64 << 20;
@@ -86,7 +99,7 @@ pub struct ConvertOptions {
     pub input: PathBuf,
     pub out: PathBuf,
     pub dtype: OutDtype,
-    /// Replace an existing non-empty output directory.
+    /// Replace an existing non-empty output directory, when it is an earlier conversion.
     pub force: bool,
     /// Show a progress bar on stderr for large files.
     pub progress: bool,
@@ -166,7 +179,7 @@ impl ConvertSummary {
 
 /// Converts `o.input` into a HF directory at `o.out` (see the module doc).
 pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
-    check_out_dir(&o.out, o.force)?;
+    check_out_dir(&o.input, &o.out, o.force)?;
     let f = GgufFile::open(&o.input)?;
     let path = f.path().display().to_string();
     let model = map_model(&f)?;
@@ -220,6 +233,9 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
         .and_then(|h| h.sync_all())
         .with_context(|| format!("cannot fsync {}", st.display()))?;
     files.push((MODEL_FILE.to_string(), st_len));
+    crate::util::owned_dir::mark(&tmp.path, "memwall convert")?;
+    // Checked again: the directory may have changed while the model was written.
+    check_out_dir(&o.input, &o.out, o.force)?;
     tmp.publish(&o.out)?;
 
     Ok(ConvertSummary {
@@ -240,29 +256,36 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
     })
 }
 
-/// Refuses an output path that is a file, or a non-empty directory without `force`.
-fn check_out_dir(out: &Path, force: bool) -> Result<()> {
+/// Refuses an output path that is a file, that holds the input, or a non-empty directory
+/// unless `force` is set and it is an earlier conversion (nothing else in it).
+fn check_out_dir(input: &Path, out: &Path, force: bool) -> Result<()> {
     if out.file_name().is_none() {
         bail!("--out {} does not name a directory", out.display());
     }
+    let what = format!("--out {}", out.display());
     match fs::metadata(out) {
         Err(_) => Ok(()),
-        Ok(m) if !m.is_dir() => bail!(
-            "--out {} exists and is not a directory; choose another path",
-            out.display()
-        ),
+        Ok(m) if !m.is_dir() => bail!("{what} exists and is not a directory; choose another path"),
         Ok(_) => {
+            // The input inside the output directory would be replaced with it.
+            if let (Ok(i), Ok(o)) = (fs::canonicalize(input), fs::canonicalize(out))
+                && i.starts_with(&o)
+            {
+                bail!(
+                    "{what} holds the input {}; write the conversion to another directory",
+                    input.display()
+                );
+            }
             let non_empty = fs::read_dir(out)
-                .with_context(|| format!("cannot list --out {}", out.display()))?
+                .with_context(|| format!("cannot list {what}"))?
                 .next()
                 .is_some();
             if non_empty && !force {
                 bail!(
-                    "--out {} exists and is not empty; pass --force to replace it, or choose another directory",
-                    out.display()
+                    "{what} exists and is not empty; pass --force to replace an earlier conversion, or choose another directory"
                 );
             }
-            Ok(())
+            crate::util::owned_dir::check_replaceable(out, &what, &written_by_convert, vec![])
         }
     }
 }

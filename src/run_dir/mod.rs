@@ -41,6 +41,32 @@ pub const REPORT_HTML_FILE: &str = "report.html";
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
 /// Written and removed again to check that the directory is writable before a run starts.
 pub const WRITE_PROBE_FILE: &str = ".memwall-write-test";
+/// The default `--offload-dir` of a run: `offload/` in the run directory.
+pub const OFFLOAD_DIR: &str = "offload";
+
+/// Whether `name` is an entry a run writes at the top of its directory (what replacing a
+/// run, as the demos do, may remove): the files above, `metrics.rank{r}.jsonl`, and the
+/// temporary names of files being written atomically (`.NAME.tmp-*`).
+pub fn is_run_entry(name: &str) -> bool {
+    const FILES: [&str; 10] = [
+        PLAN_FILE,
+        METRICS_FILE,
+        PROFILE_FILE,
+        TRACE_FILE,
+        MEMORY_SVG_FILE,
+        REPORT_HTML_FILE,
+        CHECKPOINTS_DIR,
+        WRITE_PROBE_FILE,
+        OFFLOAD_DIR,
+        crate::util::owned_dir::MARKER,
+    ];
+    let rank_metrics = name
+        .strip_prefix("metrics.rank")
+        .and_then(|r| r.strip_suffix(".jsonl"))
+        .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()));
+    let atomic_tmp = name.starts_with('.') && name.contains(".tmp-");
+    FILES.contains(&name) || rank_metrics || atomic_tmp
+}
 
 /// The name of the checkpoint directory of step `step`: `step-NNNNNN` (at least six digits).
 pub fn checkpoint_name(step: u64) -> String {
@@ -122,6 +148,26 @@ impl RunDir {
     /// `checkpoints/`.
     pub fn checkpoints(&self) -> PathBuf {
         self.root.join(CHECKPOINTS_DIR)
+    }
+
+    /// Removes the run directory so that a new run may start there (as the demos do), when
+    /// memwall wrote everything in it: its marker, only the entries of a run
+    /// ([`is_run_entry`]), and in `checkpoints/` only checkpoints (finished or interrupted).
+    /// Anything else is refused, naming it; nothing is removed then.
+    pub fn replace_previous(&self, what: &str) -> anyhow::Result<()> {
+        let checkpoint = |n: &str| {
+            checkpoint_step(n.split(".tmp-").next().unwrap_or(n)).is_some()
+                || n.starts_with("step-") && n.contains(".old-tmp-")
+        };
+        let mut foreign =
+            crate::util::owned_dir::foreign_entries(&self.checkpoints(), &checkpoint)?;
+        let offload = self.root.join(OFFLOAD_DIR);
+        let offload_file = |n: &str| n.starts_with("memwall-");
+        foreign.extend(crate::util::owned_dir::foreign_entries(
+            &offload,
+            &offload_file,
+        )?);
+        crate::util::owned_dir::replace(&self.root, what, &is_run_entry, foreign)
     }
 
     /// `checkpoints/step-NNNNNN/`: where the checkpoint of step `step` goes.

@@ -43,7 +43,9 @@ impl<'a> Run<'a> {
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
-        let strategies = opts.strategies.with_offload_dir(&opts.out.join("offload"));
+        let strategies = opts
+            .strategies
+            .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
         let calibration = crate::exec::calibrate_transport::current(opts.threads, ranks)?;
         let plan = strategies.plan(
             &spec,
@@ -316,8 +318,15 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
             out.display()
         );
     }
+    // A directory memwall makes (new, or empty) is marked as its own: only then may a later
+    // run replace it (the demos do), and only with nothing but a run's files in it.
+    let fresh = std::fs::read_dir(out).map_or(true, |mut e| e.next().is_none());
     std::fs::create_dir_all(out)
         .with_context(|| format!("--out {}: cannot create the run directory", out.display()))?;
+    if fresh {
+        crate::util::owned_dir::mark(out, "memwall train")
+            .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
+    }
     if !resuming && ckpt::latest_checkpoint(out)?.is_some() {
         bail!(
             "--out {}: already holds a run with checkpoints; continue it with --resume {} or choose a new --out",

@@ -248,16 +248,20 @@ fn output_directory_rules() {
     convert(&opts(&path, &out)).expect("an existing empty directory is fine");
     let e = format!("{:#}", convert(&opts(&path, &out)).unwrap_err());
     assert!(e.contains("not empty") && e.contains("--force"), "{e}");
-    fs::write(out.join("stale.txt"), "x").unwrap();
     let mut o = opts(&path, &out);
     o.force = true;
-    let summary = convert(&o).unwrap();
-    assert!(
-        !out.join("stale.txt").exists(),
-        "--force replaces the directory"
-    );
+    let summary = convert(&o).expect("--force replaces an earlier conversion");
     assert!(out.join(MODEL_FILE).exists());
     assert_eq!(summary.files.len(), 4);
+    // A file memwall did not write is never removed, --force or not.
+    fs::write(out.join("notes.txt"), "mine").unwrap();
+    let e = format!("{:#}", convert(&o).unwrap_err());
+    assert!(
+        e.contains("notes.txt") && e.contains("did not write"),
+        "{e}"
+    );
+    assert!(out.join("notes.txt").is_file() && out.join(MODEL_FILE).is_file());
+    fs::remove_file(out.join("notes.txt")).unwrap();
     let names: Vec<String> = fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -269,6 +273,32 @@ fn output_directory_rules() {
     );
     let e = format!("{:#}", convert(&opts(&path, &path)).unwrap_err());
     assert!(e.contains("not a directory"), "{e}");
+}
+
+/// `convert dir/m.gguf --out dir --force` once deleted the input and everything beside it.
+#[test]
+fn force_never_removes_the_input_or_a_directory_memwall_did_not_write() {
+    let (dir, path) = write_temp(&tiny_model("llama", true).to_bytes());
+    fs::write(dir.path().join("notes.txt"), "mine").unwrap();
+    let mut o = opts(&path, dir.path());
+    o.force = true;
+    let e = format!("{:#}", convert(&o).unwrap_err());
+    assert!(e.contains("holds the input"), "{e}");
+    assert!(path.is_file() && dir.path().join("notes.txt").is_file());
+
+    // A directory of other files (no marker) is not replaced either.
+    let other = dir.path().join("other");
+    fs::create_dir(&other).unwrap();
+    fs::write(other.join("config.json"), "{}").unwrap();
+    let e = format!("{:#}", convert(&opts_forced(&path, &other)).unwrap_err());
+    assert!(e.contains("did not write"), "{e}");
+    assert!(other.join("config.json").is_file());
+}
+
+fn opts_forced(input: &Path, out: &Path) -> ConvertOptions {
+    let mut o = opts(input, out);
+    o.force = true;
+    o
 }
 
 #[test]
