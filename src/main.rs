@@ -155,7 +155,8 @@ struct DemoArgs {
     /// Training steps (about 0.5 s each on 2 cores).
     #[arg(long, default_value_t = 300)]
     steps: u64,
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
     #[arg(long)]
     threads: Option<usize>,
 }
@@ -190,7 +191,8 @@ struct FinetuneArgs {
     /// Fine-tuning steps (about 4 s each on 2 cores).
     #[arg(long, default_value_t = 40)]
     steps: u64,
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
     #[arg(long)]
     threads: Option<usize>,
 }
@@ -241,7 +243,8 @@ struct StepArgs {
     /// Sequence length in tokens, at most the model's n_positions [default: 128; with --resume: the run's]
     #[arg(long)]
     seq: Option<usize>,
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
     #[arg(long)]
     threads: Option<usize>,
     /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak exceeds it.
@@ -466,8 +469,10 @@ struct SampleArgs {
     /// Sample among the k most likely tokens (0: all).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
+    /// Seed of the sampling random numbers: the same seed, prompt and model give the same text.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
 }
@@ -487,7 +492,8 @@ struct BenchArgs {
     /// Timed steps, after one warm-up step.
     #[arg(long, default_value_t = 4)]
     steps: usize,
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
     #[arg(long)]
     threads: Option<usize>,
     /// Seed of the initial weights and of the random tokens.
@@ -509,6 +515,12 @@ struct BenchArgs {
 }
 
 fn main() {
+    // A reader that goes away (`memwall plan | head`) ends memwall as it ends any Unix tool,
+    // quietly with status 141, instead of a panic at the next print (Rust ignores SIGPIPE).
+    // SAFETY: sets the disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Demo(a) => demo_cmd(a),
@@ -527,12 +539,21 @@ fn main() {
     }
 }
 
+/// The `--threads` of a command that runs on this machine (checked, with a warning above
+/// its cores), or all its cores.
 fn threads(t: Option<usize>) -> Result<usize> {
-    match t {
-        Some(0) => bail!("--threads must be at least 1"),
-        Some(n) => Ok(n),
-        None => Ok(train::default_threads()),
+    checked_threads(t, true)
+}
+
+/// [`threads`] for a command that may plan for another machine (`runs_here` false): no
+/// warning above this machine's cores, only absurd counts refused.
+fn checked_threads(t: Option<usize>, runs_here: bool) -> Result<usize> {
+    let cores = train::default_threads();
+    let Some(n) = t else { return Ok(cores) };
+    if let Some(warning) = memwall::util::threads::check_count(n, cores, runs_here)? {
+        eprintln!("memwall: warning: {warning}");
     }
+    Ok(n)
 }
 
 fn demo_cmd(a: DemoArgs) -> Result<()> {
@@ -765,7 +786,7 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let spec = ModelSpec::resolve(a.step.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
-    let threads = threads(a.step.threads)?;
+    let threads = checked_threads(a.step.threads, false)?;
     let baseline = rss::current_rss().unwrap_or(0);
     if a.ranks == 0 {
         bail!("--ranks must be at least 1 (processes training together)");

@@ -566,3 +566,54 @@ fn the_demo_does_not_delete_a_run_directory_it_did_not_write() {
     );
     assert_eq!(std::fs::read(run.join("notes.txt")).unwrap(), b"mine");
 }
+
+/// `memwall plan … | head` once panicked with "failed printing to stdout: Broken pipe".
+#[test]
+fn a_reader_that_goes_away_ends_memwall_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, Stdio};
+    // 128 KB of JSON, twice a pipe's buffer: memwall writes after the reader has gone.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .args(["plan", "--model", "gpt2", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() || o.status.signal() == Some(libc::SIGPIPE),
+        "{:?}: {err}",
+        o.status
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// `--threads` above the cores is warned about; absurd counts are refused, saying why.
+#[test]
+fn thread_counts_beyond_the_machine_are_warned_about_or_refused() {
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let e = fails(&["sample", "--model", "gpt2-tiny", "--threads", "5000"]);
+    assert!(e.contains("--threads 5000") && e.contains("cores"), "{e}");
+    let o = common::memwall(&[
+        "bench",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--threads",
+        &(cores + 1).to_string(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("warning") && err.contains("cores"), "{err}");
+    // A plan for a larger machine is not warned about.
+    let o = common::memwall(&["plan", "--model", "gpt2-tiny", "--threads", "64"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("warning"), "{err}");
+}

@@ -14,6 +14,7 @@ use crate::data::prepare::{META_FORMAT, META_VERSION};
 use crate::data::shard::Shard;
 use crate::data::tokenizer::{EOT, GPT2_HASH, GPT2_NAME};
 use crate::util::rng::Rng;
+use crate::util::threads;
 use anyhow::{Context, Result, bail, ensure};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -232,8 +233,15 @@ pub struct BatchLoader {
 impl BatchLoader {
     /// Starts the worker at batch `start_index`.
     ///
-    /// Panics when the shard is shorter than `t + 1` tokens (call [`check_fits`] first).
-    pub fn new(shard: Arc<Shard>, b: usize, t: usize, seed: u64, start_index: u64) -> BatchLoader {
+    /// Panics when the shard is shorter than `t + 1` tokens (call [`check_fits`] first); an
+    /// error when the system refuses the worker thread.
+    pub fn new(
+        shard: Arc<Shard>,
+        b: usize,
+        t: usize,
+        seed: u64,
+        start_index: u64,
+    ) -> Result<BatchLoader> {
         BatchLoader::part(shard, b, t, seed, start_index, Part::WHOLE)
     }
 
@@ -245,7 +253,7 @@ impl BatchLoader {
         seed: u64,
         start_index: u64,
         part: Part,
-    ) -> BatchLoader {
+    ) -> Result<BatchLoader> {
         assert!(
             shard.len() > t,
             "BatchLoader: '{}' has {} tokens, fewer than T+1 = {} (call check_fits first)",
@@ -261,27 +269,24 @@ impl BatchLoader {
                 .send(vec![0u32; batch_len])
                 .expect("receiver is alive");
         }
-        let worker = std::thread::Builder::new()
-            .name("memwall-data".into())
-            .spawn(move || {
-                let mut index = start_index;
-                // Ends when the loader drops its sender (recv fails) or its receiver (send fails).
-                while let Ok(mut buf) = free_rx.recv() {
-                    fill_batch_part(&shard, b, t, seed, index, part, &mut buf);
-                    index += 1;
-                    if ready_tx.send(buf).is_err() {
-                        break;
-                    }
+        let worker = threads::spawn("memwall-data", "the data loader thread", move || {
+            let mut index = start_index;
+            // Ends when the loader drops its sender (recv fails) or its receiver (send fails).
+            while let Ok(mut buf) = free_rx.recv() {
+                fill_batch_part(&shard, b, t, seed, index, part, &mut buf);
+                index += 1;
+                if ready_tx.send(buf).is_err() {
+                    break;
                 }
-            })
-            .expect("cannot spawn the data loader thread");
-        BatchLoader {
+            }
+        })?;
+        Ok(BatchLoader {
             ready_rx: Some(ready_rx),
             free_tx: Some(free_tx),
             worker: Some(worker),
             position: start_index,
             batch_len,
-        }
+        })
     }
 
     /// Copies the next batch into `out` (`[B, T+1]`) and hands its buffer back to the worker.
@@ -400,7 +405,7 @@ mod tests {
         let s = Arc::new(counting_shard(dir.path(), 5000));
         let (b, t, seed) = (3, 32, 9);
         for start in [0u64, 17] {
-            let mut loader = BatchLoader::new(s.clone(), b, t, seed, start);
+            let mut loader = BatchLoader::new(s.clone(), b, t, seed, start).unwrap();
             assert_eq!(loader.position(), start);
             let mut got = vec![0; b * (t + 1)];
             let mut want = vec![0; b * (t + 1)];
@@ -422,9 +427,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = Arc::new(counting_shard(dir.path(), 100));
         // Dropped before any batch is taken (worker blocked with both buffers full).
-        drop(BatchLoader::new(s.clone(), 2, 8, 1, 0));
+        drop(BatchLoader::new(s.clone(), 2, 8, 1, 0).unwrap());
         // Dropped mid-stream.
-        let mut l = BatchLoader::new(s.clone(), 2, 8, 1, 0);
+        let mut l = BatchLoader::new(s.clone(), 2, 8, 1, 0).unwrap();
         let mut out = vec![0; 18];
         l.next_into(&mut out);
         drop(l);

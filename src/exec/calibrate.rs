@@ -304,7 +304,7 @@ pub fn fma_peak(threads: usize) -> Result<f64> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
-        .context("cannot start the worker threads")?;
+        .map_err(|e| crate::util::threads::refused(&format!("{threads} worker threads"), e))?;
     Ok(pool
         .install(|| crate::backend::cpu::peak::measure(5, 0.02))
         .map_or(0.0, |p| p.gflops_per_s))

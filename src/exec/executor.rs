@@ -859,22 +859,33 @@ impl Executor {
             // each reported back (op, result, start, end) as it ends.
             let (jobs, job_rx) = mpsc::channel::<usize>();
             let (done_tx, done) = mpsc::channel::<(usize, Result<()>, Instant, Instant)>();
-            let thread = has_collectives.then(|| {
-                scope.spawn(move || {
-                    for i in job_rx {
-                        let e = &plan.schedule.ops[i];
-                        let group = e.op.collective_group().expect("only collectives are sent");
-                        let t0 = Instant::now();
-                        let result = device
-                            .run_collective(e, &cuts[group], comm)
-                            .with_context(|| format!("op {}", e.name));
-                        let failed = result.is_err();
-                        if done_tx.send((i, result, t0, Instant::now())).is_err() || failed {
-                            break;
-                        }
+            let worker = move || {
+                for i in job_rx {
+                    let e = &plan.schedule.ops[i];
+                    let group = e.op.collective_group().expect("only collectives are sent");
+                    let t0 = Instant::now();
+                    let result = device
+                        .run_collective(e, &cuts[group], comm)
+                        .with_context(|| format!("op {}", e.name));
+                    let failed = result.is_err();
+                    if done_tx.send((i, result, t0, Instant::now())).is_err() || failed {
+                        break;
                     }
-                })
-            });
+                }
+            };
+            let thread = match has_collectives {
+                false => None,
+                true => match std::thread::Builder::new()
+                    .name("memwall-comm".into())
+                    .spawn_scoped(scope, worker)
+                {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        failed = Some(crate::util::threads::refused("the communication thread", e));
+                        return;
+                    }
+                },
+            };
             let mut in_flight: VecDeque<usize> = VecDeque::new();
             // Waits for the oldest collective in flight to end (owning the receiver, which
             // the worker that runs the ops must not share).

@@ -293,7 +293,7 @@ impl IoThread {
                     let _ = done.send(r);
                 }
             })
-            .context("starting the offload I/O thread")?;
+            .map_err(|e| crate::util::threads::refused("the offload I/O thread", e))?;
         Ok(IoThread {
             disk,
             busy_ns,

@@ -1,4 +1,4 @@
-//! Small shared utilities: crash-safe file writes, deterministic RNG, process memory readings,
+//! Small shared utilities: crash-safe file writes, deterministic RNG, process memory readings, threads and their limits,
 //! byte formatting, the user cache's location, which directories memwall may replace, fetching from PyPI with pip.
 
 pub mod atomic;
@@ -10,3 +10,4 @@ pub mod owned_dir;
 pub mod pip;
 pub mod rng;
 pub mod rss;
+pub mod threads;

@@ -158,7 +158,11 @@ impl CpuDevice {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(plan.cfg.threads)
             .thread_name(|i| format!("memwall-worker-{i}"))
-            .build()?;
+            .build()
+            .map_err(|e| {
+                let what = format!("the {} compute threads", plan.cfg.threads);
+                crate::util::threads::refused(&what, e)
+            })?;
         let io = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
             (0, _) => None,
             (bytes, Some(dir)) => {

@@ -131,7 +131,7 @@ impl<'a> Run<'a> {
             opts.seed,
             data_position,
             part,
-        );
+        )?;
         let batch = vec![0u32; rows * (opts.seq + 1)];
         let metrics = MetricsLog::append_to(&dir.metrics_of(rank))?;
 
