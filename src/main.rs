@@ -399,7 +399,8 @@ struct PlanArgs {
 struct TrainArgs {
     #[command(flatten)]
     step: StepArgs,
-    /// Prepared data directory (from `memwall prepare`).
+    /// Prepared data directory (from `memwall prepare`). With --resume: where the run's data
+    /// is now, if it moved (it must hold the same tokens).
     #[arg(long, required_unless_present = "resume")]
     data: Option<PathBuf>,
     /// Run directory: plan.json, metrics.jsonl, checkpoints/.
@@ -411,9 +412,9 @@ struct TrainArgs {
     /// Peak learning rate (AdamW).
     #[arg(long, default_value_t = 6e-4)]
     lr: f32,
-    /// Linear warmup steps before cosine decay.
-    #[arg(long, default_value_t = 50)]
-    warmup: u64,
+    /// Linear warm-up steps before cosine decay [default: a tenth of --steps, at most 50].
+    #[arg(long)]
+    warmup: Option<u64>,
     /// Decoupled weight decay on matrices and embeddings.
     #[arg(long, default_value_t = 0.1)]
     weight_decay: f32,
@@ -432,6 +433,10 @@ struct TrainArgs {
     /// Save a checkpoint every N steps (and at the end).
     #[arg(long, default_value_t = 100)]
     save_every: u64,
+    /// Keep only the newest N checkpoints, removing older ones once a newer one is written
+    /// (a SmolLM2 checkpoint is 1.6 GB) [default: keep all; with --resume: the run's].
+    #[arg(long, value_name = "N")]
+    keep_last: Option<u64>,
     /// Start from the weights of a Hugging Face model directory (config.json +
     /// model.safetensors, or shards with model.safetensors.index.json): a GPT-2, Llama or
     /// Qwen2 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2), converted
@@ -582,8 +587,8 @@ fn prepare_cmd(a: PrepareArgs) -> Result<()> {
         &tok,
     )?;
     println!(
-        "prepared {} files ({}): {} train tokens, {} val tokens in {} with tokenizer {}",
-        s.files,
+        "prepared {} ({}): {} train tokens, {} val tokens in {} with tokenizer {}",
+        memwall::util::count(s.files as u64, "file"),
         fmt_bytes(s.bytes),
         s.train_tokens,
         s.val_tokens,
@@ -887,6 +892,12 @@ fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<(
     Ok(())
 }
 
+/// `now / was` in words: `0.5`, `2`.
+fn format_ratio(now: usize, was: usize) -> String {
+    let r = now as f64 / was as f64;
+    format!("{}", (r * 1000.0).round() / 1000.0)
+}
+
 fn train_cmd(a: TrainArgs) -> Result<()> {
     let comm = memwall::dist::world(a.step.strategy.zero)?;
     let result = train_rank(a, comm.clone());
@@ -931,6 +942,9 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
             opts.strategies.zero = z;
         }
         opts.profile_steps = if a.profile { a.profile_steps } else { 0 };
+        if let Some(k) = a.keep_last {
+            opts.keep_last = k;
+        }
         if a.step.fit || a.step.batch == Some(Pick::Auto) || a.step.global_batch.is_some() {
             bail!(
                 "--resume continues the run in {} with its own batch and strategies: --fit, --batch auto and --global-batch are for new runs",
@@ -990,6 +1004,27 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
                 opts.strategies.optim_state
             );
         }
+        // The run's global batch (rows per optimizer step) stays unless asked otherwise.
+        let (was, now) = (
+            opts.strategies.ranks * opts.strategies.grad_accum,
+            comm.size() * opts.strategies.grad_accum,
+        );
+        if was != now && a.step.strategy.grad_accum.is_none() {
+            let keep = (was % comm.size() == 0).then(|| was / comm.size());
+            eprintln!(
+                "memwall: warning: the run in {} stepped on {} rank(s) x --grad-accum {}; on {} \
+                 rank(s) each step takes {}x the rows{}",
+                run.display(),
+                opts.strategies.ranks,
+                opts.strategies.grad_accum,
+                comm.size(),
+                format_ratio(now, was),
+                keep.map_or(String::new(), |k| format!(
+                    " (pass --grad-accum {k} to keep the global batch)"
+                ))
+            );
+        }
+        opts.locate_data(a.data.as_deref())?;
         train::train_among(&opts, Some(&ck), comm, progress)?
     } else {
         let (data, out) = (
@@ -1007,7 +1042,10 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         o.steps = a.steps.unwrap_or(o.steps);
         o.seq = a.step.seq.unwrap_or(o.seq);
         o.lr = a.lr;
-        o.warmup = a.warmup;
+        o.warmup = a
+            .warmup
+            .unwrap_or(memwall::exec::lr::default_warmup(o.steps));
+        o.pin_data()?;
         o.weight_decay = a.weight_decay;
         o.grad_clip = a.grad_clip;
         o.seed = a.seed;
@@ -1026,6 +1064,7 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         o.eval_every = a.eval_every;
         o.eval_batches = a.eval_batches;
         o.save_every = a.save_every;
+        o.keep_last = a.keep_last.unwrap_or(0);
         o.init = init;
         o.profile_steps = if a.profile { a.profile_steps } else { 0 };
         train::train_among(&o, None, comm, progress)?

@@ -617,3 +617,92 @@ fn thread_counts_beyond_the_machine_are_warned_about_or_refused() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && !err.contains("warning"), "{err}");
 }
+
+/// `train --resume RUN` from another directory once failed: the data path was stored as
+/// typed, and `--data` was ignored on resume.
+#[test]
+fn a_run_resumes_from_anywhere_and_follows_its_moved_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = common::small_corpus(tmp.path());
+    common::prepared(tmp.path(), &corpus);
+    let cfg = common::micro_config(tmp.path());
+    let run_in = |dir: &std::path::Path, args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
+            .current_dir(dir)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let small = ["--seq", "16", "--batch", "2", "--save-every", "1"];
+    let mut args = vec!["train", "--model", cfg.to_str().unwrap()];
+    args.extend(["--data", "data", "--out", "run", "--steps", "1"]);
+    args.extend(small);
+    let o = run_in(tmp.path(), &args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let run = tmp.path().join("run");
+    let r = run.to_str().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let o = run_in(elsewhere.path(), &["train", "--resume", r, "--steps", "2"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // The data moves: the run says so and names --data, then follows it there.
+    let moved = tmp.path().join("moved");
+    std::fs::rename(tmp.path().join("data"), &moved).unwrap();
+    let e = fails(&["train", "--resume", r, "--steps", "3"]);
+    assert!(e.contains("--data") && e.contains("not there"), "{e}");
+    ok(&[
+        "train",
+        "--resume",
+        r,
+        "--steps",
+        "3",
+        "--data",
+        moved.to_str().unwrap(),
+    ]);
+
+    // Other data is refused.
+    let other_corpus = tmp.path().join("other.txt");
+    std::fs::write(&other_corpus, "Other words, other tokens. ".repeat(400)).unwrap();
+    let other = tmp.path().join("other");
+    ok(&[
+        "prepare",
+        other_corpus.to_str().unwrap(),
+        "--out",
+        other.to_str().unwrap(),
+    ]);
+    let e = fails(&[
+        "train",
+        "--resume",
+        r,
+        "--steps",
+        "4",
+        "--data",
+        other.to_str().unwrap(),
+    ]);
+    assert!(e.contains("other data"), "{e}");
+}
+
+/// Checkpoints once accumulated without bound (1.6 GB each for SmolLM2): `--keep-last N`.
+#[test]
+fn keep_last_keeps_the_newest_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let run = tmp.path().join("run");
+    let small = ["--seq", "16", "--batch", "2", "--save-every", "1"];
+    let mut extra = vec!["--steps", "3", "--keep-last", "2"];
+    extra.extend(small);
+    let out = ok(&common::train_args(&cfg, &data, &run, &extra));
+    let names = |run: &std::path::Path| {
+        let mut n: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&run), ["step-000002", "step-000003"], "{out}");
+    // The run's own setting holds on resume.
+    ok(&["train", "--resume", run.to_str().unwrap(), "--steps", "4"]);
+    assert_eq!(names(&run), ["step-000003", "step-000004"]);
+}

@@ -38,6 +38,7 @@
 mod load;
 mod moments;
 mod names;
+pub mod retention;
 mod safetensors_io;
 mod save;
 mod shards;

@@ -38,8 +38,8 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
             val_fraction: 0.05,
         })?;
         println!(
-            "1. prepared {} files: {} train / {} val tokens -> {}",
-            s.files,
+            "1. prepared {}: {} train / {} val tokens -> {}",
+            crate::util::count(s.files as u64, "file"),
             s.train_tokens,
             s.val_tokens,
             data.display()

@@ -25,7 +25,7 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
     };
     let _ = writeln!(
         s,
-        "plan: {}\n      {:?}, {micro} = {} tokens/step, {}, recompute {}, optimizer state {}, offload {}, {} threads, {} ops",
+        "plan: {}\n      {:?}, {micro} = {} tokens/step, {}, recompute {}, optimizer state {}, offload {}, {}, {} ops",
         plan.spec.describe(),
         plan.mode,
         cfg.batch * cfg.grad_accum * cfg.seq,
@@ -33,7 +33,7 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
         cfg.recompute,
         cfg.optim_state,
         cfg.offload.set,
-        cfg.threads,
+        crate::util::count(cfg.threads as u64, "thread"),
         plan.schedule.ops.len()
     );
     let per_rank = (cfg.ranks > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));

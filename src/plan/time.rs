@@ -203,14 +203,15 @@ impl Calibration {
         };
         match &self.source {
             Source::Measured { at } => format!(
-                "calibrated {at} on {} threads ({} op kinds, FMA peak {:.0} GFLOP/s; {disk})",
-                self.threads,
+                "calibrated {at} on {} ({} op kinds, FMA peak {:.0} GFLOP/s; {disk})",
+                crate::util::count(self.threads as u64, "thread"),
                 self.kinds.len(),
                 self.fma_peak_gflops
             ),
             Source::Estimate => format!(
-                "estimated from the FMA peak ({:.0} GFLOP/s on {} threads; {disk}): run `memwall calibrate` for a measured figure",
-                self.fma_peak_gflops, self.threads
+                "estimated from the FMA peak ({:.0} GFLOP/s on {}; {disk}): run `memwall calibrate` for a measured figure",
+                self.fma_peak_gflops,
+                crate::util::count(self.threads as u64, "thread")
             ),
         }
     }

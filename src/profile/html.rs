@@ -139,11 +139,14 @@ impl ReportPage<'_> {
         kv(
             "step",
             format!(
-                "micro-batch {} × seq {} × grad-accum {}, {} threads",
+                "micro-batch {} × seq {} × grad-accum {}, {}",
                 p.config_str("batch"),
                 p.config_str("seq"),
                 p.config_str("grad_accum"),
-                p.config_str("threads")
+                match p.config_str("threads").as_str() {
+                    "1" => "1 thread".to_string(),
+                    n => format!("{n} threads"),
+                }
             ),
         );
         kv("precision", p.precision.clone());

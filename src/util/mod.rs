@@ -11,3 +11,11 @@ pub mod pip;
 pub mod rng;
 pub mod rss;
 pub mod threads;
+
+/// `n` and `noun`, in the plural unless `n` is 1: `1 thread`, `2 threads`, `3 files`.
+pub fn count(n: impl Into<u64>, noun: &str) -> String {
+    match n.into() {
+        1 => format!("1 {noun}"),
+        n => format!("{n} {noun}s"),
+    }
+}

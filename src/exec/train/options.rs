@@ -5,6 +5,7 @@
 //! serialised keys are a file format: runs resume from saved options.
 
 use crate::ckpt::{self, TrainerState};
+use crate::data::loader::DataSet;
 use crate::plan::fit::Strategies;
 use crate::run_dir::RunDir;
 use anyhow::{Context, Result, bail};
@@ -16,7 +17,17 @@ use std::path::{Path, PathBuf};
 pub struct TrainOptions {
     /// Preset name, checkpoint directory or config.json.
     pub model: String,
+    /// The prepared data: absolute for runs started by the CLI ([`TrainOptions::pin_data`]),
+    /// as typed in runs saved before.
     pub data: PathBuf,
+    /// The data relative to the run directory, so a run moved with its data resumes
+    /// (`None` in runs saved before the field existed).
+    #[serde(default)]
+    pub data_from_run: Option<PathBuf>,
+    /// What the data holds (tokenizer and token counts): `--resume --data DIR` accepts data
+    /// moved elsewhere only when they match (`None` in runs saved before).
+    #[serde(default)]
+    pub data_fingerprint: Option<DataFingerprint>,
     pub out: PathBuf,
     /// Total optimizer steps of the run.
     pub steps: u64,
@@ -38,6 +49,10 @@ pub struct TrainOptions {
     pub eval_batches: u64,
     /// Save a checkpoint every N steps (0: only at the end).
     pub save_every: u64,
+    /// Keep only the newest N checkpoints (0: keep all); older ones are removed once a newer
+    /// one is written.
+    #[serde(default)]
+    pub keep_last: u64,
     /// Start from this Hugging Face checkpoint directory (fine-tuning).
     pub init: Option<PathBuf>,
     /// Copy this directory's tokenizer files (`tokenizer.json`, ...) into every checkpoint.
@@ -72,6 +87,8 @@ impl TrainOptions {
         TrainOptions {
             model: model.to_string(),
             data: data.to_path_buf(),
+            data_from_run: None,
+            data_fingerprint: None,
             out: out.to_path_buf(),
             steps: 500,
             batch: 8,
@@ -88,6 +105,7 @@ impl TrainOptions {
             eval_every: 100,
             eval_batches: 8,
             save_every: 100,
+            keep_last: 0,
             init: None,
             tokenizer_dir: None,
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
@@ -129,6 +147,112 @@ impl TrainOptions {
         }
         Ok(())
     }
+}
+
+/// What a prepared data set holds, as far as a run's batches depend on it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataFingerprint {
+    pub tokenizer: String,
+    pub tokenizer_hash: String,
+    pub vocab_size: usize,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+}
+
+impl DataFingerprint {
+    /// The fingerprint of the data set in `dir` (its meta.json, checked).
+    pub fn of(dir: &Path) -> Result<DataFingerprint> {
+        let m = DataSet::open(dir)?.meta;
+        Ok(DataFingerprint {
+            tokenizer: m.tokenizer,
+            tokenizer_hash: m.tokenizer_hash,
+            vocab_size: m.vocab_size,
+            train_tokens: m.train_tokens,
+            val_tokens: m.val_tokens,
+        })
+    }
+}
+
+impl TrainOptions {
+    /// Makes a new run's data path absolute, records it relative to the run directory too,
+    /// and records what the data holds, so that `--resume` finds it from any directory.
+    pub fn pin_data(&mut self) -> Result<()> {
+        let data = std::path::absolute(&self.data)
+            .with_context(|| format!("--data {}: cannot resolve the path", self.data.display()))?;
+        let out = std::path::absolute(&self.out)
+            .with_context(|| format!("--out {}: cannot resolve the path", self.out.display()))?;
+        self.data_from_run = Some(relative_path(&data, &out));
+        self.data_fingerprint = Some(DataFingerprint::of(&data)?);
+        self.data = data;
+        Ok(())
+    }
+
+    /// Where a resumed run's data is: `given` (`--resume --data DIR`, accepted when it holds
+    /// what the run trained on), else the recorded path, else the path relative to the run
+    /// directory (a run moved with its data). Errors say to pass `--data`.
+    pub fn locate_data(&mut self, given: Option<&Path>) -> Result<()> {
+        let run = self.out.display().to_string();
+        if let Some(dir) = given {
+            let found =
+                DataFingerprint::of(dir).with_context(|| format!("--data {}", dir.display()))?;
+            if let Some(want) = &self.data_fingerprint
+                && *want != found
+            {
+                bail!(
+                    "--data {}: holds other data than the run in {run} trained on ({} with {} \
+                     training tokens, not {} with {}); resume with the same prepared data",
+                    dir.display(),
+                    found.tokenizer,
+                    found.train_tokens,
+                    want.tokenizer,
+                    want.train_tokens
+                );
+            }
+            let from_run = self.data_from_run.is_some();
+            self.data = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+            if from_run {
+                let out = std::path::absolute(&self.out).unwrap_or_else(|_| self.out.clone());
+                self.data_from_run = Some(relative_path(&self.data, &out));
+            }
+            self.data_fingerprint = Some(found);
+            return Ok(());
+        }
+        if self.data.is_dir() {
+            return Ok(());
+        }
+        if let Some(rel) = &self.data_from_run {
+            let moved = self.out.join(rel);
+            if moved.is_dir() {
+                self.data = std::path::absolute(&moved).unwrap_or(moved);
+                return Ok(());
+            }
+        }
+        bail!(
+            "--resume {run}: the run's data {} is not there (from {}); point the run at it \
+             with --data DIR",
+            self.data.display(),
+            std::env::current_dir()
+                .map(|d| d.display().to_string())
+                .unwrap_or_else(|_| "here".into())
+        )
+    }
+}
+
+/// `path` relative to `base` (both absolute), lexically: `../data` for `/w/data` from `/w/run`.
+fn relative_path(path: &Path, base: &Path) -> PathBuf {
+    let (p, b): (Vec<_>, Vec<_>) = (path.components().collect(), base.components().collect());
+    let common = p.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let mut rel = PathBuf::new();
+    for _ in common..b.len() {
+        rel.push("..");
+    }
+    for c in &p[common..] {
+        rel.push(c);
+    }
+    if rel.as_os_str().is_empty() {
+        rel.push(".");
+    }
+    rel
 }
 
 /// The shard limit of runs saved before `max_shard_bytes` existed: the default.
@@ -187,12 +311,15 @@ mod tests {
                 "beta1",
                 "beta2",
                 "data",
+                "data_fingerprint",
+                "data_from_run",
                 "eval_batches",
                 "eval_every",
                 "fit",
                 "grad_accum",
                 "grad_clip",
                 "init",
+                "keep_last",
                 "lr",
                 "max_memory",
                 "max_shard_bytes",
@@ -219,6 +346,15 @@ mod tests {
         );
         let back: TrainOptions = serde_json::from_value(v.clone()).unwrap();
         assert_eq!(serde_json::to_value(&back).unwrap(), v);
+    }
+
+    #[test]
+    fn relative_paths_climb_to_the_common_folder() {
+        let r = |a: &str, b: &str| relative_path(Path::new(a), Path::new(b));
+        assert_eq!(r("/w/data", "/w/run"), Path::new("../data"));
+        assert_eq!(r("/w/run/data", "/w/run"), Path::new("data"));
+        assert_eq!(r("/a/b/data", "/w/x/run"), Path::new("../../../a/b/data"));
+        assert_eq!(r("/w", "/w"), Path::new("."));
     }
 
     /// Options saved before `tokenizer_dir` and `max_shard_bytes` existed still read back,

@@ -66,6 +66,12 @@ impl<'a> Run<'a> {
         }
         comm.barrier()?;
         progress.message(&plan_line(opts, &spec, &plan, baseline));
+        progress.message(&crate::exec::lr::describe(
+            opts.steps,
+            opts.warmup,
+            opts.lr,
+            opts.min_lr_frac,
+        ));
         let (comm_thread, why) = crate::dist::comm_thread_wanted(opts.threads, ranks);
         if ranks > 1 {
             let thread = comm_thread;
@@ -334,6 +340,12 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
             out.display()
         );
     }
+    for stale in ckpt::retention::remove_stale_temporaries(out)? {
+        eprintln!(
+            "memwall: removed {}, left by a save that was interrupted",
+            stale.display()
+        );
+    }
     let probe = run.write_probe();
     std::fs::write(&probe, b"ok")
         .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
@@ -341,15 +353,28 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
     Ok(())
 }
 
-/// The one line that announces the plan.
+/// The lines that announce the plan: model, shape, strategies, memory, and the offload
+/// file when there is one.
 fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) -> String {
+    let offload = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
+        (0, _) => String::new(),
+        (bytes, Some(dir)) => format!(
+            " ({} file in {})",
+            fmt_bytes(bytes),
+            dir.join(crate::plan::offload::OFFLOAD_FILE).display()
+        ),
+        (bytes, None) => format!(" ({} file)", fmt_bytes(bytes)),
+    };
     format!(
-        "plan: {} | batch {} x grad-accum {} x seq {} | recompute {} | arena {} + outside the arena {} | predicted peak RSS {}",
+        "plan: {} | batch {} x grad-accum {} x seq {} | {} | recompute {} | optimizer state {} | offload {}{offload} | arena {} + outside the arena {} | predicted peak RSS {}",
         spec.describe(),
         opts.batch,
         opts.strategies.grad_accum,
         opts.seq,
+        plan.cfg.precision,
         plan.cfg.recompute,
+        plan.cfg.optim_state,
+        plan.cfg.offload.set,
         fmt_bytes(plan.arena_bytes),
         fmt_bytes(plan.external_bytes),
         fmt_bytes(plan.total_bytes() + baseline)

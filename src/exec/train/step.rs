@@ -281,6 +281,9 @@ impl Run<'_> {
                 Some(dir_bytes(&dir)),
             ));
         }
+        if self.ex.comm().rank() == 0 {
+            crate::ckpt::retention::keep_last(&opts.out, opts.keep_last)?;
+        }
         self.last_ckpt = Some(dir);
         Ok(())
     }
