@@ -706,3 +706,41 @@ fn keep_last_keeps_the_newest_checkpoints() {
     ok(&["train", "--resume", run.to_str().unwrap(), "--steps", "4"]);
     assert_eq!(names(&run), ["step-000003", "step-000004"]);
 }
+
+/// The demos once printed a plan of the library's defaults (`recompute none`) and trained
+/// another (`selective`): the plan shown is the one in the run's plan.json.
+#[test]
+fn the_demo_shows_the_plan_it_trains_from() {
+    let tmp = tempfile::tempdir().unwrap();
+    let corpus = common::small_corpus(tmp.path());
+    let out = tmp.path().join("demo");
+    let o = common::memwall_env(
+        &[("MEMWALL_CORPUS", corpus.to_str().unwrap())],
+        &["demo", "--out", out.to_str().unwrap(), "--steps", "1"],
+    );
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("run/plan.json")).unwrap()).unwrap();
+    let cfg = &plan["config"];
+    let shown = format!(
+        "{}, recompute {}, optimizer state {}, offload {}",
+        cfg["precision"].as_str().unwrap(),
+        cfg["recompute"].as_str().unwrap(),
+        cfg["optim_state"].as_str().unwrap(),
+        cfg["offload"]["set"].as_str().unwrap()
+    );
+    assert!(
+        text.contains(&shown),
+        "plan.json has {shown}; the demo showed:\n{text}"
+    );
+    let arena = memwall::util::bytes::fmt_bytes(plan["arena_bytes"].as_u64().unwrap());
+    assert!(
+        text.contains(&format!("arena (packed by lifetime)    {arena}")),
+        "{arena}:\n{text}"
+    );
+}

@@ -130,7 +130,10 @@ mod tests {
         for d in [&stale, &live, &other] {
             fs::create_dir_all(d).unwrap();
         }
-        assert_eq!(remove_stale_temporaries(t.path()).unwrap(), std::slice::from_ref(&stale));
+        assert_eq!(
+            remove_stale_temporaries(t.path()).unwrap(),
+            std::slice::from_ref(&stale)
+        );
         assert!(!stale.exists() && live.exists() && other.exists());
     }
 }

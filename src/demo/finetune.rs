@@ -16,7 +16,7 @@ use crate::data::loader::DataSet;
 use crate::data::{Tokenizer, check_tokenizer, corpus, prepare};
 use crate::exec::generate::SampleOptions;
 use crate::exec::train::{self, ConsoleProgress, TrainOptions};
-use crate::plan::{self, Mode, StepConfig, build_plan};
+use crate::plan;
 use crate::run_dir::{RunDir, metrics};
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -131,12 +131,8 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     t.eval_every = o.steps;
     t.eval_batches = o.eval_batches;
     t.save_every = 0;
-    let plan = build_plan(
-        &spec,
-        &StepConfig::new(t.batch, t.seq, t.threads),
-        Mode::Train,
-        &Cpu,
-    )?;
+    // The plan the run below trains from (its strategies, not the library's defaults).
+    let (plan, _) = train::plan_for(&t, &spec, rss::current_rss().unwrap_or(0), 1)?;
     println!("\n5. the memory plan of a fine-tuning step, before any step runs:\n");
     print!(
         "{}",

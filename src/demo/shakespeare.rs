@@ -8,7 +8,7 @@ use crate::data::{corpus, prepare};
 use crate::exec::generate::SampleOptions;
 use crate::exec::train::{self, ConsoleProgress, TrainOptions};
 use crate::model::ModelSpec;
-use crate::plan::{self, Mode, StepConfig, build_plan};
+use crate::plan;
 use crate::run_dir::RunDir;
 use crate::util::rss;
 use anyhow::{Context, Result};
@@ -61,12 +61,8 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
     o.save_every = 0;
     o.profile_steps = 3;
     let spec = ModelSpec::preset("gpt2-tiny")?;
-    let plan = build_plan(
-        &spec,
-        &StepConfig::new(o.batch, o.seq, threads),
-        Mode::Train,
-        &Cpu,
-    )?;
+    // The plan the run below trains from (its strategies, not the library's defaults).
+    let (plan, _) = train::plan_for(&o, &spec, rss::current_rss().unwrap_or(0), 1)?;
     println!("\n2. the memory plan, before any step runs:\n");
     print!(
         "{}",

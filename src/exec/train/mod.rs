@@ -25,6 +25,7 @@ mod step;
 pub use loss_scale::LossScaler;
 pub use options::{TrainOptions, default_threads, resume_options};
 pub use progress::{ConsoleProgress, NoProgress, Progress};
+pub use setup::plan_for;
 
 use super::executor::Executor;
 use crate::data::loader::{BatchLoader, DataSet};

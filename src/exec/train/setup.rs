@@ -43,17 +43,7 @@ impl<'a> Run<'a> {
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
-        let strategies = opts
-            .strategies
-            .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
-        let calibration = crate::exec::calibrate_transport::current(opts.threads, ranks)?;
-        let plan = strategies.plan(
-            &spec,
-            (opts.batch, opts.seq, opts.threads),
-            baseline,
-            &calibration,
-            &Cpu,
-        )?;
+        let (plan, calibration) = plan_for(opts, &spec, baseline, ranks)?;
         let dir = RunDir::new(&opts.out);
         // Rank 0 owns the run directory; the others wait until it is there.
         if rank == 0 {
@@ -286,6 +276,28 @@ fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
     };
     spec.check_seq(opts.seq)?;
     Ok(spec)
+}
+
+/// The plan a run of `opts` trains from (with the calibration that priced it), on `ranks`
+/// ranks with `baseline` bytes outside the plan: what the demos print is what runs.
+pub fn plan_for(
+    opts: &TrainOptions,
+    spec: &ModelSpec,
+    baseline: u64,
+    ranks: usize,
+) -> Result<(Plan, crate::plan::time::Calibration)> {
+    let strategies = opts
+        .strategies
+        .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
+    let calibration = crate::exec::calibrate_transport::current(opts.threads, ranks)?;
+    let plan = strategies.plan(
+        spec,
+        (opts.batch, opts.seq, opts.threads),
+        baseline,
+        &calibration,
+        &Cpu,
+    )?;
+    Ok((plan, calibration))
 }
 
 /// Opens the prepared data and checks it suits the model and holds a sequence per split.
