@@ -59,6 +59,9 @@ after, and a sample before and after (see `memwall demo finetune --help`).",
     /// Print the memory plan of a training step (by category, packed by lifetime), without training.
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
+    #[command(
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision and optimizer state cannot change."
+    )]
     Train(TrainArgs),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
@@ -222,11 +225,11 @@ struct StepArgs {
     /// Model: a preset (GPT-2: gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama:
     /// llama-tiny, smollm2-135m, smollm2-360m, qwen2.5-0.5b, llama-3.2-1b, tinyllama-1.1b,
     /// llama-3.2-3b, llama-2-7b, llama-3-8b), a Hugging Face model or checkpoint directory, or
-    /// a config.json [default: gpt2-tiny; with --init: its model; with --resume: the run's]
+    /// a config.json [default: gpt2-tiny]
     #[arg(long)]
     model: Option<String>,
     /// Micro-batch size, sequences per step, or auto: the largest that fits --max-memory, by
-    /// prediction (never by trying) [default: 8; with --resume: the run's]
+    /// prediction (never by trying) [default: 8]
     #[arg(long, value_parser = parse_batch, value_name = "N|auto")]
     batch: Option<Pick<usize>>,
     /// Sequences per optimizer step (micro-batch x accumulation): with --batch N it sets
@@ -240,7 +243,7 @@ struct StepArgs {
     /// five best (`memwall calibrate` makes the prediction a measured one)
     #[arg(long, requires = "max_memory")]
     fit: bool,
-    /// Sequence length in tokens, at most the model's n_positions [default: 128; with --resume: the run's]
+    /// Sequence length in tokens, at most the model's n_positions [default: 128]
     #[arg(long)]
     seq: Option<usize>,
     /// Worker threads (default: all cores; more than the cores is warned about, as each step
@@ -262,21 +265,21 @@ struct StrategyArgs {
     /// memory), full (keep only each block's input), every:K (full except every K-th block),
     /// auto (the fastest policy that fits --max-memory, by predicted step time: the least
     /// recomputation, unless activations go to a slow disk). Weights are bitwise the same
-    /// under every policy [default: selective; with --resume: the run's]
+    /// under every policy [default: selective]
     #[arg(long, value_parser = parse_recompute)]
     recompute: Option<RecomputeChoice>,
     /// Micro-batches per optimizer step: each step sees grad-accum x --batch sequences while
-    /// activations are planned for one micro-batch of --batch [default: 1; with --resume: the run's]
+    /// activations are planned for one micro-batch of --batch [default: 1]
     #[arg(long)]
     grad_accum: Option<usize>,
     /// AdamW moment storage: fp32 (8 bytes per parameter), bf16 (4), int8 (8-bit log-scale
     /// codes in blocks of 2048 with one f32 scale each, about 2); auto lets --fit choose (int8
-    /// changes the mathematics) [default: fp32; with --resume: the run's]
+    /// changes the mathematics) [default: fp32]
     #[arg(long, value_parser = parse_optim_state, value_name = "fp32|bf16|int8|auto")]
     optim_state: Option<Pick<OptimState>>,
     /// Format of compute weights, activations and gradients: fp32, bf16 or fp16 (both with
     /// fp32 master weights and f32 accumulation; fp16 with dynamic loss scaling); auto lets
-    /// --fit choose [default: fp32; with --resume: the run's]
+    /// --fit choose [default: fp32]
     #[arg(long, value_parser = parse_precision, value_name = "fp32|bf16|fp16|auto")]
     precision: Option<Pick<Precision>>,
     /// What to keep on disk between uses, so it needs RAM only in its turn: none, all, auto
@@ -287,7 +290,7 @@ struct StrategyArgs {
     /// which then runs in the next step's forward so its disk traffic overlaps arithmetic),
     /// activations (what the forward keeps for the backward: with --recompute full, only the
     /// block inputs). Weights are bitwise the same under every placement
-    /// [default: none; with --resume: the run's]
+    /// [default: none]
     #[arg(long, value_parser = parse_offload)]
     offload: Option<OffloadChoice>,
     /// Directory of the offload file (one preallocated file, removed at the end; put it on a
@@ -299,7 +302,7 @@ struct StrategyArgs {
     /// the optimizer state (each rank updates its 1/N and all-gathers the parameters); 2 also
     /// the gradients (reduce-scattered as each group's are final); 3 also the parameters
     /// (gathered for each use). Needs a build with `--features mpi` to train
-    /// [default: 0; with --resume: the run's]
+    /// [default: 0]
     #[arg(long, value_name = "0|1|2|3", value_parser = parse_zero)]
     zero: Option<Zero>,
 }
@@ -406,7 +409,7 @@ struct TrainArgs {
     /// Run directory: plan.json, metrics.jsonl, checkpoints/.
     #[arg(long, required_unless_present = "resume")]
     out: Option<PathBuf>,
-    /// Total optimizer steps of the run [default: 500; with --resume: the run's]
+    /// Total optimizer steps of the run [default: 500]
     #[arg(long)]
     steps: Option<u64>,
     /// Peak learning rate (AdamW).
@@ -434,7 +437,7 @@ struct TrainArgs {
     #[arg(long, default_value_t = 100)]
     save_every: u64,
     /// Keep only the newest N checkpoints, removing older ones once a newer one is written
-    /// (a SmolLM2 checkpoint is 1.6 GB) [default: keep all; with --resume: the run's].
+    /// (a SmolLM2 checkpoint is 1.6 GB) [default: keep all].
     #[arg(long, value_name = "N")]
     keep_last: Option<u64>,
     /// Start from the weights of a Hugging Face model directory (config.json +
@@ -629,7 +632,18 @@ fn fit_space(step: &StepArgs, threads: usize, default_batch: usize) -> Result<se
     };
     let global = match (step.global_batch, step.batch) {
         (Some(g), _) => g,
-        (None, Some(Pick::Fixed(b))) => b * st.grad_accum.unwrap_or(1),
+        (None, Some(Pick::Fixed(b))) => {
+            let g = b * st.grad_accum.unwrap_or(1);
+            eprintln!(
+                "memwall: --fit keeps {g} rows per optimizer step (--batch {b}{}) and searches \
+                 the micro-batch; to fix the micro-batch too, give --global-batch {g} --batch {b}",
+                match st.grad_accum {
+                    Some(a) => format!(" x --grad-accum {a}"),
+                    None => String::new(),
+                }
+            );
+            g
+        }
         (None, _) => default_batch * st.grad_accum.unwrap_or(1),
     };
     Ok(search::Space {

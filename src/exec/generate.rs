@@ -45,6 +45,9 @@ pub fn generate_tokens(
         bail!("--prompt is empty; give at least one character of text");
     }
     let spec = ckpt::load_spec(&opts.checkpoint)?;
+    if let Some(w) = context_warning(prompt.len(), opts.tokens, spec.n_positions) {
+        eprintln!("memwall: warning: {w}");
+    }
     let ctx = spec.n_positions.min(prompt.len() + opts.tokens).max(1);
     let plan = build_plan(
         &spec,
@@ -80,6 +83,26 @@ pub fn generate_tokens(
         on_token(next);
     }
     Ok(out)
+}
+
+/// What a reader should know when the prompt and the new tokens exceed the model's context
+/// of `context` tokens (generation then sees only the newest `context` tokens).
+fn context_warning(prompt: usize, tokens: usize, context: usize) -> Option<String> {
+    if prompt > context {
+        Some(format!(
+            "--prompt is {prompt} tokens, more than the model's context of {context}: its first \
+             {} tokens are not seen",
+            prompt - context
+        ))
+    } else if prompt + tokens > context {
+        Some(format!(
+            "--prompt ({prompt} tokens) and --tokens {tokens} exceed the model's context of \
+             {context}: after {} new tokens, the oldest slide out of view",
+            context - prompt
+        ))
+    } else {
+        None
+    }
 }
 
 /// Generates text: the decoded continuation of `opts.prompt`.
@@ -157,4 +180,19 @@ fn pick(
         }
     }
     *order.last().expect("non-empty vocabulary")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prompt longer than the context was once cut without a word.
+    #[test]
+    fn a_prompt_beyond_the_context_is_said() {
+        assert_eq!(context_warning(10, 10, 64), None);
+        let w = context_warning(100, 5, 64).unwrap();
+        assert!(w.contains("first 36 tokens are not seen"), "{w}");
+        let w = context_warning(60, 10, 64).unwrap();
+        assert!(w.contains("after 4 new tokens"), "{w}");
+    }
 }
