@@ -1,15 +1,20 @@
 //! GGUF files used directly (`sample --model FILE.gguf`, `train --init FILE.gguf`): converted
 //! once into the user cache and reused.
 //!
-//! The converted directory is `<cache>/memwall/gguf/<stem>-<key>`, where the key hashes the
-//! file's canonical path, size and modification time: the same unchanged file is converted
-//! once, a replaced file again. [`convert`](fn@super::convert) publishes a directory only when it
+//! The converted directory is `<cache>/memwall/gguf/<stem>-<key>`, where the key is the
+//! start of the SHA-256 of the file's content: the same bytes are converted once, whatever
+//! their path or modification time. So that a file is not hashed at every use, `index.json`
+//! remembers each path's size, modification time and hash; a file whose size or time
+//! changed is hashed again, and when its content did change, the conversion of its old
+//! content is removed unless another indexed file still has that content (a replaced model
+//! leaves no copy behind). [`convert`](fn@super::convert) publishes a directory only when it
 //! is complete, so an existing directory is a whole conversion.
 
 use super::convert::{ConvertOptions, OutDtype, convert};
 use crate::ckpt::{CONFIG_FILE, MODEL_FILE};
 use anyhow::{Context, Result, anyhow};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -55,58 +60,144 @@ pub fn model_dir(path: &Path, flag: &str) -> Result<PathBuf> {
 
 /// [`model_dir`] with the cache folder given (tests use their own).
 pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
-    let dir = cache.join(cache_name(path).with_context(|| format!("{flag} {}", path.display()))?);
-    if dir.join(CONFIG_FILE).is_file() && dir.join(MODEL_FILE).is_file() {
-        eprintln!(
-            "{flag} {}: using its conversion in {}",
-            path.display(),
-            dir.display()
-        );
-        return Ok(dir);
+    let here = || format!("{flag} {}", path.display());
+    let canonical =
+        fs::canonicalize(path).with_context(|| format!("{}: cannot resolve the path", here()))?;
+    let (size, mtime) = stat(&canonical).with_context(here)?;
+    let key = canonical.to_string_lossy().into_owned();
+    let index_path = cache.join(INDEX_FILE);
+    let mut index = read_index(&index_path);
+    let previous = index.get(&key).cloned();
+    let sha = match &previous {
+        Some(e) if e.size == size && e.mtime_ns == mtime => e.sha256.clone(),
+        _ => sha256_of(&canonical).with_context(here)?,
+    };
+    let complete = |d: &Path| d.join(CONFIG_FILE).is_file() && d.join(MODEL_FILE).is_file();
+    // The same content under another name (a copy of the file) is the same conversion.
+    let suffix = format!("-{}", &sha[..16]);
+    let same_content = fs::read_dir(cache).ok().and_then(|entries| {
+        entries
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.to_string_lossy().ends_with(&suffix) && complete(p))
+    });
+    let dir = same_content.unwrap_or_else(|| cache.join(dir_name(&canonical, &sha)));
+    let complete = complete(&dir);
+    if complete {
+        eprintln!("{}: using its conversion in {}", here(), dir.display());
+    } else {
+        fs::create_dir_all(cache)
+            .with_context(|| format!("cannot create the cache folder {}", cache.display()))?;
+        // A directory under memwall's own key without its model file is an interrupted
+        // conversion of an older memwall (conversions are published whole): it goes.
+        if dir.exists() {
+            fs::remove_dir_all(&dir)
+                .with_context(|| format!("cannot remove the incomplete {}", dir.display()))?;
+        }
+        eprintln!("{}: converting it once into {}", here(), dir.display());
+        let summary = convert(&ConvertOptions {
+            input: path.to_path_buf(),
+            out: dir.clone(),
+            dtype: OutDtype::F32,
+            force: false,
+            progress: true,
+        })
+        .with_context(here)?;
+        eprintln!("{}", summary.describe());
     }
-    fs::create_dir_all(cache)
-        .with_context(|| format!("cannot create the cache folder {}", cache.display()))?;
-    // A directory under memwall's own key without its model file is an interrupted
-    // conversion of an older memwall (conversions are published whole): it goes.
-    if dir.exists() {
-        fs::remove_dir_all(&dir)
-            .with_context(|| format!("cannot remove the incomplete {}", dir.display()))?;
+    let entry = IndexEntry {
+        size,
+        mtime_ns: mtime,
+        sha256: sha.clone(),
+        dir: dir.file_name().map(|n| n.to_string_lossy().into_owned()),
+    };
+    if previous.as_ref() != Some(&entry) {
+        index.insert(key, entry);
+        // The conversion of this path's old content, when nothing else has that content.
+        if let Some(old) = previous
+            && old.sha256 != sha
+            && !index.values().any(|e| e.sha256 == old.sha256)
+            && let Some(name) = old.dir
+        {
+            let stale = cache.join(name);
+            if stale != dir && stale.is_dir() {
+                match fs::remove_dir_all(&stale) {
+                    Ok(()) => eprintln!(
+                        "{}: removed the conversion of its earlier content, {}",
+                        here(),
+                        stale.display()
+                    ),
+                    Err(e) => eprintln!(
+                        "memwall: warning: cannot remove the stale conversion {}: {e}",
+                        stale.display()
+                    ),
+                }
+            }
+        }
+        // The index only saves hashing: failing to write it costs time, not correctness.
+        if let Err(e) = write_index(&index_path, &index) {
+            eprintln!("memwall: warning: {e:#}");
+        }
     }
-    eprintln!(
-        "{flag} {}: converting it once into {}",
-        path.display(),
-        dir.display()
-    );
-    let summary = convert(&ConvertOptions {
-        input: path.to_path_buf(),
-        out: dir.clone(),
-        dtype: OutDtype::F32,
-        force: false,
-        progress: true,
-    })
-    .with_context(|| format!("{flag} {}", path.display()))?;
-    eprintln!("{}", summary.describe());
     Ok(dir)
 }
 
-/// `<stem>-<16 hex digits>`: the file's stem and a hash of its canonical path, size and
-/// modification time.
-fn cache_name(path: &Path) -> Result<String> {
-    let canonical = fs::canonicalize(path)
-        .with_context(|| format!("cannot resolve the path {}", path.display()))?;
-    let meta =
-        fs::metadata(&canonical).with_context(|| format!("cannot stat {}", path.display()))?;
+/// The index of hashed files, in the cache folder.
+const INDEX_FILE: &str = "index.json";
+
+/// What the index remembers of one path.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct IndexEntry {
+    size: u64,
+    mtime_ns: u128,
+    sha256: String,
+    /// The conversion's directory name in the cache.
+    dir: Option<String>,
+}
+
+/// The index at `path`; empty when missing or unreadable (it is only a shortcut).
+fn read_index(path: &Path) -> BTreeMap<String, IndexEntry> {
+    fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+fn write_index(path: &Path, index: &BTreeMap<String, IndexEntry>) -> Result<()> {
+    crate::util::atomic::write_file(path, &serde_json::to_vec_pretty(index)?)
+        .with_context(|| format!("cannot write the cache index {}", path.display()))
+}
+
+/// The file's size and modification time in nanoseconds.
+fn stat(path: &Path) -> Result<(u64, u128)> {
+    let meta = fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
     let mtime = meta
         .modified()
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
+    Ok((meta.len(), mtime))
+}
+
+/// The SHA-256 of the file's content, in hex.
+fn sha256_of(path: &Path) -> Result<String> {
+    let mut f = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut h = Sha256::new();
-    h.update(canonical.as_os_str().as_encoded_bytes());
-    h.update(meta.len().to_le_bytes());
-    h.update(mtime.to_le_bytes());
-    let digest = h.finalize();
-    let key: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `<stem>-<16 hex digits of the content hash>`.
+fn dir_name(canonical: &Path, sha: &str) -> String {
     let stem: String = canonical
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -120,7 +211,7 @@ fn cache_name(path: &Path) -> Result<String> {
             }
         })
         .collect();
-    Ok(format!("{stem}-{key}"))
+    format!("{stem}-{}", &sha[..16])
 }
 
 #[cfg(test)]
@@ -147,12 +238,32 @@ mod tests {
             .unwrap();
         assert_eq!(config_time, again, "the second use reuses the conversion");
 
-        // A replaced file (another size) gets its own conversion.
-        let mut bytes = fs::read(&gguf).unwrap();
-        bytes.extend_from_slice(&[0u8; 32]);
-        fs::write(&gguf, bytes).unwrap();
+        // The same bytes with a new modification time (or at another path): no new copy.
+        let bytes = fs::read(&gguf).unwrap();
+        fs::write(&gguf, &bytes).unwrap();
+        let copy = dir.path().join("copy.gguf");
+        fs::write(&copy, &bytes).unwrap();
+        assert_eq!(model_dir_in(&cache, &gguf, "--model").unwrap(), a);
+        assert_eq!(model_dir_in(&cache, &copy, "--model").unwrap(), a);
+
+        // A replaced file gets its own conversion; the old one goes once no indexed file
+        // has its content.
+        let mut changed = bytes.clone();
+        changed.extend_from_slice(&[0u8; 32]);
+        fs::write(&gguf, &changed).unwrap();
         let c = model_dir_in(&cache, &gguf, "--model").unwrap();
         assert_ne!(a, c);
+        assert!(a.is_dir(), "copy.gguf still has the old content");
+        fs::write(&copy, &changed).unwrap();
+        assert_eq!(model_dir_in(&cache, &copy, "--model").unwrap(), c);
+        assert!(
+            !a.exists(),
+            "no indexed file has the old content: its conversion went"
+        );
+        let dirs = fs::read_dir(&cache)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().is_dir());
+        assert_eq!(dirs.count(), 1, "one conversion in the cache");
 
         // Directories and config files are not GGUF files.
         assert!(!is_gguf(&a));
