@@ -874,8 +874,45 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         if !a.json {
             println!("  fits --max-memory {}", fmt_bytes(budget));
         }
+    } else if !a.json
+        && let Some(available) = rss::available_memory()
+    {
+        println!(
+            "{}",
+            fits_this_machine(
+                plan::fit::predicted_peak(&plan, baseline),
+                available,
+                a.ranks
+            )
+        );
     }
     Ok(())
+}
+
+/// Whether a plan's predicted peak fits the memory available on this machine now, and
+/// what to do when it does not (`plan` without `--max-memory`).
+fn fits_this_machine(peak: u64, available: u64, ranks: usize) -> String {
+    let per = if ranks > 1 { " (one rank's)" } else { "" };
+    if peak <= available {
+        format!(
+            "  fits this machine: predicted peak{per} {} of {} available now",
+            fmt_bytes(peak),
+            fmt_bytes(available)
+        )
+    } else {
+        format!(
+            "  does NOT fit this machine: predicted peak{per} {} but {} available now; \
+             `--max-memory {} --fit` finds the fastest plan that does",
+            fmt_bytes(peak),
+            fmt_bytes(available),
+            fmt_gib_floor(available)
+        )
+    }
+}
+
+/// `bytes` as a `--max-memory` value: whole GiB, rounded down (at least 1GiB).
+fn fmt_gib_floor(bytes: u64) -> String {
+    format!("{}GiB", (bytes >> 30).max(1))
 }
 
 /// Probes the disk of `--offload-dir` (512 MiB written and read back) and prints how long

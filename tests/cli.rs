@@ -744,3 +744,32 @@ fn the_demo_shows_the_plan_it_trains_from() {
         "{arena}:\n{text}"
     );
 }
+
+/// `plan` without `--max-memory` once printed a 100 GiB plan on a 23 GiB machine without a
+/// word: it compares with the memory available now, and explains its columns.
+#[test]
+fn plan_says_whether_it_fits_this_machine() {
+    let small = ok(&["plan", "--model", "gpt2-tiny"]);
+    assert!(
+        small.contains("fits this machine: predicted peak"),
+        "{small}"
+    );
+    assert!(
+        small.contains("own RAM peak: ") && small.contains("live at peak: "),
+        "{small}"
+    );
+    // Terabytes: more than any machine this runs on.
+    let huge = ok(&[
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--batch",
+        "64",
+        "--seq",
+        "8192",
+    ]);
+    assert!(
+        huge.contains("does NOT fit this machine") && huge.contains("--fit"),
+        "{huge}"
+    );
+}

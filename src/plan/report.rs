@@ -87,6 +87,12 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
     );
     let _ = writeln!(
         s,
+        "  own RAM peak: the most of that category in RAM at any one op.\n  \
+         live at peak: what it holds at the op where the whole plan peaks ({}).",
+        plan.schedule.ops[plan.peak_op].name
+    );
+    let _ = writeln!(
+        s,
         "\n  arena (packed by lifetime)  {:>12}   lower bound {} (peak live, at op {})",
         fmt_bytes(plan.arena_bytes),
         fmt_bytes(plan.peak_live_bytes),
