@@ -9,7 +9,9 @@
 //!
 //! `model.safetensors` is written by the `safetensors` crate from views that dequantize one
 //! tensor at a time when the writer asks for its bytes, so memory holds one tensor at a time
-//! (plus the map of the GGUF file), whatever the model's size.
+//! (plus the map of the GGUF file), whatever the model's size. Each tensor is checked as it
+//! is dequantized: a NaN or infinite value (a corrupt block scale) fails the conversion,
+//! naming the tensor and the file, and nothing is published.
 
 use super::dequant::{check_supported, dequantize};
 use super::file::GgufFile;
@@ -17,6 +19,7 @@ use super::hf::{Dims, HfModel, HfTensor, map_model, unpermute_rows};
 use super::tokenizer;
 use crate::util::atomic::write_synced;
 use crate::util::atomic_dir::TempDir;
+use crate::util::finite::{self, first_non_finite};
 use anyhow::{Context, Result, bail};
 use safetensors::{Dtype, View};
 use std::borrow::Cow;
@@ -334,6 +337,14 @@ impl LazyTensor<'_> {
         let n = info.n_elements as usize;
         let mut vals = vec![0f32; n]; // [HF shape], row-major
         dequantize(info.ty, self.file.tensor_data(info), &mut vals)?;
+        if let Some((i, v)) = first_non_finite(&vals) {
+            // GGUF order, so the index is the element's in the file.
+            bail!(
+                "{}: the file is corrupt (a NaN or infinite block scale?) and NaN or infinite \
+                 weights cannot be trained or sampled; re-download or re-quantize it",
+                finite::describe(i, v, n, &vals)
+            );
+        }
         if let Some(heads) = self.t.unpermute_heads {
             let cols = if self.t.shape.len() == 2 {
                 self.t.shape[1]
@@ -346,10 +357,17 @@ impl LazyTensor<'_> {
         }
         Ok(match self.dtype {
             OutDtype::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            OutDtype::Bf16 => vals
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-                .collect(),
+            OutDtype::Bf16 => {
+                let b: Vec<half::bf16> = vals.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                // Finite f32 values beyond bf16's largest round to infinity.
+                if let Some(i) = b.iter().position(|x| x.is_infinite()) {
+                    bail!(
+                        "value {} at element {i} does not fit in bf16 (it rounds to infinity); convert with --dtype f32",
+                        vals[i]
+                    );
+                }
+                b.iter().flat_map(|x| x.to_le_bytes()).collect()
+            }
         })
     }
 }
