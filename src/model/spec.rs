@@ -117,6 +117,12 @@ pub struct ModelSpec {
     pub special_tokens: SpecialTokens,
 }
 
+/// Largest dimension a config may give (a width, a count, a context length).
+const MAX_DIM: usize = 1 << 31;
+
+/// Most parameters a model may have (about 1.1 trillion: 4.4 TB of f32 weights).
+const MAX_PARAMS: u128 = 1 << 40;
+
 impl ModelSpec {
     /// Names of the built-in presets, every family's.
     pub fn preset_names() -> Vec<&'static str> {
@@ -199,6 +205,35 @@ impl ModelSpec {
     /// Checks that the dimensions describe a model we can build.
     pub fn validate(&self) -> Result<()> {
         let f = self.family.field_names();
+        // Absurd sizes first: products of them would overflow (and a default derived from
+        // one, GPT-2's 4·C MLP, wrap to 0).
+        for (field, v) in [
+            (f.positions, self.n_positions),
+            (f.embd, self.n_embd),
+            (f.layers, self.n_layer),
+            (f.heads, self.n_head),
+            (f.kv_heads, self.n_kv_head),
+            (f.mlp, self.mlp_hidden),
+            ("head_dim", self.head_dim),
+        ] {
+            if v > MAX_DIM {
+                bail!("field '{field}' is {v}; no model has more than 2^31: the config is wrong");
+            }
+        }
+        if self.vocab_size > u32::MAX as usize {
+            bail!("field '{}' ({}) exceeds 2^32", f.vocab, self.vocab_size);
+        }
+        let params = self.parameter_bound();
+        if params > MAX_PARAMS {
+            bail!(
+                "these dimensions make about {params} parameters, more than memwall plans \
+                 (2^40); check the fields '{}', '{}', '{}' and '{}'",
+                f.vocab,
+                f.embd,
+                f.layers,
+                f.mlp
+            );
+        }
         for (field, v) in [
             (f.vocab, self.vocab_size),
             (f.positions, self.n_positions),
@@ -239,10 +274,26 @@ impl ModelSpec {
                 self.head_dim
             );
         }
-        if self.vocab_size > u32::MAX as usize {
-            bail!("field '{}' ({}) exceeds 2^32", f.vocab, self.vocab_size);
-        }
         self.family.validate(self)
+    }
+
+    /// An upper bound of the parameter count from the dimensions alone, without overflow
+    /// (every weight, bias and norm of either family, learned positions, an untied head).
+    fn parameter_bound(&self) -> u128 {
+        let [v, p, c, l, h, kv, hd, m] = [
+            self.vocab_size,
+            self.n_positions,
+            self.n_embd,
+            self.n_layer,
+            self.n_head,
+            self.n_kv_head,
+            self.head_dim,
+            self.mlp_hidden,
+        ]
+        .map(|x| x as u128);
+        let qkv = (h + 2 * kv) * hd;
+        let per_layer = c * qkv + qkv + h * hd * c + c + 3 * c * m + 2 * m + 4 * c;
+        2 * v * c + p * c + l * per_layer + 2 * c
     }
 
     /// Checks a sequence length against the model; names the flag in the error.
@@ -348,5 +399,40 @@ mod tests {
         assert!(unknown.contains("unknown model preset 'gpt5'") && unknown.contains("gpt2-tiny"));
         let s = ModelSpec::preset("gpt2-tiny").unwrap();
         assert!(format!("{:#}", s.check_seq(257).unwrap_err()).contains("--seq 257"));
+    }
+
+    #[test]
+    fn absurd_dimensions_are_refused_not_overflowed() {
+        let e = |t: &str| {
+            format!(
+                "{:#}",
+                ModelSpec::from_hf_config_str(t, "cfg.json").unwrap_err()
+            )
+        };
+        let llama = |extra: &str| {
+            format!(
+                r#"{{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100{extra}}}"#
+            )
+        };
+        // Each once made the planner allocate petabytes or index past a range.
+        let x = e(&llama(r#", "num_hidden_layers": 1099511627776"#));
+        assert!(
+            x.contains("cfg.json") && x.contains("'num_hidden_layers' is 1099511627776"),
+            "{x}"
+        );
+        let x =
+            e(r#"{"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 18446744073709551615}"#);
+        assert!(x.contains("'n_positions' is 18446744073709551615"), "{x}");
+        // 4·C would wrap to 0 and blame n_inner.
+        let x = e(r#"{"n_embd": 4611686018427387904, "n_layer": 2, "n_head": 4}"#);
+        assert!(x.contains("'n_embd' is 4611686018427387904"), "{x}");
+        // Each size plausible, the product not.
+        let x = e(&llama(
+            r#", "hidden_size": 65536, "num_attention_heads": 512, "num_hidden_layers": 100000"#,
+        ));
+        assert!(x.contains("parameters, more than memwall plans"), "{x}");
+        // The largest preset passes.
+        ModelSpec::preset("llama-3-8b").unwrap();
     }
 }
