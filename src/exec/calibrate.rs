@@ -38,6 +38,9 @@ pub struct CalibrateOptions {
     pub quick: bool,
 }
 
+/// Bytes the disk probe writes and reads back in `--offload-dir`.
+const PROBE_BYTES: u64 = 512 << 20;
+
 /// One model of the suite: a preset's family with these dimensions, at `b × t`.
 struct Case {
     preset: &'static str,
@@ -353,6 +356,10 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     if opts.threads == 0 {
         bail!("--threads must be at least 1");
     }
+    // The disk is measured last; a bad --offload-dir must fail now, not after the suite.
+    if let Some(dir) = &opts.offload_dir {
+        crate::mem::probe::check(dir, PROBE_BYTES)?;
+    }
     let mut samples = Vec::new();
     let mut runs: Vec<(ModelSpec, StepConfig)> = Vec::new();
     let (precisions, suite): (&[Precision], Vec<&Case>) = if opts.quick {
@@ -407,7 +414,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
                 "disk at {} (512 MiB written, then read)",
                 dir.display()
             ));
-            let d = crate::mem::probe::probe(dir, 512 << 20)?;
+            let d = crate::mem::probe::probe(dir, PROBE_BYTES)?;
             Some(DiskRates {
                 read_bytes_per_s: d.read_bytes_per_s,
                 write_bytes_per_s: d.write_bytes_per_s,

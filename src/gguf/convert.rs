@@ -169,6 +169,7 @@ impl ConvertSummary {
 
 /// Converts `o.input` into a HF directory at `o.out` (see the module doc).
 pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
+    check_input(&o.input)?;
     check_out_dir(&o.out, o.force)?;
     let f = GgufFile::open(&o.input)?;
     let path = f.path().display().to_string();
@@ -241,6 +242,23 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
         ),
         files,
     })
+}
+
+/// Refuses an input that is a directory (mapping one fails with a bare "No such device"),
+/// saying so when it already is a Hugging Face model directory.
+fn check_input(input: &Path) -> Result<()> {
+    if !input.is_dir() {
+        return Ok(());
+    }
+    let p = input.display();
+    if input.join(CONFIG_FILE).is_file() {
+        bail!(
+            "{p} is a directory holding a Hugging Face model (config.json) already: there is \
+             nothing to convert, use it as it is (`memwall sample --model {p}`, `memwall train \
+             --init {p}`); `memwall convert` takes a GGUF file (FILE.gguf)"
+        );
+    }
+    bail!("{p} is a directory: `memwall convert` takes a GGUF file (FILE.gguf)");
 }
 
 /// Refuses an output path that is a file, or a non-empty directory without `force`.
