@@ -117,6 +117,20 @@ pub struct ModelSpec {
     pub special_tokens: SpecialTokens,
 }
 
+/// Whether `path` is a GGUF file (its extension or its magic bytes), which is no config.json.
+fn is_gguf_file(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 4];
+    let magic = std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok()
+        && &head == b"GGUF";
+    magic
+        || path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
 /// Largest dimension a config may give (a width, a count, a context length).
 const MAX_DIM: usize = 1 << 31;
 
@@ -150,6 +164,14 @@ impl ModelSpec {
         if p.is_dir() {
             Self::from_hf_config_file(&p.join("config.json"))
         } else if p.is_file() {
+            if is_gguf_file(p) {
+                bail!(
+                    "model '{arg}' is a GGUF file, which --model does not read: train from its \
+                     weights with `memwall train --init {arg}`, sample with `memwall sample \
+                     --model {arg}`, or convert it once (`memwall convert {arg} --out DIR`) and \
+                     pass --model DIR"
+                );
+            }
             Self::from_hf_config_file(p)
         } else if Self::preset_names().contains(&arg) {
             Self::preset(arg)
@@ -434,5 +456,22 @@ mod tests {
         assert!(x.contains("parameters, more than memwall plans"), "{x}");
         // The largest preset passes.
         ModelSpec::preset("llama-3-8b").unwrap();
+    }
+
+    #[test]
+    fn a_gguf_file_as_model_says_how_to_use_it() {
+        let dir = tempfile::tempdir().unwrap();
+        // By its magic bytes (it was read as config.json: "not valid JSON").
+        let f = dir.path().join("weights.bin");
+        std::fs::write(&f, b"GGUF\x03\x00\x00\x00").unwrap();
+        let e = format!("{:#}", ModelSpec::resolve(f.to_str().unwrap()).unwrap_err());
+        assert!(
+            e.contains("is a GGUF file") && e.contains("--init") && !e.contains("JSON"),
+            "{e}"
+        );
+        let g = dir.path().join("m.gguf");
+        std::fs::write(&g, "{}").unwrap();
+        let e = format!("{:#}", ModelSpec::resolve(g.to_str().unwrap()).unwrap_err());
+        assert!(e.contains("memwall convert"), "{e}");
     }
 }
