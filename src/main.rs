@@ -106,7 +106,8 @@ memwall convert model.gguf --out model-hf --dtype bf16 --force"
 
 #[derive(Args)]
 struct ConvertArgs {
-    /// The GGUF file to convert.
+    /// The GGUF file to convert (a Hugging Face model directory needs no conversion: pass it
+    /// to `train --init` or `sample --model` as it is).
     #[arg(value_name = "FILE.gguf")]
     input: PathBuf,
     /// Output directory (created; must not exist or be empty unless --force).
@@ -125,7 +126,8 @@ struct CalibrateArgs {
     /// Worker threads to calibrate (default: all cores); plans for another count use their own file.
     #[arg(long)]
     threads: Option<usize>,
-    /// Also measure the disk of this directory (where offload files will go).
+    /// Also measure the disk of this directory (where offload files will go; created if
+    /// missing, checked for room before the suite runs).
     #[arg(long, value_name = "DIR")]
     offload_dir: Option<PathBuf>,
     /// Print the calibration as JSON (also saved in the user cache).
@@ -212,7 +214,9 @@ struct PrepareArgs {
     #[arg(long, default_value_t = 0.05)]
     val_fraction: f64,
     /// Tokenizer: `gpt2` (GPT-2's BPE, built in), a model directory holding a Hugging Face
-    /// tokenizer.json (e.g. a downloaded SmolLM2-135M), or the path of a tokenizer.json.
+    /// tokenizer.json (e.g. a downloaded SmolLM2-135M), the path of a tokenizer.json, or a
+    /// GGUF file (its tokenizer.json from the conversion `train --init FILE.gguf` uses,
+    /// made once in the user cache).
     /// Use the tokenizer of the model you will train: `train` refuses data prepared with
     /// another. Documents are separated by its end-of-text token (eos_token of
     /// tokenizer_config.json, else eos_token_id of config.json, else <|endoftext|>, ...).
@@ -235,7 +239,7 @@ struct StepArgs {
     /// Sequences per optimizer step (micro-batch x accumulation): with --batch N it sets
     /// --grad-accum to the quotient; with --fit or --batch auto the micro-batch is chosen among
     /// its divisors
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = parse_global_batch)]
     global_batch: Option<usize>,
     /// Choose the fastest plan that fits --max-memory, by predicted step time: searches the
     /// micro-batch (keeping --global-batch), --recompute and --offload unless given, and
@@ -358,6 +362,18 @@ fn parse_batch(s: &str) -> Result<Pick<usize>, String> {
             .parse()
             .map(Pick::Fixed)
             .map_err(|_| format!("'{s}' is not a batch size: give a number of sequences, or auto")),
+    }
+}
+
+/// `--global-batch N`: at least one sequence (0 would otherwise surface as an accumulation
+/// of 0 and blame --grad-accum).
+fn parse_global_batch(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("it must be at least 1 (sequences per optimizer step)".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!(
+            "'{s}' is not a number of sequences per optimizer step"
+        )),
     }
 }
 

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fails, ok};
+use common::{fails, memwall_env, ok};
 
 #[test]
 fn plan_json_has_totals_categories_and_buffers() {
@@ -306,6 +306,14 @@ fn bad_strategy_flags_are_explained() {
     assert!(e.contains("--max-memory"), "{e}");
     let e = fails(&["plan", "--grad-accum", "0"]);
     assert!(e.contains("--grad-accum"), "{e}");
+    // A global batch of 0 is its own flag's fault, not --grad-accum's (it became 0 / batch).
+    for cmd in ["plan", "train"] {
+        let e = fails(&[cmd, "--global-batch", "0"]);
+        assert!(
+            e.contains("--global-batch") && e.contains("at least 1") && !e.contains("--grad-accum"),
+            "{cmd}: {e}"
+        );
+    }
     let e = fails(&[
         "plan",
         "--model",
@@ -771,5 +779,79 @@ fn plan_says_whether_it_fits_this_machine() {
     assert!(
         huge.contains("does NOT fit this machine") && huge.contains("--fit"),
         "{huge}"
+    );
+}
+
+/// Flags whose mistakes were reported as something else, or only after minutes of work.
+#[test]
+fn misleading_errors_name_what_is_wrong() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let out_s = out.to_str().unwrap();
+    // `convert` a directory: it was "No such device" (mapping a directory).
+    let e = fails(&["convert", tmp.path().to_str().unwrap(), "--out", out_s]);
+    assert!(
+        e.contains("is a directory") && e.contains("takes a GGUF file") && !e.contains("device"),
+        "{e}"
+    );
+    let hf = tmp.path().join("hf");
+    std::fs::create_dir(&hf).unwrap();
+    std::fs::write(hf.join("config.json"), "{}").unwrap();
+    let e = fails(&["convert", hf.to_str().unwrap(), "--out", out_s]);
+    assert!(
+        e.contains("Hugging Face model") && e.contains("already") && e.contains("--init"),
+        "{e}"
+    );
+    assert!(!out.exists(), "nothing written");
+
+    // `prepare --tokenizer FILE.gguf` is read as a GGUF (converted into the cache, as
+    // `train --init` does), not as JSON: a damaged one is named as a damaged GGUF.
+    let cache = tmp.path().join("cache");
+    let env = [("XDG_CACHE_HOME", cache.to_str().unwrap())];
+    let gguf = tmp.path().join("m.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00cut").unwrap();
+    let text = tmp.path().join("t.txt");
+    std::fs::write(&text, "some text").unwrap();
+    let o = memwall_env(
+        &env,
+        &[
+            "prepare",
+            text.to_str().unwrap(),
+            "--tokenizer",
+            gguf.to_str().unwrap(),
+            "--out",
+            out_s,
+        ],
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && e.contains("--tokenizer")
+            && e.contains("not a valid GGUF file")
+            && !e.contains("JSON")
+            && !e.contains("panicked"),
+        "{e}"
+    );
+
+    // `calibrate --offload-dir FILE` fails before the suite runs, not after it.
+    let o = memwall_env(
+        &env,
+        &[
+            "calibrate",
+            "--quick",
+            "--threads",
+            "1",
+            "--offload-dir",
+            text.to_str().unwrap(),
+        ],
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("--offload-dir") && e.contains("not a directory"),
+        "{e}"
+    );
+    assert!(
+        !e.contains("[1/"),
+        "the suite ran before the flag was checked: {e}"
     );
 }

@@ -291,6 +291,39 @@ fn fit_and_batch_auto_from_the_command_line() {
 }
 
 #[test]
+fn a_hand_broken_calibration_is_refused_naming_the_file() {
+    // What `memwall calibrate` would save on this CPU, with a negative coefficient.
+    let cache = tempfile::tempdir().unwrap();
+    let mut cal = Calibration::estimate(memwall::exec::calibrate::cpu_name(), 2, 100.0);
+    cal.kinds.insert(
+        "matmul/f32".into(),
+        memwall::plan::time::Cost {
+            s_per_flop: -1e-11,
+            s_per_byte: 0.0,
+            s_per_op: 1e-5,
+            samples: 5,
+            fit_error_pct: 1.0,
+        },
+    );
+    let dir = cache.path().join("memwall/calibration");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("threads-2.json");
+    std::fs::write(&file, serde_json::to_string(&cal).unwrap()).unwrap();
+    let o = memwall_env(
+        &[("XDG_CACHE_HOME", cache.path().to_str().unwrap())],
+        &["plan", "--model", "gpt2-tiny", "--threads", "2"],
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && e.contains(&file.display().to_string())
+            && e.contains("memwall calibrate")
+            && e.contains("s_per_flop is -0.00000000001"),
+        "{e}"
+    );
+}
+
+#[test]
 fn calibration_is_saved_and_used() {
     let cache = tempfile::tempdir().unwrap();
     let disk = tempfile::tempdir().unwrap();

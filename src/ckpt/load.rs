@@ -1,6 +1,6 @@
 //! Loading: model config, weights (one file or shards; the family's HF naming variants;
-//! F32/F16/BF16), optimizer moments and trainer state; finding the newest complete checkpoint
-//! of a run.
+//! F32/F16/BF16), optimizer moments and trainer state, NaN and infinite values refused;
+//! finding the newest complete checkpoint of a run.
 
 use anyhow::{Context, Result, bail};
 use safetensors::Dtype;
@@ -73,7 +73,9 @@ fn check_len(what: &str, len: usize, layout: &ParamLayout) -> Result<()> {
 /// sharded weights, and the shard where it matters) and the tensors: missing (all listed),
 /// wrong shape (expected and found), unsupported dtype, truncated or corrupt file, missing
 /// file or shard, an index that does not match its shards. Every file is opened and checked
-/// before anything is copied, so on error `params` is unchanged.
+/// before anything is copied, so on those errors `params` is unchanged. A NaN or infinite
+/// value is refused too, naming the tensor, the element and the file; it is found while
+/// copying, so `params` then holds part of the file.
 pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Result<()> {
     check_len("parameter", params.len(), layout).with_context(|| {
         let single = dir.join(MODEL_FILE);
@@ -229,8 +231,9 @@ pub(crate) fn tied_differs(
 
 /// Loads `DIR/optimizer.safetensors` into the moments (in their stored format, see
 /// `moments.rs`) and returns `DIR/trainer_state.json`, checking that the state's model
-/// matches `layout`. Same validation as [`load_params`]; a file written for another
-/// `--optim-state` is refused, naming the tensor.
+/// matches `layout`. Same validation as [`load_params`] (NaN and infinite moments and
+/// int8 block scales included); a file written for another `--optim-state` is refused,
+/// naming the tensor.
 pub fn load_trainer_state(
     dir: &Path,
     layout: &ParamLayout,
@@ -334,7 +337,9 @@ pub fn load_trainer_state_by(
                     }
                 };
                 read_part(&file, FLAT_EXP_AVG, 2, &elems, m.len(), |b| bf16s(m, b))?;
-                read_part(&file, FLAT_EXP_AVG_SQ, 2, &elems, v.len(), |b| bf16s(v, b))
+                check_finite(&file, FLAT_EXP_AVG, &elems, m.iter().map(|x| x.to_f32()))?;
+                read_part(&file, FLAT_EXP_AVG_SQ, 2, &elems, v.len(), |b| bf16s(v, b))?;
+                check_finite(&file, FLAT_EXP_AVG_SQ, &elems, v.iter().map(|x| x.to_f32()))
             }
             MomentsMut::Int8 {
                 m,
@@ -354,10 +359,12 @@ pub fn load_trainer_state_by(
                 read_part(&file, &name, 4, &blocks, m_absmax.len(), |b| {
                     f32s(m_absmax, b)
                 })?;
+                check_finite(&file, &name, &blocks, m_absmax.iter().copied())?;
                 let name = format!("{FLAT_EXP_AVG_SQ}{ABSMAX}");
                 read_part(&file, &name, 4, &blocks, v_absmax.len(), |b| {
                     f32s(v_absmax, b)
-                })
+                })?;
+                check_finite(&file, &name, &blocks, v_absmax.iter().copied())
             }
         }
         .with_context(what)
@@ -386,6 +393,33 @@ fn check_raw(file: &StFile, name: &str, dtype: Dtype, len: usize) -> Result<()> 
         );
     }
     Ok(())
+}
+
+/// Refuses NaN or infinite values just read into elements `range` of flat tensor `name`,
+/// naming the first, the tensor and the file.
+fn check_finite(
+    file: &StFile,
+    name: &str,
+    range: &Range<usize>,
+    values: impl Iterator<Item = f32>,
+) -> Result<()> {
+    let mut bad = values.enumerate().filter(|(_, x)| !x.is_finite());
+    let Some((i, x)) = bad.next() else {
+        return Ok(());
+    };
+    let more = bad.count();
+    bail!(
+        "{}: tensor {name}: element {} is {x}{}: NaN or infinite optimizer state cannot be \
+         resumed (the file is corrupt, or a diverged run saved it); resume from an earlier \
+         checkpoint",
+        file.path.display(),
+        range.start + i,
+        if more > 0 {
+            format!(" ({} non-finite values in all)", more + 1)
+        } else {
+            String::new()
+        }
+    )
 }
 
 /// Hands the bytes of elements `range` (each `width` bytes) of flat tensor `name` (checked

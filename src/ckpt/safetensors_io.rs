@@ -14,9 +14,11 @@
 //! contiguous, sizes consistent with dtype and shape, file length exact: a truncated or
 //! padded file is rejected), then copies tensor by tensor into the destination slices,
 //! converting F16/BF16 to f32, and drops each tensor's pages from the mapping after the copy,
-//! so the mapped file never stays resident next to its destination buffer. The tensors of a
+//! so the mapped file never stays resident next to its destination buffer. Each block copied
+//! is checked for NaN and infinite values, refused naming the tensor and file. The tensors of a
 //! sharded checkpoint are read the same way from the shard that holds each ([`Sources`]).
 
+use crate::util::finite::{self, first_non_finite};
 use anyhow::{Context, Result, anyhow, bail};
 use memmap2::Mmap;
 use safetensors::tensor::TensorInfo;
@@ -413,6 +415,16 @@ impl StFile {
             decode_into(info.dtype, s, d).map_err(fail)?;
             let at = start + i * READ_BLOCK * width;
             self.release_bytes(at..at + s.len());
+            if let Some((j, v)) = first_non_finite(d) {
+                let len = info.shape.iter().product();
+                bail!(
+                    "{}: tensor {name}: {}: NaN or infinite weights cannot be trained or \
+                     sampled (the file is corrupt, or a diverged run saved it); re-download or \
+                     re-export it, or resume from an earlier checkpoint",
+                    self.path.display(),
+                    finite::describe(from + i * READ_BLOCK + j, v, len, d)
+                );
+            }
         }
         Ok(())
     }

@@ -16,8 +16,9 @@ pub(super) fn small_spec(vocab: usize) -> ModelSpec {
     s
 }
 
-/// Layout, initialised params and moments with awkward bit patterns (-0.0, NaN payload,
-/// subnormal, infinity) that only a bitwise copy preserves.
+/// Layout, initialised params and moments with awkward bit patterns (-0.0, negative and
+/// positive subnormals, the largest f32) that only a bitwise copy preserves. (NaN and
+/// infinity are refused on load: `non_finite_weights_and_moments_are_refused`.)
 pub(super) fn setup(spec: &ModelSpec) -> (ParamLayout, Vec<f32>, Vec<f32>, Vec<f32>) {
     let layout = ParamLayout::new(spec);
     let mut p = vec![0f32; layout.total];
@@ -26,9 +27,9 @@ pub(super) fn setup(spec: &ModelSpec) -> (ParamLayout, Vec<f32>, Vec<f32>, Vec<f
     layout.init(&mut m, 8);
     let mut v: Vec<f32> = m.iter().map(|x| x * x + 1e-30).collect();
     m[0] = -0.0;
-    m[1] = f32::from_bits(0x7fc0_1234);
+    m[1] = f32::from_bits(0x8000_1234);
     m[2] = f32::from_bits(1);
-    v[3] = f32::INFINITY;
+    v[3] = f32::MAX;
     (layout, p, m, v)
 }
 
@@ -956,4 +957,142 @@ fn lent_state_saves_like_slices_and_its_failures_are_errors() {
             .count();
         assert_eq!(left, 0, "the incomplete checkpoint is removed");
     }
+}
+
+#[test]
+fn non_finite_weights_and_moments_are_refused() {
+    let spec = small_spec(97);
+    let (layout, p, m, v) = setup(&spec);
+    let t = layout
+        .tensors
+        .iter()
+        .find(|t| t.name == "transformer.h.1.mlp.c_fc.weight")
+        .unwrap();
+    // Weights: an F32 NaN, then an F16 infinity, in that tensor.
+    for (dtype, bad, shown) in [
+        (Dtype::F32, f32::NAN, "is NaN"),
+        (Dtype::F16, f32::INFINITY, "is inf"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut bad_p = p.clone();
+        bad_p[t.range.start + 37] = bad;
+        let data = &bad_p[t.range.clone()];
+        let bytes = match dtype {
+            Dtype::F32 => le_bytes(data),
+            _ => data
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect(),
+        };
+        let extra = vec![(t.name.clone(), dtype, t.shape.clone(), bytes)];
+        let keep = |n: &str| (n != t.name).then(|| n.to_string());
+        write_custom(dir.path(), &layout, &bad_p, keep, |_, s| s.to_vec(), extra);
+        let mut q = vec![0f32; layout.total];
+        let e = err_text(load_params(dir.path(), &layout, &mut q));
+        for want in [
+            &dir.path().join(MODEL_FILE).display().to_string(),
+            "tensor transformer.h.1.mlp.c_fc.weight",
+            &format!("element 37 of {} {shown}", t.range.len()),
+            "NaN or infinite weights",
+        ] {
+            assert!(e.contains(want), "{want:?} in {e}");
+        }
+    }
+    // Moments, in every format: a NaN f32 moment, a NaN bf16 one, an infinite int8 scale.
+    let run = tempfile::tempdir().unwrap();
+    let mut bad_m = m.clone();
+    bad_m[t.range.start + 3] = f32::NAN;
+    let dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &bad_m, v: &v },
+        &state(&spec, 5),
+    )
+    .unwrap();
+    let (mut m2, mut v2) = (vec![0f32; layout.total], vec![0f32; layout.total]);
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ));
+    assert!(
+        e.contains("optimizer.safetensors")
+            && e.contains("exp_avg.transformer.h.1.mlp.c_fc.weight")
+            && e.contains("element 3 ")
+            && e.contains("is NaN"),
+        "{e}"
+    );
+
+    let n = layout.total;
+    let mut mb = vec![half::bf16::from_f32(0.5); n];
+    let vb = vec![half::bf16::from_f32(0.25); n];
+    mb[n - 2] = half::bf16::NAN;
+    let run = tempfile::tempdir().unwrap();
+    let dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::Bf16 { m: &mb, v: &vb },
+        &state(&spec, 5),
+    )
+    .unwrap();
+    let (mut m2, mut v2) = (vec![half::bf16::ZERO; n], vec![half::bf16::ZERO; n]);
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::Bf16 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+    ));
+    assert!(
+        e.contains("optimizer.safetensors")
+            && e.contains("tensor exp_avg:")
+            && e.contains(&format!("element {} is NaN", n - 2)),
+        "{e}"
+    );
+
+    let blocks = layout.block_offsets(crate::plan::strategy::QBLOCK).1;
+    let (mi, vi) = (vec![1i8; n], vec![1u8; n]);
+    let ma = vec![1.0f32; blocks];
+    let mut va = vec![1.0f32; blocks];
+    va[blocks - 1] = f32::INFINITY;
+    let run = tempfile::tempdir().unwrap();
+    let dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::Int8 {
+            m: &mi,
+            m_absmax: &ma,
+            v: &vi,
+            v_absmax: &va,
+        },
+        &state(&spec, 5),
+    )
+    .unwrap();
+    let (mut mi2, mut vi2) = (vec![0i8; n], vec![0u8; n]);
+    let (mut ma2, mut va2) = (vec![0f32; blocks], vec![0f32; blocks]);
+    let e = err_text(load_trainer_state(
+        &dir,
+        &layout,
+        MomentsMut::Int8 {
+            m: &mut mi2,
+            m_absmax: &mut ma2,
+            v: &mut vi2,
+            v_absmax: &mut va2,
+        },
+    ));
+    assert!(
+        e.contains("tensor exp_avg_sq.absmax")
+            && e.contains(&format!("element {} is inf", blocks - 1)),
+        "{e}"
+    );
 }

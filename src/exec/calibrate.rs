@@ -9,6 +9,11 @@
 //! disk ([`crate::mem::probe`]) and the FMA peak, and saves the whole as JSON in the user
 //! cache, one file per thread count. The ops run through the executor on the real backend,
 //! so what is fitted is what a training step runs.
+//!
+//! A saved file is checked when it is loaded ([`load`]; the transport's too): one that does
+//! not parse, or has values no calibration produces (a negative, NaN or infinite coefficient,
+//! a disk rate of 0, no threads), is refused naming the file, the field and the command that
+//! remakes it, rather than predicting negative or infinite times.
 
 use super::executor::{Executor, OptimHparams};
 use crate::backend::cpu::Cpu;
@@ -32,6 +37,9 @@ pub struct CalibrateOptions {
     /// (kinds it misses are estimated from the FMA peak, and predictions say so).
     pub quick: bool,
 }
+
+/// Bytes the disk probe writes and reads back in `--offload-dir`.
+const PROBE_BYTES: u64 = 512 << 20;
 
 /// One model of the suite: a preset's family with these dimensions, at `b × t`.
 struct Case {
@@ -348,6 +356,10 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     if opts.threads == 0 {
         bail!("--threads must be at least 1");
     }
+    // The disk is measured last; a bad --offload-dir must fail now, not after the suite.
+    if let Some(dir) = &opts.offload_dir {
+        crate::mem::probe::check(dir, PROBE_BYTES)?;
+    }
     let mut samples = Vec::new();
     let mut runs: Vec<(ModelSpec, StepConfig)> = Vec::new();
     let (precisions, suite): (&[Precision], Vec<&Case>) = if opts.quick {
@@ -402,7 +414,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
                 "disk at {} (512 MiB written, then read)",
                 dir.display()
             ));
-            let d = crate::mem::probe::probe(dir, 512 << 20)?;
+            let d = crate::mem::probe::probe(dir, PROBE_BYTES)?;
             Some(DiskRates {
                 read_bytes_per_s: d.read_bytes_per_s,
                 write_bytes_per_s: d.write_bytes_per_s,
@@ -438,22 +450,30 @@ pub(super) fn save_json<T: serde::Serialize>(value: &T, path: &Path) -> Result<(
 }
 
 /// The JSON value saved at `path`: `Ok(None)` when the file is not there, an error naming
-/// the file, and saying to run `redo` again, when it cannot be read.
+/// the file, and saying to run `redo` again, when it cannot be read or parsed, or when
+/// `check` refuses its values (a hand-edited file with negative coefficients would predict
+/// negative times).
 pub(super) fn load_json<T: serde::de::DeserializeOwned>(
     path: &Path,
     redo: &str,
+    check: impl FnOnce(&T) -> Result<(), String>,
 ) -> Result<Option<T>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     };
-    serde_json::from_str(&text).map(Some).with_context(|| {
+    let refuse = || {
         format!(
             "{} is not a calibration memwall can read: delete it or run `{redo}` again",
             path.display()
         )
-    })
+    };
+    let value: T = serde_json::from_str(&text).with_context(refuse)?;
+    check(&value)
+        .map_err(anyhow::Error::msg)
+        .with_context(refuse)?;
+    Ok(Some(value))
 }
 
 /// The saved calibration of `threads` threads on this CPU: `Ok(None)` when there is none (or
@@ -462,7 +482,7 @@ pub fn load(threads: usize) -> Result<Option<Calibration>> {
     let Some(path) = cache_file(threads) else {
         return Ok(None);
     };
-    let cal: Option<Calibration> = load_json(&path, "memwall calibrate")?;
+    let cal: Option<Calibration> = load_json(&path, "memwall calibrate", Calibration::check)?;
     Ok(cal.filter(|c| c.cpu == cpu_name() && c.threads == threads))
 }
 
@@ -524,6 +544,75 @@ mod tests {
         let cost = fit(&refs);
         assert!(cost.s_per_flop == 0.0 && cost.s_per_byte >= 0.0 && cost.s_per_op >= 0.0);
         assert!(cost.seconds(0, 2_000_000) > 0.0);
+    }
+
+    /// A calibration as `memwall calibrate` writes it, as JSON.
+    fn saved() -> serde_json::Value {
+        let mut cal = Calibration::estimate("cpu".into(), 2, 500.0);
+        cal.kinds
+            .insert("matmul/f32".into(), fit(&[&sample(1e9, 1e6, 1e-2)]));
+        cal.disk = Some(DiskRates {
+            read_bytes_per_s: 1e9,
+            write_bytes_per_s: 5e8,
+        });
+        serde_json::to_value(&cal).unwrap()
+    }
+
+    /// Loads `value` from a file, as `load` does.
+    fn load_value(value: &serde_json::Value) -> (String, Result<Option<Calibration>>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("threads-2.json");
+        std::fs::write(&path, value.to_string()).unwrap();
+        let r = load_json(&path, "memwall calibrate", Calibration::check);
+        (path.display().to_string(), r)
+    }
+
+    #[test]
+    fn hand_broken_calibrations_are_refused_naming_the_file_and_field() {
+        let (_, ok) = load_value(&saved());
+        assert!(ok.unwrap().is_some(), "a calibration as written loads");
+        for (path, value, field) in [
+            (
+                "/kinds/matmul~1f32/s_per_flop",
+                -1e-12,
+                "kinds.\"matmul/f32\".s_per_flop is -0.000000000001",
+            ),
+            ("/kinds/matmul~1f32/s_per_op", -1.0, "s_per_op is -1"),
+            ("/disk/read_bytes_per_s", 0.0, "disk.read_bytes_per_s is 0"),
+            (
+                "/disk/write_bytes_per_s",
+                -5.0,
+                "disk.write_bytes_per_s is -5",
+            ),
+            ("/fma_peak_gflops", -1.0, "fma_peak_gflops is -1"),
+        ] {
+            let mut v = saved();
+            *v.pointer_mut(path).unwrap() = serde_json::json!(value);
+            let (file, r) = load_value(&v);
+            let e = format!("{:#}", r.unwrap_err());
+            assert!(
+                e.contains(&file)
+                    && e.contains("run `memwall calibrate` again")
+                    && e.contains(field),
+                "{path}: {e}"
+            );
+        }
+        // Wrong shapes: a coefficient that is not a number (NaN is saved as null), a list
+        // for the map of kinds, no threads.
+        for (path, value) in [
+            ("/kinds/matmul~1f32/s_per_byte", serde_json::Value::Null),
+            ("/kinds", serde_json::json!([1, 2])),
+            ("/threads", serde_json::json!(0)),
+        ] {
+            let mut v = saved();
+            *v.pointer_mut(path).unwrap() = value;
+            let (file, r) = load_value(&v);
+            let e = format!("{:#}", r.unwrap_err());
+            assert!(
+                e.contains(&file) && e.contains("memwall calibrate"),
+                "{path}: {e}"
+            );
+        }
     }
 
     #[test]

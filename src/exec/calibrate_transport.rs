@@ -206,7 +206,7 @@ pub fn load(ranks: usize) -> Result<Option<Transport>> {
         return Ok(None);
     };
     let redo = format!("mpirun -np {ranks} memwall calibrate");
-    let t: Option<Transport> = super::calibrate::load_json(&path, &redo)?;
+    let t: Option<Transport> = super::calibrate::load_json(&path, &redo, Transport::check)?;
     Ok(t.filter(|t| t.cpu == cpu_name() && t.ranks == ranks))
 }
 
@@ -283,6 +283,49 @@ mod tests {
             c.s_per_byte == 0.0 && (c.s_per_op - 1.5e-3).abs() < 1e-12,
             "{c:?}"
         );
+    }
+
+    #[test]
+    fn hand_broken_transports_are_refused_naming_the_file_and_field() {
+        let mut kinds = BTreeMap::new();
+        kinds.insert(
+            "all_reduce/f32".to_string(),
+            fit_seconds(&[(1e6, 1e-3), (2e6, 2e-3)]),
+        );
+        let t = Transport {
+            at: "2026-01-01T00:00:00Z".into(),
+            ranks: 2,
+            transport: "MPI".into(),
+            cpu: cpu_name(),
+            kinds,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ranks-2.json");
+        let load = |v: &serde_json::Value| {
+            std::fs::write(&path, v.to_string()).unwrap();
+            let redo = "mpirun -np 2 memwall calibrate";
+            super::super::calibrate::load_json(&path, redo, Transport::check)
+        };
+        let good = serde_json::to_value(&t).unwrap();
+        assert_eq!(load(&good).unwrap(), Some(t));
+        for (at, value, field) in [
+            (
+                "/kinds/all_reduce~1f32/s_per_byte",
+                serde_json::json!(-1.0),
+                "s_per_byte is -1",
+            ),
+            ("/ranks", serde_json::json!(1), "ranks is 1"),
+        ] {
+            let mut v = good.clone();
+            *v.pointer_mut(at).unwrap() = value;
+            let e = format!("{:#}", load(&v).unwrap_err());
+            assert!(
+                e.contains(&path.display().to_string())
+                    && e.contains("`mpirun -np 2 memwall calibrate`")
+                    && e.contains(field),
+                "{at}: {e}"
+            );
+        }
     }
 
     #[test]

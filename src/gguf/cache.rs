@@ -272,6 +272,35 @@ mod tests {
     }
 
     #[test]
+    fn nan_weights_are_refused_and_leave_no_conversion_to_reuse() {
+        let mut w = tiny_model("llama", true);
+        w.remove_tensor("output_norm.weight");
+        let mut v = [0.5f32; 32];
+        v[9] = f32::NAN;
+        let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.tensor("output_norm.weight", &[32], crate::gguf::GgmlType::F32, &b);
+        let (dir, gguf) = write_temp(&w.to_bytes());
+        let cache = dir.path().join("cache");
+        for _ in 0..2 {
+            // Refused again on the second use: no half-made conversion is picked up.
+            let e = format!("{:#}", model_dir_in(&cache, &gguf, "--init").unwrap_err());
+            for want in [
+                "--init",
+                &gguf.display().to_string(),
+                "output_norm.weight",
+                "element 9 of 32 is NaN",
+            ] {
+                assert!(e.contains(want), "{want:?} in {e}");
+            }
+        }
+        assert_eq!(
+            fs::read_dir(&cache).unwrap().count(),
+            0,
+            "nothing published"
+        );
+    }
+
+    #[test]
     fn a_corrupt_gguf_is_refused_naming_the_flag_and_file() {
         let (dir, gguf) = write_temp(b"GGUF\x03\x00\x00\x00truncated");
         let e = format!(

@@ -11,7 +11,9 @@
 //!
 //! `model.safetensors` is written by the `safetensors` crate from views that dequantize one
 //! tensor at a time when the writer asks for its bytes, so memory holds one tensor at a time
-//! (plus the map of the GGUF file), whatever the model's size.
+//! (plus the map of the GGUF file), whatever the model's size. Each tensor is checked as it
+//! is dequantized: a NaN or infinite value (a corrupt block scale) fails the conversion,
+//! naming the tensor and the file, and nothing is published.
 
 use super::dequant::{check_supported, dequantize};
 use super::file::GgufFile;
@@ -19,6 +21,7 @@ use super::hf::{Dims, HfModel, HfTensor, map_model, unpermute_rows};
 use super::tokenizer;
 use crate::util::atomic::write_synced;
 use crate::util::atomic_dir::TempDir;
+use crate::util::finite::{self, first_non_finite};
 use anyhow::{Context, Result, bail};
 use safetensors::{Dtype, View};
 use std::borrow::Cow;
@@ -179,6 +182,7 @@ impl ConvertSummary {
 
 /// Converts `o.input` into a HF directory at `o.out` (see the module doc).
 pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
+    check_input(&o.input)?;
     check_out_dir(&o.input, &o.out, o.force)?;
     let f = GgufFile::open(&o.input)?;
     let path = f.path().display().to_string();
@@ -254,6 +258,23 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
         ),
         files,
     })
+}
+
+/// Refuses an input that is a directory (mapping one fails with a bare "No such device"),
+/// saying so when it already is a Hugging Face model directory.
+fn check_input(input: &Path) -> Result<()> {
+    if !input.is_dir() {
+        return Ok(());
+    }
+    let p = input.display();
+    if input.join(CONFIG_FILE).is_file() {
+        bail!(
+            "{p} is a directory holding a Hugging Face model (config.json) already: there is \
+             nothing to convert, use it as it is (`memwall sample --model {p}`, `memwall train \
+             --init {p}`); `memwall convert` takes a GGUF file (FILE.gguf)"
+        );
+    }
+    bail!("{p} is a directory: `memwall convert` takes a GGUF file (FILE.gguf)");
 }
 
 /// Refuses an output path that is a file, that holds the input, or a non-empty directory
@@ -357,6 +378,14 @@ impl LazyTensor<'_> {
         let n = info.n_elements as usize;
         let mut vals = vec![0f32; n]; // [HF shape], row-major
         dequantize(info.ty, self.file.tensor_data(info), &mut vals)?;
+        if let Some((i, v)) = first_non_finite(&vals) {
+            // GGUF order, so the index is the element's in the file.
+            bail!(
+                "{}: the file is corrupt (a NaN or infinite block scale?) and NaN or infinite \
+                 weights cannot be trained or sampled; re-download or re-quantize it",
+                finite::describe(i, v, n, &vals)
+            );
+        }
         if let Some(heads) = self.t.unpermute_heads {
             let cols = if self.t.shape.len() == 2 {
                 self.t.shape[1]
@@ -369,10 +398,17 @@ impl LazyTensor<'_> {
         }
         Ok(match self.dtype {
             OutDtype::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            OutDtype::Bf16 => vals
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-                .collect(),
+            OutDtype::Bf16 => {
+                let b: Vec<half::bf16> = vals.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                // Finite f32 values beyond bf16's largest round to infinity.
+                if let Some(i) = b.iter().position(|x| x.is_infinite()) {
+                    bail!(
+                        "value {} at element {i} does not fit in bf16 (it rounds to infinity); convert with --dtype f32",
+                        vals[i]
+                    );
+                }
+                b.iter().flat_map(|x| x.to_le_bytes()).collect()
+            }
         })
     }
 }

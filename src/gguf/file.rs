@@ -140,10 +140,13 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile> {
         let f = File::open(path)
             .with_context(|| format!("cannot open GGUF file {}", path.display()))?;
-        let len = f
+        let meta = f
             .metadata()
-            .with_context(|| format!("cannot read the size of {}", path.display()))?
-            .len();
+            .with_context(|| format!("cannot read the size of {}", path.display()))?;
+        if meta.is_dir() {
+            bail!("{} is a directory, not a GGUF file", path.display());
+        }
+        let len = meta.len();
         if len == 0 {
             bail!(
                 "{}: not a valid GGUF file: truncated at magic (the file is empty)",

@@ -24,6 +24,12 @@
 //! rotate-half): `w.reshape(n_head, 2, rows / n_head / 2, cols).swapaxes(1, 2)`. HF row
 //! `h·d + s·d/2 + i` (head `h`, half `s`, index `i`) lands on GGUF row `h·d + 2i + s`;
 //! [`unpermute_rows`] moves it back. `qwen2` files are written without the permutation.
+//!
+//! **Hyper-parameters are checked** where they are read, naming the GGUF key and the file:
+//! counts and sizes non-zero and at most 2³² (larger is corruption), the head size even, the
+//! RMS epsilon finite and positive, θ finite and above 1, a linear RoPE factor finite and
+//! positive. A NaN would otherwise be written to `config.json` as `null` and read back as a
+//! default.
 
 use super::file::{GgufFile, TensorInfo, Value};
 use anyhow::{Context, Result, bail};
@@ -258,9 +264,33 @@ fn get_float(f: &GgufFile, key: &str) -> Result<Option<f64>> {
     })
 }
 
+/// Largest dimension (a width, a head count, a context length) taken from metadata: larger
+/// values are corrupt, and products of two of them must not overflow.
+const MAX_DIM: u64 = u32::MAX as u64;
+
 fn usize_of(v: u64, key: &str, f: &GgufFile) -> Result<usize> {
+    if v > MAX_DIM {
+        bail!(
+            "{}: metadata {key} = {v} is too large (at most {MAX_DIM}): the file is corrupt",
+            f.path().display()
+        );
+    }
     usize::try_from(v)
         .with_context(|| format!("{}: metadata {key} = {v} is too large", f.path().display()))
+}
+
+/// Refuses a float hyper-parameter that is NaN, infinite or not above `min`, naming the key
+/// and the file.
+fn check_above(f: &GgufFile, key: &str, x: f64, min: f64) -> Result<f64> {
+    if !(x.is_finite() && x > min) {
+        bail!(
+            "{}: metadata {key} is {x}; it must be a finite number above {min} (the file is \
+             corrupt or was written wrongly: re-download it, or fix the key with llama.cpp's \
+             gguf_set_metadata.py)",
+            f.path().display()
+        );
+    }
+    Ok(x)
 }
 
 /// Maps a llama / qwen2 GGUF file to HF: dimensions, config fields, tensor names and shapes.
@@ -285,29 +315,59 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let context = need("context_length")?;
     let kv_heads = match f.get_u64(&format!("{a}.attention.head_count_kv"))? {
         Some(0) => bail!("{path}: metadata {a}.attention.head_count_kv is 0"),
-        Some(v) => usize_of(v, "head_count_kv", f)?,
+        Some(v) => usize_of(v, &format!("{a}.attention.head_count_kv"), f)?,
         None => heads,
     };
+    // Every layer has nine weights: more layers than tensors is a corrupt count (which would
+    // make the check for missing tensors below list billions of names).
+    if layers > f.tensors.len() {
+        bail!(
+            "{path}: metadata {a}.block_count is {layers}, but the file has only {} tensors (a \
+             layer has 9): the file is corrupt",
+            f.tensors.len()
+        );
+    }
     if heads % kv_heads != 0 {
         bail!(
             "{path}: {a}.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}"
         );
     }
-    let head_dim = match (
+    let (key_length, rope_dims) = (
         f.get_u64(&format!("{a}.attention.key_length"))?,
         f.get_u64(&format!("{a}.rope.dimension_count"))?,
-    ) {
+    );
+    if let (Some(k), Some(r)) = (key_length, rope_dims)
+        && k > 0
+        && r != k
+    {
+        bail!(
+            "{path}: metadata {a}.rope.dimension_count {r} differs from {a}.attention.key_length \
+             {k}: rotary embeddings on part of a head are not supported"
+        );
+    }
+    let head_dim = match (key_length, rope_dims) {
         (Some(k), _) | (None, Some(k)) if k > 0 => usize_of(k, "head dimension", f)?,
         _ if hidden % heads == 0 => hidden / heads,
         _ => bail!(
             "{path}: embedding_length {hidden} is not a multiple of head_count {heads} and neither {a}.attention.key_length nor {a}.rope.dimension_count says the head size"
         ),
     };
-    let rms_eps =
-        get_float(f, &format!("{a}.attention.layer_norm_rms_epsilon"))?.with_context(|| {
-            format!("{path}: metadata {a}.attention.layer_norm_rms_epsilon is missing")
-        })?;
-    let rope_theta = get_float(f, &format!("{a}.rope.freq_base"))?.unwrap_or(10000.0);
+    if head_dim % 2 != 0 {
+        bail!(
+            "{path}: the head size is {head_dim} (from {a}.attention.key_length, \
+             {a}.rope.dimension_count or embedding_length / head_count); it must be even: \
+             rotary embeddings turn pairs of channels"
+        );
+    }
+    let eps_key = format!("{a}.attention.layer_norm_rms_epsilon");
+    let rms_eps = get_float(f, &eps_key)?
+        .with_context(|| format!("{path}: metadata {eps_key} is missing"))?;
+    let rms_eps = check_above(f, &eps_key, rms_eps, 0.0)?;
+    let theta_key = format!("{a}.rope.freq_base");
+    let rope_theta = match get_float(f, &theta_key)? {
+        Some(t) => check_above(f, &theta_key, t, 1.0)?,
+        None => 10000.0,
+    };
     let rope_scaling = rope_scaling(f, a)?;
     let embed = f
         .tensor("token_embd.weight")
@@ -317,7 +377,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         f.get_u64(&format!("{a}.vocab_size"))?,
     ) {
         (Some(t), _) => t.len(),
-        (None, Some(v)) => usize_of(v, "vocab_size", f)?,
+        (None, Some(v)) => usize_of(v, &format!("{a}.vocab_size"), f)?,
         (None, None) => *embed.dims.last().expect("tensors have dims") as usize,
     };
     let dims = Dims {
@@ -404,8 +464,18 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
 fn rope_scaling(f: &GgufFile, a: &str) -> Result<Option<serde_json::Value>> {
     let path = f.path().display();
     let kind = f.get_str(&format!("{a}.rope.scaling.type"))?;
-    let factor = get_float(f, &format!("{a}.rope.scaling.factor"))?
-        .or(get_float(f, &format!("{a}.rope.scale_linear"))?);
+    let factor_key = format!("{a}.rope.scaling.factor");
+    let (factor_key, factor) = match get_float(f, &factor_key)? {
+        Some(x) => (factor_key, Some(x)),
+        None => {
+            let old = format!("{a}.rope.scale_linear");
+            let x = get_float(f, &old)?;
+            (old, x)
+        }
+    };
+    if let (None | Some("linear"), Some(x)) = (kind, factor) {
+        check_above(f, &factor_key, x, 0.0)?;
+    }
     match (kind, factor) {
         (None | Some("none"), None) | (Some("none"), _) => Ok(None),
         (None | Some("linear"), Some(1.0)) => Ok(None),

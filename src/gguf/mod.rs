@@ -21,7 +21,7 @@ pub mod dequant;
 pub mod file;
 pub mod hf;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 pub mod tokenizer;
 pub mod types;
 

@@ -31,6 +31,15 @@ impl DiskSpeed {
     }
 }
 
+/// Checks, without measuring, that [`probe`] can run in `dir`: the directory exists (or is
+/// created), is writable and has room for `bytes` (the scratch file is created, reserved
+/// and removed). Errors name `--offload-dir` and the directory, as [`probe`]'s do; a
+/// command that probes after minutes of other work checks first.
+pub fn check(dir: &Path, bytes: u64) -> Result<()> {
+    let blocks = bytes.div_ceil(BLOCK as u64).max(1);
+    DiskTier::create(dir, "memwall-probe.bin", blocks * BLOCK as u64).map(drop)
+}
+
 /// Writes then reads `bytes` (rounded up to whole 8 MiB blocks) in a scratch file in `dir`,
 /// removed afterwards. Errors name the directory (missing, unwritable, full).
 pub fn probe(dir: &Path, bytes: u64) -> Result<DiskSpeed> {

@@ -117,6 +117,26 @@ pub struct ModelSpec {
     pub special_tokens: SpecialTokens,
 }
 
+/// Whether `path` is a GGUF file (its extension or its magic bytes), which is no config.json.
+fn is_gguf_file(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 4];
+    let magic = std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok()
+        && &head == b"GGUF";
+    magic
+        || path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// Largest dimension a config may give (a width, a count, a context length).
+const MAX_DIM: usize = 1 << 31;
+
+/// Most parameters a model may have (about 1.1 trillion: 4.4 TB of f32 weights).
+const MAX_PARAMS: u128 = 1 << 40;
+
 impl ModelSpec {
     /// Names of the built-in presets, every family's.
     pub fn preset_names() -> Vec<&'static str> {
@@ -144,6 +164,14 @@ impl ModelSpec {
         if p.is_dir() {
             Self::from_hf_config_file(&p.join("config.json"))
         } else if p.is_file() {
+            if is_gguf_file(p) {
+                bail!(
+                    "model '{arg}' is a GGUF file, which --model does not read: train from its \
+                     weights with `memwall train --init {arg}`, sample with `memwall sample \
+                     --model {arg}`, or convert it once (`memwall convert {arg} --out DIR`) and \
+                     pass --model DIR"
+                );
+            }
             Self::from_hf_config_file(p)
         } else if Self::preset_names().contains(&arg) {
             Self::preset(arg)
@@ -199,6 +227,35 @@ impl ModelSpec {
     /// Checks that the dimensions describe a model we can build.
     pub fn validate(&self) -> Result<()> {
         let f = self.family.field_names();
+        // Absurd sizes first: products of them would overflow (and a default derived from
+        // one, GPT-2's 4·C MLP, wrap to 0).
+        for (field, v) in [
+            (f.positions, self.n_positions),
+            (f.embd, self.n_embd),
+            (f.layers, self.n_layer),
+            (f.heads, self.n_head),
+            (f.kv_heads, self.n_kv_head),
+            (f.mlp, self.mlp_hidden),
+            ("head_dim", self.head_dim),
+        ] {
+            if v > MAX_DIM {
+                bail!("field '{field}' is {v}; no model has more than 2^31: the config is wrong");
+            }
+        }
+        if self.vocab_size > u32::MAX as usize {
+            bail!("field '{}' ({}) exceeds 2^32", f.vocab, self.vocab_size);
+        }
+        let params = self.parameter_bound();
+        if params > MAX_PARAMS {
+            bail!(
+                "these dimensions make about {params} parameters, more than memwall plans \
+                 (2^40); check the fields '{}', '{}', '{}' and '{}'",
+                f.vocab,
+                f.embd,
+                f.layers,
+                f.mlp
+            );
+        }
         for (field, v) in [
             (f.vocab, self.vocab_size),
             (f.positions, self.n_positions),
@@ -239,10 +296,26 @@ impl ModelSpec {
                 self.head_dim
             );
         }
-        if self.vocab_size > u32::MAX as usize {
-            bail!("field '{}' ({}) exceeds 2^32", f.vocab, self.vocab_size);
-        }
         self.family.validate(self)
+    }
+
+    /// An upper bound of the parameter count from the dimensions alone, without overflow
+    /// (every weight, bias and norm of either family, learned positions, an untied head).
+    fn parameter_bound(&self) -> u128 {
+        let [v, p, c, l, h, kv, hd, m] = [
+            self.vocab_size,
+            self.n_positions,
+            self.n_embd,
+            self.n_layer,
+            self.n_head,
+            self.n_kv_head,
+            self.head_dim,
+            self.mlp_hidden,
+        ]
+        .map(|x| x as u128);
+        let qkv = (h + 2 * kv) * hd;
+        let per_layer = c * qkv + qkv + h * hd * c + c + 3 * c * m + 2 * m + 4 * c;
+        2 * v * c + p * c + l * per_layer + 2 * c
     }
 
     /// Checks a sequence length against the model; names the flag in the error.
@@ -348,5 +421,57 @@ mod tests {
         assert!(unknown.contains("unknown model preset 'gpt5'") && unknown.contains("gpt2-tiny"));
         let s = ModelSpec::preset("gpt2-tiny").unwrap();
         assert!(format!("{:#}", s.check_seq(257).unwrap_err()).contains("--seq 257"));
+    }
+
+    #[test]
+    fn absurd_dimensions_are_refused_not_overflowed() {
+        let e = |t: &str| {
+            format!(
+                "{:#}",
+                ModelSpec::from_hf_config_str(t, "cfg.json").unwrap_err()
+            )
+        };
+        let llama = |extra: &str| {
+            format!(
+                r#"{{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 100{extra}}}"#
+            )
+        };
+        // Each once made the planner allocate petabytes or index past a range.
+        let x = e(&llama(r#", "num_hidden_layers": 1099511627776"#));
+        assert!(
+            x.contains("cfg.json") && x.contains("'num_hidden_layers' is 1099511627776"),
+            "{x}"
+        );
+        let x =
+            e(r#"{"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 18446744073709551615}"#);
+        assert!(x.contains("'n_positions' is 18446744073709551615"), "{x}");
+        // 4·C would wrap to 0 and blame n_inner.
+        let x = e(r#"{"n_embd": 4611686018427387904, "n_layer": 2, "n_head": 4}"#);
+        assert!(x.contains("'n_embd' is 4611686018427387904"), "{x}");
+        // Each size plausible, the product not.
+        let x = e(&llama(
+            r#", "hidden_size": 65536, "num_attention_heads": 512, "num_hidden_layers": 100000"#,
+        ));
+        assert!(x.contains("parameters, more than memwall plans"), "{x}");
+        // The largest preset passes.
+        ModelSpec::preset("llama-3-8b").unwrap();
+    }
+
+    #[test]
+    fn a_gguf_file_as_model_says_how_to_use_it() {
+        let dir = tempfile::tempdir().unwrap();
+        // By its magic bytes (it was read as config.json: "not valid JSON").
+        let f = dir.path().join("weights.bin");
+        std::fs::write(&f, b"GGUF\x03\x00\x00\x00").unwrap();
+        let e = format!("{:#}", ModelSpec::resolve(f.to_str().unwrap()).unwrap_err());
+        assert!(
+            e.contains("is a GGUF file") && e.contains("--init") && !e.contains("JSON"),
+            "{e}"
+        );
+        let g = dir.path().join("m.gguf");
+        std::fs::write(&g, "{}").unwrap();
+        let e = format!("{:#}", ModelSpec::resolve(g.to_str().unwrap()).unwrap_err());
+        assert!(e.contains("memwall convert"), "{e}");
     }
 }

@@ -38,6 +38,35 @@ impl Cost {
     pub fn seconds(&self, flops: u64, bytes: u64) -> f64 {
         self.s_per_flop * flops as f64 + self.s_per_byte * bytes as f64 + self.s_per_op
     }
+
+    /// Refuses coefficients no fit produces (negative, NaN or infinite: they predict negative
+    /// or infinite times), naming the field of `kinds.{kind}`.
+    pub fn check(&self, kind: &str) -> Result<(), String> {
+        for (field, x) in [
+            ("s_per_flop", self.s_per_flop),
+            ("s_per_byte", self.s_per_byte),
+            ("s_per_op", self.s_per_op),
+            ("fit_error_pct", self.fit_error_pct),
+        ] {
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(format!(
+                    "kinds.\"{kind}\".{field} is {x}; it must be a finite number, 0 or more"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Refuses a rate that is not a finite positive number, naming `field`.
+fn check_positive(field: &str, x: f64) -> Result<(), String> {
+    if x.is_finite() && x > 0.0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} is {x}; it must be a finite number above 0"
+        ))
+    }
 }
 
 /// Sequential disk bandwidth of the offload directory (direct I/O).
@@ -95,6 +124,23 @@ pub struct Transport {
     pub kinds: BTreeMap<String, Cost>,
 }
 
+impl Transport {
+    /// Refuses what `mpirun -np N memwall calibrate` never writes: fewer than 2 ranks, a
+    /// coefficient negative, NaN or infinite.
+    pub fn check(&self) -> Result<(), String> {
+        if self.ranks < 2 {
+            return Err(format!(
+                "ranks is {}; collectives are measured among 2 or more",
+                self.ranks
+            ));
+        }
+        for (kind, cost) in &self.kinds {
+            cost.check(kind)?;
+        }
+        Ok(())
+    }
+}
+
 /// Assumed bandwidth of a collective (bytes one rank sends per second) when the transport
 /// was not measured: processes of one machine move bytes through shared memory at about a
 /// quarter of the copy bandwidth each way.
@@ -113,6 +159,32 @@ pub const NOMINAL_DISK: DiskRates = DiskRates {
 };
 
 impl Calibration {
+    /// Refuses what `memwall calibrate` never writes (a hand-edited or damaged file): a
+    /// coefficient negative, NaN or infinite, no threads, an FMA peak or disk rate not a
+    /// finite positive number, a transport that does not check.
+    pub fn check(&self) -> Result<(), String> {
+        if self.threads == 0 {
+            return Err("threads is 0; it must be at least 1".into());
+        }
+        if !(self.fma_peak_gflops.is_finite() && self.fma_peak_gflops >= 0.0) {
+            return Err(format!(
+                "fma_peak_gflops is {}; it must be a finite number, 0 or more",
+                self.fma_peak_gflops
+            ));
+        }
+        for (kind, cost) in &self.kinds {
+            cost.check(kind)?;
+        }
+        if let Some(d) = &self.disk {
+            check_positive("disk.read_bytes_per_s", d.read_bytes_per_s)?;
+            check_positive("disk.write_bytes_per_s", d.write_bytes_per_s)?;
+        }
+        if let Some(t) = &self.transport {
+            t.check().map_err(|e| format!("transport.{e}"))?;
+        }
+        Ok(())
+    }
+
     /// Coefficients derived from an FMA peak of `fma_peak_gflops` on `threads` threads:
     /// matmuls at 0.7 of it, attention at 0.4, memory-bound ops at 20 GB/s, 10 µs a call.
     pub fn estimate(cpu: String, threads: usize, fma_peak_gflops: f64) -> Calibration {

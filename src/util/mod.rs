@@ -1,10 +1,13 @@
-//! Small shared utilities: crash-safe file writes, deterministic RNG, process memory readings, threads and their limits,
-//! byte formatting, the user cache's location, which directories memwall may replace, fetching from PyPI with pip.
+//! Small shared utilities: crash-safe file writes, deterministic RNG, process memory readings,
+//! threads and their limits, byte formatting, the user cache's location, which directories
+//! memwall may replace, fetching from PyPI with pip, finding NaN and infinite values in
+//! loaded weights.
 
 pub mod atomic;
 pub mod atomic_dir;
 pub mod bytes;
 pub mod cache;
+pub mod finite;
 pub mod malloc;
 pub mod owned_dir;
 pub mod pip;

@@ -3,7 +3,8 @@
 //!
 //! * [`gpt2`]: `r50k_base` via `tiktoken-rs`, [`EOT`] and [`GPT2_VOCAB`].
 //! * [`hf`]: `tokenizer.json` via the `tokenizers` crate; the end-of-text token from
-//!   `tokenizer_config.json` / `config.json` beside it or the vocabulary.
+//!   `tokenizer_config.json` / `config.json` beside it or the vocabulary. A GGUF file given
+//!   as `--tokenizer` is the `tokenizer.json` of its conversion in the user cache.
 //!
 //! Text is encoded as ordinary text: a literal `<|endoftext|>` in a document is *not* turned
 //! into the end-of-text token, and no BOS is added. Document boundaries are marked by
@@ -91,8 +92,8 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 /// What `--tokenizer` accepts, for error messages.
-const TOKENIZER_ARG: &str =
-    "pass `gpt2`, a model directory holding a tokenizer.json, or the path of a tokenizer.json";
+const TOKENIZER_ARG: &str = "pass `gpt2`, a model directory holding a tokenizer.json, the path of a \
+     tokenizer.json, or a GGUF file";
 
 impl Tokenizer {
     /// The GPT-2 tokenizer (built on first use, then shared).
@@ -118,12 +119,16 @@ impl Tokenizer {
         })
     }
 
-    /// `--tokenizer ARG`: `gpt2`, a directory holding `tokenizer.json`, or a `tokenizer.json`.
+    /// `--tokenizer ARG`: `gpt2`, a directory holding `tokenizer.json`, a `tokenizer.json`,
+    /// or a GGUF file, whose conversion in the user cache (made once, as `train --init` and
+    /// `sample --model` make it: [`crate::gguf::cache::model_dir`]) holds the `tokenizer.json`
+    /// those then compare the data with.
     pub fn load(arg: &str) -> Result<Tokenizer> {
         if arg == "gpt2" {
             return Tokenizer::gpt2();
         }
-        Tokenizer::from_file(tokenizer_file(arg)?)
+        let converted = |p: &Path| crate::gguf::cache::model_dir(p, "--tokenizer");
+        Tokenizer::from_file(tokenizer_file(arg, &converted)?)
     }
 
     /// Encodes ordinary text: special tokens are not parsed, nothing is added. GPT-2 never
@@ -172,9 +177,13 @@ impl Tokenizer {
     }
 }
 
-/// The `tokenizer.json` that `--tokenizer ARG` (other than `gpt2`) names.
-fn tokenizer_file(arg: &str) -> Result<PathBuf> {
+/// The `tokenizer.json` that `--tokenizer ARG` (other than `gpt2`) names; a GGUF file's is
+/// that of the model directory `converted` makes of it.
+fn tokenizer_file(arg: &str, converted: &dyn Fn(&Path) -> Result<PathBuf>) -> Result<PathBuf> {
     let p = Path::new(arg);
+    if crate::gguf::cache::is_gguf(p) {
+        return Ok(converted(p)?.join("tokenizer.json"));
+    }
     if p.is_dir() {
         let f = p.join("tokenizer.json");
         if !f.is_file() {
@@ -599,6 +608,33 @@ mod tests {
         );
         assert!(
             e.contains("config.json") && e.contains("not valid JSON"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_gguf_file_names_the_tokenizer_of_its_conversion() {
+        use crate::gguf::testutil::{TEST_VOCAB, tiny_model, write_temp};
+        let (dir, gguf) = write_temp(&tiny_model("qwen2", true).to_bytes());
+        let cache = dir.path().join("cache");
+        let converted = |p: &Path| crate::gguf::cache::model_dir_in(&cache, p, "--tokenizer");
+        let file = tokenizer_file(gguf.to_str().unwrap(), &converted).unwrap();
+        assert!(file.starts_with(&cache) && file.ends_with("tokenizer.json"));
+        let tok = Tokenizer::from_file(&file).unwrap();
+        assert_eq!(tok.vocab_size(), TEST_VOCAB);
+        // What `train --init FILE.gguf` compares the data with: the same conversion's file.
+        let model = crate::gguf::cache::model_dir_in(&cache, &gguf, "--init").unwrap();
+        let id = model_tokenizer_id(&[&model], false).unwrap().unwrap();
+        assert!(id.same_as(&tok.id()), "{id:?} vs {:?}", tok.id());
+        assert_eq!(tok.decode(&tok.encode("hello").unwrap()), "hello");
+        // A damaged GGUF is named as one, not as JSON.
+        std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00cut").unwrap();
+        let e = format!(
+            "{:#}",
+            tokenizer_file(gguf.to_str().unwrap(), &converted).unwrap_err()
+        );
+        assert!(
+            e.contains("--tokenizer") && e.contains("not a valid GGUF file") && !e.contains("JSON"),
             "{e}"
         );
     }

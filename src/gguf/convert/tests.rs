@@ -481,3 +481,139 @@ fn linear_rope_scaling_is_kept_and_other_kinds_refused() {
     );
     assert!(e.contains("\"yarn\" is not supported"), "{e}");
 }
+
+/// `w` with the f16 scale of Q8_0 block `block` of `blk.1.ffn_gate.weight` set to `bits`.
+fn with_gate_scale(bits: u16, block: usize) -> GgufWriter {
+    let mut w = tiny_model("llama", true);
+    w.remove_tensor("blk.1.ffn_gate.weight");
+    let mut one = GgufWriter::new(3);
+    one.random_tensor("x", &[32, 256], GgmlType::Q8_0, 100);
+    let (dir, path) = write_temp(&one.to_bytes());
+    let f = GgufFile::open(&path).unwrap();
+    let mut data = f.tensor_data(f.tensor("x").unwrap()).to_vec();
+    drop((f, dir));
+    data[block * 34..block * 34 + 2].copy_from_slice(&bits.to_le_bytes());
+    w.tensor("blk.1.ffn_gate.weight", &[32, 256], GgmlType::Q8_0, &data);
+    w
+}
+
+#[test]
+fn a_nan_or_infinite_block_scale_is_refused_naming_the_tensor_and_file() {
+    // f16 NaN (0x7E00) and +inf (0x7C00) as the scale of block 5: values 160..192.
+    for (bits, what) in [(0x7E00u16, "is NaN"), (0x7C00, "is inf")] {
+        let w = with_gate_scale(bits, 5);
+        let (dir, path) = write_temp(&w.to_bytes());
+        let e = format!(
+            "{:#}",
+            convert(&opts(&path, &dir.path().join("hf"))).unwrap_err()
+        );
+        for want in [
+            &path.display().to_string(),
+            "blk.1.ffn_gate.weight",
+            "model.layers.1.mlp.gate_proj.weight",
+            "element 160 ",
+            "of 8192",
+            what,
+            "re-download",
+        ] {
+            assert!(e.contains(want), "{want:?} in {e}");
+        }
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "nothing published: {e}"
+        );
+    }
+    // The same file with a finite scale converts.
+    let (_f, _dir, _out) = convert_tiny(&with_gate_scale(0x3C00, 5), OutDtype::F32);
+}
+
+#[test]
+fn values_beyond_bf16_are_refused_with_dtype_f32_as_the_fix() {
+    let mut w = tiny_model("llama", true);
+    w.remove_tensor("blk.0.ffn_norm.weight");
+    let mut v = [1.0f32; 32];
+    v[7] = 3.4e38; // finite in f32, beyond bf16's largest (3.39e38)
+    let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    w.tensor("blk.0.ffn_norm.weight", &[32], GgmlType::F32, &b);
+    let (dir, path) = write_temp(&w.to_bytes());
+    let mut o = opts(&path, &dir.path().join("hf"));
+    o.dtype = OutDtype::Bf16;
+    let e = format!("{:#}", convert(&o).unwrap_err());
+    assert!(
+        e.contains("blk.0.ffn_norm.weight") && e.contains("element 7") && e.contains("--dtype f32"),
+        "{e}"
+    );
+    o.dtype = OutDtype::F32;
+    convert(&o).unwrap();
+}
+
+#[test]
+fn bad_hyper_parameters_are_refused_naming_the_key_and_file() {
+    use crate::gguf::Value;
+    let check = |w: &GgufWriter, want: &[&str]| {
+        let (dir, path) = write_temp(&w.to_bytes());
+        let e = format!(
+            "{:#}",
+            convert(&opts(&path, &dir.path().join("hf"))).unwrap_err()
+        );
+        assert!(e.contains(&path.display().to_string()), "{e}");
+        for x in want {
+            assert!(e.contains(x), "{x:?} in {e}");
+        }
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "nothing written"
+        );
+    };
+    let eps = "llama.attention.layer_norm_rms_epsilon";
+    for (x, shown) in [
+        (f32::NAN, "NaN"),
+        (0.0, "is 0"),
+        (-1e-5, "-0.00001"),
+        (f32::INFINITY, "inf"),
+    ] {
+        let mut w = tiny_model("llama", true);
+        w.set_kv(eps, Value::F32(x));
+        check(&w, &[eps, shown, "above 0"]);
+    }
+    let theta = "llama.rope.freq_base";
+    for x in [f32::NAN, 0.0, -10000.0, 0.5, 1.0] {
+        let mut w = tiny_model("llama", true);
+        w.set_kv(theta, Value::F32(x));
+        check(&w, &[theta, "above 1"]);
+    }
+    // A θ stored as f64 is checked too.
+    let mut w = tiny_model("qwen2", true);
+    w.set_kv("qwen2.rope.freq_base", Value::F64(-1.0));
+    check(&w, &["qwen2.rope.freq_base", "is -1"]);
+    for key in ["llama.rope.scaling.factor", "llama.rope.scale_linear"] {
+        let mut w = tiny_model("llama", true);
+        w.kv(key, Value::F32(f32::NAN));
+        check(&w, &[key, "NaN"]);
+    }
+    // Counts: zero, negative, absurdly large; the head size odd or only partly rotated.
+    let mut w = tiny_model("llama", true);
+    w.set_kv("llama.attention.head_count", Value::U32(0));
+    check(&w, &["llama.attention.head_count is 0"]);
+    let mut w = tiny_model("llama", true);
+    w.set_kv("llama.context_length", Value::I32(-1));
+    check(&w, &["llama.context_length", "non-negative integer"]);
+    let mut w = tiny_model("llama", true);
+    w.set_kv("llama.context_length", Value::U64(1 << 40));
+    check(&w, &["llama.context_length", "too large"]);
+    let mut w = tiny_model("llama", true);
+    w.set_kv("llama.attention.head_count_kv", Value::U64(u64::MAX));
+    check(&w, &["llama.attention.head_count_kv", "too large"]);
+    let mut w = tiny_model("llama", true);
+    w.set_kv("llama.block_count", Value::U32(1_000_000_000));
+    check(&w, &["llama.block_count is 1000000000", "corrupt"]);
+    let mut w = tiny_model("qwen2", true);
+    w.set_kv("qwen2.rope.dimension_count", Value::U32(7));
+    check(&w, &["head size is 7", "even"]);
+    let mut w = tiny_model("llama", true);
+    w.kv("llama.attention.key_length", Value::U32(8));
+    w.set_kv("llama.rope.dimension_count", Value::U32(4));
+    check(&w, &["llama.rope.dimension_count 4", "key_length 8"]);
+}
