@@ -135,7 +135,7 @@ impl Run<'_> {
     /// I/O spans and lends the recorder to the executor.
     fn load_batch(&mut self, t0: Instant, profiling: bool) -> Result<Vec<Span>> {
         let mut spans = Vec::new();
-        self.loader.next_into(&mut self.batch);
+        self.loader.next_into(&mut self.batch)?;
         let t_loaded = Instant::now();
         self.ex.upload_batch(&self.batch)?;
         if profiling {
@@ -337,7 +337,8 @@ fn evaluate(
             k,
             part,
             batch,
-        );
+        )
+        .context("drawing a validation batch")?;
         ex.upload_batch(batch)?;
         sum += ex.eval_loss()? as f64;
     }
