@@ -244,7 +244,9 @@ struct StepArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak exceeds it.
+    /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak RSS exceeds it
+    /// (the plan + the process baseline + a runtime reserve of 4 MiB + 1/128 of the plan for
+    /// what runs touch outside it); a run whose measured peak still exceeds it warns
     #[arg(long, value_parser = parse_bytes)]
     max_memory: Option<u64>,
     #[command(flatten)]
@@ -500,7 +502,8 @@ struct BenchArgs {
     /// memory.svg and report.html into DIR.
     #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "bench-profile")]
     profile: Option<PathBuf>,
-    /// Memory budget, e.g. 3GiB: refuse plans whose predicted peak exceeds it (needed by
+    /// Memory budget, e.g. 3GiB: refuse plans whose predicted peak RSS exceeds it (plan +
+    /// process baseline + a runtime reserve of 4 MiB + 1/128 of the plan; needed by
     /// --recompute auto and --offload auto).
     #[arg(long, value_parser = parse_bytes)]
     max_memory: Option<u64>,
@@ -991,13 +994,15 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         o.grad_clip = a.grad_clip;
         o.seed = a.seed;
         o.threads = threads(a.step.threads)?;
+        o.init = init;
         if a.step.fit {
             // Searched when the run has opened its data, with the process baseline it plans with.
             o.fit_search = Some(fit_space(&a.step, o.threads, o.batch)?);
             o.strategies = a.step.strategy.resolve_for_fit(a.step.max_memory);
         } else {
             let spec = ModelSpec::resolve(&o.model)?;
-            let baseline = rss::current_rss().unwrap_or(0);
+            // With the data open, as the run will measure it (`--batch auto` plans with it).
+            let baseline = train::planning_baseline(&o)?;
             let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch, comm.size())?;
             o.batch = r.batch;
             o.strategies = r.strategies;
@@ -1005,7 +1010,6 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         o.eval_every = a.eval_every;
         o.eval_batches = a.eval_batches;
         o.save_every = a.save_every;
-        o.init = init;
         o.profile_steps = if a.profile { a.profile_steps } else { 0 };
         train::train_among(&o, None, comm, progress)?
     };

@@ -147,8 +147,8 @@ impl Strategies {
     }
 }
 
-/// Predicted peak resident memory of a process running `plan`: the plan's bytes plus the
-/// measured process baseline (code, tokenizer tables, thread stacks, allocator).
+/// Predicted peak resident memory of a process running `plan`: the plan's bytes, the
+/// measured process baseline and the runtime reserve ([`Plan::runtime_reserve`]).
 pub fn predicted_peak(plan: &Plan, baseline: u64) -> u64 {
     plan.predicted_peak(baseline)
 }
@@ -393,12 +393,13 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
         }
     }
     bail!(
-        "the plan needs {} (arena {} + outside the arena {} + process baseline {}) but --max-memory is {}: \
+        "the plan needs {} (arena {} + outside the arena {} + process baseline {} + runtime reserve {}) but --max-memory is {}: \
          over by {}; {advice}",
         fmt_bytes(need),
         fmt_bytes(plan.arena_bytes),
         fmt_bytes(plan.external_bytes),
         fmt_bytes(baseline),
+        fmt_bytes(plan.runtime_reserve()),
         fmt_bytes(budget),
         fmt_bytes(need - budget)
     )
