@@ -428,3 +428,75 @@ fn the_measured_peak_stays_within_max_memory() {
         }
     }
 }
+
+/// `--fit` counts the disk of `--offload-dir`: with room for no offload file (a small disk,
+/// `MEMWALL_DISK_FREE_BYTES`), a budget that only offloading meets is refused naming the
+/// disk, and with room for some the chosen plan's file fits it (it chose a file the disk could
+/// not hold, which the run then refused or could not write).
+#[test]
+fn fit_keeps_the_offload_file_within_the_free_disk() {
+    let cache = tempfile::tempdir().unwrap();
+    let off = tempfile::tempdir().unwrap();
+    let base = cache_env(cache.path());
+    let args = [
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--seq",
+        "128",
+        "--threads",
+        "2",
+        "--global-batch",
+        "8",
+        "--fit",
+        "--max-memory",
+        "120MiB",
+        "--json",
+        "--offload-dir",
+        off.path().to_str().unwrap(),
+    ];
+    // With the whole disk, the fastest plan under 120 MiB offloads.
+    let p: serde_json::Value = serde_json::from_str(&run_ok(&base, &args)).unwrap();
+    let file = p["by_tier"]["nvme"].as_u64().unwrap();
+    assert!(file > 0, "expected an offloading plan: {}", p["config"]);
+    // A disk with room for less than that file: the plan chosen keeps to the room, or none is.
+    let room = file / 2;
+    let env: Vec<(&str, String)> = base
+        .iter()
+        .cloned()
+        .chain([("MEMWALL_DISK_FREE_BYTES", room.to_string())])
+        .collect();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = memwall_env(&env, &args);
+    if o.status.success() {
+        let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(
+            p["by_tier"]["nvme"].as_u64().unwrap() <= room,
+            "{}",
+            p["config"]
+        );
+    } else {
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            e.contains("--offload-dir") && e.contains("free") && !e.contains("panicked"),
+            "{e}"
+        );
+    }
+    // No room at all: nothing that offloads is kept, and the refusal names the disk.
+    let env: Vec<(&str, &str)> = base
+        .iter()
+        .map(|(k, v)| (*k, v.as_str()))
+        .chain([("MEMWALL_DISK_FREE_BYTES", "0")])
+        .collect();
+    let o = memwall_env(&env, &args);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(
+        e.contains("offload files must also fit the 0 B free at --offload-dir"),
+        "{e}"
+    );
+}

@@ -226,6 +226,11 @@ pub(super) fn with_fit(
     let spec = model_spec(&opts, None)?;
     let data = open_data(&opts, &spec)?;
     let cal = crate::exec::calibrate::current(opts.threads)?;
+    // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
+    let mut space = space;
+    if space.offload_dir.is_none() {
+        space.offload_dir = Some(opts.out.join("offload"));
+    }
     let (f, baseline) = fit_measured(&spec, &space, budget, &cal)?;
     drop(data);
     for line in f.found.table(budget).lines() {
