@@ -290,7 +290,9 @@ struct StrategyArgs {
     #[arg(long, value_parser = parse_offload)]
     offload: Option<OffloadChoice>,
     /// Directory of the offload file (one preallocated file, removed at the end; put it on a
-    /// local SSD) [default: train: RUN/offload; bench: ./memwall-offload]
+    /// local SSD). Its disk's free space bounds the file (--fit and --offload auto keep to
+    /// it); `plan` probes it with 512 MiB, or half its free space where less
+    /// [default: train: RUN/offload; bench: ./memwall-offload]
     #[arg(long, value_name = "DIR")]
     offload_dir: Option<PathBuf>,
     /// ZeRO stage across the ranks of `mpirun -np N` (or `plan --ranks N`): 0 keeps
@@ -841,8 +843,9 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// Probes the disk of `--offload-dir` (512 MiB written and read back) and prints how long
-/// the plan's transfers of a step take on it; without the flag, says how to get that.
+/// Checks that the plan's offload file fits the free space of `--offload-dir`, probes that
+/// disk (512 MiB written and read back, or half its free space where less) and prints how
+/// long the plan's transfers of a step take on it; without the flag, says how to get that.
 fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<()> {
     let Some(dir) = dir else {
         println!(
@@ -850,7 +853,23 @@ fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<(
         );
         return Ok(());
     };
-    let speed = memwall::mem::probe::probe(dir, 512 << 20)?;
+    let free = memwall::mem::disk::free_bytes_for(dir)?;
+    if free < plan.nvme_bytes {
+        bail!(
+            "--offload-dir {}: the plan's offload file needs {} but the disk has {} free; free space there, \
+             choose another --offload-dir, or offload less (--offload auto with --max-memory picks what fits)",
+            dir.display(),
+            fmt_bytes(plan.nvme_bytes),
+            fmt_bytes(free)
+        );
+    }
+    println!(
+        "  offload file fits the disk   {} of {} free at {}",
+        fmt_bytes(plan.nvme_bytes),
+        fmt_bytes(free),
+        dir.display()
+    );
+    let speed = memwall::mem::probe::probe(dir, memwall::mem::probe::probe_size(dir)?)?;
     let (read, written) = plan.io_bytes_per_step();
     let gbs = |x: f64| format!("{:.2} GB/s", x / 1e9);
     println!(

@@ -500,3 +500,45 @@ fn fit_keeps_the_offload_file_within_the_free_disk() {
         "{e}"
     );
 }
+
+/// `plan --offload ... --offload-dir` on a small disk (`MEMWALL_DISK_FREE_BYTES`): the probe
+/// measures what is free (half of it) instead of refusing for its own 512 MiB, which it called
+/// what "the offload file needs"; the plan's file is checked against the free space, and a
+/// file larger than it is refused as the offload file's, with both sizes.
+#[test]
+fn plan_probes_a_small_disk_and_names_which_file_needs_what() {
+    let cache = tempfile::tempdir().unwrap();
+    let off = tempfile::tempdir().unwrap();
+    let env: Vec<(&str, String)> = cache_env(cache.path())
+        .into_iter()
+        .chain([("MEMWALL_DISK_FREE_BYTES", (100u64 << 20).to_string())])
+        .collect();
+    let args = |what: &'static str| {
+        vec![
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--threads",
+            "2",
+            "--offload",
+            what,
+            "--offload-dir",
+            off.path().to_str().unwrap(),
+        ]
+    };
+    let out = run_ok(&env, &args("optimizer"));
+    assert!(
+        out.contains("of 100.00 MiB free") && out.contains("probed 48.00 MiB"),
+        "{out}"
+    );
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = memwall_env(&env, &args("all"));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("the plan's offload file needs")
+            && e.contains("but the disk has 100.00 MiB free")
+            && !e.contains("512"),
+        "{e}"
+    );
+}

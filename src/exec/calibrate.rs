@@ -398,11 +398,13 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     let kinds = by_kind.into_iter().map(|(k, ss)| (k, fit(&ss))).collect();
     let disk = match &opts.offload_dir {
         Some(dir) => {
+            let size = crate::mem::probe::probe_size(dir)?;
             progress(&format!(
-                "disk at {} (512 MiB written, then read)",
-                dir.display()
+                "disk at {} ({} written, then read)",
+                dir.display(),
+                crate::util::bytes::fmt_bytes(size)
             ));
-            let d = crate::mem::probe::probe(dir, 512 << 20)?;
+            let d = crate::mem::probe::probe(dir, size)?;
             Some(DiskRates {
                 read_bytes_per_s: d.read_bytes_per_s,
                 write_bytes_per_s: d.write_bytes_per_s,
