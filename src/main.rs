@@ -254,7 +254,9 @@ struct StepArgs {
     /// then waits for shared cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak exceeds it.
+    /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak RSS exceeds it
+    /// (the plan + the process baseline + a runtime reserve of 4 MiB + 1/128 of the plan for
+    /// what runs touch outside it); a run whose measured peak still exceeds it warns
     #[arg(long, value_parser = parse_bytes)]
     max_memory: Option<u64>,
     #[command(flatten)]
@@ -298,7 +300,9 @@ struct StrategyArgs {
     #[arg(long, value_parser = parse_offload)]
     offload: Option<OffloadChoice>,
     /// Directory of the offload file (one preallocated file, removed at the end; put it on a
-    /// local SSD) [default: train: RUN/offload; bench: ./memwall-offload]
+    /// local SSD). Its disk's free space bounds the file (--fit and --offload auto keep to
+    /// it); `plan` probes it with 512 MiB, or half its free space where less
+    /// [default: train: RUN/offload; bench: ./memwall-offload]
     #[arg(long, value_name = "DIR")]
     offload_dir: Option<PathBuf>,
     /// ZeRO stage across the ranks of `mpirun -np N` (or `plan --ranks N`): 0 keeps
@@ -530,7 +534,8 @@ struct BenchArgs {
     /// memory.svg and report.html into DIR.
     #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "bench-profile")]
     profile: Option<PathBuf>,
-    /// Memory budget, e.g. 3GiB: refuse plans whose predicted peak exceeds it (needed by
+    /// Memory budget, e.g. 3GiB: refuse plans whose predicted peak RSS exceeds it (plan +
+    /// process baseline + a runtime reserve of 4 MiB + 1/128 of the plan; needed by
     /// --recompute auto and --offload auto).
     #[arg(long, value_parser = parse_bytes)]
     max_memory: Option<u64>,
@@ -931,8 +936,9 @@ fn fmt_gib_floor(bytes: u64) -> String {
     format!("{}GiB", (bytes >> 30).max(1))
 }
 
-/// Probes the disk of `--offload-dir` (512 MiB written and read back) and prints how long
-/// the plan's transfers of a step take on it; without the flag, says how to get that.
+/// Checks that the plan's offload file fits the free space of `--offload-dir`, probes that
+/// disk (512 MiB written and read back, or half its free space where less) and prints how
+/// long the plan's transfers of a step take on it; without the flag, says how to get that.
 fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<()> {
     let Some(dir) = dir else {
         println!(
@@ -940,7 +946,23 @@ fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<(
         );
         return Ok(());
     };
-    let speed = memwall::mem::probe::probe(dir, 512 << 20)?;
+    let free = memwall::mem::disk::free_bytes_for(dir)?;
+    if free < plan.nvme_bytes {
+        bail!(
+            "--offload-dir {}: the plan's offload file needs {} but the disk has {} free; free space there, \
+             choose another --offload-dir, or offload less (--offload auto with --max-memory picks what fits)",
+            dir.display(),
+            fmt_bytes(plan.nvme_bytes),
+            fmt_bytes(free)
+        );
+    }
+    println!(
+        "  offload file fits the disk   {} of {} free at {}",
+        fmt_bytes(plan.nvme_bytes),
+        fmt_bytes(free),
+        dir.display()
+    );
+    let speed = memwall::mem::probe::probe(dir, memwall::mem::probe::probe_size(dir)?)?;
     let (read, written) = plan.io_bytes_per_step();
     let gbs = |x: f64| format!("{:.2} GB/s", x / 1e9);
     println!(
@@ -1117,13 +1139,15 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         o.grad_clip = a.grad_clip;
         o.seed = a.seed;
         o.threads = threads(a.step.threads)?;
+        o.init = init;
         if a.step.fit {
             // Searched when the run has opened its data, with the process baseline it plans with.
             o.fit_search = Some(fit_space(&a.step, o.threads, o.batch)?);
             o.strategies = a.step.strategy.resolve_for_fit(a.step.max_memory);
         } else {
             let spec = ModelSpec::resolve(&o.model)?;
-            let baseline = rss::current_rss().unwrap_or(0);
+            // With the data open, as the run will measure it (`--batch auto` plans with it).
+            let baseline = train::planning_baseline(&o)?;
             let r = resolve_step(&a.step, &spec, o.threads, baseline, o.batch, comm.size())?;
             o.batch = r.batch;
             o.strategies = r.strategies;
@@ -1132,7 +1156,6 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         o.eval_batches = a.eval_batches;
         o.save_every = a.save_every;
         o.keep_last = a.keep_last.unwrap_or(0);
-        o.init = init;
         o.profile_steps = if a.profile { a.profile_steps } else { 0 };
         train::train_among(&o, None, comm, progress)?
     };

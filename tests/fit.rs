@@ -391,3 +391,187 @@ fn calibration_is_saved_and_used() {
         "{e}"
     );
 }
+
+/// `--max-memory` is a ceiling for what the process measures, not only for the plan: runs
+/// whose strategies `--batch auto` and `--fit` chose peak at most at the predicted peak
+/// (plan + the baseline measured when the run plans + the runtime reserve), so within the
+/// budget; every metrics line records the peak so far and none is over. (A baseline taken
+/// before the search or before the data was open, a mapped token shard and no reserve for
+/// the code and allocator pages touched later had both runs peak 2–7 MiB above the budget.)
+#[test]
+fn the_measured_peak_stays_within_max_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let env = cache_env(cache.path());
+    let data = common::prepared(dir.path(), &common::small_corpus(dir.path()));
+    let data = data.to_str().unwrap();
+    for (k, (budget, choose)) in [
+        (200u64 << 20, &["--batch", "auto"][..]),
+        (128 << 20, &["--fit", "--global-batch", "8"][..]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let run = dir.path().join(format!("run{k}"));
+        let budget_flag = format!("{budget}B");
+        let mut args = vec![
+            "train",
+            "--model",
+            "gpt2-tiny",
+            "--data",
+            data,
+            "--out",
+            run.to_str().unwrap(),
+            "--steps",
+            "3",
+            "--threads",
+            "2",
+            "--eval-every",
+            "2",
+            "--max-memory",
+            &budget_flag,
+        ];
+        args.extend(choose);
+        let out = run_ok(&env, &args);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("trained steps"))
+            .unwrap_or_else(|| panic!("no summary:\n{out}"));
+        let peak = line.split("peak RSS ").nth(1).unwrap();
+        let peak =
+            memwall::util::bytes::parse_bytes(peak.split(" (").next().unwrap().trim()).unwrap();
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("plan.json")).unwrap()).unwrap();
+        let predicted = plan["predicted_peak_rss_bytes"].as_u64().unwrap();
+        assert!(
+            predicted <= budget,
+            "{choose:?}: predicted {predicted} > {budget}"
+        );
+        // fmt_bytes rounds to 0.01 MiB.
+        assert!(
+            peak <= predicted + (6 << 10),
+            "{choose:?}: measured peak {peak} above the predicted {predicted} (budget {budget}):\n{out}"
+        );
+        assert!(!out.contains("exceeds --max-memory"), "{out}");
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        for l in metrics.lines().filter(|l| l.contains("\"loss\"")) {
+            let m: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert!(m["peak_rss_bytes"].as_u64().unwrap() <= budget, "{l}");
+            assert!(m.get("over_max_memory_bytes").is_none(), "{l}");
+        }
+    }
+}
+
+/// `--fit` counts the disk of `--offload-dir`: with room for no offload file (a small disk,
+/// `MEMWALL_DISK_FREE_BYTES`), a budget that only offloading meets is refused naming the
+/// disk, and with room for some the chosen plan's file fits it (it chose a file the disk could
+/// not hold, which the run then refused or could not write).
+#[test]
+fn fit_keeps_the_offload_file_within_the_free_disk() {
+    let cache = tempfile::tempdir().unwrap();
+    let off = tempfile::tempdir().unwrap();
+    let base = cache_env(cache.path());
+    let args = [
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--seq",
+        "128",
+        "--threads",
+        "2",
+        "--global-batch",
+        "8",
+        "--fit",
+        "--max-memory",
+        "120MiB",
+        "--json",
+        "--offload-dir",
+        off.path().to_str().unwrap(),
+    ];
+    // With the whole disk, the fastest plan under 120 MiB offloads.
+    let p: serde_json::Value = serde_json::from_str(&run_ok(&base, &args)).unwrap();
+    let file = p["by_tier"]["nvme"].as_u64().unwrap();
+    assert!(file > 0, "expected an offloading plan: {}", p["config"]);
+    // A disk with room for less than that file: the plan chosen keeps to the room, or none is.
+    let room = file / 2;
+    let env: Vec<(&str, String)> = base
+        .iter()
+        .cloned()
+        .chain([("MEMWALL_DISK_FREE_BYTES", room.to_string())])
+        .collect();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = memwall_env(&env, &args);
+    if o.status.success() {
+        let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(
+            p["by_tier"]["nvme"].as_u64().unwrap() <= room,
+            "{}",
+            p["config"]
+        );
+    } else {
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            e.contains("--offload-dir") && e.contains("free") && !e.contains("panicked"),
+            "{e}"
+        );
+    }
+    // No room at all: nothing that offloads is kept, and the refusal names the disk.
+    let env: Vec<(&str, &str)> = base
+        .iter()
+        .map(|(k, v)| (*k, v.as_str()))
+        .chain([("MEMWALL_DISK_FREE_BYTES", "0")])
+        .collect();
+    let o = memwall_env(&env, &args);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(
+        e.contains("offload files must also fit the 0 B free at --offload-dir"),
+        "{e}"
+    );
+}
+
+/// `plan --offload ... --offload-dir` on a small disk (`MEMWALL_DISK_FREE_BYTES`): the probe
+/// measures what is free (half of it) instead of refusing for its own 512 MiB, which it called
+/// what "the offload file needs"; the plan's file is checked against the free space, and a
+/// file larger than it is refused as the offload file's, with both sizes.
+#[test]
+fn plan_probes_a_small_disk_and_names_which_file_needs_what() {
+    let cache = tempfile::tempdir().unwrap();
+    let off = tempfile::tempdir().unwrap();
+    let env: Vec<(&str, String)> = cache_env(cache.path())
+        .into_iter()
+        .chain([("MEMWALL_DISK_FREE_BYTES", (100u64 << 20).to_string())])
+        .collect();
+    let args = |what: &'static str| {
+        vec![
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--threads",
+            "2",
+            "--offload",
+            what,
+            "--offload-dir",
+            off.path().to_str().unwrap(),
+        ]
+    };
+    let out = run_ok(&env, &args("optimizer"));
+    assert!(
+        out.contains("of 100.00 MiB free") && out.contains("probed 48.00 MiB"),
+        "{out}"
+    );
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = memwall_env(&env, &args("all"));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        e.contains("the plan's offload file needs")
+            && e.contains("but the disk has 100.00 MiB free")
+            && !e.contains("512"),
+        "{e}"
+    );
+}

@@ -70,8 +70,14 @@ fn over_budget_names_flag_and_largest_batch() {
         .unwrap();
     assert!(b < 32 && p <= budget);
     let next = build_plan(&spec, &StepConfig::new(b + 1, 256, 2), Mode::Train, &Cpu).unwrap();
-    assert!(next.total_bytes() > budget);
-    assert!(check_budget(&plan, plan.total_bytes(), 0, &Cpu).is_ok());
+    assert!(next.predicted_peak(0) > budget);
+    // The budget counts the runtime reserve beside the plan's bytes.
+    assert!(check_budget(&plan, plan.predicted_peak(0), 0, &Cpu).is_ok());
+    let e = format!(
+        "{:#}",
+        check_budget(&plan, plan.total_bytes(), 0, &Cpu).unwrap_err()
+    );
+    assert!(e.contains("runtime reserve"), "{e}");
     let tiny = format!("{:#}", check_budget(&plan, 1 << 20, 0, &Cpu).unwrap_err());
     assert!(tiny.contains("even --batch 1"), "{tiny}");
 }
@@ -245,4 +251,53 @@ fn staged_transfers_own_their_copies_until_waited() {
             assert!(2 * plan.arena_bytes < ram.arena_bytes, "{model}");
         }
     }
+}
+
+/// A budget too small for `--batch 1` with everything already offloaded: the refusal says what
+/// the peak is made of and the smallest budget that fits, never that state "kept in RAM
+/// alone takes 0 B" nor to offload (already on).
+#[test]
+fn too_small_a_budget_with_everything_offloaded_names_what_does_not_fit() {
+    use memwall::plan::{OffloadSet, OptimState, Precision, Recompute};
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut cfg = StepConfig::new(4, 128, 2);
+    cfg.offload.set = OffloadSet::ALL;
+    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let e = format!(
+        "{:#}",
+        check_budget(&plan, 10_000_000, 0, &Cpu).unwrap_err()
+    );
+    assert!(
+        !e.contains("take 0 B")
+            && !e.contains("RAM 0 B")
+            && !e.contains("offload all")
+            && !e.contains("or offload"),
+        "{e}"
+    );
+    assert!(
+        e.contains("even --batch 1 does not fit: it needs")
+            && e.contains("at its peak, op ")
+            && e.contains(
+                "with --precision bf16 --optim-state int8 --recompute full --batch 1 needs"
+            )
+            && e.contains("the least budget that fits gpt2-tiny at --seq 128"),
+        "{e}"
+    );
+    // Every strategy already taken: that plan's peak is the least budget.
+    cfg.precision = Precision::Bf16;
+    cfg.optim_state = OptimState::Int8;
+    cfg.recompute = Recompute::Full;
+    cfg.batch = 1;
+    let smallest = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let e = format!(
+        "{:#}",
+        check_budget(&smallest, 10_000_000, 0, &Cpu).unwrap_err()
+    );
+    let least = memwall::util::bytes::fmt_bytes(smallest.predicted_peak(0));
+    assert!(
+        e.contains(&format!(
+            "this is already the smallest plan of gpt2-tiny at --seq 128: --max-memory {least} is the least that fits"
+        )),
+        "{e}"
+    );
 }

@@ -163,7 +163,14 @@ pub fn check_fits(shard: &Shard, split: &str, t: usize) -> Result<()> {
 ///
 /// Panics when `out` has the wrong length or the shard is shorter than `t + 1` tokens
 /// (call [`check_fits`] first; that is where bad input becomes an error).
-pub fn fill_batch(shard: &Shard, b: usize, t: usize, seed: u64, index: u64, out: &mut [u32]) {
+pub fn fill_batch(
+    shard: &Shard,
+    b: usize,
+    t: usize,
+    seed: u64,
+    index: u64,
+    out: &mut [u32],
+) -> Result<()> {
     fill_batch_part(shard, b, t, seed, index, Part::WHOLE, out)
 }
 
@@ -191,7 +198,7 @@ pub fn fill_batch_part(
     index: u64,
     part: Part,
     out: &mut [u32],
-) {
+) -> Result<()> {
     let w = t + 1;
     assert_eq!(
         out.len(),
@@ -212,8 +219,9 @@ pub fn fill_batch_part(
     }
     for row in out.chunks_exact_mut(w) {
         let start = rng.below(positions) as usize;
-        shard.read(start, row);
+        shard.read(start, row)?;
     }
+    Ok(())
 }
 
 /// Prefetching batch source: a worker thread fills batch `k + 1` while the trainer uses `k`.
@@ -223,7 +231,8 @@ pub fn fill_batch_part(
 /// `free`). Batches come out in index order whatever the timing, so the `k`-th call to
 /// [`next_into`](Self::next_into) yields `fill_batch(.., start_index + k, ..)`.
 pub struct BatchLoader {
-    ready_rx: Option<Receiver<Vec<u32>>>,
+    /// Filled buffers, or the error that stopped the worker (a failed read).
+    ready_rx: Option<Receiver<Result<Vec<u32>>>>,
     free_tx: Option<SyncSender<Vec<u32>>>,
     worker: Option<JoinHandle<()>>,
     position: u64,
@@ -263,7 +272,7 @@ impl BatchLoader {
         );
         let batch_len = b * (t + 1);
         let (free_tx, free_rx) = sync_channel::<Vec<u32>>(2);
-        let (ready_tx, ready_rx) = sync_channel::<Vec<u32>>(2);
+        let (ready_tx, ready_rx) = sync_channel::<Result<Vec<u32>>>(2);
         for _ in 0..2 {
             free_tx
                 .send(vec![0u32; batch_len])
@@ -273,9 +282,11 @@ impl BatchLoader {
             let mut index = start_index;
             // Ends when the loader drops its sender (recv fails) or its receiver (send fails).
             while let Ok(mut buf) = free_rx.recv() {
-                fill_batch_part(&shard, b, t, seed, index, part, &mut buf);
+                let filled = fill_batch_part(&shard, b, t, seed, index, part, &mut buf)
+                    .with_context(|| format!("drawing training batch {index}"));
+                let failed = filled.is_err();
                 index += 1;
-                if ready_tx.send(buf).is_err() {
+                if ready_tx.send(filled.map(|()| buf)).is_err() || failed {
                     break;
                 }
             }
@@ -289,8 +300,9 @@ impl BatchLoader {
         })
     }
 
-    /// Copies the next batch into `out` (`[B, T+1]`) and hands its buffer back to the worker.
-    pub fn next_into(&mut self, out: &mut [u32]) {
+    /// Copies the next batch into `out` (`[B, T+1]`) and hands its buffer back to the worker;
+    /// the error of a failed read of the shard (naming the file and the batch) otherwise.
+    pub fn next_into(&mut self, out: &mut [u32]) -> Result<()> {
         assert_eq!(
             out.len(),
             self.batch_len,
@@ -299,12 +311,13 @@ impl BatchLoader {
         let rx = self.ready_rx.as_ref().expect("loader is running");
         let buf = rx
             .recv()
-            .expect("the data loader thread stopped unexpectedly");
+            .context("the data loader thread stopped after an earlier error")??;
         out.copy_from_slice(&buf);
         self.position += 1;
         // The worker only stops after we drop our ends, so this send cannot fail now; if it
         // did, the next recv reports it.
         let _ = self.free_tx.as_ref().expect("loader is running").send(buf);
+        Ok(())
     }
 
     /// `start_index` plus the number of batches handed out: the index of the next batch
@@ -351,8 +364,8 @@ mod tests {
         let (b, t) = (4, 16);
         let mut x = vec![0; b * (t + 1)];
         let mut y = vec![0; b * (t + 1)];
-        fill_batch(&s, b, t, 42, 7, &mut x);
-        fill_batch(&s, b, t, 42, 7, &mut y);
+        fill_batch(&s, b, t, 42, 7, &mut x).unwrap();
+        fill_batch(&s, b, t, 42, 7, &mut y).unwrap();
         assert_eq!(x, y, "pure function of (seed, index)");
         for row in x.chunks_exact(t + 1) {
             // Consecutive tokens: targets row[1..] are inputs row[..T] shifted by one.
@@ -361,9 +374,9 @@ mod tests {
             let (inputs, targets) = (&row[..t], &row[1..]);
             assert_eq!(&inputs[1..], &targets[..t - 1]);
         }
-        fill_batch(&s, b, t, 42, 8, &mut y);
+        fill_batch(&s, b, t, 42, 8, &mut y).unwrap();
         assert_ne!(x, y, "different index, different batch");
-        fill_batch(&s, b, t, 43, 7, &mut y);
+        fill_batch(&s, b, t, 43, 7, &mut y).unwrap();
         assert_ne!(x, y, "different seed, different batch");
     }
 
@@ -373,10 +386,10 @@ mod tests {
         let s = counting_shard(dir.path(), 5000);
         let (b, t) = (2, 16);
         let mut whole = vec![0u32; 3 * b * (t + 1)];
-        fill_batch(&s, 3 * b, t, 4, 11, &mut whole);
+        fill_batch(&s, 3 * b, t, 4, 11, &mut whole).unwrap();
         for k in 0..3 {
             let mut part = vec![0u32; b * (t + 1)];
-            fill_batch_part(&s, b, t, 4, 11, Part { index: k, of: 3 }, &mut part);
+            fill_batch_part(&s, b, t, 4, 11, Part { index: k, of: 3 }, &mut part).unwrap();
             assert_eq!(part, whole[k * b * (t + 1)..][..b * (t + 1)], "part {k}");
         }
     }
@@ -389,13 +402,13 @@ mod tests {
         let mut seen = [false; 3];
         let mut out = vec![0; 8];
         for i in 0..200 {
-            fill_batch(&s, 1, t, 1, i, &mut out);
+            fill_batch(&s, 1, t, 1, i, &mut out).unwrap();
             seen[out[0] as usize] = true;
         }
         assert_eq!(seen, [true; 3]);
         // Exact fit: T+1 == len, the only window is the whole shard.
         let mut out = vec![0; 10];
-        fill_batch(&s, 1, 9, 5, 0, &mut out);
+        fill_batch(&s, 1, 9, 5, 0, &mut out).unwrap();
         assert_eq!(out, (0..10).collect::<Vec<u32>>());
     }
 
@@ -413,8 +426,8 @@ mod tests {
                 if k % 5 == 0 {
                     std::thread::sleep(std::time::Duration::from_millis(2));
                 }
-                loader.next_into(&mut got);
-                fill_batch(&s, b, t, seed, start + k, &mut want);
+                loader.next_into(&mut got).unwrap();
+                fill_batch(&s, b, t, seed, start + k, &mut want).unwrap();
                 assert_eq!(got, want, "start {start}, batch {k}");
                 assert_eq!(loader.position(), start + k + 1);
             }
@@ -431,7 +444,7 @@ mod tests {
         // Dropped mid-stream.
         let mut l = BatchLoader::new(s.clone(), 2, 8, 1, 0).unwrap();
         let mut out = vec![0; 18];
-        l.next_into(&mut out);
+        l.next_into(&mut out).unwrap();
         drop(l);
         // The worker released its reference to the shard.
         assert_eq!(Arc::strong_count(&s), 1);

@@ -4,7 +4,7 @@
 //!   and [`GPT2_VOCAB`]) and Hugging Face `tokenizer.json` files; [`TokenizerId`] (name,
 //!   content hash, vocabulary size, end-of-text token) is what data and models are compared by.
 //! * [`shard`]: the token shard file format (32-byte little-endian header, then u16/u32
-//!   tokens), written atomically and read by memory map.
+//!   tokens), written atomically and read a window at a time with positioned reads (never mapped).
 //! * [`prepare`](mod@prepare): `memwall prepare` — text files or directories → `train.bin`, `val.bin`,
 //!   `meta.json`, deterministic and parallel.
 //! * [`loader`]: opens a prepared [`DataSet`]; [`fill_batch`] draws batch `k` as a pure function

@@ -463,7 +463,7 @@ mod tests {
 
     fn all(s: &Shard) -> Vec<u32> {
         let mut v = vec![0; s.len()];
-        s.read(0, &mut v);
+        s.read(0, &mut v).unwrap();
         v
     }
 

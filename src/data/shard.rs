@@ -1,4 +1,5 @@
-//! Token shard files: the on-disk form of a tokenized corpus, read by memory map.
+//! Token shard files: the on-disk form of a tokenized corpus, read window by window with
+//! positioned reads (`pread`) into the caller's buffer.
 //!
 //! # Format (version 1)
 //!
@@ -20,16 +21,21 @@
 //! The token data starts at offset 32, so a page-aligned map keeps it aligned for either width.
 //!
 //! [`write_shard`] writes atomically (temporary file in the same directory, fsync, rename: see
-//! [`crate::util::atomic`]), so a crash leaves either the old shard or the new one. [`Shard::open`] maps the file read-only,
-//! checks the header and the size, and scans the tokens once (with ordinary reads, not through
-//! the map, so opening does not grow the process's resident set) to check each is below
+//! [`crate::util::atomic`]), so a crash leaves either the old shard or the new one. [`Shard::open`]
+//! checks the header and the size, and scans the tokens once to check each is below
 //! `vocab_size`: a corrupt token becomes an error naming the file instead of an out-of-range
 //! embedding lookup in the trainer.
+//!
+//! The shard is not memory-mapped: every page of a mapped file that a random window touched
+//! would stay in the process's resident set (read-ahead maps whole runs of pages), so a run's
+//! RSS would grow towards the size of its data set, outside the plan and past `--max-memory`.
+//! [`Shard::read`] copies each window with one positioned read into the `u32` tokens it fills
+//! (widened in place), so the data set costs no resident memory beyond the loader's buffers.
 
 use anyhow::{Context, Result, bail, ensure};
-use memmap2::Mmap;
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::util::atomic;
@@ -99,13 +105,12 @@ pub fn write_shard(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<()>
     })
 }
 
-/// A read-only, memory-mapped token shard, validated on open.
+/// A read-only token shard, validated on open, read by positioned reads.
 #[derive(Debug)]
 pub struct Shard {
     path: PathBuf,
-    /// The whole file; tokens start at [`HEADER_BYTES`]. `None` for an empty shard (a
-    /// zero-length map is not portable).
-    map: Option<Mmap>,
+    /// The open file; tokens start at [`HEADER_BYTES`].
+    file: File,
     width: usize,
     vocab_size: usize,
     len: usize,
@@ -204,19 +209,11 @@ impl Shard {
             pos += n;
         }
 
-        let map = if len == 0 {
-            None
-        } else {
-            // SAFETY: the map is read-only; memwall never writes a shard in place (writers
-            // replace files by rename), so the mapped bytes do not change under us.
-            Some(
-                unsafe { Mmap::map(&file) }
-                    .with_context(|| format!("cannot memory-map token shard '{p}'"))?,
-            )
-        };
+        // memwall never writes a shard in place (writers replace files by rename), so the
+        // open file's bytes stay those just checked.
         Ok(Shard {
             path: path.to_path_buf(),
-            map,
+            file,
             width,
             vocab_size,
             len,
@@ -243,11 +240,13 @@ impl Shard {
         &self.path
     }
 
-    /// Copies tokens `start..start + out.len()` into `out`.
+    /// Copies tokens `start..start + out.len()` into `out`, with one positioned read (no
+    /// map: nothing of the file stays resident). Errors name the file when the read fails (a
+    /// disk error, or a shard truncated since it was opened).
     ///
     /// Panics when the range is outside the shard: callers check sizes up front
     /// (see [`crate::data::loader::check_fits`]), so this is internal misuse, not bad input.
-    pub fn read(&self, start: usize, out: &mut [u32]) {
+    pub fn read(&self, start: usize, out: &mut [u32]) -> Result<()> {
         let end = start.checked_add(out.len());
         assert!(
             end.is_some_and(|e| e <= self.len),
@@ -257,21 +256,47 @@ impl Shard {
             self.len
         );
         if out.is_empty() {
-            return;
+            return Ok(());
         }
-        let map = self.map.as_ref().expect("non-empty shard is mapped");
-        let w = self.width;
-        let bytes = &map[HEADER_BYTES + start * w..HEADER_BYTES + (start + out.len()) * w];
+        let (w, n) = (self.width, out.len());
+        // The file's bytes land in the first n·w bytes of `out`, then widen in place.
+        let bytes: &mut [u8] = bytemuck_u32(out);
+        self.file
+            .read_exact_at(&mut bytes[..n * w], (HEADER_BYTES + start * w) as u64)
+            .with_context(|| {
+                format!(
+                    "cannot read tokens {start}..{} of token shard '{}' (was it changed or \
+                     truncated after training started? re-run `memwall prepare`)",
+                    start + n,
+                    self.path.display()
+                )
+            })?;
         if w == 2 {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = u16::from_le_bytes([c[0], c[1]]) as u32;
+            // Back to front: token i's two bytes sit at 2i, its u32 goes to 4i >= 2i.
+            for i in (0..n).rev() {
+                let v = u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]) as u32;
+                out_u32_at(bytes, i, v);
             }
         } else {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            for x in out.iter_mut() {
+                *x = u32::from_le(*x);
             }
         }
+        Ok(())
     }
+}
+
+/// The bytes of `v` (a `u32` slice may be viewed as bytes: no padding, any bit pattern of
+/// `u8` is valid, alignment 1).
+fn bytemuck_u32(v: &mut [u32]) -> &mut [u8] {
+    let len = std::mem::size_of_val(v);
+    // SAFETY: the same memory, exclusively borrowed for the result's lifetime.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), len) }
+}
+
+/// Stores `v` as the native-endian `u32` at index `i` of bytes viewing a `u32` slice.
+fn out_u32_at(bytes: &mut [u8], i: usize, v: u32) {
+    bytes[4 * i..4 * i + 4].copy_from_slice(&v.to_ne_bytes());
 }
 
 #[cfg(test)]
@@ -280,7 +305,7 @@ mod tests {
 
     fn read_all(s: &Shard) -> Vec<u32> {
         let mut v = vec![0; s.len()];
-        s.read(0, &mut v);
+        s.read(0, &mut v).unwrap();
         v
     }
 
@@ -312,7 +337,7 @@ mod tests {
         assert_eq!(s.path(), p.as_path());
         assert_eq!(read_all(&s), toks);
         let mut mid = [0u32; 5];
-        s.read(10, &mut mid);
+        s.read(10, &mut mid).unwrap();
         assert_eq!(&mid, &toks[10..15]);
         // No temporary files left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
@@ -341,7 +366,7 @@ mod tests {
         write_shard(&p, &[], 50257).unwrap();
         let s = Shard::open(&p).unwrap();
         assert!(s.is_empty());
-        s.read(0, &mut []);
+        s.read(0, &mut []).unwrap();
     }
 
     #[test]
@@ -432,6 +457,50 @@ mod tests {
         let p = dir.path().join("r.bin");
         write_shard(&p, &[1, 2, 3], 10).unwrap();
         let s = Shard::open(&p).unwrap();
-        s.read(1, &mut [0; 3]);
+        let _ = s.read(1, &mut [0; 3]);
+    }
+
+    /// Reading windows keeps nothing of the file resident: the shard is not mapped (a map's
+    /// touched pages stayed in the resident set, growing a run's RSS towards its data set's
+    /// size, outside the plan).
+    #[test]
+    fn reads_map_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("unmapped-shard.bin");
+        let tokens: Vec<u32> = (0..300_000u32).map(|i| i % 50_000).collect();
+        write_shard(&p, &tokens, 50_257).unwrap();
+        let s = Shard::open(&p).unwrap();
+        let mut out = vec![0u32; 129];
+        for k in 0..200 {
+            let start = k * 1_499;
+            s.read(start, &mut out).unwrap();
+            assert_eq!(out, tokens[start..start + 129]);
+        }
+        let maps = std::fs::read_to_string("/proc/self/maps").expect("Linux /proc");
+        let name = p.to_string_lossy();
+        assert!(
+            !maps.lines().any(|l| l.ends_with(name.as_ref())),
+            "the shard is mapped into the process"
+        );
+    }
+
+    /// A shard cut short after it was opened is an error naming the file, not a crash (a
+    /// mapped file's missing pages raised SIGBUS).
+    #[test]
+    fn truncated_after_open_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("cut.bin");
+        let tokens: Vec<u32> = (0..100_000u32).collect();
+        write_shard(&p, &tokens, 200_000).unwrap();
+        let s = Shard::open(&p).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(HEADER_BYTES as u64 + 4)
+            .unwrap();
+        let mut out = vec![0u32; 10];
+        let e = format!("{:#}", s.read(90_000, &mut out).unwrap_err());
+        assert!(e.contains("cut.bin") && e.contains("90000..90010"), "{e}");
     }
 }

@@ -38,9 +38,6 @@ pub struct CalibrateOptions {
     pub quick: bool,
 }
 
-/// Bytes the disk probe writes and reads back in `--offload-dir`.
-const PROBE_BYTES: u64 = 512 << 20;
-
 /// One model of the suite: a preset's family with these dimensions, at `b × t`.
 struct Case {
     preset: &'static str,
@@ -358,7 +355,8 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     }
     // The disk is measured last; a bad --offload-dir must fail now, not after the suite.
     if let Some(dir) = &opts.offload_dir {
-        crate::mem::probe::check(dir, PROBE_BYTES)?;
+        let size = crate::mem::probe::probe_size(dir)?;
+        crate::mem::probe::check(dir, size)?;
     }
     let mut samples = Vec::new();
     let mut runs: Vec<(ModelSpec, StepConfig)> = Vec::new();
@@ -410,11 +408,13 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     let kinds = by_kind.into_iter().map(|(k, ss)| (k, fit(&ss))).collect();
     let disk = match &opts.offload_dir {
         Some(dir) => {
+            let size = crate::mem::probe::probe_size(dir)?;
             progress(&format!(
-                "disk at {} (512 MiB written, then read)",
-                dir.display()
+                "disk at {} ({} written, then read)",
+                dir.display(),
+                crate::util::bytes::fmt_bytes(size)
             ));
-            let d = crate::mem::probe::probe(dir, PROBE_BYTES)?;
+            let d = crate::mem::probe::probe(dir, size)?;
             Some(DiskRates {
                 read_bytes_per_s: d.read_bytes_per_s,
                 write_bytes_per_s: d.write_bytes_per_s,

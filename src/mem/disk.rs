@@ -31,6 +31,10 @@ use std::time::Instant;
 /// transfer after the first N fails as a disk error would.
 pub const FAIL_AFTER_ENV: &str = "MEMWALL_OFFLOAD_FAIL_AFTER";
 
+/// Test seam: with `MEMWALL_DISK_FREE_BYTES=N` in the environment, [`free_bytes`] reports at
+/// most N bytes free (a small disk without mounting one).
+pub const DISK_FREE_ENV: &str = "MEMWALL_DISK_FREE_BYTES";
+
 /// An open offload file.
 pub struct DiskTier {
     file: File,
@@ -46,6 +50,11 @@ impl DiskTier {
     /// with `fallocate`),
     /// replacing a previous run's file. Errors name the directory and what would fix it.
     pub fn create(dir: &Path, name: &str, bytes: u64) -> Result<DiskTier> {
+        DiskTier::create_as(dir, name, bytes, "the offload file")
+    }
+
+    /// [`DiskTier::create`] of a file that errors call `what` (the disk probe's scratch).
+    pub fn create_as(dir: &Path, name: &str, bytes: u64, what: &str) -> Result<DiskTier> {
         let _ = std::fs::create_dir_all(dir); // a failure is named just below
         if !dir.is_dir() {
             bail!(
@@ -59,7 +68,7 @@ impl DiskTier {
         let free = free_bytes(dir)?;
         if free < bytes {
             bail!(
-                "--offload-dir {}: the offload file needs {} but the disk has {} free; free space or choose another directory",
+                "--offload-dir {}: {what} needs {} but the disk has {} free; free space or choose another directory",
                 dir.display(),
                 fmt_bytes(bytes),
                 fmt_bytes(free)
@@ -396,7 +405,32 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
             )
         });
     }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    let free = st.f_bavail as u64 * st.f_frsize as u64;
+    Ok(
+        match std::env::var(DISK_FREE_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            Some(cap) => free.min(cap),
+            None => free,
+        },
+    )
+}
+
+/// [`free_bytes`] of the file system that `dir` will be on: its own, or its nearest existing
+/// ancestor's when it is not there yet (the offload directory is created when a run starts).
+pub fn free_bytes_for(dir: &Path) -> Result<u64> {
+    let mut at = dir;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) if !p.as_os_str().is_empty() => at = p,
+            _ => {
+                at = Path::new(".");
+                break;
+            }
+        }
+    }
+    free_bytes(at).with_context(|| format!("--offload-dir {}", dir.display()))
 }
 
 #[cfg(test)]

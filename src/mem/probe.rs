@@ -1,6 +1,7 @@
 //! A short measurement of a disk: sequential direct-I/O writes, then reads, of 8 MiB blocks
 //! (what `dd oflag=direct` / `iflag=direct` measures) through the same [`DiskTier`] the
-//! offload file uses, so `plan` can say how long a step's transfers take on it.
+//! offload file uses, so `plan` can say how long a step's transfers take on it. The scratch
+//! file is 512 MiB, or half the free space of a smaller disk ([`probe_size`]).
 
 use super::disk::DiskTier;
 use crate::plan::packing::IO_ALIGN;
@@ -40,11 +41,38 @@ pub fn check(dir: &Path, bytes: u64) -> Result<()> {
     DiskTier::create(dir, "memwall-probe.bin", blocks * BLOCK as u64).map(drop)
 }
 
+/// The most a probe writes: 512 MiB.
+pub const MAX_PROBE: u64 = 512 << 20;
+
+/// How much to probe in `dir` (created if needed): [`MAX_PROBE`], or half the disk's free
+/// space where that is less (whole 8 MiB blocks), so a small disk is measured, not refused,
+/// and the probe leaves room. Refuses a disk with less than two blocks free, naming the probe.
+pub fn probe_size(dir: &Path) -> Result<u64> {
+    let free = super::disk::free_bytes_for(dir)?;
+    let size = (free / 2).min(MAX_PROBE) / BLOCK as u64 * BLOCK as u64;
+    if size == 0 {
+        anyhow::bail!(
+            "--offload-dir {}: {} free, too little for the disk probe's scratch file (at least {}); \
+             free space there or point --offload-dir at a larger disk",
+            dir.display(),
+            crate::util::bytes::fmt_bytes(free),
+            crate::util::bytes::fmt_bytes(2 * BLOCK as u64)
+        );
+    }
+    Ok(size)
+}
+
 /// Writes then reads `bytes` (rounded up to whole 8 MiB blocks) in a scratch file in `dir`,
-/// removed afterwards. Errors name the directory (missing, unwritable, full).
+/// removed afterwards. Errors name the directory (missing, unwritable, full) and say they
+/// are the probe's ([`probe_size`] picks `bytes` that fit).
 pub fn probe(dir: &Path, bytes: u64) -> Result<DiskSpeed> {
     let blocks = bytes.div_ceil(BLOCK as u64).max(1);
-    let tier = DiskTier::create(dir, "memwall-probe.bin", blocks * BLOCK as u64)?;
+    let tier = DiskTier::create_as(
+        dir,
+        "memwall-probe.bin",
+        blocks * BLOCK as u64,
+        "the disk probe's scratch file",
+    )?;
     let align = IO_ALIGN as usize;
     let mut raw = vec![0xa5u8; BLOCK + align];
     let at = raw.as_ptr().align_offset(align);

@@ -147,8 +147,8 @@ impl Strategies {
     }
 }
 
-/// Predicted peak resident memory of a process running `plan`: the plan's bytes plus the
-/// measured process baseline (code, tokenizer tables, thread stacks, allocator).
+/// Predicted peak resident memory of a process running `plan`: the plan's bytes, the
+/// measured process baseline and the runtime reserve ([`Plan::runtime_reserve`]).
 pub fn predicted_peak(plan: &Plan, baseline: u64) -> u64 {
     plan.predicted_peak(baseline)
 }
@@ -314,47 +314,7 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
             cfg.seq,
             fmt_bytes(p)
         ),
-        None => {
-            let state: u64 = plan
-                .buffers
-                .iter()
-                .filter(|b| {
-                    b.persistent
-                        && b.placement.tier == super::Tier::Host
-                        && b.category != super::Category::IoStaging
-                })
-                .map(|b| b.bytes)
-                .sum();
-            let mut s = format!(
-                "even --batch 1 does not fit: parameters, gradients and optimizer state kept in RAM alone take {}",
-                fmt_bytes(state)
-            );
-            // The smallest state this build offers: bf16 compute copies, int8 moments.
-            let small = StepConfig {
-                batch: 1,
-                precision: super::Precision::Bf16,
-                optim_state: super::OptimState::Int8,
-                recompute: Recompute::Full,
-                ..cfg.clone()
-            };
-            if plan.mode == Mode::Train
-                && (cfg.precision, cfg.optim_state)
-                    != (super::Precision::Bf16, super::OptimState::Int8)
-            {
-                let p = predicted_peak(
-                    &build_plan(&plan.spec, &small, plan.mode, backend)?,
-                    baseline,
-                );
-                s.push_str(&format!(
-                    "; with --precision bf16 --optim-state int8 --recompute full, --batch 1 needs {}{}",
-                    fmt_bytes(p),
-                    if p <= budget { " and fits" } else { " (still too much: a smaller model, or offload, is needed)" }
-                ));
-            } else {
-                s.push_str(" (a smaller model, or offload, is needed)");
-            }
-            s
-        }
+        None => even_batch_1(plan, budget, baseline, backend)?,
     };
     if plan.mode == Mode::Train && cfg.offload.set != OffloadSet::ALL {
         let mut all = StepConfig {
@@ -393,13 +353,119 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
         }
     }
     bail!(
-        "the plan needs {} (arena {} + outside the arena {} + process baseline {}) but --max-memory is {}: \
+        "the plan needs {} (arena {} + outside the arena {} + process baseline {} + runtime reserve {}) but --max-memory is {}: \
          over by {}; {advice}",
         fmt_bytes(need),
         fmt_bytes(plan.arena_bytes),
         fmt_bytes(plan.external_bytes),
         fmt_bytes(baseline),
+        fmt_bytes(plan.runtime_reserve()),
         fmt_bytes(budget),
         fmt_bytes(need - budget)
     )
+}
+
+/// What to say when even `--batch 1` of `plan`'s configuration does not fit `budget`: what
+/// its peak is made of (the state kept in RAM, when any; the biggest categories live at its
+/// peak; outside the arena, baseline, reserve), and the smallest budget that fits: the plan
+/// of `--batch 1` with every memory strategy the flags have not already taken (bf16, int8
+/// state, full recomputation, everything offloaded).
+fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -> Result<String> {
+    let cfg = &plan.cfg;
+    let one = build_plan(
+        &plan.spec,
+        &StepConfig {
+            batch: 1,
+            ..cfg.clone()
+        },
+        plan.mode,
+        backend,
+    )?;
+    let state: u64 = one
+        .buffers
+        .iter()
+        .filter(|b| {
+            b.persistent
+                && b.placement.tier == super::Tier::Host
+                && b.category != super::Category::IoStaging
+        })
+        .map(|b| b.bytes)
+        .sum();
+    let mut live = one.live_by_category(one.peak_op);
+    live.retain(|&(_, b)| b > 0);
+    live.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+    let parts: Vec<String> = live
+        .iter()
+        .take(3)
+        .map(|(c, b)| format!("{} {}", c.name(), fmt_bytes(*b)))
+        .collect();
+    let mut s = format!(
+        "even --batch 1 does not fit: it needs {} (arena {}, at its peak, op {}: {}{}; outside the arena {}; process baseline {}; runtime reserve {})",
+        fmt_bytes(predicted_peak(&one, baseline)),
+        fmt_bytes(one.arena_bytes),
+        one.schedule.ops[one.peak_op].name,
+        parts.join(", "),
+        if state > 0 {
+            format!(
+                "; of it parameters, gradients and optimizer state kept in RAM {}",
+                fmt_bytes(state)
+            )
+        } else {
+            String::new()
+        },
+        fmt_bytes(one.external_bytes),
+        fmt_bytes(baseline),
+        fmt_bytes(one.runtime_reserve())
+    );
+    // The smallest plan of this model at this --seq: every strategy not already taken.
+    let mut small = StepConfig {
+        batch: 1,
+        recompute: Recompute::Full,
+        ..cfg.clone()
+    };
+    let mut flags = Vec::new();
+    if plan.mode == Mode::Train {
+        small.precision = Precision::Bf16;
+        small.optim_state = OptimState::Int8;
+        small.offload.set = OffloadSet::ALL;
+        for (differs, flag) in [
+            (cfg.precision != Precision::Bf16, "--precision bf16"),
+            (cfg.optim_state != OptimState::Int8, "--optim-state int8"),
+            (cfg.recompute != Recompute::Full, "--recompute full"),
+            (cfg.offload.set != OffloadSet::ALL, "--offload all"),
+        ] {
+            if differs {
+                flags.push(flag);
+            }
+        }
+    } else if cfg.recompute != Recompute::Full {
+        flags.push("--recompute full");
+    }
+    let least = predicted_peak(
+        &build_plan(&plan.spec, &small, plan.mode, backend)?,
+        baseline,
+    );
+    if flags.is_empty() {
+        s.push_str(&format!(
+            "; this is already the smallest plan of {} at --seq {}: --max-memory {} is the least that fits (or a shorter --seq, or a smaller model)",
+            plan.spec.name,
+            cfg.seq,
+            fmt_bytes(least)
+        ));
+    } else {
+        s.push_str(&format!(
+            "; with {} --batch 1 needs {}{}",
+            flags.join(" "),
+            fmt_bytes(least),
+            if least <= budget {
+                " and fits".to_string()
+            } else {
+                format!(
+                    ", the least budget that fits {} at --seq {} (or a shorter --seq, or a smaller model)",
+                    plan.spec.name, cfg.seq
+                )
+            }
+        ));
+    }
+    Ok(s)
 }

@@ -118,8 +118,15 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
     );
     let _ = writeln!(
         s,
+        "  runtime reserve             {:>12}   {} + 1/{} of the plan: what runs touch outside it",
+        fmt_bytes(plan.runtime_reserve()),
+        fmt_bytes(super::RESERVE_FIXED),
+        super::RESERVE_PLAN_DIV
+    );
+    let _ = writeln!(
+        s,
         "  predicted peak RSS          {:>12}",
-        fmt_bytes(plan.total_bytes() + baseline)
+        fmt_bytes(plan.predicted_peak(baseline))
     );
     if plan.nvme_bytes > 0 {
         let (read, written) = plan.io_bytes_per_step();

@@ -122,6 +122,9 @@ pub struct Found {
     /// Groups never searched: their fastest plan could not beat the candidates kept.
     pub skipped: usize,
     pub plans_built: usize,
+    /// The offload directory and the bytes free on its disk, when a plan within the budget
+    /// was refused because its offload file is larger.
+    pub disk: Option<(std::path::PathBuf, u64)>,
 }
 
 impl Found {
@@ -206,6 +209,14 @@ impl Found {
                 fmt_bytes(r.smallest_peak)
             );
         }
+        if let Some((dir, free)) = &self.disk {
+            let _ = writeln!(
+                o,
+                "  offload files limited to the {} free at {} (--offload-dir)",
+                fmt_bytes(*free),
+                dir.display()
+            );
+        }
         if self.skipped > 0 {
             let _ = writeln!(
                 o,
@@ -283,6 +294,8 @@ struct GroupResult {
     /// The smallest peak among the plans built (for the refusal when nothing fits).
     smallest: u64,
     built: usize,
+    /// A plan within the budget was refused for its offload file alone.
+    disk_refused: bool,
 }
 
 /// Searches `space` for the fastest plans of `spec` that fit `budget` (bytes of peak
@@ -314,6 +327,13 @@ pub fn search(
         p
     };
     let policies = policies(space.recompute, spec.n_layer);
+    // The offload file must fit the disk of --offload-dir as the plan must fit the budget.
+    let disk_free = match &space.offload_dir {
+        Some(dir) if placements.iter().any(|&o| o != OffloadSet::NONE) => {
+            Some(crate::mem::disk::free_bytes_for(dir)?)
+        }
+        _ => None,
+    };
     // Groups, each with a lower bound of its time: its unconstrained plan (least
     // recomputation, least offload) without accumulation, its micro-batch part repeated.
     let mut configs = Vec::new();
@@ -356,6 +376,7 @@ pub fn search(
     let mut ranked: Vec<Candidate> = Vec::new();
     let mut rejected = Vec::new();
     let mut skipped = 0;
+    let mut disk_refused = false;
     // Groups are searched fastest bound first, as many at once as there are threads.
     let width = rayon::current_num_threads().max(1);
     let mut rest = &groups[..];
@@ -375,7 +396,7 @@ pub fn search(
                     &g.cfg,
                     &placements,
                     &policies,
-                    budget,
+                    (budget, disk_free),
                     baseline,
                     cal,
                     backend,
@@ -384,6 +405,7 @@ pub fn search(
             .collect::<Result<Vec<GroupResult>>>()?;
         for (g, r) in todo.iter().zip(results) {
             built += r.built;
+            disk_refused |= r.disk_refused;
             if r.fitting.is_empty() {
                 rejected.push(Rejected {
                     what: format!(
@@ -405,6 +427,11 @@ pub fn search(
         rejected,
         skipped,
         plans_built: built,
+        disk: space
+            .offload_dir
+            .clone()
+            .zip(disk_free)
+            .filter(|_| disk_refused),
     })
 }
 
@@ -471,7 +498,7 @@ fn search_group(
     cfg: &StepConfig,
     placements: &[OffloadSet],
     policies: &[Recompute],
-    budget: u64,
+    (budget, disk_free): (u64, Option<u64>),
     baseline: u64,
     cal: &Calibration,
     backend: &dyn Sizing,
@@ -480,6 +507,7 @@ fn search_group(
         fitting: Vec::new(),
         smallest: u64::MAX,
         built: 0,
+        disk_refused: false,
     };
     // For each placement that fits: the index of the least recomputation that does.
     let mut least: Vec<(OffloadSet, usize)> = Vec::new();
@@ -505,7 +533,9 @@ fn search_group(
             out.built += 1;
             let peak = plan.predicted_peak(baseline);
             out.smallest = out.smallest.min(peak);
-            Ok((peak <= budget, plan))
+            let on_disk = disk_free.is_none_or(|free| plan.nvme_bytes <= free);
+            out.disk_refused |= peak <= budget && !on_disk;
+            Ok((peak <= budget && on_disk, plan))
         };
         // The most recomputation allowed must fit, else nothing does with this placement.
         let (ok, plan) = fits_at(cap - 1)?;
@@ -581,13 +611,24 @@ pub fn fit(
 /// The refusal when nothing fits: the smallest plan's peak, and what it was.
 pub fn nothing_fits(found: &Found, budget: u64) -> anyhow::Error {
     let smallest = found.rejected.iter().min_by_key(|r| r.smallest_peak);
+    let disk = match &found.disk {
+        Some((dir, free)) => format!(
+            " (offload files must also fit the {} free at --offload-dir {}: free space there, or point it at a larger disk)",
+            fmt_bytes(*free),
+            dir.display()
+        ),
+        None => String::new(),
+    };
     match smallest {
-        Some(r) => anyhow::anyhow!(
-            "--fit: nothing fits --max-memory {}: the smallest plan ({} with the most recomputation and offload searched) needs {}; raise --max-memory, or allow --precision auto --optim-state auto",
+        Some(r) if r.smallest_peak > budget => anyhow::anyhow!(
+            "--fit: nothing fits --max-memory {}: the smallest plan ({} with the most recomputation and offload searched) needs {}; raise --max-memory, or allow --precision auto --optim-state auto{disk}",
             fmt_bytes(budget),
             r.what,
             fmt_bytes(r.smallest_peak)
         ),
-        None => anyhow::anyhow!("--fit: nothing fits --max-memory {}", fmt_bytes(budget)),
+        _ => anyhow::anyhow!(
+            "--fit: nothing fits --max-memory {}{disk}",
+            fmt_bytes(budget)
+        ),
     }
 }

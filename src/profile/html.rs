@@ -211,9 +211,10 @@ impl ReportPage<'_> {
         kv(
             "predicted peak RSS",
             format!(
-                "{} (plan + process baseline {})",
-                fmt_bytes(p.total_bytes + p.baseline_bytes),
-                fmt_bytes(p.baseline_bytes)
+                "{} (plan + process baseline {} + runtime reserve {})",
+                fmt_bytes(p.total_bytes + p.baseline_bytes + p.runtime_reserve_bytes),
+                fmt_bytes(p.baseline_bytes),
+                fmt_bytes(p.runtime_reserve_bytes)
             ),
         );
         if let Some(m) = self.measured_peak_rss {

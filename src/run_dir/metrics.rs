@@ -37,6 +37,12 @@ pub struct Update {
     pub tokens_per_s: f64,
     pub step_s: f64,
     pub rss_bytes: Option<u64>,
+    /// The process's peak resident memory so far (`VmHWM`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
+    /// By how much that peak exceeds `--max-memory` (absent while within it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub over_max_memory_bytes: Option<u64>,
     /// Steps done by the process that wrote this line (1-based; restarts on `--resume`): the
     /// leak check's clock.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -165,6 +171,8 @@ mod tests {
                 tokens_per_s: 1000.0,
                 step_s: 0.5,
                 rss_bytes: Some(1 << 20),
+                peak_rss_bytes: None,
+                over_max_memory_bytes: None,
                 process_step: Some(step),
                 comm_s: None,
                 comm_wait_s: None,

@@ -85,6 +85,11 @@ pub struct PlanJson {
     /// The process's resident memory before the plan was allocated (measured).
     #[serde(default)]
     pub baseline_bytes: u64,
+    /// What the run touches outside the plan after the baseline (`Plan::runtime_reserve`),
+    /// counted in the predicted peak.
+    #[serde(default)]
+    pub runtime_reserve_bytes: u64,
+    /// Plan + baseline + runtime reserve: what `--max-memory` is checked against.
     #[serde(default)]
     pub predicted_peak_rss_bytes: u64,
     /// The sum of each category's buffers.
@@ -194,7 +199,8 @@ impl PlanJson {
             peak_live_bytes: plan.peak_live_bytes,
             peak_op: plan.schedule.ops[plan.peak_op].name.clone(),
             baseline_bytes: baseline,
-            predicted_peak_rss_bytes: plan.total_bytes() + baseline,
+            runtime_reserve_bytes: plan.runtime_reserve(),
+            predicted_peak_rss_bytes: plan.predicted_peak(baseline),
             by_category: by_category(plan.bytes_by_category()),
             peak_by_category: by_category(plan.peak_by_category()),
             live_at_peak_by_category: by_category(plan.live_by_category(plan.peak_op)),
@@ -366,6 +372,7 @@ mod tests {
             "peak_live_bytes",
             "peak_op",
             "baseline_bytes",
+            "runtime_reserve_bytes",
             "predicted_peak_rss_bytes",
             "by_category",
             "peak_by_category",

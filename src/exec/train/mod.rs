@@ -25,7 +25,7 @@ mod step;
 pub use loss_scale::LossScaler;
 pub use options::{TrainOptions, default_threads, resume_options};
 pub use progress::{ConsoleProgress, NoProgress, Progress};
-pub use setup::plan_for;
+pub use setup::{plan_for, planning_baseline};
 
 use super::executor::Executor;
 use crate::data::loader::{BatchLoader, DataSet};
@@ -60,6 +60,9 @@ pub struct TrainSummary {
     pub plan_total_bytes: u64,
     pub baseline_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
+    /// `--max-memory`, and the peak predicted against it (plan + baseline + runtime reserve).
+    pub max_memory: Option<u64>,
+    pub predicted_peak_bytes: u64,
     pub last_checkpoint: Option<PathBuf>,
     /// The leak check's verdict (`None` when the run had too few steps for one).
     pub leak: Option<LeakReport>,
@@ -86,6 +89,15 @@ impl TrainSummary {
             fmt_bytes(self.plan_total_bytes),
             fmt_bytes(self.baseline_bytes)
         );
+        if let Some(by) = over_max_memory(self.peak_rss_bytes, self.max_memory) {
+            s.push('\n');
+            s.push_str(&over_max_memory_warning(
+                self.peak_rss_bytes.unwrap_or(0),
+                self.max_memory.unwrap_or(0),
+                self.predicted_peak_bytes,
+                by,
+            ));
+        }
         if let (Some(busy), Some(exposed)) = (self.comm_frac, self.comm_exposed_frac) {
             s.push_str(&format!(
                 "\ncommunication: collectives busy {:.1}% of step time; {:.1}% exposed (ops waiting for them)",
@@ -104,6 +116,26 @@ impl TrainSummary {
         }
         s
     }
+}
+
+/// By how much the measured `peak` exceeds the `--max-memory` `budget` (`None` within it,
+/// or when either is unknown).
+pub fn over_max_memory(peak: Option<u64>, budget: Option<u64>) -> Option<u64> {
+    peak?.checked_sub(budget?).filter(|&by| by > 0)
+}
+
+/// The warning printed (once) and put in the summary when the measured peak exceeds
+/// `--max-memory`.
+pub fn over_max_memory_warning(peak: u64, budget: u64, predicted: u64, by: u64) -> String {
+    format!(
+        "warning: peak RSS {} exceeds --max-memory {} by {} (predicted {}: plan + process \
+         baseline + runtime reserve); memory outside the plan outgrew the reserve: raise \
+         --max-memory by that much, and please report it",
+        fmt_bytes(peak),
+        fmt_bytes(budget),
+        fmt_bytes(by),
+        fmt_bytes(predicted)
+    )
 }
 
 /// Runs (or resumes, when `resume` is the checkpoint to continue from) a training run.
@@ -163,6 +195,10 @@ struct Run<'a> {
     /// Resident memory before the plan was allocated.
     baseline: u64,
     plan_total: u64,
+    /// Plan + baseline + runtime reserve: the peak `--max-memory` was checked against.
+    predicted_peak: u64,
+    /// The over-budget warning was printed.
+    warned_over_budget: bool,
     /// Tokens of one optimizer step.
     tokens_per_step: f64,
     /// Time zero of the profile and of every recorded span.
@@ -229,9 +265,62 @@ impl Run<'_> {
             plan_total_bytes: self.plan_total,
             baseline_bytes: self.baseline,
             peak_rss_bytes: rss::peak_rss(),
+            max_memory: opts.strategies.max_memory,
+            predicted_peak_bytes: self.predicted_peak,
             last_checkpoint: self.last_ckpt,
             leak,
             report,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(peak: u64, budget: Option<u64>) -> TrainSummary {
+        TrainSummary {
+            out: PathBuf::from("run"),
+            first_step: 0,
+            last_step: 3,
+            final_loss: 1.0,
+            final_val_loss: None,
+            tokens_per_s: 1.0,
+            comm_frac: None,
+            comm_exposed_frac: None,
+            plan_total_bytes: 100 << 20,
+            baseline_bytes: 7 << 20,
+            peak_rss_bytes: Some(peak),
+            max_memory: budget,
+            predicted_peak_bytes: 112 << 20,
+            last_checkpoint: None,
+            leak: None,
+            report: None,
+        }
+    }
+
+    /// A measured peak above `--max-memory` is said in the summary, with by how much; within
+    /// the budget, or without one, nothing is.
+    #[test]
+    fn the_summary_warns_when_the_peak_exceeds_max_memory() {
+        let s = summary(125 << 20, Some(120 << 20)).describe();
+        assert!(
+            s.contains("warning: peak RSS 125.00 MiB exceeds --max-memory 120.00 MiB by 5.00 MiB")
+                && s.contains("predicted 112.00 MiB"),
+            "{s}"
+        );
+        for quiet in [
+            summary(120 << 20, Some(120 << 20)),
+            summary(125 << 20, None),
+        ] {
+            assert!(
+                !quiet.describe().contains("warning"),
+                "{}",
+                quiet.describe()
+            );
+        }
+        assert_eq!(over_max_memory(Some(5), Some(3)), Some(2));
+        assert_eq!(over_max_memory(Some(3), Some(3)), None);
+        assert_eq!(over_max_memory(None, Some(3)), None);
     }
 }

@@ -135,7 +135,7 @@ impl Run<'_> {
     /// I/O spans and lends the recorder to the executor.
     fn load_batch(&mut self, t0: Instant, profiling: bool) -> Result<Vec<Span>> {
         let mut spans = Vec::new();
-        self.loader.next_into(&mut self.batch);
+        self.loader.next_into(&mut self.batch)?;
         let t_loaded = Instant::now();
         self.ex.upload_batch(&self.batch)?;
         if profiling {
@@ -216,6 +216,17 @@ impl Run<'_> {
     ) -> Result<()> {
         let step = self.step;
         let rss_now = rss::current_rss();
+        let peak = rss::peak_rss();
+        let over = super::over_max_memory(peak, self.opts.strategies.max_memory);
+        if let (Some(by), false) = (over, self.warned_over_budget) {
+            self.warned_over_budget = true;
+            progress.message(&super::over_max_memory_warning(
+                peak.unwrap_or(0),
+                self.opts.strategies.max_memory.unwrap_or(0),
+                self.predicted_peak,
+                by,
+            ));
+        }
         let m = Metric {
             step,
             update: Some(Update {
@@ -227,6 +238,8 @@ impl Run<'_> {
                 tokens_per_s: self.tokens_per_step / secs,
                 step_s: secs,
                 rss_bytes: rss_now,
+                peak_rss_bytes: peak,
+                over_max_memory_bytes: over,
                 process_step: Some(step - self.first_step),
                 comm_s: (self.ex.comm().size() > 1).then_some(stats.comm_s),
                 comm_wait_s: (self.ex.comm().size() > 1).then_some(stats.comm_wait_s),
@@ -340,7 +353,8 @@ fn evaluate(
             k,
             part,
             batch,
-        );
+        )
+        .context("drawing a validation batch")?;
         ex.upload_batch(batch)?;
         sum += ex.eval_loss()? as f64;
     }
