@@ -855,3 +855,46 @@ fn misleading_errors_name_what_is_wrong() {
         "the suite ran before the flag was checked: {e}"
     );
 }
+
+/// Resuming a run of 2 ranks in one process once halved its global batch without a word.
+/// The checkpoint of a 2-rank run is that of one process but for the `ranks` it records
+/// (checkpoints never depend on the number of ranks), so the run is made so here.
+#[test]
+fn resuming_on_fewer_ranks_says_the_global_batch_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let two_rank_run = |name: &str| {
+        let run = tmp.path().join(name);
+        let small = [
+            "--steps",
+            "1",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--save-every",
+            "1",
+        ];
+        ok(&common::train_args(&cfg, &data, &run, &small));
+        let state = run.join("checkpoints/step-000001/trainer_state.json");
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+        v["train"]["ranks"] = 2.into();
+        std::fs::write(&state, serde_json::to_vec(&v).unwrap()).unwrap();
+        run
+    };
+    let run = two_rank_run("a");
+    let o = common::memwall(&["train", "--resume", run.to_str().unwrap(), "--steps", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("2 rank(s)") && err.contains("pass --grad-accum 2"),
+        "{err}"
+    );
+    let run = two_rank_run("b");
+    let r = run.to_str().unwrap();
+    let o = common::memwall(&["train", "--resume", r, "--steps", "2", "--grad-accum", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("rows"), "{err}");
+}
