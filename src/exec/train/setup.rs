@@ -248,7 +248,7 @@ pub(super) fn with_fit(
 }
 
 /// The process's resident memory once the run's model and data are open (the tokenizer
-/// loaded and checked), as [`Run::start`] will measure it: what `--batch auto`, chosen
+/// loaded and checked), as `Run::start` will measure it: what `--batch auto`, chosen
 /// before the run starts, plans with (measured before opening them, it was lower than the
 /// run's, and the choice could then fail the run's own budget check).
 pub fn planning_baseline(opts: &TrainOptions) -> Result<u64> {
