@@ -94,6 +94,7 @@ fn whole_model_gradients_match_finite_differences() {
 
 #[test]
 fn training_is_deterministic_for_a_thread_count() {
+    let initial = micro_executor(2).download_params();
     let run = || {
         let mut ex = micro_executor(2);
         let hp = OptimHparams {
@@ -114,7 +115,25 @@ fn training_is_deterministic_for_a_thread_count() {
         }
         ex.download_params()
     };
-    assert_eq!(run(), run());
+    let (a, b) = (run(), run());
+    assert_eq!(a, b);
+    // Equal because the steps are deterministic, not because they did nothing: every
+    // tensor moved (each has weight decay or a gradient) by more than rounding.
+    let layout = micro_executor(2).plan.layout.clone();
+    for t in &layout.tensors {
+        let r = t.range.clone();
+        let moved = a[r.clone()]
+            .iter()
+            .zip(&initial[r.clone()])
+            .filter(|(x, y)| x != y)
+            .count();
+        assert!(
+            moved * 2 > r.len(),
+            "{}: only {moved} of {} values changed in 3 steps",
+            t.name,
+            r.len()
+        );
+    }
 }
 
 /// Real text: gpt2-tiny on three Shakespeare plays must beat a stated validation loss.
