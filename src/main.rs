@@ -946,16 +946,7 @@ fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<(
         );
         return Ok(());
     };
-    let free = memwall::mem::disk::free_bytes_for(dir)?;
-    if free < plan.nvme_bytes {
-        bail!(
-            "--offload-dir {}: the plan's offload file needs {} but the disk has {} free; free space there, \
-             choose another --offload-dir, or offload less (--offload auto with --max-memory picks what fits)",
-            dir.display(),
-            fmt_bytes(plan.nvme_bytes),
-            fmt_bytes(free)
-        );
-    }
+    let free = memwall::mem::disk::check_room(dir, plan.nvme_bytes, "the plan's offload file")?;
     println!(
         "  offload file fits the disk   {} of {} free at {}",
         fmt_bytes(plan.nvme_bytes),

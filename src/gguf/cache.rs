@@ -11,6 +11,7 @@
 //! is complete, so an existing directory is a whole conversion.
 
 use super::convert::{ConvertOptions, OutDtype, convert};
+use super::file::MAGIC;
 use crate::ckpt::{CONFIG_FILE, MODEL_FILE};
 use anyhow::{Context, Result, anyhow};
 use sha2::{Digest, Sha256};
@@ -18,9 +19,6 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-
-/// The four bytes every GGUF file starts with.
-const MAGIC: &[u8; 4] = b"GGUF";
 
 /// Whether `path` is a GGUF file (by its `.gguf` extension or its magic bytes). Directories,
 /// missing paths and other files (a config.json) are not.

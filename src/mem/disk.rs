@@ -65,15 +65,7 @@ impl DiskTier {
         }
         let path = dir.join(name);
         let _ = std::fs::remove_file(&path); // a previous run's scratch
-        let free = free_bytes(dir)?;
-        if free < bytes {
-            bail!(
-                "--offload-dir {}: {what} needs {} but the disk has {} free; free space or choose another directory",
-                dir.display(),
-                fmt_bytes(bytes),
-                fmt_bytes(free)
-            );
-        }
+        check_room(dir, bytes, what)?;
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(true).create(true).truncate(true);
@@ -415,6 +407,23 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
             None => free,
         },
     )
+}
+
+/// The free bytes of the disk `dir` is (or will be) on, when they hold `bytes` of `what`
+/// (e.g. "the offload file"); else an error naming the directory and both sizes.
+pub fn check_room(dir: &Path, bytes: u64, what: &str) -> Result<u64> {
+    let free = free_bytes_for(dir)?;
+    if free < bytes {
+        bail!(
+            "--offload-dir {}: {what} needs {} but the disk has {} free; free space there, \
+             choose another --offload-dir, or offload less (--offload auto with --max-memory \
+             picks what fits)",
+            dir.display(),
+            fmt_bytes(bytes),
+            fmt_bytes(free)
+        );
+    }
+    Ok(free)
 }
 
 /// [`free_bytes`] of the file system that `dir` will be on: its own, or its nearest existing

@@ -117,20 +117,6 @@ pub struct ModelSpec {
     pub special_tokens: SpecialTokens,
 }
 
-/// Whether `path` is a GGUF file (its extension or its magic bytes), which is no config.json.
-fn is_gguf_file(path: &Path) -> bool {
-    use std::io::Read;
-    let mut head = [0u8; 4];
-    let magic = std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut head))
-        .is_ok()
-        && &head == b"GGUF";
-    magic
-        || path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-}
-
 /// Largest dimension a config may give (a width, a count, a context length).
 const MAX_DIM: usize = 1 << 31;
 
@@ -164,7 +150,7 @@ impl ModelSpec {
         if p.is_dir() {
             Self::from_hf_config_file(&p.join("config.json"))
         } else if p.is_file() {
-            if is_gguf_file(p) {
+            if crate::gguf::cache::is_gguf(p) {
                 bail!(
                     "model '{arg}' is a GGUF file, which --model does not read: train from its \
                      weights with `memwall train --init {arg}`, sample with `memwall sample \

@@ -208,12 +208,9 @@ impl TrainOptions {
                     want.train_tokens
                 );
             }
-            let from_run = self.data_from_run.is_some();
             self.data = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
-            if from_run {
-                let out = std::path::absolute(&self.out).unwrap_or_else(|_| self.out.clone());
-                self.data_from_run = Some(relative_path(&self.data, &out));
-            }
+            let out = std::path::absolute(&self.out).unwrap_or_else(|_| self.out.clone());
+            self.data_from_run = Some(relative_path(&self.data, &out));
             self.data_fingerprint = Some(found);
             return Ok(());
         }

@@ -227,7 +227,7 @@ pub(super) fn with_fit(
     // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
     let mut space = space;
     if space.offload_dir.is_none() {
-        space.offload_dir = Some(opts.out.join("offload"));
+        space.offload_dir = Some(opts.out.join(crate::run_dir::OFFLOAD_DIR));
     }
     let (f, baseline) = fit_measured(&spec, &space, budget, &cal)?;
     drop(data);
