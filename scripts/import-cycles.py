@@ -2,9 +2,16 @@
 """Lists import cycles between the files of src/ (the house rule: none), and checks that
 src/plan imports nothing from backend::cpu outside its tests.
 
-A file imports another when it names a path through `use crate::...`, `use super::...` or a
-`crate::a::b` path in its code; a path resolves to the deepest module file that exists.
-Test modules (`#[cfg(test)] mod tests { ... }` at the end of a file) are left out.
+A file imports another when it names an item of it: through a `use` tree (braces nested to
+any depth, `pub use` re-exports included), or through a path in its code (`crate::a::b`,
+`super::x`, `self::x`, `child::f` for a child module, or `name::x` where `name` was imported
+by a `use`). A path resolves to the module file that defines the item it names: a module's
+re-exports (`pub use child::Item` in a `mod.rs`) are followed to where the item lives, so a
+file that takes `Item` through its parent's facade imports the child, not the parent, and a
+parent that re-exports a child depends on that child.
+
+Left out: modules compiled only for tests (`#[cfg(test)] mod x;`, and the `mod tests { ... }`
+block at the end of a file). Comments and string literals are not code.
 Exit status 1 when a cycle or a forbidden import is found.
 """
 import os
@@ -18,7 +25,7 @@ def module_of(path):
     rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
     if rel[-1] in ("mod", "lib", "main"):
         rel = rel[:-1]
-    return rel
+    return tuple(rel)
 
 
 files = {}
@@ -26,62 +33,198 @@ for d, _, names in os.walk(ROOT):
     for n in names:
         if n.endswith(".rs"):
             p = os.path.join(d, n)
-            files[tuple(module_of(p))] = p
+            if os.path.relpath(p, ROOT) == "main.rs":
+                continue  # the binary: it uses the library as `memwall::`, never `crate::`
+            files[module_of(p)] = p
 
 
-def resolve(parts):
-    """The deepest existing module file for a module path."""
-    for k in range(len(parts), -1, -1):
-        if tuple(parts[:k]) in files:
-            return tuple(parts[:k])
-    return None
-
-
-def strip_tests(text):
-    """The file without its test module and comments (doc links are not imports)."""
-    m = re.search(r"\n#\[cfg\(test\)\]\s*\nmod tests\b", text)
-    text = text[: m.start()] if m else text
-    return re.sub(r"//[^\n]*", "", text)
-
-
-def paths_in(text):
-    """Module paths used by a file: `use` trees (one level of braces) and inline crate paths."""
-    out = []
-    for m in re.finditer(r"\buse\s+((?:crate|super|self)(?:::\w+)*)(?:::\{([^;]*)\})?", text):
-        base = m.group(1).split("::")
-        if m.group(2):
-            for item in re.split(r",", m.group(2)):
-                item = item.strip().split(" as ")[0].strip()
-                if not item:
-                    continue
-                sub = item.split("::{")[0].split("::")
-                out.append(base + [s for s in sub if s and s != "self"])
+def code_only(text):
+    """The text with comments, string and char literals blanked (newlines kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if text.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif text.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            out.append(" ")
+        elif c == "r" and re.match(r'r#*"', text[i:]) and not re.match(r"\w", text[i - 1 : i] or " "):
+            hashes = re.match(r'r(#*)"', text[i:]).group(1)
+            end = text.find('"' + hashes, i + 2 + len(hashes))
+            i = n if end < 0 else end + 1 + len(hashes)
+            out.append('""')
+        elif c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+            out.append('""')
+        elif c == "'" and (text[i + 1 : i + 2] == "\\" or text[i + 2 : i + 3] == "'"):
+            j = text.find("'", i + 2)
+            i = n if j < 0 else j + 1
+            out.append("' '")
         else:
-            out.append(base)
-    for m in re.finditer(r"\b(crate(?:::\w+)+)", text):
-        out.append(m.group(1).split("::"))
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def blocks(code, mod):
+    """The file's code split by inline module: (module path, its own code) pairs, the file's
+    own code first; blocks of `#[cfg(test)] mod x { ... }` are left out."""
+    out, own, i = [], [], 0
+    for m in re.finditer(r"(#\[cfg\(test\)\]\s*)?(?:pub(?:\(\w+\))?\s+)?mod\s+(\w+)\s*\{", code):
+        if m.start() < i:
+            continue  # nested in a block already taken
+        depth, j = 1, m.end()
+        while j < len(code) and depth:
+            depth += {"{": 1, "}": -1}.get(code[j], 0)
+            j += 1
+        own.append(code[i : m.start()])
+        if not m.group(1):
+            out += blocks(code[m.end() : j - 1], mod + (m.group(2),))
+        i = j
+    own.append(code[i:])
+    return [(mod, "".join(own))] + out
+
+
+def test_only_children(code, mod):
+    """Child modules this file declares for tests only."""
+    return {
+        mod + (m.group(1),)
+        for m in re.finditer(r"#\[cfg\(test\)\]\s*(?:pub(?:\(\w+\))?\s+)?mod\s+(\w+)\s*;", code)
+    }
+
+
+def use_tree(s):
+    """Expands a `use` tree (`a::{b, c::{d as e, self}}`) into (path, name) pairs: the path's
+    segments and the name it binds (None for `*` and for `self` at the top)."""
+    s = re.sub(r"\s+", "", s)
+    out = []
+
+    def walk(prefix, s, i):
+        # Parses a list of trees from s[i:] up to a closing brace or the end; returns the index.
+        while i < len(s):
+            m = re.match(r"((?:\w+::)*)(\{|\*|\w+(?:as\w+)?)", s[i:])
+            if not m:
+                return i
+            segs = [x for x in m.group(1).split("::") if x]
+            i += m.end()
+            head = m.group(2)
+            if head == "{":
+                i = walk(prefix + segs, s, i)
+                i += 1  # the closing brace
+            elif head != "*":
+                name, alias = (head.split("as") + [None])[:2] if re.match(r"\w+as\w+$", head) and head not in ("as",) else (head, None)
+                if name == "self":
+                    out.append((prefix + segs, alias or (prefix + segs)[-1]))
+                else:
+                    out.append((prefix + segs + [name], alias or name))
+            if i < len(s) and s[i] == ",":
+                i += 1
+            elif i < len(s) and s[i] == "}":
+                return i
+        return i
+
+    walk([], s, 0)
     return out
 
 
-graph = {}
+# Per file: its code, its `use` pairs, and the names its uses bind.
+code_of, uses_of, tests_only = {}, {}, set()
 for mod, path in files.items():
-    text = strip_tests(open(path, encoding="utf-8").read())
+    code = code_only(open(path, encoding="utf-8").read())
+    tests_only |= test_only_children(code, mod)
+    code_of[mod] = blocks(code, mod)
+    uses_of[mod] = [
+        [
+            (segs, n, bool(m.group(1)))
+            for m in re.finditer(r"\b(pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", text)
+            for segs, n in use_tree(m.group(2))
+        ]
+        for _, text in code_of[mod]
+    ]
+
+
+def absolute(mod, segs, bound):
+    """The path from the crate root that `segs`, written in `mod`, names; None when it is
+    outside the crate (std, a dependency) or a local name."""
+    if not segs:
+        return None
+    head, rest = segs[0], segs[1:]
+    if head == "crate":
+        return list(rest)
+    if head == "self":
+        return list(mod) + rest
+    if head == "super":
+        base = list(mod[:-1])
+        while rest and rest[0] == "super":
+            base, rest = base[:-1], rest[1:]
+        return base + rest
+    if mod + (head,) in files:
+        return list(mod) + segs
+    if head in bound and bound[head] is not None:
+        return bound[head] + rest
+    return None
+
+
+# The names each module's `use`s bind, as absolute paths (re-exports and private imports
+# alike: a child may name either through `super::`).
+bound_of = {}
+for mod in files:
+    bound = {}
+    for segs, name, _ in uses_of[mod][0]:
+        if name and name != "self":
+            bound[name] = absolute(mod, segs, {})
+    bound_of[mod] = bound
+
+
+def resolve(path, seen=()):
+    """The module file defining what the absolute `path` names."""
+    cur = ()
+    for k, seg in enumerate(path):
+        if cur + (seg,) in files:
+            cur = cur + (seg,)
+            continue
+        target = bound_of.get(cur, {}).get(seg)
+        key = (cur, seg)
+        if target is not None and key not in seen:
+            return resolve(target + list(path[k + 1 :]), seen + (key,))
+        return cur
+    return cur
+
+
+PATH = re.compile(r"(?<![\w:])((?:\w+::)+\w+)")
+
+graph = {}
+why = {}  # (file, file it imports): the first path that made the edge
+for mod in files:
+    if mod in tests_only or any(mod[: k] in tests_only for k in range(len(mod))):
+        continue
     deps = set()
-    for p in paths_in(text):
-        here = list(mod) if not path.endswith(("mod.rs", "lib.rs")) else list(mod)
-        if p[0] == "crate":
-            target = p[1:]
-        elif p[0] == "super":
-            base = list(mod[:-1]) if not path.endswith("mod.rs") else list(mod[:-1])
-            rest = p[1:]
-            while rest and rest[0] == "super":
-                base, rest = base[:-1], rest[1:]
-            target = base + rest
-        else:  # self
-            target = here + p[1:]
-        r = resolve(target)
-        if r is not None and r != mod and r != ():
-            deps.add(r)
+    for (inner, text), uses in zip(code_of[mod], uses_of[mod]):
+        bound = {n: absolute(inner, segs, {}) for segs, n, _ in uses if n and n != "self"}
+        # A re-export is the module's facade, not a need of its own code: a path through it
+        # resolves to the file defining the item, so it is not an edge of this file.
+        paths = [segs for segs, _, public in uses if not public]
+        body = re.sub(r"\buse\s+[^;]+;", " ", text)
+        paths += [m.group(1).split("::") for m in PATH.finditer(body)]
+        for segs in paths:
+            a = absolute(inner, segs, bound)
+            if a is None:
+                continue
+            r = resolve(a)
+            if r != mod and r != () and r not in tests_only:
+                deps.add(r)
+                why.setdefault((mod, r), "::".join(segs))
     graph[mod] = deps
 
 # Cycles: strongly connected components with more than one file.
@@ -94,6 +237,8 @@ def strong(v):
     stack.append(v)
     on.add(v)
     for w in graph.get(v, ()):
+        if w not in graph:
+            continue
         if w not in index:
             strong(w)
             low[v] = min(low[v], low[w])
@@ -111,6 +256,10 @@ def strong(v):
             sccs.append(comp)
 
 
+def name(m):
+    return "/".join(m)
+
+
 sys.setrecursionlimit(10000)
 for v in list(graph):
     if v not in index:
@@ -119,12 +268,16 @@ for v in list(graph):
 bad = 0
 for comp in sccs:
     bad += 1
-    print("import cycle:", " <-> ".join(sorted("/".join(c) for c in comp)))
+    members = set(comp)
+    print("import cycle:", " <-> ".join(sorted(name(c) for c in comp)))
+    for c in sorted(comp):
+        inside = sorted(d for d in graph[c] if d in members)
+        print(f"    {name(c)} imports " + ", ".join(f"{name(d)} ({why[(c, d)]})" for d in inside))
 for mod, deps in graph.items():
     if mod[:1] == ("plan",):
         for d in deps:
             if d[:2] == ("backend", "cpu"):
                 bad += 1
-                print(f"forbidden: {'/'.join(mod)} imports {'/'.join(d)} (the plan does not know the backend)")
+                print(f"forbidden: {name(mod)} imports {name(d)} (the plan does not know the backend)")
 print(f"{len(graph)} files, {sum(len(d) for d in graph.values())} imports: {bad} problems")
 sys.exit(1 if bad else 0)

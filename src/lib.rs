@@ -12,6 +12,7 @@ pub mod ckpt;
 pub mod data;
 pub mod demo;
 pub mod dist;
+pub mod dtype;
 pub mod exec;
 pub mod gguf;
 pub mod mem;

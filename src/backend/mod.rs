@@ -4,9 +4,10 @@
 //! on views of it. `cpu` is the only backend today.
 //!
 //! The seam has two sides:
-//! - [`Sizing`], what the planner asks: the workspace the backend's kernels need and the
-//!   scratch its libraries keep for themselves. The plan does not know which backend runs it
-//!   beyond these answers.
+//! - [`Sizing`](crate::plan::Sizing), what the planner asks: the workspace the backend's
+//!   kernels need and the scratch its libraries keep for themselves. The plan does not know
+//!   which backend runs it beyond these answers; the trait is the planner's (a backend
+//!   implements it), so the planner never imports a backend.
 //! - [`Device`], a started backend: runs one [`Op`](crate::plan::Op) at a time, and moves
 //!   bytes between the host and plan buffers ([`Device::download`], [`Device::upload`]), which
 //!   is the only way anything outside the backend reads or writes a plan buffer; it also hands
@@ -15,30 +16,8 @@
 pub mod cpu;
 
 use crate::plan::schedule::OpEntry;
-use crate::plan::{BufId, DType, Plan};
+use crate::plan::{BufId, Plan, Sizing};
 use anyhow::Result;
-
-/// What the planner asks of a backend.
-pub trait Sizing {
-    /// f32 elements of workspace one attention op needs (forward or backward) over `t`
-    /// positions with head size `hs` when activations are stored as `storage`, run by
-    /// `threads` workers (the plan's `--threads`).
-    fn attention_workspace_elems(
-        &self,
-        storage: DType,
-        t: usize,
-        hs: usize,
-        threads: usize,
-    ) -> usize;
-    /// f32 elements of the tiles matmuls use when operands are not all f32 (mixed precision).
-    fn mixed_gemm_workspace_elems(&self) -> usize;
-    /// Bytes the backend's libraries allocate for themselves, once, to run `ops` on `threads`
-    /// workers (listed in the plan as an owned buffer: counted, not packed).
-    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64;
-    /// One line on how matmuls with operands stored as `storage` are computed, for `plan`
-    /// and `bench` (e.g. which bf16 path this machine takes); `None` when there is nothing to say.
-    fn compute_note(&self, storage: DType) -> Option<String>;
-}
 
 /// A backend that can run plans.
 pub trait Backend: Sizing {

@@ -22,7 +22,7 @@
 #[cfg(test)]
 use super::Collective;
 use super::{Comm, Cut};
-use crate::backend::cpu::elem::Elem;
+use crate::dtype::Elem;
 use anyhow::{Result, ensure};
 use half::{bf16, f16};
 

@@ -12,8 +12,8 @@
 //! that many ranks then time their collectives with it.
 
 use super::calibrate::{cpu_name, utc_now};
-use crate::backend::cpu::elem::Elem;
 use crate::dist::{Collective, Comm, Cut, Summable, ring};
+use crate::dtype::Elem;
 use crate::plan::time::{Calibration, Cost, Transport};
 use anyhow::{Result, bail};
 use half::{bf16, f16};

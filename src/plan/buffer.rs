@@ -1,6 +1,7 @@
 //! Buffers of a plan: what each byte is for (category), its element type, size, and the
 //! interval of the schedule over which it must hold its value.
 
+use crate::dtype::DType;
 use serde::{Deserialize, Serialize};
 
 /// Index of a buffer in `Plan::buffers`.
@@ -55,28 +56,6 @@ impl Category {
             Category::Workspace => "workspace",
             Category::IoStaging => "io_staging",
             Category::Communication => "communication",
-        }
-    }
-}
-
-/// Element type of a buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    F32,
-    U32,
-    Bf16,
-    F16,
-    I8,
-    U8,
-}
-
-impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 | DType::U32 => 4,
-            DType::Bf16 | DType::F16 => 2,
-            DType::I8 | DType::U8 => 1,
         }
     }
 }

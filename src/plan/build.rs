@@ -3,6 +3,7 @@
 //!
 //! Shapes: B batch, T sequence, C channels, NH heads, V vocabulary, N = B·T, L layers.
 
+use super::Sizing;
 use super::builder::{Builder, Loss, MicroBatch};
 use super::packing;
 use super::schedule::{
@@ -12,9 +13,9 @@ use super::schedule::{
 use super::stage::{self, Home, Kind};
 use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
 use super::zero;
-use super::{BufId, Buffer, Category, DType, Offload, OffloadSet, Placement, Plan, Tier};
-use crate::backend::Sizing;
+use super::{BufId, Buffer, Category, Offload, OffloadSet, Placement, Plan, Tier};
 use crate::dist::shard::{Sharding, Zero};
+use crate::dtype::DType;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;

@@ -4,7 +4,8 @@
 //! the optimizer phase; a model family emits each micro-batch's layers ([`MicroBatch`]).
 
 use super::schedule::{Op, OpEntry, Phase, Rows};
-use super::{BufId, Buffer, Category, DType, Placement};
+use super::{BufId, Buffer, Category, Placement};
+use crate::dtype::DType;
 
 /// One micro-batch as the planner hands it to the model family: its buffers and shape.
 pub(crate) struct MicroBatch {

@@ -1,13 +1,13 @@
 //! The strategies a run asks for, and budget checks: does a plan fit `--max-memory`, and if
 //! not, what would.
 
+use super::Sizing;
 use super::search::{Pick, Space, search};
 use super::time::Calibration;
 use super::{
     Mode, OffloadChoice, OffloadSet, OptimState, Plan, Precision, Recompute, RecomputeChoice,
     StepConfig, build_plan,
 };
-use crate::backend::Sizing;
 use crate::dist::shard::Zero;
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;

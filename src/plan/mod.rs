@@ -36,15 +36,17 @@ pub mod packing;
 pub mod report;
 pub mod schedule;
 pub mod search;
+mod sizing;
 mod stage;
 pub mod strategy;
 pub mod time;
 pub mod zero;
 
-pub use buffer::{BufId, Buffer, Category, DType, Placement, Tier};
+pub use buffer::{BufId, Buffer, Category, Placement, Tier};
 pub use build::{Mode, StepConfig, build_plan};
 pub use offload::{Offload, OffloadChoice, OffloadSet};
 pub use schedule::{Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
+pub use sizing::Sizing;
 pub use strategy::{OptimState, Precision, Recompute, RecomputeChoice};
 
 use crate::model::{ModelSpec, ParamLayout};

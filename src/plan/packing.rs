@@ -188,7 +188,8 @@ pub fn verify(buffers: &[Buffer]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Category, DType};
+    use crate::dtype::DType;
+    use crate::plan::Category;
     use crate::util::rng::Rng;
 
     fn buf(bytes: u64, first: usize, last: usize) -> Buffer {

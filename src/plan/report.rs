@@ -6,7 +6,7 @@
 //! op (the attribution of the peak).
 
 use super::Plan;
-use crate::backend::Sizing;
+use super::Sizing;
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
 

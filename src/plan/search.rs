@@ -17,10 +17,10 @@
 //!   unconstrained plan (no recomputation, nothing offloaded), a lower bound of the group, and
 //!   the search stops when that bound is no better than the fifth best found.
 
+use super::Sizing;
 use super::build::{Verify, build};
 use super::time::{Calibration, StepTime, predict};
 use super::{Mode, OffloadSet, OptimState, Plan, Precision, Recompute, StepConfig};
-use crate::backend::Sizing;
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};

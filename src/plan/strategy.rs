@@ -14,7 +14,7 @@
 //! Kernels are deterministic for a thread count, so recomputed activations are bitwise the
 //! forward's and every recompute policy gives bitwise the same weights as `none`.
 
-use super::DType;
+use crate::dtype::DType;
 
 /// Values per block of 8-bit optimizer state: each tensor's moments are cut into blocks of
 /// this many consecutive values (the last one possibly shorter), each with one f32 absmax.

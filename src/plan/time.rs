@@ -15,7 +15,8 @@
 //! backend: the calibration is data.
 
 use super::schedule::{Op, OpEntry, Phase};
-use super::{BufId, DType, OptimState, Plan, Tier};
+use super::{BufId, OptimState, Plan, Tier};
+use crate::dtype::DType;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -35,8 +35,9 @@
 use super::builder::Builder;
 use super::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
 use super::strategy::QBLOCK;
-use super::{BufId, Category, DType, OffloadSet, OptimState, Plan, StepConfig};
+use super::{BufId, Category, OffloadSet, OptimState, Plan, StepConfig};
 use crate::dist::{Cut, Sharding};
+use crate::dtype::DType;
 use crate::model::{ParamGroup, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;

@@ -16,9 +16,9 @@
 //! [`Elem`] type (f32, bf16, f16) and are widened exactly as they are read, so an update
 //! from bf16 gradients equals the f32 update from the widened gradients.
 
-use super::elem::Elem;
 use super::features::multiversion;
 use super::reduce::ELEM_CHUNK;
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 /// Hyper-parameters of one AdamW step (the backend-neutral type every backend applies).

@@ -66,8 +66,8 @@
 //! computed in f32 workspace and rounded once into `out` / `dqkv`; this costs one more
 //! [min(64,T), hd] block per worker ([`attention_workspace_len`]).
 
-use super::elem::{Elem, is_f32};
 use super::features::multiversion;
+use crate::dtype::{Elem, is_f32};
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
 

@@ -12,9 +12,9 @@
 //!   comparing the baseline with itself, when the CPU lacks one of them ([`isas_here`] lists
 //!   the ones this CPU has).
 
-use super::elem::Elem;
 use super::features::{Isa, detected_isa, isa, set_isa};
 use super::reduce::testutil::with_threads;
+use crate::dtype::Elem;
 use std::sync::Mutex;
 
 /// `x` rounded to `T`, stored as `S`: the inputs of a [`Case`], the same values whatever `S`

@@ -2,18 +2,20 @@
 //! started plan (the host arena, the worker pool) and runs its ops (`ops`).
 
 use super::attention::attention_workspace_len;
-use super::elem::Elem;
 use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::packing_bytes;
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
-use crate::backend::{Backend, Device, IoSpan, IoTime, OpResult, Sizing, StepCtx};
+use crate::backend::{Backend, Device, IoSpan, IoTime, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
+use crate::dtype::DType;
+use crate::dtype::Elem;
 use crate::mem::arena::Arena;
 use crate::mem::disk::{DiskTier, IoThread, Ticket};
+use crate::plan::Sizing;
 use crate::plan::offload::OFFLOAD_FILE;
 use crate::plan::schedule::OptimBufs;
 use crate::plan::schedule::{ImplicitBufs, OpEntry, WeightLayout};
-use crate::plan::{BufId, Buffer, DType, Op, OptimState, Plan, Tier};
+use crate::plan::{BufId, Buffer, Op, OptimState, Plan, Tier};
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
 

@@ -12,9 +12,9 @@
 //! accumulators, see [`encoder_backward`]), so the result for any `T` is the f32 kernel's
 //! result on the widened inputs, rounded to `T`.
 
-use super::elem::{Elem, is_f32};
 use super::features::multiversion;
 use super::reduce::rows_per_task;
+use crate::dtype::{Elem, is_f32};
 use rayon::prelude::*;
 
 /// Vocabulary rows per task in `encoder_backward` for f32 (each task scans all B·T tokens once).

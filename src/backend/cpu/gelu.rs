@@ -9,9 +9,9 @@
 //! widened to f32, computed in f32 and rounded once, so the result for any `T` is the f32
 //! kernel's result on the widened input, rounded to `T`.
 
-use super::elem::Elem;
 use super::features::multiversion;
 use super::reduce::{ELEM_CHUNK, exp_f32};
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;

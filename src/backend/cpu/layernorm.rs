@@ -14,9 +14,9 @@
 //! accumulating gradients as `T::from_f32(old + sum)`), so the result for any `T` is the
 //! f32 kernel's result on the widened inputs, rounded to `T`.
 
-use super::elem::Elem;
 use super::features::multiversion;
 use super::reduce::{COL_CHUNK, rows_per_task, sum_f32, sum_sq_dev_f32};
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 /// Layer-norm forward; also stores each row's mean and 1/std for the backward pass.

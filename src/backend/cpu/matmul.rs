@@ -16,11 +16,12 @@
 //! [`gemm_mixed_workspace_len`](super::gemm::mixed::gemm_mixed_workspace_len) f32 of
 //! workspace; the bias gradient is summed in f32 and added to `dbias` once per element.
 
-use super::elem::{Elem, as_f32, as_f32_mut};
+use super::elem::{as_f32, as_f32_mut};
 use super::features::multiversion;
 use super::gemm::f32::sgemm;
 use super::gemm::mixed::{MIXED_BLOCK, gemm_mixed, gemm_mixed_blocked};
 use super::reduce::{COL_CHUNK, rows_per_task};
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 /// How a weight matrix W (logically `[IC, OC]`) is stored.
@@ -342,10 +343,10 @@ pub mod naive {
 #[cfg(test)]
 mod tests {
     use super::super::conformance::{Case, Out, Tol, check_stored_as, stored};
-    use super::super::elem::is_f32;
     use super::super::gemm::mixed::gemm_mixed_workspace_len;
     use super::super::reduce::testutil::*;
     use super::*;
+    use crate::dtype::is_f32;
     use half::{bf16, f16};
 
     const SHAPES: [(usize, usize, usize); 9] = [

@@ -33,7 +33,7 @@
 //!
 //! Storage types: the encoder, layer norm, RMS norm, RoPE, GELU, SwiGLU, linear and
 //! attention kernels, the optimizer's gradient input and `reduce::sum_squares` are generic
-//! over [`elem::Elem`] (f32, bf16, f16). They widen to f32 as they read, compute and
+//! over [`Elem`](crate::dtype::Elem) (f32, bf16, f16). They widen to f32 as they read, compute and
 //! accumulate in f32, and round once per stored element; the f32 instantiation is bitwise the
 //! f32 kernel. Statistics
 //! (`mean`, `rstd`, `lse`), workspaces, optimizer moments and master weights stay f32.

@@ -6,12 +6,12 @@
 //! f32. Every dimension comes from the op itself; nothing here reads the model.
 
 use super::device::{CpuDevice, two_ranges};
-use super::elem::Elem;
 use super::gemm::mixed as gemm_mixed;
 use super::{adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent};
 use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
+use crate::dtype::Elem;
 use crate::plan::schedule::{Op, OpEntry, OptimBufs, ParamSlice, WeightLayout};
 use std::ops::Range;
 

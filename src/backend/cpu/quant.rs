@@ -71,8 +71,8 @@
 //! compiled and use no FMA, so results are also identical on every instruction set.
 
 use super::adamw::{self, AdamWStep};
-use super::elem::Elem;
 use super::features::multiversion;
+use crate::dtype::Elem;
 use half::bf16;
 use rayon::prelude::*;
 #[cfg(test)]
@@ -389,8 +389,8 @@ pub fn adamw_update_bf16<G: Elem>(
 /// "decode everything, run `adamw::naive::adamw_update` (f64), encode per block".
 pub mod naive {
     use super::super::adamw::{self, AdamWStep};
-    use super::super::elem::Elem;
     use super::QBLOCK;
+    use crate::dtype::Elem;
     use half::bf16;
 
     /// Signed code of `x` in a block of scale `scale`.

@@ -16,8 +16,8 @@
 //! at run time; every variant gives bit-identical results (a test here checks this for all
 //! the kernels).
 
-use super::elem::Elem;
 use super::features::multiversion;
+use crate::dtype::Elem;
 
 /// Elements per parallel task of the elementwise kernels (128 KiB of f32). A constant, not a
 /// function of the thread count, so partitioning never depends on the pool size.

@@ -17,9 +17,9 @@
 //! `x · rstd` to the input's type before multiplying by the weight; here that product is
 //! rounded once, after the weight.)
 
-use super::elem::Elem;
 use super::features::multiversion;
 use super::reduce::{COL_CHUNK, rows_per_task, sum_f32, sum_sq_dev_f32};
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 /// RMS-norm forward; also stores each row's 1/rms for the backward pass.

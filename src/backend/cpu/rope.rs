@@ -24,9 +24,9 @@
 //! the widened input, rounded to `T`. (transformers, under half precision, rounds cos and sin
 //! to the activation's type and rounds each product; here there is one rounding.)
 
-use super::elem::Elem;
 use super::features::multiversion;
 use super::reduce::rows_per_task;
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 /// Largest head size the kernels accept (their cos/sin tables live on the stack).

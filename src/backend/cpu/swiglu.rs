@@ -16,9 +16,9 @@
 //! input, rounded to `T`. (transformers, under half precision, rounds `silu(gate)` to the
 //! activation's type before the product; here there is one rounding.)
 
-use super::elem::Elem;
 use super::features::multiversion;
 use super::reduce::{exp_f32, rows_per_task};
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 /// (σ(g), 1 − σ(g)) without overflow or cancellation; σ below 1e-30 flushed to 0.

@@ -9,7 +9,8 @@
 use super::{Executor, pod, pod_bytes_mut};
 use crate::backend::Device;
 use crate::ckpt::{Lend, LentMoments, LentState, OutData, SaveOptions, TrainerState};
-use crate::plan::{BufId, DType, OptimBufs};
+use crate::dtype::DType;
+use crate::plan::{BufId, OptimBufs};
 use anyhow::{Result, bail};
 use std::ops::Range;
 use std::path::{Path, PathBuf};

@@ -42,9 +42,10 @@
 
 use super::bf16_dot::{Dot, Operand, gemm_bf16, pack_fits};
 use super::f32::{check_windows, sgemm, span};
-use crate::backend::cpu::elem::{Elem, as_f32, as_f32_mut, as_words, cast, narrow_row, widen_row};
+use crate::backend::cpu::elem::{as_f32, as_f32_mut, as_words, cast, narrow_row, widen_row};
 use crate::backend::cpu::features::{Bf16DotRequest, bf16_dot_request};
 use crate::backend::cpu::reduce::rows_per_task;
+use crate::dtype::Elem;
 use half::bf16;
 use rayon::prelude::*;
 use std::any::TypeId;

@@ -8,7 +8,7 @@
 //!   ([`packing_bytes`](f32::packing_bytes)), and the window checks all three GEMMs run first.
 //! - [`bf16_dot`]: bf16 × bf16 (or f32 rounded to bf16) → f32 on the AVX512_BF16 dot product
 //!   `vdpbf16ps`, with an AVX-512F emulation of the instruction as its tested twin.
-//! - [`mixed`]: operands and output of any storage type ([`Elem`](super::elem::Elem)), tile
+//! - [`mixed`]: operands and output of any storage type ([`Elem`](crate::dtype::Elem)), tile
 //!   by tile: on [`bf16_dot`] where the CPU has it and the operands are bf16, else widened to
 //!   f32 for [`f32`](mod@f32); each output element rounded once.
 //! - [`naive`]: the reference twins the tests of all three compare with.

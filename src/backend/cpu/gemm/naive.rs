@@ -4,7 +4,7 @@
 //! twin of the mixed-precision GEMM and (on bf16 operands, f32 output) of the bf16
 //! dot-product GEMM.
 
-use crate::backend::cpu::elem::Elem;
+use crate::dtype::Elem;
 
 /// Same contract as the fast [`sgemm`](super::f32::sgemm).
 #[allow(clippy::too_many_arguments)]

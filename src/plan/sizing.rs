@@ -1,0 +1,28 @@
+//! What the planner asks of a backend ([`Sizing`]): the workspace its kernels need and the
+//! scratch its libraries keep for themselves. A backend implements it; the planner takes a
+//! `&dyn Sizing` and knows nothing else of the backend that will run the plan.
+
+use super::schedule::OpEntry;
+use crate::dtype::DType;
+
+/// What the planner asks of a backend.
+pub trait Sizing {
+    /// f32 elements of workspace one attention op needs (forward or backward) over `t`
+    /// positions with head size `hs` when activations are stored as `storage`, run by
+    /// `threads` workers (the plan's `--threads`).
+    fn attention_workspace_elems(
+        &self,
+        storage: DType,
+        t: usize,
+        hs: usize,
+        threads: usize,
+    ) -> usize;
+    /// f32 elements of the tiles matmuls use when operands are not all f32 (mixed precision).
+    fn mixed_gemm_workspace_elems(&self) -> usize;
+    /// Bytes the backend's libraries allocate for themselves, once, to run `ops` on `threads`
+    /// workers (listed in the plan as an owned buffer: counted, not packed).
+    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64;
+    /// One line on how matmuls with operands stored as `storage` are computed, for `plan`
+    /// and `bench` (e.g. which bf16 path this machine takes); `None` when there is nothing to say.
+    fn compute_note(&self, storage: DType) -> Option<String>;
+}
