@@ -8,13 +8,13 @@ use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use super::layout_summary as describe;
 use super::moments::MomentsMut;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, resolve_exact};
 use super::safetensors_io::{
     Resolved, Sources, StFile, Target, check_targets, copy_targets, decode_into, supported,
 };
 use super::shards::{Sharded, weights_missing};
+use super::state::layout_summary as describe;
 use super::{
     CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
     TrainerState,

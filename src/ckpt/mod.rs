@@ -35,6 +35,7 @@
 //! Loading accepts the hub's naming variants (see `names.rs`) and F32/F16/BF16 data; every
 //! error names the file and the tensor or field.
 
+mod files;
 mod load;
 mod moments;
 mod names;
@@ -49,6 +50,9 @@ mod tests;
 mod tests_sharded;
 mod tokenizer;
 
+pub use files::{
+    CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
+};
 pub use load::{
     CopyMoments, CopyParams, latest_checkpoint, load_params, load_params_by, load_spec,
     load_trainer_state, load_trainer_state_by,
@@ -60,37 +64,3 @@ pub use save::{SaveOptions, save_checkpoint, save_checkpoint_with, save_model, s
 pub use shards::DEFAULT_MAX_SHARD_BYTES;
 pub use state::{LossScaleState, TrainerState};
 pub use tokenizer::{TOKENIZER_FILE, TOKENIZER_FILES, copy_tokenizer_files};
-
-/// Model config file name (Hugging Face).
-pub const CONFIG_FILE: &str = "config.json";
-/// Model weights file name (Hugging Face), when the weights are one file.
-pub const MODEL_FILE: &str = "model.safetensors";
-/// Index of sharded weights (Hugging Face): which shard holds each tensor.
-pub const MODEL_INDEX_FILE: &str = "model.safetensors.index.json";
-/// Optimizer moments file name.
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-/// Trainer state file name.
-pub const STATE_FILE: &str = "trainer_state.json";
-/// The files every complete checkpoint has besides its weights. The weights are
-/// [`MODEL_FILE`], or [`MODEL_INDEX_FILE`] and the shards it names ([`latest_checkpoint`]
-/// checks both).
-pub const CHECKPOINT_FILES: [&str; 3] = [CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE];
-
-/// One-line description of a layout for messages, e.g. `gpt2: 14 parameter groups, 148
-/// tensors, 124439808 parameters (transformer.wte.weight [50257, 768], ...)`.
-pub(crate) fn layout_summary(layout: &crate::model::ParamLayout) -> String {
-    let first: Vec<String> = layout
-        .tensors
-        .iter()
-        .take(2)
-        .map(|t| format!("{} {:?}", t.name, t.shape))
-        .collect();
-    format!(
-        "{}: {} parameter groups, {} tensors, {} parameters ({}, ...)",
-        layout.family.model_type(),
-        layout.groups.len(),
-        layout.tensors.len(),
-        layout.total,
-        first.join(", ")
-    )
-}

@@ -68,10 +68,29 @@ impl TrainerState {
                 "{}: the checkpoint was written by a run of a different model ({}) than this one \
                  ({}); resume with the same --model",
                 path.display(),
-                super::layout_summary(&recorded),
-                super::layout_summary(layout)
+                layout_summary(&recorded),
+                layout_summary(layout)
             );
         }
         Ok(())
     }
+}
+
+/// One-line description of a layout for messages, e.g. `gpt2: 14 parameter groups, 148
+/// tensors, 124439808 parameters (transformer.wte.weight [50257, 768], ...)`.
+pub(crate) fn layout_summary(layout: &crate::model::ParamLayout) -> String {
+    let first: Vec<String> = layout
+        .tensors
+        .iter()
+        .take(2)
+        .map(|t| format!("{} {:?}", t.name, t.shape))
+        .collect();
+    format!(
+        "{}: {} parameter groups, {} tensors, {} parameters ({}, ...)",
+        layout.family.model_type(),
+        layout.groups.len(),
+        layout.tensors.len(),
+        layout.total,
+        first.join(", ")
+    )
 }

@@ -20,3 +20,10 @@ impl ParamLayout {
         spec.family.layout(spec)
     }
 }
+
+impl ModelSpec {
+    /// Total number of parameters (a tied LM head counted once).
+    pub fn num_params(&self) -> usize {
+        ParamLayout::new(self).total
+    }
+}

@@ -325,11 +325,6 @@ impl ModelSpec {
         self.head_dim
     }
 
-    /// Total number of parameters (a tied LM head counted once).
-    pub fn num_params(&self) -> usize {
-        super::ParamLayout::new(self).total
-    }
-
     /// True when two specs describe the same architecture (names and special tokens may
     /// differ).
     pub fn same_dims(&self, o: &ModelSpec) -> bool {

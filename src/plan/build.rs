@@ -5,88 +5,19 @@
 
 use super::Sizing;
 use super::builder::{Builder, Loss, MicroBatch};
+use super::config::{Mode, StepConfig};
 use super::packing;
 use super::schedule::{
     Binding, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule, Segment,
     Segments,
 };
 use super::stage::{self, Home, Kind};
-use super::strategy::{OptimState, Precision, QBLOCK, Recompute};
+use super::strategy::{OptimState, Precision, QBLOCK};
 use super::zero;
-use super::{BufId, Buffer, Category, Offload, OffloadSet, Placement, Plan, Tier};
-use crate::dist::shard::{Sharding, Zero};
+use super::{BufId, Buffer, Category, OffloadSet, Placement, Plan, Tier};
 use crate::dtype::DType;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
-use serde::Serialize;
-
-/// What the step does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// Forward, backward and optimizer step (also runs forward-only evaluation).
-    Train,
-    /// Forward only with next-token logits of one position (sampling).
-    Generate,
-}
-
-/// The step's shape and resources.
-#[derive(Clone, Debug, Serialize)]
-pub struct StepConfig {
-    /// Micro-batch size B.
-    pub batch: usize,
-    /// Sequence length T.
-    pub seq: usize,
-    /// Worker threads (kernel workspace is sized per thread).
-    pub threads: usize,
-    /// Upper bound for the LM head's logits chunk (bytes); smaller saves memory, larger
-    /// makes fewer passes over wte.
-    pub logits_chunk_bytes: u64,
-    /// Activation recomputation policy.
-    pub recompute: Recompute,
-    /// Micro-batches per optimizer step (gradient accumulation).
-    pub grad_accum: usize,
-    /// Storage of the AdamW moments.
-    pub optim_state: OptimState,
-    /// Format of compute weights, activations and gradients.
-    pub precision: Precision,
-    /// What lives on the disk tier, and where its file is.
-    pub offload: Offload,
-    /// Processes training together (data parallel; each runs this plan on its own batch).
-    pub ranks: usize,
-    /// This process's rank (which shard of sharded state it keeps).
-    pub rank: usize,
-    /// What each rank keeps of the model's state (`--zero`).
-    pub zero: Zero,
-}
-
-impl StepConfig {
-    pub fn new(batch: usize, seq: usize, threads: usize) -> StepConfig {
-        StepConfig {
-            batch,
-            seq,
-            threads,
-            logits_chunk_bytes: 64 << 20,
-            recompute: Recompute::None,
-            grad_accum: 1,
-            optim_state: OptimState::F32,
-            precision: Precision::F32,
-            offload: Offload::default(),
-            ranks: 1,
-            rank: 0,
-            zero: Zero::DP,
-        }
-    }
-
-    /// How state is split among ranks, for plans with more than one rank or a ZeRO stage.
-    pub fn sharding(&self) -> Option<Sharding> {
-        (self.ranks > 1 || self.zero != Zero::DP).then_some(Sharding {
-            ranks: self.ranks,
-            rank: self.rank,
-            zero: self.zero,
-        })
-    }
-}
 
 /// Builds and packs the plan for `spec` and `cfg`, with workspace sized by `backend`.
 pub fn build_plan(
@@ -539,7 +470,7 @@ fn optimizer_state(
 ) -> Vec<OptimBufs> {
     let (first_block, blocks) = layout.block_offsets(QBLOCK);
     if !per_group {
-        return vec![moments(g, "adamw", format, 0..layout.total, 0..blocks)];
+        return vec![g.moments("adamw", format, 0..layout.total, 0..blocks)];
     }
     layout
         .groups
@@ -549,44 +480,9 @@ fn optimizer_state(
             let last_blocks = layout.tensors[last].range.len().div_ceil(QBLOCK);
             let blocks = first_block[first]..first_block[last] + last_blocks;
             let name = format!("{}.adamw", group.name);
-            moments(g, &name, format, layout.group_range(group), blocks)
+            g.moments(&name, format, layout.group_range(group), blocks)
         })
         .collect()
-}
-
-/// Persistent moment buffers `{name}.m`, `{name}.v` (int8: `.m.q`, `.v.q`, `.m.absmax`,
-/// `.v.absmax`) for parameter elements `range` and 8-bit blocks `blocks`.
-pub(super) fn moments(
-    g: &mut Builder,
-    name: &str,
-    format: OptimState,
-    range: std::ops::Range<usize>,
-    blocks: std::ops::Range<usize>,
-) -> OptimBufs {
-    let mut st = |what: &str, dtype, elems| {
-        let name = format!("{name}.{what}");
-        g.persistent(&name, Category::OptimizerState, dtype, elems)
-    };
-    let p = range.len();
-    let (m, v, m_scale, v_scale) = match format {
-        OptimState::F32 => (st("m", DType::F32, p), st("v", DType::F32, p), None, None),
-        OptimState::Bf16 => (st("m", DType::Bf16, p), st("v", DType::Bf16, p), None, None),
-        OptimState::Int8 => (
-            st("m.q", DType::I8, p),
-            st("v.q", DType::U8, p),
-            Some(st("m.absmax", DType::F32, blocks.len())),
-            Some(st("v.absmax", DType::F32, blocks.len())),
-        ),
-    };
-    OptimBufs {
-        format,
-        m,
-        v,
-        m_scale,
-        v_scale,
-        base: range.start,
-        block_base: blocks.start,
-    }
 }
 
 /// The buffers the executor reads and writes from outside the schedule, and how it runs

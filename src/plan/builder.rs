@@ -3,7 +3,8 @@
 //! order. The planner ([`super::build`]) emits the persistent state, the micro-batch loop and
 //! the optimizer phase; a model family emits each micro-batch's layers ([`MicroBatch`]).
 
-use super::schedule::{Op, OpEntry, Phase, Rows};
+use super::schedule::{Op, OpEntry, OptimBufs, Phase, Rows};
+use super::strategy::OptimState;
 use super::{BufId, Buffer, Category, Placement};
 use crate::dtype::DType;
 
@@ -47,6 +48,41 @@ pub(crate) struct Builder {
 }
 
 impl Builder {
+    /// Persistent moment buffers `{name}.m`, `{name}.v` (int8: `.m.q`, `.v.q`, `.m.absmax`,
+    /// `.v.absmax`) for parameter elements `range` and 8-bit blocks `blocks`.
+    pub(super) fn moments(
+        &mut self,
+        name: &str,
+        format: OptimState,
+        range: std::ops::Range<usize>,
+        blocks: std::ops::Range<usize>,
+    ) -> OptimBufs {
+        let mut st = |what: &str, dtype, elems| {
+            let name = format!("{name}.{what}");
+            self.persistent(&name, Category::OptimizerState, dtype, elems)
+        };
+        let p = range.len();
+        let (m, v, m_scale, v_scale) = match format {
+            OptimState::F32 => (st("m", DType::F32, p), st("v", DType::F32, p), None, None),
+            OptimState::Bf16 => (st("m", DType::Bf16, p), st("v", DType::Bf16, p), None, None),
+            OptimState::Int8 => (
+                st("m.q", DType::I8, p),
+                st("v.q", DType::U8, p),
+                Some(st("m.absmax", DType::F32, blocks.len())),
+                Some(st("v.absmax", DType::F32, blocks.len())),
+            ),
+        };
+        OptimBufs {
+            format,
+            m,
+            v,
+            m_scale,
+            v_scale,
+            base: range.start,
+            block_base: blocks.start,
+        }
+    }
+
     pub(super) fn new(storage: DType) -> Builder {
         Builder {
             buffers: Vec::new(),

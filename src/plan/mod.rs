@@ -30,6 +30,7 @@ macro_rules! serde_as_flag_text {
 pub mod buffer;
 pub mod build;
 pub(crate) mod builder;
+mod config;
 pub mod fit;
 pub mod offload;
 pub mod packing;
@@ -43,7 +44,8 @@ pub mod time;
 pub mod zero;
 
 pub use buffer::{BufId, Buffer, Category, Placement, Tier};
-pub use build::{Mode, StepConfig, build_plan};
+pub use build::build_plan;
+pub use config::{Mode, StepConfig};
 pub use offload::{Offload, OffloadChoice, OffloadSet};
 pub use schedule::{Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
 pub use sizing::Sizing;

@@ -145,7 +145,7 @@ pub(super) fn shard_moments(
                 base..base + chunk.len(),
                 first + blocks.start..first + blocks.end,
             );
-            super::build::moments(g, &name, format, elems, blocks)
+            g.moments(&name, format, elems, blocks)
         })
         .collect()
 }

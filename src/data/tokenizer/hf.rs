@@ -395,3 +395,12 @@ impl Hf {
             .unwrap_or_else(|_| "\u{FFFD}".repeat(ids.len()))
     }
 }
+
+impl TokenizerId {
+    /// The identity of a `tokenizer.json`, read without building the tokenizer (the merges
+    /// are not loaded): what training compares with its data.
+    pub fn of_file(path: &Path) -> Result<TokenizerId> {
+        let bytes = read(path)?;
+        Ok(inspect(path, &bytes)?.id)
+    }
+}

@@ -3,7 +3,8 @@
 //! `plan.json` written, the arena allocated once, and the initial state made: fresh weights,
 //! `--init` weights, or a `--resume` checkpoint's weights, moments and position.
 
-use super::{LossScaler, Progress, Run, TrainOptions};
+use super::run::Run;
+use super::{LossScaler, Progress, TrainOptions};
 use crate::backend::cpu::Cpu;
 use crate::ckpt;
 use crate::data::loader::{BatchLoader, DataSet, Part, check_fits};

@@ -2,7 +2,8 @@
 //! metrics line, a checkpoint, and (for the first `--profile-steps` steps) the profile.
 
 use super::profiling::{dir_bytes, span, write_profile};
-use super::{Progress, Run, TrainOptions};
+use super::run::Run;
+use super::{Progress, TrainOptions};
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::{DataSet, Part, fill_batch_part};
 use crate::exec::executor::{Executor, OptimHparams, StepStats};

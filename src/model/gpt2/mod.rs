@@ -10,6 +10,7 @@ pub mod params;
 use super::ParamLayout;
 use super::spec::{Biases, Family, FieldNames, ModelSpec, Norm, Position, SpecialTokens};
 use anyhow::{Context, Result, bail};
+use params::LM_HEAD;
 use serde_json::{Map, Value, json};
 
 pub use params::{Gpt2Params, LayerParams};
@@ -35,8 +36,6 @@ pub(super) const FIELDS: FieldNames = FieldNames {
 
 /// Prefix of `GPT2LMHeadModel` parameter names.
 const PREFIX: &str = "transformer.";
-/// The output projection, tied to `transformer.wte.weight`.
-pub(crate) const LM_HEAD: &str = "lm_head.weight";
 
 /// GPT-2's `<|endoftext|>`, its config's `bos_token_id` and `eos_token_id`.
 const EOT: u32 = 50256;

@@ -11,6 +11,9 @@ use crate::model::params::{Init, LayoutBuilder, TiedName};
 use crate::model::spec::{Family, ModelSpec};
 use std::ops::Range;
 
+/// The output projection, tied to `transformer.wte.weight`.
+pub(crate) const LM_HEAD: &str = "lm_head.weight";
+
 /// Element ranges of one transformer block's parameters (C = n_embd, H = MLP width).
 #[derive(Clone, Debug)]
 pub struct LayerParams {
@@ -92,7 +95,7 @@ pub fn inventory(spec: &ModelSpec) -> (ParamLayout, Gpt2Params) {
     let lnf_b = cur.push("transformer.ln_f.bias".into(), &[c], false, Init::Zeros);
     cur.group("ln_f");
     let tied = vec![TiedName {
-        name: super::LM_HEAD.into(),
+        name: LM_HEAD.into(),
         tensor: 0,
     }];
     let params = Gpt2Params {

@@ -11,6 +11,7 @@ use super::ParamLayout;
 use super::rope::Llama3Scaling;
 use super::spec::{Biases, Family, FieldNames, ModelSpec, Norm, Position, SpecialTokens};
 use anyhow::{Context, Result, bail};
+use params::LM_HEAD;
 use serde_json::{Map, Value, json};
 
 pub use params::{LayerParams, LlamaParams};
@@ -24,9 +25,6 @@ pub(super) const FIELDS: FieldNames = FieldNames {
     kv_heads: "num_key_value_heads",
     mlp: "intermediate_size",
 };
-
-/// The untied output projection's name.
-pub(crate) const LM_HEAD: &str = "lm_head.weight";
 
 /// A preset's dimensions.
 struct Preset {

@@ -11,11 +11,13 @@
 //! Initialisation as transformers' `LlamaPreTrainedModel`: weights and embeddings
 //! N(0, 0.02), biases 0, norm weights 1.
 
-use super::LM_HEAD;
 use crate::model::ParamLayout;
 use crate::model::params::{Init, LayoutBuilder, TiedName};
 use crate::model::spec::ModelSpec;
 use std::ops::Range;
+
+/// The untied output projection's name.
+pub(crate) const LM_HEAD: &str = "lm_head.weight";
 
 /// Element ranges of one block's parameters (C width, H MLP width, hd head size; QKV =
 /// (NH + 2·NKV)·hd, A = NH·hd).

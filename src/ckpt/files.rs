@@ -1,0 +1,17 @@
+//! The names of a checkpoint directory's files (Hugging Face's where they have one); the
+//! module doc of [`crate::ckpt`] says what each holds.
+
+/// Model config file name (Hugging Face).
+pub const CONFIG_FILE: &str = "config.json";
+/// Model weights file name (Hugging Face), when the weights are one file.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// Index of sharded weights (Hugging Face): which shard holds each tensor.
+pub const MODEL_INDEX_FILE: &str = "model.safetensors.index.json";
+/// Optimizer moments file name.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// Trainer state file name.
+pub const STATE_FILE: &str = "trainer_state.json";
+/// The files every complete checkpoint has besides its weights. The weights are
+/// [`MODEL_FILE`], or [`MODEL_INDEX_FILE`] and the shards it names ([`latest_checkpoint`](super::latest_checkpoint)
+/// checks both).
+pub const CHECKPOINT_FILES: [&str; 3] = [CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE];

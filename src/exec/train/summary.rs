@@ -1,0 +1,154 @@
+//! [`TrainSummary`]: what a finished run reports (`memwall train`'s last lines), and the
+//! warning when the measured peak exceeded `--max-memory`.
+
+use crate::profile::leak::LeakReport;
+use crate::util::bytes::fmt_bytes;
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// What a finished run reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrainSummary {
+    pub out: PathBuf,
+    pub first_step: u64,
+    pub last_step: u64,
+    pub final_loss: f32,
+    pub final_val_loss: Option<f32>,
+    pub tokens_per_s: f64,
+    /// Multi-process runs: the share of step time the communication thread spent in
+    /// collectives (after the first step).
+    pub comm_frac: Option<f64>,
+    /// Of step time, the share the ops waited for collectives: communication not hidden
+    /// behind compute.
+    pub comm_exposed_frac: Option<f64>,
+    pub plan_total_bytes: u64,
+    pub baseline_bytes: u64,
+    pub peak_rss_bytes: Option<u64>,
+    /// `--max-memory`, and the peak predicted against it (plan + baseline + runtime reserve).
+    pub max_memory: Option<u64>,
+    pub predicted_peak_bytes: u64,
+    pub last_checkpoint: Option<PathBuf>,
+    /// The leak check's verdict (`None` when the run had too few steps for one).
+    pub leak: Option<LeakReport>,
+    /// The reports written when profiling (`report.html` and its siblings).
+    pub report: Option<PathBuf>,
+}
+
+impl TrainSummary {
+    /// The lines `memwall train` ends with: steps, losses, throughput and memory; then the
+    /// last checkpoint and the report, when there are any.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "trained steps {}..{}: loss {:.4}{} | {:.0} tokens/s | peak RSS {} (plan {} + baseline {})",
+            self.first_step,
+            self.last_step,
+            self.final_loss,
+            self.final_val_loss
+                .map(|v| format!(", val loss {v:.4}"))
+                .unwrap_or_default(),
+            self.tokens_per_s,
+            self.peak_rss_bytes
+                .map(fmt_bytes)
+                .unwrap_or_else(|| "?".into()),
+            fmt_bytes(self.plan_total_bytes),
+            fmt_bytes(self.baseline_bytes)
+        );
+        if let Some(by) = over_max_memory(self.peak_rss_bytes, self.max_memory) {
+            s.push('\n');
+            s.push_str(&over_max_memory_warning(
+                self.peak_rss_bytes.unwrap_or(0),
+                self.max_memory.unwrap_or(0),
+                self.predicted_peak_bytes,
+                by,
+            ));
+        }
+        if let (Some(busy), Some(exposed)) = (self.comm_frac, self.comm_exposed_frac) {
+            s.push_str(&format!(
+                "\ncommunication: collectives busy {:.1}% of step time; {:.1}% exposed (ops waiting for them)",
+                100.0 * busy,
+                100.0 * exposed
+            ));
+        }
+        if let Some(c) = &self.last_checkpoint {
+            s.push_str(&format!("\ncheckpoint: {}", c.display()));
+        }
+        if let Some(r) = &self.report {
+            s.push_str(&format!(
+                "\nreport: {} (trace.json, memory.svg beside it)",
+                r.display()
+            ));
+        }
+        s
+    }
+}
+
+/// By how much the measured `peak` exceeds the `--max-memory` `budget` (`None` within it,
+/// or when either is unknown).
+pub fn over_max_memory(peak: Option<u64>, budget: Option<u64>) -> Option<u64> {
+    peak?.checked_sub(budget?).filter(|&by| by > 0)
+}
+
+/// The warning printed (once) and put in the summary when the measured peak exceeds
+/// `--max-memory`.
+pub fn over_max_memory_warning(peak: u64, budget: u64, predicted: u64, by: u64) -> String {
+    format!(
+        "warning: peak RSS {} exceeds --max-memory {} by {} (predicted {}: plan + process \
+         baseline + runtime reserve); memory outside the plan outgrew the reserve: raise \
+         --max-memory by that much, and please report it",
+        fmt_bytes(peak),
+        fmt_bytes(budget),
+        fmt_bytes(by),
+        fmt_bytes(predicted)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(peak: u64, budget: Option<u64>) -> TrainSummary {
+        TrainSummary {
+            out: PathBuf::from("run"),
+            first_step: 0,
+            last_step: 3,
+            final_loss: 1.0,
+            final_val_loss: None,
+            tokens_per_s: 1.0,
+            comm_frac: None,
+            comm_exposed_frac: None,
+            plan_total_bytes: 100 << 20,
+            baseline_bytes: 7 << 20,
+            peak_rss_bytes: Some(peak),
+            max_memory: budget,
+            predicted_peak_bytes: 112 << 20,
+            last_checkpoint: None,
+            leak: None,
+            report: None,
+        }
+    }
+
+    /// A measured peak above `--max-memory` is said in the summary, with by how much; within
+    /// the budget, or without one, nothing is.
+    #[test]
+    fn the_summary_warns_when_the_peak_exceeds_max_memory() {
+        let s = summary(125 << 20, Some(120 << 20)).describe();
+        assert!(
+            s.contains("warning: peak RSS 125.00 MiB exceeds --max-memory 120.00 MiB by 5.00 MiB")
+                && s.contains("predicted 112.00 MiB"),
+            "{s}"
+        );
+        for quiet in [
+            summary(120 << 20, Some(120 << 20)),
+            summary(125 << 20, None),
+        ] {
+            assert!(
+                !quiet.describe().contains("warning"),
+                "{}",
+                quiet.describe()
+            );
+        }
+        assert_eq!(over_max_memory(Some(5), Some(3)), Some(2));
+        assert_eq!(over_max_memory(Some(3), Some(3)), None);
+        assert_eq!(over_max_memory(None, Some(3)), None);
+    }
+}

@@ -1,0 +1,76 @@
+//! What a plan is built for: the step's [`Mode`] and its [`StepConfig`] (shape, threads and
+//! every memory strategy). The builder ([`super::build`]) turns one into a plan; the
+//! search ([`super::search`]) and the ZeRO sharding ([`super::zero`]) read it.
+
+use super::Offload;
+use super::strategy::{OptimState, Precision, Recompute};
+use crate::dist::shard::{Sharding, Zero};
+use serde::Serialize;
+
+/// What the step does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Forward, backward and optimizer step (also runs forward-only evaluation).
+    Train,
+    /// Forward only with next-token logits of one position (sampling).
+    Generate,
+}
+
+/// The step's shape and resources.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepConfig {
+    /// Micro-batch size B.
+    pub batch: usize,
+    /// Sequence length T.
+    pub seq: usize,
+    /// Worker threads (kernel workspace is sized per thread).
+    pub threads: usize,
+    /// Upper bound for the LM head's logits chunk (bytes); smaller saves memory, larger
+    /// makes fewer passes over wte.
+    pub logits_chunk_bytes: u64,
+    /// Activation recomputation policy.
+    pub recompute: Recompute,
+    /// Micro-batches per optimizer step (gradient accumulation).
+    pub grad_accum: usize,
+    /// Storage of the AdamW moments.
+    pub optim_state: OptimState,
+    /// Format of compute weights, activations and gradients.
+    pub precision: Precision,
+    /// What lives on the disk tier, and where its file is.
+    pub offload: Offload,
+    /// Processes training together (data parallel; each runs this plan on its own batch).
+    pub ranks: usize,
+    /// This process's rank (which shard of sharded state it keeps).
+    pub rank: usize,
+    /// What each rank keeps of the model's state (`--zero`).
+    pub zero: Zero,
+}
+
+impl StepConfig {
+    pub fn new(batch: usize, seq: usize, threads: usize) -> StepConfig {
+        StepConfig {
+            batch,
+            seq,
+            threads,
+            logits_chunk_bytes: 64 << 20,
+            recompute: Recompute::None,
+            grad_accum: 1,
+            optim_state: OptimState::F32,
+            precision: Precision::F32,
+            offload: Offload::default(),
+            ranks: 1,
+            rank: 0,
+            zero: Zero::DP,
+        }
+    }
+
+    /// How state is split among ranks, for plans with more than one rank or a ZeRO stage.
+    pub fn sharding(&self) -> Option<Sharding> {
+        (self.ranks > 1 || self.zero != Zero::DP).then_some(Sharding {
+            ranks: self.ranks,
+            rank: self.rank,
+            zero: self.zero,
+        })
+    }
+}
