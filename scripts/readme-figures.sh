@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # readme-figures.sh: regenerates the figures README.md quotes from runs (not timings of the
 # engine's kernels: those come from bench-pair.sh and time-check.sh), one JSON object per line,
-# each with the command that made it, the date and the CPU.
+# each with the command that made it, the date and the CPU. README's "Current figures" table
+# names each row it feeds by its figure name; the dated log of past values is docs/benchmarks.md.
 #
 # Usage:
 #   scripts/readme-figures.sh [BIN] [WORKDIR]

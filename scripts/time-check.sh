@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# time-check.sh: predicted against measured step time on the README's configurations.
+# time-check.sh: predicted against measured step time on the configurations of docs/benchmarks.md.
 #
 # Usage:
 #   scripts/time-check.sh [BIN] [OFFLOAD_DIR]
 #   QUICK=1 scripts/time-check.sh target/release/memwall /mnt/nvme/tmp
 #
-# Runs `memwall bench --threads 2 --steps 2` on each configuration of README's table
-# "Predicted against measured" (GPT-2 124M and SmolLM2-135M: precisions, optimizer state,
+# Runs `memwall bench --threads 2 --steps 2` on each configuration of docs/benchmarks.md's table
+# "Predicted against measured step time" (GPT-2 124M and SmolLM2-135M: precisions, optimizer state,
 # accumulation, recompute policies; gpt2-large: fp32, bf16 and every offload mode, its offload
 # file in OFFLOAD_DIR, default ./memwall-offload) and prints one JSON object per line:
 # the configuration, step_s_median, predicted_step_s, time_error_pct, stall_s and the

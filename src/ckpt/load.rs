@@ -1,6 +1,13 @@
 //! Loading: model config, weights (one file or shards; the family's HF naming variants;
 //! F32/F16/BF16), optimizer moments and trainer state, NaN and infinite values refused;
 //! finding the newest complete checkpoint of a run.
+//!
+//! State that lives in several buffers (per parameter group, offloaded, or sharded among
+//! ranks) loads range by range: [`load_params_by`] and [`load_trainer_state_by`] open and
+//! check the files first, then lend a copier that the executor (`fill_params`,
+//! `fill_moments`) calls once per buffer, releasing the mapped file's pages after each range.
+//! So `--resume` and `--init` need no host copy of the whole state, and each rank fills its
+//! own shards from the whole file (tensors may be cut): a run resumes on any number of ranks.
 
 use anyhow::{Context, Result, bail};
 use safetensors::Dtype;

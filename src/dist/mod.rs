@@ -14,6 +14,17 @@
 //! - `Mpi` (cargo feature `mpi`): ranks as processes started by `mpirun`, over MPI's
 //!   point-to-point `MPI_Sendrecv` (rsmpi). NCCL comes with the CUDA backend behind the same
 //!   trait.
+//!
+//! [`world`] picks the transport (and refuses `--zero 1–3` outside `mpirun`, or `mpirun`
+//! without the feature); [`comm_thread_wanted`] says whether collectives get a thread of their
+//! own; [`shard`] says how a group's elements are cut among ranks. In a run under `mpirun`,
+//! rank 0 owns the run directory (the others write `metrics.rank{r}.jsonl`), the ranks compare
+//! a hash of their options and resume point before anything is written, and a rank that
+//! fails with an error prints it and aborts the job ([`Comm::abort`]).
+//!
+//! **Invariant:** ranks exchange state only through the plan's `AllReduce`, `ReduceScatter`
+//! and `AllGather` ops on plan buffers (and the step's few scalars), so a rank's memory and
+//! traffic are predicted like everything else (`plan::zero`).
 
 pub mod local;
 #[cfg(feature = "mpi")]

@@ -3,6 +3,19 @@
 //! step, its optimizer phase, a forward-only evaluation, a generation prefix), keeps the
 //! step's scalars (loss scale, gradient norm, whether the update is skipped) and moves bytes
 //! between the host and plan buffers only through the backend's download and upload.
+//!
+//! With a deferred update ([`crate::plan::Schedule::deferred_update`]) a step settles its
+//! update at its end (norm, clipping, skip: known then) and keeps it pending; the next step's
+//! forward applies it, and [`Executor::finish_update`] runs the `Optimizer` ops to finish it
+//! before a checkpoint, an evaluation, a read of the weights or the end of a bench. The
+//! weights and moments refuse to be read while an update is pending. Same ops on the same
+//! values: the weights are bitwise those of an update at the end of each step.
+//!
+//! Collectives run on a communication thread per run of ops (in schedule order) that calls
+//! `Device::run_collective` with the run's `Comm`, and the ops wait at their
+//! `AwaitCollective`; where the thread would have no core of its own
+//! (`dist::comm_thread_wanted`, `Executor::set_comm_thread`) they run inline instead, with
+//! the same bits.
 
 use crate::backend::cpu::Cpu;
 use crate::backend::{AdamWStep, Backend, Device, IoSpan, OpResult, StepCtx};

@@ -1,6 +1,51 @@
 //! Builds the plan of one step: declares every buffer, emits the schedule that uses them,
 //! derives each buffer's live interval from the schedule, and packs offsets.
 //!
+//! In order: the persistent state (fp32 parameters, the mixed-precision GEMM workspace, the
+//! AdamW moments); one gradient buffer per parameter group; each micro-batch's layers, which
+//! the model family emits (`Family::emit`); the optimizer phase; then the passes below, the
+//! ranks' collectives ([`super::zero`]) and staging for `--offload` (`plan::stage`); last,
+//! lifetimes, packing per tier ([`super::packing`]) and verification.
+//!
+//! - **Gradients are per parameter group** (`Segments`: one `{group}.grad` buffer per group).
+//!   A `Zero` of a group's buffer goes just before the first op that writes it (the group's
+//!   first backward op, or the LM head's for a tied embedding), and the group's `AdamW` op is
+//!   its last reader, so its bytes are live only from there to the update: at the end of the
+//!   forward, where activations peak, only the head's gradients exist. Under accumulation a
+//!   buffer lives from the first micro-batch's backward on.
+//! - **Ops are bound to the buffers holding their state.** An op names parameter ranges; its
+//!   `OpEntry` carries `params` and `grads` `Binding`s (`buf[i - base]` holds element `i`),
+//!   set by `bind_state` (an op's ranges always lie in one parameter group) and rewritten by
+//!   staging. So the device never looks parameters up: the same op runs on the one `params`
+//!   buffer, or on a group's staging copy.
+//! - **The optimizer phase is ops like any other**: one `AdamW` op per parameter group
+//!   (embeddings, each block, the final norm), each over its tensors' ranges, with its moments'
+//!   buffers ([`OptimBufs`]: the whole model's, or a group's). Each group's `GradNorm` (its sum
+//!   of squares) is emitted right after the last op that writes its gradients, in the
+//!   backward; the executor adds the shares in parameter order (whatever the op order) into
+//!   the norm, the clipping factor and the skip decision before the first `AdamW`. With
+//!   sharded gradients (`--zero 1` and up) each rank's shares cover its shards: every rank's
+//!   are gathered and added in (group, rank) order.
+//! - **Deferred update** ([`Schedule::deferred_update`], set when gradients live on the disk
+//!   tier): an update at the end of the step is pure I/O when its state is on disk (read
+//!   parameters, gradients and moments, write three of them back, almost no arithmetic), so
+//!   `defer_updates` copies each group's `AdamW` into the forward as a
+//!   [`Phase::DeferredUpdate`] op just before the first op that uses the group: a step applies
+//!   the previous step's update there, and its transfers overlap the forward's matmuls (and
+//!   the group's update and forward share one parameter copy: one read and one write fewer).
+//!   The gradients are kept across the step boundary (persistent on the disk tier, so no RAM
+//!   for it); the executor settles and applies such updates (`Executor::finish_update`).
+//!
+//! **Invariant:** no lifetime is written by hand. Each buffer's interval runs from the first
+//! to the last op that touches it (persistent buffers: the whole step), so a strategy that
+//! changes the schedule changes lifetimes and packing with no special case in the executor.
+//!
+//! **Invariant:** a plan that runs is verified: no two simultaneously live buffers of a tier
+//! overlap ([`packing::verify`]), no op writes a buffer overlapping another buffer it touches,
+//! and every collective is awaited later with no op in between touching its buffers. The CPU
+//! device's `unsafe` views rely on exactly that. `--fit`'s candidates, measured and timed but
+//! never run, are built unverified; the one chosen is built again, verified.
+//!
 //! Shapes: B batch, T sequence, C channels, NH heads, V vocabulary, N = B·T, L layers.
 
 use super::Sizing;

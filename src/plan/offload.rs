@@ -4,7 +4,30 @@
 //! into a host staging buffer before its use and write it back after, so the staging bytes
 //! are in the plan and the host peak stays predicted exactly.
 //!
-//! The transformation itself is `plan::stage`; this module names what it applies to.
+//! The transformation itself is `plan::stage`; this module names what it applies to:
+//! `optimizer` (the AdamW moments), `params` (read one parameter group at a time before its
+//! forward, its backward and its update), `grads` (written after each group's backward, read
+//! back for the update; with them the update is deferred into the next step's forward, see
+//! [`super::build`]), `activations` (what the forward keeps for the backward), `all`, or
+//! `auto` ([`OffloadChoice::Auto`]: the fastest placement that fits `--max-memory` by
+//! predicted step time, [`super::fit::plan_fitting`]).
+//!
+//! What the rest of memwall does with it: the disk tier is one preallocated file
+//! ([`crate::mem::disk`]) whose transfers run in order on the device's one I/O thread, so a
+//! read queued after a write of the same bytes sees them. `plan.json` and `bench` give
+//! `by_tier`, `io_read_bytes_per_step` and `io_write_bytes_per_step` (a step's I/O,
+//! `Plan::io_bytes_per_step`, counts the phases a step runs), `bench` the I/O thread's busy
+//! time and the time ops waited (`io_busy_s`, `stall_s`). Profiled steps show every transfer on
+//! the trace's I/O track (timed on the I/O thread, taken after each executor run through
+//! `Device::take_io_spans`); they add up to the plan's bytes read and written per step.
+//! Checkpoints stream offloaded parameters and moments one group's buffer at a time, fresh
+//! parameters are initialised group by group, and `--resume` and `--init` load group by group
+//! ([`crate::exec::executor`]'s `fill_params`, `fill_moments` and `save_checkpoint`), so
+//! neither a save nor a load needs the state whole in RAM (`tests/ckpt_memory.rs` bounds it: a
+//! save and a resume of 217 MiB of offloaded state each took about 2 MiB beyond the plan).
+//!
+//! **Invariant:** offload changes no value: every placement gives bitwise the weights of a run
+//! in RAM (`tests/strategies.rs`, `tests/offload.rs`).
 
 use anyhow::{Result, bail};
 use serde::Serialize;

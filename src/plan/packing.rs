@@ -5,7 +5,20 @@
 //! the lowest aligned offset that does not collide with an already-placed buffer whose live
 //! interval intersects its own. For the stack-like lifetimes of a training step (forward
 //! allocates in order, backward frees in reverse) this lands within a few percent of the lower
-//! bound, the peak of simultaneously live bytes, which the plan reports alongside.
+//! bound, the peak of simultaneously live bytes, which the plan reports alongside: backward
+//! scratch of layer *l* reuses the bytes of layer *l+1*'s, and activations are freed where the
+//! backward last reads them (within 2% of the bound on the presets, 0.02% for GPT-2 124M at
+//! 4×256). Placed buffers are indexed by the 64-op buckets their lifetimes cover, so a buffer
+//! is checked only against those that may live with it.
+//!
+//! Packing and verification are per tier: the host arena ([`super::Tier::Host`]) and the disk
+//! tier's file ([`super::Tier::Nvme`], whose transfers need [`IO_ALIGN`]); owned buffers
+//! (allocated once by their owner, such as the loader's staging or the `gemm` crate's packing
+//! scratch) are counted in the plan's total but not packed. [`live_bytes_per_op`] is the one
+//! sweep of live bytes that the plan's peak and the reports' timelines share.
+//!
+//! **Invariant:** no two buffers of a tier whose intervals intersect share a byte
+//! ([`verify`]).
 
 use super::{Buffer, Tier};
 

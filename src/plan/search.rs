@@ -15,7 +15,19 @@
 //!   fits it could ([`OffloadSet`] subsets);
 //! - groups (precision, state, micro-batch) are visited fastest-first by the time of their
 //!   unconstrained plan (no recomputation, nothing offloaded), a lower bound of the group, and
-//!   the search stops when that bound is no better than the fifth best found.
+//!   the search stops when that bound is no better than the fifth best found;
+//! - plans of more than two micro-batches are built with two (the peak does not change; the
+//!   time of the others is scaled) and rebuilt exactly when kept;
+//! - with activations on disk more recomputation moves fewer bytes, so those placements, when
+//!   the step waits for the disk, also try a coarse ladder of heavier policies.
+//!
+//! A candidate's offload file must also fit the disk of `--offload-dir` (a run's `offload/`
+//! when not given): its free space, read once, bounds the search as the budget does.
+//! Candidates are built unverified (`Verify::No`: they are measured and timed, never run);
+//! the chosen one is built again, verified. `tests/fit.rs` checks the search against every
+//! candidate built one by one. `--recompute auto` and `--offload auto` are this search with
+//! the micro-batch, accumulation, precision and optimizer state fixed
+//! ([`super::fit::plan_fitting`]).
 
 use super::Sizing;
 use super::build::{Verify, build};

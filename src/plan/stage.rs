@@ -3,6 +3,13 @@
 //! the planner emits the transfers that fill the copy before the span and write it back
 //! after, so staging bytes are ordinary plan buffers and the host peak stays exact.
 //!
+//! - Homes are per parameter group for parameters, gradients and moments, and one per kept
+//!   activation (what the forward keeps for the backward). A span's copy is named after its
+//!   home and part of the step (`h3.params.fwd`, `h3.params.bwd`, `h3.adamw.m.opt`, …), and
+//!   the span's ops are rebound ([`super::schedule::Binding`]) or renamed to it. `Transfer`
+//!   ops move the bytes and `AwaitTransfers` ops wait for them, before the copy's first use
+//!   and before its bytes may be reused. Both ends of a transfer are aligned to
+//!   [`super::packing::IO_ALIGN`] for direct I/O.
 //! - A home's uses are split into spans where the step's part changes (forward; recompute
 //!   and backward; optimizer) and, for parameters, gradients and moments, where another home
 //!   of the same kind is used in between (another parameter group). So the parameters of

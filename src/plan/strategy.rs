@@ -1,15 +1,41 @@
 //! Memory strategies, each a transformation of the plan the builder emits (never a special
 //! case in the executor):
 //!
-//! - [`Recompute`]: which forward activations a block keeps for its backward. What is not kept
-//!   dies at its last forward reader and is recomputed by `Phase::Recompute` ops emitted just
-//!   before the block's backward; packing then reuses the freed bytes.
-//! - gradient accumulation (`StepConfig::grad_accum`): the forward/backward of the step is
-//!   unrolled once per micro-batch, each with its own token, target and loss buffers; the
-//!   gradients accumulate and the optimizer runs once.
+//! - [`Recompute`] (`--recompute none|selective|full|every:K|auto`): which forward activations
+//!   a block keeps for its backward. A family emits a block as stages (GPT-2: ln1, qkv, attn,
+//!   attn_proj, ln2, fc, gelu, then the mlp_proj output; Llama: attn_norm, qkv + rope, attn,
+//!   attn_out, mlp_norm, gate_up, swiglu, then the down output). A policy re-emits some stages
+//!   into fresh `h{l}.re.*` buffers as `Phase::Recompute` ops just before the block's
+//!   backward (`model::block_emit`), and the backward reads those; what is not kept dies at
+//!   its last forward reader and packing reuses the freed bytes. `selective` re-runs the
+//!   norms and the GELU/SwiGLU product (elementwise stages, no matmul); `full` a block's whole
+//!   forward from its input; `every:K` keeps blocks K, 2K, … whole and recomputes the others
+//!   fully. The CLI's default is `selective`, whose cost is within run-to-run noise;
+//!   [`StepConfig::new`](super::StepConfig::new) (the library's) keeps `none`. `auto`
+//!   ([`RecomputeChoice`], resolved by [`super::fit::plan_fitting`]) keeps the fastest policy
+//!   that fits `--max-memory` by predicted step time (the least recomputation, unless
+//!   activations go to a disk that bounds the step).
+//! - gradient accumulation (`--grad-accum N`, `StepConfig::grad_accum`): the forward/backward
+//!   of the step is unrolled once per micro-batch, each with its own token, target and loss
+//!   buffers (`mb{k}.*`; packing reuses micro-batch k−1's bytes for k's); the gradients
+//!   accumulate, the loss is the mean over every micro-batch's rows (scaled by 1/(N·B·T), and
+//!   by the ranks too), and the optimizer runs once.
+//! - [`Precision`] (`--precision fp32|bf16|fp16`): activations, their gradients and the
+//!   parameter gradients are stored in the storage type; the parameters stay fp32 as master
+//!   weights (category `master`), which kernels read directly and convert per tile: no
+//!   reduced-precision copy of the weights is stored (the `vdpbf16ps` path rounds them to bf16
+//!   while packing a tile). Layer-norm statistics, attention log-sum-exps, losses and logits
+//!   stay f32; every sum, norm and statistic is accumulated in f32 and rounded once when
+//!   stored. fp16 adds dynamic loss scaling (`LossScaler`, in the trainer): the executor
+//!   multiplies the loss gradient by the scale, the AdamW step divides it out, and the update
+//!   is skipped when the gradient norm is not finite.
+//! - [`OptimState`] (`--optim-state fp32|bf16|int8`): how the AdamW moments are stored (fp32,
+//!   bf16, or 8-bit blockwise codes, i8 for the first moment and u8 for the second, with one
+//!   f32 absmax per block of [`QBLOCK`] values of a tensor). Checkpoints store the bytes as
+//!   they are (`ckpt::moments`), so a resumed run stays bitwise.
 //!
-//! - [`OptimState`]: how the AdamW moments are stored (fp32, bf16, or 8-bit blockwise codes
-//!   with one f32 scale per block of [`QBLOCK`] values of a tensor).
+//! Offload ([`super::offload`], applied by `plan::stage`) and ranks ([`super::zero`]) are
+//! transformations of the same kind, in their own modules.
 //!
 //! Kernels are deterministic for a thread count, so recomputed activations are bitwise the
 //! forward's and every recompute policy gives bitwise the same weights as `none`.

@@ -13,6 +13,14 @@
 //! compute clock has issued it, an `AwaitTransfers` (`AwaitCollective`) moves the compute
 //! clock to the end of what it waits for. The step ends when every clock has. Like the plan, this needs no
 //! backend: the calibration is data.
+//!
+//! Collectives are priced per kind (`all_reduce/f32`, …) by what `mpirun -np N memwall
+//! calibrate` measured among N ranks ([`Transport`], `exec::calibrate_transport`; used only by
+//! plans for that N), else at [`NOMINAL_COLLECTIVE_BYTES_PER_S`], and the plan says which; the
+//! disk, without a measured one, at 1 GB/s. `memwall plan` prints the predicted step time and
+//! its bound (compute or disk), `bench` reports it next to the measured median
+//! (`predicted_step_s`, `time_error_pct`), and `plan.json` records it. `--fit`
+//! ([`super::search`]) ranks plans by it.
 
 use super::schedule::{Op, OpEntry, Phase};
 use super::{BufId, OptimState, Plan, Tier};

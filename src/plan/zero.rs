@@ -31,6 +31,28 @@
 //!
 //! Norm shares of sharded gradients are partial: the executor gathers every rank's and adds
 //! them in (group, rank) order.
+//!
+//! Every rank runs the same plan on its own rows of each batch (`data::loader::Part`: N ranks
+//! of batch B see what one process of batch B and accumulation N sees). The cut of each group
+//! is in [`Plan::cuts`](super::Plan::cuts), one per group ([`dist::Cut`](crate::dist::Cut): rank r
+//! owns elements `edges[r]..edges[r+1]` of the group's buffers), and each collective op names
+//! its group, so the executor and [`Plan::comm_bytes`](super::Plan::comm_bytes) find its cut.
+//! Each collective has a scratch piece of at most [`PIECE_ELEMS`](crate::dist::shard::PIECE_ELEMS)
+//! elements. The buffers a collective uses stay live until its await, so the plan counts what
+//! overlap costs (two groups' gradients or gathered copies in flight), and the builder checks
+//! that no op in between touches them.
+//!
+//! **Invariant:** a rank's plan is its exact memory, and
+//! [`Plan::comm_bytes_per_step`](super::Plan::comm_bytes_per_step) its exact traffic: the
+//! ring's figures ((N−1)/N of a buffer with even chunks) plus the step's scalars (the loss
+//! and, with sharded gradients, each group's norm share), equal to what the transport counts
+//! (`tests/dist_train.rs`). [`per_rank`] sets it next to the ZeRO paper's formulas
+//! (`tests/dist_plan.rs` checks them at N = 64 and 1024).
+//!
+//! **Invariant:** checkpoints never depend on the number of ranks. They hold one Hugging Face
+//! model and one trainer state (sharded state streamed into rank 0's writer:
+//! `exec::executor::checkpoint`), and loading fills each rank's shards from the whole file
+//! (tensors may be cut), so a run resumes on any number of ranks at any stage.
 
 use super::builder::Builder;
 use super::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};

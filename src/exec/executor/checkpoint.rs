@@ -4,7 +4,9 @@
 //! ([`Gathered`]): rank 0 lends its own shards in place and receives the others' piece by
 //! piece ([`PIECE`] elements, into arena bytes free between steps) in the order the writer
 //! reads them, while the other ranks send theirs in that same order ([`Shards`]). No rank
-//! holds more than one piece beyond its plan.
+//! holds more than one piece beyond its plan. The host copy of a disk-tier buffer, like the
+//! pieces, goes into arena bytes that no persistent buffer holds (free between steps), so a
+//! save stays inside the plan.
 
 use super::{Executor, pod, pod_bytes_mut};
 use crate::backend::Device;
