@@ -1252,7 +1252,7 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
         .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;
     eprintln!(
         "calibrating {} on {} threads (about a minute on 2 cores)",
-        calibrate::cpu_name(),
+        memwall::util::machine::cpu_name(),
         opts.threads
     );
     let cal = calibrate::run(&opts, &mut |s| eprintln!("  {s}"))?;

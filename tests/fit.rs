@@ -294,7 +294,7 @@ fn fit_and_batch_auto_from_the_command_line() {
 fn a_hand_broken_calibration_is_refused_naming_the_file() {
     // What `memwall calibrate` would save on this CPU, with a negative coefficient.
     let cache = tempfile::tempdir().unwrap();
-    let mut cal = Calibration::estimate(memwall::exec::calibrate::cpu_name(), 2, 100.0);
+    let mut cal = Calibration::estimate(memwall::util::machine::cpu_name(), 2, 100.0);
     cal.kinds.insert(
         "matmul/f32".into(),
         memwall::plan::time::Cost {

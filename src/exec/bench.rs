@@ -107,7 +107,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         ex.upload_batch(&batch)?;
         let t0 = Instant::now();
         if opts.strategies.precision == Precision::F16 {
-            ex.set_loss_scale(crate::exec::train::LossScaler::INITIAL);
+            ex.set_loss_scale(crate::exec::LossScaler::INITIAL);
         }
         let st = ex.train_step(&OptimHparams {
             lr: 3e-4,

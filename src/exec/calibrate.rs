@@ -21,6 +21,8 @@ use crate::model::ModelSpec;
 use crate::plan::time::{Calibration, Cost, DiskRates, Source, op_bytes, op_kind};
 use crate::plan::{Mode, OptimState, Precision, StepConfig, build_plan};
 use crate::profile::OpRecorder;
+use crate::util::clock::utc_now;
+use crate::util::machine::cpu_name;
 use crate::util::rng::Rng;
 use anyhow::{Context, Result, bail};
 use std::collections::BTreeMap;
@@ -172,7 +174,7 @@ fn time_ops(spec: &ModelSpec, cfg: &StepConfig, out: &mut Vec<Sample>) -> Result
         step,
     };
     if cfg.precision == Precision::F16 {
-        ex.set_loss_scale(super::train::LossScaler::INITIAL);
+        ex.set_loss_scale(super::loss_scale::LossScaler::INITIAL);
     }
     ex.train_step(&hp(1))?;
     let warm = ex.recorder_mut().map_or(0, |r| r.spans.len());
@@ -291,19 +293,6 @@ fn fit(samples: &[&Sample]) -> Cost {
     }
 }
 
-/// The CPU's model name (`/proc/cpuinfo`), or the architecture where that is unreadable.
-pub fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 /// The FMA peak of `threads` threads (GFLOP/s), measured in a pool of that size.
 pub fn fma_peak(threads: usize) -> Result<f64> {
     let pool = rayon::ThreadPoolBuilder::new()
@@ -321,30 +310,6 @@ pub fn cache_file(threads: usize) -> Option<PathBuf> {
         d.join("calibration")
             .join(format!("threads-{threads}.json"))
     })
-}
-
-/// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
-pub(super) fn utc_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }
 
 /// Measures this machine on `opts.threads` threads (about a minute on 2 cores), reporting
@@ -613,15 +578,5 @@ mod tests {
                 "{path}: {e}"
             );
         }
-    }
-
-    #[test]
-    fn utc_dates_are_civil() {
-        let s = utc_now();
-        assert_eq!(s.len(), 20, "{s}");
-        assert!(
-            s.starts_with("20") && s.ends_with('Z') && &s[10..11] == "T",
-            "{s}"
-        );
     }
 }

@@ -11,10 +11,11 @@
 //! weigh most. Rank 0 saves the result in the user cache, one file per rank count; plans for
 //! that many ranks then time their collectives with it.
 
-use super::calibrate::{cpu_name, utc_now};
 use crate::dist::{Collective, Comm, Cut, Summable, ring};
 use crate::dtype::Elem;
 use crate::plan::time::{Calibration, Cost, Transport};
+use crate::util::clock::utc_now;
+use crate::util::machine::cpu_name;
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 use std::collections::BTreeMap;

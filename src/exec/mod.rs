@@ -9,7 +9,9 @@ pub mod calibrate;
 pub mod calibrate_transport;
 pub mod executor;
 pub mod generate;
+pub mod loss_scale;
 pub mod lr;
 pub mod train;
 
 pub use executor::{Executor, OptimHparams, StepStats};
+pub use loss_scale::LossScaler;

@@ -13,10 +13,9 @@
 //! - `run.rs`: the state a run carries ([`Run`](run::Run)), and `Run::finish`: the final
 //!   reports and the summary ([`TrainSummary`], `summary.rs`).
 //!
-//! Around them: [`TrainOptions`] (`options.rs`), [`LossScaler`] (`loss_scale.rs`), the
+//! Around them: [`TrainOptions`] (`options.rs`), fp16's [`LossScaler`](crate::exec::LossScaler), the
 //! [`Progress`] reporters (`progress.rs`), and the profiler's files (`profiling.rs`).
 
-mod loss_scale;
 mod options;
 mod profiling;
 mod progress;
@@ -25,7 +24,6 @@ mod setup;
 mod step;
 mod summary;
 
-pub use loss_scale::LossScaler;
 pub use options::{TrainOptions, default_threads, resume_options};
 pub use progress::{ConsoleProgress, NoProgress, Progress};
 pub use setup::{plan_for, planning_baseline};

@@ -2,12 +2,12 @@
 //! `step.rs` advances one optimizer step at a time, and [`Run::finish`] (here) turns into the
 //! summary.
 
-use super::LossScaler;
 use super::options::TrainOptions;
 use super::profiling;
 use super::progress::Progress;
 use super::summary::TrainSummary;
 use crate::data::loader::{BatchLoader, DataSet};
+use crate::exec::LossScaler;
 use crate::exec::executor::Executor;
 use crate::model::ModelSpec;
 use crate::profile::leak::LeakCheck;

@@ -4,12 +4,13 @@
 //! `--init` weights, or a `--resume` checkpoint's weights, moments and position.
 
 use super::run::Run;
-use super::{LossScaler, Progress, TrainOptions};
+use super::{Progress, TrainOptions};
 use crate::backend::cpu::Cpu;
 use crate::ckpt;
 use crate::data::loader::{BatchLoader, DataSet, Part, check_fits};
 use crate::data::{check_tokenizer, tokenizer};
 use crate::dist::Comm;
+use crate::exec::LossScaler;
 use crate::exec::executor::Executor;
 use crate::model::{Family, ModelSpec};
 use crate::plan::{Plan, Precision};
