@@ -33,8 +33,8 @@ for d, _, names in os.walk(ROOT):
     for n in names:
         if n.endswith(".rs"):
             p = os.path.join(d, n)
-            if os.path.relpath(p, ROOT) == "main.rs":
-                continue  # the binary: it uses the library as `memwall::`, never `crate::`
+            if os.path.relpath(p, ROOT) in ("main.rs", "cli.rs"):
+                continue  # the binary's: it uses the library as `memwall::`, never `crate::`
             files[module_of(p)] = p
 
 

@@ -37,7 +37,7 @@ fn saving_offloaded_state_takes_one_group_not_a_copy_of_the_state() {
             .collect();
         let state: u64 = on_disk.iter().sum();
         let largest = on_disk.iter().copied().max().unwrap();
-        let mut ex = Executor::new(plan).unwrap();
+        let mut ex = Executor::on(plan, &Cpu).unwrap();
         let layout = ex.plan.layout.clone();
         ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
         let state_json = TrainerState {
@@ -86,7 +86,7 @@ fn saving_offloaded_state_takes_one_group_not_a_copy_of_the_state() {
         // Resuming streams the other way: into a fresh executor of the same plan, group by
         // group, to the same bits.
         let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
-        let mut back = Executor::new(plan).unwrap();
+        let mut back = Executor::on(plan, &Cpu).unwrap();
         assert!(rss::reset_peak_rss());
         let before = rss::current_rss().unwrap();
         memwall::ckpt::load_params_by(&dir, &layout, |copy| back.fill_params(|r, p| copy(r, p)))

@@ -41,7 +41,7 @@ fn logits_and_loss_match_transformers() {
     let prompt = ids(&exp["prompt"]);
     let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, &Cpu).unwrap();
     let layout = plan.layout.clone();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -64,7 +64,7 @@ fn logits_and_loss_match_transformers() {
     seq.extend(ids(&exp["greedy"]));
     let t = seq.len() - 1;
     let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -89,6 +89,7 @@ fn greedy_decoding_picks_the_reference_tokens() {
         top_k: 0,
         seed: 1,
         threads: 2,
+        device: Default::default(),
     };
     let got = generate_tokens(&opts, &ids(&exp["prompt"]), &mut |_| {}).unwrap();
     assert_eq!(got, want);
@@ -102,7 +103,7 @@ fn llama_family_matches_transformers(name: &str) {
     let prompt = ids(&exp["prompt"]);
     let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, &Cpu).unwrap();
     let layout = plan.layout.clone();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -121,7 +122,7 @@ fn llama_family_matches_transformers(name: &str) {
     seq.extend(ids(&exp["greedy"]));
     let t = seq.len() - 1;
     let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -171,6 +172,7 @@ fn llama_family_matches_transformers(name: &str) {
         top_k: 0,
         seed: 1,
         threads: 2,
+        device: Default::default(),
     };
     let got = generate_tokens(&opts, &prompt, &mut |_| {}).unwrap();
     assert_eq!(got, want, "{name} greedy continuation");
@@ -216,6 +218,7 @@ fn smollm2_answers_and_models_shakespeare() {
         top_k: 0,
         seed: 1,
         threads: 2,
+        device: Default::default(),
     };
     let text = sample_text(&opts, &mut |_| {}).unwrap();
     assert!(
@@ -238,7 +241,7 @@ fn smollm2_answers_and_models_shakespeare() {
     let spec = ckpt::load_spec(&dir).unwrap();
     let plan = build_plan(&spec, &StepConfig::new(1, 256, 2), Mode::Train, &Cpu).unwrap();
     let layout = plan.layout.clone();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();

@@ -51,7 +51,7 @@ fn hp(step: u64) -> OptimHparams {
 /// micro-batching; returns the weights and the losses.
 fn train(spec: &ModelSpec, cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
     let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
     let mut rng = Rng::new(3);
@@ -279,7 +279,7 @@ fn overflowing_gradients_skip_the_update() {
         ..StepConfig::new(2, 16, 2)
     };
     let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
     let batch: Vec<u32> = (0..2 * 17).map(|i| (i * 5 % 97) as u32).collect();
@@ -537,7 +537,7 @@ fn offloading_changes_no_bit() {
                 assert_eq!(bits(&got_w), bits(&want_w), "{name} {what}: weights differ");
                 let moments = |cfg: &StepConfig| {
                     let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
-                    let mut ex = Executor::new(plan).unwrap();
+                    let mut ex = Executor::on(plan, &Cpu).unwrap();
                     let layout = ex.plan.layout.clone();
                     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
                     let batch: Vec<u32> = (0..2 * cfg.grad_accum as u32 * 17)

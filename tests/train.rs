@@ -21,7 +21,7 @@ fn micro_spec() -> ModelSpec {
 fn micro_executor(threads: usize) -> Executor {
     let spec = micro_spec();
     let plan = build_plan(&spec, &StepConfig::new(3, 7, threads), Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::new(plan).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
     let mut rng = Rng::new(11);
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| {

@@ -13,17 +13,38 @@
 //!   is the only way anything outside the backend reads or writes a plan buffer; it also hands
 //!   the profiler the transfers between tiers it performed ([`Device::take_io_spans`]).
 
+mod choice;
 pub mod cpu;
 
+pub use choice::DeviceKind;
+
+use crate::dtype::DType;
 use crate::plan::schedule::OpEntry;
 use crate::plan::{BufId, Plan, Sizing};
 use anyhow::Result;
 
 /// A backend that can run plans.
-pub trait Backend: Sizing {
+pub trait Backend: Sizing + Sync {
     /// Allocates the plan's packed tiers (touching every page, so an impossible allocation
     /// fails here, before any step) and starts the backend's workers (`plan.cfg.threads`).
     fn start(&self, plan: &Plan) -> Result<Box<dyn Device>>;
+    /// The backend's f32 arithmetic ceiling, measured now on the calling thread pool (a
+    /// throughput figure is a fraction of it); `None` where it cannot be measured.
+    fn measure_peak(&self) -> Option<Peak>;
+    /// The backend's facts a benchmark records beside its figures (for the CPU: the mixed
+    /// precision path and whether the CPU has AVX512_BF16), as JSON fields.
+    fn bench_facts(&self, storage: DType) -> serde_json::Map<String, serde_json::Value>;
+}
+
+/// A measured arithmetic ceiling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Peak {
+    /// f32 multiply-adds per second of the whole pool, ×2 (GFLOP/s).
+    pub gflops_per_s: f64,
+    /// Threads that ran the loop (the current rayon pool's).
+    pub threads: usize,
+    /// The instruction set the loop used.
+    pub isa: &'static str,
 }
 
 /// The per-step values an op may need besides its buffers.

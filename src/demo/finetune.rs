@@ -10,7 +10,6 @@
 //! checkpoint. [`FinetuneOptions`] sizes the run, so tests can keep it tiny.
 
 use super::{print_sample, smollm2};
-use crate::backend::cpu::Cpu;
 use crate::ckpt;
 use crate::data::loader::DataSet;
 use crate::data::{Tokenizer, check_tokenizer, corpus, prepare};
@@ -136,7 +135,7 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     println!("\n5. the memory plan of a fine-tuning step, before any step runs:\n");
     print!(
         "{}",
-        plan::report::table(&plan, rss::current_rss().unwrap_or(0), &Cpu)
+        plan::report::table(&plan, rss::current_rss().unwrap_or(0), t.device.backend())
     );
     println!(
         "\n   fine-tuning {} steps of {} x {} tokens (AdamW, lr {}), validation loss before and after:\n",
@@ -200,6 +199,7 @@ fn sample(
         top_k: if temperature > 0.0 { 40 } else { 0 },
         seed: 1,
         threads,
+        device: Default::default(),
     }
 }
 

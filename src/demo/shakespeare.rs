@@ -3,7 +3,6 @@
 //! fetched by [`crate::data::corpus`].
 
 use super::print_sample;
-use crate::backend::cpu::Cpu;
 use crate::data::{corpus, prepare};
 use crate::exec::generate::SampleOptions;
 use crate::exec::train::{self, ConsoleProgress, TrainOptions};
@@ -66,7 +65,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
     println!("\n2. the memory plan, before any step runs:\n");
     print!(
         "{}",
-        plan::report::table(&plan, rss::current_rss().unwrap_or(0), &Cpu)
+        plan::report::table(&plan, rss::current_rss().unwrap_or(0), o.device.backend())
     );
     println!(
         "\n3. training {} steps (loss should fall from ~10.8):\n",
@@ -86,6 +85,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
         top_k: 40,
         seed: 1,
         threads,
+        device: o.device,
     })?;
     println!(
         "\n\nfiles: {}, {}, {}\nmore: memwall sample --model {} --prompt \"JULIET:\"",

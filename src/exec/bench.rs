@@ -2,7 +2,7 @@
 //! throughput, step times, peak RSS and the plan's prediction, as JSON.
 
 use super::executor::{Executor, OptimHparams};
-use crate::backend::cpu::Cpu;
+use crate::backend::DeviceKind;
 use crate::model::ModelSpec;
 use crate::plan::Precision;
 use crate::plan::fit::Strategies;
@@ -34,6 +34,8 @@ pub struct BenchOptions {
     /// Profile every step into this directory (plan.json, metrics.jsonl, profile.json,
     /// trace.json, memory.svg, report.html).
     pub profile: Option<PathBuf>,
+    /// The backend measured.
+    pub device: DeviceKind,
 }
 
 /// Runs the benchmark; returns the JSON report.
@@ -42,6 +44,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         bail!("--steps must be at least 1");
     }
     let spec = ModelSpec::resolve(&opts.model)?;
+    let backend = opts.device.backend();
     let baseline = rss::current_rss().unwrap_or(0);
     let calibration = super::calibrate::current(opts.threads)?;
     let plan = opts
@@ -52,7 +55,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             (opts.batch, opts.seq, opts.threads),
             baseline,
             &calibration,
-            &Cpu,
+            backend,
         )?;
     let predicted = crate::plan::time::predict(&plan, &calibration);
     if let Some(dir) = &opts.profile {
@@ -75,10 +78,10 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         .collect();
     let layout = plan.layout.clone();
     let n_ops = plan.schedule.ops.len();
-    let mut ex = Executor::new(plan)?;
+    let mut ex = Executor::on(plan, backend)?;
     // The sitting's arithmetic ceiling, measured on the same threads before and after the
     // steps (a shared machine's ceiling moves; a fraction of it is what a figure means).
-    let fma_peak = || crate::backend::cpu::peak::measure(5, 0.02);
+    let fma_peak = || backend.measure_peak();
     let peak_before = fma_peak();
     let epoch = Instant::now();
     if opts.time_ops || opts.profile.is_some() {
@@ -223,13 +226,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         }
         None => None,
     };
-    Ok(json!({
+    let mut report = json!({
         "config": {
             "profile": opts.profile.is_some(),
             "model": spec.name, "num_params": layout.total, "batch": opts.batch, "seq": opts.seq,
             "steps": opts.steps, "warmup_steps": 1, "threads": opts.threads, "precision": opts.strategies.precision.to_string(),
-            "mixed_compute": crate::backend::cpu::gemm::mixed::compute_path(opts.strategies.precision == Precision::Bf16),
-            "cpu_has_avx512_bf16": crate::backend::cpu::features::cpu_has_bf16_dot(),
             "recompute": recompute.to_string(), "grad_accum": opts.strategies.grad_accum,
             "optim_state": opts.strategies.optim_state.to_string(),
             "offload": ex.plan.cfg.offload.set.to_string(),
@@ -276,5 +277,10 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             json!({"recorded_ops_per_step": n_ops, "s_per_recorded_op": per_op,
                    "share_of_step": per_op * n_ops as f64 / median})
         }),
-    }))
+    });
+    // What the backend says of itself (the CPU: its mixed-precision path, AVX512_BF16).
+    if let Some(config) = report["config"].as_object_mut() {
+        config.extend(backend.bench_facts(opts.strategies.precision.storage()));
+    }
+    Ok(report)
 }

@@ -16,7 +16,7 @@
 //! remakes it, rather than predicting negative or infinite times.
 
 use super::executor::{Executor, OptimHparams};
-use crate::backend::cpu::Cpu;
+use crate::backend::{Backend, DeviceKind};
 use crate::model::ModelSpec;
 use crate::plan::time::{Calibration, Cost, DiskRates, Source, op_bytes, op_kind};
 use crate::plan::{Mode, OptimState, Precision, StepConfig, build_plan};
@@ -38,6 +38,8 @@ pub struct CalibrateOptions {
     /// A few seconds instead of a minute: fp32 only, the three smallest models of the suite
     /// (kinds it misses are estimated from the FMA peak, and predictions say so).
     pub quick: bool,
+    /// The backend measured.
+    pub device: DeviceKind,
 }
 
 /// One model of the suite: a preset's family with these dimensions, at `b × t`.
@@ -148,11 +150,16 @@ struct Sample {
 }
 
 /// Trains `cfg` on `spec` for a warm-up and one timed step, every op timed.
-fn time_ops(spec: &ModelSpec, cfg: &StepConfig, out: &mut Vec<Sample>) -> Result<()> {
-    let plan = build_plan(spec, cfg, Mode::Train, &Cpu)?;
+fn time_ops(
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    backend: &dyn Backend,
+    out: &mut Vec<Sample>,
+) -> Result<()> {
+    let plan = build_plan(spec, cfg, Mode::Train, backend)?;
     let n_ops = plan.schedule.ops.len();
     let layout = plan.layout.clone();
-    let mut ex = Executor::new(plan)?;
+    let mut ex = Executor::on(plan, backend)?;
     let mut init = layout.initializer(1);
     ex.fill_params(|range, p| {
         init.fill(range, p);
@@ -293,14 +300,14 @@ fn fit(samples: &[&Sample]) -> Cost {
     }
 }
 
-/// The FMA peak of `threads` threads (GFLOP/s), measured in a pool of that size.
-pub fn fma_peak(threads: usize) -> Result<f64> {
+/// The FMA peak of `threads` threads (GFLOP/s), measured by `backend` in a pool of that size.
+pub fn fma_peak(threads: usize, backend: &dyn Backend) -> Result<f64> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .map_err(|e| crate::util::threads::refused(&format!("{threads} worker threads"), e))?;
     Ok(pool
-        .install(|| crate::backend::cpu::peak::measure(5, 0.02))
+        .install(|| backend.measure_peak())
         .map_or(0.0, |p| p.gflops_per_s))
 }
 
@@ -363,7 +370,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
             cfg.optim_state,
             t0.elapsed().as_secs_f64()
         ));
-        time_ops(spec, cfg, &mut samples)
+        time_ops(spec, cfg, opts.device.backend(), &mut samples)
             .with_context(|| format!("calibrating on {}", spec.name))?;
     }
     let mut by_kind: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
@@ -391,7 +398,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         source: Source::Measured { at: utc_now() },
         cpu: cpu_name(),
         threads: opts.threads,
-        fma_peak_gflops: fma_peak(opts.threads)?,
+        fma_peak_gflops: fma_peak(opts.threads, opts.device.backend())?,
         kinds,
         disk,
         disk_dir: opts.offload_dir.clone(),
@@ -452,14 +459,15 @@ pub fn load(threads: usize) -> Result<Option<Calibration>> {
 }
 
 /// The calibration the time model uses on `threads` threads: the saved one, else an
-/// estimate from the FMA peak measured now (about 0.1 s).
+/// estimate from the FMA peak measured now (about 0.1 s). Calibrations are the CPU's (kept
+/// per CPU model and thread count): a second backend brings its own key.
 pub fn current(threads: usize) -> Result<Calibration> {
     match load(threads)? {
         Some(c) => Ok(c),
         None => Ok(Calibration::estimate(
             cpu_name(),
             threads,
-            fma_peak(threads)?,
+            fma_peak(threads, DeviceKind::Cpu.backend())?,
         )),
     }
 }

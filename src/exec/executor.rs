@@ -17,7 +17,6 @@
 //! (`dist::comm_thread_wanted`, `Executor::set_comm_thread`) they run inline instead, with
 //! the same bits.
 
-use crate::backend::cpu::Cpu;
 use crate::backend::{AdamWStep, Backend, Device, IoSpan, OpResult, StepCtx};
 use crate::ckpt::{Moments, MomentsMut};
 use crate::dist::{Comm, Single};
@@ -177,11 +176,6 @@ mod pod {
 }
 
 impl Executor {
-    /// Starts the plan on the CPU backend with `plan.cfg.threads` workers.
-    pub fn new(plan: Plan) -> Result<Executor> {
-        Executor::on(plan, &Cpu)
-    }
-
     /// Starts the plan on `backend` (allocates and touches its memory).
     pub fn on(plan: Plan, backend: &dyn Backend) -> Result<Executor> {
         Executor::among(plan, backend, Arc::new(Single))

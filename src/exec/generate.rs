@@ -2,7 +2,7 @@
 //! implementation picks) or sampled with temperature and top-k.
 
 use super::executor::Executor;
-use crate::backend::cpu::Cpu;
+use crate::backend::DeviceKind;
 use crate::backend::cpu::xent::softmax_row;
 use crate::ckpt;
 use crate::data::tokenizer::{Tokenizer, model_tokenizer};
@@ -26,6 +26,8 @@ pub struct SampleOptions {
     pub top_k: usize,
     pub seed: u64,
     pub threads: usize,
+    /// The backend that runs the model.
+    pub device: DeviceKind,
 }
 
 /// Generates `opts.tokens` tokens after the prompt; returns the new token ids. `on_token`
@@ -53,10 +55,10 @@ pub fn generate_tokens(
         &spec,
         &StepConfig::new(1, ctx, opts.threads),
         Mode::Generate,
-        &Cpu,
+        opts.device.backend(),
     )?;
     let layout = plan.layout.clone();
-    let mut ex = Executor::new(plan)?;
+    let mut ex = Executor::on(plan, opts.device.backend())?;
     ex.with_params_mut(|p| ckpt::load_params(&opts.checkpoint, &layout, p))??;
     let mut rng = Rng::new(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();

@@ -11,6 +11,7 @@ pub mod executor;
 pub mod generate;
 pub mod loss_scale;
 pub mod lr;
+pub mod resolve;
 pub mod train;
 
 pub use executor::{Executor, OptimHparams, StepStats};

@@ -70,6 +70,20 @@ impl Backend for Cpu {
     fn start(&self, plan: &Plan) -> Result<Box<dyn Device>> {
         Ok(Box::new(CpuDevice::new(plan)?))
     }
+
+    fn measure_peak(&self) -> Option<crate::backend::Peak> {
+        super::peak::measure(5, 0.02)
+    }
+
+    fn bench_facts(&self, storage: DType) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert(
+            "mixed_compute".into(),
+            compute_path(storage == DType::Bf16).into(),
+        );
+        m.insert("cpu_has_avx512_bf16".into(), cpu_has_bf16_dot().into());
+        m
+    }
 }
 
 /// The largest packing panel the GEMMs of `op` make `gemm` allocate

@@ -12,6 +12,7 @@
 //! scalar twin, which proves the loop performs the multiply-adds it is credited with.
 
 use super::features::features;
+use crate::backend::Peak;
 
 /// Independent accumulator vectors per thread.
 pub const CHAINS: usize = 16;
@@ -21,17 +22,6 @@ pub const CHAINS: usize = 16;
 /// becomes denormal however long it runs.
 const MUL: f32 = 0.999_999;
 const ADD: f32 = 1e-4;
-
-/// A measured peak.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct FmaPeak {
-    /// f32 multiply-adds per second of the whole pool, ×2 (GFLOP/s).
-    pub gflops_per_s: f64,
-    /// Threads that ran the loop (the current rayon pool's).
-    pub threads: usize,
-    /// The instruction set the loop used.
-    pub isa: &'static str,
-}
 
 /// The vector loop this CPU can run, if any.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,7 +84,7 @@ fn start(j: usize) -> f32 {
 /// Measures the pool's f32 FMA peak: each of `rounds` rounds runs about `seconds_per_round`
 /// on every thread at once; the fastest round is the peak. `None` when the CPU has neither
 /// AVX-512F nor AVX2 + FMA (there is no vector loop to measure).
-pub fn measure(rounds: usize, seconds_per_round: f64) -> Option<FmaPeak> {
+pub fn measure(rounds: usize, seconds_per_round: f64) -> Option<Peak> {
     let isa = Isa::detect()?;
     let threads = rayon::current_num_threads();
     let flops_per_iter = (CHAINS * isa.lanes() * 2) as f64;
@@ -112,7 +102,7 @@ pub fn measure(rounds: usize, seconds_per_round: f64) -> Option<FmaPeak> {
         std::hint::black_box(sums);
         best = best.max(threads as f64 * iters as f64 * flops_per_iter / s / 1e9);
     }
-    Some(FmaPeak {
+    Some(Peak {
         gflops_per_s: best,
         threads,
         isa: isa.name(),

@@ -4,6 +4,7 @@
 //! They are saved as JSON in every checkpoint's `trainer_state.json` (field `train`), so their
 //! serialised keys are a file format: runs resume from saved options.
 
+use crate::backend::DeviceKind;
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::DataSet;
 use crate::plan::fit::Strategies;
@@ -79,6 +80,10 @@ pub struct TrainOptions {
     /// baseline is the one the run plans with); `batch` and `strategies` are then the choice.
     #[serde(skip)]
     pub fit_search: Option<crate::plan::search::Space>,
+    /// The backend that plans and runs the steps (`--device`; left out of the record when
+    /// it is the CPU, so the trainer states of CPU runs are as before the field existed).
+    #[serde(default, skip_serializing_if = "DeviceKind::is_cpu")]
+    pub device: DeviceKind,
 }
 
 impl TrainOptions {
@@ -113,6 +118,7 @@ impl TrainOptions {
             fit: None,
             fit_search: None,
             profile_steps: 0,
+            device: DeviceKind::Cpu,
         }
     }
 

@@ -5,7 +5,6 @@
 
 use super::run::Run;
 use super::{Progress, TrainOptions};
-use crate::backend::cpu::Cpu;
 use crate::ckpt;
 use crate::data::loader::{BatchLoader, DataSet, Part, check_fits};
 use crate::data::{check_tokenizer, tokenizer};
@@ -81,7 +80,7 @@ impl<'a> Run<'a> {
         }
         let plan_total = plan.total_bytes();
         let predicted_peak = plan.predicted_peak(baseline);
-        let mut ex = Executor::among(plan, &Cpu, comm)?;
+        let mut ex = Executor::among(plan, opts.device.backend(), comm)?;
         ex.set_comm_thread(comm_thread);
         if let Some(note) = ex.offload_note() {
             progress.message(&note);
@@ -231,7 +230,7 @@ pub(super) fn with_fit(
     if space.offload_dir.is_none() {
         space.offload_dir = Some(opts.out.join(crate::run_dir::OFFLOAD_DIR));
     }
-    let (f, baseline) = fit_measured(&spec, &space, budget, &cal)?;
+    let (f, baseline) = fit_measured(&spec, &space, budget, &cal, opts.device.backend())?;
     drop(data);
     for line in f.found.table(budget).lines() {
         progress.message(line);
@@ -270,10 +269,11 @@ fn fit_measured(
     space: &crate::plan::search::Space,
     budget: u64,
     cal: &crate::plan::time::Calibration,
+    backend: &dyn crate::backend::Backend,
 ) -> Result<(crate::plan::search::Fitted, u64)> {
     let mut baseline = rss::current_rss().unwrap_or(0);
     for _ in 0..3 {
-        let f = crate::plan::search::fit(spec, space, budget, baseline, cal, &Cpu)?;
+        let f = crate::plan::search::fit(spec, space, budget, baseline, cal, backend)?;
         crate::util::malloc::release_free_memory();
         let after = rss::current_rss().unwrap_or(0);
         let best = &f.found.ranked[0];
@@ -344,7 +344,7 @@ pub fn plan_for(
         (opts.batch, opts.seq, opts.threads),
         baseline,
         &calibration,
-        &Cpu,
+        opts.device.backend(),
     )?;
     Ok((plan, calibration))
 }

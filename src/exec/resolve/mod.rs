@@ -1,0 +1,22 @@
+//! The one place where what the user asked becomes what runs: a [`StepRequest`] (the step
+//! flags of `plan`, `train` and `bench`, as given, `None` where left out) is resolved into
+//! the final micro-batch and strategies ([`Resolved`]), and a [`TrainRequest`] into the
+//! [`TrainOptions`](crate::exec::train::TrainOptions) of a new run or of a resumed one
+//! (with the rules of what a resume may change). The command line only maps its arguments
+//! onto these requests; the demos build their options directly.
+//!
+//! - `request.rs`: the requests and the defaults of what is left out.
+//! - `step.rs`: the micro-batch (fixed, `--batch auto`, `--global-batch`) and strategies,
+//!   or the `--fit` search's choice; the one place that decides them.
+//! - `train.rs`: a new run's options, and a resumed run's (its own configuration, with the
+//!   changes a resume allows checked).
+
+mod request;
+mod step;
+mod train;
+
+pub use request::{
+    DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ, StepRequest, StrategyRequest, TrainRequest,
+};
+pub use step::{Resolved, fit_space, fixed, resolve_step};
+pub use train::{new_run, resume};

@@ -1,0 +1,94 @@
+//! What the user asked, as given: every field `None` (or false) where the flag was left out,
+//! so resolution can tell a default from a choice (a resumed run keeps its own values for
+//! what is left out). The command line fills these from its flags.
+
+use crate::backend::DeviceKind;
+use crate::dist::shard::Zero;
+use crate::plan::search::Pick;
+use crate::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
+use std::path::PathBuf;
+
+/// `--model` of `plan` and `train` when left out (and no `--init` gives one).
+pub const DEFAULT_MODEL: &str = "gpt2-tiny";
+/// `--batch` of `plan` when left out (`train` takes `TrainOptions::new`'s).
+pub const DEFAULT_BATCH: usize = 8;
+/// `--seq` of `plan` when left out (`train` takes `TrainOptions::new`'s).
+pub const DEFAULT_SEQ: usize = 128;
+
+/// The memory strategies asked for (`plan`, `train` and `bench`).
+#[derive(Clone, Debug, Default)]
+pub struct StrategyRequest {
+    /// `--recompute`.
+    pub recompute: Option<RecomputeChoice>,
+    /// `--grad-accum`.
+    pub grad_accum: Option<usize>,
+    /// `--optim-state` (`auto` only with `--fit`).
+    pub optim_state: Option<Pick<OptimState>>,
+    /// `--precision` (`auto` only with `--fit`).
+    pub precision: Option<Pick<Precision>>,
+    /// `--offload`.
+    pub offload: Option<OffloadChoice>,
+    /// `--offload-dir`.
+    pub offload_dir: Option<PathBuf>,
+    /// `--zero`.
+    pub zero: Option<Zero>,
+}
+
+/// A training step asked for (`plan`, `train`).
+#[derive(Clone, Debug, Default)]
+pub struct StepRequest {
+    /// `--model`: a preset, a model directory or a config.json.
+    pub model: Option<String>,
+    /// `--batch N|auto`.
+    pub batch: Option<Pick<usize>>,
+    /// `--global-batch`: sequences per optimizer step.
+    pub global_batch: Option<usize>,
+    /// `--fit`: search the fastest plan that fits `max_memory`.
+    pub fit: bool,
+    /// `--seq`.
+    pub seq: Option<usize>,
+    /// `--threads`.
+    pub threads: Option<usize>,
+    /// `--max-memory`.
+    pub max_memory: Option<u64>,
+    /// `--device`.
+    pub device: DeviceKind,
+    pub strategy: StrategyRequest,
+}
+
+/// A training run asked for (`train`): a new one (`data` and `out` given), or the
+/// continuation of one (`resume`).
+#[derive(Clone, Debug, Default)]
+pub struct TrainRequest {
+    pub step: StepRequest,
+    /// `--data`: the prepared data (with `--resume`: where the run's data is now).
+    pub data: Option<PathBuf>,
+    /// `--out`: the run directory.
+    pub out: Option<PathBuf>,
+    /// `--steps`: the run's total optimizer steps.
+    pub steps: Option<u64>,
+    /// `--lr`.
+    pub lr: f32,
+    /// `--warmup`.
+    pub warmup: Option<u64>,
+    /// `--weight-decay`.
+    pub weight_decay: f32,
+    /// `--grad-clip`.
+    pub grad_clip: f32,
+    /// `--seed`.
+    pub seed: u64,
+    /// `--eval-every`.
+    pub eval_every: u64,
+    /// `--eval-batches`.
+    pub eval_batches: u64,
+    /// `--save-every`.
+    pub save_every: u64,
+    /// `--keep-last`.
+    pub keep_last: Option<u64>,
+    /// `--init`: a model directory or GGUF file to start from.
+    pub init: Option<PathBuf>,
+    /// `--resume`: the run directory to continue.
+    pub resume: Option<PathBuf>,
+    /// Steps to profile (`--profile --profile-steps N`; 0: not profiling).
+    pub profile_steps: u64,
+}

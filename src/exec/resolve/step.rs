@@ -1,0 +1,226 @@
+//! The micro-batch and strategies of a step: as given, as `--batch auto` and
+//! `--global-batch` make them, or as the `--fit` search chooses them.
+
+use super::request::{DEFAULT_SEQ, StepRequest, StrategyRequest};
+use crate::model::ModelSpec;
+use crate::plan::fit::{self, Strategies};
+use crate::plan::search::{self, Pick};
+use crate::plan::time::Calibration;
+use crate::plan::{Mode, OffloadChoice, OptimState, Precision, RecomputeChoice, build_plan};
+use anyhow::{Context, Result, bail};
+
+impl StrategyRequest {
+    /// The strategies these flags ask for, defaults filled in, with the budget `max_memory`
+    /// (`auto` precision or optimizer state is for --fit only).
+    pub fn strategies(&self, max_memory: Option<u64>) -> Result<Strategies> {
+        let d = Strategies::default();
+        Ok(Strategies {
+            recompute: self.recompute.unwrap_or(d.recompute),
+            grad_accum: self.grad_accum.unwrap_or(d.grad_accum),
+            optim_state: fixed(self.optim_state, "--optim-state")?.unwrap_or(d.optim_state),
+            precision: fixed(self.precision, "--precision")?.unwrap_or(d.precision),
+            max_memory,
+            offload: self.offload.unwrap_or(d.offload),
+            offload_dir: self.offload_dir.clone(),
+            zero: self.zero.unwrap_or(d.zero),
+            ..d
+        })
+    }
+
+    /// The strategies of a `--fit` run before its search: the budget and the offload
+    /// directory (the search sets the rest).
+    pub fn for_fit(&self, max_memory: Option<u64>) -> Strategies {
+        Strategies {
+            max_memory,
+            offload_dir: self.offload_dir.clone(),
+            ..Strategies::default()
+        }
+    }
+}
+
+/// A flag's value, refusing `auto` outside --fit.
+pub fn fixed<T>(v: Option<Pick<T>>, flag: &str) -> Result<Option<T>> {
+    match v {
+        Some(Pick::Auto) => bail!(
+            "{flag} auto needs --fit (and --max-memory): the search then picks it by predicted step time"
+        ),
+        Some(Pick::Fixed(t)) => Ok(Some(t)),
+        None => Ok(None),
+    }
+}
+
+/// A step's micro-batch and strategies as the flags give them, or as `--fit` / `--batch
+/// auto` choose them.
+pub struct Resolved {
+    pub batch: usize,
+    pub strategies: Strategies,
+    /// The search, when `--fit` ran one.
+    pub found: Option<search::Found>,
+    /// The search's record for plan.json.
+    pub fit: Option<serde_json::Value>,
+    /// The calibration the search timed with (an estimate is measured once per run).
+    pub cal: Option<Calibration>,
+}
+
+/// What `--fit` may choose: the flags given are kept, the rest (and those given as auto)
+/// searched.
+pub fn fit_space(
+    step: &StepRequest,
+    threads: usize,
+    default_batch: usize,
+) -> Result<search::Space> {
+    let st = &step.strategy;
+    if st.grad_accum.is_some() && step.global_batch.is_some() {
+        bail!("--fit chooses --grad-accum from --global-batch: give one of them");
+    }
+    let micro = match step.batch {
+        Some(Pick::Fixed(b)) if step.global_batch.is_some() => Some(b),
+        _ => None,
+    };
+    let global = match (step.global_batch, step.batch) {
+        (Some(g), _) => g,
+        (None, Some(Pick::Fixed(b))) => {
+            let g = b * st.grad_accum.unwrap_or(1);
+            eprintln!(
+                "memwall: --fit keeps {g} rows per optimizer step (--batch {b}{}) and searches \
+                 the micro-batch; to fix the micro-batch too, give --global-batch {g} --batch {b}",
+                match st.grad_accum {
+                    Some(a) => format!(" x --grad-accum {a}"),
+                    None => String::new(),
+                }
+            );
+            g
+        }
+        (None, _) => default_batch * st.grad_accum.unwrap_or(1),
+    };
+    Ok(search::Space {
+        global_batch: global,
+        seq: step.seq.unwrap_or(DEFAULT_SEQ),
+        threads,
+        micro_batch: micro,
+        recompute: match st.recompute {
+            Some(RecomputeChoice::Fixed(r)) => Pick::Fixed(r),
+            _ => Pick::Auto,
+        },
+        offload: match st.offload {
+            Some(OffloadChoice::Set(o)) => Pick::Fixed(o),
+            _ => Pick::Auto,
+        },
+        precision: st.precision.unwrap_or(Pick::Fixed(Precision::F32)),
+        optim_state: st.optim_state.unwrap_or(Pick::Fixed(OptimState::F32)),
+        offload_dir: st.offload_dir.clone(),
+    })
+}
+
+/// Resolves `--batch`, `--global-batch`, `--fit` and the strategy flags for `spec`.
+pub fn resolve_step(
+    step: &StepRequest,
+    spec: &ModelSpec,
+    threads: usize,
+    baseline: u64,
+    default_batch: usize,
+    ranks: usize,
+) -> Result<Resolved> {
+    let st = &step.strategy;
+    let backend = step.device.backend();
+    if step.fit && (ranks > 1 || st.zero.is_some()) {
+        bail!(
+            "--fit searches one process's plan; with --ranks or --zero give the strategies yourself (the per-rank search is not there yet)"
+        );
+    }
+    if step.fit {
+        let budget = step.max_memory.context("--fit needs --max-memory")?;
+        let space = fit_space(step, threads, default_batch)?;
+        let cal = crate::exec::calibrate::current(threads)?;
+        let f = search::fit(spec, &space, budget, baseline, &cal, backend)?;
+        return Ok(Resolved {
+            batch: f.cfg.batch,
+            strategies: Strategies::chosen(&f.cfg, budget, st.offload_dir.clone()),
+            found: Some(f.found),
+            fit: Some(f.record),
+            cal: Some(cal),
+        });
+    }
+    let mut strategies = st.strategies(step.max_memory)?;
+    strategies.ranks = ranks;
+    let batch = match step.batch {
+        Some(Pick::Auto) => {
+            let budget = step
+                .max_memory
+                .context("--batch auto needs --max-memory: it picks the largest micro-batch that fits that budget")?;
+            let (RecomputeChoice::Fixed(r), OffloadChoice::Set(_)) =
+                (strategies.recompute, strategies.offload)
+            else {
+                bail!(
+                    "--batch auto needs a fixed --recompute and --offload (or use --fit, which searches all three)"
+                );
+            };
+            let mut cfg = strategies.step_config(1, step.seq.unwrap_or(DEFAULT_SEQ), threads);
+            cfg.recompute = r;
+            let largest = fit::largest_batch(spec, &cfg, Mode::Train, budget, baseline, backend)?;
+            let Some((b, _)) = largest else {
+                let one = build_plan(spec, &cfg, Mode::Train, backend)?;
+                fit::check_budget(&one, budget, baseline, backend)?;
+                bail!("internal error: batch 1 fits but was not found");
+            };
+            match step.global_batch {
+                // The largest divisor of the global batch that fits.
+                Some(g) => {
+                    if !g.is_multiple_of(ranks) {
+                        bail!(
+                            "--global-batch {g} is not a multiple of the {ranks} ranks: each rank takes an equal part"
+                        );
+                    }
+                    let per_rank = g / ranks;
+                    let d = (1..=b.min(per_rank))
+                        .rev()
+                        .find(|&d| per_rank.is_multiple_of(d))
+                        .unwrap_or(1);
+                    strategies.grad_accum = per_rank / d;
+                    d
+                }
+                None => b,
+            }
+        }
+        fixed => {
+            let b = match fixed {
+                Some(Pick::Fixed(b)) => b,
+                _ => default_batch,
+            };
+            if let Some(g) = step.global_batch {
+                // Every rank runs --batch b per micro-batch: a step holds ranks x b x accum.
+                let per_step = b * ranks;
+                if b == 0 || !g.is_multiple_of(per_step) {
+                    let of = if ranks > 1 {
+                        format!("{ranks} ranks x --batch {b}")
+                    } else {
+                        format!("--batch {b}")
+                    };
+                    bail!(
+                        "--global-batch {g} is not a multiple of {of}: the accumulation must be a whole number of micro-batches"
+                    );
+                }
+                if step.strategy.grad_accum.is_some_and(|a| a * per_step != g) {
+                    bail!(
+                        "--global-batch {g} disagrees with --batch {b} x --grad-accum {}{}: give two of the three",
+                        strategies.grad_accum,
+                        if ranks > 1 {
+                            format!(" x {ranks} ranks")
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+                strategies.grad_accum = g / per_step;
+            }
+            b
+        }
+    };
+    Ok(Resolved {
+        batch,
+        strategies,
+        found: None,
+        fit: None,
+        cal: None,
+    })
+}

@@ -1,0 +1,180 @@
+//! The options of a training run: a new one from its request, or a resumed one, which
+//! keeps its own configuration except what the request may change (a model of the same
+//! dimensions, more steps, recomputation, the budget, the ZeRO stage, the number of ranks,
+//! and the accumulation where it keeps the global batch).
+
+use super::request::{DEFAULT_MODEL, TrainRequest};
+use super::step::{fit_space, fixed, resolve_step};
+use crate::exec::train::{TrainOptions, planning_baseline, resume_options};
+use crate::gguf;
+use crate::model::ModelSpec;
+use crate::plan::search::Pick;
+use anyhow::{Result, bail};
+use std::path::{Path, PathBuf};
+
+/// The options of the new run `req` asks for, on `threads` workers (checked by the caller)
+/// among `ranks` processes: the micro-batch and strategies resolved with the data open, as
+/// the run will measure its baseline (`--fit` searches when the run starts, for the same
+/// reason).
+pub fn new_run(req: &TrainRequest, threads: usize, ranks: usize) -> Result<TrainOptions> {
+    let (Some(data), Some(out)) = (&req.data, &req.out) else {
+        bail!("a new run needs --data (prepared data) and --out (its run directory)");
+    };
+    // --init gives the architecture when --model is left out.
+    let init = match &req.init {
+        Some(p) => Some(gguf::cache::model_dir(p, "--init")?),
+        None => None,
+    };
+    let init_model = init.as_ref().map(|p| p.to_string_lossy().into_owned());
+    let model = req.step.model.as_deref().or(init_model.as_deref());
+    let mut o = TrainOptions::new(model.unwrap_or(DEFAULT_MODEL), data, out);
+    o.steps = req.steps.unwrap_or(o.steps);
+    o.seq = req.step.seq.unwrap_or(o.seq);
+    o.lr = req.lr;
+    o.warmup = req
+        .warmup
+        .unwrap_or(crate::exec::lr::default_warmup(o.steps));
+    o.pin_data()?;
+    o.weight_decay = req.weight_decay;
+    o.grad_clip = req.grad_clip;
+    o.seed = req.seed;
+    o.threads = threads;
+    o.init = init;
+    if req.step.fit {
+        // Searched when the run has opened its data, with the process baseline it plans with.
+        o.fit_search = Some(fit_space(&req.step, o.threads, o.batch)?);
+        o.strategies = req.step.strategy.for_fit(req.step.max_memory);
+    } else {
+        let spec = ModelSpec::resolve(&o.model)?;
+        // With the data open, as the run will measure it (`--batch auto` plans with it).
+        let baseline = planning_baseline(&o)?;
+        let r = resolve_step(&req.step, &spec, o.threads, baseline, o.batch, ranks)?;
+        o.batch = r.batch;
+        o.strategies = r.strategies;
+    }
+    o.eval_every = req.eval_every;
+    o.eval_batches = req.eval_batches;
+    o.save_every = req.save_every;
+    o.keep_last = req.keep_last.unwrap_or(0);
+    o.profile_steps = req.profile_steps;
+    o.device = req.step.device;
+    Ok(o)
+}
+
+/// The options with which the run in `run` continues on `ranks` processes, and the
+/// checkpoint it continues from: the run's own, with what `req` gives where a resume may
+/// change it; a change it may not make is refused, naming the flag.
+pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOptions, PathBuf)> {
+    let (mut opts, ck) = resume_options(run)?;
+    // The run's own configuration, except what the user explicitly gives: a model (checked
+    // against the run's dimensions), more steps. Batch and sequence cannot change.
+    if let Some(m) = &req.step.model {
+        opts.model = m.clone();
+    }
+    if let Some(s) = req.steps {
+        opts.steps = s;
+    }
+    // Recomputation never changes the weights, so a resumed run may change it.
+    if let Some(r) = req.step.strategy.recompute {
+        opts.strategies.recompute = r;
+    }
+    if req.step.max_memory.is_some() {
+        opts.strategies.max_memory = req.step.max_memory;
+    }
+    // Checkpoints hold the whole state whatever the stage: a run resumes on any number
+    // of ranks, at any stage.
+    if let Some(z) = req.step.strategy.zero {
+        opts.strategies.zero = z;
+    }
+    opts.profile_steps = req.profile_steps;
+    if let Some(k) = req.keep_last {
+        opts.keep_last = k;
+    }
+    if req.step.fit || req.step.batch == Some(Pick::Auto) || req.step.global_batch.is_some() {
+        bail!(
+            "--resume continues the run in {} with its own batch and strategies: --fit, --batch auto and --global-batch are for new runs",
+            run.display()
+        );
+    }
+    let batch = match req.step.batch {
+        Some(Pick::Fixed(b)) => Some(b),
+        _ => None,
+    };
+    // On another number of ranks, --grad-accum may change where it keeps the global
+    // batch (ranks x batch x accumulation): the same rows per step, re-sharded state.
+    if let Some(acc) = req.step.strategy.grad_accum {
+        let (was, now) = (
+            opts.strategies.ranks * opts.strategies.grad_accum,
+            ranks * acc,
+        );
+        if acc != opts.strategies.grad_accum && was != now {
+            bail!(
+                "--resume: the run in {} steps on {} rank(s) x --grad-accum {} micro-batches; on {} rank(s) --grad-accum {acc} would change the global batch (keep ranks x --grad-accum at {was})",
+                run.display(),
+                opts.strategies.ranks,
+                opts.strategies.grad_accum,
+                ranks
+            );
+        }
+        opts.strategies.grad_accum = acc;
+    }
+    for (flag, given, run_value) in [
+        ("--batch", batch, opts.batch),
+        ("--seq", req.step.seq, opts.seq),
+    ] {
+        if let Some(g) = given
+            && g != run_value
+        {
+            bail!(
+                "--resume: the run in {} uses {flag} {run_value}; it cannot change to {g} (start a new run with --init instead)",
+                run.display()
+            );
+        }
+    }
+    if let Some(p) = fixed(req.step.strategy.precision, "--precision")?
+        && p != opts.strategies.precision
+    {
+        bail!(
+            "--resume: the run in {} trains in {}; it cannot change to {p}",
+            run.display(),
+            opts.strategies.precision
+        );
+    }
+    if let Some(f) = fixed(req.step.strategy.optim_state, "--optim-state")?
+        && f != opts.strategies.optim_state
+    {
+        bail!(
+            "--resume: the run in {} stores its optimizer state as {}; it cannot change to {f}",
+            run.display(),
+            opts.strategies.optim_state
+        );
+    }
+    // The run's global batch (rows per optimizer step) stays unless asked otherwise.
+    let (was, now) = (
+        opts.strategies.ranks * opts.strategies.grad_accum,
+        ranks * opts.strategies.grad_accum,
+    );
+    if was != now && req.step.strategy.grad_accum.is_none() {
+        let keep = (was % ranks == 0).then(|| was / ranks);
+        eprintln!(
+            "memwall: warning: the run in {} stepped on {} rank(s) x --grad-accum {}; on {} \
+             rank(s) each step takes {}x the rows{}",
+            run.display(),
+            opts.strategies.ranks,
+            opts.strategies.grad_accum,
+            ranks,
+            format_ratio(now, was),
+            keep.map_or(String::new(), |k| format!(
+                " (pass --grad-accum {k} to keep the global batch)"
+            ))
+        );
+    }
+    opts.locate_data(req.data.as_deref())?;
+    Ok((opts, ck))
+}
+
+/// `now / was` in words: `0.5`, `2`.
+fn format_ratio(now: usize, was: usize) -> String {
+    let r = now as f64 / was as f64;
+    format!("{}", (r * 1000.0).round() / 1000.0)
+}
