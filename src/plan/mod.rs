@@ -32,6 +32,7 @@ pub mod build;
 pub(crate) mod builder;
 pub mod fit;
 pub mod offload;
+pub mod operands;
 pub mod packing;
 pub mod report;
 pub mod schedule;

@@ -14,6 +14,7 @@
 //! clock to the end of what it waits for. The step ends when every clock has. Like the plan, this needs no
 //! backend: the calibration is data.
 
+use super::operands::Operand;
 use super::schedule::{Op, OpEntry, Phase};
 use super::{BufId, DType, OptimState, Plan, Tier};
 use serde::{Deserialize, Serialize};
@@ -360,7 +361,6 @@ fn state_bytes(format: OptimState) -> f64 {
 /// names, its parameter ranges (f32) and its gradient ranges (storage type).
 pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
     let g = plan.cfg.precision.storage().size() as f64;
-    let elems = |rs: Vec<std::ops::Range<usize>>| rs.iter().map(|r| r.len()).sum::<usize>() as f64;
     let bytes = match &e.op {
         Op::AdamW { tensors, state } => {
             let n: usize = tensors.iter().map(|t| t.range.len()).sum();
@@ -378,12 +378,16 @@ pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
             plan.comm_bytes(e) as f64
         }
         op => {
-            let (r, w) = op.reads_writes();
-            let mut ids: Vec<BufId> = r.into_iter().chain(w).collect();
+            let (mut ids, mut params, mut grads) = (Vec::new(), 0, 0);
+            op.operands(|o, _| match o {
+                Operand::Buf(id) => ids.push(id),
+                Operand::Params(rs) => params += rs.elems(),
+                Operand::Grads(rs) => grads += rs.elems(),
+            });
             ids.sort_by_key(|b| b.0);
             ids.dedup();
             let named: u64 = ids.iter().map(|&b| plan.buffer(b).bytes).sum();
-            named as f64 + 4.0 * elems(op.param_ranges()) + g * elems(op.grad_ranges())
+            named as f64 + 4.0 * params as f64 + g * grads as f64
         }
     };
     bytes as u64
