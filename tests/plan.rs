@@ -146,7 +146,8 @@ fn staged_transfers_own_their_copies_until_waited() {
             if !runs(e.phase) {
                 continue;
             }
-            let (r, w) = e.touches();
+            let mut touched = Vec::new();
+            e.buffers(|id, _| touched.push(id));
             match &e.op {
                 Op::Transfer { from, to } => {
                     transfers += 1;
@@ -175,7 +176,7 @@ fn staged_transfers_own_their_copies_until_waited() {
                     }
                 }
                 _ => {
-                    for id in r.iter().chain(&w) {
+                    for id in &touched {
                         assert!(
                             !in_flight.iter().any(|x| x.0 == *id),
                             "{what}: op {i} {} touches {} while it is being transferred",

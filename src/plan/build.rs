@@ -576,12 +576,11 @@ fn finish(
     // Live intervals from the schedule (gradient buffers from the ops' parameter ranges).
     let n_ops = g.ops.len();
     for (i, e) in g.ops.iter().enumerate() {
-        let (r, w) = e.touches();
-        for id in r.into_iter().chain(w) {
+        e.buffers(|id, _| {
             let buf = &mut g.buffers[id.0];
             buf.first_op = buf.first_op.min(i);
             buf.last_op = buf.last_op.max(i);
-        }
+        });
     }
     for buf in &mut g.buffers {
         if buf.persistent {
@@ -644,22 +643,25 @@ fn finish(
 fn verify_ops(plan: &Plan) -> Result<()> {
     verify_collectives(plan)?;
     for e in &plan.schedule.ops {
-        let (r, w) = e.touches();
-        for wid in &w {
-            for other in r.iter().chain(w.iter()) {
-                if other == wid {
-                    continue;
-                }
-                let (a, o) = (plan.buffer(*wid), plan.buffer(*other));
-                if a.overlaps_in_memory(o) {
-                    bail!(
-                        "internal error: op {} writes {} which overlaps {}",
-                        e.name,
-                        a.name,
-                        o.name
-                    );
-                }
+        let mut clash = None;
+        e.buffers(|written, access| {
+            if !access.writes() {
+                return;
             }
+            e.buffers(|other, _| {
+                let (a, o) = (plan.buffer(written), plan.buffer(other));
+                if other != written && a.overlaps_in_memory(o) {
+                    clash.get_or_insert((a, o));
+                }
+            });
+        });
+        if let Some((a, o)) = clash {
+            bail!(
+                "internal error: op {} writes {} which overlaps {}",
+                e.name,
+                a.name,
+                o.name
+            );
         }
     }
     Ok(())
@@ -680,12 +682,8 @@ fn verify_collectives(plan: &Plan) -> Result<()> {
         let Some(end) = awaited else {
             bail!("internal error: collective {} is never awaited", e.name);
         };
-        let (r, w) = e.op.reads_writes();
         for x in &ops[i + 1..end] {
-            let (xr, xw) = x.touches();
-            let clash = xr.iter().any(|b| w.contains(b))
-                || xw.iter().any(|b| w.contains(b) || r.contains(b));
-            if clash && x.op.collective_buf().is_none() {
+            if x.conflicts(e) && x.op.collective_buf().is_none() {
                 bail!(
                     "internal error: op {} touches the buffers of collective {} before it is awaited",
                     x.name,

@@ -33,6 +33,7 @@ pub(crate) mod builder;
 mod config;
 pub mod fit;
 pub mod offload;
+pub mod operands;
 pub mod packing;
 pub mod report;
 pub mod schedule;

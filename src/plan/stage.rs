@@ -88,15 +88,14 @@ fn class(kind: Kind, phase: Phase) -> Phase {
 pub(super) fn kept_activations(g: &Builder) -> Vec<BufId> {
     let mut seen = vec![(false, false); g.buffers.len()];
     for e in &g.ops {
-        let (r, w) = e.touches();
-        for id in r.into_iter().chain(w) {
+        e.buffers(|id, _| {
             let s = &mut seen[id.0];
             if e.phase == Phase::Forward {
                 s.0 = true;
             } else {
                 s.1 = true;
             }
-        }
+        });
     }
     (0..g.buffers.len())
         .filter(|&i| {
@@ -121,21 +120,17 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
     // Each home's uses: (op, reads, writes).
     let mut uses: Vec<Vec<(usize, bool, bool)>> = homes.iter().map(|_| Vec::new()).collect();
     for (i, e) in g.ops.iter().enumerate() {
-        let (r, w) = e.touches();
-        for (id, writes) in r
-            .iter()
-            .map(|x| (x, false))
-            .chain(w.iter().map(|x| (x, true)))
-        {
-            let Some(k) = home_of[id.0] else { continue };
+        e.buffers(|id, access| {
+            let Some(k) = home_of[id.0] else { return };
+            let (reads, writes) = (access.reads(), access.writes());
             match uses[k].last_mut() {
                 Some(u) if u.0 == i => {
-                    u.1 |= !writes;
+                    u.1 |= reads;
                     u.2 |= writes;
                 }
-                _ => uses[k].push((i, !writes, writes)),
+                _ => uses[k].push((i, reads, writes)),
             }
-        }
+        });
     }
     // Ops using each kind, sorted (to find another home of the kind used between two uses).
     let kind_ops = |kind: Kind| {

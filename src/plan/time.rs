@@ -22,6 +22,7 @@
 //! (`predicted_step_s`, `time_error_pct`), and `plan.json` records it. `--fit`
 //! ([`super::search`]) ranks plans by it.
 
+use super::operands::Operand;
 use super::schedule::{Op, OpEntry, Phase};
 use super::{BufId, OptimState, Plan, Tier};
 use crate::dtype::DType;
@@ -369,7 +370,6 @@ fn state_bytes(format: OptimState) -> f64 {
 /// names, its parameter ranges (f32) and its gradient ranges (storage type).
 pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
     let g = plan.cfg.precision.storage().size() as f64;
-    let elems = |rs: Vec<std::ops::Range<usize>>| rs.iter().map(|r| r.len()).sum::<usize>() as f64;
     let bytes = match &e.op {
         Op::AdamW { tensors, state } => {
             let n: usize = tensors.iter().map(|t| t.range.len()).sum();
@@ -387,12 +387,16 @@ pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
             plan.comm_bytes(e) as f64
         }
         op => {
-            let (r, w) = op.reads_writes();
-            let mut ids: Vec<BufId> = r.into_iter().chain(w).collect();
+            let (mut ids, mut params, mut grads) = (Vec::new(), 0, 0);
+            op.operands(|o, _| match o {
+                Operand::Buf(id) => ids.push(id),
+                Operand::Params(rs) => params += rs.elems(),
+                Operand::Grads(rs) => grads += rs.elems(),
+            });
             ids.sort_by_key(|b| b.0);
             ids.dedup();
             let named: u64 = ids.iter().map(|&b| plan.buffer(b).bytes).sum();
-            named as f64 + 4.0 * elems(op.param_ranges()) + g * elems(op.grad_ranges())
+            named as f64 + 4.0 * params as f64 + g * grads as f64
         }
     };
     bytes as u64

@@ -490,7 +490,6 @@ fn overlap(g: &mut Builder) {
     let mut awaits: Vec<(usize, OpEntry)> = Vec::new();
     let mut moved: Vec<usize> = Vec::new();
     for (c, &i) in colls.iter().enumerate() {
-        let (r, w) = g.ops[i].op.reads_writes();
         let buf = g.ops[i].op.collective_buf().expect("a collective");
         let class = phase_class(g.ops[i].phase);
         let kind = std::mem::discriminant(&g.ops[i].op);
@@ -506,9 +505,7 @@ fn overlap(g: &mut Builder) {
                 at = j;
                 break;
             }
-            let (er, ew) = e.touches();
-            let conflict = er.iter().any(|b| w.contains(b))
-                || ew.iter().any(|b| w.contains(b) || r.contains(b));
+            let conflict = e.conflicts(&g.ops[i]);
             if conflict && matches!(e.op, Op::GradNorm { .. }) && !moved.contains(&j) {
                 norms.push(j);
             } else if conflict {
@@ -516,8 +513,8 @@ fn overlap(g: &mut Builder) {
                 break;
             }
         }
-        let mut bufs = vec![buf];
-        bufs.extend(r.iter().chain(&w).copied().filter(|b| *b != buf));
+        let mut bufs = Vec::new();
+        g.ops[i].buffers(|b, _| bufs.push(b));
         bufs.sort_by_key(|b| (*b != buf, b.0));
         bufs.dedup();
         // The await keeps the collective's phase (the op it lands before may be the next

@@ -275,9 +275,9 @@ impl CpuDevice {
     }
 
     // SAFETY (all views): offsets and sizes come from the verified plan; an op's written
-    // buffers never overlap the other buffers it touches (plan::build::verify_ops), and the
-    // persistent buffers (params, moments) are distinct buffers in the arena, and each op's
-    // gradient buffers are among the buffers it touches.
+    // buffers never overlap the other buffers it touches (`OpEntry::buffers`, checked by
+    // plan::build::verify_ops), and the persistent buffers (params, moments) are distinct
+    // buffers in the arena, and each op's gradient buffers are among the buffers it touches.
 
     /// Buffer `id`, which must be in the arena.
     fn in_arena(&self, id: BufId) -> &Buffer {
@@ -530,7 +530,8 @@ impl Device for CpuDevice {
         cut: &crate::dist::Cut,
         comm: &dyn crate::dist::Comm,
     ) -> Result<()> {
-        match self.buffers[e.op.reads_writes().1[0].0].dtype {
+        let buf = e.op.collective_buf().expect("a collective");
+        match self.buffers[buf.0].dtype {
             DType::Bf16 => self.collective::<bf16>(&e.op, cut, comm),
             DType::F16 => self.collective::<f16>(&e.op, cut, comm),
             DType::F32 => self.collective::<f32>(&e.op, cut, comm),
