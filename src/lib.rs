@@ -1,8 +1,9 @@
 //! memwall: train neural networks that do not fit in memory.
 //!
 //! The pipeline (see ARCHITECTURE.md):
-//! `model` (what to train) + `exec::TrainConfig` (how) → `plan` (every byte of a step, before
-//! step 1) → `exec` (walks the plan's schedule with `backend` kernels) → reports.
+//! what the user asked (`exec::resolve`) → `model` (what to train) + `plan::StepConfig` (how)
+//! → `plan` (every byte of a step, before step 1) → `exec` (walks the plan's schedule with a
+//! `backend`'s kernels) → reports. `dtype` is the element types every layer shares.
 //! `data` feeds tokens, `ckpt` saves and restores Hugging Face–compatible checkpoints,
 //! `run_dir` names the files of a run directory and owns their formats; `gguf` imports
 //! llama.cpp GGUF files as Hugging Face model directories; `demo` holds `memwall demo`'s tours.
