@@ -304,7 +304,7 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         let (opts, ck) = resolve::resume(&req, run, comm.size())?;
         train::train_among(&opts, Some(&ck), comm, progress)?
     } else {
-        let o = resolve::new_run(&req, threads(req.step.threads)?, comm.size())?;
+        let o = resolve::new_run(&req, threads(req.step.threads)?, comm.size(), progress)?;
         train::train_among(&o, None, comm, progress)?
     };
     if rank == 0 {

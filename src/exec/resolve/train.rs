@@ -4,19 +4,26 @@
 //! and the accumulation where it keeps the global batch).
 
 use super::request::{DEFAULT_MODEL, TrainRequest};
-use super::step::{fit_space, fixed, resolve_step};
-use crate::exec::train::{TrainOptions, planning_baseline, resume_options};
+use super::step::{Resolved, fit_measured, fit_space, fixed, resolve_step};
+use crate::exec::train::{
+    Progress, TrainOptions, planning_baseline, resume_options, with_data_open,
+};
 use crate::gguf;
 use crate::model::ModelSpec;
 use crate::plan::search::Pick;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 
 /// The options of the new run `req` asks for, on `threads` workers (checked by the caller)
 /// among `ranks` processes: the micro-batch and strategies resolved with the data open, as
 /// the run will measure its baseline (`--fit` searches when the run starts, for the same
 /// reason).
-pub fn new_run(req: &TrainRequest, threads: usize, ranks: usize) -> Result<TrainOptions> {
+pub fn new_run(
+    req: &TrainRequest,
+    threads: usize,
+    ranks: usize,
+    progress: &mut dyn Progress,
+) -> Result<TrainOptions> {
     let (Some(data), Some(out)) = (&req.data, &req.out) else {
         bail!("a new run needs --data (prepared data) and --out (its run directory)");
     };
@@ -40,10 +47,14 @@ pub fn new_run(req: &TrainRequest, threads: usize, ranks: usize) -> Result<Train
     o.seed = req.seed;
     o.threads = threads;
     o.init = init;
+    o.device = req.step.device;
+    o.eval_every = req.eval_every;
+    o.eval_batches = req.eval_batches;
+    o.save_every = req.save_every;
+    o.keep_last = req.keep_last.unwrap_or(0);
+    o.profile_steps = req.profile_steps;
     if req.step.fit {
-        // Searched when the run has opened its data, with the process baseline it plans with.
-        o.fit_search = Some(fit_space(&req.step, o.threads, o.batch)?);
-        o.strategies = req.step.strategy.for_fit(req.step.max_memory);
+        fit_run(&mut o, req, ranks, progress)?;
     } else {
         let spec = ModelSpec::resolve(&o.model)?;
         // With the data open, as the run will measure it (`--batch auto` plans with it).
@@ -52,12 +63,6 @@ pub fn new_run(req: &TrainRequest, threads: usize, ranks: usize) -> Result<Train
         o.batch = r.batch;
         o.strategies = r.strategies;
     }
-    o.eval_every = req.eval_every;
-    o.eval_batches = req.eval_batches;
-    o.save_every = req.save_every;
-    o.keep_last = req.keep_last.unwrap_or(0);
-    o.profile_steps = req.profile_steps;
-    o.device = req.step.device;
     Ok(o)
 }
 
@@ -171,6 +176,50 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
     }
     opts.locate_data(req.data.as_deref())?;
     Ok((opts, ck))
+}
+
+/// `--fit` for the new run `o`: the search, with the data open as the run will have it and
+/// the baseline measured after the search handed its memory back; `o` takes the fastest
+/// choice, its record (for plan.json) and that baseline (the run plans with it). The table
+/// of the best goes to `progress`.
+fn fit_run(
+    o: &mut TrainOptions,
+    req: &TrainRequest,
+    ranks: usize,
+    progress: &mut dyn Progress,
+) -> Result<()> {
+    if ranks > 1 {
+        bail!("--fit searches one process's plan; under mpirun give the strategies yourself");
+    }
+    let mut space = fit_space(&req.step, o.threads, o.batch)?;
+    o.strategies = req.step.strategy.for_fit(req.step.max_memory);
+    let budget = o
+        .strategies
+        .max_memory
+        .context("--fit needs --max-memory: it picks the fastest plan that fits that budget")?;
+    o.check()?;
+    let (f, baseline, cal) = with_data_open(o, |spec| {
+        let cal = crate::exec::calibrate::current(o.threads)?;
+        // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
+        if space.offload_dir.is_none() {
+            space.offload_dir = Some(o.out.join(crate::run_dir::OFFLOAD_DIR));
+        }
+        let (f, baseline) = fit_measured(spec, &space, budget, &cal, o.device.backend())?;
+        Ok((f, baseline, cal))
+    })?;
+    for line in f.found.table(budget).lines() {
+        progress.message(line);
+    }
+    progress.message(&format!(
+        "training with the fastest: {}",
+        f.found.ranked[0].flags()
+    ));
+    let r = Resolved::fitted(f, budget, req.step.strategy.offload_dir.clone(), cal);
+    o.batch = r.batch;
+    o.strategies = r.strategies;
+    o.fit = r.fit;
+    o.planned_baseline = Some(baseline);
+    Ok(())
 }
 
 /// `now / was` in words: `0.5`, `2`.

@@ -26,11 +26,11 @@ mod summary;
 
 pub use options::{TrainOptions, default_threads, resume_options};
 pub use progress::{ConsoleProgress, NoProgress, Progress};
-pub use setup::{plan_for, planning_baseline};
+pub use setup::{plan_for, planning_baseline, with_data_open};
 pub use summary::{TrainSummary, over_max_memory, over_max_memory_warning};
 
 use crate::dist::{Comm, Single};
-use anyhow::{Result, bail};
+use anyhow::Result;
 use run::Run;
 use std::path::Path;
 use std::sync::Arc;
@@ -57,12 +57,8 @@ pub fn train_among(
     let mut opts = setup::with_tokenizer_dir(opts, resume)?;
     opts.strategies.ranks = comm.size();
     opts.strategies.rank = comm.rank();
-    if opts.fit_search.is_some() && comm.size() > 1 {
-        bail!("--fit searches one process's plan; under mpirun give the strategies yourself");
-    }
-    let (opts, baseline) = setup::with_fit(opts, progress)?;
     let opts = &opts;
-    let mut run = Run::start(opts, resume, baseline, comm, progress)?;
+    let mut run = Run::start(opts, resume, opts.planned_baseline, comm, progress)?;
     if resume.is_none() && opts.eval_every > 0 && opts.steps > 0 {
         run.evaluate_initial(progress)?;
     }

@@ -76,10 +76,10 @@ pub struct TrainOptions {
     /// The `--fit` search that chose `batch` and `strategies` (recorded in plan.json).
     #[serde(default)]
     pub fit: Option<serde_json::Value>,
-    /// `--fit`: search this space when the run starts (with the data open, so the process
-    /// baseline is the one the run plans with); `batch` and `strategies` are then the choice.
+    /// `--fit`: the process's resident memory its search measured, with the data open and
+    /// the search's memory handed back; the run plans with it (else it measures its own).
     #[serde(skip)]
-    pub fit_search: Option<crate::plan::search::Space>,
+    pub planned_baseline: Option<u64>,
     /// The backend that plans and runs the steps (`--device`; left out of the record when
     /// it is the CPU, so the trainer states of CPU runs are as before the field existed).
     #[serde(default, skip_serializing_if = "DeviceKind::is_cpu")]
@@ -116,14 +116,14 @@ impl TrainOptions {
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
             strategies: Strategies::default(),
             fit: None,
-            fit_search: None,
+            planned_baseline: None,
             profile_steps: 0,
             device: DeviceKind::Cpu,
         }
     }
 
     /// Refuses values the loop cannot run with, naming the flag.
-    pub(super) fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         if self.steps == 0 {
             bail!("--steps must be at least 1");
         }

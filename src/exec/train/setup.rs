@@ -26,8 +26,9 @@ use std::time::Instant;
 impl<'a> Run<'a> {
     /// Checks, plans, allocates and restores; on return the run is ready for its next step,
     /// which is below `opts.steps`.
-    /// `baseline`: the process's resident memory to plan with, when [`with_fit`] measured
-    /// it (else measured here, once the data is open).
+    /// `baseline`: the process's resident memory to plan with, when `--fit`'s search
+    /// measured it (`TrainOptions::planned_baseline`; else measured here, once the data is
+    /// open).
     pub(super) fn start(
         opts: &'a TrainOptions,
         resume: Option<&Path>,
@@ -207,86 +208,26 @@ fn same_configuration(opts: &TrainOptions, resume: Option<&Path>, comm: &dyn Com
 
 /// The model to train: the resumed checkpoint's, the `--init` checkpoint's, or `--model`;
 /// `--model` must have the dimensions of the checkpoint it continues.
-/// `--fit`: opens the data as the run will, measures the process baseline, searches
-/// `opts.fit_search` with it and returns the options of the fastest plan that fits (with the
-/// search's record), and that baseline for the run to plan with. Without a search: `opts`.
-pub(super) fn with_fit(
-    opts: TrainOptions,
-    progress: &mut dyn Progress,
-) -> Result<(TrainOptions, Option<u64>)> {
-    let Some(space) = opts.fit_search.clone() else {
-        return Ok((opts, None));
-    };
-    let budget = opts
-        .strategies
-        .max_memory
-        .context("--fit needs --max-memory: it picks the fastest plan that fits that budget")?;
-    opts.check()?;
-    let spec = model_spec(&opts, None)?;
-    let data = open_data(&opts, &spec)?;
-    let cal = crate::exec::calibrate::current(opts.threads)?;
-    // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
-    let mut space = space;
-    if space.offload_dir.is_none() {
-        space.offload_dir = Some(opts.out.join(crate::run_dir::OFFLOAD_DIR));
-    }
-    let (f, baseline) = fit_measured(&spec, &space, budget, &cal, opts.device.backend())?;
-    drop(data);
-    for line in f.found.table(budget).lines() {
-        progress.message(line);
-    }
-    progress.message(&format!(
-        "training with the fastest: {}",
-        f.found.ranked[0].flags()
-    ));
-    let mut o = opts.clone();
-    o.batch = f.cfg.batch;
-    o.strategies =
-        crate::plan::fit::Strategies::chosen(&f.cfg, budget, opts.strategies.offload_dir.clone());
-    o.fit = Some(f.record);
-    o.fit_search = None;
-    Ok((o, Some(baseline)))
-}
-
 /// The process's resident memory once the run's model and data are open (the tokenizer
 /// loaded and checked), as `Run::start` will measure it: what `--batch auto`, chosen
 /// before the run starts, plans with (measured before opening them, it was lower than the
 /// run's, and the choice could then fail the run's own budget check).
 pub fn planning_baseline(opts: &TrainOptions) -> Result<u64> {
-    let spec = model_spec(opts, None)?;
-    let data = open_data(opts, &spec)?;
-    let baseline = rss::current_rss().unwrap_or(0);
-    drop(data);
-    Ok(baseline)
+    with_data_open(opts, |_| Ok(rss::current_rss().unwrap_or(0)))
 }
 
-/// The `--fit` search with the baseline the run will have: the search's own allocations
-/// (plans built on every core) are handed back and the baseline measured again after it;
-/// where the fastest choice no longer fits with that, the search runs again with it (a
-/// baseline measured before the search under-counted the run by 5.9 MiB on gpt2-tiny).
-fn fit_measured(
-    spec: &ModelSpec,
-    space: &crate::plan::search::Space,
-    budget: u64,
-    cal: &crate::plan::time::Calibration,
-    backend: &dyn crate::backend::Backend,
-) -> Result<(crate::plan::search::Fitted, u64)> {
-    let mut baseline = rss::current_rss().unwrap_or(0);
-    for _ in 0..3 {
-        let f = crate::plan::search::fit(spec, space, budget, baseline, cal, backend)?;
-        crate::util::malloc::release_free_memory();
-        let after = rss::current_rss().unwrap_or(0);
-        let best = &f.found.ranked[0];
-        if after <= baseline || best.peak - baseline + after <= budget {
-            return Ok((f, baseline.max(after)));
-        }
-        baseline = after;
-    }
-    bail!(
-        "--fit: the process's resident memory kept growing with each search (now {}); \
-         give the strategies yourself (see `memwall plan --fit`)",
-        fmt_bytes(baseline)
-    )
+/// Runs `f` on the model of a new run with its data open, as `Run::start` will have them
+/// (the tokenizer loaded and checked): what choices made before the run starts measure the
+/// process with (`--batch auto`, `--fit`).
+pub fn with_data_open<T>(
+    opts: &TrainOptions,
+    f: impl FnOnce(&ModelSpec) -> Result<T>,
+) -> Result<T> {
+    let spec = model_spec(opts, None)?;
+    let data = open_data(opts, &spec)?;
+    let out = f(&spec);
+    drop(data);
+    out
 }
 
 fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
