@@ -1,0 +1,231 @@
+//! The backend conformance suite: every op kind a backend runs, checked through
+//! `&dyn Backend` alone, so a second backend inherits every op's test (candle's
+//! `test_device!` habit, turned around: candle writes one line per op listing the devices;
+//! here one line per backend instantiates every op).
+//!
+//! Each check builds a small plan by hand (`backend_ops/rig.rs`: the buffers the op needs,
+//! packed and verified as the planner's are), starts it with `Backend::start`, fills the
+//! inputs with `Device::upload`, runs the op with `Device::run` (collectives with
+//! `Device::run_collective`), reads the outputs with `Device::download`, and compares them
+//! with a reference written in the check in plain f64 loops from the op's documented formula
+//! (`backend_ops/layers.rs`, `backend_ops/state.rs`), never with the CPU kernels.
+//!
+//! A new backend adds one line: `backend_suite!(cuda, memwall::backend::cuda::Cuda::new(0));`
+//! (the expression is evaluated once per test; anything that coerces to `&dyn Backend` by
+//! reference works). It runs every storage precision a plan can have (fp32, bf16, fp16):
+//! a backend that cannot start a plan of one fails those tests, rather than skipping them.
+//!
+//! Tolerances, in units of the storage type's unit roundoff u (bf16 2^-8, f16 2^-11; the
+//! most rounding to nearest moves a value): an output computed elementwise in f32 and
+//! stored once within u·(1 + 1/64) relative (`rig::rounded`; f32: 2e-6); a sum of products
+//! (matmuls, attention, the norms' backward, the LM head), whose operands a backend may
+//! round to the storage type (the fp32 weights too), within that plus 2u of the largest
+//! output (`rig::reduced`; f32: 2e-6 of it); a sum over ranks within u plus u of the largest
+//! (f32: 1e-6). Whatever the storage: f32 statistics (mean, rstd, lse) 1e-5 relative; AdamW's
+//! parameters 1e-6, f32 moments 1e-6 (+1e-7 of the largest, for cancellation), bf16 moments
+//! the bf16 u, int8 codes the format's own bound (a level every 2^(1/8): 2^(1/16) − 1);
+//! the gradient norm's share 1e-5. Values an op must leave alone, copies (all-gather,
+//! transfers) and zeroing: bitwise.
+//!
+//! Op kinds not covered: `AwaitCollective`, which no backend runs today (the executor waits
+//! for its communication thread; `CpuDevice::run` does not take it). Every other kind of
+//! `plan::Op` has a check (`rig::kind` names them all without a wildcard, so a new kind
+//! stops the suite compiling until it is named there). Narrower than the op: `LmHeadLast`
+//! and `StepCtx::seq` (a prefix of each sequence) are checked in fp32 only, the only
+//! precision of generation plans, their one user. The collectives run through
+//! `Device::run_collective` in one place (`state::run_collective`), the line to change when
+//! collectives become start/await ops of the device.
+//!
+//! That the checks can fail: `mod flawed` runs some of them on a backend that gets one thing
+//! wrong before the CPU runs the op (a transposed weight, RoPE turned the wrong way, the loss
+//! scale or the weight decay ignored, a norm's epsilon, an element left unwritten, the rows
+//! of a sequence misread, gradients overwritten instead of added to), and each must fail
+//! with the checks' mismatch message; the same wrapper without a flaw passes.
+
+mod backend_ops {
+    pub mod flawed;
+    pub mod layers;
+    pub mod rig;
+    pub mod state;
+}
+
+use backend_ops::{layers, state};
+use memwall::plan::Precision;
+
+/// The checks that run at every storage precision, by name (each `fn(&dyn Backend,
+/// Precision)` of `layers` or `state`).
+macro_rules! storage_checks {
+    ($backend:expr, $p:expr; $($module:ident :: $check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $module::$check(&$backend, $p)
+            }
+        )*
+    };
+}
+
+/// Every op check for one backend: `backend_suite!(name, expression giving the backend)`
+/// makes module `name` with a module per storage precision (`fp32`, `bf16`, `fp16`), one for
+/// what only fp32 plans have (`fp32_generation`), and the transfers between tiers.
+macro_rules! backend_suite {
+    ($name:ident, $backend:expr) => {
+        mod $name {
+            use super::*;
+
+            /// Checks of ops that only fp32 plans have (generation's `LmHeadLast`).
+            mod fp32_generation {
+                use super::*;
+                storage_checks!($backend, Precision::F32; layers::lm_head_last);
+            }
+
+            /// Checks that hold whatever the storage type (bytes moved between tiers).
+            #[test]
+            fn transfers() {
+                state::transfers(&$backend)
+            }
+
+            backend_suite!(@storage $backend, fp32, Precision::F32);
+            backend_suite!(@storage $backend, bf16, Precision::Bf16);
+            backend_suite!(@storage $backend, fp16, Precision::F16);
+        }
+    };
+    (@storage $backend:expr, $module:ident, $p:expr) => {
+        mod $module {
+            use super::*;
+            storage_checks!($backend, $p;
+                layers::zero,
+                layers::encoder,
+                layers::encoder_backward,
+                layers::layernorm,
+                layers::layernorm_backward,
+                layers::rmsnorm,
+                layers::rmsnorm_backward,
+                layers::matmul,
+                layers::matmul_backward,
+                layers::attention,
+                layers::attention_backward,
+                layers::rope,
+                layers::rope_inverse,
+                layers::swiglu,
+                layers::swiglu_backward,
+                layers::gelu,
+                layers::gelu_backward,
+                layers::lm_head_loss,
+                layers::lm_head_eval,
+                state::grad_norm,
+                state::adamw_f32_state,
+                state::adamw_bf16_state,
+                state::adamw_int8_state,
+                state::all_reduce,
+                state::reduce_scatter,
+                state::all_gather,
+            );
+        }
+    };
+}
+
+backend_suite!(cpu, memwall::backend::cpu::Cpu);
+
+/// The checks failing on a flawed backend (see `backend_ops/flawed.rs`).
+mod flawed {
+    use super::backend_ops::flawed::{Flaw, Flawed};
+    use super::*;
+    use memwall::plan::Op;
+    use memwall::plan::schedule::WeightLayout;
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn a_transposed_weight_fails_in_bf16() {
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::Matmul { layout, .. } = op {
+                *layout = match layout {
+                    WeightLayout::InOut => WeightLayout::OutIn,
+                    WeightLayout::OutIn => WeightLayout::InOut,
+                };
+            }
+        });
+        layers::matmul(&Flawed(flaw), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn rope_turned_the_wrong_way_fails_in_bf16() {
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::Rope { inverse, .. } = op {
+                *inverse = !*inverse;
+            }
+        });
+        layers::rope(&Flawed(flaw), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn an_ignored_loss_scale_fails_in_bf16() {
+        let flaw = Flaw::Op(|_, ctx| ctx.loss_scale = 1.0);
+        layers::lm_head_loss(&Flawed(flaw), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn misread_rows_fail_attention_in_bf16() {
+        // The rows read as sequences of 4: keys and values come from the wrong rows.
+        let flaw = Flaw::Op(|_, ctx| ctx.seq = Some(4));
+        layers::attention(&Flawed(flaw), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn overwritten_gradients_fail_in_bf16() {
+        // What an op that overwrote its gradients instead of adding to them would leave.
+        layers::encoder_backward(&Flawed(Flaw::ZeroGradsFirst), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn a_dropped_weight_decay_fails_in_f32() {
+        let flaw = Flaw::Op(|_, ctx| {
+            if let Some(u) = &mut ctx.update {
+                u.weight_decay = 0.0;
+            }
+        });
+        state::adamw_f32_state(&Flawed(flaw), Precision::F32)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn another_epsilon_fails_layernorm_in_f32() {
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::LayerNorm { eps, .. } = op {
+                *eps = 1e-3;
+            }
+        });
+        layers::layernorm(&Flawed(flaw), Precision::F32)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn an_element_left_unwritten_fails_in_f32() {
+        // GELU over one element fewer: the last one keeps the value it had.
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::Gelu { width, .. } = op {
+                *width -= 1;
+            }
+        });
+        layers::gelu(&Flawed(flaw), Precision::F32)
+    }
+
+    /// The wrapper without a flaw passes the same checks: the failures above are the flaws'.
+    #[test]
+    fn the_wrapper_alone_passes() {
+        let honest = Flawed(Flaw::Op(|_, _| {}));
+        layers::matmul(&honest, Precision::Bf16);
+        layers::rope(&honest, Precision::Bf16);
+        layers::lm_head_loss(&honest, Precision::Bf16);
+        layers::attention(&honest, Precision::Bf16);
+        layers::encoder_backward(&honest, Precision::Bf16);
+        state::adamw_f32_state(&honest, Precision::F32);
+        layers::layernorm(&honest, Precision::F32);
+        layers::gelu(&honest, Precision::F32);
+    }
+}

@@ -1,0 +1,87 @@
+//! A flawed backend, to show the checks fail: the CPU backend behind a wrapper that changes
+//! one thing in each op (or its step context) before running it, as a bug in a new backend
+//! would. Everything else goes through to the CPU device unchanged.
+
+use memwall::backend::cpu::Cpu;
+use memwall::backend::{Backend, Device, OpResult, StepCtx};
+use memwall::dtype::DType;
+use memwall::plan::schedule::OpEntry;
+use memwall::plan::{BufId, Op, Plan, Sizing};
+
+/// What the flawed backend gets wrong.
+#[derive(Clone, Copy)]
+pub enum Flaw {
+    /// Runs each op as this changes it (and its step context).
+    Op(fn(&mut Op, &mut StepCtx)),
+    /// Zeroes an op's bound gradients before running it (an op meant to add to its
+    /// gradients then leaves what one that overwrote them would).
+    ZeroGradsFirst,
+}
+
+/// The CPU backend with `Flaw`.
+pub struct Flawed(pub Flaw);
+
+impl Sizing for Flawed {
+    fn attention_workspace_elems(&self, s: DType, t: usize, hs: usize, threads: usize) -> usize {
+        Cpu.attention_workspace_elems(s, t, hs, threads)
+    }
+    fn mixed_gemm_workspace_elems(&self) -> usize {
+        Cpu.mixed_gemm_workspace_elems()
+    }
+    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64 {
+        Cpu.library_scratch_bytes(ops, threads)
+    }
+    fn compute_note(&self, storage: DType) -> Option<String> {
+        Cpu.compute_note(storage)
+    }
+}
+
+impl Backend for Flawed {
+    fn start(&self, plan: &Plan) -> anyhow::Result<Box<dyn Device>> {
+        Ok(Box::new(FlawedDevice(Cpu.start(plan)?, self.0)))
+    }
+}
+
+struct FlawedDevice(Box<dyn Device>, Flaw);
+
+impl Device for FlawedDevice {
+    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> anyhow::Result<OpResult> {
+        let (mut e, mut ctx) = (e.clone(), *ctx);
+        match self.1 {
+            Flaw::Op(f) => f(&mut e.op, &mut ctx),
+            Flaw::ZeroGradsFirst => {
+                if let Some(g) = e.grads {
+                    let zero = OpEntry {
+                        op: Op::Zero { buf: g.buf },
+                        params: None,
+                        grads: None,
+                        ..e.clone()
+                    };
+                    self.0.run(&zero, &ctx)?;
+                }
+            }
+        }
+        self.0.run(&e, &ctx)
+    }
+    fn run_collective(
+        &self,
+        e: &OpEntry,
+        cut: &memwall::dist::Cut,
+        comm: &dyn memwall::dist::Comm,
+    ) -> anyhow::Result<()> {
+        self.0.run_collective(e, cut, comm)
+    }
+    fn scope(&self, f: &mut (dyn FnMut() + Send)) {
+        self.0.scope(f)
+    }
+    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) -> anyhow::Result<()> {
+        self.0.download(bufs, f)
+    }
+    fn upload(
+        &mut self,
+        bufs: &[BufId],
+        f: &mut dyn FnMut(&mut [&mut [u8]]),
+    ) -> anyhow::Result<()> {
+        self.0.upload(bufs, f)
+    }
+}

@@ -1,0 +1,1047 @@
+//! Checks of the layer ops, forward and backward: each declares a one-op plan with small odd
+//! shapes (B = 2, T = 5, widths that are no multiple of a vector), fills its inputs, runs the
+//! op on the backend and compares every buffer it writes (its workspace excepted: attention's
+//! tiles, the LM head's logits chunk) with a plain f64 reference written here from the op's
+//! documented formula, computed on the inputs as stored. Outputs that an op overwrites are
+//! filled with random values first (an element left unwritten fails); gradients that
+//! accumulate start random (an op that overwrites them fails); the parameter and gradient
+//! buffers are compared whole (an op that writes outside its ranges fails).
+//!
+//! `StepCtx::seq` (generation runs the forward on a prefix of each sequence) is checked where
+//! it changes more than the number of rows (the encoder's and RoPE's positions, attention's
+//! sequences, the LM head's last row) and on the matmul; generation plans are fp32 only, so
+//! in fp32.
+
+use super::rig::*;
+use memwall::backend::{Backend, StepCtx};
+use memwall::plan::schedule::WeightLayout;
+use memwall::plan::{Op, Precision, Rows};
+use std::ops::Range;
+
+const ROWS: Rows = Rows { b: B, t: T };
+const N: usize = B * T;
+
+/// Indices in the parameter (or gradient) buffer of parameter range `r`.
+fn local(r: &Range<usize>) -> Range<usize> {
+    r.start - PARAM_BASE..r.end - PARAM_BASE
+}
+
+/// The sequence lengths each check runs with: the plan's, and in fp32 a prefix of 3.
+fn seqs(p: Precision) -> Vec<Option<usize>> {
+    match p {
+        Precision::F32 => vec![None, Some(3)],
+        _ => vec![None],
+    }
+}
+
+/// Checks the first `want.len()` values of `got` and that the rest still hold `before`.
+fn check_prefix(what: &str, got: &[f32], want: &[f64], before: &[f32], tol: Tol) {
+    let n = want.len();
+    check(what, &got[..n], want, tol);
+    same(
+        &format!("{what} (beyond the rows run)"),
+        &got[n..],
+        &before[n..],
+    );
+}
+
+/// Statistics (mean, 1/std, log-sum-exp) are f32 whatever the storage: a few f32 roundings.
+const STAT: Tol = Tol::rel(1e-5, 1e-5);
+
+pub fn zero(be: &dyn Backend, p: Precision) {
+    let mut rig = Rig::new(p);
+    let a = rig.act("a", 37); // [37]
+    let f = rig.f32("f", 37); // [37]
+    let keep = rig.act("keep", 37); // [37], untouched
+    let za = rig.op(Op::Zero { buf: a }, Bind::None);
+    let zf = rig.op(Op::Zero { buf: f }, Bind::None);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(1);
+    s.fill(a, &mut rng, 1.0, 2.0);
+    s.fill(f, &mut rng, 1.0, 2.0);
+    let k = s.fill(keep, &mut rng, 1.0, 2.0);
+    s.run(za, &ctx());
+    s.run(zf, &ctx());
+    for id in [a, f] {
+        let bytes = s.get_bytes(id);
+        assert!(
+            bytes.iter().all(|&b| b == 0),
+            "zero: does not match the reference: {:?} is not all zero bits",
+            s.plan.buffer(id).name
+        );
+    }
+    same("zero: the buffer beside", &s.get(keep), &k);
+}
+
+pub fn encoder(be: &dyn Backend, p: Precision) {
+    const V: usize = 13;
+    const C: usize = 6;
+    const MAXT: usize = 8;
+    for learned in [true, false] {
+        for seq in seqs(p) {
+            let mut rig = Rig::new(p);
+            let wte = rig.param(V * C); // [V, C]
+            let wpe = learned.then(|| rig.param(MAXT * C)); // [maxT, C]
+            let tokens = rig.u32("tokens", N); // [B, T]
+            let out = rig.act("out", N * C); // [N, C]
+            let op = Op::Encoder {
+                tokens,
+                out,
+                wte: wte.clone(),
+                wpe: wpe.clone(),
+                rows: ROWS,
+                c: C,
+            };
+            let op = rig.op(op, Bind::Params);
+            let mut s = rig.start(be);
+            let mut rng = Rng::new(2);
+            let w = s.fill(s.params(), &mut rng, -1.0, 1.0);
+            let tok: Vec<u32> = (0..N).map(|_| rng.below(V as u64) as u32).collect();
+            s.put_u32(tokens, &tok);
+            let before = s.fill(out, &mut rng, -1.0, 1.0);
+            s.run(op, &StepCtx { seq, ..ctx() });
+            let tl = seq.unwrap_or(T);
+            let mut want = vec![0.0; B * tl * C];
+            for (i, row) in want.chunks_mut(C).enumerate() {
+                let (wte, t) = (&w[local(&wte)], i % tl);
+                for (j, o) in row.iter_mut().enumerate() {
+                    *o = wte[tok[i] as usize * C + j] as f64;
+                    if let Some(wpe) = &wpe {
+                        *o += w[local(wpe)][t * C + j] as f64;
+                    }
+                }
+            }
+            let what = format!("encoder out (learned positions: {learned}, seq {seq:?})");
+            check_prefix(&what, &s.get(out), &want, &before, rounded(p));
+        }
+    }
+}
+
+pub fn encoder_backward(be: &dyn Backend, p: Precision) {
+    const V: usize = 13;
+    const C: usize = 6;
+    const MAXT: usize = 8;
+    for learned in [true, false] {
+        let mut rig = Rig::new(p);
+        let wte = rig.param(V * C); // [V, C]
+        let wpe = learned.then(|| rig.param(MAXT * C)); // [maxT, C]
+        let tokens = rig.u32("tokens", N); // [B, T]
+        let dout = rig.act("dout", N * C); // [N, C]
+        let op = Op::EncoderBackward {
+            dout,
+            tokens,
+            wte: wte.clone(),
+            wpe: wpe.clone(),
+            rows: ROWS,
+            c: C,
+        };
+        let op = rig.op(op, Bind::Grads);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(3);
+        let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+        // Tokens from a few ids, so rows repeat.
+        let tok: Vec<u32> = (0..N).map(|_| rng.below(4) as u32 * 3).collect();
+        s.put_u32(tokens, &tok);
+        let d = s.fill(dout, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let mut want = wide(&g0);
+        for i in 0..N {
+            for j in 0..C {
+                want[local(&wte).start + tok[i] as usize * C + j] += d[i * C + j] as f64;
+                if let Some(wpe) = &wpe {
+                    want[local(wpe).start + (i % T) * C + j] += d[i * C + j] as f64;
+                }
+            }
+        }
+        let what = format!("encoder_backward grads (learned positions: {learned})");
+        check(&what, &s.get(s.grads()), &want, rounded(p));
+    }
+}
+
+/// Rows of `[N, C]` with a different mean per row (so a norm that skips the mean fails).
+fn rows_with_offsets(rng: &mut Rng, n: usize, c: usize) -> Vec<f32> {
+    let mut x = rng.uniform(n * c, -1.0, 1.0);
+    for (i, row) in x.chunks_mut(c).enumerate() {
+        row.iter_mut()
+            .for_each(|v| *v += 0.5 * (i % 3) as f32 - 0.4);
+    }
+    x
+}
+
+/// Layer-norm statistics of `[n, c]` rows: (mean, rstd), biased variance.
+fn ln_stats(x: &[f32], c: usize, eps: f32) -> (Vec<f64>, Vec<f64>) {
+    x.chunks(c)
+        .map(|row| {
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / c as f64;
+            (mean, 1.0 / (var + eps as f64).sqrt())
+        })
+        .unzip()
+}
+
+pub fn layernorm(be: &dyn Backend, p: Precision) {
+    const C: usize = 12;
+    const EPS: f32 = 1e-5;
+    let mut rig = Rig::new(p);
+    let w = rig.param(C); // [C]
+    let b = rig.param(C); // [C]
+    let inp = rig.act("inp", N * C); // [N, C]
+    let out = rig.act("out", N * C); // [N, C]
+    let mean = rig.f32("mean", N); // [N]
+    let rstd = rig.f32("rstd", N); // [N]
+    let op = Op::LayerNorm {
+        inp,
+        out,
+        mean,
+        rstd,
+        w: w.clone(),
+        b: b.clone(),
+        rows: ROWS,
+        c: C,
+        eps: EPS,
+    };
+    let op = rig.op(op, Bind::Params);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(4);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
+    for id in [out, mean, rstd] {
+        s.fill(id, &mut rng, -1.0, 1.0);
+    }
+    s.run(op, &ctx());
+    let (m, r) = ln_stats(&x, C, EPS);
+    let (w, b) = (&pw[local(&w)], &pw[local(&b)]);
+    let want: Vec<f64> = (0..N * C)
+        .map(|k| {
+            let (i, j) = (k / C, k % C);
+            (x[k] as f64 - m[i]) * r[i] * w[j] as f64 + b[j] as f64
+        })
+        .collect();
+    check("layernorm out", &s.get(out), &want, rounded(p));
+    check("layernorm mean", &s.get(mean), &m, STAT);
+    check("layernorm rstd", &s.get(rstd), &r, STAT);
+}
+
+pub fn layernorm_backward(be: &dyn Backend, p: Precision) {
+    const C: usize = 12;
+    let mut rig = Rig::new(p);
+    let w = rig.param(C); // [C]
+    let b = rig.param(C); // [C]
+    let dinp = rig.act("dinp", N * C); // [N, C], accumulated into
+    let dout = rig.act("dout", N * C); // [N, C]
+    let inp = rig.act("inp", N * C); // [N, C]
+    let mean = rig.f32("mean", N); // [N]
+    let rstd = rig.f32("rstd", N); // [N]
+    let op = Op::LayerNormBackward {
+        dinp,
+        dout,
+        inp,
+        mean,
+        rstd,
+        w: w.clone(),
+        b: b.clone(),
+        rows: ROWS,
+        c: C,
+    };
+    let op = rig.op(op, Bind::Both);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(5);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+    let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
+    let (m, r) = ln_stats(&x, C, 1e-5);
+    let m = s.put(mean, &m.iter().map(|&v| v as f32).collect::<Vec<_>>());
+    let r = s.put(rstd, &r.iter().map(|&v| v as f32).collect::<Vec<_>>());
+    let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+    let dx0 = s.fill(dinp, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let (wv, (wr, br)) = (&pw[local(&w)], (local(&w), local(&b)));
+    let mut dx = wide(&dx0);
+    let mut g = wide(&g0);
+    for i in 0..N {
+        let row = i * C..(i + 1) * C;
+        let (m, r) = (m[i] as f64, r[i] as f64);
+        let xhat: Vec<f64> = x[row.clone()].iter().map(|&v| (v as f64 - m) * r).collect();
+        let dyr = &dy[row.clone()];
+        let dnorm: Vec<f64> = (0..C).map(|j| dyr[j] as f64 * wv[j] as f64).collect();
+        let a = dnorm.iter().sum::<f64>() / C as f64;
+        let bb = (0..C).map(|j| dnorm[j] * xhat[j]).sum::<f64>() / C as f64;
+        for j in 0..C {
+            dx[i * C + j] += (dnorm[j] - a - xhat[j] * bb) * r;
+            g[wr.start + j] += dyr[j] as f64 * xhat[j];
+            g[br.start + j] += dyr[j] as f64;
+        }
+    }
+    check("layernorm_backward dinp", &s.get(dinp), &dx, reduced(p));
+    check(
+        "layernorm_backward grads",
+        &s.get(s.grads()),
+        &g,
+        reduced(p),
+    );
+}
+
+pub fn rmsnorm(be: &dyn Backend, p: Precision) {
+    const C: usize = 12;
+    const EPS: f32 = 1e-5;
+    let mut rig = Rig::new(p);
+    let w = rig.param(C); // [C]
+    let inp = rig.act("inp", N * C); // [N, C]
+    let out = rig.act("out", N * C); // [N, C]
+    let rstd = rig.f32("rstd", N); // [N]
+    let op = Op::RmsNorm {
+        inp,
+        out,
+        rstd,
+        w: w.clone(),
+        rows: ROWS,
+        c: C,
+        eps: EPS,
+    };
+    let op = rig.op(op, Bind::Params);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(6);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
+    s.fill(out, &mut rng, -1.0, 1.0);
+    s.fill(rstd, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let r: Vec<f64> = x
+        .chunks(C)
+        .map(|row| {
+            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
+            1.0 / (ms + EPS as f64).sqrt()
+        })
+        .collect();
+    let w = &pw[local(&w)];
+    let want: Vec<f64> = (0..N * C)
+        .map(|k| x[k] as f64 * r[k / C] * w[k % C] as f64)
+        .collect();
+    check("rmsnorm out", &s.get(out), &want, rounded(p));
+    check("rmsnorm rstd", &s.get(rstd), &r, STAT);
+}
+
+pub fn rmsnorm_backward(be: &dyn Backend, p: Precision) {
+    const C: usize = 12;
+    let mut rig = Rig::new(p);
+    let w = rig.param(C); // [C]
+    let dinp = rig.act("dinp", N * C); // [N, C], accumulated into
+    let dout = rig.act("dout", N * C); // [N, C]
+    let inp = rig.act("inp", N * C); // [N, C]
+    let rstd = rig.f32("rstd", N); // [N]
+    let op = Op::RmsNormBackward {
+        dinp,
+        dout,
+        inp,
+        rstd,
+        w: w.clone(),
+        rows: ROWS,
+        c: C,
+    };
+    let op = rig.op(op, Bind::Both);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(7);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+    let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
+    let r: Vec<f32> = x
+        .chunks(C)
+        .map(|row| {
+            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
+            (1.0 / (ms + 1e-5).sqrt()) as f32
+        })
+        .collect();
+    let r = s.put(rstd, &r);
+    let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+    let dx0 = s.fill(dinp, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let (wv, wr) = (&pw[local(&w)], local(&w));
+    let mut dx = wide(&dx0);
+    let mut g = wide(&g0);
+    for i in 0..N {
+        let ri = r[i] as f64;
+        let xhat: Vec<f64> = (0..C).map(|j| x[i * C + j] as f64 * ri).collect();
+        let gy: Vec<f64> = (0..C)
+            .map(|j| dy[i * C + j] as f64 * wv[j] as f64)
+            .collect();
+        let c = (0..C).map(|j| gy[j] * xhat[j]).sum::<f64>() / C as f64;
+        for j in 0..C {
+            dx[i * C + j] += ri * (gy[j] - xhat[j] * c);
+            g[wr.start + j] += dy[i * C + j] as f64 * xhat[j];
+        }
+    }
+    check("rmsnorm_backward dinp", &s.get(dinp), &dx, reduced(p));
+    check("rmsnorm_backward grads", &s.get(s.grads()), &g, reduced(p));
+}
+
+/// Element (k, o) of a linear layer's weight `w` in `layout` (W as `[IC, OC]`).
+fn weight(w: &[f32], layout: WeightLayout, ic: usize, oc: usize, k: usize, o: usize) -> f64 {
+    (match layout {
+        WeightLayout::InOut => w[k * oc + o],
+        WeightLayout::OutIn => w[o * ic + k],
+    }) as f64
+}
+
+/// The index in `w` of element (k, o), as [`weight`].
+fn weight_at(layout: WeightLayout, ic: usize, oc: usize, k: usize, o: usize) -> usize {
+    match layout {
+        WeightLayout::InOut => k * oc + o,
+        WeightLayout::OutIn => o * ic + k,
+    }
+}
+
+const LAYOUTS: [WeightLayout; 2] = [WeightLayout::InOut, WeightLayout::OutIn];
+
+pub fn matmul(be: &dyn Backend, p: Precision) {
+    const IC: usize = 7;
+    const OC: usize = 9;
+    for layout in LAYOUTS {
+        for (bias, residual) in [(true, false), (false, true), (true, true), (false, false)] {
+            for seq in seqs(p) {
+                matmul_case(be, p, layout, bias, residual, seq, IC, OC);
+            }
+        }
+    }
+}
+
+/// One [`matmul`] case: `out[N,OC] = (residual) + inp[N,IC] @ W (+ b)`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_case(
+    be: &dyn Backend,
+    p: Precision,
+    layout: WeightLayout,
+    bias: bool,
+    residual: bool,
+    seq: Option<usize>,
+    ic: usize,
+    oc: usize,
+) {
+    let mut rig = Rig::new(p);
+    let w = rig.param(ic * oc); // [IC, OC] or [OC, IC]
+    let b = bias.then(|| rig.param(oc)); // [OC]
+    let inp = rig.act("inp", N * ic); // [N, IC]
+    let out = rig.act("out", N * oc); // [N, OC]
+    let res = residual.then(|| rig.act("residual", N * oc)); // [N, OC]
+    let op = Op::Matmul {
+        inp,
+        out,
+        residual: res,
+        w: w.clone(),
+        b: b.clone(),
+        layout,
+        rows: ROWS,
+        ic,
+        oc,
+    };
+    let op = rig.op(op, Bind::Params);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(8);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let x = s.fill(inp, &mut rng, -1.0, 1.0);
+    let r = res.map(|id| s.fill(id, &mut rng, -1.0, 1.0));
+    let before = s.fill(out, &mut rng, -1.0, 1.0);
+    s.run(op, &StepCtx { seq, ..ctx() });
+    let n = B * seq.unwrap_or(T);
+    let wv = &pw[local(&w)];
+    let want: Vec<f64> = (0..n * oc)
+        .map(|e| {
+            let (i, o) = (e / oc, e % oc);
+            let mut acc: f64 = (0..ic)
+                .map(|k| x[i * ic + k] as f64 * weight(wv, layout, ic, oc, k, o))
+                .sum();
+            if let Some(b) = &b {
+                acc += pw[local(b)][o] as f64;
+            }
+            if let Some(r) = &r {
+                acc += r[e] as f64;
+            }
+            acc
+        })
+        .collect();
+    let what = format!("matmul out ({layout:?}, bias {bias}, residual {residual}, seq {seq:?})");
+    check_prefix(&what, &s.get(out), &want, &before, reduced(p));
+}
+
+pub fn matmul_backward(be: &dyn Backend, p: Precision) {
+    const IC: usize = 7;
+    const OC: usize = 9;
+    for layout in LAYOUTS {
+        for bias in [true, false] {
+            let mut rig = Rig::new(p);
+            let w = rig.param(IC * OC); // [IC, OC] or [OC, IC]
+            let b = bias.then(|| rig.param(OC)); // [OC]
+            let dinp = rig.act("dinp", N * IC); // [N, IC], overwritten
+            let dout = rig.act("dout", N * OC); // [N, OC]
+            let inp = rig.act("inp", N * IC); // [N, IC]
+            let op = Op::MatmulBackward {
+                dinp,
+                dout,
+                inp,
+                w: w.clone(),
+                b: b.clone(),
+                layout,
+                rows: ROWS,
+                ic: IC,
+                oc: OC,
+            };
+            let op = rig.op(op, Bind::Both);
+            let mut s = rig.start(be);
+            let mut rng = Rng::new(9);
+            let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+            let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+            let x = s.fill(inp, &mut rng, -1.0, 1.0);
+            let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+            s.fill(dinp, &mut rng, -1.0, 1.0);
+            s.run(op, &ctx());
+            let wv = &pw[local(&w)];
+            let dx: Vec<f64> = (0..N * IC)
+                .map(|e| {
+                    let (i, k) = (e / IC, e % IC);
+                    (0..OC)
+                        .map(|o| dy[i * OC + o] as f64 * weight(wv, layout, IC, OC, k, o))
+                        .sum()
+                })
+                .collect();
+            let mut g = wide(&g0);
+            for k in 0..IC {
+                for o in 0..OC {
+                    let at = local(&w).start + weight_at(layout, IC, OC, k, o);
+                    g[at] += (0..N)
+                        .map(|i| x[i * IC + k] as f64 * dy[i * OC + o] as f64)
+                        .sum::<f64>();
+                }
+            }
+            if let Some(b) = &b {
+                for o in 0..OC {
+                    g[local(b).start + o] += (0..N).map(|i| dy[i * OC + o] as f64).sum::<f64>();
+                }
+            }
+            let what = format!("matmul_backward ({layout:?}, bias {bias})");
+            check(&format!("{what} dinp"), &s.get(dinp), &dx, reduced(p));
+            check(&format!("{what} grads"), &s.get(s.grads()), &g, reduced(p));
+        }
+    }
+}
+
+/// Attention shapes: (NH, NKV, hd): grouped-query (2 query heads per KV head) and
+/// multi-head with an odd head count.
+const HEADS: [(usize, usize, usize); 2] = [(4, 2, 8), (3, 3, 4)];
+
+/// Causal attention of `qkv` `[b, t, (nh + 2·nkv)·hd]`: (out `[b, t, nh·hd]`, lse
+/// `[b, nh, t]`), scores scaled by 1/sqrt(hd), KV head h / g serving query head h.
+fn attention_ref(
+    qkv: &[f32],
+    (b, t): (usize, usize),
+    (nh, nkv, hd): (usize, usize, usize),
+) -> (Vec<f64>, Vec<f64>) {
+    let w = (nh + 2 * nkv) * hd;
+    let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
+    let at = |bb: usize, i: usize, off: usize, c: usize| qkv[(bb * t + i) * w + off + c] as f64;
+    let mut out = vec![0.0; b * t * nh * hd];
+    let mut lse = vec![0.0; b * nh * t];
+    for bb in 0..b {
+        for h in 0..nh {
+            let (qo, ko, vo) = (h * hd, (nh + h / g) * hd, (nh + nkv + h / g) * hd);
+            for i in 0..t {
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|c| at(bb, i, qo, c) * at(bb, j, ko, c))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                let l = m + s.iter().map(|&v| (v - m).exp()).sum::<f64>().ln();
+                lse[(bb * nh + h) * t + i] = l;
+                for c in 0..hd {
+                    out[(bb * t + i) * nh * hd + h * hd + c] =
+                        (0..=i).map(|j| (s[j] - l).exp() * at(bb, j, vo, c)).sum();
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// The gradient of [`attention_ref`]'s `out` with respect to `qkv`, given `dout`.
+fn attention_backward_ref(
+    qkv: &[f32],
+    dout: &[f32],
+    (b, t): (usize, usize),
+    (nh, nkv, hd): (usize, usize, usize),
+) -> Vec<f64> {
+    let w = (nh + 2 * nkv) * hd;
+    let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
+    let at = |bb: usize, i: usize, off: usize, c: usize| qkv[(bb * t + i) * w + off + c] as f64;
+    let mut d = vec![0.0; b * t * w];
+    for bb in 0..b {
+        for h in 0..nh {
+            let (qo, ko, vo) = (h * hd, (nh + h / g) * hd, (nh + nkv + h / g) * hd);
+            for i in 0..t {
+                let dy = |c: usize| dout[(bb * t + i) * nh * hd + h * hd + c] as f64;
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|c| at(bb, i, qo, c) * at(bb, j, ko, c))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = s.iter().map(|&v| (v - m).exp()).sum();
+                let pr: Vec<f64> = s.iter().map(|&v| (v - m).exp() / z).collect();
+                let dp: Vec<f64> = (0..=i)
+                    .map(|j| (0..hd).map(|c| dy(c) * at(bb, j, vo, c)).sum())
+                    .collect();
+                let dsum: f64 = (0..=i).map(|j| pr[j] * dp[j]).sum();
+                for j in 0..=i {
+                    let ds = pr[j] * (dp[j] - dsum) * scale;
+                    for c in 0..hd {
+                        d[(bb * t + i) * w + qo + c] += ds * at(bb, j, ko, c);
+                        d[(bb * t + j) * w + ko + c] += ds * at(bb, i, qo, c);
+                        d[(bb * t + j) * w + vo + c] += pr[j] * dy(c);
+                    }
+                }
+            }
+        }
+    }
+    d
+}
+
+pub fn attention(be: &dyn Backend, p: Precision) {
+    for heads @ (nh, nkv, hd) in HEADS {
+        for seq in seqs(p) {
+            let mut rig = Rig::new(p);
+            let w = (nh + 2 * nkv) * hd;
+            let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, THREADS);
+            let qkv = rig.act("qkv", N * w); // [N, (NH + 2·NKV)·hd]
+            let out = rig.act("out", N * nh * hd); // [N, NH·hd]
+            let lse = rig.f32("lse", B * nh * T); // [B, NH, T]
+            let ws = rig.f32("ws", ws_len.max(1)); // the backend's attention workspace
+            let op = Op::Attention {
+                qkv,
+                out,
+                lse,
+                ws,
+                rows: ROWS,
+                nh,
+                nkv,
+                hd,
+            };
+            let op = rig.op(op, Bind::None);
+            let mut s = rig.start(be);
+            let mut rng = Rng::new(10);
+            let x = s.fill(qkv, &mut rng, -1.0, 1.0);
+            let out0 = s.fill(out, &mut rng, -1.0, 1.0);
+            let lse0 = s.fill(lse, &mut rng, -1.0, 1.0);
+            s.run(op, &StepCtx { seq, ..ctx() });
+            let tl = seq.unwrap_or(T);
+            let (o, l) = attention_ref(&x[..B * tl * w], (B, tl), heads);
+            let what = format!("attention (NH {nh}, NKV {nkv}, hd {hd}, seq {seq:?})");
+            check_prefix(&format!("{what} out"), &s.get(out), &o, &out0, reduced(p));
+            check_prefix(&format!("{what} lse"), &s.get(lse), &l, &lse0, STAT);
+        }
+    }
+}
+
+pub fn attention_backward(be: &dyn Backend, p: Precision) {
+    for heads @ (nh, nkv, hd) in HEADS {
+        let mut rig = Rig::new(p);
+        let w = (nh + 2 * nkv) * hd;
+        let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, THREADS);
+        let dqkv = rig.act("dqkv", N * w); // [N, (NH + 2·NKV)·hd], overwritten
+        let dout = rig.act("dout", N * nh * hd); // [N, NH·hd]
+        let qkv = rig.act("qkv", N * w); // [N, (NH + 2·NKV)·hd]
+        let out = rig.act("out", N * nh * hd); // [N, NH·hd]
+        let lse = rig.f32("lse", B * nh * T); // [B, NH, T]
+        let ws = rig.f32("ws", ws_len.max(1)); // the backend's attention workspace
+        let op = Op::AttentionBackward {
+            dqkv,
+            dout,
+            qkv,
+            out,
+            lse,
+            ws,
+            rows: ROWS,
+            nh,
+            nkv,
+            hd,
+        };
+        let op = rig.op(op, Bind::None);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(11);
+        let x = s.fill(qkv, &mut rng, -1.0, 1.0);
+        // The forward's results, as the plan keeps them for the backward.
+        let (o, l) = attention_ref(&x, (B, T), heads);
+        s.put(out, &o.iter().map(|&v| v as f32).collect::<Vec<_>>());
+        s.put(lse, &l.iter().map(|&v| v as f32).collect::<Vec<_>>());
+        let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+        s.fill(dqkv, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let want = attention_backward_ref(&x, &dy, (B, T), heads);
+        let what = format!("attention_backward dqkv (NH {nh}, NKV {nkv}, hd {hd})");
+        check(&what, &s.get(dqkv), &want, reduced(p));
+    }
+}
+
+pub fn rope(be: &dyn Backend, p: Precision) {
+    rope_turn(be, p, false)
+}
+
+pub fn rope_inverse(be: &dyn Backend, p: Precision) {
+    rope_turn(be, p, true)
+}
+
+/// RoPE on q|k|v `[N, (NH + 2·NKV)·hd]` in place: queries and keys turned, values kept.
+fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
+    const NH: usize = 2;
+    const NKV: usize = 1;
+    const HD: usize = 8;
+    const WIDTH: usize = (NH + 2 * NKV) * HD;
+    const ROTATED: usize = (NH + NKV) * HD;
+    let inv_freq: Vec<f32> = (0..HD / 2)
+        .map(|i| 10000f64.powf(-2.0 * i as f64 / HD as f64) as f32)
+        .collect();
+    for seq in seqs(p) {
+        let mut rig = Rig::new(p);
+        let x = rig.act("qkv", N * WIDTH); // [N, (NH + 2·NKV)·hd]
+        let op = Op::Rope {
+            x,
+            rows: ROWS,
+            width: WIDTH,
+            rotated: ROTATED,
+            hd: HD,
+            inv_freq: inv_freq.clone(),
+            inverse,
+        };
+        let op = rig.op(op, Bind::None);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(12);
+        let x0 = s.fill(x, &mut rng, -1.0, 1.0);
+        s.run(op, &StepCtx { seq, ..ctx() });
+        let tl = seq.unwrap_or(T);
+        let n = B * tl;
+        let mut want = wide(&x0[..n * WIDTH]);
+        let sign = if inverse { -1.0 } else { 1.0 };
+        for r in 0..n {
+            let pos = (r % tl) as f32;
+            for head in 0..ROTATED / HD {
+                let base = r * WIDTH + head * HD;
+                for i in 0..HD / 2 {
+                    // The angle as an f32 product, as transformers computes it.
+                    let theta = (pos * inv_freq[i]) as f64 * sign;
+                    let (a, b) = (x0[base + i] as f64, x0[base + i + HD / 2] as f64);
+                    want[base + i] = a * theta.cos() - b * theta.sin();
+                    want[base + i + HD / 2] = b * theta.cos() + a * theta.sin();
+                }
+            }
+        }
+        let got = s.get(x);
+        let what = format!("rope (inverse {inverse}, seq {seq:?})");
+        check_prefix(&what, &got, &want, &x0, rounded(p));
+        for r in 0..n {
+            let v = r * WIDTH + ROTATED..(r + 1) * WIDTH;
+            same(&format!("{what}: values"), &got[v.clone()], &x0[v]);
+        }
+    }
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+pub fn swiglu(be: &dyn Backend, p: Precision) {
+    const H: usize = 6;
+    let mut rig = Rig::new(p);
+    let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]: gate | up
+    let out = rig.act("out", N * H); // [N, H]
+    let op = rig.op(
+        Op::Swiglu {
+            inp,
+            out,
+            rows: ROWS,
+            h: H,
+        },
+        Bind::None,
+    );
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(13);
+    let x = s.fill(inp, &mut rng, -4.0, 4.0);
+    s.fill(out, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let want: Vec<f64> = (0..N * H)
+        .map(|e| {
+            let (i, j) = (e / H, e % H);
+            let (g, u) = (x[i * 2 * H + j] as f64, x[i * 2 * H + H + j] as f64);
+            g * sigmoid(g) * u
+        })
+        .collect();
+    check("swiglu out", &s.get(out), &want, rounded(p));
+}
+
+pub fn swiglu_backward(be: &dyn Backend, p: Precision) {
+    const H: usize = 6;
+    let mut rig = Rig::new(p);
+    let dinp = rig.act("dgate_up", N * 2 * H); // [N, 2H], overwritten
+    let dout = rig.act("dout", N * H); // [N, H]
+    let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]
+    let op = Op::SwigluBackward {
+        dinp,
+        dout,
+        inp,
+        rows: ROWS,
+        h: H,
+    };
+    let op = rig.op(op, Bind::None);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(14);
+    let x = s.fill(inp, &mut rng, -4.0, 4.0);
+    let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+    s.fill(dinp, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let mut want = vec![0.0; N * 2 * H];
+    for i in 0..N {
+        for j in 0..H {
+            let (g, u) = (x[i * 2 * H + j] as f64, x[i * 2 * H + H + j] as f64);
+            let (sg, d) = (sigmoid(g), dy[i * H + j] as f64);
+            want[i * 2 * H + j] = d * u * sg * (1.0 + g * (1.0 - sg));
+            want[i * 2 * H + H + j] = d * g * sg;
+        }
+    }
+    check("swiglu_backward dinp", &s.get(dinp), &want, rounded(p));
+}
+
+/// GPT-2's tanh approximation: (gelu(x), gelu'(x)).
+fn gelu_ref(x: f64) -> (f64, f64) {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let u = k * (x + 0.044715 * x * x * x);
+    let th = u.tanh();
+    let y = 0.5 * x * (1.0 + th);
+    let dy = 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * k * (1.0 + 3.0 * 0.044715 * x * x);
+    (y, dy)
+}
+
+pub fn gelu(be: &dyn Backend, p: Precision) {
+    const WIDTH: usize = 11;
+    let mut rig = Rig::new(p);
+    let inp = rig.act("inp", N * WIDTH); // [N, width]
+    let out = rig.act("out", N * WIDTH); // [N, width]
+    let op = Op::Gelu {
+        inp,
+        out,
+        rows: ROWS,
+        width: WIDTH,
+    };
+    let op = rig.op(op, Bind::None);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(15);
+    let x = s.fill(inp, &mut rng, -4.0, 4.0);
+    s.fill(out, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let want: Vec<f64> = x.iter().map(|&v| gelu_ref(v as f64).0).collect();
+    check("gelu out", &s.get(out), &want, rounded(p));
+}
+
+pub fn gelu_backward(be: &dyn Backend, p: Precision) {
+    const WIDTH: usize = 11;
+    let mut rig = Rig::new(p);
+    let d = rig.act("d", N * WIDTH); // [N, width], in place
+    let inp = rig.act("inp", N * WIDTH); // [N, width]
+    let op = Op::GeluBackward {
+        d,
+        inp,
+        rows: ROWS,
+        width: WIDTH,
+    };
+    let op = rig.op(op, Bind::None);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(16);
+    let x = s.fill(inp, &mut rng, -4.0, 4.0);
+    let dy = s.fill(d, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let want: Vec<f64> = (0..N * WIDTH)
+        .map(|e| dy[e] as f64 * gelu_ref(x[e] as f64).1)
+        .collect();
+    check("gelu_backward d", &s.get(d), &want, rounded(p));
+}
+
+/// The LM head's shapes: C = 8, V = 13, chunks of 4 rows (the last one short), the loss a
+/// mean over 20 rows (as with 2 micro-batches), loss scale 4.
+const HC: usize = 8;
+const HV: usize = 13;
+const CHUNK: usize = 4;
+const LOSS_ROWS: usize = 20;
+const LOSS_SCALE: f32 = 4.0;
+
+/// The LM head's buffers and op: (op, inp, targets, losses, dinp, w).
+struct Head {
+    op: usize,
+    inp: memwall::plan::BufId,
+    targets: memwall::plan::BufId,
+    losses: memwall::plan::BufId,
+    dinp: Option<memwall::plan::BufId>,
+    w: Range<usize>,
+}
+
+fn lm_head_rig(p: Precision, with_dinp: bool) -> (Rig, Head) {
+    let mut rig = Rig::new(p);
+    let w = rig.param(HV * HC); // [V, C]
+    let inp = rig.act("inp", N * HC); // [N, C]
+    let targets = rig.u32("targets", N); // [N]
+    let losses = rig.f32("losses", N); // [N]
+    let logits = rig.f32("logits", CHUNK * HV); // [rows_per_chunk, V]
+    let dinp = with_dinp.then(|| rig.act("dinp", N * HC)); // [N, C], overwritten
+    let op = Op::LmHeadLoss {
+        inp,
+        targets,
+        losses,
+        logits,
+        dinp,
+        w: w.clone(),
+        rows: ROWS,
+        c: HC,
+        v: HV,
+        rows_per_chunk: CHUNK,
+        loss_rows: LOSS_ROWS,
+    };
+    let op = rig.op(op, if with_dinp { Bind::Both } else { Bind::Params });
+    let head = Head {
+        op,
+        inp,
+        targets,
+        losses,
+        dinp,
+        w,
+    };
+    (rig, head)
+}
+
+/// Per row of `x` `[N, C]`: (loss, d(loss · scale)/dlogits `[V]`) against `w` `[V, C]`.
+fn head_ref(x: &[f32], w: &[f32], tg: &[u32], scale: f64) -> Vec<(f64, Vec<f64>)> {
+    x.chunks(HC)
+        .zip(tg)
+        .map(|(xr, &t)| {
+            let z: Vec<f64> = (0..HV)
+                .map(|v| (0..HC).map(|c| xr[c] as f64 * w[v * HC + c] as f64).sum())
+                .collect();
+            let m = z.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + z.iter().map(|&v| (v - m).exp()).sum::<f64>().ln();
+            let dz = (0..HV)
+                .map(|v| ((z[v] - lse).exp() - if v == t as usize { 1.0 } else { 0.0 }) * scale)
+                .collect();
+            (lse - z[t as usize], dz)
+        })
+        .collect()
+}
+
+pub fn lm_head_loss(be: &dyn Backend, p: Precision) {
+    let (rig, h) = lm_head_rig(p, true);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(17);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+    let x = s.fill(h.inp, &mut rng, -1.0, 1.0);
+    let tg: Vec<u32> = (0..N).map(|_| rng.below(HV as u64) as u32).collect();
+    s.put_u32(h.targets, &tg);
+    s.fill(h.losses, &mut rng, -1.0, 1.0);
+    let dinp = h.dinp.expect("training head");
+    s.fill(dinp, &mut rng, -1.0, 1.0);
+    let ctx = StepCtx {
+        loss_scale: LOSS_SCALE,
+        ..ctx()
+    };
+    s.run(h.op, &ctx);
+    let wv = &pw[local(&h.w)];
+    let rows = head_ref(&x, wv, &tg, LOSS_SCALE as f64 / LOSS_ROWS as f64);
+    let loss: Vec<f64> = rows.iter().map(|r| r.0).collect();
+    let mut dx = vec![0.0; N * HC];
+    let mut g = wide(&g0);
+    for (i, (_, dz)) in rows.iter().enumerate() {
+        for c in 0..HC {
+            dx[i * HC + c] = (0..HV).map(|v| dz[v] * wv[v * HC + c] as f64).sum();
+            for (v, dzv) in dz.iter().enumerate() {
+                g[local(&h.w).start + v * HC + c] += dzv * x[i * HC + c] as f64;
+            }
+        }
+    }
+    check("lm_head_loss losses", &s.get(h.losses), &loss, reduced(p));
+    check("lm_head_loss dinp", &s.get(dinp), &dx, reduced(p));
+    check("lm_head_loss grads", &s.get(s.grads()), &g, reduced(p));
+}
+
+/// The LM head evaluating: not training (or training without `dinp`): losses only, no
+/// gradient written.
+pub fn lm_head_eval(be: &dyn Backend, p: Precision) {
+    for (with_dinp, training) in [(true, false), (false, true)] {
+        let (rig, h) = lm_head_rig(p, with_dinp);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(18);
+        let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+        let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+        let x = s.fill(h.inp, &mut rng, -1.0, 1.0);
+        let tg: Vec<u32> = (0..N).map(|_| rng.below(HV as u64) as u32).collect();
+        s.put_u32(h.targets, &tg);
+        s.fill(h.losses, &mut rng, -1.0, 1.0);
+        let d0 = h.dinp.map(|d| s.fill(d, &mut rng, -1.0, 1.0));
+        let ctx = StepCtx {
+            training,
+            loss_scale: LOSS_SCALE,
+            ..ctx()
+        };
+        s.run(h.op, &ctx);
+        let rows = head_ref(&x, &pw[local(&h.w)], &tg, 1.0);
+        let loss: Vec<f64> = rows.iter().map(|r| r.0).collect();
+        let what = format!("lm_head_loss evaluating (dinp {with_dinp}, training {training})");
+        check(
+            &format!("{what} losses"),
+            &s.get(h.losses),
+            &loss,
+            reduced(p),
+        );
+        same(&format!("{what} grads"), &s.get(s.grads()), &g0);
+        if let (Some(d), Some(d0)) = (h.dinp, d0) {
+            same(&format!("{what} dinp"), &s.get(d), &d0);
+        }
+    }
+}
+
+/// Next-token logits of the last row run (generation plans: fp32 only).
+pub fn lm_head_last(be: &dyn Backend, p: Precision) {
+    for seq in seqs(p) {
+        let mut rig = Rig::new(p);
+        let w = rig.param(HV * HC); // [V, C]
+        let inp = rig.act("inp", N * HC); // [N, C]
+        let logits = rig.f32("logits", HV); // [V]
+        let op = Op::LmHeadLast {
+            inp,
+            logits,
+            w: w.clone(),
+            rows: ROWS,
+            c: HC,
+            v: HV,
+        };
+        let op = rig.op(op, Bind::Params);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(19);
+        let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+        let x = s.fill(inp, &mut rng, -1.0, 1.0);
+        s.fill(logits, &mut rng, -1.0, 1.0);
+        s.run(op, &StepCtx { seq, ..ctx() });
+        let last = B * seq.unwrap_or(T) - 1;
+        let wv = &pw[local(&w)];
+        let want: Vec<f64> = (0..HV)
+            .map(|v| {
+                (0..HC)
+                    .map(|c| x[last * HC + c] as f64 * wv[v * HC + c] as f64)
+                    .sum()
+            })
+            .collect();
+        check(
+            &format!("lm_head_last logits (seq {seq:?})"),
+            &s.get(logits),
+            &want,
+            reduced(p),
+        );
+    }
+}
