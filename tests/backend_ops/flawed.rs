@@ -40,6 +40,17 @@ impl Backend for Flawed {
     fn start(&self, plan: &Plan) -> anyhow::Result<Box<dyn Device>> {
         Ok(Box::new(FlawedDevice(Cpu.start(plan)?, self.0)))
     }
+
+    fn measure_peak(&self) -> Option<memwall::backend::Peak> {
+        Cpu.measure_peak()
+    }
+
+    fn bench_facts(
+        &self,
+        storage: memwall::dtype::DType,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        Cpu.bench_facts(storage)
+    }
 }
 
 struct FlawedDevice(Box<dyn Device>, Flaw);
