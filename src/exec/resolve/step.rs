@@ -270,3 +270,79 @@ pub fn fit_measured(
         fmt_bytes(baseline)
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(batch: Option<usize>, global: Option<usize>, accum: Option<usize>) -> StepRequest {
+        StepRequest {
+            batch: batch.map(Pick::Fixed),
+            global_batch: global,
+            strategy: StrategyRequest {
+                grad_accum: accum,
+                ..StrategyRequest::default()
+            },
+            ..StepRequest::default()
+        }
+    }
+
+    fn resolved(req: &StepRequest, ranks: usize) -> Result<(usize, usize)> {
+        let spec = ModelSpec::preset("gpt2-tiny")?;
+        let r = resolve_step(req, &spec, 1, 0, 8, ranks)?;
+        Ok((r.batch, r.strategies.grad_accum))
+    }
+
+    /// `--global-batch` sets the accumulation from a fixed micro-batch on every rank, and a
+    /// global batch that no whole number of micro-batches makes is refused, naming the flags.
+    #[test]
+    fn the_global_batch_sets_the_accumulation_or_is_refused() {
+        assert_eq!(
+            resolved(&request(Some(4), Some(32), None), 1).unwrap(),
+            (4, 8)
+        );
+        assert_eq!(
+            resolved(&request(Some(4), Some(32), None), 2).unwrap(),
+            (4, 4)
+        );
+        assert_eq!(resolved(&request(None, Some(16), None), 1).unwrap(), (8, 2));
+        assert_eq!(
+            resolved(&request(Some(3), None, Some(5)), 1).unwrap(),
+            (3, 5)
+        );
+        for (req, ranks, says) in [
+            (
+                request(Some(3), Some(32), None),
+                1,
+                "--global-batch 32 is not a multiple of --batch 3",
+            ),
+            (
+                request(Some(4), Some(36), None),
+                2,
+                "--global-batch 36 is not a multiple of 2 ranks x --batch 4",
+            ),
+            (
+                request(Some(4), Some(32), Some(2)),
+                1,
+                "--global-batch 32 disagrees with --batch 4 x --grad-accum",
+            ),
+        ] {
+            let e = format!("{:#}", resolved(&req, ranks).unwrap_err());
+            assert!(e.contains(says), "{e}");
+        }
+    }
+
+    /// `auto` precision or optimizer state is for `--fit` only; `--fit` refuses ranks.
+    #[test]
+    fn auto_flags_outside_fit_are_refused() {
+        let mut req = request(Some(4), None, None);
+        req.strategy.precision = Some(Pick::Auto);
+        let e = format!("{:#}", resolved(&req, 1).unwrap_err());
+        assert!(e.contains("--precision auto needs --fit"), "{e}");
+        let mut req = request(Some(4), None, None);
+        req.fit = true;
+        req.max_memory = Some(1 << 30);
+        let e = format!("{:#}", resolved(&req, 2).unwrap_err());
+        assert!(e.contains("--fit searches one process's plan"), "{e}");
+    }
+}
