@@ -9,8 +9,8 @@
 //! The thread is started with the first collective and lives as long as the device. Its
 //! queues, the list of collectives in flight and the log of their times (for the profiler's
 //! communication track) are sized once for the schedule's collectives, so a step allocates
-//! nothing. A collective that fails (a peer lost) fails every later one unrun: the ranks are
-//! out of step.
+//! nothing. On the thread, a collective that fails (a peer lost) fails every later one unrun,
+//! with its error: the ranks are out of step.
 
 use crate::backend::{CommSpan, CommTime};
 use crate::dist::{Collective, Comm, Cut, Summable, ring};
