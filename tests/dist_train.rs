@@ -198,3 +198,32 @@ fn int8_moments_shard_at_block_edges_and_train_like_one_process() {
         ranks_match_accumulation(n, OptimState::Int8, 6);
     }
 }
+
+/// A rank whose peer is gone fails its step with an error naming the peer, whether its
+/// collectives run beside compute (the error comes at their await) or inline; and its next
+/// step fails too rather than hanging.
+#[test]
+fn a_lost_peer_fails_the_step_naming_the_rank() {
+    for (zero, comm_thread) in [(0u8, true), (1, true), (3, true), (1, false)] {
+        let mut group = Local::group(2);
+        drop(group.pop());
+        let comm: Arc<dyn Comm> = Arc::new(group.pop().unwrap());
+        let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+        let mut cfg = StepConfig::new(2, SEQ, 1);
+        cfg.ranks = 2;
+        cfg.zero = Zero(zero);
+        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let mut ex = Executor::among(plan, &Cpu, comm).unwrap();
+        ex.set_comm_thread(comm_thread);
+        ex.upload_batch(&global_batch(1, 2, spec.vocab_size))
+            .unwrap();
+        for step in 1..=2 {
+            let err = ex.train_step(&hparams(step)).unwrap_err();
+            let text = format!("{err:#}");
+            assert!(
+                text.contains("rank 1") && text.contains("op "),
+                "zero {zero}, thread {comm_thread}, step {step}: {text}"
+            );
+        }
+    }
+}

@@ -10,24 +10,33 @@
 //!   implements it), so the planner never imports a backend.
 //! - [`Device`], a started backend: runs one [`Op`](crate::plan::Op) at a time, and moves
 //!   bytes between the host and plan buffers ([`Device::download`], [`Device::upload`]), which
-//!   is the only way anything outside the backend reads or writes a plan buffer; it also hands
-//!   the profiler the transfers between tiers it performed ([`Device::take_io_spans`]).
+//!   is the only way anything outside the backend reads or writes a plan buffer. Transfers
+//!   between tiers and collectives among ranks follow one rule: their op starts them, they
+//!   run beside the ops that follow (the CPU device: on its I/O thread and its communication
+//!   thread; a GPU's would be copy and NCCL streams), and an await op (`AwaitTransfers`,
+//!   `AwaitCollective`) or [`Device::sync`] waits for them. The device times both for the
+//!   profiler ([`Device::io_time`], [`Device::take_io_spans`], [`Device::comm_time`],
+//!   [`Device::take_comm_spans`]).
 
 mod choice;
 pub mod cpu;
 
 pub use choice::DeviceKind;
 
+use crate::dist::Comm;
 use crate::dtype::DType;
 use crate::plan::schedule::OpEntry;
 use crate::plan::{BufId, Plan, Sizing};
 use anyhow::Result;
+use std::sync::Arc;
 
 /// A backend that can run plans.
 pub trait Backend: Sizing + Sync {
     /// Allocates the plan's packed tiers (touching every page, so an impossible allocation
     /// fails here, before any step) and starts the backend's workers (`plan.cfg.threads`).
-    fn start(&self, plan: &Plan) -> Result<Box<dyn Device>>;
+    /// The plan's collectives run among `comm`'s ranks (this process being the plan's rank;
+    /// one process: [`crate::dist::Single`]).
+    fn start(&self, plan: &Plan, comm: Arc<dyn Comm>) -> Result<Box<dyn Device>>;
     /// The backend's f32 arithmetic ceiling, measured now on the calling thread pool (a
     /// throughput figure is a fraction of it); `None` where it cannot be measured.
     fn measure_peak(&self) -> Option<Peak>;
@@ -87,19 +96,25 @@ pub enum OpResult {
 /// A started backend holding a plan's memory.
 pub trait Device: Send + Sync {
     /// Runs op `e` (an op of the plan this device was started with, with the buffers its
-    /// parameters and gradients are bound to). Fails only where the op moves bytes to or from
-    /// a tier that can fail (a disk transfer), naming it.
+    /// parameters and gradients are bound to). A [`crate::plan::Op::Transfer`] starts a
+    /// transfer between tiers, and a collective ([`crate::plan::Op::AllReduce`],
+    /// `ReduceScatter`, `AllGather`: among the ranks the device was started with, on the
+    /// plan buffers it names, cut as its group's, [`crate::plan::Plan::cuts`]) starts it;
+    /// both run beside the ops that follow until the `AwaitTransfers` or `AwaitCollective`
+    /// that names their buffer waits for them (with those started before them). Fails only
+    /// where the op moves bytes to or from a tier that can fail (an await of a disk
+    /// transfer, naming it) or among ranks (an await of a collective, or the collective
+    /// itself when it runs inline, naming the rank when a peer is lost).
     fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<OpResult>;
-    /// Runs collective op `e` ([`crate::plan::Op::AllReduce`], `ReduceScatter`,
-    /// `AllGather`) among `comm`'s ranks, on the plan buffers it names, cut among the ranks
-    /// by `cut` (its group's, [`crate::plan::Plan::cuts`]). Fails naming the rank when a
-    /// peer is lost.
-    fn run_collective(
-        &self,
-        e: &OpEntry,
-        cut: &crate::dist::Cut,
-        comm: &dyn crate::dist::Comm,
-    ) -> Result<()>;
+    /// Waits for every transfer and collective that ops started and no await has waited
+    /// for (a run of part of a schedule, or one stopped by an error), so nothing works on
+    /// plan memory after it; the first error among them.
+    fn sync(&self) -> Result<()>;
+    /// Whether collectives run beside the ops that follow them until their await (`true`,
+    /// the default) or each one whole where its op starts it (for machines with no core to
+    /// spare, [`crate::dist::comm_thread_wanted`]). The same bits either way: the plan keeps
+    /// a collective's buffers apart until its await. Between runs only.
+    fn overlap_collectives(&mut self, _on: bool) {}
     /// Runs `f` where the backend's ops are meant to be issued from (the CPU backend's worker
     /// pool), so a sequence of [`Device::run`] calls pays no hand-off per op.
     fn scope(&self, f: &mut (dyn FnMut() + Send));
@@ -127,12 +142,22 @@ pub trait Device: Send + Sync {
     fn io_time(&self) -> IoTime {
         IoTime::default()
     }
+    /// Time spent in collectives, and waiting for them, since the device started.
+    fn comm_time(&self) -> CommTime {
+        CommTime::default()
+    }
     /// Moves the transfers between tiers that finished since the last call (the ones that
     /// [`crate::plan::Op::Transfer`] ops started, in the order they ran) into `out`, as many
     /// as its spare capacity holds: `out` never grows, so a caller that reserved it before a
     /// step allocates nothing, and one that passes an empty vector discards them. Returns how
     /// many were not kept (for lack of room here or in the device's own log).
     fn take_io_spans(&self, _out: &mut Vec<IoSpan>) -> u64 {
+        0
+    }
+    /// Moves the collectives that finished since the last call (in the order they ran) into
+    /// `out`, as [`Device::take_io_spans`] moves transfers: within its spare capacity;
+    /// returns how many were not kept.
+    fn take_comm_spans(&self, _out: &mut Vec<CommSpan>) -> u64 {
         0
     }
 }
@@ -157,4 +182,23 @@ pub struct IoTime {
     pub busy_s: f64,
     /// The ops waited for transfers to finish (`AwaitTransfers`): I/O not hidden by compute.
     pub stall_s: f64,
+}
+
+/// One collective a device ran.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CommSpan {
+    /// The collective's buffer (its `buf`, which names it within a schedule).
+    pub buf: BufId,
+    pub start: std::time::Instant,
+    pub end: std::time::Instant,
+}
+
+/// Where a device's time among ranks went (seconds, since it started).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommTime {
+    /// In collectives.
+    pub busy_s: f64,
+    /// The ops waited for collectives (`AwaitCollective`, and collectives run inline):
+    /// communication not hidden by compute.
+    pub wait_s: f64,
 }

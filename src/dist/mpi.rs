@@ -1,6 +1,7 @@
 //! Ranks as processes started by `mpirun`, exchanging bytes with `MPI_Sendrecv` (rsmpi,
-//! cargo feature `mpi`). MPI is initialised with `MPI_THREAD_SERIALIZED`: the executor
-//! calls it from one thread at a time (a worker of its pool), never concurrently.
+//! cargo feature `mpi`). MPI is initialised with `MPI_THREAD_SERIALIZED`: memwall
+//! calls it from one thread at a time (the device's communication thread, or the executor's
+//! between collectives), never concurrently.
 //!
 //! A rank that dies makes `mpirun` end the others (Open MPI's default), which the run's
 //! wrapper reports naming the rank; a rank that fails with an error aborts the job
@@ -28,8 +29,9 @@ pub struct Mpi {
     _universe: Universe,
 }
 
-// SAFETY: MPI is initialised with MPI_THREAD_SERIALIZED and the executor makes one call at a
-// time (collectives run in schedule order from one thread), which is what SERIALIZED allows
+// SAFETY: MPI is initialised with MPI_THREAD_SERIALIZED and memwall makes one call at a time
+// (collectives run in schedule order on the device's communication thread, and the step's
+// scalars are exchanged while none is in flight), which is what SERIALIZED allows
 // from any thread; the handles are plain identifiers.
 unsafe impl Send for Mpi {}
 unsafe impl Sync for Mpi {}

@@ -11,24 +11,22 @@
 //! weights and moments refuse to be read while an update is pending. Same ops on the same
 //! values: the weights are bitwise those of an update at the end of each step.
 //!
-//! Collectives run on a communication thread per run of ops (in schedule order) that calls
-//! `Device::run_collective` with the run's `Comm`, and the ops wait at their
-//! `AwaitCollective`; where the thread would have no core of its own
-//! (`dist::comm_thread_wanted`, `Executor::set_comm_thread`) they run inline instead, with
-//! the same bits.
+//! Collectives are device ops like transfers: the device starts each on its communication
+//! thread when the schedule reaches it, and the ops wait at their `AwaitCollective`; where
+//! the thread would have no core of its own (`dist::comm_thread_wanted`,
+//! `Executor::set_comm_thread`) the device runs them inline instead, with the same bits.
 
-use crate::backend::{AdamWStep, Backend, Device, IoSpan, OpResult, StepCtx};
+use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, OpResult, StepCtx};
 use crate::ckpt::{Moments, MomentsMut};
 use crate::dist::{Comm, Single};
 use crate::dtype::DType;
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, Mode, OptimBufs, OptimState, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use half::{bf16, f16};
-use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use std::time::Instant;
 
 mod checkpoint;
@@ -56,7 +54,7 @@ pub struct StepStats {
     pub grad_norm: f32,
     /// The update was skipped because the gradients were not finite (fp16 overflow).
     pub skipped: bool,
-    /// Seconds the communication thread spent in collectives; 0 for one process.
+    /// Seconds the device spent in collectives; 0 for one process.
     pub comm_s: f64,
     /// Seconds the ops waited for collectives (communication not hidden by compute).
     pub comm_wait_s: f64,
@@ -91,16 +89,9 @@ pub struct Executor {
     /// last step settled, which the next step's forward (or [`Executor::finish_update`])
     /// applies. The weights and moments are not readable while it is pending.
     pending: Option<AdamWStep>,
-    /// Seconds spent in collectives since the last [`Executor::train_step`] began.
-    comm_s: f64,
-    /// Of which the ops waited for (not overlapped with compute).
-    comm_wait_s: f64,
-    /// Whether collectives run on a communication thread beside the ops (else inline,
-    /// where the op starts them: [`Executor::set_comm_thread`]).
-    comm_thread: bool,
-    /// The collectives run while ops were recorded: (op index, start, end), reserved for
-    /// one step's (see [`Executor::take_io_spans`]).
-    comm_spans: Vec<(usize, std::time::Instant, std::time::Instant)>,
+    /// The device's collectives while ops were recorded, reserved for one step's (see
+    /// [`Executor::take_io_spans`]).
+    comm_spans: Vec<CommSpan>,
     /// The ranks running this plan together (`plan.cfg.ranks` of them; one process: `Single`).
     comm: Arc<dyn Comm>,
 }
@@ -193,7 +184,7 @@ impl Executor {
                 comm.size()
             );
         }
-        let device = backend.start(&plan)?;
+        let device = backend.start(&plan, comm.clone())?;
         Ok(Executor {
             plan,
             device,
@@ -204,19 +195,17 @@ impl Executor {
             norm_shares: Vec::new(),
             pending: None,
             comm,
-            comm_s: 0.0,
-            comm_wait_s: 0.0,
-            comm_thread: true,
             comm_spans: Vec::new(),
         })
     }
 
-    /// Runs collectives on a communication thread beside the ops that follow them (`true`,
-    /// the default) or inline, each where its op starts it (for machines with no core to
-    /// spare for the thread, [`crate::dist::comm_thread_wanted`]). Either way the results
-    /// are the same bits: the plan keeps a collective's buffers apart until its await.
+    /// Runs collectives beside the ops that follow them (`true`, the default: the CPU
+    /// device's communication thread) or inline, each where its op starts it (for machines
+    /// with no core to spare for the thread, [`crate::dist::comm_thread_wanted`]). Either
+    /// way the results are the same bits: the plan keeps a collective's buffers apart until
+    /// its await ([`Device::overlap_collectives`]).
     pub fn set_comm_thread(&mut self, on: bool) {
-        self.comm_thread = on;
+        self.device.overlap_collectives(on);
     }
 
     /// The ranks this executor runs with.
@@ -584,8 +573,7 @@ impl Executor {
     pub fn train_step(&mut self, hp: &OptimHparams) -> Result<StepStats> {
         assert_eq!(self.plan.mode, Mode::Train);
         self.norm_shares.clear();
-        self.comm_s = 0.0;
-        self.comm_wait_s = 0.0;
+        let time_before = self.device.comm_time();
         let sent_before = self.comm.bytes_sent();
         let o = if self.plan.schedule.deferred_update {
             let pending = self.pending.take();
@@ -605,13 +593,14 @@ impl Executor {
             let o = self.run(&ops, self.ctx(true), Some(hp))?;
             o.expect("a training step has AdamW ops")
         };
+        let time = self.device.comm_time();
         let loss = self.mean_loss()?;
         Ok(StepStats {
             loss,
             grad_norm: o.grad_norm,
             skipped: o.skipped,
-            comm_s: self.comm_s,
-            comm_wait_s: self.comm_wait_s,
+            comm_s: time.busy_s - time_before.busy_s,
+            comm_wait_s: time.wait_s - time_before.wait_s,
             comm_bytes: self.comm.bytes_sent() - sent_before,
         })
     }
@@ -773,20 +762,21 @@ impl Executor {
     /// with its bytes and direction, times in microseconds since `epoch` (the recorder's);
     /// then the collectives, one communication-track span each with the bytes this rank sent.
     pub fn take_io_spans(&mut self, epoch: std::time::Instant) -> Vec<Span> {
+        let ops = &self.plan.schedule.ops;
         let comm: Vec<Span> = self
             .comm_spans
             .drain(..)
-            .map(|(i, start, end)| {
-                let e = &self.plan.schedule.ops[i];
-                Span {
+            .filter_map(|s| {
+                let e = ops.iter().find(|e| e.op.collective_buf() == Some(s.buf))?;
+                Some(Span {
                     track: Track::Communication,
                     name: e.name.clone(),
-                    start_us: micros(epoch, start),
-                    end_us: micros(epoch, end),
+                    start_us: micros(epoch, s.start),
+                    end_us: micros(epoch, s.end),
                     bytes: Some(self.plan.comm_bytes(e)),
                     direction: None,
                     rank: None,
-                }
+                })
             })
             .collect();
         let spans = self
@@ -822,8 +812,10 @@ impl Executor {
     /// Runs ops `ops` in order. `GradNorm` ops add their group's share of the norm; with
     /// `hp`, the norm and clipping are settled before the first `AdamW` op (from the shares,
     /// added in parameter order) and returned; `AdamW` ops run with `ctx.update` (settled
-    /// or given), or not at all when there is none (gradients not finite). Stops at the first
-    /// op that fails (a disk transfer), with its error.
+    /// or given), or not at all when there is none (gradients not finite). Transfers and
+    /// collectives are the device's: their ops start them, their awaits wait for them, and
+    /// what a run leaves in flight is waited for at its end. Stops at the first op that
+    /// fails (a disk transfer, a lost rank), with its error.
     fn run(
         &mut self,
         ops: &[usize],
@@ -834,184 +826,74 @@ impl Executor {
         let mut outcome = None;
         let mut failed = None;
         // Sharded gradients give partial norm shares: every rank's are gathered.
-        let sharded = self.moments_sharded();
+        let partial_norms = self.moments_sharded().then_some(&*self.comm);
         let (plan, device) = (&self.plan, &*self.device);
         let shares = &mut self.norm_shares;
         let loss_scale = self.loss_scale;
-        let comm = &*self.comm;
-        let cuts = &self.plan.cuts;
-        let partial_norms = sharded.then_some(comm);
-        let (mut comm_s, mut comm_wait_s) = (0.0, 0.0);
-        // The collectives' spans, when recording (from the ops' worker or as they end).
-        let recording = recorder.is_some();
-        let comm_spans = std::sync::Mutex::new(&mut self.comm_spans);
-        let record_span = |i: usize, t0: Instant, t1: Instant| {
-            if recording {
-                let mut spans = comm_spans
-                    .lock()
-                    .expect("no thread panics holding the spans");
-                if spans.len() < spans.capacity() {
-                    spans.push((i, t0, t1));
-                }
-            }
-        };
-        let comm_thread = self.comm_thread;
-        let has_collectives = comm_thread
-            && ops
-                .iter()
-                .any(|&i| plan.schedule.ops[i].op.collective_group().is_some());
-        // Collectives run inline (no communication thread): all their time is exposed.
-        let mut inline_s = 0.0;
-        std::thread::scope(|scope| {
-            // The communication thread: the collectives the ops start, in schedule order,
-            // each reported back (op, result, start, end) as it ends.
-            let (jobs, job_rx) = mpsc::channel::<usize>();
-            let (done_tx, done) = mpsc::channel::<(usize, Result<()>, Instant, Instant)>();
-            let worker = move || {
-                for i in job_rx {
-                    let e = &plan.schedule.ops[i];
-                    let group = e.op.collective_group().expect("only collectives are sent");
-                    let t0 = Instant::now();
-                    let result = device
-                        .run_collective(e, &cuts[group], comm)
-                        .with_context(|| format!("op {}", e.name));
-                    let failed = result.is_err();
-                    if done_tx.send((i, result, t0, Instant::now())).is_err() || failed {
-                        break;
-                    }
-                }
-            };
-            let thread = match has_collectives {
-                false => None,
-                true => match std::thread::Builder::new()
-                    .name("memwall-comm".into())
-                    .spawn_scoped(scope, worker)
-                {
-                    Ok(t) => Some(t),
-                    Err(e) => {
-                        failed = Some(crate::util::threads::refused("the communication thread", e));
-                        return;
-                    }
-                },
-            };
-            let mut in_flight: VecDeque<usize> = VecDeque::new();
-            // Waits for the oldest collective in flight to end (owning the receiver, which
-            // the worker that runs the ops must not share).
-            let busy = &mut comm_s;
-            let record_span = &record_span;
-            let mut finish_one = move |in_flight: &mut VecDeque<usize>| -> Result<()> {
-                let i = in_flight.pop_front().expect("a collective in flight");
-                let Ok((j, result, t0, t1)) = done.recv() else {
-                    bail!(
-                        "internal error: the communication thread ended before op {}",
-                        plan.schedule.ops[i].name
-                    );
-                };
-                debug_assert_eq!(i, j, "collectives end in the order they started");
-                *busy += (t1 - t0).as_secs_f64();
-                record_span(j, t0, t1);
-                result
-            };
-            device.scope(&mut || {
-                for &i in ops {
-                    let e = &plan.schedule.ops[i];
-                    if matches!(e.op, Op::AdamW { .. }) {
-                        if let (None, Some(hp)) = (outcome, hp) {
-                            match settle(shares, loss_scale, hp, partial_norms) {
-                                Ok((o, update)) => {
-                                    ctx.update = update;
-                                    outcome = Some(o);
-                                }
-                                Err(err) => {
-                                    failed = Some(err.context("gathering the gradient norm"));
-                                    return;
-                                }
+        device.scope(&mut || {
+            for &i in ops {
+                let e = &plan.schedule.ops[i];
+                if matches!(e.op, Op::AdamW { .. }) {
+                    if let (None, Some(hp)) = (outcome, hp) {
+                        match settle(shares, loss_scale, hp, partial_norms) {
+                            Ok((o, update)) => {
+                                ctx.update = update;
+                                outcome = Some(o);
                             }
-                        }
-                        if ctx.update.is_none() {
-                            continue;
-                        }
-                    }
-                    let t0 = recorder.as_ref().map(|_| Instant::now());
-                    if let (Some(group), false) = (e.op.collective_group(), comm_thread) {
-                        let t = Instant::now();
-                        if let Err(err) = device.run_collective(e, &cuts[group], comm) {
-                            failed = Some(err.context(format!("op {}", e.name)));
-                            return;
-                        }
-                        inline_s += t.elapsed().as_secs_f64();
-                        record_span(i, t, Instant::now());
-                    } else if e.op.collective_group().is_some() {
-                        // Started here, run beside the ops that follow.
-                        if jobs.send(i).is_err() {
-                            failed = Some(anyhow::anyhow!(
-                                "internal error: the communication thread is gone (op {})",
-                                e.name
-                            ));
-                            return;
-                        }
-                        in_flight.push_back(i);
-                    } else if let Op::AwaitCollective { bufs } = &e.op {
-                        let t = Instant::now();
-                        // The collective on bufs[0] and those before it (they end in order).
-                        let key = |j: &usize| plan.schedule.ops[*j].op.collective_buf();
-                        if let Some(pos) = in_flight.iter().rposition(|j| key(j) == Some(bufs[0])) {
-                            for _ in 0..=pos {
-                                if let Err(err) = finish_one(&mut in_flight) {
-                                    failed = Some(err);
-                                    return;
-                                }
-                            }
-                        }
-                        comm_wait_s += t.elapsed().as_secs_f64();
-                    } else {
-                        match device.run(e, &ctx) {
-                            Ok(OpResult::SumOfSquares(sq)) => {
-                                let Op::GradNorm { range } = &e.op else {
-                                    unreachable!("only GradNorm ops return a sum of squares")
-                                };
-                                shares.push((range.start, sq));
-                            }
-                            Ok(OpResult::Done) => {}
                             Err(err) => {
-                                failed = Some(err.context(format!("op {}", e.name)));
+                                failed = Some(err.context("gathering the gradient norm"));
                                 return;
                             }
                         }
                     }
-                    if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
-                        r.record(i, t0);
+                    if ctx.update.is_none() {
+                        continue;
                     }
                 }
-            });
-            // What is still in flight: a run of part of the schedule, or one that failed.
-            drop(jobs);
-            let t = Instant::now();
-            while !in_flight.is_empty() {
-                if let Err(err) = finish_one(&mut in_flight) {
-                    failed.get_or_insert(err);
-                    in_flight.clear();
+                let t0 = recorder.as_ref().map(|_| Instant::now());
+                match device.run(e, &ctx) {
+                    Ok(OpResult::SumOfSquares(sq)) => {
+                        let Op::GradNorm { range } = &e.op else {
+                            unreachable!("only GradNorm ops return a sum of squares")
+                        };
+                        shares.push((range.start, sq));
+                    }
+                    Ok(OpResult::Done) => {}
+                    Err(err) => {
+                        failed = Some(err.context(format!("op {}", e.name)));
+                        return;
+                    }
+                }
+                if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
+                    r.record(i, t0);
                 }
             }
-            comm_wait_s += t.elapsed().as_secs_f64();
-            if let Some(t) = thread {
-                t.join().expect("the communication thread does not panic");
-            }
         });
-        // The transfers the ops started are done (each is awaited within the ops that need
-        // it): keep their times when recording, within the reserved room; else drop them.
-        match recorder.as_mut() {
-            Some(r) => r.dropped += device.take_io_spans(&mut self.io_spans) as usize,
-            None => {
-                device.take_io_spans(&mut Vec::new());
-            }
+        // What is still in flight: a run of part of the schedule, or one that failed.
+        if let Err(err) = device.sync() {
+            failed.get_or_insert(err);
         }
+        self.take_device_spans(recorder.as_mut());
         self.recorder = recorder;
-        self.comm_s += comm_s + inline_s;
-        self.comm_wait_s += comm_wait_s + inline_s;
         match failed {
             Some(e) => Err(e),
             None => Ok(outcome),
+        }
+    }
+
+    /// The transfers and collectives the device ran: kept when recording, within the room
+    /// reserved for them (transfers that did not fit counted as dropped); else discarded.
+    fn take_device_spans(&mut self, recorder: Option<&mut OpRecorder>) {
+        let device = &*self.device;
+        match recorder {
+            Some(r) => {
+                r.dropped += device.take_io_spans(&mut self.io_spans) as usize;
+                device.take_comm_spans(&mut self.comm_spans);
+            }
+            None => {
+                device.take_io_spans(&mut Vec::new());
+                device.take_comm_spans(&mut Vec::new());
+            }
         }
     }
 }

@@ -308,7 +308,7 @@ pub enum Op {
         group: usize,
     },
     /// Waits until the collective on `bufs[0]` (its `buf`), started earlier in the step,
-    /// is done. Collectives run on the rank's communication thread, in schedule order,
+    /// is done. Collectives run on the device's communication thread, in schedule order,
     /// beside the ops between the collective and this one, which touch none of `bufs` (the
     /// collective's buffers, kept live until here).
     AwaitCollective { bufs: Vec<BufId> },

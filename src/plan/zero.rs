@@ -475,7 +475,7 @@ fn phase_class(p: Phase) -> u8 {
     }
 }
 
-/// Runs each collective beside the ops after it (the executor's communication thread takes
+/// Runs each collective beside the ops after it (the device's communication thread takes
 /// them in schedule order): inserts its [`Op::AwaitCollective`] just before the first later
 /// op that touches its buffers, but no later than just after the next collective of its
 /// kind starts, nor past its phase. So a group's exchange runs beside the compute of the

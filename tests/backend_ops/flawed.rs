@@ -4,9 +4,11 @@
 
 use memwall::backend::cpu::Cpu;
 use memwall::backend::{Backend, Device, OpResult, StepCtx};
+use memwall::dist::Comm;
 use memwall::dtype::DType;
 use memwall::plan::schedule::OpEntry;
 use memwall::plan::{BufId, Op, Plan, Sizing};
+use std::sync::Arc;
 
 /// What the flawed backend gets wrong.
 #[derive(Clone, Copy)]
@@ -37,8 +39,8 @@ impl Sizing for Flawed {
 }
 
 impl Backend for Flawed {
-    fn start(&self, plan: &Plan) -> anyhow::Result<Box<dyn Device>> {
-        Ok(Box::new(FlawedDevice(Cpu.start(plan)?, self.0)))
+    fn start(&self, plan: &Plan, comm: Arc<dyn Comm>) -> anyhow::Result<Box<dyn Device>> {
+        Ok(Box::new(FlawedDevice(Cpu.start(plan, comm)?, self.0)))
     }
 
     fn measure_peak(&self) -> Option<memwall::backend::Peak> {
@@ -74,13 +76,8 @@ impl Device for FlawedDevice {
         }
         self.0.run(&e, &ctx)
     }
-    fn run_collective(
-        &self,
-        e: &OpEntry,
-        cut: &memwall::dist::Cut,
-        comm: &dyn memwall::dist::Comm,
-    ) -> anyhow::Result<()> {
-        self.0.run_collective(e, cut, comm)
+    fn sync(&self) -> anyhow::Result<()> {
+        self.0.sync()
     }
     fn scope(&self, f: &mut (dyn FnMut() + Send)) {
         self.0.scope(f)

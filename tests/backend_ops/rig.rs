@@ -13,6 +13,7 @@
 //! writes outside its ranges is caught there.
 
 use memwall::backend::{Backend, Device, OpResult, StepCtx};
+use memwall::dist::{Comm, Single};
 use memwall::dtype::DType;
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::plan::schedule::{Binding, ImplicitBufs, OpEntry, Segment, Segments};
@@ -22,6 +23,7 @@ use memwall::plan::{
 };
 use std::ops::Range;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Worker threads of every rig's plan (more than one, so work is partitioned).
 pub const THREADS: usize = 2;
@@ -167,8 +169,14 @@ impl Rig {
         self.ops.len() - 1
     }
 
-    /// Packs the buffers into a plan and starts it on `backend`; panics naming what failed.
-    pub fn start(mut self, backend: &dyn Backend) -> Started {
+    /// Packs the buffers into a plan and starts it on `backend` as one process; panics
+    /// naming what failed.
+    pub fn start(self, backend: &dyn Backend) -> Started {
+        self.start_among(backend, Arc::new(Single))
+    }
+
+    /// [`Rig::start`] as one rank of `comm` (the plan's collectives run among its ranks).
+    pub fn start_among(mut self, backend: &dyn Backend, comm: Arc<dyn Comm>) -> Started {
         let precision = self.precision;
         for id in [self.params, self.grads] {
             let b = &mut self.buffers[id.0];
@@ -231,7 +239,7 @@ impl Rig {
             cuts,
         };
         let dev = backend
-            .start(&plan)
+            .start(&plan, comm)
             .unwrap_or_else(|e| panic!("the backend refused a {precision} plan: {e:#}"));
         Started {
             plan,

@@ -10,6 +10,7 @@ use memwall::dtype::DType;
 use memwall::plan::strategy::QBLOCK;
 use memwall::plan::{Op, OptimBufs, OptimState, ParamSlice, Precision};
 use std::ops::Range;
+use std::sync::Arc;
 
 fn local(r: &Range<usize>) -> Range<usize> {
     r.start - PARAM_BASE..r.end - PARAM_BASE
@@ -356,25 +357,28 @@ fn ranks<X>(
     p: Precision,
     declare: impl Fn(&mut Rig, usize) -> X,
 ) -> Vec<(Started, X)> {
-    (0..RANKS)
-        .map(|r| {
+    Local::group(RANKS)
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
             let mut rig = Rig::new(p);
             rig.among(RANKS, r, cut());
             let x = declare(&mut rig, r);
-            (rig.start(be), x)
+            (rig.start_among(be, Arc::new(comm)), x)
         })
         .collect()
 }
 
-/// Runs op 0 of every rank's plan at once, each rank on a thread of its own.
+/// Runs op 0 of every rank's plan at once, each rank on a thread of its own: the device
+/// starts the collective, and `sync` waits for it (the plans hold no `AwaitCollective`).
 fn run_collective<X: Sync>(ranks: &[(Started, X)]) {
-    let comms = Local::group(RANKS);
     std::thread::scope(|scope| {
-        for ((s, _), comm) in ranks.iter().zip(comms) {
+        for (s, _) in ranks {
             scope.spawn(move || {
                 let e = &s.plan.schedule.ops[0];
                 s.dev
-                    .run_collective(e, &s.plan.cuts[0], &comm)
+                    .run(e, &ctx())
+                    .and_then(|_| s.dev.sync())
                     .unwrap_or_else(|err| panic!("{}: {err:#}", e.name))
             });
         }

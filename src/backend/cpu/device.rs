@@ -1,14 +1,17 @@
 //! The CPU backend: [`Cpu`] answers the planner's sizing questions, and [`CpuDevice`] holds a
-//! started plan (the host arena, the worker pool) and runs its ops (`ops`).
+//! started plan (the host arena, the worker pool) and runs its ops (`ops`), its transfers
+//! (on the disk tier's I/O thread) and its collectives (`collective`: on its communication
+//! thread).
 
 use super::attention::attention_workspace_len;
+use super::collective::{Collectives, Job};
 use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::packing_bytes;
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
-use crate::backend::{Backend, Device, IoSpan, IoTime, OpResult, StepCtx};
+use crate::backend::{Backend, CommSpan, CommTime, Device, IoSpan, IoTime, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
-use crate::dtype::DType;
-use crate::dtype::Elem;
+use crate::dist::Comm;
+use crate::dtype::{DType, Elem};
 use crate::mem::arena::Arena;
 use crate::mem::disk::{DiskTier, IoThread, Ticket};
 use crate::plan::Sizing;
@@ -18,6 +21,7 @@ use crate::plan::schedule::{ImplicitBufs, OpEntry, WeightLayout};
 use crate::plan::{BufId, Buffer, Op, OptimState, Plan, Tier};
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
+use std::sync::Arc;
 
 /// The CPU backend: kernels on a pool of the plan's `threads` workers, one host arena.
 #[derive(Clone, Copy, Debug, Default)]
@@ -67,8 +71,8 @@ impl Sizing for Cpu {
 }
 
 impl Backend for Cpu {
-    fn start(&self, plan: &Plan) -> Result<Box<dyn Device>> {
-        Ok(Box::new(CpuDevice::new(plan)?))
+    fn start(&self, plan: &Plan, comm: Arc<dyn Comm>) -> Result<Box<dyn Device>> {
+        Ok(Box::new(CpuDevice::new(plan, comm)?))
     }
 
     fn measure_peak(&self) -> Option<crate::backend::Peak> {
@@ -147,6 +151,8 @@ pub struct CpuDevice {
     /// The disk tier's file and its I/O thread (plans with `--offload`). Declared first so
     /// that it is dropped first: its transfers in flight finish while the arena still exists.
     io: Option<IoThread>,
+    /// The collectives among the ranks, and their thread (dropped before the arena too).
+    collectives: Collectives,
     /// Transfers in flight, by their host staging buffer.
     pending: std::sync::Mutex<Vec<(BufId, Ticket)>>,
     /// Nanoseconds ops waited for transfers.
@@ -163,7 +169,7 @@ pub struct CpuDevice {
 }
 
 impl CpuDevice {
-    fn new(plan: &Plan) -> Result<CpuDevice> {
+    fn new(plan: &Plan, comm: Arc<dyn Comm>) -> Result<CpuDevice> {
         let storage = plan.cfg.precision.storage();
         if storage == DType::F16 && !f16_conversions_available() {
             bail!(
@@ -191,8 +197,11 @@ impl CpuDevice {
             (_, None) => bail!("--offload needs --offload-dir (a directory on a local disk)"),
         };
         let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
+        let ops = plan.schedule.ops.iter();
+        let collectives = ops.filter(|e| e.op.collective_group().is_some()).count();
         Ok(CpuDevice {
             io,
+            collectives: Collectives::new(comm, &plan.cuts, collectives),
             pending: Default::default(),
             stall_ns: Default::default(),
             arena,
@@ -252,11 +261,16 @@ impl CpuDevice {
 
     /// Waits for the transfers in flight into or out of `bufs`; the first error, if any.
     fn await_transfers(&self, bufs: &[BufId]) -> Result<()> {
+        self.await_transfers_where(|b| bufs.contains(&b))
+    }
+
+    /// Waits for the transfers in flight whose host buffer is `mine`; the first error.
+    fn await_transfers_where(&self, mine: impl Fn(BufId) -> bool) -> Result<()> {
         let mine: Vec<Ticket> = {
             let mut pending = self.pending.lock().expect("not poisoned");
             let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
                 .into_iter()
-                .partition(|(b, _)| bufs.contains(b));
+                .partition(|(b, _)| mine(*b));
             *pending = rest;
             mine.into_iter().map(|(_, t)| t).collect()
         };
@@ -453,42 +467,13 @@ fn free_between_steps(buffers: &[Buffer], arena_bytes: u64) -> (u64, u64) {
 }
 
 impl CpuDevice {
-    /// A collective over buffers of element type `T` (views as for every op: the plan
-    /// keeps a collective's buffers apart).
-    fn collective<T: Elem + crate::dist::Summable>(
-        &self,
-        op: &Op,
-        cut: &crate::dist::Cut,
-        comm: &dyn crate::dist::Comm,
-    ) -> Result<()> {
-        use crate::dist::ring;
-        match op {
-            Op::AllReduce { buf, scratch, .. } => {
-                ring::all_reduce(comm, self.view::<T>(*buf), cut, self.view::<T>(*scratch))
-            }
-            Op::ReduceScatter {
-                buf,
-                shard,
-                scratch,
-                accumulate,
-                ..
-            } => ring::reduce_scatter(
-                comm,
-                self.view::<T>(*buf),
-                cut,
-                self.view::<T>(*shard),
-                self.view::<T>(*scratch),
-                *accumulate,
-            ),
-            Op::AllGather { buf, shard, .. } => {
-                let full = self.view::<T>(*buf);
-                if let Some(shard) = shard {
-                    full[cut.shard(comm.rank())].copy_from_slice(self.view::<T>(*shard));
-                }
-                ring::all_gather(comm, full, cut)
-            }
-            other => bail!("internal error: {other:?} is not a collective"),
-        }
+    /// Starts collective `op` on its buffers, elements of `T`.
+    fn start_collective<T: Elem + crate::dist::Summable>(&self, op: &Op) -> Result<()> {
+        let job = Job::new(op, |id| self.view::<T>(id));
+        // SAFETY: the plan keeps a collective's buffers live, and touched by no other op,
+        // from its op to its `AwaitCollective` (plan::build::verify_collectives), and
+        // `Device::sync` waits for whatever a run leaves in flight.
+        unsafe { self.collectives.start(job, &self.buffers) }
     }
 }
 
@@ -501,6 +486,20 @@ impl Device for CpuDevice {
             }
             Op::AwaitTransfers { bufs } => {
                 self.await_transfers(bufs)?;
+                return Ok(OpResult::Done);
+            }
+            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
+                let buf = e.op.collective_buf().expect("a collective");
+                match self.buffers[buf.0].dtype {
+                    DType::Bf16 => self.start_collective::<bf16>(&e.op)?,
+                    DType::F16 => self.start_collective::<f16>(&e.op)?,
+                    DType::F32 => self.start_collective::<f32>(&e.op)?,
+                    other => bail!("internal error: a collective over {other:?} elements"),
+                }
+                return Ok(OpResult::Done);
+            }
+            Op::AwaitCollective { bufs } => {
+                self.collectives.wait(Some(bufs[0]), &self.buffers)?;
                 return Ok(OpResult::Done);
             }
             _ => {}
@@ -524,19 +523,18 @@ impl Device for CpuDevice {
         (start + bytes as u64 <= end).then(|| unsafe { self.arena.view_mut::<u8>(start, bytes) })
     }
 
-    fn run_collective(
-        &self,
-        e: &OpEntry,
-        cut: &crate::dist::Cut,
-        comm: &dyn crate::dist::Comm,
-    ) -> Result<()> {
-        let buf = e.op.collective_buf().expect("a collective");
-        match self.buffers[buf.0].dtype {
-            DType::Bf16 => self.collective::<bf16>(&e.op, cut, comm),
-            DType::F16 => self.collective::<f16>(&e.op, cut, comm),
-            DType::F32 => self.collective::<f32>(&e.op, cut, comm),
-            other => bail!("internal error: a collective over {other:?} elements"),
-        }
+    fn sync(&self) -> Result<()> {
+        let collectives = self.collectives.wait(None, &self.buffers);
+        let idle = self.pending.lock().expect("not poisoned").is_empty();
+        let transfers = match idle {
+            true => Ok(()),
+            false => self.await_transfers_where(|_| true),
+        };
+        collectives.and(transfers)
+    }
+
+    fn overlap_collectives(&mut self, on: bool) {
+        self.collectives.set_overlap(on);
     }
 
     fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) -> Result<()> {
@@ -561,6 +559,14 @@ impl Device for CpuDevice {
             busy_s: self.io.as_ref().map_or(0.0, |io| io.busy_s()),
             stall_s: self.stall_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9,
         }
+    }
+
+    fn comm_time(&self) -> CommTime {
+        self.collectives.time()
+    }
+
+    fn take_comm_spans(&self, out: &mut Vec<CommSpan>) -> u64 {
+        self.collectives.take_spans(out)
     }
 
     fn take_io_spans(&self, out: &mut Vec<IoSpan>) -> u64 {

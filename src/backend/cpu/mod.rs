@@ -40,6 +40,7 @@
 
 pub mod adamw;
 pub mod attention;
+mod collective;
 #[cfg(test)]
 pub(crate) mod conformance;
 pub mod device;

@@ -498,7 +498,7 @@ impl CpuDevice {
             | Op::ReduceScatter { .. }
             | Op::AllGather { .. }
             | Op::AwaitCollective { .. } => {
-                unreachable!("the executor runs collectives through Device::run_collective")
+                unreachable!("the device starts and awaits collectives itself")
             }
         }
         OpResult::Done
