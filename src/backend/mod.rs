@@ -4,7 +4,7 @@
 //! on views of it. `cpu` is the only backend today.
 //!
 //! The seam has two sides:
-//! - [`Sizing`](crate::plan::Sizing), what the planner asks: the workspace the backend's
+//! - [`Sizing`], what the planner asks: the workspace the backend's
 //!   kernels need and the scratch its libraries keep for themselves. The plan does not know
 //!   which backend runs it beyond these answers; the trait is the planner's (a backend
 //!   implements it), so the planner never imports a backend.

@@ -26,57 +26,19 @@
 //! and `AllGather` ops on plan buffers (and the step's few scalars), so a rank's memory and
 //! traffic are predicted like everything else (`plan::zero`).
 
+mod comm;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod ring;
 pub mod shard;
 
+pub use comm::{Collective, Comm, Single};
 pub use local::Local;
 pub use ring::Summable;
 pub use shard::{Cut, Sharding};
 
 use anyhow::Result;
-
-/// A group of `size()` ranks, this process being `rank()`.
-pub trait Comm: Send + Sync {
-    fn rank(&self) -> usize;
-    fn size(&self) -> usize;
-    /// Sends `send` to rank `to` and receives `recv.len()` bytes from rank `from`, both at
-    /// once (so a ring of these does not deadlock). Fails naming the rank when a peer is
-    /// gone or the sizes disagree.
-    fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()>;
-    /// Bytes this rank has sent since it started (what [`Comm::sendrecv`] was given).
-    fn bytes_sent(&self) -> u64;
-    /// The transport, for messages (`single process`, `MPI (Open MPI 4.1.4)`, …).
-    fn describe(&self) -> String;
-    /// Ends every rank's process with exit status `code`, where the transport can (MPI's
-    /// abort: a rank that fails alone would leave the others waiting on it for ever, and
-    /// finalising MPI would wait too). Transports that cannot return, leaving it to their
-    /// caller.
-    fn abort(&self, code: i32) {
-        let _ = code;
-    }
-    /// Returns when every rank has called it: a dissemination barrier over `sendrecv`
-    /// (⌈log₂ N⌉ rounds of empty messages).
-    fn barrier(&self) -> Result<()> {
-        let (r, n) = (self.rank(), self.size());
-        let mut step = 1;
-        while step < n {
-            self.sendrecv(&[], (r + step) % n, &mut [], (r + n - step) % n)?;
-            step *= 2;
-        }
-        Ok(())
-    }
-}
-
-/// Which collective, for [`Cut::sent`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Collective {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
-}
 
 /// Whether collectives should run on a communication thread beside compute: only where the
 /// thread has a core of its own. The ranks on this machine (as the launcher says: Open MPI's
@@ -137,35 +99,4 @@ pub fn world(zero: Option<shard::Zero>) -> Result<std::sync::Arc<dyn Comm>> {
         );
     }
     Ok(std::sync::Arc::new(Single))
-}
-
-/// One process: rank 0 of 1.
-#[derive(Debug, Default)]
-pub struct Single;
-
-impl Comm for Single {
-    fn rank(&self) -> usize {
-        0
-    }
-
-    fn size(&self) -> usize {
-        1
-    }
-
-    fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()> {
-        anyhow::ensure!(
-            to == 0 && from == 0 && send.len() == recv.len(),
-            "internal error: a single process exchanging with rank {to}/{from}"
-        );
-        recv.copy_from_slice(send);
-        Ok(())
-    }
-
-    fn bytes_sent(&self) -> u64 {
-        0
-    }
-
-    fn describe(&self) -> String {
-        "single process".into()
-    }
 }

@@ -10,7 +10,7 @@
 //! - `setup.rs`: every check that can fail before work starts, the plan (and `plan.json`),
 //!   the executor, and the initial state (fresh, `--init` or `--resume`);
 //! - `step.rs`: one optimizer step with its evaluation, metrics line, checkpoint and profile;
-//! - `run.rs`: the state a run carries ([`Run`](run::Run)), and `Run::finish`: the final
+//! - `run.rs`: the state a run carries (`Run`), and `Run::finish`: the final
 //!   reports and the summary ([`TrainSummary`], `summary.rs`).
 //!
 //! Around them: [`TrainOptions`] (`options.rs`), fp16's [`LossScaler`](crate::exec::LossScaler), the
