@@ -27,14 +27,12 @@
 //! the gradient norm's share 1e-5. Values an op must leave alone, copies (all-gather,
 //! transfers) and zeroing: bitwise.
 //!
-//! Op kinds not covered: `AwaitCollective`, which no backend runs today (the executor waits
-//! for its communication thread; `CpuDevice::run` does not take it). Every other kind of
-//! `plan::Op` has a check (`rig::kind` names them all without a wildcard, so a new kind
-//! stops the suite compiling until it is named there). Narrower than the op: `LmHeadLast`
+//! Every kind of `plan::Op` has a check (`rig::kind` names them all without a wildcard, so a
+//! new kind stops the suite compiling until it is named there); `AwaitCollective` is checked
+//! with the collectives, which read their results after it and nothing else. Narrower than the op: `LmHeadLast`
 //! and `StepCtx::seq` (a prefix of each sequence) are checked in fp32 only, the only
-//! precision of generation plans, their one user. The collectives run through
-//! `Device::run_collective` in one place (`state::run_collective`), the line to change when
-//! collectives become start/await ops of the device.
+//! precision of generation plans, their one user. The collectives are started and awaited
+//! in one place (`state::run_collective`).
 //!
 //! That the checks can fail: `mod flawed` runs some of them on a backend that gets one thing
 //! wrong before the CPU runs the op (a transposed weight, RoPE turned the wrong way, the loss

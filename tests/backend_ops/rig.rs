@@ -565,7 +565,7 @@ pub fn kind(op: &Op) -> &'static str {
         Op::AllReduce { .. } => "all_reduce",
         Op::ReduceScatter { .. } => "reduce_scatter",
         Op::AllGather { .. } => "all_gather",
-        // Not a backend op today: the executor waits for its communication thread.
+        // Checked with the collectives (`state::run_collective`).
         Op::AwaitCollective { .. } => "await_collective",
     }
 }

@@ -7,6 +7,7 @@ use memwall::backend::{AdamWStep, Backend, OpResult, StepCtx};
 use memwall::dist::shard::{Sharding, Zero};
 use memwall::dist::{Cut, Local};
 use memwall::dtype::DType;
+use memwall::plan::schedule::OpEntry;
 use memwall::plan::strategy::QBLOCK;
 use memwall::plan::{Op, OptimBufs, OptimState, ParamSlice, Precision};
 use std::ops::Range;
@@ -370,15 +371,22 @@ fn ranks<X>(
 }
 
 /// Runs op 0 of every rank's plan at once, each rank on a thread of its own: the device
-/// starts the collective, and `sync` waits for it (the plans hold no `AwaitCollective`).
+/// starts the collective, and its `AwaitCollective` (naming the collective's buffer) waits
+/// for it; the checks then read the buffer without any other wait.
 fn run_collective<X: Sync>(ranks: &[(Started, X)]) {
     std::thread::scope(|scope| {
         for (s, _) in ranks {
             scope.spawn(move || {
                 let e = &s.plan.schedule.ops[0];
+                let buf = e.op.collective_buf().expect("op 0 is a collective");
+                let wait = OpEntry {
+                    name: format!("{}.await", e.name),
+                    op: Op::AwaitCollective { bufs: vec![buf] },
+                    ..e.clone()
+                };
                 s.dev
                     .run(e, &ctx())
-                    .and_then(|_| s.dev.sync())
+                    .and_then(|_| s.dev.run(&wait, &ctx()))
                     .unwrap_or_else(|err| panic!("{}: {err:#}", e.name))
             });
         }
