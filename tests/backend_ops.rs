@@ -5,8 +5,9 @@
 //!
 //! Each check builds a small plan by hand (`backend_ops/rig.rs`: the buffers the op needs,
 //! packed and verified as the planner's are), starts it with `Backend::start`, fills the
-//! inputs with `Device::upload`, runs the op with `Device::run` (collectives with
-//! `Device::run_collective`), reads the outputs with `Device::download`, and compares them
+//! inputs with `Device::upload`, runs the op with `Device::run` (a collective among ranks
+//! started with a `Local` group, then its `AwaitCollective`), reads the outputs with
+//! `Device::download`, and compares them
 //! with a reference written in the check in plain f64 loops from the op's documented formula
 //! (`backend_ops/layers.rs`, `backend_ops/state.rs`), never with the CPU kernels.
 //!
