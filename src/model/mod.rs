@@ -7,6 +7,7 @@ pub mod family;
 pub mod gpt2;
 pub mod llama;
 pub(crate) mod lm_head;
+pub mod lora;
 pub mod params;
 pub mod rope;
 pub mod spec;

@@ -17,6 +17,10 @@ pub enum Init {
     Normal {
         std: f32,
     },
+    /// Independent uniform draws in [-bound, bound) (a LoRA adapter's `A`).
+    Uniform {
+        bound: f32,
+    },
 }
 
 /// One parameter tensor inside the flat buffer.
@@ -224,6 +228,7 @@ impl ParamInit<'_> {
                     Init::Zeros => 0.0,
                     Init::Ones => 1.0,
                     Init::Normal { std } => self.rng.normal() * std,
+                    Init::Uniform { bound } => (2.0 * self.rng.next_f32() - 1.0) * bound,
                 };
                 if i >= range.start {
                     dst[i - range.start] = x;

@@ -1,0 +1,584 @@
+//! LoRA adapters' vocabulary (Hu et al. 2021, as PEFT's `LoraLayer` has it): which linear
+//! layers of the blocks a run adapts (`--lora-targets`), the adapters' tensors with PEFT's
+//! names, shapes and initialisation, and PEFT's `adapter_config.json`.
+//!
+//! For an adapted linear layer `W` (`in` features to `out`), `y = x Wᵀ + (alpha / r) ·
+//! dropout(x) Aᵀ Bᵀ` with `A [r, in]` drawn Kaiming-uniform (a = √5: uniform in
+//! ±1/√in, as `nn.Linear` initialises its weight) and `B [out, r]` zero, so that before
+//! the first update the model is exactly the base. Only `A` and `B` train.
+//!
+//! The adapters form a [`ParamLayout`] of their own ([`AdapterLayout::params`]): one group
+//! per block, in the order of the base's layers, each layer's `A` then `B`; gradients and
+//! optimizer state are planned over it as over any layout, and the base has neither.
+//!
+//! Names are PEFT's, without an adapter name in the key: the base module's Hugging Face path
+//! under `base_model.model.`, then `lora_A.weight` / `lora_B.weight`, e.g.
+//! `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. GPT-2's linear layers are
+//! Conv1D (`[in, out]`), which PEFT marks with `fan_in_fan_out`; its `A` and `B` keep the
+//! shapes above all the same.
+
+use super::params::{Init, LayoutBuilder, ParamLayout};
+use super::spec::Family;
+use anyhow::{Result, bail};
+use serde::{Deserialize, Serialize};
+
+/// A kind of linear layer of a block that can carry an adapter (`--lora-targets`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    /// Llama's `self_attn.q_proj`.
+    Q,
+    /// Llama's `self_attn.k_proj`.
+    K,
+    /// Llama's `self_attn.v_proj`.
+    V,
+    /// Llama's `self_attn.o_proj`.
+    O,
+    /// Llama's `mlp.gate_proj`.
+    Gate,
+    /// Llama's `mlp.up_proj`.
+    Up,
+    /// Llama's `mlp.down_proj`.
+    Down,
+    /// GPT-2's `attn.c_attn` (q, k and v in one Conv1D).
+    Attn,
+    /// GPT-2's `attn.c_proj`.
+    Proj,
+    /// GPT-2's `mlp.c_fc`.
+    Fc,
+    /// GPT-2's `mlp.c_proj`.
+    MlpProj,
+}
+
+const LLAMA: [Target; 7] = [
+    Target::Q,
+    Target::K,
+    Target::V,
+    Target::O,
+    Target::Gate,
+    Target::Up,
+    Target::Down,
+];
+const GPT2: [Target; 4] = [Target::Attn, Target::Proj, Target::Fc, Target::MlpProj];
+
+impl Target {
+    /// Every target of `family`'s blocks, in the order of a block's layers.
+    pub fn all(family: Family) -> &'static [Target] {
+        match family {
+            Family::Gpt2 => &GPT2,
+            Family::Llama | Family::Qwen2 => &LLAMA,
+        }
+    }
+
+    /// The name `--lora-targets` takes.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Target::Q => "q",
+            Target::K => "k",
+            Target::V => "v",
+            Target::O => "o",
+            Target::Gate => "gate",
+            Target::Up => "up",
+            Target::Down => "down",
+            Target::Attn => "attn",
+            Target::Proj => "proj",
+            Target::Fc => "fc",
+            Target::MlpProj => "mlp_proj",
+        }
+    }
+
+    /// The module's path inside a block, as Hugging Face names it.
+    pub fn module(self) -> &'static str {
+        match self {
+            Target::Q => "self_attn.q_proj",
+            Target::K => "self_attn.k_proj",
+            Target::V => "self_attn.v_proj",
+            Target::O => "self_attn.o_proj",
+            Target::Gate => "mlp.gate_proj",
+            Target::Up => "mlp.up_proj",
+            Target::Down => "mlp.down_proj",
+            Target::Attn => "attn.c_attn",
+            Target::Proj => "attn.c_proj",
+            Target::Fc => "mlp.c_fc",
+            Target::MlpProj => "mlp.c_proj",
+        }
+    }
+
+    /// The entry of PEFT's `target_modules` that names this layer and no other: the module's
+    /// last name where that is unique among the family's targets (`q_proj`, `c_attn`), else
+    /// with its parent (`attn.c_proj`, `mlp.c_proj`). PEFT matches an entry against the end of
+    /// a module's path.
+    pub fn peft_module(self) -> &'static str {
+        match self {
+            Target::Proj | Target::MlpProj => self.module(),
+            _ => self.module().rsplit('.').next().expect("a name"),
+        }
+    }
+}
+
+/// The targets `--lora-targets` names (`all`, or a comma list such as `q,k,v,o`) for
+/// `family`, in the order of a block's layers; an unknown or repeated name is refused,
+/// naming the family's targets.
+pub fn parse_targets(s: &str, family: Family) -> Result<Vec<Target>> {
+    let all = Target::all(family);
+    let names = || all.iter().map(|t| t.flag()).collect::<Vec<_>>().join(", ");
+    if s.trim() == "all" {
+        return Ok(all.to_vec());
+    }
+    let mut out = Vec::new();
+    for name in s.split(',').map(str::trim) {
+        let Some(t) = all.iter().find(|t| t.flag() == name) else {
+            bail!(
+                "--lora-targets {s}: {} has no layer '{name}'; its layers are {} (or all)",
+                family.model_type(),
+                names()
+            );
+        };
+        if out.contains(t) {
+            bail!("--lora-targets {s}: '{name}' is given twice");
+        }
+        out.push(*t);
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// What adapters a run trains: their rank, scale and dropout, and the layers they adapt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraSpec {
+    /// The rank r of every adapter (`--lora`).
+    pub r: usize,
+    /// `--lora-alpha`: the adapters' output is scaled by alpha / r.
+    pub alpha: f32,
+    /// `--lora-dropout`: the probability an input element of an adapter is dropped.
+    pub dropout: f32,
+    /// The layers adapted in every block.
+    pub targets: Vec<Target>,
+}
+
+impl LoraSpec {
+    /// The factor on the adapters' output, alpha / r.
+    pub fn scale(&self) -> f32 {
+        self.alpha / self.r as f32
+    }
+}
+
+/// One adapted linear layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Adapted {
+    /// The base module's Hugging Face path, e.g. `model.layers.0.self_attn.q_proj`.
+    pub module: String,
+    pub target: Target,
+    /// The block it is in.
+    pub layer: usize,
+    pub in_features: usize,
+    pub out_features: usize,
+    /// Index of the base weight in the base's [`ParamLayout::tensors`].
+    pub base_tensor: usize,
+}
+
+/// The adapters of a run: every adapted layer and the layout of their tensors.
+#[derive(Clone, Debug)]
+pub struct AdapterLayout {
+    pub spec: LoraSpec,
+    /// In the order of the base's tensors.
+    pub layers: Vec<Adapted>,
+    /// `A` then `B` of each layer, one group per block (`h{l}.lora`).
+    pub params: ParamLayout,
+}
+
+impl AdapterLayout {
+    /// The adapters `spec` puts on the base whose parameters are `base`: every block's
+    /// targeted weight gets an `A` and a `B`. Refuses a rank of 0 or above a layer's
+    /// min(in, out), naming `--lora`, and targets the base lacks.
+    pub fn new(base: &ParamLayout, spec: LoraSpec) -> Result<AdapterLayout> {
+        if spec.r == 0 {
+            bail!("--lora 0: the rank of the adapters must be at least 1");
+        }
+        if !(spec.alpha > 0.0 && spec.alpha.is_finite()) {
+            bail!("--lora-alpha {}: it must be a positive number", spec.alpha);
+        }
+        if !(0.0..1.0).contains(&spec.dropout) {
+            bail!("--lora-dropout {}: it must be in [0, 1)", spec.dropout);
+        }
+        let family = base.family;
+        if let Some(t) = spec
+            .targets
+            .iter()
+            .find(|t| !Target::all(family).contains(t))
+        {
+            bail!(
+                "--lora-targets: {} has no layer '{}'",
+                family.model_type(),
+                t.flag()
+            );
+        }
+        if spec.targets.is_empty() {
+            bail!("--lora-targets: no layer given");
+        }
+        let mut layers = Vec::new();
+        for (i, t) in base.tensors.iter().enumerate() {
+            let Some((layer, target, module)) = adapted(family, &t.name, &spec.targets) else {
+                continue;
+            };
+            let (in_features, out_features) = match (family, t.shape.as_slice()) {
+                // Conv1D weights are [in, out]; nn.Linear's [out, in].
+                (Family::Gpt2, &[i, o]) => (i, o),
+                (_, &[o, i]) => (i, o),
+                _ => bail!("internal error: {} is not a matrix ({:?})", t.name, t.shape),
+            };
+            if spec.r > in_features.min(out_features) {
+                bail!(
+                    "--lora {}: above the rank of {module} ({in_features} -> {out_features}); \
+                     give at most {}",
+                    spec.r,
+                    in_features.min(out_features)
+                );
+            }
+            layers.push(Adapted {
+                module,
+                target,
+                layer,
+                in_features,
+                out_features,
+                base_tensor: i,
+            });
+        }
+        let found: std::collections::BTreeSet<Target> = layers.iter().map(|a| a.target).collect();
+        if let Some(t) = spec.targets.iter().find(|t| !found.contains(t)) {
+            bail!(
+                "--lora-targets: the model has no {} layer ({}) to adapt",
+                t.flag(),
+                t.module()
+            );
+        }
+        let mut cur = LayoutBuilder::new(family);
+        let mut block = None;
+        for a in &layers {
+            if block.is_some_and(|b| b != a.layer) {
+                cur.group(format!("h{}.lora", block.expect("a block")));
+            }
+            block = Some(a.layer);
+            let bound = 1.0 / (a.in_features as f32).sqrt();
+            cur.push(
+                peft_name(&a.module, 'A'),
+                &[spec.r, a.in_features],
+                true,
+                Init::Uniform { bound },
+            );
+            cur.push(
+                peft_name(&a.module, 'B'),
+                &[a.out_features, spec.r],
+                true,
+                Init::Zeros,
+            );
+        }
+        if let Some(b) = block {
+            cur.group(format!("h{b}.lora"));
+        }
+        Ok(AdapterLayout {
+            spec,
+            layers,
+            params: cur.finish(Vec::new()),
+        })
+    }
+
+    /// PEFT's `adapter_config.json` for these adapters on the base named `base` (a path or
+    /// a hub name, as `base_model_name_or_path`).
+    pub fn config(&self, base: &str) -> AdapterConfig {
+        AdapterConfig {
+            peft_type: "LORA".into(),
+            task_type: "CAUSAL_LM".into(),
+            r: self.spec.r,
+            lora_alpha: self.spec.alpha,
+            lora_dropout: self.spec.dropout,
+            target_modules: self
+                .spec
+                .targets
+                .iter()
+                .map(|t| t.peft_module().into())
+                .collect(),
+            bias: "none".into(),
+            fan_in_fan_out: self.params.family == Family::Gpt2,
+            base_model_name_or_path: Some(base.into()),
+            inference_mode: true,
+            init_lora_weights: true,
+            modules_to_save: None,
+            use_rslora: false,
+            use_dora: false,
+        }
+    }
+}
+
+/// PEFT's name of `module`'s `A` or `B` weight.
+pub fn peft_name(module: &str, which: char) -> String {
+    format!("base_model.model.{module}.lora_{which}.weight")
+}
+
+/// The block, target and module path of a base weight named `name` when it is one of
+/// `targets` (`model.layers.3.self_attn.q_proj.weight`, `transformer.h.3.mlp.c_fc.weight`).
+fn adapted(family: Family, name: &str, targets: &[Target]) -> Option<(usize, Target, String)> {
+    let blocks = match family {
+        Family::Gpt2 => "transformer.h.",
+        Family::Llama | Family::Qwen2 => "model.layers.",
+    };
+    let rest = name.strip_prefix(blocks)?.strip_suffix(".weight")?;
+    let (layer, module) = rest.split_once('.')?;
+    let layer = layer.parse().ok()?;
+    let target = *targets.iter().find(|t| t.module() == module)?;
+    Some((layer, target, format!("{blocks}{rest}")))
+}
+
+/// PEFT's `adapter_config.json` (the fields `peft.LoraConfig` reads; others are ignored when
+/// reading one made elsewhere).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdapterConfig {
+    pub peft_type: String,
+    pub task_type: String,
+    pub r: usize,
+    pub lora_alpha: f32,
+    #[serde(default)]
+    pub lora_dropout: f32,
+    /// Module names matched against the end of each module's path.
+    pub target_modules: Vec<String>,
+    #[serde(default = "none")]
+    pub bias: String,
+    /// True for GPT-2's Conv1D layers (weights stored `[in, out]`).
+    #[serde(default)]
+    pub fan_in_fan_out: bool,
+    #[serde(default)]
+    pub base_model_name_or_path: Option<String>,
+    #[serde(default)]
+    pub inference_mode: bool,
+    #[serde(default = "yes")]
+    pub init_lora_weights: bool,
+    #[serde(default)]
+    pub modules_to_save: Option<Vec<String>>,
+    #[serde(default)]
+    pub use_rslora: bool,
+    #[serde(default)]
+    pub use_dora: bool,
+}
+
+fn none() -> String {
+    "none".into()
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl AdapterConfig {
+    /// The spec this config describes for a `family` base: its `target_modules` matched as
+    /// PEFT matches them (an entry names every target whose module path ends with it, so
+    /// GPT-2's `c_proj` is both `proj` and `mlp_proj`). Refuses what memwall does not train:
+    /// another PEFT type, biases, DoRA, rsLoRA, modules saved whole, and entries that name no
+    /// layer of the family's blocks, naming `file`.
+    pub fn spec(&self, family: Family, file: &str) -> Result<LoraSpec> {
+        let refuse = |what: &str| -> Result<LoraSpec> {
+            bail!("{file}: {what}; memwall trains plain LoRA adapters (peft_type LORA, bias none)")
+        };
+        if self.peft_type != "LORA" {
+            return refuse(&format!("peft_type is {}", self.peft_type));
+        }
+        if self.bias != "none" {
+            return refuse(&format!("bias is {}", self.bias));
+        }
+        if self.use_dora || self.use_rslora {
+            return refuse("use_dora or use_rslora is set");
+        }
+        if self.modules_to_save.as_ref().is_some_and(|m| !m.is_empty()) {
+            return refuse("modules_to_save is set");
+        }
+        let mut targets = Vec::new();
+        for entry in &self.target_modules {
+            let matched: Vec<Target> = Target::all(family)
+                .iter()
+                .copied()
+                .filter(|t| t.module() == entry || t.module().ends_with(&format!(".{entry}")))
+                .collect();
+            if matched.is_empty() {
+                bail!(
+                    "{file}: target_modules names '{entry}', which is no linear layer of a {} block ({})",
+                    family.model_type(),
+                    Target::all(family)
+                        .iter()
+                        .map(|t| t.module())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+            for t in matched {
+                if !targets.contains(&t) {
+                    targets.push(t);
+                }
+            }
+        }
+        targets.sort();
+        Ok(LoraSpec {
+            r: self.r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            targets,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelSpec;
+
+    fn spec(r: usize, targets: &str, family: Family) -> LoraSpec {
+        LoraSpec {
+            r,
+            alpha: 32.0,
+            dropout: 0.0,
+            targets: parse_targets(targets, family).unwrap(),
+        }
+    }
+
+    #[test]
+    fn llama_adapters_have_peft_names_shapes_and_groups() {
+        let base = ModelSpec::preset("llama-tiny").unwrap();
+        let layout = crate::model::ParamLayout::new(&base);
+        let a = AdapterLayout::new(&layout, spec(4, "all", Family::Llama)).unwrap();
+        assert_eq!(a.layers.len(), 7 * base.n_layer);
+        let q = &a.params.tensors[0];
+        assert_eq!(
+            q.name,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        );
+        assert_eq!(q.shape, [4, base.n_embd]);
+        let down_b = &a.params.tensors[13];
+        assert_eq!(
+            down_b.name,
+            "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
+        );
+        assert_eq!(down_b.shape, [base.n_embd, 4]);
+        assert_eq!(a.params.groups.len(), base.n_layer);
+        assert_eq!(a.params.groups[1].name, "h1.lora");
+        assert!(
+            matches!(q.init, Init::Uniform { bound } if bound == 1.0 / (base.n_embd as f32).sqrt())
+        );
+        assert_eq!(down_b.init, Init::Zeros);
+        assert_eq!(a.spec.scale(), 8.0);
+    }
+
+    #[test]
+    fn gpt2_adapters_read_conv1d_shapes_and_name_c_proj_apart() {
+        let base = ModelSpec::preset("gpt2-tiny").unwrap();
+        let layout = crate::model::ParamLayout::new(&base);
+        let a = AdapterLayout::new(&layout, spec(8, "attn,mlp_proj", Family::Gpt2)).unwrap();
+        let c = base.n_embd;
+        let attn = &a.layers[0];
+        assert_eq!(attn.module, "transformer.h.0.attn.c_attn");
+        assert_eq!((attn.in_features, attn.out_features), (c, 3 * c));
+        let proj = &a.layers[1];
+        assert_eq!(proj.module, "transformer.h.0.mlp.c_proj");
+        assert_eq!((proj.in_features, proj.out_features), (4 * c, c));
+        let cfg = a.config("gpt2-tiny");
+        assert!(cfg.fan_in_fan_out);
+        assert_eq!(cfg.target_modules, ["c_attn", "mlp.c_proj"]);
+        // PEFT's own reading of the entries gives back the targets.
+        assert_eq!(
+            cfg.spec(Family::Gpt2, "x").unwrap().targets,
+            [Target::Attn, Target::MlpProj]
+        );
+        // A bare c_proj, as configs made for GPT-2 elsewhere say, is both projections.
+        let mut other = cfg.clone();
+        other.target_modules = vec!["c_proj".into()];
+        assert_eq!(
+            other.spec(Family::Gpt2, "x").unwrap().targets,
+            [Target::Proj, Target::MlpProj]
+        );
+    }
+
+    #[test]
+    fn the_config_is_peft_json_and_reads_back() {
+        let base = ModelSpec::preset("llama-tiny").unwrap();
+        let layout = crate::model::ParamLayout::new(&base);
+        let a = AdapterLayout::new(&layout, spec(4, "q,v", Family::Llama)).unwrap();
+        let json = serde_json::to_value(a.config("smol")).unwrap();
+        assert_eq!(json["peft_type"], "LORA");
+        assert_eq!(json["task_type"], "CAUSAL_LM");
+        assert_eq!(json["r"], 4);
+        assert_eq!(json["lora_alpha"], 32.0);
+        assert_eq!(
+            json["target_modules"],
+            serde_json::json!(["q_proj", "v_proj"])
+        );
+        assert_eq!(json["bias"], "none");
+        assert_eq!(json["fan_in_fan_out"], false);
+        let back: AdapterConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(back.spec(Family::Llama, "x").unwrap(), a.spec);
+    }
+
+    #[test]
+    fn bad_targets_ranks_and_configs_are_refused_naming_the_flag_or_file() {
+        let e = format!("{:#}", parse_targets("q,attn", Family::Llama).unwrap_err());
+        assert!(
+            e.contains("--lora-targets q,attn")
+                && e.contains("no layer 'attn'")
+                && e.contains("q, k, v, o, gate, up, down"),
+            "{e}"
+        );
+        let e = format!("{:#}", parse_targets("q,q", Family::Llama).unwrap_err());
+        assert!(e.contains("given twice"), "{e}");
+        let base = ModelSpec::preset("llama-tiny").unwrap();
+        let layout = crate::model::ParamLayout::new(&base);
+        let too_big = base.n_embd + 1;
+        let e = format!(
+            "{:#}",
+            AdapterLayout::new(&layout, spec(too_big, "q", Family::Llama)).unwrap_err()
+        );
+        assert!(
+            e.contains(&format!("--lora {too_big}")) && e.contains("give at most"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            AdapterLayout::new(&layout, spec(0, "q", Family::Llama)).unwrap_err()
+        );
+        assert!(e.contains("--lora 0"), "{e}");
+        let mut cfg = AdapterLayout::new(&layout, spec(4, "q", Family::Llama))
+            .unwrap()
+            .config("b");
+        cfg.use_dora = true;
+        let e = format!(
+            "{:#}",
+            cfg.spec(Family::Llama, "adapter_config.json").unwrap_err()
+        );
+        assert!(
+            e.contains("adapter_config.json") && e.contains("use_dora"),
+            "{e}"
+        );
+        cfg.use_dora = false;
+        cfg.target_modules = vec!["lm_head".into()];
+        let e = format!(
+            "{:#}",
+            cfg.spec(Family::Llama, "adapter_config.json").unwrap_err()
+        );
+        assert!(e.contains("'lm_head'"), "{e}");
+    }
+
+    /// `A` is drawn in ±1/√in (and not all the same), `B` is zero: the model starts as the base.
+    #[test]
+    fn adapters_start_as_peft_initialises_them() {
+        let base = ModelSpec::preset("llama-tiny").unwrap();
+        let layout = crate::model::ParamLayout::new(&base);
+        let a = AdapterLayout::new(&layout, spec(4, "q,down", Family::Llama)).unwrap();
+        let mut values = vec![0f32; a.params.total];
+        a.params.initializer(7).fill(0..a.params.total, &mut values);
+        for t in &a.params.tensors {
+            let v = &values[t.range.clone()];
+            match t.init {
+                Init::Uniform { bound } => {
+                    assert!(v.iter().all(|x| x.abs() <= bound), "{}", t.name);
+                    let spread = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    assert!(spread > 0.5 * bound, "{}: {spread} of {bound}", t.name);
+                }
+                _ => assert!(v.iter().all(|&x| x == 0.0), "{}", t.name),
+            }
+        }
+    }
+}
