@@ -12,6 +12,8 @@
 //!   by tile: on [`bf16_dot`] where the CPU has it and the operands are bf16, else widened to
 //!   f32 for [`f32`](mod@f32); each output element rounded once.
 //! - [`naive`]: the reference twins the tests of all three compare with.
+//! - [`quantized`]: a frozen layer's forward and input-gradient GEMMs on a weight kept in
+//!   ggml blocks (QLoRA's base), decoded a tile of rows at a time for [`f32`](mod@f32).
 //!
 //! Dependencies run one way: [`super::matmul`] → [`mixed`] → {[`bf16_dot`],
 //! [`f32`](mod@f32)}, and [`bf16_dot`] → [`f32`](mod@f32) (the window checks); nothing here
@@ -21,3 +23,4 @@ pub mod bf16_dot;
 pub mod f32;
 pub mod mixed;
 pub mod naive;
+pub mod quantized;
