@@ -9,7 +9,8 @@
 //! sibling directory that is renamed into place once complete.
 //!
 //! `sample --model FILE.gguf` and `train --init FILE.gguf` convert once into the user cache
-//! ([`cache::model_dir`]) and use that directory.
+//! ([`cache::model_dir`]) and use that directory. [`quantize`] writes Q8_0, Q4_0 and Q4_1
+//! blocks bitwise as llama.cpp's reference quantizers (for a quantized base, and GGUF out).
 //!
 //! The output is a plain directory that `LlamaForCausalLM.from_pretrained` /
 //! `Qwen2ForCausalLM.from_pretrained` load; this module knows nothing of memwall's own model
@@ -20,6 +21,7 @@ pub mod convert;
 pub mod dequant;
 pub mod file;
 pub mod hf;
+pub mod quantize;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod tokenizer;
