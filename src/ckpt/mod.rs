@@ -35,6 +35,7 @@
 //! Loading accepts the hub's naming variants (see `names.rs`) and F32/F16/BF16 data; every
 //! error names the file and the tensor or field.
 
+pub mod adapter;
 mod files;
 mod load;
 mod moments;

@@ -1,0 +1,189 @@
+//! LoRA adapters on disk as PEFT keeps them, so that `peft.PeftModel.from_pretrained(base,
+//! dir)` loads what memwall writes and memwall trains on what PEFT wrote:
+//!
+//! | file                        | content                                                 |
+//! |-----------------------------|---------------------------------------------------------|
+//! | `adapter_config.json`       | [`AdapterConfig`]: `peft_type` LORA, `r`, `lora_alpha`, `target_modules`, `fan_in_fan_out`, ... |
+//! | `adapter_model.safetensors` | every adapter's `lora_A.weight` / `lora_B.weight` under PEFT's name, F32 |
+//!
+//! Each file is written atomically. Loading reads the config, checks the adapters against
+//! the base they are put on (its family, every adapted layer present with the adapter's
+//! shapes), then copies tensor by tensor as model weights are loaded (F32, F16 or BF16,
+//! every value checked finite); an error names the file and what does not fit.
+
+use super::safetensors_io::{
+    OutData, OutTensor, Resolved, Sources, StFile, Target, Whole, check_targets, copy_targets,
+    write_safetensors,
+};
+use crate::model::ParamLayout;
+use crate::model::lora::{AdapterConfig, AdapterLayout};
+use crate::util::atomic;
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+
+/// PEFT's adapter configuration file.
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+/// PEFT's adapter weights file.
+pub const ADAPTER_MODEL_FILE: &str = "adapter_model.safetensors";
+
+/// Writes `adapters` with their values `params` (`adapters.params.total` elements) into `dir`
+/// (created if needed) as PEFT does; `base` is recorded as `base_model_name_or_path`.
+pub fn save_adapter(
+    dir: &Path,
+    adapters: &AdapterLayout,
+    params: &[f32],
+    base: &str,
+) -> Result<()> {
+    let what = || format!("saving the adapter to {}", dir.display());
+    if params.len() != adapters.params.total {
+        bail!(
+            "internal error: {} adapter values for a layout of {}",
+            params.len(),
+            adapters.params.total
+        );
+    }
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create directory {}", dir.display()))?;
+    let config = serde_json::to_vec_pretty(&adapters.config(base))?;
+    atomic::write_file(&dir.join(ADAPTER_CONFIG_FILE), &config).with_context(what)?;
+    let values = Whole(OutData::F32(params));
+    let tensors: Vec<OutTensor> = adapters
+        .params
+        .tensors
+        .iter()
+        .map(|t| OutTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            from: &values,
+            range: t.range.clone(),
+        })
+        .collect();
+    atomic::write_with(&dir.join(ADAPTER_MODEL_FILE), |f| {
+        let mut w = std::io::BufWriter::new(f);
+        write_safetensors(&mut w, &tensors)?;
+        std::io::Write::flush(&mut w).context("writing the adapter weights")
+    })
+    .with_context(what)
+}
+
+/// Reads the PEFT adapter in `dir` for the base whose parameters are `base`: its layout
+/// (from `adapter_config.json`, checked against the base) and its values.
+pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Vec<f32>)> {
+    let config_path = dir.join(ADAPTER_CONFIG_FILE);
+    let text = std::fs::read_to_string(&config_path).with_context(|| {
+        format!(
+            "{}: cannot read it (an adapter directory holds {ADAPTER_CONFIG_FILE} and {ADAPTER_MODEL_FILE})",
+            config_path.display()
+        )
+    })?;
+    let config: AdapterConfig = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a PEFT adapter config", config_path.display()))?;
+    let label = config_path.display().to_string();
+    let spec = config.spec(base.family, &label)?;
+    let adapters = AdapterLayout::new(base, spec).with_context(|| {
+        format!(
+            "{label}: the adapter does not fit this {} base",
+            base.family.model_type()
+        )
+    })?;
+    let file = StFile::open(&dir.join(ADAPTER_MODEL_FILE))?;
+    let src = Sources::single(&file);
+    let targets: Vec<Target> = adapters
+        .params
+        .tensors
+        .iter()
+        .map(|t| Target {
+            key: t.name.clone(),
+            shape: t.shape.clone(),
+            buf: 0,
+            range: t.range.clone(),
+            from: 0,
+        })
+        .collect();
+    let resolve = |name: &str| Resolved::Key(name.to_string());
+    let located = check_targets(&src, &resolve, &targets)?;
+    let mut values = vec![0f32; adapters.params.total];
+    copy_targets(&src, &located, &targets, &mut [&mut values])?;
+    src.release_all();
+    Ok((adapters, values))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lora::{LoraSpec, parse_targets};
+    use crate::model::{Family, ModelSpec};
+
+    fn adapters(model: &str, family: Family, targets: &str) -> (ParamLayout, AdapterLayout) {
+        let spec = ModelSpec::preset(model).unwrap();
+        let base = ParamLayout::new(&spec);
+        let lora = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.05,
+            targets: parse_targets(targets, family).unwrap(),
+        };
+        let a = AdapterLayout::new(&base, lora).unwrap();
+        (base, a)
+    }
+
+    #[test]
+    fn an_adapter_saved_loads_back_bitwise_on_its_base() {
+        let dir = tempfile::tempdir().unwrap();
+        for (model, family) in [("llama-tiny", Family::Llama), ("gpt2-tiny", Family::Gpt2)] {
+            let (base, a) = adapters(model, family, "all");
+            let mut values = vec![0f32; a.params.total];
+            a.params.initializer(3).fill(0..a.params.total, &mut values);
+            // B is zero at the start: give it values, so the round trip sees them.
+            values
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v += i as f32 * 1e-3);
+            let at = dir.path().join(model);
+            save_adapter(&at, &a, &values, model).unwrap();
+            let config: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(at.join(ADAPTER_CONFIG_FILE)).unwrap())
+                    .unwrap();
+            assert_eq!(config["base_model_name_or_path"], model);
+            assert_eq!(config["fan_in_fan_out"], family == Family::Gpt2);
+            let (back, got) = load_adapter(&at, &base).unwrap();
+            assert_eq!(back.spec, a.spec);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                values.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn an_adapter_for_another_base_or_a_damaged_one_is_refused_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, a) = adapters("llama-tiny", Family::Llama, "q,v");
+        let values = vec![0.5f32; a.params.total];
+        save_adapter(dir.path(), &a, &values, "llama-tiny").unwrap();
+        // A GPT-2 base has no q_proj.
+        let gpt2 = ParamLayout::new(&ModelSpec::preset("gpt2-tiny").unwrap());
+        let e = format!("{:#}", load_adapter(dir.path(), &gpt2).unwrap_err());
+        assert!(
+            e.contains(ADAPTER_CONFIG_FILE) && e.contains("q_proj"),
+            "{e}"
+        );
+        // A Llama base of other widths: the shapes differ.
+        let mut wide = ModelSpec::preset("llama-tiny").unwrap();
+        wide.n_embd *= 2;
+        wide.head_dim *= 2;
+        let e = format!(
+            "{:#}",
+            load_adapter(dir.path(), &ParamLayout::new(&wide)).unwrap_err()
+        );
+        assert!(e.contains(ADAPTER_MODEL_FILE) && e.contains("shape"), "{e}");
+        // No config at all.
+        std::fs::remove_file(dir.path().join(ADAPTER_CONFIG_FILE)).unwrap();
+        let base = ParamLayout::new(&ModelSpec::preset("llama-tiny").unwrap());
+        let e = format!("{:#}", load_adapter(dir.path(), &base).unwrap_err());
+        assert!(
+            e.contains(ADAPTER_CONFIG_FILE) && e.contains("cannot read"),
+            "{e}"
+        );
+    }
+}
