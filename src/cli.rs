@@ -91,6 +91,31 @@ The directory is written under a temporary name and renamed when complete.",
 memwall convert model.gguf --out model-hf --dtype bf16 --force"
     )]
     Convert(ConvertArgs),
+    /// Merge a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into its
+    /// base model, writing a full Hugging Face model directory.
+    #[command(
+        long_about = "Merge a LoRA adapter into its base model, as PEFT's merge_and_unload does: \
+every adapted weight W takes (lora_alpha / r) · B A (transposed for GPT-2's Conv1D layers), and \
+the result is written as a Hugging Face model directory (config.json, model.safetensors in F32, \
+and the base's tokenizer files) that transformers and `memwall sample` load. The adapter must \
+have been made for this base: its family, and every adapted layer with the adapter's shapes.",
+        after_help = "Examples:\n  memwall merge smol adapter-dir --out smol-tuned\n  memwall merge SmolLM2-135M-Instruct.Q4_1.gguf adapter-dir --out smol-tuned"
+    )]
+    Merge(MergeArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct MergeArgs {
+    /// The base model: a Hugging Face model directory, or a GGUF file (converted once into the
+    /// user cache).
+    #[arg(value_name = "BASE")]
+    pub(crate) base: PathBuf,
+    /// The adapter directory (adapter_config.json, adapter_model.safetensors).
+    #[arg(value_name = "ADAPTER")]
+    pub(crate) adapter: PathBuf,
+    /// Output directory for the merged model (must not exist, or be empty).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) out: PathBuf,
 }
 
 #[derive(Args)]

@@ -6,8 +6,8 @@ mod cli;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cli::{
-    BenchArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, PlanArgs, PrepareArgs,
-    ReportArgs, SampleArgs, TrainArgs,
+    BenchArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, MergeArgs, PlanArgs,
+    PrepareArgs, ReportArgs, SampleArgs, TrainArgs,
 };
 use memwall::backend::DeviceKind;
 use memwall::data::{Tokenizer, prepare};
@@ -42,6 +42,7 @@ fn main() {
         Cmd::Calibrate(a) => calibrate_cmd(a),
         Cmd::Report(a) => report_cmd(a),
         Cmd::Convert(a) => convert_cmd(a),
+        Cmd::Merge(a) => merge_cmd(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -514,6 +515,21 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
         progress: true,
     })?;
     println!("{}", s.describe());
+    Ok(())
+}
+
+fn merge_cmd(a: MergeArgs) -> Result<()> {
+    let base = gguf::cache::model_dir(&a.base, "BASE")?;
+    let m = memwall::ckpt::adapter::merge(&base, &a.adapter, &a.out)?;
+    println!(
+        "merged {} into {}: {} (rank {}, scale {}) into {}",
+        a.adapter.display(),
+        a.base.display(),
+        memwall::util::count(m.layers as u64, "layer"),
+        m.r,
+        m.scale,
+        a.out.display()
+    );
     Ok(())
 }
 

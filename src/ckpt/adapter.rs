@@ -66,6 +66,62 @@ pub fn save_adapter(
     .with_context(what)
 }
 
+/// What [`merge`] wrote.
+#[derive(Clone, Debug)]
+pub struct Merged {
+    /// Linear layers that took their adapter's update.
+    pub layers: usize,
+    /// The adapters' rank and scale.
+    pub r: usize,
+    pub scale: f32,
+}
+
+/// Writes into `out` the model `base` (a Hugging Face model directory) with the PEFT adapter
+/// in `adapter` merged into its weights, as `merge_and_unload` does: `config.json`, the
+/// weights in F32 and the base's tokenizer files. `out` must not exist or be empty. The base
+/// is held in f32 while merging, and refused up front when that does not fit the memory
+/// available.
+pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged> {
+    if out.exists()
+        && std::fs::read_dir(out)
+            .with_context(|| format!("--out {}: cannot read the directory", out.display()))?
+            .next()
+            .is_some()
+    {
+        bail!(
+            "--out {} exists and is not empty; give a new directory",
+            out.display()
+        );
+    }
+    let spec = super::load_spec(base)?;
+    let layout = ParamLayout::new(&spec);
+    let bytes = layout.total as u64 * 4;
+    if let Some(free) = crate::util::rss::available_memory()
+        && bytes > free
+    {
+        bail!(
+            "merging holds the base in f32: {} for {}, but {} is available",
+            crate::util::bytes::fmt_bytes(bytes),
+            base.display(),
+            crate::util::bytes::fmt_bytes(free)
+        );
+    }
+    let (adapters, values) = load_adapter(adapter, &layout)?;
+    let mut params = vec![0f32; layout.total];
+    super::load_params(base, &layout, &mut params)?;
+    adapters.merge_into(&layout, &mut params, &values);
+    let opts = super::SaveOptions {
+        tokenizer_dir: Some(base),
+        ..Default::default()
+    };
+    super::save_model_with(out, &spec, &layout, &params, &opts)?;
+    Ok(Merged {
+        layers: adapters.layers.len(),
+        r: adapters.spec.r,
+        scale: adapters.spec.scale(),
+    })
+}
+
 /// Reads the PEFT adapter in `dir` for the base whose parameters are `base`: its layout
 /// (from `adapter_config.json`, checked against the base) and its values.
 pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Vec<f32>)> {
