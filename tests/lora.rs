@@ -12,7 +12,9 @@ use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
 use std::path::Path;
 
 fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 /// A PEFT adapter on `base` with values that are not the initial ones (B ≠ 0).
@@ -36,7 +38,10 @@ fn adapter(base: &Path, dir: &Path, targets: &str) -> (ParamLayout, AdapterLayou
 #[test]
 fn merge_writes_the_base_with_its_adapter_merged() {
     let tmp = tempfile::tempdir().unwrap();
-    for (model, targets) in [("hf-tiny-llama", "q,v,down"), ("hf-tiny-gpt2", "attn,mlp_proj")] {
+    for (model, targets) in [
+        ("hf-tiny-llama", "q,v,down"),
+        ("hf-tiny-gpt2", "attn,mlp_proj"),
+    ] {
         let base = fixture(model);
         let dir = tmp.path().join(format!("{model}-adapter"));
         let (layout, a, values) = adapter(&base, &dir, targets);
@@ -48,7 +53,10 @@ fn merge_writes_the_base_with_its_adapter_merged() {
             "--out",
             out.to_str().unwrap(),
         ]);
-        assert!(said.contains(&format!("{} layers (rank 2, scale 2)", a.layers.len())), "{said}");
+        assert!(
+            said.contains(&format!("{} layers (rank 2, scale 2)", a.layers.len())),
+            "{said}"
+        );
         let mut want = vec![0f32; layout.total];
         load_params(&base, &layout, &mut want).unwrap();
         let before = want.clone();
@@ -57,7 +65,10 @@ fn merge_writes_the_base_with_its_adapter_merged() {
         load_params(&out, &layout, &mut got).unwrap();
         assert_eq!(got, want, "{model}");
         assert_ne!(got, before, "{model}: the merge changed nothing");
-        assert_eq!(load_spec(&out).unwrap().n_embd, load_spec(&base).unwrap().n_embd);
+        assert_eq!(
+            load_spec(&out).unwrap().n_embd,
+            load_spec(&base).unwrap().n_embd
+        );
     }
 }
 
@@ -75,7 +86,10 @@ fn merge_refuses_a_foreign_adapter_and_a_used_output() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(e.contains("adapter_config.json") && e.contains("q_proj"), "{e}");
+    assert!(
+        e.contains("adapter_config.json") && e.contains("q_proj"),
+        "{e}"
+    );
     assert!(!out.exists(), "nothing is written");
     // An output directory that holds something.
     std::fs::create_dir_all(&out).unwrap();
@@ -88,5 +102,8 @@ fn merge_refuses_a_foreign_adapter_and_a_used_output() {
         out.to_str().unwrap(),
     ]);
     assert!(e.contains("--out") && e.contains("not empty"), "{e}");
-    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    assert_eq!(
+        std::fs::read_to_string(out.join("notes.txt")).unwrap(),
+        "mine"
+    );
 }
