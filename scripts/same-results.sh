@@ -24,6 +24,8 @@
 #
 # Environment:
 #   MEMWALL_CORPUS  text file(s) directory to tokenize (default ../shared/data/shakespeare)
+#   MEMWALL_SAME_CACHE=user  use the user's cache (and its calibration) instead of a shared
+#                   one made for the run (both sides then time plans with one calibration)
 #   KEEP_WORK=1     keep the work directory (it is also kept when a check differs)
 #   PLAN_COMPARE=whole  compare plans whole (schedule and op indices too), not by bytes
 #   PLAN_COMPARE=none   do not compare plans (a change meant to move bytes, not results)
@@ -140,6 +142,22 @@ fi
 cp "$old_bin" "$work/memwall-old"
 old_bin=$work/memwall-old
 if cmp -s "$old_bin" "$new_bin"; then echo "note: the two binaries are byte-identical"; fi
+
+# One calibration for both sides, in a user cache of the work directory: without one, each
+# run measures the machine's FMA peak itself and plan.json's predicted times differ between
+# any two runs (a busy machine measured 276 and 549 GFLOP/s back to back). Made by the new
+# binary (`calibrate --quick`), for the thread counts the checks use: 2, and the default (all
+# cores). MEMWALL_SAME_CACHE=user keeps the user's own cache instead.
+if [ "${MEMWALL_SAME_CACHE:-}" != user ]; then
+    export XDG_CACHE_HOME=$work/cache
+    for t in $(printf '%s\n' 2 "$(nproc)" | sort -u); do
+        "$new_bin" calibrate --quick --threads "$t" >/dev/null 2>"$work/calibrate.log" || {
+            echo "same-results: \`memwall calibrate --quick --threads $t\` failed:" >&2
+            cat "$work/calibrate.log" >&2
+            exit 2
+        }
+    done
+fi
 
 # compare.py KIND A B: prints what differs (nothing when the same); exit 1 when different.
 cat >"$work/compare.py" <<'EOF'
