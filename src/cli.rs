@@ -523,6 +523,10 @@ pub(crate) struct SampleArgs {
     /// Text to continue.
     #[arg(long, default_value = "ROMEO:")]
     pub(crate) prompt: String,
+    /// A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) to
+    /// apply to --model.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) adapter: Option<PathBuf>,
     /// New tokens to generate.
     #[arg(long, default_value_t = 100)]
     pub(crate) tokens: usize,

@@ -338,6 +338,7 @@ fn sample_cmd(a: SampleArgs) -> Result<()> {
         seed: a.seed,
         threads: threads(a.threads)?,
         device: a.device,
+        adapter: a.adapter.clone(),
     };
     print!("{}", a.prompt);
     let mut out = std::io::stdout();

@@ -90,6 +90,7 @@ fn greedy_decoding_picks_the_reference_tokens() {
         seed: 1,
         threads: 2,
         device: Default::default(),
+        adapter: None,
     };
     let got = generate_tokens(&opts, &ids(&exp["prompt"]), &mut |_| {}).unwrap();
     assert_eq!(got, want);
@@ -173,6 +174,7 @@ fn llama_family_matches_transformers(name: &str) {
         seed: 1,
         threads: 2,
         device: Default::default(),
+        adapter: None,
     };
     let got = generate_tokens(&opts, &prompt, &mut |_| {}).unwrap();
     assert_eq!(got, want, "{name} greedy continuation");
@@ -219,6 +221,7 @@ fn smollm2_answers_and_models_shakespeare() {
         seed: 1,
         threads: 2,
         device: Default::default(),
+        adapter: None,
     };
     let text = sample_text(&opts, &mut |_| {}).unwrap();
     assert!(

@@ -107,3 +107,37 @@ fn merge_refuses_a_foreign_adapter_and_a_used_output() {
         "mine"
     );
 }
+
+/// `sample --adapter` computes with the adapter applied: greedy tokens from the base with
+/// its adapter are those of the merged model, and differ from the base's own.
+#[test]
+fn generation_with_an_adapter_is_generation_from_the_merged_model() {
+    use memwall::exec::generate::{SampleOptions, generate_tokens};
+    let tmp = tempfile::tempdir().unwrap();
+    let base = fixture("hf-tiny-llama");
+    let dir = tmp.path().join("adapter");
+    adapter(&base, &dir, "all");
+    let merged = tmp.path().join("merged");
+    memwall::ckpt::adapter::merge(&base, &dir, &merged).unwrap();
+    let tokens = |model: &Path, adapter: Option<&Path>| {
+        let opts = SampleOptions {
+            checkpoint: model.to_path_buf(),
+            prompt: String::new(),
+            tokens: 12,
+            temperature: 0.0,
+            top_k: 0,
+            seed: 1,
+            threads: 2,
+            device: Default::default(),
+            adapter: adapter.map(Path::to_path_buf),
+        };
+        generate_tokens(&opts, &[3, 14, 15, 92, 65], &mut |_| {}).unwrap()
+    };
+    let with_adapter = tokens(&base, Some(&dir));
+    assert_eq!(with_adapter, tokens(&merged, None));
+    assert_ne!(
+        with_adapter,
+        tokens(&base, None),
+        "the adapter changed no token"
+    );
+}

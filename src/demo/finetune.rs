@@ -200,6 +200,7 @@ fn sample(
         seed: 1,
         threads,
         device: Default::default(),
+        adapter: None,
     }
 }
 

@@ -86,6 +86,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
         seed: 1,
         threads,
         device: o.device,
+        adapter: None,
     })?;
     println!(
         "\n\nfiles: {}, {}, {}\nmore: memwall sample --model {} --prompt \"JULIET:\"",

@@ -28,6 +28,9 @@ pub struct SampleOptions {
     pub threads: usize,
     /// The backend that runs the model.
     pub device: DeviceKind,
+    /// A LoRA adapter (PEFT's files) applied to the model: merged into its weights in memory,
+    /// which computes what base and adapter compute together.
+    pub adapter: Option<PathBuf>,
 }
 
 /// Generates `opts.tokens` tokens after the prompt; returns the new token ids. `on_token`
@@ -59,7 +62,17 @@ pub fn generate_tokens(
     )?;
     let layout = plan.layout.clone();
     let mut ex = Executor::on(plan, opts.device.backend())?;
-    ex.with_params_mut(|p| ckpt::load_params(&opts.checkpoint, &layout, p))??;
+    let adapter = match &opts.adapter {
+        Some(dir) => Some(ckpt::adapter::load_adapter(dir, &layout)?),
+        None => None,
+    };
+    ex.with_params_mut(|p| -> Result<()> {
+        ckpt::load_params(&opts.checkpoint, &layout, p)?;
+        if let Some((adapters, values)) = &adapter {
+            adapters.merge_into(&layout, p, values);
+        }
+        Ok(())
+    })??;
     let mut rng = Rng::new(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();
     let mut probs = vec![0f32; spec.vocab_size];
