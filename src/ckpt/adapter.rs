@@ -11,8 +11,9 @@
 //! shapes), then copies tensor by tensor as model weights are loaded (F32, F16 or BF16,
 //! every value checked finite); an error names the file and what does not fit.
 
+use super::names::resolve_exact;
 use super::safetensors_io::{
-    OutData, OutTensor, Resolved, Sources, StFile, Target, Whole, check_targets, copy_targets,
+    OutData, OutTensor, Sources, StFile, Target, Whole, check_targets, copy_targets,
     write_safetensors,
 };
 use crate::model::ParamLayout;
@@ -144,20 +145,8 @@ pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Ve
     })?;
     let file = StFile::open(&dir.join(ADAPTER_MODEL_FILE))?;
     let src = Sources::single(&file);
-    let targets: Vec<Target> = adapters
-        .params
-        .tensors
-        .iter()
-        .map(|t| Target {
-            key: t.name.clone(),
-            shape: t.shape.clone(),
-            buf: 0,
-            range: t.range.clone(),
-            from: 0,
-        })
-        .collect();
-    let resolve = |name: &str| Resolved::Key(name.to_string());
-    let located = check_targets(&src, &resolve, &targets)?;
+    let targets: Vec<Target> = Target::whole_tensors(&adapters.params, "", 0).collect();
+    let located = check_targets(&src, &resolve_exact, &targets)?;
     let mut values = vec![0f32; adapters.params.total];
     copy_targets(&src, &located, &targets, &mut [&mut values])?;
     src.release_all();

@@ -111,17 +111,7 @@ pub fn load_params_by(
     let single = dir.join(MODEL_FILE);
     let index = dir.join(MODEL_INDEX_FILE);
     let sharded = !single.exists() && index.exists();
-    let targets: Vec<Target> = layout
-        .tensors
-        .iter()
-        .map(|t| Target {
-            key: t.name.clone(),
-            shape: t.shape.clone(),
-            buf: 0,
-            range: t.range.clone(),
-            from: 0,
-        })
-        .collect();
+    let targets: Vec<Target> = Target::whole_tensors(layout, "", 0).collect();
     let family = layout.family;
     // Tied names (a tied LM head) are checked below, not loaded.
     let resolve = |name: &str| match family.canonical_name(name) {
@@ -292,13 +282,7 @@ pub fn load_trainer_state_by(
     let located = match format {
         OptimState::F32 => {
             for (prefix, buf) in [(EXP_AVG, 0), (EXP_AVG_SQ, 1)] {
-                targets.extend(layout.tensors.iter().map(|t| Target {
-                    key: format!("{prefix}{}", t.name),
-                    shape: t.shape.clone(),
-                    buf,
-                    range: t.range.clone(),
-                    from: 0,
-                }));
+                targets.extend(Target::whole_tensors(layout, prefix, buf));
             }
             check_targets(&src, &resolve_exact, &targets).with_context(what)?
         }

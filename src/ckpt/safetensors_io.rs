@@ -497,6 +497,24 @@ pub(crate) struct Target {
     pub from: usize,
 }
 
+impl Target {
+    /// Every tensor of `layout`, whole, as a target named `prefix` + its name, into buffer
+    /// `buf` at the tensor's range.
+    pub fn whole_tensors<'a>(
+        layout: &'a crate::model::ParamLayout,
+        prefix: &'a str,
+        buf: usize,
+    ) -> impl Iterator<Item = Target> + 'a {
+        layout.tensors.iter().map(move |t| Target {
+            key: format!("{prefix}{}", t.name),
+            shape: t.shape.clone(),
+            buf,
+            range: t.range.clone(),
+            from: 0,
+        })
+    }
+}
+
 /// Joins up to [`LIST_MAX`] items, noting how many were left out.
 pub(crate) fn list(items: &[String]) -> String {
     let mut s = items
