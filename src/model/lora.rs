@@ -307,33 +307,32 @@ impl AdapterLayout {
             use_dora: false,
         }
     }
-}
 
-impl AdapterLayout {
     /// Adds every adapter's update into the base weight it adapts, as PEFT's
     /// `merge_and_unload` does: `W += (alpha / r) · B A` for a `[out, in]` weight, its
-    /// transpose for GPT-2's `[in, out]` Conv1D. `base_values` are the base's parameters
-    /// (`base.total`), `values` the adapters' (`self.params.total`); each element of the
-    /// update is summed over the rank in f64 and added once.
+    /// transpose for GPT-2's `[in, out]` Conv1D, computed by the f32 GEMM (PEFT computes it
+    /// in f32 too). `base_values` are the base's parameters (`base.total`), `values` the
+    /// adapters' (`self.params.total`).
     pub fn merge_into(&self, base: &ParamLayout, base_values: &mut [f32], values: &[f32]) {
+        use crate::backend::cpu::gemm::f32::sgemm;
         assert_eq!(base_values.len(), base.total);
         assert_eq!(values.len(), self.params.total);
-        let (r, scale) = (self.spec.r, self.spec.scale() as f64);
-        let conv1d = base.family == Family::Gpt2;
+        let (r, scale) = (self.spec.r, self.spec.scale());
         for (i, a) in self.layers.iter().enumerate() {
             let am = &values[self.params.tensors[2 * i].range.clone()]; // A [r, in]
             let bm = &values[self.params.tensors[2 * i + 1].range.clone()]; // B [out, r]
             let w = &mut base_values[base.tensors[a.base_tensor].range.clone()];
             let (din, dout) = (a.in_features, a.out_features);
-            for o in 0..dout {
-                for j in 0..din {
-                    let delta: f64 = (0..r)
-                        .map(|k| bm[o * r + k] as f64 * am[k * din + j] as f64)
-                        .sum();
-                    // W [out, in] (Linear) or [in, out] (Conv1D).
-                    let at = if conv1d { j * dout + o } else { o * din + j };
-                    w[at] = (w[at] as f64 + scale * delta) as f32;
-                }
+            if base.family == Family::Gpt2 {
+                // W [in, out] += scale · Aᵀ Bᵀ.
+                sgemm(
+                    din, dout, r, scale, am, din, true, bm, r, true, w, dout, true,
+                );
+            } else {
+                // W [out, in] += scale · B A.
+                sgemm(
+                    dout, din, r, scale, bm, r, false, am, din, false, w, din, true,
+                );
             }
         }
     }
