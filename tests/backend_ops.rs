@@ -35,6 +35,10 @@
 //! precision of generation plans, their one user. The collectives are started and awaited
 //! in one place (`state::run_collective`).
 //!
+//! LoRA's ops (`backend_ops/adapters.rs`): an adapter's forward and backward on a column
+//! window of a wider output, and the frozen layers' backward (the entry's `frozen`: the
+//! input gradient bitwise the trained op's, the gradients untouched).
+//!
 //! That the checks can fail: `mod flawed` runs some of them on a backend that gets one thing
 //! wrong before the CPU runs the op (a transposed weight, RoPE turned the wrong way, the loss
 //! scale or the weight decay ignored, a norm's epsilon, an element left unwritten, the rows
@@ -42,13 +46,14 @@
 //! with the checks' mismatch message; the same wrapper without a flaw passes.
 
 mod backend_ops {
+    pub mod adapters;
     pub mod flawed;
     pub mod layers;
     pub mod rig;
     pub mod state;
 }
 
-use backend_ops::{layers, state};
+use backend_ops::{adapters, layers, state};
 use memwall::plan::Precision;
 
 /// The checks that run at every storage precision, by name (each `fn(&dyn Backend,
@@ -112,6 +117,9 @@ macro_rules! backend_suite {
                 layers::gelu_backward,
                 layers::lm_head_loss,
                 layers::lm_head_eval,
+                adapters::lora_forward,
+                adapters::lora_backward,
+                adapters::frozen_backward,
                 state::grad_norm,
                 state::adamw_f32_state,
                 state::adamw_bf16_state,

@@ -313,6 +313,27 @@ impl Executor {
         Ok(())
     }
 
+    /// Lends `f` a LoRA plan's frozen base weights to fill (layout: the base's,
+    /// [`crate::plan::LoraPlan::base`]), buffer by buffer in parameter order, each with its
+    /// element range, as [`Executor::fill_params`] does the trainable parameters.
+    pub fn fill_base(
+        &mut self,
+        mut f: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<()>,
+    ) -> Result<()> {
+        self.settled()?;
+        let Some(base) = self.plan.schedule.implicit.base.clone() else {
+            bail!("internal error: fill_base on a plan without a frozen base");
+        };
+        for s in base.segments.into_iter().filter(|s| !s.range.is_empty()) {
+            let mut out = Ok(());
+            self.device.upload(&[s.buf], &mut |b| {
+                out = f(s.range.clone(), &mut pod::cast_mut(b[0])[..s.range.len()]);
+            })?;
+            out?;
+        }
+        Ok(())
+    }
+
     /// A copy of the parameters. Panics where they cannot be read (a disk-tier read
     /// failing); [`Executor::with_params`] returns the error instead.
     pub fn download_params(&self) -> Vec<f32> {

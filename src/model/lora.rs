@@ -142,8 +142,14 @@ pub fn parse_targets(s: &str, family: Family) -> Result<Vec<Target>> {
     Ok(out)
 }
 
+impl Serialize for Target {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.flag())
+    }
+}
+
 /// What adapters a run trains: their rank, scale and dropout, and the layers they adapt.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LoraSpec {
     /// The rank r of every adapter (`--lora`).
     pub r: usize,

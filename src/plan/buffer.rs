@@ -18,6 +18,8 @@ pub enum Category {
     Grad,
     /// fp32 master weights that the optimizer updates (mixed precision; unused in fp32 plans).
     Master,
+    /// LoRA adapters' weights (fp32, trained; the frozen base they adapt is `Param`).
+    Adapter,
     /// Optimizer state (AdamW first and second moments).
     OptimizerState,
     /// Forward outputs kept for the backward pass.
@@ -33,10 +35,11 @@ pub enum Category {
 }
 
 impl Category {
-    pub const ALL: [Category; 9] = [
+    pub const ALL: [Category; 10] = [
         Category::Param,
         Category::Grad,
         Category::Master,
+        Category::Adapter,
         Category::OptimizerState,
         Category::Activation,
         Category::ActivationGrad,
@@ -50,6 +53,7 @@ impl Category {
             Category::Param => "param",
             Category::Grad => "grad",
             Category::Master => "master",
+            Category::Adapter => "adapter",
             Category::OptimizerState => "optimizer_state",
             Category::Activation => "activation",
             Category::ActivationGrad => "activation_grad",

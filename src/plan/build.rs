@@ -59,8 +59,9 @@ use super::schedule::{
 use super::stage::{self, Home, Kind};
 use super::strategy::{OptimState, Precision, QBLOCK};
 use super::zero;
-use super::{BufId, Buffer, Category, OffloadSet, Placement, Plan, Tier};
+use super::{BufId, Buffer, Category, LoraPlan, OffloadSet, Placement, Plan, Tier};
 use crate::dtype::DType;
+use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
 
@@ -112,7 +113,20 @@ pub(super) fn build(
     if let Some(sh) = &sharding {
         zero::check(cfg, sh)?;
     }
-    let layout = ParamLayout::new(spec);
+    let lora = match (&cfg.lora, mode) {
+        (Some(l), Mode::Train) => {
+            check_lora(cfg)?;
+            let base = ParamLayout::new(spec);
+            let adapters = AdapterLayout::new(&base, l.clone())?;
+            Some(LoraPlan { base, adapters })
+        }
+        _ => None,
+    };
+    // The trainable parameters: the model's, or the adapters'.
+    let layout = match &lora {
+        Some(l) => l.adapters.params.clone(),
+        None => ParamLayout::new(spec),
+    };
     let split = sharding.map(|sh| zero::Split::new(&layout, cfg.optim_state, sh));
     let rows = Rows {
         b: cfg.batch,
@@ -134,7 +148,24 @@ pub(super) fn build(
         Mode::Generate => OffloadSet::NONE,
     };
     let sharded = split.as_ref().filter(|s| s.sh.zero.shards_optimizer());
-    let params = param_buffers(&mut g, &layout, mixed, offload.params, sharded);
+    let params = param_buffers(
+        &mut g,
+        &layout,
+        mixed,
+        offload.params,
+        sharded,
+        lora.is_some(),
+    );
+    // A LoRA plan's frozen base: one fp32 buffer, read by the model's ops, never written.
+    let base = lora.as_ref().map(|l| {
+        let buf = g.persistent("params.base", Category::Param, DType::F32, l.base.total);
+        Segments {
+            segments: vec![Segment {
+                range: 0..l.base.total,
+                buf,
+            }],
+        }
+    });
     let gemm_ws = mixed.then(|| {
         g.persistent(
             "gemm.mixed_tiles",
@@ -160,14 +191,15 @@ pub(super) fn build(
             logits: emitted.logits,
             deferred_update: false,
         };
-        bind_state(&mut g, &params, None);
+        bind_state(&mut g, &params, None, None);
         let p = ImplicitBufs {
             params,
+            base: None,
             gemm_ws,
             grads: None,
             optim: None,
         };
-        return finish(spec, cfg, mode, layout, g, p, io, backend, verify);
+        return finish(spec, cfg, mode, (layout, None), g, p, io, backend, verify);
     }
     let grads = grad_buffers(&mut g, &layout, split.as_ref());
     let optim = match sharded {
@@ -215,6 +247,9 @@ pub(super) fn build(
         io.targets.push(targets);
         io.losses.push(losses);
     }
+    if let Some(l) = &lora {
+        super::lora::apply(&mut g, l);
+    }
     optimizer(&mut g, &layout, &optim, sharded);
     // With gradients on the disk tier, each step runs the previous step's update in its
     // forward, so the update's transfers overlap arithmetic; the gradients are then kept
@@ -228,7 +263,7 @@ pub(super) fn build(
     }
     zero_grads_before_first_write(&mut g, &grads);
     norm_when_final(&mut g, &layout, &grads);
-    bind_state(&mut g, &params, Some(&grads));
+    bind_state(&mut g, &params, Some(&grads), base.as_ref());
     let params = match &split {
         Some(split) => zero::collectives(&mut g, &layout, split, &params, &grads, micro),
         None => params,
@@ -252,13 +287,28 @@ pub(super) fn build(
     stage::stage(&mut g, &homes, spec.n_layer * micro);
     let p = ImplicitBufs {
         params,
+        base,
         gemm_ws,
         grads: Some(grads),
         optim: Some(optim),
     };
-    let mut plan = finish(spec, cfg, mode, layout, g, p, io, backend, verify)?;
+    let mut plan = finish(spec, cfg, mode, (layout, lora), g, p, io, backend, verify)?;
     plan.cuts = split.map(|s| s.cuts).unwrap_or_default();
     Ok(plan)
+}
+
+/// The strategies a LoRA plan does not take yet, refused naming the flag.
+fn check_lora(cfg: &StepConfig) -> Result<()> {
+    if cfg.offload.set != OffloadSet::NONE {
+        bail!(
+            "--offload with --lora: not supported yet (a LoRA run's trainable state is small; \
+             the frozen base stays in RAM); leave out --offload"
+        );
+    }
+    if cfg.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
+        bail!("--lora-dropout above 0: not supported yet; leave it at 0 (PEFT's default)");
+    }
+    Ok(())
 }
 
 /// Declares the fp32 parameters (the master weights under mixed precision): one persistent
@@ -272,8 +322,11 @@ fn param_buffers(
     mixed: bool,
     per_group: bool,
     sharded: Option<&zero::Split>,
+    adapters: bool,
 ) -> Segments {
-    let (name, category) = if mixed {
+    let (name, category) = if adapters {
+        ("params.adapter", Category::Adapter)
+    } else if mixed {
         ("params.master", Category::Master)
     } else {
         ("params", Category::Param)
@@ -328,7 +381,7 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
     let mut zeroed = vec![false; g.buffers.len()];
     let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
     for e in std::mem::take(&mut g.ops) {
-        if let Some(r) = e.op.grad_ranges().first().filter(|_| !is_update(e.phase)) {
+        if let Some(r) = e.grad_ranges().first().filter(|_| !is_update(e.phase)) {
             let id = grads.locate(r).buf;
             if !std::mem::replace(&mut zeroed[id.0], true) {
                 ops.push(OpEntry {
@@ -339,6 +392,7 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
                     params: None,
                     grads: None,
                     micro: e.micro,
+                    frozen: false,
                 });
             }
         }
@@ -357,7 +411,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
         if is_update(e.phase) {
             continue;
         }
-        if let Some(r) = e.op.grad_ranges().first() {
+        if let Some(r) = e.grad_ranges().first() {
             let k = grads.segments.partition_point(|s| s.range.end <= r.start);
             last[k] = Some(i);
         }
@@ -382,6 +436,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
                 params: None,
                 grads: None,
                 micro,
+                frozen: false,
             });
         }
     }
@@ -411,7 +466,7 @@ fn defer_updates(g: &mut Builder, grads: &Segments) {
                 phase: Phase::DeferredUpdate,
                 ..e.clone()
             });
-        } else {
+        } else if !e.frozen {
             for r in e.op.param_ranges().into_iter().chain(e.op.grad_ranges()) {
                 let k = group(&r);
                 at[k] = at[k].min(i);
@@ -439,7 +494,12 @@ fn defer_updates(g: &mut Builder, grads: &Segments) {
 /// Binds every op to the buffers holding the parameters and gradients its ranges name
 /// ([`Binding`]): the parameter buffer (or its group's, per group) and its group's
 /// gradient buffer.
-fn bind_state(g: &mut Builder, params: &Segments, grads: Option<&Segments>) {
+fn bind_state(
+    g: &mut Builder,
+    params: &Segments,
+    grads: Option<&Segments>,
+    base: Option<&Segments>,
+) {
     let bind = |segs: &Segments, ranges: Vec<std::ops::Range<usize>>| {
         let first = ranges.first()?;
         let s = segs.locate(first);
@@ -455,8 +515,13 @@ fn bind_state(g: &mut Builder, params: &Segments, grads: Option<&Segments>) {
         })
     };
     for e in &mut g.ops {
-        e.params = bind(params, e.op.param_ranges());
-        e.grads = grads.and_then(|gr| bind(gr, e.op.grad_ranges()));
+        let space = match (e.frozen, base) {
+            (true, Some(base)) => base,
+            (true, None) => panic!("internal error: a frozen op in a plan without a base"),
+            (false, _) => params,
+        };
+        e.params = bind(space, e.op.param_ranges());
+        e.grads = grads.and_then(|gr| bind(gr, e.grad_ranges()));
     }
 }
 
@@ -545,7 +610,7 @@ fn finish(
     spec: &ModelSpec,
     cfg: &StepConfig,
     mode: Mode,
-    layout: ParamLayout,
+    (layout, lora): (ParamLayout, Option<LoraPlan>),
     mut g: Builder,
     implicit: ImplicitBufs,
     io: Io,
@@ -613,6 +678,7 @@ fn finish(
     let plan = Plan {
         spec: spec.clone(),
         layout,
+        lora,
         cfg: cfg.clone(),
         mode,
         schedule: Schedule {

@@ -177,6 +177,7 @@ impl Builder {
             params: None,
             grads: None,
             micro: self.micro,
+            frozen: false,
         });
     }
 }

@@ -5,6 +5,7 @@
 use super::Offload;
 use super::strategy::{OptimState, Precision, Recompute};
 use crate::dist::shard::{Sharding, Zero};
+use crate::model::lora::LoraSpec;
 use serde::Serialize;
 
 /// What the step does.
@@ -45,6 +46,10 @@ pub struct StepConfig {
     pub rank: usize,
     /// What each rank keeps of the model's state (`--zero`).
     pub zero: Zero,
+    /// LoRA (`--lora`): train adapters on a frozen base instead of every weight
+    /// ([`super::lora`]). Training plans only; `None` trains the whole model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSpec>,
 }
 
 impl StepConfig {
@@ -62,6 +67,7 @@ impl StepConfig {
             ranks: 1,
             rank: 0,
             zero: Zero::DP,
+            lora: None,
         }
     }
 

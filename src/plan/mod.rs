@@ -32,6 +32,7 @@ pub mod build;
 pub(crate) mod builder;
 mod config;
 pub mod fit;
+pub mod lora;
 pub mod offload;
 pub mod operands;
 pub mod packing;
@@ -47,6 +48,7 @@ pub mod zero;
 pub use buffer::{BufId, Buffer, Category, Placement, Tier};
 pub use build::build_plan;
 pub use config::{Mode, StepConfig};
+pub use lora::LoraPlan;
 pub use offload::{Offload, OffloadChoice, OffloadSet};
 pub use schedule::{Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
 pub use sizing::Sizing;
@@ -63,7 +65,10 @@ pub const RESERVE_PLAN_DIV: u64 = 128;
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub spec: ModelSpec,
+    /// The trainable parameters: the model's, or a LoRA plan's adapters ([`Plan::lora`]).
     pub layout: ParamLayout,
+    /// A LoRA plan's frozen base and adapters (`--lora`); `None` trains the whole model.
+    pub lora: Option<LoraPlan>,
     pub cfg: StepConfig,
     pub mode: Mode,
     pub schedule: Schedule,

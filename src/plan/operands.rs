@@ -198,6 +198,32 @@ macro_rules! for_each_operand {
                 $params!(Tensor(w, None), Read);
                 $grads!(Tensor(w, b.as_ref()), ReadWrite);
             }
+            Op::LoraForward {
+                inp, out, h, a, b, ..
+            } => {
+                $buf!(inp, Read);
+                $buf!(out, ReadWrite);
+                $buf!(h, Write);
+                $params!(Tensor(a, Some(&*b)), Read);
+            }
+            Op::LoraBackward {
+                dinp,
+                dout,
+                inp,
+                h,
+                dh,
+                a,
+                b,
+                ..
+            } => {
+                $buf!(dout, Read);
+                $buf!(inp, Read);
+                $buf!(h, Read);
+                $buf!(dh, Write);
+                $buf!(dinp, ReadWrite);
+                $params!(Tensor(a, Some(&*b)), Read);
+                $grads!(Tensor(a, Some(&*b)), ReadWrite);
+            }
             Op::AttentionBackward {
                 dqkv,
                 dout,
@@ -360,8 +386,9 @@ impl Op {
         out
     }
 
-    /// The parameter ranges whose gradients the op reads or writes (backward ops with
-    /// weights, a training LM head, the optimizer's ops), in parameter order within the op.
+    /// The parameter ranges whose gradients the op's kind reads or writes (backward ops
+    /// with weights, a training LM head, the optimizer's ops), in parameter order within
+    /// the op. A frozen op computes none of them: [`OpEntry::grad_ranges`].
     pub fn grad_ranges(&self) -> Vec<Range<usize>> {
         let mut out = Vec::new();
         self.operands(|o, _| {
@@ -374,11 +401,31 @@ impl Op {
 }
 
 impl OpEntry {
+    /// [`Op::operands`] as this entry runs them: a frozen op ([`OpEntry::frozen`]) has no
+    /// gradient operands.
+    pub fn operands<'a>(&'a self, mut f: impl FnMut(Operand<'a>, Access)) {
+        self.op.operands(|o, access| {
+            if !(self.frozen && matches!(o, Operand::Grads(_))) {
+                f(o, access)
+            }
+        });
+    }
+
+    /// The parameter ranges whose gradients the op reads or writes: its kind's
+    /// ([`Op::grad_ranges`]), none when it is frozen.
+    pub fn grad_ranges(&self) -> Vec<Range<usize>> {
+        if self.frozen {
+            Vec::new()
+        } else {
+            self.op.grad_ranges()
+        }
+    }
+
     /// Calls `f` with every buffer the op reads or writes and how: those it names, and the
     /// buffers its bindings hold for its parameter and gradient operands (where bound). A
     /// buffer used as two operands is visited twice.
     pub fn buffers(&self, mut f: impl FnMut(BufId, Access)) {
-        self.op.operands(|o, access| {
+        self.operands(|o, access| {
             let id = match o {
                 Operand::Buf(id) => Some(id),
                 Operand::Params(_) => self.params.map(|b| b.buf),
@@ -436,6 +483,7 @@ mod tests {
             params: bind(params),
             grads: bind(grads),
             micro: 0,
+            frozen: false,
         }
     }
 

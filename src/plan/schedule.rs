@@ -213,6 +213,43 @@ pub enum Op {
         ic: usize,
         oc: usize,
     },
+    /// A LoRA adapter on a frozen linear layer (`crate::model::lora`): `h[N,r] = scale ·
+    /// inp[N,IC] @ aᵀ` (kept for the backward), then `out[:, col..col+OC] += h @ bᵀ`, where
+    /// `out` rows are `ldo` wide (the adapted layer may be one of several sharing a fused
+    /// output, as Llama's q, k and v). `a` `[r, IC]`, `b` `[OC, r]`.
+    LoraForward {
+        inp: BufId,
+        out: BufId,
+        h: BufId,
+        a: Range<usize>, // [r, IC]
+        b: Range<usize>, // [OC, r]
+        rows: Rows,
+        ic: usize,
+        oc: usize,
+        r: usize,
+        col: usize,
+        ldo: usize,
+        scale: f32,
+    },
+    /// The backward of [`Op::LoraForward`], with `dout` rows `ldo` wide: `db += dout[:,
+    /// col..]ᵀ @ h`; `dh[N,r] = scale · dout[:, col..] @ b` (f32 scratch); `da += dhᵀ @ inp`;
+    /// `dinp[N,IC] += dh @ a` (the frozen layer's backward wrote it first).
+    LoraBackward {
+        dinp: BufId,
+        dout: BufId,
+        inp: BufId,
+        h: BufId,
+        dh: BufId,
+        a: Range<usize>,
+        b: Range<usize>,
+        rows: Rows,
+        ic: usize,
+        oc: usize,
+        r: usize,
+        col: usize,
+        ldo: usize,
+        scale: f32,
+    },
     /// `dqkv[N,(NH+2·NKV)·hd] from dout[N,NH·hd]` (probabilities recomputed from lse; a KV
     /// head's gradient sums over its query heads).
     AttentionBackward {
@@ -329,6 +366,10 @@ pub struct OpEntry {
     pub grads: Option<Binding>,
     /// The micro-batch the op belongs to (0 for the optimizer's ops and single-batch steps).
     pub micro: usize,
+    /// The op's parameter ranges are the frozen base model's (a LoRA plan,
+    /// `plan::lora`): [`OpEntry::params`] binds them in the base's buffers, and the op
+    /// computes no gradient for them (a backward op still computes its input's gradient).
+    pub frozen: bool,
 }
 
 /// AdamW moment buffers in the plan's `OptimState` format, holding the moments of parameter
@@ -416,6 +457,10 @@ pub struct ImplicitBufs {
     /// directly and the optimizer updates them) where they live between steps: one buffer
     /// in RAM, or one per parameter group on the disk tier (`--offload params`).
     pub params: Segments,
+    /// A LoRA plan's frozen base weights (in the base model's [`crate::model::ParamLayout`],
+    /// which [`super::Plan::base`] holds): what [`OpEntry::frozen`] ops are bound to. The
+    /// adapters are then [`ImplicitBufs::params`].
+    pub base: Option<Segments>,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
     pub gemm_ws: Option<BufId>,
     /// Parameter gradients in the storage type, one buffer per group (training plans): in

@@ -239,6 +239,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
         params: None,
         grads: None,
         micro: 0,
+        frozen: false,
     };
     for kind in [Kind::Params, Kind::Grads, Kind::Moments, Kind::Activations] {
         let mut of_kind: Vec<&Span> = spans

@@ -216,8 +216,13 @@ impl Calibration {
         if is_collective(kind) {
             let t = self.transport.as_ref().filter(|t| t.ranks == ranks)?;
             t.kinds.get(kind).copied()
+        } else if let Some(c) = self.kinds.get(kind) {
+            Some(*c)
         } else {
-            self.kinds.get(kind).copied()
+            // A frozen layer's backward (one GEMM: the input gradient) runs at the rate of
+            // the forward's GEMM, per FLOP, when the calibration has no fit of its own.
+            let forward = kind.strip_prefix("matmul_bwd_input/")?;
+            self.kinds.get(&format!("matmul/{forward}")).copied()
         }
     }
 
@@ -230,8 +235,10 @@ impl Calibration {
         let peak = self.fma_peak_gflops.max(1.0) * 1e9;
         let base = kind.split('/').next().unwrap_or(kind);
         let efficiency = match base {
-            "matmul" | "matmul_bwd" | "lm_head_loss" | "lm_head_eval" | "lm_head_last" => 0.7,
-            "attention" | "attention_bwd" => 0.4,
+            "matmul" | "matmul_bwd" | "matmul_bwd_input" | "lm_head_loss" | "lm_head_eval"
+            | "lm_head_last" => 0.7,
+            // Rank-r GEMMs: thin, so further from the peak.
+            "attention" | "attention_bwd" | "lora" | "lora_bwd" => 0.4,
             _ => 0.0,
         };
         Cost {
@@ -329,7 +336,10 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::LmHeadLoss { dinp: None, .. } => "lm_head_eval",
         Op::LmHeadLast { .. } => "lm_head_last",
         Op::LayerNormBackward { .. } => "layernorm_bwd",
+        Op::MatmulBackward { .. } if e.frozen => "matmul_bwd_input",
         Op::MatmulBackward { .. } => "matmul_bwd",
+        Op::LoraForward { .. } => "lora",
+        Op::LoraBackward { .. } => "lora_bwd",
         Op::AttentionBackward { .. } => "attention_bwd",
         Op::RmsNormBackward { .. } => "rmsnorm_bwd",
         Op::SwigluBackward { .. } => "swiglu_bwd",
@@ -386,9 +396,9 @@ pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
         Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
             plan.comm_bytes(e) as f64
         }
-        op => {
+        _ => {
             let (mut ids, mut params, mut grads) = (Vec::new(), 0, 0);
-            op.operands(|o, _| match o {
+            e.operands(|o, _| match o {
                 Operand::Buf(id) => ids.push(id),
                 Operand::Params(rs) => params += rs.elems(),
                 Operand::Grads(rs) => grads += rs.elems(),

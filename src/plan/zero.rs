@@ -209,6 +209,7 @@ pub(super) fn collectives(
         params: None,
         grads: None,
         micro,
+        frozen: false,
     };
     let norm_at: Vec<usize> = (0..groups.len())
         .map(|k| {
@@ -439,6 +440,7 @@ fn gather_spans(
             params: None,
             grads: None,
             micro: g.ops[first].micro,
+            frozen: false,
         };
         gathers.push((first, e));
     }
@@ -529,6 +531,7 @@ fn overlap(g: &mut Builder) {
                 params: None,
                 grads: None,
                 micro: g.ops[i].micro,
+                frozen: false,
             },
         ));
         for j in norms {

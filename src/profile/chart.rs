@@ -25,6 +25,7 @@ pub fn category_color(c: Category) -> RGBColor {
         Category::Param => RGBColor(31, 119, 180),
         Category::Grad => RGBColor(255, 127, 14),
         Category::Master => RGBColor(44, 160, 44),
+        Category::Adapter => RGBColor(140, 86, 75),
         Category::OptimizerState => RGBColor(148, 103, 189),
         Category::Activation => RGBColor(214, 39, 40),
         Category::ActivationGrad => RGBColor(227, 119, 194),

@@ -43,6 +43,9 @@ pub enum Bind {
     Params,
     Grads,
     Both,
+    /// The parameters, as a frozen op's ([`OpEntry::frozen`]: a LoRA plan's base): no
+    /// gradients.
+    Frozen,
 }
 
 /// A one-op (or few-op) plan being declared.
@@ -162,9 +165,10 @@ impl Rig {
             phase: Phase::Forward,
             op,
             flops: 0,
-            params: matches!(bind, Bind::Params | Bind::Both).then_some(params),
+            params: matches!(bind, Bind::Params | Bind::Both | Bind::Frozen).then_some(params),
             grads: matches!(bind, Bind::Grads | Bind::Both).then_some(grads),
             micro: 0,
+            frozen: bind == Bind::Frozen,
         });
         self.ops.len() - 1
     }
@@ -212,12 +216,14 @@ impl Rig {
         };
         let implicit = ImplicitBufs {
             params: segments(self.params),
+            base: None,
             gemm_ws,
             grads: Some(segments(self.grads)),
             optim: None,
         };
         let plan = Plan {
             layout: ParamLayout::new(&spec),
+            lora: None,
             spec,
             cfg,
             mode: Mode::Train,
@@ -428,6 +434,16 @@ impl Tol {
             abs,
         }
     }
+
+    /// Twice the bound: an output rounded to the storage type twice on its way (an
+    /// intermediate stored, then a product of it).
+    pub fn twice(self) -> Tol {
+        Tol {
+            rel: 2.0 * self.rel,
+            of_max: 2.0 * self.of_max,
+            abs: 2.0 * self.abs,
+        }
+    }
 }
 
 /// The unit roundoff of a reduced storage type: the most rounding to nearest moves a value,
@@ -553,6 +569,8 @@ pub fn kind(op: &Op) -> &'static str {
         Op::LmHeadLast { .. } => "lm_head_last",
         Op::LayerNormBackward { .. } => "layernorm_backward",
         Op::MatmulBackward { .. } => "matmul_backward",
+        Op::LoraForward { .. } => "lora_forward",
+        Op::LoraBackward { .. } => "lora_backward",
         Op::AttentionBackward { .. } => "attention_backward",
         Op::RmsNormBackward { .. } => "rmsnorm_backward",
         Op::SwigluBackward { .. } => "swiglu_backward",

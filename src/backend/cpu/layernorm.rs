@@ -102,6 +102,40 @@ pub fn layernorm_backward<T: Elem, W: Elem>(
     if n == 0 || c == 0 {
         return;
     }
+    layernorm_backward_input(dinp, dout, inp, weight, mean, rstd, n, c);
+    // Pass 2, over fixed column slices: dweight += Σ_r norm·dout, dbias += Σ_r dout.
+    dweight
+        .par_chunks_mut(COL_CHUNK)
+        .zip(dbias.par_chunks_mut(COL_CHUNK))
+        .enumerate()
+        .for_each(|(ci, (dw, db))| backward_cols(dw, db, dout, inp, mean, rstd, ci * COL_CHUNK, c));
+}
+
+/// The input gradient alone (a frozen layer norm's backward, whose weight and bias take no
+/// gradient): `dinp` exactly as [`layernorm_backward`] computes it.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_input<T: Elem, W: Elem>(
+    dinp: &mut [T], // [N, C] +=
+    dout: &[T],     // [N, C]
+    inp: &[T],      // [N, C]
+    weight: &[W],   // [C]
+    mean: &[f32],   // [N]
+    rstd: &[f32],   // [N]
+    n: usize,
+    c: usize,
+) {
+    assert_eq!(dinp.len(), n * c, "layernorm_backward: dinp");
+    assert_eq!(dout.len(), n * c, "layernorm_backward: dout");
+    assert_eq!(inp.len(), n * c, "layernorm_backward: inp");
+    assert_eq!(weight.len(), c, "layernorm_backward: weight");
+    assert_eq!(
+        (mean.len(), rstd.len()),
+        (n, n),
+        "layernorm_backward: mean, rstd"
+    );
+    if n == 0 || c == 0 {
+        return;
+    }
     // Pass 1, over rows: with norm = (x - mean)·rstd and g = weight·dout,
     // dinp += (g - mean(g) - norm·mean(g·norm))·rstd.
     let rows = rows_per_task(c);
@@ -112,12 +146,6 @@ pub fn layernorm_backward<T: Elem, W: Elem>(
         .for_each(|(((dinp, dout), inp), (mean, rstd))| {
             backward_rows(dinp, dout, inp, mean, rstd, weight, c)
         });
-    // Pass 2, over fixed column slices: dweight += Σ_r norm·dout, dbias += Σ_r dout.
-    dweight
-        .par_chunks_mut(COL_CHUNK)
-        .zip(dbias.par_chunks_mut(COL_CHUNK))
-        .enumerate()
-        .for_each(|(ci, (dw, db))| backward_cols(dw, db, dout, inp, mean, rstd, ci * COL_CHUNK, c));
 }
 
 multiversion! {

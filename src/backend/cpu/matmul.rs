@@ -172,11 +172,7 @@ pub fn matmul_backward<T: Elem, W: Elem>(
         let dbias = dbias.map(|d| as_f32_mut(d).expect("dbias has the element type of dout"));
         return matmul_backward_f32(dinp, dweight, dbias, dout, inp, weight, layout, n, ic, oc);
     }
-    // dinp[N, IC] = dout[N, OC] @ Wᵀ (read through strides).
-    let (ldw, w_trans) = layout.transposed_as_b(ic, oc);
-    gemm_mixed(
-        n, ic, oc, dout, oc, false, weight, ldw, w_trans, dinp, ic, false, ws,
-    );
+    matmul_backward_input(dinp, dout, weight, layout, n, ic, oc, ws);
     match layout {
         // dweight[IC, OC] += inpᵀ @ dout.
         Layout::InOut => gemm_mixed(
@@ -190,6 +186,30 @@ pub fn matmul_backward<T: Elem, W: Elem>(
     if let Some(dbias) = dbias {
         col_sum_accumulate(dbias, dout, n, oc);
     }
+}
+
+/// The input gradient alone, `dinp = dout @ Wᵀ` (overwritten): a frozen layer's backward,
+/// whose weight and bias take no gradient. `dinp` is exactly what [`matmul_backward`]
+/// computes (it calls this first). `ws` as for [`matmul_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_input<T: Elem, W: Elem>(
+    dinp: &mut [T], // [N, IC] overwritten
+    dout: &[T],     // [N, OC]
+    weight: &[W],   // [IC, OC] or [OC, IC] (layout)
+    layout: Layout,
+    n: usize,
+    ic: usize,
+    oc: usize,
+    ws: &mut [f32], // [gemm_mixed_workspace_len()] unless T and W are f32
+) {
+    assert_eq!(dinp.len(), n * ic, "matmul_backward: dinp");
+    assert_eq!(dout.len(), n * oc, "matmul_backward: dout");
+    assert_eq!(weight.len(), ic * oc, "matmul_backward: weight");
+    // dinp[N, IC] = dout[N, OC] @ Wᵀ (read through strides); all f32 is exactly sgemm.
+    let (ldw, w_trans) = layout.transposed_as_b(ic, oc);
+    gemm_mixed(
+        n, ic, oc, dout, oc, false, weight, ldw, w_trans, dinp, ic, false, ws,
+    );
 }
 
 /// The f32 instantiation of [`matmul_backward`].
@@ -206,11 +226,7 @@ fn matmul_backward_f32(
     ic: usize,
     oc: usize,
 ) {
-    // dinp[N, IC] = dout[N, OC] @ Wᵀ (read through strides).
-    let (ldw, w_trans) = layout.transposed_as_b(ic, oc);
-    sgemm(
-        n, ic, oc, 1.0, dout, oc, false, weight, ldw, w_trans, dinp, ic, false,
-    );
+    matmul_backward_input(dinp, dout, weight, layout, n, ic, oc, &mut []);
     match layout {
         // dweight[IC, OC] += inpᵀ @ dout.
         Layout::InOut => sgemm(

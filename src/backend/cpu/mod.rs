@@ -15,7 +15,8 @@
 //! - [`gemm`]: the GEMMs ([`gemm::f32`], [`gemm::bf16_dot`], [`gemm::mixed`]).
 //! - the layers: [`encoder`], [`layernorm`] and [`rmsnorm`], [`matmul`] (the linear layer, on
 //!   [`gemm`]), [`attention`], [`rope`] (rotary position embedding, in place on q|k|v),
-//!   [`gelu`] and [`swiglu`] (the Llama MLP's activation), [`xent`]; the optimizers [`adamw`]
+//!   [`gelu`] and [`swiglu`] (the Llama MLP's activation), [`xent`], [`lora`] (an adapter
+//!   on a frozen linear layer); the optimizers [`adamw`]
 //!   and [`quant`] (compressed optimizer state); [`peak`] (the machine's measured FMA
 //!   ceiling).
 //!
@@ -50,6 +51,7 @@ pub mod features;
 pub mod gelu;
 pub mod gemm;
 pub mod layernorm;
+pub mod lora;
 pub mod matmul;
 mod ops;
 pub mod peak;

@@ -7,7 +7,7 @@
 
 use super::device::{CpuDevice, two_ranges};
 use super::gemm::mixed as gemm_mixed;
-use super::{adamw, attention, encoder, gelu, layernorm, matmul, quant, reduce, xent};
+use super::{adamw, attention, encoder, gelu, layernorm, lora, matmul, quant, reduce, xent};
 use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
@@ -274,7 +274,12 @@ impl CpuDevice {
                                 false,
                                 ws(),
                             );
-                            // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C]
+                            // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C] (a frozen head
+                            // takes no gradient).
+                            if e.frozen {
+                                start += r;
+                                continue;
+                            }
                             let dwte = grad(w);
                             gemm_mixed::gemm_mixed(
                                 v,
@@ -335,6 +340,19 @@ impl CpuDevice {
                 c,
             } => {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if e.frozen {
+                    layernorm::layernorm_backward_input(
+                        &mut self.view::<T>(*dinp)[..n * c],
+                        &act(*dout)[..n * c],
+                        &act(*inp)[..n * c],
+                        weights(w),
+                        &self.view::<f32>(*mean)[..n],
+                        &self.view::<f32>(*rstd)[..n],
+                        n,
+                        c,
+                    );
+                    return OpResult::Done;
+                }
                 let (dw, db) = grad2(w, bias);
                 layernorm::layernorm_backward(
                     &mut self.view::<T>(*dinp)[..n * c],
@@ -361,6 +379,19 @@ impl CpuDevice {
                 oc,
             } => {
                 let (n, ic, oc) = (rows.with_seq(ctx.seq).n(), *ic, *oc);
+                if e.frozen {
+                    matmul::matmul_backward_input(
+                        &mut self.view::<T>(*dinp)[..n * ic],
+                        &act(*dout)[..n * oc],
+                        weights(w),
+                        weight_layout(*layout),
+                        n,
+                        ic,
+                        oc,
+                        ws(),
+                    );
+                    return OpResult::Done;
+                }
                 let (dw, db) = match bias {
                     Some(b) => {
                         let (dw, db) = grad2(w, b);
@@ -379,6 +410,67 @@ impl CpuDevice {
                     n,
                     ic,
                     oc,
+                    ws(),
+                );
+            }
+            Op::LoraForward {
+                inp,
+                out,
+                h,
+                a,
+                b,
+                rows,
+                ic,
+                oc,
+                r,
+                col,
+                ldo,
+                scale,
+            } => {
+                let (n, r) = (rows.with_seq(ctx.seq).n(), *r);
+                lora::lora_forward(
+                    &mut self.view::<T>(*out)[..n * ldo],
+                    &mut self.view::<T>(*h)[..n * r],
+                    &act(*inp)[..n * ic],
+                    weights(a),
+                    weights(b),
+                    (n, *ic, *oc, r),
+                    (*col, *ldo),
+                    *scale,
+                    ws(),
+                );
+            }
+            Op::LoraBackward {
+                dinp,
+                dout,
+                inp,
+                h,
+                dh,
+                a,
+                b,
+                rows,
+                ic,
+                oc,
+                r,
+                col,
+                ldo,
+                scale,
+            } => {
+                let (n, r) = (rows.with_seq(ctx.seq).n(), *r);
+                let (da, db) = grad2(a, b);
+                lora::lora_backward(
+                    &mut self.view::<T>(*dinp)[..n * ic],
+                    da,
+                    db,
+                    &mut self.view::<f32>(*dh)[..n * r],
+                    &act(*dout)[..n * ldo],
+                    &act(*inp)[..n * ic],
+                    &act(*h)[..n * r],
+                    weights(a),
+                    weights(b),
+                    (n, *ic, *oc, r),
+                    (*col, *ldo),
+                    *scale,
                     ws(),
                 );
             }
@@ -421,6 +513,18 @@ impl CpuDevice {
                 c,
             } => {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if e.frozen {
+                    rmsnorm::rmsnorm_backward_input(
+                        &mut self.view::<T>(*dinp)[..n * c],
+                        &act(*dout)[..n * c],
+                        &act(*inp)[..n * c],
+                        weights(w),
+                        &self.view::<f32>(*rstd)[..n],
+                        n,
+                        c,
+                    );
+                    return OpResult::Done;
+                }
                 rmsnorm::rmsnorm_backward(
                     &mut self.view::<T>(*dinp)[..n * c],
                     grad(w),

@@ -92,6 +92,33 @@ pub fn rmsnorm_backward<T: Elem, W: Elem>(
     if n == 0 || c == 0 {
         return;
     }
+    rmsnorm_backward_input(dinp, dout, inp, weight, rstd, n, c);
+    // Pass 2, over fixed column slices: dweight += Σ_r x̂·dout.
+    dweight
+        .par_chunks_mut(COL_CHUNK)
+        .enumerate()
+        .for_each(|(ci, dw)| backward_cols(dw, dout, inp, rstd, ci * COL_CHUNK, c));
+}
+
+/// The input gradient alone (a frozen RMS norm's backward, whose weight takes no gradient):
+/// `dinp` exactly as [`rmsnorm_backward`] computes it.
+pub fn rmsnorm_backward_input<T: Elem, W: Elem>(
+    dinp: &mut [T], // [N, C] +=
+    dout: &[T],     // [N, C]
+    inp: &[T],      // [N, C]
+    weight: &[W],   // [C]
+    rstd: &[f32],   // [N]
+    n: usize,
+    c: usize,
+) {
+    assert_eq!(dinp.len(), n * c, "rmsnorm_backward: dinp");
+    assert_eq!(dout.len(), n * c, "rmsnorm_backward: dout");
+    assert_eq!(inp.len(), n * c, "rmsnorm_backward: inp");
+    assert_eq!(weight.len(), c, "rmsnorm_backward: weight");
+    assert_eq!(rstd.len(), n, "rmsnorm_backward: rstd");
+    if n == 0 || c == 0 {
+        return;
+    }
     // Pass 1, over rows: the input gradient.
     let rows = rows_per_task(c);
     dinp.par_chunks_mut(rows * c)
@@ -99,11 +126,6 @@ pub fn rmsnorm_backward<T: Elem, W: Elem>(
         .zip(inp.par_chunks(rows * c))
         .zip(rstd.par_chunks(rows))
         .for_each(|(((dinp, dout), inp), rstd)| backward_rows(dinp, dout, inp, rstd, weight, c));
-    // Pass 2, over fixed column slices: dweight += Σ_r x̂·dout.
-    dweight
-        .par_chunks_mut(COL_CHUNK)
-        .enumerate()
-        .for_each(|(ci, dw)| backward_cols(dw, dout, inp, rstd, ci * COL_CHUNK, c));
 }
 
 multiversion! {

@@ -1,0 +1,201 @@
+//! LoRA as a plan transformation (`--lora R`): the family emits its layers as for full
+//! fine-tuning, over the base model's parameter ranges; [`apply`] then freezes the base and
+//! threads the adapters through the schedule.
+//!
+//! - **Frozen base.** Every op of the model is marked [`OpEntry::frozen`]: its parameter
+//!   ranges are the base's, bound in the base's buffer (`params.base`), and it computes no
+//!   gradient for them. A backward op still computes its input's gradient (the adapters
+//!   below need it), but skips its weight-gradient GEMM: a frozen linear layer's backward
+//!   is half its full cost, the LM head's two thirds. The embedding's backward, which only
+//!   makes gradients, is dropped.
+//! - **Adapters.** After each forward (or recomputed) linear layer whose weight holds an
+//!   adapted tensor comes an [`Op::LoraForward`] adding `scale · (x Aᵀ) Bᵀ` into that
+//!   tensor's columns of the layer's output (Llama's fused q|k|v and gate|up outputs carry
+//!   up to three adapters, each its own columns), before anything reads the output (RoPE
+//!   rotates q|k|v in place right after the projection). Its `h = scale · x Aᵀ` `[N, r]` is an
+//!   activation like any other: recomputation re-emits it with its layer. After the layer's
+//!   backward, which overwrote the input gradient, an [`Op::LoraBackward`] adds the adapter's
+//!   share to it and accumulates `dA` and `dB`, reading the latest `h` of that layer in the
+//!   micro-batch (the forward's, or its recomputation's).
+//! - **Trainable state is the adapters'.** The plan's [`super::Plan::layout`] is the
+//!   adapters' [`crate::model::lora::AdapterLayout::params`]: gradients, the gradient norm,
+//!   AdamW and its moments, accumulation and checkpoints work on it as on any layout, and
+//!   the base has none of them ([`super::Plan::lora`] keeps the base's layout).
+//!
+//! With `B = 0` (a fresh adapter) every `LoraForward` adds exact zeros, so the logits are the
+//! base's.
+
+use super::builder::Builder;
+use super::schedule::{Op, OpEntry, WeightLayout};
+use super::{BufId, Category};
+use crate::model::ParamLayout;
+use crate::model::lora::AdapterLayout;
+use std::collections::HashMap;
+use std::ops::Range;
+
+/// A LoRA plan's frozen base and its adapters.
+#[derive(Clone, Debug)]
+pub struct LoraPlan {
+    /// The base model's parameters (what `params.base` holds, in this order).
+    pub base: ParamLayout,
+    /// The adapters (their `params` are the plan's trainable layout).
+    pub adapters: AdapterLayout,
+}
+
+/// One adapter as the transformation places it.
+struct Placed {
+    /// The base weight it adapts (its element range in the base's layout).
+    weight: Range<usize>,
+    a: Range<usize>, // [r, in]
+    b: Range<usize>, // [out, r]
+    out: usize,
+    flag: &'static str,
+}
+
+/// Freezes the base ops of `g` and inserts the adapters' forward and backward (see the
+/// module docs). Runs on the emitted micro-batches, before gradients are zeroed and bound.
+pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
+    let ad = &lora.adapters;
+    let placed: Vec<Placed> = ad
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| Placed {
+            weight: lora.base.tensors[l.base_tensor].range.clone(),
+            a: ad.params.tensors[2 * i].range.clone(),
+            b: ad.params.tensors[2 * i + 1].range.clone(),
+            out: l.out_features,
+            flag: l.target.flag(),
+        })
+        .collect();
+    let (r, scale) = (ad.spec.r, ad.spec.scale());
+    // The adapters inside a linear layer's weight, with their first output column.
+    let inside = |w: &Range<usize>, layout: WeightLayout, ic: usize| -> Vec<(usize, usize)> {
+        placed
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| w.start <= p.weight.start && p.weight.end <= w.end)
+            .map(|(i, p)| match layout {
+                // Rows of an [OC, IC] weight are output columns.
+                WeightLayout::OutIn => (i, (p.weight.start - w.start) / ic),
+                // An [IC, OC] weight is one tensor (GPT-2's Conv1D): the whole output.
+                WeightLayout::InOut => (i, 0),
+            })
+            .collect()
+    };
+    // The latest `h` of (micro-batch, adapter): the forward's, then its recomputation's.
+    let mut h_of: HashMap<(usize, usize), BufId> = HashMap::new();
+    let old = std::mem::take(&mut g.ops);
+    let mut ops = Vec::with_capacity(old.len() * 2);
+    for mut e in old {
+        if !e.op.param_ranges().is_empty() {
+            e.frozen = true;
+        }
+        let (micro, phase) = (e.micro, e.phase);
+        let mut after = Vec::new();
+        match &e.op {
+            Op::EncoderBackward { .. } => continue,
+            Op::Matmul {
+                inp,
+                out,
+                w,
+                layout,
+                rows,
+                ic,
+                oc,
+                ..
+            } => {
+                for (i, col) in inside(w, *layout, *ic) {
+                    let p = &placed[i];
+                    let name = format!("{}.{}.lora", e.name, p.flag);
+                    let h = g.act(format!("{name}_h"), Category::Activation, rows.n() * r);
+                    h_of.insert((micro, i), h);
+                    after.push((
+                        name,
+                        phase,
+                        lora_flops(rows.n(), *ic, p.out, r),
+                        Op::LoraForward {
+                            inp: *inp,
+                            out: *out,
+                            h,
+                            a: p.a.clone(),
+                            b: p.b.clone(),
+                            rows: *rows,
+                            ic: *ic,
+                            oc: p.out,
+                            r,
+                            col,
+                            ldo: *oc,
+                            scale,
+                        },
+                    ));
+                }
+            }
+            Op::MatmulBackward {
+                dinp,
+                dout,
+                inp,
+                w,
+                layout,
+                rows,
+                ic,
+                oc,
+                ..
+            } => {
+                // The weight-gradient GEMM (half the op) is not run.
+                e.flops /= 2;
+                for (i, col) in inside(w, *layout, *ic) {
+                    let p = &placed[i];
+                    let name = format!("{}.{}.lora", e.name, p.flag);
+                    let h = *h_of
+                        .get(&(micro, i))
+                        .expect("internal error: an adapter's backward before its forward");
+                    let dh = g.f32(format!("{name}_dh"), Category::Workspace, rows.n() * r);
+                    after.push((
+                        name,
+                        phase,
+                        2 * lora_flops(rows.n(), *ic, p.out, r),
+                        Op::LoraBackward {
+                            dinp: *dinp,
+                            dout: *dout,
+                            inp: *inp,
+                            h,
+                            dh,
+                            a: p.a.clone(),
+                            b: p.b.clone(),
+                            rows: *rows,
+                            ic: *ic,
+                            oc: p.out,
+                            r,
+                            col,
+                            ldo: *oc,
+                            scale,
+                        },
+                    ));
+                }
+            }
+            // Logits, the input gradient, not the weight gradient: two of three GEMMs.
+            Op::LmHeadLoss { dinp: Some(_), .. } => e.flops = e.flops / 3 * 2,
+            _ => {}
+        }
+        ops.push(e);
+        for (name, phase, flops, op) in after {
+            ops.push(OpEntry {
+                name,
+                phase,
+                op,
+                flops,
+                params: None,
+                grads: None,
+                micro,
+                frozen: false,
+            });
+        }
+    }
+    g.ops = ops;
+}
+
+/// FLOPs of one adapter's forward over `n` rows: `x Aᵀ` and `h Bᵀ`.
+fn lora_flops(n: usize, ic: usize, oc: usize, r: usize) -> u64 {
+    2 * (n * r * (ic + oc)) as u64
+}

@@ -1,0 +1,265 @@
+//! LoRA training plans (`plan::lora`) run on the CPU backend: the adapters' gradients are
+//! those of full fine-tuning of the merged model seen through the adapters, and match
+//! finite differences; fresh adapters (B = 0) leave the model's losses bitwise the base's;
+//! recomputation changes nothing.
+
+use memwall::backend::cpu::Cpu;
+use memwall::ckpt::load_spec;
+use memwall::exec::executor::Executor;
+use memwall::model::lora::{LoraSpec, parse_targets};
+use memwall::model::{Family, ModelSpec, ParamLayout};
+use memwall::plan::{Mode, Precision, Recompute, StepConfig, build_plan};
+use memwall::util::rng::Rng;
+use std::path::Path;
+
+const B: usize = 2;
+const T: usize = 8;
+
+fn tiny_llama() -> ModelSpec {
+    load_spec(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny-llama")).unwrap()
+}
+
+fn micro_gpt2() -> ModelSpec {
+    memwall::model::gpt2::spec("micro", [61, 16, 16, 2, 2])
+}
+
+fn lora_spec(family: Family, targets: &str) -> LoraSpec {
+    LoraSpec {
+        r: 3,
+        alpha: 6.0,
+        dropout: 0.0,
+        targets: parse_targets(targets, family).unwrap(),
+    }
+}
+
+/// Random base weights with a wide spread (gradients well above f32 noise) and a batch.
+fn base_and_batch(spec: &ModelSpec) -> (Vec<f32>, Vec<u32>) {
+    let layout = ParamLayout::new(spec);
+    let mut rng = Rng::new(11);
+    let mut w = vec![0f32; layout.total];
+    layout.init(&mut w, 5);
+    for x in w.iter_mut() {
+        *x += 0.1 * rng.normal();
+    }
+    let v = spec.vocab_size as u64;
+    let batch = (0..B * (T + 1)).map(|_| rng.below(v) as u32).collect();
+    (w, batch)
+}
+
+/// A LoRA executor on `base` with adapter values `adapter` (or the fresh initialisation).
+fn lora_executor(
+    spec: &ModelSpec,
+    lora: &LoraSpec,
+    cfg: &StepConfig,
+    base: &[f32],
+    adapter: Option<&[f32]>,
+    batch: &[u32],
+) -> Executor {
+    let mut cfg = cfg.clone();
+    cfg.lora = Some(lora.clone());
+    let plan = build_plan(spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    ex.fill_base(|r, p| {
+        p.copy_from_slice(&base[r]);
+        Ok(())
+    })
+    .unwrap();
+    let layout = ex.plan.layout.clone();
+    ex.with_params_mut(|p| match adapter {
+        Some(a) => p.copy_from_slice(a),
+        None => layout.init(p, 3),
+    })
+    .unwrap();
+    ex.upload_batch(batch).unwrap();
+    ex
+}
+
+fn full_executor(spec: &ModelSpec, cfg: &StepConfig, params: &[f32], batch: &[u32]) -> Executor {
+    let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    ex.with_params_mut(|p| p.copy_from_slice(params)).unwrap();
+    ex.upload_batch(batch).unwrap();
+    ex
+}
+
+/// Adapter values with B ≠ 0, so every adapter's gradients are non-zero.
+fn random_adapter(total: usize) -> Vec<f32> {
+    let mut rng = Rng::new(21);
+    (0..total).map(|_| 0.3 * rng.normal()).collect()
+}
+
+/// For every adapter, dA and dB of the LoRA step equal what full fine-tuning of the merged
+/// model W' = W + s·B·A gives through the chain rule (dB = s·G·Aᵀ, dA = s·Bᵀ·G with G the
+/// merged weight's gradient), and the losses agree: a LoRA step is a full step whose base
+/// gradients are discarded.
+#[test]
+fn adapter_gradients_are_full_fine_tuning_seen_through_the_adapters() {
+    for (spec, targets) in [
+        (tiny_llama(), "all"),
+        (tiny_llama(), "q,v,down"),
+        (micro_gpt2(), "all"),
+    ] {
+        let cfg = StepConfig::new(B, T, 2);
+        let lora = lora_spec(spec.family, targets);
+        let (base, batch) = base_and_batch(&spec);
+        let layout = ParamLayout::new(&spec);
+        let ad = memwall::model::lora::AdapterLayout::new(&layout, lora.clone()).unwrap();
+        let values = random_adapter(ad.params.total);
+        let mut merged = base.clone();
+        ad.merge_into(&layout, &mut merged, &values);
+
+        let mut lx = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
+        let mut fx = full_executor(&spec, &cfg, &merged, &batch);
+        let (ll, fl) = (
+            lx.compute_gradients().unwrap(),
+            fx.compute_gradients().unwrap(),
+        );
+        assert!(
+            (ll - fl).abs() <= 1e-5 * fl.abs(),
+            "{} {targets}: loss {ll} vs merged {fl}",
+            spec.name
+        );
+        let (lg, fg) = (lx.download_grads(), fx.download_grads());
+        let (r, s) = (lora.r, lora.scale() as f64);
+        let mut checked = 0;
+        for (i, a) in ad.layers.iter().enumerate() {
+            let (din, dout) = (a.in_features, a.out_features);
+            let w = &layout.tensors[a.base_tensor];
+            // G[o][j]: the merged weight's gradient as [out, in].
+            let g = |o: usize, j: usize| -> f64 {
+                let k = match spec.family {
+                    Family::Gpt2 => j * dout + o,
+                    _ => o * din + j,
+                };
+                fg[w.range.start + k] as f64
+            };
+            let (ar, br) = (
+                &ad.params.tensors[2 * i].range,
+                &ad.params.tensors[2 * i + 1].range,
+            );
+            let (av, bv) = (&values[ar.clone()], &values[br.clone()]);
+            let mut worst = 0f64;
+            let mut scale = 0f64;
+            for k in 0..r {
+                for j in 0..din {
+                    let want: f64 = s
+                        * (0..dout)
+                            .map(|o| bv[o * r + k] as f64 * g(o, j))
+                            .sum::<f64>();
+                    let got = lg[ar.start + k * din + j] as f64;
+                    worst = worst.max((got - want).abs());
+                    scale = scale.max(want.abs());
+                }
+            }
+            for o in 0..dout {
+                for k in 0..r {
+                    let want: f64 = s
+                        * (0..din)
+                            .map(|j| g(o, j) * av[k * din + j] as f64)
+                            .sum::<f64>();
+                    let got = lg[br.start + o * r + k] as f64;
+                    worst = worst.max((got - want).abs());
+                    scale = scale.max(want.abs());
+                }
+            }
+            assert!(
+                scale > 1e-4,
+                "{}: {} has vanishing gradients",
+                spec.name,
+                a.module
+            );
+            assert!(
+                worst <= 2e-4 * scale,
+                "{} {}: adapter gradients differ by {worst} (largest {scale})",
+                spec.name,
+                a.module
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, ad.layers.len());
+    }
+}
+
+/// Directional derivatives of the loss along random directions of the adapters, by finite
+/// differences of evaluations, against the LoRA step's gradients.
+#[test]
+fn adapter_gradients_match_finite_differences() {
+    let spec = tiny_llama();
+    let cfg = StepConfig::new(B, T, 2);
+    let lora = lora_spec(spec.family, "all");
+    let (base, batch) = base_and_batch(&spec);
+    let total = ParamLayout::new(&spec).total;
+    assert_eq!(base.len(), total);
+    let mut ex = lora_executor(&spec, &lora, &cfg, &base, None, &batch);
+    let p0 = random_adapter(ex.plan.layout.total);
+    ex.with_params_mut(|p| p.copy_from_slice(&p0)).unwrap();
+    ex.compute_gradients().unwrap();
+    let g = ex.download_grads();
+    let mut rng = Rng::new(99);
+    for _ in 0..3 {
+        let d: Vec<f32> = (0..p0.len()).map(|_| rng.normal()).collect();
+        let eps = 1e-3f32;
+        let mut eval = |s: f32| {
+            ex.with_params_mut(|p| {
+                for ((p, &q), &di) in p.iter_mut().zip(&p0).zip(&d) {
+                    *p = q + s * di;
+                }
+            })
+            .unwrap();
+            ex.eval_loss().unwrap() as f64
+        };
+        let fd = (eval(eps) - eval(-eps)) / (2.0 * eps as f64);
+        let an: f64 = g.iter().zip(&d).map(|(&a, &b)| a as f64 * b as f64).sum();
+        assert!(
+            (fd - an).abs() <= 2e-2 * an.abs().max(fd.abs()) + 1e-3,
+            "directional derivative: analytic {an} vs finite difference {fd}"
+        );
+    }
+}
+
+/// With fresh adapters (B = 0) the LoRA plan's loss is bitwise the base model's.
+#[test]
+fn fresh_adapters_leave_the_loss_bitwise_the_base_models() {
+    for spec in [tiny_llama(), micro_gpt2()] {
+        let cfg = StepConfig::new(B, T, 2);
+        let lora = lora_spec(spec.family, "all");
+        let (base, batch) = base_and_batch(&spec);
+        let mut lx = lora_executor(&spec, &lora, &cfg, &base, None, &batch);
+        let mut fx = full_executor(&spec, &cfg, &base, &batch);
+        let (ll, fl) = (lx.eval_loss().unwrap(), fx.eval_loss().unwrap());
+        assert_eq!(ll.to_bits(), fl.to_bits(), "{}: {ll} vs {fl}", spec.name);
+    }
+}
+
+/// Recomputation (selective and full) gives bitwise the gradients of keeping everything,
+/// in fp32 and bf16.
+#[test]
+fn recomputation_leaves_adapter_gradients_bitwise() {
+    let spec = tiny_llama();
+    let lora = lora_spec(spec.family, "all");
+    let (base, batch) = base_and_batch(&spec);
+    let values = {
+        let l = ParamLayout::new(&spec);
+        let ad = memwall::model::lora::AdapterLayout::new(&l, lora.clone()).unwrap();
+        random_adapter(ad.params.total)
+    };
+    for precision in [Precision::F32, Precision::Bf16] {
+        let grads = |recompute: Recompute| {
+            let mut cfg = StepConfig::new(B, T, 2);
+            cfg.recompute = recompute;
+            cfg.precision = precision;
+            let mut ex = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
+            let loss = ex.compute_gradients().unwrap();
+            let g: Vec<u32> = ex.download_grads().iter().map(|x| x.to_bits()).collect();
+            (loss.to_bits(), g)
+        };
+        let keep = grads(Recompute::None);
+        assert!(keep.1.iter().any(|&b| b != 0));
+        for policy in [Recompute::Selective, Recompute::Full] {
+            assert!(
+                grads(policy) == keep,
+                "{precision:?}: {policy:?} changed the gradients"
+            );
+        }
+    }
+}
