@@ -4,7 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 use memwall::backend::DeviceKind;
 use memwall::dist::shard::Zero;
-use memwall::exec::resolve::{StepRequest, StrategyRequest, TrainRequest};
+use memwall::exec::resolve::{LoraRequest, StepRequest, StrategyRequest, TrainRequest};
 use memwall::gguf::OutDtype;
 use memwall::plan::search::Pick;
 use memwall::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
@@ -331,6 +331,24 @@ pub(crate) struct StrategyArgs {
     /// [default: 0]
     #[arg(long, value_name = "0|1|2|3", value_parser = parse_zero)]
     pub(crate) zero: Option<Zero>,
+    /// LoRA: train rank-R adapters on a frozen base instead of every weight (Hu et al.
+    /// 2021, as PEFT does it). The base has no gradients and no optimizer state, and each
+    /// frozen layer's backward skips its weight-gradient GEMM; checkpoints hold the adapter
+    /// in PEFT's files (adapter_model.safetensors, adapter_config.json), which `sample
+    /// --adapter` and `merge` read. Start from a pretrained base with --init
+    #[arg(long, value_name = "R")]
+    pub(crate) lora: Option<usize>,
+    /// The adapters' output is scaled by alpha / R [default: 2·R]
+    #[arg(long, value_name = "ALPHA", requires = "lora")]
+    pub(crate) lora_alpha: Option<f32>,
+    /// The linear layers of each block that get an adapter: all, or a comma list of
+    /// q,k,v,o,gate,up,down (Llama, Qwen2, SmolLM2) or attn,proj,fc,mlp_proj (GPT-2)
+    /// [default: all]
+    #[arg(long, value_name = "LIST", requires = "lora")]
+    pub(crate) lora_targets: Option<String>,
+    /// Dropout on the adapters' input (only 0 for now) [default: 0]
+    #[arg(long, value_name = "P", requires = "lora")]
+    pub(crate) lora_dropout: Option<f32>,
 }
 
 pub(crate) fn parse_zero(s: &str) -> Result<Zero, String> {
@@ -347,6 +365,12 @@ impl StrategyArgs {
             offload: self.offload,
             offload_dir: self.offload_dir.clone(),
             zero: self.zero,
+            lora: self.lora.map(|r| LoraRequest {
+                r,
+                alpha: self.lora_alpha,
+                targets: self.lora_targets.clone(),
+                dropout: self.lora_dropout,
+            }),
         }
     }
 }

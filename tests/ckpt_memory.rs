@@ -91,7 +91,7 @@ fn saving_offloaded_state_takes_one_group_not_a_copy_of_the_state() {
         let before = rss::current_rss().unwrap();
         memwall::ckpt::load_params_by(&dir, &layout, |copy| back.fill_params(|r, p| copy(r, p)))
             .unwrap();
-        let st = memwall::ckpt::load_trainer_state_by(&dir, &layout, format, |copy| {
+        let st = memwall::ckpt::load_trainer_state_by(&dir, (&layout, &layout), format, |copy| {
             back.fill_moments(copy)
         })
         .unwrap();

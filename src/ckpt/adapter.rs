@@ -22,10 +22,7 @@ use crate::util::atomic;
 use anyhow::{Context, Result, bail};
 use std::path::Path;
 
-/// PEFT's adapter configuration file.
-pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
-/// PEFT's adapter weights file.
-pub const ADAPTER_MODEL_FILE: &str = "adapter_model.safetensors";
+pub use super::files::{ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE};
 
 /// Writes `adapters` with their values `params` (`adapters.params.total` elements) into `dir`
 /// (created if needed) as PEFT does; `base` is recorded as `base_model_name_or_path`.

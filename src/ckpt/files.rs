@@ -15,3 +15,15 @@ pub const STATE_FILE: &str = "trainer_state.json";
 /// [`MODEL_FILE`], or [`MODEL_INDEX_FILE`] and the shards it names ([`latest_checkpoint`](super::latest_checkpoint)
 /// checks both).
 pub const CHECKPOINT_FILES: [&str; 3] = [CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE];
+/// PEFT's adapter configuration file (a LoRA run's checkpoint, or an adapter directory).
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+/// PEFT's adapter weights file.
+pub const ADAPTER_MODEL_FILE: &str = "adapter_model.safetensors";
+/// The files every complete checkpoint of a LoRA run has: the adapter in PEFT's two files
+/// in place of the model's config and weights.
+pub const ADAPTER_CHECKPOINT_FILES: [&str; 4] = [
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_MODEL_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+];

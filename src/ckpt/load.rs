@@ -15,6 +15,7 @@ use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use super::files::{ADAPTER_CHECKPOINT_FILES, ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE};
 use super::moments::MomentsMut;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, resolve_exact};
 use super::safetensors_io::{
@@ -246,7 +247,7 @@ pub fn load_trainer_state(
         .and_then(|_| check_len("exp_avg_sq (v)", v_len, layout))
         .with_context(|| format!("loading {}", dir.join(OPTIMIZER_FILE).display()))?;
     let blocks = 0..layout.block_offsets(QBLOCK).1;
-    load_trainer_state_by(dir, layout, format, |copy| {
+    load_trainer_state_by(dir, (layout, layout), format, |copy| {
         copy(0..layout.total, blocks, moments)
     })
 }
@@ -258,16 +259,17 @@ pub type CopyMoments<'a> = dyn FnMut(Range<usize>, Range<usize>, MomentsMut<'_>)
 /// [`load_trainer_state`] range by range, without a host copy of all the moments: reads and
 /// checks the trainer state and the moments file (before `fill` runs), then lends `fill`
 /// the copier, which it calls for the ranges it holds (e.g. one parameter group's moments
-/// at a time), in `format`.
+/// at a time), in `format`. The model the state records must be `model`'s: the trained
+/// `layout`'s, or the frozen base of a LoRA run's adapters.
 pub fn load_trainer_state_by(
     dir: &Path,
-    layout: &ParamLayout,
+    (layout, model): (&ParamLayout, &ParamLayout),
     format: OptimState,
     fill: impl FnOnce(&mut CopyMoments<'_>) -> Result<()>,
 ) -> Result<TrainerState> {
     let state_path = dir.join(STATE_FILE);
     let state = TrainerState::read(&state_path)?;
-    state.check_layout(&state_path, layout)?;
+    state.check_layout(&state_path, model)?;
     let file = open_in(dir, OPTIMIZER_FILE)?;
     let what = || {
         format!(
@@ -458,12 +460,22 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
         if !path.is_dir() {
             continue;
         }
-        let mut missing: Vec<String> = CHECKPOINT_FILES
+        // A LoRA run's checkpoint holds the adapter in place of the model.
+        let adapter = [ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE]
+            .iter()
+            .any(|f| path.join(f).exists());
+        let required: &[&str] = match adapter {
+            true => &ADAPTER_CHECKPOINT_FILES,
+            false => &CHECKPOINT_FILES,
+        };
+        let mut missing: Vec<String> = required
             .iter()
             .filter(|f| !fs::metadata(path.join(f)).is_ok_and(|m| m.is_file() && m.len() > 0))
             .map(|f| f.to_string())
             .collect();
-        missing.extend(weights_missing(&path));
+        if !adapter {
+            missing.extend(weights_missing(&path));
+        }
         if !missing.is_empty() {
             eprintln!(
                 "memwall: warning: ignoring incomplete checkpoint {} (missing or empty: {})",

@@ -52,7 +52,8 @@ mod tests_sharded;
 mod tokenizer;
 
 pub use files::{
-    CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
+    ADAPTER_CHECKPOINT_FILES, CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE,
+    OPTIMIZER_FILE, STATE_FILE,
 };
 pub use load::{
     CopyMoments, CopyParams, latest_checkpoint, load_params, load_params_by, load_spec,
@@ -60,8 +61,11 @@ pub use load::{
 };
 pub use moments::{Moments, MomentsMut};
 pub(crate) use safetensors_io::{Lend, OutData};
+pub use save::{
+    AdapterCheckpoint, SaveOptions, save_checkpoint, save_checkpoint_with, save_model,
+    save_model_with,
+};
 pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent};
-pub use save::{SaveOptions, save_checkpoint, save_checkpoint_with, save_model, save_model_with};
 pub use shards::DEFAULT_MAX_SHARD_BYTES;
 pub use state::{LossScaleState, TrainerState};
 pub use tokenizer::{TOKENIZER_FILE, TOKENIZER_FILES, copy_tokenizer_files};

@@ -5,12 +5,14 @@ use anyhow::{Context, Result, bail};
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use super::files::{ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE};
 use super::moments::Moments;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
 use super::safetensors_io::{Lend, OutData, OutTensor, Whole, write_safetensors};
 use super::shards::{DEFAULT_MAX_SHARD_BYTES, is_shard_name, weight_files};
 use super::tokenizer::copy_tokenizer_files;
 use super::{CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
+use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout};
 use crate::plan::OptimState;
 use crate::run_dir::RunDir;
@@ -27,6 +29,18 @@ pub struct SaveOptions<'a> {
     pub max_shard_bytes: u64,
     /// Copy the tokenizer files this directory holds (see [`copy_tokenizer_files`]).
     pub tokenizer_dir: Option<&'a Path>,
+    /// A LoRA run's checkpoint: the parameters are these adapters', written as PEFT's
+    /// `adapter_model.safetensors` and `adapter_config.json` in place of the model's
+    /// `config.json` and weights.
+    pub adapter: Option<AdapterCheckpoint<'a>>,
+}
+
+/// The adapters a LoRA checkpoint holds, and the base they adapt.
+#[derive(Clone, Copy, Debug)]
+pub struct AdapterCheckpoint<'a> {
+    pub adapters: &'a AdapterLayout,
+    /// Recorded as `base_model_name_or_path` (the `--init` directory).
+    pub base: &'a str,
 }
 
 impl Default for SaveOptions<'_> {
@@ -34,14 +48,23 @@ impl Default for SaveOptions<'_> {
         SaveOptions {
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             tokenizer_dir: None,
+            adapter: None,
         }
     }
 }
 
-/// Checks that `layout` is the layout of `spec` and that each buffer covers it.
-fn check_buffers(spec: &ModelSpec, layout: &ParamLayout, bufs: &[(&str, usize)]) -> Result<()> {
-    let expect = ParamLayout::new(spec);
-    let same = expect.same_layout(layout);
+/// Checks that `layout` is the layout of `spec` (or of `adapters`, a LoRA checkpoint's) and
+/// that each buffer covers it.
+fn check_buffers(
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    adapters: Option<&AdapterLayout>,
+    bufs: &[(&str, usize)],
+) -> Result<()> {
+    let same = match adapters {
+        Some(a) => a.params.same_layout(layout),
+        None => ParamLayout::new(spec).same_layout(layout),
+    };
     if !same {
         bail!(
             "the parameter layout ({} elements) is not the layout of model {}",
@@ -216,6 +239,7 @@ pub(crate) fn save_checkpoint_lent(
     check_buffers(
         spec,
         layout,
+        opts.adapter.map(|a| a.adapters),
         &[
             ("parameter", lent.params.len()),
             ("exp_avg (m)", moments.m.len()),
@@ -232,13 +256,29 @@ pub(crate) fn save_checkpoint_lent(
     }
     let tmp = TempDir::create_for(&final_dir).with_context(what)?;
     let written = (|| -> Result<()> {
-        let config = json_bytes(&spec.to_hf_config())?;
-        write_synced(&tmp.path.join(CONFIG_FILE), |f| {
-            Ok(std::io::Write::write_all(f, &config)?)
-        })?;
         let model = model_tensors(layout, lent.params);
-        for (name, file) in weight_files(&model, opts.max_shard_bytes)? {
-            write_synced(&tmp.path.join(name), |f| file.write_to(f))?;
+        match opts.adapter {
+            // PEFT's two files: the adapters under their PEFT names, and their config.
+            Some(a) => {
+                let config = serde_json::to_vec_pretty(&a.adapters.config(a.base))?;
+                write_synced(&tmp.path.join(ADAPTER_CONFIG_FILE), |f| {
+                    Ok(std::io::Write::write_all(f, &config)?)
+                })?;
+                write_synced(&tmp.path.join(ADAPTER_MODEL_FILE), |f| {
+                    let mut w = std::io::BufWriter::new(f);
+                    write_safetensors(&mut w, &model)?;
+                    Ok(std::io::Write::flush(&mut w)?)
+                })?;
+            }
+            None => {
+                let config = json_bytes(&spec.to_hf_config())?;
+                write_synced(&tmp.path.join(CONFIG_FILE), |f| {
+                    Ok(std::io::Write::write_all(f, &config)?)
+                })?;
+                for (name, file) in weight_files(&model, opts.max_shard_bytes)? {
+                    write_synced(&tmp.path.join(name), |f| file.write_to(f))?;
+                }
+            }
         }
         let moments = optimizer_tensors(layout, moments)?;
         write_synced(&tmp.path.join(OPTIMIZER_FILE), |f| {
@@ -299,7 +339,7 @@ pub fn save_model_with(
     opts: &SaveOptions,
 ) -> Result<()> {
     let what = || format!("saving model to {}", dir.display());
-    check_buffers(spec, layout, &[("parameter", params.len())]).with_context(what)?;
+    check_buffers(spec, layout, None, &[("parameter", params.len())]).with_context(what)?;
     fs::create_dir_all(dir)
         .with_context(|| format!("cannot create directory {}", dir.display()))?;
     let params = Whole(OutData::F32(params));

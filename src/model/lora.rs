@@ -142,14 +142,27 @@ pub fn parse_targets(s: &str, family: Family) -> Result<Vec<Target>> {
     Ok(out)
 }
 
+/// A target is saved (in a run's options) by its `--lora-targets` name.
 impl Serialize for Target {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.serialize_str(self.flag())
     }
 }
 
+impl<'de> Deserialize<'de> for Target {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Target, D::Error> {
+        let name = String::deserialize(d)?;
+        LLAMA
+            .iter()
+            .chain(&GPT2)
+            .find(|t| t.flag() == name)
+            .copied()
+            .ok_or_else(|| serde::de::Error::custom(format!("no LoRA target named '{name}'")))
+    }
+}
+
 /// What adapters a run trains: their rank, scale and dropout, and the layers they adapt.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LoraSpec {
     /// The rank r of every adapter (`--lora`).
     pub r: usize,

@@ -10,6 +10,7 @@ use super::{
 };
 use crate::dist::shard::Zero;
 use crate::model::ModelSpec;
+use crate::model::lora::LoraSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
@@ -50,6 +51,9 @@ pub struct Strategies {
     /// This process's rank (not saved: every rank's options are the same).
     #[serde(skip)]
     pub rank: usize,
+    /// LoRA adapters on a frozen base (`--lora`), or `None` to train every weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSpec>,
 }
 
 fn one() -> usize {
@@ -69,6 +73,7 @@ impl Default for Strategies {
             ranks: 1,
             zero: Zero::DP,
             rank: 0,
+            lora: None,
         }
     }
 }
@@ -91,6 +96,7 @@ impl Strategies {
         cfg.ranks = self.ranks;
         cfg.rank = self.rank;
         cfg.zero = self.zero;
+        cfg.lora = self.lora.clone();
         cfg
     }
 
@@ -111,6 +117,7 @@ impl Strategies {
             ranks: cfg.ranks,
             zero: cfg.zero,
             rank: cfg.rank,
+            lora: cfg.lora.clone(),
         }
     }
 

@@ -42,6 +42,26 @@ pub struct LoraPlan {
     pub adapters: AdapterLayout,
 }
 
+impl LoraPlan {
+    /// One line for reports: rank, scale, targets and the share of the parameters trained.
+    pub fn describe(&self) -> String {
+        let s = &self.adapters.spec;
+        let targets: Vec<&str> = s.targets.iter().map(|t| t.flag()).collect();
+        let trained = self.adapters.params.total;
+        format!(
+            "LoRA r {} (alpha {}, scale {}) on {}: {} adapters, {:.2}M parameters trained ({:.2}% of the {:.1}M frozen)",
+            s.r,
+            s.alpha,
+            s.scale(),
+            targets.join(","),
+            self.adapters.layers.len(),
+            trained as f64 / 1e6,
+            100.0 * trained as f64 / self.base.total as f64,
+            self.base.total as f64 / 1e6,
+        )
+    }
+}
+
 /// One adapter as the transformation places it.
 struct Placed {
     /// The base weight it adapts (its element range in the base's layout).

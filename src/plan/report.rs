@@ -36,6 +36,9 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
         crate::util::count(cfg.threads as u64, "thread"),
         plan.schedule.ops.len()
     );
+    if let Some(l) = &plan.lora {
+        let _ = writeln!(s, "      {}", l.describe());
+    }
     let per_rank = (cfg.ranks > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
     if let Some(r) = &per_rank {
         let stage = match r.zero {

@@ -16,7 +16,8 @@ mod step;
 mod train;
 
 pub use request::{
-    DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ, StepRequest, StrategyRequest, TrainRequest,
+    DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ, LoraRequest, StepRequest, StrategyRequest,
+    TrainRequest,
 };
 pub use step::{Resolved, fit_space, fixed, resolve_step};
 pub use train::{new_run, resume};

@@ -4,8 +4,11 @@
 
 use crate::backend::DeviceKind;
 use crate::dist::shard::Zero;
+use crate::model::Family;
+use crate::model::lora::{LoraSpec, parse_targets};
 use crate::plan::search::Pick;
 use crate::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
+use anyhow::Result;
 use std::path::PathBuf;
 
 /// `--model` of `plan` and `train` when left out (and no `--init` gives one).
@@ -32,6 +35,33 @@ pub struct StrategyRequest {
     pub offload_dir: Option<PathBuf>,
     /// `--zero`.
     pub zero: Option<Zero>,
+    /// `--lora R` and its companions.
+    pub lora: Option<LoraRequest>,
+}
+
+/// `--lora R`, `--lora-alpha`, `--lora-targets`, `--lora-dropout` as given.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoraRequest {
+    pub r: usize,
+    /// Default: 2·r (torchtune's and Unsloth's usual ratio).
+    pub alpha: Option<f32>,
+    /// A comma list of a family's layer names, or `all` (the default).
+    pub targets: Option<String>,
+    /// Default: 0 (PEFT's).
+    pub dropout: Option<f32>,
+}
+
+impl LoraRequest {
+    /// The adapters for a base of `family`: the targets parsed by the family's names,
+    /// the defaults filled in.
+    pub fn spec(&self, family: Family) -> Result<LoraSpec> {
+        Ok(LoraSpec {
+            r: self.r,
+            alpha: self.alpha.unwrap_or(2.0 * self.r as f32),
+            dropout: self.dropout.unwrap_or(0.0),
+            targets: parse_targets(self.targets.as_deref().unwrap_or("all"), family)?,
+        })
+    }
 }
 
 /// A training step asked for (`plan`, `train`).

@@ -151,6 +151,9 @@ pub fn resolve_step(
             "--fit searches one process's plan; with --ranks or --zero give the strategies yourself (the per-rank search is not there yet)"
         );
     }
+    if step.fit && st.lora.is_some() {
+        bail!("--fit with --lora: not supported yet; give --batch and the strategies yourself");
+    }
     if step.fit {
         let budget = step.max_memory.context("--fit needs --max-memory")?;
         let space = fit_space(step, threads, default_batch)?;
@@ -160,6 +163,7 @@ pub fn resolve_step(
     }
     let mut strategies = st.strategies(step.max_memory)?;
     strategies.ranks = ranks;
+    strategies.lora = st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?;
     let batch = match step.batch {
         Some(Pick::Auto) => {
             let budget = step

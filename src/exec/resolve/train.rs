@@ -95,6 +95,17 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
     if let Some(k) = req.keep_last {
         opts.keep_last = k;
     }
+    if req.step.strategy.lora.is_some() {
+        let was = match &opts.strategies.lora {
+            Some(l) => format!("LoRA adapters of rank {}", l.r),
+            None => "every weight (a full fine-tune)".into(),
+        };
+        bail!(
+            "--lora with --resume: the run in {} trains {was}, and a resumed run keeps what it \
+             trains; leave out --lora (and its companions), or start a new run with --init",
+            run.display()
+        );
+    }
     if req.step.fit || req.step.batch == Some(Pick::Auto) || req.step.global_batch.is_some() {
         bail!(
             "--resume continues the run in {} with its own batch and strategies: --fit, --batch auto and --global-batch are for new runs",

@@ -122,6 +122,15 @@ impl TrainOptions {
         }
     }
 
+    /// The base model's name a LoRA checkpoint records (`base_model_name_or_path`): the
+    /// `--init` directory, else `--model`.
+    pub fn base_name(&self) -> String {
+        match &self.init {
+            Some(p) => p.display().to_string(),
+            None => self.model.clone(),
+        }
+    }
+
     /// Refuses values the loop cannot run with, naming the flag.
     pub(crate) fn check(&self) -> Result<()> {
         if self.steps == 0 {

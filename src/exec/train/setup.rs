@@ -90,14 +90,24 @@ impl<'a> Run<'a> {
         // ---- initial state ----
         let mut scaler = (opts.strategies.precision == Precision::F16).then(LossScaler::new);
         let (step, data_position) = match resume {
-            Some(ck) => restore(ck, &dir, &mut ex, &mut scaler, progress)?,
+            Some(ck) => restore(ck, &dir, opts, &mut ex, &mut scaler, progress)?,
             None => {
                 let layout = ex.plan.layout.clone();
-                match &opts.init {
-                    Some(dir) => ckpt::load_params_by(dir, &layout, |copy| {
+                match (&ex.plan.lora, &opts.init) {
+                    (Some(_), _) => {
+                        fill_base(&mut ex, opts)?;
+                        // Fresh adapters (B = 0: the model starts as the base), drawn from
+                        // a stream of their own.
+                        let mut init = layout.initializer(adapter_seed(opts.seed));
+                        ex.fill_params(|range, p| {
+                            init.fill(range, p);
+                            Ok(())
+                        })?
+                    }
+                    (None, Some(dir)) => ckpt::load_params_by(dir, &layout, |copy| {
                         ex.fill_params(|r, p| copy(r, p))
                     })?,
-                    None => {
+                    (None, None) => {
                         let mut init = layout.initializer(opts.seed);
                         ex.fill_params(|range, p| {
                             init.fill(range, p);
@@ -238,6 +248,9 @@ fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
         None => None,
     };
     let spec = match (&init_spec, resume) {
+        // A LoRA run's checkpoints hold adapters only: the base is its --init's (or --model).
+        (Some(s), Some(_)) if opts.strategies.lora.is_some() => s.clone(),
+        (None, Some(_)) if opts.strategies.lora.is_some() => ModelSpec::resolve(&opts.model)?,
         (_, Some(ck)) => {
             let saved = ckpt::load_spec(ck)?;
             let asked = ModelSpec::resolve(&opts.model)?;
@@ -383,20 +396,70 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
     )
 }
 
+/// Fills a LoRA plan's frozen base: the `--init` checkpoint's weights, or (planning and
+/// benchmarks on a preset) the model's initialisation from the run's seed.
+fn fill_base(ex: &mut Executor, opts: &TrainOptions) -> Result<()> {
+    let Some(lora) = ex.plan.lora.clone() else {
+        bail!("internal error: fill_base on a plan without LoRA");
+    };
+    match &opts.init {
+        Some(dir) => ckpt::load_params_by(dir, &lora.base, |copy| ex.fill_base(|r, p| copy(r, p)))
+            .with_context(|| format!("--init {}: loading the base of --lora", dir.display())),
+        None => {
+            let mut init = lora.base.initializer(opts.seed);
+            ex.fill_base(|range, p| {
+                init.fill(range, p);
+                Ok(())
+            })
+        }
+    }
+}
+
+/// The seed of fresh adapters' initialisation: not the base's stream (`seed`), so `A`
+/// is not drawn from the numbers a randomly initialised base starts with.
+fn adapter_seed(seed: u64) -> u64 {
+    seed ^ 0x4c6f_5241 // "LoRA"
+}
+
 /// Loads checkpoint `ck` (weights, moments, loss scale) and cuts `metrics.jsonl` back to its
 /// step; returns the step and the data position to continue from.
 fn restore(
     ck: &Path,
     dir: &RunDir,
+    opts: &TrainOptions,
     ex: &mut Executor,
     scaler: &mut Option<LossScaler>,
     progress: &mut dyn Progress,
 ) -> Result<(u64, u64)> {
     // Group by group where the state is offloaded: no host copy of the whole model.
     let layout = ex.plan.layout.clone();
-    ckpt::load_params_by(ck, &layout, |copy| ex.fill_params(|r, p| copy(r, p)))?;
+    match ex.plan.lora.clone() {
+        // The base as the run started (its --init), the adapters from the checkpoint.
+        Some(lora) => {
+            fill_base(ex, opts)?;
+            let (adapters, values) = ckpt::adapter::load_adapter(ck, &lora.base)?;
+            if adapters.spec != lora.adapters.spec {
+                bail!(
+                    "{}: the adapter there ({:?}) is not the run's ({:?})",
+                    ck.display(),
+                    adapters.spec,
+                    lora.adapters.spec
+                );
+            }
+            ex.fill_params(|r, p| {
+                p.copy_from_slice(&values[r]);
+                Ok(())
+            })?;
+        }
+        None => ckpt::load_params_by(ck, &layout, |copy| ex.fill_params(|r, p| copy(r, p)))?,
+    }
     let format = ex.plan.cfg.optim_state;
-    let st = ckpt::load_trainer_state_by(ck, &layout, format, |copy| ex.fill_moments(copy))?;
+    let model = match &ex.plan.lora {
+        Some(l) => l.base.clone(),
+        None => layout.clone(),
+    };
+    let st =
+        ckpt::load_trainer_state_by(ck, (&layout, &model), format, |copy| ex.fill_moments(copy))?;
     run_dir::metrics::truncate(&dir.metrics_of(ex.comm().rank()), st.step)?;
     progress.message(&format!(
         "resuming from {} (step {})",

@@ -273,9 +273,15 @@ impl Run<'_> {
             memwall_version: env!("CARGO_PKG_VERSION").to_string(),
             loss_scale: self.scaler.map(|s| s.state),
         };
+        let lora = self.ex.plan.lora.clone();
+        let base = opts.base_name();
         let save = ckpt::SaveOptions {
             max_shard_bytes: opts.max_shard_bytes,
             tokenizer_dir: opts.tokenizer_dir.as_deref(),
+            adapter: lora.as_ref().map(|l| ckpt::AdapterCheckpoint {
+                adapters: &l.adapters,
+                base: &base,
+            }),
         };
         self.ex
             .finish_update()
