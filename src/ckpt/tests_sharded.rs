@@ -146,6 +146,7 @@ fn sharded_checkpoint_round_trips_bitwise() {
     let opts = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: None,
+        adapter: None,
     };
     let st = state(&spec, 2);
     let moments = Moments::F32 { m: &m, v: &v };
@@ -193,6 +194,7 @@ fn gpt2_tiny_export_shards_and_replaces_stale_files() {
     let sharded = SaveOptions {
         max_shard_bytes: max,
         tokenizer_dir: None,
+        adapter: None,
     };
     save_model_with(&out, &spec, &layout, &p, &sharded).unwrap();
     let n = check_index(&out, &layout, max);
@@ -228,6 +230,7 @@ fn gpt2_tiny_export_shards_and_replaces_stale_files() {
     let other = SaveOptions {
         max_shard_bytes: 3 * max,
         tokenizer_dir: None,
+        adapter: None,
     };
     save_model_with(&out, &spec, &layout, &p, &other).unwrap();
     let n2 = check_index(&out, &layout, 3 * max);
@@ -254,6 +257,7 @@ fn llama_tied_and_untied_round_trip_sharded() {
         let opts = SaveOptions {
             max_shard_bytes: max,
             tokenizer_dir: None,
+            adapter: None,
         };
         save_model_with(tmp.path(), &spec, &layout, &p, &opts).unwrap();
         let n = check_index(tmp.path(), &layout, max);
@@ -280,6 +284,7 @@ fn sharded_export(dir: &Path) -> (ParamLayout, Vec<f32>) {
     let opts = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: None,
+        adapter: None,
     };
     save_model_with(dir, &spec, &layout, &p, &opts).unwrap();
     (layout, p)
@@ -529,6 +534,7 @@ fn tokenizer_files_are_copied_into_checkpoints_and_exports() {
     let opts = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: Some(&src),
+        adapter: None,
     };
     let run = tmp.path().join("run");
     let moments = Moments::F32 { m: &m, v: &v };
@@ -571,6 +577,7 @@ fn tokenizer_files_are_copied_into_checkpoints_and_exports() {
     let bad = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: Some(&gone),
+        adapter: None,
     };
     let st = state(&spec, 4);
     let e = err_text(save_checkpoint_with(
