@@ -361,6 +361,11 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
             "bench measures one process; under mpirun each rank would bench alone: time ranks with `mpirun -np N memwall train ... --eval-every 0`"
         );
     }
+    let mut strategies = a.strategy.request().strategies(a.max_memory)?;
+    if let Some(l) = a.strategy.request().lora {
+        let family = memwall::model::ModelSpec::resolve(&a.model)?.family;
+        strategies.lora = Some(l.spec(family)?);
+    }
     let opts = BenchOptions {
         model: a.model,
         batch: a.batch,
@@ -369,7 +374,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         threads: threads(a.threads)?,
         seed: a.seed,
         time_ops: a.time_ops,
-        strategies: a.strategy.request().strategies(a.max_memory)?,
+        strategies,
         profile: a.profile,
         device: a.device,
     };

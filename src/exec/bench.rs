@@ -98,6 +98,15 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         init.fill(range, p);
         Ok(())
     })?;
+    // A LoRA plan's frozen base: the model's initialisation (the bytes and FLOPs are the
+    // same as a pretrained base's).
+    if let Some(lora) = ex.plan.lora.clone() {
+        let mut init = lora.base.initializer(opts.seed ^ 1);
+        ex.fill_base(|range, p| {
+            init.fill(range, p);
+            Ok(())
+        })?;
+    }
     let mut rng = Rng::new(opts.seed);
     let mut batch = vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)];
     let mut times = Vec::with_capacity(opts.steps);
