@@ -141,3 +141,154 @@ fn generation_with_an_adapter_is_generation_from_the_merged_model() {
         "the adapter changed no token"
     );
 }
+
+/// `train --lora` end to end on a small GPT-2 fine-tuned from a base checkpoint: the
+/// checkpoints hold PEFT's files and no model; a run resumed from its first checkpoint ends
+/// bitwise where the uninterrupted run does; `sample --adapter` and `merge` take a
+/// checkpoint as the adapter; `--lora` is refused on resume.
+#[test]
+fn lora_runs_save_peft_adapters_and_resume_bitwise() {
+    use common::{micro_config, prepared, small_corpus, train_args};
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let data = prepared(tmp.path(), &small_corpus(tmp.path()));
+    let cfg = micro_config(tmp.path());
+    let short = ["--batch", "2", "--seq", "16", "--eval-every", "0"];
+    // The base: a couple of full steps, saved as a model checkpoint.
+    let base_run = tmp.path().join("base");
+    let mut args = train_args(
+        &cfg,
+        &data,
+        &base_run,
+        &["--steps", "2", "--save-every", "2"],
+    );
+    args.extend(short.map(String::from));
+    ok(&args);
+    let base = base_run.join("checkpoints/step-000002");
+    let lora = |run: &Path, steps: &str| {
+        let mut a: Vec<String> = [
+            "train",
+            "--init",
+            &p(&base),
+            "--lora",
+            "4",
+            "--lora-targets",
+            "attn,fc",
+            "--data",
+            &p(&data),
+            "--out",
+            &p(run),
+            "--steps",
+            steps,
+            "--save-every",
+            "2",
+            "--lr",
+            "3e-3",
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(short.map(String::from));
+        a
+    };
+    let whole = tmp.path().join("whole");
+    ok(&lora(&whole, "4"));
+    let ck = whole.join("checkpoints/step-000004");
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(ck.join(f).is_file(), "{f} missing");
+    }
+    for f in ["config.json", "model.safetensors"] {
+        assert!(!ck.join(f).exists(), "a LoRA checkpoint holds no {f}");
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["r"], 4);
+    assert_eq!(config["lora_alpha"], 8.0);
+    assert_eq!(config["fan_in_fan_out"], true);
+    assert_eq!(
+        config["target_modules"],
+        serde_json::json!(["c_attn", "c_fc"])
+    );
+    assert_eq!(config["base_model_name_or_path"], p(&base));
+
+    // Stopped at step 2 (its later checkpoint gone) and resumed to 4: bitwise the
+    // uninterrupted run.
+    let halves = tmp.path().join("halves");
+    ok(&lora(&halves, "4"));
+    std::fs::remove_dir_all(halves.join("checkpoints/step-000004")).unwrap();
+    ok(&["train", "--resume", &p(&halves), "--steps", "4"]);
+    for f in ["adapter_model.safetensors", "optimizer.safetensors"] {
+        let (a, b) = (
+            std::fs::read(ck.join(f)).unwrap(),
+            std::fs::read(halves.join("checkpoints/step-000004").join(f)).unwrap(),
+        );
+        assert!(a == b, "{f} differs after resume");
+    }
+    let e = fails(&[
+        "train",
+        "--resume",
+        &p(&halves),
+        "--steps",
+        "6",
+        "--lora",
+        "8",
+    ]);
+    assert!(e.contains("--lora") && e.contains("rank 4"), "{e}");
+
+    // The adapter trained: the merged model differs from the base, and sampling with the
+    // adapter runs.
+    let merged = tmp.path().join("merged");
+    let said = ok(&["merge", &p(&base), &p(&ck), "--out", &p(&merged)]);
+    assert!(said.contains("4 layers (rank 4, scale 2)"), "{said}");
+    let spec = load_spec(&base).unwrap();
+    let layout = ParamLayout::new(&spec);
+    let (mut a, mut b) = (vec![0f32; layout.total], vec![0f32; layout.total]);
+    load_params(&base, &layout, &mut a).unwrap();
+    load_params(&merged, &layout, &mut b).unwrap();
+    assert_ne!(a, b, "the adapter learned nothing");
+    ok(&[
+        "sample",
+        "--model",
+        &p(&base),
+        "--adapter",
+        &p(&ck),
+        "--tokens",
+        "5",
+        "--prompt",
+        "ROMEO:",
+    ]);
+}
+
+/// Bad LoRA flags are refused before anything is written, naming the flag.
+#[test]
+fn bad_lora_flags_are_refused_naming_the_flag() {
+    use common::{micro_config, prepared, small_corpus, train_args};
+    let tmp = tempfile::tempdir().unwrap();
+    let data = prepared(tmp.path(), &small_corpus(tmp.path()));
+    let cfg = micro_config(tmp.path());
+    let run = tmp.path().join("run");
+    for (extra, says) in [
+        (&["--lora", "0"][..], "--lora 0"),
+        (&["--lora", "17"][..], "--lora 17"),
+        (
+            &["--lora", "4", "--lora-targets", "q,v"][..],
+            "has no layer 'q'",
+        ),
+        (&["--lora", "4", "--lora-alpha=-1"][..], "--lora-alpha"),
+        (
+            &["--lora", "4", "--offload", "optimizer"][..],
+            "--offload with --lora",
+        ),
+        (&["--lora-alpha", "8"][..], "--lora"),
+    ] {
+        let mut args = train_args(&cfg, &data, &run, &["--steps", "1", "--seq", "16"]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let e = fails(&args);
+        assert!(e.contains(says), "{extra:?}: {e}");
+        assert!(!run.exists(), "{extra:?}: the run directory was written");
+    }
+}

@@ -380,8 +380,19 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
         ),
         (bytes, None) => format!(" ({} file)", fmt_bytes(bytes)),
     };
+    let lora = match &plan.lora {
+        Some(l) => format!(
+            "\n      {}{}",
+            l.describe(),
+            match &opts.init {
+                Some(_) => "",
+                None => " (no --init: the base is randomly initialised, as for a benchmark)",
+            }
+        ),
+        None => String::new(),
+    };
     format!(
-        "plan: {} | batch {} x grad-accum {} x seq {} | {} | recompute {} | optimizer state {} | offload {}{offload} | arena {} + outside the arena {} | predicted peak RSS {}",
+        "plan: {} | batch {} x grad-accum {} x seq {} | {} | recompute {} | optimizer state {} | offload {}{offload} | arena {} + outside the arena {} | predicted peak RSS {}{lora}",
         spec.describe(),
         opts.batch,
         opts.strategies.grad_accum,
