@@ -6,6 +6,7 @@ use memwall::backend::DeviceKind;
 use memwall::dist::shard::Zero;
 use memwall::exec::resolve::{LoraRequest, StepRequest, StrategyRequest, TrainRequest};
 use memwall::gguf::OutDtype;
+use memwall::plan::lora::BaseQuant;
 use memwall::plan::search::Pick;
 use memwall::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
 use memwall::util::bytes::parse_bytes;
@@ -349,6 +350,16 @@ pub(crate) struct StrategyArgs {
     /// Dropout on the adapters' input (only 0 for now) [default: 0]
     #[arg(long, value_name = "P", requires = "lora")]
     pub(crate) lora_dropout: Option<f32>,
+    /// How the frozen base of --lora is kept in memory: fp32, or its matrices quantized once
+    /// on load as llama.cpp's q8_0 (8.5 bits a weight), q4_0 or q4_1 (4.5 and 5: QLoRA's
+    /// memory), the norms in f32. The frozen layers then compute on the blocks, decoding a
+    /// few rows at a time; the adapters train in fp32 [default: fp32]
+    #[arg(long, value_name = "fp32|q8_0|q4_0|q4_1", requires = "lora", value_parser = parse_base_quant)]
+    pub(crate) base_quant: Option<BaseQuant>,
+}
+
+pub(crate) fn parse_base_quant(s: &str) -> Result<BaseQuant, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
 pub(crate) fn parse_zero(s: &str) -> Result<Zero, String> {
@@ -371,6 +382,7 @@ impl StrategyArgs {
                 targets: self.lora_targets.clone(),
                 dropout: self.lora_dropout,
             }),
+            base_quant: self.base_quant,
         }
     }
 }

@@ -6,8 +6,10 @@
 use memwall::backend::cpu::Cpu;
 use memwall::ckpt::load_spec;
 use memwall::exec::executor::Executor;
+use memwall::gguf::GgmlType;
 use memwall::model::lora::{LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
+use memwall::plan::lora::BaseQuant;
 use memwall::plan::{Mode, Precision, Recompute, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 use std::path::Path;
@@ -99,84 +101,131 @@ fn adapter_gradients_are_full_fine_tuning_seen_through_the_adapters() {
         (tiny_llama(), "q,v,down"),
         (micro_gpt2(), "all"),
     ] {
-        let cfg = StepConfig::new(B, T, 2);
-        let lora = lora_spec(spec.family, targets);
-        let (base, batch) = base_and_batch(&spec);
-        let layout = ParamLayout::new(&spec);
-        let ad = memwall::model::lora::AdapterLayout::new(&layout, lora.clone()).unwrap();
-        let values = random_adapter(ad.params.total);
-        let mut merged = base.clone();
-        ad.merge_into(&layout, &mut merged, &values);
+        check_against_full_fine_tuning(&spec, targets, BaseQuant::F32);
+    }
+}
 
-        let mut lx = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
-        let mut fx = full_executor(&spec, &cfg, &merged, &batch);
-        let (ll, fl) = (
-            lx.compute_gradients().unwrap(),
-            fx.compute_gradients().unwrap(),
-        );
-        assert!(
-            (ll - fl).abs() <= 1e-5 * fl.abs(),
-            "{} {targets}: loss {ll} vs merged {fl}",
-            spec.name
-        );
-        let (lg, fg) = (lx.download_grads(), fx.download_grads());
-        let (r, s) = (lora.r, lora.scale() as f64);
-        let mut checked = 0;
-        for (i, a) in ad.layers.iter().enumerate() {
-            let (din, dout) = (a.in_features, a.out_features);
-            let w = &layout.tensors[a.base_tensor];
-            // G[o][j]: the merged weight's gradient as [out, in].
-            let g = |o: usize, j: usize| -> f64 {
-                let k = match spec.family {
-                    Family::Gpt2 => j * dout + o,
-                    _ => o * din + j,
-                };
-                fg[w.range.start + k] as f64
+/// With the base quantized on load (`--base-quant`), the LoRA step is full fine-tuning of
+/// the dequantized base seen through the adapters: the frozen layers compute on the blocks
+/// exactly as on the weights they decode to, embedding, tied head and all.
+#[test]
+fn a_quantized_base_is_its_dequantized_weights() {
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+        check_against_full_fine_tuning(&spec, "all", BaseQuant::Blocks(ty));
+    }
+    // bf16 activations on the quantized GEMMs: the fp32 step's loss to bf16's precision,
+    // and the same under full recomputation, bitwise.
+    let lora = lora_spec(spec.family, "all");
+    let (base, batch) = base_and_batch(&spec);
+    let step = |precision: Precision, recompute: Recompute| {
+        let mut cfg = StepConfig::new(B, T, 2);
+        (cfg.base_quant, cfg.precision, cfg.recompute) =
+            (BaseQuant::Blocks(GgmlType::Q4_1), precision, recompute);
+        let mut ex = lora_executor(&spec, &lora, &cfg, &base, None, &batch);
+        let loss = ex.compute_gradients().unwrap();
+        let g: Vec<u32> = ex.download_grads().iter().map(|x| x.to_bits()).collect();
+        (loss, g)
+    };
+    let (f32_loss, _) = step(Precision::F32, Recompute::None);
+    let (bf16_loss, g) = step(Precision::Bf16, Recompute::None);
+    assert!(
+        (bf16_loss - f32_loss).abs() <= 2e-2 * f32_loss.abs(),
+        "bf16 {bf16_loss} vs fp32 {f32_loss}"
+    );
+    assert_eq!(step(Precision::Bf16, Recompute::Full).1, g);
+}
+
+/// `base` with every matrix replaced by its `quant` round trip (what a quantized base
+/// computes with).
+fn as_stored(spec: &ModelSpec, base: &[f32], quant: BaseQuant) -> Vec<f32> {
+    let Some(ty) = quant.blocks() else {
+        return base.to_vec();
+    };
+    let layout = ParamLayout::new(spec);
+    let mut out = base.to_vec();
+    for t in layout.tensors.iter().filter(|t| t.shape.len() == 2) {
+        let w = &base[t.range.clone()];
+        let mut q = vec![0u8; ty.bytes_for(w.len() as u64).unwrap() as usize];
+        memwall::gguf::quantize::quantize(ty, w, &mut q).unwrap();
+        memwall::gguf::dequant::dequantize(ty, &q, &mut out[t.range.clone()]).unwrap();
+    }
+    out
+}
+
+fn check_against_full_fine_tuning(spec: &ModelSpec, targets: &str, quant: BaseQuant) {
+    let mut cfg = StepConfig::new(B, T, 2);
+    cfg.base_quant = quant;
+    let lora = lora_spec(spec.family, targets);
+    let (base, batch) = base_and_batch(spec);
+    let layout = ParamLayout::new(spec);
+    let ad = memwall::model::lora::AdapterLayout::new(&layout, lora.clone()).unwrap();
+    let values = random_adapter(ad.params.total);
+    let mut merged = as_stored(spec, &base, quant);
+    if quant != BaseQuant::F32 {
+        assert_ne!(merged, base, "{quant}: the round trip changed nothing");
+    }
+    ad.merge_into(&layout, &mut merged, &values);
+
+    let mut lx = lora_executor(spec, &lora, &cfg, &base, Some(&values), &batch);
+    let mut fx = full_executor(spec, &StepConfig::new(B, T, 2), &merged, &batch);
+    let (ll, fl) = (
+        lx.compute_gradients().unwrap(),
+        fx.compute_gradients().unwrap(),
+    );
+    let what = format!("{} {targets} base {quant}", spec.name);
+    assert!(
+        (ll - fl).abs() <= 1e-5 * fl.abs(),
+        "{what}: loss {ll} vs merged {fl}"
+    );
+    let (lg, fg) = (lx.download_grads(), fx.download_grads());
+    let (r, s) = (lora.r, lora.scale() as f64);
+    for (i, a) in ad.layers.iter().enumerate() {
+        let (din, dout) = (a.in_features, a.out_features);
+        let w = &layout.tensors[a.base_tensor];
+        // G[o][j]: the merged weight's gradient as [out, in].
+        let g = |o: usize, j: usize| -> f64 {
+            let k = match spec.family {
+                Family::Gpt2 => j * dout + o,
+                _ => o * din + j,
             };
-            let (ar, br) = (
-                &ad.params.tensors[2 * i].range,
-                &ad.params.tensors[2 * i + 1].range,
-            );
-            let (av, bv) = (&values[ar.clone()], &values[br.clone()]);
-            let mut worst = 0f64;
-            let mut scale = 0f64;
-            for k in 0..r {
-                for j in 0..din {
-                    let want: f64 = s
-                        * (0..dout)
-                            .map(|o| bv[o * r + k] as f64 * g(o, j))
-                            .sum::<f64>();
-                    let got = lg[ar.start + k * din + j] as f64;
-                    worst = worst.max((got - want).abs());
-                    scale = scale.max(want.abs());
-                }
+            fg[w.range.start + k] as f64
+        };
+        let (ar, br) = (
+            &ad.params.tensors[2 * i].range,
+            &ad.params.tensors[2 * i + 1].range,
+        );
+        let (av, bv) = (&values[ar.clone()], &values[br.clone()]);
+        let mut worst = 0f64;
+        let mut scale = 0f64;
+        for k in 0..r {
+            for j in 0..din {
+                let want: f64 = s
+                    * (0..dout)
+                        .map(|o| bv[o * r + k] as f64 * g(o, j))
+                        .sum::<f64>();
+                let got = lg[ar.start + k * din + j] as f64;
+                worst = worst.max((got - want).abs());
+                scale = scale.max(want.abs());
             }
-            for o in 0..dout {
-                for k in 0..r {
-                    let want: f64 = s
-                        * (0..din)
-                            .map(|j| g(o, j) * av[k * din + j] as f64)
-                            .sum::<f64>();
-                    let got = lg[br.start + o * r + k] as f64;
-                    worst = worst.max((got - want).abs());
-                    scale = scale.max(want.abs());
-                }
-            }
-            assert!(
-                scale > 1e-4,
-                "{}: {} has vanishing gradients",
-                spec.name,
-                a.module
-            );
-            assert!(
-                worst <= 2e-4 * scale,
-                "{} {}: adapter gradients differ by {worst} (largest {scale})",
-                spec.name,
-                a.module
-            );
-            checked += 1;
         }
-        assert_eq!(checked, ad.layers.len());
+        for o in 0..dout {
+            for k in 0..r {
+                let want: f64 = s
+                    * (0..din)
+                        .map(|j| g(o, j) * av[k * din + j] as f64)
+                        .sum::<f64>();
+                let got = lg[br.start + o * r + k] as f64;
+                worst = worst.max((got - want).abs());
+                scale = scale.max(want.abs());
+            }
+        }
+        assert!(scale > 1e-4, "{what}: {} has vanishing gradients", a.module);
+        assert!(
+            worst <= 2e-4 * scale,
+            "{what} {}: adapter gradients differ by {worst} (largest {scale})",
+            a.module
+        );
     }
 }
 

@@ -96,8 +96,8 @@ pub fn load_params(dir: &Path, layout: &ParamLayout, params: &mut [f32]) -> Resu
     load_params_by(dir, layout, |copy| copy(0..layout.total, params))
 }
 
-/// What [`load_params_by`] lends: copies the parameters `range` (whole tensors) from the
-/// checked files into `dst` (`range.len()` elements).
+/// What [`load_params_by`] lends: copies the parameters `range` (whole tensors, or a piece
+/// of one) from the checked files into `dst` (`range.len()` elements).
 pub type CopyParams<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
 
 /// [`load_params`] range by range, without a host copy of the whole model: opens and checks

@@ -23,7 +23,7 @@ use crate::dtype::DType;
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, Mode, OptimBufs, OptimState, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::Arc;
@@ -165,6 +165,10 @@ mod pod {
         unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), b.len() / size_of::<T>()) }
     }
 }
+
+/// Values of a quantized base tensor filled and quantized at a time ([`Executor::fill_base`]):
+/// 4 MiB of f32, a whole number of blocks of every type memwall quantizes to.
+pub const QUANT_PIECE: usize = 1 << 20;
 
 impl Executor {
     /// Starts the plan on `backend` (allocates and touches its memory).
@@ -314,21 +318,53 @@ impl Executor {
     }
 
     /// Lends `f` a LoRA plan's frozen base weights to fill (layout: the base's,
-    /// [`crate::plan::LoraPlan::base`]), buffer by buffer in parameter order, each with its
-    /// element range, as [`Executor::fill_params`] does the trainable parameters.
+    /// [`crate::plan::LoraPlan::base`]), in parameter order, each call with its element
+    /// range of whole tensors, as [`Executor::fill_params`] does the trainable parameters.
+    /// Where the base is kept quantized (`--base-quant`), `f` fills a piece of a tensor at a
+    /// time ([`QUANT_PIECE`] values, whole blocks) into one f32 scratch, which is quantized
+    /// into the plan's buffer (llama.cpp's reference quantizers: blocks never straddle a
+    /// row, so piece by piece is row by row): the host holds 4 MiB in f32 beyond the plan.
     pub fn fill_base(
         &mut self,
         mut f: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<()> {
         self.settled()?;
-        let Some(base) = self.plan.schedule.implicit.base.clone() else {
+        let (Some(base), Some(lora)) = (
+            self.plan.schedule.implicit.base.clone(),
+            self.plan.lora.clone(),
+        ) else {
             bail!("internal error: fill_base on a plan without a frozen base");
         };
         for s in base.segments.into_iter().filter(|s| !s.range.is_empty()) {
             let mut out = Ok(());
-            self.device.upload(&[s.buf], &mut |b| {
-                out = f(s.range.clone(), &mut pod::cast_mut(b[0])[..s.range.len()]);
-            })?;
+            match s.quant {
+                None => self.device.upload(&[s.buf], &mut |b| {
+                    out = f(s.range.clone(), &mut pod::cast_mut(b[0])[..s.range.len()]);
+                })?,
+                Some(ty) => self.device.upload(&[s.buf], &mut |b| {
+                    let inside =
+                        lora.base.tensors.iter().filter(|t| {
+                            s.range.start <= t.range.start && t.range.end <= s.range.end
+                        });
+                    let at = |i: usize| ty.bytes_for(i as u64).expect("whole blocks") as usize;
+                    let mut values = vec![0f32; QUANT_PIECE];
+                    for t in inside {
+                        for lo in t.range.clone().step_by(QUANT_PIECE) {
+                            let piece = lo..(lo + QUANT_PIECE).min(t.range.end);
+                            let v = &mut values[..piece.len()];
+                            let bytes =
+                                at(piece.start - s.range.start)..at(piece.end - s.range.start);
+                            out = f(piece, v).and_then(|()| {
+                                crate::gguf::quantize::quantize(ty, v, &mut b[0][bytes])
+                                    .with_context(|| format!("quantizing {} to {ty}", t.name))
+                            });
+                            if out.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                })?,
+            }
             out?;
         }
         Ok(())

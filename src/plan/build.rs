@@ -51,6 +51,7 @@
 use super::Sizing;
 use super::builder::{Builder, Loss, MicroBatch};
 use super::config::{Mode, StepConfig};
+use super::lora::BaseQuant;
 use super::packing;
 use super::schedule::{
     Binding, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule, Segment,
@@ -113,9 +114,11 @@ pub(super) fn build(
     if let Some(sh) = &sharding {
         zero::check(cfg, sh)?;
     }
+    if mode == Mode::Train {
+        check_lora(cfg)?;
+    }
     let lora = match (&cfg.lora, mode) {
         (Some(l), Mode::Train) => {
-            check_lora(cfg)?;
             let base = ParamLayout::new(spec);
             let adapters = AdapterLayout::new(&base, l.clone())?;
             Some(LoraPlan { base, adapters })
@@ -156,16 +159,20 @@ pub(super) fn build(
         sharded,
         lora.is_some(),
     );
-    // A LoRA plan's frozen base: one fp32 buffer, read by the model's ops, never written.
-    let base = lora.as_ref().map(|l| {
-        let buf = g.persistent("params.base", Category::Param, DType::F32, l.base.total);
-        Segments {
-            segments: vec![Segment {
-                range: 0..l.base.total,
-                buf,
-            }],
+    // A LoRA plan's frozen base (read by the model's ops, never written), and the tile its
+    // quantized weights are decoded into.
+    let (base, quant_ws) = match &lora {
+        Some(l) => {
+            let (segments, widest) =
+                super::lora::base_buffers(&mut g, spec, &l.base, cfg.base_quant)?;
+            let ws = (widest > 0).then(|| {
+                let elems = backend.quantized_gemm_workspace_elems(widest);
+                g.persistent("gemm.quant_tile", Category::Workspace, DType::F32, elems)
+            });
+            (Some(segments), ws)
         }
-    });
+        None => (None, None),
+    };
     let gemm_ws = mixed.then(|| {
         g.persistent(
             "gemm.mixed_tiles",
@@ -195,6 +202,7 @@ pub(super) fn build(
         let p = ImplicitBufs {
             params,
             base: None,
+            quant_ws: None,
             gemm_ws,
             grads: None,
             optim: None,
@@ -288,6 +296,7 @@ pub(super) fn build(
     let p = ImplicitBufs {
         params,
         base,
+        quant_ws,
         gemm_ws,
         grads: Some(grads),
         optim: Some(optim),
@@ -299,6 +308,15 @@ pub(super) fn build(
 
 /// The strategies a LoRA plan does not take yet, refused naming the flag.
 fn check_lora(cfg: &StepConfig) -> Result<()> {
+    if cfg.lora.is_none() {
+        if cfg.base_quant != BaseQuant::F32 {
+            bail!(
+                "--base-quant {} needs --lora: a quantized base cannot be trained, only adapted",
+                cfg.base_quant
+            );
+        }
+        return Ok(());
+    }
     if cfg.offload.set != OffloadSet::NONE {
         bail!(
             "--offload with --lora: not supported yet (a LoRA run's trainable state is small; \
@@ -335,7 +353,11 @@ fn param_buffers(
         let buf = g.persistent(name, category, DType::F32, layout.total);
         let range = 0..layout.total;
         return Segments {
-            segments: vec![Segment { range, buf }],
+            segments: vec![Segment {
+                range,
+                buf,
+                quant: None,
+            }],
         };
     }
     let segments = layout
@@ -350,7 +372,11 @@ fn param_buffers(
                 Some(s) => g.persistent(&name, category, DType::F32, s.cuts[k].len()),
                 None => g.persistent(&name, category, DType::F32, range.len()),
             };
-            Segment { range, buf }
+            Segment {
+                range,
+                buf,
+                quant: None,
+            }
         })
         .collect();
     Segments { segments }
@@ -367,7 +393,11 @@ fn grad_buffers(g: &mut Builder, layout: &ParamLayout, split: Option<&zero::Spli
             let range = layout.group_range(group);
             let elems = split.map_or(range.len(), |s| s.cuts[k].len());
             let buf = g.act(format!("{}.grad", group.name), Category::Grad, elems);
-            Segment { range, buf }
+            Segment {
+                range,
+                buf,
+                quant: None,
+            }
         })
         .collect();
     Segments { segments }
@@ -512,6 +542,7 @@ fn bind_state(
         Some(Binding {
             buf: s.buf,
             base: s.range.start,
+            quant: s.quant,
         })
     };
     for e in &mut g.ops {

@@ -3,6 +3,7 @@
 //! search ([`super::search`]) and the ZeRO sharding ([`super::zero`]) read it.
 
 use super::Offload;
+use super::lora::BaseQuant;
 use super::strategy::{OptimState, Precision, Recompute};
 use crate::dist::shard::{Sharding, Zero};
 use crate::model::lora::LoraSpec;
@@ -50,6 +51,13 @@ pub struct StepConfig {
     /// ([`super::lora`]). Training plans only; `None` trains the whole model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraSpec>,
+    /// How a LoRA plan keeps its frozen base (`--base-quant`).
+    #[serde(skip_serializing_if = "is_f32")]
+    pub base_quant: BaseQuant,
+}
+
+fn is_f32(q: &BaseQuant) -> bool {
+    *q == BaseQuant::F32
 }
 
 impl StepConfig {
@@ -68,6 +76,7 @@ impl StepConfig {
             rank: 0,
             zero: Zero::DP,
             lora: None,
+            base_quant: BaseQuant::F32,
         }
     }
 

@@ -2,6 +2,7 @@
 //! not, what would.
 
 use super::Sizing;
+use super::lora::BaseQuant;
 use super::search::{Pick, Space, search};
 use super::time::Calibration;
 use super::{
@@ -54,6 +55,13 @@ pub struct Strategies {
     /// LoRA adapters on a frozen base (`--lora`), or `None` to train every weight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraSpec>,
+    /// How a LoRA run keeps its frozen base (`--base-quant`).
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub base_quant: BaseQuant,
+}
+
+fn is_f32(q: &BaseQuant) -> bool {
+    *q == BaseQuant::F32
 }
 
 fn one() -> usize {
@@ -74,6 +82,7 @@ impl Default for Strategies {
             zero: Zero::DP,
             rank: 0,
             lora: None,
+            base_quant: BaseQuant::F32,
         }
     }
 }
@@ -97,6 +106,7 @@ impl Strategies {
         cfg.rank = self.rank;
         cfg.zero = self.zero;
         cfg.lora = self.lora.clone();
+        cfg.base_quant = self.base_quant;
         cfg
     }
 
@@ -118,6 +128,7 @@ impl Strategies {
             zero: cfg.zero,
             rank: cfg.rank,
             lora: cfg.lora.clone(),
+            base_quant: cfg.base_quant,
         }
     }
 

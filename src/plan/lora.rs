@@ -26,10 +26,13 @@
 //! base's.
 
 use super::builder::Builder;
-use super::schedule::{Op, OpEntry, WeightLayout};
+use super::schedule::{Op, OpEntry, Segment, Segments, WeightLayout};
 use super::{BufId, Category};
-use crate::model::ParamLayout;
+use crate::dtype::DType;
+use crate::gguf::GgmlType;
 use crate::model::lora::AdapterLayout;
+use crate::model::{ModelSpec, ParamLayout};
+use anyhow::{Result, bail};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -60,6 +63,151 @@ impl LoraPlan {
             self.base.total as f64 / 1e6,
         )
     }
+}
+
+/// How a LoRA plan keeps its frozen base (`--base-quant`): f32, or its matrices (the
+/// linear layers' weights and the embeddings, whose rows are whole blocks) as ggml blocks,
+/// quantized once when the base is loaded (llama.cpp's reference quantizers, bitwise), the
+/// norms' weights in f32 beside them. The frozen layers then read their weights quantized
+/// ([`Binding::quant`](super::schedule::Binding)): a forward and an input-gradient GEMM that
+/// decode a tile of rows at a time, and the embedding rows decoded as they are gathered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BaseQuant {
+    #[default]
+    F32,
+    Blocks(GgmlType),
+}
+
+impl BaseQuant {
+    /// The `--base-quant` values.
+    pub const NAMES: &'static str = "fp32, q8_0, q4_0, q4_1";
+
+    /// The block type, or `None` for f32.
+    pub fn blocks(self) -> Option<GgmlType> {
+        match self {
+            BaseQuant::F32 => None,
+            BaseQuant::Blocks(t) => Some(t),
+        }
+    }
+}
+
+impl std::str::FromStr for BaseQuant {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<BaseQuant> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "fp32" | "f32" => BaseQuant::F32,
+            "q8_0" => BaseQuant::Blocks(GgmlType::Q8_0),
+            "q4_0" => BaseQuant::Blocks(GgmlType::Q4_0),
+            "q4_1" => BaseQuant::Blocks(GgmlType::Q4_1),
+            _ => bail!(
+                "--base-quant {s}: memwall keeps a base as {} (q4_k and a GGUF file's own \
+                 blocks are not there yet)",
+                BaseQuant::NAMES
+            ),
+        })
+    }
+}
+
+impl std::fmt::Display for BaseQuant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BaseQuant::F32 => f.write_str("fp32"),
+            BaseQuant::Blocks(t) => f.write_str(&t.name.to_ascii_lowercase()),
+        }
+    }
+}
+
+impl serde::Serialize for BaseQuant {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for BaseQuant {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse()
+            .map_err(|e: anyhow::Error| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
+
+/// Declares the frozen base's buffers for `base` (the model `spec`'s parameters) kept as
+/// `quant`: one f32 buffer `params.base`, or runs of consecutive tensors of one storage,
+/// `{group}.base.{q8_0|f32}`, quantized matrices apart from the f32 vectors. Returns the
+/// segments and the longest quantized row (the decode tile's width), refusing a matrix whose
+/// rows are not whole blocks and a model whose linear layers have biases (a layer's weight
+/// and bias would be stored apart), naming the tensor or the model.
+pub(super) fn base_buffers(
+    g: &mut Builder,
+    spec: &ModelSpec,
+    base: &ParamLayout,
+    quant: BaseQuant,
+) -> Result<(Segments, usize)> {
+    let Some(ty) = quant.blocks() else {
+        let buf = g.persistent("params.base", Category::Param, DType::F32, base.total);
+        let segments = vec![Segment {
+            range: 0..base.total,
+            buf,
+            quant: None,
+        }];
+        return Ok((Segments { segments }, 0));
+    };
+    if spec.family == crate::model::Family::Gpt2
+        || spec.biases.qkv
+        || spec.biases.attn_out
+        || spec.biases.mlp
+    {
+        bail!(
+            "--base-quant {quant}: {} has biases on its linear layers, which a quantized base \
+             does not keep yet; use --base-quant fp32",
+            spec.name
+        );
+    }
+    let mut segments: Vec<Segment> = Vec::new();
+    let mut widest = 0;
+    for group in &base.groups {
+        let mut run: Option<(bool, Range<usize>)> = None;
+        let mut close = |g: &mut Builder, run: Option<(bool, Range<usize>)>| {
+            let Some((blocks, range)) = run else { return };
+            let buf = match blocks {
+                true => {
+                    let name = format!("{}.base.{quant}", group.name);
+                    let bytes = ty.bytes_for(range.len() as u64).expect("whole blocks") as usize;
+                    g.persistent(&name, Category::Param, DType::U8, bytes)
+                }
+                false => {
+                    let name = format!("{}.base.f32", group.name);
+                    g.persistent(&name, Category::Param, DType::F32, range.len())
+                }
+            };
+            let quant = blocks.then_some(ty);
+            segments.push(Segment { range, buf, quant });
+        };
+        for t in &base.tensors[group.tensors.clone()] {
+            let blocks = t.shape.len() == 2;
+            if blocks {
+                let row = t.shape[1];
+                if !(row as u64).is_multiple_of(ty.block_size) {
+                    bail!(
+                        "--base-quant {quant}: {} has rows of {row} values, not a whole number \
+                         of {ty} blocks of {}; use --base-quant fp32",
+                        t.name,
+                        ty.block_size
+                    );
+                }
+                widest = widest.max(row);
+            }
+            run = match run {
+                Some((b, r)) if b == blocks => Some((b, r.start..t.range.end)),
+                other => {
+                    close(g, other);
+                    Some((blocks, t.range.clone()))
+                }
+            };
+        }
+        close(g, run);
+    }
+    Ok((Segments { segments }, widest))
 }
 
 /// One adapter as the transformation places it.

@@ -473,6 +473,7 @@ mod tests {
             b.map(|b| Binding {
                 buf: BufId(b),
                 base: 0,
+                quant: None,
             })
         };
         OpEntry {

@@ -6,6 +6,7 @@
 
 use super::BufId;
 use super::strategy::OptimState;
+use crate::gguf::GgmlType;
 use serde::Serialize;
 use std::ops::Range;
 
@@ -406,6 +407,10 @@ impl OptimBufs {
 pub struct Segment {
     pub range: Range<usize>,
     pub buf: BufId,
+    /// How the buffer stores the values: `None` as f32 elements; `Some(ty)` as ggml blocks
+    /// of `ty` (a LoRA plan's quantized base, `--base-quant`: element `i` is in the block
+    /// `(i - range.start) / ty.block_size`, its bytes a byte buffer's).
+    pub quant: Option<GgmlType>,
 }
 
 /// Buffers covering every parameter once, in parameter order: the parameters (one buffer in
@@ -440,6 +445,8 @@ impl Segments {
 pub struct Binding {
     pub buf: BufId,
     pub base: usize,
+    /// The bound segment's storage ([`Segment::quant`]): f32, or ggml blocks.
+    pub quant: Option<GgmlType>,
 }
 
 impl Binding {
@@ -463,6 +470,9 @@ pub struct ImplicitBufs {
     pub base: Option<Segments>,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
     pub gemm_ws: Option<BufId>,
+    /// The f32 tile a quantized base's weights are decoded into, a few rows at a time, by
+    /// the frozen layers' GEMMs (`--base-quant`).
+    pub quant_ws: Option<BufId>,
     /// Parameter gradients in the storage type, one buffer per group (training plans): in
     /// RAM from the group's first backward write to its update, or on the disk tier
     /// (`--offload grads`).

@@ -19,6 +19,9 @@ pub trait Sizing {
     ) -> usize;
     /// f32 elements of the tiles matmuls use when operands are not all f32 (mixed precision).
     fn mixed_gemm_workspace_elems(&self) -> usize;
+    /// f32 elements of the tile a GEMM on a quantized weight with rows of `cols` values
+    /// decodes into (a LoRA plan's quantized base).
+    fn quantized_gemm_workspace_elems(&self, cols: usize) -> usize;
     /// Bytes the backend's libraries allocate for themselves, once, to run `ops` on `threads`
     /// workers (listed in the plan as an owned buffer: counted, not packed).
     fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64;

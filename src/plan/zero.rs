@@ -260,7 +260,11 @@ pub(super) fn collectives(
             .filter(|o| !o.is_empty())
             .unwrap_or(base..base);
         let shard = g.act(format!("{name}.grad.shard"), Category::Grad, chunk.len());
-        let shard_binding = Binding { buf: shard, base };
+        let shard_binding = Binding {
+            buf: shard,
+            base,
+            quant: None,
+        };
         // Gradients: reduce-scattered once final (ZeRO 1, or one micro-batch), or every
         // micro-batch from a buffer of its own (ZeRO 2).
         if sh.zero.shards_grads() && micro > 1 {
@@ -348,11 +352,13 @@ pub(super) fn collectives(
             g.ops[upd].params = Some(Binding {
                 buf: shard_params,
                 base,
+                quant: None,
             });
             gather_spans(g, params.segments[k].buf, shard_params, k, &mut gathers);
             shards.push(Segment {
                 range: owned,
                 buf: shard_params,
+                quant: None,
             });
         } else {
             // (Bound here too for a rank whose shard holds no parameter: its update has no
@@ -360,6 +366,7 @@ pub(super) fn collectives(
             g.ops[upd].params = Some(Binding {
                 buf: params.segments[k].buf,
                 base: range.start,
+                quant: None,
             });
             let op = Op::AllGather {
                 buf: params.segments[k].buf,

@@ -30,6 +30,9 @@ impl Sizing for Flawed {
     fn mixed_gemm_workspace_elems(&self) -> usize {
         Cpu.mixed_gemm_workspace_elems()
     }
+    fn quantized_gemm_workspace_elems(&self, cols: usize) -> usize {
+        Cpu.quantized_gemm_workspace_elems(cols)
+    }
     fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64 {
         Cpu.library_scratch_bytes(ops, threads)
     }

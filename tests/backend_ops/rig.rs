@@ -155,10 +155,12 @@ impl Rig {
         let params = Binding {
             buf: self.params,
             base: PARAM_BASE,
+            quant: None,
         };
         let grads = Binding {
             buf: self.grads,
             base: PARAM_BASE,
+            quant: None,
         };
         self.ops.push(OpEntry {
             name: format!("{}#{}", kind(&op), self.ops.len()),
@@ -212,11 +214,13 @@ impl Rig {
             segments: vec![Segment {
                 range: PARAM_BASE..PARAM_BASE + self.space,
                 buf,
+                quant: None,
             }],
         };
         let implicit = ImplicitBufs {
             params: segments(self.params),
             base: None,
+            quant_ws: None,
             gemm_ws,
             grads: Some(segments(self.grads)),
             optim: None,

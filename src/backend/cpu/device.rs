@@ -46,6 +46,10 @@ impl Sizing for Cpu {
         gemm_mixed_workspace_len()
     }
 
+    fn quantized_gemm_workspace_elems(&self, cols: usize) -> usize {
+        super::gemm::quantized::workspace_len(cols)
+    }
+
     /// The packing scratch the `gemm` crate allocates for itself: the largest packed panel
     /// of any call (executor calls are serial, and attention's per-worker calls pack panels
     /// of T × hs, far smaller), plus one L2-sized slab per thread (main thread included). The
@@ -316,7 +320,7 @@ impl CpuDevice {
 
     /// The bytes of buffer `id`.
     #[allow(clippy::mut_from_ref)]
-    fn bytes(&self, id: BufId) -> &mut [u8] {
+    pub(super) fn bytes(&self, id: BufId) -> &mut [u8] {
         let n = self.in_arena(id).bytes as usize;
         &mut self.padded(id)[..n]
     }

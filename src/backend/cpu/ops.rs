@@ -7,6 +7,7 @@
 
 use super::device::{CpuDevice, two_ranges};
 use super::gemm::mixed as gemm_mixed;
+use super::gemm::quantized::{self, QuantWeight};
 use super::{adamw, attention, encoder, gelu, layernorm, lora, matmul, quant, reduce, xent};
 use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
@@ -46,18 +47,44 @@ impl CpuDevice {
         two_ranges(self.view::<T>(b.buf), b.local(a), b.local(c))
     }
 
+    /// The `[rows, cols]` weight of parameter range `r` where `e` is bound to a quantized
+    /// base ([`crate::plan::schedule::Binding::quant`]); `None` where it is bound to f32.
+    fn quant_weight(
+        &self,
+        e: &OpEntry,
+        r: &Range<usize>,
+        (rows, cols): (usize, usize),
+    ) -> Option<QuantWeight<'_>> {
+        let b = e.params?;
+        let ty = b.quant?;
+        let at = |n: usize| {
+            ty.bytes_for(n as u64)
+                .expect("internal error: a quantized range of whole blocks") as usize
+        };
+        let start = at(r.start - b.base);
+        let bytes = &self.bytes(b.buf)[start..start + at(r.len())];
+        Some(
+            QuantWeight::new(ty, bytes, rows, cols)
+                .expect("internal error: a quantized weight of its shape"),
+        )
+    }
+
     /// Runs `op` with activations stored as `T`.
     pub(super) fn run_op<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
         let op = &e.op;
         // The fp32 (master) weights of the op's parameter ranges, where the op is bound.
         let (params, base): (&[f32], usize) = match e.params {
-            Some(b) => (self.view(b.buf), b.base),
-            None => (&[], 0),
+            Some(b) if b.quant.is_none() => (self.view(b.buf), b.base),
+            _ => (&[], 0),
         };
         let weights = |r: &Range<usize>| &params[r.start - base..r.end - base];
         let grad = |r: &Range<usize>| self.grad::<T>(e, r);
         let grad2 = |a: &Range<usize>, b: &Range<usize>| self.grad2::<T>(e, a, b);
         let ws = || match self.state.gemm_ws {
+            Some(id) => self.view::<f32>(id),
+            None => &mut [],
+        };
+        let quant_ws = || match self.state.quant_ws {
             Some(id) => self.view::<f32>(id),
             None => &mut [],
         };
@@ -74,6 +101,19 @@ impl CpuDevice {
             } => {
                 let (r, c) = (rows.with_seq(ctx.seq), *c);
                 let n = r.n();
+                if let Some(table) = self.quant_weight(e, wte, (wte.len() / c, c)) {
+                    // Rows of a quantized table, decoded as they are gathered.
+                    assert!(wpe.is_none(), "internal error: a quantized base with wpe");
+                    let out = &mut self.view::<T>(*out)[..n * c];
+                    let row = &mut quant_ws()[..c];
+                    for (o, &tok) in out.chunks_exact_mut(c).zip(&self.u32_mut(*tokens)[..n]) {
+                        table.decode_row(tok as usize, row);
+                        for (o, &x) in o.iter_mut().zip(row.iter()) {
+                            *o = T::from_f32(x);
+                        }
+                    }
+                    return OpResult::Done;
+                }
                 encoder::encoder_forward(
                     &mut self.view::<T>(*out)[..n * c],
                     &self.u32_mut(*tokens)[..n],
@@ -123,6 +163,15 @@ impl CpuDevice {
                 let out = &mut self.view::<T>(*out)[..n * oc];
                 if let Some(r) = residual {
                     out.copy_from_slice(&act(*r)[..n * oc]);
+                }
+                if let Some(qw) = self.quant_weight(e, w, (oc, ic)) {
+                    assert!(
+                        bias.is_none() && *layout == WeightLayout::OutIn,
+                        "internal error: a quantized base is [out, in] without biases"
+                    );
+                    let inp = &act(*inp)[..n * ic];
+                    quantized::forward(out, inp, &qw, n, residual.is_some(), quant_ws(), ws());
+                    return OpResult::Done;
                 }
                 matmul::matmul_forward(
                     out,
@@ -239,7 +288,9 @@ impl CpuDevice {
                 loss_rows,
             } => {
                 let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
-                let wte = weights(w);
+                // The head's weight `[V, C]`: f32, or a quantized base's.
+                let qw = self.quant_weight(e, w, (v, c));
+                let wte = if qw.is_none() { weights(w) } else { &[] };
                 let x = &act(*inp)[..n * c];
                 let tg = &self.u32_mut(*targets)[..n];
                 let losses = &mut self.view::<f32>(*losses)[..n];
@@ -252,13 +303,43 @@ impl CpuDevice {
                     let lg = &mut logits[..r * v];
                     let xr = &x[start * c..(start + r) * c];
                     // lg[r, V] = xr[r, C] @ wteᵀ
-                    gemm_mixed::gemm_mixed(r, v, c, xr, c, false, wte, c, true, lg, v, false, ws());
+                    match &qw {
+                        Some(qw) => quantized::forward(lg, xr, qw, r, false, quant_ws(), ws()),
+                        None => gemm_mixed::gemm_mixed(
+                            r,
+                            v,
+                            c,
+                            xr,
+                            c,
+                            false,
+                            wte,
+                            c,
+                            true,
+                            lg,
+                            v,
+                            false,
+                            ws(),
+                        ),
+                    }
                     let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
                     match (ctx.training, dinp) {
                         (true, Some(d)) => {
                             xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v);
                             let dx = &mut self.view::<T>(*d)[start * c..(start + r) * c];
                             // dx[r, C] = dlogits[r, V] @ wte[V, C]
+                            if let Some(qw) = &qw {
+                                quantized::backward_input(
+                                    dx,
+                                    &lg[..],
+                                    qw,
+                                    r,
+                                    false,
+                                    quant_ws(),
+                                    ws(),
+                                );
+                                start += r;
+                                continue;
+                            }
                             gemm_mixed::gemm_mixed(
                                 r,
                                 c,
@@ -379,6 +460,12 @@ impl CpuDevice {
                 oc,
             } => {
                 let (n, ic, oc) = (rows.with_seq(ctx.seq).n(), *ic, *oc);
+                if let Some(qw) = self.quant_weight(e, w, (oc, ic)) {
+                    let (dinp, dout) =
+                        (&mut self.view::<T>(*dinp)[..n * ic], &act(*dout)[..n * oc]);
+                    quantized::backward_input(dinp, dout, &qw, n, false, quant_ws(), ws());
+                    return OpResult::Done;
+                }
                 if e.frozen {
                     matmul::matmul_backward_input(
                         &mut self.view::<T>(*dinp)[..n * ic],

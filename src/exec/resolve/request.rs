@@ -6,6 +6,7 @@ use crate::backend::DeviceKind;
 use crate::dist::shard::Zero;
 use crate::model::Family;
 use crate::model::lora::{LoraSpec, parse_targets};
+use crate::plan::lora::BaseQuant;
 use crate::plan::search::Pick;
 use crate::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
 use anyhow::Result;
@@ -37,6 +38,8 @@ pub struct StrategyRequest {
     pub zero: Option<Zero>,
     /// `--lora R` and its companions.
     pub lora: Option<LoraRequest>,
+    /// `--base-quant`.
+    pub base_quant: Option<BaseQuant>,
 }
 
 /// `--lora R`, `--lora-alpha`, `--lora-targets`, `--lora-dropout` as given.

@@ -26,6 +26,7 @@ impl StrategyRequest {
             offload: self.offload.unwrap_or(d.offload),
             offload_dir: self.offload_dir.clone(),
             zero: self.zero.unwrap_or(d.zero),
+            base_quant: self.base_quant.unwrap_or(d.base_quant),
             ..d
         })
     }

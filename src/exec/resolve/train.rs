@@ -95,7 +95,7 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
     if let Some(k) = req.keep_last {
         opts.keep_last = k;
     }
-    if req.step.strategy.lora.is_some() {
+    if req.step.strategy.lora.is_some() || req.step.strategy.base_quant.is_some() {
         let was = match &opts.strategies.lora {
             Some(l) => format!("LoRA adapters of rank {}", l.r),
             None => "every weight (a full fine-tune)".into(),

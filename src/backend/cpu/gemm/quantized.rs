@@ -6,14 +6,15 @@
 //!
 //! The weight is never dequantized whole: [`TILE_ROWS`] rows at a time are decoded (exactly
 //! as llama.cpp decodes them, `gguf::dequant`) into an f32 workspace of
-//! [`workspace_len`] elements, and the f32 GEMM ([`sgemm`]) runs on that tile. The decode is
+//! [`workspace_len`] elements, and the f32 GEMM ([`sgemm`](super::f32::sgemm)) runs on that tile. The decode is
 //! O(out · in) per call against the GEMM's O(n · out · in), so it is a small share of the
 //! time for the n = B·T rows of a training step. The results are those of the naive twins
 //! [`naive_forward`] and [`naive_backward_input`] (dequantize whole, then the f64 reference
 //! GEMM) to f32 rounding; like any GEMM on the `gemm` crate, not bitwise those of one f32
 //! GEMM over the whole dequantized weight (its blocking depends on the tile's width).
 
-use super::f32::sgemm;
+use super::mixed::gemm_mixed;
+use crate::dtype::Elem;
 use crate::gguf::GgmlType;
 use crate::gguf::dequant;
 use anyhow::{Result, bail};
@@ -66,6 +67,17 @@ impl<'a> QuantWeight<'a> {
         })
     }
 
+    /// Decodes row `i` into `dst` (`cols` values): an embedding's row, gathered.
+    pub fn decode_row(&self, i: usize, dst: &mut [f32]) {
+        let rb = self.row_bytes();
+        dequant::dequantize(
+            self.ty,
+            &self.bytes[i * rb..(i + 1) * rb],
+            &mut dst[..self.cols],
+        )
+        .expect("rows checked by QuantWeight::new");
+    }
+
     fn row_bytes(&self) -> usize {
         self.bytes.len() / self.rows.max(1)
     }
@@ -85,14 +97,18 @@ impl<'a> QuantWeight<'a> {
 }
 
 /// `out[n, rows] = (accumulate ? out : 0) + inp[n, cols] · Wᵀ`, `W` decoded [`TILE_ROWS`]
-/// rows at a time into `ws` (at least [`workspace_len`]`(cols)` elements).
-pub fn forward(
-    out: &mut [f32], // [n, w.rows]
-    inp: &[f32],     // [n, w.cols]
+/// rows at a time into `ws` (at least [`workspace_len`]`(cols)` elements). Activations of
+/// any storage type: the tile product runs on [`gemm_mixed`] (exactly [`sgemm`](super::f32::sgemm) when all
+/// f32; else `mixed_ws` holds its tiles, and each output element is rounded once).
+#[allow(clippy::too_many_arguments)]
+pub fn forward<A: Elem, C: Elem>(
+    out: &mut [C], // [n, w.rows]
+    inp: &[A],     // [n, w.cols]
     w: &QuantWeight,
     n: usize,
     accumulate: bool,
-    ws: &mut [f32], // [TILE_ROWS, w.cols]
+    ws: &mut [f32],       // [TILE_ROWS, w.cols]
+    mixed_ws: &mut [f32], // [gemm_mixed_workspace_len()] unless A and C are f32
 ) {
     let (ic, oc) = (w.cols, w.rows);
     assert!(out.len() >= n * oc && inp.len() >= n * ic && ws.len() >= workspace_len(ic));
@@ -102,39 +118,43 @@ pub fn forward(
         let tile = &mut ws[..rows * ic]; // [rows, ic]
         w.decode(r0, tile);
         // out[:, r0..r0 + rows] = inp · tileᵀ (tile stored [rows, ic]).
-        sgemm(
+        gemm_mixed(
             n,
             rows,
             ic,
-            1.0,
             inp,
             ic,
             false,
-            tile,
+            &*tile,
             ic,
             true,
             &mut out[r0..],
             oc,
             accumulate,
+            mixed_ws,
         );
         r0 += rows;
     }
 }
 
 /// `dinp[n, cols] = (accumulate ? dinp : 0) + dout[n, rows] · W`, `W` decoded
-/// [`TILE_ROWS`] rows at a time into `ws` (at least [`workspace_len`]`(cols)` elements).
-pub fn backward_input(
-    dinp: &mut [f32], // [n, w.cols]
-    dout: &[f32],     // [n, w.rows]
+/// [`TILE_ROWS`] rows at a time into `ws` (at least [`workspace_len`]`(cols)` elements),
+/// the products on [`gemm_mixed`] as in [`forward`] (a reduced-precision `dinp` is rounded
+/// once per tile of rows).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_input<A: Elem, C: Elem>(
+    dinp: &mut [C], // [n, w.cols]
+    dout: &[A],     // [n, w.rows]
     w: &QuantWeight,
     n: usize,
     accumulate: bool,
-    ws: &mut [f32], // [TILE_ROWS, w.cols]
+    ws: &mut [f32],       // [TILE_ROWS, w.cols]
+    mixed_ws: &mut [f32], // [gemm_mixed_workspace_len()] unless A and C are f32
 ) {
     let (ic, oc) = (w.cols, w.rows);
     assert!(dinp.len() >= n * ic && dout.len() >= n * oc && ws.len() >= workspace_len(ic));
     if oc == 0 && !accumulate {
-        dinp[..n * ic].fill(0.0);
+        dinp[..n * ic].fill(C::from_f32(0.0));
     }
     let mut r0 = 0;
     while r0 < oc {
@@ -142,20 +162,20 @@ pub fn backward_input(
         let tile = &mut ws[..rows * ic]; // [rows, ic]
         w.decode(r0, tile);
         // dinp += dout[:, r0..r0 + rows] · tile.
-        sgemm(
+        gemm_mixed(
             n,
             ic,
             rows,
-            1.0,
             &dout[r0..],
             oc,
             false,
-            tile,
+            &*tile,
             ic,
             false,
-            dinp,
+            &mut *dinp,
             ic,
             accumulate || r0 > 0,
+            mixed_ws,
         );
         r0 += rows;
     }
@@ -260,7 +280,7 @@ mod tests {
             for accumulate in [false, true] {
                 let start: Vec<f32> = (0..n * rows).map(|_| rng.next_f32()).collect();
                 let (mut got, mut want) = (start.clone(), start.clone());
-                forward(&mut got, &inp, &w, n, accumulate, &mut ws);
+                forward(&mut got, &inp, &w, n, accumulate, &mut ws, &mut []);
                 naive_forward(&mut want, &inp, &w, n, accumulate);
                 close(
                     &got,
@@ -269,7 +289,7 @@ mod tests {
                 );
                 let start: Vec<f32> = (0..n * cols).map(|_| rng.next_f32()).collect();
                 let (mut got, mut want) = (start.clone(), start.clone());
-                backward_input(&mut got, &dout, &w, n, accumulate, &mut ws);
+                backward_input(&mut got, &dout, &w, n, accumulate, &mut ws, &mut []);
                 naive_backward_input(&mut want, &dout, &w, n, accumulate);
                 close(
                     &got,
