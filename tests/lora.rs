@@ -284,6 +284,12 @@ fn bad_lora_flags_are_refused_naming_the_flag() {
             "--offload with --lora",
         ),
         (&["--lora-alpha", "8"][..], "--lora"),
+        (&["--base-quant", "q4_1"][..], "--lora"),
+        (
+            &["--lora", "4", "--base-quant", "q4_k"][..],
+            "--base-quant q4_k",
+        ),
+        (&["--lora", "4", "--base-quant", "q4_1"][..], "biases"),
     ] {
         let mut args = train_args(&cfg, &data, &run, &["--steps", "1", "--seq", "16"]);
         args.extend(extra.iter().map(|s| s.to_string()));

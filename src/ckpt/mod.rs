@@ -15,6 +15,13 @@
 //! | `trainer_state.json`     | [`TrainerState`]: step, data position, seed, RNG state, model and training config |
 //! | `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json` | those of them the run's tokenizer directory holds (`--init` or `--model` directory), copied byte for byte (see `tokenizer.rs`); absent for preset models |
 //!
+//! A LoRA run's checkpoint (`--lora`) holds the adapter in PEFT's two files in place of
+//! `config.json` and the weights: `adapter_config.json` and `adapter_model.safetensors`
+//! ([`adapter`]); `optimizer.safetensors` then holds the adapters' moments under their PEFT
+//! names, and the frozen base is the run's `--init` (its path is the config's
+//! `base_model_name_or_path`). `peft.PeftModel.from_pretrained(base, dir)` and `memwall sample
+//! --adapter dir` read the directory as it is.
+//!
 //! Loading weights ([`load_params`], `--init`, `generate`) reads `model.safetensors` when the
 //! directory has it, else the index and its shards: **a directory with both loads
 //! `model.safetensors`** and ignores the index. Sharded weights are checked against their

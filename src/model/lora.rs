@@ -142,6 +142,16 @@ pub fn parse_targets(s: &str, family: Family) -> Result<Vec<Target>> {
     Ok(out)
 }
 
+/// `x` as a JSON integer when it is a whole number (PEFT's `lora_alpha` is an `int`), else
+/// as a number.
+fn whole_as_int<S: serde::Serializer>(x: &f32, s: S) -> std::result::Result<S::Ok, S::Error> {
+    if x.fract() == 0.0 && x.abs() < 1e9 {
+        s.serialize_i64(*x as i64)
+    } else {
+        s.serialize_f32(*x)
+    }
+}
+
 /// A target is saved (in a run's options) by its `--lora-targets` name.
 impl Serialize for Target {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -383,6 +393,8 @@ pub struct AdapterConfig {
     pub peft_type: String,
     pub task_type: String,
     pub r: usize,
+    /// Written as an integer when it is one, as PEFT writes its `int` field.
+    #[serde(serialize_with = "whole_as_int")]
     pub lora_alpha: f32,
     #[serde(default)]
     pub lora_dropout: f32,
