@@ -420,6 +420,7 @@ impl TrainArgs {
             save_every: self.save_every,
             keep_last: self.keep_last,
             init: self.init.clone(),
+            init_adapter: self.init_adapter.clone(),
             resume: self.resume.clone(),
             profile_steps: if self.profile { self.profile_steps } else { 0 },
         }
@@ -537,6 +538,12 @@ pub(crate) struct TrainArgs {
     /// once into the user cache. Gives the architecture when --model is left out (fine-tuning).
     #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
     pub(crate) init: Option<PathBuf>,
+    /// Start the LoRA adapters from a PEFT adapter directory (adapter_config.json +
+    /// adapter_model.safetensors, made by PEFT, Unsloth, axolotl or memwall) on the --init
+    /// base, and train them on: its rank, alpha and target layers become the run's (--lora
+    /// may be left out; given, it must agree)
+    #[arg(long, conflicts_with = "resume", requires = "init", value_name = "DIR")]
+    pub(crate) init_adapter: Option<PathBuf>,
     /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.
     #[arg(long, value_name = "RUN_DIR")]
     pub(crate) resume: Option<PathBuf>,

@@ -263,7 +263,73 @@ fn lora_runs_save_peft_adapters_and_resume_bitwise() {
     ]);
 }
 
-/// Bad LoRA flags are refused before anything is written, naming the flag.
+/// `--init-adapter` starts the adapters from a PEFT adapter directory and trains them on:
+/// the run takes its rank, alpha and targets, and with a learning rate too small to move them
+/// its first checkpoint holds the adapter it started from; `--lora` that disagrees is refused.
+#[test]
+fn a_peft_adapter_given_to_init_adapter_trains_on() {
+    use common::{micro_config, prepared, small_corpus, train_args};
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let data = prepared(tmp.path(), &small_corpus(tmp.path()));
+    let cfg = micro_config(tmp.path());
+    let short = ["--batch", "2", "--seq", "16", "--eval-every", "0"].map(String::from);
+    let base_run = tmp.path().join("base");
+    let mut args = train_args(
+        &cfg,
+        &data,
+        &base_run,
+        &["--steps", "1", "--save-every", "1"],
+    );
+    args.extend(short.clone());
+    ok(&args);
+    let base = base_run.join("checkpoints/step-000001");
+    let adir = tmp.path().join("adapter");
+    let (_, a, values) = adapter(&base, &adir, "attn,mlp_proj");
+    let run = tmp.path().join("run");
+    let train = |extra: &[&str]| {
+        let mut a: Vec<String> = [
+            "train",
+            "--init",
+            &p(&base),
+            "--init-adapter",
+            &p(&adir),
+            "--data",
+            &p(&data),
+            "--out",
+            &p(&run),
+            "--steps",
+            "1",
+            "--save-every",
+            "1",
+            "--lr",
+            "1e-12",
+            "--warmup",
+            "0",
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(short.clone());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let e = fails(&train(&["--lora", "8"]));
+    assert!(e.contains("--init-adapter") && e.contains("rank 2"), "{e}");
+    assert!(!run.exists(), "the refused run wrote its directory");
+    ok(&train(&[]));
+    let ck = run.join("checkpoints/step-000001");
+    let spec = load_spec(&base).unwrap();
+    let (b, got) = memwall::ckpt::adapter::load_adapter(&ck, &ParamLayout::new(&spec)).unwrap();
+    assert_eq!(b.spec, a.spec);
+    let worst = got
+        .iter()
+        .zip(&values)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-6, "the adapter moved by {worst} at lr 1e-12");
+}
+
+/// Bad LoRA flags are refused before anything is written, naming the flag./// Bad LoRA flags are refused before anything is written, naming the flag.
 #[test]
 fn bad_lora_flags_are_refused_naming_the_flag() {
     use common::{micro_config, prepared, small_corpus, train_args};

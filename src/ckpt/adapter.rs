@@ -17,7 +17,7 @@ use super::safetensors_io::{
     write_safetensors,
 };
 use crate::model::ParamLayout;
-use crate::model::lora::{AdapterConfig, AdapterLayout};
+use crate::model::lora::{AdapterConfig, AdapterLayout, LoraSpec};
 use crate::util::atomic;
 use anyhow::{Context, Result, bail};
 use std::path::Path;
@@ -120,9 +120,8 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged> {
     })
 }
 
-/// Reads the PEFT adapter in `dir` for the base whose parameters are `base`: its layout
-/// (from `adapter_config.json`, checked against the base) and its values.
-pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Vec<f32>)> {
+/// The adapters `adapter_config.json` in `dir` describes, for a base of `family`.
+pub fn read_config(dir: &Path, family: crate::model::Family) -> Result<LoraSpec> {
     let config_path = dir.join(ADAPTER_CONFIG_FILE);
     let text = std::fs::read_to_string(&config_path).with_context(|| {
         format!(
@@ -132,8 +131,14 @@ pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Ve
     })?;
     let config: AdapterConfig = serde_json::from_str(&text)
         .with_context(|| format!("{}: not a PEFT adapter config", config_path.display()))?;
-    let label = config_path.display().to_string();
-    let spec = config.spec(base.family, &label)?;
+    config.spec(family, &config_path.display().to_string())
+}
+
+/// Reads the PEFT adapter in `dir` for the base whose parameters are `base`: its layout
+/// (from `adapter_config.json`, checked against the base) and its values.
+pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Vec<f32>)> {
+    let label = dir.join(ADAPTER_CONFIG_FILE).display().to_string();
+    let spec = read_config(dir, base.family)?;
     let adapters = AdapterLayout::new(base, spec).with_context(|| {
         format!(
             "{label}: the adapter does not fit this {} base",

@@ -120,6 +120,8 @@ pub struct TrainRequest {
     pub keep_last: Option<u64>,
     /// `--init`: a model directory or GGUF file to start from.
     pub init: Option<PathBuf>,
+    /// `--init-adapter`: a PEFT adapter to start the adapters from.
+    pub init_adapter: Option<PathBuf>,
     /// `--resume`: the run directory to continue.
     pub resume: Option<PathBuf>,
     /// Steps to profile (`--profile --profile-steps N`; 0: not profiling).

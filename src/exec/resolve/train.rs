@@ -62,8 +62,44 @@ pub fn new_run(
         let r = resolve_step(&req.step, &spec, o.threads, baseline, o.batch, ranks)?;
         o.batch = r.batch;
         o.strategies = r.strategies;
+        if let Some(dir) = &req.init_adapter {
+            o.strategies.lora = Some(adapter_spec(dir, &spec, o.strategies.lora.as_ref())?);
+            o.init_adapter = Some(dir.clone());
+        }
     }
     Ok(o)
+}
+
+/// The adapters `--init-adapter DIR` holds, for a base of `spec`; refused when `--lora` (and
+/// its companions) ask for others.
+fn adapter_spec(
+    dir: &Path,
+    spec: &ModelSpec,
+    asked: Option<&crate::model::lora::LoraSpec>,
+) -> Result<crate::model::lora::LoraSpec> {
+    let found = crate::ckpt::adapter::read_config(dir, spec.family)?;
+    match asked {
+        Some(a) if *a != found => bail!(
+            "--init-adapter {}: the adapter has rank {} (alpha {}, targets {}), but --lora asks \
+             for rank {} (alpha {}, targets {}); leave out --lora to train the adapter as it is",
+            dir.display(),
+            found.r,
+            found.alpha,
+            targets(&found),
+            a.r,
+            a.alpha,
+            targets(a)
+        ),
+        _ => Ok(found),
+    }
+}
+
+fn targets(l: &crate::model::lora::LoraSpec) -> String {
+    l.targets
+        .iter()
+        .map(|t| t.flag())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The options with which the run in `run` continues on `ranks` processes, and the

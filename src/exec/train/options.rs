@@ -56,6 +56,9 @@ pub struct TrainOptions {
     pub keep_last: u64,
     /// Start from this Hugging Face checkpoint directory (fine-tuning).
     pub init: Option<PathBuf>,
+    /// Start the LoRA adapters from this PEFT adapter directory (`--init-adapter`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_adapter: Option<PathBuf>,
     /// Copy this directory's tokenizer files (`tokenizer.json`, ...) into every checkpoint.
     /// When `None` on a fresh run, training sets it to the `--init` directory if it holds a
     /// `tokenizer.json`, else to the `--model` directory if that holds one; `--resume` keeps
@@ -112,6 +115,7 @@ impl TrainOptions {
             save_every: 100,
             keep_last: 0,
             init: None,
+            init_adapter: None,
             tokenizer_dir: None,
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
             strategies: Strategies::default(),

@@ -96,13 +96,18 @@ impl<'a> Run<'a> {
                 match (&ex.plan.lora, &opts.init) {
                     (Some(_), _) => {
                         fill_base(&mut ex, opts)?;
-                        // Fresh adapters (B = 0: the model starts as the base), drawn from
-                        // a stream of their own.
-                        let mut init = layout.initializer(adapter_seed(opts.seed));
-                        ex.fill_params(|range, p| {
-                            init.fill(range, p);
-                            Ok(())
-                        })?
+                        match &opts.init_adapter {
+                            Some(dir) => fill_adapter(&mut ex, dir)?,
+                            None => {
+                                // Fresh adapters (B = 0: the model starts as the base), drawn
+                                // from a stream of their own.
+                                let mut init = layout.initializer(adapter_seed(opts.seed));
+                                ex.fill_params(|range, p| {
+                                    init.fill(range, p);
+                                    Ok(())
+                                })?
+                            }
+                        }
                     }
                     (None, Some(dir)) => ckpt::load_params_by(dir, &layout, |copy| {
                         ex.fill_params(|r, p| copy(r, p))
@@ -426,6 +431,27 @@ fn fill_base(ex: &mut Executor, opts: &TrainOptions) -> Result<()> {
     }
 }
 
+/// Fills a LoRA plan's adapters from the PEFT adapter in `dir` (a checkpoint of the run, or
+/// `--init-adapter`), which must be the plan's adapters.
+fn fill_adapter(ex: &mut Executor, dir: &Path) -> Result<()> {
+    let Some(lora) = ex.plan.lora.clone() else {
+        bail!("internal error: fill_adapter on a plan without LoRA");
+    };
+    let (adapters, values) = ckpt::adapter::load_adapter(dir, &lora.base)?;
+    if adapters.spec != lora.adapters.spec {
+        bail!(
+            "{}: the adapter there ({:?}) is not the run's ({:?})",
+            dir.display(),
+            adapters.spec,
+            lora.adapters.spec
+        );
+    }
+    ex.fill_params(|r, p| {
+        p.copy_from_slice(&values[r]);
+        Ok(())
+    })
+}
+
 /// The seed of fresh adapters' initialisation: not the base's stream (`seed`), so `A`
 /// is not drawn from the numbers a randomly initialised base starts with.
 fn adapter_seed(seed: u64) -> u64 {
@@ -446,21 +472,9 @@ fn restore(
     let layout = ex.plan.layout.clone();
     match ex.plan.lora.clone() {
         // The base as the run started (its --init), the adapters from the checkpoint.
-        Some(lora) => {
+        Some(_) => {
             fill_base(ex, opts)?;
-            let (adapters, values) = ckpt::adapter::load_adapter(ck, &lora.base)?;
-            if adapters.spec != lora.adapters.spec {
-                bail!(
-                    "{}: the adapter there ({:?}) is not the run's ({:?})",
-                    ck.display(),
-                    adapters.spec,
-                    lora.adapters.spec
-                );
-            }
-            ex.fill_params(|r, p| {
-                p.copy_from_slice(&values[r]);
-                Ok(())
-            })?;
+            fill_adapter(ex, ck)?;
         }
         None => ckpt::load_params_by(ck, &layout, |copy| ex.fill_params(|r, p| copy(r, p)))?,
     }
