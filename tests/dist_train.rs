@@ -11,7 +11,8 @@ use memwall::backend::cpu::Cpu;
 use memwall::dist::shard::Zero;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
-use memwall::model::{ModelSpec, ParamLayout};
+use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
+use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::{Mode, OptimState, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 use std::sync::Arc;
@@ -60,13 +61,22 @@ fn train(
     let planned = plan.comm_bytes_per_step();
     let mut ex = Executor::among(plan, &Cpu, comm.clone()).unwrap();
     ex.set_comm_thread(comm_thread);
-    let layout = ParamLayout::new(&spec);
+    // The trained parameters (the adapters of a LoRA plan, whose base is filled apart).
+    let layout = ex.plan.layout.clone();
     let mut init = layout.initializer(3);
     ex.fill_params(|r, p| {
         init.fill(r, p);
         Ok(())
     })
     .unwrap();
+    if let Some(lora) = ex.plan.lora.clone() {
+        let mut init = lora.base.initializer(4);
+        ex.fill_base(|r, p| {
+            init.fill(r, p);
+            Ok(())
+        })
+        .unwrap();
+    }
     let (mut losses, mut norms) = (vec![], vec![]);
     let (rank, ranks) = (comm.rank(), comm.size());
     let before = comm.bytes_sent();
@@ -96,7 +106,7 @@ fn ranks(
     ranks: usize,
     b: usize,
     steps: u64,
-    format: OptimState,
+    (format, lora): (OptimState, &Option<LoraSpec>),
     comm_thread: bool,
 ) -> Vec<Outcome> {
     let group: Vec<Arc<dyn Comm>> = Local::group(ranks)
@@ -114,6 +124,7 @@ fn ranks(
                     cfg.rank = rank;
                     cfg.zero = Zero(zero);
                     cfg.optim_state = format;
+                    cfg.lora = lora.clone();
                     train(cfg, comm, b, steps, comm_thread)
                 })
             })
@@ -122,10 +133,16 @@ fn ranks(
     })
 }
 
-fn one_process(b: usize, accum: usize, steps: u64, format: OptimState) -> Outcome {
+fn one_process(
+    b: usize,
+    accum: usize,
+    steps: u64,
+    (format, lora): (OptimState, &Option<LoraSpec>),
+) -> Outcome {
     let mut cfg = StepConfig::new(b, SEQ, 1);
     cfg.grad_accum = accum;
     cfg.optim_state = format;
+    cfg.lora = lora.clone();
     train(cfg, Arc::new(memwall::dist::Single), b * accum, steps, true)
 }
 
@@ -137,11 +154,26 @@ fn rel(a: f32, b: f32) -> f32 {
 /// within 1e-5, norms within 1e-4, weights within 1e-3, bytes sent as planned; the weights
 /// bitwise the same whether collectives run on a communication thread or inline.
 fn ranks_match_accumulation(n: usize, format: OptimState, steps: u64) {
-    let layout = ParamLayout::new(&ModelSpec::preset("gpt2-tiny").unwrap());
-    let reference = one_process(2, n, steps, format);
-    for zero in 0..=3u8 {
-        let out = ranks(zero, n, 2, steps, format, true);
-        let inline = ranks(zero, n, 2, steps, format, false);
+    ranks_match(n, (format, &None), steps, 0..=3);
+}
+
+/// [`ranks_match_accumulation`] of the stages `zeros`, training every weight or (`lora`)
+/// adapters on a frozen base.
+fn ranks_match(
+    n: usize,
+    (format, lora): (OptimState, &Option<LoraSpec>),
+    steps: u64,
+    zeros: std::ops::RangeInclusive<u8>,
+) {
+    let base = ParamLayout::new(&ModelSpec::preset("gpt2-tiny").unwrap());
+    let layout = match lora {
+        Some(l) => AdapterLayout::new(&base, l.clone()).unwrap().params,
+        None => base,
+    };
+    let reference = one_process(2, n, steps, (format, lora));
+    for zero in zeros {
+        let out = ranks(zero, n, 2, steps, (format, lora), true);
+        let inline = ranks(zero, n, 2, steps, (format, lora), false);
         for (a, b) in out.iter().zip(&inline) {
             assert_eq!(
                 a.losses, b.losses,
@@ -187,6 +219,22 @@ fn ranks_match_accumulation(n: usize, format: OptimState, steps: u64) {
 fn two_and_four_ranks_train_like_one_process_with_accumulation_at_every_stage() {
     for n in [2usize, 4] {
         ranks_match_accumulation(n, OptimState::F32, 6);
+    }
+}
+
+/// LoRA adapters train data-parallel like one process accumulating (their gradients
+/// all-reduced or reduce-scattered, their moments sharded by ZeRO 1 and 2), the base frozen
+/// and whole on every rank.
+#[test]
+fn lora_adapters_train_over_ranks_like_one_process() {
+    let lora = Some(LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: parse_targets("all", Family::Gpt2).unwrap(),
+    });
+    for n in [2usize, 3] {
+        ranks_match(n, (OptimState::F32, &lora), 4, 0..=2);
     }
 }
 
