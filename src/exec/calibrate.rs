@@ -17,7 +17,10 @@
 
 use super::executor::{Executor, OptimHparams};
 use crate::backend::{Backend, DeviceKind};
+use crate::gguf::GgmlType;
 use crate::model::ModelSpec;
+use crate::model::lora::{LoraSpec, Target};
+use crate::plan::lora::BaseQuant;
 use crate::plan::time::{Calibration, Cost, DiskRates, Source, op_bytes, op_kind};
 use crate::plan::{Mode, OptimState, Precision, StepConfig, build_plan};
 use crate::profile::OpRecorder;
@@ -165,6 +168,13 @@ fn time_ops(
         init.fill(range, p);
         Ok(())
     })?;
+    if let Some(lora) = ex.plan.lora.clone() {
+        let mut init = lora.base.initializer(2);
+        ex.fill_base(|range, p| {
+            init.fill(range, p);
+            Ok(())
+        })?;
+    }
     let mut rng = Rng::new(1);
     let batch: Vec<u32> = (0..cfg.grad_accum * cfg.batch * (cfg.seq + 1))
         .map(|_| rng.below(spec.vocab_size as u64) as u32)
@@ -348,6 +358,22 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
             let mut cfg = StepConfig::new(case.b, case.t, opts.threads);
             cfg.precision = precision;
             runs.push((case.spec()?, cfg));
+        }
+        // LoRA (r 16, every linear layer) on the Llama shape: the adapters' ops, the frozen
+        // layers' input-gradient GEMMs, and those on a quantized base.
+        for quant in [BaseQuant::F32, BaseQuant::Blocks(GgmlType::Q4_0)] {
+            let case = &SUITE[5];
+            let spec = case.spec()?;
+            let mut cfg = StepConfig::new(case.b, case.t, opts.threads);
+            cfg.precision = precision;
+            cfg.base_quant = quant;
+            cfg.lora = Some(LoraSpec {
+                r: 16,
+                alpha: 32.0,
+                dropout: 0.0,
+                targets: Target::all(spec.family).to_vec(),
+            });
+            runs.push((spec, cfg));
         }
         // The optimizer-state formats' AdamW, on the smaller GPT-2 shapes.
         for state in [OptimState::Bf16, OptimState::Int8] {

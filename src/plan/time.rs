@@ -237,6 +237,7 @@ impl Calibration {
         let efficiency = match base {
             "matmul" | "matmul_bwd" | "matmul_bwd_input" | "lm_head_loss" | "lm_head_eval"
             | "lm_head_last" => 0.7,
+            "matmul_q" | "matmul_bwd_input_q" | "lm_head_loss_q" | "lm_head_eval_q" => 0.6,
             // Rank-r GEMMs: thin, so further from the peak.
             "attention" | "attention_bwd" | "lora" | "lora_bwd" => 0.4,
             _ => 0.0,
@@ -358,7 +359,13 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         }
         Op::AllGather { buf, .. } => return Some(collective_kind("all_gather", plan, *buf)),
     };
-    Some(format!("{base}/{storage}"))
+    // A frozen op on a quantized base decodes its weight's blocks: a kind of its own.
+    let quant = if e.params.is_some_and(|b| b.quant.is_some()) {
+        "_q"
+    } else {
+        ""
+    };
+    Some(format!("{base}{quant}/{storage}"))
 }
 
 /// A collective's kind: its name and the element type it moves.
