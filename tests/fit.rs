@@ -102,6 +102,8 @@ fn space(global_batch: usize) -> Space {
         precision: Pick::Fixed(Precision::F32),
         optim_state: Pick::Fixed(OptimState::F32),
         offload_dir: None,
+        lora: None,
+        base_quant: Default::default(),
     }
 }
 
@@ -141,6 +143,62 @@ fn the_search_finds_what_building_every_candidate_finds() {
                 .windows(2)
                 .all(|w| w[0].time.step_s <= w[1].time.step_s)
         );
+    }
+}
+
+/// With `--lora` (and a quantized base) the search keeps the adapters and the base's storage
+/// in every candidate, offloads nothing, and finds the fastest plan every candidate built
+/// one by one finds.
+#[test]
+fn the_search_keeps_lora_and_finds_the_fastest_candidate() {
+    use memwall::model::lora::{LoraSpec, parse_targets};
+    use memwall::plan::lora::BaseQuant;
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    let cal = with_disk(2e8);
+    let lora = LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: parse_targets("all", spec.family).unwrap(),
+    };
+    let quant = BaseQuant::Blocks(memwall::gguf::GgmlType::Q4_0);
+    let mut sp = space(4);
+    (sp.lora, sp.base_quant) = (Some(lora.clone()), quant);
+    let build = |b: usize, r: Recompute| {
+        let mut cfg = StepConfig::new(b, sp.seq, sp.threads);
+        (cfg.grad_accum, cfg.recompute) = (4 / b, r);
+        (cfg.lora, cfg.base_quant) = (Some(lora.clone()), quant);
+        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+    };
+    let (hi, lo) = (
+        predicted_peak(&build(4, Recompute::None), 0),
+        predicted_peak(&build(1, Recompute::Full), 0),
+    );
+    let budget = (hi + lo) / 2;
+    let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
+    let mut want = f64::INFINITY;
+    for b in [1, 2, 4] {
+        let mut policies = vec![Recompute::None, Recompute::Selective, Recompute::Full];
+        policies.extend((2..=spec.n_layer).map(Recompute::Every));
+        for r in policies {
+            let plan = build(b, r);
+            if predicted_peak(&plan, 0) <= budget {
+                want = want.min(predict(&plan, &cal).step_s);
+            }
+        }
+    }
+    let best = &found.ranked[0];
+    assert!(
+        best.time.step_s <= want * (1.0 + 1e-9),
+        "search {} ({}) vs every candidate {want}",
+        best.time.step_s,
+        best.flags()
+    );
+    for k in &found.ranked {
+        assert_eq!(k.cfg.lora.as_ref(), Some(&lora));
+        assert_eq!(k.cfg.base_quant, quant);
+        assert_eq!(k.cfg.offload.set, OffloadSet::NONE);
+        assert!(k.peak <= budget);
     }
 }
 

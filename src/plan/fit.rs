@@ -273,6 +273,8 @@ pub fn plan_fitting(
         precision: Pick::Fixed(cfg.precision),
         optim_state: Pick::Fixed(cfg.optim_state),
         offload_dir: cfg.offload.dir.clone(),
+        lora: cfg.lora.clone(),
+        base_quant: cfg.base_quant,
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {

@@ -91,6 +91,10 @@ pub struct Space {
     pub optim_state: Pick<OptimState>,
     /// The offload file's directory (recorded in the chosen configuration).
     pub offload_dir: Option<std::path::PathBuf>,
+    /// LoRA adapters and the base's storage, as given (`--lora`, `--base-quant`): the
+    /// search chooses the rest around them (nothing is offloaded with them).
+    pub lora: Option<crate::model::lora::LoraSpec>,
+    pub base_quant: super::lora::BaseQuant,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -333,7 +337,9 @@ pub fn search(
             .filter(|&b| space.global_batch.is_multiple_of(b))
             .collect(),
     };
-    let placements = {
+    let placements = if space.lora.is_some() {
+        vec![OffloadSet::NONE]
+    } else {
         let mut p = space.offload.options(&OffloadSet::every());
         p.sort_by_key(|&o| count(o));
         p
@@ -364,6 +370,8 @@ pub fn search(
                 cfg.precision = precision;
                 cfg.optim_state = state;
                 cfg.offload.dir = space.offload_dir.clone();
+                cfg.lora = space.lora.clone();
+                cfg.base_quant = space.base_quant;
                 configs.push(cfg);
             }
         }

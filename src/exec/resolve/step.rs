@@ -133,6 +133,8 @@ pub fn fit_space(
         precision: st.precision.unwrap_or(Pick::Fixed(Precision::F32)),
         optim_state: st.optim_state.unwrap_or(Pick::Fixed(OptimState::F32)),
         offload_dir: st.offload_dir.clone(),
+        lora: None,
+        base_quant: st.base_quant.unwrap_or_default(),
     })
 }
 
@@ -152,12 +154,10 @@ pub fn resolve_step(
             "--fit searches one process's plan; with --ranks or --zero give the strategies yourself (the per-rank search is not there yet)"
         );
     }
-    if step.fit && st.lora.is_some() {
-        bail!("--fit with --lora: not supported yet; give --batch and the strategies yourself");
-    }
     if step.fit {
         let budget = step.max_memory.context("--fit needs --max-memory")?;
-        let space = fit_space(step, threads, default_batch)?;
+        let mut space = fit_space(step, threads, default_batch)?;
+        space.lora = st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?;
         let cal = crate::exec::calibrate::current(threads)?;
         let f = search::fit(spec, &space, budget, baseline, &cal, backend)?;
         return Ok(Resolved::fitted(f, budget, st.offload_dir.clone(), cal));

@@ -246,6 +246,9 @@ fn fit_run(
         .context("--fit needs --max-memory: it picks the fastest plan that fits that budget")?;
     o.check()?;
     let (f, baseline, cal) = with_data_open(o, |spec| {
+        space.lora = (req.step.strategy.lora.as_ref())
+            .map(|l| l.spec(spec.family))
+            .transpose()?;
         let cal = crate::exec::calibrate::current(o.threads)?;
         // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
         if space.offload_dir.is_none() {
