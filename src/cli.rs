@@ -352,7 +352,8 @@ pub(crate) struct StrategyArgs {
     pub(crate) lora_dropout: Option<f32>,
     /// How the frozen base of --lora is kept in memory: fp32, or its matrices quantized once
     /// on load as llama.cpp's q8_0 (8.5 bits a weight), q4_0 or q4_1 (4.5 and 5: QLoRA's
-    /// memory), the norms in f32. The frozen layers then compute on the blocks, decoding a
+    /// memory; the embedding and head then in q8_0, as llama.cpp keeps them), the norms in
+    /// f32. The frozen layers then compute on the blocks, decoding a
     /// few rows at a time; the adapters train in fp32 [default: fp32]
     #[arg(long, value_name = "fp32|q8_0|q4_0|q4_1", requires = "lora", value_parser = parse_base_quant)]
     pub(crate) base_quant: Option<BaseQuant>,

@@ -145,6 +145,11 @@ fn as_stored(spec: &ModelSpec, base: &[f32], quant: BaseQuant) -> Vec<f32> {
     let layout = ParamLayout::new(spec);
     let mut out = base.to_vec();
     for t in layout.tensors.iter().filter(|t| t.shape.len() == 2) {
+        // The vocabulary's rows are kept in q8_0 under a 4-bit type.
+        let ty = match t.shape[0] == spec.vocab_size && ty != GgmlType::Q8_0 {
+            true => GgmlType::Q8_0,
+            false => ty,
+        };
         let w = &base[t.range.clone()];
         let mut q = vec![0u8; ty.bytes_for(w.len() as u64).unwrap() as usize];
         memwall::gguf::quantize::quantize(ty, w, &mut q).unwrap();

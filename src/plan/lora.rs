@@ -133,7 +133,8 @@ impl<'de> serde::Deserialize<'de> for BaseQuant {
 
 /// Declares the frozen base's buffers for `base` (the model `spec`'s parameters) kept as
 /// `quant`: one f32 buffer `params.base`, or runs of consecutive tensors of one storage,
-/// `{group}.base.{q8_0|f32}`, quantized matrices apart from the f32 vectors. Returns the
+/// `{group}.base.{q4_0|q8_0|f32}`, quantized matrices apart from the f32 vectors (the
+/// vocabulary's matrices in q8_0 under a 4-bit type). Returns the
 /// segments and the longest quantized row (the decode tile's width), refusing a matrix whose
 /// rows are not whole blocks and a model whose linear layers have biases (a layer's weight
 /// and bias would be stored apart), naming the tensor or the model.
@@ -163,51 +164,66 @@ pub(super) fn base_buffers(
             spec.name
         );
     }
+    // The vocabulary's rows (the embedding, an untied head) stay q8_0 under a 4-bit type, as
+    // llama.cpp's quantizer keeps them at higher precision: a tied head reads them too.
+    let storage = |t: &crate::model::ParamTensor| -> Option<GgmlType> {
+        match t.shape.as_slice() {
+            [rows, _] if *rows == spec.vocab_size && bits_per_weight(ty) < 8.0 => {
+                Some(GgmlType::Q8_0)
+            }
+            [_, _] => Some(ty),
+            _ => None,
+        }
+    };
     let mut segments: Vec<Segment> = Vec::new();
     let mut widest = 0;
     for group in &base.groups {
-        let mut run: Option<(bool, Range<usize>)> = None;
-        let mut close = |g: &mut Builder, run: Option<(bool, Range<usize>)>| {
-            let Some((blocks, range)) = run else { return };
-            let buf = match blocks {
-                true => {
-                    let name = format!("{}.base.{quant}", group.name);
-                    let bytes = ty.bytes_for(range.len() as u64).expect("whole blocks") as usize;
+        let mut run: Option<(Option<GgmlType>, Range<usize>)> = None;
+        let mut close = |g: &mut Builder, run: Option<(Option<GgmlType>, Range<usize>)>| {
+            let Some((quant, range)) = run else { return };
+            let buf = match quant {
+                Some(t) => {
+                    let name = format!("{}.base.{}", group.name, t.name.to_ascii_lowercase());
+                    let bytes = t.bytes_for(range.len() as u64).expect("whole blocks") as usize;
                     g.persistent(&name, Category::Param, DType::U8, bytes)
                 }
-                false => {
+                None => {
                     let name = format!("{}.base.f32", group.name);
                     g.persistent(&name, Category::Param, DType::F32, range.len())
                 }
             };
-            let quant = blocks.then_some(ty);
             segments.push(Segment { range, buf, quant });
         };
         for t in &base.tensors[group.tensors.clone()] {
-            let blocks = t.shape.len() == 2;
-            if blocks {
+            let kind = storage(t);
+            if let Some(k) = kind {
                 let row = t.shape[1];
-                if !(row as u64).is_multiple_of(ty.block_size) {
+                if !(row as u64).is_multiple_of(k.block_size) {
                     bail!(
                         "--base-quant {quant}: {} has rows of {row} values, not a whole number \
-                         of {ty} blocks of {}; use --base-quant fp32",
+                         of {k} blocks of {}; use --base-quant fp32",
                         t.name,
-                        ty.block_size
+                        k.block_size
                     );
                 }
                 widest = widest.max(row);
             }
             run = match run {
-                Some((b, r)) if b == blocks => Some((b, r.start..t.range.end)),
+                Some((k, r)) if k == kind => Some((k, r.start..t.range.end)),
                 other => {
                     close(g, other);
-                    Some((blocks, t.range.clone()))
+                    Some((kind, t.range.clone()))
                 }
             };
         }
         close(g, run);
     }
     Ok((Segments { segments }, widest))
+}
+
+/// Bits a weight of `ty` takes (its blocks' scales included): q4_0 4.5, q8_0 8.5.
+fn bits_per_weight(ty: GgmlType) -> f64 {
+    (8 * ty.type_size) as f64 / ty.block_size as f64
 }
 
 /// One adapter as the transformation places it.
