@@ -104,6 +104,7 @@ fn space(global_batch: usize) -> Space {
         offload_dir: None,
         lora: None,
         base_quant: Default::default(),
+        base_types: None,
     }
 }
 

@@ -139,7 +139,7 @@ fn a_quantized_base_is_its_dequantized_weights() {
 /// `base` with every matrix replaced by its `quant` round trip (what a quantized base
 /// computes with).
 fn as_stored(spec: &ModelSpec, base: &[f32], quant: BaseQuant) -> Vec<f32> {
-    let Some(ty) = quant.blocks() else {
+    let BaseQuant::Blocks(ty) = quant else {
         return base.to_vec();
     };
     let layout = ParamLayout::new(spec);

@@ -20,6 +20,7 @@ use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, OpResult, Ste
 use crate::ckpt::{Moments, MomentsMut};
 use crate::dist::{Comm, Single};
 use crate::dtype::DType;
+use crate::gguf::GgmlType;
 use crate::plan::schedule::{Op, Phase};
 use crate::plan::{BufId, Mode, OptimBufs, OptimState, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
@@ -365,6 +366,46 @@ impl Executor {
                     }
                 })?,
             }
+            out?;
+        }
+        Ok(())
+    }
+
+    /// Lends `f` the bytes of each base tensor where a LoRA plan keeps it, in parameter
+    /// order, with its storage (`Some(ty)`: ggml blocks of `ty`; `None`: f32 values): how a
+    /// base kept as a GGUF file's blocks is filled (`--base-quant keep`), copied, not
+    /// converted.
+    pub fn fill_base_bytes(
+        &mut self,
+        mut f: impl FnMut(&crate::model::ParamTensor, Option<GgmlType>, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.settled()?;
+        let (Some(base), Some(lora)) = (
+            self.plan.schedule.implicit.base.clone(),
+            self.plan.lora.clone(),
+        ) else {
+            bail!("internal error: fill_base_bytes on a plan without a frozen base");
+        };
+        for s in base.segments.into_iter().filter(|s| !s.range.is_empty()) {
+            let at = |i: usize| match s.quant {
+                Some(ty) => ty.bytes_for(i as u64).expect("whole blocks") as usize,
+                None => 4 * i,
+            };
+            let mut out = Ok(());
+            self.device.upload(&[s.buf], &mut |b| {
+                let inside = lora
+                    .base
+                    .tensors
+                    .iter()
+                    .filter(|t| s.range.start <= t.range.start && t.range.end <= s.range.end);
+                for t in inside {
+                    let bytes = at(t.range.start - s.range.start)..at(t.range.end - s.range.start);
+                    out = f(t, s.quant, &mut b[0][bytes]);
+                    if out.is_err() {
+                        return;
+                    }
+                }
+            })?;
             out?;
         }
         Ok(())

@@ -9,6 +9,8 @@ pub mod calibrate;
 pub mod calibrate_transport;
 pub mod executor;
 pub mod generate;
+#[cfg(test)]
+mod kept_base_tests;
 pub mod loss_scale;
 pub mod lr;
 pub mod resolve;

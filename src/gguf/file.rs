@@ -214,6 +214,28 @@ impl GgufFile {
     }
 
     /// The bytes of a tensor of this file (bounds were checked when the file was opened).
+    /// Drops the pages of bytes `range` of tensor `t`'s data from this process's mapping
+    /// (re-read from the file if touched again), so a streamed copy keeps little of the
+    /// file resident.
+    pub fn release(&self, t: &TensorInfo, range: std::ops::Range<usize>) {
+        let data = self.tensor_data(t);
+        let start = data.as_ptr() as usize - self.map.as_ptr() as usize + range.start;
+        #[cfg(unix)]
+        if !range.is_empty() {
+            // SAFETY: the mapping is read-only and file-backed, so dropping its pages loses
+            // nothing; later reads fault them back in from the file.
+            let _ = unsafe {
+                self.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    range.len(),
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = start;
+    }
+
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
         let start = (self.data_offset + t.offset) as usize;
         &self.map[start..start + t.n_bytes as usize]

@@ -32,6 +32,7 @@
 //! default.
 
 use super::file::{GgufFile, TensorInfo, Value};
+use super::types::GgmlType;
 use anyhow::{Context, Result, bail};
 use serde_json::json;
 
@@ -539,10 +540,25 @@ fn check_dims(t: &TensorInfo, expected: &[u64]) -> Result<()> {
     Ok(())
 }
 
+/// The storage type of every tensor of the model in `f`, by its Hugging Face name (what a
+/// LoRA base kept as the file's blocks computes with, `--base-quant keep`).
+pub fn tensor_types(f: &GgufFile) -> Result<std::collections::BTreeMap<String, GgmlType>> {
+    let model = map_model(f)?;
+    let mut out = std::collections::BTreeMap::new();
+    for t in &model.tensors {
+        let info = f
+            .tensor(&t.gguf)
+            .expect("map_model lists the file's tensors");
+        out.insert(t.name.clone(), info.ty);
+    }
+    Ok(out)
+}
+
 /// Undoes llama.cpp's Q/K row permutation: `src` [rows, cols] in GGUF row order → `dst`
-/// [rows, cols] in HF order, with `n_head` heads of `rows / n_head` rows each. HF row
+/// [rows, cols] in HF order (values, or the bytes of quantized rows with `cols` the bytes of
+/// a row), with `n_head` heads of `rows / n_head` rows each. HF row
 /// `h·d + s·d/2 + i` is GGUF row `h·d + 2i + s`. Biases are the case `cols` = 1.
-pub fn unpermute_rows(src: &[f32], dst: &mut [f32], n_head: usize, cols: usize) -> Result<()> {
+pub fn unpermute_rows<T: Copy>(src: &[T], dst: &mut [T], n_head: usize, cols: usize) -> Result<()> {
     if cols == 0 || src.len() != dst.len() || !src.len().is_multiple_of(cols) {
         bail!(
             "unpermute_rows: {} values in, {} out, rows of {cols}",

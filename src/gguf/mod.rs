@@ -10,12 +10,14 @@
 //!
 //! `sample --model FILE.gguf` and `train --init FILE.gguf` convert once into the user cache
 //! ([`cache::model_dir`]) and use that directory. [`quantize`] writes Q8_0, Q4_0 and Q4_1
-//! blocks bitwise as llama.cpp's reference quantizers (for a quantized base, and GGUF out).
+//! blocks bitwise as llama.cpp's reference quantizers (for a quantized base, and GGUF out);
+//! [`base`] reads a file's own blocks as a LoRA base (`--base-quant keep`).
 //!
 //! The output is a plain directory that `LlamaForCausalLM.from_pretrained` /
 //! `Qwen2ForCausalLM.from_pretrained` load; this module knows nothing of memwall's own model
 //! code.
 
+pub mod base;
 pub mod cache;
 pub mod convert;
 pub mod dequant;

@@ -163,8 +163,9 @@ pub(super) fn build(
     // quantized weights are decoded into.
     let (base, quant_ws) = match &lora {
         Some(l) => {
+            let types = cfg.base_types.as_deref();
             let (segments, widest) =
-                super::lora::base_buffers(&mut g, spec, &l.base, cfg.base_quant)?;
+                super::lora::base_buffers(&mut g, spec, &l.base, (cfg.base_quant, types))?;
             let ws = (widest > 0).then(|| {
                 let elems = backend.quantized_gemm_workspace_elems(widest);
                 g.persistent("gemm.quant_tile", Category::Workspace, DType::F32, elems)
@@ -271,6 +272,9 @@ pub(super) fn build(
     }
     zero_grads_before_first_write(&mut g, &grads);
     norm_when_final(&mut g, &layout, &grads);
+    if let (Some(l), Some(base)) = (&lora, &base) {
+        super::lora::check_storage(&g.ops, base, l)?;
+    }
     bind_state(&mut g, &params, Some(&grads), base.as_ref());
     let params = match &split {
         Some(split) => zero::collectives(&mut g, &layout, split, &params, &grads, micro),

@@ -3,7 +3,7 @@
 //! search ([`super::search`]) and the ZeRO sharding ([`super::zero`]) read it.
 
 use super::Offload;
-use super::lora::BaseQuant;
+use super::lora::{BaseQuant, BaseTypes};
 use super::strategy::{OptimState, Precision, Recompute};
 use crate::dist::shard::{Sharding, Zero};
 use crate::model::lora::LoraSpec;
@@ -54,6 +54,9 @@ pub struct StepConfig {
     /// How a LoRA plan keeps its frozen base (`--base-quant`).
     #[serde(skip_serializing_if = "is_f32")]
     pub base_quant: BaseQuant,
+    /// `--base-quant keep`: the GGUF `--init`'s storage type of each base tensor.
+    #[serde(skip)]
+    pub base_types: Option<std::sync::Arc<BaseTypes>>,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {
@@ -77,6 +80,7 @@ impl StepConfig {
             zero: Zero::DP,
             lora: None,
             base_quant: BaseQuant::F32,
+            base_types: None,
         }
     }
 

@@ -58,6 +58,10 @@ pub struct Strategies {
     /// How a LoRA run keeps its frozen base (`--base-quant`).
     #[serde(default, skip_serializing_if = "is_f32")]
     pub base_quant: BaseQuant,
+    /// `--base-quant keep`: the storage of each base tensor, read from the GGUF `--init`
+    /// (read again on resume, not saved).
+    #[serde(skip)]
+    pub base_types: Option<std::sync::Arc<super::lora::BaseTypes>>,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {
@@ -83,6 +87,7 @@ impl Default for Strategies {
             rank: 0,
             lora: None,
             base_quant: BaseQuant::F32,
+            base_types: None,
         }
     }
 }
@@ -107,6 +112,7 @@ impl Strategies {
         cfg.zero = self.zero;
         cfg.lora = self.lora.clone();
         cfg.base_quant = self.base_quant;
+        cfg.base_types = self.base_types.clone();
         cfg
     }
 
@@ -129,6 +135,7 @@ impl Strategies {
             rank: cfg.rank,
             lora: cfg.lora.clone(),
             base_quant: cfg.base_quant,
+            base_types: cfg.base_types.clone(),
         }
     }
 
@@ -275,6 +282,7 @@ pub fn plan_fitting(
         offload_dir: cfg.offload.dir.clone(),
         lora: cfg.lora.clone(),
         base_quant: cfg.base_quant,
+        base_types: cfg.base_types.clone(),
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {

@@ -76,19 +76,18 @@ pub enum BaseQuant {
     #[default]
     F32,
     Blocks(GgmlType),
+    /// Each tensor as a GGUF `--init` stores it ([`BaseTypes`]): its blocks copied, never
+    /// re-quantized.
+    Keep,
 }
+
+/// The storage type of each base tensor, by its Hugging Face name, as a GGUF file holds it
+/// (`--base-quant keep`; read from the file by `gguf::hf::tensor_types`).
+pub type BaseTypes = std::collections::BTreeMap<String, GgmlType>;
 
 impl BaseQuant {
     /// The `--base-quant` values.
-    pub const NAMES: &'static str = "fp32, q8_0, q4_0, q4_1";
-
-    /// The block type, or `None` for f32.
-    pub fn blocks(self) -> Option<GgmlType> {
-        match self {
-            BaseQuant::F32 => None,
-            BaseQuant::Blocks(t) => Some(t),
-        }
-    }
+    pub const NAMES: &'static str = "fp32, q8_0, q4_0, q4_1, keep";
 }
 
 impl std::str::FromStr for BaseQuant {
@@ -99,9 +98,10 @@ impl std::str::FromStr for BaseQuant {
             "q8_0" => BaseQuant::Blocks(GgmlType::Q8_0),
             "q4_0" => BaseQuant::Blocks(GgmlType::Q4_0),
             "q4_1" => BaseQuant::Blocks(GgmlType::Q4_1),
+            "keep" => BaseQuant::Keep,
             _ => bail!(
-                "--base-quant {s}: memwall keeps a base as {} (q4_k and a GGUF file's own \
-                 blocks are not there yet)",
+                "--base-quant {s}: memwall keeps a base as {} (quantizing to q4_k is not \
+                 there yet; keep takes a GGUF file's own blocks, q4_k among them)",
                 BaseQuant::NAMES
             ),
         })
@@ -113,6 +113,7 @@ impl std::fmt::Display for BaseQuant {
         match self {
             BaseQuant::F32 => f.write_str("fp32"),
             BaseQuant::Blocks(t) => f.write_str(&t.name.to_ascii_lowercase()),
+            BaseQuant::Keep => f.write_str("keep"),
         }
     }
 }
@@ -142,9 +143,9 @@ pub(super) fn base_buffers(
     g: &mut Builder,
     spec: &ModelSpec,
     base: &ParamLayout,
-    quant: BaseQuant,
+    (quant, types): (BaseQuant, Option<&BaseTypes>),
 ) -> Result<(Segments, usize)> {
-    let Some(ty) = quant.blocks() else {
+    if quant == BaseQuant::F32 {
         let buf = g.persistent("params.base", Category::Param, DType::F32, base.total);
         let segments = vec![Segment {
             range: 0..base.total,
@@ -164,16 +165,40 @@ pub(super) fn base_buffers(
             spec.name
         );
     }
-    // The vocabulary's rows (the embedding, an untied head) stay q8_0 under a 4-bit type, as
-    // llama.cpp's quantizer keeps them at higher precision: a tied head reads them too.
-    let storage = |t: &crate::model::ParamTensor| -> Option<GgmlType> {
-        match t.shape.as_slice() {
+    let types = match (quant, types) {
+        (BaseQuant::Keep, None) => bail!(
+            "--base-quant keep takes the blocks of a GGUF --init; give a GGUF file to --init, \
+             or --base-quant q8_0|q4_0|q4_1 to quantize this base"
+        ),
+        (_, t) => t,
+    };
+    // Quantized to one type, the vocabulary's rows (the embedding, an untied head) stay q8_0
+    // under a 4-bit type, as llama.cpp's quantizer keeps them at higher precision: a tied head
+    // reads them too. Kept, each tensor is what the file holds (f32 as f32).
+    let storage = |t: &crate::model::ParamTensor| -> Result<Option<GgmlType>> {
+        if let (BaseQuant::Keep, Some(types)) = (quant, types) {
+            // Vectors (norms) are decoded to f32 on load, whatever the file holds.
+            if t.shape.len() != 2 {
+                return Ok(None);
+            }
+            let Some(&ty) = types.get(&t.name) else {
+                bail!(
+                    "--base-quant keep: the GGUF --init has no tensor for {}",
+                    t.name
+                );
+            };
+            return Ok((ty != GgmlType::F32).then_some(ty));
+        }
+        let BaseQuant::Blocks(ty) = quant else {
+            unreachable!("f32 and keep are handled above")
+        };
+        Ok(match t.shape.as_slice() {
             [rows, _] if *rows == spec.vocab_size && bits_per_weight(ty) < 8.0 => {
                 Some(GgmlType::Q8_0)
             }
             [_, _] => Some(ty),
             _ => None,
-        }
+        })
     };
     let mut segments: Vec<Segment> = Vec::new();
     let mut widest = 0;
@@ -195,7 +220,7 @@ pub(super) fn base_buffers(
             segments.push(Segment { range, buf, quant });
         };
         for t in &base.tensors[group.tensors.clone()] {
-            let kind = storage(t);
+            let kind = storage(t)?;
             if let Some(k) = kind {
                 let row = t.shape[1];
                 if !(row as u64).is_multiple_of(k.block_size) {
@@ -219,6 +244,37 @@ pub(super) fn base_buffers(
         close(g, run);
     }
     Ok((Segments { segments }, widest))
+}
+
+/// Refuses a base whose storage splits what one frozen op reads: a GGUF file whose fused
+/// projections (Llama's q, k, v, or gate and up, one product in memwall) are stored as
+/// different types, kept as they are (`--base-quant keep`), naming the tensors and types.
+pub(super) fn check_storage(ops: &[OpEntry], base: &Segments, lora: &LoraPlan) -> Result<()> {
+    for e in ops.iter().filter(|e| e.frozen) {
+        for r in e.op.param_ranges() {
+            if base.find(&r).is_some() {
+                continue;
+            }
+            let parts: Vec<String> = (lora.base.tensors.iter())
+                .filter(|t| t.range.start < r.end && r.start < t.range.end)
+                .map(|t| {
+                    let ty = base
+                        .find(&t.range)
+                        .and_then(|s| s.quant)
+                        .map_or("F32".to_string(), |q| q.name.to_string());
+                    format!("{} ({ty})", t.name)
+                })
+                .collect();
+            bail!(
+                "--base-quant keep: {} are stored as different types in the GGUF file, but \
+                 memwall computes them as one product ({}); use --base-quant q8_0, q4_0 or q4_1 \
+                 to re-quantize the base from the file's weights",
+                parts.join(", "),
+                e.name
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Bits a weight of `ty` takes (its blocks' scales included): q4_0 4.5, q8_0 8.5.

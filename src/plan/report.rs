@@ -37,7 +37,7 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
         plan.schedule.ops.len()
     );
     if let Some(l) = &plan.lora {
-        let _ = writeln!(s, "      {}", l.describe());
+        let _ = writeln!(s, "      {}; base {}", l.describe(), cfg.base_quant);
     }
     let per_rank = (cfg.ranks > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
     if let Some(r) = &per_rank {

@@ -424,11 +424,18 @@ impl Segments {
     /// The segment holding parameter range `r`. Every parameter range an op names lies in
     /// one parameter group, and so in one segment (internal error otherwise).
     pub fn locate(&self, r: &Range<usize>) -> &Segment {
-        let i = self.segments.partition_point(|s| s.range.end <= r.start);
-        match self.segments.get(i) {
-            Some(s) if s.range.start <= r.start && r.end <= s.range.end => s,
-            _ => panic!("internal error: parameter range {r:?} is not inside one group"),
+        match self.find(r) {
+            Some(s) => s,
+            None => panic!("internal error: parameter range {r:?} is not inside one group"),
         }
+    }
+
+    /// The segment holding all of parameter range `r`, if one does.
+    pub fn find(&self, r: &Range<usize>) -> Option<&Segment> {
+        let i = self.segments.partition_point(|s| s.range.end <= r.start);
+        self.segments
+            .get(i)
+            .filter(|s| s.range.start <= r.start && r.end <= s.range.end)
     }
 
     /// The buffers, in parameter order.

@@ -95,6 +95,7 @@ pub struct Space {
     /// search chooses the rest around them (nothing is offloaded with them).
     pub lora: Option<crate::model::lora::LoraSpec>,
     pub base_quant: super::lora::BaseQuant,
+    pub base_types: Option<std::sync::Arc<super::lora::BaseTypes>>,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -372,6 +373,7 @@ pub fn search(
                 cfg.offload.dir = space.offload_dir.clone();
                 cfg.lora = space.lora.clone();
                 cfg.base_quant = space.base_quant;
+                cfg.base_types = space.base_types.clone();
                 configs.push(cfg);
             }
         }

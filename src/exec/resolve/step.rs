@@ -135,6 +135,7 @@ pub fn fit_space(
         offload_dir: st.offload_dir.clone(),
         lora: None,
         base_quant: st.base_quant.unwrap_or_default(),
+        base_types: None,
     })
 }
 

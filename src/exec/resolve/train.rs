@@ -10,6 +10,7 @@ use crate::exec::train::{
 };
 use crate::gguf;
 use crate::model::ModelSpec;
+use crate::plan::lora::BaseQuant;
 use crate::plan::search::Pick;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -47,6 +48,7 @@ pub fn new_run(
     o.seed = req.seed;
     o.threads = threads;
     o.init = init;
+    o.init_gguf = req.init.clone().filter(|p| crate::gguf::cache::is_gguf(p));
     o.device = req.step.device;
     o.eval_every = req.eval_every;
     o.eval_batches = req.eval_batches;
@@ -66,8 +68,69 @@ pub fn new_run(
             o.strategies.lora = Some(adapter_spec(dir, &spec, o.strategies.lora.as_ref())?);
             o.init_adapter = Some(dir.clone());
         }
+        (o.strategies.base_quant, o.strategies.base_types) = base_storage(&o, req)?;
     }
     Ok(o)
+}
+
+/// How a LoRA run keeps its base: as asked (`--base-quant`); else, from a GGUF `--init`, the
+/// file's own blocks (`keep`), or q8_0 where a plan cannot keep them (fused projections
+/// stored as different types), or fp32 for a model with linear biases (which a quantized
+/// base does not keep yet); else fp32. With `keep`, each tensor's storage read from the file.
+fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Option<Kept>)> {
+    let lora = req.step.strategy.lora.is_some() || req.init_adapter.is_some();
+    if let Some(q) = req.step.strategy.base_quant {
+        return Ok((q, kept_types(o, q)?));
+    }
+    if !lora || o.init_gguf.is_none() {
+        return Ok((BaseQuant::F32, None));
+    }
+    let spec = ModelSpec::resolve(&o.model)?;
+    let b = spec.biases;
+    if spec.family == crate::model::Family::Gpt2 || b.qkv || b.attn_out || b.mlp {
+        return Ok((BaseQuant::F32, None));
+    }
+    let types = kept_types(o, BaseQuant::Keep)?;
+    // Whether the file's types can be kept: a one-row plan of the run's adapters.
+    let mut cfg = o.strategies.step_config(1, o.seq.min(8), 1);
+    (cfg.base_quant, cfg.base_types) = (BaseQuant::Keep, types.clone());
+    if cfg.lora.is_none() {
+        cfg.lora = match (&req.step.strategy.lora, &req.init_adapter) {
+            (Some(l), _) => Some(l.spec(spec.family)?),
+            (None, Some(dir)) => Some(crate::ckpt::adapter::read_config(dir, spec.family)?),
+            (None, None) => None,
+        };
+    }
+    match crate::plan::build_plan(&spec, &cfg, crate::plan::Mode::Train, o.device.backend()) {
+        Ok(_) => Ok((BaseQuant::Keep, types)),
+        Err(e) => {
+            eprintln!(
+                "memwall: note: the base is kept as q8_0, re-quantized from the GGUF file's \
+                 weights, as its own blocks cannot be: {e:#}"
+            );
+            Ok((BaseQuant::Blocks(crate::gguf::GgmlType::Q8_0), None))
+        }
+    }
+}
+
+type Kept = std::sync::Arc<crate::plan::lora::BaseTypes>;
+
+/// With `--base-quant keep`, each base tensor's storage, read from the run's GGUF `--init`
+/// (a new run's, or a resumed run's again); refused without one, naming the flag.
+fn kept_types(o: &TrainOptions, quant: BaseQuant) -> Result<Option<Kept>> {
+    if quant != BaseQuant::Keep {
+        return Ok(None);
+    }
+    let Some(gguf) = &o.init_gguf else {
+        bail!(
+            "--base-quant keep takes the blocks of a GGUF --init; give a GGUF file to --init, or \
+             --base-quant q8_0|q4_0|q4_1 to quantize this base"
+        );
+    };
+    let types = crate::gguf::base::BaseSource::open(gguf)
+        .with_context(|| format!("--init {} (--base-quant keep)", gguf.display()))?
+        .types();
+    Ok(Some(std::sync::Arc::new(types)))
 }
 
 /// The adapters `--init-adapter DIR` holds, for a base of `spec`; refused when `--lora` (and
@@ -221,6 +284,7 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             ))
         );
     }
+    opts.strategies.base_types = kept_types(&opts, opts.strategies.base_quant)?;
     opts.locate_data(req.data.as_deref())?;
     Ok((opts, ck))
 }
@@ -249,6 +313,7 @@ fn fit_run(
         space.lora = (req.step.strategy.lora.as_ref())
             .map(|l| l.spec(spec.family))
             .transpose()?;
+        (space.base_quant, space.base_types) = base_storage(o, req)?;
         let cal = crate::exec::calibrate::current(o.threads)?;
         // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
         if space.offload_dir.is_none() {

@@ -56,6 +56,10 @@ pub struct TrainOptions {
     pub keep_last: u64,
     /// Start from this Hugging Face checkpoint directory (fine-tuning).
     pub init: Option<PathBuf>,
+    /// The GGUF file `--init` named (converted into `init`), whose own blocks a LoRA base
+    /// kept with `--base-quant keep` is read from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_gguf: Option<PathBuf>,
     /// Start the LoRA adapters from this PEFT adapter directory (`--init-adapter`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_adapter: Option<PathBuf>,
@@ -116,6 +120,7 @@ impl TrainOptions {
             keep_last: 0,
             init: None,
             init_adapter: None,
+            init_gguf: None,
             tokenizer_dir: None,
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
             strategies: Strategies::default(),

@@ -387,8 +387,9 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
     };
     let lora = match &plan.lora {
         Some(l) => format!(
-            "\n      {}{}",
+            "\n      {}; base {}{}",
             l.describe(),
+            plan.cfg.base_quant,
             match &opts.init {
                 Some(_) => "",
                 None => " (no --init: the base is randomly initialised, as for a benchmark)",
@@ -418,6 +419,16 @@ fn fill_base(ex: &mut Executor, opts: &TrainOptions) -> Result<()> {
     let Some(lora) = ex.plan.lora.clone() else {
         bail!("internal error: fill_base on a plan without LoRA");
     };
+    // The GGUF file's own blocks, copied.
+    if ex.plan.cfg.base_quant == crate::plan::lora::BaseQuant::Keep {
+        let Some(gguf) = &opts.init_gguf else {
+            bail!("internal error: a kept base without its GGUF file");
+        };
+        let src = crate::gguf::base::BaseSource::open(gguf)?;
+        return ex
+            .fill_base_bytes(|t, storage, dst| src.copy(t, storage, dst))
+            .with_context(|| format!("--init {}: loading the base's blocks", gguf.display()));
+    }
     match &opts.init {
         Some(dir) => ckpt::load_params_by(dir, &lora.base, |copy| ex.fill_base(|r, p| copy(r, p)))
             .with_context(|| format!("--init {}: loading the base of --lora", dir.display())),

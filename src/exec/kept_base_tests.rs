@@ -1,0 +1,137 @@
+//! Tests of a LoRA base kept as a GGUF file's own blocks (`--base-quant keep`): computing on
+//! the file's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16 and BF16 tensors as they are is computing on
+//! the f32 weights `memwall convert` decodes them to, tied head or not.
+
+use crate::backend::cpu::Cpu;
+use crate::exec::Executor;
+use crate::gguf::GgmlType;
+use crate::gguf::base::BaseSource;
+use crate::gguf::testutil::{tiny_model, write_temp};
+use crate::model::lora::{LoraSpec, Target};
+use crate::model::{ModelSpec, ParamLayout};
+use crate::plan::lora::BaseQuant;
+use crate::plan::{Mode, StepConfig, build_plan};
+use crate::util::rng::Rng;
+
+/// The test model with every fused projection's parts of one type (q, k, v Q4_1; gate and
+/// up Q8_0; o BF16, down Q4_K and Q6_K, the embedding Q8_0, an untied head Q4_0); its layer
+/// 1's o in F16.
+fn uniform(tied: bool) -> Vec<u8> {
+    let mut w = tiny_model("llama", tied);
+    let (h, q, kv, ffn) = (32u64, 32u64, 16u64, 256u64);
+    for l in 0..2u64 {
+        let t = |n: &str| format!("blk.{l}.{n}");
+        for (name, dims, ty) in [
+            ("attn_k.weight", [h, kv], GgmlType::Q4_1),
+            ("attn_v.weight", [h, kv], GgmlType::Q4_1),
+            ("ffn_up.weight", [h, ffn], GgmlType::Q8_0),
+        ] {
+            w.remove_tensor(&t(name));
+            w.random_tensor(&t(name), &dims, ty, 300 + l);
+        }
+    }
+    w.remove_tensor("blk.1.attn_output.weight");
+    w.random_tensor("blk.1.attn_output.weight", &[q, h], GgmlType::F16, 400);
+    w.to_bytes()
+}
+
+/// Fused projections stored as different types are refused, naming them.
+#[test]
+fn a_kept_base_with_mixed_fused_projections_is_refused() {
+    let (_tmp, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
+    let cache = tempfile::tempdir().unwrap();
+    let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init").unwrap();
+    let spec = crate::ckpt::load_spec(&dir).unwrap();
+    let mut cfg = StepConfig::new(1, 8, 2);
+    cfg.lora = Some(LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: Target::all(spec.family).to_vec(),
+    });
+    cfg.base_quant = BaseQuant::Keep;
+    cfg.base_types = Some(std::sync::Arc::new(
+        BaseSource::open(&gguf).unwrap().types(),
+    ));
+    let e = format!(
+        "{:#}",
+        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap_err()
+    );
+    assert!(
+        e.contains("q_proj.weight (Q4_1)")
+            && e.contains("k_proj.weight (Q4_0)")
+            && e.contains("q8_0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_kept_base_computes_as_its_conversion() {
+    for tied in [true, false] {
+        let (_tmp, gguf) = write_temp(&uniform(tied));
+        let cache = tempfile::tempdir().unwrap();
+        let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init").unwrap();
+        let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
+        let layout = ParamLayout::new(&spec);
+        let mut base = vec![0f32; layout.total];
+        crate::ckpt::load_params(&dir, &layout, &mut base).unwrap();
+        let lora = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: Target::all(spec.family).to_vec(),
+        };
+        let (b, t) = (2, 8);
+        let mut rng = Rng::new(3);
+        let batch: Vec<u32> = (0..b * (t + 1))
+            .map(|_| rng.below(spec.vocab_size as u64) as u32)
+            .collect();
+        let src = BaseSource::open(&gguf).unwrap();
+        let run = |keep: bool| {
+            let mut cfg = StepConfig::new(b, t, 2);
+            cfg.lora = Some(lora.clone());
+            if keep {
+                cfg.base_quant = BaseQuant::Keep;
+                cfg.base_types = Some(std::sync::Arc::new(src.types()));
+            }
+            let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+            let quantized = plan
+                .buffers
+                .iter()
+                .filter(|b| b.name.contains(".base.q"))
+                .count();
+            assert_eq!(keep, quantized > 0, "tied {tied}: quantized base buffers");
+            let mut ex = Executor::on(plan, &Cpu).unwrap();
+            if keep {
+                ex.fill_base_bytes(|t, storage, dst| src.copy(t, storage, dst))
+                    .unwrap();
+            } else {
+                ex.fill_base(|r, p| {
+                    p.copy_from_slice(&base[r]);
+                    Ok(())
+                })
+                .unwrap();
+            }
+            let mut rng = Rng::new(5);
+            ex.with_params_mut(|p| p.iter_mut().for_each(|x| *x = 0.2 * rng.normal()))
+                .unwrap();
+            ex.upload_batch(&batch).unwrap();
+            let loss = ex.compute_gradients().unwrap();
+            (loss, ex.download_grads())
+        };
+        let ((kl, kg), (fl, fg)) = (run(true), run(false));
+        assert!(
+            (kl - fl).abs() <= 1e-5 * fl.abs(),
+            "tied {tied}: {kl} vs {fl}"
+        );
+        let scale = fg.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = kg
+            .iter()
+            .zip(&fg)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            scale > 0.0 && worst <= 1e-4 * scale,
+            "tied {tied}: {worst} of {scale}"
+        );
+    }
+}

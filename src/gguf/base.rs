@@ -1,0 +1,161 @@
+//! A LoRA base kept as a GGUF file's own blocks (`--base-quant keep`): the storage type of
+//! each base tensor ([`BaseSource::types`], what the plan lays the base out with) and the
+//! copy of each tensor's bytes from the file into the plan's buffers ([`BaseSource::copy`]):
+//! the blocks as they are, never re-quantized, the rows of a Llama Q or K weight moved back
+//! into Hugging Face's order (whole rows of blocks at a time), vectors decoded to f32. The
+//! file is read row by row with its pages released as it goes, so little of it is resident
+//! beside the plan.
+
+use super::dequant;
+use super::file::GgufFile;
+use super::hf::{HfTensor, map_model};
+use super::types::GgmlType;
+use crate::model::ParamTensor;
+use crate::plan::lora::BaseTypes;
+use anyhow::{Context, Result, bail};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Bytes of the file copied between releases of their pages.
+const PIECE_BYTES: usize = 1 << 20;
+
+/// A GGUF model read as a LoRA base.
+pub struct BaseSource {
+    file: GgufFile,
+    /// The file's tensors by their Hugging Face names.
+    by_name: HashMap<String, HfTensor>,
+}
+
+impl BaseSource {
+    pub fn open(path: &Path) -> Result<BaseSource> {
+        let file = GgufFile::open(path)?;
+        let model = map_model(&file)?;
+        let by_name = model
+            .tensors
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect();
+        Ok(BaseSource { file, by_name })
+    }
+
+    /// Each tensor's storage type, by its Hugging Face name.
+    pub fn types(&self) -> BaseTypes {
+        self.by_name
+            .iter()
+            .map(|(name, t)| {
+                let info = self
+                    .file
+                    .tensor(&t.gguf)
+                    .expect("map_model lists the file's tensors");
+                (name.clone(), info.ty)
+            })
+            .collect()
+    }
+
+    /// Copies tensor `t` into `dst`, its bytes where the plan keeps it as `storage`: blocks
+    /// of the file's own type (`Some`, which must be the file's), or f32 values (`None`).
+    pub fn copy(&self, t: &ParamTensor, storage: Option<GgmlType>, dst: &mut [u8]) -> Result<()> {
+        let path = self.file.path().display().to_string();
+        let Some(h) = self.by_name.get(&t.name) else {
+            bail!("{path}: no tensor for {} (the base's layout)", t.name);
+        };
+        let info = self
+            .file
+            .tensor(&h.gguf)
+            .expect("map_model lists the file's tensors");
+        let cols = match t.shape.as_slice() {
+            [_, cols] => *cols,
+            _ => 1,
+        };
+        let rows = t.range.len() / cols;
+        let src = self.file.tensor_data(info);
+        match storage {
+            Some(ty) => {
+                if ty != info.ty {
+                    bail!(
+                        "{path}: tensor {} is {} but the plan keeps {} as {ty}: the file changed \
+                         since the run planned; start a new run",
+                        h.gguf,
+                        info.ty,
+                        t.name
+                    );
+                }
+                let row = ty.bytes_for(cols as u64).context("rows of whole blocks")? as usize;
+                if dst.len() != row * rows || src.len() != dst.len() {
+                    bail!(
+                        "internal error: {} takes {} bytes, not {}",
+                        t.name,
+                        src.len(),
+                        dst.len()
+                    );
+                }
+                // GGUF row g goes to Hugging Face row `to(g)`; rows read in file order, their
+                // pages released every PIECE_BYTES.
+                let to = unpermute(h.unpermute_heads, rows);
+                let per_piece = (PIECE_BYTES / row.max(1)).max(1);
+                for g0 in (0..rows).step_by(per_piece) {
+                    let g1 = (g0 + per_piece).min(rows);
+                    for g in g0..g1 {
+                        let d = to(g);
+                        dst[d * row..(d + 1) * row].copy_from_slice(&src[g * row..(g + 1) * row]);
+                    }
+                    self.file.release(info, g0 * row..g1 * row);
+                }
+                Ok(())
+            }
+            None => {
+                let mut values = vec![0f32; t.range.len()];
+                dequant::dequantize(info.ty, src, &mut values)
+                    .with_context(|| format!("{path}: tensor {}", h.gguf))?;
+                self.file.release(info, 0..src.len());
+                if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+                    bail!("{path}: tensor {} has {} at element {i}", h.gguf, values[i]);
+                }
+                let to = unpermute(h.unpermute_heads, rows);
+                for g in 0..rows {
+                    let d = to(g);
+                    for c in 0..cols {
+                        let x = values[g * cols + c].to_le_bytes();
+                        dst[4 * (d * cols + c)..4 * (d * cols + c + 1)].copy_from_slice(&x);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Where GGUF row `g` of a tensor of `rows` rows goes in Hugging Face order: llama.cpp's
+/// Q/K permutation undone with `heads` heads (see `super::hf::unpermute_rows`: HF row
+/// `h·d + s·d/2 + i` is GGUF row `h·d + 2i + s`), or the same row.
+fn unpermute(heads: Option<usize>, rows: usize) -> impl Fn(usize) -> usize {
+    let d = heads.map_or(0, |h| rows / h.max(1));
+    move |g| {
+        if d < 2 {
+            return g;
+        }
+        let (h, r) = (g / d, g % d);
+        h * d + (r % 2) * (d / 2) + r / 2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The row map is `hf::unpermute_rows`'s, row for row.
+    #[test]
+    fn rows_go_where_unpermute_rows_puts_them() {
+        for (heads, rows) in [(2usize, 8usize), (3, 12), (1, 4)] {
+            let src: Vec<usize> = (0..rows).collect();
+            let mut want = vec![0; rows];
+            super::super::hf::unpermute_rows(&src, &mut want, heads, 1).unwrap();
+            let to = unpermute(Some(heads), rows);
+            let mut got = vec![0; rows];
+            for g in 0..rows {
+                got[to(g)] = src[g];
+            }
+            assert_eq!(got, want, "{heads} heads, {rows} rows");
+        }
+    }
+}
