@@ -60,7 +60,7 @@ fn merge_writes_the_base_with_its_adapter_merged() {
         let mut want = vec![0f32; layout.total];
         load_params(&base, &layout, &mut want).unwrap();
         let before = want.clone();
-        a.merge_into(&layout, &mut want, &values);
+        memwall::ckpt::adapter::merge_into(&a, &layout, &mut want, &values);
         let mut got = vec![0f32; layout.total];
         load_params(&out, &layout, &mut got).unwrap();
         assert_eq!(got, want, "{model}");

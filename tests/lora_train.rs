@@ -170,7 +170,7 @@ fn check_against_full_fine_tuning(spec: &ModelSpec, targets: &str, quant: BaseQu
     if quant != BaseQuant::F32 {
         assert_ne!(merged, base, "{quant}: the round trip changed nothing");
     }
-    ad.merge_into(&layout, &mut merged, &values);
+    memwall::ckpt::adapter::merge_into(&ad, &layout, &mut merged, &values);
 
     let mut lx = lora_executor(spec, &lora, &cfg, &base, Some(&values), &batch);
     let mut fx = full_executor(spec, &StepConfig::new(B, T, 2), &merged, &batch);

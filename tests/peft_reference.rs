@@ -79,7 +79,7 @@ fn peft_adapters_merge_as_merge_and_unload() {
         let (ad, values) = load_adapter(&fixture(adapter), &c.layout).unwrap();
         assert_eq!((ad.spec.r, ad.spec.alpha), (4, 8.0), "{adapter}");
         let mut merged = c.base.clone();
-        ad.merge_into(&c.layout, &mut merged, &values);
+        memwall::ckpt::adapter::merge_into(&ad, &c.layout, &mut merged, &values);
         // PEFT's merged model, loaded as a model directory.
         let tmp = tempfile::tempdir().unwrap();
         std::fs::copy(

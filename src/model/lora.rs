@@ -336,35 +336,6 @@ impl AdapterLayout {
             use_dora: false,
         }
     }
-
-    /// Adds every adapter's update into the base weight it adapts, as PEFT's
-    /// `merge_and_unload` does: `W += (alpha / r) · B A` for a `[out, in]` weight, its
-    /// transpose for GPT-2's `[in, out]` Conv1D, computed by the f32 GEMM (PEFT computes it
-    /// in f32 too). `base_values` are the base's parameters (`base.total`), `values` the
-    /// adapters' (`self.params.total`).
-    pub fn merge_into(&self, base: &ParamLayout, base_values: &mut [f32], values: &[f32]) {
-        use crate::backend::cpu::gemm::f32::sgemm;
-        assert_eq!(base_values.len(), base.total);
-        assert_eq!(values.len(), self.params.total);
-        let (r, scale) = (self.spec.r, self.spec.scale());
-        for (i, a) in self.layers.iter().enumerate() {
-            let am = &values[self.params.tensors[2 * i].range.clone()]; // A [r, in]
-            let bm = &values[self.params.tensors[2 * i + 1].range.clone()]; // B [out, r]
-            let w = &mut base_values[base.tensors[a.base_tensor].range.clone()];
-            let (din, dout) = (a.in_features, a.out_features);
-            if base.family == Family::Gpt2 {
-                // W [in, out] += scale · Aᵀ Bᵀ.
-                sgemm(
-                    din, dout, r, scale, am, din, true, bm, r, true, w, dout, true,
-                );
-            } else {
-                // W [out, in] += scale · B A.
-                sgemm(
-                    dout, din, r, scale, bm, r, false, am, din, false, w, din, true,
-                );
-            }
-        }
-    }
 }
 
 /// PEFT's name of `module`'s `A` or `B` weight.
@@ -638,59 +609,6 @@ mod tests {
                     assert!(spread > 0.5 * bound, "{}: {spread} of {bound}", t.name);
                 }
                 _ => assert!(v.iter().all(|&x| x == 0.0), "{}", t.name),
-            }
-        }
-    }
-
-    /// A merged weight computes what the base and its adapter compute together:
-    /// `x W'ᵀ = x Wᵀ + (alpha / r) (x Aᵀ) Bᵀ`, for a Llama `[out, in]` and a GPT-2 Conv1D
-    /// `[in, out]` weight.
-    #[test]
-    fn a_merged_weight_is_the_base_plus_its_adapter() {
-        for (model, family) in [("llama-tiny", Family::Llama), ("gpt2-tiny", Family::Gpt2)] {
-            let base = ModelSpec::preset(model).unwrap();
-            let layout = crate::model::ParamLayout::new(&base);
-            let a = AdapterLayout::new(&layout, spec(3, "all", family)).unwrap();
-            let mut rng = crate::util::rng::Rng::new(11);
-            let mut w: Vec<f32> = (0..layout.total).map(|_| rng.next_f32() - 0.5).collect();
-            let v: Vec<f32> = (0..a.params.total).map(|_| rng.next_f32() - 0.5).collect();
-            let before = w.clone();
-            a.merge_into(&layout, &mut w, &v);
-            for (i, l) in a.layers.iter().enumerate().step_by(5) {
-                let (din, dout, r) = (l.in_features, l.out_features, a.spec.r);
-                let x: Vec<f32> = (0..din).map(|_| rng.next_f32() - 0.5).collect();
-                let t = &layout.tensors[l.base_tensor];
-                let weight = |m: &[f32], o: usize, j: usize| match family {
-                    Family::Gpt2 => m[t.range.start + j * dout + o],
-                    _ => m[t.range.start + o * din + j],
-                };
-                let am = &v[a.params.tensors[2 * i].range.clone()];
-                let bm = &v[a.params.tensors[2 * i + 1].range.clone()];
-                let xa: Vec<f64> = (0..r)
-                    .map(|k| (0..din).map(|j| x[j] as f64 * am[k * din + j] as f64).sum())
-                    .collect();
-                for o in (0..dout).step_by(7) {
-                    let merged: f64 = (0..din)
-                        .map(|j| x[j] as f64 * weight(&w, o, j) as f64)
-                        .sum();
-                    let base_y: f64 = (0..din)
-                        .map(|j| x[j] as f64 * weight(&before, o, j) as f64)
-                        .sum();
-                    let lora: f64 = (0..r).map(|k| xa[k] * bm[o * r + k] as f64).sum();
-                    let want = base_y + a.spec.scale() as f64 * lora;
-                    assert!(
-                        (merged - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                        "{model} {}: output {o}: {merged} against {want}",
-                        l.module
-                    );
-                }
-            }
-            // Every weight not adapted is untouched.
-            let adapted: Vec<usize> = a.layers.iter().map(|l| l.base_tensor).collect();
-            for (k, t) in layout.tensors.iter().enumerate() {
-                if !adapted.contains(&k) {
-                    assert_eq!(w[t.range.clone()], before[t.range.clone()], "{}", t.name);
-                }
             }
         }
     }

@@ -1,5 +1,5 @@
 //! LoRA as a plan transformation (`--lora R`): the family emits its layers as for full
-//! fine-tuning, over the base model's parameter ranges; [`apply`] then freezes the base and
+//! fine-tuning, over the base model's parameter ranges; `apply` then freezes the base and
 //! threads the adapters through the schedule.
 //!
 //! - **Frozen base.** Every op of the model is marked [`OpEntry::frozen`]: its parameter

@@ -472,7 +472,7 @@ pub struct ImplicitBufs {
     /// in RAM, or one per parameter group on the disk tier (`--offload params`).
     pub params: Segments,
     /// A LoRA plan's frozen base weights (in the base model's [`crate::model::ParamLayout`],
-    /// which [`super::Plan::base`] holds): what [`OpEntry::frozen`] ops are bound to. The
+    /// which [`super::Plan::lora`] holds): what [`OpEntry::frozen`] ops are bound to. The
     /// adapters are then [`ImplicitBufs::params`].
     pub base: Option<Segments>,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
