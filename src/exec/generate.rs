@@ -69,7 +69,7 @@ pub fn generate_tokens(
     ex.with_params_mut(|p| -> Result<()> {
         ckpt::load_params(&opts.checkpoint, &layout, p)?;
         if let Some((adapters, values)) = &adapter {
-            crate::ckpt::adapter::merge_into(&adapters, &layout, p, values);
+            crate::ckpt::adapter::merge_into(adapters, &layout, p, values);
         }
         Ok(())
     })??;
