@@ -352,8 +352,8 @@ fn bad_lora_flags_are_refused_naming_the_flag() {
         (&["--lora-alpha", "8"][..], "--lora"),
         (&["--base-quant", "q4_1"][..], "--lora"),
         (
-            &["--lora", "4", "--base-quant", "q4_k"][..],
-            "--base-quant q4_k",
+            &["--lora", "4", "--base-quant", "q5_k"][..],
+            "--base-quant q5_k",
         ),
         (&["--lora", "4", "--base-quant", "q4_1"][..], "biases"),
     ] {

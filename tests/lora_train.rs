@@ -114,6 +114,10 @@ fn a_quantized_base_is_its_dequantized_weights() {
     for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
         check_against_full_fine_tuning(&spec, "all", BaseQuant::Blocks(ty));
     }
+    // Q4_K's blocks of 256: llama-tiny's MLP (352) is no multiple, so a model made of 256s.
+    let mut wide = spec.clone();
+    (wide.n_embd, wide.mlp_hidden, wide.head_dim, wide.n_layer) = (256, 512, 64, 2);
+    check_against_full_fine_tuning(&wide, "all", BaseQuant::Blocks(GgmlType::Q4_K));
     // bf16 activations on the quantized GEMMs: the fp32 step's loss to bf16's precision,
     // and the same under full recomputation, bitwise.
     let lora = lora_spec(spec.family, "all");

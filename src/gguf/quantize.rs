@@ -10,6 +10,14 @@
 //! | Q4_0 | `d = max / −8` (max: the value of largest magnitude, with its sign), `q = min(15, trunc(x / d + 8.5))` |
 //! | Q4_1 | `d = (max − min) / 15`, `m = min`, `q = min(15, trunc((x − min) / d + 0.5))`         |
 //!
+//! Q4_K (`quantize_row_q4_K_ref`) works on super-blocks of 256 values: eight sub-blocks of 32,
+//! each with a 4-bit scale and min found by `make_qkx2_quants` (a weighted least-squares
+//! search over 21 candidate scales, weights `sqrt(mean x²) + |x|`), then the eight scales and
+//! mins quantized to 6 bits against the super-block's f16 `d` and `dmin`, and the codes
+//! recomputed from the stored scales. Written from ggml-quants.c; its round trip is checked
+//! against the decoder ([`super::dequant`], itself checked against gguf-py) and its error
+//! against Q4_0's and Q4_1's.
+//!
 //! A block of zeros has `d = 0` and codes that decode to zero. Non-finite input is refused
 //! before anything is written, naming the row.
 
@@ -18,7 +26,7 @@ use anyhow::{Result, bail};
 use half::f16;
 
 /// The types [`quantize`] writes.
-pub const QUANTIZABLE: &[&str] = &["Q8_0", "Q4_0", "Q4_1"];
+pub const QUANTIZABLE: &[&str] = &["Q8_0", "Q4_0", "Q4_1", "Q4_K"];
 
 /// Quantizes `src` (whole blocks of 32 values) into `dst` (its bytes as `ty`).
 ///
@@ -29,6 +37,7 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
         "Q8_0" => q8_0_row,
         "Q4_0" => q4_0_row,
         "Q4_1" => q4_1_row,
+        "Q4_K" => q4_k_row,
         _ => bail!(
             "cannot quantize to {ty}: memwall writes {}",
             QUANTIZABLE.join(", ")
@@ -115,6 +124,159 @@ pub fn q4_1_row(src: &[f32], dst: &mut [u8]) {
     }
 }
 
+/// ggml's `nearest_int`: round to nearest, ties to even, through the f32 magic constant.
+fn nearest_int(x: f32) -> i32 {
+    let v = x + 12582912.0;
+    (v.to_bits() as i32 & 0x007f_ffff) - 0x0040_0000
+}
+
+/// ggml's `make_qkx2_quants` for one sub-block: codes `l` in 0..=nmax and `(scale, min)`
+/// with `x ≈ scale · l − min`, searching `nstep + 1` scales around `nmax / (max − min)` for
+/// the least weighted squared error.
+#[allow(clippy::too_many_arguments)]
+fn make_qkx2_quants(
+    x: &[f32],       // [n]
+    w: &[f32],       // [n]
+    l: &mut [u8],    // [n]
+    laux: &mut [u8], // [n]
+    nmax: i32,
+    (rmin, rdelta, nstep): (f32, f32, i32),
+) -> (f32, f32) {
+    let n = x.len();
+    let (mut min, mut max) = (x[0], x[0]);
+    let (mut sum_w, mut sum_x) = (w[0], w[0] * x[0]);
+    for i in 1..n {
+        min = min.min(x[i]);
+        max = max.max(x[i]);
+        sum_w += w[i];
+        sum_x += w[i] * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max == min {
+        l.fill(0);
+        return (0.0, -min);
+    }
+    let mut iscale = nmax as f32 / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best = 0f32;
+    for i in 0..n {
+        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+        l[i] = q as u8;
+        let diff = scale * l[i] as f32 + min - x[i];
+        best += w[i] * diff * diff;
+    }
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + nmax as f32) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+            laux[i] = q as u8;
+            let q = q as f32;
+            sum_l += w[i] * q;
+            sum_l2 += w[i] * q * q;
+            sum_xl += w[i] * q * x[i];
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut err = 0f32;
+            for i in 0..n {
+                let diff = this_scale * laux[i] as f32 + this_min - x[i];
+                err += w[i] * diff * diff;
+            }
+            if err < best {
+                l.copy_from_slice(laux);
+                best = err;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// Q4_K (`quantize_row_q4_K_ref`): super-blocks of [f16 d, f16 dmin, 12 bytes of 6-bit
+/// scales and mins, 128 bytes of codes] for 256 values (see the module docs).
+pub fn q4_k_row(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(256).zip(dst.chunks_exact_mut(144)) {
+        let mut l = [0u8; 256];
+        let mut laux = [0u8; 32];
+        let mut w = [0f32; 32];
+        let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+        let (mut max_scale, mut max_min) = (0f32, 0f32);
+        for j in 0..8 {
+            let xs = &x[32 * j..32 * j + 32];
+            let sum_x2: f32 = xs.iter().map(|v| v * v).sum();
+            let av_x = (sum_x2 / 32.0).sqrt();
+            for (w, &v) in w.iter_mut().zip(xs) {
+                *w = av_x + v.abs();
+            }
+            let (s, m) = make_qkx2_quants(
+                xs,
+                &w,
+                &mut l[32 * j..32 * j + 32],
+                &mut laux,
+                15,
+                (-1.0, 0.1, 20),
+            );
+            (scales[j], mins[j]) = (s, m);
+            max_scale = max_scale.max(s);
+            max_min = max_min.max(m);
+        }
+        let inv_scale = if max_scale > 0.0 {
+            63.0 / max_scale
+        } else {
+            0.0
+        };
+        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+        let sc = &mut [0u8; 12];
+        for j in 0..8 {
+            let ls = nearest_int(inv_scale * scales[j]).min(63) as u8;
+            let lm = nearest_int(inv_min * mins[j]).min(63) as u8;
+            if j < 4 {
+                sc[j] = ls;
+                sc[j + 4] = lm;
+            } else {
+                sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
+                sc[j - 4] |= (ls >> 4) << 6;
+                sc[j] |= (lm >> 4) << 6;
+            }
+        }
+        put_f16(b, 0, max_scale / 63.0);
+        put_f16(b, 2, max_min / 63.0);
+        b[4..16].copy_from_slice(sc);
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        for j in 0..8 {
+            let (s, m) = super::dequant::scale_min_k4(j, sc);
+            let dj = d * s as f32;
+            if dj == 0.0 {
+                continue;
+            }
+            let dm = dmin * m as f32;
+            for i in 0..32 {
+                l[32 * j + i] = nearest_int((x[32 * j + i] + dm) / dj).clamp(0, 15) as u8;
+            }
+        }
+        let qs = &mut b[16..144];
+        for (k, q) in qs.chunks_exact_mut(32).enumerate() {
+            for i in 0..32 {
+                q[i] = l[64 * k + i] | (l[64 * k + i + 32] << 4);
+            }
+        }
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::dequant::dequantize;
@@ -127,6 +289,61 @@ mod tests {
         let mut y = vec![0f32; x.len()];
         dequantize(ty, &q, &mut y).unwrap();
         y
+    }
+
+    /// llama.cpp's `test-quantize-fns` check, as it computes it: 4096 values `0.1 +
+    /// 2·cos(i)`, the total error `sqrt(Σ (x − y)²) / n` below 0.002 for every type written.
+    #[test]
+    fn every_type_passes_llama_cpps_total_error_bound() {
+        let n = 32 * 128;
+        let x: Vec<f32> = (0..n).map(|i| 0.1 + 2.0 * (i as f32).cos()).collect();
+        for name in QUANTIZABLE {
+            let ty = [
+                GgmlType::Q8_0,
+                GgmlType::Q4_0,
+                GgmlType::Q4_1,
+                GgmlType::Q4_K,
+            ]
+            .into_iter()
+            .find(|t| t.name == *name)
+            .unwrap();
+            let y = round_trip(ty, &x);
+            let sum: f64 = x
+                .iter()
+                .zip(&y)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            let total = sum.sqrt() / n as f64;
+            assert!(total < 0.002, "{ty}: total error {total}");
+        }
+    }
+
+    /// Q4_K's error on weight-like values (normal, per-row scales) is a 4-bit type's: within
+    /// 1.2× Q4_1's (5 bits a weight against its 4.5), and below Q4_0's.
+    #[test]
+    fn q4_k_errs_like_a_four_bit_type() {
+        let mut rng = Rng::new(4);
+        let x: Vec<f32> = (0..256 * 64)
+            .map(|i| rng.normal() * 0.02 * (1.0 + (i / 256) as f32 * 0.1))
+            .collect();
+        let rmse = |ty| {
+            let y = round_trip(ty, &x);
+            (x.iter()
+                .zip(&y)
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum::<f64>()
+                / x.len() as f64)
+                .sqrt()
+        };
+        let (k, q41, q40) = (
+            rmse(GgmlType::Q4_K),
+            rmse(GgmlType::Q4_1),
+            rmse(GgmlType::Q4_0),
+        );
+        assert!(
+            k > 0.0 && k <= 1.2 * q41 && k < q40,
+            "Q4_K {k}, Q4_1 {q41}, Q4_0 {q40}"
+        );
     }
 
     /// Every value comes back within half a step of its block's grid (plus the scale's f16
@@ -244,10 +461,10 @@ mod tests {
         let mut q = [0u8; 34];
         let e = format!(
             "{:#}",
-            quantize(GgmlType::Q4_K, &[0.0; 256], &mut [0; 144]).unwrap_err()
+            quantize(GgmlType::Q6_K, &[0.0; 256], &mut [0; 210]).unwrap_err()
         );
         assert!(
-            e.contains("cannot quantize to Q4_K") && e.contains("Q8_0, Q4_0, Q4_1"),
+            e.contains("cannot quantize to Q6_K") && e.contains("Q8_0, Q4_0, Q4_1, Q4_K"),
             "{e}"
         );
         let e = format!(

@@ -87,7 +87,7 @@ pub type BaseTypes = std::collections::BTreeMap<String, GgmlType>;
 
 impl BaseQuant {
     /// The `--base-quant` values.
-    pub const NAMES: &'static str = "fp32, q8_0, q4_0, q4_1, keep";
+    pub const NAMES: &'static str = "fp32, q8_0, q4_0, q4_1, q4_k, keep";
 }
 
 impl std::str::FromStr for BaseQuant {
@@ -98,10 +98,11 @@ impl std::str::FromStr for BaseQuant {
             "q8_0" => BaseQuant::Blocks(GgmlType::Q8_0),
             "q4_0" => BaseQuant::Blocks(GgmlType::Q4_0),
             "q4_1" => BaseQuant::Blocks(GgmlType::Q4_1),
+            "q4_k" => BaseQuant::Blocks(GgmlType::Q4_K),
             "keep" => BaseQuant::Keep,
             _ => bail!(
-                "--base-quant {s}: memwall keeps a base as {} (quantizing to q4_k is not \
-                 there yet; keep takes a GGUF file's own blocks, q4_k among them)",
+                "--base-quant {s}: memwall keeps a base as {} (keep: a GGUF file's own \
+                 blocks, Q6_K and the others among them)",
                 BaseQuant::NAMES
             ),
         })
@@ -226,7 +227,8 @@ pub(super) fn base_buffers(
                 if !(row as u64).is_multiple_of(k.block_size) {
                     bail!(
                         "--base-quant {quant}: {} has rows of {row} values, not a whole number \
-                         of {k} blocks of {}; use --base-quant fp32",
+                         of {k} blocks of {}; use --base-quant q8_0, q4_0 or q4_1 (blocks of \
+                         32), or fp32",
                         t.name,
                         k.block_size
                     );
