@@ -321,3 +321,79 @@ fn recomputation_leaves_adapter_gradients_bitwise() {
         }
     }
 }
+
+/// LoRA composes with accumulation (two micro-batches of one sequence give the gradients of
+/// one batch of two), fp16 with loss scaling and int8 AdamW state (a repeated batch is
+/// learned: its loss falls step after step).
+#[test]
+fn lora_composes_with_accumulation_fp16_and_int8_state() {
+    use memwall::exec::{LossScaler, OptimHparams};
+    use memwall::plan::OptimState;
+    let spec = tiny_llama();
+    let lora = lora_spec(spec.family, "all");
+    let (base, batch) = base_and_batch(&spec);
+    let values = {
+        let l = ParamLayout::new(&spec);
+        let ad = memwall::model::lora::AdapterLayout::new(&l, lora.clone()).unwrap();
+        random_adapter(ad.params.total)
+    };
+    // Accumulation: [B, T] as B micro-batches of one row.
+    let whole = {
+        let mut ex = lora_executor(
+            &spec,
+            &lora,
+            &StepConfig::new(B, T, 2),
+            &base,
+            Some(&values),
+            &batch,
+        );
+        (ex.compute_gradients().unwrap(), ex.download_grads())
+    };
+    let mut cfg = StepConfig::new(1, T, 2);
+    cfg.grad_accum = B;
+    let mut ex = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
+    let (loss, g) = (ex.compute_gradients().unwrap(), ex.download_grads());
+    assert!(
+        (loss - whole.0).abs() <= 1e-5 * whole.0.abs(),
+        "{loss} vs {}",
+        whole.0
+    );
+    let scale = whole.1.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = g
+        .iter()
+        .zip(&whole.1)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst <= 1e-4 * scale,
+        "accumulated gradients differ by {worst} of {scale}"
+    );
+    // fp16 and int8 state: three steps on one batch, each lowering its loss.
+    for (precision, state) in [
+        (Precision::F16, OptimState::F32),
+        (Precision::F32, OptimState::Int8),
+    ] {
+        let mut cfg = StepConfig::new(B, T, 2);
+        (cfg.precision, cfg.optim_state) = (precision, state);
+        let mut ex = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
+        let mut losses = Vec::new();
+        for step in 1..=3 {
+            if precision == Precision::F16 {
+                ex.set_loss_scale(LossScaler::INITIAL);
+            }
+            let hp = OptimHparams {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                grad_clip: 1.0,
+                step,
+            };
+            losses.push(ex.train_step(&hp).unwrap().loss);
+        }
+        assert!(
+            losses.windows(2).all(|w| w[1] < w[0]) && losses.iter().all(|l| l.is_finite()),
+            "{precision:?} {state:?}: losses {losses:?}"
+        );
+    }
+}
