@@ -358,7 +358,7 @@ pub(crate) struct StrategyArgs {
     /// f32. The frozen layers compute on the blocks, decoding a few rows at a time; the
     /// adapters train in fp32 [default: keep for a GGUF --init (q8_0 where its fused
     /// projections differ in type), else fp32]
-    #[arg(long, value_name = "fp32|q8_0|q4_0|q4_1|q4_k|keep", requires = "lora", value_parser = parse_base_quant)]
+    #[arg(long, value_name = "fp32|q8_0|q4_0|q4_1|q4_k|keep", value_parser = parse_base_quant)]
     pub(crate) base_quant: Option<BaseQuant>,
 }
 
