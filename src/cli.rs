@@ -117,6 +117,10 @@ pub(crate) struct MergeArgs {
     /// Output directory for the merged model (must not exist, or be empty).
     #[arg(long, value_name = "DIR")]
     pub(crate) out: PathBuf,
+    /// Weight dtype of the merged model: f32, or bf16 (rounded, half the size)
+    /// [default: the base's (its config.json's torch_dtype)]
+    #[arg(long, value_parser = parse_dtype)]
+    pub(crate) dtype: Option<OutDtype>,
 }
 
 #[derive(Args)]

@@ -526,7 +526,11 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
 
 fn merge_cmd(a: MergeArgs) -> Result<()> {
     let base = gguf::cache::model_dir(&a.base, "BASE")?;
-    let m = memwall::ckpt::adapter::merge(&base, &a.adapter, &a.out)?;
+    let bf16 = match a.dtype {
+        Some(d) => d == gguf::OutDtype::Bf16,
+        None => memwall::ckpt::adapter::stored_as_bf16(&base),
+    };
+    let m = memwall::ckpt::adapter::merge(&base, &a.adapter, &a.out, bf16)?;
     println!(
         "merged {} into {}: {} (rank {}, scale {}) into {}",
         a.adapter.display(),

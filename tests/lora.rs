@@ -118,7 +118,7 @@ fn generation_with_an_adapter_is_generation_from_the_merged_model() {
     let dir = tmp.path().join("adapter");
     adapter(&base, &dir, "all");
     let merged = tmp.path().join("merged");
-    memwall::ckpt::adapter::merge(&base, &dir, &merged).unwrap();
+    memwall::ckpt::adapter::merge(&base, &dir, &merged, false).unwrap();
     let tokens = |model: &Path, adapter: Option<&Path>| {
         let opts = SampleOptions {
             checkpoint: model.to_path_buf(),
@@ -375,4 +375,49 @@ fn bad_lora_flags_are_refused_naming_the_flag() {
         "3",
     ]);
     assert!(e.contains("--zero 3 with --lora"), "{e}");
+}
+
+/// `merge --dtype bf16` writes the merged weights rounded to bfloat16 and says so in
+/// config.json; the default keeps the base's dtype (the fixture's f32).
+#[test]
+fn merge_writes_the_dtype_asked_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = fixture("hf-tiny-llama");
+    let dir = tmp.path().join("adapter");
+    let (layout, a, values) = adapter(&base, &dir, "all");
+    let mut want = vec![0f32; layout.total];
+    load_params(&base, &layout, &mut want).unwrap();
+    memwall::ckpt::adapter::merge_into(&a, &layout, &mut want, &values);
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    for (dtype, bf16) in [(None, false), (Some("bf16"), true)] {
+        let out = tmp.path().join(format!("merged-{bf16}"));
+        let mut args = vec![
+            "merge".to_string(),
+            p(&base),
+            p(&dir),
+            "--out".into(),
+            p(&out),
+        ];
+        if let Some(d) = dtype {
+            args.extend(["--dtype".to_string(), d.to_string()]);
+        }
+        ok(&args);
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(
+            config["torch_dtype"],
+            if bf16 { "bfloat16" } else { "float32" },
+            "{dtype:?}"
+        );
+        let mut got = vec![0f32; layout.total];
+        load_params(&out, &layout, &mut got).unwrap();
+        let expect: Vec<f32> = match bf16 {
+            true => want
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_f32())
+                .collect(),
+            false => want.clone(),
+        };
+        assert!(got == expect, "{dtype:?}: merged weights");
+    }
 }

@@ -98,6 +98,18 @@ pub fn merge_into(
     }
 }
 
+/// Whether the model directory `dir` says its weights are bfloat16 (`config.json`'s
+/// `torch_dtype`, or transformers 5's `dtype`).
+pub fn stored_as_bf16(dir: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(dir.join(super::CONFIG_FILE)) else {
+        return false;
+    };
+    let config: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    ["torch_dtype", "dtype"]
+        .iter()
+        .any(|k| config[*k].as_str() == Some("bfloat16"))
+}
+
 /// What [`merge`] wrote.
 #[derive(Clone, Debug)]
 pub struct Merged {
@@ -110,10 +122,11 @@ pub struct Merged {
 
 /// Writes into `out` the model `base` (a Hugging Face model directory) with the PEFT adapter
 /// in `adapter` merged into its weights, as `merge_and_unload` does: `config.json`, the
-/// weights in F32 and the base's tokenizer files. `out` must not exist or be empty. The base
+/// weights (in bf16 with `bf16`: pass [`stored_as_bf16`]`(base)` to keep the base's dtype; F32
+/// otherwise) and the base's tokenizer files. `out` must not exist or be empty. The base
 /// is held in f32 while merging, and refused up front when that does not fit the memory
 /// available.
-pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged> {
+pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merged> {
     if out.exists()
         && std::fs::read_dir(out)
             .with_context(|| format!("--out {}: cannot read the directory", out.display()))?
@@ -146,7 +159,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path) -> Result<Merged> {
         tokenizer_dir: Some(base),
         ..Default::default()
     };
-    super::save_model_with(out, &spec, &layout, &params, &opts)?;
+    super::save_model_as(out, &spec, &layout, &params, bf16, &opts)?;
     Ok(Merged {
         layers: adapters.layers.len(),
         r: adapters.spec.r,

@@ -70,7 +70,7 @@ pub use moments::{Moments, MomentsMut};
 pub(crate) use safetensors_io::{Lend, OutData};
 pub use save::{
     AdapterCheckpoint, SaveOptions, save_checkpoint, save_checkpoint_with, save_model,
-    save_model_with,
+    save_model_as, save_model_with,
 };
 pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent};
 pub use shards::DEFAULT_MAX_SHARD_BYTES;

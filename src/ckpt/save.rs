@@ -338,11 +338,31 @@ pub fn save_model_with(
     params: &[f32],
     opts: &SaveOptions,
 ) -> Result<()> {
+    save_model_as(dir, spec, layout, params, false, opts)
+}
+
+/// [`save_model_with`], the weights rounded to bfloat16 (nearest even) when `bf16` (and
+/// `config.json`'s `torch_dtype` saying so): half the size, as a bf16 base is distributed.
+pub fn save_model_as(
+    dir: &Path,
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    params: &[f32],
+    bf16: bool,
+    opts: &SaveOptions,
+) -> Result<()> {
     let what = || format!("saving model to {}", dir.display());
     check_buffers(spec, layout, None, &[("parameter", params.len())]).with_context(what)?;
     fs::create_dir_all(dir)
         .with_context(|| format!("cannot create directory {}", dir.display()))?;
-    let params = Whole(OutData::F32(params));
+    let rounded: Vec<half::bf16>;
+    let params = match bf16 {
+        true => {
+            rounded = params.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            Whole(OutData::Bf16(&rounded))
+        }
+        false => Whole(OutData::F32(params)),
+    };
     let model = model_tensors(layout, &params);
     let files = weight_files(&model, opts.max_shard_bytes).with_context(what)?;
     for (name, file) in &files {
@@ -350,8 +370,11 @@ pub fn save_model_with(
     }
     let written: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
     remove_stale_weights(dir, &written).with_context(what)?;
-    atomic::write_file(&dir.join(CONFIG_FILE), &json_bytes(&spec.to_hf_config())?)
-        .with_context(what)?;
+    let mut config = spec.to_hf_config();
+    if bf16 {
+        config["torch_dtype"] = "bfloat16".into();
+    }
+    atomic::write_file(&dir.join(CONFIG_FILE), &json_bytes(&config)?).with_context(what)?;
     if let Some(src) = opts.tokenizer_dir {
         copy_tokenizer_files(src, dir).with_context(what)?;
     }
