@@ -10,6 +10,8 @@
 //! | Q4_0 | `d = max / −8` (max: the value of largest magnitude, with its sign), `q = min(15, trunc(x / d + 8.5))` |
 //! | Q4_1 | `d = (max − min) / 15`, `m = min`, `q = min(15, trunc((x − min) / d + 0.5))`         |
 //!
+//! BF16 rounds each value to the nearest bfloat16 (ties to even).
+//!
 //! Q4_K (`quantize_row_q4_K_ref`) works on super-blocks of 256 values: eight sub-blocks of 32,
 //! each with a 4-bit scale and min found by `make_qkx2_quants` (a weighted least-squares
 //! search over 21 candidate scales, weights `sqrt(mean x²) + |x|`), then the eight scales and
@@ -27,7 +29,7 @@ use half::f16;
 use rayon::prelude::*;
 
 /// The types [`quantize`] writes.
-pub const QUANTIZABLE: &[&str] = &["Q8_0", "Q4_0", "Q4_1", "Q4_K"];
+pub const QUANTIZABLE: &[&str] = &["Q8_0", "Q4_0", "Q4_1", "Q4_K", "BF16"];
 
 /// Quantizes `src` (whole blocks of 32 values) into `dst` (its bytes as `ty`).
 ///
@@ -39,6 +41,7 @@ pub fn quantize(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()> {
         "Q4_0" => q4_0_row,
         "Q4_1" => q4_1_row,
         "Q4_K" => q4_k_row,
+        "BF16" => bf16_row,
         _ => bail!(
             "cannot quantize to {ty}: memwall writes {}",
             QUANTIZABLE.join(", ")
@@ -126,6 +129,13 @@ pub fn q4_1_row(src: &[f32], dst: &mut [u8]) {
         for j in 0..16 {
             b[4 + j] = code(x[j]) | (code(x[j + 16]) << 4);
         }
+    }
+}
+
+/// BF16: each value rounded to the nearest bfloat16 (ties to even), little-endian.
+pub fn bf16_row(src: &[f32], dst: &mut [u8]) {
+    for (&x, b) in src.iter().zip(dst.chunks_exact_mut(2)) {
+        b.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes());
     }
 }
 
@@ -308,6 +318,7 @@ mod tests {
                 GgmlType::Q4_0,
                 GgmlType::Q4_1,
                 GgmlType::Q4_K,
+                GgmlType::BF16,
             ]
             .into_iter()
             .find(|t| t.name == *name)
@@ -469,7 +480,7 @@ mod tests {
             quantize(GgmlType::Q6_K, &[0.0; 256], &mut [0; 210]).unwrap_err()
         );
         assert!(
-            e.contains("cannot quantize to Q6_K") && e.contains("Q8_0, Q4_0, Q4_1, Q4_K"),
+            e.contains("cannot quantize to Q6_K") && e.contains("Q8_0, Q4_0, Q4_1, Q4_K, BF16"),
             "{e}"
         );
         let e = format!(

@@ -87,7 +87,7 @@ pub type BaseTypes = std::collections::BTreeMap<String, GgmlType>;
 
 impl BaseQuant {
     /// The `--base-quant` values.
-    pub const NAMES: &'static str = "fp32, q8_0, q4_0, q4_1, q4_k, keep";
+    pub const NAMES: &'static str = "fp32, bf16, q8_0, q4_0, q4_1, q4_k, keep";
 }
 
 impl std::str::FromStr for BaseQuant {
@@ -95,6 +95,7 @@ impl std::str::FromStr for BaseQuant {
     fn from_str(s: &str) -> Result<BaseQuant> {
         Ok(match s.to_ascii_lowercase().as_str() {
             "fp32" | "f32" => BaseQuant::F32,
+            "bf16" => BaseQuant::Blocks(GgmlType::BF16),
             "q8_0" => BaseQuant::Blocks(GgmlType::Q8_0),
             "q4_0" => BaseQuant::Blocks(GgmlType::Q4_0),
             "q4_1" => BaseQuant::Blocks(GgmlType::Q4_1),
