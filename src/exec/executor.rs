@@ -319,56 +319,35 @@ impl Executor {
     }
 
     /// Lends `f` a LoRA plan's frozen base weights to fill (layout: the base's,
-    /// [`crate::plan::LoraPlan::base`]), in parameter order, each call with its element
-    /// range of whole tensors, as [`Executor::fill_params`] does the trainable parameters.
-    /// Where the base is kept quantized (`--base-quant`), `f` fills a piece of a tensor at a
-    /// time ([`QUANT_PIECE`] values, whole blocks) into one f32 scratch, which is quantized
+    /// [`crate::plan::LoraPlan::base`]), in parameter order, a tensor per call with its
+    /// element range, as [`Executor::fill_params`] does the trainable parameters (on
+    /// [`Executor::fill_base_bytes`]). Where the base is kept quantized (`--base-quant`), `f`
+    /// fills a piece of a tensor at a time ([`QUANT_PIECE`] values, whole blocks) into one f32 scratch, which is quantized
     /// into the plan's buffer (llama.cpp's reference quantizers: blocks never straddle a
     /// row, so piece by piece is row by row): the host holds 4 MiB in f32 beyond the plan.
     pub fn fill_base(
         &mut self,
         mut f: impl FnMut(std::ops::Range<usize>, &mut [f32]) -> Result<()>,
     ) -> Result<()> {
-        self.settled()?;
-        let (Some(base), Some(lora)) = (
-            self.plan.schedule.implicit.base.clone(),
-            self.plan.lora.clone(),
-        ) else {
-            bail!("internal error: fill_base on a plan without a frozen base");
-        };
-        for s in base.segments.into_iter().filter(|s| !s.range.is_empty()) {
-            let mut out = Ok(());
-            match s.quant {
-                None => self.device.upload(&[s.buf], &mut |b| {
-                    out = f(s.range.clone(), &mut pod::cast_mut(b[0])[..s.range.len()]);
-                })?,
-                Some(ty) => self.device.upload(&[s.buf], &mut |b| {
-                    let inside =
-                        lora.base.tensors.iter().filter(|t| {
-                            s.range.start <= t.range.start && t.range.end <= s.range.end
-                        });
-                    let at = |i: usize| ty.bytes_for(i as u64).expect("whole blocks") as usize;
-                    let mut values = vec![0f32; QUANT_PIECE];
-                    for t in inside {
-                        for lo in t.range.clone().step_by(QUANT_PIECE) {
-                            let piece = lo..(lo + QUANT_PIECE).min(t.range.end);
-                            let v = &mut values[..piece.len()];
-                            let bytes =
-                                at(piece.start - s.range.start)..at(piece.end - s.range.start);
-                            out = f(piece, v).and_then(|()| {
-                                crate::gguf::quantize::quantize(ty, v, &mut b[0][bytes])
-                                    .with_context(|| format!("quantizing {} to {ty}", t.name))
-                            });
-                            if out.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                })?,
+        let mut values = Vec::new();
+        self.fill_base_bytes(|t, storage, bytes| {
+            let Some(ty) = storage else {
+                return f(t.range.clone(), pod::cast_mut(bytes));
+            };
+            // A piece of whole blocks at a time (blocks never straddle a row), quantized
+            // into the tensor's bytes.
+            values.resize(QUANT_PIECE.min(t.range.len()), 0f32);
+            let at = |i: usize| ty.bytes_for(i as u64).expect("whole blocks") as usize;
+            for lo in t.range.clone().step_by(QUANT_PIECE) {
+                let piece = lo..(lo + QUANT_PIECE).min(t.range.end);
+                let v = &mut values[..piece.len()];
+                f(piece.clone(), v)?;
+                let b = &mut bytes[at(piece.start - t.range.start)..at(piece.end - t.range.start)];
+                crate::gguf::quantize::quantize(ty, v, b)
+                    .with_context(|| format!("quantizing {} to {ty}", t.name))?;
             }
-            out?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Lends `f` the bytes of each base tensor where a LoRA plan keeps it, in parameter

@@ -154,24 +154,12 @@ pub fn matmul_backward<T: Elem, W: Elem>(
     oc: usize,
     ws: &mut [f32], // [gemm_mixed_workspace_len()] unless T is f32
 ) {
-    assert_eq!(dinp.len(), n * ic, "matmul_backward: dinp");
     assert_eq!(dweight.len(), ic * oc, "matmul_backward: dweight");
-    assert_eq!(dout.len(), n * oc, "matmul_backward: dout");
     assert_eq!(inp.len(), n * ic, "matmul_backward: inp");
-    assert_eq!(weight.len(), ic * oc, "matmul_backward: weight");
     if let Some(dbias) = &dbias {
         assert_eq!(dbias.len(), oc, "matmul_backward: dbias");
     }
-    if let (Some(dinp), Some(dweight), Some(dout), Some(inp), Some(weight)) = (
-        as_f32_mut(&mut *dinp),
-        as_f32_mut(&mut *dweight),
-        as_f32(dout),
-        as_f32(inp),
-        as_f32(weight),
-    ) {
-        let dbias = dbias.map(|d| as_f32_mut(d).expect("dbias has the element type of dout"));
-        return matmul_backward_f32(dinp, dweight, dbias, dout, inp, weight, layout, n, ic, oc);
-    }
+    // All f32, each gemm_mixed below is exactly sgemm (`ws` unused).
     matmul_backward_input(dinp, dout, weight, layout, n, ic, oc, ws);
     match layout {
         // dweight[IC, OC] += inpᵀ @ dout.
@@ -210,36 +198,6 @@ pub fn matmul_backward_input<T: Elem, W: Elem>(
     gemm_mixed(
         n, ic, oc, dout, oc, false, weight, ldw, w_trans, dinp, ic, false, ws,
     );
-}
-
-/// The f32 instantiation of [`matmul_backward`].
-#[allow(clippy::too_many_arguments)]
-fn matmul_backward_f32(
-    dinp: &mut [f32],          // [N, IC] overwritten
-    dweight: &mut [f32],       // [IC, OC] or [OC, IC] (layout) +=
-    dbias: Option<&mut [f32]>, // [OC] +=
-    dout: &[f32],              // [N, OC]
-    inp: &[f32],               // [N, IC]
-    weight: &[f32],            // [IC, OC] or [OC, IC] (layout)
-    layout: Layout,
-    n: usize,
-    ic: usize,
-    oc: usize,
-) {
-    matmul_backward_input(dinp, dout, weight, layout, n, ic, oc, &mut []);
-    match layout {
-        // dweight[IC, OC] += inpᵀ @ dout.
-        Layout::InOut => sgemm(
-            ic, oc, n, 1.0, inp, ic, true, dout, oc, false, dweight, oc, true,
-        ),
-        // dweight[OC, IC] += doutᵀ @ inp.
-        Layout::OutIn => sgemm(
-            oc, ic, n, 1.0, dout, oc, true, inp, ic, false, dweight, ic, true,
-        ),
-    }
-    if let Some(dbias) = dbias {
-        col_sum_accumulate(dbias, dout, n, oc);
-    }
 }
 
 /// `dst[j] += Σ_r src[r, j]. Each task owns COL_CHUNK columns and sums all rows in order, in`
