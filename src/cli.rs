@@ -315,7 +315,7 @@ pub(crate) struct StrategyArgs {
     /// (the fastest placement that fits --max-memory, by predicted step time), or a comma list of
     /// optimizer (the AdamW moments, read one parameter group at a time for its update and
     /// written back), params (read one group at a time before its forward, its backward and
-    /// its update), grads (written after each group's backward, read back for the update,
+    /// its update; with --lora, the frozen base too), grads (written after each group's backward, read back for the update,
     /// which then runs in the next step's forward so its disk traffic overlaps arithmetic),
     /// activations (what the forward keeps for the backward: with --recompute full, only the
     /// block inputs). Weights are bitwise the same under every placement

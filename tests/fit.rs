@@ -148,8 +148,8 @@ fn the_search_finds_what_building_every_candidate_finds() {
 }
 
 /// With `--lora` (and a quantized base) the search keeps the adapters and the base's storage
-/// in every candidate, offloads nothing, and finds the fastest plan every candidate built
-/// one by one finds.
+/// in every candidate and finds the fastest plan every candidate built one by one finds;
+/// below what fits in RAM, it puts the base on disk.
 #[test]
 fn the_search_keeps_lora_and_finds_the_fastest_candidate() {
     use memwall::model::lora::{LoraSpec, parse_targets};
@@ -165,41 +165,47 @@ fn the_search_keeps_lora_and_finds_the_fastest_candidate() {
     let quant = BaseQuant::Blocks(memwall::gguf::GgmlType::Q4_0);
     let mut sp = space(4);
     (sp.lora, sp.base_quant) = (Some(lora.clone()), quant);
-    let build = |b: usize, r: Recompute| {
+    let build = |b: usize, r: Recompute, o: OffloadSet| {
         let mut cfg = StepConfig::new(b, sp.seq, sp.threads);
-        (cfg.grad_accum, cfg.recompute) = (4 / b, r);
+        (cfg.grad_accum, cfg.recompute, cfg.offload.set) = (4 / b, r, o);
         (cfg.lora, cfg.base_quant) = (Some(lora.clone()), quant);
         build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
     };
-    let (hi, lo) = (
-        predicted_peak(&build(4, Recompute::None), 0),
-        predicted_peak(&build(1, Recompute::Full), 0),
+    let (hi, lo, least) = (
+        predicted_peak(&build(4, Recompute::None, OffloadSet::NONE), 0),
+        predicted_peak(&build(1, Recompute::Full, OffloadSet::NONE), 0),
+        predicted_peak(&build(1, Recompute::Full, OffloadSet::ALL), 0),
     );
-    let budget = (hi + lo) / 2;
-    let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
-    let mut want = f64::INFINITY;
-    for b in [1, 2, 4] {
-        let mut policies = vec![Recompute::None, Recompute::Selective, Recompute::Full];
-        policies.extend((2..=spec.n_layer).map(Recompute::Every));
-        for r in policies {
-            let plan = build(b, r);
-            if predicted_peak(&plan, 0) <= budget {
-                want = want.min(predict(&plan, &cal).step_s);
+    assert!(least < lo);
+    for budget in [(hi + lo) / 2, (lo + least) / 2] {
+        let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
+        let mut want = f64::INFINITY;
+        for b in [1, 2, 4] {
+            let mut policies = vec![Recompute::None, Recompute::Selective, Recompute::Full];
+            policies.extend((2..=spec.n_layer).map(Recompute::Every));
+            for r in policies {
+                for o in OffloadSet::every() {
+                    let plan = build(b, r, o);
+                    if predicted_peak(&plan, 0) <= budget {
+                        want = want.min(predict(&plan, &cal).step_s);
+                    }
+                }
             }
         }
-    }
-    let best = &found.ranked[0];
-    assert!(
-        best.time.step_s <= want * (1.0 + 1e-9),
-        "search {} ({}) vs every candidate {want}",
-        best.time.step_s,
-        best.flags()
-    );
-    for k in &found.ranked {
-        assert_eq!(k.cfg.lora.as_ref(), Some(&lora));
-        assert_eq!(k.cfg.base_quant, quant);
-        assert_eq!(k.cfg.offload.set, OffloadSet::NONE);
-        assert!(k.peak <= budget);
+        let best = &found.ranked[0];
+        assert!(
+            best.time.step_s <= want * (1.0 + 1e-9),
+            "search {} ({}) vs every candidate {want}",
+            best.time.step_s,
+            best.flags()
+        );
+        for k in &found.ranked {
+            assert_eq!(k.cfg.lora.as_ref(), Some(&lora));
+            assert_eq!(k.cfg.base_quant, quant);
+            assert!(k.peak <= budget);
+            // Below the smallest plan in RAM, every candidate offloads.
+            assert!(budget >= lo || k.cfg.offload.set.any(), "{}", k.flags());
+        }
     }
 }
 

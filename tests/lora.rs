@@ -228,6 +228,18 @@ fn lora_runs_save_peft_adapters_and_resume_bitwise() {
         );
         assert!(a == b, "{f} differs after resume");
     }
+    // The base and the adapters' state on disk: the same checkpoint.
+    let offloaded = tmp.path().join("offloaded");
+    let mut args = lora(&offloaded, "4");
+    args.extend(["--offload", "all"].map(String::from));
+    ok(&args);
+    for f in ["adapter_model.safetensors", "optimizer.safetensors"] {
+        let (a, b) = (
+            std::fs::read(ck.join(f)).unwrap(),
+            std::fs::read(offloaded.join("checkpoints/step-000004").join(f)).unwrap(),
+        );
+        assert!(a == b, "{f} differs with --offload all");
+    }
     let e = fails(&[
         "train",
         "--resume",
@@ -345,10 +357,6 @@ fn bad_lora_flags_are_refused_naming_the_flag() {
             "has no layer 'q'",
         ),
         (&["--lora", "4", "--lora-alpha=-1"][..], "--lora-alpha"),
-        (
-            &["--lora", "4", "--offload", "optimizer"][..],
-            "--offload with --lora",
-        ),
         (&["--lora-alpha", "8"][..], "--lora"),
         (&["--base-quant", "q4_1"][..], "--lora"),
         (

@@ -408,3 +408,71 @@ fn lora_composes_with_accumulation_fp16_and_int8_state() {
         );
     }
 }
+
+/// The frozen base and the adapters' state on the disk tier (`--offload params`, `all`):
+/// three steps give bitwise the losses and adapters of a run in RAM, for an f32 base and a
+/// quantized one, and the base then lives on disk (its bytes leave the host tier).
+#[test]
+fn offloading_a_lora_run_changes_nothing_but_where_the_base_lives() {
+    use memwall::exec::OptimHparams;
+    use memwall::plan::{Offload, OffloadSet, Tier};
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    let lora = lora_spec(spec.family, "all");
+    let (base, batch) = base_and_batch(&spec);
+    let values = {
+        let l = ParamLayout::new(&spec);
+        let ad = memwall::model::lora::AdapterLayout::new(&l, lora.clone()).unwrap();
+        random_adapter(ad.params.total)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for quant in [BaseQuant::F32, BaseQuant::Blocks(GgmlType::Q4_0)] {
+        let run = |set: OffloadSet| {
+            let mut cfg = StepConfig::new(B, T, 2);
+            cfg.base_quant = quant;
+            cfg.offload = Offload {
+                set,
+                dir: Some(tmp.path().to_path_buf()),
+            };
+            let mut ex = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
+            let base_on_disk: u64 = (ex.plan.buffers.iter())
+                .filter(|b| b.name.contains(".base") && b.placement.tier == Tier::Nvme)
+                .map(|b| b.padded_bytes())
+                .sum();
+            let losses: Vec<u32> = (1..=3)
+                .map(|step| {
+                    let hp = OptimHparams {
+                        lr: 1e-2,
+                        beta1: 0.9,
+                        beta2: 0.999,
+                        eps: 1e-8,
+                        weight_decay: 0.0,
+                        grad_clip: 1.0,
+                        step,
+                    };
+                    ex.train_step(&hp).unwrap().loss.to_bits()
+                })
+                .collect();
+            ex.finish_update().unwrap();
+            let adapters: Vec<u32> = ex.download_params().iter().map(|x| x.to_bits()).collect();
+            (losses, adapters, base_on_disk)
+        };
+        let ram = run(OffloadSet::NONE);
+        assert_eq!(ram.2, 0);
+        assert_ne!(
+            ram.1,
+            values.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        for set in [
+            OffloadSet {
+                params: true,
+                ..OffloadSet::NONE
+            },
+            OffloadSet::ALL,
+        ] {
+            let off = run(set);
+            assert!(off.0 == ram.0, "{quant} --offload {set}: losses differ");
+            assert!(off.1 == ram.1, "{quant} --offload {set}: adapters differ");
+            assert!(off.2 > 0, "{quant} --offload {set}: the base stayed in RAM");
+        }
+    }
+}

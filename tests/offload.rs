@@ -314,3 +314,46 @@ fn plan_probes_the_offload_disk() {
     let out = ok(&["plan", "--model", "gpt2-tiny", "--offload", "all"]);
     assert!(out.contains("pass --offload-dir DIR"), "{out}");
 }
+
+/// A LoRA run with its quantized base on the disk tier (`--offload params`): the base leaves
+/// RAM, the peak stays planned and the losses are those of the base in RAM.
+#[test]
+fn a_lora_base_on_disk_leaves_ram_and_the_peak_planned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let bench = [
+        "bench",
+        "--model",
+        "smollm2-135m",
+        "--lora",
+        "8",
+        "--base-quant",
+        "q4_0",
+        "--batch",
+        "4",
+        "--seq",
+        "128",
+        "--steps",
+        "2",
+        "--threads",
+        "2",
+    ];
+    let ram: serde_json::Value = serde_json::from_str(&ok(&bench)).unwrap();
+    let offloaded = [&bench[..], &["--offload", "params", "--offload-dir", dir]].concat();
+    let v: serde_json::Value = serde_json::from_str(&ok(&offloaded)).unwrap();
+    let err = v["plan_error_pct"].as_f64().unwrap();
+    assert!(err.abs() <= 3.0, "plan vs measured: {err:.2}% ({v})");
+    assert_eq!(v["losses"], ram["losses"], "offloading changed the losses");
+    // The base (q4_0 blocks, the embedding in q8_0) and the adapters went to disk; a few
+    // groups' staging copies came back.
+    let nvme = v["by_tier"]["nvme"].as_u64().unwrap();
+    let saved = ram["plan_total_bytes"].as_u64().unwrap() - v["plan_total_bytes"].as_u64().unwrap();
+    assert!(nvme > 90 << 20, "{nvme} bytes on disk");
+    assert!(
+        saved as f64 > 0.5 * nvme as f64,
+        "saved {saved} of {nvme} bytes on disk"
+    );
+    // Read twice a step (forward, then backward), never written.
+    assert!(v["io_read_bytes_per_step"].as_u64().unwrap() >= 2 * (90 << 20));
+    assert!(v["io_write_bytes_per_step"].as_u64().unwrap() < nvme / 4);
+}

@@ -164,8 +164,13 @@ pub(super) fn build(
     let (base, quant_ws) = match &lora {
         Some(l) => {
             let types = cfg.base_types.as_deref();
-            let (segments, widest) =
-                super::lora::base_buffers(&mut g, spec, &l.base, (cfg.base_quant, types))?;
+            let (segments, widest) = super::lora::base_buffers(
+                &mut g,
+                spec,
+                &l.base,
+                (cfg.base_quant, types),
+                offload.params,
+            )?;
             let ws = (widest > 0).then(|| {
                 let elems = backend.quantized_gemm_workspace_elems(widest);
                 g.persistent("gemm.quant_tile", Category::Workspace, DType::F32, elems)
@@ -281,19 +286,33 @@ pub(super) fn build(
         None => params,
     };
     let mut homes = Vec::new();
-    let mut home =
-        |ids: Vec<BufId>, kind| homes.extend(ids.into_iter().map(|id| Home { id, kind }));
+    let mut home = |ids: Vec<BufId>, kind, group: &dyn Fn(BufId) -> Option<usize>| {
+        homes.extend(ids.into_iter().map(|id| Home {
+            id,
+            kind,
+            group: group(id),
+        }))
+    };
+    let alone = |_| None;
     if offload.params {
-        home(params.bufs(), Kind::Params);
+        home(params.bufs(), Kind::Params, &alone);
+        // A LoRA plan's frozen base too: read one group at a time, never written back.
+        if let (Some(base), Some(l)) = (&base, &lora) {
+            home(base.bufs(), Kind::Base, &|id| base_group(base, l, id));
+        }
     }
     if offload.grads {
-        home(grads.bufs(), Kind::Grads);
+        home(grads.bufs(), Kind::Grads, &alone);
     }
     if offload.optimizer {
-        home(optim.iter().flat_map(|o| o.ids()).collect(), Kind::Moments);
+        home(
+            optim.iter().flat_map(|o| o.ids()).collect(),
+            Kind::Moments,
+            &alone,
+        );
     }
     if offload.activations {
-        home(stage::kept_activations(&g), Kind::Activations);
+        home(stage::kept_activations(&g), Kind::Activations, &alone);
     }
     // Blocks in the step: every micro-batch's.
     stage::stage(&mut g, &homes, spec.n_layer * micro);
@@ -310,6 +329,13 @@ pub(super) fn build(
     Ok(plan)
 }
 
+/// The parameter group of the base's buffer `id` (a segment of `base`).
+fn base_group(base: &Segments, l: &LoraPlan, id: BufId) -> Option<usize> {
+    let s = base.segments.iter().find(|s| s.buf == id)?;
+    let end = |gr: &crate::model::ParamGroup| l.base.tensors[gr.tensors.end - 1].range.end;
+    l.base.groups.iter().position(|gr| s.range.start < end(gr))
+}
+
 /// The strategies a LoRA plan does not take yet, refused naming the flag.
 fn check_lora(cfg: &StepConfig) -> Result<()> {
     if cfg.lora.is_none() {
@@ -320,12 +346,6 @@ fn check_lora(cfg: &StepConfig) -> Result<()> {
             );
         }
         return Ok(());
-    }
-    if cfg.offload.set != OffloadSet::NONE {
-        bail!(
-            "--offload with --lora: not supported yet (a LoRA run's trainable state is small; \
-             the frozen base stays in RAM); leave out --offload"
-        );
     }
     if cfg.zero.shards_params() {
         bail!(

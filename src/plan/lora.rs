@@ -136,8 +136,10 @@ impl<'de> serde::Deserialize<'de> for BaseQuant {
 
 /// Declares the frozen base's buffers for `base` (the model `spec`'s parameters) kept as
 /// `quant`: one f32 buffer `params.base`, or runs of consecutive tensors of one storage,
-/// `{group}.base.{q4_0|q8_0|f32}`, quantized matrices apart from the f32 vectors (the
-/// vocabulary's matrices in q8_0 under a 4-bit type). Returns the
+/// `{group}.base.{q4_0|q8_0|f32}` (a group's second run of a storage `….2`), quantized
+/// matrices apart from the f32 vectors (the vocabulary's matrices in q8_0 under a 4-bit
+/// type). `per_group` (the base on the disk tier, read one group at a time) splits an f32
+/// base by group too. Returns the
 /// segments and the longest quantized row (the decode tile's width), refusing a matrix whose
 /// rows are not whole blocks and a model whose linear layers have biases (a layer's weight
 /// and bias would be stored apart), naming the tensor or the model.
@@ -146,8 +148,9 @@ pub(super) fn base_buffers(
     spec: &ModelSpec,
     base: &ParamLayout,
     (quant, types): (BaseQuant, Option<&BaseTypes>),
+    per_group: bool,
 ) -> Result<(Segments, usize)> {
-    if quant == BaseQuant::F32 {
+    if quant == BaseQuant::F32 && !per_group {
         let buf = g.persistent("params.base", Category::Param, DType::F32, base.total);
         let segments = vec![Segment {
             range: 0..base.total,
@@ -156,11 +159,11 @@ pub(super) fn base_buffers(
         }];
         return Ok((Segments { segments }, 0));
     };
-    if spec.family == crate::model::Family::Gpt2
+    let biases = spec.family == crate::model::Family::Gpt2
         || spec.biases.qkv
         || spec.biases.attn_out
-        || spec.biases.mlp
-    {
+        || spec.biases.mlp;
+    if quant != BaseQuant::F32 && biases {
         bail!(
             "--base-quant {quant}: {} has biases on its linear layers, which a quantized base \
              does not keep yet; use --base-quant fp32",
@@ -192,7 +195,7 @@ pub(super) fn base_buffers(
             return Ok((ty != GgmlType::F32).then_some(ty));
         }
         let BaseQuant::Blocks(ty) = quant else {
-            unreachable!("f32 and keep are handled above")
+            return Ok(None); // f32, by group
         };
         Ok(match t.shape.as_slice() {
             [rows, _] if *rows == spec.vocab_size && bits_per_weight(ty) < 8.0 => {
@@ -206,18 +209,22 @@ pub(super) fn base_buffers(
     let mut widest = 0;
     for group in &base.groups {
         let mut run: Option<(Option<GgmlType>, Range<usize>)> = None;
+        let mut runs_of: HashMap<Option<GgmlType>, usize> = HashMap::new();
         let mut close = |g: &mut Builder, run: Option<(Option<GgmlType>, Range<usize>)>| {
             let Some((quant, range)) = run else { return };
+            let n = runs_of.entry(quant).or_default();
+            *n += 1;
+            let storage = quant.map_or("f32".to_string(), |t| t.name.to_ascii_lowercase());
+            let name = match *n {
+                1 => format!("{}.base.{storage}", group.name),
+                n => format!("{}.base.{storage}.{n}", group.name),
+            };
             let buf = match quant {
                 Some(t) => {
-                    let name = format!("{}.base.{}", group.name, t.name.to_ascii_lowercase());
                     let bytes = t.bytes_for(range.len() as u64).expect("whole blocks") as usize;
                     g.persistent(&name, Category::Param, DType::U8, bytes)
                 }
-                None => {
-                    let name = format!("{}.base.f32", group.name);
-                    g.persistent(&name, Category::Param, DType::F32, range.len())
-                }
+                None => g.persistent(&name, Category::Param, DType::F32, range.len()),
             };
             segments.push(Segment { range, buf, quant });
         };

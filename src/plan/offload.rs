@@ -6,7 +6,8 @@
 //!
 //! The transformation itself is `plan::stage`; this module names what it applies to:
 //! `optimizer` (the AdamW moments), `params` (read one parameter group at a time before its
-//! forward, its backward and its update), `grads` (written after each group's backward, read
+//! forward, its backward and its update; a LoRA plan's frozen base too, read and never
+//! written), `grads` (written after each group's backward, read
 //! back for the update; with them the update is deferred into the next step's forward, see
 //! [`super::build`]), `activations` (what the forward keeps for the backward), `all`, or
 //! `auto` ([`OffloadChoice::Auto`]: the fastest placement that fits `--max-memory` by

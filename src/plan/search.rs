@@ -338,13 +338,8 @@ pub fn search(
             .filter(|&b| space.global_batch.is_multiple_of(b))
             .collect(),
     };
-    let placements = if space.lora.is_some() {
-        vec![OffloadSet::NONE]
-    } else {
-        let mut p = space.offload.options(&OffloadSet::every());
-        p.sort_by_key(|&o| count(o));
-        p
-    };
+    let mut placements = space.offload.options(&OffloadSet::every());
+    placements.sort_by_key(|&o| count(o));
     let policies = policies(space.recompute, spec.n_layer);
     // The offload file must fit the disk of --offload-dir as the plan must fit the budget.
     let disk_free = match &space.offload_dir {

@@ -44,6 +44,8 @@ use super::{BufId, Category};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     Params,
+    /// A LoRA plan's frozen base: read before each use, never written back.
+    Base,
     Grads,
     Moments,
     Activations,
@@ -53,6 +55,10 @@ pub(super) enum Kind {
 pub(super) struct Home {
     pub id: BufId,
     pub kind: Kind,
+    /// The parameter group of a home that shares its group with others of its kind (a
+    /// frozen base's f32 norms and quantized matrices): they are used in turn without
+    /// splitting each other's spans, and prefetch looks past them. `None`: a group alone.
+    pub group: Option<usize>,
 }
 
 /// One run of ops using a home through one staging copy.
@@ -132,19 +138,23 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
             }
         });
     }
-    // Ops using each kind, sorted (to find another home of the kind used between two uses).
+    // Homes of one key are one parameter group (see `Home::group`).
+    let key = |k: usize| homes[k].group.map_or(k, |g| homes.len() + g);
+    // Ops using each kind, sorted, with the key of the home they use (to find another group
+    // of the kind used between two uses).
     let kind_ops = |kind: Kind| {
-        let mut ops: Vec<usize> = (0..homes.len())
+        let mut ops: Vec<(usize, usize)> = (0..homes.len())
             .filter(|&k| homes[k].kind == kind)
-            .flat_map(|k| uses[k].iter().map(|u| u.0))
+            .flat_map(|k| uses[k].iter().map(move |u| (u.0, key(k))))
             .collect();
         ops.sort_unstable();
         ops
     };
-    let by_kind: Vec<(Kind, Vec<usize>)> = [Kind::Params, Kind::Grads, Kind::Moments]
-        .into_iter()
-        .map(|k| (k, kind_ops(k)))
-        .collect();
+    let by_kind: Vec<(Kind, Vec<(usize, usize)>)> =
+        [Kind::Params, Kind::Base, Kind::Grads, Kind::Moments]
+            .into_iter()
+            .map(|k| (k, kind_ops(k)))
+            .collect();
 
     let mut spans: Vec<Span> = Vec::new();
     for (k, home) in homes.iter().enumerate() {
@@ -159,8 +169,11 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
             let split = j == us.len() || {
                 let (a, b) = (us[j - 1].0, us[j].0);
                 let other = between.is_some_and(|(_, ops)| {
-                    let i = ops.partition_point(|&o| o <= a);
-                    i < ops.len() && ops[i] < b
+                    let i = ops.partition_point(|&(o, _)| o <= a);
+                    ops[i..]
+                        .iter()
+                        .take_while(|&&(o, _)| o < b)
+                        .any(|&(_, other)| other != key(k))
                 });
                 other || class(home.kind, g.ops[a].phase) != class(home.kind, g.ops[b].phase)
             };
@@ -241,7 +254,13 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
         micro: 0,
         frozen: false,
     };
-    for kind in [Kind::Params, Kind::Grads, Kind::Moments, Kind::Activations] {
+    for kind in [
+        Kind::Params,
+        Kind::Base,
+        Kind::Grads,
+        Kind::Moments,
+        Kind::Activations,
+    ] {
         let mut of_kind: Vec<&Span> = spans
             .iter()
             .filter(|s| homes[s.home].kind == kind)
@@ -265,6 +284,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
                 let mut starts: Vec<usize> = of_kind
                     .iter()
                     .filter(|o| o.first < s.first && together(o.class, s.class))
+                    .filter(|o| o.home == s.home || key(o.home) != key(s.home))
                     .map(|o| o.first)
                     .collect();
                 starts.dedup();
