@@ -371,18 +371,6 @@ fn bad_lora_flags_are_refused_naming_the_flag() {
         assert!(e.contains(says), "{extra:?}: {e}");
         assert!(!run.exists(), "{extra:?}: the run directory was written");
     }
-    let e = fails(&[
-        "plan",
-        "--model",
-        "llama-tiny",
-        "--lora",
-        "4",
-        "--ranks",
-        "2",
-        "--zero",
-        "3",
-    ]);
-    assert!(e.contains("--zero 3 with --lora"), "{e}");
 }
 
 /// `merge --dtype bf16` writes the merged weights rounded to bfloat16 and says so in

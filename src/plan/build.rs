@@ -347,13 +347,6 @@ fn check_lora(cfg: &StepConfig) -> Result<()> {
         }
         return Ok(());
     }
-    if cfg.zero.shards_params() {
-        bail!(
-            "--zero 3 with --lora: not supported yet (the adapters are a small share of the \
-             state; --zero 1 or 2 shards their optimizer state and gradients, and the frozen \
-             base is whole on every rank)"
-        );
-    }
     if cfg.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
         bail!("--lora-dropout above 0: not supported yet; leave it at 0 (PEFT's default)");
     }

@@ -390,7 +390,8 @@ pub(super) fn collectives(
 }
 
 /// ZeRO 3: splits the uses of group `group`'s transient parameter buffer `full` into spans
-/// (runs of ops with no other parameter group's op in between, within one phase class),
+/// (runs of ops with no other parameter group's op in between, within one phase class; a
+/// LoRA plan's frozen ops, bound to the base, are no other group),
 /// gives each span a gathered copy of its own, and adds to `gathers` the all-gather from
 /// `shard` that fills it, with the span's first op ([`prefetch`] places it).
 fn gather_spans(
@@ -414,7 +415,7 @@ fn gather_spans(
             let last = *s.last().expect("spans are not empty");
             let other_group_between = g.ops[last + 1..i]
                 .iter()
-                .any(|e| e.params.is_some_and(|b| b.buf != full));
+                .any(|e| !e.frozen && e.params.is_some_and(|b| b.buf != full));
             !other_group_between && class(g.ops[last].phase) == class(g.ops[i].phase)
         });
         if joins {
