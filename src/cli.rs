@@ -358,10 +358,11 @@ pub(crate) struct StrategyArgs {
     /// once on load: half of fp32); quantized once on load as llama.cpp's q8_0 (8.5 bits a weight), q4_0, q4_1 or q4_k (4.5, 5 and 4.5, in
     /// blocks of 256: QLoRA's memory;
     /// the embedding and head then in q8_0, as llama.cpp keeps them); or keep: a GGUF --init's
-    /// own blocks (Q4_K, Q6_K, ... as the file has them), never re-quantized. The norms stay
-    /// f32. The frozen layers compute on the blocks, decoding a few rows at a time; the
-    /// adapters train in fp32 [default: keep for a GGUF --init (q8_0 where its fused
-    /// projections differ in type), else fp32]
+    /// own blocks (Q4_K, Q6_K, ... as the file has them), never re-quantized, except the parts
+    /// of a fused projection (q, k, v; gate, up) the file stores as different types, which
+    /// become q8_0. The norms stay f32. The frozen layers compute on the blocks, decoding a
+    /// few rows at a time; the adapters train in fp32 [default: keep for a GGUF --init, else
+    /// fp32]
     #[arg(long, value_name = "fp32|bf16|q8_0|q4_0|q4_1|q4_k|keep", value_parser = parse_base_quant)]
     pub(crate) base_quant: Option<BaseQuant>,
 }

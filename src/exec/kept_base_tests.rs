@@ -9,7 +9,7 @@ use crate::gguf::base::BaseSource;
 use crate::gguf::testutil::{tiny_model, write_temp};
 use crate::model::lora::{LoraSpec, Target};
 use crate::model::{ModelSpec, ParamLayout};
-use crate::plan::lora::BaseQuant;
+use crate::plan::lora::{BaseQuant, BaseTypes};
 use crate::plan::{Mode, StepConfig, build_plan};
 use crate::util::rng::Rng;
 
@@ -35,46 +35,56 @@ fn uniform(tied: bool) -> Vec<u8> {
     w.to_bytes()
 }
 
-/// Fused projections stored as different types are refused, naming them.
+/// Fused projections stored as different types (the test model's q Q4_1, k Q4_0, v F16;
+/// gate Q8_0, up Q4_1) are stored as q8_0, converted from the file's blocks: the step computes as on the
+/// conversion with those tensors rounded through q8_0, and the plan names them.
 #[test]
-fn a_kept_base_with_mixed_fused_projections_is_refused() {
-    let (_tmp, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
-    let cache = tempfile::tempdir().unwrap();
-    let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init").unwrap();
-    let spec = crate::ckpt::load_spec(&dir).unwrap();
-    let mut cfg = StepConfig::new(1, 8, 2);
-    cfg.lora = Some(LoraSpec {
-        r: 4,
-        alpha: 8.0,
-        dropout: 0.0,
-        targets: Target::all(spec.family).to_vec(),
-    });
-    cfg.base_quant = BaseQuant::Keep;
-    cfg.base_types = Some(std::sync::Arc::new(
-        BaseSource::open(&gguf).unwrap().types(),
-    ));
-    let e = format!(
-        "{:#}",
-        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap_err()
-    );
-    assert!(
-        e.contains("q_proj.weight (Q4_1)")
-            && e.contains("k_proj.weight (Q4_0)")
-            && e.contains("q8_0"),
-        "{e}"
-    );
+fn a_kept_base_stores_mixed_fused_projections_as_q8_0() {
+    let rounded = |layout: &ParamLayout, base: &mut [f32], types: &BaseTypes| {
+        let mut names = Vec::new();
+        let fused = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"];
+        for t in (layout.tensors.iter()).filter(|t| fused.iter().any(|f| t.name.contains(f))) {
+            names.push(t.name.clone());
+            // Blocks the file holds as q8_0 are copied, not quantized again.
+            if types[&t.name] == GgmlType::Q8_0 {
+                continue;
+            }
+            let w = &mut base[t.range.clone()];
+            let mut blocks = vec![0u8; GgmlType::Q8_0.bytes_for(w.len() as u64).unwrap() as usize];
+            crate::gguf::quantize::quantize(GgmlType::Q8_0, w, &mut blocks).unwrap();
+            crate::gguf::dequant::dequantize(GgmlType::Q8_0, &blocks, w).unwrap();
+        }
+        names
+    };
+    kept_is_its_conversion(&tiny_model("llama", true).to_bytes(), true, rounded);
 }
 
 #[test]
 fn a_kept_base_computes_as_its_conversion() {
     for tied in [true, false] {
-        let (_tmp, gguf) = write_temp(&uniform(tied));
+        kept_is_its_conversion(&uniform(tied), tied, |_, _, _| Vec::new());
+    }
+}
+
+/// A LoRA step on the GGUF file `gguf` kept as it is equals one on its conversion to f32
+/// (with `amend` applied to it: what storing differs from the file's blocks does), and the
+/// plan names as requantized what `amend` returns.
+fn kept_is_its_conversion(
+    gguf: &[u8],
+    tied: bool,
+    amend: impl Fn(&ParamLayout, &mut [f32], &BaseTypes) -> Vec<String>,
+) {
+    {
+        let (_tmp, gguf) = write_temp(gguf);
         let cache = tempfile::tempdir().unwrap();
         let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init").unwrap();
         let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
         let layout = ParamLayout::new(&spec);
         let mut base = vec![0f32; layout.total];
         crate::ckpt::load_params(&dir, &layout, &mut base).unwrap();
+        let src = BaseSource::open(&gguf).unwrap();
+        let mut requantized = amend(&layout, &mut base, &src.types());
+        requantized.sort();
         let lora = LoraSpec {
             r: 4,
             alpha: 8.0,
@@ -86,7 +96,6 @@ fn a_kept_base_computes_as_its_conversion() {
         let batch: Vec<u32> = (0..b * (t + 1))
             .map(|_| rng.below(spec.vocab_size as u64) as u32)
             .collect();
-        let src = BaseSource::open(&gguf).unwrap();
         let run = |keep: bool| {
             let mut cfg = StepConfig::new(b, t, 2);
             cfg.lora = Some(lora.clone());
@@ -95,6 +104,13 @@ fn a_kept_base_computes_as_its_conversion() {
                 cfg.base_types = Some(std::sync::Arc::new(src.types()));
             }
             let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+            if keep {
+                let l = plan.lora.as_ref().unwrap();
+                assert_eq!(
+                    l.requantized, requantized,
+                    "tied {tied}: requantized tensors"
+                );
+            }
             let quantized = plan
                 .buffers
                 .iter()

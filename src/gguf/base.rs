@@ -70,16 +70,8 @@ impl BaseSource {
         let rows = t.range.len() / cols;
         let src = self.file.tensor_data(info);
         match storage {
+            Some(ty) if ty != info.ty => self.convert(h, info, (rows, cols), ty, dst),
             Some(ty) => {
-                if ty != info.ty {
-                    bail!(
-                        "{path}: tensor {} is {} but the plan keeps {} as {ty}: the file changed \
-                         since the run planned; start a new run",
-                        h.gguf,
-                        info.ty,
-                        t.name
-                    );
-                }
                 let row = ty.bytes_for(cols as u64).context("rows of whole blocks")? as usize;
                 if dst.len() != row * rows || src.len() != dst.len() {
                     bail!(
@@ -125,6 +117,48 @@ impl BaseSource {
     }
 }
 
+impl BaseSource {
+    /// Copies the tensor of `h` (GGUF `info`, `rows` × `cols`) into `dst` as blocks of `ty`,
+    /// another type than the file's (the parts of a fused projection the file stores as
+    /// different types, `plan::lora::unify_storage`): each row decoded and quantized again,
+    /// put at its Hugging Face row, its pages released as it goes.
+    fn convert(
+        &self,
+        h: &HfTensor,
+        info: &super::file::TensorInfo,
+        (rows, cols): (usize, usize),
+        ty: GgmlType,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let path = self.file.path().display().to_string();
+        let what = || format!("{path}: tensor {} ({} to {ty})", h.gguf, info.ty);
+        let (src_row, dst_row) = (
+            info.ty.bytes_for(cols as u64).with_context(what)? as usize,
+            ty.bytes_for(cols as u64).with_context(what)? as usize,
+        );
+        let src = self.file.tensor_data(info);
+        if src.len() != src_row * rows || dst.len() != dst_row * rows {
+            bail!("internal error: {} is not {rows} rows of {cols}", h.gguf);
+        }
+        let to = unpermute(h.unpermute_heads, rows);
+        let mut values = vec![0f32; cols];
+        let mut released = 0;
+        for g in 0..rows {
+            let bytes = &src[g * src_row..(g + 1) * src_row];
+            dequant::dequantize(info.ty, bytes, &mut values).with_context(what)?;
+            let d = to(g);
+            super::quantize::quantize(ty, &values, &mut dst[d * dst_row..(d + 1) * dst_row])
+                .with_context(what)?;
+            let read = (g + 1) * src_row;
+            if read - released >= PIECE_BYTES || g + 1 == rows {
+                self.file.release(info, released..read);
+                released = read;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where GGUF row `g` of a tensor of `rows` rows goes in Hugging Face order: llama.cpp's
 /// Q/K permutation undone with `heads` heads (see `super::hf::unpermute_rows`: HF row
 /// `h·d + s·d/2 + i` is GGUF row `h·d + 2i + s`), or the same row.
@@ -157,5 +191,43 @@ mod tests {
             }
             assert_eq!(got, want, "{heads} heads, {rows} rows");
         }
+    }
+}
+
+#[cfg(test)]
+mod convert_tests {
+    use super::*;
+    use crate::gguf::testutil::{tiny_model, write_temp};
+
+    /// A tensor copied as another type than the file's is its f32 conversion quantized to
+    /// that type, row for row (Q and K rows un-permuted as the f32 copy puts them).
+    #[test]
+    fn a_tensor_copied_as_another_type_is_its_f32_copy_quantized() {
+        let (_tmp, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
+        let cache = tempfile::tempdir().unwrap();
+        let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init").unwrap();
+        let spec = crate::ckpt::load_spec(&dir).unwrap();
+        let layout = crate::model::ParamLayout::new(&spec);
+        let src = BaseSource::open(&gguf).unwrap();
+        let ty = GgmlType::Q8_0;
+        let mut checked = 0;
+        for t in layout.tensors.iter().filter(|t| t.shape.len() == 2) {
+            if src.types()[&t.name] == ty {
+                continue;
+            }
+            let mut f = vec![0u8; 4 * t.range.len()];
+            src.copy(t, None, &mut f).unwrap();
+            let f: Vec<f32> = f
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let n = ty.bytes_for(t.range.len() as u64).unwrap() as usize;
+            let (mut want, mut got) = (vec![0u8; n], vec![0u8; n]);
+            crate::gguf::quantize::quantize(ty, &f, &mut want).unwrap();
+            src.copy(t, Some(ty), &mut got).unwrap();
+            assert!(got == want, "{}", t.name);
+            checked += 1;
+        }
+        assert!(checked >= 8, "{checked} tensors checked");
     }
 }

@@ -121,7 +121,11 @@ pub(super) fn build(
         (Some(l), Mode::Train) => {
             let base = ParamLayout::new(spec);
             let adapters = AdapterLayout::new(&base, l.clone())?;
-            Some(LoraPlan { base, adapters })
+            Some(LoraPlan {
+                base,
+                adapters,
+                requantized: Vec::new(),
+            })
         }
         _ => None,
     };
@@ -277,8 +281,19 @@ pub(super) fn build(
     }
     zero_grads_before_first_write(&mut g, &grads);
     norm_when_final(&mut g, &layout, &grads);
+    // A kept GGUF base whose fused projections differ in type: planned again with those
+    // parts as q8_0.
     if let (Some(l), Some(base)) = (&lora, &base) {
-        super::lora::check_storage(&g.ops, base, l)?;
+        let storage = (cfg.base_quant, cfg.base_types.as_deref());
+        if let Some((types, names)) = super::lora::unify_storage(&g.ops, base, l, storage)? {
+            let mut cfg = cfg.clone();
+            cfg.base_types = Some(std::sync::Arc::new(types));
+            let mut plan = build(spec, &cfg, mode, backend, verify)?;
+            if let Some(l) = &mut plan.lora {
+                l.requantized = names;
+            }
+            return Ok(plan);
+        }
     }
     bind_state(&mut g, &params, Some(&grads), base.as_ref());
     let params = match &split {

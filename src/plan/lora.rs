@@ -43,6 +43,9 @@ pub struct LoraPlan {
     pub base: ParamLayout,
     /// The adapters (their `params` are the plan's trainable layout).
     pub adapters: AdapterLayout,
+    /// Base tensors a kept GGUF base stores as q8_0 rather than as the file does: the parts of
+    /// a fused projection whose types differ in the file ([`unify_storage`]), by name.
+    pub requantized: Vec<String>,
 }
 
 impl LoraPlan {
@@ -256,35 +259,47 @@ pub(super) fn base_buffers(
     Ok((Segments { segments }, widest))
 }
 
-/// Refuses a base whose storage splits what one frozen op reads: a GGUF file whose fused
-/// projections (Llama's q, k, v, or gate and up, one product in memwall) are stored as
-/// different types, kept as they are (`--base-quant keep`), naming the tensors and types.
-pub(super) fn check_storage(ops: &[OpEntry], base: &Segments, lora: &LoraPlan) -> Result<()> {
+/// Where a base's storage splits what one frozen op reads: the parts of a fused projection
+/// (Llama's q, k and v, or gate and up: one product in memwall) stored as different types in
+/// a GGUF file kept as it is (`--base-quant keep`; Q4_K_M keeps some layers' attn_v as Q6_K
+/// beside Q4_K attn_q and attn_k). Returns the types amended so that every part of such a
+/// product is q8_0 (converted from the file's blocks on load: 8.5 bits a weight, more than
+/// any of the 4- to 6-bit types it replaces) and the names of the tensors amended, or `None`
+/// where every frozen op reads one storage. Other base storages never split a product.
+pub(super) fn unify_storage(
+    ops: &[OpEntry],
+    base: &Segments,
+    lora: &LoraPlan,
+    (quant, types): (BaseQuant, Option<&BaseTypes>),
+) -> Result<Option<(BaseTypes, Vec<String>)>> {
+    let mut split = Vec::new();
     for e in ops.iter().filter(|e| e.frozen) {
         for r in e.op.param_ranges() {
             if base.find(&r).is_some() {
                 continue;
             }
-            let parts: Vec<String> = (lora.base.tensors.iter())
+            let parts = (lora.base.tensors.iter())
                 .filter(|t| t.range.start < r.end && r.start < t.range.end)
-                .map(|t| {
-                    let ty = base
-                        .find(&t.range)
-                        .and_then(|s| s.quant)
-                        .map_or("F32".to_string(), |q| q.name.to_string());
-                    format!("{} ({ty})", t.name)
-                })
-                .collect();
-            bail!(
-                "--base-quant keep: {} are stored as different types in the GGUF file, but \
-                 memwall computes them as one product ({}); use --base-quant q8_0, q4_0 or q4_1 \
-                 to re-quantize the base from the file's weights",
-                parts.join(", "),
-                e.name
-            );
+                .map(|t| t.name.clone());
+            split.extend(parts);
         }
     }
-    Ok(())
+    if split.is_empty() {
+        return Ok(None);
+    }
+    let (BaseQuant::Keep, Some(types)) = (quant, types) else {
+        bail!(
+            "internal error: --base-quant {quant} stores the parts of {} apart",
+            split.join(", ")
+        );
+    };
+    let mut types = types.clone();
+    split.sort();
+    split.dedup();
+    for name in &split {
+        types.insert(name.clone(), GgmlType::Q8_0);
+    }
+    Ok(Some((types, split)))
 }
 
 /// Bits a weight of `ty` takes (its blocks' scales included): q4_0 4.5, q8_0 8.5.

@@ -74,9 +74,10 @@ pub fn new_run(
 }
 
 /// How a LoRA run keeps its base: as asked (`--base-quant`); else, from a GGUF `--init`, the
-/// file's own blocks (`keep`), or q8_0 where a plan cannot keep them (fused projections
-/// stored as different types), or fp32 for a model with linear biases (which a quantized
-/// base does not keep yet); else fp32. With `keep`, each tensor's storage read from the file.
+/// file's own blocks (`keep`; the plan stores the parts of a fused projection whose types
+/// differ as q8_0, `plan::lora::unify_storage`), or fp32 for a model with linear biases
+/// (which a quantized base does not keep yet); else fp32. With `keep`, each tensor's storage
+/// read from the file.
 fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Option<Kept>)> {
     let lora = req.step.strategy.lora.is_some() || req.init_adapter.is_some();
     if let Some(q) = req.step.strategy.base_quant {
@@ -90,27 +91,7 @@ fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Opti
     if spec.family == crate::model::Family::Gpt2 || b.qkv || b.attn_out || b.mlp {
         return Ok((BaseQuant::F32, None));
     }
-    let types = kept_types(o, BaseQuant::Keep)?;
-    // Whether the file's types can be kept: a one-row plan of the run's adapters.
-    let mut cfg = o.strategies.step_config(1, o.seq.min(8), 1);
-    (cfg.base_quant, cfg.base_types) = (BaseQuant::Keep, types.clone());
-    if cfg.lora.is_none() {
-        cfg.lora = match (&req.step.strategy.lora, &req.init_adapter) {
-            (Some(l), _) => Some(l.spec(spec.family)?),
-            (None, Some(dir)) => Some(crate::ckpt::adapter::read_config(dir, spec.family)?),
-            (None, None) => None,
-        };
-    }
-    match crate::plan::build_plan(&spec, &cfg, crate::plan::Mode::Train, o.device.backend()) {
-        Ok(_) => Ok((BaseQuant::Keep, types)),
-        Err(e) => {
-            eprintln!(
-                "memwall: note: the base is kept as q8_0, re-quantized from the GGUF file's \
-                 weights, as its own blocks cannot be: {e:#}"
-            );
-            Ok((BaseQuant::Blocks(crate::gguf::GgmlType::Q8_0), None))
-        }
-    }
+    Ok((BaseQuant::Keep, kept_types(o, BaseQuant::Keep)?))
 }
 
 type Kept = std::sync::Arc<crate::plan::lora::BaseTypes>;

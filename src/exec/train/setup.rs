@@ -387,9 +387,17 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
     };
     let lora = match &plan.lora {
         Some(l) => format!(
-            "\n      {}; base {}{}",
+            "\n      {}; base {}{}{}",
             l.describe(),
             plan.cfg.base_quant,
+            match l.requantized.len() {
+                0 => String::new(),
+                n => format!(
+                    " ({n} tensors as q8_0, converted from the file's blocks: parts of one \
+                     product stored as different types, such as {})",
+                    l.requantized[0]
+                ),
+            },
             match &opts.init {
                 Some(_) => "",
                 None => " (no --init: the base is randomly initialised, as for a benchmark)",
