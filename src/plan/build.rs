@@ -334,9 +334,6 @@ fn check_lora(cfg: &StepConfig) -> Result<()> {
              base is whole on every rank)"
         );
     }
-    if cfg.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
-        bail!("--lora-dropout above 0: not supported yet; leave it at 0 (PEFT's default)");
-    }
     Ok(())
 }
 
