@@ -546,3 +546,70 @@ fn dropout_with_accumulation_is_the_whole_batch() {
         "accumulated gradients differ by {worst} of {scale}"
     );
 }
+
+/// `--lora-dropout` adds to the plan exactly one f32 workspace `[N, IC]` per adapter op (its
+/// input's shape), and changes nothing else: the same ops in the same order, every other
+/// buffer with its size. The arena holds it: the packing is verified with it, and the peak
+/// is at least the p = 0 plan's.
+#[test]
+fn dropout_plans_one_workspace_per_adapter_op() {
+    use memwall::plan::{Category, Op};
+    let spec = tiny_llama();
+    let plan = |lora: LoraSpec| {
+        let mut cfg = StepConfig::new(B, T, 2);
+        (cfg.recompute, cfg.lora) = (Recompute::Full, Some(lora));
+        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+    };
+    let (plain, drop) = (
+        plan(lora_spec(spec.family, "all")),
+        plan(dropout_spec(spec.family)),
+    );
+    let (ops, dops) = (&plain.schedule.ops, &drop.schedule.ops);
+    assert_eq!(ops.len(), dops.len());
+    let mut workspaces = Vec::new();
+    for (e, d) in ops.iter().zip(dops) {
+        assert_eq!(e.name, d.name);
+        let dropout = match (&e.op, &d.op) {
+            (
+                Op::LoraForward { dropout: None, .. },
+                Op::LoraForward {
+                    dropout, ic, rows, ..
+                },
+            )
+            | (
+                Op::LoraBackward { dropout: None, .. },
+                Op::LoraBackward {
+                    dropout, ic, rows, ..
+                },
+            ) => {
+                let x = dropout.expect("an adapter op without dropout");
+                assert_eq!((x.p, x.micro), (0.1, d.micro));
+                Some((x.ws, rows.n() * ic))
+            }
+            _ => None,
+        };
+        workspaces.extend(dropout.map(|(ws, elems)| {
+            let b = &drop.buffers[ws.0];
+            assert_eq!(
+                (b.category, b.elems, b.bytes),
+                (Category::Workspace, elems, 4 * elems as u64)
+            );
+            assert_eq!(b.name, format!("{}_xd", d.name));
+            b.name.clone()
+        }));
+    }
+    // Forward and backward of each adapter, and recomputed forwards.
+    let adapters = drop.lora.as_ref().unwrap().adapters.layers.len();
+    assert!(
+        workspaces.len() > 2 * adapters,
+        "{} workspaces",
+        workspaces.len()
+    );
+    let rest: Vec<_> = (drop.buffers.iter())
+        .filter(|b| !workspaces.contains(&b.name))
+        .map(|b| (&b.name, b.bytes))
+        .collect();
+    let before: Vec<_> = plain.buffers.iter().map(|b| (&b.name, b.bytes)).collect();
+    assert_eq!(rest, before);
+    assert!(drop.peak_live_bytes >= plain.peak_live_bytes);
+}
