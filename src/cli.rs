@@ -351,7 +351,12 @@ pub(crate) struct StrategyArgs {
     /// [default: all]
     #[arg(long, value_name = "LIST", requires = "lora")]
     pub(crate) lora_targets: Option<String>,
-    /// Dropout on the adapters' input (only 0 for now) [default: 0]
+    /// Dropout on the adapters' input, in [0, 1): in training steps each element of an
+    /// adapter's input is dropped with probability P and the others scaled by 1/(1-P), a
+    /// mask of its own per adapter (PEFT's lora_dropout); evaluation and sampling use none.
+    /// The mask is a hash of (seed, step, adapter, element), never stored: the backward,
+    /// recomputation and --resume draw it again. Costs one f32 workspace of the adapter's
+    /// input per adapter op [default: 0]
     #[arg(long, value_name = "P", requires = "lora")]
     pub(crate) lora_dropout: Option<f32>,
     /// How the frozen base of --lora is kept in memory: fp32; its matrices in bf16 (rounded

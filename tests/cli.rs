@@ -252,6 +252,7 @@ fn measured_peak_rss_matches_the_plan() {
             "llama-tiny",
             &["--precision", "bf16", "--optim-state", "int8"][..],
         ),
+        ("llama-tiny", &["--lora", "8", "--lora-dropout", "0.1"][..]),
     ] {
         let mut args = vec![
             "bench",

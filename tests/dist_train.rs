@@ -224,17 +224,20 @@ fn two_and_four_ranks_train_like_one_process_with_accumulation_at_every_stage() 
 
 /// LoRA adapters train data-parallel like one process accumulating (their gradients
 /// all-reduced or reduce-scattered, their moments sharded by ZeRO 1 and 2, themselves by 3),
-/// the base frozen and whole on every rank.
+/// the base frozen and whole on every rank; with dropout too (rank k draws the masks of
+/// micro-batch k).
 #[test]
 fn lora_adapters_train_over_ranks_like_one_process() {
-    let lora = Some(LoraSpec {
-        r: 4,
-        alpha: 8.0,
-        dropout: 0.0,
-        targets: parse_targets("all", Family::Gpt2).unwrap(),
-    });
-    for n in [2usize, 3] {
-        ranks_match(n, (OptimState::F32, &lora), 4, 0..=3);
+    for dropout in [0.0, 0.1] {
+        let lora = Some(LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout,
+            targets: parse_targets("all", Family::Gpt2).unwrap(),
+        });
+        for n in [2usize, 3] {
+            ranks_match(n, (OptimState::F32, &lora), 4, 0..=3);
+        }
     }
 }
 

@@ -275,6 +275,90 @@ fn lora_runs_save_peft_adapters_and_resume_bitwise() {
     ]);
 }
 
+/// `train --lora 4 --lora-dropout 0.1` end to end: the loss falls, the adapter differs from
+/// the same run's without dropout, the checkpoint's adapter_config.json says lora_dropout
+/// 0.1, and a run resumed from its step-4 checkpoint ends bitwise where the uninterrupted
+/// run does (each step's masks are a pure function of the seed and the step).
+#[test]
+fn lora_dropout_trains_and_resumes_bitwise() {
+    use common::{micro_config, prepared, small_corpus, train_args};
+    use memwall::run_dir::metrics;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let data = prepared(tmp.path(), &small_corpus(tmp.path()));
+    let cfg = micro_config(tmp.path());
+    let short = ["--batch", "2", "--seq", "16", "--eval-every", "0"];
+    let base_run = tmp.path().join("base");
+    let mut args = train_args(
+        &cfg,
+        &data,
+        &base_run,
+        &["--steps", "2", "--save-every", "2"],
+    );
+    args.extend(short.map(String::from));
+    ok(&args);
+    let base = base_run.join("checkpoints/step-000002");
+    let lora = |run: &Path, dropout: &str| {
+        let mut a: Vec<String> = [
+            "train",
+            "--init",
+            &p(&base),
+            "--lora",
+            "4",
+            "--lora-dropout",
+            dropout,
+            "--data",
+            &p(&data),
+            "--out",
+            &p(run),
+            "--steps",
+            "8",
+            "--save-every",
+            "4",
+            "--lr",
+            "1e-2",
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(short.map(String::from));
+        a
+    };
+    let whole = tmp.path().join("whole");
+    ok(&lora(&whole, "0.1"));
+    let losses: Vec<f32> = metrics::read(&whole.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .filter_map(|m| m.update.as_ref().map(|u| u.loss))
+        .collect();
+    assert_eq!(losses.len(), 8);
+    assert!(losses[7] < losses[0], "the loss did not fall: {losses:?}");
+    let ck = whole.join("checkpoints/step-000008");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["lora_dropout"], 0.1);
+    let adapter = |dir: &Path| std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+
+    let plain = tmp.path().join("plain");
+    ok(&lora(&plain, "0"));
+    assert!(
+        adapter(&plain.join("checkpoints/step-000008")) != adapter(&ck),
+        "dropout changed nothing"
+    );
+
+    let halves = tmp.path().join("halves");
+    ok(&lora(&halves, "0.1"));
+    std::fs::remove_dir_all(halves.join("checkpoints/step-000008")).unwrap();
+    ok(&["train", "--resume", &p(&halves), "--steps", "8"]);
+    let resumed = halves.join("checkpoints/step-000008");
+    for f in ["adapter_model.safetensors", "optimizer.safetensors"] {
+        let (a, b) = (
+            std::fs::read(ck.join(f)).unwrap(),
+            std::fs::read(resumed.join(f)).unwrap(),
+        );
+        assert!(a == b, "{f} differs after resume");
+    }
+}
+
 /// `--init-adapter` starts the adapters from a PEFT adapter directory and trains them on:
 /// the run takes its rank, alpha and targets, and with a learning rate too small to move them
 /// its first checkpoint holds the adapter it started from; `--lora` that disagrees is refused.
@@ -297,7 +381,7 @@ fn a_peft_adapter_given_to_init_adapter_trains_on() {
     ok(&args);
     let base = base_run.join("checkpoints/step-000001");
     let adir = tmp.path().join("adapter");
-    let (_, a, values) = adapter(&base, &adir, "attn,mlp_proj");
+    let (layout, a, values) = adapter(&base, &adir, "attn,mlp_proj");
     let run = tmp.path().join("run");
     let train = |extra: &[&str]| {
         let mut a: Vec<String> = [
@@ -339,9 +423,28 @@ fn a_peft_adapter_given_to_init_adapter_trains_on() {
         .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
         .fold(0f32, f32::max);
     assert!(worst < 1e-6, "the adapter moved by {worst} at lr 1e-12");
+
+    // An adapter trained with dropout (PEFT's lora_dropout) trains on with it: the run's
+    // plan has the adapters' dropout workspaces and its checkpoint says lora_dropout 0.05.
+    let spec = LoraSpec {
+        dropout: 0.05,
+        ..a.spec.clone()
+    };
+    let with_dropout = AdapterLayout::new(&layout, spec).unwrap();
+    save_adapter(&adir, &with_dropout, &values, &p(&base)).unwrap();
+    std::fs::remove_dir_all(&run).unwrap();
+    ok(&train(&[]));
+    let plan = std::fs::read_to_string(run.join("plan.json")).unwrap();
+    assert!(
+        plan.contains(".lora_xd"),
+        "no dropout workspace in the plan"
+    );
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["lora_dropout"], 0.05);
 }
 
-/// Bad LoRA flags are refused before anything is written, naming the flag./// Bad LoRA flags are refused before anything is written, naming the flag.
+/// Bad LoRA flags are refused before anything is written, naming the flag.
 #[test]
 fn bad_lora_flags_are_refused_naming_the_flag() {
     use common::{micro_config, prepared, small_corpus, train_args};
@@ -364,6 +467,18 @@ fn bad_lora_flags_are_refused_naming_the_flag() {
             "--base-quant q5_k",
         ),
         (&["--lora", "4", "--base-quant", "q4_1"][..], "biases"),
+        (
+            &["--lora", "4", "--lora-dropout", "1"][..],
+            "--lora-dropout 1",
+        ),
+        (
+            &["--lora", "4", "--lora-dropout=-0.1"][..],
+            "--lora-dropout -0.1",
+        ),
+        (
+            &["--lora", "4", "--lora-dropout", "NaN"][..],
+            "--lora-dropout NaN",
+        ),
     ] {
         let mut args = train_args(&cfg, &data, &run, &["--steps", "1", "--seq", "16"]);
         args.extend(extra.iter().map(|s| s.to_string()));

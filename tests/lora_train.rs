@@ -476,3 +476,208 @@ fn offloading_a_lora_run_changes_nothing_but_where_the_base_lives() {
         }
     }
 }
+
+/// `--lora-dropout 0.1` on every adapter of the tiny Llama.
+fn dropout_spec(family: Family) -> LoraSpec {
+    LoraSpec {
+        dropout: 0.1,
+        ..lora_spec(family, "all")
+    }
+}
+
+/// A LoRA executor with dropout on random adapters (B ≠ 0), drawing the masks of `seed`.
+fn dropout_executor(cfg: &StepConfig, lora: &LoraSpec, seed: u64) -> Executor {
+    let spec = tiny_llama();
+    let (base, batch) = base_and_batch(&spec);
+    let l = ParamLayout::new(&spec);
+    let ad = memwall::model::lora::AdapterLayout::new(&l, lora.clone()).unwrap();
+    let values = random_adapter(ad.params.total);
+    let mut ex = lora_executor(&spec, lora, cfg, &base, Some(&values), &batch);
+    ex.set_dropout_seed(seed);
+    ex
+}
+
+fn loss_and_grads(ex: &mut Executor) -> (f32, Vec<f32>) {
+    (ex.compute_gradients().unwrap(), ex.download_grads())
+}
+
+fn bits(g: &[f32]) -> Vec<u32> {
+    g.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Dropout is on in training steps: the loss and gradients differ from p = 0's and between
+/// steps (seeds), and are a pure function of the seed (drawn twice, bitwise the same).
+/// Evaluation uses no dropout: its loss is bitwise p = 0's.
+#[test]
+fn dropout_trains_with_a_mask_per_step_and_evaluates_without() {
+    let spec = tiny_llama();
+    let cfg = StepConfig::new(B, T, 2);
+    let plain = loss_and_grads(&mut dropout_executor(
+        &cfg,
+        &lora_spec(spec.family, "all"),
+        1,
+    ));
+    let drop = dropout_spec(spec.family);
+    let mut ex = dropout_executor(&cfg, &drop, 1);
+    let first = loss_and_grads(&mut ex);
+    assert_ne!(first.0, plain.0, "dropout changed no loss");
+    assert_ne!(bits(&first.1), bits(&plain.1));
+    let again = loss_and_grads(&mut ex);
+    assert_eq!(
+        (first.0.to_bits(), bits(&first.1)),
+        (again.0.to_bits(), bits(&again.1))
+    );
+    ex.set_dropout_seed(2);
+    let other = loss_and_grads(&mut ex);
+    assert_ne!(other.0, first.0, "another step drew the same masks");
+    let mut p0 = dropout_executor(&cfg, &lora_spec(spec.family, "all"), 1);
+    assert_eq!(
+        ex.eval_loss().unwrap().to_bits(),
+        p0.eval_loss().unwrap().to_bits()
+    );
+}
+
+/// With dropout on, the adapters' gradients are those of the training loss with its masks
+/// fixed by the seed: directional derivatives by finite differences of the training
+/// forward (`compute_gradients`' loss, the same masks each time).
+#[test]
+fn dropout_gradients_match_finite_differences() {
+    let spec = tiny_llama();
+    let mut ex = dropout_executor(&StepConfig::new(B, T, 2), &dropout_spec(spec.family), 5);
+    let p0 = ex.with_params(|p| p.to_vec()).unwrap();
+    let (_, g) = loss_and_grads(&mut ex);
+    let mut rng = Rng::new(98);
+    for _ in 0..3 {
+        let d: Vec<f32> = (0..p0.len()).map(|_| rng.normal()).collect();
+        let eps = 1e-3f32;
+        let mut eval = |s: f32| {
+            ex.with_params_mut(|p| {
+                for ((p, &q), &di) in p.iter_mut().zip(&p0).zip(&d) {
+                    *p = q + s * di;
+                }
+            })
+            .unwrap();
+            ex.compute_gradients().unwrap() as f64
+        };
+        let fd = (eval(eps) - eval(-eps)) / (2.0 * eps as f64);
+        let an: f64 = g.iter().zip(&d).map(|(&a, &b)| a as f64 * b as f64).sum();
+        assert!(
+            (fd - an).abs() <= 2e-2 * an.abs().max(fd.abs()) + 1e-3,
+            "directional derivative: analytic {an} vs finite difference {fd}"
+        );
+    }
+}
+
+/// With dropout, recomputation (selective and full) draws the forward's masks again: the
+/// gradients are bitwise those of keeping everything, in fp32 and bf16.
+#[test]
+fn dropout_recomputation_is_bitwise() {
+    let spec = tiny_llama();
+    for precision in [Precision::F32, Precision::Bf16] {
+        let grads = |recompute: Recompute| {
+            let mut cfg = StepConfig::new(B, T, 2);
+            (cfg.recompute, cfg.precision) = (recompute, precision);
+            let (loss, g) =
+                loss_and_grads(&mut dropout_executor(&cfg, &dropout_spec(spec.family), 3));
+            (loss.to_bits(), bits(&g))
+        };
+        let keep = grads(Recompute::None);
+        for policy in [Recompute::Selective, Recompute::Full] {
+            assert!(
+                grads(policy) == keep,
+                "{precision:?}: {policy:?} changed the gradients"
+            );
+        }
+    }
+}
+
+/// Masks are drawn by an element's place in the step's batch: B micro-batches of one row
+/// draw the masks of one batch of B rows, so accumulation gives its loss and gradients (to
+/// rounding), as without dropout.
+#[test]
+fn dropout_with_accumulation_is_the_whole_batch() {
+    let spec = tiny_llama();
+    let drop = dropout_spec(spec.family);
+    let whole = loss_and_grads(&mut dropout_executor(&StepConfig::new(B, T, 2), &drop, 4));
+    let mut cfg = StepConfig::new(1, T, 2);
+    cfg.grad_accum = B;
+    let (loss, g) = loss_and_grads(&mut dropout_executor(&cfg, &drop, 4));
+    assert!(
+        (loss - whole.0).abs() <= 1e-5 * whole.0.abs(),
+        "{loss} vs {}",
+        whole.0
+    );
+    let scale = whole.1.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = (g.iter().zip(&whole.1)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst <= 1e-4 * scale,
+        "accumulated gradients differ by {worst} of {scale}"
+    );
+}
+
+/// `--lora-dropout` adds to the plan exactly one f32 workspace `[N, IC]` per adapter op (its
+/// input's shape), and changes nothing else: the same ops in the same order, every other
+/// buffer with its size. The arena holds it: the packing is verified with it, and the peak
+/// is at least the p = 0 plan's.
+#[test]
+fn dropout_plans_one_workspace_per_adapter_op() {
+    use memwall::plan::{Category, Op};
+    let spec = tiny_llama();
+    let plan = |lora: LoraSpec| {
+        let mut cfg = StepConfig::new(B, T, 2);
+        (cfg.recompute, cfg.lora) = (Recompute::Full, Some(lora));
+        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+    };
+    let (plain, drop) = (
+        plan(lora_spec(spec.family, "all")),
+        plan(dropout_spec(spec.family)),
+    );
+    let (ops, dops) = (&plain.schedule.ops, &drop.schedule.ops);
+    assert_eq!(ops.len(), dops.len());
+    let mut workspaces = Vec::new();
+    for (e, d) in ops.iter().zip(dops) {
+        assert_eq!(e.name, d.name);
+        let dropout = match (&e.op, &d.op) {
+            (
+                Op::LoraForward { dropout: None, .. },
+                Op::LoraForward {
+                    dropout, ic, rows, ..
+                },
+            )
+            | (
+                Op::LoraBackward { dropout: None, .. },
+                Op::LoraBackward {
+                    dropout, ic, rows, ..
+                },
+            ) => {
+                let x = dropout.expect("an adapter op without dropout");
+                assert_eq!((x.p, x.micro), (0.1, d.micro));
+                Some((x.ws, rows.n() * ic))
+            }
+            _ => None,
+        };
+        workspaces.extend(dropout.map(|(ws, elems)| {
+            let b = &drop.buffers[ws.0];
+            assert_eq!(
+                (b.category, b.elems, b.bytes),
+                (Category::Workspace, elems, 4 * elems as u64)
+            );
+            assert_eq!(b.name, format!("{}_xd", d.name));
+            b.name.clone()
+        }));
+    }
+    // Forward and backward of each adapter, and recomputed forwards.
+    let adapters = drop.lora.as_ref().unwrap().adapters.layers.len();
+    assert!(
+        workspaces.len() > 2 * adapters,
+        "{} workspaces",
+        workspaces.len()
+    );
+    let rest: Vec<_> = (drop.buffers.iter())
+        .filter(|b| !workspaces.contains(&b.name))
+        .map(|b| (&b.name, b.bytes))
+        .collect();
+    let before: Vec<_> = plain.buffers.iter().map(|b| (&b.name, b.bytes)).collect();
+    assert_eq!(rest, before);
+    assert!(drop.peak_live_bytes >= plain.peak_live_bytes);
+}

@@ -67,6 +67,13 @@ pub struct StepCtx {
     pub loss_scale: f32,
     /// The optimizer's values for this step (set for `AdamW` ops).
     pub update: Option<AdamWStep>,
+    /// The seed of this step's dropout masks (`--lora-dropout`; drawn only when
+    /// `training`): a pure function of the run's seed and the step.
+    pub dropout_seed: u64,
+    /// This process's first micro-batch in the step's batch (rank · micro-batches per rank):
+    /// masks are drawn by an element's place in the whole batch, so ranks draw what one
+    /// process accumulating their micro-batches draws.
+    pub first_micro: usize,
 }
 
 /// One AdamW step's hyperparameters, as every `AdamW` op of the step applies them (a

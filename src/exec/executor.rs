@@ -46,6 +46,13 @@ pub struct OptimHparams {
     pub step: u64,
 }
 
+/// The seed of step `step`'s dropout masks in a run of `seed`: a pure function of the two,
+/// so a resumed run draws an uninterrupted one's masks.
+pub fn dropout_seed(seed: u64, step: u64) -> u64 {
+    // Apart from the data's streams (batch k is `Rng::stream(seed, k)`).
+    crate::util::rng::Rng::stream(seed ^ 0x6C6F_7261_6472_6F70, step).next_u64()
+}
+
 /// What one training step reports.
 #[derive(Clone, Copy, Debug)]
 pub struct StepStats {
@@ -76,6 +83,8 @@ pub struct Executor {
     device: Box<dyn Device>,
     /// The loss is multiplied by this before backward (fp16 loss scaling; 1 otherwise).
     loss_scale: f32,
+    /// The seed of the next steps' dropout masks ([`Executor::set_dropout_seed`]).
+    dropout_seed: u64,
     /// Records each executed op's span when profiling (see [`Executor::record_ops`]).
     recorder: Option<OpRecorder>,
     /// The device's transfers between tiers while ops were recorded, reserved for one step's
@@ -194,6 +203,7 @@ impl Executor {
             plan,
             device,
             loss_scale: 1.0,
+            dropout_seed: 0,
             recorder: None,
             io_spans: Vec::new(),
             logits: Vec::new(),
@@ -599,6 +609,12 @@ impl Executor {
         self.loss_scale = scale;
     }
 
+    /// Sets the seed of the dropout masks of the training steps that follow (`--lora-dropout`:
+    /// the trainer gives each step its own, [`dropout_seed`]); 0 until set.
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.dropout_seed = seed;
+    }
+
     /// Copies a batch `[accum·B, T+1]` into the plan's token (and target) buffers: rows
     /// k·B..(k+1)·B go to micro-batch k.
     pub fn upload_batch(&mut self, batch: &[u32]) -> Result<()> {
@@ -734,6 +750,8 @@ impl Executor {
             training,
             loss_scale: self.loss_scale,
             update: None,
+            dropout_seed: self.dropout_seed,
+            first_micro: self.comm.rank() * self.plan.schedule.tokens.len(),
         }
     }
 

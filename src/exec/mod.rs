@@ -16,5 +16,5 @@ pub mod lr;
 pub mod resolve;
 pub mod train;
 
-pub use executor::{Executor, OptimHparams, StepStats};
+pub use executor::{Executor, OptimHparams, StepStats, dropout_seed};
 pub use loss_scale::LossScaler;

@@ -22,11 +22,17 @@
 //!   AdamW and its moments, accumulation and checkpoints work on it as on any layout, and
 //!   the base has none of them ([`super::Plan::lora`] keeps the base's layout).
 //!
+//! - **Dropout** (`--lora-dropout p`, PEFT's on the adapter's input): each adapter op of a
+//!   training step masks its input into a workspace `[N, IC]` of its own
+//!   ([`LoraDropout`]); the mask is a hash of (the step's seed, the adapter, the element's
+//!   place in the step's batch), so the backward and a recomputed forward draw it again and
+//!   nothing is kept between them. With p = 0 the plan has no such workspace.
+//!
 //! With `B = 0` (a fresh adapter) every `LoraForward` adds exact zeros, so the logits are the
 //! base's.
 
 use super::builder::Builder;
-use super::schedule::{Op, OpEntry, Segment, Segments, WeightLayout};
+use super::schedule::{LoraDropout, Op, OpEntry, Segment, Segments, WeightLayout};
 use super::{BufId, Category};
 use crate::dtype::DType;
 use crate::gguf::GgmlType;
@@ -54,8 +60,12 @@ impl LoraPlan {
         let s = &self.adapters.spec;
         let targets: Vec<&str> = s.targets.iter().map(|t| t.flag()).collect();
         let trained = self.adapters.params.total;
+        let dropout = match s.dropout {
+            0.0 => String::new(),
+            p => format!(", dropout {p}"),
+        };
         format!(
-            "LoRA r {} (alpha {}, scale {}) on {}: {} adapters, {:.2}M parameters trained ({:.2}% of the {:.1}M frozen)",
+            "LoRA r {} (alpha {}, scale {}{dropout}) on {}: {} adapters, {:.2}M parameters trained ({:.2}% of the {:.1}M frozen)",
             s.r,
             s.alpha,
             s.scale(),
@@ -333,7 +343,16 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
             flag: l.target.flag(),
         })
         .collect();
-    let (r, scale) = (ad.spec.r, ad.spec.scale());
+    let (r, scale, p) = (ad.spec.r, ad.spec.scale(), ad.spec.dropout);
+    // An adapter's input dropout in op `name` of micro-batch `micro`, with its workspace.
+    let dropout_of = |g: &mut Builder, name: &str, adapter: usize, micro: usize, elems: usize| {
+        (p > 0.0).then(|| LoraDropout {
+            p,
+            adapter,
+            micro,
+            ws: g.f32(format!("{name}_xd"), Category::Workspace, elems), // [N, IC]
+        })
+    };
     // The adapters inside a linear layer's weight, with their first output column.
     let inside = |w: &Range<usize>, layout: WeightLayout, ic: usize| -> Vec<(usize, usize)> {
         placed
@@ -375,6 +394,7 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
                     let name = format!("{}.{}.lora", e.name, p.flag);
                     let h = g.act(format!("{name}_h"), Category::Activation, rows.n() * r);
                     h_of.insert((micro, i), h);
+                    let dropout = dropout_of(g, &name, i, micro, rows.n() * ic);
                     after.push((
                         name,
                         phase,
@@ -392,6 +412,7 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
                             col,
                             ldo: *oc,
                             scale,
+                            dropout,
                         },
                     ));
                 }
@@ -416,6 +437,7 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
                         .get(&(micro, i))
                         .expect("internal error: an adapter's backward before its forward");
                     let dh = g.f32(format!("{name}_dh"), Category::Workspace, rows.n() * r);
+                    let dropout = dropout_of(g, &name, i, micro, rows.n() * ic);
                     after.push((
                         name,
                         phase,
@@ -435,6 +457,7 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
                             col,
                             ldo: *oc,
                             scale,
+                            dropout,
                         },
                     ));
                 }

@@ -5,7 +5,7 @@
 //! a new op is described here once and nowhere else. Visiting allocates nothing.
 
 use super::buffer::BufId;
-use super::schedule::{Op, OpEntry, OptimBufs, ParamSlice};
+use super::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice};
 use std::ops::Range;
 
 /// How an op uses one of its operands.
@@ -199,11 +199,20 @@ macro_rules! for_each_operand {
                 $grads!(Tensor(w, b.as_ref()), ReadWrite);
             }
             Op::LoraForward {
-                inp, out, h, a, b, ..
+                inp,
+                out,
+                h,
+                a,
+                b,
+                dropout,
+                ..
             } => {
                 $buf!(inp, Read);
                 $buf!(out, ReadWrite);
                 $buf!(h, Write);
+                if let Some(LoraDropout { ws, .. }) = dropout {
+                    $buf!(ws, Write);
+                }
                 $params!(Tensor(a, Some(&*b)), Read);
             }
             Op::LoraBackward {
@@ -214,12 +223,16 @@ macro_rules! for_each_operand {
                 dh,
                 a,
                 b,
+                dropout,
                 ..
             } => {
                 $buf!(dout, Read);
                 $buf!(inp, Read);
                 $buf!(h, Read);
                 $buf!(dh, Write);
+                if let Some(LoraDropout { ws, .. }) = dropout {
+                    $buf!(ws, Write);
+                }
                 $buf!(dinp, ReadWrite);
                 $params!(Tensor(a, Some(&*b)), Read);
                 $grads!(Tensor(a, Some(&*b)), ReadWrite);

@@ -231,10 +231,15 @@ pub enum Op {
         col: usize,
         ldo: usize,
         scale: f32,
+        /// The adapter's input dropout (`--lora-dropout` above 0): `inp` masked into its
+        /// workspace first, and `h` computed from that.
+        dropout: Option<LoraDropout>,
     },
     /// The backward of [`Op::LoraForward`], with `dout` rows `ldo` wide: `db += dout[:,
     /// col..]ᵀ @ h`; `dh[N,r] = scale · dout[:, col..] @ b` (f32 scratch); `da += dhᵀ @ inp`;
-    /// `dinp[N,IC] += dh @ a` (the frozen layer's backward wrote it first).
+    /// `dinp[N,IC] += dh @ a` (the frozen layer's backward wrote it first). With dropout,
+    /// `inp` is the forward's masked input (the same mask drawn again) and `dh @ a` is masked
+    /// before it is added.
     LoraBackward {
         dinp: BufId,
         dout: BufId,
@@ -250,6 +255,7 @@ pub enum Op {
         col: usize,
         ldo: usize,
         scale: f32,
+        dropout: Option<LoraDropout>,
     },
     /// `dqkv[N,(NH+2·NKV)·hd] from dout[N,NH·hd]` (probabilities recomputed from lse; a KV
     /// head's gradient sums over its query heads).
@@ -350,6 +356,25 @@ pub enum Op {
     /// beside the ops between the collective and this one, which touch none of `bufs` (the
     /// collective's buffers, kept live until here).
     AwaitCollective { bufs: Vec<BufId> },
+}
+
+/// An adapter's input dropout (`--lora-dropout p`, PEFT's `nn.Dropout` on the adapter's
+/// input), in training steps only: each element of the input `[N, IC]` is kept with
+/// probability `1 - p` and scaled by `1 / (1 - p)`. The mask is never stored: it is a hash of
+/// (the step's seed, `adapter`, the element's place in the step's whole batch), so the
+/// backward and a recomputed forward draw the forward's mask again.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LoraDropout {
+    /// The probability an element is dropped, in (0, 1).
+    pub p: f32,
+    /// Which adapter (its index among the plan's adapters): adapters sharing an input (q, k
+    /// and v) draw their own masks.
+    pub adapter: usize,
+    /// The op's micro-batch: its rows are rows `micro·N..` of the step's batch (a rank's
+    /// micro-batches follow those of the ranks before it).
+    pub micro: usize,
+    /// `[N, IC]` f32 workspace: the masked input (and, in the backward, `dh @ a` after it).
+    pub ws: BufId,
 }
 
 /// An op with its display name, phase, arithmetic cost, and where it finds the parameters

@@ -6,8 +6,9 @@
 
 use super::rig::*;
 use memwall::backend::Backend;
+use memwall::backend::StepCtx;
 use memwall::plan::schedule::WeightLayout;
-use memwall::plan::{Op, Precision, Rows};
+use memwall::plan::{LoraDropout, Op, Precision, Rows};
 use std::ops::Range;
 
 const ROWS: Rows = Rows { b: B, t: T };
@@ -37,13 +38,26 @@ fn h_ref(x: &[f32], a: &[f32]) -> Vec<f64> {
         .collect()
 }
 
+/// The forward, and the forward of an adapter with dropout evaluating (no mask is drawn
+/// outside training: the same result).
 pub fn lora_forward(be: &dyn Backend, p: Precision) {
+    lora_forward_case(be, p, false);
+    lora_forward_case(be, p, true);
+}
+
+fn lora_forward_case(be: &dyn Backend, p: Precision, evaluating_with_dropout: bool) {
     let mut rig = Rig::new(p);
     let a = rig.param(R * IC); // [r, IC]
     let b = rig.param(OC * R); // [OC, r]
     let inp = rig.act("inp", N * IC); // [N, IC]
     let out = rig.act("out", N * LDO); // [N, LDO] +=, columns COL..COL + OC
     let h = rig.act("h", N * R); // [N, r] overwritten
+    let dropout = evaluating_with_dropout.then(|| LoraDropout {
+        p: 0.5,
+        adapter: 0,
+        micro: 0,
+        ws: rig.f32("xd", N * IC), // [N, IC]
+    });
     let op = Op::LoraForward {
         inp,
         out,
@@ -57,6 +71,7 @@ pub fn lora_forward(be: &dyn Backend, p: Precision) {
         col: COL,
         ldo: LDO,
         scale: SCALE,
+        dropout,
     };
     let op = rig.op(op, Bind::Params);
     let mut s = rig.start(be);
@@ -65,7 +80,11 @@ pub fn lora_forward(be: &dyn Backend, p: Precision) {
     let x = s.fill(inp, &mut rng, -1.0, 1.0);
     let y0 = s.fill(out, &mut rng, -1.0, 1.0);
     s.fill(h, &mut rng, -1.0, 1.0);
-    s.run(op, &ctx());
+    let ctx = StepCtx {
+        training: !evaluating_with_dropout,
+        ..ctx()
+    };
+    s.run(op, &ctx);
     let (av, bv) = (&pw[local(&a)], &pw[local(&b)]);
     let hw = h_ref(&x, av);
     let mut y = wide(&y0);
@@ -105,6 +124,7 @@ pub fn lora_backward(be: &dyn Backend, p: Precision) {
         col: COL,
         ldo: LDO,
         scale: SCALE,
+        dropout: None,
     };
     let op = rig.op(op, Bind::Both);
     let mut s = rig.start(be);

@@ -343,6 +343,8 @@ pub fn ctx() -> StepCtx {
         training: true,
         loss_scale: 1.0,
         update: None,
+        dropout_seed: 0,
+        first_micro: 0,
     }
 }
 

@@ -13,7 +13,7 @@ use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::dtype::Elem;
-use crate::plan::schedule::{Op, OpEntry, OptimBufs, ParamSlice, WeightLayout};
+use crate::plan::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Rows, WeightLayout};
 use std::ops::Range;
 
 /// The kernel's name for a plan's weight layout.
@@ -67,6 +67,24 @@ impl CpuDevice {
             QuantWeight::new(ty, bytes, rows, cols)
                 .expect("internal error: a quantized weight of its shape"),
         )
+    }
+
+    /// An adapter's dropout mask for this step and its workspace, in a training step (none
+    /// otherwise: evaluation and generation use the whole input). The op's rows are
+    /// `(ctx.first_micro + micro)·N..` of the step's batch, whose elements the mask is drawn
+    /// by.
+    #[allow(clippy::type_complexity)]
+    fn dropout(
+        &self,
+        d: &Option<LoraDropout>,
+        rows: Rows,
+        ic: usize,
+        ctx: &StepCtx,
+    ) -> Option<(lora::Dropout, &mut [f32])> {
+        let d = d.as_ref().filter(|_| ctx.training)?;
+        let first = ((ctx.first_micro + d.micro) * rows.n() * ic) as u64;
+        let mask = lora::Dropout::new(d.p, ctx.dropout_seed, d.adapter as u64, first);
+        Some((mask, self.view::<f32>(d.ws)))
     }
 
     /// Runs `op` with activations stored as `T`.
@@ -513,8 +531,10 @@ impl CpuDevice {
                 col,
                 ldo,
                 scale,
+                dropout,
             } => {
                 let (n, r) = (rows.with_seq(ctx.seq).n(), *r);
+                let mut mask = self.dropout(dropout, *rows, *ic, ctx);
                 lora::lora_forward(
                     &mut self.view::<T>(*out)[..n * ldo],
                     &mut self.view::<T>(*h)[..n * r],
@@ -524,6 +544,7 @@ impl CpuDevice {
                     (n, *ic, *oc, r),
                     (*col, *ldo),
                     *scale,
+                    mask.as_mut().map(|(d, xd)| (&*d, &mut xd[..n * ic])),
                     ws(),
                 );
             }
@@ -542,9 +563,11 @@ impl CpuDevice {
                 col,
                 ldo,
                 scale,
+                dropout,
             } => {
                 let (n, r) = (rows.with_seq(ctx.seq).n(), *r);
                 let (da, db) = grad2(a, b);
+                let mut mask = self.dropout(dropout, *rows, *ic, ctx);
                 lora::lora_backward(
                     &mut self.view::<T>(*dinp)[..n * ic],
                     da,
@@ -558,6 +581,7 @@ impl CpuDevice {
                     (n, *ic, *oc, r),
                     (*col, *ldo),
                     *scale,
+                    mask.as_mut().map(|(d, xd)| (&*d, &mut xd[..n * ic])),
                     ws(),
                 );
             }

@@ -124,15 +124,18 @@ fn adapter_spec(
     let found = crate::ckpt::adapter::read_config(dir, spec.family)?;
     match asked {
         Some(a) if *a != found => bail!(
-            "--init-adapter {}: the adapter has rank {} (alpha {}, targets {}), but --lora asks \
-             for rank {} (alpha {}, targets {}); leave out --lora to train the adapter as it is",
+            "--init-adapter {}: the adapter has rank {} (alpha {}, targets {}, dropout {}), but \
+             --lora asks for rank {} (alpha {}, targets {}, dropout {}); leave out --lora to \
+             train the adapter as it is",
             dir.display(),
             found.r,
             found.alpha,
             targets(&found),
+            found.dropout,
             a.r,
             a.alpha,
-            targets(a)
+            targets(a),
+            a.dropout
         ),
         _ => Ok(found),
     }

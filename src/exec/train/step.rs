@@ -6,7 +6,7 @@ use super::run::Run;
 use super::{Progress, TrainOptions};
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::{DataSet, Part, fill_batch_part};
-use crate::exec::executor::{Executor, OptimHparams, StepStats};
+use crate::exec::executor::{Executor, OptimHparams, StepStats, dropout_seed};
 use crate::exec::lr::cosine_with_warmup;
 use crate::profile::record::micros;
 use crate::profile::{Span, StepProfile, Track};
@@ -70,6 +70,8 @@ impl Run<'_> {
         };
         let scale = self.scaler.map(|s| s.state.scale);
         self.ex.set_loss_scale(scale.unwrap_or(1.0));
+        self.ex
+            .set_dropout_seed(dropout_seed(opts.seed, self.step + 1));
         let stats = self
             .ex
             .train_step(&hp)
@@ -265,8 +267,9 @@ impl Run<'_> {
             step,
             data_position: self.loader.position(),
             seed: opts.seed,
-            // No op draws random numbers (no dropout) and batch k is a pure function of
-            // (seed, k), so the whole RNG state is the seed.
+            // Batch k is a pure function of (seed, k) and step k's dropout masks of (seed,
+            // k, op, element) (`executor::dropout_seed`): no op keeps a random state, so the
+            // whole RNG state is the seed.
             rng_state: opts.seed,
             model: self.spec.to_hf_config(),
             train: serde_json::to_value(opts)?,
