@@ -120,6 +120,7 @@ macro_rules! backend_suite {
                 adapters::lora_forward,
                 adapters::lora_backward,
                 adapters::frozen_backward,
+                adapters::add_bias,
                 state::grad_norm,
                 state::adamw_f32_state,
                 state::adamw_bf16_state,

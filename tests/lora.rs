@@ -466,7 +466,7 @@ fn bad_lora_flags_are_refused_naming_the_flag() {
             &["--lora", "4", "--base-quant", "q5_k"][..],
             "--base-quant q5_k",
         ),
-        (&["--lora", "4", "--base-quant", "q4_1"][..], "biases"),
+        (&["--lora", "4", "--base-quant", "q4_1"][..], "Conv1D"),
         (
             &["--lora", "4", "--lora-dropout", "1"][..],
             "--lora-dropout 1",

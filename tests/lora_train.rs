@@ -119,6 +119,22 @@ fn a_quantized_base_is_its_dequantized_weights() {
     ] {
         check_against_full_fine_tuning(&spec, "all", BaseQuant::Blocks(ty));
     }
+    // Qwen2's q, k and v biases: f32 beside the blocks, added after the quantized product.
+    let mut qwen = spec.clone();
+    qwen.biases.qkv = true;
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+        check_against_full_fine_tuning(&qwen, "all", BaseQuant::Blocks(ty));
+    }
+    let mut cfg = StepConfig::new(B, T, 2);
+    (cfg.lora, cfg.base_quant) = (
+        Some(lora_spec(qwen.family, "all")),
+        BaseQuant::Blocks(GgmlType::Q4_0),
+    );
+    let plan = build_plan(&qwen, &cfg, Mode::Train, &Cpu).unwrap();
+    let added = (plan.schedule.ops.iter())
+        .filter(|e| matches!(e.op, memwall::plan::Op::AddBias { .. }))
+        .count();
+    assert_eq!(added, qwen.n_layer, "one bias op per layer's q|k|v product");
     // Q4_K's blocks of 256: llama-tiny's MLP (352) is no multiple, so a model made of 256s.
     let mut wide = spec.clone();
     (wide.n_embd, wide.mlp_hidden, wide.head_dim, wide.n_layer) = (256, 512, 64, 2);

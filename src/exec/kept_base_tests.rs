@@ -36,27 +36,36 @@ fn uniform(tied: bool) -> Vec<u8> {
 }
 
 /// Fused projections stored as different types (the test model's q Q4_1, k Q4_0, v F16;
-/// gate Q8_0, up Q4_1) are stored as q8_0, converted from the file's blocks: the step computes as on the
-/// conversion with those tensors rounded through q8_0, and the plan names them.
+/// gate Q8_0, up Q4_1) are stored as q8_0, converted from the file's blocks: the step
+/// computes as on the conversion with those tensors rounded through q8_0, and the plan names
+/// them. Qwen2's q, k and v biases stay f32 beside the blocks.
 #[test]
 fn a_kept_base_stores_mixed_fused_projections_as_q8_0() {
-    let rounded = |layout: &ParamLayout, base: &mut [f32], types: &BaseTypes| {
-        let mut names = Vec::new();
-        let fused = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"];
-        for t in (layout.tensors.iter()).filter(|t| fused.iter().any(|f| t.name.contains(f))) {
-            names.push(t.name.clone());
-            // Blocks the file holds as q8_0 are copied, not quantized again.
-            if types[&t.name] == GgmlType::Q8_0 {
-                continue;
-            }
-            let w = &mut base[t.range.clone()];
-            let mut blocks = vec![0u8; GgmlType::Q8_0.bytes_for(w.len() as u64).unwrap() as usize];
-            crate::gguf::quantize::quantize(GgmlType::Q8_0, w, &mut blocks).unwrap();
-            crate::gguf::dequant::dequantize(GgmlType::Q8_0, &blocks, w).unwrap();
+    for arch in ["llama", "qwen2"] {
+        kept_is_its_conversion(&tiny_model(arch, true).to_bytes(), true, fused_as_q8_0);
+    }
+}
+
+/// Rounds the fused projections' weights of `base` through q8_0 where the file does not
+/// hold them as q8_0 already (what storing them as q8_0 does); returns their names.
+fn fused_as_q8_0(layout: &ParamLayout, base: &mut [f32], types: &BaseTypes) -> Vec<String> {
+    let mut names = Vec::new();
+    let fused = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"];
+    for t in (layout.tensors.iter()).filter(|t| t.shape.len() == 2) {
+        if !fused.iter().any(|f| t.name.contains(f)) {
+            continue;
         }
-        names
-    };
-    kept_is_its_conversion(&tiny_model("llama", true).to_bytes(), true, rounded);
+        names.push(t.name.clone());
+        // Blocks the file holds as q8_0 are copied, not quantized again.
+        if types[&t.name] == GgmlType::Q8_0 {
+            continue;
+        }
+        let w = &mut base[t.range.clone()];
+        let mut blocks = vec![0u8; GgmlType::Q8_0.bytes_for(w.len() as u64).unwrap() as usize];
+        crate::gguf::quantize::quantize(GgmlType::Q8_0, w, &mut blocks).unwrap();
+        crate::gguf::dequant::dequantize(GgmlType::Q8_0, &blocks, w).unwrap();
+    }
+    names
 }
 
 #[test]

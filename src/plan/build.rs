@@ -294,6 +294,7 @@ pub(super) fn build(
             }
             return Ok(plan);
         }
+        super::lora::split_biases(&mut g, base);
     }
     bind_state(&mut g, &params, Some(&grads), base.as_ref());
     let params = match &split {

@@ -154,8 +154,8 @@ impl<'de> serde::Deserialize<'de> for BaseQuant {
 /// type). `per_group` (the base on the disk tier, read one group at a time) splits an f32
 /// base by group too. Returns the
 /// segments and the longest quantized row (the decode tile's width), refusing a matrix whose
-/// rows are not whole blocks and a model whose linear layers have biases (a layer's weight
-/// and bias would be stored apart), naming the tensor or the model.
+/// rows are not whole blocks and GPT-2's Conv1D layers, naming the tensor or the model. A
+/// layer's bias is stored apart from its quantized weight ([`split_biases`]).
 pub(super) fn base_buffers(
     g: &mut Builder,
     spec: &ModelSpec,
@@ -172,14 +172,10 @@ pub(super) fn base_buffers(
         }];
         return Ok((Segments { segments }, 0));
     };
-    let biases = spec.family == crate::model::Family::Gpt2
-        || spec.biases.qkv
-        || spec.biases.attn_out
-        || spec.biases.mlp;
-    if quant != BaseQuant::F32 && biases {
+    if quant != BaseQuant::F32 && spec.family == crate::model::Family::Gpt2 {
         bail!(
-            "--base-quant {quant}: {} has biases on its linear layers, which a quantized base \
-             does not keep yet; use --base-quant fp32",
+            "--base-quant {quant}: {} stores its linear layers as Conv1D ([in, out]), which a \
+             quantized base does not keep yet; use --base-quant fp32",
             spec.name
         );
     }
@@ -310,6 +306,55 @@ pub(super) fn unify_storage(
         types.insert(name.clone(), GgmlType::Q8_0);
     }
     Ok(Some((types, split)))
+}
+
+/// Splits each frozen linear layer whose bias is stored apart from its weight (a quantized
+/// base: the weight in blocks, the bias among the f32 vectors, as Qwen2's q, k and v biases)
+/// into its product without the bias and an [`Op::AddBias`] right after it; its backward,
+/// which computes only the input's gradient, needs no bias.
+pub(super) fn split_biases(g: &mut Builder, base: &Segments) {
+    let apart = |w: &Range<usize>, b: &Range<usize>| {
+        base.find(&(w.start.min(b.start)..w.end.max(b.end)))
+            .is_none()
+    };
+    let old = std::mem::take(&mut g.ops);
+    for mut e in old {
+        let mut bias = None;
+        match &mut e.op {
+            Op::Matmul {
+                out,
+                w,
+                b,
+                rows,
+                oc,
+                ..
+            } if e.frozen => {
+                if let Some(br) = b.take_if(|br| apart(w, br)) {
+                    bias = Some(OpEntry {
+                        name: format!("{}.bias", e.name),
+                        phase: e.phase,
+                        op: Op::AddBias {
+                            out: *out,
+                            b: br,
+                            rows: *rows,
+                            oc: *oc,
+                        },
+                        flops: (rows.n() * *oc) as u64,
+                        params: None,
+                        grads: None,
+                        micro: e.micro,
+                        frozen: true,
+                    });
+                }
+            }
+            Op::MatmulBackward { w, b, .. } if e.frozen => {
+                b.take_if(|br| apart(w, br));
+            }
+            _ => {}
+        }
+        g.ops.push(e);
+        g.ops.extend(bias);
+    }
 }
 
 /// Bits a weight of `ty` takes (its blocks' scales included): q4_0 4.5, q8_0 8.5.

@@ -137,6 +137,10 @@ macro_rules! for_each_operand {
                 $params!(Tensor(w, None), Read);
             }
             Op::Rope { x, .. } => $buf!(x, ReadWrite),
+            Op::AddBias { out, b, .. } => {
+                $buf!(out, ReadWrite);
+                $params!(Tensor(b, None), Read);
+            }
             Op::Swiglu { inp, out, .. } | Op::Gelu { inp, out, .. } => {
                 $buf!(inp, Read);
                 $buf!(out, Write);

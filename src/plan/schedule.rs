@@ -138,6 +138,15 @@ pub enum Op {
         c: usize,
         eps: f32,
     },
+    /// `out[n, :] += b` for every row `n` (`b` `[OC]`): a frozen linear layer's bias where its
+    /// weight is stored apart from it (a quantized LoRA base: the weight in blocks, the bias in
+    /// f32; `plan::lora::split_biases`).
+    AddBias {
+        out: BufId,
+        b: Range<usize>,
+        rows: Rows,
+        oc: usize,
+    },
     /// Rotary embedding of `x[N,width]` in place: the first `rotated` channels, head by head
     /// (hd channels, element i paired with i + hd/2), position t turned by `t · inv_freq[i]`.
     Rope {

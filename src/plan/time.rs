@@ -331,6 +331,7 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::Attention { .. } => "attention",
         Op::RmsNorm { .. } => "rmsnorm",
         Op::Rope { .. } => "rope",
+        Op::AddBias { .. } => "add_bias",
         Op::Swiglu { .. } => "swiglu",
         Op::Gelu { .. } => "gelu",
         Op::LmHeadLoss { dinp: Some(_), .. } => "lm_head_loss",

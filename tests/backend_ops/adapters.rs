@@ -1,8 +1,8 @@
 //! Checks of a LoRA plan's ops (`plan::lora`): an adapter's forward and backward against
 //! f64 references of their documented formulas, an adapter writing the middle columns of a
-//! wider output (as Llama's q, k and v share one); and the frozen layers' backward (an op
-//! entry marked `frozen`): the input gradient exactly as the trained op computes it, the
-//! gradients untouched.
+//! wider output (as Llama's q, k and v share one); the frozen layers' backward (an op entry
+//! marked `frozen`): the input gradient exactly as the trained op computes it, the gradients
+//! untouched; and a frozen layer's bias added on its own (stored apart from its weight).
 
 use super::rig::*;
 use memwall::backend::Backend;
@@ -257,4 +257,31 @@ pub fn frozen_backward(be: &dyn Backend, p: Precision) {
         );
         assert!(g1 == g0, "{name} ({p}): a frozen op changed the gradients");
     }
+}
+
+/// `out[n, :] += b` for every row: a bias stored apart from its (quantized) weight, added
+/// after the product, one rounding per element.
+pub fn add_bias(be: &dyn Backend, p: Precision) {
+    let mut rig = Rig::new(p);
+    let b = rig.param(OC); // [OC]
+    let out = rig.act("out", N * OC); // [N, OC] +=
+    let op = rig.op(
+        Op::AddBias {
+            out,
+            b: b.clone(),
+            rows: ROWS,
+            oc: OC,
+        },
+        Bind::Frozen,
+    );
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(15);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let y0 = s.fill(out, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let bv = &pw[local(&b)];
+    let want: Vec<f64> = (0..N * OC)
+        .map(|e| y0[e] as f64 + bv[e % OC] as f64)
+        .collect();
+    check("add_bias out", &s.get(out), &want, reduced(p));
 }

@@ -577,6 +577,7 @@ pub fn kind(op: &Op) -> &'static str {
         Op::MatmulBackward { .. } => "matmul_backward",
         Op::LoraForward { .. } => "lora_forward",
         Op::LoraBackward { .. } => "lora_backward",
+        Op::AddBias { .. } => "add_bias",
         Op::AttentionBackward { .. } => "attention_backward",
         Op::RmsNormBackward { .. } => "rmsnorm_backward",
         Op::SwigluBackward { .. } => "swiglu_backward",

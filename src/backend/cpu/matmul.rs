@@ -95,6 +95,27 @@ pub fn matmul_forward<T: Elem, W: Elem>(
     );
 }
 
+/// `out[n, :] += bias` for every row (a frozen layer's bias stored apart from its weight),
+/// one rounding per element; parallel over rows. Elementwise: its own naive form.
+pub fn add_bias<T: Elem>(
+    out: &mut [T], // [N, OC]
+    bias: &[f32],  // [OC]
+    oc: usize,
+) {
+    assert_eq!(bias.len(), oc, "add_bias: bias");
+    if oc == 0 {
+        return;
+    }
+    assert_eq!(out.len() % oc, 0, "add_bias: out");
+    out.par_chunks_mut(oc * rows_per_task(oc)).for_each(|rows| {
+        for row in rows.chunks_exact_mut(oc) {
+            for (o, &b) in row.iter_mut().zip(bias) {
+                *o = T::from_f32(o.to_f32() + b);
+            }
+        }
+    });
+}
+
 /// The f32 instantiation of [`matmul_forward`].
 #[allow(clippy::too_many_arguments)]
 fn matmul_forward_f32(

@@ -248,6 +248,10 @@ impl CpuDevice {
                     *eps,
                 )
             }
+            Op::AddBias { out, b, rows, oc } => {
+                let n = rows.with_seq(ctx.seq).n();
+                matmul::add_bias(&mut self.view::<T>(*out)[..n * oc], weights(b), *oc);
+            }
             Op::Rope {
                 x,
                 rows,

@@ -75,8 +75,8 @@ pub fn new_run(
 
 /// How a LoRA run keeps its base: as asked (`--base-quant`); else, from a GGUF `--init`, the
 /// file's own blocks (`keep`; the plan stores the parts of a fused projection whose types
-/// differ as q8_0, `plan::lora::unify_storage`), or fp32 for a model with linear biases
-/// (which a quantized base does not keep yet); else fp32. With `keep`, each tensor's storage
+/// differ as q8_0, `plan::lora::unify_storage`), or fp32 for GPT-2 (whose Conv1D layers a
+/// quantized base does not keep yet); else fp32. With `keep`, each tensor's storage
 /// read from the file.
 fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Option<Kept>)> {
     let lora = req.step.strategy.lora.is_some() || req.init_adapter.is_some();
@@ -87,8 +87,7 @@ fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Opti
         return Ok((BaseQuant::F32, None));
     }
     let spec = ModelSpec::resolve(&o.model)?;
-    let b = spec.biases;
-    if spec.family == crate::model::Family::Gpt2 || b.qkv || b.attn_out || b.mlp {
+    if spec.family == crate::model::Family::Gpt2 {
         return Ok((BaseQuant::F32, None));
     }
     Ok((BaseQuant::Keep, kept_types(o, BaseQuant::Keep)?))
