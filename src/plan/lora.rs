@@ -50,7 +50,7 @@ pub struct LoraPlan {
     /// The adapters (their `params` are the plan's trainable layout).
     pub adapters: AdapterLayout,
     /// Base tensors a kept GGUF base stores as q8_0 rather than as the file does: the parts of
-    /// a fused projection whose types differ in the file ([`unify_storage`]), by name.
+    /// a fused projection whose types differ in the file (`unify_storage`), by name.
     pub requantized: Vec<String>,
 }
 
