@@ -191,3 +191,100 @@ fn refusals_and_conversations_without_answers() {
         Outcome::Example(_)
     ));
 }
+
+fn memwall(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn tokenize_command_prints_what_transformers_gives() {
+    let fixture = expected("qwen2.5");
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tmp.path().join("qwen");
+    std::fs::create_dir(&tok).unwrap();
+    tokenizer_dir(&fixture, &tok);
+    // A folder: b.jsonl.gz holds the second half of the examples, a.jsonl the first.
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let examples = fixture["examples"].as_array().unwrap();
+    let lines: Vec<&str> = examples
+        .iter()
+        .map(|e| e["line"].as_str().unwrap())
+        .collect();
+    let half = lines.len() / 2;
+    std::fs::write(data.join("a.jsonl"), lines[..half].join("\n")).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(
+        std::fs::File::create(data.join("b.jsonl.gz")).unwrap(),
+        flate2::Compression::default(),
+    );
+    std::io::Write::write_all(&mut gz, lines[half..].join("\n").as_bytes()).unwrap();
+    gz.finish().unwrap();
+
+    let (t, d) = (tok.to_str().unwrap(), data.to_str().unwrap());
+    let out = memwall(&["tokenize", "--tokenizer", t, "--chat", d, "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(got.len(), examples.len());
+    for (g, e) in got.iter().zip(examples) {
+        for key in ["text", "ids", "trained"] {
+            assert_eq!(g[key], e[key], "{key}: {}", e["line"]);
+        }
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("{} examples", examples.len())),
+        "{stderr}"
+    );
+
+    // Not a terminal: trained text between ⟦ and ⟧, each example headed by its place.
+    let out = memwall(&["tokenize", "--tokenizer", t, "--chat", d]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("a.jsonl:1 (messages"), "{text}");
+    assert!(
+        text.contains("<|im_start|>assistant\n⟦William Shakespeare, around 1600.<|im_end|>\n⟧"),
+        "{text}"
+    );
+
+    // A template that raises: refused with its message, the file and the line.
+    let raising = tmp.path().join("raising.jinja");
+    std::fs::write(
+        &raising,
+        "{% if messages[0].role != 'system' %}{{ raise_exception('System turn required') }}{% endif %}",
+    )
+    .unwrap();
+    let out = memwall(&[
+        "tokenize",
+        "--tokenizer",
+        t,
+        "--chat",
+        d,
+        "--chat-template",
+        raising.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("a.jsonl:1") && stderr.contains("raised: System turn required"),
+        "{stderr}"
+    );
+    // A malformed line: refused with its place.
+    std::fs::write(data.join("c.jsonl"), "{\"text\": \"ok\"}\n{\"messages\": [").unwrap();
+    let out = memwall(&["tokenize", "--tokenizer", t, "--chat", d]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("c.jsonl:2") && stderr.contains("not valid JSON"),
+        "{stderr}"
+    );
+}

@@ -61,9 +61,13 @@ pub struct Encoded {
     /// The format the line was in.
     #[serde(skip)]
     pub format: Format,
-    /// The trained spans of `text` as byte ranges (empty for raw text and `--train-on all`).
+    /// The assistant spans of `text` as byte ranges (empty for raw text and `--train-on all`).
     #[serde(skip)]
     pub spans: Vec<(usize, usize)>,
+    /// The byte ranges of `text` that the trained tokens cover, merged where adjacent (what
+    /// `memwall tokenize` marks).
+    #[serde(skip)]
+    pub marked: Vec<(usize, usize)>,
 }
 
 /// What became of one line.
@@ -121,6 +125,7 @@ impl Encoder {
                     ids,
                     format: Format::Text,
                     spans: Vec::new(),
+                    marked: vec![(0, text.len())],
                 }))
             }
             Record::Chat { format, messages } => {
@@ -153,12 +158,14 @@ impl Encoder {
                 (mask(&text, &offsets, &spans)?, spans)
             }
         };
+        let marked = marked(&offsets, &trained);
         Ok(Encoded {
             text,
             ids,
             trained,
             format: Format::Messages,
             spans,
+            marked,
         })
     }
 }
@@ -212,6 +219,21 @@ pub fn assistant_spans(
         }
     }
     Ok(spans)
+}
+
+/// The byte ranges covered by the trained tokens, adjacent ones merged.
+fn marked(offsets: &[(usize, usize)], trained: &[u8]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (&(s, e), &t) in offsets.iter().zip(trained) {
+        if t == 0 || s >= e {
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if last.1 >= s => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
 }
 
 /// 1 for the tokens that `spans` (byte ranges of `text`) cover, as transformers maps a

@@ -11,6 +11,8 @@
 //!   `strftime_now`).
 //! * [`encode`]: a record → `(ids, trained)`: the assistant spans found by rendering prefixes
 //!   (as TRL), the rendering tokenized once, spans mapped to tokens by offsets.
+//! * [`show`]: `memwall tokenize --chat`: examples printed with their trained tokens marked,
+//!   or as JSON lines.
 //!
 //! Flow: `Encoder::new(tokenizer, ChatTemplate::load(dir, file)?, TrainOn::Answers)`, then for
 //! each line of `read::for_each_line(path, …)`, `encoder.encode_line(line)` (errors prefixed
@@ -20,6 +22,7 @@ pub mod encode;
 pub mod format;
 pub mod pyfmt;
 pub mod read;
+pub mod show;
 pub mod template;
 
 pub use encode::{Encoded, Encoder, Outcome, TrainOn};
