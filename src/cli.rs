@@ -46,6 +46,36 @@ after, and a sample before and after (see `memwall demo finetune --help`).",
     Demo(DemoArgs),
     /// Tokenize UTF-8 text files (GPT-2 BPE, or a model's tokenizer.json with --tokenizer) into token shards with a train/validation split.
     Prepare(PrepareArgs),
+    /// Show chat data as the model will be trained on it: each example rendered with the chat
+    /// template, tokenized, its trained tokens marked (or as JSON lines).
+    #[command(
+        long_about = "Show chat or instruction data as training will see it: each line of a .jsonl \
+or .jsonl.gz file (or of a folder of them, in name order) rendered with the tokenizer's chat \
+template as transformers' apply_chat_template renders it, tokenized, and its trained tokens \
+marked.\n\n\
+Formats, found from each line's keys: {\"messages\": [{\"role\", \"content\"}, …]} (roles \
+system, user, assistant), {\"conversations\": [{\"from\", \"value\"}, …]} (ShareGPT: human, \
+gpt, system), {\"prompt\", \"completion\"} (a user turn and an assistant turn), \
+{\"instruction\", \"input\", \"output\"} (Alpaca: the user turn is the instruction, then a \
+blank line and the input when there is one; the assistant turn is the output), and \
+{\"text\"} (raw text: the end-of-text token, then the text, all trained, as `prepare` does). \
+prompt/completion and Alpaca lines may have a \"system\" string.\n\n\
+The template is the tokenizer directory's chat_template.jinja, else tokenizer_config.json's \
+chat_template (a converted GGUF has one), else --chat-template FILE. Trained tokens \
+(--train-on answers) are the assistant turns, each with what the template writes after it up \
+to the next turn (its end-of-turn token), found by rendering the conversation turn by turn.\n\n\
+Output: each example headed by its file:line, format and counts, its trained text in green on \
+a terminal (NO_COLOR unset), else between ⟦ and ⟧. With --json, one line per example: \
+{\"text\": …, \"ids\": […], \"trained\": [0|1, …]}. Conversations without an assistant turn \
+are warned about on stderr and skipped; a line that cannot be used (bad JSON, unknown keys or \
+roles, an empty conversation, a template that raises or renders an answer differently from \
+its content) stops the command, naming its file and line.",
+        after_help = "Examples:\n  memwall tokenize --tokenizer smol --chat chats.jsonl\n  \
+memwall tokenize --tokenizer smol --chat chats.jsonl --json | head -1\n  \
+memwall tokenize --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf --chat data/ --train-on all\n  \
+memwall tokenize --tokenizer gpt2 --chat chats.jsonl.gz --chat-template chatml.jinja"
+    )]
+    Tokenize(TokenizeArgs),
     /// Print the memory plan of a training step (by category, packed by lifetime), without training.
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
@@ -241,6 +271,28 @@ pub(crate) struct PrepareArgs {
     /// tokenizer_config.json, else eos_token_id of config.json, else <|endoftext|>, ...).
     #[arg(long, default_value = "gpt2", value_name = "gpt2|DIR|FILE")]
     pub(crate) tokenizer: String,
+}
+
+#[derive(Args)]
+pub(crate) struct TokenizeArgs {
+    /// Tokenizer: `gpt2`, a model directory holding a tokenizer.json (and its
+    /// tokenizer_config.json with the chat template), the path of a tokenizer.json, or a GGUF
+    /// file (its conversion in the user cache).
+    #[arg(long, value_name = "gpt2|DIR|FILE")]
+    pub(crate) tokenizer: String,
+    /// Chat data: a .jsonl or .jsonl.gz file, or a folder of them (read in name order).
+    #[arg(long, value_name = "FILE|DIR")]
+    pub(crate) chat: PathBuf,
+    /// One JSON object per example: {"text", "ids", "trained"}.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// A Jinja chat template file to use instead of the tokenizer's own.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) chat_template: Option<PathBuf>,
+    /// Which tokens are trained: answers (the assistant turns, with their end-of-turn token)
+    /// or all.
+    #[arg(long, default_value = "answers", value_name = "answers|all")]
+    pub(crate) train_on: memwall::data::chat::TrainOn,
 }
 
 #[derive(Args)]

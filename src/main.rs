@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cli::{
     BenchArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, MergeArgs, PlanArgs,
-    PrepareArgs, ReportArgs, SampleArgs, TrainArgs,
+    PrepareArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
 };
 use memwall::backend::DeviceKind;
 use memwall::data::{Tokenizer, prepare};
@@ -35,6 +35,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Demo(a) => demo_cmd(a),
         Cmd::Prepare(a) => prepare_cmd(a),
+        Cmd::Tokenize(a) => tokenize_cmd(a),
         Cmd::Plan(a) => plan_cmd(a),
         Cmd::Train(a) => train_cmd(a),
         Cmd::Sample(a) => sample_cmd(a),
@@ -101,6 +102,28 @@ fn prepare_cmd(a: PrepareArgs) -> Result<()> {
         s.out.display(),
         tok.id().describe()
     );
+    Ok(())
+}
+
+fn tokenize_cmd(a: TokenizeArgs) -> Result<()> {
+    use memwall::data::chat::{ChatTemplate, Encoder, show};
+    use std::io::IsTerminal;
+    let tok = Tokenizer::load(&a.tokenizer).context("--tokenizer")?;
+    let file = Tokenizer::file_of(&a.tokenizer)?;
+    let dir = file.as_deref().and_then(std::path::Path::parent);
+    let template = ChatTemplate::load(dir, a.chat_template.as_deref())?;
+    let encoder = Encoder::new(tok, template, a.train_on);
+    let style = if a.json {
+        show::Style::Json
+    } else if std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none() {
+        show::Style::Color
+    } else {
+        show::Style::Brackets
+    };
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let counts = show::show(&a.chat, &encoder, style, &mut out, &mut std::io::stderr())?;
+    out.flush()?;
+    eprintln!("{}", counts.describe());
     Ok(())
 }
 

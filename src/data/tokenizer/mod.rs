@@ -21,7 +21,7 @@ mod id;
 pub(crate) mod fixture;
 
 pub use gpt2::{EOT, GPT2_HASH, GPT2_NAME, GPT2_VOCAB};
-pub use hf::EOT_CANDIDATES;
+pub use hf::{EOT_CANDIDATES, Offsets};
 pub use id::TokenizerId;
 
 use anyhow::{Result, bail};
@@ -82,11 +82,20 @@ impl Tokenizer {
     /// `sample --model` make it: [`crate::gguf::cache::model_dir`]) holds the `tokenizer.json`
     /// those then compare the data with.
     pub fn load(arg: &str) -> Result<Tokenizer> {
+        match Tokenizer::file_of(arg)? {
+            None => Tokenizer::gpt2(),
+            Some(file) => Tokenizer::from_file(file),
+        }
+    }
+
+    /// The `tokenizer.json` that `--tokenizer ARG` names (`None` for `gpt2`): its directory
+    /// is where `tokenizer_config.json` and a chat template are looked for.
+    pub fn file_of(arg: &str) -> Result<Option<PathBuf>> {
         if arg == "gpt2" {
-            return Tokenizer::gpt2();
+            return Ok(None);
         }
         let converted = |p: &Path| crate::gguf::cache::model_dir(p, "--tokenizer");
-        Tokenizer::from_file(tokenizer_file(arg, &converted)?)
+        tokenizer_file(arg, &converted).map(Some)
     }
 
     /// Encodes ordinary text: special tokens are not parsed, nothing is added. GPT-2 never
@@ -95,6 +104,18 @@ impl Tokenizer {
         match &self.kind {
             Kind::Gpt2(t) => Ok(t.encode(text)),
             Kind::Hf(t) => t.encode(text),
+        }
+    }
+
+    /// Encodes text rendered by a chat template, as transformers' `apply_chat_template(...,
+    /// tokenize=True)` does: special tokens written in the text (`<|im_start|>`, a template's
+    /// `bos_token`) are parsed as those tokens, and nothing is added (no BOS). Returns the ids
+    /// and each token's byte range in `text` (the tokenizers library's offsets; for GPT-2 the
+    /// tokens' bytes laid end to end), from which trained spans are mapped to tokens.
+    pub fn encode_rendered(&self, text: &str) -> Result<(Vec<u32>, Offsets)> {
+        match &self.kind {
+            Kind::Gpt2(t) => Ok(t.encode_special(text)),
+            Kind::Hf(t) => t.encode_special(text),
         }
     }
 
