@@ -127,8 +127,8 @@ memwall convert model.gguf --out model-hf --dtype bf16 --force"
     #[command(
         long_about = "Merge a LoRA adapter into its base model, as PEFT's merge_and_unload does: \
 every adapted weight W takes (lora_alpha / r) · B A (transposed for GPT-2's Conv1D layers), and \
-the result is written as a Hugging Face model directory (config.json, model.safetensors in F32, \
-and the base's tokenizer files) that transformers and `memwall sample` load. The adapter must \
+the result is written as a Hugging Face model directory (config.json, model.safetensors in the \
+base's dtype or --dtype, and the base's tokenizer files) that transformers and `memwall sample` load. The adapter must \
 have been made for this base: its family, and every adapted layer with the adapter's shapes.",
         after_help = "Examples:\n  memwall merge smol adapter-dir --out smol-tuned\n  memwall merge SmolLM2-135M-Instruct.Q4_1.gguf adapter-dir --out smol-tuned"
     )]
@@ -630,8 +630,20 @@ pub(crate) struct SampleArgs {
     #[arg(long, value_name = "DIR|FILE.gguf")]
     pub(crate) model: PathBuf,
     /// Text to continue.
-    #[arg(long, default_value = "ROMEO:")]
+    #[arg(long, default_value = "ROMEO:", conflicts_with = "chat")]
     pub(crate) prompt: String,
+    /// Answer this message as the model's chat assistant: rendered with the model's chat
+    /// template (its tokenizer_config.json or chat_template.jinja) and the assistant's turn
+    /// opened, as transformers' apply_chat_template(add_generation_prompt=True) does;
+    /// generation stops at the end of the assistant's turn, and only the answer is printed.
+    #[arg(long, value_name = "TEXT")]
+    pub(crate) chat: Option<String>,
+    /// A system turn before the --chat message.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    pub(crate) system: Option<String>,
+    /// A Jinja chat template to use instead of the model's (with --chat).
+    #[arg(long, value_name = "FILE", requires = "chat")]
+    pub(crate) chat_template: Option<PathBuf>,
     /// A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) to
     /// apply to --model.
     #[arg(long, value_name = "DIR")]

@@ -13,7 +13,7 @@ use memwall::backend::DeviceKind;
 use memwall::data::{Tokenizer, prepare};
 use memwall::demo::{self, finetune::FinetuneOptions, shakespeare::ShakespeareOptions};
 use memwall::exec::bench::{self, BenchOptions};
-use memwall::exec::generate::{SampleOptions, sample_text};
+use memwall::exec::generate::{ChatRequest, SampleOptions, chat_text, sample_text};
 use memwall::exec::resolve::{self, DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ};
 use memwall::exec::train::{self, ConsoleProgress};
 use memwall::gguf::{self, ConvertOptions};
@@ -161,7 +161,16 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     if a.ranks == 0 {
         bail!("--ranks must be at least 1 (processes training together)");
     }
-    let r = resolve::resolve_step(&req, &spec, threads, baseline, DEFAULT_BATCH, a.ranks)?;
+    let frozen = resolve::Frozen::default();
+    let r = resolve::resolve_step(
+        &req,
+        &spec,
+        threads,
+        baseline,
+        DEFAULT_BATCH,
+        a.ranks,
+        &frozen,
+    )?;
     let cfg = r
         .strategies
         .step_config(r.batch, a.step.seq.unwrap_or(DEFAULT_SEQ), threads);
@@ -362,13 +371,36 @@ fn sample_cmd(a: SampleArgs) -> Result<()> {
         threads: threads(a.threads)?,
         device: a.device,
         adapter: a.adapter.clone(),
+        stop: Vec::new(),
     };
-    print!("{}", a.prompt);
     let mut out = std::io::stdout();
-    sample_text(&opts, &mut |s| {
+    // The prompt is printed with the first new text, so a run that fails before it (a
+    // missing tokenizer, a foreign adapter) prints nothing on stdout.
+    let mut head = match &a.chat {
+        Some(_) => None,
+        None => Some(a.prompt.clone()),
+    };
+    let mut print = |s: &str| {
+        if let Some(h) = head.take() {
+            let _ = out.write_all(h.as_bytes());
+        }
         let _ = out.write_all(s.as_bytes());
         let _ = out.flush();
-    })?;
+    };
+    match &a.chat {
+        Some(user) => {
+            let chat = ChatRequest {
+                user: user.clone(),
+                system: a.system.clone(),
+                template: a.chat_template.clone(),
+            };
+            chat_text(&opts, &chat, &mut print)?;
+        }
+        None => {
+            sample_text(&opts, &mut print)?;
+        }
+    }
+    print("");
     println!();
     Ok(())
 }

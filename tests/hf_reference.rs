@@ -91,6 +91,7 @@ fn greedy_decoding_picks_the_reference_tokens() {
         threads: 2,
         device: Default::default(),
         adapter: None,
+        stop: Vec::new(),
     };
     let got = generate_tokens(&opts, &ids(&exp["prompt"]), &mut |_| {}).unwrap();
     assert_eq!(got, want);
@@ -175,6 +176,7 @@ fn llama_family_matches_transformers(name: &str) {
         threads: 2,
         device: Default::default(),
         adapter: None,
+        stop: Vec::new(),
     };
     let got = generate_tokens(&opts, &prompt, &mut |_| {}).unwrap();
     assert_eq!(got, want, "{name} greedy continuation");
@@ -198,7 +200,7 @@ fn qwen2_matches_transformers() {
 #[ignore = "needs the SmolLM2 GGUF (set MEMWALL_SMOLLM2_GGUF)"]
 fn smollm2_answers_and_models_shakespeare() {
     use memwall::data::tokenizer::Tokenizer;
-    use memwall::exec::generate::sample_text;
+    use memwall::exec::generate::{ChatRequest, chat_text, sample_text};
     use memwall::gguf::{ConvertOptions, OutDtype, convert};
     let gguf = std::env::var_os("MEMWALL_SMOLLM2_GGUF")
         .expect("set MEMWALL_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -222,11 +224,30 @@ fn smollm2_answers_and_models_shakespeare() {
         threads: 2,
         device: Default::default(),
         adapter: None,
+        stop: Vec::new(),
     };
     let text = sample_text(&opts, &mut |_| {}).unwrap();
     assert!(
         text.trim_start().starts_with("Paris"),
         "greedy answer: {text:?}"
+    );
+    // As a chat (`sample --chat`): its ChatML template (converted into tokenizer_config.json),
+    // the answer alone, ended by <|im_end|> well before 40 tokens.
+    let chat = ChatRequest {
+        user: "What is the capital of France?".into(),
+        ..ChatRequest::default()
+    };
+    let chat_opts = SampleOptions {
+        tokens: 40,
+        ..opts.clone()
+    };
+    let mut streamed = String::new();
+    let answer = chat_text(&chat_opts, &chat, &mut |s| streamed.push_str(s)).unwrap();
+    assert_eq!(answer, streamed);
+    assert!(answer.contains("Paris"), "chat answer: {answer:?}");
+    assert!(
+        !answer.contains("<|im_end|>") && !answer.contains("<|im_start|>"),
+        "the answer runs past its turn: {answer:?}"
     );
 
     let corpus = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/shakespeare");

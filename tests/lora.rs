@@ -130,6 +130,7 @@ fn generation_with_an_adapter_is_generation_from_the_merged_model() {
             threads: 2,
             device: Default::default(),
             adapter: adapter.map(Path::to_path_buf),
+            stop: Vec::new(),
         };
         generate_tokens(&opts, &[3, 14, 15, 92, 65], &mut |_| {}).unwrap()
     };

@@ -35,6 +35,15 @@ use crate::run_dir::{RunDir, checkpoint_step};
 /// Reads `DIR/config.json` (a Hugging Face config of a family memwall trains).
 pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
     let path = dir.join(CONFIG_FILE);
+    if !path.is_file() && dir.join(ADAPTER_CONFIG_FILE).is_file() {
+        bail!(
+            "{} holds a LoRA adapter, not a model: give its base as the model and the adapter \
+             beside it (`sample --model BASE --adapter {}`, `merge BASE {} --out DIR`)",
+            dir.display(),
+            dir.display(),
+            dir.display()
+        );
+    }
     if !path.is_file() {
         bail!(
             "{}: no such file; {} is not a model or checkpoint directory (it needs config.json \

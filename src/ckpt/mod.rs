@@ -59,8 +59,8 @@ mod tests_sharded;
 mod tokenizer;
 
 pub use files::{
-    ADAPTER_CHECKPOINT_FILES, CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE,
-    OPTIMIZER_FILE, STATE_FILE,
+    ADAPTER_CHECKPOINT_FILES, ADAPTER_CONFIG_FILE, CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE,
+    MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
 };
 pub use load::{
     CopyMoments, CopyParams, latest_checkpoint, load_params, load_params_by, load_spec,

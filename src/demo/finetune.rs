@@ -201,6 +201,7 @@ fn sample(
         threads,
         device: Default::default(),
         adapter: None,
+        stop: Vec::new(),
     }
 }
 

@@ -87,6 +87,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
         threads,
         device: o.device,
         adapter: None,
+        stop: Vec::new(),
     })?;
     println!(
         "\n\nfiles: {}, {}, {}\nmore: memwall sample --model {} --prompt \"JULIET:\"",

@@ -31,6 +31,20 @@ pub struct SampleOptions {
     /// A LoRA adapter (PEFT's files) applied to the model: merged into its weights in memory,
     /// which computes what base and adapter compute together.
     pub adapter: Option<PathBuf>,
+    /// Tokens that end generation (not printed): a chat's end-of-turn tokens. Empty: generate
+    /// `tokens` tokens.
+    pub stop: Vec<u32>,
+}
+
+/// A chat turn to answer (`sample --chat`).
+#[derive(Clone, Debug, Default)]
+pub struct ChatRequest {
+    /// The user's message.
+    pub user: String,
+    /// A system turn before it (`--system`).
+    pub system: Option<String>,
+    /// A Jinja chat template overriding the model's (`--chat-template`).
+    pub template: Option<PathBuf>,
 }
 
 /// Generates `opts.tokens` tokens after the prompt; returns the new token ids. `on_token`
@@ -63,7 +77,7 @@ pub fn generate_tokens(
     let layout = plan.layout.clone();
     let mut ex = Executor::on(plan, opts.device.backend())?;
     let adapter = match &opts.adapter {
-        Some(dir) => Some(ckpt::adapter::load_adapter(dir, &layout)?),
+        Some(dir) => Some(ckpt::adapter::load_adapter(&adapter_dir(dir)?, &layout)?),
         None => None,
     };
     ex.with_params_mut(|p| -> Result<()> {
@@ -93,11 +107,25 @@ pub fn generate_tokens(
                 &mut rng,
             )
         };
+        if opts.stop.contains(&next) {
+            break;
+        }
         all.push(next);
         out.push(next);
         on_token(next);
     }
     Ok(out)
+}
+
+/// `--adapter DIR`: an adapter directory, or a LoRA run's directory (its newest checkpoint).
+fn adapter_dir(dir: &Path) -> Result<PathBuf> {
+    if dir.join(ckpt::ADAPTER_CONFIG_FILE).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    match ckpt::latest_checkpoint(dir) {
+        Ok(Some(newest)) => Ok(newest),
+        _ => Ok(dir.to_path_buf()),
+    }
 }
 
 /// What a reader should know when the prompt and the new tokens exceed the model's context
@@ -124,10 +152,78 @@ fn context_warning(prompt: usize, tokens: usize, context: usize) -> Option<Strin
 pub fn sample_text(opts: &SampleOptions, on_text: &mut dyn FnMut(&str)) -> Result<String> {
     let tok = checkpoint_tokenizer(&opts.checkpoint)?;
     let prompt = tok.encode(&opts.prompt)?;
+    stream_text(opts, &tok, &prompt, on_text)
+}
+
+/// Answers one chat turn: `chat` rendered with the model's chat template (or
+/// `chat.template`) and `add_generation_prompt`, as `apply_chat_template` does, then
+/// generated until an end-of-turn token (the tokenizer's `eos_token` and the end-of-turn
+/// tokens of the common templates that the vocabulary has) or `opts.tokens`. Returns the
+/// answer, which `on_text` receives as it comes; the prompt is not printed.
+pub fn chat_text(
+    opts: &SampleOptions,
+    chat: &ChatRequest,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<String> {
+    use crate::data::chat::template::MISSING_HINT;
+    use crate::data::chat::{ChatTemplate, Message, Role};
+    let tok = checkpoint_tokenizer(&opts.checkpoint)?;
+    let template = ChatTemplate::load(Some(&opts.checkpoint), chat.template.as_deref())?
+        .ok_or_else(|| {
+            anyhow!(
+                "--chat: the model '{}' has no chat template; {MISSING_HINT}",
+                opts.checkpoint.display()
+            )
+        })?;
+    let mut messages = Vec::new();
+    if let Some(system) = &chat.system {
+        messages.push(Message::new(Role::System, system.as_str()));
+    }
+    messages.push(Message::new(Role::User, chat.user.as_str()));
+    let text = template.render(&messages, true)?;
+    let (prompt, _) = tok.encode_rendered(&text)?;
+    let mut opts = opts.clone();
+    opts.stop = stop_tokens(&tok, template.specials());
+    stream_text(&opts, &tok, &prompt, on_text)
+}
+
+/// The tokens that end a chat answer: the template's `eos_token`, and the end-of-turn tokens
+/// of the ChatML, Llama 3 and Gemma templates and the end-of-text token where the vocabulary
+/// has them as single tokens.
+fn stop_tokens(tok: &Tokenizer, specials: &std::collections::BTreeMap<String, String>) -> Vec<u32> {
+    let mut names: Vec<&str> = vec![
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        "<end_of_turn>",
+    ];
+    if let Some(eos) = specials.get("eos_token") {
+        names.push(eos);
+    }
+    let mut stop: Vec<u32> = names
+        .into_iter()
+        .filter_map(|n| match tok.encode_rendered(n) {
+            Ok((ids, _)) if ids.len() == 1 => Some(ids[0]),
+            _ => None,
+        })
+        .collect();
+    stop.push(tok.eot());
+    stop.sort_unstable();
+    stop.dedup();
+    stop
+}
+
+/// Generates after `prompt` and streams the decoded new text to `on_text`.
+fn stream_text(
+    opts: &SampleOptions,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    on_text: &mut dyn FnMut(&str),
+) -> Result<String> {
     // Stream whole decoded text incrementally (tokens may split UTF-8 characters).
     let mut ids = Vec::new();
     let mut printed = String::new();
-    let out = generate_tokens(opts, &prompt, &mut |t| {
+    let out = generate_tokens(opts, prompt, &mut |t| {
         ids.push(t);
         let text = tok.decode(&ids);
         if let Some(new) = text.strip_prefix(printed.as_str())

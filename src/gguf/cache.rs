@@ -13,7 +13,7 @@
 use super::convert::{ConvertOptions, OutDtype, convert};
 use super::file::MAGIC;
 use crate::ckpt::{CONFIG_FILE, MODEL_FILE};
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs;
@@ -42,6 +42,12 @@ pub fn is_gguf(path: &Path) -> bool {
 /// option in errors (`--model`, `--init`).
 pub fn model_dir(path: &Path, flag: &str) -> Result<PathBuf> {
     if !is_gguf(path) {
+        let named_gguf = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        if named_gguf && !path.exists() {
+            bail!("{flag} {}: no such file", path.display());
+        }
         return Ok(path.to_path_buf());
     }
     let cache = crate::util::cache::memwall_cache().ok_or_else(|| {

@@ -139,7 +139,21 @@ pub fn fit_space(
     })
 }
 
-/// Resolves `--batch`, `--global-batch`, `--fit` and the strategy flags for `spec`.
+/// What a run's frozen base and adapters are where the caller knows more than the flags:
+/// `train`'s `--init-adapter` (the adapters it holds) and GGUF `--init` (the base kept as the
+/// file's blocks, each tensor's type read from it). `None` fields: as the flags say.
+#[derive(Clone, Debug, Default)]
+pub struct Frozen {
+    pub lora: Option<crate::model::lora::LoraSpec>,
+    pub base: Option<(
+        crate::plan::lora::BaseQuant,
+        Option<std::sync::Arc<crate::plan::lora::BaseTypes>>,
+    )>,
+}
+
+/// Resolves `--batch`, `--global-batch`, `--fit` and the strategy flags for `spec`, with
+/// the base and adapters `frozen` gives where it gives them (so `--batch auto` and `--fit`
+/// plan the base as the run will keep it).
 pub fn resolve_step(
     step: &StepRequest,
     spec: &ModelSpec,
@@ -147,6 +161,7 @@ pub fn resolve_step(
     baseline: u64,
     default_batch: usize,
     ranks: usize,
+    frozen: &Frozen,
 ) -> Result<Resolved> {
     let st = &step.strategy;
     let backend = step.device.backend();
@@ -158,14 +173,26 @@ pub fn resolve_step(
     if step.fit {
         let budget = step.max_memory.context("--fit needs --max-memory")?;
         let mut space = fit_space(step, threads, default_batch)?;
-        space.lora = st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?;
+        space.lora = match &frozen.lora {
+            Some(l) => Some(l.clone()),
+            None => st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?,
+        };
+        if let Some((quant, types)) = &frozen.base {
+            (space.base_quant, space.base_types) = (*quant, types.clone());
+        }
         let cal = crate::exec::calibrate::current(threads)?;
         let f = search::fit(spec, &space, budget, baseline, &cal, backend)?;
         return Ok(Resolved::fitted(f, budget, st.offload_dir.clone(), cal));
     }
     let mut strategies = st.strategies(step.max_memory)?;
     strategies.ranks = ranks;
-    strategies.lora = st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?;
+    strategies.lora = match &frozen.lora {
+        Some(l) => Some(l.clone()),
+        None => st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?,
+    };
+    if let Some((quant, types)) = &frozen.base {
+        (strategies.base_quant, strategies.base_types) = (*quant, types.clone());
+    }
     let batch = match step.batch {
         Some(Pick::Auto) => {
             let budget = step
@@ -295,7 +322,7 @@ mod tests {
 
     fn resolved(req: &StepRequest, ranks: usize) -> Result<(usize, usize)> {
         let spec = ModelSpec::preset("gpt2-tiny")?;
-        let r = resolve_step(req, &spec, 1, 0, 8, ranks)?;
+        let r = resolve_step(req, &spec, 1, 0, 8, ranks, &Frozen::default())?;
         Ok((r.batch, r.strategies.grad_accum))
     }
 

@@ -4,7 +4,7 @@
 //! and the accumulation where it keeps the global batch).
 
 use super::request::{DEFAULT_MODEL, TrainRequest};
-use super::step::{Resolved, fit_measured, fit_space, fixed, resolve_step};
+use super::step::{Frozen, Resolved, fit_measured, fit_space, fixed, resolve_step};
 use crate::exec::train::{
     Progress, TrainOptions, planning_baseline, resume_options, with_data_open,
 };
@@ -61,14 +61,24 @@ pub fn new_run(
         let spec = ModelSpec::resolve(&o.model)?;
         // With the data open, as the run will measure it (`--batch auto` plans with it).
         let baseline = planning_baseline(&o)?;
-        let r = resolve_step(&req.step, &spec, o.threads, baseline, o.batch, ranks)?;
+        // The adapters and the base as the run will keep them, so that `--batch auto` plans
+        // them so.
+        let asked = (req.step.strategy.lora.as_ref())
+            .map(|l| l.spec(spec.family))
+            .transpose()?;
+        let frozen = Frozen {
+            lora: match &req.init_adapter {
+                Some(dir) => Some(adapter_spec(dir, &spec, asked.as_ref())?),
+                None => None,
+            },
+            base: Some(base_storage(&o, req)?),
+        };
+        let r = resolve_step(
+            &req.step, &spec, o.threads, baseline, o.batch, ranks, &frozen,
+        )?;
         o.batch = r.batch;
         o.strategies = r.strategies;
-        if let Some(dir) = &req.init_adapter {
-            o.strategies.lora = Some(adapter_spec(dir, &spec, o.strategies.lora.as_ref())?);
-            o.init_adapter = Some(dir.clone());
-        }
-        (o.strategies.base_quant, o.strategies.base_types) = base_storage(&o, req)?;
+        o.init_adapter = req.init_adapter.clone();
     }
     Ok(o)
 }
@@ -182,9 +192,15 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             Some(l) => format!("LoRA adapters of rank {}", l.r),
             None => "every weight (a full fine-tune)".into(),
         };
+        let flag = match req.step.strategy.lora {
+            Some(_) => "--lora",
+            None => "--base-quant",
+        };
         bail!(
-            "--lora with --resume: the run in {} trains {was}, and a resumed run keeps what it \
-             trains; leave out --lora (and its companions), or start a new run with --init",
+            "{flag} with --resume: the run in {} trains {was} on the base it started with, and \
+             a resumed run keeps both; leave out {flag} (and --lora's companions), or start a \
+             new run (`--init BASE --init-adapter CHECKPOINT` continues an adapter with other \
+             settings)",
             run.display()
         );
     }
@@ -293,9 +309,13 @@ fn fit_run(
         .context("--fit needs --max-memory: it picks the fastest plan that fits that budget")?;
     o.check()?;
     let (f, baseline, cal) = with_data_open(o, |spec| {
-        space.lora = (req.step.strategy.lora.as_ref())
+        let asked = (req.step.strategy.lora.as_ref())
             .map(|l| l.spec(spec.family))
             .transpose()?;
+        space.lora = match &req.init_adapter {
+            Some(dir) => Some(adapter_spec(dir, spec, asked.as_ref())?),
+            None => asked,
+        };
         (space.base_quant, space.base_types) = base_storage(o, req)?;
         let cal = crate::exec::calibrate::current(o.threads)?;
         // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
@@ -313,6 +333,7 @@ fn fit_run(
         f.found.ranked[0].flags()
     ));
     let r = Resolved::fitted(f, budget, req.step.strategy.offload_dir.clone(), cal);
+    o.init_adapter = req.init_adapter.clone();
     o.batch = r.batch;
     o.strategies = r.strategies;
     o.fit = r.fit;
