@@ -184,6 +184,23 @@ pub fn read_config(dir: &Path, family: crate::model::Family) -> Result<LoraSpec>
 /// Reads the PEFT adapter in `dir` for the base whose parameters are `base`: its layout
 /// (from `adapter_config.json`, checked against the base) and its values.
 pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Vec<f32>)> {
+    let mut values = Vec::new();
+    let adapters = load_adapter_by(dir, base, |a, copy| {
+        values = vec![0f32; a.params.total];
+        copy(0..a.params.total, &mut values)
+    })?;
+    Ok((adapters, values))
+}
+
+/// [`load_adapter`] without a copy of its own: checks the files, then lends `fill` the
+/// adapters found and a copier that reads the values of an element range of them into a
+/// caller's buffer (a run's parameters, group by group where they are offloaded), the file's
+/// pages released after each range.
+pub fn load_adapter_by(
+    dir: &Path,
+    base: &ParamLayout,
+    fill: impl FnOnce(&AdapterLayout, &mut super::CopyParams<'_>) -> Result<()>,
+) -> Result<AdapterLayout> {
     let label = dir.join(ADAPTER_CONFIG_FILE).display().to_string();
     let spec = read_config(dir, base.family)?;
     let adapters = AdapterLayout::new(base, spec).with_context(|| {
@@ -196,10 +213,26 @@ pub fn load_adapter(dir: &Path, base: &ParamLayout) -> Result<(AdapterLayout, Ve
     let src = Sources::single(&file);
     let targets: Vec<Target> = Target::whole_tensors(&adapters.params, "", 0).collect();
     let located = check_targets(&src, &resolve_exact, &targets)?;
-    let mut values = vec![0f32; adapters.params.total];
-    copy_targets(&src, &located, &targets, &mut [&mut values])?;
-    src.release_all();
-    Ok((adapters, values))
+    let mut copy = |range: std::ops::Range<usize>, dst: &mut [f32]| -> Result<()> {
+        if dst.len() != range.len() {
+            bail!(
+                "internal error: {} elements for adapters {range:?}",
+                dst.len()
+            );
+        }
+        let within: Vec<Target> = (targets.iter())
+            .filter(|t| range.start <= t.range.start && t.range.end <= range.end)
+            .map(|t| Target {
+                range: t.range.start - range.start..t.range.end - range.start,
+                ..t.clone()
+            })
+            .collect();
+        let copied = copy_targets(&src, &located, &within, &mut [dst]);
+        src.release_all();
+        copied
+    };
+    fill(&adapters, &mut copy)?;
+    Ok(adapters)
 }
 
 #[cfg(test)]

@@ -456,19 +456,18 @@ fn fill_adapter(ex: &mut Executor, dir: &Path) -> Result<()> {
     let Some(lora) = ex.plan.lora.clone() else {
         bail!("internal error: fill_adapter on a plan without LoRA");
     };
-    let (adapters, values) = ckpt::adapter::load_adapter(dir, &lora.base)?;
-    if adapters.spec != lora.adapters.spec {
-        bail!(
-            "{}: the adapter there ({:?}) is not the run's ({:?})",
-            dir.display(),
-            adapters.spec,
-            lora.adapters.spec
-        );
-    }
-    ex.fill_params(|r, p| {
-        p.copy_from_slice(&values[r]);
-        Ok(())
-    })
+    ckpt::adapter::load_adapter_by(dir, &lora.base, |adapters, copy| {
+        if adapters.spec != lora.adapters.spec {
+            bail!(
+                "{}: the adapter there ({:?}) is not the run's ({:?})",
+                dir.display(),
+                adapters.spec,
+                lora.adapters.spec
+            );
+        }
+        ex.fill_params(|r, p| copy(r, p))
+    })?;
+    Ok(())
 }
 
 /// The seed of fresh adapters' initialisation: not the base's stream (`seed`), so `A`
