@@ -18,11 +18,13 @@ use memwall::exec::resolve::{self, DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ};
 use memwall::exec::train::{self, ConsoleProgress};
 use memwall::gguf::{self, ConvertOptions};
 use memwall::model::ModelSpec;
+use memwall::plan::lora::BaseQuant;
 use memwall::plan::{self, Mode, OffloadChoice, RecomputeChoice, StepConfig, build_plan};
 use memwall::run_dir::PlanJson;
 use memwall::util::bytes::fmt_bytes;
 use memwall::util::rss;
 use std::io::Write;
+use std::path::Path;
 
 fn main() {
     // A reader that goes away (`memwall plan | head`) ends memwall as it ends any Unix tool,
@@ -155,13 +157,31 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let req = a.step.request();
     let backend = req.device.backend();
-    let spec = ModelSpec::resolve(req.model.as_deref().unwrap_or(DEFAULT_MODEL))?;
+    // A GGUF --model is planned as its conversion; with --lora its base keeps the file's
+    // blocks (`--base-quant keep`, as `train --init FILE.gguf` does).
+    let model = Path::new(req.model.as_deref().unwrap_or(DEFAULT_MODEL));
+    let named_gguf = model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let gguf_model = gguf::cache::is_gguf(model);
+    let spec = match gguf_model || named_gguf {
+        true => ModelSpec::resolve(&gguf::cache::model_dir(model, "--model")?.to_string_lossy())?,
+        false => ModelSpec::resolve(&model.to_string_lossy())?,
+    };
     let threads = checked_threads(req.threads, false)?;
     let baseline = rss::current_rss().unwrap_or(0);
     if a.ranks == 0 {
         bail!("--ranks must be at least 1 (processes training together)");
     }
-    let frozen = resolve::Frozen::default();
+    let keep = req.strategy.base_quant.is_none_or(|q| q == BaseQuant::Keep);
+    let frozen = match (gguf_model, &req.strategy.lora) {
+        (true, Some(_)) if keep && spec.family != memwall::model::Family::Gpt2 => {
+            let types = gguf::base::BaseSource::open(model)?.types();
+            resolve::Frozen {
+                lora: None,
+                base: Some((BaseQuant::Keep, Some(std::sync::Arc::new(types)))),
+            }
+        }
+        _ => resolve::Frozen::default(),
+    };
     let r = resolve::resolve_step(
         &req,
         &spec,
