@@ -160,7 +160,9 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     // A GGUF --model is planned as its conversion; with --lora its base keeps the file's
     // blocks (`--base-quant keep`, as `train --init FILE.gguf` does).
     let model = Path::new(req.model.as_deref().unwrap_or(DEFAULT_MODEL));
-    let named_gguf = model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let named_gguf = model
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
     let gguf_model = gguf::cache::is_gguf(model);
     let spec = match gguf_model || named_gguf {
         true => ModelSpec::resolve(&gguf::cache::model_dir(model, "--model")?.to_string_lossy())?,

@@ -207,7 +207,7 @@ fn smollm2_answers_and_models_shakespeare() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("smollm2");
     convert(&ConvertOptions {
-        input: gguf.into(),
+        input: gguf.clone().into(),
         out: dir.clone(),
         dtype: OutDtype::F32,
         force: false,
@@ -231,6 +231,26 @@ fn smollm2_answers_and_models_shakespeare() {
         text.trim_start().starts_with("Paris"),
         "greedy answer: {text:?}"
     );
+    // `plan --model FILE.gguf --lora`: the default QLoRA run planned with the file's own
+    // blocks (Q4_1 matrices, the Q8_0 embedding), as `train --init FILE.gguf --lora` keeps them.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .args(["plan", "--model"])
+        .arg(&gguf)
+        .args(["--lora", "8", "--batch", "1", "--seq", "32", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = (plan["buffers"].as_array().unwrap().iter())
+        .filter_map(|b| b["name"].as_str())
+        .collect();
+    for kept in ["h0.base.q4_1", "embed.base.q8_0"] {
+        assert!(names.contains(&kept), "no {kept} in {names:?}");
+    }
     // As a chat (`sample --chat`): its ChatML template (converted into tokenizer_config.json),
     // the answer alone, ended by <|im_end|> well before 40 tokens.
     let chat = ChatRequest {
