@@ -334,6 +334,9 @@ impl AdapterLayout {
             modules_to_save: None,
             use_rslora: false,
             use_dora: false,
+            rank_pattern: Default::default(),
+            alpha_pattern: Default::default(),
+            layers_to_transform: None,
         }
     }
 }
@@ -369,7 +372,9 @@ pub struct AdapterConfig {
     pub lora_alpha: f32,
     #[serde(default)]
     pub lora_dropout: f32,
-    /// Module names matched against the end of each module's path.
+    /// Module names matched against the end of each module's path (PEFT also takes one
+    /// string: `all-linear`, or a regular expression, which memwall refuses by name).
+    #[serde(deserialize_with = "string_or_list")]
     pub target_modules: Vec<String>,
     #[serde(default = "none")]
     pub bias: String,
@@ -388,6 +393,28 @@ pub struct AdapterConfig {
     pub use_rslora: bool,
     #[serde(default)]
     pub use_dora: bool,
+    /// Per-module ranks and alphas, and the layers adapted: PEFT's variations on one rank
+    /// and one scale everywhere, which memwall refuses when set (read, never written).
+    #[serde(default, skip_serializing)]
+    pub rank_pattern: serde_json::Map<String, serde_json::Value>,
+    #[serde(default, skip_serializing)]
+    pub alpha_pattern: serde_json::Map<String, serde_json::Value>,
+    #[serde(default, skip_serializing)]
+    pub layers_to_transform: Option<serde_json::Value>,
+}
+
+/// `target_modules` as a list, or one string (`all-linear`, a regular expression).
+fn string_or_list<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Modules {
+        One(String),
+        List(Vec<String>),
+    }
+    Ok(match Modules::deserialize(d)? {
+        Modules::One(s) => vec![s],
+        Modules::List(l) => l,
+    })
 }
 
 fn none() -> String {
@@ -420,8 +447,31 @@ impl AdapterConfig {
         if self.modules_to_save.as_ref().is_some_and(|m| !m.is_empty()) {
             return refuse("modules_to_save is set");
         }
+        if !self.rank_pattern.is_empty() || !self.alpha_pattern.is_empty() {
+            return refuse("rank_pattern or alpha_pattern is set (ranks or scales per module)");
+        }
+        if self
+            .layers_to_transform
+            .as_ref()
+            .is_some_and(|l| !l.is_null())
+        {
+            return refuse("layers_to_transform is set (adapters on some layers only)");
+        }
         let mut targets = Vec::new();
-        for entry in &self.target_modules {
+        // PEFT's one-string forms: `all-linear` (every linear layer of the blocks), or a
+        // regular expression over module paths.
+        if let [one] = self.target_modules.as_slice() {
+            let plain = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
+            if one == "all-linear" {
+                targets.extend_from_slice(Target::all(family));
+            } else if !one.chars().all(plain) {
+                return refuse(&format!(
+                    "target_modules is the regular expression '{one}'; give it as a list of \
+                     module names"
+                ));
+            }
+        }
+        for entry in self.target_modules.iter().filter(|e| *e != "all-linear") {
             let matched: Vec<Target> = Target::all(family)
                 .iter()
                 .copied()
@@ -584,6 +634,29 @@ mod tests {
             "{e}"
         );
         cfg.use_dora = false;
+        // PEFT's variations memwall does not train, refused by name; its one-string forms.
+        for (json, says) in [
+            (r#""rank_pattern": {"q_proj": 8}"#, "rank_pattern"),
+            (r#""alpha_pattern": {"v_proj": 4}"#, "alpha_pattern"),
+            (r#""layers_to_transform": [0, 1]"#, "layers_to_transform"),
+            (r#""target_modules": ".*q_proj""#, "regular expression"),
+        ] {
+            let mut v = serde_json::to_value(&cfg).unwrap();
+            let extra: serde_json::Value = serde_json::from_str(&format!("{{{json}}}")).unwrap();
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            let other: AdapterConfig = serde_json::from_value(v).unwrap();
+            let e = format!("{:#}", other.spec(Family::Llama, "c.json").unwrap_err());
+            assert!(e.contains("c.json") && e.contains(says), "{e}");
+        }
+        let mut v = serde_json::to_value(&cfg).unwrap();
+        v["target_modules"] = serde_json::json!("all-linear");
+        let all: AdapterConfig = serde_json::from_value(v).unwrap();
+        assert_eq!(
+            all.spec(Family::Llama, "x").unwrap().targets,
+            Target::all(Family::Llama)
+        );
         cfg.target_modules = vec!["lm_head".into()];
         let e = format!(
             "{:#}",
