@@ -91,6 +91,14 @@ pub fn new_run(
 fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Option<Kept>)> {
     let lora = req.step.strategy.lora.is_some() || req.init_adapter.is_some();
     if let Some(q) = req.step.strategy.base_quant {
+        if let (BaseQuant::Blocks(ty), Some(gguf)) = (q, &o.init_gguf) {
+            eprintln!(
+                "memwall: note: --base-quant {q} quantizes the weights of {} again (its blocks \
+                 decoded, then rounded to {ty}: a second rounding, and no better than the \
+                 file's own); --base-quant keep, the default for a GGUF --init, keeps its blocks",
+                gguf.display()
+            );
+        }
         return Ok((q, kept_types(o, q)?));
     }
     if !lora || o.init_gguf.is_none() {
