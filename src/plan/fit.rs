@@ -10,6 +10,7 @@ use super::{
     StepConfig, build_plan,
 };
 use crate::dist::shard::Zero;
+use crate::gguf::GgmlType;
 use crate::model::ModelSpec;
 use crate::model::lora::LoraSpec;
 use crate::util::bytes::fmt_bytes;
@@ -468,6 +469,22 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
         }
     } else if cfg.recompute != Recompute::Full {
         flags.push("--recompute full");
+    }
+    // A LoRA base kept wider than 4 bits: quantizing it is the largest saving of all.
+    let wide = |q: BaseQuant| match q {
+        BaseQuant::F32 => true,
+        BaseQuant::Blocks(t) => t == GgmlType::BF16 || t == GgmlType::Q8_0,
+        BaseQuant::Keep => false,
+    };
+    if plan.mode == Mode::Train && cfg.lora.is_some() && wide(cfg.base_quant) {
+        let quantized = StepConfig {
+            base_quant: BaseQuant::Blocks(GgmlType::Q4_0),
+            ..small.clone()
+        };
+        if build_plan(&plan.spec, &quantized, plan.mode, backend).is_ok() {
+            small = quantized;
+            flags.insert(0, "--base-quant q4_0");
+        }
     }
     let least = predicted_peak(
         &build_plan(&plan.spec, &small, plan.mode, backend)?,
