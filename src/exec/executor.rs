@@ -867,6 +867,20 @@ impl Executor {
         self.mean_loss()
     }
 
+    /// The per-target losses of the last forward, `[micro-batches·B·T]` in batch order (0 for
+    /// a target not trained): what the step's mean loss is the mean of.
+    pub fn target_losses(&self) -> Vec<f32> {
+        let mut out = Vec::new();
+        self.device
+            .download(&self.plan.schedule.losses, &mut |bufs| {
+                for b in bufs {
+                    out.extend_from_slice(pod::cast::<f32>(b));
+                }
+            })
+            .expect(HOST_ONLY);
+        out
+    }
+
     /// Mean of the per-row losses over the trained targets of every micro-batch (and every
     /// rank: ranks exchange their sums); 0 when nothing is trained.
     fn mean_loss(&self) -> Result<f32> {
