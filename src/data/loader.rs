@@ -45,7 +45,7 @@ pub struct Meta {
 }
 
 /// The examples of each split of an examples data set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct ExampleCounts {
     pub train: u64,
     pub val: u64,
