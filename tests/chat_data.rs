@@ -387,3 +387,46 @@ fn prepare_and_train_on_chats_full_and_lora_resuming_bitwise() {
             .is_file()
     );
 }
+
+#[test]
+fn damaged_example_files_are_refused_naming_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = tmp.path().join("smol");
+    smollm2_dir(&tok);
+    let enc = encoder(&tok);
+    let out = tmp.path().join("data");
+    let opts = ChatPrepareOptions {
+        inputs: vec![conversations()],
+        out: out.clone(),
+        val_fraction: 0.25,
+    };
+    memwall::data::chat::prepare_chat(&opts, &enc, &mut Vec::new()).unwrap();
+    let err = || format!("{:#}", DataSet::open(&out).unwrap_err());
+    let keep = |name: &str| std::fs::read(out.join(name)).unwrap();
+    let (idx, mask, meta) = (keep("train.idx"), keep("val.mask"), keep("meta.json"));
+
+    // A truncated index.
+    std::fs::write(out.join("train.idx"), &idx[..idx.len() - 1]).unwrap();
+    let e = err();
+    assert!(e.contains("train.idx") && e.contains("truncated"), "{e}");
+    // Offsets that go back.
+    let mut bad = idx.clone();
+    bad[24 + 8..24 + 16].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(out.join("train.idx"), &bad).unwrap();
+    let e = err();
+    assert!(e.contains("train.idx") && e.contains("corrupt"), "{e}");
+    std::fs::write(out.join("train.idx"), &idx).unwrap();
+    // A mask missing.
+    std::fs::remove_file(out.join("val.mask")).unwrap();
+    let e = err();
+    assert!(e.contains("val.mask"), "{e}");
+    std::fs::write(out.join("val.mask"), &mask).unwrap();
+    // meta.json's example count disagreeing with the index.
+    let mut m: Value = serde_json::from_slice(&meta).unwrap();
+    m["train_examples"] = 5.into();
+    std::fs::write(out.join("meta.json"), m.to_string()).unwrap();
+    let e = err();
+    assert!(e.contains("inconsistent") && e.contains("train"), "{e}");
+    std::fs::write(out.join("meta.json"), &meta).unwrap();
+    DataSet::open(&out).unwrap();
+}
