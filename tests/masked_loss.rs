@@ -280,3 +280,32 @@ fn a_step_with_nothing_trained_is_finite_and_skipped() {
         assert_ne!(ex.download_params(), before);
     }
 }
+
+/// With the gradients on the disk tier the update is deferred to the next step's forward:
+/// an empty step leaves none pending either.
+#[test]
+fn an_empty_step_defers_no_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = gpt2();
+    let mut cfg = StepConfig::new(2, T, 1);
+    cfg.offload.set = "grads".parse::<memwall::plan::OffloadSet>().unwrap();
+    cfg.offload.dir = Some(dir.path().to_path_buf());
+    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    assert!(plan.schedule.deferred_update);
+    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let layout = ex.plan.layout.clone();
+    ex.with_params_mut(|p| layout.init(p, 5)).unwrap();
+    let before = ex.download_params();
+    let batch = mark(&tokens(2, spec.vocab_size, 6), |_, _| false);
+    ex.upload_examples(&batch).unwrap();
+    let s = ex.train_step(&hp(1)).unwrap();
+    assert!(s.skipped && s.loss == 0.0 && s.loss_tokens == 0, "{s:?}");
+    ex.finish_update().unwrap();
+    assert_eq!(ex.download_params(), before, "nothing updated");
+    let batch = mark(&tokens(2, spec.vocab_size, 7), chat_mask);
+    ex.upload_examples(&batch).unwrap();
+    let s = ex.train_step(&hp(2)).unwrap();
+    assert!(!s.skipped && s.loss > 0.0, "{s:?}");
+    ex.finish_update().unwrap();
+    assert_ne!(ex.download_params(), before);
+}
