@@ -253,15 +253,28 @@ pub(crate) struct FinetuneArgs {
 
 #[derive(Args)]
 pub(crate) struct PrepareArgs {
-    /// Text files or directories (walked recursively).
+    /// Text files or directories (walked recursively); or chat data: .jsonl / .jsonl.gz
+    /// files, or folders of them (OpenAI `messages`, ShareGPT `conversations`,
+    /// `prompt`/`completion`, Alpaca, `text`), rendered with the tokenizer's chat template
+    /// into an examples data set: one trained bit per token and each example's start beside
+    /// the tokens, split by whole examples.
     #[arg(required = true)]
     pub(crate) inputs: Vec<PathBuf>,
-    /// Output directory for train.bin, val.bin and meta.json.
+    /// Output directory for train.bin, val.bin and meta.json (chat data: also train.idx,
+    /// val.idx, train.mask, val.mask).
     #[arg(long)]
     pub(crate) out: PathBuf,
-    /// Fraction of tokens (the end of the stream) held out for validation.
+    /// Fraction held out for validation: of the tokens (the end of the stream), or for chat
+    /// data of the examples (the last ones).
     #[arg(long, default_value_t = 0.05)]
     pub(crate) val_fraction: f64,
+    /// Chat data: a Jinja chat template file to use instead of the tokenizer's own.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) chat_template: Option<PathBuf>,
+    /// Chat data: which tokens are trained: answers (the assistant turns, with their
+    /// end-of-turn token) or all.
+    #[arg(long, value_name = "answers|all")]
+    pub(crate) train_on: Option<memwall::data::chat::TrainOn>,
     /// Tokenizer: `gpt2` (GPT-2's BPE, built in), a model directory holding a Hugging Face
     /// tokenizer.json (e.g. a downloaded SmolLM2-135M), the path of a tokenizer.json, or a
     /// GGUF file (its tokenizer.json from the conversion `train --init FILE.gguf` uses,

@@ -87,6 +87,15 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
 
 fn prepare_cmd(a: PrepareArgs) -> Result<()> {
     let tok = Tokenizer::load(&a.tokenizer).context("--tokenizer")?;
+    if memwall::data::chat::is_chat_input(&a.inputs)? {
+        return prepare_chat_cmd(a, tok);
+    }
+    if a.chat_template.is_some() || a.train_on.is_some() {
+        anyhow::bail!(
+            "--chat-template and --train-on are for chat data (.jsonl or .jsonl.gz files, or \
+             folders of them), and the inputs are text"
+        );
+    }
     let s = prepare::prepare_with(
         &prepare::PrepareOptions {
             inputs: a.inputs,
@@ -103,6 +112,44 @@ fn prepare_cmd(a: PrepareArgs) -> Result<()> {
         s.val_tokens,
         s.out.display(),
         tok.id().describe()
+    );
+    Ok(())
+}
+
+fn prepare_chat_cmd(a: PrepareArgs, tok: Tokenizer) -> Result<()> {
+    use memwall::data::chat::{ChatPrepareOptions, ChatTemplate, Encoder, prepare_chat};
+    let file = Tokenizer::file_of(&a.tokenizer)?;
+    let dir = file.as_deref().and_then(std::path::Path::parent);
+    let template = ChatTemplate::load(dir, a.chat_template.as_deref())?;
+    let described = tok.id().describe();
+    let encoder = Encoder::new(tok, template, a.train_on.unwrap_or_default());
+    let s = prepare_chat(
+        &ChatPrepareOptions {
+            inputs: a.inputs,
+            out: a.out,
+            val_fraction: a.val_fraction,
+        },
+        &encoder,
+        &mut std::io::stderr(),
+    )?;
+    let by: Vec<String> = s
+        .formats
+        .iter()
+        .map(|(f, n)| format!("{n} {}", f.name()))
+        .collect();
+    println!(
+        "prepared {} ({}) in {} with tokenizer {described}: train {} ({} tokens, {} trained), val \
+         {} ({} tokens, {} trained); {} without an assistant turn left out",
+        memwall::util::count(s.train.examples + s.val.examples, "example"),
+        by.join(", "),
+        s.out.display(),
+        memwall::util::count(s.train.examples, "example"),
+        s.train.tokens,
+        s.train.trained_tokens,
+        memwall::util::count(s.val.examples, "example"),
+        s.val.tokens,
+        s.val.trained_tokens,
+        memwall::util::count(s.no_assistant, "conversation"),
     );
     Ok(())
 }

@@ -74,6 +74,11 @@ pub struct StepCtx {
     /// masks are drawn by an element's place in the whole batch, so ranks draw what one
     /// process accumulating their micro-batches draws.
     pub first_micro: usize,
+    /// The targets the step's loss is the mean over: the trained targets of every
+    /// micro-batch of the step on every rank (every target of raw text: B·T·micro-batches·
+    /// ranks). The LM head scales its gradient by `loss_scale / max(loss_tokens, 1)`, so a
+    /// step with nothing trained divides by nothing.
+    pub loss_tokens: usize,
 }
 
 /// One AdamW step's hyperparameters, as every `AdamW` op of the step applies them (a

@@ -6,11 +6,16 @@
 //! `index` is a pure function of `(seed, index)`: a resumed run that restarts at the saved
 //! [`BatchLoader::position`] sees exactly the batches it would have seen.
 //!
+//! An *examples* data set (`meta.json` format `memwall-examples`: chat data) draws whole
+//! examples instead, one per row, cut or padded, untrained targets marked
+//! ([`crate::data::examples`]); [`Source`] is either kind of split.
+//!
 //! [`BatchLoader`] prefetches on a worker thread into two staging buffers allocated once at
 //! construction (the data loader's whole "I/O staging" footprint, [`BatchLoader::staging_bytes`]);
 //! nothing is allocated per batch.
 
-use crate::data::prepare::{META_FORMAT, META_VERSION};
+use crate::data::examples::{Examples, fill_rows};
+use crate::data::prepare::{EXAMPLES_FORMAT, META_FORMAT, META_VERSION};
 use crate::data::shard::Shard;
 use crate::data::tokenizer::{EOT, GPT2_HASH, GPT2_NAME};
 use crate::util::rng::Rng;
@@ -33,8 +38,17 @@ pub struct Meta {
     /// Tokenizer content hash ([`crate::data::TokenizerId::hash`]); a `meta.json` written
     /// before hashes were recorded is GPT-2's, `r50k_base`.
     pub tokenizer_hash: String,
-    /// The end-of-text token between documents.
+    /// The end-of-text token between documents (and an examples data set's padding).
     pub eot: u32,
+    /// An examples data set's examples per split (chat data); `None` for raw text.
+    pub examples: Option<ExampleCounts>,
+}
+
+/// The examples of each split of an examples data set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct ExampleCounts {
+    pub train: u64,
+    pub val: u64,
 }
 
 #[derive(Deserialize)]
@@ -49,15 +63,80 @@ struct MetaIn {
     eot: Option<u32>,
     train_tokens: u64,
     val_tokens: u64,
+    #[serde(default)]
+    train_examples: Option<u64>,
+    #[serde(default)]
+    val_examples: Option<u64>,
 }
 
-/// A prepared data set: `meta.json` plus the two shards, validated against each other.
+/// A prepared data set: `meta.json` plus the two shards, validated against each other (and,
+/// for examples, each split's boundaries and trained bits).
 #[derive(Debug)]
 pub struct DataSet {
     pub dir: PathBuf,
     pub meta: Meta,
     pub train: Arc<Shard>,
     pub val: Arc<Shard>,
+    /// An examples data set's splits (`None`: raw text, drawn as windows).
+    pub examples: Option<(Arc<Examples>, Arc<Examples>)>,
+}
+
+/// Where a split's rows come from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// Raw text: windows of `T + 1` consecutive tokens at random offsets.
+    Windows(Arc<Shard>),
+    /// Examples: one per row, padded with `pad` (see [`crate::data::examples`]).
+    Examples { split: Arc<Examples>, pad: u32 },
+}
+
+impl Source {
+    /// Fills `out` (`[B, T+1]`) with `part`'s rows of batch `index` (a pure function of
+    /// `(seed, index)`).
+    pub fn fill(
+        &self,
+        (b, t): (usize, usize),
+        seed: u64,
+        index: u64,
+        part: Part,
+        out: &mut [u32],
+    ) -> Result<()> {
+        match self {
+            Source::Windows(shard) => fill_batch_part(shard, b, t, seed, index, part, out),
+            Source::Examples { split, pad } => {
+                fill_rows(split, (b, t), (seed, index), part.index * b, *pad, out)
+            }
+        }
+    }
+
+    /// Whether rows mark untrained targets ([`crate::data::examples::UNTRAINED`]).
+    pub fn marked(&self) -> bool {
+        matches!(self, Source::Examples { .. })
+    }
+}
+
+impl DataSet {
+    /// The training split's rows.
+    pub fn train_source(&self) -> Source {
+        match &self.examples {
+            Some((train, _)) => Source::Examples {
+                split: train.clone(),
+                pad: self.meta.eot,
+            },
+            None => Source::Windows(self.train.clone()),
+        }
+    }
+
+    /// The validation split's rows.
+    pub fn val_source(&self) -> Source {
+        match &self.examples {
+            Some((_, val)) => Source::Examples {
+                split: val.clone(),
+                pad: self.meta.eot,
+            },
+            None => Source::Windows(self.val.clone()),
+        }
+    }
 }
 
 const HOW_TO_PREPARE: &str =
@@ -85,8 +164,9 @@ impl DataSet {
             )
         })?;
         ensure!(
-            m.format == META_FORMAT && m.version == META_VERSION,
-            "'{}' has format '{}' version {}, but this memwall reads '{META_FORMAT}' version {META_VERSION}: {HOW_TO_PREPARE}",
+            (m.format == META_FORMAT || m.format == EXAMPLES_FORMAT) && m.version == META_VERSION,
+            "'{}' has format '{}' version {}, but this memwall reads '{META_FORMAT}' and \
+             '{EXAMPLES_FORMAT}' version {META_VERSION}: {HOW_TO_PREPARE}",
             meta_path.display(),
             m.format,
             m.version
@@ -121,7 +201,31 @@ impl DataSet {
         };
         let train = open("train.bin", m.train_tokens)?;
         let val = open("val.bin", m.val_tokens)?;
+        let (examples, counts) = if m.format == EXAMPLES_FORMAT {
+            let split = |name: &str, shard: &Arc<Shard>, expect: Option<u64>| {
+                let ex = Examples::open(dir, name, shard.clone()).with_context(|| {
+                    format!("data set '{d}' is incomplete or corrupt: {HOW_TO_PREPARE}")
+                })?;
+                ensure!(
+                    Some(ex.len() as u64) == expect && !ex.is_empty(),
+                    "data set '{d}' is inconsistent: its {name} split has {} examples but \
+                     meta.json says {expect:?}: {HOW_TO_PREPARE}",
+                    ex.len()
+                );
+                Ok(Arc::new(ex))
+            };
+            let tr = split("train", &train, m.train_examples)?;
+            let va = split("val", &val, m.val_examples)?;
+            let counts = ExampleCounts {
+                train: tr.len() as u64,
+                val: va.len() as u64,
+            };
+            (Some((tr, va)), Some(counts))
+        } else {
+            (None, None)
+        };
         let meta = Meta {
+            examples: counts,
             vocab_size: m.vocab_size,
             train_tokens: m.train_tokens,
             val_tokens: m.val_tokens,
@@ -134,6 +238,7 @@ impl DataSet {
             meta,
             train,
             val,
+            examples,
         })
     }
 }
@@ -240,7 +345,7 @@ pub struct BatchLoader {
 }
 
 impl BatchLoader {
-    /// Starts the worker at batch `start_index`.
+    /// Starts the worker at batch `start_index`, drawing windows of `shard`.
     ///
     /// Panics when the shard is shorter than `t + 1` tokens (call [`check_fits`] first); an
     /// error when the system refuses the worker thread.
@@ -251,25 +356,27 @@ impl BatchLoader {
         seed: u64,
         start_index: u64,
     ) -> Result<BatchLoader> {
-        BatchLoader::part(shard, b, t, seed, start_index, Part::WHOLE)
+        BatchLoader::part(Source::Windows(shard), b, t, seed, start_index, Part::WHOLE)
     }
 
-    /// [`BatchLoader::new`] drawing `part`'s rows of each batch (a rank's).
+    /// [`BatchLoader::new`] drawing `part`'s rows of each batch (a rank's) from `source`.
     pub fn part(
-        shard: Arc<Shard>,
+        source: Source,
         b: usize,
         t: usize,
         seed: u64,
         start_index: u64,
         part: Part,
     ) -> Result<BatchLoader> {
-        assert!(
-            shard.len() > t,
-            "BatchLoader: '{}' has {} tokens, fewer than T+1 = {} (call check_fits first)",
-            shard.path().display(),
-            shard.len(),
-            t + 1
-        );
+        if let Source::Windows(shard) = &source {
+            assert!(
+                shard.len() > t,
+                "BatchLoader: '{}' has {} tokens, fewer than T+1 = {} (call check_fits first)",
+                shard.path().display(),
+                shard.len(),
+                t + 1
+            );
+        }
         let batch_len = b * (t + 1);
         let (free_tx, free_rx) = sync_channel::<Vec<u32>>(2);
         let (ready_tx, ready_rx) = sync_channel::<Result<Vec<u32>>>(2);
@@ -282,7 +389,8 @@ impl BatchLoader {
             let mut index = start_index;
             // Ends when the loader drops its sender (recv fails) or its receiver (send fails).
             while let Ok(mut buf) = free_rx.recv() {
-                let filled = fill_batch_part(&shard, b, t, seed, index, part, &mut buf)
+                let filled = source
+                    .fill((b, t), seed, index, part, &mut buf)
                     .with_context(|| format!("drawing training batch {index}"));
                 let failed = filled.is_err();
                 index += 1;
@@ -492,6 +600,7 @@ mod tests {
                 tokenizer: "gpt2-r50k_base".into(),
                 tokenizer_hash: "r50k_base".into(),
                 eot: 50256,
+                examples: None,
             }
         );
         assert_eq!(ds.train.len() as u64, sum.train_tokens);

@@ -12,6 +12,8 @@
 //!   allocated once, so resume is exact and nothing is allocated per step.
 //! * [`check`](mod@check): [`check_tokenizer`] refuses data prepared with another tokenizer than
 //!   the model's.
+//! * [`examples`]: an examples data set (chat data): each split's tokens, example boundaries
+//!   (`.idx`) and trained bits (`.mask`); rows of whole examples, untrained targets marked.
 //! * [`chat`]: chat and instruction JSONL (OpenAI, ShareGPT, prompt/completion, Alpaca, raw
 //!   text) rendered with the model's chat template as transformers renders it, tokenized, with
 //!   one trained-or-not flag per token (`memwall tokenize --chat`).
@@ -23,6 +25,7 @@
 pub mod chat;
 pub mod check;
 pub mod corpus;
+pub mod examples;
 pub mod loader;
 pub mod prepare;
 pub mod shard;
@@ -30,7 +33,7 @@ pub mod tokenizer;
 
 pub use check::check_tokenizer;
 pub use corpus::demo_corpus;
-pub use loader::{BatchLoader, DataSet, Meta, check_fits, fill_batch};
+pub use loader::{BatchLoader, DataSet, Meta, Source, check_fits, fill_batch};
 pub use prepare::{PrepareOptions, PrepareSummary, prepare, prepare_with};
 pub use shard::{Shard, write_shard};
 pub use tokenizer::{EOT, GPT2_VOCAB, Tokenizer, TokenizerId};

@@ -86,6 +86,9 @@ struct MetaOut<'a> {
 
 /// `meta.json`'s `format` field.
 pub const META_FORMAT: &str = "memwall-tokens";
+/// `meta.json`'s `format` field for an examples data set (chat data,
+/// [`crate::data::examples`]).
+pub const EXAMPLES_FORMAT: &str = "memwall-examples";
 /// `meta.json`'s `version` field.
 pub const META_VERSION: u32 = 1;
 /// `meta.json`'s `tokenizer` field for GPT-2.
@@ -289,7 +292,7 @@ pub fn prepare_with(opts: &PrepareOptions, tok: &Tokenizer) -> Result<PrepareSum
 /// Refuses an `--out` holding a `train.bin` or `val.bin` that memwall did not write (one
 /// without the shard magic: another tool's shards, e.g. nanoGPT's, have the same names), so
 /// that preparing never overwrites them.
-fn check_not_foreign_shards(out: &Path) -> Result<()> {
+pub(crate) fn check_not_foreign_shards(out: &Path) -> Result<()> {
     for name in ["train.bin", "val.bin"] {
         let path = out.join(name);
         if !path.exists() {
@@ -312,7 +315,7 @@ fn check_not_foreign_shards(out: &Path) -> Result<()> {
 }
 
 /// Fails early, naming the directory, when `dir` cannot take new files.
-fn check_writable(dir: &Path) -> Result<()> {
+pub(crate) fn check_writable(dir: &Path) -> Result<()> {
     let probe = dir.join(format!(".memwall-write-test.{}", std::process::id()));
     std::fs::write(&probe, b"").with_context(|| {
         format!(

@@ -18,11 +18,12 @@
 
 use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, OpResult, StepCtx};
 use crate::ckpt::{Moments, MomentsMut};
+use crate::data::examples::UNTRAINED;
 use crate::dist::{Comm, Single};
 use crate::dtype::DType;
 use crate::gguf::GgmlType;
 use crate::plan::schedule::{Op, Phase};
-use crate::plan::{BufId, Mode, OptimBufs, OptimState, Plan};
+use crate::plan::{BufId, IGNORE_TARGET, Mode, OptimBufs, OptimState, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
@@ -56,7 +57,7 @@ pub fn dropout_seed(seed: u64, step: u64) -> u64 {
 /// What one training step reports.
 #[derive(Clone, Copy, Debug)]
 pub struct StepStats {
-    /// Mean cross-entropy over the batch's tokens.
+    /// Mean cross-entropy over the batch's trained target tokens (every rank's).
     pub loss: f32,
     /// Global gradient L2 norm before clipping (of the unscaled gradients).
     pub grad_norm: f32,
@@ -68,6 +69,9 @@ pub struct StepStats {
     pub comm_wait_s: f64,
     /// Bytes this rank sent during the step, as the transport counted them.
     pub comm_bytes: u64,
+    /// The targets the loss is the mean over (every rank's trained targets); 0: nothing was
+    /// trained and the update was skipped.
+    pub loss_tokens: usize,
 }
 
 /// What the optimizer phase reports.
@@ -104,6 +108,18 @@ pub struct Executor {
     comm_spans: Vec<CommSpan>,
     /// The ranks running this plan together (`plan.cfg.ranks` of them; one process: `Single`).
     comm: Arc<dyn Comm>,
+    /// The trained targets of the batch last uploaded: this rank's, and every rank's (the
+    /// step's loss is the mean over the latter, [`StepCtx::loss_tokens`]).
+    loss_tokens: LossTokens,
+}
+
+/// How many targets of a batch are trained (the divisor of its mean loss).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LossTokens {
+    /// This rank's.
+    mine: usize,
+    /// Every rank's together.
+    all: usize,
 }
 
 /// The moments of `format` over their buffers' bytes (m, v, then the int8 scales).
@@ -177,6 +193,20 @@ mod pod {
 }
 
 /// Values of a quantized base tensor filled and quantized at a time ([`Executor::fill_base`]):
+/// A step that trains no target (every row of every rank's batch untrained) updates
+/// nothing: its gradients are zero, and AdamW would still decay the weights and moments, so
+/// the update is skipped (as a step with non-finite gradients is).
+fn untrained_skips(
+    (o, update): (StepOutcome, Option<AdamWStep>),
+    loss_tokens: usize,
+) -> (StepOutcome, Option<AdamWStep>) {
+    if loss_tokens == 0 {
+        (StepOutcome { skipped: true, ..o }, None)
+    } else {
+        (o, update)
+    }
+}
+
 /// 4 MiB of f32, a whole number of blocks of every type memwall quantizes to.
 pub const QUANT_PIECE: usize = 1 << 20;
 
@@ -199,7 +229,14 @@ impl Executor {
             );
         }
         let device = backend.start(&plan, comm.clone())?;
+        // Until a batch says otherwise, every target is trained.
+        let mine = plan.schedule.tokens.len() * plan.cfg.batch * plan.cfg.seq;
+        let loss_tokens = LossTokens {
+            mine,
+            all: mine * plan.cfg.ranks,
+        };
         Ok(Executor {
+            loss_tokens,
             plan,
             device,
             loss_scale: 1.0,
@@ -615,9 +652,45 @@ impl Executor {
         self.dropout_seed = seed;
     }
 
-    /// Copies a batch `[accum·B, T+1]` into the plan's token (and target) buffers: rows
-    /// k·B..(k+1)·B go to micro-batch k.
+    /// Copies a batch `[accum·B, T+1]` of raw text into the plan's token (and target)
+    /// buffers: rows k·B..(k+1)·B go to micro-batch k; every target is trained.
     pub fn upload_batch(&mut self, batch: &[u32]) -> Result<()> {
+        let mine = self.stage(batch, false)?;
+        self.loss_tokens = LossTokens {
+            mine,
+            all: mine * self.comm.size(),
+        };
+        Ok(())
+    }
+
+    /// Copies a batch `[accum·B, T+1]` of examples (rows as [`crate::data::examples`] draws
+    /// them: a token with [`UNTRAINED`] set is not trained as a target) into the plan's token
+    /// and target buffers, untrained targets as [`IGNORE_TARGET`]. The step's loss is the mean
+    /// over the trained targets of every rank's batch: ranks exchange their counts (one
+    /// scalar each) here, before the step.
+    pub fn upload_examples(&mut self, batch: &[u32]) -> Result<()> {
+        let mine = self.stage(batch, true)?;
+        let all = if self.comm.size() > 1 {
+            let mut every = vec![0u64; self.comm.size()];
+            crate::dist::ring::gather_values(&*self.comm, &[mine as u64], &mut every)
+                .context("exchanging the batch's trained-token counts among the ranks")?;
+            every.iter().sum::<u64>() as usize
+        } else {
+            mine
+        };
+        self.loss_tokens = LossTokens { mine, all };
+        Ok(())
+    }
+
+    /// The trained targets of the batch last uploaded, every rank's: what the step's loss is
+    /// the mean over (0: the step trains nothing and its update is skipped).
+    pub fn loss_tokens(&self) -> usize {
+        self.loss_tokens.all
+    }
+
+    /// Stages a batch (see [`Executor::upload_batch`]); `marked`: tokens may carry
+    /// [`UNTRAINED`]. Returns this rank's trained targets.
+    fn stage(&mut self, batch: &[u32], marked: bool) -> Result<usize> {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
         let s = &self.plan.schedule;
         let micro = s.tokens.len();
@@ -629,11 +702,28 @@ impl Executor {
             );
         }
         let v = self.plan.spec.vocab_size as u32;
-        if let Some(bad) = batch.iter().find(|&&x| x >= v) {
+        let id = |x: u32| if marked { x & !UNTRAINED } else { x };
+        if let Some(bad) = batch.iter().map(|&x| id(x)).find(|&x| x >= v) {
             bail!(
                 "token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?"
             );
         }
+        let target = |x: u32| {
+            if marked && x & UNTRAINED != 0 {
+                IGNORE_TARGET
+            } else {
+                x
+            }
+        };
+        let trained = batch
+            .chunks(t + 1)
+            .map(|row| {
+                row[1..]
+                    .iter()
+                    .filter(|&&x| target(x) != IGNORE_TARGET)
+                    .count()
+            })
+            .sum();
         let mut ids = s.tokens.clone();
         ids.extend(&s.targets);
         let with_targets = !s.targets.is_empty();
@@ -643,18 +733,22 @@ impl Executor {
                 for (k, rows) in batch.chunks(b * (t + 1)).enumerate() {
                     let tk = pod::cast_mut::<u32>(tokens[k]);
                     for (i, row) in rows.chunks(t + 1).enumerate() {
-                        tk[i * t..(i + 1) * t].copy_from_slice(&row[..t]);
+                        for (d, &x) in tk[i * t..(i + 1) * t].iter_mut().zip(&row[..t]) {
+                            *d = id(x);
+                        }
                     }
                     if with_targets {
                         let tg = pod::cast_mut::<u32>(targets[k]);
                         for (i, row) in rows.chunks(t + 1).enumerate() {
-                            tg[i * t..(i + 1) * t].copy_from_slice(&row[1..]);
+                            for (d, &x) in tg[i * t..(i + 1) * t].iter_mut().zip(&row[1..]) {
+                                *d = target(x);
+                            }
                         }
                     }
                 }
             })
             .expect(HOST_ONLY);
-        Ok(())
+        Ok(trained)
     }
 
     /// One optimizer step on the batch set by [`Executor::upload_batch`]: the whole
@@ -678,7 +772,7 @@ impl Executor {
                 ..self.ctx(true)
             };
             self.run(&ops, ctx, None)?;
-            let (o, update) = self.settle(hp)?;
+            let (o, update) = untrained_skips(self.settle(hp)?, self.loss_tokens.all);
             self.pending = update;
             o
         } else {
@@ -695,6 +789,7 @@ impl Executor {
             comm_s: time.busy_s - time_before.busy_s,
             comm_wait_s: time.wait_s - time_before.wait_s,
             comm_bytes: self.comm.bytes_sent() - sent_before,
+            loss_tokens: self.loss_tokens.all,
         })
     }
 
@@ -752,6 +847,7 @@ impl Executor {
             update: None,
             dropout_seed: self.dropout_seed,
             first_micro: self.comm.rank() * self.plan.schedule.tokens.len(),
+            loss_tokens: self.loss_tokens.all,
         }
     }
 
@@ -771,27 +867,45 @@ impl Executor {
         self.mean_loss()
     }
 
-    /// Mean of the per-row losses over every micro-batch (and every rank: ranks exchange
-    /// their sums).
+    /// The per-target losses of the last forward, `[micro-batches·B·T]` in batch order (0 for
+    /// a target not trained): what the step's mean loss is the mean of.
+    pub fn target_losses(&self) -> Vec<f32> {
+        let mut out = Vec::new();
+        self.device
+            .download(&self.plan.schedule.losses, &mut |bufs| {
+                for b in bufs {
+                    out.extend_from_slice(pod::cast::<f32>(b));
+                }
+            })
+            .expect(HOST_ONLY);
+        out
+    }
+
+    /// Mean of the per-row losses over the trained targets of every micro-batch (and every
+    /// rank: ranks exchange their sums); 0 when nothing is trained.
     fn mean_loss(&self) -> Result<f32> {
-        let (mut sum, mut rows) = (0.0f64, 0usize);
+        let mut sum = 0.0f64;
         self.device
             .download(&self.plan.schedule.losses, &mut |bufs| {
                 for b in bufs {
                     let losses = pod::cast::<f32>(b);
                     sum += losses.iter().map(|&x| x as f64).sum::<f64>();
-                    rows += losses.len();
                 }
             })
             .expect(HOST_ONLY);
+        let rows = self.loss_tokens.mine;
         if self.comm.size() > 1 {
             let mut all = vec![0.0f64; 2 * self.comm.size()];
             crate::dist::ring::gather_values(&*self.comm, &[sum, rows as f64], &mut all)?;
             sum = all.chunks(2).map(|c| c[0]).sum();
             let n: f64 = all.chunks(2).map(|c| c[1]).sum();
-            return Ok((sum / n) as f32);
+            return Ok(if n > 0.0 { (sum / n) as f32 } else { 0.0 });
         }
-        Ok((sum / rows as f64) as f32)
+        Ok(if rows > 0 {
+            (sum / rows as f64) as f32
+        } else {
+            0.0
+        })
     }
 
     /// `Next-token logits [V] after context (generation plans; context.len() ≤ plan seq)`.
@@ -931,7 +1045,8 @@ impl Executor {
                 if matches!(e.op, Op::AdamW { .. }) {
                     if let (None, Some(hp)) = (outcome, hp) {
                         match settle(shares, loss_scale, hp, partial_norms) {
-                            Ok((o, update)) => {
+                            Ok(settled) => {
+                                let (o, update) = untrained_skips(settled, ctx.loss_tokens);
                                 ctx.update = update;
                                 outcome = Some(o);
                             }

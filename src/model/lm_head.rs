@@ -70,7 +70,6 @@ pub(crate) fn emit(
             c,
             v,
             rows_per_chunk,
-            loss_rows: loss.loss_rows,
         },
     );
     Head::InputGrad(dinp)

@@ -249,12 +249,9 @@ pub(super) fn build(
         let mb = MicroBatch {
             prefix,
             tokens,
-            loss: Some(Loss {
-                targets,
-                losses,
-                // The step's loss is the mean over every micro-batch's rows, on every rank.
-                loss_rows: n * micro * cfg.ranks,
-            }),
+            // The step's loss is the mean over every micro-batch's trained targets, on every
+            // rank: a count of the step's data (`StepCtx::loss_tokens`), not of the plan.
+            loss: Some(Loss { targets, losses }),
             rows,
             attn_ws_len,
         };

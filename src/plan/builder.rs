@@ -27,8 +27,6 @@ pub(crate) struct Loss {
     pub targets: BufId,
     /// `Per-row losses [N]` (f32).
     pub losses: BufId,
-    /// Rows the step's mean loss is over (every micro-batch's).
-    pub loss_rows: usize,
 }
 
 /// What a family's emission of a micro-batch leaves for the planner.

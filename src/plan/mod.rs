@@ -50,7 +50,7 @@ pub use build::build_plan;
 pub use config::{Mode, StepConfig};
 pub use lora::LoraPlan;
 pub use offload::{Offload, OffloadChoice, OffloadSet};
-pub use schedule::{LoraDropout, Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
+pub use schedule::{IGNORE_TARGET, LoraDropout, Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
 pub use sizing::Sizing;
 pub use strategy::{OptimState, Precision, Recompute, RecomputeChoice};
 

@@ -10,6 +10,10 @@ use crate::gguf::GgmlType;
 use serde::Serialize;
 use std::ops::Range;
 
+/// A target id that is not trained ([`Op::LmHeadLoss`]'s `targets`): a chat example's prompt
+/// tokens and a row's padding. No vocabulary reaches it (ids are below 2³¹).
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
 /// Which part of the step an op belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -176,7 +180,9 @@ pub enum Op {
     },
     /// LM head `w[V,C]` and loss, chunked over rows so only `logits` `[rows,V]` exists at a
     /// time: `losses[N] from inp[N,C] and targets[N]; when training also dinp[N,C]`
-    /// (overwritten) and `dw` (+=), the loss being the mean over `loss_rows` rows.
+    /// (overwritten) and `dw` (+=), the loss being the mean over the step's trained targets
+    /// ([`crate::backend::StepCtx::loss_tokens`], every micro-batch's and rank's). A target
+    /// of [`IGNORE_TARGET`] is not trained: its row's loss is 0 and its gradient row 0.
     LmHeadLoss {
         inp: BufId,
         targets: BufId,
@@ -188,7 +194,6 @@ pub enum Op {
         c: usize,
         v: usize,
         rows_per_chunk: usize,
-        loss_rows: usize,
     },
     /// `logits[V]` of the last row of `inp[N,C]` (generation).
     LmHeadLast {

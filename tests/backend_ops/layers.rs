@@ -15,7 +15,7 @@
 use super::rig::*;
 use memwall::backend::{Backend, StepCtx};
 use memwall::plan::schedule::WeightLayout;
-use memwall::plan::{Op, Precision, Rows};
+use memwall::plan::{IGNORE_TARGET, Op, Precision, Rows};
 use std::ops::Range;
 
 const ROWS: Rows = Rows { b: B, t: T };
@@ -903,7 +903,6 @@ fn lm_head_rig(p: Precision, with_dinp: bool) -> (Rig, Head) {
         c: HC,
         v: HV,
         rows_per_chunk: CHUNK,
-        loss_rows: LOSS_ROWS,
     };
     let op = rig.op(op, if with_dinp { Bind::Both } else { Bind::Params });
     let head = Head {
@@ -917,11 +916,15 @@ fn lm_head_rig(p: Precision, with_dinp: bool) -> (Rig, Head) {
     (rig, head)
 }
 
-/// Per row of `x` `[N, C]`: (loss, d(loss · scale)/dlogits `[V]`) against `w` `[V, C]`.
+/// Per row of `x` `[N, C]`: (loss, d(loss · scale)/dlogits `[V]`) against `w` `[V, C]`; an
+/// ignored target's row has loss 0 and no gradient.
 fn head_ref(x: &[f32], w: &[f32], tg: &[u32], scale: f64) -> Vec<(f64, Vec<f64>)> {
     x.chunks(HC)
         .zip(tg)
         .map(|(xr, &t)| {
+            if t == IGNORE_TARGET {
+                return (0.0, vec![0.0; HV]);
+            }
             let z: Vec<f64> = (0..HV)
                 .map(|v| (0..HC).map(|c| xr[c] as f64 * w[v * HC + c] as f64).sum())
                 .collect();
@@ -942,13 +945,17 @@ pub fn lm_head_loss(be: &dyn Backend, p: Precision) {
     let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
     let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
     let x = s.fill(h.inp, &mut rng, -1.0, 1.0);
-    let tg: Vec<u32> = (0..N).map(|_| rng.below(HV as u64) as u32).collect();
+    let mut tg: Vec<u32> = (0..N).map(|_| rng.below(HV as u64) as u32).collect();
+    // Two targets not trained (a chat prompt's, padding): no loss, no gradient.
+    tg[1] = IGNORE_TARGET;
+    tg[N - 1] = IGNORE_TARGET;
     s.put_u32(h.targets, &tg);
     s.fill(h.losses, &mut rng, -1.0, 1.0);
     let dinp = h.dinp.expect("training head");
     s.fill(dinp, &mut rng, -1.0, 1.0);
     let ctx = StepCtx {
         loss_scale: LOSS_SCALE,
+        loss_tokens: LOSS_ROWS,
         ..ctx()
     };
     s.run(h.op, &ctx);
@@ -980,7 +987,8 @@ pub fn lm_head_eval(be: &dyn Backend, p: Precision) {
         let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
         let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
         let x = s.fill(h.inp, &mut rng, -1.0, 1.0);
-        let tg: Vec<u32> = (0..N).map(|_| rng.below(HV as u64) as u32).collect();
+        let mut tg: Vec<u32> = (0..N).map(|_| rng.below(HV as u64) as u32).collect();
+        tg[2] = IGNORE_TARGET;
         s.put_u32(h.targets, &tg);
         s.fill(h.losses, &mut rng, -1.0, 1.0);
         let d0 = h.dinp.map(|d| s.fill(d, &mut rng, -1.0, 1.0));

@@ -345,6 +345,7 @@ pub fn ctx() -> StepCtx {
         update: None,
         dropout_seed: 0,
         first_micro: 0,
+        loss_tokens: 1,
     }
 }
 

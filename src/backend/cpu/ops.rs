@@ -307,7 +307,6 @@ impl CpuDevice {
                 c,
                 v,
                 rows_per_chunk,
-                loss_rows,
             } => {
                 let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
                 // The head's weight `[V, C]`: f32, or a quantized base's.
@@ -317,8 +316,9 @@ impl CpuDevice {
                 let tg = &self.u32_mut(*targets)[..n];
                 let losses = &mut self.view::<f32>(*losses)[..n];
                 let logits = self.view::<f32>(*logits);
-                // d(loss·loss_scale)/dlogits: the mean over every micro-batch's rows, scaled.
-                let scale = ctx.loss_scale / *loss_rows as f32;
+                // d(loss·loss_scale)/dlogits: the mean over the step's trained targets (every
+                // micro-batch's, every rank's), scaled.
+                let scale = ctx.loss_scale / ctx.loss_tokens.max(1) as f32;
                 let mut start = 0;
                 while start < n {
                     let r = (*rows_per_chunk).min(n - start);

@@ -6,9 +6,14 @@
 //! scales them into the gradient, so each row is read three times and written twice while it
 //! sits in cache. Parallel over rows (rows are
 //! independent), so results are identical for any thread count.
+//!
+//! A row whose target is [`IGNORE_TARGET`] (a token not trained: a chat prompt, padding) has
+//! loss 0 and a zero gradient row, so it adds nothing to the head's weight gradient or its
+//! input's.
 
 use super::features::multiversion;
 use super::reduce::{exp_f32, max_f32, rows_per_task, sum_f32};
+use crate::plan::IGNORE_TARGET;
 use rayon::prelude::*;
 
 /// Elements per block of the exp-sums: summed in 16 f32 lanes (64 terms per lane), then the
@@ -75,7 +80,8 @@ fn check_target(target: u32, v: usize) -> usize {
 /// On entry `logits` holds logits `[n, v]`; on exit it holds
 /// d(loss_scale * sum_rows loss)/d(logits) = dloss_scale*(softmax - onehot(target)).
 /// `losses[i] = -ln softmax(logits[i])[targets[i]] (computed stably with max-subtraction,`
-/// exponentials summed in f64).
+/// exponentials summed in f64); 0, with a zero gradient row, where `targets[i]` is
+/// [`IGNORE_TARGET`].
 pub fn softmax_xent_backward_inplace(
     logits: &mut [f32], // [n, V] in: logits, out: dloss/dlogits
     targets: &[u32],    // [n]
@@ -109,6 +115,11 @@ multiversion! {
         v: usize,
     ) {
         for ((row, &tgt), loss) in lg.chunks_exact_mut(v).zip(tg).zip(ls) {
+            if tgt == IGNORE_TARGET {
+                *loss = 0.0;
+                row.fill(0.0);
+                continue;
+            }
             let tgt = check_target(tgt, v);
             let max = max_f32(row);
             let x_t = row[tgt];
@@ -125,7 +136,7 @@ multiversion! {
     }
 }
 
-/// `Forward only (evaluation): losses[i] as above; logits untouched`.
+/// `Forward only (evaluation): losses[i] as above (0 for an ignored target); logits untouched`.
 pub fn softmax_xent_forward(
     logits: &[f32],     // [n, V]
     targets: &[u32],    // [n]
@@ -157,6 +168,10 @@ multiversion! {
         v: usize,
     ) {
         for ((row, &tgt), loss) in lg.chunks_exact(v).zip(tg).zip(ls) {
+            if tgt == IGNORE_TARGET {
+                *loss = 0.0;
+                continue;
+            }
             let tgt = check_target(tgt, v);
             let max = max_f32(row);
             let sum = exp_sum_ro(row, max);
@@ -199,6 +214,8 @@ multiversion! {
 
 /// Reference twins: f64 throughout.
 pub mod naive {
+    use crate::plan::IGNORE_TARGET;
+
     fn row_loss_and_probs(
         row: &[f32], // [V]
         tgt: usize,
@@ -220,6 +237,11 @@ pub mod naive {
     ) {
         for i in 0..n {
             let row = &mut logits[i * v..(i + 1) * v];
+            if targets[i] == IGNORE_TARGET {
+                losses[i] = 0.0;
+                row.fill(0.0);
+                continue;
+            }
             let tgt = targets[i] as usize;
             let (loss, p) = row_loss_and_probs(row, tgt);
             losses[i] = loss as f32;
@@ -238,8 +260,11 @@ pub mod naive {
         v: usize,
     ) {
         for i in 0..n {
-            losses[i] =
-                row_loss_and_probs(&logits[i * v..(i + 1) * v], targets[i] as usize).0 as f32;
+            losses[i] = if targets[i] == IGNORE_TARGET {
+                0.0
+            } else {
+                row_loss_and_probs(&logits[i * v..(i + 1) * v], targets[i] as usize).0 as f32
+            };
         }
     }
 
@@ -351,6 +376,33 @@ mod tests {
             assert_close(&p1, &p2, 1e-9, 1e-5, &format!("softmax_row v={v}"));
             let s: f64 = p1.iter().map(|&p| p as f64).sum();
             assert!((s - 1.0).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn ignored_targets_have_no_loss_and_no_gradient() {
+        let (n, v) = (4, 1003);
+        let logits = randn(n * v, 3.0, 8);
+        let mut tg = targets(n, v, 9);
+        tg[1] = IGNORE_TARGET;
+        tg[3] = IGNORE_TARGET;
+        let (mut g, mut l) = (logits.clone(), vec![1.0; n]);
+        softmax_xent_backward_inplace(&mut g, &tg, &mut l, 0.5, n, v);
+        let (mut g2, mut l2) = (logits.clone(), vec![1.0; n]);
+        naive::softmax_xent_backward_inplace(&mut g2, &tg, &mut l2, 0.5, n, v);
+        let mut l3 = vec![1.0; n];
+        softmax_xent_forward(&logits, &tg, &mut l3, n, v);
+        for i in [1, 3] {
+            assert_eq!((l[i], l2[i], l3[i]), (0.0, 0.0, 0.0));
+            assert!(g[i * v..][..v].iter().all(|&x| x == 0.0));
+            assert!(g2[i * v..][..v].iter().all(|&x| x == 0.0));
+        }
+        // The trained rows are as without the ignored ones.
+        for i in [0, 2] {
+            let (mut gi, mut li) = (logits[i * v..][..v].to_vec(), vec![0.0]);
+            softmax_xent_backward_inplace(&mut gi, &tg[i..=i], &mut li, 0.5, 1, v);
+            assert_eq!(li[0], l[i]);
+            assert_eq!(gi, g[i * v..][..v]);
         }
     }
 

@@ -107,6 +107,11 @@ impl Encoder {
         self.template.as_ref()
     }
 
+    /// Which tokens are trained.
+    pub fn train_on(&self) -> TrainOn {
+        self.train_on
+    }
+
     /// One JSONL line (see [`super::format`]) → its outcome. Errors say what is wrong; the
     /// caller names the file and line.
     pub fn encode_line(&self, line: &str) -> Result<Outcome> {

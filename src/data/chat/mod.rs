@@ -11,6 +11,8 @@
 //!   `strftime_now`).
 //! * [`encode`]: a record → `(ids, trained)`: the assistant spans found by rendering prefixes
 //!   (as TRL), the rendering tokenized once, spans mapped to tokens by offsets.
+//! * [`prepare`](mod@prepare): `memwall prepare chats.jsonl`: every line encoded, written as
+//!   an examples data set ([`crate::data::examples`]) split by whole examples.
 //! * [`show`]: `memwall tokenize --chat`: examples printed with their trained tokens marked,
 //!   or as JSON lines.
 //!
@@ -20,6 +22,7 @@
 
 pub mod encode;
 pub mod format;
+pub mod prepare;
 pub mod pyfmt;
 pub mod read;
 pub mod show;
@@ -27,5 +30,6 @@ pub mod template;
 
 pub use encode::{Encoded, Encoder, Outcome, TrainOn};
 pub use format::{Format, Message, Record, Role, parse_line};
+pub use prepare::{ChatPrepareOptions, ChatPrepareSummary, is_chat_input, prepare_chat};
 pub use read::{Place, chat_files, for_each_line};
 pub use template::ChatTemplate;

@@ -181,6 +181,9 @@ pub struct DataFingerprint {
     pub vocab_size: usize,
     pub train_tokens: u64,
     pub val_tokens: u64,
+    /// An examples data set's examples per split (absent for raw text).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub examples: Option<crate::data::loader::ExampleCounts>,
 }
 
 impl DataFingerprint {
@@ -193,6 +196,7 @@ impl DataFingerprint {
             vocab_size: m.vocab_size,
             train_tokens: m.train_tokens,
             val_tokens: m.val_tokens,
+            examples: m.examples,
         })
     }
 }

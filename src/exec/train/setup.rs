@@ -139,7 +139,7 @@ impl<'a> Run<'a> {
             of: ranks,
         };
         let loader = BatchLoader::part(
-            data.train.clone(),
+            data.train_source(),
             rows,
             opts.seq,
             opts.seed,
@@ -147,6 +147,13 @@ impl<'a> Run<'a> {
             part,
         )?;
         let batch = vec![0u32; rows * (opts.seq + 1)];
+        if let Some((train, _)) = &data.examples {
+            progress.message(&cut_examples(
+                train.len(),
+                train.longer_than(opts.seq + 1)?,
+                opts.seq,
+            ));
+        }
         let metrics = MetricsLog::append_to(&dir.metrics_of(rank))?;
 
         // Every rank profiles; rank 0 writes the files (the run directory's), with the
@@ -330,9 +337,34 @@ fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
             spec.vocab_size
         );
     }
-    check_fits(&data.train, "train", opts.seq)?;
-    check_fits(&data.val, "val", opts.seq)?;
+    match &data.examples {
+        // Examples are cut or padded to the sequence: any length fits.
+        Some(_) => {}
+        None => {
+            check_fits(&data.train, "train", opts.seq)?;
+            check_fits(&data.val, "val", opts.seq)?;
+        }
+    }
     Ok(data)
+}
+
+/// The line announcing how an examples data set's rows are made: one example each, cut to
+/// `--seq + 1` tokens (how many are), the rest padded, the loss on trained tokens only.
+fn cut_examples(examples: usize, cut: usize, seq: usize) -> String {
+    let cut = match cut {
+        0 => "none is longer than --seq + 1 tokens".to_string(),
+        n => format!(
+            "{} longer than --seq + 1 = {} tokens {} cut to their first {}",
+            crate::util::count(n as u64, "example"),
+            seq + 1,
+            if n == 1 { "is" } else { "are" },
+            seq + 1
+        ),
+    };
+    format!(
+        "data: {} (chat): one example per row, padded; the loss is on trained tokens only; {cut}",
+        crate::util::count(examples as u64, "training example")
+    )
 }
 
 /// Creates the run directory and checks it is writable; refuses to overwrite an earlier run.

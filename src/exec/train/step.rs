@@ -5,7 +5,7 @@ use super::profiling::{dir_bytes, span, write_profile};
 use super::run::Run;
 use super::{Progress, TrainOptions};
 use crate::ckpt::{self, TrainerState};
-use crate::data::loader::{DataSet, Part, fill_batch_part};
+use crate::data::loader::{DataSet, Part};
 use crate::exec::executor::{Executor, OptimHparams, StepStats, dropout_seed};
 use crate::exec::lr::cosine_with_warmup;
 use crate::profile::record::micros;
@@ -77,7 +77,14 @@ impl Run<'_> {
             .train_step(&hp)
             .with_context(|| format!("step {}", self.step + 1))?;
         let mut step_profile = profiling.then(|| self.end_recording(t0, spans));
-        if let Some(sc) = self.scaler.as_mut() {
+        if stats.loss_tokens == 0 {
+            // A step whose rows train nothing (every row a prompt or padding): no update,
+            // and no word about the loss scale or the gradients.
+            progress.message(&format!(
+                "step {}: no trained token in the batch; the update is skipped",
+                self.step + 1
+            ));
+        } else if let Some(sc) = self.scaler.as_mut() {
             sc.update(stats.skipped);
         } else if stats.skipped {
             bail!(
@@ -140,7 +147,7 @@ impl Run<'_> {
         let mut spans = Vec::new();
         self.loader.next_into(&mut self.batch)?;
         let t_loaded = Instant::now();
-        self.ex.upload_batch(&self.batch)?;
+        upload(&mut self.ex, &self.data, &self.batch)?;
         if profiling {
             spans.push(span(
                 self.epoch,
@@ -340,33 +347,57 @@ impl Run<'_> {
     }
 }
 
-/// Mean validation loss over `eval_batches` fixed batches of the validation split.
+/// Stages `batch` for the step: raw text, or examples whose untrained targets are marked.
+fn upload(ex: &mut Executor, data: &DataSet, batch: &[u32]) -> Result<()> {
+    match data.examples {
+        Some(_) => ex.upload_examples(batch),
+        None => ex.upload_batch(batch),
+    }
+}
+
+/// Mean validation loss over `eval_batches` fixed batches of the validation split: for raw
+/// text the mean of the batches' means (every batch has as many targets), for examples the
+/// mean over every trained target of the batches.
 fn evaluate(
     ex: &mut Executor,
     data: &DataSet,
     opts: &TrainOptions,
     batch: &mut [u32],
 ) -> Result<f32> {
-    let mut sum = 0.0f64;
+    let (mut sum, mut tokens) = (0.0f64, 0.0f64);
     // Each rank evaluates its part of every validation batch; the executor averages the
     // ranks' losses.
     let part = Part {
         index: ex.comm().rank(),
         of: ex.comm().size(),
     };
+    let source = data.val_source();
     for k in 0..opts.eval_batches {
-        fill_batch_part(
-            &data.val,
-            opts.batch * opts.strategies.grad_accum,
-            opts.seq,
-            opts.seed ^ VAL_STREAM,
-            k,
-            part,
-            batch,
-        )
-        .context("drawing a validation batch")?;
-        ex.upload_batch(batch)?;
-        sum += ex.eval_loss()? as f64;
+        source
+            .fill(
+                (opts.batch * opts.strategies.grad_accum, opts.seq),
+                opts.seed ^ VAL_STREAM,
+                k,
+                part,
+                batch,
+            )
+            .context("drawing a validation batch")?;
+        upload(ex, data, batch)?;
+        let loss = ex.eval_loss()? as f64;
+        if data.examples.is_some() {
+            let n = ex.loss_tokens() as f64;
+            sum += loss * n;
+            tokens += n;
+        } else {
+            sum += loss;
+        }
+    }
+    if data.examples.is_some() {
+        return Ok(if tokens > 0.0 {
+            (sum / tokens) as f32
+        } else {
+            0.0
+        });
     }
     Ok((sum / opts.eval_batches as f64) as f32)
 }
