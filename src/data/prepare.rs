@@ -119,10 +119,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareSummary> {
 /// `opts.out`.
 pub fn prepare_with(opts: &PrepareOptions, tok: &Tokenizer) -> Result<PrepareSummary> {
     let f = opts.val_fraction;
-    ensure!(
-        f.is_finite() && f > 0.0 && f <= 0.5,
-        "--val-fraction {f} is out of range: it must be greater than 0 and at most 0.5 (e.g. 0.1)"
-    );
+    check_val_fraction(f)?;
     ensure!(
         !opts.inputs.is_empty(),
         "no input files given: pass text files or directories, e.g. `memwall prepare book.txt --out data`"
@@ -130,21 +127,9 @@ pub fn prepare_with(opts: &PrepareOptions, tok: &Tokenizer) -> Result<PrepareSum
 
     // Check the inputs and the output directory before any work.
     let out = &opts.out;
-    if out.exists() && !out.is_dir() {
-        bail!(
-            "--out '{}' is an existing file, not a directory: choose a directory path",
-            out.display()
-        );
-    }
-    check_not_foreign_shards(out)?;
+    check_out(out)?;
     let candidates = collect_inputs(&opts.inputs)?;
-    std::fs::create_dir_all(out).with_context(|| {
-        format!(
-            "cannot create output directory '{}': choose a writable --out",
-            out.display()
-        )
-    })?;
-    check_writable(out)?;
+    create_out(out)?;
 
     let id = tok.id();
     let eot = id.eot;
@@ -292,6 +277,37 @@ pub fn prepare_with(opts: &PrepareOptions, tok: &Tokenizer) -> Result<PrepareSum
 /// Refuses an `--out` holding a `train.bin` or `val.bin` that memwall did not write (one
 /// without the shard magic: another tool's shards, e.g. nanoGPT's, have the same names), so
 /// that preparing never overwrites them.
+/// `--val-fraction`: in (0, 0.5].
+pub(crate) fn check_val_fraction(f: f64) -> Result<()> {
+    ensure!(
+        f.is_finite() && f > 0.0 && f <= 0.5,
+        "--val-fraction {f} is out of range: it must be greater than 0 and at most 0.5 (e.g. 0.1)"
+    );
+    Ok(())
+}
+
+/// `--out` before any work: not a file, and not another program's shards.
+pub(crate) fn check_out(out: &Path) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        bail!(
+            "--out '{}' is an existing file, not a directory: choose a directory path",
+            out.display()
+        );
+    }
+    check_not_foreign_shards(out)
+}
+
+/// Creates `--out` (and its parents) and checks that it can be written.
+pub(crate) fn create_out(out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| {
+        format!(
+            "cannot create output directory '{}': choose a writable --out",
+            out.display()
+        )
+    })?;
+    check_writable(out)
+}
+
 pub(crate) fn check_not_foreign_shards(out: &Path) -> Result<()> {
     for name in ["train.bin", "val.bin"] {
         let path = out.join(name);

@@ -21,7 +21,7 @@ use super::format::Format;
 use super::read::{Place, chat_files, for_each_line};
 use crate::data::examples::{BitVec, write_index, write_mask};
 use crate::data::prepare::{
-    EXAMPLES_FORMAT, META_VERSION, check_not_foreign_shards, check_writable,
+    EXAMPLES_FORMAT, META_VERSION, check_out, check_val_fraction, create_out,
 };
 use crate::data::shard::{HEADER_BYTES, MAGIC, VERSION, token_width};
 use crate::util::atomic;
@@ -160,32 +160,17 @@ pub fn prepare_chat(
     warn: &mut dyn Write,
 ) -> Result<ChatPrepareSummary> {
     let f = opts.val_fraction;
-    ensure!(
-        f.is_finite() && f > 0.0 && f <= 0.5,
-        "--val-fraction {f} is out of range: it must be greater than 0 and at most 0.5 (e.g. 0.1)"
-    );
+    check_val_fraction(f)?;
     ensure!(
         !opts.inputs.is_empty(),
         "no input files given: pass .jsonl or .jsonl.gz files, or folders of them"
     );
     let out = &opts.out;
-    if out.exists() && !out.is_dir() {
-        bail!(
-            "--out '{}' is an existing file, not a directory: choose a directory path",
-            out.display()
-        );
-    }
-    check_not_foreign_shards(out)?;
+    check_out(out)?;
     for input in &opts.inputs {
         chat_files(input)?;
     }
-    std::fs::create_dir_all(out).with_context(|| {
-        format!(
-            "cannot create output directory '{}': choose a writable --out",
-            out.display()
-        )
-    })?;
-    check_writable(out)?;
+    create_out(out)?;
 
     let id = encoder.tokenizer().id();
     ensure!(
