@@ -500,6 +500,7 @@ impl TrainArgs {
             eval_batches: self.eval_batches,
             save_every: self.save_every,
             keep_last: self.keep_last,
+            no_pack: self.no_pack,
             init: self.init.clone(),
             init_adapter: self.init_adapter.clone(),
             resume: self.resume.clone(),
@@ -613,6 +614,12 @@ pub(crate) struct TrainArgs {
     /// (a SmolLM2 checkpoint is 1.6 GB) [default: keep all].
     #[arg(long, value_name = "N")]
     pub(crate) keep_last: Option<u64>,
+    /// Chat data (`prepare` of conversations): one example per row, padded to --seq, instead
+    /// of several short examples packed into each row. Packing (the default) fills rows
+    /// first-fit and keeps examples apart: attention stays within each example and its
+    /// positions restart at 0, so the loss is the same and fewer tokens are padding.
+    #[arg(long)]
+    pub(crate) no_pack: bool,
     /// Start from the weights of a Hugging Face model directory (config.json +
     /// model.safetensors, or shards with model.safetensors.index.json): a GPT-2, Llama or
     /// Qwen2 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2), converted

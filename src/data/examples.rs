@@ -37,9 +37,19 @@
 //! `min(len, T + 1)` tokens (an example longer than `T + 1` is cut; [`Examples::longer_than`]
 //! counts them), then padding. A token whose bit is 0 (a prompt's) and every padding position
 //! carry [`UNTRAINED`] in the row (padding's id is the end-of-text token), so the executor
-//! gives their targets no loss ([`crate::exec::Executor::upload_examples`]). An example's
-//! boundaries stay in the `.idx` file, so rows could also pack several examples (the next
-//! slice: packing with block-diagonal attention).
+//! gives their targets no loss ([`crate::exec::Executor::upload_examples`]).
+//!
+//! # Packed rows (the default for training; `--no-pack` gives the rows above)
+//!
+//! Batch `k`'s rows, every rank's together, are filled first-fit: examples are drawn from
+//! `Rng::stream(seed, k)` and each goes into the first row with room for it (one longer than
+//! a row is cut, alone in its row), until 16 draws in a row fit nowhere or every row is full
+//! ([`fill_packed_rows`]); rank r takes its rows of that packing. Each example's first token
+//! is untrained (nothing of its example precedes it) and, after a row's first example,
+//! carries [`EXAMPLE_START`]; so does the padding's first token. The executor turns these
+//! marks into each token's place in its example (`positions`), which restarts the position
+//! embeddings (RoPE, GPT-2's wpe) and confines attention to the example: a packed row's loss
+//! and gradients are those of its examples run one by one.
 
 use crate::data::shard::Shard;
 use crate::util::atomic;
@@ -54,6 +64,11 @@ use std::sync::Arc;
 /// Set in a batch token that is not trained as a target (a prompt token, padding); the id is
 /// the other bits. Vocabularies stay below 2³¹.
 pub const UNTRAINED: u32 = 1 << 31;
+
+/// Set in a batch token that begins an example packed after another in the same row: the
+/// row's positions restart there ([`crate::exec::Executor::upload_examples`]). Vocabularies
+/// stay below 2³⁰.
+pub const EXAMPLE_START: u32 = 1 << 30;
 
 /// The magic of an `.idx` file.
 pub const INDEX_MAGIC: [u8; 8] = *b"MWEXIDX\0";
@@ -324,9 +339,17 @@ impl Examples {
     /// Fills `row` (`T + 1` tokens) with example `k` as the module docs say: its first
     /// tokens, untrained ones marked with [`UNTRAINED`], then padding `pad | UNTRAINED`.
     pub fn fill_row(&self, k: usize, pad: u32, row: &mut [u32]) -> Result<()> {
+        let len = self.fill_example(k, row)?;
+        row[len..].fill(pad | UNTRAINED);
+        Ok(())
+    }
+
+    /// Writes example `k`'s first `min(len, dst.len())` tokens into `dst`, untrained ones
+    /// marked with [`UNTRAINED`]; returns how many.
+    fn fill_example(&self, k: usize, dst: &mut [u32]) -> Result<usize> {
         let (start, end) = self.bounds(k)?;
-        let len = (end - start).min(row.len());
-        self.tokens.read(start, &mut row[..len])?;
+        let len = (end - start).min(dst.len());
+        self.tokens.read(start, &mut dst[..len])?;
         // The bits of tokens start..start+len, a block of bytes at a time.
         let mut bytes = [0u8; 512];
         let mut i = 0;
@@ -343,14 +366,95 @@ impl Examples {
             while i < len && (start + i) / 8 <= last_byte {
                 let p = start + i;
                 if (block[p / 8 - first_byte] >> (p % 8)) & 1 == 0 {
-                    row[i] |= UNTRAINED;
+                    dst[i] |= UNTRAINED;
                 }
                 i += 1;
             }
         }
-        row[len..].fill(pad | UNTRAINED);
-        Ok(())
+        Ok(len)
     }
+}
+
+/// Consecutive draws that fit no row before a packed batch stops drawing.
+const PACK_MISSES: usize = 16;
+
+/// The examples of each of the `rows` rows of packed batch `index` (`T + 1` tokens a row), as
+/// the module docs say: drawn from `Rng::stream(seed, index)`, each into the first row with
+/// room for it (first-fit; one longer than a row is cut to the row, alone in it), until
+/// [`PACK_MISSES`] draws in a row fit nowhere or every row is full.
+fn pack_rows(
+    ex: &Examples,
+    (rows, t): (usize, usize),
+    (seed, index): (u64, u64),
+) -> Result<Vec<Vec<usize>>> {
+    let w = t + 1;
+    let mut rng = Rng::stream(seed, index);
+    let mut placed: Vec<Vec<usize>> = vec![Vec::new(); rows];
+    let mut free = vec![w; rows];
+    let mut misses = 0;
+    while misses < PACK_MISSES && free.iter().any(|&f| f > 0) {
+        let k = rng.below(ex.len() as u64) as usize;
+        let (start, end) = ex.bounds(k)?;
+        let len = (end - start).min(w);
+        match free.iter().position(|&f| f >= len).filter(|_| len > 0) {
+            Some(r) => {
+                placed[r].push(k);
+                free[r] -= len;
+                misses = 0;
+            }
+            None => misses += 1,
+        }
+    }
+    Ok(placed)
+}
+
+/// Fills `out` (`[B, T+1]`) with rows `skip..skip + B` of packed batch `index`, whose rows
+/// number `total` (every rank's; [`pack_rows`]). Each example's tokens follow the previous
+/// one's; an example's first token is [`UNTRAINED`] (nothing before it in its example
+/// predicts it) and, after the row's first example, also [`EXAMPLE_START`], where the row's
+/// positions restart. The rest of the row is padding, `pad | UNTRAINED`, its first token
+/// also an [`EXAMPLE_START`] (padding attends to no example).
+pub fn fill_packed_rows(
+    ex: &Examples,
+    (b, t): (usize, usize),
+    (seed, index): (u64, u64),
+    (skip, total): (usize, usize),
+    pad: u32,
+    out: &mut [u32],
+) -> Result<()> {
+    let w = t + 1;
+    assert_eq!(
+        out.len(),
+        b * w,
+        "fill_packed_rows: out must hold B*(T+1) tokens"
+    );
+    assert!(
+        skip + b <= total,
+        "fill_packed_rows: rows {skip}..{} of {total}",
+        skip + b
+    );
+    if ex.is_empty() {
+        bail!("'{}' holds no example", ex.index_path.display());
+    }
+    let placed = pack_rows(ex, (total, t), (seed, index))?;
+    for (row, examples) in out.chunks_exact_mut(w).zip(&placed[skip..skip + b]) {
+        let mut at = 0;
+        for &k in examples {
+            let n = ex.fill_example(k, &mut row[at..])?;
+            row[at] |= UNTRAINED;
+            if at > 0 {
+                row[at] |= EXAMPLE_START;
+            }
+            at += n;
+        }
+        if at < w {
+            row[at..].fill(pad | UNTRAINED);
+            if at > 0 {
+                row[at] |= EXAMPLE_START;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Fills `out` (`[B, T+1]`) with rows `skip..skip + B` of batch `index`: one example per

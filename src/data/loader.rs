@@ -14,7 +14,7 @@
 //! construction (the data loader's whole "I/O staging" footprint, [`BatchLoader::staging_bytes`]);
 //! nothing is allocated per batch.
 
-use crate::data::examples::{Examples, fill_rows};
+use crate::data::examples::{Examples, fill_packed_rows, fill_rows};
 use crate::data::prepare::{EXAMPLES_FORMAT, META_FORMAT, META_VERSION};
 use crate::data::shard::Shard;
 use crate::data::tokenizer::{EOT, GPT2_HASH, GPT2_NAME};
@@ -86,8 +86,13 @@ pub struct DataSet {
 pub enum Source {
     /// Raw text: windows of `T + 1` consecutive tokens at random offsets.
     Windows(Arc<Shard>),
-    /// Examples: one per row, padded with `pad` (see [`crate::data::examples`]).
-    Examples { split: Arc<Examples>, pad: u32 },
+    /// Examples: packed several to a row (`pack`) or one per row, padded with `pad` (see
+    /// [`crate::data::examples`]).
+    Examples {
+        split: Arc<Examples>,
+        pad: u32,
+        pack: bool,
+    },
 }
 
 impl Source {
@@ -103,9 +108,23 @@ impl Source {
     ) -> Result<()> {
         match self {
             Source::Windows(shard) => fill_batch_part(shard, b, t, seed, index, part, out),
-            Source::Examples { split, pad } => {
-                fill_rows(split, (b, t), (seed, index), part.index * b, *pad, out)
-            }
+            Source::Examples {
+                split,
+                pad,
+                pack: true,
+            } => fill_packed_rows(
+                split,
+                (b, t),
+                (seed, index),
+                (part.index * b, part.of * b),
+                *pad,
+                out,
+            ),
+            Source::Examples {
+                split,
+                pad,
+                pack: false,
+            } => fill_rows(split, (b, t), (seed, index), part.index * b, *pad, out),
         }
     }
 
@@ -113,29 +132,43 @@ impl Source {
     pub fn marked(&self) -> bool {
         matches!(self, Source::Examples { .. })
     }
+
+    /// Whether rows pack several examples (and mark where each starts,
+    /// [`crate::data::examples::EXAMPLE_START`]).
+    pub fn packed(&self) -> bool {
+        matches!(self, Source::Examples { pack: true, .. })
+    }
 }
 
 impl DataSet {
-    /// The training split's rows.
-    pub fn train_source(&self) -> Source {
+    /// The training split's rows; an examples data set's packed when `pack`.
+    pub fn train_source(&self, pack: bool) -> Source {
         match &self.examples {
             Some((train, _)) => Source::Examples {
                 split: train.clone(),
                 pad: self.meta.eot,
+                pack,
             },
             None => Source::Windows(self.train.clone()),
         }
     }
 
-    /// The validation split's rows.
-    pub fn val_source(&self) -> Source {
+    /// The validation split's rows; an examples data set's packed when `pack`.
+    pub fn val_source(&self, pack: bool) -> Source {
         match &self.examples {
             Some((_, val)) => Source::Examples {
                 split: val.clone(),
                 pad: self.meta.eot,
+                pack,
             },
             None => Source::Windows(self.val.clone()),
         }
+    }
+
+    /// Whether training on this data packs examples into rows: an examples data set,
+    /// unless `--no-pack`.
+    pub fn packs(&self, no_pack: bool) -> bool {
+        self.examples.is_some() && !no_pack
     }
 }
 
@@ -202,6 +235,12 @@ impl DataSet {
         let train = open("train.bin", m.train_tokens)?;
         let val = open("val.bin", m.val_tokens)?;
         let (examples, counts) = if m.format == EXAMPLES_FORMAT {
+            // Batch rows mark tokens in the two high bits (`UNTRAINED`, `EXAMPLE_START`).
+            ensure!(
+                m.vocab_size <= crate::data::examples::EXAMPLE_START as usize,
+                "data set '{d}': a vocabulary of {} tokens is too large for chat data (at most 2^30)",
+                m.vocab_size
+            );
             let split = |name: &str, shard: &Arc<Shard>, expect: Option<u64>| {
                 let ex = Examples::open(dir, name, shard.clone()).with_context(|| {
                     format!("data set '{d}' is incomplete or corrupt: {HOW_TO_PREPARE}")

@@ -131,7 +131,7 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     t.eval_batches = o.eval_batches;
     t.save_every = 0;
     // The plan the run below trains from (its strategies, not the library's defaults).
-    let (plan, _) = train::plan_for(&t, &spec, rss::current_rss().unwrap_or(0), 1)?;
+    let (plan, _) = train::plan_for(&t, &spec, rss::current_rss().unwrap_or(0), 1, false)?;
     println!("\n5. the memory plan of a fine-tuning step, before any step runs:\n");
     print!(
         "{}",

@@ -61,7 +61,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
     o.profile_steps = 3;
     let spec = ModelSpec::preset("gpt2-tiny")?;
     // The plan the run below trains from (its strategies, not the library's defaults).
-    let (plan, _) = train::plan_for(&o, &spec, rss::current_rss().unwrap_or(0), 1)?;
+    let (plan, _) = train::plan_for(&o, &spec, rss::current_rss().unwrap_or(0), 1, false)?;
     println!("\n2. the memory plan, before any step runs:\n");
     print!(
         "{}",

@@ -18,7 +18,7 @@
 
 use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, OpResult, StepCtx};
 use crate::ckpt::{Moments, MomentsMut};
-use crate::data::examples::UNTRAINED;
+use crate::data::examples::{EXAMPLE_START, UNTRAINED};
 use crate::dist::{Comm, Single};
 use crate::dtype::DType;
 use crate::gguf::GgmlType;
@@ -689,7 +689,7 @@ impl Executor {
     }
 
     /// Stages a batch (see [`Executor::upload_batch`]); `marked`: tokens may carry
-    /// [`UNTRAINED`]. Returns this rank's trained targets.
+    /// [`UNTRAINED`] and [`EXAMPLE_START`]. Returns this rank's trained targets.
     fn stage(&mut self, batch: &[u32], marked: bool) -> Result<usize> {
         let (b, t) = (self.plan.cfg.batch, self.plan.cfg.seq);
         let s = &self.plan.schedule;
@@ -701,8 +701,18 @@ impl Executor {
                 micro * b * (t + 1)
             );
         }
+        let packed = !s.positions.is_empty();
+        if marked && !packed && batch.iter().any(|&x| x & EXAMPLE_START != 0) {
+            bail!("internal error: a batch of packed rows for a plan without positions");
+        }
         let v = self.plan.spec.vocab_size as u32;
-        let id = |x: u32| if marked { x & !UNTRAINED } else { x };
+        let id = |x: u32| {
+            if marked {
+                x & !(UNTRAINED | EXAMPLE_START)
+            } else {
+                x
+            }
+        };
         if let Some(bad) = batch.iter().map(|&x| id(x)).find(|&x| x >= v) {
             bail!(
                 "token id {bad} is outside the model's vocabulary ({v}); was the data prepared for another tokenizer?"
@@ -712,7 +722,7 @@ impl Executor {
             if marked && x & UNTRAINED != 0 {
                 IGNORE_TARGET
             } else {
-                x
+                id(x)
             }
         };
         let trained = batch
@@ -726,10 +736,12 @@ impl Executor {
             .sum();
         let mut ids = s.tokens.clone();
         ids.extend(&s.targets);
+        ids.extend(&s.positions);
         let with_targets = !s.targets.is_empty();
         self.device
             .upload(&ids, &mut |bufs| {
-                let (tokens, targets) = bufs.split_at_mut(micro);
+                let (tokens, rest) = bufs.split_at_mut(micro);
+                let (targets, positions) = rest.split_at_mut(if with_targets { micro } else { 0 });
                 for (k, rows) in batch.chunks(b * (t + 1)).enumerate() {
                     let tk = pod::cast_mut::<u32>(tokens[k]);
                     for (i, row) in rows.chunks(t + 1).enumerate() {
@@ -742,6 +754,26 @@ impl Executor {
                         for (i, row) in rows.chunks(t + 1).enumerate() {
                             for (d, &x) in tg[i * t..(i + 1) * t].iter_mut().zip(&row[1..]) {
                                 *d = target(x);
+                            }
+                        }
+                    }
+                    if packed {
+                        // Each row's place in its example: 0 at the row's start and at every
+                        // token marked as an example's first, counting up in between.
+                        let ps = pod::cast_mut::<u32>(positions[k]);
+                        for (i, row) in rows.chunks(t + 1).enumerate() {
+                            let mut p = 0u32;
+                            for (j, (d, &x)) in
+                                ps[i * t..(i + 1) * t].iter_mut().zip(&row[..t]).enumerate()
+                            {
+                                if j > 0 {
+                                    p = if marked && x & EXAMPLE_START != 0 {
+                                        0
+                                    } else {
+                                        p + 1
+                                    };
+                                }
+                                *d = p;
                             }
                         }
                     }

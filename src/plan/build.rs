@@ -196,6 +196,7 @@ pub(super) fn build(
         let mb = MicroBatch {
             prefix: String::new(),
             tokens,
+            positions: None,
             loss: None,
             rows,
             attn_ws_len,
@@ -203,6 +204,7 @@ pub(super) fn build(
         let emitted = spec.family.emit(&mut g, spec, cfg, &mb);
         let io = Io {
             tokens: vec![tokens],
+            positions: vec![],
             targets: vec![],
             losses: vec![],
             logits: emitted.logits,
@@ -227,6 +229,7 @@ pub(super) fn build(
     let micro = cfg.grad_accum;
     let mut io = Io {
         tokens: vec![],
+        positions: vec![],
         targets: vec![],
         losses: vec![],
         logits: None,
@@ -244,11 +247,13 @@ pub(super) fn build(
             g.persistent(&format!("{prefix}{what}"), Category::IoStaging, dtype, n)
         };
         let tokens = io_buf(&mut g, "tokens", DType::U32); // [B, T]
+        let positions = cfg.packed.then(|| io_buf(&mut g, "positions", DType::U32)); // [B, T]
         let targets = io_buf(&mut g, "targets", DType::U32); // [B, T]
         let losses = io_buf(&mut g, "losses", DType::F32); // [N]
         let mb = MicroBatch {
             prefix,
             tokens,
+            positions,
             // The step's loss is the mean over every micro-batch's trained targets, on every
             // rank: a count of the step's data (`StepCtx::loss_tokens`), not of the plan.
             loss: Some(Loss { targets, losses }),
@@ -259,6 +264,7 @@ pub(super) fn build(
         spec.family.emit(&mut g, spec, cfg, &mb);
         g.micro = 0;
         io.tokens.push(tokens);
+        io.positions.extend(positions);
         io.targets.push(targets);
         io.losses.push(losses);
     }
@@ -661,6 +667,7 @@ fn optimizer_state(
 /// the schedule's update ([`Schedule::deferred_update`]).
 struct Io {
     tokens: Vec<BufId>,
+    positions: Vec<BufId>,
     targets: Vec<BufId>,
     losses: Vec<BufId>,
     logits: Option<BufId>,
@@ -747,6 +754,7 @@ fn finish(
             ops: g.ops,
             implicit,
             tokens: io.tokens,
+            positions: io.positions,
             targets: io.targets,
             losses: io.losses,
             logits: io.logits,

@@ -14,6 +14,9 @@ pub(crate) struct MicroBatch {
     pub prefix: String,
     /// Input token ids `[B, T]` (u32).
     pub tokens: BufId,
+    /// Packed rows: each row's place in its example `[B, T]` (u32), for the position
+    /// embeddings and attention ([`super::StepConfig::packed`]).
+    pub positions: Option<BufId>,
     /// Training plans: what the loss needs; `None` for generation (next-token logits).
     pub loss: Option<Loss>,
     pub rows: Rows,

@@ -57,6 +57,12 @@ pub struct StepConfig {
     /// `--base-quant keep`: the GGUF `--init`'s storage type of each base tensor.
     #[serde(skip)]
     pub base_types: Option<std::sync::Arc<BaseTypes>>,
+    /// Rows pack several examples (chat data; `--no-pack` clears it): each micro-batch gets a
+    /// `positions` buffer `[B, T]` (each row's place in its example), which the position
+    /// embeddings and attention read, so examples neither see each other nor their places in
+    /// the row. Training plans only.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub packed: bool,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {
@@ -81,6 +87,7 @@ impl StepConfig {
             lora: None,
             base_quant: BaseQuant::F32,
             base_types: None,
+            packed: false,
         }
     }
 

@@ -63,6 +63,10 @@ pub struct Strategies {
     /// (read again on resume, not saved).
     #[serde(skip)]
     pub base_types: Option<std::sync::Arc<super::lora::BaseTypes>>,
+    /// Rows pack several examples ([`StepConfig::packed`]): set by the trainer from its data
+    /// (an examples data set, unless `--no-pack`), not saved.
+    #[serde(skip)]
+    pub packed: bool,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {
@@ -89,6 +93,7 @@ impl Default for Strategies {
             lora: None,
             base_quant: BaseQuant::F32,
             base_types: None,
+            packed: false,
         }
     }
 }
@@ -112,6 +117,7 @@ impl Strategies {
         cfg.rank = self.rank;
         cfg.zero = self.zero;
         cfg.lora = self.lora.clone();
+        cfg.packed = self.packed;
         cfg.base_quant = self.base_quant;
         cfg.base_types = self.base_types.clone();
         cfg
@@ -137,6 +143,7 @@ impl Strategies {
             lora: cfg.lora.clone(),
             base_quant: cfg.base_quant,
             base_types: cfg.base_types.clone(),
+            packed: cfg.packed,
         }
     }
 

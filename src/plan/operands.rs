@@ -81,12 +81,16 @@ macro_rules! for_each_operand {
             Op::Zero { buf } => $buf!(buf, Write),
             Op::Encoder {
                 tokens,
+                positions,
                 out,
                 wte,
                 wpe,
                 ..
             } => {
                 $buf!(tokens, Read);
+                if let Some(p) = positions {
+                    $buf!(p, Read);
+                }
                 $buf!(out, Write);
                 $params!(Tensor(wte, wpe.as_ref()), Read);
             }
@@ -121,9 +125,17 @@ macro_rules! for_each_operand {
                 $params!(Tensor(w, b.as_ref()), Read);
             }
             Op::Attention {
-                qkv, out, lse, ws, ..
+                qkv,
+                positions,
+                out,
+                lse,
+                ws,
+                ..
             } => {
                 $buf!(qkv, Read);
+                if let Some(p) = positions {
+                    $buf!(p, Read);
+                }
                 $buf!(out, Write);
                 $buf!(lse, Write);
                 $buf!(ws, Write);
@@ -136,7 +148,12 @@ macro_rules! for_each_operand {
                 $buf!(rstd, Write);
                 $params!(Tensor(w, None), Read);
             }
-            Op::Rope { x, .. } => $buf!(x, ReadWrite),
+            Op::Rope { x, positions, .. } => {
+                $buf!(x, ReadWrite);
+                if let Some(p) = positions {
+                    $buf!(p, Read);
+                }
+            }
             Op::AddBias { out, b, .. } => {
                 $buf!(out, ReadWrite);
                 $params!(Tensor(b, None), Read);
@@ -243,6 +260,7 @@ macro_rules! for_each_operand {
             }
             Op::AttentionBackward {
                 dqkv,
+                positions,
                 dout,
                 qkv,
                 out,
@@ -250,6 +268,9 @@ macro_rules! for_each_operand {
                 ws,
                 ..
             } => {
+                if let Some(p) = positions {
+                    $buf!(p, Read);
+                }
                 $buf!(dout, Read);
                 $buf!(qkv, Read);
                 $buf!(out, Read);
@@ -286,12 +307,16 @@ macro_rules! for_each_operand {
             Op::EncoderBackward {
                 dout,
                 tokens,
+                positions,
                 wte,
                 wpe,
                 ..
             } => {
                 $buf!(dout, Read);
                 $buf!(tokens, Read);
+                if let Some(p) = positions {
+                    $buf!(p, Read);
+                }
                 $grads!(Tensor(wte, wpe.as_ref()), ReadWrite);
             }
             Op::GradNorm { range } => $grads!(Tensor(range, None), Read),
@@ -581,6 +606,7 @@ mod tests {
                 Op::EncoderBackward {
                     dout: BufId(1),
                     tokens: BufId(2),
+                    positions: Some(BufId(3)),
                     wte: 0..8,
                     wpe: None,
                     rows,

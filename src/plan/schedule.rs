@@ -85,9 +85,11 @@ pub enum Op {
     /// Zero a buffer (a parameter group's gradients before their first write, the residual
     /// gradient before backward).
     Zero { buf: BufId },
-    /// `out[N,C] = wte[tokens] (+ wpe[t] with learned positions)`.
+    /// `out[N,C] = wte[tokens] (+ wpe[t] with learned positions)`; `t` is the row's place in
+    /// its sequence, or its place in its example when the rows pack examples (`positions`).
     Encoder {
         tokens: BufId,
+        positions: Option<BufId>, // [B, T] u32, packed rows only
         out: BufId,
         wte: Range<usize>,         // [V, C]
         wpe: Option<Range<usize>>, // [maxT, C]
@@ -121,9 +123,11 @@ pub enum Op {
     },
     /// `out[N,NH·hd], lse[B,NH,T] = causal_attention(qkv[N,(NH+2·NKV)·hd])`: NH query heads,
     /// then NKV key heads, then NKV value heads; KV head j serves query heads j·g…j·g+g−1
-    /// (g = NH/NKV).
+    /// (g = NH/NKV). With `positions` (rows that pack examples) a query attends only the
+    /// keys of its own example: `i − positions[i] ≤ j ≤ i`.
     Attention {
         qkv: BufId,
+        positions: Option<BufId>, // [B, T] u32, packed rows only
         out: BufId,
         lse: BufId,
         ws: BufId,
@@ -152,9 +156,11 @@ pub enum Op {
         oc: usize,
     },
     /// Rotary embedding of `x[N,width]` in place: the first `rotated` channels, head by head
-    /// (hd channels, element i paired with i + hd/2), position t turned by `t · inv_freq[i]`.
+    /// (hd channels, element i paired with i + hd/2), position t turned by `t · inv_freq[i]`
+    /// (`t` the row's place in its example when the rows pack examples: `positions`).
     Rope {
         x: BufId,
+        positions: Option<BufId>, // [B, T] u32, packed rows only
         rows: Rows,
         width: usize,
         rotated: usize,
@@ -275,6 +281,7 @@ pub enum Op {
     /// head's gradient sums over its query heads).
     AttentionBackward {
         dqkv: BufId,
+        positions: Option<BufId>, // [B, T] u32, packed rows only
         dout: BufId,
         qkv: BufId,
         out: BufId,
@@ -314,6 +321,7 @@ pub enum Op {
     EncoderBackward {
         dout: BufId,
         tokens: BufId,
+        positions: Option<BufId>, // [B, T] u32, packed rows only
         wte: Range<usize>,
         wpe: Option<Range<usize>>,
         rows: Rows,
@@ -537,6 +545,9 @@ pub struct Schedule {
     pub implicit: ImplicitBufs,
     /// Input token ids `[B, T]`, one buffer per micro-batch.
     pub tokens: Vec<BufId>,
+    /// Each row's place in its example `[B, T]` per micro-batch (packed training plans,
+    /// [`super::StepConfig::packed`]; empty otherwise).
+    pub positions: Vec<BufId>,
     /// Target token ids `[B, T]` per micro-batch (training plans; empty otherwise).
     pub targets: Vec<BufId>,
     /// `Per-row losses [N] per micro-batch (training plans; empty otherwise)`.

@@ -530,8 +530,10 @@ pub fn attention_forward<T: Elem>(
     nh: usize,
     nkv: usize,
     hd: usize,
-    ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, threads)]
+    pos: Option<&[u32]>, // [B, T]
+    ws: &mut [f32],      // [attention_workspace_len::<T>(T, hd, threads)]
 ) {
+    assert!(pos.is_none(), "packed attention: not yet");
     let dims = Dims::new(t, nh, nkv, hd);
     assert_eq!(out.len(), b * t * dims.co, "out must be [B,T,NH·hd]");
     assert_eq!(lse.len(), b * nh * t, "lse must be [B,NH,T]");
@@ -709,8 +711,10 @@ pub fn attention_backward<T: Elem>(
     nh: usize,
     nkv: usize,
     hd: usize,
-    ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, threads)]
+    pos: Option<&[u32]>, // [B, T]
+    ws: &mut [f32],      // [attention_workspace_len::<T>(T, hd, threads)]
 ) {
+    assert!(pos.is_none(), "packed attention: not yet");
     let dims = Dims::new(t, nh, nkv, hd);
     let (ld, co) = (dims.ld, dims.co);
     assert_eq!(dqkv.len(), b * t * ld, "dqkv must be [B,T,(NH+2·NKV)·hd]");
@@ -1146,7 +1150,7 @@ mod tests {
         let mut out = vec![T::from_f32(f32::NAN); b * t * widths(heads).1];
         let mut lse = vec![f32::NAN; b * nh * t];
         let mut ws = ws_for::<T>(t, hd);
-        attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd, &mut ws);
+        attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd, None, &mut ws);
         (out, lse)
     }
 
@@ -1163,7 +1167,9 @@ mod tests {
         let (nh, nkv, hd) = heads;
         let mut dqkv = vec![T::from_f32(f32::NAN); b * t * widths(heads).0];
         let mut ws = ws_for::<T>(t, hd);
-        attention_backward(&mut dqkv, dout, qkv, out, lse, b, t, nh, nkv, hd, &mut ws);
+        attention_backward(
+            &mut dqkv, dout, qkv, out, lse, b, t, nh, nkv, hd, None, &mut ws,
+        );
         dqkv
     }
 
@@ -1514,7 +1520,18 @@ mod tests {
         let mut lse = vec![0.0; b * nh * t];
         let mut ws =
             vec![0.0; attention_workspace_len::<f32>(t, c / nh, rayon::current_num_threads()) - 1];
-        attention_forward(&mut out, &mut lse, &qkv, b, t, nh, nh, c / nh, &mut ws);
+        attention_forward(
+            &mut out,
+            &mut lse,
+            &qkv,
+            b,
+            t,
+            nh,
+            nh,
+            c / nh,
+            None,
+            &mut ws,
+        );
     }
 
     /// Narrow types need one more [min(64,T), hd] block per worker, and check for it.
@@ -1531,7 +1548,18 @@ mod tests {
         let mut out = vec![bf16::ZERO; b * t * c];
         let mut lse = vec![0.0; b * nh * t];
         let mut ws = vec![0.0; len32];
-        attention_forward(&mut out, &mut lse, &qkv, b, t, nh, nh, c / nh, &mut ws);
+        attention_forward(
+            &mut out,
+            &mut lse,
+            &qkv,
+            b,
+            t,
+            nh,
+            nh,
+            c / nh,
+            None,
+            &mut ws,
+        );
     }
 
     /// NKV must divide NH.

@@ -34,12 +34,15 @@ const ACC_COLS: usize = 64;
 const HIT_CAP: usize = 4096;
 
 /// `out = wte[tokens] (+ wpe[position] when given), summed in f32 and rounded once to T`.
+/// A row's position is `t` in its sequence, or `positions[b, t]` when given (rows that pack
+/// several examples: the position inside the row's example).
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward<T: Elem, W: Elem>(
-    out: &mut [T],     // [B, T, C]
-    tokens: &[u32],    // [B, T]
-    wte: &[W],         // [V, C]
-    wpe: Option<&[W]>, // [maxT, C], only the first T rows used (learned positions)
+    out: &mut [T],             // [B, T, C]
+    tokens: &[u32],            // [B, T]
+    wte: &[W],                 // [V, C]
+    wpe: Option<&[W]>,         // [maxT, C], only the first T rows used (learned positions)
+    positions: Option<&[u32]>, // [B, T], each below T
     b: usize,
     t: usize,
     c: usize,
@@ -50,6 +53,7 @@ pub fn encoder_forward<T: Elem, W: Elem>(
         wpe.is_none_or(|w| w.len() >= t * c),
         "encoder_forward: wpe has fewer than T rows"
     );
+    check_positions(positions, b, t, "encoder_forward");
     if c == 0 || out.is_empty() {
         return;
     }
@@ -67,7 +71,7 @@ pub fn encoder_forward<T: Elem, W: Elem>(
                 let e = &wte[tok * c..(tok + 1) * c];
                 match wpe {
                     Some(wpe) => {
-                        let pos = r % t;
+                        let pos = positions.map_or(r % t, |p| p[r] as usize);
                         let p = &wpe[pos * c..(pos + 1) * c];
                         for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
                             *o = T::from_f32(e.to_f32() + p.to_f32());
@@ -83,7 +87,8 @@ pub fn encoder_forward<T: Elem, W: Elem>(
         });
 }
 
-/// `dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t]` (when given).
+/// `dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t]` (when given; with
+/// `positions`, `dwpe[positions[r]] += dout[r]` over the rows `r` in order).
 ///
 /// Every element receives its contributions in token order, added in f32 to its widened
 /// value and rounded to `T` once per call (a token that occurs k times is not rounded k
@@ -91,10 +96,11 @@ pub fn encoder_forward<T: Elem, W: Elem>(
 /// task owns `ACC_ROWS` vocabulary rows, lists the positions of its tokens in one scan, and
 /// accumulates `ACC_COLS` columns at a time in an f32 stack buffer.
 pub fn encoder_backward<T: Elem>(
-    dwte: &mut [T],         // [V, C] +=
-    dwpe: Option<&mut [T]>, // [maxT, C] +=, only the first T rows touched (learned positions)
-    dout: &[T],             // [B, T, C]
-    tokens: &[u32],         // [B, T]
+    dwte: &mut [T],            // [V, C] +=
+    dwpe: Option<&mut [T]>,    // [maxT, C] +=, only the first T rows touched (learned positions)
+    dout: &[T],                // [B, T, C]
+    tokens: &[u32],            // [B, T]
+    positions: Option<&[u32]>, // [B, T], each below T
     b: usize,
     t: usize,
     c: usize,
@@ -105,6 +111,7 @@ pub fn encoder_backward<T: Elem>(
         dwpe.as_ref().is_none_or(|w| w.len() >= t * c),
         "encoder_backward: dwpe has fewer than T rows"
     );
+    check_positions(positions, b, t, "encoder_backward");
     if c == 0 || dout.is_empty() {
         return;
     }
@@ -141,7 +148,18 @@ pub fn encoder_backward<T: Elem>(
     dwpe[..t * c]
         .par_chunks_mut(rows * c)
         .enumerate()
-        .for_each(|(pi, block)| dwpe_block(block, pi * rows, dout, b, t, c));
+        .for_each(|(pi, block)| dwpe_block(block, pi * rows, dout, positions, b, t, c));
+}
+
+/// Panics unless `positions` (when given) is `[B, T]` with every position below T.
+fn check_positions(positions: Option<&[u32]>, b: usize, t: usize, name: &str) {
+    if let Some(p) = positions {
+        assert_eq!(p.len(), b * t, "{name}: positions must be [B, T]");
+        assert!(
+            p.iter().all(|&x| (x as usize) < t),
+            "{name}: a position at or past T = {t}"
+        );
+    }
 }
 
 multiversion! {
@@ -210,12 +228,14 @@ multiversion! {
 const POS_COLS: usize = 256;
 
 multiversion! {
-    /// dwpe rows `p0..p0 + block.len()/C`: each element is widened, gets its B contributions
-    /// in batch order in f32, and is rounded back once.
+    /// dwpe rows `p0..p0 + block.len()/C`: each element is widened, gets its contributions
+    /// in row order in f32 (row t of each sequence, or with `positions` every row at that
+    /// position), and is rounded back once.
     fn dwpe_block<T: Elem>(
         block: &mut [T], // [rows, C] +=: positions p0..
         p0: usize,
         dout: &[T],      // [B, T, C]
+        positions: Option<&[u32]>, // [B, T]
         b: usize,
         t: usize,
         c: usize,
@@ -229,11 +249,15 @@ multiversion! {
                 for (a, &v) in acc.iter_mut().zip(d.iter()) {
                     *a = v.to_f32();
                 }
-                for bb in 0..b {
-                    let dy = &dout[(bb * t + pos) * c + c0..][..acc.len()];
+                let mut add = |r: usize| {
+                    let dy = &dout[r * c + c0..][..acc.len()];
                     for (a, &g) in acc.iter_mut().zip(dy) {
                         *a += g.to_f32();
                     }
+                };
+                match positions {
+                    None => (0..b).for_each(|bb| add(bb * t + pos)),
+                    Some(p) => (0..b * t).filter(|&r| p[r] as usize == pos).for_each(add),
                 }
                 for (d, &a) in d.iter_mut().zip(acc.iter()) {
                     *d = T::from_f32(a);
@@ -247,10 +271,11 @@ multiversion! {
 pub mod naive {
     #[allow(clippy::too_many_arguments)]
     pub fn encoder_forward(
-        out: &mut [f32], // [B, T, C]
-        tokens: &[u32],  // [B, T]
-        wte: &[f32],     // [V, C]
-        wpe: &[f32],     // [maxT, C], only the first T rows used
+        out: &mut [f32],           // [B, T, C]
+        tokens: &[u32],            // [B, T]
+        wte: &[f32],               // [V, C]
+        wpe: &[f32],               // [maxT, C], only the first T rows used
+        positions: Option<&[u32]>, // [B, T]
         b: usize,
         t: usize,
         c: usize,
@@ -258,18 +283,20 @@ pub mod naive {
         for bb in 0..b {
             for tt in 0..t {
                 let tok = tokens[bb * t + tt] as usize;
+                let pos = positions.map_or(tt, |p| p[bb * t + tt] as usize);
                 for i in 0..c {
-                    out[(bb * t + tt) * c + i] = wte[tok * c + i] + wpe[tt * c + i];
+                    out[(bb * t + tt) * c + i] = wte[tok * c + i] + wpe[pos * c + i];
                 }
             }
         }
     }
 
     pub fn encoder_backward(
-        dwte: &mut [f32], // [V, C] +=
-        dwpe: &mut [f32], // [maxT, C] +=, only the first T rows touched
-        dout: &[f32],     // [B, T, C]
-        tokens: &[u32],   // [B, T]
+        dwte: &mut [f32],          // [V, C] +=
+        dwpe: &mut [f32],          // [maxT, C] +=, only the first T rows touched
+        dout: &[f32],              // [B, T, C]
+        tokens: &[u32],            // [B, T]
+        positions: Option<&[u32]>, // [B, T]
         b: usize,
         t: usize,
         c: usize,
@@ -277,10 +304,11 @@ pub mod naive {
         for bb in 0..b {
             for tt in 0..t {
                 let tok = tokens[bb * t + tt] as usize;
+                let pos = positions.map_or(tt, |p| p[bb * t + tt] as usize);
                 for i in 0..c {
                     let g = dout[(bb * t + tt) * c + i];
                     dwte[tok * c + i] += g;
-                    dwpe[tt * c + i] += g;
+                    dwpe[pos * c + i] += g;
                 }
             }
         }
@@ -326,8 +354,8 @@ mod tests {
             let wpe = randn(mt * c, 1.0, 50 + si as u64);
             let tok = tokens(b * t, v, si as u64);
             let (mut o1, mut o2) = (vec![f32::NAN; b * t * c], vec![0.0; b * t * c]);
-            encoder_forward(&mut o1, &tok, &wte, Some(&wpe), b, t, c);
-            naive::encoder_forward(&mut o2, &tok, &wte, &wpe, b, t, c);
+            encoder_forward(&mut o1, &tok, &wte, Some(&wpe), None, b, t, c);
+            naive::encoder_forward(&mut o2, &tok, &wte, &wpe, None, b, t, c);
             assert_eq!(o1, o2, "{b}x{t}x{c}");
         }
     }
@@ -340,21 +368,21 @@ mod tests {
             let wte = randn(v * c, 1.0, si as u64);
             let tok = tokens(b * t, v, si as u64);
             let mut out = vec![f32::NAN; b * t * c];
-            encoder_forward::<f32, f32>(&mut out, &tok, &wte, None, b, t, c);
+            encoder_forward::<f32, f32>(&mut out, &tok, &wte, None, None, b, t, c);
             for (r, row) in out.chunks_exact(c).enumerate() {
                 let k = tok[r] as usize;
                 assert_eq!(row, &wte[k * c..(k + 1) * c], "row {r}");
             }
             let mut narrow = vec![bf16::ZERO; b * t * c];
-            encoder_forward(&mut narrow, &tok, &wte, None, b, t, c);
+            encoder_forward(&mut narrow, &tok, &wte, None, None, b, t, c);
             let rounded: Vec<bf16> = out.iter().map(|&x| bf16::from_f32(x)).collect();
             assert_eq!(narrow, rounded);
             let dout = randn(b * t * c, 1.0, 100 + si as u64);
             let dwte0 = randn(v * c, 1.0, 200 + si as u64);
             let (mut with, mut without) = (dwte0.clone(), dwte0.clone());
             let mut dwpe = vec![0.0; mt * c];
-            encoder_backward(&mut with, Some(&mut dwpe), &dout, &tok, b, t, c);
-            encoder_backward(&mut without, None, &dout, &tok, b, t, c);
+            encoder_backward(&mut with, Some(&mut dwpe), &dout, &tok, None, b, t, c);
+            encoder_backward(&mut without, None, &dout, &tok, None, b, t, c);
             assert_eq!(with, without, "{b}x{t}x{c}");
         }
     }
@@ -368,7 +396,7 @@ mod tests {
             let dwpe0 = randn(mt * c, 1.0, 300 + si as u64);
             let run = || {
                 let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
-                encoder_backward(&mut a, Some(&mut p), &dout, &tok, b, t, c);
+                encoder_backward(&mut a, Some(&mut p), &dout, &tok, None, b, t, c);
                 (a, p)
             };
             let (a1, p1) = with_threads(1, run);
@@ -377,13 +405,51 @@ mod tests {
                 "thread count changed result"
             );
             let (mut a2, mut p2) = (dwte0.clone(), dwpe0.clone());
-            naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, b, t, c);
+            naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, None, b, t, c);
             let what = format!("{b}x{t}x{c}");
             assert_close(&a1, &a2, 1e-5, 1e-5, &format!("dwte {what}"));
             assert_close(&p1, &p2, 1e-5, 1e-5, &format!("dwpe {what}"));
             // Rows of wpe beyond T are untouched.
             assert_eq!(&p1[t * c..], &dwpe0[t * c..]);
         }
+    }
+
+    /// Packed rows: a row's positions restart at each example, for the forward's wpe rows and
+    /// the backward's dwpe; identity positions are bitwise the rows' own positions.
+    #[test]
+    fn given_positions() {
+        let (b, t, c, v, mt) = (2, 9, 5, 7, 12);
+        let wte = randn(v * c, 1.0, 1);
+        let wpe = randn(mt * c, 1.0, 2);
+        let tok = tokens(b * t, v, 3);
+        // Row 0: examples of 4, 1 and 4 tokens; row 1: one of 9.
+        let positions: Vec<u32> = [0, 1, 2, 3, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8].to_vec();
+        let mut got = vec![f32::NAN; b * t * c];
+        encoder_forward(&mut got, &tok, &wte, Some(&wpe), Some(&positions), b, t, c);
+        let mut want = vec![0.0; b * t * c];
+        naive::encoder_forward(&mut want, &tok, &wte, &wpe, Some(&positions), b, t, c);
+        assert_eq!(got, want);
+        let dout = randn(b * t * c, 1.0, 4);
+        let (dwte0, dwpe0) = (randn(v * c, 1.0, 5), randn(mt * c, 1.0, 6));
+        let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
+        encoder_backward(&mut a, Some(&mut p), &dout, &tok, Some(&positions), b, t, c);
+        let (mut a2, mut p2) = (dwte0.clone(), dwpe0.clone());
+        naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, Some(&positions), b, t, c);
+        assert_close(&a, &a2, 1e-6, 1e-6, "dwte");
+        assert_close(&p, &p2, 1e-6, 1e-6, "dwpe");
+        // Identity positions: bitwise the unpacked kernels, for f32 and bf16.
+        let identity: Vec<u32> = (0..b * t).map(|r| (r % t) as u32).collect();
+        let dout16: Vec<bf16> = dout.iter().map(|&x| bf16::from_f32(x)).collect();
+        let dwpe16: Vec<bf16> = dwpe0.iter().map(|&x| bf16::from_f32(x)).collect();
+        let dwte16: Vec<bf16> = dwte0.iter().map(|&x| bf16::from_f32(x)).collect();
+        let run = |given: Option<&[u32]>| {
+            let mut o = vec![f32::NAN; b * t * c];
+            encoder_forward(&mut o, &tok, &wte, Some(&wpe), given, b, t, c);
+            let (mut dw, mut dp) = (dwte16.clone(), dwpe16.clone());
+            encoder_backward(&mut dw, Some(&mut dp), &dout16, &tok, given, b, t, c);
+            (bits(&o), bits(&dw), bits(&dp))
+        };
+        assert!(run(Some(&identity)) == run(None), "identity positions");
     }
 
     #[test]
@@ -395,11 +461,11 @@ mod tests {
         let g = randn(b * t * c, 1.0, 3);
         let loss = |wte: &[f32], wpe: &[f32]| {
             let mut o = vec![0.0; b * t * c];
-            naive::encoder_forward(&mut o, &tok, wte, wpe, b, t, c);
+            naive::encoder_forward(&mut o, &tok, wte, wpe, None, b, t, c);
             dot(&g, &o)
         };
         let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; mt * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &g, &tok, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &g, &tok, None, b, t, c);
         assert_close(
             &dwte,
             &fd_grad(&wte, 1e-2, |x| loss(x, &wpe)),
@@ -433,8 +499,8 @@ mod tests {
             let mut dwte: Vec<S> = stored::<T, S>(&randn(v * c, 1.0, 200 + si));
             let mut dwpe: Vec<S> = stored::<T, S>(&randn(mt * c, 1.0, 300 + si));
             let mut o = vec![S::from_f32(f32::NAN); b * t * c];
-            encoder_forward(&mut o, &tok, &wte, Some(&wpe), b, t, c);
-            encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, b, t, c);
+            encoder_forward(&mut o, &tok, &wte, Some(&wpe), None, b, t, c);
+            encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, b, t, c);
             vec![
                 Out::stored("out", &o),
                 Out::stored("dwte", &dwte),
@@ -478,7 +544,7 @@ mod tests {
         let tok = vec![129u32; b * t];
         let dout = vec![one; b * t * c];
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, b, t, c);
         assert!(dwte[129 * c..].iter().all(|&x| x.to_f32() == 300.0), "dwte");
         assert!(dwte[..129 * c].iter().all(|&x| x == bf16::ZERO));
         assert!(dwpe.iter().all(|&x| x.to_f32() == 300.0), "dwpe");
@@ -493,7 +559,7 @@ mod tests {
         dout[c] = bf16::from_f32(f32::NAN); // token 150, position 1, channel 0
         dout[2] = bf16::from_f32(f32::INFINITY); // token 3, position 0, channel 2
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, b, t, c);
         assert!(dwte[150 * c].is_nan() && dwpe[c].is_nan());
         assert!(dwte[3 * c + 2].is_infinite() && dwpe[2].is_infinite());
         let finite = |x: &[bf16]| x.iter().filter(|v| v.is_finite()).count();
@@ -504,7 +570,7 @@ mod tests {
         wte[7 * c + 1] = bf16::NAN; // token 7: row 3
         let mut wpe = vec![bf16::ONE; t * c];
         wpe[2] = bf16::INFINITY; // position 0: rows 0 and 2
-        encoder_forward(&mut out, &tok, &wte, Some(&wpe), b, t, c);
+        encoder_forward(&mut out, &tok, &wte, Some(&wpe), None, b, t, c);
         assert!(out[3 * c + 1].is_nan() && out[2].is_infinite() && out[2 * c + 2].is_infinite());
         assert_eq!(finite(&out), b * t * c - 3);
     }
@@ -513,6 +579,6 @@ mod tests {
     #[should_panic(expected = "vocabulary")]
     fn out_of_range_token_panics() {
         let mut out = vec![0.0; 2];
-        encoder_forward(&mut out, &[0, 2], &[0.0; 2], Some(&[0.0; 2]), 1, 2, 1);
+        encoder_forward(&mut out, &[0, 2], &[0.0; 2], Some(&[0.0; 2]), None, 1, 2, 1);
     }
 }

@@ -13,6 +13,7 @@ use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
 use crate::dtype::Elem;
+use crate::plan::BufId;
 use crate::plan::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Rows, WeightLayout};
 use std::ops::Range;
 
@@ -107,10 +108,13 @@ impl CpuDevice {
             None => &mut [],
         };
         let act = |id| &self.view::<T>(id)[..];
+        // The rows' places in their examples (packed rows), `[B, T]` of the op's shape.
+        let positions = |p: &Option<BufId>, r: Rows| p.map(|id| &self.u32_mut(id)[..r.n()]);
         match op {
             Op::Zero { buf } => self.zero(*buf),
             Op::Encoder {
                 tokens,
+                positions: pos,
                 out,
                 wte,
                 wpe,
@@ -137,6 +141,7 @@ impl CpuDevice {
                     &self.u32_mut(*tokens)[..n],
                     weights(wte),
                     wpe.as_ref().map(weights),
+                    positions(pos, r),
                     r.b,
                     r.t,
                     c,
@@ -206,6 +211,7 @@ impl CpuDevice {
             }
             Op::Attention {
                 qkv,
+                positions: pos,
                 out,
                 lse,
                 ws,
@@ -225,6 +231,7 @@ impl CpuDevice {
                     nh,
                     nkv,
                     hd,
+                    positions(pos, r),
                     self.view::<f32>(*ws),
                 )
             }
@@ -254,6 +261,7 @@ impl CpuDevice {
             }
             Op::Rope {
                 x,
+                positions: pos,
                 rows,
                 width,
                 rotated,
@@ -276,6 +284,7 @@ impl CpuDevice {
                     *hd,
                     inv_freq,
                     0,
+                    positions(pos, r),
                 )
             }
             Op::Swiglu { inp, out, rows, h } => {
@@ -591,6 +600,7 @@ impl CpuDevice {
             }
             Op::AttentionBackward {
                 dqkv,
+                positions: pos,
                 dout,
                 qkv,
                 out,
@@ -615,6 +625,7 @@ impl CpuDevice {
                     nh,
                     nkv,
                     hd,
+                    positions(pos, r),
                     self.view::<f32>(*ws),
                 )
             }
@@ -679,6 +690,7 @@ impl CpuDevice {
             Op::EncoderBackward {
                 dout,
                 tokens,
+                positions: pos,
                 wte,
                 wpe,
                 rows,
@@ -698,6 +710,7 @@ impl CpuDevice {
                     dwpe,
                     &act(*dout)[..n * c],
                     &self.u32_mut(*tokens)[..n],
+                    positions(pos, r),
                     r.b,
                     r.t,
                     c,

@@ -4,7 +4,9 @@
 //! channels of a row (`(NH + NKV)·hd`: queries and keys) are rotated head by head; the values
 //! are untouched. Inside a head, element `i < hd/2` is paired with element `i + hd/2`
 //! (transformers' `rotate_half`, `modeling_llama.py`), at angle `θ = pos · inv_freq[i]` with
-//! `pos = pos0 + t` (`t` the row's position in its sequence; rows are `b·T + t`):
+//! `pos = pos0 + t` (`t` the row's position in its sequence; rows are `b·T + t`), or, for rows
+//! that pack several examples, `pos = pos0 + positions[b·T + t]` (the row's position inside its
+//! example, so each example's positions restart at 0):
 //! `x'[i] = x[i]·cos θ − x[i+hd/2]·sin θ`, `x'[i+hd/2] = x[i+hd/2]·cos θ + x[i]·sin θ`.
 //! The backward applies the inverse (transposed) rotation, angle `−θ`, to the gradient, in
 //! place. `inv_freq` (`θ_base^(−2i/hd)`, with any llama3 scaling) comes from
@@ -43,6 +45,7 @@ pub fn rope_forward<T: Elem>(
     hd: usize,
     inv_freq: &[f32], // [hd/2]
     pos0: usize,
+    positions: Option<&[u32]>, // [B, T] position inside the row's example (packed rows)
 ) {
     rope(
         x,
@@ -52,7 +55,7 @@ pub fn rope_forward<T: Elem>(
         rotated,
         hd,
         inv_freq,
-        pos0,
+        (pos0, positions),
         false,
         "rope_forward",
     );
@@ -71,6 +74,7 @@ pub fn rope_backward<T: Elem>(
     hd: usize,
     inv_freq: &[f32], // [hd/2]
     pos0: usize,
+    positions: Option<&[u32]>, // [B, T] position inside the row's example (packed rows)
 ) {
     rope(
         dx,
@@ -80,7 +84,7 @@ pub fn rope_backward<T: Elem>(
         rotated,
         hd,
         inv_freq,
-        pos0,
+        (pos0, positions),
         true,
         "rope_backward",
     );
@@ -94,12 +98,16 @@ fn rope<T: Elem>(
     width: usize,
     rotated: usize,
     hd: usize,
-    inv_freq: &[f32], // [hd/2]
-    pos0: usize,
+    inv_freq: &[f32],                           // [hd/2]
+    (pos0, positions): (usize, Option<&[u32]>), // positions: [B, T]
     inverse: bool,
     name: &str,
 ) {
     assert_eq!(x.len(), b * t * width, "{name}: x");
+    assert!(
+        positions.is_none_or(|p| p.len() == b * t),
+        "{name}: positions must be [B, T]"
+    );
     assert!(
         hd >= 2 && hd.is_multiple_of(2) && hd <= MAX_HEAD_DIM,
         "{name}: head size {hd} must be even, 2..={MAX_HEAD_DIM}"
@@ -116,7 +124,9 @@ fn rope<T: Elem>(
     x.par_chunks_mut(rows * width)
         .enumerate()
         .for_each(|(k, x)| {
-            rotate_rows(x, k * rows, t, width, rotated, hd, inv_freq, pos0, inverse)
+            let r0 = k * rows;
+            let given = positions.map(|p| &p[r0..r0 + x.len() / width]);
+            rotate_rows(x, r0, t, width, rotated, hd, inv_freq, pos0, given, inverse)
         });
 }
 
@@ -131,6 +141,7 @@ multiversion! {
         hd: usize,
         inv_freq: &[f32], // [hd/2]
         pos0: usize,
+        positions: Option<&[u32]>, // [rows]: these rows' positions inside their examples
         inverse: bool,
     ) {
         let half = hd / 2;
@@ -138,7 +149,11 @@ multiversion! {
         let mut sin = [0.0f32; MAX_HEAD_DIM / 2];
         let (cos, sin) = (&mut cos[..half], &mut sin[..half]);
         for (i, row) in x.chunks_exact_mut(width).enumerate() {
-            let pos = (pos0 + (r0 + i) % t) as f32;
+            let within = match positions {
+                Some(p) => p[i] as usize,
+                None => (r0 + i) % t,
+            };
+            let pos = (pos0 + within) as f32;
             for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
                 let angle = (pos * f) as f64;
                 *c = angle.cos() as f32;
@@ -178,6 +193,7 @@ pub mod naive {
         hd: usize,
         inv_freq: &[f32], // [hd/2]
         pos0: usize,
+        positions: Option<&[u32]>, // [B, T] positions inside the rows' examples
         inverse: bool,
     ) {
         let half = hd / 2;
@@ -186,7 +202,8 @@ pub mod naive {
                 let row = &mut x[(bi * t + ti) * width..(bi * t + ti + 1) * width];
                 for h in 0..rotated / hd {
                     for (i, &f) in inv_freq.iter().enumerate() {
-                        let (c, s) = cos_sin(pos0 + ti, f);
+                        let within = positions.map_or(ti, |p| p[bi * t + ti] as usize);
+                        let (c, s) = cos_sin(pos0 + within, f);
                         let (ia, ib) = (h * hd + i, h * hd + i + half);
                         let (xa, xb) = (row[ia] as f64, row[ib] as f64);
                         let (ya, yb) = if inverse {
@@ -252,17 +269,19 @@ mod tests {
         fn fwd<T: Elem>(&self, x: &mut [T]) {
             let f = self.inv_freq();
             let (w, r) = (self.width(), self.rotated());
-            rope_forward(x, self.b, self.t, w, r, self.hd, &f, self.pos0);
+            rope_forward(x, self.b, self.t, w, r, self.hd, &f, self.pos0, None);
         }
         fn bwd<T: Elem>(&self, x: &mut [T]) {
             let f = self.inv_freq();
             let (w, r) = (self.width(), self.rotated());
-            rope_backward(x, self.b, self.t, w, r, self.hd, &f, self.pos0);
+            rope_backward(x, self.b, self.t, w, r, self.hd, &f, self.pos0, None);
         }
         fn naive(&self, x: &mut [f32], inverse: bool) {
             let f = self.inv_freq();
             let (w, r) = (self.width(), self.rotated());
-            naive::rope(x, self.b, self.t, w, r, self.hd, &f, self.pos0, inverse);
+            naive::rope(
+                x, self.b, self.t, w, r, self.hd, &f, self.pos0, None, inverse,
+            );
         }
     }
 
@@ -325,7 +344,7 @@ mod tests {
         let f = [std::f32::consts::FRAC_PI_2];
         let row = [2.0f32, 3.0, -1.0, 0.5, 7.0, 8.0];
         let mut x: Vec<f32> = row.repeat(b * t);
-        rope_forward(&mut x, b, t, width, 4, hd, &f, 0);
+        rope_forward(&mut x, b, t, width, 4, hd, &f, 0, None);
         let want: [[f32; 6]; 3] = [
             [2.0, 3.0, -1.0, 0.5, 7.0, 8.0],   // 0°: the identity, exactly
             [-3.0, 2.0, -0.5, -1.0, 7.0, 8.0], // 90°: (a, b) → (−b, a)
@@ -338,11 +357,69 @@ mod tests {
         assert_eq!(&x[..width], &row, "position 0 is bitwise unchanged");
         // pos0 = 1 shifts every row by one quarter turn: row 0 now turns by 90°.
         let mut x: Vec<f32> = row.repeat(b * t);
-        rope_forward(&mut x, b, t, width, 4, hd, &f, 1);
+        rope_forward(&mut x, b, t, width, 4, hd, &f, 1, None);
         assert_close(&x[..width], &want[1], 1e-6, 0.0, "pos0 = 1");
         // And the backward turns back.
-        rope_backward(&mut x, b, t, width, 4, hd, &f, 1);
+        rope_backward(&mut x, b, t, width, 4, hd, &f, 1, None);
         assert_close(&x, &row.repeat(b * t), 1e-6, 0.0, "backward");
+    }
+
+    /// Packed rows: each example's rows turn as the same example alone at the start of a
+    /// sequence (bitwise: a row's rotation depends only on its position), and the naive twin
+    /// agrees with the given positions.
+    #[test]
+    fn given_positions_restart_at_each_example() {
+        let s = Shape::new(2, 13, 3, 1, 8, 0);
+        let (w, r, f) = (s.width(), s.rotated(), s.inv_freq());
+        // Row 0: examples of 5, 1 and 7 tokens; row 1: one of 13.
+        let lens: [&[usize]; 2] = [&[5, 1, 7], &[13]];
+        let positions: Vec<u32> = lens
+            .iter()
+            .flat_map(|l| l.iter().flat_map(|&n| 0..n as u32))
+            .collect();
+        let x = randn(s.len(), 1.0, 77);
+        for inverse in [false, true] {
+            let mut packed = x.clone();
+            let rotate = if inverse {
+                rope_backward::<f32>
+            } else {
+                rope_forward::<f32>
+            };
+            rotate(&mut packed, s.b, s.t, w, r, s.hd, &f, 0, Some(&positions));
+            let mut naive_packed = x.clone();
+            naive::rope(
+                &mut naive_packed,
+                s.b,
+                s.t,
+                w,
+                r,
+                s.hd,
+                &f,
+                0,
+                Some(&positions),
+                inverse,
+            );
+            assert_close(
+                &packed,
+                &naive_packed,
+                1e-6,
+                1e-6,
+                "packed against the naive twin",
+            );
+            let mut row0 = 0;
+            for l in lens {
+                for &n in l {
+                    let mut alone = x[row0 * w..(row0 + n) * w].to_vec();
+                    rotate(&mut alone, 1, n, w, r, s.hd, &f, 0, None);
+                    assert_eq!(
+                        bits(&packed[row0 * w..(row0 + n) * w]),
+                        bits(&alone),
+                        "example of {n} rows at row {row0} (inverse {inverse})"
+                    );
+                    row0 += n;
+                }
+            }
+        }
     }
 
     /// backward ∘ forward and forward ∘ backward are the identity, within rounding.
@@ -485,7 +562,7 @@ mod tests {
     #[should_panic(expected = "head size")]
     fn rejects_odd_head_size() {
         let mut x = vec![0.0f32; 6];
-        rope_forward(&mut x, 1, 1, 6, 3, 3, &[1.0], 0);
+        rope_forward(&mut x, 1, 1, 6, 3, 3, &[1.0], 0, None);
     }
 
     #[test]
@@ -493,6 +570,6 @@ mod tests {
     fn rejects_huge_head_size() {
         let hd = 2 * MAX_HEAD_DIM;
         let mut x = vec![0.0f32; hd];
-        rope_forward(&mut x, 1, 1, hd, hd, hd, &vec![1.0; hd / 2], 0);
+        rope_forward(&mut x, 1, 1, hd, hd, hd, &vec![1.0; hd / 2], 0, None);
     }
 }

@@ -118,6 +118,8 @@ pub struct TrainRequest {
     pub save_every: u64,
     /// `--keep-last`.
     pub keep_last: Option<u64>,
+    /// `--no-pack`: chat data one example per row.
+    pub no_pack: bool,
     /// `--init`: a model directory or GGUF file to start from.
     pub init: Option<PathBuf>,
     /// `--init-adapter`: a PEFT adapter to start the adapters from.

@@ -54,6 +54,7 @@ pub fn new_run(
     o.eval_batches = req.eval_batches;
     o.save_every = req.save_every;
     o.keep_last = req.keep_last.unwrap_or(0);
+    o.no_pack = req.no_pack;
     o.profile_steps = req.profile_steps;
     if req.step.fit {
         fit_run(&mut o, req, ranks, progress)?;
@@ -195,6 +196,8 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
     if let Some(k) = req.keep_last {
         opts.keep_last = k;
     }
+    // Packing changes which rows a batch holds, not what a row trains: a resumed run may stop.
+    opts.no_pack |= req.no_pack;
     if req.step.strategy.lora.is_some() || req.step.strategy.base_quant.is_some() {
         let was = match &opts.strategies.lora {
             Some(l) => format!("LoRA adapters of rank {}", l.r),

@@ -73,6 +73,10 @@ pub struct TrainOptions {
     /// (see [`crate::ckpt::SaveOptions`]); runs saved before the field existed get the default.
     #[serde(default = "default_max_shard_bytes")]
     pub max_shard_bytes: u64,
+    /// `--no-pack`: an examples data set's rows hold one example each, padded, instead of
+    /// several packed ([`crate::data::examples`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_pack: bool,
     /// Memory strategies and budget (flattened: the same keys as separate fields).
     #[serde(flatten)]
     pub strategies: Strategies,
@@ -123,6 +127,7 @@ impl TrainOptions {
             init_gguf: None,
             tokenizer_dir: None,
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
+            no_pack: false,
             strategies: Strategies::default(),
             fit: None,
             planned_baseline: None,

@@ -45,7 +45,8 @@ impl<'a> Run<'a> {
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
         let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
-        let (plan, calibration) = plan_for(opts, &spec, baseline, ranks)?;
+        let packed = data.packs(opts.no_pack);
+        let (plan, calibration) = plan_for(opts, &spec, baseline, ranks, packed)?;
         let dir = RunDir::new(&opts.out);
         // Rank 0 owns the run directory; the others wait until it is there.
         if rank == 0 {
@@ -139,7 +140,7 @@ impl<'a> Run<'a> {
             of: ranks,
         };
         let loader = BatchLoader::part(
-            data.train_source(),
+            data.train_source(packed),
             rows,
             opts.seq,
             opts.seed,
@@ -294,16 +295,19 @@ fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
 }
 
 /// The plan a run of `opts` trains from (with the calibration that priced it), on `ranks`
-/// ranks with `baseline` bytes outside the plan: what the demos print is what runs.
+/// ranks with `baseline` bytes outside the plan, its rows packing examples when `packed`
+/// ([`DataSet::packs`]): what the demos print is what runs.
 pub fn plan_for(
     opts: &TrainOptions,
     spec: &ModelSpec,
     baseline: u64,
     ranks: usize,
+    packed: bool,
 ) -> Result<(Plan, crate::plan::time::Calibration)> {
-    let strategies = opts
+    let mut strategies = opts
         .strategies
         .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
+    strategies.packed = packed;
     let calibration = crate::exec::calibrate_transport::current(opts.threads, ranks)?;
     let plan = strategies.plan(
         spec,

@@ -371,7 +371,7 @@ fn evaluate(
         index: ex.comm().rank(),
         of: ex.comm().size(),
     };
-    let source = data.val_source();
+    let source = data.val_source(data.packs(opts.no_pack));
     for k in 0..opts.eval_batches {
         source
             .fill(

@@ -31,6 +31,8 @@ struct Dims {
     eps: f32,
     /// Attention workspace elements (forward or backward).
     attn_ws_len: usize,
+    /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
+    positions: Option<BufId>,
 }
 
 /// One block of one micro-batch.
@@ -198,6 +200,7 @@ impl StagedBlock for Dims {
                     attn_flops(d),
                     Op::Attention {
                         qkv,
+                        positions: d.positions,
                         out,
                         lse,
                         ws,
@@ -410,6 +413,7 @@ impl StagedBlock for Dims {
             5 * attn_flops(d) / 2,
             Op::AttentionBackward {
                 dqkv,
+                positions: d.positions,
                 dout: datty,
                 qkv: a.qkv,
                 out: a.atty,
@@ -474,6 +478,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
         0,
         Op::Encoder {
             tokens,
+            positions: d.positions,
             out: res,
             wte: p.wte.clone(),
             wpe: Some(p.wpe.clone()),
@@ -529,6 +534,7 @@ pub(crate) fn micro_batch(
         rows: mb.rows,
         eps: spec.norm_eps,
         attn_ws_len: mb.attn_ws_len,
+        positions: mb.positions,
     };
     let (n, c, v, pfx) = (d.n, d.c, spec.vocab_size, mb.prefix.as_str());
     let fwd = forward_all(g, &d, &p, pfx, mb.tokens);
@@ -567,6 +573,7 @@ pub(crate) fn micro_batch(
         Op::EncoderBackward {
             dout: dres,
             tokens: mb.tokens,
+            positions: d.positions,
             wte: p.wte.clone(),
             wpe: Some(p.wpe.clone()),
             rows: d.rows,

@@ -38,6 +38,8 @@ struct Dims {
     inv_freq: Vec<f32>,
     /// Attention workspace elements (forward or backward).
     attn_ws_len: usize,
+    /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
+    positions: Option<BufId>,
 }
 
 impl Dims {
@@ -250,6 +252,7 @@ impl StagedBlock for Dims {
                     0,
                     Op::Rope {
                         x: qkv,
+                        positions: d.positions,
                         rows: d.rows,
                         width: d.qkv(),
                         rotated: (d.nh + d.nkv) * d.hd,
@@ -275,6 +278,7 @@ impl StagedBlock for Dims {
                     d.attn_flops(),
                     Op::Attention {
                         qkv,
+                        positions: d.positions,
                         out,
                         lse,
                         ws,
@@ -464,6 +468,7 @@ impl StagedBlock for Dims {
             5 * d.attn_flops() / 2,
             Op::AttentionBackward {
                 dqkv,
+                positions: d.positions,
                 dout: dattn,
                 qkv: a.qkv,
                 out: a.attn,
@@ -481,6 +486,7 @@ impl StagedBlock for Dims {
             0,
             Op::Rope {
                 x: dqkv,
+                positions: d.positions,
                 rows: d.rows,
                 width: d.qkv(),
                 rotated: (d.nh + d.nkv) * d.hd,
@@ -532,6 +538,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &LlamaParams, pfx: &str, tokens: Bu
         0,
         Op::Encoder {
             tokens,
+            positions: d.positions,
             out: res,
             wte: p.embed.clone(),
             wpe: None,
@@ -574,6 +581,7 @@ pub(crate) fn micro_batch(
         eps: spec.norm_eps,
         inv_freq: rope::inv_freq(spec.head_dim, theta, scaling.as_ref()),
         attn_ws_len: mb.attn_ws_len,
+        positions: mb.positions,
     };
     let pfx = mb.prefix.as_str();
     let fwd = forward_all(g, &d, &p, pfx, mb.tokens);
@@ -610,6 +618,7 @@ pub(crate) fn micro_batch(
         Op::EncoderBackward {
             dout: dres,
             tokens: mb.tokens,
+            positions: d.positions,
             wte: p.embed.clone(),
             wpe: None,
             rows: d.rows,
