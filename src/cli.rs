@@ -715,6 +715,11 @@ pub(crate) struct BenchArgs {
     /// Also report seconds and GFLOP/s per op kind (time_by_op).
     #[arg(long)]
     pub(crate) time_ops: bool,
+    /// Rows pack synthetic examples of LEN tokens each (the first third of each untrained),
+    /// as `train` packs chat data: attention stays within each example. Compare with the same
+    /// command without it to measure what packing costs.
+    #[arg(long, value_name = "LEN", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) packed: Option<u32>,
     /// Profile every step and write plan.json, metrics.jsonl, profile.json, trace.json,
     /// memory.svg and report.html into DIR.
     #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "bench-profile")]

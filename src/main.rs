@@ -498,6 +498,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         threads: threads(a.threads)?,
         seed: a.seed,
         time_ops: a.time_ops,
+        packed: a.packed.map(|n| n as usize),
         strategies,
         profile: a.profile,
         device: a.device,

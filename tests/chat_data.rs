@@ -199,24 +199,28 @@ fn prepare_writes_the_encoders_ids_bits_and_offsets_split_by_examples() {
     assert_eq!(short, row[..5]);
     assert!(ex.longer_than(ids.len() - 1).unwrap() >= 1);
 
-    // Batches: a pure function of (seed, index); a rank's part is its rows of the whole.
-    let source = ds.train_source();
-    let (b, t) = (3, 20);
-    let mut whole = vec![0u32; 2 * b * (t + 1)];
-    source
-        .fill((2 * b, t), 5, 9, Part::WHOLE, &mut whole)
-        .unwrap();
-    let mut again = vec![0u32; 2 * b * (t + 1)];
-    source
-        .fill((2 * b, t), 5, 9, Part::WHOLE, &mut again)
-        .unwrap();
-    assert_eq!(whole, again);
-    for k in 0..2 {
-        let mut part = vec![0u32; b * (t + 1)];
+    // Batches: a pure function of (seed, index); a rank's part is its rows of the whole;
+    // packed or one example a row.
+    for pack in [false, true] {
+        let source = ds.train_source(pack);
+        assert_eq!(source.packed(), pack);
+        let (b, t) = (3, 20);
+        let mut whole = vec![0u32; 2 * b * (t + 1)];
         source
-            .fill((b, t), 5, 9, Part { index: k, of: 2 }, &mut part)
+            .fill((2 * b, t), 5, 9, Part::WHOLE, &mut whole)
             .unwrap();
-        assert_eq!(part, whole[k * b * (t + 1)..][..b * (t + 1)], "part {k}");
+        let mut again = vec![0u32; 2 * b * (t + 1)];
+        source
+            .fill((2 * b, t), 5, 9, Part::WHOLE, &mut again)
+            .unwrap();
+        assert_eq!(whole, again);
+        for k in 0..2 {
+            let mut part = vec![0u32; b * (t + 1)];
+            source
+                .fill((b, t), 5, 9, Part { index: k, of: 2 }, &mut part)
+                .unwrap();
+            assert_eq!(part, whole[k * b * (t + 1)..][..b * (t + 1)], "part {k}");
+        }
     }
 }
 

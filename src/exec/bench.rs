@@ -29,6 +29,9 @@ pub struct BenchOptions {
     pub seed: u64,
     /// Time every op and report where the step's time goes (adds a clock read per op).
     pub time_ops: bool,
+    /// Rows pack synthetic examples of this many tokens (`--packed LEN`), as `train` packs
+    /// chat data; `None`: every row one sequence, every target trained.
+    pub packed: Option<usize>,
     /// Memory strategies; `max_memory` is the budget the plan must fit (and `auto` choices fit).
     pub strategies: Strategies,
     /// Profile every step into this directory (plan.json, metrics.jsonl, profile.json,
@@ -36,6 +39,24 @@ pub struct BenchOptions {
     pub profile: Option<PathBuf>,
     /// The backend measured.
     pub device: DeviceKind,
+}
+
+/// Marks rows of `w` tokens as packed examples of `len` tokens (the last one of a row
+/// shorter), as the loader marks chat data: each example's first token starts it (after the
+/// row's first) and its first third is untrained.
+fn mark_packed(batch: &mut [u32], w: usize, len: usize) {
+    use crate::data::examples::{EXAMPLE_START, UNTRAINED};
+    for row in batch.chunks_mut(w) {
+        for (i, x) in row.iter_mut().enumerate() {
+            let j = i % len;
+            if j == 0 && i > 0 {
+                *x |= EXAMPLE_START;
+            }
+            if j < len.div_ceil(3) {
+                *x |= UNTRAINED;
+            }
+        }
+    }
 }
 
 /// Runs the benchmark; returns the JSON report.
@@ -47,10 +68,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let backend = opts.device.backend();
     let baseline = rss::current_rss().unwrap_or(0);
     let calibration = super::calibrate::current(opts.threads)?;
-    let plan = opts
+    let mut strategies = opts
         .strategies
-        .with_offload_dir(std::path::Path::new("memwall-offload"))
-        .plan(
+        .with_offload_dir(std::path::Path::new("memwall-offload"));
+    strategies.packed = opts.packed.is_some();
+    let plan = strategies.plan(
             &spec,
             (opts.batch, opts.seq, opts.threads),
             baseline,
@@ -116,7 +138,13 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         for x in batch.iter_mut() {
             *x = rng.below(spec.vocab_size as u64) as u32;
         }
-        ex.upload_batch(&batch)?;
+        match opts.packed {
+            Some(len) => {
+                mark_packed(&mut batch, opts.seq + 1, len);
+                ex.upload_examples(&batch)?;
+            }
+            None => ex.upload_batch(&batch)?,
+        }
         let t0 = Instant::now();
         if opts.strategies.precision == Precision::F16 {
             ex.set_loss_scale(crate::exec::LossScaler::INITIAL);
@@ -243,7 +271,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             "recompute": recompute.to_string(), "grad_accum": opts.strategies.grad_accum,
             "optim_state": opts.strategies.optim_state.to_string(),
             "offload": ex.plan.cfg.offload.set.to_string(),
-            "optimizer": "adamw", "data": "uniform random tokens", "seed": opts.seed,
+            "optimizer": "adamw", "seed": opts.seed,
+            "data": match opts.packed {
+                Some(len) => format!("uniform random tokens, rows packing examples of {len} (first third untrained)"),
+                None => "uniform random tokens".into(),
+            },
         },
         "tokens_per_s": tokens / median,
         "step_s_median": median,

@@ -85,6 +85,7 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
             let tokens = rig.u32("tokens", N); // [B, T]
             let out = rig.act("out", N * C); // [N, C]
             let op = Op::Encoder {
+                positions: None,
                 tokens,
                 out,
                 wte: wte.clone(),
@@ -128,6 +129,7 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
         let tokens = rig.u32("tokens", N); // [B, T]
         let dout = rig.act("dout", N * C); // [N, C]
         let op = Op::EncoderBackward {
+            positions: None,
             dout,
             tokens,
             wte: wte.clone(),
@@ -620,6 +622,7 @@ pub fn attention(be: &dyn Backend, p: Precision) {
             let lse = rig.f32("lse", B * nh * T); // [B, NH, T]
             let ws = rig.f32("ws", ws_len.max(1)); // the backend's attention workspace
             let op = Op::Attention {
+                positions: None,
                 qkv,
                 out,
                 lse,
@@ -657,6 +660,7 @@ pub fn attention_backward(be: &dyn Backend, p: Precision) {
         let lse = rig.f32("lse", B * nh * T); // [B, NH, T]
         let ws = rig.f32("ws", ws_len.max(1)); // the backend's attention workspace
         let op = Op::AttentionBackward {
+            positions: None,
             dqkv,
             dout,
             qkv,
@@ -707,6 +711,7 @@ fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
         let mut rig = Rig::new(p);
         let x = rig.act("qkv", N * WIDTH); // [N, (NH + 2·NKV)·hd]
         let op = Op::Rope {
+            positions: None,
             x,
             rows: ROWS,
             width: WIDTH,

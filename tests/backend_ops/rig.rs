@@ -235,6 +235,7 @@ impl Rig {
                 ops: self.ops,
                 implicit,
                 tokens: vec![],
+                positions: vec![],
                 targets: vec![],
                 losses: vec![],
                 logits: None,

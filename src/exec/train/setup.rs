@@ -153,6 +153,7 @@ impl<'a> Run<'a> {
                 train.len(),
                 train.longer_than(opts.seq + 1)?,
                 opts.seq,
+                packed,
             ));
         }
         let metrics = MetricsLog::append_to(&dir.metrics_of(rank))?;
@@ -354,7 +355,7 @@ fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
 
 /// The line announcing how an examples data set's rows are made: one example each, cut to
 /// `--seq + 1` tokens (how many are), the rest padded, the loss on trained tokens only.
-fn cut_examples(examples: usize, cut: usize, seq: usize) -> String {
+fn cut_examples(examples: usize, cut: usize, seq: usize, packed: bool) -> String {
     let cut = match cut {
         0 => "none is longer than --seq + 1 tokens".to_string(),
         n => format!(
@@ -365,8 +366,13 @@ fn cut_examples(examples: usize, cut: usize, seq: usize) -> String {
             seq + 1
         ),
     };
+    let rows = if packed {
+        "packed several to a row, each attending only to itself (--no-pack: one a row)"
+    } else {
+        "one example per row, padded"
+    };
     format!(
-        "data: {} (chat): one example per row, padded; the loss is on trained tokens only; {cut}",
+        "data: {} (chat): {rows}; the loss is on trained tokens only; {cut}",
         crate::util::count(examples as u64, "training example")
     )
 }
