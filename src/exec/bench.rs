@@ -73,12 +73,12 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         .with_offload_dir(std::path::Path::new("memwall-offload"));
     strategies.packed = opts.packed.is_some();
     let plan = strategies.plan(
-            &spec,
-            (opts.batch, opts.seq, opts.threads),
-            baseline,
-            &calibration,
-            backend,
-        )?;
+        &spec,
+        (opts.batch, opts.seq, opts.threads),
+        baseline,
+        &calibration,
+        backend,
+    )?;
     let predicted = crate::plan::time::predict(&plan, &calibration);
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)

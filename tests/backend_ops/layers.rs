@@ -7,6 +7,9 @@
 //! accumulate start random (an op that overwrites them fails); the parameter and gradient
 //! buffers are compared whole (an op that writes outside its ranges fails).
 //!
+//! Rows that pack examples (an op given `positions`, [`POSITIONS`]) are checked on the ops
+//! that read them: the encoder's and RoPE's positions, attention's mask, forward and backward.
+//!
 //! `StepCtx::seq` (generation runs the forward on a prefix of each sequence) is checked where
 //! it changes more than the number of rows (the encoder's and RoPE's positions, attention's
 //! sequences, the LM head's last row) and on the matmul; generation plans are fp32 only, so
@@ -78,14 +81,15 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
     const C: usize = 6;
     const MAXT: usize = 8;
     for learned in [true, false] {
-        for seq in seqs(p) {
+        for (seq, packed) in runs(p) {
             let mut rig = Rig::new(p);
             let wte = rig.param(V * C); // [V, C]
             let wpe = learned.then(|| rig.param(MAXT * C)); // [maxT, C]
             let tokens = rig.u32("tokens", N); // [B, T]
+            let positions = packed.then(|| rig.u32("positions", N)); // [B, T]
             let out = rig.act("out", N * C); // [N, C]
             let op = Op::Encoder {
-                positions: None,
+                positions,
                 tokens,
                 out,
                 wte: wte.clone(),
@@ -99,12 +103,20 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
             let w = s.fill(s.params(), &mut rng, -1.0, 1.0);
             let tok: Vec<u32> = (0..N).map(|_| rng.below(V as u64) as u32).collect();
             s.put_u32(tokens, &tok);
+            if let Some(id) = positions {
+                s.put_u32(id, &POSITIONS);
+            }
             let before = s.fill(out, &mut rng, -1.0, 1.0);
             s.run(op, &StepCtx { seq, ..ctx() });
             let tl = seq.unwrap_or(T);
             let mut want = vec![0.0; B * tl * C];
             for (i, row) in want.chunks_mut(C).enumerate() {
-                let (wte, t) = (&w[local(&wte)], i % tl);
+                let t = if packed {
+                    POSITIONS[i] as usize
+                } else {
+                    i % tl
+                };
+                let wte = &w[local(&wte)];
                 for (j, o) in row.iter_mut().enumerate() {
                     *o = wte[tok[i] as usize * C + j] as f64;
                     if let Some(wpe) = &wpe {
@@ -112,7 +124,8 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
                     }
                 }
             }
-            let what = format!("encoder out (learned positions: {learned}, seq {seq:?})");
+            let what =
+                format!("encoder out (learned positions: {learned}, seq {seq:?}, packed {packed})");
             check_prefix(&what, &s.get(out), &want, &before, rounded(p));
         }
     }
@@ -122,14 +135,15 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
     const V: usize = 13;
     const C: usize = 6;
     const MAXT: usize = 8;
-    for learned in [true, false] {
+    for (learned, packed) in [(true, false), (true, true), (false, false)] {
         let mut rig = Rig::new(p);
         let wte = rig.param(V * C); // [V, C]
         let wpe = learned.then(|| rig.param(MAXT * C)); // [maxT, C]
         let tokens = rig.u32("tokens", N); // [B, T]
+        let positions = packed.then(|| rig.u32("positions", N)); // [B, T]
         let dout = rig.act("dout", N * C); // [N, C]
         let op = Op::EncoderBackward {
-            positions: None,
+            positions,
             dout,
             tokens,
             wte: wte.clone(),
@@ -144,18 +158,23 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
         // Tokens from a few ids, so rows repeat.
         let tok: Vec<u32> = (0..N).map(|_| rng.below(4) as u32 * 3).collect();
         s.put_u32(tokens, &tok);
+        if let Some(id) = positions {
+            s.put_u32(id, &POSITIONS);
+        }
         let d = s.fill(dout, &mut rng, -1.0, 1.0);
         s.run(op, &ctx());
         let mut want = wide(&g0);
         for i in 0..N {
+            let t = if packed { POSITIONS[i] as usize } else { i % T };
             for j in 0..C {
                 want[local(&wte).start + tok[i] as usize * C + j] += d[i * C + j] as f64;
                 if let Some(wpe) = &wpe {
-                    want[local(wpe).start + (i % T) * C + j] += d[i * C + j] as f64;
+                    want[local(wpe).start + t * C + j] += d[i * C + j] as f64;
                 }
             }
         }
-        let what = format!("encoder_backward grads (learned positions: {learned})");
+        let what =
+            format!("encoder_backward grads (learned positions: {learned}, packed {packed})");
         check(&what, &s.get(s.grads()), &want, rounded(p));
     }
 }
@@ -529,12 +548,24 @@ pub fn matmul_backward(be: &dyn Backend, p: Precision) {
 /// multi-head with an odd head count.
 const HEADS: [(usize, usize, usize); 2] = [(4, 2, 8), (3, 3, 4)];
 
+/// Packed rows (B = 2, T = 5): each token's place in its example, row 0 examples of 2 and 3
+/// tokens, row 1 of 1, 1 and 3.
+const POSITIONS: [u32; N] = [0, 1, 0, 1, 2, 0, 0, 0, 1, 2];
+
+/// The first key query `i` of row `bb` attends: its example's first token (`pos` given: packed
+/// rows), else 0.
+fn first_key(pos: Option<&[u32]>, t: usize, bb: usize, i: usize) -> usize {
+    pos.map_or(0, |p| i - p[bb * t + i] as usize)
+}
+
 /// Causal attention of `qkv` `[b, t, (nh + 2·nkv)·hd]`: (out `[b, t, nh·hd]`, lse
-/// `[b, nh, t]`), scores scaled by 1/sqrt(hd), KV head h / g serving query head h.
+/// `[b, nh, t]`), scores scaled by 1/sqrt(hd), KV head h / g serving query head h; with
+/// `pos` (packed rows) query i attends only keys `i − pos[i] ..= i`.
 fn attention_ref(
     qkv: &[f32],
     (b, t): (usize, usize),
     (nh, nkv, hd): (usize, usize, usize),
+    pos: Option<&[u32]>,
 ) -> (Vec<f64>, Vec<f64>) {
     let w = (nh + 2 * nkv) * hd;
     let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
@@ -545,7 +576,8 @@ fn attention_ref(
         for h in 0..nh {
             let (qo, ko, vo) = (h * hd, (nh + h / g) * hd, (nh + nkv + h / g) * hd);
             for i in 0..t {
-                let s: Vec<f64> = (0..=i)
+                let k0 = first_key(pos, t, bb, i);
+                let s: Vec<f64> = (k0..=i)
                     .map(|j| {
                         (0..hd)
                             .map(|c| at(bb, i, qo, c) * at(bb, j, ko, c))
@@ -557,8 +589,9 @@ fn attention_ref(
                 let l = m + s.iter().map(|&v| (v - m).exp()).sum::<f64>().ln();
                 lse[(bb * nh + h) * t + i] = l;
                 for c in 0..hd {
-                    out[(bb * t + i) * nh * hd + h * hd + c] =
-                        (0..=i).map(|j| (s[j] - l).exp() * at(bb, j, vo, c)).sum();
+                    out[(bb * t + i) * nh * hd + h * hd + c] = (k0..=i)
+                        .map(|j| (s[j - k0] - l).exp() * at(bb, j, vo, c))
+                        .sum();
                 }
             }
         }
@@ -572,6 +605,7 @@ fn attention_backward_ref(
     dout: &[f32],
     (b, t): (usize, usize),
     (nh, nkv, hd): (usize, usize, usize),
+    pos: Option<&[u32]>,
 ) -> Vec<f64> {
     let w = (nh + 2 * nkv) * hd;
     let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
@@ -582,7 +616,8 @@ fn attention_backward_ref(
             let (qo, ko, vo) = (h * hd, (nh + h / g) * hd, (nh + nkv + h / g) * hd);
             for i in 0..t {
                 let dy = |c: usize| dout[(bb * t + i) * nh * hd + h * hd + c] as f64;
-                let s: Vec<f64> = (0..=i)
+                let k0 = first_key(pos, t, bb, i);
+                let s: Vec<f64> = (k0..=i)
                     .map(|j| {
                         (0..hd)
                             .map(|c| at(bb, i, qo, c) * at(bb, j, ko, c))
@@ -593,16 +628,17 @@ fn attention_backward_ref(
                 let m = s.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = s.iter().map(|&v| (v - m).exp()).sum();
                 let pr: Vec<f64> = s.iter().map(|&v| (v - m).exp() / z).collect();
-                let dp: Vec<f64> = (0..=i)
+                let dp: Vec<f64> = (k0..=i)
                     .map(|j| (0..hd).map(|c| dy(c) * at(bb, j, vo, c)).sum())
                     .collect();
-                let dsum: f64 = (0..=i).map(|j| pr[j] * dp[j]).sum();
-                for j in 0..=i {
-                    let ds = pr[j] * (dp[j] - dsum) * scale;
+                let dsum: f64 = pr.iter().zip(&dp).map(|(p, d)| p * d).sum();
+                for j in k0..=i {
+                    let (pj, dpj) = (pr[j - k0], dp[j - k0]);
+                    let ds = pj * (dpj - dsum) * scale;
                     for c in 0..hd {
                         d[(bb * t + i) * w + qo + c] += ds * at(bb, j, ko, c);
                         d[(bb * t + j) * w + ko + c] += ds * at(bb, i, qo, c);
-                        d[(bb * t + j) * w + vo + c] += pr[j] * dy(c);
+                        d[(bb * t + j) * w + vo + c] += pj * dy(c);
                     }
                 }
             }
@@ -611,18 +647,27 @@ fn attention_backward_ref(
     d
 }
 
+/// The check's runs: each sequence length of [`seqs`] one example a row, then (training
+/// plans only: the plan's sequence) rows packing examples at [`POSITIONS`].
+fn runs(p: Precision) -> Vec<(Option<usize>, bool)> {
+    let mut r: Vec<_> = seqs(p).into_iter().map(|s| (s, false)).collect();
+    r.push((None, true));
+    r
+}
+
 pub fn attention(be: &dyn Backend, p: Precision) {
     for heads @ (nh, nkv, hd) in HEADS {
-        for seq in seqs(p) {
+        for (seq, packed) in runs(p) {
             let mut rig = Rig::new(p);
             let w = (nh + 2 * nkv) * hd;
             let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, THREADS);
             let qkv = rig.act("qkv", N * w); // [N, (NH + 2·NKV)·hd]
+            let positions = packed.then(|| rig.u32("positions", N)); // [B, T]
             let out = rig.act("out", N * nh * hd); // [N, NH·hd]
             let lse = rig.f32("lse", B * nh * T); // [B, NH, T]
             let ws = rig.f32("ws", ws_len.max(1)); // the backend's attention workspace
             let op = Op::Attention {
-                positions: None,
+                positions,
                 qkv,
                 out,
                 lse,
@@ -638,10 +683,15 @@ pub fn attention(be: &dyn Backend, p: Precision) {
             let x = s.fill(qkv, &mut rng, -1.0, 1.0);
             let out0 = s.fill(out, &mut rng, -1.0, 1.0);
             let lse0 = s.fill(lse, &mut rng, -1.0, 1.0);
+            if let Some(id) = positions {
+                s.put_u32(id, &POSITIONS);
+            }
             s.run(op, &StepCtx { seq, ..ctx() });
             let tl = seq.unwrap_or(T);
-            let (o, l) = attention_ref(&x[..B * tl * w], (B, tl), heads);
-            let what = format!("attention (NH {nh}, NKV {nkv}, hd {hd}, seq {seq:?})");
+            let pos = packed.then_some(&POSITIONS[..]);
+            let (o, l) = attention_ref(&x[..B * tl * w], (B, tl), heads, pos);
+            let what =
+                format!("attention (NH {nh}, NKV {nkv}, hd {hd}, seq {seq:?}, packed {packed})");
             check_prefix(&format!("{what} out"), &s.get(out), &o, &out0, reduced(p));
             check_prefix(&format!("{what} lse"), &s.get(lse), &l, &lse0, STAT);
         }
@@ -649,7 +699,7 @@ pub fn attention(be: &dyn Backend, p: Precision) {
 }
 
 pub fn attention_backward(be: &dyn Backend, p: Precision) {
-    for heads @ (nh, nkv, hd) in HEADS {
+    for (heads @ (nh, nkv, hd), packed) in HEADS.into_iter().flat_map(|h| [(h, false), (h, true)]) {
         let mut rig = Rig::new(p);
         let w = (nh + 2 * nkv) * hd;
         let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, THREADS);
@@ -659,8 +709,9 @@ pub fn attention_backward(be: &dyn Backend, p: Precision) {
         let out = rig.act("out", N * nh * hd); // [N, NH·hd]
         let lse = rig.f32("lse", B * nh * T); // [B, NH, T]
         let ws = rig.f32("ws", ws_len.max(1)); // the backend's attention workspace
+        let positions = packed.then(|| rig.u32("positions", N)); // [B, T]
         let op = Op::AttentionBackward {
-            positions: None,
+            positions,
             dqkv,
             dout,
             qkv,
@@ -676,15 +727,20 @@ pub fn attention_backward(be: &dyn Backend, p: Precision) {
         let mut s = rig.start(be);
         let mut rng = Rng::new(11);
         let x = s.fill(qkv, &mut rng, -1.0, 1.0);
+        let pos = packed.then_some(&POSITIONS[..]);
+        if let Some(id) = positions {
+            s.put_u32(id, &POSITIONS);
+        }
         // The forward's results, as the plan keeps them for the backward.
-        let (o, l) = attention_ref(&x, (B, T), heads);
+        let (o, l) = attention_ref(&x, (B, T), heads, pos);
         s.put(out, &o.iter().map(|&v| v as f32).collect::<Vec<_>>());
         s.put(lse, &l.iter().map(|&v| v as f32).collect::<Vec<_>>());
         let dy = s.fill(dout, &mut rng, -1.0, 1.0);
         s.fill(dqkv, &mut rng, -1.0, 1.0);
         s.run(op, &ctx());
-        let want = attention_backward_ref(&x, &dy, (B, T), heads);
-        let what = format!("attention_backward dqkv (NH {nh}, NKV {nkv}, hd {hd})");
+        let want = attention_backward_ref(&x, &dy, (B, T), heads, pos);
+        let what =
+            format!("attention_backward dqkv (NH {nh}, NKV {nkv}, hd {hd}, packed {packed})");
         check(&what, &s.get(dqkv), &want, reduced(p));
     }
 }
@@ -707,11 +763,12 @@ fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
     let inv_freq: Vec<f32> = (0..HD / 2)
         .map(|i| 10000f64.powf(-2.0 * i as f64 / HD as f64) as f32)
         .collect();
-    for seq in seqs(p) {
+    for (seq, packed) in runs(p) {
         let mut rig = Rig::new(p);
         let x = rig.act("qkv", N * WIDTH); // [N, (NH + 2·NKV)·hd]
+        let positions = packed.then(|| rig.u32("positions", N)); // [B, T]
         let op = Op::Rope {
-            positions: None,
+            positions,
             x,
             rows: ROWS,
             width: WIDTH,
@@ -724,13 +781,20 @@ fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
         let mut s = rig.start(be);
         let mut rng = Rng::new(12);
         let x0 = s.fill(x, &mut rng, -1.0, 1.0);
+        if let Some(id) = positions {
+            s.put_u32(id, &POSITIONS);
+        }
         s.run(op, &StepCtx { seq, ..ctx() });
         let tl = seq.unwrap_or(T);
         let n = B * tl;
         let mut want = wide(&x0[..n * WIDTH]);
         let sign = if inverse { -1.0 } else { 1.0 };
         for r in 0..n {
-            let pos = (r % tl) as f32;
+            let pos = if packed {
+                POSITIONS[r]
+            } else {
+                (r % tl) as u32
+            } as f32;
             for head in 0..ROTATED / HD {
                 let base = r * WIDTH + head * HD;
                 for i in 0..HD / 2 {
@@ -743,7 +807,7 @@ fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
             }
         }
         let got = s.get(x);
-        let what = format!("rope (inverse {inverse}, seq {seq:?})");
+        let what = format!("rope (inverse {inverse}, seq {seq:?}, packed {packed})");
         check_prefix(&what, &got, &want, &x0, rounded(p));
         for r in 0..n {
             let v = r * WIDTH + ROTATED..(r + 1) * WIDTH;
