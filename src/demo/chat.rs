@@ -238,7 +238,7 @@ impl ConversationSet {
         }
         if val.is_empty() || train.is_empty() {
             bail!(
-                "{source}: {} speeches of at least {} lines found, too few for a conversation \
+                "{source}: {} distinct speeches of at least {} lines found, too few for a conversation \
                  set (at least {VAL_EVERY} are needed): the chat demo needs plays, each speech under a \
                  line naming its speaker (\"HAMLET.\") after a blank line; set MEMWALL_CORPUS to \
                  such text, or unset it to use the Shakespeare corpus",
@@ -564,12 +564,9 @@ fn print_answer(
     };
     let mut out = std::io::stdout();
     let _ = write!(out, "   {label:<LABEL$}");
-    let pad = format!("\n{}", " ".repeat(LABEL + 3));
-    let mut started = false;
+    let mut lines = Aligned::default();
     let answer = chat_text(&opts, &chat, &mut |s| {
-        let s = if started { s } else { s.trim_start() };
-        started |= !s.is_empty();
-        let _ = out.write_all(s.replace('\n', &pad).as_bytes());
+        let _ = out.write_all(lines.push(s).as_bytes());
         let _ = out.flush();
     })?;
     println!();
@@ -581,8 +578,41 @@ const LABEL: usize = 11;
 
 /// `label` before the first line of `text`, the others aligned under it.
 fn turn(label: &str, text: &str) -> String {
-    let pad = format!("\n{}", " ".repeat(LABEL + 3));
-    format!("   {label:<LABEL$}{}", text.trim().replace('\n', &pad))
+    format!("   {label:<LABEL$}{}", Aligned::default().push(text.trim()))
+}
+
+/// Text streamed after a label: leading white space dropped, each line after the first
+/// aligned under the first (blank lines left blank).
+#[derive(Default)]
+struct Aligned {
+    started: bool,
+    at_line_start: bool,
+}
+
+impl Aligned {
+    /// `s`, the next piece of the text, as printed.
+    fn push(&mut self, s: &str) -> String {
+        let mut out = String::new();
+        for c in s.chars() {
+            if !self.started {
+                if c.is_whitespace() {
+                    continue;
+                }
+                self.started = true;
+            }
+            if c == '\n' {
+                self.at_line_start = true;
+                out.push('\n');
+                continue;
+            }
+            if self.at_line_start {
+                out.push_str(&" ".repeat(LABEL + 3));
+                self.at_line_start = false;
+            }
+            out.push(c);
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -612,6 +642,17 @@ mod tests {
             spoken("Read on this book; [To Ophelia.]  fare"),
             "Read on this book; fare"
         );
+    }
+
+    #[test]
+    fn answers_are_printed_aligned_under_their_label() {
+        let pad = " ".repeat(LABEL + 3);
+        assert_eq!(turn("user:", " a\nb "), format!("   user:      a\n{pad}b"));
+        // Streamed in pieces: the same, blank lines left without trailing spaces.
+        let mut a = Aligned::default();
+        let pieces = ["\n ", "I am", "\n", "\nthe", " moon\n"];
+        let printed: String = pieces.iter().map(|s| a.push(s)).collect();
+        assert_eq!(printed, format!("I am\n\n{pad}the moon\n"));
     }
 
     /// A play of `n` speeches of 5 lines each, by three speakers in turn (FRIAR LAURENCE
@@ -711,12 +752,10 @@ mod tests {
             e.contains("my-texts") && e.contains("MEMWALL_CORPUS"),
             "{e}"
         );
-        // Fewer than VAL_EVERY conversations: no validation one.
+        // Fewer than VAL_EVERY conversations (one speech of VAL_EVERY - 1 repeats another):
+        // no validation one.
         let e = ConversationSet::from_texts(&[play(VAL_EVERY - 1)], "short").unwrap_err();
-        assert!(
-            e.to_string()
-                .contains(&format!("{} speeches", VAL_EVERY - 1)),
-            "{e}"
-        );
+        let want = format!("short: {} distinct speeches", VAL_EVERY - 2);
+        assert!(e.to_string().contains(&want), "{e}");
     }
 }
