@@ -8,6 +8,8 @@
 //!   capitalised words ending in a full stop, after a blank line) and the lines under it, up
 //!   to a blank line or a stage direction (`[Exit.]`). The speaker is kept as the play writes
 //!   it, upper-cased, without the full stop (Hamlet and King Lear abbreviate: `HAM`, `GLOU`).
+//!   Speeches start at a play's first act or scene heading (the list of persons before it
+//!   looks like speeches); inline stage directions (`[Aside.]`) are removed from the lines.
 //! * a speech of at least [`PROMPT_LINES`] + [`ANSWER_LINES`] lines, none longer than
 //!   [`MAX_LINE_CHARS`], is one conversation: the user asks `Continue this speech of ROMEO:`
 //!   followed by its first two lines, and the assistant answers with the next two. Short
@@ -315,7 +317,8 @@ pub struct ChatOptions {
     pub threads: usize,
     /// Conversations per step.
     pub batch: usize,
-    /// Tokens per conversation (longer ones are cut; the demo's are shorter).
+    /// Tokens per conversation (longer ones are cut: at 128, one of the demo's 6,734 training
+    /// conversations).
     pub seq: usize,
     /// Validation batches per evaluation (before the first step and after the last).
     pub eval_batches: u64,
@@ -457,7 +460,7 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     println!("{}", turn("the play:", &held.assistant));
     let elapsed = t0.elapsed();
     println!(
-        "\nfiles: {}, {}, {}\nmore: memwall sample --model {} --adapter {} --chat \"Continue this speech of JULIET:\n...\"\ntook {:.0} s",
+        "\nfiles: {}, {}, {}\nmore: memwall sample --model {} --adapter {} --chat \"$(printf 'Continue this speech of JULIET:\\nO Romeo, Romeo! wherefore art thou Romeo?\\nDeny thy father and refuse thy name;')\"\ntook {:.0} s",
         jsonl.display(),
         RunDir::new(&run).metrics().display(),
         checkpoint.display(),
