@@ -32,7 +32,8 @@ pub(crate) struct Cli {
 #[derive(Subcommand)]
 pub(crate) enum Cmd {
     /// Fetch/prepare the Shakespeare corpus, plan, train a small GPT for a few minutes, sample
-    /// text; `memwall demo finetune` fine-tunes a pretrained SmolLM2-135M instead.
+    /// text; `memwall demo finetune` fine-tunes a pretrained SmolLM2-135M instead, `memwall
+    /// demo chat` teaches it a chat task with LoRA.
     #[command(
         long_about = "Guided tours, no arguments needed, printed as numbered steps.\n\n\
 `memwall demo`: find (or fetch) the Shakespeare corpus, prepare it with GPT-2's tokenizer \
@@ -40,8 +41,12 @@ into OUT/data, print the memory plan, train gpt2-tiny from scratch for --steps s
 OUT/run (cleared first; a few minutes on 2 cores), and print a sample of what it learned.\n\n\
 `memwall demo finetune`: fine-tune the pretrained SmolLM2-135M-Instruct on Shakespeare \
 (fetched once, about 98 MB): its greedy answer to a question, the validation loss before and \
-after, and a sample before and after (see `memwall demo finetune --help`).",
-        after_help = "Examples:\n  memwall demo\n  memwall demo --steps 100 --threads 2\n  memwall demo finetune"
+after, and a sample before and after (see `memwall demo finetune --help`).\n\n\
+`memwall demo chat`: teach the same model a chat task with LoRA: a conversation set built from \
+the Shakespeare corpus (\"Continue this speech of ROMEO: ...\" and the next lines), the answer \
+to a held-out question and the validation loss on the answers before and after (see \
+`memwall demo chat --help`).",
+        after_help = "Examples:\n  memwall demo\n  memwall demo --steps 100 --threads 2\n  memwall demo finetune\n  memwall demo chat"
     )]
     Demo(DemoArgs),
     /// Tokenize UTF-8 text files (GPT-2 BPE, or a model's tokenizer.json with --tokenizer) into token shards with a train/validation split.
@@ -235,6 +240,48 @@ pub(crate) enum DemoWhat {
 MEMWALL_SMOLLM2_GGUF=~/models/SmolLM2-135M-Instruct.Q4_1.gguf memwall demo finetune"
     )]
     Finetune(FinetuneArgs),
+    /// Teach the pretrained SmolLM2-135M-Instruct to continue Shakespeare's speeches with
+    /// LoRA: a conversation set built from the corpus, its held-out question answered and the
+    /// validation loss on the answers before and after.
+    #[command(
+        long_about = "Fine-tune a pretrained chat model on conversations with LoRA, from a static \
+memory plan. Steps:\n\
+1. find SmolLM2-135M-Instruct.Q4_1.gguf ($MEMWALL_SMOLLM2_GGUF, else the user cache \
+~/.cache/memwall/smollm2/, else fetched once, about 98 MB, as `memwall demo finetune` does) and \
+its conversion (tokenizer and chat template);\n\
+2. build a conversation set from the Shakespeare corpus into OUT/chat-shakespeare.jsonl \
+(OpenAI `messages` lines, reusable with `memwall prepare`): for each speech of at least 4 lines, \
+the user asks \"Continue this speech of ROMEO:\" with its first 2 lines and the assistant \
+answers with the next 2; every 20th conversation is for validation, the others for training;\n\
+3. prepare it with the model's tokenizer and chat template into OUT/data-chat (the loss on the \
+answers only);\n\
+4. ask the held-out question (a validation conversation, never trained on) greedily, as \
+`memwall sample --chat` does;\n\
+5. print the memory plan and train LoRA adapters (rank 16, lr 1e-3, 4 conversations of at \
+most 128 tokens a step, about 1 s a step on 2 cores) on the file's own quantized blocks into \
+OUT/run-chat (cleared first);\n\
+6. print the validation loss on the answers before the first step and after the last;\n\
+7. ask the held-out question again through the trained adapters, next to the play's own lines.",
+        after_help = "Examples:\n  memwall demo chat\n  memwall demo chat --steps 30 --threads 2\n  \
+memwall sample --model ~/.cache/memwall/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\\n    \
+--adapter memwall-demo/run-chat/checkpoints/step-000100 --chat \"Continue this speech of JULIET: ...\""
+    )]
+    Chat(ChatArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct ChatArgs {
+    /// Where the demo writes its conversations (chat-shakespeare.jsonl), their prepared data
+    /// (data-chat) and run (run-chat).
+    #[arg(long, default_value = "memwall-demo")]
+    pub(crate) out: PathBuf,
+    /// LoRA training steps (about 1 s each on 2 cores).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) steps: u64,
+    /// Worker threads (default: all cores; more than the cores is warned about, as each step
+    /// then waits for shared cores).
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
 }
 
 #[derive(Args)]

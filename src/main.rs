@@ -11,7 +11,9 @@ use cli::{
 };
 use memwall::backend::DeviceKind;
 use memwall::data::{Tokenizer, prepare};
-use memwall::demo::{self, finetune::FinetuneOptions, shakespeare::ShakespeareOptions};
+use memwall::demo::{
+    self, chat::ChatOptions, finetune::FinetuneOptions, shakespeare::ShakespeareOptions,
+};
 use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{ChatRequest, SampleOptions, chat_text, sample_text};
 use memwall::exec::resolve::{self, DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ};
@@ -81,6 +83,11 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
             let mut o = FinetuneOptions::new(&f.out, threads(f.threads)?);
             o.steps = f.steps;
             demo::finetune::run(&o).map(|_| ())
+        }
+        Some(DemoWhat::Chat(c)) => {
+            let mut o = ChatOptions::new(&c.out, threads(c.threads)?);
+            o.steps = c.steps;
+            demo::chat::run(&o).map(|_| ())
         }
     }
 }

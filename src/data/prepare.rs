@@ -357,6 +357,15 @@ fn names(paths: &[PathBuf]) -> String {
     s
 }
 
+/// The files [`prepare()`] reads for `inputs`, in its order: inputs in the order given, each
+/// directory walked (hidden entries and symlinked directories skipped) and sorted by path.
+pub(crate) fn input_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    Ok(collect_inputs(inputs)?
+        .into_iter()
+        .map(|c| c.path)
+        .collect())
+}
+
 /// Expands the inputs into files, in a deterministic order: inputs in the order given, each
 /// directory's files sorted by path.
 fn collect_inputs(inputs: &[PathBuf]) -> Result<Vec<Candidate>> {

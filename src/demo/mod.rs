@@ -5,10 +5,15 @@
 //! * [`finetune`]: `memwall demo finetune` — find or fetch the pretrained SmolLM2-135M-Instruct
 //!   ([`smollm2`]), convert it, ask it a question, fine-tune it on Shakespeare with its own
 //!   tokenizer, and show the validation loss and a sample before and after.
+//! * [`chat`]: `memwall demo chat` — build a conversation set from the Shakespeare corpus
+//!   ("Continue this speech of ROMEO: …" → the next lines), prepare it with the same model's
+//!   chat template, train LoRA adapters on it, and show the validation loss on the answers
+//!   and the answer to a held-out question before and after.
 //!
 //! The demos are library code over the same APIs as the commands (`data`, `gguf`, `exec`,
 //! `plan`); they print to stdout, and the CLI only parses their flags.
 
+pub mod chat;
 pub mod finetune;
 pub mod shakespeare;
 pub mod smollm2;
