@@ -13,6 +13,7 @@
 //! Two tokenizers are the same iff their [`TokenizerId::hash`]es are equal: the SHA-256 of the
 //! `tokenizer.json` bytes, or [`GPT2_HASH`] for the embedded GPT-2 tables.
 
+mod fast;
 pub mod gpt2;
 pub mod hf;
 mod id;
