@@ -29,6 +29,7 @@
 //!
 //! `tests` compare ids and offsets with the library's on texts made to hit every case.
 
+use super::hf::Offsets;
 use anyhow::{Result, anyhow};
 use regex::Regex;
 use std::cell::RefCell;
@@ -48,9 +49,12 @@ static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
 /// A word's tokens: (id, bytes of the word it covers).
 type Pieces = Vec<(u32, u32)>;
 
+/// Words (their bytes) → their tokens.
+type Cache = HashMap<Box<[u8]>, Pieces, ahash::RandomState>;
+
 thread_local! {
     /// (the [`FastBpe`] it belongs to, its words' tokens).
-    static CACHE: RefCell<(usize, HashMap<Box<[u8]>, Pieces, ahash::RandomState>)> =
+    static CACHE: RefCell<(usize, Cache)> =
         RefCell::new((usize::MAX, HashMap::default()));
 }
 
@@ -159,7 +163,7 @@ impl FastBpe {
     }
 
     /// The ids of `text` and each token's byte range, as the library's `encode(text, false)`.
-    pub(super) fn encode(&self, text: &str) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    pub(super) fn encode(&self, text: &str) -> Result<(Vec<u32>, Offsets)> {
         let mut out = Out {
             ids: Vec::with_capacity(text.len() / 3),
             offsets: Vec::with_capacity(text.len() / 3),
@@ -192,7 +196,7 @@ impl FastBpe {
         text: &str,
         a: usize,
         b: usize,
-        cache: &mut HashMap<Box<[u8]>, Pieces, ahash::RandomState>,
+        cache: &mut Cache,
         out: &mut Out,
     ) -> Result<()> {
         let mut piece = |s: usize, e: usize| self.words(text, s, e, cache, out);
@@ -226,7 +230,7 @@ impl FastBpe {
         text: &str,
         a: usize,
         b: usize,
-        cache: &mut HashMap<Box<[u8]>, Pieces, ahash::RandomState>,
+        cache: &mut Cache,
         out: &mut Out,
     ) -> Result<()> {
         let s = &text[..b];
@@ -253,14 +257,7 @@ impl FastBpe {
     }
 
     /// One word, `text[a..b]`, by BPE (from the cache when seen before).
-    fn word(
-        &self,
-        text: &str,
-        a: usize,
-        b: usize,
-        cache: &mut HashMap<Box<[u8]>, Pieces, ahash::RandomState>,
-        out: &mut Out,
-    ) -> Result<()> {
+    fn word(&self, text: &str, a: usize, b: usize, cache: &mut Cache, out: &mut Out) -> Result<()> {
         let bytes = &text.as_bytes()[a..b];
         if let Some(p) = cache.get(bytes) {
             out.word(text, a, p);
@@ -471,7 +468,7 @@ mod tests {
                     .wrapping_mul(6364136223846793005)
                     .wrapping_add(1442695040888963407);
                 let r = (state >> 33) as usize;
-                if r % 11 == 0 {
+                if r.is_multiple_of(11) {
                     s.push_str(["<|im_start|>", "<|im_end|>", "<|im"][r % 3]);
                 } else {
                     s.push(alphabet[r % alphabet.len()]);
