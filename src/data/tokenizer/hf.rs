@@ -13,6 +13,7 @@
 //! vocabulary), or the first of [`EOT_CANDIDATES`] in the vocabulary.
 
 use super::TokenizerId;
+use super::fast::FastBpe;
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Deserialize;
 use serde_json::Value;
@@ -317,8 +318,9 @@ pub type Offsets = Vec<(usize, usize)>;
 pub(super) struct Hf {
     tok: tokenizers::Tokenizer,
     vocab_size: usize,
-    /// The same tokenizer parsing special tokens, for rendered chat text (made on first use).
-    special: std::sync::OnceLock<tokenizers::Tokenizer>,
+    /// The same tokenizer parsing special tokens, for rendered chat text (made on first use),
+    /// and its fast path where it has one ([`super::fast`]).
+    special: std::sync::OnceLock<(tokenizers::Tokenizer, Option<FastBpe>)>,
 }
 
 impl Hf {
@@ -377,11 +379,15 @@ impl Hf {
     /// (`add_special_tokens=False`): special tokens written in the text are parsed, nothing is
     /// added. Returns the ids and each token's byte range in `text`.
     pub(super) fn encode_special(&self, text: &str) -> Result<(Vec<u32>, Offsets)> {
-        let tok = self.special.get_or_init(|| {
+        let (tok, fast) = self.special.get_or_init(|| {
             let mut t = self.tok.clone();
             t.set_encode_special_tokens(false);
-            t
+            let fast = FastBpe::new(&t);
+            (t, fast)
         });
+        if let Some(fast) = fast {
+            return fast.encode(text);
+        }
         let enc = tok
             .encode(text, false)
             .map_err(|e| anyhow!("the tokenizer failed on the text: {e}"))?;
