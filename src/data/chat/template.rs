@@ -21,9 +21,12 @@
 //! `pycompat`. Undefined values are lenient as in Jinja2: printed as nothing, false in tests,
 //! an error when an attribute of one is read.
 //!
-//! Not supported: `{% generation %}` blocks (transformers' own tag; memwall finds assistant
-//! spans by rendering prefixes, see [`super::encode`]), and any Jinja feature `minijinja`
-//! lacks, which fails at load naming the template's origin.
+//! `{% generation %}` … `{% endgeneration %}` (transformers' own tag, which marks the assistant
+//! text for `return_assistant_tokens_mask`) renders its body unchanged, as transformers renders
+//! it: the tags are read as `{% if true %}` … `{% endif %}` with the same whitespace control
+//! ([`without_generation_tags`]). memwall finds the assistant spans by rendering prefixes
+//! whatever the tags say (see [`super::encode`]). Any Jinja feature `minijinja` lacks fails at
+//! load, naming the template's origin.
 
 use super::format::Message;
 use super::pyfmt;
@@ -33,6 +36,28 @@ use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::Path;
+
+/// `source` with transformers' `{% generation %}` and `{% endgeneration %}` tags read as
+/// `{% if true %}` and `{% endif %}`, their `-` whitespace controls kept: a block that renders
+/// its body unchanged, as transformers' extension does.
+pub fn without_generation_tags(source: &str) -> String {
+    static TAG: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r"\{%(-|\+)?\s*(end)?generation\s*(-|\+)?%\}").expect("a valid regex")
+    });
+    TAG.replace_all(source, |c: &regex::Captures| {
+        let (open, close) = (
+            c.get(1).map_or("", |m| m.as_str()),
+            c.get(3).map_or("", |m| m.as_str()),
+        );
+        let tag = if c.get(2).is_some() {
+            "endif"
+        } else {
+            "if true"
+        };
+        format!("{{%{open} {tag} {close}%}}")
+    })
+    .into_owned()
+}
 
 /// The special-token fields of `tokenizer_config.json` passed to templates, as transformers'
 /// `SPECIAL_TOKENS_ATTRIBUTES`.
@@ -132,7 +157,7 @@ impl ChatTemplate {
             Ok(Value::from(pyfmt::strftime_now(&fmt)))
         });
         env.add_filter("tojson", pyfmt::tojson);
-        env.add_template_owned("chat_template", source.clone())
+        env.add_template_owned("chat_template", without_generation_tags(&source))
             .map_err(|e| {
                 anyhow!("chat template {origin} is not a template memwall can read: {e:#}")
             })?;
@@ -288,6 +313,23 @@ mod tests {
             "{\"role\": \"user\", \"content\": \"  Hi  \"}|{\n  \"b\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"a\": \"<é>\"\n}"
         );
         assert_eq!(tm.hash().len(), 64);
+    }
+
+    /// `{% generation %}` blocks render their body, whitespace controls included.
+    #[test]
+    fn generation_blocks_render_their_body() {
+        let with = "{% for m in messages %}{% if m.role == 'assistant' %}<a>\n  {%- generation -%}\n  {{ m.content }}\n  {%- endgeneration %}</a>{% else %}{% generation %}{{ m.content }}{% endgeneration %}{% endif %}{% endfor %}";
+        let without = "{% for m in messages %}{% if m.role == 'assistant' %}<a>{{ m.content }}</a>{% else %}{{ m.content }}{% endif %}{% endfor %}";
+        assert_eq!(
+            t(with).render(&msgs(), false).unwrap(),
+            t(without).render(&msgs(), false).unwrap()
+        );
+        assert_eq!(
+            without_generation_tags("{%- generation %}x{% endgeneration -%}"),
+            "{%- if true %}x{% endif -%}"
+        );
+        // The hash is the template's own text.
+        assert_ne!(t(with).hash(), t(without).hash());
     }
 
     #[test]
