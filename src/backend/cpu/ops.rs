@@ -225,6 +225,7 @@ impl CpuDevice {
                     nh,
                     nkv,
                     hd,
+                    None, // packed rows' positions: not planned yet
                     self.view::<f32>(*ws),
                 )
             }
@@ -615,6 +616,7 @@ impl CpuDevice {
                     nh,
                     nkv,
                     hd,
+                    None, // packed rows' positions: not planned yet
                     self.view::<f32>(*ws),
                 )
             }
