@@ -9,24 +9,41 @@
 //! (repeat-interleave, as transformers' `repeat_kv`, not tiling). `out` is `[B, T, NH·hd]` with
 //! head h in channels `h·hd..(h+1)·hd`; `dqkv` is laid out like `qkv`. Multi-head attention is
 //! NKV = NH (GPT-2: `[B, T, 3C]`, hd = C/NH). Scores are scaled by 1/sqrt(hd); query position i
-//! attends to key positions 0..=i.
+//! attends to key positions 0..=i, or, in a packed row, to its own example's keys only.
+//!
+//! Packed rows (sequence packing): several examples share a row of T tokens, and the optional
+//! positions `pos` `[B, T]` (u32) give each token's position in its example: `pos[b, 0] = 0`,
+//! then each next position is 0 (an example starts there) or the previous one plus 1 (checked).
+//! Query i of row b attends to keys `i - pos[b, i] ..= i`: its example, causally. `None` is one
+//! example per row (`pos[b, i] = i`), and identity positions give bitwise its results.
 //!
 //! The work is split into B·NKV independent (batch, KV head) units. Per unit, K and V of its
 //! KV head are first copied once into contiguous `[T, hd]` scratch (with software prefetch: rows
 //! several KiB apart defeat the hardware prefetchers, and the products run faster on contiguous
 //! operands); then the unit's g query heads are processed in order, h = j·g … j·g+g−1, each
 //! exactly as a multi-head kernel processes one head: the queries in row blocks of `BR` = 64
-//! rows `r0..r1` (nb = r1 - r0 rows). A block only needs key columns 0..r1: the masked upper
-//! triangle is skipped except inside the diagonal nb×nb square, which is computed and then
-//! zeroed. Score tiles are stored transposed, Sᵀ `[r1, nb]` (key index j major, query index li
-//! contiguous), which suits `gemm` and turns the per-query reductions of the element-wise passes
-//! into lane-wise vector ops.
+//! rows `r0..r1` (nb = r1 - r0 rows). A block only needs keys k0..r1 (nk = r1 - k0 of them),
+//! where `k0 = r0 - pos[r0]` is the start of its first query's example (0 without positions;
+//! example starts never decrease along a row): the masked upper triangle is skipped except
+//! inside the diagonal nb×nb square, and in a packed row so are the keys of earlier examples,
+//! except those that later queries of a block straddling an example start still see. Masked
+//! entries are computed and then set to exactly 0 (never through the exponential). Score tiles
+//! are stored transposed, Sᵀ `[nk, nb]` (key index j major, query index li contiguous), which
+//! suits `gemm` and turns the per-query reductions of the element-wise passes into lane-wise
+//! vector ops.
+//!
+//! A block whose queries all belong to one example is plain causal attention on the keys
+//! shifted by k0 (the same code, on K and V rows k0..r1, diagonal square at rows r0 - k0..);
+//! for k0 = 0 it is bitwise the unpacked block. A block whose queries straddle an example start
+//! masks per lane instead: lane li sees tile rows `r0 + li - pos[r0 + li] - k0 ..= r0 + li - k0`
+//! (first keys non-decreasing in li, so each tile row's unmasked lanes are one range) on the
+//! dynamic-width path. Every query sees at least itself, so no lane is ever all masked.
 //!
 //! Scores are kept in base-2 units, S' = log2(e) · S (the factor is folded into the product's
 //! scale), so the softmax needs 2^x, which is cheaper than e^x. Forward, per query head and block:
-//!   S'ᵀ = scale · log2(e) · K[0..r1] Q[r0..r1]ᵀ   `[r1, nb]`
-//!   `m[li] = max_j S', Pᵀ = 2^(S'ᵀ - m), l[li] = Σ_j P    (masked j > r0+li set to 0)`
-//!   `O[r0..r1] = P V[0..r1], then row li scaled by 1/l[li]  (written in place into out)`
+//!   S'ᵀ = scale · log2(e) · K[k0..r1] Q[r0..r1]ᵀ   `[nk, nb]`
+//!   `m[li] = max_j S', Pᵀ = 2^(S'ᵀ - m), l[li] = Σ_j P    (masked entries set to 0)`
+//!   `O[r0..r1] = P V[k0..r1], then row li scaled by 1/l[li]  (written in place into out)`
 //!   `lse[r0+li] = (m[li] + log2 l[li]) · ln 2     (natural log-sum-exp of the scores S)`
 //! Only `out` and `lse` (`[B, NH, T]`) are kept for backward, never the `[B, NH, T, T]` matrix.
 //!
@@ -35,12 +52,12 @@
 //! the blocks in order (so a KV head's gradient is the sum over the query heads it serves), then
 //! rounded / copied into `dqkv` once at the end. Per query head, Q and dO are copied per block;
 //! per block, with `D[i] = Σ_c dO[i,c] O[i,c]` (= `Σ_j P[i,j] dP[i,j]`):
-//!   Pᵀ  = 2^(S'ᵀ - log2(e) · lse)               `[r1, nb]` (recomputed; masked entries 0)
-//!   dV[0..r1] += Pᵀ dO[r0..r1]
-//!   dPᵀ = V[0..r1] dO[r0..r1]ᵀ                  `[r1, nb]`
+//!   Pᵀ  = 2^(S'ᵀ - log2(e) · lse)               `[nk, nb]` (recomputed; masked entries 0)
+//!   dV[k0..r1] += Pᵀ dO[r0..r1]
+//!   dPᵀ = V[k0..r1] dO[r0..r1]ᵀ                  `[nk, nb]`
 //!   dSᵀ = scale · Pᵀ ∘ (dPᵀ - D)                 (the score scale folded in here)
-//!   dQ[r0..r1] = dS K[0..r1]                     (written in place into `dqkv`)
-//!   dK[0..r1] += dSᵀ Q[r0..r1]
+//!   dQ[r0..r1] = dS K[k0..r1]                     (written in place into `dqkv`)
+//!   dK[k0..r1] += dSᵀ Q[r0..r1]
 //!
 //! With NKV = NH (g = 1) this is operation for operation the multi-head kernel: one head per
 //! unit, the same products in the same order, so results are bitwise those of multi-head
@@ -56,7 +73,7 @@
 //! The element-wise passes (softmax with the polynomial `exp2_nonpos`, dS) are written so that
 //! LLVM vectorises them and are compiled per instruction set with `features::multiversion!`
 //! (same arithmetic, no FMA, so bitwise the same results on every ISA). Full 64-query blocks
-//! use fixed-size rows so those loops unroll completely.
+//! within one example use fixed-size rows so those loops unroll completely.
 //!
 //! Storage type `T` ([`Elem`]: f32, bf16, f16) for `qkv`, `out`, `dout` and `dqkv`; `lse` and
 //! the workspace are f32, and all the math above runs in f32. For f32, Q, O, dO and dQ are
@@ -367,8 +384,9 @@ unsafe fn narrow_rows<T: Elem>(dst: *mut T, ld: usize, src: &[f32], hd: usize) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Element-wise passes over transposed tiles [r1, nb]: tile row j is key position j, lane li is
-// query position r0 + li; entry (j, li) is unmasked iff j ≤ r0 + li, i.e. li ≥ j - r0.
+// Element-wise passes over transposed tiles [nk, nb]: tile row j is key position k0 + j, lane
+// li is query position k0 + r0 + li (the callers pass r0 relative to the block's first key k0;
+// k0 = 0 without positions); entry (j, li) is unmasked iff j ≤ r0 + li, i.e. li ≥ j - r0.
 
 /// 2^x for x ≤ 0, and exactly 0 for x < -126 (so results are never denormal, and masked or
 /// negligible probabilities are exact zeros that keep denormal products out of the matrix
@@ -404,8 +422,8 @@ fn fmax(a: f32, b: f32) -> f32 {
     if a > b { a } else { b }
 }
 
-/// Forward softmax, in place on base-2 scores S'ᵀ `[r1, nb]` → unnormalised Pᵀ = 2^(S' - m)
-/// (masked entries 0). Writes the per-query max `m` [nb] and sum `l` [nb].
+/// Forward softmax, in place on base-2 scores S'ᵀ `[nk, nb]` (nk = r0 + nb) → unnormalised
+/// Pᵀ = 2^(S' - m) (masked entries 0). Writes the per-query max `m` [nb] and sum `l` [nb].
 #[inline(always)]
 fn softmax_body(tile: &mut [f32], nb: usize, r0: usize, m: &mut [f32], l: &mut [f32]) {
     if nb == BR {
@@ -474,8 +492,8 @@ fn softmax_full(tile: &mut [f32], r0: usize, m: &mut [f32; BR], l: &mut [f32; BR
     }
 }
 
-/// Backward: base-2 scores S'ᵀ `[r1, nb]` → Pᵀ = 2^(S' - lse·log2 e) in place (masked entries
-/// 0); `lse` [nb] is the natural log-sum-exp of the forward.
+/// Backward: base-2 scores S'ᵀ `[nk, nb]` (nk = r0 + nb) → Pᵀ = 2^(S' - lse·log2 e) in place
+/// (masked entries 0); `lse` [nb] is the natural log-sum-exp of the forward.
 #[inline(always)]
 fn probs_body(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
     // 2^min(s - lse2, 0): s ≤ lse2 up to rounding.
@@ -508,7 +526,7 @@ fn probs_body(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
     }
 }
 
-/// Backward: dSᵀ = scale · Pᵀ ∘ (dPᵀ - D) in place in `dp` `[r1, nb]`; `d` [nb].
+/// Backward: dSᵀ = scale · Pᵀ ∘ (dPᵀ - D) in place in `dp` `[nk, nb]`; `d` [nb].
 #[inline(always)]
 fn ds_body(dp: &mut [f32], p: &[f32], nb: usize, d: &[f32], scale: f32) {
     if nb == BR {
@@ -733,7 +751,7 @@ unsafe fn forward_unit<T: Elem>(
     } = d;
     let (bi, j) = (u / nkv, u % nkv);
     let br = BR.min(t);
-    let (tile, rest) = ws.split_at_mut(br * t); // Sᵀ / Pᵀ block [r1, nb]
+    let (tile, rest) = ws.split_at_mut(br * t); // Sᵀ / Pᵀ block [nk, nb], nk ≤ T
     let (kc, rest) = rest.split_at_mut(t * hd); // K [T, hd]
     let (vc, rest) = rest.split_at_mut(t * hd); // V [T, hd]
     let (mx, rest) = rest.split_at_mut(br); // row max m [nb]
@@ -931,8 +949,8 @@ unsafe fn backward_unit<T: Elem>(
     let (kcol, vcol) = (d.k0(), d.v0()); // columns of key / value head 0
     let kvoff = bi * t * ld + j * hd; // row 0 of this batch, plus j·hd: K at +kcol, V at +vcol
     let br = BR.min(t);
-    let (p, rest) = ws.split_at_mut(br * t); // Pᵀ block [r1, nb]
-    let (ds, rest) = rest.split_at_mut(br * t); // dPᵀ, then dSᵀ, block [r1, nb]
+    let (p, rest) = ws.split_at_mut(br * t); // Pᵀ block [nk, nb], nk ≤ T
+    let (ds, rest) = rest.split_at_mut(br * t); // dPᵀ, then dSᵀ, block [nk, nb]
     let (kc, rest) = rest.split_at_mut(t * hd); // K [T, hd]
     let (vc, rest) = rest.split_at_mut(t * hd); // V [T, hd]
     let (dk, rest) = rest.split_at_mut(t * hd); // dK accumulator [T, hd]
@@ -2007,8 +2025,9 @@ mod tests {
 
     /// Packed rows against the naive twin with the same positions, forward (`out`, `lse`) and
     /// backward (`dqkv`), f32 and bf16 (the naive twin on the widened bf16 inputs; the bf16
-    /// kernel rounds `out` and `dqkv` once, and its backward reads the rounded `out`). The mask
-    /// must matter: the naive outputs with and without positions differ.
+    /// kernel rounds `out` and `dqkv` once, and its backward reads the rounded `out`, hence
+    /// 4e-3 and 2e-2 relative to |want| + 0.1 · max|want|; f32 1e-5). The mask must matter: the
+    /// naive outputs with and without positions differ.
     #[test]
     fn packed_matches_naive() {
         fn check<T: Elem>(ci: u64, case: &Packed, rtol: (f32, f32)) {
@@ -2037,7 +2056,7 @@ mod tests {
         }
         for (ci, case) in packed_cases().iter().enumerate() {
             check::<f32>(ci as u64, case, (1e-5, 1e-5));
-            check::<bf16>(ci as u64, case, (1e-2, 3e-2));
+            check::<bf16>(ci as u64, case, (4e-3, 2e-2));
         }
     }
 
@@ -2197,8 +2216,8 @@ mod tests {
 
     /// Micro-benchmark, not a check of values: forward + backward on SmolLM2-135M's attention
     /// (B 4, T 512, NH 9, NKV 3, hd 64, f32, 2 threads), plain (`None`), identity positions and
-    /// rows packed with examples of about 100 tokens (80..=120). Prints the median of 7 timed
-    /// runs of each; fails if packing costs more than 5% against identity positions (the
+    /// rows packed with examples of about 100 tokens (80..=120), and of 128 (block-aligned).
+    /// Prints the median of 7 timed runs of each (the best of 3 alternated rounds); fails if packing costs more than 5% against identity positions (the
     /// target: the mask skips the work it masks).
     #[test]
     #[ignore = "timing: cargo test --lib packed_timing -- --ignored --nocapture"]
@@ -2223,6 +2242,7 @@ mod tests {
             })
             .collect();
         let packed = positions(&rows);
+        let aligned = positions(&vec![vec![128; t / 128]; b]); // every block inside one example
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
@@ -2250,10 +2270,23 @@ mod tests {
                 assert!(dqkv.iter().all(|v| v.is_finite()));
                 runs[3]
             };
-            let none = time(None);
-            let ident = time(Some(&identity));
-            let pack = time(Some(&packed));
-            for (name, (fwd, all)) in [("none", none), ("identity", ident), ("packed ~100", pack)] {
+            let configs: [(&str, Option<&[u32]>); 4] = [
+                ("none", None),
+                ("identity", Some(&identity)),
+                ("packed ~100", Some(&packed)),
+                ("packed 128", Some(&aligned)),
+            ];
+            // Rounds alternate the configurations (a shared machine drifts); best round's median.
+            let mut best = [(f64::INFINITY, f64::INFINITY); 4];
+            for _ in 0..3 {
+                for (k, &(_, pos)) in configs.iter().enumerate() {
+                    let m = time(pos);
+                    if m.1 < best[k].1 {
+                        best[k] = m;
+                    }
+                }
+            }
+            for ((name, _), (fwd, all)) in configs.iter().zip(best) {
                 println!(
                     "{name:>12}: forward {:.2} ms, forward+backward {:.2} ms, {:.0} tokens/s",
                     fwd * 1e3,
@@ -2261,8 +2294,9 @@ mod tests {
                     (b * t) as f64 / all
                 );
             }
-            println!("example lengths per row: {rows:?}");
-            println!("packed / identity: {:.3}", pack.1 / ident.1);
+            println!("example lengths per row (packed ~100): {rows:?}");
+            let (ident, pack) = (best[1], best[2]);
+            println!("packed ~100 / identity: {:.3}", pack.1 / ident.1);
             assert!(pack.1 <= 1.05 * ident.1, "packing costs more than 5%");
         });
     }
