@@ -2217,8 +2217,9 @@ mod tests {
     /// Micro-benchmark, not a check of values: forward + backward on SmolLM2-135M's attention
     /// (B 4, T 512, NH 9, NKV 3, hd 64, f32, 2 threads), plain (`None`), identity positions and
     /// rows packed with examples of about 100 tokens (80..=120), and of 128 (block-aligned).
-    /// Prints the median of 7 timed runs of each (the best of 3 alternated rounds); fails if packing costs more than 5% against identity positions (the
-    /// target: the mask skips the work it masks).
+    /// Prints the median of 7 timed runs of each (the best of 3 alternated rounds); fails if
+    /// packing (~100) costs more than 5% against identity positions (the target: the mask skips
+    /// the work it masks).
     #[test]
     #[ignore = "timing: cargo test --lib packed_timing -- --ignored --nocapture"]
     fn packed_timing() {
