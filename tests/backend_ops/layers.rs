@@ -789,12 +789,16 @@ fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
         let n = B * tl;
         let mut want = wide(&x0[..n * WIDTH]);
         let sign = if inverse { -1.0 } else { 1.0 };
-        for r in 0..n {
-            let pos = if packed {
-                POSITIONS[r]
+        // Each row's position: its place in its example (packed rows) or in its sequence.
+        let place = |r: usize| {
+            if packed {
+                POSITIONS[r] as usize
             } else {
-                (r % tl) as u32
-            } as f32;
+                r % tl
+            }
+        };
+        for r in 0..n {
+            let pos = place(r) as f32;
             for head in 0..ROTATED / HD {
                 let base = r * WIDTH + head * HD;
                 for i in 0..HD / 2 {

@@ -95,6 +95,7 @@ pub fn encoder_forward<T: Elem, W: Elem>(
 /// times). For f32 each task adds straight into its block of `dwte`; for narrower types each
 /// task owns `ACC_ROWS` vocabulary rows, lists the positions of its tokens in one scan, and
 /// accumulates `ACC_COLS` columns at a time in an f32 stack buffer.
+#[allow(clippy::too_many_arguments)]
 pub fn encoder_backward<T: Elem>(
     dwte: &mut [T],            // [V, C] +=
     dwpe: Option<&mut [T]>,    // [maxT, C] +=, only the first T rows touched (learned positions)
@@ -291,6 +292,7 @@ pub mod naive {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn encoder_backward(
         dwte: &mut [f32],          // [V, C] +=
         dwpe: &mut [f32],          // [maxT, C] +=, only the first T rows touched
