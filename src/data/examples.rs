@@ -409,7 +409,7 @@ fn pack_rows(
 }
 
 /// Fills `out` (`[B, T+1]`) with rows `skip..skip + B` of packed batch `index`, whose rows
-/// number `total` (every rank's; [`pack_rows`]). Each example's tokens follow the previous
+/// number `total` (every rank's; packed as the module docs say). Each example's tokens follow the previous
 /// one's; an example's first token is [`UNTRAINED`] (nothing before it in its example
 /// predicts it) and, after the row's first example, also [`EXAMPLE_START`], where the row's
 /// positions restart. The rest of the row is padding, `pad | UNTRAINED`, its first token
