@@ -162,7 +162,7 @@ impl FastBpe {
     }
 
     /// The ids of `text` and each token's byte range, as the library's `encode(text, false)`.
-    pub(super) fn encode(&self, text: &str) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    pub(super) fn encode(&self, text: &str) -> Result<(Vec<u32>, super::Offsets)> {
         let mut out = Out {
             ids: Vec::with_capacity(text.len() / 3),
             offsets: Vec::with_capacity(text.len() / 3),
