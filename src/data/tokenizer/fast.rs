@@ -31,6 +31,9 @@
 
 use anyhow::{Result, anyhow};
 use regex::Regex;
+
+/// Token ids and each token's byte range `(start, end)` in the text (`super::Offsets`).
+type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
