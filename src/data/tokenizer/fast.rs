@@ -32,7 +32,7 @@
 use anyhow::{Result, anyhow};
 use regex::Regex;
 
-/// Token ids and each token's byte range `(start, end)` in the text (`super::Offsets`).
+/// Token ids and each token's byte range `(start, end)` in the text (the library's offsets).
 type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -165,7 +165,7 @@ impl FastBpe {
     }
 
     /// The ids of `text` and each token's byte range, as the library's `encode(text, false)`.
-    pub(super) fn encode(&self, text: &str) -> Result<(Vec<u32>, super::Offsets)> {
+    pub(super) fn encode(&self, text: &str) -> Result<Encoded> {
         let mut out = Out {
             ids: Vec::with_capacity(text.len() / 3),
             offsets: Vec::with_capacity(text.len() / 3),

@@ -12,8 +12,8 @@
 //! the file, `eos_token_id` of a `config.json` beside it (when it is a token of this
 //! vocabulary), or the first of [`EOT_CANDIDATES`] in the vocabulary.
 
+use super::TokenizerId;
 use super::fast::FastBpe;
-use super::{Offsets, TokenizerId};
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Deserialize;
 use serde_json::Value;
@@ -310,6 +310,9 @@ fn split_safe(normalizer: Option<&Value>, pre: Option<&Value>, added: &[AddedJso
         .all(|t| !t.lstrip && !t.rstrip && !t.content.chars().any(char::is_whitespace));
     norm && pre && added
 }
+
+/// Each token's byte range `(start, end)` in the text it was encoded from.
+pub type Offsets = Vec<(usize, usize)>;
 
 /// A loaded `tokenizer.json`.
 pub(super) struct Hf {

@@ -25,13 +25,10 @@ mod id;
 pub(crate) mod fixture;
 
 pub use gpt2::{EOT, GPT2_HASH, GPT2_NAME, GPT2_VOCAB};
-pub use hf::EOT_CANDIDATES;
+pub use hf::{EOT_CANDIDATES, Offsets};
 pub use id::TokenizerId;
 
 use anyhow::{Result, bail};
-
-/// Each token's byte range `(start, end)` in the text it was encoded from.
-pub type Offsets = Vec<(usize, usize)>;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
