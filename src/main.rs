@@ -94,7 +94,7 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
 
 fn prepare_cmd(a: PrepareArgs) -> Result<()> {
     let tok = Tokenizer::load(&a.tokenizer).context("--tokenizer")?;
-    if memwall::data::chat::is_chat_input(&a.inputs)? {
+    if memwall::data::chat::is_chat_input(&a.inputs, &mut |n| eprintln!("{n}"))? {
         return prepare_chat_cmd(a, tok);
     }
     if a.chat_template.is_some() || a.train_on.is_some() {

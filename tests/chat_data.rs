@@ -434,3 +434,40 @@ fn damaged_example_files_are_refused_naming_them() {
     std::fs::write(out.join("meta.json"), &meta).unwrap();
     DataSet::open(&out).unwrap();
 }
+
+/// Which inputs `prepare` reads as chat data: a folder's own `.jsonl` files beside a README
+/// (named in a note), never a `.json` file or `.jsonl` files only in subfolders (refused,
+/// naming them), and text otherwise.
+#[test]
+fn chat_inputs_are_told_from_text_and_odd_layouts_are_named() {
+    use memwall::data::chat::is_chat_input;
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let line = "{\"prompt\": \"Hi\", \"completion\": \"Hello\"}\n";
+    let folder = d.join("with-readme");
+    std::fs::create_dir(&folder).unwrap();
+    std::fs::write(folder.join("a.jsonl"), line).unwrap();
+    std::fs::write(folder.join("README.md"), "# data\n").unwrap();
+    let mut notes = Vec::new();
+    assert!(is_chat_input(std::slice::from_ref(&folder), &mut |n| notes.push(n)).unwrap());
+    assert!(
+        notes.len() == 1 && notes[0].contains("README.md") && notes[0].contains("not read"),
+        "{notes:?}"
+    );
+    let refused =
+        |inputs: &[PathBuf]| format!("{:#}", is_chat_input(inputs, &mut |_| {}).unwrap_err());
+    let json = d.join("chats.json");
+    std::fs::write(&json, line).unwrap();
+    let e = refused(std::slice::from_ref(&json));
+    assert!(e.contains("chats.json") && e.contains(".jsonl"), "{e}");
+    let nested = d.join("nest");
+    std::fs::create_dir_all(nested.join("sub")).unwrap();
+    std::fs::write(nested.join("sub").join("b.jsonl"), line).unwrap();
+    let e = refused(std::slice::from_ref(&nested));
+    assert!(e.contains("sub") && e.contains("subfolder"), "{e}");
+    let text = d.join("t.txt");
+    std::fs::write(&text, "Some text.\n").unwrap();
+    assert!(!is_chat_input(std::slice::from_ref(&text), &mut |_| {}).unwrap());
+    let e = refused(&[folder, text]);
+    assert!(e.contains("mix chat data"), "{e}");
+}

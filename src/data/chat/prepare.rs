@@ -107,37 +107,115 @@ struct MetaOut<'a> {
     sources: Vec<String>,
 }
 
-/// Whether `inputs` are chat data: each a `.jsonl`/`.jsonl.gz` file, or a folder whose files
-/// (hidden ones aside) are all such, at least one. Anything else is text for
-/// [`crate::data::prepare()`]; a mix is refused.
-pub fn is_chat_input(inputs: &[PathBuf]) -> Result<bool> {
+/// Whether `inputs` are chat data: each a `.jsonl`/`.jsonl.gz` file, or a folder holding such
+/// files directly (read in name order; its other files, a README say, are not read and
+/// `notes` names them). Anything else is text for [`crate::data::prepare()`]. Refused, each
+/// naming the path: a mix of the two kinds; a `.json` file (chat data is JSON Lines); a folder
+/// whose `.jsonl` files are only in its subfolders.
+pub fn is_chat_input(inputs: &[PathBuf], notes: &mut dyn FnMut(String)) -> Result<bool> {
     let chat_name = |p: &Path| {
         let n = p.file_name().map(|n| n.to_string_lossy().into_owned());
         n.is_some_and(|n| n.ends_with(".jsonl") || n.ends_with(".jsonl.gz"))
     };
-    let is_chat = |p: &Path| -> bool {
-        if p.is_file() {
-            return chat_name(p);
-        }
-        let Ok(entries) = std::fs::read_dir(p) else {
-            return false;
-        };
-        let files: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok())
-            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
-            .map(|e| e.path())
-            .filter(|p| p.is_file())
-            .collect();
-        !files.is_empty() && files.iter().all(|f| chat_name(f))
+    let hidden = |p: &Path| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with('.'))
     };
-    let chat = inputs.iter().filter(|p| is_chat(p)).count();
+    let files_in = |dir: &Path| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map(|entries| entries.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default();
+        v.retain(|p| !hidden(p));
+        v.sort();
+        v
+    };
+    // The first chat file anywhere below `dir` (depth-first, name order).
+    fn nested_chat(dir: &Path, chat_name: &dyn Fn(&Path) -> bool, depth: usize) -> Option<PathBuf> {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .collect();
+        entries.sort();
+        entries
+            .iter()
+            .find(|p| p.is_file() && chat_name(p))
+            .cloned()
+            .or_else(|| {
+                (depth < 8)
+                    .then(|| {
+                        entries
+                            .iter()
+                            .filter(|p| p.is_dir())
+                            .find_map(|d| nested_chat(d, chat_name, depth + 1))
+                    })
+                    .flatten()
+            })
+    }
+    let mut chat = 0;
+    for p in inputs {
+        let shown = p.display();
+        if p.is_file() {
+            let name = p.file_name().map(|n| n.to_string_lossy().to_lowercase());
+            if name
+                .as_deref()
+                .is_some_and(|n| n.ends_with(".json") || n.ends_with(".json.gz"))
+            {
+                bail!(
+                    "'{shown}': a .json file; memwall reads chat data as JSON Lines, one \
+                     conversation per line: if it holds one object per line, name it .jsonl; if it \
+                     holds one JSON array, convert it (`jq -c '.[]' FILE.json > FILE.jsonl`)"
+                );
+            }
+            chat += chat_name(p) as usize;
+            continue;
+        }
+        if !p.is_dir() {
+            continue; // refused by the preparation that reads it, with its own message
+        }
+        let files = files_in(p);
+        let (direct, other): (Vec<&PathBuf>, Vec<&PathBuf>) = files
+            .iter()
+            .filter(|f| f.is_file())
+            .partition(|f| chat_name(f));
+        if !direct.is_empty() {
+            chat += 1;
+            if !other.is_empty() {
+                let names: Vec<String> = other
+                    .iter()
+                    .take(3)
+                    .map(|f| {
+                        f.file_name()
+                            .unwrap_or_default()
+                            .to_string_lossy()
+                            .into_owned()
+                    })
+                    .collect();
+                notes(format!(
+                    "note: folder '{shown}': reading its {} .jsonl/.jsonl.gz file(s); {} other \
+                     file(s) not read ({}{})",
+                    direct.len(),
+                    other.len(),
+                    names.join(", "),
+                    if other.len() > 3 { ", ..." } else { "" }
+                ));
+            }
+        } else if let Some(nested) = nested_chat(p, &chat_name, 0) {
+            bail!(
+                "folder '{shown}' holds chat data only in a subfolder ('{}'): pass that \
+                 subfolder (or the files) instead; a folder's .jsonl files are read from the \
+                 folder itself, not its subfolders",
+                nested.display()
+            );
+        }
+    }
     if chat > 0 && chat < inputs.len() {
         bail!(
             "the inputs mix chat data (.jsonl, .jsonl.gz, or folders of them) with text: prepare \
              each kind into its own --out"
         );
     }
-    Ok(chat > 0 && chat == inputs.len())
+    Ok(chat > 0)
 }
 
 /// A temporary file in `--out`, removed when dropped.
