@@ -317,6 +317,15 @@ fn prepare_and_train_on_chats_full_and_lora_resuming_bitwise() {
         "0.25",
     ]);
     assert!(said.contains("prepared 8 examples"), "{said}");
+    // The template the examples were rendered with is kept beside them.
+    let template = std::fs::read_to_string(data.join("chat_template.jinja")).unwrap();
+    assert_eq!(
+        template,
+        ChatTemplate::load(Some(&tok), None)
+            .unwrap()
+            .unwrap()
+            .source()
+    );
     // Text flags are refused for text and chat flags for text.
     let e = memwall(&[
         "prepare",
@@ -380,6 +389,9 @@ fn prepare_and_train_on_chats_full_and_lora_resuming_bitwise() {
         assert!(a == b, "{f} differs after resume");
     }
     assert_eq!(losses(&halves), l);
+    // Every checkpoint renders conversations as the run was trained on them.
+    let saved = whole.join("checkpoints/step-000012/chat_template.jinja");
+    assert_eq!(std::fs::read_to_string(saved).unwrap(), template);
 
     // LoRA on the same data (a random base: the adapters still lower the loss).
     let lora = tmp.path().join("lora");
@@ -390,6 +402,8 @@ fn prepare_and_train_on_chats_full_and_lora_resuming_bitwise() {
         lora.join("checkpoints/step-000012/adapter_model.safetensors")
             .is_file()
     );
+    let saved = lora.join("checkpoints/step-000012/chat_template.jinja");
+    assert_eq!(std::fs::read_to_string(saved).unwrap(), template);
 }
 
 #[test]

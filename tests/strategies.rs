@@ -445,8 +445,7 @@ fn checkpoint_files(ex: &Executor, run: &std::path::Path) -> Vec<(String, Vec<u8
     };
     let opts = SaveOptions {
         max_shard_bytes: 40_000,
-        tokenizer_dir: None,
-        adapter: None,
+        ..SaveOptions::default()
     };
     let files = |dir: &std::path::Path| {
         let mut f: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)

@@ -155,8 +155,12 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merg
     let mut params = vec![0f32; layout.total];
     super::load_params(base, &layout, &mut params)?;
     merge_into(&adapters, &layout, &mut params, &values);
+    // The chat template the adapter was trained with (a chat run's checkpoint carries it)
+    // replaces the base's.
+    let template = Some(adapter.join(super::CHAT_TEMPLATE_FILE)).filter(|p| p.is_file());
     let opts = super::SaveOptions {
         tokenizer_dir: Some(base),
+        chat_template: template.as_deref(),
         ..Default::default()
     };
     super::save_model_as(out, &spec, &layout, &params, bf16, &opts)?;

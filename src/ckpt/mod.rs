@@ -75,4 +75,6 @@ pub use save::{
 pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent};
 pub use shards::DEFAULT_MAX_SHARD_BYTES;
 pub use state::{LossScaleState, TrainerState};
-pub use tokenizer::{TOKENIZER_FILE, TOKENIZER_FILES, copy_tokenizer_files};
+pub use tokenizer::{
+    CHAT_TEMPLATE_FILE, TOKENIZER_FILE, TOKENIZER_FILES, copy_chat_template, copy_tokenizer_files,
+};

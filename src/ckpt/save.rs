@@ -10,7 +10,7 @@ use super::moments::Moments;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
 use super::safetensors_io::{Lend, OutData, OutTensor, Whole, write_safetensors};
 use super::shards::{DEFAULT_MAX_SHARD_BYTES, is_shard_name, weight_files};
-use super::tokenizer::copy_tokenizer_files;
+use super::tokenizer::{copy_chat_template, copy_tokenizer_files};
 use super::{CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
 use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout};
@@ -29,6 +29,10 @@ pub struct SaveOptions<'a> {
     pub max_shard_bytes: u64,
     /// Copy the tokenizer files this directory holds (see [`copy_tokenizer_files`]).
     pub tokenizer_dir: Option<&'a Path>,
+    /// The chat template the run's data was prepared with: written as `chat_template.jinja`
+    /// (after the tokenizer files: it replaces the model's own), so the checkpoint renders
+    /// conversations as it was trained on them.
+    pub chat_template: Option<&'a Path>,
     /// A LoRA run's checkpoint: the parameters are these adapters', written as PEFT's
     /// `adapter_model.safetensors` and `adapter_config.json` in place of the model's
     /// `config.json` and weights.
@@ -48,6 +52,7 @@ impl Default for SaveOptions<'_> {
         SaveOptions {
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             tokenizer_dir: None,
+            chat_template: None,
             adapter: None,
         }
     }
@@ -291,6 +296,9 @@ pub(crate) fn save_checkpoint_lent(
         if let Some(src) = opts.tokenizer_dir {
             copy_tokenizer_files(src, &tmp.path)?;
         }
+        if let Some(t) = opts.chat_template {
+            copy_chat_template(t, &tmp.path)?;
+        }
         Ok(())
     })();
     let result = match written {
@@ -377,6 +385,9 @@ pub fn save_model_as(
     atomic::write_file(&dir.join(CONFIG_FILE), &json_bytes(&config)?).with_context(what)?;
     if let Some(src) = opts.tokenizer_dir {
         copy_tokenizer_files(src, dir).with_context(what)?;
+    }
+    if let Some(t) = opts.chat_template {
+        copy_chat_template(t, dir).with_context(what)?;
     }
     Ok(())
 }

@@ -895,6 +895,7 @@ fn lent_state_saves_like_slices_and_its_failures_are_errors() {
     let opts = SaveOptions {
         max_shard_bytes: 9_000,
         tokenizer_dir: None,
+        chat_template: None,
         adapter: None,
     };
     let want_run = tempfile::tempdir().unwrap();

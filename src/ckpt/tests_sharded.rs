@@ -146,6 +146,7 @@ fn sharded_checkpoint_round_trips_bitwise() {
     let opts = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: None,
+        chat_template: None,
         adapter: None,
     };
     let st = state(&spec, 2);
@@ -194,6 +195,7 @@ fn gpt2_tiny_export_shards_and_replaces_stale_files() {
     let sharded = SaveOptions {
         max_shard_bytes: max,
         tokenizer_dir: None,
+        chat_template: None,
         adapter: None,
     };
     save_model_with(&out, &spec, &layout, &p, &sharded).unwrap();
@@ -230,6 +232,7 @@ fn gpt2_tiny_export_shards_and_replaces_stale_files() {
     let other = SaveOptions {
         max_shard_bytes: 3 * max,
         tokenizer_dir: None,
+        chat_template: None,
         adapter: None,
     };
     save_model_with(&out, &spec, &layout, &p, &other).unwrap();
@@ -257,6 +260,7 @@ fn llama_tied_and_untied_round_trip_sharded() {
         let opts = SaveOptions {
             max_shard_bytes: max,
             tokenizer_dir: None,
+            chat_template: None,
             adapter: None,
         };
         save_model_with(tmp.path(), &spec, &layout, &p, &opts).unwrap();
@@ -284,6 +288,7 @@ fn sharded_export(dir: &Path) -> (ParamLayout, Vec<f32>) {
     let opts = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: None,
+        chat_template: None,
         adapter: None,
     };
     save_model_with(dir, &spec, &layout, &p, &opts).unwrap();
@@ -534,6 +539,7 @@ fn tokenizer_files_are_copied_into_checkpoints_and_exports() {
     let opts = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: Some(&src),
+        chat_template: None,
         adapter: None,
     };
     let run = tmp.path().join("run");
@@ -577,6 +583,7 @@ fn tokenizer_files_are_copied_into_checkpoints_and_exports() {
     let bad = SaveOptions {
         max_shard_bytes: 4096,
         tokenizer_dir: Some(&gone),
+        chat_template: None,
         adapter: None,
     };
     let st = state(&spec, 4);

@@ -13,12 +13,17 @@ use std::path::Path;
 use crate::util::atomic;
 
 /// The files copied, those of them that the source directory holds.
-pub const TOKENIZER_FILES: [&str; 4] = [
+pub const TOKENIZER_FILES: [&str; 5] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    CHAT_TEMPLATE_FILE,
 ];
+
+/// A chat template on its own ([`crate::data::chat::template::TEMPLATE_FILE`]): a model's, or
+/// the one chat data was prepared with (training copies it into every checkpoint).
+pub const CHAT_TEMPLATE_FILE: &str = crate::data::chat::template::TEMPLATE_FILE;
 
 /// The file whose presence makes a directory a tokenizer source (see `TrainOptions`).
 pub const TOKENIZER_FILE: &str = TOKENIZER_FILES[0];
@@ -52,4 +57,15 @@ pub fn copy_tokenizer_files(src_dir: &Path, dst_dir: &Path) -> Result<Vec<&'stat
         copied.push(name);
     }
     Ok(copied)
+}
+
+/// Copies the chat template file `src` into `dst_dir` as [`CHAT_TEMPLATE_FILE`] (atomically,
+/// replacing one copied with the tokenizer files).
+pub fn copy_chat_template(src: &Path, dst_dir: &Path) -> Result<()> {
+    let mut from = File::open(src).with_context(|| format!("cannot open {}", src.display()))?;
+    atomic::write_with(&dst_dir.join(CHAT_TEMPLATE_FILE), |f| {
+        std::io::copy(&mut from, f)
+            .with_context(|| format!("copying {}", src.display()))
+            .map(|_| ())
+    })
 }

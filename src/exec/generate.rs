@@ -168,13 +168,17 @@ pub fn chat_text(
     use crate::data::chat::template::MISSING_HINT;
     use crate::data::chat::{ChatTemplate, Message, Role};
     let tok = checkpoint_tokenizer(&opts.checkpoint)?;
-    let template = ChatTemplate::load(Some(&opts.checkpoint), chat.template.as_deref())?
-        .ok_or_else(|| {
-            anyhow!(
-                "--chat: the model '{}' has no chat template; {MISSING_HINT}",
-                opts.checkpoint.display()
-            )
-        })?;
+    // An adapter trained on chat data carries the template it was trained with.
+    let trained_with = (opts.adapter.as_ref())
+        .map(|a| a.join(crate::data::chat::template::TEMPLATE_FILE))
+        .filter(|p| p.is_file());
+    let file = chat.template.as_deref().or(trained_with.as_deref());
+    let template = ChatTemplate::load(Some(&opts.checkpoint), file)?.ok_or_else(|| {
+        anyhow!(
+            "--chat: the model '{}' has no chat template; {MISSING_HINT}",
+            opts.checkpoint.display()
+        )
+    })?;
     let mut messages = Vec::new();
     if let Some(system) = &chat.system {
         messages.push(Message::new(Role::System, system.as_str()));

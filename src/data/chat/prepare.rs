@@ -386,6 +386,15 @@ pub fn prepare_chat(
     write_mask(&out.join("val.mask"), val_bits.bytes(), total - cut)?;
 
     let template = encoder.template();
+    // The template the examples were rendered with, beside them: training copies it into its
+    // checkpoints, so they render conversations as they were trained on them.
+    let template_path = out.join(super::template::TEMPLATE_FILE);
+    match template {
+        Some(t) => atomic::write_file(&template_path, t.source().as_bytes())?,
+        None => {
+            let _ = std::fs::remove_file(&template_path);
+        }
+    }
     let meta = MetaOut {
         format: EXAMPLES_FORMAT,
         version: META_VERSION,

@@ -285,9 +285,12 @@ impl Run<'_> {
         };
         let lora = self.ex.plan.lora.clone();
         let base = opts.base_name();
+        // Chat data's template (`prepare` writes it beside the data), if the data has one.
+        let template = Some(opts.data.join(ckpt::CHAT_TEMPLATE_FILE)).filter(|p| p.is_file());
         let save = ckpt::SaveOptions {
             max_shard_bytes: opts.max_shard_bytes,
             tokenizer_dir: opts.tokenizer_dir.as_deref(),
+            chat_template: template.as_deref(),
             adapter: lora.as_ref().map(|l| ckpt::AdapterCheckpoint {
                 adapters: &l.adapters,
                 base: &base,
