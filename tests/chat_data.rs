@@ -404,6 +404,22 @@ fn prepare_and_train_on_chats_full_and_lora_resuming_bitwise() {
     );
     let saved = lora.join("checkpoints/step-000012/chat_template.jinja");
     assert_eq!(std::fs::read_to_string(saved).unwrap(), template);
+
+    // The validation loss walks the same examples once, packed or not: the same figure.
+    let val0 = |run: &Path| -> f64 {
+        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        let first: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        assert_eq!(first["step"], 0, "{first}");
+        first["val_loss"].as_f64().unwrap()
+    };
+    let (packed, padded) = (tmp.path().join("packed"), tmp.path().join("padded"));
+    train(&packed, "1", &[]);
+    train(&padded, "1", &["--no-pack"]);
+    let (a, b) = (val0(&packed), val0(&padded));
+    assert!(
+        (a - b).abs() <= 1e-5 * b.abs(),
+        "packed {a} vs one a row {b}"
+    );
 }
 
 #[test]

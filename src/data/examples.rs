@@ -457,6 +457,71 @@ pub fn fill_packed_rows(
     Ok(())
 }
 
+/// Fills `out` (`[B, T+1]`) with rows `skip..skip + B` of an evaluation batch of `total` rows
+/// (every rank's) holding examples `start..` of the split in order, at most up to `end`: one
+/// per row, or with `pack` as many as fit in a row before the next row starts (next-fit, so
+/// the order stays), marked as in [`fill_packed_rows`]. Rows past the last example are
+/// padding. Returns the first example not placed (`end` when all are): an evaluation walks
+/// `start = 0, returned, …` until it reaches `end`, seeing each example exactly once whether
+/// packed or not.
+#[allow(clippy::too_many_arguments)]
+pub fn fill_eval_rows(
+    ex: &Examples,
+    (b, t): (usize, usize),
+    (start, end): (usize, usize),
+    (skip, total): (usize, usize),
+    pack: bool,
+    pad: u32,
+    out: &mut [u32],
+) -> Result<usize> {
+    let w = t + 1;
+    assert_eq!(
+        out.len(),
+        b * w,
+        "fill_eval_rows: out must hold B*(T+1) tokens"
+    );
+    assert!(
+        skip + b <= total && end <= ex.len(),
+        "fill_eval_rows: rows or examples out of range"
+    );
+    // Which examples each row holds.
+    let mut rows: Vec<Vec<usize>> = vec![Vec::new(); total];
+    let (mut k, mut r, mut free) = (start, 0, w);
+    while k < end && r < total {
+        let (a, z) = ex.bounds(k)?;
+        let len = (z - a).min(w);
+        if len == 0 {
+            k += 1;
+            continue;
+        }
+        if !rows[r].is_empty() && (!pack || len > free) {
+            (r, free) = (r + 1, w);
+            continue;
+        }
+        rows[r].push(k);
+        free -= len;
+        k += 1;
+    }
+    for (row, examples) in out.chunks_exact_mut(w).zip(&rows[skip..skip + b]) {
+        let mut at = 0;
+        for &e in examples {
+            let n = ex.fill_example(e, &mut row[at..])?;
+            row[at] |= UNTRAINED;
+            if at > 0 {
+                row[at] |= EXAMPLE_START;
+            }
+            at += n;
+        }
+        if at < w {
+            row[at..].fill(pad | UNTRAINED);
+            if at > 0 && pack {
+                row[at] |= EXAMPLE_START;
+            }
+        }
+    }
+    Ok(k)
+}
+
 /// Fills `out` (`[B, T+1]`) with rows `skip..skip + B` of batch `index`: one example per
 /// row, drawn as the module docs say (the first `skip` rows are drawn and dropped: those of
 /// the ranks before this one, [`crate::data::loader::Part`]).

@@ -14,7 +14,7 @@
 //! construction (the data loader's whole "I/O staging" footprint, [`BatchLoader::staging_bytes`]);
 //! nothing is allocated per batch.
 
-use crate::data::examples::{Examples, fill_packed_rows, fill_rows};
+use crate::data::examples::{Examples, fill_eval_rows, fill_packed_rows, fill_rows};
 use crate::data::prepare::{EXAMPLES_FORMAT, META_FORMAT, META_VERSION};
 use crate::data::shard::Shard;
 use crate::data::tokenizer::{EOT, GPT2_HASH, GPT2_NAME};
@@ -126,6 +126,32 @@ impl Source {
                 pack: false,
             } => fill_rows(split, (b, t), (seed, index), part.index * b, *pad, out),
         }
+    }
+
+    /// An examples split's evaluation rows: `part`'s rows of the batch holding examples
+    /// `start..` in order, up to the first `limit` (see [`fill_eval_rows`]); returns the first
+    /// example not placed. `None` for raw text (evaluated on drawn windows).
+    pub fn fill_eval(
+        &self,
+        (b, t): (usize, usize),
+        (start, limit): (usize, usize),
+        part: Part,
+        out: &mut [u32],
+    ) -> Option<Result<usize>> {
+        let Source::Examples { split, pad, pack } = self else {
+            return None;
+        };
+        let end = limit.min(split.len());
+        let rows = (part.index * b, part.of * b);
+        Some(fill_eval_rows(
+            split,
+            (b, t),
+            (start, end),
+            rows,
+            *pack,
+            *pad,
+            out,
+        ))
     }
 
     /// Whether rows mark untrained targets ([`crate::data::examples::UNTRAINED`]).

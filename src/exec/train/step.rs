@@ -358,9 +358,10 @@ fn upload(ex: &mut Executor, data: &DataSet, batch: &[u32]) -> Result<()> {
     }
 }
 
-/// Mean validation loss over `eval_batches` fixed batches of the validation split: for raw
-/// text the mean of the batches' means (every batch has as many targets), for examples the
-/// mean over every trained target of the batches.
+/// Mean validation loss: for raw text over `eval_batches` fixed batches of windows drawn from
+/// the validation split (the mean of the batches' means: every batch has as many targets); for
+/// examples over the split's first `eval_batches` × rows examples, each once, in order, the
+/// mean over their trained targets (the same figure packed or not, up to rounding).
 fn evaluate(
     ex: &mut Executor,
     data: &DataSet,
@@ -375,32 +376,39 @@ fn evaluate(
         of: ex.comm().size(),
     };
     let source = data.val_source(data.packs(opts.no_pack));
-    for k in 0..opts.eval_batches {
-        source
-            .fill(
-                (opts.batch * opts.strategies.grad_accum, opts.seq),
-                opts.seed ^ VAL_STREAM,
-                k,
-                part,
-                batch,
-            )
-            .context("drawing a validation batch")?;
+    let rows = opts.batch * opts.strategies.grad_accum;
+    // Examples: the first `eval_batches` × rows validation examples, each exactly once, in
+    // order (packed rows hold several: fewer batches, the same loss), the mean over their
+    // trained targets.
+    let limit = opts.eval_batches as usize * rows * part.of;
+    let mut start = 0;
+    while let Some(next) = source.fill_eval((rows, opts.seq), (start, limit), part, batch) {
+        let next = next.context("drawing a validation batch")?;
         upload(ex, data, batch)?;
         let loss = ex.eval_loss()? as f64;
-        if data.examples.is_some() {
-            let n = ex.loss_tokens() as f64;
-            sum += loss * n;
-            tokens += n;
-        } else {
-            sum += loss;
+        let n = ex.loss_tokens() as f64;
+        sum += loss * n;
+        tokens += n;
+        if next == start {
+            bail!("internal error: a validation batch placed no example");
+        }
+        start = next;
+        let end = limit.min(data.examples.as_ref().map_or(0, |(_, v)| v.len()));
+        if start >= end {
+            return Ok(if tokens > 0.0 {
+                (sum / tokens) as f32
+            } else {
+                0.0
+            });
         }
     }
-    if data.examples.is_some() {
-        return Ok(if tokens > 0.0 {
-            (sum / tokens) as f32
-        } else {
-            0.0
-        });
+    // Raw text: `eval_batches` windows drawn from (seed, k).
+    for k in 0..opts.eval_batches {
+        source
+            .fill((rows, opts.seq), opts.seed ^ VAL_STREAM, k, part, batch)
+            .context("drawing a validation batch")?;
+        upload(ex, data, batch)?;
+        sum += ex.eval_loss()? as f64;
     }
     Ok((sum / opts.eval_batches as f64) as f32)
 }
