@@ -128,6 +128,13 @@ fn prepare_chat_cmd(a: PrepareArgs, tok: Tokenizer) -> Result<()> {
     let file = Tokenizer::file_of(&a.tokenizer)?;
     let dir = file.as_deref().and_then(std::path::Path::parent);
     let template = ChatTemplate::load(dir, a.chat_template.as_deref())?;
+    if template.is_none() && a.tokenizer == "gpt2" {
+        anyhow::bail!(
+            "chat data is rendered with the model's own tokenizer and chat template, and \
+             --tokenizer is gpt2 (the default, which has no template): pass the model's \
+             --tokenizer (its directory, tokenizer.json or GGUF file)"
+        );
+    }
     let described = tok.id().describe();
     let encoder = Encoder::new(tok, template, a.train_on.unwrap_or_default());
     let s = prepare_chat(
@@ -664,7 +671,7 @@ fn merge_cmd(a: MergeArgs) -> Result<()> {
     };
     let m = memwall::ckpt::adapter::merge(&base, &a.adapter, &a.out, bf16)?;
     println!(
-        "merged {} into {}: {} (rank {}, scale {}) into {}",
+        "merged {} into {} ({}, rank {}, scale {}): written to {}",
         a.adapter.display(),
         a.base.display(),
         memwall::util::count(m.layers as u64, "layer"),

@@ -178,6 +178,14 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
         opts.model = m.clone();
     }
     if let Some(s) = req.steps {
+        if s > opts.steps {
+            // The schedule is a function of the total: a longer run re-stretches the decay.
+            eprintln!(
+                "note: --steps {s} (the run was started for {}): the learning-rate schedule is \
+                 recomputed for {s} steps, so the rate jumps back up from where it had decayed",
+                opts.steps
+            );
+        }
         opts.steps = s;
     }
     // Recomputation never changes the weights, so a resumed run may change it.

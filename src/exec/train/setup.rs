@@ -353,15 +353,16 @@ fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
     Ok(data)
 }
 
-/// The line announcing how an examples data set's rows are made: one example each, cut to
-/// `--seq + 1` tokens (how many are), the rest padded, the loss on trained tokens only.
+/// The line announcing how an examples data set's rows are made: packed or one example each,
+/// examples longer than a row (`--seq + 1` tokens) cut to it (how many are), the loss on
+/// trained tokens only.
 fn cut_examples(examples: usize, cut: usize, seq: usize, packed: bool) -> String {
     let cut = match cut {
-        0 => "none is longer than --seq + 1 tokens".to_string(),
+        0 => format!("none is longer than a row ({} tokens)", seq + 1),
         n => format!(
-            "{} longer than --seq + 1 = {} tokens {} cut to their first {}",
+            "{} {} longer than a row ({} tokens) and cut to it, losing what follows (a cut \
+             answer trains on its start only; raise --seq to keep more)",
             crate::util::count(n as u64, "example"),
-            seq + 1,
             if n == 1 { "is" } else { "are" },
             seq + 1
         ),
