@@ -3,8 +3,8 @@
 //!
 //! | keys | format | becomes |
 //! |---|---|---|
-//! | `messages: [{role, content}, …]` | OpenAI | the messages; roles `system`, `user`, `assistant` |
-//! | `conversations: [{from, value}, …]` | ShareGPT | `human`/`user` → user, `gpt`/`assistant` → assistant, `system` → system |
+//! | `messages: [{role, content}, …]` (optional `system`) | OpenAI | the messages; roles `system`, `user`, `assistant` |
+//! | `conversations: [{from, value}, …]` (optional `system`) | ShareGPT | `human`/`user` → user, `gpt`/`assistant` → assistant, `system` → system, in any case; turns keyed `role`/`content` read too |
 //! | `prompt`, `completion` (optional `system`) | prompt/completion | a user turn, then an assistant turn |
 //! | `instruction`, `output` (optional `input`, `system`) | Alpaca | see below |
 //! | `text` | raw text | trained whole, no template |
@@ -17,9 +17,12 @@
 //! when `input` is present and not empty; the assistant turn is `output`. No "Below is an
 //! instruction…" preamble is added: the chat template frames the turns.
 //!
+//! A top-level `system` becomes the first turn. A byte-order mark before a line is skipped.
+//!
 //! Refused (the caller adds the file and line): JSON that does not parse or is not an object,
 //! keys that fit no format, an empty conversation, a role that is none of the above, a content
-//! that is not a string. A conversation without an assistant turn parses; the encoder counts
+//! that is not a string, a top-level `system` beside a system turn, a turn's `weight` (axolotl)
+//! other than 1 (memwall trains every assistant turn). A conversation without an assistant turn parses; the encoder counts
 //! it and trains nothing from it.
 
 use anyhow::{Result, anyhow, bail};
@@ -129,22 +132,24 @@ const EXPECTED: &str = "expected one of {\"messages\": [{\"role\", \"content\"},
 /// Parses one JSONL line (without its newline). Errors say what is wrong but not where: the
 /// caller names the file and line.
 pub fn parse_line(line: &str) -> Result<Record> {
+    // A byte-order mark (a file saved by some editors) is not part of the JSON.
+    let line = line.strip_prefix('\u{feff}').unwrap_or(line);
     let value: Value = serde_json::from_str(line).map_err(|e| anyhow!("not valid JSON ({e})"))?;
     let Value::Object(obj) = value else {
         bail!("the line is JSON but not an object; {EXPECTED}");
     };
     if let Some(v) = obj.get("messages") {
-        let messages = turns(v, "messages", "role", "content", openai_role)?;
+        let messages = turns(v, "messages", ("role", "content"), openai_role)?;
         return Ok(Record::Chat {
             format: Format::Messages,
-            messages,
+            messages: with_system(&obj, messages, "messages")?,
         });
     }
     if let Some(v) = obj.get("conversations") {
-        let messages = turns(v, "conversations", "from", "value", sharegpt_role)?;
+        let messages = turns(v, "conversations", ("from", "value"), sharegpt_role)?;
         return Ok(Record::Chat {
             format: Format::ShareGpt,
-            messages,
+            messages: with_system(&obj, messages, "conversations")?,
         });
     }
     if obj.contains_key("prompt") && obj.contains_key("completion") {
@@ -200,6 +205,24 @@ fn system(obj: &Map<String, Value>) -> Result<Vec<Message>> {
     })
 }
 
+/// `messages` after the line's top-level `system` field, if it has one (ShareGPT exports often
+/// keep the system prompt there); a line with both that field and a system turn is refused.
+fn with_system(
+    obj: &Map<String, Value>,
+    messages: Vec<Message>,
+    field: &str,
+) -> Result<Vec<Message>> {
+    let mut all = system(obj)?;
+    if all.is_empty() {
+        return Ok(messages);
+    }
+    if messages.iter().any(|m| m.role == Role::System) {
+        bail!("both a top-level \"system\" and a system turn in \"{field}\": keep one of them");
+    }
+    all.extend(messages);
+    Ok(all)
+}
+
 /// A JSON value's kind, for errors.
 fn kind(v: &Value) -> &'static str {
     match v {
@@ -222,7 +245,7 @@ fn openai_role(r: &str) -> Option<Role> {
 }
 
 fn sharegpt_role(r: &str) -> Option<Role> {
-    match r {
+    match r.to_ascii_lowercase().as_str() {
         "system" => Some(Role::System),
         "human" | "user" => Some(Role::User),
         "gpt" | "assistant" => Some(Role::Assistant),
@@ -231,12 +254,12 @@ fn sharegpt_role(r: &str) -> Option<Role> {
 }
 
 /// The turns of a `messages` or `conversations` list, each an object with a `who` and a
-/// `what` string.
+/// `what` string (or `role` and `content`, which some ShareGPT exports use). A turn's
+/// `weight` (axolotl's) other than 1 is refused: memwall would train the turn regardless.
 fn turns(
     list: &Value,
     field: &str,
-    who: &str,
-    what: &str,
+    (who, what): (&str, &str),
     role_of: fn(&str) -> Option<Role>,
 ) -> Result<Vec<Message>> {
     let Value::Array(items) = list else {
@@ -256,6 +279,20 @@ fn turns(
             let Value::Object(turn) = item else {
                 bail!("\"{field}\"[{i}] is {}, not an object", kind(item));
             };
+            let (who, what) = if !turn.contains_key(who) && turn.contains_key("role") {
+                ("role", "content")
+            } else {
+                (who, what)
+            };
+            if let Some(w) = turn.get("weight")
+                && w.as_f64() != Some(1.0)
+            {
+                bail!(
+                    "\"{field}\"[{i}]: a \"weight\" of {w} (axolotl's per-turn training \
+                     switch) is not supported: every assistant turn is trained; drop the turns \
+                     not to learn from, or the field"
+                );
+            }
             let name = string(turn, who).map_err(|e| anyhow!("\"{field}\"[{i}]: {e}"))?;
             let role = role_of(name).ok_or_else(|| {
                 anyhow!("\"{field}\"[{i}]: unknown role \"{name}\" (known: {known})")
@@ -331,6 +368,15 @@ mod tests {
                 r#"{"text": "Once upon a time"}"#,
                 Record::Text("Once upon a time".into()),
             ),
+            // ShareGPT exports: a top-level system prompt, capitalised roles, role/content
+            // keys, axolotl's weight of 1; a byte-order mark before the line.
+            (
+                "\u{feff}{\"system\": \"S\", \"conversations\": [{\"from\": \"Human\", \"value\": \"Q\"}, {\"role\": \"GPT\", \"content\": \"A\", \"weight\": 1}]}",
+                chat(
+                    Format::ShareGpt,
+                    &[(System, "S"), (User, "Q"), (Assistant, "A")],
+                ),
+            ),
         ];
         for (line, want) in cases {
             assert_eq!(parse_line(line).unwrap(), want, "{line}");
@@ -366,6 +412,14 @@ mod tests {
                 "\"prompt\" is a number",
             ),
             (r#"{"text": ["a"]}"#, "\"text\" is a list"),
+            (
+                r#"{"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A", "weight": 0}]}"#,
+                "\"conversations\"[1]: a \"weight\" of 0",
+            ),
+            (
+                r#"{"system": "S", "messages": [{"role": "system", "content": "T"}, {"role": "user", "content": "Q"}]}"#,
+                "both a top-level \"system\" and a system turn",
+            ),
         ];
         for (line, want) in cases {
             let e = format!("{:#}", parse_line(line).unwrap_err());
