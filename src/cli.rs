@@ -50,6 +50,14 @@ to a held-out question and the validation loss on the answers before and after (
     )]
     Demo(DemoArgs),
     /// Tokenize UTF-8 text files (GPT-2 BPE, or a model's tokenizer.json with --tokenizer) into token shards with a train/validation split.
+    #[command(
+        after_help = "Examples:\n  memwall prepare shakespeare.txt --out data\n  \
+memwall prepare corpus/ --tokenizer SmolLM2-135M-Instruct.Q4_1.gguf --out data-smol\n  \
+memwall prepare chats.jsonl --tokenizer smol --out data-chat                 # chat data: loss on the answers\n  \
+memwall prepare chats/ --tokenizer smol --out data-chat --train-on all\n  \
+memwall prepare chats.jsonl.gz --tokenizer smol --chat-template chatml.jinja --out data-chat\n\n\
+Check what chat data will train on first: memwall tokenize --tokenizer smol --chat chats.jsonl"
+    )]
     Prepare(PrepareArgs),
     /// Show chat data as the model will be trained on it: each example rendered with the chat
     /// template, tokenized, its trained tokens marked (or as JSON lines).
@@ -85,7 +93,15 @@ memwall tokenize --tokenizer gpt2 --chat chats.jsonl.gz --chat-template chatml.j
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
     #[command(
-        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision and optimizer state cannot change."
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision and optimizer state cannot change.\n\n\
+Chat data (`memwall prepare chats.jsonl --tokenizer MODEL`): the loss is on the trained tokens \
+only (the answers, by default), short examples are packed into each row without seeing each \
+other (--no-pack: one a row), the validation loss is on answers only, and every checkpoint \
+carries the chat template the data was rendered with.\n\n\
+Examples:\n  memwall train --data data --out run --steps 500\n  \
+memwall train --init SmolLM2-135M-Instruct.Q4_1.gguf --data data-chat --out run-chat --steps 300 --batch 4 --seq 512 --lora 16\n  \
+memwall train --init smol --data data-chat --out run-full --steps 300 --lr 1e-4\n  \
+memwall train --resume run-chat --steps 600"
     )]
     Train(TrainArgs),
     /// Generate text from a checkpoint.

@@ -190,12 +190,21 @@ pub fn assistant_spans(
         let turn = i + 1;
         let prompt = template.render(&messages[..i], true)?;
         let through = template.render(&messages[..=i], false)?;
+        // Before any user turn: templates that add a default system turn (SmolLM2's, Qwen's)
+        // render such a prefix differently; the order is the likelier fault.
+        let first = messages.iter().position(|m| m.role != Role::System);
+        let hint = if first == Some(i) {
+            " (this conversation opens with an assistant turn, before any user turn: most \
+             templates expect the user to speak first; drop or reorder that turn)"
+        } else {
+            ""
+        };
         let unstable = |what: &str| {
             anyhow!(
-                "the chat template is not prefix-stable: {what} (turn {turn}, an assistant turn); \
-                 memwall finds the trained tokens by rendering the conversation turn by turn, so \
-                 it cannot mask this template: pass --chat-template FILE with one that renders \
-                 each turn the same whatever follows, or --train-on all"
+                "the chat template is not prefix-stable: {what} (turn {turn}, an assistant \
+                 turn){hint}; memwall finds the trained tokens by rendering the conversation turn \
+                 by turn, so it cannot mask this template: pass --chat-template FILE with one \
+                 that renders each turn the same whatever follows, or --train-on all"
             )
         };
         if !through.starts_with(&prompt) {
