@@ -376,6 +376,14 @@ fn prepare_and_train_on_chats_full_and_lora_resuming_bitwise() {
     );
     let l = losses(&whole);
     assert_eq!(l.len(), 12, "{l:?}");
+    // Each step's record counts the targets its loss is the mean over.
+    let text = std::fs::read_to_string(whole.join("metrics.jsonl")).unwrap();
+    let counted = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|m| m["loss"].is_number())
+        .all(|m| m["trained_tokens"].as_u64().is_some_and(|n| n > 0));
+    assert!(counted, "{text}");
     assert!(l[11] < 0.8 * l[0], "the loss falls: {l:?}");
 
     // Stopped at step 6 and resumed: bitwise the uninterrupted run.

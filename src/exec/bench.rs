@@ -186,6 +186,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
                 loss_scale: None,
                 skipped: st.skipped,
                 tokens_per_s: (opts.strategies.grad_accum * opts.batch * opts.seq) as f64 / dt,
+                trained_tokens: opts.packed.map(|_| st.loss_tokens as u64),
                 step_s: dt,
                 rss_bytes: rss_now,
                 peak_rss_bytes: None,

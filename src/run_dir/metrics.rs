@@ -35,6 +35,10 @@ pub struct Update {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
     pub tokens_per_s: f64,
+    /// Chat data: the step's trained targets, every micro-batch's and rank's (what the loss is
+    /// the mean over; rows count padding and prompts too, `tokens_per_s` all of them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trained_tokens: Option<u64>,
     pub step_s: f64,
     pub rss_bytes: Option<u64>,
     /// The process's peak resident memory so far (`VmHWM`).
@@ -169,6 +173,7 @@ mod tests {
                 loss_scale: None,
                 skipped: false,
                 tokens_per_s: 1000.0,
+                trained_tokens: None,
                 step_s: 0.5,
                 rss_bytes: Some(1 << 20),
                 peak_rss_bytes: None,

@@ -246,6 +246,11 @@ impl Run<'_> {
                 loss_scale,
                 skipped: stats.skipped,
                 tokens_per_s: self.tokens_per_step / secs,
+                trained_tokens: self
+                    .data
+                    .examples
+                    .is_some()
+                    .then_some(stats.loss_tokens as u64),
                 step_s: secs,
                 rss_bytes: rss_now,
                 peak_rss_bytes: peak,
