@@ -671,7 +671,7 @@ fn merge_cmd(a: MergeArgs) -> Result<()> {
     };
     let m = memwall::ckpt::adapter::merge(&base, &a.adapter, &a.out, bf16)?;
     println!(
-        "merged {} into {} ({}, rank {}, scale {}): written to {}",
+        "merged {} into {}: {} (rank {}, scale {}), written to {}",
         a.adapter.display(),
         a.base.display(),
         memwall::util::count(m.layers as u64, "layer"),
