@@ -256,6 +256,28 @@ pub fn hf_tensor_name(name: &str) -> Result<String> {
     })
 }
 
+/// The GGUF name of HF tensor `name` (the inverse of [`hf_tensor_name`]); `None` for a name
+/// a llama/qwen2 GGUF has no tensor for.
+pub fn gguf_tensor_name(name: &str) -> Option<String> {
+    match name {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let (hf, suffix) = rest.rsplit_once('.')?;
+    if suffix != "weight" && suffix != "bias" {
+        return None;
+    }
+    let part = PARTS.iter().find(|p| p.2 == hf)?.0;
+    Some(format!("blk.{layer}.{part}.{suffix}"))
+}
+
 /// An f32 metadata value as its shortest decimal (so `9.999999747e-6` stored as f32 is
 /// written as `1e-5`, the value the model was configured with).
 fn get_float(f: &GgufFile, key: &str) -> Result<Option<f64>> {
@@ -584,6 +606,35 @@ pub fn unpermute_rows<T: Copy>(src: &[T], dst: &mut [T], n_head: usize, cols: us
     Ok(())
 }
 
+/// llama.cpp's Q/K row permutation (`LlamaModel.permute` in `convert_hf_to_gguf.py`), the
+/// inverse of [`unpermute_rows`]: `src` [rows, cols] in HF row order → `dst` in GGUF order.
+/// GGUF row `h·d + 2i + s` is HF row `h·d + s·d/2 + i`. Biases are the case `cols` = 1.
+pub fn permute_rows<T: Copy>(src: &[T], dst: &mut [T], n_head: usize, cols: usize) -> Result<()> {
+    if cols == 0 || src.len() != dst.len() || !src.len().is_multiple_of(cols) {
+        bail!(
+            "permute_rows: {} values in, {} out, rows of {cols}",
+            src.len(),
+            dst.len()
+        );
+    }
+    let rows = src.len() / cols;
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        bail!("{rows} rows cannot be split into {n_head} heads of an even number of rows");
+    }
+    let d = rows / n_head;
+    let half = d / 2;
+    for h in 0..n_head {
+        for s in 0..2 {
+            for i in 0..half {
+                let from = (h * d + s * half + i) * cols;
+                let to = (h * d + 2 * i + s) * cols;
+                dst[to..to + cols].copy_from_slice(&src[from..from + cols]);
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -616,6 +667,21 @@ mod tests {
             unpermute_rows(&p, &mut back, n_head, cols).unwrap();
             assert_eq!(back, w, "n_head {n_head} rows {rows} cols {cols}");
         }
+    }
+
+    #[test]
+    fn permute_is_llama_cpp_s_and_unpermute_undoes_it() {
+        for (n_head, rows, cols) in [(1, 8, 3), (2, 8, 1), (3, 12, 5), (4, 32, 2)] {
+            let w: Vec<f32> = (0..rows * cols).map(|x| x as f32).collect();
+            let mut p = vec![0f32; w.len()];
+            permute_rows(&w, &mut p, n_head, cols).unwrap();
+            assert_eq!(p, permute_forward(&w, n_head, cols), "n_head {n_head}");
+            let mut back = vec![0f32; w.len()];
+            unpermute_rows(&p, &mut back, n_head, cols).unwrap();
+            assert_eq!(back, w);
+        }
+        let mut out = [0f32; 8];
+        assert!(permute_rows(&[0f32; 8], &mut out, 3, 1).is_err());
     }
 
     #[test]
@@ -674,6 +740,23 @@ mod tests {
             ),
         ] {
             assert_eq!(hf_tensor_name(g).unwrap(), h);
+        }
+        for (g, _) in [
+            ("token_embd.weight", 0),
+            ("output.weight", 0),
+            ("blk.3.ffn_norm.weight", 0),
+            ("blk.11.attn_k.bias", 0),
+            ("blk.4.ffn_down.weight", 0),
+        ] {
+            let h = hf_tensor_name(g).unwrap();
+            assert_eq!(gguf_tensor_name(&h).as_deref(), Some(g), "{h}");
+        }
+        for bad in [
+            "model.layers.x.mlp.up_proj.weight",
+            "model.layers.0.mlp.up_proj.scale",
+            "transformer.wte.weight",
+        ] {
+            assert_eq!(gguf_tensor_name(bad), None, "{bad}");
         }
         for bad in [
             "blk.x.attn_q.weight",

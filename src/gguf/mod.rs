@@ -21,6 +21,7 @@ pub mod base;
 pub mod cache;
 pub mod convert;
 pub mod dequant;
+pub mod export;
 pub mod file;
 pub mod hf;
 pub mod quantize;
@@ -28,7 +29,9 @@ pub mod quantize;
 pub(crate) mod testutil;
 pub mod tokenizer;
 pub mod types;
+pub mod write;
 
 pub use convert::{ConvertOptions, ConvertSummary, OutDtype, convert};
+pub use export::{ExportOptions, ExportSummary, ExportType, export};
 pub use file::{GgufFile, TensorInfo, Value};
 pub use types::GgmlType;

@@ -1,8 +1,11 @@
 //! Test-only GGUF writer: builds files byte by byte so the reader, the dequantizers and the
-//! converter are tested on files the tests write (no model download needed).
+//! converter are tested on files the tests write (no model download needed). Values are
+//! encoded by the real writer's functions ([`super::write`]); this one builds files in
+//! memory and can write what [`super::write::write_gguf`] refuses (bad type ids, version 2).
 
 use super::file::Value;
 use super::types::GgmlType;
+use super::write::{put_str, put_value, value_type_id as type_id};
 use std::path::PathBuf;
 
 /// A GGUF file under construction: metadata and tensors in the order they are added.
@@ -84,55 +87,6 @@ impl GgufWriter {
             b.extend_from_slice(data);
         }
         b
-    }
-}
-
-fn type_id(v: &Value) -> u32 {
-    match v {
-        Value::U8(_) => 0,
-        Value::I8(_) => 1,
-        Value::U16(_) => 2,
-        Value::I16(_) => 3,
-        Value::U32(_) => 4,
-        Value::I32(_) => 5,
-        Value::F32(_) => 6,
-        Value::Bool(_) => 7,
-        Value::String(_) => 8,
-        Value::Array(_) => 9,
-        Value::U64(_) => 10,
-        Value::I64(_) => 11,
-        Value::F64(_) => 12,
-    }
-}
-
-fn put_str(b: &mut Vec<u8>, s: &str) {
-    b.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    b.extend_from_slice(s.as_bytes());
-}
-
-fn put_value(b: &mut Vec<u8>, v: &Value) {
-    match v {
-        Value::U8(x) => b.push(*x),
-        Value::I8(x) => b.push(*x as u8),
-        Value::U16(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::I16(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::U32(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::I32(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::U64(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::I64(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::F32(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::F64(x) => b.extend_from_slice(&x.to_le_bytes()),
-        Value::Bool(x) => b.push(*x as u8),
-        Value::String(s) => put_str(b, s),
-        Value::Array(items) => {
-            // An empty array's element type is irrelevant; say int32.
-            let elem = items.first().map_or(5, type_id);
-            b.extend_from_slice(&elem.to_le_bytes());
-            b.extend_from_slice(&(items.len() as u64).to_le_bytes());
-            for x in items {
-                put_value(b, x);
-            }
-        }
     }
 }
 

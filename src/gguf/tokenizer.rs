@@ -79,8 +79,9 @@ fn split(regex: &str) -> Json {
     json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false})
 }
 
-/// The normalizer, pre-tokenizer and `ignore_merges` for pre-tokenizer name `pre`.
-fn pre_tokenizer(pre: &str) -> Result<(Json, Json, bool)> {
+/// The normalizer, pre-tokenizer and `ignore_merges` for pre-tokenizer name `pre` (also how
+/// `export` names a `tokenizer.json`'s pre-tokenizer).
+pub(crate) fn pre_tokenizer(pre: &str) -> Result<(Json, Json, bool)> {
     Ok(match pre {
         "default" | "gpt2" => (Json::Null, byte_level(true, true), false),
         "smollm" => (

@@ -1,0 +1,228 @@
+//! `export` end to end: a tiny GGUF the tests write is converted to a directory, exported
+//! back, and converted again; the tensors, the tokenizer and the metadata must survive.
+
+use super::*;
+use crate::gguf::convert::{ConvertOptions, OutDtype, convert};
+use crate::gguf::file::GgufFile;
+use crate::gguf::testutil::tiny_model;
+use safetensors::SafeTensors;
+use std::fs;
+
+/// A Hugging Face directory converted from the tiny `arch` GGUF (in `tmp`).
+fn tiny_dir(tmp: &Path, arch: &str) -> PathBuf {
+    let bytes = tiny_model(arch, false).to_bytes();
+    let src = tmp.join("src.gguf");
+    fs::write(&src, bytes).unwrap();
+    let out = tmp.join(format!("{arch}-hf"));
+    convert(&ConvertOptions {
+        input: src,
+        out: out.clone(),
+        dtype: OutDtype::F32,
+        force: false,
+        progress: false,
+    })
+    .unwrap();
+    out
+}
+
+fn export_to(dir: &Path, out: &Path, ty: ExportType) -> Result<ExportSummary> {
+    export(&ExportOptions {
+        input: dir.to_path_buf(),
+        out: out.to_path_buf(),
+        ty,
+    })
+}
+
+fn reconvert(gguf: &Path, out: &Path) {
+    convert(&ConvertOptions {
+        input: gguf.to_path_buf(),
+        out: out.to_path_buf(),
+        dtype: OutDtype::F32,
+        force: false,
+        progress: false,
+    })
+    .unwrap();
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn f32_export_then_convert_gives_back_every_tensor_bitwise() {
+    for arch in ["llama", "qwen2"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = tiny_dir(tmp.path(), arch);
+        let g = tmp.path().join("out.gguf");
+        let s = export_to(&a, &g, ExportType::F32).unwrap();
+        assert_eq!(s.architecture, arch);
+        let b = tmp.path().join("back");
+        reconvert(&g, &b);
+        let (ab, bb) = (
+            fs::read(a.join("model.safetensors")).unwrap(),
+            fs::read(b.join("model.safetensors")).unwrap(),
+        );
+        let (sa, sb) = (
+            SafeTensors::deserialize(&ab).unwrap(),
+            SafeTensors::deserialize(&bb).unwrap(),
+        );
+        let mut names = sa.names();
+        names.sort();
+        let mut names_b = sb.names();
+        names_b.sort();
+        assert_eq!(names, names_b, "{arch}");
+        for n in names {
+            let (x, y) = (sa.tensor(n).unwrap(), sb.tensor(n).unwrap());
+            assert_eq!(x.shape(), y.shape(), "{arch} {n}");
+            assert!(
+                x.data() == y.data(),
+                "{arch} {n} differs after the round trip"
+            );
+        }
+        for f in ["tokenizer.json", "tokenizer_config.json", "config.json"] {
+            let (x, y) = (
+                fs::read_to_string(a.join(f)).unwrap(),
+                fs::read_to_string(b.join(f)).unwrap(),
+            );
+            assert_eq!(x, y, "{arch} {f}");
+        }
+        // The metadata llama.cpp reads, as the source file had it.
+        let src = GgufFile::open(&tmp.path().join("src.gguf")).unwrap();
+        let out = GgufFile::open(&g).unwrap();
+        for (k, v) in &src.metadata {
+            if k == "general.name" {
+                continue;
+            }
+            assert_eq!(out.get(k), Some(v), "{arch} metadata {k}");
+        }
+        assert_eq!(out.get("general.file_type"), Some(&Value::U32(0)));
+        assert!(out.tensors.iter().all(|t| t.ty == GgmlType::F32));
+        // Q/K are in llama.cpp's order on disk: the source's F32 norms equal, its Q rows too.
+        let q = "blk.1.attn_q.weight";
+        let mut sv = vec![0f32; 32 * 32];
+        let st = src.tensor(q).unwrap();
+        crate::gguf::dequant::dequantize(st.ty, src.tensor_data(st), &mut sv).unwrap();
+        assert_eq!(
+            f32s(out.tensor_data(out.tensor(q).unwrap())),
+            sv,
+            "{arch} {q}"
+        );
+    }
+}
+
+#[test]
+fn q8_0_export_dequantizes_within_q8_0_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tiny_dir(tmp.path(), "llama");
+    let g = tmp.path().join("out.q8_0.gguf");
+    export_to(&a, &g, ExportType::Q8_0).unwrap();
+    let f = GgufFile::open(&g).unwrap();
+    assert_eq!(f.get("general.file_type"), Some(&Value::U32(7)));
+    for t in &f.tensors {
+        let want = if t.dims.len() == 1 {
+            GgmlType::F32
+        } else {
+            GgmlType::Q8_0
+        };
+        assert_eq!(t.ty, want, "{}", t.name);
+    }
+    let b = tmp.path().join("back");
+    reconvert(&g, &b);
+    let (ab, bb) = (
+        fs::read(a.join("model.safetensors")).unwrap(),
+        fs::read(b.join("model.safetensors")).unwrap(),
+    );
+    let (sa, sb) = (
+        SafeTensors::deserialize(&ab).unwrap(),
+        SafeTensors::deserialize(&bb).unwrap(),
+    );
+    for (n, x) in sa.tensors() {
+        let (x, y) = (f32s(x.data()), f32s(sb.tensor(&n).unwrap().data()));
+        // Each block of 32: |error| ≤ d/2 with d = amax/127, plus |q| ≤ 127 times the f16
+        // rounding of d (at most d·2⁻¹¹).
+        for (bx, by) in x.chunks(32).zip(y.chunks(32)) {
+            let d = bx.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            let bound = d * (0.5 + 127.0 / 2048.0) + 1e-7;
+            for (u, v) in bx.iter().zip(by) {
+                assert!((u - v).abs() <= bound, "{n}: {u} vs {v} (bound {bound})");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_type_and_family_are_refused_by_name() {
+    for bad in ["q5_k", "int8", ""] {
+        let e = format!("{:#}", bad.parse::<ExportType>().unwrap_err());
+        assert!(e.contains("f32, f16, bf16, q8_0"), "{e}");
+    }
+    let e = format!("{:#}", "q4_k".parse::<ExportType>().unwrap_err());
+    assert!(
+        e.contains("not written yet") && e.contains("llama-quantize"),
+        "{e}"
+    );
+    assert_eq!("Q8_0".parse::<ExportType>().unwrap(), ExportType::Q8_0);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x.gguf");
+    let gpt2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny-gpt2");
+    let e = format!("{:#}", export_to(&gpt2, &out, ExportType::F32).unwrap_err());
+    assert!(e.contains("gpt2 cannot be exported"), "{e}");
+    let llama3 = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny-llama");
+    let e = format!(
+        "{:#}",
+        export_to(&llama3, &out, ExportType::F32).unwrap_err()
+    );
+    assert!(e.contains("rope_freqs"), "{e}");
+    assert!(!out.exists());
+    assert_eq!(fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn a_failed_export_leaves_the_earlier_file_and_no_temporary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tiny_dir(tmp.path(), "llama");
+    // A weight beyond f16's range: found while writing, after the header is out.
+    let st = a.join("model.safetensors");
+    let bytes = fs::read(&st).unwrap();
+    let s = SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.layers.1.mlp.down_proj.weight";
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = s
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    let t = owned.iter_mut().find(|t| t.0 == name).unwrap();
+    t.2[..4].copy_from_slice(&1e6f32.to_le_bytes());
+    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+        .iter()
+        .map(|(n, sh, d)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, sh.clone(), d);
+            (n.clone(), v.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &st).unwrap();
+    let outdir = tmp.path().join("out");
+    fs::create_dir(&outdir).unwrap();
+    let out = outdir.join("m.gguf");
+    fs::write(&out, b"earlier").unwrap();
+    let e = format!("{:#}", export_to(&a, &out, ExportType::F16).unwrap_err());
+    assert!(
+        e.contains(name) && e.contains("does not fit in f16") && e.contains("unchanged"),
+        "{e}"
+    );
+    assert_eq!(fs::read(&out).unwrap(), b"earlier");
+    assert_eq!(
+        fs::read_dir(&outdir).unwrap().count(),
+        1,
+        "no temporary left"
+    );
+    // bf16 holds it.
+    export_to(&a, &out, ExportType::Bf16).unwrap();
+    assert_eq!(
+        GgufFile::open(&out).unwrap().get("general.file_type"),
+        Some(&Value::U32(32))
+    );
+}
