@@ -5,7 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use memwall::backend::DeviceKind;
 use memwall::dist::shard::Zero;
 use memwall::exec::resolve::{LoraRequest, StepRequest, StrategyRequest, TrainRequest};
-use memwall::gguf::OutDtype;
+use memwall::gguf::{ExportType, OutDtype};
 use memwall::plan::lora::BaseQuant;
 use memwall::plan::search::Pick;
 use memwall::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
@@ -143,6 +143,18 @@ The directory is written under a temporary name and renamed when complete.",
 memwall convert model.gguf --out model-hf --dtype bf16 --force"
     )]
     Convert(ConvertArgs),
+    /// Write a model directory (a checkpoint, or a Hugging Face directory) as one GGUF file
+    /// for llama.cpp, Ollama and LM Studio.
+    #[command(
+        long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face Llama / SmolLM2 / Qwen2 directory memwall loads (a GGUF file given here is converted through the user cache first).\n\n\
+Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output), Q and K rows llama.cpp's order; norms and biases stay F32, matrices take --type. The metadata carries the hyper-parameters and the tokenizer of the directory's tokenizer.json and tokenizer_config.json (byte-level BPE: tokens, types, merges, special ids, add_bos_token, chat template). The file is written under a temporary name and renamed when complete, so an error leaves an earlier OUT.gguf as it was.\n\n\
+Not yet: GPT-2, SentencePiece tokenizers (Llama 2, TinyLlama), Llama 3 rope scaling, Q4_0/Q4_1/Q4_K/Q6_K (quantize a q8_0 or f16 export further with llama.cpp's llama-quantize), merging a LoRA adapter on the way (merge it first with `memwall merge`).",
+        after_help = "Examples:\n  memwall export run/checkpoints/step-000300 --gguf smol-tuned.Q8_0.gguf --type q8_0\n  \
+memwall export smollm2 --gguf smollm2.f16.gguf --type f16\n  \
+memwall merge smollm2 run/checkpoints/step-000300 --out smol-tuned && memwall export smol-tuned --gguf smol-tuned.gguf\n  \
+memwall sample --model smol-tuned.Q8_0.gguf --prompt \"ROMEO:\"     # or llama-cli -m smol-tuned.Q8_0.gguf"
+    )]
+    Export(ExportArgs),
     /// Merge a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into its
     /// base model, writing a full Hugging Face model directory.
     #[command(
@@ -189,6 +201,21 @@ pub(crate) struct ConvertArgs {
     /// Replace DIR if it exists and is not empty.
     #[arg(long)]
     pub(crate) force: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct ExportArgs {
+    /// The model directory (config.json, model.safetensors or its shards, tokenizer.json):
+    /// a checkpoint, or a Hugging Face model directory.
+    #[arg(value_name = "CHECKPOINT_OR_HF_DIR")]
+    pub(crate) input: PathBuf,
+    /// The GGUF file to write (replaced atomically if it exists).
+    #[arg(long, value_name = "OUT.gguf")]
+    pub(crate) gguf: PathBuf,
+    /// The type of the matrices: f32 (exact), f16, bf16, or q8_0 (about a quarter of f32's
+    /// size); norms and biases are always f32.
+    #[arg(long = "type", default_value = "f16", value_name = "TYPE", value_parser = parse_export_type)]
+    pub(crate) ty: ExportType,
 }
 
 #[derive(Args)]
@@ -607,6 +634,10 @@ pub(crate) fn parse_optim_state(s: &str) -> Result<Pick<OptimState>, String> {
 }
 
 pub(crate) fn parse_dtype(s: &str) -> Result<OutDtype, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
+pub(crate) fn parse_export_type(s: &str) -> Result<ExportType, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 

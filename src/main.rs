@@ -6,8 +6,8 @@ mod cli;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cli::{
-    BenchArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, MergeArgs, PlanArgs,
-    PrepareArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
+    BenchArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, ExportArgs, MergeArgs,
+    PlanArgs, PrepareArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
 };
 use memwall::backend::DeviceKind;
 use memwall::data::{Tokenizer, prepare};
@@ -47,6 +47,7 @@ fn main() {
         Cmd::Calibrate(a) => calibrate_cmd(a),
         Cmd::Report(a) => report_cmd(a),
         Cmd::Convert(a) => convert_cmd(a),
+        Cmd::Export(a) => export_cmd(a),
         Cmd::Merge(a) => merge_cmd(a),
     };
     if let Err(e) = result {
@@ -660,6 +661,25 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
         progress: true,
     })?;
     println!("{}", s.describe());
+    Ok(())
+}
+
+fn export_cmd(a: ExportArgs) -> Result<()> {
+    let input = gguf::cache::model_dir(&a.input, "CHECKPOINT_OR_HF_DIR")?;
+    let s = gguf::export(&gguf::ExportOptions {
+        input,
+        out: a.gguf,
+        ty: a.ty,
+    })?;
+    println!(
+        "exported {} ({}) to {}: {} tensors, {} metadata keys, {}",
+        a.input.display(),
+        s.architecture,
+        s.out.display(),
+        s.tensors,
+        s.metadata_keys,
+        fmt_bytes(s.bytes)
+    );
     Ok(())
 }
 

@@ -915,3 +915,21 @@ fn resuming_on_fewer_ranks_says_the_global_batch_changes() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && !err.contains("rows"), "{err}");
 }
+
+/// `export` refuses a type it does not write and a family GGUF cannot name, before writing.
+#[test]
+fn export_refusals_name_the_type_and_the_family() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m.gguf");
+    let out_s = out.to_str().unwrap();
+    let gpt2 = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf-tiny-gpt2");
+    let e = fails(&["export", gpt2, "--gguf", out_s, "--type", "q5_k"]);
+    assert!(
+        e.contains("--type") && e.contains("f32, f16, bf16, q8_0"),
+        "{e}"
+    );
+    let e = fails(&["export", gpt2, "--gguf", out_s, "--type", "q8_0"]);
+    assert!(e.contains("gpt2 cannot be exported"), "{e}");
+    assert!(!out.exists());
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}

@@ -1,4 +1,5 @@
-//! GGUF import: llama.cpp model files turned into Hugging Face model directories.
+//! GGUF import and export: llama.cpp model files turned into Hugging Face model directories,
+//! and model directories written as GGUF files.
 //!
 //! `memwall convert FILE.gguf --out DIR` ([`convert::convert`]) reads a GGUF file
 //! ([`file::GgufFile`], memory-mapped), dequantizes every tensor to f32 ([`dequant`]), maps
@@ -12,6 +13,10 @@
 //! ([`cache::model_dir`]) and use that directory. [`quantize`] writes Q8_0, Q4_0 and Q4_1
 //! blocks bitwise as llama.cpp's reference quantizers (for a quantized base, and GGUF out);
 //! [`base`] reads a file's own blocks as a LoRA base (`--base-quant keep`).
+//!
+//! `memwall export DIR --gguf OUT.gguf --type T` ([`export::export`]) goes the other way: a
+//! llama/qwen2 model directory written by [`write::write_gguf`] under llama.cpp's names, with
+//! llama.cpp's Q/K order, hyper-parameter keys and tokenizer metadata.
 //!
 //! The output is a plain directory that `LlamaForCausalLM.from_pretrained` /
 //! `Qwen2ForCausalLM.from_pretrained` load; this module knows nothing of memwall's own model

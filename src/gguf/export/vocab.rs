@@ -13,7 +13,7 @@
 //! - `.bos_token_id`, `.eos_token_id`, `.unknown_token_id`, `.padding_token_id` from
 //!   `tokenizer_config.json`'s tokens (by content), else `config.json`'s ids;
 //!   `.add_bos_token` / `.add_eos_token` and `tokenizer.chat_template` when the config has
-//!   them.
+//!   them; `.add_space_prefix` false (byte-level BPE adds no space).
 //!
 //! SentencePiece tokenizers (Llama 2, TinyLlama: `tokenizer.ggml.model` `llama`, which needs
 //! scores) are refused for now, naming the file.
@@ -187,6 +187,8 @@ pub fn metadata(dir: &Path, spec: &ModelSpec) -> Result<Vec<(String, Value)>> {
             md.push((format!("tokenizer.ggml.{key}_token_id"), Value::U32(id)));
         }
     }
+    // Every pre-tokenizer `pre_name` accepts has ByteLevel's add_prefix_space false.
+    md.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)));
     for key in ["add_bos_token", "add_eos_token"] {
         if let Some(b) = cfg.get(key).and_then(Json::as_bool) {
             md.push((format!("tokenizer.ggml.{key}"), Value::Bool(b)));
