@@ -79,7 +79,7 @@ pub fn put_str(b: &mut Vec<u8>, s: &str) {
 
 /// Appends a value (without its type id). An array's element type is its first element's;
 /// an empty array says int32 (readers ignore it). Mixed arrays are refused by
-/// [`check_value`] before anything is written.
+/// [`write_gguf`] before anything is written.
 pub fn put_value(b: &mut Vec<u8>, v: &Value) {
     match v {
         Value::U8(x) => b.push(*x),
