@@ -228,9 +228,9 @@ fn a_failed_export_leaves_the_earlier_file_and_no_temporary() {
 }
 
 /// The real SmolLM2-135M-Instruct Q4_1 file: converted, exported as F32 and converted again,
-/// the weights and tokenizer files come back bitwise; the export's metadata holds every key
-/// of the source with the source's value, but for those listed (what llama.cpp's converter
-/// and memwall write differently, or what memwall does not yet carry over).
+/// the weights and tokenizer files come back bitwise; the export's metadata holds every
+/// non-`general.*` key of the source with the source's value; the F32 and Q8_0 exports
+/// greedy-decode the source's 20 tokens after "ROMEO:".
 #[test]
 #[ignore = "needs the SmolLM2 GGUF (set MEMWALL_SMOLLM2_GGUF)"]
 fn smollm2_exports_back_to_its_own_tensors_and_metadata() {
@@ -265,4 +265,29 @@ fn smollm2_exports_back_to_its_own_tensors_and_metadata() {
         .collect();
     differ.sort();
     assert_eq!(differ, Vec::<&str>::new(), "keys lost or changed");
+
+    // Greedy decoding of the F32 and Q8_0 exports (read back by `convert`, as `sample
+    // --model OUT.gguf` does) gives the source directory's tokens.
+    let q8 = tmp.path().join("smol.q8_0.gguf");
+    export_to(&a, &q8, ExportType::Q8_0).unwrap();
+    let c = tmp.path().join("c");
+    reconvert(&q8, &c);
+    let greedy = |dir: &Path| {
+        let o = crate::exec::generate::SampleOptions {
+            checkpoint: dir.to_path_buf(),
+            prompt: "ROMEO:".into(),
+            tokens: 20,
+            temperature: 0.0,
+            top_k: 0,
+            seed: 1,
+            threads: 2,
+            device: Default::default(),
+            adapter: None,
+            stop: Vec::new(),
+        };
+        crate::exec::generate::sample_text(&o, &mut |_| {}).unwrap()
+    };
+    let want = greedy(&a);
+    assert_eq!(greedy(&b), want, "F32 export");
+    assert_eq!(greedy(&c), want, "Q8_0 export");
 }
