@@ -666,10 +666,20 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
 
 fn export_cmd(a: ExportArgs) -> Result<()> {
     let input = gguf::cache::model_dir(&a.input, "CHECKPOINT_OR_HF_DIR")?;
+    // general.name: what the user named (a GGUF file's stem, not its cache directory's).
+    let name = std::fs::canonicalize(&a.input).ok().and_then(|p| {
+        let n = if p.is_dir() {
+            p.file_name()
+        } else {
+            p.file_stem()
+        };
+        n.map(|n| n.to_string_lossy().into_owned())
+    });
     let s = gguf::export(&gguf::ExportOptions {
         input,
         out: a.gguf,
         ty: a.ty,
+        name,
     })?;
     println!(
         "exported {} ({}) to {}: {} tensors, {} metadata keys, {}",

@@ -4,7 +4,7 @@
 //! Families: Llama (`llama`: Llama 3, SmolLM2) and Qwen2 (`qwen2`); others (GPT-2) are
 //! refused by name. What is written follows llama.cpp's `convert_hf_to_gguf.py`:
 //!
-//! - metadata: `general.architecture`, `.name` (the directory's name), `.file_type`
+//! - metadata: `general.architecture`, `.name` (the directory's name unless given), `.file_type`
 //!   (`llama_ftype`), `.quantization_version` 2; `{arch}.vocab_size`, `.context_length`,
 //!   `.embedding_length`, `.block_count`, `.feed_forward_length`, `.rope.dimension_count`,
 //!   `.attention.head_count`, `.head_count_kv`, `.rope.freq_base`,
@@ -97,6 +97,8 @@ pub struct ExportOptions {
     /// The GGUF file to write (replaced atomically if it exists).
     pub out: PathBuf,
     pub ty: ExportType,
+    /// `general.name`; `None`: the directory's name.
+    pub name: Option<String>,
 }
 
 /// What an export wrote.
@@ -133,8 +135,8 @@ fn model_metadata(
         Position::Rotary {
             scaling: Some(_), ..
         } => bail!(
-            "{}: config.json has Llama 3 rope scaling, which llama.cpp keeps as a rope_freqs \
-             tensor that memwall does not write yet",
+            "{}: the model has Llama 3 rope scaling (rope_type llama3), which llama.cpp keeps \
+             as a rope_freqs tensor that memwall does not write yet",
             dir.join("config.json").display()
         ),
         Position::Rotary { theta, .. } => theta,
@@ -190,7 +192,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     }
     let spec = crate::ckpt::load_spec(dir)?;
     let arch = arch_of(&spec, dir)?;
-    let name = fs_name(dir);
+    let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
     let mut md = model_metadata(&spec, arch, &name, o.ty, dir)?;
     md.extend(vocab::metadata(dir, &spec)?);
     let layout = spec.family.layout(&spec);

@@ -30,6 +30,7 @@ fn export_to(dir: &Path, out: &Path, ty: ExportType) -> Result<ExportSummary> {
         input: dir.to_path_buf(),
         out: out.to_path_buf(),
         ty,
+        name: None,
     })
 }
 
@@ -178,6 +179,33 @@ fn bad_type_and_family_are_refused_by_name() {
     assert!(e.contains("rope_freqs"), "{e}");
     assert!(!out.exists());
     assert_eq!(fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn a_directory_without_a_known_tokenizer_is_refused_by_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tiny_dir(tmp.path(), "llama");
+    let out = tmp.path().join("x.gguf");
+    let tok = a.join("tokenizer.json");
+    let text = fs::read_to_string(&tok).unwrap();
+    // A pre-tokenizer llama.cpp has no name for.
+    let mut j: serde_json::Value = serde_json::from_str(&text).unwrap();
+    j["pre_tokenizer"] = serde_json::json!({"type": "Whitespace"});
+    fs::write(&tok, j.to_string()).unwrap();
+    let e = format!("{:#}", export_to(&a, &out, ExportType::F32).unwrap_err());
+    assert!(
+        e.contains("tokenizer.json") && e.contains("pre-tokenizer"),
+        "{e}"
+    );
+    fs::remove_file(&tok).unwrap();
+    let e = format!("{:#}", export_to(&a, &out, ExportType::F32).unwrap_err());
+    assert!(
+        e.contains("no such file") && e.contains("copy the base model's"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    let e = format!("{:#}", export_to(&out, &a, ExportType::F32).unwrap_err());
+    assert!(e.contains("no such file"), "{e}");
 }
 
 #[test]
