@@ -4,7 +4,7 @@
 //! Families: Llama (`llama`: Llama 3, SmolLM2) and Qwen2 (`qwen2`); others (GPT-2) are
 //! refused by name. What is written follows llama.cpp's `convert_hf_to_gguf.py`:
 //!
-//! - metadata: `general.architecture`, `.name` (the directory's name unless given), `.file_type`
+//! - metadata: `general.architecture`, `.type` `model`, `.name` (the directory's name unless given), `.file_type`
 //!   (`llama_ftype`), `.quantization_version` 2; `{arch}.vocab_size`, `.context_length`,
 //!   `.embedding_length`, `.block_count`, `.feed_forward_length`, `.rope.dimension_count`,
 //!   `.attention.head_count`, `.head_count_kv`, `.rope.freq_base`,
@@ -149,6 +149,7 @@ fn model_metadata(
             "general.architecture".to_string(),
             Value::String(arch.into()),
         ),
+        ("general.type".into(), Value::String("model".into())),
         ("general.name".into(), Value::String(name.into())),
         ("general.file_type".into(), Value::U32(ty.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
