@@ -438,20 +438,35 @@ pub fn fill_packed_rows(
     }
     let placed = pack_rows(ex, (total, t), (seed, index))?;
     for (row, examples) in out.chunks_exact_mut(w).zip(&placed[skip..skip + b]) {
-        let mut at = 0;
-        for &k in examples {
-            let n = ex.fill_example(k, &mut row[at..])?;
-            row[at] |= UNTRAINED;
-            if at > 0 {
-                row[at] |= EXAMPLE_START;
-            }
-            at += n;
+        write_row(ex, examples, pad, true, row)?;
+    }
+    Ok(())
+}
+
+/// Writes `examples` one after another into `row`, then padding `pad | UNTRAINED`: each
+/// example's first token [`UNTRAINED`], the first token of every later example also
+/// [`EXAMPLE_START`], and, in packed rows (`pack`), the padding's first token after an example
+/// too (padding attends to no example). Rows of one example each (`pack` false) carry no mark.
+fn write_row(
+    ex: &Examples,
+    examples: &[usize],
+    pad: u32,
+    pack: bool,
+    row: &mut [u32],
+) -> Result<()> {
+    let mut at = 0;
+    for &k in examples {
+        let n = ex.fill_example(k, &mut row[at..])?;
+        row[at] |= UNTRAINED;
+        if at > 0 {
+            row[at] |= EXAMPLE_START;
         }
-        if at < w {
-            row[at..].fill(pad | UNTRAINED);
-            if at > 0 {
-                row[at] |= EXAMPLE_START;
-            }
+        at += n;
+    }
+    if at < row.len() {
+        row[at..].fill(pad | UNTRAINED);
+        if at > 0 && pack {
+            row[at] |= EXAMPLE_START;
         }
     }
     Ok(())
@@ -503,21 +518,7 @@ pub fn fill_eval_rows(
         k += 1;
     }
     for (row, examples) in out.chunks_exact_mut(w).zip(&rows[skip..skip + b]) {
-        let mut at = 0;
-        for &e in examples {
-            let n = ex.fill_example(e, &mut row[at..])?;
-            row[at] |= UNTRAINED;
-            if at > 0 {
-                row[at] |= EXAMPLE_START;
-            }
-            at += n;
-        }
-        if at < w {
-            row[at..].fill(pad | UNTRAINED);
-            if at > 0 && pack {
-                row[at] |= EXAMPLE_START;
-            }
-        }
+        write_row(ex, examples, pad, pack, row)?;
     }
     Ok(k)
 }

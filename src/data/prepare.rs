@@ -344,7 +344,7 @@ pub(crate) fn check_writable(dir: &Path) -> Result<()> {
 }
 
 /// "'a', 'b' and 2 more" for error messages.
-fn names(paths: &[PathBuf]) -> String {
+pub(crate) fn names(paths: &[PathBuf]) -> String {
     let shown: Vec<String> = paths
         .iter()
         .take(3)

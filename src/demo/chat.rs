@@ -37,7 +37,6 @@
 
 use super::finetune::val_losses;
 use super::smollm2;
-use crate::ckpt;
 use crate::data::Tokenizer;
 use crate::data::chat::{
     ChatPrepareOptions, ChatTemplate, Encoder, Message, Role, TrainOn, prepare_chat,
@@ -374,16 +373,7 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     println!(
         "memwall demo chat: teach SmolLM2-135M-Instruct to continue Shakespeare's speeches (LoRA) from a static memory plan\n"
     );
-    let (gguf, source) = smollm2::smollm2_gguf()?;
-    println!("1. the pretrained model: {} ({source})", gguf.display());
-    let dir = crate::gguf::cache::model_dir(&gguf, "--model").with_context(|| {
-        format!(
-            "{}: or set {} to another copy",
-            gguf.display(),
-            smollm2::ENV_VAR
-        )
-    })?;
-    let spec = ckpt::load_spec(&dir)?;
+    let (gguf, dir, spec) = smollm2::pretrained()?;
     println!(
         "   converted once to {} ({:.1}M parameters, with its tokenizer and chat template)",
         dir.display(),

@@ -10,7 +10,6 @@
 //! checkpoint. [`FinetuneOptions`] sizes the run, so tests can keep it tiny.
 
 use super::{print_sample, smollm2};
-use crate::ckpt;
 use crate::data::loader::DataSet;
 use crate::data::{Tokenizer, check_tokenizer, corpus, prepare};
 use crate::exec::generate::SampleOptions;
@@ -90,17 +89,7 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     println!(
         "memwall demo finetune: fine-tune a pretrained SmolLM2-135M-Instruct on Shakespeare from a static memory plan\n"
     );
-    let (gguf, source) = smollm2::smollm2_gguf()?;
-    println!("1. the pretrained model: {} ({source})", gguf.display());
-
-    let dir = crate::gguf::cache::model_dir(&gguf, "--model").with_context(|| {
-        format!(
-            "{}: or set {} to another copy",
-            gguf.display(),
-            smollm2::ENV_VAR
-        )
-    })?;
-    let spec = ckpt::load_spec(&dir)?;
+    let (_, dir, spec) = smollm2::pretrained()?;
     println!(
         "\n2. converted to a Hugging Face model directory: {} ({:.1}M parameters)",
         dir.display(),

@@ -55,6 +55,17 @@ pub(crate) enum Found {
     Absent(PathBuf),
 }
 
+/// The pretrained model the demos fine-tune: its GGUF file ([`smollm2_gguf`]), announced as
+/// step 1, and its Hugging Face directory (converted once into the user cache) with its spec.
+pub fn pretrained() -> Result<(PathBuf, PathBuf, crate::model::ModelSpec)> {
+    let (gguf, source) = smollm2_gguf()?;
+    println!("1. the pretrained model: {} ({source})", gguf.display());
+    let dir = crate::gguf::cache::model_dir(&gguf, "--model")
+        .with_context(|| format!("{}: or set {ENV_VAR} to another copy", gguf.display()))?;
+    let spec = crate::ckpt::load_spec(&dir)?;
+    Ok((gguf, dir, spec))
+}
+
 /// Finds (or fetches) the SmolLM2 GGUF file; returns its path and where it came from
 /// ("from $MEMWALL_SMOLLM2_GGUF", "cached", "downloaded ...").
 pub fn smollm2_gguf() -> Result<(PathBuf, String)> {

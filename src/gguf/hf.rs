@@ -581,38 +581,33 @@ pub fn tensor_types(f: &GgufFile) -> Result<std::collections::BTreeMap<String, G
 /// a row), with `n_head` heads of `rows / n_head` rows each. HF row
 /// `h·d + s·d/2 + i` is GGUF row `h·d + 2i + s`. Biases are the case `cols` = 1.
 pub fn unpermute_rows<T: Copy>(src: &[T], dst: &mut [T], n_head: usize, cols: usize) -> Result<()> {
-    if cols == 0 || src.len() != dst.len() || !src.len().is_multiple_of(cols) {
-        bail!(
-            "unpermute_rows: {} values in, {} out, rows of {cols}",
-            src.len(),
-            dst.len()
-        );
-    }
-    let rows = src.len() / cols;
-    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
-        bail!("{rows} rows cannot be split into {n_head} heads of an even number of rows");
-    }
-    let d = rows / n_head;
-    let half = d / 2;
-    for h in 0..n_head {
-        for s in 0..2 {
-            for i in 0..half {
-                let to = (h * d + s * half + i) * cols;
-                let from = (h * d + 2 * i + s) * cols;
-                dst[to..to + cols].copy_from_slice(&src[from..from + cols]);
-            }
-        }
-    }
-    Ok(())
+    move_rows(src, dst, n_head, cols, true)
 }
 
 /// llama.cpp's Q/K row permutation (`LlamaModel.permute` in `convert_hf_to_gguf.py`), the
 /// inverse of [`unpermute_rows`]: `src` [rows, cols] in HF row order → `dst` in GGUF order.
 /// GGUF row `h·d + 2i + s` is HF row `h·d + s·d/2 + i`. Biases are the case `cols` = 1.
 pub fn permute_rows<T: Copy>(src: &[T], dst: &mut [T], n_head: usize, cols: usize) -> Result<()> {
+    move_rows(src, dst, n_head, cols, false)
+}
+
+/// The pairing both directions share: HF row `h·d + s·d/2 + i` ↔ GGUF row `h·d + 2i + s`,
+/// copied GGUF → HF when `to_hf`, else HF → GGUF.
+fn move_rows<T: Copy>(
+    src: &[T],
+    dst: &mut [T],
+    n_head: usize,
+    cols: usize,
+    to_hf: bool,
+) -> Result<()> {
+    let what = if to_hf {
+        "unpermute_rows"
+    } else {
+        "permute_rows"
+    };
     if cols == 0 || src.len() != dst.len() || !src.len().is_multiple_of(cols) {
         bail!(
-            "permute_rows: {} values in, {} out, rows of {cols}",
+            "{what}: {} values in, {} out, rows of {cols}",
             src.len(),
             dst.len()
         );
@@ -626,8 +621,9 @@ pub fn permute_rows<T: Copy>(src: &[T], dst: &mut [T], n_head: usize, cols: usiz
     for h in 0..n_head {
         for s in 0..2 {
             for i in 0..half {
-                let from = (h * d + s * half + i) * cols;
-                let to = (h * d + 2 * i + s) * cols;
+                let hf = (h * d + s * half + i) * cols;
+                let gguf = (h * d + 2 * i + s) * cols;
+                let (to, from) = if to_hf { (hf, gguf) } else { (gguf, hf) };
                 dst[to..to + cols].copy_from_slice(&src[from..from + cols]);
             }
         }

@@ -21,7 +21,7 @@ use super::format::Format;
 use super::read::{Place, chat_files, for_each_line};
 use crate::data::examples::{BitVec, write_index, write_mask};
 use crate::data::prepare::{
-    EXAMPLES_FORMAT, META_VERSION, check_out, check_val_fraction, create_out,
+    EXAMPLES_FORMAT, META_VERSION, check_out, check_val_fraction, create_out, names,
 };
 use crate::data::shard::{HEADER_BYTES, MAGIC, VERSION, token_width};
 use crate::util::atomic;
@@ -181,23 +181,11 @@ pub fn is_chat_input(inputs: &[PathBuf], notes: &mut dyn FnMut(String)) -> Resul
         if !direct.is_empty() {
             chat += 1;
             if !other.is_empty() {
-                let names: Vec<String> = other
-                    .iter()
-                    .take(3)
-                    .map(|f| {
-                        f.file_name()
-                            .unwrap_or_default()
-                            .to_string_lossy()
-                            .into_owned()
-                    })
-                    .collect();
+                let other: Vec<PathBuf> = other.into_iter().cloned().collect();
                 notes(format!(
-                    "note: folder '{shown}': reading its {} .jsonl/.jsonl.gz file(s); {} other \
-                     file(s) not read ({}{})",
+                    "note: folder '{shown}': reading its {} .jsonl/.jsonl.gz file(s); {} not read",
                     direct.len(),
-                    other.len(),
-                    names.join(", "),
-                    if other.len() > 3 { ", ..." } else { "" }
+                    names(&other)
                 ));
             }
         } else if let Some(nested) = nested_chat(p, &chat_name, 0) {
@@ -466,18 +454,4 @@ fn copy_shard(tmp: &Temp, path: &Path, (a, b): (u64, u64), vocab_size: usize) ->
         }
         w.flush().with_context(ctx)
     })
-}
-
-/// "'a', 'b' and 2 more" for error messages.
-fn names(paths: &[PathBuf]) -> String {
-    let shown: Vec<String> = paths
-        .iter()
-        .take(3)
-        .map(|p| format!("'{}'", p.display()))
-        .collect();
-    let mut s = shown.join(", ");
-    if paths.len() > 3 {
-        s.push_str(&format!(" and {} more", paths.len() - 3));
-    }
-    s
 }

@@ -386,6 +386,7 @@ fn evaluate(
     // order (packed rows hold several: fewer batches, the same loss), the mean over their
     // trained targets.
     let limit = opts.eval_batches as usize * rows * part.of;
+    let end = limit.min(data.examples.as_ref().map_or(0, |(_, v)| v.len()));
     let mut start = 0;
     while let Some(next) = source.fill_eval((rows, opts.seq), (start, limit), part, batch) {
         let next = next.context("drawing a validation batch")?;
@@ -398,7 +399,6 @@ fn evaluate(
             bail!("internal error: a validation batch placed no example");
         }
         start = next;
-        let end = limit.min(data.examples.as_ref().map_or(0, |(_, v)| v.len()));
         if start >= end {
             return Ok(if tokens > 0.0 {
                 (sum / tokens) as f32
