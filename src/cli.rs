@@ -148,10 +148,11 @@ memwall convert model.gguf --out model-hf --dtype bf16 --force"
     #[command(
         long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face Llama / SmolLM2 / Qwen2 directory memwall loads (a GGUF file given here is converted through the user cache first).\n\n\
 Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output), Q and K rows llama.cpp's order; norms and biases stay F32, matrices take --type. The metadata carries the hyper-parameters and the tokenizer of the directory's tokenizer.json and tokenizer_config.json (byte-level BPE: tokens, types, merges, special ids, add_bos_token, chat template). The file is written under a temporary name and renamed when complete, so an error leaves an earlier OUT.gguf as it was.\n\n\
-Not yet: GPT-2, SentencePiece tokenizers (Llama 2, TinyLlama), Llama 3 rope scaling, Q4_0/Q4_1/Q4_K/Q6_K (quantize a q8_0 or f16 export further with llama.cpp's llama-quantize), merging a LoRA adapter on the way (merge it first with `memwall merge`).",
+Not yet: GPT-2, SentencePiece tokenizers (Llama 2, TinyLlama), Llama 3 rope scaling, Q4_0/Q4_1/Q4_K/Q6_K (quantize a q8_0 or f16 export further with llama.cpp's llama-quantize).\n\n\
+With --adapter, a LoRA adapter (a checkpoint of `memwall train --lora`, its run directory, or any PEFT adapter directory) is merged into each weight as it is written, as `memwall merge` would, with no merged copy of the model on disk or in memory; the adapter's chat template, when it has one, replaces the base's.",
         after_help = "Examples:\n  memwall export run/checkpoints/step-000300 --gguf smol-tuned.Q8_0.gguf --type q8_0\n  \
 memwall export smollm2 --gguf smollm2.f16.gguf --type f16\n  \
-memwall merge smollm2 run/checkpoints/step-000300 --out smol-tuned && memwall export smol-tuned --gguf smol-tuned.gguf\n  \
+memwall export smollm2 --adapter run --gguf smol-tuned.gguf     # LoRA run: its newest checkpoint merged on the way\n  \
 memwall sample --model smol-tuned.Q8_0.gguf --prompt \"ROMEO:\"     # or llama-cli -m smol-tuned.Q8_0.gguf"
     )]
     Export(ExportArgs),
@@ -216,6 +217,11 @@ pub(crate) struct ExportArgs {
     /// size); norms and biases are always f32.
     #[arg(long = "type", default_value = "f16", value_name = "TYPE", value_parser = parse_export_type)]
     pub(crate) ty: ExportType,
+    /// A LoRA adapter for the model (a checkpoint of `train --lora`, its run directory for
+    /// the newest checkpoint, or a PEFT adapter directory), merged into the weights as they
+    /// are written.
+    #[arg(long, value_name = "ADAPTER_OR_RUN_DIR")]
+    pub(crate) adapter: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -680,9 +680,19 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
         out: a.gguf,
         ty: a.ty,
         name,
+        adapter: a.adapter.clone(),
+        progress: true,
     })?;
+    let merged = match &s.merged {
+        Some((dir, layers)) => format!(
+            " with the adapter {} merged into {}",
+            dir.display(),
+            memwall::util::count(*layers as u64, "weight")
+        ),
+        None => String::new(),
+    };
     println!(
-        "exported {} ({}) to {}: {} tensors, {} metadata keys, {}",
+        "exported {} ({}){merged} to {}: {} tensors, {} metadata keys, {}",
         a.input.display(),
         s.architecture,
         s.out.display(),

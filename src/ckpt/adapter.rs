@@ -20,7 +20,7 @@ use crate::model::ParamLayout;
 use crate::model::lora::{AdapterConfig, AdapterLayout, LoraSpec};
 use crate::util::atomic;
 use anyhow::{Context, Result, bail};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub use super::files::{ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE};
 
@@ -65,8 +65,7 @@ pub fn save_adapter(
 }
 
 /// Adds every adapter's update into the base weight it adapts, as PEFT's
-/// `merge_and_unload` does: `W += (alpha / r) · B A` for a `[out, in]` weight, its transpose
-/// for GPT-2's `[in, out]` Conv1D, computed by the f32 GEMM (PEFT computes it in f32 too).
+/// `merge_and_unload` does ([`merge_tensor`] for each base tensor an adapter adapts).
 /// `base_values` are the base's parameters (`base.total`), `values` the adapters'
 /// (`adapters.params.total`).
 pub fn merge_into(
@@ -75,14 +74,34 @@ pub fn merge_into(
     base_values: &mut [f32],
     values: &[f32],
 ) {
-    use crate::backend::cpu::gemm::f32::sgemm;
     assert_eq!(base_values.len(), base.total);
+    for (i, t) in base.tensors.iter().enumerate() {
+        merge_tensor(adapters, base, i, &mut base_values[t.range.clone()], values);
+    }
+}
+
+/// Adds into `w`, the values of the base's tensor `tensor` (`base.tensors[tensor]`), the
+/// update of every adapter on it: `W += (alpha / r) · B A` for a `[out, in]` weight, its
+/// transpose for GPT-2's `[in, out]` Conv1D, computed by the f32 GEMM (PEFT computes it in
+/// f32 too). A tensor no adapter adapts is left as it is. What [`merge_into`] does for the
+/// whole model, one tensor at a time (an export merges as it streams).
+pub fn merge_tensor(
+    adapters: &AdapterLayout,
+    base: &ParamLayout,
+    tensor: usize,
+    w: &mut [f32],
+    values: &[f32],
+) {
+    use crate::backend::cpu::gemm::f32::sgemm;
     assert_eq!(values.len(), adapters.params.total);
+    assert_eq!(w.len(), base.tensors[tensor].range.len());
     let (r, scale) = (adapters.spec.r, adapters.spec.scale());
     for (i, a) in adapters.layers.iter().enumerate() {
+        if a.base_tensor != tensor {
+            continue;
+        }
         let am = &values[adapters.params.tensors[2 * i].range.clone()]; // A [r, in]
         let bm = &values[adapters.params.tensors[2 * i + 1].range.clone()]; // B [out, r]
-        let w = &mut base_values[base.tensors[a.base_tensor].range.clone()];
         let (din, dout) = (a.in_features, a.out_features);
         if base.family == crate::model::Family::Gpt2 {
             // W [in, out] += scale · Aᵀ Bᵀ.
@@ -95,6 +114,17 @@ pub fn merge_into(
                 dout, din, r, scale, bm, r, false, am, din, false, w, din, true,
             );
         }
+    }
+}
+
+/// `--adapter DIR`: an adapter directory, or a LoRA run's directory (its newest checkpoint).
+pub fn resolve_dir(dir: &Path) -> Result<PathBuf> {
+    if dir.join(ADAPTER_CONFIG_FILE).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    match super::latest_checkpoint(dir) {
+        Ok(Some(newest)) => Ok(newest),
+        _ => Ok(dir.to_path_buf()),
     }
 }
 
@@ -127,6 +157,7 @@ pub struct Merged {
 /// is held in f32 while merging, and refused up front when that does not fit the memory
 /// available.
 pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merged> {
+    let adapter = &resolve_dir(adapter)?;
     if out.exists()
         && std::fs::read_dir(out)
             .with_context(|| format!("--out {}: cannot read the directory", out.display()))?

@@ -740,39 +740,11 @@ fn latest_checkpoint_picks_highest_complete_step() {
     );
 }
 
-/// Unmounts a tmpfs when dropped (also when the test fails).
-struct Unmount(std::path::PathBuf);
-
-impl Drop for Unmount {
-    fn drop(&mut self) {
-        let ok = std::process::Command::new("umount")
-            .arg(&self.0)
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            eprintln!("could not unmount {}", self.0.display());
-        }
-    }
-}
-
 #[test]
 #[ignore = "needs root to mount a 1 MiB tmpfs: .ci/run runs it as root"]
 fn full_disk_leaves_previous_checkpoint_loadable() {
-    let base = tempfile::tempdir().unwrap();
-    let mnt = base.path().join("mnt");
-    fs::create_dir(&mnt).unwrap();
-    let mount = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
-        .arg(&mnt)
-        .output()
-        .expect("run mount");
-    assert!(
-        mount.status.success(),
-        "cannot mount a tmpfs at {} (not root?): {}",
-        mnt.display(),
-        String::from_utf8_lossy(&mount.stderr)
-    );
-    let _guard = Unmount(mnt.clone());
+    let disk = crate::util::small_disk::SmallDisk::mount("1m");
+    let mnt = disk.path().to_path_buf();
     let run = mnt.join("run");
 
     // Small: about 3 × 35 KB, fits in 1 MiB.

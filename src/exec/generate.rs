@@ -77,7 +77,10 @@ pub fn generate_tokens(
     let layout = plan.layout.clone();
     let mut ex = Executor::on(plan, opts.device.backend())?;
     let adapter = match &opts.adapter {
-        Some(dir) => Some(ckpt::adapter::load_adapter(&adapter_dir(dir)?, &layout)?),
+        Some(dir) => Some(ckpt::adapter::load_adapter(
+            &ckpt::adapter::resolve_dir(dir)?,
+            &layout,
+        )?),
         None => None,
     };
     ex.with_params_mut(|p| -> Result<()> {
@@ -115,17 +118,6 @@ pub fn generate_tokens(
         on_token(next);
     }
     Ok(out)
-}
-
-/// `--adapter DIR`: an adapter directory, or a LoRA run's directory (its newest checkpoint).
-fn adapter_dir(dir: &Path) -> Result<PathBuf> {
-    if dir.join(ckpt::ADAPTER_CONFIG_FILE).is_file() {
-        return Ok(dir.to_path_buf());
-    }
-    match ckpt::latest_checkpoint(dir) {
-        Ok(Some(newest)) => Ok(newest),
-        _ => Ok(dir.to_path_buf()),
-    }
 }
 
 /// What a reader should know when the prompt and the new tokens exceed the model's context

@@ -26,6 +26,7 @@
 //! Doubt: a directory `convert` made from a GGUF file does not record that file, so its
 //! tokenizer metadata is rebuilt from `tokenizer.json`, not copied from the source.
 
+mod adapter;
 pub mod vocab;
 
 use super::file::Value;
@@ -99,6 +100,12 @@ pub struct ExportOptions {
     pub ty: ExportType,
     /// `general.name`; `None`: the directory's name.
     pub name: Option<String>,
+    /// A PEFT adapter (or a LoRA run's directory: its newest checkpoint) for the model in
+    /// `input`, merged into each weight as it is written, as `memwall merge` would; its
+    /// chat template, when it has one, replaces the base's.
+    pub adapter: Option<PathBuf>,
+    /// A progress bar on stderr (for models of 100 MB or more, on a terminal).
+    pub progress: bool,
 }
 
 /// What an export wrote.
@@ -109,6 +116,8 @@ pub struct ExportSummary {
     pub tensors: usize,
     pub metadata_keys: usize,
     pub bytes: u64,
+    /// The adapter merged on the way: its directory and how many weights took its update.
+    pub merged: Option<(PathBuf, usize)>,
 }
 
 /// GGUF's architecture name for a family, or an error naming it.
@@ -228,13 +237,22 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
             permute_heads,
         });
     }
+    let adapter = match &o.adapter {
+        Some(a) => Some(adapter::Adapter::load(a, &layout, &mut md)?),
+        None => None,
+    };
     let specs: Vec<TensorSpec> = plan.iter().map(|p| p.spec.clone()).collect();
+    let bar = progress_bar(o.progress, &specs);
     crate::ckpt::load_params_by(dir, &layout, |copy| {
         write_gguf(&o.out, &md, &specs, |i, buf| {
             let p = &plan[i];
             let t = &layout.tensors[p.layout_index];
+            bar.set_message(p.spec.name.clone());
             let mut vals = vec![0f32; t.range.len()];
             copy(t.range.clone(), &mut vals)?;
+            if let Some(a) = &adapter {
+                a.merge(&layout, p.layout_index, &mut vals);
+            }
             if let Some(heads) = p.permute_heads {
                 let cols = t.shape.get(1).copied().unwrap_or(1);
                 let mut out = vec![0f32; vals.len()];
@@ -242,10 +260,13 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
                     .with_context(|| format!("tensor {}", t.name))?;
                 vals = out;
             }
-            encode(&vals, p.spec.ty, buf).with_context(|| format!("tensor {}", t.name))
+            encode(&vals, p.spec.ty, buf).with_context(|| format!("tensor {}", t.name))?;
+            bar.inc(1);
+            Ok(())
         })
     })
     .with_context(|| format!("exporting {} to {}", dir.display(), o.out.display()))?;
+    bar.finish_and_clear();
     let bytes = std::fs::metadata(&o.out)
         .with_context(|| format!("cannot stat {}", o.out.display()))?
         .len();
@@ -255,7 +276,25 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         tensors: plan.len(),
         metadata_keys: md.len(),
         bytes,
+        merged: adapter.map(|a| (a.dir, a.layout.layers.len())),
     })
+}
+
+/// A bar over the tensors to write, drawn when asked for and the model is 100 MB or more.
+fn progress_bar(progress: bool, specs: &[TensorSpec]) -> indicatif::ProgressBar {
+    let bytes: u64 = specs.iter().filter_map(|s| s.n_bytes().ok()).sum();
+    if !progress || bytes < 100_000_000 {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(specs.len() as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} tensors {msg} eta {eta}")
+            .expect("a valid template"),
+    );
+    bar
 }
 
 /// The directory's own name (`general.name`), `model` when it has none.

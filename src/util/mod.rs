@@ -15,6 +15,8 @@ pub mod owned_dir;
 pub mod pip;
 pub mod rng;
 pub mod rss;
+#[cfg(test)]
+pub mod small_disk;
 pub mod threads;
 
 /// `n` and `noun`, in the plural unless `n` is 1: `1 thread`, `2 threads`, `3 files`.

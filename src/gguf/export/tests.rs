@@ -9,7 +9,7 @@ use safetensors::SafeTensors;
 use std::fs;
 
 /// A Hugging Face directory converted from the tiny `arch` GGUF (in `tmp`).
-fn tiny_dir(tmp: &Path, arch: &str) -> PathBuf {
+pub(super) fn tiny_dir(tmp: &Path, arch: &str) -> PathBuf {
     let bytes = tiny_model(arch, false).to_bytes();
     let src = tmp.join("src.gguf");
     fs::write(&src, bytes).unwrap();
@@ -25,12 +25,19 @@ fn tiny_dir(tmp: &Path, arch: &str) -> PathBuf {
     out
 }
 
+/// `export(o)`, for the sibling modules' tests.
+pub(super) fn export_to_with(o: &ExportOptions) -> Result<ExportSummary> {
+    export(o)
+}
+
 fn export_to(dir: &Path, out: &Path, ty: ExportType) -> Result<ExportSummary> {
     export(&ExportOptions {
         input: dir.to_path_buf(),
         out: out.to_path_buf(),
         ty,
         name: None,
+        adapter: None,
+        progress: false,
     })
 }
 
@@ -252,6 +259,48 @@ fn a_failed_export_leaves_the_earlier_file_and_no_temporary() {
     assert_eq!(
         GgufFile::open(&out).unwrap().get("general.file_type"),
         Some(&Value::U32(32))
+    );
+}
+
+/// A disk too small for the export: the error names the file and the cause, the earlier
+/// export is left as it was, and no temporary remains.
+#[test]
+#[ignore = "needs root to mount a small tmpfs: .ci/run runs it as root"]
+fn a_full_disk_leaves_the_earlier_file_and_no_temporary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tiny_dir(tmp.path(), "llama");
+    // The two sizes, measured on a disk with room: the tmpfs holds the Q8_0 file, not the F32.
+    let sizes: Vec<u64> = [ExportType::Q8_0, ExportType::F32]
+        .iter()
+        .map(|&ty| {
+            export_to(&a, &tmp.path().join("sized.gguf"), ty)
+                .unwrap()
+                .bytes
+        })
+        .collect();
+    let kib = sizes[1] / 1024 - 8;
+    assert!(sizes[0] / 1024 + 8 < kib, "sizes {sizes:?}");
+    let disk = crate::util::small_disk::SmallDisk::mount(&format!("{kib}k"));
+    let out = disk.path().join("m.gguf");
+    export_to(&a, &out, ExportType::Q8_0).unwrap();
+    let earlier = fs::read(&out).unwrap();
+    let e = format!("{:#}", export_to(&a, &out, ExportType::F32).unwrap_err());
+    assert!(
+        e.contains("m.gguf") && e.contains("No space left on device"),
+        "{e}"
+    );
+    assert!(
+        fs::read(&out).unwrap() == earlier,
+        "the earlier file changed"
+    );
+    let left: Vec<_> = fs::read_dir(disk.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        left,
+        vec![std::ffi::OsString::from("m.gguf")],
+        "a temporary was left"
     );
 }
 

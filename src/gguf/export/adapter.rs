@@ -1,0 +1,161 @@
+//! `memwall export --adapter DIR`: a LoRA adapter merged into the weights as they stream
+//! out, one tensor at a time ([`crate::ckpt::adapter::merge_tensor`], the update `memwall
+//! merge` adds), so the file equals `merge` then `export` without a merged copy of the model
+//! on disk or in memory. The adapter's chat template (`chat_template.jinja`, which a chat
+//! run's checkpoints carry) replaces the base's `tokenizer.chat_template`.
+
+use crate::ckpt::adapter::{load_adapter, merge_tensor, resolve_dir};
+use crate::gguf::file::Value;
+use crate::model::ParamLayout;
+use crate::model::lora::AdapterLayout;
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+/// An adapter to merge: where it was read, its layout and values.
+pub(super) struct Adapter {
+    pub dir: PathBuf,
+    pub layout: AdapterLayout,
+    /// Every adapter's A and B (`layout.params.total`).
+    values: Vec<f32>,
+}
+
+impl Adapter {
+    /// Reads `--adapter` (an adapter directory, or a LoRA run's directory: its newest
+    /// checkpoint) for the base whose parameters are `base`, checked against it before the
+    /// output is opened, and puts its chat template, when it has one, in `md`.
+    pub fn load(dir: &Path, base: &ParamLayout, md: &mut Vec<(String, Value)>) -> Result<Adapter> {
+        let dir = resolve_dir(dir)?;
+        let (layout, values) =
+            load_adapter(&dir, base).with_context(|| format!("--adapter {}", dir.display()))?;
+        let template = dir.join(crate::ckpt::CHAT_TEMPLATE_FILE);
+        if template.is_file() {
+            let text = std::fs::read_to_string(&template)
+                .with_context(|| format!("cannot read {}", template.display()))?;
+            md.retain(|(k, _)| k != "tokenizer.chat_template");
+            md.push(("tokenizer.chat_template".into(), Value::String(text)));
+        }
+        Ok(Adapter {
+            dir,
+            layout,
+            values,
+        })
+    }
+
+    /// Adds into `w` (the values of `base.tensors[tensor]`) the update of every adapter on it.
+    pub fn merge(&self, base: &ParamLayout, tensor: usize, w: &mut [f32]) {
+        merge_tensor(&self.layout, base, tensor, w, &self.values);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{export_to_with, tiny_dir};
+    use super::super::{ExportOptions, ExportType};
+    use crate::ckpt::adapter::{merge, save_adapter};
+    use crate::gguf::file::{GgufFile, Value};
+    use crate::model::ParamLayout;
+    use crate::model::lora::{AdapterLayout, LoraSpec, parse_targets};
+    use std::fs;
+    use std::path::Path;
+
+    /// A PEFT adapter on `base` with values that are not the initial ones (B ≠ 0).
+    fn adapter(base: &Path, dir: &Path, targets: &str) -> usize {
+        let layout = ParamLayout::new(&crate::ckpt::load_spec(base).unwrap());
+        let lora = LoraSpec {
+            r: 2,
+            alpha: 4.0,
+            dropout: 0.0,
+            targets: parse_targets(targets, layout.family).unwrap(),
+        };
+        let a = AdapterLayout::new(&layout, lora).unwrap();
+        let values: Vec<f32> = (0..a.params.total)
+            .map(|i| ((i * 7919) % 101) as f32 / 101.0 - 0.5)
+            .collect();
+        save_adapter(dir, &a, &values, &base.display().to_string()).unwrap();
+        a.layers.len()
+    }
+
+    fn opts(input: &Path, out: &Path, adapter: Option<&Path>) -> ExportOptions {
+        ExportOptions {
+            input: input.to_path_buf(),
+            out: out.to_path_buf(),
+            ty: ExportType::F32,
+            name: Some("m".into()),
+            adapter: adapter.map(Path::to_path_buf),
+            progress: false,
+        }
+    }
+
+    #[test]
+    fn an_adapter_merged_on_the_way_equals_merge_then_export() {
+        for arch in ["llama", "qwen2"] {
+            let tmp = tempfile::tempdir().unwrap();
+            let base = tiny_dir(tmp.path(), arch);
+            let ad = tmp.path().join("adapter");
+            let layers = adapter(&base, &ad, "q,k,v,o,gate,up,down");
+            let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+            fs::write(ad.join(crate::ckpt::CHAT_TEMPLATE_FILE), template).unwrap();
+
+            let merged_on_the_way = tmp.path().join("a.gguf");
+            let s = export_to_with(&opts(&base, &merged_on_the_way, Some(&ad))).unwrap();
+            assert_eq!(s.merged, Some((ad.clone(), layers)), "{arch}");
+            let merged_dir = tmp.path().join("merged");
+            merge(&base, &ad, &merged_dir, false).unwrap();
+            let merged_first = tmp.path().join("b.gguf");
+            export_to_with(&opts(&merged_dir, &merged_first, None)).unwrap();
+            let plain = tmp.path().join("c.gguf");
+            export_to_with(&opts(&base, &plain, None)).unwrap();
+
+            let (a, b, c) = (
+                GgufFile::open(&merged_on_the_way).unwrap(),
+                GgufFile::open(&merged_first).unwrap(),
+                GgufFile::open(&plain).unwrap(),
+            );
+            let mut changed = 0;
+            for t in &a.tensors {
+                let data = a.tensor_data(t);
+                assert!(
+                    data == b.tensor_data(b.tensor(&t.name).unwrap()),
+                    "{arch} {}: merged on the way differs from merge then export",
+                    t.name
+                );
+                changed += usize::from(data != c.tensor_data(c.tensor(&t.name).unwrap()));
+            }
+            assert_eq!(
+                changed, layers,
+                "{arch}: one changed tensor per adapted layer"
+            );
+            assert_eq!(
+                a.get("tokenizer.chat_template"),
+                Some(&Value::String(template.into())),
+                "{arch}: the adapter's chat template"
+            );
+        }
+    }
+
+    #[test]
+    fn a_foreign_adapter_is_refused_before_the_file_is_written() {
+        let tmp = tempfile::tempdir().unwrap();
+        let llama = tiny_dir(tmp.path(), "llama");
+        let gpt2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny-gpt2");
+        let ad = tmp.path().join("gpt2-adapter");
+        adapter(&gpt2, &ad, "attn");
+        let out = tmp.path().join("out.gguf");
+        let e = format!(
+            "{:#}",
+            export_to_with(&opts(&llama, &out, Some(&ad))).unwrap_err()
+        );
+        assert!(
+            e.contains("--adapter") && e.contains("adapter_config.json"),
+            "{e}"
+        );
+        assert!(!out.exists());
+        let missing = tmp.path().join("nothing-here");
+        let e = format!(
+            "{:#}",
+            export_to_with(&opts(&llama, &out, Some(&missing))).unwrap_err()
+        );
+        assert!(e.contains("nothing-here"), "{e}");
+        assert!(!out.exists());
+    }
+}
