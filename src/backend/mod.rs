@@ -45,15 +45,33 @@ pub trait Backend: Sizing + Sync {
     fn bench_facts(&self, storage: DType) -> serde_json::Map<String, serde_json::Value>;
 }
 
-/// A measured arithmetic ceiling.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// A measured arithmetic ceiling: the f32 one the GEMMs run against, and every loop the
+/// device has.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Peak {
-    /// f32 multiply-adds per second of the whole pool, ×2 (GFLOP/s).
+    /// f32 multiply-adds per second of the whole pool, ×2 (GFLOP/s), on the widest f32
+    /// instructions the device's GEMMs use: the ceiling of every fp32 figure.
     pub gflops_per_s: f64,
     /// Threads that ran the loop (the current rayon pool's).
     pub threads: usize,
-    /// The instruction set the loop used.
+    /// The instruction set of `gflops_per_s`.
     pub isa: &'static str,
+    /// The clock `gflops_per_s` implies per thread, in GHz, for a core of two FMA pipes.
+    pub implied_ghz: f64,
+    /// Every loop measured (narrower f32 vectors, bf16 dot products), widest f32 first.
+    pub by_isa: Vec<IsaPeak>,
+}
+
+/// One instruction set's measured rate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IsaPeak {
+    /// `avx2+fma`, `avx512f` (f32 FMAs) or `avx512_bf16` (`vdpbf16ps`: 2 products and 2
+    /// additions a lane).
+    pub isa: &'static str,
+    /// Multiply-adds per second of the whole pool, ×2 (GFLOP/s).
+    pub gflops_per_s: f64,
+    /// The clock it implies per thread (GHz), for two pipes issuing it each cycle.
+    pub implied_ghz: f64,
 }
 
 /// The per-step values an op may need besides its buffers.
