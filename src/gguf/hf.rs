@@ -31,7 +31,10 @@
 //! positive. A NaN would otherwise be written to `config.json` as `null` and read back as a
 //! default.
 
+pub(crate) mod gpt2;
+
 use super::file::{GgufFile, TensorInfo, Value};
+use super::rope_freqs;
 use super::types::GgmlType;
 use anyhow::{Context, Result, bail};
 use serde_json::json;
@@ -41,6 +44,7 @@ use serde_json::json;
 pub enum Arch {
     Llama,
     Qwen2,
+    Gpt2,
 }
 
 impl Arch {
@@ -49,6 +53,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Gpt2 => "gpt2",
         }
     }
 
@@ -57,17 +62,19 @@ impl Arch {
         match self {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Gpt2 => "GPT2LMHeadModel",
         }
     }
 
-    /// Reads `general.architecture`; anything but llama and qwen2 is refused by name.
+    /// Reads `general.architecture`; anything but llama, qwen2 and gpt2 is refused by name.
     pub fn of(f: &GgufFile) -> Result<Arch> {
         let path = f.path().display();
         match f.get_str("general.architecture")? {
             Some("llama") => Ok(Arch::Llama),
             Some("qwen2") => Ok(Arch::Qwen2),
+            Some("gpt2") => Ok(Arch::Gpt2),
             Some(other) => bail!(
-                "{path}: architecture {other:?} is not supported (general.architecture must be llama or qwen2)"
+                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2 or gpt2)"
             ),
             None => bail!("{path}: metadata general.architecture is missing"),
         }
@@ -101,6 +108,9 @@ pub struct HfTensor {
     /// `Some(n_head)` for the rows of a `llama` Q or K weight or bias, which must be
     /// un-permuted with that head count.
     pub unpermute_heads: Option<usize>,
+    /// A GPT-2 Conv1D weight: GGUF holds it `[out, in]` row-major (dims `[in, out]`), HF
+    /// `[in, out]`, so the values are transposed.
+    pub transpose: bool,
 }
 
 /// A GGUF model mapped to HF: dimensions, tying, special tokens, tensors in file order.
@@ -129,6 +139,9 @@ impl HfModel {
     /// `config.json` as transformers' `LlamaConfig` / `Qwen2Config` read it; `torch_dtype`
     /// names the dtype of `model.safetensors` (`float32` or `bfloat16`).
     pub fn config_json(&self, torch_dtype: &str) -> serde_json::Value {
+        if self.arch == Arch::Gpt2 {
+            return gpt2::config_json(self, torch_dtype);
+        }
         let d = &self.dims;
         let mut c = json!({
             "architectures": [self.arch.hf_class()],
@@ -163,6 +176,7 @@ impl HfModel {
                 c["sliding_window"] = json!(d.context);
                 c["max_window_layers"] = json!(d.layers);
             }
+            Arch::Gpt2 => unreachable!("returned above"),
         }
         c
     }
@@ -229,11 +243,6 @@ fn parse_name(name: &str) -> Option<Role> {
 /// The HF name of GGUF tensor `name`; an unknown name is an error naming it.
 pub fn hf_tensor_name(name: &str) -> Result<String> {
     let Some(role) = parse_name(name) else {
-        if name == "rope_freqs.weight" {
-            bail!(
-                "tensor rope_freqs.weight (Llama 3.1-style RoPE scaling factors) is not supported: the converter cannot rebuild its rope_scaling"
-            );
-        }
         bail!(
             "unknown tensor {name}: a llama/qwen2 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}}"
         );
@@ -321,6 +330,9 @@ fn check_above(f: &GgufFile, key: &str, x: f64, min: f64) -> Result<f64> {
 /// mismatches are errors naming the tensor.
 pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let arch = Arch::of(f)?;
+    if arch == Arch::Gpt2 {
+        return gpt2::map_model(f);
+    }
     let a = arch.name();
     let path = f.path().display().to_string();
     let need = |key: &str| -> Result<usize> {
@@ -391,7 +403,21 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         Some(t) => check_above(f, &theta_key, t, 1.0)?,
         None => 10000.0,
     };
-    let rope_scaling = rope_scaling(f, a)?;
+    let rope_scaling = match (rope_scaling(f, a)?, f.tensor(rope_freqs::TENSOR)) {
+        (s, None) => s,
+        (None, Some(t)) if arch == Arch::Llama => {
+            llama3_scaling(f, t, head_dim, rope_theta).with_context(|| path.clone())?
+        }
+        (Some(_), Some(_)) => bail!(
+            "{path}: the file has both {a}.rope.scaling.* metadata and a {} tensor; one kind of \
+             rope scaling is expected",
+            rope_freqs::TENSOR
+        ),
+        (None, Some(_)) => bail!(
+            "{path}: tensor {} (Llama 3 rope scaling) is not part of a {a} model",
+            rope_freqs::TENSOR
+        ),
+    };
     let embed = f
         .tensor("token_embd.weight")
         .with_context(|| format!("{path}: tensor token_embd.weight is missing"))?;
@@ -418,10 +444,13 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let tied = f.tensor("output.weight").is_none();
     let attention_bias = match arch {
         Arch::Qwen2 => true,
-        Arch::Llama => f.tensor("blk.0.attn_q.bias").is_some(),
+        Arch::Llama | Arch::Gpt2 => f.tensor("blk.0.attn_q.bias").is_some(),
     };
     let mut tensors = Vec::with_capacity(f.tensors.len());
     for t in &f.tensors {
+        if t.name == rope_freqs::TENSOR {
+            continue; // read above as `rope_scaling`
+        }
         let name = hf_tensor_name(&t.name).with_context(|| path.clone())?;
         let role = parse_name(&t.name).expect("hf_tensor_name accepted it");
         let expected = expected_dims(role, &dims, arch, attention_bias)
@@ -437,6 +466,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
             name,
             shape: t.dims.iter().rev().map(|&d| d as usize).collect(),
             unpermute_heads,
+            transpose: false,
         });
     }
     // Every tensor the HF model has must be there.
@@ -447,7 +477,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
             want.push(format!("blk.{l}.{p}.weight"));
             let bias = match arch {
                 Arch::Qwen2 => matches!(part, Part::Q | Part::K | Part::V),
-                Arch::Llama => {
+                Arch::Llama | Arch::Gpt2 => {
                     attention_bias && matches!(part, Part::Q | Part::K | Part::V | Part::O)
                 }
             };
@@ -514,6 +544,38 @@ fn rope_scaling(f: &GgufFile, a: &str) -> Result<Option<serde_json::Value>> {
     }
 }
 
+/// HF `rope_scaling` (`rope_type` llama3) from the `rope_freqs.weight` factors `t`
+/// ([`rope_freqs::scaling_from_factors`]).
+fn llama3_scaling(
+    f: &GgufFile,
+    t: &TensorInfo,
+    head_dim: usize,
+    theta: f64,
+) -> Result<Option<serde_json::Value>> {
+    if t.dims != [head_dim as u64 / 2] {
+        bail!(
+            "tensor {} has GGUF dims {:?}, expected [{}] (one factor per rotary pair)",
+            t.name,
+            t.dims,
+            head_dim / 2
+        );
+    }
+    let mut vals = vec![0f32; head_dim / 2];
+    super::dequant::dequantize(t.ty, f.tensor_data(t), &mut vals)
+        .with_context(|| format!("tensor {}", t.name))?;
+    Ok(
+        rope_freqs::scaling_from_factors(&vals, head_dim, theta as f32)?.map(|p| {
+            json!({
+                "rope_type": "llama3",
+                "factor": p.factor,
+                "low_freq_factor": p.low_freq_factor,
+                "high_freq_factor": p.high_freq_factor,
+                "original_max_position_embeddings": p.original_max_position_embeddings,
+            })
+        }),
+    )
+}
+
 /// GGUF dims (innermost first) the tensor must have.
 fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Result<Vec<u64>> {
     let u = |x: usize| x as u64;
@@ -528,7 +590,9 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
         Role::Layer(_, p, true) => {
             let allowed = match arch {
                 Arch::Qwen2 => matches!(p, Part::Q | Part::K | Part::V),
-                Arch::Llama => attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O),
+                Arch::Llama | Arch::Gpt2 => {
+                    attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O)
+                }
             };
             if !allowed {
                 bail!("a bias here is not part of a {} model", arch.name());
@@ -763,11 +827,5 @@ mod tests {
             let e = format!("{:#}", hf_tensor_name(bad).unwrap_err());
             assert!(e.contains(&format!("unknown tensor {bad}")), "{e}");
         }
-        assert!(
-            hf_tensor_name("rope_freqs.weight")
-                .unwrap_err()
-                .to_string()
-                .contains("rope_freqs")
-        );
     }
 }

@@ -30,6 +30,8 @@ pub mod export;
 pub mod file;
 pub mod hf;
 pub mod quantize;
+pub mod rope_freqs;
+pub mod sidecar;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod tokenizer;

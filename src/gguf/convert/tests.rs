@@ -390,10 +390,10 @@ fn unknown_architecture_tensor_and_missing_tensors_are_named() {
         );
     };
     let mut w = GgufWriter::new(3);
-    w.kv("general.architecture", s("gpt2"));
+    w.kv("general.architecture", s("falcon"));
     check(
         &w,
-        &["architecture \"gpt2\" is not supported", "llama or qwen2"],
+        &["architecture \"falcon\" is not supported", "llama, qwen2 or gpt2"],
     );
     let mut w = tiny_model("llama", true);
     w.random_tensor("blk.0.attn_qkv.weight", &[32, 64], GgmlType::F32, 5);
