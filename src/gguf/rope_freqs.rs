@@ -76,7 +76,11 @@ fn close(got: &[f32], want: &[f32]) -> bool {
 
 /// The scaling whose [`factors`] are `f` (see the module doc); `Ok(None)` when every factor
 /// is 1 (no scaling); an error (without the file's name: the caller adds it) when none fits.
-pub fn scaling_from_factors(f: &[f32], head_dim: usize, theta: f32) -> Result<Option<Llama3Params>> {
+pub fn scaling_from_factors(
+    f: &[f32],
+    head_dim: usize,
+    theta: f32,
+) -> Result<Option<Llama3Params>> {
     if f.len() != head_dim / 2 {
         bail!(
             "tensor {TENSOR} has {} factors; a head of {head_dim} channels has {} rotary pairs",

@@ -36,9 +36,8 @@ pub(super) fn metadata(spec: &ModelSpec) -> Vec<(String, Value)> {
 
 /// GGUF name of memwall's GPT-2 tensor `name` and whether it is transposed.
 pub(super) fn tensor_name(name: &str) -> Result<(String, bool)> {
-    gguf_tensor_name(name).with_context(|| {
-        format!("tensor {name} has no GGUF name (memwall's gpt2 layout)")
-    })
+    gguf_tensor_name(name)
+        .with_context(|| format!("tensor {name} has no GGUF name (memwall's gpt2 layout)"))
 }
 
 /// The type tensor `gguf` (of `dims` dimensions) is written as, `matrices` for matrices.

@@ -59,9 +59,16 @@ pub(super) fn metadata() -> Result<Vec<(String, Value)>> {
         types.push(Value::I32(1));
         if b.len() > 1 {
             let Some((_, cut)) = split(b, id as u32, &ranks) else {
-                bail!("GPT-2 token {id} ({:?}) is not a merge of two earlier tokens", text(b));
+                bail!(
+                    "GPT-2 token {id} ({:?}) is not a merge of two earlier tokens",
+                    text(b)
+                );
             };
-            merges.push(Value::String(format!("{} {}", text(&b[..cut]), text(&b[cut..]))));
+            merges.push(Value::String(format!(
+                "{} {}",
+                text(&b[..cut]),
+                text(&b[cut..])
+            )));
         }
     }
     let s = |x: &str| Value::String(x.into());

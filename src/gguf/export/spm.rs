@@ -95,7 +95,9 @@ pub(super) fn metadata(
     for m in merges {
         let (a, b) = match m {
             Json::String(s) => s.split_once(' ').unwrap_or((s, "")),
-            Json::Array(p) if p.len() == 2 => (p[0].as_str().unwrap_or(""), p[1].as_str().unwrap_or("")),
+            Json::Array(p) if p.len() == 2 => {
+                (p[0].as_str().unwrap_or(""), p[1].as_str().unwrap_or(""))
+            }
             _ => bail!("{path}: merge {m} is neither \"a b\" nor [\"a\", \"b\"]"),
         };
         if let Some(&i) = ids.get(&format!("{a}{b}")) {
@@ -103,7 +105,9 @@ pub(super) fn metadata(
             if !ranked[i] {
                 ranked[i] = true;
                 if k >= 1 << 24 {
-                    bail!("{path}: more than 2^24 merged pieces; their ranks do not fit f32 scores");
+                    bail!(
+                        "{path}: more than 2^24 merged pieces; their ranks do not fit f32 scores"
+                    );
                 }
                 scores[i] = -(k as f32);
                 k += 1;

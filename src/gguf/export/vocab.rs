@@ -242,7 +242,12 @@ fn with_template(mut md: Vec<(String, Value)>, template: Option<String>) -> Vec<
 }
 
 /// Byte-level BPE (`gpt2`), as `_set_vocab_gpt2` writes it (see the module doc).
-fn byte_level(tok: &Json, cfg: &Json, path: &str, spec: &ModelSpec) -> Result<Vec<(String, Value)>> {
+fn byte_level(
+    tok: &Json,
+    cfg: &Json,
+    path: &str,
+    spec: &ModelSpec,
+) -> Result<Vec<(String, Value)>> {
     let model = &tok["model"];
     let pre = pre_name(tok, path)?;
     let n = spec.vocab_size;

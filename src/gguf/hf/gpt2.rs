@@ -155,8 +155,8 @@ pub(super) fn map_model(f: &GgufFile) -> Result<HfModel> {
         );
     }
     let eps_key = "gpt2.attention.layer_norm_epsilon";
-    let eps = get_float(f, eps_key)?
-        .with_context(|| format!("{path}: metadata {eps_key} is missing"))?;
+    let eps =
+        get_float(f, eps_key)?.with_context(|| format!("{path}: metadata {eps_key} is missing"))?;
     let eps = check_above(f, eps_key, eps, 0.0)?;
     let embed = f
         .tensor("token_embd.weight")
