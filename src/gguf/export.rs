@@ -31,6 +31,7 @@
 pub mod gpt2;
 mod gpt2_vocab;
 mod spm;
+mod tokens;
 pub mod vocab;
 
 use super::file::Value;

@@ -4,10 +4,10 @@
 //! `tokenizer.json` cannot say everything those keys say (SentencePiece scores, token types,
 //! the pre-tokenizer's llama.cpp name, ...). So convert also writes the keys themselves, every
 //! `tokenizer.*` key of the source with its exact GGUF type and value, as a GGUF file with no
-//! tensors ([`write`]): the format that holds them without a translation (scores stay f32,
+//! tensors ([`write()`]): the format that holds them without a translation (scores stay f32,
 //! types i32, ids u32, merges and templates strings), readable by gguf-py and llama.cpp's
 //! `gguf-dump`. Training copies it into checkpoints with the tokenizer files
-//! (`ckpt::TOKENIZER_FILES`), and `export` writes the keys back verbatim ([`read`]) when the
+//! (`ckpt::TOKENIZER_FILES`), and `export` writes the keys back verbatim ([`read()`]) when the
 //! file's token list is `tokenizer.json`'s vocabulary (see `export::vocab`).
 
 use super::file::{GgufFile, Value};

@@ -19,7 +19,7 @@
 //!   (gguf-py's `SpecialVocab`); `.add_space_prefix` false only when the normalizer does not
 //!   prepend `▁` (llama.cpp's default is true).
 
-use super::vocab::{
+use super::tokens::{
     CONTROL, NORMAL, UNUSED, USER_DEFINED, add_tokens, config_token, special_ids, token_table,
 };
 use crate::gguf::file::Value;

@@ -19,7 +19,7 @@
 //!   `tokenizer_config.json`'s `chat_template` string.
 //!
 //! SentencePiece tokenizers (Llama 2, TinyLlama: a BPE `tokenizer.json` with byte fallback)
-//! are written as `tokenizer.ggml.model` `llama` by [`super::spm`]. A GPT-2 model without
+//! are written as `tokenizer.ggml.model` `llama` by `export::spm`. A GPT-2 model without
 //! `tokenizer.json` (trained from a preset on GPT-2 data) gets GPT-2's own tokenizer
 //! (`super::gpt2_vocab`).
 //!
@@ -30,6 +30,7 @@
 //! `tokenizer.chat_template`, which is the directory's (a `--chat-template` run changes it);
 //! otherwise a note on stderr says why, and the keys are rebuilt as above.
 
+use super::tokens::{CONTROL, NORMAL, UNUSED, USER_DEFINED, add_tokens, special_ids, token_table};
 use crate::gguf::file::Value;
 use crate::gguf::tokenizer::{SUPPORTED_PRE, pre_tokenizer};
 use crate::model::{Family, ModelSpec};
@@ -37,11 +38,6 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value as Json;
 use std::collections::HashMap;
 use std::path::Path;
-
-pub(super) const NORMAL: i32 = 1;
-pub(super) const CONTROL: i32 = 3;
-pub(super) const USER_DEFINED: i32 = 4;
-pub(super) const UNUSED: i32 = 5;
 
 /// Whether an added token not marked special should still be a control token (llama.cpp's
 /// `does_token_look_special`).
@@ -83,15 +79,6 @@ fn pre_name(tok: &Json, path: &str) -> Result<&'static str> {
     )
 }
 
-/// A special token of `tokenizer_config.json` (a string or `{"content": ...}`).
-pub(super) fn config_token<'a>(cfg: &'a Json, key: &str) -> Option<&'a str> {
-    match cfg.get(key)? {
-        Json::String(s) => Some(s),
-        Json::Object(o) => o.get("content")?.as_str(),
-        _ => None,
-    }
-}
-
 /// The directory's chat template: `chat_template.jinja`, else `tokenizer_config.json`'s
 /// `chat_template` string.
 fn chat_template(dir: &Path, cfg: &Json) -> Result<Option<String>> {
@@ -105,69 +92,6 @@ fn chat_template(dir: &Path, cfg: &Json) -> Result<Option<String>> {
         .get("chat_template")
         .and_then(Json::as_str)
         .map(String::from))
-}
-
-/// The tokens of `tokenizer.json` id by id (`model.vocab` and `added_tokens`), `n` of them.
-pub(super) fn token_table(tok: &Json, path: &str, n: usize) -> Result<Vec<Option<String>>> {
-    let vocab = tok["model"]["vocab"]
-        .as_object()
-        .with_context(|| format!("{path}: model.vocab is not an object"))?;
-    let mut tokens: Vec<Option<String>> = vec![None; n];
-    let entries = vocab.iter().map(|(t, id)| (t.as_str(), id)).chain(
-        tok["added_tokens"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|a| (a["content"].as_str().unwrap_or(""), &a["id"])),
-    );
-    for (t, id) in entries {
-        let i = id
-            .as_u64()
-            .with_context(|| format!("{path}: token {t:?} has id {id}, not an integer"))?
-            as usize;
-        if i >= n {
-            bail!(
-                "{path}: token {t:?} has id {i}, but the model's vocab_size is {n} (config.json)"
-            );
-        }
-        tokens[i] = Some(t.to_string());
-    }
-    Ok(tokens)
-}
-
-/// The `bos`/`eos`/`unknown`/`padding` token ids (from `tokenizer_config.json`'s tokens, by
-/// content, else `config.json`'s ids) as `tokenizer.ggml.*_token_id`, then `add_bos_token` /
-/// `add_eos_token` when the config has them.
-pub(super) fn special_ids(
-    cfg: &Json,
-    ids: &HashMap<String, u32>,
-    spec: &ModelSpec,
-) -> Vec<(String, Value)> {
-    let from_config = |key: &str| config_token(cfg, key).and_then(|t| ids.get(t).copied());
-    let st = &spec.special_tokens;
-    let mut md = Vec::new();
-    for (key, id) in [
-        ("bos", from_config("bos_token").or(st.bos)),
-        ("eos", from_config("eos_token").or(st.eos.first().copied())),
-        ("unknown", from_config("unk_token")),
-        ("padding", from_config("pad_token")),
-    ] {
-        if let Some(id) = id {
-            md.push((format!("tokenizer.ggml.{key}_token_id"), Value::U32(id)));
-        }
-    }
-    md
-}
-
-/// `add_bos_token` / `add_eos_token` as the config has them.
-pub(super) fn add_tokens(cfg: &Json) -> Vec<(String, Value)> {
-    ["add_bos_token", "add_eos_token"]
-        .into_iter()
-        .filter_map(|key| {
-            let b = cfg.get(key)?.as_bool()?;
-            Some((format!("tokenizer.ggml.{key}"), Value::Bool(b)))
-        })
-        .collect()
 }
 
 /// The `tokenizer.*` metadata for the model in `dir` (see the module doc).

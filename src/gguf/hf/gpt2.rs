@@ -17,11 +17,11 @@
 //!
 //! HF's Conv1D weights are `[in, out]`; the converter transposes them to `[out, in]` (GGUF dims
 //! `[in, out]`), as `nn.Linear` weights are stored, so the four weight matrices are transposed
-//! back here ([`super::HfTensor::transpose`]); embeddings, norms and biases are copied.
+//! back here ([`super::HfTensor::transpose`](crate::gguf::hf::HfTensor::transpose)); embeddings, norms and biases are copied.
 //! Hyper-parameters: `gpt2.block_count`, `.context_length`, `.embedding_length`,
 //! `.feed_forward_length`, `.attention.head_count`, `.attention.layer_norm_epsilon`.
 
-use super::{Arch, Dims, HfModel, HfTensor, check_above, check_dims, get_float, usize_of};
+use super::model::{Arch, Dims, HfModel, HfTensor, check_above, check_dims, get_float, usize_of};
 use crate::gguf::file::GgufFile;
 use anyhow::{Context, Result, bail};
 use serde_json::json;
