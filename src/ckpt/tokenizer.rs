@@ -13,12 +13,13 @@ use std::path::Path;
 use crate::util::atomic;
 
 /// The files copied, those of them that the source directory holds.
-pub const TOKENIZER_FILES: [&str; 5] = [
+pub const TOKENIZER_FILES: [&str; 6] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
     CHAT_TEMPLATE_FILE,
+    crate::gguf::sidecar::FILE,
 ];
 
 /// A chat template on its own ([`crate::data::chat::template::TEMPLATE_FILE`]): a model's, or

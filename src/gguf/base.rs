@@ -30,6 +30,14 @@ impl BaseSource {
     pub fn open(path: &Path) -> Result<BaseSource> {
         let file = GgufFile::open(path)?;
         let model = map_model(&file)?;
+        if model.arch == super::hf::Arch::Gpt2 {
+            bail!(
+                "{}: a gpt2 GGUF file's blocks are rows of transposed Conv1D weights, which \
+                 memwall cannot keep as a LoRA base (--base-quant keep); use --base-quant q4_0 \
+                 or train the converted directory",
+                path.display()
+            );
+        }
         let by_name = model
             .tensors
             .into_iter()

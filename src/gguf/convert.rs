@@ -9,6 +9,9 @@
 //! (`util::owned_dir`: its marker, and only the files a conversion writes), never when it
 //! holds the input or anything else.
 //!
+//! Beside `tokenizer.json`, the source's own `tokenizer.*` keys are kept in
+//! `tokenizer.gguf` ([`super::sidecar`]), so that `export` can write them back unchanged.
+//!
 //! `model.safetensors` is written by the `safetensors` crate from views that dequantize one
 //! tensor at a time when the writer asks for its bytes, so memory holds one tensor at a time
 //! (plus the map of the GGUF file), whatever the model's size. Each tensor is checked as it
@@ -45,6 +48,7 @@ fn written_by_convert(name: &str) -> bool {
         MODEL_FILE,
         TOKENIZER_FILE,
         TOKENIZER_CONFIG_FILE,
+        super::sidecar::FILE,
     ]
     .contains(&name)
 }
@@ -140,8 +144,13 @@ impl ConvertSummary {
             .iter()
             .map(|(t, n)| format!("{t} ×{n}"))
             .collect();
+        let theta = if d.rope_theta > 0.0 {
+            format!(", θ {}", d.rope_theta)
+        } else {
+            String::new()
+        };
         let mut s = format!(
-            "{} ({}): {} layers, width {}, {} heads ({} KV, head size {}), MLP {}, vocabulary {}, context {}, θ {}, eps {}, {}\n",
+            "{} ({}): {} layers, width {}, {} heads ({} KV, head size {}), MLP {}, vocabulary {}, context {}{}, eps {}, {}\n",
             self.architecture,
             self.hf_class,
             d.layers,
@@ -152,7 +161,7 @@ impl ConvertSummary {
             d.ffn,
             d.vocab,
             d.context,
-            d.rope_theta,
+            theta,
             d.rms_eps,
             if self.tied {
                 "tied head"
@@ -221,6 +230,8 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
     )?;
     put(TOKENIZER_FILE, tok_text.as_bytes())?;
     put(TOKENIZER_CONFIG_FILE, &json(&tok.tokenizer_config)?)?;
+    let n = super::sidecar::write(&super::sidecar::tokenizer_keys(&f), &tmp.path)?;
+    files.push((super::sidecar::FILE.to_string(), n));
     let st = tmp.path.join(MODEL_FILE);
     write_model(&f, &model, o.dtype, &st, o.progress)?;
     // The safetensors crate creates its file 0600 (a tempfile); give it the permissions the
@@ -394,6 +405,17 @@ impl LazyTensor<'_> {
             };
             let mut hf = vec![0f32; n]; // [rows, cols] in HF row order
             unpermute_rows(&vals, &mut hf, heads, cols)?;
+            vals = hf;
+        }
+        if self.t.transpose {
+            // GGUF [out, in] row-major → HF [in, out] (the HF shape).
+            let (ins, outs) = (self.t.shape[0], self.t.shape[1]);
+            let mut hf = vec![0f32; n];
+            for (o, row) in vals.chunks_exact(ins).enumerate() {
+                for (i, &v) in row.iter().enumerate() {
+                    hf[i * outs + o] = v;
+                }
+            }
             vals = hf;
         }
         Ok(match self.dtype {

@@ -1,8 +1,8 @@
 //! `memwall export DIR --gguf OUT.gguf --type T`: a model directory (a checkpoint, or any
 //! Hugging Face directory memwall loads) as one GGUF file that llama.cpp runs.
 //!
-//! Families: Llama (`llama`: Llama 3, SmolLM2) and Qwen2 (`qwen2`); others (GPT-2) are
-//! refused by name. What is written follows llama.cpp's `convert_hf_to_gguf.py`:
+//! Families: Llama (`llama`: Llama 3, SmolLM2), Qwen2 (`qwen2`) and GPT-2 (`gpt2`, see
+//! [`gpt2`]). What is written follows llama.cpp's `convert_hf_to_gguf.py`:
 //!
 //! - metadata: `general.architecture`, `.type` `model`, `.name` (the directory's name unless given), `.file_type`
 //!   (`llama_ftype`), `.quantization_version` 2; `{arch}.vocab_size`, `.context_length`,
@@ -17,16 +17,22 @@
 //!   [`super::quantize`]'s reference quantizer); a tied LM head is not written (llama.cpp
 //!   reuses `token_embd`).
 //!
-//! Every check that can fail is made before the file is opened: the family, the RoPE
-//! scaling (Llama 3's is a `rope_freqs` tensor in llama.cpp, not written yet), the tokenizer,
+//! - Llama 3 rope scaling: the `rope_freqs.weight` tensor (F32, `head_dim / 2` factors) first,
+//!   as the converter yields it ([`super::rope_freqs`]); no other metadata.
+//!
+//! Every check that can fail is made before the file is opened: the family, the tokenizer,
 //! every tensor's name and block fit. The weights are then read tensor by tensor from the
 //! directory's safetensors ([`crate::ckpt::load_params_by`], NaN and infinity refused) and
 //! written as they come ([`super::write::write_gguf`]: atomic, one tensor in memory).
 //!
-//! Doubt: a directory `convert` made from a GGUF file does not record that file, so its
-//! tokenizer metadata is rebuilt from `tokenizer.json`, not copied from the source.
+//! The tokenizer metadata is [`vocab`]'s: the source file's own keys when the directory
+//! holds them ([`super::sidecar`]), else rebuilt from `tokenizer.json`.
 
 mod adapter;
+pub mod gpt2;
+mod gpt2_vocab;
+mod spm;
+mod tokens;
 pub mod vocab;
 
 use super::file::Value;
@@ -120,15 +126,12 @@ pub struct ExportSummary {
     pub merged: Option<(PathBuf, usize)>,
 }
 
-/// GGUF's architecture name for a family, or an error naming it.
-fn arch_of(spec: &ModelSpec, dir: &Path) -> Result<&'static str> {
+/// GGUF's architecture name for a family.
+fn arch_of(spec: &ModelSpec) -> &'static str {
     match spec.family {
-        Family::Llama => Ok("llama"),
-        Family::Qwen2 => Ok("qwen2"),
-        Family::Gpt2 => bail!(
-            "{}: model_type gpt2 cannot be exported to GGUF yet (memwall exports llama and qwen2)",
-            dir.display()
-        ),
+        Family::Llama => "llama",
+        Family::Qwen2 => "qwen2",
+        Family::Gpt2 => "gpt2",
     }
 }
 
@@ -140,19 +143,6 @@ fn model_metadata(
     ty: ExportType,
     dir: &Path,
 ) -> Result<Vec<(String, Value)>> {
-    let theta = match spec.position {
-        Position::Rotary {
-            scaling: Some(_), ..
-        } => bail!(
-            "{}: the model has Llama 3 rope scaling (rope_type llama3), which llama.cpp keeps \
-             as a rope_freqs tensor that memwall does not write yet",
-            dir.join("config.json").display()
-        ),
-        Position::Rotary { theta, .. } => theta,
-        Position::Learned => bail!("{}: a rotary model was expected", dir.display()),
-    };
-    let u = |x: usize| Value::U32(x as u32);
-    let k = |s: &str| format!("{arch}.{s}");
     let mut md = vec![
         (
             "general.architecture".to_string(),
@@ -162,6 +152,18 @@ fn model_metadata(
         ("general.name".into(), Value::String(name.into())),
         ("general.file_type".into(), Value::U32(ty.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
+    ];
+    if spec.family == Family::Gpt2 {
+        md.extend(gpt2::metadata(spec));
+        return Ok(md);
+    }
+    let theta = match spec.position {
+        Position::Rotary { theta, .. } => theta,
+        Position::Learned => bail!("{}: a rotary model was expected", dir.display()),
+    };
+    let u = |x: usize| Value::U32(x as u32);
+    let k = |s: &str| format!("{arch}.{s}");
+    md.extend([
         (k("vocab_size"), u(spec.vocab_size)),
         (k("context_length"), u(spec.n_positions)),
         (k("embedding_length"), u(spec.n_embd)),
@@ -175,7 +177,7 @@ fn model_metadata(
             k("attention.layer_norm_rms_epsilon"),
             Value::F32(spec.norm_eps),
         ),
-    ];
+    ]);
     if spec.head_dim * spec.n_head != spec.n_embd {
         md.push((k("attention.key_length"), u(spec.head_dim)));
         md.push((k("attention.value_length"), u(spec.head_dim)));
@@ -183,11 +185,56 @@ fn model_metadata(
     Ok(md)
 }
 
-/// One tensor to write: its info, the layout tensor it comes from, the heads of a Q/K permute.
+/// Where a tensor's values come from.
+enum Source {
+    /// A layout tensor, by index.
+    Layout(usize),
+    /// Values computed here (`rope_freqs`).
+    Values(Vec<f32>),
+}
+
+/// How a layout tensor's values are rearranged on their way out.
+#[derive(Clone, Copy)]
+enum Reorder {
+    None,
+    /// llama.cpp's Q/K row permutation with this many heads.
+    Permute(usize),
+    /// A GPT-2 Conv1D weight `[in, out]` written `[out, in]`.
+    Transpose,
+}
+
+/// One tensor to write: its info, where its values come from and how they are reordered.
 struct Planned {
     spec: TensorSpec,
-    layout_index: usize,
-    permute_heads: Option<usize>,
+    source: Source,
+    reorder: Reorder,
+}
+
+/// Llama 3's `rope_freqs` tensor when the model has that scaling.
+fn rope_freqs_tensor(spec: &ModelSpec) -> Option<Planned> {
+    let Position::Rotary {
+        theta,
+        scaling: Some(s),
+    } = spec.position
+    else {
+        return None;
+    };
+    let p = super::rope_freqs::Llama3Params {
+        factor: s.factor,
+        low_freq_factor: s.low_freq_factor,
+        high_freq_factor: s.high_freq_factor,
+        original_max_position_embeddings: s.original_max_position_embeddings,
+    };
+    let vals = super::rope_freqs::factors(spec.head_dim, theta, &p);
+    Some(Planned {
+        spec: TensorSpec {
+            name: super::rope_freqs::TENSOR.into(),
+            dims: vec![vals.len() as u64],
+            ty: GgmlType::F32,
+        },
+        source: Source::Values(vals),
+        reorder: Reorder::None,
+    })
 }
 
 /// Exports `o.input` to `o.out` (see the module doc).
@@ -201,40 +248,50 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         );
     }
     let spec = crate::ckpt::load_spec(dir)?;
-    let arch = arch_of(&spec, dir)?;
+    let arch = arch_of(&spec);
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
     let mut md = model_metadata(&spec, arch, &name, o.ty, dir)?;
     md.extend(vocab::metadata(dir, &spec)?);
     let layout = spec.family.layout(&spec);
-    let mut plan = Vec::with_capacity(layout.tensors.len());
+    let mut plan: Vec<Planned> = rope_freqs_tensor(&spec).into_iter().collect();
     for (i, t) in layout.tensors.iter().enumerate() {
-        let g = gguf_tensor_name(&t.name).with_context(|| {
-            format!(
-                "tensor {} has no GGUF name (memwall's {arch} layout)",
-                t.name
-            )
-        })?;
-        let ty = if t.shape.len() == 1 {
+        let (g, transpose) = if arch == "gpt2" {
+            gpt2::tensor_name(&t.name)?
+        } else {
+            let g = gguf_tensor_name(&t.name).with_context(|| {
+                format!(
+                    "tensor {} has no GGUF name (memwall's {arch} layout)",
+                    t.name
+                )
+            })?;
+            (g, false)
+        };
+        let ty = if arch == "gpt2" {
+            gpt2::tensor_type(&g, t.shape.len(), o.ty.ggml())
+        } else if t.shape.len() == 1 {
             GgmlType::F32
         } else {
             o.ty.ggml()
         };
-        let permute_heads = match arch {
-            "llama" if g.contains(".attn_q.") => Some(spec.n_head),
-            "llama" if g.contains(".attn_k.") => Some(spec.n_kv_head),
-            _ => None,
+        let reorder = match arch {
+            "llama" if g.contains(".attn_q.") => Reorder::Permute(spec.n_head),
+            "llama" if g.contains(".attn_k.") => Reorder::Permute(spec.n_kv_head),
+            _ if transpose => Reorder::Transpose,
+            _ => Reorder::None,
         };
-        let ts = TensorSpec {
-            name: g,
-            dims: t.shape.iter().rev().map(|&d| d as u64).collect(),
-            ty,
+        // GGUF dims innermost first: a transposed [in, out] weight is written [out, in].
+        let dims = if transpose {
+            t.shape.iter().map(|&d| d as u64).collect()
+        } else {
+            t.shape.iter().rev().map(|&d| d as u64).collect()
         };
+        let ts = TensorSpec { name: g, dims, ty };
         ts.n_bytes()
             .with_context(|| format!("--type {:?} for {}", o.ty, dir.display()))?;
         plan.push(Planned {
             spec: ts,
-            layout_index: i,
-            permute_heads,
+            source: Source::Layout(i),
+            reorder,
         });
     }
     let adapter = match &o.adapter {
@@ -246,19 +303,29 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     crate::ckpt::load_params_by(dir, &layout, |copy| {
         write_gguf(&o.out, &md, &specs, |i, buf| {
             let p = &plan[i];
-            let t = &layout.tensors[p.layout_index];
             bar.set_message(p.spec.name.clone());
+            let t = match &p.source {
+                Source::Values(v) => {
+                    bar.inc(1);
+                    return encode(v, p.spec.ty, buf);
+                }
+                Source::Layout(j) => &layout.tensors[*j],
+            };
             let mut vals = vec![0f32; t.range.len()];
             copy(t.range.clone(), &mut vals)?;
-            if let Some(a) = &adapter {
-                a.merge(&layout, p.layout_index, &mut vals);
+            if let (Some(a), Source::Layout(j)) = (&adapter, &p.source) {
+                a.merge(&layout, *j, &mut vals);
             }
-            if let Some(heads) = p.permute_heads {
-                let cols = t.shape.get(1).copied().unwrap_or(1);
-                let mut out = vec![0f32; vals.len()];
-                permute_rows(&vals, &mut out, heads, cols)
-                    .with_context(|| format!("tensor {}", t.name))?;
-                vals = out;
+            let cols = t.shape.get(1).copied().unwrap_or(1);
+            match p.reorder {
+                Reorder::None => {}
+                Reorder::Permute(heads) => {
+                    let mut out = vec![0f32; vals.len()];
+                    permute_rows(&vals, &mut out, heads, cols)
+                        .with_context(|| format!("tensor {}", t.name))?;
+                    vals = out;
+                }
+                Reorder::Transpose => vals = transpose(&vals, cols),
             }
             encode(&vals, p.spec.ty, buf).with_context(|| format!("tensor {}", t.name))?;
             bar.inc(1);
@@ -303,6 +370,18 @@ fn fs_name(dir: &Path) -> String {
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "model".into())
+}
+
+/// `vals` `[rows, cols]` row-major as `[cols, rows]`.
+fn transpose(vals: &[f32], cols: usize) -> Vec<f32> {
+    let rows = vals.len() / cols;
+    let mut out = vec![0f32; vals.len()];
+    for (r, row) in vals.chunks_exact(cols).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * rows + r] = v;
+        }
+    }
+    out
 }
 
 /// `vals` as `ty`'s bytes, appended to `buf`.

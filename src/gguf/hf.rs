@@ -31,104 +31,25 @@
 //! positive. A NaN would otherwise be written to `config.json` as `null` and read back as a
 //! default.
 
-use super::file::{GgufFile, TensorInfo, Value};
+pub(crate) mod gpt2;
+mod model;
+
+pub use model::{Arch, Dims, HfModel, HfTensor};
+
+use super::file::{GgufFile, TensorInfo};
+use super::rope_freqs;
 use super::types::GgmlType;
 use anyhow::{Context, Result, bail};
+use model::{check_above, check_dims, get_float, usize_of};
 use serde_json::json;
 
-/// The architectures `general.architecture` may name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    Llama,
-    Qwen2,
-}
-
-impl Arch {
-    /// The `general.architecture` value, also HF's `model_type`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-        }
-    }
-
-    /// The transformers class that loads the directory.
-    pub fn hf_class(self) -> &'static str {
-        match self {
-            Arch::Llama => "LlamaForCausalLM",
-            Arch::Qwen2 => "Qwen2ForCausalLM",
-        }
-    }
-
-    /// Reads `general.architecture`; anything but llama and qwen2 is refused by name.
-    pub fn of(f: &GgufFile) -> Result<Arch> {
-        let path = f.path().display();
-        match f.get_str("general.architecture")? {
-            Some("llama") => Ok(Arch::Llama),
-            Some("qwen2") => Ok(Arch::Qwen2),
-            Some(other) => bail!(
-                "{path}: architecture {other:?} is not supported (general.architecture must be llama or qwen2)"
-            ),
-            None => bail!("{path}: metadata general.architecture is missing"),
-        }
-    }
-}
-
-/// The model's dimensions, from metadata (and the tensors where metadata is silent).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Dims {
-    pub layers: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub ffn: usize,
-    pub vocab: usize,
-    pub context: usize,
-    pub rms_eps: f64,
-    pub rope_theta: f64,
-}
-
-/// One tensor to write: where it comes from and what HF calls it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct HfTensor {
-    /// The GGUF tensor name.
-    pub gguf: String,
-    /// The HF name.
-    pub name: String,
-    /// HF shape, outermost first.
-    pub shape: Vec<usize>,
-    /// `Some(n_head)` for the rows of a `llama` Q or K weight or bias, which must be
-    /// un-permuted with that head count.
-    pub unpermute_heads: Option<usize>,
-}
-
-/// A GGUF model mapped to HF: dimensions, tying, special tokens, tensors in file order.
-#[derive(Clone, Debug)]
-pub struct HfModel {
-    pub arch: Arch,
-    pub dims: Dims,
-    pub tied: bool,
-    pub attention_bias: bool,
-    pub bos_token_id: Option<u64>,
-    pub eos_token_id: Option<u64>,
-    /// HF `rope_scaling`, when the file has linear scaling.
-    pub rope_scaling: Option<serde_json::Value>,
-    pub tensors: Vec<HfTensor>,
-}
-
 impl HfModel {
-    /// Parameters written (a tied head counted once).
-    pub fn parameter_count(&self) -> u64 {
-        self.tensors
-            .iter()
-            .map(|t| t.shape.iter().product::<usize>() as u64)
-            .sum()
-    }
-
     /// `config.json` as transformers' `LlamaConfig` / `Qwen2Config` read it; `torch_dtype`
     /// names the dtype of `model.safetensors` (`float32` or `bfloat16`).
     pub fn config_json(&self, torch_dtype: &str) -> serde_json::Value {
+        if self.arch == Arch::Gpt2 {
+            return gpt2::config_json(self, torch_dtype);
+        }
         let d = &self.dims;
         let mut c = json!({
             "architectures": [self.arch.hf_class()],
@@ -163,6 +84,7 @@ impl HfModel {
                 c["sliding_window"] = json!(d.context);
                 c["max_window_layers"] = json!(d.layers);
             }
+            Arch::Gpt2 => unreachable!("returned above"),
         }
         c
     }
@@ -229,11 +151,6 @@ fn parse_name(name: &str) -> Option<Role> {
 /// The HF name of GGUF tensor `name`; an unknown name is an error naming it.
 pub fn hf_tensor_name(name: &str) -> Result<String> {
     let Some(role) = parse_name(name) else {
-        if name == "rope_freqs.weight" {
-            bail!(
-                "tensor rope_freqs.weight (Llama 3.1-style RoPE scaling factors) is not supported: the converter cannot rebuild its rope_scaling"
-            );
-        }
         bail!(
             "unknown tensor {name}: a llama/qwen2 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}}"
         );
@@ -278,49 +195,14 @@ pub fn gguf_tensor_name(name: &str) -> Option<String> {
     Some(format!("blk.{layer}.{part}.{suffix}"))
 }
 
-/// An f32 metadata value as its shortest decimal (so `9.999999747e-6` stored as f32 is
-/// written as `1e-5`, the value the model was configured with).
-fn get_float(f: &GgufFile, key: &str) -> Result<Option<f64>> {
-    Ok(match f.get(key) {
-        Some(Value::F32(x)) => Some(x.to_string().parse::<f64>().expect("f32 prints as a float")),
-        _ => f.get_f64(key)?,
-    })
-}
-
-/// Largest dimension (a width, a head count, a context length) taken from metadata: larger
-/// values are corrupt, and products of two of them must not overflow.
-const MAX_DIM: u64 = u32::MAX as u64;
-
-fn usize_of(v: u64, key: &str, f: &GgufFile) -> Result<usize> {
-    if v > MAX_DIM {
-        bail!(
-            "{}: metadata {key} = {v} is too large (at most {MAX_DIM}): the file is corrupt",
-            f.path().display()
-        );
-    }
-    usize::try_from(v)
-        .with_context(|| format!("{}: metadata {key} = {v} is too large", f.path().display()))
-}
-
-/// Refuses a float hyper-parameter that is NaN, infinite or not above `min`, naming the key
-/// and the file.
-fn check_above(f: &GgufFile, key: &str, x: f64, min: f64) -> Result<f64> {
-    if !(x.is_finite() && x > min) {
-        bail!(
-            "{}: metadata {key} is {x}; it must be a finite number above {min} (the file is \
-             corrupt or was written wrongly: re-download it, or fix the key with llama.cpp's \
-             gguf_set_metadata.py)",
-            f.path().display()
-        );
-    }
-    Ok(x)
-}
-
 /// Maps a llama / qwen2 GGUF file to HF: dimensions, config fields, tensor names and shapes.
 /// Every tensor is checked against the dimensions; unknown names, missing tensors and shape
 /// mismatches are errors naming the tensor.
 pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let arch = Arch::of(f)?;
+    if arch == Arch::Gpt2 {
+        return gpt2::map_model(f);
+    }
     let a = arch.name();
     let path = f.path().display().to_string();
     let need = |key: &str| -> Result<usize> {
@@ -391,7 +273,21 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         Some(t) => check_above(f, &theta_key, t, 1.0)?,
         None => 10000.0,
     };
-    let rope_scaling = rope_scaling(f, a)?;
+    let rope_scaling = match (rope_scaling(f, a)?, f.tensor(rope_freqs::TENSOR)) {
+        (s, None) => s,
+        (None, Some(t)) if arch == Arch::Llama => {
+            llama3_scaling(f, t, head_dim, rope_theta).with_context(|| path.clone())?
+        }
+        (Some(_), Some(_)) => bail!(
+            "{path}: the file has both {a}.rope.scaling.* metadata and a {} tensor; one kind of \
+             rope scaling is expected",
+            rope_freqs::TENSOR
+        ),
+        (None, Some(_)) => bail!(
+            "{path}: tensor {} (Llama 3 rope scaling) is not part of a {a} model",
+            rope_freqs::TENSOR
+        ),
+    };
     let embed = f
         .tensor("token_embd.weight")
         .with_context(|| format!("{path}: tensor token_embd.weight is missing"))?;
@@ -418,10 +314,13 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let tied = f.tensor("output.weight").is_none();
     let attention_bias = match arch {
         Arch::Qwen2 => true,
-        Arch::Llama => f.tensor("blk.0.attn_q.bias").is_some(),
+        Arch::Llama | Arch::Gpt2 => f.tensor("blk.0.attn_q.bias").is_some(),
     };
     let mut tensors = Vec::with_capacity(f.tensors.len());
     for t in &f.tensors {
+        if t.name == rope_freqs::TENSOR {
+            continue; // read above as `rope_scaling`
+        }
         let name = hf_tensor_name(&t.name).with_context(|| path.clone())?;
         let role = parse_name(&t.name).expect("hf_tensor_name accepted it");
         let expected = expected_dims(role, &dims, arch, attention_bias)
@@ -437,6 +336,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
             name,
             shape: t.dims.iter().rev().map(|&d| d as usize).collect(),
             unpermute_heads,
+            transpose: false,
         });
     }
     // Every tensor the HF model has must be there.
@@ -447,7 +347,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
             want.push(format!("blk.{l}.{p}.weight"));
             let bias = match arch {
                 Arch::Qwen2 => matches!(part, Part::Q | Part::K | Part::V),
-                Arch::Llama => {
+                Arch::Llama | Arch::Gpt2 => {
                     attention_bias && matches!(part, Part::Q | Part::K | Part::V | Part::O)
                 }
             };
@@ -514,6 +414,38 @@ fn rope_scaling(f: &GgufFile, a: &str) -> Result<Option<serde_json::Value>> {
     }
 }
 
+/// HF `rope_scaling` (`rope_type` llama3) from the `rope_freqs.weight` factors `t`
+/// ([`rope_freqs::scaling_from_factors`]).
+fn llama3_scaling(
+    f: &GgufFile,
+    t: &TensorInfo,
+    head_dim: usize,
+    theta: f64,
+) -> Result<Option<serde_json::Value>> {
+    if t.dims != [head_dim as u64 / 2] {
+        bail!(
+            "tensor {} has GGUF dims {:?}, expected [{}] (one factor per rotary pair)",
+            t.name,
+            t.dims,
+            head_dim / 2
+        );
+    }
+    let mut vals = vec![0f32; head_dim / 2];
+    super::dequant::dequantize(t.ty, f.tensor_data(t), &mut vals)
+        .with_context(|| format!("tensor {}", t.name))?;
+    Ok(
+        rope_freqs::scaling_from_factors(&vals, head_dim, theta as f32)?.map(|p| {
+            json!({
+                "rope_type": "llama3",
+                "factor": p.factor,
+                "low_freq_factor": p.low_freq_factor,
+                "high_freq_factor": p.high_freq_factor,
+                "original_max_position_embeddings": p.original_max_position_embeddings,
+            })
+        }),
+    )
+}
+
 /// GGUF dims (innermost first) the tensor must have.
 fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Result<Vec<u64>> {
     let u = |x: usize| x as u64;
@@ -528,7 +460,9 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
         Role::Layer(_, p, true) => {
             let allowed = match arch {
                 Arch::Qwen2 => matches!(p, Part::Q | Part::K | Part::V),
-                Arch::Llama => attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O),
+                Arch::Llama | Arch::Gpt2 => {
+                    attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O)
+                }
             };
             if !allowed {
                 bail!("a bias here is not part of a {} model", arch.name());
@@ -548,18 +482,6 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
             Part::Down => vec![ffn, h],
         },
     })
-}
-
-fn check_dims(t: &TensorInfo, expected: &[u64]) -> Result<()> {
-    if t.dims != expected {
-        bail!(
-            "tensor {} has GGUF dims {:?} (innermost first), expected {:?} from the metadata",
-            t.name,
-            t.dims,
-            expected
-        );
-    }
-    Ok(())
 }
 
 /// The storage type of every tensor of the model in `f`, by its Hugging Face name (what a
@@ -763,11 +685,5 @@ mod tests {
             let e = format!("{:#}", hf_tensor_name(bad).unwrap_err());
             assert!(e.contains(&format!("unknown tensor {bad}")), "{e}");
         }
-        assert!(
-            hf_tensor_name("rope_freqs.weight")
-                .unwrap_err()
-                .to_string()
-                .contains("rope_freqs")
-        );
     }
 }

@@ -3,11 +3,13 @@
 //!
 //! `memwall convert FILE.gguf --out DIR` ([`convert::convert`]) reads a GGUF file
 //! ([`file::GgufFile`], memory-mapped), dequantizes every tensor to f32 ([`dequant`]), maps
-//! llama / qwen2 metadata and tensor names to a transformers `config.json` and HF names
-//! and shapes ([`hf`], undoing llama.cpp's Q/K row permutation), rebuilds the tokenizer from
-//! the `tokenizer.ggml.*` metadata ([`tokenizer`]), and writes `config.json`,
-//! `model.safetensors`, `tokenizer.json` and `tokenizer_config.json` into a temporary
-//! sibling directory that is renamed into place once complete.
+//! llama / qwen2 / gpt2 metadata and tensor names to a transformers `config.json` and HF names
+//! and shapes ([`hf`], undoing llama.cpp's Q/K row permutation and GPT-2's transposed Conv1D
+//! weights, reading Llama 3's [`rope_freqs`]), rebuilds the tokenizer from the
+//! `tokenizer.ggml.*` metadata ([`tokenizer`]), and writes `config.json`,
+//! `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and the source's own
+//! tokenizer keys ([`sidecar`]) into a temporary sibling directory that is renamed into place
+//! once complete.
 //!
 //! `sample --model FILE.gguf` and `train --init FILE.gguf` convert once into the user cache
 //! ([`cache::model_dir`]) and use that directory. [`quantize`] writes Q8_0, Q4_0 and Q4_1
@@ -15,8 +17,8 @@
 //! [`base`] reads a file's own blocks as a LoRA base (`--base-quant keep`).
 //!
 //! `memwall export DIR --gguf OUT.gguf --type T` ([`export::export`]) goes the other way: a
-//! llama/qwen2 model directory written by [`write::write_gguf`] under llama.cpp's names, with
-//! llama.cpp's Q/K order, hyper-parameter keys and tokenizer metadata.
+//! llama/qwen2/gpt2 model directory written by [`write::write_gguf`] under llama.cpp's names,
+//! with llama.cpp's Q/K order, hyper-parameter keys and tokenizer metadata.
 //!
 //! The output is a plain directory that `LlamaForCausalLM.from_pretrained` /
 //! `Qwen2ForCausalLM.from_pretrained` load; this module knows nothing of memwall's own model
@@ -30,6 +32,8 @@ pub mod export;
 pub mod file;
 pub mod hf;
 pub mod quantize;
+pub mod rope_freqs;
+pub mod sidecar;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod tokenizer;

@@ -38,6 +38,12 @@ impl GgufWriter {
         self.kv(key, v)
     }
 
+    /// Drops the key `key`.
+    pub fn remove_kv(&mut self, key: &str) -> &mut Self {
+        self.kvs.retain(|(k, _)| k != key);
+        self
+    }
+
     /// Drops the tensor `name`.
     pub fn remove_tensor(&mut self, name: &str) -> &mut Self {
         self.tensors.retain(|t| t.0 != name);
@@ -261,5 +267,89 @@ pub fn tiny_model(arch: &str, tied: bool) -> GgufWriter {
     if !tied {
         w.random_tensor("output.weight", &[h, vocab], GgmlType::Q4_0, 201);
     }
+    w
+}
+
+impl GgufWriter {
+    /// A small SentencePiece vocabulary of [`TEST_VOCAB`] tokens (`tokenizer.ggml.model`
+    /// `llama`): `<unk>` (unknown), `<s>` / `</s>` (control, bos / eos), the 256 byte tokens
+    /// `<0xNN>`, and pieces whose scores rank the merges `l l` > `▁ h` > `▁h e`.
+    pub fn spm_tokenizer(&mut self) -> &mut Self {
+        let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+        let mut types = vec![2, 3, 3];
+        let mut scores = vec![0f32; 3];
+        for b in 0..256 {
+            tokens.push(format!("<0x{b:02X}>"));
+            types.push(6);
+            scores.push(0.0);
+        }
+        for (p, sc) in [
+            ("\u{2581}", -10.0),
+            ("h", -11.0),
+            ("e", -12.0),
+            ("l", -13.0),
+            ("ll", -1.0),
+            ("\u{2581}h", -2.0),
+            ("\u{2581}he", -3.0),
+        ] {
+            tokens.push(p.into());
+            types.push(1);
+            scores.push(sc);
+        }
+        assert_eq!(tokens.len(), TEST_VOCAB);
+        self.kv("tokenizer.ggml.model", s("llama"));
+        self.kv(
+            "tokenizer.ggml.tokens",
+            strs(tokens.iter().map(String::as_str)),
+        );
+        self.kv(
+            "tokenizer.ggml.scores",
+            Value::Array(scores.into_iter().map(Value::F32).collect()),
+        );
+        self.kv(
+            "tokenizer.ggml.token_type",
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        );
+        self.kv("tokenizer.ggml.bos_token_id", Value::U32(1));
+        self.kv("tokenizer.ggml.eos_token_id", Value::U32(2));
+        self.kv("tokenizer.ggml.unknown_token_id", Value::U32(0));
+        self
+    }
+}
+
+/// A tiny `gpt2` model as llama.cpp's converter lays it out: 2 layers, width 32, 4 heads,
+/// MLP 128, context 64, the test vocabulary; fused `attn_qkv`, Conv1D weights `[out, in]`
+/// (dims `[in, out]`) of several types, F32 norms, biases and position embedding; the head
+/// tied.
+pub fn tiny_gpt2() -> GgufWriter {
+    let (c, ffn, ctx, vocab) = (32u64, 128u64, 64u64, TEST_VOCAB as u64);
+    let mut w = GgufWriter::new(3);
+    w.kv("general.architecture", s("gpt2"));
+    w.kv("gpt2.block_count", Value::U32(2));
+    w.kv("gpt2.context_length", Value::U32(ctx as u32));
+    w.kv("gpt2.embedding_length", Value::U32(c as u32));
+    w.kv("gpt2.feed_forward_length", Value::U32(ffn as u32));
+    w.kv("gpt2.attention.head_count", Value::U32(4));
+    w.kv("gpt2.attention.layer_norm_epsilon", Value::F32(1e-5));
+    w.tokenizer(Some("gpt-2"), false);
+    w.random_tensor("token_embd.weight", &[c, vocab], GgmlType::F16, 1);
+    w.random_tensor("position_embd.weight", &[c, ctx], GgmlType::F32, 2);
+    for l in 0..2u64 {
+        let t = |n: &str| format!("blk.{l}.{n}");
+        w.random_tensor(&t("attn_norm.weight"), &[c], GgmlType::F32, 10 + l);
+        w.random_tensor(&t("attn_norm.bias"), &[c], GgmlType::F32, 12 + l);
+        w.random_tensor(&t("attn_qkv.weight"), &[c, 3 * c], GgmlType::Q8_0, 20 + l);
+        w.random_tensor(&t("attn_qkv.bias"), &[3 * c], GgmlType::F32, 22 + l);
+        w.random_tensor(&t("attn_output.weight"), &[c, c], GgmlType::F32, 30 + l);
+        w.random_tensor(&t("attn_output.bias"), &[c], GgmlType::F32, 32 + l);
+        w.random_tensor(&t("ffn_norm.weight"), &[c], GgmlType::F32, 40 + l);
+        w.random_tensor(&t("ffn_norm.bias"), &[c], GgmlType::F32, 42 + l);
+        w.random_tensor(&t("ffn_up.weight"), &[c, ffn], GgmlType::Q4_1, 50 + l);
+        w.random_tensor(&t("ffn_up.bias"), &[ffn], GgmlType::F32, 52 + l);
+        w.random_tensor(&t("ffn_down.weight"), &[ffn, c], GgmlType::BF16, 60 + l);
+        w.random_tensor(&t("ffn_down.bias"), &[c], GgmlType::F32, 62 + l);
+    }
+    w.random_tensor("output_norm.weight", &[c], GgmlType::F32, 70);
+    w.random_tensor("output_norm.bias", &[c], GgmlType::F32, 71);
     w
 }

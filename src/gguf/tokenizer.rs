@@ -9,7 +9,7 @@
 //!
 //! | `pre`             | HF pre-tokenizer                                                      |
 //! |-------------------|-----------------------------------------------------------------------|
-//! | `gpt2`, `default` | ByteLevel (GPT-2 regex)                                               |
+//! | `gpt-2`, `gpt2`, `default` | ByteLevel (GPT-2 regex)                                      |
 //! | `smollm`          | Digits (one by one), ByteLevel (GPT-2 regex)                          |
 //! | `llama-bpe`       | Split (Llama 3 regex: digits in groups of up to 3), ByteLevel without regex |
 //! | `qwen2`           | NFC normalizer; Split (Qwen2 regex: digits one by one), ByteLevel without regex |
@@ -31,7 +31,7 @@ pub const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?
 pub const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The `tokenizer.ggml.pre` names this module writes pre-tokenizers for.
-pub const SUPPORTED_PRE: &[&str] = &["default", "gpt2", "smollm", "llama-bpe", "qwen2"];
+pub const SUPPORTED_PRE: &[&str] = &["default", "gpt-2", "gpt2", "smollm", "llama-bpe", "qwen2"];
 
 /// GGUF token types (`llama_token_type`).
 const UNKNOWN: i64 = 2;
@@ -83,7 +83,7 @@ fn split(regex: &str) -> Json {
 /// `export` names a `tokenizer.json`'s pre-tokenizer).
 pub(crate) fn pre_tokenizer(pre: &str) -> Result<(Json, Json, bool)> {
     Ok(match pre {
-        "default" | "gpt2" => (Json::Null, byte_level(true, true), false),
+        "default" | "gpt-2" | "gpt2" => (Json::Null, byte_level(true, true), false),
         "smollm" => (
             Json::Null,
             json!({"type": "Sequence", "pretokenizers": [

@@ -80,3 +80,16 @@ impl Gpt2 {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 }
+
+/// The bytes of every GPT-2 token, id by id ([`GPT2_VOCAB`] of them; [`EOT`] is
+/// `<|endoftext|>`): the vocabulary a GGUF file or a `tokenizer.json` spells out.
+pub fn token_bytes() -> Result<Vec<Vec<u8>>> {
+    let g = Gpt2::get()?;
+    (0..GPT2_VOCAB as u32)
+        .map(|id| {
+            g.bpe
+                .decode_bytes(&[id])
+                .map_err(|e| anyhow!("GPT-2 token {id} has no bytes: {e:?}"))
+        })
+        .collect()
+}

@@ -88,11 +88,15 @@ mod tests {
 
     #[test]
     fn an_adapter_merged_on_the_way_equals_merge_then_export() {
-        for arch in ["llama", "qwen2"] {
+        for (arch, targets) in [
+            ("llama", "q,k,v,o,gate,up,down"),
+            ("qwen2", "q,v"),
+            ("gpt2", "all"),
+        ] {
             let tmp = tempfile::tempdir().unwrap();
             let base = tiny_dir(tmp.path(), arch);
             let ad = tmp.path().join("adapter");
-            let layers = adapter(&base, &ad, "q,k,v,o,gate,up,down");
+            let layers = adapter(&base, &ad, targets);
             let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
             fs::write(ad.join(crate::ckpt::CHAT_TEMPLATE_FILE), template).unwrap();
 

@@ -15,25 +15,33 @@
 //!   `.add_bos_token` / `.add_eos_token` and `tokenizer.chat_template` when the config has
 //!   them; `.add_space_prefix` false (byte-level BPE adds no space).
 //!
-//! SentencePiece tokenizers (Llama 2, TinyLlama: `tokenizer.ggml.model` `llama`, which needs
-//! scores) are refused for now, naming the file.
+//! - `tokenizer.chat_template`: the directory's template, `chat_template.jinja` first, else
+//!   `tokenizer_config.json`'s `chat_template` string.
+//!
+//! SentencePiece tokenizers (Llama 2, TinyLlama: a BPE `tokenizer.json` with byte fallback)
+//! are written as `tokenizer.ggml.model` `llama` by `export::spm`. A GPT-2 model without
+//! `tokenizer.json` (trained from a preset on GPT-2 data) gets GPT-2's own tokenizer
+//! (`super::gpt2_vocab`).
+//!
+//! **The source's own keys.** A directory `memwall convert` made (or a checkpoint trained from
+//! one) holds the source file's `tokenizer.*` keys in `tokenizer.gguf`
+//! ([`crate::gguf::sidecar`]). When that file's `tokenizer.ggml.tokens` is `tokenizer.json`'s
+//! vocabulary id by id, its keys are written as they are (values and types exact), except
+//! `tokenizer.chat_template`, which is the directory's (a `--chat-template` run changes it);
+//! otherwise a note on stderr says why, and the keys are rebuilt as above.
 
+use super::tokens::{CONTROL, NORMAL, UNUSED, USER_DEFINED, add_tokens, special_ids, token_table};
 use crate::gguf::file::Value;
 use crate::gguf::tokenizer::{SUPPORTED_PRE, pre_tokenizer};
-use crate::model::ModelSpec;
+use crate::model::{Family, ModelSpec};
 use anyhow::{Context, Result, bail};
 use serde_json::Value as Json;
 use std::collections::HashMap;
 use std::path::Path;
 
-const NORMAL: i32 = 1;
-const CONTROL: i32 = 3;
-const USER_DEFINED: i32 = 4;
-const UNUSED: i32 = 5;
-
 /// Whether an added token not marked special should still be a control token (llama.cpp's
 /// `does_token_look_special`).
-fn looks_special(t: &str) -> bool {
+pub(super) fn looks_special(t: &str) -> bool {
     ["<pad>", "<mask>", "<2mass>", "[@BOS@]"].contains(&t)
         || (t.starts_with("<|") && t.ends_with("|>"))
         || (t.starts_with("<｜") && t.ends_with("｜>"))
@@ -41,7 +49,7 @@ fn looks_special(t: &str) -> bool {
 }
 
 /// Reads a JSON file of `dir`; `None` when it is absent.
-fn read_json(dir: &Path, name: &str) -> Result<Option<Json>> {
+pub(super) fn read_json(dir: &Path, name: &str) -> Result<Option<Json>> {
     let path = dir.join(name);
     if !path.is_file() {
         return Ok(None);
@@ -57,8 +65,8 @@ fn read_json(dir: &Path, name: &str) -> Result<Option<Json>> {
 fn pre_name(tok: &Json, path: &str) -> Result<&'static str> {
     let norm = tok.get("normalizer").unwrap_or(&Json::Null);
     let pre = tok.get("pre_tokenizer").unwrap_or(&Json::Null);
-    // "gpt2" before its alias "default": llama.cpp's name for GPT-2's pre-tokenizer.
-    for name in ["smollm", "llama-bpe", "qwen2", "gpt2"] {
+    // "gpt-2" (llama.cpp's name for GPT-2's pre-tokenizer) before its aliases.
+    for name in ["smollm", "llama-bpe", "qwen2", "gpt-2"] {
         let (n, p, _) = pre_tokenizer(name).expect("a known name");
         if &n == norm && &p == pre {
             return Ok(name);
@@ -71,73 +79,115 @@ fn pre_name(tok: &Json, path: &str) -> Result<&'static str> {
     )
 }
 
-/// A special token of `tokenizer_config.json` (a string or `{"content": ...}`).
-fn config_token<'a>(cfg: &'a Json, key: &str) -> Option<&'a str> {
-    match cfg.get(key)? {
-        Json::String(s) => Some(s),
-        Json::Object(o) => o.get("content")?.as_str(),
-        _ => None,
+/// The directory's chat template: `chat_template.jinja`, else `tokenizer_config.json`'s
+/// `chat_template` string.
+fn chat_template(dir: &Path, cfg: &Json) -> Result<Option<String>> {
+    let jinja = dir.join(crate::ckpt::CHAT_TEMPLATE_FILE);
+    if jinja.is_file() {
+        return std::fs::read_to_string(&jinja)
+            .map(Some)
+            .with_context(|| format!("cannot read {}", jinja.display()));
     }
+    Ok(cfg
+        .get("chat_template")
+        .and_then(Json::as_str)
+        .map(String::from))
 }
 
 /// The `tokenizer.*` metadata for the model in `dir` (see the module doc).
 pub fn metadata(dir: &Path, spec: &ModelSpec) -> Result<Vec<(String, Value)>> {
     let tok_path = dir.join("tokenizer.json");
     let path = tok_path.display().to_string();
+    let cfg = read_json(dir, "tokenizer_config.json")?.unwrap_or(Json::Null);
+    let template = chat_template(dir, &cfg)?;
     let Some(tok) = read_json(dir, "tokenizer.json")? else {
+        if spec.family == Family::Gpt2 && spec.vocab_size == crate::data::tokenizer::GPT2_VOCAB {
+            return Ok(with_template(super::gpt2_vocab::metadata()?, template));
+        }
         bail!(
             "{path}: no such file; a GGUF file carries its tokenizer: copy the base model's \
              tokenizer.json and tokenizer_config.json into {}",
             dir.display()
         );
     };
-    let cfg = read_json(dir, "tokenizer_config.json")?.unwrap_or(Json::Null);
+    if let Some(keys) = crate::gguf::sidecar::read(dir)? {
+        let table = token_table(&tok, &path, spec.vocab_size)?;
+        let kept = match keys.iter().find(|(k, _)| k == "tokenizer.ggml.tokens") {
+            Some((_, Value::Array(list))) => {
+                list.len() == table.len()
+                    && list.iter().zip(&table).all(|(v, t)| match (v, t) {
+                        (Value::String(a), Some(b)) => a == b,
+                        _ => false,
+                    })
+            }
+            _ => false,
+        };
+        if kept {
+            let keys = keys
+                .into_iter()
+                .filter(|(k, _)| k != "tokenizer.chat_template")
+                .collect();
+            return Ok(with_template(keys, template));
+        }
+        eprintln!(
+            "note: {}: its tokenizer.ggml.tokens is not {path}'s vocabulary (the tokenizer was \
+             changed after conversion); the tokenizer metadata is rebuilt from {path}",
+            dir.join(crate::gguf::sidecar::FILE).display()
+        );
+    }
     let model = &tok["model"];
     if model["type"] != "BPE" {
         bail!(
-            "{path}: tokenizer model {} is not supported: memwall exports byte-level BPE tokenizers",
+            "{path}: tokenizer model {} is not supported: memwall exports BPE tokenizers \
+             (byte-level, or SentencePiece with byte fallback)",
             model["type"]
         );
     }
-    if model["byte_fallback"] == true {
-        bail!(
-            "{path}: a SentencePiece BPE tokenizer (byte_fallback, as Llama 2 and TinyLlama have) \
-             is not exported yet: GGUF's `llama` tokenizer needs token scores"
-        );
-    }
-    let pre = pre_name(&tok, &path)?;
-    let vocab = model["vocab"]
-        .as_object()
-        .with_context(|| format!("{path}: model.vocab is not an object"))?;
-    let n = spec.vocab_size;
-    let mut tokens: Vec<Option<String>> = vec![None; n];
-    let mut types = vec![NORMAL; n];
-    let mut put = |t: &str, id: &Json, ty: i32| -> Result<()> {
-        let i = id
-            .as_u64()
-            .with_context(|| format!("{path}: token {t:?} has id {id}, not an integer"))?
-            as usize;
-        if i >= n {
-            bail!(
-                "{path}: token {t:?} has id {i}, but the model's vocab_size is {n} (config.json)"
-            );
-        }
-        tokens[i] = Some(t.to_string());
-        types[i] = ty;
-        Ok(())
+    let md = if model["byte_fallback"] == true {
+        super::spm::metadata(&tok, &cfg, &path, spec)?
+    } else {
+        byte_level(&tok, &cfg, &path, spec)?
     };
-    for (t, id) in vocab {
-        put(t, id, NORMAL)?;
+    Ok(with_template(md, template))
+}
+
+/// `md` with `tokenizer.chat_template` set to `template` (in place when `md` has the key).
+fn with_template(mut md: Vec<(String, Value)>, template: Option<String>) -> Vec<(String, Value)> {
+    const KEY: &str = "tokenizer.chat_template";
+    match (md.iter().position(|(k, _)| k == KEY), template) {
+        (Some(i), Some(t)) => md[i].1 = Value::String(t),
+        (Some(i), None) => {
+            md.remove(i);
+        }
+        (None, Some(t)) => md.push((KEY.into(), Value::String(t))),
+        (None, None) => {}
     }
+    md
+}
+
+/// Byte-level BPE (`gpt2`), as `_set_vocab_gpt2` writes it (see the module doc).
+fn byte_level(
+    tok: &Json,
+    cfg: &Json,
+    path: &str,
+    spec: &ModelSpec,
+) -> Result<Vec<(String, Value)>> {
+    let model = &tok["model"];
+    let pre = pre_name(tok, path)?;
+    let n = spec.vocab_size;
+    let table = token_table(tok, path, n)?;
+    let mut types = vec![NORMAL; n];
     for a in tok["added_tokens"].as_array().into_iter().flatten() {
         let t = a["content"]
             .as_str()
             .with_context(|| format!("{path}: an added token has no content"))?;
         let special = a["special"] == true || looks_special(t);
-        put(t, &a["id"], if special { CONTROL } else { USER_DEFINED })?;
+        if let Some(i) = a["id"].as_u64() {
+            types[i as usize] = if special { CONTROL } else { USER_DEFINED };
+        }
     }
     let mut ids = HashMap::new();
-    let tokens: Vec<Value> = tokens
+    let tokens: Vec<Value> = table
         .into_iter()
         .enumerate()
         .map(|(i, t)| {
@@ -175,27 +225,9 @@ pub fn metadata(dir: &Path, spec: &ModelSpec) -> Result<Vec<(String, Value)>> {
         ),
         ("tokenizer.ggml.merges".into(), Value::Array(merges)),
     ];
-    let from_config = |key: &str| config_token(&cfg, key).and_then(|t| ids.get(t).copied());
-    let st = &spec.special_tokens;
-    for (key, id) in [
-        ("bos", from_config("bos_token").or(st.bos)),
-        ("eos", from_config("eos_token").or(st.eos.first().copied())),
-        ("unknown", from_config("unk_token")),
-        ("padding", from_config("pad_token")),
-    ] {
-        if let Some(id) = id {
-            md.push((format!("tokenizer.ggml.{key}_token_id"), Value::U32(id)));
-        }
-    }
+    md.extend(special_ids(cfg, &ids, spec));
     // Every pre-tokenizer `pre_name` accepts has ByteLevel's add_prefix_space false.
     md.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)));
-    for key in ["add_bos_token", "add_eos_token"] {
-        if let Some(b) = cfg.get(key).and_then(Json::as_bool) {
-            md.push((format!("tokenizer.ggml.{key}"), Value::Bool(b)));
-        }
-    }
-    if let Some(t) = cfg.get("chat_template").and_then(Json::as_str) {
-        md.push(("tokenizer.chat_template".into(), Value::String(t.into())));
-    }
+    md.extend(add_tokens(cfg));
     Ok(md)
 }

@@ -1,0 +1,154 @@
+//! What [`super`] maps a GGUF model to, shared by its per-architecture mappings: the
+//! architectures, the dimensions, the HF tensors and model, and the checked reading of
+//! hyper-parameters (each error names the key and the file).
+
+use crate::gguf::file::{GgufFile, TensorInfo, Value};
+use anyhow::{Context, Result, bail};
+
+/// The architectures `general.architecture` may name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Gpt2,
+}
+
+impl Arch {
+    /// The `general.architecture` value, also HF's `model_type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gpt2 => "gpt2",
+        }
+    }
+
+    /// The transformers class that loads the directory.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Gpt2 => "GPT2LMHeadModel",
+        }
+    }
+
+    /// Reads `general.architecture`; anything but llama, qwen2 and gpt2 is refused by name.
+    pub fn of(f: &GgufFile) -> Result<Arch> {
+        let path = f.path().display();
+        match f.get_str("general.architecture")? {
+            Some("llama") => Ok(Arch::Llama),
+            Some("qwen2") => Ok(Arch::Qwen2),
+            Some("gpt2") => Ok(Arch::Gpt2),
+            Some(other) => bail!(
+                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2 or gpt2)"
+            ),
+            None => bail!("{path}: metadata general.architecture is missing"),
+        }
+    }
+}
+
+/// The model's dimensions, from metadata (and the tensors where metadata is silent).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dims {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+}
+
+/// One tensor to write: where it comes from and what HF calls it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfTensor {
+    /// The GGUF tensor name.
+    pub gguf: String,
+    /// The HF name.
+    pub name: String,
+    /// HF shape, outermost first.
+    pub shape: Vec<usize>,
+    /// `Some(n_head)` for the rows of a `llama` Q or K weight or bias, which must be
+    /// un-permuted with that head count.
+    pub unpermute_heads: Option<usize>,
+    /// A GPT-2 Conv1D weight: GGUF holds it `[out, in]` row-major (dims `[in, out]`), HF
+    /// `[in, out]`, so the values are transposed.
+    pub transpose: bool,
+}
+
+/// A GGUF model mapped to HF: dimensions, tying, special tokens, tensors in file order.
+#[derive(Clone, Debug)]
+pub struct HfModel {
+    pub arch: Arch,
+    pub dims: Dims,
+    pub tied: bool,
+    pub attention_bias: bool,
+    pub bos_token_id: Option<u64>,
+    pub eos_token_id: Option<u64>,
+    /// HF `rope_scaling`, when the file has linear scaling.
+    pub rope_scaling: Option<serde_json::Value>,
+    pub tensors: Vec<HfTensor>,
+}
+
+impl HfModel {
+    /// Parameters written (a tied head counted once).
+    pub fn parameter_count(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+}
+
+/// An f32 metadata value as its shortest decimal (so `9.999999747e-6` stored as f32 is
+/// written as `1e-5`, the value the model was configured with).
+pub(crate) fn get_float(f: &GgufFile, key: &str) -> Result<Option<f64>> {
+    Ok(match f.get(key) {
+        Some(Value::F32(x)) => Some(x.to_string().parse::<f64>().expect("f32 prints as a float")),
+        _ => f.get_f64(key)?,
+    })
+}
+
+/// Largest dimension (a width, a head count, a context length) taken from metadata: larger
+/// values are corrupt, and products of two of them must not overflow.
+const MAX_DIM: u64 = u32::MAX as u64;
+
+pub(crate) fn usize_of(v: u64, key: &str, f: &GgufFile) -> Result<usize> {
+    if v > MAX_DIM {
+        bail!(
+            "{}: metadata {key} = {v} is too large (at most {MAX_DIM}): the file is corrupt",
+            f.path().display()
+        );
+    }
+    usize::try_from(v)
+        .with_context(|| format!("{}: metadata {key} = {v} is too large", f.path().display()))
+}
+
+/// Refuses a float hyper-parameter that is NaN, infinite or not above `min`, naming the key
+/// and the file.
+pub(crate) fn check_above(f: &GgufFile, key: &str, x: f64, min: f64) -> Result<f64> {
+    if !(x.is_finite() && x > min) {
+        bail!(
+            "{}: metadata {key} is {x}; it must be a finite number above {min} (the file is \
+             corrupt or was written wrongly: re-download it, or fix the key with llama.cpp's \
+             gguf_set_metadata.py)",
+            f.path().display()
+        );
+    }
+    Ok(x)
+}
+
+pub(crate) fn check_dims(t: &TensorInfo, expected: &[u64]) -> Result<()> {
+    if t.dims != expected {
+        bail!(
+            "tensor {} has GGUF dims {:?} (innermost first), expected {:?} from the metadata",
+            t.name,
+            t.dims,
+            expected
+        );
+    }
+    Ok(())
+}
