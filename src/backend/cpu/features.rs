@@ -124,6 +124,24 @@ pub fn isa() -> Isa {
     }
 }
 
+/// The instruction set the `gemm` crate's f32 kernels use: AVX-512 where the CPU has it and
+/// the build has the `avx512-gemm` feature (the default), else AVX2 + FMA (or the baseline).
+/// `MEMWALL_CPU_ISA` does not reach it: the crate detects the CPU itself.
+pub fn gemm_isa() -> Isa {
+    let detected = detected_isa();
+    if detected == Isa::Avx512 && !cfg!(feature = "avx512-gemm") {
+        Isa::Avx2
+    } else {
+        detected
+    }
+}
+
+/// The widest f32 vectors any kernel of a step runs on: [`isa`] for memwall's own, or
+/// [`gemm_isa`] for the GEMMs, whichever is wider; the ceiling of a step's fp32 rate.
+pub fn widest_in_use() -> Isa {
+    isa().max(gemm_isa())
+}
+
 /// Caps the instruction set at `want` (never above what the CPU supports); returns the one
 /// now in use. For benchmarks and tests; the results do not depend on it.
 pub fn set_isa(want: Isa) -> Isa {

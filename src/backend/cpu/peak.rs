@@ -3,8 +3,10 @@
 //! total rate is the peak no kernel on this machine can beat at that moment. Each loop the
 //! CPU can run is measured: AVX2 + FMA (8 f32 lanes), AVX-512F (16) and AVX512_BF16's
 //! `vdpbf16ps` (32 bf16 products into 16 f32 lanes). The ceiling of fp32 figures is the
-//! widest f32 loop the GEMMs use (the `gemm` crate picks AVX-512 where the CPU has it,
-//! whatever `MEMWALL_CPU_ISA` says). `memwall bench` reports it before and after its timed
+//! widest f32 loop any kernel of the step uses ([`super::features::widest_in_use`]): the
+//! `gemm` crate picks AVX-512 where the CPU has it, whatever `MEMWALL_CPU_ISA` says, unless
+//! the build leaves out the `avx512-gemm` feature; so the AVX2 ceiling applies on an AVX-512
+//! machine to a `--no-default-features` build run with `MEMWALL_CPU_ISA=avx2`. `memwall bench` reports it before and after its timed
 //! steps, so a throughput figure comes with the ceiling of the same sitting (on a shared
 //! virtual machine the ceiling itself moves: a sibling hyperthread or another guest can take
 //! a core away).
@@ -23,7 +25,7 @@
 //! cycle: near the core's real clock where the core has two such pipes (Skylake-SP Gold and
 //! Platinum, Zen 3/4/5 for f32 FMAs), half of it where it has one.
 
-use super::features::features;
+use super::features::{Isa, features};
 use crate::backend::{IsaPeak, Peak};
 
 /// Independent accumulator vectors of the AVX2 loop (16 YMM registers: 12 + 2 constants).
@@ -155,7 +157,7 @@ fn start(j: usize) -> f32 {
 }
 
 /// Measures every loop this CPU has on the current pool (see the module doc); the peak is
-/// the widest f32 loop's. `None` when the CPU has neither AVX-512F nor AVX2 + FMA (there is
+/// the f32 loop of the widest vectors the step's kernels use. `None` when the CPU has neither AVX-512F nor AVX2 + FMA (there is
 /// no vector loop to measure).
 pub fn measure(rounds: usize, seconds_per_round: f64) -> Option<Peak> {
     let by_isa: Vec<IsaPeak> = Loop::ALL
@@ -163,7 +165,11 @@ pub fn measure(rounds: usize, seconds_per_round: f64) -> Option<Peak> {
         .filter(|l| l.available())
         .map(|l| l.measure(rounds, seconds_per_round))
         .collect();
-    let f32_peak = by_isa.iter().find(|p| p.isa != Loop::Avx512Bf16.name())?;
+    let ceiling = match super::features::widest_in_use() {
+        Isa::Avx512 => Loop::Avx512,
+        Isa::Avx2 | Isa::Baseline => Loop::Avx2,
+    };
+    let f32_peak = by_isa.iter().find(|p| p.isa == ceiling.name())?;
     Some(Peak {
         gflops_per_s: f32_peak.gflops_per_s,
         threads: rayon::current_num_threads(),
@@ -327,16 +333,16 @@ mod tests {
         };
         let names: Vec<&str> = p.by_isa.iter().map(|i| i.isa).collect();
         assert_eq!(names, available);
-        let widest = if features().avx512f {
-            "avx512f"
-        } else {
-            "avx2+fma"
+        let widest = match crate::backend::cpu::features::widest_in_use() {
+            Isa::Avx512 => "avx512f",
+            _ => "avx2+fma",
         };
         assert_eq!((p.threads, p.isa), (2, widest));
         for i in &p.by_isa {
             assert!(i.gflops_per_s.is_finite() && i.gflops_per_s > 0.0, "{i:?}");
             assert!(i.implied_ghz > 0.0, "{i:?}");
         }
-        assert_eq!(p.gflops_per_s, p.by_isa[0].gflops_per_s);
+        let of_widest = p.by_isa.iter().find(|i| i.isa == widest).unwrap();
+        assert_eq!(p.gflops_per_s, of_widest.gflops_per_s);
     }
 }
