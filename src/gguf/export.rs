@@ -12,10 +12,11 @@
 //!   the head size is not width / heads); the tokenizer ([`vocab`]).
 //! - tensors under GGUF's names ([`super::hf::gguf_tensor_name`]), in the directory's order,
 //!   dims innermost first; `llama` Q and K rows permuted to llama.cpp's order
-//!   ([`super::hf::permute_rows`], the inverse of what `convert` undoes); 1-D tensors (norms,
-//!   biases) always F32, matrices as `--type` (F32, F16, BF16 or Q8_0 with
-//!   [`super::quantize`]'s reference quantizer); a tied LM head is not written (llama.cpp
-//!   reuses `token_embd`).
+//!   ([`super::hf::permute_rows`], the inverse of what `convert` undoes); each tensor's type
+//!   as llama.cpp's llama-quantize picks it for `--type` ([`ftype`], [`mixing`]: 1-D tensors
+//!   F32; Q4_K_M's Q6_K layers, the output tensor's Q6_K or Q8_0, the K-quants' fallbacks for
+//!   rows that are not whole super-blocks), written by [`super::quantize`]'s reference
+//!   quantizers; a tied LM head is not written (llama.cpp reuses `token_embd`).
 //!
 //! Every check that can fail is made before the file is opened: the family, the RoPE
 //! scaling (Llama 3's is a `rope_freqs` tensor in llama.cpp, not written yet), the tokenizer,
@@ -26,7 +27,11 @@
 //! Doubt: a directory `convert` made from a GGUF file does not record that file, so its
 //! tokenizer metadata is rebuilt from `tokenizer.json`, not copied from the source.
 
+pub mod ftype;
+pub mod mixing;
 pub mod vocab;
+
+pub use ftype::{EXPORT_TYPES, ExportType};
 
 use super::file::Value;
 use super::hf::{gguf_tensor_name, permute_rows};
@@ -35,59 +40,6 @@ use super::write::{TensorSpec, write_gguf};
 use crate::model::{Family, ModelSpec, Position};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
-
-/// The type matrices are written as (`--type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExportType {
-    F32,
-    F16,
-    Bf16,
-    Q8_0,
-}
-
-/// What `--type` accepts, for messages and help.
-pub const EXPORT_TYPES: &str = "f32, f16, bf16, q8_0";
-
-impl ExportType {
-    /// The ggml type of a matrix.
-    pub fn ggml(self) -> GgmlType {
-        match self {
-            ExportType::F32 => GgmlType::F32,
-            ExportType::F16 => GgmlType::F16,
-            ExportType::Bf16 => GgmlType::BF16,
-            ExportType::Q8_0 => GgmlType::Q8_0,
-        }
-    }
-
-    /// `general.file_type` (llama.cpp's `llama_ftype`: ALL_F32, MOSTLY_F16, MOSTLY_BF16,
-    /// MOSTLY_Q8_0).
-    pub fn file_type(self) -> u32 {
-        match self {
-            ExportType::F32 => 0,
-            ExportType::F16 => 1,
-            ExportType::Bf16 => 32,
-            ExportType::Q8_0 => 7,
-        }
-    }
-}
-
-impl FromStr for ExportType {
-    type Err = anyhow::Error;
-    fn from_str(s: &str) -> Result<ExportType> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "f32" => ExportType::F32,
-            "f16" => ExportType::F16,
-            "bf16" => ExportType::Bf16,
-            "q8_0" => ExportType::Q8_0,
-            "q4_0" | "q4_1" | "q4_k" | "q4_k_m" | "q6_k" => bail!(
-                "--type {s} is not written yet: memwall exports {EXPORT_TYPES} (quantize the \
-                 q8_0 or f16 file further with llama.cpp's llama-quantize)"
-            ),
-            _ => bail!("--type {s:?} is not a GGUF type memwall writes: use one of {EXPORT_TYPES}"),
-        })
-    }
-}
 
 /// What to export and where.
 #[derive(Clone, Debug)]
@@ -198,18 +150,35 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     md.extend(vocab::metadata(dir, &spec)?);
     let layout = spec.family.layout(&spec);
     let mut plan = Vec::with_capacity(layout.tensors.len());
-    for (i, t) in layout.tensors.iter().enumerate() {
-        let g = gguf_tensor_name(&t.name).with_context(|| {
+    let mut names = Vec::with_capacity(layout.tensors.len());
+    for t in &layout.tensors {
+        names.push(gguf_tensor_name(&t.name).with_context(|| {
             format!(
                 "tensor {} has no GGUF name (memwall's {arch} layout)",
                 t.name
             )
-        })?;
-        let ty = if t.shape.len() == 1 {
-            GgmlType::F32
-        } else {
-            o.ty.ggml()
-        };
+        })?);
+    }
+    // dims innermost first, as GGUF stores them: [cols, rows].
+    let dims: Vec<Vec<u64>> = layout
+        .tensors
+        .iter()
+        .map(|t| t.shape.iter().rev().map(|&d| d as u64).collect())
+        .collect();
+    let list: Vec<(&str, &[u64])> = names
+        .iter()
+        .map(|n| n.as_str())
+        .zip(dims.iter().map(|d| d.as_slice()))
+        .collect();
+    let mix = mixing::MixModel {
+        arch,
+        n_layer: spec.n_layer,
+        n_head: spec.n_head,
+        n_kv_head: spec.n_kv_head,
+    };
+    let types = mixing::tensor_types(o.ty, mix, &list)
+        .with_context(|| format!("--type {:?} for {}", o.ty, dir.display()))?;
+    for (i, (g, ty)) in names.into_iter().zip(types).enumerate() {
         let permute_heads = match arch {
             "llama" if g.contains(".attn_q.") => Some(spec.n_head),
             "llama" if g.contains(".attn_k.") => Some(spec.n_kv_head),
@@ -217,7 +186,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         };
         let ts = TensorSpec {
             name: g,
-            dims: t.shape.iter().rev().map(|&d| d as u64).collect(),
+            dims: dims[i].clone(),
             ty,
         };
         ts.n_bytes()

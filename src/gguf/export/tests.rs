@@ -157,14 +157,26 @@ fn q8_0_export_dequantizes_within_q8_0_error() {
 fn bad_type_and_family_are_refused_by_name() {
     for bad in ["q5_k", "int8", ""] {
         let e = format!("{:#}", bad.parse::<ExportType>().unwrap_err());
-        assert!(e.contains("f32, f16, bf16, q8_0"), "{e}");
+        assert!(
+            e.contains("f32, f16, bf16, q8_0, q4_0, q4_1, q4_k_m (alias q4_k), q6_k"),
+            "{e}"
+        );
     }
-    let e = format!("{:#}", "q4_k".parse::<ExportType>().unwrap_err());
+    let e = format!("{:#}", "q4_k_s".parse::<ExportType>().unwrap_err());
     assert!(
         e.contains("not written yet") && e.contains("llama-quantize"),
         "{e}"
     );
-    assert_eq!("Q8_0".parse::<ExportType>().unwrap(), ExportType::Q8_0);
+    for (s, t) in [
+        ("Q8_0", ExportType::Q8_0),
+        ("q4_0", ExportType::Q4_0),
+        ("q4_1", ExportType::Q4_1),
+        ("q4_k", ExportType::Q4KM),
+        ("Q4_K_M", ExportType::Q4KM),
+        ("q6_k", ExportType::Q6K),
+    ] {
+        assert_eq!(s.parse::<ExportType>().unwrap(), t, "{s}");
+    }
 
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("x.gguf");
