@@ -128,7 +128,7 @@ pub fn tensor_types(
         let mut t = default;
         let cat = category(name);
         if cat == Category::Output || (tied && cat == Category::TokenEmbd) {
-            if cols % default.block_size as u64 != 0 {
+            if !cols.is_multiple_of(default.block_size) {
                 t = GgmlType::Q8_0;
             } else if default != GgmlType::Q8_0 {
                 t = GgmlType::Q6_K;
@@ -167,7 +167,7 @@ fn q5_k() -> GgmlType {
 /// of it; else the K-quant's fallback (Q4_K → Q5_0, Q6_K → Q8_0, Q5_K → Q5_1), F16 if even
 /// that does not fit; an error for the types llama-quantize has no fallback for.
 fn fallback(name: &str, cols: u64, t: GgmlType) -> Result<GgmlType> {
-    if cols % t.block_size as u64 == 0 {
+    if cols.is_multiple_of(t.block_size) {
         return Ok(t);
     }
     let f = match t.name {
@@ -181,7 +181,7 @@ fn fallback(name: &str, cols: u64, t: GgmlType) -> Result<GgmlType> {
             t.block_size
         ),
     };
-    Ok(if cols % f.block_size as u64 == 0 {
+    Ok(if cols.is_multiple_of(f.block_size) {
         f
     } else {
         GgmlType::F16
