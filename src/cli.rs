@@ -134,7 +134,7 @@ mpirun) time their collectives with it; without it they assume 5 GB/s and say so
 model.safetensors, tokenizer.json and tokenizer_config.json, which transformers' \
 LlamaForCausalLM / Qwen2ForCausalLM (and AutoTokenizer) load.\n\n\
 Supported: general.architecture llama or qwen2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
-Q4_1, Q4_K, Q6_K (dequantized to f32: quantization error is kept, not undone); tokenizers \
+Q4_1, Q5_0, Q4_K, Q6_K (dequantized to f32: quantization error is kept, not undone); tokenizers \
 gpt2 (byte-level BPE, pre-tokenizer default, gpt2, smollm, llama-bpe or qwen2) and llama \
 (SentencePiece BPE with byte fallback). \
 The Q and K rows that llama.cpp permutes in llama files are put back in Hugging Face order. \
@@ -147,11 +147,13 @@ memwall convert model.gguf --out model-hf --dtype bf16 --force"
     /// for llama.cpp, Ollama and LM Studio.
     #[command(
         long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face GPT-2 / Llama / SmolLM2 / Qwen2 directory memwall loads (a GGUF file given here is converted through the user cache first).\n\n\
-Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output; GPT-2: position_embd, blk.N.attn_qkv, ffn_up/ffn_down, its Conv1D weights transposed as the converter does), Q and K rows llama.cpp's order; norms, biases and GPT-2's position embedding stay F32, matrices take --type. Llama 3 rope scaling is written as llama.cpp's rope_freqs tensor. The metadata carries the hyper-parameters and the tokenizer: a directory `memwall convert` made (or a checkpoint trained from one) keeps the source GGUF's own tokenizer.* keys in tokenizer.gguf, written back as they were (the chat template follows the directory's chat_template.jinja / tokenizer_config.json); otherwise they are rebuilt from tokenizer.json and tokenizer_config.json (byte-level BPE: tokens, types, merges; SentencePiece with byte fallback, as Llama 2 and TinyLlama: tokens, scores ranked by the merges, types with byte tokens; special ids, add_bos_token, chat template). A GPT-2 checkpoint without tokenizer.json gets GPT-2's own tokenizer. The file is written under a temporary name and renamed when complete, so an error leaves an earlier OUT.gguf as it was.\n\n\
-Not yet: Q4_0/Q4_1/Q4_K/Q6_K (quantize a q8_0 or f16 export further with llama.cpp's llama-quantize).\n\n\
-With --adapter, a LoRA adapter (a checkpoint of `memwall train --lora`, its run directory, or any PEFT adapter directory) is merged into each weight as it is written, as `memwall merge` would, with no merged copy of the model on disk or in memory; the adapter's chat template, when it has one, replaces the base's.",
+Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output; GPT-2: position_embd, blk.N.attn_qkv, ffn_up/ffn_down, its Conv1D weights transposed as the converter does), Q and K rows llama.cpp's order. Norms, biases and GPT-2's position embedding stay F32; every other tensor gets the type llama.cpp's llama-quantize would give it for --type: q4_k_m gives the output tensor (or a tied token_embd) and half the attn_v and ffn_down layers Q6_K, and rows that are not whole 256-value super-blocks (SmolLM2's 576) fall back as llama-quantize does (Q4_K to Q5_0, Q6_K to Q8_0); q4_0 and q4_1 give the output tensor Q6_K (Q8_0 when its rows do not fit). Blocks are computed as llama.cpp's reference quantizers compute them (the 32-value types checked bytewise against gguf-py). Llama 3 rope scaling is written as llama.cpp's rope_freqs tensor.\n\n\
+The metadata carries the hyper-parameters and the tokenizer: a directory `memwall convert` made (or a checkpoint trained from one) keeps the source GGUF's own tokenizer.* keys in tokenizer.gguf, written back as they were (the chat template follows the directory's chat_template.jinja / tokenizer_config.json); otherwise they are rebuilt from tokenizer.json and tokenizer_config.json (byte-level BPE: tokens, types, merges; SentencePiece with byte fallback, as Llama 2 and TinyLlama: tokens, scores ranked by the merges, types with byte tokens; special ids, add_bos_token, chat template). A GPT-2 checkpoint without tokenizer.json gets GPT-2's own tokenizer. The file is written under a temporary name and renamed when complete, so an error leaves an earlier OUT.gguf as it was.\n\n\
+With --adapter, a LoRA adapter (a checkpoint of `memwall train --lora`, its run directory, or any PEFT adapter directory) is merged into each weight as it is written, as `memwall merge` would, with no merged copy of the model on disk or in memory; the adapter's chat template, when it has one, replaces the base's.\n\n\
+Not yet: q4_k_s, q5_* and lower-bit types (quantize a q8_0 or f16 export further with llama.cpp's llama-quantize), importance matrices.",
         after_help = "Examples:\n  memwall export run/checkpoints/step-000300 --gguf smol-tuned.Q8_0.gguf --type q8_0\n  \
 memwall export smollm2 --gguf smollm2.f16.gguf --type f16\n  \
+memwall export smollm2 --gguf smollm2.Q4_K_M.gguf --type q4_k_m\n  \
 memwall export smollm2 --adapter run --gguf smol-tuned.gguf     # LoRA run: its newest checkpoint merged on the way\n  \
 memwall sample --model smol-tuned.Q8_0.gguf --prompt \"ROMEO:\"     # or llama-cli -m smol-tuned.Q8_0.gguf"
     )]
@@ -213,8 +215,9 @@ pub(crate) struct ExportArgs {
     /// The GGUF file to write (replaced atomically if it exists).
     #[arg(long, value_name = "OUT.gguf")]
     pub(crate) gguf: PathBuf,
-    /// The type of the matrices: f32 (exact), f16, bf16, or q8_0 (about a quarter of f32's
-    /// size); norms and biases are always f32.
+    /// The file type: f32 (exact), f16, bf16, q8_0 (about a quarter of f32's size), q4_0,
+    /// q4_1, q4_k_m (alias q4_k) or q6_k, each tensor's type as llama-quantize picks it for
+    /// that file type; norms and biases are always f32.
     #[arg(long = "type", default_value = "f16", value_name = "TYPE", value_parser = parse_export_type)]
     pub(crate) ty: ExportType,
     /// A LoRA adapter for the model (a checkpoint of `train --lora`, its run directory for

@@ -8,6 +8,7 @@
 //! | Q8_0 | 32     | 34    | f16 d, 32 × i8 q; `y = q·d`                                   |
 //! | Q4_0 | 32     | 18    | f16 d, 16 bytes; low nibbles are values 0–15, high 16–31; `y = (q − 8)·d` |
 //! | Q4_1 | 32     | 20    | f16 d, f16 m, 16 bytes as Q4_0; `y = q·d + m`                 |
+//! | Q5_0 | 32     | 22    | f16 d, u32 qh (bit j: value j's fifth bit), 16 bytes as Q4_0; `y = (q − 16)·d` |
 //! | Q4_K | 256    | 144   | f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles |
 //! | Q6_K | 256    | 210   | 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 × i8 scales, f16 d last |
 //!
@@ -49,6 +50,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
         "Q8_0" => q8_0_row,
         "Q4_0" => q4_0_row,
         "Q4_1" => q4_1_row,
+        "Q5_0" => q5_0_row,
         "Q4_K" => q4_k_row,
         "Q6_K" => q6_k_row,
         _ => unreachable!("dequantizable() lists exactly these types"),
@@ -133,6 +135,25 @@ pub fn q4_1_row(src: &[u8], dst: &mut [f32]) {
             let x1 = (qs[j] >> 4) as i32;
             y[j] = x0 as f32 * d + m;
             y[j + 16] = x1 as f32 * d + m;
+        }
+    }
+}
+
+/// Q5_0 (`dequantize_row_q5_0`): blocks of [f16 d, 4 bytes qh, 16 bytes qs]; value j's low
+/// 4 bits are a nibble as in Q4_0, its fifth bit is bit j of the little-endian u32 qh;
+/// `y = (q − 16)·d`.
+pub fn q5_0_row(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(22).zip(dst.chunks_exact_mut(32)) {
+        let d = f16_at(b, 0);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let qs = &b[6..22]; // [16]
+        for j in 0..16 {
+            let h0 = (((qh >> j) << 4) & 0x10) as u8;
+            let h1 = ((qh >> (j + 12)) & 0x10) as u8;
+            let x0 = ((qs[j] & 0x0F) | h0) as i32 - 16;
+            let x1 = ((qs[j] >> 4) | h1) as i32 - 16;
+            y[j] = x0 as f32 * d;
+            y[j + 16] = x1 as f32 * d;
         }
     }
 }
@@ -272,6 +293,25 @@ mod tests {
         }
         assert_eq!(deq(GgmlType::Q4_1, &b, 32), want);
         assert_eq!((want[0], want[16], want[31]), (-10.0, 20.0, -10.0));
+    }
+
+    #[test]
+    fn q5_0_fifth_bits_come_from_qh_bit_j() {
+        // Value j has code q(j) = (7·j + 3) % 32: its low 4 bits in a nibble as Q4_0 lays
+        // them out, its fifth bit as bit j of the little-endian u32 qh. d = 0.5:
+        // y = (q − 16) / 2.
+        let q = |j: usize| ((7 * j + 3) % 32) as u8;
+        let mut qh = 0u32;
+        for j in 0..32 {
+            qh |= ((q(j) >> 4) as u32) << j;
+        }
+        let mut b = h(0.5).to_vec();
+        b.extend(qh.to_le_bytes());
+        b.extend((0..16).map(|j| (q(j) & 0x0F) | ((q(j + 16) & 0x0F) << 4)));
+        let want: Vec<f32> = (0..32).map(|j| (q(j) as f32 - 16.0) * 0.5).collect();
+        assert_eq!(deq(GgmlType::Q5_0, &b, 32), want);
+        // Value 2: code 17 (fifth bit set), y = 0.5; value 18: code 1, y = −7.5.
+        assert_eq!((want[2], want[18]), (0.5, -7.5));
     }
 
     /// Packs 8 six-bit scales and mins as Q4_K stores them: sub-blocks 0–3 in the low 6 bits

@@ -12,10 +12,11 @@
 //!   the head size is not width / heads); the tokenizer ([`vocab`]).
 //! - tensors under GGUF's names ([`super::hf::gguf_tensor_name`]), in the directory's order,
 //!   dims innermost first; `llama` Q and K rows permuted to llama.cpp's order
-//!   ([`super::hf::permute_rows`], the inverse of what `convert` undoes); 1-D tensors (norms,
-//!   biases) always F32, matrices as `--type` (F32, F16, BF16 or Q8_0 with
-//!   [`super::quantize`]'s reference quantizer); a tied LM head is not written (llama.cpp
-//!   reuses `token_embd`).
+//!   ([`super::hf::permute_rows`], the inverse of what `convert` undoes); each tensor's type
+//!   as llama.cpp's llama-quantize picks it for `--type` ([`ftype`], [`mixing`]: 1-D tensors
+//!   F32; Q4_K_M's Q6_K layers, the output tensor's Q6_K or Q8_0, the K-quants' fallbacks for
+//!   rows that are not whole super-blocks), written by [`super::quantize`]'s reference
+//!   quantizers; a tied LM head is not written (llama.cpp reuses `token_embd`).
 //!
 //! - Llama 3 rope scaling: the `rope_freqs.weight` tensor (F32, `head_dim / 2` factors) first,
 //!   as the converter yields it ([`super::rope_freqs`]); no other metadata.
@@ -29,11 +30,15 @@
 //! holds them ([`super::sidecar`]), else rebuilt from `tokenizer.json`.
 
 mod adapter;
+pub mod ftype;
 pub mod gpt2;
 mod gpt2_vocab;
+pub mod mixing;
 mod spm;
 mod tokens;
 pub mod vocab;
+
+pub use ftype::{EXPORT_TYPES, ExportType};
 
 use super::file::Value;
 use super::hf::{gguf_tensor_name, permute_rows};
@@ -42,59 +47,6 @@ use super::write::{TensorSpec, write_gguf};
 use crate::model::{Family, ModelSpec, Position};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
-
-/// The type matrices are written as (`--type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExportType {
-    F32,
-    F16,
-    Bf16,
-    Q8_0,
-}
-
-/// What `--type` accepts, for messages and help.
-pub const EXPORT_TYPES: &str = "f32, f16, bf16, q8_0";
-
-impl ExportType {
-    /// The ggml type of a matrix.
-    pub fn ggml(self) -> GgmlType {
-        match self {
-            ExportType::F32 => GgmlType::F32,
-            ExportType::F16 => GgmlType::F16,
-            ExportType::Bf16 => GgmlType::BF16,
-            ExportType::Q8_0 => GgmlType::Q8_0,
-        }
-    }
-
-    /// `general.file_type` (llama.cpp's `llama_ftype`: ALL_F32, MOSTLY_F16, MOSTLY_BF16,
-    /// MOSTLY_Q8_0).
-    pub fn file_type(self) -> u32 {
-        match self {
-            ExportType::F32 => 0,
-            ExportType::F16 => 1,
-            ExportType::Bf16 => 32,
-            ExportType::Q8_0 => 7,
-        }
-    }
-}
-
-impl FromStr for ExportType {
-    type Err = anyhow::Error;
-    fn from_str(s: &str) -> Result<ExportType> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "f32" => ExportType::F32,
-            "f16" => ExportType::F16,
-            "bf16" => ExportType::Bf16,
-            "q8_0" => ExportType::Q8_0,
-            "q4_0" | "q4_1" | "q4_k" | "q4_k_m" | "q6_k" => bail!(
-                "--type {s} is not written yet: memwall exports {EXPORT_TYPES} (quantize the \
-                 q8_0 or f16 file further with llama.cpp's llama-quantize)"
-            ),
-            _ => bail!("--type {s:?} is not a GGUF type memwall writes: use one of {EXPORT_TYPES}"),
-        })
-    }
-}
 
 /// What to export and where.
 #[derive(Clone, Debug)]
@@ -254,7 +206,11 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     md.extend(vocab::metadata(dir, &spec)?);
     let layout = spec.family.layout(&spec);
     let mut plan: Vec<Planned> = rope_freqs_tensor(&spec).into_iter().collect();
-    for (i, t) in layout.tensors.iter().enumerate() {
+    // Each tensor's GGUF name, whether it is transposed (GPT-2's Conv1D weights), and its
+    // dims innermost first, as GGUF stores them: [cols, rows] (a transposed [in, out]
+    // weight is written [out, in]).
+    let mut named = Vec::with_capacity(layout.tensors.len());
+    for t in &layout.tensors {
         let (g, transpose) = if arch == "gpt2" {
             gpt2::tensor_name(&t.name)?
         } else {
@@ -266,24 +222,31 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
             })?;
             (g, false)
         };
-        let ty = if arch == "gpt2" {
-            gpt2::tensor_type(&g, t.shape.len(), o.ty.ggml())
-        } else if t.shape.len() == 1 {
-            GgmlType::F32
+        let dims: Vec<u64> = if transpose {
+            t.shape.iter().map(|&d| d as u64).collect()
         } else {
-            o.ty.ggml()
+            t.shape.iter().rev().map(|&d| d as u64).collect()
         };
+        named.push((g, transpose, dims));
+    }
+    let list: Vec<(&str, &[u64])> = named
+        .iter()
+        .map(|(g, _, d)| (g.as_str(), d.as_slice()))
+        .collect();
+    let mix = mixing::MixModel {
+        arch,
+        n_layer: spec.n_layer,
+        n_head: spec.n_head,
+        n_kv_head: spec.n_kv_head,
+    };
+    let types = mixing::tensor_types(o.ty, mix, &list)
+        .with_context(|| format!("--type {:?} for {}", o.ty, dir.display()))?;
+    for (i, ((g, transpose, dims), ty)) in named.into_iter().zip(types).enumerate() {
         let reorder = match arch {
             "llama" if g.contains(".attn_q.") => Reorder::Permute(spec.n_head),
             "llama" if g.contains(".attn_k.") => Reorder::Permute(spec.n_kv_head),
             _ if transpose => Reorder::Transpose,
             _ => Reorder::None,
-        };
-        // GGUF dims innermost first: a transposed [in, out] weight is written [out, in].
-        let dims = if transpose {
-            t.shape.iter().map(|&d| d as u64).collect()
-        } else {
-            t.shape.iter().rev().map(|&d| d as u64).collect()
         };
         let ts = TensorSpec { name: g, dims, ty };
         ts.n_bytes()

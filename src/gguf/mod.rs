@@ -12,8 +12,9 @@
 //! once complete.
 //!
 //! `sample --model FILE.gguf` and `train --init FILE.gguf` convert once into the user cache
-//! ([`cache::model_dir`]) and use that directory. [`quantize`] writes Q8_0, Q4_0 and Q4_1
-//! blocks bitwise as llama.cpp's reference quantizers (for a quantized base, and GGUF out);
+//! ([`cache::model_dir`]) and use that directory. [`quantize`] writes Q8_0, Q4_0, Q4_1, Q5_0,
+//! Q4_K and Q6_K blocks as llama.cpp's reference quantizers (for a quantized base, and GGUF
+//! out);
 //! [`base`] reads a file's own blocks as a LoRA base (`--base-quant keep`).
 //!
 //! `memwall export DIR --gguf OUT.gguf --type T` ([`export::export`]) goes the other way: a

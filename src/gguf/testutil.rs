@@ -353,3 +353,27 @@ pub fn tiny_gpt2() -> GgufWriter {
     w.random_tensor("output_norm.bias", &[c], GgmlType::F32, 71);
     w
 }
+
+/// Runs `scripts/gguf_py.py ARGS` with the python that `MEMWALL_GGUF_PY` names (`.ci/run`
+/// sets it to a venv with the `gguf` package). Panics, saying what to do, when the variable
+/// is unset, the python cannot be started, or the script fails (gguf or numpy missing
+/// included): the tests that call it are ignored unless that python is there.
+pub fn gguf_py(args: &[&std::ffi::OsStr]) {
+    let py = std::env::var_os("MEMWALL_GGUF_PY").expect(
+        "set MEMWALL_GGUF_PY to a python with the gguf and numpy packages (.ci/run makes \
+         target/pyenv: python3 -m venv target/pyenv && target/pyenv/bin/pip install gguf numpy)",
+    );
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gguf_py.py");
+    let out = std::process::Command::new(&py)
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("MEMWALL_GGUF_PY={}: cannot run it: {e}", py.display()));
+    assert!(
+        out.status.success(),
+        "{} {script} {args:?} failed ({}): {}",
+        py.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -73,13 +73,16 @@ const REMOVED: &[(u32, &str)] = &[
 ];
 
 /// The types [`super::dequant::dequantize`] decodes, in the order messages list them.
-pub const DEQUANTIZABLE: &[&str] = &["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"];
+pub const DEQUANTIZABLE: &[&str] = &[
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K",
+];
 
 impl GgmlType {
     pub const F32: GgmlType = GgmlType::known(0);
     pub const F16: GgmlType = GgmlType::known(1);
     pub const Q4_0: GgmlType = GgmlType::known(2);
     pub const Q4_1: GgmlType = GgmlType::known(3);
+    pub const Q5_0: GgmlType = GgmlType::known(6);
     pub const Q8_0: GgmlType = GgmlType::known(8);
     pub const Q4_K: GgmlType = GgmlType::known(12);
     pub const Q6_K: GgmlType = GgmlType::known(14);

@@ -14,7 +14,6 @@
 
 use crate::gguf::file::Value;
 use crate::gguf::hf::gpt2::gguf_tensor_name;
-use crate::gguf::types::GgmlType;
 use crate::model::ModelSpec;
 use anyhow::{Context, Result};
 
@@ -38,13 +37,4 @@ pub(super) fn metadata(spec: &ModelSpec) -> Vec<(String, Value)> {
 pub(super) fn tensor_name(name: &str) -> Result<(String, bool)> {
     gguf_tensor_name(name)
         .with_context(|| format!("tensor {name} has no GGUF name (memwall's gpt2 layout)"))
-}
-
-/// The type tensor `gguf` (of `dims` dimensions) is written as, `matrices` for matrices.
-pub(super) fn tensor_type(gguf: &str, n_dims: usize, matrices: GgmlType) -> GgmlType {
-    if n_dims == 1 || gguf == "position_embd.weight" {
-        GgmlType::F32
-    } else {
-        matrices
-    }
 }

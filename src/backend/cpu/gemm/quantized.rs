@@ -1,7 +1,7 @@
 //! The two GEMMs of a frozen linear layer whose weight stays quantized (QLoRA's base): the
 //! forward `out[n, o] = inp[n, i] · Wᵀ` and the input gradient `dinp[n, i] = dout[n, o] · W`,
-//! with `W [out, in]` stored as rows of ggml blocks ([`QuantWeight`]: Q8_0, Q4_0, Q4_1, Q4_K,
-//! Q6_K, or F16/BF16/F32 as a GGUF file holds them). A frozen layer has no weight gradient,
+//! with `W [out, in]` stored as rows of ggml blocks ([`QuantWeight`]: Q8_0, Q4_0, Q4_1, Q5_0,
+//! Q4_K, Q6_K, or F16/BF16/F32 as a GGUF file holds them). A frozen layer has no weight gradient,
 //! so there is no third GEMM.
 //!
 //! The weight is never dequantized whole: [`TILE_ROWS`] rows at a time are decoded (exactly
@@ -228,7 +228,7 @@ mod tests {
             let d = 0.01 + 0.02 * rng.next_f32();
             let m = -0.05 * rng.next_f32();
             match ty.name {
-                "Q8_0" | "Q4_0" => put(block, 0, d),
+                "Q8_0" | "Q4_0" | "Q5_0" => put(block, 0, d),
                 "Q4_1" | "Q4_K" => {
                     put(block, 0, d);
                     put(block, 2, m);
@@ -266,6 +266,7 @@ mod tests {
             GgmlType::Q8_0,
             GgmlType::Q4_0,
             GgmlType::Q4_1,
+            GgmlType::Q5_0,
             GgmlType::Q4_K,
             GgmlType::Q6_K,
             GgmlType::F16,
@@ -314,7 +315,7 @@ mod tests {
         assert!(e.contains("takes 36 bytes, not 18"), "{e}");
         let e = format!(
             "{:#}",
-            QuantWeight::new(GgmlType::from_id(6).unwrap(), &[0; 22], 1, 32).unwrap_err()
+            QuantWeight::new(GgmlType::from_id(7).unwrap(), &[0; 24], 1, 32).unwrap_err()
         );
         assert!(e.contains("cannot be dequantized"), "{e}");
     }
