@@ -74,8 +74,9 @@ fn dot_operand<T: Elem>(x: &[T]) -> Option<Operand<'_>> {
 /// Which bf16 dot-product kernel multiplies bf16 × bf16 operands here, if any: `vdpbf16ps`
 /// on CPUs with AVX512_BF16. `MEMWALL_BF16_DOT=off` asks for the widening path (to compare
 /// the two on one machine); `MEMWALL_BF16_DOT=emulated` for the dot-product path with the
-/// instruction emulated (slow; to exercise the path on CPUs without it). Decided once per
-/// process.
+/// instruction emulated (slow; to exercise the path on CPUs without it). Neither runs under
+/// `MEMWALL_CPU_ISA=avx2` (or `baseline`), which asks for what a CPU without AVX-512 would
+/// run. Decided once per process.
 pub fn bf16_dot() -> Option<Dot> {
     #[cfg(test)]
     if let Some(forced) = tests::FORCED_DOT.with(|f| f.get()) {
@@ -84,6 +85,9 @@ pub fn bf16_dot() -> Option<Dot> {
     static CHOICE: OnceLock<Option<Dot>> = OnceLock::new();
     *CHOICE.get_or_init(|| match bf16_dot_request() {
         Bf16DotRequest::Off => None,
+        _ if crate::backend::cpu::features::isa() < crate::backend::cpu::features::Isa::Avx512 => {
+            None
+        }
         Bf16DotRequest::Emulated => Some(Dot::Emulated).filter(|d| d.available()),
         Bf16DotRequest::Hardware => Some(Dot::Hardware).filter(|d| d.available()),
     })
