@@ -208,9 +208,10 @@ pub(crate) struct ConvertArgs {
 
 #[derive(Args)]
 pub(crate) struct ExportArgs {
-    /// The model directory (config.json, model.safetensors or its shards, tokenizer.json):
-    /// a checkpoint, or a Hugging Face model directory.
-    #[arg(value_name = "CHECKPOINT_OR_HF_DIR")]
+    /// The model: a checkpoint, a run directory (its newest checkpoint), a Hugging Face
+    /// model directory (config.json, model.safetensors or its shards, tokenizer.json), or a
+    /// GGUF file (converted through the user cache).
+    #[arg(value_name = "MODEL")]
     pub(crate) input: PathBuf,
     /// The GGUF file to write (replaced atomically if it exists).
     #[arg(long, value_name = "OUT.gguf")]
@@ -225,6 +226,10 @@ pub(crate) struct ExportArgs {
     /// are written.
     #[arg(long, value_name = "ADAPTER_OR_RUN_DIR")]
     pub(crate) adapter: Option<PathBuf>,
+    /// general.name, the name llama.cpp, Ollama and LM Studio show (default: the model's
+    /// file or directory name, RUN-step-N for a checkpoint, then `-` and the adapter's).
+    #[arg(long)]
+    pub(crate) name: Option<String>,
 }
 
 #[derive(Args)]

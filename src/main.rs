@@ -665,15 +665,39 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
 }
 
 fn export_cmd(a: ExportArgs) -> Result<()> {
-    let input = gguf::cache::model_dir(&a.input, "CHECKPOINT_OR_HF_DIR")?;
+    check_export_output(&a)?;
+    // A run directory: its newest checkpoint.
+    // What general.name is taken from: the path given, or the checkpoint a run's is.
+    let mut named = a.input.clone();
+    let input = match a.input.join("config.json").is_file() {
+        false if a.input.join("checkpoints").is_dir() => {
+            match memwall::ckpt::latest_checkpoint(&a.input)? {
+                Some(newest) => {
+                    eprintln!(
+                        "{}: exporting its newest checkpoint, {}",
+                        a.input.display(),
+                        newest.display()
+                    );
+                    named = newest.clone();
+                    newest
+                }
+                None => anyhow::bail!(
+                    "{}: a run directory with no complete checkpoint yet (train with --save-every, or wait for the first)",
+                    a.input.display()
+                ),
+            }
+        }
+        _ => gguf::cache::model_dir(&a.input, "the model")?,
+    };
     // general.name: what the user named (a GGUF file's stem, not its cache directory's).
-    let name = std::fs::canonicalize(&a.input).ok().and_then(|p| {
-        let n = if p.is_dir() {
-            p.file_name()
-        } else {
-            p.file_stem()
-        };
-        n.map(|n| n.to_string_lossy().into_owned())
+    // general.name: --name, else what the user named (a GGUF file's stem, not its cache
+    // directory's; a checkpoint as RUN-step-N), and the adapter's after a `-`.
+    let name = a.name.clone().or_else(|| {
+        let base = display_name(&named)?;
+        Some(match a.adapter.as_deref().and_then(display_name) {
+            Some(adapter) => format!("{base}-{adapter}"),
+            None => base,
+        })
     });
     let s = gguf::export(&gguf::ExportOptions {
         input,
@@ -700,6 +724,52 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
         s.metadata_keys,
         fmt_bytes(s.bytes)
     );
+    Ok(())
+}
+
+/// What a model path is called in `general.name`: a file's stem, a directory's name, a
+/// checkpoint's `RUN-step-N` (its run's name beside its step).
+fn display_name(path: &std::path::Path) -> Option<String> {
+    let p = std::fs::canonicalize(path).ok()?;
+    let own = if p.is_dir() {
+        p.file_name()
+    } else {
+        p.file_stem()
+    }?
+    .to_string_lossy()
+    .into_owned();
+    let parent = p.parent()?;
+    if parent.file_name().is_some_and(|n| n == "checkpoints")
+        && let Some(run) = parent.parent().and_then(|r| r.file_name())
+    {
+        return Some(format!("{}-{own}", run.to_string_lossy()));
+    }
+    Some(own)
+}
+
+/// `--gguf` names a file that is neither a directory nor the model being read, before any
+/// work is done.
+fn check_export_output(a: &ExportArgs) -> Result<()> {
+    let out = &a.gguf;
+    if out.is_dir() || out.as_os_str().to_string_lossy().ends_with('/') {
+        anyhow::bail!(
+            "--gguf {}: a directory; give the file to write, e.g. {}",
+            out.display(),
+            out.join("model.gguf").display()
+        );
+    }
+    let same = |p: &std::path::Path| {
+        matches!(
+            (std::fs::canonicalize(p), std::fs::canonicalize(out)),
+            (Ok(x), Ok(y)) if x == y
+        )
+    };
+    if same(&a.input) || a.adapter.as_deref().is_some_and(same) {
+        anyhow::bail!(
+            "--gguf {} is the model being read: write the export to another file",
+            out.display()
+        );
+    }
     Ok(())
 }
 

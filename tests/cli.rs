@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fails, memwall_env, ok};
+use common::{fails, memwall, memwall_env, ok};
 
 #[test]
 fn plan_json_has_totals_categories_and_buffers() {
@@ -936,4 +936,77 @@ fn export_refusals_name_the_type_and_the_tokenizer() {
     );
     assert!(!out.exists());
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+/// `export` of a run directory takes its newest checkpoint and names the file RUN-step-N
+/// (or `--name`); an output that is a directory, or the model being read, is refused before
+/// anything is done.
+#[test]
+fn export_takes_a_run_directory_and_refuses_a_bad_output_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = |n: &str| tmp.path().join(n).to_str().unwrap().to_string();
+    let corpus = common::small_corpus(tmp.path());
+    let data = common::prepared(tmp.path(), &corpus);
+    let cfg = common::micro_config(tmp.path());
+    let run = tmp.path().join("myrun");
+    ok(&common::train_args(
+        &cfg,
+        &data,
+        &run,
+        &[
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--save-every",
+            "1",
+        ],
+    ));
+    let out = t("m.gguf");
+    let said = memwall(&["export", &t("myrun"), "--gguf", &out, "--type", "f32"]);
+    assert!(
+        said.status.success(),
+        "{}",
+        String::from_utf8_lossy(&said.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&said.stderr).contains("step-000002"),
+        "the newest checkpoint is named"
+    );
+    let f = memwall::gguf::GgufFile::open(std::path::Path::new(&out)).unwrap();
+    assert_eq!(
+        f.get("general.name"),
+        Some(&memwall::gguf::Value::String("myrun-step-000002".into()))
+    );
+    ok(&[
+        "export",
+        &t("myrun"),
+        "--gguf",
+        &out,
+        "--name",
+        "Tiny Tuned",
+    ]);
+    let f = memwall::gguf::GgufFile::open(std::path::Path::new(&out)).unwrap();
+    assert_eq!(
+        f.get("general.name"),
+        Some(&memwall::gguf::Value::String("Tiny Tuned".into()))
+    );
+
+    let before = std::fs::read(&out).unwrap();
+    let e = fails(&[
+        "export",
+        &t("myrun"),
+        "--gguf",
+        tmp.path().to_str().unwrap(),
+    ]);
+    assert!(e.contains("--gguf") && e.contains("a directory"), "{e}");
+    let e = fails(&["export", &out, "--gguf", &out]);
+    assert!(e.contains("is the model being read"), "{e}");
+    assert!(std::fs::read(&out).unwrap() == before);
+    let empty = tmp.path().join("empty-run");
+    std::fs::create_dir_all(empty.join("checkpoints")).unwrap();
+    let e = fails(&["export", empty.to_str().unwrap(), "--gguf", &t("x.gguf")]);
+    assert!(e.contains("no complete checkpoint"), "{e}");
 }

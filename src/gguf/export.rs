@@ -258,7 +258,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         });
     }
     let adapter = match &o.adapter {
-        Some(a) => Some(adapter::Adapter::load(a, &layout, &mut md)?),
+        Some(a) => Some(adapter::Adapter::load(a, dir, &layout, &mut md)?),
         None => None,
     };
     let specs: Vec<TensorSpec> = plan.iter().map(|p| p.spec.clone()).collect();

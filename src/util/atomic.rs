@@ -6,7 +6,9 @@
 //! directory so the rename itself survives a crash. On any error the temporary is removed.
 //!
 //! Temporary names carry `tmp-<pid>-<n>` so that concurrent writers never collide and
-//! leftovers of a crashed process are recognisable. Every atomic write of the crate goes
+//! leftovers of a crashed process are recognisable: a write removes the temporaries of the
+//! same file that a process no longer running left (killed mid-write, or interrupted), so
+//! a Ctrl-C costs no disk beyond the next write ([`sweep_stale`]). Every atomic write of the crate goes
 //! through here: token shards and `meta.json` (`data`), checkpoints and model exports
 //! (`ckpt`, whose checkpoint *directories* are published the same way from files written by
 //! [`write_synced`]), and the files of a run directory (`run_dir`, `profile`).
@@ -55,6 +57,7 @@ pub fn write_with(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> R
             path.display()
         );
     };
+    sweep_stale(dir, &name.to_string_lossy());
     let tmp = dir.join(format!(".{}.{}", name.to_string_lossy(), tmp_suffix()));
     let result = (|| -> Result<()> {
         write_synced(&tmp, write)?;
@@ -70,6 +73,36 @@ pub fn write_with(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> R
         )));
     }
     sync_dir(dir)
+}
+
+/// Removes the temporaries `.NAME.tmp-<pid>-<n>` in `dir` whose process is no longer
+/// running (Linux: no `/proc/<pid>`): what a process killed while writing `NAME` left. A
+/// running process's, this one's included, are left alone, and nothing is said of a file
+/// that cannot be removed (the write goes on as before). Elsewhere than Linux, nothing is
+/// removed.
+pub fn sweep_stale(dir: &Path, name: &str) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let prefix = format!(".{name}.tmp-");
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let Some(rest) = file.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let Some((pid, n)) = rest.split_once('-') else {
+            continue;
+        };
+        let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), n.parse::<u64>()) else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Creates `path` (which must not exist), lets `write` fill it, and fsyncs it: the first half
@@ -104,6 +137,28 @@ mod tests {
 
     fn err_text(r: Result<()>) -> String {
         format!("{:#}", r.unwrap_err())
+    }
+
+    #[test]
+    fn a_write_removes_the_temporaries_of_dead_writers_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("m.gguf");
+        // pid_max is at most 2^22 on Linux: no process has this id.
+        let dead = dir.path().join(".m.gguf.tmp-999999999-0");
+        let mine = dir
+            .path()
+            .join(format!(".m.gguf.tmp-{}-77", std::process::id()));
+        let other_file = dir.path().join(".n.gguf.tmp-999999999-0");
+        let not_ours = dir.path().join(".m.gguf.tmp-notes");
+        for p in [&dead, &mine, &other_file, &not_ours] {
+            fs::write(p, b"partial").unwrap();
+        }
+        write_file(&f, b"whole").unwrap();
+        assert!(!dead.exists(), "a dead writer's temporary was kept");
+        for p in [&mine, &other_file, &not_ours] {
+            assert!(p.exists(), "{} was removed", p.display());
+        }
+        assert_eq!(fs::read(&f).unwrap(), b"whole");
     }
 
     #[test]

@@ -23,10 +23,25 @@ impl Adapter {
     /// Reads `--adapter` (an adapter directory, or a LoRA run's directory: its newest
     /// checkpoint) for the base whose parameters are `base`, checked against it before the
     /// output is opened, and puts its chat template, when it has one, in `md`.
-    pub fn load(dir: &Path, base: &ParamLayout, md: &mut Vec<(String, Value)>) -> Result<Adapter> {
+    pub fn load(
+        dir: &Path,
+        base_dir: &Path,
+        base: &ParamLayout,
+        md: &mut Vec<(String, Value)>,
+    ) -> Result<Adapter> {
         let dir = resolve_dir(dir)?;
         let (layout, values) =
             load_adapter(&dir, base).with_context(|| format!("--adapter {}", dir.display()))?;
+        if let Some(trained_on) = other_base(&dir, base_dir) {
+            eprintln!(
+                "note: the adapter {} was trained on {} (its adapter_config.json's \
+                 base_model_name_or_path), not on {}; its update is merged into {} as asked",
+                dir.display(),
+                trained_on.display(),
+                base_dir.display(),
+                base_dir.display()
+            );
+        }
         let template = dir.join(crate::ckpt::CHAT_TEMPLATE_FILE);
         if template.is_file() {
             let text = std::fs::read_to_string(&template)
@@ -45,6 +60,21 @@ impl Adapter {
     pub fn merge(&self, base: &ParamLayout, tensor: usize, w: &mut [f32]) {
         merge_tensor(&self.layout, base, tensor, w, &self.values);
     }
+}
+
+/// The base the adapter in `dir` records (`base_model_name_or_path`) when that is a
+/// directory here other than `base_dir`: merging into another model of the same shapes (a
+/// full fine-tune of it, say) is allowed but rarely meant. `None` when it records a hub
+/// name, a path that no longer exists, or `base_dir` itself.
+fn other_base(dir: &Path, base_dir: &Path) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(dir.join(crate::ckpt::ADAPTER_CONFIG_FILE)).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let recorded = PathBuf::from(config["base_model_name_or_path"].as_str()?);
+    let (r, b) = (
+        std::fs::canonicalize(&recorded).ok()?,
+        std::fs::canonicalize(base_dir).ok()?,
+    );
+    (r != b).then_some(recorded)
 }
 
 #[cfg(test)]
@@ -135,6 +165,27 @@ mod tests {
                 "{arch}: the adapter's chat template"
             );
         }
+    }
+
+    #[test]
+    fn an_adapter_trained_on_another_directory_is_noticed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tiny_dir(tmp.path(), "llama");
+        let ad = tmp.path().join("adapter");
+        adapter(&base, &ad, "q,v"); // records `base`
+        assert_eq!(super::other_base(&ad, &base), None);
+        let copy = tmp.path().join("copy");
+        fs::create_dir(&copy).unwrap();
+        assert_eq!(super::other_base(&ad, &copy), Some(base.clone()));
+        // A recorded hub name or a vanished path says nothing.
+        let cfg = ad.join(crate::ckpt::ADAPTER_CONFIG_FILE);
+        let text = fs::read_to_string(&cfg).unwrap();
+        fs::write(
+            &cfg,
+            text.replace(&base.display().to_string(), "HuggingFaceTB/SmolLM2-135M"),
+        )
+        .unwrap();
+        assert_eq!(super::other_base(&ad, &copy), None);
     }
 
     #[test]
