@@ -666,6 +666,9 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
 
 fn export_cmd(a: ExportArgs) -> Result<()> {
     check_export_output(&a)?;
+    if let Some(note) = requantize_note(&a.input, a.ty) {
+        eprintln!("note: {note}");
+    }
     // A run directory: its newest checkpoint.
     // What general.name is taken from: the path given, or the checkpoint a run's is.
     let mut named = a.input.clone();
@@ -725,6 +728,35 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
         fmt_bytes(s.bytes)
     );
     Ok(())
+}
+
+/// What a user exporting a GGUF file whose matrices are already quantized should know:
+/// its rounding stays in the export, and a quantized `--type` rounds again (llama-quantize
+/// asks for `--allow-requantize` there).
+fn requantize_note(input: &std::path::Path, ty: gguf::ExportType) -> Option<String> {
+    if !gguf::cache::is_gguf(input) {
+        return None;
+    }
+    let f = gguf::GgufFile::open(input).ok()?;
+    let quantized = f
+        .tensors
+        .iter()
+        .filter(|t| t.dims.len() > 1 && t.ty.block_size > 1)
+        .map(|t| t.ty.name)
+        .max_by_key(|name| f.tensors.iter().filter(|t| t.ty.name == *name).count())?;
+    Some(if ty.ggml().block_size > 1 {
+        format!(
+            "{} stores its matrices as {quantized}: they are dequantized and quantized again, \
+             which adds the second type's error to the first's (from the original f16 or f32 \
+             model, where you have it, the export loses less)",
+            input.display()
+        )
+    } else {
+        format!(
+            "{} stores its matrices as {quantized}: the export keeps that rounding at its own type",
+            input.display()
+        )
+    })
 }
 
 /// What a model path is called in `general.name`: a file's stem, a directory's name, a
