@@ -149,12 +149,13 @@ memwall convert model.gguf --out model-hf --dtype bf16 --force"
         long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face GPT-2 / Llama / SmolLM2 / Qwen2 directory memwall loads (a GGUF file given here is converted through the user cache first).\n\n\
 Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output; GPT-2: position_embd, blk.N.attn_qkv, ffn_up/ffn_down, its Conv1D weights transposed as the converter does), Q and K rows llama.cpp's order. Norms, biases and GPT-2's position embedding stay F32; every other tensor gets the type llama.cpp's llama-quantize would give it for --type: q4_k_m gives the output tensor (or a tied token_embd) and half the attn_v and ffn_down layers Q6_K, and rows that are not whole 256-value super-blocks (SmolLM2's 576) fall back as llama-quantize does (Q4_K to Q5_0, Q6_K to Q8_0); q4_0 and q4_1 give the output tensor Q6_K (Q8_0 when its rows do not fit). Blocks are computed as llama.cpp's reference quantizers compute them (the 32-value types checked bytewise against gguf-py). Llama 3 rope scaling is written as llama.cpp's rope_freqs tensor.\n\n\
 The metadata carries the hyper-parameters and the tokenizer: a directory `memwall convert` made (or a checkpoint trained from one) keeps the source GGUF's own tokenizer.* keys in tokenizer.gguf, written back as they were (the chat template follows the directory's chat_template.jinja / tokenizer_config.json); otherwise they are rebuilt from tokenizer.json and tokenizer_config.json (byte-level BPE: tokens, types, merges; SentencePiece with byte fallback, as Llama 2 and TinyLlama: tokens, scores ranked by the merges, types with byte tokens; special ids, add_bos_token, chat template). A GPT-2 checkpoint without tokenizer.json gets GPT-2's own tokenizer. The file is written under a temporary name and renamed when complete, so an error leaves an earlier OUT.gguf as it was.\n\n\
-With --adapter, a LoRA adapter (a checkpoint of `memwall train --lora`, its run directory, or any PEFT adapter directory) is merged into each weight as it is written, as `memwall merge` would, with no merged copy of the model on disk or in memory; the adapter's chat template, when it has one, replaces the base's.\n\n\
+With --adapter, a LoRA adapter (a checkpoint of `memwall train --lora`, its run directory, or any PEFT adapter directory) is merged into each weight as it is written, as `memwall merge` would, with no merged copy of the model on disk or in memory; the adapter's chat template, when it has one, replaces the base's. MODEL may then be left out: the base the adapter records (base_model_name_or_path) is used. A run directory as MODEL exports its newest checkpoint; general.name is the model's name (RUN-step-N for a checkpoint) unless --name gives one.\n\n\
 Not yet: q4_k_s, q5_* and lower-bit types (quantize a q8_0 or f16 export further with llama.cpp's llama-quantize), importance matrices.",
         after_help = "Examples:\n  memwall export run/checkpoints/step-000300 --gguf smol-tuned.Q8_0.gguf --type q8_0\n  \
 memwall export smollm2 --gguf smollm2.f16.gguf --type f16\n  \
 memwall export smollm2 --gguf smollm2.Q4_K_M.gguf --type q4_k_m\n  \
 memwall export smollm2 --adapter run --gguf smol-tuned.gguf     # LoRA run: its newest checkpoint merged on the way\n  \
+memwall export --adapter run --gguf smol-tuned.gguf             # into the base the adapter records\n  \
 memwall sample --model smol-tuned.Q8_0.gguf --prompt \"ROMEO:\"     # or llama-cli -m smol-tuned.Q8_0.gguf"
     )]
     Export(ExportArgs),
@@ -210,9 +211,10 @@ pub(crate) struct ConvertArgs {
 pub(crate) struct ExportArgs {
     /// The model: a checkpoint, a run directory (its newest checkpoint), a Hugging Face
     /// model directory (config.json, model.safetensors or its shards, tokenizer.json), or a
-    /// GGUF file (converted through the user cache).
-    #[arg(value_name = "MODEL")]
-    pub(crate) input: PathBuf,
+    /// GGUF file (converted through the user cache). May be left out with --adapter: the
+    /// base the adapter records.
+    #[arg(value_name = "MODEL", required_unless_present = "adapter")]
+    pub(crate) input: Option<PathBuf>,
     /// The GGUF file to write (replaced atomically if it exists).
     #[arg(long, value_name = "OUT.gguf")]
     pub(crate) gguf: PathBuf,

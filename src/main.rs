@@ -664,21 +664,29 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
     Ok(())
 }
 
-fn export_cmd(a: ExportArgs) -> Result<()> {
+fn export_cmd(mut a: ExportArgs) -> Result<()> {
+    let given = match (&a.input, &a.adapter) {
+        (Some(m), _) => m.clone(),
+        (None, Some(adapter)) => recorded_base(adapter)?,
+        (None, None) => anyhow::bail!(
+            "give the MODEL to export (or --adapter, to export it merged into the base it records)"
+        ),
+    };
+    a.input = Some(given.clone());
     check_export_output(&a)?;
-    if let Some(note) = requantize_note(&a.input, a.ty) {
+    if let Some(note) = requantize_note(&given, a.ty) {
         eprintln!("note: {note}");
     }
-    // A run directory: its newest checkpoint.
-    // What general.name is taken from: the path given, or the checkpoint a run's is.
-    let mut named = a.input.clone();
-    let input = match a.input.join("config.json").is_file() {
-        false if a.input.join("checkpoints").is_dir() => {
-            match memwall::ckpt::latest_checkpoint(&a.input)? {
+    // A run directory exports its newest checkpoint; general.name is taken from that
+    // checkpoint, else from the path given (a GGUF file's stem, not its cache directory's).
+    let mut named = given.clone();
+    let input = match given.join("config.json").is_file() {
+        false if given.join("checkpoints").is_dir() => {
+            match memwall::ckpt::latest_checkpoint(&given)? {
                 Some(newest) => {
                     eprintln!(
                         "{}: exporting its newest checkpoint, {}",
-                        a.input.display(),
+                        given.display(),
                         newest.display()
                     );
                     named = newest.clone();
@@ -686,15 +694,13 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
                 }
                 None => anyhow::bail!(
                     "{}: a run directory with no complete checkpoint yet (train with --save-every, or wait for the first)",
-                    a.input.display()
+                    given.display()
                 ),
             }
         }
-        _ => gguf::cache::model_dir(&a.input, "the model")?,
+        _ => gguf::cache::model_dir(&given, "the model")?,
     };
-    // general.name: what the user named (a GGUF file's stem, not its cache directory's).
-    // general.name: --name, else what the user named (a GGUF file's stem, not its cache
-    // directory's; a checkpoint as RUN-step-N), and the adapter's after a `-`.
+    // --name, else the model's name (a checkpoint as RUN-step-N), the adapter's after a `-`.
     let name = a.name.clone().or_else(|| {
         let base = display_name(&named)?;
         Some(match a.adapter.as_deref().and_then(display_name) {
@@ -720,7 +726,7 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
     };
     println!(
         "exported {} ({}){merged} to {}: {} tensors, {} metadata keys, {}",
-        a.input.display(),
+        given.display(),
         s.architecture,
         s.out.display(),
         s.tensors,
@@ -757,6 +763,48 @@ fn requantize_note(input: &std::path::Path, ty: gguf::ExportType) -> Option<Stri
             input.display()
         )
     })
+}
+
+/// The base an adapter (or a LoRA run's newest checkpoint) records
+/// (`base_model_name_or_path`), when it is a model directory or GGUF file here.
+fn recorded_base(adapter: &std::path::Path) -> Result<std::path::PathBuf> {
+    let dir = memwall::ckpt::adapter::resolve_dir(adapter)?;
+    let config = dir.join(memwall::ckpt::ADAPTER_CONFIG_FILE);
+    let text = std::fs::read_to_string(&config).with_context(|| {
+        format!(
+            "--adapter {}: cannot read {} (give the MODEL to merge it into as well)",
+            adapter.display(),
+            config.display()
+        )
+    })?;
+    let recorded = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| {
+            v["base_model_name_or_path"]
+                .as_str()
+                .map(std::path::PathBuf::from)
+        });
+    match recorded {
+        Some(p) if p.exists() => {
+            eprintln!(
+                "{}: merging into the base it records, {}",
+                config.display(),
+                p.display()
+            );
+            Ok(p)
+        }
+        Some(p) => anyhow::bail!(
+            "{}: the adapter's base {} is not here: give the MODEL to merge it into \
+             (`memwall export MODEL --adapter {} --gguf OUT.gguf`)",
+            config.display(),
+            p.display(),
+            adapter.display()
+        ),
+        None => anyhow::bail!(
+            "{}: no base_model_name_or_path: give the MODEL to merge the adapter into",
+            config.display()
+        ),
+    }
 }
 
 /// What a model path is called in `general.name`: a file's stem, a directory's name, a
@@ -796,7 +844,7 @@ fn check_export_output(a: &ExportArgs) -> Result<()> {
             (Ok(x), Ok(y)) if x == y
         )
     };
-    if same(&a.input) || a.adapter.as_deref().is_some_and(same) {
+    if a.input.as_deref().is_some_and(same) || a.adapter.as_deref().is_some_and(same) {
         anyhow::bail!(
             "--gguf {} is the model being read: write the export to another file",
             out.display()

@@ -1005,6 +1005,42 @@ fn export_takes_a_run_directory_and_refuses_a_bad_output_first() {
     let e = fails(&["export", &out, "--gguf", &out]);
     assert!(e.contains("is the model being read"), "{e}");
     assert!(std::fs::read(&out).unwrap() == before);
+    // A LoRA run on that checkpoint: `export --adapter RUN` merges into the base it records.
+    let lora_run = t("lora");
+    ok(&[
+        "train",
+        "--init",
+        &t("myrun/checkpoints/step-000002"),
+        "--lora",
+        "2",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        &lora_run,
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--save-every",
+        "2",
+    ]);
+    let merged = t("merged.gguf");
+    let said = memwall(&["export", "--adapter", &lora_run, "--gguf", &merged]);
+    let err = String::from_utf8_lossy(&said.stderr);
+    assert!(said.status.success(), "{err}");
+    assert!(err.contains("merging into the base it records"), "{err}");
+    let f = memwall::gguf::GgufFile::open(std::path::Path::new(&merged)).unwrap();
+    assert_eq!(
+        f.get("general.name"),
+        Some(&memwall::gguf::Value::String(
+            "myrun-step-000002-lora".into()
+        ))
+    );
+    let e = fails(&["export", "--gguf", &t("y.gguf")]);
+    assert!(e.contains("MODEL") || e.contains("--adapter"), "{e}");
+
     let empty = tmp.path().join("empty-run");
     std::fs::create_dir_all(empty.join("checkpoints")).unwrap();
     let e = fails(&["export", empty.to_str().unwrap(), "--gguf", &t("x.gguf")]);
