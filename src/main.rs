@@ -664,46 +664,24 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
     Ok(())
 }
 
-fn export_cmd(mut a: ExportArgs) -> Result<()> {
+fn export_cmd(a: ExportArgs) -> Result<()> {
+    use gguf::export::inputs;
     let given = match (&a.input, &a.adapter) {
         (Some(m), _) => m.clone(),
-        (None, Some(adapter)) => recorded_base(adapter)?,
-        (None, None) => anyhow::bail!(
+        (None, Some(adapter)) => inputs::recorded_base(adapter)?,
+        (None, None) => bail!(
             "give the MODEL to export (or --adapter, to export it merged into the base it records)"
         ),
     };
-    a.input = Some(given.clone());
-    check_export_output(&a)?;
-    if let Some(note) = requantize_note(&given, a.ty) {
+    inputs::check_output(&a.gguf, &given, a.adapter.as_deref())?;
+    if let Some(note) = inputs::requantize_note(&given, a.ty) {
         eprintln!("note: {note}");
     }
-    // A run directory exports its newest checkpoint; general.name is taken from that
-    // checkpoint, else from the path given (a GGUF file's stem, not its cache directory's).
-    let mut named = given.clone();
-    let input = match given.join("config.json").is_file() {
-        false if given.join("checkpoints").is_dir() => {
-            match memwall::ckpt::latest_checkpoint(&given)? {
-                Some(newest) => {
-                    eprintln!(
-                        "{}: exporting its newest checkpoint, {}",
-                        given.display(),
-                        newest.display()
-                    );
-                    named = newest.clone();
-                    newest
-                }
-                None => anyhow::bail!(
-                    "{}: a run directory with no complete checkpoint yet (train with --save-every, or wait for the first)",
-                    given.display()
-                ),
-            }
-        }
-        _ => gguf::cache::model_dir(&given, "the model")?,
-    };
+    let (input, named) = inputs::resolve_model(&given)?;
     // --name, else the model's name (a checkpoint as RUN-step-N), the adapter's after a `-`.
     let name = a.name.clone().or_else(|| {
-        let base = display_name(&named)?;
-        Some(match a.adapter.as_deref().and_then(display_name) {
+        let base = inputs::display_name(&named)?;
+        Some(match a.adapter.as_deref().and_then(inputs::display_name) {
             Some(adapter) => format!("{base}-{adapter}"),
             None => base,
         })
@@ -733,123 +711,6 @@ fn export_cmd(mut a: ExportArgs) -> Result<()> {
         s.metadata_keys,
         fmt_bytes(s.bytes)
     );
-    Ok(())
-}
-
-/// What a user exporting a GGUF file whose matrices are already quantized should know:
-/// its rounding stays in the export, and a quantized `--type` rounds again (llama-quantize
-/// asks for `--allow-requantize` there).
-fn requantize_note(input: &std::path::Path, ty: gguf::ExportType) -> Option<String> {
-    if !gguf::cache::is_gguf(input) {
-        return None;
-    }
-    let f = gguf::GgufFile::open(input).ok()?;
-    let quantized = f
-        .tensors
-        .iter()
-        .filter(|t| t.dims.len() > 1 && t.ty.block_size > 1)
-        .map(|t| t.ty.name)
-        .max_by_key(|name| f.tensors.iter().filter(|t| t.ty.name == *name).count())?;
-    Some(if ty.ggml().block_size > 1 {
-        format!(
-            "{} stores its matrices as {quantized}: they are dequantized and quantized again, \
-             which adds the second type's error to the first's (from the original f16 or f32 \
-             model, where you have it, the export loses less)",
-            input.display()
-        )
-    } else {
-        format!(
-            "{} stores its matrices as {quantized}: the export keeps that rounding at its own type",
-            input.display()
-        )
-    })
-}
-
-/// The base an adapter (or a LoRA run's newest checkpoint) records
-/// (`base_model_name_or_path`), when it is a model directory or GGUF file here.
-fn recorded_base(adapter: &std::path::Path) -> Result<std::path::PathBuf> {
-    let dir = memwall::ckpt::adapter::resolve_dir(adapter)?;
-    let config = dir.join(memwall::ckpt::ADAPTER_CONFIG_FILE);
-    let text = std::fs::read_to_string(&config).with_context(|| {
-        format!(
-            "--adapter {}: cannot read {} (give the MODEL to merge it into as well)",
-            adapter.display(),
-            config.display()
-        )
-    })?;
-    let recorded = serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| {
-            v["base_model_name_or_path"]
-                .as_str()
-                .map(std::path::PathBuf::from)
-        });
-    match recorded {
-        Some(p) if p.exists() => {
-            eprintln!(
-                "{}: merging into the base it records, {}",
-                config.display(),
-                p.display()
-            );
-            Ok(p)
-        }
-        Some(p) => anyhow::bail!(
-            "{}: the adapter's base {} is not here: give the MODEL to merge it into \
-             (`memwall export MODEL --adapter {} --gguf OUT.gguf`)",
-            config.display(),
-            p.display(),
-            adapter.display()
-        ),
-        None => anyhow::bail!(
-            "{}: no base_model_name_or_path: give the MODEL to merge the adapter into",
-            config.display()
-        ),
-    }
-}
-
-/// What a model path is called in `general.name`: a file's stem, a directory's name, a
-/// checkpoint's `RUN-step-N` (its run's name beside its step).
-fn display_name(path: &std::path::Path) -> Option<String> {
-    let p = std::fs::canonicalize(path).ok()?;
-    let own = if p.is_dir() {
-        p.file_name()
-    } else {
-        p.file_stem()
-    }?
-    .to_string_lossy()
-    .into_owned();
-    let parent = p.parent()?;
-    if parent.file_name().is_some_and(|n| n == "checkpoints")
-        && let Some(run) = parent.parent().and_then(|r| r.file_name())
-    {
-        return Some(format!("{}-{own}", run.to_string_lossy()));
-    }
-    Some(own)
-}
-
-/// `--gguf` names a file that is neither a directory nor the model being read, before any
-/// work is done.
-fn check_export_output(a: &ExportArgs) -> Result<()> {
-    let out = &a.gguf;
-    if out.is_dir() || out.as_os_str().to_string_lossy().ends_with('/') {
-        anyhow::bail!(
-            "--gguf {}: a directory; give the file to write, e.g. {}",
-            out.display(),
-            out.join("model.gguf").display()
-        );
-    }
-    let same = |p: &std::path::Path| {
-        matches!(
-            (std::fs::canonicalize(p), std::fs::canonicalize(out)),
-            (Ok(x), Ok(y)) if x == y
-        )
-    };
-    if a.input.as_deref().is_some_and(same) || a.adapter.as_deref().is_some_and(same) {
-        anyhow::bail!(
-            "--gguf {} is the model being read: write the export to another file",
-            out.display()
-        );
-    }
     Ok(())
 }
 

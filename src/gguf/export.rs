@@ -33,6 +33,7 @@ mod adapter;
 pub mod ftype;
 pub mod gpt2;
 mod gpt2_vocab;
+pub mod inputs;
 pub mod mixing;
 mod spm;
 mod tokens;
