@@ -159,6 +159,13 @@ memwall export --adapter run --gguf smol-tuned.gguf             # into the base 
 memwall sample --model smol-tuned.Q8_0.gguf --prompt \"ROMEO:\"     # or llama-cli -m smol-tuned.Q8_0.gguf"
     )]
     Export(ExportArgs),
+    /// List the GGUF files memwall converted into the user cache (each an f32 copy of its
+    /// model), or remove them with --clear.
+    #[command(
+        long_about = "List the conversions in the user cache ($XDG_CACHE_HOME/memwall/gguf or ~/.cache/memwall/gguf): a GGUF file given to sample, train --init, prepare --tokenizer or export is converted there once, as an f32 Hugging Face directory (about 4 bytes a parameter: 0.5 GB for SmolLM2-135M, 28 GB for a 7B model), and reused while the file is unchanged. --clear removes them all; the next use of a file converts it again. Nothing else in the cache (the Shakespeare corpus, the demo's model, calibrations) is touched.",
+        after_help = "Examples:\n  memwall cache\n  memwall cache --json\n  memwall cache --clear"
+    )]
+    Cache(CacheArgs),
     /// Merge a LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors) into its
     /// base model, writing a full Hugging Face model directory.
     #[command(
@@ -250,6 +257,16 @@ pub(crate) struct CalibrateArgs {
     /// then estimated from the FMA peak).
     #[arg(long)]
     pub(crate) quick: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct CacheArgs {
+    /// Remove every conversion (and the cache's index of files).
+    #[arg(long)]
+    pub(crate) clear: bool,
+    /// Print the conversions as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Args)]

@@ -6,8 +6,8 @@ mod cli;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cli::{
-    BenchArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, ExportArgs, MergeArgs,
-    PlanArgs, PrepareArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
+    BenchArgs, CacheArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, ExportArgs,
+    MergeArgs, PlanArgs, PrepareArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
 };
 use memwall::backend::DeviceKind;
 use memwall::data::{Tokenizer, prepare};
@@ -48,6 +48,7 @@ fn main() {
         Cmd::Report(a) => report_cmd(a),
         Cmd::Convert(a) => convert_cmd(a),
         Cmd::Export(a) => export_cmd(a),
+        Cmd::Cache(a) => cache_cmd(a),
         Cmd::Merge(a) => merge_cmd(a),
     };
     if let Err(e) = result {
@@ -710,6 +711,41 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
         s.tensors,
         s.metadata_keys,
         fmt_bytes(s.bytes)
+    );
+    Ok(())
+}
+
+fn cache_cmd(a: CacheArgs) -> Result<()> {
+    let cache = memwall::util::cache::memwall_cache()
+        .context("no user cache: neither XDG_CACHE_HOME nor HOME is set")?
+        .join("gguf");
+    let list = if a.clear {
+        gguf::cache::clear_in(&cache)?
+    } else {
+        gguf::cache::conversions_in(&cache)?
+    };
+    let total: u64 = list.iter().map(|c| c.bytes).sum();
+    if a.json {
+        let v = serde_json::json!({
+            "cache": cache, "cleared": a.clear, "total_bytes": total, "conversions": list,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    for c in &list {
+        let from = if c.sources.is_empty() {
+            "(no file indexed)".to_string()
+        } else {
+            c.sources.join(", ")
+        };
+        println!("{:>10}  {}  <- {from}", fmt_bytes(c.bytes), c.dir.display());
+    }
+    let what = if a.clear { "removed" } else { "in" };
+    println!(
+        "{} {what} {}: {}",
+        memwall::util::count(list.len() as u64, "conversion"),
+        cache.display(),
+        fmt_bytes(total)
     );
     Ok(())
 }

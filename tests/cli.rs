@@ -1046,3 +1046,29 @@ fn export_takes_a_run_directory_and_refuses_a_bad_output_first() {
     let e = fails(&["export", empty.to_str().unwrap(), "--gguf", &t("x.gguf")]);
     assert!(e.contains("no complete checkpoint"), "{e}");
 }
+
+/// `memwall cache` lists the user cache's conversions (none here) and `--clear` empties it,
+/// as text and JSON.
+#[test]
+fn cache_lists_and_clears_the_conversions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let env = [("XDG_CACHE_HOME", tmp.path().to_str().unwrap())];
+    let fake = tmp.path().join("memwall/gguf/m-0123456789abcdef");
+    std::fs::create_dir_all(&fake).unwrap();
+    std::fs::write(fake.join("model.safetensors"), vec![0u8; 2048]).unwrap();
+    let o = memwall_env(&env, &["cache"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("1 conversion in") && out.contains("2.00 KiB"),
+        "{out}"
+    );
+    let o = memwall_env(&env, &["cache", "--clear", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (v["cleared"].as_bool(), v["total_bytes"].as_u64()),
+        (Some(true), Some(2048))
+    );
+    assert!(!fake.exists());
+    let o = memwall_env(&env, &["cache"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("0 conversions in"));
+}

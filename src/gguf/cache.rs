@@ -9,6 +9,10 @@
 //! content is removed unless another indexed file still has that content (a replaced model
 //! leaves no copy behind). [`convert`](fn@super::convert) publishes a directory only when it
 //! is complete, so an existing directory is a whole conversion.
+//!
+//! `memwall cache` lists the conversions ([`conversions_in`]) and `memwall cache --clear`
+//! removes them ([`clear_in`]): each is an f32 copy of its model, several times the size of
+//! a quantized file.
 
 use super::convert::{ConvertOptions, OutDtype, convert};
 use super::file::MAGIC;
@@ -146,6 +150,64 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// One conversion in the cache: its directory, the bytes it holds, and the GGUF files the
+/// index maps to it (a file since moved or changed is still listed, as the index knew it).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Conversion {
+    pub dir: PathBuf,
+    pub bytes: u64,
+    pub sources: Vec<String>,
+}
+
+/// The conversions in the cache folder `cache` (`<cache>/memwall/gguf`), by name; none when
+/// the folder does not exist. Temporaries of a conversion in progress are left out.
+pub fn conversions_in(cache: &Path) -> Result<Vec<Conversion>> {
+    let index = read_index(&cache.join(INDEX_FILE));
+    let Ok(entries) = fs::read_dir(cache) else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let e = e.with_context(|| format!("cannot read the cache folder {}", cache.display()))?;
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !path.is_dir() || name.starts_with('.') || name.contains(".tmp-") {
+            continue;
+        }
+        let mut bytes = 0;
+        for f in fs::read_dir(&path).with_context(|| format!("cannot read {}", path.display()))? {
+            bytes += f?.metadata().map(|m| m.len()).unwrap_or(0);
+        }
+        let sources = index
+            .iter()
+            .filter(|(_, v)| v.dir.as_deref() == Some(name.as_str()))
+            .map(|(k, _)| k.clone())
+            .collect();
+        out.push(Conversion {
+            dir: path,
+            bytes,
+            sources,
+        });
+    }
+    out.sort_by(|a, b| a.dir.cmp(&b.dir));
+    Ok(out)
+}
+
+/// Removes every conversion in `cache` and the index; returns what was removed. The next use
+/// of a GGUF file converts it again.
+pub fn clear_in(cache: &Path) -> Result<Vec<Conversion>> {
+    let all = conversions_in(cache)?;
+    for c in &all {
+        fs::remove_dir_all(&c.dir)
+            .with_context(|| format!("cannot remove the conversion {}", c.dir.display()))?;
+    }
+    let index = cache.join(INDEX_FILE);
+    if index.exists() {
+        fs::remove_file(&index).with_context(|| format!("cannot remove {}", index.display()))?;
+    }
+    Ok(all)
+}
+
 /// The index of hashed files, in the cache folder.
 const INDEX_FILE: &str = "index.json";
 
@@ -222,6 +284,27 @@ fn dir_name(canonical: &Path, sha: &str) -> String {
 mod tests {
     use super::super::testutil::{tiny_model, write_temp};
     use super::*;
+
+    #[test]
+    fn conversions_are_listed_with_their_sources_and_cleared() {
+        let (dir, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
+        let cache = dir.path().join("cache");
+        assert_eq!(conversions_in(&cache).unwrap(), Vec::new());
+        let a = model_dir_in(&cache, &gguf, "--model").unwrap();
+        let listed = conversions_in(&cache).unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].dir, a);
+        let canonical = fs::canonicalize(&gguf).unwrap();
+        assert_eq!(listed[0].sources, vec![canonical.display().to_string()]);
+        let model = fs::metadata(a.join(MODEL_FILE)).unwrap().len();
+        assert!(listed[0].bytes > model, "{} bytes", listed[0].bytes);
+        let cleared = clear_in(&cache).unwrap();
+        assert_eq!(cleared, listed);
+        assert!(!a.exists() && !cache.join(INDEX_FILE).exists());
+        assert_eq!(conversions_in(&cache).unwrap(), Vec::new());
+        // The next use converts again.
+        assert_eq!(model_dir_in(&cache, &gguf, "--model").unwrap(), a);
+    }
 
     #[test]
     fn a_gguf_file_is_converted_once_and_other_paths_pass_through() {
