@@ -275,6 +275,23 @@ impl GgufWriter {
     /// `llama`): `<unk>` (unknown), `<s>` / `</s>` (control, bos / eos), the 256 byte tokens
     /// `<0xNN>`, and pieces whose scores rank the merges `l l` > `▁ h` > `▁h e`.
     pub fn spm_tokenizer(&mut self) -> &mut Self {
+        let pieces = [
+            ("\u{2581}", -10.0),
+            ("h", -11.0),
+            ("e", -12.0),
+            ("l", -13.0),
+            ("ll", -1.0),
+            ("\u{2581}h", -2.0),
+            ("\u{2581}he", -3.0),
+        ];
+        assert_eq!(3 + 256 + pieces.len(), TEST_VOCAB);
+        self.spm_vocabulary(&pieces)
+    }
+
+    /// A SentencePiece vocabulary (`tokenizer.ggml.model` `llama`): `<unk>` (unknown),
+    /// `<s>` / `</s>` (control, bos / eos), the 256 byte tokens `<0xNN>`, then `pieces`
+    /// (normal, with their scores).
+    pub fn spm_vocabulary(&mut self, pieces: &[(&str, f32)]) -> &mut Self {
         let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
         let mut types = vec![2, 3, 3];
         let mut scores = vec![0f32; 3];
@@ -283,20 +300,11 @@ impl GgufWriter {
             types.push(6);
             scores.push(0.0);
         }
-        for (p, sc) in [
-            ("\u{2581}", -10.0),
-            ("h", -11.0),
-            ("e", -12.0),
-            ("l", -13.0),
-            ("ll", -1.0),
-            ("\u{2581}h", -2.0),
-            ("\u{2581}he", -3.0),
-        ] {
+        for &(p, sc) in pieces {
             tokens.push(p.into());
             types.push(1);
             scores.push(sc);
         }
-        assert_eq!(tokens.len(), TEST_VOCAB);
         self.kv("tokenizer.ggml.model", s("llama"));
         self.kv(
             "tokenizer.ggml.tokens",

@@ -404,7 +404,7 @@ pub fn load(json_text: &str) -> Result<tokenizers::Tokenizer> {
 #[cfg(test)]
 mod tests {
     use super::super::file::Value;
-    use super::super::testutil::{GgufWriter, s, strs, write_temp};
+    use super::super::testutil::{GgufWriter, s, write_temp};
     use super::*;
 
     fn tok_file(pre: Option<&str>, add_bos: bool) -> GgufWriter {
@@ -542,15 +542,8 @@ mod tests {
     /// A SentencePiece vocabulary: `<unk>`, `<s>`, `</s>`, the 256 byte tokens, and pieces
     /// whose scores rank the merges ll > ▁h > ▁he > ▁hell > ▁hello.
     fn spm_file(add_space_prefix: Option<bool>) -> GgufWriter {
-        let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
-        let mut types = vec![2, 3, 3];
-        let mut scores = vec![0f32; 3];
-        for b in 0..256 {
-            tokens.push(format!("<0x{b:02X}>"));
-            types.push(6);
-            scores.push(0.0);
-        }
-        for (p, sc) in [
+        let mut w = GgufWriter::new(3);
+        w.spm_vocabulary(&[
             ("\u{2581}", -10.0),
             ("h", -11.0),
             ("e", -12.0),
@@ -561,28 +554,7 @@ mod tests {
             ("\u{2581}he", -3.0),
             ("\u{2581}hell", -4.0),
             ("\u{2581}hello", -5.0),
-        ] {
-            tokens.push(p.into());
-            types.push(1);
-            scores.push(sc);
-        }
-        let mut w = GgufWriter::new(3);
-        w.kv("tokenizer.ggml.model", s("llama"));
-        w.kv(
-            "tokenizer.ggml.tokens",
-            strs(tokens.iter().map(String::as_str)),
-        );
-        w.kv(
-            "tokenizer.ggml.token_type",
-            Value::Array(types.into_iter().map(Value::I32).collect()),
-        );
-        w.kv(
-            "tokenizer.ggml.scores",
-            Value::Array(scores.into_iter().map(Value::F32).collect()),
-        );
-        w.kv("tokenizer.ggml.bos_token_id", Value::U32(1));
-        w.kv("tokenizer.ggml.eos_token_id", Value::U32(2));
-        w.kv("tokenizer.ggml.unknown_token_id", Value::U32(0));
+        ]);
         if let Some(p) = add_space_prefix {
             w.kv("tokenizer.ggml.add_space_prefix", Value::Bool(p));
         }
