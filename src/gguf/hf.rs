@@ -40,7 +40,7 @@ use super::file::{GgufFile, TensorInfo};
 use super::rope_freqs;
 use super::types::GgmlType;
 use anyhow::{Context, Result, bail};
-use model::{check_above, check_dims, get_float, usize_of};
+use model::{check_above, check_dims, get_float, required_dim, usize_of};
 use serde_json::json;
 
 impl HfModel {
@@ -205,14 +205,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     }
     let a = arch.name();
     let path = f.path().display().to_string();
-    let need = |key: &str| -> Result<usize> {
-        let k = format!("{a}.{key}");
-        match f.get_u64(&k)? {
-            Some(v) if v > 0 => usize_of(v, &k, f),
-            Some(_) => bail!("{path}: metadata {k} is 0"),
-            None => bail!("{path}: metadata {k} is missing"),
-        }
-    };
+    let need = |key: &str| required_dim(f, &format!("{a}.{key}"));
     let layers = need("block_count")?;
     let hidden = need("embedding_length")?;
     let heads = need("attention.head_count")?;

@@ -21,7 +21,9 @@
 //! Hyper-parameters: `gpt2.block_count`, `.context_length`, `.embedding_length`,
 //! `.feed_forward_length`, `.attention.head_count`, `.attention.layer_norm_epsilon`.
 
-use super::model::{Arch, Dims, HfModel, HfTensor, check_above, check_dims, get_float, usize_of};
+use super::model::{
+    Arch, Dims, HfModel, HfTensor, check_above, check_dims, get_float, required_dim, usize_of,
+};
 use crate::gguf::file::GgufFile;
 use anyhow::{Context, Result, bail};
 use serde_json::json;
@@ -126,14 +128,7 @@ pub(crate) fn gguf_tensor_name(name: &str) -> Option<(String, bool)> {
 /// dimensions, unknown and missing ones named.
 pub(super) fn map_model(f: &GgufFile) -> Result<HfModel> {
     let path = f.path().display().to_string();
-    let need = |key: &str| -> Result<usize> {
-        let k = format!("gpt2.{key}");
-        match f.get_u64(&k)? {
-            Some(v) if v > 0 => usize_of(v, &k, f),
-            Some(_) => bail!("{path}: metadata {k} is 0"),
-            None => bail!("{path}: metadata {k} is missing"),
-        }
-    };
+    let need = |key: &str| required_dim(f, &format!("gpt2.{key}"));
     let layers = need("block_count")?;
     let hidden = need("embedding_length")?;
     let heads = need("attention.head_count")?;

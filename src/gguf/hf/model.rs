@@ -127,6 +127,16 @@ pub(crate) fn usize_of(v: u64, key: &str, f: &GgufFile) -> Result<usize> {
         .with_context(|| format!("{}: metadata {key} = {v} is too large", f.path().display()))
 }
 
+/// The positive integer metadata `key` of `f`; missing or 0 is an error naming the key.
+pub(crate) fn required_dim(f: &GgufFile, key: &str) -> Result<usize> {
+    let path = f.path().display();
+    match f.get_u64(key)? {
+        Some(v) if v > 0 => usize_of(v, key, f),
+        Some(_) => bail!("{path}: metadata {key} is 0"),
+        None => bail!("{path}: metadata {key} is missing"),
+    }
+}
+
 /// Refuses a float hyper-parameter that is NaN, infinite or not above `min`, naming the key
 /// and the file.
 pub(crate) fn check_above(f: &GgufFile, key: &str, x: f64, min: f64) -> Result<f64> {
