@@ -4,9 +4,10 @@
 //! thread).
 
 use super::attention::attention_workspace_len;
+use super::caches::l2_bytes;
 use super::collective::{Collectives, Job};
 use super::features::{cpu_has_bf16_dot, f16_conversions_available};
-use super::gemm::f32::packing_bytes;
+use super::gemm::f32::{own_pack_bytes_per_thread, packing_bytes};
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
 use crate::backend::{Backend, CommSpan, CommTime, Device, IoSpan, IoTime, OpResult, StepCtx};
 use crate::ckpt::MomentsMut;
@@ -53,14 +54,15 @@ impl Sizing for Cpu {
     /// The packing scratch the `gemm` crate allocates for itself: the largest packed panel
     /// of any call (executor calls are serial, and attention's per-worker calls pack panels
     /// of T × hs, far smaller), plus one L2-sized slab per thread (main thread included). The
-    /// L2 size is read from sysfs as `gemm` does.
+    /// L2 size is read from sysfs as `gemm` does. Where the f32 GEMM is memwall's own AVX2
+    /// kernel, each thread also keeps its packing buffers ([`own_pack_bytes_per_thread`]).
     fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64 {
         let panel = ops
             .iter()
             .map(|e| gemm_panel_bytes(&e.op))
             .max()
             .unwrap_or(0);
-        panel + (threads as u64 + 1) * l2_bytes()
+        panel + (threads as u64 + 1) * (l2_bytes() + own_pack_bytes_per_thread())
     }
 
     fn compute_note(&self, storage: DType) -> Option<String> {
@@ -129,25 +131,6 @@ fn gemm_panel_bytes(op: &Op) -> u64 {
         Op::LmHeadLast { c, .. } => packing_bytes(1, *c),
         _ => 0,
     }
-}
-
-/// This machine's L2 cache size (cpu0), 1 MiB when sysfs does not say.
-fn l2_bytes() -> u64 {
-    (0..8)
-        .find_map(|i| {
-            let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
-            let lvl: u32 = std::fs::read_to_string(format!("{dir}/level"))
-                .ok()?
-                .trim()
-                .parse()
-                .ok()?;
-            if lvl != 2 {
-                return None;
-            }
-            let s = std::fs::read_to_string(format!("{dir}/size")).ok()?;
-            crate::util::bytes::parse_bytes(s.trim()).ok()
-        })
-        .unwrap_or(1 << 20)
 }
 
 /// A plan started on the CPU: its host arena, its buffers' placements and the worker pool.

@@ -41,6 +41,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod caches;
 mod collective;
 #[cfg(test)]
 pub(crate) mod conformance;

@@ -1,4 +1,6 @@
-//! Single-precision GEMM on the `gemm` crate ([`sgemm`]), and the operand layout the three
+//! Single-precision GEMM ([`sgemm`]): on the `gemm` crate, or on memwall's own AVX2 kernel
+//! ([`super::avx2`]) where the crate would run its AVX2 one ([`own_avx2_kernel`]: CPUs without
+//! AVX-512, builds without `avx512-gemm`); and the operand layout the three
 //! GEMMs of this module share: `c[m,n] = (accumulate ? c : 0) + op(a)[m,k] @ op(b)[k,n]` on
 //! row-major matrices, each with its own row stride (`lda`, `ldb`, `ldc`), a transposed
 //! operand read through its strides, elements of `c` outside the window untouched. The other
@@ -10,8 +12,11 @@
 //! so results are deterministic for a given thread count. Note that `gemm` allocates its own
 //! packing buffers internally; [`sgemm`] splits calls into row blocks of [`GEMM_M_BLOCK`] so
 //! they stay below [`GEMM_PACK_BYTES`] (the plan counts them with [`packing_bytes`]); nothing
-//! else here allocates.
+//! else here allocates. The own kernel keeps per-thread packing buffers
+//! ([`own_pack_bytes_per_thread`], also counted by the plan).
 
+#[cfg(target_arch = "x86_64")]
+use super::avx2::pack::{Packable, Strided};
 use ::gemm::{Parallelism, gemm};
 
 /// Below this many multiply-adds a GEMM runs single-threaded.
@@ -115,6 +120,22 @@ pub fn sgemm(
     ) {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if m >= OWN_MIN_ROWS && own_avx2_kernel() {
+        // SAFETY: `checked_work` proved the windows in bounds and k > 0.
+        unsafe {
+            own_sgemm(
+                (m, n, k),
+                alpha,
+                (a, lda, trans_a),
+                (b, ldb, trans_b),
+                c,
+                ldc,
+                accumulate,
+            )
+        };
+        return;
+    }
     let (a_rs, a_cs) = if trans_a {
         (1, lda as isize)
     } else {
@@ -161,6 +182,85 @@ pub fn sgemm(
         }
         i0 += rows;
     }
+}
+
+/// Fewer rows than this (a generation step's single row) go to the `gemm` crate even where
+/// the own kernel runs: packing all of `op(b)` for one row of 6 would cost more than the
+/// product.
+pub(super) const OWN_MIN_ROWS: usize = 4;
+
+/// Whether [`sgemm`] runs memwall's own AVX2 kernel ([`super::avx2`]): where the `gemm`
+/// crate would run its AVX2 kernels ([`gemm_isa`](crate::backend::cpu::features::gemm_isa)
+/// is AVX2: a CPU without AVX-512, or a build without the `avx512-gemm` feature), unless
+/// `MEMWALL_SGEMM=crate` asks for the crate's (to compare the two in one build). Decided once
+/// per process.
+pub fn own_avx2_kernel() -> bool {
+    use crate::backend::cpu::features::{Isa, features, gemm_isa};
+    static OWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| {
+        let f = features();
+        cfg!(target_arch = "x86_64")
+            && f.avx2
+            && f.fma
+            && gemm_isa() == Isa::Avx2
+            && std::env::var("MEMWALL_SGEMM").as_deref() != Ok("crate")
+    })
+}
+
+/// The packing buffers each thread keeps after running the own AVX2 kernel; 0 where the
+/// `gemm` crate runs.
+pub fn own_pack_bytes_per_thread() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if own_avx2_kernel() {
+        return super::avx2::pack_bytes_per_thread();
+    }
+    0
+}
+
+/// The own AVX2 kernel on operands stored as f32 or bf16 (widened as they are packed), with
+/// [`sgemm`]'s layout: `c[m,n] = (accumulate ? c : 0) + alpha · op(a)[m,k] @ op(b)[k,n]`.
+/// Callers check [`own_avx2_kernel`] and `m >= OWN_MIN_ROWS` first.
+///
+/// # Safety
+/// The windows were checked ([`check_windows`]) and `k > 0`.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn own_sgemm<A: Packable, B: Packable>(
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    (a, lda, trans_a): (&[A], usize, bool), // stored [m, k] (or [k, m] if trans_a)
+    (b, ldb, trans_b): (&[B], usize, bool), // stored [k, n] (or [n, k] if trans_b)
+    c: &mut [f32],                          // [m, n], row stride ldc
+    ldc: usize,
+    accumulate: bool,
+) {
+    debug_assert!(own_avx2_kernel());
+    let (rs, cs) = if trans_a { (1, lda) } else { (lda, 1) };
+    let a = Strided {
+        ptr: a.as_ptr(),
+        rs,
+        cs,
+    };
+    let (rs, cs) = if trans_b { (1, ldb) } else { (ldb, 1) };
+    let b = Strided {
+        ptr: b.as_ptr(),
+        rs,
+        cs,
+    };
+    let threads = rayon::current_num_threads();
+    // SAFETY: `own_avx2_kernel` saw AVX2 and FMA; the caller checked the windows and k > 0;
+    // `c` is a unique borrow, so it aliases neither input.
+    unsafe {
+        super::avx2::sgemm(
+            (m, n, k),
+            alpha,
+            a,
+            b,
+            c.as_mut_ptr(),
+            ldc,
+            accumulate,
+            threads,
+        )
+    };
 }
 
 /// Rows of `c` per `gemm` call. `gemm` packs a kc × rows panel (kc ≤ 1024) per call, so this

@@ -41,6 +41,8 @@
 //! and thread count).
 
 use super::bf16_dot::{Dot, Operand, gemm_bf16, pack_fits};
+#[cfg(target_arch = "x86_64")]
+use super::f32::{OWN_MIN_ROWS, own_avx2_kernel, own_sgemm};
 use super::f32::{check_windows, sgemm, span};
 use crate::backend::cpu::elem::{as_f32, as_f32_mut, as_words, cast, narrow_row, widen_row};
 use crate::backend::cpu::features::{Bf16DotRequest, bf16_dot_request};
@@ -313,6 +315,60 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                         pack,
                     );
                     continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if rows >= OWN_MIN_ROWS && own_avx2_kernel() {
+                    // The own AVX2 kernel reads f32 and bf16 operands where they lie,
+                    // widening as it packs: the same f32 products, no widening pass.
+                    let a_at = a_win.0.0 * lda + a_win.1.0;
+                    let b_at = b_win.0.0 * ldb + b_win.1.0;
+                    if let (Some(ao), Some(bo)) = (dot_operand(a), dot_operand(b)) {
+                        let (ao, bo) = (ao.from(a_at), bo.from(b_at));
+                        let (dims, acc) = ((rows, cols, kk), read_ct || p0 > 0);
+                        // SAFETY: `check_windows` proved the whole windows in bounds, so
+                        // these sub-windows are; kk > 0.
+                        unsafe {
+                            match (ao, bo) {
+                                (Operand::F32(a), Operand::F32(b)) => own_sgemm(
+                                    dims,
+                                    1.0,
+                                    (a, lda, a_trans),
+                                    (b, ldb, b_trans),
+                                    ct,
+                                    ldt,
+                                    acc,
+                                ),
+                                (Operand::F32(a), Operand::Bf16(b)) => own_sgemm(
+                                    dims,
+                                    1.0,
+                                    (a, lda, a_trans),
+                                    (b, ldb, b_trans),
+                                    ct,
+                                    ldt,
+                                    acc,
+                                ),
+                                (Operand::Bf16(a), Operand::F32(b)) => own_sgemm(
+                                    dims,
+                                    1.0,
+                                    (a, lda, a_trans),
+                                    (b, ldb, b_trans),
+                                    ct,
+                                    ldt,
+                                    acc,
+                                ),
+                                (Operand::Bf16(a), Operand::Bf16(b)) => own_sgemm(
+                                    dims,
+                                    1.0,
+                                    (a, lda, a_trans),
+                                    (b, ldb, b_trans),
+                                    ct,
+                                    ldt,
+                                    acc,
+                                ),
+                            }
+                        }
+                        continue;
+                    }
                 }
                 let (a_buf, b_buf) = ab_buf.split_at_mut(block * block);
                 widen_window(a_buf, a, lda, a_win.0, a_win.1);

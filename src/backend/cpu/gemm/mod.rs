@@ -5,7 +5,10 @@
 //!
 //! - [`f32`](mod@f32): the f32 GEMM on the `gemm` crate ([`sgemm`](f32::sgemm)), split
 //!   into row blocks so `gemm`'s packing scratch stays bounded
-//!   ([`packing_bytes`](f32::packing_bytes)), and the window checks all three GEMMs run first.
+//!   ([`packing_bytes`](f32::packing_bytes)), and the window checks all three GEMMs run first;
+//!   where the crate would run its AVX2 kernels, [`avx2`] instead ([`f32::own_avx2_kernel`]).
+//! - `avx2` (x86-64): memwall's own AVX2 + FMA GEMM, a 6 × 16 register tile on operands packed
+//!   (f32, or bf16 widened as packed) and blocked for this machine's L2.
 //! - [`bf16_dot`]: bf16 × bf16 (or f32 rounded to bf16) → f32 on the AVX512_BF16 dot product
 //!   `vdpbf16ps`, with an AVX-512F emulation of the instruction as its tested twin.
 //! - [`mixed`]: operands and output of any storage type ([`Elem`](crate::dtype::Elem)), tile
@@ -19,6 +22,8 @@
 //! [`f32`](mod@f32)}, and [`bf16_dot`] → [`f32`](mod@f32) (the window checks); nothing here
 //! imports the linear layer, and this file re-exports nothing.
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
 pub mod bf16_dot;
 pub mod f32;
 pub mod mixed;

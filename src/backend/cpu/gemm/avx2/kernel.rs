@@ -1,0 +1,75 @@
+//! The 6 × 16 micro-kernel: `acc[6, 16] = Σ_k a[k, 0..6] ⊗ b[k, 0..16]` over one packed
+//! sliver pair, then `c = (load ? c : 0) + alpha · acc`. Twelve YMM accumulators (6 rows × 2
+//! vectors of 8), two registers for the row of `b` and one for the broadcast element of `a`:
+//! 15 of AVX2's 16 registers, so nothing spills. Each accumulator is one FMA chain walked
+//! in `k` order from zero; a lane's result therefore does not depend on the tile it lies in.
+//!
+//! Its scalar twin is [`super::reference()`] (the same chains with `f32::mul_add`, bit for bit).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Rows of `c` per micro-tile.
+pub const MR: usize = 6;
+/// Columns of `c` per micro-tile (two vectors of 8).
+pub const NR: usize = 16;
+
+/// How a finished tile meets `c`.
+#[derive(Clone, Copy, Debug)]
+pub struct Store {
+    /// Add to the values already in `c` (else overwrite them).
+    pub load: bool,
+    /// Scale of the product; 1 multiplies nothing.
+    pub alpha: f32,
+}
+
+/// Runs the micro-kernel over `kc` steps of the packed slivers `a` (`[kc, MR]`) and `b`
+/// (`[kc, NR]`) and stores the whole `MR × NR` tile into `c` (row stride `ldc`).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a` holds `kc · MR` and `b` `kc · NR` readable f32; `c` is
+/// valid for reads and writes of `MR` rows of `NR` f32 at row stride `ldc`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, st: Store) {
+    // acc[i][h] covers c[i, 8h .. 8h + 8].
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    let (mut a, mut b) = (a, b);
+    // SAFETY (all pointer reads below): `a` and `b` advance by MR and NR per step, kc steps,
+    // within the lengths the caller guarantees.
+    unsafe {
+        if st.load {
+            // The tile's rows of c arrive while the FMAs run, not after them.
+            for i in 0..MR {
+                let ci = c.add(i * ldc);
+                _mm_prefetch::<_MM_HINT_T0>(ci as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(ci.add(NR - 1) as *const i8);
+            }
+        }
+        for _ in 0..kc {
+            let b0 = _mm256_loadu_ps(b);
+            let b1 = _mm256_loadu_ps(b.add(8));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai = _mm256_broadcast_ss(&*a.add(i));
+                row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+                row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
+            }
+            a = a.add(MR);
+            b = b.add(NR);
+        }
+        let alpha = _mm256_set1_ps(st.alpha);
+        for (i, row) in acc.iter().enumerate() {
+            let ci = c.add(i * ldc);
+            for (h, &v) in row.iter().enumerate() {
+                let mut v = v;
+                if st.alpha != 1.0 {
+                    v = _mm256_mul_ps(v, alpha);
+                }
+                if st.load {
+                    v = _mm256_add_ps(_mm256_loadu_ps(ci.add(8 * h)), v);
+                }
+                _mm256_storeu_ps(ci.add(8 * h), v);
+            }
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The AVX2 GEMM against [`reference()`], bit for bit: every transpose, edge tiles in both
+//! dimensions, reductions across several [`KC`] blocks, padded strides, `alpha`, accumulation,
+//! and one to three threads (the same bits for each).
+
+use super::*;
+use crate::backend::cpu::features::features;
+use crate::backend::cpu::reduce::testutil::randn;
+
+/// Runs [`sgemm`] on random operands laid out as the flags say (row strides padded by 3)
+/// and checks it against [`reference()`] bit for bit, and that `c` outside the window is
+/// untouched.
+fn check(
+    (m, n, k): (usize, usize, usize),
+    (ta, tb): (bool, bool),
+    alpha: f32,
+    accumulate: bool,
+    threads: usize,
+) {
+    let f = features();
+    assert!(
+        f.avx2 && f.fma,
+        "the AVX2 GEMM's tests need a CPU with AVX2 and FMA"
+    );
+    let (ar, ac) = if ta { (k, m) } else { (m, k) };
+    let (br, bc) = if tb { (n, k) } else { (k, n) };
+    let (lda, ldb, ldc) = (ac + 3, bc + 3, n + 3);
+    let a = randn(ar * lda, 1.0, 1);
+    let b = randn(br * ldb, 1.0, 2);
+    let c0 = randn(m * ldc, 1.0, 3);
+    let at = |i: usize, p: usize| if ta { a[p * lda + i] } else { a[i * lda + p] };
+    let bt = |p: usize, j: usize| if tb { b[j * ldb + p] } else { b[p * ldb + j] };
+    let mut want = c0.clone();
+    reference((m, n, k), alpha, &at, &bt, &mut want, ldc, accumulate);
+    let (a_rs, a_cs) = if ta { (1, lda) } else { (lda, 1) };
+    let (b_rs, b_cs) = if tb { (1, ldb) } else { (ldb, 1) };
+    let mut got = c0.clone();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        // SAFETY: AVX2 and FMA asserted; the windows lie inside the vectors; k > 0.
+        unsafe {
+            sgemm(
+                (m, n, k),
+                alpha,
+                Strided {
+                    ptr: a.as_ptr(),
+                    rs: a_rs,
+                    cs: a_cs,
+                },
+                Strided {
+                    ptr: b.as_ptr(),
+                    rs: b_rs,
+                    cs: b_cs,
+                },
+                got.as_mut_ptr(),
+                ldc,
+                accumulate,
+                threads,
+            )
+        }
+    });
+    for i in 0..m {
+        for j in 0..ldc {
+            let (g, w) = (got[i * ldc + j], want[i * ldc + j]);
+            let what = if j < n { "result" } else { "padding" };
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{what} ({i}, {j}) of {m}x{n}x{k} ta={ta} tb={tb} alpha={alpha} acc={accumulate} \
+                 threads={threads}: {g} != {w}"
+            );
+        }
+    }
+}
+
+#[test]
+fn small_shapes_equal_the_reference_bit_for_bit() {
+    for (m, n, k) in [(1, 1, 1), (5, 17, 3), (6, 16, 8), (7, 33, 9), (13, 40, 300)] {
+        for ta in [false, true] {
+            for tb in [false, true] {
+                check((m, n, k), (ta, tb), 1.0, false, 1);
+                check((m, n, k), (ta, tb), 0.5, true, 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn reductions_over_several_blocks_equal_the_reference_bit_for_bit() {
+    // k crosses two KC boundaries with a ragged last block; m and n have edge tiles.
+    for ta in [false, true] {
+        for tb in [false, true] {
+            check((19, 37, 2 * KC + 13), (ta, tb), 1.0, true, 1);
+        }
+    }
+}
+
+#[test]
+fn threads_split_rows_or_columns_and_give_the_same_bits() {
+    // Wide (split along n) and tall (split along m) problems above the threading threshold,
+    // with blocks of a larger than one mc block.
+    let tall = Blocking::here().mc + 7;
+    for (m, n, k) in [(40, 500, 300), (tall, 24, 700)] {
+        for threads in [1, 2, 3] {
+            check((m, n, k), (false, true), 1.0, false, threads);
+            check((m, n, k), (true, false), 1.0, true, threads);
+        }
+    }
+}
+
+#[test]
+fn blocking_follows_the_l2_size_within_bounds() {
+    let b = Blocking::for_l2(1 << 20);
+    assert_eq!((b.mc, b.nc), (510, 1024));
+    let b = Blocking::for_l2(256 << 10);
+    assert_eq!((b.mc, b.nc), (126, 512));
+    let b = Blocking::for_l2(64 << 20);
+    assert_eq!((b.mc, b.nc), (170 * MR, 256 * NR));
+}
