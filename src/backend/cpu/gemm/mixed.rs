@@ -12,6 +12,9 @@
 //!   `features::multiversion!`; `MEMWALL_BF16_DOT=off` forces widening.
 //! - **widening** (every other case: f16, CPUs without AVX512_BF16, as the Skylake Xeon this
 //!   was first measured on): bf16/f16 operands are widened to f32 and the f32 GEMM runs.
+//!   Where that is memwall's own AVX2 GEMM ([`super::f32::own_avx2_kernel`]), f32 and bf16
+//!   operands are not widened here: it widens them as it packs (the same f32 values, so the
+//!   same results, without the pass over the tiles).
 //!
 //! Both work tile by tile. [`gemm_mixed`] blocks the problem into tiles of at most
 //! [`MIXED_BLOCK`] in m, n and k. For each output tile it
@@ -95,6 +98,18 @@ pub fn bf16_dot() -> Option<Dot> {
     })
 }
 
+/// Whether the own AVX2 GEMM runs here (never off x86-64).
+fn own_kernel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        own_avx2_kernel()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// How products of bf16 (`bf16` true) or f16 storage are computed in this process
 /// (reported by `bench` and `plan`).
 pub fn compute_path(bf16: bool) -> &'static str {
@@ -104,6 +119,9 @@ pub fn compute_path(bf16: bool) -> &'static str {
         }
         (true, Some(Dot::Emulated)) => {
             "dot-product micro-kernel with vdpbf16ps emulated (MEMWALL_BF16_DOT=emulated: slow, for checking)"
+        }
+        (true, _) if own_kernel() => {
+            "own AVX2 GEMM: bf16 operands widened to f32 as they are packed, f32 accumulation"
         }
         _ => "f32 GEMM on operands converted to f32 in 1024-tiles",
     }

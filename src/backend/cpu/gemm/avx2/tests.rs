@@ -5,11 +5,23 @@
 use super::*;
 use crate::backend::cpu::features::features;
 use crate::backend::cpu::reduce::testutil::randn;
+use crate::dtype::Elem;
 
 /// Runs [`sgemm`] on random operands laid out as the flags say (row strides padded by 3)
 /// and checks it against [`reference()`] bit for bit, and that `c` outside the window is
 /// untouched.
 fn check(
+    dims: (usize, usize, usize),
+    t: (bool, bool),
+    alpha: f32,
+    accumulate: bool,
+    threads: usize,
+) {
+    check_typed::<f32, f32>(dims, t, alpha, accumulate, threads);
+}
+
+/// [`check`] with operands stored as `A` and `B` (the reference reads them widened).
+fn check_typed<A: Packable, B: Packable>(
     (m, n, k): (usize, usize, usize),
     (ta, tb): (bool, bool),
     alpha: f32,
@@ -24,11 +36,17 @@ fn check(
     let (ar, ac) = if ta { (k, m) } else { (m, k) };
     let (br, bc) = if tb { (n, k) } else { (k, n) };
     let (lda, ldb, ldc) = (ac + 3, bc + 3, n + 3);
-    let a = randn(ar * lda, 1.0, 1);
-    let b = randn(br * ldb, 1.0, 2);
+    let a: Vec<A> = randn(ar * lda, 1.0, 1)
+        .into_iter()
+        .map(A::from_f32)
+        .collect();
+    let b: Vec<B> = randn(br * ldb, 1.0, 2)
+        .into_iter()
+        .map(B::from_f32)
+        .collect();
     let c0 = randn(m * ldc, 1.0, 3);
-    let at = |i: usize, p: usize| if ta { a[p * lda + i] } else { a[i * lda + p] };
-    let bt = |p: usize, j: usize| if tb { b[j * ldb + p] } else { b[p * ldb + j] };
+    let at = |i: usize, p: usize| if ta { a[p * lda + i] } else { a[i * lda + p] }.to_f32();
+    let bt = |p: usize, j: usize| if tb { b[j * ldb + p] } else { b[p * ldb + j] }.to_f32();
     let mut want = c0.clone();
     reference((m, n, k), alpha, &at, &bt, &mut want, ldc, accumulate);
     let (a_rs, a_cs) = if ta { (1, lda) } else { (lda, 1) };
@@ -68,8 +86,10 @@ fn check(
             assert_eq!(
                 g.to_bits(),
                 w.to_bits(),
-                "{what} ({i}, {j}) of {m}x{n}x{k} ta={ta} tb={tb} alpha={alpha} acc={accumulate} \
-                 threads={threads}: {g} != {w}"
+                "{what} ({i}, {j}) of {m}x{n}x{k} {}·{} ta={ta} tb={tb} alpha={alpha} \
+                 acc={accumulate} threads={threads}: {g} != {w}",
+                A::NAME,
+                B::NAME
             );
         }
     }
@@ -118,4 +138,17 @@ fn blocking_follows_the_l2_size_within_bounds() {
     assert_eq!((b.mc, b.nc), (126, 512));
     let b = Blocking::for_l2(64 << 20);
     assert_eq!((b.mc, b.nc), (170 * MR, 256 * NR));
+}
+
+#[test]
+fn bf16_operands_are_widened_as_packed_bit_for_bit() {
+    for (m, n, k) in [(7, 33, 9), (19, 37, KC + 13), (40, 500, 300)] {
+        for ta in [false, true] {
+            for tb in [false, true] {
+                check_typed::<half::bf16, half::bf16>((m, n, k), (ta, tb), 1.0, true, 2);
+                check_typed::<f32, half::bf16>((m, n, k), (ta, tb), 1.0, false, 1);
+                check_typed::<half::bf16, f32>((m, n, k), (ta, tb), 1.0, false, 3);
+            }
+        }
+    }
 }
