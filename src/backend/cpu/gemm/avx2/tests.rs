@@ -5,7 +5,6 @@
 use super::*;
 use crate::backend::cpu::features::features;
 use crate::backend::cpu::reduce::testutil::randn;
-use crate::dtype::Elem;
 
 /// Runs [`sgemm`] on random operands laid out as the flags say (row strides padded by 3)
 /// and checks it against [`reference()`] bit for bit, and that `c` outside the window is
