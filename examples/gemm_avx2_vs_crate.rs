@@ -90,9 +90,12 @@ fn main() {
                                 rs: b_rs,
                                 cs: b_cs,
                             },
-                            c.as_mut_ptr(),
-                            n,
-                            false,
+                            avx2::Dst {
+                                c: c.as_mut_ptr(),
+                                ldc: n,
+                                accumulate: false,
+                                bias: std::ptr::null(),
+                            },
                             threads,
                         );
                     }

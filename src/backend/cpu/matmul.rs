@@ -19,6 +19,8 @@
 use super::elem::{as_f32, as_f32_mut};
 use super::features::multiversion;
 use super::gemm::f32::sgemm;
+#[cfg(target_arch = "x86_64")]
+use super::gemm::f32::{OWN_MIN_ROWS, check_windows, own_avx2_kernel, own_sgemm};
 use super::gemm::mixed::{MIXED_BLOCK, gemm_mixed, gemm_mixed_blocked};
 use super::reduce::{COL_CHUNK, rows_per_task};
 use crate::dtype::Elem;
@@ -129,6 +131,33 @@ fn matmul_forward_f32(
     oc: usize,
     accumulate: bool,
 ) {
+    let (ldw, w_trans) = layout.as_b(ic, oc);
+    #[cfg(target_arch = "x86_64")]
+    if n >= OWN_MIN_ROWS && ic > 0 && own_avx2_kernel() {
+        check_windows(
+            "matmul_forward",
+            (n, oc, ic),
+            (inp.len(), ic, false),
+            (weight.len(), ldw, w_trans),
+            (out.len(), oc),
+        );
+        // SAFETY: the windows were checked, the bias has oc elements (asserted by
+        // `matmul_forward`) and ic > 0. The bias is added in the kernel's first store, the
+        // same additions as the seeding pass below, without the pass.
+        unsafe {
+            own_sgemm(
+                (n, oc, ic),
+                1.0,
+                (inp, ic, false),
+                (weight, ldw, w_trans),
+                out,
+                oc,
+                accumulate,
+                bias,
+            )
+        };
+        return;
+    }
     let mut read_out = accumulate;
     if let Some(bias) = bias {
         if oc > 0 {
@@ -147,7 +176,6 @@ fn matmul_forward_f32(
         }
         read_out = true;
     }
-    let (ldw, w_trans) = layout.as_b(ic, oc);
     sgemm(
         n, oc, ic, 1.0, inp, ic, false, weight, ldw, w_trans, out, oc, read_out,
     );

@@ -16,7 +16,10 @@
 //! ([`own_pack_bytes_per_thread`], also counted by the plan).
 
 #[cfg(target_arch = "x86_64")]
-use super::avx2::pack::{Packable, Strided};
+use super::avx2::{
+    Dst,
+    pack::{Packable, Strided},
+};
 use ::gemm::{Parallelism, gemm};
 
 /// Below this many multiply-adds a GEMM runs single-threaded.
@@ -44,7 +47,7 @@ pub(super) fn span(rows: usize, cols: usize, ld: usize) -> usize {
 /// `c[m,n] = op(a)[m,k] @ op(b)[k,n]` laid out as [`sgemm`] describes. The GEMMs read their
 /// operands through raw pointers on the strength of this check: it runs in release builds.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn check_windows(
+pub(in crate::backend::cpu) fn check_windows(
     who: &str,
     (m, n, k): (usize, usize, usize),
     (a_len, lda, a_trans): (usize, usize, bool),
@@ -132,6 +135,7 @@ pub fn sgemm(
                 c,
                 ldc,
                 accumulate,
+                None,
             )
         };
         return;
@@ -187,7 +191,7 @@ pub fn sgemm(
 /// Fewer rows than this (a generation step's single row) go to the `gemm` crate even where
 /// the own kernel runs: packing all of `op(b)` for one row of 6 would cost more than the
 /// product.
-pub(super) const OWN_MIN_ROWS: usize = 4;
+pub(in crate::backend::cpu) const OWN_MIN_ROWS: usize = 4;
 
 /// Whether [`sgemm`] runs memwall's own AVX2 kernel ([`super::avx2`]): where the `gemm`
 /// crate would run its AVX2 kernels ([`gemm_isa`](crate::backend::cpu::features::gemm_isa)
@@ -218,13 +222,15 @@ pub fn own_pack_bytes_per_thread() -> u64 {
 }
 
 /// The own AVX2 kernel on operands stored as f32 or bf16 (widened as they are packed), with
-/// [`sgemm`]'s layout: `c[m,n] = (accumulate ? c : 0) + alpha · op(a)[m,k] @ op(b)[k,n]`.
+/// [`sgemm`]'s layout: `c[m,n] = ((accumulate ? c : 0) + bias) + alpha · op(a)[m,k] @
+/// op(b)[k,n]`, the bias (`[n]`, if any) added before the products as a separate pass would.
 /// Callers check [`own_avx2_kernel`] and `m >= OWN_MIN_ROWS` first.
 ///
 /// # Safety
-/// The windows were checked ([`check_windows`]) and `k > 0`.
+/// The windows were checked ([`check_windows`]), the bias holds `n` elements, and `k > 0`.
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn own_sgemm<A: Packable, B: Packable>(
+#[allow(clippy::too_many_arguments)]
+pub(in crate::backend::cpu) unsafe fn own_sgemm<A: Packable, B: Packable>(
     (m, n, k): (usize, usize, usize),
     alpha: f32,
     (a, lda, trans_a): (&[A], usize, bool), // stored [m, k] (or [k, m] if trans_a)
@@ -232,8 +238,10 @@ pub(super) unsafe fn own_sgemm<A: Packable, B: Packable>(
     c: &mut [f32],                          // [m, n], row stride ldc
     ldc: usize,
     accumulate: bool,
+    bias: Option<&[f32]>, // [n]
 ) {
     debug_assert!(own_avx2_kernel());
+    debug_assert!(bias.is_none_or(|b| b.len() >= n));
     let (rs, cs) = if trans_a { (1, lda) } else { (lda, 1) };
     let a = Strided {
         ptr: a.as_ptr(),
@@ -246,21 +254,16 @@ pub(super) unsafe fn own_sgemm<A: Packable, B: Packable>(
         rs,
         cs,
     };
-    let threads = rayon::current_num_threads();
-    // SAFETY: `own_avx2_kernel` saw AVX2 and FMA; the caller checked the windows and k > 0;
-    // `c` is a unique borrow, so it aliases neither input.
-    unsafe {
-        super::avx2::sgemm(
-            (m, n, k),
-            alpha,
-            a,
-            b,
-            c.as_mut_ptr(),
-            ldc,
-            accumulate,
-            threads,
-        )
+    let dst = Dst {
+        c: c.as_mut_ptr(),
+        ldc,
+        accumulate,
+        bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
     };
+    let threads = rayon::current_num_threads();
+    // SAFETY: `own_avx2_kernel` saw AVX2 and FMA; the caller checked the windows, the bias
+    // and k > 0; `c` is a unique borrow, so it aliases no input.
+    unsafe { super::avx2::sgemm((m, n, k), alpha, a, b, dst, threads) };
 }
 
 /// Rows of `c` per `gemm` call. `gemm` packs a kc × rows panel (kc ≤ 1024) per call, so this

@@ -355,6 +355,7 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                                     ct,
                                     ldt,
                                     acc,
+                                    None,
                                 ),
                                 (Operand::F32(a), Operand::Bf16(b)) => own_sgemm(
                                     dims,
@@ -364,6 +365,7 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                                     ct,
                                     ldt,
                                     acc,
+                                    None,
                                 ),
                                 (Operand::Bf16(a), Operand::F32(b)) => own_sgemm(
                                     dims,
@@ -373,6 +375,7 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                                     ct,
                                     ldt,
                                     acc,
+                                    None,
                                 ),
                                 (Operand::Bf16(a), Operand::Bf16(b)) => own_sgemm(
                                     dims,
@@ -382,6 +385,7 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                                     ct,
                                     ldt,
                                     acc,
+                                    None,
                                 ),
                             }
                         }

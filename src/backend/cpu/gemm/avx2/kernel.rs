@@ -14,13 +14,53 @@ pub const MR: usize = 6;
 /// Columns of `c` per micro-tile (two vectors of 8).
 pub const NR: usize = 16;
 
-/// How a finished tile meets `c`.
+/// How a finished tile meets `c`: `c = base + alpha · acc`, where `base` is `c + bias`,
+/// `c`, `bias` or nothing (then `c = alpha · acc`) as `load` and `bias` say.
 #[derive(Clone, Copy, Debug)]
 pub struct Store {
     /// Add to the values already in `c` (else overwrite them).
     pub load: bool,
     /// Scale of the product; 1 multiplies nothing.
     pub alpha: f32,
+    /// A row of `NR` values added to every row of the tile (null: none).
+    pub bias: *const f32,
+}
+
+impl Store {
+    /// The store of a block after the first: onto `c`, no bias.
+    pub fn onto_c(alpha: f32) -> Store {
+        Store {
+            load: true,
+            alpha,
+            bias: std::ptr::null(),
+        }
+    }
+
+    /// The raw product, overwriting (the edge tiles' scratch store).
+    pub fn raw() -> Store {
+        Store {
+            load: false,
+            alpha: 1.0,
+            bias: std::ptr::null(),
+        }
+    }
+
+    /// What this store writes for one element: `old` in `c`, `bias` its bias (read only when
+    /// there is one), `acc` the product. The kernel's vector store does the same operations.
+    #[inline(always)]
+    pub fn element(&self, old: f32, bias: f32, acc: f32) -> f32 {
+        let v = if self.alpha != 1.0 {
+            acc * self.alpha
+        } else {
+            acc
+        };
+        match (self.load, self.bias.is_null()) {
+            (true, true) => old + v,
+            (false, true) => v,
+            (true, false) => (old + bias) + v,
+            (false, false) => bias + v,
+        }
+    }
 }
 
 /// Runs the micro-kernel over `kc` steps of the packed slivers `a` (`[kc, MR]`) and `b`
@@ -28,7 +68,8 @@ pub struct Store {
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `a` holds `kc · MR` and `b` `kc · NR` readable f32; `c` is
-/// valid for reads and writes of `MR` rows of `NR` f32 at row stride `ldc`.
+/// valid for reads and writes of `MR` rows of `NR` f32 at row stride `ldc`; a non-null
+/// `st.bias` points at `NR` readable f32.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, st: Store) {
@@ -57,7 +98,9 @@ pub unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: 
             a = a.add(MR);
             b = b.add(NR);
         }
+        // The same operations as `Store::element`, 8 lanes at a time.
         let alpha = _mm256_set1_ps(st.alpha);
+        let has_bias = !st.bias.is_null();
         for (i, row) in acc.iter().enumerate() {
             let ci = c.add(i * ldc);
             for (h, &v) in row.iter().enumerate() {
@@ -65,8 +108,17 @@ pub unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: 
                 if st.alpha != 1.0 {
                     v = _mm256_mul_ps(v, alpha);
                 }
-                if st.load {
-                    v = _mm256_add_ps(_mm256_loadu_ps(ci.add(8 * h)), v);
+                let base = match (st.load, has_bias) {
+                    (true, false) => Some(_mm256_loadu_ps(ci.add(8 * h))),
+                    (false, false) => None,
+                    (true, true) => Some(_mm256_add_ps(
+                        _mm256_loadu_ps(ci.add(8 * h)),
+                        _mm256_loadu_ps(st.bias.add(8 * h)),
+                    )),
+                    (false, true) => Some(_mm256_loadu_ps(st.bias.add(8 * h))),
+                };
+                if let Some(base) = base {
+                    v = _mm256_add_ps(base, v);
                 }
                 _mm256_storeu_ps(ci.add(8 * h), v);
             }

@@ -66,22 +66,20 @@ thread_local! {
 /// Below this many multiply-adds a GEMM runs on one thread.
 const PAR_MIN_MACS: usize = 64 * 64 * 64;
 
-/// `c[m, n] = (accumulate ? c : 0) + alpha · op(a)[m, k] @ op(b)[k, n]` (see the module
-/// documentation for the order of the sums), with `threads` parts at most.
+/// `c[m, n] = ((accumulate ? c : 0) + bias) + alpha · op(a)[m, k] @ op(b)[k, n]` (see the
+/// module documentation for the order of the sums; the bias, when there is one, is added to
+/// `c` before the first block's product), with `threads` parts at most.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; every element of the `m × k` window of `a`, the `k × n` window
-/// of `b` and the `m × n` window of `c` (row stride `ldc`) is in bounds; `c` aliases neither
-/// input; `k > 0`.
-#[allow(clippy::too_many_arguments)]
+/// of `b`, the `m × n` window of `c` (row stride `ldc`) and `n` elements of a non-null bias
+/// are in bounds; `c` aliases no input; `k > 0`.
 pub unsafe fn sgemm<A: Packable, B: Packable>(
     (m, n, k): (usize, usize, usize),
     alpha: f32,
     a: Strided<A>,
     b: Strided<B>,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
+    dst: Dst,
     threads: usize,
 ) {
     let blk = Blocking::here();
@@ -90,7 +88,6 @@ pub unsafe fn sgemm<A: Packable, B: Packable>(
     } else {
         threads.max(1)
     };
-    let c = SendPtr(c);
     // One part per thread along the dimension whose cut duplicates the smaller packing.
     let n_tiles = n.div_ceil(NR);
     let m_tiles = m.div_ceil(MR);
@@ -112,20 +109,11 @@ pub unsafe fn sgemm<A: Packable, B: Packable>(
         // rest is the caller's guarantee.
         unsafe {
             if along_n {
-                let b = b.offset(0, lo);
-                serial((m, hi - lo, k), alpha, a, b, c.at(lo), ldc, accumulate, blk);
+                let (b, dst) = (b.offset(0, lo), dst.offset(0, lo));
+                serial((m, hi - lo, k), alpha, a, b, dst, blk);
             } else {
-                let a = a.offset(lo, 0);
-                serial(
-                    (hi - lo, n, k),
-                    alpha,
-                    a,
-                    b,
-                    c.at(lo * ldc),
-                    ldc,
-                    accumulate,
-                    blk,
-                );
+                let (a, dst) = (a.offset(lo, 0), dst.offset(lo, 0));
+                serial((hi - lo, n, k), alpha, a, b, dst, blk);
             }
         }
     };
@@ -136,20 +124,39 @@ pub unsafe fn sgemm<A: Packable, B: Packable>(
     }
 }
 
+/// Where a GEMM writes: `c[m, n]` (row stride `ldc`), onto its old values when
+/// `accumulate`, plus `bias[n]` on every row when there is one (null: none).
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: the parts write disjoint windows of the output (see `sgemm`).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+pub struct Dst {
+    pub c: *mut f32,
+    pub ldc: usize,
+    pub accumulate: bool,
+    pub bias: *const f32,
+}
 
-impl SendPtr {
-    /// The pointer `off` elements on (a method, so closures capture the whole `SendPtr`).
+// SAFETY: the parts of one GEMM write disjoint windows of `c` (see `sgemm`) and only read
+// `bias`.
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+impl Dst {
+    /// The destination from row `rows`, column `cols` on.
     ///
     /// # Safety
-    /// As `pointer::add`.
-    unsafe fn at(self, off: usize) -> *mut f32 {
+    /// The new origin lies inside the window.
+    unsafe fn offset(self, rows: usize, cols: usize) -> Dst {
         // SAFETY: per the caller.
-        unsafe { self.0.add(off) }
+        unsafe {
+            Dst {
+                c: self.c.add(rows * self.ldc + cols),
+                bias: if self.bias.is_null() {
+                    self.bias
+                } else {
+                    self.bias.add(cols)
+                },
+                ..self
+            }
+        }
     }
 }
 
@@ -157,17 +164,15 @@ impl SendPtr {
 ///
 /// # Safety
 /// As [`sgemm`].
-#[allow(clippy::too_many_arguments)]
 unsafe fn serial<A: Packable, B: Packable>(
     (m, n, k): (usize, usize, usize),
     alpha: f32,
     a: Strided<A>,
     b: Strided<B>,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
+    dst: Dst,
     blk: Blocking,
 ) {
+    let Dst { c, ldc, .. } = dst;
     let a_len = blk.mc.div_ceil(MR) * MR * KC;
     let b_len = blk.nc.div_ceil(NR) * NR * KC;
     PACK.with_borrow_mut(|buf| {
@@ -182,10 +187,14 @@ unsafe fn serial<A: Packable, B: Packable>(
                 let kb = KC.min(k - p0);
                 // SAFETY: the panel is inside b's window (caller).
                 unsafe { pack::pack_b(bbuf, b, (p0, kb), (j0, nb)) };
-                let st = Store {
-                    load: accumulate || p0 > 0,
+                // The first block meets c's old values (or none) and the bias; the others
+                // add onto c.
+                let first = Store {
+                    load: dst.accumulate,
                     alpha,
+                    bias: dst.bias,
                 };
+                let block_store = if p0 == 0 { first } else { Store::onto_c(alpha) };
                 for i0 in (0..m).step_by(blk.mc) {
                     let mb = blk.mc.min(m - i0);
                     // SAFETY: the block is inside a's window (caller).
@@ -195,8 +204,17 @@ unsafe fn serial<A: Packable, B: Packable>(
                         for ir in (0..mb).step_by(MR) {
                             let as_ = &abuf[ir / MR * MR * kb..][..MR * kb];
                             let (rows, cols) = (MR.min(mb - ir), NR.min(nb - jr));
-                            // SAFETY: c + (i0 + ir, j0 + jr) starts a tile inside c's window.
+                            // SAFETY: c + (i0 + ir, j0 + jr) starts a tile inside c's window,
+                            // and j0 + jr a run of the bias.
                             let ct = unsafe { c.add((i0 + ir) * ldc + j0 + jr) };
+                            let st = Store {
+                                bias: if block_store.bias.is_null() {
+                                    block_store.bias
+                                } else {
+                                    unsafe { block_store.bias.add(j0 + jr) }
+                                },
+                                ..block_store
+                            };
                             if rows == MR && cols == NR {
                                 // SAFETY: AVX2 + FMA (caller); slivers of kb steps; a whole
                                 // tile of c.
@@ -206,10 +224,7 @@ unsafe fn serial<A: Packable, B: Packable>(
                             } else {
                                 // An edge tile: computed whole into `tile`, then the part
                                 // inside c stored with the same arithmetic as the kernel's.
-                                let raw = Store {
-                                    load: false,
-                                    alpha: 1.0,
-                                };
+                                let raw = Store::raw();
                                 // SAFETY: as above, into a local MR × NR tile.
                                 unsafe {
                                     kernel::kernel(
@@ -223,14 +238,16 @@ unsafe fn serial<A: Packable, B: Packable>(
                                 };
                                 for i in 0..rows {
                                     for j in 0..cols {
-                                        let mut v = tile[i * NR + j];
-                                        if st.alpha != 1.0 {
-                                            v *= st.alpha;
-                                        }
-                                        // SAFETY: (i, j) is inside the window of c.
+                                        // SAFETY: (i, j) is inside the window of c, j inside
+                                        // the bias's run.
                                         unsafe {
                                             let e = ct.add(i * ldc + j);
-                                            *e = if st.load { *e + v } else { v };
+                                            let bias = if st.bias.is_null() {
+                                                0.0
+                                            } else {
+                                                *st.bias.add(j)
+                                            };
+                                            *e = st.element(*e, bias, tile[i * NR + j]);
                                         }
                                     }
                                 }
@@ -244,7 +261,8 @@ unsafe fn serial<A: Packable, B: Packable>(
 }
 
 /// The sums [`sgemm`] computes, in scalar code (the tests' exact twin): for each element,
-/// one `mul_add` chain per block of [`KC`] steps, each scaled by `alpha` and added in order.
+/// one `mul_add` chain per block of [`KC`] steps, each scaled by `alpha` and added in order,
+/// the bias (if any) added to the old value before the first.
 #[allow(clippy::too_many_arguments)]
 pub fn reference(
     (m, n, k): (usize, usize, usize),
@@ -254,6 +272,7 @@ pub fn reference(
     c: &mut [f32],
     ldc: usize,
     accumulate: bool,
+    bias: Option<&[f32]>,
 ) {
     for i in 0..m {
         for j in 0..n {
@@ -266,7 +285,12 @@ pub fn reference(
                 if alpha != 1.0 {
                     acc *= alpha;
                 }
-                v = if accumulate || p0 > 0 { v + acc } else { acc };
+                v = match (p0 == 0, bias) {
+                    (true, Some(bias)) if accumulate => (v + bias[j]) + acc,
+                    (true, Some(bias)) => bias[j] + acc,
+                    (true, None) if !accumulate => acc,
+                    _ => v + acc,
+                };
             }
             c[i * ldc + j] = v;
         }

@@ -16,7 +16,7 @@ fn check(
     accumulate: bool,
     threads: usize,
 ) {
-    check_typed::<f32, f32>(dims, t, alpha, accumulate, threads);
+    check_typed::<f32, f32>(dims, t, alpha, accumulate, false, threads);
 }
 
 /// [`check`] with operands stored as `A` and `B` (the reference reads them widened).
@@ -25,6 +25,7 @@ fn check_typed<A: Packable, B: Packable>(
     (ta, tb): (bool, bool),
     alpha: f32,
     accumulate: bool,
+    with_bias: bool,
     threads: usize,
 ) {
     let f = features();
@@ -44,10 +45,12 @@ fn check_typed<A: Packable, B: Packable>(
         .map(B::from_f32)
         .collect();
     let c0 = randn(m * ldc, 1.0, 3);
+    let bias = randn(n, 1.0, 4);
+    let bias = with_bias.then_some(&bias[..]);
     let at = |i: usize, p: usize| if ta { a[p * lda + i] } else { a[i * lda + p] }.to_f32();
     let bt = |p: usize, j: usize| if tb { b[j * ldb + p] } else { b[p * ldb + j] }.to_f32();
     let mut want = c0.clone();
-    reference((m, n, k), alpha, &at, &bt, &mut want, ldc, accumulate);
+    reference((m, n, k), alpha, &at, &bt, &mut want, ldc, accumulate, bias);
     let (a_rs, a_cs) = if ta { (1, lda) } else { (lda, 1) };
     let (b_rs, b_cs) = if tb { (1, ldb) } else { (ldb, 1) };
     let mut got = c0.clone();
@@ -71,9 +74,12 @@ fn check_typed<A: Packable, B: Packable>(
                     rs: b_rs,
                     cs: b_cs,
                 },
-                got.as_mut_ptr(),
-                ldc,
-                accumulate,
+                Dst {
+                    c: got.as_mut_ptr(),
+                    ldc,
+                    accumulate,
+                    bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+                },
                 threads,
             )
         }
@@ -86,7 +92,7 @@ fn check_typed<A: Packable, B: Packable>(
                 g.to_bits(),
                 w.to_bits(),
                 "{what} ({i}, {j}) of {m}x{n}x{k} {}·{} ta={ta} tb={tb} alpha={alpha} \
-                 acc={accumulate} threads={threads}: {g} != {w}",
+                 acc={accumulate} bias={with_bias} threads={threads}: {g} != {w}",
                 A::NAME,
                 B::NAME
             );
@@ -144,9 +150,22 @@ fn bf16_operands_are_widened_as_packed_bit_for_bit() {
     for (m, n, k) in [(7, 33, 9), (19, 37, KC + 13), (40, 500, 300)] {
         for ta in [false, true] {
             for tb in [false, true] {
-                check_typed::<half::bf16, half::bf16>((m, n, k), (ta, tb), 1.0, true, 2);
-                check_typed::<f32, half::bf16>((m, n, k), (ta, tb), 1.0, false, 1);
-                check_typed::<half::bf16, f32>((m, n, k), (ta, tb), 1.0, false, 3);
+                check_typed::<half::bf16, half::bf16>((m, n, k), (ta, tb), 1.0, true, false, 2);
+                check_typed::<f32, half::bf16>((m, n, k), (ta, tb), 1.0, false, false, 1);
+                check_typed::<half::bf16, f32>((m, n, k), (ta, tb), 1.0, false, false, 3);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bias_is_added_before_the_first_block_bit_for_bit() {
+    // With and without accumulation, one and several KC blocks, edge tiles, split threads.
+    for (m, n, k) in [(7, 33, 9), (19, 37, 2 * KC + 13), (40, 500, 300)] {
+        for accumulate in [false, true] {
+            for threads in [1, 2] {
+                check_typed::<f32, f32>((m, n, k), (false, true), 1.0, accumulate, true, threads);
+                check_typed::<f32, f32>((m, n, k), (false, false), 1.0, accumulate, true, threads);
             }
         }
     }
