@@ -63,8 +63,7 @@
 //! unit, the same products in the same order, so results are bitwise those of multi-head
 //! attention.
 //!
-//! All matrix products go through `gemm::gemm` with `Parallelism::None` (or, where the f32 GEMM
-//! is memwall's own AVX2 kernel, that kernel on one thread; arbitrary strides either way, so
+//! All matrix products go through `gemm::gemm` with `Parallelism::None` (arbitrary strides, so
 //! `out`, `dout` and `dqkv` are read and written in place). Parallelism is over units: they are
 //! split into contiguous groups, one per rayon worker, each with its own slice of the workspace.
 //! Every unit is computed by the same sequence of operations whatever worker runs it, with all
@@ -85,8 +84,6 @@
 //! [min(64,T), hd] block per worker ([`attention_workspace_len`]).
 
 use super::features::multiversion;
-#[cfg(target_arch = "x86_64")]
-use super::gemm::f32::own_avx2_kernel;
 use crate::dtype::{Elem, is_f32};
 use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
@@ -272,32 +269,6 @@ unsafe fn mm(
     rhs: View,
     beta: f32,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if k > 0 && m > 0 && n > 0 && own_avx2_kernel() {
-        use crate::backend::cpu::gemm::avx2::{self, Dst, pack::Strided};
-        let (a, b) = (
-            Strided {
-                ptr: lhs.p,
-                rs: lhs.rs,
-                cs: lhs.cs,
-            },
-            Strided {
-                ptr: rhs.p,
-                rs: rhs.rs,
-                cs: rhs.cs,
-            },
-        );
-        let dst = Dst {
-            c: dst,
-            ldc: dst_ld,
-            accumulate,
-            bias: std::ptr::null(),
-        };
-        // SAFETY: the caller's contract; `own_avx2_kernel` saw AVX2 and FMA; k > 0. One
-        // thread: attention parallelises over its units.
-        unsafe { avx2::sgemm((m, n, k), beta, a, b, dst, 1) };
-        return;
-    }
     // SAFETY: forwarded to the caller's contract. gemm semantics: dst = alpha·dst + beta·lhs·rhs
     // with alpha only read when read_dst; strides are (column, row).
     unsafe {

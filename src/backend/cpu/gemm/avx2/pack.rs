@@ -19,20 +19,6 @@ pub trait Packable: Elem {
     /// # Safety
     /// The CPU has AVX2; `p` points at 8 readable elements.
     unsafe fn load8(p: *const Self) -> __m256;
-
-    /// `MR` (6) consecutive elements at `p` as f32 lanes 0–5, lanes 6 and 7 zero; reads
-    /// nothing past the sixth.
-    ///
-    /// # Safety
-    /// The CPU has AVX2; `p` points at 6 readable elements.
-    unsafe fn load6(p: *const Self) -> __m256;
-}
-
-/// Lanes 0–5 of a YMM register (the elements of an `MR`-row step).
-#[inline(always)]
-fn mask6() -> __m256i {
-    // SAFETY: only called from functions compiled with AVX2 (inlined into them).
-    unsafe { _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0) }
 }
 
 impl Packable for f32 {
@@ -40,12 +26,6 @@ impl Packable for f32 {
     unsafe fn load8(p: *const f32) -> __m256 {
         // SAFETY: per the caller.
         unsafe { _mm256_loadu_ps(p) }
-    }
-
-    #[inline(always)]
-    unsafe fn load6(p: *const f32) -> __m256 {
-        // SAFETY: per the caller; the masked lanes are not read.
-        unsafe { _mm256_maskload_ps(p, mask6()) }
     }
 }
 
@@ -56,21 +36,6 @@ impl Packable for bf16 {
         // high half of its f32.
         unsafe {
             let h = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn load6(p: *const bf16) -> __m256 {
-        // SAFETY: per the caller: 6 bf16 are 12 bytes, read as three unaligned u32.
-        unsafe {
-            let w = p as *const u32;
-            let (w0, w1, w2) = (
-                w.read_unaligned(),
-                w.add(1).read_unaligned(),
-                w.add(2).read_unaligned(),
-            );
-            let h = _mm_setr_epi32(w0 as i32, w1 as i32, w2 as i32, 0);
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
     }
@@ -130,35 +95,10 @@ pub unsafe fn pack_a<T: Packable>(
     (i0, mb): (usize, usize),
     (p0, kb): (usize, usize),
 ) {
-    // a stored transposed: each step's MR elements of a sliver are contiguous, and a step of
-    // the block is one stored row, read once front to back for all the whole slivers.
-    let transposed = a.rs == 1 && a.cs != 1;
-    let whole = if transposed { mb / MR } else { 0 };
-    if whole > 0 {
-        let dst = out.as_mut_ptr();
-        for p in 0..kb {
-            for s in 0..whole {
-                // SAFETY: (i0 + s·MR .. + MR, p0 + p) are inside the block; sliver s's step
-                // p lies at s · MR · kb + p · MR. A whole vector store spills two lanes into
-                // step p + 1 of the same sliver, written after it; the last step's store is
-                // masked.
-                unsafe {
-                    let v = T::load6(a.ptr.add(i0 + s * MR + (p0 + p) * a.cs));
-                    let d = dst.add(s * MR * kb + p * MR);
-                    if p + 1 < kb {
-                        _mm256_storeu_ps(d, v);
-                    } else {
-                        _mm256_maskstore_ps(d, mask6(), v);
-                    }
-                }
-            }
-        }
-    }
     for (s, sliver) in out
         .chunks_exact_mut(MR * kb)
         .take(mb.div_ceil(MR))
         .enumerate()
-        .skip(whole)
     {
         let rows = MR.min(mb - s * MR);
         let r0 = i0 + s * MR;
@@ -203,32 +143,6 @@ pub unsafe fn pack_b<T: Packable>(
     (p0, kb): (usize, usize),
     (j0, nb): (usize, usize),
 ) {
-    if b.cs == 1 {
-        // Rows of b are contiguous: each row read once, front to back, its runs of NR
-        // scattered to the slivers (reading a sliver's rows one after another would touch
-        // a new cache line per row).
-        let (whole, rest) = (nb / NR, nb % NR);
-        if rest > 0 {
-            out[whole * NR * kb..(whole + 1) * NR * kb].fill(0.0);
-        }
-        let dst = out.as_mut_ptr();
-        for p in 0..kb {
-            // SAFETY: row p0 + p, columns j0 .. j0 + nb are inside the panel; sliver s's
-            // step p lies at s · NR · kb + p · NR in `out`, which holds every sliver.
-            unsafe {
-                let src = b.ptr.add((p0 + p) * b.rs + j0);
-                for s in 0..whole {
-                    let d = dst.add(s * NR * kb + p * NR);
-                    _mm256_storeu_ps(d, T::load8(src.add(s * NR)));
-                    _mm256_storeu_ps(d.add(8), T::load8(src.add(s * NR + 8)));
-                }
-                for j in 0..rest {
-                    *dst.add(whole * NR * kb + p * NR + j) = (*src.add(whole * NR + j)).to_f32();
-                }
-            }
-        }
-        return;
-    }
     for (s, sliver) in out
         .chunks_exact_mut(NR * kb)
         .take(nb.div_ceil(NR))
@@ -239,7 +153,25 @@ pub unsafe fn pack_b<T: Packable>(
         if cols < NR {
             sliver.fill(0.0);
         }
-        if b.rs == 1 && cols == NR {
+        if b.cs == 1 {
+            // Rows of b are contiguous: one run of `cols` per row.
+            for (p, dst) in sliver.chunks_exact_mut(NR).enumerate() {
+                // SAFETY: row p0 + p, columns c0 .. c0 + cols are inside the panel.
+                let src = unsafe { b.ptr.add((p0 + p) * b.rs + c0) };
+                if cols == NR {
+                    // SAFETY: a whole row of NR = 2 × 8 elements, into dst's NR.
+                    unsafe {
+                        _mm256_storeu_ps(dst.as_mut_ptr(), T::load8(src));
+                        _mm256_storeu_ps(dst.as_mut_ptr().add(8), T::load8(src.add(8)));
+                    }
+                } else {
+                    for (j, d) in dst[..cols].iter_mut().enumerate() {
+                        // SAFETY: column c0 + j < c0 + cols of the row.
+                        *d = unsafe { (*src.add(j)).to_f32() };
+                    }
+                }
+            }
+        } else if b.rs == 1 && cols == NR {
             // Columns of b are contiguous (b is stored transposed): 8 × 8 blocks transposed
             // in registers, the rows left over by a short kb one by one.
             let whole = kb / 8 * 8;
@@ -307,8 +239,9 @@ unsafe fn transpose_6x8<T: Packable>(src: *const T, ld_src: usize, dst: *mut f32
                 _mm256_setzero_ps()
             }
         });
+        let mask = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
         for (q, v) in transpose(r).iter().enumerate() {
-            _mm256_maskstore_ps(dst.add(q * MR), mask6(), *v);
+            _mm256_maskstore_ps(dst.add(q * MR), mask, *v);
         }
     }
 }
