@@ -80,16 +80,8 @@ fn main() {
                         avx2::sgemm(
                             (m, n, k),
                             1.0,
-                            Strided {
-                                ptr: a.as_ptr(),
-                                rs: a_rs,
-                                cs: a_cs,
-                            },
-                            Strided {
-                                ptr: b.as_ptr(),
-                                rs: b_rs,
-                                cs: b_cs,
-                            },
+                            Strided::of(a.as_ptr(), lda, ta),
+                            Strided::of(b.as_ptr(), ldb, tb),
                             avx2::Dst {
                                 c: c.as_mut_ptr(),
                                 ldc: n,

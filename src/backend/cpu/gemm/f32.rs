@@ -242,18 +242,8 @@ pub(in crate::backend::cpu) unsafe fn own_sgemm<A: Packable, B: Packable>(
 ) {
     debug_assert!(own_avx2_kernel());
     debug_assert!(bias.is_none_or(|b| b.len() >= n));
-    let (rs, cs) = if trans_a { (1, lda) } else { (lda, 1) };
-    let a = Strided {
-        ptr: a.as_ptr(),
-        rs,
-        cs,
-    };
-    let (rs, cs) = if trans_b { (1, ldb) } else { (ldb, 1) };
-    let b = Strided {
-        ptr: b.as_ptr(),
-        rs,
-        cs,
-    };
+    let a = Strided::of(a.as_ptr(), lda, trans_a);
+    let b = Strided::of(b.as_ptr(), ldb, trans_b);
     let dst = Dst {
         c: c.as_mut_ptr(),
         ldc,

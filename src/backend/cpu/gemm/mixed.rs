@@ -44,8 +44,9 @@
 //! and thread count).
 
 use super::bf16_dot::{Dot, Operand, gemm_bf16, pack_fits};
+use super::f32::own_avx2_kernel;
 #[cfg(target_arch = "x86_64")]
-use super::f32::{OWN_MIN_ROWS, own_avx2_kernel, own_sgemm};
+use super::f32::{OWN_MIN_ROWS, own_sgemm};
 use super::f32::{check_windows, sgemm, span};
 use crate::backend::cpu::elem::{as_f32, as_f32_mut, as_words, cast, narrow_row, widen_row};
 use crate::backend::cpu::features::{Bf16DotRequest, bf16_dot_request};
@@ -98,18 +99,6 @@ pub fn bf16_dot() -> Option<Dot> {
     })
 }
 
-/// Whether the own AVX2 GEMM runs here (never off x86-64).
-fn own_kernel() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        own_avx2_kernel()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// How products of bf16 (`bf16` true) or f16 storage are computed in this process
 /// (reported by `bench` and `plan`).
 pub fn compute_path(bf16: bool) -> &'static str {
@@ -120,7 +109,7 @@ pub fn compute_path(bf16: bool) -> &'static str {
         (true, Some(Dot::Emulated)) => {
             "dot-product micro-kernel with vdpbf16ps emulated (MEMWALL_BF16_DOT=emulated: slow, for checking)"
         }
-        (true, _) if own_kernel() => {
+        (true, _) if own_avx2_kernel() => {
             "own AVX2 GEMM: bf16 operands widened to f32 as they are packed, f32 accumulation"
         }
         _ => "f32 GEMM on operands converted to f32 in 1024-tiles",
@@ -343,50 +332,28 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                     if let (Some(ao), Some(bo)) = (dot_operand(a), dot_operand(b)) {
                         let (ao, bo) = (ao.from(a_at), bo.from(b_at));
                         let (dims, acc) = ((rows, cols, kk), read_ct || p0 > 0);
+                        macro_rules! own {
+                            ($a:expr, $b:expr) => {
+                                own_sgemm(
+                                    dims,
+                                    1.0,
+                                    ($a, lda, a_trans),
+                                    ($b, ldb, b_trans),
+                                    ct,
+                                    ldt,
+                                    acc,
+                                    None,
+                                )
+                            };
+                        }
                         // SAFETY: `check_windows` proved the whole windows in bounds, so
                         // these sub-windows are; kk > 0.
                         unsafe {
                             match (ao, bo) {
-                                (Operand::F32(a), Operand::F32(b)) => own_sgemm(
-                                    dims,
-                                    1.0,
-                                    (a, lda, a_trans),
-                                    (b, ldb, b_trans),
-                                    ct,
-                                    ldt,
-                                    acc,
-                                    None,
-                                ),
-                                (Operand::F32(a), Operand::Bf16(b)) => own_sgemm(
-                                    dims,
-                                    1.0,
-                                    (a, lda, a_trans),
-                                    (b, ldb, b_trans),
-                                    ct,
-                                    ldt,
-                                    acc,
-                                    None,
-                                ),
-                                (Operand::Bf16(a), Operand::F32(b)) => own_sgemm(
-                                    dims,
-                                    1.0,
-                                    (a, lda, a_trans),
-                                    (b, ldb, b_trans),
-                                    ct,
-                                    ldt,
-                                    acc,
-                                    None,
-                                ),
-                                (Operand::Bf16(a), Operand::Bf16(b)) => own_sgemm(
-                                    dims,
-                                    1.0,
-                                    (a, lda, a_trans),
-                                    (b, ldb, b_trans),
-                                    ct,
-                                    ldt,
-                                    acc,
-                                    None,
-                                ),
+                                (Operand::F32(a), Operand::F32(b)) => own!(a, b),
+                                (Operand::F32(a), Operand::Bf16(b)) => own!(a, b),
+                                (Operand::Bf16(a), Operand::F32(b)) => own!(a, b),
+                                (Operand::Bf16(a), Operand::Bf16(b)) => own!(a, b),
                             }
                         }
                         continue;

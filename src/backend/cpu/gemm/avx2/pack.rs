@@ -71,6 +71,12 @@ impl<T: Elem> Strided<T> {
         unsafe { (*self.ptr.add(r * self.rs + c * self.cs)).to_f32() }
     }
 
+    /// A matrix stored row-major with row stride `ld`, read as its transpose when `trans`.
+    pub fn of(ptr: *const T, ld: usize, trans: bool) -> Strided<T> {
+        let (rs, cs) = if trans { (1, ld) } else { (ld, 1) };
+        Strided { ptr, rs, cs }
+    }
+
     /// The view starting `rows` rows and `cols` columns further on.
     ///
     /// # Safety

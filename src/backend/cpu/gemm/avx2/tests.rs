@@ -51,8 +51,6 @@ fn check_typed<A: Packable, B: Packable>(
     let bt = |p: usize, j: usize| if tb { b[j * ldb + p] } else { b[p * ldb + j] }.to_f32();
     let mut want = c0.clone();
     reference((m, n, k), alpha, &at, &bt, &mut want, ldc, accumulate, bias);
-    let (a_rs, a_cs) = if ta { (1, lda) } else { (lda, 1) };
-    let (b_rs, b_cs) = if tb { (1, ldb) } else { (ldb, 1) };
     let mut got = c0.clone();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -64,16 +62,8 @@ fn check_typed<A: Packable, B: Packable>(
             sgemm(
                 (m, n, k),
                 alpha,
-                Strided {
-                    ptr: a.as_ptr(),
-                    rs: a_rs,
-                    cs: a_cs,
-                },
-                Strided {
-                    ptr: b.as_ptr(),
-                    rs: b_rs,
-                    cs: b_cs,
-                },
+                Strided::of(a.as_ptr(), lda, ta),
+                Strided::of(b.as_ptr(), ldb, tb),
                 Dst {
                     c: got.as_mut_ptr(),
                     ldc,
