@@ -79,15 +79,18 @@ pub unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: 
     // SAFETY (all pointer reads below): `a` and `b` advance by MR and NR per step, kc steps,
     // within the lengths the caller guarantees.
     unsafe {
-        if st.load {
-            // The tile's rows of c arrive while the FMAs run, not after them.
-            for i in 0..MR {
-                let ci = c.add(i * ldc);
-                _mm_prefetch::<_MM_HINT_T0>(ci as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(ci.add(NR - 1) as *const i8);
-            }
+        // The tile's rows of c arrive while the FMAs run, not after them, with intent to write
+        // (also when c is only overwritten: its lines are read for ownership either way).
+        for i in 0..MR {
+            let ci = c.add(i * ldc);
+            _mm_prefetch::<_MM_HINT_ET0>(ci as *const i8);
+            _mm_prefetch::<_MM_HINT_ET0>(ci.add(NR - 1) as *const i8);
         }
         for _ in 0..kc {
+            // The sliver of a streams from L2: ask for it 16 steps (384 bytes) ahead. Past
+            // the sliver's end this touches the next one, or a few bytes past the buffer,
+            // which a prefetch may (it never faults).
+            _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(MR * 16) as *const i8);
             let b0 = _mm256_loadu_ps(b);
             let b1 = _mm256_loadu_ps(b.add(8));
             for (i, row) in acc.iter_mut().enumerate() {

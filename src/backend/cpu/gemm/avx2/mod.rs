@@ -173,6 +173,12 @@ unsafe fn serial<A: Packable, B: Packable>(
     blk: Blocking,
 ) {
     let Dst { c, ldc, .. } = dst;
+    // Blocks of equal size rather than full ones and a sliver of a remainder (1024 rows in
+    // blocks of 510 would leave 4, packed and computed as edge tiles on their own).
+    let even = |len: usize, max: usize, unit: usize| {
+        (len.div_ceil(len.div_ceil(max).max(1)).div_ceil(unit) * unit).max(unit)
+    };
+    let (mc, nc) = (even(m, blk.mc, MR), even(n, blk.nc, NR));
     let a_len = blk.mc.div_ceil(MR) * MR * KC;
     let b_len = blk.nc.div_ceil(NR) * NR * KC;
     PACK.with_borrow_mut(|buf| {
@@ -181,8 +187,8 @@ unsafe fn serial<A: Packable, B: Packable>(
         }
         let (abuf, bbuf) = buf.split_at_mut(a_len);
         let mut tile = [0f32; MR * NR];
-        for j0 in (0..n).step_by(blk.nc) {
-            let nb = blk.nc.min(n - j0);
+        for j0 in (0..n).step_by(nc) {
+            let nb = nc.min(n - j0);
             for p0 in (0..k).step_by(KC) {
                 let kb = KC.min(k - p0);
                 // SAFETY: the panel is inside b's window (caller).
@@ -195,8 +201,8 @@ unsafe fn serial<A: Packable, B: Packable>(
                     bias: dst.bias,
                 };
                 let block_store = if p0 == 0 { first } else { Store::onto_c(alpha) };
-                for i0 in (0..m).step_by(blk.mc) {
-                    let mb = blk.mc.min(m - i0);
+                for i0 in (0..m).step_by(mc) {
+                    let mb = mc.min(m - i0);
                     // SAFETY: the block is inside a's window (caller).
                     unsafe { pack::pack_a(abuf, a, (i0, mb), (p0, kb)) };
                     for jr in (0..nb).step_by(NR) {

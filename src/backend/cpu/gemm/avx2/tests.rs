@@ -115,9 +115,10 @@ fn reductions_over_several_blocks_equal_the_reference_bit_for_bit() {
 #[test]
 fn threads_split_rows_or_columns_and_give_the_same_bits() {
     // Wide (split along n) and tall (split along m) problems above the threading threshold,
-    // with blocks of a larger than one mc block.
-    let tall = Blocking::here().mc + 7;
-    for (m, n, k) in [(40, 500, 300), (tall, 24, 700)] {
+    // with more rows than one mc block and more columns than one nc panel (the blocks are
+    // evened out: their sizes must not change a bit).
+    let (tall, wide) = (Blocking::here().mc + 7, Blocking::here().nc + 21);
+    for (m, n, k) in [(40, 500, 300), (tall, 24, 700), (24, wide, 40)] {
         for threads in [1, 2, 3] {
             check((m, n, k), (false, true), 1.0, false, threads);
             check((m, n, k), (true, false), 1.0, true, threads);
