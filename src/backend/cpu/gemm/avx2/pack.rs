@@ -19,6 +19,20 @@ pub trait Packable: Elem {
     /// # Safety
     /// The CPU has AVX2; `p` points at 8 readable elements.
     unsafe fn load8(p: *const Self) -> __m256;
+
+    /// Six consecutive elements at `p`, as f32 in lanes 0..6 (lanes 6 and 7 zero); reads
+    /// nothing past the sixth.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `p` points at 6 readable elements.
+    unsafe fn load6(p: *const Self) -> __m256;
+}
+
+/// The first six of eight 32-bit lanes.
+#[inline(always)]
+fn six_lanes() -> __m256i {
+    // SAFETY: only called from functions compiled with AVX2 (inlined into them).
+    unsafe { _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0) }
 }
 
 impl Packable for f32 {
@@ -26,6 +40,12 @@ impl Packable for f32 {
     unsafe fn load8(p: *const f32) -> __m256 {
         // SAFETY: per the caller.
         unsafe { _mm256_loadu_ps(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn load6(p: *const f32) -> __m256 {
+        // SAFETY: per the caller; masked-off lanes are not read (and never fault).
+        unsafe { _mm256_maskload_ps(p, six_lanes()) }
     }
 }
 
@@ -36,6 +56,16 @@ impl Packable for bf16 {
         // high half of its f32.
         unsafe {
             let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load6(p: *const bf16) -> __m256 {
+        // SAFETY: per the caller: six bf16 are the first three 32-bit words at `p` (the
+        // fourth is masked off: not read, never faults).
+        unsafe {
+            let h = _mm_maskload_epi32(p as *const i32, _mm_setr_epi32(-1, -1, -1, 0));
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
     }
@@ -126,6 +156,24 @@ pub unsafe fn pack_a<T: Packable>(
                     )
                 };
             }
+        } else if a.rs == 1 && rows == MR {
+            // Columns of a are contiguous (a is stored transposed): each step's MR elements
+            // are one run. Eight lanes are stored, the last two overwritten by the next step,
+            // except at the sliver's end.
+            for p in 0..kb {
+                // SAFETY: rows r0 .. r0 + MR of column p0 + p are inside the block; the
+                // 8-lane store stays in the sliver (p + 1 < kb), the last one is masked.
+                unsafe {
+                    let v = T::load6(a.ptr.add(r0 + (p0 + p) * a.cs));
+                    let d = sliver.as_mut_ptr().add(p * MR);
+                    if p + 1 < kb {
+                        _mm256_storeu_ps(d, v);
+                    } else {
+                        _mm256_maskstore_ps(d, six_lanes(), v);
+                    }
+                }
+            }
+            done = kb;
         }
         for (p, dst) in sliver.chunks_exact_mut(MR).enumerate().skip(done) {
             for (i, d) in dst.iter_mut().take(rows).enumerate() {
@@ -245,9 +293,8 @@ unsafe fn transpose_6x8<T: Packable>(src: *const T, ld_src: usize, dst: *mut f32
                 _mm256_setzero_ps()
             }
         });
-        let mask = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
         for (q, v) in transpose(r).iter().enumerate() {
-            _mm256_maskstore_ps(dst.add(q * MR), mask, *v);
+            _mm256_maskstore_ps(dst.add(q * MR), six_lanes(), *v);
         }
     }
 }
