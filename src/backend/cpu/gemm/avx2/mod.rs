@@ -6,7 +6,8 @@
 //! [`KC`], packing that `KC × nc` panel of `op(b)`; rows of `c` in blocks of `mc`, packing
 //! that `mc × KC` block of `op(a)`; then every 16-column sliver of the panel against every
 //! 6-row sliver of the block. A sliver of `b` (16 KiB) stays in L1 while the block of `a`
-//! (half of L2) streams past it. `mc` and `nc` come from the L2 size ([`Blocking`]); [`KC`]
+//! (half of L2) streams past it. `mc` and `nc` come from the L2 size ([`Blocking`]), the
+//! blocks of one GEMM then made equal (at most that size, whole slivers); [`KC`]
 //! is fixed, because it sets where partial sums are added into `c`: an element of `c` is
 //! `Σ_blocks (FMA chain over its KC steps)`, added in block order, whatever the cache sizes,
 //! the thread count or the tile the element falls in (the tests check it against
