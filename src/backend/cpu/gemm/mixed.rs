@@ -14,7 +14,10 @@
 //!   was first measured on): bf16/f16 operands are widened to f32 and the f32 GEMM runs.
 //!   Where that is memwall's own AVX2 GEMM ([`super::f32::own_avx2_kernel`]), f32 and bf16
 //!   operands are not widened here: it widens them as it packs (the same f32 values, so the
-//!   same results, without the pass over the tiles).
+//!   same results, without the pass over the tiles). It also takes each tile's whole
+//!   reduction in one call, and an f32 output whole (one tile): it blocks for the caches
+//!   itself, and smaller calls would pack its shared operand again for every tile. Its sums
+//!   are the same either way, as its reduction blocks (`KC`) divide [`MIXED_BLOCK`].
 //!
 //! Both work tile by tile. [`gemm_mixed`] blocks the problem into tiles of at most
 //! [`MIXED_BLOCK`] in m, n and k. For each output tile it
@@ -59,6 +62,10 @@ use std::sync::OnceLock;
 
 /// Largest m, n and k extent of one tile of [`gemm_mixed`].
 pub const MIXED_BLOCK: usize = 1024;
+
+// The own AVX2 kernel's sums do not depend on where the tiles cut (module documentation).
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(MIXED_BLOCK % super::avx2::KC == 0);
 
 /// f32 elements of workspace [`gemm_mixed`] needs (three `MIXED_BLOCK²` tiles: A, B, C),
 /// whatever the shape. Unused when all three element types are f32.
@@ -261,12 +268,26 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
             && pack_fits(ab_buf.len())
     });
     let c_in_place = as_f32(c).is_some();
+    // The own AVX2 kernel reads f32 and bf16 operands where they lie and blocks for the
+    // caches itself: it takes the whole reduction in one call, and, where c is f32, the whole
+    // product (cutting it into tiles would pack the shared operand once per tile).
+    let own = cfg!(target_arch = "x86_64")
+        && dot.is_none()
+        && own_avx2_kernel()
+        && dot_operand(a).is_some()
+        && dot_operand(b).is_some();
+    let (tile_m, tile_n) = if own && c_in_place && m >= OWN_MIN_ROWS {
+        (m, n)
+    } else {
+        (block, block)
+    };
     // The (j0, p0) of the B tile in b_buf, to reuse it across m blocks.
     let mut b_tile: Option<(usize, usize)> = None;
-    for j0 in (0..n).step_by(block) {
-        let cols = block.min(n - j0);
-        for i0 in (0..m).step_by(block) {
-            let rows = block.min(m - i0);
+    for j0 in (0..n).step_by(tile_n) {
+        let cols = tile_n.min(n - j0);
+        for i0 in (0..m).step_by(tile_m) {
+            let rows = tile_m.min(m - i0);
+            let own_tile = own && rows >= OWN_MIN_ROWS;
             // The f32 C tile: c itself when f32, else c_buf (loaded when accumulating).
             let (ct, ldt): (&mut [f32], usize) = match as_f32_mut(&mut *c) {
                 Some(c) => (&mut c[i0 * ldc + j0..], ldc),
@@ -295,8 +316,9 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
             if k == 0 && !read_ct {
                 par_rows_mut(ct, ldt, rows, cols, |_, row| row.fill(0.0));
             }
-            for p0 in (0..k).step_by(block) {
-                let kk = block.min(k - p0);
+            let k_step = if own_tile { k.max(1) } else { block };
+            for p0 in (0..k).step_by(k_step) {
+                let kk = k_step.min(k - p0);
                 // Stored windows: op(a)[i0.., p0..] and op(b)[p0.., j0..].
                 let a_win = if a_trans {
                     ((p0, kk), (i0, rows))
@@ -324,9 +346,10 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                if rows >= OWN_MIN_ROWS && own_avx2_kernel() {
-                    // The own AVX2 kernel reads f32 and bf16 operands where they lie,
-                    // widening as it packs: the same f32 products, no widening pass.
+                if own_tile {
+                    // Widening as it packs: the same f32 products, no widening pass (the
+                    // whole reduction, and the whole product where c is f32: see the module
+                    // documentation).
                     let a_at = a_win.0.0 * lda + a_win.1.0;
                     let b_at = b_win.0.0 * ldb + b_win.1.0;
                     if let (Some(ao), Some(bo)) = (dot_operand(a), dot_operand(b)) {
