@@ -65,7 +65,7 @@ pub const MIXED_BLOCK: usize = 1024;
 
 // The own AVX2 kernel's sums do not depend on where the tiles cut (module documentation).
 #[cfg(target_arch = "x86_64")]
-const _: () = assert!(MIXED_BLOCK % super::avx2::KC == 0);
+const _: () = assert!(MIXED_BLOCK.is_multiple_of(super::avx2::KC));
 
 /// f32 elements of workspace [`gemm_mixed`] needs (three `MIXED_BLOCK²` tiles: A, B, C),
 /// whatever the shape. Unused when all three element types are f32.
