@@ -47,9 +47,9 @@
 //! and thread count).
 
 use super::bf16_dot::{Dot, Operand, gemm_bf16, pack_fits};
-use super::f32::own_avx2_kernel;
 #[cfg(target_arch = "x86_64")]
-use super::f32::{OWN_MIN_ROWS, own_sgemm};
+use super::f32::own_sgemm;
+use super::f32::{OWN_MIN_ROWS, own_avx2_kernel};
 use super::f32::{check_windows, sgemm, span};
 use crate::backend::cpu::elem::{as_f32, as_f32_mut, as_words, cast, narrow_row, widen_row};
 use crate::backend::cpu::features::{Bf16DotRequest, bf16_dot_request};
@@ -271,11 +271,15 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
     // The own AVX2 kernel reads f32 and bf16 operands where they lie and blocks for the
     // caches itself: it takes the whole reduction in one call, and, where c is f32, the whole
     // product (cutting it into tiles would pack the shared operand once per tile).
-    let own = cfg!(target_arch = "x86_64")
-        && dot.is_none()
-        && own_avx2_kernel()
-        && dot_operand(a).is_some()
-        && dot_operand(b).is_some();
+    let own_operands = match (dot_operand(a), dot_operand(b)) {
+        (Some(a), Some(b))
+            if cfg!(target_arch = "x86_64") && dot.is_none() && own_avx2_kernel() =>
+        {
+            Some((a, b))
+        }
+        _ => None,
+    };
+    let own = own_operands.is_some();
     let (tile_m, tile_n) = if own && c_in_place && m >= OWN_MIN_ROWS {
         (m, n)
     } else {
@@ -346,41 +350,39 @@ pub(crate) fn gemm_mixed_blocked<A: Elem, B: Elem, C: Elem, D: Elem>(
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
-                if own_tile {
+                if let (true, Some((ao, bo))) = (own_tile, own_operands) {
                     // Widening as it packs: the same f32 products, no widening pass (the
                     // whole reduction, and the whole product where c is f32: see the module
                     // documentation).
                     let a_at = a_win.0.0 * lda + a_win.1.0;
                     let b_at = b_win.0.0 * ldb + b_win.1.0;
-                    if let (Some(ao), Some(bo)) = (dot_operand(a), dot_operand(b)) {
-                        let (ao, bo) = (ao.from(a_at), bo.from(b_at));
-                        let (dims, acc) = ((rows, cols, kk), read_ct || p0 > 0);
-                        macro_rules! own {
-                            ($a:expr, $b:expr) => {
-                                own_sgemm(
-                                    dims,
-                                    1.0,
-                                    ($a, lda, a_trans),
-                                    ($b, ldb, b_trans),
-                                    ct,
-                                    ldt,
-                                    acc,
-                                    None,
-                                )
-                            };
-                        }
-                        // SAFETY: `check_windows` proved the whole windows in bounds, so
-                        // these sub-windows are; kk > 0.
-                        unsafe {
-                            match (ao, bo) {
-                                (Operand::F32(a), Operand::F32(b)) => own!(a, b),
-                                (Operand::F32(a), Operand::Bf16(b)) => own!(a, b),
-                                (Operand::Bf16(a), Operand::F32(b)) => own!(a, b),
-                                (Operand::Bf16(a), Operand::Bf16(b)) => own!(a, b),
-                            }
-                        }
-                        continue;
+                    let (ao, bo) = (ao.from(a_at), bo.from(b_at));
+                    let (dims, acc) = ((rows, cols, kk), read_ct || p0 > 0);
+                    macro_rules! own {
+                        ($a:expr, $b:expr) => {
+                            own_sgemm(
+                                dims,
+                                1.0,
+                                ($a, lda, a_trans),
+                                ($b, ldb, b_trans),
+                                ct,
+                                ldt,
+                                acc,
+                                None,
+                            )
+                        };
                     }
+                    // SAFETY: `check_windows` proved the whole windows in bounds, so
+                    // these sub-windows are; kk > 0.
+                    unsafe {
+                        match (ao, bo) {
+                            (Operand::F32(a), Operand::F32(b)) => own!(a, b),
+                            (Operand::F32(a), Operand::Bf16(b)) => own!(a, b),
+                            (Operand::Bf16(a), Operand::F32(b)) => own!(a, b),
+                            (Operand::Bf16(a), Operand::Bf16(b)) => own!(a, b),
+                        }
+                    }
+                    continue;
                 }
                 let (a_buf, b_buf) = ab_buf.split_at_mut(block * block);
                 widen_window(a_buf, a, lda, a_win.0, a_win.1);
