@@ -298,6 +298,36 @@ fn measured_peak_rss_matches_the_plan() {
     }
 }
 
+/// `bench`'s FMA ceiling is measured on as many threads as its steps run on, so that
+/// `fraction_reached` is a fraction of the ceiling of those threads (it once measured the
+/// whole machine whatever `--threads` said).
+#[test]
+fn bench_peak_is_measured_on_the_bench_threads() {
+    let out = ok(&[
+        "bench",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let peak = &v["fma_peak"];
+    #[cfg(target_arch = "x86_64")]
+    let has_loop = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    let has_loop = false;
+    assert_eq!(peak.is_null(), !has_loop, "{peak}");
+    if has_loop {
+        assert_eq!(peak["threads"], 1, "{peak}");
+    }
+}
+
 /// Strategy flags that cannot work are refused with the flag named and what would work.
 #[test]
 fn bad_strategy_flags_are_explained() {

@@ -101,10 +101,11 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     let layout = plan.layout.clone();
     let n_ops = plan.schedule.ops.len();
     let mut ex = Executor::on(plan, backend)?;
-    // The sitting's arithmetic ceiling, measured on the same threads before and after the
-    // steps (a shared machine's ceiling moves; a fraction of it is what a figure means).
-    let fma_peak = || backend.measure_peak();
-    let peak_before = fma_peak();
+    // The sitting's arithmetic ceiling, measured on as many threads as the steps run on,
+    // before and after them (a shared machine's ceiling moves; a fraction of it is what a
+    // figure means).
+    let fma_peak = || super::calibrate::peak_on(opts.threads, backend);
+    let peak_before = fma_peak()?;
     let epoch = Instant::now();
     if opts.time_ops || opts.profile.is_some() {
         ex.record_ops(Some(OpRecorder::new(epoch, n_ops * (opts.steps + 1))));
@@ -215,7 +216,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         per_step(io.busy_s - io_after_warmup.busy_s),
         per_step(io.stall_s - io_after_warmup.stall_s),
     );
-    let peak_after = fma_peak();
+    let peak_after = fma_peak()?;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];

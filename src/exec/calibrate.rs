@@ -312,13 +312,17 @@ fn fit(samples: &[&Sample]) -> Cost {
 
 /// The FMA peak of `threads` threads (GFLOP/s), measured by `backend` in a pool of that size.
 pub fn fma_peak(threads: usize, backend: &dyn Backend) -> Result<f64> {
+    Ok(peak_on(threads, backend)?.map_or(0.0, |p| p.gflops_per_s))
+}
+
+/// Every loop `backend` measures (see [`Backend::measure_peak`]), run in a pool of `threads`
+/// threads: the ceiling of a step that runs on that many.
+pub fn peak_on(threads: usize, backend: &dyn Backend) -> Result<Option<crate::backend::Peak>> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .map_err(|e| crate::util::threads::refused(&format!("{threads} worker threads"), e))?;
-    Ok(pool
-        .install(|| backend.measure_peak())
-        .map_or(0.0, |p| p.gflops_per_s))
+    Ok(pool.install(|| backend.measure_peak()))
 }
 
 /// Where the calibration of `threads` threads is kept in the user cache.
