@@ -10,6 +10,10 @@
 //! `T`: threads (default 2); `COLD`: write 64 MiB between runs so operands come from memory,
 //! as in a step; `ONLY`: one shape by name. Without `--no-default-features` the crate runs its
 //! AVX-512 kernels where the CPU has them.
+//!
+//! `MICRO=1` times the micro-kernel alone instead, on one thread, its slivers and tile in L1
+//! (calls of `KC` steps, as in a GEMM), next to the one-thread AVX2 FMA ceiling
+//! (`memwall::backend::cpu::peak`): how far the kernel itself is from the loop without loads.
 use memwall::backend::cpu::gemm::avx2::{self, pack::Strided};
 use std::time::Instant;
 fn main() {
@@ -23,6 +27,10 @@ fn main() {
         ("lm.dx", 256, 768, 50257, false, false),
         ("lm.dw", 50257, 768, 256, true, false),
     ];
+    if std::env::var_os("MICRO").is_some() {
+        micro();
+        return;
+    }
     let threads = std::env::var("T").map(|v| v.parse().unwrap()).unwrap_or(2);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -103,4 +111,51 @@ fn main() {
             best[0] / best[1]
         );
     }
+}
+
+/// The micro-kernel alone on one thread, against the one-thread AVX2 ceiling, five rounds.
+fn micro() {
+    use avx2::kernel::{MR, NR, Store, kernel};
+    assert!(
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+        "the micro-kernel needs AVX2 and FMA"
+    );
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let a = vec![0.5f32; avx2::KC * MR]; // [KC, MR]
+    let b = vec![0.25f32; avx2::KC * NR]; // [KC, NR]
+    let mut c = vec![0f32; MR * NR]; // [MR, NR]
+    let calls = 200_000;
+    for _ in 0..5 {
+        let t = Instant::now();
+        for i in 0..calls {
+            let st = if i == 0 {
+                Store::raw()
+            } else {
+                Store::onto_c(1.0)
+            };
+            // SAFETY: AVX2 + FMA checked above; the slivers hold KC steps, `c` one tile.
+            unsafe { kernel(avx2::KC, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), NR, st) };
+        }
+        let s = t.elapsed().as_secs_f64();
+        let kernel_gflops = 2.0 * (calls * avx2::KC * MR * NR) as f64 / s / 1e9;
+        let peak = one
+            .install(|| memwall::backend::cpu::peak::measure(3, 0.02))
+            .map(|p| {
+                p.by_isa
+                    .iter()
+                    .find(|l| l.isa == "avx2+fma")
+                    .map(|l| l.gflops_per_s)
+            });
+        match peak.flatten() {
+            Some(p) => println!(
+                "micro-kernel {kernel_gflops:6.1} GF/s, one-thread AVX2 peak {p:6.1}: {:.3}",
+                kernel_gflops / p
+            ),
+            None => println!("micro-kernel {kernel_gflops:6.1} GF/s (no AVX2 loop measured)"),
+        }
+    }
+    std::hint::black_box(&c);
 }
