@@ -541,6 +541,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
             if i == 0 { " (warm-up)" } else { "" }
         )
     })?;
+    eprintln!("  {}", bench::summary(&report));
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }

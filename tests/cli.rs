@@ -300,10 +300,10 @@ fn measured_peak_rss_matches_the_plan() {
 
 /// `bench`'s FMA ceiling is measured on as many threads as its steps run on, so that
 /// `fraction_reached` is a fraction of the ceiling of those threads (it once measured the
-/// whole machine whatever `--threads` said).
+/// whole machine whatever `--threads` said), and the headline on stderr says so.
 #[test]
 fn bench_peak_is_measured_on_the_bench_threads() {
-    let out = ok(&[
+    let out = memwall(&[
         "bench",
         "--model",
         "gpt2-tiny",
@@ -316,7 +316,15 @@ fn bench_peak_is_measured_on_the_bench_threads() {
         "--threads",
         "1",
     ]);
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    // The headline on stderr carries the same figures.
+    let tokens = format!("{:.1} tokens/s", v["tokens_per_s"].as_f64().unwrap());
+    assert!(stderr.contains(&tokens), "{stderr}");
     let peak = &v["fma_peak"];
     #[cfg(target_arch = "x86_64")]
     let has_loop = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
@@ -325,6 +333,7 @@ fn bench_peak_is_measured_on_the_bench_threads() {
     assert_eq!(peak.is_null(), !has_loop, "{peak}");
     if has_loop {
         assert_eq!(peak["threads"], 1, "{peak}");
+        assert!(stderr.contains("GFLOP/s on 1 thread)"), "{stderr}");
     }
 }
 

@@ -333,3 +333,81 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     }
     Ok(report)
 }
+
+/// The report's headline for people at a terminal (the JSON on stdout has everything):
+/// throughput, the share of the sitting's FMA ceiling it reached, and memory against the
+/// plan, e.g. `310.2 tokens/s (median step 3.301 s) · 235.1 GFLOP/s, 0.844 of the avx2+fma
+/// peak (278.4 GFLOP/s on 2 threads) · peak RSS 1.96 GiB above a 7.03 MiB baseline, planned
+/// 1.96 GiB (+0.35%)`.
+pub fn summary(report: &Value) -> String {
+    let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let mut parts = vec![format!(
+        "{:.1} tokens/s (median step {:.3} s)",
+        f(&report["tokens_per_s"]),
+        f(&report["step_s_median"])
+    )];
+    let peak = &report["fma_peak"];
+    parts.push(if peak.is_null() {
+        format!(
+            "{:.1} GFLOP/s (no FMA ceiling: the CPU has neither AVX2 + FMA nor AVX-512)",
+            f(&report["gflops_per_s"])
+        )
+    } else {
+        let threads = peak["threads"].as_u64().unwrap_or(0);
+        format!(
+            "{:.1} GFLOP/s, {:.3} of the {} peak ({:.1} GFLOP/s on {threads} thread{})",
+            f(&report["gflops_per_s"]),
+            f(&peak["fraction_reached"]),
+            peak["isa"].as_str().unwrap_or("?"),
+            f(&peak["gflops_per_s_before"]).max(f(&peak["gflops_per_s_after"])),
+            if threads == 1 { "" } else { "s" }
+        )
+    });
+    let bytes = |v: &Value| v.as_u64().map(crate::util::bytes::fmt_bytes);
+    if let (Some(measured), Some(baseline), Some(plan)) = (
+        bytes(&report["measured_minus_baseline_bytes"]),
+        bytes(&report["baseline_rss_bytes"]),
+        bytes(&report["plan_total_bytes"]),
+    ) {
+        parts.push(format!(
+            "peak RSS {measured} above a {baseline} baseline, planned {plan} ({:+.2}%)",
+            f(&report["plan_error_pct"])
+        ));
+    }
+    parts.join(" · ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::summary;
+    use serde_json::json;
+
+    #[test]
+    fn the_summary_gives_throughput_ceiling_and_memory() {
+        let report = json!({
+            "tokens_per_s": 310.24, "step_s_median": 3.3007, "gflops_per_s": 235.1,
+            "fma_peak": {"fraction_reached": 0.8443, "isa": "avx2+fma", "threads": 2,
+                         "gflops_per_s_before": 278.4, "gflops_per_s_after": 272.9},
+            "measured_minus_baseline_bytes": 2u64 << 30, "baseline_rss_bytes": 7u64 << 20,
+            "plan_total_bytes": (2u64 << 30) + (7u64 << 20), "plan_error_pct": 0.3418,
+        });
+        assert_eq!(
+            summary(&report),
+            "310.2 tokens/s (median step 3.301 s) · 235.1 GFLOP/s, 0.844 of the avx2+fma peak \
+             (278.4 GFLOP/s on 2 threads) · peak RSS 2.00 GiB above a 7.00 MiB baseline, \
+             planned 2.01 GiB (+0.34%)"
+        );
+    }
+
+    #[test]
+    fn the_summary_says_when_there_is_no_ceiling_or_no_rss() {
+        let report = json!({
+            "tokens_per_s": 12.0, "step_s_median": 0.5, "gflops_per_s": 1.5,
+            "fma_peak": null, "measured_minus_baseline_bytes": null,
+            "baseline_rss_bytes": 1, "plan_total_bytes": 1, "plan_error_pct": null,
+        });
+        let s = summary(&report);
+        assert!(s.contains("no FMA ceiling"), "{s}");
+        assert!(!s.contains("RSS"), "{s}");
+    }
+}
