@@ -1,6 +1,6 @@
 //! memwall's AVX2 GEMM against the `gemm` crate's, alternated in one process, on the f32
-//! GEMMs of a GPT-2 124M training step (4 × 256 tokens). Prints one JSON object per shape:
-//! the configuration, each side's best GFLOP/s of 5 runs, and their ratio.
+//! GEMMs of a GPT-2 124M training step (4 × 256 tokens). Prints one line per shape: the
+//! configuration, each side's best GFLOP/s of 5 runs, and their ratio.
 //!
 //! ```text
 //! cargo run --release --no-default-features --example gemm_avx2_vs_crate
@@ -8,8 +8,10 @@
 //! ```
 //!
 //! `T`: threads (default 2); `COLD`: write 64 MiB between runs so operands come from memory,
-//! as in a step; `ONLY`: one shape by name. Without `--no-default-features` the crate runs its
-//! AVX-512 kernels where the CPU has them.
+//! as in a step; `ONLY`: one shape by name; `SHAPE=m,n,k[,ta,tb]`: that shape instead (`ta`,
+//! `tb` 1 for a transposed operand); `REPS`: GEMMs per timed run (default 1; more for small
+//! shapes). Without `--no-default-features` the crate runs its AVX-512 kernels where the CPU
+//! has them.
 //!
 //! `MICRO=1` times the micro-kernel alone instead, on one thread, its slivers and tile in L1
 //! (calls of `KC` steps, as in a GEMM), next to the one-thread AVX2 FMA ceiling
@@ -39,6 +41,17 @@ fn main() {
     let cold = std::env::var("COLD").is_ok();
     let mut junk = vec![1f32; 16 << 20];
     let only = std::env::var("ONLY").ok();
+    let reps: usize = std::env::var("REPS").map_or(1, |v| v.parse().expect("REPS: a count"));
+    let custom = std::env::var("SHAPE").ok().map(|v| {
+        let x: Vec<usize> = v
+            .split(',')
+            .map(|t| t.parse().expect("SHAPE: m,n,k[,ta,tb]"))
+            .collect();
+        assert!(x.len() == 3 || x.len() == 5, "SHAPE: m,n,k[,ta,tb]");
+        let t = |i: usize| x.get(i) == Some(&1);
+        [("shape", x[0], x[1], x[2], t(3), t(4))]
+    });
+    let shapes = custom.as_ref().map_or(shapes, |c| &c[..]);
     for &(name, m, n, k, ta, tb) in shapes {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
@@ -59,51 +72,53 @@ fn main() {
                     }
                 }
                 let t = Instant::now();
-                if r % 2 == 0 {
-                    unsafe {
-                        gemm::gemm(
-                            m,
-                            n,
-                            k,
-                            c.as_mut_ptr(),
-                            1,
-                            n as isize,
-                            false,
-                            a.as_ptr(),
-                            a_cs as isize,
-                            a_rs as isize,
-                            b.as_ptr(),
-                            b_cs as isize,
-                            b_rs as isize,
-                            1.0,
-                            1.0,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::Rayon(threads),
-                        );
-                    }
-                } else {
-                    unsafe {
-                        avx2::sgemm(
-                            (m, n, k),
-                            1.0,
-                            Strided::of(a.as_ptr(), lda, ta),
-                            Strided::of(b.as_ptr(), ldb, tb),
-                            avx2::Dst {
-                                c: c.as_mut_ptr(),
-                                ldc: n,
-                                accumulate: false,
-                                bias: std::ptr::null(),
-                            },
-                            threads,
-                        );
+                for _ in 0..reps {
+                    if r % 2 == 0 {
+                        unsafe {
+                            gemm::gemm(
+                                m,
+                                n,
+                                k,
+                                c.as_mut_ptr(),
+                                1,
+                                n as isize,
+                                false,
+                                a.as_ptr(),
+                                a_cs as isize,
+                                a_rs as isize,
+                                b.as_ptr(),
+                                b_cs as isize,
+                                b_rs as isize,
+                                1.0,
+                                1.0,
+                                false,
+                                false,
+                                false,
+                                gemm::Parallelism::Rayon(threads),
+                            );
+                        }
+                    } else {
+                        unsafe {
+                            avx2::sgemm(
+                                (m, n, k),
+                                1.0,
+                                Strided::of(a.as_ptr(), lda, ta),
+                                Strided::of(b.as_ptr(), ldb, tb),
+                                avx2::Dst {
+                                    c: c.as_mut_ptr(),
+                                    ldc: n,
+                                    accumulate: false,
+                                    bias: std::ptr::null(),
+                                },
+                                threads,
+                            );
+                        }
                     }
                 }
                 best[r % 2] = best[r % 2].min(t.elapsed().as_secs_f64());
             }
         });
-        let g = |s: f64| 2.0 * (m * n * k) as f64 / s / 1e9;
+        let g = |s: f64| 2.0 * (reps * m * n * k) as f64 / s / 1e9;
         println!(
             "{name:8} {m:6}x{n:6}x{k:6} ta={ta:5} tb={tb:5} crate {:6.1} own {:6.1} GF/s  ratio {:.3}",
             g(best[0]),
