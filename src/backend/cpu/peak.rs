@@ -23,7 +23,9 @@
 //!
 //! The implied clock is the per-thread rate over two pipes' worth of each instruction per
 //! cycle: near the core's real clock where the core has two such pipes (Skylake-SP Gold and
-//! Platinum, Zen 3/4/5 for f32 FMAs), half of it where it has one.
+//! Platinum, Zen 3/4/5 for f32 FMAs, Zen 4/5 for `vdpbf16ps`), half of it where it has one,
+//! and a quarter for `vdpbf16ps` on an Intel Emerald Rapids core (0.61–0.68 GHz implied
+//! against 2.5–3.0 for its FMAs: one every two cycles, half the flops of its f32 FMAs).
 
 use super::features::{Isa, features};
 use crate::backend::{IsaPeak, Peak};
