@@ -105,6 +105,88 @@ fn bad_corpora_and_data_are_refused() {
 }
 
 #[test]
+fn a_run_never_writes_over_what_it_did_not_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let shape = [
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--threads",
+        "2",
+        "--eval-every",
+        "0",
+    ];
+    let args = |run: &std::path::Path, extra: &[&str]| {
+        let mut a = common::train_args(&cfg, &data, run, &shape);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    // A directory of the user's holding files of a run's names: refused, untouched.
+    let mine = tmp.path().join("mine");
+    std::fs::create_dir_all(&mine).unwrap();
+    std::fs::write(mine.join("metrics.jsonl"), "my notes").unwrap();
+    std::fs::write(mine.join("other.txt"), "mine too").unwrap();
+    let e = fails(&args(&mine, &["--steps", "1"]));
+    assert!(e.contains("--out") && e.contains("metrics.jsonl"), "{e}");
+    assert_eq!(
+        std::fs::read_to_string(mine.join("metrics.jsonl")).unwrap(),
+        "my notes"
+    );
+    // One with only other files takes a run beside them.
+    std::fs::remove_file(mine.join("metrics.jsonl")).unwrap();
+    ok(&args(&mine, &["--steps", "1"]));
+    assert_eq!(
+        std::fs::read_to_string(mine.join("other.txt")).unwrap(),
+        "mine too"
+    );
+
+    // A step directory that is no checkpoint memwall can load: a new run refuses to write
+    // over it, even with --keep-last.
+    let odd = tmp.path().join("odd");
+    let user_step = odd.join("checkpoints/step-000001");
+    std::fs::create_dir_all(&user_step).unwrap();
+    std::fs::write(user_step.join("model.safetensors"), "precious").unwrap();
+    let e = fails(&args(
+        &odd,
+        &["--steps", "4", "--save-every", "2", "--keep-last", "1"],
+    ));
+    assert!(
+        e.contains("step-000001") && e.contains("not a checkpoint"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(user_step.join("model.safetensors")).unwrap(),
+        "precious"
+    );
+
+    // Resuming past a newer, incomplete checkpoint would write over it: refused, naming it.
+    let run = tmp.path().join("run");
+    ok(&args(&run, &["--steps", "4", "--save-every", "2"]));
+    let newest = run.join("checkpoints/step-000004");
+    std::fs::remove_file(newest.join("optimizer.safetensors")).unwrap();
+    let weights = std::fs::read(newest.join("model.safetensors")).unwrap();
+    let r = run.to_str().unwrap();
+    let e = fails(&["train", "--resume", r, "--steps", "6", "--threads", "2"]);
+    assert!(
+        e.contains("step-000004")
+            && e.contains("optimizer.safetensors")
+            && e.contains("step-000002"),
+        "{e}"
+    );
+    assert!(std::fs::read(newest.join("model.safetensors")).unwrap() == weights);
+    // Moved away, the run resumes from step 2.
+    std::fs::rename(&newest, tmp.path().join("step-000004-broken")).unwrap();
+    ok(&["train", "--resume", r, "--steps", "6", "--threads", "2"]);
+    assert!(
+        run.join("checkpoints/step-000006/model.safetensors")
+            .is_file()
+    );
+}
+
+#[test]
 fn unwritable_output_and_mismatched_resume_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
@@ -1044,6 +1126,22 @@ fn export_takes_a_run_directory_and_refuses_a_bad_output_first() {
     let e = fails(&["export", &out, "--gguf", &out]);
     assert!(e.contains("is the model being read"), "{e}");
     assert!(std::fs::read(&out).unwrap() == before);
+    // Not over a file of the checkpoint being read, nor over a file that is no GGUF file.
+    let weights = t("myrun/checkpoints/step-000002/model.safetensors");
+    let kept = std::fs::read(&weights).unwrap();
+    for (model, target) in [
+        (t("myrun/checkpoints/step-000002"), &weights),
+        (t("myrun"), &weights),
+    ] {
+        let e = fails(&["export", &model, "--gguf", target]);
+        assert!(e.contains("--gguf") && e.contains("being read"), "{e}");
+    }
+    assert!(std::fs::read(&weights).unwrap() == kept);
+    let notes = t("notes.txt");
+    std::fs::write(&notes, "mine").unwrap();
+    let e = fails(&["export", &t("myrun"), "--gguf", &notes]);
+    assert!(e.contains("--gguf") && e.contains("not a GGUF file"), "{e}");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "mine");
     // A LoRA run on that checkpoint: `export --adapter RUN` merges into the base it records.
     let lora_run = t("lora");
     ok(&[

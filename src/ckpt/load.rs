@@ -446,19 +446,34 @@ fn read_part(
     Ok(())
 }
 
-/// The newest complete checkpoint under `RUN_DIR/checkpoints`, or `None` if there is none.
-/// Ignores temporary (`*.tmp-*`) and other non-`step-N` entries silently, and incomplete
-/// `step-N` directories (one of [`CHECKPOINT_FILES`] missing or empty, or the weights: no
-/// `model.safetensors`, or no index, or a shard the index names missing or empty) with a
-/// warning on stderr.
-pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
+/// A `step-N` directory under `RUN_DIR/checkpoints`, complete or not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointDir {
+    pub step: u64,
+    pub path: PathBuf,
+    /// What it lacks to be loadable (files missing or empty); empty when complete.
+    pub missing: Vec<String>,
+}
+
+impl CheckpointDir {
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty()
+    }
+}
+
+/// Every `step-N` directory under `RUN_DIR/checkpoints`, oldest first, each with what it
+/// lacks: one of [`CHECKPOINT_FILES`] (or, for a LoRA run's, of
+/// [`ADAPTER_CHECKPOINT_FILES`]) missing or empty, or the weights (no `model.safetensors`,
+/// or no index, or a shard the index names missing or empty). Temporary (`*.tmp-*`) and other
+/// entries are not listed. No `checkpoints/` is no checkpoint.
+pub fn checkpoint_dirs(run_dir: &Path) -> Result<Vec<CheckpointDir>> {
     let root = RunDir::new(run_dir).checkpoints();
     let entries = match fs::read_dir(&root) {
         Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e).with_context(|| format!("cannot list {}", root.display())),
     };
-    let mut best: Option<(u64, PathBuf)> = None;
+    let mut found = Vec::new();
     for entry in entries {
         let entry = entry.with_context(|| format!("cannot list {}", root.display()))?;
         let name = entry.file_name();
@@ -485,17 +500,31 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
         if !adapter {
             missing.extend(weights_missing(&path));
         }
-        if !missing.is_empty() {
+        found.push(CheckpointDir {
+            step,
+            path,
+            missing,
+        });
+    }
+    found.sort_by_key(|c| c.step);
+    Ok(found)
+}
+
+/// The newest complete checkpoint under `RUN_DIR/checkpoints`, or `None` if there is none.
+/// Ignores temporary (`*.tmp-*`) and other non-`step-N` entries silently, and incomplete
+/// `step-N` directories ([`checkpoint_dirs`]) with a warning on stderr.
+pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>> {
+    let mut best = None;
+    for dir in checkpoint_dirs(run_dir)? {
+        if dir.is_complete() {
+            best = Some(dir.path);
+        } else {
             eprintln!(
                 "memwall: warning: ignoring incomplete checkpoint {} (missing or empty: {})",
-                path.display(),
-                missing.join(", ")
+                dir.path.display(),
+                dir.missing.join(", ")
             );
-            continue;
-        }
-        if best.as_ref().is_none_or(|(s, _)| step > *s) {
-            best = Some((step, path));
         }
     }
-    Ok(best.map(|(_, p)| p))
+    Ok(best)
 }

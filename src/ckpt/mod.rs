@@ -63,8 +63,8 @@ pub use files::{
     MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
 };
 pub use load::{
-    CopyMoments, CopyParams, latest_checkpoint, load_params, load_params_by, load_spec,
-    load_trainer_state, load_trainer_state_by,
+    CheckpointDir, CopyMoments, CopyParams, checkpoint_dirs, latest_checkpoint, load_params,
+    load_params_by, load_spec, load_trainer_state, load_trainer_state_by,
 };
 pub use moments::{Moments, MomentsMut};
 pub(crate) use safetensors_io::{Lend, OutData};

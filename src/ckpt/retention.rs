@@ -3,44 +3,31 @@
 //! by a process killed while saving is removed when that process is gone.
 //!
 //! Only directories named as checkpoints (`step-NNNNNN`, and their temporary names) under
-//! `checkpoints/` are ever touched.
+//! `checkpoints/` are ever touched, and of the `step-NNNNNN` ones only complete checkpoints.
 
+use super::load::checkpoint_dirs;
 use crate::run_dir::{RunDir, checkpoint_step};
 use anyhow::{Context, Result};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-/// The checkpoints of `run_dir` by step (complete or not), oldest first.
-fn checkpoints(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
-    let root = RunDir::new(run_dir).checkpoints();
-    let entries = match fs::read_dir(&root) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e).with_context(|| format!("cannot list {}", root.display())),
-    };
-    let mut found = Vec::new();
-    for entry in entries {
-        let entry = entry.with_context(|| format!("cannot list {}", root.display()))?;
-        if let Some(step) = entry.file_name().to_str().and_then(checkpoint_step)
-            && entry.path().is_dir()
-        {
-            found.push((step, entry.path()));
-        }
-    }
-    found.sort();
-    Ok(found)
-}
-
-/// Removes all but the newest `keep` checkpoints of `run_dir` (`keep` 0 keeps all); the
-/// newest is never removed. Returns the removed directories.
+/// Removes all but the newest `keep` complete checkpoints of `run_dir` (`keep` 0 keeps all);
+/// the newest is never removed. A `step-N` directory that is not a complete checkpoint is
+/// never removed: memwall's saves are atomic, so such a directory is not one it wrote whole
+/// (a user's copy, or one whose files were removed by hand), and its files may be all that is
+/// left of something. Returns the removed directories.
 pub fn keep_last(run_dir: &Path, keep: u64) -> Result<Vec<PathBuf>> {
     if keep == 0 {
         return Ok(Vec::new());
     }
-    let all = checkpoints(run_dir)?;
-    let old = all.len().saturating_sub(keep.max(1) as usize);
+    let complete: Vec<PathBuf> = checkpoint_dirs(run_dir)?
+        .into_iter()
+        .filter(|c| c.is_complete())
+        .map(|c| c.path)
+        .collect();
+    let old = complete.len().saturating_sub(keep.max(1) as usize);
     let mut removed = Vec::new();
-    for (_, dir) in all.into_iter().take(old) {
+    for dir in complete.into_iter().take(old) {
         fs::remove_dir_all(&dir).with_context(|| {
             format!(
                 "--keep-last: cannot remove the old checkpoint {}",
@@ -99,20 +86,60 @@ mod tests {
     use super::*;
     use crate::run_dir::checkpoint_name;
 
+    /// A directory `latest_checkpoint` takes as complete: every file a checkpoint needs, not
+    /// empty (their contents are not read here).
+    fn fake_complete(dir: &Path) {
+        fs::create_dir_all(dir).unwrap();
+        for f in crate::ckpt::CHECKPOINT_FILES
+            .iter()
+            .chain([&crate::ckpt::MODEL_FILE])
+        {
+            fs::write(dir.join(f), "x").unwrap();
+        }
+    }
+
+    fn steps_left(run: &Path) -> Vec<u64> {
+        checkpoint_dirs(run)
+            .unwrap()
+            .iter()
+            .map(|c| c.step)
+            .collect()
+    }
+
     #[test]
     fn keeps_the_newest_checkpoints_and_nothing_else_is_touched() {
         let t = tempfile::tempdir().unwrap();
         let root = RunDir::new(t.path()).checkpoints();
         for step in [5, 10, 15, 20] {
-            fs::create_dir_all(root.join(checkpoint_name(step))).unwrap();
+            fake_complete(&root.join(checkpoint_name(step)));
         }
         fs::write(root.join("notes.txt"), "mine").unwrap();
         assert!(keep_last(t.path(), 0).unwrap().is_empty());
         let removed = keep_last(t.path(), 2).unwrap();
         assert_eq!(removed.len(), 2);
-        let left: Vec<u64> = checkpoints(t.path()).unwrap().iter().map(|c| c.0).collect();
-        assert_eq!(left, [15, 20]);
+        assert_eq!(steps_left(t.path()), [15, 20]);
         assert!(root.join("notes.txt").is_file());
+    }
+
+    #[test]
+    fn a_step_directory_that_is_no_complete_checkpoint_is_never_removed() {
+        // A user's directory under a checkpoint's name (one file of a checkpoint in it), older
+        // than the run's own checkpoints: --keep-last 1 removes only the run's older one.
+        let t = tempfile::tempdir().unwrap();
+        let root = RunDir::new(t.path()).checkpoints();
+        let mine = root.join(checkpoint_name(1));
+        fs::create_dir_all(&mine).unwrap();
+        fs::write(mine.join(crate::ckpt::MODEL_FILE), "precious").unwrap();
+        for step in [2, 4] {
+            fake_complete(&root.join(checkpoint_name(step)));
+        }
+        let removed = keep_last(t.path(), 1).unwrap();
+        assert_eq!(removed, [root.join(checkpoint_name(2))]);
+        assert_eq!(steps_left(t.path()), [1, 4]);
+        assert_eq!(
+            fs::read_to_string(mine.join(crate::ckpt::MODEL_FILE)).unwrap(),
+            "precious"
+        );
     }
 
     #[test]

@@ -307,6 +307,23 @@ pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
             RunDir::new(run_dir).checkpoints().display()
         );
     };
+    // A newer step-N directory that cannot be loaded would be written over when the resumed
+    // run reaches its step (with other weights, if the schedule changed): refuse, naming it.
+    let dirs = ckpt::checkpoint_dirs(run_dir)?;
+    let resumed_step = dirs.iter().rev().find(|d| d.is_complete()).map(|d| d.step);
+    if let Some(d) = dirs.iter().rev().find(|d| Some(d.step) > resumed_step) {
+        bail!(
+            "--resume {}: the newest checkpoint directory {} is incomplete (missing or empty: \
+             {}); resuming from {} would write over it at step {}. If it is damaged beyond \
+             repair, move it out of {} (or delete it) and resume again",
+            run_dir.display(),
+            d.path.display(),
+            d.missing.join(", "),
+            latest.display(),
+            d.step,
+            RunDir::new(run_dir).checkpoints().display()
+        );
+    }
     let state_path = latest.join(ckpt::STATE_FILE);
     let text = std::fs::read_to_string(&state_path)
         .with_context(|| format!("cannot read {}", state_path.display()))?;

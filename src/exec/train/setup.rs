@@ -396,12 +396,8 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
         crate::util::owned_dir::mark(out, "memwall train")
             .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     }
-    if !resuming && ckpt::latest_checkpoint(out)?.is_some() {
-        bail!(
-            "--out {}: already holds a run with checkpoints; continue it with --resume {} or choose a new --out",
-            out.display(),
-            out.display()
-        );
+    if !resuming {
+        refuse_to_overwrite(out, fresh)?;
     }
     for stale in ckpt::retention::remove_stale_temporaries(out)? {
         eprintln!(
@@ -413,6 +409,51 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
     std::fs::write(&probe, b"ok")
         .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
+/// What a new run in `out` (not resuming) must not overwrite: checkpoints (a run to continue
+/// with `--resume`, or `step-N` directories it could not load, which it would write over), and
+/// in a directory memwall did not make (no marker, and not empty before this run) any file or
+/// directory of the names a run writes (`plan.json`, `metrics.jsonl`, `checkpoints/`, ...).
+fn refuse_to_overwrite(out: &Path, fresh: bool) -> Result<()> {
+    let dirs = ckpt::checkpoint_dirs(out)?;
+    if dirs.iter().any(|d| d.is_complete()) {
+        bail!(
+            "--out {}: already holds a run with checkpoints; continue it with --resume {} or choose a new --out",
+            out.display(),
+            out.display()
+        );
+    }
+    if let Some(d) = dirs.first() {
+        bail!(
+            "--out {}: {} is not a checkpoint memwall can load (missing or empty: {}), and a new \
+             run would write over it; move it out of {} or choose a new --out",
+            out.display(),
+            d.path.display(),
+            d.missing.join(", "),
+            RunDir::new(out).checkpoints().display()
+        );
+    }
+    if fresh || crate::util::owned_dir::is_marked(out) {
+        return Ok(());
+    }
+    let ours = |n: &str| {
+        !crate::run_dir::is_run_entry(n)
+            || n == crate::run_dir::WRITE_PROBE_FILE
+            || n.starts_with('.')
+    };
+    let clash = crate::util::owned_dir::foreign_entries(out, &ours)?;
+    if !clash.is_empty() {
+        let names: Vec<String> = clash.iter().map(|p| p.display().to_string()).collect();
+        bail!(
+            "--out {}: a directory memwall did not make (it has no {} marker) holding {}, which \
+             a run would overwrite; move them out, or choose a new --out",
+            out.display(),
+            crate::util::owned_dir::MARKER,
+            names.join(", ")
+        );
+    }
     Ok(())
 }
 

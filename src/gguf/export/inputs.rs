@@ -94,8 +94,11 @@ pub fn display_name(path: &Path) -> Option<String> {
     Some(own)
 }
 
-/// `--gguf OUT` names a file that is neither a directory nor the model or adapter being
-/// read: checked before any work is done.
+/// `--gguf OUT` names a file that is neither a directory, nor the model or adapter being
+/// read, nor inside either's directory (a checkpoint's `model.safetensors`, or a file that
+/// `--keep-last` would delete with its checkpoint), nor an existing file other than a GGUF
+/// file (an earlier export is replaced; anything else would be lost): checked before any work
+/// is done.
 pub fn check_output(out: &Path, model: &Path, adapter: Option<&Path>) -> Result<()> {
     if out.is_dir() || out.as_os_str().to_string_lossy().ends_with('/') {
         bail!(
@@ -115,6 +118,39 @@ pub fn check_output(out: &Path, model: &Path, adapter: Option<&Path>) -> Result<
             "--gguf {} is the model being read: write the export to another file",
             out.display()
         );
+    }
+    // The directory the output goes into, resolved ("" is the current one).
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if let Ok(parent) = std::fs::canonicalize(parent) {
+        for input in std::iter::once(model).chain(adapter) {
+            if input.is_dir()
+                && let Ok(dir) = std::fs::canonicalize(input)
+                && parent.starts_with(&dir)
+            {
+                bail!(
+                    "--gguf {}: inside {}, which is being read; write the export outside it",
+                    out.display(),
+                    input.display()
+                );
+            }
+        }
+    }
+    if out.exists() {
+        let mut magic = [0u8; 4];
+        let is_gguf = std::fs::File::open(out)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok()
+            && &magic == b"GGUF";
+        if !is_gguf {
+            bail!(
+                "--gguf {}: exists and is not a GGUF file; memwall replaces only an earlier \
+                 export: move it, or choose another file name",
+                out.display()
+            );
+        }
     }
     Ok(())
 }
