@@ -236,6 +236,12 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     if a.ranks == 0 {
         bail!("--ranks must be at least 1 (processes training together)");
     }
+    if a.ranks > MAX_PLANNED_RANKS {
+        bail!(
+            "--ranks {}: memwall plans at most {MAX_PLANNED_RANKS} ranks (one plan each)",
+            a.ranks
+        );
+    }
     let keep = req.strategy.base_quant.is_none_or(|q| q == BaseQuant::Keep);
     let frozen = match (gguf_model, &req.strategy.lora) {
         (true, Some(_)) if keep && spec.family != memwall::model::Family::Gpt2 => {
@@ -354,6 +360,9 @@ fn fits_this_machine(peak: u64, available: u64, ranks: usize) -> String {
         )
     }
 }
+
+/// Ranks `plan --ranks N` plans at most (it builds every rank's plan).
+const MAX_PLANNED_RANKS: usize = 1024;
 
 /// `bytes` as a `--max-memory` value: whole GiB, rounded down (at least 1GiB).
 fn fmt_gib_floor(bytes: u64) -> String {

@@ -105,6 +105,95 @@ fn bad_corpora_and_data_are_refused() {
 }
 
 #[test]
+fn sizes_too_large_to_plan_are_refused_naming_the_flag() {
+    // Each once overflowed an allocation (a panic or an abort) or wrapped around silently.
+    let huge = "9223372036854775808";
+    for (args, flag) in [
+        (
+            vec![
+                "plan",
+                "--model",
+                "gpt2-tiny",
+                "--batch",
+                huge,
+                "--seq",
+                "256",
+            ],
+            "--batch",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "gpt2-tiny",
+                "--batch",
+                "18446744073709551615",
+            ],
+            "--batch",
+        ),
+        (
+            vec![
+                "bench",
+                "--model",
+                "gpt2-tiny",
+                "--batch",
+                huge,
+                "--steps",
+                "1",
+            ],
+            "--batch",
+        ),
+        (
+            vec!["plan", "--model", "gpt2-tiny", "--grad-accum", "1000000"],
+            "--grad-accum",
+        ),
+        (
+            vec![
+                "plan",
+                "--model",
+                "gpt2-tiny",
+                "--global-batch",
+                "18446744073709551615",
+                "--batch",
+                "1",
+            ],
+            "--global-batch",
+        ),
+        (
+            vec!["plan", "--model", "gpt2-tiny", "--ranks", "99999999999999"],
+            "--ranks",
+        ),
+    ] {
+        let e = fails(&args);
+        assert!(e.contains(flag) && !e.contains("panicked"), "{args:?}: {e}");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let deep = tmp.path().join("deep.json");
+    std::fs::write(
+        &deep,
+        r#"{"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_embd": 8, "n_layer": 1000000, "n_head": 2}"#,
+    )
+    .unwrap();
+    let e = fails(&["plan", "--model", deep.to_str().unwrap()]);
+    assert!(e.contains("n_layer"), "{e}");
+    // --fit with a global batch of more micro-batches than a plan takes still finds one.
+    ok(&[
+        "plan",
+        "--model",
+        "gpt2-tiny",
+        "--seq",
+        "64",
+        "--global-batch",
+        "2048",
+        "--fit",
+        "--max-memory",
+        "8GiB",
+        "--threads",
+        "2",
+    ]);
+}
+
+#[test]
 fn a_run_never_writes_over_what_it_did_not_write() {
     let tmp = tempfile::tempdir().unwrap();
     let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));

@@ -67,7 +67,10 @@ pub fn generate_tokens(
     if let Some(w) = context_warning(prompt.len(), opts.tokens, spec.n_positions) {
         eprintln!("memwall: warning: {w}");
     }
-    let ctx = spec.n_positions.min(prompt.len() + opts.tokens).max(1);
+    let ctx = spec
+        .n_positions
+        .min(prompt.len().saturating_add(opts.tokens))
+        .max(1);
     let plan = build_plan(
         &spec,
         &StepConfig::new(1, ctx, opts.threads),
@@ -94,7 +97,8 @@ pub fn generate_tokens(
     let mut all: Vec<u32> = prompt.to_vec();
     let mut probs = vec![0f32; spec.vocab_size];
     let mut order: Vec<u32> = Vec::with_capacity(spec.vocab_size);
-    let mut out = Vec::with_capacity(opts.tokens);
+    // Grown as tokens come: --tokens may ask for more than memory holds ids of.
+    let mut out = Vec::with_capacity(opts.tokens.min(1 << 16));
     for _ in 0..opts.tokens {
         let start = all.len().saturating_sub(ctx);
         let logits = ex.next_token_logits(&all[start..])?;
@@ -129,7 +133,7 @@ fn context_warning(prompt: usize, tokens: usize, context: usize) -> Option<Strin
              {} tokens are not seen",
             prompt - context
         ))
-    } else if prompt + tokens > context {
+    } else if prompt.saturating_add(tokens) > context {
         Some(format!(
             "--prompt ({prompt} tokens) and --tokens {tokens} exceed the model's context of \
              {context}: after {} new tokens, the oldest slide out of view",

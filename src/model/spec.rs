@@ -122,6 +122,8 @@ const MAX_DIM: usize = 1 << 31;
 
 /// Most parameters a model may have (about 1.1 trillion: 4.4 TB of f32 weights).
 const MAX_PARAMS: u128 = 1 << 40;
+/// Layers memwall plans at most (planning walks every layer's ops).
+const MAX_LAYERS: usize = 1024;
 
 impl ModelSpec {
     /// Names of the built-in presets, every family's.
@@ -240,6 +242,14 @@ impl ModelSpec {
                 f.embd,
                 f.layers,
                 f.mlp
+            );
+        }
+        if self.n_layer > MAX_LAYERS {
+            bail!(
+                "field '{}' is {}, more layers than memwall plans ({MAX_LAYERS}; the deepest \
+                 published models have under 130)",
+                f.layers,
+                self.n_layer
             );
         }
         for (field, v) in [

@@ -85,6 +85,36 @@ pub(super) enum Verify {
     No,
 }
 
+/// Tokens of one micro-batch (`--batch × --seq`) memwall plans at most: 2^24, far beyond any
+/// that fits a machine, and small enough that no byte count of a plan can overflow.
+pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 24;
+/// Micro-batches per optimizer step memwall plans at most: the schedule holds each one's ops,
+/// and planning time grows faster than their number (GPT-2 124M: 1.3 s for 256, 26 s for 1024).
+pub const MAX_GRAD_ACCUM: usize = 1024;
+
+/// Refuses a micro-batch or an accumulation too large to plan, naming the flags.
+fn check_sizes(cfg: &StepConfig) -> Result<()> {
+    let tokens = cfg.batch.checked_mul(cfg.seq);
+    if tokens.is_none_or(|t| t > MAX_MICRO_BATCH_TOKENS) {
+        bail!(
+            "--batch {} × --seq {} is more tokens per micro-batch than memwall plans ({}); \
+             lower --batch and accumulate with --grad-accum",
+            cfg.batch,
+            cfg.seq,
+            MAX_MICRO_BATCH_TOKENS
+        );
+    }
+    if cfg.grad_accum > MAX_GRAD_ACCUM {
+        bail!(
+            "--grad-accum {} (or --global-batch / --batch): more than the {} micro-batches per \
+             optimizer step memwall plans; raise --batch",
+            cfg.grad_accum,
+            MAX_GRAD_ACCUM
+        );
+    }
+    Ok(())
+}
+
 /// [`build_plan`], verifying or not.
 pub(super) fn build(
     spec: &ModelSpec,
@@ -104,6 +134,7 @@ pub(super) fn build(
     if cfg.grad_accum == 0 {
         bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
     }
+    check_sizes(cfg)?;
     if mode == Mode::Generate && cfg.precision != Precision::F32 {
         bail!("internal error: generation plans run in fp32");
     }

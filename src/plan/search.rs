@@ -334,8 +334,10 @@ pub fn search(
             space.global_batch
         ),
         Some(b) => vec![b],
+        // Micro-batches that divide the global batch, in no more steps than a plan takes.
         None => (1..=space.global_batch)
             .filter(|&b| space.global_batch.is_multiple_of(b))
+            .filter(|&b| space.global_batch / b <= super::build::MAX_GRAD_ACCUM)
             .collect(),
     };
     let mut placements = space.offload.options(&OffloadSet::every());
