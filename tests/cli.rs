@@ -266,8 +266,26 @@ fn a_run_never_writes_over_what_it_did_not_write() {
         "{e}"
     );
     assert!(std::fs::read(newest.join("model.safetensors")).unwrap() == weights);
-    // Moved away, the run resumes from step 2.
+    // Moved away, the run resumes from step 2 (in its own directory: --out is refused).
     std::fs::rename(&newest, tmp.path().join("step-000004-broken")).unwrap();
+    let elsewhere = tmp.path().join("elsewhere");
+    let e = fails(&[
+        "train",
+        "--resume",
+        r,
+        "--out",
+        elsewhere.to_str().unwrap(),
+        "--steps",
+        "6",
+    ]);
+    assert!(e.contains("--out") && !elsewhere.exists(), "{e}");
+    // A weight decay that would flip the weights' sign every step is refused up front (it
+    // once ran into NaN and blamed --lr).
+    let e = fails(&args(
+        &tmp.path().join("wd"),
+        &["--steps", "1", "--weight-decay", "1e30"],
+    ));
+    assert!(e.contains("--weight-decay") && !e.contains("NaN"), "{e}");
     ok(&["train", "--resume", r, "--steps", "6", "--threads", "2"]);
     assert!(
         run.join("checkpoints/step-000006/model.safetensors")
@@ -915,6 +933,15 @@ fn a_run_resumes_from_anywhere_and_follows_its_moved_data() {
         other.to_str().unwrap(),
     ]);
     assert!(e.contains("other data"), "{e}");
+    // So is other data prepared where the run's was, when --data is not given.
+    ok(&[
+        "prepare",
+        other_corpus.to_str().unwrap(),
+        "--out",
+        moved.to_str().unwrap(),
+    ]);
+    let e = fails(&["train", "--resume", r, "--steps", "4"]);
+    assert!(e.contains("other data") && e.contains("moved"), "{e}");
 }
 
 /// Checkpoints once accumulated without bound (1.6 GB each for SmolLM2): `--keep-last N`.

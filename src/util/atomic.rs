@@ -67,8 +67,16 @@ pub fn write_with(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> R
     })();
     if let Err(e) = result {
         let _ = fs::remove_file(&tmp);
+        // The disk is to blame only when the system said no; else the content was (a NaN
+        // weight, a tensor that cannot be encoded), and the error below says how.
+        let io = e.chain().any(|c| c.is::<std::io::Error>());
+        let hint = if io {
+            "; check the path and free disk space"
+        } else {
+            ""
+        };
         return Err(e.context(format!(
-            "writing {} failed (the previous file, if any, is unchanged; check the path and free disk space)",
+            "writing {} failed (the previous file, if any, is unchanged{hint})",
             path.display()
         )));
     }
@@ -137,6 +145,20 @@ mod tests {
 
     fn err_text(r: Result<()>) -> String {
         format!("{:#}", r.unwrap_err())
+    }
+
+    #[test]
+    fn the_disk_is_blamed_only_for_errors_of_the_system() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("m.gguf");
+        fs::write(&f, "earlier").unwrap();
+        let e = err_text(write_with(&f, |_| bail!("weight 3 is NaN")));
+        assert!(e.contains("NaN") && !e.contains("disk"), "{e}");
+        let e = err_text(write_with(&f, |_| {
+            Err(std::io::Error::from(std::io::ErrorKind::StorageFull).into())
+        }));
+        assert!(e.contains("free disk space"), "{e}");
+        assert_eq!(fs::read_to_string(&f).unwrap(), "earlier");
     }
 
     #[test]

@@ -171,6 +171,14 @@ fn targets(l: &crate::model::lora::LoraSpec) -> String {
 /// checkpoint it continues from: the run's own, with what `req` gives where a resume may
 /// change it; a change it may not make is refused, naming the flag.
 pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOptions, PathBuf)> {
+    if let Some(out) = &req.out {
+        bail!(
+            "--out {} with --resume: a resumed run writes into its own directory ({}); leave \
+             out --out (copy the run directory first to continue a copy of it)",
+            out.display(),
+            run.display()
+        );
+    }
     let (mut opts, ck) = resume_options(run)?;
     // The run's own configuration, except what the user explicitly gives: a model (checked
     // against the run's dimensions), more steps. Batch and sequence cannot change.

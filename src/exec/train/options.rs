@@ -159,6 +159,17 @@ impl TrainOptions {
         if self.weight_decay < 0.0 || !self.weight_decay.is_finite() {
             bail!("--weight-decay must be >= 0, got {}", self.weight_decay);
         }
+        // AdamW scales each weight by 1 − lr · weight decay every step, before the update.
+        if self.lr * self.weight_decay >= 1.0 {
+            bail!(
+                "--weight-decay {} with --lr {}: every step would scale the weights by 1 − lr · \
+                 weight decay = {}, which is not positive; use a --weight-decay below {}",
+                self.weight_decay,
+                self.lr,
+                1.0 - self.lr * self.weight_decay,
+                1.0 / self.lr
+            );
+        }
         if self.grad_clip < 0.0 || !self.grad_clip.is_finite() {
             bail!(
                 "--grad-clip must be >= 0 (0 disables clipping), got {}",
@@ -225,22 +236,26 @@ impl TrainOptions {
     /// directory (a run moved with its data). Errors say to pass `--data`.
     pub fn locate_data(&mut self, given: Option<&Path>) -> Result<()> {
         let run = self.out.display().to_string();
-        if let Some(dir) = given {
-            let found =
-                DataFingerprint::of(dir).with_context(|| format!("--data {}", dir.display()))?;
+        // The data in `dir` must be what the run trained on (when the run recorded it).
+        let check = |dir: &Path, named: &str| -> Result<DataFingerprint> {
+            let found = DataFingerprint::of(dir).with_context(|| named.to_string())?;
             if let Some(want) = &self.data_fingerprint
                 && *want != found
             {
                 bail!(
-                    "--data {}: holds other data than the run in {run} trained on ({} with {} \
-                     training tokens, not {} with {}); resume with the same prepared data",
-                    dir.display(),
+                    "{named}: holds other data than the run in {run} trained on ({} with {} \
+                     training tokens, not {} with {}); resume with the same prepared data \
+                     (--data DIR)",
                     found.tokenizer,
                     found.train_tokens,
                     want.tokenizer,
                     want.train_tokens
                 );
             }
+            Ok(found)
+        };
+        if let Some(dir) = given {
+            let found = check(dir, &format!("--data {}", dir.display()))?;
             self.data = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
             let out = std::path::absolute(&self.out).unwrap_or_else(|_| self.out.clone());
             self.data_from_run = Some(relative_path(&self.data, &out));
@@ -248,11 +263,16 @@ impl TrainOptions {
             return Ok(());
         }
         if self.data.is_dir() {
+            check(
+                &self.data,
+                &format!("the run's data {}", self.data.display()),
+            )?;
             return Ok(());
         }
         if let Some(rel) = &self.data_from_run {
             let moved = self.out.join(rel);
             if moved.is_dir() {
+                check(&moved, &format!("the run's data {}", moved.display()))?;
                 self.data = std::path::absolute(&moved).unwrap_or(moved);
                 return Ok(());
             }
@@ -337,6 +357,12 @@ pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
             )
         })?;
     opts.out = run_dir.to_path_buf();
+    opts.check().with_context(|| {
+        format!(
+            "{}: field 'train' holds options no run can have (edited by hand?)",
+            state_path.display()
+        )
+    })?;
     Ok((opts, latest))
 }
 
