@@ -107,6 +107,7 @@ pub(super) fn from_hf_config(obj: &Map<String, Value>, source: &str) -> Result<M
             "{source}: field 'tie_word_embeddings' is false; memwall's GPT-2 ties the LM head to wte"
         );
     }
+    check_gpt2_variant(obj, source)?;
     let c = get("n_embd", None, None)?;
     let h = get("n_head", None, None)?;
     let mut s = spec(
@@ -122,6 +123,36 @@ pub(super) fn from_hf_config(obj: &Map<String, Value>, source: &str) -> Result<M
     s.mlp_hidden = get("n_inner", None, Some(4 * c))?;
     s.norm_eps = eps;
     Ok(s)
+}
+
+/// Refuses the settings of `GPT2Config` that change the arithmetic from the GPT-2 memwall
+/// computes (the tanh GELU, scores scaled by 1/sqrt(head size) and nothing else), naming the
+/// field: computed as plain GPT-2, such a model would silently be another model.
+fn check_gpt2_variant(obj: &Map<String, Value>, source: &str) -> Result<()> {
+    // transformers' names for the tanh approximation memwall's GELU computes.
+    const TANH_GELU: [&str; 2] = ["gelu_new", "gelu_pytorch_tanh"];
+    match obj.get("activation_function") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(a)) if TANH_GELU.contains(&a.as_str()) => {}
+        Some(other) => bail!(
+            "{source}: field 'activation_function' is {other}; memwall's GPT-2 computes the \
+             tanh GELU (\"gelu_new\" or \"gelu_pytorch_tanh\") only"
+        ),
+    }
+    for (field, plain) in [
+        ("scale_attn_weights", true),
+        ("scale_attn_by_inverse_layer_idx", false),
+    ] {
+        match obj.get(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::Bool(b)) if *b == plain => {}
+            Some(other) => bail!(
+                "{source}: field '{field}' is {other}; memwall's GPT-2 computes it as {plain} \
+                 (GPT-2's own setting) only"
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// The `config.json` `GPT2LMHeadModel.from_pretrained` loads (`n_inner` null when 4·C).
@@ -202,6 +233,35 @@ pub(super) fn canonical_name(name: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn variants_computed_otherwise_are_refused_naming_the_field() {
+        let cfg = |extra: &str| {
+            let text = format!(r#"{{"n_embd": 16, "n_layer": 1, "n_head": 2{extra}}}"#);
+            let v: Value = serde_json::from_str(&text).unwrap();
+            from_hf_config(v.as_object().unwrap(), "config.json")
+        };
+        assert!(cfg("").is_ok());
+        for ok in [
+            r#", "activation_function": "gelu_new""#,
+            r#", "activation_function": "gelu_pytorch_tanh", "scale_attn_weights": true"#,
+            r#", "scale_attn_by_inverse_layer_idx": false"#,
+        ] {
+            assert!(cfg(ok).is_ok(), "{ok}");
+        }
+        for (bad, field) in [
+            (r#", "activation_function": "relu""#, "activation_function"),
+            (r#", "activation_function": "gelu""#, "activation_function"),
+            (r#", "scale_attn_weights": false"#, "scale_attn_weights"),
+            (
+                r#", "scale_attn_by_inverse_layer_idx": true"#,
+                "scale_attn_by_inverse_layer_idx",
+            ),
+        ] {
+            let e = format!("{:#}", cfg(bad).unwrap_err());
+            assert!(e.contains(field) && e.contains("config.json"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn naming_variants_resolve_to_canonical_names() {
