@@ -291,6 +291,21 @@ fn a_run_never_writes_over_what_it_did_not_write() {
         run.join("checkpoints/step-000006/model.safetensors")
             .is_file()
     );
+    // A newest checkpoint whose files are there but damaged: the error says which earlier one
+    // the run continues from once it is moved aside.
+    let damaged = run.join("checkpoints/step-000006/model.safetensors");
+    let len = std::fs::metadata(&damaged).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&damaged)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let e = fails(&["train", "--resume", r, "--steps", "8", "--threads", "2"]);
+    assert!(
+        e.contains("step-000006") && e.contains("move it out") && e.contains("step-000004"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -510,6 +510,33 @@ pub fn checkpoint_dirs(run_dir: &Path) -> Result<Vec<CheckpointDir>> {
     Ok(found)
 }
 
+/// What a user can do when checkpoint `ck` of `run_dir` (a complete one, by its files)
+/// cannot be loaded: resume from the newest complete checkpoint before it, once `ck` is moved
+/// aside; or, when there is none, that there is none.
+pub fn unloadable_checkpoint_hint(run_dir: &Path, ck: &Path) -> String {
+    let step = ck
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(checkpoint_step);
+    let older = checkpoint_dirs(run_dir).ok().and_then(|dirs| {
+        dirs.into_iter()
+            .rfind(|d| d.is_complete() && step.is_some_and(|s| d.step < s))
+    });
+    match older {
+        Some(d) => format!(
+            "checkpoint {} cannot be loaded; if it is damaged, move it out of {} and resume \
+             again: the run then continues from {}",
+            ck.display(),
+            RunDir::new(run_dir).checkpoints().display(),
+            d.path.display()
+        ),
+        None => format!(
+            "checkpoint {} cannot be loaded, and the run has no earlier complete checkpoint",
+            ck.display()
+        ),
+    }
+}
+
 /// The newest complete checkpoint under `RUN_DIR/checkpoints`, or `None` if there is none.
 /// Ignores temporary (`*.tmp-*`) and other non-`step-N` entries silently, and incomplete
 /// `step-N` directories ([`checkpoint_dirs`]) with a warning on stderr.

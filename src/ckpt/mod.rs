@@ -65,6 +65,7 @@ pub use files::{
 pub use load::{
     CheckpointDir, CopyMoments, CopyParams, checkpoint_dirs, latest_checkpoint, load_params,
     load_params_by, load_spec, load_trainer_state, load_trainer_state_by,
+    unloadable_checkpoint_hint,
 };
 pub use moments::{Moments, MomentsMut};
 pub(crate) use safetensors_io::{Lend, OutData};

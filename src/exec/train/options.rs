@@ -348,7 +348,8 @@ pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
     let text = std::fs::read_to_string(&state_path)
         .with_context(|| format!("cannot read {}", state_path.display()))?;
     let state: TrainerState = serde_json::from_str(&text)
-        .with_context(|| format!("{}: corrupt trainer state", state_path.display()))?;
+        .with_context(|| format!("{}: corrupt trainer state", state_path.display()))
+        .with_context(|| ckpt::unloadable_checkpoint_hint(run_dir, &latest))?;
     let mut opts: TrainOptions =
         serde_json::from_value(state.train.clone()).with_context(|| {
             format!(

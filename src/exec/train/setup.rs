@@ -570,6 +570,19 @@ fn restore(
     scaler: &mut Option<LossScaler>,
     progress: &mut dyn Progress,
 ) -> Result<(u64, u64)> {
+    restore_from(ck, dir, opts, ex, scaler, progress)
+        .with_context(|| ckpt::unloadable_checkpoint_hint(dir.root(), ck))
+}
+
+/// [`restore`], without the hint of what to do when `ck` cannot be loaded.
+fn restore_from(
+    ck: &Path,
+    dir: &RunDir,
+    opts: &TrainOptions,
+    ex: &mut Executor,
+    scaler: &mut Option<LossScaler>,
+    progress: &mut dyn Progress,
+) -> Result<(u64, u64)> {
     // Group by group where the state is offloaded: no host copy of the whole model.
     let layout = ex.plan.layout.clone();
     match ex.plan.lora.clone() {
