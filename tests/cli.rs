@@ -306,6 +306,15 @@ fn a_run_never_writes_over_what_it_did_not_write() {
         e.contains("step-000006") && e.contains("move it out") && e.contains("step-000004"),
         "{e}"
     );
+    // A path one level off is answered with the right one.
+    let e = fails(&["sample", "--model", r, "--tokens", "2"]);
+    assert!(
+        e.contains("training run") && e.contains("step-000006"),
+        "{e}"
+    );
+    let ck = run.join("checkpoints/step-000002");
+    let e = fails(&["train", "--resume", ck.to_str().unwrap(), "--steps", "8"]);
+    assert!(e.contains(&format!("--resume {r}")), "{e}");
 }
 
 #[test]

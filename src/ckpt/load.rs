@@ -45,9 +45,17 @@ pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
         );
     }
     if !path.is_file() {
+        // A run directory one level up from its checkpoints: name the newest.
+        let run_hint = match latest_checkpoint(dir) {
+            Ok(Some(ck)) => format!(
+                "; it is a training run: give one of its checkpoints, the newest being {}",
+                ck.display()
+            ),
+            _ => String::new(),
+        };
         bail!(
             "{}: no such file; {} is not a model or checkpoint directory (it needs config.json \
-             and model.safetensors, or model.safetensors.index.json and its shards)",
+             and model.safetensors, or model.safetensors.index.json and its shards){run_hint}",
             path.display(),
             dir.display()
         );

@@ -321,8 +321,27 @@ pub fn default_threads() -> usize {
 /// optionally extended. Errors when the run has no checkpoint.
 pub fn resume_options(run_dir: &Path) -> Result<(TrainOptions, PathBuf)> {
     let Some(latest) = ckpt::latest_checkpoint(run_dir)? else {
+        // A checkpoint given for its run: --resume takes the run directory.
+        let run_hint = match run_dir.parent() {
+            Some(parent)
+                if parent
+                    .file_name()
+                    .is_some_and(|n| n == crate::run_dir::CHECKPOINTS_DIR)
+                    && run_dir.join(ckpt::STATE_FILE).is_file() =>
+            {
+                let run = parent.parent().unwrap_or(Path::new("."));
+                format!(
+                    "; {} is a checkpoint of the run in {}: give --resume {} (it continues from \
+                     the newest checkpoint)",
+                    run_dir.display(),
+                    run.display(),
+                    run.display()
+                )
+            }
+            _ => String::new(),
+        };
         bail!(
-            "--resume {}: no checkpoint found under {}; nothing to resume",
+            "--resume {}: no checkpoint found under {}; nothing to resume{run_hint}",
             run_dir.display(),
             RunDir::new(run_dir).checkpoints().display()
         );
