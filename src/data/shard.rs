@@ -200,9 +200,14 @@ impl Shard {
                 })
             };
             if let Some(i) = bad {
+                let c = &bytes[i * width..(i + 1) * width];
+                let value = match width {
+                    2 => u16::from_le_bytes([c[0], c[1]]) as u64,
+                    _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64,
+                };
                 bail!(
-                    "token shard '{p}' is corrupt: token {} is not below the vocabulary size {vocab_size} \
-                     (re-run `memwall prepare` to rebuild it)",
+                    "token shard '{p}' is corrupt: token {} (id {value}) is not below the \
+                     vocabulary size {vocab_size} (re-run `memwall prepare` to rebuild it)",
                     pos + i
                 );
             }
@@ -441,7 +446,7 @@ mod tests {
         bad[34..36].copy_from_slice(&60000u16.to_le_bytes());
         std::fs::write(&p, &bad).unwrap();
         let e = format!("{:#}", Shard::open(&p).unwrap_err());
-        assert!(e.contains("m.bin") && e.contains("token 1"), "{e}");
+        assert!(e.contains("m.bin") && e.contains("token 1 (id 60000)"), "{e}");
 
         let e = format!(
             "{:#}",
