@@ -446,7 +446,10 @@ mod tests {
         bad[34..36].copy_from_slice(&60000u16.to_le_bytes());
         std::fs::write(&p, &bad).unwrap();
         let e = format!("{:#}", Shard::open(&p).unwrap_err());
-        assert!(e.contains("m.bin") && e.contains("token 1 (id 60000)"), "{e}");
+        assert!(
+            e.contains("m.bin") && e.contains("token 1 (id 60000)"),
+            "{e}"
+        );
 
         let e = format!(
             "{:#}",

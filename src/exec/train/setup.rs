@@ -414,8 +414,8 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
 
 /// What a new run in `out` (not resuming) must not overwrite: checkpoints (a run to continue
 /// with `--resume`, or `step-N` directories it could not load, which it would write over), and
-/// in a directory memwall did not make (no marker, and not empty before this run) any file or
-/// directory of the names a run writes (`plan.json`, `metrics.jsonl`, `checkpoints/`, ...).
+/// in a directory memwall did not make (no marker, and not empty before this run) any file of
+/// the names a run writes (`plan.json`, `metrics.jsonl`, ...).
 fn refuse_to_overwrite(out: &Path, fresh: bool) -> Result<()> {
     let dirs = ckpt::checkpoint_dirs(out)?;
     if dirs.iter().any(|d| d.is_complete()) {
@@ -438,10 +438,13 @@ fn refuse_to_overwrite(out: &Path, fresh: bool) -> Result<()> {
     if fresh || crate::util::owned_dir::is_marked(out) {
         return Ok(());
     }
+    // Files only: in `checkpoints/` and `offload/` a run writes new names (the step
+    // directories were checked above).
     let ours = |n: &str| {
         !crate::run_dir::is_run_entry(n)
             || n == crate::run_dir::WRITE_PROBE_FILE
             || n.starts_with('.')
+            || out.join(n).is_dir()
     };
     let clash = crate::util::owned_dir::foreign_entries(out, &ours)?;
     if !clash.is_empty() {
