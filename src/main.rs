@@ -429,6 +429,13 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
     let req = a.request();
     let summary = if let Some(run) = &req.resume {
         let (opts, ck) = resolve::resume(&req, run, comm.size())?;
+        checked_threads(Some(opts.threads), true).with_context(|| {
+            format!(
+                "--resume {}: the run's thread count (its trainer state's, unless --threads \
+                 gives another)",
+                run.display()
+            )
+        })?;
         train::train_among(&opts, Some(&ck), comm, progress)?
     } else {
         let o = resolve::new_run(&req, threads(req.step.threads)?, comm.size(), progress)?;

@@ -194,6 +194,44 @@ fn sizes_too_large_to_plan_are_refused_naming_the_flag() {
 }
 
 #[test]
+fn a_resumed_run_takes_the_threads_it_is_given_and_checks_the_recorded_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let run = tmp.path().join("run");
+    let shape = [
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--threads",
+        "2",
+        "--eval-every",
+        "0",
+    ];
+    let mut args = common::train_args(&cfg, &data, &run, &shape);
+    args.extend(["--steps", "1", "--save-every", "1"].map(String::from));
+    ok(&args);
+    let r = run.to_str().unwrap();
+    // --threads on resume was once ignored silently.
+    let o = memwall(&["train", "--resume", r, "--steps", "2", "--threads", "1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("continues on 1 thread"));
+    let state = run.join("checkpoints/step-000002/trainer_state.json");
+    let text = std::fs::read_to_string(&state).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["train"]["threads"], 1);
+    // A count no flag would be allowed, edited into the state, is refused like the flag.
+    v["train"]["threads"] = 100_000.into();
+    std::fs::write(&state, v.to_string()).unwrap();
+    let e = fails(&["train", "--resume", r, "--steps", "3"]);
+    assert!(
+        e.contains("--threads 100000") && e.contains("trainer state"),
+        "{e}"
+    );
+}
+
+#[test]
 fn a_run_never_writes_over_what_it_did_not_write() {
     let tmp = tempfile::tempdir().unwrap();
     let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));

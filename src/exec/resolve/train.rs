@@ -196,6 +196,17 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
         }
         opts.steps = s;
     }
+    // Another machine may want another thread count: the run continues on it, said aloud.
+    if let Some(t) = req.step.threads
+        && t != opts.threads
+    {
+        eprintln!(
+            "note: --threads {t} (the run used {}): the run continues on {t} threads; its \
+             results may differ in the last bits from a run that kept {}",
+            opts.threads, opts.threads
+        );
+        opts.threads = t;
+    }
     // Recomputation never changes the weights, so a resumed run may change it.
     if let Some(r) = req.step.strategy.recompute {
         opts.strategies.recompute = r;
