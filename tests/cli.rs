@@ -229,6 +229,19 @@ fn a_resumed_run_takes_the_threads_it_is_given_and_checks_the_recorded_ones() {
         e.contains("--threads 100000") && e.contains("trainer state"),
         "{e}"
     );
+    // So are a ZeRO stage and a beta no run can have.
+    let (seven, too_big): (serde_json::Value, serde_json::Value) = (7.into(), 1.5.into());
+    for (key, bad, word) in [("zero", seven, "--zero"), ("beta1", too_big, "beta1")] {
+        let mut w = v.clone();
+        w["train"]["threads"] = 1.into();
+        w["train"][key] = bad;
+        std::fs::write(&state, w.to_string()).unwrap();
+        let e = fails(&["train", "--resume", r, "--steps", "3"]);
+        assert!(
+            e.contains(word) && e.contains("trainer_state.json"),
+            "{key}: {e}"
+        );
+    }
 }
 
 #[test]

@@ -185,6 +185,22 @@ impl TrainOptions {
         if self.strategies.grad_accum == 0 {
             bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
         }
+        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+            bail!(
+                "AdamW's beta1 and beta2 must be in [0, 1), got {} and {}",
+                self.beta1,
+                self.beta2
+            );
+        }
+        if self.strategies.zero.0 > 3 {
+            bail!(
+                "--zero must be 0, 1, 2 or 3, got {}",
+                self.strategies.zero.0
+            );
+        }
+        if self.strategies.ranks == 0 {
+            bail!("ranks must be at least 1 (processes training together)");
+        }
         Ok(())
     }
 }
