@@ -162,7 +162,7 @@ memwall sample --model smol-tuned.Q8_0.gguf --prompt \"ROMEO:\"     # or llama-c
     /// List the GGUF files memwall converted into the user cache (each an f32 copy of its
     /// model), or remove them with --clear.
     #[command(
-        long_about = "List the conversions in the user cache ($XDG_CACHE_HOME/memwall/gguf or ~/.cache/memwall/gguf): a GGUF file given to sample, train --init, prepare --tokenizer or export is converted there once, as an f32 Hugging Face directory (about 4 bytes a parameter: 0.5 GB for SmolLM2-135M, 28 GB for a 7B model), and reused while the file is unchanged. --clear removes them all; the next use of a file converts it again. Nothing else in the cache (the Shakespeare corpus, the demo's model, calibrations) is touched.",
+        long_about = "List the conversions in the user cache ($XDG_CACHE_HOME/memwall/gguf or ~/.cache/memwall/gguf): a GGUF file given to sample, train --init, prepare --tokenizer or export is converted there once, as an f32 Hugging Face directory (about 4 bytes a parameter: 0.5 GB for SmolLM2-135M, 28 GB for a 7B model), and reused while the file is unchanged. --clear removes them (and what a conversion killed before it finished left); the next use of a file converts it again, and a run trained on one converts it again when it resumes or exports. Only what memwall wrote is removed: a directory without memwall's .memwall marker, or holding files a conversion does not write, is listed and left; a conversion running in another process too. Nothing else in the cache (the Shakespeare corpus, the demo's model, calibrations) is touched.",
         after_help = "Examples:\n  memwall cache\n  memwall cache --json\n  memwall cache --clear"
     )]
     Cache(CacheArgs),
@@ -546,8 +546,9 @@ pub(crate) struct StrategyArgs {
     /// mask of its own per adapter (PEFT's lora_dropout); evaluation and sampling use none.
     /// The mask is a hash of (seed, step, adapter, element), never stored: the backward,
     /// recomputation and --resume draw it again. Costs one f32 workspace of the adapter's
-    /// input per adapter op [default: 0]
-    #[arg(long, value_name = "P", requires = "lora")]
+    /// input per adapter op. With `train --init-adapter` (and no --lora), the dropout the
+    /// adapter continues with [default: 0, or the adapter's own lora_dropout]
+    #[arg(long, value_name = "P")]
     pub(crate) lora_dropout: Option<f32>,
     /// How the frozen base of --lora is kept in memory: fp32; its matrices in bf16 (rounded
     /// once on load: half of fp32); quantized once on load as llama.cpp's q8_0 (8.5 bits a weight), q4_0, q4_1 or q4_k (4.5, 5 and 4.5, in
@@ -587,6 +588,7 @@ impl StrategyArgs {
                 dropout: self.lora_dropout,
             }),
             base_quant: self.base_quant,
+            adapter_dropout: self.lora_dropout.filter(|_| self.lora.is_none()),
         }
     }
 }

@@ -462,6 +462,11 @@ fn print_summary(s: &train::TrainSummary) {
 }
 
 fn sample_cmd(a: SampleArgs) -> Result<()> {
+    // The adapter is checked before a GGUF model's conversion.
+    if let Some(dir) = &a.adapter {
+        let ad = memwall::ckpt::adapter::check_adapter_dir(dir, "--adapter")?;
+        memwall::ckpt::adapter::check_base(&ad, &a.model)?;
+    }
     let opts = SampleOptions {
         checkpoint: gguf::cache::model_dir(&a.model, "--model")?,
         prompt: a.prompt.clone(),
@@ -692,6 +697,10 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
         ),
     };
     inputs::check_output(&a.gguf, &given, a.adapter.as_deref())?;
+    if let Some(dir) = &a.adapter {
+        let ad = memwall::ckpt::adapter::check_adapter_dir(dir, "--adapter")?;
+        memwall::ckpt::adapter::check_base(&ad, &given)?;
+    }
     if let Some(note) = inputs::requantize_note(&given, a.ty) {
         eprintln!("note: {note}");
     }
@@ -741,7 +750,9 @@ fn cache_cmd(a: CacheArgs) -> Result<()> {
     } else {
         gguf::cache::conversions_in(&cache)?
     };
-    let total: u64 = list.iter().map(|c| c.bytes).sum();
+    use gguf::cache::EntryKind;
+    let removable: Vec<_> = list.iter().filter(|c| c.removable()).collect();
+    let total: u64 = removable.iter().map(|c| c.bytes).sum();
     if a.json {
         let v = serde_json::json!({
             "cache": cache, "cleared": a.clear, "total_bytes": total, "conversions": list,
@@ -750,24 +761,41 @@ fn cache_cmd(a: CacheArgs) -> Result<()> {
         return Ok(());
     }
     for c in &list {
-        let from = if c.sources.is_empty() {
-            "(no file indexed)".to_string()
-        } else {
-            c.sources.join(", ")
+        let from = match c.kind {
+            EntryKind::Conversion if c.sources.is_empty() => "<- (no file indexed)".to_string(),
+            EntryKind::Conversion => format!("<- {}", c.sources.join(", ")),
+            EntryKind::Interrupted => "(a conversion killed before it finished)".into(),
+            EntryKind::InProgress => "(a conversion running now: left as it is)".into(),
+            EntryKind::Foreign => {
+                "(not written by memwall: no .memwall marker, or other files in it; left as it \
+                 is, remove it yourself if you want it gone)"
+                    .into()
+            }
         };
-        println!("{:>10}  {}  <- {from}", fmt_bytes(c.bytes), c.dir.display());
+        println!("{:>10}  {}  {from}", fmt_bytes(c.bytes), c.dir.display());
     }
-    let what = if a.clear { "removed" } else { "in" };
+    let what = if a.clear { "removed from" } else { "in" };
     println!(
         "{} {what} {}: {}",
-        memwall::util::count(list.len() as u64, "conversion"),
+        memwall::util::count(removable.len() as u64, "conversion"),
         cache.display(),
         fmt_bytes(total)
     );
+    if a.clear && !removable.is_empty() {
+        println!(
+            "the next use of each GGUF file converts it again (runs trained on one convert it \
+             again when they resume or export)"
+        );
+    }
     Ok(())
 }
 
 fn merge_cmd(a: MergeArgs) -> Result<()> {
+    use memwall::ckpt::adapter;
+    // The cheap checks before a GGUF base's conversion.
+    let ad = adapter::check_adapter_dir(&a.adapter, "ADAPTER")?;
+    adapter::check_merge_out(&a.out)?;
+    adapter::check_base(&ad, &a.base)?;
     let base = gguf::cache::model_dir(&a.base, "BASE")?;
     let bf16 = match a.dtype {
         Some(d) => d == gguf::OutDtype::Bf16,

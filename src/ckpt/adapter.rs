@@ -128,6 +128,74 @@ pub fn resolve_dir(dir: &Path) -> Result<PathBuf> {
     }
 }
 
+/// [`resolve_dir`], checked to hold an adapter (`flag` names the option in the error): a
+/// model directory or a full fine-tune's run is named for what it is.
+pub fn check_adapter_dir(dir: &Path, flag: &str) -> Result<PathBuf> {
+    let resolved = resolve_dir(dir)?;
+    if resolved.join(ADAPTER_CONFIG_FILE).is_file() {
+        return Ok(resolved);
+    }
+    let what = if !dir.exists() {
+        "no such directory".to_string()
+    } else if resolved.join(super::CONFIG_FILE).is_file() {
+        format!(
+            "{} is a whole model (config.json), not a LoRA adapter: pass it as the model \
+             (--model, --init or BASE), or give a checkpoint of a `train --lora` run",
+            resolved.display()
+        )
+    } else {
+        format!(
+            "no {ADAPTER_CONFIG_FILE} in {} (an adapter is a checkpoint of `memwall train \
+             --lora`, its run directory, or a PEFT adapter directory)",
+            resolved.display()
+        )
+    };
+    bail!("{flag} {}: {what}", dir.display())
+}
+
+/// Refuses to apply the adapter in `adapter` (resolved) to `base` (the model path as the
+/// user gave it: a GGUF file or a directory) when the adapter is a checkpoint of a memwall
+/// run that recorded its base's fingerprint, `base` is that same path, and it now holds
+/// another model: the adapter's update would land on other weights. Adapters from elsewhere
+/// (no `trainer_state.json`) and runs saved before fingerprints pass.
+pub fn check_base(adapter: &Path, base: &Path) -> Result<()> {
+    let state = adapter.join(super::STATE_FILE);
+    let Ok(text) = std::fs::read_to_string(&state) else {
+        return Ok(());
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Ok(());
+    };
+    let train = &v["train"];
+    let (Some(want), Some(recorded)) = (
+        train["base_fingerprint"].as_str(),
+        train["init_gguf"].as_str().or(train["init"].as_str()),
+    ) else {
+        return Ok(());
+    };
+    let same_path = matches!(
+        (std::fs::canonicalize(recorded), std::fs::canonicalize(base)),
+        (Ok(a), Ok(b)) if a == b
+    );
+    if !same_path {
+        return Ok(());
+    }
+    let found = crate::util::fingerprint::of_model(base)?;
+    if found != want {
+        bail!(
+            "{}: the adapter was trained on {}, which now holds another model (content \
+             fingerprint {}, not {} as recorded in {}): its update would land on other weights. \
+             Put the original model back at that path",
+            adapter.display(),
+            base.display(),
+            crate::util::fingerprint::short(&found),
+            crate::util::fingerprint::short(want),
+            state.display()
+        );
+    }
+    Ok(())
+}
+
 /// Whether the model directory `dir` says its weights are bfloat16 (`config.json`'s
 /// `torch_dtype`, or transformers 5's `dtype`).
 pub fn stored_as_bf16(dir: &Path) -> bool {
@@ -158,17 +226,7 @@ pub struct Merged {
 /// available.
 pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merged> {
     let adapter = &resolve_dir(adapter)?;
-    if out.exists()
-        && std::fs::read_dir(out)
-            .with_context(|| format!("--out {}: cannot read the directory", out.display()))?
-            .next()
-            .is_some()
-    {
-        bail!(
-            "--out {} exists and is not empty; give a new directory",
-            out.display()
-        );
-    }
+    check_merge_out(out)?;
     let spec = super::load_spec(base)?;
     let layout = ParamLayout::new(&spec);
     let bytes = layout.total as u64 * 4;
@@ -194,12 +252,60 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merg
         chat_template: template.as_deref(),
         ..Default::default()
     };
-    super::save_model_as(out, &spec, &layout, &params, bf16, &opts)?;
+    // Written whole into a temporary sibling and renamed, so a merge killed half-way leaves
+    // no partial model under `out` (and its temporary is swept by the next merge).
+    let tmp = crate::util::atomic_dir::TempDir::create_for(out)?;
+    super::save_model_as(&tmp.path, &spec, &layout, &params, bf16, &opts)?;
+    check_merge_out(out)?;
+    tmp.publish(out)?;
     Ok(Merged {
         layers: adapters.layers.len(),
         r: adapters.spec.r,
         scale: adapters.spec.scale(),
     })
+}
+
+/// `merge --out`: a directory that does not exist or is empty, once what killed merges left
+/// is gone (their temporary siblings `OUT.tmp-<pid>-<n>`, and the hidden temporaries older
+/// versions wrote inside `OUT`, whose process no longer runs).
+pub fn check_merge_out(out: &Path) -> Result<()> {
+    use crate::util::atomic::writer_is_gone;
+    let parent = crate::util::atomic::parent_dir(out);
+    if let (Some(name), Ok(entries)) = (out.file_name(), std::fs::read_dir(parent)) {
+        let prefix = format!("{}.tmp-", name.to_string_lossy());
+        for e in entries.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.strip_prefix(&prefix).is_some_and(writer_is_gone) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(out) {
+        for e in entries.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let dead = n.starts_with('.')
+                && n.rsplit_once(".tmp-")
+                    .is_some_and(|(_, w)| writer_is_gone(w));
+            if dead {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    if out.exists() && !out.is_dir() {
+        bail!("--out {}: a file; give a new directory", out.display());
+    }
+    if out.is_dir()
+        && std::fs::read_dir(out)
+            .with_context(|| format!("--out {}: cannot read the directory", out.display()))?
+            .next()
+            .is_some()
+    {
+        bail!(
+            "--out {} exists and is not empty; give a new directory",
+            out.display()
+        );
+    }
+    Ok(())
 }
 
 /// The adapters `adapter_config.json` in `dir` describes, for a base of `family`.

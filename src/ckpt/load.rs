@@ -38,8 +38,8 @@ pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
     if !path.is_file() && dir.join(ADAPTER_CONFIG_FILE).is_file() {
         bail!(
             "{} holds a LoRA adapter, not a model: give its base as the model and the adapter \
-             beside it (`sample --model BASE --adapter {d}`, `merge BASE {d} --out DIR`, \
-             `export BASE --adapter {d} --gguf OUT.gguf`)",
+             beside it (`train --init BASE --init-adapter {d}`, `sample --model BASE --adapter \
+             {d}`, `merge BASE {d} --out DIR`, `export BASE --adapter {d} --gguf OUT.gguf`)",
             dir.display(),
             d = dir.display()
         );

@@ -321,6 +321,20 @@ impl Examples {
         Ok(n)
     }
 
+    /// The first example with a trained target among its first `w` tokens (what a row of
+    /// `w` tokens keeps of it; its first token is never a target): `None` when no example
+    /// trains anything within a row. Stops at the first it finds.
+    pub fn first_trained_within(&self, w: usize) -> Result<Option<usize>> {
+        let mut row = vec![0u32; w];
+        for k in 0..self.count {
+            let len = self.fill_example(k, &mut row)?;
+            if row[..len].iter().skip(1).any(|t| t & UNTRAINED == 0) {
+                return Ok(Some(k));
+            }
+        }
+        Ok(None)
+    }
+
     /// Example `k`'s tokens in the shard.
     pub fn bounds(&self, k: usize) -> Result<(usize, usize)> {
         assert!(k < self.count, "example {k} of {}", self.count);

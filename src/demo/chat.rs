@@ -293,15 +293,18 @@ impl ConversationSet {
     /// Writes the training conversations, then the validation ones, one JSONL line each,
     /// atomically.
     pub fn write_jsonl(&self, path: &Path) -> Result<()> {
-        atomic::write_with(path, |f| {
-            let mut w = std::io::BufWriter::new(f);
-            for c in self.train.iter().chain(&self.val) {
-                writeln!(w, "{}", c.json_line())?;
-            }
-            w.flush()?;
-            Ok(())
-        })
-        .with_context(|| format!("cannot write the conversation set '{}'", path.display()))
+        atomic::write_file(path, self.jsonl_text().as_bytes())
+            .with_context(|| format!("cannot write the conversation set '{}'", path.display()))
+    }
+
+    /// The JSONL text [`ConversationSet::write_jsonl`] writes.
+    pub fn jsonl_text(&self) -> String {
+        let mut text = String::new();
+        for c in self.train.iter().chain(&self.val) {
+            text.push_str(&c.json_line());
+            text.push('\n');
+        }
+        text
     }
 }
 
@@ -382,10 +385,28 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
 
     let corpus = crate::data::corpus::demo_corpus()?;
     let set = ConversationSet::from_corpus(&corpus)?;
+    // Everything the demo writes is checked before it writes anything: the conversations
+    // replace only the demo's own (the same text), the data only memwall's shards, the run
+    // only a run memwall wrote.
+    let jsonl = o.out.join(JSONL_NAME);
+    let data = o.out.join("data-chat");
+    let run = o.out.join("run-chat");
+    let lines = set.jsonl_text();
+    if jsonl.exists() && std::fs::read(&jsonl).ok().as_deref() != Some(lines.as_bytes()) {
+        bail!(
+            "--out {}: holds {JSONL_NAME}, which is not this demo's conversation set (its \
+             content differs); memwall replaces only what it wrote: move the file, or choose \
+             another --out",
+            o.out.display()
+        );
+    }
+    crate::data::prepare::check_out(&data)?;
+    RunDir::new(&run).check_previous(&format!("the previous demo run {}", run.display()))?;
     std::fs::create_dir_all(&o.out)
         .with_context(|| format!("cannot create --out '{}'", o.out.display()))?;
-    let jsonl = o.out.join(JSONL_NAME);
-    set.write_jsonl(&jsonl)?;
+    if !jsonl.exists() {
+        set.write_jsonl(&jsonl)?;
+    }
     let example = &set.train[0];
     println!(
         "\n2. a conversation set from {} ({} speeches in {}): {} train / {} validation conversations -> {}\n   for example:\n\n{}\n{}",
@@ -399,7 +420,6 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
         turn("assistant:", &example.assistant),
     );
 
-    let data = o.out.join("data-chat");
     prepare(&dir, &jsonl, &data, set.val_fraction())?;
 
     let held = set.held_out().clone();
@@ -409,7 +429,6 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     );
     let answer_before = print_answer(&dir, None, &held.user, "assistant:", o)?;
 
-    let run = o.out.join("run-chat");
     // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused.
     RunDir::new(&run).replace_previous(&format!("the previous demo run {}", run.display()))?;
     let req = train_request(o, &gguf, &data, &run);

@@ -103,11 +103,13 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     println!();
 
     let data = o.out.join("data-smollm2");
-    prepare_data(&dir, &data)?;
-
     let run = o.out.join("run-smollm2");
-    // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused.
-    RunDir::new(&run).replace_previous(&format!("the previous demo run {}", run.display()))?;
+    // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused,
+    // before the data is prepared.
+    let what = format!("the previous demo run {}", run.display());
+    RunDir::new(&run).check_previous(&what)?;
+    prepare_data(&dir, &data)?;
+    RunDir::new(&run).replace_previous(&what)?;
     let mut t = TrainOptions::new(&dir.to_string_lossy(), &data, &run);
     t.init = Some(dir.clone());
     t.steps = o.steps;

@@ -30,6 +30,11 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
     println!("memwall demo: train a small GPT-2 on Shakespeare from a static memory plan\n");
     let corpus = corpus::demo_corpus()?;
     let data = a.out.join("data");
+    let run = a.out.join("run");
+    // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused,
+    // before the data is prepared.
+    let what = format!("the previous demo run {}", run.display());
+    RunDir::new(&run).check_previous(&what)?;
     if !data.join("meta.json").exists() {
         let s = prepare::prepare(&prepare::PrepareOptions {
             inputs: vec![corpus],
@@ -46,9 +51,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
     } else {
         println!("1. using prepared data in {}", data.display());
     }
-    let run = a.out.join("run");
-    // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused.
-    RunDir::new(&run).replace_previous(&format!("the previous demo run {}", run.display()))?;
+    RunDir::new(&run).replace_previous(&what)?;
     let mut o = TrainOptions::new("gpt2-tiny", &data, &run);
     o.steps = a.steps;
     o.batch = 8;

@@ -18,7 +18,6 @@ use super::convert::{ConvertOptions, OutDtype, convert};
 use super::file::MAGIC;
 use crate::ckpt::{CONFIG_FILE, MODEL_FILE};
 use anyhow::{Context, Result, anyhow, bail};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::Read;
@@ -76,10 +75,9 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
     let index_path = cache.join(INDEX_FILE);
     let mut index = read_index(&index_path);
     let previous = index.get(&key).cloned();
-    let sha = match &previous {
-        Some(e) if e.size == size && e.mtime_ns == mtime => e.sha256.clone(),
-        _ => sha256_of(&canonical).with_context(here)?,
-    };
+    // Remembered by path, size, times and inode (`util::fingerprint`): a file replaced by
+    // another, even one that kept the old modification time, is hashed again.
+    let sha = crate::util::fingerprint::file_sha256(&canonical).with_context(here)?;
     let complete = |d: &Path| d.join(CONFIG_FILE).is_file() && d.join(MODEL_FILE).is_file();
     // The same content under another name (a copy of the file) is the same conversion.
     let suffix = format!("-{}", &sha[..16]);
@@ -90,28 +88,18 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
             .find(|p| p.to_string_lossy().ends_with(&suffix) && complete(p))
     });
     let dir = same_content.unwrap_or_else(|| cache.join(dir_name(&canonical, &sha)));
-    let complete = complete(&dir);
-    if complete {
+    if complete(&dir) {
         eprintln!("{}: using its conversion in {}", here(), dir.display());
     } else {
         fs::create_dir_all(cache)
             .with_context(|| format!("cannot create the cache folder {}", cache.display()))?;
-        // A directory under memwall's own key without its model file is an interrupted
-        // conversion of an older memwall (conversions are published whole): it goes.
-        if dir.exists() {
-            fs::remove_dir_all(&dir)
-                .with_context(|| format!("cannot remove the incomplete {}", dir.display()))?;
+        // One conversion of a file at a time: a second process waits, then uses the first's.
+        let _lock = ConversionLock::take(cache, &dir, &here())?;
+        if complete(&dir) {
+            eprintln!("{}: using its conversion in {}", here(), dir.display());
+        } else {
+            convert_into(path, &dir, &here())?;
         }
-        eprintln!("{}: converting it once into {}", here(), dir.display());
-        let summary = convert(&ConvertOptions {
-            input: path.to_path_buf(),
-            out: dir.clone(),
-            dtype: OutDtype::F32,
-            force: false,
-            progress: true,
-        })
-        .with_context(here)?;
-        eprintln!("{}", summary.describe());
     }
     let entry = IndexEntry {
         size,
@@ -128,7 +116,7 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
             && let Some(name) = old.dir
         {
             let stale = cache.join(name);
-            if stale != dir && stale.is_dir() {
+            if stale != dir && stale.is_dir() && is_conversion(&stale) {
                 match fs::remove_dir_all(&stale) {
                     Ok(()) => eprintln!(
                         "{}: removed the conversion of its earlier content, {}",
@@ -150,17 +138,131 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// One conversion in the cache: its directory, the bytes it holds, and the GGUF files the
-/// index maps to it (a file since moved or changed is still listed, as the index knew it).
+/// Converts the GGUF file `path` into `dir` (in the cache), said on stderr with the disk it
+/// takes, refused before any work when the disk has less room. A directory already at `dir`
+/// without a whole conversion is removed only when memwall wrote it (its marker).
+fn convert_into(path: &Path, dir: &Path, here: &str) -> Result<()> {
+    if dir.exists() {
+        if !crate::util::owned_dir::is_marked(dir) {
+            bail!(
+                "{here}: its conversion would go to {}, which holds a directory memwall did not \
+                 write; move it away, or convert the file yourself (`memwall convert {} --out \
+                 DIR`) and pass DIR",
+                dir.display(),
+                path.display()
+            );
+        }
+        fs::remove_dir_all(dir)
+            .with_context(|| format!("cannot remove the incomplete {}", dir.display()))?;
+    }
+    let f = super::GgufFile::open(path).with_context(|| here.to_string())?;
+    // f32 weights, 4 bytes a value, plus the tokenizer files (a few MB).
+    let need: u64 = f
+        .tensors
+        .iter()
+        .map(|t| 4 * t.dims.iter().product::<u64>())
+        .sum::<u64>()
+        + (16 << 20);
+    drop(f);
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    if let Ok(free) = crate::mem::disk::free_bytes(parent)
+        && free < need
+    {
+        bail!(
+            "{here}: converting it takes about {} in {} (an f32 copy, 4 bytes a parameter) but \
+             the disk has {} free; free space there, point XDG_CACHE_HOME at a larger disk, or \
+             convert it yourself (`memwall convert {} --out DIR --dtype bf16`) and pass DIR",
+            crate::util::bytes::fmt_bytes(need),
+            parent.display(),
+            crate::util::bytes::fmt_bytes(free),
+            path.display()
+        );
+    }
+    eprintln!(
+        "{here}: converting it once into {} (about {} of disk)",
+        dir.display(),
+        crate::util::bytes::fmt_bytes(need)
+    );
+    let summary = convert(&ConvertOptions {
+        input: path.to_path_buf(),
+        out: dir.to_path_buf(),
+        dtype: OutDtype::F32,
+        force: false,
+        progress: true,
+    })
+    .with_context(|| here.to_string())?;
+    eprintln!("{}", summary.describe());
+    Ok(())
+}
+
+/// An exclusive lock on one conversion (`flock` on a hidden `.<name>.lock` file beside it),
+/// held until dropped, so that two processes using a new GGUF file at once convert it once.
+struct ConversionLock {
+    _file: fs::File,
+}
+
+impl ConversionLock {
+    fn take(cache: &Path, dir: &Path, here: &str) -> Result<ConversionLock> {
+        use std::os::fd::AsRawFd;
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let path = cache.join(format!(".{name}.lock"));
+        let file = fs::File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("cannot create the lock file {}", path.display()))?;
+        // SAFETY: flock on a descriptor this function owns.
+        let lock = |op| unsafe { libc::flock(file.as_raw_fd(), op) } == 0;
+        if !lock(libc::LOCK_EX | libc::LOCK_NB) {
+            eprintln!("{here}: another memwall is converting it; waiting for it to finish");
+            if !lock(libc::LOCK_EX) {
+                return Err(std::io::Error::last_os_error())
+                    .with_context(|| format!("cannot lock {}", path.display()));
+            }
+        }
+        Ok(ConversionLock { _file: file })
+    }
+}
+
+/// What an entry of the cache folder is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryKind {
+    /// A whole conversion memwall wrote (its `.memwall` marker, only a conversion's files).
+    Conversion,
+    /// The temporary of a conversion whose process is gone (killed while converting).
+    Interrupted,
+    /// The temporary of a conversion still running in another process.
+    InProgress,
+    /// A directory memwall did not write (no marker, or other files in it): never removed.
+    Foreign,
+}
+
+/// One entry of the cache folder: its directory, the bytes it holds, the GGUF files the
+/// index maps to it (a file since moved or changed is still listed, as the index knew it),
+/// and what it is.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Conversion {
     pub dir: PathBuf,
     pub bytes: u64,
     pub sources: Vec<String>,
+    pub kind: EntryKind,
 }
 
-/// The conversions in the cache folder `cache` (`<cache>/memwall/gguf`), by name; none when
-/// the folder does not exist. Temporaries of a conversion in progress are left out.
+impl Conversion {
+    /// Whether `memwall cache --clear` removes it: memwall's own conversions and the
+    /// temporaries of killed ones.
+    pub fn removable(&self) -> bool {
+        matches!(self.kind, EntryKind::Conversion | EntryKind::Interrupted)
+    }
+}
+
+/// The entries of the cache folder `cache` (`<cache>/memwall/gguf`), by name; none when the
+/// folder does not exist.
 pub fn conversions_in(cache: &Path) -> Result<Vec<Conversion>> {
     let index = read_index(&cache.join(INDEX_FILE));
     let Ok(entries) = fs::read_dir(cache) else {
@@ -171,39 +273,113 @@ pub fn conversions_in(cache: &Path) -> Result<Vec<Conversion>> {
         let e = e.with_context(|| format!("cannot read the cache folder {}", cache.display()))?;
         let path = e.path();
         let name = e.file_name().to_string_lossy().into_owned();
-        if !path.is_dir() || name.starts_with('.') || name.contains(".tmp-") {
+        if !path.is_dir() || name.starts_with('.') {
             continue;
         }
-        let mut bytes = 0;
-        for f in fs::read_dir(&path).with_context(|| format!("cannot read {}", path.display()))? {
-            bytes += f?.metadata().map(|m| m.len()).unwrap_or(0);
-        }
+        let kind = match name.rsplit_once(".tmp-") {
+            Some((_, writer)) if crate::util::atomic::writer_is_gone(writer) => {
+                EntryKind::Interrupted
+            }
+            Some(_) => EntryKind::InProgress,
+            None if is_conversion(&path) => EntryKind::Conversion,
+            None => EntryKind::Foreign,
+        };
         let sources = index
             .iter()
             .filter(|(_, v)| v.dir.as_deref() == Some(name.as_str()))
             .map(|(k, _)| k.clone())
             .collect();
         out.push(Conversion {
+            bytes: dir_bytes(&path),
             dir: path,
-            bytes,
             sources,
+            kind,
         });
     }
     out.sort_by(|a, b| a.dir.cmp(&b.dir));
     Ok(out)
 }
 
-/// Removes every conversion in `cache` and the index; returns what was removed. The next use
-/// of a GGUF file converts it again.
+/// The GGUF files the index maps to `dir` when it is a conversion in the user cache (none
+/// for any other path).
+pub fn sources_of(dir: &Path) -> Vec<PathBuf> {
+    let (Some(cache), Ok(dir)) = (
+        crate::util::cache::memwall_cache().and_then(|c| fs::canonicalize(c.join("gguf")).ok()),
+        fs::canonicalize(dir),
+    ) else {
+        return Vec::new();
+    };
+    if dir.parent() != Some(cache.as_path()) {
+        return Vec::new();
+    }
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+    read_index(&cache.join(INDEX_FILE))
+        .into_iter()
+        .filter(|(_, e)| e.dir == name)
+        .map(|(k, _)| PathBuf::from(k))
+        .collect()
+}
+
+/// Whether `path` is inside memwall's folder of conversions in the user cache.
+pub fn is_cached_conversion(path: &Path) -> bool {
+    let Some(cache) = crate::util::cache::memwall_cache().map(|c| c.join("gguf")) else {
+        return false;
+    };
+    let canon = |p: &Path| fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    canon(path).starts_with(canon(&cache)) || path.starts_with(&cache)
+}
+
+/// Whether `dir` is a whole conversion memwall wrote: the marker `convert` writes, and
+/// nothing a conversion does not write.
+fn is_conversion(dir: &Path) -> bool {
+    let what = dir.display().to_string();
+    crate::util::owned_dir::is_marked(dir)
+        && crate::util::owned_dir::check_replaceable(
+            dir,
+            &what,
+            &super::convert::written_by_convert,
+            Vec::new(),
+        )
+        .is_ok()
+}
+
+/// The bytes of the files under `dir` (unreadable entries count 0).
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
+}
+
+/// Removes memwall's conversions and the temporaries of killed ones from `cache`, and the
+/// index entries of what it removed; returns every entry, removed or kept
+/// ([`Conversion::removable`]). A directory memwall did not write, and a conversion still
+/// running, are left as they are. The next use of a GGUF file converts it again.
 pub fn clear_in(cache: &Path) -> Result<Vec<Conversion>> {
     let all = conversions_in(cache)?;
-    for c in &all {
+    for c in all.iter().filter(|c| c.removable()) {
         fs::remove_dir_all(&c.dir)
             .with_context(|| format!("cannot remove the conversion {}", c.dir.display()))?;
     }
-    let index = cache.join(INDEX_FILE);
-    if index.exists() {
-        fs::remove_file(&index).with_context(|| format!("cannot remove {}", index.display()))?;
+    let index_path = cache.join(INDEX_FILE);
+    let mut index = read_index(&index_path);
+    let before = index.len();
+    index.retain(|_, e| {
+        e.dir
+            .as_ref()
+            .is_some_and(|d| cache.join(d).join(CONFIG_FILE).is_file())
+    });
+    if index.is_empty() && index_path.exists() {
+        fs::remove_file(&index_path)
+            .with_context(|| format!("cannot remove {}", index_path.display()))?;
+    } else if index.len() != before {
+        write_index(&index_path, &index)?;
     }
     Ok(all)
 }
@@ -243,23 +419,6 @@ fn stat(path: &Path) -> Result<(u64, u128)> {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
     Ok((meta.len(), mtime))
-}
-
-/// The SHA-256 of the file's content, in hex.
-fn sha256_of(path: &Path) -> Result<String> {
-    let mut f = fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// `<stem>-<16 hex digits of the content hash>`.

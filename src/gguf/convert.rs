@@ -42,7 +42,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
 /// Whether `name` is a file a conversion writes (what `--force` may replace).
-fn written_by_convert(name: &str) -> bool {
+pub(crate) fn written_by_convert(name: &str) -> bool {
     [
         CONFIG_FILE,
         MODEL_FILE,

@@ -5,7 +5,8 @@
 //! [`gpt2`]). What is written follows llama.cpp's `convert_hf_to_gguf.py`:
 //!
 //! - metadata: `general.architecture`, `.type` `model`, `.name` (the directory's name unless given), `.file_type`
-//!   (`llama_ftype`), `.quantization_version` 2; `{arch}.vocab_size`, `.context_length`,
+//!   (`llama_ftype`), `.quantization_version` 2; `memwall.exported_by` (memwall's version: a
+//!   later export replaces only a file that has it, [`inputs::check_replaceable`]); `{arch}.vocab_size`, `.context_length`,
 //!   `.embedding_length`, `.block_count`, `.feed_forward_length`, `.rope.dimension_count`,
 //!   `.attention.head_count`, `.head_count_kv`, `.rope.freq_base`,
 //!   `.attention.layer_norm_rms_epsilon` (and `.attention.key_length` / `.value_length` when
@@ -105,6 +106,7 @@ fn model_metadata(
         ("general.name".into(), Value::String(name.into())),
         ("general.file_type".into(), Value::U32(ty.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
+        inputs::export_mark(),
     ];
     if spec.family == Family::Gpt2 {
         md.extend(gpt2::metadata(spec));
@@ -200,6 +202,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
             dir.display()
         );
     }
+    inputs::check_replaceable(&o.out)?;
     let spec = crate::ckpt::load_spec(dir)?;
     let arch = arch_of(&spec);
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));

@@ -255,14 +255,6 @@ impl AdapterLayout {
                 (_, &[o, i]) => (i, o),
                 _ => bail!("internal error: {} is not a matrix ({:?})", t.name, t.shape),
             };
-            if spec.r > in_features.min(out_features) {
-                bail!(
-                    "--lora {}: above the rank of {module} ({in_features} -> {out_features}); \
-                     give at most {}",
-                    spec.r,
-                    in_features.min(out_features)
-                );
-            }
             layers.push(Adapted {
                 module,
                 target,
@@ -271,6 +263,20 @@ impl AdapterLayout {
                 out_features,
                 base_tensor: i,
             });
+        }
+        // The rank is bounded by the narrowest adapted layer (a GQA model's k and v).
+        if let Some(a) = (layers.iter()).min_by_key(|a| a.in_features.min(a.out_features))
+            && spec.r > a.in_features.min(a.out_features)
+        {
+            bail!(
+                "--lora {}: above the rank of {} ({} -> {}), the narrowest layer adapted; give \
+                 at most {}",
+                spec.r,
+                a.module,
+                a.in_features,
+                a.out_features,
+                a.in_features.min(a.out_features)
+            );
         }
         let found: std::collections::BTreeSet<Target> = layers.iter().map(|a| a.target).collect();
         if let Some(t) = spec.targets.iter().find(|t| !found.contains(t)) {
@@ -330,7 +336,8 @@ impl AdapterLayout {
             fan_in_fan_out: self.params.family == Family::Gpt2,
             base_model_name_or_path: Some(base.into()),
             inference_mode: true,
-            init_lora_weights: true,
+            init_lora_weights: serde_json::Value::Bool(true),
+            lora_bias: false,
             modules_to_save: None,
             use_rslora: false,
             use_dora: false,
@@ -385,8 +392,14 @@ pub struct AdapterConfig {
     pub base_model_name_or_path: Option<String>,
     #[serde(default)]
     pub inference_mode: bool,
+    /// How PEFT initialised the adapters: `true`, `false` or `"gaussian"` (the weights saved
+    /// are what counts); the methods that change the base too (`"pissa"`, `"olora"`,
+    /// `"corda"`, `"loftq"`, `"eva"`) are refused, as their adapters need that changed base.
     #[serde(default = "yes")]
-    pub init_lora_weights: bool,
+    pub init_lora_weights: serde_json::Value,
+    /// PEFT's `lora_bias` (a bias on each `lora_B`): read, refused when true, never written.
+    #[serde(default, skip_serializing)]
+    pub lora_bias: bool,
     #[serde(default)]
     pub modules_to_save: Option<Vec<String>>,
     #[serde(default)]
@@ -421,8 +434,8 @@ fn none() -> String {
     "none".into()
 }
 
-fn yes() -> bool {
-    true
+fn yes() -> serde_json::Value {
+    serde_json::Value::Bool(true)
 }
 
 impl AdapterConfig {
@@ -440,6 +453,19 @@ impl AdapterConfig {
         }
         if self.bias != "none" {
             return refuse(&format!("bias is {}", self.bias));
+        }
+        if self.lora_bias {
+            return refuse("lora_bias is true (a bias on each lora_B)");
+        }
+        match &self.init_lora_weights {
+            serde_json::Value::Bool(_) => {}
+            serde_json::Value::String(s) if s == "gaussian" => {}
+            other => {
+                return refuse(&format!(
+                    "init_lora_weights is {other}, a method that changes the base weights too \
+                     (its adapters apply to that changed base, not to the original)"
+                ));
+            }
         }
         if self.use_dora || self.use_rslora {
             return refuse("use_dora or use_rslora is set");

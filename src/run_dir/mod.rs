@@ -155,6 +155,19 @@ impl RunDir {
     /// ([`is_run_entry`]), and in `checkpoints/` only checkpoints (finished or interrupted).
     /// Anything else is refused, naming it; nothing is removed then.
     pub fn replace_previous(&self, what: &str) -> anyhow::Result<()> {
+        let foreign = self.foreign_in_subdirs()?;
+        crate::util::owned_dir::replace(&self.root, what, &is_run_entry, foreign)
+    }
+
+    /// What [`RunDir::replace_previous`] would refuse, checked without removing anything: a
+    /// command that writes other files first (a demo's data) checks here before it starts.
+    pub fn check_previous(&self, what: &str) -> anyhow::Result<()> {
+        let foreign = self.foreign_in_subdirs()?;
+        crate::util::owned_dir::check_replaceable(&self.root, what, &is_run_entry, foreign)
+    }
+
+    /// Entries of `checkpoints/` and `offload/` that a run does not write.
+    fn foreign_in_subdirs(&self) -> anyhow::Result<Vec<PathBuf>> {
         let checkpoint = |n: &str| {
             checkpoint_step(n.split(".tmp-").next().unwrap_or(n)).is_some()
                 || n.starts_with("step-") && n.contains(".old-tmp-")
@@ -167,7 +180,7 @@ impl RunDir {
             &offload,
             &offload_file,
         )?);
-        crate::util::owned_dir::replace(&self.root, what, &is_run_entry, foreign)
+        Ok(foreign)
     }
 
     /// `checkpoints/step-NNNNNN/`: where the checkpoint of step `step` goes.

@@ -101,16 +101,25 @@ pub fn sweep_stale(dir: &Path, name: &str) {
         let Some(rest) = file.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
             continue;
         };
-        let Some((pid, n)) = rest.split_once('-') else {
-            continue;
-        };
-        let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), n.parse::<u64>()) else {
-            continue;
-        };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+        if writer_is_gone(rest) {
             let _ = fs::remove_file(e.path());
         }
     }
+}
+
+/// Whether `suffix`, the `<pid>-<n>` that follows `tmp-` in a temporary's name, names a
+/// process other than this one that is no longer running (Linux: no `/proc/<pid>`). False for
+/// anything else, and everywhere on systems without `/proc`.
+pub fn writer_is_gone(suffix: &str) -> bool {
+    let Some((pid, n)) = suffix.split_once('-') else {
+        return false;
+    };
+    let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), n.parse::<u64>()) else {
+        return false;
+    };
+    Path::new("/proc/self").exists()
+        && pid != std::process::id()
+        && !Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// Creates `path` (which must not exist), lets `write` fill it, and fsyncs it: the first half

@@ -1,13 +1,14 @@
 //! Small shared utilities: crash-safe file writes, deterministic RNG, process memory readings,
 //! threads and their limits, byte formatting, the CPU's name, UTC dates, the user cache's location, which directories
 //! memwall may replace, fetching from PyPI with pip, finding NaN and infinite values in
-//! loaded weights.
+//! loaded weights, content fingerprints of models.
 
 pub mod atomic;
 pub mod atomic_dir;
 pub mod bytes;
 pub mod cache;
 pub mod clock;
+pub mod fingerprint;
 pub mod finite;
 pub mod machine;
 pub mod malloc;

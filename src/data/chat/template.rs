@@ -114,7 +114,26 @@ impl ChatTemplate {
         if let Some(f) = file {
             let source = std::fs::read_to_string(f)
                 .with_context(|| format!("cannot read chat template file '{}'", f.display()))?;
-            return ChatTemplate::new(source, f.display().to_string(), specials).map(Some);
+            // A tokenizer_config.json (or any JSON object) given as the template: its
+            // chat_template, as when it is found in the model's directory.
+            let json = serde_json::from_str::<Json>(&source)
+                .ok()
+                .filter(|v| v.is_object());
+            let Some(v) = json else {
+                return ChatTemplate::new(source, f.display().to_string(), specials).map(Some);
+            };
+            let specials = match specials.is_empty() {
+                true => special_tokens(f, &v)?,
+                false => specials,
+            };
+            return match Self::from_config(f, &v, specials)? {
+                Some(t) => Ok(Some(t)),
+                None => bail!(
+                    "--chat-template '{}': a JSON file without a chat_template; give a Jinja \
+                     template file (chat_template.jinja) or a tokenizer_config.json that has one",
+                    f.display()
+                ),
+            };
         }
         let Some(dir) = dir else { return Ok(None) };
         let jinja = dir.join(TEMPLATE_FILE);
@@ -126,11 +145,21 @@ impl ChatTemplate {
         let Some((path, v)) = config else {
             return Ok(None);
         };
+        Self::from_config(&path, &v, specials)
+    }
+
+    /// The `chat_template` of a `tokenizer_config.json`'s content `v` read from `path`
+    /// (`None` when it has none).
+    fn from_config(
+        path: &Path,
+        v: &Json,
+        specials: BTreeMap<String, String>,
+    ) -> Result<Option<ChatTemplate>> {
         let origin = format!("{} (chat_template)", path.display());
         let source = match v.get("chat_template") {
             None | Some(Json::Null) => return Ok(None),
             Some(Json::String(s)) => s.clone(),
-            Some(Json::Array(list)) => named_default(&path, list)?,
+            Some(Json::Array(list)) => named_default(path, list)?,
             Some(other) => bail!(
                 "'{}': chat_template is {other}; expected a string or a list of \
                  {{\"name\", \"template\"}}",

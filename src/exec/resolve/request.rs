@@ -40,6 +40,9 @@ pub struct StrategyRequest {
     pub lora: Option<LoraRequest>,
     /// `--base-quant`.
     pub base_quant: Option<BaseQuant>,
+    /// `--lora-dropout` without `--lora`: the dropout `train --init-adapter` continues the
+    /// adapter with (refused elsewhere, naming the flag).
+    pub adapter_dropout: Option<f32>,
 }
 
 /// `--lora R`, `--lora-alpha`, `--lora-targets`, `--lora-dropout` as given.

@@ -165,6 +165,12 @@ pub fn resolve_step(
 ) -> Result<Resolved> {
     let st = &step.strategy;
     let backend = step.device.backend();
+    if st.adapter_dropout.is_some() && frozen.lora.is_none() {
+        bail!(
+            "--lora-dropout needs --lora R (or, in `train`, --init-adapter DIR: the adapter then \
+             continues with that dropout)"
+        );
+    }
     if step.fit && (ranks > 1 || st.zero.is_some()) {
         bail!(
             "--fit searches one process's plan; with --ranks or --zero give the strategies yourself (the per-rank search is not there yet)"

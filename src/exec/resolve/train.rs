@@ -28,13 +28,37 @@ pub fn new_run(
     let (Some(data), Some(out)) = (&req.data, &req.out) else {
         bail!("a new run needs --data (prepared data) and --out (its run directory)");
     };
+    // The cheap checks first: a GGUF --init's conversion takes minutes and gigabytes.
+    crate::exec::train::check_new_run_dir(out)?;
+    // Paths are recorded absolute, so a resumed run finds them from any directory.
+    let absolute = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    // --init-adapter as a run directory is its newest checkpoint.
+    let mut own = req.clone();
+    own.init_adapter = match &req.init_adapter {
+        Some(dir) => Some(absolute(&crate::ckpt::adapter::check_adapter_dir(
+            dir,
+            "--init-adapter",
+        )?)),
+        None => None,
+    };
+    let req = &own;
     // --init gives the architecture when --model is left out.
     let init = match &req.init {
-        Some(p) => Some(gguf::cache::model_dir(p, "--init")?),
+        Some(p) => {
+            let dir = absolute(&gguf::cache::model_dir(p, "--init")?);
+            // A checkpoint holding an adapter, a run directory: named for what they are.
+            crate::ckpt::load_spec(&dir).with_context(|| format!("--init {}", p.display()))?;
+            Some(dir)
+        }
         None => None,
     };
     let init_model = init.as_ref().map(|p| p.to_string_lossy().into_owned());
-    let model = req.step.model.as_deref().or(init_model.as_deref());
+    // A --model that names a directory or file here (not a preset) is a path too.
+    let given_model = (req.step.model.as_deref()).map(|m| match Path::new(m).exists() {
+        true => absolute(Path::new(m)).to_string_lossy().into_owned(),
+        false => m.to_string(),
+    });
+    let model = given_model.as_deref().or(init_model.as_deref());
     let mut o = TrainOptions::new(model.unwrap_or(DEFAULT_MODEL), data, out);
     o.steps = req.steps.unwrap_or(o.steps);
     o.seq = req.step.seq.unwrap_or(o.seq);
@@ -48,7 +72,10 @@ pub fn new_run(
     o.seed = req.seed;
     o.threads = threads;
     o.init = init;
-    o.init_gguf = req.init.clone().filter(|p| crate::gguf::cache::is_gguf(p));
+    o.init_gguf = (req.init.as_deref())
+        .filter(|p| crate::gguf::cache::is_gguf(p))
+        .map(absolute);
+    o.pin_base()?;
     o.device = req.step.device;
     o.eval_every = req.eval_every;
     o.eval_batches = req.eval_batches;
@@ -69,7 +96,12 @@ pub fn new_run(
             .transpose()?;
         let frozen = Frozen {
             lora: match &req.init_adapter {
-                Some(dir) => Some(adapter_spec(dir, &spec, asked.as_ref())?),
+                Some(dir) => Some(adapter_spec(
+                    dir,
+                    &spec,
+                    asked.as_ref(),
+                    &req.step.strategy,
+                )?),
                 None => None,
             },
             base: Some(base_storage(&o, req)?),
@@ -79,7 +111,7 @@ pub fn new_run(
         )?;
         o.batch = r.batch;
         o.strategies = r.strategies;
-        o.init_adapter = req.init_adapter.clone();
+        o.init_adapter = req.init_adapter.as_deref().map(absolute);
     }
     Ok(o)
 }
@@ -138,8 +170,16 @@ fn adapter_spec(
     dir: &Path,
     spec: &ModelSpec,
     asked: Option<&crate::model::lora::LoraSpec>,
+    strategy: &crate::exec::resolve::request::StrategyRequest,
 ) -> Result<crate::model::lora::LoraSpec> {
-    let found = crate::ckpt::adapter::read_config(dir, spec.family)?;
+    let mut found = crate::ckpt::adapter::read_config(dir, spec.family)?;
+    // `--lora-dropout` alone: the adapter as it is, trained on with that dropout.
+    if let Some(p) = strategy.adapter_dropout {
+        if !(0.0..1.0).contains(&p) {
+            bail!("--lora-dropout {p}: must be in [0, 1)");
+        }
+        found.dropout = p;
+    }
     match asked {
         Some(a) if *a != found => bail!(
             "--init-adapter {}: the adapter has rank {} (alpha {}, targets {}, dropout {}), but \
@@ -171,7 +211,14 @@ fn targets(l: &crate::model::lora::LoraSpec) -> String {
 /// checkpoint it continues from: the run's own, with what `req` gives where a resume may
 /// change it; a change it may not make is refused, naming the flag.
 pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOptions, PathBuf)> {
-    if let Some(out) = &req.out {
+    // `--out` naming the run itself is the same command line with `--resume` added.
+    let same = |out: &Path| {
+        matches!(
+            (std::fs::canonicalize(out), std::fs::canonicalize(run)),
+            (Ok(a), Ok(b)) if a == b
+        )
+    };
+    if let Some(out) = req.out.as_deref().filter(|o| !same(o)) {
         bail!(
             "--out {} with --resume: a resumed run writes into its own directory ({}); leave \
              out --out (copy the run directory first to continue a copy of it)",
@@ -321,6 +368,7 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             ))
         );
     }
+    opts.locate_base()?;
     opts.strategies.base_types = kept_types(&opts, opts.strategies.base_quant)?;
     opts.locate_data(req.data.as_deref())?;
     Ok((opts, ck))
@@ -351,7 +399,7 @@ fn fit_run(
             .map(|l| l.spec(spec.family))
             .transpose()?;
         space.lora = match &req.init_adapter {
-            Some(dir) => Some(adapter_spec(dir, spec, asked.as_ref())?),
+            Some(dir) => Some(adapter_spec(dir, spec, asked.as_ref(), &req.step.strategy)?),
             None => asked,
         };
         (space.base_quant, space.base_types) = base_storage(o, req)?;

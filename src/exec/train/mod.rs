@@ -26,7 +26,7 @@ mod summary;
 
 pub use options::{TrainOptions, default_threads, resume_options};
 pub use progress::{ConsoleProgress, NoProgress, Progress};
-pub use setup::{plan_for, planning_baseline, with_data_open};
+pub use setup::{check_new_run_dir, plan_for, planning_baseline, with_data_open};
 pub use summary::{TrainSummary, over_max_memory, over_max_memory_warning};
 
 use crate::dist::{Comm, Single};

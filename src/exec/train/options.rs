@@ -60,6 +60,12 @@ pub struct TrainOptions {
     /// kept with `--base-quant keep` is read from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_gguf: Option<PathBuf>,
+    /// The content fingerprint of the base (`init_gguf`, else `init`;
+    /// [`crate::util::fingerprint::of_model`]): `--resume`, and `export`, `merge` and
+    /// `sample` given one of the run's adapters, refuse a base that now holds another model
+    /// (`None` in runs saved before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_fingerprint: Option<String>,
     /// Start the LoRA adapters from this PEFT adapter directory (`--init-adapter`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_adapter: Option<PathBuf>,
@@ -125,6 +131,7 @@ impl TrainOptions {
             init: None,
             init_adapter: None,
             init_gguf: None,
+            base_fingerprint: None,
             tokenizer_dir: None,
             max_shard_bytes: ckpt::DEFAULT_MAX_SHARD_BYTES,
             no_pack: false,
@@ -139,10 +146,79 @@ impl TrainOptions {
     /// The base model's name a LoRA checkpoint records (`base_model_name_or_path`): the
     /// `--init` directory, else `--model`.
     pub fn base_name(&self) -> String {
-        match &self.init {
-            Some(p) => p.display().to_string(),
-            None => self.model.clone(),
+        match (&self.init_gguf, &self.init) {
+            (Some(p), _) | (None, Some(p)) => p.display().to_string(),
+            (None, None) => self.model.clone(),
         }
+    }
+
+    /// The path the base was given as: the GGUF file `--init` named, else the `--init`
+    /// directory.
+    pub fn base_path(&self) -> Option<&Path> {
+        self.init_gguf.as_deref().or(self.init.as_deref())
+    }
+
+    /// Records the base's fingerprint (a new run, before anything is written).
+    pub fn pin_base(&mut self) -> Result<()> {
+        self.base_fingerprint = match self.base_path() {
+            Some(p) => Some(
+                crate::util::fingerprint::of_model(p)
+                    .with_context(|| format!("--init {}", p.display()))?,
+            ),
+            None => None,
+        };
+        Ok(())
+    }
+
+    /// A resumed run's base, found and checked: a LoRA run's base must hold what the run
+    /// trained on (its fingerprint); a GGUF base is converted again into the user cache when
+    /// its conversion is gone (`memwall cache --clear`), and the run's paths to the old
+    /// conversion (`init`, `model`, `tokenizer_dir`) follow the new one.
+    pub fn locate_base(&mut self) -> Result<()> {
+        let run = self.out.display().to_string();
+        let Some(base) = self.base_path().map(Path::to_path_buf) else {
+            return Ok(());
+        };
+        let lora = self.strategies.lora.is_some();
+        if !base.exists() {
+            if !lora {
+                return Ok(());
+            }
+            bail!(
+                "--resume {run}: the run's base {} (its --init) is not there; its LoRA adapters \
+                 train on that model: put it back at that path",
+                base.display()
+            );
+        }
+        if lora && let Some(want) = &self.base_fingerprint {
+            let found = crate::util::fingerprint::of_model(&base)
+                .with_context(|| format!("--resume {run}: the run's base {}", base.display()))?;
+            if found != *want {
+                bail!(
+                    "--resume {run}: the run's base {} (its --init) holds another model than the \
+                     run trained on (content fingerprint {}, not {}): the adapters would go on \
+                     training on other weights. Put the original back at that path, or start a \
+                     new run on this base (`--init {} --init-adapter {run}`)",
+                    base.display(),
+                    crate::util::fingerprint::short(&found),
+                    crate::util::fingerprint::short(want),
+                    base.display()
+                );
+            }
+        }
+        if let Some(gguf) = self.init_gguf.clone() {
+            let dir = crate::gguf::cache::model_dir(&gguf, "--init")?;
+            let old = self.init.replace(dir.clone());
+            if let Some(old) = old {
+                if Path::new(&self.model) == old {
+                    self.model = dir.to_string_lossy().into_owned();
+                }
+                if self.tokenizer_dir.as_deref() == Some(old.as_path()) {
+                    self.tokenizer_dir = Some(dir);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Refuses values the loop cannot run with, naming the flag.
@@ -216,6 +292,11 @@ pub struct DataFingerprint {
     /// An examples data set's examples per split (absent for raw text).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub examples: Option<crate::data::loader::ExampleCounts>,
+    /// An examples data set's boundaries and trained bits (`{train,val}.{idx,mask}`, SHA-256
+    /// over the four files): the same tokens prepared with another `--train-on` train
+    /// another objective (absent for raw text, and in runs saved before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub examples_sha256: Option<String>,
 }
 
 impl DataFingerprint {
@@ -228,9 +309,35 @@ impl DataFingerprint {
             vocab_size: m.vocab_size,
             train_tokens: m.train_tokens,
             val_tokens: m.val_tokens,
+            examples_sha256: match m.examples {
+                Some(_) => Some(examples_sha256(dir)?),
+                None => None,
+            },
             examples: m.examples,
         })
     }
+
+    /// Whether `found` (the data as it is now) is the data this fingerprint recorded; a field
+    /// the record lacks (a run saved before it existed) is not compared.
+    pub fn matches(&self, found: &DataFingerprint) -> bool {
+        let mut now = found.clone();
+        if self.examples_sha256.is_none() {
+            now.examples_sha256 = None;
+        }
+        *self == now
+    }
+}
+
+/// SHA-256 over an examples data set's `.idx` and `.mask` files, train then val.
+fn examples_sha256(dir: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for name in ["train.idx", "train.mask", "val.idx", "val.mask"] {
+        let sha = crate::util::fingerprint::sha256_of(&dir.join(name))?;
+        h.update(name.as_bytes());
+        h.update(sha.as_bytes());
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 impl TrainOptions {
@@ -256,8 +363,20 @@ impl TrainOptions {
         let check = |dir: &Path, named: &str| -> Result<DataFingerprint> {
             let found = DataFingerprint::of(dir).with_context(|| named.to_string())?;
             if let Some(want) = &self.data_fingerprint
-                && *want != found
+                && !want.matches(&found)
             {
+                let same_tokens = DataFingerprint {
+                    examples_sha256: want.examples_sha256.clone(),
+                    ..found.clone()
+                } == *want;
+                if same_tokens {
+                    bail!(
+                        "{named}: holds the run in {run}'s tokens with other trained tokens or \
+                         example boundaries (prepared again, with another --train-on?): the \
+                         run would go on training another objective; resume with the data as \
+                         it was prepared (--data DIR), or start a new run on this data"
+                    );
+                }
                 bail!(
                     "{named}: holds other data than the run in {run} trained on ({} with {} \
                      training tokens, not {} with {}); resume with the same prepared data \

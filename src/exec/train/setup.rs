@@ -343,8 +343,28 @@ fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
         );
     }
     match &data.examples {
-        // Examples are cut or padded to the sequence: any length fits.
-        Some(_) => {}
+        // Examples are cut or padded to the sequence: any length fits, but a split whose
+        // every trained token lies past a row would train (or measure) nothing.
+        Some((train, val)) => {
+            for (split, ex) in [("training", train), ("validation", val)] {
+                if !ex.is_empty() && ex.first_trained_within(opts.seq + 1)?.is_none() {
+                    bail!(
+                        "--data {}: no {split} example has a trained token within a row of \
+                         --seq {} (+ 1) tokens: each example is cut to a row, and every answer \
+                         starts past it, so the run would {} nothing. Raise --seq (the \
+                         examples' lengths: `memwall tokenize --chat`), or shorten what comes \
+                         before the answers",
+                        opts.data.display(),
+                        opts.seq,
+                        if split == "training" {
+                            "train"
+                        } else {
+                            "measure"
+                        }
+                    );
+                }
+            }
+        }
         None => {
             check_fits(&data.train, "train", opts.seq)?;
             check_fits(&data.val, "val", opts.seq)?;
@@ -410,6 +430,20 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
         .with_context(|| format!("--out {}: directory is not writable", out.display()))?;
     let _ = std::fs::remove_file(probe);
     Ok(())
+}
+
+/// What [`prepare_run_dir`] would refuse for a new run in `out`, checked before any work (a
+/// GGUF `--init`'s conversion, the data opened): a file, an earlier run, files of a run's
+/// names in a directory memwall did not make.
+pub fn check_new_run_dir(out: &Path) -> Result<()> {
+    if out.is_file() {
+        bail!(
+            "--out {}: is a file; give a directory for the run",
+            out.display()
+        );
+    }
+    let fresh = std::fs::read_dir(out).map_or(true, |mut e| e.next().is_none());
+    refuse_to_overwrite(out, fresh)
 }
 
 /// What a new run in `out` (not resuming) must not overwrite: checkpoints (a run to continue

@@ -116,7 +116,7 @@ impl Run<'_> {
         }
         self.final_loss = stats.loss;
         let val_loss = if due(opts.eval_every, step, opts.steps) {
-            Some(self.evaluate(stats.loss, step_profile.as_mut(), progress)?)
+            self.evaluate(stats.loss, step_profile.as_mut(), progress)?
         } else {
             None
         };
@@ -133,11 +133,15 @@ impl Run<'_> {
     /// The validation loss before the first update (runs with `--eval-every`), recorded as
     /// `metrics.jsonl`'s step-0 line, so a fine-tune shows where it started.
     pub(super) fn evaluate_initial(&mut self, progress: &mut dyn Progress) -> Result<()> {
-        let v = evaluate(&mut self.ex, &self.data, self.opts, &mut self.batch)?;
-        progress.message(&format!(
-            "step 0: val loss {v:.4} (before the first update)"
-        ));
-        self.metrics.push(&Metric::initial(v))?;
+        match evaluate(&mut self.ex, &self.data, self.opts, &mut self.batch)? {
+            Some(v) => {
+                progress.message(&format!(
+                    "step 0: val loss {v:.4} (before the first update)"
+                ));
+                self.metrics.push(&Metric::initial(v))?;
+            }
+            None => progress.message(&format!("step 0: {NO_VAL_TOKENS}")),
+        }
         Ok(())
     }
 
@@ -193,7 +197,7 @@ impl Run<'_> {
         train_loss: f32,
         step_profile: Option<&mut StepProfile>,
         progress: &mut dyn Progress,
-    ) -> Result<f32> {
+    ) -> Result<Option<f32>> {
         let te = Instant::now();
         let v = evaluate(&mut self.ex, &self.data, self.opts, &mut self.batch)?;
         if let Some(sp) = step_profile {
@@ -205,11 +209,15 @@ impl Run<'_> {
                 None,
             ));
         }
+        let val = match v {
+            Some(v) => format!("val loss {v:.4}"),
+            None => NO_VAL_TOKENS.to_string(),
+        };
         progress.message(&format!(
-            "step {}: train loss {train_loss:.4}, val loss {v:.4}",
+            "step {}: train loss {train_loss:.4}, {val}",
             self.step
         ));
-        self.final_val = Some(v);
+        self.final_val = v;
         Ok(v)
     }
 
@@ -367,12 +375,17 @@ fn upload(ex: &mut Executor, data: &DataSet, batch: &[u32]) -> Result<()> {
 /// the validation split (the mean of the batches' means: every batch has as many targets); for
 /// examples over the split's first `eval_batches` × rows examples, each once, in order, the
 /// mean over their trained targets (the same figure packed or not, up to rounding).
+/// What is said in place of a validation loss over no trained token.
+const NO_VAL_TOKENS: &str = "no val loss (the validation examples evaluated have no trained \
+    token within a row of --seq + 1 tokens)";
+
+/// `None` when the examples evaluated hold no trained token (a mean over nothing).
 fn evaluate(
     ex: &mut Executor,
     data: &DataSet,
     opts: &TrainOptions,
     batch: &mut [u32],
-) -> Result<f32> {
+) -> Result<Option<f32>> {
     let (mut sum, mut tokens) = (0.0f64, 0.0f64);
     // Each rank evaluates its part of every validation batch; the executor averages the
     // ranks' losses.
@@ -400,11 +413,7 @@ fn evaluate(
         }
         start = next;
         if start >= end {
-            return Ok(if tokens > 0.0 {
-                (sum / tokens) as f32
-            } else {
-                0.0
-            });
+            return Ok((tokens > 0.0).then(|| (sum / tokens) as f32));
         }
     }
     // Raw text: `eval_batches` windows drawn from (seed, k).
@@ -415,5 +424,5 @@ fn evaluate(
         upload(ex, data, batch)?;
         sum += ex.eval_loss()? as f64;
     }
-    Ok((sum / opts.eval_batches as f64) as f32)
+    Ok(Some((sum / opts.eval_batches as f64) as f32))
 }

@@ -74,7 +74,9 @@ fn other_base(dir: &Path, base_dir: &Path) -> Option<PathBuf> {
         std::fs::canonicalize(&recorded).ok()?,
         std::fs::canonicalize(base_dir).ok()?,
     );
-    (r != b).then_some(recorded)
+    // A GGUF file's conversion in the user cache is that file.
+    let converted_from_it = crate::gguf::cache::sources_of(&b).contains(&r);
+    (r != b && !converted_from_it).then_some(recorded)
 }
 
 #[cfg(test)]

@@ -60,6 +60,15 @@ pub fn recorded_base(adapter: &Path) -> Result<PathBuf> {
             );
             Ok(p)
         }
+        Some(p) if crate::gguf::cache::is_cached_conversion(&p) => bail!(
+            "{}: the adapter's base {} was memwall's conversion of a GGUF file in the user \
+             cache, since removed (`memwall cache --clear`); give that GGUF file as the MODEL, \
+             it is converted once more (`memwall export FILE.gguf --adapter {} --gguf \
+             OUT.gguf`)",
+            config.display(),
+            p.display(),
+            adapter.display()
+        ),
         Some(p) => bail!(
             "{}: the adapter's base {} is not here: give the MODEL to merge it into \
              (`memwall export MODEL --adapter {} --gguf OUT.gguf`)",
@@ -138,19 +147,60 @@ pub fn check_output(out: &Path, model: &Path, adapter: Option<&Path>) -> Result<
             }
         }
     }
-    if out.exists() {
-        let mut magic = [0u8; 4];
-        let is_gguf = std::fs::File::open(out)
-            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-            .is_ok()
-            && &magic == b"GGUF";
-        if !is_gguf {
+    // A GGUF file's conversion in the user cache is read for it: the file is the input too.
+    for source in crate::gguf::cache::sources_of(model) {
+        if same(&source) {
             bail!(
-                "--gguf {}: exists and is not a GGUF file; memwall replaces only an earlier \
-                 export: move it, or choose another file name",
-                out.display()
+                "--gguf {} is the GGUF file {} was converted from, the base being read: write \
+                 the export to another file",
+                out.display(),
+                model.display()
             );
         }
+    }
+    check_replaceable(out)
+}
+
+/// The metadata key that marks a GGUF file memwall exported (its version as the value): a
+/// later export replaces only such a file.
+pub const EXPORT_MARK: &str = "memwall.exported_by";
+
+/// The mark every export carries ([`EXPORT_MARK`]).
+pub fn export_mark() -> (String, crate::gguf::file::Value) {
+    (
+        EXPORT_MARK.to_string(),
+        crate::gguf::file::Value::String(format!("memwall {}", env!("CARGO_PKG_VERSION"))),
+    )
+}
+
+/// Refuses to replace `out` unless it does not exist or is a GGUF file memwall exported (its
+/// [`EXPORT_MARK`]): a downloaded model, or any other file, is never written over.
+pub fn check_replaceable(out: &Path) -> Result<()> {
+    if !out.exists() {
+        return Ok(());
+    }
+    let mut magic = [0u8; 4];
+    let is_gguf = std::fs::File::open(out)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok()
+        && &magic == b"GGUF";
+    if !is_gguf {
+        bail!(
+            "--gguf {}: exists and is not a GGUF file; memwall replaces only its own earlier \
+             export: move it, or choose another file name",
+            out.display()
+        );
+    }
+    let ours = crate::gguf::GgufFile::open(out)
+        .ok()
+        .is_some_and(|f| f.get(EXPORT_MARK).is_some());
+    if !ours {
+        bail!(
+            "--gguf {}: exists and is a GGUF file memwall did not export (it has no {EXPORT_MARK} \
+             key: a downloaded model, say); memwall replaces only its own earlier export: move \
+             it, or choose another file name",
+            out.display()
+        );
     }
     Ok(())
 }
