@@ -376,13 +376,6 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     println!(
         "memwall demo chat: teach SmolLM2-135M-Instruct to continue Shakespeare's speeches (LoRA) from a static memory plan\n"
     );
-    let (gguf, dir, spec) = smollm2::pretrained()?;
-    println!(
-        "   converted once to {} ({:.1}M parameters, with its tokenizer and chat template)",
-        dir.display(),
-        spec.num_params() as f64 / 1e6
-    );
-
     let corpus = crate::data::corpus::demo_corpus()?;
     let set = ConversationSet::from_corpus(&corpus)?;
     // Everything the demo writes is checked before it writes anything: the conversations
@@ -402,6 +395,13 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     }
     crate::data::prepare::check_out(&data)?;
     RunDir::new(&run).check_previous(&format!("the previous demo run {}", run.display()))?;
+    let (gguf, dir, spec) = smollm2::pretrained()?;
+    println!(
+        "   converted once to {} ({:.1}M parameters, with its tokenizer and chat template)",
+        dir.display(),
+        spec.num_params() as f64 / 1e6
+    );
+
     std::fs::create_dir_all(&o.out)
         .with_context(|| format!("cannot create --out '{}'", o.out.display()))?;
     if !jsonl.exists() {

@@ -11,6 +11,7 @@ use crate::data::{check_tokenizer, tokenizer};
 use crate::dist::Comm;
 use crate::exec::LossScaler;
 use crate::exec::executor::Executor;
+use crate::model::lora::LoraSpec;
 use crate::model::{Family, ModelSpec};
 use crate::plan::{Plan, Precision};
 use crate::profile::leak::LeakCheck;
@@ -578,7 +579,13 @@ fn fill_adapter(ex: &mut Executor, dir: &Path) -> Result<()> {
         bail!("internal error: fill_adapter on a plan without LoRA");
     };
     ckpt::adapter::load_adapter_by(dir, &lora.base, |adapters, copy| {
-        if adapters.spec != lora.adapters.spec {
+        // The dropout is how the adapters train, not what they hold (`--lora-dropout` with
+        // `--init-adapter` changes it).
+        let held = LoraSpec {
+            dropout: lora.adapters.spec.dropout,
+            ..adapters.spec.clone()
+        };
+        if held != lora.adapters.spec {
             bail!(
                 "{}: the adapter there ({:?}) is not the run's ({:?})",
                 dir.display(),
