@@ -128,12 +128,12 @@ mpirun) time their collectives with it; without it they assume 5 GB/s and say so
     Calibrate(CalibrateArgs),
     /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
     Report(ReportArgs),
-    /// Turn a llama.cpp GGUF file (llama or qwen2) into a Hugging Face model directory.
+    /// Turn a llama.cpp GGUF file (llama, qwen2 or gpt2) into a Hugging Face model directory.
     #[command(
         long_about = "Turn a llama.cpp GGUF file into a Hugging Face model directory: config.json, \
 model.safetensors, tokenizer.json and tokenizer_config.json, which transformers' \
-LlamaForCausalLM / Qwen2ForCausalLM (and AutoTokenizer) load.\n\n\
-Supported: general.architecture llama or qwen2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
+LlamaForCausalLM / Qwen2ForCausalLM / GPT2LMHeadModel (and AutoTokenizer) load.\n\n\
+Supported: general.architecture llama, qwen2 or gpt2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
 Q4_1, Q5_0, Q4_K, Q6_K (dequantized to f32: quantization error is kept, not undone); tokenizers \
 gpt2 (byte-level BPE, pre-tokenizer default, gpt2, smollm, llama-bpe or qwen2) and llama \
 (SentencePiece BPE with byte fallback). \
@@ -387,8 +387,9 @@ pub(crate) struct PrepareArgs {
     /// val.idx, train.mask, val.mask).
     #[arg(long)]
     pub(crate) out: PathBuf,
-    /// Fraction held out for validation: of the tokens (the end of the stream), or for chat
-    /// data of the examples (the last ones).
+    /// Fraction held out for validation, greater than 0 and at most 0.5: of the tokens (the
+    /// end of the stream), or for chat data of the examples (the last ones, rounded, at least
+    /// one on each side).
     #[arg(long, default_value_t = 0.05)]
     pub(crate) val_fraction: f64,
     /// Chat data: a Jinja chat template file to use instead of the tokenizer's own.
@@ -751,7 +752,7 @@ pub(crate) struct TrainArgs {
     pub(crate) no_pack: bool,
     /// Start from the weights of a Hugging Face model directory (config.json +
     /// model.safetensors, or shards with model.safetensors.index.json): a GPT-2, Llama or
-    /// Qwen2 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2), converted
+    /// Qwen2 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2 / gpt2), converted
     /// once into the user cache. Gives the architecture when --model is left out (fine-tuning).
     #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
     pub(crate) init: Option<PathBuf>,
@@ -776,7 +777,7 @@ pub(crate) struct TrainArgs {
 #[derive(Args)]
 pub(crate) struct SampleArgs {
     /// Checkpoint directory (config.json + model.safetensors), e.g. RUN/checkpoints/step-000500
-    /// or a Hugging Face model directory; or a GGUF file (llama / qwen2), converted once into
+    /// or a Hugging Face model directory; or a GGUF file (llama / qwen2 / gpt2), converted once into
     /// the user cache.
     #[arg(long, value_name = "DIR|FILE.gguf")]
     pub(crate) model: PathBuf,

@@ -95,6 +95,23 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
 }
 
 fn prepare_cmd(a: PrepareArgs) -> Result<()> {
+    // An input given twice (or a file and the folder holding it) would be read twice: its
+    // validation lines would copy training ones.
+    let canonical: Vec<_> = (a.inputs.iter())
+        .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+        .collect();
+    for (i, p) in canonical.iter().enumerate() {
+        if let Some(j) = (0..canonical.len()).find(|&j| j != i && p.starts_with(&canonical[j])) {
+            anyhow::bail!(
+                "{}: given twice (it is {}): each input is read once; give it once",
+                a.inputs[i].display(),
+                match p == &canonical[j] {
+                    true => format!("also {}", a.inputs[j].display()),
+                    false => format!("inside {}", a.inputs[j].display()),
+                }
+            );
+        }
+    }
     let tok = Tokenizer::load(&a.tokenizer).context("--tokenizer")?;
     if memwall::data::chat::is_chat_input(&a.inputs, &mut |n| eprintln!("{n}"))? {
         return prepare_chat_cmd(a, tok);
@@ -130,13 +147,7 @@ fn prepare_chat_cmd(a: PrepareArgs, tok: Tokenizer) -> Result<()> {
     let file = Tokenizer::file_of(&a.tokenizer)?;
     let dir = file.as_deref().and_then(std::path::Path::parent);
     let template = ChatTemplate::load(dir, a.chat_template.as_deref())?;
-    if template.is_none() && a.tokenizer == "gpt2" {
-        anyhow::bail!(
-            "chat data is rendered with the model's own tokenizer and chat template, and \
-             --tokenizer is gpt2 (the default, which has no template): pass the model's \
-             --tokenizer (its directory, tokenizer.json or GGUF file)"
-        );
-    }
+    // Raw `text` lines need no template; a conversation without one is refused at its line.
     let described = tok.id().describe();
     let encoder = Encoder::new(tok, template, a.train_on.unwrap_or_default());
     let s = prepare_chat(

@@ -702,3 +702,92 @@ fn the_chat_demo_leaves_the_users_files() {
     assert!(!o.status.success() && err.contains("run-chat"), "{err}");
     assert!(!out.join("chat-shakespeare.jsonl").exists());
 }
+
+/// Item 18: a missing adapter, a used `--out` or a run already there are refused before a
+/// GGUF base is converted (an f32 copy, 4 bytes a parameter, in the user cache).
+#[test]
+fn the_cheap_checks_come_before_a_gguf_conversion() {
+    let t = Trial::new();
+    let dl = t.downloaded_gguf("dl.gguf", "1", "1e-3");
+    let dl = dl.to_str().unwrap();
+    std::fs::create_dir_all(t.path("not-an-adapter")).unwrap();
+    std::fs::create_dir_all(t.path("old-run/checkpoints/step-000001")).unwrap();
+    std::fs::create_dir_all(t.path("used")).unwrap();
+    std::fs::write(t.path("used/notes.txt"), "mine").unwrap();
+    for (args, says) in [
+        (
+            vec!["merge", dl, &t.s("not-an-adapter"), "--out", &t.s("m")],
+            "adapter_config.json",
+        ),
+        (
+            vec!["merge", dl, &t.s("scratch-dl.gguf"), "--out", &t.s("m")],
+            "adapter_config.json",
+        ),
+        (
+            vec![
+                "sample",
+                "--model",
+                dl,
+                "--adapter",
+                &t.s("not-an-adapter"),
+                "--prompt",
+                "a",
+            ],
+            "adapter_config.json",
+        ),
+        (
+            vec![
+                "train",
+                "--init",
+                dl,
+                "--lora",
+                "2",
+                "--data",
+                &t.s("data-base"),
+                "--out",
+                &t.s("old-run"),
+            ],
+            "step-000001",
+        ),
+    ] {
+        let e = t.fails(&args);
+        assert!(e.contains(says), "{args:?}: {e}");
+    }
+    let converted = std::fs::read_dir(t.path("cache/memwall/gguf"))
+        .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
+        .unwrap_or(0);
+    assert_eq!(converted, 0, "nothing was converted");
+}
+
+/// Item 20: raw text lines need no chat template; an input given twice is refused (its
+/// validation lines would copy training ones); `--no-pack` on raw text is refused, not
+/// ignored.
+#[test]
+fn prepare_and_train_take_what_they_can_use_and_refuse_the_rest() {
+    let t = Trial::new();
+    let lines: String = (0..100)
+        .map(|i| format!("{{\"text\": \"line {i} of the play, spoken well\"}}\n"))
+        .collect();
+    std::fs::write(t.path("text.jsonl"), lines).unwrap();
+    let said = t.ok(&["prepare", "text.jsonl", "--tokenizer", "gpt2", "--out", "d"]);
+    assert!(said.contains("100 examples"), "{said}");
+    let e = t.fails(&["prepare", "text.jsonl", "text.jsonl", "--out", "d2"]);
+    assert!(e.contains("given twice"), "{e}");
+    let e = t.fails(&["prepare", "text.jsonl", &t.s("."), "--out", "d3"]);
+    assert!(e.contains("given twice") && e.contains("inside"), "{e}");
+    let cfg = common::micro_config(t.tmp.path());
+    t.text_data("gpt2", "raw");
+    let e = t.fails(&[
+        "train",
+        "--model",
+        cfg.to_str().unwrap(),
+        "--data",
+        "raw",
+        "--out",
+        "r",
+        "--no-pack",
+        "--steps",
+        "1",
+    ]);
+    assert!(e.contains("--no-pack") && e.contains("raw text"), "{e}");
+}

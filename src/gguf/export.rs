@@ -202,8 +202,8 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
             dir.display()
         );
     }
-    inputs::check_replaceable(&o.out)?;
     let spec = crate::ckpt::load_spec(dir)?;
+    inputs::check_replaceable(&o.out)?;
     let arch = arch_of(&spec);
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
     let mut md = model_metadata(&spec, arch, &name, o.ty, dir)?;

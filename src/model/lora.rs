@@ -642,6 +642,20 @@ mod tests {
             e.contains(&format!("--lora {too_big}")) && e.contains("give at most"),
             "{e}"
         );
+        // The bound is the narrowest adapted layer's, whichever comes first: a GQA model's k.
+        let narrow = base.n_kv_head * base.head_dim;
+        assert!(
+            narrow < base.n_embd,
+            "llama-tiny has grouped-query attention"
+        );
+        let e = format!(
+            "{:#}",
+            AdapterLayout::new(&layout, spec(narrow + 1, "all", Family::Llama)).unwrap_err()
+        );
+        assert!(
+            e.contains("k_proj") && e.contains(&format!("give at most {narrow}")),
+            "{e}"
+        );
         let e = format!(
             "{:#}",
             AdapterLayout::new(&layout, spec(0, "q", Family::Llama)).unwrap_err()
@@ -666,6 +680,8 @@ mod tests {
             (r#""alpha_pattern": {"v_proj": 4}"#, "alpha_pattern"),
             (r#""layers_to_transform": [0, 1]"#, "layers_to_transform"),
             (r#""target_modules": ".*q_proj""#, "regular expression"),
+            (r#""lora_bias": true"#, "lora_bias"),
+            (r#""init_lora_weights": "pissa""#, "pissa"),
         ] {
             let mut v = serde_json::to_value(&cfg).unwrap();
             let extra: serde_json::Value = serde_json::from_str(&format!("{{{json}}}")).unwrap();
@@ -675,6 +691,13 @@ mod tests {
             let other: AdapterConfig = serde_json::from_value(v).unwrap();
             let e = format!("{:#}", other.spec(Family::Llama, "c.json").unwrap_err());
             assert!(e.contains("c.json") && e.contains(says), "{e}");
+        }
+        // Gaussian initialisation (or none) leaves the base as it is: taken.
+        for init in [serde_json::json!("gaussian"), serde_json::json!(false)] {
+            let mut v = serde_json::to_value(&cfg).unwrap();
+            v["init_lora_weights"] = init;
+            let other: AdapterConfig = serde_json::from_value(v).unwrap();
+            assert!(other.spec(Family::Llama, "x").is_ok());
         }
         let mut v = serde_json::to_value(&cfg).unwrap();
         v["target_modules"] = serde_json::json!("all-linear");

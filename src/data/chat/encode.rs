@@ -7,7 +7,9 @@
 //! model will see at inference) and the conversation through it without; the assistant's span
 //! is the text between, so it holds the answer and whatever the template writes after it up to
 //! the next turn: its end-of-turn token (`<|im_end|>`, `<|eot_id|>`) and, for ChatML, the
-//! newline after it. Each rendering must be a prefix of the whole conversation's, and each span
+//! newline after it (a template that ends every rendering without a generation prompt with the
+//! end-of-sequence token, as Phi-3's, writes it after the last turn only: a turn followed by
+//! more is taken without it). Each rendering must be a prefix of the whole conversation's, and each span
 //! must contain its turn's content as written; a template that renders differently (one that
 //! trims or rewrites the answer, or depends on what follows) is refused, as the mask would not
 //! match the text.
@@ -189,7 +191,20 @@ pub fn assistant_spans(
         }
         let turn = i + 1;
         let prompt = template.render(&messages[..i], true)?;
-        let through = template.render(&messages[..=i], false)?;
+        let mut through = template.render(&messages[..=i], false)?;
+        // Templates that close a conversation with the end-of-sequence token when no
+        // generation prompt follows (Phi-3's) write it after the last turn only: a turn
+        // followed by more is the same rendering without it.
+        if !full.starts_with(&through)
+            && let Some(eos) = template
+                .specials()
+                .get("eos_token")
+                .filter(|e| !e.is_empty())
+            && let Some(open) = through.strip_suffix(eos.as_str())
+            && full.starts_with(open)
+        {
+            through.truncate(open.len());
+        }
         // Before any user turn: templates that add a default system turn (SmolLM2's, Qwen's)
         // render such a prefix differently; the order is the likelier fault.
         let first = messages.iter().position(|m| m.role != Role::System);
@@ -307,5 +322,24 @@ mod tests {
         let spans = assistant_spans(&t, &m, &full).unwrap();
         let texts: Vec<&str> = spans.iter().map(|&(s, e)| &full[s..e]).collect();
         assert_eq!(texts, ["Hello<|im_end|>\n", "<|im_end|>\n"]);
+    }
+
+    /// Phi-3's template ends a rendering without a generation prompt with the EOS token:
+    /// an answer followed by more turns is taken without it, the last one with it.
+    #[test]
+    fn a_closing_eos_belongs_to_the_last_turn() {
+        let phi3 = "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}";
+        let specials = BTreeMap::from([("eos_token".to_string(), "<|endoftext|>".to_string())]);
+        let t = ChatTemplate::new(phi3.into(), "phi3".into(), specials).unwrap();
+        let m = [
+            Message::new(Role::User, "Hi"),
+            Message::new(Role::Assistant, "Hello"),
+            Message::new(Role::User, "Bye"),
+            Message::new(Role::Assistant, "Later"),
+        ];
+        let full = t.render(&m, false).unwrap();
+        let spans = assistant_spans(&t, &m, &full).unwrap();
+        let texts: Vec<&str> = spans.iter().map(|&(s, e)| &full[s..e]).collect();
+        assert_eq!(texts, ["Hello<|end|>\n", "Later<|end|>\n<|endoftext|>"]);
     }
 }

@@ -437,6 +437,22 @@ mod tests {
         assert_eq!(tm.render(&[], false).unwrap(), "O");
         let tm = ChatTemplate::load(None, Some(&own)).unwrap().unwrap();
         assert_eq!(tm.render(&[], false).unwrap(), "O");
+        // A tokenizer_config.json given as --chat-template is read as one (its
+        // chat_template and special tokens), never rendered as the template's text.
+        let given = d.join("given_config.json");
+        std::fs::write(
+            &given,
+            r#"{"eos_token": "<e>", "chat_template": "G{{ eos_token }}"}"#,
+        )
+        .unwrap();
+        let tm = ChatTemplate::load(None, Some(&given)).unwrap().unwrap();
+        assert_eq!(tm.render(&[], false).unwrap(), "G<e>");
+        std::fs::write(&given, r#"{"eos_token": "<e>"}"#).unwrap();
+        let e = format!("{:#}", ChatTemplate::load(None, Some(&given)).unwrap_err());
+        assert!(
+            e.contains("given_config.json") && e.contains("without a chat_template"),
+            "{e}"
+        );
         std::fs::write(&cfg, "{oops").unwrap();
         let e = format!("{:#}", ChatTemplate::load(Some(d), None).unwrap_err());
         assert!(

@@ -367,6 +367,14 @@ fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
             }
         }
         None => {
+            if opts.no_pack {
+                bail!(
+                    "--no-pack: the data in {} is raw text, drawn as windows of --seq tokens with \
+                     nothing to pack; --no-pack is for chat data (examples, from `prepare` of \
+                     .jsonl conversations): leave it out",
+                    opts.data.display()
+                );
+            }
             check_fits(&data.train, "train", opts.seq)?;
             check_fits(&data.val, "val", opts.seq)?;
         }
@@ -379,10 +387,15 @@ fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
 /// trained tokens only.
 fn cut_examples(examples: usize, cut: usize, seq: usize, packed: bool) -> String {
     let cut = match cut {
-        0 => format!("none is longer than a row ({} tokens)", seq + 1),
+        0 => format!(
+            "none is longer than a row (--seq {seq} tokens, and the one more that the last \
+             predicts: {})",
+            seq + 1
+        ),
         n => format!(
-            "{} {} longer than a row ({} tokens) and cut to it, losing what follows (a cut \
-             answer trains on its start only; raise --seq to keep more)",
+            "{} {} longer than a row (--seq {seq} tokens, and the one more that the last \
+             predicts: {}) and cut to it, losing what follows (a cut answer trains on its start \
+             only; raise --seq to keep more)",
             crate::util::count(n as u64, "example"),
             if n == 1 { "is" } else { "are" },
             seq + 1

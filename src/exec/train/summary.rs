@@ -39,14 +39,18 @@ impl TrainSummary {
     /// last checkpoint and the report, when there are any.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "trained steps {}..{}: loss {:.4}{} | {:.0} tokens/s | peak RSS {} (plan {} + baseline {})",
+            "trained steps {}..{}: loss {:.4}{} | {} | peak RSS {} (plan {} + baseline {})",
             self.first_step,
             self.last_step,
             self.final_loss,
             self.final_val_loss
                 .map(|v| format!(", val loss {v:.4}"))
                 .unwrap_or_default(),
-            self.tokens_per_s,
+            // The first step of an invocation warms up and is not timed.
+            match self.tokens_per_s {
+                t if t > 0.0 => format!("{t:.0} tokens/s"),
+                _ => "tokens/s not timed (one step ran: the first is warm-up)".to_string(),
+            },
             self.peak_rss_bytes
                 .map(fmt_bytes)
                 .unwrap_or_else(|| "?".into()),

@@ -84,8 +84,13 @@ pub fn recorded_base(adapter: &Path) -> Result<PathBuf> {
 }
 
 /// What a model path is called in `general.name`: a file's stem, a directory's name, a
-/// checkpoint's `RUN-step-N` (its run's name beside its step).
+/// checkpoint's `RUN-step-N` (its run's name beside its step), a GGUF file's conversion
+/// the file's stem.
 pub fn display_name(path: &Path) -> Option<String> {
+    // A GGUF file's conversion in the user cache is named after the file, not its hash.
+    if let Some(source) = crate::gguf::cache::sources_of(path).first() {
+        return Some(source.file_stem()?.to_string_lossy().into_owned());
+    }
     let p = std::fs::canonicalize(path).ok()?;
     let own = if p.is_dir() {
         p.file_name()

@@ -557,6 +557,12 @@ fn a_directory_without_a_known_tokenizer_is_refused_by_file() {
 fn a_failed_export_leaves_the_earlier_file_and_no_temporary() {
     let tmp = tempfile::tempdir().unwrap();
     let a = tiny_dir(tmp.path(), "llama");
+    // An earlier export of the model, which a failed one must leave as it was.
+    let outdir = tmp.path().join("out");
+    fs::create_dir(&outdir).unwrap();
+    let out = outdir.join("m.gguf");
+    export_to(&a, &out, ExportType::F32).unwrap();
+    let earlier = fs::read(&out).unwrap();
     // A weight beyond f16's range: found while writing, after the header is out.
     let st = a.join("model.safetensors");
     let bytes = fs::read(&st).unwrap();
@@ -577,16 +583,15 @@ fn a_failed_export_leaves_the_earlier_file_and_no_temporary() {
         })
         .collect();
     safetensors::serialize_to_file(views, None, &st).unwrap();
-    let outdir = tmp.path().join("out");
-    fs::create_dir(&outdir).unwrap();
-    let out = outdir.join("m.gguf");
-    fs::write(&out, b"earlier").unwrap();
     let e = format!("{:#}", export_to(&a, &out, ExportType::F16).unwrap_err());
     assert!(
         e.contains(name) && e.contains("does not fit in f16") && e.contains("unchanged"),
         "{e}"
     );
-    assert_eq!(fs::read(&out).unwrap(), b"earlier");
+    assert!(
+        fs::read(&out).unwrap() == earlier,
+        "the earlier export changed"
+    );
     assert_eq!(
         fs::read_dir(&outdir).unwrap().count(),
         1,
