@@ -473,6 +473,13 @@ fn print_summary(s: &train::TrainSummary) {
 }
 
 fn sample_cmd(a: SampleArgs) -> Result<()> {
+    // clap drops `requires = "chat"` when --prompt (which conflicts with --chat) is given.
+    if a.chat.is_none() && (a.system.is_some() || a.chat_template.is_some()) {
+        bail!(
+            "--system and --chat-template shape a chat turn: give the message with --chat TEXT \
+             (--prompt continues raw text, with no template)"
+        );
+    }
     // The adapter is checked before a GGUF model's conversion.
     if let Some(dir) = &a.adapter {
         let ad = memwall::ckpt::adapter::check_adapter_dir(dir, "--adapter")?;

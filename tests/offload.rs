@@ -268,6 +268,10 @@ fn a_killed_offloaded_run_resumes_bitwise() {
         "--threads",
         "2",
     ]);
+    assert!(
+        !killed.join("offload").exists(),
+        "the finished run leaves no empty offload directory"
+    );
     for f in ["model.safetensors", "optimizer.safetensors"] {
         let a = whole.join("checkpoints/step-000060").join(f);
         let b = last.join(f);

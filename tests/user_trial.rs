@@ -645,6 +645,13 @@ fn adapters_take_the_forms_users_give() {
         "--steps",
         "2",
     ]);
+    // The report shows the LoRA settings.
+    t.ok(&["report", &t.s("lora")]);
+    let page = std::fs::read_to_string(t.path("lora/report.html")).unwrap();
+    assert!(
+        page.contains("<td>LoRA</td><td>rank 2, alpha 4"),
+        "no LoRA row"
+    );
 
     // What a killed merge left: a temporary sibling and, from older versions, a hidden
     // temporary inside the output.
@@ -721,7 +728,7 @@ fn the_cheap_checks_come_before_a_gguf_conversion() {
         ),
         (
             vec!["merge", dl, &t.s("scratch-dl.gguf"), "--out", &t.s("m")],
-            "adapter_config.json",
+            "is a whole model",
         ),
         (
             vec![
@@ -788,6 +795,8 @@ fn prepare_and_train_take_what_they_can_use_and_refuse_the_rest() {
         "--no-pack",
         "--steps",
         "1",
+        "--seq",
+        "16",
     ]);
     assert!(e.contains("--no-pack") && e.contains("raw text"), "{e}");
 }

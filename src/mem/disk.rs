@@ -43,11 +43,13 @@ pub struct DiskTier {
     pub direct: bool,
     /// Transfers left before an injected failure ([`FAIL_AFTER_ENV`]).
     fail_after: Option<AtomicU64>,
+    /// The directory, when this tier created it: removed with the file if left empty.
+    created_dir: Option<PathBuf>,
 }
 
 impl DiskTier {
-    /// Creates `dir` if needed and `dir/name` of `bytes` bytes (space checked, then reserved
-    /// with `fallocate`),
+    /// Creates `dir` if needed (removed again with the file when it is left empty) and
+    /// `dir/name` of `bytes` bytes (space checked, then reserved with `fallocate`),
     /// replacing a previous run's file. Errors name the directory and what would fix it.
     pub fn create(dir: &Path, name: &str, bytes: u64) -> Result<DiskTier> {
         DiskTier::create_as(dir, name, bytes, "the offload file")
@@ -55,6 +57,7 @@ impl DiskTier {
 
     /// [`DiskTier::create`] of a file that errors call `what` (the disk probe's scratch).
     pub fn create_as(dir: &Path, name: &str, bytes: u64, what: &str) -> Result<DiskTier> {
+        let created_dir = (!dir.exists()).then(|| dir.to_path_buf());
         let _ = std::fs::create_dir_all(dir); // a failure is named just below
         if !dir.is_dir() {
             bail!(
@@ -100,6 +103,7 @@ impl DiskTier {
             path,
             direct,
             fail_after,
+            created_dir,
         };
         // SAFETY: a valid descriptor; fallocate only reserves blocks.
         let r = unsafe { libc::fallocate(tier.file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
@@ -187,6 +191,10 @@ impl DiskTier {
 impl Drop for DiskTier {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        // Only an empty directory is removed (`remove_dir` refuses any other).
+        if let Some(dir) = &self.created_dir {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 

@@ -152,6 +152,24 @@ impl ReportPage<'_> {
         kv("precision", p.precision.clone());
         kv("recompute", p.config_str("recompute"));
         kv("optimizer state", p.config_str("optim_state"));
+        if let Some(l) = p.config.get("lora").filter(|l| l.is_object()) {
+            let num = |k: &str| l.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
+            let targets: Vec<&str> = (l.get("targets").and_then(|t| t.as_array()))
+                .map(|t| t.iter().filter_map(|x| x.as_str()).collect())
+                .unwrap_or_default();
+            kv(
+                "LoRA",
+                format!(
+                    "rank {}, alpha {} (scale {}), dropout {}, on {}; the base frozen, kept as {}",
+                    num("r"),
+                    num("alpha"),
+                    num("alpha") / num("r").max(1.0),
+                    num("dropout"),
+                    targets.join(","),
+                    p.config_str("base_quant")
+                ),
+            );
+        }
         if let Some(r) = &p.per_rank {
             let num = |k: &str| r.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
             let by: Vec<String> = r

@@ -3,9 +3,9 @@
 //!
 //! | keys | format | becomes |
 //! |---|---|---|
-//! | `messages: [{role, content}, …]` (optional `system`) | OpenAI | the messages; roles `system`, `user`, `assistant` |
+//! | `messages: [{role, content}, …]` (optional `system`) | OpenAI | the messages; roles `system`, `user`, `assistant`, `tool` |
 //! | `conversations: [{from, value}, …]` (optional `system`) | ShareGPT | `human`/`user` → user, `gpt`/`assistant` → assistant, `system` → system, in any case; turns keyed `role`/`content` read too |
-//! | `prompt`, `completion` (optional `system`) | prompt/completion | a user turn, then an assistant turn |
+//! | `prompt`, `completion` (optional `system`) | prompt/completion | a user turn, then an assistant turn; TRL's conversational form (two lists of `{role, content}`) their turns in order |
 //! | `instruction`, `output` (optional `input`, `system`) | Alpaca | see below |
 //! | `text` | raw text | trained whole, no template |
 //!
@@ -18,6 +18,9 @@
 //! instruction…" preamble is added: the chat template frames the turns.
 //!
 //! A top-level `system` becomes the first turn. A byte-order mark before a line is skipped.
+//! A content given as a list of parts (`[{"type": "text", "text": …}]`) is its text parts
+//! joined; `tool` turns (ShareGPT's `tool` or `observation`) are rendered as the template
+//! renders them and never trained.
 //!
 //! Refused (the caller adds the file and line): JSON that does not parse or is not an object,
 //! keys that fit no format, an empty conversation, a role that is none of the above, a content
@@ -39,6 +42,9 @@ pub enum Role {
     User,
     /// The model's turn: what is trained with `--train-on answers`.
     Assistant,
+    /// A tool's result, fed back to the model (rendered as the template renders `tool`
+    /// turns; never trained).
+    Tool,
 }
 
 impl Role {
@@ -48,6 +54,7 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
@@ -152,6 +159,17 @@ pub fn parse_line(line: &str) -> Result<Record> {
             messages: with_system(&obj, messages, "conversations")?,
         });
     }
+    // TRL's conversational prompt/completion: two lists of turns, the completion's trained.
+    if let (Some(p @ Value::Array(_)), Some(c @ Value::Array(_))) =
+        (obj.get("prompt"), obj.get("completion"))
+    {
+        let mut messages = turns(p, "prompt", ("role", "content"), openai_role)?;
+        messages.extend(turns(c, "completion", ("role", "content"), openai_role)?);
+        return Ok(Record::Chat {
+            format: Format::PromptCompletion,
+            messages: with_system(&obj, messages, "prompt")?,
+        });
+    }
     if obj.contains_key("prompt") && obj.contains_key("completion") {
         let mut messages = system(&obj)?;
         messages.push(Message::new(Role::User, string(&obj, "prompt")?));
@@ -197,6 +215,34 @@ fn string<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<&'a str> {
     }
 }
 
+/// A turn's content: a string, or a list of parts (`[{"type": "text", "text": …}, …]`, as
+/// OpenAI and transformers' multimodal messages give it) of text only, joined: what the
+/// templates that take parts render for text. Other part types (an image) are refused.
+fn text_of(turn: &Map<String, Value>, key: &str) -> Result<String> {
+    let Some(Value::Array(parts)) = turn.get(key) else {
+        return Ok(string(turn, key)?.to_owned());
+    };
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        let Value::Object(p) = part else {
+            bail!(
+                "\"{key}\"[{j}] is {}, not a part ({{\"type\": \"text\", \"text\": …}})",
+                kind(part)
+            );
+        };
+        match p.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                text.push_str(string(p, "text").map_err(|e| anyhow!("\"{key}\"[{j}]: {e}"))?)
+            }
+            other => bail!(
+                "\"{key}\"[{j}] is a part of type {}: memwall trains on text; only \"text\" parts are read",
+                other.map_or("(none)".to_string(), |t| format!("\"{t}\""))
+            ),
+        }
+    }
+    Ok(text)
+}
+
 /// The optional `system` turn of a prompt/completion or Alpaca line.
 fn system(obj: &Map<String, Value>) -> Result<Vec<Message>> {
     Ok(match obj.get("system") {
@@ -240,6 +286,7 @@ fn openai_role(r: &str) -> Option<Role> {
         "system" => Some(Role::System),
         "user" => Some(Role::User),
         "assistant" => Some(Role::Assistant),
+        "tool" => Some(Role::Tool),
         _ => None,
     }
 }
@@ -249,6 +296,7 @@ fn sharegpt_role(r: &str) -> Option<Role> {
         "system" => Some(Role::System),
         "human" | "user" => Some(Role::User),
         "gpt" | "assistant" => Some(Role::Assistant),
+        "tool" | "observation" => Some(Role::Tool),
         _ => None,
     }
 }
@@ -269,8 +317,8 @@ fn turns(
         bail!("\"{field}\" is an empty conversation");
     }
     let known = match field {
-        "messages" => "system, user, assistant",
-        _ => "system, human (or user), gpt (or assistant)",
+        "messages" => "system, user, assistant, tool",
+        _ => "system, human (or user), gpt (or assistant), tool (or observation)",
     };
     items
         .iter()
@@ -297,7 +345,7 @@ fn turns(
             let role = role_of(name).ok_or_else(|| {
                 anyhow!("\"{field}\"[{i}]: unknown role \"{name}\" (known: {known})")
             })?;
-            let content = string(turn, what).map_err(|e| anyhow!("\"{field}\"[{i}]: {e}"))?;
+            let content = text_of(turn, what).map_err(|e| anyhow!("\"{field}\"[{i}]: {e}"))?;
             Ok(Message::new(role, content))
         })
         .collect()
@@ -381,6 +429,34 @@ mod tests {
         for (line, want) in cases {
             assert_eq!(parse_line(line).unwrap(), want, "{line}");
         }
+        // Tool turns; content as a list of text parts; TRL's conversational prompt/completion.
+        let r = parse_line(
+            r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}, {"role": "assistant", "content": "Calling"}, {"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r,
+            chat(
+                Format::Messages,
+                &[
+                    (User, "Hi there"),
+                    (Assistant, "Calling"),
+                    (Tool, "42"),
+                    (Assistant, "It is 42")
+                ]
+            )
+        );
+        let r = parse_line(
+            r#"{"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}], "completion": [{"role": "assistant", "content": "A"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r,
+            chat(
+                Format::PromptCompletion,
+                &[(System, "S"), (User, "Q"), (Assistant, "A")]
+            )
+        );
         // A conversation without an assistant turn parses (the encoder counts it).
         let r = parse_line(r#"{"messages": [{"role": "user", "content": "Hi"}]}"#).unwrap();
         assert_eq!(r, chat(Format::Messages, &[(User, "Hi")]));
@@ -394,8 +470,12 @@ mod tests {
             (r#"{"question": "q", "answer": "a"}"#, "fit no format"),
             (r#"{"messages": []}"#, "empty conversation"),
             (
-                r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
-                "unknown role \"tool\"",
+                r#"{"messages": [{"role": "function", "content": "x"}]}"#,
+                "unknown role \"function\"",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}"#,
+                "\"content\"[0] is a part of type \"image\"",
             ),
             (
                 r#"{"conversations": [{"from": "bot", "value": "x"}]}"#,

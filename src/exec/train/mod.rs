@@ -65,5 +65,9 @@ pub fn train_among(
     while run.step < opts.steps {
         run.next_step(progress)?;
     }
-    run.finish(progress)
+    let summary = run.finish(progress)?;
+    // The run's own offload directory, once its file is gone (a killed run's scratch was
+    // replaced by this one's, removed with its tier): only an empty directory goes.
+    let _ = std::fs::remove_dir(opts.out.join(crate::run_dir::OFFLOAD_DIR));
+    Ok(summary)
 }

@@ -457,7 +457,7 @@ pub fn check_new_run_dir(out: &Path) -> Result<()> {
         );
     }
     let fresh = std::fs::read_dir(out).map_or(true, |mut e| e.next().is_none());
-    refuse_to_overwrite(out, fresh)
+    refuse_to_overwrite(out, fresh).with_context(|| format!("--out {}", out.display()))
 }
 
 /// What a new run in `out` (not resuming) must not overwrite: checkpoints (a run to continue
