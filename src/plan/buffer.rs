@@ -92,7 +92,7 @@ pub struct Buffer {
 
 /// A memory tier. Each tier the plan packs is one allocation made by the backend (today only
 /// host RAM); [`Tier::Owned`] buffers are allocated once by their owners and only counted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Tier {
     /// The plan's arena in host RAM.

@@ -88,9 +88,10 @@ pub(super) enum Verify {
 /// Tokens of one micro-batch (`--batch × --seq`) memwall plans at most: 2^24, far beyond any
 /// that fits a machine, and small enough that no byte count of a plan can overflow.
 pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 24;
-/// Micro-batches per optimizer step memwall plans at most: the schedule holds each one's ops,
-/// and planning time grows faster than their number (GPT-2 124M: 1.3 s for 256, 26 s for 1024).
-pub const MAX_GRAD_ACCUM: usize = 1024;
+/// Micro-batches per optimizer step memwall plans at most: the schedule holds each one's ops
+/// and buffers, and planning takes time and memory in proportion (GPT-2 124M at 1 × 64
+/// tokens: 1.5 s and 0.2 GB for 1024, 6.4 s and 0.9 GB for 4096).
+pub const MAX_GRAD_ACCUM: usize = 4096;
 
 /// Refuses a micro-batch or an accumulation too large to plan, naming the flags.
 fn check_sizes(cfg: &StepConfig) -> Result<()> {
