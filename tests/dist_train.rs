@@ -151,7 +151,7 @@ fn rel(a: f32, b: f32) -> f32 {
 }
 
 /// `n` ranks at every stage against one process accumulating `n` micro-batches: losses
-/// within 1e-5, norms within 1e-4, weights within 1e-3, bytes sent as planned; the weights
+/// within 1e-5, norms within 1e-4, weights within 1e-3 (4e-3 with int8 moments), bytes sent as planned; the weights
 /// bitwise the same whether collectives run on a communication thread or inline.
 fn ranks_match_accumulation(n: usize, format: OptimState, steps: u64) {
     ranks_match(n, (format, &None), steps, 0..=3);
@@ -197,8 +197,19 @@ fn ranks_match(
             }
             if let Some(p) = &o.params {
                 let w = worst_tensor(&layout, p, reference.params.as_ref().unwrap());
+                // Ranks sum a micro-batch's gradients in another order than one process
+                // accumulating them (its GEMM adds onto the gradient block by block), so
+                // they differ in the last bits; int8 moments round those to one of 255
+                // steps per block, and a flipped step moves a weight by up to lr / 127 of
+                // its update. Measured: 1.9e-3 on the own AVX2 GEMM (AMD EPYC, no AVX-512),
+                // under 1e-3 on the `gemm` crate's kernels; a wrong shard or a lost update
+                // is O(1).
+                let bound = match format {
+                    OptimState::Int8 => 4e-3,
+                    _ => 1e-3,
+                };
                 assert!(
-                    w < 1e-3,
+                    w < bound,
                     "n={n} zero={zero} {format} rank={rank}: weights differ by {w}"
                 );
             }
