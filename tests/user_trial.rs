@@ -200,6 +200,25 @@ fn export_replaces_only_its_own_earlier_export() {
         std::fs::read(&dl).unwrap() == kept,
         "the download is intact"
     );
+    // A GGUF file is exported in place: nothing is converted into the user cache.
+    let said = t.ok(&[
+        "export",
+        &t.s("dl.gguf"),
+        "--gguf",
+        &t.s("re.gguf"),
+        "--type",
+        "f16",
+    ]);
+    assert!(said.contains("exported"), "{said}");
+    assert!(
+        !t.path("cache/memwall/gguf").exists(),
+        "an export made a conversion"
+    );
+    let f = memwall::gguf::GgufFile::open(&t.path("re.gguf")).unwrap();
+    assert_eq!(
+        f.get("general.name"),
+        Some(&memwall::gguf::Value::String("dl".into()))
+    );
     // Its own earlier export is replaced.
     t.ok(&[
         "export",

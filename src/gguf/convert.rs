@@ -380,44 +380,47 @@ struct LazyTensor<'a> {
     error: &'a Mutex<Option<anyhow::Error>>,
 }
 
+/// The f32 values of the GGUF tensor behind `t`, in Hugging Face order and shape
+/// (dequantized, Q/K rows un-permuted, GPT-2's Conv1D weights transposed), each checked
+/// finite: what `convert` writes and what `export` reads from a GGUF file in place.
+pub fn hf_values(file: &GgufFile, t: &HfTensor) -> Result<Vec<f32>> {
+    let info = file
+        .tensor(&t.gguf)
+        .context("tensor listed but not in the file")?;
+    let n = info.n_elements as usize;
+    let mut vals = vec![0f32; n]; // [HF shape], row-major
+    dequantize(info.ty, file.tensor_data(info), &mut vals)?;
+    if let Some((i, v)) = first_non_finite(&vals) {
+        // GGUF order, so the index is the element's in the file.
+        bail!(
+            "{}: the file is corrupt (a NaN or infinite block scale?) and NaN or infinite \
+             weights cannot be trained or sampled; re-download or re-quantize it",
+            finite::describe(i, v, n, &vals)
+        );
+    }
+    if let Some(heads) = t.unpermute_heads {
+        let cols = if t.shape.len() == 2 { t.shape[1] } else { 1 };
+        let mut hf = vec![0f32; n]; // [rows, cols] in HF row order
+        unpermute_rows(&vals, &mut hf, heads, cols)?;
+        vals = hf;
+    }
+    if t.transpose {
+        // GGUF [out, in] row-major → HF [in, out] (the HF shape).
+        let (ins, outs) = (t.shape[0], t.shape[1]);
+        let mut hf = vec![0f32; n];
+        for (o, row) in vals.chunks_exact(ins).enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                hf[i * outs + o] = v;
+            }
+        }
+        vals = hf;
+    }
+    Ok(vals)
+}
+
 impl LazyTensor<'_> {
     fn produce(&self) -> Result<Vec<u8>> {
-        let info = self
-            .file
-            .tensor(&self.t.gguf)
-            .context("tensor listed but not in the file")?;
-        let n = info.n_elements as usize;
-        let mut vals = vec![0f32; n]; // [HF shape], row-major
-        dequantize(info.ty, self.file.tensor_data(info), &mut vals)?;
-        if let Some((i, v)) = first_non_finite(&vals) {
-            // GGUF order, so the index is the element's in the file.
-            bail!(
-                "{}: the file is corrupt (a NaN or infinite block scale?) and NaN or infinite \
-                 weights cannot be trained or sampled; re-download or re-quantize it",
-                finite::describe(i, v, n, &vals)
-            );
-        }
-        if let Some(heads) = self.t.unpermute_heads {
-            let cols = if self.t.shape.len() == 2 {
-                self.t.shape[1]
-            } else {
-                1
-            };
-            let mut hf = vec![0f32; n]; // [rows, cols] in HF row order
-            unpermute_rows(&vals, &mut hf, heads, cols)?;
-            vals = hf;
-        }
-        if self.t.transpose {
-            // GGUF [out, in] row-major → HF [in, out] (the HF shape).
-            let (ins, outs) = (self.t.shape[0], self.t.shape[1]);
-            let mut hf = vec![0f32; n];
-            for (o, row) in vals.chunks_exact(ins).enumerate() {
-                for (i, &v) in row.iter().enumerate() {
-                    hf[i * outs + o] = v;
-                }
-            }
-            vals = hf;
-        }
+        let vals = hf_values(self.file, self.t)?;
         Ok(match self.dtype {
             OutDtype::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
             OutDtype::Bf16 => {

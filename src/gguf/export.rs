@@ -195,19 +195,29 @@ fn rope_freqs_tensor(spec: &ModelSpec) -> Option<Planned> {
 /// Exports `o.input` to `o.out` (see the module doc).
 pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     let dir = &o.input;
-    if dir.is_file() {
-        bail!(
-            "{}: a file; `memwall export` takes a model or checkpoint directory (config.json, \
-             model.safetensors, tokenizer.json)",
+    // A GGUF file is read in place: its tensors dequantized one at a time, its own
+    // tokenizer keys kept, no f32 copy on disk.
+    let gguf = match super::cache::is_gguf(dir) {
+        true => Some(GgufInput::open(dir)?),
+        false if dir.is_file() => bail!(
+            "{}: a file, and not a GGUF file; `memwall export` takes a model or checkpoint \
+             directory (config.json, model.safetensors, tokenizer.json) or a GGUF file",
             dir.display()
-        );
-    }
-    let spec = crate::ckpt::load_spec(dir)?;
+        ),
+        false => None,
+    };
+    let spec = match &gguf {
+        Some(g) => g.spec.clone(),
+        None => crate::ckpt::load_spec(dir)?,
+    };
     inputs::check_replaceable(&o.out)?;
     let arch = arch_of(&spec);
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
     let mut md = model_metadata(&spec, arch, &name, o.ty, dir)?;
-    md.extend(vocab::metadata(dir, &spec)?);
+    match &gguf {
+        Some(g) => md.extend(super::sidecar::tokenizer_keys(&g.file)),
+        None => md.extend(vocab::metadata(dir, &spec)?),
+    }
     let layout = spec.family.layout(&spec);
     let mut plan: Vec<Planned> = rope_freqs_tensor(&spec).into_iter().collect();
     // Each tensor's GGUF name, whether it is transposed (GPT-2's Conv1D weights), and its
@@ -267,7 +277,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     };
     let specs: Vec<TensorSpec> = plan.iter().map(|p| p.spec.clone()).collect();
     let bar = progress_bar(o.progress, &specs);
-    crate::ckpt::load_params_by(dir, &layout, |copy| {
+    let fill = |copy: &mut crate::ckpt::CopyParams<'_>| {
         write_gguf(&o.out, &md, &specs, |i, buf| {
             let p = &plan[i];
             bar.set_message(p.spec.name.clone());
@@ -298,7 +308,11 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
             bar.inc(1);
             Ok(())
         })
-    })
+    };
+    match &gguf {
+        Some(g) => g.values_by(&layout, fill),
+        None => crate::ckpt::load_params_by(dir, &layout, fill),
+    }
     .with_context(|| format!("exporting {} to {}", dir.display(), o.out.display()))?;
     bar.finish_and_clear();
     let bytes = std::fs::metadata(&o.out)
@@ -331,12 +345,71 @@ fn progress_bar(progress: bool, specs: &[TensorSpec]) -> indicatif::ProgressBar 
     bar
 }
 
-/// The directory's own name (`general.name`), `model` when it has none.
+/// The directory's own name, or a file's stem (`general.name`), `model` when it has none.
 fn fs_name(dir: &Path) -> String {
     std::fs::canonicalize(dir)
         .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .and_then(|p| match p.is_file() {
+            true => p.file_stem().map(|n| n.to_string_lossy().into_owned()),
+            false => p.file_name().map(|n| n.to_string_lossy().into_owned()),
+        })
         .unwrap_or_else(|| "model".into())
+}
+
+/// A GGUF file exported in place: the file, its tensors under Hugging Face names, and the
+/// model they make.
+struct GgufInput {
+    file: super::GgufFile,
+    model: super::hf::HfModel,
+    spec: ModelSpec,
+}
+
+impl GgufInput {
+    /// Opens and maps the file; every tensor type checked decodable before anything is
+    /// written.
+    fn open(path: &Path) -> Result<GgufInput> {
+        let file = super::GgufFile::open(path)?;
+        let model = super::hf::map_model(&file)?;
+        for t in &file.tensors {
+            super::dequant::check_supported(t.ty)
+                .with_context(|| format!("{}: tensor {}", path.display(), t.name))?;
+        }
+        let config = model.config_json("float32").to_string();
+        let spec = ModelSpec::from_hf_config_str(&config, &path.display().to_string())?;
+        Ok(GgufInput { file, model, spec })
+    }
+
+    /// Lends `fill` a copier of the layout's values, as [`crate::ckpt::load_params_by`]
+    /// does for a directory: a range is one tensor's, dequantized when it is asked for.
+    fn values_by(
+        &self,
+        layout: &crate::model::ParamLayout,
+        fill: impl FnOnce(&mut crate::ckpt::CopyParams<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let path = self.file.path().display().to_string();
+        let mut copy = |range: std::ops::Range<usize>, dst: &mut [f32]| -> Result<()> {
+            let t = (layout.tensors.iter())
+                .find(|t| t.range == range)
+                .with_context(|| format!("internal error: {range:?} is no tensor's range"))?;
+            let hf = (self.model.tensors.iter())
+                .find(|h| h.name == t.name)
+                .with_context(|| format!("{path}: no tensor maps to {}", t.name))?;
+            let vals = super::convert::hf_values(&self.file, hf)
+                .with_context(|| format!("{path}: tensor {}", hf.gguf))?;
+            if vals.len() != dst.len() {
+                bail!(
+                    "{path}: tensor {} holds {} values, {} takes {}",
+                    hf.gguf,
+                    vals.len(),
+                    t.name,
+                    dst.len()
+                );
+            }
+            dst.copy_from_slice(&vals);
+            Ok(())
+        };
+        fill(&mut copy)
+    }
 }
 
 /// `vals` `[rows, cols]` row-major as `[cols, rows]`.

@@ -210,10 +210,14 @@ pub fn check_replaceable(out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The model directory to export for the MODEL a user gave, and the path its name comes
-/// from: a run directory's newest checkpoint (said on stderr), a GGUF file's conversion in
-/// the user cache (named after the file), else the directory itself.
+/// The model to export for the MODEL a user gave, and the path its name comes from: a run
+/// directory's newest checkpoint (said on stderr), a GGUF file itself (read in place), else
+/// the directory itself.
 pub fn resolve_model(given: &Path) -> Result<(PathBuf, PathBuf)> {
+    // A GGUF file is exported in place (no f32 conversion in the user cache).
+    if crate::gguf::cache::is_gguf(given) {
+        return Ok((given.to_path_buf(), given.to_path_buf()));
+    }
     if given.join("config.json").is_file() || !given.join("checkpoints").is_dir() {
         return Ok((
             crate::gguf::cache::model_dir(given, "the model")?,

@@ -781,3 +781,37 @@ fn smollm2_exports_back_to_its_own_tensors_and_metadata() {
         assert!(text.trim().len() > 10, "{ty:?}: greedy text {text:?}");
     }
 }
+
+/// A GGUF file exported in place (its tensors dequantized one at a time, its own tokenizer
+/// keys) is the file its conversion's export is, byte for byte, for each family and type.
+#[test]
+fn a_gguf_file_exports_in_place_as_its_conversion_does() {
+    for arch in ["llama", "qwen2", "gpt2"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tiny_dir(tmp.path(), arch);
+        let src = tmp.path().join("src.gguf");
+        for ty in [ExportType::F32, ExportType::Q8_0] {
+            let named = |input: &Path, out: &Path| {
+                export(&ExportOptions {
+                    input: input.to_path_buf(),
+                    out: out.to_path_buf(),
+                    ty,
+                    name: Some("same".into()),
+                    adapter: None,
+                    progress: false,
+                })
+            };
+            let (a, b) = (tmp.path().join("a.gguf"), tmp.path().join("b.gguf"));
+            let converted = named(&dir, &a);
+            let in_place = named(&src, &b);
+            if let Err(e) = converted {
+                panic!("{arch} {ty:?}: {e:#}");
+            }
+            in_place.unwrap_or_else(|e| panic!("{arch} {ty:?} in place: {e:#}"));
+            assert!(
+                fs::read(&a).unwrap() == fs::read(&b).unwrap(),
+                "{arch} {ty:?}: the files differ"
+            );
+        }
+    }
+}
