@@ -446,7 +446,7 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
     Ok(())
 }
 
-/// What [`prepare_run_dir`] would refuse for a new run in `out`, checked before any work (a
+/// What `prepare_run_dir` would refuse for a new run in `out`, checked before any work (a
 /// GGUF `--init`'s conversion, the data opened): a file, an earlier run, files of a run's
 /// names in a directory memwall did not make.
 pub fn check_new_run_dir(out: &Path) -> Result<()> {
