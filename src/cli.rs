@@ -93,7 +93,7 @@ memwall tokenize --tokenizer gpt2 --chat chats.jsonl.gz --chat-template chatml.j
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
     #[command(
-        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision and optimizer state cannot change.\n\n\
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero and --grad-accum (keeping the global batch) may.\n\n\
 Chat data (`memwall prepare chats.jsonl --tokenizer MODEL`): the loss is on the trained tokens \
 only (the answers, by default), short examples are packed into each row without seeing each \
 other (--no-pack: one a row), the validation loss is on answers only, and every checkpoint \
@@ -162,7 +162,7 @@ memwall sample --model smol-tuned.Q8_0.gguf --prompt \"ROMEO:\"     # or llama-c
     /// List the GGUF files memwall converted into the user cache (each an f32 copy of its
     /// model), or remove them with --clear.
     #[command(
-        long_about = "List the conversions in the user cache ($XDG_CACHE_HOME/memwall/gguf or ~/.cache/memwall/gguf): a GGUF file given to sample, train --init, prepare --tokenizer or merge is converted there once, as an f32 Hugging Face directory (about 4 bytes a parameter: 0.5 GB for SmolLM2-135M, 28 GB for a 7B model), and reused while the file is unchanged. --clear removes them (and what a conversion killed before it finished left); the next use of a file converts it again, and a run trained on one converts it again when it resumes or exports. Only what memwall wrote is removed: a directory without memwall's .memwall marker, or holding files a conversion does not write, is listed and left; a conversion running in another process too. Nothing else in the cache (the Shakespeare corpus, the demo's model, calibrations) is touched.",
+        long_about = "List the conversions in the user cache ($XDG_CACHE_HOME/memwall/gguf or ~/.cache/memwall/gguf): a GGUF file given to sample, train --init, prepare --tokenizer or merge is converted there once, as an f32 Hugging Face directory (about 4 bytes a parameter: 0.5 GB for SmolLM2-135M, 28 GB for a 7B model), and reused while the file is unchanged. --clear removes them (and what a conversion killed before it finished left); the next use of a file converts it again, and a LoRA run trained on one converts it again when it resumes (export reads a GGUF file in place). Only what memwall wrote is removed: a directory without memwall's .memwall marker, or holding files a conversion does not write, is listed and left; a conversion running in another process too. Nothing else in the cache (the Shakespeare corpus, the demo's model, calibrations) is touched.",
         after_help = "Examples:\n  memwall cache\n  memwall cache --json\n  memwall cache --clear"
     )]
     Cache(CacheArgs),
@@ -617,14 +617,27 @@ impl TrainArgs {
             data: self.data.clone(),
             out: self.out.clone(),
             steps: self.steps,
-            lr: self.lr,
+            lr: self.lr.unwrap_or(6e-4),
             warmup: self.warmup,
-            weight_decay: self.weight_decay,
-            grad_clip: self.grad_clip,
-            seed: self.seed,
-            eval_every: self.eval_every,
-            eval_batches: self.eval_batches,
-            save_every: self.save_every,
+            weight_decay: self.weight_decay.unwrap_or(0.1),
+            grad_clip: self.grad_clip.unwrap_or(1.0),
+            seed: self.seed.unwrap_or(1),
+            eval_every: self.eval_every.unwrap_or(100),
+            eval_batches: self.eval_batches.unwrap_or(8),
+            save_every: self.save_every.unwrap_or(100),
+            given: [
+                ("--lr", self.lr.is_some()),
+                ("--warmup", self.warmup.is_some()),
+                ("--weight-decay", self.weight_decay.is_some()),
+                ("--grad-clip", self.grad_clip.is_some()),
+                ("--seed", self.seed.is_some()),
+                ("--eval-every", self.eval_every.is_some()),
+                ("--eval-batches", self.eval_batches.is_some()),
+                ("--save-every", self.save_every.is_some()),
+            ]
+            .into_iter()
+            .filter_map(|(flag, given)| given.then_some(flag))
+            .collect(),
             keep_last: self.keep_last,
             no_pack: self.no_pack,
             init: self.init.clone(),
@@ -716,30 +729,30 @@ pub(crate) struct TrainArgs {
     /// Total optimizer steps of the run [default: 500]
     #[arg(long)]
     pub(crate) steps: Option<u64>,
-    /// Peak learning rate (AdamW).
-    #[arg(long, default_value_t = 6e-4)]
-    pub(crate) lr: f32,
+    /// Peak learning rate (AdamW) [default: 6e-4]
+    #[arg(long)]
+    pub(crate) lr: Option<f32>,
     /// Linear warm-up steps before cosine decay [default: a tenth of --steps, at most 50].
     #[arg(long)]
     pub(crate) warmup: Option<u64>,
-    /// Decoupled weight decay on matrices and embeddings.
-    #[arg(long, default_value_t = 0.1)]
-    pub(crate) weight_decay: f32,
-    /// Clip the global gradient norm (0 disables).
-    #[arg(long, default_value_t = 1.0)]
-    pub(crate) grad_clip: f32,
-    /// Seed for initialisation and batch order.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) seed: u64,
-    /// Evaluate validation loss every N steps (and at the end).
-    #[arg(long, default_value_t = 100)]
-    pub(crate) eval_every: u64,
-    /// Validation batches per evaluation.
-    #[arg(long, default_value_t = 8)]
-    pub(crate) eval_batches: u64,
-    /// Save a checkpoint every N steps (and at the end).
-    #[arg(long, default_value_t = 100)]
-    pub(crate) save_every: u64,
+    /// Decoupled weight decay on matrices and embeddings [default: 0.1]
+    #[arg(long)]
+    pub(crate) weight_decay: Option<f32>,
+    /// Clip the global gradient norm (0 disables) [default: 1.0]
+    #[arg(long)]
+    pub(crate) grad_clip: Option<f32>,
+    /// Seed for initialisation and batch order [default: 1]
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Evaluate validation loss every N steps (and at the end) [default: 100]
+    #[arg(long)]
+    pub(crate) eval_every: Option<u64>,
+    /// Validation batches per evaluation [default: 8]
+    #[arg(long)]
+    pub(crate) eval_batches: Option<u64>,
+    /// Save a checkpoint every N steps (and at the end) [default: 100]
+    #[arg(long)]
+    pub(crate) save_every: Option<u64>,
     /// Keep only the newest N checkpoints, removing older ones once a newer one is written
     /// (a SmolLM2 checkpoint is 1.6 GB) [default: keep all].
     #[arg(long, value_name = "N")]

@@ -528,6 +528,10 @@ fn cache_clear_removes_only_what_memwall_wrote() {
     let mut child = Command::new("true").spawn().unwrap();
     let dead = child.id();
     child.wait().unwrap();
+    // A user's folder whose name only looks like a temporary: left.
+    let lookalike = cache.join(format!("proj.tmp-{dead}-0"));
+    std::fs::create_dir_all(lookalike.join("src")).unwrap();
+    std::fs::write(lookalike.join("src/main.rs"), b"fn main() {}").unwrap();
     let killed = cache.join(format!("dl-0000000000000000.tmp-{dead}-0"));
     std::fs::create_dir_all(&killed).unwrap();
     std::fs::write(killed.join("model.safetensors"), vec![0u8; 4096]).unwrap();
@@ -541,7 +545,12 @@ fn cache_clear_removes_only_what_memwall_wrote() {
         .map(|c| c["kind"].as_str().unwrap())
         .collect();
     kinds.sort();
-    assert_eq!(kinds, ["conversion", "foreign", "interrupted"], "{v}");
+    assert_eq!(
+        kinds,
+        ["conversion", "foreign", "foreign", "interrupted"],
+        "{v}"
+    );
+    assert!(lookalike.join("src/main.rs").is_file());
     assert!(!killed.exists());
     assert_eq!(
         std::fs::read(mine.join("model.safetensors")).unwrap(),
@@ -551,7 +560,12 @@ fn cache_clear_removes_only_what_memwall_wrote() {
         .filter(|e| e.path().is_dir())
         .map(|e| e.file_name())
         .collect();
-    assert_eq!(dirs, [mine.file_name().unwrap()]);
+    let mut dirs = dirs;
+    dirs.sort();
+    assert_eq!(
+        dirs,
+        [mine.file_name().unwrap(), lookalike.file_name().unwrap()]
+    );
 }
 
 /// Item 12: two commands using a new GGUF file at once both succeed (one converts, the other
@@ -818,4 +832,96 @@ fn prepare_and_train_take_what_they_can_use_and_refuse_the_rest() {
         "16",
     ]);
     assert!(e.contains("--no-pack") && e.contains("raw text"), "{e}");
+}
+
+/// What a resumed run does with the flags it is given: the optimizer settings and seed are
+/// refused, naming the flag; when it evaluates and saves may change. Text prepared again
+/// from changed files (as many tokens, other ones) is other data. A full fine-tune resumes
+/// from its checkpoint alone, its --init gone.
+#[test]
+fn a_resumed_run_takes_or_refuses_every_flag_and_knows_its_data() {
+    let t = Trial::new();
+    t.llama_config("base");
+    t.text_data(&t.s("base"), "data");
+    t.ok(&[
+        "train",
+        "--model",
+        "base",
+        "--data",
+        "data",
+        "--out",
+        "scratch",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--save-every",
+        "1",
+        "--threads",
+        "2",
+    ]);
+    std::fs::create_dir_all(t.path("gone")).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(
+            t.path("scratch/checkpoints/step-000001").join(f),
+            t.path("gone").join(f),
+        )
+        .unwrap();
+    }
+    t.ok(&[
+        "train",
+        "--init",
+        "gone",
+        "--data",
+        "data",
+        "--out",
+        "full",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--save-every",
+        "1",
+        "--threads",
+        "2",
+    ]);
+    for flag in [
+        ["--lr", "0.01"],
+        ["--seed", "9"],
+        ["--warmup", "3"],
+        ["--weight-decay", "0.2"],
+    ] {
+        let e = t.fails(&[
+            "train", "--resume", "full", "--steps", "2", flag[0], flag[1],
+        ]);
+        assert!(e.contains(&format!("{} with --resume", flag[0])), "{e}");
+    }
+    // The base gone: the checkpoint is enough.
+    std::fs::remove_dir_all(t.path("gone")).unwrap();
+    t.ok(&[
+        "train",
+        "--resume",
+        "full",
+        "--steps",
+        "2",
+        "--save-every",
+        "2",
+    ]);
+    let state =
+        std::fs::read_to_string(t.path("full/checkpoints/step-000002/trainer_state.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(v["train"]["save_every"], 2, "{state}");
+
+    // The text's lines reordered: as many tokens, other ones.
+    let text = std::fs::read_to_string(t.path("text.txt")).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.reverse();
+    std::fs::write(t.path("text.txt"), lines.join("\n") + "\n").unwrap();
+    t.text_data(&t.s("base"), "data");
+    let e = t.fails(&["train", "--resume", "full", "--steps", "3"]);
+    assert!(e.contains("other ones"), "{e}");
 }

@@ -276,11 +276,16 @@ pub fn conversions_in(cache: &Path) -> Result<Vec<Conversion>> {
         if !path.is_dir() || name.starts_with('.') {
             continue;
         }
+        // A temporary counts as a conversion's only when its name is `<stem>-<16 hex
+        // digits>.tmp-<pid>-<n>` and it holds nothing a conversion does not write.
         let kind = match name.rsplit_once(".tmp-") {
-            Some((_, writer)) if crate::util::atomic::writer_is_gone(writer) => {
-                EntryKind::Interrupted
+            Some((stem, writer)) if is_key_name(stem) && only_conversion_files(&path, true) => {
+                match crate::util::atomic::writer_is_gone(writer) {
+                    true => EntryKind::Interrupted,
+                    false => EntryKind::InProgress,
+                }
             }
-            Some(_) => EntryKind::InProgress,
+            Some(_) => EntryKind::Foreign,
             None if is_conversion(&path) => EntryKind::Conversion,
             None => EntryKind::Foreign,
         };
@@ -332,15 +337,30 @@ pub fn is_cached_conversion(path: &Path) -> bool {
 /// Whether `dir` is a whole conversion memwall wrote: the marker `convert` writes, and
 /// nothing a conversion does not write.
 fn is_conversion(dir: &Path) -> bool {
-    let what = dir.display().to_string();
-    crate::util::owned_dir::is_marked(dir)
-        && crate::util::owned_dir::check_replaceable(
-            dir,
-            &what,
-            &super::convert::written_by_convert,
-            Vec::new(),
-        )
-        .is_ok()
+    crate::util::owned_dir::written_by(dir).as_deref() == Some("memwall convert")
+        && only_conversion_files(dir, false)
+}
+
+/// Whether every entry of `dir` is a file a conversion writes (its marker included; in a
+/// conversion's temporary, `unfinished`, also the safetensors writer's `.tmp…` file).
+fn only_conversion_files(dir: &Path, unfinished: bool) -> bool {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().all(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        e.file_type().is_ok_and(|t| t.is_file())
+            && (name == crate::util::owned_dir::MARKER
+                || super::convert::written_by_convert(&name)
+                || (unfinished && name.starts_with(".tmp")))
+    })
+}
+
+/// Whether `name` is a conversion's directory name, `<stem>-<16 hex digits>`.
+fn is_key_name(name: &str) -> bool {
+    name.rsplit_once('-').is_some_and(|(stem, key)| {
+        !stem.is_empty() && key.len() == 16 && key.bytes().all(|b| b.is_ascii_hexdigit())
+    })
 }
 
 /// The bytes of the files under `dir` (unreadable entries count 0).

@@ -156,7 +156,20 @@ impl RunDir {
     /// Anything else is refused, naming it; nothing is removed then.
     pub fn replace_previous(&self, what: &str) -> anyhow::Result<()> {
         let foreign = self.foreign_in_subdirs()?;
-        crate::util::owned_dir::replace(&self.root, what, &is_run_entry, foreign)
+        crate::util::owned_dir::check_replaceable(&self.root, what, &is_run_entry, foreign)?;
+        // Said aloud: a run continued with --resume since would go too.
+        let steps = std::fs::read_dir(self.checkpoints()).map_or(0, |d| {
+            d.flatten()
+                .filter(|e| checkpoint_step(&e.file_name().to_string_lossy()).is_some())
+                .count()
+        });
+        if steps > 0 {
+            eprintln!(
+                "memwall: replacing {what} ({} in it)",
+                crate::util::count(steps as u64, "checkpoint")
+            );
+        }
+        crate::util::owned_dir::replace(&self.root, what, &is_run_entry, Vec::new())
     }
 
     /// What [`RunDir::replace_previous`] would refuse, checked without removing anything: a

@@ -34,6 +34,13 @@ pub fn is_marked(dir: &Path) -> bool {
     dir.join(MARKER).is_file()
 }
 
+/// The command `dir`'s marker says wrote it (`None`: no marker, or not one memwall wrote).
+pub fn written_by(dir: &Path) -> Option<String> {
+    let text = fs::read_to_string(dir.join(MARKER)).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v["written_by"].as_str().map(str::to_owned)
+}
+
 /// The entries of `dir` that `owns` does not recognise (the marker aside), as paths. A
 /// missing directory has none.
 pub fn foreign_entries(dir: &Path, owns: &dyn Fn(&str) -> bool) -> Result<Vec<PathBuf>> {

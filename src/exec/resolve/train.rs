@@ -267,6 +267,58 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
         opts.strategies.zero = z;
     }
     opts.profile_steps = req.profile_steps;
+    // What the run's weights follow stays; when and how much it evaluates and saves may change.
+    let kept = [
+        "--lr",
+        "--warmup",
+        "--weight-decay",
+        "--grad-clip",
+        "--seed",
+    ];
+    if let Some(flag) = req.given.iter().find(|f| kept.contains(f)) {
+        bail!(
+            "{flag} with --resume: the run in {} continues with its own optimizer settings and \
+             seed (lr {}, warm-up {}, weight decay {}, grad clip {}, seed {}), so it goes on as \
+             it would have; to change them, start a new run from a checkpoint (`--init \
+             {}/checkpoints/step-N`)",
+            run.display(),
+            opts.lr,
+            opts.warmup,
+            opts.weight_decay,
+            opts.grad_clip,
+            opts.seed,
+            run.display()
+        );
+    }
+    if req.step.strategy.adapter_dropout.is_some() {
+        bail!(
+            "--lora-dropout with --resume: the run in {} trains its adapters with its own \
+             dropout; start a new run (`--init BASE --init-adapter {} --lora-dropout P`) to \
+             change it",
+            run.display(),
+            run.display()
+        );
+    }
+    for flag in &req.given {
+        let (was, now) = match *flag {
+            "--eval-every" => (opts.eval_every, req.eval_every),
+            "--eval-batches" => (opts.eval_batches, req.eval_batches),
+            "--save-every" => (opts.save_every, req.save_every),
+            _ => continue,
+        };
+        if was != now {
+            eprintln!("note: {flag} {now} (the run used {was})");
+        }
+    }
+    if req.given.contains(&"--eval-every") {
+        opts.eval_every = req.eval_every;
+    }
+    if req.given.contains(&"--eval-batches") {
+        opts.eval_batches = req.eval_batches;
+    }
+    if req.given.contains(&"--save-every") {
+        opts.save_every = req.save_every;
+    }
     if let Some(k) = req.keep_last {
         opts.keep_last = k;
     }
@@ -368,7 +420,7 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             ))
         );
     }
-    opts.locate_base()?;
+    opts.locate_base(&ck)?;
     opts.strategies.base_types = kept_types(&opts, opts.strategies.base_quant)?;
     opts.locate_data(req.data.as_deref())?;
     Ok((opts, ck))

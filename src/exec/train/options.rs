@@ -173,24 +173,38 @@ impl TrainOptions {
     /// A resumed run's base, found and checked: a LoRA run's base must hold what the run
     /// trained on (its fingerprint); a GGUF base is converted again into the user cache when
     /// its conversion is gone (`memwall cache --clear`), and the run's paths to the old
-    /// conversion (`init`, `model`, `tokenizer_dir`) follow the new one.
-    pub fn locate_base(&mut self) -> Result<()> {
+    /// conversion (`init`, `model`, `tokenizer_dir`) follow the new one. A full fine-tune
+    /// resumes from `checkpoint` alone.
+    pub fn locate_base(&mut self, checkpoint: &Path) -> Result<()> {
         let run = self.out.display().to_string();
+        let lora = self.strategies.lora.is_some();
+        if !lora {
+            // A full fine-tune's checkpoint holds its weights, config and tokenizer files: its
+            // base (gone, changed, or a GGUF file whose conversion was cleared) is not read
+            // again, and the paths that named it take the checkpoint.
+            let init = self.init.clone();
+            let is_base = |p: &Path| init.as_deref() == Some(p) || !p.exists();
+            if is_base(Path::new(&self.model)) {
+                self.model = checkpoint.to_string_lossy().into_owned();
+            }
+            if self.tokenizer_dir.as_deref().is_some_and(is_base)
+                && checkpoint.join(ckpt::TOKENIZER_FILE).is_file()
+            {
+                self.tokenizer_dir = Some(checkpoint.to_path_buf());
+            }
+            return Ok(());
+        }
         let Some(base) = self.base_path().map(Path::to_path_buf) else {
             return Ok(());
         };
-        let lora = self.strategies.lora.is_some();
         if !base.exists() {
-            if !lora {
-                return Ok(());
-            }
             bail!(
                 "--resume {run}: the run's base {} (its --init) is not there; its LoRA adapters \
                  train on that model: put it back at that path",
                 base.display()
             );
         }
-        if lora && let Some(want) = &self.base_fingerprint {
+        if let Some(want) = &self.base_fingerprint {
             let found = crate::util::fingerprint::of_model(&base)
                 .with_context(|| format!("--resume {run}: the run's base {}", base.display()))?;
             if found != *want {
@@ -297,6 +311,11 @@ pub struct DataFingerprint {
     /// another objective (absent for raw text, and in runs saved before the field existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub examples_sha256: Option<String>,
+    /// The token shards' content (`train.bin`, `val.bin`; SHA-256 over both, each file's
+    /// hash remembered in the user cache): text prepared again from changed files has other
+    /// tokens of the same counts (absent in runs saved before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards_sha256: Option<String>,
 }
 
 impl DataFingerprint {
@@ -309,6 +328,7 @@ impl DataFingerprint {
             vocab_size: m.vocab_size,
             train_tokens: m.train_tokens,
             val_tokens: m.val_tokens,
+            shards_sha256: Some(files_sha256(dir, &["train.bin", "val.bin"])?),
             examples_sha256: match m.examples {
                 Some(_) => Some(examples_sha256(dir)?),
                 None => None,
@@ -324,16 +344,33 @@ impl DataFingerprint {
         if self.examples_sha256.is_none() {
             now.examples_sha256 = None;
         }
+        if self.shards_sha256.is_none() {
+            now.shards_sha256 = None;
+        }
         *self == now
+    }
+
+    /// Whether `found` has this record's tokenizer and counts (its content may differ).
+    fn same_counts(&self, found: &DataFingerprint) -> bool {
+        DataFingerprint {
+            examples_sha256: self.examples_sha256.clone(),
+            shards_sha256: self.shards_sha256.clone(),
+            ..found.clone()
+        } == *self
     }
 }
 
 /// SHA-256 over an examples data set's `.idx` and `.mask` files, train then val.
 fn examples_sha256(dir: &Path) -> Result<String> {
+    files_sha256(dir, &["train.idx", "train.mask", "val.idx", "val.mask"])
+}
+
+/// SHA-256 over the names and content hashes of `names` in `dir`, in order.
+fn files_sha256(dir: &Path, names: &[&str]) -> Result<String> {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
-    for name in ["train.idx", "train.mask", "val.idx", "val.mask"] {
-        let sha = crate::util::fingerprint::sha256_of(&dir.join(name))?;
+    for name in names {
+        let sha = crate::util::fingerprint::file_sha256(&dir.join(name))?;
         h.update(name.as_bytes());
         h.update(sha.as_bytes());
     }
@@ -365,16 +402,21 @@ impl TrainOptions {
             if let Some(want) = &self.data_fingerprint
                 && !want.matches(&found)
             {
-                let same_tokens = DataFingerprint {
-                    examples_sha256: want.examples_sha256.clone(),
-                    ..found.clone()
-                } == *want;
-                if same_tokens {
+                let same_shards =
+                    want.shards_sha256.is_none() || want.shards_sha256 == found.shards_sha256;
+                if want.same_counts(&found) && same_shards {
                     bail!(
-                        "{named}: holds the run in {run}'s tokens with other trained tokens or \
-                         example boundaries (prepared again, with another --train-on?): the \
-                         run would go on training another objective; resume with the data as \
+                        "{named}: holds the tokens the run in {run} trained on, but other trained \
+                         tokens or example boundaries (prepared again, with another --train-on?): \
+                         the run would go on training another objective; resume with the data as \
                          it was prepared (--data DIR), or start a new run on this data"
+                    );
+                }
+                if want.same_counts(&found) {
+                    bail!(
+                        "{named}: holds as many tokens as the run in {run} trained on, but other \
+                         ones (prepared again from changed files?); resume with the data as it \
+                         was prepared (--data DIR), or start a new run on this data"
                     );
                 }
                 bail!(

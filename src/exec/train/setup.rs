@@ -256,11 +256,13 @@ pub fn with_data_open<T>(
 }
 
 fn model_spec(opts: &TrainOptions, resume: Option<&Path>) -> Result<ModelSpec> {
+    // A resumed full fine-tune holds its weights: its --init is not read again.
+    let lora = opts.strategies.lora.is_some();
     let init_spec = match &opts.init {
-        Some(dir) => {
+        Some(dir) if resume.is_none() || lora => {
             Some(ckpt::load_spec(dir).with_context(|| format!("--init {}", dir.display()))?)
         }
-        None => None,
+        _ => None,
     };
     let spec = match (&init_spec, resume) {
         // A LoRA run's checkpoints hold adapters only: the base is its --init's (or --model).
@@ -457,7 +459,10 @@ pub fn check_new_run_dir(out: &Path) -> Result<()> {
         );
     }
     let fresh = std::fs::read_dir(out).map_or(true, |mut e| e.next().is_none());
-    refuse_to_overwrite(out, fresh).with_context(|| format!("--out {}", out.display()))
+    refuse_to_overwrite(out, fresh).map_err(|e| match format!("{e}").starts_with("--out") {
+        true => e,
+        false => e.context(format!("--out {}", out.display())),
+    })
 }
 
 /// What a new run in `out` (not resuming) must not overwrite: checkpoints (a run to continue

@@ -114,9 +114,13 @@ impl Run<'_> {
             self.timed_comm_secs += stats.comm_s;
             self.timed_comm_wait_secs += stats.comm_wait_s;
         }
-        self.final_loss = stats.loss;
+        // A step that trained no token has no loss: the last one that did is reported.
+        let trained = (stats.loss_tokens > 0).then_some(stats.loss);
+        if let Some(l) = trained {
+            self.final_loss = l;
+        }
         let val_loss = if due(opts.eval_every, step, opts.steps) {
-            self.evaluate(stats.loss, step_profile.as_mut(), progress)?
+            self.evaluate(trained, step_profile.as_mut(), progress)?
         } else {
             None
         };
@@ -194,7 +198,7 @@ impl Run<'_> {
     /// The validation loss after the step that trained to `train_loss`, announced.
     fn evaluate(
         &mut self,
-        train_loss: f32,
+        train_loss: Option<f32>,
         step_profile: Option<&mut StepProfile>,
         progress: &mut dyn Progress,
     ) -> Result<Option<f32>> {
@@ -214,8 +218,12 @@ impl Run<'_> {
             None => NO_VAL_TOKENS.to_string(),
         };
         progress.message(&format!(
-            "step {}: train loss {train_loss:.4}, {val}",
-            self.step
+            "step {}: {}, {val}",
+            self.step,
+            match train_loss {
+                Some(l) => format!("train loss {l:.4}"),
+                None => "no train loss (no trained token in the batch)".to_string(),
+            }
         ));
         self.final_val = v;
         Ok(v)

@@ -12,6 +12,7 @@ pub struct TrainSummary {
     pub out: PathBuf,
     pub first_step: u64,
     pub last_step: u64,
+    /// The last step's loss that trained a token (NaN when none did).
     pub final_loss: f32,
     pub final_val_loss: Option<f32>,
     pub tokens_per_s: f64,
@@ -39,10 +40,13 @@ impl TrainSummary {
     /// last checkpoint and the report, when there are any.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "trained steps {}..{}: loss {:.4}{} | {} | peak RSS {} (plan {} + baseline {})",
+            "trained steps {}..{}: {}{} | {} | peak RSS {} (plan {} + baseline {})",
             self.first_step,
             self.last_step,
-            self.final_loss,
+            match self.final_loss {
+                l if l.is_nan() => "no loss (no step had a trained token)".to_string(),
+                l => format!("loss {l:.4}"),
+            },
             self.final_val_loss
                 .map(|v| format!(", val loss {v:.4}"))
                 .unwrap_or_default(),
@@ -154,5 +158,23 @@ mod tests {
         assert_eq!(over_max_memory(Some(5), Some(3)), Some(2));
         assert_eq!(over_max_memory(Some(3), Some(3)), None);
         assert_eq!(over_max_memory(None, Some(3)), None);
+    }
+
+    /// A run none of whose steps trained a token reports no loss rather than 0, and a
+    /// one-step run no throughput rather than 0 tokens/s.
+    #[test]
+    fn no_loss_over_no_tokens_and_no_untimed_throughput() {
+        let mut s = summary(1 << 20, None);
+        (s.final_loss, s.tokens_per_s) = (f32::NAN, 0.0);
+        let text = s.describe();
+        assert!(
+            text.contains("no loss (no step had a trained token)"),
+            "{text}"
+        );
+        assert!(text.contains("tokens/s not timed"), "{text}");
+        assert!(
+            !text.contains("loss 0.0000") && !text.contains("0 tokens/s"),
+            "{text}"
+        );
     }
 }
