@@ -29,6 +29,8 @@ pub(crate) struct Cli {
     pub(crate) cmd: Cmd,
 }
 
+// One command line is parsed per process: the variants' sizes cost nothing worth boxing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub(crate) enum Cmd {
     /// Fetch/prepare the Shakespeare corpus, plan, train a small GPT for a few minutes, sample

@@ -420,7 +420,7 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             ))
         );
     }
-    opts.locate_base(&ck)?;
+    opts.locate_base(&ck, req.step.model.is_some())?;
     opts.strategies.base_types = kept_types(&opts, opts.strategies.base_quant)?;
     opts.locate_data(req.data.as_deref())?;
     Ok((opts, ck))

@@ -175,7 +175,7 @@ impl TrainOptions {
     /// its conversion is gone (`memwall cache --clear`), and the run's paths to the old
     /// conversion (`init`, `model`, `tokenizer_dir`) follow the new one. A full fine-tune
     /// resumes from `checkpoint` alone.
-    pub fn locate_base(&mut self, checkpoint: &Path) -> Result<()> {
+    pub fn locate_base(&mut self, checkpoint: &Path, model_given: bool) -> Result<()> {
         let run = self.out.display().to_string();
         let lora = self.strategies.lora.is_some();
         if !lora {
@@ -184,7 +184,8 @@ impl TrainOptions {
             // again, and the paths that named it take the checkpoint.
             let init = self.init.clone();
             let is_base = |p: &Path| init.as_deref() == Some(p) || !p.exists();
-            if is_base(Path::new(&self.model)) {
+            // The model named by --init (not a preset, nor a --model given now).
+            if !model_given && init.as_deref() == Some(Path::new(&self.model)) {
                 self.model = checkpoint.to_string_lossy().into_owned();
             }
             if self.tokenizer_dir.as_deref().is_some_and(is_base)
@@ -311,11 +312,6 @@ pub struct DataFingerprint {
     /// another objective (absent for raw text, and in runs saved before the field existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub examples_sha256: Option<String>,
-    /// The token shards' content (`train.bin`, `val.bin`; SHA-256 over both, each file's
-    /// hash remembered in the user cache): text prepared again from changed files has other
-    /// tokens of the same counts (absent in runs saved before the field existed).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shards_sha256: Option<String>,
 }
 
 impl DataFingerprint {
@@ -328,7 +324,6 @@ impl DataFingerprint {
             vocab_size: m.vocab_size,
             train_tokens: m.train_tokens,
             val_tokens: m.val_tokens,
-            shards_sha256: Some(files_sha256(dir, &["train.bin", "val.bin"])?),
             examples_sha256: match m.examples {
                 Some(_) => Some(examples_sha256(dir)?),
                 None => None,
@@ -344,9 +339,6 @@ impl DataFingerprint {
         if self.examples_sha256.is_none() {
             now.examples_sha256 = None;
         }
-        if self.shards_sha256.is_none() {
-            now.shards_sha256 = None;
-        }
         *self == now
     }
 
@@ -354,7 +346,6 @@ impl DataFingerprint {
     fn same_counts(&self, found: &DataFingerprint) -> bool {
         DataFingerprint {
             examples_sha256: self.examples_sha256.clone(),
-            shards_sha256: self.shards_sha256.clone(),
             ..found.clone()
         } == *self
     }
@@ -402,21 +393,12 @@ impl TrainOptions {
             if let Some(want) = &self.data_fingerprint
                 && !want.matches(&found)
             {
-                let same_shards =
-                    want.shards_sha256.is_none() || want.shards_sha256 == found.shards_sha256;
-                if want.same_counts(&found) && same_shards {
+                if want.same_counts(&found) && want.examples_sha256 != found.examples_sha256 {
                     bail!(
                         "{named}: holds the tokens the run in {run} trained on, but other trained \
                          tokens or example boundaries (prepared again, with another --train-on?): \
                          the run would go on training another objective; resume with the data as \
                          it was prepared (--data DIR), or start a new run on this data"
-                    );
-                }
-                if want.same_counts(&found) {
-                    bail!(
-                        "{named}: holds as many tokens as the run in {run} trained on, but other \
-                         ones (prepared again from changed files?); resume with the data as it \
-                         was prepared (--data DIR), or start a new run on this data"
                     );
                 }
                 bail!(
