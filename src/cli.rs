@@ -220,11 +220,12 @@ pub(crate) struct ConvertArgs {
 pub(crate) struct ExportArgs {
     /// The model: a checkpoint, a run directory (its newest checkpoint), a Hugging Face
     /// model directory (config.json, model.safetensors or its shards, tokenizer.json), or a
-    /// GGUF file (converted through the user cache). May be left out with --adapter: the
+    /// GGUF file (read in place, a tensor at a time). May be left out with --adapter: the
     /// base the adapter records.
     #[arg(value_name = "MODEL", required_unless_present = "adapter")]
     pub(crate) input: Option<PathBuf>,
-    /// The GGUF file to write (replaced atomically if it exists).
+    /// The GGUF file to write (an earlier export of memwall's is replaced atomically; any
+    /// other existing file is refused).
     #[arg(long, value_name = "OUT.gguf")]
     pub(crate) gguf: PathBuf,
     /// The file type: f32 (exact), f16, bf16, q8_0 (about a quarter of f32's size), q4_0,
