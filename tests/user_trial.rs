@@ -107,22 +107,22 @@ impl Trial {
         ]);
     }
 
-    /// A tiny Llama trained from scratch for `steps` steps at `lr`, exported as the GGUF
-    /// file `gguf` (f32) with memwall's export mark renamed away: a "downloaded" model.
-    fn downloaded_gguf(&self, gguf: &str, steps: &str, lr: &str) -> PathBuf {
+    /// A tiny Llama (`base`, made if missing) trained from scratch on `data` (prepared with
+    /// its tokenizer if missing) into `run` for `steps` steps at `lr`, saved at the end: the
+    /// checkpoint's path.
+    fn scratch_run(&self, data: &str, run: &str, steps: &str, lr: &str) -> String {
         let base = self.llama_config("base");
-        if !self.path("data-base").exists() {
-            self.text_data(base.to_str().unwrap(), "data-base");
+        if !self.path(data).exists() {
+            self.text_data(base.to_str().unwrap(), data);
         }
-        let run = format!("scratch-{gguf}");
         self.ok(&[
             "train",
             "--model",
             &self.s("base"),
             "--data",
-            &self.s("data-base"),
+            &self.s(data),
             "--out",
-            &self.s(&run),
+            &self.s(run),
             "--steps",
             steps,
             "--batch",
@@ -136,6 +136,15 @@ impl Trial {
             "--threads",
             "2",
         ]);
+        let step: u64 = steps.parse().unwrap();
+        self.s(&format!("{run}/checkpoints/step-{step:06}"))
+    }
+
+    /// A tiny Llama trained from scratch for `steps` steps at `lr`, exported as the GGUF
+    /// file `gguf` (f32) with memwall's export mark renamed away: a "downloaded" model.
+    fn downloaded_gguf(&self, gguf: &str, steps: &str, lr: &str) -> PathBuf {
+        let run = format!("scratch-{gguf}");
+        self.scratch_run("data-base", &run, steps, lr);
         let exported = self.path(&format!("{gguf}.exported"));
         self.ok(&[
             "export",
@@ -353,27 +362,7 @@ fn a_run_keeps_to_its_base_from_anywhere_and_refuses_a_replaced_one() {
 #[test]
 fn a_relative_init_is_recorded_absolute() {
     let t = Trial::new();
-    t.llama_config("base");
-    t.text_data(&t.s("base"), "data-base");
-    t.ok(&[
-        "train",
-        "--model",
-        "base",
-        "--data",
-        "data-base",
-        "--out",
-        "scratch",
-        "--steps",
-        "1",
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--save-every",
-        "1",
-        "--threads",
-        "2",
-    ]);
+    t.scratch_run("data-base", "scratch", "1", "6e-4");
     t.ok(&[
         "train",
         "--init",
@@ -603,28 +592,7 @@ fn two_first_uses_of_a_gguf_at_once_convert_it_once() {
 #[test]
 fn adapters_take_the_forms_users_give() {
     let t = Trial::new();
-    t.llama_config("base");
-    t.text_data(&t.s("base"), "data");
-    t.ok(&[
-        "train",
-        "--model",
-        "base",
-        "--data",
-        "data",
-        "--out",
-        "scratch",
-        "--steps",
-        "1",
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--save-every",
-        "1",
-        "--threads",
-        "2",
-    ]);
-    let base = t.s("scratch/checkpoints/step-000001");
+    let base = t.scratch_run("data", "scratch", "1", "6e-4");
     t.lora_run(&base, "data", "lora", "1");
     let e = t.fails(&[
         "train",
@@ -840,27 +808,7 @@ fn prepare_and_train_take_what_they_can_use_and_refuse_the_rest() {
 #[test]
 fn a_resumed_run_takes_or_refuses_every_flag_and_needs_no_base() {
     let t = Trial::new();
-    t.llama_config("base");
-    t.text_data(&t.s("base"), "data");
-    t.ok(&[
-        "train",
-        "--model",
-        "base",
-        "--data",
-        "data",
-        "--out",
-        "scratch",
-        "--steps",
-        "1",
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--save-every",
-        "1",
-        "--threads",
-        "2",
-    ]);
+    t.scratch_run("data", "scratch", "1", "6e-4");
     std::fs::create_dir_all(t.path("gone")).unwrap();
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         std::fs::copy(

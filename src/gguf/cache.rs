@@ -3,16 +3,18 @@
 //!
 //! The converted directory is `<cache>/memwall/gguf/<stem>-<key>`, where the key is the
 //! start of the SHA-256 of the file's content: the same bytes are converted once, whatever
-//! their path or modification time. So that a file is not hashed at every use, `index.json`
-//! remembers each path's size, modification time and hash; a file whose size or time
-//! changed is hashed again, and when its content did change, the conversion of its old
-//! content is removed unless another indexed file still has that content (a replaced model
-//! leaves no copy behind). [`convert`](fn@super::convert) publishes a directory only when it
-//! is complete, so an existing directory is a whole conversion.
+//! their path or modification time. A file is not hashed at every use:
+//! [`crate::util::fingerprint::file_sha256`] remembers its hash by path, size, times and
+//! inode. `index.json` maps each path to its hash and conversion; when a path's content
+//! changed, the conversion of its old content is removed unless another indexed file still
+//! has that content (a replaced model leaves no copy behind). [`convert`](fn@super::convert)
+//! publishes a directory only when it is complete, so an existing directory is a whole
+//! conversion; two processes converting one file take turns on a lock file beside it, and a
+//! conversion first checks the disk has room for its f32 copy.
 //!
-//! `memwall cache` lists the conversions ([`conversions_in`]) and `memwall cache --clear`
-//! removes them ([`clear_in`]): each is an f32 copy of its model, several times the size of
-//! a quantized file.
+//! `memwall cache` lists the entries ([`conversions_in`]) and `memwall cache --clear`
+//! removes memwall's own ([`clear_in`]): each conversion is an f32 copy of its model,
+//! several times the size of a quantized file.
 
 use super::convert::{ConvertOptions, OutDtype, convert};
 use super::file::MAGIC;
@@ -140,10 +142,10 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
 
 /// Converts the GGUF file `path` into `dir` (in the cache), said on stderr with the disk it
 /// takes, refused before any work when the disk has less room. A directory already at `dir`
-/// without a whole conversion is removed only when memwall wrote it (its marker).
+/// without a whole conversion is removed only when `memwall convert` wrote it (its marker).
 fn convert_into(path: &Path, dir: &Path, here: &str) -> Result<()> {
     if dir.exists() {
-        if !crate::util::owned_dir::is_marked(dir) {
+        if crate::util::owned_dir::written_by(dir).as_deref() != Some("memwall convert") {
             bail!(
                 "{here}: its conversion would go to {}, which holds a directory memwall did not \
                  write; move it away, or convert the file yourself (`memwall convert {} --out \

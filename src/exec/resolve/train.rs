@@ -111,7 +111,7 @@ pub fn new_run(
         )?;
         o.batch = r.batch;
         o.strategies = r.strategies;
-        o.init_adapter = req.init_adapter.as_deref().map(absolute);
+        o.init_adapter = req.init_adapter.clone();
     }
     Ok(o)
 }
@@ -300,24 +300,16 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
         );
     }
     for flag in &req.given {
-        let (was, now) = match *flag {
-            "--eval-every" => (opts.eval_every, req.eval_every),
-            "--eval-batches" => (opts.eval_batches, req.eval_batches),
-            "--save-every" => (opts.save_every, req.save_every),
+        let (field, now) = match *flag {
+            "--eval-every" => (&mut opts.eval_every, req.eval_every),
+            "--eval-batches" => (&mut opts.eval_batches, req.eval_batches),
+            "--save-every" => (&mut opts.save_every, req.save_every),
             _ => continue,
         };
-        if was != now {
-            eprintln!("note: {flag} {now} (the run used {was})");
+        if *field != now {
+            eprintln!("note: {flag} {now} (the run used {field})");
+            *field = now;
         }
-    }
-    if req.given.contains(&"--eval-every") {
-        opts.eval_every = req.eval_every;
-    }
-    if req.given.contains(&"--eval-batches") {
-        opts.eval_batches = req.eval_batches;
-    }
-    if req.given.contains(&"--save-every") {
-        opts.save_every = req.save_every;
     }
     if let Some(k) = req.keep_last {
         opts.keep_last = k;

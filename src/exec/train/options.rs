@@ -351,19 +351,14 @@ impl DataFingerprint {
     }
 }
 
-/// SHA-256 over an examples data set's `.idx` and `.mask` files, train then val.
+/// SHA-256 over an examples data set's `.idx` and `.mask` files (each file's hash, as
+/// [`crate::util::fingerprint::file_sha256`] remembers it), train then val.
 fn examples_sha256(dir: &Path) -> Result<String> {
-    files_sha256(dir, &["train.idx", "train.mask", "val.idx", "val.mask"])
-}
-
-/// SHA-256 over the names and content hashes of `names` in `dir`, in order.
-fn files_sha256(dir: &Path, names: &[&str]) -> Result<String> {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
-    for name in names {
-        let sha = crate::util::fingerprint::file_sha256(&dir.join(name))?;
+    for name in ["train.idx", "train.mask", "val.idx", "val.mask"] {
         h.update(name.as_bytes());
-        h.update(sha.as_bytes());
+        h.update(crate::util::fingerprint::file_sha256(&dir.join(name))?.as_bytes());
     }
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
@@ -393,10 +388,11 @@ impl TrainOptions {
             if let Some(want) = &self.data_fingerprint
                 && !want.matches(&found)
             {
-                if want.same_counts(&found) && want.examples_sha256 != found.examples_sha256 {
+                // Same tokenizer and counts, so the examples' bits or boundaries differ.
+                if want.same_counts(&found) {
                     bail!(
-                        "{named}: holds the tokens the run in {run} trained on, but other trained \
-                         tokens or example boundaries (prepared again, with another --train-on?): \
+                        "{named}: holds as many tokens as the run in {run} trained on, but other \
+                         trained tokens or example boundaries (prepared again, with another --train-on?): \
                          the run would go on training another objective; resume with the data as \
                          it was prepared (--data DIR), or start a new run on this data"
                     );
