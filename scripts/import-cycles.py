@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
-"""Lists import cycles between the files of src/ (the house rule: none), and checks that
-no file of src/plan reaches backend::cpu, directly or through the files it imports.
+"""Lists import cycles between the files of src/ and between its top-level modules (src/plan,
+src/backend, ...; the house rule: none, so the module graph runs one way, down to src/ir and
+src/dtype), and checks that no file of src/plan reaches backend::cpu, directly or through the
+files it imports. With --order, prints the modules from the lowest (imports nothing of the
+crate) to the highest, each with the modules it imports.
 
 A file imports another when it names an item of it: through a `use` tree (braces nested to
 any depth, `pub use` re-exports included), or through a path in its code (`crate::a::b`,
@@ -295,5 +298,40 @@ for mod in sorted(graph):
             bad += 1
             print(f"forbidden: {' -> '.join(reversed(chain))} (the plan does not know the backend)")
             break
-print(f"{len(graph)} files, {sum(len(d) for d in graph.values())} imports: {bad} problems")
+# Modules: the crate's top-level modules (src/plan, src/backend, ...) import each other
+# one way too. A module imports another when one of its files imports one of the other's.
+modules = {}
+for f, deps in graph.items():
+    if len(f) == 0:
+        continue
+    m = f[0]
+    modules.setdefault(m, set())
+    for d in deps:
+        if d and d[0] != m:
+            modules[m].add(d[0])
+            why.setdefault(((m,), (d[0],)), f"{name(f)} -> {name(d)} ({why[(f, d)]})")
+mod_graph = {(m,): {(d,) for d in ds} for m, ds in modules.items()}
+graph, index, low, stack, on, sccs, counter = mod_graph, {}, {}, [], set(), [], [0]
+for v in list(graph):
+    if v not in index:
+        strong(v)
+for comp in sccs:
+    bad += 1
+    members = set(comp)
+    print("module cycle:", " <-> ".join(sorted(name(c) for c in comp)))
+    for c in sorted(comp):
+        for d in sorted(x for x in graph[c] if x in members):
+            print(f"    {name(c)} -> {name(d)}: {why[(c, d)]}")
+if "--order" in sys.argv and not sccs:
+    done, order = set(), []
+    while len(order) < len(modules):
+        ready = sorted(m for m in modules if m not in done and modules[m] <= done)
+        order += ready
+        done |= set(ready)
+    for m in order:
+        print(f"{m}: {', '.join(sorted(modules[m])) or '-'}")
+print(
+    f"{len(files)} files, {len(modules)} modules "
+    f"({sum(len(d) for d in modules.values())} module imports): {bad} problems"
+)
 sys.exit(1 if bad else 0)

@@ -5,10 +5,12 @@ use clap::{Args, Parser, Subcommand};
 use memwall::backend::DeviceKind;
 use memwall::dist::shard::Zero;
 use memwall::exec::resolve::{LoraRequest, StepRequest, StrategyRequest, TrainRequest};
-use memwall::gguf::{ExportType, OutDtype};
-use memwall::plan::lora::BaseQuant;
+use memwall::export::ExportType;
+use memwall::gguf::OutDtype;
+use memwall::ir::BaseQuant;
+use memwall::ir::{OptimState, Precision, RecomputeChoice};
+use memwall::plan::OffloadChoice;
 use memwall::plan::search::Pick;
-use memwall::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
 use memwall::util::bytes::parse_bytes;
 use std::path::PathBuf;
 

@@ -19,9 +19,10 @@ use memwall::exec::generate::{ChatRequest, SampleOptions, chat_text, sample_text
 use memwall::exec::resolve::{self, DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ};
 use memwall::exec::train::{self, ConsoleProgress};
 use memwall::gguf::{self, ConvertOptions};
+use memwall::ir::BaseQuant;
+use memwall::ir::RecomputeChoice;
 use memwall::model::ModelSpec;
-use memwall::plan::lora::BaseQuant;
-use memwall::plan::{self, Mode, OffloadChoice, RecomputeChoice, StepConfig, build_plan};
+use memwall::plan::{self, Mode, OffloadChoice, StepConfig, build_plan};
 use memwall::run_dir::PlanJson;
 use memwall::util::bytes::fmt_bytes;
 use memwall::util::rss;
@@ -237,7 +238,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     let named_gguf = model
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-    let gguf_model = gguf::cache::is_gguf(model);
+    let gguf_model = memwall::util::sniff::is_gguf(model);
     let spec = match gguf_model || named_gguf {
         true => ModelSpec::resolve(&gguf::cache::model_dir(model, "--model")?.to_string_lossy())?,
         false => ModelSpec::resolve(&model.to_string_lossy())?,
@@ -706,7 +707,7 @@ fn convert_cmd(a: ConvertArgs) -> Result<()> {
 }
 
 fn export_cmd(a: ExportArgs) -> Result<()> {
-    use gguf::export::inputs;
+    use memwall::export::inputs;
     let given = match (&a.input, &a.adapter) {
         (Some(m), _) => m.clone(),
         (None, Some(adapter)) => inputs::recorded_base(adapter)?,
@@ -731,7 +732,7 @@ fn export_cmd(a: ExportArgs) -> Result<()> {
             None => base,
         })
     });
-    let s = gguf::export(&gguf::ExportOptions {
+    let s = memwall::export::export(&memwall::export::ExportOptions {
         input,
         out: a.gguf,
         ty: a.ty,

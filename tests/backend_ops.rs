@@ -54,7 +54,7 @@ mod backend_ops {
 }
 
 use backend_ops::{adapters, layers, state};
-use memwall::plan::Precision;
+use memwall::ir::Precision;
 
 /// The checks that run at every storage precision, by name (each `fn(&dyn Backend,
 /// Precision)` of `layers` or `state`).
@@ -139,8 +139,8 @@ backend_suite!(cpu, memwall::backend::cpu::Cpu);
 mod flawed {
     use super::backend_ops::flawed::{Flaw, Flawed};
     use super::*;
-    use memwall::plan::Op;
-    use memwall::plan::schedule::WeightLayout;
+    use memwall::ir::Op;
+    use memwall::ir::schedule::WeightLayout;
 
     #[test]
     #[should_panic(expected = "does not match the reference")]

@@ -6,9 +6,11 @@
 //! running beside it in one process (allocating and freeing) would move.
 
 use memwall::backend::cpu::Cpu;
-use memwall::ckpt::{Moments, SaveOptions, TrainerState};
+use memwall::ckpt::{SaveOptions, TrainerState};
 use memwall::exec::executor::Executor;
-use memwall::plan::{Category, Mode, OffloadSet, OptimState, StepConfig, Tier, build_plan};
+use memwall::ir::Moments;
+use memwall::ir::{Category, OptimState, Tier};
+use memwall::plan::{Mode, OffloadSet, StepConfig, build_plan};
 use memwall::util::rss;
 
 const MIB: u64 = 1 << 20;

@@ -6,11 +6,12 @@ mod common;
 
 use memwall::backend::cpu::Cpu;
 use memwall::dist::shard::Zero;
+use memwall::ir::schedule::Op;
+use memwall::ir::strategy::QBLOCK;
+use memwall::ir::{Category, OptimState};
 use memwall::model::ModelSpec;
-use memwall::plan::schedule::Op;
-use memwall::plan::strategy::QBLOCK;
 use memwall::plan::zero::per_rank;
-use memwall::plan::{Category, Mode, OffloadSet, OptimState, Plan, StepConfig, build_plan};
+use memwall::plan::{Mode, OffloadSet, Plan, StepConfig, build_plan};
 
 fn plan(
     model: &str,

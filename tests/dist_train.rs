@@ -11,9 +11,10 @@ use memwall::backend::cpu::Cpu;
 use memwall::dist::shard::Zero;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
+use memwall::ir::OptimState;
 use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
-use memwall::plan::{Mode, OptimState, StepConfig, build_plan};
+use memwall::plan::{Mode, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 use std::sync::Arc;
 

@@ -5,11 +5,12 @@ mod common;
 
 use common::{fails, memwall_env};
 use memwall::backend::cpu::Cpu;
+use memwall::ir::{OptimState, Precision, Recompute};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::predicted_peak;
 use memwall::plan::search::{self, Pick, Space};
 use memwall::plan::time::{Bound, Calibration, DiskRates, predict};
-use memwall::plan::{Mode, OffloadSet, OptimState, Precision, Recompute, StepConfig, build_plan};
+use memwall::plan::{Mode, OffloadSet, StepConfig, build_plan};
 
 fn estimate() -> Calibration {
     Calibration::estimate("test cpu".into(), 2, 100.0)
@@ -152,8 +153,8 @@ fn the_search_finds_what_building_every_candidate_finds() {
 /// below what fits in RAM, it puts the base on disk.
 #[test]
 fn the_search_keeps_lora_and_finds_the_fastest_candidate() {
+    use memwall::ir::BaseQuant;
     use memwall::model::lora::{LoraSpec, parse_targets};
-    use memwall::plan::lora::BaseQuant;
     let spec = ModelSpec::preset("llama-tiny").unwrap();
     let cal = with_disk(2e8);
     let lora = LoraSpec {
@@ -162,7 +163,7 @@ fn the_search_keeps_lora_and_finds_the_fastest_candidate() {
         dropout: 0.0,
         targets: parse_targets("all", spec.family).unwrap(),
     };
-    let quant = BaseQuant::Blocks(memwall::gguf::GgmlType::Q4_0);
+    let quant = BaseQuant::Blocks(memwall::dtype::GgmlType::Q4_0);
     let mut sp = space(4);
     (sp.lora, sp.base_quant) = (Some(lora.clone()), quant);
     let build = |b: usize, r: Recompute, o: OffloadSet| {

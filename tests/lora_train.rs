@@ -5,12 +5,13 @@
 
 use memwall::backend::cpu::Cpu;
 use memwall::ckpt::load_spec;
+use memwall::dtype::GgmlType;
 use memwall::exec::executor::Executor;
-use memwall::gguf::GgmlType;
+use memwall::ir::BaseQuant;
+use memwall::ir::{Precision, Recompute};
 use memwall::model::lora::{LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
-use memwall::plan::lora::BaseQuant;
-use memwall::plan::{Mode, Precision, Recompute, StepConfig, build_plan};
+use memwall::plan::{Mode, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 use std::path::Path;
 
@@ -132,7 +133,7 @@ fn a_quantized_base_is_its_dequantized_weights() {
     );
     let plan = build_plan(&qwen, &cfg, Mode::Train, &Cpu).unwrap();
     let added = (plan.schedule.ops.iter())
-        .filter(|e| matches!(e.op, memwall::plan::Op::AddBias { .. }))
+        .filter(|e| matches!(e.op, memwall::ir::Op::AddBias { .. }))
         .count();
     assert_eq!(added, qwen.n_layer, "one bias op per layer's q|k|v product");
     // Q4_K's blocks of 256: llama-tiny's MLP (352) is no multiple, so a model made of 256s.
@@ -180,7 +181,7 @@ fn as_stored(spec: &ModelSpec, base: &[f32], quant: BaseQuant) -> Vec<f32> {
         let w = &base[t.range.clone()];
         let mut q = vec![0u8; ty.bytes_for(w.len() as u64).unwrap() as usize];
         memwall::gguf::quantize::quantize(ty, w, &mut q).unwrap();
-        memwall::gguf::dequant::dequantize(ty, &q, &mut out[t.range.clone()]).unwrap();
+        memwall::dtype::dequant::dequantize(ty, &q, &mut out[t.range.clone()]).unwrap();
     }
     out
 }
@@ -355,7 +356,7 @@ fn recomputation_leaves_adapter_gradients_bitwise() {
 #[test]
 fn lora_composes_with_accumulation_fp16_and_int8_state() {
     use memwall::exec::{LossScaler, OptimHparams};
-    use memwall::plan::OptimState;
+    use memwall::ir::OptimState;
     let spec = tiny_llama();
     let lora = lora_spec(spec.family, "all");
     let (base, batch) = base_and_batch(&spec);
@@ -431,7 +432,8 @@ fn lora_composes_with_accumulation_fp16_and_int8_state() {
 #[test]
 fn offloading_a_lora_run_changes_nothing_but_where_the_base_lives() {
     use memwall::exec::OptimHparams;
-    use memwall::plan::{Offload, OffloadSet, Tier};
+    use memwall::ir::Tier;
+    use memwall::plan::{Offload, OffloadSet};
     let spec = ModelSpec::preset("llama-tiny").unwrap();
     let lora = lora_spec(spec.family, "all");
     let (base, batch) = base_and_batch(&spec);
@@ -637,7 +639,7 @@ fn dropout_with_accumulation_is_the_whole_batch() {
 /// is at least the p = 0 plan's.
 #[test]
 fn dropout_plans_one_workspace_per_adapter_op() {
-    use memwall::plan::{Category, Op};
+    use memwall::ir::{Category, Op};
     let spec = tiny_llama();
     let plan = |lora: LoraSpec| {
         let mut cfg = StepConfig::new(B, T, 2);

@@ -11,8 +11,9 @@ use memwall::data::examples::{
 };
 use memwall::data::shard::{Shard, write_shard};
 use memwall::exec::Executor;
+use memwall::ir::Recompute;
 use memwall::model::ModelSpec;
-use memwall::plan::{Mode, Recompute, StepConfig, build_plan};
+use memwall::plan::{Mode, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 use std::sync::Arc;
 

@@ -4,9 +4,10 @@
 //! and its own tests import nothing from `backend::cpu`.)
 
 use memwall::backend::cpu::Cpu;
+use memwall::ir::{Category, Recompute};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::{check_budget, largest_batch};
-use memwall::plan::{Category, Mode, Recompute, StepConfig, build_plan};
+use memwall::plan::{Mode, StepConfig, build_plan};
 
 #[test]
 fn gpt2_plan_is_valid_and_packs_tightly() {
@@ -87,7 +88,7 @@ fn over_budget_names_flag_and_largest_batch() {
 /// accumulation they live from the first micro-batch's backward through the second's forward.
 #[test]
 fn gradient_buffers_live_from_first_write_to_update() {
-    use memwall::plan::schedule::{Op, Phase};
+    use memwall::ir::schedule::{Op, Phase};
     let spec = ModelSpec::preset("llama-tiny").unwrap();
     for accum in [1, 2] {
         let mut cfg = StepConfig::new(2, 32, 1);
@@ -134,13 +135,14 @@ fn gradient_buffers_live_from_first_write_to_update() {
 /// leave one in flight; and every op that reads a disk-tier home does so through a copy.
 #[test]
 fn staged_transfers_own_their_copies_until_waited() {
-    use memwall::plan::schedule::Op;
-    use memwall::plan::{OffloadSet, Phase, Plan, Tier};
+    use memwall::ir::schedule::Op;
+    use memwall::ir::{Phase, Tier};
+    use memwall::plan::{OffloadSet, Plan};
     // Walks the ops the executor runs together (those whose phase `runs` keeps): no op
     // touches a copy while it is in flight or reads a disk-tier buffer directly, every
     // transfer is awaited in its own phase and before the run ends. Returns the transfers.
     fn walk(plan: &Plan, what: &str, runs: &dyn Fn(Phase) -> bool) -> usize {
-        let mut in_flight: Vec<(memwall::plan::BufId, Phase)> = Vec::new();
+        let mut in_flight: Vec<(memwall::ir::BufId, Phase)> = Vec::new();
         let mut transfers = 0;
         for (i, e) in plan.schedule.ops.iter().enumerate() {
             if !runs(e.phase) {
@@ -259,7 +261,8 @@ fn staged_transfers_own_their_copies_until_waited() {
 /// alone takes 0 B" nor to offload (already on).
 #[test]
 fn too_small_a_budget_with_everything_offloaded_names_what_does_not_fit() {
-    use memwall::plan::{OffloadSet, OptimState, Precision, Recompute};
+    use memwall::ir::{OptimState, Precision, Recompute};
+    use memwall::plan::OffloadSet;
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let mut cfg = StepConfig::new(4, 128, 2);
     cfg.offload.set = OffloadSet::ALL;

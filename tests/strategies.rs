@@ -5,10 +5,9 @@
 
 use memwall::backend::cpu::Cpu;
 use memwall::exec::executor::{Executor, OptimHparams};
+use memwall::ir::{Category, OptimState, Phase, Precision, Recompute};
 use memwall::model::ModelSpec;
-use memwall::plan::{
-    Category, Mode, OptimState, Phase, Precision, Recompute, StepConfig, build_plan,
-};
+use memwall::plan::{Mode, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 
 mod common;
@@ -408,7 +407,7 @@ fn bf16_dot_product_path_trains_like_the_widening_path() {
 
 /// The AdamW moments of a trained executor, as checkpoints see them (bytes per buffer).
 fn moment_bytes(ex: &Executor) -> Vec<Vec<u8>> {
-    use memwall::ckpt::Moments;
+    use memwall::ir::Moments;
     fn raw<T: Copy>(x: &[T]) -> Vec<u8> {
         // SAFETY: plain element types; viewing their bytes.
         unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) }
@@ -484,7 +483,8 @@ fn checkpoint_files(ex: &Executor, run: &std::path::Path) -> Vec<(String, Vec<u8
 /// everything in RAM, for every moment format and with accumulation and recomputation.
 #[test]
 fn offloading_changes_no_bit() {
-    use memwall::plan::{OffloadSet, Tier};
+    use memwall::ir::Tier;
+    use memwall::plan::OffloadSet;
     let dir = tempfile::tempdir().unwrap();
     let placements = ["optimizer", "params", "grads", "activations", "all"];
     for spec in specs() {

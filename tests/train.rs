@@ -6,10 +6,9 @@ mod common;
 use memwall::backend::cpu::Cpu;
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::exec::train::{NoProgress, TrainOptions, resume_options, train};
+use memwall::ir::{OptimState, Precision, Recompute, RecomputeChoice};
 use memwall::model::ModelSpec;
-use memwall::plan::{
-    Mode, OptimState, Precision, Recompute, RecomputeChoice, StepConfig, build_plan,
-};
+use memwall::plan::{Mode, StepConfig, build_plan};
 use memwall::util::rng::Rng;
 
 fn micro_spec() -> ModelSpec {

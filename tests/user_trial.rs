@@ -155,7 +155,7 @@ impl Trial {
             "f32",
         ]);
         let bytes = std::fs::read(&exported).unwrap();
-        let mark = memwall::gguf::export::inputs::EXPORT_MARK.as_bytes();
+        let mark = memwall::export::inputs::EXPORT_MARK.as_bytes();
         let at = bytes
             .windows(mark.len())
             .position(|w| w == mark)

@@ -8,7 +8,7 @@
 //!   kernels need and the scratch its libraries keep for themselves. The plan does not know
 //!   which backend runs it beyond these answers; the trait is the planner's (a backend
 //!   implements it), so the planner never imports a backend.
-//! - [`Device`], a started backend: runs one [`Op`](crate::plan::Op) at a time, and moves
+//! - [`Device`], a started backend: runs one [`Op`](crate::ir::Op) at a time, and moves
 //!   bytes between the host and plan buffers ([`Device::download`], [`Device::upload`]), which
 //!   is the only way anything outside the backend reads or writes a plan buffer. Transfers
 //!   between tiers and collectives among ranks follow one rule: their op starts them, they
@@ -20,13 +20,15 @@
 
 mod choice;
 pub mod cpu;
+pub mod host;
 
 pub use choice::DeviceKind;
 
 use crate::dist::Comm;
 use crate::dtype::DType;
-use crate::plan::schedule::OpEntry;
-use crate::plan::{BufId, Plan, Sizing};
+use crate::ir::schedule::OpEntry;
+use crate::ir::{BufId, Sizing};
+use crate::plan::Plan;
 use anyhow::Result;
 use std::sync::Arc;
 
@@ -107,7 +109,7 @@ pub struct AdamWStep {
     pub beta1: f32,
     pub beta2: f32,
     pub eps: f32,
-    /// Applied to tensors whose [`crate::plan::ParamSlice::decay`] is set.
+    /// Applied to tensors whose [`crate::ir::ParamSlice::decay`] is set.
     pub weight_decay: f32,
     /// 1-based step number (bias correction).
     pub step: u64,
@@ -126,8 +128,8 @@ pub enum OpResult {
 /// A started backend holding a plan's memory.
 pub trait Device: Send + Sync {
     /// Runs op `e` (an op of the plan this device was started with, with the buffers its
-    /// parameters and gradients are bound to). A [`crate::plan::Op::Transfer`] starts a
-    /// transfer between tiers, and a collective ([`crate::plan::Op::AllReduce`],
+    /// parameters and gradients are bound to). A [`crate::ir::Op::Transfer`] starts a
+    /// transfer between tiers, and a collective ([`crate::ir::Op::AllReduce`],
     /// `ReduceScatter`, `AllGather`: among the ranks the device was started with, on the
     /// plan buffers it names, cut as its group's, [`crate::plan::Plan::cuts`]) starts it;
     /// both run beside the ops that follow until the `AwaitTransfers` or `AwaitCollective`
@@ -177,7 +179,7 @@ pub trait Device: Send + Sync {
         CommTime::default()
     }
     /// Moves the transfers between tiers that finished since the last call (the ones that
-    /// [`crate::plan::Op::Transfer`] ops started, in the order they ran) into `out`, as many
+    /// [`crate::ir::Op::Transfer`] ops started, in the order they ran) into `out`, as many
     /// as its spare capacity holds: `out` never grows, so a caller that reserved it before a
     /// step allocates nothing, and one that passes an empty vector discards them. Returns how
     /// many were not kept (for lack of room here or in the device's own log).

@@ -92,7 +92,7 @@ pub fn merge_tensor(
     w: &mut [f32],
     values: &[f32],
 ) {
-    use crate::backend::cpu::gemm::f32::sgemm;
+    use crate::backend::host::sgemm_acc;
     assert_eq!(values.len(), adapters.params.total);
     assert_eq!(w.len(), base.tensors[tensor].range.len());
     let (r, scale) = (adapters.spec.r, adapters.spec.scale());
@@ -105,13 +105,23 @@ pub fn merge_tensor(
         let (din, dout) = (a.in_features, a.out_features);
         if base.family == crate::model::Family::Gpt2 {
             // W [in, out] += scale · Aᵀ Bᵀ.
-            sgemm(
-                din, dout, r, scale, am, din, true, bm, r, true, w, dout, true,
+            sgemm_acc(
+                (din, dout, r),
+                scale,
+                (am, din, true),
+                (bm, r, true),
+                w,
+                dout,
             );
         } else {
             // W [out, in] += scale · B A.
-            sgemm(
-                dout, din, r, scale, bm, r, false, am, din, false, w, din, true,
+            sgemm_acc(
+                (dout, din, r),
+                scale,
+                (bm, r, false),
+                (am, din, false),
+                w,
+                din,
             );
         }
     }

@@ -15,6 +15,13 @@ pub const STATE_FILE: &str = "trainer_state.json";
 /// [`MODEL_FILE`], or [`MODEL_INDEX_FILE`] and the shards it names ([`latest_checkpoint`](super::latest_checkpoint)
 /// checks both).
 pub const CHECKPOINT_FILES: [&str; 3] = [CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE];
+/// A chat template on its own beside a tokenizer (preferred to `tokenizer_config.json`'s, as
+/// transformers prefers it): a model's, or the one chat data was prepared with (`prepare`
+/// writes it beside the data, and training copies it into every checkpoint).
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+/// The GGUF tokenizer sidecar a conversion writes beside `tokenizer.json`
+/// ([`crate::gguf::sidecar`]): the source file's vocabulary and tokenizer keys, for export.
+pub const TOKENIZER_GGUF_FILE: &str = "tokenizer.gguf";
 /// PEFT's adapter configuration file (a LoRA run's checkpoint, or an adapter directory).
 pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 /// PEFT's adapter weights file.

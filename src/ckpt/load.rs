@@ -16,7 +16,6 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use super::files::{ADAPTER_CHECKPOINT_FILES, ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE};
-use super::moments::MomentsMut;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ, resolve_exact};
 use super::safetensors_io::{
     Resolved, Sources, StFile, Target, check_targets, copy_targets, decode_into, supported,
@@ -27,9 +26,10 @@ use super::{
     CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
     TrainerState,
 };
+use crate::ir::OptimState;
+use crate::ir::moments::MomentsMut;
+use crate::ir::strategy::QBLOCK;
 use crate::model::{ModelSpec, ParamLayout};
-use crate::plan::OptimState;
-use crate::plan::strategy::QBLOCK;
 use crate::run_dir::{RunDir, checkpoint_step};
 
 /// Reads `DIR/config.json` (a Hugging Face config of a family memwall trains).

@@ -11,7 +11,7 @@
 //! | `model.safetensors`      | every parameter under its HF name, F32, HF shape (GPT-2 Conv1D weights `[in, out]`, Linear weights `[out, in]`); a tied LM head is not stored (it is the embedding). Written while the tensors total at most `max_shard_bytes` (5 GB by default, as transformers) |
 //! | `model-00001-of-0000n.safetensors` ... | instead of `model.safetensors` above `max_shard_bytes`: the same tensors in layout order, cut into shards of at most that size (a larger tensor alone in its shard), as transformers' `save_pretrained` |
 //! | `model.safetensors.index.json` | with the shards: `{"metadata": {"total_size": tensor bytes}, "weight_map": {"name": "shard file"}}` |
-//! | `optimizer.safetensors`  | AdamW moments: `exp_avg.<name>` and `exp_avg_sq.<name>` (F32), or flat bf16/int8 state as stored (see `moments.rs`) |
+//! | `optimizer.safetensors`  | AdamW moments: `exp_avg.<name>` and `exp_avg_sq.<name>` (F32), or flat bf16/int8 state as stored (see `ir::moments`) |
 //! | `trainer_state.json`     | [`TrainerState`]: step, data position, seed, RNG state, model and training config |
 //! | `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json`, `tokenizer.gguf` (a converted GGUF's own tokenizer keys, `gguf::sidecar`) | those of them the run's tokenizer directory holds (`--init` or `--model` directory), copied byte for byte (see `tokenizer.rs`); absent for preset models |
 //!
@@ -45,7 +45,7 @@
 pub mod adapter;
 mod files;
 mod load;
-mod moments;
+
 mod names;
 pub mod retention;
 mod safetensors_io;
@@ -59,15 +59,15 @@ mod tests_sharded;
 mod tokenizer;
 
 pub use files::{
-    ADAPTER_CHECKPOINT_FILES, ADAPTER_CONFIG_FILE, CHECKPOINT_FILES, CONFIG_FILE, MODEL_FILE,
-    MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE,
+    ADAPTER_CHECKPOINT_FILES, ADAPTER_CONFIG_FILE, CHAT_TEMPLATE_FILE, CHECKPOINT_FILES,
+    CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE, TOKENIZER_GGUF_FILE,
 };
 pub use load::{
     CheckpointDir, CopyMoments, CopyParams, checkpoint_dirs, latest_checkpoint, load_params,
     load_params_by, load_spec, load_trainer_state, load_trainer_state_by,
     unloadable_checkpoint_hint,
 };
-pub use moments::{Moments, MomentsMut};
+
 pub(crate) use safetensors_io::{Lend, OutData};
 pub use save::{
     AdapterCheckpoint, SaveOptions, save_checkpoint, save_checkpoint_with, save_model,
@@ -76,6 +76,4 @@ pub use save::{
 pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent};
 pub use shards::DEFAULT_MAX_SHARD_BYTES;
 pub use state::{LossScaleState, TrainerState};
-pub use tokenizer::{
-    CHAT_TEMPLATE_FILE, TOKENIZER_FILE, TOKENIZER_FILES, copy_chat_template, copy_tokenizer_files,
-};
+pub use tokenizer::{TOKENIZER_FILE, TOKENIZER_FILES, copy_chat_template, copy_tokenizer_files};

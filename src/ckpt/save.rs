@@ -6,15 +6,15 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use super::files::{ADAPTER_CONFIG_FILE, ADAPTER_MODEL_FILE};
-use super::moments::Moments;
 use super::names::{ABSMAX, EXP_AVG, EXP_AVG_SQ, FLAT_EXP_AVG, FLAT_EXP_AVG_SQ};
 use super::safetensors_io::{Lend, OutData, OutTensor, Whole, write_safetensors};
 use super::shards::{DEFAULT_MAX_SHARD_BYTES, is_shard_name, weight_files};
 use super::tokenizer::{copy_chat_template, copy_tokenizer_files};
 use super::{CONFIG_FILE, MODEL_FILE, MODEL_INDEX_FILE, OPTIMIZER_FILE, STATE_FILE, TrainerState};
+use crate::ir::OptimState;
+use crate::ir::moments::Moments;
 use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout};
-use crate::plan::OptimState;
 use crate::run_dir::RunDir;
 use crate::util::atomic::{self, parent_dir, sync_dir, write_synced};
 use crate::util::atomic_dir::TempDir;

@@ -2,6 +2,7 @@
 //! variants and dtypes, every class of bad input, `latest_checkpoint`, and a full disk.
 
 use super::*;
+use crate::ir::{Moments, MomentsMut};
 use crate::model::{ModelSpec, ParamLayout};
 use crate::run_dir::{CHECKPOINTS_DIR, RunDir};
 use safetensors::tensor::TensorView;
@@ -892,7 +893,7 @@ fn lent_state_saves_like_slices_and_its_failures_are_errors() {
         let state = LentState {
             params,
             moments: LentMoments {
-                format: crate::plan::OptimState::F32,
+                format: crate::ir::OptimState::F32,
                 m: &m,
                 v: &v,
                 absmax: None,
@@ -1032,7 +1033,7 @@ fn non_finite_weights_and_moments_are_refused() {
         "{e}"
     );
 
-    let blocks = layout.block_offsets(crate::plan::strategy::QBLOCK).1;
+    let blocks = layout.block_offsets(crate::ir::strategy::QBLOCK).1;
     let (mi, vi) = (vec![1i8; n], vec![1u8; n]);
     let ma = vec![1.0f32; blocks];
     let mut va = vec![1.0f32; blocks];

@@ -6,6 +6,7 @@
 use super::shards::{is_shard_name, plan_shards};
 use super::tests::{bits, err_text, setup, small_spec, state};
 use super::*;
+use crate::ir::{Moments, MomentsMut};
 use crate::model::{ModelSpec, ParamLayout};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};

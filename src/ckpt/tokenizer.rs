@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use std::fs::File;
 use std::path::Path;
 
+use super::files::{CHAT_TEMPLATE_FILE, TOKENIZER_GGUF_FILE};
 use crate::util::atomic;
 
 /// The files copied, those of them that the source directory holds.
@@ -19,12 +20,8 @@ pub const TOKENIZER_FILES: [&str; 6] = [
     "special_tokens_map.json",
     "generation_config.json",
     CHAT_TEMPLATE_FILE,
-    crate::gguf::sidecar::FILE,
+    TOKENIZER_GGUF_FILE,
 ];
-
-/// A chat template on its own ([`crate::data::chat::template::TEMPLATE_FILE`]): a model's, or
-/// the one chat data was prepared with (training copies it into every checkpoint).
-pub const CHAT_TEMPLATE_FILE: &str = crate::data::chat::template::TEMPLATE_FILE;
 
 /// The file whose presence makes a directory a tokenizer source (see `TrainOptions`).
 pub const TOKENIZER_FILE: &str = TOKENIZER_FILES[0];

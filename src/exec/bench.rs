@@ -3,8 +3,8 @@
 
 use super::executor::{Executor, OptimHparams};
 use crate::backend::DeviceKind;
+use crate::ir::Precision;
 use crate::model::ModelSpec;
-use crate::plan::Precision;
 use crate::plan::fit::Strategies;
 use crate::profile::leak::LeakCheck;
 use crate::profile::record::micros;

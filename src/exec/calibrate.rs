@@ -17,12 +17,13 @@
 
 use super::executor::{Executor, OptimHparams};
 use crate::backend::{Backend, DeviceKind};
-use crate::gguf::GgmlType;
+use crate::dtype::GgmlType;
+use crate::ir::BaseQuant;
+use crate::ir::{OptimState, Precision};
 use crate::model::ModelSpec;
 use crate::model::lora::{LoraSpec, Target};
-use crate::plan::lora::BaseQuant;
 use crate::plan::time::{Calibration, Cost, DiskRates, Source, op_bytes, op_kind};
-use crate::plan::{Mode, OptimState, Precision, StepConfig, build_plan};
+use crate::plan::{Mode, StepConfig, build_plan};
 use crate::profile::OpRecorder;
 use crate::util::clock::utc_now;
 use crate::util::machine::cpu_name;

@@ -4,7 +4,7 @@
 //! step's scalars (loss scale, gradient norm, whether the update is skipped) and moves bytes
 //! between the host and plan buffers only through the backend's download and upload.
 //!
-//! With a deferred update ([`crate::plan::Schedule::deferred_update`]) a step settles its
+//! With a deferred update ([`crate::ir::Schedule::deferred_update`]) a step settles its
 //! update at its end (norm, clipping, skip: known then) and keeps it pending; the next step's
 //! forward applies it, and [`Executor::finish_update`] runs the `Optimizer` ops to finish it
 //! before a checkpoint, an evaluation, a read of the weights or the end of a bench. The
@@ -17,13 +17,14 @@
 //! `Executor::set_comm_thread`) the device runs them inline instead, with the same bits.
 
 use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, OpResult, StepCtx};
-use crate::ckpt::{Moments, MomentsMut};
 use crate::data::examples::{EXAMPLE_START, UNTRAINED};
 use crate::dist::{Comm, Single};
 use crate::dtype::DType;
-use crate::gguf::GgmlType;
-use crate::plan::schedule::{Op, Phase};
-use crate::plan::{BufId, IGNORE_TARGET, Mode, OptimBufs, OptimState, Plan};
+use crate::dtype::GgmlType;
+use crate::ir::schedule::{Op, Phase};
+use crate::ir::{BufId, IGNORE_TARGET, OptimBufs, OptimState};
+use crate::ir::{Moments, MomentsMut};
+use crate::plan::{Mode, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
@@ -99,7 +100,7 @@ pub struct Executor {
     /// The step's gradient-norm shares so far: (first element of the group, sum of squares),
     /// added in parameter order when the update is settled.
     norm_shares: Vec<(usize, f64)>,
-    /// With a deferred update ([`crate::plan::Schedule::deferred_update`]): the update the
+    /// With a deferred update ([`crate::ir::Schedule::deferred_update`]): the update the
     /// last step settled, which the next step's forward (or [`Executor::finish_update`])
     /// applies. The weights and moments are not readable while it is pending.
     pending: Option<AdamWStep>,

@@ -3,7 +3,7 @@
 
 use super::executor::Executor;
 use crate::backend::DeviceKind;
-use crate::backend::cpu::xent::softmax_row;
+use crate::backend::host::softmax_row;
 use crate::ckpt;
 use crate::data::tokenizer::{Tokenizer, model_tokenizer};
 use crate::model::Family;
@@ -166,7 +166,7 @@ pub fn chat_text(
     let tok = checkpoint_tokenizer(&opts.checkpoint)?;
     // An adapter trained on chat data carries the template it was trained with.
     let trained_with = (opts.adapter.as_ref())
-        .map(|a| a.join(crate::data::chat::template::TEMPLATE_FILE))
+        .map(|a| a.join(crate::ckpt::CHAT_TEMPLATE_FILE))
         .filter(|p| p.is_file());
     let file = chat.template.as_deref().or(trained_with.as_deref());
     let template = ChatTemplate::load(Some(&opts.checkpoint), file)?.ok_or_else(|| {

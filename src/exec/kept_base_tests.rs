@@ -3,13 +3,13 @@
 //! the f32 weights `memwall convert` decodes them to, tied head or not.
 
 use crate::backend::cpu::Cpu;
+use crate::dtype::GgmlType;
 use crate::exec::Executor;
-use crate::gguf::GgmlType;
 use crate::gguf::base::BaseSource;
 use crate::gguf::testutil::{tiny_model, write_temp};
+use crate::ir::{BaseQuant, BaseTypes};
 use crate::model::lora::{LoraSpec, Target};
 use crate::model::{ModelSpec, ParamLayout};
-use crate::plan::lora::{BaseQuant, BaseTypes};
 use crate::plan::{Mode, StepConfig, build_plan};
 use crate::util::rng::Rng;
 
@@ -63,7 +63,7 @@ fn fused_as_q8_0(layout: &ParamLayout, base: &mut [f32], types: &BaseTypes) -> V
         let w = &mut base[t.range.clone()];
         let mut blocks = vec![0u8; GgmlType::Q8_0.bytes_for(w.len() as u64).unwrap() as usize];
         crate::gguf::quantize::quantize(GgmlType::Q8_0, w, &mut blocks).unwrap();
-        crate::gguf::dequant::dequantize(GgmlType::Q8_0, &blocks, w).unwrap();
+        crate::dtype::dequant::dequantize(GgmlType::Q8_0, &blocks, w).unwrap();
     }
     names
 }

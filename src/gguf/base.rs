@@ -6,12 +6,12 @@
 //! file is read row by row with its pages released as it goes, so little of it is resident
 //! beside the plan.
 
-use super::dequant;
 use super::file::GgufFile;
 use super::hf::{HfTensor, map_model};
-use super::types::GgmlType;
+use crate::dtype::GgmlType;
+use crate::dtype::dequant;
+use crate::ir::BaseTypes;
 use crate::model::ParamTensor;
-use crate::plan::lora::BaseTypes;
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::path::Path;

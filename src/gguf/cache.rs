@@ -17,30 +17,13 @@
 //! several times the size of a quantized file.
 
 use super::convert::{ConvertOptions, OutDtype, convert};
-use super::file::MAGIC;
 use crate::ckpt::{CONFIG_FILE, MODEL_FILE};
 use anyhow::{Context, Result, anyhow, bail};
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
-/// Whether `path` is a GGUF file (by its `.gguf` extension or its magic bytes). Directories,
-/// missing paths and other files (a config.json) are not.
-pub fn is_gguf(path: &Path) -> bool {
-    if !path.is_file() {
-        return false;
-    }
-    let by_name = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-    let mut head = [0u8; 4];
-    let by_magic = fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut head))
-        .is_ok()
-        && &head == MAGIC;
-    by_name || by_magic
-}
+use crate::util::sniff::is_gguf;
 
 /// `path` itself when it is not a GGUF file; else the Hugging Face directory it converts to
 /// in the user cache, converting it first if needed (said on stderr). `flag` names the
@@ -546,7 +529,7 @@ mod tests {
         let mut v = [0.5f32; 32];
         v[9] = f32::NAN;
         let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.tensor("output_norm.weight", &[32], crate::gguf::GgmlType::F32, &b);
+        w.tensor("output_norm.weight", &[32], crate::dtype::GgmlType::F32, &b);
         let (dir, gguf) = write_temp(&w.to_bytes());
         let cache = dir.path().join("cache");
         for _ in 0..2 {

@@ -18,10 +18,10 @@
 //! is dequantized: a NaN or infinite value (a corrupt block scale) fails the conversion,
 //! naming the tensor and the file, and nothing is published.
 
-use super::dequant::{check_supported, dequantize};
 use super::file::GgufFile;
 use super::hf::{Dims, HfModel, HfTensor, map_model, unpermute_rows};
 use super::tokenizer;
+use crate::dtype::dequant::{check_supported, dequantize};
 use crate::util::atomic::write_synced;
 use crate::util::atomic_dir::TempDir;
 use crate::util::finite::{self, first_non_finite};
@@ -48,7 +48,7 @@ pub(crate) fn written_by_convert(name: &str) -> bool {
         MODEL_FILE,
         TOKENIZER_FILE,
         TOKENIZER_CONFIG_FILE,
-        super::sidecar::FILE,
+        crate::ckpt::TOKENIZER_GGUF_FILE,
     ]
     .contains(&name)
 }
@@ -231,7 +231,7 @@ pub fn convert(o: &ConvertOptions) -> Result<ConvertSummary> {
     put(TOKENIZER_FILE, tok_text.as_bytes())?;
     put(TOKENIZER_CONFIG_FILE, &json(&tok.tokenizer_config)?)?;
     let n = super::sidecar::write(&super::sidecar::tokenizer_keys(&f), &tmp.path)?;
-    files.push((super::sidecar::FILE.to_string(), n));
+    files.push((crate::ckpt::TOKENIZER_GGUF_FILE.to_string(), n));
     let st = tmp.path.join(MODEL_FILE);
     write_model(&f, &model, o.dtype, &st, o.progress)?;
     // The safetensors crate creates its file 0600 (a tempfile); give it the permissions the

@@ -15,7 +15,7 @@
 //! (arrays may nest). Every error names the file and what is wrong: the field and byte offset
 //! where the file ends early, a wrong magic, an unknown tensor type, tensor data past the end.
 
-use super::types::GgmlType;
+use crate::dtype::GgmlType;
 use anyhow::{Context, Result, bail};
 use memmap2::Mmap;
 use std::collections::HashMap;
@@ -23,7 +23,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// The four bytes every GGUF file starts with.
-pub const MAGIC: &[u8; 4] = b"GGUF";
+pub const MAGIC: &[u8; 4] = crate::util::sniff::GGUF_MAGIC;
 /// Data-section alignment when `general.alignment` is absent.
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// ggml tensors have at most this many dimensions (`GGML_MAX_DIMS`).

@@ -38,7 +38,7 @@ pub use model::{Arch, Dims, HfModel, HfTensor};
 
 use super::file::{GgufFile, TensorInfo};
 use super::rope_freqs;
-use super::types::GgmlType;
+use crate::dtype::GgmlType;
 use anyhow::{Context, Result, bail};
 use model::{check_above, check_dims, get_float, required_dim, usize_of};
 use serde_json::json;
@@ -424,7 +424,7 @@ fn llama3_scaling(
         );
     }
     let mut vals = vec![0f32; head_dim / 2];
-    super::dequant::dequantize(t.ty, f.tensor_data(t), &mut vals)
+    crate::dtype::dequant::dequantize(t.ty, f.tensor_data(t), &mut vals)
         .with_context(|| format!("tensor {}", t.name))?;
     Ok(
         rope_freqs::scaling_from_factors(&vals, head_dim, theta as f32)?.map(|p| {

@@ -2,7 +2,7 @@
 //! and model directories written as GGUF files.
 //!
 //! `memwall convert FILE.gguf --out DIR` ([`convert::convert`]) reads a GGUF file
-//! ([`file::GgufFile`], memory-mapped), dequantizes every tensor to f32 ([`dequant`]), maps
+//! ([`file::GgufFile`], memory-mapped), dequantizes every tensor to f32 ([`crate::dtype::dequant`]), maps
 //! llama / qwen2 / gpt2 metadata and tensor names to a transformers `config.json` and HF names
 //! and shapes ([`hf`], undoing llama.cpp's Q/K row permutation and GPT-2's transposed Conv1D
 //! weights, reading Llama 3's [`rope_freqs`]), rebuilds the tokenizer from the
@@ -17,7 +17,7 @@
 //! out);
 //! [`base`] reads a file's own blocks as a LoRA base (`--base-quant keep`).
 //!
-//! `memwall export DIR --gguf OUT.gguf --type T` ([`export::export`]) goes the other way: a
+//! `memwall export DIR --gguf OUT.gguf --type T` ([`crate::export::export`]) goes the other way: a
 //! llama/qwen2/gpt2 model directory written by [`write::write_gguf`] under llama.cpp's names,
 //! with llama.cpp's Q/K order, hyper-parameter keys and tokenizer metadata.
 //!
@@ -28,8 +28,7 @@
 pub mod base;
 pub mod cache;
 pub mod convert;
-pub mod dequant;
-pub mod export;
+
 pub mod file;
 pub mod hf;
 pub mod quantize;
@@ -38,10 +37,8 @@ pub mod sidecar;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod tokenizer;
-pub mod types;
+
 pub mod write;
 
 pub use convert::{ConvertOptions, ConvertSummary, OutDtype, convert};
-pub use export::{ExportOptions, ExportSummary, ExportType, export};
 pub use file::{GgufFile, TensorInfo, Value};
-pub use types::GgmlType;

@@ -15,9 +15,6 @@ use super::write::write_gguf;
 use anyhow::{Context, Result};
 use std::path::Path;
 
-/// The file's name in a model directory.
-pub const FILE: &str = "tokenizer.gguf";
-
 /// The `tokenizer.*` keys of `f`, in file order.
 pub fn tokenizer_keys(f: &GgufFile) -> Vec<(String, Value)> {
     f.metadata
@@ -29,7 +26,7 @@ pub fn tokenizer_keys(f: &GgufFile) -> Vec<(String, Value)> {
 
 /// Writes `keys` into `dir/tokenizer.gguf` (atomically); returns the file's size.
 pub fn write(keys: &[(String, Value)], dir: &Path) -> Result<u64> {
-    let path = dir.join(FILE);
+    let path = dir.join(crate::ckpt::TOKENIZER_GGUF_FILE);
     write_gguf(&path, keys, &[], |_, _| Ok(()))?;
     Ok(std::fs::metadata(&path)
         .with_context(|| format!("cannot stat {}", path.display()))?
@@ -39,7 +36,7 @@ pub fn write(keys: &[(String, Value)], dir: &Path) -> Result<u64> {
 /// The `tokenizer.*` keys of `dir/tokenizer.gguf`; `None` when the directory has no such
 /// file. A file that is not GGUF is an error naming it.
 pub fn read(dir: &Path) -> Result<Option<Vec<(String, Value)>>> {
-    let path = dir.join(FILE);
+    let path = dir.join(crate::ckpt::TOKENIZER_GGUF_FILE);
     if !path.is_file() {
         return Ok(None);
     }

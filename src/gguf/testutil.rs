@@ -4,8 +4,8 @@
 //! memory and can write what [`super::write::write_gguf`] refuses (bad type ids, version 2).
 
 use super::file::Value;
-use super::types::GgmlType;
 use super::write::{put_str, put_value, value_type_id as type_id};
+use crate::dtype::GgmlType;
 use std::path::PathBuf;
 
 /// A GGUF file under construction: metadata and tensors in the order they are added.

@@ -16,7 +16,7 @@
 //! an earlier file at the path is unchanged.
 
 use super::file::{DEFAULT_ALIGNMENT, Value};
-use super::types::GgmlType;
+use crate::dtype::GgmlType;
 use anyhow::{Result, bail};
 use std::io::{BufWriter, Write};
 use std::path::Path;

@@ -6,7 +6,7 @@ use anyhow::{Result, bail};
 use std::alloc::{Layout, alloc, dealloc};
 use std::ptr::NonNull;
 
-/// One page-aligned ([`crate::plan::packing::IO_ALIGN`]) block of host memory, so buffers
+/// One page-aligned ([`crate::ir::IO_ALIGN`]) block of host memory, so buffers
 /// packed at I/O-aligned offsets can be read and written with direct I/O.
 pub struct Arena {
     ptr: NonNull<u8>,
@@ -25,7 +25,7 @@ impl Arena {
         let Ok(size) = usize::try_from(size) else {
             bail!("the plan's arena ({bytes} bytes) exceeds this machine's address space");
         };
-        let layout = Layout::from_size_align(size, crate::plan::packing::IO_ALIGN as usize)?;
+        let layout = Layout::from_size_align(size, crate::ir::IO_ALIGN as usize)?;
         // SAFETY: layout has non-zero size.
         let raw = unsafe { alloc(layout) };
         let Some(ptr) = NonNull::new(raw) else {

@@ -1,5 +1,5 @@
 //! The disk tier (`--offload`): one preallocated file per run in the offload directory,
-//! holding the plan's [`crate::plan::Tier::Nvme`] buffers at their packed offsets, read and
+//! holding the plan's [`crate::ir::Tier::Nvme`] buffers at their packed offsets, read and
 //! written whole with direct I/O (`O_DIRECT`: no page cache, so offloading does not grow the
 //! machine's memory behind the plan's back). Where the file system refuses `O_DIRECT` (tmpfs,
 //! some overlay file systems) the file is opened buffered and every transfer is followed by
@@ -15,7 +15,7 @@
 //! the times of the transfers it performed ([`Timed`]) in a log reserved when it starts, for
 //! the profiler's I/O track.
 
-use crate::plan::packing::IO_ALIGN;
+use crate::ir::IO_ALIGN;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Context, Result, bail};
 use std::fs::{File, OpenOptions};

@@ -4,7 +4,7 @@
 //! file is 512 MiB, or half the free space of a smaller disk ([`probe_size`]).
 
 use super::disk::DiskTier;
-use crate::plan::packing::IO_ALIGN;
+use crate::ir::IO_ALIGN;
 use anyhow::Result;
 use std::path::Path;
 use std::time::Instant;

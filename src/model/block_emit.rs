@@ -6,10 +6,10 @@
 //! output and its backward) and emits the rest of the micro-batch (embedding, final norm,
 //! head) around [`forward`] and [`backward`].
 
-use crate::plan::builder::Builder;
-use crate::plan::schedule::{Op, Phase};
-use crate::plan::strategy::{BlockPolicy, Recompute};
-use crate::plan::{BufId, Category};
+use crate::ir::builder::Builder;
+use crate::ir::schedule::{Op, Phase};
+use crate::ir::strategy::{BlockPolicy, Recompute};
+use crate::ir::{BufId, Category};
 
 /// A family's block as stages. Implemented by the family's dimensions of one micro-batch,
 /// which all its blocks share.

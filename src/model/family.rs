@@ -7,8 +7,8 @@
 
 use super::spec::{Family, FieldNames};
 use super::{ModelSpec, ParamLayout, gpt2, llama};
-use crate::plan::StepConfig;
-use crate::plan::builder::{Builder, Emitted, MicroBatch};
+use crate::ir::EmitOptions;
+use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use anyhow::Result;
 use serde_json::{Map, Value};
 
@@ -92,7 +92,7 @@ impl Family {
         self,
         g: &mut Builder,
         spec: &ModelSpec,
-        cfg: &StepConfig,
+        cfg: &EmitOptions,
         mb: &MicroBatch,
     ) -> Emitted {
         match self {

@@ -3,9 +3,10 @@
 //! rows so that only one `[rows, V]` logits chunk exists at a time (its size set by
 //! `StepConfig::logits_chunk_bytes`), writing the gradient of the head's input.
 
-use crate::plan::builder::{Builder, MicroBatch};
-use crate::plan::schedule::{Op, Phase};
-use crate::plan::{BufId, Category, StepConfig};
+use crate::ir::EmitOptions;
+use crate::ir::builder::{Builder, MicroBatch};
+use crate::ir::schedule::{Op, Phase};
+use crate::ir::{BufId, Category};
 use std::ops::Range;
 
 /// What the head left: generation logits, or the gradient of its input.
@@ -19,7 +20,7 @@ pub(crate) enum Head {
 /// Emits the head reading `inp` `[N, C]` (the final norm's output) with weight `w` `[V, C]`.
 pub(crate) fn emit(
     g: &mut Builder,
-    cfg: &StepConfig,
+    cfg: &EmitOptions,
     mb: &MicroBatch,
     inp: BufId,
     w: Range<usize>,

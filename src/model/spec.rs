@@ -152,7 +152,7 @@ impl ModelSpec {
         if p.is_dir() {
             Self::from_hf_config_file(&p.join("config.json"))
         } else if p.is_file() {
-            if crate::gguf::cache::is_gguf(p) {
+            if crate::util::sniff::is_gguf(p) {
                 bail!(
                     "model '{arg}' is a GGUF file, which --model does not read: train from its \
                      weights with `memwall train --init {arg}`, sample with `memwall sample \

@@ -48,20 +48,21 @@
 //!
 //! Shapes: B batch, T sequence, C channels, NH heads, V vocabulary, N = B·T, L layers.
 
-use super::Sizing;
-use super::builder::{Builder, Loss, MicroBatch};
 use super::config::{Mode, StepConfig};
-use super::lora::BaseQuant;
 use super::packing;
-use super::schedule::{
+use super::stage::{self, Home, Kind};
+use super::zero;
+use super::{LoraPlan, OffloadSet, Plan};
+use crate::dtype::DType;
+use crate::ir::BaseQuant;
+use crate::ir::Sizing;
+use crate::ir::builder::{Builder, Loss, MicroBatch};
+use crate::ir::schedule::{
     Binding, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule, Segment,
     Segments,
 };
-use super::stage::{self, Home, Kind};
-use super::strategy::{OptimState, Precision, QBLOCK};
-use super::zero;
-use super::{BufId, Buffer, Category, LoraPlan, OffloadSet, Placement, Plan, Tier};
-use crate::dtype::DType;
+use crate::ir::strategy::{OptimState, Precision, QBLOCK};
+use crate::ir::{BufId, Buffer, Category, Placement, Tier};
 use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
@@ -233,7 +234,7 @@ pub(super) fn build(
             rows,
             attn_ws_len,
         };
-        let emitted = spec.family.emit(&mut g, spec, cfg, &mb);
+        let emitted = spec.family.emit(&mut g, spec, &cfg.emit_options(), &mb);
         let io = Io {
             tokens: vec![tokens],
             positions: vec![],
@@ -293,7 +294,7 @@ pub(super) fn build(
             attn_ws_len,
         };
         g.micro = k;
-        spec.family.emit(&mut g, spec, cfg, &mb);
+        spec.family.emit(&mut g, spec, &cfg.emit_options(), &mb);
         g.micro = 0;
         io.tokens.push(tokens);
         io.positions.extend(positions);

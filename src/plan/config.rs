@@ -3,9 +3,8 @@
 //! search ([`super::search`]) and the ZeRO sharding ([`super::zero`]) read it.
 
 use super::Offload;
-use super::lora::{BaseQuant, BaseTypes};
-use super::strategy::{OptimState, Precision, Recompute};
 use crate::dist::shard::{Sharding, Zero};
+use crate::ir::{BaseQuant, BaseTypes, EmitOptions, OptimState, Precision, Recompute};
 use crate::model::lora::LoraSpec;
 use serde::Serialize;
 
@@ -88,6 +87,14 @@ impl StepConfig {
             base_quant: BaseQuant::F32,
             base_types: None,
             packed: false,
+        }
+    }
+
+    /// What a model family's emission reads of this configuration.
+    pub fn emit_options(&self) -> EmitOptions {
+        EmitOptions {
+            recompute: self.recompute,
+            logits_chunk_bytes: self.logits_chunk_bytes,
         }
     }
 

@@ -1,16 +1,14 @@
 //! The strategies a run asks for, and budget checks: does a plan fit `--max-memory`, and if
 //! not, what would.
 
-use super::Sizing;
-use super::lora::BaseQuant;
 use super::search::{Pick, Space, search};
 use super::time::Calibration;
-use super::{
-    Mode, OffloadChoice, OffloadSet, OptimState, Plan, Precision, Recompute, RecomputeChoice,
-    StepConfig, build_plan,
-};
+use super::{Mode, OffloadChoice, OffloadSet, Plan, StepConfig, build_plan};
 use crate::dist::shard::Zero;
-use crate::gguf::GgmlType;
+use crate::dtype::GgmlType;
+use crate::ir::BaseQuant;
+use crate::ir::Sizing;
+use crate::ir::{OptimState, Precision, Recompute, RecomputeChoice};
 use crate::model::ModelSpec;
 use crate::model::lora::LoraSpec;
 use crate::util::bytes::fmt_bytes;
@@ -62,7 +60,7 @@ pub struct Strategies {
     /// `--base-quant keep`: the storage of each base tensor, read from the GGUF `--init`
     /// (read again on resume, not saved).
     #[serde(skip)]
-    pub base_types: Option<std::sync::Arc<super::lora::BaseTypes>>,
+    pub base_types: Option<std::sync::Arc<crate::ir::BaseTypes>>,
     /// Rows pack several examples ([`StepConfig::packed`]): set by the trainer from its data
     /// (an examples data set, unless `--no-pack`), not saved.
     #[serde(skip)]
@@ -422,8 +420,8 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
         .iter()
         .filter(|b| {
             b.persistent
-                && b.placement.tier == super::Tier::Host
-                && b.category != super::Category::IoStaging
+                && b.placement.tier == crate::ir::Tier::Host
+                && b.category != crate::ir::Category::IoStaging
         })
         .map(|b| b.bytes)
         .sum();

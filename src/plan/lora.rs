@@ -31,11 +31,12 @@
 //! With `B = 0` (a fresh adapter) every `LoraForward` adds exact zeros, so the logits are the
 //! base's.
 
-use super::builder::Builder;
-use super::schedule::{LoraDropout, Op, OpEntry, Segment, Segments, WeightLayout};
-use super::{BufId, Category};
 use crate::dtype::DType;
-use crate::gguf::GgmlType;
+use crate::dtype::GgmlType;
+use crate::ir::builder::Builder;
+use crate::ir::schedule::{LoraDropout, Op, OpEntry, Segment, Segments, WeightLayout};
+use crate::ir::{BaseQuant, BaseTypes};
+use crate::ir::{BufId, Category};
 use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
@@ -75,75 +76,6 @@ impl LoraPlan {
             100.0 * trained as f64 / self.base.total as f64,
             self.base.total as f64 / 1e6,
         )
-    }
-}
-
-/// How a LoRA plan keeps its frozen base (`--base-quant`): f32, or its matrices (the
-/// linear layers' weights and the embeddings, whose rows are whole blocks) as ggml blocks,
-/// quantized once when the base is loaded (llama.cpp's reference quantizers, bitwise), the
-/// norms' weights in f32 beside them. The frozen layers then read their weights quantized
-/// ([`Binding::quant`](super::schedule::Binding)): a forward and an input-gradient GEMM that
-/// decode a tile of rows at a time, and the embedding rows decoded as they are gathered.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum BaseQuant {
-    #[default]
-    F32,
-    Blocks(GgmlType),
-    /// Each tensor as a GGUF `--init` stores it ([`BaseTypes`]): its blocks copied, never
-    /// re-quantized.
-    Keep,
-}
-
-/// The storage type of each base tensor, by its Hugging Face name, as a GGUF file holds it
-/// (`--base-quant keep`; read from the file by `gguf::hf::tensor_types`).
-pub type BaseTypes = std::collections::BTreeMap<String, GgmlType>;
-
-impl BaseQuant {
-    /// The `--base-quant` values.
-    pub const NAMES: &'static str = "fp32, bf16, q8_0, q4_0, q4_1, q4_k, keep";
-}
-
-impl std::str::FromStr for BaseQuant {
-    type Err = anyhow::Error;
-    fn from_str(s: &str) -> Result<BaseQuant> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "fp32" | "f32" => BaseQuant::F32,
-            "bf16" => BaseQuant::Blocks(GgmlType::BF16),
-            "q8_0" => BaseQuant::Blocks(GgmlType::Q8_0),
-            "q4_0" => BaseQuant::Blocks(GgmlType::Q4_0),
-            "q4_1" => BaseQuant::Blocks(GgmlType::Q4_1),
-            "q4_k" => BaseQuant::Blocks(GgmlType::Q4_K),
-            "keep" => BaseQuant::Keep,
-            _ => bail!(
-                "--base-quant {s}: memwall keeps a base as {} (keep: a GGUF file's own \
-                 blocks, Q6_K and the others among them)",
-                BaseQuant::NAMES
-            ),
-        })
-    }
-}
-
-impl std::fmt::Display for BaseQuant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            BaseQuant::F32 => f.write_str("fp32"),
-            BaseQuant::Blocks(t) => f.write_str(&t.name.to_ascii_lowercase()),
-            BaseQuant::Keep => f.write_str("keep"),
-        }
-    }
-}
-
-impl serde::Serialize for BaseQuant {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(&self.to_string())
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for BaseQuant {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse()
-            .map_err(|e: anyhow::Error| serde::de::Error::custom(format!("{e:#}")))
     }
 }
 

@@ -7,29 +7,7 @@
 //! overlap never share bytes. The executor allocates that arena once and hands out views; so the
 //! plan's arena size *is* the step's memory, and `memwall plan` answers "will it fit?" up front.
 
-/// Serialises a strategy type as its flag text (`Display`) and reads it back with its flag
-/// parser (`FromStr`), so `plan.json`, a run's options and the CLI share one spelling.
-macro_rules! serde_as_flag_text {
-    ($t:ty) => {
-        impl serde::Serialize for $t {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.collect_str(self)
-            }
-        }
-
-        impl<'de> serde::Deserialize<'de> for $t {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$t, D::Error> {
-                <String as serde::Deserialize>::deserialize(d)?
-                    .parse()
-                    .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
-            }
-        }
-    };
-}
-
-pub mod buffer;
 pub mod build;
-pub(crate) mod builder;
 mod config;
 pub mod fit;
 pub mod lora;
@@ -37,23 +15,17 @@ pub mod offload;
 pub mod operands;
 pub mod packing;
 pub mod report;
-pub mod schedule;
 pub mod search;
-mod sizing;
 mod stage;
-pub mod strategy;
 pub mod time;
 pub mod zero;
 
-pub use buffer::{BufId, Buffer, Category, Placement, Tier};
 pub use build::build_plan;
 pub use config::{Mode, StepConfig};
 pub use lora::LoraPlan;
 pub use offload::{Offload, OffloadChoice, OffloadSet};
-pub use schedule::{IGNORE_TARGET, LoraDropout, Op, OptimBufs, ParamSlice, Phase, Rows, Schedule};
-pub use sizing::Sizing;
-pub use strategy::{OptimState, Precision, Recompute, RecomputeChoice};
 
+use crate::ir::{BufId, Buffer, Category, Op, OpEntry, Phase, Schedule, Tier};
 use crate::model::{ModelSpec, ParamLayout};
 
 /// The fixed part of [`Plan::runtime_reserve`]: 4 MiB.
@@ -194,7 +166,7 @@ impl Plan {
 
     /// Bytes this rank sends in collective op `e` (0 for other ops): the ring's figure
     /// ([`crate::dist::Cut::sent`]), which the transport's counter confirms.
-    pub fn comm_bytes(&self, e: &schedule::OpEntry) -> u64 {
+    pub fn comm_bytes(&self, e: &OpEntry) -> u64 {
         use crate::dist::Collective;
         let (c, buf, group) = match e.op {
             Op::AllReduce { buf, group, .. } => (Collective::AllReduce, buf, group),

@@ -1,4 +1,4 @@
-//! `--offload`: which state lives on the disk tier ([`super::Tier::Nvme`]) between its uses,
+//! `--offload`: which state lives on the disk tier ([`crate::ir::Tier::Nvme`]) between its uses,
 //! and where that tier's file is. A placement is a plan transformation like the others: the
 //! planner puts the chosen buffers on the disk tier and emits the transfers that bring each
 //! into a host staging buffer before its use and write it back after, so the staging bytes
@@ -30,6 +30,7 @@
 //! **Invariant:** offload changes no value: every placement gives bitwise the weights of a run
 //! in RAM (`tests/strategies.rs`, `tests/offload.rs`).
 
+use crate::ir::serde_as_flag_text;
 use anyhow::{Result, bail};
 use serde::Serialize;
 use std::fmt;

@@ -4,8 +4,8 @@
 //! the ZeRO overlap, the time model's bytes and renaming all read this one description, so
 //! a new op is described here once and nowhere else. Visiting allocates nothing.
 
-use super::buffer::BufId;
-use super::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice};
+use crate::ir::buffer::BufId;
+use crate::ir::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice};
 use std::ops::Range;
 
 /// How an op uses one of its operands.
@@ -507,8 +507,8 @@ impl OpEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::schedule::{Binding, Phase, Rows, WeightLayout};
-    use crate::plan::strategy::OptimState;
+    use crate::ir::schedule::{Binding, Phase, Rows, WeightLayout};
+    use crate::ir::strategy::OptimState;
 
     fn entry(op: Op, params: Option<usize>, grads: Option<usize>) -> OpEntry {
         let bind = |b: Option<usize>| {

@@ -14,8 +14,8 @@
 //! placed in the union of the bytes placed so far, and verified by binary search, so packing
 //! and verifying stay linear in the plan's buffers.
 //!
-//! Packing and verification are per tier: the host arena ([`super::Tier::Host`]) and the disk
-//! tier's file ([`super::Tier::Nvme`], whose transfers need [`IO_ALIGN`]); owned buffers
+//! Packing and verification are per tier: the host arena ([`crate::ir::Tier::Host`]) and the disk
+//! tier's file ([`crate::ir::Tier::Nvme`], whose transfers need [`IO_ALIGN`]); owned buffers
 //! (allocated once by their owner, such as the loader's staging or the `gemm` crate's packing
 //! scratch) are counted in the plan's total but not packed. [`live_bytes_per_op`] is the one
 //! sweep of live bytes that the plan's peak and the reports' timelines share.
@@ -23,15 +23,9 @@
 //! **Invariant:** no two buffers of a tier whose intervals intersect share a byte
 //! ([`verify`]).
 
-use super::{Buffer, Tier};
+use crate::ir::{Buffer, Tier};
 
-/// Every offset is a multiple of this (one cache line; enough for AVX-512 loads).
-pub const ALIGN: u64 = 64;
-
-/// Offsets and sizes of the buffers a disk transfer moves (both ends): direct I/O needs the
-/// file offset, the length and the memory address aligned to the device's block (4 KiB covers
-/// the logical block sizes of NVMe and SATA disks and the page size).
-pub const IO_ALIGN: u64 = 4096;
+pub use crate::ir::buffer::{ALIGN, IO_ALIGN};
 
 fn align_up(x: u64, align: u64) -> u64 {
     x.div_ceil(align) * align
@@ -300,7 +294,7 @@ pub fn verify(buffers: &[Buffer]) -> Result<(), String> {
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::plan::Category;
+    use crate::ir::Category;
     use crate::util::rng::Rng;
 
     fn buf(bytes: u64, first: usize, last: usize) -> Buffer {
@@ -313,7 +307,7 @@ mod tests {
             persistent: false,
             first_op: first,
             last_op: last,
-            placement: crate::plan::Placement::HOST,
+            placement: crate::ir::Placement::HOST,
             align: ALIGN,
         }
     }

@@ -6,7 +6,7 @@
 //! op (the attribution of the peak).
 
 use super::Plan;
-use super::Sizing;
+use crate::ir::Sizing;
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
 

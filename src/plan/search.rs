@@ -29,10 +29,11 @@
 //! the micro-batch, accumulation, precision and optimizer state fixed
 //! ([`super::fit::plan_fitting`]).
 
-use super::Sizing;
 use super::build::{Verify, build};
 use super::time::{Calibration, StepTime, predict};
-use super::{Mode, OffloadSet, OptimState, Plan, Precision, Recompute, StepConfig};
+use super::{Mode, OffloadSet, Plan, StepConfig};
+use crate::ir::Sizing;
+use crate::ir::{OptimState, Precision, Recompute};
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};
@@ -94,8 +95,8 @@ pub struct Space {
     /// LoRA adapters and the base's storage, as given (`--lora`, `--base-quant`): the
     /// search chooses the rest around them (nothing is offloaded with them).
     pub lora: Option<crate::model::lora::LoraSpec>,
-    pub base_quant: super::lora::BaseQuant,
-    pub base_types: Option<std::sync::Arc<super::lora::BaseTypes>>,
+    pub base_quant: crate::ir::BaseQuant,
+    pub base_types: Option<std::sync::Arc<crate::ir::BaseTypes>>,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.

@@ -6,10 +6,10 @@
 //! - Homes are per parameter group for parameters, gradients and moments, and one per kept
 //!   activation (what the forward keeps for the backward). A span's copy is named after its
 //!   home and part of the step (`h3.params.fwd`, `h3.params.bwd`, `h3.adamw.m.opt`, …), and
-//!   the span's ops are rebound ([`super::schedule::Binding`]) or renamed to it. `Transfer`
+//!   the span's ops are rebound ([`crate::ir::schedule::Binding`]) or renamed to it. `Transfer`
 //!   ops move the bytes and `AwaitTransfers` ops wait for them, before the copy's first use
 //!   and before its bytes may be reused. Both ends of a transfer are aligned to
-//!   [`super::packing::IO_ALIGN`] for direct I/O.
+//!   [`crate::ir::IO_ALIGN`] for direct I/O.
 //! - A home's uses are split into spans where the step's part changes (forward; recompute
 //!   and backward; optimizer) and, for parameters, gradients and moments, where another home
 //!   of the same kind is used in between (another parameter group). So the parameters of
@@ -31,14 +31,14 @@
 //! - A transfer and its wait take the phase of the span they serve, so evaluation (forward
 //!   ops only) and the executor's split of a step into gradients and update each start and
 //!   wait for their own transfers.
-//! - With a deferred update ([`super::schedule::Phase::DeferredUpdate`]), a group's update
+//! - With a deferred update ([`crate::ir::schedule::Phase::DeferredUpdate`]), a group's update
 //!   and its forward ops share one parameter copy (read, updated, used, written back: one
 //!   read and one write fewer per step), and the `Optimizer` ops, which then run only
 //!   between steps, prefetch and wait among themselves.
 
-use super::builder::Builder;
-use super::schedule::{Op, OpEntry, Phase};
-use super::{BufId, Category};
+use crate::ir::builder::Builder;
+use crate::ir::schedule::{Op, OpEntry, Phase};
+use crate::ir::{BufId, Category};
 
 /// What a home holds. Spans of one kind form one pipeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -22,10 +22,11 @@
 //! (`predicted_step_s`, `time_error_pct`), and `plan.json` records it. `--fit`
 //! ([`super::search`]) ranks plans by it.
 
+use super::Plan;
 use super::operands::Operand;
-use super::schedule::{Op, OpEntry, Phase};
-use super::{BufId, OptimState, Plan, Tier};
 use crate::dtype::DType;
+use crate::ir::schedule::{Op, OpEntry, Phase};
+use crate::ir::{BufId, OptimState, Tier};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -380,7 +381,7 @@ fn state_bytes(format: OptimState) -> f64 {
     match format {
         OptimState::F32 => 8.0,
         OptimState::Bf16 => 4.0,
-        OptimState::Int8 => 2.0 + 8.0 / super::strategy::QBLOCK as f64,
+        OptimState::Int8 => 2.0 + 8.0 / crate::ir::strategy::QBLOCK as f64,
     }
 }
 
@@ -464,7 +465,7 @@ pub struct StepTime {
 }
 
 /// Predicts the time of one training step of `plan` on the calibrated machine: the ops a
-/// step runs ([`super::Schedule::in_step`]) in order, transfers on the I/O clock.
+/// step runs ([`crate::ir::Schedule::in_step`]) in order, transfers on the I/O clock.
 pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
     let disk = cal.disk_rates();
     let mut estimated = cal.source == Source::Estimate;

@@ -54,12 +54,13 @@
 //! `exec::executor::checkpoint`), and loading fills each rank's shards from the whole file
 //! (tensors may be cut), so a run resumes on any number of ranks at any stage.
 
-use super::builder::Builder;
-use super::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
-use super::strategy::QBLOCK;
-use super::{BufId, Category, OffloadSet, OptimState, Plan, StepConfig};
+use super::{OffloadSet, Plan, StepConfig};
 use crate::dist::{Cut, Sharding};
 use crate::dtype::DType;
+use crate::ir::builder::Builder;
+use crate::ir::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
+use crate::ir::strategy::QBLOCK;
+use crate::ir::{BufId, Category, OptimState};
 use crate::model::{ParamGroup, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;
@@ -639,7 +640,7 @@ pub fn per_rank(plan: &Plan) -> PerRank {
     if plan.scalar_comm_bytes() > 0 {
         comm_by_collective.insert("scalars".into(), plan.scalar_comm_bytes());
     }
-    let sum = |keep: &dyn Fn(&super::Buffer) -> bool| -> u64 {
+    let sum = |keep: &dyn Fn(&crate::ir::Buffer) -> bool| -> u64 {
         plan.buffers
             .iter()
             .filter(|b| keep(b))
@@ -662,7 +663,7 @@ pub fn per_rank(plan: &Plan) -> PerRank {
     let k = match cfg.optim_state {
         OptimState::F32 => 8.0,
         OptimState::Bf16 => 4.0,
-        OptimState::Int8 => 2.0 + 8.0 / super::strategy::QBLOCK as f64,
+        OptimState::Int8 => 2.0 + 8.0 / crate::ir::strategy::QBLOCK as f64,
     };
     let (pd, gd, kd) = match cfg.zero.0 {
         0 => (1.0, 1.0, 1.0),

@@ -6,7 +6,7 @@
 
 use super::record::StepProfile;
 use super::timeline::{MemoryTimeline, live_buffers};
-use crate::plan::Category;
+use crate::ir::Category;
 use crate::run_dir::PlanJson;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, anyhow};

@@ -3,8 +3,8 @@
 //! `profile.json` when a run was profiled), so `memwall report RUN_DIR` needs nothing but the
 //! run directory.
 
+use crate::ir::{Category, Tier};
 use crate::plan::packing::live_bytes_per_op;
-use crate::plan::{Category, Tier};
 use crate::run_dir::{BufferInfo, PlanJson};
 
 /// Bytes live per category at every op of the schedule, the buffers outside the arena (which
@@ -215,8 +215,9 @@ pub fn op_kind(name: &str) -> &str {
 mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
+    use crate::ir::Recompute;
     use crate::model::ModelSpec;
-    use crate::plan::{Mode, Recompute, StepConfig, build_plan};
+    use crate::plan::{Mode, StepConfig, build_plan};
 
     #[test]
     fn timeline_matches_the_plan_it_was_read_from() {

@@ -9,7 +9,8 @@
 //! (as `plan.json` always was). Fields added as memwall grew have defaults, so run directories
 //! of older versions still get a report.
 
-use crate::plan::{Category, Plan, Tier};
+use crate::ir::{Category, Tier};
+use crate::plan::Plan;
 use crate::util::atomic;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -314,8 +315,9 @@ impl PlanJson {
 mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
+    use crate::ir::{OptimState, Precision, Recompute};
     use crate::model::ModelSpec;
-    use crate::plan::{Mode, OptimState, Precision, Recompute, StepConfig, build_plan};
+    use crate::plan::{Mode, StepConfig, build_plan};
 
     fn plans() -> Vec<Plan> {
         let spec = ModelSpec::resolve("gpt2-tiny").unwrap();

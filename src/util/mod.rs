@@ -1,7 +1,7 @@
 //! Small shared utilities: crash-safe file writes, deterministic RNG, process memory readings,
 //! threads and their limits, byte formatting, the CPU's name, UTC dates, the user cache's location, which directories
 //! memwall may replace, fetching from PyPI with pip, finding NaN and infinite values in
-//! loaded weights, content fingerprints of models.
+//! loaded weights, content fingerprints of models, telling a GGUF file by its bytes.
 
 pub mod atomic;
 pub mod atomic_dir;
@@ -18,6 +18,7 @@ pub mod rng;
 pub mod rss;
 #[cfg(test)]
 pub mod small_disk;
+pub mod sniff;
 pub mod threads;
 
 /// `n` and `noun`, in the plural unless `n` is 1: `1 thread`, `2 threads`, `3 files`.

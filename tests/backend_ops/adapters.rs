@@ -7,8 +7,8 @@
 use super::rig::*;
 use memwall::backend::Backend;
 use memwall::backend::StepCtx;
-use memwall::plan::schedule::WeightLayout;
-use memwall::plan::{LoraDropout, Op, Precision, Rows};
+use memwall::ir::schedule::WeightLayout;
+use memwall::ir::{LoraDropout, Op, Precision, Rows};
 use std::ops::Range;
 
 const ROWS: Rows = Rows { b: B, t: T };
@@ -179,7 +179,7 @@ pub fn lora_backward(be: &dyn Backend, p: Precision) {
 /// of the same op trained, on the same inputs; the gradient buffer bitwise untouched.
 pub fn frozen_backward(be: &dyn Backend, p: Precision) {
     const C: usize = 12;
-    type Declare = fn(&mut Rig) -> (Op, memwall::plan::BufId);
+    type Declare = fn(&mut Rig) -> (Op, memwall::ir::BufId);
     let cases: [(&str, Declare); 3] = [
         ("matmul_backward", |rig| {
             let w = rig.param(IC * OC);
@@ -237,9 +237,7 @@ pub fn frozen_backward(be: &dyn Backend, p: Precision) {
             let mut s = rig.start(be);
             let mut rng = Rng::new(14);
             // Every buffer random (the statistics positive, as a norm's are).
-            let ids: Vec<_> = (0..s.plan.buffers.len())
-                .map(memwall::plan::BufId)
-                .collect();
+            let ids: Vec<_> = (0..s.plan.buffers.len()).map(memwall::ir::BufId).collect();
             for id in ids {
                 if s.plan.buffer(id).elems > 0 {
                     s.fill(id, &mut rng, 0.5, 1.5);

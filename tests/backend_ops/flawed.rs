@@ -6,8 +6,9 @@ use memwall::backend::cpu::Cpu;
 use memwall::backend::{Backend, Device, OpResult, StepCtx};
 use memwall::dist::Comm;
 use memwall::dtype::DType;
-use memwall::plan::schedule::OpEntry;
-use memwall::plan::{BufId, Op, Plan, Sizing};
+use memwall::ir::schedule::OpEntry;
+use memwall::ir::{BufId, Op, Sizing};
+use memwall::plan::Plan;
 use std::sync::Arc;
 
 /// What the flawed backend gets wrong.

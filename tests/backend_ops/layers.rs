@@ -17,8 +17,8 @@
 
 use super::rig::*;
 use memwall::backend::{Backend, StepCtx};
-use memwall::plan::schedule::WeightLayout;
-use memwall::plan::{IGNORE_TARGET, Op, Precision, Rows};
+use memwall::ir::schedule::WeightLayout;
+use memwall::ir::{IGNORE_TARGET, Op, Precision, Rows};
 use std::ops::Range;
 
 const ROWS: Rows = Rows { b: B, t: T };
@@ -950,10 +950,10 @@ const LOSS_SCALE: f32 = 4.0;
 /// The LM head's buffers and op: (op, inp, targets, losses, dinp, w).
 struct Head {
     op: usize,
-    inp: memwall::plan::BufId,
-    targets: memwall::plan::BufId,
-    losses: memwall::plan::BufId,
-    dinp: Option<memwall::plan::BufId>,
+    inp: memwall::ir::BufId,
+    targets: memwall::ir::BufId,
+    losses: memwall::ir::BufId,
+    dinp: Option<memwall::ir::BufId>,
     w: Range<usize>,
 }
 

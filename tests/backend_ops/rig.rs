@@ -15,12 +15,10 @@
 use memwall::backend::{Backend, Device, OpResult, StepCtx};
 use memwall::dist::{Comm, Single};
 use memwall::dtype::DType;
+use memwall::ir::schedule::{Binding, ImplicitBufs, OpEntry, Segment, Segments};
+use memwall::ir::{BufId, Buffer, Category, Op, Phase, Placement, Precision, Schedule, Tier};
 use memwall::model::{ModelSpec, ParamLayout};
-use memwall::plan::schedule::{Binding, ImplicitBufs, OpEntry, Segment, Segments};
-use memwall::plan::{
-    BufId, Buffer, Category, Mode, Op, Phase, Placement, Plan, Precision, Schedule, StepConfig,
-    Tier, packing,
-};
+use memwall::plan::{Mode, Plan, StepConfig, packing};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -7,9 +7,9 @@ use memwall::backend::{AdamWStep, Backend, OpResult, StepCtx};
 use memwall::dist::shard::{Sharding, Zero};
 use memwall::dist::{Cut, Local};
 use memwall::dtype::DType;
-use memwall::plan::schedule::OpEntry;
-use memwall::plan::strategy::QBLOCK;
-use memwall::plan::{Op, OptimBufs, OptimState, ParamSlice, Precision};
+use memwall::ir::schedule::OpEntry;
+use memwall::ir::strategy::QBLOCK;
+use memwall::ir::{Op, OptimBufs, OptimState, ParamSlice, Precision};
 use std::ops::Range;
 use std::sync::Arc;
 

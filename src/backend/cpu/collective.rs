@@ -14,7 +14,7 @@
 
 use crate::backend::{CommSpan, CommTime};
 use crate::dist::{Collective, Comm, Cut, Summable, ring};
-use crate::plan::{BufId, Buffer, Op};
+use crate::ir::{BufId, Buffer, Op};
 use anyhow::{Context, Result, anyhow};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;

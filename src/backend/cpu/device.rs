@@ -10,16 +10,17 @@ use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::{own_pack_bytes_per_thread, packing_bytes};
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
 use crate::backend::{Backend, CommSpan, CommTime, Device, IoSpan, IoTime, OpResult, StepCtx};
-use crate::ckpt::MomentsMut;
 use crate::dist::Comm;
 use crate::dtype::{DType, Elem};
+use crate::ir::MomentsMut;
+use crate::ir::Sizing;
+use crate::ir::schedule::OptimBufs;
+use crate::ir::schedule::{ImplicitBufs, OpEntry, WeightLayout};
+use crate::ir::{BufId, Buffer, Op, OptimState, Tier};
 use crate::mem::arena::Arena;
 use crate::mem::disk::{DiskTier, IoThread, Ticket};
-use crate::plan::Sizing;
+use crate::plan::Plan;
 use crate::plan::offload::OFFLOAD_FILE;
-use crate::plan::schedule::OptimBufs;
-use crate::plan::schedule::{ImplicitBufs, OpEntry, WeightLayout};
-use crate::plan::{BufId, Buffer, Op, OptimState, Plan, Tier};
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -379,7 +380,7 @@ impl CpuDevice {
                     return Ok(None);
                 }
                 let len = b.padded_bytes();
-                let start = at.next_multiple_of(crate::plan::packing::IO_ALIGN);
+                let start = at.next_multiple_of(crate::ir::IO_ALIGN);
                 let copy = if start + len <= end {
                     at = start + len;
                     HostCopy::InArena(start)

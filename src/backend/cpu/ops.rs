@@ -11,10 +11,10 @@ use super::gemm::quantized::{self, QuantWeight};
 use super::{adamw, attention, encoder, gelu, layernorm, lora, matmul, quant, reduce, xent};
 use super::{rmsnorm, rope, swiglu};
 use crate::backend::{AdamWStep, OpResult, StepCtx};
-use crate::ckpt::MomentsMut;
 use crate::dtype::Elem;
-use crate::plan::BufId;
-use crate::plan::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Rows, WeightLayout};
+use crate::ir::BufId;
+use crate::ir::MomentsMut;
+use crate::ir::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Rows, WeightLayout};
 use std::ops::Range;
 
 /// The kernel's name for a plan's weight layout.
@@ -49,7 +49,7 @@ impl CpuDevice {
     }
 
     /// The `[rows, cols]` weight of parameter range `r` where `e` is bound to a quantized
-    /// base ([`crate::plan::schedule::Binding::quant`]); `None` where it is bound to f32.
+    /// base ([`crate::ir::schedule::Binding::quant`]); `None` where it is bound to f32.
     fn quant_weight(
         &self,
         e: &OpEntry,

@@ -80,7 +80,7 @@ use std::sync::LazyLock;
 
 /// Values per quantization block of the 8-bit state (one f32 scale each). Also the work unit
 /// (and stack buffer length) of the bf16 update.
-pub use crate::plan::strategy::QBLOCK;
+pub use crate::ir::strategy::QBLOCK;
 
 /// Largest code magnitude of the signed code (decodes to ±scale).
 const MAX_I8: i32 = 127;

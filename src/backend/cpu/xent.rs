@@ -13,7 +13,7 @@
 
 use super::features::multiversion;
 use super::reduce::{exp_f32, max_f32, rows_per_task, sum_f32};
-use crate::plan::IGNORE_TARGET;
+use crate::ir::IGNORE_TARGET;
 use rayon::prelude::*;
 
 /// Elements per block of the exp-sums: summed in 16 f32 lanes (64 terms per lane), then the
@@ -214,7 +214,7 @@ multiversion! {
 
 /// Reference twins: f64 throughout.
 pub mod naive {
-    use crate::plan::IGNORE_TARGET;
+    use crate::ir::IGNORE_TARGET;
 
     fn row_loss_and_probs(
         row: &[f32], // [V]

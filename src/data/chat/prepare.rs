@@ -376,7 +376,7 @@ pub fn prepare_chat(
     let template = encoder.template();
     // The template the examples were rendered with, beside them: training copies it into its
     // checkpoints, so they render conversations as they were trained on them.
-    let template_path = out.join(super::template::TEMPLATE_FILE);
+    let template_path = out.join(crate::ckpt::CHAT_TEMPLATE_FILE);
     match template {
         Some(t) => atomic::write_file(&template_path, t.source().as_bytes())?,
         None => {

@@ -59,11 +59,6 @@ pub fn without_generation_tags(source: &str) -> String {
     .into_owned()
 }
 
-/// A chat template on its own beside a tokenizer (preferred to `tokenizer_config.json`'s, as
-/// transformers prefers it); `prepare` writes the template chat data was rendered with beside
-/// the data under this name, and training copies it into every checkpoint.
-pub const TEMPLATE_FILE: &str = "chat_template.jinja";
-
 /// The special-token fields of `tokenizer_config.json` passed to templates, as transformers'
 /// `SPECIAL_TOKENS_ATTRIBUTES`.
 pub const SPECIAL_TOKEN_FIELDS: [&str; 7] = [
@@ -136,7 +131,7 @@ impl ChatTemplate {
             };
         }
         let Some(dir) = dir else { return Ok(None) };
-        let jinja = dir.join(TEMPLATE_FILE);
+        let jinja = dir.join(crate::ckpt::CHAT_TEMPLATE_FILE);
         if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja)
                 .with_context(|| format!("cannot read '{}'", jinja.display()))?;

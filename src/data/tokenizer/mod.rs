@@ -164,7 +164,7 @@ impl Tokenizer {
 /// that of the model directory `converted` makes of it.
 fn tokenizer_file(arg: &str, converted: &dyn Fn(&Path) -> Result<PathBuf>) -> Result<PathBuf> {
     let p = Path::new(arg);
-    if crate::gguf::cache::is_gguf(p) {
+    if crate::util::sniff::is_gguf(p) {
         return Ok(converted(p)?.join("tokenizer.json"));
     }
     if p.is_dir() {

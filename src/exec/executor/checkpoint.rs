@@ -12,7 +12,7 @@ use super::{Executor, pod, pod_bytes_mut};
 use crate::backend::Device;
 use crate::ckpt::{Lend, LentMoments, LentState, OutData, SaveOptions, TrainerState};
 use crate::dtype::DType;
-use crate::plan::{BufId, OptimBufs};
+use crate::ir::{BufId, OptimBufs};
 use anyhow::{Result, bail};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -361,7 +361,7 @@ impl Executor {
         };
         let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
         // 8-bit moments' scales, sharded by blocks: (block range held, buffer, cut) per group.
-        let (first_block, _) = layout.block_offsets(crate::plan::strategy::QBLOCK);
+        let (first_block, _) = layout.block_offsets(crate::ir::strategy::QBLOCK);
         let scale_parts = |pick: fn(&OptimBufs) -> Option<BufId>| -> Option<Vec<Part>> {
             optim
                 .iter()

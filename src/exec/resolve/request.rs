@@ -4,11 +4,12 @@
 
 use crate::backend::DeviceKind;
 use crate::dist::shard::Zero;
+use crate::ir::BaseQuant;
+use crate::ir::{OptimState, Precision, RecomputeChoice};
 use crate::model::Family;
 use crate::model::lora::{LoraSpec, parse_targets};
-use crate::plan::lora::BaseQuant;
+use crate::plan::OffloadChoice;
 use crate::plan::search::Pick;
-use crate::plan::{OffloadChoice, OptimState, Precision, RecomputeChoice};
 use anyhow::Result;
 use std::path::PathBuf;
 

@@ -3,11 +3,12 @@
 
 use super::request::{DEFAULT_SEQ, StepRequest, StrategyRequest};
 use crate::backend::Backend;
+use crate::ir::{OptimState, Precision, RecomputeChoice};
 use crate::model::ModelSpec;
 use crate::plan::fit::{self, Strategies};
 use crate::plan::search::{self, Pick};
 use crate::plan::time::Calibration;
-use crate::plan::{Mode, OffloadChoice, OptimState, Precision, RecomputeChoice, build_plan};
+use crate::plan::{Mode, OffloadChoice, build_plan};
 use crate::util::bytes::fmt_bytes;
 use crate::util::rss;
 use anyhow::{Context, Result, bail};
@@ -146,8 +147,8 @@ pub fn fit_space(
 pub struct Frozen {
     pub lora: Option<crate::model::lora::LoraSpec>,
     pub base: Option<(
-        crate::plan::lora::BaseQuant,
-        Option<std::sync::Arc<crate::plan::lora::BaseTypes>>,
+        crate::ir::BaseQuant,
+        Option<std::sync::Arc<crate::ir::BaseTypes>>,
     )>,
 }
 

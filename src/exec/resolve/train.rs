@@ -9,8 +9,8 @@ use crate::exec::train::{
     Progress, TrainOptions, planning_baseline, resume_options, with_data_open,
 };
 use crate::gguf;
+use crate::ir::BaseQuant;
 use crate::model::ModelSpec;
-use crate::plan::lora::BaseQuant;
 use crate::plan::search::Pick;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -73,7 +73,7 @@ pub fn new_run(
     o.threads = threads;
     o.init = init;
     o.init_gguf = (req.init.as_deref())
-        .filter(|p| crate::gguf::cache::is_gguf(p))
+        .filter(|p| crate::util::sniff::is_gguf(p))
         .map(absolute);
     o.pin_base()?;
     o.device = req.step.device;
@@ -144,7 +144,7 @@ fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Opti
     Ok((BaseQuant::Keep, kept_types(o, BaseQuant::Keep)?))
 }
 
-type Kept = std::sync::Arc<crate::plan::lora::BaseTypes>;
+type Kept = std::sync::Arc<crate::ir::BaseTypes>;
 
 /// With `--base-quant keep`, each base tensor's storage, read from the run's GGUF `--init`
 /// (a new run's, or a resumed run's again); refused without one, naming the flag.

@@ -11,9 +11,10 @@ use crate::data::{check_tokenizer, tokenizer};
 use crate::dist::Comm;
 use crate::exec::LossScaler;
 use crate::exec::executor::Executor;
+use crate::ir::Precision;
 use crate::model::lora::LoraSpec;
 use crate::model::{Family, ModelSpec};
-use crate::plan::{Plan, Precision};
+use crate::plan::Plan;
 use crate::profile::leak::LeakCheck;
 use crate::profile::{OpRecorder, Profile};
 use crate::run_dir::{self, MetricsLog, PlanJson, RunDir};
@@ -568,7 +569,7 @@ fn fill_base(ex: &mut Executor, opts: &TrainOptions) -> Result<()> {
         bail!("internal error: fill_base on a plan without LoRA");
     };
     // The GGUF file's own blocks, copied.
-    if ex.plan.cfg.base_quant == crate::plan::lora::BaseQuant::Keep {
+    if ex.plan.cfg.base_quant == crate::ir::BaseQuant::Keep {
         let Some(gguf) = &opts.init_gguf else {
             bail!("internal error: a kept base without its GGUF file");
         };

@@ -3,7 +3,7 @@
 
 use super::super::testutil::{GgufWriter, TEST_VOCAB, s, tiny_model, write_temp};
 use super::*;
-use crate::gguf::types::GgmlType;
+use crate::dtype::GgmlType;
 use safetensors::SafeTensors;
 use serde_json::json;
 
@@ -253,7 +253,7 @@ fn output_directory_rules() {
     let summary = convert(&o).expect("--force replaces an earlier conversion");
     assert!(out.join(MODEL_FILE).exists());
     assert_eq!(summary.files.len(), 5, "{:?}", summary.files);
-    assert!(out.join(crate::gguf::sidecar::FILE).exists());
+    assert!(out.join(crate::ckpt::TOKENIZER_GGUF_FILE).exists());
     // A file memwall did not write is never removed, --force or not.
     fs::write(out.join("notes.txt"), "mine").unwrap();
     let e = format!("{:#}", convert(&o).unwrap_err());

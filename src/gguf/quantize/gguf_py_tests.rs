@@ -9,9 +9,9 @@
 //!   its bound.
 
 use super::quantize;
-use crate::gguf::dequant::dequantize;
+use crate::dtype::GgmlType;
+use crate::dtype::dequant::dequantize;
 use crate::gguf::testutil::gguf_py;
-use crate::gguf::types::GgmlType;
 use crate::util::rng::Rng;
 use std::path::Path;
 

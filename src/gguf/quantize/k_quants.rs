@@ -12,7 +12,7 @@
 //!   the codes recomputed from the stored scales.
 
 use super::scale::{f16_at, nearest_int, put_f16};
-use crate::gguf::dequant::scale_min_k4;
+use crate::dtype::dequant::scale_min_k4;
 
 /// ggml's `GROUP_MAX_EPS`: a group whose largest magnitude is below it is all zeros.
 const GROUP_MAX_EPS: f32 = 1e-15;
@@ -214,7 +214,7 @@ fn make_qx_quants(x: &[f32], l: &mut [u8], nmax: i32) -> f32 {
 
 /// Q6_K (`quantize_row_q6_K_ref`): super-blocks of [128 bytes ql, 64 bytes qh, 16 × i8
 /// scales, f16 d] for 256 values (see the module docs; the layout is
-/// [`crate::gguf::dequant::q6_k_row`]'s). A super-block whose scales are all below
+/// [`crate::dtype::dequant::q6_k_row`]'s). A super-block whose scales are all below
 /// `GROUP_MAX_EPS` is all zero bytes.
 pub fn q6_k_row(src: &[f32], dst: &mut [u8]) {
     for (x, b) in src.chunks_exact(256).zip(dst.chunks_exact_mut(210)) {
@@ -266,7 +266,7 @@ pub fn q6_k_row(src: &[f32], dst: &mut [u8]) {
 mod tests {
     use super::super::round_trip;
     use super::*;
-    use crate::gguf::types::GgmlType;
+    use crate::dtype::GgmlType;
     use crate::util::rng::Rng;
 
     fn rmse(x: &[f32], y: &[f32]) -> f64 {

@@ -113,7 +113,7 @@ pub fn bf16_row(src: &[f32], dst: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::super::{quantize, round_trip};
-    use crate::gguf::types::GgmlType;
+    use crate::dtype::GgmlType;
     use crate::util::rng::Rng;
     use half::f16;
 

@@ -1,6 +1,6 @@
 //! Quantization of f32 rows into ggml blocks, as llama.cpp's reference quantizers
 //! (`quantize_row_*_ref` in ggml-quants.c) compute it: the same block layouts as
-//! [`super::dequant`] decodes, the same f32 operations in the same order, the scales rounded
+//! [`crate::dtype::dequant`] decodes, the same f32 operations in the same order, the scales rounded
 //! to f16 to nearest even. What `--base-quant` turns a base model's weights into (QLoRA), and
 //! what `memwall export` writes.
 //!
@@ -25,7 +25,7 @@ pub mod k_quants;
 pub mod legacy;
 mod scale;
 
-use super::types::GgmlType;
+use crate::dtype::GgmlType;
 use anyhow::{Result, bail};
 use rayon::prelude::*;
 
@@ -79,7 +79,7 @@ fn round_trip(ty: GgmlType, x: &[f32]) -> Vec<f32> {
     let mut q = vec![0u8; ty.bytes_for(x.len() as u64).unwrap() as usize];
     quantize(ty, x, &mut q).unwrap();
     let mut y = vec![0f32; x.len()];
-    super::dequant::dequantize(ty, &q, &mut y).unwrap();
+    crate::dtype::dequant::dequantize(ty, &q, &mut y).unwrap();
     y
 }
 

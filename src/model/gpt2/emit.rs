@@ -8,12 +8,13 @@
 //! Shapes: B batch, T sequence, C channels, H MLP width, NH heads, V vocabulary, N = B·T.
 
 use super::params::{Gpt2Params, LayerParams, inventory};
+use crate::ir::EmitOptions;
+use crate::ir::builder::{Builder, Emitted, MicroBatch};
+use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
+use crate::ir::{BufId, Category};
 use crate::model::ModelSpec;
 use crate::model::block_emit::{self, Blocks, StagedBlock};
 use crate::model::lm_head::{self, Head};
-use crate::plan::builder::{Builder, Emitted, MicroBatch};
-use crate::plan::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::plan::{BufId, Category, StepConfig};
 
 /// Dimensions of one micro-batch, shared by the emitters.
 struct Dims {
@@ -519,7 +520,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
 pub(crate) fn micro_batch(
     g: &mut Builder,
     spec: &ModelSpec,
-    cfg: &StepConfig,
+    cfg: &EmitOptions,
     mb: &MicroBatch,
 ) -> Emitted {
     let (_, p) = inventory(spec);

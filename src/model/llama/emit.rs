@@ -14,12 +14,13 @@
 //! key/value heads, hd head size, QKV = (NH + 2·NKV)·hd, A = NH·hd, V vocabulary.
 
 use super::params::{LayerParams, LlamaParams, inventory};
+use crate::ir::EmitOptions;
+use crate::ir::builder::{Builder, Emitted, MicroBatch};
+use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
+use crate::ir::{BufId, Category};
 use crate::model::block_emit::{self, Blocks, StagedBlock};
 use crate::model::lm_head::{self, Head};
 use crate::model::{ModelSpec, Position, rope};
-use crate::plan::builder::{Builder, Emitted, MicroBatch};
-use crate::plan::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::plan::{BufId, Category, StepConfig};
 use std::ops::Range;
 
 /// Dimensions of one micro-batch, shared by the emitters.
@@ -560,7 +561,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &LlamaParams, pfx: &str, tokens: Bu
 pub(crate) fn micro_batch(
     g: &mut Builder,
     spec: &ModelSpec,
-    cfg: &StepConfig,
+    cfg: &EmitOptions,
     mb: &MicroBatch,
 ) -> Emitted {
     let (_, p) = inventory(spec);

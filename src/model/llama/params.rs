@@ -4,7 +4,7 @@
 //!
 //! Linear weights are stored as `torch.nn.Linear` does, `[out, in]` row-major, so checkpoints
 //! are straight copies and the linear ops use `WeightLayout::OutIn`
-//! (`crate::plan::schedule::WeightLayout`). Inside a block the tensors are placed so that
+//! (`crate::ir::schedule::WeightLayout`). Inside a block the tensors are placed so that
 //! projections reading the same input are one matrix: `q_proj`, `k_proj` and `v_proj` rows
 //! follow each other (`[(NH + 2·NKV)·hd, C]` together, one GEMM writing the fused q|k|v row),
 //! as do `gate_proj` and `up_proj` (`[2H, C]`); their biases likewise.

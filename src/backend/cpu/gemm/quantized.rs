@@ -15,8 +15,8 @@
 
 use super::mixed::gemm_mixed;
 use crate::dtype::Elem;
-use crate::gguf::GgmlType;
-use crate::gguf::dequant;
+use crate::dtype::GgmlType;
+use crate::dtype::dequant;
 use anyhow::{Result, bail};
 use rayon::prelude::*;
 

@@ -4,6 +4,14 @@
 use crate::dtype::DType;
 use serde::{Deserialize, Serialize};
 
+/// Every offset is a multiple of this (one cache line; enough for AVX-512 loads).
+pub const ALIGN: u64 = 64;
+
+/// Offsets and sizes of the buffers a disk transfer moves (both ends): direct I/O needs the
+/// file offset, the length and the memory address aligned to the device's block (4 KiB covers
+/// the logical block sizes of NVMe and SATA disks and the page size).
+pub const IO_ALIGN: u64 = 4096;
+
 /// Index of a buffer in `Plan::buffers`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct BufId(pub usize);
@@ -84,7 +92,7 @@ pub struct Buffer {
     #[serde(flatten)]
     pub placement: Placement,
     /// Its offset is a multiple of this, and it owns the bytes up to the next multiple of it
-    /// after its end ([`super::packing::ALIGN`]; [`super::packing::IO_ALIGN`] for the two ends
+    /// after its end ([`crate::ir::buffer::ALIGN`]; [`crate::ir::buffer::IO_ALIGN`] for the two ends
     /// of a disk transfer, which direct I/O reads and writes whole).
     #[serde(skip)]
     pub align: u64,

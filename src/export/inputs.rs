@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 /// its rounding stays in the export, and a quantized `--type` rounds again (llama-quantize
 /// asks for `--allow-requantize` there).
 pub fn requantize_note(input: &Path, ty: ExportType) -> Option<String> {
-    if !crate::gguf::cache::is_gguf(input) {
+    if !crate::util::sniff::is_gguf(input) {
         return None;
     }
     let f = crate::gguf::GgufFile::open(input).ok()?;
@@ -215,7 +215,7 @@ pub fn check_replaceable(out: &Path) -> Result<()> {
 /// the directory itself.
 pub fn resolve_model(given: &Path) -> Result<(PathBuf, PathBuf)> {
     // A GGUF file is exported in place (no f32 conversion in the user cache).
-    if crate::gguf::cache::is_gguf(given) {
+    if crate::util::sniff::is_gguf(given) {
         return Ok((given.to_path_buf(), given.to_path_buf()));
     }
     if given.join("config.json").is_file() || !given.join("checkpoints").is_dir() {

@@ -5,7 +5,7 @@
 //! - `tokenizer.ggml.model` `gpt2`; `tokenizer.ggml.pre` by the pre-tokenizer: llama.cpp
 //!   names it from the hash of a test text's tokens, memwall by comparing the file's
 //!   normalizer and pre-tokenizer with the ones it writes for each name it knows
-//!   (`super::super::tokenizer::pre_tokenizer`), so an unknown one is refused by name.
+//!   (`crate::gguf::tokenizer::pre_tokenizer`), so an unknown one is refused by name.
 //! - `.tokens`: id by id, `vocab_size` of them (ids with no token are `[PAD{id}]`, type
 //!   unused); `.token_type`: 1 normal, 3 control (an added token marked special, or one that
 //!   looks special, `<|…|>`), 4 user-defined (other added tokens), 5 unused.
@@ -132,7 +132,7 @@ pub fn metadata(dir: &Path, spec: &ModelSpec) -> Result<Vec<(String, Value)>> {
         eprintln!(
             "note: {}: its tokenizer.ggml.tokens is not {path}'s vocabulary (the tokenizer was \
              changed after conversion); the tokenizer metadata is rebuilt from {path}",
-            dir.join(crate::gguf::sidecar::FILE).display()
+            dir.join(crate::ckpt::TOKENIZER_GGUF_FILE).display()
         );
     }
     let model = &tok["model"];

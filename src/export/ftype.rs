@@ -3,7 +3,7 @@
 //! (`llama_ftype_get_default_type` in llama-quant.cpp); which type each tensor gets is
 //! [`super::mixing`]'s.
 
-use crate::gguf::types::GgmlType;
+use crate::dtype::GgmlType;
 use anyhow::{Result, bail};
 use std::str::FromStr;
 

@@ -11,8 +11,8 @@
 //!   norms and the GELU/SwiGLU product (elementwise stages, no matmul); `full` a block's whole
 //!   forward from its input; `every:K` keeps blocks K, 2K, … whole and recomputes the others
 //!   fully. The CLI's default is `selective`, whose cost is within run-to-run noise;
-//!   [`StepConfig::new`](super::StepConfig::new) (the library's) keeps `none`. `auto`
-//!   ([`RecomputeChoice`], resolved by [`super::fit::plan_fitting`]) keeps the fastest policy
+//!   [`StepConfig::new`](crate::plan::StepConfig::new) (the library's) keeps `none`. `auto`
+//!   ([`RecomputeChoice`], resolved by [`crate::plan::fit::plan_fitting`]) keeps the fastest policy
 //!   that fits `--max-memory` by predicted step time (the least recomputation, unless
 //!   activations go to a disk that bounds the step).
 //! - gradient accumulation (`--grad-accum N`, `StepConfig::grad_accum`): the forward/backward
@@ -34,13 +34,13 @@
 //!   f32 absmax per block of [`QBLOCK`] values of a tensor). Checkpoints store the bytes as
 //!   they are (`ckpt::moments`), so a resumed run stays bitwise.
 //!
-//! Offload ([`super::offload`], applied by `plan::stage`) and ranks ([`super::zero`]) are
+//! Offload ([`crate::plan::offload`], applied by `plan::stage`) and ranks ([`crate::plan::zero`]) are
 //! transformations of the same kind, in their own modules.
 //!
 //! Kernels are deterministic for a thread count, so recomputed activations are bitwise the
 //! forward's and every recompute policy gives bitwise the same weights as `none`.
 
-use crate::dtype::DType;
+use crate::dtype::{DType, GgmlType};
 
 /// Values per block of 8-bit optimizer state: each tensor's moments are cut into blocks of
 /// this many consecutive values (the last one possibly shorter), each with one f32 absmax.
@@ -264,6 +264,75 @@ impl FromStr for OptimState {
 }
 
 serde_as_flag_text!(OptimState);
+
+/// How a LoRA plan keeps its frozen base (`--base-quant`): f32, or its matrices (the
+/// linear layers' weights and the embeddings, whose rows are whole blocks) as ggml blocks,
+/// quantized once when the base is loaded (llama.cpp's reference quantizers, bitwise), the
+/// norms' weights in f32 beside them. The frozen layers then read their weights quantized
+/// ([`Binding::quant`](super::schedule::Binding)): a forward and an input-gradient GEMM that
+/// decode a tile of rows at a time, and the embedding rows decoded as they are gathered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BaseQuant {
+    #[default]
+    F32,
+    Blocks(GgmlType),
+    /// Each tensor as a GGUF `--init` stores it ([`BaseTypes`]): its blocks copied, never
+    /// re-quantized.
+    Keep,
+}
+
+/// The storage type of each base tensor, by its Hugging Face name, as a GGUF file holds it
+/// (`--base-quant keep`; read from the file by `gguf::hf::tensor_types`).
+pub type BaseTypes = std::collections::BTreeMap<String, GgmlType>;
+
+impl BaseQuant {
+    /// The `--base-quant` values.
+    pub const NAMES: &'static str = "fp32, bf16, q8_0, q4_0, q4_1, q4_k, keep";
+}
+
+impl std::str::FromStr for BaseQuant {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<BaseQuant> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "fp32" | "f32" => BaseQuant::F32,
+            "bf16" => BaseQuant::Blocks(GgmlType::BF16),
+            "q8_0" => BaseQuant::Blocks(GgmlType::Q8_0),
+            "q4_0" => BaseQuant::Blocks(GgmlType::Q4_0),
+            "q4_1" => BaseQuant::Blocks(GgmlType::Q4_1),
+            "q4_k" => BaseQuant::Blocks(GgmlType::Q4_K),
+            "keep" => BaseQuant::Keep,
+            _ => bail!(
+                "--base-quant {s}: memwall keeps a base as {} (keep: a GGUF file's own \
+                 blocks, Q6_K and the others among them)",
+                BaseQuant::NAMES
+            ),
+        })
+    }
+}
+
+impl std::fmt::Display for BaseQuant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BaseQuant::F32 => f.write_str("fp32"),
+            BaseQuant::Blocks(t) => f.write_str(&t.name.to_ascii_lowercase()),
+            BaseQuant::Keep => f.write_str("keep"),
+        }
+    }
+}
+
+impl serde::Serialize for BaseQuant {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for BaseQuant {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse()
+            .map_err(|e: anyhow::Error| serde::de::Error::custom(format!("{e:#}")))
+    }
+}
 
 #[cfg(test)]
 mod tests {

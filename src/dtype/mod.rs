@@ -22,6 +22,11 @@
 //! Slice conversions that need the CPU's instruction sets live with the CPU backend
 //! (`backend::cpu::elem`).
 
+pub mod dequant;
+pub mod ggml;
+
+pub use ggml::GgmlType;
+
 use half::{bf16, f16};
 use serde::Serialize;
 

@@ -1,21 +1,31 @@
 //! The builder a plan is emitted into: buffers declared by name, category, dtype and size
 //! (their lifetimes come later, from the ops that touch them), and ops appended in schedule
-//! order. The planner ([`super::build`]) emits the persistent state, the micro-batch loop and
+//! order. The planner ([`crate::plan::build`]) emits the persistent state, the micro-batch loop and
 //! the optimizer phase; a model family emits each micro-batch's layers ([`MicroBatch`]).
 
+use super::buffer::{BufId, Buffer, Category, Placement};
 use super::schedule::{Op, OpEntry, OptimBufs, Phase, Rows};
 use super::strategy::OptimState;
-use super::{BufId, Buffer, Category, Placement};
 use crate::dtype::DType;
 
+/// What a model family's emission reads of the step's configuration: the planner makes it
+/// from its `StepConfig` (`crate::plan::StepConfig::emit_options`).
+#[derive(Clone, Copy, Debug)]
+pub struct EmitOptions {
+    /// Activation recomputation policy.
+    pub recompute: super::strategy::Recompute,
+    /// Upper bound for the LM head's logits chunk (bytes).
+    pub logits_chunk_bytes: u64,
+}
+
 /// One micro-batch as the planner hands it to the model family: its buffers and shape.
-pub(crate) struct MicroBatch {
+pub struct MicroBatch {
     /// Name prefix of its ops and buffers: empty, or `mb1.` under gradient accumulation.
     pub prefix: String,
     /// Input token ids `[B, T]` (u32).
     pub tokens: BufId,
     /// Packed rows: each row's place in its example `[B, T]` (u32), for the position
-    /// embeddings and attention ([`super::StepConfig::packed`]).
+    /// embeddings and attention ([`crate::plan::StepConfig::packed`]).
     pub positions: Option<BufId>,
     /// Training plans: what the loss needs; `None` for generation (next-token logits).
     pub loss: Option<Loss>,
@@ -25,7 +35,7 @@ pub(crate) struct MicroBatch {
 }
 
 /// The loss of a training micro-batch.
-pub(crate) struct Loss {
+pub struct Loss {
     /// Target token ids `[B, T]` (u32).
     pub targets: BufId,
     /// `Per-row losses [N]` (f32).
@@ -33,25 +43,25 @@ pub(crate) struct Loss {
 }
 
 /// What a family's emission of a micro-batch leaves for the planner.
-pub(crate) struct Emitted {
+pub struct Emitted {
     /// `Next-token logits [V]` (generation plans).
     pub logits: Option<BufId>,
 }
 
 /// Buffers and ops of a plan being built.
-pub(crate) struct Builder {
-    pub(super) buffers: Vec<Buffer>,
-    pub(super) ops: Vec<OpEntry>,
+pub struct Builder {
+    pub(crate) buffers: Vec<Buffer>,
+    pub(crate) ops: Vec<OpEntry>,
     /// Element type of activations, compute weights and gradients.
     storage: DType,
     /// The micro-batch the ops emitted now belong to ([`OpEntry::micro`]).
-    pub(super) micro: usize,
+    pub(crate) micro: usize,
 }
 
 impl Builder {
     /// Persistent moment buffers `{name}.m`, `{name}.v` (int8: `.m.q`, `.v.q`, `.m.absmax`,
     /// `.v.absmax`) for parameter elements `range` and 8-bit blocks `blocks`.
-    pub(super) fn moments(
+    pub(crate) fn moments(
         &mut self,
         name: &str,
         format: OptimState,
@@ -84,7 +94,7 @@ impl Builder {
         }
     }
 
-    pub(super) fn new(storage: DType) -> Builder {
+    pub(crate) fn new(storage: DType) -> Builder {
         Builder {
             buffers: Vec::new(),
             ops: Vec::new(),
@@ -153,16 +163,16 @@ impl Builder {
             first_op: usize::MAX,
             last_op: 0,
             placement: Placement::HOST,
-            align: super::packing::ALIGN,
+            align: super::buffer::ALIGN,
         });
         BufId(self.buffers.len() - 1)
     }
 
     /// Makes `id` one end of disk transfers: on the offload tier when `on_disk`, and aligned
-    /// for direct I/O ([`super::packing::IO_ALIGN`]) in either tier.
+    /// for direct I/O ([`crate::ir::buffer::IO_ALIGN`]) in either tier.
     pub(crate) fn for_io(&mut self, id: BufId, on_disk: bool) -> BufId {
         let b = &mut self.buffers[id.0];
-        b.align = super::packing::IO_ALIGN;
+        b.align = super::buffer::IO_ALIGN;
         if on_disk {
             b.placement = Placement::NVME;
         }

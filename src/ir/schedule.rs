@@ -1,12 +1,12 @@
 //! The schedule: the ordered ops of one step. Each op names the buffers it reads and writes
-//! (how it uses each is described once, in [`super::operands`]) and carries every dimension
+//! (how it uses each is described once, in [`crate::plan::operands`]) and carries every dimension
 //! and parameter range its kernel needs, so buffer lifetimes follow from the schedule alone
 //! and a backend runs an op knowing nothing of the model, its parameter layout or the
 //! strategy that produced it.
 
-use super::BufId;
+use super::buffer::BufId;
 use super::strategy::OptimState;
-use crate::gguf::GgmlType;
+use crate::dtype::GgmlType;
 use serde::Serialize;
 use std::ops::Range;
 
@@ -347,7 +347,7 @@ pub enum Op {
     /// done; fails with the first one that failed.
     AwaitTransfers { bufs: Vec<BufId> },
     /// `buf` (cut among the ranks as parameter group `group`'s buffers are,
-    /// [`super::Plan::cuts`]) becomes its sum over the ranks, in place (the group's
+    /// [`crate::plan::Plan::cuts`]) becomes its sum over the ranks, in place (the group's
     /// gradients, `--zero 0`); `scratch` receives the pieces in flight (`dist::ring`).
     AllReduce {
         buf: BufId,
@@ -519,7 +519,7 @@ pub struct ImplicitBufs {
     /// in RAM, or one per parameter group on the disk tier (`--offload params`).
     pub params: Segments,
     /// A LoRA plan's frozen base weights (in the base model's [`crate::model::ParamLayout`],
-    /// which [`super::Plan::lora`] holds): what [`OpEntry::frozen`] ops are bound to. The
+    /// which [`crate::plan::Plan::lora`] holds): what [`OpEntry::frozen`] ops are bound to. The
     /// adapters are then [`ImplicitBufs::params`].
     pub base: Option<Segments>,
     /// f32 tiles of the mixed-precision GEMM (mixed precision).
@@ -546,7 +546,7 @@ pub struct Schedule {
     /// Input token ids `[B, T]`, one buffer per micro-batch.
     pub tokens: Vec<BufId>,
     /// Each row's place in its example `[B, T]` per micro-batch (packed training plans,
-    /// [`super::StepConfig::packed`]; empty otherwise).
+    /// [`crate::plan::StepConfig::packed`]; empty otherwise).
     pub positions: Vec<BufId>,
     /// Target token ids `[B, T]` per micro-batch (training plans; empty otherwise).
     pub targets: Vec<BufId>,
@@ -580,7 +580,7 @@ impl Op {
         }
     }
 
-    /// The parameter group a collective moves (its cut is [`super::Plan::cuts`]`[group]`);
+    /// The parameter group a collective moves (its cut is [`crate::plan::Plan::cuts`]`[group]`);
     /// `None` for other ops.
     pub fn collective_group(&self) -> Option<usize> {
         match self {

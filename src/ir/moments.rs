@@ -2,12 +2,12 @@
 //!
 //! In `optimizer.safetensors`, f32 moments are saved per tensor under Hugging Face names
 //! (`exp_avg.<name>`, `exp_avg_sq.<name>`, F32, the tensor's shape); bf16 moments as two flat
-//! BF16 tensors `exp_avg`, `exp_avg_sq` [params]; int8 moments as flat code tensors
-//! `exp_avg` (I8) and `exp_avg_sq` (U8) [params] with their F32 block scales
-//! `exp_avg.absmax`, `exp_avg_sq.absmax` [blocks]. The bytes are the optimizer's own, so a
+//! BF16 tensors `exp_avg`, `exp_avg_sq` \[params\]; int8 moments as flat code tensors
+//! `exp_avg` (I8) and `exp_avg_sq` (U8) \[params\] with their F32 block scales
+//! `exp_avg.absmax`, `exp_avg_sq.absmax` \[blocks\]. The bytes are the optimizer's own, so a
 //! resumed run continues bitwise.
 
-use crate::plan::OptimState;
+use super::strategy::OptimState;
 use half::bf16;
 
 /// Read-only moments (saving).

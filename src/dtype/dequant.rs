@@ -16,7 +16,7 @@
 //! name with the list of supported ones. Blocks are independent, so large tensors are split
 //! into fixed chunks of blocks over rayon: the result is the same for any thread count.
 
-use super::types::{DEQUANTIZABLE, GgmlType};
+use crate::dtype::ggml::{DEQUANTIZABLE, GgmlType};
 use anyhow::{Result, bail};
 use half::{bf16, f16};
 use rayon::prelude::*;

@@ -128,7 +128,7 @@ fn f32_export_then_convert_gives_back_every_tensor_bitwise() {
                 .unwrap_or_else(|| panic!("{arch} {}", st.name));
             assert_eq!(ot.dims, st.dims, "{arch} {}", st.name);
             let mut sv = vec![0f32; st.n_elements as usize];
-            crate::gguf::dequant::dequantize(st.ty, src.tensor_data(st), &mut sv).unwrap();
+            crate::dtype::dequant::dequantize(st.ty, src.tensor_data(st), &mut sv).unwrap();
             assert!(
                 f32s(out.tensor_data(ot)) == sv,
                 "{arch} {} differs from the source",

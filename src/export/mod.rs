@@ -11,24 +11,24 @@
 //!   `.attention.head_count`, `.head_count_kv`, `.rope.freq_base`,
 //!   `.attention.layer_norm_rms_epsilon` (and `.attention.key_length` / `.value_length` when
 //!   the head size is not width / heads); the tokenizer ([`vocab`]).
-//! - tensors under GGUF's names ([`super::hf::gguf_tensor_name`]), in the directory's order,
+//! - tensors under GGUF's names ([`crate::gguf::hf::gguf_tensor_name`]), in the directory's order,
 //!   dims innermost first; `llama` Q and K rows permuted to llama.cpp's order
-//!   ([`super::hf::permute_rows`], the inverse of what `convert` undoes); each tensor's type
+//!   ([`crate::gguf::hf::permute_rows`], the inverse of what `convert` undoes); each tensor's type
 //!   as llama.cpp's llama-quantize picks it for `--type` ([`ftype`], [`mixing`]: 1-D tensors
 //!   F32; Q4_K_M's Q6_K layers, the output tensor's Q6_K or Q8_0, the K-quants' fallbacks for
-//!   rows that are not whole super-blocks), written by [`super::quantize`]'s reference
+//!   rows that are not whole super-blocks), written by [`crate::gguf::quantize`]'s reference
 //!   quantizers; a tied LM head is not written (llama.cpp reuses `token_embd`).
 //!
 //! - Llama 3 rope scaling: the `rope_freqs.weight` tensor (F32, `head_dim / 2` factors) first,
-//!   as the converter yields it ([`super::rope_freqs`]); no other metadata.
+//!   as the converter yields it ([`crate::gguf::rope_freqs`]); no other metadata.
 //!
 //! Every check that can fail is made before the file is opened: the family, the tokenizer,
 //! every tensor's name and block fit. The weights are then read tensor by tensor from the
 //! directory's safetensors ([`crate::ckpt::load_params_by`], NaN and infinity refused) and
-//! written as they come ([`super::write::write_gguf`]: atomic, one tensor in memory).
+//! written as they come ([`crate::gguf::write::write_gguf`]: atomic, one tensor in memory).
 //!
 //! The tokenizer metadata is [`vocab`]'s: the source file's own keys when the directory
-//! holds them ([`super::sidecar`]), else rebuilt from `tokenizer.json`.
+//! holds them ([`crate::gguf::sidecar`]), else rebuilt from `tokenizer.json`.
 
 mod adapter;
 pub mod ftype;
@@ -42,10 +42,10 @@ pub mod vocab;
 
 pub use ftype::{EXPORT_TYPES, ExportType};
 
-use super::file::Value;
-use super::hf::{gguf_tensor_name, permute_rows};
-use super::types::GgmlType;
-use super::write::{TensorSpec, write_gguf};
+use crate::dtype::GgmlType;
+use crate::gguf::file::Value;
+use crate::gguf::hf::{gguf_tensor_name, permute_rows};
+use crate::gguf::write::{TensorSpec, write_gguf};
 use crate::model::{Family, ModelSpec, Position};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -174,16 +174,16 @@ fn rope_freqs_tensor(spec: &ModelSpec) -> Option<Planned> {
     else {
         return None;
     };
-    let p = super::rope_freqs::Llama3Params {
+    let p = crate::gguf::rope_freqs::Llama3Params {
         factor: s.factor,
         low_freq_factor: s.low_freq_factor,
         high_freq_factor: s.high_freq_factor,
         original_max_position_embeddings: s.original_max_position_embeddings,
     };
-    let vals = super::rope_freqs::factors(spec.head_dim, theta, &p);
+    let vals = crate::gguf::rope_freqs::factors(spec.head_dim, theta, &p);
     Some(Planned {
         spec: TensorSpec {
-            name: super::rope_freqs::TENSOR.into(),
+            name: crate::gguf::rope_freqs::TENSOR.into(),
             dims: vec![vals.len() as u64],
             ty: GgmlType::F32,
         },
@@ -197,7 +197,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     let dir = &o.input;
     // A GGUF file is read in place: its tensors dequantized one at a time, its own
     // tokenizer keys kept, no f32 copy on disk.
-    let gguf = match super::cache::is_gguf(dir) {
+    let gguf = match crate::util::sniff::is_gguf(dir) {
         true => Some(GgufInput::open(dir)?),
         false if dir.is_file() => bail!(
             "{}: a file, and not a GGUF file; `memwall export` takes a model or checkpoint \
@@ -215,7 +215,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
     let mut md = model_metadata(&spec, arch, &name, o.ty, dir)?;
     match &gguf {
-        Some(g) => md.extend(super::sidecar::tokenizer_keys(&g.file)),
+        Some(g) => md.extend(crate::gguf::sidecar::tokenizer_keys(&g.file)),
         None => md.extend(vocab::metadata(dir, &spec)?),
     }
     let layout = spec.family.layout(&spec);
@@ -359,8 +359,8 @@ fn fs_name(dir: &Path) -> String {
 /// A GGUF file exported in place: the file, its tensors under Hugging Face names, and the
 /// model they make.
 struct GgufInput {
-    file: super::GgufFile,
-    model: super::hf::HfModel,
+    file: crate::gguf::GgufFile,
+    model: crate::gguf::hf::HfModel,
     spec: ModelSpec,
 }
 
@@ -368,10 +368,10 @@ impl GgufInput {
     /// Opens and maps the file; every tensor type checked decodable before anything is
     /// written.
     fn open(path: &Path) -> Result<GgufInput> {
-        let file = super::GgufFile::open(path)?;
-        let model = super::hf::map_model(&file)?;
+        let file = crate::gguf::GgufFile::open(path)?;
+        let model = crate::gguf::hf::map_model(&file)?;
         for t in &file.tensors {
-            super::dequant::check_supported(t.ty)
+            crate::dtype::dequant::check_supported(t.ty)
                 .with_context(|| format!("{}: tensor {}", path.display(), t.name))?;
         }
         let config = model.config_json("float32").to_string();
@@ -394,7 +394,7 @@ impl GgufInput {
             let hf = (self.model.tensors.iter())
                 .find(|h| h.name == t.name)
                 .with_context(|| format!("{path}: no tensor maps to {}", t.name))?;
-            let vals = super::convert::hf_values(&self.file, hf)
+            let vals = crate::gguf::convert::hf_values(&self.file, hf)
                 .with_context(|| format!("{path}: tensor {}", hf.gguf))?;
             if vals.len() != dst.len() {
                 bail!(
@@ -444,7 +444,7 @@ fn encode(vals: &[f32], ty: GgmlType, buf: &mut Vec<u8>) -> Result<()> {
                 .bytes_for(vals.len() as u64)
                 .context("not whole blocks")? as usize;
             buf.resize(n, 0);
-            super::quantize::quantize(ty, vals, buf)?;
+            crate::gguf::quantize::quantize(ty, vals, buf)?;
         }
     }
     Ok(())

@@ -26,8 +26,8 @@
 //! `ffn_down` (1536-wide rows).
 
 use super::ftype::ExportType;
+use crate::dtype::GgmlType;
 use crate::gguf::quantize::QUANTIZABLE;
-use crate::gguf::types::GgmlType;
 use anyhow::{Result, bail};
 
 /// What the rules need of the model (llama.cpp's `hparams` and `model.type`).

@@ -1,0 +1,58 @@
+//! The vocabulary a step is written in: what the planner emits, the model families write
+//! their layers in, and every backend runs. It imports nothing of the crate but
+//! [`crate::dtype`], so the module graph runs one way (`scripts/import-cycles.py` checks it):
+//! the planner, the model families, the backends and the checkpoints all stand on it, and
+//! none of them on each other through it.
+//!
+//! - [`buffer`]: a plan buffer ([`Buffer`], [`BufId`]): its [`Category`], element type, size,
+//!   live interval, [`Tier`] and offset; the alignments ([`ALIGN`], [`IO_ALIGN`]).
+//! - [`schedule`]: the ops ([`Op`], [`OpEntry`] with its [`Phase`]), how they name their
+//!   operands ([`Rows`], [`WeightLayout`], [`ParamSlice`], [`Binding`]) and the step's
+//!   ordered list ([`Schedule`]).
+//! - [`builder`]: [`Builder`], which declares buffers and appends ops (the planner and the
+//!   model families write through it), and what one micro-batch emits ([`MicroBatch`],
+//!   [`Emitted`], [`EmitOptions`]).
+//! - [`strategy`]: the memory strategies' values ([`Precision`], [`Recompute`],
+//!   [`OptimState`], [`BaseQuant`]) and the 8-bit state's block ([`QBLOCK`]).
+//! - [`moments`]: the AdamW moments as stored, borrowed ([`Moments`], [`MomentsMut`]).
+//! - [`sizing`]: what the planner asks of a backend ([`Sizing`]).
+
+/// Serialises a strategy type as its flag text (`Display`) and reads it back with its flag
+/// parser (`FromStr`), so `plan.json`, a run's options and the CLI share one spelling.
+macro_rules! serde_as_flag_text {
+    ($t:ty) => {
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$t, D::Error> {
+                <String as serde::Deserialize>::deserialize(d)?
+                    .parse()
+                    .map_err(|e| serde::de::Error::custom(format!("{e:#}")))
+            }
+        }
+    };
+}
+pub(crate) use serde_as_flag_text;
+
+pub mod buffer;
+pub mod builder;
+pub mod moments;
+pub mod schedule;
+pub mod sizing;
+pub mod strategy;
+
+pub use buffer::{ALIGN, BufId, Buffer, Category, IO_ALIGN, Placement, Tier};
+pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
+pub use moments::{Moments, MomentsMut};
+pub use schedule::{
+    Binding, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Phase,
+    Rows, Schedule, Segment, Segments, WeightLayout,
+};
+pub use sizing::Sizing;
+pub use strategy::{
+    BaseQuant, BaseTypes, BlockPolicy, OptimState, Precision, QBLOCK, Recompute, RecomputeChoice,
+};
