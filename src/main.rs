@@ -231,7 +231,7 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let req = a.step.request();
-    let backend = req.device.backend();
+    let backend = req.device.open(0)?;
     // A GGUF --model is planned as its conversion; with --lora its base keeps the file's
     // blocks (`--base-quant keep`, as `train --init FILE.gguf` does).
     let model = Path::new(req.model.as_deref().unwrap_or(DEFAULT_MODEL));

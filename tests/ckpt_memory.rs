@@ -5,7 +5,7 @@
 //! Alone in its own test binary: it reads the whole process's peak resident set, which tests
 //! running beside it in one process (allocating and freeing) would move.
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::ckpt::{SaveOptions, TrainerState};
 use memwall::exec::executor::Executor;
 use memwall::ir::Moments;
@@ -26,7 +26,7 @@ fn saving_offloaded_state_takes_one_group_not_a_copy_of_the_state() {
         cfg.optim_state = format;
         cfg.offload.set = OffloadSet::ALL;
         cfg.offload.dir = Some(tmp.path().join("offload"));
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         let on_disk: Vec<u64> = plan
             .buffers
             .iter()
@@ -39,7 +39,7 @@ fn saving_offloaded_state_takes_one_group_not_a_copy_of_the_state() {
             .collect();
         let state: u64 = on_disk.iter().sum();
         let largest = on_disk.iter().copied().max().unwrap();
-        let mut ex = Executor::on(plan, &Cpu).unwrap();
+        let mut ex = Executor::on(plan, backend()).unwrap();
         let layout = ex.plan.layout.clone();
         ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
         let state_json = TrainerState {
@@ -87,8 +87,8 @@ fn saving_offloaded_state_takes_one_group_not_a_copy_of_the_state() {
 
         // Resuming streams the other way: into a fresh executor of the same plan, group by
         // group, to the same bits.
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
-        let mut back = Executor::on(plan, &Cpu).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+        let mut back = Executor::on(plan, backend()).unwrap();
         assert!(rss::reset_peak_rss());
         let before = rss::current_rss().unwrap();
         memwall::ckpt::load_params_by(&dir, &layout, |copy| back.fill_params(|r, p| copy(r, p)))

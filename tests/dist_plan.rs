@@ -4,7 +4,7 @@
 
 mod common;
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::dist::shard::Zero;
 use memwall::ir::schedule::Op;
 use memwall::ir::strategy::QBLOCK;
@@ -26,7 +26,7 @@ fn plan(
     cfg.ranks = ranks;
     cfg.zero = Zero(zero);
     f(&mut cfg);
-    build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+    build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
 }
 
 /// `a` is within `tol` (relative) of `b`.
@@ -189,7 +189,7 @@ fn sharded_plans_refuse_what_they_cannot_do_yet() {
     cfg.ranks = 2;
     cfg.zero = Zero(1);
     cfg.offload.set = OffloadSet::ALL;
-    let e = build_plan(&spec, &cfg, Mode::Train, &Cpu)
+    let e = build_plan(&spec, &cfg, Mode::Train, backend())
         .unwrap_err()
         .to_string();
     assert!(e.contains("--offload"), "{e}");

@@ -7,7 +7,7 @@
 mod common;
 
 use common::worst_tensor;
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::dist::shard::Zero;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
@@ -58,9 +58,9 @@ fn train(
     comm_thread: bool,
 ) -> Outcome {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
     let planned = plan.comm_bytes_per_step();
-    let mut ex = Executor::among(plan, &Cpu, comm.clone()).unwrap();
+    let mut ex = Executor::among(plan, backend(), comm.clone()).unwrap();
     ex.set_comm_thread(comm_thread);
     // The trained parameters (the adapters of a LoRA plan, whose base is filled apart).
     let layout = ex.plan.layout.clone();
@@ -90,7 +90,7 @@ fn train(
         norms.push(s.grad_norm);
     }
     let sent = (comm.bytes_sent() - before) / steps;
-    let params = (cfg.zero.0 < 3).then(|| ex.download_params());
+    let params = (cfg.zero.0 < 3).then(|| ex.download_params().unwrap());
     Outcome {
         losses,
         norms,
@@ -275,8 +275,8 @@ fn a_lost_peer_fails_the_step_naming_the_rank() {
         let mut cfg = StepConfig::new(2, SEQ, 1);
         cfg.ranks = 2;
         cfg.zero = Zero(zero);
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
-        let mut ex = Executor::among(plan, &Cpu, comm).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+        let mut ex = Executor::among(plan, backend(), comm).unwrap();
         ex.set_comm_thread(comm_thread);
         ex.upload_batch(&global_batch(1, 2, spec.vocab_size))
             .unwrap();

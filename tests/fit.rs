@@ -4,7 +4,7 @@
 mod common;
 
 use common::{fails, memwall_env};
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::ir::{OptimState, Precision, Recompute};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::predicted_peak;
@@ -30,7 +30,7 @@ fn transfers_hide_behind_compute_on_a_fast_disk_and_bound_a_slow_one() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let mut cfg = StepConfig::new(4, 64, 2);
     cfg.offload.set = OffloadSet::ALL;
-    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
     let (read, written) = plan.io_bytes_per_step();
     assert!(read > 0 && written > 0);
 
@@ -58,7 +58,11 @@ fn more_work_is_predicted_slower() {
     let time = |f: &dyn Fn(&mut StepConfig)| {
         let mut cfg = StepConfig::new(4, 256, 2);
         f(&mut cfg);
-        predict(&build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap(), &cal).step_s
+        predict(
+            &build_plan(&spec, &cfg, Mode::Train, backend()).unwrap(),
+            &cal,
+        )
+        .step_s
     };
     let base = time(&|_| {});
     assert!(time(&|c| c.recompute = Recompute::Full) > base);
@@ -79,7 +83,7 @@ fn exhaustive(spec: &ModelSpec, space: &Space, budget: u64, cal: &Calibration) -
                 cfg.grad_accum = space.global_batch / b;
                 cfg.recompute = r;
                 cfg.offload.set = o;
-                let plan = build_plan(spec, &cfg, Mode::Train, &Cpu).unwrap();
+                let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
                 if predicted_peak(&plan, 0) <= budget {
                     let t = predict(&plan, cal).step_s;
                     if t < best.0 {
@@ -115,15 +119,15 @@ fn the_search_finds_what_building_every_candidate_finds() {
     let cal = with_disk(2e8);
     let sp = space(2);
     // Budgets from roomy to tight: below the unconstrained plan's peak, and near the smallest.
-    let free = build_plan(&spec, &StepConfig::new(2, 64, 2), Mode::Train, &Cpu).unwrap();
+    let free = build_plan(&spec, &StepConfig::new(2, 64, 2), Mode::Train, backend()).unwrap();
     let mut smallest = StepConfig::new(1, 64, 2);
     smallest.grad_accum = 2;
     smallest.recompute = Recompute::Full;
     smallest.offload.set = OffloadSet::ALL;
-    let small = build_plan(&spec, &smallest, Mode::Train, &Cpu).unwrap();
+    let small = build_plan(&spec, &smallest, Mode::Train, backend()).unwrap();
     let (hi, lo) = (predicted_peak(&free, 0), predicted_peak(&small, 0));
     for budget in [hi, hi - 1, (hi + lo) / 2, lo + (hi - lo) / 8, lo] {
-        let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
+        let found = search::search(&spec, &sp, budget, 0, &cal, backend()).unwrap();
         let (want, what) = exhaustive(&spec, &sp, budget, &cal);
         let best = &found.ranked[0];
         assert!(
@@ -134,7 +138,7 @@ fn the_search_finds_what_building_every_candidate_finds() {
         );
         for k in &found.ranked {
             // Every candidate fits, with the peak and time of its plan built afresh.
-            let plan = build_plan(&spec, &k.cfg, Mode::Train, &Cpu).unwrap();
+            let plan = build_plan(&spec, &k.cfg, Mode::Train, backend()).unwrap();
             assert_eq!(predicted_peak(&plan, 0), k.peak);
             assert!(k.peak <= budget);
             assert_eq!(predict(&plan, &cal).step_s, k.time.step_s);
@@ -170,7 +174,7 @@ fn the_search_keeps_lora_and_finds_the_fastest_candidate() {
         let mut cfg = StepConfig::new(b, sp.seq, sp.threads);
         (cfg.grad_accum, cfg.recompute, cfg.offload.set) = (4 / b, r, o);
         (cfg.lora, cfg.base_quant) = (Some(lora.clone()), quant);
-        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+        build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
     };
     let (hi, lo, least) = (
         predicted_peak(&build(4, Recompute::None, OffloadSet::NONE), 0),
@@ -179,7 +183,7 @@ fn the_search_keeps_lora_and_finds_the_fastest_candidate() {
     );
     assert!(least < lo);
     for budget in [(hi + lo) / 2, (lo + least) / 2] {
-        let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
+        let found = search::search(&spec, &sp, budget, 0, &cal, backend()).unwrap();
         let mut want = f64::INFINITY;
         for b in [1, 2, 4] {
             let mut policies = vec![Recompute::None, Recompute::Selective, Recompute::Full];
@@ -215,9 +219,9 @@ fn the_search_with_accumulation_reports_exact_plans() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let cal = with_disk(2e8);
     let sp = space(8);
-    let free = build_plan(&spec, &StepConfig::new(8, 64, 2), Mode::Train, &Cpu).unwrap();
+    let free = build_plan(&spec, &StepConfig::new(8, 64, 2), Mode::Train, backend()).unwrap();
     let budget = predicted_peak(&free, 0) * 3 / 4;
-    let found = search::search(&spec, &sp, budget, 0, &cal, &Cpu).unwrap();
+    let found = search::search(&spec, &sp, budget, 0, &cal, backend()).unwrap();
     let (want, what) = exhaustive(&spec, &sp, budget, &cal);
     let best = &found.ranked[0];
     // Plans of more than two micro-batches are ranked from two and rebuilt when kept.
@@ -229,7 +233,7 @@ fn the_search_with_accumulation_reports_exact_plans() {
     );
     for k in &found.ranked {
         assert_eq!(k.cfg.batch * k.cfg.grad_accum, 8);
-        let plan = build_plan(&spec, &k.cfg, Mode::Train, &Cpu).unwrap();
+        let plan = build_plan(&spec, &k.cfg, Mode::Train, backend()).unwrap();
         assert_eq!(predicted_peak(&plan, 0), k.peak);
         assert!(k.peak <= budget);
     }
@@ -238,7 +242,7 @@ fn the_search_with_accumulation_reports_exact_plans() {
 #[test]
 fn a_budget_nothing_reaches_is_refused_with_the_smallest_plan() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-    let found = search::search(&spec, &space(2), 1 << 20, 0, &estimate(), &Cpu).unwrap();
+    let found = search::search(&spec, &space(2), 1 << 20, 0, &estimate(), backend()).unwrap();
     assert!(found.ranked.is_empty());
     let e = format!("{:#}", search::nothing_fits(&found, 1 << 20));
     assert!(

@@ -6,7 +6,7 @@
 //! attention, a head size other than hidden / heads, Llama 3 rope scaling, q/k/v biases, tied
 //! and untied heads).
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::ckpt;
 use memwall::exec::Executor;
 use memwall::exec::generate::{SampleOptions, generate_tokens};
@@ -39,9 +39,9 @@ fn logits_and_loss_match_transformers() {
     let (dir, exp) = fixture();
     let spec = ckpt::load_spec(&dir).unwrap();
     let prompt = ids(&exp["prompt"]);
-    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, backend()).unwrap();
     let layout = plan.layout.clone();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -63,8 +63,8 @@ fn logits_and_loss_match_transformers() {
     let mut seq = prompt.clone();
     seq.extend(ids(&exp["greedy"]));
     let t = seq.len() - 1;
-    let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, backend()).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -103,9 +103,9 @@ fn llama_family_matches_transformers(name: &str) {
     let (dir, exp) = fixture_named(name);
     let spec = ckpt::load_spec(&dir).unwrap();
     let prompt = ids(&exp["prompt"]);
-    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, backend()).unwrap();
     let layout = plan.layout.clone();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -123,8 +123,8 @@ fn llama_family_matches_transformers(name: &str) {
     let mut seq = prompt.clone();
     seq.extend(ids(&exp["greedy"]));
     let t = seq.len() - 1;
-    let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, backend()).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();
@@ -135,7 +135,7 @@ fn llama_family_matches_transformers(name: &str) {
         (loss - want).abs() < 1e-5,
         "{name} loss: memwall {loss} vs transformers {want}"
     );
-    let grads = ex.download_grads();
+    let grads = ex.download_grads().unwrap();
     let bytes = std::fs::read(dir.join("grads.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut checked = 0;
@@ -283,9 +283,9 @@ fn smollm2_answers_and_models_shakespeare() {
         .unwrap();
     let seq = &ids[..257];
     let spec = ckpt::load_spec(&dir).unwrap();
-    let plan = build_plan(&spec, &StepConfig::new(1, 256, 2), Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, 256, 2), Mode::Train, backend()).unwrap();
     let layout = plan.layout.clone();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
         .unwrap()
         .unwrap();

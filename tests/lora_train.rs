@@ -3,7 +3,7 @@
 //! finite differences; fresh adapters (B = 0) leave the model's losses bitwise the base's;
 //! recomputation changes nothing.
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::ckpt::load_spec;
 use memwall::dtype::GgmlType;
 use memwall::exec::executor::Executor;
@@ -60,8 +60,8 @@ fn lora_executor(
 ) -> Executor {
     let mut cfg = cfg.clone();
     cfg.lora = Some(lora.clone());
-    let plan = build_plan(spec, &cfg, Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     ex.fill_base(|r, p| {
         p.copy_from_slice(&base[r]);
         Ok(())
@@ -78,8 +78,8 @@ fn lora_executor(
 }
 
 fn full_executor(spec: &ModelSpec, cfg: &StepConfig, params: &[f32], batch: &[u32]) -> Executor {
-    let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let plan = build_plan(spec, cfg, Mode::Train, backend()).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     ex.with_params_mut(|p| p.copy_from_slice(params)).unwrap();
     ex.upload_batch(batch).unwrap();
     ex
@@ -131,7 +131,7 @@ fn a_quantized_base_is_its_dequantized_weights() {
         Some(lora_spec(qwen.family, "all")),
         BaseQuant::Blocks(GgmlType::Q4_0),
     );
-    let plan = build_plan(&qwen, &cfg, Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(&qwen, &cfg, Mode::Train, backend()).unwrap();
     let added = (plan.schedule.ops.iter())
         .filter(|e| matches!(e.op, memwall::ir::Op::AddBias { .. }))
         .count();
@@ -150,7 +150,12 @@ fn a_quantized_base_is_its_dequantized_weights() {
             (BaseQuant::Blocks(GgmlType::Q4_1), precision, recompute);
         let mut ex = lora_executor(&spec, &lora, &cfg, &base, None, &batch);
         let loss = ex.compute_gradients().unwrap();
-        let g: Vec<u32> = ex.download_grads().iter().map(|x| x.to_bits()).collect();
+        let g: Vec<u32> = ex
+            .download_grads()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
         (loss, g)
     };
     let (f32_loss, _) = step(Precision::F32, Recompute::None);
@@ -211,7 +216,7 @@ fn check_against_full_fine_tuning(spec: &ModelSpec, targets: &str, quant: BaseQu
         (ll - fl).abs() <= 1e-5 * fl.abs(),
         "{what}: loss {ll} vs merged {fl}"
     );
-    let (lg, fg) = (lx.download_grads(), fx.download_grads());
+    let (lg, fg) = (lx.download_grads().unwrap(), fx.download_grads().unwrap());
     let (r, s) = (lora.r, lora.scale() as f64);
     for (i, a) in ad.layers.iter().enumerate() {
         let (din, dout) = (a.in_features, a.out_features);
@@ -280,7 +285,7 @@ fn adapter_gradients_match_finite_differences() {
     let p0 = random_adapter(ex.plan.layout.total);
     ex.with_params_mut(|p| p.copy_from_slice(&p0)).unwrap();
     ex.compute_gradients().unwrap();
-    let g = ex.download_grads();
+    let g = ex.download_grads().unwrap();
     let mut rng = Rng::new(99);
     for _ in 0..3 {
         let d: Vec<f32> = (0..p0.len()).map(|_| rng.normal()).collect();
@@ -336,7 +341,12 @@ fn recomputation_leaves_adapter_gradients_bitwise() {
             cfg.precision = precision;
             let mut ex = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
             let loss = ex.compute_gradients().unwrap();
-            let g: Vec<u32> = ex.download_grads().iter().map(|x| x.to_bits()).collect();
+            let g: Vec<u32> = ex
+                .download_grads()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
             (loss.to_bits(), g)
         };
         let keep = grads(Recompute::None);
@@ -375,12 +385,18 @@ fn lora_composes_with_accumulation_fp16_and_int8_state() {
             Some(&values),
             &batch,
         );
-        (ex.compute_gradients().unwrap(), ex.download_grads())
+        (
+            ex.compute_gradients().unwrap(),
+            ex.download_grads().unwrap(),
+        )
     };
     let mut cfg = StepConfig::new(1, T, 2);
     cfg.grad_accum = B;
     let mut ex = lora_executor(&spec, &lora, &cfg, &base, Some(&values), &batch);
-    let (loss, g) = (ex.compute_gradients().unwrap(), ex.download_grads());
+    let (loss, g) = (
+        ex.compute_gradients().unwrap(),
+        ex.download_grads().unwrap(),
+    );
     assert!(
         (loss - whole.0).abs() <= 1e-5 * whole.0.abs(),
         "{loss} vs {}",
@@ -471,7 +487,12 @@ fn offloading_a_lora_run_changes_nothing_but_where_the_base_lives() {
                 })
                 .collect();
             ex.finish_update().unwrap();
-            let adapters: Vec<u32> = ex.download_params().iter().map(|x| x.to_bits()).collect();
+            let adapters: Vec<u32> = ex
+                .download_params()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
             (losses, adapters, base_on_disk)
         };
         let ram = run(OffloadSet::NONE);
@@ -516,7 +537,10 @@ fn dropout_executor(cfg: &StepConfig, lora: &LoraSpec, seed: u64) -> Executor {
 }
 
 fn loss_and_grads(ex: &mut Executor) -> (f32, Vec<f32>) {
-    (ex.compute_gradients().unwrap(), ex.download_grads())
+    (
+        ex.compute_gradients().unwrap(),
+        ex.download_grads().unwrap(),
+    )
 }
 
 fn bits(g: &[f32]) -> Vec<u32> {
@@ -644,7 +668,7 @@ fn dropout_plans_one_workspace_per_adapter_op() {
     let plan = |lora: LoraSpec| {
         let mut cfg = StepConfig::new(B, T, 2);
         (cfg.recompute, cfg.lora) = (Recompute::Full, Some(lora));
-        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+        build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
     };
     let (plain, drop) = (
         plan(lora_spec(spec.family, "all")),

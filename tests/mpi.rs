@@ -7,6 +7,7 @@
 mod common;
 
 use common::worst_tensor;
+use memwall::backend::under_test as backend;
 
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::run_dir::metrics;
@@ -511,13 +512,7 @@ fn calibrating_under_mpirun_measures_the_collectives_that_plans_for_as_many_rank
     let mut cfg = memwall::plan::StepConfig::new(2, 64, 2);
     cfg.ranks = 2;
     cfg.zero = memwall::dist::shard::Zero(1);
-    let p = memwall::plan::build_plan(
-        &spec,
-        &cfg,
-        memwall::plan::Mode::Train,
-        &memwall::backend::cpu::Cpu,
-    )
-    .unwrap();
+    let p = memwall::plan::build_plan(&spec, &cfg, memwall::plan::Mode::Train, backend()).unwrap();
     let mut cal = memwall::plan::time::Calibration::estimate("any".into(), 2, 100.0);
     cal.transport = Some(t);
     let want = memwall::plan::time::predict(&p, &cal).comm_s;

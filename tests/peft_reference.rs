@@ -5,7 +5,7 @@
 //! peft-tiny-gpt2 (made by make_peft_fixtures.py, with torch 2.15, transformers 5.24 and
 //! peft 0.21.2), so no Python runs in CI.
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::ckpt::adapter::{load_adapter, save_adapter};
 use memwall::ckpt::{load_params, load_spec};
 use memwall::exec::Executor;
@@ -108,8 +108,14 @@ fn peft_adapters_merge_as_merge_and_unload() {
         }
         // Next-token logits of the merged model against PEFT's with the adapter.
         let t = c.prompt.len();
-        let plan = build_plan(&c.spec, &StepConfig::new(1, t, 2), Mode::Generate, &Cpu).unwrap();
-        let mut ex = Executor::on(plan, &Cpu).unwrap();
+        let plan = build_plan(
+            &c.spec,
+            &StepConfig::new(1, t, 2),
+            Mode::Generate,
+            backend(),
+        )
+        .unwrap();
+        let mut ex = Executor::on(plan, backend()).unwrap();
         ex.with_params_mut(|p| p.copy_from_slice(&merged)).unwrap();
         let got = ex.next_token_logits(&c.prompt).unwrap().to_vec();
         for (v, (&a, &b)) in got.iter().zip(&c.logits[t - 1]).enumerate() {
@@ -141,8 +147,8 @@ fn lora_plans_compute_what_peft_computes() {
             / t as f64;
         let mut cfg = StepConfig::new(1, t, 2);
         cfg.lora = Some(ad.spec.clone());
-        let plan = build_plan(&c.spec, &cfg, Mode::Train, &Cpu).unwrap();
-        let mut ex = Executor::on(plan, &Cpu).unwrap();
+        let plan = build_plan(&c.spec, &cfg, Mode::Train, backend()).unwrap();
+        let mut ex = Executor::on(plan, backend()).unwrap();
         ex.fill_base(|r, p| {
             p.copy_from_slice(&c.base[r]);
             Ok(())

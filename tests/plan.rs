@@ -3,7 +3,7 @@
 //! with the flag to change. (These live here, not in `src/plan`, so that the planner's code
 //! and its own tests import nothing from `backend::cpu`.)
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::ir::{Category, Recompute};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::{check_budget, largest_batch};
@@ -12,7 +12,7 @@ use memwall::plan::{Mode, StepConfig, build_plan};
 #[test]
 fn gpt2_plan_is_valid_and_packs_tightly() {
     let spec = ModelSpec::preset("gpt2").unwrap();
-    let plan = build_plan(&spec, &StepConfig::new(4, 256, 2), Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(4, 256, 2), Mode::Train, backend()).unwrap();
     let p = 124_439_808u64 * 4;
     let by = plan.bytes_by_category();
     let get = |c: Category| by.iter().find(|x| x.0 == c).unwrap().1;
@@ -34,7 +34,7 @@ fn gpt2_plan_is_valid_and_packs_tightly() {
 #[test]
 fn generate_plan_has_no_training_state() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-    let plan = build_plan(&spec, &StepConfig::new(1, 64, 2), Mode::Generate, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(1, 64, 2), Mode::Generate, backend()).unwrap();
     assert!(
         plan.buffers
             .iter()
@@ -48,7 +48,7 @@ fn bad_step_configs_name_the_flag() {
     let e = |cfg: StepConfig| {
         format!(
             "{:#}",
-            build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap_err()
+            build_plan(&spec, &cfg, Mode::Train, backend()).unwrap_err()
         )
     };
     assert!(e(StepConfig::new(0, 64, 2)).contains("--batch"));
@@ -59,27 +59,39 @@ fn bad_step_configs_name_the_flag() {
 #[test]
 fn over_budget_names_flag_and_largest_batch() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-    let plan = build_plan(&spec, &StepConfig::new(32, 256, 2), Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(&spec, &StepConfig::new(32, 256, 2), Mode::Train, backend()).unwrap();
     let budget = plan.total_bytes() / 2;
-    let msg = format!("{:#}", check_budget(&plan, budget, 0, &Cpu).unwrap_err());
+    let msg = format!(
+        "{:#}",
+        check_budget(&plan, budget, 0, backend()).unwrap_err()
+    );
     assert!(
         msg.contains("--max-memory") && msg.contains("--batch"),
         "{msg}"
     );
-    let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0, &Cpu)
+    let (b, p) = largest_batch(&spec, &plan.cfg, Mode::Train, budget, 0, backend())
         .unwrap()
         .unwrap();
     assert!(b < 32 && p <= budget);
-    let next = build_plan(&spec, &StepConfig::new(b + 1, 256, 2), Mode::Train, &Cpu).unwrap();
+    let next = build_plan(
+        &spec,
+        &StepConfig::new(b + 1, 256, 2),
+        Mode::Train,
+        backend(),
+    )
+    .unwrap();
     assert!(next.predicted_peak(0) > budget);
     // The budget counts the runtime reserve beside the plan's bytes.
-    assert!(check_budget(&plan, plan.predicted_peak(0), 0, &Cpu).is_ok());
+    assert!(check_budget(&plan, plan.predicted_peak(0), 0, backend()).is_ok());
     let e = format!(
         "{:#}",
-        check_budget(&plan, plan.total_bytes(), 0, &Cpu).unwrap_err()
+        check_budget(&plan, plan.total_bytes(), 0, backend()).unwrap_err()
     );
     assert!(e.contains("runtime reserve"), "{e}");
-    let tiny = format!("{:#}", check_budget(&plan, 1 << 20, 0, &Cpu).unwrap_err());
+    let tiny = format!(
+        "{:#}",
+        check_budget(&plan, 1 << 20, 0, backend()).unwrap_err()
+    );
     assert!(tiny.contains("even --batch 1"), "{tiny}");
 }
 
@@ -93,7 +105,7 @@ fn gradient_buffers_live_from_first_write_to_update() {
     for accum in [1, 2] {
         let mut cfg = StepConfig::new(2, 32, 1);
         cfg.grad_accum = accum;
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         let ops = &plan.schedule.ops;
         let grads = plan.schedule.implicit.grads.as_ref().unwrap();
         assert_eq!(grads.segments.len(), plan.layout.groups.len());
@@ -212,7 +224,7 @@ fn staged_transfers_own_their_copies_until_waited() {
         cfg.grad_accum = accum;
         cfg.recompute = recompute;
         cfg.offload.set = placement.parse().unwrap();
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         let what = format!("{model} --offload {placement}");
         let s = &plan.schedule;
         // Gradients on disk defer each update into the next step's forward.
@@ -249,7 +261,7 @@ fn staged_transfers_own_their_copies_until_waited() {
         // GPT-2 124M: the host arena holds under half of what it holds with everything in
         // RAM (the tiny models' embeddings, staged whole for their update, outweigh the rest).
         cfg.offload.set = OffloadSet::NONE;
-        let ram = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let ram = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         if model == "gpt2" {
             assert!(2 * plan.arena_bytes < ram.arena_bytes, "{model}");
         }
@@ -266,10 +278,10 @@ fn too_small_a_budget_with_everything_offloaded_names_what_does_not_fit() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let mut cfg = StepConfig::new(4, 128, 2);
     cfg.offload.set = OffloadSet::ALL;
-    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
     let e = format!(
         "{:#}",
-        check_budget(&plan, 10_000_000, 0, &Cpu).unwrap_err()
+        check_budget(&plan, 10_000_000, 0, backend()).unwrap_err()
     );
     assert!(
         !e.contains("take 0 B")
@@ -292,10 +304,10 @@ fn too_small_a_budget_with_everything_offloaded_names_what_does_not_fit() {
     cfg.optim_state = OptimState::Int8;
     cfg.recompute = Recompute::Full;
     cfg.batch = 1;
-    let smallest = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+    let smallest = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
     let e = format!(
         "{:#}",
-        check_budget(&smallest, 10_000_000, 0, &Cpu).unwrap_err()
+        check_budget(&smallest, 10_000_000, 0, backend()).unwrap_err()
     );
     let least = memwall::util::bytes::fmt_bytes(smallest.predicted_peak(0));
     assert!(

@@ -3,7 +3,7 @@
 //! state and mixed precision train close to fp32. Each for a small GPT-2 and a small Llama
 //! (grouped-query attention, rotary positions, SwiGLU).
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::ir::{Category, OptimState, Phase, Precision, Recompute};
 use memwall::model::ModelSpec;
@@ -49,8 +49,8 @@ fn hp(step: u64) -> OptimHparams {
 /// starts) drawn from one seed, so step k sees the same `rows` sequences whatever the
 /// micro-batching; returns the weights and the losses.
 fn train(spec: &ModelSpec, cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>) {
-    let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let plan = build_plan(spec, cfg, Mode::Train, backend()).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
     let mut rng = Rng::new(3);
@@ -70,11 +70,11 @@ fn train(spec: &ModelSpec, cfg: &StepConfig, steps: u64) -> (Vec<f32>, Vec<f32>)
         losses.push(ex.train_step(&hp(step)).unwrap().loss);
     }
     ex.finish_update().unwrap();
-    (ex.download_params(), losses)
+    (ex.download_params().unwrap(), losses)
 }
 
 fn activation_peak(spec: &ModelSpec, cfg: &StepConfig) -> u64 {
-    let plan = build_plan(spec, cfg, Mode::Train, &Cpu).unwrap();
+    let plan = build_plan(spec, cfg, Mode::Train, backend()).unwrap();
     plan.peak_by_category()
         .into_iter()
         .find(|(c, _)| *c == Category::Activation)
@@ -104,7 +104,7 @@ fn every_recompute_policy_gives_bitwise_identical_weights() {
                 ..base.clone()
             };
             // The plan really recomputes, and keeps fewer activation bytes.
-            let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+            let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
             let re_ops = plan
                 .schedule
                 .ops
@@ -174,7 +174,7 @@ fn activation_bytes_shrink_sixfold_with_full_recompute_on_gpt2() {
             recompute: r,
             ..StepConfig::new(8, 512, 2)
         };
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         plan.peak_by_category()
             .into_iter()
             .find(|(c, _)| *c == Category::Activation)
@@ -203,7 +203,7 @@ fn compressed_optimizer_state_shrinks_its_category() {
             optim_state: f,
             ..StepConfig::new(4, 256, 2)
         };
-        let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         plan.bytes_by_category()
             .into_iter()
             .find(|(c, _)| *c == Category::OptimizerState)
@@ -277,19 +277,19 @@ fn overflowing_gradients_skip_the_update() {
         precision: Precision::F16,
         ..StepConfig::new(2, 16, 2)
     };
-    let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
     let batch: Vec<u32> = (0..2 * 17).map(|i| (i * 5 % 97) as u32).collect();
     ex.upload_batch(&batch).unwrap();
-    let before = ex.download_params();
+    let before = ex.download_params().unwrap();
     // A loss scale far beyond f16's range: the gradients overflow, the step is skipped.
     ex.set_loss_scale(1e30);
     let st = ex.train_step(&hp(1)).unwrap();
     assert!(st.skipped && !st.grad_norm.is_finite(), "{st:?}");
     assert_eq!(
-        ex.download_params(),
+        ex.download_params().unwrap(),
         before,
         "a skipped step must not move the weights"
     );
@@ -297,7 +297,7 @@ fn overflowing_gradients_skip_the_update() {
     ex.set_loss_scale(1024.0);
     let st = ex.train_step(&hp(1)).unwrap();
     assert!(!st.skipped && st.grad_norm.is_finite(), "{st:?}");
-    assert_ne!(ex.download_params(), before);
+    assert_ne!(ex.download_params().unwrap(), before);
 }
 
 #[test]
@@ -308,7 +308,7 @@ fn mixed_precision_plans_halve_activations_and_keep_fp32_masters() {
             precision: p,
             ..StepConfig::new(4, 256, 2)
         };
-        build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap()
+        build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
     };
     let (f, b) = (plan(Precision::F32), plan(Precision::Bf16));
     let cat = |p: &memwall::plan::Plan, c: Category| {
@@ -507,14 +507,14 @@ fn offloading_changes_no_bit() {
         ] {
             let run = |cfg: &StepConfig| train(&spec, cfg, 6);
             let (want_w, want_l) = run(&base);
-            let in_ram = build_plan(&spec, &base, Mode::Train, &Cpu).unwrap();
+            let in_ram = build_plan(&spec, &base, Mode::Train, backend()).unwrap();
             for placement in placements {
                 let mut off = base.clone();
                 off.offload.set = placement.parse::<OffloadSet>().unwrap();
                 off.offload.dir = Some(dir.path().to_path_buf());
                 let set = off.offload.set;
                 let what = format!("{what}, --offload {placement}");
-                let plan = build_plan(&spec, &off, Mode::Train, &Cpu).unwrap();
+                let plan = build_plan(&spec, &off, Mode::Train, backend()).unwrap();
                 assert!(plan.nvme_bytes > 0, "{name} {what}: nothing on disk");
                 for b in plan.buffers.iter().filter(|b| b.persistent) {
                     let on_disk = match b.category {
@@ -536,8 +536,8 @@ fn offloading_changes_no_bit() {
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&got_w), bits(&want_w), "{name} {what}: weights differ");
                 let moments = |cfg: &StepConfig| {
-                    let plan = build_plan(&spec, cfg, Mode::Train, &Cpu).unwrap();
-                    let mut ex = Executor::on(plan, &Cpu).unwrap();
+                    let plan = build_plan(&spec, cfg, Mode::Train, backend()).unwrap();
+                    let mut ex = Executor::on(plan, backend()).unwrap();
                     let layout = ex.plan.layout.clone();
                     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
                     let batch: Vec<u32> = (0..2 * cfg.grad_accum as u32 * 17)

@@ -3,7 +3,7 @@
 
 mod common;
 
-use memwall::backend::cpu::Cpu;
+use memwall::backend::under_test as backend;
 use memwall::exec::executor::{Executor, OptimHparams};
 use memwall::exec::train::{NoProgress, TrainOptions, resume_options, train};
 use memwall::ir::{OptimState, Precision, Recompute, RecomputeChoice};
@@ -19,8 +19,14 @@ fn micro_spec() -> ModelSpec {
 /// every gradient is well above f32 noise.
 fn micro_executor(threads: usize) -> Executor {
     let spec = micro_spec();
-    let plan = build_plan(&spec, &StepConfig::new(3, 7, threads), Mode::Train, &Cpu).unwrap();
-    let mut ex = Executor::on(plan, &Cpu).unwrap();
+    let plan = build_plan(
+        &spec,
+        &StepConfig::new(3, 7, threads),
+        Mode::Train,
+        backend(),
+    )
+    .unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
     let mut rng = Rng::new(11);
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| {
@@ -40,8 +46,8 @@ fn whole_model_gradients_match_finite_differences() {
     let mut ex = micro_executor(2);
     let loss = ex.compute_gradients().unwrap();
     assert!(loss.is_finite());
-    let g: Vec<f32> = ex.download_grads();
-    let p0: Vec<f32> = ex.download_params();
+    let g: Vec<f32> = ex.download_grads().unwrap();
+    let p0: Vec<f32> = ex.download_params().unwrap();
     let mut rng = Rng::new(99);
     // Directional derivatives along random directions (all parameters at once).
     for _ in 0..3 {
@@ -93,7 +99,7 @@ fn whole_model_gradients_match_finite_differences() {
 
 #[test]
 fn training_is_deterministic_for_a_thread_count() {
-    let initial = micro_executor(2).download_params();
+    let initial = micro_executor(2).download_params().unwrap();
     let run = || {
         let mut ex = micro_executor(2);
         let hp = OptimHparams {
@@ -112,7 +118,7 @@ fn training_is_deterministic_for_a_thread_count() {
             })
             .unwrap();
         }
-        ex.download_params()
+        ex.download_params().unwrap()
     };
     let (a, b) = (run(), run());
     assert_eq!(a, b);

@@ -1,6 +1,7 @@
 //! Which backend runs a plan: `--device`, chosen once where the user's request is resolved
-//! and carried in the options as a [`DeviceKind`]; everything after asks it for its
-//! [`Backend`]. A second backend is one more arm of [`DeviceKind::backend`].
+//! and carried in the options as a [`DeviceKind`]; everything after opens it
+//! ([`DeviceKind::open`], which can fail: a GPU may be missing, busy or out of memory) for its
+//! [`Backend`]. A second backend is one more arm of [`DeviceKind::open`].
 
 use super::Backend;
 use super::cpu::Cpu;
@@ -17,10 +18,16 @@ pub enum DeviceKind {
 }
 
 impl DeviceKind {
-    /// The backend that plans and runs for this device.
-    pub fn backend(self) -> &'static dyn Backend {
+    /// Opens device `index` of this kind (GPUs are numbered from 0; the CPU, all of this
+    /// machine's cores, is the one device 0): the backend that plans and runs for it, opened
+    /// once per process. Fails naming the device when there is no such one.
+    pub fn open(self, index: usize) -> Result<&'static dyn Backend> {
         match self {
-            DeviceKind::Cpu => &Cpu,
+            DeviceKind::Cpu if index == 0 => Ok(&Cpu),
+            DeviceKind::Cpu => bail!(
+                "device cpu:{index}: the CPU backend is one device, cpu:0 (all of this \
+                 machine's cores; --threads chooses how many)"
+            ),
         }
     }
 
@@ -28,6 +35,19 @@ impl DeviceKind {
     pub fn is_cpu(&self) -> bool {
         *self == DeviceKind::Cpu
     }
+}
+
+/// The backend the tests run on: device 0 of the kind `MEMWALL_TEST_DEVICE` names (`cpu`
+/// when unset). The model-level tests (strategies, packing, masked loss, ranks, references)
+/// take their backend from here, so a build with a second backend runs them there with
+/// `MEMWALL_TEST_DEVICE=<kind> cargo test`. Panics naming the variable when that device
+/// cannot be opened: a test asked for a device must not pass on another.
+#[doc(hidden)]
+pub fn under_test() -> &'static dyn Backend {
+    let var = std::env::var("MEMWALL_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    var.parse::<DeviceKind>()
+        .and_then(|k| k.open(0))
+        .unwrap_or_else(|e| panic!("MEMWALL_TEST_DEVICE={var}: {e:#}"))
 }
 
 impl std::fmt::Display for DeviceKind {
@@ -68,5 +88,12 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn the_cpu_is_device_0_only() {
+        assert!(DeviceKind::Cpu.open(0).is_ok());
+        let e = format!("{:#}", DeviceKind::Cpu.open(1).err().unwrap());
+        assert!(e.contains("cpu:1") && e.contains("cpu:0"), "{e}");
     }
 }

@@ -22,7 +22,7 @@ mod choice;
 pub mod cpu;
 pub mod host;
 
-pub use choice::DeviceKind;
+pub use choice::{DeviceKind, under_test};
 
 use crate::dist::Comm;
 use crate::dtype::DType;

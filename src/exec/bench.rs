@@ -65,7 +65,7 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         bail!("--steps must be at least 1");
     }
     let spec = ModelSpec::resolve(&opts.model)?;
-    let backend = opts.device.backend();
+    let backend = opts.device.open(0)?;
     let baseline = rss::current_rss().unwrap_or(0);
     let calibration = super::calibrate::current(opts.threads)?;
     let mut strategies = opts

@@ -401,7 +401,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
             cfg.optim_state,
             t0.elapsed().as_secs_f64()
         ));
-        time_ops(spec, cfg, opts.device.backend(), &mut samples)
+        time_ops(spec, cfg, opts.device.open(0)?, &mut samples)
             .with_context(|| format!("calibrating on {}", spec.name))?;
     }
     let mut by_kind: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
@@ -429,7 +429,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         source: Source::Measured { at: utc_now() },
         cpu: cpu_name(),
         threads: opts.threads,
-        fma_peak_gflops: fma_peak(opts.threads, opts.device.backend())?,
+        fma_peak_gflops: fma_peak(opts.threads, opts.device.open(0)?)?,
         kinds,
         disk,
         disk_dir: opts.offload_dir.clone(),
@@ -498,7 +498,7 @@ pub fn current(threads: usize) -> Result<Calibration> {
         None => Ok(Calibration::estimate(
             cpu_name(),
             threads,
-            fma_peak(threads, DeviceKind::Cpu.backend())?,
+            fma_peak(threads, DeviceKind::Cpu.open(0)?)?,
         )),
     }
 }

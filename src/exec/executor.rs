@@ -174,9 +174,6 @@ fn pod_bytes_mut(v: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 8) }
 }
 
-/// Why a download or upload of arena buffers cannot fail (only disk-tier buffers can).
-const HOST_ONLY: &str = "internal error: arena buffers move without I/O";
-
 /// Typed views of plan buffers' bytes (every dtype of a plan is plain old data, and every
 /// buffer starts at an offset aligned for it).
 mod pod {
@@ -438,16 +435,25 @@ impl Executor {
         Ok(())
     }
 
-    /// A copy of the parameters. Panics where they cannot be read (a disk-tier read
-    /// failing); [`Executor::with_params`] returns the error instead.
-    pub fn download_params(&self) -> Vec<f32> {
+    /// A copy of the parameters (an error where they cannot be read: a disk-tier read, a
+    /// device's copy).
+    pub fn download_params(&self) -> Result<Vec<f32>> {
         self.with_params(|p| p.to_vec())
-            .expect("the parameters can be read")
+    }
+
+    /// What a failed download or upload of `ids` says: the direction and the buffers' names.
+    fn moving(&self, direction: &str, ids: &[BufId]) -> String {
+        let mut names = ids.iter().map(|&id| self.plan.buffer(id).name.as_str());
+        let first = names.next().unwrap_or("no buffer");
+        match ids.len() {
+            0 | 1 => format!("{direction} plan buffer {first}"),
+            n => format!("{direction} plan buffers {first} and {} more", n - 1),
+        }
     }
 
     /// Gradients of the last [`Executor::compute_gradients`] as f32, in parameter order
     /// (training plans only; scaled by the loss scale).
-    pub fn download_grads(&self) -> Vec<f32> {
+    pub fn download_grads(&self) -> Result<Vec<f32>> {
         let grads = self
             .plan
             .schedule
@@ -468,8 +474,8 @@ impl Executor {
                     }
                 }
             })
-            .expect(HOST_ONLY);
-        out
+            .with_context(|| self.moving("downloading", &ids))?;
+        Ok(out)
     }
 
     /// The AdamW moment buffers where they live between steps: one set, or one per group.
@@ -780,7 +786,7 @@ impl Executor {
                     }
                 }
             })
-            .expect(HOST_ONLY);
+            .with_context(|| self.moving("uploading", &ids))?;
         Ok(trained)
     }
 
@@ -902,7 +908,7 @@ impl Executor {
 
     /// The per-target losses of the last forward, `[micro-batches·B·T]` in batch order (0 for
     /// a target not trained): what the step's mean loss is the mean of.
-    pub fn target_losses(&self) -> Vec<f32> {
+    pub fn target_losses(&self) -> Result<Vec<f32>> {
         let mut out = Vec::new();
         self.device
             .download(&self.plan.schedule.losses, &mut |bufs| {
@@ -910,8 +916,8 @@ impl Executor {
                     out.extend_from_slice(pod::cast::<f32>(b));
                 }
             })
-            .expect(HOST_ONLY);
-        out
+            .with_context(|| self.moving("downloading", &self.plan.schedule.losses))?;
+        Ok(out)
     }
 
     /// Mean of the per-row losses over the trained targets of every micro-batch (and every
@@ -925,7 +931,7 @@ impl Executor {
                     sum += losses.iter().map(|&x| x as f64).sum::<f64>();
                 }
             })
-            .expect(HOST_ONLY);
+            .with_context(|| self.moving("downloading", &self.plan.schedule.losses))?;
         let rows = self.loss_tokens.mine;
         if self.comm.size() > 1 {
             let mut all = vec![0.0f64; 2 * self.comm.size()];
@@ -961,7 +967,7 @@ impl Executor {
             .upload(&[tokens], &mut |b| {
                 pod::cast_mut::<u32>(b[0])[..t].copy_from_slice(context)
             })
-            .expect(HOST_ONLY);
+            .with_context(|| self.moving("uploading", &[tokens]))?;
         let ctx = StepCtx {
             seq: Some(t),
             ..self.ctx(false)
@@ -974,7 +980,7 @@ impl Executor {
                 out.clear();
                 out.extend_from_slice(pod::cast::<f32>(b[0]))
             })
-            .expect(HOST_ONLY);
+            .with_context(|| self.moving("downloading", &[logits]))?;
         self.logits = out;
         Ok(&self.logits)
     }

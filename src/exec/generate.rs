@@ -75,10 +75,10 @@ pub fn generate_tokens(
         &spec,
         &StepConfig::new(1, ctx, opts.threads),
         Mode::Generate,
-        opts.device.backend(),
+        opts.device.open(0)?,
     )?;
     let layout = plan.layout.clone();
-    let mut ex = Executor::on(plan, opts.device.backend())?;
+    let mut ex = Executor::on(plan, opts.device.open(0)?)?;
     let adapter = match &opts.adapter {
         Some(dir) => Some(ckpt::adapter::load_adapter(
             &ckpt::adapter::resolve_dir(dir)?,

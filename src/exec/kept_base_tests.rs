@@ -2,7 +2,7 @@
 //! the file's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16 and BF16 tensors as they are is computing on
 //! the f32 weights `memwall convert` decodes them to, tied head or not.
 
-use crate::backend::cpu::Cpu;
+use crate::backend::under_test as backend;
 use crate::dtype::GgmlType;
 use crate::exec::Executor;
 use crate::gguf::base::BaseSource;
@@ -112,7 +112,7 @@ fn kept_is_its_conversion(
                 cfg.base_quant = BaseQuant::Keep;
                 cfg.base_types = Some(std::sync::Arc::new(src.types()));
             }
-            let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+            let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
             if keep {
                 let l = plan.lora.as_ref().unwrap();
                 assert_eq!(
@@ -126,7 +126,7 @@ fn kept_is_its_conversion(
                 .filter(|b| b.name.contains(".base.q"))
                 .count();
             assert_eq!(keep, quantized > 0, "tied {tied}: quantized base buffers");
-            let mut ex = Executor::on(plan, &Cpu).unwrap();
+            let mut ex = Executor::on(plan, backend()).unwrap();
             if keep {
                 ex.fill_base_bytes(|t, storage, dst| src.copy(t, storage, dst))
                     .unwrap();
@@ -142,7 +142,7 @@ fn kept_is_its_conversion(
                 .unwrap();
             ex.upload_batch(&batch).unwrap();
             let loss = ex.compute_gradients().unwrap();
-            (loss, ex.download_grads())
+            (loss, ex.download_grads().unwrap())
         };
         let ((kl, kg), (fl, fg)) = (run(true), run(false));
         assert!(

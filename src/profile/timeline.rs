@@ -214,7 +214,7 @@ pub fn op_kind(name: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::Cpu;
+    use crate::backend::under_test as backend;
     use crate::ir::Recompute;
     use crate::model::ModelSpec;
     use crate::plan::{Mode, StepConfig, build_plan};
@@ -225,7 +225,7 @@ mod tests {
         for r in [Recompute::None, Recompute::Full] {
             let mut cfg = StepConfig::new(2, 32, 1);
             cfg.recompute = r;
-            let plan = build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap();
+            let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
             let data = PlanJson::from_plan(&plan, 0).unwrap();
             let tl = MemoryTimeline::new(&data);
             // The timeline also counts the buffers outside the arena, live over the whole step.

@@ -314,7 +314,7 @@ impl PlanJson {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::Cpu;
+    use crate::backend::under_test as backend;
     use crate::ir::{OptimState, Precision, Recompute};
     use crate::model::ModelSpec;
     use crate::plan::{Mode, StepConfig, build_plan};
@@ -334,9 +334,9 @@ mod tests {
                 cfg.precision,
                 cfg.optim_state,
             ) = (r, accum, p, o);
-            out.push(build_plan(&spec, &cfg, Mode::Train, &Cpu).unwrap());
+            out.push(build_plan(&spec, &cfg, Mode::Train, backend()).unwrap());
         }
-        out.push(build_plan(&spec, &StepConfig::new(1, 16, 1), Mode::Generate, &Cpu).unwrap());
+        out.push(build_plan(&spec, &StepConfig::new(1, 16, 1), Mode::Generate, backend()).unwrap());
         out
     }
 

@@ -165,7 +165,7 @@ pub fn resolve_step(
     frozen: &Frozen,
 ) -> Result<Resolved> {
     let st = &step.strategy;
-    let backend = step.device.backend();
+    let backend = step.device.open(0)?;
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {
         bail!(
             "--lora-dropout needs --lora R (or, in `train`, --init-adapter DIR: the adapter then \
