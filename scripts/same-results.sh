@@ -3,12 +3,14 @@
 #
 # Usage:
 #   scripts/same-results.sh [BASE_REV]
-#   scripts/same-results.sh [--old-bin PATH] [--new-bin PATH] [BASE_REV]
+#   scripts/same-results.sh [--old-bin PATH] [--new-bin PATH] [--mpi] [BASE_REV]
+#   scripts/same-results.sh [--old-mpi-bin PATH] [--new-mpi-bin PATH] [BASE_REV]
 #
 # Compares the memwall built from BASE_REV ("old") with the memwall built from the current
 # working tree, uncommitted changes included ("new"), and prints one line per check,
-# `same: <check>` or `DIFFERENT: <check> (<what>)`, then `N passed, M failed`. Exits 1 when
-# any check differs (or a run fails), 2 on a usage or set-up error.
+# `same: <check>` or `DIFFERENT: <check> (<what>)`, then `N passed, M failed` (and `, K
+# skipped` when checks were left out, each named on a `skipped:` line). Exits 1 when any check
+# differs (or a run fails), 2 on a usage or set-up error.
 #
 # BASE_REV defaults to where this branch left main: `git merge-base HEAD origin/main` (or
 # `main` when there is no origin/main). When that is HEAD itself (you are on main, or the
@@ -22,6 +24,15 @@
 # The new side is `cargo build --release` of this tree. (Remove <target>/same-results to
 # rebuild a cached base, e.g. after a toolchain update.)
 #
+# --mpi (or SAME_MPI=1) adds the 2-rank training checks (zero*-2ranks below), which need both
+# sides built with `--features mpi` and `mpirun`: the old side is built as above with the
+# feature (cached as <target>/same-results/bin/<sha>/memwall-mpi, also when --old-bin gives the
+# plain one), the new side with `cargo build --release --features mpi --target-dir
+# <target>/same-results/mpi-target` (a target directory of its own, seeded once from
+# <target>/release, so that <target>/release/memwall stays the plain build). --old-mpi-bin /
+# --new-mpi-bin take already built mpi binaries instead (and imply --mpi). Without --mpi those
+# checks are not run, and a `skipped:` line says so and how to run them.
+#
 # Environment:
 #   MEMWALL_CORPUS  text file(s) directory to tokenize (default ../shared/data/shakespeare)
 #   MEMWALL_SAME_CACHE=user  use the user's cache (and its calibration) instead of a shared
@@ -29,22 +40,63 @@
 #   KEEP_WORK=1     keep the work directory (it is also kept when a check differs)
 #   PLAN_COMPARE=whole  compare plans whole (schedule and op indices too), not by bytes
 #   PLAN_COMPARE=none   do not compare plans (a change meant to move bytes, not results)
+#   SAME_MPI=1      as --mpi
+#   SAME_MPIRUN     the launcher of the 2-rank runs, before its `-np 2` (default `mpirun
+#                   --allow-run-as-root --oversubscribe --bind-to none`, Open MPI's spelling)
+#
+# The models besides gpt2-tiny, made in the work directory (no network, no new fixture):
+#   tiny-llama      tests/fixtures/hf-tiny-llama (Llama 3 RoPE scaling, grouped-query attention,
+#                   head_dim 12), which has no tokenizer and a 97-token vocabulary, smaller than
+#                   any byte-level tokenizer's 256 bytes: given one of its own, the tiny-bpe
+#                   fixture's byte-level BPE cut to printable ASCII, space and newline (96 tokens,
+#                   no merges) plus <|endoftext|>. Text outside that alphabet is dropped (the
+#                   Shakespeare corpus has none); chat data can not use it (the fixtures are not
+#                   ASCII, and such a tokenizer panics on them, src/data/tokenizer/fast.rs).
+#   chat-llama      a Llama config of shapes that are whole q4_0/q8_0 blocks (C=32, ffn 64,
+#                   head_dim 8, V=267, 512 positions) with the tiny-bpe tokenizer, from scratch;
+#   chat-base       chat-llama after 10 steps on the chat data (by the new binary): the frozen
+#                   base of the chat LoRA runs. (hf-tiny-llama's o_proj rows are 48 values, not
+#                   whole blocks of 32 or 256, so no --base-quant q* is possible on it.)
 #
 # The checks, each run with both binaries (same arguments, same paths):
 #   prepare         `memwall prepare CORPUS`: train.bin, val.bin and meta.json byte for byte
 #                   (the runs below all read the new binary's data).
+#   prepare-tiny-llama  the corpus with tiny-llama's tokenizer (`--tokenizer DIR`), the same way.
+#   prepare-chat    `memwall prepare --tokenizer chat-llama --chat-template smollm2.jinja` of
+#                   tests/fixtures/chat/conversations.jsonl (8 examples in the 5 formats, split
+#                   6 / 2): every file, .idx, .mask and chat_template.jinja too, byte for byte.
+#   tokenize-chat   `memwall tokenize` of the same, as text and as --json: stdout.
 #   plan-*          `memwall plan --model gpt2 --batch 4 --seq 256 --json` (plain, bf16,
-#                   recompute full): the totals, bytes by category and every buffer's name,
+#                   recompute full, and one rank of 2 at --zero 0, 1, 2 and 3: plan-ranks2-zero*):
+#                   the totals, bytes by category and every buffer's name,
 #                   category, dtype, size and offset, but not the schedule nor the buffers'
 #                   op indices and tiers (a refactor may add or split ops without moving a
 #                   byte; PLAN_COMPARE=whole compares those too). Never compared:
 #                   baseline_bytes and predicted_peak_rss_bytes, which hold the process's
 #                   measured resident memory at start-up (machine- and moment-dependent).
-#   train configs   20 steps of gpt2-tiny (batch 4, seq 64, 2 threads, evaluation and a
-#                   checkpoint every 10 steps), plain and with each memory strategy, and a
-#                   run stopped at step 10 and resumed to 20. Compared:
-#                   - every file of every checkpoint (config.json, model.safetensors,
-#                     optimizer.safetensors, trainer_state.json), byte for byte; all of them are
+#   train configs   20 steps (evaluation and a checkpoint every 10 steps), each compared as
+#                   below; `*resume` ones stop at step 10 and resume (--resume) to 20:
+#                   - gpt2-tiny (batch 4, seq 64, 2 threads): fp32 (plain), each --recompute
+#                     policy, grad-accum2, bf16, fp16, optim-state-int8/-bf16, resume, and
+#                     offload-all (--offload all, --offload-dir in the work directory),
+#                     offload-optimizer-grads (--offload optimizer,grads);
+#                   - LoRA on tiny-llama (--init, batch 4, seq 64): lora (--lora 4),
+#                     lora-targets-dropout (--lora 8 --lora-alpha 4 --lora-targets q,v,down
+#                     --lora-dropout 0.1), lora-bf16-base (--base-quant bf16), lora-offload-all,
+#                     lora-resume;
+#                   - chat data (prepare-chat's, batch 2, seq 512): chat-pack (full training of
+#                     chat-llama, examples packed: the default), chat-no-pack (--no-pack),
+#                     chat-lora (--init chat-base --lora 4), chat-qlora-q4_0 and chat-qlora-q8_0
+#                     (the same with --base-quant q4_0 / q8_0);
+#                   - with --mpi: zero0-2ranks ... zero3-2ranks, gpt2-tiny under `mpirun -np 2`
+#                     (batch 2 and 1 thread a rank) at --zero 0, 1, 2, 3: rank 0's files (the
+#                     run directory is rank 0's; the other ranks' metrics.rank1.jsonl holds
+#                     their own timings only and is not compared). Without --mpi, `skipped:`.
+#                   Compared:
+#                   - every file of every checkpoint (config.json, model.safetensors, or for
+#                     LoRA adapter_config.json and adapter_model.safetensors, then
+#                     optimizer.safetensors, trainer_state.json, and the tokenizer and chat
+#                     template files a run carries), byte for byte; all of them are
 #                     deterministic because both runs are made at the same --out path (the
 #                     trainer state records the run and data paths) and hold no clock time;
 #                   - metrics.jsonl, every field of every line except the timing and memory
@@ -52,9 +104,12 @@
 #                     field): loss, val_loss, grad_norm, lr, loss_scale, step...; floats are
 #                     printed exactly (shortest round-trip), so equal text is equal bits;
 #                   - the run's plan.json, as for plan-*;
-#                   - `memwall sample` from the final checkpoint (stdout).
+#                   - `memwall sample` from the final checkpoint (stdout; a LoRA checkpoint as
+#                     `--model BASE --adapter CHECKPOINT`, the base its adapter_config.json
+#                     names), by the plain binary of each side also for the 2-rank runs.
 #
-# Takes about 3 minutes on 2 cores once both binaries are built; building a base adds about 5.
+# Takes about 5 to 6 minutes on 2 cores once both binaries are built (the 2-rank checks add
+# about 2); building a base adds about 5 (and with --mpi, once per side, about as much again).
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }

@@ -262,6 +262,9 @@ pub(crate) struct CalibrateArgs {
     /// then estimated from the FMA peak).
     #[arg(long)]
     pub(crate) quick: bool,
+    /// The backend to measure [default: cpu]
+    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
+    pub(crate) device: DeviceKind,
 }
 
 #[derive(Args)]

@@ -9,25 +9,21 @@ use cli::{
     BenchArgs, CacheArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, ExportArgs,
     MergeArgs, PlanArgs, PrepareArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
 };
-use memwall::backend::DeviceKind;
 use memwall::data::{Tokenizer, prepare};
 use memwall::demo::{
     self, chat::ChatOptions, finetune::FinetuneOptions, shakespeare::ShakespeareOptions,
 };
 use memwall::exec::bench::{self, BenchOptions};
 use memwall::exec::generate::{ChatRequest, SampleOptions, chat_text, sample_text};
-use memwall::exec::resolve::{self, DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ};
+use memwall::exec::resolve::{self, DEFAULT_BATCH, DEFAULT_SEQ};
 use memwall::exec::train::{self, ConsoleProgress};
 use memwall::gguf::{self, ConvertOptions};
-use memwall::ir::BaseQuant;
 use memwall::ir::RecomputeChoice;
-use memwall::model::ModelSpec;
 use memwall::plan::{self, Mode, OffloadChoice, StepConfig, build_plan};
 use memwall::run_dir::PlanJson;
 use memwall::util::bytes::fmt_bytes;
 use memwall::util::rss;
 use std::io::Write;
-use std::path::Path;
 
 fn main() {
     // A reader that goes away (`memwall plan | head`) ends memwall as it ends any Unix tool,
@@ -232,48 +228,11 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let req = a.step.request();
     let backend = req.device.open(0)?;
-    // A GGUF --model is planned as its conversion; with --lora its base keeps the file's
-    // blocks (`--base-quant keep`, as `train --init FILE.gguf` does).
-    let model = Path::new(req.model.as_deref().unwrap_or(DEFAULT_MODEL));
-    let named_gguf = model
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
-    let gguf_model = memwall::util::sniff::is_gguf(model);
-    let spec = match gguf_model || named_gguf {
-        true => ModelSpec::resolve(&gguf::cache::model_dir(model, "--model")?.to_string_lossy())?,
-        false => ModelSpec::resolve(&model.to_string_lossy())?,
-    };
     let threads = checked_threads(req.threads, false)?;
     let baseline = rss::current_rss().unwrap_or(0);
-    if a.ranks == 0 {
-        bail!("--ranks must be at least 1 (processes training together)");
-    }
-    if a.ranks > MAX_PLANNED_RANKS {
-        bail!(
-            "--ranks {}: memwall plans at most {MAX_PLANNED_RANKS} ranks (one plan each)",
-            a.ranks
-        );
-    }
-    let keep = req.strategy.base_quant.is_none_or(|q| q == BaseQuant::Keep);
-    let frozen = match (gguf_model, &req.strategy.lora) {
-        (true, Some(_)) if keep && spec.family != memwall::model::Family::Gpt2 => {
-            let types = gguf::base::BaseSource::open(model)?.types();
-            resolve::Frozen {
-                lora: None,
-                base: Some((BaseQuant::Keep, Some(std::sync::Arc::new(types)))),
-            }
-        }
-        _ => resolve::Frozen::default(),
-    };
-    let r = resolve::resolve_step(
-        &req,
-        &spec,
-        threads,
-        baseline,
-        DEFAULT_BATCH,
-        a.ranks,
-        &frozen,
-    )?;
+    let resolve::PlanTarget { spec, resolved: r } =
+        resolve::plan_target(&req, a.ranks, threads, baseline, DEFAULT_BATCH)?;
+    print_notes(&r.notes);
     let cfg = r
         .strategies
         .step_config(r.batch, a.step.seq.unwrap_or(DEFAULT_SEQ), threads);
@@ -352,6 +311,13 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// What resolving a request had to tell the user, on stderr.
+fn print_notes(notes: &[String]) {
+    for note in notes {
+        eprintln!("{note}");
+    }
+}
+
 /// Whether a plan's predicted peak fits the memory available on this machine now, and
 /// what to do when it does not (`plan` without `--max-memory`).
 fn fits_this_machine(peak: u64, available: u64, ranks: usize) -> String {
@@ -372,9 +338,6 @@ fn fits_this_machine(peak: u64, available: u64, ranks: usize) -> String {
         )
     }
 }
-
-/// Ranks `plan --ranks N` plans at most (it builds every rank's plan).
-const MAX_PLANNED_RANKS: usize = 1024;
 
 /// `bytes` as a `--max-memory` value: whole GiB, rounded down (at least 1GiB).
 fn fmt_gib_floor(bytes: u64) -> String {
@@ -441,6 +404,7 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
     let req = a.request();
     let summary = if let Some(run) = &req.resume {
         let (opts, ck) = resolve::resume(&req, run, comm.size())?;
+        print_notes(&opts.notes);
         checked_threads(Some(opts.threads), true).with_context(|| {
             format!(
                 "--resume {}: the run's thread count (its trainer state's, unless --threads \
@@ -451,6 +415,7 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         train::train_among(&opts, Some(&ck), comm, progress)?
     } else {
         let o = resolve::new_run(&req, threads(req.step.threads)?, comm.size(), progress)?;
+        print_notes(&o.notes);
         train::train_among(&o, None, comm, progress)?
     };
     if rank == 0 {
@@ -595,7 +560,7 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
         threads: threads(a.threads)?,
         offload_dir: a.offload_dir,
         quick: a.quick,
-        device: DeviceKind::Cpu,
+        device: a.device,
     };
     let path = calibrate::cache_file(opts.threads)
         .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;

@@ -5,6 +5,8 @@
 //! `return_assistant_tokens_mask` on a `{% generation %}` copy of the SmolLM2 template); and
 //! templates that raise, are not prefix-stable or rewrite an answer are refused.
 
+mod common;
+use common::memwall;
 use memwall::data::Tokenizer;
 use memwall::data::chat::{ChatTemplate, Encoder, Format, Outcome, TrainOn};
 use serde_json::Value;
@@ -190,13 +192,6 @@ fn refusals_and_conversations_without_answers() {
         bare.encode_line(r#"{"text": "plain"}"#).unwrap(),
         Outcome::Example(_)
     ));
-}
-
-fn memwall(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
-        .args(args)
-        .output()
-        .unwrap()
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! bad line with its file:line leaving the directory as it was; `train` on it (full and
 //! LoRA) lowers the loss and resumes bitwise.
 
+mod common;
+use common::memwall;
 use memwall::data::Tokenizer;
 use memwall::data::chat::{ChatPrepareOptions, ChatTemplate, Encoder, Outcome, TrainOn};
 use memwall::data::examples::UNTRAINED;
@@ -269,13 +271,6 @@ fn files(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
         .collect();
     v.sort();
     v
-}
-
-fn memwall(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
-        .args(args)
-        .output()
-        .unwrap()
 }
 
 fn ok(args: &[&str]) -> String {

@@ -959,13 +959,7 @@ fn a_run_resumes_from_anywhere_and_follows_its_moved_data() {
     let corpus = common::small_corpus(tmp.path());
     common::prepared(tmp.path(), &corpus);
     let cfg = common::micro_config(tmp.path());
-    let run_in = |dir: &std::path::Path, args: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_memwall"))
-            .current_dir(dir)
-            .args(args)
-            .output()
-            .unwrap()
-    };
+    let run_in = |dir: &std::path::Path, args: &[&str]| common::memwall_in(dir, args);
     let small = ["--seq", "16", "--batch", "2", "--save-every", "1"];
     let mut args = vec!["train", "--model", cfg.to_str().unwrap()];
     args.extend(["--data", "data", "--out", "run", "--steps", "1"]);

@@ -434,6 +434,9 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     let req = train_request(o, &gguf, &data, &run);
     let mut progress = ConsoleProgress::new(10);
     let t = resolve::new_run(&req, o.threads, 1, &mut progress)?;
+    for note in &t.notes {
+        eprintln!("{note}");
+    }
     // The plan the run below trains from (its strategies, not the library's defaults; rows
     // packing the conversations).
     let (plan, _) = train::plan_for(&t, &spec, rss::current_rss().unwrap_or(0), 1, true)?;

@@ -94,8 +94,24 @@ pub const MAX_MICRO_BATCH_TOKENS: usize = 1 << 24;
 /// tokens: 1.5 s and 0.2 GB for 1024, 6.4 s and 0.9 GB for 4096).
 pub const MAX_GRAD_ACCUM: usize = 4096;
 
-/// Refuses a micro-batch or an accumulation too large to plan, naming the flags.
+/// The most ranks memwall plans (`plan --ranks N` builds every rank's plan to report them).
+pub const MAX_RANKS: usize = 1024;
+
+/// Refuses a rank count memwall does not plan: none, or more than [`MAX_RANKS`].
+pub fn check_ranks(ranks: usize) -> Result<()> {
+    if ranks == 0 {
+        bail!("--ranks must be at least 1 (processes training together)");
+    }
+    if ranks > MAX_RANKS {
+        bail!("--ranks {ranks} (or mpirun -np {ranks}): memwall plans at most {MAX_RANKS} ranks");
+    }
+    Ok(())
+}
+
+/// Refuses a micro-batch, an accumulation or a rank count too large to plan, naming the
+/// flags.
 fn check_sizes(cfg: &StepConfig) -> Result<()> {
+    check_ranks(cfg.ranks)?;
     let tokens = cfg.batch.checked_mul(cfg.seq);
     if tokens.is_none_or(|t| t > MAX_MICRO_BATCH_TOKENS) {
         bail!(

@@ -87,6 +87,16 @@ pub fn memwall_env<S: AsRef<str>>(env: &[(&str, &str)], args: &[S]) -> Output {
         .expect("run memwall")
 }
 
+/// Runs the `memwall` binary built for the tests in directory `dir` (relative paths in
+/// `args` are taken from there).
+pub fn memwall_in<S: AsRef<str>>(dir: &Path, args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_memwall"))
+        .current_dir(dir)
+        .args(args.iter().map(|a| a.as_ref()))
+        .output()
+        .expect("run memwall")
+}
+
 /// Runs the `memwall` binary built for the tests.
 pub fn memwall<S: AsRef<str>>(args: &[S]) -> Output {
     memwall_env(&[], args)

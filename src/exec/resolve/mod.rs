@@ -8,13 +8,19 @@
 //! - `request.rs`: the requests and the defaults of what is left out.
 //! - `step.rs`: the micro-batch (fixed, `--batch auto`, `--global-batch`) and strategies,
 //!   or the `--fit` search's choice; the one place that decides them.
+//! - `base.rs`: how a LoRA plan keeps its frozen base (train's and plan's one decision).
+//! - `plan.rs`: `memwall plan`'s request: its model (a GGUF file as its conversion), ranks
+//!   and base, then the step as `train` resolves it.
 //! - `train.rs`: a new run's options, and a resumed run's (its own configuration, with the
 //!   changes a resume allows checked).
 
+mod base;
+mod plan;
 mod request;
 mod step;
 mod train;
 
+pub use plan::{PlanTarget, plan_target};
 pub use request::{
     DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ, LoraRequest, StepRequest, StrategyRequest,
     TrainRequest,

@@ -65,6 +65,8 @@ pub struct Resolved {
     pub fit: Option<serde_json::Value>,
     /// The calibration the search timed with (an estimate is measured once per run).
     pub cal: Option<Calibration>,
+    /// What the caller should tell the user (what `--fit` keeps of the flags given).
+    pub notes: Vec<String>,
 }
 
 impl Resolved {
@@ -83,6 +85,7 @@ impl Resolved {
             found: Some(f.found),
             fit: Some(f.record),
             cal: Some(cal),
+            notes: Vec::new(),
         }
     }
 }
@@ -91,6 +94,7 @@ impl Resolved {
 /// searched.
 pub fn fit_space(
     step: &StepRequest,
+    notes: &mut Vec<String>,
     threads: usize,
     default_batch: usize,
 ) -> Result<search::Space> {
@@ -106,14 +110,14 @@ pub fn fit_space(
         (Some(g), _) => g,
         (None, Some(Pick::Fixed(b))) => {
             let g = b * st.grad_accum.unwrap_or(1);
-            eprintln!(
+            notes.push(format!(
                 "memwall: --fit keeps {g} rows per optimizer step (--batch {b}{}) and searches \
                  the micro-batch; to fix the micro-batch too, give --global-batch {g} --batch {b}",
                 match st.grad_accum {
                     Some(a) => format!(" x --grad-accum {a}"),
                     None => String::new(),
                 }
-            );
+            ));
             g
         }
         (None, _) => default_batch * st.grad_accum.unwrap_or(1),
@@ -179,7 +183,8 @@ pub fn resolve_step(
     }
     if step.fit {
         let budget = step.max_memory.context("--fit needs --max-memory")?;
-        let mut space = fit_space(step, threads, default_batch)?;
+        let mut notes = Vec::new();
+        let mut space = fit_space(step, &mut notes, threads, default_batch)?;
         space.lora = match &frozen.lora {
             Some(l) => Some(l.clone()),
             None => st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?,
@@ -189,7 +194,9 @@ pub fn resolve_step(
         }
         let cal = crate::exec::calibrate::current(threads)?;
         let f = search::fit(spec, &space, budget, baseline, &cal, backend)?;
-        return Ok(Resolved::fitted(f, budget, st.offload_dir.clone(), cal));
+        let mut r = Resolved::fitted(f, budget, st.offload_dir.clone(), cal);
+        r.notes = notes;
+        return Ok(r);
     }
     let mut strategies = st.strategies(step.max_memory)?;
     strategies.ranks = ranks;
@@ -279,6 +286,7 @@ pub fn resolve_step(
         found: None,
         fit: None,
         cal: None,
+        notes: Vec::new(),
     })
 }
 

@@ -3,13 +3,13 @@
 //! dimensions, more steps, recomputation, the budget, the ZeRO stage, the number of ranks,
 //! and the accumulation where it keeps the global batch).
 
+use super::base::{base_storage, kept_types};
 use super::request::{DEFAULT_MODEL, TrainRequest};
 use super::step::{Frozen, Resolved, fit_measured, fit_space, fixed, resolve_step};
 use crate::exec::train::{
     Progress, TrainOptions, planning_baseline, resume_options, with_data_open,
 };
 use crate::gguf;
-use crate::ir::BaseQuant;
 use crate::model::ModelSpec;
 use crate::plan::search::Pick;
 use anyhow::{Context, Result, bail};
@@ -104,11 +104,19 @@ pub fn new_run(
                 )?),
                 None => None,
             },
-            base: Some(base_storage(&o, req)?),
+            base: Some(base_storage(
+                o.init_gguf.as_deref(),
+                spec.family,
+                lora_run(req),
+                req.step.strategy.base_quant,
+                "--init",
+                &mut o.notes,
+            )?),
         };
         let r = resolve_step(
             &req.step, &spec, o.threads, baseline, o.batch, ranks, &frozen,
         )?;
+        o.notes.extend(r.notes);
         o.batch = r.batch;
         o.strategies = r.strategies;
         o.init_adapter = req.init_adapter.clone();
@@ -116,52 +124,9 @@ pub fn new_run(
     Ok(o)
 }
 
-/// How a LoRA run keeps its base: as asked (`--base-quant`); else, from a GGUF `--init`, the
-/// file's own blocks (`keep`; the plan stores the parts of a fused projection whose types
-/// differ as q8_0, `plan::lora::unify_storage`), or fp32 for GPT-2 (whose Conv1D layers a
-/// quantized base does not keep yet); else fp32. With `keep`, each tensor's storage
-/// read from the file.
-fn base_storage(o: &TrainOptions, req: &TrainRequest) -> Result<(BaseQuant, Option<Kept>)> {
-    let lora = req.step.strategy.lora.is_some() || req.init_adapter.is_some();
-    if let Some(q) = req.step.strategy.base_quant {
-        if let (BaseQuant::Blocks(ty), Some(gguf)) = (q, &o.init_gguf) {
-            eprintln!(
-                "memwall: note: --base-quant {q} quantizes the weights of {} again (its blocks \
-                 decoded, then rounded to {ty}: a second rounding, and no better than the \
-                 file's own); --base-quant keep, the default for a GGUF --init, keeps its blocks",
-                gguf.display()
-            );
-        }
-        return Ok((q, kept_types(o, q)?));
-    }
-    if !lora || o.init_gguf.is_none() {
-        return Ok((BaseQuant::F32, None));
-    }
-    let spec = ModelSpec::resolve(&o.model)?;
-    if spec.family == crate::model::Family::Gpt2 {
-        return Ok((BaseQuant::F32, None));
-    }
-    Ok((BaseQuant::Keep, kept_types(o, BaseQuant::Keep)?))
-}
-
-type Kept = std::sync::Arc<crate::ir::BaseTypes>;
-
-/// With `--base-quant keep`, each base tensor's storage, read from the run's GGUF `--init`
-/// (a new run's, or a resumed run's again); refused without one, naming the flag.
-fn kept_types(o: &TrainOptions, quant: BaseQuant) -> Result<Option<Kept>> {
-    if quant != BaseQuant::Keep {
-        return Ok(None);
-    }
-    let Some(gguf) = &o.init_gguf else {
-        bail!(
-            "--base-quant keep takes the blocks of a GGUF --init; give a GGUF file to --init, or \
-             --base-quant q8_0|q4_0|q4_1 to quantize this base"
-        );
-    };
-    let types = crate::gguf::base::BaseSource::open(gguf)
-        .with_context(|| format!("--init {} (--base-quant keep)", gguf.display()))?
-        .types();
-    Ok(Some(std::sync::Arc::new(types)))
+/// Whether the run trains adapters (`--lora`, or `--init-adapter`).
+fn lora_run(req: &TrainRequest) -> bool {
+    req.step.strategy.lora.is_some() || req.init_adapter.is_some()
 }
 
 /// The adapters `--init-adapter DIR` holds, for a base of `spec`; refused when `--lora` (and
@@ -235,11 +200,11 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
     if let Some(s) = req.steps {
         if s > opts.steps {
             // The schedule is a function of the total: a longer run re-stretches the decay.
-            eprintln!(
+            opts.notes.push(format!(
                 "note: --steps {s} (the run was started for {}): the learning-rate schedule is \
                  recomputed for {s} steps, so the rate jumps back up from where it had decayed",
                 opts.steps
-            );
+            ));
         }
         opts.steps = s;
     }
@@ -247,11 +212,11 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
     if let Some(t) = req.step.threads
         && t != opts.threads
     {
-        eprintln!(
+        opts.notes.push(format!(
             "note: --threads {t} (the run used {}): the run continues on {t} threads; its \
              results may differ in the last bits from a run that kept {}",
             opts.threads, opts.threads
-        );
+        ));
         opts.threads = t;
     }
     // Recomputation never changes the weights, so a resumed run may change it.
@@ -307,7 +272,8 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             _ => continue,
         };
         if *field != now {
-            eprintln!("note: {flag} {now} (the run used {field})");
+            opts.notes
+                .push(format!("note: {flag} {now} (the run used {field})"));
             *field = now;
         }
     }
@@ -399,7 +365,7 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
     );
     if was != now && req.step.strategy.grad_accum.is_none() {
         let keep = (was % ranks == 0).then(|| was / ranks);
-        eprintln!(
+        opts.notes.push(format!(
             "memwall: warning: the run in {} stepped on {} rank(s) x --grad-accum {}; on {} \
              rank(s) each step takes {}x the rows{}",
             run.display(),
@@ -410,10 +376,14 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             keep.map_or(String::new(), |k| format!(
                 " (pass --grad-accum {k} to keep the global batch)"
             ))
-        );
+        ));
     }
     opts.locate_base(&ck, req.step.model.is_some())?;
-    opts.strategies.base_types = kept_types(&opts, opts.strategies.base_quant)?;
+    opts.strategies.base_types = kept_types(
+        opts.init_gguf.as_deref(),
+        opts.strategies.base_quant,
+        "--init",
+    )?;
     opts.locate_data(req.data.as_deref())?;
     Ok((opts, ck))
 }
@@ -431,7 +401,8 @@ fn fit_run(
     if ranks > 1 {
         bail!("--fit searches one process's plan; under mpirun give the strategies yourself");
     }
-    let mut space = fit_space(&req.step, o.threads, o.batch)?;
+    let mut notes = Vec::new();
+    let mut space = fit_space(&req.step, &mut notes, o.threads, o.batch)?;
     o.strategies = req.step.strategy.for_fit(req.step.max_memory);
     let budget = o
         .strategies
@@ -446,7 +417,14 @@ fn fit_run(
             Some(dir) => Some(adapter_spec(dir, spec, asked.as_ref(), &req.step.strategy)?),
             None => asked,
         };
-        (space.base_quant, space.base_types) = base_storage(o, req)?;
+        (space.base_quant, space.base_types) = base_storage(
+            o.init_gguf.as_deref(),
+            spec.family,
+            lora_run(req),
+            req.step.strategy.base_quant,
+            "--init",
+            &mut notes,
+        )?;
         let cal = crate::exec::calibrate::current(o.threads)?;
         // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
         if space.offload_dir.is_none() {
@@ -462,6 +440,7 @@ fn fit_run(
         "training with the fastest: {}",
         f.found.ranked[0].flags()
     ));
+    o.notes.extend(notes);
     let r = Resolved::fitted(f, budget, req.step.strategy.offload_dir.clone(), cal);
     o.init_adapter = req.init_adapter.clone();
     o.batch = r.batch;

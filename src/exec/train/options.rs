@@ -97,6 +97,11 @@ pub struct TrainOptions {
     /// the search's memory handed back; the run plans with it (else it measures its own).
     #[serde(skip)]
     pub planned_baseline: Option<u64>,
+    /// What resolving the request has to tell the user (a second rounding of a GGUF's
+    /// blocks, a schedule stretched by a resume, a changed thread count): the library
+    /// returns them, the command line prints them before the run starts.
+    #[serde(skip)]
+    pub notes: Vec<String>,
     /// The backend that plans and runs the steps (`--device`; left out of the record when
     /// it is the CPU, so the trainer states of CPU runs are as before the field existed).
     #[serde(default, skip_serializing_if = "DeviceKind::is_cpu")]
@@ -138,6 +143,7 @@ impl TrainOptions {
             strategies: Strategies::default(),
             fit: None,
             planned_baseline: None,
+            notes: Vec::new(),
             profile_steps: 0,
             device: DeviceKind::Cpu,
         }

@@ -93,7 +93,8 @@ impl<'a> Run<'a> {
         // ---- initial state ----
         let mut scaler = (opts.strategies.precision == Precision::F16).then(LossScaler::new);
         let (step, data_position) = match resume {
-            Some(ck) => restore(ck, &dir, opts, &mut ex, &mut scaler, progress)?,
+            Some(ck) => restore(ck, &dir, opts, &mut ex, &mut scaler, progress)
+                .with_context(|| ckpt::unloadable_checkpoint_hint(dir.root(), ck))?,
             None => {
                 let layout = ex.plan.layout.clone();
                 match (&ex.plan.lora, &opts.init) {
@@ -626,19 +627,6 @@ fn adapter_seed(seed: u64) -> u64 {
 /// Loads checkpoint `ck` (weights, moments, loss scale) and cuts `metrics.jsonl` back to its
 /// step; returns the step and the data position to continue from.
 fn restore(
-    ck: &Path,
-    dir: &RunDir,
-    opts: &TrainOptions,
-    ex: &mut Executor,
-    scaler: &mut Option<LossScaler>,
-    progress: &mut dyn Progress,
-) -> Result<(u64, u64)> {
-    restore_from(ck, dir, opts, ex, scaler, progress)
-        .with_context(|| ckpt::unloadable_checkpoint_hint(dir.root(), ck))
-}
-
-/// [`restore`], without the hint of what to do when `ck` cannot be loaded.
-fn restore_from(
     ck: &Path,
     dir: &RunDir,
     opts: &TrainOptions,
