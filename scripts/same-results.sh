@@ -116,13 +116,22 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 old_bin=
 new_bin=
+old_mpi_bin=
+new_mpi_bin=
 base_rev=
+mpi=${SAME_MPI:-0}
 while [ $# -gt 0 ]; do
     case "$1" in
-    --old-bin | --new-bin)
+    --old-bin | --new-bin | --old-mpi-bin | --new-mpi-bin)
         [ $# -ge 2 ] && [ -x "$2" ] || { echo "same-results: $1 needs an executable" >&2; exit 2; }
-        if [ "$1" = --old-bin ]; then old_bin=$(realpath "$2"); else new_bin=$(realpath "$2"); fi
+        case "$1" in
+        --old-bin) old_bin=$(realpath "$2") ;;
+        --new-bin) new_bin=$(realpath "$2") ;;
+        --old-mpi-bin) old_mpi_bin=$(realpath "$2"); mpi=1 ;;
+        --new-mpi-bin) new_mpi_bin=$(realpath "$2"); mpi=1 ;;
+        esac
         shift 2 ;;
+    --mpi) mpi=1; shift ;;
     -h | --help) usage; exit 0 ;;
     -*) echo "same-results: unknown option $1" >&2; usage >&2; exit 2 ;;
     *)
@@ -130,15 +139,27 @@ while [ $# -gt 0 ]; do
         base_rev=$1; shift ;;
     esac
 done
+[ "$mpi" = 0 ] || mpi=1
 
 root=$(git rev-parse --show-toplevel)
 cd "$root"
+fixtures=$root/tests/fixtures
 
 corpus=${MEMWALL_CORPUS:-$root/../shared/data/shakespeare}
 if [ ! -e "$corpus" ] || [ -z "$(find "$corpus" -type f -print -quit 2>/dev/null)" ]; then
     echo "same-results: no corpus at $corpus: set MEMWALL_CORPUS to a text file or a directory" >&2
     echo "of UTF-8 text (e.g. the Shakespeare texts, see ../shared/data/README.md)" >&2
     exit 2
+fi
+
+# The 2-rank launcher, checked before anything is built.
+launch=()
+if [ "$mpi" = 1 ]; then
+    read -ra mpirun <<<"${SAME_MPIRUN:-mpirun --allow-run-as-root --oversubscribe --bind-to none}"
+    command -v "${mpirun[0]}" >/dev/null || {
+        echo "same-results: --mpi needs ${mpirun[0]} (Open MPI: apt-get install openmpi-bin libopenmpi-dev libclang-dev)" >&2
+        exit 2
+    }
 fi
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/same-results.XXXXXX")
@@ -153,6 +174,15 @@ trap cleanup EXIT
 target_dir=$(cargo metadata --format-version 1 --no-deps |
     python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 
+# seed DIR: a new target directory DIR starts from a copy of <target>/release, so that the
+# dependencies are not rebuilt.
+seed() {
+    if [ ! -d "$1/release" ] && [ -d "$target_dir/release/deps" ]; then
+        mkdir -p "$1"
+        cp -a "$target_dir/release" "$1/release"
+    fi
+}
+
 # The new side: this working tree.
 if [ -z "$new_bin" ]; then
     echo "building the working tree (release)"
@@ -161,9 +191,17 @@ if [ -z "$new_bin" ]; then
 fi
 cp "$new_bin" "$work/memwall-new"
 new_bin=$work/memwall-new
+if [ "$mpi" = 1 ] && [ -z "$new_mpi_bin" ]; then
+    echo "building the working tree (release, --features mpi)"
+    seed "$target_dir/same-results/mpi-target"
+    cargo build --release --quiet --features mpi --target-dir "$target_dir/same-results/mpi-target"
+    new_mpi_bin=$target_dir/same-results/mpi-target/release/memwall
+fi
 
 # The old side: BASE_REV in a worktree of its own.
-if [ -z "$old_bin" ]; then
+sha=
+resolve_base() { # sets sha from BASE_REV (or its default), once
+    [ -z "$sha" ] || return 0
     if [ -z "$base_rev" ]; then
         for main in origin/main main; do
             base_rev=$(git merge-base HEAD "$main" 2>/dev/null) && break
@@ -175,37 +213,64 @@ if [ -z "$old_bin" ]; then
     fi
     sha=$(git rev-parse --verify "$base_rev^{commit}")
     echo "base: $(git log -1 --format='%h %s' "$sha")"
-    cached=$target_dir/same-results/bin/$sha/memwall
+}
+built=
+build_base() { # features ("" or "mpi"): sets built to BASE_REV's memwall with them, cached
+    local features=$1 cached base_target
+    resolve_base
+    cached=$target_dir/same-results/bin/$sha/memwall${features:+-$features}
     if [ ! -x "$cached" ]; then
         base_target=$target_dir/same-results/base-target
-        if [ ! -d "$base_target/release" ] && [ -d "$target_dir/release/deps" ]; then
-            mkdir -p "$base_target"
-            cp -a "$target_dir/release" "$base_target/release"
-        fi
+        seed "$base_target"
         base_src=$target_dir/same-results/src.$$
         git worktree add --quiet --detach "$base_src" "$sha"
-        echo "building $base_rev (release) in $base_src"
-        cargo build --release --quiet --manifest-path "$base_src/Cargo.toml" --target-dir "$base_target"
+        echo "building $base_rev (release${features:+, --features $features}) in $base_src"
+        cargo build --release --quiet ${features:+--features "$features"} \
+            --manifest-path "$base_src/Cargo.toml" --target-dir "$base_target"
         mkdir -p "$(dirname "$cached")"
         cp "$base_target/release/memwall" "$cached.tmp"
         mv "$cached.tmp" "$cached"
         git worktree remove --force "$base_src"
         base_src=
     fi
-    old_bin=$cached
+    built=$cached
+}
+if [ -z "$old_bin" ]; then
+    build_base ""
+    old_bin=$built
 fi
 cp "$old_bin" "$work/memwall-old"
 old_bin=$work/memwall-old
 if cmp -s "$old_bin" "$new_bin"; then echo "note: the two binaries are byte-identical"; fi
+if [ "$mpi" = 1 ]; then
+    if [ -z "$old_mpi_bin" ]; then
+        build_base mpi
+        old_mpi_bin=$built
+    fi
+    cp "$old_mpi_bin" "$work/memwall-mpi-old"
+    cp "$new_mpi_bin" "$work/memwall-mpi-new"
+    for side in old new; do
+        # A build without the feature refuses --zero at once; say so before any run.
+        if command -v ldd >/dev/null && ! ldd "$work/memwall-mpi-$side" | grep -q libmpi; then
+            echo "same-results: the $side mpi binary is not built with --features mpi (links no libmpi)" >&2
+            exit 2
+        fi
+    done
+    if cmp -s "$work/memwall-mpi-old" "$work/memwall-mpi-new"; then
+        echo "note: the two mpi binaries are byte-identical"
+    fi
+    launch=("${mpirun[@]}" -np 2)
+fi
 
 # One calibration for both sides, in a user cache of the work directory: without one, each
 # run measures the machine's FMA peak itself and plan.json's predicted times differ between
 # any two runs (a busy machine measured 276 and 549 GFLOP/s back to back). Made by the new
-# binary (`calibrate --quick`), for the thread counts the checks use: 2, and the default (all
-# cores). MEMWALL_SAME_CACHE=user keeps the user's own cache instead.
+# binary (`calibrate --quick`), for the thread counts the checks use: 2, the default (all
+# cores), and with --mpi 1 (each rank's). MEMWALL_SAME_CACHE=user keeps the user's own cache
+# instead.
 if [ "${MEMWALL_SAME_CACHE:-}" != user ]; then
     export XDG_CACHE_HOME=$work/cache
-    for t in $(printf '%s\n' 2 "$(nproc)" | sort -u); do
+    for t in $(printf "%s\n" 2 "$(nproc)" $([ "$mpi" = 0 ] || echo 1) | sort -u); do
         "$new_bin" calibrate --quick --threads "$t" >/dev/null 2>"$work/calibrate.log" || {
             echo "same-results: \`memwall calibrate --quick --threads $t\` failed:" >&2
             cat "$work/calibrate.log" >&2
@@ -213,6 +278,34 @@ if [ "${MEMWALL_SAME_CACHE:-}" != user ]; then
         }
     done
 fi
+
+# The models besides gpt2-tiny (see the header).
+models=$work/models
+mkdir -p "$models/tiny-llama" "$models/chat-llama"
+cp "$fixtures"/hf-tiny-llama/{config.json,model.safetensors,generation_config.json} "$models/tiny-llama/"
+echo '{"eos_token": "<|endoftext|>"}' >"$models/tiny-llama/tokenizer_config.json"
+python3 - "$fixtures/tiny-bpe/tokenizer.json" "$models/tiny-llama" <<'EOF'
+import json, sys
+tok = json.load(open(sys.argv[1]))
+# Byte-level BPE maps printable ASCII to itself, space to Ġ and newline to Ċ.
+vocab = {chr(c): c - 33 for c in range(33, 127)}
+vocab["Ġ"], vocab["Ċ"] = len(vocab), len(vocab) + 1
+tok["model"]["vocab"], tok["model"]["merges"] = vocab, []
+eot = [t for t in tok["added_tokens"] if t["content"] == "<|endoftext|>"][0]
+tok["added_tokens"] = [dict(eot, id=len(vocab))]
+want = json.load(open(sys.argv[2] + "/config.json"))["vocab_size"]
+assert len(vocab) + 1 == want, f"{len(vocab) + 1} tokens for a vocab_size of {want}"
+json.dump(tok, open(sys.argv[2] + "/tokenizer.json", "w"), ensure_ascii=False)
+EOF
+cp "$fixtures/tiny-bpe/tokenizer.json" "$models/chat-llama/"
+cat >"$models/chat-llama/config.json" <<'EOF'
+{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 267,
+ "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+ "rope_theta": 10000.0, "tie_word_embeddings": false, "bos_token_id": 266, "eos_token_id": 266}
+EOF
+chat_template=$fixtures/chat/templates/smollm2.jinja
+conversations=$fixtures/chat/conversations.jsonl
 
 # compare.py KIND A B: prints what differs (nothing when the same); exit 1 when different.
 cat >"$work/compare.py" <<'EOF'
@@ -291,6 +384,7 @@ EOF
 
 passed=0
 failed=0
+skipped=0
 report() { # name, differences (empty: same)
     if [ -z "$2" ]; then
         echo "same: $1"
@@ -316,10 +410,37 @@ cmp_tree() {
 }
 join() { paste -sd';' - | sed 's/;/; /g'; }
 
-# prepare
-"$new_bin" prepare "$corpus" --out "$work/data" >/dev/null
-"$old_bin" prepare "$corpus" --out "$work/data-old" >/dev/null
-report prepare "$(cmp_tree "$work/data-old" "$work/data" | join)"
+# prepare_check NAME OUT ARGS...: `memwall prepare ARGS --out $work/OUT` (the new side; the old
+# side writes OUT-old), every file compared.
+prepare_check() {
+    local name=$1 out=$work/$2 why= side dir
+    shift 2
+    for side in old new; do
+        dir=$out
+        [ "$side" = new ] || dir=$out-old
+        "$work/memwall-$side" prepare "$@" --out "$dir" >"$work/$name.$side.log" 2>&1 ||
+            why="$why${why:+; }$side exited $? (see $work/$name.$side.log)"
+    done
+    [ -n "$why" ] || why=$(cmp_tree "$out-old" "$out" | join)
+    report "$name" "$why"
+}
+
+prepare_check prepare data "$corpus"
+prepare_check prepare-tiny-llama data-tiny-llama "$corpus" --tokenizer "$models/tiny-llama"
+prepare_check prepare-chat data-chat "$conversations" --tokenizer "$models/chat-llama" \
+    --chat-template "$chat_template" --val-fraction 0.25
+
+# tokenize
+why=
+for side in old new; do
+    { "$work/memwall-$side" tokenize --tokenizer "$models/chat-llama" --chat-template "$chat_template" \
+        --chat "$conversations" &&
+        "$work/memwall-$side" tokenize --tokenizer "$models/chat-llama" --chat-template "$chat_template" \
+            --chat "$conversations" --json; } >"$work/tokenize-chat.$side.out" 2>"$work/tokenize-chat.$side.err" ||
+        why="$why${why:+; }$side exited $? ($(tail -1 "$work/tokenize-chat.$side.err"))"
+done
+[ -n "$why" ] || cmp -s "$work/tokenize-chat.old.out" "$work/tokenize-chat.new.out" || why="stdout"
+report tokenize-chat "$why"
 
 # plan
 plan_check() { # name, extra plan args...
@@ -337,21 +458,29 @@ plan_check() { # name, extra plan args...
 plan_check plan-fp32
 plan_check plan-bf16 --precision bf16
 plan_check plan-recompute-full --recompute full
+for z in 0 1 2 3; do
+    plan_check plan-ranks2-zero$z --ranks 2 --zero $z
+done
 
 # train
-train_args=(--model gpt2-tiny --batch 4 --seq 64 --threads 2 --warmup 5 --eval-every 10 --eval-batches 4 --save-every 10)
-train_check() { # name, extra train args... (name "resume": 10 steps, then --resume to 20)
-    local name=$1 side bin run=$work/run out why=
+# train_check NAME ARGS...: `train --out RUN --steps 20 ${train_args[@]} ARGS` with each side's
+# $work/$train_bin-SIDE, under ${launch[@]} (mpirun, or nothing); NAME resume or *-resume: 10
+# steps, then `train --resume RUN --steps 20`.
+train_bin=memwall
+train_check() {
+    local name=$1 side bin run=$work/run out why= ck base
+    local -a model
     shift
     for side in old new; do
-        bin=$work/memwall-$side
+        bin=$work/$train_bin-$side
         rm -rf "$run"
-        if [ "$name" = resume ]; then
-            "$bin" train --data "$work/data" --out "$run" --steps 10 "${train_args[@]}" >"$work/$name.$side.log" 2>&1 &&
-                "$bin" train --resume "$run" --steps 20 --threads 2 >>"$work/$name.$side.log" 2>&1
-        else
-            "$bin" train --data "$work/data" --out "$run" --steps 20 "${train_args[@]}" "$@" >"$work/$name.$side.log" 2>&1
-        fi || why="$why${why:+; }$side exited $? (see $work/$name.$side.log)"
+        case "$name" in
+        resume | *-resume)
+            "${launch[@]}" "$bin" train --out "$run" --steps 10 "${train_args[@]}" "$@" >"$work/$name.$side.log" 2>&1 &&
+                "${launch[@]}" "$bin" train --resume "$run" --steps 20 --threads 2 >>"$work/$name.$side.log" 2>&1 ;;
+        *)
+            "${launch[@]}" "$bin" train --out "$run" --steps 20 "${train_args[@]}" "$@" >"$work/$name.$side.log" 2>&1 ;;
+        esac || why="$why${why:+; }$side exited $? (see $work/$name.$side.log)"
         [ -d "$run" ] && mv "$run" "$work/$name.$side"
     done
     if [ -z "$why" ]; then
@@ -360,7 +489,16 @@ train_check() { # name, extra train args... (name "resume": 10 steps, then --res
         why+=$'\n'$(python3 "$work/compare.py" metrics "$out.old/metrics.jsonl" "$out.new/metrics.jsonl" 2>&1 || true)
         why+=$'\n'$(python3 "$work/compare.py" plan "$out.old/plan.json" "$out.new/plan.json" 2>&1 || true)
         for side in old new; do
-            "$work/memwall-$side" sample --model "$out.$side/checkpoints/step-000020" --tokens 16 --threads 2 \
+            # A LoRA checkpoint is an adapter: sampled on the base its adapter_config.json names.
+            ck=$out.$side/checkpoints/step-000020
+            if [ -f "$ck/adapter_config.json" ]; then
+                base=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["base_model_name_or_path"])' \
+                    "$ck/adapter_config.json" 2>&1) || base="?"
+                model=(--model "$base" --adapter "$ck")
+            else
+                model=(--model "$ck")
+            fi
+            "$work/memwall-$side" sample "${model[@]}" --tokens 16 --threads 2 \
                 >"$out.$side.sample" 2>"$out.$side.sample.err" || echo "sample exited $?" >>"$out.$side.sample"
         done
         cmp -s "$out.old.sample" "$out.new.sample" || why+=$'\nsample text'
@@ -369,6 +507,9 @@ train_check() { # name, extra train args... (name "resume": 10 steps, then --res
     report "$name" "$why"
     [ -n "$why" ] || rm -rf "$work/$name.old" "$work/$name.new"
 }
+
+# gpt2-tiny on the corpus.
+train_args=(--data "$work/data" --model gpt2-tiny --batch 4 --seq 64 --threads 2 --warmup 5 --eval-every 10 --eval-batches 4 --save-every 10)
 train_check fp32
 train_check recompute-none --recompute none
 train_check recompute-selective --recompute selective
@@ -380,6 +521,42 @@ train_check fp16 --precision fp16
 train_check optim-state-int8 --optim-state int8
 train_check optim-state-bf16 --optim-state bf16
 train_check resume
+train_check offload-all --offload all --offload-dir "$work/offload"
+train_check offload-optimizer-grads --offload optimizer,grads
 
-echo "$passed passed, $failed failed"
+# LoRA on tiny-llama (hf-tiny-llama's weights), on the corpus in its tokens.
+train_args=(--data "$work/data-tiny-llama" --init "$models/tiny-llama" --batch 4 --seq 64 --threads 2 --warmup 5 --eval-every 10 --eval-batches 4 --save-every 10 --lr 3e-3)
+train_check lora --lora 4
+train_check lora-targets-dropout --lora 8 --lora-alpha 4 --lora-targets q,v,down --lora-dropout 0.1
+train_check lora-bf16-base --lora 4 --base-quant bf16
+train_check lora-offload-all --lora 4 --offload all --offload-dir "$work/offload"
+train_check lora-resume --lora 4
+
+# Chat data: chat-llama from scratch, packed and not; LoRA and QLoRA on chat-base.
+train_args=(--data "$work/data-chat" --batch 2 --seq 512 --threads 2 --warmup 5 --eval-every 10 --eval-batches 4 --save-every 10 --lr 3e-3)
+train_check chat-pack --model "$models/chat-llama"
+train_check chat-no-pack --model "$models/chat-llama" --no-pack
+"$new_bin" train --out "$work/chat-base-run" --model "$models/chat-llama" --steps 10 "${train_args[@]}" \
+    >"$work/chat-base.log" 2>&1 || echo "same-results: the chat base run failed (see $work/chat-base.log)"
+cp -r "$work/chat-base-run/checkpoints/step-000010" "$models/chat-base" 2>/dev/null || true
+train_check chat-lora --init "$models/chat-base" --lora 4
+train_check chat-qlora-q4_0 --init "$models/chat-base" --lora 4 --base-quant q4_0
+train_check chat-qlora-q8_0 --init "$models/chat-base" --lora 4 --base-quant q8_0
+
+# 2 ranks (mpirun), rank 0's run directory.
+zero_checks="zero0-2ranks zero1-2ranks zero2-2ranks zero3-2ranks"
+if [ "$mpi" = 1 ]; then
+    train_bin=memwall-mpi
+    train_args=(--data "$work/data" --model gpt2-tiny --batch 2 --seq 64 --threads 1 --warmup 5 --eval-every 10 --eval-batches 4 --save-every 10)
+    for z in 0 1 2 3; do
+        train_check zero$z-2ranks --zero $z
+    done
+    train_bin=memwall
+    launch=()
+else
+    echo "skipped: $zero_checks (2-rank training needs both sides built with --features mpi and mpirun: run again with --mpi or SAME_MPI=1)"
+    skipped=$((skipped + 4))
+fi
+
+echo "$passed passed, $failed failed$([ "$skipped" = 0 ] || echo ", $skipped skipped")"
 [ "$failed" -eq 0 ]

@@ -13,7 +13,7 @@
 //! | `model.safetensors.index.json` | with the shards: `{"metadata": {"total_size": tensor bytes}, "weight_map": {"name": "shard file"}}` |
 //! | `optimizer.safetensors`  | AdamW moments: `exp_avg.<name>` and `exp_avg_sq.<name>` (F32), or flat bf16/int8 state as stored (see `ir::moments`) |
 //! | `trainer_state.json`     | [`TrainerState`]: step, data position, seed, RNG state, model and training config |
-//! | `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json`, `tokenizer.gguf` (a converted GGUF's own tokenizer keys, `gguf::sidecar`) | those of them the run's tokenizer directory holds (`--init` or `--model` directory), copied byte for byte (see `tokenizer.rs`); absent for preset models |
+//! | `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json`, `chat_template.jinja`, `tokenizer.gguf` (a converted GGUF's own tokenizer keys, `gguf::sidecar`) | those of them the run's tokenizer directory holds (`--init` or `--model` directory), copied byte for byte (see `tokenizer.rs`); absent for preset models. A run on chat data puts the template its data was prepared with in `chat_template.jinja` instead ([`copy_chat_template`]), which `sample --adapter`, `merge` and `export --adapter` then use |
 //!
 //! A LoRA run's checkpoint (`--lora`) holds the adapter in PEFT's two files in place of
 //! `config.json` and the weights: `adapter_config.json` and `adapter_model.safetensors`

@@ -24,7 +24,11 @@
 //!
 //! **Invariant:** ranks exchange state only through the plan's `AllReduce`, `ReduceScatter`
 //! and `AllGather` ops on plan buffers (and the step's few scalars), so a rank's memory and
-//! traffic are predicted like everything else (`plan::zero`).
+//! traffic are predicted like everything else (`plan::zero`). Each collective runs beside the
+//! ops after it (the device's communication thread, or a GPU's stream) until its
+//! `AwaitCollective`, and no op in between touches its buffers (verified when the plan is
+//! built). Checkpoints never depend on the number of ranks: rank 0 writes the whole state
+//! ([`ring::gather_to_root`]), and a run resumes on any number of ranks.
 
 mod comm;
 pub mod local;

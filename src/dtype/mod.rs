@@ -7,9 +7,14 @@
 //!   are generic over it: they load elements into f32, compute in f32 (f32 accumulation
 //!   everywhere), and round once when storing. For `f32` the conversions are the identity, so
 //!   the f32 instantiation of a generic kernel is the f32 kernel.
+//! - [`ggml`] ([`GgmlType`]: a GGUF tensor type's id, ggml name and block geometry) and
+//!   [`dequant`] (ggml blocks decoded to f32 exactly as llama.cpp decodes them): a quantized
+//!   LoRA base is a storage type like the others, which the planner lays out, the CPU
+//!   backend's quantized GEMM decodes and `gguf` reads and writes, so it lives here, below
+//!   all three.
 //!
-//! The conversions are written branch-free (selects, no calls) so loops over them vectorise.
-//! bf16: widening is a 16-bit shift; narrowing rounds to nearest even by adding
+//! [`Elem`]'s conversions are written branch-free (selects, no calls) so loops over them
+//! vectorise. bf16: widening is a 16-bit shift; narrowing rounds to nearest even by adding
 //! `0x7FFF + lsb` before truncating, and keeps a NaN a quiet NaN (the carry of the rounding
 //! would otherwise turn some NaN payloads into an infinity or even ±0.0, hiding the
 //! non-finite value loss scaling and the trainer check for). f16: integer rebiasing of the
@@ -20,7 +25,8 @@
 //! dense sample of f32 values, all rounding ties included).
 //!
 //! Slice conversions that need the CPU's instruction sets live with the CPU backend
-//! (`backend::cpu::elem`).
+//! (`backend::cpu::elem`). This module imports nothing of the crate, so every layer can
+//! stand on it.
 
 pub mod dequant;
 pub mod ggml;

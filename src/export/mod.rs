@@ -29,6 +29,16 @@
 //!
 //! The tokenizer metadata is [`vocab`]'s: the source file's own keys when the directory
 //! holds them ([`crate::gguf::sidecar`]), else rebuilt from `tokenizer.json`.
+//!
+//! A GGUF file given as the input is read in place (its tensors dequantized one at a time,
+//! its own tokenizer keys kept, no f32 copy on disk): byte for byte its conversion's export.
+//! What the command line names is resolved first ([`inputs`]): a run's newest checkpoint, an
+//! adapter's recorded base, the file's name, an output that is a directory or the input.
+//! `--adapter` merges a LoRA adapter into each weight as it streams out (`adapter`).
+//!
+//! **Invariant:** an export writes neither inside the model it reads (a GGUF base's file, and
+//! the GGUF files a cached conversion was made from, included) nor over a file it did not
+//! export (`memwall.exported_by`).
 
 mod adapter;
 pub mod ftype;

@@ -22,8 +22,15 @@
 //! with llama.cpp's Q/K order, hyper-parameter keys and tokenizer metadata.
 //!
 //! The output is a plain directory that `LlamaForCausalLM.from_pretrained` /
-//! `Qwen2ForCausalLM.from_pretrained` load; this module knows nothing of memwall's own model
-//! code.
+//! `Qwen2ForCausalLM.from_pretrained` load; the conversion knows nothing of memwall's own
+//! model code (only [`base`] reads the parameter inventory, to lay a file's blocks out as the
+//! plan's base). GGUF's block types and their decoding are [`crate::dtype::ggml`] and
+//! [`crate::dtype::dequant`].
+//!
+//! **Invariants:** everything that can be checked is checked before a byte is written; memory
+//! holds one tensor at a time, never the model; every tensor is checked finite as it is
+//! dequantized, naming the tensor and the file; `convert --force` and `memwall cache --clear`
+//! replace or remove only what memwall wrote (`util::owned_dir`'s marker).
 
 pub mod base;
 pub mod cache;

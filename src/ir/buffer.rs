@@ -16,7 +16,7 @@ pub const IO_ALIGN: u64 = 4096;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct BufId(pub usize);
 
-/// What a buffer is for. Every byte of a step has one (invariant 4 of ARCHITECTURE.md).
+/// What a buffer is for. Every byte of a step has one (ARCHITECTURE.md's rules).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {

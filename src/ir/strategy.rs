@@ -32,7 +32,7 @@
 //! - [`OptimState`] (`--optim-state fp32|bf16|int8`): how the AdamW moments are stored (fp32,
 //!   bf16, or 8-bit blockwise codes, i8 for the first moment and u8 for the second, with one
 //!   f32 absmax per block of [`QBLOCK`] values of a tensor). Checkpoints store the bytes as
-//!   they are (`ckpt::moments`), so a resumed run stays bitwise.
+//!   they are ([`super::moments`]), so a resumed run stays bitwise.
 //!
 //! Offload ([`crate::plan::offload`], applied by `plan::stage`) and ranks ([`crate::plan::zero`]) are
 //! transformations of the same kind, in their own modules.

@@ -1,6 +1,16 @@
 //! What to train: a model's dimensions ([`ModelSpec`]), its family ([`Family`], the seam
 //! behind which each architecture lives in one module: [`gpt2`], [`llama`] (with Qwen2)) and its parameter
-//! inventory ([`ParamLayout`]) with Hugging Face tensor names and layouts.
+//! inventory ([`ParamLayout`]) with Hugging Face tensor names and layouts. Around the
+//! families: [`spec`] (presets, `config.json` dispatched on `model_type`, validation naming the
+//! field), [`params`], [`lora`] (the adapters' layout and PEFT's files), [`rope`] (the
+//! `inv_freq` table as transformers computes it), and the emission every family shares
+//! (`block_emit`: a block's stages, recomputation and backward; `lm_head`: the chunked head
+//! and loss, and the generation head).
+//!
+//! **Invariant:** a family is one module. Adding one is a module under `model/` (inventory,
+//! initialisation, config, naming, emission), its arms in [`family`], and the ops its layers
+//! need; no edit to packing, the executor or the checkpoint writer. Everything downstream
+//! reads only [`ParamLayout`] and the ops, never a family.
 
 pub(crate) mod block_emit;
 pub mod family;

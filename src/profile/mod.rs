@@ -10,6 +10,14 @@
 //! - [`html`]: the self-contained `report.html`.
 //! - [`leak`]: the per-step RSS check that warns when a static plan's process grows.
 //! - [`report`]: writes all of the above into a run directory (`memwall report RUN_DIR`).
+//!
+//! Under `mpirun` every rank profiles, and rank 0 gathers the others' collectives into its
+//! profile (one communication track per rank, on rank 0's clock).
+//!
+//! **Invariant:** reports need only the run directory (`plan.json`, `metrics.jsonl`,
+//! `profile.json`): `memwall report RUN_DIR` regenerates the same pages without the model, the
+//! data or an executor. So this module imports `ir`, `plan`, `run_dir` and `util`, never
+//! `exec` or `ckpt`; and recording changes nothing of what runs.
 
 pub mod chart;
 pub mod html;

@@ -16,6 +16,9 @@
 //! the reports) and [`metrics`]. Every file is written atomically (`util::atomic`), except
 //! `metrics.jsonl` while training, which grows a line per step (and is cut back atomically to
 //! the resumed checkpoint's step).
+//!
+//! **Invariant:** one type per file format, used both to write it and to read it back; fields
+//! added later have defaults, so older run directories still get a report.
 
 pub mod metrics;
 pub mod plan_json;
