@@ -251,7 +251,7 @@ if [ "$mpi" = 1 ]; then
     cp "$new_mpi_bin" "$work/memwall-mpi-new"
     for side in old new; do
         # A build without the feature refuses --zero at once; say so before any run.
-        if command -v ldd >/dev/null && ! ldd "$work/memwall-mpi-$side" | grep -q libmpi; then
+        if command -v ldd >/dev/null && [[ "$(ldd "$work/memwall-mpi-$side" 2>&1)" != *libmpi* ]]; then
             echo "same-results: the $side mpi binary is not built with --features mpi (links no libmpi)" >&2
             exit 2
         fi

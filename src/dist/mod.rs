@@ -15,6 +15,10 @@
 //!   point-to-point `MPI_Sendrecv` (rsmpi). NCCL comes with the CUDA backend behind the same
 //!   trait.
 //!
+//! [`Comms`] gives one communicator per axis of the job's mesh ([`crate::ir::Mesh`]): a
+//! [`Group`] renumbers the ranks along an axis over the job's transport, so the collectives
+//! run on any axis unchanged.
+//!
 //! [`world`] picks the transport (and refuses `--zero 1–3` outside `mpirun`, or `mpirun`
 //! without the feature); [`comm_thread_wanted`] says whether collectives get a thread of their
 //! own; [`shard`] says how a group's elements are cut among ranks. In a run under `mpirun`,
@@ -31,6 +35,7 @@
 //! ([`ring::gather_to_root`]), and a run resumes on any number of ranks.
 
 mod comm;
+pub mod group;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -38,6 +43,7 @@ pub mod ring;
 pub mod shard;
 
 pub use comm::{Collective, Comm, Single};
+pub use group::{Comms, Group};
 pub use local::Local;
 pub use ring::Summable;
 pub use shard::{Cut, Sharding};

@@ -14,6 +14,8 @@
 //!   [`Emitted`], [`EmitOptions`]).
 //! - [`strategy`]: the memory strategies' values ([`Precision`], [`Recompute`],
 //!   [`OptimState`], [`BaseQuant`]) and the 8-bit state's block ([`QBLOCK`]).
+//! - [`mesh`]: how a job's ranks are arranged ([`Mesh`]: data × tensor × pipeline) and
+//!   the [`Axis`] a collective runs along.
 //! - [`moments`]: the AdamW moments as stored, borrowed ([`Moments`], [`MomentsMut`]).
 //! - [`sizing`]: what the planner asks of a backend ([`Sizing`]).
 
@@ -40,6 +42,7 @@ pub(crate) use serde_as_flag_text;
 
 pub mod buffer;
 pub mod builder;
+pub mod mesh;
 pub mod moments;
 pub mod schedule;
 pub mod sizing;
@@ -47,6 +50,7 @@ pub mod strategy;
 
 pub use buffer::{ALIGN, BufId, Buffer, Category, IO_ALIGN, Placement, Tier};
 pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
+pub use mesh::{Axis, Mesh};
 pub use moments::{Moments, MomentsMut};
 pub use schedule::{
     Binding, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Phase,

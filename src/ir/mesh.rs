@@ -1,0 +1,168 @@
+//! How the ranks of a job are arranged: a mesh of data × tensor × pipeline axes (Megatron's
+//! order: the tensor axis varies fastest, so a tensor group is neighbouring ranks, then the
+//! data axis, then the pipeline stages), and where this rank sits in it. Every collective a
+//! plan holds runs along one axis ([`Axis`]), among the ranks that differ from this one only
+//! there. The data axis is what "ranks" meant before tensor and pipeline parallelism: each
+//! of its ranks runs the same plan on its own rows. Today the tensor and pipeline axes have
+//! size 1.
+
+use serde::Serialize;
+use serde::ser::SerializeMap;
+
+/// An axis of the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Axis {
+    /// Ranks that hold the same model and split the batch (ZeRO shards state along it).
+    Data,
+    /// Ranks that each hold a slice of every layer.
+    Tensor,
+    /// Ranks that each hold a stage of the layers.
+    Pipeline,
+}
+
+impl Axis {
+    pub const ALL: [Axis; 3] = [Axis::Tensor, Axis::Data, Axis::Pipeline];
+}
+
+/// The mesh's sizes and this rank's place (`rank` in the whole job, `0..world()`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mesh {
+    pub data: usize,
+    pub tensor: usize,
+    pub pipeline: usize,
+    /// This rank in the whole job.
+    pub rank: usize,
+}
+
+impl Mesh {
+    /// One process.
+    pub const SINGLE: Mesh = Mesh {
+        data: 1,
+        tensor: 1,
+        pipeline: 1,
+        rank: 0,
+    };
+
+    /// `ranks` processes splitting the batch (data parallelism), this one being `rank`.
+    pub fn data_parallel(ranks: usize, rank: usize) -> Mesh {
+        Mesh {
+            data: ranks,
+            rank,
+            ..Mesh::SINGLE
+        }
+    }
+
+    /// Ranks in the whole job.
+    pub fn world(&self) -> usize {
+        self.data * self.tensor * self.pipeline
+    }
+
+    /// Ranks along `axis`.
+    pub fn size(&self, axis: Axis) -> usize {
+        match axis {
+            Axis::Data => self.data,
+            Axis::Tensor => self.tensor,
+            Axis::Pipeline => self.pipeline,
+        }
+    }
+
+    /// This rank's index along `axis`.
+    pub fn coord(&self, axis: Axis) -> usize {
+        let (t, d) = (self.tensor.max(1), self.data.max(1));
+        match axis {
+            Axis::Tensor => self.rank % t,
+            Axis::Data => (self.rank / t) % d,
+            Axis::Pipeline => self.rank / (t * d),
+        }
+    }
+
+    /// The job's ranks along `axis` through this one, in order of their index on it (this
+    /// rank is at [`Mesh::coord`]): the members of its communicator on that axis.
+    pub fn group(&self, axis: Axis) -> Vec<usize> {
+        let (t, d) = (self.tensor.max(1), self.data.max(1));
+        let (tc, dc, pc) = (
+            self.coord(Axis::Tensor),
+            self.coord(Axis::Data),
+            self.coord(Axis::Pipeline),
+        );
+        let at = |tc: usize, dc: usize, pc: usize| tc + t * (dc + d * pc);
+        (0..self.size(axis))
+            .map(|i| match axis {
+                Axis::Tensor => at(i, dc, pc),
+                Axis::Data => at(tc, i, pc),
+                Axis::Pipeline => at(tc, dc, i),
+            })
+            .collect()
+    }
+}
+
+/// Serialised as the data axis's `ranks` and `rank` (what plan.json has always said), and
+/// the other axes' sizes where they are more than 1.
+impl Serialize for Mesh {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let extra = (self.tensor > 1) as usize + (self.pipeline > 1) as usize;
+        let mut m = s.serialize_map(Some(2 + extra))?;
+        m.serialize_entry("ranks", &self.data)?;
+        m.serialize_entry("rank", &self.coord(Axis::Data))?;
+        if self.tensor > 1 {
+            m.serialize_entry("tensor", &self.tensor)?;
+        }
+        if self.pipeline > 1 {
+            m.serialize_entry("pipeline", &self.pipeline)?;
+        }
+        m.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rank_has_one_place_and_its_groups_cross_there() {
+        let (t, d, p) = (2, 3, 2);
+        let mut seen = std::collections::HashSet::new();
+        for rank in 0..t * d * p {
+            let m = Mesh {
+                data: d,
+                tensor: t,
+                pipeline: p,
+                rank,
+            };
+            assert_eq!(m.world(), 12);
+            let place = Axis::ALL.map(|a| m.coord(a));
+            assert!(seen.insert(place), "rank {rank} shares its place {place:?}");
+            for a in Axis::ALL {
+                let g = m.group(a);
+                assert_eq!(g.len(), m.size(a));
+                assert_eq!(g[m.coord(a)], rank, "{a:?}: {g:?}");
+                // Every member sees the same group.
+                for &other in &g {
+                    let o = Mesh { rank: other, ..m };
+                    assert_eq!(o.group(a), g);
+                }
+            }
+        }
+        // Megatron's order: a tensor group is neighbouring ranks.
+        let m = Mesh {
+            data: d,
+            tensor: t,
+            pipeline: p,
+            rank: 5,
+        };
+        assert_eq!(m.group(Axis::Tensor), vec![4, 5]);
+        assert_eq!(m.group(Axis::Data), vec![1, 3, 5]);
+        assert_eq!(m.group(Axis::Pipeline), vec![5, 11]);
+    }
+
+    #[test]
+    fn data_parallelism_is_the_data_axis_alone() {
+        let m = Mesh::data_parallel(4, 3);
+        assert_eq!((m.world(), m.coord(Axis::Data)), (4, 3));
+        assert_eq!(m.group(Axis::Data), vec![0, 1, 2, 3]);
+        assert_eq!(m.group(Axis::Tensor), vec![3]);
+        let json = serde_json::to_string(&m).unwrap();
+        assert_eq!(json, r#"{"ranks":4,"rank":3}"#);
+    }
+}
