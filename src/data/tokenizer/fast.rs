@@ -277,15 +277,19 @@ impl FastBpe {
             .tokenize(&mapped)
             .map_err(|e| anyhow!("the tokenizer failed on the text: {e}"))?;
         // Token offsets are byte ranges of `mapped`; each of its characters is one byte.
+        // A vocabulary without every byte's character (not a byte-level one) may cut a
+        // character: refused, not a panic.
         let p: Pieces = tokens
             .iter()
-            .map(|t| {
-                (
-                    t.id,
-                    mapped[t.offsets.0..t.offsets.1].chars().count() as u32,
-                )
+            .map(|t| match mapped.get(t.offsets.0..t.offsets.1) {
+                Some(piece) => Ok((t.id, piece.chars().count() as u32)),
+                None => Err(anyhow!(
+                    "the tokenizer cut the text {:?} inside a character (its vocabulary lacks \
+                     some bytes' pieces: it is not a byte-level BPE tokenizer with all 256)",
+                    String::from_utf8_lossy(bytes)
+                )),
             })
-            .collect();
+            .collect::<Result<_>>()?;
         out.word(text, a, &p);
         if cache.len() >= CACHE_WORDS {
             cache.clear();
@@ -496,6 +500,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A vocabulary of printable ASCII as plain characters (as a tiny test model's: no
+    /// byte-level `Ġ` for the space): a text it cannot cut on characters is refused naming
+    /// it, never a panic.
+    #[test]
+    fn a_vocabulary_without_every_byte_is_an_error_not_a_panic() {
+        let mut vocab = serde_json::Map::new();
+        for b in (0x20u8..0x7f).chain([b'\n']) {
+            let n = vocab.len();
+            vocab.insert((b as char).to_string(), n.into());
+        }
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false,
+                "trim_offsets": true, "use_regex": true},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": []},
+        });
+        let tok = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).unwrap()).unwrap();
+        let fast = FastBpe::new(&tok).expect("a byte-level BPE tokenizer");
+        assert!(fast.encode("plain").is_ok());
+        let e = format!("{:#}", fast.encode("two words").unwrap_err());
+        assert!(
+            e.contains("inside a character") && e.contains("words"),
+            "{e}"
+        );
     }
 
     #[test]
