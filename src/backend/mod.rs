@@ -17,6 +17,11 @@
 //!   `AwaitCollective`) or [`Device::sync`] waits for them. The device times both for the
 //!   profiler ([`Device::io_time`], [`Device::take_io_spans`], [`Device::comm_time`],
 //!   [`Device::take_comm_spans`]).
+//!
+//! A device runs the compute ops by family ([`OpFamily`]): [`Kernels`] lists one method per
+//! family, each running that family's ops, and dispatches to them
+//! ([`Kernels::run_by_family`]), so a second backend implements families, not one match
+//! over every op.
 
 mod choice;
 pub mod cpu;
@@ -25,9 +30,9 @@ pub mod host;
 pub use choice::{DeviceKind, under_test};
 
 use crate::dist::Comm;
-use crate::dtype::DType;
+use crate::dtype::{DType, Elem};
 use crate::ir::schedule::OpEntry;
-use crate::ir::{BufId, Sizing};
+use crate::ir::{BufId, OpFamily, Sizing};
 use crate::plan::Plan;
 use anyhow::Result;
 use std::sync::Arc;
@@ -123,6 +128,52 @@ pub enum OpResult {
     Done,
     /// `GradNorm`: the sum of squares of its gradient range (f64).
     SumOfSquares(f64),
+}
+
+/// The compute ops of a started backend, one method per [`OpFamily`]: each runs an op `e` of
+/// its family (with the buffers its parameters and gradients are bound to), activations and
+/// gradients stored as `T` (the plan's storage type; weights, statistics and workspaces are
+/// f32). Transfers and collectives are no kernels' work: [`Device::run`] starts and awaits
+/// them itself.
+pub trait Kernels {
+    /// [`OpFamily::Fill`].
+    fn fill<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::Embedding`].
+    fn embedding<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::Norm`].
+    fn norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::Linear`].
+    fn linear<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::Attention`].
+    fn attention<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::Activation`].
+    fn activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::LmHead`].
+    fn lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::Adapter`].
+    fn adapter<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    /// [`OpFamily::Optimizer`].
+    fn optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+
+    /// Runs compute op `e` by its family's method (a transfer or a collective is an internal
+    /// error here).
+    fn run_by_family<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+        match e.op.family() {
+            OpFamily::Fill => self.fill::<T>(e, ctx),
+            OpFamily::Embedding => self.embedding::<T>(e, ctx),
+            OpFamily::Norm => self.norm::<T>(e, ctx),
+            OpFamily::Linear => self.linear::<T>(e, ctx),
+            OpFamily::Attention => self.attention::<T>(e, ctx),
+            OpFamily::Activation => self.activation::<T>(e, ctx),
+            OpFamily::LmHead => self.lm_head::<T>(e, ctx),
+            OpFamily::Adapter => self.adapter::<T>(e, ctx),
+            OpFamily::Optimizer => self.optimizer::<T>(e, ctx),
+            OpFamily::Transfer => unreachable!("the device runs transfers itself"),
+            OpFamily::Collective => {
+                unreachable!("the device starts and awaits collectives itself")
+            }
+        }
+    }
 }
 
 /// A started backend holding a plan's memory.

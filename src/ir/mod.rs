@@ -9,6 +9,7 @@
 //! - [`schedule`]: the ops ([`Op`], [`OpEntry`] with its [`Phase`]), how they name their
 //!   operands ([`Rows`], [`WeightLayout`], [`ParamSlice`], [`Binding`]) and the step's
 //!   ordered list ([`Schedule`]).
+//! - [`family`]: the ops grouped by the kernels a backend needs ([`OpFamily`], [`Op::family`]).
 //! - [`builder`]: [`Builder`], which declares buffers and appends ops (the planner and the
 //!   model families write through it), and what one micro-batch emits ([`MicroBatch`],
 //!   [`Emitted`], [`EmitOptions`]).
@@ -42,6 +43,7 @@ pub(crate) use serde_as_flag_text;
 
 pub mod buffer;
 pub mod builder;
+pub mod family;
 pub mod mesh;
 pub mod moments;
 pub mod schedule;
@@ -50,6 +52,7 @@ pub mod strategy;
 
 pub use buffer::{ALIGN, BufId, Buffer, Category, IO_ALIGN, Placement, Tier};
 pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
+pub use family::OpFamily;
 pub use mesh::{Axis, Mesh};
 pub use moments::{Moments, MomentsMut};
 pub use schedule::{

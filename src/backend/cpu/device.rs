@@ -9,7 +9,9 @@ use super::collective::{Collectives, Job};
 use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::{own_pack_bytes_per_thread, packing_bytes};
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
-use crate::backend::{Backend, CommSpan, CommTime, Device, IoSpan, IoTime, OpResult, StepCtx};
+use crate::backend::{
+    Backend, CommSpan, CommTime, Device, IoSpan, IoTime, Kernels, OpResult, StepCtx,
+};
 use crate::dist::Comm;
 use crate::dtype::{DType, Elem};
 use crate::ir::MomentsMut;
@@ -493,9 +495,9 @@ impl Device for CpuDevice {
             _ => {}
         }
         Ok(match self.storage {
-            DType::Bf16 => self.run_op::<bf16>(e, ctx),
-            DType::F16 => self.run_op::<f16>(e, ctx),
-            _ => self.run_op::<f32>(e, ctx),
+            DType::Bf16 => self.run_by_family::<bf16>(e, ctx),
+            DType::F16 => self.run_by_family::<f16>(e, ctx),
+            _ => self.run_by_family::<f32>(e, ctx),
         })
     }
 

@@ -19,6 +19,9 @@
 //!   on a frozen linear layer); the optimizers [`adamw`]
 //!   and [`quant`] (compressed optimizer state); [`peak`] (the machine's measured FMA
 //!   ceiling).
+//! - [`device`]: the started backend ([`CpuDevice`]: the arena, the disk tier's transfers,
+//!   the collectives of `collective`), and `ops`, its [`Kernels`](crate::backend::Kernels):
+//!   the op → kernel mapping, one file per op family ([`crate::ir::OpFamily`]).
 //!
 //! Tests: each kernel's tests sit in its file; [`reduce`]'s `testutil` and the test-only
 //! `conformance` module hold what they share (random data, tolerances, the storage-type check

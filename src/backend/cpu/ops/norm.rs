@@ -1,0 +1,137 @@
+//! The normalisation family ([`OpFamily::Norm`]) on the CPU: layer norm and RMS norm, forward
+//! and backward (a frozen norm's backward computes only its input's gradient).
+
+use super::{Args, not_of};
+use crate::backend::cpu::device::CpuDevice;
+use crate::backend::cpu::{layernorm, rmsnorm};
+use crate::backend::{OpResult, StepCtx};
+use crate::dtype::Elem;
+use crate::ir::OpFamily;
+use crate::ir::schedule::{Op, OpEntry};
+
+impl CpuDevice {
+    /// Runs `e`, an op of [`OpFamily::Norm`], with activations stored as `T`.
+    pub(super) fn run_norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+        let args = Args::<T>::new(self, e);
+        match &e.op {
+            Op::LayerNorm {
+                inp,
+                out,
+                mean,
+                rstd,
+                w,
+                b: bias,
+                rows,
+                c,
+                eps,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                layernorm::layernorm_forward(
+                    &mut self.view::<T>(*out)[..n * c],
+                    &mut self.view::<f32>(*mean)[..n],
+                    &mut self.view::<f32>(*rstd)[..n],
+                    &args.act(*inp)[..n * c],
+                    args.weights(w),
+                    args.weights(bias),
+                    n,
+                    c,
+                    *eps,
+                )
+            }
+            Op::RmsNorm {
+                inp,
+                out,
+                rstd,
+                w,
+                rows,
+                c,
+                eps,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                rmsnorm::rmsnorm_forward(
+                    &mut self.view::<T>(*out)[..n * c],
+                    &mut self.view::<f32>(*rstd)[..n],
+                    &args.act(*inp)[..n * c],
+                    args.weights(w),
+                    n,
+                    c,
+                    *eps,
+                )
+            }
+            Op::LayerNormBackward {
+                dinp,
+                dout,
+                inp,
+                mean,
+                rstd,
+                w,
+                b: bias,
+                rows,
+                c,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if e.frozen {
+                    layernorm::layernorm_backward_input(
+                        &mut self.view::<T>(*dinp)[..n * c],
+                        &args.act(*dout)[..n * c],
+                        &args.act(*inp)[..n * c],
+                        args.weights(w),
+                        &self.view::<f32>(*mean)[..n],
+                        &self.view::<f32>(*rstd)[..n],
+                        n,
+                        c,
+                    );
+                    return OpResult::Done;
+                }
+                let (dw, db) = args.grad2(w, bias);
+                layernorm::layernorm_backward(
+                    &mut self.view::<T>(*dinp)[..n * c],
+                    dw,
+                    db,
+                    &args.act(*dout)[..n * c],
+                    &args.act(*inp)[..n * c],
+                    args.weights(w),
+                    &self.view::<f32>(*mean)[..n],
+                    &self.view::<f32>(*rstd)[..n],
+                    n,
+                    c,
+                );
+            }
+            Op::RmsNormBackward {
+                dinp,
+                dout,
+                inp,
+                rstd,
+                w,
+                rows,
+                c,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if e.frozen {
+                    rmsnorm::rmsnorm_backward_input(
+                        &mut self.view::<T>(*dinp)[..n * c],
+                        &args.act(*dout)[..n * c],
+                        &args.act(*inp)[..n * c],
+                        args.weights(w),
+                        &self.view::<f32>(*rstd)[..n],
+                        n,
+                        c,
+                    );
+                    return OpResult::Done;
+                }
+                rmsnorm::rmsnorm_backward(
+                    &mut self.view::<T>(*dinp)[..n * c],
+                    args.grad(w),
+                    &args.act(*dout)[..n * c],
+                    &args.act(*inp)[..n * c],
+                    args.weights(w),
+                    &self.view::<f32>(*rstd)[..n],
+                    n,
+                    c,
+                );
+            }
+            _ => not_of(OpFamily::Norm, e),
+        }
+        OpResult::Done
+    }
+}
