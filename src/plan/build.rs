@@ -1,12 +1,32 @@
 //! Builds the plan of one step: declares every buffer, emits the schedule that uses them,
 //! derives each buffer's live interval from the schedule, and packs offsets.
 //!
-//! In order: the persistent state (fp32 parameters, the mixed-precision GEMM workspace, the
-//! AdamW moments); one gradient buffer per parameter group; each micro-batch's layers, which
-//! the model family emits (`Family::emit`); the optimizer phase; then the passes below, the
-//! ranks' collectives ([`super::zero`]) and staging for `--offload` (`plan::stage`); last,
-//! lifetimes, packing per tier ([`super::packing`]) and verification.
+//! `build` is a list of passes, each a function here (or in the module named), run in this
+//! order; buffers are declared as the passes go, so their ids and offsets follow it:
+//! - `Request::checked`, `sharding`, `lora_plan`: the flags checked, a training plan's ranks
+//!   and adapters; `trainable_layout`: the parameters trained (the model's or the adapters').
+//! - `state_buffers`: the persistent state (fp32 parameters, a LoRA plan's frozen base and the
+//!   tile its blocks are decoded into, the mixed-precision GEMM workspace); `grad_buffers`:
+//!   one gradient buffer per parameter group; `moments`: the AdamW moments.
+//! - `emit_micro_batches`: each micro-batch's layers, which the model family emits
+//!   (`Family::emit`: the forward, recomputation as `--recompute` asks, the backward); the
+//!   gradients accumulate over the micro-batches (`--grad-accum`).
+//! - `lora::apply`: a LoRA plan's adapters ([`super::lora`]); `optimizer`: the optimizer
+//!   phase; `deferred_update`: the update moved into the next step's forward (gradients on
+//!   the disk tier).
+//! - `zero_grads_before_first_write`, `norm_when_final`: each group's gradient zeroing and
+//!   norm share.
+//! - `base_storage`: a quantized LoRA base's storage settled; `bind_state`: every op bound to
+//!   the buffers of its state.
+//! - `zero::collectives`: the ranks' collectives ([`super::zero`]); `offload_homes` and
+//!   `stage::stage`: staging for `--offload`.
+//! - `finish`: `owned_buffers`, `lifetimes`, `pack` per tier ([`super::packing`]), and
+//!   verification (`verify_ops`).
 //!
+//! A generation plan (`generation`) declares the parameters, emits one batch's forward, and
+//! finishes.
+//!
+//! How the passes shape the schedule:
 //! - **Gradients are per parameter group** (`Segments`: one `{group}.grad` buffer per group).
 //!   A `Zero` of a group's buffer goes just before the first op that writes it (the group's
 //!   first backward op, or the LM head's for a tied embedding), and the group's `AdamW` op is
@@ -53,6 +73,7 @@ use super::packing;
 use super::stage::{self, Home, Kind};
 use super::zero;
 use super::{LoraPlan, OffloadSet, Plan};
+use crate::dist::Sharding;
 use crate::dtype::DType;
 use crate::ir::BaseQuant;
 use crate::ir::Sizing;
@@ -133,7 +154,7 @@ fn check_sizes(cfg: &StepConfig) -> Result<()> {
     Ok(())
 }
 
-/// [`build_plan`], verifying or not.
+/// [`build_plan`], verifying or not: the passes of the module documentation, in order.
 pub(super) fn build(
     spec: &ModelSpec,
     cfg: &StepConfig,
@@ -141,91 +162,239 @@ pub(super) fn build(
     backend: &dyn Sizing,
     verify: Verify,
 ) -> Result<Plan> {
-    spec.validate()?;
-    spec.check_seq(cfg.seq)?;
-    if cfg.batch == 0 {
-        bail!("--batch must be at least 1");
+    let r = Request::checked(spec, cfg, mode, backend, verify)?;
+    if mode == Mode::Generate {
+        return generation(&r);
     }
-    if cfg.threads == 0 {
-        bail!("--threads must be at least 1");
+    let sharding = sharding(cfg)?;
+    let lora = lora_plan(spec, cfg)?;
+    let layout = trainable_layout(spec, lora.as_ref());
+    let split = sharding.map(|sh| zero::Split::new(&layout, cfg.optim_state, sh));
+    let sharded = split.as_ref().filter(|s| s.sh.zero.shards_optimizer());
+    let mut g = Builder::new(cfg.precision.storage());
+    let State {
+        params,
+        base,
+        quant_ws,
+        gemm_ws,
+    } = state_buffers(&mut g, &r, &layout, lora.as_ref(), sharded)?;
+    let grads = grad_buffers(&mut g, &layout, split.as_ref());
+    let optim = moments(&mut g, &r, &layout, sharded);
+    let mut io = emit_micro_batches(&mut g, &r);
+    if let Some(l) = &lora {
+        super::lora::apply(&mut g, l);
     }
-    if cfg.grad_accum == 0 {
-        bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
+    optimizer(&mut g, &layout, &optim, sharded);
+    io.deferred_update = deferred_update(&mut g, &r, &grads);
+    zero_grads_before_first_write(&mut g, &grads);
+    norm_when_final(&mut g, &layout, &grads);
+    if let Some(plan) = base_storage(&mut g, &r, lora.as_ref(), base.as_ref())? {
+        return Ok(plan);
     }
-    check_sizes(cfg)?;
-    if mode == Mode::Generate && cfg.precision != Precision::F32 {
-        bail!("internal error: generation plans run in fp32");
-    }
-    let sharding = match mode {
-        Mode::Train => cfg.sharding(),
-        Mode::Generate => None,
+    bind_state(&mut g, &params, Some(&grads), base.as_ref());
+    let params = match &split {
+        Some(split) => zero::collectives(&mut g, &layout, split, &params, &grads, cfg.grad_accum),
+        None => params,
     };
+    let homes = offload_homes(
+        &g,
+        &r,
+        &params,
+        base.as_ref(),
+        lora.as_ref(),
+        &grads,
+        &optim,
+    );
+    // Blocks in the step: every micro-batch's.
+    stage::stage(&mut g, &homes, spec.n_layer * cfg.grad_accum);
+    let implicit = ImplicitBufs {
+        params,
+        base,
+        quant_ws,
+        gemm_ws,
+        grads: Some(grads),
+        optim: Some(optim),
+    };
+    let mut plan = finish(&r, (layout, lora), g, implicit, io)?;
+    plan.cuts = split.map(|s| s.cuts).unwrap_or_default();
+    Ok(plan)
+}
+
+/// What the passes of [`build`] read: the request, checked, and what follows from it.
+struct Request<'a> {
+    spec: &'a ModelSpec,
+    cfg: &'a StepConfig,
+    mode: Mode,
+    backend: &'a dyn Sizing,
+    verify: Verify,
+    /// One micro-batch's rows (`--batch` sequences of `--seq`).
+    rows: Rows,
+    /// The attention kernel's workspace, in elements ([`Sizing::attention_workspace_elems`]).
+    attn_ws_len: usize,
+    /// What lives on the disk tier (nothing in a generation plan).
+    offload: OffloadSet,
+}
+
+impl<'a> Request<'a> {
+    /// Checks the model and the step's sizes, naming the flags, and derives what the passes
+    /// share.
+    fn checked(
+        spec: &'a ModelSpec,
+        cfg: &'a StepConfig,
+        mode: Mode,
+        backend: &'a dyn Sizing,
+        verify: Verify,
+    ) -> Result<Self> {
+        spec.validate()?;
+        spec.check_seq(cfg.seq)?;
+        if cfg.batch == 0 {
+            bail!("--batch must be at least 1");
+        }
+        if cfg.threads == 0 {
+            bail!("--threads must be at least 1");
+        }
+        if cfg.grad_accum == 0 {
+            bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
+        }
+        check_sizes(cfg)?;
+        if mode == Mode::Generate && cfg.precision != Precision::F32 {
+            bail!("internal error: generation plans run in fp32");
+        }
+        let rows = Rows {
+            b: cfg.batch,
+            t: cfg.seq,
+        };
+        let storage = cfg.precision.storage();
+        let attn_ws_len =
+            backend.attention_workspace_elems(storage, cfg.seq, spec.head_size(), cfg.threads);
+        let offload = match mode {
+            Mode::Train => cfg.offload.set,
+            Mode::Generate => OffloadSet::NONE,
+        };
+        Ok(Request {
+            spec,
+            cfg,
+            mode,
+            backend,
+            verify,
+            rows,
+            attn_ws_len,
+            offload,
+        })
+    }
+}
+
+/// A generation plan: the parameters (and the mixed-precision workspace), one batch of
+/// tokens, the model's forward to the last row's logits; then [`finish`].
+fn generation(r: &Request) -> Result<Plan> {
+    let (spec, cfg) = (r.spec, r.cfg);
+    let layout = ParamLayout::new(spec);
+    let mut g = Builder::new(cfg.precision.storage());
+    let State {
+        params, gemm_ws, ..
+    } = state_buffers(&mut g, r, &layout, None, None)?;
+    let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, r.rows.n()); // [B, T]
+    let mb = MicroBatch {
+        prefix: String::new(),
+        tokens,
+        positions: None,
+        loss: None,
+        rows: r.rows,
+        attn_ws_len: r.attn_ws_len,
+    };
+    let emitted = spec.family.emit(&mut g, spec, &cfg.emit_options(), &mb);
+    let io = Io {
+        tokens: vec![tokens],
+        positions: vec![],
+        targets: vec![],
+        losses: vec![],
+        logits: emitted.logits,
+        deferred_update: false,
+    };
+    bind_state(&mut g, &params, None, None);
+    let p = ImplicitBufs {
+        params,
+        base: None,
+        quant_ws: None,
+        gemm_ws,
+        grads: None,
+        optim: None,
+    };
+    finish(r, (layout, None), g, p, io)
+}
+
+/// A training plan's ranks (`--ranks`, `--zero`), checked; `None` for one process.
+fn sharding(cfg: &StepConfig) -> Result<Option<Sharding>> {
+    let sharding = cfg.sharding();
     if let Some(sh) = &sharding {
         zero::check(cfg, sh)?;
     }
-    if mode == Mode::Train {
-        check_lora(cfg)?;
-    }
-    let lora = match (&cfg.lora, mode) {
-        (Some(l), Mode::Train) => {
-            let base = ParamLayout::new(spec);
-            let adapters = AdapterLayout::new(&base, l.clone())?;
-            Some(LoraPlan {
-                base,
-                adapters,
-                requantized: Vec::new(),
-            })
-        }
-        _ => None,
+    Ok(sharding)
+}
+
+/// A training plan's adapters over its frozen base (`--lora`), its flags checked first.
+fn lora_plan(spec: &ModelSpec, cfg: &StepConfig) -> Result<Option<LoraPlan>> {
+    check_lora(cfg)?;
+    let Some(l) = &cfg.lora else {
+        return Ok(None);
     };
-    // The trainable parameters: the model's, or the adapters'.
-    let layout = match &lora {
+    let base = ParamLayout::new(spec);
+    let adapters = AdapterLayout::new(&base, l.clone())?;
+    Ok(Some(LoraPlan {
+        base,
+        adapters,
+        requantized: Vec::new(),
+    }))
+}
+
+/// The trainable parameters: the model's, or the adapters'.
+fn trainable_layout(spec: &ModelSpec, lora: Option<&LoraPlan>) -> ParamLayout {
+    match lora {
         Some(l) => l.adapters.params.clone(),
         None => ParamLayout::new(spec),
-    };
-    let split = sharding.map(|sh| zero::Split::new(&layout, cfg.optim_state, sh));
-    let rows = Rows {
-        b: cfg.batch,
-        t: cfg.seq,
-    };
-    let n = rows.n();
-    let storage = cfg.precision.storage();
-    let attn_ws_len =
-        backend.attention_workspace_elems(storage, cfg.seq, spec.head_size(), cfg.threads);
-    let mut g = Builder::new(storage);
+    }
+}
 
-    // Persistent state: the fp32 parameters (the master weights under mixed precision, which
-    // kernels read directly, converting per tile: no reduced-precision copy is stored), the
-    // mixed-precision GEMM workspace, AdamW moments. Gradients are per parameter group and
-    // live from the group's first backward write to its update (`grad_buffers`).
+/// The persistent state that [`state_buffers`] declares before any op.
+struct State {
+    params: Segments,
+    /// A LoRA plan's frozen base.
+    base: Option<Segments>,
+    /// The tile a quantized base is decoded into.
+    quant_ws: Option<BufId>,
+    /// The mixed-precision GEMM's tiles.
+    gemm_ws: Option<BufId>,
+}
+
+/// Declares the persistent state: the fp32 parameters (the master weights under mixed
+/// precision, which kernels read directly, converting per tile: no reduced-precision copy is
+/// stored), a LoRA plan's frozen base and its decoding tile, the mixed-precision GEMM
+/// workspace. (Gradients are per parameter group and live from the group's first backward
+/// write to its update, [`grad_buffers`]; the moments are [`moments`].)
+fn state_buffers(
+    g: &mut Builder,
+    r: &Request,
+    layout: &ParamLayout,
+    lora: Option<&LoraPlan>,
+    sharded: Option<&zero::Split>,
+) -> Result<State> {
+    let (spec, cfg) = (r.spec, r.cfg);
     let mixed = cfg.precision != Precision::F32;
-    let offload = match mode {
-        Mode::Train => cfg.offload.set,
-        Mode::Generate => OffloadSet::NONE,
-    };
-    let sharded = split.as_ref().filter(|s| s.sh.zero.shards_optimizer());
-    let params = param_buffers(
-        &mut g,
-        &layout,
-        mixed,
-        offload.params,
-        sharded,
-        lora.is_some(),
-    );
+    let params = param_buffers(g, layout, mixed, r.offload.params, sharded, lora.is_some());
     // A LoRA plan's frozen base (read by the model's ops, never written), and the tile its
     // quantized weights are decoded into.
-    let (base, quant_ws) = match &lora {
+    let (base, quant_ws) = match lora {
         Some(l) => {
             let types = cfg.base_types.as_deref();
             let (segments, widest) = super::lora::base_buffers(
-                &mut g,
+                g,
                 spec,
                 &l.base,
                 (cfg.base_quant, types),
-                offload.params,
+                r.offload.params,
             )?;
             let ws = (widest > 0).then(|| {
-                let elems = backend.quantized_gemm_workspace_elems(widest);
+                let elems = r.backend.quantized_gemm_workspace_elems(widest);
                 g.persistent("gemm.quant_tile", Category::Workspace, DType::F32, elems)
             });
             (Some(segments), ws)
@@ -237,44 +406,37 @@ pub(super) fn build(
             "gemm.mixed_tiles",
             Category::Workspace,
             DType::F32,
-            backend.mixed_gemm_workspace_elems(),
+            r.backend.mixed_gemm_workspace_elems(),
         )
     });
-    if mode == Mode::Generate {
-        let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, n); // [B, T]
-        let mb = MicroBatch {
-            prefix: String::new(),
-            tokens,
-            positions: None,
-            loss: None,
-            rows,
-            attn_ws_len,
-        };
-        let emitted = spec.family.emit(&mut g, spec, &cfg.emit_options(), &mb);
-        let io = Io {
-            tokens: vec![tokens],
-            positions: vec![],
-            targets: vec![],
-            losses: vec![],
-            logits: emitted.logits,
-            deferred_update: false,
-        };
-        bind_state(&mut g, &params, None, None);
-        let p = ImplicitBufs {
-            params,
-            base: None,
-            quant_ws: None,
-            gemm_ws,
-            grads: None,
-            optim: None,
-        };
-        return finish(spec, cfg, mode, (layout, None), g, p, io, backend, verify);
+    Ok(State {
+        params,
+        base,
+        quant_ws,
+        gemm_ws,
+    })
+}
+
+/// Declares the AdamW moments: the rank's shards (`--zero 1` and up, [`zero::shard_moments`]),
+/// or the whole model's, per group on the disk tier ([`optimizer_state`]).
+fn moments(
+    g: &mut Builder,
+    r: &Request,
+    layout: &ParamLayout,
+    sharded: Option<&zero::Split>,
+) -> Vec<OptimBufs> {
+    match sharded {
+        Some(split) => zero::shard_moments(g, layout, r.cfg.optim_state, split),
+        None => optimizer_state(g, layout, r.cfg.optim_state, r.offload.optimizer),
     }
-    let grads = grad_buffers(&mut g, &layout, split.as_ref());
-    let optim = match sharded {
-        Some(split) => zero::shard_moments(&mut g, &layout, cfg.optim_state, split),
-        None => optimizer_state(&mut g, &layout, cfg.optim_state, offload.optimizer),
-    };
+}
+
+/// Emits the step's micro-batches (`--grad-accum`), each with its own batch buffers (tokens,
+/// positions of packed rows, targets, losses) and the layers the model family emits for it
+/// (`Family::emit`: forward, recomputation as `--recompute` asks, backward); their gradients
+/// accumulate in the groups' buffers. Returns the batch buffers.
+fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
+    let (spec, cfg, n) = (r.spec, r.cfg, r.rows.n());
     let micro = cfg.grad_accum;
     let mut io = Io {
         tokens: vec![],
@@ -295,10 +457,10 @@ pub(super) fn build(
         let io_buf = |g: &mut Builder, what: &str, dtype| {
             g.persistent(&format!("{prefix}{what}"), Category::IoStaging, dtype, n)
         };
-        let tokens = io_buf(&mut g, "tokens", DType::U32); // [B, T]
-        let positions = cfg.packed.then(|| io_buf(&mut g, "positions", DType::U32)); // [B, T]
-        let targets = io_buf(&mut g, "targets", DType::U32); // [B, T]
-        let losses = io_buf(&mut g, "losses", DType::F32); // [N]
+        let tokens = io_buf(g, "tokens", DType::U32); // [B, T]
+        let positions = cfg.packed.then(|| io_buf(g, "positions", DType::U32)); // [B, T]
+        let targets = io_buf(g, "targets", DType::U32); // [B, T]
+        let losses = io_buf(g, "losses", DType::F32); // [N]
         let mb = MicroBatch {
             prefix,
             tokens,
@@ -306,53 +468,74 @@ pub(super) fn build(
             // The step's loss is the mean over every micro-batch's trained targets, on every
             // rank: a count of the step's data (`StepCtx::loss_tokens`), not of the plan.
             loss: Some(Loss { targets, losses }),
-            rows,
-            attn_ws_len,
+            rows: r.rows,
+            attn_ws_len: r.attn_ws_len,
         };
         g.micro = k;
-        spec.family.emit(&mut g, spec, &cfg.emit_options(), &mb);
+        spec.family.emit(g, spec, &cfg.emit_options(), &mb);
         g.micro = 0;
         io.tokens.push(tokens);
         io.positions.extend(positions);
         io.targets.push(targets);
         io.losses.push(losses);
     }
-    if let Some(l) = &lora {
-        super::lora::apply(&mut g, l);
-    }
-    optimizer(&mut g, &layout, &optim, sharded);
-    // With gradients on the disk tier, each step runs the previous step's update in its
-    // forward, so the update's transfers overlap arithmetic; the gradients are then kept
-    // across the step boundary (on disk: no RAM for it).
-    io.deferred_update = offload.grads;
-    if io.deferred_update {
-        defer_updates(&mut g, &grads);
+    io
+}
+
+/// With gradients on the disk tier, each step runs the previous step's update in its
+/// forward ([`defer_updates`]), so the update's transfers overlap arithmetic; the gradients
+/// are then kept across the step boundary (on disk: no RAM for it). Returns whether it does.
+fn deferred_update(g: &mut Builder, r: &Request, grads: &Segments) -> bool {
+    let deferred = r.offload.grads;
+    if deferred {
+        defer_updates(g, grads);
         for id in grads.bufs() {
             g.buffers[id.0].persistent = true;
         }
     }
-    zero_grads_before_first_write(&mut g, &grads);
-    norm_when_final(&mut g, &layout, &grads);
-    // A kept GGUF base whose fused projections differ in type: planned again with those
-    // parts as q8_0.
-    if let (Some(l), Some(base)) = (&lora, &base) {
-        let storage = (cfg.base_quant, cfg.base_types.as_deref());
-        if let Some((types, names)) = super::lora::unify_storage(&g.ops, base, l, storage)? {
-            let mut cfg = cfg.clone();
-            cfg.base_types = Some(std::sync::Arc::new(types));
-            let mut plan = build(spec, &cfg, mode, backend, verify)?;
-            if let Some(l) = &mut plan.lora {
-                l.requantized = names;
-            }
-            return Ok(plan);
-        }
-        super::lora::split_biases(&mut g, base);
-    }
-    bind_state(&mut g, &params, Some(&grads), base.as_ref());
-    let params = match &split {
-        Some(split) => zero::collectives(&mut g, &layout, split, &params, &grads, micro),
-        None => params,
+    deferred
+}
+
+/// A LoRA plan's quantized base as its ops read it: a kept GGUF base whose fused projections
+/// differ in type is planned again with those parts as q8_0 (that plan is returned); else
+/// frozen layers' biases are split from their quantized weights
+/// ([`super::lora::split_biases`]).
+fn base_storage(
+    g: &mut Builder,
+    r: &Request,
+    lora: Option<&LoraPlan>,
+    base: Option<&Segments>,
+) -> Result<Option<Plan>> {
+    let (Some(l), Some(base)) = (lora, base) else {
+        return Ok(None);
     };
+    let storage = (r.cfg.base_quant, r.cfg.base_types.as_deref());
+    if let Some((types, names)) = super::lora::unify_storage(&g.ops, base, l, storage)? {
+        let mut cfg = r.cfg.clone();
+        cfg.base_types = Some(std::sync::Arc::new(types));
+        let mut plan = build(r.spec, &cfg, r.mode, r.backend, r.verify)?;
+        if let Some(l) = &mut plan.lora {
+            l.requantized = names;
+        }
+        return Ok(Some(plan));
+    }
+    super::lora::split_biases(g, base);
+    Ok(None)
+}
+
+/// The buffers `--offload` puts on the disk tier ([`stage::stage`] stages their uses): the
+/// parameters (and a LoRA plan's frozen base), the gradients, the moments, the activations
+/// the forward keeps for the backward, as the flag asks.
+fn offload_homes(
+    g: &Builder,
+    r: &Request,
+    params: &Segments,
+    base: Option<&Segments>,
+    lora: Option<&LoraPlan>,
+    grads: &Segments,
+    optim: &[OptimBufs],
+) -> Vec<Home> {
+    let offload = r.offload;
     let mut homes = Vec::new();
     let mut home = |ids: Vec<BufId>, kind, group: &dyn Fn(BufId) -> Option<usize>| {
         homes.extend(ids.into_iter().map(|id| Home {
@@ -365,7 +548,7 @@ pub(super) fn build(
     if offload.params {
         home(params.bufs(), Kind::Params, &alone);
         // A LoRA plan's frozen base too: read one group at a time, never written back.
-        if let (Some(base), Some(l)) = (&base, &lora) {
+        if let (Some(base), Some(l)) = (base, lora) {
             home(base.bufs(), Kind::Base, &|id| base_group(base, l, id));
         }
     }
@@ -380,21 +563,9 @@ pub(super) fn build(
         );
     }
     if offload.activations {
-        home(stage::kept_activations(&g), Kind::Activations, &alone);
+        home(stage::kept_activations(g), Kind::Activations, &alone);
     }
-    // Blocks in the step: every micro-batch's.
-    stage::stage(&mut g, &homes, spec.n_layer * micro);
-    let p = ImplicitBufs {
-        params,
-        base,
-        quant_ws,
-        gemm_ws,
-        grads: Some(grads),
-        optim: Some(optim),
-    };
-    let mut plan = finish(spec, cfg, mode, (layout, lora), g, p, io, backend, verify)?;
-    plan.cuts = split.map(|s| s.cuts).unwrap_or_default();
-    Ok(plan)
+    homes
 }
 
 /// The parameter group of the base's buffer `id` (a segment of `base`).
@@ -723,22 +894,55 @@ struct Io {
     deferred_update: bool,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The last passes, on the whole schedule: the buffers outside the arena
+/// ([`owned_buffers`]), every buffer's live interval ([`lifetimes`]), the offsets of each
+/// tier ([`pack`]), then the plan, verified ([`verify_ops`]).
 fn finish(
-    spec: &ModelSpec,
-    cfg: &StepConfig,
-    mode: Mode,
+    r: &Request,
     (layout, lora): (ParamLayout, Option<LoraPlan>),
     mut g: Builder,
     implicit: ImplicitBufs,
     io: Io,
-    backend: &dyn Sizing,
-    verify: Verify,
 ) -> Result<Plan> {
-    // Owned buffers, outside the arena: the loader's two prefetch buffers and the trainer's
-    // batch buffer ([accum·B, T+1] u32 each), and the scratch the backend's libraries keep
-    // for themselves (the `gemm` crate's packing on the CPU).
-    if mode == Mode::Train {
+    owned_buffers(&mut g, r);
+    lifetimes(&mut g)?;
+    let packed = pack(&mut g, r.verify)?;
+    let plan = Plan {
+        spec: r.spec.clone(),
+        layout,
+        lora,
+        cfg: r.cfg.clone(),
+        mode: r.mode,
+        schedule: Schedule {
+            ops: g.ops,
+            implicit,
+            tokens: io.tokens,
+            positions: io.positions,
+            targets: io.targets,
+            losses: io.losses,
+            logits: io.logits,
+            deferred_update: io.deferred_update,
+        },
+        buffers: g.buffers,
+        arena_bytes: packed.arena_bytes,
+        peak_live_bytes: packed.peak_live_bytes,
+        peak_op: packed.peak_op,
+        external_bytes: packed.external_bytes,
+        nvme_bytes: packed.nvme_bytes,
+        cuts: Vec::new(),
+    };
+    if r.verify == Verify::Yes {
+        verify_ops(&plan)?;
+    }
+    Ok(plan)
+}
+
+/// Declares the owned buffers, outside the arena: the loader's two prefetch buffers and the
+/// trainer's batch buffer ([accum·B, T+1] u32 each), and the scratch the backend's libraries
+/// keep for themselves (the `gemm` crate's packing on the CPU).
+fn owned_buffers(g: &mut Builder, r: &Request) {
+    let cfg = r.cfg;
+    if r.mode == Mode::Train {
         let id = g.persistent(
             "loader.staging",
             Category::IoStaging,
@@ -747,7 +951,7 @@ fn finish(
         );
         g.buffers[id.0].placement = Placement::OWNED;
     }
-    let scratch = backend.library_scratch_bytes(&g.ops, cfg.threads);
+    let scratch = r.backend.library_scratch_bytes(&g.ops, cfg.threads);
     let id = g.persistent(
         "gemm.packing",
         Category::Workspace,
@@ -755,8 +959,12 @@ fn finish(
         (scratch / 4) as usize,
     );
     g.buffers[id.0].placement = Placement::OWNED;
+}
 
-    // Live intervals from the schedule (gradient buffers from the ops' parameter ranges).
+/// Sets each buffer's live interval from the schedule: from the first to the last op that
+/// touches it (gradient buffers through the ops' parameter ranges); persistent buffers, the
+/// whole step. A buffer no op uses is an internal error.
+fn lifetimes(g: &mut Builder) -> Result<()> {
     let n_ops = g.ops.len();
     for (i, e) in g.ops.iter().enumerate() {
         e.buffers(|id, _| {
@@ -774,6 +982,22 @@ fn finish(
             bail!("internal error: plan buffer {} is never used", buf.name);
         }
     }
+    Ok(())
+}
+
+/// A plan's sizes once its tiers are packed ([`pack`]).
+struct Packed {
+    arena_bytes: u64,
+    nvme_bytes: u64,
+    external_bytes: u64,
+    peak_live_bytes: u64,
+    peak_op: usize,
+}
+
+/// Packs the offsets of the host arena and of the disk tier ([`packing::pack`]), verified
+/// with `verify`, and measures the arena's peak and the bytes outside it.
+fn pack(g: &mut Builder, verify: Verify) -> Result<Packed> {
+    let n_ops = g.ops.len();
     let arena_bytes = packing::pack(&mut g.buffers, Tier::Host);
     let nvme_bytes = packing::pack(&mut g.buffers, Tier::Nvme);
     if verify == Verify::Yes {
@@ -793,34 +1017,13 @@ fn finish(
         .cloned()
         .collect();
     let (peak_live_bytes, peak_op) = packing::peak_live(&in_arena, n_ops);
-    let plan = Plan {
-        spec: spec.clone(),
-        layout,
-        lora,
-        cfg: cfg.clone(),
-        mode,
-        schedule: Schedule {
-            ops: g.ops,
-            implicit,
-            tokens: io.tokens,
-            positions: io.positions,
-            targets: io.targets,
-            losses: io.losses,
-            logits: io.logits,
-            deferred_update: io.deferred_update,
-        },
-        buffers: g.buffers,
+    Ok(Packed {
         arena_bytes,
+        nvme_bytes,
+        external_bytes,
         peak_live_bytes,
         peak_op,
-        external_bytes,
-        nvme_bytes,
-        cuts: Vec::new(),
-    };
-    if verify == Verify::Yes {
-        verify_ops(&plan)?;
-    }
-    Ok(plan)
+    })
 }
 
 /// Checks that no op writes a buffer whose bytes overlap another buffer the same op touches
