@@ -114,17 +114,35 @@ pub(super) fn kept_activations(g: &Builder) -> Vec<BufId> {
 
 /// Puts `homes` on the disk tier and stages every use of them (see the module docs);
 /// `blocks` (the step's blocks: layers × micro-batches) sets how far ahead activations move.
+/// In steps: each home's uses, split into spans, a staging copy per span, and the transfers
+/// and waits around them.
 pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
     if homes.is_empty() {
         return;
     }
-    let n_ops = g.ops.len();
+    let uses = home_uses(g, homes);
+    let mut spans = spans(g, homes, &uses);
+    staging_copies(g, homes, &mut spans);
+    let inserts = transfers(g, homes, &spans, blocks);
+    insert(g, inserts);
+}
+
+/// One op's use of a home: (op, reads, writes).
+type Use = (usize, bool, bool);
+
+/// The key of home `k`: homes of one key are one parameter group (see `Home::group`).
+fn group_key(homes: &[Home], k: usize) -> usize {
+    homes[k].group.map_or(k, |g| homes.len() + g)
+}
+
+/// Each home's uses, in schedule order, one per op.
+fn home_uses(g: &Builder, homes: &[Home]) -> Vec<Vec<Use>> {
     let mut home_of = vec![None; g.buffers.len()];
     for (k, h) in homes.iter().enumerate() {
         home_of[h.id.0] = Some(k);
     }
     // Each home's uses: (op, reads, writes).
-    let mut uses: Vec<Vec<(usize, bool, bool)>> = homes.iter().map(|_| Vec::new()).collect();
+    let mut uses: Vec<Vec<Use>> = homes.iter().map(|_| Vec::new()).collect();
     for (i, e) in g.ops.iter().enumerate() {
         e.buffers(|id, access| {
             let Some(k) = home_of[id.0] else { return };
@@ -138,8 +156,17 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
             }
         });
     }
+    uses
+}
+
+/// Splits each home's uses into spans: where the part of the step changes, and (parameters,
+/// gradients, moments) where another group's home of the same kind is used in between. A
+/// span reads its home when its first op reads it, and writes it back when it writes and the
+/// value is needed later (a later span, or a persistent home). Each span's `stage` is its
+/// home until [`staging_copies`] declares its copy.
+fn spans(g: &Builder, homes: &[Home], uses: &[Vec<Use>]) -> Vec<Span> {
     // Homes of one key are one parameter group (see `Home::group`).
-    let key = |k: usize| homes[k].group.map_or(k, |g| homes.len() + g);
+    let key = |k: usize| group_key(homes, k);
     // Ops using each kind, sorted, with the key of the home they use (to find another group
     // of the kind used between two uses).
     let kind_ops = |kind: Kind| {
@@ -190,15 +217,21 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
                 read: run[0].1,
                 write: written && (persistent || later),
                 class: class(home.kind, g.ops[run[0].0].phase),
-                stage: home.id, // set below
+                stage: home.id, // set by `staging_copies`
             });
             start = j;
         }
     }
+    spans
+}
 
+/// Declares each span's staging copy, named by its home and the part of the step it serves
+/// (`h3.params.fwd`, `h3.params.bwd1`, …), marks the homes and the copies for direct I/O,
+/// and renames each span's ops from the home to its copy.
+fn staging_copies(g: &mut Builder, homes: &[Home], spans: &mut [Span]) {
     // Staging buffers, named by the part of the step they serve.
     let mut count = std::collections::HashMap::new();
-    for s in &mut spans {
+    for s in spans.iter_mut() {
         let home = &g.buffers[homes[s.home].id.0];
         let part = match s.class {
             Phase::Forward => "fwd",
@@ -219,16 +252,26 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
     for h in homes {
         g.for_io(h.id, true);
     }
-    for s in &spans {
+    for s in spans.iter() {
         let home = homes[s.home].id;
         for e in &mut g.ops[s.first..=s.last] {
             e.rename(home, s.stage);
         }
     }
+}
 
-    // Transfers: (position: before original op, order at that position, entry). At one
-    // position writes start, then earlier writes are awaited, then reads start, then reads
-    // are awaited.
+/// A transfer or a wait to insert: (position: before original op, order at that position,
+/// entry). At one position writes start, then earlier writes are awaited, then reads start,
+/// then reads are awaited.
+type Insert = (usize, u8, OpEntry);
+
+/// The transfers that fill each span's copy and write it back, and their waits, pipelined
+/// per kind (see the module docs): a read starts `ahead` spans of its kind early and is
+/// awaited before the span's first op; a write starts after its last op and is awaited
+/// `ahead` spans of its kind later.
+fn transfers(g: &Builder, homes: &[Home], spans: &[Span], blocks: usize) -> Vec<Insert> {
+    let n_ops = g.ops.len();
+    let key = |k: usize| group_key(homes, k);
     // With a deferred update, a step runs every op but the `Optimizer` ones, which run
     // alone between steps: a transfer is prefetched and awaited within the ops that run
     // together with it (`step_end`: where the step's ops end).
@@ -243,7 +286,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
         Phase::Optimizer => n_ops,
         _ => step_end.unwrap_or(n_ops),
     };
-    let mut inserts: Vec<(usize, u8, OpEntry)> = Vec::new();
+    let mut inserts: Vec<Insert> = Vec::new();
     let entry = |g: &Builder, stage: BufId, what: &str, phase: Phase, op: Op| OpEntry {
         name: format!("{}.{what}", g.buffers[stage.0].name),
         phase,
@@ -336,6 +379,13 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
             }
         }
     }
+    inserts
+}
+
+/// Inserts `inserts` into the schedule, each before its original op (those past the last
+/// op at the end), in (position, order) order.
+fn insert(g: &mut Builder, mut inserts: Vec<Insert>) {
+    let n_ops = g.ops.len();
     inserts.sort_by_key(|(at, order, _)| (*at, *order));
     let mut inserts = inserts.into_iter().peekable();
     let mut ops = Vec::with_capacity(n_ops + inserts.len());
