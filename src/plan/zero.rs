@@ -176,7 +176,12 @@ pub(super) fn shard_moments(
 /// Inserts the collectives of `sh.zero` and rebinds the sharded update (see the module
 /// documentation). Runs on a bound schedule (norm shares and gradient zeroing placed).
 /// Returns the parameters as they persist between steps: `params` itself, or under ZeRO 3
-/// the rank's shards (one segment per group over the elements it owns).
+/// the rank's shards (one segment per group over the elements it owns). In steps, per
+/// parameter group: its gradients all-reduced (`--zero 0`), or reduce-scattered into the
+/// rank's shard, which the norm share and the update then read, and the updated parameters
+/// all-gathered (or, ZeRO 3, kept as shards and gathered for each span of use); then every
+/// collective placed ([`prefetch`], [`apply`]) and overlapped with the ops after it
+/// ([`overlap`]).
 pub(super) fn collectives(
     g: &mut Builder,
     layout: &ParamLayout,
@@ -188,198 +193,46 @@ pub(super) fn collectives(
     let sh = &split.sh;
     let groups: Vec<std::ops::Range<usize>> =
         grads.segments.iter().map(|s| s.range.clone()).collect();
-    let scratch = |g: &mut Builder, name: &str, dtype: DType, cut: &Cut| {
-        g.buf(
-            format!("{name}.comm"),
-            Category::Communication,
-            dtype,
-            cut.scratch(),
-        )
-    };
     let storage = g.buffers[grads.segments[0].buf.0].dtype;
-    // Inserts: (before op index, entry), applied at the end in order.
-    let mut before: Vec<(usize, OpEntry)> = Vec::new();
-    // ZeRO 3: each span's all-gather, with the span's first op (placed by `prefetch`).
-    let mut gathers: Vec<(usize, OpEntry)> = Vec::new();
-    let mut after: Vec<(usize, OpEntry)> = Vec::new();
-    let entry = |name: String, phase: Phase, micro: usize, op: Op| OpEntry {
-        name,
-        phase,
-        op,
-        flops: 0,
-        params: None,
-        grads: None,
-        micro,
-        frozen: false,
-    };
-    let norm_at: Vec<usize> = (0..groups.len())
-        .map(|k| {
-            g.ops
-                .iter()
-                .position(|e| matches!(&e.op, Op::GradNorm { range } if range == &groups[k]))
-                .expect("internal error: a group without a norm share")
-        })
-        .collect();
-    // The optimizer phase has one `AdamW` per group, in group order.
-    let update_at: Vec<usize> = (0..g.ops.len())
-        .filter(|&i| g.ops[i].phase == Phase::Optimizer && matches!(g.ops[i].op, Op::AdamW { .. }))
-        .collect();
-    assert_eq!(
-        update_at.len(),
-        groups.len(),
-        "internal error: one update per group"
-    );
+    let norm_at = norm_shares(g, &groups);
+    let update_at = updates(g, groups.len());
+    let mut ins = Inserts::default();
     let mut shards: Vec<Segment> = Vec::new();
     for (k, range) in groups.iter().enumerate() {
-        let name = layout.groups[k].name.clone();
-        let grad = grads.segments[k].buf;
-        let cut = &split.cuts[k];
+        let gr = Group {
+            k,
+            name: layout.groups[k].name.clone(),
+            range,
+            grad: grads.segments[k].buf,
+            params,
+            cut: &split.cuts[k],
+            norm: norm_at[k],
+            update: update_at[k],
+        };
         if !sh.zero.shards_optimizer() {
-            let op = Op::AllReduce {
-                buf: grad,
-                scratch: scratch(g, &format!("{name}.grad"), storage, cut),
-                group: k,
-            };
-            let at = norm_at[k];
-            let micro = g.ops[at].micro;
-            before.push((
-                at,
-                entry(
-                    format!("{name}.grad.all_reduce"),
-                    Phase::Backward,
-                    micro,
-                    op,
-                ),
-            ));
+            all_reduce(g, &gr, storage, &mut ins);
             continue;
         }
-        // The elements this rank owns (an empty range at its chunk's start when it owns
-        // padding or nothing).
-        let chunk = cut.shard(sh.rank);
-        let base = range.start + chunk.start;
-        let owned = Some(split.owned(range, k))
-            .filter(|o| !o.is_empty())
-            .unwrap_or(base..base);
-        let shard = g.act(format!("{name}.grad.shard"), Category::Grad, chunk.len());
-        let shard_binding = Binding {
-            buf: shard,
-            base,
-            quant: None,
-        };
+        let shard = grad_shard(g, split, &gr);
         // Gradients: reduce-scattered once final (ZeRO 1, or one micro-batch), or every
         // micro-batch from a buffer of its own (ZeRO 2).
         if sh.zero.shards_grads() && micro > 1 {
-            // The ops of micro-batch j that write gradient buffer `buf` (not the norm share
-            // or the update, which read the shard).
-            let writes = |e: &OpEntry, j: usize, buf: BufId| {
-                e.micro == j
-                    && e.grads.is_some_and(|b| b.buf == buf)
-                    && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
-            };
-            for j in 0..micro {
-                let buf = if j == 0 {
-                    grad
-                } else {
-                    let id = g.act(format!("mb{j}.{name}.grad"), Category::Grad, cut.len());
-                    let mut first = None;
-                    for (i, e) in g.ops.iter_mut().enumerate() {
-                        if writes(e, j, grad) {
-                            e.rename(grad, id);
-                            first.get_or_insert(i);
-                        }
-                    }
-                    let first = first.expect("internal error: a micro-batch without gradients");
-                    let op = Op::Zero { buf: id };
-                    before.push((
-                        first,
-                        entry(format!("zero_mb{j}.{name}.grad"), Phase::Backward, j, op),
-                    ));
-                    id
-                };
-                let last = g
-                    .ops
-                    .iter()
-                    .rposition(|e| writes(e, j, buf))
-                    .expect("internal error: a micro-batch without gradients");
-                let op = Op::ReduceScatter {
-                    buf,
-                    shard,
-                    scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, cut),
-                    accumulate: j > 0,
-                    group: k,
-                };
-                after.push((
-                    last,
-                    entry(
-                        format!("mb{j}.{name}.grad.reduce_scatter"),
-                        Phase::Backward,
-                        j,
-                        op,
-                    ),
-                ));
-            }
+            reduce_scatter_each_micro_batch(g, &gr, &shard, storage, micro, &mut ins);
         } else {
-            let op = Op::ReduceScatter {
-                buf: grad,
-                shard,
-                scratch: scratch(g, &format!("{name}.grad"), storage, cut),
-                accumulate: false,
-                group: k,
-            };
-            let at = norm_at[k];
-            let micro = g.ops[at].micro;
-            before.push((
-                at,
-                entry(
-                    format!("{name}.grad.reduce_scatter"),
-                    Phase::Backward,
-                    micro,
-                    op,
-                ),
-            ));
+            reduce_scatter(g, &gr, &shard, storage, &mut ins);
         }
-        // The norm share and the update read the shard.
-        let e = &mut g.ops[norm_at[k]];
-        e.op = Op::GradNorm {
-            range: owned.clone(),
-        };
-        e.grads = Some(shard_binding);
-        let upd = update_at[k];
-        g.ops[upd].grads = Some(shard_binding);
+        read_shard(g, &gr, &shard);
         if sh.zero.shards_params() {
-            let full = &g.buffers[params.segments[k].buf.0];
-            let (shard_name, category) = (format!("{}.shard", full.name), full.category);
-            let shard_params = g.persistent(&shard_name, category, DType::F32, chunk.len());
-            g.ops[upd].params = Some(Binding {
-                buf: shard_params,
-                base,
-                quant: None,
-            });
-            gather_spans(g, params.segments[k].buf, shard_params, k, &mut gathers);
-            shards.push(Segment {
-                range: owned,
-                buf: shard_params,
-                quant: None,
-            });
+            shards.push(shard_params(g, &gr, &shard, &mut ins));
         } else {
-            // (Bound here too for a rank whose shard holds no parameter: its update has no
-            // tensors, so binding found none.)
-            g.ops[upd].params = Some(Binding {
-                buf: params.segments[k].buf,
-                base: range.start,
-                quant: None,
-            });
-            let op = Op::AllGather {
-                buf: params.segments[k].buf,
-                shard: None,
-                group: k,
-            };
-            after.push((
-                upd,
-                entry(format!("{name}.params.all_gather"), Phase::Optimizer, 0, op),
-            ));
+            gather_updated(g, &gr, &mut ins);
         }
     }
+    let Inserts {
+        mut before,
+        gathers,
+        after,
+    } = ins;
     before.extend(prefetch(g, gathers));
     apply(g, before, after);
     overlap(g);
@@ -388,6 +241,292 @@ pub(super) fn collectives(
     } else {
         params.clone()
     }
+}
+
+/// One parameter group, as [`collectives`] sees it.
+struct Group<'a> {
+    /// Its index (the collectives' `group`).
+    k: usize,
+    name: String,
+    /// Its parameter elements.
+    range: &'a std::ops::Range<usize>,
+    /// Its gradient buffer.
+    grad: BufId,
+    /// The parameters (one segment per group in a sharded plan, `plan::build::param_buffers`).
+    params: &'a Segments,
+    cut: &'a Cut,
+    /// Its norm share's op and its update's (schedule indices before any insertion).
+    norm: usize,
+    update: usize,
+}
+
+/// The ops [`collectives`] inserts, once every group is done: `before` op i and `after` op
+/// i, in the order given, and ZeRO 3's all-gathers with their span's first op (placed by
+/// [`prefetch`]).
+#[derive(Default)]
+struct Inserts {
+    before: Vec<(usize, OpEntry)>,
+    gathers: Vec<(usize, OpEntry)>,
+    after: Vec<(usize, OpEntry)>,
+}
+
+/// An inserted op: no flops, no bindings.
+fn entry(name: String, phase: Phase, micro: usize, op: Op) -> OpEntry {
+    OpEntry {
+        name,
+        phase,
+        op,
+        flops: 0,
+        params: None,
+        grads: None,
+        micro,
+        frozen: false,
+    }
+}
+
+/// Declares the scratch piece (`{name}.comm`) of a collective over a buffer cut as `cut`.
+fn scratch(g: &mut Builder, name: &str, dtype: DType, cut: &Cut) -> BufId {
+    g.buf(
+        format!("{name}.comm"),
+        Category::Communication,
+        dtype,
+        cut.scratch(),
+    )
+}
+
+/// Where each group's norm share (`GradNorm` over the group's range) is.
+fn norm_shares(g: &Builder, groups: &[std::ops::Range<usize>]) -> Vec<usize> {
+    (0..groups.len())
+        .map(|k| {
+            g.ops
+                .iter()
+                .position(|e| matches!(&e.op, Op::GradNorm { range } if range == &groups[k]))
+                .expect("internal error: a group without a norm share")
+        })
+        .collect()
+}
+
+/// Where each group's update is: the optimizer phase has one `AdamW` per group, in group
+/// order.
+fn updates(g: &Builder, groups: usize) -> Vec<usize> {
+    let update_at: Vec<usize> = (0..g.ops.len())
+        .filter(|&i| g.ops[i].phase == Phase::Optimizer && matches!(g.ops[i].op, Op::AdamW { .. }))
+        .collect();
+    assert_eq!(
+        update_at.len(),
+        groups,
+        "internal error: one update per group"
+    );
+    update_at
+}
+
+/// `--zero 0`: the group's gradients all-reduced as soon as they are final (just before its
+/// norm share).
+fn all_reduce(g: &mut Builder, gr: &Group, storage: DType, ins: &mut Inserts) {
+    let (name, grad, cut, k) = (&gr.name, gr.grad, gr.cut, gr.k);
+    let op = Op::AllReduce {
+        buf: grad,
+        scratch: scratch(g, &format!("{name}.grad"), storage, cut),
+        group: k,
+    };
+    let at = gr.norm;
+    let micro = g.ops[at].micro;
+    ins.before.push((
+        at,
+        entry(
+            format!("{name}.grad.all_reduce"),
+            Phase::Backward,
+            micro,
+            op,
+        ),
+    ));
+}
+
+/// The rank's shard of a group's gradients (ZeRO ≥ 1).
+struct Shard {
+    /// The `{group}.grad.shard` buffer, as long as the rank's chunk.
+    buf: BufId,
+    /// The parameter element of the chunk's first.
+    base: usize,
+    /// The rank's chunk of the group's cut (group offsets).
+    chunk: std::ops::Range<usize>,
+    /// The elements this rank owns (an empty range at its chunk's start when it owns
+    /// padding or nothing).
+    owned: std::ops::Range<usize>,
+}
+
+impl Shard {
+    /// The shard's binding, for the ops that read it.
+    fn binding(&self) -> Binding {
+        Binding {
+            buf: self.buf,
+            base: self.base,
+            quant: None,
+        }
+    }
+}
+
+/// Declares the rank's shard of the group's gradients (`{group}.grad.shard`).
+fn grad_shard(g: &mut Builder, split: &Split, gr: &Group) -> Shard {
+    let (name, range, cut) = (&gr.name, gr.range, gr.cut);
+    // The elements this rank owns (an empty range at its chunk's start when it owns
+    // padding or nothing).
+    let chunk = cut.shard(split.sh.rank);
+    let base = range.start + chunk.start;
+    let owned = Some(split.owned(range, gr.k))
+        .filter(|o| !o.is_empty())
+        .unwrap_or(base..base);
+    let buf = g.act(format!("{name}.grad.shard"), Category::Grad, chunk.len());
+    Shard {
+        buf,
+        base,
+        chunk,
+        owned,
+    }
+}
+
+/// ZeRO 2 under accumulation: every micro-batch's gradients go to a buffer of their own
+/// (`mb{j}.{group}.grad`; micro-batch 0's, the group's), zeroed before its first write and
+/// reduce-scattered (accumulated into the shard) after its last.
+fn reduce_scatter_each_micro_batch(
+    g: &mut Builder,
+    gr: &Group,
+    shard: &Shard,
+    storage: DType,
+    micro: usize,
+    ins: &mut Inserts,
+) {
+    let (name, grad, cut, k) = (&gr.name, gr.grad, gr.cut, gr.k);
+    let shard = shard.buf;
+    // The ops of micro-batch j that write gradient buffer `buf` (not the norm share
+    // or the update, which read the shard).
+    let writes = |e: &OpEntry, j: usize, buf: BufId| {
+        e.micro == j
+            && e.grads.is_some_and(|b| b.buf == buf)
+            && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
+    };
+    for j in 0..micro {
+        let buf = if j == 0 {
+            grad
+        } else {
+            let id = g.act(format!("mb{j}.{name}.grad"), Category::Grad, cut.len());
+            let mut first = None;
+            for (i, e) in g.ops.iter_mut().enumerate() {
+                if writes(e, j, grad) {
+                    e.rename(grad, id);
+                    first.get_or_insert(i);
+                }
+            }
+            let first = first.expect("internal error: a micro-batch without gradients");
+            let op = Op::Zero { buf: id };
+            ins.before.push((
+                first,
+                entry(format!("zero_mb{j}.{name}.grad"), Phase::Backward, j, op),
+            ));
+            id
+        };
+        let last = g
+            .ops
+            .iter()
+            .rposition(|e| writes(e, j, buf))
+            .expect("internal error: a micro-batch without gradients");
+        let op = Op::ReduceScatter {
+            buf,
+            shard,
+            scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, cut),
+            accumulate: j > 0,
+            group: k,
+        };
+        ins.after.push((
+            last,
+            entry(
+                format!("mb{j}.{name}.grad.reduce_scatter"),
+                Phase::Backward,
+                j,
+                op,
+            ),
+        ));
+    }
+}
+
+/// ZeRO 1, or one micro-batch: the group's gradients reduce-scattered into the shard once
+/// final (just before its norm share).
+fn reduce_scatter(g: &mut Builder, gr: &Group, shard: &Shard, storage: DType, ins: &mut Inserts) {
+    let (name, grad, cut, k) = (&gr.name, gr.grad, gr.cut, gr.k);
+    let op = Op::ReduceScatter {
+        buf: grad,
+        shard: shard.buf,
+        scratch: scratch(g, &format!("{name}.grad"), storage, cut),
+        accumulate: false,
+        group: k,
+    };
+    let at = gr.norm;
+    let micro = g.ops[at].micro;
+    ins.before.push((
+        at,
+        entry(
+            format!("{name}.grad.reduce_scatter"),
+            Phase::Backward,
+            micro,
+            op,
+        ),
+    ));
+}
+
+/// The group's norm share and update read the gradient shard (the share over the elements
+/// the rank owns).
+fn read_shard(g: &mut Builder, gr: &Group, shard: &Shard) {
+    let shard_binding = shard.binding();
+    let e = &mut g.ops[gr.norm];
+    e.op = Op::GradNorm {
+        range: shard.owned.clone(),
+    };
+    e.grads = Some(shard_binding);
+    let upd = gr.update;
+    g.ops[upd].grads = Some(shard_binding);
+}
+
+/// ZeRO 3: the rank keeps its shard of the group's parameters (`{group}.params.shard`),
+/// which the update works on, and each span of use gets a gathered copy ([`gather_spans`]).
+/// Returns the shard's segment.
+fn shard_params(g: &mut Builder, gr: &Group, shard: &Shard, ins: &mut Inserts) -> Segment {
+    let (k, upd, base, params) = (gr.k, gr.update, shard.base, gr.params);
+    let full = &g.buffers[params.segments[k].buf.0];
+    let (shard_name, category) = (format!("{}.shard", full.name), full.category);
+    let shard_params = g.persistent(&shard_name, category, DType::F32, shard.chunk.len());
+    g.ops[upd].params = Some(Binding {
+        buf: shard_params,
+        base,
+        quant: None,
+    });
+    gather_spans(g, params.segments[k].buf, shard_params, k, &mut ins.gathers);
+    Segment {
+        range: shard.owned.clone(),
+        buf: shard_params,
+        quant: None,
+    }
+}
+
+/// ZeRO 1 and 2: the update works on the rank's part of the whole parameters, which are
+/// all-gathered after it.
+fn gather_updated(g: &mut Builder, gr: &Group, ins: &mut Inserts) {
+    let (name, k, upd, range, params) = (&gr.name, gr.k, gr.update, gr.range, gr.params);
+    // (Bound here too for a rank whose shard holds no parameter: its update has no
+    // tensors, so binding found none.)
+    g.ops[upd].params = Some(Binding {
+        buf: params.segments[k].buf,
+        base: range.start,
+        quant: None,
+    });
+    let op = Op::AllGather {
+        buf: params.segments[k].buf,
+        shard: None,
+        group: k,
+    };
+    ins.after.push((
+        upd,
+        entry(format!("{name}.params.all_gather"), Phase::Optimizer, 0, op),
+    ));
 }
 
 /// ZeRO 3: splits the uses of group `group`'s transient parameter buffer `full` into spans
