@@ -2,10 +2,12 @@
 //! throughput, step times, peak RSS and the plan's prediction, as JSON.
 
 use super::executor::{Executor, OptimHparams};
-use crate::backend::DeviceKind;
-use crate::ir::Precision;
-use crate::model::ModelSpec;
+use crate::backend::{Backend, DeviceKind, IoTime, Peak};
+use crate::ir::{Precision, Recompute};
+use crate::model::{ModelSpec, ParamLayout};
+use crate::plan::Plan;
 use crate::plan::fit::Strategies;
+use crate::plan::time::{Calibration, StepTime};
 use crate::profile::leak::LeakCheck;
 use crate::profile::record::micros;
 use crate::profile::{OpRecorder, Profile, StepProfile};
@@ -59,11 +61,93 @@ fn mark_packed(batch: &mut [u32], w: usize, len: usize) {
     }
 }
 
-/// Runs the benchmark; returns the JSON report.
+/// Runs the benchmark; returns the JSON report. In parts: the set-up (`set_up`: the plan,
+/// the executor, the weights), one warm-up step (`warm_up`), the measured steps (`measure`),
+/// and the report (`report`).
 pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<Value> {
     if opts.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    let mut bench = set_up(opts)?;
+    warm_up(opts, &mut bench, on_step)?;
+    measure(opts, &mut bench, on_step)?;
+    report(opts, bench)
+}
+
+/// A benchmark under way: what the set-up made, and what the steps record.
+struct Bench {
+    spec: ModelSpec,
+    backend: &'static dyn Backend,
+    /// The process's resident memory before the plan's.
+    baseline: u64,
+    calibration: Calibration,
+    predicted: StepTime,
+    plan: PlanFigures,
+    ex: Executor,
+    /// The FMA ceiling, measured before the steps.
+    peak_before: Option<Peak>,
+    /// Where recorded times start.
+    epoch: Instant,
+    profile: Profile,
+    metrics: Vec<Metric>,
+    leak: LeakCheck,
+    rng: Rng,
+    /// A step's tokens, `[accum·B, T+1]`.
+    batch: Vec<u32>,
+    /// The measured steps' times (s).
+    times: Vec<f64>,
+    /// Every step's loss, the warm-up's first.
+    losses: Vec<f32>,
+    /// The disk tier's time when the warm-up step was done.
+    io_after_warmup: IoTime,
+}
+
+/// What the report gives of the plan, read before the executor takes it.
+struct PlanFigures {
+    recompute: Recompute,
+    io_read: u64,
+    io_write: u64,
+    by_tier: Value,
+    total: u64,
+    flops: u64,
+    recompute_flops: u64,
+    by_category: serde_json::Map<String, Value>,
+    layout: ParamLayout,
+    n_ops: usize,
+}
+
+impl PlanFigures {
+    fn of(plan: &Plan) -> PlanFigures {
+        let recompute = plan.cfg.recompute;
+        let (io_read, io_write) = plan.io_bytes_per_step();
+        let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes});
+        let (total, flops, recompute_flops) =
+            (plan.total_bytes(), plan.flops(), plan.recompute_flops());
+        let by_category: serde_json::Map<String, Value> = plan
+            .peak_by_category()
+            .into_iter()
+            .filter(|&(_, b)| b > 0)
+            .map(|(c, b)| (c.name().to_string(), json!(b)))
+            .collect();
+        PlanFigures {
+            recompute,
+            io_read,
+            io_write,
+            by_tier,
+            total,
+            flops,
+            recompute_flops,
+            by_category,
+            layout: plan.layout.clone(),
+            n_ops: plan.schedule.ops.len(),
+        }
+    }
+}
+
+/// The set-up: resolves the model and the backend, plans the configuration (into
+/// `--profile`'s directory too, with its prediction), starts the executor, measures the FMA
+/// ceiling, starts recording op times where asked, and fills the weights.
+fn set_up(opts: &BenchOptions) -> Result<Bench> {
     let spec = ModelSpec::resolve(&opts.model)?;
     let backend = opts.device.open(0)?;
     let baseline = rss::current_rss().unwrap_or(0);
@@ -87,36 +171,50 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             .with_prediction(&predicted, &calibration)
             .write(&RunDir::new(dir).plan())?;
     }
-    let recompute = plan.cfg.recompute;
-    let (io_read, io_write) = plan.io_bytes_per_step();
-    let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes});
-    let (plan_total, flops, recompute_flops) =
-        (plan.total_bytes(), plan.flops(), plan.recompute_flops());
-    let by_category: serde_json::Map<String, Value> = plan
-        .peak_by_category()
-        .into_iter()
-        .filter(|&(_, b)| b > 0)
-        .map(|(c, b)| (c.name().to_string(), json!(b)))
-        .collect();
-    let layout = plan.layout.clone();
-    let n_ops = plan.schedule.ops.len();
+    let figures = PlanFigures::of(&plan);
     let mut ex = Executor::on(plan, backend)?;
     // The sitting's arithmetic ceiling, measured on as many threads as the steps run on,
     // before and after them (a shared machine's ceiling moves; a fraction of it is what a
     // figure means).
-    let fma_peak = || super::calibrate::peak_on(opts.threads, backend);
-    let peak_before = fma_peak()?;
+    let peak_before = super::calibrate::peak_on(opts.threads, backend)?;
     let epoch = Instant::now();
     if opts.time_ops || opts.profile.is_some() {
-        ex.record_ops(Some(OpRecorder::new(epoch, n_ops * (opts.steps + 1))));
+        ex.record_ops(Some(OpRecorder::new(
+            epoch,
+            figures.n_ops * (opts.steps + 1),
+        )));
     }
-    let mut profile = Profile {
+    let profile = Profile {
         baseline_rss: baseline,
         steps: Vec::new(),
     };
-    let mut metrics = Vec::new();
-    let mut leak = LeakCheck::new(plan_total);
-    let mut init = layout.initializer(opts.seed);
+    let leak = LeakCheck::new(figures.total);
+    fill_weights(&mut ex, &figures.layout, opts.seed)?;
+    Ok(Bench {
+        spec,
+        backend,
+        baseline,
+        calibration,
+        predicted,
+        plan: figures,
+        ex,
+        peak_before,
+        epoch,
+        profile,
+        metrics: Vec::new(),
+        leak,
+        rng: Rng::new(opts.seed),
+        batch: vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)],
+        times: Vec::with_capacity(opts.steps),
+        losses: Vec::new(),
+        io_after_warmup: Default::default(),
+    })
+}
+
+/// Fills the parameters with the model's initialisation (seeded by `seed`), and a LoRA
+/// plan's frozen base too (the bytes and FLOPs are the same as a pretrained base's).
+fn fill_weights(ex: &mut Executor, layout: &ParamLayout, seed: u64) -> Result<()> {
+    let mut init = layout.initializer(seed);
     ex.fill_params(|range, p| {
         init.fill(range, p);
         Ok(())
@@ -124,27 +222,73 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
     // A LoRA plan's frozen base: the model's initialisation (the bytes and FLOPs are the
     // same as a pretrained base's).
     if let Some(lora) = ex.plan.lora.clone() {
-        let mut init = lora.base.initializer(opts.seed ^ 1);
+        let mut init = lora.base.initializer(seed ^ 1);
         ex.fill_base(|range, p| {
             init.fill(range, p);
             Ok(())
         })?;
     }
-    let mut rng = Rng::new(opts.seed);
-    let mut batch = vec![0u32; opts.strategies.grad_accum * opts.batch * (opts.seq + 1)];
-    let mut times = Vec::with_capacity(opts.steps);
-    let mut losses = Vec::new();
-    let mut io_after_warmup = Default::default();
-    for step in 0..=opts.steps {
+    Ok(())
+}
+
+/// The warm-up step: run and recorded as the others are, but its time, its disk-tier time
+/// and its ops' times stay out of the figures.
+fn warm_up(
+    opts: &BenchOptions,
+    bench: &mut Bench,
+    on_step: &mut dyn FnMut(usize, f64),
+) -> Result<()> {
+    let dt = bench.step(opts, 0)?;
+    bench.io_after_warmup = bench.ex.io_time();
+    if let Some(r) = bench.ex.recorder_mut() {
+        r.take(bench.plan.n_ops * opts.steps); // the warm-up step's times stay out of time_by_op
+    }
+    on_step(0, dt);
+    Ok(())
+}
+
+/// The measured steps (`--steps`), each one's time kept.
+fn measure(
+    opts: &BenchOptions,
+    bench: &mut Bench,
+    on_step: &mut dyn FnMut(usize, f64),
+) -> Result<()> {
+    for step in 1..=opts.steps {
+        let dt = bench.step(opts, step)?;
+        bench.times.push(dt);
+        on_step(step, dt);
+    }
+    Ok(())
+}
+
+impl Bench {
+    /// Step `step` (0: the warm-up) on fresh random tokens: uploads them, trains, and
+    /// records the loss, the step's profile, the resident memory and the metrics. Returns
+    /// the step's time (s), upload left out.
+    fn step(&mut self, opts: &BenchOptions, step: usize) -> Result<f64> {
+        let Bench {
+            spec,
+            plan,
+            ex,
+            epoch,
+            profile,
+            metrics,
+            leak,
+            rng,
+            batch,
+            losses,
+            ..
+        } = self;
+        let (epoch, n_ops) = (*epoch, plan.n_ops);
         for x in batch.iter_mut() {
             *x = rng.below(spec.vocab_size as u64) as u32;
         }
         match opts.packed {
             Some(len) => {
-                mark_packed(&mut batch, opts.seq + 1, len);
-                ex.upload_examples(&batch)?;
+                mark_packed(batch, opts.seq + 1, len);
+                ex.upload_examples(batch)?;
             }
-            None => ex.upload_batch(&batch)?,
+            None => ex.upload_batch(batch)?,
         }
         let t0 = Instant::now();
         if opts.strategies.precision == Precision::F16 {
@@ -199,16 +343,43 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
             }),
             val_loss: None,
         });
-        if step == 0 {
-            io_after_warmup = ex.io_time();
-        }
-        if step > 0 {
-            times.push(dt);
-        } else if let Some(r) = ex.recorder_mut() {
-            r.take(n_ops * opts.steps); // the warm-up step's times stay out of time_by_op
-        }
-        on_step(step, dt);
+        Ok(dt)
     }
+}
+
+/// The report: the measured steps' times against the plan's prediction and the FMA ceiling
+/// (measured again), the disk tier's time, time by op kind, peak memory against the plan
+/// (after a deferred update is finished), the leak check, and `--profile`'s files.
+fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
+    let Bench {
+        spec,
+        backend,
+        baseline,
+        calibration,
+        predicted,
+        plan,
+        mut ex,
+        peak_before,
+        profile,
+        metrics,
+        leak,
+        times,
+        losses,
+        io_after_warmup,
+        ..
+    } = bench;
+    let PlanFigures {
+        recompute,
+        io_read,
+        io_write,
+        by_tier,
+        total: plan_total,
+        flops,
+        recompute_flops,
+        by_category,
+        layout,
+        n_ops,
+    } = plan;
     let io: crate::backend::IoTime = ex.io_time();
     let offload_note = ex.offload_note();
     let per_step = |x: f64| x / opts.steps as f64;
@@ -216,55 +387,19 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         per_step(io.busy_s - io_after_warmup.busy_s),
         per_step(io.stall_s - io_after_warmup.stall_s),
     );
-    let peak_after = fma_peak()?;
+    let peak_after = super::calibrate::peak_on(opts.threads, backend)?;
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
     let tokens = (opts.strategies.grad_accum * opts.batch * opts.seq) as f64;
-    // Time by op kind (the name without its layer prefix), largest first.
-    let by_kind: Vec<Value> = match ex.record_ops(None) {
-        None => Vec::new(),
-        Some(rec) => {
-            let mut secs = vec![0.0f64; n_ops];
-            for s in &rec.spans {
-                secs[s.op as usize] += (s.end_us - s.start_us) * 1e-6;
-            }
-            let mut kinds: Vec<(String, f64, u64)> = Vec::new();
-            for (e, s) in ex.plan.schedule.ops.iter().zip(secs) {
-                let kind = crate::profile::timeline::op_kind(&e.name);
-                match kinds.iter_mut().find(|k| k.0 == kind) {
-                    Some(k) => {
-                        k.1 += s / opts.steps as f64;
-                        k.2 += e.flops;
-                    }
-                    None => kinds.push((kind.to_string(), s / opts.steps as f64, e.flops)),
-                }
-            }
-            kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
-            kinds
-                .into_iter()
-                .map(|(k, s, f)| json!({"op": k, "s_per_step": s, "gflops_per_s": if s > 0.0 { f as f64 / s / 1e9 } else { 0.0 }}))
-                .collect()
-        }
-    };
+    let by_kind = time_by_op(&mut ex, n_ops, opts.steps);
     // A deferred update is finished as a run's end finishes it (untimed), so the peak
     // covers the ops that do it.
     ex.finish_update()?;
     let peak = rss::peak_rss();
     let measured = peak.map(|p| p.saturating_sub(baseline));
     let leak = leak.report();
-    let report = match &opts.profile {
-        Some(dir) => {
-            let run = RunDir::new(dir);
-            run_dir::metrics::write(&run.metrics(), &metrics)?;
-            profile.write(&run.profile())?;
-            let w = crate::profile::report::write_reports(dir)?;
-            Some(
-                json!({"dir": dir, "report_html": w.html, "trace_json": w.trace, "memory_svg": w.memory_svg}),
-            )
-        }
-        None => None,
-    };
+    let report = write_profile(opts, &metrics, &profile)?;
     let mut report = json!({
         "config": {
             "profile": opts.profile.is_some(),
@@ -332,6 +467,57 @@ pub fn run(opts: &BenchOptions, on_step: &mut dyn FnMut(usize, f64)) -> Result<V
         config.extend(backend.bench_facts(opts.strategies.precision.storage()));
     }
     Ok(report)
+}
+
+/// Time by op kind (the name without its layer prefix) per measured step, largest first;
+/// empty where ops were not timed.
+fn time_by_op(ex: &mut Executor, n_ops: usize, steps: usize) -> Vec<Value> {
+    match ex.record_ops(None) {
+        None => Vec::new(),
+        Some(rec) => {
+            let mut secs = vec![0.0f64; n_ops];
+            for s in &rec.spans {
+                secs[s.op as usize] += (s.end_us - s.start_us) * 1e-6;
+            }
+            let mut kinds: Vec<(String, f64, u64)> = Vec::new();
+            for (e, s) in ex.plan.schedule.ops.iter().zip(secs) {
+                let kind = crate::profile::timeline::op_kind(&e.name);
+                match kinds.iter_mut().find(|k| k.0 == kind) {
+                    Some(k) => {
+                        k.1 += s / steps as f64;
+                        k.2 += e.flops;
+                    }
+                    None => kinds.push((kind.to_string(), s / steps as f64, e.flops)),
+                }
+            }
+            kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+            kinds
+                .into_iter()
+                .map(|(k, s, f)| json!({"op": k, "s_per_step": s, "gflops_per_s": if s > 0.0 { f as f64 / s / 1e9 } else { 0.0 }}))
+                .collect()
+        }
+    }
+}
+
+/// Writes `--profile`'s metrics, profile and reports into its directory; returns where they
+/// are (`None` without `--profile`).
+fn write_profile(
+    opts: &BenchOptions,
+    metrics: &[Metric],
+    profile: &Profile,
+) -> Result<Option<Value>> {
+    Ok(match &opts.profile {
+        Some(dir) => {
+            let run = RunDir::new(dir);
+            run_dir::metrics::write(&run.metrics(), metrics)?;
+            profile.write(&run.profile())?;
+            let w = crate::profile::report::write_reports(dir)?;
+            Some(
+                json!({"dir": dir, "report_html": w.html, "trace_json": w.trace, "memory_svg": w.memory_svg}),
+            )
+        }
+        None => None,
+    })
 }
 
 /// The report's headline for people at a terminal (the JSON on stdout has everything):
