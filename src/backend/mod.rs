@@ -122,14 +122,6 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
-/// What an op produced besides its buffers.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum OpResult {
-    Done,
-    /// `GradNorm`: the sum of squares of its gradient range (f64).
-    SumOfSquares(f64),
-}
-
 /// The compute ops of a started backend, one method per [`OpFamily`]: each runs an op `e` of
 /// its family (with the buffers its parameters and gradients are bound to), activations and
 /// gradients stored as `T` (the plan's storage type; weights, statistics and workspaces are
@@ -137,27 +129,27 @@ pub enum OpResult {
 /// them itself.
 pub trait Kernels {
     /// [`OpFamily::Fill`].
-    fn fill<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn fill<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::Embedding`].
-    fn embedding<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn embedding<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::Norm`].
-    fn norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::Linear`].
-    fn linear<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn linear<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::Attention`].
-    fn attention<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn attention<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::Activation`].
-    fn activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::LmHead`].
-    fn lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::Adapter`].
-    fn adapter<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn adapter<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
     /// [`OpFamily::Optimizer`].
-    fn optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult;
+    fn optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx);
 
     /// Runs compute op `e` by its family's method (a transfer or a collective is an internal
     /// error here).
-    fn run_by_family<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn run_by_family<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         match e.op.family() {
             OpFamily::Fill => self.fill::<T>(e, ctx),
             OpFamily::Embedding => self.embedding::<T>(e, ctx),
@@ -188,7 +180,7 @@ pub trait Device: Send + Sync {
     /// where the op moves bytes to or from a tier that can fail (an await of a disk
     /// transfer, naming it) or among ranks (an await of a collective, or the collective
     /// itself when it runs inline, naming the rank when a peer is lost).
-    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<OpResult>;
+    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()>;
     /// Waits for every transfer and collective that ops started and no await has waited
     /// for (a run of part of a schedule, or one stopped by an error), so nothing works on
     /// plan memory after it; the first error among them.

@@ -41,6 +41,8 @@ use serde::Serialize;
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,
+    /// Step scalars kept in plan buffers (the gradient norm's shares).
+    F64,
     U32,
     Bf16,
     F16,
@@ -52,6 +54,7 @@ impl DType {
     /// Bytes of one element.
     pub fn size(self) -> usize {
         match self {
+            DType::F64 => 8,
             DType::F32 | DType::U32 => 4,
             DType::Bf16 | DType::F16 => 2,
             DType::I8 | DType::U8 => 1,

@@ -16,7 +16,7 @@
 //! the thread would have no core of its own (`dist::comm_thread_wanted`,
 //! `Executor::set_comm_thread`) the device runs them inline instead, with the same bits.
 
-use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, OpResult, StepCtx};
+use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, StepCtx};
 use crate::data::examples::{EXAMPLE_START, UNTRAINED};
 use crate::dist::{Comm, Single};
 use crate::dtype::DType;
@@ -97,9 +97,10 @@ pub struct Executor {
     io_spans: Vec<IoSpan>,
     /// Next-token logits downloaded by [`Executor::next_token_logits`].
     logits: Vec<f32>,
-    /// The step's gradient-norm shares so far: (first element of the group, sum of squares),
-    /// added in parameter order when the update is settled.
-    norm_shares: Vec<(usize, f64)>,
+    /// The plan buffer the `GradNorm` ops write each group's share of the norm into
+    /// (`grad_norm.shares` `[groups]` f64; training plans), read once when the update is
+    /// settled.
+    norm_shares: Option<BufId>,
     /// With a deferred update ([`crate::ir::Schedule::deferred_update`]): the update the
     /// last step settled, which the next step's forward (or [`Executor::finish_update`])
     /// applies. The weights and moments are not readable while it is pending.
@@ -217,6 +218,10 @@ impl Executor {
     /// Starts one rank's plan on `backend`, its collectives run among `comm`'s ranks (as
     /// many as the plan was made for, this process being the plan's rank).
     pub fn among(plan: Plan, backend: &dyn Backend, comm: Arc<dyn Comm>) -> Result<Executor> {
+        let norm_shares = plan.schedule.ops.iter().find_map(|e| match e.op {
+            Op::GradNorm { out, .. } => Some(out),
+            _ => None,
+        });
         if comm.size() != plan.cfg.ranks || comm.rank() != plan.cfg.rank {
             bail!(
                 "internal error: a plan for rank {} of {} run as rank {} of {}",
@@ -242,7 +247,7 @@ impl Executor {
             recorder: None,
             io_spans: Vec::new(),
             logits: Vec::new(),
-            norm_shares: Vec::new(),
+            norm_shares,
             pending: None,
             comm,
             comm_spans: Vec::new(),
@@ -798,7 +803,6 @@ impl Executor {
     /// weights in the executor are undefined (a checkpoint is the record).
     pub fn train_step(&mut self, hp: &OptimHparams) -> Result<StepStats> {
         assert_eq!(self.plan.mode, Mode::Train);
-        self.norm_shares.clear();
         let time_before = self.device.comm_time();
         let sent_before = self.comm.bytes_sent();
         let o = if self.plan.schedule.deferred_update {
@@ -852,7 +856,14 @@ impl Executor {
     /// norm, and the AdamW step with clipping, or none when the gradients are not finite.
     fn settle(&mut self, hp: &OptimHparams) -> Result<(StepOutcome, Option<AdamWStep>)> {
         let partial = self.moments_sharded().then_some(&*self.comm);
-        settle(&mut self.norm_shares, self.loss_scale, hp, partial)
+        let shares = self.read_norm_shares()?;
+        settle(&shares, self.loss_scale, hp, partial)
+    }
+
+    /// The step's gradient-norm shares, one per parameter group in parameter order: one read
+    /// of the plan buffer the `GradNorm` ops wrote.
+    fn read_norm_shares(&self) -> Result<Vec<f64>> {
+        read_norm_shares(&self.plan, &*self.device, self.norm_shares)
     }
 
     /// Forward and backward: fills the gradients, returns the mean loss (after finishing a
@@ -860,7 +871,6 @@ impl Executor {
     pub fn compute_gradients(&mut self) -> Result<f32> {
         assert_eq!(self.plan.mode, Mode::Train);
         self.finish_update()?;
-        self.norm_shares.clear();
         let ops = self.ops_where(|p| !matches!(p, Phase::Optimizer | Phase::DeferredUpdate));
         self.run(&ops, self.ctx(true), None)?;
         self.mean_loss()
@@ -1076,14 +1086,16 @@ impl Executor {
         // Sharded gradients give partial norm shares: every rank's are gathered.
         let partial_norms = self.moments_sharded().then_some(&*self.comm);
         let (plan, device) = (&self.plan, &*self.device);
-        let shares = &mut self.norm_shares;
+        let shares = self.norm_shares;
         let loss_scale = self.loss_scale;
         device.scope(&mut || {
             for &i in ops {
                 let e = &plan.schedule.ops[i];
                 if matches!(e.op, Op::AdamW { .. }) {
                     if let (None, Some(hp)) = (outcome, hp) {
-                        match settle(shares, loss_scale, hp, partial_norms) {
+                        let settled = read_norm_shares(plan, device, shares)
+                            .and_then(|s| settle(&s, loss_scale, hp, partial_norms));
+                        match settled {
                             Ok(settled) => {
                                 let (o, update) = untrained_skips(settled, ctx.loss_tokens);
                                 ctx.update = update;
@@ -1100,18 +1112,9 @@ impl Executor {
                     }
                 }
                 let t0 = recorder.as_ref().map(|_| Instant::now());
-                match device.run(e, &ctx) {
-                    Ok(OpResult::SumOfSquares(sq)) => {
-                        let Op::GradNorm { range } = &e.op else {
-                            unreachable!("only GradNorm ops return a sum of squares")
-                        };
-                        shares.push((range.start, sq));
-                    }
-                    Ok(OpResult::Done) => {}
-                    Err(err) => {
-                        failed = Some(err.context(format!("op {}", e.name)));
-                        return;
-                    }
+                if let Err(err) = device.run(e, &ctx) {
+                    failed = Some(err.context(format!("op {}", e.name)));
+                    return;
                 }
                 if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
                     r.record(i, t0);
@@ -1147,20 +1150,32 @@ impl Executor {
     }
 }
 
-/// The update from gradient-norm shares `(first element of the group, sum of squares)`,
-/// added in parameter order whatever order the backward took them in (see [`clip`]). With
-/// `partial` (sharded gradients) each rank's shares cover its shards: every rank's are
-/// gathered and added in (group, rank) order, so every rank settles the same update.
+/// The gradient-norm shares the `GradNorm` ops wrote into `buf` (one per parameter group,
+/// in parameter order): one download.
+fn read_norm_shares(plan: &Plan, device: &dyn Device, buf: Option<BufId>) -> Result<Vec<f64>> {
+    let buf = buf.context("internal error: a training plan without GradNorm ops")?;
+    let mut out = Vec::new();
+    device
+        .download(&[buf], &mut |b| {
+            out.extend_from_slice(pod::cast::<f64>(b[0]))
+        })
+        .with_context(|| format!("downloading plan buffer {}", plan.buffer(buf).name))?;
+    Ok(out)
+}
+
+/// The update from gradient-norm shares (each group's sum of squares), added in parameter
+/// order whatever order the backward took them in (see [`clip`]). With `partial` (sharded
+/// gradients) each rank's shares cover its shards: every rank's are gathered and added in
+/// (group, rank) order, so every rank settles the same update.
 fn settle(
-    shares: &mut [(usize, f64)],
+    shares: &[f64],
     loss_scale: f32,
     hp: &OptimHparams,
     partial: Option<&dyn Comm>,
 ) -> Result<(StepOutcome, Option<AdamWStep>)> {
-    shares.sort_by_key(|s| s.0);
     let sum_sq = match partial {
         Some(comm) if comm.size() > 1 => {
-            let mine: Vec<f64> = shares.iter().map(|s| s.1).collect();
+            let mine: Vec<f64> = shares.to_vec();
             let mut all = vec![0.0f64; mine.len() * comm.size()];
             crate::dist::ring::gather_values(comm, &mine, &mut all)?;
             (0..mine.len())
@@ -1171,7 +1186,7 @@ fn settle(
                 })
                 .sum()
         }
-        _ => shares.iter().map(|s| s.1).sum::<f64>(),
+        _ => shares.iter().sum::<f64>(),
     };
     Ok(clip(sum_sq, loss_scale, hp))
 }

@@ -327,11 +327,16 @@ pub enum Op {
         rows: Rows,
         c: usize,
     },
-    /// The sum of squares of the gradients of `range` (one parameter group's share of the
-    /// global gradient norm; a step scalar, not a buffer). The executor sums the shares of
-    /// every group into the norm, the clipping factor and whether the step is skipped
-    /// (gradients not finite) before the first `AdamW` op runs.
-    GradNorm { range: Range<usize> },
+    /// `out[slot] = Σ grad²` over the gradients of `range` (one parameter group's share of
+    /// the global gradient norm, in f64; `out` is the step's `grad_norm.shares` `[groups]`,
+    /// slot = the group's index). The executor reads `out` once, before the first `AdamW` op
+    /// runs, and sums the shares in slot order into the norm, the clipping factor and
+    /// whether the step is skipped (gradients not finite): one read of the device per step.
+    GradNorm {
+        range: Range<usize>,
+        out: BufId, // [groups] f64
+        slot: usize,
+    },
     /// AdamW on these parameter tensors (master weights, gradients and moments of the same
     /// ranges; the moments in `state`), with the step's clipping factor; not run when the
     /// step is skipped.

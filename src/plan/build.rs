@@ -693,6 +693,14 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
 /// taken while the gradients are still at hand, so gradients on the disk tier are not read
 /// back for it. The executor sums the shares in parameter order, whatever the op order.
 fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
+    // [groups] f64: each group's share, read by the executor before the first update (in the
+    // next step's forward with a deferred update, so it lives across steps).
+    let out = g.persistent(
+        "grad_norm.shares",
+        Category::Workspace,
+        DType::F64,
+        grads.segments.len(),
+    );
     let mut last = vec![None; grads.segments.len()];
     for (i, e) in g.ops.iter().enumerate() {
         if is_update(e.phase) {
@@ -718,6 +726,8 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
                 phase: Phase::Backward,
                 op: Op::GradNorm {
                     range: grads.segments[k].range.clone(),
+                    out,
+                    slot: k,
                 },
                 flops: 0,
                 params: None,

@@ -319,7 +319,10 @@ macro_rules! for_each_operand {
                 }
                 $grads!(Tensor(wte, wpe.as_ref()), ReadWrite);
             }
-            Op::GradNorm { range } => $grads!(Tensor(range, None), Read),
+            Op::GradNorm { range, out, .. } => {
+                $grads!(Tensor(range, None), Read);
+                $buf!(out, Write);
+            }
             Op::AdamW {
                 tensors,
                 state:

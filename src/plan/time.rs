@@ -316,6 +316,7 @@ fn dtype_key(d: DType) -> &'static str {
         DType::F16 => "f16",
         DType::I8 => "i8",
         DType::U8 => "u8",
+        DType::F64 => "f64",
         DType::U32 => "u32",
     }
 }
@@ -395,7 +396,7 @@ pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
             // Parameters read and written, gradients read, moments read and written.
             n as f64 * (8.0 + g + 2.0 * state_bytes(state.format))
         }
-        Op::GradNorm { range } => range.len() as f64 * g,
+        Op::GradNorm { range, .. } => range.len() as f64 * g,
         // A gather (or scatter) of N rows of the table: twice the activation's bytes.
         Op::Encoder { out: a, .. } | Op::EncoderBackward { dout: a, .. } => {
             2.0 * plan.buffer(*a).bytes as f64

@@ -300,7 +300,7 @@ fn norm_shares(g: &Builder, groups: &[std::ops::Range<usize>]) -> Vec<usize> {
         .map(|k| {
             g.ops
                 .iter()
-                .position(|e| matches!(&e.op, Op::GradNorm { range } if range == &groups[k]))
+                .position(|e| matches!(&e.op, Op::GradNorm { range, .. } if range == &groups[k]))
                 .expect("internal error: a group without a norm share")
         })
         .collect()
@@ -478,8 +478,13 @@ fn reduce_scatter(g: &mut Builder, gr: &Group, shard: &Shard, storage: DType, in
 fn read_shard(g: &mut Builder, gr: &Group, shard: &Shard) {
     let shard_binding = shard.binding();
     let e = &mut g.ops[gr.norm];
+    let Op::GradNorm { out, slot, .. } = e.op else {
+        unreachable!("a group's norm share is a GradNorm op")
+    };
     e.op = Op::GradNorm {
         range: shard.owned.clone(),
+        out,
+        slot,
     };
     e.grads = Some(shard_binding);
     let upd = gr.update;

@@ -3,7 +3,7 @@
 //! would. Everything else goes through to the CPU device unchanged.
 
 use memwall::backend::cpu::Cpu;
-use memwall::backend::{Backend, Device, OpResult, StepCtx};
+use memwall::backend::{Backend, Device, StepCtx};
 use memwall::dist::Comm;
 use memwall::dtype::DType;
 use memwall::ir::schedule::OpEntry;
@@ -62,7 +62,7 @@ impl Backend for Flawed {
 struct FlawedDevice(Box<dyn Device>, Flaw);
 
 impl Device for FlawedDevice {
-    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> anyhow::Result<OpResult> {
+    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> anyhow::Result<()> {
         let (mut e, mut ctx) = (e.clone(), *ctx);
         match self.1 {
             Flaw::Op(f) => f(&mut e.op, &mut ctx),

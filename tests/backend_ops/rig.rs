@@ -12,7 +12,7 @@
 //! every tensor: the checks compare the whole parameter and gradient buffers, so an op that
 //! writes outside its ranges is caught there.
 
-use memwall::backend::{Backend, Device, OpResult, StepCtx};
+use memwall::backend::{Backend, Device, StepCtx};
 use memwall::dist::{Comm, Single};
 use memwall::dtype::DType;
 use memwall::ir::schedule::{Binding, ImplicitBufs, OpEntry, Segment, Segments};
@@ -326,12 +326,20 @@ impl Started {
     }
 
     /// Runs op `i` where the backend issues its ops from ([`Device::scope`]).
-    pub fn run(&self, i: usize, ctx: &StepCtx) -> OpResult {
+    pub fn run(&self, i: usize, ctx: &StepCtx) {
         let e = &self.plan.schedule.ops[i];
         let mut out = None;
         self.dev.scope(&mut || out = Some(self.dev.run(e, ctx)));
         out.expect("scope runs its closure")
             .unwrap_or_else(|err| panic!("{}: {err:#}", e.name))
+    }
+
+    /// The values of the f64 buffer `id` (step scalars).
+    pub fn get_f64(&self, id: BufId) -> Vec<f64> {
+        let b = self.get_bytes(id);
+        b.chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 }
 

@@ -9,9 +9,7 @@ use super::collective::{Collectives, Job};
 use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::{own_pack_bytes_per_thread, packing_bytes};
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
-use crate::backend::{
-    Backend, CommSpan, CommTime, Device, IoSpan, IoTime, Kernels, OpResult, StepCtx,
-};
+use crate::backend::{Backend, CommSpan, CommTime, Device, IoSpan, IoTime, Kernels, StepCtx};
 use crate::dist::Comm;
 use crate::dtype::{DType, Elem};
 use crate::ir::MomentsMut;
@@ -328,6 +326,12 @@ impl CpuDevice {
         self.typed(id, DType::U32)
     }
 
+    /// A view of the f64 buffer `id` (step scalars).
+    #[allow(clippy::mut_from_ref)]
+    pub(super) fn f64_mut(&self, id: BufId) -> &mut [f64] {
+        self.typed(id, DType::F64)
+    }
+
     /// A view of buffer `id` as elements of `T` (whose dtype it must have).
     #[allow(clippy::mut_from_ref)]
     pub(super) fn view<T: Elem>(&self, id: BufId) -> &mut [T] {
@@ -468,15 +472,15 @@ impl CpuDevice {
 }
 
 impl Device for CpuDevice {
-    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<OpResult> {
+    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         match &e.op {
             Op::Transfer { from, to } => {
                 self.start_transfer(*from, *to);
-                return Ok(OpResult::Done);
+                return Ok(());
             }
             Op::AwaitTransfers { bufs } => {
                 self.await_transfers(bufs)?;
-                return Ok(OpResult::Done);
+                return Ok(());
             }
             Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
                 let buf = e.op.collective_buf().expect("a collective");
@@ -486,19 +490,20 @@ impl Device for CpuDevice {
                     DType::F32 => self.start_collective::<f32>(&e.op)?,
                     other => bail!("internal error: a collective over {other:?} elements"),
                 }
-                return Ok(OpResult::Done);
+                return Ok(());
             }
             Op::AwaitCollective { bufs } => {
                 self.collectives.wait(Some(bufs[0]), &self.buffers)?;
-                return Ok(OpResult::Done);
+                return Ok(());
             }
             _ => {}
         }
-        Ok(match self.storage {
+        match self.storage {
             DType::Bf16 => self.run_by_family::<bf16>(e, ctx),
             DType::F16 => self.run_by_family::<f16>(e, ctx),
             _ => self.run_by_family::<f32>(e, ctx),
-        })
+        }
+        Ok(())
     }
 
     fn scope(&self, f: &mut (dyn FnMut() + Send)) {

@@ -2,16 +2,16 @@
 //! backward.
 
 use super::{Args, not_of};
+use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::{gelu, swiglu};
-use crate::backend::{OpResult, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry};
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Activation`], with activations stored as `T`.
-    pub(super) fn run_activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
             Op::Swiglu { inp, out, rows, h } => {
@@ -59,6 +59,5 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::Activation, e),
         }
-        OpResult::Done
     }
 }

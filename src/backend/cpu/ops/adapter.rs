@@ -2,16 +2,16 @@
 //! backward, with the step's dropout mask where the plan has one.
 
 use super::{Args, not_of};
+use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::lora;
-use crate::backend::{OpResult, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{LoraDropout, Op, OpEntry, Rows};
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Adapter`], with activations stored as `T`.
-    pub(super) fn run_adapter<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_adapter<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
             Op::LoraForward {
@@ -83,7 +83,6 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::Adapter, e),
         }
-        OpResult::Done
     }
 
     /// An adapter's dropout mask for this step and its workspace, in a training step (none

@@ -2,16 +2,16 @@
 //! backward, and the rotary position embedding ([`Op::Rope`], in place, either direction).
 
 use super::{Args, not_of};
+use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::{attention, rope};
-use crate::backend::{OpResult, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry};
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Attention`], with activations stored as `T`.
-    pub(super) fn run_attention<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_attention<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
             Op::Attention {
@@ -101,6 +101,5 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::Attention, e),
         }
-        OpResult::Done
     }
 }

@@ -3,16 +3,16 @@
 //! are gathered) and its scatter into the tables' gradients ([`Op::EncoderBackward`]).
 
 use super::{Args, not_of};
+use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::encoder;
-use crate::backend::{OpResult, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry};
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Embedding`], with activations stored as `T`.
-    pub(super) fn run_embedding<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_embedding<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
             Op::Encoder {
@@ -37,7 +37,7 @@ impl CpuDevice {
                             *o = T::from_f32(x);
                         }
                     }
-                    return OpResult::Done;
+                    return;
                 }
                 encoder::encoder_forward(
                     &mut self.view::<T>(*out)[..n * c],
@@ -81,6 +81,5 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::Embedding, e),
         }
-        OpResult::Done
     }
 }

@@ -2,10 +2,10 @@
 //! [`Op::MatmulBackward`] on f32 weights or a quantized base's blocks, and [`Op::AddBias`].
 
 use super::{Args, not_of};
+use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::gemm::quantized;
 use crate::backend::cpu::matmul;
-use crate::backend::{OpResult, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry, WeightLayout};
@@ -20,7 +20,7 @@ fn weight_layout(l: WeightLayout) -> matmul::Layout {
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Linear`], with activations stored as `T`.
-    pub(super) fn run_linear<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_linear<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
             Op::Matmul {
@@ -54,7 +54,7 @@ impl CpuDevice {
                         args.quant_ws(),
                         args.ws(),
                     );
-                    return OpResult::Done;
+                    return;
                 }
                 matmul::matmul_forward(
                     out,
@@ -99,7 +99,7 @@ impl CpuDevice {
                         args.quant_ws(),
                         args.ws(),
                     );
-                    return OpResult::Done;
+                    return;
                 }
                 if e.frozen {
                     matmul::matmul_backward_input(
@@ -112,7 +112,7 @@ impl CpuDevice {
                         oc,
                         args.ws(),
                     );
-                    return OpResult::Done;
+                    return;
                 }
                 let (dw, db) = match bias {
                     Some(b) => {
@@ -137,6 +137,5 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::Linear, e),
         }
-        OpResult::Done
     }
 }

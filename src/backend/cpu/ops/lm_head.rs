@@ -3,18 +3,18 @@
 //! f32 weights or a quantized base's), and generation's [`Op::LmHeadLast`].
 
 use super::{Args, not_of};
+use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::gemm::mixed as gemm_mixed;
 use crate::backend::cpu::gemm::quantized;
 use crate::backend::cpu::xent;
-use crate::backend::{OpResult, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry};
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::LmHead`], with activations stored as `T`.
-    pub(super) fn run_lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
             Op::LmHeadLoss {
@@ -156,6 +156,5 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::LmHead, e),
         }
-        OpResult::Done
     }
 }

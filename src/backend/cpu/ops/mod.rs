@@ -24,7 +24,7 @@ mod optimizer;
 
 use super::device::{CpuDevice, two_ranges};
 use super::gemm::quantized::QuantWeight;
-use crate::backend::{Kernels, OpResult, StepCtx};
+use crate::backend::{Kernels, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::schedule::{OpEntry, Rows};
 use crate::ir::{BufId, OpFamily};
@@ -32,39 +32,39 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 impl Kernels for CpuDevice {
-    fn fill<T: Elem>(&self, e: &OpEntry, _ctx: &StepCtx) -> OpResult {
+    fn fill<T: Elem>(&self, e: &OpEntry, _ctx: &StepCtx) {
         self.run_fill(e)
     }
 
-    fn embedding<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn embedding<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_embedding::<T>(e, ctx)
     }
 
-    fn norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_norm::<T>(e, ctx)
     }
 
-    fn linear<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn linear<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_linear::<T>(e, ctx)
     }
 
-    fn attention<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn attention<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_attention::<T>(e, ctx)
     }
 
-    fn activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_activation::<T>(e, ctx)
     }
 
-    fn lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_lm_head::<T>(e, ctx)
     }
 
-    fn adapter<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn adapter<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_adapter::<T>(e, ctx)
     }
 
-    fn optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    fn optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         self.run_optimizer::<T>(e, ctx)
     }
 }

@@ -2,16 +2,16 @@
 //! and backward (a frozen norm's backward computes only its input's gradient).
 
 use super::{Args, not_of};
+use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::{layernorm, rmsnorm};
-use crate::backend::{OpResult, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry};
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Norm`], with activations stored as `T`.
-    pub(super) fn run_norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_norm<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
             Op::LayerNorm {
@@ -81,7 +81,7 @@ impl CpuDevice {
                         n,
                         c,
                     );
-                    return OpResult::Done;
+                    return;
                 }
                 let (dw, db) = args.grad2(w, bias);
                 layernorm::layernorm_backward(
@@ -117,7 +117,7 @@ impl CpuDevice {
                         n,
                         c,
                     );
-                    return OpResult::Done;
+                    return;
                 }
                 rmsnorm::rmsnorm_backward(
                     &mut self.view::<T>(*dinp)[..n * c],
@@ -132,6 +132,5 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::Norm, e),
         }
-        OpResult::Done
     }
 }

@@ -5,18 +5,18 @@
 use super::{Args, not_of};
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::{adamw, quant, reduce};
-use crate::backend::{AdamWStep, OpResult, StepCtx};
+use crate::backend::{AdamWStep, StepCtx};
 use crate::dtype::Elem;
 use crate::ir::schedule::{Op, OpEntry, OptimBufs, ParamSlice};
 use crate::ir::{MomentsMut, OpFamily};
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Optimizer`], with activations stored as `T`.
-    pub(super) fn run_optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) -> OpResult {
+    pub(super) fn run_optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
-            Op::GradNorm { range } => {
-                return OpResult::SumOfSquares(reduce::sum_squares(&*args.grad(range)));
+            Op::GradNorm { range, out, slot } => {
+                self.f64_mut(*out)[*slot] = reduce::sum_squares(&*args.grad(range));
             }
             Op::AdamW { tensors, state } => {
                 let step = ctx.update.expect("the executor sets the AdamW step");
@@ -24,7 +24,6 @@ impl CpuDevice {
             }
             _ => not_of(OpFamily::Optimizer, e),
         }
-        OpResult::Done
     }
 
     /// AdamW over `tensors` on the master weights (the compute weights themselves in fp32
