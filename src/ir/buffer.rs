@@ -98,11 +98,17 @@ pub struct Buffer {
     pub align: u64,
 }
 
-/// A memory tier. Each tier the plan packs is one allocation made by the backend (today only
-/// host RAM); [`Tier::Owned`] buffers are allocated once by their owners and only counted.
+/// A memory tier. Each tier the plan packs is one allocation made by the backend; a backend
+/// declares the tiers it plans, fastest first, the first being where its ops compute
+/// ([`super::Sizing::tiers`]: the CPU's are [`Tier::Host`] then [`Tier::Nvme`]; a GPU's would
+/// be [`Tier::Device`], [`Tier::Host`] (pinned) and [`Tier::Nvme`]). Transfer ops move
+/// buffers between adjacent tiers. [`Tier::Owned`] buffers are allocated once by their owners
+/// and only counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Tier {
+    /// An accelerator's own memory (a GPU backend's compute tier).
+    Device,
     /// The plan's arena in host RAM.
     Host,
     /// Allocated outside the arena, once, by its owner (the loader's staging buffers, a
@@ -111,6 +117,24 @@ pub enum Tier {
     /// The offload file on disk (`--offload`): packed like the host arena, read into and
     /// written from host staging buffers by transfer ops.
     Nvme,
+}
+
+impl Tier {
+    /// The tier's name in reports (`RAM`, `disk`, ...).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Tier::Device => "device memory",
+            Tier::Host => "RAM",
+            Tier::Owned => "RAM (owned)",
+            Tier::Nvme => "disk",
+        }
+    }
+
+    /// Whether the tier is memory (counts in a process's or a device's resident bytes), not
+    /// a file.
+    pub fn is_memory(self) -> bool {
+        !matches!(self, Tier::Nvme)
+    }
 }
 
 /// Where a buffer's bytes are: its tier and its byte offset in that tier's arena (0 for

@@ -2,6 +2,7 @@
 //! scratch its libraries keep for themselves. A backend implements it; the planner takes a
 //! `&dyn Sizing` and knows nothing else of the backend that will run the plan.
 
+use super::buffer::Tier;
 use super::schedule::OpEntry;
 use crate::dtype::DType;
 
@@ -28,4 +29,9 @@ pub trait Sizing {
     /// One line on how matmuls with operands stored as `storage` are computed, for `plan`
     /// and `bench` (e.g. which bf16 path this machine takes); `None` when there is nothing to say.
     fn compute_note(&self, storage: DType) -> Option<String>;
+    /// The tiers this backend plans, fastest first: ops compute on the first, and each
+    /// transfer moves a buffer between two adjacent ones. The CPU's: RAM, then the disk.
+    fn tiers(&self) -> &'static [Tier] {
+        &[Tier::Host, Tier::Nvme]
+    }
 }

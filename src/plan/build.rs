@@ -916,7 +916,7 @@ fn finish(
 ) -> Result<Plan> {
     owned_buffers(&mut g, r);
     lifetimes(&mut g)?;
-    let packed = pack(&mut g, r.verify)?;
+    let packed = pack(&mut g, r.backend.tiers(), r.verify)?;
     let plan = Plan {
         spec: r.spec.clone(),
         layout,
@@ -939,6 +939,7 @@ fn finish(
         peak_op: packed.peak_op,
         external_bytes: packed.external_bytes,
         nvme_bytes: packed.nvme_bytes,
+        tier_bytes: packed.tier_bytes,
         cuts: Vec::new(),
     };
     if r.verify == Verify::Yes {
@@ -999,17 +1000,36 @@ fn lifetimes(g: &mut Builder) -> Result<()> {
 struct Packed {
     arena_bytes: u64,
     nvme_bytes: u64,
+    tier_bytes: Vec<(Tier, u64)>,
     external_bytes: u64,
     peak_live_bytes: u64,
     peak_op: usize,
 }
 
-/// Packs the offsets of the host arena and of the disk tier ([`packing::pack`]), verified
-/// with `verify`, and measures the arena's peak and the bytes outside it.
-fn pack(g: &mut Builder, verify: Verify) -> Result<Packed> {
+/// Packs the offsets of each tier the backend declares, in its order ([`packing::pack`];
+/// the CPU's: the host arena, then the disk tier), verified with `verify`, and measures the
+/// compute tier's peak and the bytes outside the tiers.
+fn pack(g: &mut Builder, tiers: &[Tier], verify: Verify) -> Result<Packed> {
     let n_ops = g.ops.len();
-    let arena_bytes = packing::pack(&mut g.buffers, Tier::Host);
-    let nvme_bytes = packing::pack(&mut g.buffers, Tier::Nvme);
+    if let Some(b) = g
+        .buffers
+        .iter()
+        .find(|b| !b.is_owned() && !tiers.contains(&b.placement.tier))
+    {
+        bail!(
+            "internal error: buffer {} is placed on {}, which this backend does not plan (its \
+             tiers: {tiers:?})",
+            b.name,
+            b.placement.tier.describe()
+        );
+    }
+    let tier_bytes: Vec<(Tier, u64)> = tiers
+        .iter()
+        .map(|&t| (t, packing::pack(&mut g.buffers, t)))
+        .collect();
+    let bytes_in = |t: Tier| tier_bytes.iter().find(|x| x.0 == t).map_or(0, |x| x.1);
+    let compute = tiers[0];
+    let (arena_bytes, nvme_bytes) = (bytes_in(compute), bytes_in(Tier::Nvme));
     if verify == Verify::Yes {
         packing::verify(&g.buffers)
             .map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
@@ -1023,13 +1043,14 @@ fn pack(g: &mut Builder, verify: Verify) -> Result<Packed> {
     let in_arena: Vec<Buffer> = g
         .buffers
         .iter()
-        .filter(|b| b.placement.tier == Tier::Host)
+        .filter(|b| b.placement.tier == compute)
         .cloned()
         .collect();
     let (peak_live_bytes, peak_op) = packing::peak_live(&in_arena, n_ops);
     Ok(Packed {
         arena_bytes,
         nvme_bytes,
+        tier_bytes,
         external_bytes,
         peak_live_bytes,
         peak_op,

@@ -56,6 +56,9 @@ pub struct Plan {
     pub external_bytes: u64,
     /// Size of the disk tier's file (`--offload`; 0 when nothing is offloaded).
     pub nvme_bytes: u64,
+    /// Bytes of each tier the backend declared, in its order (fastest first: the first is
+    /// the compute tier, whose size is `arena_bytes`).
+    pub tier_bytes: Vec<(Tier, u64)>,
     /// With ranks: how each parameter group's buffers are split among them (indexed by
     /// group, as the collective ops name them; empty for one process).
     pub cuts: Vec<crate::dist::Cut>,
@@ -116,7 +119,7 @@ impl Plan {
                 let of_c = self
                     .buffers
                     .iter()
-                    .filter(|b| b.category == c && b.placement.tier != Tier::Nvme);
+                    .filter(|b| b.category == c && b.placement.tier.is_memory());
                 let live = packing::live_bytes_per_op(
                     of_c.map(|b| (b.first_op, b.last_op, b.bytes)),
                     n_ops,
@@ -217,7 +220,7 @@ impl Plan {
                 let s = self
                     .buffers
                     .iter()
-                    .filter(|b| b.category == c && b.live_at(op) && b.placement.tier != Tier::Nvme)
+                    .filter(|b| b.category == c && b.live_at(op) && b.placement.tier.is_memory())
                     .map(|b| b.bytes)
                     .sum();
                 (c, s)

@@ -70,7 +70,7 @@ impl MemoryTimeline {
 
 /// The buffers in RAM (the disk tier's are not memory: `plan.json`'s `by_tier` has them).
 fn in_ram(plan: &PlanJson) -> impl Iterator<Item = &BufferInfo> {
-    plan.buffers.iter().filter(|b| b.tier != Tier::Nvme)
+    plan.buffers.iter().filter(|b| b.tier.is_memory())
 }
 
 /// The buffers live at `op`, largest first.

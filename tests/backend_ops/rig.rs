@@ -245,6 +245,7 @@ impl Rig {
             peak_op: 0,
             external_bytes: 0,
             nvme_bytes,
+            tier_bytes: vec![(Tier::Host, arena_bytes), (Tier::Nvme, nvme_bytes)],
             cuts,
         };
         let dev = backend
