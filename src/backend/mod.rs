@@ -29,21 +29,20 @@ pub mod host;
 
 pub use choice::{DeviceKind, under_test};
 
-use crate::dist::Comm;
+use crate::dist::Comms;
 use crate::dtype::{DType, Elem};
 use crate::ir::schedule::OpEntry;
 use crate::ir::{BufId, OpFamily, Sizing};
 use crate::plan::Plan;
 use anyhow::Result;
-use std::sync::Arc;
 
 /// A backend that can run plans.
 pub trait Backend: Sizing + Sync {
     /// Allocates the plan's packed tiers (touching every page, so an impossible allocation
     /// fails here, before any step) and starts the backend's workers (`plan.cfg.threads`).
-    /// The plan's collectives run among `comm`'s ranks (this process being the plan's rank;
-    /// one process: [`crate::dist::Single`]).
-    fn start(&self, plan: &Plan, comm: Arc<dyn Comm>) -> Result<Box<dyn Device>>;
+    /// The plan's collectives run among the ranks of `comms`'s axis each names (this process
+    /// being the plan's rank; one process: every axis [`crate::dist::Single`]).
+    fn start(&self, plan: &Plan, comms: Comms) -> Result<Box<dyn Device>>;
     /// The backend's f32 arithmetic ceiling, measured now on the calling thread pool (a
     /// throughput figure is a fraction of it); `None` where it cannot be measured.
     fn measure_peak(&self) -> Option<Peak>;

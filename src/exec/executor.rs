@@ -18,7 +18,7 @@
 
 use crate::backend::{AdamWStep, Backend, CommSpan, Device, IoSpan, StepCtx};
 use crate::data::examples::{EXAMPLE_START, UNTRAINED};
-use crate::dist::{Comm, Single};
+use crate::dist::{Comm, Comms, Single};
 use crate::dtype::DType;
 use crate::dtype::GgmlType;
 use crate::ir::schedule::{Op, Phase};
@@ -231,7 +231,7 @@ impl Executor {
                 comm.size()
             );
         }
-        let device = backend.start(&plan, comm.clone())?;
+        let device = backend.start(&plan, Comms::data_parallel(comm.clone()))?;
         // Until a batch says otherwise, every target is trained.
         let mine = plan.schedule.tokens.len() * plan.cfg.batch * plan.cfg.seq;
         let loss_tokens = LossTokens {

@@ -5,6 +5,7 @@
 //! strategy that produced it.
 
 use super::buffer::BufId;
+use super::mesh::Axis;
 use super::strategy::OptimState;
 use crate::dtype::GgmlType;
 use serde::Serialize;
@@ -358,6 +359,8 @@ pub enum Op {
         buf: BufId,
         scratch: BufId,
         group: usize,
+        /// The mesh axis whose ranks it runs among (today's plans: [`Axis::Data`]).
+        axis: Axis,
     },
     /// `shard` (as long as the rank's chunk) becomes (`accumulate`: gains) the sum over the
     /// ranks of chunk `rank` of `buf` (cut as group `group`'s), whose contents are consumed
@@ -368,6 +371,7 @@ pub enum Op {
         scratch: BufId,
         accumulate: bool,
         group: usize,
+        axis: Axis,
     },
     /// Every rank's chunk `rank` of `buf` (cut as group `group`'s) is copied into every
     /// rank's `buf`; with `shard`, the rank's chunk is first copied from there (a group's
@@ -377,6 +381,7 @@ pub enum Op {
         buf: BufId,
         shard: Option<BufId>,
         group: usize,
+        axis: Axis,
     },
     /// Waits until the collective on `bufs[0]` (its `buf`), started earlier in the step,
     /// is done. Collectives run on the device's communication thread, in schedule order,
@@ -581,6 +586,16 @@ impl Op {
             Op::AllReduce { buf, .. }
             | Op::ReduceScatter { buf, .. }
             | Op::AllGather { buf, .. } => Some(*buf),
+            _ => None,
+        }
+    }
+
+    /// The mesh axis a collective runs along; `None` for other ops.
+    pub fn collective_axis(&self) -> Option<Axis> {
+        match self {
+            Op::AllReduce { axis, .. }
+            | Op::ReduceScatter { axis, .. }
+            | Op::AllGather { axis, .. } => Some(*axis),
             _ => None,
         }
     }

@@ -594,6 +594,7 @@ mod tests {
                     scratch: BufId(3),
                     accumulate: true,
                     group: 0,
+                    axis: crate::ir::Axis::Data,
                 },
                 None,
                 None,

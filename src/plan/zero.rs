@@ -57,6 +57,7 @@
 use super::{OffloadSet, Plan, StepConfig};
 use crate::dist::{Cut, Sharding};
 use crate::dtype::DType;
+use crate::ir::Axis;
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
 use crate::ir::strategy::QBLOCK;
@@ -325,6 +326,7 @@ fn updates(g: &Builder, groups: usize) -> Vec<usize> {
 fn all_reduce(g: &mut Builder, gr: &Group, storage: DType, ins: &mut Inserts) {
     let (name, grad, cut, k) = (&gr.name, gr.grad, gr.cut, gr.k);
     let op = Op::AllReduce {
+        axis: Axis::Data,
         buf: grad,
         scratch: scratch(g, &format!("{name}.grad"), storage, cut),
         group: k,
@@ -431,6 +433,7 @@ fn reduce_scatter_each_micro_batch(
             .rposition(|e| writes(e, j, buf))
             .expect("internal error: a micro-batch without gradients");
         let op = Op::ReduceScatter {
+            axis: Axis::Data,
             buf,
             shard,
             scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, cut),
@@ -454,6 +457,7 @@ fn reduce_scatter_each_micro_batch(
 fn reduce_scatter(g: &mut Builder, gr: &Group, shard: &Shard, storage: DType, ins: &mut Inserts) {
     let (name, grad, cut, k) = (&gr.name, gr.grad, gr.cut, gr.k);
     let op = Op::ReduceScatter {
+        axis: Axis::Data,
         buf: grad,
         shard: shard.buf,
         scratch: scratch(g, &format!("{name}.grad"), storage, cut),
@@ -524,6 +528,7 @@ fn gather_updated(g: &mut Builder, gr: &Group, ins: &mut Inserts) {
         quant: None,
     });
     let op = Op::AllGather {
+        axis: Axis::Data,
         buf: params.segments[k].buf,
         shard: None,
         group: k,
@@ -585,6 +590,7 @@ fn gather_spans(
             name: format!("{}.all_gather", g.buffers[copy.0].name),
             phase: g.ops[first].phase,
             op: Op::AllGather {
+                axis: Axis::Data,
                 buf: copy,
                 shard: Some(shard),
                 group,

@@ -4,12 +4,11 @@
 
 use memwall::backend::cpu::Cpu;
 use memwall::backend::{Backend, Device, StepCtx};
-use memwall::dist::Comm;
+use memwall::dist::Comms;
 use memwall::dtype::DType;
 use memwall::ir::schedule::OpEntry;
 use memwall::ir::{BufId, Op, Sizing};
 use memwall::plan::Plan;
-use std::sync::Arc;
 
 /// What the flawed backend gets wrong.
 #[derive(Clone, Copy)]
@@ -43,8 +42,8 @@ impl Sizing for Flawed {
 }
 
 impl Backend for Flawed {
-    fn start(&self, plan: &Plan, comm: Arc<dyn Comm>) -> anyhow::Result<Box<dyn Device>> {
-        Ok(Box::new(FlawedDevice(Cpu.start(plan, comm)?, self.0)))
+    fn start(&self, plan: &Plan, comms: Comms) -> anyhow::Result<Box<dyn Device>> {
+        Ok(Box::new(FlawedDevice(Cpu.start(plan, comms)?, self.0)))
     }
 
     fn measure_peak(&self) -> Option<memwall::backend::Peak> {

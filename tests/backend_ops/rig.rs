@@ -249,7 +249,7 @@ impl Rig {
             cuts,
         };
         let dev = backend
-            .start(&plan, comm)
+            .start(&plan, memwall::dist::Comms::data_parallel(comm))
             .unwrap_or_else(|e| panic!("the backend refused a {precision} plan: {e:#}"));
         Started {
             plan,

@@ -417,6 +417,7 @@ pub fn all_reduce(be: &dyn Backend, p: Precision) {
         let scratch = rig.act("scratch", SCRATCH); // [SCRATCH]
         rig.op(
             Op::AllReduce {
+                axis: memwall::ir::Axis::Data,
                 buf,
                 scratch,
                 group: 0,
@@ -450,6 +451,7 @@ pub fn reduce_scatter(be: &dyn Backend, p: Precision) {
             let shard = rig.act("shard", cut.shard(r).len()); // [the rank's chunk]
             let scratch = rig.act("scratch", SCRATCH); // [SCRATCH]
             let op = Op::ReduceScatter {
+                axis: memwall::ir::Axis::Data,
                 buf,
                 shard,
                 scratch,
@@ -488,6 +490,7 @@ pub fn all_gather(be: &dyn Backend, p: Precision) {
             let shard = from_shard.then(|| rig.act("shard", cut.shard(r).len())); // [chunk]
             rig.op(
                 Op::AllGather {
+                    axis: memwall::ir::Axis::Data,
                     buf,
                     shard,
                     group: 0,

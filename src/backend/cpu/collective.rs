@@ -13,8 +13,8 @@
 //! with its error: the ranks are out of step.
 
 use crate::backend::{CommSpan, CommTime};
-use crate::dist::{Collective, Comm, Cut, Summable, ring};
-use crate::ir::{BufId, Buffer, Op};
+use crate::dist::{Collective, Comm, Comms, Cut, Summable, ring};
+use crate::ir::{Axis, BufId, Buffer, Op};
 use anyhow::{Context, Result, anyhow};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
@@ -53,6 +53,8 @@ pub(super) struct Job {
     kind: Collective,
     /// The parameter group whose cut it follows.
     group: usize,
+    /// The mesh axis whose ranks it runs among.
+    axis: Axis,
     buf: Raw,
     shard: Option<Raw>,
     scratch: Option<Raw>,
@@ -66,11 +68,13 @@ impl Job {
     /// an op that is not a collective.
     pub(super) fn new<'a, T: Summable>(op: &Op, view: impl Fn(BufId) -> &'a mut [T]) -> Job {
         let raw = |id| Raw::of(view(id));
+        let axis = op.collective_axis().expect("a collective");
         let (key, kind, group, shard, scratch, accumulate) = match *op {
             Op::AllReduce {
                 buf,
                 scratch,
                 group,
+                ..
             } => (
                 buf,
                 Collective::AllReduce,
@@ -85,6 +89,7 @@ impl Job {
                 scratch,
                 accumulate,
                 group,
+                ..
             } => (
                 buf,
                 Collective::ReduceScatter,
@@ -93,15 +98,16 @@ impl Job {
                 Some(scratch),
                 accumulate,
             ),
-            Op::AllGather { buf, shard, group } => {
-                (buf, Collective::AllGather, group, shard, None, false)
-            }
+            Op::AllGather {
+                buf, shard, group, ..
+            } => (buf, Collective::AllGather, group, shard, None, false),
             ref other => unreachable!("{other:?} is not a collective"),
         };
         Job {
             key,
             kind,
             group,
+            axis,
             buf: raw(key),
             shard: shard.map(raw),
             scratch: scratch.map(raw),
@@ -200,7 +206,8 @@ impl Drop for Thread {
 
 /// A rank's collectives on one device: the ranks, the cuts, the thread and its bookkeeping.
 pub(super) struct Collectives {
-    comm: Arc<dyn Comm>,
+    /// The job's communicators, one per mesh axis; each collective runs on its axis's.
+    comms: Comms,
     cuts: Arc<[Cut]>,
     /// The schedule's collectives: room for that many in every queue and log.
     room: usize,
@@ -214,11 +221,11 @@ pub(super) struct Collectives {
 }
 
 impl Collectives {
-    /// Collectives among `comm`'s ranks on buffers cut by `cuts` (one per parameter group),
-    /// `room` of them in a schedule.
-    pub(super) fn new(comm: Arc<dyn Comm>, cuts: &[Cut], room: usize) -> Collectives {
+    /// Collectives among the ranks of `comms`'s axes on buffers cut by `cuts` (one per
+    /// parameter group), `room` of them in a schedule.
+    pub(super) fn new(comms: Comms, cuts: &[Cut], room: usize) -> Collectives {
         Collectives {
-            comm,
+            comms,
             cuts: cuts.into(),
             room,
             overlap: true,
@@ -254,7 +261,7 @@ impl Collectives {
     fn spawn(&self) -> Result<Thread> {
         let (jobs, job_rx) = sync_channel::<Job>(self.room.max(1));
         let (done_tx, done) = sync_channel::<Done>(self.room.max(1));
-        let (comm, cuts) = (self.comm.clone(), self.cuts.clone());
+        let (comms, cuts) = (self.comms.clone(), self.cuts.clone());
         let (clock, log) = (self.clock.clone(), self.log.clone());
         let worker = std::thread::Builder::new()
             .name("memwall-comm".into())
@@ -267,7 +274,7 @@ impl Collectives {
                         Some(why) => Err(anyhow!("not run: an earlier collective failed: {why}")),
                         // SAFETY: `Collectives::start`'s caller keeps the views valid and
                         // untouched until the collective is waited for.
-                        None => unsafe { job.run(&cuts[job.group], &*comm) },
+                        None => unsafe { job.run(&cuts[job.group], &**comms.along(job.axis)) },
                     };
                     let end = Instant::now();
                     if failed.is_none() {
@@ -305,7 +312,8 @@ impl Collectives {
         if !self.overlap {
             let start = Instant::now();
             // SAFETY: the caller's.
-            let result = unsafe { job.run(&self.cuts[job.group], &*self.comm) };
+            let comm = self.comms.along(job.axis);
+            let result = unsafe { job.run(&self.cuts[job.group], &**comm) };
             let end = Instant::now();
             let ns = nanos(end - start);
             self.clock.busy_ns.fetch_add(ns, Relaxed);

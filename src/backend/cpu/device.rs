@@ -10,7 +10,7 @@ use super::features::{cpu_has_bf16_dot, f16_conversions_available};
 use super::gemm::f32::{own_pack_bytes_per_thread, packing_bytes};
 use super::gemm::mixed::{compute_path, gemm_mixed_workspace_len};
 use crate::backend::{Backend, CommSpan, CommTime, Device, IoSpan, IoTime, Kernels, StepCtx};
-use crate::dist::Comm;
+use crate::dist::Comms;
 use crate::dtype::{DType, Elem};
 use crate::ir::MomentsMut;
 use crate::ir::Sizing;
@@ -23,7 +23,6 @@ use crate::plan::Plan;
 use crate::plan::offload::OFFLOAD_FILE;
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
-use std::sync::Arc;
 
 /// The CPU backend: kernels on a pool of the plan's `threads` workers, one host arena.
 #[derive(Clone, Copy, Debug, Default)]
@@ -78,8 +77,8 @@ impl Sizing for Cpu {
 }
 
 impl Backend for Cpu {
-    fn start(&self, plan: &Plan, comm: Arc<dyn Comm>) -> Result<Box<dyn Device>> {
-        Ok(Box::new(CpuDevice::new(plan, comm)?))
+    fn start(&self, plan: &Plan, comms: Comms) -> Result<Box<dyn Device>> {
+        Ok(Box::new(CpuDevice::new(plan, comms)?))
     }
 
     fn measure_peak(&self) -> Option<crate::backend::Peak> {
@@ -157,7 +156,7 @@ pub struct CpuDevice {
 }
 
 impl CpuDevice {
-    fn new(plan: &Plan, comm: Arc<dyn Comm>) -> Result<CpuDevice> {
+    fn new(plan: &Plan, comms: Comms) -> Result<CpuDevice> {
         let storage = plan.cfg.precision.storage();
         if storage == DType::F16 && !f16_conversions_available() {
             bail!(
@@ -189,7 +188,7 @@ impl CpuDevice {
         let collectives = ops.filter(|e| e.op.collective_group().is_some()).count();
         Ok(CpuDevice {
             io,
-            collectives: Collectives::new(comm, &plan.cuts, collectives),
+            collectives: Collectives::new(comms, &plan.cuts, collectives),
             pending: Default::default(),
             stall_ns: Default::default(),
             arena,
