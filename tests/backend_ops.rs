@@ -28,7 +28,7 @@
 //! the gradient norm's share 1e-5. Values an op must leave alone, copies (all-gather,
 //! transfers) and zeroing: bitwise.
 //!
-//! Every kind of `plan::Op` has a check (`rig::kind` names them all without a wildcard, so a
+//! Every kind of `ir::Op` has a check (`rig::kind` names them all without a wildcard, so a
 //! new kind stops the suite compiling until it is named there); `AwaitCollective` is checked
 //! with the collectives, which read their results after it and nothing else. Narrower than the op: `LmHeadLast`
 //! and `StepCtx::seq` (a prefix of each sequence) are checked in fp32 only, the only

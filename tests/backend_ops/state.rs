@@ -68,7 +68,7 @@ fn adamw_ref(p: f64, g: f64, m: f64, v: f64, decay: bool) -> (f64, f64, f64) {
     (p, m, v)
 }
 
-/// The 8-bit codes' values (the format, `plan::strategy::OptimState::Int8`): m (i8) ±k ↔
+/// The 8-bit codes' values (the format, `ir::strategy::OptimState::Int8`): m (i8) ±k ↔
 /// ±scale·2^((k−127)/8), v (u8) k ↔ scale·2^((k−255)/8), code 0 ↔ 0.
 fn decode_m(code: i8, scale: f32) -> f64 {
     let k = (code as i32).clamp(-127, 127);

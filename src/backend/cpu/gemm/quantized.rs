@@ -5,7 +5,7 @@
 //! so there is no third GEMM.
 //!
 //! The weight is never dequantized whole: [`TILE_ROWS`] rows at a time are decoded (exactly
-//! as llama.cpp decodes them, `gguf::dequant`) into an f32 workspace of
+//! as llama.cpp decodes them, `dtype::dequant`) into an f32 workspace of
 //! [`workspace_len`] elements, and the f32 GEMM ([`sgemm`](super::f32::sgemm)) runs on that tile. The decode is
 //! O(out · in) per call against the GEMM's O(n · out · in), so it is a small share of the
 //! time for the n = B·T rows of a training step. The results are those of the naive twins
