@@ -856,14 +856,8 @@ impl Executor {
     /// norm, and the AdamW step with clipping, or none when the gradients are not finite.
     fn settle(&mut self, hp: &OptimHparams) -> Result<(StepOutcome, Option<AdamWStep>)> {
         let partial = self.moments_sharded().then_some(&*self.comm);
-        let shares = self.read_norm_shares()?;
+        let shares = read_norm_shares(&self.plan, &*self.device, self.norm_shares)?;
         settle(&shares, self.loss_scale, hp, partial)
-    }
-
-    /// The step's gradient-norm shares, one per parameter group in parameter order: one read
-    /// of the plan buffer the `GradNorm` ops wrote.
-    fn read_norm_shares(&self) -> Result<Vec<f64>> {
-        read_norm_shares(&self.plan, &*self.device, self.norm_shares)
     }
 
     /// Forward and backward: fills the gradients, returns the mean loss (after finishing a

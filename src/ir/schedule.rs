@@ -590,16 +590,6 @@ impl Op {
         }
     }
 
-    /// The mesh axis a collective runs along; `None` for other ops.
-    pub fn collective_axis(&self) -> Option<Axis> {
-        match self {
-            Op::AllReduce { axis, .. }
-            | Op::ReduceScatter { axis, .. }
-            | Op::AllGather { axis, .. } => Some(*axis),
-            _ => None,
-        }
-    }
-
     /// The parameter group a collective moves (its cut is [`crate::plan::Plan::cuts`]`[group]`);
     /// `None` for other ops.
     pub fn collective_group(&self) -> Option<usize> {

@@ -68,17 +68,17 @@ impl Job {
     /// an op that is not a collective.
     pub(super) fn new<'a, T: Summable>(op: &Op, view: impl Fn(BufId) -> &'a mut [T]) -> Job {
         let raw = |id| Raw::of(view(id));
-        let axis = op.collective_axis().expect("a collective");
-        let (key, kind, group, shard, scratch, accumulate) = match *op {
+        let (key, kind, group, axis, shard, scratch, accumulate) = match *op {
             Op::AllReduce {
                 buf,
                 scratch,
                 group,
-                ..
+                axis,
             } => (
                 buf,
                 Collective::AllReduce,
                 group,
+                axis,
                 None,
                 Some(scratch),
                 false,
@@ -89,18 +89,22 @@ impl Job {
                 scratch,
                 accumulate,
                 group,
-                ..
+                axis,
             } => (
                 buf,
                 Collective::ReduceScatter,
                 group,
+                axis,
                 Some(shard),
                 Some(scratch),
                 accumulate,
             ),
             Op::AllGather {
-                buf, shard, group, ..
-            } => (buf, Collective::AllGather, group, shard, None, false),
+                buf,
+                shard,
+                group,
+                axis,
+            } => (buf, Collective::AllGather, group, axis, shard, None, false),
             ref other => unreachable!("{other:?} is not a collective"),
         };
         Job {
