@@ -3,11 +3,11 @@
 
 use clap::{Args, Parser, Subcommand};
 use memwall::backend::DeviceKind;
-use memwall::dist::shard::Zero;
 use memwall::exec::resolve::{LoraRequest, StepRequest, StrategyRequest, TrainRequest};
 use memwall::export::ExportType;
 use memwall::gguf::OutDtype;
 use memwall::ir::BaseQuant;
+use memwall::ir::shard::Zero;
 use memwall::ir::{OptimState, Precision, RecomputeChoice};
 use memwall::plan::OffloadChoice;
 use memwall::plan::search::Pick;

@@ -263,8 +263,17 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         )?,
     };
     let predicted = plan::time::predict(&plan, &cal);
+    // Each tier's budget: --max-memory for the tier ops compute on, the free space of
+    // --offload-dir for the disk (when the plan puts anything there).
+    let disk_free = match a.step.strategy.offload_dir.as_deref() {
+        Some(dir) if plan.nvme_bytes() > 0 => Some(memwall::mem::disk::free_bytes_for(dir)?),
+        _ => None,
+    };
+    let budgets = plan::Budgets::new(plan.compute_tier(), a.step.max_memory, disk_free);
     let plan_json = || -> Result<PlanJson> {
-        let mut p = PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &cal);
+        let mut p = PlanJson::from_plan(&plan, baseline)?
+            .with_budgets(&budgets)
+            .with_prediction(&predicted, &cal);
         p.fit = r.fit.clone();
         Ok(p)
     };
@@ -282,9 +291,12 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             print!("{}", found.table(budget));
             println!("plan of the fastest:");
         }
-        print!("{}", plan::report::table(&plan, baseline, backend));
+        print!(
+            "{}",
+            plan::report::table(&plan, baseline, &budgets, backend)
+        );
         println!("{}", time_line(&plan, &predicted, &cal));
-        if plan.nvme_bytes > 0 {
+        if plan.nvme_bytes() > 0 {
             print_disk_time(&plan, a.step.strategy.offload_dir.as_deref())?;
         }
         if let Some(path) = &a.svg {
@@ -354,10 +366,10 @@ fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<(
         );
         return Ok(());
     };
-    let free = memwall::mem::disk::check_room(dir, plan.nvme_bytes, "the plan's offload file")?;
+    let free = memwall::mem::disk::check_room(dir, plan.nvme_bytes(), "the plan's offload file")?;
     println!(
         "  offload file fits the disk   {} of {} free at {}",
-        fmt_bytes(plan.nvme_bytes),
+        fmt_bytes(plan.nvme_bytes()),
         fmt_bytes(free),
         dir.display()
     );

@@ -5,8 +5,8 @@
 mod common;
 
 use memwall::backend::under_test as backend;
-use memwall::dist::shard::Zero;
 use memwall::ir::schedule::Op;
+use memwall::ir::shard::Zero;
 use memwall::ir::strategy::QBLOCK;
 use memwall::ir::{Category, OptimState};
 use memwall::model::ModelSpec;

@@ -8,10 +8,10 @@ mod common;
 
 use common::worst_tensor;
 use memwall::backend::under_test as backend;
-use memwall::dist::shard::Zero;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
 use memwall::ir::OptimState;
+use memwall::ir::shard::Zero;
 use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};

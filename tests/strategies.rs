@@ -517,7 +517,7 @@ fn offloading_changes_no_bit() {
                 let set = off.offload.set;
                 let what = format!("{what}, --offload {placement}");
                 let plan = build_plan(&spec, &off, Mode::Train, backend()).unwrap();
-                assert!(plan.nvme_bytes > 0, "{name} {what}: nothing on disk");
+                assert!(plan.nvme_bytes() > 0, "{name} {what}: nothing on disk");
                 for b in plan.buffers.iter().filter(|b| b.persistent) {
                     let on_disk = match b.category {
                         Category::OptimizerState => set.optimizer,
@@ -529,7 +529,7 @@ fn offloading_changes_no_bit() {
                 }
                 if set.optimizer || set.params {
                     assert!(
-                        plan.arena_bytes < in_ram.arena_bytes,
+                        plan.arena_bytes() < in_ram.arena_bytes(),
                         "{name} {what}: no RAM saved"
                     );
                 }

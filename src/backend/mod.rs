@@ -32,17 +32,17 @@ pub use choice::{DeviceKind, under_test};
 use crate::dist::Comms;
 use crate::dtype::{DType, Elem};
 use crate::ir::schedule::OpEntry;
-use crate::ir::{BufId, OpFamily, Sizing};
-use crate::plan::Plan;
+use crate::ir::{BufId, OpFamily, Program, Sizing};
 use anyhow::Result;
 
 /// A backend that can run plans.
 pub trait Backend: Sizing + Sync {
-    /// Allocates the plan's packed tiers (touching every page, so an impossible allocation
-    /// fails here, before any step) and starts the backend's workers (`plan.cfg.threads`).
-    /// The plan's collectives run among the ranks of `comms`'s axis each names (this process
-    /// being the plan's rank; one process: every axis [`crate::dist::Single`]).
-    fn start(&self, plan: &Plan, comms: Comms) -> Result<Box<dyn Device>>;
+    /// Allocates the program's packed tiers (touching every page, so an impossible
+    /// allocation fails here, before any step) and starts the backend's workers
+    /// (`program.threads`). The program's collectives run among the ranks of `comms`'s axis
+    /// each names (this process being the plan's rank; one process: every axis
+    /// [`crate::dist::Single`]).
+    fn start(&self, program: &Program, comms: Comms) -> Result<Box<dyn Device>>;
     /// The backend's f32 arithmetic ceiling, measured now on the calling thread pool (a
     /// throughput figure is a fraction of it); `None` where it cannot be measured.
     fn measure_peak(&self) -> Option<Peak>;
@@ -173,7 +173,7 @@ pub trait Device: Send + Sync {
     /// parameters and gradients are bound to). A [`crate::ir::Op::Transfer`] starts a
     /// transfer between tiers, and a collective ([`crate::ir::Op::AllReduce`],
     /// `ReduceScatter`, `AllGather`: among the ranks the device was started with, on the
-    /// plan buffers it names, cut as its group's, [`crate::plan::Plan::cuts`]) starts it;
+    /// plan buffers it names, cut as its group's, [`crate::ir::Program::cuts`]) starts it;
     /// both run beside the ops that follow until the `AwaitTransfers` or `AwaitCollective`
     /// that names their buffer waits for them (with those started before them). Fails only
     /// where the op moves bytes to or from a tier that can fail (an await of a disk

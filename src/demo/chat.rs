@@ -446,7 +446,12 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     );
     print!(
         "{}",
-        plan::report::table(&plan, rss::current_rss().unwrap_or(0), t.device.open(0)?)
+        plan::report::table(
+            &plan,
+            rss::current_rss().unwrap_or(0),
+            &plan::Budgets::NONE,
+            t.device.open(0)?
+        )
     );
     println!(
         "\n   training {} steps of {} x {} tokens (AdamW, lr {}), validation loss on the answers before and after:\n",

@@ -126,7 +126,12 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     println!("\n5. the memory plan of a fine-tuning step, before any step runs:\n");
     print!(
         "{}",
-        plan::report::table(&plan, rss::current_rss().unwrap_or(0), t.device.open(0)?)
+        plan::report::table(
+            &plan,
+            rss::current_rss().unwrap_or(0),
+            &plan::Budgets::NONE,
+            t.device.open(0)?
+        )
     );
     println!(
         "\n   fine-tuning {} steps of {} x {} tokens (AdamW, lr {}), validation loss before and after:\n",

@@ -68,7 +68,12 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
     println!("\n2. the memory plan, before any step runs:\n");
     print!(
         "{}",
-        plan::report::table(&plan, rss::current_rss().unwrap_or(0), o.device.open(0)?)
+        plan::report::table(
+            &plan,
+            rss::current_rss().unwrap_or(0),
+            &plan::Budgets::NONE,
+            o.device.open(0)?
+        )
     );
     println!(
         "\n3. training {} steps (loss should fall from ~10.8):\n",

@@ -1,6 +1,5 @@
 //! The [`Comm`] seam: a group of ranks that exchange bytes pairwise, on which the
-//! collectives ([`super::ring`]) are written once; [`Single`], the group of one process; and
-//! which [`Collective`] a plan op is (for the bytes each rank sends).
+//! collectives ([`super::ring`]) are written once; and [`Single`], the group of one process.
 
 use anyhow::Result;
 
@@ -34,14 +33,6 @@ pub trait Comm: Send + Sync {
         }
         Ok(())
     }
-}
-
-/// Which collective, for [`Cut::sent`](super::Cut::sent).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Collective {
-    AllReduce,
-    ReduceScatter,
-    AllGather,
 }
 
 /// One process: rank 0 of 1.

@@ -136,7 +136,8 @@ impl Comms {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dist::{Cut, Local, ring};
+    use crate::dist::{Local, ring};
+    use crate::ir::Cut;
 
     /// 2 tensor x 3 data ranks as threads: an all-reduce along each axis sums exactly its
     /// group's values, with both axes' collectives on the same job.

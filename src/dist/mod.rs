@@ -21,7 +21,7 @@
 //!
 //! [`world`] picks the transport (and refuses `--zero 1–3` outside `mpirun`, or `mpirun`
 //! without the feature); [`comm_thread_wanted`] says whether collectives get a thread of their
-//! own; [`shard`] says how a group's elements are cut among ranks. In a run under `mpirun`,
+//! own; how a group's elements are cut among ranks is [`crate::ir::shard`]'s. In a run under `mpirun`,
 //! rank 0 owns the run directory (the others write `metrics.rank{r}.jsonl`), the ranks compare
 //! a hash of their options and resume point before anything is written, and a rank that
 //! fails with an error prints it and aborts the job ([`Comm::abort`]).
@@ -40,13 +40,11 @@ pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod ring;
-pub mod shard;
 
-pub use comm::{Collective, Comm, Single};
+pub use comm::{Comm, Single};
 pub use group::{Comms, Group};
 pub use local::Local;
 pub use ring::Summable;
-pub use shard::{Cut, Sharding};
 
 use anyhow::Result;
 
@@ -88,7 +86,7 @@ pub fn launched() -> bool {
 /// build with the `mpi` feature), else one process. `zero` is the `--zero` flag: a stage
 /// that shards (1 to 3) is refused outside `mpirun` with how to run it; `--zero 0` is one
 /// process's plain training (e.g. resuming a sharded run alone).
-pub fn world(zero: Option<shard::Zero>) -> Result<std::sync::Arc<dyn Comm>> {
+pub fn world(zero: Option<crate::ir::Zero>) -> Result<std::sync::Arc<dyn Comm>> {
     #[cfg(not(feature = "mpi"))]
     const BUILD: &str = "cargo build --release --features mpi (needs Open MPI or MPICH and libclang: apt-get install openmpi-bin libopenmpi-dev libclang-dev)";
     if launched() {

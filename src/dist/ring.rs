@@ -19,10 +19,11 @@
 //! transport's counter confirms. bf16 and f16 partial sums are added in f32
 //! and rounded once per hop, as NCCL does.
 
-#[cfg(test)]
-use super::Collective;
-use super::{Comm, Cut};
+use super::Comm;
 use crate::dtype::Elem;
+#[cfg(test)]
+use crate::ir::Collective;
+use crate::ir::Cut;
 use anyhow::{Result, ensure};
 use half::{bf16, f16};
 
@@ -314,10 +315,10 @@ mod tests {
     #[test]
     fn uneven_chunks_pair_up_and_are_counted() {
         // Chunks of 5, 10, 0 and 0 elements (ranks owning nothing), pieces of 2.
-        let sh = crate::dist::Sharding {
+        let sh = crate::ir::Sharding {
             ranks: 4,
             rank: 0,
-            zero: crate::dist::shard::Zero(1),
+            zero: crate::ir::shard::Zero(1),
         };
         let cut = sh.at_edges(15, &[5, 6, 15]);
         assert_eq!((cut.shard(1), cut.shard(2)), (5..15, 15..15));

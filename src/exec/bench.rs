@@ -120,7 +120,7 @@ impl PlanFigures {
     fn of(plan: &Plan) -> PlanFigures {
         let recompute = plan.cfg.recompute;
         let (io_read, io_write) = plan.io_bytes_per_step();
-        let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes});
+        let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes()});
         let (total, flops, recompute_flops) =
             (plan.total_bytes(), plan.flops(), plan.recompute_flops());
         let by_category: serde_json::Map<String, Value> = plan
@@ -167,7 +167,10 @@ fn set_up(opts: &BenchOptions) -> Result<Bench> {
     if let Some(dir) = &opts.profile {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
+        let budgets =
+            crate::plan::Budgets::new(plan.compute_tier(), opts.strategies.max_memory, None);
         PlanJson::from_plan(&plan, baseline)?
+            .with_budgets(&budgets)
             .with_prediction(&predicted, &calibration)
             .write(&RunDir::new(dir).plan())?;
     }

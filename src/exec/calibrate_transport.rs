@@ -11,8 +11,9 @@
 //! weigh most. Rank 0 saves the result in the user cache, one file per rank count; plans for
 //! that many ranks then time their collectives with it.
 
-use crate::dist::{Collective, Comm, Cut, Summable, ring};
+use crate::dist::{Comm, Summable, ring};
 use crate::dtype::Elem;
+use crate::ir::{Collective, Cut};
 use crate::plan::time::{Calibration, Cost, Transport};
 use crate::util::clock::utc_now;
 use crate::util::machine::cpu_name;

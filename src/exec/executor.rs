@@ -231,7 +231,7 @@ impl Executor {
                 comm.size()
             );
         }
-        let device = backend.start(&plan, Comms::data_parallel(comm.clone()))?;
+        let device = backend.start(&plan.program(), Comms::data_parallel(comm.clone()))?;
         // Until a batch says otherwise, every target is trained.
         let mine = plan.schedule.tokens.len() * plan.cfg.batch * plan.cfg.seq;
         let loss_tokens = LossTokens {

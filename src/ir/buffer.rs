@@ -137,6 +137,14 @@ impl Tier {
     }
 }
 
+/// One tier a plan packs and its size: the bytes of the one allocation the backend makes
+/// for it (an arena in memory, a file on disk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierSize {
+    pub tier: Tier,
+    pub bytes: u64,
+}
+
 /// Where a buffer's bytes are: its tier and its byte offset in that tier's arena (0 for
 /// [`Tier::Owned`]). Serialised as `tier`, `offset` and `external` (true for owned buffers;
 /// kept for readers of older `plan.json` files).

@@ -5,7 +5,8 @@
 //! none of them on each other through it.
 //!
 //! - [`buffer`]: a plan buffer ([`Buffer`], [`BufId`]): its [`Category`], element type, size,
-//!   live interval, [`Tier`] and offset; the alignments ([`ALIGN`], [`IO_ALIGN`]).
+//!   live interval, [`Tier`] and offset; a packed tier's size ([`TierSize`]); the alignments
+//!   ([`ALIGN`], [`IO_ALIGN`]).
 //! - [`schedule`]: the ops ([`Op`], [`OpEntry`] with its [`Phase`]), how they name their
 //!   operands ([`Rows`], [`WeightLayout`], [`ParamSlice`], [`Binding`]) and the step's
 //!   ordered list ([`Schedule`]).
@@ -17,8 +18,12 @@
 //!   [`OptimState`], [`BaseQuant`]) and the 8-bit state's block ([`QBLOCK`]).
 //! - [`mesh`]: how a job's ranks are arranged ([`Mesh`]: data × tensor × pipeline) and
 //!   the [`Axis`] a collective runs along.
+//! - [`shard`]: how a parameter group is cut among the data-parallel ranks ([`Cut`],
+//!   [`Sharding`]) and the ZeRO stage ([`Zero`]).
 //! - [`moments`]: the AdamW moments as stored, borrowed ([`Moments`], [`MomentsMut`]).
 //! - [`sizing`]: what the planner asks of a backend ([`Sizing`]).
+//! - [`program`]: what a backend starts on ([`Program`]: a plan's buffers, schedule, tier
+//!   sizes and cuts), so no backend imports the planner.
 
 /// Serialises a strategy type as its flag text (`Display`) and reads it back with its flag
 /// parser (`FromStr`), so `plan.json`, a run's options and the CLI share one spelling.
@@ -46,19 +51,23 @@ pub mod builder;
 pub mod family;
 pub mod mesh;
 pub mod moments;
+pub mod program;
 pub mod schedule;
+pub mod shard;
 pub mod sizing;
 pub mod strategy;
 
-pub use buffer::{ALIGN, BufId, Buffer, Category, IO_ALIGN, Placement, Tier};
+pub use buffer::{ALIGN, BufId, Buffer, Category, IO_ALIGN, Placement, Tier, TierSize};
 pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
 pub use family::OpFamily;
 pub use mesh::{Axis, Mesh};
 pub use moments::{Moments, MomentsMut};
+pub use program::{DISK_TIER_FILE, Program};
 pub use schedule::{
     Binding, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Phase,
     Rows, Schedule, Segment, Segments, WeightLayout,
 };
+pub use shard::{Collective, Cut, Sharding, Zero};
 pub use sizing::Sizing;
 pub use strategy::{
     BaseQuant, BaseTypes, BlockPolicy, OptimState, Precision, QBLOCK, Recompute, RecomputeChoice,

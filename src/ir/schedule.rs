@@ -345,15 +345,16 @@ pub enum Op {
         tensors: Vec<ParamSlice>,
         state: OptimBufs,
     },
-    /// Starts copying buffer `from` into buffer `to` (same size; one on the disk tier, the
-    /// other a host staging buffer): a read from disk or a write to it. It runs beside the
-    /// ops that follow, until an [`Op::AwaitTransfers`] naming the staging buffer.
+    /// Starts copying buffer `from` into buffer `to`: one size, on two adjacent tiers of the
+    /// backend's list ([`crate::ir::Sizing::tiers`]; the CPU's: a disk-tier buffer and a RAM
+    /// staging buffer, so a read from disk or a write to it). It runs beside the ops that
+    /// follow, until an [`Op::AwaitTransfers`] naming the staging buffer.
     Transfer { from: BufId, to: BufId },
     /// Waits until every transfer started into or out of `bufs` (host staging buffers) is
     /// done; fails with the first one that failed.
     AwaitTransfers { bufs: Vec<BufId> },
     /// `buf` (cut among the ranks as parameter group `group`'s buffers are,
-    /// [`crate::plan::Plan::cuts`]) becomes its sum over the ranks, in place (the group's
+    /// [`crate::ir::Program::cuts`]) becomes its sum over the ranks, in place (the group's
     /// gradients, `--zero 0`); `scratch` receives the pieces in flight (`dist::ring`).
     AllReduce {
         buf: BufId,
@@ -590,7 +591,7 @@ impl Op {
         }
     }
 
-    /// The parameter group a collective moves (its cut is [`crate::plan::Plan::cuts`]`[group]`);
+    /// The parameter group a collective moves (its cut is [`crate::ir::Program::cuts`]`[group]`);
     /// `None` for other ops.
     pub fn collective_group(&self) -> Option<usize> {
         match self {

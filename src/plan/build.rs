@@ -73,9 +73,9 @@ use super::packing;
 use super::stage::{self, Home, Kind};
 use super::zero;
 use super::{LoraPlan, OffloadSet, Plan};
-use crate::dist::Sharding;
 use crate::dtype::DType;
 use crate::ir::BaseQuant;
+use crate::ir::Sharding;
 use crate::ir::Sizing;
 use crate::ir::builder::{Builder, Loss, MicroBatch};
 use crate::ir::schedule::{
@@ -83,7 +83,7 @@ use crate::ir::schedule::{
     Segments,
 };
 use crate::ir::strategy::{OptimState, Precision, QBLOCK};
-use crate::ir::{BufId, Buffer, Category, Placement, Tier};
+use crate::ir::{BufId, Buffer, Category, Placement, Tier, TierSize};
 use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
@@ -934,12 +934,10 @@ fn finish(
             deferred_update: io.deferred_update,
         },
         buffers: g.buffers,
-        arena_bytes: packed.arena_bytes,
         peak_live_bytes: packed.peak_live_bytes,
         peak_op: packed.peak_op,
         external_bytes: packed.external_bytes,
-        nvme_bytes: packed.nvme_bytes,
-        tier_bytes: packed.tier_bytes,
+        tiers: packed.tiers,
         cuts: Vec::new(),
     };
     if r.verify == Verify::Yes {
@@ -998,12 +996,40 @@ fn lifetimes(g: &mut Builder) -> Result<()> {
 
 /// A plan's sizes once its tiers are packed ([`pack`]).
 struct Packed {
-    arena_bytes: u64,
-    nvme_bytes: u64,
-    tier_bytes: Vec<(Tier, u64)>,
+    tiers: Vec<TierSize>,
     external_bytes: u64,
     peak_live_bytes: u64,
     peak_op: usize,
+}
+
+/// Checks that every transfer moves a buffer between two adjacent tiers of the backend's
+/// list (the CPU's: RAM and the disk; a GPU's: device memory and pinned RAM, pinned RAM and
+/// the disk), between buffers of one size.
+fn check_transfers(ops: &[OpEntry], buffers: &[Buffer], tiers: &[Tier]) -> Result<()> {
+    let place = |t: Tier| tiers.iter().position(|&x| x == t);
+    for e in ops {
+        let Op::Transfer { from, to } = e.op else {
+            continue;
+        };
+        let (f, t) = (&buffers[from.0], &buffers[to.0]);
+        let adjacent = match (place(f.placement.tier), place(t.placement.tier)) {
+            (Some(a), Some(b)) => a.abs_diff(b) == 1,
+            _ => false,
+        };
+        if !adjacent || f.bytes != t.bytes {
+            bail!(
+                "internal error: op {} moves {} ({}, {} B) to {} ({}, {} B): a transfer moves                  one size between adjacent tiers of {tiers:?}",
+                e.name,
+                f.name,
+                f.placement.tier.describe(),
+                f.bytes,
+                t.name,
+                t.placement.tier.describe(),
+                t.bytes
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Packs the offsets of each tier the backend declares, in its order ([`packing::pack`];
@@ -1023,13 +1049,15 @@ fn pack(g: &mut Builder, tiers: &[Tier], verify: Verify) -> Result<Packed> {
             b.placement.tier.describe()
         );
     }
-    let tier_bytes: Vec<(Tier, u64)> = tiers
+    check_transfers(&g.ops, &g.buffers, tiers)?;
+    let sizes: Vec<TierSize> = tiers
         .iter()
-        .map(|&t| (t, packing::pack(&mut g.buffers, t)))
+        .map(|&tier| TierSize {
+            tier,
+            bytes: packing::pack(&mut g.buffers, tier),
+        })
         .collect();
-    let bytes_in = |t: Tier| tier_bytes.iter().find(|x| x.0 == t).map_or(0, |x| x.1);
     let compute = tiers[0];
-    let (arena_bytes, nvme_bytes) = (bytes_in(compute), bytes_in(Tier::Nvme));
     if verify == Verify::Yes {
         packing::verify(&g.buffers)
             .map_err(|e| anyhow::anyhow!("internal error: invalid packing: {e}"))?;
@@ -1048,9 +1076,7 @@ fn pack(g: &mut Builder, tiers: &[Tier], verify: Verify) -> Result<Packed> {
         .collect();
     let (peak_live_bytes, peak_op) = packing::peak_live(&in_arena, n_ops);
     Ok(Packed {
-        arena_bytes,
-        nvme_bytes,
-        tier_bytes,
+        tiers: sizes,
         external_bytes,
         peak_live_bytes,
         peak_op,

@@ -3,7 +3,7 @@
 //! search ([`super::search`]) and the ZeRO sharding ([`super::zero`]) read it.
 
 use super::Offload;
-use crate::dist::shard::{Sharding, Zero};
+use crate::ir::shard::{Sharding, Zero};
 use crate::ir::{BaseQuant, BaseTypes, EmitOptions, OptimState, Precision, Recompute};
 use crate::model::lora::LoraSpec;
 use serde::Serialize;

@@ -4,10 +4,10 @@
 use super::search::{Pick, Space, search};
 use super::time::Calibration;
 use super::{Mode, OffloadChoice, OffloadSet, Plan, StepConfig, build_plan};
-use crate::dist::shard::Zero;
 use crate::dtype::GgmlType;
 use crate::ir::BaseQuant;
 use crate::ir::Sizing;
+use crate::ir::shard::Zero;
 use crate::ir::{OptimState, Precision, Recompute, RecomputeChoice};
 use crate::model::ModelSpec;
 use crate::model::lora::LoraSpec;
@@ -387,10 +387,11 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
         }
     }
     bail!(
-        "the plan needs {} (arena {} + outside the arena {} + process baseline {} + runtime reserve {}) but --max-memory is {}: \
+        "the plan needs {} of {} (arena {} + outside the arena {} + process baseline {} + runtime reserve {}) but --max-memory is {}: \
          over by {}; {advice}",
         fmt_bytes(need),
-        fmt_bytes(plan.arena_bytes),
+        plan.compute_tier().describe(),
+        fmt_bytes(plan.arena_bytes()),
         fmt_bytes(plan.external_bytes),
         fmt_bytes(baseline),
         fmt_bytes(plan.runtime_reserve()),
@@ -436,7 +437,7 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
     let mut s = format!(
         "even --batch 1 does not fit: it needs {} (arena {}, at its peak, op {}: {}{}; outside the arena {}; process baseline {}; runtime reserve {})",
         fmt_bytes(predicted_peak(&one, baseline)),
-        fmt_bytes(one.arena_bytes),
+        fmt_bytes(one.arena_bytes()),
         one.schedule.ops[one.peak_op].name,
         parts.join(", "),
         if state > 0 {

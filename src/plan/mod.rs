@@ -17,6 +17,7 @@ pub mod packing;
 pub mod report;
 pub mod search;
 mod stage;
+pub mod tiers;
 pub mod time;
 pub mod zero;
 
@@ -24,8 +25,9 @@ pub use build::build_plan;
 pub use config::{Mode, StepConfig};
 pub use lora::LoraPlan;
 pub use offload::{Offload, OffloadChoice, OffloadSet};
+pub use tiers::{Budgets, TierUse};
 
-use crate::ir::{BufId, Buffer, Category, Op, OpEntry, Phase, Schedule, Tier};
+use crate::ir::{BufId, Buffer, Category, Op, OpEntry, Phase, Program, Schedule, Tier, TierSize};
 use crate::model::{ModelSpec, ParamLayout};
 
 /// The fixed part of [`Plan::runtime_reserve`]: 4 MiB.
@@ -45,8 +47,6 @@ pub struct Plan {
     pub mode: Mode,
     pub schedule: Schedule,
     pub buffers: Vec<Buffer>,
-    /// Size of the host tier's arena (bytes), after lifetime packing.
-    pub arena_bytes: u64,
     /// Largest sum of simultaneously live buffer bytes over the schedule (packing lower bound).
     pub peak_live_bytes: u64,
     /// Index of the op at which `peak_live_bytes` is reached.
@@ -54,14 +54,12 @@ pub struct Plan {
     /// Bytes of the owned buffers ([`Tier::Owned`]: allocated once, outside the arena, by
     /// their owners).
     pub external_bytes: u64,
-    /// Size of the disk tier's file (`--offload`; 0 when nothing is offloaded).
-    pub nvme_bytes: u64,
-    /// Bytes of each tier the backend declared, in its order (fastest first: the first is
-    /// the compute tier, whose size is `arena_bytes`).
-    pub tier_bytes: Vec<(Tier, u64)>,
+    /// The size of each tier the backend declared, after lifetime packing, in its order
+    /// (fastest first: the first is the compute tier, [`Plan::arena_bytes`]).
+    pub tiers: Vec<TierSize>,
     /// With ranks: how each parameter group's buffers are split among them (indexed by
     /// group, as the collective ops name them; empty for one process).
-    pub cuts: Vec<crate::dist::Cut>,
+    pub cuts: Vec<crate::ir::Cut>,
 }
 
 impl Plan {
@@ -69,16 +67,50 @@ impl Plan {
         &self.buffers[id.0]
     }
 
-    /// Total predicted bytes of the step: the arena plus the external buffers.
-    pub fn total_bytes(&self) -> u64 {
-        self.arena_bytes + self.external_bytes
+    /// The tier ops compute on: the first the backend declared (the CPU's: RAM).
+    pub fn compute_tier(&self) -> Tier {
+        self.tiers[0].tier
     }
 
-    /// Predicted peak resident memory of a process running the plan: its bytes, the
-    /// measured process `baseline` (code, tokenizer tables, thread stacks, allocator, what is
-    /// resident when the plan is made) and the [`Plan::runtime_reserve`].
+    /// Bytes packed in tier `t` (0 for a tier the plan does not use).
+    pub fn tier_bytes(&self, t: Tier) -> u64 {
+        crate::ir::program::tier_bytes(&self.tiers, t)
+    }
+
+    /// Size of the compute tier's arena (bytes), after lifetime packing.
+    pub fn arena_bytes(&self) -> u64 {
+        self.tiers[0].bytes
+    }
+
+    /// Size of the disk tier's file (`--offload`; 0 when nothing is offloaded).
+    pub fn nvme_bytes(&self) -> u64 {
+        self.tier_bytes(Tier::Nvme)
+    }
+
+    /// The plan as a backend runs it ([`Program`]).
+    pub fn program(&self) -> Program<'_> {
+        Program {
+            buffers: &self.buffers,
+            schedule: &self.schedule,
+            tiers: &self.tiers,
+            cuts: &self.cuts,
+            storage: self.cfg.precision.storage(),
+            threads: self.cfg.threads,
+            disk_dir: self.cfg.offload.dir.as_deref(),
+        }
+    }
+
+    /// Total predicted bytes of the step: the arena plus the external buffers.
+    pub fn total_bytes(&self) -> u64 {
+        self.arena_bytes() + self.external_bytes
+    }
+
+    /// Predicted peak of the tier ops compute on ([`Plan::tier_peak`]); on the CPU, the
+    /// resident memory of a process running the plan: its bytes, the measured process
+    /// `baseline` (code, tokenizer tables, thread stacks, allocator, what is resident when
+    /// the plan is made) and the [`Plan::runtime_reserve`]. What `--max-memory` bounds.
     pub fn predicted_peak(&self, baseline: u64) -> u64 {
-        self.total_bytes() + baseline + self.runtime_reserve()
+        self.tier_peak(self.compute_tier(), baseline)
     }
 
     /// What a process touches after its baseline is measured that no plan buffer holds:
@@ -168,9 +200,9 @@ impl Plan {
     }
 
     /// Bytes this rank sends in collective op `e` (0 for other ops): the ring's figure
-    /// ([`crate::dist::Cut::sent`]), which the transport's counter confirms.
+    /// ([`crate::ir::Cut::sent`]), which the transport's counter confirms.
     pub fn comm_bytes(&self, e: &OpEntry) -> u64 {
-        use crate::dist::Collective;
+        use crate::ir::Collective;
         let (c, buf, group) = match e.op {
             Op::AllReduce { buf, group, .. } => (Collective::AllReduce, buf, group),
             Op::ReduceScatter { buf, group, .. } => (Collective::ReduceScatter, buf, group),

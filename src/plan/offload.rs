@@ -201,9 +201,6 @@ pub struct Offload {
     pub dir: Option<PathBuf>,
 }
 
-/// Name of the disk tier's file inside the offload directory.
-pub const OFFLOAD_FILE: &str = "memwall-offload.bin";
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,14 +5,15 @@
 //! its own peak (the most of its bytes live at one op), and its bytes live at the plan's peak
 //! op (the attribution of the peak).
 
-use super::Plan;
+use super::{Budgets, Plan};
 use crate::ir::Sizing;
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
 
-/// The human-readable table: bytes by category, packing, baseline and predicted peak, and how
-/// `backend` computes in the plan's precision.
-pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
+/// The human-readable table: bytes by category, packing, baseline and predicted peak, each
+/// tier's peak against its budget (of `budgets`), and how `backend` computes in the plan's
+/// precision.
+pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing) -> String {
     let mut s = String::new();
     let cfg = &plan.cfg;
     let micro = if cfg.grad_accum > 1 {
@@ -97,7 +98,7 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
     let _ = writeln!(
         s,
         "\n  arena (packed by lifetime)  {:>12}   lower bound {} (peak live, at op {})",
-        fmt_bytes(plan.arena_bytes),
+        fmt_bytes(plan.arena_bytes()),
         fmt_bytes(plan.peak_live_bytes),
         plan.schedule.ops[plan.peak_op].name
     );
@@ -131,16 +132,17 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
         "  predicted peak RSS          {:>12}",
         fmt_bytes(plan.predicted_peak(baseline))
     );
-    if plan.nvme_bytes > 0 {
+    if plan.nvme_bytes() > 0 {
         let (read, written) = plan.io_bytes_per_step();
         let _ = writeln!(
             s,
             "  on disk (offload file)      {:>12}   per step: {} read, {} written",
-            fmt_bytes(plan.nvme_bytes),
+            fmt_bytes(plan.nvme_bytes()),
             fmt_bytes(read),
             fmt_bytes(written)
         );
     }
+    s.push_str(&tiers(plan, baseline, budgets));
     if let Some(r) = &per_rank {
         let parts: Vec<String> = r
             .comm_by_collective
@@ -187,6 +189,29 @@ pub fn table(plan: &Plan, baseline: u64, backend: &dyn Sizing) -> String {
             "    of which recomputation    {:>10.1} GFLOP ({:.1}%)",
             re as f64 / 1e9,
             100.0 * re as f64 / flops as f64
+        );
+    }
+    s
+}
+
+/// One line per tier the plan packs, fastest first: its peak and the budget it must fit.
+pub fn tiers(plan: &Plan, baseline: u64, budgets: &Budgets) -> String {
+    let mut s = String::from("  tiers (ops compute on the first):\n");
+    for u in plan.tier_uses(baseline, budgets) {
+        let budget = match u.budget_bytes {
+            Some(b) => format!(
+                "   of {} ({}){}",
+                fmt_bytes(b),
+                Budgets::source(u.tier),
+                if u.over_by() > 0 { ": OVER" } else { "" }
+            ),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            s,
+            "    {:<24}peak {:>12}{budget}",
+            u.name,
+            fmt_bytes(u.peak_bytes)
         );
     }
     s

@@ -31,9 +31,9 @@
 
 use super::build::{Verify, build};
 use super::time::{Calibration, StepTime, predict};
-use super::{Mode, OffloadSet, Plan, StepConfig};
+use super::{Budgets, Mode, OffloadSet, Plan, StepConfig};
 use crate::ir::Sizing;
-use crate::ir::{OptimState, Precision, Recompute};
+use crate::ir::{OptimState, Precision, Recompute, Tier};
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
 use anyhow::{Result, bail};
@@ -140,6 +140,8 @@ pub struct Found {
     /// Groups never searched: their fastest plan could not beat the candidates kept.
     pub skipped: usize,
     pub plans_built: usize,
+    /// The tier ops compute on, whose peak the candidates' `peak` is (the CPU's: RAM).
+    pub compute: Tier,
     /// The offload directory and the bytes free on its disk, when a plan within the budget
     /// was refused because its offload file is larger.
     pub disk: Option<(std::path::PathBuf, u64)>,
@@ -197,7 +199,7 @@ impl Found {
             "offload",
             "prec",
             "optim",
-            "peak",
+            format!("{} peak", self.compute.describe()),
             "s/step",
             "tokens/s",
             "bound"
@@ -443,6 +445,7 @@ pub fn search(
     let (ranked, rebuilt) = exact(spec, ranked, budget, baseline, cal, backend)?;
     built += rebuilt;
     Ok(Found {
+        compute: backend.tiers()[0],
         ranked,
         rejected,
         skipped,
@@ -523,6 +526,7 @@ fn search_group(
     cal: &Calibration,
     backend: &dyn Sizing,
 ) -> Result<GroupResult> {
+    let budgets = Budgets::new(backend.tiers()[0], Some(budget), disk_free);
     let mut out = GroupResult {
         fitting: Vec::new(),
         smallest: u64::MAX,
@@ -551,11 +555,11 @@ fn search_group(
             c.grad_accum = c.grad_accum.min(2);
             let plan = build(spec, &c, Mode::Train, backend, Verify::No)?;
             out.built += 1;
-            let peak = plan.predicted_peak(baseline);
-            out.smallest = out.smallest.min(peak);
-            let on_disk = disk_free.is_none_or(|free| plan.nvme_bytes <= free);
-            out.disk_refused |= peak <= budget && !on_disk;
-            Ok((peak <= budget && on_disk, plan))
+            out.smallest = out.smallest.min(plan.predicted_peak(baseline));
+            // Every tier within its budget: the compute tier's, then the disk's.
+            let over = plan.over_budget(baseline, &budgets);
+            out.disk_refused |= over.as_ref().is_some_and(|u| u.tier == Tier::Nvme);
+            Ok((over.is_none(), plan))
         };
         // The most recomputation allowed must fit, else nothing does with this placement.
         let (ok, plan) = fits_at(cap - 1)?;

@@ -34,10 +34,10 @@
 //!
 //! Every rank runs the same plan on its own rows of each batch (`data::loader::Part`: N ranks
 //! of batch B see what one process of batch B and accumulation N sees). The cut of each group
-//! is in [`Plan::cuts`](super::Plan::cuts), one per group ([`dist::Cut`](crate::dist::Cut): rank r
+//! is in [`Plan::cuts`](super::Plan::cuts), one per group ([`dist::Cut`](crate::ir::Cut): rank r
 //! owns elements `edges[r]..edges[r+1]` of the group's buffers), and each collective op names
 //! its group, so the executor and [`Plan::comm_bytes`](super::Plan::comm_bytes) find its cut.
-//! Each collective has a scratch piece of at most [`PIECE_ELEMS`](crate::dist::shard::PIECE_ELEMS)
+//! Each collective has a scratch piece of at most [`PIECE_ELEMS`](crate::ir::shard::PIECE_ELEMS)
 //! elements. The buffers a collective uses stay live until its await, so the plan counts what
 //! overlap costs (two groups' gradients or gathered copies in flight), and the builder checks
 //! that no op in between touches them.
@@ -55,13 +55,13 @@
 //! (tensors may be cut), so a run resumes on any number of ranks at any stage.
 
 use super::{OffloadSet, Plan, StepConfig};
-use crate::dist::{Cut, Sharding};
 use crate::dtype::DType;
 use crate::ir::Axis;
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
 use crate::ir::strategy::QBLOCK;
 use crate::ir::{BufId, Category, OptimState};
+use crate::ir::{Cut, Sharding};
 use crate::model::{ParamGroup, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;

@@ -7,6 +7,7 @@ use super::chart::category_hex;
 use super::leak::LeakReport;
 use super::record::Profile;
 use super::timeline::{MemoryTimeline, StepIo, StepTimes, disk_tier_line, live_buffers};
+use crate::plan::Budgets;
 use crate::run_dir::PlanJson;
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
@@ -215,6 +216,19 @@ impl ReportPage<'_> {
                 fmt_bytes(p.external_bytes)
             ),
         );
+        if !p.tiers.is_empty() {
+            let tiers: Vec<String> = p
+                .tiers
+                .iter()
+                .map(|u| {
+                    let budget = u.budget_bytes.map_or(String::new(), |b| {
+                        format!(" of {} ({})", fmt_bytes(b), Budgets::source(u.tier))
+                    });
+                    format!("{} peak {}{budget}", u.name, fmt_bytes(u.peak_bytes))
+                })
+                .collect();
+            kv("tiers (fastest first)", tiers.join("; "));
+        }
         if let Some(line) = disk_tier_line(p, tl) {
             kv("disk tier", line);
         }

@@ -10,7 +10,7 @@
 //! of older versions still get a report.
 
 use crate::ir::{Category, Tier};
-use crate::plan::Plan;
+use crate::plan::{Budgets, Plan, TierUse};
 use crate::util::atomic;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -109,6 +109,10 @@ pub struct PlanJson {
     /// Bytes per memory tier: `host` (the plan total in RAM) and `nvme` (the offload file).
     #[serde(default)]
     pub by_tier: CategoryBytes,
+    /// Each tier the plan packs, fastest first (ops compute on the first): its name, packed
+    /// bytes, predicted peak and, when known, its budget (absent in older files).
+    #[serde(default)]
+    pub tiers: Vec<TierUse>,
     /// Bytes read from and written to the disk tier per step (`--offload`).
     #[serde(default)]
     pub io_read_bytes_per_step: u64,
@@ -195,7 +199,7 @@ impl PlanJson {
             config: serde_json::to_value(&plan.cfg)?,
             precision: plan.cfg.precision.to_string(),
             total_bytes: plan.total_bytes(),
-            arena_bytes: plan.arena_bytes,
+            arena_bytes: plan.arena_bytes(),
             external_bytes: plan.external_bytes,
             peak_live_bytes: plan.peak_live_bytes,
             peak_op: plan.schedule.ops[plan.peak_op].name.clone(),
@@ -209,10 +213,11 @@ impl PlanJson {
             recompute_flops_per_step: plan.recompute_flops(),
             by_tier: [
                 ("host".to_string(), Value::from(plan.total_bytes())),
-                ("nvme".to_string(), Value::from(plan.nvme_bytes)),
+                ("nvme".to_string(), Value::from(plan.nvme_bytes())),
             ]
             .into_iter()
             .collect(),
+            tiers: plan.tier_uses(baseline, &Budgets::NONE),
             io_read_bytes_per_step: io_read,
             io_write_bytes_per_step: io_write,
             predicted_step_s: None,
@@ -227,6 +232,14 @@ impl PlanJson {
         };
         p.check()?;
         Ok(p)
+    }
+
+    /// Records each tier's budget (`--max-memory`, the free space of `--offload-dir`).
+    pub fn with_budgets(mut self, budgets: &Budgets) -> PlanJson {
+        for u in &mut self.tiers {
+            u.budget_bytes = budgets.of(u.tier);
+        }
+        self
     }
 
     /// Records the plan's predicted step time `t`, from calibration `cal`.
@@ -353,7 +366,7 @@ mod tests {
             let back = PlanJson::load(&path).unwrap();
             assert_eq!(back.to_pretty_json().unwrap(), want);
             assert_eq!(back.total_bytes, plan.total_bytes());
-            assert_eq!(back.arena_bytes, plan.arena_bytes);
+            assert_eq!(back.arena_bytes, plan.arena_bytes());
             assert_eq!(back.buffers.len(), plan.buffers.len());
             let owned = back.buffers.iter().filter(|b| b.tier == Tier::Owned);
             assert!(owned.clone().all(|b| b.external) && owned.count() > 0);
@@ -381,6 +394,7 @@ mod tests {
             "live_at_peak_by_category",
             "flops_per_step",
             "recompute_flops_per_step",
+            "tiers",
         ] {
             o.remove(k).unwrap();
         }

@@ -7,8 +7,7 @@ use memwall::backend::{Backend, Device, StepCtx};
 use memwall::dist::Comms;
 use memwall::dtype::DType;
 use memwall::ir::schedule::OpEntry;
-use memwall::ir::{BufId, Op, Sizing};
-use memwall::plan::Plan;
+use memwall::ir::{BufId, Op, Program, Sizing};
 
 /// What the flawed backend gets wrong.
 #[derive(Clone, Copy)]
@@ -42,8 +41,8 @@ impl Sizing for Flawed {
 }
 
 impl Backend for Flawed {
-    fn start(&self, plan: &Plan, comms: Comms) -> anyhow::Result<Box<dyn Device>> {
-        Ok(Box::new(FlawedDevice(Cpu.start(plan, comms)?, self.0)))
+    fn start(&self, program: &Program, comms: Comms) -> anyhow::Result<Box<dyn Device>> {
+        Ok(Box::new(FlawedDevice(Cpu.start(program, comms)?, self.0)))
     }
 
     fn measure_peak(&self) -> Option<memwall::backend::Peak> {

@@ -16,7 +16,9 @@ use memwall::backend::{Backend, Device, StepCtx};
 use memwall::dist::{Comm, Single};
 use memwall::dtype::DType;
 use memwall::ir::schedule::{Binding, ImplicitBufs, OpEntry, Segment, Segments};
-use memwall::ir::{BufId, Buffer, Category, Op, Phase, Placement, Precision, Schedule, Tier};
+use memwall::ir::{
+    BufId, Buffer, Category, Op, Phase, Placement, Precision, Schedule, Tier, TierSize,
+};
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::plan::{Mode, Plan, StepConfig, packing};
 use std::ops::Range;
@@ -58,7 +60,7 @@ pub struct Rig {
     /// The disk tier's directory (checks of transfers), removed when the plan is dropped.
     disk: Option<tempfile::TempDir>,
     /// Ranks, this rank, and the cut of parameter group 0 (checks of collectives).
-    ranks: Option<(usize, usize, memwall::dist::Cut)>,
+    ranks: Option<(usize, usize, memwall::ir::Cut)>,
 }
 
 impl Rig {
@@ -144,7 +146,7 @@ impl Rig {
     }
 
     /// Makes the plan one rank of `ranks` (`rank`), parameter group 0 cut by `cut`.
-    pub fn among(&mut self, ranks: usize, rank: usize, cut: memwall::dist::Cut) {
+    pub fn among(&mut self, ranks: usize, rank: usize, cut: memwall::ir::Cut) {
         self.ranks = Some((ranks, rank, cut));
     }
 
@@ -240,16 +242,23 @@ impl Rig {
                 deferred_update: false,
             },
             buffers: self.buffers,
-            arena_bytes,
             peak_live_bytes: arena_bytes,
             peak_op: 0,
             external_bytes: 0,
-            nvme_bytes,
-            tier_bytes: vec![(Tier::Host, arena_bytes), (Tier::Nvme, nvme_bytes)],
+            tiers: vec![
+                TierSize {
+                    tier: Tier::Host,
+                    bytes: arena_bytes,
+                },
+                TierSize {
+                    tier: Tier::Nvme,
+                    bytes: nvme_bytes,
+                },
+            ],
             cuts,
         };
         let dev = backend
-            .start(&plan, memwall::dist::Comms::data_parallel(comm))
+            .start(&plan.program(), memwall::dist::Comms::data_parallel(comm))
             .unwrap_or_else(|e| panic!("the backend refused a {precision} plan: {e:#}"));
         Started {
             plan,

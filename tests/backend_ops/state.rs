@@ -4,10 +4,11 @@
 
 use super::rig::*;
 use memwall::backend::{AdamWStep, Backend, StepCtx};
-use memwall::dist::shard::{Sharding, Zero};
-use memwall::dist::{Cut, Local};
+use memwall::dist::Local;
 use memwall::dtype::DType;
+use memwall::ir::Cut;
 use memwall::ir::schedule::OpEntry;
+use memwall::ir::shard::{Sharding, Zero};
 use memwall::ir::strategy::QBLOCK;
 use memwall::ir::{Op, OptimBufs, OptimState, ParamSlice, Precision};
 use std::ops::Range;

@@ -13,8 +13,9 @@
 //! with its error: the ranks are out of step.
 
 use crate::backend::{CommSpan, CommTime};
-use crate::dist::{Collective, Comm, Comms, Cut, Summable, ring};
+use crate::dist::{Comm, Comms, Summable, ring};
 use crate::ir::{Axis, BufId, Buffer, Op};
+use crate::ir::{Collective, Cut};
 use anyhow::{Context, Result, anyhow};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;

@@ -16,11 +16,9 @@ use crate::ir::MomentsMut;
 use crate::ir::Sizing;
 use crate::ir::schedule::OptimBufs;
 use crate::ir::schedule::{ImplicitBufs, OpEntry, WeightLayout};
-use crate::ir::{BufId, Buffer, Op, OptimState, Tier};
+use crate::ir::{BufId, Buffer, DISK_TIER_FILE, Op, OptimState, Program, Tier};
 use crate::mem::arena::Arena;
 use crate::mem::disk::{DiskTier, IoThread, Ticket};
-use crate::plan::Plan;
-use crate::plan::offload::OFFLOAD_FILE;
 use anyhow::{Context, Result, bail};
 use half::{bf16, f16};
 
@@ -77,8 +75,8 @@ impl Sizing for Cpu {
 }
 
 impl Backend for Cpu {
-    fn start(&self, plan: &Plan, comms: Comms) -> Result<Box<dyn Device>> {
-        Ok(Box::new(CpuDevice::new(plan, comms)?))
+    fn start(&self, program: &Program, comms: Comms) -> Result<Box<dyn Device>> {
+        Ok(Box::new(CpuDevice::new(program, comms)?))
     }
 
     fn measure_peak(&self) -> Option<crate::backend::Peak> {
@@ -156,8 +154,8 @@ pub struct CpuDevice {
 }
 
 impl CpuDevice {
-    fn new(plan: &Plan, comms: Comms) -> Result<CpuDevice> {
-        let storage = plan.cfg.precision.storage();
+    fn new(program: &Program, comms: Comms) -> Result<CpuDevice> {
+        let storage = program.storage;
         if storage == DType::F16 && !f16_conversions_available() {
             bail!(
                 "--precision fp16: this CPU has no F16C half-precision conversions, so fp16 storage would be converted in software, far slower than fp32; use --precision bf16"
@@ -165,38 +163,38 @@ impl CpuDevice {
         }
         crate::util::malloc::keep_library_scratch_resident();
         let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(plan.cfg.threads)
+            .num_threads(program.threads)
             .thread_name(|i| format!("memwall-worker-{i}"))
             .build()
             .map_err(|e| {
-                let what = format!("the {} compute threads", plan.cfg.threads);
+                let what = format!("the {} compute threads", program.threads);
                 crate::util::threads::refused(&what, e)
             })?;
-        let io = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
+        let io = match (program.tier_bytes(Tier::Nvme), program.disk_dir) {
             (0, _) => None,
             (bytes, Some(dir)) => {
                 // Room to time one step's transfers (the executor takes them after each run).
-                let per_step = plan.schedule.ops.iter();
+                let per_step = program.schedule.ops.iter();
                 let per_step = per_step.filter(|e| matches!(e.op, Op::Transfer { .. }));
-                let disk = DiskTier::create(dir, OFFLOAD_FILE, bytes)?;
+                let disk = DiskTier::create(dir, DISK_TIER_FILE, bytes)?;
                 Some(IoThread::new(disk, per_step.count())?)
             }
             (_, None) => bail!("--offload needs --offload-dir (a directory on a local disk)"),
         };
-        let arena = pool.install(|| Arena::new(plan.arena_bytes))?;
-        let ops = plan.schedule.ops.iter();
+        let arena = pool.install(|| Arena::new(program.tiers[0].bytes))?;
+        let ops = program.schedule.ops.iter();
         let collectives = ops.filter(|e| e.op.collective_group().is_some()).count();
         Ok(CpuDevice {
             io,
-            collectives: Collectives::new(comms, &plan.cuts, collectives),
+            collectives: Collectives::new(comms, program.cuts, collectives),
             pending: Default::default(),
             stall_ns: Default::default(),
             arena,
             pool,
-            buffers: plan.buffers.clone(),
+            buffers: program.buffers.to_vec(),
             storage,
-            free_between_steps: free_between_steps(&plan.buffers, plan.arena_bytes),
-            state: plan.schedule.implicit.clone(),
+            free_between_steps: free_between_steps(program.buffers, program.tiers[0].bytes),
+            state: program.schedule.implicit.clone(),
         })
     }
 

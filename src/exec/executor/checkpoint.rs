@@ -78,7 +78,7 @@ struct Part {
     /// This rank's chunk of them.
     own: BufId,
     /// How the group's elements are cut among the ranks (in the array's elements).
-    cut: crate::dist::Cut,
+    cut: crate::ir::Cut,
 }
 
 /// A piece of the schedule: (array, group, rank ≥ 1, piece).

@@ -3,8 +3,8 @@
 //! what is left out). The command line fills these from its flags.
 
 use crate::backend::DeviceKind;
-use crate::dist::shard::Zero;
 use crate::ir::BaseQuant;
+use crate::ir::shard::Zero;
 use crate::ir::{OptimState, Precision, RecomputeChoice};
 use crate::model::Family;
 use crate::model::lora::{LoraSpec, parse_targets};

@@ -54,8 +54,11 @@ impl<'a> Run<'a> {
         if rank == 0 {
             prepare_run_dir(&dir, resume.is_some())?;
             let predicted = crate::plan::time::predict(&plan, &calibration);
-            let mut plan_json =
-                PlanJson::from_plan(&plan, baseline)?.with_prediction(&predicted, &calibration);
+            let budgets =
+                crate::plan::Budgets::new(plan.compute_tier(), opts.strategies.max_memory, None);
+            let mut plan_json = PlanJson::from_plan(&plan, baseline)?
+                .with_budgets(&budgets)
+                .with_prediction(&predicted, &calibration);
             plan_json.fit = opts.fit.clone();
             plan_json.write(&dir.plan())?;
         }
@@ -518,12 +521,12 @@ fn refuse_to_overwrite(out: &Path, fresh: bool) -> Result<()> {
 /// The lines that announce the plan: model, shape, strategies, memory, and the offload
 /// file when there is one.
 fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) -> String {
-    let offload = match (plan.nvme_bytes, &plan.cfg.offload.dir) {
+    let offload = match (plan.nvme_bytes(), &plan.cfg.offload.dir) {
         (0, _) => String::new(),
         (bytes, Some(dir)) => format!(
             " ({} file in {})",
             fmt_bytes(bytes),
-            dir.join(crate::plan::offload::OFFLOAD_FILE).display()
+            dir.join(crate::ir::DISK_TIER_FILE).display()
         ),
         (bytes, None) => format!(" ({} file)", fmt_bytes(bytes)),
     };
@@ -557,7 +560,7 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
         plan.cfg.recompute,
         plan.cfg.optim_state,
         plan.cfg.offload.set,
-        fmt_bytes(plan.arena_bytes),
+        fmt_bytes(plan.arena_bytes()),
         fmt_bytes(plan.external_bytes),
         fmt_bytes(plan.predicted_peak(baseline))
     )

@@ -8,6 +8,14 @@
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
+/// Which collective a plan op is (for the bytes each rank sends, [`Cut::sent`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Collective {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
 /// Shard lengths are multiples of this many elements (64 bytes of f32).
 pub const SHARD_ALIGN: usize = 16;
 
@@ -165,7 +173,7 @@ impl Cut {
     /// Elements rank `r` sends in collective `c` over a buffer cut this way (the ring's
     /// schedule, [`super::ring`]): a reduce-scatter sends every chunk but its own, an
     /// all-gather every chunk but the next rank's, an all-reduce both.
-    pub fn sent(&self, c: super::Collective, r: usize) -> usize {
+    pub fn sent(&self, c: Collective, r: usize) -> usize {
         let n = self.ranks();
         if n == 1 {
             return 0;
@@ -173,9 +181,9 @@ impl Cut {
         let reduce = self.len() - self.shard(r).len();
         let gather = self.len() - self.shard((r + 1) % n).len();
         match c {
-            super::Collective::AllReduce => reduce + gather,
-            super::Collective::ReduceScatter => reduce,
-            super::Collective::AllGather => gather,
+            Collective::AllReduce => reduce + gather,
+            Collective::ReduceScatter => reduce,
+            Collective::AllGather => gather,
         }
     }
 
@@ -249,7 +257,7 @@ mod tests {
             (cut.shard(0), cut.shard(1), cut.shard(2)),
             (0..4, 4..10, 10..10)
         );
-        use crate::dist::Collective::*;
+        use super::Collective::*;
         assert_eq!(cut.sent(ReduceScatter, 1), 4);
         assert_eq!(cut.sent(AllGather, 1), 10);
         assert_eq!(cut.sent(AllReduce, 2), 10 + 6);
