@@ -203,12 +203,12 @@ fn tokenize_cmd(a: TokenizeArgs) -> Result<()> {
 /// One line: the plan's predicted step time, its bound, and where the calibration came from.
 fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Calibration) -> String {
     let tokens = (plan.cfg.batch * plan.cfg.grad_accum * plan.cfg.seq) as f64;
-    let comm = if plan.cfg.ranks > 1 {
+    let comm = if plan.cfg.mesh.data > 1 {
         format!(
             "\n  predicted collectives         {:.2} s beside compute, {:.2} s of it exposed ({})",
             t.comm_s,
             t.comm_wait_s,
-            cal.describe_transport(plan.cfg.ranks)
+            cal.describe_transport(plan.cfg.mesh.data)
         )
     } else {
         String::new()

@@ -23,7 +23,7 @@ fn plan(
 ) -> Plan {
     let spec = ModelSpec::preset(model).unwrap();
     let mut cfg = StepConfig::new(batch, seq, 1);
-    cfg.ranks = ranks;
+    cfg.mesh = memwall::ir::Mesh::data_parallel(ranks, 0);
     cfg.zero = Zero(zero);
     f(&mut cfg);
     build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
@@ -102,7 +102,7 @@ fn every_parameter_is_updated_by_exactly_one_rank() {
                 let mut block_count = vec![0u8; blocks];
                 for rank in 0..ranks {
                     let p = plan("gpt2-tiny", 2, 32, ranks, zero, |c| {
-                        c.rank = rank;
+                        c.mesh.rank = rank;
                         c.optim_state = format;
                     });
                     for e in &p.schedule.ops {
@@ -186,7 +186,7 @@ fn each_stage_keeps_less_and_plain_plans_have_no_collectives() {
 fn sharded_plans_refuse_what_they_cannot_do_yet() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let mut cfg = StepConfig::new(1, 32, 1);
-    cfg.ranks = 2;
+    cfg.mesh = memwall::ir::Mesh::data_parallel(2, 0);
     cfg.zero = Zero(1);
     cfg.offload.set = OffloadSet::ALL;
     let e = build_plan(&spec, &cfg, Mode::Train, backend())

@@ -121,8 +121,7 @@ fn ranks(
             .map(|(rank, comm)| {
                 s.spawn(move || {
                     let mut cfg = StepConfig::new(b, SEQ, 1);
-                    cfg.ranks = ranks;
-                    cfg.rank = rank;
+                    cfg.mesh = memwall::ir::Mesh::data_parallel(ranks, rank);
                     cfg.zero = Zero(zero);
                     cfg.optim_state = format;
                     cfg.lora = lora.clone();
@@ -273,7 +272,7 @@ fn a_lost_peer_fails_the_step_naming_the_rank() {
         let comm: Arc<dyn Comm> = Arc::new(group.pop().unwrap());
         let spec = ModelSpec::preset("gpt2-tiny").unwrap();
         let mut cfg = StepConfig::new(2, SEQ, 1);
-        cfg.ranks = 2;
+        cfg.mesh = memwall::ir::Mesh::data_parallel(2, 0);
         cfg.zero = Zero(zero);
         let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         let mut ex = Executor::among(plan, backend(), comm).unwrap();

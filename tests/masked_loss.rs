@@ -47,7 +47,7 @@ fn executor_among(
 ) -> Executor {
     let mut cfg = StepConfig::new(b, t, 1);
     cfg.grad_accum = accum;
-    (cfg.ranks, cfg.rank) = (comm.size(), comm.rank());
+    cfg.mesh = memwall::ir::Mesh::data_parallel(comm.size(), comm.rank());
     let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
     let mut ex = Executor::among(plan, backend(), comm).unwrap();
     let layout = ex.plan.layout.clone();

@@ -510,7 +510,7 @@ fn calibrating_under_mpirun_measures_the_collectives_that_plans_for_as_many_rank
     // The predicted seconds are the fitted costs' (the plan rebuilt here, the same way).
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let mut cfg = memwall::plan::StepConfig::new(2, 64, 2);
-    cfg.ranks = 2;
+    cfg.mesh = memwall::ir::Mesh::data_parallel(2, 0);
     cfg.zero = memwall::ir::shard::Zero(1);
     let p = memwall::plan::build_plan(&spec, &cfg, memwall::plan::Mode::Train, backend()).unwrap();
     let mut cal = memwall::plan::time::Calibration::estimate("any".into(), 2, 100.0);

@@ -357,6 +357,15 @@ pub struct Part {
 impl Part {
     /// One process takes every row.
     pub const WHOLE: Part = Part { index: 0, of: 1 };
+
+    /// The part of this rank along the data axis of `mesh` (ranks on the other axes of one
+    /// data index take the same rows).
+    pub fn of_data_axis(mesh: &crate::ir::Mesh) -> Part {
+        Part {
+            index: mesh.data_rank(),
+            of: mesh.data,
+        }
+    }
 }
 
 /// [`fill_batch`] of `part`'s rows: the windows of rows before it are drawn and dropped.

@@ -108,7 +108,7 @@ pub struct Executor {
     /// The device's collectives while ops were recorded, reserved for one step's (see
     /// [`Executor::take_io_spans`]).
     comm_spans: Vec<CommSpan>,
-    /// The ranks running this plan together (`plan.cfg.ranks` of them; one process: `Single`).
+    /// The ranks running this plan together (`plan.cfg.mesh.data` of them; one process: `Single`).
     comm: Arc<dyn Comm>,
     /// The trained targets of the batch last uploaded: this rank's, and every rank's (the
     /// step's loss is the mean over the latter, [`StepCtx::loss_tokens`]).
@@ -222,21 +222,15 @@ impl Executor {
             Op::GradNorm { out, .. } => Some(out),
             _ => None,
         });
-        if comm.size() != plan.cfg.ranks || comm.rank() != plan.cfg.rank {
-            bail!(
-                "internal error: a plan for rank {} of {} run as rank {} of {}",
-                plan.cfg.rank,
-                plan.cfg.ranks,
-                comm.rank(),
-                comm.size()
-            );
-        }
-        let device = backend.start(&plan.program(), Comms::data_parallel(comm.clone()))?;
+        // One communicator per axis of the plan's mesh (which must be this job's).
+        let comms = Comms::new(comm.clone(), &plan.cfg.mesh)
+            .context("internal error: a plan made for another job's ranks")?;
+        let device = backend.start(&plan.program(), comms)?;
         // Until a batch says otherwise, every target is trained.
         let mine = plan.schedule.tokens.len() * plan.cfg.batch * plan.cfg.seq;
         let loss_tokens = LossTokens {
             mine,
-            all: mine * plan.cfg.ranks,
+            all: mine * plan.cfg.mesh.data,
         };
         Ok(Executor {
             loss_tokens,
@@ -502,7 +496,7 @@ impl Executor {
         if sharded {
             bail!(
                 "internal error: {what} are sharded among {} ranks; read them from a checkpoint",
-                self.plan.cfg.ranks
+                self.plan.cfg.mesh.data
             );
         }
         Ok(())
@@ -670,7 +664,7 @@ impl Executor {
         let mine = self.stage(batch, false)?;
         self.loss_tokens = LossTokens {
             mine,
-            all: mine * self.comm.size(),
+            all: mine * self.plan.cfg.mesh.data,
         };
         Ok(())
     }
@@ -889,7 +883,7 @@ impl Executor {
             loss_scale: self.loss_scale,
             update: None,
             dropout_seed: self.dropout_seed,
-            first_micro: self.comm.rank() * self.plan.schedule.tokens.len(),
+            first_micro: self.plan.cfg.mesh.data_rank() * self.plan.schedule.tokens.len(),
             loss_tokens: self.loss_tokens.all,
         }
     }

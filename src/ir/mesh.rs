@@ -53,6 +53,11 @@ impl Mesh {
         }
     }
 
+    /// This rank's index along the data axis (its shard of sharded state, its rows).
+    pub fn data_rank(&self) -> usize {
+        self.coord(Axis::Data)
+    }
+
     /// Ranks in the whole job.
     pub fn world(&self) -> usize {
         self.data * self.tensor * self.pipeline

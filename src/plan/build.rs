@@ -132,7 +132,7 @@ pub fn check_ranks(ranks: usize) -> Result<()> {
 /// Refuses a micro-batch, an accumulation or a rank count too large to plan, naming the
 /// flags.
 fn check_sizes(cfg: &StepConfig) -> Result<()> {
-    check_ranks(cfg.ranks)?;
+    check_ranks(cfg.mesh.world())?;
     let tokens = cfg.batch.checked_mul(cfg.seq);
     if tokens.is_none_or(|t| t > MAX_MICRO_BATCH_TOKENS) {
         bail!(

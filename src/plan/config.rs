@@ -4,7 +4,7 @@
 
 use super::Offload;
 use crate::ir::shard::{Sharding, Zero};
-use crate::ir::{BaseQuant, BaseTypes, EmitOptions, OptimState, Precision, Recompute};
+use crate::ir::{BaseQuant, BaseTypes, EmitOptions, Mesh, OptimState, Precision, Recompute};
 use crate::model::lora::LoraSpec;
 use serde::Serialize;
 
@@ -40,10 +40,11 @@ pub struct StepConfig {
     pub precision: Precision,
     /// What lives on the disk tier, and where its file is.
     pub offload: Offload,
-    /// Processes training together (data parallel; each runs this plan on its own batch).
-    pub ranks: usize,
-    /// This process's rank (which shard of sharded state it keeps).
-    pub rank: usize,
+    /// The job's ranks and this process's place among them ([`Mesh`]; serialised as
+    /// `ranks` and `rank`, the data axis). Along the data axis each rank runs this plan on
+    /// its own rows and keeps its shard of sharded state.
+    #[serde(flatten)]
+    pub mesh: Mesh,
     /// What each rank keeps of the model's state (`--zero`).
     pub zero: Zero,
     /// LoRA (`--lora`): train adapters on a frozen base instead of every weight
@@ -80,8 +81,7 @@ impl StepConfig {
             optim_state: OptimState::F32,
             precision: Precision::F32,
             offload: Offload::default(),
-            ranks: 1,
-            rank: 0,
+            mesh: Mesh::SINGLE,
             zero: Zero::DP,
             lora: None,
             base_quant: BaseQuant::F32,
@@ -100,9 +100,9 @@ impl StepConfig {
 
     /// How state is split among ranks, for plans with more than one rank or a ZeRO stage.
     pub fn sharding(&self) -> Option<Sharding> {
-        (self.ranks > 1 || self.zero != Zero::DP).then_some(Sharding {
-            ranks: self.ranks,
-            rank: self.rank,
+        (self.mesh.data > 1 || self.zero != Zero::DP).then_some(Sharding {
+            ranks: self.mesh.data,
+            rank: self.mesh.data_rank(),
             zero: self.zero,
         })
     }

@@ -111,8 +111,7 @@ impl Strategies {
             .offload_dir
             .clone()
             .filter(|_| self.offload.may_offload());
-        cfg.ranks = self.ranks;
-        cfg.rank = self.rank;
+        cfg.mesh = crate::ir::Mesh::data_parallel(self.ranks, self.rank);
         cfg.zero = self.zero;
         cfg.lora = self.lora.clone();
         cfg.packed = self.packed;
@@ -135,9 +134,9 @@ impl Strategies {
             max_memory: Some(budget),
             offload: OffloadChoice::Set(cfg.offload.set),
             offload_dir,
-            ranks: cfg.ranks,
+            ranks: cfg.mesh.data,
             zero: cfg.zero,
-            rank: cfg.rank,
+            rank: cfg.mesh.data_rank(),
             lora: cfg.lora.clone(),
             base_quant: cfg.base_quant,
             base_types: cfg.base_types.clone(),

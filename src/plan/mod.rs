@@ -191,7 +191,8 @@ impl Plan {
                 let (f, t) = (self.buffer(from), self.buffer(to));
                 if f.placement.tier == Tier::Nvme {
                     read += f.padded_bytes();
-                } else {
+                }
+                if t.placement.tier == Tier::Nvme {
                     written += t.padded_bytes();
                 }
             }
@@ -209,7 +210,7 @@ impl Plan {
             Op::AllGather { buf, group, .. } => (Collective::AllGather, buf, group),
             _ => return 0,
         };
-        let elems = self.cuts[group].sent(c, self.cfg.rank);
+        let elems = self.cuts[group].sent(c, self.cfg.mesh.data_rank());
         (elems * self.buffer(buf).dtype.size()) as u64
     }
 
@@ -230,7 +231,7 @@ impl Plan {
     /// (two f64, gathered by every rank), and with sharded gradients its share of the norm
     /// per parameter group (f64 each); each gathered around the ring, so sent N−1 times.
     pub fn scalar_comm_bytes(&self) -> u64 {
-        let n = self.cfg.ranks as u64;
+        let n = self.cfg.mesh.data as u64;
         if n == 1 || self.mode != Mode::Train {
             return 0;
         }

@@ -40,7 +40,7 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     if let Some(l) = &plan.lora {
         let _ = writeln!(s, "      {}; base {}", l.describe(), cfg.base_quant);
     }
-    let per_rank = (cfg.ranks > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
+    let per_rank = (cfg.mesh.data > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
     if let Some(r) = &per_rank {
         let stage = match r.zero {
             0 => "plain data parallelism: every rank keeps everything",

@@ -510,9 +510,9 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
             _ => {
                 let kind = op_kind(plan, e).expect("ops other than transfers have a kind");
                 let cost = *costs.entry(kind.clone()).or_insert_with(|| {
-                    let fitted = cal.fitted(&kind, plan.cfg.ranks);
+                    let fitted = cal.fitted(&kind, plan.cfg.mesh.data);
                     estimated |= fitted.is_none();
-                    fitted.unwrap_or_else(|| cal.cost(&kind, plan.cfg.ranks))
+                    fitted.unwrap_or_else(|| cal.cost(&kind, plan.cfg.mesh.data))
                 });
                 let s = cost.seconds(e.flops, op_bytes(plan, e));
                 *by_kind.entry(kind).or_default() += s;

@@ -808,7 +808,7 @@ pub fn per_rank(plan: &Plan) -> PerRank {
         optimizer: sum(&|b| b.category == Category::OptimizerState),
     };
     let psi = plan.layout.total as f64;
-    let n = cfg.ranks as f64;
+    let n = cfg.mesh.data as f64;
     let (p, g) = (4.0, cfg.precision.storage().size() as f64);
     let k = match cfg.optim_state {
         OptimState::F32 => 8.0,
@@ -827,7 +827,7 @@ pub fn per_rank(plan: &Plan) -> PerRank {
         optimizer: (k * psi / kd) as u64,
     };
     PerRank {
-        ranks: cfg.ranks,
+        ranks: cfg.mesh.data,
         zero: cfg.zero.0,
         comm_bytes_per_step: plan.comm_bytes_per_step(),
         comm_by_collective,

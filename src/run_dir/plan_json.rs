@@ -224,7 +224,7 @@ impl PlanJson {
             predicted: None,
             fit: None,
             comm_bytes_per_step: plan.comm_bytes_per_step(),
-            per_rank: (plan.cfg.ranks > 1 || plan.cfg.zero.0 > 0)
+            per_rank: (plan.cfg.mesh.data > 1 || plan.cfg.zero.0 > 0)
                 .then(|| serde_json::to_value(crate::plan::zero::per_rank(plan)))
                 .transpose()?,
             buffers,

@@ -207,7 +207,7 @@ impl Rig {
         cfg.offload.dir = self.disk.as_ref().map(|d| PathBuf::from(d.path()));
         let mut cuts = Vec::new();
         if let Some((ranks, rank, cut)) = self.ranks.take() {
-            (cfg.ranks, cfg.rank) = (ranks, rank);
+            cfg.mesh = memwall::ir::Mesh::data_parallel(ranks, rank);
             cuts.push(cut);
         }
         let segments = |buf| Segments {

@@ -141,10 +141,8 @@ impl<'a> Run<'a> {
         // One loader batch is one optimizer step: grad_accum micro-batches of `batch` rows,
         // this rank's part of the step's rows.
         let rows = opts.batch * opts.strategies.grad_accum;
-        let part = Part {
-            index: rank,
-            of: ranks,
-        };
+        // The data axis of the plan's mesh splits the rows.
+        let part = Part::of_data_axis(&ex.plan.cfg.mesh);
         let loader = BatchLoader::part(
             data.train_source(packed),
             rows,

@@ -397,10 +397,7 @@ fn evaluate(
     let (mut sum, mut tokens) = (0.0f64, 0.0f64);
     // Each rank evaluates its part of every validation batch; the executor averages the
     // ranks' losses.
-    let part = Part {
-        index: ex.comm().rank(),
-        of: ex.comm().size(),
-    };
+    let part = Part::of_data_axis(&ex.plan.cfg.mesh);
     let source = data.val_source(data.packs(opts.no_pack));
     let rows = opts.batch * opts.strategies.grad_accum;
     // Examples: the first `eval_batches` × rows validation examples, each exactly once, in
