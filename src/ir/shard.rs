@@ -171,7 +171,7 @@ impl Cut {
     }
 
     /// Elements rank `r` sends in collective `c` over a buffer cut this way (the ring's
-    /// schedule, [`super::ring`]): a reduce-scatter sends every chunk but its own, an
+    /// schedule, [`crate::dist::ring`]): a reduce-scatter sends every chunk but its own, an
     /// all-gather every chunk but the next rank's, an all-reduce both.
     pub fn sent(&self, c: Collective, r: usize) -> usize {
         let n = self.ranks();
