@@ -2,7 +2,7 @@
 //! ([`memwall::exec::resolve`]): what each flag means is said once, here, in its `--help`.
 
 use clap::{Args, Parser, Subcommand};
-use memwall::backend::DeviceKind;
+use memwall::backend::DeviceId;
 use memwall::exec::resolve::{LoraRequest, StepRequest, StrategyRequest, TrainRequest};
 use memwall::export::ExportType;
 use memwall::gguf::OutDtype;
@@ -262,9 +262,17 @@ pub(crate) struct CalibrateArgs {
     /// then estimated from the FMA peak).
     #[arg(long)]
     pub(crate) quick: bool,
-    /// The backend to measure [default: cpu]
-    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
-    pub(crate) device: DeviceKind,
+    /// The backend to measure, KIND or KIND:N, device N of that kind counted from 0 (KIND alone is
+    /// device 0); cpu (= cpu:0, all of this machine's cores) is the only one in this build
+    /// [default: cpu]
+    #[arg(
+        long,
+        value_name = "KIND[:N]",
+        value_parser = parse_device,
+        default_value = "cpu",
+        hide_default_value = true
+    )]
+    pub(crate) device: DeviceId,
 }
 
 #[derive(Args)]
@@ -477,10 +485,17 @@ pub(crate) struct StepArgs {
     /// what runs touch outside it); a run whose measured peak still exceeds it warns
     #[arg(long, value_parser = parse_bytes)]
     pub(crate) max_memory: Option<u64>,
-    /// The backend that plans and runs the steps; cpu is the only one in this build
-    /// [default: cpu]
-    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
-    pub(crate) device: DeviceKind,
+    /// The backend that plans and runs the steps, KIND or KIND:N, device N of that kind counted
+    /// from 0 (KIND alone is device 0); cpu (= cpu:0, all of this machine's cores) is the only one
+    /// in this build [default: cpu]
+    #[arg(
+        long,
+        value_name = "KIND[:N]",
+        value_parser = parse_device,
+        default_value = "cpu",
+        hide_default_value = true
+    )]
+    pub(crate) device: DeviceId,
     #[command(flatten)]
     pub(crate) strategy: StrategyArgs,
 }
@@ -698,7 +713,7 @@ pub(crate) fn parse_export_type(s: &str) -> Result<ExportType, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
-pub(crate) fn parse_device(s: &str) -> Result<DeviceKind, String> {
+pub(crate) fn parse_device(s: &str) -> Result<DeviceId, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
@@ -836,9 +851,17 @@ pub(crate) struct SampleArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     pub(crate) threads: Option<usize>,
-    /// The backend that runs the model [default: cpu]
-    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
-    pub(crate) device: DeviceKind,
+    /// The backend that runs the model, KIND or KIND:N, device N of that kind counted from 0 (KIND
+    /// alone is device 0); cpu (= cpu:0, all of this machine's cores) is the only one in this build
+    /// [default: cpu]
+    #[arg(
+        long,
+        value_name = "KIND[:N]",
+        value_parser = parse_device,
+        default_value = "cpu",
+        hide_default_value = true
+    )]
+    pub(crate) device: DeviceId,
 }
 
 #[derive(Args)]
@@ -880,9 +903,17 @@ pub(crate) struct BenchArgs {
     /// --recompute auto and --offload auto).
     #[arg(long, value_parser = parse_bytes)]
     pub(crate) max_memory: Option<u64>,
-    /// The backend measured [default: cpu]
-    #[arg(long, value_parser = parse_device, default_value = "cpu", hide_default_value = true)]
-    pub(crate) device: DeviceKind,
+    /// The backend measured, KIND or KIND:N, device N of that kind counted from 0 (KIND alone is
+    /// device 0); cpu (= cpu:0, all of this machine's cores) is the only one in this build
+    /// [default: cpu]
+    #[arg(
+        long,
+        value_name = "KIND[:N]",
+        value_parser = parse_device,
+        default_value = "cpu",
+        hide_default_value = true
+    )]
+    pub(crate) device: DeviceId,
     #[command(flatten)]
     pub(crate) strategy: StrategyArgs,
 }

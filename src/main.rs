@@ -227,7 +227,7 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let req = a.step.request();
-    let backend = req.device.open(0)?;
+    let backend = req.device.open()?;
     let threads = checked_threads(req.threads, false)?;
     let baseline = rss::current_rss().unwrap_or(0);
     let resolve::PlanTarget { spec, resolved: r } =

@@ -27,6 +27,45 @@ fn plan_json_has_totals_categories_and_buffers() {
 }
 
 #[test]
+fn the_device_flag_takes_a_kind_and_a_number() {
+    // `cpu` and `cpu:0` are the one CPU device: the same plan.
+    let plan = |device: &str| {
+        ok(&[
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--batch",
+            "1",
+            "--seq",
+            "32",
+            "--device",
+            device,
+            "--json",
+        ])
+    };
+    let total = |out: &str| {
+        let v: serde_json::Value = serde_json::from_str(out).unwrap();
+        v["total_bytes"].as_u64().unwrap()
+    };
+    assert_eq!(total(&plan("cpu:0")), total(&plan("cpu")));
+    for (bad, says) in [
+        ("cpu:1", "the CPU backend is one device, cpu:0"),
+        ("cpu:x", "'x' is not a device number"),
+        (":0", "no device kind before ':'"),
+        ("cuda:1", "no GPU backend yet"),
+    ] {
+        let e = fails(&["plan", "--model", "gpt2-tiny", "--device", bad]);
+        assert!(
+            e.contains(&format!("--device {bad}")) && e.contains(says),
+            "--device {bad}: {e}"
+        );
+    }
+    // `--help` teaches the syntax.
+    let help = ok(&["plan", "--help"]);
+    assert!(help.contains("--device <KIND[:N]>"), "{help}");
+}
+
+#[test]
 fn over_budget_plans_are_refused_with_what_fits() {
     let e = fails(&[
         "plan",

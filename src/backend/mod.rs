@@ -27,7 +27,7 @@ mod choice;
 pub mod cpu;
 pub mod host;
 
-pub use choice::{DeviceKind, under_test};
+pub use choice::{DeviceId, DeviceKind, under_test};
 
 use crate::dist::Comms;
 use crate::dtype::{DType, Elem};

@@ -450,7 +450,7 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
             &plan,
             rss::current_rss().unwrap_or(0),
             &plan::Budgets::NONE,
-            t.device.open(0)?
+            t.device.open()?
         )
     );
     println!(

@@ -130,7 +130,7 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
             &plan,
             rss::current_rss().unwrap_or(0),
             &plan::Budgets::NONE,
-            t.device.open(0)?
+            t.device.open()?
         )
     );
     println!(

@@ -72,7 +72,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
             &plan,
             rss::current_rss().unwrap_or(0),
             &plan::Budgets::NONE,
-            o.device.open(0)?
+            o.device.open()?
         )
     );
     println!(

@@ -2,7 +2,7 @@
 //! throughput, step times, peak RSS and the plan's prediction, as JSON.
 
 use super::executor::{Executor, OptimHparams};
-use crate::backend::{Backend, DeviceKind, IoTime, Peak};
+use crate::backend::{Backend, DeviceId, IoTime, Peak};
 use crate::ir::{Precision, Recompute};
 use crate::model::{ModelSpec, ParamLayout};
 use crate::plan::Plan;
@@ -40,7 +40,7 @@ pub struct BenchOptions {
     /// trace.json, memory.svg, report.html).
     pub profile: Option<PathBuf>,
     /// The backend measured.
-    pub device: DeviceKind,
+    pub device: DeviceId,
 }
 
 /// Marks rows of `w` tokens as packed examples of `len` tokens (the last one of a row
@@ -149,7 +149,7 @@ impl PlanFigures {
 /// ceiling, starts recording op times where asked, and fills the weights.
 fn set_up(opts: &BenchOptions) -> Result<Bench> {
     let spec = ModelSpec::resolve(&opts.model)?;
-    let backend = opts.device.open(0)?;
+    let backend = opts.device.open()?;
     let baseline = rss::current_rss().unwrap_or(0);
     let calibration = super::calibrate::current(opts.threads)?;
     let mut strategies = opts

@@ -16,7 +16,7 @@
 //! remakes it, rather than predicting negative or infinite times.
 
 use super::executor::{Executor, OptimHparams};
-use crate::backend::{Backend, DeviceKind};
+use crate::backend::{Backend, DeviceId};
 use crate::dtype::GgmlType;
 use crate::ir::BaseQuant;
 use crate::ir::{OptimState, Precision};
@@ -43,7 +43,7 @@ pub struct CalibrateOptions {
     /// (kinds it misses are estimated from the FMA peak, and predictions say so).
     pub quick: bool,
     /// The backend measured.
-    pub device: DeviceKind,
+    pub device: DeviceId,
 }
 
 /// One model of the suite: a preset's family with these dimensions, at `b × t`.
@@ -401,7 +401,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
             cfg.optim_state,
             t0.elapsed().as_secs_f64()
         ));
-        time_ops(spec, cfg, opts.device.open(0)?, &mut samples)
+        time_ops(spec, cfg, opts.device.open()?, &mut samples)
             .with_context(|| format!("calibrating on {}", spec.name))?;
     }
     let mut by_kind: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
@@ -429,7 +429,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         source: Source::Measured { at: utc_now() },
         cpu: cpu_name(),
         threads: opts.threads,
-        fma_peak_gflops: fma_peak(opts.threads, opts.device.open(0)?)?,
+        fma_peak_gflops: fma_peak(opts.threads, opts.device.open()?)?,
         kinds,
         disk,
         disk_dir: opts.offload_dir.clone(),
@@ -498,7 +498,7 @@ pub fn current(threads: usize) -> Result<Calibration> {
         None => Ok(Calibration::estimate(
             cpu_name(),
             threads,
-            fma_peak(threads, DeviceKind::Cpu.open(0)?)?,
+            fma_peak(threads, DeviceId::CPU.open()?)?,
         )),
     }
 }

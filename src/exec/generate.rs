@@ -2,7 +2,7 @@
 //! implementation picks) or sampled with temperature and top-k.
 
 use super::executor::Executor;
-use crate::backend::DeviceKind;
+use crate::backend::DeviceId;
 use crate::backend::host::softmax_row;
 use crate::ckpt;
 use crate::data::tokenizer::{Tokenizer, model_tokenizer};
@@ -27,7 +27,7 @@ pub struct SampleOptions {
     pub seed: u64,
     pub threads: usize,
     /// The backend that runs the model.
-    pub device: DeviceKind,
+    pub device: DeviceId,
     /// A LoRA adapter (PEFT's files) applied to the model: merged into its weights in memory,
     /// which computes what base and adapter compute together.
     pub adapter: Option<PathBuf>,
@@ -75,10 +75,10 @@ pub fn generate_tokens(
         &spec,
         &StepConfig::new(1, ctx, opts.threads),
         Mode::Generate,
-        opts.device.open(0)?,
+        opts.device.open()?,
     )?;
     let layout = plan.layout.clone();
-    let mut ex = Executor::on(plan, opts.device.open(0)?)?;
+    let mut ex = Executor::on(plan, opts.device.open()?)?;
     let adapter = match &opts.adapter {
         Some(dir) => Some(ckpt::adapter::load_adapter(
             &ckpt::adapter::resolve_dir(dir)?,

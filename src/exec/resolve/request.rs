@@ -2,7 +2,7 @@
 //! so resolution can tell a default from a choice (a resumed run keeps its own values for
 //! what is left out). The command line fills these from its flags.
 
-use crate::backend::DeviceKind;
+use crate::backend::DeviceId;
 use crate::ir::BaseQuant;
 use crate::ir::shard::Zero;
 use crate::ir::{OptimState, Precision, RecomputeChoice};
@@ -89,7 +89,7 @@ pub struct StepRequest {
     /// `--max-memory`.
     pub max_memory: Option<u64>,
     /// `--device`.
-    pub device: DeviceKind,
+    pub device: DeviceId,
     pub strategy: StrategyRequest,
 }
 

@@ -169,7 +169,7 @@ pub fn resolve_step(
     frozen: &Frozen,
 ) -> Result<Resolved> {
     let st = &step.strategy;
-    let backend = step.device.open(0)?;
+    let backend = step.device.open()?;
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {
         bail!(
             "--lora-dropout needs --lora R (or, in `train`, --init-adapter DIR: the adapter then \

@@ -430,7 +430,7 @@ fn fit_run(
         if space.offload_dir.is_none() {
             space.offload_dir = Some(o.out.join(crate::run_dir::OFFLOAD_DIR));
         }
-        let (f, baseline) = fit_measured(spec, &space, budget, &cal, o.device.open(0)?)?;
+        let (f, baseline) = fit_measured(spec, &space, budget, &cal, o.device.open()?)?;
         Ok((f, baseline, cal))
     })?;
     for line in f.found.table(budget).lines() {

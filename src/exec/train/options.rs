@@ -4,7 +4,7 @@
 //! They are saved as JSON in every checkpoint's `trainer_state.json` (field `train`), so their
 //! serialised keys are a file format: runs resume from saved options.
 
-use crate::backend::DeviceKind;
+use crate::backend::DeviceId;
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::DataSet;
 use crate::plan::fit::Strategies;
@@ -104,8 +104,8 @@ pub struct TrainOptions {
     pub notes: Vec<String>,
     /// The backend that plans and runs the steps (`--device`; left out of the record when
     /// it is the CPU, so the trainer states of CPU runs are as before the field existed).
-    #[serde(default, skip_serializing_if = "DeviceKind::is_cpu")]
-    pub device: DeviceKind,
+    #[serde(default, skip_serializing_if = "DeviceId::is_default")]
+    pub device: DeviceId,
 }
 
 impl TrainOptions {
@@ -145,7 +145,7 @@ impl TrainOptions {
             planned_baseline: None,
             notes: Vec::new(),
             profile_steps: 0,
-            device: DeviceKind::Cpu,
+            device: DeviceId::CPU,
         }
     }
 
@@ -625,5 +625,24 @@ mod tests {
         let back: TrainOptions = serde_json::from_value(v).unwrap();
         assert_eq!(back.tokenizer_dir, None);
         assert_eq!(back.max_shard_bytes, ckpt::DEFAULT_MAX_SHARD_BYTES);
+    }
+
+    /// The CPU, the default device, is left out of the record (as before `--device` took a
+    /// number); a record naming it, as a kind or with its number, reads back as it.
+    #[test]
+    fn the_cpu_device_is_left_out_and_its_names_read_back() {
+        let o = TrainOptions::new("gpt2-tiny", Path::new("data"), Path::new("run"));
+        let v = serde_json::to_value(&o).unwrap();
+        assert!(v.get("device").is_none(), "{v}");
+        for name in ["cpu", "cpu:0"] {
+            let mut named = v.clone();
+            named["device"] = name.into();
+            let back: TrainOptions = serde_json::from_value(named).unwrap();
+            assert_eq!(back.device, DeviceId::CPU, "{name}");
+        }
+        let mut other = v.clone();
+        other["device"] = "cpu:3".into();
+        let e = serde_json::from_value::<TrainOptions>(other).unwrap_err();
+        assert!(e.to_string().contains("--device cpu:3"), "{e}");
     }
 }

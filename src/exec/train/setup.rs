@@ -87,7 +87,7 @@ impl<'a> Run<'a> {
         }
         let plan_total = plan.total_bytes();
         let predicted_peak = plan.predicted_peak(baseline);
-        let mut ex = Executor::among(plan, opts.device.open(0)?, comm)?;
+        let mut ex = Executor::among(plan, opts.device.open()?, comm)?;
         ex.set_comm_thread(comm_thread);
         if let Some(note) = ex.offload_note() {
             progress.message(&note);
@@ -321,7 +321,7 @@ pub fn plan_for(
         (opts.batch, opts.seq, opts.threads),
         baseline,
         &calibration,
-        opts.device.open(0)?,
+        opts.device.open()?,
     )?;
     Ok((plan, calibration))
 }
