@@ -109,7 +109,7 @@ fn prepare_cmd(a: PrepareArgs) -> Result<()> {
             );
         }
     }
-    let tok = Tokenizer::load(&a.tokenizer).context("--tokenizer")?;
+    let tok = Tokenizer::load(&a.tokenizer, &mut say).context("--tokenizer")?;
     if memwall::data::chat::is_chat_input(&a.inputs, &mut |n| eprintln!("{n}"))? {
         return prepare_chat_cmd(a, tok);
     }
@@ -141,7 +141,7 @@ fn prepare_cmd(a: PrepareArgs) -> Result<()> {
 
 fn prepare_chat_cmd(a: PrepareArgs, tok: Tokenizer) -> Result<()> {
     use memwall::data::chat::{ChatPrepareOptions, ChatTemplate, Encoder, prepare_chat};
-    let file = Tokenizer::file_of(&a.tokenizer)?;
+    let file = Tokenizer::file_of(&a.tokenizer, &mut say)?;
     let dir = file.as_deref().and_then(std::path::Path::parent);
     let template = ChatTemplate::load(dir, a.chat_template.as_deref())?;
     // Raw `text` lines need no template; a conversation without one is refused at its line.
@@ -181,8 +181,8 @@ fn prepare_chat_cmd(a: PrepareArgs, tok: Tokenizer) -> Result<()> {
 fn tokenize_cmd(a: TokenizeArgs) -> Result<()> {
     use memwall::data::chat::{ChatTemplate, Encoder, show};
     use std::io::IsTerminal;
-    let tok = Tokenizer::load(&a.tokenizer).context("--tokenizer")?;
-    let file = Tokenizer::file_of(&a.tokenizer)?;
+    let tok = Tokenizer::load(&a.tokenizer, &mut say).context("--tokenizer")?;
+    let file = Tokenizer::file_of(&a.tokenizer, &mut say)?;
     let dir = file.as_deref().and_then(std::path::Path::parent);
     let template = ChatTemplate::load(dir, a.chat_template.as_deref())?;
     let encoder = Encoder::new(tok, template, a.train_on);
@@ -231,7 +231,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     let threads = checked_threads(req.threads, false)?;
     let baseline = rss::current_rss().unwrap_or(0);
     let resolve::PlanTarget { spec, resolved: r } =
-        resolve::plan_target(&req, a.ranks, threads, baseline, DEFAULT_BATCH)?;
+        resolve::plan_target(&req, a.ranks, threads, baseline, DEFAULT_BATCH, &mut say)?;
     print_notes(&r.notes);
     let cfg = r
         .strategies
@@ -330,6 +330,12 @@ fn print_notes(notes: &[String]) {
     }
 }
 
+/// What the library says while it works (a GGUF file's conversion, a wait for another
+/// process's): each line on stderr, when it is said.
+fn say(line: &str) {
+    eprintln!("{line}");
+}
+
 /// Whether a plan's predicted peak fits the memory available on this machine now, and
 /// what to do when it does not (`plan` without `--max-memory`).
 fn fits_this_machine(peak: u64, available: u64, ranks: usize) -> String {
@@ -415,7 +421,7 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
     let progress: &mut dyn train::Progress = if rank == 0 { &mut console } else { &mut quiet };
     let req = a.request();
     let summary = if let Some(run) = &req.resume {
-        let (opts, ck) = resolve::resume(&req, run, comm.size())?;
+        let (opts, ck) = resolve::resume(&req, run, comm.size(), progress)?;
         print_notes(&opts.notes);
         checked_threads(Some(opts.threads), true).with_context(|| {
             format!(
@@ -464,7 +470,7 @@ fn sample_cmd(a: SampleArgs) -> Result<()> {
         memwall::ckpt::adapter::check_base(&ad, &a.model)?;
     }
     let opts = SampleOptions {
-        checkpoint: gguf::cache::model_dir(&a.model, "--model")?,
+        checkpoint: gguf::cache::model_dir(&a.model, "--model", &mut say)?,
         prompt: a.prompt.clone(),
         tokens: a.tokens,
         temperature: a.temperature,
@@ -792,7 +798,7 @@ fn merge_cmd(a: MergeArgs) -> Result<()> {
     let ad = adapter::check_adapter_dir(&a.adapter, "ADAPTER")?;
     adapter::check_merge_out(&a.out)?;
     adapter::check_base(&ad, &a.base)?;
-    let base = gguf::cache::model_dir(&a.base, "BASE")?;
+    let base = gguf::cache::model_dir(&a.base, "BASE", &mut say)?;
     let bf16 = match a.dtype {
         Some(d) => d == gguf::OutDtype::Bf16,
         None => memwall::ckpt::adapter::stored_as_bf16(&base),

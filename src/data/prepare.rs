@@ -766,7 +766,7 @@ mod tests {
             r#"{"eos_token": "<|im_end|>"}"#,
         )
         .unwrap();
-        let tok = Tokenizer::load(dir.to_str().unwrap()).unwrap();
+        let tok = Tokenizer::load(dir.to_str().unwrap(), &mut |_| {}).unwrap();
         assert_eq!(tok.vocab_size(), im_end as usize + 1);
         assert_eq!(tok.eot(), im_end);
 
@@ -817,14 +817,14 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let e = format!(
             "{:#}",
-            Tokenizer::load(tmp.path().join("none").to_str().unwrap()).unwrap_err()
+            Tokenizer::load(tmp.path().join("none").to_str().unwrap(), &mut |_| {}).unwrap_err()
         );
         assert!(e.contains("none") && e.contains("gpt2"), "{e}");
         let p = tmp.path().join("tokenizer.json");
         std::fs::write(&p, "{\"model\": {\"type\": \"BPE\", \"vocab\": ").unwrap();
         let e = format!(
             "{:#}",
-            Tokenizer::load(tmp.path().to_str().unwrap()).unwrap_err()
+            Tokenizer::load(tmp.path().to_str().unwrap(), &mut |_| {}).unwrap_err()
         );
         assert!(
             e.contains(&p.display().to_string()) && e.contains("not valid JSON"),

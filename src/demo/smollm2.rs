@@ -60,7 +60,7 @@ pub(crate) enum Found {
 pub fn pretrained() -> Result<(PathBuf, PathBuf, crate::model::ModelSpec)> {
     let (gguf, source) = smollm2_gguf()?;
     println!("1. the pretrained model: {} ({source})", gguf.display());
-    let dir = crate::gguf::cache::model_dir(&gguf, "--model")
+    let dir = crate::gguf::cache::model_dir(&gguf, "--model", &mut |m: &str| eprintln!("{m}"))
         .with_context(|| format!("{}: or set {ENV_VAR} to another copy", gguf.display()))?;
     let spec = crate::ckpt::load_spec(&dir)?;
     Ok((gguf, dir, spec))

@@ -86,7 +86,8 @@ fn kept_is_its_conversion(
     {
         let (_tmp, gguf) = write_temp(gguf);
         let cache = tempfile::tempdir().unwrap();
-        let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init").unwrap();
+        let dir =
+            crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init", &mut |_| {}).unwrap();
         let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
         let layout = ParamLayout::new(&spec);
         let mut base = vec![0f32; layout.total];

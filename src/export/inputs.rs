@@ -220,7 +220,9 @@ pub fn resolve_model(given: &Path) -> Result<(PathBuf, PathBuf)> {
     }
     if given.join("config.json").is_file() || !given.join("checkpoints").is_dir() {
         return Ok((
-            crate::gguf::cache::model_dir(given, "the model")?,
+            // Not a GGUF file (those are read in place, above): nothing converts, nothing is
+            // said; this names a missing `.gguf` path.
+            crate::gguf::cache::model_dir(given, "the model", &mut |_| {})?,
             given.to_path_buf(),
         ));
     }

@@ -213,7 +213,8 @@ mod convert_tests {
     fn a_tensor_copied_as_another_type_is_its_f32_copy_quantized() {
         let (_tmp, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
         let cache = tempfile::tempdir().unwrap();
-        let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init").unwrap();
+        let dir =
+            crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init", &mut |_| {}).unwrap();
         let spec = crate::ckpt::load_spec(&dir).unwrap();
         let layout = crate::model::ParamLayout::new(&spec);
         let src = BaseSource::open(&gguf).unwrap();

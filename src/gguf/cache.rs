@@ -12,6 +12,11 @@
 //! conversion; two processes converting one file take turns on a lock file beside it, and a
 //! conversion first checks the disk has room for its f32 copy.
 //!
+//! What it has to tell the user (which conversion it uses, that it converts, that it waits
+//! for another process's conversion, a stale conversion removed) goes to the caller's `say`
+//! when it happens, as the conversion and the wait can take minutes: the library prints
+//! nothing; the command line prints each line on stderr.
+//!
 //! `memwall cache` lists the entries ([`conversions_in`]) and `memwall cache --clear`
 //! removes memwall's own ([`clear_in`]): each conversion is an f32 copy of its model,
 //! several times the size of a quantized file.
@@ -26,9 +31,10 @@ use std::path::{Path, PathBuf};
 use crate::util::sniff::is_gguf;
 
 /// `path` itself when it is not a GGUF file; else the Hugging Face directory it converts to
-/// in the user cache, converting it first if needed (said on stderr). `flag` names the
-/// option in errors (`--model`, `--init`).
-pub fn model_dir(path: &Path, flag: &str) -> Result<PathBuf> {
+/// in the user cache, converting it first if needed. What it does is said to `say`, a line
+/// at a time, when it happens (the command line prints them on stderr); a path that is not
+/// a GGUF file says nothing. `flag` names the option in errors (`--model`, `--init`).
+pub fn model_dir(path: &Path, flag: &str, say: &mut dyn FnMut(&str)) -> Result<PathBuf> {
     if !is_gguf(path) {
         let named_gguf = path
             .extension()
@@ -47,11 +53,16 @@ pub fn model_dir(path: &Path, flag: &str) -> Result<PathBuf> {
             path.display()
         )
     })?;
-    model_dir_in(&cache.join("gguf"), path, flag)
+    model_dir_in(&cache.join("gguf"), path, flag, say)
 }
 
 /// [`model_dir`] with the cache folder given (tests use their own).
-pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
+pub fn model_dir_in(
+    cache: &Path,
+    path: &Path,
+    flag: &str,
+    say: &mut dyn FnMut(&str),
+) -> Result<PathBuf> {
     let here = || format!("{flag} {}", path.display());
     let canonical =
         fs::canonicalize(path).with_context(|| format!("{}: cannot resolve the path", here()))?;
@@ -74,16 +85,24 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
     });
     let dir = same_content.unwrap_or_else(|| cache.join(dir_name(&canonical, &sha)));
     if complete(&dir) {
-        eprintln!("{}: using its conversion in {}", here(), dir.display());
+        say(&format!(
+            "{}: using its conversion in {}",
+            here(),
+            dir.display()
+        ));
     } else {
         fs::create_dir_all(cache)
             .with_context(|| format!("cannot create the cache folder {}", cache.display()))?;
         // One conversion of a file at a time: a second process waits, then uses the first's.
-        let _lock = ConversionLock::take(cache, &dir, &here())?;
+        let _lock = ConversionLock::take(cache, &dir, &here(), say)?;
         if complete(&dir) {
-            eprintln!("{}: using its conversion in {}", here(), dir.display());
+            say(&format!(
+                "{}: using its conversion in {}",
+                here(),
+                dir.display()
+            ));
         } else {
-            convert_into(path, &dir, &here())?;
+            convert_into(path, &dir, &here(), say)?;
         }
     }
     let entry = IndexEntry {
@@ -102,31 +121,32 @@ pub fn model_dir_in(cache: &Path, path: &Path, flag: &str) -> Result<PathBuf> {
         {
             let stale = cache.join(name);
             if stale != dir && stale.is_dir() && is_conversion(&stale) {
-                match fs::remove_dir_all(&stale) {
-                    Ok(()) => eprintln!(
+                say(&match fs::remove_dir_all(&stale) {
+                    Ok(()) => format!(
                         "{}: removed the conversion of its earlier content, {}",
                         here(),
                         stale.display()
                     ),
-                    Err(e) => eprintln!(
+                    Err(e) => format!(
                         "memwall: warning: cannot remove the stale conversion {}: {e}",
                         stale.display()
                     ),
-                }
+                });
             }
         }
         // The index only saves hashing: failing to write it costs time, not correctness.
         if let Err(e) = write_index(&index_path, &index) {
-            eprintln!("memwall: warning: {e:#}");
+            say(&format!("memwall: warning: {e:#}"));
         }
     }
     Ok(dir)
 }
 
-/// Converts the GGUF file `path` into `dir` (in the cache), said on stderr with the disk it
-/// takes, refused before any work when the disk has less room. A directory already at `dir`
-/// without a whole conversion is removed only when `memwall convert` wrote it (its marker).
-fn convert_into(path: &Path, dir: &Path, here: &str) -> Result<()> {
+/// Converts the GGUF file `path` into `dir` (in the cache), said to `say` with the disk it
+/// takes before it starts, refused before any work when the disk has less room. A directory
+/// already at `dir` without a whole conversion is removed only when `memwall convert` wrote
+/// it (its marker).
+fn convert_into(path: &Path, dir: &Path, here: &str, say: &mut dyn FnMut(&str)) -> Result<()> {
     if dir.exists() {
         if crate::util::owned_dir::written_by(dir).as_deref() != Some("memwall convert") {
             bail!(
@@ -163,11 +183,11 @@ fn convert_into(path: &Path, dir: &Path, here: &str) -> Result<()> {
             path.display()
         );
     }
-    eprintln!(
+    say(&format!(
         "{here}: converting it once into {} (about {} of disk)",
         dir.display(),
         crate::util::bytes::fmt_bytes(need)
-    );
+    ));
     let summary = convert(&ConvertOptions {
         input: path.to_path_buf(),
         out: dir.to_path_buf(),
@@ -176,7 +196,7 @@ fn convert_into(path: &Path, dir: &Path, here: &str) -> Result<()> {
         progress: true,
     })
     .with_context(|| here.to_string())?;
-    eprintln!("{}", summary.describe());
+    say(&summary.describe());
     Ok(())
 }
 
@@ -187,7 +207,14 @@ struct ConversionLock {
 }
 
 impl ConversionLock {
-    fn take(cache: &Path, dir: &Path, here: &str) -> Result<ConversionLock> {
+    /// Takes the lock, waiting while another process holds it (said to `say` before the
+    /// wait).
+    fn take(
+        cache: &Path,
+        dir: &Path,
+        here: &str,
+        say: &mut dyn FnMut(&str),
+    ) -> Result<ConversionLock> {
         use std::os::fd::AsRawFd;
         let name = dir
             .file_name()
@@ -203,7 +230,9 @@ impl ConversionLock {
         // SAFETY: flock on a descriptor this function owns.
         let lock = |op| unsafe { libc::flock(file.as_raw_fd(), op) } == 0;
         if !lock(libc::LOCK_EX | libc::LOCK_NB) {
-            eprintln!("{here}: another memwall is converting it; waiting for it to finish");
+            say(&format!(
+                "{here}: another memwall is converting it; waiting for it to finish"
+            ));
             if !lock(libc::LOCK_EX) {
                 return Err(std::io::Error::last_os_error())
                     .with_context(|| format!("cannot lock {}", path.display()));
@@ -449,12 +478,24 @@ mod tests {
     use super::super::testutil::{tiny_model, write_temp};
     use super::*;
 
+    /// What `f` returns, and the lines it said.
+    fn saying<R>(f: impl FnOnce(&mut dyn FnMut(&str)) -> R) -> (R, Vec<String>) {
+        let mut said = Vec::new();
+        let r = f(&mut |m: &str| said.push(m.to_string()));
+        (r, said)
+    }
+
+    /// [`model_dir_in`] for `--model`, its lines left unread.
+    fn quiet(cache: &Path, gguf: &Path) -> Result<PathBuf> {
+        model_dir_in(cache, gguf, "--model", &mut |_| {})
+    }
+
     #[test]
     fn conversions_are_listed_with_their_sources_and_cleared() {
         let (dir, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
         let cache = dir.path().join("cache");
         assert_eq!(conversions_in(&cache).unwrap(), Vec::new());
-        let a = model_dir_in(&cache, &gguf, "--model").unwrap();
+        let a = quiet(&cache, &gguf).unwrap();
         let listed = conversions_in(&cache).unwrap();
         assert_eq!(listed.len(), 1);
         assert_eq!(listed[0].dir, a);
@@ -467,22 +508,30 @@ mod tests {
         assert!(!a.exists() && !cache.join(INDEX_FILE).exists());
         assert_eq!(conversions_in(&cache).unwrap(), Vec::new());
         // The next use converts again.
-        assert_eq!(model_dir_in(&cache, &gguf, "--model").unwrap(), a);
+        assert_eq!(quiet(&cache, &gguf).unwrap(), a);
     }
 
     #[test]
     fn a_gguf_file_is_converted_once_and_other_paths_pass_through() {
         let (dir, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
         let cache = dir.path().join("cache");
-        let a = model_dir_in(&cache, &gguf, "--model").unwrap();
+        let (a, said) = saying(|say| model_dir_in(&cache, &gguf, "--model", say));
+        let a = a.unwrap();
+        let here = format!("--model {}", gguf.display());
         assert!(a.starts_with(&cache), "{}", a.display());
+        let converting = format!("{here}: converting it once into {}", a.display());
+        assert!(said[0].starts_with(&converting), "{said:?}");
+        assert_eq!(said.len(), 2, "the conversion, then its summary: {said:?}");
         assert!(a.join(CONFIG_FILE).is_file() && a.join(MODEL_FILE).is_file());
         let config_time = fs::metadata(a.join(CONFIG_FILE))
             .unwrap()
             .modified()
             .unwrap();
-        let b = model_dir_in(&cache, &gguf, "--model").unwrap();
+        let (b, said) = saying(|say| model_dir_in(&cache, &gguf, "--model", say));
+        let b = b.unwrap();
         assert_eq!(a, b);
+        let using = format!("{here}: using its conversion in {}", a.display());
+        assert_eq!(said, vec![using]);
         let again = fs::metadata(b.join(CONFIG_FILE))
             .unwrap()
             .modified()
@@ -494,19 +543,26 @@ mod tests {
         fs::write(&gguf, &bytes).unwrap();
         let copy = dir.path().join("copy.gguf");
         fs::write(&copy, &bytes).unwrap();
-        assert_eq!(model_dir_in(&cache, &gguf, "--model").unwrap(), a);
-        assert_eq!(model_dir_in(&cache, &copy, "--model").unwrap(), a);
+        assert_eq!(quiet(&cache, &gguf).unwrap(), a);
+        assert_eq!(quiet(&cache, &copy).unwrap(), a);
 
         // A replaced file gets its own conversion; the old one goes once no indexed file
         // has its content.
         let mut changed = bytes.clone();
         changed.extend_from_slice(&[0u8; 32]);
         fs::write(&gguf, &changed).unwrap();
-        let c = model_dir_in(&cache, &gguf, "--model").unwrap();
+        let c = quiet(&cache, &gguf).unwrap();
         assert_ne!(a, c);
         assert!(a.is_dir(), "copy.gguf still has the old content");
         fs::write(&copy, &changed).unwrap();
-        assert_eq!(model_dir_in(&cache, &copy, "--model").unwrap(), c);
+        let (same, said) = saying(|say| model_dir_in(&cache, &copy, "--model", say));
+        assert_eq!(same.unwrap(), c);
+        let removed = format!(
+            "--model {}: removed the conversion of its earlier content, {}",
+            copy.display(),
+            a.display()
+        );
+        assert!(said.contains(&removed), "{said:?}");
         assert!(
             !a.exists(),
             "no indexed file has the old content: its conversion went"
@@ -519,7 +575,13 @@ mod tests {
         // Directories and config files are not GGUF files.
         assert!(!is_gguf(&a));
         assert!(!is_gguf(&a.join(CONFIG_FILE)));
-        assert_eq!(model_dir(&a, "--model").unwrap(), a);
+        let (same, said) = saying(|say| model_dir(&a, "--model", say));
+        assert_eq!(same.unwrap(), a);
+        assert_eq!(
+            said,
+            Vec::<String>::new(),
+            "a directory is used as it is, silently"
+        );
     }
 
     #[test]
@@ -534,7 +596,10 @@ mod tests {
         let cache = dir.path().join("cache");
         for _ in 0..2 {
             // Refused again on the second use: no half-made conversion is picked up.
-            let e = format!("{:#}", model_dir_in(&cache, &gguf, "--init").unwrap_err());
+            let e = format!(
+                "{:#}",
+                model_dir_in(&cache, &gguf, "--init", &mut |_| {}).unwrap_err()
+            );
             for want in [
                 "--init",
                 &gguf.display().to_string(),
@@ -556,11 +621,43 @@ mod tests {
         let (dir, gguf) = write_temp(b"GGUF\x03\x00\x00\x00truncated");
         let e = format!(
             "{:#}",
-            model_dir_in(&dir.path().join("cache"), &gguf, "--init").unwrap_err()
+            model_dir_in(&dir.path().join("cache"), &gguf, "--init", &mut |_| {}).unwrap_err()
         );
         assert!(
             e.contains("--init") && e.contains(&gguf.display().to_string()),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_process_waiting_for_another_conversion_says_so_while_it_waits() {
+        let (dir, gguf) = write_temp(&tiny_model("llama", true).to_bytes());
+        let cache = dir.path().join("cache");
+        fs::create_dir_all(&cache).unwrap();
+        let canonical = fs::canonicalize(&gguf).unwrap();
+        let sha = crate::util::fingerprint::file_sha256(&canonical).unwrap();
+        let target = cache.join(dir_name(&canonical, &sha));
+        // Another memwall converting it: its lock held here.
+        let held = ConversionLock::take(&cache, &target, "--model", &mut |_| {}).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = {
+            let (cache, gguf) = (cache.clone(), gguf.clone());
+            std::thread::spawn(move || {
+                model_dir_in(&cache, &gguf, "--model", &mut |m: &str| {
+                    tx.send(m.to_string()).unwrap()
+                })
+            })
+        };
+        // Said before the lock is given back: the user hears it while the process waits.
+        let first = rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .expect("the waiting process says it waits");
+        assert!(
+            first.ends_with("another memwall is converting it; waiting for it to finish"),
+            "{first}"
+        );
+        assert!(!waiter.is_finished(), "it waits for the lock");
+        drop(held);
+        assert_eq!(waiter.join().unwrap().unwrap(), target);
     }
 }

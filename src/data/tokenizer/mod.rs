@@ -84,22 +84,24 @@ impl Tokenizer {
     /// `--tokenizer ARG`: `gpt2`, a directory holding `tokenizer.json`, a `tokenizer.json`,
     /// or a GGUF file, whose conversion in the user cache (made once, as `train --init` and
     /// `sample --model` make it: [`crate::gguf::cache::model_dir`]) holds the `tokenizer.json`
-    /// those then compare the data with.
-    pub fn load(arg: &str) -> Result<Tokenizer> {
-        match Tokenizer::file_of(arg)? {
+    /// those then compare the data with. A conversion says what it does to `say` (see
+    /// [`crate::gguf::cache::model_dir`]).
+    pub fn load(arg: &str, say: &mut dyn FnMut(&str)) -> Result<Tokenizer> {
+        match Tokenizer::file_of(arg, say)? {
             None => Tokenizer::gpt2(),
             Some(file) => Tokenizer::from_file(file),
         }
     }
 
     /// The `tokenizer.json` that `--tokenizer ARG` names (`None` for `gpt2`): its directory
-    /// is where `tokenizer_config.json` and a chat template are looked for.
-    pub fn file_of(arg: &str) -> Result<Option<PathBuf>> {
+    /// is where `tokenizer_config.json` and a chat template are looked for. A GGUF file's
+    /// conversion says what it does to `say`.
+    pub fn file_of(arg: &str, say: &mut dyn FnMut(&str)) -> Result<Option<PathBuf>> {
         if arg == "gpt2" {
             return Ok(None);
         }
-        let converted = |p: &Path| crate::gguf::cache::model_dir(p, "--tokenizer");
-        tokenizer_file(arg, &converted).map(Some)
+        let mut converted = |p: &Path| crate::gguf::cache::model_dir(p, "--tokenizer", say);
+        tokenizer_file(arg, &mut converted).map(Some)
     }
 
     /// Encodes ordinary text: special tokens are not parsed, nothing is added. GPT-2 never
@@ -162,7 +164,10 @@ impl Tokenizer {
 
 /// The `tokenizer.json` that `--tokenizer ARG` (other than `gpt2`) names; a GGUF file's is
 /// that of the model directory `converted` makes of it.
-fn tokenizer_file(arg: &str, converted: &dyn Fn(&Path) -> Result<PathBuf>) -> Result<PathBuf> {
+fn tokenizer_file(
+    arg: &str,
+    converted: &mut dyn FnMut(&Path) -> Result<PathBuf>,
+) -> Result<PathBuf> {
     let p = Path::new(arg);
     if crate::util::sniff::is_gguf(p) {
         return Ok(converted(p)?.join("tokenizer.json"));
@@ -600,13 +605,14 @@ mod tests {
         use crate::gguf::testutil::{TEST_VOCAB, tiny_model, write_temp};
         let (dir, gguf) = write_temp(&tiny_model("qwen2", true).to_bytes());
         let cache = dir.path().join("cache");
-        let converted = |p: &Path| crate::gguf::cache::model_dir_in(&cache, p, "--tokenizer");
-        let file = tokenizer_file(gguf.to_str().unwrap(), &converted).unwrap();
+        let mut converted =
+            |p: &Path| crate::gguf::cache::model_dir_in(&cache, p, "--tokenizer", &mut |_| {});
+        let file = tokenizer_file(gguf.to_str().unwrap(), &mut converted).unwrap();
         assert!(file.starts_with(&cache) && file.ends_with("tokenizer.json"));
         let tok = Tokenizer::from_file(&file).unwrap();
         assert_eq!(tok.vocab_size(), TEST_VOCAB);
         // What `train --init FILE.gguf` compares the data with: the same conversion's file.
-        let model = crate::gguf::cache::model_dir_in(&cache, &gguf, "--init").unwrap();
+        let model = crate::gguf::cache::model_dir_in(&cache, &gguf, "--init", &mut |_| {}).unwrap();
         let id = model_tokenizer_id(&[&model], false).unwrap().unwrap();
         assert!(id.same_as(&tok.id()), "{id:?} vs {:?}", tok.id());
         assert_eq!(tok.decode(&tok.encode("hello").unwrap()), "hello");
@@ -614,7 +620,7 @@ mod tests {
         std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00cut").unwrap();
         let e = format!(
             "{:#}",
-            tokenizer_file(gguf.to_str().unwrap(), &converted).unwrap_err()
+            tokenizer_file(gguf.to_str().unwrap(), &mut converted).unwrap_err()
         );
         assert!(
             e.contains("--tokenizer") && e.contains("not a valid GGUF file") && !e.contains("JSON"),
@@ -623,7 +629,10 @@ mod tests {
     }
 
     fn load_err(arg: &Path) -> String {
-        format!("{:#}", Tokenizer::load(arg.to_str().unwrap()).unwrap_err())
+        format!(
+            "{:#}",
+            Tokenizer::load(arg.to_str().unwrap(), &mut |_| {}).unwrap_err()
+        )
     }
 
     #[test]
@@ -631,9 +640,16 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let d = tmp.path().join("smol");
         let path = Spec::byte_level().write(&d);
-        assert_eq!(Tokenizer::load("gpt2").unwrap().id(), TokenizerId::gpt2());
-        let by_dir = Tokenizer::load(d.to_str().unwrap()).unwrap().id();
-        let by_file = Tokenizer::load(path.to_str().unwrap()).unwrap().id();
+        assert_eq!(
+            Tokenizer::load("gpt2", &mut |_| {}).unwrap().id(),
+            TokenizerId::gpt2()
+        );
+        let by_dir = Tokenizer::load(d.to_str().unwrap(), &mut |_| {})
+            .unwrap()
+            .id();
+        let by_file = Tokenizer::load(path.to_str().unwrap(), &mut |_| {})
+            .unwrap()
+            .id();
         assert_eq!(by_dir, by_file);
         assert_eq!(by_dir.name, "hf:smol");
 

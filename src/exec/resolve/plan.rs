@@ -17,13 +17,15 @@ pub struct PlanTarget {
 }
 
 /// Resolves `plan`'s request `req` for `ranks` processes on `threads` workers, with the
-/// process's `baseline` and the micro-batch `default_batch` where none is asked.
+/// process's `baseline` and the micro-batch `default_batch` where none is asked. A GGUF
+/// file's conversion says what it does to `say` when it does it.
 pub fn plan_target(
     req: &StepRequest,
     ranks: usize,
     threads: usize,
     baseline: u64,
     default_batch: usize,
+    say: &mut dyn FnMut(&str),
 ) -> Result<PlanTarget> {
     crate::plan::build::check_ranks(ranks)?;
     let model = Path::new(req.model.as_deref().unwrap_or(DEFAULT_MODEL));
@@ -33,7 +35,7 @@ pub fn plan_target(
     let gguf = crate::util::sniff::is_gguf(model);
     let spec = match gguf || named_gguf {
         true => {
-            let dir = crate::gguf::cache::model_dir(model, "--model")?;
+            let dir = crate::gguf::cache::model_dir(model, "--model", say)?;
             ModelSpec::resolve(&dir.to_string_lossy())?
         }
         false => ModelSpec::resolve(&model.to_string_lossy())?,

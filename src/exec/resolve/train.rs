@@ -45,7 +45,9 @@ pub fn new_run(
     // --init gives the architecture when --model is left out.
     let init = match &req.init {
         Some(p) => {
-            let dir = absolute(&gguf::cache::model_dir(p, "--init")?);
+            let dir = absolute(&gguf::cache::model_dir(p, "--init", &mut |m: &str| {
+                progress.message(m)
+            })?);
             // A checkpoint holding an adapter, a run directory: named for what they are.
             crate::ckpt::load_spec(&dir).with_context(|| format!("--init {}", p.display()))?;
             Some(dir)
@@ -175,7 +177,12 @@ fn targets(l: &crate::model::lora::LoraSpec) -> String {
 /// The options with which the run in `run` continues on `ranks` processes, and the
 /// checkpoint it continues from: the run's own, with what `req` gives where a resume may
 /// change it; a change it may not make is refused, naming the flag.
-pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOptions, PathBuf)> {
+pub fn resume(
+    req: &TrainRequest,
+    run: &Path,
+    ranks: usize,
+    progress: &mut dyn Progress,
+) -> Result<(TrainOptions, PathBuf)> {
     // `--out` naming the run itself is the same command line with `--resume` added.
     let same = |out: &Path| {
         matches!(
@@ -378,7 +385,9 @@ pub fn resume(req: &TrainRequest, run: &Path, ranks: usize) -> Result<(TrainOpti
             ))
         ));
     }
-    opts.locate_base(&ck, req.step.model.is_some())?;
+    opts.locate_base(&ck, req.step.model.is_some(), &mut |m: &str| {
+        progress.message(m)
+    })?;
     opts.strategies.base_types = kept_types(
         opts.init_gguf.as_deref(),
         opts.strategies.base_quant,

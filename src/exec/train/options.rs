@@ -179,9 +179,14 @@ impl TrainOptions {
     /// A resumed run's base, found and checked: a LoRA run's base must hold what the run
     /// trained on (its fingerprint); a GGUF base is converted again into the user cache when
     /// its conversion is gone (`memwall cache --clear`), and the run's paths to the old
-    /// conversion (`init`, `model`, `tokenizer_dir`) follow the new one. A full fine-tune
-    /// resumes from `checkpoint` alone.
-    pub fn locate_base(&mut self, checkpoint: &Path, model_given: bool) -> Result<()> {
+    /// conversion (`init`, `model`, `tokenizer_dir`) follow the new one (the conversion says
+    /// what it does to `say`). A full fine-tune resumes from `checkpoint` alone.
+    pub fn locate_base(
+        &mut self,
+        checkpoint: &Path,
+        model_given: bool,
+        say: &mut dyn FnMut(&str),
+    ) -> Result<()> {
         let run = self.out.display().to_string();
         let lora = self.strategies.lora.is_some();
         if !lora {
@@ -228,7 +233,7 @@ impl TrainOptions {
             }
         }
         if let Some(gguf) = self.init_gguf.clone() {
-            let dir = crate::gguf::cache::model_dir(&gguf, "--init")?;
+            let dir = crate::gguf::cache::model_dir(&gguf, "--init", say)?;
             let old = self.init.replace(dir.clone());
             if let Some(old) = old {
                 if Path::new(&self.model) == old {
