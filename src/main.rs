@@ -502,10 +502,10 @@ fn sample_cmd(a: SampleArgs) -> Result<()> {
                 system: a.system.clone(),
                 template: a.chat_template.clone(),
             };
-            chat_text(&opts, &chat, &mut print)?;
+            chat_text(&opts, &chat, &mut print, &mut say)?;
         }
         None => {
-            sample_text(&opts, &mut print)?;
+            sample_text(&opts, &mut print, &mut say)?;
         }
     }
     print("");

@@ -902,14 +902,25 @@ fn a_run_directory_is_replaced_only_when_memwall_wrote_all_of_it() {
     let dir = memwall::run_dir::RunDir::new(&run);
     std::fs::write(run.join("notes.txt"), "mine").unwrap();
     std::fs::write(run.join("checkpoints/keep.txt"), "mine").unwrap();
-    let e = format!("{:#}", dir.replace_previous("the run").unwrap_err());
+    let mut said = Vec::new();
+    let mut say = |m: &str| said.push(m.to_string());
+    let e = format!(
+        "{:#}",
+        dir.replace_previous("the run", &mut say).unwrap_err()
+    );
     assert!(e.contains("notes.txt") && e.contains("keep.txt"), "{e}");
     assert!(run.join("notes.txt").is_file() && run.join("plan.json").is_file());
     std::fs::remove_file(run.join("notes.txt")).unwrap();
     std::fs::remove_file(run.join("checkpoints/keep.txt")).unwrap();
-    dir.replace_previous("the run")
+    dir.replace_previous("the run", &mut say)
         .expect("everything left is the run's own");
     assert!(!run.exists());
+    // Said once, when it went (the refusal removed nothing and said nothing).
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].starts_with("memwall: replacing the run (") && said[0].contains("checkpoint"),
+        "{said:?}"
+    );
 }
 
 /// `memwall demo --out X` once emptied `X/run` whatever it held.

@@ -93,7 +93,7 @@ fn greedy_decoding_picks_the_reference_tokens() {
         adapter: None,
         stop: Vec::new(),
     };
-    let got = generate_tokens(&opts, &ids(&exp["prompt"]), &mut |_| {}).unwrap();
+    let got = generate_tokens(&opts, &ids(&exp["prompt"]), &mut |_| {}, &mut |_| {}).unwrap();
     assert_eq!(got, want);
 }
 
@@ -178,7 +178,7 @@ fn llama_family_matches_transformers(name: &str) {
         adapter: None,
         stop: Vec::new(),
     };
-    let got = generate_tokens(&opts, &prompt, &mut |_| {}).unwrap();
+    let got = generate_tokens(&opts, &prompt, &mut |_| {}, &mut |_| {}).unwrap();
     assert_eq!(got, want, "{name} greedy continuation");
 }
 
@@ -226,7 +226,7 @@ fn smollm2_answers_and_models_shakespeare() {
         adapter: None,
         stop: Vec::new(),
     };
-    let text = sample_text(&opts, &mut |_| {}).unwrap();
+    let text = sample_text(&opts, &mut |_| {}, &mut |_| {}).unwrap();
     assert!(
         text.trim_start().starts_with("Paris"),
         "greedy answer: {text:?}"
@@ -262,7 +262,13 @@ fn smollm2_answers_and_models_shakespeare() {
         ..opts.clone()
     };
     let mut streamed = String::new();
-    let answer = chat_text(&chat_opts, &chat, &mut |s| streamed.push_str(s)).unwrap();
+    let answer = chat_text(
+        &chat_opts,
+        &chat,
+        &mut |s| streamed.push_str(s),
+        &mut |_| {},
+    )
+    .unwrap();
     assert_eq!(answer, streamed);
     assert!(answer.contains("Paris"), "chat answer: {answer:?}");
     assert!(

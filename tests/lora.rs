@@ -132,7 +132,7 @@ fn generation_with_an_adapter_is_generation_from_the_merged_model() {
             adapter: adapter.map(Path::to_path_buf),
             stop: Vec::new(),
         };
-        generate_tokens(&opts, &[3, 14, 15, 92, 65], &mut |_| {}).unwrap()
+        generate_tokens(&opts, &[3, 14, 15, 92, 65], &mut |_| {}, &mut |_| {}).unwrap()
     };
     let with_adapter = tokens(&base, Some(&dir));
     assert_eq!(with_adapter, tokens(&merged, None));

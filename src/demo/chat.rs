@@ -430,7 +430,8 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     let answer_before = print_answer(&dir, None, &held.user, "assistant:", o)?;
 
     // Only a run this demo (or any memwall run) wrote is replaced; anything else is refused.
-    RunDir::new(&run).replace_previous(&format!("the previous demo run {}", run.display()))?;
+    let what = format!("the previous demo run {}", run.display());
+    RunDir::new(&run).replace_previous(&what, &mut |m| eprintln!("{m}"))?;
     let req = train_request(o, &gguf, &data, &run);
     let mut progress = ConsoleProgress::new(10);
     let t = resolve::new_run(&req, o.threads, 1, &mut progress)?;
@@ -586,10 +587,15 @@ fn print_answer(
     let mut out = std::io::stdout();
     let _ = write!(out, "   {label:<LABEL$}");
     let mut lines = Aligned::default();
-    let answer = chat_text(&opts, &chat, &mut |s| {
-        let _ = out.write_all(lines.push(s).as_bytes());
-        let _ = out.flush();
-    })?;
+    let answer = chat_text(
+        &opts,
+        &chat,
+        &mut |s| {
+            let _ = out.write_all(lines.push(s).as_bytes());
+            let _ = out.flush();
+        },
+        &mut |m| eprintln!("{m}"),
+    )?;
     println!();
     Ok(answer)
 }

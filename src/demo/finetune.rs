@@ -109,7 +109,7 @@ pub fn run(o: &FinetuneOptions) -> Result<FinetuneReport> {
     let what = format!("the previous demo run {}", run.display());
     RunDir::new(&run).check_previous(&what)?;
     prepare_data(&dir, &data)?;
-    RunDir::new(&run).replace_previous(&what)?;
+    RunDir::new(&run).replace_previous(&what, &mut |m| eprintln!("{m}"))?;
     let mut t = TrainOptions::new(&dir.to_string_lossy(), &data, &run);
     t.init = Some(dir.clone());
     t.steps = o.steps;

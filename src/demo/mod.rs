@@ -28,8 +28,12 @@ pub(crate) fn print_sample(opts: &SampleOptions) -> Result<String> {
     let mut out = std::io::stdout();
     let _ = write!(out, "{}", opts.prompt);
     let _ = out.flush();
-    sample_text(opts, &mut |s| {
-        let _ = out.write_all(s.as_bytes());
-        let _ = out.flush();
-    })
+    sample_text(
+        opts,
+        &mut |s| {
+            let _ = out.write_all(s.as_bytes());
+            let _ = out.flush();
+        },
+        &mut |m| eprintln!("{m}"),
+    )
 }

@@ -51,7 +51,7 @@ pub fn run(a: &ShakespeareOptions) -> Result<()> {
     } else {
         println!("1. using prepared data in {}", data.display());
     }
-    RunDir::new(&run).replace_previous(&what)?;
+    RunDir::new(&run).replace_previous(&what, &mut |m| eprintln!("{m}"))?;
     let mut o = TrainOptions::new("gpt2-tiny", &data, &run);
     o.steps = a.steps;
     o.batch = 8;

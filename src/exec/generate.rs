@@ -48,11 +48,14 @@ pub struct ChatRequest {
 }
 
 /// Generates `opts.tokens` tokens after the prompt; returns the new token ids. `on_token`
-/// is called with each new token as it is produced (for streaming output).
+/// is called with each new token as it is produced (for streaming output); `say`, before
+/// the first, with what the reader should know (the prompt and the new tokens exceeding the
+/// model's context), a line each.
 pub fn generate_tokens(
     opts: &SampleOptions,
     prompt: &[u32],
     on_token: &mut dyn FnMut(u32),
+    say: &mut dyn FnMut(&str),
 ) -> Result<Vec<u32>> {
     if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
         bail!(
@@ -65,7 +68,7 @@ pub fn generate_tokens(
     }
     let spec = ckpt::load_spec(&opts.checkpoint)?;
     if let Some(w) = context_warning(prompt.len(), opts.tokens, spec.n_positions) {
-        eprintln!("memwall: warning: {w}");
+        say(&format!("memwall: warning: {w}"));
     }
     let ctx = spec
         .n_positions
@@ -144,22 +147,29 @@ fn context_warning(prompt: usize, tokens: usize, context: usize) -> Option<Strin
     }
 }
 
-/// Generates text: the decoded continuation of `opts.prompt`.
-pub fn sample_text(opts: &SampleOptions, on_text: &mut dyn FnMut(&str)) -> Result<String> {
+/// Generates text: the decoded continuation of `opts.prompt`, streamed to `on_text`;
+/// warnings go to `say` (see [`generate_tokens`]).
+pub fn sample_text(
+    opts: &SampleOptions,
+    on_text: &mut dyn FnMut(&str),
+    say: &mut dyn FnMut(&str),
+) -> Result<String> {
     let tok = checkpoint_tokenizer(&opts.checkpoint)?;
     let prompt = tok.encode(&opts.prompt)?;
-    stream_text(opts, &tok, &prompt, on_text)
+    stream_text(opts, &tok, &prompt, on_text, say)
 }
 
 /// Answers one chat turn: `chat` rendered with the model's chat template (or
 /// `chat.template`) and `add_generation_prompt`, as `apply_chat_template` does, then
 /// generated until an end-of-turn token (the tokenizer's `eos_token` and the end-of-turn
 /// tokens of the common templates that the vocabulary has) or `opts.tokens`. Returns the
-/// answer, which `on_text` receives as it comes; the prompt is not printed.
+/// answer, which `on_text` receives as it comes; the prompt is not printed. Warnings go to
+/// `say` (see [`generate_tokens`]).
 pub fn chat_text(
     opts: &SampleOptions,
     chat: &ChatRequest,
     on_text: &mut dyn FnMut(&str),
+    say: &mut dyn FnMut(&str),
 ) -> Result<String> {
     use crate::data::chat::template::MISSING_HINT;
     use crate::data::chat::{ChatTemplate, Message, Role};
@@ -184,7 +194,7 @@ pub fn chat_text(
     let (prompt, _) = tok.encode_rendered(&text)?;
     let mut opts = opts.clone();
     opts.stop = stop_tokens(&tok, template.specials());
-    stream_text(&opts, &tok, &prompt, on_text)
+    stream_text(&opts, &tok, &prompt, on_text, say)
 }
 
 /// The tokens that end a chat answer: the template's `eos_token`, and the end-of-turn tokens
@@ -219,20 +229,26 @@ fn stream_text(
     tok: &Tokenizer,
     prompt: &[u32],
     on_text: &mut dyn FnMut(&str),
+    say: &mut dyn FnMut(&str),
 ) -> Result<String> {
     // Stream whole decoded text incrementally (tokens may split UTF-8 characters).
     let mut ids = Vec::new();
     let mut printed = String::new();
-    let out = generate_tokens(opts, prompt, &mut |t| {
-        ids.push(t);
-        let text = tok.decode(&ids);
-        if let Some(new) = text.strip_prefix(printed.as_str())
-            && !new.ends_with('\u{FFFD}')
-        {
-            on_text(new);
-            printed = text;
-        }
-    })?;
+    let out = generate_tokens(
+        opts,
+        prompt,
+        &mut |t| {
+            ids.push(t);
+            let text = tok.decode(&ids);
+            if let Some(new) = text.strip_prefix(printed.as_str())
+                && !new.ends_with('\u{FFFD}')
+            {
+                on_text(new);
+                printed = text;
+            }
+        },
+        say,
+    )?;
     let text = tok.decode(&out);
     if let Some(rest) = text.strip_prefix(printed.as_str()) {
         on_text(rest);

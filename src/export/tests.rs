@@ -186,7 +186,7 @@ fn greedy(dir: &Path) -> String {
         adapter: None,
         stop: Vec::new(),
     };
-    crate::exec::generate::sample_text(&o, &mut |_| {}).unwrap()
+    crate::exec::generate::sample_text(&o, &mut |_| {}, &mut |_| {}).unwrap()
 }
 
 #[test]
@@ -709,7 +709,7 @@ fn smollm2_exports_back_to_its_own_tensors_and_metadata() {
             adapter: None,
             stop: Vec::new(),
         };
-        crate::exec::generate::sample_text(&o, &mut |_| {}).unwrap()
+        crate::exec::generate::sample_text(&o, &mut |_| {}, &mut |_| {}).unwrap()
     };
     let want = greedy(&a);
     assert_eq!(greedy(&b), want, "F32 export");

@@ -156,8 +156,9 @@ impl RunDir {
     /// Removes the run directory so that a new run may start there (as the demos do), when
     /// memwall wrote everything in it: its marker, only the entries of a run
     /// ([`is_run_entry`]), and in `checkpoints/` only checkpoints (finished or interrupted).
-    /// Anything else is refused, naming it; nothing is removed then.
-    pub fn replace_previous(&self, what: &str) -> anyhow::Result<()> {
+    /// Anything else is refused, naming it; nothing is removed then. A run with checkpoints
+    /// is said to `say` before it goes.
+    pub fn replace_previous(&self, what: &str, say: &mut dyn FnMut(&str)) -> anyhow::Result<()> {
         let foreign = self.foreign_in_subdirs()?;
         crate::util::owned_dir::check_replaceable(&self.root, what, &is_run_entry, foreign)?;
         // Said aloud: a run continued with --resume since would go too.
@@ -167,10 +168,10 @@ impl RunDir {
                 .count()
         });
         if steps > 0 {
-            eprintln!(
+            say(&format!(
                 "memwall: replacing {what} ({} in it)",
                 crate::util::count(steps as u64, "checkpoint")
-            );
+            ));
         }
         crate::util::owned_dir::replace(&self.root, what, &is_run_entry, Vec::new())
     }

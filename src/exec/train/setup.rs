@@ -52,7 +52,7 @@ impl<'a> Run<'a> {
         let dir = RunDir::new(&opts.out);
         // Rank 0 owns the run directory; the others wait until it is there.
         if rank == 0 {
-            prepare_run_dir(&dir, resume.is_some())?;
+            prepare_run_dir(&dir, resume.is_some(), progress)?;
             let predicted = crate::plan::time::predict(&plan, &calibration);
             let budgets =
                 crate::plan::Budgets::new(plan.compute_tier(), opts.strategies.max_memory, None);
@@ -418,7 +418,8 @@ fn cut_examples(examples: usize, cut: usize, seq: usize, packed: bool) -> String
 }
 
 /// Creates the run directory and checks it is writable; refuses to overwrite an earlier run.
-fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
+/// What it removes (an interrupted save's temporaries) is said to `progress`.
+fn prepare_run_dir(run: &RunDir, resuming: bool, progress: &mut dyn Progress) -> Result<()> {
     let out = run.root();
     if out.is_file() {
         bail!(
@@ -439,10 +440,10 @@ fn prepare_run_dir(run: &RunDir, resuming: bool) -> Result<()> {
         refuse_to_overwrite(out, fresh)?;
     }
     for stale in ckpt::retention::remove_stale_temporaries(out)? {
-        eprintln!(
+        progress.message(&format!(
             "memwall: removed {}, left by a save that was interrupted",
             stale.display()
-        );
+        ));
     }
     let probe = run.write_probe();
     std::fs::write(&probe, b"ok")
