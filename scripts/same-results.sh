@@ -73,7 +73,9 @@
 #                   op indices and tiers (a refactor may add or split ops without moving a
 #                   byte; PLAN_COMPARE=whole compares those too). Never compared:
 #                   baseline_bytes and predicted_peak_rss_bytes, which hold the process's
-#                   measured resident memory at start-up (machine- and moment-dependent).
+#                   measured resident memory at start-up (machine- and moment-dependent),
+#                   nor RAM's peak_bytes in `tiers` (the same sum); nor a top-level field
+#                   only the new side writes (a report that grew, such as `tiers`).
 #   train configs   20 steps (evaluation and a checkpoint every 10 steps), each compared as
 #                   below; `*resume` ones stop at step 10 and resume (--resume) to 20:
 #                   - gpt2-tiny (batch 4, seq 64, 2 threads): fp32 (plain), each --recompute
@@ -340,6 +342,10 @@ def plan(path):
     d = json.load(open(path))
     for k in PLAN_MEASURED:
         d.pop(k, None)
+    # RAM's peak counts the measured baseline, as predicted_peak_rss_bytes does.
+    for t in d.get("tiers", []):
+        if t.get("tier") == "host":
+            t.pop("peak_bytes", None)
     if os.environ.get("PLAN_COMPARE", "bytes") == "none":
         return {}
     if os.environ.get("PLAN_COMPARE", "bytes") == "bytes":
@@ -374,7 +380,12 @@ def metrics_diff(a, b):
 
 kind, a, b = sys.argv[1:]
 if kind == "plan":
-    d = first_diff(plan(a), plan(b))
+    old, new = plan(a), plan(b)
+    # A field only the new side writes is a report that grew, not a result that changed
+    # (e.g. `tiers`); one the old side wrote must still be there.
+    for k in set(new) - set(old):
+        new.pop(k)
+    d = first_diff(old, new)
 else:
     d = metrics_diff(metrics(a), metrics(b))
 if d:
