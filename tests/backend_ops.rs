@@ -40,10 +40,10 @@
 //! input gradient bitwise the trained op's, the gradients untouched).
 //!
 //! That the checks can fail: `mod flawed` runs some of them on a backend that gets one thing
-//! wrong before the CPU runs the op (a transposed weight, RoPE turned the wrong way, the loss
-//! scale or the weight decay ignored, a norm's epsilon, an element left unwritten, the rows
-//! of a sequence misread, gradients overwritten instead of added to), and each must fail
-//! with the checks' mismatch message; the same wrapper without a flaw passes.
+//! wrong before the backend under test runs the op (a transposed weight, RoPE turned the wrong
+//! way, the loss scale or the weight decay ignored, a norm's epsilon, an element left
+//! unwritten, the rows of a sequence misread, gradients overwritten instead of added to), and
+//! each must fail with the checks' mismatch message; the same wrapper without a flaw passes.
 
 mod backend_ops {
     pub mod adapters;

@@ -1,9 +1,9 @@
-//! A flawed backend, to show the checks fail: the CPU backend behind a wrapper that changes
-//! one thing in each op (or its step context) before running it, as a bug in a new backend
-//! would. Everything else goes through to the CPU device unchanged.
+//! A flawed backend, to show the checks fail: the backend under test
+//! ([`memwall::backend::under_test`]: the CPU unless `MEMWALL_TEST_DEVICE` says otherwise)
+//! behind a wrapper that changes one thing in each op (or its step context) before running
+//! it, as a bug in a new backend would. Everything else goes through to its device unchanged.
 
-use memwall::backend::cpu::Cpu;
-use memwall::backend::{Backend, Device, StepCtx};
+use memwall::backend::{Backend, Device, StepCtx, under_test};
 use memwall::dist::Comms;
 use memwall::dtype::DType;
 use memwall::ir::schedule::OpEntry;
@@ -19,41 +19,44 @@ pub enum Flaw {
     ZeroGradsFirst,
 }
 
-/// The CPU backend with `Flaw`.
+/// The backend under test with `Flaw`.
 pub struct Flawed(pub Flaw);
 
 impl Sizing for Flawed {
     fn attention_workspace_elems(&self, s: DType, t: usize, hs: usize, threads: usize) -> usize {
-        Cpu.attention_workspace_elems(s, t, hs, threads)
+        under_test().attention_workspace_elems(s, t, hs, threads)
     }
     fn mixed_gemm_workspace_elems(&self) -> usize {
-        Cpu.mixed_gemm_workspace_elems()
+        under_test().mixed_gemm_workspace_elems()
     }
     fn quantized_gemm_workspace_elems(&self, cols: usize) -> usize {
-        Cpu.quantized_gemm_workspace_elems(cols)
+        under_test().quantized_gemm_workspace_elems(cols)
     }
     fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64 {
-        Cpu.library_scratch_bytes(ops, threads)
+        under_test().library_scratch_bytes(ops, threads)
     }
     fn compute_note(&self, storage: DType) -> Option<String> {
-        Cpu.compute_note(storage)
+        under_test().compute_note(storage)
+    }
+    fn tiers(&self) -> &'static [memwall::ir::Tier] {
+        under_test().tiers()
     }
 }
 
 impl Backend for Flawed {
     fn start(&self, program: &Program, comms: Comms) -> anyhow::Result<Box<dyn Device>> {
-        Ok(Box::new(FlawedDevice(Cpu.start(program, comms)?, self.0)))
+        Ok(Box::new(FlawedDevice(under_test().start(program, comms)?, self.0)))
     }
 
     fn measure_peak(&self) -> Option<memwall::backend::Peak> {
-        Cpu.measure_peak()
+        under_test().measure_peak()
     }
 
     fn bench_facts(
         &self,
         storage: memwall::dtype::DType,
     ) -> serde_json::Map<String, serde_json::Value> {
-        Cpu.bench_facts(storage)
+        under_test().bench_facts(storage)
     }
 }
 
