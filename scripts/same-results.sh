@@ -75,7 +75,9 @@
 #                   baseline_bytes and predicted_peak_rss_bytes, which hold the process's
 #                   measured resident memory at start-up (machine- and moment-dependent),
 #                   nor RAM's peak_bytes in `tiers` (the same sum); nor a top-level field
-#                   only the new side writes (a report that grew, such as `tiers`).
+#                   only the new side writes (a report that grew, such as `tiers`). A base
+#                   built before b81cb33 has u8 buffers where the new has ggml block types:
+#                   compared by their bytes.
 #   train configs   20 steps (evaluation and a checkpoint every 10 steps), each compared as
 #                   below; `*resume` ones stop at step 10 and resume (--resume) to 20:
 #                   - gpt2-tiny (batch 4, seq 64, 2 threads): fp32 (plain), each --recompute
@@ -385,6 +387,12 @@ if kind == "plan":
     # (e.g. `tiers`); one the old side wrote must still be there.
     for k in set(new) - set(old):
         new.pop(k)
+    # Before DType::Ggml (b81cb33) a quantized LoRA base's buffers were u8, elems = bytes;
+    # now their dtype is the block type (q8_0, bf16, ...) and elems counts values. Such a
+    # buffer is the same when its bytes are (its offset and name are compared as ever).
+    for x, y in zip(old.get("buffers", []), new.get("buffers", [])):
+        if x.get("dtype") == "u8" != y.get("dtype") and x.get("elems") == x.get("bytes") == y.get("bytes"):
+            y["dtype"], y["elems"] = x["dtype"], x["elems"]
     d = first_diff(old, new)
 else:
     d = metrics_diff(metrics(a), metrics(b))
