@@ -559,15 +559,18 @@ impl Executor {
             };
             // A shard's padding holds no parameter: m and v are lent for the owned
             // elements only (the whole buffers everywhere else).
-            let sizes = [
-                self.plan.buffer(o.m).dtype.size(),
-                self.plan.buffer(o.v).dtype.size(),
-            ];
+            let lens = [o.m, o.v].map(|id| {
+                let dtype = self.plan.buffer(id).dtype;
+                dtype
+                    .bytes_for(elems.len() as u64)
+                    .unwrap_or_else(|| panic!("internal error: moments of {dtype}"))
+                    as usize
+            });
             let mut out = Ok(());
             self.device.upload(&o.ids(), &mut |b| {
                 let mut b: Vec<&mut [u8]> = b.iter_mut().map(|x| &mut **x).collect();
-                for (x, size) in b.iter_mut().zip(sizes) {
-                    *x = &mut std::mem::take(x)[..elems.len() * size];
+                for (x, len) in b.iter_mut().zip(lens) {
+                    *x = &mut std::mem::take(x)[..len];
                 }
                 out = f(elems.clone(), blocks.clone(), moments_mut(format, &mut b));
             })?;

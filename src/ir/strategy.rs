@@ -201,6 +201,14 @@ impl Precision {
             Precision::F16 => DType::F16,
         }
     }
+
+    /// Bytes of one element of [`Precision::storage`].
+    pub fn storage_size(self) -> usize {
+        match self.storage().size() {
+            Some(size) => size,
+            None => unreachable!("a precision stores elements, not blocks"),
+        }
+    }
 }
 
 impl fmt::Display for Precision {

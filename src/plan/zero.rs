@@ -809,7 +809,7 @@ pub fn per_rank(plan: &Plan) -> PerRank {
     };
     let psi = plan.layout.total as f64;
     let n = cfg.mesh.data as f64;
-    let (p, g) = (4.0, cfg.precision.storage().size() as f64);
+    let (p, g) = (4.0, cfg.precision.storage_size() as f64);
     let k = match cfg.optim_state {
         OptimState::F32 => 8.0,
         OptimState::Bf16 => 4.0,

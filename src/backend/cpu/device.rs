@@ -295,7 +295,7 @@ impl CpuDevice {
     fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
         let b = self.in_arena(id);
         assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
-        debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
+        debug_assert_eq!(Some(std::mem::size_of::<T>()), dtype.size());
         unsafe { self.arena.view_mut::<T>(b.placement.offset, b.elems) }
     }
 
