@@ -410,10 +410,9 @@ impl Executor {
             bail!("internal error: fill_base_bytes on a plan without a frozen base");
         };
         for s in base.segments.into_iter().filter(|s| !s.range.is_empty()) {
-            let at = |i: usize| match s.quant {
-                Some(ty) => ty.bytes_for(i as u64).expect("whole blocks") as usize,
-                None => 4 * i,
-            };
+            // Tensors are whole rows, and a row of blocks whole blocks.
+            let dtype = self.plan.buffer(s.buf).dtype;
+            let at = |i: usize| dtype.bytes_for(i as u64).expect("whole blocks") as usize;
             let mut out = Ok(());
             self.device.upload(&[s.buf], &mut |b| {
                 let inside = lora
@@ -423,7 +422,7 @@ impl Executor {
                     .filter(|t| s.range.start <= t.range.start && t.range.end <= s.range.end);
                 for t in inside {
                     let bytes = at(t.range.start - s.range.start)..at(t.range.end - s.range.start);
-                    out = f(t, s.quant, &mut b[0][bytes]);
+                    out = f(t, dtype.ggml(), &mut b[0][bytes]);
                     if out.is_err() {
                         return;
                     }

@@ -350,7 +350,10 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::AllGather { buf, .. } => return Some(collective_kind("all_gather", plan, *buf)),
     };
     // A frozen op on a quantized base decodes its weight's blocks: a kind of its own.
-    let quant = if e.params.is_some_and(|b| b.quant.is_some()) {
+    let quant = if e
+        .params
+        .is_some_and(|b| plan.buffer(b.buf).dtype.ggml().is_some())
+    {
         "_q"
     } else {
         ""

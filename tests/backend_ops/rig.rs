@@ -155,12 +155,10 @@ impl Rig {
         let params = Binding {
             buf: self.params,
             base: PARAM_BASE,
-            quant: None,
         };
         let grads = Binding {
             buf: self.grads,
             base: PARAM_BASE,
-            quant: None,
         };
         self.ops.push(OpEntry {
             name: format!("{}#{}", kind(&op), self.ops.len()),
@@ -217,7 +215,6 @@ impl Rig {
             segments: vec![Segment {
                 range: PARAM_BASE..PARAM_BASE + self.space,
                 buf,
-                quant: None,
             }],
         };
         let implicit = ImplicitBufs {

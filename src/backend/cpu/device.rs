@@ -290,6 +290,11 @@ impl CpuDevice {
         b
     }
 
+    /// How buffer `id` stores its elements (f32, ..., or ggml blocks).
+    pub(super) fn dtype(&self, id: BufId) -> DType {
+        self.buffers[id.0].dtype
+    }
+
     /// A view of buffer `id` as elements of `T`, whose dtype must be `dtype`.
     #[allow(clippy::mut_from_ref)]
     fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
