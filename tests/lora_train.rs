@@ -136,6 +136,34 @@ fn a_quantized_base_is_its_dequantized_weights() {
         .filter(|e| matches!(e.op, memwall::ir::Op::AddBias { .. }))
         .count();
     assert_eq!(added, qwen.n_layer, "one bias op per layer's q|k|v product");
+    // Each base buffer's dtype says how it stores its segment's values: f32 elements, or
+    // ggml blocks (q4_0, the vocabulary's rows q8_0) whose bytes are the blocks'.
+    let base = plan.schedule.implicit.base.as_ref().unwrap();
+    let mut dtypes = std::collections::HashSet::new();
+    for s in &base.segments {
+        let b = plan.buffer(s.buf);
+        assert_eq!(b.elems, s.range.len(), "{}", b.name);
+        let want = match b.dtype.ggml() {
+            Some(ty) => ty.bytes_for(b.elems as u64),
+            None => Some(4 * b.elems as u64),
+        };
+        assert_eq!(Some(b.bytes), want, "{}", b.name);
+        // Named `{group}.base.{dtype}` (a second run of one storage `….2`).
+        let storage = b
+            .name
+            .split(".base.")
+            .nth(1)
+            .and_then(|s| s.split('.').next());
+        assert_eq!(storage, Some(b.dtype.to_string().as_str()), "{}", b.name);
+        dtypes.insert(b.dtype);
+    }
+    let q = |ty| memwall::dtype::DType::Ggml(ty);
+    let want = [
+        memwall::dtype::DType::F32,
+        q(GgmlType::Q4_0),
+        q(GgmlType::Q8_0),
+    ];
+    assert_eq!(dtypes, want.into(), "the base's storages");
     // Q4_K's blocks of 256: llama-tiny's MLP (352) is no multiple, so a model made of 256s.
     let mut wide = spec.clone();
     (wide.n_embd, wide.mlp_hidden, wide.head_dim, wide.n_layer) = (256, 512, 64, 2);

@@ -1,8 +1,9 @@
 //! Element types: the crate's vocabulary for what a buffer holds, shared by the planner, the
 //! backends, checkpoints and collectives (as candle's `dtype.rs`).
 //!
-//! - [`DType`]: the element type a plan buffer is stored as (its size in bytes, its name in
-//!   plan.json).
+//! - [`DType`]: how a plan buffer's bytes are laid out: elements of one type (f32, bf16, ...),
+//!   or the values of ggml blocks ([`DType::Ggml`], a quantized LoRA base), with the byte
+//!   count of a number of elements ([`DType::bytes_for`]) and the name in plan.json.
 //! - [`Elem`]: a storage type kernels and collectives compute on: f32, bf16 and f16. Kernels
 //!   are generic over it: they load elements into f32, compute in f32 (f32 accumulation
 //!   everywhere), and round once when storing. For `f32` the conversions are the identity, so
@@ -36,9 +37,13 @@ pub use ggml::GgmlType;
 use half::{bf16, f16};
 use serde::Serialize;
 
-/// Element type of a buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+/// How a buffer stores its elements: one element type, or ggml blocks.
+///
+/// A buffer's `elems` counts its values in every case; its bytes are
+/// [`DType::bytes_for`]`(elems)`. Of blocks ([`DType::Ggml`]), a buffer holds whole blocks
+/// only: value `i` is in block `i / block_size`, and no element has a byte size of its own
+/// ([`DType::size`] is `None`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     /// Step scalars kept in plan buffers (the gradient norm's shares).
@@ -48,17 +53,65 @@ pub enum DType {
     F16,
     I8,
     U8,
+    /// Values stored as ggml blocks of a type (a LoRA plan's frozen base kept quantized,
+    /// `--base-quant`; the layouts: [`dequant`]).
+    Ggml(GgmlType),
 }
 
 impl DType {
-    /// Bytes of one element.
-    pub fn size(self) -> usize {
-        match self {
+    /// Bytes of one element; `None` for ggml blocks, whose values share their block's bytes.
+    pub fn size(self) -> Option<usize> {
+        Some(match self {
             DType::F64 => 8,
             DType::F32 | DType::U32 => 4,
             DType::Bf16 | DType::F16 => 2,
             DType::I8 | DType::U8 => 1,
+            DType::Ggml(_) => return None,
+        })
+    }
+
+    /// Bytes of `n` elements: `n × size`, or for ggml blocks the blocks' bytes
+    /// ([`GgmlType::bytes_for`]). `None` when `n` values are not a whole number of blocks, or
+    /// the count overflows.
+    pub fn bytes_for(self, n: u64) -> Option<u64> {
+        match (self, self.size()) {
+            (DType::Ggml(t), _) => t.bytes_for(n),
+            (_, Some(size)) => n.checked_mul(size as u64),
+            (_, None) => None,
         }
+    }
+
+    /// The ggml block type of a buffer stored as blocks; `None` for an element type.
+    pub fn ggml(self) -> Option<GgmlType> {
+        match self {
+            DType::Ggml(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// The name in plan.json and in op kinds: `f32`, `bf16`, ..., and for blocks the ggml
+/// type's name in lower case (`q4_0`, `q8_0`; ggml's `bf16` is spelled as the element type,
+/// whose layout it has).
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::U32 => "u32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::I8 => "i8",
+            DType::U8 => "u8",
+            DType::Ggml(t) => return f.write_str(&t.name.to_ascii_lowercase()),
+        })
+    }
+}
+
+/// As its name ([`DType`]'s `Display`).
+impl Serialize for DType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -168,6 +221,37 @@ pub fn is_f32<T: Elem>() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bytes_and_names() {
+        assert_eq!(DType::F32.bytes_for(3), Some(12));
+        assert_eq!(DType::U8.bytes_for(3), Some(3));
+        assert_eq!(DType::F64.bytes_for(u64::MAX / 4), None);
+        // Blocks: 64 values of Q4_0 are two blocks of 18 bytes; 33 are not whole blocks.
+        let q = DType::Ggml(GgmlType::Q4_0);
+        assert_eq!(
+            (q.size(), q.bytes_for(64), q.bytes_for(33)),
+            (None, Some(36), None)
+        );
+        assert_eq!(q.ggml(), Some(GgmlType::Q4_0));
+        assert_eq!(DType::Bf16.ggml(), None);
+        let names = [
+            (DType::F32, "f32"),
+            (DType::F64, "f64"),
+            (DType::U32, "u32"),
+            (DType::Bf16, "bf16"),
+            (DType::F16, "f16"),
+            (DType::I8, "i8"),
+            (DType::U8, "u8"),
+            (q, "q4_0"),
+            (DType::Ggml(GgmlType::Q6_K), "q6_k"),
+            (DType::Ggml(GgmlType::BF16), "bf16"),
+        ];
+        for (d, name) in names {
+            assert_eq!(d.to_string(), name);
+            assert_eq!(serde_json::to_string(&d).unwrap(), format!("\"{name}\""));
+        }
+    }
 
     #[test]
     fn bf16_rounding_matches_half() {

@@ -410,10 +410,9 @@ impl Executor {
             bail!("internal error: fill_base_bytes on a plan without a frozen base");
         };
         for s in base.segments.into_iter().filter(|s| !s.range.is_empty()) {
-            let at = |i: usize| match s.quant {
-                Some(ty) => ty.bytes_for(i as u64).expect("whole blocks") as usize,
-                None => 4 * i,
-            };
+            // Tensors are whole rows, and a row of blocks whole blocks.
+            let dtype = self.plan.buffer(s.buf).dtype;
+            let at = |i: usize| dtype.bytes_for(i as u64).expect("whole blocks") as usize;
             let mut out = Ok(());
             self.device.upload(&[s.buf], &mut |b| {
                 let inside = lora
@@ -423,7 +422,7 @@ impl Executor {
                     .filter(|t| s.range.start <= t.range.start && t.range.end <= s.range.end);
                 for t in inside {
                     let bytes = at(t.range.start - s.range.start)..at(t.range.end - s.range.start);
-                    out = f(t, s.quant, &mut b[0][bytes]);
+                    out = f(t, dtype.ggml(), &mut b[0][bytes]);
                     if out.is_err() {
                         return;
                     }
@@ -559,15 +558,18 @@ impl Executor {
             };
             // A shard's padding holds no parameter: m and v are lent for the owned
             // elements only (the whole buffers everywhere else).
-            let sizes = [
-                self.plan.buffer(o.m).dtype.size(),
-                self.plan.buffer(o.v).dtype.size(),
-            ];
+            let lens = [o.m, o.v].map(|id| {
+                let dtype = self.plan.buffer(id).dtype;
+                dtype
+                    .bytes_for(elems.len() as u64)
+                    .unwrap_or_else(|| panic!("internal error: moments of {dtype}"))
+                    as usize
+            });
             let mut out = Ok(());
             self.device.upload(&o.ids(), &mut |b| {
                 let mut b: Vec<&mut [u8]> = b.iter_mut().map(|x| &mut **x).collect();
-                for (x, size) in b.iter_mut().zip(sizes) {
-                    *x = &mut std::mem::take(x)[..elems.len() * size];
+                for (x, len) in b.iter_mut().zip(lens) {
+                    *x = &mut std::mem::take(x)[..len];
                 }
                 out = f(elems.clone(), blocks.clone(), moments_mut(format, &mut b));
             })?;

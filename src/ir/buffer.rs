@@ -79,9 +79,9 @@ pub struct Buffer {
     pub name: String,
     pub category: Category,
     pub dtype: DType,
-    /// Number of elements.
+    /// Number of elements (of ggml blocks: values, whole blocks).
     pub elems: usize,
-    /// Size in bytes (elems × dtype size).
+    /// Size in bytes ([`DType::bytes_for`] `elems`).
     pub bytes: u64,
     /// Persistent buffers live across steps (parameters, gradients, optimizer state, batches).
     pub persistent: bool,

@@ -145,6 +145,9 @@ impl Builder {
         self.push(name.into(), category, dtype, elems, true)
     }
 
+    /// Declares a buffer of `elems` elements of `dtype`, [`DType::bytes_for`] bytes: of ggml
+    /// blocks, `elems` values that are whole blocks (the planner refuses other shapes before
+    /// it declares one; an internal error otherwise).
     fn push(
         &mut self,
         name: String,
@@ -158,7 +161,11 @@ impl Builder {
             category,
             dtype,
             elems,
-            bytes: (elems * dtype.size()) as u64,
+            bytes: dtype.bytes_for(elems as u64).unwrap_or_else(|| {
+                panic!(
+                    "internal error: {elems} elements of {dtype} overflow or are not whole blocks"
+                )
+            }),
             persistent,
             first_op: usize::MAX,
             last_op: 0,

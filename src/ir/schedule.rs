@@ -7,7 +7,6 @@
 use super::buffer::BufId;
 use super::mesh::Axis;
 use super::strategy::OptimState;
-use crate::dtype::GgmlType;
 use serde::Serialize;
 use std::ops::Range;
 
@@ -460,15 +459,13 @@ impl OptimBufs {
 }
 
 /// One buffer holding the parameters (or gradients, or moments) of parameter elements
-/// `range`: `buf[i - range.start]` is element `i`'s.
+/// `range`: `buf[i - range.start]` is element `i`'s. How it stores them is the buffer's
+/// dtype: f32 elements, or ggml blocks (a LoRA plan's quantized base, `--base-quant`,
+/// [`crate::dtype::DType::Ggml`]: element `i` is in block `(i - range.start) / block_size`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Segment {
     pub range: Range<usize>,
     pub buf: BufId,
-    /// How the buffer stores the values: `None` as f32 elements; `Some(ty)` as ggml blocks
-    /// of `ty` (a LoRA plan's quantized base, `--base-quant`: element `i` is in the block
-    /// `(i - range.start) / ty.block_size`, its bytes a byte buffer's).
-    pub quant: Option<GgmlType>,
 }
 
 /// Buffers covering every parameter once, in parameter order: the parameters (one buffer in
@@ -506,12 +503,12 @@ impl Segments {
 /// `buf[i - base]`. The planner binds every op that reads parameters or touches gradients
 /// (`plan::build::bind_state`); an op's ranges lie in one parameter group, so one binding
 /// serves them all. Staging (`plan::stage`) rebinds an op to a group's host staging copy.
+/// The bound buffer's dtype says how it stores them (f32, or ggml blocks of a quantized
+/// base: [`Segment`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Binding {
     pub buf: BufId,
     pub base: usize,
-    /// The bound segment's storage ([`Segment::quant`]): f32, or ggml blocks.
-    pub quant: Option<GgmlType>,
 }
 
 impl Binding {

@@ -201,6 +201,14 @@ impl Precision {
             Precision::F16 => DType::F16,
         }
     }
+
+    /// Bytes of one element of [`Precision::storage`].
+    pub fn storage_size(self) -> usize {
+        match self.storage().size() {
+            Some(size) => size,
+            None => unreachable!("a precision stores elements, not blocks"),
+        }
+    }
 }
 
 impl fmt::Display for Precision {
@@ -269,7 +277,7 @@ serde_as_flag_text!(OptimState);
 /// linear layers' weights and the embeddings, whose rows are whole blocks) as ggml blocks,
 /// quantized once when the base is loaded (llama.cpp's reference quantizers, bitwise), the
 /// norms' weights in f32 beside them. The frozen layers then read their weights quantized
-/// ([`Binding::quant`](super::schedule::Binding)): a forward and an input-gradient GEMM that
+/// (their buffers' dtype is [`DType::Ggml`]): a forward and an input-gradient GEMM that
 /// decode a tile of rows at a time, and the embedding rows decoded as they are gathered.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BaseQuant {

@@ -610,11 +610,7 @@ fn param_buffers(
         let buf = g.persistent(name, category, DType::F32, layout.total);
         let range = 0..layout.total;
         return Segments {
-            segments: vec![Segment {
-                range,
-                buf,
-                quant: None,
-            }],
+            segments: vec![Segment { range, buf }],
         };
     }
     let segments = layout
@@ -629,11 +625,7 @@ fn param_buffers(
                 Some(s) => g.persistent(&name, category, DType::F32, s.cuts[k].len()),
                 None => g.persistent(&name, category, DType::F32, range.len()),
             };
-            Segment {
-                range,
-                buf,
-                quant: None,
-            }
+            Segment { range, buf }
         })
         .collect();
     Segments { segments }
@@ -650,11 +642,7 @@ fn grad_buffers(g: &mut Builder, layout: &ParamLayout, split: Option<&zero::Spli
             let range = layout.group_range(group);
             let elems = split.map_or(range.len(), |s| s.cuts[k].len());
             let buf = g.act(format!("{}.grad", group.name), Category::Grad, elems);
-            Segment {
-                range,
-                buf,
-                quant: None,
-            }
+            Segment { range, buf }
         })
         .collect();
     Segments { segments }
@@ -809,7 +797,6 @@ fn bind_state(
         Some(Binding {
             buf: s.buf,
             base: s.range.start,
-            quant: s.quant,
         })
     };
     for e in &mut g.ops {

@@ -81,10 +81,11 @@ impl LoraPlan {
 
 /// Declares the frozen base's buffers for `base` (the model `spec`'s parameters) kept as
 /// `quant`: one f32 buffer `params.base`, or runs of consecutive tensors of one storage,
-/// `{group}.base.{q4_0|q8_0|f32}` (a group's second run of a storage `….2`), quantized
-/// matrices apart from the f32 vectors (the vocabulary's matrices in q8_0 under a 4-bit
-/// type). `per_group` (the base on the disk tier, read one group at a time) splits an f32
-/// base by group too. Returns the
+/// `{group}.base.{dtype}` (`q4_0`, `q8_0`, `f32`; a group's second run of a storage `….2`),
+/// quantized matrices apart from the f32 vectors (the vocabulary's matrices in q8_0 under a
+/// 4-bit type): a buffer of blocks has dtype [`DType::Ggml`], its values as elements.
+/// `per_group` (the base on the disk tier, read one group at a time) splits an f32 base by
+/// group too. Returns the
 /// segments and the longest quantized row (the decode tile's width), refusing a matrix whose
 /// rows are not whole blocks and GPT-2's Conv1D layers, naming the tensor or the model. A
 /// layer's bias is stored apart from its quantized weight ([`split_biases`]).
@@ -100,7 +101,6 @@ pub(super) fn base_buffers(
         let segments = vec![Segment {
             range: 0..base.total,
             buf,
-            quant: None,
         }];
         return Ok((Segments { segments }, 0));
     };
@@ -121,11 +121,11 @@ pub(super) fn base_buffers(
     // Quantized to one type, the vocabulary's rows (the embedding, an untied head) stay q8_0
     // under a 4-bit type, as llama.cpp's quantizer keeps them at higher precision: a tied head
     // reads them too. Kept, each tensor is what the file holds (f32 as f32).
-    let storage = |t: &crate::model::ParamTensor| -> Result<Option<GgmlType>> {
+    let storage = |t: &crate::model::ParamTensor| -> Result<DType> {
         if let (BaseQuant::Keep, Some(types)) = (quant, types) {
             // Vectors (norms) are decoded to f32 on load, whatever the file holds.
             if t.shape.len() != 2 {
-                return Ok(None);
+                return Ok(DType::F32);
             }
             let Some(&ty) = types.get(&t.name) else {
                 bail!(
@@ -133,45 +133,42 @@ pub(super) fn base_buffers(
                     t.name
                 );
             };
-            return Ok((ty != GgmlType::F32).then_some(ty));
+            return Ok(match ty {
+                GgmlType::F32 => DType::F32,
+                ty => DType::Ggml(ty),
+            });
         }
         let BaseQuant::Blocks(ty) = quant else {
-            return Ok(None); // f32, by group
+            return Ok(DType::F32); // f32, by group
         };
         Ok(match t.shape.as_slice() {
             [rows, _] if *rows == spec.vocab_size && bits_per_weight(ty) < 8.0 => {
-                Some(GgmlType::Q8_0)
+                DType::Ggml(GgmlType::Q8_0)
             }
-            [_, _] => Some(ty),
-            _ => None,
+            [_, _] => DType::Ggml(ty),
+            _ => DType::F32,
         })
     };
     let mut segments: Vec<Segment> = Vec::new();
     let mut widest = 0;
     for group in &base.groups {
-        let mut run: Option<(Option<GgmlType>, Range<usize>)> = None;
-        let mut runs_of: HashMap<Option<GgmlType>, usize> = HashMap::new();
-        let mut close = |g: &mut Builder, run: Option<(Option<GgmlType>, Range<usize>)>| {
-            let Some((quant, range)) = run else { return };
-            let n = runs_of.entry(quant).or_default();
+        let mut run: Option<(DType, Range<usize>)> = None;
+        let mut runs_of: HashMap<DType, usize> = HashMap::new();
+        let mut close = |g: &mut Builder, run: Option<(DType, Range<usize>)>| {
+            let Some((dtype, range)) = run else { return };
+            let n = runs_of.entry(dtype).or_default();
             *n += 1;
-            let storage = quant.map_or("f32".to_string(), |t| t.name.to_ascii_lowercase());
             let name = match *n {
-                1 => format!("{}.base.{storage}", group.name),
-                n => format!("{}.base.{storage}.{n}", group.name),
+                1 => format!("{}.base.{dtype}", group.name),
+                n => format!("{}.base.{dtype}.{n}", group.name),
             };
-            let buf = match quant {
-                Some(t) => {
-                    let bytes = t.bytes_for(range.len() as u64).expect("whole blocks") as usize;
-                    g.persistent(&name, Category::Param, DType::U8, bytes)
-                }
-                None => g.persistent(&name, Category::Param, DType::F32, range.len()),
-            };
-            segments.push(Segment { range, buf, quant });
+            // Of blocks, whole ones: every tensor of the run has rows of whole blocks.
+            let buf = g.persistent(&name, Category::Param, dtype, range.len());
+            segments.push(Segment { range, buf });
         };
         for t in &base.tensors[group.tensors.clone()] {
             let kind = storage(t)?;
-            if let Some(k) = kind {
+            if let Some(k) = kind.ggml() {
                 let row = t.shape[1];
                 if !(row as u64).is_multiple_of(k.block_size) {
                     bail!(

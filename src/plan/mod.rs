@@ -211,7 +211,10 @@ impl Plan {
             _ => return 0,
         };
         let elems = self.cuts[group].sent(c, self.cfg.mesh.data_rank());
-        (elems * self.buffer(buf).dtype.size()) as u64
+        let dtype = self.buffer(buf).dtype;
+        dtype.bytes_for(elems as u64).unwrap_or_else(|| {
+            panic!("internal error: a collective moves {elems} elements of {dtype}")
+        })
     }
 
     /// Bytes this rank sends per step in collectives (every rank sends as much): the

@@ -518,7 +518,6 @@ mod tests {
             b.map(|b| Binding {
                 buf: BufId(b),
                 base: 0,
-                quant: None,
             })
         };
         OpEntry {

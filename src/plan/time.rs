@@ -24,7 +24,6 @@
 
 use super::Plan;
 use super::operands::Operand;
-use crate::dtype::DType;
 use crate::ir::schedule::{Op, OpEntry, Phase};
 use crate::ir::{BufId, OptimState, Tier};
 use serde::{Deserialize, Serialize};
@@ -308,23 +307,11 @@ impl Calibration {
     }
 }
 
-/// The storage type's spelling in op kinds.
-fn dtype_key(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::Bf16 => "bf16",
-        DType::F16 => "f16",
-        DType::I8 => "i8",
-        DType::U8 => "u8",
-        DType::F64 => "f64",
-        DType::U32 => "u32",
-    }
-}
-
 /// The kind of op `e` for costing (the kernel it runs and its storage type), or `None` for
 /// the transfers and waits, which [`predict`] times on the I/O clock.
 pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
-    let storage = dtype_key(plan.cfg.precision.storage());
+    // The storage type as plan.json spells it (`f32`, `bf16`, `f16`).
+    let storage = plan.cfg.precision.storage();
     let base = match &e.op {
         Op::Zero { .. } => "zero",
         Op::Encoder { .. } => "encoder",
@@ -363,7 +350,10 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::AllGather { buf, .. } => return Some(collective_kind("all_gather", plan, *buf)),
     };
     // A frozen op on a quantized base decodes its weight's blocks: a kind of its own.
-    let quant = if e.params.is_some_and(|b| b.quant.is_some()) {
+    let quant = if e
+        .params
+        .is_some_and(|b| plan.buffer(b.buf).dtype.ggml().is_some())
+    {
         "_q"
     } else {
         ""
@@ -373,7 +363,7 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
 
 /// A collective's kind: its name and the element type it moves.
 fn collective_kind(name: &str, plan: &Plan, buf: BufId) -> String {
-    format!("{name}/{}", dtype_key(plan.buffer(buf).dtype))
+    format!("{name}/{}", plan.buffer(buf).dtype)
 }
 
 /// Bytes of AdamW state per parameter in `format` (int8: one code per moment plus a share
@@ -389,7 +379,7 @@ fn state_bytes(format: OptimState) -> f64 {
 /// The memory traffic of op `e` (bytes read plus bytes written, roughly): the buffers it
 /// names, its parameter ranges (f32) and its gradient ranges (storage type).
 pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
-    let g = plan.cfg.precision.storage().size() as f64;
+    let g = plan.cfg.precision.storage_size() as f64;
     let bytes = match &e.op {
         Op::AdamW { tensors, state } => {
             let n: usize = tensors.iter().map(|t| t.range.len()).sum();

@@ -363,7 +363,6 @@ impl Shard {
         Binding {
             buf: self.buf,
             base: self.base,
-            quant: None,
         }
     }
 }
@@ -506,13 +505,11 @@ fn shard_params(g: &mut Builder, gr: &Group, shard: &Shard, ins: &mut Inserts) -
     g.ops[upd].params = Some(Binding {
         buf: shard_params,
         base,
-        quant: None,
     });
     gather_spans(g, params.segments[k].buf, shard_params, k, &mut ins.gathers);
     Segment {
         range: shard.owned.clone(),
         buf: shard_params,
-        quant: None,
     }
 }
 
@@ -525,7 +522,6 @@ fn gather_updated(g: &mut Builder, gr: &Group, ins: &mut Inserts) {
     g.ops[upd].params = Some(Binding {
         buf: params.segments[k].buf,
         base: range.start,
-        quant: None,
     });
     let op = Op::AllGather {
         axis: Axis::Data,
@@ -809,7 +805,7 @@ pub fn per_rank(plan: &Plan) -> PerRank {
     };
     let psi = plan.layout.total as f64;
     let n = cfg.mesh.data as f64;
-    let (p, g) = (4.0, cfg.precision.storage().size() as f64);
+    let (p, g) = (4.0, cfg.precision.storage_size() as f64);
     let k = match cfg.optim_state {
         OptimState::F32 => 8.0,
         OptimState::Bf16 => 4.0,

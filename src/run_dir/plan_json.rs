@@ -25,8 +25,10 @@ pub type CategoryBytes = Map<String, Value>;
 pub struct BufferInfo {
     pub name: String,
     pub category: Category,
-    /// `f32`, `bf16`, ….
+    /// `f32`, `bf16`, …, or the ggml block type of a quantized base (`q4_0`, `q6_k`; older
+    /// files say `u8` and count its bytes as its elements).
     pub dtype: String,
+    /// Elements (of ggml blocks: values).
     #[serde(default)]
     pub elems: usize,
     pub bytes: u64,

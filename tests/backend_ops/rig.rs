@@ -94,7 +94,7 @@ impl Rig {
             category: Category::Activation,
             dtype,
             elems,
-            bytes: (elems * dtype.size()) as u64,
+            bytes: dtype.bytes_for(elems as u64).expect("whole elements"),
             persistent: true,
             first_op: 0,
             last_op: 0,
@@ -155,12 +155,10 @@ impl Rig {
         let params = Binding {
             buf: self.params,
             base: PARAM_BASE,
-            quant: None,
         };
         let grads = Binding {
             buf: self.grads,
             base: PARAM_BASE,
-            quant: None,
         };
         self.ops.push(OpEntry {
             name: format!("{}#{}", kind(&op), self.ops.len()),
@@ -187,7 +185,10 @@ impl Rig {
         for id in [self.params, self.grads] {
             let b = &mut self.buffers[id.0];
             b.elems = self.space;
-            b.bytes = (self.space * b.dtype.size()) as u64;
+            b.bytes = b
+                .dtype
+                .bytes_for(self.space as u64)
+                .expect("whole elements");
         }
         // The mixed-precision GEMM tiles, as the planner declares them (sized by the backend).
         let gemm_ws = (precision != Precision::F32).then(|| {
@@ -214,7 +215,6 @@ impl Rig {
             segments: vec![Segment {
                 range: PARAM_BASE..PARAM_BASE + self.space,
                 buf,
-                quant: None,
             }],
         };
         let implicit = ImplicitBufs {

@@ -290,12 +290,17 @@ impl CpuDevice {
         b
     }
 
+    /// How buffer `id` stores its elements (f32, ..., or ggml blocks).
+    pub(super) fn dtype(&self, id: BufId) -> DType {
+        self.buffers[id.0].dtype
+    }
+
     /// A view of buffer `id` as elements of `T`, whose dtype must be `dtype`.
     #[allow(clippy::mut_from_ref)]
     fn typed<T>(&self, id: BufId, dtype: DType) -> &mut [T] {
         let b = self.in_arena(id);
         assert_eq!(b.dtype, dtype, "buffer {} viewed as {dtype:?}", b.name);
-        debug_assert_eq!(std::mem::size_of::<T>(), dtype.size());
+        debug_assert_eq!(Some(std::mem::size_of::<T>()), dtype.size());
         unsafe { self.arena.view_mut::<T>(b.placement.offset, b.elems) }
     }
 

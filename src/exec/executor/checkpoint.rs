@@ -58,6 +58,14 @@ fn elem_of(dtype: DType) -> OutData<'static> {
     }
 }
 
+/// Bytes of one element of sharded state (parameters, moments, scales: element types).
+fn elem_size(dtype: DType) -> usize {
+    match dtype.size() {
+        Some(size) => size,
+        None => unreachable!("sharded state is stored as elements, not {dtype} blocks"),
+    }
+}
+
 /// Elements per message when rank 0 gathers sharded state for a checkpoint (4 MiB of f32):
 /// rank 0 holds one piece beyond the plan, whatever the model's size.
 const PIECE: usize = 1 << 20;
@@ -127,7 +135,7 @@ impl<'e> Stream<'e> {
     /// Bytes of rank `r`'s chunk of group `k` of array `a`, and of one of its elements.
     fn shard_bytes(&self, a: usize, k: usize, r: usize) -> (usize, usize) {
         let part = &self.shards.arrays[a][k];
-        let size = self.ex.plan.buffer(part.own).dtype.size();
+        let size = elem_size(self.ex.plan.buffer(part.own).dtype);
         (part.cut.shard(r).len() * size, size)
     }
 
@@ -202,7 +210,7 @@ impl Shards {
             for Part { own: shard, .. } in groups {
                 let mut out = Ok(());
                 ex.device.download(&[*shard], &mut |b| {
-                    let size = ex.plan.buffer(*shard).dtype.size();
+                    let size = elem_size(ex.plan.buffer(*shard).dtype);
                     out = b[0]
                         .chunks(PIECE * size)
                         .try_for_each(|piece| ex.comm.sendrecv(piece, 0, &mut [], 0));

@@ -96,7 +96,7 @@ impl<'a, T: Elem> Args<'a, T> {
     fn new(dev: &'a CpuDevice, e: &'a OpEntry) -> Self {
         // The fp32 (master) weights of the op's parameter ranges, where the op is bound.
         let (params, base): (&[f32], usize) = match e.params {
-            Some(b) if b.quant.is_none() => (dev.view(b.buf), b.base),
+            Some(b) if dev.dtype(b.buf).ggml().is_none() => (dev.view(b.buf), b.base),
             _ => (&[], 0),
         };
         Args {
@@ -176,7 +176,8 @@ impl CpuDevice {
     }
 
     /// The `[rows, cols]` weight of parameter range `r` where `e` is bound to a quantized
-    /// base ([`crate::ir::schedule::Binding::quant`]); `None` where it is bound to f32.
+    /// base (a buffer of [`crate::dtype::DType::Ggml`] blocks); `None` where it is bound to
+    /// f32.
     fn quant_weight(
         &self,
         e: &OpEntry,
@@ -184,7 +185,7 @@ impl CpuDevice {
         (rows, cols): (usize, usize),
     ) -> Option<QuantWeight<'_>> {
         let b = e.params?;
-        let ty = b.quant?;
+        let ty = self.dtype(b.buf).ggml()?;
         let at = |n: usize| {
             ty.bytes_for(n as u64)
                 .expect("internal error: a quantized range of whole blocks") as usize
