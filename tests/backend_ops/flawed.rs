@@ -45,7 +45,10 @@ impl Sizing for Flawed {
 
 impl Backend for Flawed {
     fn start(&self, program: &Program, comms: Comms) -> anyhow::Result<Box<dyn Device>> {
-        Ok(Box::new(FlawedDevice(under_test().start(program, comms)?, self.0)))
+        Ok(Box::new(FlawedDevice(
+            under_test().start(program, comms)?,
+            self.0,
+        )))
     }
 
     fn measure_peak(&self) -> Option<memwall::backend::Peak> {
