@@ -50,7 +50,9 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        // A device this build or machine lacks is a usage error, as clap's are.
+        let unavailable = e.chain().any(|c| c.is::<memwall::backend::Unavailable>());
+        std::process::exit(if unavailable { 2 } else { 1 });
     }
 }
 
@@ -227,9 +229,12 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
     let req = a.step.request();
-    let backend = req.device.open()?;
+    // A plan needs only the device's sizing: made for a GPU on any machine.
+    let backend = req.device.sizing();
     let threads = checked_threads(req.threads, false)?;
-    let baseline = rss::current_rss().unwrap_or(0);
+    let baseline = backend
+        .baseline_bytes()
+        .unwrap_or_else(|| rss::current_rss().unwrap_or(0));
     let resolve::PlanTarget { spec, resolved: r } =
         resolve::plan_target(&req, a.ranks, threads, baseline, DEFAULT_BATCH, &mut say)?;
     print_notes(&r.notes);
@@ -271,9 +276,10 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     };
     let budgets = plan::Budgets::new(plan.compute_tier(), a.step.max_memory, disk_free);
     let plan_json = || -> Result<PlanJson> {
-        let mut p = PlanJson::from_plan(&plan, baseline)?
-            .with_budgets(&budgets)
-            .with_prediction(&predicted, &cal);
+        let mut p = PlanJson::from_plan(&plan, baseline)?.with_budgets(&budgets);
+        if req.device.kind != memwall::backend::DeviceKind::Cuda {
+            p = p.with_prediction(&predicted, &cal);
+        }
         p.fit = r.fit.clone();
         Ok(p)
     };
@@ -295,12 +301,25 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             "{}",
             plan::report::table(&plan, baseline, &budgets, backend)
         );
-        println!("{}", time_line(&plan, &predicted, &cal));
+        if req.device.kind == memwall::backend::DeviceKind::Cuda {
+            // The time model is the CPU's: no figure rather than a wrong one.
+            println!(
+                "  predicted step time          not modelled on a GPU yet (the time model is \
+                 the CPU's until `memwall calibrate --device cuda` exists)"
+            );
+        } else {
+            println!("{}", time_line(&plan, &predicted, &cal));
+        }
         if plan.nvme_bytes() > 0 {
             print_disk_time(&plan, a.step.strategy.offload_dir.as_deref())?;
         }
         if let Some(path) = &a.svg {
             println!("  memory timeline drawn to {}", path.display());
+        }
+        if a.step.max_memory.is_none() && backend.baseline_bytes().is_some() {
+            println!(
+                "  give --max-memory with the card's memory (e.g. 80GiB, 24GiB) to check it fits"
+            );
         }
     }
     if let Some(budget) = a.step.max_memory {
@@ -309,6 +328,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             println!("  fits --max-memory {}", fmt_bytes(budget));
         }
     } else if !a.json
+        && backend.baseline_bytes().is_none()
         && let Some(available) = rss::available_memory()
     {
         println!(

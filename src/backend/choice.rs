@@ -6,9 +6,15 @@
 //!
 //! The flag's syntax is `KIND` or `KIND:N`: `cpu` is `cpu:0`, and what is recorded prints
 //! device 0 as its bare kind, so a record written before devices had numbers reads the same.
+//!
+//! Planning needs only a kind's [`Sizing`] ([`DeviceId::sizing`]), which every build has and
+//! which opens nothing: `memwall plan --device cuda` answers on a machine without a GPU, or
+//! with a build without the `cuda` feature. Running needs the backend ([`DeviceId::open`]).
 
 use super::Backend;
 use super::cpu::Cpu;
+use super::cuda::CudaSizing;
+use crate::ir::Sizing;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +25,8 @@ pub enum DeviceKind {
     /// This machine's cores (`backend::cpu`).
     #[default]
     Cpu,
+    /// An NVIDIA GPU (`backend::cuda`, cargo feature `cuda`).
+    Cuda,
 }
 
 impl DeviceKind {
@@ -29,6 +37,16 @@ impl DeviceKind {
         self.check_index(index)?;
         match self {
             DeviceKind::Cpu => Ok(&Cpu),
+            DeviceKind::Cuda => super::cuda::open(index),
+        }
+    }
+
+    /// What the planner asks of this kind's backend ([`Sizing`]): pure, opening no device,
+    /// so any build on any machine plans for any kind.
+    pub fn sizing(self) -> &'static (dyn Sizing + Sync) {
+        match self {
+            DeviceKind::Cpu => &Cpu,
+            DeviceKind::Cuda => &CudaSizing,
         }
     }
 
@@ -42,6 +60,7 @@ impl DeviceKind {
                 "--device cpu:{index}: the CPU backend is one device, cpu:0 (all of this \
                  machine's cores; --threads chooses how many)"
             ),
+            DeviceKind::Cuda => Ok(()),
         }
     }
 
@@ -49,15 +68,12 @@ impl DeviceKind {
     fn parse_in(text: &str, flag: &str) -> Result<DeviceKind> {
         match text.trim().to_ascii_lowercase().as_str() {
             "cpu" => Ok(DeviceKind::Cpu),
-            "cuda" | "gpu" => bail!(
-                "--device {flag}: this build has no GPU backend yet; use --device cpu (the \
-                 default)"
-            ),
+            "cuda" | "gpu" => Ok(DeviceKind::Cuda),
             "" => bail!(
                 "--device {flag}: no device kind before ':'; give KIND or KIND:N, e.g. cpu or \
                  cpu:0"
             ),
-            _ => bail!("--device {flag}: unknown device; the devices are: cpu"),
+            _ => bail!("--device {flag}: unknown device; the devices are: cpu, cuda (or gpu)"),
         }
     }
 }
@@ -66,6 +82,7 @@ impl std::fmt::Display for DeviceKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
         })
     }
 }
@@ -101,6 +118,12 @@ impl DeviceId {
     /// Opens this device: the backend that plans and runs for it (see [`DeviceKind::open`]).
     pub fn open(self) -> Result<&'static dyn Backend> {
         self.kind.open(self.index)
+    }
+
+    /// What the planner asks of this device's backend, without opening it
+    /// ([`DeviceKind::sizing`]).
+    pub fn sizing(self) -> &'static (dyn Sizing + Sync) {
+        self.kind.sizing()
     }
 
     /// True for the default device, the CPU (options leave it out of what they record, so
@@ -193,13 +216,15 @@ mod tests {
         let cpu: DeviceKind = "CPU".parse().unwrap();
         assert_eq!(cpu, DeviceKind::Cpu);
         assert_eq!(cpu.to_string(), "cpu");
-        for (bad, says) in [("cuda", "no GPU backend"), ("tpu", "unknown device")] {
-            let e = format!("{:#}", bad.parse::<DeviceKind>().unwrap_err());
-            assert!(
-                e.contains(&format!("--device {bad}")) && e.contains(says),
-                "{e}"
-            );
+        for (name, kind) in [("cuda", DeviceKind::Cuda), ("GPU", DeviceKind::Cuda)] {
+            assert_eq!(name.parse::<DeviceKind>().unwrap(), kind);
         }
+        assert_eq!(DeviceKind::Cuda.to_string(), "cuda");
+        let e = format!("{:#}", "tpu".parse::<DeviceKind>().unwrap_err());
+        assert!(
+            e.contains("--device tpu") && e.contains("unknown device") && e.contains("cuda"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -240,17 +265,28 @@ mod tests {
             ("cpu:0:0", "'0:0' is not a device number"),
             (":0", "no device kind before ':'"),
             ("", "give a device"),
-            ("cuda", "no GPU backend"),
-            ("cuda:1", "no GPU backend"),
-            ("gpu:0", "no GPU backend"),
+            ("cuda:x", "'x' is not a device number"),
             ("tpu:0", "unknown device"),
         ] {
             let e = format!("{:#}", bad.parse::<DeviceId>().unwrap_err());
             assert!(e.contains("--device") && e.contains(says), "{bad}: {e}");
         }
         // The whole value is quoted, not only its kind.
-        let e = format!("{:#}", "cuda:1".parse::<DeviceId>().unwrap_err());
-        assert!(e.contains("--device cuda:1"), "{e}");
+        let e = format!("{:#}", "tpu:1".parse::<DeviceId>().unwrap_err());
+        assert!(e.contains("--device tpu:1"), "{e}");
+        // GPUs are numbered: any number parses (the machine is asked when the device opens).
+        let second: DeviceId = "cuda:1".parse().unwrap();
+        assert_eq!((second.kind, second.index), (DeviceKind::Cuda, 1));
+        assert_eq!(second.to_string(), "cuda:1");
+        assert_eq!("gpu:0".parse::<DeviceId>().unwrap().to_string(), "cuda");
+    }
+
+    /// Every kind plans without opening its device: a GPU's plan is made on any machine.
+    #[test]
+    fn every_kind_has_a_sizing_without_a_device() {
+        use crate::ir::Tier;
+        assert_eq!(DeviceKind::Cpu.sizing().tiers()[0], Tier::Host);
+        assert_eq!(DeviceKind::Cuda.sizing().tiers()[0], Tier::Device);
     }
 
     #[test]

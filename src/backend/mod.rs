@@ -1,7 +1,8 @@
 //! Backends compute; they do not decide. A backend never chooses placement or lifetime and
 //! never allocates during a step: the plan says which buffers exist, where and when, and the
 //! backend allocates each packed tier once ([`Backend::start`]) and runs the schedule's ops
-//! on views of it. `cpu` is the only backend today.
+//! on views of it. `cpu` runs everything; `cuda` plans anywhere and, with its feature, is
+//! being built to run the same plans on a GPU.
 //!
 //! The seam has two sides:
 //! - [`Sizing`], what the planner asks: the workspace the backend's
@@ -25,9 +26,23 @@
 
 mod choice;
 pub mod cpu;
+pub mod cuda;
 pub mod host;
 
 pub use choice::{DeviceId, DeviceKind, under_test};
+
+/// A device that cannot be used here: a backend this build lacks, a GPU or driver this
+/// machine lacks. The CLI exits with status 2 for it (a usage error, not a failed run).
+#[derive(Debug)]
+pub struct Unavailable(pub String);
+
+impl std::fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unavailable {}
 
 use crate::dist::Comms;
 use crate::dtype::{DType, Elem};

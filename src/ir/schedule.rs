@@ -543,6 +543,10 @@ pub struct ImplicitBufs {
     /// every parameter when they stay in RAM, or one per parameter group on the offload tier
     /// (`--offload optimizer`; each group's `AdamW` then reads host staging copies).
     pub optim: Option<Vec<OptimBufs>>,
+    /// The backend's own scratch in its compute tier, for the whole step
+    /// ([`super::Sizing::scratch_bytes`]: a GPU's cuBLASLt workspace, weight tile and
+    /// reduction partials); `None` where the backend keeps none (the CPU).
+    pub scratch: Option<BufId>,
 }
 
 /// The ordered ops of one step, the buffers they use implicitly, and the buffers the host

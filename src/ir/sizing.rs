@@ -23,9 +23,17 @@ pub trait Sizing {
     /// f32 elements of the tile a GEMM on a quantized weight with rows of `cols` values
     /// decodes into (a LoRA plan's quantized base).
     fn quantized_gemm_workspace_elems(&self, cols: usize) -> usize;
-    /// Bytes the backend's libraries allocate for themselves, once, to run `ops` on `threads`
-    /// workers (listed in the plan as an owned buffer: counted, not packed).
-    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64;
+    /// Bytes the backend and its libraries allocate for themselves, once, to run `ops` with
+    /// activations stored as `storage` on `threads` workers (listed in the plan as an owned
+    /// buffer: counted in the compute tier, not packed).
+    fn library_scratch_bytes(&self, ops: &[OpEntry], storage: DType, threads: usize) -> u64;
+    /// Bytes of scratch the backend keeps in its compute tier for the whole step to run `ops`
+    /// with activations stored as `storage` (a GPU's: cuBLASLt's workspace, the weight tile,
+    /// the partial sums of its deterministic reductions): a persistent plan buffer
+    /// ([`super::schedule::ImplicitBufs::scratch`]), packed like any other; 0 for none.
+    fn scratch_bytes(&self, _ops: &[OpEntry], _storage: DType) -> u64 {
+        0
+    }
     /// One line on how matmuls with operands stored as `storage` are computed, for `plan`
     /// and `bench` (e.g. which bf16 path this machine takes); `None` when there is nothing to say.
     fn compute_note(&self, storage: DType) -> Option<String>;
@@ -33,5 +41,11 @@ pub trait Sizing {
     /// transfer moves a buffer between two adjacent ones. The CPU's: RAM, then the disk.
     fn tiers(&self) -> &'static [Tier] {
         &[Tier::Host, Tier::Nvme]
+    }
+    /// Bytes of the compute tier the backend holds outside any plan (a GPU's context), the
+    /// baseline its peak adds to the plan's; `None` where the baseline is the process's
+    /// resident memory, measured when the run plans (the CPU).
+    fn baseline_bytes(&self) -> Option<u64> {
+        None
     }
 }

@@ -214,6 +214,7 @@ pub(super) fn build(
         gemm_ws,
         grads: Some(grads),
         optim: Some(optim),
+        scratch: None,
     };
     let mut plan = finish(&r, (layout, lora), g, implicit, io)?;
     plan.cuts = split.map(|s| s.cuts).unwrap_or_default();
@@ -271,6 +272,20 @@ impl<'a> Request<'a> {
             Mode::Train => cfg.offload.set,
             Mode::Generate => OffloadSet::NONE,
         };
+        if offload != OffloadSet::NONE && !backend.tiers().contains(&Tier::Nvme) {
+            bail!(
+                "--offload {}: this device plans no slower tier to offload to (its tiers: {}); \
+                 host RAM and disk beneath a GPU are not there yet ([gpu-offload]); give \
+                 --offload none, or --device cpu",
+                offload,
+                backend
+                    .tiers()
+                    .iter()
+                    .map(|t| t.describe())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         Ok(Request {
             spec,
             cfg,
@@ -319,6 +334,7 @@ fn generation(r: &Request) -> Result<Plan> {
         gemm_ws,
         grads: None,
         optim: None,
+        scratch: None,
     };
     finish(r, (layout, None), g, p, io)
 }
@@ -898,10 +914,21 @@ fn finish(
     r: &Request,
     (layout, lora): (ParamLayout, Option<LoraPlan>),
     mut g: Builder,
-    implicit: ImplicitBufs,
+    mut implicit: ImplicitBufs,
     io: Io,
 ) -> Result<Plan> {
     owned_buffers(&mut g, r);
+    let scratch = r
+        .backend
+        .scratch_bytes(&g.ops, r.cfg.precision.storage());
+    implicit.scratch = (scratch > 0).then(|| {
+        g.persistent(
+            "backend.scratch",
+            Category::Workspace,
+            DType::U8,
+            scratch as usize,
+        )
+    });
     lifetimes(&mut g)?;
     let packed = pack(&mut g, r.backend.tiers(), r.verify)?;
     let plan = Plan {
@@ -947,7 +974,10 @@ fn owned_buffers(g: &mut Builder, r: &Request) {
         );
         g.buffers[id.0].placement = Placement::OWNED;
     }
-    let scratch = r.backend.library_scratch_bytes(&g.ops, cfg.threads);
+    let scratch = r.backend.library_scratch_bytes(&g.ops, cfg.precision.storage(), cfg.threads);
+    if scratch == 0 {
+        return;
+    }
     let id = g.persistent(
         "gemm.packing",
         Category::Workspace,
@@ -1024,6 +1054,15 @@ fn check_transfers(ops: &[OpEntry], buffers: &[Buffer], tiers: &[Tier]) -> Resul
 /// compute tier's peak and the bytes outside the tiers.
 fn pack(g: &mut Builder, tiers: &[Tier], verify: Verify) -> Result<Packed> {
     let n_ops = g.ops.len();
+    // The passes place compute buffers in the host arena (`Placement::HOST`), the CPU's
+    // compute tier; a backend that computes elsewhere (a GPU's memory) gets them there.
+    if tiers[0] != Tier::Host {
+        for b in g.buffers.iter_mut() {
+            if b.placement.tier == Tier::Host {
+                b.placement.tier = tiers[0];
+            }
+        }
+    }
     if let Some(b) = g
         .buffers
         .iter()

@@ -420,7 +420,7 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
         .iter()
         .filter(|b| {
             b.persistent
-                && b.placement.tier == crate::ir::Tier::Host
+                && b.placement.tier == one.compute_tier()
                 && b.category != crate::ir::Category::IoStaging
         })
         .map(|b| b.bytes)

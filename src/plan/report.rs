@@ -54,10 +54,14 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             r.ranks, r.zero
         );
     }
+    // The compute tier's name, as the figures below are its: RAM on the CPU.
+    let compute = plan.compute_tier();
+    let on_gpu = compute == crate::ir::Tier::Device;
+    let own_label = if on_gpu { "own GPU peak" } else { "own RAM peak" };
     let _ = writeln!(
         s,
         "\n  {:<18} {:>8} {:>14} {:>14} {:>14}",
-        "category", "buffers", "sum of bytes", "own RAM peak", "live at peak"
+        "category", "buffers", "sum of bytes", own_label, "live at peak"
     );
     let at_peak = plan.live_by_category(plan.peak_op);
     let own_peak = plan.peak_by_category();
@@ -91,8 +95,9 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     );
     let _ = writeln!(
         s,
-        "  own RAM peak: the most of that category in RAM at any one op.\n  \
+        "  {own_label}: the most of that category in {} at any one op.\n  \
          live at peak: what it holds at the op where the whole plan peaks ({}).",
+        compute.describe(),
         plan.schedule.ops[plan.peak_op].name
     );
     let _ = writeln!(
@@ -105,9 +110,10 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     for b in plan.buffers.iter().filter(|b| b.is_owned()) {
         let _ = writeln!(
             s,
-            "  + outside the arena: {:<15} {:>12}",
+            "  + outside the arena: {:<15} {:>12}{}",
             b.name,
-            fmt_bytes(b.bytes)
+            fmt_bytes(b.bytes),
+            if on_gpu { "   (host RAM)" } else { "" }
         );
     }
     let _ = writeln!(
@@ -117,7 +123,12 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     );
     let _ = writeln!(
         s,
-        "  process baseline (measured) {:>12}",
+        "  {:<27} {:>12}",
+        if on_gpu {
+            "CUDA context (estimated)"
+        } else {
+            "process baseline (measured)"
+        },
         fmt_bytes(baseline)
     );
     let _ = writeln!(
@@ -129,7 +140,12 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     );
     let _ = writeln!(
         s,
-        "  predicted peak RSS          {:>12}",
+        "  {:<27} {:>12}",
+        if on_gpu {
+            "predicted device peak"
+        } else {
+            "predicted peak RSS"
+        },
         fmt_bytes(plan.predicted_peak(baseline))
     );
     if plan.nvme_bytes() > 0 {

@@ -67,15 +67,20 @@ impl TierUse {
 }
 
 impl Plan {
-    /// The most tier `t` holds while the plan runs. RAM holds the process: its packed arena,
-    /// the owned buffers, the measured `baseline` and the [`Plan::runtime_reserve`] (so, on
-    /// the CPU, the predicted peak RSS); another tier holds what the plan packs there.
+    /// The most tier `t` holds while the plan runs: what the plan packs there; RAM also holds
+    /// the owned buffers; the compute tier (the CPU's RAM, a GPU's memory) also holds the
+    /// `baseline` (the CPU's: the process, measured; a GPU's: its context,
+    /// [`crate::ir::Sizing::baseline_bytes`]) and the [`Plan::runtime_reserve`]. So, on the
+    /// CPU, RAM's peak is the predicted peak RSS.
     pub fn tier_peak(&self, t: Tier, baseline: u64) -> u64 {
-        let packed = self.tier_bytes(t);
-        match t {
-            Tier::Host => packed + self.external_bytes + baseline + self.runtime_reserve(),
-            _ => packed,
+        let mut peak = self.tier_bytes(t);
+        if t == Tier::Host {
+            peak += self.external_bytes;
         }
+        if t == self.compute_tier() {
+            peak += baseline + self.runtime_reserve();
+        }
+        peak
     }
 
     /// Each tier the plan packs, in the backend's order, with its peak and budget.

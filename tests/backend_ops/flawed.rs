@@ -32,14 +32,17 @@ impl Sizing for Flawed {
     fn quantized_gemm_workspace_elems(&self, cols: usize) -> usize {
         under_test().quantized_gemm_workspace_elems(cols)
     }
-    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64 {
-        under_test().library_scratch_bytes(ops, threads)
+    fn library_scratch_bytes(&self, ops: &[OpEntry], storage: DType, threads: usize) -> u64 {
+        under_test().library_scratch_bytes(ops, storage, threads)
     }
     fn compute_note(&self, storage: DType) -> Option<String> {
         under_test().compute_note(storage)
     }
     fn tiers(&self) -> &'static [memwall::ir::Tier] {
         under_test().tiers()
+    }
+    fn baseline_bytes(&self) -> Option<u64> {
+        under_test().baseline_bytes()
     }
 }
 

@@ -195,12 +195,29 @@ impl Rig {
             let elems = backend.mixed_gemm_workspace_elems();
             self.buf("gemm.mixed_tiles", DType::F32, elems.max(1))
         });
+        // The backend's own scratch, as the planner declares it.
+        let scratch = backend.scratch_bytes(&self.ops, precision.storage());
+        let scratch = (scratch > 0).then(|| self.buf("backend.scratch", DType::U8, scratch as usize));
         let n_ops = self.ops.len();
         for b in &mut self.buffers {
             b.last_op = n_ops.saturating_sub(1);
         }
-        let arena_bytes = packing::pack(&mut self.buffers, Tier::Host);
-        let nvme_bytes = packing::pack(&mut self.buffers, Tier::Nvme);
+        // Buffers declared in the host arena go to the backend's compute tier (a GPU's memory),
+        // as the planner places them; the disk tier's stay there.
+        let tiers = backend.tiers();
+        for b in &mut self.buffers {
+            if b.placement.tier == Tier::Host {
+                b.placement.tier = tiers[0];
+            }
+        }
+        let tier_sizes: Vec<TierSize> = tiers
+            .iter()
+            .map(|&tier| TierSize {
+                tier,
+                bytes: packing::pack(&mut self.buffers, tier),
+            })
+            .collect();
+        let arena_bytes = tier_sizes[0].bytes;
         packing::verify(&self.buffers).expect("a rig's buffers are packed apart");
         let spec = ModelSpec::preset("gpt2-tiny").expect("a preset");
         let mut cfg = StepConfig::new(B, T, THREADS);
@@ -224,6 +241,7 @@ impl Rig {
             gemm_ws,
             grads: Some(segments(self.grads)),
             optim: None,
+            scratch,
         };
         let plan = Plan {
             layout: ParamLayout::new(&spec),
@@ -245,16 +263,7 @@ impl Rig {
             peak_live_bytes: arena_bytes,
             peak_op: 0,
             external_bytes: 0,
-            tiers: vec![
-                TierSize {
-                    tier: Tier::Host,
-                    bytes: arena_bytes,
-                },
-                TierSize {
-                    tier: Tier::Nvme,
-                    bytes: nvme_bytes,
-                },
-            ],
+            tiers: tier_sizes,
             cuts,
         };
         let dev = backend

@@ -54,7 +54,7 @@ impl Sizing for Cpu {
     /// of T × hs, far smaller), plus one L2-sized slab per thread (main thread included). The
     /// L2 size is read from sysfs as `gemm` does. Where the f32 GEMM is memwall's own AVX2
     /// kernel, each thread also keeps its packing buffers ([`own_pack_bytes_per_thread`]).
-    fn library_scratch_bytes(&self, ops: &[OpEntry], threads: usize) -> u64 {
+    fn library_scratch_bytes(&self, ops: &[OpEntry], _storage: DType, threads: usize) -> u64 {
         let panel = ops
             .iter()
             .map(|e| gemm_panel_bytes(&e.op))

@@ -2,7 +2,7 @@
 //! `--global-batch` make them, or as the `--fit` search chooses them.
 
 use super::request::{DEFAULT_SEQ, StepRequest, StrategyRequest};
-use crate::backend::Backend;
+use crate::ir::Sizing;
 use crate::ir::{OptimState, Precision, RecomputeChoice};
 use crate::model::ModelSpec;
 use crate::plan::fit::{self, Strategies};
@@ -169,11 +169,19 @@ pub fn resolve_step(
     frozen: &Frozen,
 ) -> Result<Resolved> {
     let st = &step.strategy;
-    let backend = step.device.open()?;
+    let backend = step.device.sizing();
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {
         bail!(
             "--lora-dropout needs --lora R (or, in `train`, --init-adapter DIR: the adapter then \
              continues with that dropout)"
+        );
+    }
+    if step.fit && step.device.kind == crate::backend::DeviceKind::Cuda {
+        bail!(
+            "--fit --device {}: --fit ranks choices by the time model, which is the CPU's until \
+             `memwall calibrate --device cuda` exists; give the strategies (or --batch auto \
+             with --max-memory, which needs no time model)",
+            step.device
         );
     }
     if step.fit && (ranks > 1 || st.zero.is_some()) {
@@ -299,8 +307,11 @@ pub fn fit_measured(
     space: &search::Space,
     budget: u64,
     cal: &Calibration,
-    backend: &dyn Backend,
+    backend: &(dyn Sizing + Sync),
 ) -> Result<(search::Fitted, u64)> {
+    if let Some(fixed) = backend.baseline_bytes() {
+        return Ok((search::fit(spec, space, budget, fixed, cal, backend)?, fixed));
+    }
     let mut baseline = rss::current_rss().unwrap_or(0);
     for _ in 0..3 {
         let f = search::fit(spec, space, budget, baseline, cal, backend)?;

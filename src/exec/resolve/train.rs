@@ -439,7 +439,7 @@ fn fit_run(
         if space.offload_dir.is_none() {
             space.offload_dir = Some(o.out.join(crate::run_dir::OFFLOAD_DIR));
         }
-        let (f, baseline) = fit_measured(spec, &space, budget, &cal, o.device.open()?)?;
+        let (f, baseline) = fit_measured(spec, &space, budget, &cal, o.device.sizing())?;
         Ok((f, baseline, cal))
     })?;
     for line in f.found.table(budget).lines() {

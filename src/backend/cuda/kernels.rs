@@ -1,0 +1,83 @@
+//! The CUDA C sources of the backend's kernels, compiled by NVRTC (each after the prelude
+//! [`PRELUDE`], `kernels/common.cuh`), and the entries each declares. A source's entries are
+//! the `extern "C" __global__` functions the host launches: plain ones, and template kernels
+//! instantiated for each storage type (`name_f32`, `name_bf16`, `name_f16`, by the prelude's
+//! `MW_STORAGE_ENTRIES`). Pure data: every build has it, so CI compiles every source
+//! (`tests/cuda_kernels.rs`) on machines without a GPU.
+
+/// The prelude compiled before every source: storage types, conversions, reductions.
+pub const PRELUDE: &str = include_str!("kernels/common.cuh");
+
+/// The suffixes of the storage types a template kernel is instantiated for, in the order of
+/// `MW_STORAGE_ENTRIES`.
+pub const STORAGE_SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
+
+/// One kernel source.
+#[derive(Clone, Copy, Debug)]
+pub struct Source {
+    /// Its file name under `src/backend/cuda/kernels/` (NVRTC's name for it in messages).
+    pub name: &'static str,
+    /// The CUDA C text (without the prelude).
+    pub text: &'static str,
+    /// Entries instantiated for every storage type (`stem_f32`, `stem_bf16`, `stem_f16`).
+    pub per_storage: &'static [&'static str],
+    /// Entries with no storage type.
+    pub plain: &'static [&'static str],
+}
+
+impl Source {
+    /// What NVRTC compiles: the prelude, then the source numbered from its own line 1 (so
+    /// NVRTC's messages name the file and its line).
+    pub fn full_text(&self) -> String {
+        format!("{PRELUDE}\n#line 1 \"{}\"\n{}", self.name, self.text)
+    }
+
+    /// Every entry the source declares.
+    pub fn entries(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.plain.iter().map(|s| s.to_string()).collect();
+        for stem in self.per_storage {
+            out.extend(STORAGE_SUFFIXES.iter().map(|s| format!("{stem}_{s}")));
+        }
+        out
+    }
+}
+
+/// Every source the backend compiles.
+pub const SOURCES: &[Source] = &[];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `.cu` file in the kernels folder is listed, and every listed entry is declared in
+    /// its text (as an `extern "C"` function or a stem the storage macro instantiates).
+    #[test]
+    fn every_source_is_listed_with_its_entries() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda/kernels");
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".cu"))
+            .collect();
+        files.sort();
+        let mut listed: Vec<String> = SOURCES.iter().map(|s| s.name.to_string()).collect();
+        listed.sort();
+        assert_eq!(files, listed, "kernels/*.cu and SOURCES differ");
+        for s in SOURCES {
+            for p in s.plain {
+                assert!(
+                    s.text.contains(&format!("void {p}(")),
+                    "{}: no entry {p}",
+                    s.name
+                );
+            }
+            for stem in s.per_storage {
+                assert!(
+                    s.text.contains(&format!("void {stem}_##S(")),
+                    "{}: no storage entry {stem}_##S",
+                    s.name
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! What the planner asks of the CUDA backend ([`CudaSizing`]), answered without a GPU: the
+//! plan for `--device cuda` is made on any machine, by any build.
+//!
+//! The GPU's one tier is its memory ([`Tier::Device`]): every plan buffer is packed there,
+//! the backend's own scratch among them ([`Scratch`], the plan's persistent
+//! `backend.scratch`, sized from the ops): cuBLASLt's workspace, the weight tile a GEMM reads in the storage type (an f32
+//! master weight converted, or a quantized base's blocks decoded), the partial sums of the
+//! deterministic reductions, and attention's backward row statistics. The kernels' plan
+//! workspaces (`attention_workspace_elems` and the two GEMM tiles) are therefore empty on
+//! the GPU. The CUDA context's own device memory is the baseline ([`CONTEXT_BYTES`]).
+
+use crate::dtype::DType;
+use crate::ir::schedule::{Op, OpEntry};
+use crate::ir::{Sizing, Tier};
+
+/// The planner's view of a CUDA GPU.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CudaSizing;
+
+/// cuBLASLt's workspace (llm.c's 32 MiB: enough for its split-K and stream-K algorithms on
+/// Hopper).
+pub const CUBLASLT_WORKSPACE_BYTES: u64 = 32 << 20;
+
+/// Device memory the CUDA context, cuBLASLt's handle and the loaded kernels hold outside the
+/// plan: the baseline of a GPU's peak, as the process's resident memory is the CPU's. An
+/// estimate (H100, driver 580: a context holds about 0.5 GiB) until `scripts/gpu-check.sh`
+/// measures it on the card.
+pub const CONTEXT_BYTES: u64 = 512 << 20;
+
+/// Blocks a column reduction over rows (a norm's weight gradient, a bias gradient) is cut
+/// into: each writes one f32 partial row, summed in block order by a second kernel.
+pub const REDUCE_BLOCKS: u64 = 256;
+
+/// Blocks the gradient norm's sum of squares is cut into (one f64 partial each).
+pub const NORM_BLOCKS: u64 = 1024;
+
+/// The backend's own device scratch for a schedule, region by region (bytes; each region
+/// starts at a 256-byte boundary of the one allocation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scratch {
+    /// cuBLASLt's workspace.
+    pub cublaslt: u64,
+    /// The largest weight a GEMM reads, in the type the GEMM reads it: the storage type's
+    /// copy of an f32 master weight under mixed precision, or a quantized base's weight
+    /// decoded (to the storage type, f32 in fp32 plans). Empty for an fp32 plan with no
+    /// quantized base (its GEMMs read the f32 weights where they are).
+    pub weight_tile: u64,
+    /// f32 partial rows of the column reductions over rows: [`REDUCE_BLOCKS`] × the widest
+    /// reduced row × 2 (a LayerNorm's weight and bias).
+    pub partials: u64,
+    /// f64 partials of the gradient norm ([`NORM_BLOCKS`]).
+    pub norm_partials: u64,
+    /// Attention's backward: `D = rowsum(dout ⊙ out)` `[B, NH, T]` f32 of the largest.
+    pub attention_rows: u64,
+}
+
+fn align(b: u64) -> u64 {
+    b.div_ceil(256) * 256
+}
+
+impl Scratch {
+    /// The scratch `ops` need, activations stored as `storage`.
+    pub fn for_ops(ops: &[OpEntry], storage: DType) -> Scratch {
+        let mut s = Scratch {
+            cublaslt: CUBLASLT_WORKSPACE_BYTES,
+            ..Scratch::default()
+        };
+        let tile_elem = storage.size().unwrap_or(4) as u64;
+        for e in ops {
+            // A GEMM's weight, when the GEMM cannot read it where it is.
+            let weight = match &e.op {
+                Op::Matmul { ic, oc, .. } | Op::MatmulBackward { ic, oc, .. } => ic * oc,
+                Op::LmHeadLoss { c, v, .. } | Op::LmHeadLast { c, v, .. } => c * v,
+                _ => 0,
+            } as u64;
+            if storage != DType::F32 || e.frozen {
+                s.weight_tile = s.weight_tile.max(weight * tile_elem);
+            }
+            let reduced = match &e.op {
+                Op::LayerNormBackward { c, .. } | Op::RmsNormBackward { c, .. } => *c,
+                Op::MatmulBackward { oc, b: Some(_), .. } => *oc,
+                _ => 0,
+            } as u64;
+            s.partials = s.partials.max(REDUCE_BLOCKS * reduced * 2 * 4);
+            if let Op::GradNorm { .. } = e.op {
+                s.norm_partials = NORM_BLOCKS * 8;
+            }
+            if let Op::AttentionBackward { rows, nh, .. } = &e.op {
+                s.attention_rows = s.attention_rows.max((rows.n() * nh * 4) as u64);
+            }
+        }
+        s
+    }
+
+    /// Byte offsets of the regions, in field order, and the total.
+    pub fn offsets(&self) -> ([u64; 5], u64) {
+        let sizes = [
+            self.cublaslt,
+            self.weight_tile,
+            self.partials,
+            self.norm_partials,
+            self.attention_rows,
+        ];
+        let mut at = 0;
+        let mut offsets = [0; 5];
+        for (o, size) in offsets.iter_mut().zip(sizes) {
+            *o = at;
+            at += align(size);
+        }
+        (offsets, at)
+    }
+
+    /// Bytes of the one scratch allocation.
+    pub fn total(&self) -> u64 {
+        self.offsets().1
+    }
+}
+
+impl Sizing for CudaSizing {
+    /// Attention keeps no plan workspace on the GPU: the forward's tiles are in shared
+    /// memory, the backward's row statistics in the backend's scratch ([`Scratch`]).
+    fn attention_workspace_elems(
+        &self,
+        _storage: DType,
+        _t: usize,
+        _hs: usize,
+        _threads: usize,
+    ) -> usize {
+        0
+    }
+
+    /// The storage-type weight tile is in the backend's scratch ([`Scratch::weight_tile`]).
+    fn mixed_gemm_workspace_elems(&self) -> usize {
+        0
+    }
+
+    /// A quantized base's weight is decoded into the backend's scratch
+    /// ([`Scratch::weight_tile`]).
+    fn quantized_gemm_workspace_elems(&self, _cols: usize) -> usize {
+        0
+    }
+
+    /// cuBLASLt and the kernels allocate nothing for themselves: their scratch is a plan
+    /// buffer ([`Sizing::scratch_bytes`]).
+    fn library_scratch_bytes(&self, _ops: &[OpEntry], _storage: DType, _threads: usize) -> u64 {
+        0
+    }
+
+    fn scratch_bytes(&self, ops: &[OpEntry], storage: DType) -> u64 {
+        Scratch::for_ops(ops, storage).total()
+    }
+
+    fn compute_note(&self, storage: DType) -> Option<String> {
+        Some(match storage {
+            DType::F32 => "GEMMs on cuBLASLt in f32 (TF32 off)".to_string(),
+            s => format!("GEMMs on cuBLASLt with {s:?} inputs and f32 accumulation"),
+        })
+    }
+
+    fn tiers(&self) -> &'static [Tier] {
+        &[Tier::Device]
+    }
+
+    fn baseline_bytes(&self) -> Option<u64> {
+        Some(CONTEXT_BYTES)
+    }
+}
