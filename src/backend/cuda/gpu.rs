@@ -1,0 +1,325 @@
+//! The opened GPU ([`Gpu`], the backend for `--device cuda:N`) and a plan started on it
+//! ([`GpuDevice`]). Opening probes the driver before cudarc touches it, so a machine without
+//! a driver or a GPU gets an error naming the device (exit 2), never a panic. Starting
+//! allocates each tier the plan packs once (the GPU's memory: one `cuMemAlloc`, zeroed, the
+//! plan's buffers views of it at their offsets) and loads every kernel source, compiled by
+//! NVRTC for the card (cached on disk). One stream runs the ops in schedule order; the host
+//! reads and writes plan buffers only through `download` and `upload`, after the stream's
+//! work.
+//!
+//! What runs today: the fill family (`Zero`). Every other op kind is refused by name when its
+//! op is reached; the kernels are being written (`kernels/*.cu`) and are wired here family
+//! by family.
+
+use super::kernels::SOURCES;
+use super::nvrtc::{self, Arch};
+use super::sizing::CudaSizing;
+use crate::backend::{Backend, Device, DeviceId, DeviceKind, Peak, StepCtx, Unavailable};
+use crate::dist::Comms;
+use crate::dtype::DType;
+use crate::ir::schedule::{Op, OpEntry};
+use crate::ir::{BufId, Program, Sizing, Tier};
+use anyhow::{Result, anyhow, bail};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result as dr, sys as ds};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// One GPU, opened: its context and what the planner and reports want to know of it.
+pub struct Gpu {
+    id: DeviceId,
+    ctx: Arc<CudaContext>,
+    name: String,
+    arch: Arch,
+    total_bytes: u64,
+}
+
+/// The GPUs this process opened, each once.
+static OPENED: Mutex<Vec<&'static Gpu>> = Mutex::new(Vec::new());
+
+/// Opens GPU `index` once per process (later calls get the same one).
+pub fn open(index: usize) -> Result<&'static dyn Backend> {
+    let mut opened = OPENED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(g) = opened.iter().find(|g| g.id.index == index) {
+        return Ok(*g);
+    }
+    let gpu: &'static Gpu = Box::leak(Box::new(Gpu::open(index)?));
+    opened.push(gpu);
+    Ok(gpu)
+}
+
+impl Gpu {
+    fn open(index: usize) -> Result<Gpu> {
+        let id = DeviceId {
+            kind: DeviceKind::Cuda,
+            index,
+        };
+        let unavailable = |why: String| anyhow!(Unavailable(format!("--device {id}: {why}")));
+        // SAFETY: only loads the library (dlopen) and drops it.
+        if !unsafe { ds::is_culib_present() } {
+            return Err(unavailable(
+                "no NVIDIA driver on this machine (libcuda.so.1 could not be loaded); \
+                 `memwall plan --device cuda` needs none"
+                    .into(),
+            ));
+        }
+        dr::init().map_err(|e| unavailable(format!("the NVIDIA driver did not start ({e:?})")))?;
+        let count = CudaContext::device_count()
+            .map_err(|e| unavailable(format!("cannot count the GPUs ({e:?})")))?
+            .max(0) as usize;
+        if count == 0 {
+            return Err(unavailable("the driver sees no GPU on this machine".into()));
+        }
+        if index >= count {
+            return Err(unavailable(format!(
+                "this machine has {count} GPU{}: cuda:0{}",
+                if count == 1 { "" } else { "s" },
+                if count > 1 {
+                    format!(" to cuda:{}", count - 1)
+                } else {
+                    String::new()
+                }
+            )));
+        }
+        let ctx = CudaContext::new(index)
+            .map_err(|e| unavailable(format!("cannot create a CUDA context ({e:?})")))?;
+        // The plan orders every access to its buffers: no event per allocation.
+        // SAFETY: called before any allocation or stream of this context.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().unwrap_or_else(|_| "an NVIDIA GPU".into());
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| unavailable(format!("cannot read its compute capability ({e:?})")))?;
+        let total_bytes = ctx.total_mem().map(|b| b as u64).unwrap_or(0);
+        Ok(Gpu {
+            id,
+            ctx,
+            name,
+            arch: Arch {
+                major: major as u32,
+                minor: minor as u32,
+            },
+            total_bytes,
+        })
+    }
+}
+
+impl Sizing for Gpu {
+    fn attention_workspace_elems(&self, s: DType, t: usize, hs: usize, threads: usize) -> usize {
+        CudaSizing.attention_workspace_elems(s, t, hs, threads)
+    }
+    fn mixed_gemm_workspace_elems(&self) -> usize {
+        CudaSizing.mixed_gemm_workspace_elems()
+    }
+    fn quantized_gemm_workspace_elems(&self, cols: usize) -> usize {
+        CudaSizing.quantized_gemm_workspace_elems(cols)
+    }
+    fn library_scratch_bytes(&self, ops: &[OpEntry], storage: DType, threads: usize) -> u64 {
+        CudaSizing.library_scratch_bytes(ops, storage, threads)
+    }
+    fn scratch_bytes(&self, ops: &[OpEntry], storage: DType) -> u64 {
+        CudaSizing.scratch_bytes(ops, storage)
+    }
+    fn compute_note(&self, storage: DType) -> Option<String> {
+        CudaSizing
+            .compute_note(storage)
+            .map(|n| format!("{n} ({}, {})", self.name, self.arch))
+    }
+    fn tiers(&self) -> &'static [Tier] {
+        CudaSizing.tiers()
+    }
+    fn baseline_bytes(&self) -> Option<u64> {
+        CudaSizing.baseline_bytes()
+    }
+}
+
+impl Backend for Gpu {
+    fn start(&self, program: &Program, comms: Comms) -> Result<Box<dyn Device>> {
+        if comms.world.size() > 1 {
+            bail!(
+                "--device {}: ranks on GPUs need NCCL, which the CUDA backend does not have yet; \
+                 run one process",
+                self.id
+            );
+        }
+        Ok(Box::new(GpuDevice::new(self, program)?))
+    }
+
+    /// The GPU's ceiling is not measured yet (a cuBLASLt GEMM's rate will be).
+    fn measure_peak(&self) -> Option<Peak> {
+        None
+    }
+
+    fn bench_facts(&self, _storage: DType) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("gpu".into(), self.name.clone().into());
+        m.insert("gpu_arch".into(), self.arch.to_string().into());
+        m.insert("gpu_memory_bytes".into(), self.total_bytes.into());
+        m
+    }
+}
+
+/// A plan started on a GPU: its tiers' allocations, every buffer's device address, the
+/// loaded kernels and the stream the ops run on.
+pub struct GpuDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    /// One allocation per tier the plan packs (address, bytes), freed on drop.
+    tiers: Vec<(ds::CUdeviceptr, u64)>,
+    /// Each buffer's device address and bytes (`None`: not in device memory, an owned host
+    /// buffer).
+    bufs: Vec<Option<(ds::CUdeviceptr, u64)>>,
+    /// Every kernel entry of every source, by name.
+    functions: HashMap<String, CudaFunction>,
+}
+
+// SAFETY: the device's state is its context's (thread-safe in the driver), addresses (plain
+// integers) and loaded functions; ops run one at a time (`Device::run` takes `&self` but the
+// executor calls it from one thread), and the stream orders the work they launch.
+unsafe impl Send for GpuDevice {}
+unsafe impl Sync for GpuDevice {}
+
+impl GpuDevice {
+    fn new(gpu: &Gpu, program: &Program) -> Result<GpuDevice> {
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("--device {}: cannot use its context ({e:?})", gpu.id))?;
+        let stream = gpu.ctx.default_stream();
+        let mut device = GpuDevice {
+            ctx: gpu.ctx.clone(),
+            stream,
+            tiers: Vec::new(),
+            bufs: vec![None; program.buffers.len()],
+            functions: HashMap::new(),
+        };
+        let mut bases = HashMap::new();
+        for t in program.tiers {
+            if t.tier != Tier::Device {
+                bail!(
+                    "internal error: the CUDA backend plans device memory only, and this plan \
+                     packs {}",
+                    t.tier.describe()
+                );
+            }
+            let bytes = t.bytes.max(1);
+            // SAFETY: a fresh allocation of `bytes`, zeroed before any use and freed on drop.
+            let ptr = unsafe { dr::malloc_sync(bytes as usize) }.map_err(|e| {
+                anyhow!(
+                    "--device {}: cannot allocate the plan's {} of device memory ({e:?}); \
+                     `memwall plan --device cuda --max-memory <the card's free memory>` tells \
+                     what fits",
+                    gpu.id,
+                    crate::util::bytes::fmt_bytes(bytes)
+                )
+            })?;
+            device.tiers.push((ptr, bytes));
+            // SAFETY: `ptr` holds `bytes`.
+            unsafe { dr::memset_d8_sync(ptr, 0, bytes as usize) }
+                .map_err(|e| anyhow!("zeroing device memory: {e:?}"))?;
+            bases.insert(t.tier, ptr);
+        }
+        for (i, b) in program.buffers.iter().enumerate() {
+            if let Some(&base) = bases.get(&b.placement.tier) {
+                device.bufs[i] = Some((base + b.placement.offset, b.bytes));
+            }
+        }
+        for src in SOURCES {
+            let ptx = nvrtc::cached(src, gpu.arch)?;
+            let module = gpu
+                .ctx
+                .load_module(ptx)
+                .map_err(|e| anyhow!("loading CUDA kernels {} on {}: {e:?}", src.name, gpu.arch))?;
+            for name in src.entries() {
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| anyhow!("CUDA kernel {name} of {}: {e:?}", src.name))?;
+                device.functions.insert(name, f);
+            }
+        }
+        Ok(device)
+    }
+
+    /// The device address and bytes of plan buffer `id` (an internal error for one not in
+    /// device memory).
+    fn addr(&self, id: BufId) -> Result<(ds::CUdeviceptr, u64)> {
+        self.bufs[id.0].ok_or_else(|| {
+            anyhow!("internal error: buffer {} is not in device memory", id.0)
+        })
+    }
+}
+
+impl Device for GpuDevice {
+    fn run(&self, e: &OpEntry, _ctx: &StepCtx) -> Result<()> {
+        match &e.op {
+            Op::Zero { buf } => {
+                let (ptr, bytes) = self.addr(*buf)?;
+                // SAFETY: the buffer's bytes, on the stream that orders the ops.
+                unsafe { dr::memset_d8_async(ptr, 0, bytes as usize, self.stream.cu_stream()) }
+                    .map_err(|e| anyhow!("zeroing a buffer: {e:?}"))
+            }
+            op => bail!(
+                "{}: the CUDA backend does not run {:?} ops yet (issue #45: the kernels are \
+                 being wired family by family); use --device cpu",
+                e.name,
+                op.family()
+            ),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| anyhow!("waiting for the GPU: {e:?}"))
+    }
+
+    fn scope(&self, f: &mut (dyn FnMut() + Send)) {
+        // The context is current on the thread that started the device; ops issued from
+        // another thread make it current there first.
+        let _ = self.ctx.bind_to_thread();
+        f()
+    }
+
+    fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) -> Result<()> {
+        self.sync()?;
+        let mut host = Vec::with_capacity(bufs.len());
+        for &id in bufs {
+            let (ptr, bytes) = self.addr(id)?;
+            let mut v = vec![0u8; bytes as usize];
+            // SAFETY: `v` holds the buffer's bytes; the stream's work is done.
+            unsafe { dr::memcpy_dtoh_sync(&mut v, ptr) }
+                .map_err(|e| anyhow!("copying a buffer from the GPU: {e:?}"))?;
+            host.push(v);
+        }
+        let views: Vec<&[u8]> = host.iter().map(|v| v.as_slice()).collect();
+        f(&views);
+        Ok(())
+    }
+
+    fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()> {
+        self.sync()?;
+        let mut host: Vec<Vec<u8>> = bufs
+            .iter()
+            .map(|&id| self.addr(id).map(|(_, bytes)| vec![0u8; bytes as usize]))
+            .collect::<Result<_>>()?;
+        {
+            let mut views: Vec<&mut [u8]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
+            f(&mut views);
+        }
+        for (&id, v) in bufs.iter().zip(&host) {
+            let (ptr, _) = self.addr(id)?;
+            // SAFETY: the buffer holds `v.len()` bytes; the stream's work is done.
+            unsafe { dr::memcpy_htod_sync(ptr, v) }
+                .map_err(|e| anyhow!("copying a buffer to the GPU: {e:?}"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GpuDevice {
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+        for &(ptr, _) in &self.tiers {
+            // SAFETY: allocated by `malloc_sync` in `new`, the stream's work done.
+            let _ = unsafe { dr::free_sync(ptr) };
+        }
+    }
+}
