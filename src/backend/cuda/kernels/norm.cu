@@ -46,8 +46,9 @@
 // column's P partials in order, adds the sum to the stored gradient in f32 and rounds to T
 // once. The result depends on R: the host must choose R from the shape alone (suggested:
 // R = 64). Scratch: `partials` f32 [2, P, C] for layer norm (dw's, then db's), [P, C] for RMS
-// norm. The host skips the backward's kernels when N = 0 or C = 0 (the CPU then changes
-// nothing; norm_reduce_partials with P = 0 returns at once).
+// norm. The host skips every kernel here when N = 0 or C = 0 (the CPU then changes nothing;
+// norm_reduce_partials with P = 0 returns at once, but a forward with C = 0 would store NaN
+// statistics).
 
 // ---- Layer norm ----
 
