@@ -1,0 +1,481 @@
+// The normalisation family: layer norm and RMS norm, forward and backward.
+//
+//   Op::LayerNorm { inp, out, mean, rstd, w, b, rows, c, eps }
+//     ->  layernorm_forward_<S>(out, mean, rstd, inp, w, b, N, C, eps)
+//   Op::LayerNormBackward { dinp, dout, inp, mean, rstd, w, b, rows, c }
+//     ->  layernorm_backward_input_<S>(dinp, dout, inp, w, mean, rstd, N, C)
+//         and, unless the op is frozen (no parameter gradients):
+//         layernorm_backward_partials_<S>(partials, dout, inp, mean, rstd, N, C, R)
+//         norm_reduce_partials_<S>(dw, partials, P, C)
+//         norm_reduce_partials_<S>(db, partials + P·C, P, C)
+//   Op::RmsNorm { inp, out, rstd, w, rows, c, eps }
+//     ->  rmsnorm_forward_<S>(out, rstd, inp, w, N, C, eps)
+//   Op::RmsNormBackward { dinp, dout, inp, rstd, w, rows, c }
+//     ->  rmsnorm_backward_input_<S>(dinp, dout, inp, w, rstd, N, C)
+//         and, unless frozen:
+//         rmsnorm_backward_partials_<S>(partials, dout, inp, rstd, N, C, R)
+//         norm_reduce_partials_<S>(dw, partials, P, C)
+//   Naive twins (plain loops, one thread per row or per column; for tests):
+//     layernorm_forward_naive_<S>, layernorm_backward_input_naive_<S>,
+//     layernorm_backward_params_naive_<S> (dw, db += directly), rmsnorm_forward_naive_<S>,
+//     rmsnorm_backward_input_naive_<S>, rmsnorm_backward_params_naive_<S> (dw += directly).
+//
+// Dtypes (the CPU's `ops/norm.rs`, `backend/cpu/layernorm.rs`, `rmsnorm.rs`): inp, out, dout,
+// dinp and the parameter gradients dw, db are the storage type T (entries `_f32`, `_bf16`,
+// `_f16`); the weights w, b, the statistics mean, rstd [N] and the partials scratch are f32.
+// Weight and gradient pointers are offset to their ranges' first element.
+//
+// Mathematics, as the CPU (statistics in f32, the biased variance, two passes):
+//   layer norm: mean = Σx / C, var = Σ(x − mean)² / C, rstd = 1 / sqrt(var + eps),
+//     out = ((x − mean)·rstd)·w + b;
+//     backward, with norm = (x − mean)·rstd, g = w·dout:
+//     dinp += ((g − Σg/C) − norm·(Σ g·norm)/C)·rstd   (ACCUMULATES: the residual gradient),
+//     dw += Σ_rows norm·dout, db += Σ_rows dout        (ACCUMULATE, rounded to T once).
+//   RMS norm: rstd = 1 / sqrt(Σx² / C + eps), out = (x·rstd)·w;
+//     backward, with norm = x·rstd, g = w·dout:
+//     dinp += (g − norm·(Σ g·norm)/C)·rstd, dw += Σ_rows norm·dout.
+// Elementwise steps are rounded as the CPU rounds them (`__fmul_rn` etc., never an FMA), so
+// given the same statistics they are bitwise the CPU's; the sums differ from the CPU's only in
+// their order (a row: 32 lanes and a butterfly; the parameter gradients: rows in chunks of R,
+// then the chunks in order; both fixed).
+//
+// Determinism and launch shapes: a row is one warp's (32 lanes, each striding over the row by
+// 32, summed by `warp_sum`): no result depends on the block size or grid. The parameter
+// gradients: `*_backward_partials` sums the rows in chunks of R (rows r·R … r·R + R − 1 of
+// chunk r, in order) into P = ceil(N / R) partials per column; `norm_reduce_partials` sums a
+// column's P partials in order, adds the sum to the stored gradient in f32 and rounds to T
+// once. The result depends on R: the host must choose R from the shape alone (suggested:
+// R = 64). Scratch: `partials` f32 [2, P, C] for layer norm (dw's, then db's), [P, C] for RMS
+// norm. The host skips every kernel here when N = 0 or C = 0 (the CPU then changes nothing;
+// norm_reduce_partials with P = 0 returns at once, but a forward with C = 0 would store NaN
+// statistics).
+
+// ---- Layer norm ----
+
+// out, mean, rstd = layernorm(inp; w, b) (Op::LayerNorm): one warp per row.
+//   out   T [N, C];  mean, rstd  f32 [N] (written);  inp  T [N, C];  w, b  f32 [C]
+//   N, C  (int);  eps  f32
+// Launch: block = 32·W threads (a multiple of 32, e.g. 256), grid = ceil(N / W) (rows are
+// also grid-strided, so fewer blocks are correct). No shared memory, no scratch. Naive twin:
+// layernorm_forward_naive_<S>.
+template <typename T>
+__device__ void layernorm_forward(T* out, float* mean, float* rstd, const T* inp, const float* w,
+                                  const float* b, int N, int C, float eps) {
+    int lane = threadIdx.x & 31;
+    long long warps = blockDim.x >> 5;
+    for (long long row = blockIdx.x * warps + (threadIdx.x >> 5); row < N;
+         row += (long long)gridDim.x * warps) {
+        const T* x = inp + row * C;
+        float s = 0.0f;
+        for (int i = lane; i < C; i += 32) s += to_f32(x[i]);
+        float mu = warp_sum(s) / (float)C;
+        float v = 0.0f;
+        for (int i = lane; i < C; i += 32) {
+            float d = to_f32(x[i]) - mu;
+            v += d * d;
+        }
+        float var = warp_sum(v) / (float)C;
+        float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+        T* o = out + row * C;
+        for (int i = lane; i < C; i += 32) {
+            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
+            o[i] = from_f32<T>(__fadd_rn(__fmul_rn(n, w[i]), b[i]));
+        }
+        if (lane == 0) {
+            mean[row] = mu;
+            rstd[row] = rs;
+        }
+    }
+}
+
+// The naive twin of layernorm_forward: one thread per row, sums in channel order.
+//   Arguments as layernorm_forward.
+// Launch: grid-stride over rows, any shape: block = 256, grid = ceil(N / 256).
+template <typename T>
+__device__ void layernorm_forward_naive(T* out, float* mean, float* rstd, const T* inp,
+                                        const float* w, const float* b, int N, int C, float eps) {
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < N;
+         row += (long long)gridDim.x * blockDim.x) {
+        const T* x = inp + row * C;
+        float s = 0.0f;
+        for (int i = 0; i < C; i++) s = __fadd_rn(s, to_f32(x[i]));
+        float mu = s / (float)C;
+        float v = 0.0f;
+        for (int i = 0; i < C; i++) {
+            float d = __fsub_rn(to_f32(x[i]), mu);
+            v = __fadd_rn(v, __fmul_rn(d, d));
+        }
+        float var = v / (float)C;
+        float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+        T* o = out + row * C;
+        for (int i = 0; i < C; i++) {
+            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
+            o[i] = from_f32<T>(__fadd_rn(__fmul_rn(n, w[i]), b[i]));
+        }
+        mean[row] = mu;
+        rstd[row] = rs;
+    }
+}
+
+// dinp += layernorm_backward_input(dout) (Op::LayerNormBackward's input gradient; all of a
+// frozen layer norm's backward): one warp per row.
+//   dinp  T [N, C] +=;  dout, inp  T [N, C];  w  f32 [C];  mean, rstd  f32 [N]
+//   N, C  (int)
+// Launch: as layernorm_forward (block = 32·W, grid = ceil(N / W)). No shared memory, no
+// scratch. Naive twin: layernorm_backward_input_naive_<S>.
+template <typename T>
+__device__ void layernorm_backward_input(T* dinp, const T* dout, const T* inp, const float* w,
+                                         const float* mean, const float* rstd, int N, int C) {
+    int lane = threadIdx.x & 31;
+    long long warps = blockDim.x >> 5;
+    for (long long row = blockIdx.x * warps + (threadIdx.x >> 5); row < N;
+         row += (long long)gridDim.x * warps) {
+        const T* x = inp + row * C;
+        const T* dy = dout + row * C;
+        float mu = mean[row], rs = rstd[row];
+        float sg = 0.0f, sgn = 0.0f;
+        for (int i = lane; i < C; i += 32) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
+            sg += g;
+            sgn += g * n;
+        }
+        float mean_g = warp_sum(sg) / (float)C;
+        float mean_gn = warp_sum(sgn) / (float)C;
+        T* d = dinp + row * C;
+        for (int i = lane; i < C; i += 32) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
+            float v = __fmul_rn(__fsub_rn(__fsub_rn(g, mean_g), __fmul_rn(n, mean_gn)), rs);
+            d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
+        }
+    }
+}
+
+// The naive twin of layernorm_backward_input: one thread per row, sums in channel order.
+//   Arguments as layernorm_backward_input.
+// Launch: grid-stride over rows, any shape: block = 256, grid = ceil(N / 256).
+template <typename T>
+__device__ void layernorm_backward_input_naive(T* dinp, const T* dout, const T* inp,
+                                               const float* w, const float* mean,
+                                               const float* rstd, int N, int C) {
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < N;
+         row += (long long)gridDim.x * blockDim.x) {
+        const T* x = inp + row * C;
+        const T* dy = dout + row * C;
+        float mu = mean[row], rs = rstd[row];
+        float sg = 0.0f, sgn = 0.0f;
+        for (int i = 0; i < C; i++) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
+            sg = __fadd_rn(sg, g);
+            sgn = __fadd_rn(sgn, __fmul_rn(g, n));
+        }
+        float mean_g = sg / (float)C;
+        float mean_gn = sgn / (float)C;
+        T* d = dinp + row * C;
+        for (int i = 0; i < C; i++) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
+            float v = __fmul_rn(__fsub_rn(__fsub_rn(g, mean_g), __fmul_rn(n, mean_gn)), rs);
+            d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
+        }
+    }
+}
+
+// Per-chunk sums of layer norm's parameter gradients (Op::LayerNormBackward, not frozen):
+// for chunk p (rows p·R … min(N, p·R + R) − 1, in order) and column c,
+//   partials[p, c]        = Σ ((x − mean)·rstd)·dout     (dw's)
+//   partials[P + p, c]    = Σ dout                       (db's),   P = ceil(N / R).
+//   partials  f32 [2, P, C] scratch (written)
+//   dout, inp  T [N, C];  mean, rstd  f32 [N];  N, C, R (rows per chunk, >= 1)  (int)
+// One thread per (chunk, column). Launch (grid-stride both ways, any shape is correct):
+// block = 256 (columns), grid = (ceil(C / 256), min(P, 65535)). No shared memory.
+// Then norm_reduce_partials twice (dw, db). Naive twin (of the pair):
+// layernorm_backward_params_naive_<S>.
+template <typename T>
+__device__ void layernorm_backward_partials(float* partials, const T* dout, const T* inp,
+                                            const float* mean, const float* rstd, int N, int C,
+                                            int R) {
+    long long P = ((long long)N + R - 1) / R;
+    for (long long p = blockIdx.y; p < P; p += gridDim.y) {
+        long long r0 = p * R;
+        long long r1 = r0 + R < N ? r0 + R : N;
+        for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < C;
+             c += (long long)gridDim.x * blockDim.x) {
+            float aw = 0.0f, ab = 0.0f;
+            for (long long r = r0; r < r1; r++) {
+                float dy = to_f32(dout[r * C + c]);
+                float n = __fmul_rn(__fsub_rn(to_f32(inp[r * C + c]), mean[r]), rstd[r]);
+                aw = __fadd_rn(aw, __fmul_rn(n, dy));
+                ab = __fadd_rn(ab, dy);
+            }
+            partials[p * C + c] = aw;
+            partials[(P + p) * C + c] = ab;
+        }
+    }
+}
+
+// The naive twin of layernorm_backward_partials + norm_reduce_partials (dw and db): one
+// thread per column, all rows in order, added to the stored gradients and rounded once (the
+// CPU's own order).
+//   dw, db  T [C] +=;  dout, inp  T [N, C];  mean, rstd  f32 [N];  N, C  (int)
+// Launch: grid-stride over columns, any shape: block = 256, grid = ceil(C / 256). No scratch.
+template <typename T>
+__device__ void layernorm_backward_params_naive(T* dw, T* db, const T* dout, const T* inp,
+                                                const float* mean, const float* rstd, int N,
+                                                int C) {
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < C;
+         c += (long long)gridDim.x * blockDim.x) {
+        float aw = 0.0f, ab = 0.0f;
+        for (long long r = 0; r < N; r++) {
+            float dy = to_f32(dout[r * C + c]);
+            float n = __fmul_rn(__fsub_rn(to_f32(inp[r * C + c]), mean[r]), rstd[r]);
+            aw = __fadd_rn(aw, __fmul_rn(n, dy));
+            ab = __fadd_rn(ab, dy);
+        }
+        dw[c] = from_f32<T>(__fadd_rn(to_f32(dw[c]), aw));
+        db[c] = from_f32<T>(__fadd_rn(to_f32(db[c]), ab));
+    }
+}
+
+// ---- The parameter gradients' second pass (layer norm and RMS norm) ----
+
+// grad[c] = T(f32(grad[c]) + Σ_{p < P} partials[p, c]), the partials summed in index order
+// (the parameter gradient ACCUMULATES, rounded to T once).
+//   grad      T [C] +=
+//   partials  f32 [P, C] (from *_backward_partials; layer norm's db: its partials + P·C)
+//   P, C      (int; P = 0 leaves grad untouched)
+// One thread per column. Launch: grid-stride over columns, any shape: block = 256, grid =
+// ceil(C / 256). No shared memory.
+template <typename T>
+__device__ void norm_reduce_partials(T* grad, const float* partials, int P, int C) {
+    if (P <= 0) return;
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < C;
+         c += (long long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (long long p = 0; p < P; p++) s = __fadd_rn(s, partials[p * C + c]);
+        grad[c] = from_f32<T>(__fadd_rn(to_f32(grad[c]), s));
+    }
+}
+
+// ---- RMS norm ----
+
+// out, rstd = rmsnorm(inp; w) (Op::RmsNorm): one warp per row.
+//   out  T [N, C];  rstd  f32 [N] (written);  inp  T [N, C];  w  f32 [C];  N, C (int);  eps f32
+// Launch: as layernorm_forward (block = 32·W, grid = ceil(N / W)). No shared memory. Naive
+// twin: rmsnorm_forward_naive_<S>.
+template <typename T>
+__device__ void rmsnorm_forward(T* out, float* rstd, const T* inp, const float* w, int N, int C,
+                                float eps) {
+    int lane = threadIdx.x & 31;
+    long long warps = blockDim.x >> 5;
+    for (long long row = blockIdx.x * warps + (threadIdx.x >> 5); row < N;
+         row += (long long)gridDim.x * warps) {
+        const T* x = inp + row * C;
+        float s = 0.0f;
+        for (int i = lane; i < C; i += 32) {
+            float v = to_f32(x[i]);
+            s += v * v;
+        }
+        float ms = warp_sum(s) / (float)C;
+        float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+        T* o = out + row * C;
+        for (int i = lane; i < C; i += 32)
+            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), w[i]));
+        if (lane == 0) rstd[row] = rs;
+    }
+}
+
+// The naive twin of rmsnorm_forward: one thread per row, the sum in channel order.
+// Launch: grid-stride over rows, any shape: block = 256, grid = ceil(N / 256).
+template <typename T>
+__device__ void rmsnorm_forward_naive(T* out, float* rstd, const T* inp, const float* w, int N,
+                                      int C, float eps) {
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < N;
+         row += (long long)gridDim.x * blockDim.x) {
+        const T* x = inp + row * C;
+        float s = 0.0f;
+        for (int i = 0; i < C; i++) {
+            float v = to_f32(x[i]);
+            s = __fadd_rn(s, __fmul_rn(v, v));
+        }
+        float ms = s / (float)C;
+        float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+        T* o = out + row * C;
+        for (int i = 0; i < C; i++)
+            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), w[i]));
+        rstd[row] = rs;
+    }
+}
+
+// dinp += rmsnorm_backward_input(dout) (Op::RmsNormBackward's input gradient; all of a frozen
+// RMS norm's backward): one warp per row.
+//   dinp  T [N, C] +=;  dout, inp  T [N, C];  w  f32 [C];  rstd  f32 [N];  N, C  (int)
+// Launch: as layernorm_forward (block = 32·W, grid = ceil(N / W)). No shared memory. Naive
+// twin: rmsnorm_backward_input_naive_<S>.
+template <typename T>
+__device__ void rmsnorm_backward_input(T* dinp, const T* dout, const T* inp, const float* w,
+                                       const float* rstd, int N, int C) {
+    int lane = threadIdx.x & 31;
+    long long warps = blockDim.x >> 5;
+    for (long long row = blockIdx.x * warps + (threadIdx.x >> 5); row < N;
+         row += (long long)gridDim.x * warps) {
+        const T* x = inp + row * C;
+        const T* dy = dout + row * C;
+        float rs = rstd[row];
+        float sgn = 0.0f;
+        for (int i = lane; i < C; i += 32) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(to_f32(x[i]), rs);
+            sgn += g * n;
+        }
+        float mean_gn = warp_sum(sgn) / (float)C;
+        T* d = dinp + row * C;
+        for (int i = lane; i < C; i += 32) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(to_f32(x[i]), rs);
+            float v = __fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs);
+            d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
+        }
+    }
+}
+
+// The naive twin of rmsnorm_backward_input: one thread per row, the sum in channel order.
+// Launch: grid-stride over rows, any shape: block = 256, grid = ceil(N / 256).
+template <typename T>
+__device__ void rmsnorm_backward_input_naive(T* dinp, const T* dout, const T* inp,
+                                             const float* w, const float* rstd, int N, int C) {
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < N;
+         row += (long long)gridDim.x * blockDim.x) {
+        const T* x = inp + row * C;
+        const T* dy = dout + row * C;
+        float rs = rstd[row];
+        float sgn = 0.0f;
+        for (int i = 0; i < C; i++) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(to_f32(x[i]), rs);
+            sgn = __fadd_rn(sgn, __fmul_rn(g, n));
+        }
+        float mean_gn = sgn / (float)C;
+        T* d = dinp + row * C;
+        for (int i = 0; i < C; i++) {
+            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float n = __fmul_rn(to_f32(x[i]), rs);
+            float v = __fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs);
+            d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
+        }
+    }
+}
+
+// Per-chunk sums of RMS norm's weight gradient (Op::RmsNormBackward, not frozen): for chunk p
+// (rows p·R … min(N, p·R + R) − 1, in order) and column c,
+//   partials[p, c] = Σ (x·rstd)·dout,   P = ceil(N / R) chunks.
+//   partials  f32 [P, C] scratch (written)
+//   dout, inp  T [N, C];  rstd  f32 [N];  N, C, R (>= 1)  (int)
+// Launch: as layernorm_backward_partials: block = 256, grid = (ceil(C / 256), min(P, 65535)).
+// Then norm_reduce_partials(dw, partials, P, C). Naive twin (of the pair):
+// rmsnorm_backward_params_naive_<S>.
+template <typename T>
+__device__ void rmsnorm_backward_partials(float* partials, const T* dout, const T* inp,
+                                          const float* rstd, int N, int C, int R) {
+    long long P = ((long long)N + R - 1) / R;
+    for (long long p = blockIdx.y; p < P; p += gridDim.y) {
+        long long r0 = p * R;
+        long long r1 = r0 + R < N ? r0 + R : N;
+        for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < C;
+             c += (long long)gridDim.x * blockDim.x) {
+            float a = 0.0f;
+            for (long long r = r0; r < r1; r++) {
+                float n = __fmul_rn(to_f32(inp[r * C + c]), rstd[r]);
+                a = __fadd_rn(a, __fmul_rn(n, to_f32(dout[r * C + c])));
+            }
+            partials[p * C + c] = a;
+        }
+    }
+}
+
+// The naive twin of rmsnorm_backward_partials + norm_reduce_partials: one thread per column,
+// all rows in order, added to the stored gradient and rounded once (the CPU's own order).
+//   dw  T [C] +=;  dout, inp  T [N, C];  rstd  f32 [N];  N, C  (int)
+// Launch: grid-stride over columns, any shape: block = 256, grid = ceil(C / 256).
+template <typename T>
+__device__ void rmsnorm_backward_params_naive(T* dw, const T* dout, const T* inp,
+                                              const float* rstd, int N, int C) {
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < C;
+         c += (long long)gridDim.x * blockDim.x) {
+        float a = 0.0f;
+        for (long long r = 0; r < N; r++) {
+            float n = __fmul_rn(to_f32(inp[r * C + c]), rstd[r]);
+            a = __fadd_rn(a, __fmul_rn(n, to_f32(dout[r * C + c])));
+        }
+        dw[c] = from_f32<T>(__fadd_rn(to_f32(dw[c]), a));
+    }
+}
+
+#define NORM_ENTRIES(T, S)                                                                   \
+    extern "C" __global__ void layernorm_forward_##S(T* out, float* mean, float* rstd,        \
+                                                     const T* inp, const float* w,           \
+                                                     const float* b, int N, int C,           \
+                                                     float eps) {                            \
+        layernorm_forward<T>(out, mean, rstd, inp, w, b, N, C, eps);                         \
+    }                                                                                        \
+    extern "C" __global__ void layernorm_forward_naive_##S(T* out, float* mean, float* rstd,  \
+                                                           const T* inp, const float* w,     \
+                                                           const float* b, int N, int C,     \
+                                                           float eps) {                      \
+        layernorm_forward_naive<T>(out, mean, rstd, inp, w, b, N, C, eps);                   \
+    }                                                                                        \
+    extern "C" __global__ void layernorm_backward_input_##S(                                 \
+        T* dinp, const T* dout, const T* inp, const float* w, const float* mean,             \
+        const float* rstd, int N, int C) {                                                   \
+        layernorm_backward_input<T>(dinp, dout, inp, w, mean, rstd, N, C);                   \
+    }                                                                                        \
+    extern "C" __global__ void layernorm_backward_input_naive_##S(                           \
+        T* dinp, const T* dout, const T* inp, const float* w, const float* mean,             \
+        const float* rstd, int N, int C) {                                                   \
+        layernorm_backward_input_naive<T>(dinp, dout, inp, w, mean, rstd, N, C);             \
+    }                                                                                        \
+    extern "C" __global__ void layernorm_backward_partials_##S(                              \
+        float* partials, const T* dout, const T* inp, const float* mean, const float* rstd,  \
+        int N, int C, int R) {                                                               \
+        layernorm_backward_partials<T>(partials, dout, inp, mean, rstd, N, C, R);            \
+    }                                                                                        \
+    extern "C" __global__ void layernorm_backward_params_naive_##S(                          \
+        T* dw, T* db, const T* dout, const T* inp, const float* mean, const float* rstd,     \
+        int N, int C) {                                                                      \
+        layernorm_backward_params_naive<T>(dw, db, dout, inp, mean, rstd, N, C);             \
+    }                                                                                        \
+    extern "C" __global__ void norm_reduce_partials_##S(T* grad, const float* partials,       \
+                                                        int P, int C) {                      \
+        norm_reduce_partials<T>(grad, partials, P, C);                                       \
+    }                                                                                        \
+    extern "C" __global__ void rmsnorm_forward_##S(T* out, float* rstd, const T* inp,         \
+                                                   const float* w, int N, int C, float eps) { \
+        rmsnorm_forward<T>(out, rstd, inp, w, N, C, eps);                                    \
+    }                                                                                        \
+    extern "C" __global__ void rmsnorm_forward_naive_##S(T* out, float* rstd, const T* inp,   \
+                                                         const float* w, int N, int C,       \
+                                                         float eps) {                        \
+        rmsnorm_forward_naive<T>(out, rstd, inp, w, N, C, eps);                              \
+    }                                                                                        \
+    extern "C" __global__ void rmsnorm_backward_input_##S(T* dinp, const T* dout,             \
+                                                          const T* inp, const float* w,      \
+                                                          const float* rstd, int N, int C) { \
+        rmsnorm_backward_input<T>(dinp, dout, inp, w, rstd, N, C);                           \
+    }                                                                                        \
+    extern "C" __global__ void rmsnorm_backward_input_naive_##S(                             \
+        T* dinp, const T* dout, const T* inp, const float* w, const float* rstd, int N,      \
+        int C) {                                                                             \
+        rmsnorm_backward_input_naive<T>(dinp, dout, inp, w, rstd, N, C);                     \
+    }                                                                                        \
+    extern "C" __global__ void rmsnorm_backward_partials_##S(                                \
+        float* partials, const T* dout, const T* inp, const float* rstd, int N, int C,       \
+        int R) {                                                                             \
+        rmsnorm_backward_partials<T>(partials, dout, inp, rstd, N, C, R);                    \
+    }                                                                                        \
+    extern "C" __global__ void rmsnorm_backward_params_naive_##S(                            \
+        T* dw, const T* dout, const T* inp, const float* rstd, int N, int C) {               \
+        rmsnorm_backward_params_naive<T>(dw, dout, inp, rstd, N, C);                         \
+    }
+MW_STORAGE_ENTRIES(NORM_ENTRIES)
