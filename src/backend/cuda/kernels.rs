@@ -43,7 +43,44 @@ impl Source {
 }
 
 /// Every source the backend compiles.
-pub const SOURCES: &[Source] = &[];
+pub const SOURCES: &[Source] = &[
+    Source {
+        name: "activation.cu",
+        text: include_str!("kernels/activation.cu"),
+        per_storage: &["gelu_backward", "gelu_forward", "swiglu_backward", "swiglu_forward"],
+        plain: &[],
+    },
+    Source {
+        name: "bias.cu",
+        text: include_str!("kernels/bias.cu"),
+        per_storage: &["add_bias"],
+        plain: &[],
+    },
+    Source {
+        name: "embedding.cu",
+        text: include_str!("kernels/embedding.cu"),
+        per_storage: &["encoder_backward_accumulate", "encoder_backward_naive", "encoder_forward"],
+        plain: &["encoder_link_rows", "encoder_mark_rows"],
+    },
+    Source {
+        name: "fill.cu",
+        text: include_str!("kernels/fill.cu"),
+        per_storage: &[],
+        plain: &["zero_bytes"],
+    },
+    Source {
+        name: "norm.cu",
+        text: include_str!("kernels/norm.cu"),
+        per_storage: &["layernorm_backward_input", "layernorm_backward_input_naive", "layernorm_backward_params_naive", "layernorm_backward_partials", "layernorm_forward", "layernorm_forward_naive", "norm_reduce_partials", "rmsnorm_backward_input", "rmsnorm_backward_input_naive", "rmsnorm_backward_params_naive", "rmsnorm_backward_partials", "rmsnorm_forward", "rmsnorm_forward_naive"],
+        plain: &[],
+    },
+    Source {
+        name: "rope.cu",
+        text: include_str!("kernels/rope.cu"),
+        per_storage: &["rope"],
+        plain: &[],
+    },
+];
 
 #[cfg(test)]
 mod tests {
