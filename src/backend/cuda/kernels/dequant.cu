@@ -156,49 +156,49 @@ __device__ void dequant_rows(const unsigned char* w, int cols, int r0, int rows,
 // dequant_q8_0_<S>, dequant_q4_0_<S>, dequant_q4_1_<S>, dequant_q5_0_<S>, dequant_q4_k_<S>,
 // dequant_q6_k_<S>, dequant_f32_<S>, dequant_f16_<S>, dequant_bf16_<S>: see the header.
 #define DEQUANT_Q8_0(T, S)                                                                   \
-    extern "C" __global__ void dequant_q8_0_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 32, 34, dq_q8_0>(w, cols, r0, rows, out);                               \
+    extern "C" __global__ void dequant_q8_0_##S(const unsigned char* w, int cols, int r0,    \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 32, 34, dq_q8_0>(w, cols, r0, rows, out);                            \
     }
 #define DEQUANT_Q4_0(T, S)                                                                   \
-    extern "C" __global__ void dequant_q4_0_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 32, 18, dq_q4_0>(w, cols, r0, rows, out);                               \
+    extern "C" __global__ void dequant_q4_0_##S(const unsigned char* w, int cols, int r0,    \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 32, 18, dq_q4_0>(w, cols, r0, rows, out);                            \
     }
 #define DEQUANT_Q4_1(T, S)                                                                   \
-    extern "C" __global__ void dequant_q4_1_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 32, 20, dq_q4_1>(w, cols, r0, rows, out);                               \
+    extern "C" __global__ void dequant_q4_1_##S(const unsigned char* w, int cols, int r0,    \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 32, 20, dq_q4_1>(w, cols, r0, rows, out);                            \
     }
 #define DEQUANT_Q5_0(T, S)                                                                   \
-    extern "C" __global__ void dequant_q5_0_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 32, 22, dq_q5_0>(w, cols, r0, rows, out);                               \
+    extern "C" __global__ void dequant_q5_0_##S(const unsigned char* w, int cols, int r0,    \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 32, 22, dq_q5_0>(w, cols, r0, rows, out);                            \
     }
 #define DEQUANT_Q4_K(T, S)                                                                   \
-    extern "C" __global__ void dequant_q4_k_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 256, 144, dq_q4_k>(w, cols, r0, rows, out);                               \
+    extern "C" __global__ void dequant_q4_k_##S(const unsigned char* w, int cols, int r0,    \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 256, 144, dq_q4_k>(w, cols, r0, rows, out);                          \
     }
 #define DEQUANT_Q6_K(T, S)                                                                   \
-    extern "C" __global__ void dequant_q6_k_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 256, 210, dq_q6_k>(w, cols, r0, rows, out);                               \
+    extern "C" __global__ void dequant_q6_k_##S(const unsigned char* w, int cols, int r0,    \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 256, 210, dq_q6_k>(w, cols, r0, rows, out);                          \
     }
-#define DEQUANT_F32(T, S)                                                                   \
+#define DEQUANT_F32(T, S)                                                                    \
     extern "C" __global__ void dequant_f32_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 1, 4, dq_f32v>(w, cols, r0, rows, out);                               \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 1, 4, dq_f32v>(w, cols, r0, rows, out);                              \
     }
-#define DEQUANT_F16(T, S)                                                                   \
+#define DEQUANT_F16(T, S)                                                                    \
     extern "C" __global__ void dequant_f16_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 1, 2, dq_f16v>(w, cols, r0, rows, out);                               \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 1, 2, dq_f16v>(w, cols, r0, rows, out);                              \
     }
 #define DEQUANT_BF16(T, S)                                                                   \
-    extern "C" __global__ void dequant_bf16_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                          \
-        dequant_rows<T, 1, 2, dq_bf16v>(w, cols, r0, rows, out);                               \
+    extern "C" __global__ void dequant_bf16_##S(const unsigned char* w, int cols, int r0,    \
+                                                  int rows, T* out) {                        \
+        dequant_rows<T, 1, 2, dq_bf16v>(w, cols, r0, rows, out);                             \
     }
 MW_STORAGE_ENTRIES(DEQUANT_Q8_0)
 MW_STORAGE_ENTRIES(DEQUANT_Q4_0)

@@ -232,7 +232,7 @@ __device__ __forceinline__ int q8_log_code(float y) {
     const int e = (int)((b >> 23) & 0xffu) - 127;
     const float f = __uint_as_float((b & 0x007fffffu) | 0x3f800000u);
     int c = 8 * e;
-    c += f >= __uint_as_float(0x3f85bb25u);  // 1.044_273_7
+    c += f >= __uint_as_float(0x3f85aac3u);  // 1.044_273_7
     c += f >= __uint_as_float(0x3f91c3d3u);  // 1.138_788_6
     c += f >= __uint_as_float(0x3f9ef532u);  // 1.241_857_8
     c += f >= __uint_as_float(0x3fad583fu);  // 1.354_255_6
@@ -332,8 +332,9 @@ __device__ void adamw_m8(float* p, const T* g, signed char* mq, float* ms, unsig
 // block = (256) (any multiple of 32 from 32 to 1024: the same bits), dynamic smem 0 (16.1 KiB
 // static). Scratch: none.
 #define ADAMW_M8(T, S)                                                                       \
-    extern "C" __global__ void adamw_m8_##S(float* p, const T* g, signed char* mq, float* ms,\
-                                            unsigned char* vq, float* vs, long long n,      \
+    extern "C" __global__ void adamw_m8_##S(float* p, const T* g, signed char* mq,          \
+                                            float* ms, unsigned char* vq, float* vs,        \
+                                            long long n,                                    \
                                             ADAM_CONST_PARAMS) {                            \
         adamw_m8<T>(p, g, mq, ms, vq, vs, n, AdamConsts ADAM_CONST_INIT);                    \
     }

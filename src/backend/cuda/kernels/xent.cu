@@ -66,8 +66,9 @@ __device__ __forceinline__ float mw_exp_f32(float x) {
 __device__ __forceinline__ float xent_combine16(float a) {
     float h = __fadd_rn(a, __shfl_down_sync(0xffffffffu, a, 8, 16));  // lanes 0..7: a[i] + a[i+8]
     float q = __fadd_rn(h, __shfl_down_sync(0xffffffffu, h, 4, 16));  // lanes 0..3: h[i] + h[i+4]
-    float s = __fadd_rn(q, __shfl_down_sync(0xffffffffu, q, 2, 16));  // lane 0: q0 + q2, lane 1: q1 + q3
-    return __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, 1, 16));     // lane 0: (q0 + q2) + (q1 + q3)
+    // lanes 0, 1: q0 + q2, q1 + q3; then lane 0: (q0 + q2) + (q1 + q3)
+    float s = __fadd_rn(q, __shfl_down_sync(0xffffffffu, q, 2, 16));
+    return __fadd_rn(s, __shfl_down_sync(0xffffffffu, s, 1, 16));
 }
 
 // The gradient element of a trained row: e·s flushed below 1e-30, minus `scale` at the target.
