@@ -1,13 +1,19 @@
-// Runs the xent / optimizer / lora / dequant kernels on the CPU (k2_emu.h) against the CPU
-// backend's arithmetic (k2_ref.rs's outputs, in the directory given as argv[1]): bitwise
-// where the kernels promise it, to a tolerance for the gradient norm. Built and run by
-// run-k2.sh.
-#include "k2_emu.h"
-#include "prelude_emu.cuh"
-#include "xent.cu"
-#include "optimizer.cu"
-#include "lora.cu"
-#include "dequant.cu"
+// Runs the xent / optimizer / lora / dequant kernels on the CPU against the CPU backend's
+// arithmetic (k2_ref.rs's outputs, in the directory $K2_REF): bitwise where the kernels promise
+// it, to a tolerance for the gradient norm. Built and run by run-k2.sh: under the shared
+// emulator (scripts/cuda-emu/run.py, emu.h) where it exists, else under k2_emu.h
+// (-DK2_OWN_EMU, which run-k2.sh passes with the prelude as -include files).
+#ifdef K2_OWN_EMU
+#define K2_LAUNCH(kernel, grid, block, ...) emu_launch((grid), (block), [&] { kernel(__VA_ARGS__); })
+#else
+#include "emu.h"
+#define K2_LAUNCH(kernel, grid, block, ...) \
+    emu_launch(kernel, dim3(grid), dim3(block), 0, __VA_ARGS__)
+#endif
+#include "src/backend/cuda/kernels/xent.cu"
+#include "src/backend/cuda/kernels/optimizer.cu"
+#include "src/backend/cuda/kernels/lora.cu"
+#include "src/backend/cuda/kernels/dequant.cu"
 
 #include <string>
 
@@ -121,13 +127,11 @@ static void test_xent() {
             for (int g = 1; g >= 0; g--) {
                 std::vector<float> lg = logits, ls(n, -7.0f);
                 if (c.naive)
-                    emu_launch(c.grid, c.block, [&] {
-                        xent_fused_naive(lg.data(), tg.data(), ls.data(), n, v, scale, g);
-                    });
+                    K2_LAUNCH(xent_fused_naive, c.grid, c.block, lg.data(), tg.data(), ls.data(),
+                              n, v, scale, g);
                 else
-                    emu_launch(c.grid, c.block, [&] {
-                        xent_fused(lg.data(), tg.data(), ls.data(), n, v, scale, g);
-                    });
+                    K2_LAUNCH(xent_fused, c.grid, c.block, lg.data(), tg.data(), ls.data(), n, v,
+                              scale, g);
                 char what[128];
                 snprintf(what, sizeof what, "%s %dx%d grid %u block %u%s grad=%d", p.c_str(), n,
                          v, c.grid, c.block, c.naive ? " naive" : "", g);
@@ -142,21 +146,29 @@ static void test_xent() {
 
 // ---------------------------------------------------------------- optimizer
 
+#define K9(k) k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8]
+#define ADAM_K float, float, float, float, float, float, float, float, float
+
 template <typename T>
-static void test_adam_t(int t) {
+struct AdamKernels {
+    void (*m32)(float*, const T*, float*, float*, long long, ADAM_K);
+    void (*mbf16)(float*, const T*, bf16*, bf16*, long long, ADAM_K);
+    void (*m8)(float*, const T*, signed char*, float*, unsigned char*, float*, long long, ADAM_K);
+    void (*m8_naive)(float*, const T*, signed char*, float*, unsigned char*, float*, long long,
+                     ADAM_K);
+};
+
+template <typename T>
+static void test_adam_t(int t, AdamKernels<T> kk) {
     const long long len = load<unsigned>("adam_len")[0];
     const std::string pre = "adam" + std::to_string(t);
     auto g = load<T>(pre + "_g");
     auto k = load<float>(pre + "_k");
     auto p0 = load<float>(pre + "_p0"), m0 = load<float>(pre + "_m0"), v0 = load<float>(pre + "_v0");
-#define K9(k) k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], k[8]
     {
         auto p = p0, m = m0, v = v0;
-        emu_launch(3, 256, [&] {
-            if (t == 0) adamw_m32_f32(p.data(), (const float*)g.data(), m.data(), v.data(), len, K9(k));
-            if (t == 1) adamw_m32_bf16(p.data(), (const bf16*)g.data(), m.data(), v.data(), len, K9(k));
-            if (t == 2) adamw_m32_f16(p.data(), (const f16*)g.data(), m.data(), v.data(), len, K9(k));
-        });
+        const T* gp = g.data();
+        K2_LAUNCH(kk.m32, 3, 256, p.data(), gp, m.data(), v.data(), len, K9(k));
         check_f32((pre + " m32 p").c_str(), p.data(), load<float>(pre + "_p32").data(), len);
         check_f32((pre + " m32 m").c_str(), m.data(), load<float>(pre + "_m32").data(), len);
         check_f32((pre + " m32 v").c_str(), v.data(), load<float>(pre + "_v32").data(), len);
@@ -164,16 +176,13 @@ static void test_adam_t(int t) {
     {
         auto p = p0;
         auto m = load<bf16>(pre + "_mb0"), v = load<bf16>(pre + "_vb0");
-        emu_launch(2, 128, [&] {
-            if (t == 0) adamw_mbf16_f32(p.data(), (const float*)g.data(), m.data(), v.data(), len, K9(k));
-            if (t == 1) adamw_mbf16_bf16(p.data(), (const bf16*)g.data(), m.data(), v.data(), len, K9(k));
-            if (t == 2) adamw_mbf16_f16(p.data(), (const f16*)g.data(), m.data(), v.data(), len, K9(k));
-        });
+        const T* gp = g.data();
+        K2_LAUNCH(kk.mbf16, 2, 128, p.data(), gp, m.data(), v.data(), len, K9(k));
         check_f32((pre + " mbf16 p").c_str(), p.data(), load<float>(pre + "_pb").data(), len);
         check_bytes((pre + " mbf16 m").c_str(), m.data(), load<bf16>(pre + "_mb").data(), 2 * len);
         check_bytes((pre + " mbf16 v").c_str(), v.data(), load<bf16>(pre + "_vb").data(), 2 * len);
     }
-    // 8-bit: 4 steps from a fresh state, fast kernel (various launch shapes) and naive twin.
+    // 8-bit: 4 steps from a fresh state, the fast kernel (several launch shapes) and the twin.
     const long long blocks = (len + QBLOCK - 1) / QBLOCK;
     for (int variant = 0; variant < 4; variant++) {
         auto p = p0;
@@ -185,19 +194,14 @@ static void test_adam_t(int t) {
             auto gs = load<T>(sp + "_g");
             auto ks = load<float>(sp + "_k");
             const T* gp = gs.data();
-            unsigned grid = variant == 0 ? blocks : variant == 1 ? 1 : variant == 2 ? 2 : 1;
-            unsigned block = variant == 0 ? 256 : variant == 1 ? 1024 : variant == 2 ? 32 : 64;
-            emu_launch(grid, block, [&] {
-                if (variant == 3) {
-                    if (t == 0) adamw_m8_naive_f32(p.data(), (const float*)gp, mq.data(), ms.data(), vq.data(), vs.data(), len, K9(ks));
-                    if (t == 1) adamw_m8_naive_bf16(p.data(), (const bf16*)gp, mq.data(), ms.data(), vq.data(), vs.data(), len, K9(ks));
-                    if (t == 2) adamw_m8_naive_f16(p.data(), (const f16*)gp, mq.data(), ms.data(), vq.data(), vs.data(), len, K9(ks));
-                } else {
-                    if (t == 0) adamw_m8_f32(p.data(), (const float*)gp, mq.data(), ms.data(), vq.data(), vs.data(), len, K9(ks));
-                    if (t == 1) adamw_m8_bf16(p.data(), (const bf16*)gp, mq.data(), ms.data(), vq.data(), vs.data(), len, K9(ks));
-                    if (t == 2) adamw_m8_f16(p.data(), (const f16*)gp, mq.data(), ms.data(), vq.data(), vs.data(), len, K9(ks));
-                }
-            });
+            const unsigned grid = variant == 0 ? blocks : variant == 2 ? 2 : 1;
+            const unsigned block = variant == 0 ? 256 : variant == 1 ? 1024 : variant == 2 ? 32 : 64;
+            if (variant == 3)
+                K2_LAUNCH(kk.m8_naive, grid, block, p.data(), gp, mq.data(), ms.data(), vq.data(),
+                          vs.data(), len, K9(ks));
+            else
+                K2_LAUNCH(kk.m8, grid, block, p.data(), gp, mq.data(), ms.data(), vq.data(),
+                          vs.data(), len, K9(ks));
             std::string w = sp + " variant " + std::to_string(variant);
             check_f32((w + " p").c_str(), p.data(), load<float>(sp + "_p").data(), len);
             check_bytes((w + " mq").c_str(), mq.data(), load<unsigned char>(sp + "_mq").data(), len);
@@ -228,12 +232,12 @@ static void test_gradnorm_t(void (*partials)(const T*, long long, double*),
         for (int c = 0; c < 3; c++) {
             std::vector<double> part(np, -1.0), out(4, -1.0);
             unsigned grid = c == 0 ? np : c == 1 ? 1 : 2;
-            emu_launch(grid, 256, [&] { partials(g.data(), len, part.data()); });
-            emu_launch(1, 256, [&] { gradnorm_finish(part.data(), np, out.data(), 2); });
+            K2_LAUNCH(partials, grid, 256, g.data(), len, part.data());
+            K2_LAUNCH(gradnorm_finish, 1, 256, part.data(), np, out.data(), 2);
             memcpy(res[c], out.data(), sizeof res[c]);
         }
         std::vector<double> out(4, -1.0);
-        emu_launch(1, 1, [&] { naive(g.data(), len, out.data(), 1); });
+        K2_LAUNCH(naive, 1, 1, g.data(), len, out.data(), 1);
         bool ok = memcmp(res[0], res[1], 32) == 0 && memcmp(res[0], res[2], 32) == 0 &&
                   res[0][0] == -1.0 && res[0][1] == -1.0 && res[0][3] == -1.0 &&
                   std::fabs(res[0][2] - want) <= 1e-12 * want &&
@@ -246,7 +250,8 @@ static void test_gradnorm_t(void (*partials)(const T*, long long, double*),
     }
     // len 0: only the finish, which writes 0.
     std::vector<double> out(1, -1.0);
-    emu_launch(1, 256, [&] { gradnorm_finish(nullptr, 0, out.data(), 0); });
+    const double* none = nullptr;
+    K2_LAUNCH(gradnorm_finish, 1, 256, none, 0LL, out.data(), 0);
     if (out[0] != 0.0) {
         failures++;
         printf("FAIL gradnorm_finish with no partials: %g\n", out[0]);
@@ -254,9 +259,9 @@ static void test_gradnorm_t(void (*partials)(const T*, long long, double*),
 }
 
 static void test_optimizer() {
-    test_adam_t<float>(0);
-    test_adam_t<bf16>(1);
-    test_adam_t<f16>(2);
+    test_adam_t<float>(0, {adamw_m32_f32, adamw_mbf16_f32, adamw_m8_f32, adamw_m8_naive_f32});
+    test_adam_t<bf16>(1, {adamw_m32_bf16, adamw_mbf16_bf16, adamw_m8_bf16, adamw_m8_naive_bf16});
+    test_adam_t<f16>(2, {adamw_m32_f16, adamw_mbf16_f16, adamw_m8_f16, adamw_m8_naive_f16});
     test_gradnorm_t<float>(gradnorm_partials_f32, gradnorm_naive_f32, "f32");
     test_gradnorm_t<bf16>(gradnorm_partials_bf16, gradnorm_naive_bf16, "bf16");
     test_gradnorm_t<f16>(gradnorm_partials_f16, gradnorm_naive_f16, "f16");
@@ -283,16 +288,16 @@ static void test_lora_t(int t, void (*dropout)(const T*, float*, long long, unsi
     auto tt = load<float>(p + "_t");
     const float s = load<float>(p + "_s")[0];
     std::vector<float> xd(n, -1.0f);
-    emu_launch(2, 64, [&] { dropout(x.data(), xd.data(), n, dp[0], dp[1], ks, dp[2]); });
+    K2_LAUNCH(dropout, 2, 64, x.data(), xd.data(), n, dp[0], dp[1], ks, dp[2]);
     check_f32((p + " dropout").c_str(), xd.data(), load<float>(p + "_xd").data(), n);
     auto dx = load<T>(p + "_dx0");
-    emu_launch(3, 32, [&] { add_masked(dx.data(), tt.data(), n, dp[0], dp[1], ks, dp[2]); });
+    K2_LAUNCH(add_masked, 3, 32, dx.data(), tt.data(), n, dp[0], dp[1], ks, dp[2]);
     check_bytes((p + " add_masked").c_str(), dx.data(), load<T>(p + "_dx1").data(), n * sizeof(T));
     auto h = x;
-    emu_launch(1, 256, [&] { scale_k(h.data(), n, s); });
+    K2_LAUNCH(scale_k, 1, 256, h.data(), n, s);
     check_bytes((p + " scale").c_str(), h.data(), load<T>(p + "_hsc").data(), n * sizeof(T));
     std::vector<T> hn(n);
-    emu_launch(4, 64, [&] { narrow(tt.data(), hn.data(), n, s); });
+    K2_LAUNCH(narrow, 4, 64, tt.data(), hn.data(), n, s);
     check_bytes((p + " narrow_scale").c_str(), hn.data(), load<T>(p + "_nsc").data(), n * sizeof(T));
     // add_cols: src [rows, ld_src] into columns col.. of dst [rows, ld_dst].
     const int rows = 5, cols = 7, ld_dst = 13, col = 4, ld_src = 9;
@@ -304,11 +309,11 @@ static void test_lora_t(int t, void (*dropout)(const T*, float*, long long, unsi
         for (int j = 0; j < cols; j++)
             want[i * ld_dst + col + j] =
                 from_f32<T>(to_f32(want[i * ld_dst + col + j]) + src[i * ld_src + j]);
-    emu_launch(1, 32, [&] { add_cols(dst.data() + col, ld_dst, src.data(), ld_src, rows, cols); });
+    K2_LAUNCH(add_cols, 1, 32, dst.data() + col, ld_dst, src.data(), ld_src, rows, cols);
     check_bytes((p + " add_cols").c_str(), dst.data(), want.data(), dst.size() * sizeof(T));
     std::vector<float> wd(n), ww(n);
     for (long long i = 0; i < n; i++) ww[i] = to_f32(x[i]);
-    emu_launch(2, 32, [&] { widen(x.data(), wd.data(), n); });
+    K2_LAUNCH(widen, 2, 32, x.data(), wd.data(), n);
     check_f32((p + " widen").c_str(), wd.data(), ww.data(), n);
 }
 
@@ -346,25 +351,26 @@ static void test_dequant() {
         auto w = load<unsigned char>(p + "_w");
         auto y = load<float>(p + "_y");
         std::vector<float> all(oc * ic, -1.0f);
-        emu_launch(3, 256, [&] { ty.f(w.data(), ic, 0, oc, all.data()); });
+        K2_LAUNCH(ty.f, 3, 256, w.data(), ic, 0, oc, all.data());
         check_f32((p + " all rows").c_str(), all.data(), y.data(), all.size());
         std::vector<float> part(4 * ic, -1.0f);
-        emu_launch(1, 64, [&] { ty.f(w.data(), ic, 2, 4, part.data()); });
+        K2_LAUNCH(ty.f, 1, 64, w.data(), ic, 2, 4, part.data());
         check_f32((p + " rows 2..6").c_str(), part.data(), y.data() + 2 * ic, part.size());
         std::vector<bf16> pb(3 * ic), wb(3 * ic);
         for (int i = 0; i < 3 * ic; i++) wb[i] = from_f32<bf16>(y[4 * ic + i]);
-        emu_launch(2, 128, [&] { ty.b(w.data(), ic, 4, 3, pb.data()); });
+        K2_LAUNCH(ty.b, 2, 128, w.data(), ic, 4, 3, pb.data());
         check_bytes((p + " bf16 rows 4..7").c_str(), pb.data(), wb.data(), pb.size() * 2);
     }
     printf("dequant done\n");
 }
 
-int main(int argc, char** argv) {
-    if (argc < 2) {
-        fprintf(stderr, "usage: k2_test REFDIR\n");
+int main() {
+    const char* dir = getenv("K2_REF");
+    if (!dir) {
+        fprintf(stderr, "k2_test: set K2_REF to k2_ref's output directory\n");
         return 2;
     }
-    DIR = argv[1];
+    DIR = dir;
     test_helpers();
     test_dequant();
     test_lora();

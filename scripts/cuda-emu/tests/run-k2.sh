@@ -2,12 +2,16 @@
 # Tests xent.cu, optimizer.cu, lora.cu and dequant.cu on the CPU, without a GPU:
 #   1. k2_ref.rs (the CPU backend's arithmetic, copied verbatim) is built with rustc and the
 #      `half` crate's rlib from a cargo target directory (no cargo run), and writes inputs and
-#      expected outputs;
-#   2. k2_test.cpp runs the kernels under k2_emu.h (g++, one thread per CUDA thread) on them
-#      and compares, bitwise where the kernels promise it.
-# Usage: scripts/cuda-emu/tests/run-k2.sh [TARGET_DIR]   (TARGET_DIR: where to find
-# release/deps/libhalf-*.rlib; default: target, then /work/main/target)
+#      expected outputs into $K2_REF;
+#   2. k2_test.cpp runs the kernels on them and compares, bitwise where the kernels promise
+#      it: under the shared emulator (scripts/cuda-emu/run.py: fibers, two schedule orders,
+#      ASan/UBSan, poisoned shared memory) where it exists, else (or with --own) under
+#      k2_emu.h (g++, one thread per CUDA thread).
+# Usage: scripts/cuda-emu/tests/run-k2.sh [--own] [TARGET_DIR]   (TARGET_DIR: where to find
+# {release,debug}/deps/libhalf-*.rlib; default: target, then /work/main/target)
 set -euo pipefail
+own=0
+if [ "${1:-}" = "--own" ]; then own=1; shift; fi
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 kernels=$root/src/backend/cuda/kernels
@@ -27,6 +31,12 @@ done
 rustc -O --edition 2021 -o "$work/k2_ref" "$here/k2_ref.rs" \
     --extern half="$rlib" -L dependency="$(dirname "$rlib")"
 "$work/k2_ref" "$work/ref"
+export K2_REF="$work/ref"
+
+if [ $own = 0 ] && [ -f "$root/scripts/cuda-emu/run.py" ]; then
+    python3 "$root/scripts/cuda-emu/run.py" ${K2_EMU_FLAGS:-} "$here/k2_test.cpp"
+    exit 0
+fi
 
 # The prelude with its two f16 inline-PTX conversions replaced by the emulation's.
 python3 - "$kernels/common.cuh" "$work/prelude_emu.cuh" <<'EOF'
@@ -39,6 +49,7 @@ s = s.replace(a, 'f = emu_f16_to_f32(x.bits);').replace(b, 'r.bits = emu_f32_to_
 open(sys.argv[2], 'w').write(s)
 EOF
 
-g++ -std=c++20 -O1 -ffp-contract=off -pthread -I"$work" -I"$kernels" -I"$here" \
+g++ -std=c++20 -O1 -ffp-contract=off -pthread -DK2_OWN_EMU -I"$root" \
+    -include "$here/k2_emu.h" -include "$work/prelude_emu.cuh" \
     -o "$work/k2_test" "$here/k2_test.cpp"
-"$work/k2_test" "$work/ref"
+"$work/k2_test"
