@@ -19,7 +19,8 @@ fn every_kernel_source_compiles_for_every_checked_architecture() {
                     let text = ptx.to_src();
                     for name in src.entries() {
                         if !text.contains(&format!(".entry {name}(")) {
-                            failures.push(format!("{} ({arch}): no entry {name} in the PTX", src.name));
+                            failures
+                                .push(format!("{} ({arch}): no entry {name} in the PTX", src.name));
                         }
                     }
                 }

@@ -918,9 +918,7 @@ fn finish(
     io: Io,
 ) -> Result<Plan> {
     owned_buffers(&mut g, r);
-    let scratch = r
-        .backend
-        .scratch_bytes(&g.ops, r.cfg.precision.storage());
+    let scratch = r.backend.scratch_bytes(&g.ops, r.cfg.precision.storage());
     implicit.scratch = (scratch > 0).then(|| {
         g.persistent(
             "backend.scratch",
@@ -974,7 +972,9 @@ fn owned_buffers(g: &mut Builder, r: &Request) {
         );
         g.buffers[id.0].placement = Placement::OWNED;
     }
-    let scratch = r.backend.library_scratch_bytes(&g.ops, cfg.precision.storage(), cfg.threads);
+    let scratch = r
+        .backend
+        .library_scratch_bytes(&g.ops, cfg.precision.storage(), cfg.threads);
     if scratch == 0 {
         return;
     }

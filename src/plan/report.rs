@@ -57,7 +57,11 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     // The compute tier's name, as the figures below are its: RAM on the CPU.
     let compute = plan.compute_tier();
     let on_gpu = compute == crate::ir::Tier::Device;
-    let own_label = if on_gpu { "own GPU peak" } else { "own RAM peak" };
+    let own_label = if on_gpu {
+        "own GPU peak"
+    } else {
+        "own RAM peak"
+    };
     let _ = writeln!(
         s,
         "\n  {:<18} {:>8} {:>14} {:>14} {:>14}",

@@ -197,7 +197,8 @@ impl Rig {
         });
         // The backend's own scratch, as the planner declares it.
         let scratch = backend.scratch_bytes(&self.ops, precision.storage());
-        let scratch = (scratch > 0).then(|| self.buf("backend.scratch", DType::U8, scratch as usize));
+        let scratch =
+            (scratch > 0).then(|| self.buf("backend.scratch", DType::U8, scratch as usize));
         let n_ops = self.ops.len();
         for b in &mut self.buffers {
             b.last_op = n_ops.saturating_sub(1);

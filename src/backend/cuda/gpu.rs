@@ -241,9 +241,8 @@ impl GpuDevice {
     /// The device address and bytes of plan buffer `id` (an internal error for one not in
     /// device memory).
     fn addr(&self, id: BufId) -> Result<(ds::CUdeviceptr, u64)> {
-        self.bufs[id.0].ok_or_else(|| {
-            anyhow!("internal error: buffer {} is not in device memory", id.0)
-        })
+        self.bufs[id.0]
+            .ok_or_else(|| anyhow!("internal error: buffer {} is not in device memory", id.0))
     }
 }
 

@@ -47,7 +47,12 @@ pub const SOURCES: &[Source] = &[
     Source {
         name: "activation.cu",
         text: include_str!("kernels/activation.cu"),
-        per_storage: &["gelu_backward", "gelu_forward", "swiglu_backward", "swiglu_forward"],
+        per_storage: &[
+            "gelu_backward",
+            "gelu_forward",
+            "swiglu_backward",
+            "swiglu_forward",
+        ],
         plain: &[],
     },
     Source {
@@ -57,9 +62,29 @@ pub const SOURCES: &[Source] = &[
         plain: &[],
     },
     Source {
+        name: "dequant.cu",
+        text: include_str!("kernels/dequant.cu"),
+        per_storage: &[
+            "dequant_bf16",
+            "dequant_f16",
+            "dequant_f32",
+            "dequant_q4_0",
+            "dequant_q4_1",
+            "dequant_q4_k",
+            "dequant_q5_0",
+            "dequant_q6_k",
+            "dequant_q8_0",
+        ],
+        plain: &[],
+    },
+    Source {
         name: "embedding.cu",
         text: include_str!("kernels/embedding.cu"),
-        per_storage: &["encoder_backward_accumulate", "encoder_backward_naive", "encoder_forward"],
+        per_storage: &[
+            "encoder_backward_accumulate",
+            "encoder_backward_naive",
+            "encoder_forward",
+        ],
         plain: &["encoder_link_rows", "encoder_mark_rows"],
     },
     Source {
@@ -69,16 +94,62 @@ pub const SOURCES: &[Source] = &[
         plain: &["zero_bytes"],
     },
     Source {
+        name: "lora.cu",
+        text: include_str!("kernels/lora.cu"),
+        per_storage: &[
+            "lora_add_cols",
+            "lora_add_masked",
+            "lora_dropout",
+            "lora_narrow_scale",
+            "lora_scale",
+            "lora_widen",
+        ],
+        plain: &[],
+    },
+    Source {
         name: "norm.cu",
         text: include_str!("kernels/norm.cu"),
-        per_storage: &["layernorm_backward_input", "layernorm_backward_input_naive", "layernorm_backward_params_naive", "layernorm_backward_partials", "layernorm_forward", "layernorm_forward_naive", "norm_reduce_partials", "rmsnorm_backward_input", "rmsnorm_backward_input_naive", "rmsnorm_backward_params_naive", "rmsnorm_backward_partials", "rmsnorm_forward", "rmsnorm_forward_naive"],
+        per_storage: &[
+            "layernorm_backward_input",
+            "layernorm_backward_input_naive",
+            "layernorm_backward_params_naive",
+            "layernorm_backward_partials",
+            "layernorm_forward",
+            "layernorm_forward_naive",
+            "norm_reduce_partials",
+            "rmsnorm_backward_input",
+            "rmsnorm_backward_input_naive",
+            "rmsnorm_backward_params_naive",
+            "rmsnorm_backward_partials",
+            "rmsnorm_forward",
+            "rmsnorm_forward_naive",
+        ],
         plain: &[],
+    },
+    Source {
+        name: "optimizer.cu",
+        text: include_str!("kernels/optimizer.cu"),
+        per_storage: &[
+            "adamw_m32",
+            "adamw_m8",
+            "adamw_m8_naive",
+            "adamw_mbf16",
+            "gradnorm_naive",
+            "gradnorm_partials",
+        ],
+        plain: &["gradnorm_finish"],
     },
     Source {
         name: "rope.cu",
         text: include_str!("kernels/rope.cu"),
         per_storage: &["rope"],
         plain: &[],
+    },
+    Source {
+        name: "xent.cu",
+        text: include_str!("kernels/xent.cu"),
+        per_storage: &[],
+        plain: &["xent_fused", "xent_fused_naive"],
     },
 ];
 

@@ -78,7 +78,10 @@ pub fn compile(src: &Source, arch: Arch) -> Result<Ptx> {
             src.name,
             log.to_string_lossy()
         ),
-        other => anyhow!("CUDA kernel source {}: NVRTC failed for {arch}: {other:?}", src.name),
+        other => anyhow!(
+            "CUDA kernel source {}: NVRTC failed for {arch}: {other:?}",
+            src.name
+        ),
     })
 }
 
@@ -103,7 +106,10 @@ pub fn cached(src: &Source, arch: Arch) -> Result<Ptx> {
         h.update(src.full_text().as_bytes());
         h.update(format!("\0{arch}\0nvrtc {major}.{minor}").as_bytes());
         let d = h.finalize();
-        d.iter().take(16).map(|b| format!("{b:02x}")).collect::<String>()
+        d.iter()
+            .take(16)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
     };
     let path: Option<PathBuf> = crate::util::cache::memwall_cache()
         .map(|d| d.join("cuda").join(format!("{}-{key}.ptx", src.name)));

@@ -310,7 +310,10 @@ pub fn fit_measured(
     backend: &(dyn Sizing + Sync),
 ) -> Result<(search::Fitted, u64)> {
     if let Some(fixed) = backend.baseline_bytes() {
-        return Ok((search::fit(spec, space, budget, fixed, cal, backend)?, fixed));
+        return Ok((
+            search::fit(spec, space, budget, fixed, cal, backend)?,
+            fixed,
+        ));
     }
     let mut baseline = rss::current_rss().unwrap_or(0);
     for _ in 0..3 {
