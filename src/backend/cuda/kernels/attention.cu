@@ -13,6 +13,8 @@
 //                            they may run in either order (or concurrently) after launch 1.
 //   naive twins (for the GPU test suite; same arguments as the op, no workspace):
 //                            attention_forward_naive_<S>, attention_backward_naive_<S>
+// CPU-emulated tests (f64 reference, twins, determinism, packed rows, odd hd):
+// python3 scripts/cuda-emu/tests/attention_run.py.
 //
 // Shapes and notation (every dimension an `int`; element offsets are computed in 64 bits):
 //   B rows of T tokens (N = B·T), NH query heads, NKV key/value heads (NKV divides NH,
@@ -28,10 +30,11 @@
 //        1.44269504f / sqrtf(hd)), m = max_j S', l = Σ_j 2^(S'_ij − m), lse = (m + log2 l)·ln 2.
 //   pos  [B, T] u32, or a NULL pointer for plain causal rows: positions of packed rows (each
 //        token's position in its example: 0 where an example starts, else the previous plus
-//        1; the CPU checks this, the kernels rely on it only for speed, never for memory
-//        safety). Query i of row b attends to keys lo(i) ..= i, lo(i) = i − pos[b·T + i]
-//        (0 without pos; a position > i is clamped to i, i.e. lo = 0). Every query attends at
-//        least to itself, so no softmax row is empty.
+//        1; the CPU checks this). Query i of row b attends to keys lo(i) ..= i, lo(i) =
+//        i − pos[b·T + i] (0 without pos; a position > i is clamped to i, i.e. lo = 0). The
+//        kernels do not rely on the positions being valid: any positions give exactly these
+//        key ranges (valid ones only make the skipping of masked tiles effective). Every query
+//        attends at least to itself, so no softmax row is empty.
 //   dout [N, co] (T), dqkv [N, ld] (T): dqkv is OVERWRITTEN in full (as the CPU's
 //        attention_backward): the Q part by launch 3, the K and V parts by launch 2 (a KV
 //        head's gradient is the sum over the g query heads it serves, accumulated in f32 and
@@ -61,10 +64,21 @@
 // Products are plain FMA loops (no tensor cores). All sums run in a fixed order (the dot
 // products over e ascending, the key / query loops ascending, warp reductions by the
 // prelude's fixed butterflies), and no kernel uses atomics, so results are bitwise
-// reproducible. Dynamic shared memory above 48 KiB (hd > 64 for some entries) needs the
-// opt-in CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES on the function before launch (the
-// largest, dkv/dq hd256, is 139,776 bytes: within sm_80's 163 KiB and sm_90's 227 KiB).
-// The static shared memory of each entry is at most 384 bytes on top of the dynamic amounts.
+// reproducible, and do not depend on anything the host chooses (the launch shapes below are
+// fixed). Dynamic shared memory (formulas at the entries, in runtime hd) above 48 KiB = 49,152
+// bytes needs the opt-in CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES on the function before
+// launch (the hd64 entries never do; the largest amount, dkv at hd 256, is 139,520 bytes:
+// within sm_80's 163 KiB and sm_90's 227 KiB). The static shared memory of each entry is at
+// most 384 bytes on top of the dynamic amount.
+//
+// Performance (this is the plain first version): scores and products are FMA loops over f32
+// shared-memory tiles (about two shared loads per FMA), K/V tiles are loaded synchronously,
+// each CTA serves one query head (a KV head's tiles are re-read, from L2, by its g query heads),
+// and the backward recomputes P and dS twice (in the dK/dV and the dQ launch) to avoid atomics.
+// A faster version would use bf16/f16 tensor cores (mma.sync m16n8k16 or wmma) for QKᵀ, PV,
+// dSK, dSᵀQ and PᵀdO with P kept in registers, 64–128-query tiles, cp.async (sm_80) / TMA
+// (sm_90) double-buffered K/V loads, 128-bit vector loads, and one CTA per KV head's g query
+// heads for GQA; dQ could stay deterministic with per-key-block partials in ws reduced in order.
 
 #define ATT_THREADS 256
 #define ATT_WARPS 8
@@ -665,13 +679,13 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
 // 1 ≤ hd ≤ HD: Op::AttentionBackward, launch 2: writes the K and V parts of dqkv (columns
 // NH·hd .. ld) in full.
 //   grid (ceil(T/32), NKV, B), block 256, dynamic shared bytes
-//   4·(64·hd + 64·(hd|1) + 2048)   (hd 64: 41,472; hd 128: 74,240; hd 256: 139,776).
+//   4·(64·hd + 64·(hd|1) + 2048)   (hd 64: 41,216; hd 128: 73,984; hd 256: 139,520).
 //
 // attention_backward_dq_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd), for
 // 1 ≤ hd ≤ HD: Op::AttentionBackward, launch 3: writes the Q part of dqkv (columns 0 .. NH·hd)
 // in full.
 //   grid (ceil(T/32), NH, B), block 256, dynamic shared bytes
-//   4·(64·hd + 64·(hd|1) + 1024)   (hd 64: 37,376; hd 128: 70,144; hd 256: 135,680).
+//   4·(64·hd + 64·(hd|1) + 1024)   (hd 64: 37,120; hd 128: 69,888; hd 256: 135,424).
 //
 // attention_forward_naive_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd): the naive twin of the
 // forward (any hd ≥ 1): one thread per out element (b, i, h, e).
