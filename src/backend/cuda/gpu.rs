@@ -7,9 +7,8 @@
 //! reads and writes plan buffers only through `download` and `upload`, after the stream's
 //! work.
 //!
-//! What runs today: the fill family (`Zero`). Every other op kind is refused by name when its
-//! op is reached; the kernels are being written (`kernels/*.cu`) and are wired here family
-//! by family.
+//! Ops run by family (`ops/`, one file each, as the CPU's), launching the kernels of
+//! `kernels/*.cu` through `launch`; a family not wired yet refuses its ops by name.
 
 use super::kernels::SOURCES;
 use super::nvrtc::{self, Arch};
@@ -17,8 +16,9 @@ use super::sizing::CudaSizing;
 use crate::backend::{Backend, Device, DeviceId, DeviceKind, Peak, StepCtx, Unavailable};
 use crate::dist::Comms;
 use crate::dtype::DType;
-use crate::ir::schedule::{Op, OpEntry};
-use crate::ir::{BufId, Program, Sizing, Tier};
+use super::sizing::Scratch;
+use crate::ir::schedule::OpEntry;
+use crate::ir::{BufId, OpFamily, Program, Sizing, Tier};
 use anyhow::{Result, anyhow, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result as dr, sys as ds};
 use std::collections::HashMap;
@@ -161,15 +161,24 @@ impl Backend for Gpu {
 /// A plan started on a GPU: its tiers' allocations, every buffer's device address, the
 /// loaded kernels and the stream the ops run on.
 pub struct GpuDevice {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) stream: Arc<CudaStream>,
     /// One allocation per tier the plan packs (address, bytes), freed on drop.
     tiers: Vec<(ds::CUdeviceptr, u64)>,
     /// Each buffer's device address and bytes (`None`: not in device memory, an owned host
     /// buffer).
     bufs: Vec<Option<(ds::CUdeviceptr, u64)>>,
+    /// Each buffer's dtype (how its bytes are laid out).
+    pub(super) dtypes: Vec<DType>,
     /// Every kernel entry of every source, by name.
-    functions: HashMap<String, CudaFunction>,
+    pub(super) functions: HashMap<String, CudaFunction>,
+    /// The plan's storage type (activations and gradients).
+    pub(super) storage: DType,
+    /// The backend's scratch buffer (address, bytes) and its regions.
+    pub(super) scratch: Option<(ds::CUdeviceptr, u64)>,
+    pub(super) scratch_layout: Scratch,
+    /// The card's architecture (kernels are compiled for it).
+    pub(super) arch: Arch,
 }
 
 // SAFETY: the device's state is its context's (thread-safe in the driver), addresses (plain
@@ -189,7 +198,12 @@ impl GpuDevice {
             stream,
             tiers: Vec::new(),
             bufs: vec![None; program.buffers.len()],
+            dtypes: program.buffers.iter().map(|b| b.dtype).collect(),
             functions: HashMap::new(),
+            storage: program.storage,
+            scratch: None,
+            scratch_layout: Scratch::for_ops(&program.schedule.ops, program.storage),
+            arch: gpu.arch,
         };
         let mut bases = HashMap::new();
         for t in program.tiers {
@@ -222,6 +236,7 @@ impl GpuDevice {
                 device.bufs[i] = Some((base + b.placement.offset, b.bytes));
             }
         }
+        device.scratch = program.schedule.implicit.scratch.map(|id| device.bufs[id.0]).flatten();
         for src in SOURCES {
             let ptx = nvrtc::cached(src, gpu.arch)?;
             let module = gpu
@@ -240,26 +255,31 @@ impl GpuDevice {
 
     /// The device address and bytes of plan buffer `id` (an internal error for one not in
     /// device memory).
-    fn addr(&self, id: BufId) -> Result<(ds::CUdeviceptr, u64)> {
+    pub(super) fn addr(&self, id: BufId) -> Result<(ds::CUdeviceptr, u64)> {
         self.bufs[id.0]
             .ok_or_else(|| anyhow!("internal error: buffer {} is not in device memory", id.0))
     }
 }
 
 impl Device for GpuDevice {
-    fn run(&self, e: &OpEntry, _ctx: &StepCtx) -> Result<()> {
-        match &e.op {
-            Op::Zero { buf } => {
-                let (ptr, bytes) = self.addr(*buf)?;
-                // SAFETY: the buffer's bytes, on the stream that orders the ops.
-                unsafe { dr::memset_d8_async(ptr, 0, bytes as usize, self.stream.cu_stream()) }
-                    .map_err(|e| anyhow!("zeroing a buffer: {e:?}"))
-            }
-            op => bail!(
-                "{}: the CUDA backend does not run {:?} ops yet (issue #45: the kernels are \
-                 being wired family by family); use --device cpu",
-                e.name,
-                op.family()
+    fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
+        match e.op.family() {
+            OpFamily::Fill => self.run_fill(e),
+            OpFamily::Embedding => self.run_embedding(e, ctx),
+            OpFamily::Norm => self.run_norm(e, ctx),
+            OpFamily::Linear => self.run_linear(e, ctx),
+            OpFamily::Attention => self.run_attention(e, ctx),
+            OpFamily::Activation => self.run_activation(e, ctx),
+            OpFamily::LmHead => self.run_lm_head(e, ctx),
+            OpFamily::Adapter => self.run_adapter(e, ctx),
+            OpFamily::Optimizer => self.run_optimizer(e, ctx),
+            OpFamily::Transfer => bail!(
+                "internal error: {}: the CUDA backend plans no tier to transfer between",
+                e.name
+            ),
+            OpFamily::Collective => bail!(
+                "internal error: {}: the CUDA backend runs one process (no collectives)",
+                e.name
             ),
         }
     }

@@ -23,6 +23,10 @@ pub mod sizing;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
+mod ops;
+#[cfg(feature = "cuda")]
 pub mod nvrtc;
 
 pub use sizing::CudaSizing;

@@ -1,0 +1,150 @@
+//! What every family's host code launches with: a kernel by name and storage type
+//! ([`GpuDevice::kernel`]), the device address of a buffer, of a parameter range or of its
+//! gradient ([`GpuDevice::ptr`], [`GpuDevice::param_ptr`], [`GpuDevice::grad_ptr`]), the
+//! regions of the backend's scratch ([`GpuDevice::scratch`]), and launch shapes
+//! ([`grid_stride`], [`rows_of_warps`]). Kernel arguments are plain values: device addresses
+//! as `u64`, sizes as `i32` or `i64` as each kernel's doc says, floats as `f32`.
+
+use super::gpu::GpuDevice;
+use super::sizing::Scratch;
+use crate::dtype::DType;
+use crate::ir::BufId;
+use crate::ir::schedule::OpEntry;
+use anyhow::{Result, anyhow};
+use cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig};
+use std::ops::Range;
+
+/// Threads of the grid-stride kernels' blocks.
+pub const BLOCK: u32 = 256;
+/// The most blocks a grid-stride launch uses (the kernels loop over the rest).
+pub const MAX_GRID: u64 = 65535;
+
+/// A grid-stride launch over `work` items: blocks of [`BLOCK`] threads, as many as the work
+/// needs up to [`MAX_GRID`] (at least one).
+pub fn grid_stride(work: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (work.div_ceil(BLOCK as u64).clamp(1, MAX_GRID) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row over `rows` rows, `warps` warps a block.
+pub fn rows_of_warps(rows: u64, warps: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(warps as u64).max(1) as u32, 1, 1),
+        block_dim: (32 * warps, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The suffix of the entries instantiated for storage type `storage`.
+pub fn suffix(storage: DType) -> &'static str {
+    match storage {
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+        _ => "f32",
+    }
+}
+
+/// Device addresses of the scratch regions ([`Scratch`]), 0 where a region is empty.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScratchPtrs {
+    pub cublaslt: (u64, u64),
+    pub weight_tile: (u64, u64),
+    pub partials: (u64, u64),
+    pub norm_partials: (u64, u64),
+    pub attention_rows: (u64, u64),
+}
+
+impl GpuDevice {
+    /// Entry `stem_<storage>` of the plan's storage type.
+    pub(super) fn kernel(&self, stem: &str) -> Result<&CudaFunction> {
+        self.plain_kernel(&format!("{stem}_{}", suffix(self.storage)))
+    }
+
+    /// Entry `name` (no storage suffix added).
+    pub(super) fn plain_kernel(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| anyhow!("internal error: no CUDA kernel {name} was loaded"))
+    }
+
+    /// Starts a launch of `f` on the device's stream.
+    pub(super) fn launch<'a>(&'a self, f: &'a CudaFunction) -> LaunchArgs<'a> {
+        self.stream.launch_builder(f)
+    }
+
+    /// Device address of buffer `id`.
+    pub(super) fn ptr(&self, id: BufId) -> Result<u64> {
+        self.addr(id).map(|(p, _)| p)
+    }
+
+    /// Device address of the first element of parameter range `r` of `e`'s parameter
+    /// binding (f32 master weights; a quantized base's blocks: the byte of the block holding
+    /// `r.start`).
+    pub(super) fn param_ptr(&self, e: &OpEntry, r: &Range<usize>) -> Result<u64> {
+        let b = e
+            .params
+            .ok_or_else(|| anyhow!("internal error: {} has no parameter binding", e.name))?;
+        let local = b.local(r).start as u64;
+        let dtype = self.dtypes[b.buf.0];
+        let offset = dtype
+            .bytes_for(local)
+            .ok_or_else(|| anyhow!("internal error: {}: a range starts inside a block", e.name))?;
+        Ok(self.ptr(b.buf)? + offset)
+    }
+
+    /// The dtype of the buffer `e`'s parameters are bound to (f32, or ggml blocks).
+    pub(super) fn param_dtype(&self, e: &OpEntry) -> Option<DType> {
+        e.params.map(|b| self.dtypes[b.buf.0])
+    }
+
+    /// Device address of the gradient of parameter range `r` (stored as the plan's storage
+    /// type) in `e`'s gradient binding.
+    pub(super) fn grad_ptr(&self, e: &OpEntry, r: &Range<usize>) -> Result<u64> {
+        let b = e
+            .grads
+            .ok_or_else(|| anyhow!("internal error: {} has no gradient binding", e.name))?;
+        let local = b.local(r).start as u64;
+        let size = self.dtypes[b.buf.0].size().unwrap_or(4) as u64;
+        Ok(self.ptr(b.buf)? + local * size)
+    }
+
+    /// The scratch regions' addresses and sizes.
+    pub(super) fn scratch(&self) -> ScratchPtrs {
+        let Some((base, _)) = self.scratch else {
+            return ScratchPtrs::default();
+        };
+        let s: Scratch = self.scratch_layout;
+        let (o, _) = s.offsets();
+        let at = |i: usize, bytes: u64| (if bytes > 0 { base + o[i] } else { 0 }, bytes);
+        ScratchPtrs {
+            cublaslt: at(0, s.cublaslt),
+            weight_tile: at(1, s.weight_tile),
+            partials: at(2, s.partials),
+            norm_partials: at(3, s.norm_partials),
+            attention_rows: at(4, s.attention_rows),
+        }
+    }
+}
+
+/// The error of a failed launch, naming the op and the kernel.
+pub fn launch_error(e: &OpEntry, kernel: &str, err: impl std::fmt::Debug) -> anyhow::Error {
+    anyhow!("{}: the GPU refused CUDA kernel {kernel}: {err:?}", e.name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_stride_launches_cover_the_work_within_the_grid_limit() {
+        assert_eq!(grid_stride(0).grid_dim.0, 1);
+        assert_eq!(grid_stride(256).grid_dim.0, 1);
+        assert_eq!(grid_stride(257).grid_dim.0, 2);
+        assert_eq!(grid_stride(1 << 40).grid_dim.0, MAX_GRID as u32);
+        assert_eq!(rows_of_warps(10, 4).grid_dim.0, 3);
+        assert_eq!(rows_of_warps(10, 4).block_dim.0, 128);
+    }
+}

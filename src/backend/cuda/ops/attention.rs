@@ -1,0 +1,14 @@
+//! The attention family on the GPU: not wired yet.
+
+use super::super::gpu::GpuDevice;
+use super::not_yet;
+use crate::backend::StepCtx;
+use crate::ir::schedule::OpEntry;
+use anyhow::Result;
+
+impl GpuDevice {
+    /// Runs `e`, an op of the attention family.
+    pub(in crate::backend::cuda) fn run_attention(&self, e: &OpEntry, _ctx: &StepCtx) -> Result<()> {
+        not_yet(e)
+    }
+}
