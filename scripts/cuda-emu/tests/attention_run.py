@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Builds and runs the CPU-emulated tests of src/backend/cuda/kernels/attention.cu
-(attention_test.cpp with attention_emu.h): the prelude common.cuh and attention.cu are
+(attention_check.cpp with attention_emu.h): the prelude common.cuh and attention.cu are
 rewritten for g++ (the f16 `asm` conversions become _Float16 ones; `__shared__` variables
 function statics, `extern __shared__` arrays a pointer into the emulator's guarded buffer) into a generated header.
 
@@ -36,13 +36,13 @@ def main():
     text = rewrite(open(os.path.join(K, "common.cuh")).read()) + "\n" + \
         rewrite(open(os.environ.get("ATT_SRC", os.path.join(K, "attention.cu"))).read())
     open(gen, "w").write(text)
-    exe = os.path.join(OUT, "attention_test")
+    exe = os.path.join(OUT, "attention_check")
     flags = ["-O2", "-g"]
     if "--tsan" in sys.argv:
         flags = ["-O1", "-g", "-fsanitize=thread"]
         exe += "-tsan"
     cmd = ["g++", "-std=c++20", *flags, "-pthread", f'-DATT_GEN="{gen}"', "-I", HERE,
-           os.path.join(HERE, "attention_test.cpp"), "-o", exe]
+           os.path.join(HERE, "attention_check.cpp"), "-o", exe]
     subprocess.run(cmd, check=True)
     mode = [m[2:] for m in ("--quick", "--long") if m in sys.argv]
     args = [exe] + mode[:1]

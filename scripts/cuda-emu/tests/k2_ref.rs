@@ -1,4 +1,4 @@
-//! Reference outputs for the xent / optimizer / lora / dequant kernel tests (k2_test.cpp):
+//! Reference outputs for the xent / optimizer / lora / dequant kernel tests (k2_check.cpp):
 //! the CPU backend's arithmetic, copied verbatim from src/backend/cpu/{reduce,xent,adamw,
 //! quant,lora}.rs and src/dtype/dequant.rs (minus rayon, multiversion and asserts), run on
 //! deterministic inputs. Writes every input and expected output as raw little-endian arrays

@@ -3,7 +3,7 @@
 #   1. k2_ref.rs (the CPU backend's arithmetic, copied verbatim) is built with rustc and the
 #      `half` crate's rlib from a cargo target directory (no cargo run), and writes inputs and
 #      expected outputs into $K2_REF;
-#   2. k2_test.cpp runs the kernels on them and compares, bitwise where the kernels promise
+#   2. k2_check.cpp runs the kernels on them and compares, bitwise where the kernels promise
 #      it: under the shared emulator (scripts/cuda-emu/run.py: fibers, two schedule orders,
 #      ASan/UBSan, poisoned shared memory) where it exists, else (or with --own) under
 #      k2_emu.h (g++, one thread per CUDA thread).
@@ -34,7 +34,7 @@ rustc -O --edition 2021 -o "$work/k2_ref" "$here/k2_ref.rs" \
 export K2_REF="$work/ref"
 
 if [ $own = 0 ] && [ -f "$root/scripts/cuda-emu/run.py" ]; then
-    python3 "$root/scripts/cuda-emu/run.py" ${K2_EMU_FLAGS:-} "$here/k2_test.cpp"
+    python3 "$root/scripts/cuda-emu/run.py" ${K2_EMU_FLAGS:-} "$here/k2_check.cpp"
     exit 0
 fi
 
@@ -51,5 +51,5 @@ EOF
 
 g++ -std=c++20 -O1 -ffp-contract=off -pthread -DK2_OWN_EMU -I"$root" \
     -include "$here/k2_emu.h" -include "$work/prelude_emu.cuh" \
-    -o "$work/k2_test" "$here/k2_test.cpp"
-"$work/k2_test"
+    -o "$work/k2_check" "$here/k2_check.cpp"
+"$work/k2_check"

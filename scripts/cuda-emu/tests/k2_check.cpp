@@ -367,7 +367,7 @@ static void test_dequant() {
 int main() {
     const char* dir = getenv("K2_REF");
     if (!dir) {
-        fprintf(stderr, "k2_test: set K2_REF to k2_ref's output directory\n");
+        fprintf(stderr, "k2_check: set K2_REF to k2_ref's output directory\n");
         return 2;
     }
     DIR = dir;
