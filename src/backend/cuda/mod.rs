@@ -25,9 +25,9 @@ mod gpu;
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
-mod ops;
-#[cfg(feature = "cuda")]
 pub mod nvrtc;
+#[cfg(feature = "cuda")]
+mod ops;
 
 pub use sizing::CudaSizing;
 

@@ -8,7 +8,11 @@ use anyhow::Result;
 
 impl GpuDevice {
     /// Runs `e`, an op of the activation family.
-    pub(in crate::backend::cuda) fn run_activation(&self, e: &OpEntry, _ctx: &StepCtx) -> Result<()> {
+    pub(in crate::backend::cuda) fn run_activation(
+        &self,
+        e: &OpEntry,
+        _ctx: &StepCtx,
+    ) -> Result<()> {
         not_yet(e)
     }
 }
