@@ -263,8 +263,8 @@ pub(crate) struct CalibrateArgs {
     #[arg(long)]
     pub(crate) quick: bool,
     /// The backend to measure, KIND or KIND:N, device N of that kind counted from 0 (KIND alone is
-    /// device 0); cpu (= cpu:0, all of this machine's cores) is the only one in this build
-    /// [default: cpu]
+    /// device 0): cpu (= cpu:0, all of this machine's cores), or cuda (= gpu: an NVIDIA GPU;
+    /// planned by any build, run by a build with `--features cuda`) [default: cpu]
     #[arg(
         long,
         value_name = "KIND[:N]",
@@ -482,12 +482,13 @@ pub(crate) struct StepArgs {
     pub(crate) threads: Option<usize>,
     /// Memory budget, e.g. 3GiB or 800MB: refuse plans whose predicted peak RSS exceeds it
     /// (the plan + the process baseline + a runtime reserve of 4 MiB + 1/128 of the plan for
-    /// what runs touch outside it); a run whose measured peak still exceeds it warns
+    /// what runs touch outside it); a run whose measured peak still exceeds it warns. With
+    /// --device cuda, the GPU's memory: the plan + the CUDA context + the reserve
     #[arg(long, value_parser = parse_bytes)]
     pub(crate) max_memory: Option<u64>,
     /// The backend that plans and runs the steps, KIND or KIND:N, device N of that kind counted
-    /// from 0 (KIND alone is device 0); cpu (= cpu:0, all of this machine's cores) is the only one
-    /// in this build [default: cpu]
+    /// from 0 (KIND alone is device 0): cpu (= cpu:0, all of this machine's cores), or cuda (= gpu:
+    /// an NVIDIA GPU; planned by any build, run by a build with `--features cuda`) [default: cpu]
     #[arg(
         long,
         value_name = "KIND[:N]",
@@ -852,8 +853,8 @@ pub(crate) struct SampleArgs {
     #[arg(long)]
     pub(crate) threads: Option<usize>,
     /// The backend that runs the model, KIND or KIND:N, device N of that kind counted from 0 (KIND
-    /// alone is device 0); cpu (= cpu:0, all of this machine's cores) is the only one in this build
-    /// [default: cpu]
+    /// alone is device 0): cpu (= cpu:0, all of this machine's cores), or cuda (= gpu: an NVIDIA
+    /// GPU; planned by any build, run by a build with `--features cuda`) [default: cpu]
     #[arg(
         long,
         value_name = "KIND[:N]",
@@ -904,8 +905,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_parser = parse_bytes)]
     pub(crate) max_memory: Option<u64>,
     /// The backend measured, KIND or KIND:N, device N of that kind counted from 0 (KIND alone is
-    /// device 0); cpu (= cpu:0, all of this machine's cores) is the only one in this build
-    /// [default: cpu]
+    /// device 0): cpu (= cpu:0, all of this machine's cores), or cuda (= gpu: an NVIDIA GPU;
+    /// planned by any build, run by a build with `--features cuda`) [default: cpu]
     #[arg(
         long,
         value_name = "KIND[:N]",

@@ -52,7 +52,8 @@ fn the_device_flag_takes_a_kind_and_a_number() {
         ("cpu:1", "the CPU backend is one device, cpu:0"),
         ("cpu:x", "'x' is not a device number"),
         (":0", "no device kind before ':'"),
-        ("cuda:1", "no GPU backend yet"),
+        ("tpu:0", "unknown device"),
+        ("cuda:x", "'x' is not a device number"),
     ] {
         let e = fails(&["plan", "--model", "gpt2-tiny", "--device", bad]);
         assert!(
@@ -63,6 +64,139 @@ fn the_device_flag_takes_a_kind_and_a_number() {
     // `--help` teaches the syntax.
     let help = ok(&["plan", "--help"]);
     assert!(help.contains("--device <KIND[:N]>"), "{help}");
+}
+
+/// A plan for a GPU is made on any machine, by any build: its memory is the GPU's (the one
+/// tier, with the CUDA context as the baseline), checked against `--max-memory` as the card's.
+#[test]
+fn a_gpu_plan_is_made_without_a_gpu() {
+    let plan = |max: &str| {
+        memwall(&[
+            "plan",
+            "--device",
+            "cuda",
+            "--model",
+            "gpt2",
+            "--batch",
+            "16",
+            "--seq",
+            "1024",
+            "--precision",
+            "bf16",
+            "--max-memory",
+            max,
+        ])
+    };
+    let o = plan("80GiB");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for says in [
+        "device memory",
+        "CUDA context (estimated)",
+        "predicted device peak",
+        "fits --max-memory 80.00 GiB",
+        "not modelled on a GPU yet",
+    ] {
+        assert!(out.contains(says), "{says}: {out}");
+    }
+    // The same step does not fit a small card: refused naming the flag.
+    let e = fails(&[
+        "plan",
+        "--device",
+        "cuda",
+        "--model",
+        "gpt2",
+        "--batch",
+        "16",
+        "--seq",
+        "1024",
+        "--precision",
+        "bf16",
+        "--max-memory",
+        "4GiB",
+    ]);
+    assert!(e.contains("--max-memory"), "{e}");
+    let json = ok(&[
+        "plan",
+        "--device",
+        "cuda",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "1",
+        "--seq",
+        "32",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let tiers = v["tiers"].as_array().unwrap();
+    assert_eq!(tiers.len(), 1, "{json}");
+    assert_eq!(tiers[0]["tier"], "device", "{json}");
+    let scratch = v["buffers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["name"] == "backend.scratch")
+        .expect("the backend's scratch is a plan buffer");
+    assert!(scratch["bytes"].as_u64().unwrap() >= 32 << 20, "{scratch}");
+    // What the GPU has no tier for yet is refused by name.
+    let e = fails(&[
+        "plan",
+        "--device",
+        "cuda",
+        "--model",
+        "gpt2-tiny",
+        "--offload",
+        "optimizer",
+    ]);
+    assert!(
+        e.contains("--offload optimizer") && e.contains("[gpu-offload]"),
+        "{e}"
+    );
+    let e = fails(&[
+        "plan",
+        "--device",
+        "cuda",
+        "--model",
+        "gpt2-tiny",
+        "--fit",
+        "--max-memory",
+        "8GiB",
+    ]);
+    assert!(e.contains("--fit --device cuda"), "{e}");
+}
+
+/// A build without the `cuda` feature refuses to run on a GPU, naming the feature, with exit
+/// status 2 (a usage error).
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_build_without_cuda_names_the_feature() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = memwall(&[
+        "bench",
+        "--device",
+        "cuda",
+        "--model",
+        "gpt2-tiny",
+        "--batch",
+        "1",
+        "--seq",
+        "32",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--device cuda")
+            && err.contains("--features cuda")
+            && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(!out.exists());
 }
 
 #[test]

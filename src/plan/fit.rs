@@ -245,6 +245,14 @@ pub fn plan_fitting(
     cal: &Calibration,
     backend: &(dyn Sizing + Sync),
 ) -> Result<Plan> {
+    // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing: its
+    // `--offload auto` is none.
+    let offload = match offload {
+        OffloadChoice::Auto if !backend.tiers().contains(&crate::ir::Tier::Nvme) => {
+            OffloadChoice::Set(OffloadSet::NONE)
+        }
+        o => o,
+    };
     let with = |r: Recompute, o: OffloadSet| {
         let mut c = StepConfig {
             recompute: r,
@@ -349,7 +357,8 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
         ),
         None => even_batch_1(plan, budget, baseline, backend)?,
     };
-    if plan.mode == Mode::Train && cfg.offload.set != OffloadSet::ALL {
+    let can_offload = backend.tiers().contains(&crate::ir::Tier::Nvme);
+    if plan.mode == Mode::Train && can_offload && cfg.offload.set != OffloadSet::ALL {
         let mut all = StepConfig {
             recompute: Recompute::Full,
             ..cfg.clone()
@@ -461,12 +470,16 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
     if plan.mode == Mode::Train {
         small.precision = Precision::Bf16;
         small.optim_state = OptimState::Int8;
-        small.offload.set = OffloadSet::ALL;
+        // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing.
+        let can_offload = backend.tiers().contains(&crate::ir::Tier::Nvme);
+        if can_offload {
+            small.offload.set = OffloadSet::ALL;
+        }
         for (differs, flag) in [
             (cfg.precision != Precision::Bf16, "--precision bf16"),
             (cfg.optim_state != OptimState::Int8, "--optim-state int8"),
             (cfg.recompute != Recompute::Full, "--recompute full"),
-            (cfg.offload.set != OffloadSet::ALL, "--offload all"),
+            (can_offload && cfg.offload.set != OffloadSet::ALL, "--offload all"),
         ] {
             if differs {
                 flags.push(flag);

@@ -31,6 +31,10 @@ pub struct Gpu {
     name: String,
     arch: Arch,
     total_bytes: u64,
+    /// Device memory in use right after the context was made (total − free then): the
+    /// context's share, and other processes'; what the plan's baseline estimates
+    /// ([`super::sizing::CONTEXT_BYTES`]).
+    used_at_open: u64,
 }
 
 /// The GPUs this process opened, each once.
@@ -90,6 +94,10 @@ impl Gpu {
             .compute_capability()
             .map_err(|e| unavailable(format!("cannot read its compute capability ({e:?})")))?;
         let total_bytes = ctx.total_mem().map(|b| b as u64).unwrap_or(0);
+        let used_at_open = ctx
+            .mem_get_info()
+            .map(|(free, total)| (total - free) as u64)
+            .unwrap_or(0);
         Ok(Gpu {
             id,
             ctx,
@@ -99,6 +107,7 @@ impl Gpu {
                 minor: minor as u32,
             },
             total_bytes,
+            used_at_open,
         })
     }
 }
@@ -154,6 +163,7 @@ impl Backend for Gpu {
         m.insert("gpu".into(), self.name.clone().into());
         m.insert("gpu_arch".into(), self.arch.to_string().into());
         m.insert("gpu_memory_bytes".into(), self.total_bytes.into());
+        m.insert("gpu_used_at_open_bytes".into(), self.used_at_open.into());
         m
     }
 }

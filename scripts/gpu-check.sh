@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Every check of the CUDA backend that needs a GPU, in one run on a GPU machine (which has no
+# Rust): the binaries come from scripts/gpu-build.sh, run here, in .gpu/. Writes under $OUT
+# (default /tmp/gpu-check), at most 8 files:
+#   check.log        everything, in order (what the device tool's output tail shows the end of)
+#   env.txt          nvidia-smi, driver, CUDA and NVIDIA libraries found
+#   kernels.log      every kernel source compiled by this machine's NVRTC for its card
+#   device.log       the device tests (open, allocate, bytes up and down, Zero) and their JSON
+#   conformance.log  the conformance suite on the GPU (every op kind, fp32/bf16/fp16)
+#   runs.jsonl       memwall plan/bench on the GPU, and PyTorch's reference, one JSON line each
+# Each step is bounded by a timeout, so one that hangs leaves the others' logs. Exit status:
+# the number of failed steps (0: all passed).
+#   Usage (device tool): carry [".gpu"], command "scripts/gpu-check.sh", timeout 600.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpu-check}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/check.log") 2>&1
+bin=.gpu/bin
+failed=0
+step() { # step NAME SECONDS LOG COMMAND...: runs one check, appending to LOG
+    local name=$1 secs=$2 log=$3
+    shift 3
+    echo "=== $name ($(date -u +%T), at most ${secs}s)"
+    local t0=$SECONDS
+    timeout -k 10 "$secs" "$@" >>"$log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc in $((SECONDS - t0)) s"
+    tail -n 15 "$log"
+    [ $rc = 0 ] || failed=$((failed + 1))
+}
+[ -x "$bin/memwall" ] || { echo "gpu-check: no $bin/memwall: run scripts/gpu-build.sh first and carry .gpu"; exit 99; }
+echo "commit $(cat .gpu/commit 2>/dev/null || echo unknown), machine $(hostname), $(date -u)"
+
+# The NVIDIA libraries: the CUDA toolkit's, then those that come with Python's packages.
+site=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)
+libs=/usr/local/cuda/lib64
+if [ -n "$site" ]; then
+    for d in "$site"/nvidia/*/lib "$site"/nvidia/cu13/lib; do [ -d "$d" ] && libs="$libs:$d"; done
+fi
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+{
+    nvidia-smi
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm --format=csv
+    /usr/local/cuda/bin/nvcc --version
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    for l in libcuda.so.1 libnvrtc.so.13 libcublasLt.so.13 libcublas.so.13; do
+        echo "$l: $(ldconfig -p | grep -m1 "$l" || find ${LD_LIBRARY_PATH//:/ } -maxdepth 1 -name "$l*" 2>/dev/null | head -1)"
+    done
+    python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+export RUST_BACKTRACE=1
+step "kernels: NVRTC for this card" 300 "$OUT/kernels.log" "$bin/cuda_kernels" --test-threads 1
+step "device: open, allocate, round trip, Zero" 120 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
+step "conformance suite on the GPU" 300 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
+step "plan for the GPU" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --json
+step "memwall bench on the GPU (gpt2, 16 x 1024, bf16)" 180 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
+if [ -f .gpu/torch_reference.py ]; then
+    step "PyTorch reference (gpt2, 16 x 1024, bf16, compile)" 300 "$OUT/runs.jsonl" python3 .gpu/torch_reference.py --device cuda --compile --precision bf16 --layers 12 --embd 768 --heads 12 --batch 16 --seq 1024 --steps 20
+fi
+echo "=== done: $failed step(s) failed"
+exit $failed
