@@ -479,7 +479,10 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
             (cfg.precision != Precision::Bf16, "--precision bf16"),
             (cfg.optim_state != OptimState::Int8, "--optim-state int8"),
             (cfg.recompute != Recompute::Full, "--recompute full"),
-            (can_offload && cfg.offload.set != OffloadSet::ALL, "--offload all"),
+            (
+                can_offload && cfg.offload.set != OffloadSet::ALL,
+                "--offload all",
+            ),
         ] {
             if differs {
                 flags.push(flag);

@@ -10,11 +10,12 @@
 //! Ops run by family (`ops/`, one file each, as the CPU's), launching the kernels of
 //! `kernels/*.cu` through `launch`; a family not wired yet refuses its ops by name.
 
+use super::flag::flag;
 use super::kernels::SOURCES;
 use super::nvrtc::{self, Arch};
 use super::sizing::CudaSizing;
 use super::sizing::Scratch;
-use crate::backend::{Backend, Device, DeviceId, DeviceKind, Peak, StepCtx, Unavailable};
+use crate::backend::{Backend, Device, Peak, StepCtx, Unavailable};
 use crate::dist::Comms;
 use crate::dtype::DType;
 use crate::ir::schedule::OpEntry;
@@ -26,7 +27,8 @@ use std::sync::{Arc, Mutex};
 
 /// One GPU, opened: its context and what the planner and reports want to know of it.
 pub struct Gpu {
-    id: DeviceId,
+    /// Its number among the machine's GPUs.
+    index: usize,
     ctx: Arc<CudaContext>,
     name: String,
     arch: Arch,
@@ -43,7 +45,7 @@ static OPENED: Mutex<Vec<&'static Gpu>> = Mutex::new(Vec::new());
 /// Opens GPU `index` once per process (later calls get the same one).
 pub fn open(index: usize) -> Result<&'static dyn Backend> {
     let mut opened = OPENED.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(g) = opened.iter().find(|g| g.id.index == index) {
+    if let Some(g) = opened.iter().find(|g| g.index == index) {
         return Ok(*g);
     }
     let gpu: &'static Gpu = Box::leak(Box::new(Gpu::open(index)?));
@@ -53,10 +55,7 @@ pub fn open(index: usize) -> Result<&'static dyn Backend> {
 
 impl Gpu {
     fn open(index: usize) -> Result<Gpu> {
-        let id = DeviceId {
-            kind: DeviceKind::Cuda,
-            index,
-        };
+        let id = flag(index);
         let unavailable = |why: String| anyhow!(Unavailable(format!("--device {id}: {why}")));
         // SAFETY: only loads the library (dlopen) and drops it.
         if !unsafe { ds::is_culib_present() } {
@@ -99,7 +98,7 @@ impl Gpu {
             .map(|(free, total)| (total - free) as u64)
             .unwrap_or(0);
         Ok(Gpu {
-            id,
+            index,
             ctx,
             name,
             arch: Arch {
@@ -147,7 +146,7 @@ impl Backend for Gpu {
             bail!(
                 "--device {}: ranks on GPUs need NCCL, which the CUDA backend does not have yet; \
                  run one process",
-                self.id
+                flag(self.index)
             );
         }
         Ok(Box::new(GpuDevice::new(self, program)?))
@@ -200,9 +199,12 @@ unsafe impl Sync for GpuDevice {}
 
 impl GpuDevice {
     fn new(gpu: &Gpu, program: &Program) -> Result<GpuDevice> {
-        gpu.ctx
-            .bind_to_thread()
-            .map_err(|e| anyhow!("--device {}: cannot use its context ({e:?})", gpu.id))?;
+        gpu.ctx.bind_to_thread().map_err(|e| {
+            anyhow!(
+                "--device {}: cannot use its context ({e:?})",
+                flag(gpu.index)
+            )
+        })?;
         let stream = gpu.ctx.default_stream();
         let mut device = GpuDevice {
             ctx: gpu.ctx.clone(),
@@ -232,7 +234,7 @@ impl GpuDevice {
                     "--device {}: cannot allocate the plan's {} of device memory ({e:?}); \
                      `memwall plan --device cuda --max-memory <the card's free memory>` tells \
                      what fits",
-                    gpu.id,
+                    flag(gpu.index),
                     crate::util::bytes::fmt_bytes(bytes)
                 )
             })?;

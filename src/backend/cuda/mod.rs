@@ -17,6 +17,7 @@
 //! Without the feature, [`open`] refuses naming it: a plan for `--device cuda` is made, a
 //! step is not run.
 
+mod flag;
 pub mod kernels;
 pub mod sizing;
 
@@ -29,6 +30,7 @@ pub mod nvrtc;
 #[cfg(feature = "cuda")]
 mod ops;
 
+pub use flag::flag;
 pub use sizing::CudaSizing;
 
 use super::Backend;
@@ -44,10 +46,7 @@ pub fn open(index: usize) -> Result<&'static dyn Backend> {
 /// Refuses: this build has no CUDA backend. Names the feature that has it.
 #[cfg(not(feature = "cuda"))]
 pub fn open(index: usize) -> Result<&'static dyn Backend> {
-    let device = super::DeviceId {
-        kind: super::DeviceKind::Cuda,
-        index,
-    };
+    let device = flag(index);
     Err(super::Unavailable(format!(
         "--device {device}: this memwall was built without the CUDA backend; build it with \
          `cargo build --release --features cuda` (a plan needs no GPU: `memwall plan --device \
