@@ -3,11 +3,12 @@
 //!
 //! The GPU's one tier is its memory ([`Tier::Device`]): every plan buffer is packed there,
 //! the backend's own scratch among them ([`Scratch`], the plan's persistent
-//! `backend.scratch`, sized from the ops): cuBLASLt's workspace, the weight tile a GEMM reads in the storage type (an f32
-//! master weight converted, or a quantized base's blocks decoded), the partial sums of the
-//! deterministic reductions, and attention's backward row statistics. The kernels' plan
-//! workspaces (`attention_workspace_elems` and the two GEMM tiles) are therefore empty on
-//! the GPU. The CUDA context's own device memory is the baseline ([`CONTEXT_BYTES`]).
+//! `backend.scratch`, sized from the ops): cuBLASLt's workspace, the weight tile a GEMM reads
+//! in the storage type (an f32 master weight converted, or a quantized base's blocks
+//! decoded), the partial sums of the deterministic reductions, attention's backward row
+//! statistics and the embedding backward's row links. The kernels' plan workspaces
+//! (`attention_workspace_elems` and the two GEMM tiles) are therefore empty on the GPU. The
+//! CUDA context's own device memory is the baseline ([`CONTEXT_BYTES`]).
 
 use crate::dtype::DType;
 use crate::ir::schedule::{Op, OpEntry};
@@ -27,12 +28,30 @@ pub const CUBLASLT_WORKSPACE_BYTES: u64 = 32 << 20;
 /// measures it on the card.
 pub const CONTEXT_BYTES: u64 = 512 << 20;
 
-/// Blocks a column reduction over rows (a norm's weight gradient, a bias gradient) is cut
-/// into: each writes one f32 partial row, summed in block order by a second kernel.
+/// Blocks a column reduction over rows (a bias gradient) is cut into: each writes one f32
+/// partial row, summed in block order by a second kernel.
 pub const REDUCE_BLOCKS: u64 = 256;
 
-/// Blocks the gradient norm's sum of squares is cut into (one f64 partial each).
-pub const NORM_BLOCKS: u64 = 1024;
+/// Rows per chunk of a norm's parameter gradients (`kernels/norm.cu`, R): the
+/// `*_backward_partials` kernels sum rows in chunks of this many, one f32 partial row per
+/// chunk, and `norm_reduce_partials` sums the chunks in order. Fixed, so the bits depend on
+/// the shape alone.
+pub const NORM_CHUNK_ROWS: u64 = 64;
+
+/// Gradient elements per f64 partial of the gradient norm (`kernels/optimizer.cu`,
+/// `GN_CHUNK`).
+pub const GRADNORM_CHUNK: u64 = 16384;
+
+/// Chunks of [`NORM_CHUNK_ROWS`] rows over `n` rows: the partial rows a norm's backward
+/// writes per parameter vector (P).
+pub fn norm_chunks(n: u64) -> u64 {
+    n.div_ceil(NORM_CHUNK_ROWS)
+}
+
+/// The f64 partials of the gradient norm over `len` gradient elements.
+pub fn gradnorm_parts(len: u64) -> u64 {
+    len.div_ceil(GRADNORM_CHUNK)
+}
 
 /// The backend's own device scratch for a schedule, region by region (bytes; each region
 /// starts at a 256-byte boundary of the one allocation).
@@ -45,13 +64,18 @@ pub struct Scratch {
     /// decoded (to the storage type, f32 in fp32 plans). Empty for an fp32 plan with no
     /// quantized base (its GEMMs read the f32 weights where they are).
     pub weight_tile: u64,
-    /// f32 partial rows of the column reductions over rows: [`REDUCE_BLOCKS`] × the widest
-    /// reduced row × 2 (a LayerNorm's weight and bias).
+    /// f32 partial rows of the column reductions over rows, for the largest: a norm's
+    /// backward, P = ceil(N / [`NORM_CHUNK_ROWS`]) rows of C (× 2 for a LayerNorm: its weight
+    /// and bias); a bias gradient, [`REDUCE_BLOCKS`] × OC × 2.
     pub partials: u64,
-    /// f64 partials of the gradient norm ([`NORM_BLOCKS`]).
+    /// f64 partials of the gradient norm: ceil(len / [`GRADNORM_CHUNK`]) of the largest
+    /// range.
     pub norm_partials: u64,
     /// Attention's backward: `D = rowsum(dout ⊙ out)` `[B, NH, T]` f32 of the largest.
     pub attention_rows: u64,
+    /// The embedding backward's row links (`kernels/embedding.cu`): u32 `[2·N]` of the
+    /// largest.
+    pub link: u64,
 }
 
 fn align(b: u64) -> u64 {
@@ -76,33 +100,45 @@ impl Scratch {
             if storage != DType::F32 || e.frozen {
                 s.weight_tile = s.weight_tile.max(weight * tile_elem);
             }
-            let reduced = match &e.op {
-                Op::LayerNormBackward { c, .. } | Op::RmsNormBackward { c, .. } => *c,
-                Op::MatmulBackward { oc, b: Some(_), .. } => *oc,
+            let partials = match &e.op {
+                // A frozen norm computes no parameter gradient: no partials.
+                Op::LayerNormBackward { rows, c, .. } if !e.frozen => {
+                    2 * norm_chunks(rows.n() as u64) * *c as u64 * 4
+                }
+                Op::RmsNormBackward { rows, c, .. } if !e.frozen => {
+                    norm_chunks(rows.n() as u64) * *c as u64 * 4
+                }
+                Op::MatmulBackward { oc, b: Some(_), .. } => REDUCE_BLOCKS * *oc as u64 * 2 * 4,
                 _ => 0,
-            } as u64;
-            s.partials = s.partials.max(REDUCE_BLOCKS * reduced * 2 * 4);
-            if let Op::GradNorm { .. } = e.op {
-                s.norm_partials = NORM_BLOCKS * 8;
+            };
+            s.partials = s.partials.max(partials);
+            if let Op::GradNorm { range, .. } = &e.op {
+                s.norm_partials = s.norm_partials.max(gradnorm_parts(range.len() as u64) * 8);
             }
             if let Op::AttentionBackward { rows, nh, .. } = &e.op {
                 s.attention_rows = s.attention_rows.max((rows.n() * nh * 4) as u64);
+            }
+            if let Op::EncoderBackward { rows, .. } = &e.op
+                && !e.frozen
+            {
+                s.link = s.link.max(2 * rows.n() as u64 * 4);
             }
         }
         s
     }
 
     /// Byte offsets of the regions, in field order, and the total.
-    pub fn offsets(&self) -> ([u64; 5], u64) {
+    pub fn offsets(&self) -> ([u64; 6], u64) {
         let sizes = [
             self.cublaslt,
             self.weight_tile,
             self.partials,
             self.norm_partials,
             self.attention_rows,
+            self.link,
         ];
         let mut at = 0;
-        let mut offsets = [0; 5];
+        let mut offsets = [0; 6];
         for (o, size) in offsets.iter_mut().zip(sizes) {
             *o = at;
             at += align(size);
@@ -113,6 +149,11 @@ impl Scratch {
     /// Bytes of the one scratch allocation.
     pub fn total(&self) -> u64 {
         self.offsets().1
+    }
+
+    /// Byte offset of the [`Scratch::link`] region.
+    pub fn link_offset(&self) -> u64 {
+        self.offsets().0[5]
     }
 }
 
@@ -163,5 +204,103 @@ impl Sizing for CudaSizing {
 
     fn baseline_bytes(&self) -> Option<u64> {
         Some(CONTEXT_BYTES)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::BufId;
+    use crate::ir::schedule::{Phase, Rows};
+
+    fn entry(op: Op, frozen: bool) -> OpEntry {
+        OpEntry {
+            name: "op".into(),
+            phase: Phase::Backward,
+            op,
+            flops: 0,
+            params: None,
+            grads: None,
+            micro: 0,
+            frozen,
+        }
+    }
+
+    const ROWS: Rows = Rows { b: 4, t: 1000 }; // N = 4000: 63 chunks of 64 rows
+
+    fn layer_norm_backward(c: usize) -> Op {
+        Op::LayerNormBackward {
+            dinp: BufId(0),
+            dout: BufId(1),
+            inp: BufId(2),
+            mean: BufId(3),
+            rstd: BufId(4),
+            w: 0..c,
+            b: c..2 * c,
+            rows: ROWS,
+            c,
+        }
+    }
+
+    #[test]
+    fn partials_hold_the_largest_norm_backward() {
+        let rms = Op::RmsNormBackward {
+            dinp: BufId(0),
+            dout: BufId(1),
+            inp: BufId(2),
+            rstd: BufId(4),
+            w: 0..4096,
+            rows: ROWS,
+            c: 4096,
+        };
+        let s = Scratch::for_ops(&[entry(rms.clone(), false)], DType::Bf16);
+        assert_eq!(s.partials, 63 * 4096 * 4);
+        let s = Scratch::for_ops(
+            &[entry(rms, false), entry(layer_norm_backward(768), false)],
+            DType::Bf16,
+        );
+        assert_eq!(s.partials, 63 * 4096 * 4);
+        let s = Scratch::for_ops(&[entry(layer_norm_backward(4096), false)], DType::F32);
+        assert_eq!(s.partials, 2 * 63 * 4096 * 4);
+        // A frozen norm computes no parameter gradient.
+        let s = Scratch::for_ops(&[entry(layer_norm_backward(4096), true)], DType::F32);
+        assert_eq!(s.partials, 0);
+    }
+
+    #[test]
+    fn gradient_norm_partials_hold_the_largest_range() {
+        let norm = |len: usize| {
+            entry(
+                Op::GradNorm {
+                    range: 10..10 + len,
+                    out: BufId(0),
+                    slot: 0,
+                },
+                false,
+            )
+        };
+        let s = Scratch::for_ops(&[norm(16384 * 3 + 1), norm(5)], DType::F32);
+        assert_eq!(s.norm_partials, 4 * 8);
+        assert_eq!(Scratch::for_ops(&[norm(0)], DType::F32).norm_partials, 0);
+    }
+
+    #[test]
+    fn the_row_links_are_the_last_region() {
+        let op = Op::EncoderBackward {
+            dout: BufId(0),
+            tokens: BufId(1),
+            positions: None,
+            wte: 0..768 * 50257,
+            wpe: None,
+            rows: ROWS,
+            c: 768,
+        };
+        let s = Scratch::for_ops(&[entry(op, false)], DType::Bf16);
+        assert_eq!(s.link, 2 * 4000 * 4);
+        let (o, total) = s.offsets();
+        assert_eq!(s.link_offset(), o[5]);
+        assert_eq!(o[5] % 256, 0);
+        assert!(o[5] >= o[4] + s.attention_rows);
+        assert_eq!(total, o[5] + align(s.link));
     }
 }

@@ -1,18 +1,329 @@
-//! The embedding family on the GPU: not wired yet.
+//! The embedding family on the GPU (`kernels/embedding.cu`, and `kernels/dequant.cu` for a
+//! quantized table), as the CPU's `ops/embedding.rs`:
+//!
+//! - [`Op::Encoder`], f32 tables: `encoder_forward_<S>(out, tokens, positions or 0, wte, wpe
+//!   or 0, N, T, C, V)`, grid-stride over the N·C outputs. A table bound to a quantized base
+//!   (ggml blocks: a LoRA plan's `--base-quant`, no `wpe`): the CPU decodes each row as it
+//!   gathers it; here the stream is drained, the tokens read back, and each row `n` is
+//!   `dequant_<type>_<S>(wte, C, tokens[n], 1, out + n·C)` (one launch per row; the decoded
+//!   values rounded to T once, as the CPU's `T::from_f32`).
+//! - [`Op::EncoderBackward`] (nothing when frozen): for dwte, keyed by the tokens,
+//!   `encoder_link_rows(link, keys, N, T)`, `encoder_mark_rows(link, N)`,
+//!   `encoder_backward_accumulate_<S>(dwte, dout, keys, link, N, T, C, V)`; then with `wpe`
+//!   the same three keyed by the positions (or row % T: keys 0), into dwpe with T table rows.
+//!   `link` is the scratch's u32 `[2·N]` region ([`Scratch::link`]).
+//!
+//! N and T are the op's rows at the step's sequence length (`rows.with_seq(ctx.seq)`);
+//! nothing runs when N or C is 0.
+//!
+//! [`Scratch::link`]: super::super::sizing::Scratch::link
 
 use super::super::gpu::GpuDevice;
-use super::not_yet;
-use crate::backend::StepCtx;
-use crate::ir::schedule::OpEntry;
-use anyhow::Result;
+use super::super::launch::{BLOCK, grid_stride};
+use super::norm::{int, launch_kernel};
+use crate::backend::{Device, StepCtx};
+use crate::dtype::{DType, GgmlType};
+use crate::ir::BufId;
+use crate::ir::schedule::{Op, OpEntry};
+use anyhow::{Result, bail};
+use cudarc::driver::LaunchConfig;
 
 impl GpuDevice {
     /// Runs `e`, an op of the embedding family.
-    pub(in crate::backend::cuda) fn run_embedding(
+    pub(in crate::backend::cuda) fn run_embedding(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
+        match &e.op {
+            Op::Encoder {
+                tokens,
+                positions,
+                out,
+                wte,
+                wpe,
+                rows,
+                c,
+            } => {
+                let (r, c) = (rows.with_seq(ctx.seq), *c);
+                let n = r.n();
+                if n == 0 || c == 0 {
+                    return Ok(());
+                }
+                let v = wte.len() / c;
+                match self.param_dtype(e) {
+                    Some(DType::F32) => {}
+                    Some(DType::Ggml(ty)) => {
+                        if wpe.is_some() {
+                            bail!("internal error: {}: a quantized base with wpe", e.name);
+                        }
+                        return self.gather_quantized(e, ty, *tokens, *out, wte, n, c);
+                    }
+                    Some(d) => bail!(
+                        "internal error: {}: its table is bound to {d} values, not f32 or \
+                         ggml blocks",
+                        e.name
+                    ),
+                    None => bail!("internal error: {} has no parameter binding", e.name),
+                }
+                let (name, f) = self.entry("encoder_forward")?;
+                let (out, tokens) = (self.ptr(*out)?, self.ptr(*tokens)?);
+                let positions = self.ptr_or_null(*positions)?;
+                let wte = self.param_ptr(e, wte)?;
+                let wpe = match wpe {
+                    Some(r) => self.param_ptr(e, r)?,
+                    None => 0,
+                };
+                let (ni, ti, ci, vi) = (
+                    int(e, "N", n)?,
+                    int(e, "T", r.t)?,
+                    int(e, "C", c)?,
+                    int(e, "V", v)?,
+                );
+                // SAFETY: encoder_forward_<S>(T* out, const unsigned* tokens, const unsigned*
+                // positions, const float* wte, const float* wpe, int N, int T, int C, int V):
+                // out [N, C] T, tokens (positions) [N] u32 or 0, wte [V, C] f32, wpe [maxT, C]
+                // f32 or 0 (the ranges' first elements).
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    grid_stride((n * c) as u64),
+                    [&out, &tokens, &positions, &wte, &wpe, &ni, &ti, &ci, &vi]
+                )
+            }
+            Op::EncoderBackward {
+                dout,
+                tokens,
+                positions,
+                wte,
+                wpe,
+                rows,
+                c,
+            } => {
+                if e.frozen {
+                    return Ok(());
+                }
+                let (r, c) = (rows.with_seq(ctx.seq), *c);
+                let n = r.n();
+                if n == 0 || c == 0 {
+                    return Ok(());
+                }
+                let link = self.link(e, n)?;
+                let dout = self.ptr(*dout)?;
+                let dwte = self.grad_ptr(e, wte)?;
+                let s = Scatter {
+                    n: int(e, "N", n)?,
+                    t: int(e, "T", r.t)?,
+                    c: int(e, "C", c)?,
+                    link,
+                    dout,
+                };
+                let tokens = self.ptr(*tokens)?;
+                self.scatter(e, &s, tokens, dwte, int(e, "V", wte.len() / c)?)?;
+                let Some(wpe) = wpe else {
+                    return Ok(());
+                };
+                if wpe.len() < r.t * c {
+                    bail!(
+                        "internal error: {}: wpe has {} rows, fewer than T = {}",
+                        e.name,
+                        wpe.len() / c,
+                        r.t
+                    );
+                }
+                let dwpe = self.grad_ptr(e, wpe)?;
+                let positions = self.ptr_or_null(*positions)?;
+                self.scatter(e, &s, positions, dwpe, s.t)
+            }
+            _ => bail!("internal error: {} is not an embedding op", e.name),
+        }
+    }
+
+    /// Device address of `id`, or 0 (a kernel's NULL) for none.
+    fn ptr_or_null(&self, id: Option<BufId>) -> Result<u64> {
+        id.map_or(Ok(0), |id| self.ptr(id))
+    }
+
+    /// The scratch's `link` region, checked to hold u32 `[2·n]`.
+    fn link(&self, e: &OpEntry, n: usize) -> Result<u64> {
+        let need = 2 * n as u64 * 4;
+        let s = self.scratch_layout;
+        match self.scratch {
+            Some((base, _)) if s.link >= need => Ok(base + s.link_offset()),
+            _ => bail!(
+                "internal error: {}: the backend's scratch has {} bytes of row links, the op \
+                 needs {need}",
+                e.name,
+                s.link
+            ),
+        }
+    }
+
+    /// Steps 1-3 (or 4-6) of the backward: `dtable[key(r)] += dout[r]` for every row, keyed
+    /// by `keys` (u32 `[N]`, or 0: row % T), over a table of `table_rows` rows.
+    fn scatter(
         &self,
         e: &OpEntry,
-        _ctx: &StepCtx,
+        s: &Scatter,
+        keys: u64,
+        dtable: u64,
+        table_rows: i32,
     ) -> Result<()> {
-        not_yet(e)
+        let (link, dout) = (s.link, s.dout);
+        let (n, t, c) = (s.n, s.t, s.c);
+        let f = self.plain_kernel("encoder_link_rows")?;
+        // SAFETY: encoder_link_rows(unsigned* link, const unsigned* keys, int N, int T): link
+        // u32 [2·N] (the region holds it), keys u32 [N] or 0 with T > 0; one thread per row.
+        launch_kernel!(
+            self,
+            e,
+            "encoder_link_rows",
+            f,
+            link_grid(n as u64),
+            [&link, &keys, &n, &t]
+        )?;
+        let f = self.plain_kernel("encoder_mark_rows")?;
+        // SAFETY: encoder_mark_rows(unsigned* link, int N): link u32 [2·N].
+        launch_kernel!(
+            self,
+            e,
+            "encoder_mark_rows",
+            f,
+            grid_stride(n as u64),
+            [&link, &n]
+        )?;
+        let (name, f) = self.entry("encoder_backward_accumulate")?;
+        // SAFETY: encoder_backward_accumulate_<S>(T* dtable, const T* dout, const unsigned*
+        // keys, const unsigned* link, int N, int T, int C, int table_rows): dtable
+        // [table_rows, C] T +=, dout [N, C] T, keys as given to encoder_link_rows, link u32
+        // [2·N] from it and encoder_mark_rows.
+        launch_kernel!(
+            self,
+            e,
+            name,
+            f,
+            accumulate_grid(n as u64, c as u64),
+            [&dtable, &dout, &keys, &link, &n, &t, &c, &table_rows]
+        )
+    }
+
+    /// `out[n, :] = T(decode(wte row tokens[n]))` for a table of ggml blocks: the tokens read
+    /// back (the stream drained first), one `dequant_<type>_<S>` launch per row.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_quantized(
+        &self,
+        e: &OpEntry,
+        ty: GgmlType,
+        tokens: BufId,
+        out: BufId,
+        wte: &std::ops::Range<usize>,
+        n: usize,
+        c: usize,
+    ) -> Result<()> {
+        if !ty.dequantizable() {
+            bail!(
+                "{}: the CUDA backend cannot decode a {ty} table (it decodes {})",
+                e.name,
+                crate::dtype::ggml::DEQUANTIZABLE.join(", ")
+            );
+        }
+        let (name, f) = self.entry(&dequant_stem(ty))?;
+        let v = wte.len() / c;
+        let mut ids: Vec<u32> = Vec::new();
+        self.download(&[tokens], &mut |bufs| {
+            ids = bufs[0]
+                .chunks_exact(4)
+                .take(n)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+        })?;
+        if ids.len() < n {
+            bail!("internal error: {}: fewer than N = {n} tokens", e.name);
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= v) {
+            bail!("{}: token {bad} >= vocabulary {v}", e.name);
+        }
+        let w = self.param_ptr(e, wte)?;
+        let out = self.ptr(out)?;
+        let row_bytes = c as u64 * self.storage.size().unwrap_or(4) as u64;
+        let (cols, one) = (int(e, "C", c)?, 1i32);
+        for (i, &tok) in ids.iter().enumerate() {
+            let (r0, o) = (tok as i32, out + i as u64 * row_bytes);
+            // SAFETY: dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, T* out): w
+            // the table's blocks [V rows of C values], r0 + 1 <= V (checked), out row i of
+            // [N, C] T.
+            launch_kernel!(
+                self,
+                e,
+                name,
+                f,
+                grid_stride(c as u64),
+                [&w, &cols, &r0, &one, &o]
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The sizes and addresses both scatters of a backward share.
+struct Scatter {
+    n: i32,
+    t: i32,
+    c: i32,
+    link: u64,
+    dout: u64,
+}
+
+/// `encoder_link_rows`: one thread per row, blocks of [`BLOCK`] rows.
+fn link_grid(n: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(BLOCK as u64).max(1) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `encoder_backward_accumulate`: a block per row (up to 2^31 - 1, strided) and per
+/// [`BLOCK`] channels (up to 65535, strided).
+fn accumulate_grid(n: u64, c: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            n.clamp(1, i32::MAX as u64) as u32,
+            c.div_ceil(BLOCK as u64).clamp(1, 65535) as u32,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The stem of the kernel decoding ggml type `ty` (`dequant_q8_0`, `dequant_q4_k`, ...).
+fn dequant_stem(ty: GgmlType) -> String {
+    format!("dequant_{}", ty.name.to_ascii_lowercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::kernels::SOURCES;
+
+    #[test]
+    fn backward_grids_cover_rows_and_channels() {
+        let g = link_grid(1000);
+        assert_eq!((g.grid_dim, g.block_dim), ((4, 1, 1), (256, 1, 1)));
+        assert_eq!(link_grid(256).grid_dim.0, 1);
+        let g = accumulate_grid(8192, 768);
+        assert_eq!((g.grid_dim, g.block_dim), ((8192, 3, 1), (256, 1, 1)));
+        assert_eq!(accumulate_grid(1, 1).grid_dim, (1, 1, 1));
+    }
+
+    #[test]
+    fn every_decodable_type_has_its_kernel() {
+        let dequant = SOURCES.iter().find(|s| s.name == "dequant.cu").unwrap();
+        for name in crate::dtype::ggml::DEQUANTIZABLE {
+            let id = (0..64)
+                .find(|&id| GgmlType::from_id(id).is_ok_and(|t| t.name == *name))
+                .unwrap();
+            let stem = dequant_stem(GgmlType::from_id(id).unwrap());
+            assert!(dequant.per_storage.contains(&stem.as_str()), "{stem}");
+        }
     }
 }

@@ -1,14 +1,383 @@
-//! The norm family on the GPU: not wired yet.
+//! The norm family on the GPU (`kernels/norm.cu`): layer norm and RMS norm, forward and
+//! backward, as the CPU's `ops/norm.rs`.
+//!
+//! - [`Op::LayerNorm`]: `layernorm_forward_<S>`, one warp per row ([`rows_of_warps`]).
+//! - [`Op::RmsNorm`]: `rmsnorm_forward_<S>`, likewise.
+//! - [`Op::LayerNormBackward`]: `layernorm_backward_input_<S>` (dinp +=, one warp per row),
+//!   then, unless the op is frozen, `layernorm_backward_partials_<S>` into the scratch's
+//!   `partials` (`[2, P, C]` f32, rows in chunks of [`NORM_CHUNK_ROWS`]) and
+//!   `norm_reduce_partials_<S>` twice: into dw from `partials`, into db from `partials + P·C`.
+//! - [`Op::RmsNormBackward`]: `rmsnorm_backward_input_<S>`, then, unless frozen,
+//!   `rmsnorm_backward_partials_<S>` (`[P, C]`) and `norm_reduce_partials_<S>` into dw.
+//!
+//! N is the op's rows at the step's sequence length (`rows.with_seq(ctx.seq)`: generation's
+//! shorter prefix); nothing runs when N or C is 0 (the CPU then changes nothing).
+//!
+//! This file also holds what the families wired with it share (`activation.rs`,
+//! `embedding.rs`, `optimizer.rs`): the launch macro [`launch_kernel`], a kernel by stem with
+//! its full name ([`GpuDevice::entry`]) and the `int` arguments' range check ([`int`]); they
+//! belong in `launch.rs`.
 
 use super::super::gpu::GpuDevice;
-use super::not_yet;
+use super::super::launch::{BLOCK, grid_stride, rows_of_warps, suffix};
+use super::super::sizing::{NORM_CHUNK_ROWS, norm_chunks};
 use crate::backend::StepCtx;
-use crate::ir::schedule::OpEntry;
-use anyhow::Result;
+use crate::dtype::DType;
+use crate::ir::schedule::{Op, OpEntry};
+use anyhow::{Result, bail};
+use cudarc::driver::{CudaFunction, LaunchConfig};
+use std::ops::Range;
+
+/// Warps per block of the one-warp-per-row kernels (blocks of 256 threads).
+pub(super) const ROW_WARPS: u32 = 8;
+
+/// Launches kernel `$f` (named `$name` in errors) of op `$e` on `$dev`'s stream with launch
+/// shape `$cfg` and the arguments `$arg` (references to locals: `u64` device addresses,
+/// `i32`, `i64`, `f32`), in the kernel's order; a `Result<()>`, the error naming the op and
+/// the kernel. The caller vouches (a `SAFETY` comment at the call) that the arguments are the
+/// kernel's signature and the addresses hold what the kernel reads and writes.
+macro_rules! launch_kernel {
+    ($dev:expr, $e:expr, $name:expr, $f:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        use cudarc::driver::PushKernelArg;
+        let mut args = $dev.launch($f);
+        $(args.arg($arg);)*
+        // SAFETY: the caller's: the arguments match the kernel's signature and every address
+        // holds the elements the kernel's doc comment says it touches.
+        unsafe { args.launch($cfg) }
+            .map(|_| ())
+            .map_err(|err| $crate::backend::cuda::launch::launch_error($e, &$name, err))
+    }};
+}
+pub(super) use launch_kernel;
 
 impl GpuDevice {
+    /// Entry `stem_<storage>` and its full name (for errors).
+    pub(super) fn entry(&self, stem: &str) -> Result<(String, &CudaFunction)> {
+        let f = self.kernel(stem)?;
+        Ok((format!("{stem}_{}", suffix(self.storage)), f))
+    }
+
+    /// Device address of parameter range `r`'s f32 values (an internal error where `e` is
+    /// bound to anything but f32: a quantized base's blocks).
+    pub(super) fn f32_param_ptr(&self, e: &OpEntry, r: &Range<usize>) -> Result<u64> {
+        match self.param_dtype(e) {
+            Some(DType::F32) => self.param_ptr(e, r),
+            Some(d) => bail!(
+                "internal error: {}: its parameters are bound to {d} values, not f32",
+                e.name
+            ),
+            None => bail!("internal error: {} has no parameter binding", e.name),
+        }
+    }
+
     /// Runs `e`, an op of the norm family.
-    pub(in crate::backend::cuda) fn run_norm(&self, e: &OpEntry, _ctx: &StepCtx) -> Result<()> {
-        not_yet(e)
+    pub(in crate::backend::cuda) fn run_norm(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
+        match &e.op {
+            Op::LayerNorm {
+                inp,
+                out,
+                mean,
+                rstd,
+                w,
+                b,
+                rows,
+                c,
+                eps,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if n == 0 || c == 0 {
+                    return Ok(());
+                }
+                let (name, f) = self.entry("layernorm_forward")?;
+                let (out, mean, rstd, inp) = (
+                    self.ptr(*out)?,
+                    self.ptr(*mean)?,
+                    self.ptr(*rstd)?,
+                    self.ptr(*inp)?,
+                );
+                let (w, b) = (self.f32_param_ptr(e, w)?, self.f32_param_ptr(e, b)?);
+                let (ni, ci, eps) = (int(e, "N", n)?, int(e, "C", c)?, *eps);
+                // SAFETY: layernorm_forward_<S>(T* out, float* mean, float* rstd, const T* inp,
+                // const float* w, const float* b, int N, int C, float eps): out, inp [N, C] of
+                // T, mean, rstd [N] f32, w, b [C] f32 (the ranges' first elements).
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    row_warps(n),
+                    [&out, &mean, &rstd, &inp, &w, &b, &ni, &ci, &eps]
+                )
+            }
+            Op::RmsNorm {
+                inp,
+                out,
+                rstd,
+                w,
+                rows,
+                c,
+                eps,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if n == 0 || c == 0 {
+                    return Ok(());
+                }
+                let (name, f) = self.entry("rmsnorm_forward")?;
+                let (out, rstd, inp) = (self.ptr(*out)?, self.ptr(*rstd)?, self.ptr(*inp)?);
+                let w = self.f32_param_ptr(e, w)?;
+                let (ni, ci, eps) = (int(e, "N", n)?, int(e, "C", c)?, *eps);
+                // SAFETY: rmsnorm_forward_<S>(T* out, float* rstd, const T* inp, const float*
+                // w, int N, int C, float eps), shapes as the layer norm's.
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    row_warps(n),
+                    [&out, &rstd, &inp, &w, &ni, &ci, &eps]
+                )
+            }
+            Op::LayerNormBackward {
+                dinp,
+                dout,
+                inp,
+                mean,
+                rstd,
+                w,
+                b,
+                rows,
+                c,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if n == 0 || c == 0 {
+                    return Ok(());
+                }
+                let (ni, ci) = (int(e, "N", n)?, int(e, "C", c)?);
+                let (dinp, dout, inp, mean, rstd) = (
+                    self.ptr(*dinp)?,
+                    self.ptr(*dout)?,
+                    self.ptr(*inp)?,
+                    self.ptr(*mean)?,
+                    self.ptr(*rstd)?,
+                );
+                let wp = self.f32_param_ptr(e, w)?;
+                let (name, f) = self.entry("layernorm_backward_input")?;
+                // SAFETY: layernorm_backward_input_<S>(T* dinp, const T* dout, const T* inp,
+                // const float* w, const float* mean, const float* rstd, int N, int C): dinp,
+                // dout, inp [N, C] T (dinp +=), w [C] f32, mean, rstd [N] f32.
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    row_warps(n),
+                    [&dinp, &dout, &inp, &wp, &mean, &rstd, &ni, &ci]
+                )?;
+                if e.frozen {
+                    return Ok(());
+                }
+                let chunks = NormChunks::of(n, c, 2);
+                let partials = self.partials(e, chunks.bytes)?;
+                let (pi, ri) = (int(e, "P", chunks.p)?, NORM_CHUNK_ROWS as i32);
+                let (name, f) = self.entry("layernorm_backward_partials")?;
+                // SAFETY: layernorm_backward_partials_<S>(float* partials, const T* dout,
+                // const T* inp, const float* mean, const float* rstd, int N, int C, int R):
+                // partials f32 [2, P, C] (the region holds `chunks.bytes`), the rest as above.
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    chunks.partials_grid(),
+                    [&partials, &dout, &inp, &mean, &rstd, &ni, &ci, &ri]
+                )?;
+                let (dw, db) = (self.grad_ptr(e, w)?, self.grad_ptr(e, b)?);
+                let db_partials = partials + chunks.second_offset();
+                self.reduce_partials(e, dw, partials, pi, ci, c)?;
+                self.reduce_partials(e, db, db_partials, pi, ci, c)
+            }
+            Op::RmsNormBackward {
+                dinp,
+                dout,
+                inp,
+                rstd,
+                w,
+                rows,
+                c,
+            } => {
+                let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
+                if n == 0 || c == 0 {
+                    return Ok(());
+                }
+                let (ni, ci) = (int(e, "N", n)?, int(e, "C", c)?);
+                let (dinp, dout, inp, rstd) = (
+                    self.ptr(*dinp)?,
+                    self.ptr(*dout)?,
+                    self.ptr(*inp)?,
+                    self.ptr(*rstd)?,
+                );
+                let wp = self.f32_param_ptr(e, w)?;
+                let (name, f) = self.entry("rmsnorm_backward_input")?;
+                // SAFETY: rmsnorm_backward_input_<S>(T* dinp, const T* dout, const T* inp,
+                // const float* w, const float* rstd, int N, int C): dinp, dout, inp [N, C] T
+                // (dinp +=), w [C] f32, rstd [N] f32.
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    row_warps(n),
+                    [&dinp, &dout, &inp, &wp, &rstd, &ni, &ci]
+                )?;
+                if e.frozen {
+                    return Ok(());
+                }
+                let chunks = NormChunks::of(n, c, 1);
+                let partials = self.partials(e, chunks.bytes)?;
+                let (pi, ri) = (int(e, "P", chunks.p)?, NORM_CHUNK_ROWS as i32);
+                let (name, f) = self.entry("rmsnorm_backward_partials")?;
+                // SAFETY: rmsnorm_backward_partials_<S>(float* partials, const T* dout, const
+                // T* inp, const float* rstd, int N, int C, int R): partials f32 [P, C] (the
+                // region holds `chunks.bytes`), the rest as above.
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    chunks.partials_grid(),
+                    [&partials, &dout, &inp, &rstd, &ni, &ci, &ri]
+                )?;
+                let dw = self.grad_ptr(e, w)?;
+                self.reduce_partials(e, dw, partials, pi, ci, c)
+            }
+            _ => bail!("internal error: {} is not a norm op", e.name),
+        }
+    }
+
+    /// The scratch's `partials` region, checked to hold `bytes` (its sizing,
+    /// `Scratch::for_ops`, is the op's largest shape).
+    fn partials(&self, e: &OpEntry, bytes: u64) -> Result<u64> {
+        let (ptr, have) = self.scratch().partials;
+        if ptr == 0 || have < bytes {
+            bail!(
+                "internal error: {}: the backend's scratch has {have} bytes of reduction \
+                 partials, the op needs {bytes}",
+                e.name
+            );
+        }
+        Ok(ptr)
+    }
+
+    /// `grad[c] += Σ_p partials[p, c]` (norm_reduce_partials_<S>) over `c` columns.
+    fn reduce_partials(
+        &self,
+        e: &OpEntry,
+        grad: u64,
+        partials: u64,
+        p: i32,
+        ci: i32,
+        c: usize,
+    ) -> Result<()> {
+        let (name, f) = self.entry("norm_reduce_partials")?;
+        // SAFETY: norm_reduce_partials_<S>(T* grad, const float* partials, int P, int C): grad
+        // T [C] +=, partials f32 [P, C].
+        launch_kernel!(
+            self,
+            e,
+            name,
+            f,
+            grid_stride(c as u64),
+            [&grad, &partials, &p, &ci]
+        )
+    }
+}
+
+/// `v` as a kernel's `int` argument `what`; an error naming the op where it does not fit.
+pub(super) fn int(e: &OpEntry, what: &str, v: usize) -> Result<i32> {
+    match i32::try_from(v) {
+        Ok(i) => Ok(i),
+        Err(_) => bail!(
+            "{}: {what} = {v} is beyond the CUDA kernels' int arguments (2^31 - 1)",
+            e.name
+        ),
+    }
+}
+
+/// One warp per row over `n` rows, [`ROW_WARPS`] warps a block.
+fn row_warps(n: usize) -> LaunchConfig {
+    rows_of_warps(n as u64, ROW_WARPS)
+}
+
+/// The chunking of a norm's parameter gradients over N rows and C columns: P chunks of
+/// [`NORM_CHUNK_ROWS`] rows, each one f32 partial row of C per parameter vector (`vectors`:
+/// 2 for a layer norm's w and b, 1 for an RMS norm's w).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct NormChunks {
+    p: usize,
+    c: usize,
+    /// Bytes of the partials: vectors × P × C f32.
+    bytes: u64,
+}
+
+impl NormChunks {
+    fn of(n: usize, c: usize, vectors: u64) -> NormChunks {
+        let p = norm_chunks(n as u64) as usize;
+        NormChunks {
+            p,
+            c,
+            bytes: vectors * p as u64 * c as u64 * 4,
+        }
+    }
+
+    /// Byte offset of the second vector's partials (a layer norm's db: `partials + P·C`).
+    fn second_offset(&self) -> u64 {
+        self.p as u64 * self.c as u64 * 4
+    }
+
+    /// The `*_backward_partials` launch: blocks of 256 columns, (ceil(C / 256),
+    /// min(P, 65535)) (both ways grid-strided by the kernel).
+    fn partials_grid(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (
+                (self.c as u64).div_ceil(BLOCK as u64).clamp(1, 65535) as u32,
+                (self.p as u64).clamp(1, 65535) as u32,
+                1,
+            ),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn norm_chunks_follow_the_shape_alone() {
+        // GPT-2 small: B·T = 4·1024 rows of 768.
+        let k = NormChunks::of(4096, 768, 2);
+        assert_eq!(k.p, 64);
+        assert_eq!(k.bytes, 2 * 64 * 768 * 4);
+        assert_eq!(k.second_offset(), 64 * 768 * 4);
+        let g = k.partials_grid();
+        assert_eq!(g.grid_dim, (3, 64, 1));
+        assert_eq!(g.block_dim, (256, 1, 1));
+        // A partial last chunk, and one row.
+        assert_eq!(NormChunks::of(65, 10, 1).p, 2);
+        assert_eq!(NormChunks::of(1, 10, 1).p, 1);
+        assert_eq!(NormChunks::of(1, 10, 1).bytes, 40);
+        // More chunks than a grid's y: the kernel strides.
+        let big = NormChunks::of(64 * 70000, 4096, 1);
+        assert_eq!(big.p, 70000);
+        assert_eq!(big.partials_grid().grid_dim, (16, 65535, 1));
+    }
+
+    #[test]
+    fn rows_are_one_warp_each() {
+        let g = row_warps(1000);
+        assert_eq!(g.block_dim.0, 32 * ROW_WARPS);
+        assert_eq!(g.grid_dim.0, 125);
+        assert_eq!(row_warps(1).grid_dim.0, 1);
     }
 }
