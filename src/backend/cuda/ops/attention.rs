@@ -1,18 +1,831 @@
-//! The attention family on the GPU: not wired yet.
+//! The attention family on the GPU (`kernels/attention.cu`, `kernels/rope.cu`), as the CPU's
+//! `backend/cpu/ops/attention.rs`:
+//! - [`Op::Attention`]: one launch of the flash forward `attention_forward_hd<HD>_<S>` (HD the
+//!   smallest of 64, 128, 256 holding the head size; larger heads are refused).
+//! - [`Op::AttentionBackward`]: `attention_backward_dot_<S>` (D = rowsum(dout ⊙ out) into the
+//!   scratch region `attention_rows`), then `attention_backward_dkv_hd<HD>_<S>` (the K and V
+//!   parts of dqkv) and `attention_backward_dq_hd<HD>_<S>` (the Q part); dqkv is overwritten.
+//! - [`Op::Rope`]: `rope_<S>` in place, its `inv_freq` read from a device copy made when the
+//!   device starts ([`prepare_rope`], [`RopeTables`]).
+//!
+//! Generation's shorter sequence (`StepCtx::seq`) is the CPU's: every buffer is read and
+//! written as `[B, T_run]` rows packed from its start (the first `B·T_run` rows), so the
+//! kernels get `T = T_run`.
+//!
+//! Launch shapes ([`forward_launch`], [`backward_launches`]) are pure functions of
+//! (B, T, NH, NKV, hd), the formulas of the kernels' doc comments.
 
 use super::super::gpu::GpuDevice;
-use super::not_yet;
+use super::super::launch::{grid_stride, launch_error, suffix};
 use crate::backend::StepCtx;
-use crate::ir::schedule::OpEntry;
-use anyhow::Result;
+use crate::ir::schedule::{Op, OpEntry};
+use crate::ir::{BufId, Program};
+use anyhow::{Result, anyhow, bail};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, result as dr, sys as ds};
+
+/// Dynamic shared memory a block may use without opting in
+/// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
+pub const DEFAULT_SHARED_BYTES: u32 = 48 << 10;
+
+/// Threads of every flash attention block (`ATT_THREADS`: exactly this many, the kernels
+/// return without writing otherwise).
+const ATT_THREADS: u32 = 256;
+/// Queries (and keys) of a flash tile (`ATT_BQ` = `ATT_BK`).
+const ATT_TILE: usize = 32;
+/// The largest grid y and z dimensions.
+const MAX_GRID_YZ: usize = 65535;
+/// The largest grid x dimension.
+const MAX_GRID_X: usize = i32::MAX as usize;
+
+/// The shape of one attention op: B rows of T tokens, NH query heads, NKV key/value heads,
+/// head size hd.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub nh: usize,
+    pub nkv: usize,
+    pub hd: usize,
+}
+
+impl Dims {
+    /// qkv's row length, (NH + 2·NKV)·hd.
+    pub fn ld(&self) -> usize {
+        (self.nh + 2 * self.nkv) * self.hd
+    }
+
+    /// out's row length, NH·hd.
+    pub fn co(&self) -> usize {
+        self.nh * self.hd
+    }
+
+    /// Bytes of the backward's D `[B, NH, T]` f32 (the scratch region `attention_rows`).
+    pub fn d_bytes(&self) -> u64 {
+        (self.b * self.nh * self.t * 4) as u64
+    }
+
+    /// The kernels' `int` arguments (B, T, NH, NKV, hd).
+    fn ints(&self) -> Result<[i32; 5]> {
+        let int = |v: usize, what: &str| {
+            i32::try_from(v).map_err(|_| anyhow!("{what} = {v} does not fit the kernels' int"))
+        };
+        Ok([
+            int(self.b, "B")?,
+            int(self.t, "T")?,
+            int(self.nh, "NH")?,
+            int(self.nkv, "NKV")?,
+            int(self.hd, "hd")?,
+        ])
+    }
+}
+
+/// One kernel launch: its entry's stem (the storage suffix is added), grid, block and
+/// dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub stem: &'static str,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub shared: u32,
+}
+
+impl Launch {
+    fn config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: self.grid,
+            block_dim: (self.block, 1, 1),
+            shared_mem_bytes: self.shared,
+        }
+    }
+
+    /// Whether the function must opt in to its dynamic shared memory before the launch.
+    pub fn opts_in(&self) -> bool {
+        self.shared > DEFAULT_SHARED_BYTES
+    }
+}
+
+/// The flash kernels' head tile HD for head size `hd`: the smallest of 64, 128, 256 with
+/// hd ≤ HD.
+pub fn head_tile(hd: usize) -> Result<usize> {
+    match hd {
+        0 => bail!("attention with head size 0"),
+        1..=64 => Ok(64),
+        65..=128 => Ok(128),
+        129..=256 => Ok(256),
+        _ => bail!(
+            "attention with head size {hd}: the CUDA kernels handle head sizes up to 256; \
+             use --device cpu"
+        ),
+    }
+}
+
+/// Checks what every flash launch of `d` needs: heads that group (NKV divides NH), sizes the
+/// kernels' ints hold, grids within the device's limits.
+fn check(d: Dims) -> Result<()> {
+    if d.b == 0 || d.t == 0 {
+        bail!(
+            "internal error: attention over {} rows of {} tokens",
+            d.b,
+            d.t
+        );
+    }
+    if d.nh == 0 || d.nkv == 0 || !d.nh.is_multiple_of(d.nkv) {
+        bail!(
+            "attention with {} query heads and {} key/value heads: the key/value heads must \
+             divide the query heads",
+            d.nh,
+            d.nkv
+        );
+    }
+    d.ints()?;
+    if d.b > MAX_GRID_YZ || d.nh > MAX_GRID_YZ {
+        bail!(
+            "attention over {} rows of {} heads: the CUDA launch grid holds at most {MAX_GRID_YZ} \
+             of each",
+            d.b,
+            d.nh
+        );
+    }
+    Ok(())
+}
+
+fn tiles(t: usize) -> u32 {
+    t.div_ceil(ATT_TILE) as u32
+}
+
+/// The forward's launch: `attention_forward_hd<HD>`, grid (ceil(T/32), NH, B), block 256,
+/// dynamic shared bytes 4·(32·hd + 32·(hd|1) + 32·hd + 1024).
+pub fn forward_launch(d: Dims) -> Result<Launch> {
+    let stem = match head_tile(d.hd)? {
+        64 => "attention_forward_hd64",
+        128 => "attention_forward_hd128",
+        _ => "attention_forward_hd256",
+    };
+    check(d)?;
+    let hd = d.hd;
+    Ok(Launch {
+        stem,
+        grid: (tiles(d.t), d.nh as u32, d.b as u32),
+        block: ATT_THREADS,
+        shared: (4 * (32 * hd + 32 * (hd | 1) + 32 * hd + 1024)) as u32,
+    })
+}
+
+/// The backward's three launches, in order:
+/// 1. `attention_backward_dot`: grid ceil(B·T·NH / 8), block 256, no shared memory;
+/// 2. `attention_backward_dkv_hd<HD>`: grid (ceil(T/32), NKV, B), block 256, dynamic shared
+///    bytes 4·(64·hd + 64·(hd|1) + 2048);
+/// 3. `attention_backward_dq_hd<HD>`: grid (ceil(T/32), NH, B), block 256, dynamic shared
+///    bytes 4·(64·hd + 64·(hd|1) + 1024).
+pub fn backward_launches(d: Dims) -> Result<[Launch; 3]> {
+    let (dkv, dq) = match head_tile(d.hd)? {
+        64 => ("attention_backward_dkv_hd64", "attention_backward_dq_hd64"),
+        128 => (
+            "attention_backward_dkv_hd128",
+            "attention_backward_dq_hd128",
+        ),
+        _ => (
+            "attention_backward_dkv_hd256",
+            "attention_backward_dq_hd256",
+        ),
+    };
+    check(d)?;
+    let pairs = d.b * d.t * d.nh;
+    let warps = (ATT_THREADS / 32) as usize;
+    let dot_blocks = pairs.div_ceil(warps);
+    if dot_blocks > MAX_GRID_X {
+        bail!(
+            "attention backward over {pairs} (token, head) pairs: more than the CUDA launch \
+             grid holds"
+        );
+    }
+    let hd = d.hd;
+    Ok([
+        Launch {
+            stem: "attention_backward_dot",
+            grid: (dot_blocks as u32, 1, 1),
+            block: ATT_THREADS,
+            shared: 0,
+        },
+        Launch {
+            stem: dkv,
+            grid: (tiles(d.t), d.nkv as u32, d.b as u32),
+            block: ATT_THREADS,
+            shared: (4 * (64 * hd + 64 * (hd | 1) + 2048)) as u32,
+        },
+        Launch {
+            stem: dq,
+            grid: (tiles(d.t), d.nh as u32, d.b as u32),
+            block: ATT_THREADS,
+            shared: (4 * (64 * hd + 64 * (hd | 1) + 1024)) as u32,
+        },
+    ])
+}
+
+/// The distinct `inv_freq` tables of `ops`' Rope ops (compared bit for bit), in order of
+/// first use, each with its element offset in their concatenation; and the concatenation.
+pub fn rope_layout(ops: &[OpEntry]) -> (Vec<(Vec<f32>, usize)>, Vec<f32>) {
+    let mut tables: Vec<(Vec<f32>, usize)> = Vec::new();
+    let mut all = Vec::new();
+    for e in ops {
+        if let Op::Rope { inv_freq, .. } = &e.op
+            && !tables.iter().any(|(t, _)| same_bits(t, inv_freq))
+        {
+            tables.push((inv_freq.clone(), all.len()));
+            all.extend_from_slice(inv_freq);
+        }
+    }
+    (tables, all)
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// The device copies of a program's Rope `inv_freq` tables: one allocation made when the
+/// device starts ([`prepare_rope`]; nothing is allocated during steps), freed on drop.
+#[derive(Debug, Default)]
+pub struct RopeTables {
+    /// The allocation (0: none, the program has no Rope op).
+    ptr: ds::CUdeviceptr,
+    /// Each distinct table and its element offset in the allocation.
+    tables: Vec<(Vec<f32>, usize)>,
+}
+
+impl RopeTables {
+    /// The device address of the copy of `inv_freq`.
+    fn find(&self, inv_freq: &[f32]) -> Option<u64> {
+        self.tables
+            .iter()
+            .find(|(t, _)| same_bits(t, inv_freq))
+            .map(|&(_, at)| self.ptr + (at * 4) as u64)
+    }
+}
+
+impl Drop for RopeTables {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // SAFETY: allocated by `malloc_sync` in `prepare_rope`; the device's stream is
+            // synchronized before its fields drop (`GpuDevice`'s `Drop`).
+            let _ = unsafe { dr::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Copies every distinct `inv_freq` table of `program`'s Rope ops to device memory (one
+/// small allocation, a few KiB at most, outside the plan's tiers), with the device's context
+/// current. To be called once by `GpuDevice::new`, which keeps the result.
+#[expect(
+    dead_code,
+    reason = "GpuDevice::new (gpu.rs) is to call it and keep the tables; see rope_tables"
+)]
+pub(in crate::backend::cuda) fn prepare_rope(program: &Program) -> Result<RopeTables> {
+    let (tables, all) = rope_layout(&program.schedule.ops);
+    if all.is_empty() {
+        return Ok(RopeTables::default());
+    }
+    let bytes = all.len() * 4;
+    // SAFETY: a fresh allocation of `bytes`, filled right away and freed by `RopeTables`.
+    let ptr = unsafe { dr::malloc_sync(bytes) }
+        .map_err(|e| anyhow!("allocating the rotary tables ({bytes} bytes) on the GPU: {e:?}"))?;
+    let out = RopeTables { ptr, tables };
+    // SAFETY: `ptr` holds `bytes` = the bytes of `all`.
+    unsafe { dr::memcpy_htod_sync(ptr, &all) }
+        .map_err(|e| anyhow!("copying the rotary tables to the GPU: {e:?}"))?;
+    Ok(out)
+}
 
 impl GpuDevice {
     /// Runs `e`, an op of the attention family.
-    pub(in crate::backend::cuda) fn run_attention(
+    pub(in crate::backend::cuda) fn run_attention(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
+        match &e.op {
+            Op::Attention {
+                qkv,
+                positions,
+                out,
+                lse,
+                rows,
+                nh,
+                nkv,
+                hd,
+                ..
+            } => {
+                let r = rows.with_seq(ctx.seq);
+                let d = Dims {
+                    b: r.b,
+                    t: r.t,
+                    nh: *nh,
+                    nkv: *nkv,
+                    hd: *hd,
+                };
+                self.att_forward(e, d, *qkv, *positions, *out, *lse)
+            }
+            Op::AttentionBackward {
+                dqkv,
+                positions,
+                dout,
+                qkv,
+                out,
+                lse,
+                rows,
+                nh,
+                nkv,
+                hd,
+                ..
+            } => {
+                let r = rows.with_seq(ctx.seq);
+                let d = Dims {
+                    b: r.b,
+                    t: r.t,
+                    nh: *nh,
+                    nkv: *nkv,
+                    hd: *hd,
+                };
+                self.att_backward(e, d, *dqkv, *positions, *dout, *qkv, *out, *lse)
+            }
+            Op::Rope { .. } => self.att_rope(e, ctx),
+            _ => bail!("internal error: {} is not an attention op", e.name),
+        }
+    }
+
+    /// The device's copies of the Rope tables, once `GpuDevice` keeps them.
+    ///
+    /// Wiring (gpu.rs): add a field `rope: RopeTables` to `GpuDevice` (`Default` in the
+    /// struct literal of `new`), set `device.rope = prepare_rope(program)?` in `new` after the
+    /// tiers are allocated (the context is current there), and return `Some(&self.rope)` here.
+    fn rope_tables(&self) -> Option<&RopeTables> {
+        None
+    }
+
+    /// Address and bytes of buffer `id`, checked to hold `need` bytes (what the kernels read
+    /// or write of it).
+    fn att_sized(&self, e: &OpEntry, id: BufId, need: u64, what: &str) -> Result<u64> {
+        let (ptr, bytes) = self.addr(id)?;
+        if bytes < need {
+            bail!(
+                "internal error: {}: its {what} buffer holds {bytes} bytes, the kernels use \
+                 {need}",
+                e.name
+            );
+        }
+        Ok(ptr)
+    }
+
+    /// The address of the rows' positions (`[B·T]` u32, packed rows), or 0 (NULL: plain
+    /// causal rows).
+    fn att_positions(&self, e: &OpEntry, positions: Option<BufId>, n: usize) -> Result<u64> {
+        match positions {
+            Some(id) => self.att_sized(e, id, (n * 4) as u64, "positions"),
+            None => Ok(0),
+        }
+    }
+
+    /// Bytes of one activation element (the storage type).
+    fn att_elem_bytes(&self) -> u64 {
+        self.storage.size().unwrap_or(4) as u64
+    }
+
+    /// Entry `stem_<S>`, with its full name (for errors), opted in to `l`'s dynamic shared
+    /// memory when it needs more than the default 48 KiB (the attribute is set before every
+    /// such launch: a host-side driver call, no synchronization).
+    fn att_entry(&self, e: &OpEntry, l: &Launch) -> Result<(&CudaFunction, String)> {
+        let name = format!("{}_{}", l.stem, suffix(self.storage));
+        let f = self.kernel(l.stem)?;
+        if l.opts_in() {
+            let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            if let Err(err) = f.set_attribute(attr, l.shared as i32) {
+                let most = self
+                    .ctx
+                    .attribute(
+                        ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                    )
+                    .map(|b| format!("{b} bytes"))
+                    .unwrap_or_else(|_| "less".into());
+                bail!(
+                    "{}: CUDA kernel {name} needs {} bytes of shared memory per block, this GPU \
+                     ({}) allows {most} ({err:?})",
+                    e.name,
+                    l.shared,
+                    self.arch
+                );
+            }
+        }
+        Ok((f, name))
+    }
+
+    /// [`Op::Attention`]: `attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV,
+    /// hd)`, writing out `[N, NH·hd]` and lse `[B, NH, T]` in full.
+    fn att_forward(
         &self,
         e: &OpEntry,
-        _ctx: &StepCtx,
+        d: Dims,
+        qkv: BufId,
+        positions: Option<BufId>,
+        out: BufId,
+        lse: BufId,
     ) -> Result<()> {
-        not_yet(e)
+        if d.b * d.t == 0 {
+            return Ok(());
+        }
+        let l = forward_launch(d).map_err(|err| anyhow!("{}: {err}", e.name))?;
+        let (n, es) = (d.b * d.t, self.att_elem_bytes());
+        let qkv = self.att_sized(e, qkv, (n * d.ld()) as u64 * es, "qkv")?;
+        let pos = self.att_positions(e, positions, n)?;
+        let out = self.att_sized(e, out, (n * d.co()) as u64 * es, "out")?;
+        let lse = self.att_sized(e, lse, d.d_bytes(), "lse")?;
+        let [b, t, nh, nkv, hd] = d.ints()?;
+        let (f, name) = self.att_entry(e, &l)?;
+        // SAFETY: the forward entry's signature (const T* qkv, const unsigned* pos, T* out,
+        // float* lse, int B, int T, int NH, int NKV, int hd); the buffers hold what it reads
+        // and writes (checked above); its launch shape and shared memory are the doc's.
+        unsafe {
+            self.launch(f)
+                .arg(&qkv)
+                .arg(&pos)
+                .arg(&out)
+                .arg(&lse)
+                .arg(&b)
+                .arg(&t)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hd)
+                .launch(l.config())
+        }
+        .map(|_| ())
+        .map_err(|err| launch_error(e, &name, err))
+    }
+
+    /// [`Op::AttentionBackward`]: D into the scratch region `attention_rows` (launch 1), then
+    /// dK, dV (launch 2) and dQ (launch 3), overwriting dqkv in full.
+    #[allow(clippy::too_many_arguments)]
+    fn att_backward(
+        &self,
+        e: &OpEntry,
+        d: Dims,
+        dqkv: BufId,
+        positions: Option<BufId>,
+        dout: BufId,
+        qkv: BufId,
+        out: BufId,
+        lse: BufId,
+    ) -> Result<()> {
+        if d.b * d.t == 0 {
+            return Ok(());
+        }
+        let [dot, dkv, dq] = backward_launches(d).map_err(|err| anyhow!("{}: {err}", e.name))?;
+        let (n, es) = (d.b * d.t, self.att_elem_bytes());
+        let rows_bytes = (n * d.ld()) as u64 * es;
+        let out_bytes = (n * d.co()) as u64 * es;
+        let dqkv = self.att_sized(e, dqkv, rows_bytes, "dqkv")?;
+        let pos = self.att_positions(e, positions, n)?;
+        let dout = self.att_sized(e, dout, out_bytes, "dout")?;
+        let qkv = self.att_sized(e, qkv, rows_bytes, "qkv")?;
+        let out = self.att_sized(e, out, out_bytes, "out")?;
+        let lse = self.att_sized(e, lse, d.d_bytes(), "lse")?;
+        let (dptr, dcap) = self.scratch().attention_rows;
+        if dptr == 0 || dcap < d.d_bytes() {
+            bail!(
+                "internal error: {}: the backend's scratch has {dcap} bytes for attention's row \
+                 sums, the backward needs {}",
+                e.name,
+                d.d_bytes()
+            );
+        }
+        let [b, t, nh, nkv, hd] = d.ints()?;
+
+        // 1. D[(b·NH + h)·T + i] = Σ_c dout · out.
+        let (f, name) = self.att_entry(e, &dot)?;
+        // SAFETY: (float* D, const T* dout, const T* out, int B, int T, int NH, int hd); D
+        // holds B·NH·T f32 (checked above).
+        unsafe {
+            self.launch(f)
+                .arg(&dptr)
+                .arg(&dout)
+                .arg(&out)
+                .arg(&b)
+                .arg(&t)
+                .arg(&nh)
+                .arg(&hd)
+                .launch(dot.config())
+        }
+        .map_err(|err| launch_error(e, &name, err))?;
+
+        // 2. dK, dV; 3. dQ: the same arguments, each after launch 1 on the stream.
+        for l in [dkv, dq] {
+            let (f, name) = self.att_entry(e, &l)?;
+            // SAFETY: (T* dqkv, const unsigned* pos, const T* dout, const T* qkv, const
+            // float* lse, const float* D, int B, int T, int NH, int NKV, int hd); the buffers
+            // hold what it reads and writes (checked above).
+            unsafe {
+                self.launch(f)
+                    .arg(&dqkv)
+                    .arg(&pos)
+                    .arg(&dout)
+                    .arg(&qkv)
+                    .arg(&lse)
+                    .arg(&dptr)
+                    .arg(&b)
+                    .arg(&t)
+                    .arg(&nh)
+                    .arg(&nkv)
+                    .arg(&hd)
+                    .launch(l.config())
+            }
+            .map_err(|err| launch_error(e, &name, err))?;
+        }
+        Ok(())
+    }
+
+    /// [`Op::Rope`]: `rope_<S>(x, pos, inv_freq, N, T, width, rotated, hd, pos0 = 0,
+    /// inverse)` in place, grid-stride over N·hd/2.
+    fn att_rope(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
+        let Op::Rope {
+            x,
+            positions,
+            rows,
+            width,
+            rotated,
+            hd,
+            inv_freq,
+            inverse,
+        } = &e.op
+        else {
+            bail!("internal error: {} is not a rope op", e.name);
+        };
+        let r = rows.with_seq(ctx.seq);
+        let (n, width, rotated, hd) = (r.n(), *width, *rotated, *hd);
+        if hd < 2 || !hd.is_multiple_of(2) || !rotated.is_multiple_of(hd) || rotated > width {
+            bail!(
+                "internal error: {}: rotary embedding of {rotated} of {width} channels in heads \
+                 of {hd}",
+                e.name
+            );
+        }
+        if inv_freq.len() < hd / 2 {
+            bail!(
+                "internal error: {}: {} rotary frequencies for heads of {hd}",
+                e.name,
+                inv_freq.len()
+            );
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let Some(tables) = self.rope_tables() else {
+            bail!(
+                "{}: the CUDA backend does not run rotary embeddings yet (its frequency tables \
+                 are not on the GPU); use --device cpu",
+                e.name
+            );
+        };
+        let freq = tables.find(inv_freq).ok_or_else(|| {
+            anyhow!(
+                "internal error: {}: its rotary frequencies were not copied to the GPU",
+                e.name
+            )
+        })?;
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| anyhow!("{}: {v} does not fit the kernel's int", e.name))
+        };
+        let (n_i, t_i, width_i, rotated_i, hd_i) =
+            (int(n)?, int(r.t)?, int(width)?, int(rotated)?, int(hd)?);
+        let (pos0, inverse) = (0i32, *inverse as i32);
+        let xp = self.att_sized(e, *x, (n * width) as u64 * self.att_elem_bytes(), "x")?;
+        let pos = self.att_positions(e, *positions, n)?;
+        let f = self.kernel("rope")?;
+        let name = format!("rope_{}", suffix(self.storage));
+        // SAFETY: (T* x, const unsigned* positions, const float* inv_freq, int N, int T,
+        // int width, int rotated, int hd, int pos0, int inverse); x holds N·width elements
+        // (checked), inv_freq hd/2 f32 in device memory; any grid-stride shape.
+        unsafe {
+            self.launch(f)
+                .arg(&xp)
+                .arg(&pos)
+                .arg(&freq)
+                .arg(&n_i)
+                .arg(&t_i)
+                .arg(&width_i)
+                .arg(&rotated_i)
+                .arg(&hd_i)
+                .arg(&pos0)
+                .arg(&inverse)
+                .launch(grid_stride((n * (hd / 2)) as u64))
+        }
+        .map(|_| ())
+        .map_err(|err| launch_error(e, &name, err))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::sizing::Scratch;
+    use crate::dtype::DType;
+    use crate::ir::schedule::{Phase, Rows};
+
+    fn gpt2() -> Dims {
+        Dims {
+            b: 4,
+            t: 1024,
+            nh: 12,
+            nkv: 12,
+            hd: 64,
+        }
+    }
+
+    fn llama3_8b() -> Dims {
+        Dims {
+            b: 1,
+            t: 8192,
+            nh: 32,
+            nkv: 8,
+            hd: 128,
+        }
+    }
+
+    #[test]
+    fn head_tiles_are_the_smallest_that_hold_the_head() {
+        assert_eq!(head_tile(1).unwrap(), 64);
+        assert_eq!(head_tile(64).unwrap(), 64);
+        assert_eq!(head_tile(65).unwrap(), 128);
+        assert_eq!(head_tile(80).unwrap(), 128);
+        assert_eq!(head_tile(128).unwrap(), 128);
+        assert_eq!(head_tile(129).unwrap(), 256);
+        assert_eq!(head_tile(256).unwrap(), 256);
+        let err = head_tile(257).unwrap_err().to_string();
+        assert!(err.contains("257") && err.contains("256"), "{err}");
+        assert!(head_tile(0).is_err());
+    }
+
+    #[test]
+    fn gpt2_launches_follow_the_kernel_doc() {
+        let d = gpt2();
+        let f = forward_launch(d).unwrap();
+        assert_eq!(f.stem, "attention_forward_hd64");
+        assert_eq!(f.grid, (32, 12, 4));
+        assert_eq!(f.block, 256);
+        assert_eq!(f.shared, 28_800);
+        assert!(!f.opts_in());
+        let [dot, dkv, dq] = backward_launches(d).unwrap();
+        assert_eq!(dot.stem, "attention_backward_dot");
+        assert_eq!(dot.grid, ((4 * 1024 * 12 / 8) as u32, 1, 1));
+        assert_eq!((dot.block, dot.shared), (256, 0));
+        assert_eq!(dkv.stem, "attention_backward_dkv_hd64");
+        assert_eq!(dkv.grid, (32, 12, 4));
+        assert_eq!((dkv.block, dkv.shared), (256, 41_216));
+        assert_eq!(dq.stem, "attention_backward_dq_hd64");
+        assert_eq!(dq.grid, (32, 12, 4));
+        assert_eq!((dq.block, dq.shared), (256, 37_120));
+        // The hd 64 entries never opt in.
+        assert!(!dkv.opts_in() && !dq.opts_in());
+    }
+
+    #[test]
+    fn llama3_8b_launches_follow_the_kernel_doc() {
+        let d = llama3_8b();
+        let f = forward_launch(d).unwrap();
+        assert_eq!(f.stem, "attention_forward_hd128");
+        assert_eq!(f.grid, (256, 32, 1));
+        assert_eq!(f.shared, 53_376);
+        assert!(f.opts_in());
+        let [dot, dkv, dq] = backward_launches(d).unwrap();
+        assert_eq!(dot.grid, (8192 * 32 / 8, 1, 1));
+        assert_eq!(dkv.stem, "attention_backward_dkv_hd128");
+        assert_eq!(dkv.grid, (256, 8, 1)); // one CTA column per KV head
+        assert_eq!(dkv.shared, 73_984);
+        assert_eq!(dq.stem, "attention_backward_dq_hd128");
+        assert_eq!(dq.grid, (256, 32, 1));
+        assert_eq!(dq.shared, 69_888);
+        assert!(dkv.opts_in() && dq.opts_in());
+    }
+
+    #[test]
+    fn hd256_and_odd_heads_and_ragged_sequences() {
+        let d = Dims {
+            b: 2,
+            t: 33,
+            nh: 8,
+            nkv: 1,
+            hd: 256,
+        };
+        assert_eq!(forward_launch(d).unwrap().shared, 102_528);
+        let [dot, dkv, dq] = backward_launches(d).unwrap();
+        assert_eq!(dot.grid.0, (2 * 33 * 8usize).div_ceil(8) as u32);
+        assert_eq!((dkv.grid, dkv.shared), ((2, 1, 2), 139_520));
+        assert_eq!((dq.grid, dq.shared), ((2, 8, 2), 135_424));
+        // Shared memory follows the runtime hd, not the tile: hd 80 on the hd128 entries.
+        let d = Dims { hd: 80, ..gpt2() };
+        let f = forward_launch(d).unwrap();
+        assert_eq!(f.stem, "attention_forward_hd128");
+        assert_eq!(f.shared, 4 * (32 * 80 + 32 * 81 + 32 * 80 + 1024));
+        // A single token.
+        let d = Dims { t: 1, ..gpt2() };
+        assert_eq!(forward_launch(d).unwrap().grid, (1, 12, 4));
+        assert_eq!(backward_launches(d).unwrap()[0].grid, (6, 1, 1));
+    }
+
+    #[test]
+    fn impossible_shapes_are_refused() {
+        let err = forward_launch(Dims { hd: 320, ..gpt2() })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("head size 320"), "{err}");
+        assert!(backward_launches(Dims { hd: 512, ..gpt2() }).is_err());
+        let err = forward_launch(Dims { nkv: 5, ..gpt2() })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("divide"), "{err}");
+        assert!(forward_launch(Dims { nkv: 0, ..gpt2() }).is_err());
+        assert!(forward_launch(Dims { t: 0, ..gpt2() }).is_err());
+        assert!(
+            forward_launch(Dims {
+                b: 70_000,
+                ..gpt2()
+            })
+            .is_err()
+        );
+        assert!(
+            forward_launch(Dims {
+                t: 1 << 31,
+                ..gpt2()
+            })
+            .is_err()
+        );
+    }
+
+    fn entry(op: Op) -> OpEntry {
+        OpEntry {
+            name: "h.0.attn".into(),
+            phase: Phase::Backward,
+            op,
+            flops: 0,
+            params: None,
+            grads: None,
+            micro: 0,
+            frozen: false,
+        }
+    }
+
+    #[test]
+    fn the_scratch_holds_the_backward_row_sums() {
+        for d in [gpt2(), llama3_8b()] {
+            let op = Op::AttentionBackward {
+                dqkv: BufId(0),
+                positions: None,
+                dout: BufId(1),
+                qkv: BufId(2),
+                out: BufId(3),
+                lse: BufId(4),
+                ws: BufId(5),
+                rows: Rows { b: d.b, t: d.t },
+                nh: d.nh,
+                nkv: d.nkv,
+                hd: d.hd,
+            };
+            let s = Scratch::for_ops(&[entry(op)], DType::Bf16);
+            assert_eq!(s.attention_rows, d.d_bytes());
+            // Generation's shorter sequence needs less.
+            assert!(Dims { t: d.t / 2, ..d }.d_bytes() <= s.attention_rows);
+        }
+    }
+
+    fn rope_op(inv_freq: Vec<f32>, inverse: bool) -> OpEntry {
+        entry(Op::Rope {
+            x: BufId(0),
+            positions: None,
+            rows: Rows { b: 1, t: 8 },
+            width: 24,
+            rotated: 16,
+            hd: 8,
+            inv_freq,
+            inverse,
+        })
+    }
+
+    #[test]
+    fn rope_tables_are_stored_once_each() {
+        let a = vec![1.0, 0.1, 0.01, 0.001];
+        let b = vec![1.0, 0.2, 0.04, 0.008];
+        let ops = [
+            rope_op(a.clone(), false),
+            rope_op(a.clone(), false),
+            rope_op(b.clone(), false),
+            rope_op(a.clone(), true),
+            entry(Op::Zero { buf: BufId(1) }),
+        ];
+        let (tables, all) = rope_layout(&ops);
+        assert_eq!(tables, vec![(a.clone(), 0), (b.clone(), 4)]);
+        assert_eq!(all, [a.clone(), b.clone()].concat());
+        let t = RopeTables {
+            ptr: 0x1000,
+            tables,
+        };
+        assert_eq!(t.find(&a), Some(0x1000));
+        assert_eq!(t.find(&b), Some(0x1010));
+        assert_eq!(t.find(&[1.0, 0.1, 0.01, -0.001]), None);
+        assert_eq!(t.find(&a[..2]), None);
+        // Not a real allocation: nothing to free.
+        std::mem::forget(t);
+        assert!(rope_layout(&[]).1.is_empty());
     }
 }
