@@ -189,6 +189,8 @@ pub struct GpuDevice {
     pub(super) scratch_layout: Scratch,
     /// The card's architecture (kernels are compiled for it).
     pub(super) arch: Arch,
+    /// The Rope ops' frequency tables, copied once when the device starts.
+    pub(super) rope: super::ops::RopeTables,
 }
 
 // SAFETY: the device's state is its context's (thread-safe in the driver), addresses (plain
@@ -217,6 +219,7 @@ impl GpuDevice {
             scratch: None,
             scratch_layout: Scratch::for_ops(&program.schedule.ops, program.storage),
             arch: gpu.arch,
+            rope: Default::default(),
         };
         let mut bases = HashMap::new();
         for t in program.tiers {
@@ -254,6 +257,7 @@ impl GpuDevice {
             .implicit
             .scratch
             .and_then(|id| device.bufs[id.0]);
+        device.rope = super::ops::prepare_rope(program)?;
         for src in SOURCES {
             let ptx = nvrtc::cached(src, gpu.arch)?;
             let module = gpu

@@ -275,10 +275,6 @@ impl Drop for RopeTables {
 /// Copies every distinct `inv_freq` table of `program`'s Rope ops to device memory (one
 /// small allocation, a few KiB at most, outside the plan's tiers), with the device's context
 /// current. To be called once by `GpuDevice::new`, which keeps the result.
-#[expect(
-    dead_code,
-    reason = "GpuDevice::new (gpu.rs) is to call it and keep the tables; see rope_tables"
-)]
 pub(in crate::backend::cuda) fn prepare_rope(program: &Program) -> Result<RopeTables> {
     let (tables, all) = rope_layout(&program.schedule.ops);
     if all.is_empty() {
@@ -348,13 +344,9 @@ impl GpuDevice {
         }
     }
 
-    /// The device's copies of the Rope tables, once `GpuDevice` keeps them.
-    ///
-    /// Wiring (gpu.rs): add a field `rope: RopeTables` to `GpuDevice` (`Default` in the
-    /// struct literal of `new`), set `device.rope = prepare_rope(program)?` in `new` after the
-    /// tiers are allocated (the context is current there), and return `Some(&self.rope)` here.
+    /// The device's copies of the Rope tables (made by `GpuDevice::new`).
     fn rope_tables(&self) -> Option<&RopeTables> {
-        None
+        Some(&self.rope)
     }
 
     /// Address and bytes of buffer `id`, checked to hold `need` bytes (what the kernels read

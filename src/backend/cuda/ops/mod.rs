@@ -13,6 +13,8 @@ mod lm_head;
 mod norm;
 mod optimizer;
 
+pub(super) use attention::{RopeTables, prepare_rope};
+
 use crate::ir::schedule::OpEntry;
 use anyhow::{Result, bail};
 
