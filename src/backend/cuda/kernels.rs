@@ -63,6 +63,12 @@ pub const SOURCES: &[Source] = &[
         plain: &[],
     },
     Source {
+        name: "convert.cu",
+        text: include_str!("kernels/convert.cu"),
+        per_storage: &["col_sum_partials", "f32_to_storage"],
+        plain: &[],
+    },
+    Source {
         name: "dequant.cu",
         text: include_str!("kernels/dequant.cu"),
         per_storage: &["dequant_bf16", "dequant_f16", "dequant_f32", "dequant_q4_0", "dequant_q4_1", "dequant_q4_k", "dequant_q5_0", "dequant_q6_k", "dequant_q8_0"],

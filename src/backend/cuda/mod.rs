@@ -21,6 +21,8 @@ pub mod kernels;
 pub mod sizing;
 
 #[cfg(feature = "cuda")]
+mod gemm;
+#[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
 mod launch;
