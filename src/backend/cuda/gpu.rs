@@ -169,7 +169,6 @@ impl Backend for Gpu {
 
 /// A plan started on a GPU: its tiers' allocations, every buffer's device address, the
 /// loaded kernels and the stream the ops run on.
-#[allow(dead_code)] // fields the families not yet wired will read (issue #45)
 pub struct GpuDevice {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,

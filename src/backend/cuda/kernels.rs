@@ -81,6 +81,12 @@ pub const SOURCES: &[Source] = &[
         plain: &[],
     },
     Source {
+        name: "convert.cu",
+        text: include_str!("kernels/convert.cu"),
+        per_storage: &["col_sum_partials", "f32_to_storage"],
+        plain: &[],
+    },
+    Source {
         name: "dequant.cu",
         text: include_str!("kernels/dequant.cu"),
         per_storage: &[

@@ -5,9 +5,6 @@
 //! ([`grid_stride`], [`rows_of_warps`]). Kernel arguments are plain values: device addresses
 //! as `u64`, sizes as `i32` or `i64` as each kernel's doc says, floats as `f32`.
 
-// Until every family is wired (issue #45), some helpers have no caller yet.
-#![allow(dead_code)]
-
 use super::gpu::GpuDevice;
 use super::sizing::Scratch;
 use crate::dtype::DType;

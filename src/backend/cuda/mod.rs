@@ -22,6 +22,8 @@ pub mod kernels;
 pub mod sizing;
 
 #[cfg(feature = "cuda")]
+mod gemm;
+#[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
 mod launch;

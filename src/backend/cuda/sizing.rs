@@ -62,7 +62,10 @@ pub struct Scratch {
     /// The largest weight a GEMM reads, in the type the GEMM reads it: the storage type's
     /// copy of an f32 master weight under mixed precision, or a quantized base's weight
     /// decoded (to the storage type, f32 in fp32 plans). Empty for an fp32 plan with no
-    /// quantized base (its GEMMs read the f32 weights where they are).
+    /// quantized base (its GEMMs read the f32 weights where they are). Under mixed precision
+    /// it also holds the other f32 operands rounded to the storage type beside the weight:
+    /// the LM head's dlogits chunk ([`lm_head_tile`]) and a LoRA adapter's `dh` and f32
+    /// products ([`lora_tile`]).
     pub weight_tile: u64,
     /// f32 partial rows of the column reductions over rows, for the largest: a norm's
     /// backward, P = ceil(N / [`NORM_CHUNK_ROWS`]) rows of C (× 2 for a LayerNorm: its weight
@@ -90,15 +93,39 @@ impl Scratch {
             ..Scratch::default()
         };
         let tile_elem = storage.size().unwrap_or(4) as u64;
+        let mixed = storage != DType::F32;
         for e in ops {
             // A GEMM's weight, when the GEMM cannot read it where it is.
             let weight = match &e.op {
                 Op::Matmul { ic, oc, .. } | Op::MatmulBackward { ic, oc, .. } => ic * oc,
-                Op::LmHeadLoss { c, v, .. } | Op::LmHeadLast { c, v, .. } => c * v,
+                Op::LmHeadLast { c, v, .. } => c * v,
                 _ => 0,
             } as u64;
-            if storage != DType::F32 || e.frozen {
+            if mixed || e.frozen {
                 s.weight_tile = s.weight_tile.max(weight * tile_elem);
+            }
+            match &e.op {
+                Op::LmHeadLoss {
+                    c,
+                    v,
+                    rows_per_chunk,
+                    dinp,
+                    ..
+                } if mixed || e.frozen => {
+                    let dlogits = mixed && dinp.is_some();
+                    let (_, bytes) = lm_head_tile(*c, *v, *rows_per_chunk, storage, dlogits);
+                    s.weight_tile = s.weight_tile.max(bytes);
+                }
+                Op::LoraForward {
+                    rows, ic, oc, r, ..
+                }
+                | Op::LoraBackward {
+                    rows, ic, oc, r, ..
+                } if mixed => {
+                    let (_, bytes) = lora_tile(rows.n(), *ic, *oc, *r);
+                    s.weight_tile = s.weight_tile.max(bytes);
+                }
+                _ => {}
             }
             let partials = match &e.op {
                 // A frozen norm computes no parameter gradient: no partials.
@@ -155,6 +182,38 @@ impl Scratch {
     pub fn link_offset(&self) -> u64 {
         self.offsets().0[5]
     }
+}
+
+/// The LM head's share of [`Scratch::weight_tile`] (bytes): the weight `[V, C]` in the type
+/// its GEMMs read (the storage type's copy, or a quantized head decoded) at 0, then, with
+/// `dlogits` (a bf16/f16 training plan), the storage type's copy of one chunk's f32 dlogits
+/// `[rows_per_chunk, V]` (its two backward GEMMs multiply it with T operands). Returns (the
+/// dlogits copy's offset, the bytes of both).
+pub fn lm_head_tile(
+    c: usize,
+    v: usize,
+    rows_per_chunk: usize,
+    storage: DType,
+    dlogits: bool,
+) -> (u64, u64) {
+    let elem = storage.size().unwrap_or(4) as u64;
+    let at = align(c as u64 * v as u64 * elem);
+    let copy = if dlogits {
+        rows_per_chunk as u64 * v as u64 * elem
+    } else {
+        0
+    };
+    (at, at + copy)
+}
+
+/// A LoRA adapter's share of [`Scratch::weight_tile`] in a bf16/f16 plan (bytes; f32 plans
+/// need none): at 0, `[N, r]` of f32 or T (the forward's f32 `xd @ aᵀ` with dropout; the
+/// backward's T copy of `dh`); then the adapter weight `a` `[r, IC]` or `b` `[OC, r]` as T, or
+/// the backward's f32 `dhᵀ @ xd` `[r, IC]` with dropout (one at a time). Returns (the second
+/// part's offset, the bytes of both); `n` is the plan's N.
+pub fn lora_tile(n: usize, ic: usize, oc: usize, r: usize) -> (u64, u64) {
+    let at = align(n as u64 * r as u64 * 4);
+    (at, at + (r as u64 * ic.max(oc) as u64 * 4))
 }
 
 impl Sizing for CudaSizing {
@@ -302,5 +361,73 @@ mod tests {
         assert_eq!(o[5] % 256, 0);
         assert!(o[5] >= o[4] + s.attention_rows);
         assert_eq!(total, o[5] + align(s.link));
+    }
+
+    fn lm_head(dinp: Option<BufId>) -> OpEntry {
+        entry(
+            Op::LmHeadLoss {
+                inp: BufId(0),
+                targets: BufId(1),
+                losses: BufId(2),
+                logits: BufId(3),
+                dinp,
+                w: 0..7 * 100,
+                rows: Rows { b: 2, t: 8 },
+                c: 7,
+                v: 100,
+                rows_per_chunk: 4,
+            },
+            false,
+        )
+    }
+
+    #[test]
+    fn the_lm_head_tile_holds_the_weight_then_a_dlogits_chunk() {
+        // bf16 training: the weight (1400 bytes, aligned to 1536), then 4 × 100 bf16.
+        assert_eq!(
+            lm_head_tile(7, 100, 4, DType::Bf16, true),
+            (1536, 1536 + 800)
+        );
+        assert_eq!(lm_head_tile(7, 100, 4, DType::Bf16, false), (1536, 1536));
+        let s = Scratch::for_ops(&[lm_head(Some(BufId(4)))], DType::Bf16);
+        assert_eq!(s.weight_tile, 1536 + 800);
+        let s = Scratch::for_ops(&[lm_head(None)], DType::Bf16);
+        assert_eq!(s.weight_tile, 1536);
+        // fp32: the GEMMs read the f32 weight and logits in place.
+        assert_eq!(
+            Scratch::for_ops(&[lm_head(Some(BufId(4)))], DType::F32).weight_tile,
+            0
+        );
+    }
+
+    #[test]
+    fn lora_tiles_exist_under_mixed_precision_only() {
+        let (n, ic, oc, r) = (16, 64, 96, 8);
+        let (at, total) = lora_tile(n, ic, oc, r);
+        assert_eq!(at, 512);
+        assert_eq!(total, 512 + (r * oc * 4) as u64);
+        let op = entry(
+            Op::LoraForward {
+                inp: BufId(0),
+                out: BufId(1),
+                h: BufId(2),
+                a: 0..r * ic,
+                b: r * ic..r * ic + oc * r,
+                rows: Rows { b: 2, t: 8 },
+                ic,
+                oc,
+                r,
+                col: 0,
+                ldo: oc,
+                scale: 2.0,
+                dropout: None,
+            },
+            false,
+        );
+        assert_eq!(
+            Scratch::for_ops(std::slice::from_ref(&op), DType::F16).weight_tile,
+            total
+        );
+        assert_eq!(Scratch::for_ops(&[op], DType::F32).weight_tile, 0);
     }
 }
