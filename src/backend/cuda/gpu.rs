@@ -13,6 +13,7 @@
 use super::flag::flag;
 use super::kernels::SOURCES;
 use super::nvrtc::{self, Arch};
+use super::rope_tables::{RopeTables, prepare_rope};
 use super::sizing::CudaSizing;
 use super::sizing::Scratch;
 use crate::backend::{Backend, Device, Peak, StepCtx, Unavailable};
@@ -189,7 +190,7 @@ pub struct GpuDevice {
     /// The card's architecture (kernels are compiled for it).
     pub(super) arch: Arch,
     /// The Rope ops' frequency tables, copied once when the device starts.
-    pub(super) rope: super::ops::RopeTables,
+    pub(super) rope: RopeTables,
 }
 
 // SAFETY: the device's state is its context's (thread-safe in the driver), addresses (plain
@@ -256,7 +257,7 @@ impl GpuDevice {
             .implicit
             .scratch
             .and_then(|id| device.bufs[id.0]);
-        device.rope = super::ops::prepare_rope(program)?;
+        device.rope = prepare_rope(program)?;
         for src in SOURCES {
             let ptx = nvrtc::cached(src, gpu.arch)?;
             let module = gpu

@@ -1,4 +1,4 @@
-//! The CUDA backend: the same plans on an NVIDIA GPU (issue [cuda], #45). Built with the cargo
+//! The CUDA backend: the same plans on an NVIDIA GPU (issue #45, cuda). Built with the cargo
 //! feature `cuda`; cudarc loads the driver, NVRTC and cuBLASLt when the backend opens, so the
 //! feature builds on machines without CUDA.
 //!
@@ -31,6 +31,8 @@ mod launch;
 pub mod nvrtc;
 #[cfg(feature = "cuda")]
 mod ops;
+#[cfg(feature = "cuda")]
+mod rope_tables;
 
 pub use flag::flag;
 pub use sizing::CudaSizing;

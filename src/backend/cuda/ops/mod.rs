@@ -12,5 +12,3 @@ mod linear;
 mod lm_head;
 mod norm;
 mod optimizer;
-
-pub(super) use attention::{RopeTables, prepare_rope};
