@@ -274,6 +274,14 @@ impl GpuDevice {
         Ok(device)
     }
 
+    /// Makes the device's context current on the calling thread (ops, downloads and uploads
+    /// may come from any of the executor's threads).
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("making the GPU's context current: {e:?}"))
+    }
+
     /// The device address and bytes of plan buffer `id` (an internal error for one not in
     /// device memory).
     pub(super) fn addr(&self, id: BufId) -> Result<(ds::CUdeviceptr, u64)> {
@@ -284,6 +292,7 @@ impl GpuDevice {
 
 impl Device for GpuDevice {
     fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
+        self.bind()?;
         match e.op.family() {
             OpFamily::Fill => self.run_fill(e),
             OpFamily::Embedding => self.run_embedding(e, ctx),
@@ -319,6 +328,7 @@ impl Device for GpuDevice {
     }
 
     fn download(&self, bufs: &[BufId], f: &mut dyn FnMut(&[&[u8]])) -> Result<()> {
+        self.bind()?;
         self.sync()?;
         let mut host = Vec::with_capacity(bufs.len());
         for &id in bufs {
@@ -335,6 +345,7 @@ impl Device for GpuDevice {
     }
 
     fn upload(&mut self, bufs: &[BufId], f: &mut dyn FnMut(&mut [&mut [u8]])) -> Result<()> {
+        self.bind()?;
         self.sync()?;
         let mut host: Vec<Vec<u8>> = bufs
             .iter()
