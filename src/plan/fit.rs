@@ -394,18 +394,32 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
             ));
         }
     }
+    // On the CPU the owned buffers and the process count in RAM; on a GPU, its context.
+    let (outside, base) = baseline_terms(plan);
     bail!(
-        "the plan needs {} of {} (arena {} + outside the arena {} + process baseline {} + runtime reserve {}) but --max-memory is {}: \
+        "the plan needs {} of {} (arena {}{outside} + {base} {} + runtime reserve {}) but --max-memory is {}: \
          over by {}; {advice}",
         fmt_bytes(need),
         plan.compute_tier().describe(),
         fmt_bytes(plan.arena_bytes()),
-        fmt_bytes(plan.external_bytes),
         fmt_bytes(baseline),
         fmt_bytes(plan.runtime_reserve()),
         fmt_bytes(budget),
         fmt_bytes(need - budget)
     )
+}
+
+/// How the compute tier's peak is made beyond the arena, for messages: the owned buffers (on
+/// the CPU, where they count) and the baseline's name.
+fn baseline_terms(plan: &Plan) -> (String, &'static str) {
+    if plan.compute_tier() == crate::ir::Tier::Host {
+        (
+            format!(" + outside the arena {}", fmt_bytes(plan.external_bytes)),
+            "process baseline",
+        )
+    } else {
+        (String::new(), "device baseline (context)")
+    }
 }
 
 /// What to say when even `--batch 1` of `plan`'s configuration does not fit `budget`: what
