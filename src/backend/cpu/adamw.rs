@@ -58,6 +58,25 @@ pub(crate) struct Consts {
     decay: f32,        // 1 - lr·weight_decay
 }
 
+impl Consts {
+    /// The constants in the argument order of the CUDA AdamW kernels
+    /// (`backend/cuda/kernels/optimizer.cu`): b1, b2, c1, c2, eps, gs, step_size,
+    /// inv_sqrt_bc2, decay. One computation for both backends.
+    pub(crate) fn args(&self) -> [f32; 9] {
+        [
+            self.b1,
+            self.b2,
+            self.c1,
+            self.c2,
+            self.eps,
+            self.gs,
+            self.step_size,
+            self.inv_sqrt_bc2,
+            self.decay,
+        ]
+    }
+}
+
 /// The per-step constants of `hp`. Panics unless `hp.step >= 1`.
 pub(crate) fn consts(hp: &AdamWStep) -> Consts {
     assert!(hp.step >= 1, "adamw_update: step is 1-based");

@@ -8,8 +8,8 @@
 //!   `adamw_mbf16_<S>` (grid-stride over the tensor) or `adamw_m8_<S>` (a block of 256 per
 //!   QBLOCK of 2048 values); the master weights and gradients at the tensor's range, the
 //!   moments at `range.start − state.base`, the 8-bit scales at block `state_block −
-//!   state.block_base`, and the step's 9 constants ([`AdamConsts`], computed as the CPU's
-//!   `adamw::consts`, weight decay 0 for a tensor without decay). Nothing runs without the
+//!   state.block_base`, and the step's 9 constants (the CPU's own `adamw::consts`, weight
+//!   decay 0 for a tensor without decay). Nothing runs without the
 //!   step's update (`ctx.update`: a skipped step; the executor does not run it then either).
 //!
 //! [`GRADNORM_CHUNK`]: super::super::sizing::GRADNORM_CHUNK
@@ -111,8 +111,18 @@ impl GpuDevice {
         if n == 0 {
             return Ok(());
         }
-        let k = AdamConsts::new(step, t.decay)
-            .ok_or_else(|| anyhow::anyhow!("internal error: {}: AdamW step 0", e.name))?;
+        if step.step < 1 {
+            bail!(
+                "internal error: {}: AdamW step 0 (steps are 1-based)",
+                e.name
+            );
+        }
+        // The CPU's constants, the same bits (weight decay zeroed for a tensor without it).
+        let hp = AdamWStep {
+            weight_decay: if t.decay { step.weight_decay } else { 0.0 },
+            ..*step
+        };
+        let k = crate::backend::cpu::adamw::consts(&hp);
         let Some(local) = t.range.start.checked_sub(state.base) else {
             bail!(
                 "internal error: {}: tensor {:?} before its moments' first element {}",
@@ -227,62 +237,6 @@ impl GpuDevice {
     }
 }
 
-/// The per-step constants of an AdamW kernel, in its argument order (`kernels/optimizer.cu`),
-/// computed exactly as the CPU's `adamw::consts` (whose fields are private to it: this is
-/// its port, operation for operation, checked bitwise against the CPU's update in the tests).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct AdamConsts {
-    b1: f32,
-    b2: f32,
-    c1: f32,
-    c2: f32,
-    eps: f32,
-    gs: f32,
-    step_size: f32,
-    inv_sqrt_bc2: f32,
-    decay: f32,
-}
-
-impl AdamConsts {
-    /// The constants of step `hp` for a tensor with (`decay`) or without weight decay;
-    /// `None` for step 0 (steps are 1-based).
-    pub(super) fn new(hp: &AdamWStep, decay: bool) -> Option<AdamConsts> {
-        if hp.step < 1 {
-            return None;
-        }
-        let weight_decay = if decay { hp.weight_decay } else { 0.0 };
-        let t = hp.step as f64;
-        let bc1 = 1.0 - (hp.beta1 as f64).powf(t);
-        let bc2 = 1.0 - (hp.beta2 as f64).powf(t);
-        Some(AdamConsts {
-            b1: hp.beta1,
-            b2: hp.beta2,
-            c1: 1.0 - hp.beta1,
-            c2: 1.0 - hp.beta2,
-            eps: hp.eps,
-            gs: hp.grad_scale,
-            step_size: (hp.lr as f64 / bc1) as f32,
-            inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
-            decay: 1.0 - hp.lr * weight_decay,
-        })
-    }
-
-    /// `(b1, b2, c1, c2, eps, gs, step_size, inv_sqrt_bc2, decay)`.
-    fn args(&self) -> [f32; 9] {
-        [
-            self.b1,
-            self.b2,
-            self.c1,
-            self.c2,
-            self.eps,
-            self.gs,
-            self.step_size,
-            self.inv_sqrt_bc2,
-            self.decay,
-        ]
-    }
-}
-
 /// `gradnorm_partials`: blocks of exactly [`GN_THREADS`], one per partial up to 65535.
 fn gradnorm_grid(parts: u64) -> LaunchConfig {
     LaunchConfig {
@@ -330,13 +284,14 @@ mod tests {
     }
 
     /// The kernel's `adam_elem`, op for op (no FMA).
-    fn adam_elem(p: &mut f32, g: f32, m: &mut f32, v: &mut f32, k: &AdamConsts) {
-        let g = g * k.gs;
-        let mi = k.b1 * *m + k.c1 * g;
-        let vi = k.b2 * *v + (k.c2 * g) * g;
+    fn adam_elem(p: &mut f32, g: f32, m: &mut f32, v: &mut f32, k: [f32; 9]) {
+        let [b1, b2, c1, c2, eps, gs, step_size, inv_sqrt_bc2, decay] = k;
+        let g = g * gs;
+        let mi = b1 * *m + c1 * g;
+        let vi = b2 * *v + (c2 * g) * g;
         *m = mi;
         *v = vi;
-        *p = *p * k.decay - (k.step_size * mi) / (vi.sqrt() * k.inv_sqrt_bc2 + k.eps);
+        *p = *p * decay - (step_size * mi) / (vi.sqrt() * inv_sqrt_bc2 + eps);
     }
 
     /// The constants give, element for element, the CPU's update's bits (f32 moments).
@@ -363,19 +318,18 @@ mod tests {
                     ..h
                 };
                 adamw::adamw_update(&mut p, &g, &mut m, &mut v, &cpu);
-                let k = AdamConsts::new(&h, decay).unwrap();
+                let k = adamw::consts(&cpu).args();
                 for i in 0..n {
                     let (mut pi, mut mi, mut vi) = (p0[i], m0[i], v0[i]);
-                    adam_elem(&mut pi, g[i], &mut mi, &mut vi, &k);
+                    adam_elem(&mut pi, g[i], &mut mi, &mut vi, k);
                     assert_eq!(pi.to_bits(), p[i].to_bits(), "p, step {step} decay {decay}");
                     assert_eq!(mi.to_bits(), m[i].to_bits(), "m");
                     assert_eq!(vi.to_bits(), v[i].to_bits(), "v");
                 }
             }
         }
-        assert_eq!(AdamConsts::new(&hp(0, 1e-3, 0.0), true), None);
-        let k = AdamConsts::new(&hp(3, 1e-3, 0.5), false).unwrap();
-        assert_eq!(k.args()[8], 1.0, "no decay");
+        let k = adamw::consts(&hp(3, 1e-3, 0.0)).args();
+        assert_eq!(k[8], 1.0, "no decay");
     }
 
     #[test]
