@@ -65,6 +65,12 @@ impl Dropout {
         }
     }
 
+    /// `(key, below, scale, first)`: the mask as the CUDA kernels take it
+    /// (`backend/cuda/kernels/lora.cu`), which hash each element as [`Dropout::keeps`] does.
+    pub fn parts(&self) -> (u64, u64, f32, u64) {
+        (self.key, self.below, self.scale, self.first)
+    }
+
     /// Whether element `e` of the call's input is kept.
     #[inline(always)]
     pub fn keeps(&self, e: usize) -> bool {

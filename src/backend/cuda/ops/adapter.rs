@@ -39,8 +39,8 @@ use crate::ir::schedule::{LoraDropout, Op, OpEntry, Rows};
 use anyhow::{Result, bail};
 use cudarc::driver::PushKernelArg;
 
-/// An adapter's dropout mask as the kernels take it (`kernels/lora.cu`'s header), computed
-/// as the CPU's `lora::Dropout::new` computes it.
+/// An adapter's dropout mask as the kernels take it (`kernels/lora.cu`'s header): the CPU's
+/// `lora::Dropout`, whose hash the kernels compute per element.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Mask {
     pub key: u64,
@@ -49,35 +49,16 @@ pub struct Mask {
     pub first: u64,
 }
 
-/// SplitMix64's increment and finaliser (the CPU's `lora::mix`).
-const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
-
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// The mask of probability `p` for the step's `seed`, the adapter `salt` and a call whose
-/// first element is element `first` of the whole batch (`lora::Dropout::new`).
+/// first element is element `first` of the whole batch: the CPU's own (`lora::Dropout`).
 pub fn mask(p: f32, seed: u64, salt: u64, first: u64) -> Mask {
+    let (key, below, keep_scale, first) =
+        crate::backend::cpu::lora::Dropout::new(p, seed, salt, first).parts();
     Mask {
-        key: mix(seed ^ mix(salt.wrapping_add(GOLDEN))),
-        below: (p as f64 * 4294967296.0) as u64,
-        keep_scale: 1.0 / (1.0 - p),
+        key,
+        below,
+        keep_scale,
         first,
-    }
-}
-
-#[cfg(test)]
-impl Mask {
-    /// Whether element `e` of the call's input is kept (the kernels' `lora_keeps`).
-    pub fn keeps(&self, e: u64) -> bool {
-        mix(self
-            .key
-            .wrapping_add(self.first.wrapping_add(e).wrapping_mul(GOLDEN)))
-            >> 32
-            >= self.below
     }
 }
 
@@ -407,8 +388,7 @@ mod tests {
     use super::*;
     use crate::backend::cpu::lora::Dropout;
 
-    /// The mask is the CPU's: the same fields (the CPU's are private: compared through its
-    /// Debug form) and the same kept elements.
+    /// The mask is the CPU's: the same fields, the kept elements scaled by 1 / (1 − p).
     #[test]
     fn masks_are_the_cpus_bit_for_bit() {
         for &(p, seed, salt, first) in &[
@@ -419,16 +399,9 @@ mod tests {
         ] {
             let cpu = Dropout::new(p, seed, salt, first);
             let gpu = mask(p, seed, salt, first);
-            assert_eq!(
-                format!("{cpu:?}"),
-                format!(
-                    "Dropout {{ key: {}, below: {}, scale: {:?}, first: {} }}",
-                    gpu.key, gpu.below, gpu.keep_scale, gpu.first
-                )
-            );
-            for el in 0..2000 {
-                assert_eq!(cpu.keeps(el), gpu.keeps(el as u64), "p {p} element {el}");
-            }
+            assert_eq!((gpu.key, gpu.below, gpu.keep_scale, gpu.first), cpu.parts());
+            assert_eq!(gpu.keep_scale, 1.0 / (1.0 - p));
+            assert_eq!(gpu.first, first);
         }
     }
 
