@@ -62,6 +62,7 @@ impl Consts {
     /// The constants in the argument order of the CUDA AdamW kernels
     /// (`backend/cuda/kernels/optimizer.cu`): b1, b2, c1, c2, eps, gs, step_size,
     /// inv_sqrt_bc2, decay. One computation for both backends.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn args(&self) -> [f32; 9] {
         [
             self.b1,
