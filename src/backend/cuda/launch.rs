@@ -2,7 +2,8 @@
 //! ([`GpuDevice::kernel`]), the device address of a buffer, of a parameter range or of its
 //! gradient ([`GpuDevice::ptr`], [`GpuDevice::param_ptr`], [`GpuDevice::grad_ptr`]), the
 //! regions of the backend's scratch ([`GpuDevice::scratch`]), and launch shapes
-//! ([`grid_stride`], [`rows_of_warps`]). Kernel arguments are plain values: device addresses
+//! ([`grid_stride`], [`rows_of_warps`]), the launch macro `launch_kernel!` and the range check
+//! of `int` arguments ([`int`]). Kernel arguments are plain values: device addresses
 //! as `u64`, sizes as `i32` or `i64` as each kernel's doc says, floats as `f32`.
 
 use super::gpu::GpuDevice;
@@ -10,7 +11,7 @@ use super::sizing::Scratch;
 use crate::dtype::DType;
 use crate::ir::BufId;
 use crate::ir::schedule::OpEntry;
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, bail};
 use cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig};
 use std::ops::Range;
 
@@ -126,6 +127,57 @@ impl GpuDevice {
             norm_partials: at(3, s.norm_partials),
             attention_rows: at(4, s.attention_rows),
         }
+    }
+}
+
+/// Launches kernel `$f` (named `$name` in errors) of op `$e` on `$dev`'s stream with launch
+/// shape `$cfg` and the arguments `$arg` (references to locals: `u64` device addresses,
+/// `i32`, `i64`, `f32`), in the kernel's order; a `Result<()>`, the error naming the op and
+/// the kernel. The caller vouches (a `SAFETY` comment at the call) that the arguments are the
+/// kernel's signature and the addresses hold what the kernel reads and writes.
+macro_rules! launch_kernel {
+    ($dev:expr, $e:expr, $name:expr, $f:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        use cudarc::driver::PushKernelArg;
+        let mut args = $dev.launch($f);
+        $(args.arg($arg);)*
+        // SAFETY: the caller's: the arguments match the kernel's signature and every address
+        // holds the elements the kernel's doc comment says it touches.
+        unsafe { args.launch($cfg) }
+            .map(|_| ())
+            .map_err(|err| $crate::backend::cuda::launch::launch_error($e, &$name, err))
+    }};
+}
+pub(super) use launch_kernel;
+
+impl GpuDevice {
+    /// Entry `stem_<storage>` and its full name (for errors).
+    pub(super) fn entry(&self, stem: &str) -> Result<(String, &CudaFunction)> {
+        let f = self.kernel(stem)?;
+        Ok((format!("{stem}_{}", suffix(self.storage)), f))
+    }
+
+    /// Device address of parameter range `r`'s f32 values (an internal error where `e` is
+    /// bound to anything but f32: a quantized base's blocks).
+    pub(super) fn f32_param_ptr(&self, e: &OpEntry, r: &Range<usize>) -> Result<u64> {
+        match self.param_dtype(e) {
+            Some(DType::F32) => self.param_ptr(e, r),
+            Some(d) => bail!(
+                "internal error: {}: its parameters are bound to {d} values, not f32",
+                e.name
+            ),
+            None => bail!("internal error: {} has no parameter binding", e.name),
+        }
+    }
+}
+
+/// `v` as a kernel's `int` argument `what`; an error naming the op where it does not fit.
+pub(super) fn int(e: &OpEntry, what: &str, v: usize) -> Result<i32> {
+    match i32::try_from(v) {
+        Ok(i) => Ok(i),
+        Err(_) => bail!(
+            "{}: {what} = {v} is beyond the CUDA kernels' int arguments (2^31 - 1)",
+            e.name
+        ),
     }
 }
 

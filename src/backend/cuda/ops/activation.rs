@@ -12,7 +12,7 @@
 
 use super::super::gpu::GpuDevice;
 use super::super::launch::grid_stride;
-use super::norm::{int, launch_kernel};
+use super::super::launch::{int, launch_kernel};
 use crate::backend::StepCtx;
 use crate::ir::schedule::{Op, OpEntry};
 use anyhow::{Result, bail};

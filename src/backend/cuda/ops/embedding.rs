@@ -20,7 +20,7 @@
 
 use super::super::gpu::GpuDevice;
 use super::super::launch::{BLOCK, grid_stride};
-use super::norm::{int, launch_kernel};
+use super::super::launch::{int, launch_kernel};
 use crate::backend::{Device, StepCtx};
 use crate::dtype::{DType, GgmlType};
 use crate::ir::BufId;

@@ -12,64 +12,19 @@
 //!
 //! N is the op's rows at the step's sequence length (`rows.with_seq(ctx.seq)`: generation's
 //! shorter prefix); nothing runs when N or C is 0 (the CPU then changes nothing).
-//!
-//! This file also holds what the families wired with it share (`activation.rs`,
-//! `embedding.rs`, `optimizer.rs`): the launch macro [`launch_kernel`], a kernel by stem with
-//! its full name ([`GpuDevice::entry`]) and the `int` arguments' range check ([`int`]); they
-//! belong in `launch.rs`.
 
 use super::super::gpu::GpuDevice;
-use super::super::launch::{BLOCK, grid_stride, rows_of_warps, suffix};
+use super::super::launch::{BLOCK, grid_stride, int, launch_kernel, rows_of_warps};
 use super::super::sizing::{NORM_CHUNK_ROWS, norm_chunks};
 use crate::backend::StepCtx;
-use crate::dtype::DType;
 use crate::ir::schedule::{Op, OpEntry};
 use anyhow::{Result, bail};
-use cudarc::driver::{CudaFunction, LaunchConfig};
-use std::ops::Range;
+use cudarc::driver::LaunchConfig;
 
 /// Warps per block of the one-warp-per-row kernels (blocks of 256 threads).
 pub(super) const ROW_WARPS: u32 = 8;
 
-/// Launches kernel `$f` (named `$name` in errors) of op `$e` on `$dev`'s stream with launch
-/// shape `$cfg` and the arguments `$arg` (references to locals: `u64` device addresses,
-/// `i32`, `i64`, `f32`), in the kernel's order; a `Result<()>`, the error naming the op and
-/// the kernel. The caller vouches (a `SAFETY` comment at the call) that the arguments are the
-/// kernel's signature and the addresses hold what the kernel reads and writes.
-macro_rules! launch_kernel {
-    ($dev:expr, $e:expr, $name:expr, $f:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
-        use cudarc::driver::PushKernelArg;
-        let mut args = $dev.launch($f);
-        $(args.arg($arg);)*
-        // SAFETY: the caller's: the arguments match the kernel's signature and every address
-        // holds the elements the kernel's doc comment says it touches.
-        unsafe { args.launch($cfg) }
-            .map(|_| ())
-            .map_err(|err| $crate::backend::cuda::launch::launch_error($e, &$name, err))
-    }};
-}
-pub(super) use launch_kernel;
-
 impl GpuDevice {
-    /// Entry `stem_<storage>` and its full name (for errors).
-    pub(super) fn entry(&self, stem: &str) -> Result<(String, &CudaFunction)> {
-        let f = self.kernel(stem)?;
-        Ok((format!("{stem}_{}", suffix(self.storage)), f))
-    }
-
-    /// Device address of parameter range `r`'s f32 values (an internal error where `e` is
-    /// bound to anything but f32: a quantized base's blocks).
-    pub(super) fn f32_param_ptr(&self, e: &OpEntry, r: &Range<usize>) -> Result<u64> {
-        match self.param_dtype(e) {
-            Some(DType::F32) => self.param_ptr(e, r),
-            Some(d) => bail!(
-                "internal error: {}: its parameters are bound to {d} values, not f32",
-                e.name
-            ),
-            None => bail!("internal error: {} has no parameter binding", e.name),
-        }
-    }
-
     /// Runs `e`, an op of the norm family.
     pub(in crate::backend::cuda) fn run_norm(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         match &e.op {
@@ -289,17 +244,6 @@ impl GpuDevice {
             grid_stride(c as u64),
             [&grad, &partials, &p, &ci]
         )
-    }
-}
-
-/// `v` as a kernel's `int` argument `what`; an error naming the op where it does not fit.
-pub(super) fn int(e: &OpEntry, what: &str, v: usize) -> Result<i32> {
-    match i32::try_from(v) {
-        Ok(i) => Ok(i),
-        Err(_) => bail!(
-            "{}: {what} = {v} is beyond the CUDA kernels' int arguments (2^31 - 1)",
-            e.name
-        ),
     }
 }
 

@@ -16,8 +16,8 @@
 
 use super::super::gpu::GpuDevice;
 use super::super::launch::{BLOCK, grid_stride};
+use super::super::launch::{int, launch_kernel};
 use super::super::sizing::gradnorm_parts;
-use super::norm::{int, launch_kernel};
 use crate::backend::{AdamWStep, StepCtx};
 use crate::dtype::DType;
 use crate::ir::BufId;
