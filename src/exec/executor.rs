@@ -22,7 +22,7 @@ use crate::dist::{Comm, Comms, Single};
 use crate::dtype::DType;
 use crate::dtype::GgmlType;
 use crate::ir::schedule::{Op, Phase};
-use crate::ir::{BufId, IGNORE_TARGET, OptimBufs, OptimState};
+use crate::ir::{Axis, BufId, IGNORE_TARGET, OptimBufs, OptimState};
 use crate::ir::{Moments, MomentsMut};
 use crate::plan::{Mode, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
@@ -108,8 +108,15 @@ pub struct Executor {
     /// The device's collectives while ops were recorded, reserved for one step's (see
     /// [`Executor::take_io_spans`]).
     comm_spans: Vec<CommSpan>,
-    /// The ranks running this plan together (`plan.cfg.mesh.data` of them; one process: `Single`).
+    /// The ranks running this plan together (the whole job; one process: `Single`).
     comm: Arc<dyn Comm>,
+    /// Its communicators along the mesh's axes: the step's scalars (trained-token counts,
+    /// losses, sharded norm shares) go along the data axis, a tensor-parallel norm's along
+    /// the tensor axis.
+    comms: Comms,
+    /// Per gradient-norm slot (`GradNorm::slot`), whether its gradients are the same on
+    /// every tensor rank (tensors held whole: counted once) rather than each rank's part.
+    whole_slots: Vec<bool>,
     /// The trained targets of the batch last uploaded: this rank's, and every rank's (the
     /// step's loss is the mean over the latter, [`StepCtx::loss_tokens`]).
     loss_tokens: LossTokens,
@@ -225,7 +232,8 @@ impl Executor {
         // One communicator per axis of the plan's mesh (which must be this job's).
         let comms = Comms::new(comm.clone(), &plan.cfg.mesh)
             .context("internal error: a plan made for another job's ranks")?;
-        let device = backend.start(&plan.program(), comms)?;
+        let whole_slots = whole_slots(&plan);
+        let device = backend.start(&plan.program(), comms.clone())?;
         // Until a batch says otherwise, every target is trained.
         let mine = plan.schedule.tokens.len() * plan.cfg.batch * plan.cfg.seq;
         let loss_tokens = LossTokens {
@@ -244,6 +252,8 @@ impl Executor {
             norm_shares,
             pending: None,
             comm,
+            comms,
+            whole_slots,
             comm_spans: Vec::new(),
         })
     }
@@ -284,7 +294,7 @@ impl Executor {
         match self.moments_sharded() {
             true => self.plan.cuts[k].owned(
                 &self.plan.layout.group_range(&self.plan.layout.groups[k]),
-                self.comm.rank(),
+                self.plan.cfg.mesh.data_rank(),
             ),
             false => o.base..o.base + self.plan.buffer(o.m).elems,
         }
@@ -678,9 +688,10 @@ impl Executor {
     /// scalar each) here, before the step.
     pub fn upload_examples(&mut self, batch: &[u32]) -> Result<()> {
         let mine = self.stage(batch, true)?;
-        let all = if self.comm.size() > 1 {
-            let mut every = vec![0u64; self.comm.size()];
-            crate::dist::ring::gather_values(&*self.comm, &[mine as u64], &mut every)
+        let data = self.comms.along(Axis::Data);
+        let all = if data.size() > 1 {
+            let mut every = vec![0u64; data.size()];
+            crate::dist::ring::gather_values(&**data, &[mine as u64], &mut every)
                 .context("exchanging the batch's trained-token counts among the ranks")?;
             every.iter().sum::<u64>() as usize
         } else {
@@ -851,9 +862,8 @@ impl Executor {
     /// The update from the step's gradient-norm shares (added in parameter order): the
     /// norm, and the AdamW step with clipping, or none when the gradients are not finite.
     fn settle(&mut self, hp: &OptimHparams) -> Result<(StepOutcome, Option<AdamWStep>)> {
-        let partial = self.moments_sharded().then_some(&*self.comm);
         let shares = read_norm_shares(&self.plan, &*self.device, self.norm_shares)?;
-        settle(&shares, self.loss_scale, hp, partial)
+        settle(&shares, self.loss_scale, hp, &self.norm_ranks())
     }
 
     /// Forward and backward: fills the gradients, returns the mean loss (after finishing a
@@ -933,9 +943,10 @@ impl Executor {
             })
             .with_context(|| self.moving("downloading", &self.plan.schedule.losses))?;
         let rows = self.loss_tokens.mine;
-        if self.comm.size() > 1 {
-            let mut all = vec![0.0f64; 2 * self.comm.size()];
-            crate::dist::ring::gather_values(&*self.comm, &[sum, rows as f64], &mut all)?;
+        let data = self.comms.along(Axis::Data);
+        if data.size() > 1 {
+            let mut all = vec![0.0f64; 2 * data.size()];
+            crate::dist::ring::gather_values(&**data, &[sum, rows as f64], &mut all)?;
             sum = all.chunks(2).map(|c| c[0]).sum();
             let n: f64 = all.chunks(2).map(|c| c[1]).sum();
             return Ok(if n > 0.0 { (sum / n) as f32 } else { 0.0 });
@@ -1073,8 +1084,7 @@ impl Executor {
         let mut recorder = self.recorder.take();
         let mut outcome = None;
         let mut failed = None;
-        // Sharded gradients give partial norm shares: every rank's are gathered.
-        let partial_norms = self.moments_sharded().then_some(&*self.comm);
+        let norm_ranks = self.norm_ranks();
         let (plan, device) = (&self.plan, &*self.device);
         let shares = self.norm_shares;
         let loss_scale = self.loss_scale;
@@ -1084,7 +1094,7 @@ impl Executor {
                 if matches!(e.op, Op::AdamW { .. }) {
                     if let (None, Some(hp)) = (outcome, hp) {
                         let settled = read_norm_shares(plan, device, shares)
-                            .and_then(|s| settle(&s, loss_scale, hp, partial_norms));
+                            .and_then(|s| settle(&s, loss_scale, hp, &norm_ranks));
                         match settled {
                             Ok(settled) => {
                                 let (o, update) = untrained_skips(settled, ctx.loss_tokens);
@@ -1153,19 +1163,75 @@ fn read_norm_shares(plan: &Plan, device: &dyn Device, buf: Option<BufId>) -> Res
     Ok(out)
 }
 
+/// Whose gradient-norm shares a rank adds to its own ([`settle`]).
+struct NormRanks<'a> {
+    /// Sharded gradients (`--zero 1` and up): each data rank's shares cover its shards.
+    data: Option<&'a dyn Comm>,
+    /// Tensor parallelism: each tensor rank's shares cover its parts of the cut tensors
+    /// (the slots not in `whole`), the same on all of them for the whole ones.
+    tensor: Option<(&'a dyn Comm, &'a [bool])>,
+}
+
+impl Executor {
+    /// The ranks whose norm shares this one's are added to.
+    fn norm_ranks(&self) -> NormRanks<'_> {
+        let tensor = self.comms.along(Axis::Tensor);
+        NormRanks {
+            data: self
+                .moments_sharded()
+                .then(|| &**self.comms.along(Axis::Data)),
+            tensor: (tensor.size() > 1).then(|| (&**tensor, &self.whole_slots[..])),
+        }
+    }
+}
+
+/// Per `GradNorm` slot of `plan`, whether its range holds whole tensors only (the same on
+/// every tensor rank), rather than tensor-parallel parts; the plan's emission keeps the two
+/// in separate slots.
+fn whole_slots(plan: &Plan) -> Vec<bool> {
+    let mut whole = Vec::new();
+    for e in &plan.schedule.ops {
+        if let Op::GradNorm { range, slot, .. } = &e.op {
+            if whole.len() <= *slot {
+                whole.resize(*slot + 1, true);
+            }
+            whole[*slot] = plan
+                .layout
+                .tensors
+                .iter()
+                .filter(|t| t.range.start < range.end && range.start < t.range.end)
+                .all(|t| t.part.is_none());
+        }
+    }
+    whole
+}
+
 /// The update from gradient-norm shares (each group's sum of squares), added in parameter
-/// order whatever order the backward took them in (see [`clip`]). With `partial` (sharded
-/// gradients) each rank's shares cover its shards: every rank's are gathered and added in
-/// (group, rank) order, so every rank settles the same update.
+/// order whatever order the backward took them in (see [`clip`]). With tensor parallelism
+/// every tensor rank's shares are gathered: a slot of cut tensors is the sum of its ranks'
+/// (in rank order), a slot of whole ones counted once. With sharded gradients each data
+/// rank's shares cover its shards: every rank's are gathered and added in (group, rank)
+/// order. So every rank settles the same update.
 fn settle(
     shares: &[f64],
     loss_scale: f32,
     hp: &OptimHparams,
-    partial: Option<&dyn Comm>,
+    ranks: &NormRanks,
 ) -> Result<(StepOutcome, Option<AdamWStep>)> {
-    let sum_sq = match partial {
+    let mut shares = shares.to_vec();
+    if let Some((comm, whole)) = ranks.tensor {
+        let n = shares.len();
+        let mut all = vec![0.0f64; n * comm.size()];
+        crate::dist::ring::gather_values(comm, &shares, &mut all)?;
+        for (k, share) in shares.iter_mut().enumerate() {
+            if !whole[k] {
+                *share = (0..comm.size()).map(|r| all[r * n + k]).sum();
+            }
+        }
+    }
+    let sum_sq = match ranks.data {
         Some(comm) if comm.size() > 1 => {
-            let mine: Vec<f64> = shares.to_vec();
+            let mine = shares;
             let mut all = vec![0.0f64; mine.len() * comm.size()];
             crate::dist::ring::gather_values(comm, &mine, &mut all)?;
             (0..mine.len())

@@ -228,7 +228,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         Some(g) => md.extend(crate::gguf::sidecar::tokenizer_keys(&g.file)),
         None => md.extend(vocab::metadata(dir, &spec)?),
     }
-    let layout = spec.family.layout(&spec);
+    let layout = crate::model::ParamLayout::new(&spec);
     let mut plan: Vec<Planned> = rope_freqs_tensor(&spec).into_iter().collect();
     // Each tensor's GGUF name, whether it is transposed (GPT-2's Conv1D weights), and its
     // dims innermost first, as GGUF stores them: [cols, rows] (a transposed [in, out]

@@ -3,8 +3,9 @@
 //! data axis, then the pipeline stages), and where this rank sits in it. Every collective a
 //! plan holds runs along one axis ([`Axis`]), among the ranks that differ from this one only
 //! there. The data axis is what "ranks" meant before tensor and pipeline parallelism: each
-//! of its ranks runs the same plan on its own rows. Today the tensor and pipeline axes have
-//! size 1.
+//! of its ranks runs the same plan on its own rows. Along the tensor axis each rank holds a
+//! slice of every layer ([`TensorSplit`]: Megatron's layout); the pipeline axis has size 1
+//! today.
 
 use serde::Serialize;
 use serde::ser::SerializeMap;
@@ -82,6 +83,14 @@ impl Mesh {
         }
     }
 
+    /// This rank's share of every layer along the tensor axis.
+    pub fn tensor_split(&self) -> TensorSplit {
+        TensorSplit {
+            size: self.tensor.max(1),
+            rank: self.coord(Axis::Tensor),
+        }
+    }
+
     /// The job's ranks along `axis` through this one, in order of their index on it (this
     /// rank is at [`Mesh::coord`]): the members of its communicator on that axis.
     pub fn group(&self, axis: Axis) -> Vec<usize> {
@@ -99,6 +108,48 @@ impl Mesh {
                 Axis::Pipeline => at(tc, dc, i),
             })
             .collect()
+    }
+}
+
+/// A tensor-parallel rank's share of a model (Megatron's layout): of every layer's attention
+/// heads, key/value heads and MLP channels, the `rank`-th of `size` equal contiguous parts.
+/// Column-parallel projections (q, k, v, gate, up, GPT-2's `c_attn` and `c_fc`) keep their
+/// outputs' part, row-parallel ones (o, down, the `c_proj`s) their inputs' part, and every
+/// other tensor (embeddings, norms, the row-parallel biases) is whole on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TensorSplit {
+    /// Ranks on the tensor axis.
+    pub size: usize,
+    /// This rank's index on it.
+    pub rank: usize,
+}
+
+impl TensorSplit {
+    /// The whole model (one rank on the tensor axis).
+    pub const WHOLE: TensorSplit = TensorSplit { size: 1, rank: 0 };
+
+    /// Whether the model is cut at all.
+    pub fn is_split(&self) -> bool {
+        self.size > 1
+    }
+
+    /// This rank's part of `n` items (heads, channels) cut into `size` equal parts; `n` is a
+    /// multiple of `size` (the model's check, `ModelSpec::check_tensor_split`).
+    pub fn part(&self, n: usize) -> std::ops::Range<usize> {
+        debug_assert_eq!(n % self.size, 0, "{n} items among {} ranks", self.size);
+        let k = n / self.size;
+        self.rank * k..(self.rank + 1) * k
+    }
+
+    /// This rank's count of `n` items.
+    pub fn len(&self, n: usize) -> usize {
+        n / self.size
+    }
+
+    /// Whether this rank adds what a row-parallel layer adds once (its bias, the residual):
+    /// the first on the axis; the others' partial sums are added to it by the all-reduce.
+    pub fn adds_once(&self) -> bool {
+        self.rank == 0
     }
 }
 

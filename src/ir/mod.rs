@@ -60,14 +60,14 @@ pub mod strategy;
 pub use buffer::{ALIGN, BufId, Buffer, Category, IO_ALIGN, Placement, Tier, TierSize};
 pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
 pub use family::OpFamily;
-pub use mesh::{Axis, Mesh};
+pub use mesh::{Axis, Mesh, TensorSplit};
 pub use moments::{Moments, MomentsMut};
 pub use program::{DISK_TIER_FILE, Program};
 pub use schedule::{
     Binding, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Phase,
     Rows, Schedule, Segment, Segments, WeightLayout,
 };
-pub use shard::{Collective, Cut, Sharding, Zero};
+pub use shard::{Collective, Cut, CutOf, Sharding, Zero};
 pub use sizing::Sizing;
 pub use strategy::{
     BaseQuant, BaseTypes, BlockPolicy, OptimState, Precision, QBLOCK, Recompute, RecomputeChoice,

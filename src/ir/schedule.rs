@@ -6,6 +6,7 @@
 
 use super::buffer::BufId;
 use super::mesh::Axis;
+use super::shard::CutOf;
 use super::strategy::OptimState;
 use serde::Serialize;
 use std::ops::Range;
@@ -352,35 +353,36 @@ pub enum Op {
     /// Waits until every transfer started into or out of `bufs` (host staging buffers) is
     /// done; fails with the first one that failed.
     AwaitTransfers { bufs: Vec<BufId> },
-    /// `buf` (cut among the ranks as parameter group `group`'s buffers are,
-    /// [`crate::ir::Program::cuts`]) becomes its sum over the ranks, in place (the group's
-    /// gradients, `--zero 0`); `scratch` receives the pieces in flight (`dist::ring`).
+    /// `buf` (cut among the ranks as `cut` says) becomes its sum over the ranks of `axis`,
+    /// in place (a group's gradients, `--zero 0`; a row-parallel layer's output or a
+    /// column-parallel layer's input gradient, `--tp`); `scratch` receives the pieces in
+    /// flight (`dist::ring`).
     AllReduce {
         buf: BufId,
         scratch: BufId,
-        group: usize,
+        cut: CutOf,
         /// The mesh axis whose ranks it runs among (today's plans: [`Axis::Data`]).
         axis: Axis,
     },
     /// `shard` (as long as the rank's chunk) becomes (`accumulate`: gains) the sum over the
-    /// ranks of chunk `rank` of `buf` (cut as group `group`'s), whose contents are consumed
+    /// ranks of chunk `rank` of `buf` (cut as `cut` says), whose contents are consumed
     /// (`--zero 1` and up: a group's gradients).
     ReduceScatter {
         buf: BufId,
         shard: BufId,
         scratch: BufId,
         accumulate: bool,
-        group: usize,
+        cut: CutOf,
         axis: Axis,
     },
-    /// Every rank's chunk `rank` of `buf` (cut as group `group`'s) is copied into every
+    /// Every rank's chunk `rank` of `buf` (cut as `cut` says) is copied into every
     /// rank's `buf`; with `shard`, the rank's chunk is first copied from there (a group's
     /// parameters after its sharded update, `--zero 1` and up, or gathered for use,
     /// `--zero 3`).
     AllGather {
         buf: BufId,
         shard: Option<BufId>,
-        group: usize,
+        cut: CutOf,
         axis: Axis,
     },
     /// Waits until the collective on `bufs[0]` (its `buf`), started earlier in the step,
@@ -592,13 +594,12 @@ impl Op {
         }
     }
 
-    /// The parameter group a collective moves (its cut is [`crate::ir::Program::cuts`]`[group]`);
-    /// `None` for other ops.
-    pub fn collective_group(&self) -> Option<usize> {
+    /// How a collective's buffer is cut, and along which axis; `None` for other ops.
+    pub fn collective_cut(&self) -> Option<(CutOf, Axis)> {
         match self {
-            Op::AllReduce { group, .. }
-            | Op::ReduceScatter { group, .. }
-            | Op::AllGather { group, .. } => Some(*group),
+            Op::AllReduce { cut, axis, .. }
+            | Op::ReduceScatter { cut, axis, .. }
+            | Op::AllGather { cut, axis, .. } => Some((*cut, *axis)),
             _ => None,
         }
     }

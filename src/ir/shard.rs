@@ -16,6 +16,31 @@ pub enum Collective {
     AllGather,
 }
 
+/// How a collective's buffer is cut among the ranks of its axis (chunk r is rank r's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CutOf {
+    /// As parameter group k's buffers are ([`crate::ir::Program::cuts`]`[k]`: ZeRO's).
+    Group(usize),
+    /// Evenly: of a buffer of n elements among R ranks, rank r's chunk is elements
+    /// ⌊r·n/R⌋..⌊(r+1)·n/R⌋ (activations, [`Cut::even`]).
+    Even,
+}
+
+impl CutOf {
+    /// The cut of a buffer of `len` elements among `ranks`, `cuts` being the groups'.
+    pub fn resolve<'a>(
+        &self,
+        cuts: &'a [Cut],
+        len: usize,
+        ranks: usize,
+    ) -> std::borrow::Cow<'a, Cut> {
+        match *self {
+            CutOf::Group(k) => std::borrow::Cow::Borrowed(&cuts[k]),
+            CutOf::Even => std::borrow::Cow::Owned(Cut::even(len, ranks)),
+        }
+    }
+}
+
 /// Shard lengths are multiples of this many elements (64 bytes of f32).
 pub const SHARD_ALIGN: usize = 16;
 
@@ -123,6 +148,13 @@ impl Cut {
     pub fn equal(s: usize, ranks: usize) -> Cut {
         Cut {
             edges: (0..=ranks).map(|r| r * s).collect(),
+        }
+    }
+
+    /// `len` elements among `ranks`, chunk r being ⌊r·len/ranks⌋..⌊(r+1)·len/ranks⌋.
+    pub fn even(len: usize, ranks: usize) -> Cut {
+        Cut {
+            edges: (0..=ranks).map(|r| r * len / ranks).collect(),
         }
     }
 

@@ -5,11 +5,18 @@
 //! describes its block ([`StagedBlock`]: its stages and how each is emitted, the block's
 //! output and its backward) and emits the rest of the micro-batch (embedding, final norm,
 //! head) around [`forward`] and [`backward`].
+//!
+//! Under tensor parallelism (`EmitOptions::tensor`) a family emits its rank's part of each
+//! block (its heads and MLP channels) and joins the parts with [`join_tensor_parts`]: after
+//! each row-parallel layer in the forward (the first rank alone adding the residual and the
+//! bias, so the sum adds them once) and after each column-parallel layer's input gradient in
+//! the backward (Megatron's f and g). Everything else is the same on every tensor rank,
+//! bitwise: the ring gives every rank the same sum.
 
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{Op, Phase};
 use crate::ir::strategy::{BlockPolicy, Recompute};
-use crate::ir::{BufId, Category};
+use crate::ir::{Axis, BufId, Category, Cut, CutOf, TensorSplit};
 
 /// A family's block as stages. Implemented by the family's dimensions of one micro-batch,
 /// which all its blocks share.
@@ -156,4 +163,45 @@ pub(crate) fn residual_grad(g: &mut Builder, pfx: &str, len: usize) -> BufId {
         Op::Zero { buf: dres },
     );
     dres
+}
+
+/// Joins the tensor-parallel ranks' parts of `buf` (`len` elements; a row-parallel layer's
+/// output, a column-parallel layer's input gradient): it becomes its sum over the tensor
+/// axis, awaited at once (the next op reads it). Its scratch is `{name}.comm`. Nothing on
+/// one rank.
+pub(crate) fn join_tensor_parts(
+    g: &mut Builder,
+    split: TensorSplit,
+    (buf, len): (BufId, usize),
+    name: &str,
+    phase: Phase,
+) {
+    if !split.is_split() {
+        return;
+    }
+    let cut = Cut::even(len, split.size);
+    let scratch = g.act(
+        format!("{name}.comm"),
+        Category::Communication,
+        cut.scratch(),
+    );
+    g.op(
+        format!("{name}.all_reduce"),
+        phase,
+        0,
+        Op::AllReduce {
+            buf,
+            scratch,
+            cut: CutOf::Even,
+            axis: Axis::Tensor,
+        },
+    );
+    g.op(
+        format!("{name}.all_reduce.await"),
+        phase,
+        0,
+        Op::AwaitCollective {
+            bufs: vec![buf, scratch],
+        },
+    );
 }

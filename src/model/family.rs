@@ -7,8 +7,8 @@
 
 use super::spec::{Family, FieldNames};
 use super::{ModelSpec, ParamLayout, gpt2, llama};
-use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
+use crate::ir::{EmitOptions, TensorSplit};
 use anyhow::Result;
 use serde_json::{Map, Value};
 
@@ -68,11 +68,11 @@ impl Family {
         }
     }
 
-    /// The parameter inventory.
-    pub fn layout(self, spec: &ModelSpec) -> ParamLayout {
+    /// The parameter inventory of `split`'s part of the model.
+    pub fn layout(self, spec: &ModelSpec, split: TensorSplit) -> ParamLayout {
         match self {
-            Family::Gpt2 => gpt2::layout(spec),
-            Family::Llama | Family::Qwen2 => llama::layout(spec),
+            Family::Gpt2 => gpt2::layout(spec, split),
+            Family::Llama | Family::Qwen2 => llama::layout(spec, split),
         }
     }
 

@@ -22,13 +22,20 @@ pub mod params;
 pub mod rope;
 pub mod spec;
 
-pub use params::{Init, ParamGroup, ParamInit, ParamLayout, ParamTensor, TiedName};
+pub use params::{Init, ParamGroup, ParamInit, ParamLayout, ParamTensor, TensorPart, TiedName};
 pub use spec::{Biases, Family, ModelSpec, Norm, Position, SpecialTokens};
 
 impl ParamLayout {
     /// The parameter inventory of `spec`, by its family.
     pub fn new(spec: &ModelSpec) -> ParamLayout {
-        spec.family.layout(spec)
+        spec.family.layout(spec, crate::ir::TensorSplit::WHOLE)
+    }
+
+    /// A tensor-parallel rank's part of `spec`'s inventory (the whole one for
+    /// [`crate::ir::TensorSplit::WHOLE`]), `spec` having been checked for the split
+    /// ([`ModelSpec::check_tensor_split`]).
+    pub fn split(spec: &ModelSpec, split: crate::ir::TensorSplit) -> ParamLayout {
+        spec.family.layout(spec, split)
     }
 }
 

@@ -6,6 +6,7 @@
 //! executor, checkpoints) reads only this.
 
 use super::spec::Family;
+use crate::ir::TensorSplit;
 use std::ops::Range;
 
 /// How a tensor is initialised when training starts from scratch.
@@ -35,6 +36,63 @@ pub struct ParamTensor {
     /// Whether AdamW applies weight decay (matrices and embeddings; not biases or norms).
     pub decay: bool,
     pub init: Init,
+    /// A tensor-parallel rank's part of the model's tensor of this name (`shape` is the
+    /// part's); `None` for a tensor the rank holds whole.
+    pub part: Option<TensorPart>,
+}
+
+/// Where a tensor-parallel rank's tensor sits in the model's tensor of the same name: the
+/// ranges of dimension `dim` it keeps, concatenated in order (GPT-2's fused `c_attn` keeps
+/// three: its q, k and v columns). The rank's tensor is contiguous in its own layout, so
+/// its kernels read it as any tensor; only loading, saving and initialising map it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorPart {
+    /// The whole tensor's shape (as Hugging Face stores it).
+    pub whole: Vec<usize>,
+    /// The dimension cut.
+    pub dim: usize,
+    /// The ranges of `dim` kept, in the part's order.
+    pub ranges: Vec<Range<usize>>,
+}
+
+impl TensorPart {
+    /// Elements of the whole tensor.
+    pub fn whole_len(&self) -> usize {
+        self.whole.iter().product()
+    }
+
+    /// The part's contiguous runs in order: (offset in the whole tensor, length); the part
+    /// is their concatenation.
+    pub fn runs(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let outer: usize = self.whole[..self.dim].iter().product();
+        let inner: usize = self.whole[self.dim + 1..].iter().product();
+        let d = self.whole[self.dim];
+        (0..outer).flat_map(move |o| {
+            self.ranges
+                .iter()
+                .map(move |r| ((o * d + r.start) * inner, r.len() * inner))
+        })
+    }
+
+    /// Copies the part out of the whole tensor `whole` into `part`.
+    pub fn take<T: Copy>(&self, whole: &[T], part: &mut [T]) {
+        let mut at = 0;
+        for (w, n) in self.runs() {
+            part[at..at + n].copy_from_slice(&whole[w..w + n]);
+            at += n;
+        }
+        debug_assert_eq!(at, part.len());
+    }
+
+    /// Copies `part` into its place in the whole tensor `whole`.
+    pub fn put<T: Copy>(&self, part: &[T], whole: &mut [T]) {
+        let mut at = 0;
+        for (w, n) in self.runs() {
+            whole[w..w + n].copy_from_slice(&part[at..at + n]);
+            at += n;
+        }
+        debug_assert_eq!(at, part.len());
+    }
 }
 
 /// Consecutive parameter tensors updated together (an embedding, a block, the final norm):
@@ -68,6 +126,9 @@ pub struct ParamLayout {
     pub tied: Vec<TiedName>,
     /// Total number of elements.
     pub total: usize,
+    /// Which tensor-parallel part of its model this is ([`TensorSplit::WHOLE`]: all of it;
+    /// else its cut tensors carry their [`ParamTensor::part`]).
+    pub split: TensorSplit,
 }
 
 /// Builds a layout tensor by tensor (used by the family modules).
@@ -98,6 +159,41 @@ impl LayoutBuilder {
         decay: bool,
         init: Init,
     ) -> Range<usize> {
+        self.push_part(name, shape, None, decay, init)
+    }
+
+    /// Appends a tensor of which this rank keeps, of dimension `dim` of `whole`, the
+    /// `ranges` (in order); the whole tensor when they cover the dimension. Returns the
+    /// part's element range.
+    pub(crate) fn push_cut(
+        &mut self,
+        name: String,
+        whole: &[usize],
+        (dim, ranges): (usize, Vec<Range<usize>>),
+        decay: bool,
+        init: Init,
+    ) -> Range<usize> {
+        if ranges.len() == 1 && ranges[0] == (0..whole[dim]) {
+            return self.push(name, whole, decay, init);
+        }
+        let mut shape = whole.to_vec();
+        shape[dim] = ranges.iter().map(|r| r.len()).sum();
+        let part = TensorPart {
+            whole: whole.to_vec(),
+            dim,
+            ranges,
+        };
+        self.push_part(name, &shape, Some(part), decay, init)
+    }
+
+    fn push_part(
+        &mut self,
+        name: String,
+        shape: &[usize],
+        part: Option<TensorPart>,
+        decay: bool,
+        init: Init,
+    ) -> Range<usize> {
         let n: usize = shape.iter().product();
         let range = self.at..self.at + n;
         self.at += n;
@@ -107,6 +203,7 @@ impl LayoutBuilder {
             range: range.clone(),
             decay,
             init,
+            part,
         });
         range
     }
@@ -121,7 +218,8 @@ impl LayoutBuilder {
         self.group_start = end;
     }
 
-    pub(crate) fn finish(self, tied: Vec<TiedName>) -> ParamLayout {
+    /// The layout of the tensors pushed, `split`'s part of its model.
+    pub(crate) fn finish(self, tied: Vec<TiedName>, split: TensorSplit) -> ParamLayout {
         assert_eq!(
             self.group_start,
             self.tensors.len(),
@@ -133,6 +231,7 @@ impl LayoutBuilder {
             groups: self.groups,
             tied,
             total: self.at,
+            split,
         }
     }
 }
@@ -177,6 +276,7 @@ impl ParamLayout {
             layout: self,
             rng: crate::util::rng::Rng::new(seed),
             next: 0,
+            part: None,
         }
     }
 
@@ -205,6 +305,8 @@ pub struct ParamInit<'a> {
     rng: crate::util::rng::Rng,
     /// The first element not yet filled.
     next: usize,
+    /// The values of the tensor-parallel part being filled (its tensor's index).
+    part: Option<(usize, Vec<f32>)>,
 }
 
 impl ParamInit<'_> {
@@ -217,25 +319,47 @@ impl ParamInit<'_> {
             "parameters are initialised in order"
         );
         assert_eq!(dst.len(), range.len());
-        for t in &self.layout.tensors {
+        for (k, t) in self.layout.tensors.iter().enumerate() {
             let lo = t.range.start.max(self.next);
             let hi = t.range.end.min(range.end);
             if lo >= hi {
                 continue;
             }
-            for i in lo..hi {
-                let x = match t.init {
-                    Init::Zeros => 0.0,
-                    Init::Ones => 1.0,
-                    Init::Normal { std } => self.rng.normal() * std,
-                    Init::Uniform { bound } => (2.0 * self.rng.next_f32() - 1.0) * bound,
-                };
-                if i >= range.start {
-                    dst[i - range.start] = x;
+            let Some(part) = &t.part else {
+                for i in lo..hi {
+                    let x = draw(&mut self.rng, t.init);
+                    if i >= range.start {
+                        dst[i - range.start] = x;
+                    }
                 }
+                continue;
+            };
+            // A part: the whole tensor's values are drawn (the random stream is the whole
+            // model's) and the part kept, once, when the tensor is first reached.
+            if self.part.as_ref().is_none_or(|(p, _)| *p != k) {
+                let whole: Vec<f32> = (0..part.whole_len())
+                    .map(|_| draw(&mut self.rng, t.init))
+                    .collect();
+                let mut values = vec![0.0; t.range.len()];
+                part.take(&whole, &mut values);
+                self.part = Some((k, values));
+            }
+            let values = &self.part.as_ref().expect("drawn above").1;
+            for i in lo.max(range.start)..hi {
+                dst[i - range.start] = values[i - t.range.start];
             }
         }
         self.next = range.end;
+    }
+}
+
+/// One value of a tensor initialised as `init`.
+fn draw(rng: &mut crate::util::rng::Rng, init: Init) -> f32 {
+    match init {
+        Init::Zeros => 0.0,
+        Init::Ones => 1.0,
+        Init::Normal { std } => rng.normal() * std,
+        Init::Uniform { bound } => (2.0 * rng.next_f32() - 1.0) * bound,
     }
 }
 

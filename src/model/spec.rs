@@ -330,6 +330,43 @@ impl ModelSpec {
         Ok(())
     }
 
+    /// Checks that `--tp tensor` ranks can each hold an equal part of every layer: the
+    /// attention heads, key/value heads and MLP channels divide among them (Megatron's
+    /// layout; GQA is split by key/value head groups). The error names each number that
+    /// does not divide and the sizes that would.
+    pub fn check_tensor_split(&self, tensor: usize) -> Result<()> {
+        if tensor == 0 {
+            bail!("--tp must be at least 1");
+        }
+        let f = self.family.field_names();
+        let mut counts = vec![(f.heads, self.n_head)];
+        if f.kv_heads != f.heads {
+            counts.push((f.kv_heads, self.n_kv_head));
+        }
+        counts.push((f.mlp, self.mlp_hidden));
+        let bad: Vec<String> = counts
+            .iter()
+            .filter(|(_, n)| n % tensor != 0)
+            .map(|(name, n)| format!("{name} {n}"))
+            .collect();
+        if !bad.is_empty() {
+            let fits: Vec<String> = (2..=self.n_head)
+                .filter(|t| counts.iter().all(|(_, n)| n % t == 0))
+                .map(|t| t.to_string())
+                .collect();
+            bail!(
+                "--tp {tensor}: each tensor rank holds an equal part of every layer, but {} \
+                 do not divide by {tensor}; {}",
+                bad.join(" and "),
+                match fits.is_empty() {
+                    true => "this model cannot be cut: use --tp 1".to_string(),
+                    false => format!("use --tp 1 or {}", fits.join(", ")),
+                }
+            );
+        }
+        Ok(())
+    }
+
     /// Head size hd.
     pub fn head_size(&self) -> usize {
         self.head_dim

@@ -168,7 +168,7 @@ pub(super) fn build(
     }
     let sharding = sharding(cfg)?;
     let lora = lora_plan(spec, cfg)?;
-    let layout = trainable_layout(spec, lora.as_ref());
+    let layout = trainable_layout(spec, cfg, lora.as_ref());
     let split = sharding.map(|sh| zero::Split::new(&layout, cfg.optim_state, sh));
     let sharded = split.as_ref().filter(|s| s.sh.zero.shards_optimizer());
     let mut g = Builder::new(cfg.precision.storage());
@@ -258,6 +258,7 @@ impl<'a> Request<'a> {
             bail!("--grad-accum must be at least 1 (micro-batches per optimizer step)");
         }
         check_sizes(cfg)?;
+        check_mesh(spec, cfg, mode)?;
         if mode == Mode::Generate && cfg.precision != Precision::F32 {
             bail!("internal error: generation plans run in fp32");
         }
@@ -297,6 +298,43 @@ impl<'a> Request<'a> {
             offload,
         })
     }
+}
+
+/// Checks the mesh of ranks against the model and the other strategies, naming the flags:
+/// each tensor rank's part of every layer must be equal; what tensor parallelism does not
+/// compose with yet is refused before anything is planned.
+fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
+    let mesh = &cfg.mesh;
+    if mesh.pipeline > 1 {
+        bail!(
+            "--pp {}: pipeline parallelism is not there yet ([3d]); use --pp 1",
+            mesh.pipeline
+        );
+    }
+    if mesh.tensor <= 1 {
+        return Ok(());
+    }
+    spec.check_tensor_split(mesh.tensor)?;
+    let t = mesh.tensor;
+    if mode == Mode::Generate {
+        bail!("--tp {t}: sampling runs on one rank; use --tp 1");
+    }
+    if cfg.lora.is_some() {
+        bail!(
+            "--tp {t} with --lora: adapters split with their layers are not there yet; use --tp 1"
+        );
+    }
+    if cfg.zero.shards_optimizer() {
+        bail!(
+            "--tp {t} with --zero {}: sharding state over the data axis of a tensor-parallel \
+             job is not there yet; use --zero 0",
+            cfg.zero
+        );
+    }
+    if cfg.offload.set != OffloadSet::NONE {
+        bail!("--tp {t} with --offload: not there yet; use --offload none");
+    }
+    Ok(())
 }
 
 /// A generation plan: the parameters (and the mixed-precision workspace), one batch of
@@ -363,11 +401,11 @@ fn lora_plan(spec: &ModelSpec, cfg: &StepConfig) -> Result<Option<LoraPlan>> {
     }))
 }
 
-/// The trainable parameters: the model's, or the adapters'.
-fn trainable_layout(spec: &ModelSpec, lora: Option<&LoraPlan>) -> ParamLayout {
+/// The trainable parameters: the model's (this tensor rank's part), or the adapters'.
+fn trainable_layout(spec: &ModelSpec, cfg: &StepConfig, lora: Option<&LoraPlan>) -> ParamLayout {
     match lora {
         Some(l) => l.adapters.params.clone(),
-        None => ParamLayout::new(spec),
+        None => ParamLayout::split(spec, cfg.mesh.tensor_split()),
     }
 }
 
@@ -696,14 +734,20 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
 /// last op that writes its gradients (in the last micro-batch's backward): the share is
 /// taken while the gradients are still at hand, so gradients on the disk tier are not read
 /// back for it. The executor sums the shares in parameter order, whatever the op order.
+/// Under tensor parallelism a group's share is one per run of its tensors that are whole
+/// or cut ([`norm_runs`]): the executor counts the first once and adds the tensor ranks'
+/// second.
 fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
-    // [groups] f64: each group's share, read by the executor before the first update (in the
-    // next step's forward with a deferred update, so it lives across steps).
+    let runs: Vec<Vec<std::ops::Range<usize>>> = (0..grads.segments.len())
+        .map(|k| norm_runs(layout, k, &grads.segments[k].range))
+        .collect();
+    // [slots] f64: each share, read by the executor before the first update (in the next
+    // step's forward with a deferred update, so it lives across steps).
     let out = g.persistent(
         "grad_norm.shares",
         Category::Workspace,
         DType::F64,
-        grads.segments.len(),
+        runs.iter().map(Vec::len).sum(),
     );
     let mut last = vec![None; grads.segments.len()];
     for (i, e) in g.ops.iter().enumerate() {
@@ -720,28 +764,68 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
         let at = at.expect("internal error: a parameter group without gradients");
         after[at].push(k);
     }
+    let first_slot: Vec<usize> = runs
+        .iter()
+        .scan(0, |at, r| {
+            let first = *at;
+            *at += r.len();
+            Some(first)
+        })
+        .collect();
     let mut ops = Vec::with_capacity(g.ops.len() + grads.segments.len());
     for (i, e) in std::mem::take(&mut g.ops).into_iter().enumerate() {
         let micro = e.micro;
         ops.push(e);
         for &k in &after[i] {
-            ops.push(OpEntry {
-                name: format!("{}.grad_norm", layout.groups[k].name),
-                phase: Phase::Backward,
-                op: Op::GradNorm {
-                    range: grads.segments[k].range.clone(),
-                    out,
-                    slot: k,
-                },
-                flops: 0,
-                params: None,
-                grads: None,
-                micro,
-                frozen: false,
-            });
+            for (j, range) in runs[k].iter().enumerate() {
+                let name = &layout.groups[k].name;
+                ops.push(OpEntry {
+                    name: match runs[k].len() {
+                        1 => format!("{name}.grad_norm"),
+                        _ => format!("{name}.grad_norm.{j}"),
+                    },
+                    phase: Phase::Backward,
+                    op: Op::GradNorm {
+                        range: range.clone(),
+                        out,
+                        slot: first_slot[k] + j,
+                    },
+                    flops: 0,
+                    params: None,
+                    grads: None,
+                    micro,
+                    frozen: false,
+                });
+            }
         }
     }
     g.ops = ops;
+}
+
+/// The ranges group `k` (elements `range`) takes its norm shares over: the whole group,
+/// or under tensor parallelism each maximal run of its tensors that are all whole (the
+/// same on every tensor rank) or all cut.
+fn norm_runs(
+    layout: &ParamLayout,
+    k: usize,
+    range: &std::ops::Range<usize>,
+) -> Vec<std::ops::Range<usize>> {
+    if !layout.split.is_split() {
+        return vec![range.clone()];
+    }
+    let mut runs: Vec<(bool, std::ops::Range<usize>)> = Vec::new();
+    for t in &layout.tensors[layout.groups[k].tensors.clone()] {
+        let cut = t.part.is_some();
+        match runs.last_mut() {
+            Some((c, r)) if *c == cut && r.end == t.range.start => r.end = t.range.end,
+            _ => runs.push((cut, t.range.clone())),
+        }
+    }
+    debug_assert_eq!(
+        (runs[0].1.start, runs[runs.len() - 1].1.end),
+        (range.start, range.end)
+    );
+    runs.into_iter().map(|(_, r)| r).collect()
 }
 
 /// Whether ops of `phase` apply an update (they read the step's gradients, never write them).

@@ -95,6 +95,7 @@ impl StepConfig {
         EmitOptions {
             recompute: self.recompute,
             logits_chunk_bytes: self.logits_chunk_bytes,
+            tensor: self.mesh.tensor_split(),
         }
     }
 

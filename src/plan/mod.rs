@@ -204,13 +204,17 @@ impl Plan {
     /// ([`crate::ir::Cut::sent`]), which the transport's counter confirms.
     pub fn comm_bytes(&self, e: &OpEntry) -> u64 {
         use crate::ir::Collective;
-        let (c, buf, group) = match e.op {
-            Op::AllReduce { buf, group, .. } => (Collective::AllReduce, buf, group),
-            Op::ReduceScatter { buf, group, .. } => (Collective::ReduceScatter, buf, group),
-            Op::AllGather { buf, group, .. } => (Collective::AllGather, buf, group),
+        let (c, buf) = match e.op {
+            Op::AllReduce { buf, .. } => (Collective::AllReduce, buf),
+            Op::ReduceScatter { buf, .. } => (Collective::ReduceScatter, buf),
+            Op::AllGather { buf, .. } => (Collective::AllGather, buf),
             _ => return 0,
         };
-        let elems = self.cuts[group].sent(c, self.cfg.mesh.data_rank());
+        let (cut, axis) = e.op.collective_cut().expect("a collective");
+        let mesh = &self.cfg.mesh;
+        let len = self.buffer(buf).elems;
+        let cut = cut.resolve(&self.cuts, len, mesh.size(axis));
+        let elems = cut.sent(c, mesh.coord(axis));
         let dtype = self.buffer(buf).dtype;
         dtype.bytes_for(elems as u64).unwrap_or_else(|| {
             panic!("internal error: a collective moves {elems} elements of {dtype}")
@@ -231,21 +235,27 @@ impl Plan {
     }
 
     /// Bytes of scalars this rank sends per training step: its loss sum and row count
-    /// (two f64, gathered by every rank), and with sharded gradients its share of the norm
-    /// per parameter group (f64 each); each gathered around the ring, so sent N−1 times.
+    /// (two f64, gathered by every data rank), with sharded gradients its share of the norm
+    /// per parameter group (f64 each), and under tensor parallelism every norm share (f64
+    /// each, gathered by every tensor rank); each gathered around the ring of its axis, so
+    /// sent N−1 times.
     pub fn scalar_comm_bytes(&self) -> u64 {
-        let n = self.cfg.mesh.data as u64;
-        if n == 1 || self.mode != Mode::Train {
+        if self.mode != Mode::Train {
             return 0;
         }
+        let slots = self
+            .schedule
+            .ops
+            .iter()
+            .filter(|e| matches!(e.op, Op::GradNorm { .. }))
+            .count() as u64;
+        let (d, t) = (
+            self.cfg.mesh.data as u64,
+            self.cfg.mesh.tensor.max(1) as u64,
+        );
         let sharded = self.cfg.zero.shards_optimizer();
-        let per_rank = 16
-            + if sharded {
-                8 * self.layout.groups.len() as u64
-            } else {
-                0
-            };
-        (n - 1) * per_rank
+        let data = (d - 1) * (16 + if sharded { 8 * slots } else { 0 });
+        data + (t - 1) * 8 * slots
     }
 
     /// Bytes per category of the RAM buffers live at op `op`.

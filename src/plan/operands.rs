@@ -592,7 +592,7 @@ mod tests {
                     shard: BufId(2),
                     scratch: BufId(3),
                     accumulate: true,
-                    group: 0,
+                    cut: crate::ir::CutOf::Group(0),
                     axis: crate::ir::Axis::Data,
                 },
                 None,

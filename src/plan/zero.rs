@@ -61,7 +61,7 @@ use crate::ir::builder::Builder;
 use crate::ir::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
 use crate::ir::strategy::QBLOCK;
 use crate::ir::{BufId, Category, OptimState};
-use crate::ir::{Cut, Sharding};
+use crate::ir::{Cut, CutOf, Sharding};
 use crate::model::{ParamGroup, ParamLayout};
 use anyhow::{Result, bail};
 use serde::Serialize;
@@ -296,12 +296,16 @@ fn scratch(g: &mut Builder, name: &str, dtype: DType, cut: &Cut) -> BufId {
 }
 
 /// Where each group's norm share (`GradNorm` over the group's range) is.
+/// (The first of its shares under tensor parallelism, which takes one per run of whole or
+/// cut tensors, all together.)
 fn norm_shares(g: &Builder, groups: &[std::ops::Range<usize>]) -> Vec<usize> {
     (0..groups.len())
         .map(|k| {
             g.ops
                 .iter()
-                .position(|e| matches!(&e.op, Op::GradNorm { range, .. } if range == &groups[k]))
+                .position(|e| {
+                    matches!(&e.op, Op::GradNorm { range, .. } if range.start == groups[k].start)
+                })
                 .expect("internal error: a group without a norm share")
         })
         .collect()
@@ -329,7 +333,7 @@ fn all_reduce(g: &mut Builder, gr: &Group, storage: DType, ins: &mut Inserts) {
         axis: Axis::Data,
         buf: grad,
         scratch: scratch(g, &format!("{name}.grad"), storage, cut),
-        group: k,
+        cut: CutOf::Group(k),
     };
     let at = gr.norm;
     let micro = g.ops[at].micro;
@@ -437,7 +441,7 @@ fn reduce_scatter_each_micro_batch(
             shard,
             scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, cut),
             accumulate: j > 0,
-            group: k,
+            cut: CutOf::Group(k),
         };
         ins.after.push((
             last,
@@ -461,7 +465,7 @@ fn reduce_scatter(g: &mut Builder, gr: &Group, shard: &Shard, storage: DType, in
         shard: shard.buf,
         scratch: scratch(g, &format!("{name}.grad"), storage, cut),
         accumulate: false,
-        group: k,
+        cut: CutOf::Group(k),
     };
     let at = gr.norm;
     let micro = g.ops[at].micro;
@@ -527,7 +531,7 @@ fn gather_updated(g: &mut Builder, gr: &Group, ins: &mut Inserts) {
         axis: Axis::Data,
         buf: params.segments[k].buf,
         shard: None,
-        group: k,
+        cut: CutOf::Group(k),
     };
     ins.after.push((
         upd,
@@ -589,7 +593,7 @@ fn gather_spans(
                 axis: Axis::Data,
                 buf: copy,
                 shard: Some(shard),
-                group,
+                cut: CutOf::Group(group),
             },
             flops: 0,
             params: None,
@@ -640,8 +644,9 @@ fn phase_class(p: Phase) -> u8 {
 /// next group's parameters), and at most two groups' buffers of a kind are in flight. A
 /// gradient-norm share that reads the collective's result moves to just after the await.
 fn overlap(g: &mut Builder) {
+    // The data axis's (a tensor-parallel layer's exchange is awaited where it is emitted).
     let colls: Vec<usize> = (0..g.ops.len())
-        .filter(|&i| g.ops[i].op.collective_group().is_some())
+        .filter(|&i| matches!(g.ops[i].op.collective_cut(), Some((_, Axis::Data))))
         .collect();
     // (insert before index, entries): the await, then the norm shares it lets through.
     let mut awaits: Vec<(usize, OpEntry)> = Vec::new();

@@ -421,7 +421,7 @@ pub fn all_reduce(be: &dyn Backend, p: Precision) {
                 axis: memwall::ir::Axis::Data,
                 buf,
                 scratch,
-                group: 0,
+                cut: memwall::ir::CutOf::Group(0),
             },
             Bind::None,
         );
@@ -457,7 +457,7 @@ pub fn reduce_scatter(be: &dyn Backend, p: Precision) {
                 shard,
                 scratch,
                 accumulate,
-                group: 0,
+                cut: memwall::ir::CutOf::Group(0),
             };
             rig.op(op, Bind::None);
             (buf, shard)
@@ -494,7 +494,7 @@ pub fn all_gather(be: &dyn Backend, p: Precision) {
                     axis: memwall::ir::Axis::Data,
                     buf,
                     shard,
-                    group: 0,
+                    cut: memwall::ir::CutOf::Group(0),
                 },
                 Bind::None,
             );

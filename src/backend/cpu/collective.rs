@@ -15,7 +15,7 @@
 use crate::backend::{CommSpan, CommTime};
 use crate::dist::{Comm, Comms, Summable, ring};
 use crate::ir::{Axis, BufId, Buffer, Op};
-use crate::ir::{Collective, Cut};
+use crate::ir::{Collective, Cut, CutOf};
 use anyhow::{Context, Result, anyhow};
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
@@ -52,8 +52,8 @@ pub(super) struct Job {
     /// Its `buf`, which names it (its await names it first).
     key: BufId,
     kind: Collective,
-    /// The parameter group whose cut it follows.
-    group: usize,
+    /// How its buffer is cut among the ranks.
+    cut: CutOf,
     /// The mesh axis whose ranks it runs among.
     axis: Axis,
     buf: Raw,
@@ -69,16 +69,16 @@ impl Job {
     /// an op that is not a collective.
     pub(super) fn new<'a, T: Summable>(op: &Op, view: impl Fn(BufId) -> &'a mut [T]) -> Job {
         let raw = |id| Raw::of(view(id));
-        let (key, kind, group, axis, shard, scratch, accumulate) = match *op {
+        let (key, kind, cut, axis, shard, scratch, accumulate) = match *op {
             Op::AllReduce {
                 buf,
                 scratch,
-                group,
+                cut,
                 axis,
             } => (
                 buf,
                 Collective::AllReduce,
-                group,
+                cut,
                 axis,
                 None,
                 Some(scratch),
@@ -89,12 +89,12 @@ impl Job {
                 shard,
                 scratch,
                 accumulate,
-                group,
+                cut,
                 axis,
             } => (
                 buf,
                 Collective::ReduceScatter,
-                group,
+                cut,
                 axis,
                 Some(shard),
                 Some(scratch),
@@ -103,15 +103,15 @@ impl Job {
             Op::AllGather {
                 buf,
                 shard,
-                group,
+                cut,
                 axis,
-            } => (buf, Collective::AllGather, group, axis, shard, None, false),
+            } => (buf, Collective::AllGather, cut, axis, shard, None, false),
             ref other => unreachable!("{other:?} is not a collective"),
         };
         Job {
             key,
             kind,
-            group,
+            cut,
             axis,
             buf: raw(key),
             shard: shard.map(raw),
@@ -121,11 +121,14 @@ impl Job {
         }
     }
 
+    /// Runs it among `comm`'s ranks, `cuts` being the parameter groups'.
+    ///
     /// # Safety
     /// The views the job was made of are still valid and used by nobody else.
-    unsafe fn run(&self, cut: &Cut, comm: &dyn Comm) -> Result<()> {
+    unsafe fn run(&self, cuts: &[Cut], comm: &dyn Comm) -> Result<()> {
+        let cut = self.cut.resolve(cuts, self.buf.len, comm.size());
         // SAFETY: the caller's.
-        unsafe { (self.ring)(self, cut, comm) }
+        unsafe { (self.ring)(self, &cut, comm) }
     }
 }
 
@@ -279,7 +282,7 @@ impl Collectives {
                         Some(why) => Err(anyhow!("not run: an earlier collective failed: {why}")),
                         // SAFETY: `Collectives::start`'s caller keeps the views valid and
                         // untouched until the collective is waited for.
-                        None => unsafe { job.run(&cuts[job.group], &**comms.along(job.axis)) },
+                        None => unsafe { job.run(&cuts, &**comms.along(job.axis)) },
                     };
                     let end = Instant::now();
                     if failed.is_none() {
@@ -318,7 +321,7 @@ impl Collectives {
             let start = Instant::now();
             // SAFETY: the caller's.
             let comm = self.comms.along(job.axis);
-            let result = unsafe { job.run(&self.cuts[job.group], &**comm) };
+            let result = unsafe { job.run(&self.cuts, &**comm) };
             let end = Instant::now();
             let ns = nanos(end - start);
             self.clock.busy_ns.fetch_add(ns, Relaxed);

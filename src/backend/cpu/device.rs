@@ -183,7 +183,7 @@ impl CpuDevice {
         };
         let arena = pool.install(|| Arena::new(program.tiers[0].bytes))?;
         let ops = program.schedule.ops.iter();
-        let collectives = ops.filter(|e| e.op.collective_group().is_some()).count();
+        let collectives = ops.filter(|e| e.op.collective_cut().is_some()).count();
         Ok(CpuDevice {
             io,
             collectives: Collectives::new(comms, program.cuts, collectives),

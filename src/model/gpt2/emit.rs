@@ -5,15 +5,18 @@
 //! [`block_emit`] emits them and, for recomputation, re-emits a subset into fresh buffers
 //! (`h{l}.re.*`, `Phase::Recompute`) just before the block's backward, which reads those
 //! instead of the forward's, so the forward's buffers die at their last forward reader.
-//! Shapes: B batch, T sequence, C channels, H MLP width, NH heads, V vocabulary, N = B·T.
+//! Shapes: B batch, T sequence, C channels, H MLP width, NH heads, V vocabulary, N = B·T,
+//! A = NH·hd the attention's width (C on one rank; under tensor parallelism NH, H and A are
+//! the rank's part, and [`join_tensor_parts`] sums the two row-parallel projections' outputs
+//! and the two column-parallel ones' input gradients over the tensor ranks).
 
 use super::params::{Gpt2Params, LayerParams, inventory};
 use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::ir::{BufId, Category};
+use crate::ir::{BufId, Category, TensorSplit};
 use crate::model::ModelSpec;
-use crate::model::block_emit::{self, Blocks, StagedBlock};
+use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
 use crate::model::lm_head::{self, Head};
 
 /// Dimensions of one micro-batch, shared by the emitters.
@@ -21,9 +24,12 @@ struct Dims {
     b: usize,
     t: usize,
     c: usize,
-    /// MLP width.
+    /// MLP width (this rank's part).
     h: usize,
+    /// Heads (this rank's), their size, and the attention's width `nh·hd`.
     nh: usize,
+    hd: usize,
+    a: usize,
     /// Rows, B·T.
     n: usize,
     /// The same rows as ops carry them.
@@ -34,6 +40,8 @@ struct Dims {
     attn_ws_len: usize,
     /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
     positions: Option<BufId>,
+    /// This rank's part of each block.
+    tensor: TensorSplit,
 }
 
 /// One block of one micro-batch.
@@ -45,15 +53,15 @@ struct BlockActs {
     ln1: BufId,      // [N, C]
     ln1_mean: BufId, // [N]
     ln1_rstd: BufId, // [N]
-    qkv: BufId,      // [N, 3C]
-    atty: BufId,     // [N, C]
+    qkv: BufId,      // [N, 3A]
+    atty: BufId,     // [N, A]
     lse: BufId,      // [B, NH, T]
     res2: BufId,     // [N, C] residual after attention
     ln2: BufId,      // [N, C]
     ln2_mean: BufId, // [N]
     ln2_rstd: BufId, // [N]
-    fch: BufId,      // [N, 4C]
-    fch_gelu: BufId, // [N, 4C]
+    fch: BufId,      // [N, H]
+    fch_gelu: BufId, // [N, H]
 }
 
 /// The forward ops of a block that produce what its backward reads (the last op, the MLP
@@ -93,7 +101,7 @@ fn mm_flops(d: &Dims, ic: usize, oc: usize) -> u64 {
 
 /// Causal attention forward FLOPs: half of 4·B·NH·T²·hs.
 fn attn_flops(d: &Dims) -> u64 {
-    2 * (d.b * d.nh * d.t * d.t * (d.c / d.nh)) as u64
+    2 * (d.b * d.nh * d.t * d.t * d.hd) as u64
 }
 
 impl StagedBlock for Dims {
@@ -167,11 +175,11 @@ impl StagedBlock for Dims {
             }
             Stage::Qkv => {
                 let inp = get(|a| a.ln1, partial.ln1);
-                let out = g.act(format!("{pfx}qkv"), Category::Activation, 3 * n * c);
+                let out = g.act(format!("{pfx}qkv"), Category::Activation, 3 * n * d.a);
                 g.op(
                     format!("{pfx}qkv"),
                     phase,
-                    mm_flops(d, c, 3 * c),
+                    mm_flops(d, c, 3 * d.a),
                     Op::Matmul {
                         inp,
                         out,
@@ -181,14 +189,14 @@ impl StagedBlock for Dims {
                         layout: WeightLayout::InOut,
                         rows: d.rows,
                         ic: c,
-                        oc: 3 * c,
+                        oc: 3 * d.a,
                     },
                 );
                 partial.qkv = Some(out);
             }
             Stage::Attn => {
                 let qkv = get(|a| a.qkv, partial.qkv);
-                let out = g.act(format!("{pfx}attn"), Category::Activation, n * c);
+                let out = g.act(format!("{pfx}attn"), Category::Activation, n * d.a);
                 let lse = g.f32(
                     format!("{pfx}attn.lse"),
                     Category::Activation,
@@ -208,7 +216,7 @@ impl StagedBlock for Dims {
                         rows: d.rows,
                         nh: d.nh,
                         nkv: d.nh,
-                        hd: c / d.nh,
+                        hd: d.hd,
                     },
                 );
                 (partial.atty, partial.lse) = (Some(out), Some(lse));
@@ -216,22 +224,26 @@ impl StagedBlock for Dims {
             Stage::AttnProj => {
                 let inp = get(|a| a.atty, partial.atty);
                 let out = g.act(format!("{pfx}res_attn"), Category::Activation, n * c);
+                // Row-parallel: the first tensor rank adds the residual and the bias.
+                let once = d.tensor.adds_once();
+                let name = format!("{pfx}attn_proj");
                 g.op(
-                    format!("{pfx}attn_proj"),
+                    name.clone(),
                     phase,
-                    mm_flops(d, c, c),
+                    mm_flops(d, d.a, c),
                     Op::Matmul {
                         inp,
                         out,
-                        residual: Some(res_in),
+                        residual: once.then_some(res_in),
                         w: p.proj_w.clone(),
-                        b: Some(p.proj_b.clone()),
+                        b: once.then(|| p.proj_b.clone()),
                         layout: WeightLayout::InOut,
                         rows: d.rows,
-                        ic: c,
+                        ic: d.a,
                         oc: c,
                     },
                 );
+                join_tensor_parts(g, d.tensor, (out, n * c), &name, phase);
                 partial.res2 = Some(out);
             }
             Stage::Fc => {
@@ -299,22 +311,25 @@ impl StagedBlock for Dims {
     fn emit_output(g: &mut Builder, blk: &Block, acts: &BlockActs) -> BufId {
         let (d, p, name) = (blk.d, blk.p, &blk.name);
         let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
+        let once = d.tensor.adds_once();
+        let name = format!("{name}mlp_proj");
         g.op(
-            format!("{name}mlp_proj"),
+            name.clone(),
             Phase::Forward,
             mm_flops(d, d.h, d.c),
             Op::Matmul {
                 inp: acts.fch_gelu,
                 out,
-                residual: Some(acts.res2),
+                residual: once.then_some(acts.res2),
                 w: p.fcproj_w.clone(),
-                b: Some(p.fcproj_b.clone()),
+                b: once.then(|| p.fcproj_b.clone()),
                 layout: WeightLayout::InOut,
                 rows: d.rows,
                 ic: d.h,
                 oc: d.c,
             },
         );
+        join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, Phase::Forward);
         out
     }
 
@@ -324,8 +339,12 @@ impl StagedBlock for Dims {
         let mm = |ic: usize, oc: usize| 2 * mm_flops(d, ic, oc);
         let dfch = g.act(format!("{name}d.fc"), Category::ActivationGrad, n * d.h);
         let dln2 = g.act(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
-        let datty = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * c);
-        let dqkv = g.act(format!("{name}d.qkv"), Category::ActivationGrad, 3 * n * c);
+        let datty = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * d.a);
+        let dqkv = g.act(
+            format!("{name}d.qkv"),
+            Category::ActivationGrad,
+            3 * n * d.a,
+        );
         let dln1 = g.act(format!("{name}d.ln1"), Category::ActivationGrad, n * c);
         let attn_ws = g.f32(
             format!("{name}attn.ws.bwd"),
@@ -376,6 +395,7 @@ impl StagedBlock for Dims {
                 oc: d.h,
             },
         );
+        join_tensor_parts(g, d.tensor, (dln2, n * c), &format!("{name}fc.bwd"), bwd);
         g.op(
             format!("{name}ln2.bwd"),
             bwd,
@@ -395,7 +415,7 @@ impl StagedBlock for Dims {
         g.op(
             format!("{name}attn_proj.bwd"),
             bwd,
-            mm(c, c),
+            mm(d.a, c),
             Op::MatmulBackward {
                 dinp: datty,
                 dout: dres,
@@ -404,7 +424,7 @@ impl StagedBlock for Dims {
                 b: Some(p.proj_b.clone()),
                 layout: WeightLayout::InOut,
                 rows: d.rows,
-                ic: c,
+                ic: d.a,
                 oc: c,
             },
         );
@@ -423,13 +443,13 @@ impl StagedBlock for Dims {
                 rows: d.rows,
                 nh: d.nh,
                 nkv: d.nh,
-                hd: c / d.nh,
+                hd: d.hd,
             },
         );
         g.op(
             format!("{name}qkv.bwd"),
             bwd,
-            mm(c, 3 * c),
+            mm(c, 3 * d.a),
             Op::MatmulBackward {
                 dinp: dln1,
                 dout: dqkv,
@@ -439,9 +459,10 @@ impl StagedBlock for Dims {
                 layout: WeightLayout::InOut,
                 rows: d.rows,
                 ic: c,
-                oc: 3 * c,
+                oc: 3 * d.a,
             },
         );
+        join_tensor_parts(g, d.tensor, (dln1, n * c), &format!("{name}qkv.bwd"), bwd);
         g.op(
             format!("{name}ln1.bwd"),
             bwd,
@@ -523,19 +544,24 @@ pub(crate) fn micro_batch(
     cfg: &EmitOptions,
     mb: &MicroBatch,
 ) -> Emitted {
-    let (_, p) = inventory(spec);
+    let split = cfg.tensor;
+    let (_, p) = inventory(spec, split);
     let Rows { b, t } = mb.rows;
+    let nh = split.len(spec.n_head);
     let d = Dims {
         b,
         t,
         c: spec.n_embd,
-        h: spec.mlp_hidden,
-        nh: spec.n_head,
+        h: split.len(spec.mlp_hidden),
+        nh,
+        hd: spec.head_dim,
+        a: nh * spec.head_dim,
         n: b * t,
         rows: mb.rows,
         eps: spec.norm_eps,
         attn_ws_len: mb.attn_ws_len,
         positions: mb.positions,
+        tensor: split,
     };
     let (n, c, v, pfx) = (d.n, d.c, spec.vocab_size, mb.prefix.as_str());
     let fwd = forward_all(g, &d, &p, pfx, mb.tokens);

@@ -5,7 +5,13 @@
 //! checkpoint is a straight copy and `out[N, OC] = inp[N, IC] @ w[IC, OC] + b[OC]`.
 //! Initialisation as the GPT-2 paper: weights ~ N(0, 0.02), residual output projections
 //! scaled by 1/sqrt(2L), biases 0, layer-norm weights 1.
+//!
+//! A tensor-parallel rank ([`TensorSplit`]) keeps its part of the heads and MLP channels:
+//! of `c_attn` (and its bias) its heads' q, k and v columns (three ranges, contiguous in its
+//! own layout as `[C, 3·C/t]`), of `c_fc` its channels' columns, of the two `c_proj`s the
+//! matching rows (their inputs). The rest is whole.
 
+use crate::ir::TensorSplit;
 use crate::model::ParamLayout;
 use crate::model::params::{Init, LayoutBuilder, TiedName};
 use crate::model::spec::{Family, ModelSpec};
@@ -41,8 +47,8 @@ pub struct Gpt2Params {
     pub lnf_b: Range<usize>, // [C]
 }
 
-/// The layout and the ranges by role.
-pub fn inventory(spec: &ModelSpec) -> (ParamLayout, Gpt2Params) {
+/// The layout of `split`'s part of the model and the ranges by role.
+pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, Gpt2Params) {
     let (v, c, t, h) = (
         spec.vocab_size,
         spec.n_embd,
@@ -53,6 +59,13 @@ pub fn inventory(spec: &ModelSpec) -> (ParamLayout, Gpt2Params) {
     let resid = Init::Normal {
         std: 0.02 * (1.0 / ((2 * spec.n_layer) as f32).sqrt()),
     };
+    // This rank's channels of the attention (its heads') and of the MLP.
+    let (a, m) = (split.part(c), split.part(h));
+    let qkv_cols = vec![
+        a.clone(),
+        c + a.start..c + a.end,
+        2 * c + a.start..2 * c + a.end,
+    ];
     let mut cur = LayoutBuilder::new(Family::Gpt2);
     let wte = cur.push("transformer.wte.weight".into(), &[v, c], true, normal);
     let wpe = cur.push("transformer.wpe.weight".into(), &[t, c], true, normal);
@@ -60,20 +73,27 @@ pub fn inventory(spec: &ModelSpec) -> (ParamLayout, Gpt2Params) {
     let mut layers = Vec::with_capacity(spec.n_layer);
     for l in 0..spec.n_layer {
         let p = |s: &str| format!("transformer.h.{l}.{s}");
-        let weight = |cur: &mut LayoutBuilder, s: &str, shape: &[usize], init| {
-            cur.push(p(s), shape, true, init)
+        let weight = |cur: &mut LayoutBuilder, s: &str, shape: &[usize], cut, init| {
+            cur.push_cut(p(s), shape, cut, true, init)
+        };
+        let bias = |cur: &mut LayoutBuilder, s: &str, n: usize, ranges: Vec<Range<usize>>| {
+            cur.push_cut(p(s), &[n], (0, ranges), false, Init::Zeros)
         };
         let ln1_w = cur.push(p("ln_1.weight"), &[c], false, Init::Ones);
         let ln1_b = cur.push(p("ln_1.bias"), &[c], false, Init::Zeros);
-        let qkv_w = weight(&mut cur, "attn.c_attn.weight", &[c, 3 * c], normal);
-        let qkv_b = cur.push(p("attn.c_attn.bias"), &[3 * c], false, Init::Zeros);
-        let proj_w = weight(&mut cur, "attn.c_proj.weight", &[c, c], resid);
+        let cut = (1, qkv_cols.clone());
+        let qkv_w = weight(&mut cur, "attn.c_attn.weight", &[c, 3 * c], cut, normal);
+        let qkv_b = bias(&mut cur, "attn.c_attn.bias", 3 * c, qkv_cols.clone());
+        let cut = (0, vec![a.clone()]);
+        let proj_w = weight(&mut cur, "attn.c_proj.weight", &[c, c], cut, resid);
         let proj_b = cur.push(p("attn.c_proj.bias"), &[c], false, Init::Zeros);
         let ln2_w = cur.push(p("ln_2.weight"), &[c], false, Init::Ones);
         let ln2_b = cur.push(p("ln_2.bias"), &[c], false, Init::Zeros);
-        let fc_w = weight(&mut cur, "mlp.c_fc.weight", &[c, h], normal);
-        let fc_b = cur.push(p("mlp.c_fc.bias"), &[h], false, Init::Zeros);
-        let fcproj_w = weight(&mut cur, "mlp.c_proj.weight", &[h, c], resid);
+        let cut = (1, vec![m.clone()]);
+        let fc_w = weight(&mut cur, "mlp.c_fc.weight", &[c, h], cut, normal);
+        let fc_b = bias(&mut cur, "mlp.c_fc.bias", h, vec![m.clone()]);
+        let cut = (0, vec![m.clone()]);
+        let fcproj_w = weight(&mut cur, "mlp.c_proj.weight", &[h, c], cut, resid);
         let fcproj_b = cur.push(p("mlp.c_proj.bias"), &[c], false, Init::Zeros);
         cur.group(format!("h{l}"));
         layers.push(LayerParams {
@@ -105,5 +125,5 @@ pub fn inventory(spec: &ModelSpec) -> (ParamLayout, Gpt2Params) {
         lnf_w,
         lnf_b,
     };
-    (cur.finish(tied), params)
+    (cur.finish(tied, split), params)
 }

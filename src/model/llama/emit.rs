@@ -17,8 +17,8 @@ use super::params::{LayerParams, LlamaParams, inventory};
 use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::ir::{BufId, Category};
-use crate::model::block_emit::{self, Blocks, StagedBlock};
+use crate::ir::{BufId, Category, TensorSplit};
+use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
 use crate::model::lm_head::{self, Head};
 use crate::model::{ModelSpec, Position, rope};
 use std::ops::Range;
@@ -41,6 +41,8 @@ struct Dims {
     attn_ws_len: usize,
     /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
     positions: Option<BufId>,
+    /// This rank's part of each block (`nh`, `nkv` and `h` are its part's).
+    tensor: TensorSplit,
 }
 
 impl Dims {
@@ -294,17 +296,13 @@ impl StagedBlock for Dims {
             Stage::AttnOut => {
                 let inp = get(|a| a.attn, partial.attn);
                 let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.n * d.c);
-                let io = (inp, out, Some(blk.res_in));
-                linear(
-                    g,
-                    d,
-                    format!("{pfx}attn_out"),
-                    phase,
-                    io,
-                    &p.o_w,
-                    &p.o_b,
-                    (d.a(), d.c),
-                );
+                // Row-parallel: the first tensor rank adds the residual and the bias.
+                let once = d.tensor.adds_once();
+                let io = (inp, out, once.then_some(blk.res_in));
+                let b = if once { &p.o_b } else { &None };
+                let name = format!("{pfx}attn_out");
+                linear(g, d, name.clone(), phase, io, &p.o_w, b, (d.a(), d.c));
+                join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, phase);
                 partial.res2 = Some(out);
             }
             Stage::MlpNorm => {
@@ -371,18 +369,13 @@ impl StagedBlock for Dims {
     fn emit_output(g: &mut Builder, blk: &Block, acts: &BlockActs) -> BufId {
         let (d, p, name) = (blk.d, blk.p, &blk.name);
         let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
-        let io = (acts.act, out, Some(acts.res2));
+        let once = d.tensor.adds_once();
+        let io = (acts.act, out, once.then_some(acts.res2));
+        let b = if once { &p.down_b } else { &None };
         let name = format!("{name}down");
-        linear(
-            g,
-            d,
-            name,
-            Phase::Forward,
-            io,
-            &p.down_w,
-            &p.down_b,
-            (d.h, d.c),
-        );
+        let fwd = Phase::Forward;
+        linear(g, d, name.clone(), fwd, io, &p.down_w, b, (d.h, d.c));
+        join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, fwd);
         out
     }
 
@@ -438,7 +431,16 @@ impl StagedBlock for Dims {
         );
         let io = (dx2, dgu, a.x2);
         let name_gu = format!("{name}gate_up.bwd");
-        linear_backward(g, d, name_gu, io, gate_up.0, gate_up.1, (c, 2 * d.h));
+        linear_backward(
+            g,
+            d,
+            name_gu.clone(),
+            io,
+            gate_up.0,
+            gate_up.1,
+            (c, 2 * d.h),
+        );
+        join_tensor_parts(g, d.tensor, (dx2, n * c), &name_gu, bwd);
         g.op(
             format!("{name}mlp_norm.bwd"),
             bwd,
@@ -497,15 +499,9 @@ impl StagedBlock for Dims {
             },
         );
         let io = (dx1, dqkv, a.x1);
-        linear_backward(
-            g,
-            d,
-            format!("{name}qkv.bwd"),
-            io,
-            &p.qkv_w,
-            &p.qkv_b,
-            (c, d.qkv()),
-        );
+        let name_qkv = format!("{name}qkv.bwd");
+        linear_backward(g, d, name_qkv.clone(), io, &p.qkv_w, &p.qkv_b, (c, d.qkv()));
+        join_tensor_parts(g, d.tensor, (dx1, n * c), &name_qkv, bwd);
         g.op(
             format!("{name}attn_norm.bwd"),
             bwd,
@@ -564,7 +560,8 @@ pub(crate) fn micro_batch(
     cfg: &EmitOptions,
     mb: &MicroBatch,
 ) -> Emitted {
-    let (_, p) = inventory(spec);
+    let split = cfg.tensor;
+    let (_, p) = inventory(spec, split);
     let Position::Rotary { theta, scaling } = spec.position else {
         unreachable!("validated: Llama-family models use rotary positions")
     };
@@ -575,14 +572,15 @@ pub(crate) fn micro_batch(
         n: b * t,
         rows: mb.rows,
         c: spec.n_embd,
-        h: spec.mlp_hidden,
-        nh: spec.n_head,
-        nkv: spec.n_kv_head,
+        h: split.len(spec.mlp_hidden),
+        nh: split.len(spec.n_head),
+        nkv: split.len(spec.n_kv_head),
         hd: spec.head_dim,
         eps: spec.norm_eps,
         inv_freq: rope::inv_freq(spec.head_dim, theta, scaling.as_ref()),
         attn_ws_len: mb.attn_ws_len,
         positions: mb.positions,
+        tensor: split,
     };
     let pfx = mb.prefix.as_str();
     let fwd = forward_all(g, &d, &p, pfx, mb.tokens);

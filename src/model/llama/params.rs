@@ -10,7 +10,13 @@
 //! as do `gate_proj` and `up_proj` (`[2H, C]`); their biases likewise.
 //! Initialisation as transformers' `LlamaPreTrainedModel`: weights and embeddings
 //! N(0, 0.02), biases 0, norm weights 1.
+//!
+//! A tensor-parallel rank ([`TensorSplit`]) keeps its part of the query heads, key/value
+//! heads and MLP channels: the rows of `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`
+//! (and their biases), the columns of `o_proj` and `down_proj`; so its fused q|k|v and
+//! gate|up are its own heads' and channels', contiguous as on one rank. The rest is whole.
 
+use crate::ir::TensorSplit;
 use crate::model::ParamLayout;
 use crate::model::params::{Init, LayoutBuilder, TiedName};
 use crate::model::spec::ModelSpec;
@@ -44,10 +50,19 @@ pub struct LlamaParams {
     pub lm_head: Range<usize>, // [V, C]: `embed` when tied
 }
 
-/// The layout and the ranges by role.
-pub fn inventory(spec: &ModelSpec) -> (ParamLayout, LlamaParams) {
+/// The layout of `split`'s part of the model and the ranges by role.
+pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, LlamaParams) {
     let (v, c, h) = (spec.vocab_size, spec.n_embd, spec.mlp_hidden);
-    let (q, kv) = (spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim);
+    let hd = spec.head_dim;
+    let (q, kv) = (spec.n_head * hd, spec.n_kv_head * hd);
+    // This rank's rows of q, of k and v, and of the MLP's channels.
+    let heads = |n: usize| {
+        let r = split.part(n);
+        r.start * hd..r.end * hd
+    };
+    let (q_part, kv_part, h_part) = (heads(spec.n_head), heads(spec.n_kv_head), split.part(h));
+    let rows = |r: &Range<usize>| (0, vec![r.clone()]);
+    let cols = |r: &Range<usize>| (1, vec![r.clone()]);
     let normal = Init::Normal { std: 0.02 };
     let mut cur = LayoutBuilder::new(spec.family);
     let embed = cur.push("model.embed_tokens.weight".into(), &[v, c], true, normal);
@@ -61,17 +76,23 @@ pub fn inventory(spec: &ModelSpec) -> (ParamLayout, LlamaParams) {
         let p = |s: &str| format!("model.layers.{l}.{s}");
         let bias =
             |cur: &mut LayoutBuilder, s: &str, n: usize| cur.push(p(s), &[n], false, Init::Zeros);
+        let bias_part = |cur: &mut LayoutBuilder, s: &str, n: usize, part: &Range<usize>| {
+            cur.push_cut(p(s), &[n], rows(part), false, Init::Zeros)
+        };
+        let weight = |cur: &mut LayoutBuilder, s: &str, shape: [usize; 2], cut| {
+            cur.push_cut(p(s), &shape, cut, true, normal)
+        };
         let attn_norm = cur.push(p("input_layernorm.weight"), &[c], false, Init::Ones);
-        let q_w = cur.push(p("self_attn.q_proj.weight"), &[q, c], true, normal);
-        let k_w = cur.push(p("self_attn.k_proj.weight"), &[kv, c], true, normal);
-        let v_w = cur.push(p("self_attn.v_proj.weight"), &[kv, c], true, normal);
+        let q_w = weight(&mut cur, "self_attn.q_proj.weight", [q, c], rows(&q_part));
+        let k_w = weight(&mut cur, "self_attn.k_proj.weight", [kv, c], rows(&kv_part));
+        let v_w = weight(&mut cur, "self_attn.v_proj.weight", [kv, c], rows(&kv_part));
         let qkv_b = spec.biases.qkv.then(|| {
-            let qb = bias(&mut cur, "self_attn.q_proj.bias", q);
-            let kb = bias(&mut cur, "self_attn.k_proj.bias", kv);
-            let vb = bias(&mut cur, "self_attn.v_proj.bias", kv);
+            let qb = bias_part(&mut cur, "self_attn.q_proj.bias", q, &q_part);
+            let kb = bias_part(&mut cur, "self_attn.k_proj.bias", kv, &kv_part);
+            let vb = bias_part(&mut cur, "self_attn.v_proj.bias", kv, &kv_part);
             join(join(qb, kb), vb)
         });
-        let o_w = cur.push(p("self_attn.o_proj.weight"), &[c, q], true, normal);
+        let o_w = weight(&mut cur, "self_attn.o_proj.weight", [c, q], cols(&q_part));
         let o_b = spec
             .biases
             .attn_out
@@ -82,14 +103,14 @@ pub fn inventory(spec: &ModelSpec) -> (ParamLayout, LlamaParams) {
             false,
             Init::Ones,
         );
-        let gate_w = cur.push(p("mlp.gate_proj.weight"), &[h, c], true, normal);
-        let up_w = cur.push(p("mlp.up_proj.weight"), &[h, c], true, normal);
+        let gate_w = weight(&mut cur, "mlp.gate_proj.weight", [h, c], rows(&h_part));
+        let up_w = weight(&mut cur, "mlp.up_proj.weight", [h, c], rows(&h_part));
         let gate_up_b = spec.biases.mlp.then(|| {
-            let gb = bias(&mut cur, "mlp.gate_proj.bias", h);
-            let ub = bias(&mut cur, "mlp.up_proj.bias", h);
+            let gb = bias_part(&mut cur, "mlp.gate_proj.bias", h, &h_part);
+            let ub = bias_part(&mut cur, "mlp.up_proj.bias", h, &h_part);
             join(gb, ub)
         });
-        let down_w = cur.push(p("mlp.down_proj.weight"), &[c, h], true, normal);
+        let down_w = weight(&mut cur, "mlp.down_proj.weight", [c, h], cols(&h_part));
         let down_b = spec
             .biases
             .mlp
@@ -127,5 +148,5 @@ pub fn inventory(spec: &ModelSpec) -> (ParamLayout, LlamaParams) {
         norm,
         lm_head,
     };
-    (cur.finish(tied), params)
+    (cur.finish(tied, split), params)
 }
