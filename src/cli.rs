@@ -551,6 +551,15 @@ pub(crate) struct StrategyArgs {
     /// [default: 0]
     #[arg(long, value_name = "0|1|2|3", value_parser = parse_zero)]
     pub(crate) zero: Option<Zero>,
+    /// Tensor parallelism: each group of T neighbouring ranks of `mpirun -np N` (or `plan
+    /// --ranks N`) holds the parts of one copy of the model, every layer cut T ways as
+    /// Megatron cuts it (attention by heads, grouped-query attention by key/value heads,
+    /// the MLP by channels), joined by an all-reduce after each attention and each MLP;
+    /// the N/T copies split the batch. T must divide N and the heads, key/value heads and
+    /// MLP width. Checkpoints hold the whole model, so a run resumes with any --tp
+    /// [default: 1; with --resume, the run's own]
+    #[arg(long, value_name = "T")]
+    pub(crate) tp: Option<usize>,
     /// LoRA: train rank-R adapters on a frozen base instead of every weight (Hu et al.
     /// 2021, as PEFT does it). The base has no gradients and no optimizer state, and each
     /// frozen layer's backward skips its weight-gradient GEMM; checkpoints hold the adapter
@@ -606,6 +615,7 @@ impl StrategyArgs {
             offload: self.offload,
             offload_dir: self.offload_dir.clone(),
             zero: self.zero,
+            tp: self.tp,
             lora: self.lora.map(|r| LoraRequest {
                 r,
                 alpha: self.lora_alpha,
@@ -730,8 +740,9 @@ pub(crate) struct PlanArgs {
     /// per_rank and comm_bytes_per_step).
     #[arg(long)]
     pub(crate) json: bool,
-    /// Plan one rank of N processes training together (data parallel, with --zero K): its
-    /// memory and the bytes it sends per step, for any N.
+    /// Plan one rank of N processes training together (data parallel, with --zero K; with
+    /// --tp T, each T ranks holding the parts of one copy of the model): its memory and
+    /// the bytes it sends per step, for any N.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub(crate) ranks: usize,
     /// Also draw the predicted memory timeline (stacked by category, peak marked) to this SVG file.

@@ -205,12 +205,12 @@ fn tokenize_cmd(a: TokenizeArgs) -> Result<()> {
 /// One line: the plan's predicted step time, its bound, and where the calibration came from.
 fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Calibration) -> String {
     let tokens = (plan.cfg.batch * plan.cfg.grad_accum * plan.cfg.seq) as f64;
-    let comm = if plan.cfg.mesh.data > 1 {
+    let comm = if plan.cfg.mesh.world() > 1 {
         format!(
             "\n  predicted collectives         {:.2} s beside compute, {:.2} s of it exposed ({})",
             t.comm_s,
             t.comm_wait_s,
-            cal.describe_transport(plan.cfg.mesh.data)
+            cal.describe_transport(plan.cfg.mesh.world())
         )
     } else {
         String::new()
@@ -275,8 +275,16 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         _ => None,
     };
     let budgets = plan::Budgets::new(plan.compute_tier(), a.step.max_memory, disk_free);
+    // Every rank of a job of several, planned once per distinct plan.
+    let every = match plan.cfg.mesh.world() > 1 {
+        true => Some(plan::ranks::every_rank(
+            &spec, &plan.cfg, backend, baseline,
+        )?),
+        false => None,
+    };
     let plan_json = || -> Result<PlanJson> {
         let mut p = PlanJson::from_plan(&plan, baseline)?.with_budgets(&budgets);
+        p.ranks = every.as_ref().map(serde_json::to_value).transpose()?;
         if req.device.kind != memwall::backend::DeviceKind::Cuda {
             p = p.with_prediction(&predicted, &cal);
         }
@@ -313,6 +321,9 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         if plan.nvme_bytes() > 0 {
             print_disk_time(&plan, a.step.strategy.offload_dir.as_deref())?;
         }
+        if let Some(every) = &every {
+            print_every_rank(every);
+        }
         if let Some(path) = &a.svg {
             println!("  memory timeline drawn to {}", path.display());
         }
@@ -341,6 +352,43 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The job's ranks by predicted peak, heaviest first (`plan --ranks N`).
+fn print_every_rank(every: &[plan::ranks::RankPlan]) {
+    println!("  every rank's predicted peak (heaviest first; --json lists each rank):");
+    for (peak, ranks) in plan::ranks::by_peak(every) {
+        let r = &every[ranks[0]];
+        println!(
+            "    {:>10}  {} ({} parameters each)",
+            fmt_bytes(peak),
+            describe_ranks(&ranks),
+            r.num_params
+        );
+    }
+}
+
+/// `ranks 0-3, 6` for a sorted list of ranks.
+fn describe_ranks(ranks: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &r in ranks {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == r => *end = r,
+            _ => runs.push((r, r)),
+        }
+    }
+    let parts: Vec<String> = runs
+        .iter()
+        .map(|&(a, b)| match a == b {
+            true => a.to_string(),
+            false => format!("{a}-{b}"),
+        })
+        .collect();
+    format!(
+        "{} {}",
+        if ranks.len() == 1 { "rank" } else { "ranks" },
+        parts.join(", ")
+    )
 }
 
 /// What resolving a request had to tell the user, on stderr.

@@ -251,3 +251,47 @@ fn a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_both() {
         .unwrap();
     assert!(format!("{e:#}").contains("num_attention_heads 4"), "{e:#}");
 }
+
+/// 8 ranks of tp 2 × dp 4 (`plan --ranks 8 --tp 2`): every rank listed in MPI order with its
+/// coordinates; the tensor ranks hold the same bytes, and of the parameters a part: more
+/// than half of the model's (the embedding and norms are whole) and less than all.
+#[test]
+fn every_rank_of_a_job_is_planned_with_its_place_and_its_part() {
+    use memwall::plan::ranks::{by_peak, every_rank};
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    let mut cfg = StepConfig::new(1, SEQ, 1);
+    cfg.mesh = Mesh::data_tensor(8, 2, 0);
+    let ranks = every_rank(&spec, &cfg, backend(), 0).unwrap();
+    assert_eq!(ranks.len(), 8);
+    for (r, p) in ranks.iter().enumerate() {
+        assert_eq!(p.rank, r);
+        assert_eq!((p.coords.tp, p.coords.dp, p.coords.pp), (r % 2, r / 2, 0));
+        assert_eq!(
+            p.predicted_peak_rss_bytes,
+            ranks[0].predicted_peak_rss_bytes
+        );
+    }
+    // Each rank's own plan says the same.
+    let own = build_plan(
+        &spec,
+        &StepConfig {
+            mesh: Mesh::data_tensor(8, 2, 5),
+            ..cfg.clone()
+        },
+        Mode::Train,
+        backend(),
+    )
+    .unwrap();
+    assert_eq!(ranks[5].num_params, own.layout.total);
+    assert_eq!(ranks[5].predicted_peak_rss_bytes, own.predicted_peak(0));
+    let whole = spec.num_params();
+    assert!(ranks[0].num_params < whole && ranks[0].num_params > whole / 2);
+    let peak = ranks[0].predicted_peak_rss_bytes;
+    assert_eq!(by_peak(&ranks), vec![(peak, (0..8).collect())]);
+    let json = serde_json::to_value(&ranks[3]).unwrap();
+    assert_eq!(
+        json["coords"],
+        serde_json::json!({"dp": 1, "tp": 1, "pp": 0})
+    );
+    assert!(json["by_category"]["param"].as_u64().unwrap() > 0);
+}

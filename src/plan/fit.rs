@@ -45,6 +45,10 @@ pub struct Strategies {
     /// Processes training together (`mpirun -np N`; `plan --ranks N` on paper).
     #[serde(default = "one")]
     pub ranks: usize,
+    /// Ranks holding the parts of one copy of the model (`--tp`, tensor parallelism); the
+    /// `ranks / tensor` copies split the batch.
+    #[serde(default = "one")]
+    pub tensor: usize,
     /// What each rank keeps of the model's state (`--zero`).
     #[serde(default)]
     pub zero: Zero,
@@ -86,6 +90,7 @@ impl Default for Strategies {
             offload: OffloadChoice::default(),
             offload_dir: None,
             ranks: 1,
+            tensor: 1,
             zero: Zero::DP,
             rank: 0,
             lora: None,
@@ -97,6 +102,28 @@ impl Default for Strategies {
 }
 
 impl Strategies {
+    /// The copies of the model that split the batch: the ranks of the data axis.
+    pub fn data_ranks(&self) -> usize {
+        self.ranks / self.tensor.max(1)
+    }
+
+    /// Checks `--tp` against the ranks, naming both.
+    pub fn check_tensor(&self) -> anyhow::Result<()> {
+        let (t, n) = (self.tensor, self.ranks);
+        if t == 0 {
+            anyhow::bail!("--tp must be at least 1 (ranks holding the parts of each layer)");
+        }
+        if n % t != 0 {
+            anyhow::bail!(
+                "--tp {t} does not divide the {n} ranks (mpirun -np {n}, or plan --ranks {n}): \
+                 each group of {t} ranks holds one copy of the model; use a --tp that divides \
+                 {n}, or {} ranks",
+                n.div_ceil(t) * t
+            );
+        }
+        Ok(())
+    }
+
     /// The step configuration of a `batch` × `seq` micro-batch on `threads` (recomputation
     /// left at none and nothing offloaded under `auto`: [`Strategies::plan`] resolves them).
     pub fn step_config(&self, batch: usize, seq: usize, threads: usize) -> StepConfig {
@@ -111,7 +138,7 @@ impl Strategies {
             .offload_dir
             .clone()
             .filter(|_| self.offload.may_offload());
-        cfg.mesh = crate::ir::Mesh::data_parallel(self.ranks, self.rank);
+        cfg.mesh = crate::ir::Mesh::data_tensor(self.ranks, self.tensor, self.rank);
         cfg.zero = self.zero;
         cfg.lora = self.lora.clone();
         cfg.packed = self.packed;
@@ -134,9 +161,10 @@ impl Strategies {
             max_memory: Some(budget),
             offload: OffloadChoice::Set(cfg.offload.set),
             offload_dir,
-            ranks: cfg.mesh.data,
+            ranks: cfg.mesh.world(),
+            tensor: cfg.mesh.tensor,
             zero: cfg.zero,
-            rank: cfg.mesh.data_rank(),
+            rank: cfg.mesh.rank,
             lora: cfg.lora.clone(),
             base_quant: cfg.base_quant,
             base_types: cfg.base_types.clone(),

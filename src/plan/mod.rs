@@ -14,6 +14,7 @@ pub mod lora;
 pub mod offload;
 pub mod operands;
 pub mod packing;
+pub mod ranks;
 pub mod report;
 pub mod search;
 mod stage;

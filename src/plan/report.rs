@@ -40,6 +40,24 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     if let Some(l) = &plan.lora {
         let _ = writeln!(s, "      {}; base {}", l.describe(), cfg.base_quant);
     }
+    let mesh = &cfg.mesh;
+    if mesh.tensor > 1 {
+        let _ = writeln!(
+            s,
+            "      one rank of {}: tensor rank {} of {} (its part of every layer: {} of {} heads, \
+             {} of {} MLP channels; an all-reduce after each attention and MLP, forward and \
+             backward), copy {} of {} of the model (the copies split the batch)",
+            mesh.world(),
+            mesh.coord(crate::ir::Axis::Tensor),
+            mesh.tensor,
+            plan.spec.n_head / mesh.tensor,
+            plan.spec.n_head,
+            plan.spec.mlp_hidden / mesh.tensor,
+            plan.spec.mlp_hidden,
+            mesh.data_rank(),
+            mesh.data
+        );
+    }
     let per_rank = (cfg.mesh.data > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
     if let Some(r) = &per_rank {
         let stage = match r.zero {

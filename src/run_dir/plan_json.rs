@@ -138,6 +138,11 @@ pub struct PlanJson {
     /// ([`crate::plan::zero::PerRank`]).
     #[serde(default)]
     pub per_rank: Option<Value>,
+    /// Every rank of the job (`memwall plan --ranks N`, N > 1), in MPI order: `rank`,
+    /// `coords` (`dp`, `tp`, `pp`), `num_params`, `predicted_peak_rss_bytes` and
+    /// `by_category` ([`crate::plan::ranks::RankPlan`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Value>,
     pub buffers: Vec<BufferInfo>,
     pub schedule: Vec<OpInfo>,
 }
@@ -229,6 +234,7 @@ impl PlanJson {
             per_rank: (plan.cfg.mesh.data > 1 || plan.cfg.zero.0 > 0)
                 .then(|| serde_json::to_value(crate::plan::zero::per_rank(plan)))
                 .transpose()?,
+            ranks: None,
             buffers,
             schedule,
         };

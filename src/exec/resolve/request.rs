@@ -37,6 +37,8 @@ pub struct StrategyRequest {
     pub offload_dir: Option<PathBuf>,
     /// `--zero`.
     pub zero: Option<Zero>,
+    /// `--tp`.
+    pub tp: Option<usize>,
     /// `--lora R` and its companions.
     pub lora: Option<LoraRequest>,
     /// `--base-quant`.

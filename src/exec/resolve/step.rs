@@ -184,9 +184,9 @@ pub fn resolve_step(
             step.device
         );
     }
-    if step.fit && (ranks > 1 || st.zero.is_some()) {
+    if step.fit && (ranks > 1 || st.zero.is_some() || st.tp.is_some()) {
         bail!(
-            "--fit searches one process's plan; with --ranks or --zero give the strategies yourself (the per-rank search is not there yet)"
+            "--fit searches one process's plan; with --ranks, --zero or --tp give the strategies yourself (the per-rank search is not there yet)"
         );
     }
     if step.fit {
@@ -208,6 +208,10 @@ pub fn resolve_step(
     }
     let mut strategies = st.strategies(step.max_memory)?;
     strategies.ranks = ranks;
+    strategies.tensor = st.tp.unwrap_or(1);
+    strategies.check_tensor()?;
+    // The copies of the model that split the batch (each `--tp` ranks hold one).
+    let ranks = strategies.data_ranks();
     strategies.lora = match &frozen.lora {
         Some(l) => Some(l.clone()),
         None => st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?,

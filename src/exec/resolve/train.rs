@@ -11,6 +11,7 @@ use crate::exec::train::{
 };
 use crate::gguf;
 use crate::model::ModelSpec;
+use crate::plan::fit::Strategies;
 use crate::plan::search::Pick;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
@@ -238,6 +239,19 @@ pub fn resume(
     if let Some(z) = req.step.strategy.zero {
         opts.strategies.zero = z;
     }
+    // The same for the layout of the ranks: another --tp cuts the whole model otherwise.
+    // Below, `ranks` are the copies of the model that split the batch (the data axis),
+    // then and now.
+    let was_ranks = opts.strategies.data_ranks();
+    if let Some(t) = req.step.strategy.tp {
+        opts.strategies.tensor = t;
+    }
+    let resumed = Strategies {
+        ranks,
+        ..opts.strategies.clone()
+    };
+    resumed.check_tensor()?;
+    let ranks = resumed.data_ranks();
     opts.profile_steps = req.profile_steps;
     // What the run's weights follow stays; when and how much it evaluates and saves may change.
     let kept = [
@@ -319,15 +333,12 @@ pub fn resume(
     // On another number of ranks, --grad-accum may change where it keeps the global
     // batch (ranks x batch x accumulation): the same rows per step, re-sharded state.
     if let Some(acc) = req.step.strategy.grad_accum {
-        let (was, now) = (
-            opts.strategies.ranks * opts.strategies.grad_accum,
-            ranks * acc,
-        );
+        let (was, now) = (was_ranks * opts.strategies.grad_accum, ranks * acc);
         if acc != opts.strategies.grad_accum && was != now {
             bail!(
                 "--resume: the run in {} steps on {} rank(s) x --grad-accum {} micro-batches; on {} rank(s) --grad-accum {acc} would change the global batch (keep ranks x --grad-accum at {was})",
                 run.display(),
-                opts.strategies.ranks,
+                was_ranks,
                 opts.strategies.grad_accum,
                 ranks
             );
@@ -367,7 +378,7 @@ pub fn resume(
     }
     // The run's global batch (rows per optimizer step) stays unless asked otherwise.
     let (was, now) = (
-        opts.strategies.ranks * opts.strategies.grad_accum,
+        was_ranks * opts.strategies.grad_accum,
         ranks * opts.strategies.grad_accum,
     );
     if was != now && req.step.strategy.grad_accum.is_none() {
@@ -376,7 +387,7 @@ pub fn resume(
             "memwall: warning: the run in {} stepped on {} rank(s) x --grad-accum {}; on {} \
              rank(s) each step takes {}x the rows{}",
             run.display(),
-            opts.strategies.ranks,
+            was_ranks,
             opts.strategies.grad_accum,
             ranks,
             format_ratio(now, was),
