@@ -337,4 +337,32 @@ mod tests {
         assert_eq!(chunks(3, 8).collect::<Vec<_>>(), [(0, 3)]);
         assert_eq!(chunks(0, 8).count(), 0);
     }
+
+    /// The vocabulary chunks the head walks cover V in order, as many as the tile was sized
+    /// for, each within the tile's weight part (before the dlogits copy), each column block
+    /// of the logits and of their bf16 copy 512-byte aligned.
+    #[test]
+    fn vocabulary_chunks_cover_the_head_within_the_tile() {
+        for (c, v, per) in [
+            (4096, 128256, 128),
+            (768, 50257, 333),
+            (8, 13, 4),
+            (576, 49152, 7),
+        ] {
+            let tile = lm_head_tile(c, v, per, DType::Bf16, true);
+            let vocab: Vec<_> = chunks(v, tile.vocab_rows).collect();
+            assert_eq!(vocab.len(), tile.chunks, "V {v}");
+            let mut next = 0;
+            for &(v0, vr) in &vocab {
+                assert_eq!(v0, next);
+                next += vr;
+                assert!((vr * c * 2) as u64 <= tile.dlogits.unwrap());
+                if vocab.len() > 1 {
+                    assert_eq!(v0 * 2 % 512, 0);
+                }
+            }
+            assert_eq!(next, v);
+            assert_eq!(tile.dinp_sum.is_some(), vocab.len() > 1, "V {v}");
+        }
+    }
 }
