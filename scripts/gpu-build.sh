@@ -13,7 +13,7 @@ mkdir -p "$out/bin"
 cargo build --release --features cuda
 cp target/release/memwall "$out/bin/memwall"
 # The test binaries, by name, from cargo's own report of what it built.
-cargo test --features cuda --no-run --message-format=json --test backend_ops --test cuda_kernels \
+cargo test --features cuda --no-run --message-format=json --test backend_ops --test cuda_kernels --test cuda_device \
     | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:

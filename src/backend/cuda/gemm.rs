@@ -481,14 +481,41 @@ impl GpuDevice {
         (rows, cols): (usize, usize),
         at: u64,
     ) -> Result<(u64, Ty)> {
+        self.weight_rows(e, w, (rows, cols), 0..rows, at)
+    }
+
+    /// Whether [`GpuDevice::weight`] reads `e`'s weight where it is (an f32 master in an fp32
+    /// plan), writing nothing to the weight tile.
+    pub(super) fn weight_in_place(&self, e: &OpEntry) -> bool {
+        self.storage_ty() == Ty::F32 && self.param_dtype(e) == Some(DType::F32)
+    }
+
+    /// Rows `part` of weight `[rows, cols]` (parameter range `w` of `e`) as a GEMM reads them,
+    /// `[part.len(), cols]` from the returned address, as [`GpuDevice::weight`] makes the
+    /// whole: the f32 master in place, or those rows alone converted or decoded into the
+    /// weight tile at byte `at` (the LM head's vocabulary chunks).
+    pub(super) fn weight_rows(
+        &self,
+        e: &OpEntry,
+        w: &Range<usize>,
+        (rows, cols): (usize, usize),
+        part: Range<usize>,
+        at: u64,
+    ) -> Result<(u64, Ty)> {
+        if part.start > part.end || part.end > rows {
+            bail!(
+                "internal error: {}: rows {part:?} of a weight of {rows}",
+                e.name
+            );
+        }
         let t = self.storage_ty();
-        let n = (rows * cols) as u64;
+        let n = (part.len() * cols) as u64;
         let src = self.param_ptr(e, w)?;
         match self.param_dtype(e) {
-            Some(DType::F32) if t == Ty::F32 => Ok((src, Ty::F32)),
+            Some(DType::F32) if t == Ty::F32 => Ok((src + (part.start * cols) as u64 * 4, Ty::F32)),
             Some(DType::F32) => {
                 let dst = self.tile(e, at, n * t.bytes())?;
-                self.narrow(e, src, dst, n)?;
+                self.narrow(e, src + (part.start * cols) as u64 * 4, dst, n)?;
                 Ok((dst, t))
             }
             Some(DType::Ggml(q)) => {
@@ -501,9 +528,11 @@ impl GpuDevice {
                 let dst = self.tile(e, at, n * t.bytes())?;
                 let name = format!("dequant_{}_{}", q.name.to_ascii_lowercase(), t.suffix());
                 let f = self.plain_kernel(&name)?;
-                let (cols_i, rows_i, r0) = (int(e, cols)?, int(e, rows)?, 0i32);
+                let (cols_i, r0, rows_i) =
+                    (int(e, cols)?, int(e, part.start)?, int(e, part.len())?);
                 // SAFETY: `dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, T* out)`:
-                // `src` is the weight's first block, `dst` holds rows·cols T.
+                // `src` is the weight's first block (rows r0 .. r0 + rows of its `rows` are
+                // read), `dst` holds rows·cols T.
                 unsafe {
                     self.launch(f)
                         .arg(&src)

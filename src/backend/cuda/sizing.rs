@@ -5,10 +5,12 @@
 //! the backend's own scratch among them ([`Scratch`], the plan's persistent
 //! `backend.scratch`, sized from the ops): cuBLASLt's workspace, the weight tile a GEMM reads
 //! in the storage type (an f32 master weight converted, or a quantized base's blocks
-//! decoded), the partial sums of the deterministic reductions, attention's backward row
-//! statistics and the embedding backward's row links. The kernels' plan workspaces
-//! (`attention_workspace_elems` and the two GEMM tiles) are therefore empty on the GPU. The
-//! CUDA context's own device memory is the baseline ([`CONTEXT_BYTES`]).
+//! decoded: a linear layer's whole, the LM head's a chunk of at most
+//! [`LM_HEAD_CHUNK_BYTES`] of vocabulary rows at a time, [`lm_head_tile`]), the partial sums
+//! of the deterministic reductions, attention's backward row statistics and the embedding
+//! backward's row links. The kernels' plan workspaces (`attention_workspace_elems` and the
+//! two GEMM tiles) are therefore empty on the GPU. The CUDA context's own device memory is
+//! the baseline ([`CONTEXT_BYTES`]).
 
 use crate::dtype::DType;
 use crate::ir::schedule::{Op, OpEntry};
@@ -42,6 +44,28 @@ pub const NORM_CHUNK_ROWS: u64 = 64;
 /// `GN_CHUNK`).
 pub const GRADNORM_CHUNK: u64 = 16384;
 
+/// The most bytes of the LM head's weight `[V, C]` that the weight tile holds at once (in the
+/// type its GEMMs read): the head decodes (or converts) [`lm_head_vocab_rows`] vocabulary
+/// rows at a time, so a large vocabulary (Llama 3's 128256 × 4096: 1002 MiB in bf16) costs
+/// the tile 64 MiB. A head that fits is decoded once per op, as a linear layer's weight.
+pub const LM_HEAD_CHUNK_BYTES: u64 = 64 << 20;
+
+/// Vocabulary rows the chunks of [`LM_HEAD_CHUNK_BYTES`] are counted in: a chunk's first row
+/// is a multiple of it, so its column block of the logits (f32) and of their storage-type
+/// copy starts 512-byte aligned, as cuBLASLt's fastest algorithms want.
+pub const LM_HEAD_ROW_QUANTUM: usize = 256;
+
+/// Vocabulary rows of the LM head's weight (`[V, C]`, `elem` bytes a value in the tile)
+/// decoded at a time: as many whole [`LM_HEAD_ROW_QUANTUM`]s of rows as fit in
+/// [`LM_HEAD_CHUNK_BYTES`] (at least one quantum: a row wider than 256 KiB overshoots the
+/// bound), all of `V` when that is fewer. A function of the shape alone, so the chunks, and
+/// the order of the sums over them, are the same on every run.
+pub fn lm_head_vocab_rows(c: usize, v: usize, elem: u64) -> usize {
+    let row = (c as u64 * elem).max(1);
+    let fit = (LM_HEAD_CHUNK_BYTES / row) as usize / LM_HEAD_ROW_QUANTUM * LM_HEAD_ROW_QUANTUM;
+    fit.max(LM_HEAD_ROW_QUANTUM).min(v.max(1))
+}
+
 /// Chunks of [`NORM_CHUNK_ROWS`] rows over `n` rows: the partial rows a norm's backward
 /// writes per parameter vector (P).
 pub fn norm_chunks(n: u64) -> u64 {
@@ -61,11 +85,12 @@ pub struct Scratch {
     pub cublaslt: u64,
     /// The largest weight a GEMM reads, in the type the GEMM reads it: the storage type's
     /// copy of an f32 master weight under mixed precision, or a quantized base's weight
-    /// decoded (to the storage type, f32 in fp32 plans). Empty for an fp32 plan with no
-    /// quantized base (its GEMMs read the f32 weights where they are). Under mixed precision
-    /// it also holds the other f32 operands rounded to the storage type beside the weight:
-    /// the LM head's dlogits chunk ([`lm_head_tile`]) and a LoRA adapter's `dh` and f32
-    /// products ([`lora_tile`]).
+    /// decoded (to the storage type, f32 in fp32 plans); of the LM head, one chunk of its
+    /// vocabulary rows ([`lm_head_tile`]). Empty for an fp32 plan with no quantized base
+    /// (its GEMMs read the f32 weights where they are). Under mixed precision it also holds
+    /// the other f32 operands rounded to the storage type beside the weight: the LM head's
+    /// dlogits chunk and f32 input-gradient sum ([`lm_head_tile`]) and a LoRA adapter's `dh`
+    /// and f32 products ([`lora_tile`]).
     pub weight_tile: u64,
     /// f32 partial rows of the column reductions over rows, for the largest: a norm's
     /// backward, P = ceil(N / [`NORM_CHUNK_ROWS`]) rows of C (× 2 for a LayerNorm: its weight
@@ -98,7 +123,6 @@ impl Scratch {
             // A GEMM's weight, when the GEMM cannot read it where it is.
             let weight = match &e.op {
                 Op::Matmul { ic, oc, .. } | Op::MatmulBackward { ic, oc, .. } => ic * oc,
-                Op::LmHeadLast { c, v, .. } => c * v,
                 _ => 0,
             } as u64;
             if mixed || e.frozen {
@@ -113,8 +137,12 @@ impl Scratch {
                     ..
                 } if mixed || e.frozen => {
                     let dlogits = mixed && dinp.is_some();
-                    let (_, bytes) = lm_head_tile(*c, *v, *rows_per_chunk, storage, dlogits);
-                    s.weight_tile = s.weight_tile.max(bytes);
+                    let tile = lm_head_tile(*c, *v, *rows_per_chunk, storage, dlogits);
+                    s.weight_tile = s.weight_tile.max(tile.bytes);
+                }
+                Op::LmHeadLast { c, v, .. } if mixed || e.frozen => {
+                    let tile = lm_head_tile(*c, *v, 1, storage, false);
+                    s.weight_tile = s.weight_tile.max(tile.bytes);
                 }
                 Op::LoraForward {
                     rows, ic, oc, r, ..
@@ -184,26 +212,58 @@ impl Scratch {
     }
 }
 
-/// The LM head's share of [`Scratch::weight_tile`] (bytes): the weight `[V, C]` in the type
-/// its GEMMs read (the storage type's copy, or a quantized head decoded) at 0, then, with
-/// `dlogits` (a bf16/f16 training plan), the storage type's copy of one chunk's f32 dlogits
-/// `[rows_per_chunk, V]` (its two backward GEMMs multiply it with T operands). Returns (the
-/// dlogits copy's offset, the bytes of both).
+/// The LM head's share of [`Scratch::weight_tile`]: where each part lies (byte offsets from
+/// the tile's start) and how the vocabulary is cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LmHeadTile {
+    /// Vocabulary rows per chunk of the weight ([`lm_head_vocab_rows`]; the last chunk may
+    /// be shorter).
+    pub vocab_rows: usize,
+    /// Chunks over the vocabulary (1: the weight is decoded once per op).
+    pub chunks: usize,
+    /// The storage type's copy of one row chunk's f32 dlogits `[rows_per_chunk, V]`, in a
+    /// bf16/f16 training plan (its two backward GEMMs multiply it with T operands).
+    pub dlogits: Option<u64>,
+    /// `dinp`'s f32 sum over the vocabulary chunks, `[rows_per_chunk, C]`, rounded to T once
+    /// at the end: in a bf16/f16 training plan whose vocabulary is cut (`chunks > 1`).
+    pub dinp_sum: Option<u64>,
+    /// Bytes of all the parts.
+    pub bytes: u64,
+}
+
+/// The LM head's [`LmHeadTile`]: at 0, one chunk of the weight `[vocab_rows, C]` in the type
+/// its GEMMs read (the storage type's copy, or a quantized head decoded; f32 in fp32 plans);
+/// then, with `dlogits` (a bf16/f16 training plan), the storage type's copy of one row chunk's
+/// f32 dlogits `[rows_per_chunk, V]`, and when the vocabulary is cut, the f32 sum of `dinp`
+/// `[rows_per_chunk, C]` over the chunks. Generation's `LmHeadLast` is `rows_per_chunk` 1
+/// without `dlogits`: the weight chunk alone.
 pub fn lm_head_tile(
     c: usize,
     v: usize,
     rows_per_chunk: usize,
     storage: DType,
     dlogits: bool,
-) -> (u64, u64) {
+) -> LmHeadTile {
     let elem = storage.size().unwrap_or(4) as u64;
-    let at = align(c as u64 * v as u64 * elem);
-    let copy = if dlogits {
-        rows_per_chunk as u64 * v as u64 * elem
-    } else {
-        0
+    let vocab_rows = lm_head_vocab_rows(c, v, elem);
+    let chunks = v.div_ceil(vocab_rows).max(1);
+    // Each part at a 256-byte boundary after the one before; `end` is the last one's end.
+    let mut end = vocab_rows as u64 * c as u64 * elem;
+    let mut part = |bytes: u64| {
+        let offset = align(end);
+        end = offset + bytes;
+        offset
     };
-    (at, at + copy)
+    let rows = rows_per_chunk as u64;
+    let dlogits_at = dlogits.then(|| part(rows * v as u64 * elem));
+    let dinp_sum = (dlogits && chunks > 1).then(|| part(rows * c as u64 * 4));
+    LmHeadTile {
+        vocab_rows,
+        chunks,
+        dlogits: dlogits_at,
+        dinp_sum,
+        bytes: end,
+    }
 }
 
 /// A LoRA adapter's share of [`Scratch::weight_tile`] in a bf16/f16 plan (bytes; f32 plans
@@ -383,21 +443,104 @@ mod tests {
 
     #[test]
     fn the_lm_head_tile_holds_the_weight_then_a_dlogits_chunk() {
-        // bf16 training: the weight (1400 bytes, aligned to 1536), then 4 × 100 bf16.
+        // bf16 training, one vocabulary chunk: the weight (1400 bytes), then at 1536 the
+        // 4 × 100 bf16 dlogits; no f32 sum of dinp (one chunk: one GEMM).
+        let tile = lm_head_tile(7, 100, 4, DType::Bf16, true);
         assert_eq!(
-            lm_head_tile(7, 100, 4, DType::Bf16, true),
-            (1536, 1536 + 800)
+            tile,
+            LmHeadTile {
+                vocab_rows: 100,
+                chunks: 1,
+                dlogits: Some(1536),
+                dinp_sum: None,
+                bytes: 1536 + 800,
+            }
         );
-        assert_eq!(lm_head_tile(7, 100, 4, DType::Bf16, false), (1536, 1536));
+        let eval = lm_head_tile(7, 100, 4, DType::Bf16, false);
+        assert_eq!((eval.dlogits, eval.bytes), (None, 1400));
         let s = Scratch::for_ops(&[lm_head(Some(BufId(4)))], DType::Bf16);
         assert_eq!(s.weight_tile, 1536 + 800);
         let s = Scratch::for_ops(&[lm_head(None)], DType::Bf16);
-        assert_eq!(s.weight_tile, 1536);
+        assert_eq!(s.weight_tile, 1400);
         // fp32: the GEMMs read the f32 weight and logits in place.
         assert_eq!(
             Scratch::for_ops(&[lm_head(Some(BufId(4)))], DType::F32).weight_tile,
             0
         );
+    }
+
+    #[test]
+    fn a_large_vocabulary_is_decoded_a_bounded_chunk_at_a_time() {
+        // Llama 3 8B (V 128256, C 4096) in bf16: 8192 rows (64 MiB) a chunk, 16 chunks.
+        assert_eq!(lm_head_vocab_rows(4096, 128256, 2), 8192);
+        // An f32 tile (a quantized head in an fp32 plan): half the rows.
+        assert_eq!(lm_head_vocab_rows(4096, 128256, 4), 4096);
+        // GPT-2 (V 50257, C 768) in bf16: whole quanta of 256 rows within 64 MiB.
+        assert_eq!(lm_head_vocab_rows(768, 50257, 2), 43520);
+        // A head within the bound is one chunk; a row past 256 KiB still takes a quantum.
+        assert_eq!(lm_head_vocab_rows(576, 49152, 2), 49152);
+        assert_eq!(lm_head_vocab_rows(1 << 20, 1000, 2), LM_HEAD_ROW_QUANTUM);
+        assert_eq!(lm_head_vocab_rows(8, 0, 2), 1);
+        for (c, v, elem) in [(4096, 128256, 2), (8192, 128256, 2), (768, 50257, 4)] {
+            let rows = lm_head_vocab_rows(c, v, elem);
+            assert!(rows as u64 * c as u64 * elem <= LM_HEAD_CHUNK_BYTES);
+            assert_eq!(rows % LM_HEAD_ROW_QUANTUM, 0);
+        }
+
+        // Training, 128 rows a chunk: the weight chunk, the bf16 dlogits of the row chunk,
+        // then dinp's f32 sum over the 16 vocabulary chunks.
+        let tile = lm_head_tile(4096, 128256, 128, DType::Bf16, true);
+        let dlogits = 128 * 128256 * 2;
+        assert_eq!(tile.vocab_rows, 8192);
+        assert_eq!(tile.chunks, 16);
+        assert_eq!(tile.dlogits, Some(LM_HEAD_CHUNK_BYTES));
+        assert_eq!(tile.dinp_sum, Some(LM_HEAD_CHUNK_BYTES + dlogits));
+        assert_eq!(tile.bytes, LM_HEAD_CHUNK_BYTES + dlogits + 128 * 4096 * 4);
+        // The whole weight would have been 1002 MiB.
+        assert!(tile.bytes < 100 << 20);
+        let mut op = lm_head(Some(BufId(4)));
+        if let Op::LmHeadLoss {
+            c,
+            v,
+            rows_per_chunk,
+            w,
+            ..
+        } = &mut op.op
+        {
+            (*c, *v, *rows_per_chunk, *w) = (4096, 128256, 128, 0..4096 * 128256);
+        }
+        op.frozen = true;
+        assert_eq!(
+            Scratch::for_ops(std::slice::from_ref(&op), DType::Bf16).weight_tile,
+            tile.bytes
+        );
+        // A quantized head in an fp32 plan: an f32 weight chunk, nothing else.
+        assert_eq!(
+            Scratch::for_ops(&[op], DType::F32).weight_tile,
+            LM_HEAD_CHUNK_BYTES
+        );
+
+        // Generation's last row: the weight chunk alone (a frozen, quantized head in fp32).
+        let last = entry(
+            Op::LmHeadLast {
+                inp: BufId(0),
+                logits: BufId(1),
+                w: 0..4096 * 128256,
+                rows: Rows { b: 1, t: 8 },
+                c: 4096,
+                v: 128256,
+            },
+            true,
+        );
+        assert_eq!(
+            Scratch::for_ops(std::slice::from_ref(&last), DType::F32).weight_tile,
+            LM_HEAD_CHUNK_BYTES
+        );
+        let trained = OpEntry {
+            frozen: false,
+            ..last
+        };
+        assert_eq!(Scratch::for_ops(&[trained], DType::F32).weight_tile, 0);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //
 // Ops served: every op with a frozen, quantized weight (Matmul, MatmulBackward's input
 // gradient, LmHeadLoss and LmHeadLast, Encoder with a quantized wte): the host decodes a tile
-// with `dequant_<type>_<S>` and runs the GEMM on it. <S> is the tile's element type: `_f32`
+// with `dequant_<type>_<S>` and runs the GEMM on it (the LM head's a chunk of vocabulary rows
+// at a time: r0, rows). <S> is the tile's element type: `_f32`
 // is the CPU's (its tile is f32); `_bf16`/`_f16` round each decoded value once (for a GEMM on
 // T operands).
 //
