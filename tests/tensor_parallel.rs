@@ -11,7 +11,7 @@ use common::worst_tensor;
 use memwall::backend::under_test as backend;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
-use memwall::ir::{Mesh, Recompute};
+use memwall::ir::{Mesh, Recompute, Zero};
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};
 use memwall::util::rng::Rng;
@@ -45,17 +45,18 @@ fn hparams(step: u64) -> OptimHparams {
 struct Outcome {
     losses: Vec<f32>,
     norms: Vec<f32>,
-    params: Vec<f32>,
+    /// Its parameters (its parts), unless they are sharded (`--zero 3`).
+    params: Option<Vec<f32>>,
     layout: ParamLayout,
     sent: u64,
     planned: u64,
 }
 
 /// Trains `model` with batch `b` per data rank for [`STEPS`] steps on `comm` as `mesh`'s
-/// rank (one process: `Single` and [`Mesh::SINGLE`], batch `b` with accumulation `accum`).
+/// rank, ZeRO stage `zero` (one process: `Single` and [`Mesh::SINGLE`], batch `b` with accumulation `accum`).
 fn train(
     model: &str,
-    mesh: Mesh,
+    (mesh, zero): (Mesh, Zero),
     comm: Arc<dyn Comm>,
     b: usize,
     accum: usize,
@@ -64,6 +65,7 @@ fn train(
     let spec = ModelSpec::preset(model).unwrap();
     let mut cfg = StepConfig::new(b, SEQ, 1);
     cfg.mesh = mesh;
+    cfg.zero = zero;
     cfg.grad_accum = accum;
     cfg.recompute = re;
     let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
@@ -91,15 +93,20 @@ fn train(
     Outcome {
         losses,
         norms,
-        params: ex.download_params().unwrap(),
+        params: (zero.0 < 3).then(|| ex.download_params().unwrap()),
         layout,
         sent: (comm.bytes_sent() - before) / STEPS,
         planned,
     }
 }
 
-/// `data × tensor` ranks as threads.
-fn ranks(model: &str, data: usize, tensor: usize, b: usize, re: Recompute) -> Vec<Outcome> {
+/// `data × tensor` ranks as threads, ZeRO stage `zero` on the data axis.
+fn ranks(
+    model: &str,
+    (data, tensor, zero): (usize, usize, Zero),
+    b: usize,
+    re: Recompute,
+) -> Vec<Outcome> {
     let group: Vec<Arc<dyn Comm>> = Local::group(data * tensor)
         .into_iter()
         .map(|c| Arc::new(c) as Arc<dyn Comm>)
@@ -115,7 +122,7 @@ fn ranks(model: &str, data: usize, tensor: usize, b: usize, re: Recompute) -> Ve
                     pipeline: 1,
                     rank,
                 };
-                s.spawn(move || train(model, mesh, comm, b, 1, re))
+                s.spawn(move || train(model, (mesh, zero), comm, b, 1, re))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -129,7 +136,7 @@ fn gathered(whole: &ParamLayout, parts: &[&Outcome]) -> Vec<f32> {
     for o in parts {
         for t in &o.layout.tensors {
             let w = whole.get(&t.name).unwrap();
-            let mine = &o.params[t.range.clone()];
+            let mine = &o.params.as_ref().expect("parameters downloaded")[t.range.clone()];
             match &t.part {
                 Some(part) => part.put(mine, &mut out[w.range.clone()]),
                 None => {
@@ -176,12 +183,18 @@ fn rel(a: f32, b: f32) -> f32 {
 
 /// `data × tensor` ranks against one process of batch `b × data` (as accumulation).
 fn matches_one_process(model: &str, data: usize, tensor: usize, re: Recompute) {
+    matches_one_process_at(model, (data, tensor, Zero::DP), re)
+}
+
+/// [`matches_one_process`] with ZeRO stage `zero` on the data axis (at stage 3 the
+/// parameters are shards, so the losses and norms are compared, not the weights).
+fn matches_one_process_at(model: &str, (data, tensor, zero): (usize, usize, Zero), re: Recompute) {
     let b = 2;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
-    let reference = train(model, Mesh::SINGLE, single, b, data, re);
-    let out = ranks(model, data, tensor, b, re);
+    let reference = train(model, (Mesh::SINGLE, Zero::DP), single, b, data, re);
+    let out = ranks(model, (data, tensor, zero), b, re);
     let whole = ParamLayout::new(&ModelSpec::preset(model).unwrap());
-    let what = format!("{model} data={data} tensor={tensor} {re:?}");
+    let what = format!("{model} data={data} tensor={tensor} zero={zero} {re:?}");
     for (rank, o) in out.iter().enumerate() {
         assert!(o.layout.split.is_split(), "{what}: rank {rank} holds parts");
         assert!(o.layout.total < whole.total, "{what}: a part is smaller");
@@ -198,11 +211,15 @@ fn matches_one_process(model: &str, data: usize, tensor: usize, re: Recompute) {
         assert_eq!(o.sent, o.planned, "{what} rank {rank}: bytes sent per step");
         assert!(o.planned > 0);
     }
+    if zero.shards_params() {
+        return;
+    }
+    let reference_params = reference.params.as_ref().unwrap();
     for d in 0..data {
         let parts: Vec<&Outcome> = out[d * tensor..(d + 1) * tensor].iter().collect();
         let mut params = gathered(&whole, &parts);
-        key_biases_within_noise(&whole, &mut params, &reference.params, &what);
-        let w = worst_tensor(&whole, &params, &reference.params);
+        key_biases_within_noise(&whole, &mut params, reference_params, &what);
+        let w = worst_tensor(&whole, &params, reference_params);
         assert!(w < 1e-4, "{what} data rank {d}: weights differ by {w}");
     }
 }
@@ -226,6 +243,14 @@ fn two_tensor_ranks_train_llama_with_grouped_query_attention_like_one_process() 
 #[test]
 fn tensor_and_data_ranks_together_train_gpt2_like_one_process() {
     matches_one_process("gpt2-tiny", 2, 2, Recompute::None);
+}
+
+#[test]
+fn tensor_ranks_with_zero_on_the_data_axis_train_like_one_process_at_every_stage() {
+    for zero in 1..=3 {
+        matches_one_process_at("llama-tiny", (2, 2, Zero(zero)), Recompute::None);
+    }
+    matches_one_process_at("gpt2-tiny", (2, 2, Zero(2)), Recompute::Selective);
 }
 
 #[test]

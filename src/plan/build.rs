@@ -324,13 +324,6 @@ fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
             "--tp {t} with --lora: adapters split with their layers are not there yet; use --tp 1"
         );
     }
-    if cfg.zero.shards_optimizer() {
-        bail!(
-            "--tp {t} with --zero {}: sharding state over the data axis of a tensor-parallel \
-             job is not there yet; use --zero 0",
-            cfg.zero
-        );
-    }
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--tp {t} with --offload: not there yet; use --offload none");
     }

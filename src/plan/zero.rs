@@ -207,7 +207,8 @@ pub(super) fn collectives(
             grad: grads.segments[k].buf,
             params,
             cut: &split.cuts[k],
-            norm: norm_at[k],
+            norm: norm_at[k][0],
+            norms: norm_at[k].clone(),
             update: update_at[k],
         };
         if !sh.zero.shards_optimizer() {
@@ -256,8 +257,11 @@ struct Group<'a> {
     /// The parameters (one segment per group in a sharded plan, `plan::build::param_buffers`).
     params: &'a Segments,
     cut: &'a Cut,
-    /// Its norm share's op and its update's (schedule indices before any insertion).
+    /// Its (first) norm share's op and its update's (schedule indices before any insertion).
     norm: usize,
+    /// All its norm shares' ops: one, or under tensor parallelism one per run of whole or
+    /// cut tensors (consecutive, from `norm` on).
+    norms: Vec<usize>,
     update: usize,
 }
 
@@ -296,17 +300,23 @@ fn scratch(g: &mut Builder, name: &str, dtype: DType, cut: &Cut) -> BufId {
 }
 
 /// Where each group's norm share (`GradNorm` over the group's range) is.
-/// (The first of its shares under tensor parallelism, which takes one per run of whole or
-/// cut tensors, all together.)
-fn norm_shares(g: &Builder, groups: &[std::ops::Range<usize>]) -> Vec<usize> {
-    (0..groups.len())
-        .map(|k| {
-            g.ops
-                .iter()
-                .position(|e| {
-                    matches!(&e.op, Op::GradNorm { range, .. } if range.start == groups[k].start)
+/// (Under tensor parallelism a group has one per run of whole or cut tensors, all
+/// together; the first is where its collectives go.)
+fn norm_shares(g: &Builder, groups: &[std::ops::Range<usize>]) -> Vec<Vec<usize>> {
+    groups
+        .iter()
+        .map(|group| {
+            let at: Vec<usize> = (0..g.ops.len())
+                .filter(|&i| {
+                    matches!(&g.ops[i].op, Op::GradNorm { range, .. }
+                        if group.start <= range.start && range.end <= group.end)
                 })
-                .expect("internal error: a group without a norm share")
+                .collect();
+            assert!(
+                !at.is_empty(),
+                "internal error: a group without a norm share"
+            );
+            at
         })
         .collect()
 }
@@ -480,20 +490,30 @@ fn reduce_scatter(g: &mut Builder, gr: &Group, shard: &Shard, storage: DType, in
     ));
 }
 
-/// The group's norm share and update read the gradient shard (the share over the elements
-/// the rank owns).
+/// The group's norm shares and update read the gradient shard (each share over the
+/// elements of its range the rank owns, maybe none).
 fn read_shard(g: &mut Builder, gr: &Group, shard: &Shard) {
     let shard_binding = shard.binding();
-    let e = &mut g.ops[gr.norm];
-    let Op::GradNorm { out, slot, .. } = e.op else {
-        unreachable!("a group's norm share is a GradNorm op")
-    };
-    e.op = Op::GradNorm {
-        range: shard.owned.clone(),
-        out,
-        slot,
-    };
-    e.grads = Some(shard_binding);
+    let owned = &shard.owned;
+    for &at in &gr.norms {
+        let e = &mut g.ops[at];
+        let Op::GradNorm {
+            out,
+            slot,
+            ref range,
+        } = e.op
+        else {
+            unreachable!("a group's norm share is a GradNorm op")
+        };
+        let lo = range.start.clamp(owned.start, owned.end);
+        let hi = range.end.clamp(lo, owned.end);
+        e.op = Op::GradNorm {
+            range: lo..hi,
+            out,
+            slot,
+        };
+        e.grads = Some(shard_binding);
+    }
     let upd = gr.update;
     g.ops[upd].grads = Some(shard_binding);
 }
