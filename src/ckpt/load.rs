@@ -8,6 +8,12 @@
 //! `fill_moments`) calls once per buffer, releasing the mapped file's pages after each range.
 //! So `--resume` and `--init` need no host copy of the whole state, and each rank fills its
 //! own shards from the whole file (tensors may be cut): a run resumes on any number of ranks.
+//! A tensor-parallel rank's layout (`ParamLayout::split`) loads the same way: each cut
+//! tensor's part is read from its runs of the whole tensor in the file
+//! (`TensorPart::runs_in`; bf16 moments: its runs of the flat arrays), and the trainer
+//! state's model is checked against the whole model the part belongs to
+//! (`ParamLayout::same_model`), so a checkpoint of one process resumes on tensor ranks and
+//! the reverse.
 
 use anyhow::{Context, Result, bail};
 use safetensors::Dtype;
@@ -167,7 +173,8 @@ pub fn load_params_by(
         copied.with_context(what)?;
         for tied in &layout.tied {
             let to = &layout.tensors[tied.tensor];
-            let Some((file, _)) = src.get(&tied.name).filter(|_| inside(&to.range)) else {
+            let whole = to.part.is_none();
+            let Some((file, _)) = src.get(&tied.name).filter(|_| whole && inside(&to.range)) else {
                 continue;
             };
             let values = &dst[to.range.start - range.start..to.range.end - range.start];
@@ -295,7 +302,13 @@ pub fn load_trainer_state_by(
             describe(layout)
         )
     };
+    // A tensor-parallel part reads its runs of the whole model's flat arrays; 8-bit
+    // moments' blocks are the whole tensors' (such plans are refused: `plan::build`).
     let (total, n_blocks) = (layout.total, layout.block_offsets(QBLOCK).1);
+    let whole_total = layout.whole_total();
+    if layout.split.is_split() && format == OptimState::Int8 {
+        bail!("internal error: int8 moments of a tensor-parallel part");
+    }
     let src = Sources::single(&file);
     let mut targets = Vec::new();
     let located = match format {
@@ -306,8 +319,8 @@ pub fn load_trainer_state_by(
             check_targets(&src, &resolve_exact, &targets).with_context(what)?
         }
         OptimState::Bf16 => {
-            check_raw(&file, FLAT_EXP_AVG, Dtype::BF16, total)
-                .and_then(|_| check_raw(&file, FLAT_EXP_AVG_SQ, Dtype::BF16, total))
+            check_raw(&file, FLAT_EXP_AVG, Dtype::BF16, whole_total)
+                .and_then(|_| check_raw(&file, FLAT_EXP_AVG_SQ, Dtype::BF16, whole_total))
                 .with_context(what)?;
             Default::default()
         }
@@ -346,10 +359,19 @@ pub fn load_trainer_state_by(
                         *d = half::bf16::from_le_bytes([c[0], c[1]]);
                     }
                 };
-                read_part(&file, FLAT_EXP_AVG, 2, &elems, m.len(), |b| bf16s(m, b))?;
-                check_finite(&file, FLAT_EXP_AVG, &elems, m.iter().map(|x| x.to_f32()))?;
-                read_part(&file, FLAT_EXP_AVG_SQ, 2, &elems, v.len(), |b| bf16s(v, b))?;
-                check_finite(&file, FLAT_EXP_AVG_SQ, &elems, v.iter().map(|x| x.to_f32()))
+                if m.len() != elems.len() || v.len() != elems.len() {
+                    bail!("internal error: bf16 moments of {elems:?} into other lengths");
+                }
+                // The elements' runs of the flat arrays (one, unless this is a part).
+                for (w, r) in layout.whole_runs(elems.clone()) {
+                    let (whole, at) = (w..w + r.len(), r.start - elems.start..r.end - elems.start);
+                    for (name, dst) in [(FLAT_EXP_AVG, &mut *m), (FLAT_EXP_AVG_SQ, &mut *v)] {
+                        let dst = &mut dst[at.clone()];
+                        read_part(&file, name, 2, &whole, dst.len(), |b| bf16s(dst, b))?;
+                        check_finite(&file, name, &whole, dst.iter().map(|x| x.to_f32()))?;
+                    }
+                }
+                Ok(())
             }
             MomentsMut::Int8 {
                 m,
@@ -449,8 +471,9 @@ fn read_part(
         .info(name)
         .with_context(|| format!("internal error: {name} was not checked"))?;
     let bytes = file.bytes(name, info)?;
-    copy(&bytes[range.start * width..range.end * width]);
-    file.release(info);
+    let read = range.start * width..range.end * width;
+    copy(&bytes[read.clone()]);
+    file.release_within(info, read);
     Ok(())
 }
 

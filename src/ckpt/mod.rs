@@ -39,6 +39,11 @@
 //! tensor into the destination, releasing the mapped pages as it goes (see
 //! `safetensors_io.rs`). Tokenizer files are streamed too.
 //!
+//! **Checkpoints never depend on the number of ranks.** Ranks that split the state (ZeRO's
+//! shards, tensor parallelism's parts of each layer) save the whole model as one process
+//! does (rank 0 gathers it: `Executor::save_checkpoint`), and each rank loads its share from
+//! the whole files (a tensor-parallel part from its runs of each tensor, see `load.rs`).
+//!
 //! Loading accepts the hub's naming variants (see `names.rs`) and F32/F16/BF16 data; every
 //! error names the file and the tensor or field.
 

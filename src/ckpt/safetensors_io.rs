@@ -16,7 +16,8 @@
 //! converting F16/BF16 to f32, and drops each tensor's pages from the mapping after the copy,
 //! so the mapped file never stays resident next to its destination buffer. Each block copied
 //! is checked for NaN and infinite values, refused naming the tensor and file. The tensors of a
-//! sharded checkpoint are read the same way from the shard that holds each ([`Sources`]).
+//! sharded checkpoint are read the same way from the shard that holds each ([`Sources`]), and
+//! a tensor-parallel rank's part of a tensor as its runs of the whole one ([`Target::part`]).
 
 use crate::util::finite::{self, first_non_finite};
 use anyhow::{Context, Result, anyhow, bail};
@@ -355,6 +356,13 @@ impl StFile {
         self.release_bytes(r);
     }
 
+    /// Drops the pages of bytes `within` of a tensor's data ([`StFile::release`] for a
+    /// piece read alone: a rank's part of a flat array).
+    pub fn release_within(&self, info: &TensorInfo, within: Range<usize>) {
+        let start = self.byte_range(info).start;
+        self.release_bytes(start + within.start..start + within.end);
+    }
+
     /// Drops every page of the mapping (also those the kernel mapped around the tensors
     /// read: a streamed load calls this after each range, so its resident pages stay few).
     pub fn release_all(&self) {
@@ -485,21 +493,26 @@ pub(crate) enum Resolved {
     Ignore,
 }
 
-/// A tensor to load: canonical key, expected shape, destination buffer index and range.
+/// A tensor to load: canonical key, expected shape (the file's: the whole tensor's),
+/// destination buffer index and range.
 #[derive(Clone)]
 pub(crate) struct Target {
     pub key: String,
     pub shape: Vec<usize>,
     pub buf: usize,
     pub range: Range<usize>,
-    /// The tensor's element that `range.start` receives (0 unless the destination holds a
-    /// part of the tensor: a rank's shard).
+    /// The element that `range.start` receives, of the tensor or of its tensor-parallel
+    /// `part` (0 unless the destination holds a piece of it: a rank's shard).
     pub from: usize,
+    /// A tensor-parallel rank's part of the file's tensor: the destination receives the
+    /// part's elements (its runs of the whole tensor, in order), not the whole tensor's.
+    pub part: Option<crate::model::TensorPart>,
 }
 
 impl Target {
-    /// Every tensor of `layout`, whole, as a target named `prefix` + its name, into buffer
-    /// `buf` at the tensor's range.
+    /// Every tensor of `layout`, whole (a tensor-parallel part: its part of the whole
+    /// tensor), as a target named `prefix` + its name, into buffer `buf` at the tensor's
+    /// range.
     pub fn whole_tensors<'a>(
         layout: &'a crate::model::ParamLayout,
         prefix: &'a str,
@@ -507,10 +520,11 @@ impl Target {
     ) -> impl Iterator<Item = Target> + 'a {
         layout.tensors.iter().map(move |t| Target {
             key: format!("{prefix}{}", t.name),
-            shape: t.shape.clone(),
+            shape: t.whole_shape().to_vec(),
             buf,
             range: t.range.clone(),
             from: 0,
+            part: t.part.clone(),
         })
     }
 }
@@ -681,7 +695,7 @@ pub(crate) fn check_targets(
 }
 
 /// Copies targets (checked by [`check_targets`], which returned `located`) from `src` into
-/// `bufs[target.buf][target.range]`.
+/// `bufs[target.buf][target.range]` (a tensor-parallel part: its runs of the file's tensor).
 pub(crate) fn copy_targets(
     src: &Sources,
     located: &HashMap<String, String>,
@@ -705,7 +719,16 @@ pub(crate) fn copy_targets(
                     t.range
                 )
             })?;
-        file.read_into_from(name, info, t.from, dst)?;
+        match &t.part {
+            None => file.read_into_from(name, info, t.from, dst)?,
+            // A part: its elements in runs of the whole tensor, read straight from the file.
+            Some(part) => {
+                for (w, r) in part.runs_in(t.from..t.from + dst.len()) {
+                    let into = &mut dst[r.start - t.from..r.end - t.from];
+                    file.read_into_from(name, info, w, into)?;
+                }
+            }
+        }
     }
     Ok(())
 }

@@ -56,13 +56,15 @@ impl TrainerState {
         })
     }
 
-    /// Checks that the recorded model has the tensors of `layout` (same names and shapes).
+    /// Checks that the recorded model has the tensors of `layout` (same names and shapes),
+    /// or of the whole model `layout` is a tensor-parallel part of: a checkpoint holds the
+    /// whole model, whatever the ranks that wrote it or resume it.
     pub(crate) fn check_layout(&self, path: &Path, layout: &ParamLayout) -> Result<()> {
         let spec = self
             .model_spec()
             .with_context(|| format!("{}", path.display()))?;
         let recorded = ParamLayout::new(&spec);
-        let same = recorded.same_layout(layout);
+        let same = recorded.same_model(layout);
         if !same {
             bail!(
                 "{}: the checkpoint was written by a run of a different model ({}) than this one \
@@ -76,21 +78,32 @@ impl TrainerState {
     }
 }
 
-/// One-line description of a layout for messages, e.g. `gpt2: 14 parameter groups, 148
-/// tensors, 124439808 parameters (transformer.wte.weight [50257, 768], ...)`.
+/// One-line description of a layout's model for messages, e.g. `gpt2: 14 parameter groups,
+/// 148 tensors, 124439808 parameters (transformer.wte.weight [50257, 768], ...)`: the whole
+/// model's, for a tensor-parallel part too (which is named after it, with its own count).
 pub(crate) fn layout_summary(layout: &crate::model::ParamLayout) -> String {
     let first: Vec<String> = layout
         .tensors
         .iter()
         .take(2)
-        .map(|t| format!("{} {:?}", t.name, t.shape))
+        .map(|t| format!("{} {:?}", t.name, t.whole_shape()))
         .collect();
+    let split = &layout.split;
+    let part = match split.is_split() {
+        true => format!(
+            "; tensor-parallel part {} of {}: {} parameters",
+            split.rank + 1,
+            split.size,
+            layout.total
+        ),
+        false => String::new(),
+    };
     format!(
-        "{}: {} parameter groups, {} tensors, {} parameters ({}, ...)",
+        "{}: {} parameter groups, {} tensors, {} parameters ({}, ...{part})",
         layout.family.model_type(),
         layout.groups.len(),
         layout.tensors.len(),
-        layout.total,
+        layout.whole_total(),
         first.join(", ")
     )
 }

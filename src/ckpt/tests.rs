@@ -1071,3 +1071,103 @@ fn non_finite_weights_and_moments_are_refused() {
         "{e}"
     );
 }
+
+/// A tensor-parallel rank's layout loads its parts of the whole files: each tensor's part
+/// taken from the whole tensor (weights, f32 moments by name, bf16 moments from the flat
+/// arrays), whole tensors whole; the trainer state is checked against the whole model, and
+/// a part of another model is refused naming both.
+#[test]
+fn tensor_parallel_parts_load_their_runs_of_the_whole_files() {
+    use crate::ir::TensorSplit;
+    let spec = small_spec(97);
+    let (layout, p, m, v) = setup(&spec);
+    let run = tempfile::tempdir().unwrap();
+    let st = state(&spec, 4);
+    let f32_dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::F32 { m: &m, v: &v },
+        &st,
+    )
+    .unwrap();
+    // In bf16, f32::MAX would round to infinity (refused on load).
+    let to_bf16 = |x: &[f32]| -> Vec<half::bf16> {
+        x.iter()
+            .map(|&y| half::bf16::from_f32(y.min(1e30)))
+            .collect()
+    };
+    let (mb, vb) = (to_bf16(&m), to_bf16(&v));
+    let bf16_dir = save_checkpoint(
+        run.path(),
+        &spec,
+        &layout,
+        &p,
+        &Moments::Bf16 { m: &mb, v: &vb },
+        &state(&spec, 5),
+    )
+    .unwrap();
+    let mut cut = 0;
+    for rank in 0..2 {
+        let part = ParamLayout::split(&spec, TensorSplit { size: 2, rank });
+        // What the rank should hold: each tensor's part of the whole one.
+        let mine = |whole: &[f32]| -> Vec<f32> {
+            let mut out = vec![f32::NAN; part.total];
+            for t in &part.tensors {
+                let w = &whole[layout.range(&t.name)];
+                match &t.part {
+                    Some(tp) => tp.take(w, &mut out[t.range.clone()]),
+                    None => out[t.range.clone()].copy_from_slice(w),
+                }
+            }
+            out
+        };
+        cut += part.tensors.iter().filter(|t| t.part.is_some()).count();
+        let mut pp = vec![0f32; part.total];
+        load_params(&f32_dir, &part, &mut pp).unwrap();
+        assert_eq!(bits(&pp), bits(&mine(&p)), "rank {rank}: weights");
+        let (mut m2, mut v2) = (vec![0f32; part.total], vec![0f32; part.total]);
+        let mm = MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        };
+        assert_eq!(load_trainer_state(&f32_dir, &part, mm).unwrap(), st);
+        assert_eq!((bits(&m2), bits(&v2)), (bits(&mine(&m)), bits(&mine(&v))));
+        let zero = half::bf16::ZERO;
+        let (mut m3, mut v3) = (vec![zero; part.total], vec![zero; part.total]);
+        let mm = MomentsMut::Bf16 {
+            m: &mut m3,
+            v: &mut v3,
+        };
+        load_trainer_state(&bf16_dir, &part, mm).unwrap();
+        let f32s = |x: &[half::bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+        let rounded = |x: &[f32]| f32s(&to_bf16(x));
+        assert_eq!(
+            bits(&f32s(&m3)),
+            bits(&mine(&rounded(&m))),
+            "rank {rank}: bf16 m"
+        );
+        assert_eq!(
+            bits(&f32s(&v3)),
+            bits(&mine(&rounded(&v))),
+            "rank {rank}: bf16 v"
+        );
+
+        // A part of another model: refused, naming the whole models.
+        let other = ParamLayout::split(&small_spec(101), TensorSplit { size: 2, rank });
+        let (mut m4, mut v4) = (vec![0f32; other.total], vec![0f32; other.total]);
+        let mm = MomentsMut::F32 {
+            m: &mut m4,
+            v: &mut v4,
+        };
+        let e = err_text(load_trainer_state(&f32_dir, &other, mm));
+        assert!(e.contains("different model"), "{e}");
+        assert!(e.contains("[101, 16]") && e.contains("[97, 16]"), "{e}");
+        assert!(
+            e.contains(&format!("tensor-parallel part {} of 2", rank + 1)),
+            "{e}"
+        );
+    }
+    assert!(cut >= 2 * 2 * 4, "{cut} cut tensors: the parts were cut");
+}

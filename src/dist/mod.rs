@@ -31,8 +31,11 @@
 //! traffic are predicted like everything else (`plan::zero`). Each collective runs beside the
 //! ops after it (the device's communication thread, or a GPU's stream) until its
 //! `AwaitCollective`, and no op in between touches its buffers (verified when the plan is
-//! built). Checkpoints never depend on the number of ranks: rank 0 writes the whole state
-//! ([`ring::gather_to_root`]), and a run resumes on any number of ranks.
+//! built). Checkpoints never depend on the number of ranks: rank 0 writes the whole state,
+//! receiving ZeRO's shards (along the data axis) and the tensor ranks' parts of cut tensors
+//! (along the tensor axis) piece by piece over [`Comm::sendrecv`] as its writer reads them
+//! (`exec::executor`'s checkpoints), and a run resumes on any number of ranks, tensor ranks
+//! included.
 
 mod comm;
 pub mod group;

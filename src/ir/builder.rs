@@ -16,7 +16,7 @@ pub struct EmitOptions {
     pub recompute: super::strategy::Recompute,
     /// Upper bound for the LM head's logits chunk (bytes).
     pub logits_chunk_bytes: u64,
-    /// This rank's share of every layer (tensor parallelism; [`TensorSplit::WHOLE`] on one
+    /// This rank's share of every layer (tensor parallelism; [`super::TensorSplit::WHOLE`] on one
     /// rank): the family emits its part of each layer and the all-reduces that join the parts.
     pub tensor: super::TensorSplit,
 }

@@ -74,6 +74,19 @@ impl TensorPart {
         })
     }
 
+    /// The part's elements `range` (in the part's order) as runs of the whole tensor, in
+    /// order: (offset in the whole tensor, the part's elements it holds). What loading and
+    /// saving a piece of a part map through, so neither needs the whole tensor's runs.
+    pub fn runs_in(&self, range: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+        let mut at = 0;
+        self.runs().filter_map(move |(w, n)| {
+            let (lo, hi) = (range.start.max(at), range.end.min(at + n));
+            let run = (lo < hi).then(|| (w + lo - at, lo..hi));
+            at += n;
+            run
+        })
+    }
+
     /// Copies the part out of the whole tensor `whole` into `part`.
     pub fn take<T: Copy>(&self, whole: &[T], part: &mut [T]) {
         let mut at = 0;
@@ -92,6 +105,21 @@ impl TensorPart {
             at += n;
         }
         debug_assert_eq!(at, part.len());
+    }
+}
+
+impl ParamTensor {
+    /// The shape of the model's tensor of this name: the whole of a part, else its own.
+    pub fn whole_shape(&self) -> &[usize] {
+        match &self.part {
+            Some(p) => &p.whole,
+            None => &self.shape,
+        }
+    }
+
+    /// Elements of the model's tensor of this name.
+    pub fn whole_len(&self) -> usize {
+        self.whole_shape().iter().product()
     }
 }
 
@@ -248,6 +276,55 @@ impl ParamLayout {
                 .all(|(a, b)| a.name == b.name && a.shape == b.shape)
     }
 
+    /// Whether `other` holds (a tensor-parallel part of) the same model as this layout (or
+    /// part): the same tensors (names and whole shapes) in the same order. What a checkpoint
+    /// is checked against, since it holds the whole model whatever the ranks that wrote it.
+    pub fn same_model(&self, other: &ParamLayout) -> bool {
+        self.tensors.len() == other.tensors.len()
+            && self
+                .tensors
+                .iter()
+                .zip(&other.tensors)
+                .all(|(a, b)| a.name == b.name && a.whole_shape() == b.whole_shape())
+    }
+
+    /// Elements of the whole model (`total` unless this is a tensor-parallel part).
+    pub fn whole_total(&self) -> usize {
+        self.tensors.iter().map(ParamTensor::whole_len).sum()
+    }
+
+    /// This layout's elements `range` as runs of the whole model's flat array (its tensors
+    /// whole, in the same order), in order: (the run's first element in the whole model's
+    /// array, the elements of this layout it holds), adjacent runs joined: one run for a
+    /// layout of the whole model; a part's cut tensors map through [`TensorPart::runs_in`].
+    pub fn whole_runs(&self, range: Range<usize>) -> Vec<(usize, Range<usize>)> {
+        let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
+        let mut push = |w: usize, r: Range<usize>| match runs.last_mut() {
+            Some((lw, lr)) if *lw + lr.len() == w && lr.end == r.start => lr.end = r.end,
+            _ => runs.push((w, r)),
+        };
+        let mut whole_start = 0;
+        for t in &self.tensors {
+            let (lo, hi) = (range.start.max(t.range.start), range.end.min(t.range.end));
+            if lo < hi {
+                let local = lo - t.range.start..hi - t.range.start;
+                match &t.part {
+                    None => push(whole_start + local.start, lo..hi),
+                    Some(part) => {
+                        for (w, r) in part.runs_in(local) {
+                            push(
+                                whole_start + w,
+                                r.start + t.range.start..r.end + t.range.start,
+                            )
+                        }
+                    }
+                }
+            }
+            whole_start += t.whole_len();
+        }
+        runs
+    }
+
     /// Looks a tensor up by its Hugging Face name.
     pub fn get(&self, name: &str) -> Option<&ParamTensor> {
         self.tensors.iter().find(|t| t.name == name)
@@ -390,6 +467,67 @@ mod tests {
         }
         assert_eq!(next, lay.tensors.len());
         assert_eq!(lay.groups.len(), spec.n_layer + 2);
+    }
+
+    /// The tensor-parallel parts' runs of the whole model cover it once: every element of
+    /// the whole flat array is held by exactly one rank's cut tensor, or by every rank's copy
+    /// of a whole one; pieces of a part map as the whole part does; and the parts are of
+    /// the same model as the whole layout.
+    #[test]
+    fn the_parts_runs_cover_the_whole_model_once() {
+        use crate::ir::TensorSplit;
+        for name in ["gpt2-tiny", "llama-tiny"] {
+            let spec = ModelSpec::preset(name).unwrap();
+            let whole = ParamLayout::new(&spec);
+            assert_eq!(whole.whole_runs(3..whole.total), vec![(3, 3..whole.total)]);
+            let mut held = vec![0usize; whole.total];
+            for rank in 0..2 {
+                let part = ParamLayout::split(&spec, TensorSplit { size: 2, rank });
+                assert!(part.same_model(&whole) && whole.same_model(&part), "{name}");
+                assert!(!part.same_layout(&whole), "{name}: a part is not the whole");
+                assert_eq!(part.whole_total(), whole.total, "{name}");
+                // Pieces that cut tensors map as the whole range does.
+                let all = part.whole_runs(0..part.total);
+                let mut pieces = Vec::new();
+                for lo in (0..part.total).step_by(1000) {
+                    pieces.extend(part.whole_runs(lo..(lo + 1000).min(part.total)));
+                }
+                let flat = |runs: &[(usize, std::ops::Range<usize>)]| -> Vec<(usize, usize)> {
+                    runs.iter()
+                        .flat_map(|(w, r)| r.clone().map(move |i| (w + i - r.start, i)))
+                        .collect()
+                };
+                assert_eq!(flat(&pieces), flat(&all), "{name} rank {rank}");
+                for (w, r) in &all {
+                    for i in 0..r.len() {
+                        held[w + i] += 1;
+                    }
+                }
+                // Each local element lands where the part's own runs put it.
+                for t in part.tensors.iter().filter(|t| t.part.is_some()) {
+                    let p = t.part.as_ref().unwrap();
+                    let w = whole.get(&t.name).unwrap();
+                    let ids: Vec<usize> = (0..w.range.len()).collect();
+                    let mut taken = vec![0; t.range.len()];
+                    p.take(&ids, &mut taken);
+                    let runs: Vec<_> = part.whole_runs(t.range.clone());
+                    let mapped = flat(&runs);
+                    for (wi, li) in mapped {
+                        assert_eq!(wi - w.range.start, taken[li - t.range.start], "{}", t.name);
+                    }
+                }
+            }
+            for t in &whole.tensors {
+                let part = ParamLayout::split(&spec, TensorSplit { size: 2, rank: 0 });
+                let cut = part.get(&t.name).unwrap().part.is_some();
+                let want = if cut { 1 } else { 2 };
+                assert!(
+                    held[t.range.clone()].iter().all(|&n| n == want),
+                    "{name}: {} held {want} times",
+                    t.name
+                );
+            }
+        }
     }
 
     /// Initialising group by group gives the values of initialising the whole vector.

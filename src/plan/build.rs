@@ -327,6 +327,13 @@ fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--tp {t} with --offload: not there yet; use --offload none");
     }
+    // A checkpoint holds the whole model's moments, and 8-bit ones are quantized in blocks
+    // of each whole tensor, which a rank's part of a cut tensor does not keep.
+    if cfg.optim_state == OptimState::Int8 {
+        bail!(
+            "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole              tensors, which the tensor ranks' parts would cut (their checkpoints could not              hold one process's moments); use --optim-state bf16 or f32"
+        );
+    }
     Ok(())
 }
 

@@ -1,0 +1,496 @@
+//! Checkpoints of tensor-parallel plans (`--tp`), ranks as threads over `dist::Local` as in
+//! `tensor_parallel.rs`: a checkpoint never depends on the number of ranks. Tensor ranks
+//! write the files one process writes (byte for byte, given the same state): rank 0 gathers
+//! each cut tensor's parts from data rank 0's tensor ranks, whole tensors are its own, and
+//! the data ranks beside them write nothing. Each tensor rank loads its parts back from the
+//! whole files, so a run saved by one process resumes on two tensor ranks, and the reverse,
+//! training on as one process does (losses within 1e-5, weights within 1e-4).
+
+mod common;
+
+use common::worst_tensor;
+use memwall::backend::under_test as backend;
+use memwall::ckpt::{self, SaveOptions, TrainerState};
+use memwall::dist::{Comm, Local, Single};
+use memwall::exec::{Executor, OptimHparams};
+use memwall::ir::{Mesh, Moments, MomentsMut, OptimState};
+use memwall::model::{ModelSpec, ParamLayout};
+use memwall::plan::{Mode, StepConfig, build_plan};
+use memwall::util::rng::Rng;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const SEQ: usize = 32;
+/// Rows per data rank.
+const BATCH: usize = 2;
+/// Steps of the uninterrupted reference run (a resumed run saves half way).
+const STEPS: u64 = 4;
+
+/// Step `step`'s global batch: `rows` rows of SEQ+1 tokens below `vocab`.
+fn global_batch(step: u64, rows: usize, vocab: usize) -> Vec<u32> {
+    let mut rng = Rng::stream(11, step);
+    (0..rows * (SEQ + 1))
+        .map(|_| rng.below(vocab as u64) as u32)
+        .collect()
+}
+
+fn hparams(step: u64) -> OptimHparams {
+    OptimHparams {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        step,
+    }
+}
+
+fn trainer_state(spec: &ModelSpec, step: u64) -> TrainerState {
+    TrainerState {
+        step,
+        data_position: step,
+        seed: 3,
+        rng_state: 3,
+        model: spec.to_hf_config(),
+        train: serde_json::Value::Null,
+        memwall_version: "test".into(),
+        loss_scale: None,
+    }
+}
+
+/// One rank of a job: its executor and place in the mesh.
+struct Rank {
+    ex: Executor,
+    mesh: Mesh,
+    spec: ModelSpec,
+}
+
+impl Rank {
+    /// `model`'s training plan for `mesh`'s rank, started on `comm`, its moments stored as
+    /// `state`.
+    fn start(model: &str, mesh: Mesh, comm: Arc<dyn Comm>, state: OptimState) -> Rank {
+        let spec = ModelSpec::preset(model).unwrap();
+        let mut cfg = StepConfig::new(BATCH, SEQ, 1);
+        cfg.mesh = mesh;
+        cfg.optim_state = state;
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+        let ex = Executor::among(plan, backend(), comm).unwrap();
+        Rank { ex, mesh, spec }
+    }
+
+    /// The whole model's initialisation (seed 3), this rank's part of it.
+    fn init(&mut self) {
+        let layout = self.ex.plan.layout.clone();
+        let mut init = layout.initializer(3);
+        self.ex
+            .fill_params(|r, p| {
+                init.fill(r, p);
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// Loads checkpoint `dir` as `train --resume` does (`exec::train`'s `restore`): the
+    /// parameters and moments this rank holds, from the whole files.
+    fn resume(&mut self, dir: &Path) -> TrainerState {
+        let layout = self.ex.plan.layout.clone();
+        let ex = &mut self.ex;
+        ckpt::load_params_by(dir, &layout, |copy| ex.fill_params(|r, p| copy(r, p))).unwrap();
+        let format = ex.plan.cfg.optim_state;
+        ckpt::load_trainer_state_by(dir, (&layout, &layout), format, |copy| {
+            ex.fill_moments(copy)
+        })
+        .unwrap()
+    }
+
+    /// Trains steps `steps` on this data rank's rows of each global batch; the losses.
+    fn train(&mut self, steps: std::ops::RangeInclusive<u64>) -> Vec<f32> {
+        let mut losses = Vec::new();
+        for step in steps {
+            let all = global_batch(step, BATCH * self.mesh.data, self.spec.vocab_size);
+            let (w, d) = (BATCH * (SEQ + 1), self.mesh.data_rank());
+            self.ex.upload_batch(&all[d * w..(d + 1) * w]).unwrap();
+            losses.push(self.ex.train_step(&hparams(step)).unwrap().loss);
+        }
+        losses
+    }
+
+    /// Saves a checkpoint of step `step` into `run` (every rank calls it).
+    fn save(&self, run: &Path, step: u64, opts: &SaveOptions) -> PathBuf {
+        let state = trainer_state(&self.spec, step);
+        self.ex.save_checkpoint(run, &state, opts).unwrap()
+    }
+
+    /// This rank's state: its parameters, and its moments as f32 (m then v each).
+    fn state(&self) -> Held {
+        let params = self.ex.download_params().unwrap();
+        let (m, v) = self
+            .ex
+            .with_moments(|m| match m {
+                Moments::F32 { m, v } => (m.to_vec(), v.to_vec()),
+                Moments::Bf16 { m, v } => {
+                    let f = |x: &[half::bf16]| x.iter().map(|x| x.to_f32()).collect();
+                    (f(m), f(v))
+                }
+                Moments::Int8 { .. } => unreachable!("no 8-bit moments here"),
+            })
+            .unwrap();
+        Held {
+            params,
+            m,
+            v,
+            layout: self.ex.plan.layout.clone(),
+        }
+    }
+}
+
+/// What a rank holds: its parameters and moments in its layout.
+#[derive(Clone)]
+struct Held {
+    params: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    layout: ParamLayout,
+}
+
+/// Runs `f` on each rank of a `data × tensor` job as threads (one process: `Single`); the
+/// results in rank order.
+fn job<T: Send>(data: usize, tensor: usize, f: impl Fn(Mesh, Arc<dyn Comm>) -> T + Sync) -> Vec<T> {
+    let comms: Vec<Arc<dyn Comm>> = match data * tensor {
+        1 => vec![Arc::new(Single)],
+        n => Local::group(n)
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Comm>)
+            .collect(),
+    };
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let mesh = Mesh {
+                    data,
+                    tensor,
+                    pipeline: 1,
+                    rank,
+                };
+                s.spawn(move || f(mesh, comm))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The whole model's arrays from the tensor ranks of one data rank (`parts`, in tensor
+/// order; `pick` chooses the array): cut tensors put in place, whole ones checked bitwise
+/// equal on every rank.
+fn gathered(whole: &ParamLayout, parts: &[Held], pick: fn(&Held) -> &[f32]) -> Vec<f32> {
+    let mut out = vec![f32::NAN; whole.total];
+    for h in parts {
+        for t in &h.layout.tensors {
+            let w = whole.get(&t.name).unwrap();
+            let mine = &pick(h)[t.range.clone()];
+            match &t.part {
+                Some(part) => part.put(mine, &mut out[w.range.clone()]),
+                None => {
+                    let held = &mut out[w.range.clone()];
+                    if held[0].is_nan() {
+                        held.copy_from_slice(mine);
+                    } else {
+                        same_bits(held, mine, &format!("{}: tensor ranks differ", t.name));
+                    }
+                }
+            }
+        }
+    }
+    assert!(out.iter().all(|x| !x.is_nan()), "every element gathered");
+    out
+}
+
+/// Asserts that `a` is `b` bitwise, naming the first element that differs.
+fn same_bits(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differ: Vec<usize> = (0..a.len())
+        .filter(|&i| a[i].to_bits() != b[i].to_bits())
+        .collect();
+    if let Some(&i) = differ.first() {
+        panic!(
+            "{what}: {} of {} elements differ, the first {i}: {} vs {}",
+            differ.len(),
+            a.len(),
+            a[i],
+            b[i]
+        );
+    }
+}
+
+/// A checkpoint's files other than the trainer state, by name, with their bytes.
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| {
+            (
+                e.file_name().into_string().unwrap(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// `data × tensor` ranks of `model` train 3 steps and save (weights cut into shards of at
+/// most `max_shard_bytes`, moments as `state`): the checkpoint is the files one process
+/// writes of the gathered parts, byte for byte, and loads in one process to the gathered
+/// parts; fresh tensor ranks load their parts of it back bitwise.
+fn saves_the_gathered_model(
+    model: &str,
+    data: usize,
+    tensor: usize,
+    state: OptimState,
+    max_shard_bytes: u64,
+) {
+    let what = format!("{model} data={data} tensor={tensor} {state}");
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("tp");
+    let opts = SaveOptions {
+        max_shard_bytes,
+        ..SaveOptions::default()
+    };
+    let out = job(data, tensor, |mesh, comm| {
+        let mut r = Rank::start(model, mesh, comm, state);
+        r.init();
+        r.train(1..=3);
+        let dir = r.save(&run, 3, &opts);
+        (dir, r.state())
+    });
+    let dir = out[0].0.clone();
+    for (rank, (d, _)) in out.iter().enumerate() {
+        assert_eq!(d, &dir, "{what} rank {rank}: the checkpoint's path");
+    }
+    let spec = ModelSpec::preset(model).unwrap();
+    let whole = ParamLayout::new(&spec);
+    let held: Vec<Held> = out.into_iter().map(|(_, h)| h).collect();
+    assert!(held[0].layout.split.is_split(), "{what}: ranks hold parts");
+    let parts = &held[..tensor];
+    let (params, m, v) = (
+        gathered(&whole, parts, |h| &h.params),
+        gathered(&whole, parts, |h| &h.m),
+        gathered(&whole, parts, |h| &h.v),
+    );
+    // The other data ranks hold the same state.
+    for d in 1..data {
+        let other = &held[d * tensor..(d + 1) * tensor];
+        let theirs = gathered(&whole, other, |h| &h.params);
+        same_bits(&theirs, &params, &format!("{what}: data rank {d}"));
+    }
+
+    // One process loads it to the gathered parts.
+    let mut p = vec![0f32; whole.total];
+    ckpt::load_params(&dir, &whole, &mut p).unwrap();
+    same_bits(&p, &params, &format!("{what}: the saved weights"));
+    let (mut m2, mut v2) = (vec![0f32; whole.total], vec![0f32; whole.total]);
+    let (mut mb, mut vb) = (
+        vec![half::bf16::ZERO; whole.total],
+        vec![half::bf16::ZERO; whole.total],
+    );
+    let moments = match state {
+        OptimState::F32 => MomentsMut::F32 {
+            m: &mut m2,
+            v: &mut v2,
+        },
+        _ => MomentsMut::Bf16 {
+            m: &mut mb,
+            v: &mut vb,
+        },
+    };
+    let st = ckpt::load_trainer_state(&dir, &whole, moments).unwrap();
+    assert_eq!(st, trainer_state(&spec, 3));
+    if state == OptimState::Bf16 {
+        m2 = mb.iter().map(|x| x.to_f32()).collect();
+        v2 = vb.iter().map(|x| x.to_f32()).collect();
+    }
+    same_bits(&m2, &m, &format!("{what}: the saved m"));
+    same_bits(&v2, &v, &format!("{what}: the saved v"));
+
+    // The files one process writes of that state, byte for byte.
+    let alone = tmp.path().join("alone");
+    let (mb, vb): (Vec<half::bf16>, Vec<half::bf16>) = (
+        m.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+        v.iter().map(|&x| half::bf16::from_f32(x)).collect(),
+    );
+    let moments = match state {
+        OptimState::F32 => Moments::F32 { m: &m, v: &v },
+        _ => Moments::Bf16 { m: &mb, v: &vb },
+    };
+    let st = trainer_state(&spec, 3);
+    let one =
+        ckpt::save_checkpoint_with(&alone, &spec, &whole, &params, &moments, &st, &opts).unwrap();
+    let (a, b) = (files(&dir), files(&one));
+    let names = |f: &[(String, Vec<u8>)]| f.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&a), names(&b), "{what}");
+    if max_shard_bytes < ckpt::DEFAULT_MAX_SHARD_BYTES {
+        assert!(
+            a.iter().any(|(n, _)| n == ckpt::MODEL_INDEX_FILE),
+            "{what}: sharded"
+        );
+    }
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x == y, "{what}: {name} differs from one process's");
+    }
+
+    // Fresh tensor ranks load their parts back bitwise.
+    let back = job(1, tensor, |mesh, comm| {
+        let mut r = Rank::start(model, mesh, comm, state);
+        assert_eq!(r.resume(&dir), trainer_state(&spec, 3));
+        r.state()
+    });
+    for (rank, (x, y)) in back.iter().zip(parts).enumerate() {
+        same_bits(&x.params, &y.params, &format!("{what} rank {rank}: params"));
+        same_bits(&x.m, &y.m, &format!("{what} rank {rank}: m"));
+        same_bits(&x.v, &y.v, &format!("{what} rank {rank}: v"));
+    }
+}
+
+#[test]
+fn two_tensor_ranks_save_gpt2_as_one_process_does() {
+    saves_the_gathered_model(
+        "gpt2-tiny",
+        1,
+        2,
+        OptimState::F32,
+        ckpt::DEFAULT_MAX_SHARD_BYTES,
+    );
+}
+
+#[test]
+fn two_tensor_ranks_save_llama_as_one_process_does_in_shards() {
+    // Shards of at most 64 KiB: tensors of one file are gathered into several.
+    saves_the_gathered_model("llama-tiny", 1, 2, OptimState::F32, 64 << 10);
+}
+
+#[test]
+fn tensor_and_data_ranks_save_once_with_bf16_moments() {
+    // Data rank 1's tensor ranks hold the same state and write nothing; bf16 moments are
+    // flat arrays, each rank's part read from its runs of them.
+    saves_the_gathered_model(
+        "gpt2-tiny",
+        2,
+        2,
+        OptimState::Bf16,
+        ckpt::DEFAULT_MAX_SHARD_BYTES,
+    );
+}
+
+/// GPT-2's key bias has a zero gradient in exact arithmetic, so its gradient is rounding
+/// noise that AdamW turns into steps of about the learning rate (see `tensor_parallel.rs`):
+/// its elements are checked within that bound, then taken from `reference`.
+fn key_biases_within_noise(whole: &ParamLayout, params: &mut [f32], reference: &[f32], what: &str) {
+    let bound = 2.0 * hparams(1).lr * STEPS as f32;
+    for t in whole
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with("attn.c_attn.bias"))
+    {
+        let c = t.shape[0] / 3;
+        for i in t.range.start + c..t.range.start + 2 * c {
+            let d = (params[i] - reference[i]).abs();
+            assert!(d <= bound, "{what}: {} element {i}: {d} > {bound}", t.name);
+            params[i] = reference[i];
+        }
+    }
+}
+
+fn rel(a: f32, b: f32) -> f32 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// A run of `model` on `first` tensor ranks saves after 2 steps and resumes on `then`
+/// tensor ranks for 2 more: its losses and weights are one process's uninterrupted 4 steps'.
+fn resumes_on_other_tensor_ranks(model: &str, first: usize, then: usize) {
+    let what = format!("{model}: saved on --tp {first}, resumed on --tp {then}");
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let opts = SaveOptions::default();
+    let reference = job(1, 1, |mesh, comm| {
+        let mut r = Rank::start(model, mesh, comm, OptimState::F32);
+        r.init();
+        let losses = r.train(1..=STEPS);
+        (losses, r.state())
+    })
+    .remove(0);
+    let dirs = job(1, first, |mesh, comm| {
+        let mut r = Rank::start(model, mesh, comm, OptimState::F32);
+        r.init();
+        let losses = r.train(1..=2);
+        (losses, r.save(&run, 2, &opts))
+    });
+    for (losses, _) in &dirs {
+        for (a, b) in losses.iter().zip(&reference.0) {
+            assert!(
+                rel(*a, *b) < 1e-5,
+                "{what}: loss {a} vs {b} before the save"
+            );
+        }
+    }
+    let dir = dirs[0].1.clone();
+    let resumed = job(1, then, |mesh, comm| {
+        let mut r = Rank::start(model, mesh, comm, OptimState::F32);
+        assert_eq!(r.resume(&dir).step, 2);
+        let losses = r.train(3..=STEPS);
+        (losses, r.state())
+    });
+    for (rank, (losses, _)) in resumed.iter().enumerate() {
+        for (k, (a, b)) in losses.iter().zip(&reference.0[2..]).enumerate() {
+            assert!(
+                rel(*a, *b) < 1e-5,
+                "{what} rank {rank} step {}: loss {a} vs {b}",
+                k + 3
+            );
+        }
+    }
+    let whole = ParamLayout::new(&ModelSpec::preset(model).unwrap());
+    let parts: Vec<Held> = resumed.into_iter().map(|(_, h)| h).collect();
+    let mut params = match then {
+        1 => parts[0].params.clone(),
+        _ => gathered(&whole, &parts, |h| &h.params),
+    };
+    let reference = &reference.1.params;
+    key_biases_within_noise(&whole, &mut params, reference, &what);
+    let w = worst_tensor(&whole, &params, reference);
+    assert!(w < 1e-4, "{what}: weights differ by {w}");
+}
+
+#[test]
+fn gpt2_saved_by_one_process_resumes_on_two_tensor_ranks_and_back() {
+    resumes_on_other_tensor_ranks("gpt2-tiny", 1, 2);
+    resumes_on_other_tensor_ranks("gpt2-tiny", 2, 1);
+}
+
+#[test]
+fn llama_saved_by_one_process_resumes_on_two_tensor_ranks_and_back() {
+    resumes_on_other_tensor_ranks("llama-tiny", 1, 2);
+    resumes_on_other_tensor_ranks("llama-tiny", 2, 1);
+}
+
+#[test]
+fn int8_moments_with_tensor_ranks_are_refused_before_work() {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let mut cfg = StepConfig::new(BATCH, SEQ, 1);
+    cfg.mesh = Mesh {
+        data: 1,
+        tensor: 2,
+        pipeline: 1,
+        rank: 0,
+    };
+    cfg.optim_state = OptimState::Int8;
+    let e = build_plan(&spec, &cfg, Mode::Train, backend())
+        .err()
+        .unwrap();
+    let msg = format!("{e:#}");
+    assert!(msg.contains("--tp 2 with --optim-state int8"), "{msg}");
+    assert!(msg.contains("use --optim-state bf16 or f32"), "{msg}");
+}
