@@ -1,7 +1,8 @@
 //! Ranks as processes under `mpirun` (cargo feature `mpi`; `.ci/run` installs Open MPI and
 //! runs these): the same mathematics as one process with accumulation at every ZeRO stage
 //! (2 and 4 ranks), each rank's memory as planned, resume on the same and on another number
-//! of ranks, a killed rank, ranks started with different flags.
+//! of ranks, a killed rank, ranks started with different flags; tensor-parallel ranks
+//! (`--tp`) training, saving and resuming on one process like one process.
 #![cfg(feature = "mpi")]
 
 mod common;
@@ -319,6 +320,65 @@ fn a_killed_rank_stops_the_run_which_resumes_bitwise_or_re_sharded() {
         "{text}"
     );
     assert_same_training("resumed on 2 ranks", &copy, &whole, 20);
+}
+
+/// `--tp 2` as processes: 2 tensor ranks × 2 data ranks train like one process with
+/// accumulation 2; 2 tensor ranks killed after their step-5 checkpoint resume on one
+/// process (`--tp 1`) and finish like an uninterrupted one process. GPT-2's key bias is
+/// held to the noise bound (`common::key_biases_within_noise`), every other tensor to 1e-4.
+#[test]
+fn tensor_ranks_train_like_one_process_and_resume_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 10;
+    let close = |what: &str, run: &Path, reference: &Path| {
+        let (a, b) = (losses(run), losses(reference));
+        assert_eq!(a.len() as u64, steps, "{what}");
+        for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * y.abs(),
+                "{what}: step {} loss {x} vs {y}",
+                k + 1
+            );
+        }
+        let (layout, mut w) = weights(run, steps);
+        let (_, r) = weights(reference, steps);
+        common::key_biases_within_noise(&layout, &mut w, &r, 2.0 * 2e-3 * steps as f32, what);
+        let worst = worst_tensor(&layout, &w, &r);
+        assert!(worst < 1e-4, "{what}: weights differ by {worst}");
+    };
+    let tp = |out: &Path| {
+        let mut a = run_args(&data, out, 2, steps);
+        let at = a.iter().position(|f| f == "--save-every").unwrap();
+        a[at + 1] = "5".into();
+        a.extend(["--tp".into(), "2".into()]);
+        a
+    };
+    // 4 processes: 2 copies of the model, each cut in 2.
+    let accum = dir.path().join("accum");
+    let mut a = run_args(&data, &accum, 2, steps);
+    a.extend(["--grad-accum".into(), "2".into()]);
+    ok(&common::memwall(&strs(&a)));
+    let four = dir.path().join("tp2dp2");
+    ok(&mpirun(4, &strs(&tp(&four)), &[]));
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&plan["config"]["tensor"], &plan["config"]["ranks"]),
+        (&serde_json::json!(2), &serde_json::json!(2)),
+        "the run planned 2 tensor ranks of 2 copies"
+    );
+    close("tp 2 x dp 2", &four, &accum);
+    // 2 processes, one copy cut in 2, killed in step 7: resumed on one process.
+    let one = dir.path().join("one");
+    ok(&common::memwall(&strs(&run_args(&data, &one, 2, steps))));
+    let killed = dir.path().join("killed");
+    let o = mpirun(2, &strs(&tp(&killed)), &[("MEMWALL_KILL_RANK", "1:7")]);
+    assert!(!o.status.success(), "{}", output_text(&o));
+    let mut again = resume(&killed);
+    again.extend(["--tp".into(), "1".into()]);
+    ok(&common::memwall(&strs(&again)));
+    close("tp 2 resumed on one process", &killed, &one);
 }
 
 #[test]

@@ -155,28 +155,6 @@ fn gathered(whole: &ParamLayout, parts: &[&Outcome]) -> Vec<f32> {
     out
 }
 
-/// GPT-2's key bias has a zero gradient in exact arithmetic (adding q·b to every score of a
-/// query's row leaves its softmax unchanged), so what its gradient holds is rounding noise,
-/// which AdamW normalises into steps of about the learning rate whatever its size: another
-/// order of summation (the tensor ranks' partial sums) moves it by up to lr a step. Its
-/// elements are checked within that bound, then taken from `reference` so the other
-/// tensors are held to 1e-4.
-fn key_biases_within_noise(whole: &ParamLayout, params: &mut [f32], reference: &[f32], what: &str) {
-    let bound = 2.0 * hparams(1).lr * STEPS as f32;
-    for t in whole
-        .tensors
-        .iter()
-        .filter(|t| t.name.ends_with("attn.c_attn.bias"))
-    {
-        let c = t.shape[0] / 3;
-        for i in t.range.start + c..t.range.start + 2 * c {
-            let d = (params[i] - reference[i]).abs();
-            assert!(d <= bound, "{what}: {} element {i}: {d} > {bound}", t.name);
-            params[i] = reference[i];
-        }
-    }
-}
-
 fn rel(a: f32, b: f32) -> f32 {
     (a - b).abs() / b.abs().max(1e-12)
 }
@@ -218,7 +196,13 @@ fn matches_one_process_at(model: &str, (data, tensor, zero): (usize, usize, Zero
     for d in 0..data {
         let parts: Vec<&Outcome> = out[d * tensor..(d + 1) * tensor].iter().collect();
         let mut params = gathered(&whole, &parts);
-        key_biases_within_noise(&whole, &mut params, reference_params, &what);
+        common::key_biases_within_noise(
+            &whole,
+            &mut params,
+            reference_params,
+            2.0 * hparams(1).lr * STEPS as f32,
+            &what,
+        );
         let w = worst_tensor(&whole, &params, reference_params);
         assert!(w < 1e-4, "{what} data rank {d}: weights differ by {w}");
     }

@@ -385,25 +385,6 @@ fn tensor_and_data_ranks_save_once_with_bf16_moments() {
     );
 }
 
-/// GPT-2's key bias has a zero gradient in exact arithmetic, so its gradient is rounding
-/// noise that AdamW turns into steps of about the learning rate (see `tensor_parallel.rs`):
-/// its elements are checked within that bound, then taken from `reference`.
-fn key_biases_within_noise(whole: &ParamLayout, params: &mut [f32], reference: &[f32], what: &str) {
-    let bound = 2.0 * hparams(1).lr * STEPS as f32;
-    for t in whole
-        .tensors
-        .iter()
-        .filter(|t| t.name.ends_with("attn.c_attn.bias"))
-    {
-        let c = t.shape[0] / 3;
-        for i in t.range.start + c..t.range.start + 2 * c {
-            let d = (params[i] - reference[i]).abs();
-            assert!(d <= bound, "{what}: {} element {i}: {d} > {bound}", t.name);
-            params[i] = reference[i];
-        }
-    }
-}
-
 fn rel(a: f32, b: f32) -> f32 {
     (a - b).abs() / b.abs().max(1e-12)
 }
@@ -459,7 +440,13 @@ fn resumes_on_other_tensor_ranks(model: &str, first: usize, then: usize) {
         _ => gathered(&whole, &parts, |h| &h.params),
     };
     let reference = &reference.1.params;
-    key_biases_within_noise(&whole, &mut params, reference, &what);
+    common::key_biases_within_noise(
+        &whole,
+        &mut params,
+        reference,
+        2.0 * hparams(1).lr * STEPS as f32,
+        &what,
+    );
     let w = worst_tensor(&whole, &params, reference);
     assert!(w < 1e-4, "{what}: weights differ by {w}");
 }

@@ -146,3 +146,30 @@ pub fn worst_tensor(layout: &memwall::model::ParamLayout, a: &[f32], b: &[f32]) 
         })
         .fold(0.0, f64::max)
 }
+
+/// GPT-2's key bias has a zero gradient in exact arithmetic (adding q·b to every score of a
+/// query's row leaves its softmax unchanged), so what its gradient holds is rounding noise,
+/// which AdamW normalises into steps of about the learning rate whatever its size: another
+/// order of summation (tensor ranks' partial sums) moves it by up to lr a step. Its elements
+/// of `params` are checked within `bound` of `reference`, then taken from `reference`, so
+/// the other tensors can be held to a tight bound. Other families have no key bias here.
+pub fn key_biases_within_noise(
+    whole: &memwall::model::ParamLayout,
+    params: &mut [f32],
+    reference: &[f32],
+    bound: f32,
+    what: &str,
+) {
+    for t in whole
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with("attn.c_attn.bias"))
+    {
+        let c = t.shape[0] / 3;
+        for i in t.range.start + c..t.range.start + 2 * c {
+            let d = (params[i] - reference[i]).abs();
+            assert!(d <= bound, "{what}: {} element {i}: {d} > {bound}", t.name);
+            params[i] = reference[i];
+        }
+    }
+}
