@@ -596,6 +596,7 @@ mod tests {
                 "seed",
                 "seq",
                 "steps",
+                "tensor",
                 "threads",
                 "tokenizer_dir",
                 "warmup",
