@@ -16,7 +16,6 @@ use memwall::exec::{Executor, OptimHparams};
 use memwall::ir::{Mesh, Moments, MomentsMut, OptimState};
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};
-use memwall::util::rng::Rng;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -28,22 +27,11 @@ const STEPS: u64 = 4;
 
 /// Step `step`'s global batch: `rows` rows of SEQ+1 tokens below `vocab`.
 fn global_batch(step: u64, rows: usize, vocab: usize) -> Vec<u32> {
-    let mut rng = Rng::stream(11, step);
-    (0..rows * (SEQ + 1))
-        .map(|_| rng.below(vocab as u64) as u32)
-        .collect()
+    common::random_batch(11, step, (rows, SEQ), vocab)
 }
 
 fn hparams(step: u64) -> OptimHparams {
-    OptimHparams {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        grad_clip: 1.0,
-        step,
-    }
+    common::rank_test_hparams(step)
 }
 
 fn trainer_state(spec: &ModelSpec, step: u64) -> TrainerState {

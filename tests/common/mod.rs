@@ -173,3 +173,25 @@ pub fn key_biases_within_noise(
         }
     }
 }
+
+/// Step `step`'s global batch for the rank tests: `rows` rows of `seq`+1 tokens below
+/// `vocab`, drawn from stream (`seed`, `step`).
+pub fn random_batch(seed: u64, step: u64, (rows, seq): (usize, usize), vocab: usize) -> Vec<u32> {
+    let mut rng = memwall::util::rng::Rng::stream(seed, step);
+    (0..rows * (seq + 1))
+        .map(|_| rng.below(vocab as u64) as u32)
+        .collect()
+}
+
+/// The AdamW settings of the rank tests, at step `step`.
+pub fn rank_test_hparams(step: u64) -> memwall::exec::OptimHparams {
+    memwall::exec::OptimHparams {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        step,
+    }
+}
