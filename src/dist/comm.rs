@@ -11,7 +11,15 @@ pub trait Comm: Send + Sync {
     /// once (so a ring of these does not deadlock). Fails naming the rank when a peer is
     /// gone or the sizes disagree.
     fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()>;
-    /// Bytes this rank has sent since it started (what [`Comm::sendrecv`] was given).
+    /// Sends `send` to rank `to` alone (pipeline parallelism's point-to-point), which receives
+    /// it with [`Comm::recv`]; it may return before `to` has (a transport buffers small
+    /// messages), or wait for it: callers order their sends and receives alike on both sides.
+    fn send(&self, send: &[u8], to: usize) -> Result<()>;
+    /// Receives `recv.len()` bytes from rank `from` (what its [`Comm::send`] sent). Fails
+    /// naming the rank when the peer is gone or the sizes disagree.
+    fn recv(&self, recv: &mut [u8], from: usize) -> Result<()>;
+    /// Bytes this rank has sent since it started (what [`Comm::sendrecv`] and
+    /// [`Comm::send`] were given).
     fn bytes_sent(&self) -> u64;
     /// The transport, for messages (`single process`, `MPI (Open MPI 4.1.4)`, …).
     fn describe(&self) -> String;
@@ -55,6 +63,14 @@ impl Comm for Single {
         );
         recv.copy_from_slice(send);
         Ok(())
+    }
+
+    fn send(&self, _: &[u8], to: usize) -> Result<()> {
+        anyhow::bail!("internal error: a single process sending to rank {to}")
+    }
+
+    fn recv(&self, _: &mut [u8], from: usize) -> Result<()> {
+        anyhow::bail!("internal error: a single process receiving from rank {from}")
     }
 
     fn bytes_sent(&self) -> u64 {

@@ -60,6 +60,16 @@ impl Comm for Group {
         Ok(())
     }
 
+    fn send(&self, send: &[u8], to: usize) -> Result<()> {
+        self.world.send(send, self.members[to])?;
+        self.sent.fetch_add(send.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn recv(&self, recv: &mut [u8], from: usize) -> Result<()> {
+        self.world.recv(recv, self.members[from])
+    }
+
     fn bytes_sent(&self) -> u64 {
         self.sent.load(Ordering::Relaxed)
     }

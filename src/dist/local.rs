@@ -63,10 +63,19 @@ impl Comm for Local {
     }
 
     fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()> {
+        self.send(send, to)?;
+        self.recv(recv, from)
+    }
+
+    fn send(&self, send: &[u8], to: usize) -> Result<()> {
         if self.to[to].send(send.to_vec()).is_err() {
             bail!("rank {to} is gone (its thread ended)");
         }
         self.sent.fetch_add(send.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn recv(&self, recv: &mut [u8], from: usize) -> Result<()> {
         let inbox = self.from[from].lock().expect("not poisoned");
         let msg = match inbox.recv_timeout(PEER_TIMEOUT) {
             Ok(m) => m,

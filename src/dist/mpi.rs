@@ -104,6 +104,32 @@ impl Comm for Mpi {
         Ok(())
     }
 
+    fn send(&self, send: &[u8], to: usize) -> Result<()> {
+        let dst = self.world.process_at_rank(to as i32);
+        for k in 0..send.len().div_ceil(MAX_MESSAGE).max(1) {
+            dst.send(piece(send, k));
+        }
+        self.sent.fetch_add(send.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn recv(&self, recv: &mut [u8], from: usize) -> Result<()> {
+        let src = self.world.process_at_rank(from as i32);
+        for k in 0..recv.len().div_ceil(MAX_MESSAGE).max(1) {
+            let r = piece_mut(recv, k);
+            let want = r.len();
+            let status = src.receive_into(r);
+            let got = status.count(u8::equivalent_datatype()) as usize;
+            if got != want {
+                bail!(
+                    "internal error: rank {from} sent {got} bytes, rank {} expected {want}",
+                    self.rank()
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn bytes_sent(&self) -> u64 {
         self.sent.load(Ordering::Relaxed)
     }

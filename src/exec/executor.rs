@@ -934,14 +934,25 @@ impl Executor {
     /// rank: ranks exchange their sums); 0 when nothing is trained.
     fn mean_loss(&self) -> Result<f32> {
         let mut sum = 0.0f64;
-        self.device
-            .download(&self.plan.schedule.losses, &mut |bufs| {
-                for b in bufs {
-                    let losses = pod::cast::<f32>(b);
-                    sum += losses.iter().map(|&x| x as f64).sum::<f64>();
-                }
-            })
-            .with_context(|| self.moving("downloading", &self.plan.schedule.losses))?;
+        let stage = self.plan.cfg.mesh.pipeline_stage();
+        // Only the last pipeline stage computes the loss: the others add nothing.
+        if stage.is_last() {
+            self.device
+                .download(&self.plan.schedule.losses, &mut |bufs| {
+                    for b in bufs {
+                        let losses = pod::cast::<f32>(b);
+                        sum += losses.iter().map(|&x| x as f64).sum::<f64>();
+                    }
+                })
+                .with_context(|| self.moving("downloading", &self.plan.schedule.losses))?;
+        }
+        if stage.is_split() {
+            let pipeline = self.comms.along(Axis::Pipeline);
+            let mut all = vec![0.0f64; stage.size];
+            crate::dist::ring::gather_values(&**pipeline, &[sum], &mut all)
+                .context("gathering the loss from the last pipeline stage")?;
+            sum = all.iter().sum();
+        }
         let rows = self.loss_tokens.mine;
         let data = self.comms.along(Axis::Data);
         if data.size() > 1 {
@@ -1170,6 +1181,8 @@ struct NormRanks<'a> {
     /// Tensor parallelism: each tensor rank's shares cover its parts of the cut tensors
     /// (the slots not in `whole`), the same on all of them for the whole ones.
     tensor: Option<(&'a dyn Comm, &'a [bool])>,
+    /// Pipeline parallelism: each stage's sum of squares covers its layers.
+    pipeline: Option<&'a dyn Comm>,
 }
 
 impl Executor {
@@ -1181,6 +1194,7 @@ impl Executor {
                 .moments_sharded()
                 .then(|| &**self.comms.along(Axis::Data)),
             tensor: (tensor.size() > 1).then(|| (&**tensor, &self.whole_slots[..])),
+            pipeline: Some(&**self.comms.along(Axis::Pipeline)).filter(|c| c.size() > 1),
         }
     }
 }
@@ -1243,6 +1257,14 @@ fn settle(
                 .sum()
         }
         _ => shares.iter().sum::<f64>(),
+    };
+    let sum_sq = match ranks.pipeline {
+        Some(comm) => {
+            let mut all = vec![0.0f64; comm.size()];
+            crate::dist::ring::gather_values(comm, &[sum_sq], &mut all)?;
+            all.iter().sum()
+        }
+        None => sum_sq,
     };
     Ok(clip(sum_sq, loss_scale, hp))
 }

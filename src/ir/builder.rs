@@ -19,6 +19,12 @@ pub struct EmitOptions {
     /// This rank's share of every layer (tensor parallelism; [`super::TensorSplit::WHOLE`] on one
     /// rank): the family emits its part of each layer and the all-reduces that join the parts.
     pub tensor: super::TensorSplit,
+    /// This rank's stage of the layers (pipeline parallelism; [`super::PipelineStage::WHOLE`]
+    /// on one rank): the family emits its layers, and where the stage does not hold the
+    /// embedding or the head, receives its input from the stage before and sends its output
+    /// to the stage after ([`super::Op::StageSend`], [`super::Op::StageRecv`]); the gradients
+    /// travel back the same way.
+    pub stage: super::PipelineStage,
 }
 
 /// One micro-batch as the planner hands it to the model family: its buffers and shape.

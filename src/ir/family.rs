@@ -36,7 +36,7 @@ pub enum OpFamily {
     /// Copies between tiers, run beside the ops: [`Op::Transfer`], [`Op::AwaitTransfers`].
     Transfer,
     /// Exchanges among ranks, run beside the ops: [`Op::AllReduce`], [`Op::ReduceScatter`],
-    /// [`Op::AllGather`], [`Op::AwaitCollective`].
+    /// [`Op::AllGather`], [`Op::StageSend`], [`Op::StageRecv`], [`Op::AwaitCollective`].
     Collective,
 }
 
@@ -65,6 +65,8 @@ impl Op {
             Op::AllReduce { .. }
             | Op::ReduceScatter { .. }
             | Op::AllGather { .. }
+            | Op::StageSend { .. }
+            | Op::StageRecv { .. }
             | Op::AwaitCollective { .. } => OpFamily::Collective,
         }
     }

@@ -4,8 +4,9 @@
 //! plan holds runs along one axis ([`Axis`]), among the ranks that differ from this one only
 //! there. The data axis is what "ranks" meant before tensor and pipeline parallelism: each
 //! of its ranks runs the same plan on its own rows. Along the tensor axis each rank holds a
-//! slice of every layer ([`TensorSplit`]: Megatron's layout); the pipeline axis has size 1
-//! today.
+//! slice of every layer ([`TensorSplit`]: Megatron's layout); along the pipeline axis each
+//! rank holds a stage of consecutive layers ([`PipelineStage`]), the first the embedding, the
+//! last the final norm, the head and the loss.
 
 use serde::Serialize;
 use serde::ser::SerializeMap;
@@ -68,6 +69,24 @@ impl Mesh {
         }
     }
 
+    /// `ranks` processes as `pipeline` stages of `tensor` neighbouring ranks each, the copies
+    /// splitting the batch; `tensor × pipeline` divides `ranks` (checked by the caller, naming
+    /// its flags).
+    pub fn new(ranks: usize, tensor: usize, pipeline: usize, rank: usize) -> Mesh {
+        let (tensor, pipeline) = (tensor.max(1), pipeline.max(1));
+        debug_assert_eq!(
+            ranks % (tensor * pipeline),
+            0,
+            "--tp {tensor} --pp {pipeline} of {ranks} ranks"
+        );
+        Mesh {
+            data: ranks / (tensor * pipeline),
+            tensor,
+            pipeline,
+            rank,
+        }
+    }
+
     /// This rank's index along the data axis (its shard of sharded state, its rows).
     pub fn data_rank(&self) -> usize {
         self.coord(Axis::Data)
@@ -102,6 +121,22 @@ impl Mesh {
         TensorSplit {
             size: self.tensor.max(1),
             rank: self.coord(Axis::Tensor),
+        }
+    }
+
+    /// This rank's stage of the layers along the pipeline axis.
+    pub fn pipeline_stage(&self) -> PipelineStage {
+        PipelineStage {
+            size: self.pipeline.max(1),
+            rank: self.coord(Axis::Pipeline),
+        }
+    }
+
+    /// This rank's part of the model: its tensor share of its stage.
+    pub fn model_part(&self) -> ModelPart {
+        ModelPart {
+            tensor: self.tensor_split(),
+            stage: self.pipeline_stage(),
         }
     }
 
@@ -167,6 +202,93 @@ impl TensorSplit {
     }
 }
 
+/// A neighbouring stage along the pipeline axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Peer {
+    /// The stage after this one (which reads this one's output).
+    Next,
+    /// The stage before this one (whose output this one reads).
+    Prev,
+}
+
+/// A pipeline stage: of a model's `n` layers, the `rank`-th of `size` runs of consecutive
+/// layers, as even as they divide (the first `n % size` stages one layer more). The first
+/// stage also holds the embedding, the last the final norm, the LM head and the loss; a tied
+/// embedding is held by both ends, its gradients summed between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PipelineStage {
+    /// Stages on the pipeline axis.
+    pub size: usize,
+    /// This stage's index on it.
+    pub rank: usize,
+}
+
+impl PipelineStage {
+    /// The whole model in one stage.
+    pub const WHOLE: PipelineStage = PipelineStage { size: 1, rank: 0 };
+
+    /// Whether the model is cut into stages at all.
+    pub fn is_split(&self) -> bool {
+        self.size > 1
+    }
+
+    /// Whether this stage holds the embedding (and reads the tokens).
+    pub fn is_first(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Whether this stage holds the final norm, the LM head and the loss.
+    pub fn is_last(&self) -> bool {
+        self.rank + 1 == self.size
+    }
+
+    /// This stage's layers of `n` (`n ≥ size`: the model's check).
+    pub fn layers(&self, n: usize) -> std::ops::Range<usize> {
+        let (k, extra) = (n / self.size, n % self.size);
+        let start = self.rank * k + self.rank.min(extra);
+        start..start + k + usize::from(self.rank < extra)
+    }
+
+    /// The index on the pipeline axis of `peer` (which exists: not past either end).
+    pub fn peer(&self, peer: Peer) -> usize {
+        match peer {
+            Peer::Next => self.rank + 1,
+            Peer::Prev => self.rank - 1,
+        }
+    }
+
+    /// Micro-batches whose forward this stage runs before its first backward under 1F1B
+    /// (Narayanan et al. 2021; Megatron's `num_warmup_microbatches` + 1): `min(size − rank,
+    /// m)`, the most whose activations it holds at once.
+    pub fn in_flight(&self, micro: usize) -> usize {
+        (self.size - self.rank).min(micro)
+    }
+}
+
+/// A rank's part of a model: its tensor-parallel share of its pipeline stage's layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ModelPart {
+    pub tensor: TensorSplit,
+    pub stage: PipelineStage,
+}
+
+impl ModelPart {
+    /// The whole model.
+    pub const WHOLE: ModelPart = ModelPart {
+        tensor: TensorSplit::WHOLE,
+        stage: PipelineStage::WHOLE,
+    };
+
+    /// A tensor-parallel share of the whole model (one stage).
+    pub fn tensor(tensor: TensorSplit) -> ModelPart {
+        ModelPart {
+            tensor,
+            stage: PipelineStage::WHOLE,
+        }
+    }
+}
+
 /// Serialised as the data axis's `ranks` and `rank` (what plan.json has always said), and
 /// the other axes' sizes where they are more than 1.
 impl Serialize for Mesh {
@@ -224,6 +346,26 @@ mod tests {
         assert_eq!(m.group(Axis::Tensor), vec![4, 5]);
         assert_eq!(m.group(Axis::Data), vec![1, 3, 5]);
         assert_eq!(m.group(Axis::Pipeline), vec![5, 11]);
+    }
+
+    #[test]
+    fn stages_cover_the_layers_once_in_order_and_as_even_as_they_divide() {
+        for (n, p) in [(12, 2), (12, 4), (5, 2), (7, 3), (4, 4)] {
+            let mut next = 0;
+            for rank in 0..p {
+                let s = PipelineStage { size: p, rank };
+                let l = s.layers(n);
+                assert_eq!(l.start, next, "{n} layers, {p} stages");
+                assert!(l.len() == n / p || l.len() == n / p + 1, "{l:?}");
+                next = l.end;
+            }
+            assert_eq!(next, n);
+        }
+        let m = Mesh::new(8, 2, 2, 6);
+        assert_eq!((m.data, m.tensor, m.pipeline), (2, 2, 2));
+        assert_eq!(m.pipeline_stage(), PipelineStage { size: 2, rank: 1 });
+        assert_eq!(PipelineStage { size: 4, rank: 1 }.in_flight(8), 3);
+        assert_eq!(PipelineStage { size: 4, rank: 0 }.in_flight(2), 2);
     }
 
     #[test]

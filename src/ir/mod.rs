@@ -60,7 +60,7 @@ pub mod strategy;
 pub use buffer::{ALIGN, BufId, Buffer, Category, IO_ALIGN, Placement, Tier, TierSize};
 pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
 pub use family::OpFamily;
-pub use mesh::{Axis, Mesh, TensorSplit};
+pub use mesh::{Axis, Mesh, ModelPart, Peer, PipelineStage, TensorSplit};
 pub use moments::{Moments, MomentsMut};
 pub use program::{DISK_TIER_FILE, Program};
 pub use schedule::{

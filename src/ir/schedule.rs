@@ -5,7 +5,7 @@
 //! strategy that produced it.
 
 use super::buffer::BufId;
-use super::mesh::Axis;
+use super::mesh::{Axis, Peer};
 use super::shard::CutOf;
 use super::strategy::OptimState;
 use serde::Serialize;
@@ -385,6 +385,15 @@ pub enum Op {
         cut: CutOf,
         axis: Axis,
     },
+    /// Starts sending `buf` to the neighbouring pipeline stage `to` (a stage's output
+    /// activations to the next, its input gradient to the one before): pipeline
+    /// parallelism's point-to-point, on the collectives' thread in schedule order, until an
+    /// [`Op::AwaitCollective`] naming `buf`. The two stages order their sends and receives
+    /// alike (`plan::pipeline`), so blocking transports never deadlock.
+    StageSend { buf: BufId, to: Peer },
+    /// Starts receiving `buf` from the neighbouring pipeline stage `from` (what its
+    /// [`Op::StageSend`] sends), until an [`Op::AwaitCollective`] naming `buf`.
+    StageRecv { buf: BufId, from: Peer },
     /// Waits until the collective on `bufs[0]` (its `buf`), started earlier in the step,
     /// is done. Collectives run on the device's communication thread, in schedule order,
     /// beside the ops between the collective and this one, which touch none of `bufs` (the
@@ -589,7 +598,9 @@ impl Op {
         match self {
             Op::AllReduce { buf, .. }
             | Op::ReduceScatter { buf, .. }
-            | Op::AllGather { buf, .. } => Some(*buf),
+            | Op::AllGather { buf, .. }
+            | Op::StageSend { buf, .. }
+            | Op::StageRecv { buf, .. } => Some(*buf),
             _ => None,
         }
     }

@@ -12,11 +12,17 @@
 //! bias, so the sum adds them once) and after each column-parallel layer's input gradient in
 //! the backward (Megatron's f and g). Everything else is the same on every tensor rank,
 //! bitwise: the ring gives every rank the same sum.
+//!
+//! Under pipeline parallelism (`EmitOptions::stage`) a family emits its stage's blocks
+//! (named by their index in the whole model) and, where the stage does not begin or end the
+//! model, takes its input from the stage before ([`receive_from_stage`]) and hands its output
+//! to the stage after ([`send_to_stage`]); the residual stream's gradient goes back the same
+//! way.
 
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{Op, Phase};
 use crate::ir::strategy::{BlockPolicy, Recompute};
-use crate::ir::{Axis, BufId, Category, Cut, CutOf, TensorSplit};
+use crate::ir::{Axis, BufId, Category, Cut, CutOf, Peer, TensorSplit};
 
 /// A family's block as stages. Implemented by the family's dimensions of one micro-batch,
 /// which all its blocks share.
@@ -80,18 +86,19 @@ impl<A> Blocks<A> {
     }
 }
 
-/// Emits the forward of the blocks `layers` (named `{pfx}h{l}.`), the first reading `res`.
+/// Emits the forward of the blocks `layers`, the model's blocks `first..` (named
+/// `{pfx}h{l}.`), the first reading `res`.
 pub(crate) fn forward<F: StagedBlock>(
     g: &mut Builder,
     d: &F,
-    layers: &[F::Layer],
+    (layers, first): (&[F::Layer], usize),
     pfx: &str,
     res: BufId,
 ) -> Blocks<F::Acts> {
     let mut residuals = vec![res];
     let mut acts = Vec::with_capacity(layers.len());
     for (l, p) in layers.iter().enumerate() {
-        let blk = block(d, p, pfx, l, residuals[l]);
+        let blk = block(d, p, pfx, first + l, residuals[l]);
         let a = emit_stages(g, &blk, F::ALL_STAGES, None, &blk.name, Phase::Forward);
         residuals.push(F::emit_output(g, &blk, &a));
         acts.push(a);
@@ -104,15 +111,15 @@ pub(crate) fn forward<F: StagedBlock>(
 pub(crate) fn backward<F: StagedBlock>(
     g: &mut Builder,
     d: &F,
-    layers: &[F::Layer],
+    (layers, first): (&[F::Layer], usize),
     pfx: &str,
     fwd: &Blocks<F::Acts>,
     recompute: Recompute,
     dres: BufId,
 ) {
     for (l, p) in layers.iter().enumerate().rev() {
-        let blk = block(d, p, pfx, l, fwd.residuals[l]);
-        let stages = match recompute.block(l) {
+        let blk = block(d, p, pfx, first + l, fwd.residuals[l]);
+        let stages = match recompute.block(first + l) {
             BlockPolicy::KeepAll => &[],
             BlockPolicy::Selective => F::SELECTIVE_STAGES,
             BlockPolicy::Full => F::ALL_STAGES,
@@ -203,5 +210,54 @@ pub(crate) fn join_tensor_parts(
         Op::AwaitCollective {
             bufs: vec![buf, scratch],
         },
+    );
+}
+
+/// Receives `{pfx}{name}` (`len` elements in the storage type, of `category`) from the
+/// neighbouring pipeline stage `from`: the stage before's output in the forward, the stage
+/// after's input gradient in the backward. Awaited at once (the next op reads it).
+pub(crate) fn receive_from_stage(
+    g: &mut Builder,
+    (pfx, name): (&str, &str),
+    (category, len): (Category, usize),
+    from: Peer,
+    phase: Phase,
+) -> BufId {
+    let buf = g.act(format!("{pfx}{name}"), category, len);
+    g.op(
+        format!("{pfx}{name}.recv"),
+        phase,
+        0,
+        Op::StageRecv { buf, from },
+    );
+    g.op(
+        format!("{pfx}{name}.recv.await"),
+        phase,
+        0,
+        Op::AwaitCollective { bufs: vec![buf] },
+    );
+    buf
+}
+
+/// Sends `buf` (named `{pfx}{name}`) to the neighbouring pipeline stage `to`, which
+/// receives it with [`receive_from_stage`]. Awaited at once: the buffer's life ends there.
+pub(crate) fn send_to_stage(
+    g: &mut Builder,
+    buf: BufId,
+    (pfx, name): (&str, &str),
+    to: Peer,
+    phase: Phase,
+) {
+    g.op(
+        format!("{pfx}{name}.send"),
+        phase,
+        0,
+        Op::StageSend { buf, to },
+    );
+    g.op(
+        format!("{pfx}{name}.send.await"),
+        phase,
+        0,
+        Op::AwaitCollective { bufs: vec![buf] },
     );
 }

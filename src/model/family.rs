@@ -8,7 +8,7 @@
 use super::spec::{Family, FieldNames};
 use super::{ModelSpec, ParamLayout, gpt2, llama};
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
-use crate::ir::{EmitOptions, TensorSplit};
+use crate::ir::{EmitOptions, ModelPart};
 use anyhow::Result;
 use serde_json::{Map, Value};
 
@@ -68,11 +68,11 @@ impl Family {
         }
     }
 
-    /// The parameter inventory of `split`'s part of the model.
-    pub fn layout(self, spec: &ModelSpec, split: TensorSplit) -> ParamLayout {
+    /// The parameter inventory of `part` of the model.
+    pub fn layout(self, spec: &ModelSpec, part: ModelPart) -> ParamLayout {
         match self {
-            Family::Gpt2 => gpt2::layout(spec, split),
-            Family::Llama | Family::Qwen2 => llama::layout(spec, split),
+            Family::Gpt2 => gpt2::layout(spec, part),
+            Family::Llama | Family::Qwen2 => llama::layout(spec, part),
         }
     }
 

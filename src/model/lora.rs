@@ -313,7 +313,7 @@ impl AdapterLayout {
         Ok(AdapterLayout {
             spec,
             layers,
-            params: cur.finish(Vec::new(), crate::ir::TensorSplit::WHOLE),
+            params: cur.finish(Vec::new(), crate::ir::ModelPart::WHOLE),
         })
     }
 

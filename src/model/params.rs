@@ -6,7 +6,7 @@
 //! executor, checkpoints) reads only this.
 
 use super::spec::Family;
-use crate::ir::TensorSplit;
+use crate::ir::{ModelPart, PipelineStage, TensorSplit};
 use std::ops::Range;
 
 /// How a tensor is initialised when training starts from scratch.
@@ -142,6 +142,25 @@ pub struct TiedName {
     pub tensor: usize,
 }
 
+/// A tensor of the model that a pipeline stage's layout does not hold (another stage's):
+/// kept so the stage knows the whole model (its order, for initialisation's random stream and
+/// the whole model's flat array).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AbsentTensor {
+    /// Its place: before the layout's tensor of this index (`tensors.len()`: after the last).
+    pub before: usize,
+    pub name: String,
+    /// Its shape (the whole tensor's).
+    pub shape: Vec<usize>,
+    pub init: Init,
+}
+
+impl AbsentTensor {
+    fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
 /// All parameter tensors of a model, in buffer order.
 #[derive(Clone, Debug)]
 pub struct ParamLayout {
@@ -157,6 +176,10 @@ pub struct ParamLayout {
     /// Which tensor-parallel part of its model this is ([`TensorSplit::WHOLE`]: all of it;
     /// else its cut tensors carry their [`ParamTensor::part`]).
     pub split: TensorSplit,
+    /// Which pipeline stage of its model this is ([`PipelineStage::WHOLE`]: all of it).
+    pub stage: PipelineStage,
+    /// The model's tensors this stage does not hold, in model order (empty for one stage).
+    pub absent: Vec<AbsentTensor>,
 }
 
 /// Builds a layout tensor by tensor (used by the family modules).
@@ -166,6 +189,9 @@ pub(crate) struct LayoutBuilder {
     groups: Vec<ParamGroup>,
     group_start: usize,
     at: usize,
+    /// Whether the tensors pushed now are held (else another pipeline stage's).
+    held: bool,
+    absent: Vec<AbsentTensor>,
 }
 
 impl LayoutBuilder {
@@ -176,7 +202,16 @@ impl LayoutBuilder {
             groups: Vec::new(),
             group_start: 0,
             at: 0,
+            held: true,
+            absent: Vec::new(),
         }
+    }
+
+    /// Whether the tensors pushed from now on are this layout's (a pipeline stage holds
+    /// some of its model's): the others are recorded as absent, and their pushes return an
+    /// empty range.
+    pub(crate) fn hold(&mut self, held: bool) {
+        self.held = held;
     }
 
     /// Appends a tensor; returns its element range.
@@ -222,6 +257,15 @@ impl LayoutBuilder {
         decay: bool,
         init: Init,
     ) -> Range<usize> {
+        if !self.held {
+            self.absent.push(AbsentTensor {
+                before: self.tensors.len(),
+                shape: part.as_ref().map_or(shape, |p| &p.whole).to_vec(),
+                name,
+                init,
+            });
+            return self.at..self.at;
+        }
         let n: usize = shape.iter().product();
         let range = self.at..self.at + n;
         self.at += n;
@@ -236,9 +280,13 @@ impl LayoutBuilder {
         range
     }
 
-    /// Closes the group of the tensors pushed since the last group.
+    /// Closes the group of the tensors pushed since the last group (none when those are
+    /// all absent).
     pub(crate) fn group(&mut self, name: impl Into<String>) {
         let end = self.tensors.len();
+        if end == self.group_start {
+            return;
+        }
         self.groups.push(ParamGroup {
             name: name.into(),
             tensors: self.group_start..end,
@@ -246,8 +294,8 @@ impl LayoutBuilder {
         self.group_start = end;
     }
 
-    /// The layout of the tensors pushed, `split`'s part of its model.
-    pub(crate) fn finish(self, tied: Vec<TiedName>, split: TensorSplit) -> ParamLayout {
+    /// The layout of the tensors pushed, `part` of its model.
+    pub(crate) fn finish(self, tied: Vec<TiedName>, part: ModelPart) -> ParamLayout {
         assert_eq!(
             self.group_start,
             self.tensors.len(),
@@ -259,7 +307,9 @@ impl LayoutBuilder {
             groups: self.groups,
             tied,
             total: self.at,
-            split,
+            split: part.tensor,
+            stage: part.stage,
+            absent: self.absent,
         }
     }
 }
@@ -280,17 +330,29 @@ impl ParamLayout {
     /// part): the same tensors (names and whole shapes) in the same order. What a checkpoint
     /// is checked against, since it holds the whole model whatever the ranks that wrote it.
     pub fn same_model(&self, other: &ParamLayout) -> bool {
-        self.tensors.len() == other.tensors.len()
-            && self
-                .tensors
-                .iter()
-                .zip(&other.tensors)
-                .all(|(a, b)| a.name == b.name && a.whole_shape() == b.whole_shape())
+        let (a, b) = (self.model_tensors(), other.model_tensors());
+        a.len() == b.len() && a.iter().zip(&b).all(|(a, b)| a == b)
     }
 
-    /// Elements of the whole model (`total` unless this is a tensor-parallel part).
+    /// The model's tensors (names and whole shapes) in model order: this layout's and, of a
+    /// pipeline stage, the other stages' ([`ParamLayout::absent`]).
+    pub fn model_tensors(&self) -> Vec<(&str, &[usize])> {
+        let mut out = Vec::with_capacity(self.tensors.len() + self.absent.len());
+        let mut absent = self.absent.iter().peekable();
+        for (k, t) in self.tensors.iter().enumerate() {
+            while let Some(a) = absent.next_if(|a| a.before <= k) {
+                out.push((a.name.as_str(), a.shape.as_slice()));
+            }
+            out.push((t.name.as_str(), t.whole_shape()));
+        }
+        out.extend(absent.map(|a| (a.name.as_str(), a.shape.as_slice())));
+        out
+    }
+
+    /// Elements of the whole model (`total` unless this is a part).
     pub fn whole_total(&self) -> usize {
-        self.tensors.iter().map(ParamTensor::whole_len).sum()
+        let held: usize = self.tensors.iter().map(ParamTensor::whole_len).sum();
+        held + self.absent.iter().map(AbsentTensor::len).sum::<usize>()
     }
 
     /// This layout's elements `range` as runs of the whole model's flat array (its tensors
@@ -304,7 +366,9 @@ impl ParamLayout {
             _ => runs.push((w, r)),
         };
         let mut whole_start = 0;
-        for t in &self.tensors {
+        for (k, t) in self.tensors.iter().enumerate() {
+            let skipped = self.absent.iter().filter(|a| a.before == k);
+            whole_start += skipped.map(AbsentTensor::len).sum::<usize>();
             let (lo, hi) = (range.start.max(t.range.start), range.end.min(t.range.end));
             if lo < hi {
                 let local = lo - t.range.start..hi - t.range.start;
@@ -354,6 +418,7 @@ impl ParamLayout {
             rng: crate::util::rng::Rng::new(seed),
             next: 0,
             part: None,
+            absent_drawn: 0,
         }
     }
 
@@ -384,6 +449,8 @@ pub struct ParamInit<'a> {
     next: usize,
     /// The values of the tensor-parallel part being filled (its tensor's index).
     part: Option<(usize, Vec<f32>)>,
+    /// The absent tensors whose values were drawn (and dropped) so far.
+    absent_drawn: usize,
 }
 
 impl ParamInit<'_> {
@@ -401,6 +468,17 @@ impl ParamInit<'_> {
             let hi = t.range.end.min(range.end);
             if lo >= hi {
                 continue;
+            }
+            // Another stage's tensors before this one: their values are drawn and dropped,
+            // so the stream reaches this tensor where the whole model's does.
+            while let Some(a) = self.layout.absent.get(self.absent_drawn) {
+                if a.before > k {
+                    break;
+                }
+                for _ in 0..a.len() {
+                    draw(&mut self.rng, a.init);
+                }
+                self.absent_drawn += 1;
             }
             let Some(part) = &t.part else {
                 for i in lo..hi {

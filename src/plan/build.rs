@@ -181,6 +181,8 @@ pub(super) fn build(
     let grads = grad_buffers(&mut g, &layout, split.as_ref());
     let optim = moments(&mut g, &r, &layout, sharded);
     let mut io = emit_micro_batches(&mut g, &r);
+    super::pipeline::one_f_one_b(&mut g, cfg.mesh.pipeline_stage(), cfg.grad_accum);
+    super::pipeline::tied_embedding_sum(&mut g, &layout, &grads);
     if let Some(l) = &lora {
         super::lora::apply(&mut g, l);
     }
@@ -306,10 +308,7 @@ impl<'a> Request<'a> {
 fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     let mesh = &cfg.mesh;
     if mesh.pipeline > 1 {
-        bail!(
-            "--pp {}: pipeline parallelism is not there yet ([3d]); use --pp 1",
-            mesh.pipeline
-        );
+        check_pipeline(spec, cfg, mode)?;
     }
     if mesh.tensor <= 1 {
         return Ok(());
@@ -332,6 +331,43 @@ fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     if cfg.optim_state == OptimState::Int8 {
         bail!(
             "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole              tensors, which the tensor ranks' parts would cut (their checkpoints could not              hold one process's moments); use --optim-state bf16 or f32"
+        );
+    }
+    Ok(())
+}
+
+/// Checks pipeline parallelism (`--pp P`, P > 1) against the model and the other
+/// strategies, naming the flags.
+fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
+    let p = cfg.mesh.pipeline;
+    if p > spec.n_layer {
+        bail!(
+            "--pp {p}: the model has {} layers, so at most --pp {} stages (each holds one layer or more)",
+            spec.n_layer,
+            spec.n_layer
+        );
+    }
+    if mode == Mode::Generate {
+        bail!("--pp {p}: sampling runs on one rank; use --pp 1");
+    }
+    if spec.tied_embeddings && p > 2 {
+        bail!(
+            "--pp {p} with a tied embedding (its LM head is the embedding, held by the first and \
+             the last stage): their gradients are summed between the two ends of --pp 2 only \
+             so far; use --pp 2"
+        );
+    }
+    if cfg.lora.is_some() {
+        bail!("--pp {p} with --lora: adapters on pipeline stages are not there yet; use --pp 1");
+    }
+    if cfg.offload.set != OffloadSet::NONE {
+        bail!("--pp {p} with --offload: not there yet; use --offload none");
+    }
+    if cfg.zero.shards_optimizer() {
+        bail!(
+            "--pp {p} with --zero {}: not there yet (the data axis of a pipeline shards \
+             nothing so far); use --zero 0",
+            cfg.zero
         );
     }
     Ok(())
@@ -401,11 +437,12 @@ fn lora_plan(spec: &ModelSpec, cfg: &StepConfig) -> Result<Option<LoraPlan>> {
     }))
 }
 
-/// The trainable parameters: the model's (this tensor rank's part), or the adapters'.
+/// The trainable parameters: the model's (this rank's part: its tensor share of its
+/// pipeline stage), or the adapters'.
 fn trainable_layout(spec: &ModelSpec, cfg: &StepConfig, lora: Option<&LoraPlan>) -> ParamLayout {
     match lora {
         Some(l) => l.adapters.params.clone(),
-        None => ParamLayout::split(spec, cfg.mesh.tensor_split()),
+        None => ParamLayout::part(spec, cfg.mesh.model_part()),
     }
 }
 
@@ -741,6 +778,22 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
     let runs: Vec<Vec<std::ops::Range<usize>>> = (0..grads.segments.len())
         .map(|k| norm_runs(layout, k, &grads.segments[k].range))
         .collect();
+    // The last pipeline stage's copy of a tied embedding's group: the first stage's share
+    // counts it (the two are equal after their sum), so this one takes its share over nothing.
+    let copy = (layout.stage.is_split() && !layout.stage.is_first() && !layout.tied.is_empty())
+        .then(|| {
+            grads
+                .locate(&layout.tensors[layout.tied[0].tensor].range)
+                .range
+                .clone()
+        });
+    let runs: Vec<Vec<std::ops::Range<usize>>> = runs
+        .into_iter()
+        .map(|r| match &copy {
+            Some(c) if r[0].start == c.start => vec![c.start..c.start],
+            _ => r,
+        })
+        .collect();
     // [slots] f64: each share, read by the executor before the first update (in the next
     // step's forward with a deferred update, so it lives across steps).
     let out = g.persistent(
@@ -757,6 +810,13 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
         if let Some(r) = e.grad_ranges().first() {
             let k = grads.segments.partition_point(|s| s.range.end <= r.start);
             last[k] = Some(i);
+        }
+        // A collective on a group's gradients (a tied embedding's sum between the pipeline's
+        // two ends) finishes writing them at its await.
+        if let Op::AwaitCollective { bufs } = &e.op {
+            if let Some(k) = grads.segments.iter().position(|s| s.buf == bufs[0]) {
+                last[k] = Some(i);
+            }
         }
     }
     let mut after: Vec<Vec<usize>> = vec![Vec::new(); g.ops.len()];

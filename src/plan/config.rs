@@ -96,6 +96,7 @@ impl StepConfig {
             recompute: self.recompute,
             logits_chunk_bytes: self.logits_chunk_bytes,
             tensor: self.mesh.tensor_split(),
+            stage: self.mesh.pipeline_stage(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod lora;
 pub mod offload;
 pub mod operands;
 pub mod packing;
+mod pipeline;
 pub mod ranks;
 pub mod report;
 pub mod search;
@@ -209,6 +210,10 @@ impl Plan {
             Op::AllReduce { buf, .. } => (Collective::AllReduce, buf),
             Op::ReduceScatter { buf, .. } => (Collective::ReduceScatter, buf),
             Op::AllGather { buf, .. } => (Collective::AllGather, buf),
+            Op::StageSend { buf, .. } => {
+                let b = self.buffer(buf);
+                return b.dtype.bytes_for(b.elems as u64).unwrap_or(b.bytes);
+            }
             _ => return 0,
         };
         let (cut, axis) = e.op.collective_cut().expect("a collective");
@@ -237,9 +242,10 @@ impl Plan {
 
     /// Bytes of scalars this rank sends per training step: its loss sum and row count
     /// (two f64, gathered by every data rank), with sharded gradients its share of the norm
-    /// per parameter group (f64 each), and under tensor parallelism every norm share (f64
-    /// each, gathered by every tensor rank); each gathered around the ring of its axis, so
-    /// sent N−1 times.
+    /// per parameter group (f64 each), under tensor parallelism every norm share (f64
+    /// each, gathered by every tensor rank), under pipeline parallelism the stage's loss sum
+    /// and sum of squares (two f64); each gathered around the ring of its axis, so sent N−1
+    /// times.
     pub fn scalar_comm_bytes(&self) -> u64 {
         if self.mode != Mode::Train {
             return 0;
@@ -256,7 +262,9 @@ impl Plan {
         );
         let sharded = self.cfg.zero.shards_optimizer();
         let data = (d - 1) * (16 + if sharded { 8 * slots } else { 0 });
-        data + (t - 1) * 8 * slots
+        // Pipeline stages: the loss sum and the sum of squares (one f64 each).
+        let pipeline = (self.cfg.mesh.pipeline.max(1) as u64 - 1) * 16;
+        data + (t - 1) * 8 * slots + pipeline
     }
 
     /// Bytes per category of the RAM buffers live at op `op`.

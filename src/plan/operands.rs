@@ -375,6 +375,8 @@ macro_rules! for_each_operand {
                     $buf!(s, Read);
                 }
             }
+            Op::StageSend { buf, .. } => $buf!(buf, Read),
+            Op::StageRecv { buf, .. } => $buf!(buf, Write),
         }
     }};
 }

@@ -159,7 +159,10 @@ pub const NOMINAL_COLLECTIVE_BYTES_PER_S: f64 = 5e9;
 /// Whether an op kind (`all_reduce/f32`) is a collective.
 pub fn is_collective(kind: &str) -> bool {
     let base = kind.split('/').next().unwrap_or(kind);
-    matches!(base, "all_reduce" | "reduce_scatter" | "all_gather")
+    matches!(
+        base,
+        "all_reduce" | "reduce_scatter" | "all_gather" | "send" | "recv"
+    )
 }
 
 /// Assumed disk bandwidth when none was measured (a SATA-class SSD's).
@@ -348,6 +351,8 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
             return Some(collective_kind("reduce_scatter", plan, *buf));
         }
         Op::AllGather { buf, .. } => return Some(collective_kind("all_gather", plan, *buf)),
+        Op::StageSend { buf, .. } => return Some(collective_kind("send", plan, *buf)),
+        Op::StageRecv { buf, .. } => return Some(collective_kind("recv", plan, *buf)),
     };
     // A frozen op on a quantized base decodes its weight's blocks: a kind of its own.
     let quant = if e

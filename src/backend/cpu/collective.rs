@@ -1,5 +1,6 @@
 //! The CPU device's collectives, started and awaited as its transfers are: an
-//! [`Op::AllReduce`], `ReduceScatter` or `AllGather` starts one ([`Collectives::start`]) and
+//! [`Op::AllReduce`], `ReduceScatter`, `AllGather`, or a pipeline stage's `StageSend` or
+//! `StageRecv` (point-to-point with a neighbouring stage) starts one ([`Collectives::start`]) and
 //! its [`Op::AwaitCollective`] waits for it ([`Collectives::wait`]). They run on the device's
 //! communication thread, one after the other in the order they were started, beside the ops
 //! in between (which the plan keeps off their buffers); or, where no core is spare for that
@@ -14,7 +15,7 @@
 
 use crate::backend::{CommSpan, CommTime};
 use crate::dist::{Comm, Comms, Summable, ring};
-use crate::ir::{Axis, BufId, Buffer, Op};
+use crate::ir::{Axis, BufId, Buffer, Op, Peer};
 use crate::ir::{Collective, Cut, CutOf};
 use anyhow::{Context, Result, anyhow};
 use std::collections::VecDeque;
@@ -47,11 +48,19 @@ impl Raw {
     }
 }
 
+/// What a job does: a ring collective, or a pipeline stage's send or receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Ring(Collective),
+    Send(Peer),
+    Recv(Peer),
+}
+
 /// A collective on views of plan buffers, to run here or on the communication thread.
 pub(super) struct Job {
     /// Its `buf`, which names it (its await names it first).
     key: BufId,
-    kind: Collective,
+    kind: Kind,
     /// How its buffer is cut among the ranks.
     cut: CutOf,
     /// The mesh axis whose ranks it runs among.
@@ -106,8 +115,13 @@ impl Job {
                 cut,
                 axis,
             } => (buf, Collective::AllGather, cut, axis, shard, None, false),
+            Op::StageSend { buf, to } => return Job::point_to_point(buf, Kind::Send(to), view),
+            Op::StageRecv { buf, from } => {
+                return Job::point_to_point(buf, Kind::Recv(from), view);
+            }
             ref other => unreachable!("{other:?} is not a collective"),
         };
+        let kind = Kind::Ring(kind);
         Job {
             key,
             kind,
@@ -121,11 +135,45 @@ impl Job {
         }
     }
 
+    /// A send or receive of `buf`'s bytes with a neighbouring pipeline stage.
+    fn point_to_point<'a, T: Summable>(
+        buf: BufId,
+        kind: Kind,
+        view: impl Fn(BufId) -> &'a mut [T],
+    ) -> Job {
+        let elems = Raw::of(view(buf));
+        Job {
+            key: buf,
+            kind,
+            cut: CutOf::Even,
+            axis: Axis::Pipeline,
+            buf: Raw {
+                ptr: elems.ptr,
+                len: elems.len * std::mem::size_of::<T>(),
+            },
+            shard: None,
+            scratch: None,
+            accumulate: false,
+            ring: ring_of::<T>,
+        }
+    }
+
     /// Runs it among `comm`'s ranks, `cuts` being the parameter groups'.
     ///
     /// # Safety
     /// The views the job was made of are still valid and used by nobody else.
     unsafe fn run(&self, cuts: &[Cut], comm: &dyn Comm) -> Result<()> {
+        let peer = |p| match p {
+            Peer::Next => comm.rank() + 1,
+            Peer::Prev => comm.rank().wrapping_sub(1),
+        };
+        match self.kind {
+            // SAFETY: the caller's; a point-to-point job's view is of bytes.
+            Kind::Send(p) => return comm.send(unsafe { self.buf.get::<u8>() }, peer(p)),
+            // SAFETY: as above.
+            Kind::Recv(p) => return comm.recv(unsafe { self.buf.get::<u8>() }, peer(p)),
+            Kind::Ring(_) => {}
+        }
         let cut = self.cut.resolve(cuts, self.buf.len, comm.size());
         // SAFETY: the caller's.
         unsafe { (self.ring)(self, &cut, comm) }
@@ -146,7 +194,10 @@ unsafe fn ring_of<T: Summable>(job: &Job, cut: &Cut, comm: &dyn Comm) -> Result<
         )
     };
     let planned = "internal error: a collective without its planned buffers";
-    match job.kind {
+    let Kind::Ring(kind) = job.kind else {
+        unreachable!("point-to-point jobs run in Job::run")
+    };
+    match kind {
         Collective::AllReduce => ring::all_reduce(comm, buf, cut, scratch.expect(planned)),
         Collective::ReduceScatter => ring::reduce_scatter(
             comm,
@@ -168,7 +219,7 @@ unsafe fn ring_of<T: Summable>(job: &Job, cut: &Cut, comm: &dyn Comm) -> Result<
 /// A collective the thread ended, successful or not.
 struct Done {
     key: BufId,
-    kind: Collective,
+    kind: Kind,
     result: Result<()>,
 }
 
@@ -223,7 +274,7 @@ pub(super) struct Collectives {
     overlap: bool,
     thread: OnceLock<Thread>,
     /// The collectives started on the thread and not yet waited for, oldest first.
-    in_flight: Mutex<VecDeque<(BufId, Collective)>>,
+    in_flight: Mutex<VecDeque<(BufId, Kind)>>,
     clock: Arc<Clock>,
     log: Arc<Mutex<Log>>,
 }
@@ -419,10 +470,14 @@ fn nanos(d: std::time::Duration) -> u64 {
 }
 
 /// A collective's name in messages.
-fn name(kind: Collective) -> &'static str {
+fn name(kind: Kind) -> &'static str {
     match kind {
-        Collective::AllReduce => "all-reduce",
-        Collective::ReduceScatter => "reduce-scatter",
-        Collective::AllGather => "all-gather",
+        Kind::Ring(Collective::AllReduce) => "all-reduce",
+        Kind::Ring(Collective::ReduceScatter) => "reduce-scatter",
+        Kind::Ring(Collective::AllGather) => "all-gather",
+        Kind::Send(Peer::Next) => "send to the next stage",
+        Kind::Send(Peer::Prev) => "send to the stage before",
+        Kind::Recv(Peer::Next) => "receive from the next stage",
+        Kind::Recv(Peer::Prev) => "receive from the stage before",
     }
 }

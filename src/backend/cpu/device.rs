@@ -183,7 +183,7 @@ impl CpuDevice {
         };
         let arena = pool.install(|| Arena::new(program.tiers[0].bytes))?;
         let ops = program.schedule.ops.iter();
-        let collectives = ops.filter(|e| e.op.collective_cut().is_some()).count();
+        let collectives = ops.filter(|e| e.op.collective_buf().is_some()).count();
         Ok(CpuDevice {
             io,
             collectives: Collectives::new(comms, program.cuts, collectives),
@@ -484,7 +484,11 @@ impl Device for CpuDevice {
                 self.await_transfers(bufs)?;
                 return Ok(());
             }
-            Op::AllReduce { .. } | Op::ReduceScatter { .. } | Op::AllGather { .. } => {
+            Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::StageSend { .. }
+            | Op::StageRecv { .. } => {
                 let buf = e.op.collective_buf().expect("a collective");
                 match self.buffers[buf.0].dtype {
                     DType::Bf16 => self.start_collective::<bf16>(&e.op)?,

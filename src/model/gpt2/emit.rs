@@ -14,7 +14,7 @@ use super::params::{Gpt2Params, LayerParams, inventory};
 use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::ir::{BufId, Category, TensorSplit};
+use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::ModelSpec;
 use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
 use crate::model::lm_head::{self, Head};
@@ -482,33 +482,50 @@ impl StagedBlock for Dims {
     }
 }
 
-/// What the forward leaves for the LM head and the backward.
-struct Forward {
-    blocks: Blocks<BlockActs>,
-    lnf: BufId,      // [N, C]
-    lnf_mean: BufId, // [N]
-    lnf_rstd: BufId, // [N]
+/// Emits the encoder (the first stage) or receives the stage before's output, then the
+/// stage's blocks of one micro-batch.
+fn forward_blocks(
+    g: &mut Builder,
+    d: &Dims,
+    p: &Gpt2Params,
+    mb: &MicroBatch,
+    stage: PipelineStage,
+) -> Blocks<BlockActs> {
+    let (n, c, pfx) = (d.n, d.c, mb.prefix.as_str());
+    let res = if stage.is_first() {
+        let res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
+        g.op(
+            format!("{pfx}encoder"),
+            Phase::Forward,
+            0,
+            Op::Encoder {
+                tokens: mb.tokens,
+                positions: d.positions,
+                out: res,
+                wte: p.wte.clone(),
+                wpe: Some(p.wpe.clone()),
+                rows: d.rows,
+                c,
+            },
+        );
+        res
+    } else {
+        let act = (Category::Activation, n * c);
+        block_emit::receive_from_stage(g, (pfx, "stage.in"), act, Peer::Prev, Phase::Forward)
+    };
+    block_emit::forward(g, d, (&p.layers, p.first_layer), pfx, res)
 }
 
-/// Emits the encoder, the blocks and the final layernorm of one micro-batch.
-fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: BufId) -> Forward {
-    let (n, c) = (d.n, d.c);
-    let res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
-    g.op(
-        format!("{pfx}encoder"),
-        Phase::Forward,
-        0,
-        Op::Encoder {
-            tokens,
-            positions: d.positions,
-            out: res,
-            wte: p.wte.clone(),
-            wpe: Some(p.wpe.clone()),
-            rows: d.rows,
-            c,
-        },
-    );
-    let blocks = block_emit::forward(g, d, &p.layers, pfx, res);
+/// Emits the final layernorm, the LM head (with the loss) and their backward of the last
+/// stage; returns the head's generation logits, or the residual stream's gradient.
+fn head(
+    g: &mut Builder,
+    (spec, cfg): (&ModelSpec, &EmitOptions),
+    (d, p): (&Dims, &Gpt2Params),
+    mb: &MicroBatch,
+    out: BufId,
+) -> Head {
+    let (n, c, v, pfx) = (d.n, d.c, spec.vocab_size, mb.prefix.as_str());
     let lnf = g.act(format!("{pfx}lnf"), Category::Activation, n * c);
     let lnf_mean = g.f32(format!("{pfx}lnf.mean"), Category::Activation, n);
     let lnf_rstd = g.f32(format!("{pfx}lnf.rstd"), Category::Activation, n);
@@ -517,7 +534,7 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
         Phase::Forward,
         0,
         Op::LayerNorm {
-            inp: blocks.out(),
+            inp: out,
             out: lnf,
             mean: lnf_mean,
             rstd: lnf_rstd,
@@ -528,24 +545,49 @@ fn forward_all(g: &mut Builder, d: &Dims, p: &Gpt2Params, pfx: &str, tokens: Buf
             eps: d.eps,
         },
     );
-    Forward {
-        blocks,
-        lnf,
-        lnf_mean,
-        lnf_rstd,
-    }
+    let dlnf = match lm_head::emit(g, cfg, mb, lnf, p.wte.clone(), (c, v), "d.lnf") {
+        Head::InputGrad(dlnf) => dlnf,
+        logits => return logits,
+    };
+    let dres = block_emit::residual_grad(g, pfx, n * c);
+    g.op(
+        format!("{pfx}ln_f.bwd"),
+        Phase::Backward,
+        0,
+        Op::LayerNormBackward {
+            dinp: dres,
+            dout: dlnf,
+            inp: out,
+            mean: lnf_mean,
+            rstd: lnf_rstd,
+            w: p.lnf_w.clone(),
+            b: p.lnf_b.clone(),
+            rows: d.rows,
+            c,
+        },
+    );
+    Head::InputGrad(dres)
 }
 
-/// Emits one micro-batch: the forward, then in training plans the LM head with the loss and
-/// the backward (gradients accumulate), in generation plans the next-token logits.
+/// Emits one micro-batch of the stage `cfg.stage` (the whole model on one rank): the
+/// forward, then in training plans the LM head with the loss and the backward (gradients
+/// accumulate), in generation plans the next-token logits. A stage that does not end the
+/// model sends its output on and receives its gradient back; one that does not begin it
+/// sends the gradient of its input back.
 pub(crate) fn micro_batch(
     g: &mut Builder,
     spec: &ModelSpec,
     cfg: &EmitOptions,
     mb: &MicroBatch,
 ) -> Emitted {
-    let split = cfg.tensor;
-    let (_, p) = inventory(spec, split);
+    let (split, stage) = (cfg.tensor, cfg.stage);
+    let (_, p) = inventory(
+        spec,
+        ModelPart {
+            tensor: split,
+            stage,
+        },
+    );
     let Rows { b, t } = mb.rows;
     let nh = split.len(spec.n_head);
     let d = Dims {
@@ -563,49 +605,43 @@ pub(crate) fn micro_batch(
         positions: mb.positions,
         tensor: split,
     };
-    let (n, c, v, pfx) = (d.n, d.c, spec.vocab_size, mb.prefix.as_str());
-    let fwd = forward_all(g, &d, &p, pfx, mb.tokens);
-    let dlnf = match lm_head::emit(g, cfg, mb, fwd.lnf, p.wte.clone(), (c, v), "d.lnf") {
-        Head::Logits(logits) => {
-            return Emitted {
-                logits: Some(logits),
-            };
+    let (n, c, pfx) = (d.n, d.c, mb.prefix.as_str());
+    let blocks = forward_blocks(g, &d, &p, mb, stage);
+    let dres = if stage.is_last() {
+        match head(g, (spec, cfg), (&d, &p), mb, blocks.out()) {
+            Head::InputGrad(dres) => dres,
+            Head::Logits(logits) => {
+                return Emitted {
+                    logits: Some(logits),
+                };
+            }
         }
-        Head::InputGrad(dlnf) => dlnf,
+    } else {
+        let out = (pfx, "stage.out");
+        block_emit::send_to_stage(g, blocks.out(), out, Peer::Next, Phase::Forward);
+        let grad = (Category::ActivationGrad, n * c);
+        block_emit::receive_from_stage(g, (pfx, "d.residual"), grad, Peer::Next, Phase::Backward)
     };
-
-    // ---- backward ----
-    let dres = block_emit::residual_grad(g, pfx, n * c);
-    g.op(
-        format!("{pfx}ln_f.bwd"),
-        Phase::Backward,
-        0,
-        Op::LayerNormBackward {
-            dinp: dres,
-            dout: dlnf,
-            inp: fwd.blocks.out(),
-            mean: fwd.lnf_mean,
-            rstd: fwd.lnf_rstd,
-            w: p.lnf_w.clone(),
-            b: p.lnf_b.clone(),
-            rows: d.rows,
-            c,
-        },
-    );
-    block_emit::backward(g, &d, &p.layers, pfx, &fwd.blocks, cfg.recompute, dres);
-    g.op(
-        format!("{pfx}encoder.bwd"),
-        Phase::Backward,
-        0,
-        Op::EncoderBackward {
-            dout: dres,
-            tokens: mb.tokens,
-            positions: d.positions,
-            wte: p.wte.clone(),
-            wpe: Some(p.wpe.clone()),
-            rows: d.rows,
-            c,
-        },
-    );
+    let layers = (p.layers.as_slice(), p.first_layer);
+    block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
+    if stage.is_first() {
+        g.op(
+            format!("{pfx}encoder.bwd"),
+            Phase::Backward,
+            0,
+            Op::EncoderBackward {
+                dout: dres,
+                tokens: mb.tokens,
+                positions: d.positions,
+                wte: p.wte.clone(),
+                wpe: Some(p.wpe.clone()),
+                rows: d.rows,
+                c,
+            },
+        );
+    } else {
+        let din = (pfx, "d.stage.in");
+        block_emit::send_to_stage(g, dres, din, Peer::Prev, Phase::Backward);
+    }
     Emitted { logits: None }
 }

@@ -208,9 +208,9 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
     Ok(())
 }
 
-/// The parameter inventory of `split`'s part (see [`params`]).
-pub(super) fn layout(s: &ModelSpec, split: crate::ir::TensorSplit) -> ParamLayout {
-    params::inventory(s, split).0
+/// The parameter inventory of `part` of the model (see [`params`]).
+pub(super) fn layout(s: &ModelSpec, part: crate::ir::ModelPart) -> ParamLayout {
+    params::inventory(s, part).0
 }
 
 /// Hugging Face GPT-2 naming variants. memwall names parameters as `GPT2LMHeadModel` does

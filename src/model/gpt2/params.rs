@@ -10,8 +10,12 @@
 //! of `c_attn` (and its bias) its heads' q, k and v columns (three ranges, contiguous in its
 //! own layout as `[C, 3·C/t]`), of `c_fc` its channels' columns, of the two `c_proj`s the
 //! matching rows (their inputs). The rest is whole.
+//!
+//! A pipeline stage ([`crate::ir::PipelineStage`]) holds its blocks; the first also the
+//! embeddings, the last `ln_f` and, for the tied LM head, the embeddings' group (`wte`, and
+//! `wpe` with a zero gradient), kept equal to the first's.
 
-use crate::ir::TensorSplit;
+use crate::ir::ModelPart;
 use crate::model::ParamLayout;
 use crate::model::params::{Init, LayoutBuilder, TiedName};
 use crate::model::spec::{Family, ModelSpec};
@@ -42,13 +46,18 @@ pub struct LayerParams {
 pub struct Gpt2Params {
     pub wte: Range<usize>, // [V, C], tied with the LM head
     pub wpe: Range<usize>, // [maxT, C]
+    /// The stage's blocks, the first being the model's block `first_layer`.
     pub layers: Vec<LayerParams>,
+    pub first_layer: usize,
     pub lnf_w: Range<usize>, // [C]
     pub lnf_b: Range<usize>, // [C]
 }
 
-/// The layout of `split`'s part of the model and the ranges by role.
-pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, Gpt2Params) {
+/// The layout of `part` of the model and the ranges by role (the ranges of tensors `part`
+/// does not hold are empty).
+pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params) {
+    let (split, stage) = (part.tensor, part.stage);
+    let held = stage.layers(spec.n_layer);
     let (v, c, t, h) = (
         spec.vocab_size,
         spec.n_embd,
@@ -67,11 +76,16 @@ pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, Gpt2Para
         2 * c + a.start..2 * c + a.end,
     ];
     let mut cur = LayoutBuilder::new(Family::Gpt2);
+    cur.hold(stage.is_first() || stage.is_last());
     let wte = cur.push("transformer.wte.weight".into(), &[v, c], true, normal);
+    // The last stage keeps wpe too (its gradient zero there), so both ends hold the same
+    // "embed" group, whose gradients are summed between them as one buffer; the one op
+    // that reads the two (the encoder) keeps its ranges in one group.
     let wpe = cur.push("transformer.wpe.weight".into(), &[t, c], true, normal);
     cur.group("embed");
-    let mut layers = Vec::with_capacity(spec.n_layer);
+    let mut layers = Vec::with_capacity(held.len());
     for l in 0..spec.n_layer {
+        cur.hold(held.contains(&l));
         let p = |s: &str| format!("transformer.h.{l}.{s}");
         let weight = |cur: &mut LayoutBuilder, s: &str, shape: &[usize], cut, init| {
             cur.push_cut(p(s), shape, cut, true, init)
@@ -96,6 +110,9 @@ pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, Gpt2Para
         let fcproj_w = weight(&mut cur, "mlp.c_proj.weight", &[h, c], cut, resid);
         let fcproj_b = cur.push(p("mlp.c_proj.bias"), &[c], false, Init::Zeros);
         cur.group(format!("h{l}"));
+        if !held.contains(&l) {
+            continue;
+        }
         layers.push(LayerParams {
             ln1_w,
             ln1_b,
@@ -111,19 +128,25 @@ pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, Gpt2Para
             fcproj_b,
         });
     }
+    cur.hold(stage.is_last());
     let lnf_w = cur.push("transformer.ln_f.weight".into(), &[c], false, Init::Ones);
     let lnf_b = cur.push("transformer.ln_f.bias".into(), &[c], false, Init::Zeros);
     cur.group("ln_f");
-    let tied = vec![TiedName {
-        name: LM_HEAD.into(),
-        tensor: 0,
-    }];
+    // The head is tied to wte, the first tensor wherever it is held.
+    let tied = (stage.is_first() || stage.is_last())
+        .then(|| TiedName {
+            name: LM_HEAD.into(),
+            tensor: 0,
+        })
+        .into_iter()
+        .collect();
     let params = Gpt2Params {
         wte,
         wpe,
         layers,
+        first_layer: held.start,
         lnf_w,
         lnf_b,
     };
-    (cur.finish(tied, split), params)
+    (cur.finish(tied, part), params)
 }

@@ -17,7 +17,7 @@ use super::params::{LayerParams, LlamaParams, inventory};
 use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::ir::{BufId, Category, TensorSplit};
+use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
 use crate::model::lm_head::{self, Head};
 use crate::model::{ModelSpec, Position, rope};
@@ -519,49 +519,59 @@ impl StagedBlock for Dims {
     }
 }
 
-/// What the forward leaves for the LM head and the backward.
-struct Forward {
-    blocks: Blocks<BlockActs>,
-    normed: BufId, // [N, C]
-    rstd: BufId,   // [N]
+/// Emits the embedding (the first stage) or receives the stage before's output, then the
+/// stage's blocks of one micro-batch.
+fn forward_blocks(
+    g: &mut Builder,
+    d: &Dims,
+    p: &LlamaParams,
+    mb: &MicroBatch,
+    stage: PipelineStage,
+) -> Blocks<BlockActs> {
+    let pfx = mb.prefix.as_str();
+    let res = if stage.is_first() {
+        let res = g.act(format!("{pfx}embedded"), Category::Activation, d.n * d.c); // [N, C]
+        g.op(
+            format!("{pfx}embed"),
+            Phase::Forward,
+            0,
+            Op::Encoder {
+                tokens: mb.tokens,
+                positions: d.positions,
+                out: res,
+                wte: p.embed.clone(),
+                wpe: None,
+                rows: d.rows,
+                c: d.c,
+            },
+        );
+        res
+    } else {
+        let act = (Category::Activation, d.n * d.c);
+        block_emit::receive_from_stage(g, (pfx, "stage.in"), act, Peer::Prev, Phase::Forward)
+    };
+    block_emit::forward(g, d, (&p.layers, p.first_layer), pfx, res)
 }
 
-/// Emits the embedding, the blocks and the final norm of one micro-batch.
-fn forward_all(g: &mut Builder, d: &Dims, p: &LlamaParams, pfx: &str, tokens: BufId) -> Forward {
-    let res = g.act(format!("{pfx}embedded"), Category::Activation, d.n * d.c); // [N, C]
-    g.op(
-        format!("{pfx}embed"),
-        Phase::Forward,
-        0,
-        Op::Encoder {
-            tokens,
-            positions: d.positions,
-            out: res,
-            wte: p.embed.clone(),
-            wpe: None,
-            rows: d.rows,
-            c: d.c,
-        },
-    );
-    let blocks = block_emit::forward(g, d, &p.layers, pfx, res);
-    let (normed, rstd) = rmsnorm(g, d, (pfx, "norm"), Phase::Forward, blocks.out(), &p.norm);
-    Forward {
-        blocks,
-        normed,
-        rstd,
-    }
-}
-
-/// Emits one micro-batch: the forward, then in training plans the LM head with the loss and
-/// the backward (gradients accumulate), in generation plans the next-token logits.
+/// Emits one micro-batch of the stage `cfg.stage` (the whole model on one rank): the
+/// forward, then in training plans the LM head with the loss and the backward (gradients
+/// accumulate), in generation plans the next-token logits. A stage that does not end the
+/// model sends its output on and receives its gradient back; one that does not begin it
+/// sends the gradient of its input back.
 pub(crate) fn micro_batch(
     g: &mut Builder,
     spec: &ModelSpec,
     cfg: &EmitOptions,
     mb: &MicroBatch,
 ) -> Emitted {
-    let split = cfg.tensor;
-    let (_, p) = inventory(spec, split);
+    let (split, stage) = (cfg.tensor, cfg.stage);
+    let (_, p) = inventory(
+        spec,
+        ModelPart {
+            tensor: split,
+            stage,
+        },
+    );
     let Position::Rotary { theta, scaling } = spec.position else {
         unreachable!("validated: Llama-family models use rotary positions")
     };
@@ -583,46 +593,61 @@ pub(crate) fn micro_batch(
         tensor: split,
     };
     let pfx = mb.prefix.as_str();
-    let fwd = forward_all(g, &d, &p, pfx, mb.tokens);
-    let cv = (d.c, spec.vocab_size);
-    let dnormed = match lm_head::emit(g, cfg, mb, fwd.normed, p.lm_head.clone(), cv, "d.norm") {
-        Head::Logits(logits) => {
-            return Emitted {
-                logits: Some(logits),
-            };
-        }
-        Head::InputGrad(dnormed) => dnormed,
+    let blocks = forward_blocks(g, &d, &p, mb, stage);
+    let dres = if stage.is_last() {
+        let out = blocks.out();
+        let (normed, rstd) = rmsnorm(g, &d, (pfx, "norm"), Phase::Forward, out, &p.norm);
+        let cv = (d.c, spec.vocab_size);
+        let dnormed = match lm_head::emit(g, cfg, mb, normed, p.lm_head.clone(), cv, "d.norm") {
+            Head::Logits(logits) => {
+                return Emitted {
+                    logits: Some(logits),
+                };
+            }
+            Head::InputGrad(dnormed) => dnormed,
+        };
+        let dres = block_emit::residual_grad(g, pfx, d.n * d.c);
+        g.op(
+            format!("{pfx}norm.bwd"),
+            Phase::Backward,
+            0,
+            Op::RmsNormBackward {
+                dinp: dres,
+                dout: dnormed,
+                inp: out,
+                rstd,
+                w: p.norm.clone(),
+                rows: d.rows,
+                c: d.c,
+            },
+        );
+        dres
+    } else {
+        let out = (pfx, "stage.out");
+        block_emit::send_to_stage(g, blocks.out(), out, Peer::Next, Phase::Forward);
+        let grad = (Category::ActivationGrad, d.n * d.c);
+        block_emit::receive_from_stage(g, (pfx, "d.residual"), grad, Peer::Next, Phase::Backward)
     };
-
-    let dres = block_emit::residual_grad(g, pfx, d.n * d.c);
-    g.op(
-        format!("{pfx}norm.bwd"),
-        Phase::Backward,
-        0,
-        Op::RmsNormBackward {
-            dinp: dres,
-            dout: dnormed,
-            inp: fwd.blocks.out(),
-            rstd: fwd.rstd,
-            w: p.norm.clone(),
-            rows: d.rows,
-            c: d.c,
-        },
-    );
-    block_emit::backward(g, &d, &p.layers, pfx, &fwd.blocks, cfg.recompute, dres);
-    g.op(
-        format!("{pfx}embed.bwd"),
-        Phase::Backward,
-        0,
-        Op::EncoderBackward {
-            dout: dres,
-            tokens: mb.tokens,
-            positions: d.positions,
-            wte: p.embed.clone(),
-            wpe: None,
-            rows: d.rows,
-            c: d.c,
-        },
-    );
+    let layers = (p.layers.as_slice(), p.first_layer);
+    block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
+    if stage.is_first() {
+        g.op(
+            format!("{pfx}embed.bwd"),
+            Phase::Backward,
+            0,
+            Op::EncoderBackward {
+                dout: dres,
+                tokens: mb.tokens,
+                positions: d.positions,
+                wte: p.embed.clone(),
+                wpe: None,
+                rows: d.rows,
+                c: d.c,
+            },
+        );
+    } else {
+        let din = (pfx, "d.stage.in");
+        block_emit::send_to_stage(g, dres, din, Peer::Prev, Phase::Backward);
+    }
     Emitted { logits: None }
 }

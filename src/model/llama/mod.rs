@@ -513,9 +513,9 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
     Ok(())
 }
 
-/// The parameter inventory of `split`'s part (see [`params`]).
-pub(super) fn layout(s: &ModelSpec, split: crate::ir::TensorSplit) -> ParamLayout {
-    params::inventory(s, split).0
+/// The parameter inventory of `part` of the model (see [`params`]).
+pub(super) fn layout(s: &ModelSpec, part: crate::ir::ModelPart) -> ParamLayout {
+    params::inventory(s, part).0
 }
 
 /// Hugging Face Llama names are used as they are; `model.`-less names (from a bare
@@ -624,7 +624,7 @@ mod tests {
             "vocab_size": 10, "use_sliding_window": false}"#;
         let s = ModelSpec::from_hf_config_str(qwen, "c.json").unwrap();
         assert!(s.biases.qkv && !s.biases.attn_out && !s.biases.mlp);
-        let lay = s.family.layout(&s, crate::ir::TensorSplit::WHOLE);
+        let lay = s.family.layout(&s, crate::ir::ModelPart::WHOLE);
         assert!(lay.get("model.layers.0.self_attn.k_proj.bias").is_some());
         assert!(lay.get("model.layers.0.self_attn.o_proj.bias").is_none());
     }
@@ -670,7 +670,7 @@ mod tests {
     #[test]
     fn layout_fuses_projections_that_share_an_input() {
         let s = ModelSpec::preset("llama-tiny").unwrap();
-        let (lay, p) = params::inventory(&s, crate::ir::TensorSplit::WHOLE);
+        let (lay, p) = params::inventory(&s, crate::ir::ModelPart::WHOLE);
         let l0 = &p.layers[0];
         let q = lay.range("model.layers.0.self_attn.q_proj.weight");
         let v = lay.range("model.layers.0.self_attn.v_proj.weight");
@@ -695,7 +695,7 @@ mod tests {
             tied_embeddings: false,
             ..s.clone()
         };
-        let (lay, p) = params::inventory(&untied, crate::ir::TensorSplit::WHOLE);
+        let (lay, p) = params::inventory(&untied, crate::ir::ModelPart::WHOLE);
         assert_eq!(lay.range("lm_head.weight"), p.lm_head);
         assert_eq!(lay.groups.last().unwrap().name, "lm_head");
         assert!(lay.tied.is_empty());

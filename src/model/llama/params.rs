@@ -15,8 +15,12 @@
 //! heads and MLP channels: the rows of `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`
 //! (and their biases), the columns of `o_proj` and `down_proj`; so its fused q|k|v and
 //! gate|up are its own heads' and channels', contiguous as on one rank. The rest is whole.
+//!
+//! A pipeline stage ([`crate::ir::PipelineStage`]) holds its blocks; the first also the
+//! embedding, the last the final norm and the LM head (a tied one: the embedding, kept equal
+//! to the first stage's).
 
-use crate::ir::TensorSplit;
+use crate::ir::ModelPart;
 use crate::model::ParamLayout;
 use crate::model::params::{Init, LayoutBuilder, TiedName};
 use crate::model::spec::ModelSpec;
@@ -45,13 +49,19 @@ pub struct LayerParams {
 #[derive(Clone, Debug)]
 pub struct LlamaParams {
     pub embed: Range<usize>, // [V, C]
+    /// The stage's blocks, the first being the model's block `first_layer`.
     pub layers: Vec<LayerParams>,
+    pub first_layer: usize,
     pub norm: Range<usize>,    // [C]
     pub lm_head: Range<usize>, // [V, C]: `embed` when tied
 }
 
-/// The layout of `split`'s part of the model and the ranges by role.
-pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, LlamaParams) {
+/// The layout of `part` of the model and the ranges by role (the ranges of tensors `part`
+/// does not hold are empty).
+pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams) {
+    let (split, stage) = (part.tensor, part.stage);
+    let held = stage.layers(spec.n_layer);
+    let tied_here = spec.tied_embeddings && stage.is_last();
     let (v, c, h) = (spec.vocab_size, spec.n_embd, spec.mlp_hidden);
     let hd = spec.head_dim;
     let (q, kv) = (spec.n_head * hd, spec.n_kv_head * hd);
@@ -65,14 +75,16 @@ pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, LlamaPar
     let cols = |r: &Range<usize>| (1, vec![r.clone()]);
     let normal = Init::Normal { std: 0.02 };
     let mut cur = LayoutBuilder::new(spec.family);
+    cur.hold(stage.is_first() || tied_here);
     let embed = cur.push("model.embed_tokens.weight".into(), &[v, c], true, normal);
     cur.group("embed");
     let join = |a: Range<usize>, b: Range<usize>| {
         debug_assert_eq!(a.end, b.start, "consecutive tensors");
         a.start..b.end
     };
-    let mut layers = Vec::with_capacity(spec.n_layer);
+    let mut layers = Vec::with_capacity(held.len());
     for l in 0..spec.n_layer {
+        cur.hold(held.contains(&l));
         let p = |s: &str| format!("model.layers.{l}.{s}");
         let bias =
             |cur: &mut LayoutBuilder, s: &str, n: usize| cur.push(p(s), &[n], false, Init::Zeros);
@@ -116,6 +128,9 @@ pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, LlamaPar
             .mlp
             .then(|| bias(&mut cur, "mlp.down_proj.bias", c));
         cur.group(format!("h{l}"));
+        if !held.contains(&l) {
+            continue;
+        }
         layers.push(LayerParams {
             attn_norm,
             qkv_w: join(join(q_w, k_w), v_w),
@@ -129,13 +144,18 @@ pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, LlamaPar
             down_b,
         });
     }
+    cur.hold(stage.is_last());
     let norm = cur.push("model.norm.weight".into(), &[c], false, Init::Ones);
     cur.group("norm");
     let (lm_head, tied) = if spec.tied_embeddings {
-        let tied = vec![TiedName {
-            name: LM_HEAD.into(),
-            tensor: 0,
-        }];
+        // The head is the embedding, the first tensor wherever it is held.
+        let tied = (stage.is_first() || stage.is_last())
+            .then(|| TiedName {
+                name: LM_HEAD.into(),
+                tensor: 0,
+            })
+            .into_iter()
+            .collect();
         (embed.clone(), tied)
     } else {
         let w = cur.push(LM_HEAD.into(), &[v, c], true, normal);
@@ -145,8 +165,9 @@ pub fn inventory(spec: &ModelSpec, split: TensorSplit) -> (ParamLayout, LlamaPar
     let params = LlamaParams {
         embed,
         layers,
+        first_layer: held.start,
         norm,
         lm_head,
     };
-    (cur.finish(tied, split), params)
+    (cur.finish(tied, part), params)
 }

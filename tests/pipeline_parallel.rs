@@ -1,0 +1,276 @@
+//! Pipeline parallelism (`--pp`) in one process: ranks as threads over `dist::Local`, the same
+//! executor and collectives as MPI ranks. Each stage holds consecutive layers (the first the
+//! embedding, the last the head and the loss, a tied embedding both) and runs its
+//! micro-batches in the 1F1B order, sending activations on and gradients back. Together the
+//! stages must train as one process does: losses within 1e-5 and weights within 1e-4 after
+//! several steps, GPT-2 and Llama (grouped-query attention, tied and untied heads), under
+//! every recomputation policy, with tensor and data ranks beside them.
+
+mod common;
+
+use common::worst_tensor;
+use memwall::backend::under_test as backend;
+use memwall::dist::{Comm, Local};
+use memwall::exec::{Executor, OptimHparams};
+use memwall::ir::{Mesh, Recompute};
+use memwall::model::{ModelSpec, ParamLayout};
+use memwall::plan::{Mode, StepConfig, build_plan};
+use std::sync::Arc;
+
+const SEQ: usize = 32;
+const STEPS: u64 = 4;
+/// Rows of one micro-batch.
+const B: usize = 2;
+
+fn hparams(step: u64) -> OptimHparams {
+    common::rank_test_hparams(step)
+}
+
+/// One rank's run: per-step losses and grad norms, its parameters, the bytes its transport
+/// sent per step and the plan's figure.
+struct Outcome {
+    losses: Vec<f32>,
+    norms: Vec<f32>,
+    params: Vec<f32>,
+    layout: ParamLayout,
+    sent: u64,
+    planned: u64,
+}
+
+/// Trains `spec` for [`STEPS`] steps as `mesh`'s rank on `comm`, `micro` micro-batches of
+/// [`B`] rows per data rank and step.
+fn train(
+    spec: &ModelSpec,
+    mesh: Mesh,
+    comm: Arc<dyn Comm>,
+    micro: usize,
+    re: Recompute,
+) -> Outcome {
+    let mut cfg = StepConfig::new(B, SEQ, 1);
+    cfg.mesh = mesh;
+    cfg.grad_accum = micro;
+    cfg.recompute = re;
+    let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
+    let planned = plan.comm_bytes_per_step();
+    let layout = plan.layout.clone();
+    let mut ex = Executor::among(plan, backend(), comm.clone()).unwrap();
+    let mut init = layout.initializer(3);
+    ex.fill_params(|r, p| {
+        init.fill(r, p);
+        Ok(())
+    })
+    .unwrap();
+    let (mut losses, mut norms) = (vec![], vec![]);
+    let before = comm.bytes_sent();
+    let rows = B * micro;
+    for step in 1..=STEPS {
+        // Every stage and tensor rank of a data rank reads that data rank's rows.
+        let all = common::random_batch(11, step, (rows * mesh.data, SEQ), spec.vocab_size);
+        let (w, d) = (rows * (SEQ + 1), mesh.data_rank());
+        ex.upload_batch(&all[d * w..(d + 1) * w]).unwrap();
+        let s = ex.train_step(&hparams(step)).unwrap();
+        losses.push(s.loss);
+        norms.push(s.grad_norm);
+    }
+    Outcome {
+        losses,
+        norms,
+        params: ex.download_params().unwrap(),
+        layout,
+        sent: (comm.bytes_sent() - before) / STEPS,
+        planned,
+    }
+}
+
+/// `data × tensor × pipeline` ranks as threads.
+fn ranks(
+    spec: &ModelSpec,
+    (data, tensor, pipeline): (usize, usize, usize),
+    micro: usize,
+    re: Recompute,
+) -> Vec<Outcome> {
+    let n = data * tensor * pipeline;
+    let group: Vec<Arc<dyn Comm>> = Local::group(n)
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Comm>)
+        .collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let mesh = Mesh::new(n, tensor, pipeline, rank);
+                s.spawn(move || train(spec, mesh, comm, micro, re))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The whole model's parameters from the ranks of one data rank (`ranks`): tensor parts put
+/// in place, tensors held by several ranks (whole across tensor ranks, a tied embedding on
+/// both ends of the pipeline) checked bitwise equal.
+fn gathered(whole: &ParamLayout, ranks: &[&Outcome]) -> Vec<f32> {
+    let mut out = vec![f32::NAN; whole.total];
+    for o in ranks {
+        for t in &o.layout.tensors {
+            let w = whole.get(&t.name).unwrap();
+            let mine = &o.params[t.range.clone()];
+            match &t.part {
+                Some(part) => part.put(mine, &mut out[w.range.clone()]),
+                None => {
+                    let held = &mut out[w.range.clone()];
+                    if held[0].is_nan() {
+                        held.copy_from_slice(mine);
+                    } else {
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(held), bits(mine), "{}: ranks differ", t.name);
+                    }
+                }
+            }
+        }
+    }
+    assert!(out.iter().all(|x| !x.is_nan()), "every element gathered");
+    out
+}
+
+fn rel(a: f32, b: f32) -> f32 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// `data × tensor × pipeline` ranks, `micro` micro-batches each, against one process of
+/// `micro × data` micro-batches.
+fn matches_one_process(spec: &ModelSpec, mesh: (usize, usize, usize), micro: usize, re: Recompute) {
+    let (data, tensor, pipeline) = mesh;
+    let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
+    let reference = train(spec, Mesh::SINGLE, single, micro * data, re);
+    let out = ranks(spec, mesh, micro, re);
+    let whole = ParamLayout::new(spec);
+    let what = format!(
+        "{} data={data} tensor={tensor} pipeline={pipeline} micro={micro} {re:?}",
+        spec.name
+    );
+    for (rank, o) in out.iter().enumerate() {
+        assert_eq!(o.layout.stage.size, pipeline, "{what}: rank {rank}");
+        assert!(
+            o.layout.total < whole.total,
+            "{what}: a stage holds part of the model"
+        );
+        for (k, (a, b)) in o.losses.iter().zip(&reference.losses).enumerate() {
+            assert!(
+                rel(*a, *b) < 1e-5,
+                "{what} rank {rank} step {}: loss {a} vs {b}",
+                k + 1
+            );
+        }
+        for (a, b) in o.norms.iter().zip(&reference.norms) {
+            assert!(rel(*a, *b) < 1e-4, "{what} rank {rank}: norm {a} vs {b}");
+        }
+        assert_eq!(o.sent, o.planned, "{what} rank {rank}: bytes sent per step");
+        assert!(o.planned > 0);
+    }
+    let per_data = tensor * pipeline;
+    for d in 0..data {
+        // The ranks of data rank d: tensor fastest, then data, then pipeline (Megatron's order).
+        let mine: Vec<&Outcome> = (0..pipeline)
+            .flat_map(|p| (0..tensor).map(move |t| t + tensor * (d + data * p)))
+            .map(|r| &out[r])
+            .collect();
+        assert_eq!(mine.len(), per_data);
+        let mut params = gathered(&whole, &mine);
+        let reference_params = &reference.params;
+        common::key_biases_within_noise(
+            &whole,
+            &mut params,
+            reference_params,
+            2.0 * hparams(1).lr * STEPS as f32,
+            &what,
+        );
+        let w = worst_tensor(&whole, &params, reference_params);
+        assert!(w < 1e-4, "{what} data rank {d}: weights differ by {w}");
+    }
+}
+
+fn preset(name: &str) -> ModelSpec {
+    ModelSpec::preset(name).unwrap()
+}
+
+#[test]
+fn two_stages_train_gpt2_like_one_process_under_every_recompute_policy() {
+    for re in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        matches_one_process(&preset("gpt2-tiny"), (1, 1, 2), 4, re);
+    }
+}
+
+#[test]
+fn two_stages_train_llama_with_a_tied_head_like_one_process() {
+    // Fewer micro-batches than stages, one, and many.
+    for micro in [1, 2, 5] {
+        matches_one_process(&preset("llama-tiny"), (1, 1, 2), micro, Recompute::None);
+    }
+}
+
+#[test]
+fn four_stages_train_an_untied_llama_like_one_process() {
+    let mut spec = preset("llama-tiny");
+    spec.tied_embeddings = false;
+    matches_one_process(&spec, (1, 1, 4), 6, Recompute::Selective);
+}
+
+#[test]
+fn stages_of_tensor_ranks_train_like_one_process() {
+    matches_one_process(&preset("llama-tiny"), (1, 2, 2), 3, Recompute::None);
+    matches_one_process(&preset("gpt2-tiny"), (1, 2, 2), 2, Recompute::Full);
+}
+
+#[test]
+fn stages_with_data_ranks_train_like_one_process() {
+    matches_one_process(&preset("gpt2-tiny"), (2, 1, 2), 2, Recompute::None);
+}
+
+/// tp 2 × pp 2 × dp 2: every axis at once, 8 ranks.
+#[test]
+fn eight_ranks_of_every_axis_train_llama_like_one_process() {
+    matches_one_process(&preset("llama-tiny"), (2, 2, 2), 2, Recompute::None);
+}
+
+/// Under 1F1B, stage s holds at most min(p − s, m) micro-batches of activations: the first
+/// stage's planned activations grow with the micro-batches up to p, the last's do not.
+#[test]
+fn a_stage_holds_the_activations_of_at_most_p_minus_s_micro_batches() {
+    use memwall::ir::Category;
+    let mut spec = preset("llama-tiny");
+    spec.tied_embeddings = false;
+    let acts = |rank: usize, micro: usize| {
+        let mut cfg = StepConfig::new(B, SEQ, 1);
+        cfg.mesh = Mesh::new(4, 1, 4, rank);
+        cfg.grad_accum = micro;
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+        plan.peak_by_category()
+            .iter()
+            .find(|(c, _)| *c == Category::Activation)
+            .map_or(0, |(_, b)| *b)
+    };
+    // Stage 0 of 4: 1, 2, 3, 4 micro-batches in flight, then no more.
+    let first: Vec<u64> = (1..=6).map(|m| acts(0, m)).collect();
+    for m in 1..4 {
+        assert!(first[m] > first[m - 1], "stage 0: {first:?}");
+    }
+    assert_eq!(first[3], first[4], "stage 0: {first:?}");
+    assert_eq!(first[4], first[5], "stage 0: {first:?}");
+    // The last stage holds one at a time.
+    let last: Vec<u64> = (1..=4).map(|m| acts(3, m)).collect();
+    assert!(last.iter().all(|&b| b == last[0]), "stage 3: {last:?}");
+}
+
+#[test]
+fn a_pipeline_longer_than_the_model_is_refused_naming_both() {
+    let spec = preset("llama-tiny");
+    let mut cfg = StepConfig::new(1, SEQ, 1);
+    cfg.mesh = Mesh::new(8, 1, 8, 0);
+    let e = build_plan(&spec, &cfg, Mode::Train, backend())
+        .err()
+        .unwrap();
+    let msg = format!("{e:#}");
+    assert!(msg.contains("--pp 8") && msg.contains("4 layers"), "{msg}");
+}
