@@ -560,6 +560,16 @@ pub(crate) struct StrategyArgs {
     /// [default: 1; with --resume, the run's own]
     #[arg(long, value_name = "T")]
     pub(crate) tp: Option<usize>,
+    /// Pipeline parallelism: the model's layers cut into P stages of consecutive layers
+    /// (as even as they divide; the first stage also holds the embedding, the last the
+    /// final norm, the head and the loss, a tied embedding both), each on its own ranks
+    /// (of `--tp` ranks each), sending activations forward and their gradients back. The
+    /// micro-batches of a step (--grad-accum, or --global-batch) run in the 1F1B order, so
+    /// stage s holds at most min(P - s, M) of them; with M micro-batches the idle bubble
+    /// is (P - 1)/M of a step. P must be at most the layer count; tp × pp must divide N
+    /// [default: 1]
+    #[arg(long, value_name = "P")]
+    pub(crate) pp: Option<usize>,
     /// LoRA: train rank-R adapters on a frozen base instead of every weight (Hu et al.
     /// 2021, as PEFT does it). The base has no gradients and no optimizer state, and each
     /// frozen layer's backward skips its weight-gradient GEMM; checkpoints hold the adapter
@@ -616,6 +626,7 @@ impl StrategyArgs {
             offload_dir: self.offload_dir.clone(),
             zero: self.zero,
             tp: self.tp,
+            pp: self.pp,
             lora: self.lora.map(|r| LoraRequest {
                 r,
                 alpha: self.lora_alpha,
@@ -741,8 +752,9 @@ pub(crate) struct PlanArgs {
     #[arg(long)]
     pub(crate) json: bool,
     /// Plan one rank of N processes training together (data parallel, with --zero K; with
-    /// --tp T, each T ranks holding the parts of one copy of the model): its memory and
-    /// the bytes it sends per step, for any N.
+    /// --tp T, each T ranks holding the parts of one copy of the model; with --pp P, its
+    /// layers in P stages): its memory and the bytes it sends per step, for any N; every
+    /// rank's peak where the ranks differ.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub(crate) ranks: usize,
     /// Also draw the predicted memory timeline (stacked by category, peak marked) to this SVG file.

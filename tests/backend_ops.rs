@@ -153,6 +153,7 @@ macro_rules! backend_suite {
             state::all_reduce,
             state::reduce_scatter,
             state::all_gather,
+            state::stage_send_recv,
         );
     };
     (@one_process $backend:expr, $p:expr, $attr:meta) => {};

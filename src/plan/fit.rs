@@ -49,6 +49,10 @@ pub struct Strategies {
     /// `ranks / tensor` copies split the batch.
     #[serde(default = "one")]
     pub tensor: usize,
+    /// Pipeline stages, each holding consecutive layers (`--pp`, pipeline parallelism); the
+    /// `ranks / (tensor · pipeline)` copies split the batch.
+    #[serde(default = "one")]
+    pub pipeline: usize,
     /// What each rank keeps of the model's state (`--zero`).
     #[serde(default)]
     pub zero: Zero,
@@ -91,6 +95,7 @@ impl Default for Strategies {
             offload_dir: None,
             ranks: 1,
             tensor: 1,
+            pipeline: 1,
             zero: Zero::DP,
             rank: 0,
             lora: None,
@@ -104,14 +109,27 @@ impl Default for Strategies {
 impl Strategies {
     /// The copies of the model that split the batch: the ranks of the data axis.
     pub fn data_ranks(&self) -> usize {
-        self.ranks / self.tensor.max(1)
+        self.ranks / (self.tensor.max(1) * self.pipeline.max(1))
     }
 
-    /// Checks `--tp` against the ranks, naming both.
-    pub fn check_tensor(&self) -> anyhow::Result<()> {
-        let (t, n) = (self.tensor, self.ranks);
+    /// Checks `--tp` and `--pp` against the ranks, naming them.
+    pub fn check_mesh(&self) -> anyhow::Result<()> {
+        let (t, p, n) = (self.tensor, self.pipeline, self.ranks);
         if t == 0 {
             anyhow::bail!("--tp must be at least 1 (ranks holding the parts of each layer)");
+        }
+        if p == 0 {
+            anyhow::bail!("--pp must be at least 1 (pipeline stages, each holding some layers)");
+        }
+        if p > 1 && n % (t * p) != 0 {
+            anyhow::bail!(
+                "--tp {t} × --pp {p} = {} does not divide the {n} ranks (mpirun -np {n}, or \
+                 plan --ranks {n}): each {} ranks hold one copy of the model, {p} stages of {t}; \
+                 use {} ranks, or a --tp and --pp whose product divides {n}",
+                t * p,
+                t * p,
+                n.div_ceil(t * p) * t * p
+            );
         }
         if n % t != 0 {
             anyhow::bail!(
@@ -138,7 +156,7 @@ impl Strategies {
             .offload_dir
             .clone()
             .filter(|_| self.offload.may_offload());
-        cfg.mesh = crate::ir::Mesh::data_tensor(self.ranks, self.tensor, self.rank);
+        cfg.mesh = crate::ir::Mesh::new(self.ranks, self.tensor, self.pipeline, self.rank);
         cfg.zero = self.zero;
         cfg.lora = self.lora.clone();
         cfg.packed = self.packed;
@@ -163,6 +181,7 @@ impl Strategies {
             offload_dir,
             ranks: cfg.mesh.world(),
             tensor: cfg.mesh.tensor,
+            pipeline: cfg.mesh.pipeline,
             zero: cfg.zero,
             rank: cfg.mesh.rank,
             lora: cfg.lora.clone(),

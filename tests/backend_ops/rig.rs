@@ -61,6 +61,8 @@ pub struct Rig {
     disk: Option<tempfile::TempDir>,
     /// Ranks, this rank, and the cut of parameter group 0 (checks of collectives).
     ranks: Option<(usize, usize, memwall::ir::Cut)>,
+    /// The ranks are pipeline stages (their mesh's pipeline axis), not data ranks.
+    stages: bool,
 }
 
 impl Rig {
@@ -74,6 +76,7 @@ impl Rig {
             grads: BufId(0),
             disk: None,
             ranks: None,
+            stages: false,
         };
         // Sized in `start`, once the parameter space is known.
         rig.params = rig.buf("params", DType::F32, 0);
@@ -148,6 +151,12 @@ impl Rig {
     /// Makes the plan one rank of `ranks` (`rank`), parameter group 0 cut by `cut`.
     pub fn among(&mut self, ranks: usize, rank: usize, cut: memwall::ir::Cut) {
         self.ranks = Some((ranks, rank, cut));
+    }
+
+    /// As [`Rig::among`], the ranks being the stages of a pipeline.
+    pub fn among_stages(&mut self, ranks: usize, rank: usize, cut: memwall::ir::Cut) {
+        self.ranks = Some((ranks, rank, cut));
+        self.stages = true;
     }
 
     /// Appends `op` with the bindings `bind` names; returns its index.
@@ -226,7 +235,10 @@ impl Rig {
         cfg.offload.dir = self.disk.as_ref().map(|d| PathBuf::from(d.path()));
         let mut cuts = Vec::new();
         if let Some((ranks, rank, cut)) = self.ranks.take() {
-            cfg.mesh = memwall::ir::Mesh::data_parallel(ranks, rank);
+            cfg.mesh = match self.stages {
+                true => memwall::ir::Mesh::new(ranks, 1, ranks, rank),
+                false => memwall::ir::Mesh::data_parallel(ranks, rank),
+            };
             cuts.push(cut);
         }
         let segments = |buf| Segments {
@@ -267,8 +279,9 @@ impl Rig {
             tiers: tier_sizes,
             cuts,
         };
+        let comms = memwall::dist::Comms::new(comm, &plan.cfg.mesh).expect("the rig's mesh");
         let dev = backend
-            .start(&plan.program(), memwall::dist::Comms::data_parallel(comm))
+            .start(&plan.program(), comms)
             .unwrap_or_else(|e| panic!("the backend refused a {precision} plan: {e:#}"));
         Started {
             plan,
@@ -618,6 +631,8 @@ pub fn kind(op: &Op) -> &'static str {
         Op::AllReduce { .. } => "all_reduce",
         Op::ReduceScatter { .. } => "reduce_scatter",
         Op::AllGather { .. } => "all_gather",
+        Op::StageSend { .. } => "stage_send",
+        Op::StageRecv { .. } => "stage_recv",
         // Checked with the collectives (`state::run_collective`).
         Op::AwaitCollective { .. } => "await_collective",
     }

@@ -517,3 +517,61 @@ pub fn all_gather(be: &dyn Backend, p: Precision) {
         }
     }
 }
+
+/// Pipeline stages in a row: each receives `buf` from the stage before (the first fills
+/// its own) and sends it on to the next: every stage ends with the first's values, bitwise
+/// (the bytes move, whatever the element type).
+pub fn stage_send_recv(be: &dyn Backend, p: Precision) {
+    use memwall::ir::Peer;
+    let mut ranks: Vec<(Started, memwall::ir::BufId)> = Local::group(RANKS)
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
+            let mut rig = Rig::new(p);
+            rig.among_stages(RANKS, r, cut());
+            let buf = rig.act("buf", LEN); // [LEN]
+            if r > 0 {
+                rig.op(
+                    Op::StageRecv {
+                        buf,
+                        from: Peer::Prev,
+                    },
+                    Bind::None,
+                );
+            }
+            if r + 1 < RANKS {
+                rig.op(
+                    Op::StageSend {
+                        buf,
+                        to: Peer::Next,
+                    },
+                    Bind::None,
+                );
+            }
+            (rig.start_among(be, Arc::new(comm)), buf)
+        })
+        .collect();
+    let mut rng = Rng::new(7);
+    let first = ranks[0].1;
+    let want = ranks[0].0.fill(first, &mut rng, -1.0, 1.0);
+    std::thread::scope(|scope| {
+        for (s, buf) in &ranks {
+            scope.spawn(move || {
+                for e in &s.plan.schedule.ops {
+                    let wait = OpEntry {
+                        name: format!("{}.await", e.name),
+                        op: Op::AwaitCollective { bufs: vec![*buf] },
+                        ..e.clone()
+                    };
+                    s.dev
+                        .run(e, &ctx())
+                        .and_then(|_| s.dev.run(&wait, &ctx()))
+                        .unwrap_or_else(|err| panic!("{}: {err:#}", e.name));
+                }
+            });
+        }
+    });
+    for (r, (s, buf)) in ranks.iter().enumerate() {
+        same(&format!("stage {r} of {RANKS}"), &s.get(*buf), &want);
+    }
+}

@@ -39,6 +39,8 @@ pub struct StrategyRequest {
     pub zero: Option<Zero>,
     /// `--tp`.
     pub tp: Option<usize>,
+    /// `--pp`.
+    pub pp: Option<usize>,
     /// `--lora R` and its companions.
     pub lora: Option<LoraRequest>,
     /// `--base-quant`.

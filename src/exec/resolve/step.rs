@@ -184,9 +184,9 @@ pub fn resolve_step(
             step.device
         );
     }
-    if step.fit && (ranks > 1 || st.zero.is_some() || st.tp.is_some()) {
+    if step.fit && (ranks > 1 || st.zero.is_some() || st.tp.is_some() || st.pp.is_some()) {
         bail!(
-            "--fit searches one process's plan; with --ranks, --zero or --tp give the strategies yourself (the per-rank search is not there yet)"
+            "--fit searches one process's plan; with --ranks, --zero, --tp or --pp give the strategies yourself (the per-rank search is not there yet)"
         );
     }
     if step.fit {
@@ -209,8 +209,9 @@ pub fn resolve_step(
     let mut strategies = st.strategies(step.max_memory)?;
     strategies.ranks = ranks;
     strategies.tensor = st.tp.unwrap_or(1);
-    strategies.check_tensor()?;
-    // The copies of the model that split the batch (each `--tp` ranks hold one).
+    strategies.pipeline = st.pp.unwrap_or(1);
+    strategies.check_mesh()?;
+    // The copies of the model that split the batch (each `--tp` × `--pp` ranks hold one).
     let ranks = strategies.data_ranks();
     strategies.lora = match &frozen.lora {
         Some(l) => Some(l.clone()),

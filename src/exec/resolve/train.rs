@@ -246,11 +246,14 @@ pub fn resume(
     if let Some(t) = req.step.strategy.tp {
         opts.strategies.tensor = t;
     }
+    if let Some(p) = req.step.strategy.pp {
+        opts.strategies.pipeline = p;
+    }
     let resumed = Strategies {
         ranks,
         ..opts.strategies.clone()
     };
-    resumed.check_tensor()?;
+    resumed.check_mesh()?;
     let ranks = resumed.data_ranks();
     opts.profile_steps = req.profile_steps;
     // What the run's weights follow stays; when and how much it evaluates and saves may change.

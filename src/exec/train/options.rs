@@ -588,6 +588,7 @@ mod tests {
                 "offload_dir",
                 "optim_state",
                 "out",
+                "pipeline",
                 "precision",
                 "profile_steps",
                 "ranks",
