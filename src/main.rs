@@ -205,7 +205,7 @@ fn tokenize_cmd(a: TokenizeArgs) -> Result<()> {
 /// One line: the plan's predicted step time, its bound, and where the calibration came from.
 fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Calibration) -> String {
     let tokens = (plan.cfg.batch * plan.cfg.grad_accum * plan.cfg.seq) as f64;
-    let comm = if plan.cfg.mesh.world() > 1 {
+    let mut comm = if plan.cfg.mesh.world() > 1 {
         format!(
             "\n  predicted collectives         {:.2} s beside compute, {:.2} s of it exposed ({})",
             t.comm_s,
@@ -215,6 +215,12 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
     } else {
         String::new()
     };
+    if t.bubble_s > 0.0 {
+        comm.push_str(&format!(
+            "\n  predicted pipeline bubble     {:.2} s idle in the step ((pp - 1)/micro-batches of its forward and backward)",
+            t.bubble_s
+        ));
+    }
     format!(
         "  predicted step time          {:.2} s ({:.0} tokens/s; {}-bound: compute {:.2} s, disk {:.2} s, waiting {:.2} s){comm}\n  time model                   {}",
         t.step_s,

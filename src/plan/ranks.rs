@@ -1,4 +1,4 @@
-//! Every rank's plan of a job (`plan --ranks N --tp T`): each rank of the mesh with its
+//! Every rank's plan of a job (`plan --ranks N --tp T --pp P`): each rank of the mesh with its
 //! coordinates, parameters held, predicted peak and bytes by category, so a script can hold
 //! each rank to its own figure.
 //!
@@ -6,7 +6,9 @@
 //! axis every rank holds an equal part of every layer (the first one adds the row-parallel
 //! biases, which changes ops, not buffers), and along the data axis every rank holds the
 //! same buffers unless 8-bit moments are sharded at the blocks' edges (then each data rank's
-//! shard differs). So a job of any size is planned a few times, not once per rank.
+//! shard differs). Each pipeline stage holds its own layers (the first the embedding, the
+//! last the head: stages differ), so it is planned once per stage. So a job of any size is
+//! planned a few times, not once per rank.
 
 use super::{Mode, Plan, StepConfig, build_plan};
 use crate::ir::{Axis, Category, Mesh, OptimState, Sizing};
@@ -56,13 +58,16 @@ pub fn every_rank(
 ) -> Result<Vec<RankPlan>> {
     let mesh = cfg.mesh;
     let edges = cfg.zero.shards_optimizer() && cfg.optim_state == OptimState::Int8;
-    let mut made: BTreeMap<(usize, usize), RankPlan> = BTreeMap::new();
+    let mut made: BTreeMap<(usize, usize, usize), RankPlan> = BTreeMap::new();
     (0..mesh.world())
         .map(|rank| {
             let m = Mesh { rank, ..mesh };
+            // Tensor rank 0 adds what row-parallel layers add once; the others are alike.
+            // Each pipeline stage holds its own layers.
             let key = (
                 m.coord(Axis::Tensor).min(1),
                 if edges { m.coord(Axis::Data) } else { 0 },
+                m.coord(Axis::Pipeline),
             );
             let shared = match made.entry(key) {
                 std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),

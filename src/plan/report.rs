@@ -58,7 +58,30 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             mesh.data
         );
     }
-    let per_rank = (cfg.mesh.data > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
+    if mesh.pipeline > 1 {
+        let stage = mesh.pipeline_stage();
+        let layers = stage.layers(plan.spec.n_layer);
+        let micro = cfg.grad_accum;
+        let _ = writeln!(
+            s,
+            "      one rank of {}: pipeline stage {} of {} (layers {}..{} of {}{}{}), its {} \
+             micro-batches in the 1F1B order: at most {} in flight, an idle bubble of {}/{} of \
+             the step",
+            mesh.world(),
+            stage.rank,
+            stage.size,
+            layers.start,
+            layers.end,
+            plan.spec.n_layer,
+            if stage.is_first() { "; the embedding" } else { "" },
+            if stage.is_last() { "; the head and the loss" } else { "" },
+            micro,
+            stage.in_flight(micro),
+            stage.size - 1,
+            micro
+        );
+    }
+    let per_rank = (mesh.world() > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
     if let Some(r) = &per_rank {
         let stage = match r.zero {
             0 => "plain data parallelism: every rank keeps everything",

@@ -467,7 +467,8 @@ fn repeat_micro_batches(t: StepTime, built: usize, k: usize) -> StepTime {
     let f = k as f64 / built as f64;
     let scale = |x: f64| x * f;
     StepTime {
-        step_s: t.update_s + (t.step_s - t.update_s) * f,
+        // A stage's idle time is (p − 1) micro-batches' work, whatever their number.
+        step_s: t.update_s + (t.step_s - t.update_s - t.bubble_s) * f + t.bubble_s,
         compute_s: t.update_s + (t.compute_s - t.update_s) * f,
         io_s: scale(t.io_s),
         stall_s: scale(t.stall_s),

@@ -452,6 +452,9 @@ pub struct StepTime {
     pub comm_wait_s: f64,
     /// Seconds of the update's ops (`Optimizer` and `DeferredUpdate` phases), in `compute_s`.
     pub update_s: f64,
+    /// Seconds a pipeline stage idles while the pipeline fills and drains (1F1B's bubble:
+    /// (p − 1)/m of its forward and backward, stages taken as balanced), in `step_s`.
+    pub bubble_s: f64,
     pub bound: Bound,
     /// Seconds by op kind, largest first.
     pub by_kind: Vec<(String, f64)>,
@@ -525,7 +528,9 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
         }
     }
     let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s;
-    let step_s = tc.max(ti).max(tcomm);
+    let stage = plan.cfg.mesh.pipeline_stage();
+    let bubble_s = (compute_s - update_s) * (stage.size - 1) as f64 / plan.cfg.grad_accum as f64;
+    let step_s = tc.max(ti).max(tcomm) + bubble_s;
     let mut by_kind: Vec<(String, f64)> = by_kind.into_iter().collect();
     by_kind.sort_by(|a, b| b.1.total_cmp(&a.1));
     StepTime {
@@ -536,6 +541,7 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
         comm_s,
         comm_wait_s: comm_wait + (tcomm - tc.max(ti)).max(0.0),
         update_s,
+        bubble_s,
         bound: if busy > compute_s {
             Bound::Io
         } else {

@@ -763,7 +763,8 @@ pub struct PerRank {
     pub zero: u8,
     /// Bytes each rank sends per step in collectives (every rank sends as much).
     pub comm_bytes_per_step: u64,
-    /// Of which, by collective: `all_reduce`, `reduce_scatter`, `all_gather`.
+    /// Of which, by collective: `all_reduce`, `reduce_scatter`, `all_gather`, `send`
+    /// (pipeline stages), `scalars`.
     pub comm_by_collective: BTreeMap<String, u64>,
     /// The model state this rank holds (parameters as kept between steps, the gradients'
     /// own peak, the optimizer state).
@@ -804,6 +805,7 @@ pub fn per_rank(plan: &Plan) -> PerRank {
             Op::AllReduce { .. } => "all_reduce",
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllGather { .. } => "all_gather",
+            Op::StageSend { .. } => "send",
             _ => continue,
         };
         *comm_by_collective.entry(name.to_string()).or_insert(0) += plan.comm_bytes(e);

@@ -259,7 +259,7 @@ impl PlanJson {
         self.predicted_step_s = Some(t.step_s);
         self.predicted = Some(serde_json::json!({
             "compute_s": t.compute_s, "io_s": t.io_s, "stall_s": t.stall_s, "bound": t.bound,
-            "comm_s": t.comm_s, "comm_wait_s": t.comm_wait_s,
+            "comm_s": t.comm_s, "comm_wait_s": t.comm_wait_s, "bubble_s": t.bubble_s,
             "estimated": t.estimated, "calibration": cal.describe(),
         }));
         if self.comm_bytes_per_step > 0 {
