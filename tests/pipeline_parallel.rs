@@ -12,7 +12,7 @@ use common::worst_tensor;
 use memwall::backend::under_test as backend;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
-use memwall::ir::{Mesh, Recompute};
+use memwall::ir::{Mesh, Recompute, Zero};
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};
 use std::sync::Arc;
@@ -41,13 +41,14 @@ struct Outcome {
 /// [`B`] rows per data rank and step.
 fn train(
     spec: &ModelSpec,
-    mesh: Mesh,
+    (mesh, zero): (Mesh, Zero),
     comm: Arc<dyn Comm>,
     micro: usize,
     re: Recompute,
 ) -> Outcome {
     let mut cfg = StepConfig::new(B, SEQ, 1);
     cfg.mesh = mesh;
+    cfg.zero = zero;
     cfg.grad_accum = micro;
     cfg.recompute = re;
     let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
@@ -75,17 +76,20 @@ fn train(
     Outcome {
         losses,
         norms,
-        params: ex.download_params().unwrap(),
+        params: match zero.shards_params() {
+            true => vec![],
+            false => ex.download_params().unwrap(),
+        },
         layout,
         sent: (comm.bytes_sent() - before) / STEPS,
         planned,
     }
 }
 
-/// `data × tensor × pipeline` ranks as threads.
+/// `data × tensor × pipeline` ranks as threads, ZeRO stage `zero` on the data axis.
 fn ranks(
     spec: &ModelSpec,
-    (data, tensor, pipeline): (usize, usize, usize),
+    (data, tensor, pipeline, zero): (usize, usize, usize, Zero),
     micro: usize,
     re: Recompute,
 ) -> Vec<Outcome> {
@@ -100,7 +104,7 @@ fn ranks(
             .enumerate()
             .map(|(rank, comm)| {
                 let mesh = Mesh::new(n, tensor, pipeline, rank);
-                s.spawn(move || train(spec, mesh, comm, micro, re))
+                s.spawn(move || train(spec, (mesh, zero), comm, micro, re))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -142,12 +146,24 @@ fn rel(a: f32, b: f32) -> f32 {
 /// `micro × data` micro-batches.
 fn matches_one_process(spec: &ModelSpec, mesh: (usize, usize, usize), micro: usize, re: Recompute) {
     let (data, tensor, pipeline) = mesh;
+    matches_one_process_at(spec, (data, tensor, pipeline, Zero::DP), micro, re)
+}
+
+/// [`matches_one_process`] with ZeRO stage `zero` on the data axis (at stage 3 the
+/// parameters are shards, so the losses and norms are compared, not the weights).
+fn matches_one_process_at(
+    spec: &ModelSpec,
+    mesh: (usize, usize, usize, Zero),
+    micro: usize,
+    re: Recompute,
+) {
+    let (data, tensor, pipeline, zero) = mesh;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
-    let reference = train(spec, Mesh::SINGLE, single, micro * data, re);
+    let reference = train(spec, (Mesh::SINGLE, Zero::DP), single, micro * data, re);
     let out = ranks(spec, mesh, micro, re);
     let whole = ParamLayout::new(spec);
     let what = format!(
-        "{} data={data} tensor={tensor} pipeline={pipeline} micro={micro} {re:?}",
+        "{} data={data} tensor={tensor} pipeline={pipeline} zero={zero} micro={micro} {re:?}",
         spec.name
     );
     for (rank, o) in out.iter().enumerate() {
@@ -168,6 +184,9 @@ fn matches_one_process(spec: &ModelSpec, mesh: (usize, usize, usize), micro: usi
         }
         assert_eq!(o.sent, o.planned, "{what} rank {rank}: bytes sent per step");
         assert!(o.planned > 0);
+    }
+    if zero.shards_params() {
+        return;
     }
     let per_data = tensor * pipeline;
     for d in 0..data {
@@ -226,6 +245,24 @@ fn stages_of_tensor_ranks_train_like_one_process() {
 #[test]
 fn stages_with_data_ranks_train_like_one_process() {
     matches_one_process(&preset("gpt2-tiny"), (2, 1, 2), 2, Recompute::None);
+}
+
+/// ZeRO 1, 2 and 3 on the data axis of a pipeline (DeepSpeed refuses pipeline parallelism
+/// with stages 2 and 3), tied and untied heads, several micro-batches (ZeRO 2
+/// reduce-scatters each one's gradients).
+#[test]
+fn stages_with_zero_on_the_data_axis_train_like_one_process_at_every_stage() {
+    let mut untied = preset("llama-tiny");
+    untied.tied_embeddings = false;
+    for zero in 1..=3 {
+        matches_one_process_at(&untied, (2, 1, 2, Zero(zero)), 3, Recompute::None);
+        matches_one_process_at(
+            &preset("gpt2-tiny"),
+            (2, 1, 2, Zero(zero)),
+            3,
+            Recompute::None,
+        );
+    }
 }
 
 /// tp 2 × pp 2 × dp 2: every axis at once, 8 ranks.

@@ -363,13 +363,6 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--pp {p} with --offload: not there yet; use --offload none");
     }
-    if cfg.zero.shards_optimizer() {
-        bail!(
-            "--pp {p} with --zero {}: not there yet (the data axis of a pipeline shards \
-             nothing so far); use --zero 0",
-            cfg.zero
-        );
-    }
     Ok(())
 }
 

@@ -73,8 +73,16 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             layers.start,
             layers.end,
             plan.spec.n_layer,
-            if stage.is_first() { "; the embedding" } else { "" },
-            if stage.is_last() { "; the head and the loss" } else { "" },
+            if stage.is_first() {
+                "; the embedding"
+            } else {
+                ""
+            },
+            if stage.is_last() {
+                "; the head and the loss"
+            } else {
+                ""
+            },
             micro,
             stage.in_flight(micro),
             stage.size - 1,

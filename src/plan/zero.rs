@@ -196,6 +196,14 @@ pub(super) fn collectives(
         grads.segments.iter().map(|s| s.range.clone()).collect();
     let storage = g.buffers[grads.segments[0].buf.0].dtype;
     let norm_at = norm_shares(g, &groups);
+    // A tied embedding's group on a pipeline's two ends: its gradients are summed between
+    // them once final (`plan::pipeline::tied_embedding_sum`), so they are reduce-scattered
+    // after that, once.
+    let tied = (layout.stage.is_split() && !layout.tied.is_empty()).then(|| {
+        grads
+            .locate(&layout.tensors[layout.tied[0].tensor].range)
+            .buf
+    });
     let update_at = updates(g, groups.len());
     let mut ins = Inserts::default();
     let mut shards: Vec<Segment> = Vec::new();
@@ -218,7 +226,7 @@ pub(super) fn collectives(
         let shard = grad_shard(g, split, &gr);
         // Gradients: reduce-scattered once final (ZeRO 1, or one micro-batch), or every
         // micro-batch from a buffer of its own (ZeRO 2).
-        if sh.zero.shards_grads() && micro > 1 {
+        if sh.zero.shards_grads() && micro > 1 && tied != Some(gr.grad) {
             reduce_scatter_each_micro_batch(g, &gr, &shard, storage, micro, &mut ins);
         } else {
             reduce_scatter(g, &gr, &shard, storage, &mut ins);

@@ -212,6 +212,24 @@ const PRESETS: &[Preset] = &[
         bos: 128000,
         eos: 128001,
     },
+    Preset {
+        name: "llama-3-70b",
+        family: Family::Llama,
+        vocab: 128256,
+        positions: 8192,
+        embd: 8192,
+        layers: 80,
+        heads: 64,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 28672,
+        eps: 1e-5,
+        theta: 500_000.0,
+        llama32_scaling: false,
+        tied: false,
+        bos: 128000,
+        eos: 128001,
+    },
 ];
 
 /// Llama 3.2's rope scaling.
@@ -547,6 +565,7 @@ mod tests {
             ("llama-3.2-3b", 3_212_749_824),
             ("llama-2-7b", 6_738_415_616),
             ("llama-3-8b", 8_030_261_248),
+            ("llama-3-70b", 70_553_706_496),
         ] {
             let s = ModelSpec::preset(name).unwrap();
             assert_eq!(s.num_params(), want, "{name}");
