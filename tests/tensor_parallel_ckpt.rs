@@ -4,7 +4,10 @@
 //! each cut tensor's parts from data rank 0's tensor ranks, whole tensors are its own, and
 //! the data ranks beside them write nothing. Each tensor rank loads its parts back from the
 //! whole files, so a run saved by one process resumes on two tensor ranks, and the reverse,
-//! training on as one process does (losses within 1e-5, weights within 1e-4).
+//! training on as one process does (losses within 1e-5, weights within 1e-4). With ZeRO 1–3
+//! on the data axis (dp 2 × tp 2), rank 0 gathers each piece from its owner (data shard and
+//! tensor part): the files are those one process, tp 2 and zero alone write of the same
+//! state, and a run resumes on each of those layouts and back like an uninterrupted one.
 
 mod common;
 
