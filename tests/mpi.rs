@@ -2,7 +2,8 @@
 //! runs these): the same mathematics as one process with accumulation at every ZeRO stage
 //! (2 and 4 ranks), each rank's memory as planned, resume on the same and on another number
 //! of ranks, a killed rank, ranks started with different flags; tensor-parallel ranks
-//! (`--tp`) training, saving and resuming on one process like one process.
+//! (`--tp`, with `--zero` 0–3 on the data axis) training, saving and resuming on one
+//! process, and one process resuming on them, like one process.
 #![cfg(feature = "mpi")]
 
 mod common;
@@ -332,20 +333,7 @@ fn tensor_ranks_train_like_one_process_and_resume_on_one() {
     let data = data(dir.path());
     let steps = 10;
     let close = |what: &str, run: &Path, reference: &Path| {
-        let (a, b) = (losses(run), losses(reference));
-        assert_eq!(a.len() as u64, steps, "{what}");
-        for (k, (x, y)) in a.iter().zip(&b).enumerate() {
-            assert!(
-                (x - y).abs() <= 1e-5 * y.abs(),
-                "{what}: step {} loss {x} vs {y}",
-                k + 1
-            );
-        }
-        let (layout, mut w) = weights(run, steps);
-        let (_, r) = weights(reference, steps);
-        common::key_biases_within_noise(&layout, &mut w, &r, 2.0 * 2e-3 * steps as f32, what);
-        let worst = worst_tensor(&layout, &w, &r);
-        assert!(worst < 1e-4, "{what}: weights differ by {worst}");
+        assert_close_tensor_ranks(what, run, reference, steps)
     };
     let tp = |out: &Path| {
         let mut a = run_args(&data, out, 2, steps);
@@ -379,6 +367,93 @@ fn tensor_ranks_train_like_one_process_and_resume_on_one() {
     again.extend(["--tp".into(), "1".into()]);
     ok(&common::memwall(&strs(&again)));
     close("tp 2 resumed on one process", &killed, &one);
+}
+
+/// [`assert_close_training`] for tensor ranks (lr 2e-3): losses within 1e-5 relative, GPT-2's
+/// key bias held to the noise bound (`common::key_biases_within_noise`), every other tensor
+/// to 1e-4.
+fn assert_close_tensor_ranks(what: &str, run: &Path, reference: &Path, steps: u64) {
+    let (a, b) = (losses(run), losses(reference));
+    assert_eq!(a.len() as u64, steps, "{what}");
+    for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "{what}: step {} loss {x} vs {y}",
+            k + 1
+        );
+    }
+    let (layout, mut w) = weights(run, steps);
+    let (_, r) = weights(reference, steps);
+    common::key_biases_within_noise(&layout, &mut w, &r, 2.0 * 2e-3 * steps as f32, what);
+    let worst = worst_tensor(&layout, &w, &r);
+    assert!(worst < 1e-4, "{what}: weights differ by {worst}");
+}
+
+/// `--tp 2` with `--zero` on the data axis as processes (2 tensor ranks x 2 data ranks),
+/// each run of 4 processes saving the whole model through rank 0: at stage 3 they train
+/// like one process with accumulation 2; at stage 1, killed in step 7, they resume on one
+/// process; one process killed in step 7 resumes on them at stage 2. Every run finishes
+/// like the uninterrupted one process.
+#[test]
+fn tensor_ranks_with_zero_save_and_resume_on_other_layouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 10;
+    let args = |out: &Path, extra: &[&str]| {
+        let mut a = run_args(&data, out, 2, steps);
+        let at = a.iter().position(|f| f == "--save-every").unwrap();
+        a[at + 1] = "5".into();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let accum = dir.path().join("accum");
+    ok(&common::memwall(&strs(&args(
+        &accum,
+        &["--grad-accum", "2"],
+    ))));
+    // Stage 3: parameters sharded along the data axis and cut along the tensor axis.
+    let four = dir.path().join("zero3");
+    let text = ok(&mpirun(
+        4,
+        &strs(&args(&four, &["--tp", "2", "--zero", "3"])),
+        &[],
+    ));
+    assert!(text.contains("--zero 3"), "{text}");
+    assert_close_tensor_ranks("tp 2 x dp 2 zero 3", &four, &accum, steps);
+    // Stage 1, rank 3 (data rank 1's second tensor rank) killed in step 7: one process
+    // resumes the step-5 checkpoint.
+    let killed = dir.path().join("zero1");
+    let o = mpirun(
+        4,
+        &strs(&args(&killed, &["--tp", "2", "--zero", "1"])),
+        &[("MEMWALL_KILL_RANK", "3:7")],
+    );
+    assert!(!o.status.success(), "{}", output_text(&o));
+    let mut again = resume(&killed);
+    again.extend(["--tp", "1", "--zero", "0", "--grad-accum", "2"].map(String::from));
+    ok(&common::memwall(&strs(&again)));
+    assert_close_tensor_ranks(
+        "tp 2 x dp 2 zero 1 resumed on one process",
+        &killed,
+        &accum,
+        steps,
+    );
+    // One process killed in step 7: 4 processes at stage 2 resume its step-5 checkpoint.
+    let alone = dir.path().join("alone");
+    let o = common::memwall_env(
+        &[("MEMWALL_KILL_RANK", "0:7")],
+        &strs(&args(&alone, &["--grad-accum", "2"])),
+    );
+    assert!(!o.status.success(), "{}", output_text(&o));
+    let mut again = resume(&alone);
+    again.extend(["--tp", "2", "--zero", "2", "--grad-accum", "1"].map(String::from));
+    ok(&mpirun(4, &strs(&again), &[]));
+    assert_close_tensor_ranks(
+        "one process resumed on tp 2 x dp 2 zero 2",
+        &alone,
+        &accum,
+        steps,
+    );
 }
 
 #[test]

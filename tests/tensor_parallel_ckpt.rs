@@ -4,7 +4,10 @@
 //! each cut tensor's parts from data rank 0's tensor ranks, whole tensors are its own, and
 //! the data ranks beside them write nothing. Each tensor rank loads its parts back from the
 //! whole files, so a run saved by one process resumes on two tensor ranks, and the reverse,
-//! training on as one process does (losses within 1e-5, weights within 1e-4).
+//! training on as one process does (losses within 1e-5, weights within 1e-4). With ZeRO 1–3
+//! on the data axis (dp 2 × tp 2), rank 0 gathers each piece from its owner (data shard and
+//! tensor part): the files are those one process, tp 2 and zero alone write of the same
+//! state, and a run resumes on each of those layouts and back like an uninterrupted one.
 
 mod common;
 
@@ -13,7 +16,7 @@ use memwall::backend::under_test as backend;
 use memwall::ckpt::{self, SaveOptions, TrainerState};
 use memwall::dist::{Comm, Local, Single};
 use memwall::exec::{Executor, OptimHparams};
-use memwall::ir::{Mesh, Moments, MomentsMut, OptimState};
+use memwall::ir::{Mesh, Moments, MomentsMut, OptimState, Zero};
 use memwall::model::{ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};
 use std::path::{Path, PathBuf};
@@ -52,19 +55,39 @@ struct Rank {
     ex: Executor,
     mesh: Mesh,
     spec: ModelSpec,
+    /// Rows per step of this data rank.
+    batch: usize,
 }
 
 impl Rank {
     /// `model`'s training plan for `mesh`'s rank, started on `comm`, its moments stored as
     /// `state`.
     fn start(model: &str, mesh: Mesh, comm: Arc<dyn Comm>, state: OptimState) -> Rank {
+        Rank::start_at(model, (mesh, Zero::DP), comm, state, BATCH)
+    }
+
+    /// [`Rank::start`] with ZeRO stage `zero` on the data axis and `batch` rows per data
+    /// rank.
+    fn start_at(
+        model: &str,
+        (mesh, zero): (Mesh, Zero),
+        comm: Arc<dyn Comm>,
+        state: OptimState,
+        batch: usize,
+    ) -> Rank {
         let spec = ModelSpec::preset(model).unwrap();
-        let mut cfg = StepConfig::new(BATCH, SEQ, 1);
+        let mut cfg = StepConfig::new(batch, SEQ, 1);
         cfg.mesh = mesh;
+        cfg.zero = zero;
         cfg.optim_state = state;
         let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
         let ex = Executor::among(plan, backend(), comm).unwrap();
-        Rank { ex, mesh, spec }
+        Rank {
+            ex,
+            mesh,
+            spec,
+            batch,
+        }
     }
 
     /// The whole model's initialisation (seed 3), this rank's part of it.
@@ -96,8 +119,8 @@ impl Rank {
     fn train(&mut self, steps: std::ops::RangeInclusive<u64>) -> Vec<f32> {
         let mut losses = Vec::new();
         for step in steps {
-            let all = global_batch(step, BATCH * self.mesh.data, self.spec.vocab_size);
-            let (w, d) = (BATCH * (SEQ + 1), self.mesh.data_rank());
+            let all = global_batch(step, self.batch * self.mesh.data, self.spec.vocab_size);
+            let (w, d) = (self.batch * (SEQ + 1), self.mesh.data_rank());
             self.ex.upload_batch(&all[d * w..(d + 1) * w]).unwrap();
             losses.push(self.ex.train_step(&hparams(step)).unwrap().loss);
         }
@@ -468,4 +491,292 @@ fn int8_moments_with_tensor_ranks_are_refused_before_work() {
     let msg = format!("{e:#}");
     assert!(msg.contains("--tp 2 with --optim-state int8"), "{msg}");
     assert!(msg.contains("use --optim-state bf16 or f32"), "{msg}");
+}
+
+/// A job's layout: data ranks (ZeRO stage `zero` on that axis) × tensor ranks.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    data: usize,
+    tensor: usize,
+    zero: u8,
+}
+
+impl Layout {
+    const ONE: Layout = Layout {
+        data: 1,
+        tensor: 1,
+        zero: 0,
+    };
+
+    fn new(data: usize, tensor: usize, zero: u8) -> Layout {
+        Layout { data, tensor, zero }
+    }
+
+    /// Runs `f` on each rank of this layout (threads), each started with its plan of
+    /// `model` (moments as `state`, [`ROWS`] rows per step among the data ranks).
+    fn run<T: Send>(
+        self,
+        model: &str,
+        state: OptimState,
+        f: impl Fn(&mut Rank) -> T + Sync,
+    ) -> Vec<T> {
+        job(self.data, self.tensor, |mesh, comm| {
+            let at = (mesh, Zero(self.zero));
+            let mut r = Rank::start_at(model, at, comm, state, ROWS / self.data);
+            f(&mut r)
+        })
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "dp {} x tp {} zero {}",
+            self.data, self.tensor, self.zero
+        )
+    }
+}
+
+/// Rows of each step's global batch, whatever the layout.
+const ROWS: usize = 2 * BATCH;
+
+/// Asserts that checkpoints `a` and `b` hold the same files, byte for byte.
+fn same_files(a: &Path, b: &Path, what: &str) {
+    let (a, b) = (files(a), files(b));
+    let names = |f: &[(String, Vec<u8>)]| f.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&a), names(&b), "{what}");
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert!(x == y, "{what}: {name} differs");
+    }
+}
+
+/// The ranks of `mesh` train `model` 3 steps and save (moments as `state`, weights in files
+/// of at most `max_shard_bytes`). Unless the parameters are sharded (ZeRO 3) the saved
+/// weights are the ranks' parts put together, bitwise. Loaded on each of `others` and on
+/// fresh ranks of `mesh`, and saved again by each, the checkpoint comes back byte for byte:
+/// what every layout writes of that state.
+fn saves_what_every_layout_saves(
+    model: &str,
+    mesh: Layout,
+    state: OptimState,
+    max_shard_bytes: u64,
+    others: &[Layout],
+) {
+    let zero = mesh.zero;
+    let what = format!("{model} {mesh} {state}");
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = SaveOptions {
+        max_shard_bytes,
+        ..SaveOptions::default()
+    };
+    let run = tmp.path().join("saved");
+    let out = mesh.run(model, state, |r| {
+        r.init();
+        r.train(1..=3);
+        let dir = r.save(&run, 3, &opts);
+        let params =
+            (zero < 3).then(|| (r.ex.download_params().unwrap(), r.ex.plan.layout.clone()));
+        (dir, params)
+    });
+    let dir = out[0].0.clone();
+    for (rank, (d, _)) in out.iter().enumerate() {
+        assert_eq!(d, &dir, "{what} rank {rank}: the checkpoint's path");
+    }
+    let spec = ModelSpec::preset(model).unwrap();
+    let whole = ParamLayout::new(&spec);
+    let mut saved = vec![0f32; whole.total];
+    ckpt::load_params(&dir, &whole, &mut saved).unwrap();
+    if zero < 3 {
+        let parts: Vec<Held> = (out[..mesh.tensor].iter())
+            .map(|(_, p)| {
+                let (params, layout) = p.clone().unwrap();
+                Held {
+                    params,
+                    m: Vec::new(),
+                    v: Vec::new(),
+                    layout,
+                }
+            })
+            .collect();
+        same_bits(
+            &gathered(&whole, &parts, |h| &h.params),
+            &saved,
+            &format!("{what}: the saved weights"),
+        );
+    }
+    if max_shard_bytes < ckpt::DEFAULT_MAX_SHARD_BYTES {
+        assert!(
+            dir.join(ckpt::MODEL_INDEX_FILE).exists(),
+            "{what}: the weights in several files"
+        );
+    }
+    for (k, &other) in others.iter().chain([&mesh]).enumerate() {
+        let again = tmp.path().join(format!("again{k}"));
+        let dirs = other.run(model, state, |r| {
+            assert_eq!(r.resume(&dir), trainer_state(&spec, 3));
+            r.save(&again, 3, &opts)
+        });
+        same_files(
+            &dirs[0],
+            &dir,
+            &format!("{what}: loaded and saved by {other}"),
+        );
+    }
+}
+
+/// [`saves_what_every_layout_saves`] on dp 2 × tp 2 at ZeRO stage `zero`, loaded on one
+/// process, on tp 2 and on dp 2 at that stage alone.
+fn zero_and_tensor_ranks_save_as_every_layout(
+    model: &str,
+    zero: u8,
+    state: OptimState,
+    max_shard_bytes: u64,
+) {
+    let others = [Layout::ONE, Layout::new(1, 2, 0), Layout::new(2, 1, zero)];
+    saves_what_every_layout_saves(
+        model,
+        Layout::new(2, 2, zero),
+        state,
+        max_shard_bytes,
+        &others,
+    );
+}
+
+#[test]
+fn zero_1_with_tensor_ranks_saves_what_one_process_saves() {
+    zero_and_tensor_ranks_save_as_every_layout(
+        "gpt2-tiny",
+        1,
+        OptimState::F32,
+        ckpt::DEFAULT_MAX_SHARD_BYTES,
+    );
+}
+
+#[test]
+fn zero_2_with_tensor_ranks_saves_bf16_moments_as_one_process_does() {
+    zero_and_tensor_ranks_save_as_every_layout(
+        "llama-tiny",
+        2,
+        OptimState::Bf16,
+        ckpt::DEFAULT_MAX_SHARD_BYTES,
+    );
+}
+
+#[test]
+fn zero_3_with_tensor_ranks_saves_sharded_files_as_one_process_does() {
+    // Parameters sharded along the data axis and cut along the tensor axis, in files of at
+    // most 64 KiB.
+    zero_and_tensor_ranks_save_as_every_layout("llama-tiny", 3, OptimState::F32, 64 << 10);
+    zero_and_tensor_ranks_save_as_every_layout(
+        "gpt2-tiny",
+        3,
+        OptimState::Bf16,
+        ckpt::DEFAULT_MAX_SHARD_BYTES,
+    );
+}
+
+#[test]
+fn zero_alone_saves_int8_moments_sharded_at_block_edges_as_one_process_does() {
+    // No tensor ranks (8-bit blocks are the whole tensors'): the block scales' shares.
+    for zero in [1, 3] {
+        saves_what_every_layout_saves(
+            "gpt2-tiny",
+            Layout::new(2, 1, zero),
+            OptimState::Int8,
+            ckpt::DEFAULT_MAX_SHARD_BYTES,
+            &[Layout::ONE],
+        );
+    }
+}
+
+/// One process's uninterrupted [`STEPS`] steps of `model`: the losses and the weights.
+fn uninterrupted(model: &str) -> (Vec<f32>, Vec<f32>) {
+    Layout::ONE
+        .run(model, OptimState::F32, |r| {
+            r.init();
+            (r.train(1..=STEPS), r.ex.download_params().unwrap())
+        })
+        .remove(0)
+}
+
+/// `model` on layout `first` trains 2 steps and saves; resumed on each of `then`, it trains
+/// 2 more and saves: its losses and weights are `reference`'s (one process's uninterrupted
+/// run), losses within 1e-5 and weights within 1e-4 (GPT-2's key bias: its noise bound).
+fn resumes_on(model: &str, first: Layout, then: &[Layout], reference: &(Vec<f32>, Vec<f32>)) {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = SaveOptions::default();
+    let run = tmp.path().join("first");
+    let out = first.run(model, OptimState::F32, |r| {
+        r.init();
+        (r.train(1..=2), r.save(&run, 2, &opts))
+    });
+    for (rank, (losses, _)) in out.iter().enumerate() {
+        for (a, b) in losses.iter().zip(&reference.0) {
+            assert!(
+                rel(*a, *b) < 1e-5,
+                "{model} on {first} rank {rank}: loss {a} vs {b} before the save"
+            );
+        }
+    }
+    let dir = out[0].1.clone();
+    let whole = ParamLayout::new(&ModelSpec::preset(model).unwrap());
+    for (k, &then) in then.iter().enumerate() {
+        let what = format!("{model}: saved on {first}, resumed on {then}");
+        let last = tmp.path().join(format!("then{k}"));
+        let out = then.run(model, OptimState::F32, |r| {
+            assert_eq!(r.resume(&dir).step, 2);
+            let losses = r.train(3..=STEPS);
+            (losses, r.save(&last, STEPS, &opts))
+        });
+        for (rank, (losses, _)) in out.iter().enumerate() {
+            for (s, (a, b)) in losses.iter().zip(&reference.0[2..]).enumerate() {
+                assert!(
+                    rel(*a, *b) < 1e-5,
+                    "{what} rank {rank} step {}: loss {a} vs {b}",
+                    s + 3
+                );
+            }
+        }
+        let mut params = vec![0f32; whole.total];
+        ckpt::load_params(&out[0].1, &whole, &mut params).unwrap();
+        common::key_biases_within_noise(
+            &whole,
+            &mut params,
+            &reference.1,
+            2.0 * hparams(1).lr * STEPS as f32,
+            &what,
+        );
+        let w = worst_tensor(&whole, &params, &reference.1);
+        assert!(w < 1e-4, "{what}: weights differ by {w}");
+    }
+}
+
+/// At ZeRO stage `zero`: a run saved on dp 2 × tp 2 resumes on one process, on tp 2 alone
+/// and on dp 2 at that stage alone; runs saved on each of those resume on dp 2 × tp 2; all
+/// train on as one process's uninterrupted run.
+fn zero_with_tensor_ranks_resumes_on_every_layout(model: &str, zero: u8) {
+    let reference = uninterrupted(model);
+    let both = Layout::new(2, 2, zero);
+    let others = [Layout::ONE, Layout::new(1, 2, 0), Layout::new(2, 1, zero)];
+    resumes_on(model, both, &others, &reference);
+    for other in others {
+        resumes_on(model, other, &[both], &reference);
+    }
+}
+
+#[test]
+fn zero_1_with_tensor_ranks_resumes_on_every_layout_and_back() {
+    zero_with_tensor_ranks_resumes_on_every_layout("gpt2-tiny", 1);
+}
+
+#[test]
+fn zero_2_with_tensor_ranks_resumes_on_every_layout_and_back() {
+    zero_with_tensor_ranks_resumes_on_every_layout("llama-tiny", 2);
+}
+
+#[test]
+fn zero_3_with_tensor_ranks_resumes_on_every_layout_and_back() {
+    zero_with_tensor_ranks_resumes_on_every_layout("gpt2-tiny", 3);
+    zero_with_tensor_ranks_resumes_on_every_layout("llama-tiny", 3);
 }

@@ -32,10 +32,10 @@
 //! ops after it (the device's communication thread, or a GPU's stream) until its
 //! `AwaitCollective`, and no op in between touches its buffers (verified when the plan is
 //! built). Checkpoints never depend on the number of ranks: rank 0 writes the whole state,
-//! receiving ZeRO's shards (along the data axis) and the tensor ranks' parts of cut tensors
-//! (along the tensor axis) piece by piece over [`Comm::sendrecv`] as its writer reads them
-//! (`exec::executor`'s checkpoints), and a run resumes on any number of ranks, tensor ranks
-//! included.
+//! receiving each piece from the rank that owns it (its ZeRO shard along the data axis, its
+//! part of a cut tensor along the tensor axis, both at once under `--tp` with `--zero`) over
+//! the job's [`Comm::sendrecv`] as its writer reads them (`exec::executor`'s checkpoints),
+//! and a run resumes on any number of ranks, tensor ranks included.
 
 mod comm;
 pub mod group;

@@ -1,24 +1,37 @@
 //! Checkpoints from where the state lives: the executor lends the parameters and moments to
 //! `ckpt`'s writer buffer by buffer ([`Stored`]: in place in RAM, through a host copy of one
 //! buffer on the disk tier) or, for state spread among ranks, streamed into rank 0's writer
-//! ([`Gathered`]): rank 0 lends its own share in place and receives the others' piece by
+//! ([`Gathered`]): rank 0 lends its own pieces in place and receives the others' piece by
 //! piece ([`PIECE`] elements, into arena bytes free between steps) in the order the writer
-//! reads them, while the other ranks send theirs in that same order ([`Shards`]). Two kinds
-//! of spread share that schedule: ZeRO's shards of each parameter group along the data axis,
-//! and a tensor-parallel plan's parts of each cut tensor along the tensor axis (from data
-//! rank 0's tensor ranks; tensors held whole are rank 0's own, and the other data ranks,
-//! which hold the same state, send nothing). Rank 0 puts a cut tensor's parts in their
-//! places in one host copy of that tensor ([`crate::model::TensorPart::runs_in`]), so it
-//! writes the whole model under its Hugging Face names, as one process does. No rank holds
-//! more than one piece (and rank 0 one tensor) beyond its plan. The host copy of a
-//! disk-tier buffer, like the pieces and the tensor, goes into arena bytes that no
+//! reads them, while the other ranks send theirs in that same order ([`Schedule`]).
+//!
+//! **Owners.** Every spread array (the parameters at ZeRO stage 3 or of a tensor-parallel
+//! plan, m and v at stage ≥ 1 or of a tensor-parallel plan, the 8-bit moments' block
+//! scales at stage ≥ 1) is described tensor by tensor ([`Part`], whole-model order), and
+//! each tensor as its [`Share`]s: a run of elements and the rank that owns it, named by its
+//! coordinates on the mesh ([`Owner`]). A tensor the tensor ranks cut has a share per tensor
+//! rank (its part, [`TensorPart`]), one held whole has tensor rank 0's only; each of those is
+//! cut again, where the array is sharded (ZeRO), by its group's data cut
+//! ([`crate::ir::Cut`]): data rank d owns the elements of its chunk. The owner of a piece
+//! is thus (its data shard, its tensor part); ranks holding a copy of what an owner holds
+//! (the other data ranks of unsharded state, the other tensor ranks of a whole tensor) send
+//! nothing. Rank 0 puts a cut tensor's shares in their places in one host copy of that
+//! tensor ([`TensorPart::runs_in`]) and lends a whole tensor's shares in order, so it writes
+//! the whole model under its Hugging Face names, as one process does, byte for byte,
+//! whatever the mesh (dp × tp × ZeRO 0–3). Pieces go over the job's communicator (rank 0
+//! and an owner may differ on several axes). No rank holds more than one piece (and rank 0
+//! one tensor) beyond its plan; the pieces and the tensor go into arena bytes that no
 //! persistent buffer holds (free between steps), so a save stays inside the plan.
+//!
+//! A pipeline axis fits the same description: a stage owns the tensors of its layers whole,
+//! so an [`Owner`] gains a stage coordinate, and a tensor's shares name its stage's ranks
+//! (the schedule, the stream and the sends are unchanged: they only follow owners).
 
 use super::{Executor, pod, pod_bytes_mut};
 use crate::backend::Device;
 use crate::ckpt::{Lend, LentMoments, LentState, OutData, SaveOptions, TrainerState};
 use crate::dtype::DType;
-use crate::ir::{Axis, BufId, OptimBufs};
+use crate::ir::{Axis, BufId, Cut, Mesh, OptimBufs};
 use crate::model::{ParamLayout, TensorPart};
 use anyhow::{Result, bail};
 use std::ops::Range;
@@ -77,97 +90,237 @@ fn elem_size(dtype: DType) -> usize {
 /// rank 0 holds one piece beyond the plan, whatever the model's size.
 const PIECE: usize = 1 << 20;
 
-/// The spread arrays of a checkpoint, in the order the writer reads them (the parameters
-/// at ZeRO stage 3 or of a tensor-parallel plan, then m and v, then the 8-bit moments'
-/// block scales), each as consecutive [`Part`]s: one per group (ZeRO) or per tensor
-/// (tensor parallelism). The message schedule: every rank that holds a share rank 0 has
-/// not sends, array by array, part by part, its share in pieces of [`PIECE`] elements
-/// (padding included); rank 0 receives them in that order, rank by rank along the part's
-/// axis.
-struct Shards {
-    arrays: Vec<Vec<Part>>,
+/// A rank as the owner of pieces of spread state: its coordinates on the mesh's axes (the
+/// pipeline stage is this rank's: the pipeline axis has size 1 today).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owner {
+    /// Its index on the data axis: its ZeRO shard of sharded state.
+    data: usize,
+    /// Its index on the tensor axis: its part of a cut tensor.
+    tensor: usize,
 }
 
-/// One group's or tensor's share of a spread array.
+impl Owner {
+    /// Its rank in the job (`ir::Mesh`'s order: the tensor axis fastest, then data, then
+    /// pipeline).
+    fn rank(self, mesh: &Mesh) -> usize {
+        let (t, d) = (mesh.tensor.max(1), mesh.data.max(1));
+        self.tensor + t * (self.data + d * mesh.coord(Axis::Pipeline))
+    }
+}
+
+/// The spread arrays of a checkpoint, in the order the writer reads them (the parameters,
+/// then m, its block scales, v, its block scales: those spread among ranks). The message
+/// schedule: array by array, part by part, share by share (tensor rank, then data rank),
+/// each share's owner other than rank 0 sends it in pieces of [`PIECE`] elements over the
+/// job's communicator, and rank 0 receives them in that order.
+struct Schedule {
+    arrays: Vec<Array>,
+}
+
+/// A spread array: this rank's buffers of it, and its parts with their owners.
+struct Array {
+    /// Where this rank holds its elements: (elements of its layout, the buffer whose first
+    /// elements they are), in order.
+    held: Vec<(Range<usize>, BufId)>,
+    /// The element type, as an empty piece.
+    elem: OutData<'static>,
+    /// Bytes per element.
+    size: usize,
+    /// Its tensors (8-bit block scales: its groups' blocks) in the whole model's order.
+    parts: Vec<Part>,
+}
+
+/// One tensor of a spread array (or one group's 8-bit block scales).
 struct Part {
-    /// The array's elements it covers (in the whole model's layout).
-    held: Range<usize>,
-    /// This rank's buffer holding its share of them.
-    own: BufId,
-    /// How they are spread.
-    how: Spread,
+    /// The whole array's elements it covers (the whole model's layout).
+    whole: Range<usize>,
+    /// A tensor cut among the tensor ranks: each tensor rank's part of it, where its shares
+    /// go in the whole tensor. `None`: the shares are consecutive runs of the whole, in order.
+    cut: Option<Vec<TensorPart>>,
+    /// Its pieces and their owners, in the schedule's order; none is empty.
+    shares: Vec<Share>,
 }
 
-/// How a [`Part`]'s elements are spread among ranks.
-enum Spread {
-    /// ZeRO: cut among the data axis's ranks (in the array's elements), chunk r being rank
-    /// r's shard buffer.
-    Shards(crate::ir::Cut),
-    /// A tensor cut among the tensor axis's ranks: rank r holds `parts[r]`, each rank in
-    /// elements `at` of its buffer (equal lengths on every rank).
-    Tensor {
-        parts: Vec<TensorPart>,
-        at: Range<usize>,
-    },
-    /// A tensor every tensor rank holds whole, elements `at` of the buffer: rank 0's own.
-    Whole { at: Range<usize> },
+/// A run of a part's elements and the rank that owns it.
+struct Share {
+    owner: Owner,
+    /// The owner's rank in the job.
+    rank: usize,
+    /// Its elements of the owner's tensor part (of the whole tensor where it is not cut).
+    of: Range<usize>,
+    /// The same elements in the owner's layout (where it finds them in its buffers).
+    local: Range<usize>,
 }
 
-impl Part {
-    /// The axis whose ranks hold the shares.
-    fn axis(&self) -> Axis {
-        match self.how {
-            Spread::Shards(_) => Axis::Data,
-            Spread::Tensor { .. } | Spread::Whole { .. } => Axis::Tensor,
-        }
-    }
-
-    /// Ranks along the axis that hold a share of the part (ranks ≥ 1 send theirs).
-    fn ranks(&self, mesh: &crate::ir::Mesh) -> usize {
-        match &self.how {
-            Spread::Shards(cut) => cut.ranks(),
-            Spread::Tensor { .. } => mesh.tensor,
-            Spread::Whole { .. } => 1,
-        }
-    }
-
-    /// Elements of rank `r`'s share (padding included).
-    fn share(&self, r: usize) -> usize {
-        match &self.how {
-            Spread::Shards(cut) => cut.shard(r).len(),
-            Spread::Tensor { at, .. } => at.len(),
-            Spread::Whole { at } => at.len(),
-        }
-    }
-
-    /// Whether this rank sends its share to rank 0: ZeRO's shards from the data axis's
-    /// other ranks, a cut tensor's parts from data rank 0's other tensor ranks.
-    fn sends(&self, mesh: &crate::ir::Mesh) -> bool {
-        let (t, d) = (mesh.coord(Axis::Tensor), mesh.coord(Axis::Data));
-        match &self.how {
-            Spread::Shards(_) => d != 0,
-            Spread::Tensor { .. } => d == 0 && t != 0,
-            Spread::Whole { .. } => false,
-        }
-    }
-
-    /// This rank's share among the `len` bytes of its buffer (elements of `size` bytes).
-    fn share_bytes(&self, len: usize, size: usize) -> Range<usize> {
-        match &self.how {
-            Spread::Shards(_) => 0..len,
-            Spread::Tensor { at, .. } | Spread::Whole { at } => at.start * size..at.end * size,
-        }
+impl Array {
+    /// Lends `f` the bytes of elements `local` (of this rank's layout) where this rank holds
+    /// them (one buffer holds them all).
+    fn with_local(
+        &self,
+        device: &dyn Device,
+        local: &Range<usize>,
+        f: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let Some((r, id)) =
+            (self.held.iter()).find(|(r, _)| r.start <= local.start && local.end <= r.end)
+        else {
+            bail!("internal error: elements {local:?} of spread state in no buffer of this rank");
+        };
+        let at = (local.start - r.start) * self.size..(local.end - r.start) * self.size;
+        let mut out = Ok(());
+        device.download(&[*id], &mut |b| out = f(&b[0][at.clone()]))?;
+        out
     }
 }
 
-/// A piece of the schedule: (array, group, rank ≥ 1, piece).
+/// How the state lies among the ranks, from which the [`Part`]s are made.
+struct Owners<'a> {
+    mesh: Mesh,
+    /// Each tensor rank's layout (one, this plan's, where tensors are whole).
+    layouts: Vec<ParamLayout>,
+    /// The whole model's layout.
+    whole: &'a ParamLayout,
+    /// Each group's cut along the data axis (ZeRO).
+    cuts: &'a [Cut],
+    /// The group of each tensor.
+    group_of: Vec<usize>,
+}
+
+impl<'a> Owners<'a> {
+    fn new(
+        mesh: Mesh,
+        layouts: Vec<ParamLayout>,
+        whole: &'a ParamLayout,
+        cuts: &'a [Cut],
+    ) -> Result<Owners<'a>> {
+        let first = &layouts[0];
+        let mut group_of = vec![usize::MAX; first.tensors.len()];
+        for (k, g) in first.groups.iter().enumerate() {
+            group_of[g.tensors.clone()].fill(k);
+        }
+        // Every tensor rank's layout places each tensor and group at the same elements (the
+        // parts of a tensor are equal), so a data cut is the same on each.
+        for l in &layouts[1..] {
+            let same = (l.tensors.iter().zip(&first.tensors)).all(|(a, b)| a.range == b.range)
+                && l.tensors.len() == first.tensors.len()
+                && (l.groups.iter().zip(&first.groups))
+                    .all(|(a, b)| l.group_range(a) == first.group_range(b));
+            if !same {
+                bail!("internal error: tensor ranks whose layouts differ in their elements");
+            }
+        }
+        if first.tensors.len() != whole.tensors.len() || group_of.contains(&usize::MAX) {
+            bail!("internal error: a rank's tensors are not the whole model's");
+        }
+        Ok(Owners {
+            mesh,
+            layouts,
+            whole,
+            cuts,
+            group_of,
+        })
+    }
+
+    /// Data ranks owning a piece of an array sharded (ZeRO) or not (data rank 0's copy).
+    fn data_ranks(&self, sharded: bool) -> usize {
+        if sharded { self.mesh.data.max(1) } else { 1 }
+    }
+
+    /// Tensor `i` of an array sharded along the data axis or not: its shares, tensor rank by
+    /// tensor rank (rank 0 alone for a tensor held whole), each cut by its group's data cut.
+    fn tensor(&self, i: usize, sharded: bool) -> Result<Part> {
+        let whole = self.whole.tensors[i].range.clone();
+        let cut = self.layouts[0].tensors[i].part.is_some();
+        let tensor_ranks = if cut { self.layouts.len() } else { 1 };
+        let k = self.group_of[i];
+        let mut shares = Vec::new();
+        let mut parts = Vec::new();
+        for (tr, layout) in self.layouts[..tensor_ranks].iter().enumerate() {
+            let t = &layout.tensors[i];
+            if cut {
+                let Some(part) = t.part.clone() else {
+                    bail!("internal error: {} cut on some tensor ranks only", t.name);
+                };
+                parts.push(part);
+            }
+            let group = layout.group_range(&layout.groups[k]);
+            for d in 0..self.data_ranks(sharded) {
+                let held = match sharded {
+                    true => self.cuts[k].owned(&group, d),
+                    false => t.range.clone(),
+                };
+                let (lo, hi) = (held.start.max(t.range.start), held.end.min(t.range.end));
+                if lo < hi {
+                    let owner = Owner {
+                        data: d,
+                        tensor: tr,
+                    };
+                    shares.push(Share {
+                        owner,
+                        rank: owner.rank(&self.mesh),
+                        of: lo - t.range.start..hi - t.range.start,
+                        local: lo..hi,
+                    });
+                }
+            }
+        }
+        let covered: usize = shares.iter().map(|s| s.of.len()).sum();
+        let expected = match cut {
+            true => parts
+                .iter()
+                .map(|p| p.runs().map(|r| r.1).sum::<usize>())
+                .sum(),
+            false => whole.len(),
+        };
+        if covered != expected || (cut && expected != whole.len()) {
+            bail!(
+                "internal error: the shares of {} cover {covered} of its {} elements",
+                self.whole.tensors[i].name,
+                whole.len()
+            );
+        }
+        Ok(Part {
+            whole,
+            cut: cut.then_some(parts),
+            shares,
+        })
+    }
+
+    /// Every tensor of an array sharded along the data axis or not, held in `held`.
+    fn array(
+        &self,
+        ex: &Executor,
+        held: Vec<(Range<usize>, BufId)>,
+        sharded: bool,
+    ) -> Result<Array> {
+        let parts = (0..self.whole.tensors.len())
+            .map(|i| self.tensor(i, sharded))
+            .collect::<Result<_>>()?;
+        Ok(Array::of(ex, held, parts))
+    }
+}
+
+impl Array {
+    fn of(ex: &Executor, held: Vec<(Range<usize>, BufId)>, parts: Vec<Part>) -> Array {
+        let dtype = ex.plan.buffer(held[0].1).dtype;
+        Array {
+            held,
+            elem: elem_of(dtype),
+            size: elem_size(dtype),
+            parts,
+        }
+    }
+}
+
+/// A piece of the schedule: (array, part, share, piece).
 type At = (usize, usize, usize, usize);
 
 /// Rank 0's end of the schedule: the piece it received last, held in the first [`PIECE`]
 /// elements' bytes of `room`, and the cut tensor it assembled last, in the rest.
 struct Stream<'e> {
     ex: &'e Executor,
-    shards: &'e Shards,
+    schedule: &'e Schedule,
     at: Option<At>,
     room: Spare<'e>,
     /// The (array, part) whose whole tensor the room holds.
@@ -196,11 +349,12 @@ impl Spare<'_> {
 }
 
 impl<'e> Stream<'e> {
-    fn new(ex: &'e Executor, shards: &'e Shards) -> Stream<'e> {
+    fn new(ex: &'e Executor, schedule: &'e Schedule) -> Stream<'e> {
         // One piece, then the largest cut tensor whole (8-byte aligned).
-        let tensor = (shards.arrays.iter().flatten())
-            .filter(|p| matches!(p.how, Spread::Tensor { .. }))
-            .map(|p| p.held.len() * elem_size(ex.plan.buffer(p.own).dtype))
+        let tensor = (schedule.arrays.iter())
+            .flat_map(|a| a.parts.iter().map(move |p| (a, p)))
+            .filter(|(_, p)| p.cut.is_some())
+            .map(|(a, p)| p.whole.len() * a.size)
             .max()
             .unwrap_or(0);
         let bytes = PIECE * 4 + tensor.next_multiple_of(8);
@@ -211,53 +365,47 @@ impl<'e> Stream<'e> {
         };
         Stream {
             ex,
-            shards,
+            schedule,
             at: None,
             room,
             assembled: None,
         }
     }
 
-    /// Bytes of rank `r`'s share of part `k` of array `a`, and of one of its elements.
-    fn shard_bytes(&self, a: usize, k: usize, r: usize) -> (usize, usize) {
-        let part = &self.shards.arrays[a][k];
-        let size = elem_size(self.ex.plan.buffer(part.own).dtype);
-        (part.share(r) * size, size)
+    /// The byte range of piece `j` within share `s` of part `k` of array `a`.
+    fn piece(&self, (a, k, s, j): At) -> Range<usize> {
+        let array = &self.schedule.arrays[a];
+        let bytes = array.parts[k].shares[s].of.len() * array.size;
+        let lo = j * PIECE * array.size;
+        lo..(lo + PIECE * array.size).min(bytes)
     }
 
-    /// The byte range of piece `j` within a share.
-    fn piece(&self, (a, k, r, j): At) -> Range<usize> {
-        let (bytes, size) = self.shard_bytes(a, k, r);
-        let lo = j * PIECE * size;
-        lo..(lo + PIECE * size).min(bytes)
-    }
-
-    /// The piece after `at` in the schedule (the first when `None`).
+    /// The piece after `at` in the schedule (the first when `None`): rank 0's own shares
+    /// have none.
     fn next(&self, at: Option<At>) -> Option<At> {
-        let mesh = &self.ex.plan.cfg.mesh;
-        let (mut a, mut k, mut r, mut j) = match at {
-            None => (0, 0, 1, 0),
-            Some((a, k, r, j)) => (a, k, r, j + 1),
+        let (mut a, mut k, mut s, mut j) = match at {
+            None => (0, 0, 0, 0),
+            Some((a, k, s, j)) => (a, k, s, j + 1),
         };
         loop {
-            let arrays = &self.shards.arrays;
+            let arrays = &self.schedule.arrays;
             if a >= arrays.len() {
                 return None;
             }
-            if k >= arrays[a].len() {
-                (a, k, r, j) = (a + 1, 0, 1, 0);
-            } else if r >= arrays[a][k].ranks(mesh) {
-                (k, r, j) = (k + 1, 1, 0);
-            } else if j * PIECE * self.shard_bytes(a, k, r).1 >= self.shard_bytes(a, k, r).0 {
-                (r, j) = (r + 1, 0);
+            let parts = &arrays[a].parts;
+            if k >= parts.len() {
+                (a, k, s, j) = (a + 1, 0, 0, 0);
+            } else if s >= parts[k].shares.len() {
+                (k, s, j) = (k + 1, 0, 0);
+            } else if parts[k].shares[s].rank == 0 || j * PIECE >= parts[k].shares[s].of.len() {
+                (s, j) = (s + 1, 0);
             } else {
-                return Some((a, k, r, j));
+                return Some((a, k, s, j));
             }
         }
     }
 
-    /// Receives the schedule up to piece `want` (pieces before it that nothing asked for,
-    /// padding, are dropped) and returns its bytes.
+    /// Receives the schedule up to piece `want` and returns its bytes.
     fn reach(&mut self, want: At) -> Result<&[u8]> {
         self.advance(want)?;
         let len = self.piece(want).len();
@@ -280,8 +428,9 @@ impl<'e> Stream<'e> {
 
     fn receive(&mut self, p: At) -> Result<()> {
         let len = self.piece(p).len();
-        let comm = self.ex.comms.along(self.shards.arrays[p.0][p.1].axis());
-        comm.sendrecv(&[], p.2, &mut self.room.split().0[..len], p.2)?;
+        let from = self.schedule.arrays[p.0].parts[p.1].shares[p.2].rank;
+        let world = &self.ex.comms.world;
+        world.sendrecv(&[], from, &mut self.room.split().0[..len], from)?;
         self.at = Some(p);
         Ok(())
     }
@@ -294,39 +443,48 @@ impl<'e> Stream<'e> {
         Ok(())
     }
 
-    /// Assembles the whole tensor of part `k` of array `a` (a cut tensor) in the room: rank
-    /// 0's own part, then each other tensor rank's as its pieces arrive, each put in its
-    /// runs of the whole tensor; returns its bytes.
+    /// Assembles the whole tensor of part `k` of array `a` (a cut tensor) in the room: each
+    /// share in schedule order, rank 0's own from its buffer, the others' as their pieces
+    /// arrive, each put in its runs of the whole tensor; returns its bytes.
     fn assemble(&mut self, a: usize, k: usize) -> Result<&[u8]> {
-        let (ex, shards) = (self.ex, self.shards);
-        let part = &shards.arrays[a][k];
-        let Spread::Tensor { parts, at } = &part.how else {
+        let (ex, schedule) = (self.ex, self.schedule);
+        let array = &schedule.arrays[a];
+        let part = &array.parts[k];
+        let Some(cut) = &part.cut else {
             bail!("internal error: assembling a tensor that is not cut");
         };
-        let size = elem_size(ex.plan.buffer(part.own).dtype);
-        let whole = part.held.len() * size;
+        let size = array.size;
+        let whole = part.whole.len() * size;
         if self.assembled != Some((a, k)) {
             self.assembled = None;
-            // Elements `from..` of rank `r`'s part, `bytes`, into their runs of the whole
-            // tensor.
-            let put = |tensor: &mut [u8], r: usize, from: usize, bytes: &[u8]| {
-                for (w, r) in parts[r].runs_in(from..from + bytes.len() / size) {
+            // Elements `from..` of tensor rank `tr`'s part, `bytes`, into their runs of the
+            // whole tensor.
+            let put = |tensor: &mut [u8], tr: usize, from: usize, bytes: &[u8]| {
+                for (w, r) in cut[tr].runs_in(from..from + bytes.len() / size) {
                     let src = &bytes[(r.start - from) * size..(r.end - from) * size];
                     tensor[w * size..w * size + src.len()].copy_from_slice(src);
                 }
             };
-            {
-                let tensor = &mut self.room.split().1[..whole];
-                ex.device.download(&[part.own], &mut |b| {
-                    put(tensor, 0, 0, &b[0][at.start * size..at.end * size])
-                })?;
-            }
-            for r in 1..part.ranks(&ex.plan.cfg.mesh) {
-                for j in 0..part.share(r).div_ceil(PIECE) {
-                    self.advance((a, k, r, j))?;
-                    let len = self.piece((a, k, r, j)).len();
+            for (s, share) in part.shares.iter().enumerate() {
+                let tr = share.owner.tensor;
+                if share.rank == 0 {
+                    let tensor = &mut self.room.split().1[..whole];
+                    array.with_local(&*ex.device, &share.local, &mut |b| {
+                        put(tensor, tr, share.of.start, b);
+                        Ok(())
+                    })?;
+                    continue;
+                }
+                for j in 0..share.of.len().div_ceil(PIECE) {
+                    self.advance((a, k, s, j))?;
+                    let len = self.piece((a, k, s, j)).len();
                     let (piece, tensor) = self.room.split();
-                    put(&mut tensor[..whole], r, j * PIECE, &piece[..len]);
+                    put(
+                        &mut tensor[..whole],
+                        tr,
+                        share.of.start + j * PIECE,
+                        &piece[..len],
+                    );
                 }
             }
             self.assembled = Some((a, k));
@@ -335,21 +493,20 @@ impl<'e> Stream<'e> {
     }
 }
 
-impl Shards {
-    /// A rank other than 0: sends its part of the schedule (nothing where rank 0 holds
-    /// what it holds: data ranks other than 0 of a tensor-parallel plan).
+impl Schedule {
+    /// A rank other than 0: sends the shares it owns, in the schedule's order (nothing
+    /// where another rank owns what it holds).
     fn serve(&self, ex: &Executor) -> Result<()> {
-        let mesh = &ex.plan.cfg.mesh;
-        for part in self.arrays.iter().flatten().filter(|p| p.sends(mesh)) {
-            let comm = ex.comms.along(part.axis());
-            let size = elem_size(ex.plan.buffer(part.own).dtype);
-            let mut out = Ok(());
-            ex.device.download(&[part.own], &mut |b| {
-                out = b[0][part.share_bytes(b[0].len(), size)]
-                    .chunks(PIECE * size)
-                    .try_for_each(|piece| comm.sendrecv(piece, 0, &mut [], 0));
-            })?;
-            out?;
+        let me = ex.comm.rank();
+        let world = &ex.comms.world;
+        for array in &self.arrays {
+            let shares = array.parts.iter().flat_map(|p| &p.shares);
+            for share in shares.filter(|s| s.rank == me) {
+                array.with_local(&*ex.device, &share.local, &mut |b| {
+                    b.chunks(PIECE * array.size)
+                        .try_for_each(|piece| world.sendrecv(piece, 0, &mut [], 0))
+                })?;
+            }
         }
         Ok(())
     }
@@ -367,12 +524,12 @@ struct Gathered<'e> {
 impl<'e> Gathered<'e> {
     fn new(stream: &'e std::cell::RefCell<Stream<'e>>, a: usize) -> Gathered<'e> {
         let s = stream.borrow();
-        let groups = &s.shards.arrays[a];
+        let array = &s.schedule.arrays[a];
         Gathered {
             stream,
             a,
-            elem: elem_of(s.ex.plan.buffer(groups[0].own).dtype),
-            len: groups.last().map_or(0, |g| g.held.end),
+            elem: array.elem,
+            len: array.parts.last().map_or(0, |p| p.whole.end),
         }
     }
 }
@@ -392,48 +549,35 @@ impl Lend for Gathered<'_> {
         put: &mut dyn FnMut(OutData<'_>) -> Result<()>,
     ) -> Result<()> {
         let mut stream = self.stream.borrow_mut();
-        let (ex, shards) = (stream.ex, stream.shards);
-        for (k, Part { held, own, how }) in shards.arrays[self.a].iter().enumerate() {
+        let (ex, schedule) = (stream.ex, stream.schedule);
+        let array = &schedule.arrays[self.a];
+        for (k, part) in array.parts.iter().enumerate() {
+            let held = &part.whole;
             let (lo, hi) = (range.start.max(held.start), range.end.min(held.end));
             if lo >= hi {
                 continue;
             }
             let (rel_lo, rel_hi) = (lo - held.start, hi - held.start);
-            let cut = match how {
-                Spread::Shards(cut) => cut,
-                Spread::Whole { at } => {
-                    let mut out = Ok(());
-                    ex.device.download(&[*own], &mut |b| {
-                        out =
-                            put(typed(self.elem, b[0]).slice(at.start + rel_lo..at.start + rel_hi));
-                    })?;
-                    out?;
-                    continue;
-                }
-                Spread::Tensor { .. } => {
-                    let whole = stream.assemble(self.a, k)?;
-                    put(typed(self.elem, whole).slice(rel_lo..rel_hi))?;
-                    continue;
-                }
-            };
-            // Group elements lo..hi: chunk r of the cut is rank r's shard.
-            for r in 0..cut.ranks() {
-                let chunk = cut.shard(r);
-                let (c_lo, c_hi) = (rel_lo.max(chunk.start), rel_hi.min(chunk.end));
+            if part.cut.is_some() {
+                let whole = stream.assemble(self.a, k)?;
+                put(typed(self.elem, whole).slice(rel_lo..rel_hi))?;
+                continue;
+            }
+            // Elements rel_lo..rel_hi of the part: its shares are consecutive runs of it.
+            for (s, share) in part.shares.iter().enumerate() {
+                let (c_lo, c_hi) = (rel_lo.max(share.of.start), rel_hi.min(share.of.end));
                 if c_lo >= c_hi {
                     continue;
                 }
-                let (c_lo, c_hi) = (c_lo - chunk.start, c_hi - chunk.start);
-                if r == 0 {
-                    let mut out = Ok(());
-                    ex.device.download(&[*own], &mut |b| {
-                        out = put(typed(self.elem, b[0]).slice(c_lo..c_hi));
+                let (c_lo, c_hi) = (c_lo - share.of.start, c_hi - share.of.start);
+                if share.rank == 0 {
+                    array.with_local(&*ex.device, &share.local, &mut |b| {
+                        put(typed(self.elem, b).slice(c_lo..c_hi))
                     })?;
-                    out?;
                     continue;
                 }
                 for j in c_lo / PIECE..=(c_hi - 1) / PIECE {
-                    let bytes = stream.reach((self.a, k, r, j))?;
+                    let bytes = stream.reach((self.a, k, s, j))?;
                     let (p_lo, p_hi) = (
                         c_lo.max(j * PIECE) - j * PIECE,
                         c_hi.min((j + 1) * PIECE) - j * PIECE,
@@ -493,8 +637,8 @@ impl Executor {
     /// one parameter group's buffer at a time while each file is written, so the save holds
     /// at most one buffer's host copy (and the writer's 1 MiB staging) beyond the plan.
     /// Every rank of the job calls it: rank 0 writes the whole model (ZeRO's shards and a
-    /// tensor-parallel plan's parts gathered from the ranks holding them), the others send
-    /// their share, if any, and write nothing; all return the checkpoint's path.
+    /// tensor-parallel plan's parts gathered from the ranks owning them), the others send
+    /// what they own, if anything, and write nothing; all return the checkpoint's path.
     pub fn save_checkpoint(
         &self,
         run_dir: &Path,
@@ -507,15 +651,14 @@ impl Executor {
         if optim.is_empty() {
             bail!("internal error: a checkpoint of a plan without optimizer state");
         }
-        // Arrays spread among ranks are gathered into rank 0's writer part by part; the
-        // other ranks serve their shares in the order it reads them (parameters, then m, v).
         let layout = &self.plan.layout;
-        // A tensor-parallel rank's parameters and moments are its parts: the whole model's
-        // are gathered tensor by tensor, and rank 0 writes them under the whole layout.
+        let mesh = self.plan.cfg.mesh;
+        // A tensor-parallel rank's parameters and moments are its parts: rank 0 writes the
+        // whole model's, gathered tensor by tensor, under the whole layout.
         let split = layout.split.is_split();
         let whole = split.then(|| ParamLayout::new(&self.plan.spec));
-        // Every tensor rank's part of each tensor, where rank 0 puts what it receives.
-        let ranks: Vec<ParamLayout> = match split {
+        // Every tensor rank's layout (its part of each tensor), or this plan's alone.
+        let layouts: Vec<ParamLayout> = match split {
             true => (0..layout.split.size)
                 .map(|rank| {
                     let of = crate::ir::TensorSplit {
@@ -525,69 +668,19 @@ impl Executor {
                     ParamLayout::split(&self.plan.spec, of)
                 })
                 .collect(),
-            false => Vec::new(),
-        };
-        if split && (self.moments_sharded() || optim.iter().any(|o| o.m_scale.is_some())) {
-            bail!("internal error: a tensor-parallel checkpoint of sharded or 8-bit moments");
-        }
-        // Each tensor of the whole model as the part of an array held in `bufs` (this
-        // layout's elements of each buffer).
-        let tensors = |bufs: Vec<(Range<usize>, BufId)>| -> Result<Vec<Part>> {
-            let whole = whole.as_ref().expect("a tensor-parallel plan");
-            (whole.tensors.iter().zip(&layout.tensors).enumerate())
-                .map(|(i, (w, t))| {
-                    let Some((r, own)) = bufs
-                        .iter()
-                        .find(|(r, _)| r.start <= t.range.start && t.range.end <= r.end)
-                    else {
-                        bail!("internal error: tensor {} in no buffer", t.name);
-                    };
-                    let at = t.range.start - r.start..t.range.end - r.start;
-                    Ok(Part {
-                        held: w.range.clone(),
-                        own: *own,
-                        how: match &t.part {
-                            Some(_) => Spread::Tensor {
-                                parts: (ranks.iter())
-                                    .map(|l| l.tensors[i].part.clone().expect("cut on every rank"))
-                                    .collect(),
-                                at,
-                            },
-                            None => Spread::Whole { at },
-                        },
-                    })
-                })
-                .collect()
-        };
-        let groups = |bufs: Vec<BufId>| -> Vec<Part> {
-            let held = layout.groups.iter().map(|g| layout.group_range(g));
-            (held.zip(bufs).zip(&self.plan.cuts))
-                .map(|((held, own), cut)| Part {
-                    held,
-                    own,
-                    how: Spread::Shards(cut.clone()),
-                })
-                .collect()
+            false => vec![layout.clone()],
         };
         let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
-        // 8-bit moments' scales, sharded by blocks: (block range held, buffer, cut) per group.
-        let (first_block, _) = layout.block_offsets(crate::ir::strategy::QBLOCK);
-        let scale_parts = |pick: fn(&OptimBufs) -> Option<BufId>| -> Option<Vec<Part>> {
-            optim
-                .iter()
-                .enumerate()
-                .map(|(k, o)| {
-                    let cut = crate::plan::zero::block_cut(layout, k, &self.plan.cuts[k]);
-                    let first = first_block[layout.groups[k].tensors.start];
-                    Some(Part {
-                        held: first..first + cut.len(),
-                        own: pick(o)?,
-                        how: Spread::Shards(cut),
-                    })
-                })
-                .collect()
-        };
-        let scales_sharded = moments_sharded && optim.iter().any(|o| o.m_scale.is_some());
+        let int8 = optim.iter().any(|o| o.m_scale.is_some());
+        if split && int8 {
+            bail!("internal error: a tensor-parallel checkpoint of 8-bit moments");
+        }
+        let owners = Owners::new(
+            mesh,
+            layouts,
+            whole.as_ref().unwrap_or(layout),
+            &self.plan.cuts,
+        )?;
         // Where each array lives on this rank: (this layout's elements, buffer) in order.
         let segments = &implicit.params.segments;
         let param_bufs = || -> Vec<(Range<usize>, BufId)> {
@@ -600,45 +693,72 @@ impl Executor {
                 .map(|(k, o)| (self.moment_elems(k, o), pick(o)))
                 .collect()
         };
+        // 8-bit moments' scales, sharded by blocks: each group's blocks, cut as its elements.
+        let (first_block, _) = layout.block_offsets(crate::ir::strategy::QBLOCK);
+        let scales = |pick: fn(&OptimBufs) -> Option<BufId>| -> Result<Array> {
+            let mut held = Vec::new();
+            let mut parts = Vec::new();
+            for (k, o) in optim.iter().enumerate() {
+                let Some(id) = pick(o) else {
+                    bail!("internal error: 8-bit moments without scales in group {k}");
+                };
+                let cut = crate::plan::zero::block_cut(layout, k, &self.plan.cuts[k]);
+                let first = first_block[layout.groups[k].tensors.start];
+                let mine = cut.owned(&(0..cut.len()), mesh.data_rank());
+                held.push((o.block_base..o.block_base + mine.len(), id));
+                let shares = (0..mesh.data.max(1))
+                    .map(|d| (d, cut.owned(&(0..cut.len()), d)))
+                    .filter(|(_, of)| !of.is_empty())
+                    .map(|(d, of)| {
+                        let owner = Owner { data: d, tensor: 0 };
+                        Share {
+                            owner,
+                            rank: owner.rank(&mesh),
+                            local: first + of.start..first + of.end,
+                            of,
+                        }
+                    })
+                    .collect();
+                parts.push(Part {
+                    whole: first..first + cut.len(),
+                    cut: None,
+                    shares,
+                });
+            }
+            Ok(Array::of(self, held, parts))
+        };
         // The spread arrays in the order the writer reads them (the weights, then m, its
         // scales, v, its scales) and the index of each in that schedule.
         let mut arrays = Vec::new();
-        let mut push = |parts: Vec<Part>| {
-            arrays.push(parts);
-            Some(arrays.len() - 1)
+        let mut push = |array: Result<Array>| -> Result<Option<usize>> {
+            arrays.push(array?);
+            Ok(Some(arrays.len() - 1))
         };
-        let (params_at, m_at, m_scale_at, v_at, v_scale_at) = match split {
-            true => (
-                push(tensors(param_bufs())?),
-                push(tensors(moment_bufs(|o| o.m))?),
-                None,
-                push(tensors(moment_bufs(|o| o.v))?),
-                None,
-            ),
-            false => (
-                params_sharded
-                    .then(|| push(groups(implicit.params.bufs())))
-                    .flatten(),
-                moments_sharded
-                    .then(|| push(groups(optim.iter().map(|o| o.m).collect())))
-                    .flatten(),
-                scales_sharded
-                    .then(|| push(scale_parts(|o| o.m_scale)?))
-                    .flatten(),
-                moments_sharded
-                    .then(|| push(groups(optim.iter().map(|o| o.v).collect())))
-                    .flatten(),
-                scales_sharded
-                    .then(|| push(scale_parts(|o| o.v_scale)?))
-                    .flatten(),
-            ),
+        let params_at = match split || params_sharded {
+            true => push(owners.array(self, param_bufs(), params_sharded))?,
+            false => None,
         };
-        let shards = Shards { arrays };
+        let (m_at, v_at, m_scale_at, v_scale_at);
+        if split || moments_sharded {
+            m_at = push(owners.array(self, moment_bufs(|o| o.m), moments_sharded))?;
+            m_scale_at = match moments_sharded && int8 {
+                true => push(scales(|o| o.m_scale))?,
+                false => None,
+            };
+            v_at = push(owners.array(self, moment_bufs(|o| o.v), moments_sharded))?;
+            v_scale_at = match moments_sharded && int8 {
+                true => push(scales(|o| o.v_scale))?,
+                false => None,
+            };
+        } else {
+            (m_at, v_at, m_scale_at, v_scale_at) = (None, None, None, None);
+        }
+        let schedule = Schedule { arrays };
         if self.comm.rank() != 0 {
-            shards.serve(self)?;
+            schedule.serve(self)?;
             return Ok(crate::run_dir::RunDir::new(run_dir).checkpoint(state.step));
         }
-        let stream = std::cell::RefCell::new(Stream::new(self, &shards));
+        let stream = std::cell::RefCell::new(Stream::new(self, &schedule));
         let stream = &stream;
         // A spread array streams in; the others are lent from where they are.
         let lend = |at: Option<usize>, parts: Vec<(Range<usize>, BufId)>| -> Box<dyn Lend + '_> {
@@ -680,7 +800,7 @@ impl Executor {
         // The whole model's layout where this rank holds parts of it.
         let (spec, layout) = (&self.plan.spec, whole.as_ref().unwrap_or(layout));
         let dir = crate::ckpt::save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)?;
-        // The other ranks' sends the writer did not need (padding) are received too.
+        // The other ranks' sends the writer did not need are received too.
         stream.borrow_mut().finish()?;
         Ok(dir)
     }

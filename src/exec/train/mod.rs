@@ -57,15 +57,6 @@ pub fn train_among(
     let mut opts = setup::with_tokenizer_dir(opts, resume)?;
     opts.strategies.ranks = comm.size();
     opts.strategies.rank = comm.rank();
-    if opts.strategies.tensor > 1 && opts.strategies.zero.shards_optimizer() {
-        anyhow::bail!(
-            "--tp {} with --zero {}: such a job is planned (`memwall plan --ranks N --tp T \
-             --zero K`) and its steps run, but its checkpoints (sharded and cut state gathered \
-             together) are not there yet; train with --zero 0",
-            opts.strategies.tensor,
-            opts.strategies.zero
-        );
-    }
     let opts = &opts;
     let mut run = Run::start(opts, resume, opts.planned_baseline, comm, progress)?;
     if resume.is_none() && opts.eval_every > 0 && opts.steps > 0 {
