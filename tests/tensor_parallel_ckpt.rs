@@ -168,7 +168,15 @@ struct Held {
 /// Runs `f` on each rank of a `data × tensor` job as threads (one process: `Single`); the
 /// results in rank order.
 fn job<T: Send>(data: usize, tensor: usize, f: impl Fn(Mesh, Arc<dyn Comm>) -> T + Sync) -> Vec<T> {
-    let comms: Vec<Arc<dyn Comm>> = match data * tensor {
+    staged_job((data, tensor, 1), f)
+}
+
+/// [`job`] of `data × tensor × pipeline` ranks.
+fn staged_job<T: Send>(
+    (data, tensor, pipeline): (usize, usize, usize),
+    f: impl Fn(Mesh, Arc<dyn Comm>) -> T + Sync,
+) -> Vec<T> {
+    let comms: Vec<Arc<dyn Comm>> = match data * tensor * pipeline {
         1 => vec![Arc::new(Single)],
         n => Local::group(n)
             .into_iter()
@@ -184,7 +192,7 @@ fn job<T: Send>(data: usize, tensor: usize, f: impl Fn(Mesh, Arc<dyn Comm>) -> T
                 let mesh = Mesh {
                     data,
                     tensor,
-                    pipeline: 1,
+                    pipeline,
                     rank,
                 };
                 s.spawn(move || f(mesh, comm))
@@ -498,6 +506,7 @@ fn int8_moments_with_tensor_ranks_are_refused_before_work() {
 struct Layout {
     data: usize,
     tensor: usize,
+    pipeline: usize,
     zero: u8,
 }
 
@@ -505,11 +514,29 @@ impl Layout {
     const ONE: Layout = Layout {
         data: 1,
         tensor: 1,
+        pipeline: 1,
         zero: 0,
     };
 
     fn new(data: usize, tensor: usize, zero: u8) -> Layout {
-        Layout { data, tensor, zero }
+        Layout::staged(data, tensor, 1, zero)
+    }
+
+    fn staged(data: usize, tensor: usize, pipeline: usize, zero: u8) -> Layout {
+        Layout {
+            data,
+            tensor,
+            pipeline,
+            zero,
+        }
+    }
+
+    /// The ranks of data rank 0 (each stage's tensor ranks), in stage order.
+    fn first_copy(self) -> Vec<usize> {
+        let (t, d) = (self.tensor, self.data);
+        (0..self.pipeline)
+            .flat_map(|p| (0..t).map(move |r| r + t * d * p))
+            .collect()
     }
 
     /// Runs `f` on each rank of this layout (threads), each started with its plan of
@@ -520,7 +547,7 @@ impl Layout {
         state: OptimState,
         f: impl Fn(&mut Rank) -> T + Sync,
     ) -> Vec<T> {
-        job(self.data, self.tensor, |mesh, comm| {
+        staged_job((self.data, self.tensor, self.pipeline), |mesh, comm| {
             let at = (mesh, Zero(self.zero));
             let mut r = Rank::start_at(model, at, comm, state, ROWS / self.data);
             f(&mut r)
@@ -532,8 +559,8 @@ impl std::fmt::Display for Layout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "dp {} x tp {} zero {}",
-            self.data, self.tensor, self.zero
+            "dp {} x tp {} x pp {} zero {}",
+            self.data, self.tensor, self.pipeline, self.zero
         )
     }
 }
@@ -588,8 +615,9 @@ fn saves_what_every_layout_saves(
     let mut saved = vec![0f32; whole.total];
     ckpt::load_params(&dir, &whole, &mut saved).unwrap();
     if zero < 3 {
-        let parts: Vec<Held> = (out[..mesh.tensor].iter())
-            .map(|(_, p)| {
+        let parts: Vec<Held> = (mesh.first_copy().into_iter())
+            .map(|r| &out[r].1)
+            .map(|p| {
                 let (params, layout) = p.clone().unwrap();
                 Held {
                     params,
@@ -779,4 +807,37 @@ fn zero_2_with_tensor_ranks_resumes_on_every_layout_and_back() {
 fn zero_3_with_tensor_ranks_resumes_on_every_layout_and_back() {
     zero_with_tensor_ranks_resumes_on_every_layout("gpt2-tiny", 3);
     zero_with_tensor_ranks_resumes_on_every_layout("llama-tiny", 3);
+}
+
+/// Pipeline stages (`--pp 2`, alone and with tensor and data ranks at ZeRO 1) save what one
+/// process saves of their state: rank 0 gathers each tensor from the stage that owns it (a
+/// tied embedding: the first stage's; the last's copy is equal), and the checkpoint loads
+/// back on one process, on tensor ranks, and on the stages themselves.
+#[test]
+fn pipeline_stages_save_what_one_process_saves() {
+    let one = [Layout::ONE, Layout::new(1, 2, 0)];
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let f = ckpt::DEFAULT_MAX_SHARD_BYTES;
+        saves_what_every_layout_saves(model, Layout::staged(1, 1, 2, 0), OptimState::F32, f, &one);
+    }
+    saves_what_every_layout_saves(
+        "llama-tiny",
+        Layout::staged(2, 2, 2, 1),
+        OptimState::Bf16,
+        64 << 10,
+        &[Layout::ONE, Layout::staged(1, 1, 2, 0)],
+    );
+}
+
+/// A run saved on pipeline stages resumes on one process and the reverse, at ZeRO 3 with
+/// tensor ranks too, training on as one uninterrupted process.
+#[test]
+fn pipeline_stages_resume_on_one_process_and_back() {
+    let reference = uninterrupted("gpt2-tiny");
+    let staged = Layout::staged(1, 1, 2, 0);
+    resumes_on("gpt2-tiny", staged, &[Layout::ONE], &reference);
+    resumes_on("gpt2-tiny", Layout::ONE, &[staged], &reference);
+    let reference = uninterrupted("llama-tiny");
+    let every = Layout::staged(2, 2, 2, 3);
+    resumes_on("llama-tiny", every, &[Layout::ONE, staged], &reference);
 }

@@ -363,6 +363,12 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--pp {p} with --offload: not there yet; use --offload none");
     }
+    if cfg.optim_state == OptimState::Int8 {
+        bail!(
+            "--pp {p} with --optim-state int8: the checkpoints of a pipeline's 8-bit moments \
+             are not there yet; use --optim-state bf16 or f32"
+        );
+    }
     Ok(())
 }
 

@@ -88,6 +88,15 @@ pub(super) struct Split {
     pub cuts: Vec<Cut>,
 }
 
+/// The ZeRO cut of each of `layout`'s parameter groups along the data axis under `cfg`
+/// (none without sharding): what a plan of that layout keeps in [`super::Plan::cuts`]. A
+/// checkpoint of a pipeline reads the other stages' from here.
+pub fn group_cuts(layout: &ParamLayout, cfg: &super::StepConfig) -> Vec<Cut> {
+    cfg.sharding()
+        .map(|sh| Split::new(layout, cfg.optim_state, sh).cuts)
+        .unwrap_or_default()
+}
+
 impl Split {
     pub fn new(layout: &ParamLayout, format: OptimState, sh: Sharding) -> Split {
         let at_blocks = sh.zero.shards_optimizer() && format == OptimState::Int8;

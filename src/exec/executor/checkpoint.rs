@@ -31,7 +31,7 @@ use super::{Executor, pod, pod_bytes_mut};
 use crate::backend::Device;
 use crate::ckpt::{Lend, LentMoments, LentState, OutData, SaveOptions, TrainerState};
 use crate::dtype::DType;
-use crate::ir::{Axis, BufId, Cut, Mesh, OptimBufs};
+use crate::ir::{BufId, Cut, Mesh, OptimBufs};
 use crate::model::{ParamLayout, TensorPart};
 use anyhow::{Result, bail};
 use std::ops::Range;
@@ -90,14 +90,15 @@ fn elem_size(dtype: DType) -> usize {
 /// rank 0 holds one piece beyond the plan, whatever the model's size.
 const PIECE: usize = 1 << 20;
 
-/// A rank as the owner of pieces of spread state: its coordinates on the mesh's axes (the
-/// pipeline stage is this rank's: the pipeline axis has size 1 today).
+/// A rank as the owner of pieces of spread state: its coordinates on the mesh's axes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Owner {
     /// Its index on the data axis: its ZeRO shard of sharded state.
     data: usize,
     /// Its index on the tensor axis: its part of a cut tensor.
     tensor: usize,
+    /// Its index on the pipeline axis: the stage holding the tensor.
+    stage: usize,
 }
 
 impl Owner {
@@ -105,7 +106,7 @@ impl Owner {
     /// pipeline).
     fn rank(self, mesh: &Mesh) -> usize {
         let (t, d) = (mesh.tensor.max(1), mesh.data.max(1));
-        self.tensor + t * (self.data + d * mesh.coord(Axis::Pipeline))
+        self.tensor + t * (self.data + d * self.stage)
     }
 }
 
@@ -174,26 +175,19 @@ impl Array {
     }
 }
 
-/// How the state lies among the ranks, from which the [`Part`]s are made.
-struct Owners<'a> {
-    mesh: Mesh,
-    /// Each tensor rank's layout (one, this plan's, where tensors are whole).
+/// One pipeline stage's state, as [`Owners`] reads it.
+struct StageState {
+    /// Each tensor rank's layout of the stage (one where tensors are whole).
     layouts: Vec<ParamLayout>,
-    /// The whole model's layout.
-    whole: &'a ParamLayout,
-    /// Each group's cut along the data axis (ZeRO).
-    cuts: &'a [Cut],
-    /// The group of each tensor.
+    /// Each of its groups' cut along the data axis (ZeRO).
+    cuts: Vec<Cut>,
+    /// The group of each of its tensors.
     group_of: Vec<usize>,
 }
 
-impl<'a> Owners<'a> {
-    fn new(
-        mesh: Mesh,
-        layouts: Vec<ParamLayout>,
-        whole: &'a ParamLayout,
-        cuts: &'a [Cut],
-    ) -> Result<Owners<'a>> {
+impl StageState {
+    /// The stage whose tensor ranks' layouts are `layouts`, its groups cut by `cuts`.
+    fn new(layouts: Vec<ParamLayout>, cuts: Vec<Cut>) -> Result<StageState> {
         let first = &layouts[0];
         let mut group_of = vec![usize::MAX; first.tensors.len()];
         for (k, g) in first.groups.iter().enumerate() {
@@ -210,15 +204,48 @@ impl<'a> Owners<'a> {
                 bail!("internal error: tensor ranks whose layouts differ in their elements");
             }
         }
-        if first.tensors.len() != whole.tensors.len() || group_of.contains(&usize::MAX) {
-            bail!("internal error: a rank's tensors are not the whole model's");
+        if group_of.contains(&usize::MAX) {
+            bail!("internal error: a tensor in no parameter group");
         }
-        Ok(Owners {
-            mesh,
+        Ok(StageState {
             layouts,
-            whole,
             cuts,
             group_of,
+        })
+    }
+}
+
+/// How the state lies among the ranks, from which the [`Part`]s are made.
+struct Owners<'a> {
+    mesh: Mesh,
+    /// Each pipeline stage's (one where the layers are not staged).
+    stages: Vec<StageState>,
+    /// The whole model's layout.
+    whole: &'a ParamLayout,
+    /// Each of the whole model's tensors: the stage that owns it and its index there (a
+    /// tied embedding held by both ends of a pipeline: the first's, the last's a copy).
+    located: Vec<(usize, usize)>,
+}
+
+impl<'a> Owners<'a> {
+    fn new(mesh: Mesh, stages: Vec<StageState>, whole: &'a ParamLayout) -> Result<Owners<'a>> {
+        let located = (whole.tensors.iter())
+            .map(|t| {
+                (stages.iter().enumerate())
+                    .find_map(|(s, st)| {
+                        let tensors = &st.layouts[0].tensors;
+                        Some((s, tensors.iter().position(|x| x.name == t.name)?))
+                    })
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("internal error: no rank holds {} of the model", t.name)
+                    })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Owners {
+            mesh,
+            stages,
+            whole,
+            located,
         })
     }
 
@@ -231,13 +258,15 @@ impl<'a> Owners<'a> {
     /// tensor rank (rank 0 alone for a tensor held whole), each cut by its group's data cut.
     fn tensor(&self, i: usize, sharded: bool) -> Result<Part> {
         let whole = self.whole.tensors[i].range.clone();
-        let cut = self.layouts[0].tensors[i].part.is_some();
-        let tensor_ranks = if cut { self.layouts.len() } else { 1 };
-        let k = self.group_of[i];
+        let (stage, j) = self.located[i];
+        let st = &self.stages[stage];
+        let cut = st.layouts[0].tensors[j].part.is_some();
+        let tensor_ranks = if cut { st.layouts.len() } else { 1 };
+        let k = st.group_of[j];
         let mut shares = Vec::new();
         let mut parts = Vec::new();
-        for (tr, layout) in self.layouts[..tensor_ranks].iter().enumerate() {
-            let t = &layout.tensors[i];
+        for (tr, layout) in st.layouts[..tensor_ranks].iter().enumerate() {
+            let t = &layout.tensors[j];
             if cut {
                 let Some(part) = t.part.clone() else {
                     bail!("internal error: {} cut on some tensor ranks only", t.name);
@@ -247,7 +276,7 @@ impl<'a> Owners<'a> {
             let group = layout.group_range(&layout.groups[k]);
             for d in 0..self.data_ranks(sharded) {
                 let held = match sharded {
-                    true => self.cuts[k].owned(&group, d),
+                    true => st.cuts[k].owned(&group, d),
                     false => t.range.clone(),
                 };
                 let (lo, hi) = (held.start.max(t.range.start), held.end.min(t.range.end));
@@ -255,6 +284,7 @@ impl<'a> Owners<'a> {
                     let owner = Owner {
                         data: d,
                         tensor: tr,
+                        stage,
                     };
                     shares.push(Share {
                         owner,
@@ -653,34 +683,40 @@ impl Executor {
         }
         let layout = &self.plan.layout;
         let mesh = self.plan.cfg.mesh;
-        // A tensor-parallel rank's parameters and moments are its parts: rank 0 writes the
-        // whole model's, gathered tensor by tensor, under the whole layout.
-        let split = layout.split.is_split();
+        // A tensor-parallel rank's parameters and moments are its parts, a pipeline stage's
+        // its layers': rank 0 writes the whole model's, gathered tensor by tensor, under the
+        // whole layout.
+        let (tensor, stage) = (layout.split, layout.stage);
+        let split = tensor.is_split() || stage.is_split();
         let whole = split.then(|| ParamLayout::new(&self.plan.spec));
-        // Every tensor rank's layout (its part of each tensor), or this plan's alone.
-        let layouts: Vec<ParamLayout> = match split {
-            true => (0..layout.split.size)
-                .map(|rank| {
-                    let of = crate::ir::TensorSplit {
-                        rank,
-                        ..layout.split
-                    };
-                    ParamLayout::split(&self.plan.spec, of)
-                })
-                .collect(),
-            false => vec![layout.clone()],
-        };
         let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
         let int8 = optim.iter().any(|o| o.m_scale.is_some());
         if split && int8 {
-            bail!("internal error: a tensor-parallel checkpoint of 8-bit moments");
+            bail!("internal error: a tensor-parallel or pipeline checkpoint of 8-bit moments");
         }
-        let owners = Owners::new(
-            mesh,
-            layouts,
-            whole.as_ref().unwrap_or(layout),
-            &self.plan.cuts,
-        )?;
+        // Every stage's tensor ranks' layouts (their parts of each tensor), or this plan's.
+        let stages = (0..stage.size)
+            .map(|s| {
+                let layouts: Vec<ParamLayout> = match split {
+                    true => (0..tensor.size)
+                        .map(|t| {
+                            let part = crate::ir::ModelPart {
+                                tensor: crate::ir::TensorSplit { rank: t, ..tensor },
+                                stage: crate::ir::PipelineStage { rank: s, ..stage },
+                            };
+                            ParamLayout::part(&self.plan.spec, part)
+                        })
+                        .collect(),
+                    false => vec![layout.clone()],
+                };
+                let cuts = match s == stage.rank {
+                    true => self.plan.cuts.clone(),
+                    false => crate::plan::zero::group_cuts(&layouts[0], &self.plan.cfg),
+                };
+                StageState::new(layouts, cuts)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let owners = Owners::new(mesh, stages, whole.as_ref().unwrap_or(layout))?;
         // Where each array lives on this rank: (this layout's elements, buffer) in order.
         let segments = &implicit.params.segments;
         let param_bufs = || -> Vec<(Range<usize>, BufId)> {
@@ -710,7 +746,11 @@ impl Executor {
                     .map(|d| (d, cut.owned(&(0..cut.len()), d)))
                     .filter(|(_, of)| !of.is_empty())
                     .map(|(d, of)| {
-                        let owner = Owner { data: d, tensor: 0 };
+                        let owner = Owner {
+                            data: d,
+                            tensor: 0,
+                            stage: 0,
+                        };
                         Share {
                             owner,
                             rank: owner.rank(&mesh),
