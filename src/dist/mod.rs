@@ -27,7 +27,8 @@
 //! fails with an error prints it and aborts the job ([`Comm::abort`]).
 //!
 //! **Invariant:** ranks exchange state only through the plan's `AllReduce`, `ReduceScatter`
-//! and `AllGather` ops on plan buffers (and the step's few scalars), so a rank's memory and
+//! and `AllGather` ops, and a pipeline stage's `StageSend` and `StageRecv`
+//! ([`Comm::send`], [`Comm::recv`]), on plan buffers (and the step's few scalars), so a rank's memory and
 //! traffic are predicted like everything else (`plan::zero`). Each collective runs beside the
 //! ops after it (the device's communication thread, or a GPU's stream) until its
 //! `AwaitCollective`, and no op in between touches its buffers (verified when the plan is
