@@ -369,6 +369,52 @@ fn tensor_ranks_train_like_one_process_and_resume_on_one() {
     close("tp 2 resumed on one process", &killed, &one);
 }
 
+/// `--pp 2` as processes: 2 stages × 2 tensor ranks (4 processes, 4 micro-batches in the
+/// 1F1B order) train like one process with the same accumulation, each rank peaking at its
+/// own stage's plan (the stages differ); 2 stages killed in step 7 resume on one process
+/// and finish like an uninterrupted one.
+#[test]
+fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 10;
+    let close = |what: &str, run: &Path, reference: &Path| {
+        assert_close_tensor_ranks(what, run, reference, steps)
+    };
+    let args = |out: &Path, extra: &[&str]| {
+        let mut a = run_args(&data, out, 2, steps);
+        let at = a.iter().position(|f| f == "--save-every").unwrap();
+        a[at + 1] = "5".into();
+        a.extend(["--grad-accum", "4"].iter().chain(extra).map(|s| s.to_string()));
+        a
+    };
+    let one = dir.path().join("one");
+    ok(&common::memwall(&strs(&args(&one, &[]))));
+    let four = dir.path().join("tp2pp2");
+    let text = ok(&mpirun(4, &strs(&args(&four, &["--tp", "2", "--pp", "2"])), &[]));
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(plan["config"]["pipeline"], serde_json::json!(2), "{plan}");
+    close("tp 2 x pp 2", &four, &one);
+    let p = peaks(&text);
+    assert_eq!(p.len(), 4, "a summary per rank:\n{text}");
+    for (rank, (peak, planned)) in p.into_iter().enumerate() {
+        let err = (peak - planned).abs() / planned;
+        assert!(
+            err <= 0.03,
+            "rank {rank}: peak RSS {peak} vs its plan {planned} ({:.1}%)",
+            err * 100.0
+        );
+    }
+    let killed = dir.path().join("killed");
+    let o = mpirun(2, &strs(&args(&killed, &["--pp", "2"])), &[("MEMWALL_KILL_RANK", "1:7")]);
+    assert!(!o.status.success(), "{}", output_text(&o));
+    let mut again = resume(&killed);
+    again.extend(["--pp".into(), "1".into()]);
+    ok(&common::memwall(&strs(&again)));
+    close("pp 2 resumed on one process", &killed, &one);
+}
+
 /// [`assert_close_training`] for tensor ranks (lr 2e-3): losses within 1e-5 relative, GPT-2's
 /// key bias held to the noise bound (`common::key_biases_within_noise`), every other tensor
 /// to 1e-4.

@@ -73,8 +73,16 @@ impl<'a> Run<'a> {
         let (comm_thread, why) = crate::dist::comm_thread_wanted(opts.threads, ranks);
         if ranks > 1 {
             let thread = comm_thread;
+            let mesh = plan.cfg.mesh;
+            let layout = match (mesh.tensor, mesh.pipeline) {
+                (1, 1) => String::new(),
+                (t, p) => format!(
+                    ": {p} pipeline stages x {t} tensor ranks x {} data ranks",
+                    mesh.data
+                ),
+            };
             progress.message(&format!(
-                "ranks: {ranks} ({}), --zero {}; each rank sends {} per step; collectives {} ({why})",
+                "ranks: {ranks} ({}){layout}, --zero {}; rank 0 sends {} per step; collectives {} ({why})",
                 comm.describe(),
                 plan.cfg.zero,
                 fmt_bytes(plan.comm_bytes_per_step()),
