@@ -385,13 +385,22 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
         let mut a = run_args(&data, out, 2, steps);
         let at = a.iter().position(|f| f == "--save-every").unwrap();
         a[at + 1] = "5".into();
-        a.extend(["--grad-accum", "4"].iter().chain(extra).map(|s| s.to_string()));
+        a.extend(
+            ["--grad-accum", "4"]
+                .iter()
+                .chain(extra)
+                .map(|s| s.to_string()),
+        );
         a
     };
     let one = dir.path().join("one");
     ok(&common::memwall(&strs(&args(&one, &[]))));
     let four = dir.path().join("tp2pp2");
-    let text = ok(&mpirun(4, &strs(&args(&four, &["--tp", "2", "--pp", "2"])), &[]));
+    let text = ok(&mpirun(
+        4,
+        &strs(&args(&four, &["--tp", "2", "--pp", "2"])),
+        &[],
+    ));
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
     assert_eq!(plan["config"]["pipeline"], serde_json::json!(2), "{plan}");
@@ -407,7 +416,11 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
         );
     }
     let killed = dir.path().join("killed");
-    let o = mpirun(2, &strs(&args(&killed, &["--pp", "2"])), &[("MEMWALL_KILL_RANK", "1:7")]);
+    let o = mpirun(
+        2,
+        &strs(&args(&killed, &["--pp", "2"])),
+        &[("MEMWALL_KILL_RANK", "1:7")],
+    );
     assert!(!o.status.success(), "{}", output_text(&o));
     let mut again = resume(&killed);
     again.extend(["--pp".into(), "1".into()]);

@@ -13,7 +13,8 @@ use memwall::backend::under_test as backend;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
 use memwall::ir::{Mesh, Recompute, Zero};
-use memwall::model::{ModelSpec, ParamLayout};
+use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
+use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};
 use std::sync::Arc;
 
@@ -40,7 +41,7 @@ struct Outcome {
 /// Trains `spec` for [`STEPS`] steps as `mesh`'s rank on `comm`, `micro` micro-batches of
 /// [`B`] rows per data rank and step.
 fn train(
-    spec: &ModelSpec,
+    (spec, lora): (&ModelSpec, Option<&LoraSpec>),
     (mesh, zero): (Mesh, Zero),
     comm: Arc<dyn Comm>,
     micro: usize,
@@ -49,6 +50,7 @@ fn train(
     let mut cfg = StepConfig::new(B, SEQ, 1);
     cfg.mesh = mesh;
     cfg.zero = zero;
+    cfg.lora = lora.cloned();
     cfg.grad_accum = micro;
     cfg.recompute = re;
     let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
@@ -61,6 +63,15 @@ fn train(
         Ok(())
     })
     .unwrap();
+    // A LoRA plan's base: the stage's part of the whole model's initialisation.
+    if let Some(lora) = ex.plan.lora.clone() {
+        let mut init = lora.base.initializer(4);
+        ex.fill_base(|r, p| {
+            init.fill(r, p);
+            Ok(())
+        })
+        .unwrap();
+    }
     let (mut losses, mut norms) = (vec![], vec![]);
     let before = comm.bytes_sent();
     let rows = B * micro;
@@ -88,7 +99,7 @@ fn train(
 
 /// `data × tensor × pipeline` ranks as threads, ZeRO stage `zero` on the data axis.
 fn ranks(
-    spec: &ModelSpec,
+    spec: (&ModelSpec, Option<&LoraSpec>),
     (data, tensor, pipeline, zero): (usize, usize, usize, Zero),
     micro: usize,
     re: Recompute,
@@ -146,22 +157,31 @@ fn rel(a: f32, b: f32) -> f32 {
 /// `micro × data` micro-batches.
 fn matches_one_process(spec: &ModelSpec, mesh: (usize, usize, usize), micro: usize, re: Recompute) {
     let (data, tensor, pipeline) = mesh;
-    matches_one_process_at(spec, (data, tensor, pipeline, Zero::DP), micro, re)
+    matches_one_process_at((spec, None), (data, tensor, pipeline, Zero::DP), micro, re)
 }
 
 /// [`matches_one_process`] with ZeRO stage `zero` on the data axis (at stage 3 the
 /// parameters are shards, so the losses and norms are compared, not the weights).
 fn matches_one_process_at(
-    spec: &ModelSpec,
+    (spec, lora): (&ModelSpec, Option<&LoraSpec>),
     mesh: (usize, usize, usize, Zero),
     micro: usize,
     re: Recompute,
 ) {
     let (data, tensor, pipeline, zero) = mesh;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
-    let reference = train(spec, (Mesh::SINGLE, Zero::DP), single, micro * data, re);
-    let out = ranks(spec, mesh, micro, re);
-    let whole = ParamLayout::new(spec);
+    let one = (Mesh::SINGLE, Zero::DP);
+    let reference = train((spec, lora), one, single, micro * data, re);
+    let out = ranks((spec, lora), mesh, micro, re);
+    // What is trained: the model, or the adapters on it.
+    let whole = match lora {
+        Some(l) => {
+            AdapterLayout::new(&ParamLayout::new(spec), l.clone())
+                .unwrap()
+                .params
+        }
+        None => ParamLayout::new(spec),
+    };
     let what = format!(
         "{} data={data} tensor={tensor} pipeline={pipeline} zero={zero} micro={micro} {re:?}",
         spec.name
@@ -255,14 +275,39 @@ fn stages_with_zero_on_the_data_axis_train_like_one_process_at_every_stage() {
     let mut untied = preset("llama-tiny");
     untied.tied_embeddings = false;
     for zero in 1..=3 {
-        matches_one_process_at(&untied, (2, 1, 2, Zero(zero)), 3, Recompute::None);
+        let none = Recompute::None;
+        matches_one_process_at((&untied, None), (2, 1, 2, Zero(zero)), 3, none);
+        matches_one_process_at((&preset("gpt2-tiny"), None), (2, 1, 2, Zero(zero)), 3, none);
+    }
+}
+
+/// LoRA on pipeline stages: each stage adapts its own layers (its adapters drawn where one
+/// process draws them), the base frozen; with data ranks and ZeRO 2 too.
+#[test]
+fn stages_train_lora_adapters_like_one_process() {
+    for (model, family) in [("gpt2-tiny", Family::Gpt2), ("llama-tiny", Family::Llama)] {
+        let lora = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: parse_targets("all", family).unwrap(),
+        };
+        let spec = preset(model);
         matches_one_process_at(
-            &preset("gpt2-tiny"),
-            (2, 1, 2, Zero(zero)),
+            (&spec, Some(&lora)),
+            (1, 1, 2, Zero::DP),
             3,
-            Recompute::None,
+            Recompute::Full,
         );
     }
+    let lora = LoraSpec {
+        r: 2,
+        alpha: 4.0,
+        dropout: 0.1,
+        targets: parse_targets("q,v", Family::Llama).unwrap(),
+    };
+    let spec = preset("llama-tiny");
+    matches_one_process_at((&spec, Some(&lora)), (2, 1, 2, Zero(2)), 2, Recompute::None);
 }
 
 /// tp 2 × pp 2 × dp 2: every axis at once, 8 ranks.

@@ -209,8 +209,12 @@ pub struct Adapted {
 #[derive(Clone, Debug)]
 pub struct AdapterLayout {
     pub spec: LoraSpec,
-    /// In the order of the base's tensors.
+    /// In the order of the base's tensors (a pipeline stage's: its own layers').
     pub layers: Vec<Adapted>,
+    /// The index of `layers[0]` among the whole model's adapters (0 but on a pipeline stage
+    /// after the first): what an adapter's dropout mask is drawn by, so a stage draws one
+    /// process's masks.
+    pub first: usize,
     /// `A` then `B` of each layer, one group per block (`h{l}.lora`).
     pub params: ParamLayout,
 }
@@ -244,28 +248,41 @@ impl AdapterLayout {
         if spec.targets.is_empty() {
             bail!("--lora-targets: no layer given");
         }
-        let mut layers = Vec::new();
+        // The base's tensors in model order: its own (their index), and on a pipeline stage
+        // the other stages' (`None`), whose adapters are absent here but drawn at
+        // initialisation, so each stage's adapters start as one process's do.
+        let mut order: Vec<(&str, &[usize], Option<usize>)> = Vec::new();
+        let mut absent = base.absent.iter().peekable();
         for (i, t) in base.tensors.iter().enumerate() {
-            let Some((layer, target, module)) = adapted(family, &t.name, &spec.targets) else {
+            while let Some(a) = absent.next_if(|a| a.before <= i) {
+                order.push((&a.name, &a.shape, None));
+            }
+            order.push((&t.name, &t.shape, Some(i)));
+        }
+        order.extend(absent.map(|a| (a.name.as_str(), a.shape.as_slice(), None)));
+        let mut all: Vec<(Adapted, bool)> = Vec::new();
+        for (name, shape, held) in order {
+            let Some((layer, target, module)) = adapted(family, name, &spec.targets) else {
                 continue;
             };
-            let (in_features, out_features) = match (family, t.shape.as_slice()) {
+            let (in_features, out_features) = match (family, shape) {
                 // Conv1D weights are [in, out]; nn.Linear's [out, in].
                 (Family::Gpt2, &[i, o]) => (i, o),
                 (_, &[o, i]) => (i, o),
-                _ => bail!("internal error: {} is not a matrix ({:?})", t.name, t.shape),
+                _ => bail!("internal error: {name} is not a matrix ({shape:?})"),
             };
-            layers.push(Adapted {
+            let a = Adapted {
                 module,
                 target,
                 layer,
                 in_features,
                 out_features,
-                base_tensor: i,
-            });
+                base_tensor: held.unwrap_or(usize::MAX),
+            };
+            all.push((a, held.is_some()));
         }
         // The rank is bounded by the narrowest adapted layer (a GQA model's k and v).
-        if let Some(a) = (layers.iter()).min_by_key(|a| a.in_features.min(a.out_features))
+        if let Some((a, _)) = (all.iter()).min_by_key(|(a, _)| a.in_features.min(a.out_features))
             && spec.r > a.in_features.min(a.out_features)
         {
             bail!(
@@ -278,7 +295,7 @@ impl AdapterLayout {
                 a.in_features.min(a.out_features)
             );
         }
-        let found: std::collections::BTreeSet<Target> = layers.iter().map(|a| a.target).collect();
+        let found: std::collections::BTreeSet<Target> = all.iter().map(|(a, _)| a.target).collect();
         if let Some(t) = spec.targets.iter().find(|t| !found.contains(t)) {
             bail!(
                 "--lora-targets: the model has no {} layer ({}) to adapt",
@@ -288,11 +305,12 @@ impl AdapterLayout {
         }
         let mut cur = LayoutBuilder::new(family);
         let mut block = None;
-        for a in &layers {
+        for (a, held) in &all {
             if block.is_some_and(|b| b != a.layer) {
                 cur.group(format!("h{}.lora", block.expect("a block")));
             }
             block = Some(a.layer);
+            cur.hold(*held);
             let bound = 1.0 / (a.in_features as f32).sqrt();
             cur.push(
                 peft_name(&a.module, 'A'),
@@ -310,10 +328,24 @@ impl AdapterLayout {
         if let Some(b) = block {
             cur.group(format!("h{b}.lora"));
         }
+        let first = all.iter().position(|(_, h)| *h).unwrap_or(0);
+        let layers = all
+            .into_iter()
+            .filter(|(_, h)| *h)
+            .map(|(a, _)| a)
+            .collect();
         Ok(AdapterLayout {
             spec,
             layers,
-            params: cur.finish(Vec::new(), crate::ir::ModelPart::WHOLE),
+            first,
+            params: cur.finish(
+                Vec::new(),
+                // A stage's adapters (no tensor-parallel cut: refused with --lora).
+                crate::ir::ModelPart {
+                    tensor: crate::ir::TensorSplit::WHOLE,
+                    stage: base.stage,
+                },
+            ),
         })
     }
 

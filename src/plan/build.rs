@@ -357,9 +357,6 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
              so far; use --pp 2"
         );
     }
-    if cfg.lora.is_some() {
-        bail!("--pp {p} with --lora: adapters on pipeline stages are not there yet; use --pp 1");
-    }
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--pp {p} with --offload: not there yet; use --offload none");
     }
@@ -427,7 +424,8 @@ fn lora_plan(spec: &ModelSpec, cfg: &StepConfig) -> Result<Option<LoraPlan>> {
     let Some(l) = &cfg.lora else {
         return Ok(None);
     };
-    let base = ParamLayout::new(spec);
+    // A pipeline stage's base: its layers' (the adapters follow it).
+    let base = ParamLayout::part(spec, cfg.mesh.model_part());
     let adapters = AdapterLayout::new(&base, l.clone())?;
     Ok(Some(LoraPlan {
         base,

@@ -322,7 +322,8 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
     let dropout_of = |g: &mut Builder, name: &str, adapter: usize, micro: usize, elems: usize| {
         (p > 0.0).then(|| LoraDropout {
             p,
-            adapter,
+            // Its index among the whole model's adapters (a pipeline stage holds some).
+            adapter: ad.first + adapter,
             micro,
             ws: g.f32(format!("{name}_xd"), Category::Workspace, elems), // [N, IC]
         })

@@ -661,6 +661,18 @@ impl Lend for Stored<'_> {
 }
 
 impl Executor {
+    /// The trainable layout of `part` of this plan's model: the model's tensors, or a LoRA
+    /// plan's adapters on that part of the base.
+    fn trainable_part(&self, part: crate::ir::ModelPart) -> Result<ParamLayout> {
+        let base = ParamLayout::part(&self.plan.spec, part);
+        Ok(match &self.plan.lora {
+            Some(l) => {
+                crate::model::lora::AdapterLayout::new(&base, l.adapters.spec.clone())?.params
+            }
+            None => base,
+        })
+    }
+
     /// Writes checkpoint `RUN_DIR/checkpoints/step-NNNNNN/` of the plan's model, its
     /// parameters and AdamW moments (as [`crate::ckpt::save_checkpoint_with`] does, with
     /// `state` and `opts`), read straight from where they live: in RAM in place, offloaded
@@ -688,7 +700,10 @@ impl Executor {
         // whole layout.
         let (tensor, stage) = (layout.split, layout.stage);
         let split = tensor.is_split() || stage.is_split();
-        let whole = split.then(|| ParamLayout::new(&self.plan.spec));
+        let whole = match split {
+            true => Some(self.trainable_part(crate::ir::ModelPart::WHOLE)?),
+            false => None,
+        };
         let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
         let int8 = optim.iter().any(|o| o.m_scale.is_some());
         if split && int8 {
@@ -700,13 +715,12 @@ impl Executor {
                 let layouts: Vec<ParamLayout> = match split {
                     true => (0..tensor.size)
                         .map(|t| {
-                            let part = crate::ir::ModelPart {
+                            self.trainable_part(crate::ir::ModelPart {
                                 tensor: crate::ir::TensorSplit { rank: t, ..tensor },
                                 stage: crate::ir::PipelineStage { rank: s, ..stage },
-                            };
-                            ParamLayout::part(&self.plan.spec, part)
+                            })
                         })
-                        .collect(),
+                        .collect::<Result<_>>()?,
                     false => vec![layout.clone()],
                 };
                 let cuts = match s == stage.rank {
