@@ -97,7 +97,7 @@ memwall tokenize --tokenizer gpt2 --chat chats.jsonl.gz --chat-template chatml.j
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
     #[command(
-        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero and --grad-accum (keeping the global batch) may.\n\n\
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero, --tp, --pp and --grad-accum (keeping the global batch) may.\n\n\
 Chat data (`memwall prepare chats.jsonl --tokenizer MODEL`): the loss is on the trained tokens \
 only (the answers, by default), short examples are packed into each row without seeing each \
 other (--no-pack: one a row), the validation loss is on answers only, and every checkpoint \
@@ -565,9 +565,11 @@ pub(crate) struct StrategyArgs {
     /// final norm, the head and the loss, a tied embedding both), each on its own ranks
     /// (of `--tp` ranks each), sending activations forward and their gradients back. The
     /// micro-batches of a step (--grad-accum, or --global-batch) run in the 1F1B order, so
-    /// stage s holds at most min(P - s, M) of them; with M micro-batches the idle bubble
-    /// is (P - 1)/M of a step. P must be at most the layer count; tp × pp must divide N
-    /// [default: 1]
+    /// stage s holds at most min(P - s, M) of them; each stage idles (P - 1)/(M + P - 1)
+    /// of the step while the pipeline fills and drains (give M of 4(P - 1) or more). LoRA
+    /// and ZeRO 1-3 compose with it. P must be at most the layer count; tp × pp must
+    /// divide N. Checkpoints hold the whole model, so a run resumes with any --pp
+    /// [default: 1; with --resume, the run's own]
     #[arg(long, value_name = "P")]
     pub(crate) pp: Option<usize>,
     /// LoRA: train rank-R adapters on a frozen base instead of every weight (Hu et al.

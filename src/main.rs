@@ -341,6 +341,26 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     }
     if let Some(budget) = a.step.max_memory {
         plan::fit::check_budget(&plan, budget, baseline, backend)?;
+        // The ranks differ (pipeline stages, the first tensor rank): the heaviest decides.
+        if let Some(heaviest) = every
+            .iter()
+            .flatten()
+            .max_by_key(|r| r.predicted_peak_rss_bytes)
+            .filter(|r| r.predicted_peak_rss_bytes > budget)
+        {
+            let c = &heaviest.coords;
+            anyhow::bail!(
+                "rank {} (pipeline stage {}, tensor rank {}, data rank {}) does not fit \
+                 --max-memory {}: its predicted peak is {}; more --pp stages or --tp ranks, \
+                 --zero 1-3, --recompute full or a smaller --batch (with --grad-accum) lower it",
+                heaviest.rank,
+                c.pp,
+                c.tp,
+                c.dp,
+                fmt_bytes(budget),
+                fmt_bytes(heaviest.predicted_peak_rss_bytes)
+            );
+        }
         if !a.json {
             println!("  fits --max-memory {}", fmt_bytes(budget));
         }
@@ -348,14 +368,12 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         && backend.baseline_bytes().is_none()
         && let Some(available) = rss::available_memory()
     {
-        println!(
-            "{}",
-            fits_this_machine(
-                plan::fit::predicted_peak(&plan, baseline),
-                available,
-                a.ranks
-            )
-        );
+        // The heaviest rank's peak (ranks differ: pipeline stages, the first tensor rank).
+        let peak = (every.iter().flatten())
+            .map(|r| r.predicted_peak_rss_bytes)
+            .max()
+            .unwrap_or_else(|| plan::fit::predicted_peak(&plan, baseline));
+        println!("{}", fits_this_machine(peak, available, a.ranks));
     }
     Ok(())
 }
@@ -413,7 +431,11 @@ fn say(line: &str) {
 /// Whether a plan's predicted peak fits the memory available on this machine now, and
 /// what to do when it does not (`plan` without `--max-memory`).
 fn fits_this_machine(peak: u64, available: u64, ranks: usize) -> String {
-    let per = if ranks > 1 { " (one rank's)" } else { "" };
+    let per = if ranks > 1 {
+        " (the heaviest rank's)"
+    } else {
+        ""
+    };
     if peak <= available {
         format!(
             "  fits this machine: predicted peak{per} {} of {} available now",

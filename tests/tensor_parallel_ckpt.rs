@@ -498,7 +498,7 @@ fn int8_moments_with_tensor_ranks_are_refused_before_work() {
         .unwrap();
     let msg = format!("{e:#}");
     assert!(msg.contains("--tp 2 with --optim-state int8"), "{msg}");
-    assert!(msg.contains("use --optim-state bf16 or f32"), "{msg}");
+    assert!(msg.contains("use --optim-state bf16 or fp32"), "{msg}");
 }
 
 /// A job's layout: data ranks (ZeRO stage `zero` on that axis) × tensor ranks.

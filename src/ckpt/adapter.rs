@@ -378,7 +378,13 @@ pub fn load_adapter_by(
     let file = StFile::open(&dir.join(ADAPTER_MODEL_FILE))?;
     let src = Sources::single(&file);
     let targets: Vec<Target> = Target::whole_tensors(&adapters.params, "", 0).collect();
-    let located = check_targets(&src, &resolve_exact, &targets)?;
+    // A pipeline stage's adapters: the other stages' are theirs to load.
+    let absent = &adapters.params.absent;
+    let resolve = |name: &str| match absent.iter().any(|a| a.name == name) {
+        true => super::safetensors_io::Resolved::Ignore,
+        false => resolve_exact(name),
+    };
+    let located = check_targets(&src, &resolve, &targets)?;
     let mut copy = |range: std::ops::Range<usize>, dst: &mut [f32]| -> Result<()> {
         if dst.len() != range.len() {
             bail!(

@@ -38,6 +38,11 @@ use crate::ir::strategy::QBLOCK;
 use crate::model::{ModelSpec, ParamLayout};
 use crate::run_dir::{RunDir, checkpoint_step};
 
+/// Whether tensor `name` is another pipeline stage's (absent from `layout`).
+fn is_absent(layout: &ParamLayout, name: &str) -> bool {
+    layout.absent.iter().any(|a| a.name == name)
+}
+
 /// Reads `DIR/config.json` (a Hugging Face config of a family memwall trains).
 pub fn load_spec(dir: &Path) -> Result<ModelSpec> {
     let path = dir.join(CONFIG_FILE);
@@ -137,9 +142,11 @@ pub fn load_params_by(
     let sharded = !single.exists() && index.exists();
     let targets: Vec<Target> = Target::whole_tensors(layout, "", 0).collect();
     let family = layout.family;
-    // Tied names (a tied LM head) are checked below, not loaded.
+    // Tied names (a tied LM head) are checked below, not loaded; a pipeline stage's file
+    // holds the other stages' tensors too, which are theirs to load.
     let resolve = |name: &str| match family.canonical_name(name) {
         _ if layout.tied.iter().any(|t| t.name == name) => Resolved::Ignore,
+        Some(k) if is_absent(layout, &k) => Resolved::Ignore,
         Some(k) => Resolved::Key(k),
         None => Resolved::Ignore,
     };
@@ -316,7 +323,15 @@ pub fn load_trainer_state_by(
             for (prefix, buf) in [(EXP_AVG, 0), (EXP_AVG_SQ, 1)] {
                 targets.extend(Target::whole_tensors(layout, prefix, buf));
             }
-            check_targets(&src, &resolve_exact, &targets).with_context(what)?
+            // Another pipeline stage's moments are its own to load.
+            let resolve = |name: &str| match [EXP_AVG_SQ, EXP_AVG]
+                .iter()
+                .find_map(|p| name.strip_prefix(p))
+            {
+                Some(t) if is_absent(layout, t) => Resolved::Ignore,
+                _ => resolve_exact(name),
+            };
+            check_targets(&src, &resolve, &targets).with_context(what)?
         }
         OptimState::Bf16 => {
             check_raw(&file, FLAT_EXP_AVG, Dtype::BF16, whole_total)

@@ -72,7 +72,10 @@ pub fn comm_thread_wanted(threads: usize, ranks: usize) -> (bool, String) {
     let need = local * (threads + 1);
     (
         need <= cores,
-        format!("{local} ranks here x ({threads} + 1) threads, {cores} cores"),
+        format!(
+            "{local} ranks here x ({threads} + 1) threads, {}",
+            crate::util::count(cores as u64, "core")
+        ),
     )
 }
 

@@ -55,7 +55,8 @@ impl Mpi {
             .lines()
             .next()
             .unwrap_or("MPI")
-            .trim()
+            // Open MPI's string ends in a NUL, which would make the run's output binary.
+            .trim_matches(|c: char| c == '\0' || c.is_whitespace())
             .to_string();
         Ok(Mpi {
             world: universe.world(),

@@ -330,7 +330,9 @@ fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     // of each whole tensor, which a rank's part of a cut tensor does not keep.
     if cfg.optim_state == OptimState::Int8 {
         bail!(
-            "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole              tensors, which the tensor ranks' parts would cut (their checkpoints could not              hold one process's moments); use --optim-state bf16 or f32"
+            "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole \
+             tensors, which the tensor ranks' parts would cut (their checkpoints could not \
+             hold one process's moments); use --optim-state bf16 or fp32"
         );
     }
     Ok(())
@@ -340,6 +342,13 @@ fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
 /// strategies, naming the flags.
 fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     let p = cfg.mesh.pipeline;
+    if spec.tied_embeddings && p > 2 {
+        bail!(
+            "--pp {p} with a tied embedding (its LM head is the embedding, held by the first and \
+             the last stage): their gradients are summed between the two ends of --pp 2 only \
+             so far; use --pp 2"
+        );
+    }
     if p > spec.n_layer {
         bail!(
             "--pp {p}: the model has {} layers, so at most --pp {} stages (each holds one layer or more)",
@@ -350,20 +359,13 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
     if mode == Mode::Generate {
         bail!("--pp {p}: sampling runs on one rank; use --pp 1");
     }
-    if spec.tied_embeddings && p > 2 {
-        bail!(
-            "--pp {p} with a tied embedding (its LM head is the embedding, held by the first and \
-             the last stage): their gradients are summed between the two ends of --pp 2 only \
-             so far; use --pp 2"
-        );
-    }
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--pp {p} with --offload: not there yet; use --offload none");
     }
     if cfg.optim_state == OptimState::Int8 {
         bail!(
             "--pp {p} with --optim-state int8: the checkpoints of a pipeline's 8-bit moments \
-             are not there yet; use --optim-state bf16 or f32"
+             are not there yet; use --optim-state bf16 or fp32"
         );
     }
     Ok(())

@@ -121,6 +121,16 @@ impl Strategies {
         if p == 0 {
             anyhow::bail!("--pp must be at least 1 (pipeline stages, each holding some layers)");
         }
+        if n == 1 && t * p > 1 {
+            anyhow::bail!(
+                "--tp {t} --pp {p} splits the model among {} processes: start them with \
+                 `mpirun -np {} memwall train ...` (a build with --features mpi), or see one \
+                 rank's plan with `memwall plan --ranks {} ...`",
+                t * p,
+                t * p,
+                t * p
+            );
+        }
         if p > 1 && n % (t * p) != 0 {
             anyhow::bail!(
                 "--tp {t} × --pp {p} = {} does not divide the {n} ranks (mpirun -np {n}, or \
@@ -294,8 +304,10 @@ pub fn plan_fitting(
 ) -> Result<Plan> {
     // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing: its
     // `--offload auto` is none.
+    // Nor does a rank of a model split among ranks (`--tp`, `--pp`: offload refused there).
+    let split = cfg.mesh.tensor > 1 || cfg.mesh.pipeline > 1;
     let offload = match offload {
-        OffloadChoice::Auto if !backend.tiers().contains(&crate::ir::Tier::Nvme) => {
+        OffloadChoice::Auto if split || !backend.tiers().contains(&crate::ir::Tier::Nvme) => {
             OffloadChoice::Set(OffloadSet::NONE)
         }
         o => o,

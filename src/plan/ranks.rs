@@ -26,8 +26,12 @@ pub struct RankPlan {
     /// Parameters this rank holds (its parts of the cut tensors, the whole ones whole).
     pub num_params: usize,
     pub predicted_peak_rss_bytes: u64,
-    /// Bytes of each category in the rank's plan.
+    /// Bytes of each category in the rank's plan (every buffer declared, those that live
+    /// apart counted apart: what `plan`'s `sum of bytes` column shows).
     pub by_category: BTreeMap<String, u64>,
+    /// Bytes of each category live in memory at the plan's peak op: what the rank holds
+    /// when it peaks (their sum and the process baseline make its peak).
+    pub peak_by_category: BTreeMap<String, u64>,
 }
 
 /// A rank's place on each axis of the mesh.
@@ -96,12 +100,16 @@ fn of_plan(plan: &Plan, baseline: u64) -> RankPlan {
         coords: Coords::of(&plan.cfg.mesh),
         num_params: plan.layout.total,
         predicted_peak_rss_bytes: plan.predicted_peak(baseline),
-        by_category: plan
-            .bytes_by_category()
-            .into_iter()
-            .map(|(c, b): (Category, u64)| (c.name().to_string(), b))
-            .collect(),
+        by_category: named(plan.bytes_by_category()),
+        peak_by_category: named(plan.live_by_category(plan.peak_op)),
     }
+}
+
+/// Categories by name.
+fn named(by: Vec<(Category, u64)>) -> BTreeMap<String, u64> {
+    (by.into_iter())
+        .map(|(c, b)| (c.name().to_string(), b))
+        .collect()
 }
 
 /// The ranks grouped by their peak, heaviest first: each group's peak and its ranks, for the

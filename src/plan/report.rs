@@ -60,18 +60,26 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     }
     if mesh.pipeline > 1 {
         let stage = mesh.pipeline_stage();
-        let layers = stage.layers(plan.spec.n_layer);
-        let micro = cfg.grad_accum;
+        let layers = match stage.layers(plan.spec.n_layer) {
+            l if l.len() == 1 => format!("layer {}", l.start),
+            l => format!("layers {}-{}", l.start, l.end - 1),
+        };
+        let (p, m) = (stage.size, cfg.grad_accum);
+        let bubble = (p - 1) as f64 / (m + p - 1) as f64;
+        let more = match m < 4 * (p - 1) {
+            true => format!("; {} micro-batches would make it {:.0}%", 4 * (p - 1), {
+                let m4 = 4 * (p - 1);
+                100.0 * (p - 1) as f64 / (m4 + p - 1) as f64
+            }),
+            false => String::new(),
+        };
         let _ = writeln!(
             s,
-            "      one rank of {}: pipeline stage {} of {} (layers {}..{} of {}{}{}), its {} \
-             micro-batches in the 1F1B order: at most {} in flight, an idle bubble of {}/{} of \
-             the step",
+            "      one rank of {}: pipeline stage {} of {p} ({layers} of {}{}{}), its {m} \
+             micro-batches in the 1F1B order: at most {} in flight; the pipeline idles \
+             (p - 1)/(m + p - 1) = {:.0}% of the step filling and draining{more}",
             mesh.world(),
             stage.rank,
-            stage.size,
-            layers.start,
-            layers.end,
             plan.spec.n_layer,
             if stage.is_first() {
                 "; the embedding"
@@ -83,10 +91,8 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             } else {
                 ""
             },
-            micro,
-            stage.in_flight(micro),
-            stage.size - 1,
-            micro
+            stage.in_flight(m),
+            100.0 * bubble,
         );
     }
     let per_rank = (mesh.world() > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
@@ -97,10 +103,14 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             2 => "optimizer state and gradients sharded",
             _ => "optimizer state, gradients and parameters sharded",
         };
+        let who = match mesh.tensor * mesh.pipeline {
+            1 => format!("one rank of {}", r.ranks),
+            _ => format!("data rank {} of {}", mesh.data_rank(), r.ranks),
+        };
         let _ = writeln!(
             s,
-            "      one rank of {} (--zero {}: {stage}); each rank runs this plan on its own batch",
-            r.ranks, r.zero
+            "      {who} (--zero {}: {stage}); each data rank runs this plan on its own batch",
+            r.zero
         );
     }
     // The compute tier's name, as the figures below are its: RAM on the CPU.

@@ -263,11 +263,10 @@ impl PlanJson {
             "estimated": t.estimated, "calibration": cal.describe(),
         }));
         if self.comm_bytes_per_step > 0 {
-            let ranks = self
-                .per_rank
-                .as_ref()
-                .and_then(|p| p["ranks"].as_u64())
-                .unwrap_or(1);
+            // The whole job's processes (the data ranks times the tensor and pipeline ones).
+            let axis = |k: &str| self.config.get(k).and_then(Value::as_u64).unwrap_or(1);
+            let data = (self.per_rank.as_ref()).and_then(|p| p["ranks"].as_u64());
+            let ranks = data.unwrap_or(1) * axis("tensor") * axis("pipeline");
             if let Some(p) = self.predicted.as_mut() {
                 p["collectives"] = cal.describe_transport(ranks as usize).into();
             }

@@ -253,7 +253,17 @@ pub fn resume(
         ranks,
         ..opts.strategies.clone()
     };
-    resumed.check_mesh()?;
+    // A layout kept from the run that these ranks cannot hold: say where it came from.
+    let (t, p) = (resumed.tensor, resumed.pipeline);
+    let kept =
+        (req.step.strategy.tp.is_none() && t > 1) || (req.step.strategy.pp.is_none() && p > 1);
+    resumed.check_mesh().map_err(|e| match kept {
+        true => e.context(format!(
+            "the run was trained with --tp {t} --pp {p}, which --resume keeps unless told: \
+             give --tp and --pp for {ranks} rank(s) (e.g. --tp 1 --pp 1 on one process)"
+        )),
+        false => e,
+    })?;
     let ranks = resumed.data_ranks();
     opts.profile_steps = req.profile_steps;
     // What the run's weights follow stays; when and how much it evaluates and saves may change.
