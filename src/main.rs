@@ -384,10 +384,11 @@ fn print_every_rank(every: &[plan::ranks::RankPlan]) {
     for (peak, ranks) in plan::ranks::by_peak(every) {
         let r = &every[ranks[0]];
         println!(
-            "    {:>10}  {} ({} parameters each)",
+            "    {:>10}  {} ({} parameters{})",
             fmt_bytes(peak),
             describe_ranks(&ranks),
-            r.num_params
+            r.num_params,
+            if ranks.len() > 1 { " each" } else { "" }
         );
     }
 }

@@ -96,7 +96,7 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
         );
     }
     let per_rank = (mesh.world() > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));
-    if let Some(r) = &per_rank {
+    if let Some(r) = per_rank.as_ref().filter(|r| r.ranks > 1 || r.zero > 0) {
         let stage = match r.zero {
             0 => "plain data parallelism: every rank keeps everything",
             1 => "optimizer state sharded",
