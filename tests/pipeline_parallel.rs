@@ -356,7 +356,10 @@ fn a_pipeline_longer_than_the_model_is_refused_naming_both() {
     };
     // A tied embedding first: only 2 stages hold it so far.
     let msg = refused(&spec, &cfg);
-    assert!(msg.contains("--pp 8") && msg.contains("use --pp 2"), "{msg}");
+    assert!(
+        msg.contains("--pp 8") && msg.contains("use --pp 2"),
+        "{msg}"
+    );
     spec.tied_embeddings = false;
     let msg = refused(&spec, &cfg);
     assert!(msg.contains("--pp 8") && msg.contains("4 layers"), "{msg}");

@@ -261,3 +261,18 @@ pub(crate) fn send_to_stage(
         Op::AwaitCollective { bufs: vec![buf] },
     );
 }
+
+/// A stage that does not end the model: sends its output `out` (`len` elements) to the next
+/// stage in the forward, and receives its gradient `{pfx}d.residual` back in the backward,
+/// which the blocks' backward then accumulates into.
+pub(crate) fn hand_on(g: &mut Builder, out: BufId, pfx: &str, len: usize) -> BufId {
+    send_to_stage(g, out, (pfx, "stage.out"), Peer::Next, Phase::Forward);
+    let grad = (Category::ActivationGrad, len);
+    receive_from_stage(g, (pfx, "d.residual"), grad, Peer::Next, Phase::Backward)
+}
+
+/// A stage that does not begin the model: sends the gradient of its input `dres` back to
+/// the stage before.
+pub(crate) fn hand_back(g: &mut Builder, dres: BufId, pfx: &str) {
+    send_to_stage(g, dres, (pfx, "d.stage.in"), Peer::Prev, Phase::Backward);
+}

@@ -617,10 +617,7 @@ pub(crate) fn micro_batch(
             }
         }
     } else {
-        let out = (pfx, "stage.out");
-        block_emit::send_to_stage(g, blocks.out(), out, Peer::Next, Phase::Forward);
-        let grad = (Category::ActivationGrad, n * c);
-        block_emit::receive_from_stage(g, (pfx, "d.residual"), grad, Peer::Next, Phase::Backward)
+        block_emit::hand_on(g, blocks.out(), pfx, n * c)
     };
     let layers = (p.layers.as_slice(), p.first_layer);
     block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
@@ -640,8 +637,7 @@ pub(crate) fn micro_batch(
             },
         );
     } else {
-        let din = (pfx, "d.stage.in");
-        block_emit::send_to_stage(g, dres, din, Peer::Prev, Phase::Backward);
+        block_emit::hand_back(g, dres, pfx);
     }
     Emitted { logits: None }
 }
