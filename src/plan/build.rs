@@ -789,7 +789,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
     let runs: Vec<Vec<std::ops::Range<usize>>> = runs
         .into_iter()
         .map(|r| match &copy {
-            Some(c) if r[0].start == c.start => vec![c.start..c.start],
+            Some(c) if r[0].start == c.start => std::iter::once(c.start..c.start).collect(),
             _ => r,
         })
         .collect();
@@ -812,10 +812,10 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
         }
         // A collective on a group's gradients (a tied embedding's sum between the pipeline's
         // two ends) finishes writing them at its await.
-        if let Op::AwaitCollective { bufs } = &e.op {
-            if let Some(k) = grads.segments.iter().position(|s| s.buf == bufs[0]) {
-                last[k] = Some(i);
-            }
+        if let Op::AwaitCollective { bufs } = &e.op
+            && let Some(k) = grads.segments.iter().position(|s| s.buf == bufs[0])
+        {
+            last[k] = Some(i);
         }
     }
     let mut after: Vec<Vec<usize>> = vec![Vec::new(); g.ops.len()];

@@ -245,12 +245,14 @@ mod tests {
                 let Some(&(send, peer, msg)) = ev[s].get(at[s]) else {
                     continue;
                 };
-                if let Some(&(psend, pp, pmsg)) = ev[peer].get(at[peer]) {
-                    if psend != send && pp == s && pmsg == msg {
-                        at[s] += 1;
-                        at[peer] += 1;
-                        moved = true;
-                    }
+                if let Some(&(psend, pp, pmsg)) = ev[peer].get(at[peer])
+                    && psend != send
+                    && pp == s
+                    && pmsg == msg
+                {
+                    at[s] += 1;
+                    at[peer] += 1;
+                    moved = true;
                 }
             }
             if !moved {

@@ -201,7 +201,8 @@ impl<'a> Run<'a> {
             plan_total,
             predicted_peak,
             warned_over_budget: false,
-            tokens_per_step: (rows * opts.seq * ranks) as f64,
+            // Every data rank's rows (tensor ranks and pipeline stages share theirs).
+            tokens_per_step: (rows * opts.seq * opts.strategies.data_ranks()) as f64,
             epoch,
             n_ops,
             profile,
