@@ -6,7 +6,7 @@
 //! Initialisation as the GPT-2 paper: weights ~ N(0, 0.02), residual output projections
 //! scaled by 1/sqrt(2L), biases 0, layer-norm weights 1.
 //!
-//! A tensor-parallel rank ([`TensorSplit`]) keeps its part of the heads and MLP channels:
+//! A tensor-parallel rank ([`crate::ir::TensorSplit`]) keeps its part of the heads and MLP channels:
 //! of `c_attn` (and its bias) its heads' q, k and v columns (three ranges, contiguous in its
 //! own layout as `[C, 3·C/t]`), of `c_fc` its channels' columns, of the two `c_proj`s the
 //! matching rows (their inputs). The rest is whole.

@@ -11,7 +11,7 @@
 //! Initialisation as transformers' `LlamaPreTrainedModel`: weights and embeddings
 //! N(0, 0.02), biases 0, norm weights 1.
 //!
-//! A tensor-parallel rank ([`TensorSplit`]) keeps its part of the query heads, key/value
+//! A tensor-parallel rank ([`crate::ir::TensorSplit`]) keeps its part of the query heads, key/value
 //! heads and MLP channels: the rows of `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`
 //! (and their biases), the columns of `o_proj` and `down_proj`; so its fused q|k|v and
 //! gate|up are its own heads' and channels', contiguous as on one rank. The rest is whole.
