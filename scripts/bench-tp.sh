@@ -8,7 +8,7 @@ set -euo pipefail
 DATA=${1:?usage: scripts/bench-tp.sh DATA [MODEL] [PAIRS]}
 MODEL=${2:-gpt2}
 PAIRS=${3:-2}
-M=$(dirname "$0")/../target/release/memwall
+M=${MEMWALL:-$(dirname "$0")/../target/release/memwall}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 mean() {
@@ -18,12 +18,12 @@ r = [json.loads(l) for l in open(sys.argv[1]) if '\"tokens_per_s\"' in l]
 v = [x['tokens_per_s'] for x in r if x.get('step', 0) >= 3]
 print(f'{sum(v) / len(v):.1f}')" "$1/metrics.jsonl"
 }
-echo "config: $MODEL, batch 4 x seq 256, 8 steps; tp 2 = mpirun -np 2 --threads 1 --tp 2; one = --threads 2; $(nproc) CPUs"
+echo "config: $MODEL, batch 4 x seq 256, ${STEPS:-8} steps; tp 2 = mpirun -np 2 --threads 1 --tp 2; one = --threads 2; $(nproc) CPUs"
 for i in $(seq "$PAIRS"); do
   rm -rf "$OUT"/tp "$OUT"/one
   mpirun --allow-run-as-root --oversubscribe -np 2 "$M" train --model "$MODEL" --data "$DATA" \
-    --out "$OUT"/tp --batch 4 --seq 256 --steps 8 --eval-every 0 --threads 1 --tp 2 >"$OUT"/tp.log 2>&1
-  "$M" train --model "$MODEL" --data "$DATA" --out "$OUT"/one --batch 4 --seq 256 --steps 8 \
+    --out "$OUT"/tp --batch 4 --seq 256 --steps ${STEPS:-8} --eval-every 0 --threads 1 --tp 2 >"$OUT"/tp.log 2>&1
+  "$M" train --model "$MODEL" --data "$DATA" --out "$OUT"/one --batch 4 --seq 256 --steps ${STEPS:-8} \
     --eval-every 0 --threads 2 >"$OUT"/one.log 2>&1
   echo "pair $i: tp2x1 $(mean "$OUT"/tp) tokens/s, one x2 $(mean "$OUT"/one) tokens/s"
 done
