@@ -122,33 +122,6 @@ fn ranks(
     })
 }
 
-/// The whole model's parameters from the ranks of one data rank (`ranks`): tensor parts put
-/// in place, tensors held by several ranks (whole across tensor ranks, a tied embedding on
-/// both ends of the pipeline) checked bitwise equal.
-fn gathered(whole: &ParamLayout, ranks: &[&Outcome]) -> Vec<f32> {
-    let mut out = vec![f32::NAN; whole.total];
-    for o in ranks {
-        for t in &o.layout.tensors {
-            let w = whole.get(&t.name).unwrap();
-            let mine = &o.params[t.range.clone()];
-            match &t.part {
-                Some(part) => part.put(mine, &mut out[w.range.clone()]),
-                None => {
-                    let held = &mut out[w.range.clone()];
-                    if held[0].is_nan() {
-                        held.copy_from_slice(mine);
-                    } else {
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(held), bits(mine), "{}: ranks differ", t.name);
-                    }
-                }
-            }
-        }
-    }
-    assert!(out.iter().all(|x| !x.is_nan()), "every element gathered");
-    out
-}
-
 fn rel(a: f32, b: f32) -> f32 {
     (a - b).abs() / b.abs().max(1e-12)
 }
@@ -216,7 +189,8 @@ fn matches_one_process_at(
             .map(|r| &out[r])
             .collect();
         assert_eq!(mine.len(), per_data);
-        let mut params = gathered(&whole, &mine);
+        let held: Vec<_> = mine.iter().map(|o| (&o.layout, &o.params[..])).collect();
+        let mut params = common::gathered(&whole, &held);
         let reference_params = &reference.params;
         common::key_biases_within_noise(
             &whole,

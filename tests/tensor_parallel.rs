@@ -117,32 +117,6 @@ fn ranks(
     })
 }
 
-/// The whole model's parameters from the tensor ranks of one data rank (`parts`, in tensor
-/// order): cut tensors put in place, whole ones checked bitwise equal on every rank.
-fn gathered(whole: &ParamLayout, parts: &[&Outcome]) -> Vec<f32> {
-    let mut out = vec![f32::NAN; whole.total];
-    for o in parts {
-        for t in &o.layout.tensors {
-            let w = whole.get(&t.name).unwrap();
-            let mine = &o.params.as_ref().expect("parameters downloaded")[t.range.clone()];
-            match &t.part {
-                Some(part) => part.put(mine, &mut out[w.range.clone()]),
-                None => {
-                    let held = &mut out[w.range.clone()];
-                    if held[0].is_nan() {
-                        held.copy_from_slice(mine);
-                    } else {
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(held), bits(mine), "{}: tensor ranks differ", t.name);
-                    }
-                }
-            }
-        }
-    }
-    assert!(out.iter().all(|x| !x.is_nan()), "every element gathered");
-    out
-}
-
 fn rel(a: f32, b: f32) -> f32 {
     (a - b).abs() / b.abs().max(1e-12)
 }
@@ -183,7 +157,15 @@ fn matches_one_process_at(model: &str, (data, tensor, zero): (usize, usize, Zero
     let reference_params = reference.params.as_ref().unwrap();
     for d in 0..data {
         let parts: Vec<&Outcome> = out[d * tensor..(d + 1) * tensor].iter().collect();
-        let mut params = gathered(&whole, &parts);
+        let held: Vec<_> = (parts.iter())
+            .map(|o| {
+                (
+                    &o.layout,
+                    o.params.as_deref().expect("parameters downloaded"),
+                )
+            })
+            .collect();
+        let mut params = common::gathered(&whole, &held);
         common::key_biases_within_noise(
             &whole,
             &mut params,

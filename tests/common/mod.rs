@@ -129,6 +129,37 @@ pub fn ok<S: AsRef<str>>(args: &[S]) -> String {
     String::from_utf8_lossy(&o.stdout).to_string()
 }
 
+/// The whole model's parameters (as `whole` lays them out) from the ranks holding parts of
+/// it, each `(its layout, its parameters)`: tensor-parallel parts put in place, tensors held
+/// by several ranks (whole across tensor ranks, a tied embedding on both ends of a pipeline)
+/// checked bitwise equal; every element must be held by some rank.
+pub fn gathered(
+    whole: &memwall::model::ParamLayout,
+    ranks: &[(&memwall::model::ParamLayout, &[f32])],
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; whole.total];
+    for (layout, params) in ranks {
+        for t in &layout.tensors {
+            let w = whole.get(&t.name).unwrap();
+            let mine = &params[t.range.clone()];
+            match &t.part {
+                Some(part) => part.put(mine, &mut out[w.range.clone()]),
+                None => {
+                    let held = &mut out[w.range.clone()];
+                    if held[0].is_nan() {
+                        held.copy_from_slice(mine);
+                    } else {
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(held), bits(mine), "{}: ranks differ", t.name);
+                    }
+                }
+            }
+        }
+    }
+    assert!(out.iter().all(|x| !x.is_nan()), "every element gathered");
+    out
+}
+
 /// The worst relative Frobenius distance of `a` from `b` over the tensors of `layout`.
 pub fn worst_tensor(layout: &memwall::model::ParamLayout, a: &[f32], b: &[f32]) -> f64 {
     layout
