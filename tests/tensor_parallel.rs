@@ -239,7 +239,7 @@ fn every_rank_of_a_job_is_planned_with_its_place_and_its_part() {
     use memwall::plan::ranks::{by_peak, every_rank};
     let spec = ModelSpec::preset("llama-tiny").unwrap();
     let mut cfg = StepConfig::new(1, SEQ, 1);
-    cfg.mesh = Mesh::data_tensor(8, 2, 0);
+    cfg.mesh = Mesh::new(8, 2, 1, 0);
     let ranks = every_rank(&spec, &cfg, backend(), 0).unwrap();
     assert_eq!(ranks.len(), 8);
     for (r, p) in ranks.iter().enumerate() {
@@ -254,7 +254,7 @@ fn every_rank_of_a_job_is_planned_with_its_place_and_its_part() {
     let own = build_plan(
         &spec,
         &StepConfig {
-            mesh: Mesh::data_tensor(8, 2, 5),
+            mesh: Mesh::new(8, 2, 1, 5),
             ..cfg.clone()
         },
         Mode::Train,

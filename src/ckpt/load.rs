@@ -8,7 +8,7 @@
 //! `fill_moments`) calls once per buffer, releasing the mapped file's pages after each range.
 //! So `--resume` and `--init` need no host copy of the whole state, and each rank fills its
 //! own shards from the whole file (tensors may be cut): a run resumes on any number of ranks.
-//! A tensor-parallel rank's layout (`ParamLayout::split`) loads the same way: each cut
+//! A tensor-parallel rank's layout (`ParamLayout::part`) loads the same way: each cut
 //! tensor's part is read from its runs of the whole tensor in the file
 //! (`TensorPart::runs_in`; bf16 moments: its runs of the flat arrays), and the trainer
 //! state's model is checked against the whole model the part belongs to

@@ -1110,7 +1110,10 @@ fn tensor_parallel_parts_load_their_runs_of_the_whole_files() {
     .unwrap();
     let mut cut = 0;
     for rank in 0..2 {
-        let part = ParamLayout::split(&spec, TensorSplit { size: 2, rank });
+        let part = ParamLayout::part(
+            &spec,
+            crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank }),
+        );
         // What the rank should hold: each tensor's part of the whole one.
         let mine = |whole: &[f32]| -> Vec<f32> {
             let mut out = vec![f32::NAN; part.total];
@@ -1155,7 +1158,10 @@ fn tensor_parallel_parts_load_their_runs_of_the_whole_files() {
         );
 
         // A part of another model: refused, naming the whole models.
-        let other = ParamLayout::split(&small_spec(101), TensorSplit { size: 2, rank });
+        let other = ParamLayout::part(
+            &small_spec(101),
+            crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank }),
+        );
         let (mut m4, mut v4) = (vec![0f32; other.total], vec![0f32; other.total]);
         let mm = MomentsMut::F32 {
             m: &mut m4,

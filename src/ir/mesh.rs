@@ -55,20 +55,6 @@ impl Mesh {
         }
     }
 
-    /// `ranks` processes of which each `tensor` neighbouring ones hold the parts of one copy
-    /// of the model (tensor parallelism) and the copies split the batch; `tensor` divides
-    /// `ranks` (checked by the caller, naming its flags).
-    pub fn data_tensor(ranks: usize, tensor: usize, rank: usize) -> Mesh {
-        let tensor = tensor.max(1);
-        debug_assert_eq!(ranks % tensor, 0, "--tp {tensor} of {ranks} ranks");
-        Mesh {
-            data: ranks / tensor,
-            tensor,
-            pipeline: 1,
-            rank,
-        }
-    }
-
     /// `ranks` processes as `pipeline` stages of `tensor` neighbouring ranks each, the copies
     /// splitting the batch; `tensor × pipeline` divides `ranks` (checked by the caller, naming
     /// its flags).

@@ -31,14 +31,6 @@ impl ParamLayout {
         spec.family.layout(spec, crate::ir::ModelPart::WHOLE)
     }
 
-    /// A tensor-parallel rank's part of `spec`'s inventory (the whole one for
-    /// [`crate::ir::TensorSplit::WHOLE`]), `spec` having been checked for the split
-    /// ([`ModelSpec::check_tensor_split`]).
-    pub fn split(spec: &ModelSpec, split: crate::ir::TensorSplit) -> ParamLayout {
-        spec.family
-            .layout(spec, crate::ir::ModelPart::tensor(split))
-    }
-
     /// A rank's part of `spec`'s inventory: its tensor share of its pipeline stage's
     /// tensors, `spec` having been checked for both.
     pub fn part(spec: &ModelSpec, part: crate::ir::ModelPart) -> ParamLayout {

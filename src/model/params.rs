@@ -560,7 +560,10 @@ mod tests {
             assert_eq!(whole.whole_runs(3..whole.total), vec![(3, 3..whole.total)]);
             let mut held = vec![0usize; whole.total];
             for rank in 0..2 {
-                let part = ParamLayout::split(&spec, TensorSplit { size: 2, rank });
+                let part = ParamLayout::part(
+                    &spec,
+                    crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank }),
+                );
                 assert!(part.same_model(&whole) && whole.same_model(&part), "{name}");
                 assert!(!part.same_layout(&whole), "{name}: a part is not the whole");
                 assert_eq!(part.whole_total(), whole.total, "{name}");
@@ -596,7 +599,10 @@ mod tests {
                 }
             }
             for t in &whole.tensors {
-                let part = ParamLayout::split(&spec, TensorSplit { size: 2, rank: 0 });
+                let part = ParamLayout::part(
+                    &spec,
+                    crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank: 0 }),
+                );
                 let cut = part.get(&t.name).unwrap().part.is_some();
                 let want = if cut { 1 } else { 2 };
                 assert!(

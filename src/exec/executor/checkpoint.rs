@@ -229,16 +229,18 @@ struct Owners<'a> {
 
 impl<'a> Owners<'a> {
     fn new(mesh: Mesh, stages: Vec<StageState>, whole: &'a ParamLayout) -> Result<Owners<'a>> {
+        // Each name's first holder: stages in order, so a tied copy's owner is the first.
+        let mut by_name: std::collections::HashMap<&str, (usize, usize)> = Default::default();
+        for (s, st) in stages.iter().enumerate() {
+            for (j, t) in st.layouts[0].tensors.iter().enumerate() {
+                by_name.entry(t.name.as_str()).or_insert((s, j));
+            }
+        }
         let located = (whole.tensors.iter())
             .map(|t| {
-                (stages.iter().enumerate())
-                    .find_map(|(s, st)| {
-                        let tensors = &st.layouts[0].tensors;
-                        Some((s, tensors.iter().position(|x| x.name == t.name)?))
-                    })
-                    .ok_or_else(|| {
-                        anyhow::anyhow!("internal error: no rank holds {} of the model", t.name)
-                    })
+                (by_name.get(t.name.as_str()).copied()).ok_or_else(|| {
+                    anyhow::anyhow!("internal error: no rank holds {} of the model", t.name)
+                })
             })
             .collect::<Result<_>>()?;
         Ok(Owners {
