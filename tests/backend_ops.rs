@@ -51,9 +51,10 @@ mod backend_ops {
     pub mod layers;
     pub mod rig;
     pub mod state;
+    pub mod vocab;
 }
 
-use backend_ops::{adapters, layers, state};
+use backend_ops::{adapters, layers, state, vocab};
 use memwall::ir::Precision;
 
 /// The checks that run at every storage precision, by name (each `fn(&dyn Backend,
@@ -73,8 +74,8 @@ macro_rules! storage_checks {
 
 /// Every op check for one backend: `backend_suite!(name, expression giving the backend)`
 /// makes module `name` with a module per storage precision (`fp32`, `bf16`, `fp16`), one for
-/// what only fp32 plans have (`fp32_generation`), the transfers between tiers and the
-/// collectives among ranks. `backend_suite!(@one_process name, expression, attribute)` makes
+/// what only fp32 plans have (`fp32_generation`), the transfers between tiers, the
+/// collectives among ranks and the tensor-parallel vocabulary's ops (`vocab`). `backend_suite!(@one_process name, expression, attribute)` makes
 /// the compute ops' checks only (a backend with one tier and one process: the CUDA
 /// backend's today), each test with the attribute (`ignore = "needs ..."`).
 macro_rules! backend_suite {
@@ -154,6 +155,8 @@ macro_rules! backend_suite {
             state::reduce_scatter,
             state::all_gather,
             state::stage_send_recv,
+            vocab::encoder_vocab_part,
+            vocab::lm_head_vocab_parallel,
         );
     };
     (@one_process $backend:expr, $p:expr, $attr:meta) => {};

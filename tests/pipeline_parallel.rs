@@ -199,6 +199,13 @@ fn matches_one_process_at(
             2.0 * hparams(1).lr * STEPS as f32,
             &what,
         );
+        common::lone_noise_steps_within(
+            &whole,
+            &mut params,
+            reference_params,
+            2.0 * hparams(1).lr * STEPS as f32,
+            &what,
+        );
         let w = worst_tensor(&whole, &params, reference_params);
         assert!(w < 1e-4, "{what} data rank {d}: weights differ by {w}");
     }

@@ -132,10 +132,16 @@ fn megatron_params(d: &Dims, tp: i128) -> i128 {
     exact(block + emb, tp) + if d.tied { 0 } else { exact(emb, tp) }
 }
 
-/// The parameter groups of a tensor rank as memwall lays them out (embeddings, each block,
-/// the final norm, an untied head), their sizes from the dimensions: embeddings, norms and
-/// the row-parallel biases whole, the rest 1/tp.
-fn memwall_groups(d: &Dims, tp: i128) -> Vec<i128> {
+/// Rows of the vocabulary tensor rank `tr` of `tp` holds (`TensorSplit::vocab_part`: whole
+/// rows, as even as they divide, none padded).
+fn vocab_rows(d: &Dims, tp: i128, tr: i128) -> i128 {
+    (tr + 1) * d.v / tp - tr * d.v / tp
+}
+
+/// The parameter groups of tensor rank `tr` as memwall lays them out (embeddings, each
+/// block, the final norm, an untied head), their sizes from the dimensions: its rows of the
+/// vocabulary, norms, positions and the row-parallel biases whole, the rest 1/tp.
+fn memwall_groups(d: &Dims, tp: i128, tr: i128) -> Vec<i128> {
     let (h, q, kvw) = (d.h, d.a * d.head, d.kv * d.head);
     let block = if d.gpt2 {
         // ln_1, c_attn (w, b: column), c_proj (w: row, b whole), ln_2, c_fc (column),
@@ -152,25 +158,27 @@ fn memwall_groups(d: &Dims, tp: i128) -> Vec<i128> {
         // input norm, q/k/v (rows), o (columns), post-attention norm, gate/up (rows), down.
         h + exact((q + 2 * kvw) * h, tp) + exact(q * h, tp) + h + exact(3 * d.ffn * h, tp)
     };
-    let mut groups = vec![d.v * h + d.positions * h];
+    let rows = vocab_rows(d, tp, tr);
+    let mut groups = vec![rows * h + d.positions * h];
     groups.extend((0..d.l).map(|_| block));
     groups.push(d.norm * h);
     if !d.tied {
-        groups.push(d.v * h);
+        groups.push(rows * h);
     }
     groups
 }
 
-/// memwall's parameters on a tensor rank minus Megatron's, term by term.
-fn param_terms(d: &Dims, tp: i128) -> Vec<Term> {
+/// memwall's parameters on tensor rank `tr` minus Megatron's, term by term.
+fn param_terms(d: &Dims, tp: i128, tr: i128) -> Vec<Term> {
     let h = d.h;
     let heads = if d.tied { 1 } else { 2 };
     let mut t = vec![
-        // No vocabulary-parallel embedding yet: the token embedding (and an untied head) is
-        // whole on every tensor rank, where Megatron splits its rows by tp.
+        // Both cut the embedding (and an untied head) by vocabulary rows; the formula
+        // divides V·h by tp, memwall gives each rank whole rows (GPT-2's 50257 among 2 or 4
+        // ranks: one more on some), where Megatron would pad the vocabulary.
         term(
-            "embedding (and an untied head) whole on every tensor rank: V·h·(1 − 1/tp) each",
-            heads * (d.v * h - exact(d.v * h, tp)),
+            "whole rows of the vocabulary: (rows − V/tp)·h each",
+            heads * (vocab_rows(d, tp, tr) * h - exact(d.v * h, tp)),
         ),
         // Megatron's formula divides every norm by tp; Megatron itself (and memwall) keeps
         // them whole on every tensor rank.
@@ -391,14 +399,8 @@ fn model_state_per_rank_is_megatrons_formula_with_every_difference_named() {
                         let ranks = every_rank(&spec, &cfg, backend(), 0).unwrap();
                         assert_eq!(ranks.len(), tp * dp);
 
-                        // Parameters: Megatron's count plus the named terms.
-                        let megatron = megatron_params(&d, t);
-                        let pterms = param_terms(&d, t);
-                        let psi = megatron + sum(&pterms);
-                        let groups = memwall_groups(&d, t);
-                        assert_eq!(groups.iter().sum::<i128>(), psi, "{}: groups", spec.name);
-
                         // Bytes, part by part: Megatron's at its count plus the named terms.
+                        let megatron = megatron_params(&d, t);
                         let formula = megatron_bytes(megatron, job);
                         let per_param = if zero >= 1 {
                             6 * megatron + exact(12 * megatron, dp as i128)
@@ -406,16 +408,22 @@ fn model_state_per_rank_is_megatrons_formula_with_every_difference_named() {
                             18 * megatron
                         };
                         assert_eq!(formula.values().sum::<i128>(), per_param);
-                        let bterms = byte_terms(psi, sum(&pterms), (&groups, d.tied), job);
-                        let want = |part: Part| {
-                            formula[&part]
-                                + bterms
-                                    .iter()
-                                    .filter(|(p, _)| *p == part)
-                                    .map(|(_, t)| t.value)
-                                    .sum::<i128>()
-                        };
                         for r in &ranks {
+                            // Parameters: Megatron's count plus the named terms.
+                            let tr = r.coords.tp as i128;
+                            let pterms = param_terms(&d, t, tr);
+                            let psi = megatron + sum(&pterms);
+                            let groups = memwall_groups(&d, t, tr);
+                            assert_eq!(groups.iter().sum::<i128>(), psi, "{}: groups", spec.name);
+                            let bterms = byte_terms(psi, sum(&pterms), (&groups, d.tied), job);
+                            let want = |part: Part| {
+                                formula[&part]
+                                    + bterms
+                                        .iter()
+                                        .filter(|(p, _)| *p == part)
+                                        .map(|(_, t)| t.value)
+                                        .sum::<i128>()
+                            };
                             let by = &r.by_category;
                             let got = BTreeMap::from([
                                 (Part::Weights, cat(by, "param") + cat(by, "master")),

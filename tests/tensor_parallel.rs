@@ -232,8 +232,9 @@ fn a_tensor_size_that_does_not_divide_the_heads_is_refused_naming_both() {
 }
 
 /// 8 ranks of tp 2 × dp 4 (`plan --ranks 8 --tp 2`): every rank listed in MPI order with its
-/// coordinates; the tensor ranks hold the same bytes, and of the parameters a part: more
-/// than half of the model's (the embedding and norms are whole) and less than all.
+/// coordinates; the copies of a tensor rank hold the same bytes, and of the parameters a
+/// part: about half of the model's (the norms are whole) and less than all. The two tensor
+/// ranks differ by one row of the vocabulary (50257 = 25128 + 25129 rows).
 #[test]
 fn every_rank_of_a_job_is_planned_with_its_place_and_its_part() {
     use memwall::plan::ranks::{by_peak, every_rank};
@@ -246,10 +247,16 @@ fn every_rank_of_a_job_is_planned_with_its_place_and_its_part() {
         assert_eq!(p.rank, r);
         assert_eq!((p.coords.tp, p.coords.dp, p.coords.pp), (r % 2, r / 2, 0));
         assert_eq!(
-            p.predicted_peak_rss_bytes,
-            ranks[0].predicted_peak_rss_bytes
+            (p.predicted_peak_rss_bytes, p.num_params),
+            (
+                ranks[r % 2].predicted_peak_rss_bytes,
+                ranks[r % 2].num_params
+            )
         );
     }
+    assert_eq!(spec.vocab_size, 25128 + 25129);
+    assert_eq!(ranks[1].num_params - ranks[0].num_params, spec.n_embd);
+    assert!(ranks[1].predicted_peak_rss_bytes > ranks[0].predicted_peak_rss_bytes);
     // Each rank's own plan says the same.
     let own = build_plan(
         &spec,
@@ -264,13 +271,68 @@ fn every_rank_of_a_job_is_planned_with_its_place_and_its_part() {
     assert_eq!(ranks[5].num_params, own.layout.total);
     assert_eq!(ranks[5].predicted_peak_rss_bytes, own.predicted_peak(0));
     let whole = spec.num_params();
-    assert!(ranks[0].num_params < whole && ranks[0].num_params > whole / 2);
-    let peak = ranks[0].predicted_peak_rss_bytes;
-    assert_eq!(by_peak(&ranks), vec![(peak, (0..8).collect())]);
+    assert!(ranks[0].num_params < whole && ranks[0].num_params > whole * 2 / 5);
+    let peaks = [0, 1].map(|r| ranks[r].predicted_peak_rss_bytes);
+    assert_eq!(
+        by_peak(&ranks),
+        vec![(peaks[1], vec![1, 3, 5, 7]), (peaks[0], vec![0, 2, 4, 6])]
+    );
     let json = serde_json::to_value(&ranks[3]).unwrap();
     assert_eq!(
         json["coords"],
         serde_json::json!({"dp": 1, "tp": 1, "pp": 0})
     );
     assert!(json["by_category"]["param"].as_u64().unwrap() > 0);
+}
+
+/// No tensor rank holds a whole row of logits (Megatron's vocabulary-parallel head): each
+/// holds its rows of the tied embedding (GPT-2's 50257 among 2: 25128 and 25129), its head
+/// computes logits of those token ids only, and three numbers a row (maximum, sum of
+/// exponentials, target logit) are gathered among the tensor ranks before the loss.
+#[test]
+fn the_vocabulary_is_cut_among_tensor_ranks_and_no_rank_holds_whole_logits() {
+    use memwall::ir::{Axis, Op};
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let v = spec.vocab_size;
+    for rank in 0..2 {
+        let mut cfg = StepConfig::new(2, SEQ, 1);
+        cfg.mesh = Mesh::new(2, 2, 1, rank);
+        let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+        let rows = [0..v / 2, v / 2..v][rank].clone();
+        let wte = &plan.layout.tensors[0];
+        assert_eq!(wte.name, "transformer.wte.weight");
+        assert_eq!(wte.shape, [rows.len(), spec.n_embd], "rank {rank}");
+        let (mut stats, mut gathers) = (0, 0);
+        for e in &plan.schedule.ops {
+            match &e.op {
+                Op::Encoder { first_token, .. } | Op::EncoderBackward { first_token, .. } => {
+                    assert_eq!(*first_token, rows.start)
+                }
+                Op::LmHeadStats { v: part, .. } => {
+                    assert_eq!(*part, rows.len());
+                    stats += 1;
+                }
+                Op::LmHeadLoss { v: part, vocab, .. } => {
+                    assert_eq!(*part, rows.len());
+                    let share = vocab.expect("a vocabulary share");
+                    assert_eq!((share.first_token, share.ranks), (rows.start, 2));
+                    let n = cfg.batch * SEQ;
+                    assert_eq!(plan.buffer(share.stats).elems, 2 * n * 3);
+                }
+                Op::AllGather {
+                    axis: Axis::Tensor, ..
+                } => gathers += 1,
+                _ => {}
+            }
+        }
+        assert_eq!((stats, gathers), (1, 1), "rank {rank}");
+        // The largest buffer of the head is a chunk of the rank's logits.
+        let widest = (plan.buffers.iter())
+            .filter(|b| b.name.contains("logits"))
+            .map(|b| b.elems)
+            .max()
+            .unwrap();
+        assert_eq!(widest % rows.len(), 0);
+        assert!(widest < cfg.batch * SEQ * v / 2 + v);
+    }
 }

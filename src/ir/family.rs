@@ -27,7 +27,8 @@ pub enum OpFamily {
     /// Pointwise activations: [`Op::Gelu`], [`Op::Swiglu`] and their backwards.
     Activation,
     /// The LM head: [`Op::LmHeadLoss`] (logits, cross-entropy and, in training, their
-    /// gradients) and [`Op::LmHeadLast`] (generation's next-token logits).
+    /// gradients; under tensor parallelism after [`Op::LmHeadStats`]) and [`Op::LmHeadLast`]
+    /// (generation's next-token logits).
     LmHead,
     /// LoRA adapters on frozen linear layers: [`Op::LoraForward`], [`Op::LoraBackward`].
     Adapter,
@@ -58,7 +59,9 @@ impl Op {
             | Op::GeluBackward { .. }
             | Op::Swiglu { .. }
             | Op::SwigluBackward { .. } => OpFamily::Activation,
-            Op::LmHeadLoss { .. } | Op::LmHeadLast { .. } => OpFamily::LmHead,
+            Op::LmHeadLoss { .. } | Op::LmHeadStats { .. } | Op::LmHeadLast { .. } => {
+                OpFamily::LmHead
+            }
             Op::LoraForward { .. } | Op::LoraBackward { .. } => OpFamily::Adapter,
             Op::GradNorm { .. } | Op::AdamW { .. } => OpFamily::Optimizer,
             Op::Transfer { .. } | Op::AwaitTransfers { .. } => OpFamily::Transfer,

@@ -149,8 +149,10 @@ impl Mesh {
 /// A tensor-parallel rank's share of a model (Megatron's layout): of every layer's attention
 /// heads, key/value heads and MLP channels, the `rank`-th of `size` equal contiguous parts.
 /// Column-parallel projections (q, k, v, gate, up, GPT-2's `c_attn` and `c_fc`) keep their
-/// outputs' part, row-parallel ones (o, down, the `c_proj`s) their inputs' part, and every
-/// other tensor (embeddings, norms, the row-parallel biases) is whole on every rank.
+/// outputs' part, row-parallel ones (o, down, the `c_proj`s) their inputs' part, the token
+/// embedding and the LM head their rows of the vocabulary ([`TensorSplit::vocab_part`]), and
+/// every other tensor (norms, learned positions, the row-parallel biases) is whole on every
+/// rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct TensorSplit {
     /// Ranks on the tensor axis.
@@ -179,6 +181,14 @@ impl TensorSplit {
     /// This rank's count of `n` items.
     pub fn len(&self, n: usize) -> usize {
         n / self.size
+    }
+
+    /// This rank's token ids of a vocabulary of `v` (the rows it holds of the embedding and
+    /// the LM head, Megatron's vocabulary-parallel layout): the `rank`-th of `size`
+    /// contiguous runs, ⌊r·v/size⌋..⌊(r+1)·v/size⌋, so a vocabulary the ranks do not divide
+    /// is cut as evenly as it can be, no row padded.
+    pub fn vocab_part(&self, v: usize) -> std::ops::Range<usize> {
+        self.rank * v / self.size..(self.rank + 1) * v / self.size
     }
 
     /// Whether this rank adds what a row-parallel layer adds once (its bias, the residual):

@@ -65,7 +65,7 @@ pub use moments::{Moments, MomentsMut};
 pub use program::{DISK_TIER_FILE, Program};
 pub use schedule::{
     Binding, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Phase,
-    Rows, Schedule, Segment, Segments, WeightLayout,
+    Rows, Schedule, Segment, Segments, VocabShare, WeightLayout,
 };
 pub use shard::{Collective, Cut, CutOf, Sharding, Zero};
 pub use sizing::Sizing;

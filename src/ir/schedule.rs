@@ -15,6 +15,20 @@ use std::ops::Range;
 /// tokens and a row's padding. No vocabulary reaches it (ids are below 2³¹).
 pub const IGNORE_TARGET: u32 = u32::MAX;
 
+/// A tensor-parallel LM head's share of the vocabulary ([`Op::LmHeadLoss`]'s `vocab`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabShare {
+    /// The token id of the rank's first row of the head.
+    pub first_token: usize,
+    /// Every tensor rank's [`Op::LmHeadStats`] of the rows, gathered: `[ranks, N, 3]`.
+    pub stats: BufId,
+    /// Ranks on the tensor axis.
+    pub ranks: usize,
+    /// Whether the logits of the rows are still in `logits` from [`Op::LmHeadStats`] (one
+    /// chunk), so they are not computed again.
+    pub logits_kept: bool,
+}
+
 /// Which part of the step an op belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -88,12 +102,16 @@ pub enum Op {
     Zero { buf: BufId },
     /// `out[N,C] = wte[tokens] (+ wpe[t] with learned positions)`; `t` is the row's place in
     /// its sequence, or its place in its example when the rows pack examples (`positions`).
+    /// Under tensor parallelism `wte` holds the rows of the token ids `first_token..` (the
+    /// rank's part of the vocabulary): a token outside them gives a zero row (then `wpe`'s
+    /// alone), and the ranks' outputs are summed.
     Encoder {
         tokens: BufId,
         positions: Option<BufId>, // [B, T] u32, packed rows only
         out: BufId,
-        wte: Range<usize>,         // [V, C]
+        wte: Range<usize>,         // [Vpart, C]
         wpe: Option<Range<usize>>, // [maxT, C]
+        first_token: usize,
         rows: Rows,
         c: usize,
     },
@@ -190,6 +208,11 @@ pub enum Op {
     /// (overwritten) and `dw` (+=), the loss being the mean over the step's trained targets
     /// ([`crate::backend::StepCtx::loss_tokens`], every micro-batch's and rank's). A target
     /// of [`IGNORE_TARGET`] is not trained: its row's loss is 0 and its gradient row 0.
+    ///
+    /// Under tensor parallelism (`vocab`) `w` is the rank's rows of the vocabulary, `v` their
+    /// count: the softmax's maximum and sum come from every rank's [`Op::LmHeadStats`], so
+    /// every rank writes the same `losses`, its own columns of the logits' gradient, its
+    /// rows' `dw`, and a `dinp` the ranks' sum of which is the input's gradient.
     LmHeadLoss {
         inp: BufId,
         targets: BufId,
@@ -197,6 +220,24 @@ pub enum Op {
         logits: BufId,
         dinp: Option<BufId>,
         w: Range<usize>, // [V, C]
+        rows: Rows,
+        c: usize,
+        v: usize,
+        rows_per_chunk: usize,
+        vocab: Option<VocabShare>,
+    },
+    /// A tensor-parallel LM head's first pass over the rank's rows `w` `[v, C]` of the
+    /// vocabulary (token ids `first_token..`), chunked like [`Op::LmHeadLoss`]: per row of
+    /// `inp[N,C]`, `stats[N, 3]` = (max of its logits, Σ exp(logit − max), the target's logit
+    /// where this rank holds the target, else 0). Gathered over the tensor axis, they give
+    /// every rank the whole softmax's maximum and sum, no rank holding all the logits.
+    LmHeadStats {
+        inp: BufId,
+        targets: BufId,
+        logits: BufId,
+        stats: BufId,
+        w: Range<usize>, // [Vpart, C]
+        first_token: usize,
         rows: Rows,
         c: usize,
         v: usize,
@@ -318,13 +359,15 @@ pub enum Op {
         rows: Rows,
         width: usize,
     },
-    /// `dwte (, dwpe) += scatter(dout[N,C])`.
+    /// `dwte (, dwpe) += scatter(dout[N,C])`; `dwte` gains only the rows of the token ids it
+    /// holds (`first_token..`, as in [`Op::Encoder`]).
     EncoderBackward {
         dout: BufId,
         tokens: BufId,
         positions: Option<BufId>, // [B, T] u32, packed rows only
-        wte: Range<usize>,
+        wte: Range<usize>,        // [Vpart, C]
         wpe: Option<Range<usize>>,
+        first_token: usize,
         rows: Rows,
         c: usize,
     },

@@ -2,12 +2,24 @@
 //! logits of the last row; in training plans the head and the cross-entropy loss, chunked over
 //! rows so that only one `[rows, V]` logits chunk exists at a time (its size set by
 //! `StepConfig::logits_chunk_bytes`), writing the gradient of the head's input.
+//!
+//! Under tensor parallelism each rank holds its rows of the head, its part of the
+//! vocabulary ([`crate::ir::TensorSplit::vocab_part`]; Megatron's vocabulary-parallel head
+//! and cross-entropy), and no rank holds a whole row of logits: [`Op::LmHeadStats`] reduces
+//! the rank's logits of each row to its maximum, sum of exponentials and target logit, an
+//! all-gather on the tensor axis gives every rank every rank's, and [`Op::LmHeadLoss`] then
+//! computes the same loss on every rank and its own columns of the logits' gradient (the
+//! logits computed again, unless they were one chunk and kept). The ranks' input gradients
+//! are partial sums, joined by an all-reduce.
 
-use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, MicroBatch};
-use crate::ir::schedule::{Op, Phase};
-use crate::ir::{BufId, Category};
+use crate::ir::schedule::{Op, Phase, VocabShare};
+use crate::ir::{Axis, BufId, Category, CutOf, EmitOptions};
+use crate::model::block_emit::join_tensor_parts;
 use std::ops::Range;
+
+/// Per row, the numbers [`Op::LmHeadStats`] keeps: maximum, sum of exponentials, target logit.
+const STATS: usize = 3;
 
 /// What the head left: generation logits, or the gradient of its input.
 pub(crate) enum Head {
@@ -17,7 +29,8 @@ pub(crate) enum Head {
     InputGrad(BufId),
 }
 
-/// Emits the head reading `inp` `[N, C]` (the final norm's output) with weight `w` `[V, C]`.
+/// Emits the head reading `inp` `[N, C]` (the final norm's output) with weight `w` `[V, C]`
+/// (the rank's rows of the vocabulary `v` under tensor parallelism).
 pub(crate) fn emit(
     g: &mut Builder,
     cfg: &EmitOptions,
@@ -45,6 +58,9 @@ pub(crate) fn emit(
         );
         return Head::Logits(logits);
     };
+    let split = cfg.tensor;
+    let vocab = split.vocab_part(v);
+    let v = vocab.len();
     let row_bytes = (v * 4) as u64;
     let n_chunks = ((n as u64) * row_bytes)
         .div_ceil(cfg.logits_chunk_bytes.max(row_bytes))
@@ -54,12 +70,71 @@ pub(crate) fn emit(
         format!("{pfx}logits.chunk"),
         Category::Workspace,
         rows_per_chunk * v,
-    ); // [rows, V]
+    ); // [rows, Vpart]
     let dinp = g.act(format!("{pfx}{dinp_name}"), Category::ActivationGrad, n * c); // [N, C]
+    let name = format!("{pfx}lm_head+loss");
+    let head_flops = 2 * (n * c * v) as u64;
+    let vocab = split.is_split().then(|| {
+        let stats = g.f32(
+            format!("{pfx}lm_head.stats"),
+            Category::Workspace,
+            n * STATS,
+        ); // [N, 3]
+        g.op(
+            format!("{pfx}lm_head.stats"),
+            Phase::Forward,
+            head_flops,
+            Op::LmHeadStats {
+                inp,
+                targets: loss.targets,
+                logits,
+                stats,
+                w: w.clone(),
+                first_token: vocab.start,
+                rows: mb.rows,
+                c,
+                v,
+                rows_per_chunk,
+            },
+        );
+        // [ranks, N, 3]: every tensor rank's, the same on all.
+        let len = split.size * n * STATS;
+        let all = g.f32(
+            format!("{pfx}lm_head.stats.all"),
+            Category::Communication,
+            len,
+        );
+        g.op(
+            format!("{pfx}lm_head.stats.all_gather"),
+            Phase::Forward,
+            0,
+            Op::AllGather {
+                buf: all,
+                shard: Some(stats),
+                cut: CutOf::Even,
+                axis: Axis::Tensor,
+            },
+        );
+        g.op(
+            format!("{pfx}lm_head.stats.all_gather.await"),
+            Phase::Forward,
+            0,
+            Op::AwaitCollective {
+                bufs: vec![all, stats],
+            },
+        );
+        VocabShare {
+            first_token: vocab.start,
+            stats: all,
+            ranks: split.size,
+            logits_kept: n_chunks == 1,
+        }
+    });
+    let kept = vocab.is_some_and(|s| s.logits_kept);
     g.op(
-        format!("{pfx}lm_head+loss"),
+        name.clone(),
         Phase::Forward,
-        6 * (n * c * v) as u64,
+        3 * head_flops - if kept { head_flops } else { 0 },
         Op::LmHeadLoss {
             inp,
             targets: loss.targets,
@@ -71,7 +146,10 @@ pub(crate) fn emit(
             c,
             v,
             rows_per_chunk,
+            vocab,
         },
     );
+    // The ranks' input gradients are each their rows' share.
+    join_tensor_parts(g, split, (dinp, n * c), &name, Phase::Backward);
     Head::InputGrad(dinp)
 }

@@ -13,6 +13,7 @@
 //! reads only [`ParamLayout`] and the ops, never a family.
 
 pub(crate) mod block_emit;
+pub(crate) mod embedding;
 pub mod family;
 pub mod gpt2;
 pub mod llama;

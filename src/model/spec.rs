@@ -364,6 +364,15 @@ impl ModelSpec {
                 }
             );
         }
+        if self.vocab_size < tensor {
+            bail!(
+                "--tp {tensor}: each tensor rank holds rows of the vocabulary, but {} {} has \
+                 fewer; use --tp {} or less",
+                f.vocab,
+                self.vocab_size,
+                self.vocab_size
+            );
+        }
         Ok(())
     }
 

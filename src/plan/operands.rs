@@ -5,7 +5,7 @@
 //! a new op is described here once and nowhere else. Visiting allocates nothing.
 
 use crate::ir::buffer::BufId;
-use crate::ir::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice};
+use crate::ir::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, VocabShare};
 use std::ops::Range;
 
 /// How an op uses one of its operands.
@@ -169,18 +169,42 @@ macro_rules! for_each_operand {
                 logits,
                 dinp,
                 w,
+                vocab,
                 ..
             } => {
                 $buf!(inp, Read);
                 $buf!(targets, Read);
                 $buf!(losses, Write);
-                $buf!(logits, Write);
+                match vocab {
+                    // The ranks' statistics, and the logits `Op::LmHeadStats` left.
+                    Some(VocabShare {
+                        stats, logits_kept, ..
+                    }) => {
+                        $buf!(stats, Read);
+                        $buf!(logits, if *logits_kept { ReadWrite } else { Write });
+                    }
+                    None => $buf!(logits, Write),
+                }
                 $params!(Tensor(w, None), Read);
                 // Training: the input's gradient, and the head's gradients accumulated.
                 if let Some(d) = dinp {
                     $buf!(d, Write);
                     $grads!(Tensor(w, None), ReadWrite);
                 }
+            }
+            Op::LmHeadStats {
+                inp,
+                targets,
+                logits,
+                stats,
+                w,
+                ..
+            } => {
+                $buf!(inp, Read);
+                $buf!(targets, Read);
+                $buf!(logits, Write);
+                $buf!(stats, Write);
+                $params!(Tensor(w, None), Read);
             }
             Op::LmHeadLast { inp, logits, w, .. } => {
                 $buf!(inp, Read);
@@ -614,6 +638,7 @@ mod tests {
                     positions: Some(BufId(3)),
                     wte: 0..8,
                     wpe: None,
+                    first_token: 0,
                     rows,
                     c: 2,
                 },

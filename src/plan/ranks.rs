@@ -62,14 +62,16 @@ pub fn every_rank(
 ) -> Result<Vec<RankPlan>> {
     let mesh = cfg.mesh;
     let edges = cfg.zero.shards_optimizer() && cfg.optim_state == OptimState::Int8;
-    let mut made: BTreeMap<(usize, usize, usize), RankPlan> = BTreeMap::new();
+    let mut made: BTreeMap<(usize, usize, usize, usize), RankPlan> = BTreeMap::new();
     (0..mesh.world())
         .map(|rank| {
             let m = Mesh { rank, ..mesh };
-            // Tensor rank 0 adds what row-parallel layers add once; the others are alike.
-            // Each pipeline stage holds its own layers.
+            // Tensor rank 0 adds what row-parallel layers add once; the others are alike but
+            // for their rows of a vocabulary the ranks do not divide. Each pipeline stage
+            // holds its own layers.
             let key = (
                 m.coord(Axis::Tensor).min(1),
+                m.tensor_split().vocab_part(spec.vocab_size).len(),
                 if edges { m.coord(Axis::Data) } else { 0 },
                 m.coord(Axis::Pipeline),
             );

@@ -46,7 +46,8 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             s,
             "      one rank of {}: tensor rank {} of {} (its part of every layer: {} of {} heads, \
              {} of {} MLP channels; an all-reduce after each attention and MLP, forward and \
-             backward), copy {} of {} of the model (the copies split the batch)",
+             backward; token ids {:?} of the embedding and the head), copy {} of {} of the \
+             model (the copies split the batch)",
             mesh.world(),
             mesh.coord(crate::ir::Axis::Tensor),
             mesh.tensor,
@@ -54,6 +55,7 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             plan.spec.n_head,
             plan.spec.mlp_hidden / mesh.tensor,
             plan.spec.mlp_hidden,
+            mesh.tensor_split().vocab_part(plan.spec.vocab_size),
             mesh.data_rank(),
             mesh.data
         );

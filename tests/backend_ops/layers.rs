@@ -94,6 +94,7 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
                 out,
                 wte: wte.clone(),
                 wpe: wpe.clone(),
+                first_token: 0,
                 rows: ROWS,
                 c: C,
             };
@@ -148,6 +149,7 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
             tokens,
             wte: wte.clone(),
             wpe: wpe.clone(),
+            first_token: 0,
             rows: ROWS,
             c: C,
         };
@@ -1004,6 +1006,7 @@ fn lm_head_rig_of(p: Precision, sh: HeadShape, with_dinp: bool, bind: Bind) -> (
         c: sh.c,
         v: sh.v,
         rows_per_chunk: sh.chunk,
+        vocab: None,
     };
     let op = rig.op(op, bind);
     let head = Head {

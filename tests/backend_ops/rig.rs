@@ -613,6 +613,7 @@ pub fn kind(op: &Op) -> &'static str {
         Op::Swiglu { .. } => "swiglu",
         Op::Gelu { .. } => "gelu",
         Op::LmHeadLoss { .. } => "lm_head_loss",
+        Op::LmHeadStats { .. } => "lm_head_stats",
         Op::LmHeadLast { .. } => "lm_head_last",
         Op::LayerNormBackward { .. } => "layernorm_backward",
         Op::MatmulBackward { .. } => "matmul_backward",

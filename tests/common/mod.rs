@@ -205,6 +205,32 @@ pub fn key_biases_within_noise(
     }
 }
 
+/// An element whose gradient nearly cancels (a sum over the batch's rows close to zero) has
+/// its sign, and so AdamW's step of about the learning rate, set by rounding: the tensor
+/// ranks' partial sums (a head cut by vocabulary, a row-parallel layer) round otherwise than
+/// one process does, and move such an element by up to `bound`. In each tensor of `whole`,
+/// the `1 + n / 2^16` elements (of its n) that differ most from `reference` are checked within
+/// `bound`, then taken from `reference`, so the others can be held to a tight bound: a
+/// mistake moves many more elements than that.
+pub fn lone_noise_steps_within(
+    whole: &memwall::model::ParamLayout,
+    params: &mut [f32],
+    reference: &[f32],
+    bound: f32,
+    what: &str,
+) {
+    for t in &whole.tensors {
+        let diff = |p: &[f32], i: usize| (p[i] - reference[i]).abs();
+        let mut by_diff: Vec<usize> = t.range.clone().collect();
+        by_diff.sort_by(|&i, &j| diff(params, j).total_cmp(&diff(params, i)));
+        for &i in &by_diff[..(1 + t.range.len() / (1 << 16)).min(t.range.len())] {
+            let d = diff(params, i);
+            assert!(d <= bound, "{what}: {} element {i}: {d} > {bound}", t.name);
+            params[i] = reference[i];
+        }
+    }
+}
+
 /// Step `step`'s global batch for the rank tests: `rows` rows of `seq`+1 tokens below
 /// `vocab`, drawn from stream (`seed`, `step`).
 pub fn random_batch(seed: u64, step: u64, (rows, seq): (usize, usize), vocab: usize) -> Vec<u32> {

@@ -1,5 +1,11 @@
 //! Token + position embedding: `out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]`.
 //!
+//! The token table may be a tensor-parallel rank's part of the vocabulary: its rows are the
+//! token ids `first_token..first_token + V`, a token outside them gives a zero row (only
+//! `wpe`'s) in the forward and nothing in the backward; the ranks' outputs are summed
+//! elsewhere. (Tokens past the model's vocabulary are refused before work starts, where the
+//! data is checked against the model.)
+//!
 //! The backward is a scatter-add made deterministic without atomics or workspace: the token
 //! table gradient is split into fixed blocks of vocabulary rows, and each task walks all tokens
 //! in order, adding only those that fall into its block; the position gradient is split over
@@ -35,14 +41,16 @@ const HIT_CAP: usize = 4096;
 
 /// `out = wte[tokens] (+ wpe[position] when given), summed in f32 and rounded once to T`.
 /// A row's position is `t` in its sequence, or `positions[b, t]` when given (rows that pack
-/// several examples: the position inside the row's example).
+/// several examples: the position inside the row's example). `wte`'s rows are the token ids
+/// `first_token..`; a token outside them has a zero row.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward<T: Elem, W: Elem>(
     out: &mut [T],             // [B, T, C]
     tokens: &[u32],            // [B, T]
-    wte: &[W],                 // [V, C]
+    wte: &[W],                 // [V, C]: token ids first_token..first_token + V
     wpe: Option<&[W]>,         // [maxT, C], only the first T rows used (learned positions)
     positions: Option<&[u32]>, // [B, T], each below T
+    first_token: usize,
     b: usize,
     t: usize,
     c: usize,
@@ -66,22 +74,24 @@ pub fn encoder_forward<T: Elem, W: Elem>(
             let r0 = ti * rows;
             for (i, o) in o.chunks_exact_mut(c).enumerate() {
                 let r = r0 + i;
-                let tok = tokens[r] as usize;
-                assert!(tok < v, "encoder_forward: token {tok} >= vocabulary {v}");
-                let e = &wte[tok * c..(tok + 1) * c];
-                match wpe {
-                    Some(wpe) => {
-                        let pos = positions.map_or(r % t, |p| p[r] as usize);
-                        let p = &wpe[pos * c..(pos + 1) * c];
+                let row = (tokens[r] as usize).wrapping_sub(first_token); // wraps below
+                let e = (row < v).then(|| &wte[row * c..(row + 1) * c]);
+                let p = wpe.map(|wpe| {
+                    let pos = positions.map_or(r % t, |p| p[r] as usize);
+                    &wpe[pos * c..(pos + 1) * c]
+                });
+                match (e, p) {
+                    (Some(e), Some(p)) => {
                         for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
                             *o = T::from_f32(e.to_f32() + p.to_f32());
                         }
                     }
-                    None => {
-                        for (o, &e) in o.iter_mut().zip(e) {
-                            *o = T::from_f32(e.to_f32());
+                    (Some(x), None) | (None, Some(x)) => {
+                        for (o, &x) in o.iter_mut().zip(x) {
+                            *o = T::from_f32(x.to_f32());
                         }
                     }
+                    (None, None) => o.fill(T::from_f32(0.0)),
                 }
             }
         });
@@ -94,14 +104,16 @@ pub fn encoder_forward<T: Elem, W: Elem>(
 /// value and rounded to `T` once per call (a token that occurs k times is not rounded k
 /// times). For f32 each task adds straight into its block of `dwte`; for narrower types each
 /// task owns `ACC_ROWS` vocabulary rows, lists the positions of its tokens in one scan, and
-/// accumulates `ACC_COLS` columns at a time in an f32 stack buffer.
+/// accumulates `ACC_COLS` columns at a time in an f32 stack buffer. `dwte`'s rows are the
+/// token ids `first_token..`: a token outside them adds nothing to it.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_backward<T: Elem>(
-    dwte: &mut [T],            // [V, C] +=
+    dwte: &mut [T],            // [V, C] +=: token ids first_token..first_token + V
     dwpe: Option<&mut [T]>,    // [maxT, C] +=, only the first T rows touched (learned positions)
     dout: &[T],                // [B, T, C]
     tokens: &[u32],            // [B, T]
     positions: Option<&[u32]>, // [B, T], each below T
+    first_token: usize,
     b: usize,
     t: usize,
     c: usize,
@@ -117,15 +129,11 @@ pub fn encoder_backward<T: Elem>(
         return;
     }
     assert_eq!(dwte.len() % c, 0, "encoder_backward: dwte");
-    let v = dwte.len() / c;
-    if let Some(&bad) = tokens.iter().find(|&&tok| tok as usize >= v) {
-        panic!("encoder_backward: token {bad} >= vocabulary {v}");
-    }
     if is_f32::<T>() {
         dwte.par_chunks_mut(VOCAB_ROWS_PER_TASK * c)
             .enumerate()
             .for_each(|(bi, block)| {
-                let lo = bi * VOCAB_ROWS_PER_TASK;
+                let lo = first_token + bi * VOCAB_ROWS_PER_TASK;
                 let hi = lo + block.len() / c;
                 for (&tok, dy) in tokens.iter().zip(dout.chunks_exact(c)) {
                     let tok = tok as usize;
@@ -140,7 +148,9 @@ pub fn encoder_backward<T: Elem>(
     } else {
         dwte.par_chunks_mut(ACC_ROWS * c)
             .enumerate()
-            .for_each(|(bi, block)| dwte_block_acc(block, bi * ACC_ROWS, dout, tokens, c));
+            .for_each(|(bi, block)| {
+                dwte_block_acc(block, first_token + bi * ACC_ROWS, dout, tokens, c)
+            });
     }
     let Some(dwpe) = dwpe else {
         return;
@@ -173,7 +183,7 @@ multiversion! {
         block: &mut [T], // [rows <= ACC_ROWS, C] +=
         lo: usize,
         dout: &[T],      // [N, C]
-        tokens: &[u32],  // [N], all < V
+        tokens: &[u32],  // [N]
         c: usize,
     ) {
         let rows = block.len() / c;
@@ -274,19 +284,27 @@ pub mod naive {
     pub fn encoder_forward(
         out: &mut [f32],           // [B, T, C]
         tokens: &[u32],            // [B, T]
-        wte: &[f32],               // [V, C]
+        wte: &[f32],               // [V, C]: token ids first_token..
         wpe: &[f32],               // [maxT, C], only the first T rows used
         positions: Option<&[u32]>, // [B, T]
+        first_token: usize,
         b: usize,
         t: usize,
         c: usize,
     ) {
+        let v = wte.len() / c;
         for bb in 0..b {
             for tt in 0..t {
                 let tok = tokens[bb * t + tt] as usize;
                 let pos = positions.map_or(tt, |p| p[bb * t + tt] as usize);
+                let held = tok >= first_token && tok < first_token + v;
                 for i in 0..c {
-                    out[(bb * t + tt) * c + i] = wte[tok * c + i] + wpe[pos * c + i];
+                    let e = if held {
+                        wte[(tok - first_token) * c + i]
+                    } else {
+                        0.0
+                    };
+                    out[(bb * t + tt) * c + i] = e + wpe[pos * c + i];
                 }
             }
         }
@@ -294,22 +312,27 @@ pub mod naive {
 
     #[allow(clippy::too_many_arguments)]
     pub fn encoder_backward(
-        dwte: &mut [f32],          // [V, C] +=
+        dwte: &mut [f32],          // [V, C] +=: token ids first_token..
         dwpe: &mut [f32],          // [maxT, C] +=, only the first T rows touched
         dout: &[f32],              // [B, T, C]
         tokens: &[u32],            // [B, T]
         positions: Option<&[u32]>, // [B, T]
+        first_token: usize,
         b: usize,
         t: usize,
         c: usize,
     ) {
+        let v = dwte.len() / c;
         for bb in 0..b {
             for tt in 0..t {
                 let tok = tokens[bb * t + tt] as usize;
                 let pos = positions.map_or(tt, |p| p[bb * t + tt] as usize);
+                let held = tok >= first_token && tok < first_token + v;
                 for i in 0..c {
                     let g = dout[(bb * t + tt) * c + i];
-                    dwte[tok * c + i] += g;
+                    if held {
+                        dwte[(tok - first_token) * c + i] += g;
+                    }
                     dwpe[pos * c + i] += g;
                 }
             }
@@ -356,8 +379,8 @@ mod tests {
             let wpe = randn(mt * c, 1.0, 50 + si as u64);
             let tok = tokens(b * t, v, si as u64);
             let (mut o1, mut o2) = (vec![f32::NAN; b * t * c], vec![0.0; b * t * c]);
-            encoder_forward(&mut o1, &tok, &wte, Some(&wpe), None, b, t, c);
-            naive::encoder_forward(&mut o2, &tok, &wte, &wpe, None, b, t, c);
+            encoder_forward(&mut o1, &tok, &wte, Some(&wpe), None, 0, b, t, c);
+            naive::encoder_forward(&mut o2, &tok, &wte, &wpe, None, 0, b, t, c);
             assert_eq!(o1, o2, "{b}x{t}x{c}");
         }
     }
@@ -370,21 +393,21 @@ mod tests {
             let wte = randn(v * c, 1.0, si as u64);
             let tok = tokens(b * t, v, si as u64);
             let mut out = vec![f32::NAN; b * t * c];
-            encoder_forward::<f32, f32>(&mut out, &tok, &wte, None, None, b, t, c);
+            encoder_forward::<f32, f32>(&mut out, &tok, &wte, None, None, 0, b, t, c);
             for (r, row) in out.chunks_exact(c).enumerate() {
                 let k = tok[r] as usize;
                 assert_eq!(row, &wte[k * c..(k + 1) * c], "row {r}");
             }
             let mut narrow = vec![bf16::ZERO; b * t * c];
-            encoder_forward(&mut narrow, &tok, &wte, None, None, b, t, c);
+            encoder_forward(&mut narrow, &tok, &wte, None, None, 0, b, t, c);
             let rounded: Vec<bf16> = out.iter().map(|&x| bf16::from_f32(x)).collect();
             assert_eq!(narrow, rounded);
             let dout = randn(b * t * c, 1.0, 100 + si as u64);
             let dwte0 = randn(v * c, 1.0, 200 + si as u64);
             let (mut with, mut without) = (dwte0.clone(), dwte0.clone());
             let mut dwpe = vec![0.0; mt * c];
-            encoder_backward(&mut with, Some(&mut dwpe), &dout, &tok, None, b, t, c);
-            encoder_backward(&mut without, None, &dout, &tok, None, b, t, c);
+            encoder_backward(&mut with, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
+            encoder_backward(&mut without, None, &dout, &tok, None, 0, b, t, c);
             assert_eq!(with, without, "{b}x{t}x{c}");
         }
     }
@@ -398,7 +421,7 @@ mod tests {
             let dwpe0 = randn(mt * c, 1.0, 300 + si as u64);
             let run = || {
                 let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
-                encoder_backward(&mut a, Some(&mut p), &dout, &tok, None, b, t, c);
+                encoder_backward(&mut a, Some(&mut p), &dout, &tok, None, 0, b, t, c);
                 (a, p)
             };
             let (a1, p1) = with_threads(1, run);
@@ -407,7 +430,7 @@ mod tests {
                 "thread count changed result"
             );
             let (mut a2, mut p2) = (dwte0.clone(), dwpe0.clone());
-            naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, None, b, t, c);
+            naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, None, 0, b, t, c);
             let what = format!("{b}x{t}x{c}");
             assert_close(&a1, &a2, 1e-5, 1e-5, &format!("dwte {what}"));
             assert_close(&p1, &p2, 1e-5, 1e-5, &format!("dwpe {what}"));
@@ -427,16 +450,36 @@ mod tests {
         // Row 0: examples of 4, 1 and 4 tokens; row 1: one of 9.
         let positions: Vec<u32> = [0, 1, 2, 3, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8].to_vec();
         let mut got = vec![f32::NAN; b * t * c];
-        encoder_forward(&mut got, &tok, &wte, Some(&wpe), Some(&positions), b, t, c);
+        encoder_forward(
+            &mut got,
+            &tok,
+            &wte,
+            Some(&wpe),
+            Some(&positions),
+            0,
+            b,
+            t,
+            c,
+        );
         let mut want = vec![0.0; b * t * c];
-        naive::encoder_forward(&mut want, &tok, &wte, &wpe, Some(&positions), b, t, c);
+        naive::encoder_forward(&mut want, &tok, &wte, &wpe, Some(&positions), 0, b, t, c);
         assert_eq!(got, want);
         let dout = randn(b * t * c, 1.0, 4);
         let (dwte0, dwpe0) = (randn(v * c, 1.0, 5), randn(mt * c, 1.0, 6));
         let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
-        encoder_backward(&mut a, Some(&mut p), &dout, &tok, Some(&positions), b, t, c);
+        encoder_backward(
+            &mut a,
+            Some(&mut p),
+            &dout,
+            &tok,
+            Some(&positions),
+            0,
+            b,
+            t,
+            c,
+        );
         let (mut a2, mut p2) = (dwte0.clone(), dwpe0.clone());
-        naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, Some(&positions), b, t, c);
+        naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, Some(&positions), 0, b, t, c);
         assert_close(&a, &a2, 1e-6, 1e-6, "dwte");
         assert_close(&p, &p2, 1e-6, 1e-6, "dwpe");
         // Identity positions: bitwise the unpacked kernels, for f32 and bf16.
@@ -446,9 +489,9 @@ mod tests {
         let dwte16: Vec<bf16> = dwte0.iter().map(|&x| bf16::from_f32(x)).collect();
         let run = |given: Option<&[u32]>| {
             let mut o = vec![f32::NAN; b * t * c];
-            encoder_forward(&mut o, &tok, &wte, Some(&wpe), given, b, t, c);
+            encoder_forward(&mut o, &tok, &wte, Some(&wpe), given, 0, b, t, c);
             let (mut dw, mut dp) = (dwte16.clone(), dwpe16.clone());
-            encoder_backward(&mut dw, Some(&mut dp), &dout16, &tok, given, b, t, c);
+            encoder_backward(&mut dw, Some(&mut dp), &dout16, &tok, given, 0, b, t, c);
             (bits(&o), bits(&dw), bits(&dp))
         };
         assert!(run(Some(&identity)) == run(None), "identity positions");
@@ -463,11 +506,11 @@ mod tests {
         let g = randn(b * t * c, 1.0, 3);
         let loss = |wte: &[f32], wpe: &[f32]| {
             let mut o = vec![0.0; b * t * c];
-            naive::encoder_forward(&mut o, &tok, wte, wpe, None, b, t, c);
+            naive::encoder_forward(&mut o, &tok, wte, wpe, None, 0, b, t, c);
             dot(&g, &o)
         };
         let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; mt * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &g, &tok, None, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &g, &tok, None, 0, b, t, c);
         assert_close(
             &dwte,
             &fd_grad(&wte, 1e-2, |x| loss(x, &wpe)),
@@ -501,8 +544,8 @@ mod tests {
             let mut dwte: Vec<S> = stored::<T, S>(&randn(v * c, 1.0, 200 + si));
             let mut dwpe: Vec<S> = stored::<T, S>(&randn(mt * c, 1.0, 300 + si));
             let mut o = vec![S::from_f32(f32::NAN); b * t * c];
-            encoder_forward(&mut o, &tok, &wte, Some(&wpe), None, b, t, c);
-            encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, b, t, c);
+            encoder_forward(&mut o, &tok, &wte, Some(&wpe), None, 0, b, t, c);
+            encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
             vec![
                 Out::stored("out", &o),
                 Out::stored("dwte", &dwte),
@@ -546,7 +589,7 @@ mod tests {
         let tok = vec![129u32; b * t];
         let dout = vec![one; b * t * c];
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
         assert!(dwte[129 * c..].iter().all(|&x| x.to_f32() == 300.0), "dwte");
         assert!(dwte[..129 * c].iter().all(|&x| x == bf16::ZERO));
         assert!(dwpe.iter().all(|&x| x.to_f32() == 300.0), "dwpe");
@@ -561,7 +604,7 @@ mod tests {
         dout[c] = bf16::from_f32(f32::NAN); // token 150, position 1, channel 0
         dout[2] = bf16::from_f32(f32::INFINITY); // token 3, position 0, channel 2
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
         assert!(dwte[150 * c].is_nan() && dwpe[c].is_nan());
         assert!(dwte[3 * c + 2].is_infinite() && dwpe[2].is_infinite());
         let finite = |x: &[bf16]| x.iter().filter(|v| v.is_finite()).count();
@@ -572,15 +615,43 @@ mod tests {
         wte[7 * c + 1] = bf16::NAN; // token 7: row 3
         let mut wpe = vec![bf16::ONE; t * c];
         wpe[2] = bf16::INFINITY; // position 0: rows 0 and 2
-        encoder_forward(&mut out, &tok, &wte, Some(&wpe), None, b, t, c);
+        encoder_forward(&mut out, &tok, &wte, Some(&wpe), None, 0, b, t, c);
         assert!(out[3 * c + 1].is_nan() && out[2].is_infinite() && out[2 * c + 2].is_infinite());
         assert_eq!(finite(&out), b * t * c - 3);
     }
 
     #[test]
-    #[should_panic(expected = "vocabulary")]
-    fn out_of_range_token_panics() {
-        let mut out = vec![0.0; 2];
-        encoder_forward(&mut out, &[0, 2], &[0.0; 2], Some(&[0.0; 2]), None, 1, 2, 1);
+    fn a_part_of_the_vocabulary_holds_its_tokens_and_zero_rows_for_the_others() {
+        let (b, t, c, v) = (2, 5, 6, 11);
+        let tok = tokens(b * t, v, 4);
+        let (wte, wpe, dout) = (
+            randn(v * c, 1.0, 5),
+            randn(t * c, 1.0, 6),
+            randn(b * t * c, 1.0, 7),
+        );
+        let mut whole = vec![0.0; b * t * c];
+        encoder_forward(&mut whole, &tok, &wte, Some(&wpe), None, 0, b, t, c);
+        let (mut dwhole, mut dpos) = (vec![0.0; v * c], vec![0.0; t * c]);
+        encoder_backward(&mut dwhole, Some(&mut dpos), &dout, &tok, None, 0, b, t, c);
+        // Three ranks' parts, the first adding the positions: their sum is the whole.
+        let mut sum = vec![0.0f32; b * t * c];
+        let mut dparts = Vec::new();
+        for (r, part) in [0..3, 3..7, 7..11].into_iter().enumerate() {
+            let table = &wte[part.start * c..part.end * c];
+            let mut out = vec![f32::NAN; b * t * c];
+            let pos = (r == 0).then_some(&wpe[..]);
+            encoder_forward(&mut out, &tok, table, pos, None, part.start, b, t, c);
+            let mut twin = vec![0.0; b * t * c];
+            let zeros = vec![0.0; t * c];
+            let twin_pos = if r == 0 { &wpe[..] } else { &zeros[..] };
+            naive::encoder_forward(&mut twin, &tok, table, twin_pos, None, part.start, b, t, c);
+            assert_eq!(out, twin, "part {part:?}");
+            sum.iter_mut().zip(&out).for_each(|(s, o)| *s += o);
+            let mut d = vec![0.0; part.len() * c];
+            encoder_backward(&mut d, None, &dout, &tok, None, part.start, b, t, c);
+            dparts.extend(d);
+        }
+        assert_eq!(sum, whole);
+        assert_eq!(dparts, dwhole);
     }
 }

@@ -65,5 +65,6 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
 pub mod xent;
+pub mod xent_part;
 
 pub use device::{Cpu, CpuDevice};

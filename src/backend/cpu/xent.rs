@@ -23,7 +23,7 @@ const SUM_BLOCK: usize = 1024;
 
 /// Σ exp(x - max); the exponentials overwrite `x`.
 #[inline(always)]
-fn exp_sum(
+pub(super) fn exp_sum(
     x: &mut [f32], // [V]
     max: f32,
 ) -> f64 {
@@ -50,7 +50,7 @@ fn exp_sum(
 
 /// Σ exp(x - max), read only.
 #[inline(always)]
-fn exp_sum_ro(
+pub(super) fn exp_sum_ro(
     x: &[f32], // [V]
     max: f32,
 ) -> f64 {

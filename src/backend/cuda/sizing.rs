@@ -411,6 +411,7 @@ mod tests {
             positions: None,
             wte: 0..768 * 50257,
             wpe: None,
+            first_token: 0,
             rows: ROWS,
             c: 768,
         };
@@ -436,6 +437,7 @@ mod tests {
                 c: 7,
                 v: 100,
                 rows_per_chunk: 4,
+                vocab: None,
             },
             false,
         )

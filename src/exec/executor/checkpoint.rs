@@ -179,29 +179,28 @@ impl Array {
 struct StageState {
     /// Each tensor rank's layout of the stage (one where tensors are whole).
     layouts: Vec<ParamLayout>,
-    /// Each of its groups' cut along the data axis (ZeRO).
-    cuts: Vec<Cut>,
+    /// Each tensor rank's cut of each of its groups along the data axis (ZeRO).
+    cuts: Vec<Vec<Cut>>,
     /// The group of each of its tensors.
     group_of: Vec<usize>,
 }
 
 impl StageState {
-    /// The stage whose tensor ranks' layouts are `layouts`, its groups cut by `cuts`.
-    fn new(layouts: Vec<ParamLayout>, cuts: Vec<Cut>) -> Result<StageState> {
+    /// The stage whose tensor ranks' layouts are `layouts`, their groups cut by `cuts`.
+    fn new(layouts: Vec<ParamLayout>, cuts: Vec<Vec<Cut>>) -> Result<StageState> {
         let first = &layouts[0];
         let mut group_of = vec![usize::MAX; first.tensors.len()];
         for (k, g) in first.groups.iter().enumerate() {
             group_of[g.tensors.clone()].fill(k);
         }
-        // Every tensor rank's layout places each tensor and group at the same elements (the
-        // parts of a tensor are equal), so a data cut is the same on each.
+        // Every tensor rank's layout holds the same tensors in the same groups (their parts'
+        // sizes may differ: the rows of a vocabulary the ranks do not divide).
         for l in &layouts[1..] {
-            let same = (l.tensors.iter().zip(&first.tensors)).all(|(a, b)| a.range == b.range)
+            let same = (l.tensors.iter().zip(&first.tensors)).all(|(a, b)| a.name == b.name)
                 && l.tensors.len() == first.tensors.len()
-                && (l.groups.iter().zip(&first.groups))
-                    .all(|(a, b)| l.group_range(a) == first.group_range(b));
+                && (l.groups.iter().zip(&first.groups)).all(|(a, b)| a.tensors == b.tensors);
             if !same {
-                bail!("internal error: tensor ranks whose layouts differ in their elements");
+                bail!("internal error: tensor ranks whose layouts hold other tensors");
             }
         }
         if group_of.contains(&usize::MAX) {
@@ -278,7 +277,7 @@ impl<'a> Owners<'a> {
             let group = layout.group_range(&layout.groups[k]);
             for d in 0..self.data_ranks(sharded) {
                 let held = match sharded {
-                    true => st.cuts[k].owned(&group, d),
+                    true => st.cuts[tr][k].owned(&group, d),
                     false => t.range.clone(),
                 };
                 let (lo, hi) = (held.start.max(t.range.start), held.end.min(t.range.end));
@@ -725,10 +724,14 @@ impl Executor {
                         .collect::<Result<_>>()?,
                     false => vec![layout.clone()],
                 };
-                let cuts = match s == stage.rank {
-                    true => self.plan.cuts.clone(),
-                    false => crate::plan::zero::group_cuts(&layouts[0], &self.plan.cfg),
-                };
+                let cuts = (layouts.iter().enumerate())
+                    .map(
+                        |(t, l)| match (s, t) == (stage.rank, tensor.rank) || !split {
+                            true => self.plan.cuts.clone(),
+                            false => crate::plan::zero::group_cuts(l, &self.plan.cfg),
+                        },
+                    )
+                    .collect();
                 StageState::new(layouts, cuts)
             })
             .collect::<Result<Vec<_>>>()?;

@@ -17,6 +17,7 @@ use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
 use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::ModelSpec;
 use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
+use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
 
 /// Dimensions of one micro-batch, shared by the emitters.
@@ -40,7 +41,9 @@ struct Dims {
     attn_ws_len: usize,
     /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
     positions: Option<BufId>,
-    /// This rank's part of each block.
+    /// The model's vocabulary.
+    v: usize,
+    /// This rank's part of each block (and of the vocabulary).
     tensor: TensorSplit,
 }
 
@@ -482,6 +485,22 @@ impl StagedBlock for Dims {
     }
 }
 
+/// The micro-batch's token and position embedding (`encoder`).
+fn embedding<'a>(d: &Dims, p: &Gpt2Params, mb: &'a MicroBatch) -> Embedding<'a> {
+    Embedding {
+        tokens: mb.tokens,
+        positions: d.positions,
+        wte: p.wte.clone(),
+        wpe: Some(p.wpe.clone()),
+        vocab: d.v,
+        rows: d.rows,
+        c: d.c,
+        split: d.tensor,
+        pfx: &mb.prefix,
+        op: "encoder",
+    }
+}
+
 /// Emits the encoder (the first stage) or receives the stage before's output, then the
 /// stage's blocks of one micro-batch.
 fn forward_blocks(
@@ -493,22 +512,7 @@ fn forward_blocks(
 ) -> Blocks<BlockActs> {
     let (n, c, pfx) = (d.n, d.c, mb.prefix.as_str());
     let res = if stage.is_first() {
-        let res = g.act(format!("{pfx}encoded"), Category::Activation, n * c); // [N, C]
-        g.op(
-            format!("{pfx}encoder"),
-            Phase::Forward,
-            0,
-            Op::Encoder {
-                tokens: mb.tokens,
-                positions: d.positions,
-                out: res,
-                wte: p.wte.clone(),
-                wpe: Some(p.wpe.clone()),
-                rows: d.rows,
-                c,
-            },
-        );
-        res
+        embedding(d, p, mb).forward(g, "encoded")
     } else {
         let act = (Category::Activation, n * c);
         block_emit::receive_from_stage(g, (pfx, "stage.in"), act, Peer::Prev, Phase::Forward)
@@ -603,6 +607,7 @@ pub(crate) fn micro_batch(
         eps: spec.norm_eps,
         attn_ws_len: mb.attn_ws_len,
         positions: mb.positions,
+        v: spec.vocab_size,
         tensor: split,
     };
     let (n, c, pfx) = (d.n, d.c, mb.prefix.as_str());
@@ -622,20 +627,7 @@ pub(crate) fn micro_batch(
     let layers = (p.layers.as_slice(), p.first_layer);
     block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
     if stage.is_first() {
-        g.op(
-            format!("{pfx}encoder.bwd"),
-            Phase::Backward,
-            0,
-            Op::EncoderBackward {
-                dout: dres,
-                tokens: mb.tokens,
-                positions: d.positions,
-                wte: p.wte.clone(),
-                wpe: Some(p.wpe.clone()),
-                rows: d.rows,
-                c,
-            },
-        );
+        embedding(&d, &p, mb).backward(g, dres);
     } else {
         block_emit::hand_back(g, dres, pfx);
     }

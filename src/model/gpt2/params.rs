@@ -44,7 +44,7 @@ pub struct LayerParams {
 /// Element ranges of every GPT-2 tensor, by role.
 #[derive(Clone, Debug)]
 pub struct Gpt2Params {
-    pub wte: Range<usize>, // [V, C], tied with the LM head
+    pub wte: Range<usize>, // [Vpart, C], tied with the LM head: this rank's rows of the vocabulary
     pub wpe: Range<usize>, // [maxT, C]
     /// The stage's blocks, the first being the model's block `first_layer`.
     pub layers: Vec<LayerParams>,
@@ -77,7 +77,15 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params)
     ];
     let mut cur = LayoutBuilder::new(Family::Gpt2);
     cur.hold(stage.is_first() || stage.is_last());
-    let wte = cur.push("transformer.wte.weight".into(), &[v, c], true, normal);
+    // This rank's rows of the vocabulary (of the embedding and the tied head).
+    let vocab = (0, vec![split.vocab_part(v)]);
+    let wte = cur.push_cut(
+        "transformer.wte.weight".into(),
+        &[v, c],
+        vocab,
+        true,
+        normal,
+    );
     // The last stage keeps wpe too (its gradient zero there), so both ends hold the same
     // "embed" group, whose gradients are summed between them as one buffer; the one op
     // that reads the two (the encoder) keeps its ranges in one group.

@@ -19,6 +19,7 @@ use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
 use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
+use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
 use crate::model::{ModelSpec, Position, rope};
 use std::ops::Range;
@@ -41,6 +42,8 @@ struct Dims {
     attn_ws_len: usize,
     /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
     positions: Option<BufId>,
+    /// The model's vocabulary.
+    v: usize,
     /// This rank's part of each block (`nh`, `nkv` and `h` are its part's).
     tensor: TensorSplit,
 }
@@ -519,6 +522,22 @@ impl StagedBlock for Dims {
     }
 }
 
+/// The micro-batch's token embedding (`embed`).
+fn embedding<'a>(d: &Dims, p: &LlamaParams, mb: &'a MicroBatch) -> Embedding<'a> {
+    Embedding {
+        tokens: mb.tokens,
+        positions: d.positions,
+        wte: p.embed.clone(),
+        wpe: None,
+        vocab: d.v,
+        rows: d.rows,
+        c: d.c,
+        split: d.tensor,
+        pfx: &mb.prefix,
+        op: "embed",
+    }
+}
+
 /// Emits the embedding (the first stage) or receives the stage before's output, then the
 /// stage's blocks of one micro-batch.
 fn forward_blocks(
@@ -530,22 +549,7 @@ fn forward_blocks(
 ) -> Blocks<BlockActs> {
     let pfx = mb.prefix.as_str();
     let res = if stage.is_first() {
-        let res = g.act(format!("{pfx}embedded"), Category::Activation, d.n * d.c); // [N, C]
-        g.op(
-            format!("{pfx}embed"),
-            Phase::Forward,
-            0,
-            Op::Encoder {
-                tokens: mb.tokens,
-                positions: d.positions,
-                out: res,
-                wte: p.embed.clone(),
-                wpe: None,
-                rows: d.rows,
-                c: d.c,
-            },
-        );
-        res
+        embedding(d, p, mb).forward(g, "embedded")
     } else {
         let act = (Category::Activation, d.n * d.c);
         block_emit::receive_from_stage(g, (pfx, "stage.in"), act, Peer::Prev, Phase::Forward)
@@ -590,6 +594,7 @@ pub(crate) fn micro_batch(
         inv_freq: rope::inv_freq(spec.head_dim, theta, scaling.as_ref()),
         attn_ws_len: mb.attn_ws_len,
         positions: mb.positions,
+        v: spec.vocab_size,
         tensor: split,
     };
     let pfx = mb.prefix.as_str();
@@ -628,20 +633,7 @@ pub(crate) fn micro_batch(
     let layers = (p.layers.as_slice(), p.first_layer);
     block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
     if stage.is_first() {
-        g.op(
-            format!("{pfx}embed.bwd"),
-            Phase::Backward,
-            0,
-            Op::EncoderBackward {
-                dout: dres,
-                tokens: mb.tokens,
-                positions: d.positions,
-                wte: p.embed.clone(),
-                wpe: None,
-                rows: d.rows,
-                c: d.c,
-            },
-        );
+        embedding(&d, &p, mb).backward(g, dres);
     } else {
         block_emit::hand_back(g, dres, pfx);
     }

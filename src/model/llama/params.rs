@@ -48,12 +48,12 @@ pub struct LayerParams {
 /// Element ranges of every tensor, by role.
 #[derive(Clone, Debug)]
 pub struct LlamaParams {
-    pub embed: Range<usize>, // [V, C]
+    pub embed: Range<usize>, // [Vpart, C]: this rank's rows of the vocabulary
     /// The stage's blocks, the first being the model's block `first_layer`.
     pub layers: Vec<LayerParams>,
     pub first_layer: usize,
     pub norm: Range<usize>,    // [C]
-    pub lm_head: Range<usize>, // [V, C]: `embed` when tied
+    pub lm_head: Range<usize>, // [Vpart, C]: `embed` when tied
 }
 
 /// The layout of `part` of the model and the ranges by role (the ranges of tensors `part`
@@ -76,7 +76,15 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
     let normal = Init::Normal { std: 0.02 };
     let mut cur = LayoutBuilder::new(spec.family);
     cur.hold(stage.is_first() || tied_here);
-    let embed = cur.push("model.embed_tokens.weight".into(), &[v, c], true, normal);
+    // This rank's rows of the vocabulary, of the embedding and of the head alike.
+    let vocab = rows(&split.vocab_part(v));
+    let embed = cur.push_cut(
+        "model.embed_tokens.weight".into(),
+        &[v, c],
+        vocab.clone(),
+        true,
+        normal,
+    );
     cur.group("embed");
     let join = |a: Range<usize>, b: Range<usize>| {
         debug_assert_eq!(a.end, b.start, "consecutive tensors");
@@ -158,7 +166,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             .collect();
         (embed.clone(), tied)
     } else {
-        let w = cur.push(LM_HEAD.into(), &[v, c], true, normal);
+        let w = cur.push_cut(LM_HEAD.into(), &[v, c], vocab, true, normal);
         cur.group("lm_head");
         (w, vec![])
     };

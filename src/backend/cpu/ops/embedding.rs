@@ -21,18 +21,25 @@ impl CpuDevice {
                 out,
                 wte,
                 wpe,
+                first_token,
                 rows,
                 c,
             } => {
                 let (r, c) = (rows.with_seq(ctx.seq), *c);
                 let n = r.n();
-                if let Some(table) = self.quant_weight(e, wte, (wte.len() / c, c)) {
+                let held = wte.len() / c;
+                if let Some(table) = self.quant_weight(e, wte, (held, c)) {
                     // Rows of a quantized table, decoded as they are gathered.
                     assert!(wpe.is_none(), "internal error: a quantized base with wpe");
                     let out = &mut self.view::<T>(*out)[..n * c];
                     let row = &mut args.quant_ws()[..c];
                     for (o, &tok) in out.chunks_exact_mut(c).zip(&self.u32_mut(*tokens)[..n]) {
-                        table.decode_row(tok as usize, row);
+                        let k = (tok as usize).wrapping_sub(*first_token);
+                        if k >= held {
+                            o.fill(T::from_f32(0.0)); // another rank's token
+                            continue;
+                        }
+                        table.decode_row(k, row);
                         for (o, &x) in o.iter_mut().zip(row.iter()) {
                             *o = T::from_f32(x);
                         }
@@ -45,6 +52,7 @@ impl CpuDevice {
                     args.weights(wte),
                     wpe.as_ref().map(|r| args.weights(r)),
                     args.positions(pos, r),
+                    *first_token,
                     r.b,
                     r.t,
                     c,
@@ -56,6 +64,7 @@ impl CpuDevice {
                 positions: pos,
                 wte,
                 wpe,
+                first_token,
                 rows,
                 c,
             } => {
@@ -74,6 +83,7 @@ impl CpuDevice {
                     &args.act(*dout)[..n * c],
                     &self.u32_mut(*tokens)[..n],
                     args.positions(pos, r),
+                    *first_token,
                     r.b,
                     r.t,
                     c,

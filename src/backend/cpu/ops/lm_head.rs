@@ -1,18 +1,57 @@
 //! The LM head family ([`OpFamily::LmHead`]) on the CPU: [`Op::LmHeadLoss`], chunked over rows
 //! (logits, softmax cross-entropy and, in training, the input's and the head's gradients; on
-//! f32 weights or a quantized base's), and generation's [`Op::LmHeadLast`].
+//! f32 weights or a quantized base's), a tensor-parallel head's [`Op::LmHeadStats`] (its
+//! part of the vocabulary's softmax statistics, [`xent_part`]), and generation's
+//! [`Op::LmHeadLast`].
 
 use super::{Args, not_of};
 use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::gemm::mixed as gemm_mixed;
-use crate::backend::cpu::gemm::quantized;
-use crate::backend::cpu::xent;
+use crate::backend::cpu::gemm::quantized::{self, QuantWeight};
+use crate::backend::cpu::{xent, xent_part};
 use crate::dtype::Elem;
-use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry};
+use crate::ir::{OpFamily, VocabShare};
+
+/// The head's weight `[V, C]` as a chunk's GEMMs read it: f32, or a quantized base's.
+enum HeadWeight<'a> {
+    F32(&'a [f32]),
+    Quant(QuantWeight<'a>),
+}
+
+impl HeadWeight<'_> {
+    /// `lg[r, V] = xr[r, C] @ wᵀ`.
+    fn logits<T: Elem>(&self, args: &Args<T>, lg: &mut [f32], xr: &[T], (r, c, v): Dims) {
+        match self {
+            HeadWeight::Quant(qw) => {
+                quantized::forward(lg, xr, qw, r, false, args.quant_ws(), args.ws())
+            }
+            HeadWeight::F32(w) => {
+                gemm_mixed::gemm_mixed(r, v, c, xr, c, false, w, c, true, lg, v, false, args.ws())
+            }
+        }
+    }
+}
+
+/// A chunk's rows, the model width and the head's rows.
+type Dims = (usize, usize, usize);
 
 impl CpuDevice {
+    /// The weight `w` `[v, c]` of head op `e`.
+    fn head_weight<'a, T: Elem>(
+        &'a self,
+        args: &'a Args<T>,
+        e: &OpEntry,
+        w: &std::ops::Range<usize>,
+        (v, c): (usize, usize),
+    ) -> HeadWeight<'a> {
+        match self.quant_weight(e, w, (v, c)) {
+            Some(qw) => HeadWeight::Quant(qw),
+            None => HeadWeight::F32(args.weights(w)),
+        }
+    }
+
     /// Runs `e`, an op of [`OpFamily::LmHead`], with activations stored as `T`.
     pub(super) fn run_lm_head<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
@@ -28,15 +67,25 @@ impl CpuDevice {
                 c,
                 v,
                 rows_per_chunk,
+                vocab,
             } => {
-                let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
-                // The head's weight `[V, C]`: f32, or a quantized base's.
-                let qw = self.quant_weight(e, w, (v, c));
-                let wte = if qw.is_none() { args.weights(w) } else { &[] };
+                let (planned, n, c, v) = (rows.n(), rows.with_seq(ctx.seq).n(), *c, *v);
+                let wt = self.head_weight(&args, e, w, (v, c));
                 let x = &args.act(*inp)[..n * c];
                 let tg = &self.u32_mut(*targets)[..n];
                 let losses = &mut self.view::<f32>(*losses)[..n];
                 let logits = self.view::<f32>(*logits);
+                // The ranks' statistics `[ranks, planned, 3]` of a tensor-parallel head.
+                let gathered = vocab.map(|s: VocabShare| {
+                    let len = s.ranks * planned * xent_part::STATS;
+                    (&self.view::<f32>(s.stats)[..len], s)
+                });
+                let training = ctx.training && dinp.is_some();
+                if let (false, Some((all, _))) = (training, gathered) {
+                    // Evaluation: the loss is the statistics'.
+                    xent_part::part_loss(all, planned, tg, losses);
+                    return;
+                }
                 // d(loss·loss_scale)/dlogits: the mean over the step's trained targets (every
                 // micro-batch's, every rank's), scaled.
                 let scale = ctx.loss_scale / ctx.loss_tokens.max(1) as f32;
@@ -45,86 +94,101 @@ impl CpuDevice {
                     let r = (*rows_per_chunk).min(n - start);
                     let lg = &mut logits[..r * v];
                     let xr = &x[start * c..(start + r) * c];
-                    // lg[r, V] = xr[r, C] @ wteᵀ
-                    match &qw {
-                        Some(qw) => {
-                            quantized::forward(lg, xr, qw, r, false, args.quant_ws(), args.ws())
+                    if !gathered.is_some_and(|(_, s)| s.logits_kept) {
+                        wt.logits(&args, lg, xr, (r, c, v));
+                    }
+                    let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
+                    let Some(d) = dinp.filter(|_| training) else {
+                        xent::softmax_xent_forward(lg, tr, lr, r, v);
+                        start += r;
+                        continue;
+                    };
+                    match gathered {
+                        Some((all, s)) => xent_part::part_backward_inplace(
+                            lg,
+                            tr,
+                            lr,
+                            all,
+                            (start, planned),
+                            s.first_token,
+                            scale,
+                            v,
+                        ),
+                        None => xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v),
+                    }
+                    let dx = &mut self.view::<T>(d)[start * c..(start + r) * c];
+                    // dx[r, C] = dlogits[r, V] @ w[V, C]
+                    let wf = match &wt {
+                        HeadWeight::Quant(qw) => {
+                            let (qws, ws) = (args.quant_ws(), args.ws());
+                            quantized::backward_input(dx, &lg[..], qw, r, false, qws, ws);
+                            start += r;
+                            continue;
                         }
-                        None => gemm_mixed::gemm_mixed(
-                            r,
+                        HeadWeight::F32(wf) => wf,
+                    };
+                    gemm_mixed::gemm_mixed(
+                        r,
+                        c,
+                        v,
+                        &lg[..],
+                        v,
+                        false,
+                        wf,
+                        c,
+                        false,
+                        dx,
+                        c,
+                        false,
+                        args.ws(),
+                    );
+                    // dw[V, C] += dlogitsᵀ[V, r] @ xr[r, C] (a frozen head takes no
+                    // gradient).
+                    if !e.frozen {
+                        gemm_mixed::gemm_mixed(
                             v,
                             c,
+                            r,
+                            &lg[..],
+                            v,
+                            true,
                             xr,
                             c,
                             false,
-                            wte,
+                            args.grad(w),
                             c,
                             true,
-                            lg,
-                            v,
-                            false,
                             args.ws(),
-                        ),
+                        );
                     }
-                    let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
-                    match (ctx.training, dinp) {
-                        (true, Some(d)) => {
-                            xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v);
-                            let dx = &mut self.view::<T>(*d)[start * c..(start + r) * c];
-                            // dx[r, C] = dlogits[r, V] @ wte[V, C]
-                            if let Some(qw) = &qw {
-                                quantized::backward_input(
-                                    dx,
-                                    &lg[..],
-                                    qw,
-                                    r,
-                                    false,
-                                    args.quant_ws(),
-                                    args.ws(),
-                                );
-                                start += r;
-                                continue;
-                            }
-                            gemm_mixed::gemm_mixed(
-                                r,
-                                c,
-                                v,
-                                &lg[..],
-                                v,
-                                false,
-                                wte,
-                                c,
-                                false,
-                                dx,
-                                c,
-                                false,
-                                args.ws(),
-                            );
-                            // dwte[V, C] += dlogitsᵀ[V, r] @ xr[r, C] (a frozen head
-                            // takes no gradient).
-                            if e.frozen {
-                                start += r;
-                                continue;
-                            }
-                            let dwte = args.grad(w);
-                            gemm_mixed::gemm_mixed(
-                                v,
-                                c,
-                                r,
-                                &lg[..],
-                                v,
-                                true,
-                                xr,
-                                c,
-                                false,
-                                dwte,
-                                c,
-                                true,
-                                args.ws(),
-                            );
-                        }
-                        _ => xent::softmax_xent_forward(lg, tr, lr, r, v),
-                    }
+                    start += r;
+                }
+            }
+            Op::LmHeadStats {
+                inp,
+                targets,
+                logits,
+                stats,
+                w,
+                first_token,
+                rows,
+                c,
+                v,
+                rows_per_chunk,
+            } => {
+                let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
+                let wt = self.head_weight(&args, e, w, (v, c));
+                let x = &args.act(*inp)[..n * c];
+                let tg = &self.u32_mut(*targets)[..n];
+                let stats = &mut self.view::<f32>(*stats)[..n * xent_part::STATS];
+                let logits = self.view::<f32>(*logits);
+                let mut start = 0;
+                while start < n {
+                    let r = (*rows_per_chunk).min(n - start);
+                    let lg = &mut logits[..r * v];
+                    wt.logits(&args, lg, &x[start * c..(start + r) * c], (r, c, v));
+                    let st = &mut stats[start * xent_part::STATS..(start + r) * xent_part::STATS];
+                    xent_part::part_stats(lg, &tg[start..start + r], st, *first_token, r, v);
                     start += r;
                 }
             }

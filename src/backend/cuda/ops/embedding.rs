@@ -32,6 +32,15 @@ impl GpuDevice {
     /// Runs `e`, an op of the embedding family.
     pub(in crate::backend::cuda) fn run_embedding(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         match &e.op {
+            Op::Encoder { first_token, .. } | Op::EncoderBackward { first_token, .. }
+                if *first_token != 0 =>
+            {
+                bail!(
+                    "internal error: {}: a part of the vocabulary (tensor parallelism), which \
+                     the CUDA backend does not run (one process, no collectives)",
+                    e.name
+                )
+            }
             Op::Encoder {
                 tokens,
                 positions,
@@ -40,6 +49,7 @@ impl GpuDevice {
                 wpe,
                 rows,
                 c,
+                ..
             } => {
                 let (r, c) = (rows.with_seq(ctx.seq), *c);
                 let n = r.n();
@@ -97,6 +107,7 @@ impl GpuDevice {
                 wpe,
                 rows,
                 c,
+                ..
             } => {
                 if e.frozen {
                     return Ok(());

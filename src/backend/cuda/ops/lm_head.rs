@@ -120,6 +120,11 @@ impl GpuDevice {
         let t = self.storage_ty();
         let es = t.bytes();
         match &e.op {
+            Op::LmHeadStats { .. } | Op::LmHeadLoss { vocab: Some(_), .. } => bail!(
+                "internal error: {}: a part of the vocabulary (tensor parallelism), which the \
+                 CUDA backend does not run (one process, no collectives)",
+                e.name
+            ),
             Op::LmHeadLoss {
                 inp,
                 targets,
@@ -131,6 +136,7 @@ impl GpuDevice {
                 c,
                 v,
                 rows_per_chunk,
+                vocab: None,
             } => {
                 let (n, c, v, per) = (rows.with_seq(ctx.seq).n(), *c, *v, *rows_per_chunk);
                 if n == 0 {
