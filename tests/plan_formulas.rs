@@ -16,8 +16,10 @@
 //! (`plan::ranks::every_rank`: param or master, grad, optimizer_state; every buffer declared,
 //! transient ones counted once), for GPT-2 (LayerNorm, biases, tied head, learned positions)
 //! and a Llama with grouped-query attention (RMSNorm, SwiGLU, untied head), bf16 and fp32,
-//! tp ∈ {1, 2, 4}, ZeRO 0–3, dp ∈ {1, 2}. The differences are listed in [`param_terms`] and
-//! [`byte_terms`], each with why.
+//! tp ∈ {1, 2, 4} on one stage and tp ∈ {1, 2} on two pipeline stages (each stage's ranks
+//! against the formula's most loaded stage, the differences of each stage named), ZeRO 0–3,
+//! dp ∈ {1, 2}. The differences are listed in [`param_terms`] and [`byte_terms`], each with
+//! why.
 //!
 //! **Activations per layer** (`activations_per_layer_are_korthikantis_with_every_difference_named`)
 //! against Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -113,10 +115,32 @@ fn dims(spec: &ModelSpec) -> Dims {
     }
 }
 
-/// Megatron's parameters on the most loaded rank (pp = 1): `(P_layers + V·h)/tp`, plus
-/// `V·h/tp` for an untied head. Its formula has no biases and no position embeddings, and
-/// divides everything (norms included) by tp.
-fn megatron_params(d: &Dims, tp: i128) -> i128 {
+/// A pipeline stage: `s` of `pp`.
+#[derive(Clone, Copy, Debug)]
+struct Stage {
+    pp: i128,
+    s: i128,
+}
+
+impl Stage {
+    fn first(self) -> bool {
+        self.s == 0
+    }
+    fn last(self) -> bool {
+        self.s + 1 == self.pp
+    }
+    /// Its layers of `l` (`PipelineStage::layers`: as even as they divide).
+    fn layers(self, l: i128) -> i128 {
+        l / self.pp + i128::from(self.s < l % self.pp)
+    }
+}
+
+/// Megatron's parameters on the most loaded rank: `(P_layers/pp + V·h)/tp`, plus `V·h/tp` for
+/// an untied head when pp = 1 (the first stage, with the embedding, is the most loaded; the
+/// last holds the head, or a copy of a tied embedding, in its place: the same count). Its
+/// formula has no biases and no position embeddings, and divides everything (norms
+/// included) by tp and pp.
+fn megatron_params(d: &Dims, tp: i128, pp: i128) -> i128 {
     let q = d.a * d.head;
     // 2h·(f·g + n) with g = 3/2 for SwiGLU: written as 2h·f·g = 3h·f.
     let mlp = if d.swiglu {
@@ -129,7 +153,7 @@ fn megatron_params(d: &Dims, tp: i128) -> i128 {
     let attn = 2 * d.h * q + exact(2 * d.h * q * d.kv, d.a);
     let block = d.l * (mlp + norms + attn) + d.norm * d.h;
     let emb = d.v * d.h;
-    exact(block + emb, tp) + if d.tied { 0 } else { exact(emb, tp) }
+    exact(exact(block, pp) + emb, tp) + if d.tied || pp > 1 { 0 } else { exact(emb, tp) }
 }
 
 /// Rows of the vocabulary tensor rank `tr` of `tp` holds (`TensorSplit::vocab_part`: whole
@@ -138,10 +162,11 @@ fn vocab_rows(d: &Dims, tp: i128, tr: i128) -> i128 {
     (tr + 1) * d.v / tp - tr * d.v / tp
 }
 
-/// The parameter groups of tensor rank `tr` as memwall lays them out (embeddings, each
-/// block, the final norm, an untied head), their sizes from the dimensions: its rows of the
-/// vocabulary, norms, positions and the row-parallel biases whole, the rest 1/tp.
-fn memwall_groups(d: &Dims, tp: i128, tr: i128) -> Vec<i128> {
+/// The parameter groups of tensor rank `tr` of stage `st` as memwall lays them out (the
+/// embeddings on the first stage, and a tied one's copy on the last; the stage's blocks; the
+/// final norm and an untied head on the last), their sizes from the dimensions: its rows of
+/// the vocabulary, norms, positions and the row-parallel biases whole, the rest 1/tp.
+fn memwall_groups(d: &Dims, tp: i128, tr: i128, st: Stage) -> Vec<i128> {
     let (h, q, kvw) = (d.h, d.a * d.head, d.kv * d.head);
     let block = if d.gpt2 {
         // ln_1, c_attn (w, b: column), c_proj (w: row, b whole), ln_2, c_fc (column),
@@ -159,19 +184,28 @@ fn memwall_groups(d: &Dims, tp: i128, tr: i128) -> Vec<i128> {
         h + exact((q + 2 * kvw) * h, tp) + exact(q * h, tp) + h + exact(3 * d.ffn * h, tp)
     };
     let rows = vocab_rows(d, tp, tr);
-    let mut groups = vec![rows * h + d.positions * h];
-    groups.extend((0..d.l).map(|_| block));
-    groups.push(d.norm * h);
-    if !d.tied {
-        groups.push(rows * h);
+    let mut groups = Vec::new();
+    if st.first() || (st.last() && d.tied) {
+        // GPT-2's last stage keeps the whole `embed` group (wte and wpe).
+        groups.push(rows * h + d.positions * h);
+    }
+    groups.extend((0..st.layers(d.l)).map(|_| block));
+    if st.last() {
+        groups.push(d.norm * h);
+        if !d.tied {
+            groups.push(rows * h);
+        }
     }
     groups
 }
 
-/// memwall's parameters on tensor rank `tr` minus Megatron's, term by term.
-fn param_terms(d: &Dims, tp: i128, tr: i128) -> Vec<Term> {
+/// memwall's parameters on tensor rank `tr` of stage `st` minus Megatron's, term by term.
+fn param_terms(d: &Dims, tp: i128, tr: i128, st: Stage) -> Vec<Term> {
     let h = d.h;
-    let heads = if d.tied { 1 } else { 2 };
+    // The stage's tensors of vocabulary rows: one (an embedding, a head, a tied copy), or
+    // both an untied model's in one stage.
+    let heads = if d.tied || st.pp > 1 { 1 } else { 2 };
+    let layers = st.layers(d.l);
     let mut t = vec![
         // Both cut the embedding (and an untied head) by vocabulary rows; the formula
         // divides V·h by tp, memwall gives each rank whole rows (GPT-2's 50257 among 2 or 4
@@ -180,21 +214,25 @@ fn param_terms(d: &Dims, tp: i128, tr: i128) -> Vec<Term> {
             "whole rows of the vocabulary: (rows − V/tp)·h each",
             heads * (vocab_rows(d, tp, tr) * h - exact(d.v * h, tp)),
         ),
-        // Megatron's formula divides every norm by tp; Megatron itself (and memwall) keeps
-        // them whole on every tensor rank.
+        // Megatron's formula divides every norm by tp and pp; Megatron itself (and memwall)
+        // keeps them whole on every tensor rank, and each stage holds its own (the last the
+        // final norm).
         term(
-            "norms whole on every tensor rank: (2L + 1)·n·h·(1 − 1/tp)",
-            (2 * d.l + 1) * d.norm * h - exact((2 * d.l + 1) * d.norm * h, tp),
+            "the stage's norms whole, not (2L + 1)·n·h/(pp·tp)",
+            (2 * layers + i128::from(st.last())) * d.norm * h
+                - exact((2 * d.l + 1) * d.norm * h, st.pp * tp),
         ),
     ];
     if d.gpt2 {
-        // The formula counts no position embedding (GPT-2's wpe, whole on every rank).
+        // The formula counts no position embedding (GPT-2's wpe, whole on every rank; the
+        // last stage keeps it beside the tied embedding, in the group summed between the
+        // two ends, its gradient zero there).
         t.push(term("learned positions: P·h", d.positions * h));
         // Nor any bias: column-parallel ones (c_attn 3h, c_fc f) are cut with their
         // weights, row-parallel ones (the two c_proj, h each) whole on every tensor rank.
         t.push(term(
-            "biases: L·((3h + f)/tp + 2h)",
-            d.l * (exact(3 * h + d.ffn, tp) + 2 * h),
+            "biases: L_stage·((3h + f)/tp + 2h)",
+            layers * (exact(3 * h + d.ffn, tp) + 2 * h),
         ));
     }
     t
@@ -214,6 +252,7 @@ enum Part {
 #[derive(Clone, Copy, Debug)]
 struct Job {
     tp: usize,
+    pp: usize,
     dp: usize,
     zero: u8,
     precision: Precision,
@@ -244,11 +283,12 @@ fn megatron_bytes(psi: i128, job: Job) -> BTreeMap<Part, i128> {
 }
 
 /// memwall's bytes minus Megatron's, by part, term by term (`psi` memwall's parameters on
-/// the rank, `delta` those beyond Megatron's count, `groups` the rank's groups).
+/// the rank, `delta` those beyond Megatron's count, `groups` the rank's groups, of stage
+/// `st`).
 fn byte_terms(
     psi: i128,
     delta: i128,
-    (groups, tied): (&[i128], bool),
+    (groups, tied, st): (&[i128], bool, Stage),
     job: Job,
 ) -> Vec<(Part, Term)> {
     let dp = job.dp as i128;
@@ -316,12 +356,15 @@ fn byte_terms(
             ));
             // And gathers each group whole (padded) for each span of ops that uses it, a
             // transient copy in the weights' category: a block or the final norm twice (its
-            // forward, its backward); a tied embedding twice (the encoder, then the LM
-            // head's forward and backward); an untied embedding once (the encoder's backward
-            // reads no weights) and an untied head once (its forward and backward).
-            let spans = |k: usize| match (k, tied) {
-                (0, false) => 1,
-                (k, false) if k == each.len() - 1 => 1,
+            // forward, its backward); a tied embedding in one stage twice (the encoder, then
+            // the LM head's forward and backward); an untied embedding, or either end's copy
+            // of a tied one, once (the encoder's backward reads no weights), and an untied
+            // head once (its forward and backward).
+            let one_stage = st.pp == 1;
+            let embed = st.first() || tied;
+            let spans = |k: usize| match k {
+                0 if embed => 1 + i128::from(tied && one_stage),
+                k if k == each.len() - 1 && st.last() && !tied => 1,
                 _ => 2,
             };
             let copies = each
@@ -377,11 +420,12 @@ fn model_state_per_rank_is_megatrons_formula_with_every_difference_named() {
     for spec in models() {
         let d = dims(&spec);
         for precision in [Precision::Bf16, Precision::F32] {
-            for tp in [1, 2, 4] {
+            for (tp, pp) in [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)] {
                 for zero in 0..=3u8 {
                     for dp in [1, 2] {
                         let job = Job {
                             tp,
+                            pp,
                             dp,
                             zero,
                             precision,
@@ -391,16 +435,16 @@ fn model_state_per_rank_is_megatrons_formula_with_every_difference_named() {
                         cfg.mesh = Mesh {
                             data: dp,
                             tensor: tp,
-                            pipeline: 1,
+                            pipeline: pp,
                             rank: 0,
                         };
                         cfg.zero = Zero(zero);
                         cfg.precision = precision;
                         let ranks = every_rank(&spec, &cfg, backend(), 0).unwrap();
-                        assert_eq!(ranks.len(), tp * dp);
+                        assert_eq!(ranks.len(), tp * dp * pp);
 
                         // Bytes, part by part: Megatron's at its count plus the named terms.
-                        let megatron = megatron_params(&d, t);
+                        let megatron = megatron_params(&d, t, pp as i128);
                         let formula = megatron_bytes(megatron, job);
                         let per_param = if zero >= 1 {
                             6 * megatron + exact(12 * megatron, dp as i128)
@@ -411,11 +455,16 @@ fn model_state_per_rank_is_megatrons_formula_with_every_difference_named() {
                         for r in &ranks {
                             // Parameters: Megatron's count plus the named terms.
                             let tr = r.coords.tp as i128;
-                            let pterms = param_terms(&d, t, tr);
+                            let st = Stage {
+                                pp: pp as i128,
+                                s: r.coords.pp as i128,
+                            };
+                            let pterms = param_terms(&d, t, tr, st);
                             let psi = megatron + sum(&pterms);
-                            let groups = memwall_groups(&d, t, tr);
+                            let groups = memwall_groups(&d, t, tr, st);
                             assert_eq!(groups.iter().sum::<i128>(), psi, "{}: groups", spec.name);
-                            let bterms = byte_terms(psi, sum(&pterms), (&groups, d.tied), job);
+                            let tied = (&groups[..], d.tied, st);
+                            let bterms = byte_terms(psi, sum(&pterms), tied, job);
                             let want = |part: Part| {
                                 formula[&part]
                                     + bterms
@@ -461,7 +510,7 @@ fn model_state_per_rank_is_megatrons_formula_with_every_difference_named() {
             }
         }
     }
-    assert_eq!(checked, 2 * 2 * 3 * 4 * 2);
+    assert_eq!(checked, 2 * 2 * 5 * 4 * 2);
 }
 
 /// One row of Korthikanti's per-layer table beside memwall's buffer for it: the paper's

@@ -447,8 +447,9 @@ pub struct ParamInit<'a> {
     rng: crate::util::rng::Rng,
     /// The first element not yet filled.
     next: usize,
-    /// The values of the tensor-parallel part being filled (its tensor's index).
-    part: Option<(usize, Vec<f32>)>,
+    /// The tensor-parallel part being filled: its tensor's index, and how many values of
+    /// the whole tensor's stream were drawn.
+    part: Option<(usize, usize)>,
     /// The absent tensors whose values were drawn (and dropped) so far.
     absent_drawn: usize,
 }
@@ -469,6 +470,7 @@ impl ParamInit<'_> {
             if lo >= hi {
                 continue;
             }
+            self.finish_part(k);
             // Another stage's tensors before this one: their values are drawn and dropped,
             // so the stream reaches this tensor where the whole model's does.
             while let Some(a) = self.layout.absent.get(self.absent_drawn) {
@@ -489,22 +491,43 @@ impl ParamInit<'_> {
                 }
                 continue;
             };
-            // A part: the whole tensor's values are drawn (the random stream is the whole
-            // model's) and the part kept, once, when the tensor is first reached.
-            if self.part.as_ref().is_none_or(|(p, _)| *p != k) {
-                let whole: Vec<f32> = (0..part.whole_len())
-                    .map(|_| draw(&mut self.rng, t.init))
-                    .collect();
-                let mut values = vec![0.0; t.range.len()];
-                part.take(&whole, &mut values);
-                self.part = Some((k, values));
-            }
-            let values = &self.part.as_ref().expect("drawn above").1;
-            for i in lo.max(range.start)..hi {
-                dst[i - range.start] = values[i - t.range.start];
+            // A part: the whole tensor's values are drawn in order (the random stream is the
+            // whole model's), those of the part's runs kept, the others dropped, so no
+            // whole tensor is held.
+            let drawn = &mut self.part.get_or_insert((k, 0)).1;
+            let at = t.range.start;
+            for (w, r) in part.runs_in(lo - at..hi - at) {
+                assert!(
+                    w >= *drawn,
+                    "internal error: {}'s runs out of order",
+                    t.name
+                );
+                for _ in *drawn..w {
+                    draw(&mut self.rng, t.init);
+                }
+                for j in r.clone() {
+                    let x = draw(&mut self.rng, t.init);
+                    if at + j >= range.start {
+                        dst[at + j - range.start] = x;
+                    }
+                }
+                *drawn = w + r.len();
             }
         }
         self.next = range.end;
+    }
+
+    /// Before tensor `k`: draws (and drops) what is left of the part filled before it.
+    fn finish_part(&mut self, k: usize) {
+        let Some((p, drawn)) = self.part.filter(|&(p, _)| p != k) else {
+            return;
+        };
+        let t = &self.layout.tensors[p];
+        let whole = t.part.as_ref().map_or(0, |w| w.whole_len());
+        for _ in drawn..whole {
+            draw(&mut self.rng, t.init);
+        }
+        self.part = None;
     }
 }
 
@@ -610,6 +633,54 @@ mod tests {
                     "{name}: {} held {want} times",
                     t.name
                 );
+            }
+        }
+    }
+
+    /// A tensor rank's part initialised, at once or in pieces with gaps (a rank filling only
+    /// its shards), holds the whole model's values at its elements, bitwise: the parts'
+    /// tensors draw the whole tensors' random stream without holding them.
+    #[test]
+    fn a_parts_initialisation_is_the_wholes_at_its_elements() {
+        use crate::ir::{ModelPart, TensorSplit};
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for name in ["gpt2-tiny", "llama-tiny"] {
+            let spec = ModelSpec::preset(name).unwrap();
+            let whole = ParamLayout::new(&spec);
+            let mut values = vec![0.0f32; whole.total];
+            whole.init(&mut values, 5);
+            let cuts = [(2, 0), (2, 1), (4, 3)];
+            for (size, rank) in cuts
+                .into_iter()
+                .filter(|c| spec.check_tensor_split(c.0).is_ok())
+            {
+                let part = ParamLayout::part(&spec, ModelPart::tensor(TensorSplit { size, rank }));
+                let mut want = vec![f32::NAN; part.total];
+                for (w, r) in part.whole_runs(0..part.total) {
+                    want[r.clone()].copy_from_slice(&values[w..w + r.len()]);
+                }
+                let mut got = vec![f32::NAN; part.total];
+                part.init(&mut got, 5);
+                assert!(bits(&got) == bits(&want), "{name} rank {rank} of {size}");
+                // Pieces of 777 elements, every third left out.
+                let mut init = part.initializer(5);
+                let mut pieces = vec![f32::NAN; part.total];
+                for (i, lo) in (0..part.total).step_by(777).enumerate() {
+                    let r = lo..(lo + 777).min(part.total);
+                    if i % 3 != 1 {
+                        init.fill(r.clone(), &mut pieces[r]);
+                    }
+                }
+                for (i, lo) in (0..part.total).step_by(777).enumerate() {
+                    let r = lo..(lo + 777).min(part.total);
+                    if i % 3 != 1 {
+                        assert_eq!(
+                            bits(&pieces[r.clone()]),
+                            bits(&want[r]),
+                            "{name} {size}/{rank}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -221,11 +221,14 @@ impl Calibration {
             t.kinds.get(kind).copied()
         } else if let Some(c) = self.kinds.get(kind) {
             Some(*c)
-        } else {
+        } else if let Some(forward) = kind.strip_prefix("matmul_bwd_input/") {
             // A frozen layer's backward (one GEMM: the input gradient) runs at the rate of
             // the forward's GEMM, per FLOP, when the calibration has no fit of its own.
-            let forward = kind.strip_prefix("matmul_bwd_input/")?;
             self.kinds.get(&format!("matmul/{forward}")).copied()
+        } else {
+            // A tensor-parallel head's statistics: the evaluating head's GEMM and reduction.
+            let rest = kind.strip_prefix("lm_head_stats")?;
+            self.kinds.get(&format!("lm_head_eval{rest}")).copied()
         }
     }
 
@@ -239,8 +242,9 @@ impl Calibration {
         let base = kind.split('/').next().unwrap_or(kind);
         let efficiency = match base {
             "matmul" | "matmul_bwd" | "matmul_bwd_input" | "lm_head_loss" | "lm_head_eval"
-            | "lm_head_last" => 0.7,
-            "matmul_q" | "matmul_bwd_input_q" | "lm_head_loss_q" | "lm_head_eval_q" => 0.6,
+            | "lm_head_stats" | "lm_head_last" => 0.7,
+            "matmul_q" | "matmul_bwd_input_q" | "lm_head_loss_q" | "lm_head_eval_q"
+            | "lm_head_stats_q" => 0.6,
             // Rank-r GEMMs: thin, so further from the peak.
             "attention" | "attention_bwd" | "lora" | "lora_bwd" => 0.4,
             _ => 0.0,

@@ -214,6 +214,25 @@ impl StageState {
     }
 }
 
+/// Where each tensor rank's part starts in the whole tensor, when the parts are one run each
+/// and follow each other in rank order (a cut of the first dimension); `None` otherwise.
+fn in_order(parts: &[TensorPart]) -> Option<Vec<usize>> {
+    let mut starts = Vec::with_capacity(parts.len());
+    let mut next = 0;
+    for p in parts {
+        let mut runs = p.runs();
+        let (Some((at, len)), None) = (runs.next(), runs.next()) else {
+            return None;
+        };
+        if at != next {
+            return None;
+        }
+        starts.push(at);
+        next = at + len;
+    }
+    Some(starts)
+}
+
 /// How the state lies among the ranks, from which the [`Part`]s are made.
 struct Owners<'a> {
     mesh: Mesh,
@@ -310,6 +329,19 @@ impl<'a> Owners<'a> {
                 self.whole.tensors[i].name,
                 whole.len()
             );
+        }
+        // Parts that are consecutive runs of the whole tensor in rank order (rows of the
+        // vocabulary) need no assembling: their shares are runs of it, as a whole tensor's.
+        if let Some(starts) = cut.then(|| in_order(&parts)).flatten() {
+            for s in &mut shares {
+                let at = starts[s.owner.tensor];
+                s.of = at + s.of.start..at + s.of.end;
+            }
+            return Ok(Part {
+                whole,
+                cut: None,
+                shares,
+            });
         }
         Ok(Part {
             whole,
