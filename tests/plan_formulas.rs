@@ -435,7 +435,7 @@ fn model_state_per_rank_is_megatrons_formula_with_every_difference_named() {
                         cfg.mesh = Mesh {
                             data: dp,
                             tensor: tp,
-                            pipeline: pp,
+                            pipeline: job.pp,
                             rank: 0,
                         };
                         cfg.zero = Zero(zero);
