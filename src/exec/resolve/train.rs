@@ -254,11 +254,13 @@ pub fn resume(
             && *cut != StageCut::Even
             && req.step.strategy.pp_layers.is_none()
         {
-            opts.notes.push(format!(
-                "note: --pp {p} (the run used --pp {} --pp-layers {cut}): the layers are cut \
-                 evenly into the {p} stages; give --pp-layers to cut them otherwise",
-                opts.strategies.pipeline
-            ));
+            if p > 1 {
+                opts.notes.push(format!(
+                    "note: --pp {p} (the run used --pp {} --pp-layers {cut}): the layers are \
+                     cut evenly into the {p} stages; give --pp-layers to cut them otherwise",
+                    opts.strategies.pipeline
+                ));
+            }
             opts.strategies.pipeline_layers = StageCut::Even;
         }
         opts.strategies.pipeline = p;
