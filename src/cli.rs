@@ -11,6 +11,7 @@ use memwall::ir::shard::Zero;
 use memwall::ir::{OptimState, Precision, RecomputeChoice};
 use memwall::plan::OffloadChoice;
 use memwall::plan::search::Pick;
+use memwall::plan::stage_cut::StageCut;
 use memwall::util::bytes::parse_bytes;
 use std::path::PathBuf;
 
@@ -97,7 +98,7 @@ memwall tokenize --tokenizer gpt2 --chat chats.jsonl.gz --chat-template chatml.j
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
     #[command(
-        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero, --tp, --pp and --grad-accum (keeping the global batch) may.\n\n\
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero, --tp, --pp, --pp-layers and --grad-accum (keeping the global batch) may.\n\n\
 Chat data (`memwall prepare chats.jsonl --tokenizer MODEL`): the loss is on the trained tokens \
 only (the answers, by default), short examples are packed into each row without seeing each \
 other (--no-pack: one a row), the validation loss is on answers only, and every checkpoint \
@@ -561,8 +562,9 @@ pub(crate) struct StrategyArgs {
     #[arg(long, value_name = "T")]
     pub(crate) tp: Option<usize>,
     /// Pipeline parallelism: the model's layers cut into P stages of consecutive layers
-    /// (as even as they divide; the first stage also holds the embedding, the last the
-    /// final norm, the head and the loss, a tied embedding both), each on its own ranks
+    /// (as even as they divide, or as --pp-layers says; the first stage also holds the
+    /// embedding, the last the final norm, the head and the loss, a tied embedding both),
+    /// each on its own ranks
     /// (of `--tp` ranks each), sending activations forward and their gradients back. The
     /// micro-batches of a step (--grad-accum, or --global-batch) run in the 1F1B order, so
     /// stage s holds at most min(P - s, M) of them; each stage idles (P - 1)/(M + P - 1)
@@ -572,6 +574,19 @@ pub(crate) struct StrategyArgs {
     /// [default: 1; with --resume, the run's own]
     #[arg(long, value_name = "P")]
     pub(crate) pp: Option<usize>,
+    /// How --pp cuts the layers into stages: even (as even as they divide: the first stages
+    /// one layer more); each stage's count of consecutive layers, in order (9,3: 12 layers,
+    /// the first stage 9; the counts add up to the layer count, one per stage, each 1 or
+    /// more); or auto: the cut whose slowest stage is fastest by predicted time (each
+    /// stage's forward and backward of a micro-batch, the embedding counted on the first,
+    /// the final norm, head and loss on the last), each stage's peak within --max-memory
+    /// where given. A 1F1B step takes about (M + P - 1) x its slowest stage, so auto
+    /// speeds up models whose head is heavy (GPT-2's costs about 5.5 layers: auto cuts its
+    /// 12 layers 9,3); even keeps the first stage's memory lower (it holds the most
+    /// micro-batches in flight). `plan --ranks N` prints each stage's layers and predicted
+    /// time [default: even; with --resume, the run's own cut, or even for another --pp]
+    #[arg(long, value_name = "even|auto|N,N,...", value_parser = parse_stage_cut)]
+    pub(crate) pp_layers: Option<StageCut>,
     /// LoRA: train rank-R adapters on a frozen base instead of every weight (Hu et al.
     /// 2021, as PEFT does it). The base has no gradients and no optimizer state, and each
     /// frozen layer's backward skips its weight-gradient GEMM; checkpoints hold the adapter
@@ -613,6 +628,10 @@ pub(crate) fn parse_base_quant(s: &str) -> Result<BaseQuant, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
 
+pub(crate) fn parse_stage_cut(s: &str) -> Result<StageCut, String> {
+    s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
+}
+
 pub(crate) fn parse_zero(s: &str) -> Result<Zero, String> {
     s.parse().map_err(|e: anyhow::Error| format!("{e:#}"))
 }
@@ -629,6 +648,7 @@ impl StrategyArgs {
             zero: self.zero,
             tp: self.tp,
             pp: self.pp,
+            pp_layers: self.pp_layers.clone(),
             lora: self.lora.map(|r| LoraRequest {
                 r,
                 alpha: self.lora_alpha,

@@ -283,8 +283,12 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     let budgets = plan::Budgets::new(plan.compute_tier(), a.step.max_memory, disk_free);
     // Every rank of a job of several, planned once per distinct plan.
     let every = match plan.cfg.mesh.world() > 1 {
-        true => Some(plan::ranks::every_rank(
-            &spec, &plan.cfg, backend, baseline,
+        true => Some(plan::ranks::every_rank_timed(
+            &spec,
+            &plan.cfg,
+            backend,
+            baseline,
+            (req.device.kind != memwall::backend::DeviceKind::Cuda).then_some(&cal),
         )?),
         false => None,
     };
@@ -329,6 +333,10 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         }
         if let Some(every) = &every {
             print_every_rank(every);
+            print!(
+                "{}",
+                plan::ranks::describe_stages(every, &plan.cfg, spec.n_layer)
+            );
         }
         if let Some(path) = &a.svg {
             println!("  memory timeline drawn to {}", path.display());
@@ -386,34 +394,11 @@ fn print_every_rank(every: &[plan::ranks::RankPlan]) {
         println!(
             "    {:>10}  {} ({} parameters{})",
             fmt_bytes(peak),
-            describe_ranks(&ranks),
+            plan::ranks::describe_ranks(&ranks),
             r.num_params,
             if ranks.len() > 1 { " each" } else { "" }
         );
     }
-}
-
-/// `ranks 0-3, 6` for a sorted list of ranks.
-fn describe_ranks(ranks: &[usize]) -> String {
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for &r in ranks {
-        match runs.last_mut() {
-            Some((_, end)) if *end + 1 == r => *end = r,
-            _ => runs.push((r, r)),
-        }
-    }
-    let parts: Vec<String> = runs
-        .iter()
-        .map(|&(a, b)| match a == b {
-            true => a.to_string(),
-            false => format!("{a}-{b}"),
-        })
-        .collect();
-    format!(
-        "{} {}",
-        if ranks.len() == 1 { "rank" } else { "ranks" },
-        parts.join(", ")
-    )
 }
 
 /// What resolving a request had to tell the user, on stderr.

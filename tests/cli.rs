@@ -780,6 +780,84 @@ fn bench_peak_is_measured_on_the_bench_threads() {
 }
 
 /// Strategy flags that cannot work are refused with the flag named and what would work.
+/// `--pp-layers`: a cut of the wrong length, sum or a stage of no layer, or one without
+/// `--pp`, is refused naming the flag; `auto` cuts GPT-2 with fewer layers on its last
+/// stage (the head), and `plan --json` says each rank's layers and the cut.
+#[test]
+fn pipeline_cuts_are_checked_and_auto_lightens_gpt2s_last_stage() {
+    fn pp(cut: &str) -> Vec<&str> {
+        let flags = [
+            "plan",
+            "--model",
+            "gpt2",
+            "--ranks",
+            "2",
+            "--pp",
+            "2",
+            "--pp-layers",
+        ];
+        flags.into_iter().chain([cut]).collect()
+    }
+    for (cut, says) in [
+        ("4,4,4", "--pp-layers 4,4,4 gives 3 stages, but --pp is 2"),
+        (
+            "9,4",
+            "--pp-layers 9,4 holds 13 layers, but the model has 12",
+        ),
+        (
+            "6,0",
+            "--pp-layers 6,0: every stage holds at least one layer",
+        ),
+        ("six", "--pp-layers six: expected even, auto"),
+    ] {
+        let e = fails(&pp(cut));
+        assert!(e.contains(says), "{cut}: {e}");
+    }
+    let e = fails(&["plan", "--model", "gpt2", "--pp-layers", "6,6"]);
+    assert!(
+        e.contains("--pp-layers 6,6") && e.contains("give --pp P"),
+        "{e}"
+    );
+    let layers = |out: &str| {
+        let v: serde_json::Value = serde_json::from_str(out).unwrap();
+        let ranks = v["ranks"].as_array().unwrap().clone();
+        let of = |r: &serde_json::Value| {
+            (
+                r["layers"]["start"].as_u64().unwrap(),
+                r["layers"]["end"].as_u64().unwrap(),
+            )
+        };
+        (
+            v["config"]["stage_layers"].clone(),
+            of(&ranks[0]),
+            of(&ranks[1]),
+        )
+    };
+    let mut given = pp("9,3");
+    given.push("--json");
+    let (cut, first, last) = layers(&ok(&given));
+    assert_eq!(
+        (cut, first, last),
+        (serde_json::json!([9, 3]), (0, 9), (9, 12))
+    );
+    let mut auto = pp("auto");
+    auto.extend([
+        "--batch",
+        "1",
+        "--seq",
+        "256",
+        "--grad-accum",
+        "8",
+        "--json",
+    ]);
+    let (cut, first, last) = layers(&ok(&auto));
+    assert!(
+        last.1 - last.0 < first.1 - first.0,
+        "{cut}: {first:?} {last:?}"
+    );
+    assert_eq!((first.0, first.1, last.1), (0, last.0, 12), "{cut}");
+}
+
 #[test]
 fn bad_strategy_flags_are_explained() {
     let e = fails(&["plan", "--recompute", "every:0"]);

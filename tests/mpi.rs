@@ -3,7 +3,8 @@
 //! (2 and 4 ranks), each rank's memory as planned, resume on the same and on another number
 //! of ranks, a killed rank, ranks started with different flags; tensor-parallel ranks
 //! (`--tp`, with `--zero` 0–3 on the data axis) training, saving and resuming on one
-//! process, and one process resuming on them, like one process.
+//! process, and one process resuming on them, like one process; pipeline stages, evenly and
+//! unevenly cut, likewise.
 #![cfg(feature = "mpi")]
 
 mod common;
@@ -426,6 +427,68 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
     again.extend(["--pp".into(), "1".into()]);
     ok(&common::memwall(&strs(&again)));
     close("pp 2 resumed on one process", &killed, &one);
+}
+
+/// `--pp 2 --pp-layers 3,1` as processes: stages of 3 layers and of 1 (with the head),
+/// killed in step 7, resume on their own cut (which `--resume` keeps), and a copy resumes on
+/// another (`--pp-layers 1,3`: checkpoints are whole models); both finish like the
+/// uninterrupted one process, each rank peaking at its own stage's plan.
+#[test]
+fn uneven_stages_resume_on_their_cut_or_another_and_peak_as_planned() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 10;
+    let args = |out: &Path, extra: &[&str]| {
+        let mut a = run_args(&data, out, 2, steps);
+        let at = a.iter().position(|f| f == "--save-every").unwrap();
+        a[at + 1] = "5".into();
+        a.extend(
+            ["--grad-accum", "4"]
+                .iter()
+                .chain(extra)
+                .map(|s| s.to_string()),
+        );
+        a
+    };
+    let one = dir.path().join("one");
+    ok(&common::memwall(&strs(&args(&one, &[]))));
+    let cut = |run: &Path| -> serde_json::Value {
+        let text = std::fs::read_to_string(run.join("plan.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()["config"]["stage_layers"].clone()
+    };
+    let as_planned = |what: &str, text: &str| {
+        let p = peaks(text);
+        assert_eq!(p.len(), 2, "{what}: a summary per rank:\n{text}");
+        for (rank, (peak, planned)) in p.into_iter().enumerate() {
+            let err = (peak - planned).abs() / planned;
+            assert!(
+                err <= 0.03,
+                "{what} rank {rank}: peak RSS {peak} vs its plan {planned} ({:.1}%)",
+                err * 100.0
+            );
+        }
+    };
+    let killed = dir.path().join("killed");
+    let uneven = args(&killed, &["--pp", "2", "--pp-layers", "3,1"]);
+    let o = mpirun(2, &strs(&uneven), &[("MEMWALL_KILL_RANK", "1:7")]);
+    assert!(!o.status.success(), "{}", output_text(&o));
+    assert_eq!(cut(&killed), serde_json::json!([3, 1]));
+    let copy = dir.path().join("copy");
+    copy_dir(&killed, &copy);
+    let text = ok(&mpirun(2, &strs(&resume(&killed)), &[]));
+    assert_eq!(
+        cut(&killed),
+        serde_json::json!([3, 1]),
+        "--resume keeps the cut"
+    );
+    as_planned("3,1 resumed", &text);
+    assert_close_tensor_ranks("pp 2 cut 3,1 resumed", &killed, &one, steps);
+    let mut other = resume(&copy);
+    other.extend(["--pp-layers".into(), "1,3".into()]);
+    let text = ok(&mpirun(2, &strs(&other), &[]));
+    assert_eq!(cut(&copy), serde_json::json!([1, 3]), "{text}");
+    as_planned("3,1 resumed on 1,3", &text);
+    assert_close_tensor_ranks("pp 2 cut 3,1 resumed on 1,3", &copy, &one, steps);
 }
 
 /// [`assert_close_training`] for tensor ranks (lr 2e-3): losses within 1e-5 relative, GPT-2's

@@ -4,7 +4,8 @@
 //! micro-batches in the 1F1B order, sending activations on and gradients back. Together the
 //! stages must train as one process does: losses within 1e-5 and weights within 1e-4 after
 //! several steps, GPT-2 and Llama (grouped-query attention, tied and untied heads), under
-//! every recomputation policy, with tensor and data ranks beside them.
+//! every recomputation policy, with tensor and data ranks beside them, and with the stages
+//! cut unevenly (`--pp-layers`, `auto` balancing GPT-2's stages by predicted time).
 
 mod common;
 
@@ -15,6 +16,8 @@ use memwall::exec::{Executor, OptimHparams};
 use memwall::ir::{Mesh, Recompute, Zero};
 use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
+use memwall::plan::stage_cut::{NOMINAL_PEAK_GFLOPS, balanced};
+use memwall::plan::time::Calibration;
 use memwall::plan::{Mode, StepConfig, build_plan};
 use std::sync::Arc;
 
@@ -38,17 +41,19 @@ struct Outcome {
     planned: u64,
 }
 
-/// Trains `spec` for [`STEPS`] steps as `mesh`'s rank on `comm`, `micro` micro-batches of
-/// [`B`] rows per data rank and step.
+/// Trains `spec` for [`STEPS`] steps as `mesh`'s rank on `comm` (its stages cut as `cut`
+/// gives: empty, as even as they divide), `micro` micro-batches of [`B`] rows per data rank
+/// and step.
 fn train(
     (spec, lora): (&ModelSpec, Option<&LoraSpec>),
-    (mesh, zero): (Mesh, Zero),
+    (mesh, zero, cut): (Mesh, Zero, &[usize]),
     comm: Arc<dyn Comm>,
     micro: usize,
     re: Recompute,
 ) -> Outcome {
     let mut cfg = StepConfig::new(B, SEQ, 1);
     cfg.mesh = mesh;
+    cfg.stage_layers = cut.to_vec();
     cfg.zero = zero;
     cfg.lora = lora.cloned();
     cfg.grad_accum = micro;
@@ -97,10 +102,12 @@ fn train(
     }
 }
 
-/// `data × tensor × pipeline` ranks as threads, ZeRO stage `zero` on the data axis.
+/// `data × tensor × pipeline` ranks as threads, ZeRO stage `zero` on the data axis, the
+/// stages cut as `cut` gives.
 fn ranks(
     spec: (&ModelSpec, Option<&LoraSpec>),
     (data, tensor, pipeline, zero): (usize, usize, usize, Zero),
+    cut: &[usize],
     micro: usize,
     re: Recompute,
 ) -> Vec<Outcome> {
@@ -115,7 +122,7 @@ fn ranks(
             .enumerate()
             .map(|(rank, comm)| {
                 let mesh = Mesh::new(n, tensor, pipeline, rank);
-                s.spawn(move || train(spec, (mesh, zero), comm, micro, re))
+                s.spawn(move || train(spec, (mesh, zero, cut), comm, micro, re))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -136,16 +143,32 @@ fn matches_one_process(spec: &ModelSpec, mesh: (usize, usize, usize), micro: usi
 /// [`matches_one_process`] with ZeRO stage `zero` on the data axis (at stage 3 the
 /// parameters are shards, so the losses and norms are compared, not the weights).
 fn matches_one_process_at(
+    spec: (&ModelSpec, Option<&LoraSpec>),
+    mesh: (usize, usize, usize, Zero),
+    micro: usize,
+    re: Recompute,
+) {
+    matches_one_process_cut(spec, mesh, &[], micro, re)
+}
+
+/// [`matches_one_process_at`] with the stages cut as `cut` gives (each stage's count of
+/// layers; empty: as even as they divide), each stage holding those layers.
+fn matches_one_process_cut(
     (spec, lora): (&ModelSpec, Option<&LoraSpec>),
     mesh: (usize, usize, usize, Zero),
+    cut: &[usize],
     micro: usize,
     re: Recompute,
 ) {
     let (data, tensor, pipeline, zero) = mesh;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
-    let one = (Mesh::SINGLE, Zero::DP);
+    let one = (Mesh::SINGLE, Zero::DP, &[][..]);
     let reference = train((spec, lora), one, single, micro * data, re);
-    let out = ranks((spec, lora), mesh, micro, re);
+    let out = ranks((spec, lora), mesh, cut, micro, re);
+    let counts = match cut.is_empty() {
+        true => memwall::ir::mesh::even_layers(spec.n_layer, pipeline),
+        false => cut.to_vec(),
+    };
     // What is trained: the model, or the adapters on it.
     let whole = match lora {
         Some(l) => {
@@ -156,11 +179,26 @@ fn matches_one_process_at(
         None => ParamLayout::new(spec),
     };
     let what = format!(
-        "{} data={data} tensor={tensor} pipeline={pipeline} zero={zero} micro={micro} {re:?}",
+        "{} data={data} tensor={tensor} pipeline={pipeline} cut={cut:?} zero={zero} micro={micro} {re:?}",
         spec.name
     );
     for (rank, o) in out.iter().enumerate() {
         assert_eq!(o.layout.stage.size, pipeline, "{what}: rank {rank}");
+        let stage = Mesh::new(out.len(), tensor, pipeline, rank).pipeline_stage(&counts);
+        assert_eq!(o.layout.stage, stage, "{what}: rank {rank}");
+        // The stage's layout holds its layers' blocks and no other's.
+        let blocks: std::collections::BTreeSet<usize> = o
+            .layout
+            .tensors
+            .iter()
+            .filter_map(|t| block_of(&t.name))
+            .collect();
+        let held: Vec<usize> = stage.layers(spec.n_layer).collect();
+        assert_eq!(
+            blocks.into_iter().collect::<Vec<_>>(),
+            held,
+            "{what} rank {rank}"
+        );
         assert!(
             o.layout.total < whole.total,
             "{what}: a stage holds part of the model"
@@ -209,6 +247,15 @@ fn matches_one_process_at(
         let w = worst_tensor(&whole, &params, reference_params);
         assert!(w < 1e-4, "{what} data rank {d}: weights differ by {w}");
     }
+}
+
+/// The block a tensor belongs to (`h.3.attn...`, `model.layers.3.mlp...`), if any.
+fn block_of(name: &str) -> Option<usize> {
+    let rest = name
+        .split_once(".h.")
+        .or_else(|| name.split_once(".layers."))?
+        .1;
+    rest.split('.').next()?.parse().ok()
 }
 
 fn preset(name: &str) -> ModelSpec {
@@ -344,4 +391,146 @@ fn a_pipeline_longer_than_the_model_is_refused_naming_both() {
     spec.tied_embeddings = false;
     let msg = refused(&spec, &cfg);
     assert!(msg.contains("--pp 8") && msg.contains("4 layers"), "{msg}");
+}
+
+/// Stages of uneven runs of layers (`--pp-layers`) train as one process does: the first or
+/// the last stage holding all but one layer (GPT-2, Llama with its tied head), three stages
+/// of an untied Llama, and uneven stages of tensor ranks.
+#[test]
+fn uneven_stages_train_like_one_process() {
+    let (none, dp) = (Recompute::None, Zero::DP);
+    for cut in [[3, 1], [1, 3]] {
+        matches_one_process_cut((&preset("gpt2-tiny"), None), (1, 1, 2, dp), &cut, 4, none);
+        matches_one_process_cut((&preset("llama-tiny"), None), (1, 1, 2, dp), &cut, 3, none);
+    }
+    let mut untied = preset("llama-tiny");
+    untied.tied_embeddings = false;
+    let selective = Recompute::Selective;
+    matches_one_process_cut((&untied, None), (1, 1, 3, dp), &[1, 2, 1], 4, selective);
+    matches_one_process_cut((&untied, None), (1, 2, 2, dp), &[3, 1], 2, none);
+}
+
+/// A cut that is not one run of one layer or more per stage, covering the model, is refused
+/// before anything is planned, naming `--pp-layers`.
+#[test]
+fn a_bad_cut_is_refused_naming_the_flag() {
+    let mut spec = preset("llama-tiny");
+    spec.tied_embeddings = false;
+    let refused = |p: usize, cut: &[usize]| {
+        let mut cfg = StepConfig::new(1, SEQ, 1);
+        cfg.mesh = Mesh::new(p, 1, p, 0);
+        cfg.stage_layers = cut.to_vec();
+        let e = build_plan(&spec, &cfg, Mode::Train, backend()).err();
+        format!("{:#}", e.expect("refused"))
+    };
+    let msg = refused(2, &[3, 2]);
+    assert!(
+        msg.contains("--pp-layers 3,2 holds 5 layers, but the model has 4"),
+        "{msg}"
+    );
+    let msg = refused(2, &[1, 1, 2]);
+    assert!(
+        msg.contains("--pp-layers 1,1,2 gives 3 stages, but --pp is 2"),
+        "{msg}"
+    );
+    let msg = refused(3, &[4, 0, 0]);
+    assert!(
+        msg.contains("--pp-layers 4,0,0: every stage holds at least one layer"),
+        "{msg}"
+    );
+}
+
+/// GPT-2 on 2 stages, as `scripts/bench-pp.sh` runs it.
+fn gpt2_stages(rank: usize) -> (ModelSpec, StepConfig) {
+    let mut cfg = StepConfig::new(1, 256, 1);
+    cfg.mesh = Mesh::new(2, 1, 2, rank);
+    cfg.grad_accum = 8;
+    (preset("gpt2"), cfg)
+}
+
+/// Each stage's predicted forward and backward of one micro-batch and its predicted peak,
+/// from its own plan under the cut `counts`.
+fn stage_figures(counts: &[usize], cal: &Calibration) -> Vec<(f64, u64)> {
+    (0..counts.len())
+        .map(|s| {
+            let (spec, mut cfg) = gpt2_stages(s);
+            cfg.stage_layers = counts.to_vec();
+            let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+            let t = memwall::plan::time::predict(&plan, cal);
+            let micro = (t.compute_s - t.update_s) / cfg.grad_accum as f64;
+            (micro, plan.predicted_peak(0))
+        })
+        .collect()
+}
+
+/// `--pp-layers auto` puts fewer layers on GPT-2's last stage (its head costs about 5.5
+/// layers), so its slowest stage is faster than the even cut's; the stages' times it
+/// predicts are their own plans'. Under a budget below that cut's first stage, the cut
+/// keeps every stage's planned peak within it.
+#[test]
+fn auto_puts_fewer_layers_on_gpt2s_last_stage_within_the_budget() {
+    let (spec, cfg) = gpt2_stages(0);
+    let cal = Calibration::estimate("test".into(), 1, NOMINAL_PEAK_GFLOPS);
+    let b = balanced(&spec, &cfg, &cal, None, 0, backend()).unwrap();
+    assert_eq!(b.counts.iter().sum::<usize>(), 12);
+    assert!(b.counts[1] < b.counts[0], "{:?}", b.counts);
+    let slowest = |t: &[f64]| t.iter().copied().fold(0.0, f64::max);
+    assert!(slowest(&b.stage_s) < 0.9 * slowest(&b.even_s), "{b:?}");
+    let real = stage_figures(&b.counts, &cal);
+    for (s, ((t, peak), (bt, bpeak))) in real.iter().zip(b.stage_s.iter().zip(&b.peak)).enumerate()
+    {
+        assert!(
+            (t - bt).abs() < 0.01 * t,
+            "stage {s}: {t} s planned, {bt} s predicted"
+        );
+        assert!(
+            peak.abs_diff(*bpeak) < peak / 100,
+            "stage {s}: {peak} planned, {bpeak}"
+        );
+    }
+    let even = stage_figures(&[6, 6], &cal);
+    assert!(
+        (even[0].0 - b.even_s[0]).abs() < 0.01 * even[0].0,
+        "{even:?} {b:?}"
+    );
+    // A budget between the even cut's first stage and this cut's.
+    let budget = (even[0].1 + real[0].1) / 2;
+    let held = balanced(&spec, &cfg, &cal, Some(budget), 0, backend()).unwrap();
+    assert!(held.counts[0] < b.counts[0], "{:?}", held.counts);
+    assert!(held.counts[0] > 6, "{:?}", held.counts);
+    for (s, (_, peak)) in stage_figures(&held.counts, &cal).iter().enumerate() {
+        assert!(
+            *peak <= budget,
+            "stage {s} of {:?}: {peak} > {budget}",
+            held.counts
+        );
+    }
+}
+
+/// `plan --ranks N`'s figures follow the cut: each rank lists its stage's layers, and 9,3
+/// moves three blocks' parameters from the last stage to the first.
+#[test]
+fn every_rank_plan_reflects_the_cut() {
+    use memwall::plan::ranks::every_rank;
+    let (spec, even) = gpt2_stages(0);
+    let cut = StepConfig {
+        stage_layers: vec![9, 3],
+        ..even.clone()
+    };
+    let (a, b) = (
+        every_rank(&spec, &even, backend(), 0).unwrap(),
+        every_rank(&spec, &cut, backend(), 0).unwrap(),
+    );
+    assert_eq!((a[0].layers.clone(), a[1].layers.clone()), (0..6, 6..12));
+    assert_eq!((b[0].layers.clone(), b[1].layers.clone()), (0..9, 9..12));
+    let whole = ParamLayout::new(&spec);
+    let block: usize = (whole.tensors.iter())
+        .filter(|t| block_of(&t.name) == Some(0))
+        .map(|t| t.range.len())
+        .sum();
+    assert!(block > 0);
+    assert_eq!(b[0].num_params, a[0].num_params + 3 * block);
+    assert_eq!(b[1].num_params + 3 * block, a[1].num_params);
+    assert!(b[0].predicted_peak_rss_bytes > a[0].predicted_peak_rss_bytes);
+    assert!(b[1].predicted_peak_rss_bytes < a[1].predicted_peak_rss_bytes);
 }

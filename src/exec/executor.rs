@@ -934,7 +934,7 @@ impl Executor {
     /// rank: ranks exchange their sums); 0 when nothing is trained.
     fn mean_loss(&self) -> Result<f32> {
         let mut sum = 0.0f64;
-        let stage = self.plan.cfg.mesh.pipeline_stage();
+        let stage = self.plan.cfg.pipeline_stage(self.plan.spec.n_layer);
         // Only the last pipeline stage computes the loss: the others add nothing.
         if stage.is_last() {
             self.device

@@ -5,8 +5,9 @@
 //! there. The data axis is what "ranks" meant before tensor and pipeline parallelism: each
 //! of its ranks runs the same plan on its own rows. Along the tensor axis each rank holds a
 //! slice of every layer ([`TensorSplit`]: Megatron's layout); along the pipeline axis each
-//! rank holds a stage of consecutive layers ([`PipelineStage`]), the first the embedding, the
-//! last the final norm, the head and the loss.
+//! rank holds a stage of consecutive layers ([`PipelineStage`]: as even as they divide, or
+//! the runs `--pp-layers` gives), the first the embedding, the last the final norm, the head
+//! and the loss.
 
 use serde::Serialize;
 use serde::ser::SerializeMap;
@@ -110,19 +111,21 @@ impl Mesh {
         }
     }
 
-    /// This rank's stage of the layers along the pipeline axis.
-    pub fn pipeline_stage(&self) -> PipelineStage {
-        PipelineStage {
-            size: self.pipeline.max(1),
-            rank: self.coord(Axis::Pipeline),
+    /// This rank's stage of the layers along the pipeline axis, of the cut `counts` (each
+    /// stage's count of consecutive layers, in order: [`even_layers`] or `--pp-layers`; its
+    /// length is the pipeline's size).
+    pub fn pipeline_stage(&self, counts: &[usize]) -> PipelineStage {
+        match self.pipeline > 1 {
+            true => PipelineStage::of(counts, self.coord(Axis::Pipeline)),
+            false => PipelineStage::WHOLE,
         }
     }
 
-    /// This rank's part of the model: its tensor share of its stage.
-    pub fn model_part(&self) -> ModelPart {
+    /// This rank's part of the model: its tensor share of its stage of the cut `counts`.
+    pub fn model_part(&self, counts: &[usize]) -> ModelPart {
         ModelPart {
             tensor: self.tensor_split(),
-            stage: self.pipeline_stage(),
+            stage: self.pipeline_stage(counts),
         }
     }
 
@@ -208,21 +211,62 @@ pub enum Peer {
     Prev,
 }
 
-/// A pipeline stage: of a model's `n` layers, the `rank`-th of `size` runs of consecutive
-/// layers, as even as they divide (the first `n % size` stages one layer more). The first
-/// stage also holds the embedding, the last the final norm, the LM head and the loss; a tied
-/// embedding is held by both ends, its gradients summed between them.
+/// A pipeline stage: of a model's layers, the `rank`-th of `size` runs of consecutive layers,
+/// `start..end` (as even as they divide by default, [`even_layers`]; any runs `--pp-layers`
+/// gives). The first stage also holds the embedding, the last the final norm, the LM head
+/// and the loss; a tied embedding is held by both ends, its gradients summed between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct PipelineStage {
     /// Stages on the pipeline axis.
     pub size: usize,
     /// This stage's index on it.
     pub rank: usize,
+    /// Its first layer.
+    pub start: usize,
+    /// One past its last layer (`usize::MAX` for [`PipelineStage::WHOLE`]: to the model's end).
+    pub end: usize,
+}
+
+/// Each of `p` stages' count of the `n` layers, as even as they divide: the first `n % p`
+/// stages one layer more.
+pub fn even_layers(n: usize, p: usize) -> Vec<usize> {
+    let p = p.max(1);
+    (0..p).map(|s| n / p + usize::from(s < n % p)).collect()
 }
 
 impl PipelineStage {
     /// The whole model in one stage.
-    pub const WHOLE: PipelineStage = PipelineStage { size: 1, rank: 0 };
+    pub const WHOLE: PipelineStage = PipelineStage {
+        size: 1,
+        rank: 0,
+        start: 0,
+        end: usize::MAX,
+    };
+
+    /// Stage `rank` of the cut `counts`: each stage's count of consecutive layers, in order
+    /// (checked by the caller: `plan::stage_cut::check`, naming `--pp-layers`).
+    pub fn of(counts: &[usize], rank: usize) -> PipelineStage {
+        let start = counts[..rank].iter().sum();
+        PipelineStage {
+            size: counts.len(),
+            rank,
+            start,
+            end: start + counts[rank],
+        }
+    }
+
+    /// Stage `rank` of `size`, the model's `n` layers cut as even as they divide.
+    pub fn even(size: usize, rank: usize, n: usize) -> PipelineStage {
+        PipelineStage::of(&even_layers(n, size), rank)
+    }
+
+    /// The stage `rank` of the same cut (another rank's on the pipeline axis).
+    pub fn sibling(&self, rank: usize, counts: &[usize]) -> PipelineStage {
+        match self.is_split() {
+            true => PipelineStage::of(counts, rank),
+            false => *self,
+        }
+    }
 
     /// Whether the model is cut into stages at all.
     pub fn is_split(&self) -> bool {
@@ -239,11 +283,14 @@ impl PipelineStage {
         self.rank + 1 == self.size
     }
 
-    /// This stage's layers of `n` (`n ≥ size`: the model's check).
+    /// This stage's layers of the model's `n` (a cut's stages end within them:
+    /// `plan::stage_cut::check`; [`PipelineStage::WHOLE`]'s are all `n`).
     pub fn layers(&self, n: usize) -> std::ops::Range<usize> {
-        let (k, extra) = (n / self.size, n % self.size);
-        let start = self.rank * k + self.rank.min(extra);
-        start..start + k + usize::from(self.rank < extra)
+        debug_assert!(
+            self.end == usize::MAX || self.end <= n,
+            "{self:?} of {n} layers"
+        );
+        self.start.min(n)..self.end.min(n)
     }
 
     /// The index on the pipeline axis of `peer` (which exists: not past either end).
@@ -349,7 +396,7 @@ mod tests {
         for (n, p) in [(12, 2), (12, 4), (5, 2), (7, 3), (4, 4)] {
             let mut next = 0;
             for rank in 0..p {
-                let s = PipelineStage { size: p, rank };
+                let s = PipelineStage::even(p, rank, n);
                 let l = s.layers(n);
                 assert_eq!(l.start, next, "{n} layers, {p} stages");
                 assert!(l.len() == n / p || l.len() == n / p + 1, "{l:?}");
@@ -359,9 +406,11 @@ mod tests {
         }
         let m = Mesh::new(8, 2, 2, 6);
         assert_eq!((m.data, m.tensor, m.pipeline), (2, 2, 2));
-        assert_eq!(m.pipeline_stage(), PipelineStage { size: 2, rank: 1 });
-        assert_eq!(PipelineStage { size: 4, rank: 1 }.in_flight(8), 3);
-        assert_eq!(PipelineStage { size: 4, rank: 0 }.in_flight(2), 2);
+        assert_eq!(m.pipeline_stage(&[9, 3]), PipelineStage::of(&[9, 3], 1));
+        assert_eq!(m.pipeline_stage(&[9, 3]).layers(12), 9..12);
+        assert_eq!(PipelineStage::even(4, 1, 8).in_flight(8), 3);
+        assert_eq!(PipelineStage::even(4, 0, 8).in_flight(2), 2);
+        assert_eq!(Mesh::SINGLE.pipeline_stage(&[]).layers(12), 0..12);
     }
 
     #[test]

@@ -181,7 +181,7 @@ pub(super) fn build(
     let grads = grad_buffers(&mut g, &layout, split.as_ref());
     let optim = moments(&mut g, &r, &layout, sharded);
     let mut io = emit_micro_batches(&mut g, &r);
-    super::pipeline::one_f_one_b(&mut g, cfg.mesh.pipeline_stage(), cfg.grad_accum);
+    super::pipeline::one_f_one_b(&mut g, cfg.pipeline_stage(spec.n_layer), cfg.grad_accum);
     super::pipeline::tied_embedding_sum(&mut g, &layout, &grads);
     if let Some(l) = &lora {
         super::lora::apply(&mut g, l);
@@ -356,6 +356,9 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
             spec.n_layer
         );
     }
+    if !cfg.stage_layers.is_empty() {
+        super::stage_cut::check(&cfg.stage_layers, p, spec.n_layer)?;
+    }
     if mode == Mode::Generate {
         bail!("--pp {p}: sampling runs on one rank; use --pp 1");
     }
@@ -389,7 +392,9 @@ fn generation(r: &Request) -> Result<Plan> {
         rows: r.rows,
         attn_ws_len: r.attn_ws_len,
     };
-    let emitted = spec.family.emit(&mut g, spec, &cfg.emit_options(), &mb);
+    let emitted = spec
+        .family
+        .emit(&mut g, spec, &cfg.emit_options(spec.n_layer), &mb);
     let io = Io {
         tokens: vec![tokens],
         positions: vec![],
@@ -427,7 +432,7 @@ fn lora_plan(spec: &ModelSpec, cfg: &StepConfig) -> Result<Option<LoraPlan>> {
         return Ok(None);
     };
     // A pipeline stage's base: its layers' (the adapters follow it).
-    let base = ParamLayout::part(spec, cfg.mesh.model_part());
+    let base = ParamLayout::part(spec, cfg.model_part(spec.n_layer));
     let adapters = AdapterLayout::new(&base, l.clone())?;
     Ok(Some(LoraPlan {
         base,
@@ -441,7 +446,7 @@ fn lora_plan(spec: &ModelSpec, cfg: &StepConfig) -> Result<Option<LoraPlan>> {
 fn trainable_layout(spec: &ModelSpec, cfg: &StepConfig, lora: Option<&LoraPlan>) -> ParamLayout {
     match lora {
         Some(l) => l.adapters.params.clone(),
-        None => ParamLayout::part(spec, cfg.mesh.model_part()),
+        None => ParamLayout::part(spec, cfg.model_part(spec.n_layer)),
     }
 }
 
@@ -562,7 +567,8 @@ fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
             attn_ws_len: r.attn_ws_len,
         };
         g.micro = k;
-        spec.family.emit(g, spec, &cfg.emit_options(), &mb);
+        spec.family
+            .emit(g, spec, &cfg.emit_options(spec.n_layer), &mb);
         g.micro = 0;
         io.tokens.push(tokens);
         io.positions.extend(positions);

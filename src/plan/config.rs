@@ -4,7 +4,10 @@
 
 use super::Offload;
 use crate::ir::shard::{Sharding, Zero};
-use crate::ir::{BaseQuant, BaseTypes, EmitOptions, Mesh, OptimState, Precision, Recompute};
+use crate::ir::{
+    BaseQuant, BaseTypes, EmitOptions, Mesh, ModelPart, OptimState, PipelineStage, Precision,
+    Recompute,
+};
 use crate::model::lora::LoraSpec;
 use serde::Serialize;
 
@@ -45,6 +48,10 @@ pub struct StepConfig {
     /// its own rows and keeps its shard of sharded state.
     #[serde(flatten)]
     pub mesh: Mesh,
+    /// Each pipeline stage's count of consecutive layers (`--pp-layers`, resolved); empty:
+    /// as even as they divide ([`StepConfig::stage_counts`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stage_layers: Vec<usize>,
     /// What each rank keeps of the model's state (`--zero`).
     pub zero: Zero,
     /// LoRA (`--lora`): train adapters on a frozen base instead of every weight
@@ -82,6 +89,7 @@ impl StepConfig {
             precision: Precision::F32,
             offload: Offload::default(),
             mesh: Mesh::SINGLE,
+            stage_layers: Vec::new(),
             zero: Zero::DP,
             lora: None,
             base_quant: BaseQuant::F32,
@@ -90,14 +98,35 @@ impl StepConfig {
         }
     }
 
-    /// What a model family's emission reads of this configuration.
-    pub fn emit_options(&self) -> EmitOptions {
+    /// What a model family's emission of a model of `n_layer` layers reads of this
+    /// configuration.
+    pub fn emit_options(&self, n_layer: usize) -> EmitOptions {
         EmitOptions {
             recompute: self.recompute,
             logits_chunk_bytes: self.logits_chunk_bytes,
             tensor: self.mesh.tensor_split(),
-            stage: self.mesh.pipeline_stage(),
+            stage: self.pipeline_stage(n_layer),
         }
+    }
+
+    /// Each pipeline stage's count of a model's `n_layer` layers: [`StepConfig::stage_layers`]
+    /// as given, or as even as they divide (empty for one stage).
+    pub fn stage_counts(&self, n_layer: usize) -> Vec<usize> {
+        match (self.mesh.pipeline, self.stage_layers.is_empty()) {
+            (0 | 1, _) => Vec::new(),
+            (p, true) => crate::ir::mesh::even_layers(n_layer, p),
+            (_, false) => self.stage_layers.clone(),
+        }
+    }
+
+    /// This rank's pipeline stage of a model of `n_layer` layers.
+    pub fn pipeline_stage(&self, n_layer: usize) -> PipelineStage {
+        self.mesh.pipeline_stage(&self.stage_counts(n_layer))
+    }
+
+    /// This rank's part of a model of `n_layer` layers: its tensor share of its stage.
+    pub fn model_part(&self, n_layer: usize) -> ModelPart {
+        self.mesh.model_part(&self.stage_counts(n_layer))
     }
 
     /// How state is split among ranks, for plans with more than one rank or a ZeRO stage.

@@ -2,6 +2,7 @@
 //! not, what would.
 
 use super::search::{Pick, Space, search};
+use super::stage_cut::StageCut;
 use super::time::Calibration;
 use super::{Mode, OffloadChoice, OffloadSet, Plan, StepConfig, build_plan};
 use crate::dtype::GgmlType;
@@ -53,6 +54,10 @@ pub struct Strategies {
     /// `ranks / (tensor · pipeline)` copies split the batch.
     #[serde(default = "one")]
     pub pipeline: usize,
+    /// How the layers are cut into the `pipeline` stages (`--pp-layers`; `auto` is resolved
+    /// into each stage's count before a run's options are saved: [`StageCut`]).
+    #[serde(default, skip_serializing_if = "is_even")]
+    pub pipeline_layers: StageCut,
     /// What each rank keeps of the model's state (`--zero`).
     #[serde(default)]
     pub zero: Zero,
@@ -79,6 +84,10 @@ fn is_f32(q: &BaseQuant) -> bool {
     *q == BaseQuant::F32
 }
 
+fn is_even(c: &StageCut) -> bool {
+    *c == StageCut::Even
+}
+
 fn one() -> usize {
     1
 }
@@ -96,6 +105,7 @@ impl Default for Strategies {
             ranks: 1,
             tensor: 1,
             pipeline: 1,
+            pipeline_layers: StageCut::Even,
             zero: Zero::DP,
             rank: 0,
             lora: None,
@@ -167,6 +177,13 @@ impl Strategies {
             .clone()
             .filter(|_| self.offload.may_offload());
         cfg.mesh = crate::ir::Mesh::new(self.ranks, self.tensor, self.pipeline, self.rank);
+        debug_assert!(
+            self.pipeline_layers != StageCut::Auto,
+            "resolved before planning"
+        );
+        if let StageCut::Layers(c) = &self.pipeline_layers {
+            cfg.stage_layers = c.clone();
+        }
         cfg.zero = self.zero;
         cfg.lora = self.lora.clone();
         cfg.packed = self.packed;
@@ -192,6 +209,10 @@ impl Strategies {
             ranks: cfg.mesh.world(),
             tensor: cfg.mesh.tensor,
             pipeline: cfg.mesh.pipeline,
+            pipeline_layers: match cfg.stage_layers.is_empty() {
+                true => StageCut::Even,
+                false => StageCut::Layers(cfg.stage_layers.clone()),
+            },
             zero: cfg.zero,
             rank: cfg.mesh.rank,
             lora: cfg.lora.clone(),

@@ -19,6 +19,7 @@ pub mod ranks;
 pub mod report;
 pub mod search;
 mod stage;
+pub mod stage_cut;
 pub mod tiers;
 pub mod time;
 pub mod zero;

@@ -187,7 +187,7 @@ mod tests {
     /// Stage `s` of `p`'s sends and receives in the order `pieces` gives: (send?, peer
     /// stage, message).
     fn events(pieces: Vec<Piece>, s: usize, p: usize) -> Vec<(bool, usize, Msg)> {
-        let stage = PipelineStage { size: p, rank: s };
+        let stage = PipelineStage::even(p, s, p);
         let mut out = Vec::new();
         for piece in pieces {
             match piece {
@@ -210,7 +210,7 @@ mod tests {
         for p in 1..=5 {
             for m in 1..=9 {
                 for s in 0..p {
-                    let stage = PipelineStage { size: p, rank: s };
+                    let stage = PipelineStage::even(p, s, p);
                     let o = order(stage, m);
                     assert_eq!(o.len(), 4 * m);
                     let (mut held, mut most) = (0usize, 0usize);
@@ -266,7 +266,7 @@ mod tests {
         for p in 2..=6 {
             for m in 1..=10 {
                 let ev: Vec<_> = (0..p)
-                    .map(|s| events(order(PipelineStage { size: p, rank: s }, m), s, p))
+                    .map(|s| events(order(PipelineStage::even(p, s, p), m), s, p))
                     .collect();
                 assert!(runs_to_the_end(&ev), "p {p} m {m}");
             }
@@ -280,7 +280,7 @@ mod tests {
         let (p, m) = (2, 4);
         let ev: Vec<_> = (0..p)
             .map(|s| {
-                let mut o = order(PipelineStage { size: p, rank: s }, m);
+                let mut o = order(PipelineStage::even(p, s, p), m);
                 for k in 1..o.len() {
                     if let (Piece::BackwardRecv(_), Piece::ForwardSend(_)) = (o[k - 1], o[k]) {
                         o.swap(k - 1, k);

@@ -9,7 +9,12 @@
 //! shard differs). Each pipeline stage holds its own layers (the first the embedding, the
 //! last the head: stages differ), so it is planned once per stage. So a job of any size is
 //! planned a few times, not once per rank.
+//!
+//! Each rank lists its stage's layers, and, where a calibration prices the plans
+//! ([`every_rank_timed`]), its stage's predicted forward and backward of one micro-batch:
+//! [`describe_stages`] shows the cut, each stage's time and peak, and the 1F1B step they make.
 
+use super::time::Calibration;
 use super::{Mode, Plan, StepConfig, build_plan};
 use crate::ir::{Axis, Category, Mesh, OptimState, Sizing};
 use crate::model::ModelSpec;
@@ -32,6 +37,12 @@ pub struct RankPlan {
     /// Bytes of each category live in memory at the plan's peak op: what the rank holds
     /// when it peaks (their sum and the process baseline make its peak).
     pub peak_by_category: BTreeMap<String, u64>,
+    /// The model's layers this rank's pipeline stage holds (all of them for one stage).
+    pub layers: std::ops::Range<usize>,
+    /// Its stage's predicted forward and backward of one micro-batch (seconds: the plan's
+    /// ops but the update's, over its micro-batches), where a calibration priced it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_micro_batch_s: Option<f64>,
 }
 
 /// A rank's place on each axis of the mesh.
@@ -60,6 +71,17 @@ pub fn every_rank(
     backend: &dyn Sizing,
     baseline: u64,
 ) -> Result<Vec<RankPlan>> {
+    every_rank_timed(spec, cfg, backend, baseline, None)
+}
+
+/// [`every_rank`], each stage's forward and backward of a micro-batch priced with `cal`.
+pub fn every_rank_timed(
+    spec: &ModelSpec,
+    cfg: &StepConfig,
+    backend: &dyn Sizing,
+    baseline: u64,
+    cal: Option<&Calibration>,
+) -> Result<Vec<RankPlan>> {
     let mesh = cfg.mesh;
     let edges = cfg.zero.shards_optimizer() && cfg.optim_state == OptimState::Int8;
     let mut made: BTreeMap<(usize, usize, usize, usize), RankPlan> = BTreeMap::new();
@@ -83,7 +105,7 @@ pub fn every_rank(
                         ..cfg.clone()
                     };
                     let plan = build_plan(spec, &c, Mode::Train, backend)?;
-                    e.insert(of_plan(&plan, baseline))
+                    e.insert(of_plan(&plan, baseline, cal))
                 }
             };
             Ok(RankPlan {
@@ -95,9 +117,15 @@ pub fn every_rank(
         .collect()
 }
 
-/// A rank's figures from its plan.
-fn of_plan(plan: &Plan, baseline: u64) -> RankPlan {
+/// A rank's figures from its plan (its stage's time priced with `cal`, where given).
+fn of_plan(plan: &Plan, baseline: u64, cal: Option<&Calibration>) -> RankPlan {
+    let micro = |cal| {
+        let t = super::time::predict(plan, cal);
+        (t.compute_s - t.update_s) / plan.cfg.grad_accum.max(1) as f64
+    };
     RankPlan {
+        layers: plan.layout.stage.layers(plan.spec.n_layer),
+        predicted_micro_batch_s: cal.map(micro),
         rank: plan.cfg.mesh.rank,
         coords: Coords::of(&plan.cfg.mesh),
         num_params: plan.layout.total,
@@ -125,4 +153,92 @@ pub fn by_peak(ranks: &[RankPlan]) -> Vec<(u64, Vec<usize>)> {
             .push(r.rank);
     }
     groups.into_iter().rev().collect()
+}
+
+/// The pipeline's stages (`--pp`): the cut, and each stage's layers, ranks, peak and (where
+/// priced) forward and backward of one micro-batch, with the 1F1B step of the plan's `m`
+/// micro-batches they make: about (m − 1) × the slowest stage plus each stage once, the
+/// update aside. Empty for one stage.
+pub fn describe_stages(ranks: &[RankPlan], cfg: &StepConfig, n_layer: usize) -> String {
+    use std::fmt::Write;
+    let p = cfg.mesh.pipeline;
+    let mut s = String::new();
+    if p <= 1 {
+        return s;
+    }
+    let counts = cfg.stage_counts(n_layer);
+    let how = match cfg.stage_layers.is_empty() {
+        true => "as even as they divide",
+        false => "by --pp-layers",
+    };
+    let _ = writeln!(
+        s,
+        "  pipeline stages: the {n_layer} layers cut {} ({how})",
+        super::stage_cut::list(&counts)
+    );
+    let mut times = Vec::new();
+    for stage in 0..p {
+        let mine: Vec<&RankPlan> = ranks.iter().filter(|r| r.coords.pp == stage).collect();
+        let Some(first) = mine.first() else { continue };
+        let heaviest = mine.iter().map(|r| r.predicted_peak_rss_bytes).max();
+        let l = &first.layers;
+        let ends = match stage {
+            0 => ", the embedding",
+            s if s + 1 == p => ", the head and the loss",
+            _ => "",
+        };
+        let time = match first.predicted_micro_batch_s {
+            Some(t) => {
+                times.push(t);
+                format!(", {t:.3} s forward and backward per micro-batch")
+            }
+            None => String::new(),
+        };
+        let who: Vec<usize> = mine.iter().map(|r| r.rank).collect();
+        let _ = writeln!(
+            s,
+            "    stage {stage}: layers {}-{}{ends}{time}, peak {} ({})",
+            l.start,
+            l.end - 1,
+            crate::util::bytes::fmt_bytes(heaviest.unwrap_or(0)),
+            describe_ranks(&who)
+        );
+    }
+    if times.len() == p {
+        let m = cfg.grad_accum.max(1);
+        let slowest = times.iter().copied().fold(0.0, f64::max);
+        let step = (m - 1) as f64 * slowest + times.iter().sum::<f64>();
+        let ideal = m as f64 * times.iter().sum::<f64>() / p as f64;
+        let _ = writeln!(
+            s,
+            "    1F1B over {m} micro-batches: about {step:.2} s of forward and backward ((m - 1) x \
+             the slowest stage + each once), {:.2}x the ideal {ideal:.2} s (the work split \
+             evenly, no bubble)",
+            step / ideal
+        );
+    }
+    s
+}
+
+/// `ranks 0-3, 6` for a sorted list of ranks.
+pub fn describe_ranks(ranks: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &r in ranks {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == r => *end = r,
+            _ => runs.push((r, r)),
+        }
+    }
+    let parts: Vec<String> = runs
+        .iter()
+        .map(|&(a, b)| match a == b {
+            true => a.to_string(),
+            false => format!("{a}-{b}"),
+        })
+        .collect();
+    format!(
+        "{} {}",
+        if ranks.len() == 1 { "rank" } else { "ranks" },
+        parts.join(", ")
+    )
 }

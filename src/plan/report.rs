@@ -61,7 +61,7 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
         );
     }
     if mesh.pipeline > 1 {
-        let stage = mesh.pipeline_stage();
+        let stage = cfg.pipeline_stage(plan.spec.n_layer);
         let layers = match stage.layers(plan.spec.n_layer) {
             l if l.len() == 1 => format!("layer {}", l.start),
             l => format!("layers {}-{}", l.start, l.end - 1),

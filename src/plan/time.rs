@@ -533,7 +533,7 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
         }
     }
     let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s;
-    let stage = plan.cfg.mesh.pipeline_stage();
+    let stage = plan.layout.stage;
     let bubble_s = (compute_s - update_s) * (stage.size - 1) as f64 / plan.cfg.grad_accum as f64;
     let step_s = tc.max(ti).max(tcomm) + bubble_s;
     let mut by_kind: Vec<(String, f64)> = by_kind.into_iter().collect();

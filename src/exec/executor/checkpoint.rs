@@ -743,6 +743,7 @@ impl Executor {
             bail!("internal error: a tensor-parallel or pipeline checkpoint of 8-bit moments");
         }
         // Every stage's tensor ranks' layouts (their parts of each tensor), or this plan's.
+        let counts = self.plan.cfg.stage_counts(self.plan.spec.n_layer);
         let stages = (0..stage.size)
             .map(|s| {
                 let layouts: Vec<ParamLayout> = match split {
@@ -750,7 +751,7 @@ impl Executor {
                         .map(|t| {
                             self.trainable_part(crate::ir::ModelPart {
                                 tensor: crate::ir::TensorSplit { rank: t, ..tensor },
-                                stage: crate::ir::PipelineStage { rank: s, ..stage },
+                                stage: stage.sibling(s, &counts),
                             })
                         })
                         .collect::<Result<_>>()?,

@@ -8,6 +8,8 @@
 //! - `request.rs`: the requests and the defaults of what is left out.
 //! - `step.rs`: the micro-batch (fixed, `--batch auto`, `--global-batch`) and strategies,
 //!   or the `--fit` search's choice; the one place that decides them.
+//! - `stages.rs`: `--pp-layers` checked against the model, `auto` resolved into each
+//!   stage's count of layers.
 //! - `base.rs`: how a LoRA plan keeps its frozen base (train's and plan's one decision).
 //! - `plan.rs`: `memwall plan`'s request: its model (a GGUF file as its conversion), ranks
 //!   and base, then the step as `train` resolves it.
@@ -17,6 +19,7 @@
 mod base;
 mod plan;
 mod request;
+mod stages;
 mod step;
 mod train;
 

@@ -10,6 +10,7 @@ use crate::model::Family;
 use crate::model::lora::{LoraSpec, parse_targets};
 use crate::plan::OffloadChoice;
 use crate::plan::search::Pick;
+use crate::plan::stage_cut::StageCut;
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -41,6 +42,8 @@ pub struct StrategyRequest {
     pub tp: Option<usize>,
     /// `--pp`.
     pub pp: Option<usize>,
+    /// `--pp-layers`.
+    pub pp_layers: Option<StageCut>,
     /// `--lora R` and its companions.
     pub lora: Option<LoraRequest>,
     /// `--base-quant`.

@@ -184,9 +184,15 @@ pub fn resolve_step(
             step.device
         );
     }
-    if step.fit && (ranks > 1 || st.zero.is_some() || st.tp.is_some() || st.pp.is_some()) {
+    if step.fit
+        && (ranks > 1
+            || st.zero.is_some()
+            || st.tp.is_some()
+            || st.pp.is_some()
+            || st.pp_layers.is_some())
+    {
         bail!(
-            "--fit searches one process's plan; with --ranks, --zero, --tp or --pp give the strategies yourself (the per-rank search is not there yet)"
+            "--fit searches one process's plan; with --ranks, --zero, --tp, --pp or --pp-layers give the strategies yourself (the per-rank search is not there yet)"
         );
     }
     if step.fit {
@@ -210,6 +216,7 @@ pub fn resolve_step(
     strategies.ranks = ranks;
     strategies.tensor = st.tp.unwrap_or(1);
     strategies.pipeline = st.pp.unwrap_or(1);
+    strategies.pipeline_layers = st.pp_layers.clone().unwrap_or_default();
     strategies.check_mesh()?;
     // The copies of the model that split the batch (each `--tp` × `--pp` ranks hold one).
     let ranks = strategies.data_ranks();
@@ -293,13 +300,22 @@ pub fn resolve_step(
             b
         }
     };
+    let mut notes = Vec::new();
+    super::stages::resolve_cut(
+        &mut strategies,
+        spec,
+        (batch, step.seq.unwrap_or(DEFAULT_SEQ), threads),
+        (step.max_memory, baseline),
+        backend,
+        &mut notes,
+    )?;
     Ok(Resolved {
         batch,
         strategies,
         found: None,
         fit: None,
         cal: None,
-        notes: Vec::new(),
+        notes,
     })
 }
 

@@ -13,6 +13,7 @@ use crate::gguf;
 use crate::model::ModelSpec;
 use crate::plan::fit::Strategies;
 use crate::plan::search::Pick;
+use crate::plan::stage_cut::StageCut;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 
@@ -247,7 +248,25 @@ pub fn resume(
         opts.strategies.tensor = t;
     }
     if let Some(p) = req.step.strategy.pp {
+        // The run's cut is of its own stages: another --pp cuts evenly unless told.
+        let cut = &opts.strategies.pipeline_layers;
+        if p != opts.strategies.pipeline
+            && *cut != StageCut::Even
+            && req.step.strategy.pp_layers.is_none()
+        {
+            if p > 1 {
+                opts.notes.push(format!(
+                    "note: --pp {p} (the run used --pp {} --pp-layers {cut}): the layers are \
+                     cut evenly into the {p} stages; give --pp-layers to cut them otherwise",
+                    opts.strategies.pipeline
+                ));
+            }
+            opts.strategies.pipeline_layers = StageCut::Even;
+        }
         opts.strategies.pipeline = p;
+    }
+    if let Some(cut) = &req.step.strategy.pp_layers {
+        opts.strategies.pipeline_layers = cut.clone();
     }
     let resumed = Strategies {
         ranks,
@@ -418,6 +437,24 @@ pub fn resume(
         "--init",
     )?;
     opts.locate_data(req.data.as_deref())?;
+    // A cut given now (checked, `auto` resolved) for the run's model and micro-batch.
+    if req.step.strategy.pp_layers.is_some() {
+        let spec = ModelSpec::resolve(&opts.model)?;
+        let mut strategies = Strategies {
+            ranks: resumed.ranks,
+            ..opts.strategies.clone()
+        };
+        let baseline = crate::util::rss::current_rss().unwrap_or(0);
+        super::stages::resolve_cut(
+            &mut strategies,
+            &spec,
+            (opts.batch, opts.seq, opts.threads),
+            (opts.strategies.max_memory, baseline),
+            opts.device.sizing(),
+            &mut opts.notes,
+        )?;
+        opts.strategies.pipeline_layers = strategies.pipeline_layers;
+    }
     Ok((opts, ck))
 }
 
