@@ -244,7 +244,7 @@ impl PipelineStage {
     };
 
     /// Stage `rank` of the cut `counts`: each stage's count of consecutive layers, in order
-    /// (checked by the caller: `plan::stage_cut::check`, naming `--pp-layers`).
+    /// (checked by the caller: `plan::stage_layers::check`, naming `--pp-layers`).
     pub fn of(counts: &[usize], rank: usize) -> PipelineStage {
         let start = counts[..rank].iter().sum();
         PipelineStage {
@@ -284,7 +284,7 @@ impl PipelineStage {
     }
 
     /// This stage's layers of the model's `n` (a cut's stages end within them:
-    /// `plan::stage_cut::check`; [`PipelineStage::WHOLE`]'s are all `n`).
+    /// `plan::stage_layers::check`; [`PipelineStage::WHOLE`]'s are all `n`).
     pub fn layers(&self, n: usize) -> std::ops::Range<usize> {
         debug_assert!(
             self.end == usize::MAX || self.end <= n,

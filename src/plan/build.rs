@@ -357,7 +357,7 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
         );
     }
     if !cfg.stage_layers.is_empty() {
-        super::stage_cut::check(&cfg.stage_layers, p, spec.n_layer)?;
+        super::stage_layers::check(&cfg.stage_layers, p, spec.n_layer)?;
     }
     if mode == Mode::Generate {
         bail!("--pp {p}: sampling runs on one rank; use --pp 1");

@@ -20,6 +20,7 @@ pub mod report;
 pub mod search;
 mod stage;
 pub mod stage_cut;
+pub mod stage_layers;
 pub mod tiers;
 pub mod time;
 pub mod zero;

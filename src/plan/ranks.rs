@@ -174,7 +174,7 @@ pub fn describe_stages(ranks: &[RankPlan], cfg: &StepConfig, n_layer: usize) -> 
     let _ = writeln!(
         s,
         "  pipeline stages: the {n_layer} layers cut {} ({how})",
-        super::stage_cut::list(&counts)
+        super::stage_layers::list(&counts)
     );
     let mut times = Vec::new();
     for stage in 0..p {

@@ -22,6 +22,7 @@
 //! nominal FMA peak ([`NOMINAL_PEAK_GFLOPS`]), never from a peak each process measures for
 //! itself. The run's options record the counts, so a resumed run keeps its cut.
 
+pub use super::stage_layers::{check, list};
 use super::time::{Calibration, Source, predict};
 use super::{Mode, StepConfig, build_plan};
 use crate::ir::{Axis, Mesh, Sizing, mesh::even_layers};
@@ -81,12 +82,6 @@ impl std::str::FromStr for StageCut {
 
 crate::ir::serde_as_flag_text!(StageCut);
 
-/// `9,3`.
-pub fn list(counts: &[usize]) -> String {
-    let c: Vec<String> = counts.iter().map(|c| c.to_string()).collect();
-    c.join(",")
-}
-
 impl StageCut {
     /// The counts of `p` stages of a model of `n` layers (`Even`'s: [`even_layers`]; an
     /// empty list for one stage), a given cut checked ([`check`]); `Auto` must have been
@@ -104,32 +99,6 @@ impl StageCut {
             }
         }
     }
-}
-
-/// Refuses a cut that is not `p` runs of one layer or more covering the model's `n`,
-/// naming `--pp-layers` and what would do.
-pub fn check(counts: &[usize], p: usize, n: usize) -> Result<()> {
-    let given = list(counts);
-    if counts.len() != p {
-        bail!(
-            "--pp-layers {given} gives {} stages, but --pp is {p}: give one count per stage \
-             (e.g. --pp-layers {}), or even, or auto",
-            counts.len(),
-            list(&even_layers(n, p))
-        );
-    }
-    if counts.contains(&0) {
-        bail!("--pp-layers {given}: every stage holds at least one layer");
-    }
-    let sum: usize = counts.iter().sum();
-    if sum != n {
-        bail!(
-            "--pp-layers {given} holds {sum} layers, but the model has {n}: the counts must \
-             add up to {n} (e.g. --pp-layers {})",
-            list(&even_layers(n, p))
-        );
-    }
-    Ok(())
 }
 
 /// The FMA peak (GFLOP/s) [`balanced`] prices an estimated calibration at: any fixed figure
