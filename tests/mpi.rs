@@ -382,18 +382,7 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
     let close = |what: &str, run: &Path, reference: &Path| {
         assert_close_tensor_ranks(what, run, reference, steps)
     };
-    let args = |out: &Path, extra: &[&str]| {
-        let mut a = run_args(&data, out, 2, steps);
-        let at = a.iter().position(|f| f == "--save-every").unwrap();
-        a[at + 1] = "5".into();
-        a.extend(
-            ["--grad-accum", "4"]
-                .iter()
-                .chain(extra)
-                .map(|s| s.to_string()),
-        );
-        a
-    };
+    let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
     let one = dir.path().join("one");
     ok(&common::memwall(&strs(&args(&one, &[]))));
     let four = dir.path().join("tp2pp2");
@@ -406,16 +395,7 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
         serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
     assert_eq!(plan["config"]["pipeline"], serde_json::json!(2), "{plan}");
     close("tp 2 x pp 2", &four, &one);
-    let p = peaks(&text);
-    assert_eq!(p.len(), 4, "a summary per rank:\n{text}");
-    for (rank, (peak, planned)) in p.into_iter().enumerate() {
-        let err = (peak - planned).abs() / planned;
-        assert!(
-            err <= 0.03,
-            "rank {rank}: peak RSS {peak} vs its plan {planned} ({:.1}%)",
-            err * 100.0
-        );
-    }
+    peaks_as_planned("tp 2 x pp 2", &text, 4);
     let killed = dir.path().join("killed");
     let o = mpirun(
         2,
@@ -438,36 +418,14 @@ fn uneven_stages_resume_on_their_cut_or_another_and_peak_as_planned() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
     let steps = 10;
-    let args = |out: &Path, extra: &[&str]| {
-        let mut a = run_args(&data, out, 2, steps);
-        let at = a.iter().position(|f| f == "--save-every").unwrap();
-        a[at + 1] = "5".into();
-        a.extend(
-            ["--grad-accum", "4"]
-                .iter()
-                .chain(extra)
-                .map(|s| s.to_string()),
-        );
-        a
-    };
+    let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
     let one = dir.path().join("one");
     ok(&common::memwall(&strs(&args(&one, &[]))));
     let cut = |run: &Path| -> serde_json::Value {
         let text = std::fs::read_to_string(run.join("plan.json")).unwrap();
         serde_json::from_str::<serde_json::Value>(&text).unwrap()["config"]["stage_layers"].clone()
     };
-    let as_planned = |what: &str, text: &str| {
-        let p = peaks(text);
-        assert_eq!(p.len(), 2, "{what}: a summary per rank:\n{text}");
-        for (rank, (peak, planned)) in p.into_iter().enumerate() {
-            let err = (peak - planned).abs() / planned;
-            assert!(
-                err <= 0.03,
-                "{what} rank {rank}: peak RSS {peak} vs its plan {planned} ({:.1}%)",
-                err * 100.0
-            );
-        }
-    };
+    let as_planned = |what: &str, text: &str| peaks_as_planned(what, text, 2);
     let killed = dir.path().join("killed");
     let uneven = args(&killed, &["--pp", "2", "--pp-layers", "3,1"]);
     let o = mpirun(2, &strs(&uneven), &[("MEMWALL_KILL_RANK", "1:7")]);
@@ -489,6 +447,35 @@ fn uneven_stages_resume_on_their_cut_or_another_and_peak_as_planned() {
     assert_eq!(cut(&copy), serde_json::json!([1, 3]), "{text}");
     as_planned("3,1 resumed on 1,3", &text);
     assert_close_tensor_ranks("pp 2 cut 3,1 resumed on 1,3", &copy, &one, steps);
+}
+
+/// [`run_args`] for the pipeline tests: 2 rows of 4 micro-batches a step, saved every 5
+/// steps, then `extra`.
+fn staged_args(data: &Path, out: &Path, steps: u64, extra: &[&str]) -> Vec<String> {
+    let mut a = run_args(data, out, 2, steps);
+    let at = a.iter().position(|f| f == "--save-every").unwrap();
+    a[at + 1] = "5".into();
+    a.extend(
+        ["--grad-accum", "4"]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string()),
+    );
+    a
+}
+
+/// Each of the `ranks` summaries in `text` peaks within 3% of its own rank's plan.
+fn peaks_as_planned(what: &str, text: &str, ranks: usize) {
+    let p = peaks(text);
+    assert_eq!(p.len(), ranks, "{what}: a summary per rank:\n{text}");
+    for (rank, (peak, planned)) in p.into_iter().enumerate() {
+        let err = (peak - planned).abs() / planned;
+        assert!(
+            err <= 0.03,
+            "{what} rank {rank}: peak RSS {peak} vs its plan {planned} ({:.1}%)",
+            err * 100.0
+        );
+    }
 }
 
 /// [`assert_close_training`] for tensor ranks (lr 2e-3): losses within 1e-5 relative, GPT-2's

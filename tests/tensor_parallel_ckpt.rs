@@ -203,29 +203,10 @@ fn staged_job<T: Send>(
 }
 
 /// The whole model's arrays from the tensor ranks of one data rank (`parts`, in tensor
-/// order; `pick` chooses the array): cut tensors put in place, whole ones checked bitwise
-/// equal on every rank.
+/// order; `pick` chooses the array): `common::gathered` of each rank's (layout, array).
 fn gathered(whole: &ParamLayout, parts: &[Held], pick: fn(&Held) -> &[f32]) -> Vec<f32> {
-    let mut out = vec![f32::NAN; whole.total];
-    for h in parts {
-        for t in &h.layout.tensors {
-            let w = whole.get(&t.name).unwrap();
-            let mine = &pick(h)[t.range.clone()];
-            match &t.part {
-                Some(part) => part.put(mine, &mut out[w.range.clone()]),
-                None => {
-                    let held = &mut out[w.range.clone()];
-                    if held[0].is_nan() {
-                        held.copy_from_slice(mine);
-                    } else {
-                        same_bits(held, mine, &format!("{}: tensor ranks differ", t.name));
-                    }
-                }
-            }
-        }
-    }
-    assert!(out.iter().all(|x| !x.is_nan()), "every element gathered");
-    out
+    let held: Vec<_> = parts.iter().map(|h| (&h.layout, pick(h))).collect();
+    common::gathered(whole, &held)
 }
 
 /// Asserts that `a` is `b` bitwise, naming the first element that differs.

@@ -32,6 +32,18 @@ impl HeadWeight<'_> {
             }
         }
     }
+
+    /// `dx[r, C] = dlogits[r, V] @ w[V, C]`.
+    fn input_grad<T: Elem>(&self, args: &Args<T>, dx: &mut [T], dl: &[f32], (r, c, v): Dims) {
+        match self {
+            HeadWeight::Quant(qw) => {
+                quantized::backward_input(dx, dl, qw, r, false, args.quant_ws(), args.ws())
+            }
+            HeadWeight::F32(w) => {
+                gemm_mixed::gemm_mixed(r, c, v, dl, v, false, w, c, false, dx, c, false, args.ws())
+            }
+        }
+    }
 }
 
 /// A chunk's rows, the model width and the head's rows.
@@ -117,34 +129,10 @@ impl CpuDevice {
                         None => xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v),
                     }
                     let dx = &mut self.view::<T>(d)[start * c..(start + r) * c];
-                    // dx[r, C] = dlogits[r, V] @ w[V, C]
-                    let wf = match &wt {
-                        HeadWeight::Quant(qw) => {
-                            let (qws, ws) = (args.quant_ws(), args.ws());
-                            quantized::backward_input(dx, &lg[..], qw, r, false, qws, ws);
-                            start += r;
-                            continue;
-                        }
-                        HeadWeight::F32(wf) => wf,
-                    };
-                    gemm_mixed::gemm_mixed(
-                        r,
-                        c,
-                        v,
-                        &lg[..],
-                        v,
-                        false,
-                        wf,
-                        c,
-                        false,
-                        dx,
-                        c,
-                        false,
-                        args.ws(),
-                    );
-                    // dw[V, C] += dlogitsᵀ[V, r] @ xr[r, C] (a frozen head takes no
-                    // gradient).
-                    if !e.frozen {
+                    wt.input_grad(&args, dx, lg, (r, c, v));
+                    // dw[V, C] += dlogitsᵀ[V, r] @ xr[r, C] (a frozen head, a quantized
+                    // base's among them, takes no gradient).
+                    if let (HeadWeight::F32(_), false) = (&wt, e.frozen) {
                         gemm_mixed::gemm_mixed(
                             v,
                             c,
