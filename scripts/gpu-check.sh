@@ -8,8 +8,10 @@
 #   device.log       the device tests (open, allocate, bytes up and down, Zero) and their JSON
 #   conformance.log  the conformance suite on the GPU (every op kind, fp32/bf16/fp16)
 #   runs.jsonl       memwall plan/bench on the GPU, and PyTorch's reference, one JSON line each
-# Each step is bounded by a timeout, so one that hangs leaves the others' logs. Exit status:
-# the number of failed steps (0: all passed).
+# Each step is bounded by a timeout, so one that hangs leaves the others' logs, and all of them
+# by BUDGET seconds (default 480): a step gets what its own bound and the budget leave, and is
+# skipped (counted failed) when under 10 s remain. Exit status: the number of failed steps
+# (0: all passed).
 #   Usage (device tool): carry [".gpu"], command "scripts/gpu-check.sh", timeout 600.
 set -u
 cd "$(dirname "$0")/.."
@@ -18,9 +20,17 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/check.log") 2>&1
 bin=.gpu/bin
 failed=0
+budget=${BUDGET:-480}
 step() { # step NAME SECONDS LOG COMMAND...: runs one check, appending to LOG
     local name=$1 secs=$2 log=$3
     shift 3
+    local left=$((budget - SECONDS))
+    [ "$left" -lt "$secs" ] && secs=$left
+    if [ "$secs" -lt 10 ]; then
+        echo "=== $name: skipped, the budget of ${budget}s is spent"
+        failed=$((failed + 1))
+        return
+    fi
     echo "=== $name ($(date -u +%T), at most ${secs}s)"
     local t0=$SECONDS
     timeout -k 10 "$secs" "$@" >>"$log" 2>&1
@@ -33,7 +43,7 @@ step() { # step NAME SECONDS LOG COMMAND...: runs one check, appending to LOG
 echo "commit $(cat .gpu/commit 2>/dev/null || echo unknown), machine $(hostname), $(date -u)"
 
 # The NVIDIA libraries: the CUDA toolkit's, then those that come with Python's packages.
-site=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)
+site=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))' 2>/dev/null || true)
 libs=/usr/local/cuda/lib64
 if [ -n "$site" ]; then
     for d in "$site"/nvidia/*/lib "$site"/nvidia/cu13/lib; do [ -d "$d" ] && libs="$libs:$d"; done
@@ -52,13 +62,13 @@ export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cat "$OUT/env.txt"
 
 export RUST_BACKTRACE=1
-step "kernels: NVRTC for this card" 300 "$OUT/kernels.log" "$bin/cuda_kernels" --test-threads 1
-step "device: open, allocate, round trip, Zero" 120 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
-step "conformance suite on the GPU" 300 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
+step "kernels: NVRTC for this card" 120 "$OUT/kernels.log" "$bin/cuda_kernels" --test-threads 1
+step "device: open, allocate, round trip, Zero" 60 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
+step "conformance suite on the GPU" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
 step "plan for the GPU" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --json
-step "memwall bench on the GPU (gpt2, 16 x 1024, bf16)" 180 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
+step "memwall bench on the GPU (gpt2, 16 x 1024, bf16)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
 if [ -f .gpu/torch_reference.py ]; then
-    step "PyTorch reference (gpt2, 16 x 1024, bf16, compile)" 300 "$OUT/runs.jsonl" python3 .gpu/torch_reference.py --device cuda --compile --precision bf16 --layers 12 --embd 768 --heads 12 --batch 16 --seq 1024 --steps 20
+    step "PyTorch reference (gpt2, 16 x 1024, bf16, compile)" 240 "$OUT/runs.jsonl" python3 .gpu/torch_reference.py --device cuda --compile --precision bf16 --layers 12 --embd 768 --heads 12 --batch 16 --seq 1024 --steps 20
 fi
 echo "=== done: $failed step(s) failed"
 exit $failed
