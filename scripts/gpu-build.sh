@@ -24,5 +24,11 @@ for line in sys.stdin:
 strip "$out"/bin/*
 # What the checks compare against: PyTorch's reference script (../shared does not travel).
 cp ../shared/bench/torch_reference.py "$out/" 2>/dev/null || echo "gpu-build: no ../shared/bench/torch_reference.py: the PyTorch reference will be skipped"
+# Shakespeare prepared (GPT-2 tokens) for a training run on the GPU.
+if [ -d ../shared/data/shakespeare ]; then
+    "$out/bin/memwall" prepare ../shared/data/shakespeare --out "$out/data" >/dev/null
+else
+    echo "gpu-build: no ../shared/data/shakespeare: the training run will be skipped"
+fi
 git rev-parse HEAD > "$out/commit"
 du -sh "$out" "$out"/bin/*

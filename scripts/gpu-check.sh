@@ -8,6 +8,9 @@
 #   device.log       the device tests (open, allocate, bytes up and down, Zero) and their JSON
 #   conformance.log  the conformance suite on the GPU (every op kind, fp32/bf16/fp16)
 #   runs.jsonl       memwall plan/bench on the GPU, and PyTorch's reference, one JSON line each
+#   ops.json         memwall bench --time-ops: seconds per op kind (each op waited for)
+#   train.log        memwall train on the GPU (Shakespeare, GPT-2 124M, bf16), then a sample
+# TORCH=0 skips PyTorch's reference (its figure does not change between commits).
 # Each step is bounded by a timeout, so one that hangs leaves the others' logs, and all of them
 # by BUDGET seconds (default 480): a step gets what its own bound and the budget leave, and is
 # skipped (counted failed) when under 10 s remain. Exit status: the number of failed steps
@@ -64,10 +67,16 @@ cat "$OUT/env.txt"
 export RUST_BACKTRACE=1
 step "kernels: NVRTC for this card" 120 "$OUT/kernels.log" "$bin/cuda_kernels" --test-threads 1
 step "device: open, allocate, round trip, Zero" 60 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
-step "conformance suite on the GPU" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
+CUBLASLT_LOG_LEVEL=1 step "conformance suite on the GPU" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
 step "plan for the GPU" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --json
 step "memwall bench on the GPU (gpt2, 16 x 1024, bf16)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
-if [ -f .gpu/torch_reference.py ]; then
+step "memwall bench --time-ops on the GPU (each op waited for)" 90 "$OUT/ops.json" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 3 --time-ops
+if [ -d .gpu/data ]; then
+    step "memwall train on the GPU (Shakespeare, gpt2, 8 x 1024, bf16, 60 steps)" 120 "$OUT/train.log" \
+        "$bin/memwall" train --device cuda --model gpt2 --data .gpu/data --out /tmp/gpu-run --batch 8 --seq 1024 --precision bf16 --steps 60 --lr 6e-4
+    step "memwall sample from the GPU run" 60 "$OUT/train.log" "$bin/memwall" sample --model /tmp/gpu-run/checkpoints/step-000060 --tokens 60
+fi
+if [ "${TORCH:-1}" != 0 ] && [ -f .gpu/torch_reference.py ]; then
     step "PyTorch reference (gpt2, 16 x 1024, bf16, compile)" 240 "$OUT/runs.jsonl" python3 .gpu/torch_reference.py --device cuda --compile --precision bf16 --layers 12 --embd 768 --heads 12 --batch 16 --seq 1024 --steps 20
 fi
 echo "=== done: $failed step(s) failed"

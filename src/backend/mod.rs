@@ -199,6 +199,12 @@ pub trait Device: Send + Sync {
     /// for (a run of part of a schedule, or one stopped by an error), so nothing works on
     /// plan memory after it; the first error among them.
     fn sync(&self) -> Result<()>;
+    /// Whether [`Device::run`] returns before the op's work is done (a GPU's stream queues
+    /// it): the executor then waits for each op ([`Device::sync`]) when it times ops, so a
+    /// recorded op's span is its work, not its launch. `false` for the CPU.
+    fn queues_ops(&self) -> bool {
+        false
+    }
     /// Whether collectives run beside the ops that follow them until their await (`true`,
     /// the default) or each one whole where its op starts it (for machines with no core to
     /// spare, [`crate::dist::comm_thread_wanted`]). The same bits either way: the plan keeps

@@ -1128,6 +1128,13 @@ impl Executor {
                     return;
                 }
                 if let (Some(r), Some(t0)) = (recorder.as_mut(), t0) {
+                    // A queued op is timed to its end (the GPU's stream), not its launch.
+                    if device.queues_ops()
+                        && let Err(err) = device.sync()
+                    {
+                        failed = Some(err.context(format!("op {}", e.name)));
+                        return;
+                    }
                     r.record(i, t0);
                 }
             }

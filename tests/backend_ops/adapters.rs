@@ -7,6 +7,7 @@
 use super::rig::*;
 use memwall::backend::Backend;
 use memwall::backend::StepCtx;
+use memwall::dtype::DType;
 use memwall::ir::schedule::WeightLayout;
 use memwall::ir::{LoraDropout, Op, Precision, Rows};
 use std::ops::Range;
@@ -236,10 +237,13 @@ pub fn frozen_backward(be: &dyn Backend, p: Precision) {
             let i = rig.op(op, bind);
             let mut s = rig.start(be);
             let mut rng = Rng::new(14);
-            // Every buffer random (the statistics positive, as a norm's are).
+            // Every value buffer random (the statistics positive, as a norm's are); the
+            // backend's own scratch (bytes: the GPU's GEMM workspace) is its own.
             let ids: Vec<_> = (0..s.plan.buffers.len()).map(memwall::ir::BufId).collect();
             for id in ids {
-                if s.plan.buffer(id).elems > 0 {
+                let b = s.plan.buffer(id);
+                let values = matches!(b.dtype, DType::F32 | DType::Bf16 | DType::F16);
+                if values && b.elems > 0 {
                     s.fill(id, &mut rng, 0.5, 1.5);
                 }
             }

@@ -291,7 +291,13 @@ struct Plan {
     a: sys::cublasLtMatrixLayout_t,
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's algorithms, best first ([`ALGOS`] at most); `algos[chosen]` runs.
+    algos: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// The first algorithm `cublasLtMatmul` accepted (one it refuses, as cuBLASLt 13.0 did
+    /// an algorithm for a 4×512 @ 512×65536 bf16 GEMM into f32 on an H200, is passed over
+    /// for the next: the choice is fixed per shape, card and library, so results stay
+    /// deterministic).
+    chosen: usize,
     /// The bias epilogue is set (else the caller adds the bias).
     bias: bool,
 }
@@ -374,7 +380,8 @@ impl Plan {
             a: std::ptr::null_mut(),
             b: std::ptr::null_mut(),
             d: std::ptr::null_mut(),
-            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+            algos: Vec::new(),
+            chosen: 0,
             bias: key.bias,
         };
         // SAFETY: the descriptors are live; each value has the attribute's type (the
@@ -409,10 +416,35 @@ impl Plan {
             pref_attr(pref.0, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b)?;
             pref_attr(pref.0, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &c)?;
             pref_attr(pref.0, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &d)?;
-            let h = lt::get_matmul_algo_heuristic(
-                handle, desc, plan.a, plan.b, plan.d, plan.d, pref.0,
-            )?;
-            plan.algo = h.algo;
+            let mut found = [sys::cublasLtMatmulHeuristicResult_t {
+                algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+                workspaceSize: 0,
+                state: sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
+                wavesCount: 0.0,
+                reserved: [0; 4],
+            }; ALGOS];
+            let mut count = 0;
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc,
+                plan.a,
+                plan.b,
+                plan.d,
+                plan.d,
+                pref.0,
+                ALGOS as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            )
+            .result()?;
+            plan.algos = found[..count.clamp(0, ALGOS as i32) as usize]
+                .iter()
+                .filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|h| h.algo)
+                .collect();
+        }
+        if plan.algos.is_empty() {
+            return Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
         }
         Ok(plan)
     }
@@ -430,6 +462,10 @@ unsafe impl Send for Lt {}
 
 /// Every device's cuBLASLt state, by context ordinal.
 static HANDLES: Mutex<Vec<Lt>> = Mutex::new(Vec::new());
+
+/// Algorithms asked of the heuristic per shape: the best, and those tried after it where
+/// `cublasLtMatmul` refuses it.
+const ALGOS: usize = 8;
 
 /// Plans kept per device before the cache is emptied (generation's growing sequence makes a
 /// shape per length).
@@ -658,26 +694,48 @@ impl GpuDevice {
                     )
                     .map_err(|err| fail("setting the bias", err))?;
                 }
-                lt::matmul(
-                    handle,
-                    plan.desc,
-                    &alpha as *const f32 as *const c_void,
-                    &beta as *const f32 as *const c_void,
-                    g.b.ptr as *const c_void,
-                    plan.a,
-                    g.a.ptr as *const c_void,
-                    plan.b,
-                    c as *const c_void,
-                    plan.d,
-                    g.d.ptr as *mut c_void,
-                    plan.d,
-                    &plan.algo,
-                    ws as *mut c_void,
-                    ws_bytes as usize,
-                    self.stream.cu_stream() as sys::cudaStream_t,
-                )
+                let mut first_err = None;
+                for i in plan.chosen..plan.algos.len() {
+                    let run = lt::matmul(
+                        handle,
+                        plan.desc,
+                        &alpha as *const f32 as *const c_void,
+                        &beta as *const f32 as *const c_void,
+                        g.b.ptr as *const c_void,
+                        plan.a,
+                        g.a.ptr as *const c_void,
+                        plan.b,
+                        c as *const c_void,
+                        plan.d,
+                        g.d.ptr as *mut c_void,
+                        plan.d,
+                        &plan.algos[i],
+                        ws as *mut c_void,
+                        ws_bytes as usize,
+                        self.stream.cu_stream() as sys::cudaStream_t,
+                    );
+                    match run {
+                        Ok(()) => {
+                            plan.chosen = i;
+                            first_err = None;
+                            break;
+                        }
+                        // Refused before it ran (its arguments checked against that
+                        // algorithm): the next one.
+                        Err(err) if refused_before_running(err) => {
+                            first_err.get_or_insert(err);
+                        }
+                        Err(err) => return Err(fail("cublasLtMatmul", err)),
+                    }
+                }
+                if let Some(err) = first_err {
+                    let tried = plan.algos.len() - plan.chosen;
+                    return Err(fail(
+                        &format!("cublasLtMatmul (each of the heuristic's {tried} algorithms)"),
+                        err,
+                    ));
+                }
             }
-            .map_err(|err| fail("cublasLtMatmul", err))?;
             plan.bias
         };
         match g.bias {
@@ -717,6 +775,16 @@ impl GpuDevice {
         .map(|_| ())
         .map_err(|err| launch_error(e, &name, err))
     }
+}
+
+/// Whether `cublasLtMatmul` refused an algorithm without running it (its checks of the
+/// arguments against that algorithm), so another may run.
+fn refused_before_running(err: CublasError) -> bool {
+    use sys::cublasStatus_t as S;
+    matches!(
+        err.0,
+        S::CUBLAS_STATUS_INVALID_VALUE | S::CUBLAS_STATUS_NOT_SUPPORTED | S::CUBLAS_STATUS_ARCH_MISMATCH
+    )
 }
 
 /// `x` as a kernel's `int` argument (an error naming the op where it does not fit).

@@ -320,6 +320,10 @@ impl Device for GpuDevice {
             .map_err(|e| anyhow!("waiting for the GPU: {e:?}"))
     }
 
+    fn queues_ops(&self) -> bool {
+        true
+    }
+
     fn scope(&self, f: &mut (dyn FnMut() + Send)) {
         // The context is current on the thread that started the device; ops issued from
         // another thread make it current there first.
