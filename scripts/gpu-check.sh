@@ -2,14 +2,15 @@
 # Every check of the CUDA backend that needs a GPU, in one run on a GPU machine (which has no
 # Rust): the binaries come from scripts/gpu-build.sh, run here, in .gpu/. Writes under $OUT
 # (default /tmp/gpu-check), at most 8 files:
-#   check.log        everything, in order (what the device tool's output tail shows the end of)
-#   env.txt          nvidia-smi, driver, CUDA and NVIDIA libraries found
+#   check.log        everything, in order (what the device tool's output tail shows the end of),
+#                    first nvidia-smi, the driver, CUDA and the NVIDIA libraries found
 #   kernels.log      every kernel source compiled by this machine's NVRTC for its card
 #   device.log       the device tests (open, allocate, bytes up and down, Zero) and their JSON
 #   conformance.log  the conformance suite on the GPU (every op kind, fp32/bf16/fp16)
 #   runs.jsonl       memwall plan/bench on the GPU, and PyTorch's reference, one JSON line each
 #   ops.json         memwall bench --time-ops: seconds per op kind (each op waited for)
 #   train.log        memwall train on the GPU (Shakespeare, GPT-2 124M, bf16), then a sample
+#   ncu.csv          with NCU=1: every kernel's duration over a bench step (Nsight Compute)
 # TORCH=0 skips PyTorch's reference (its figure does not change between commits).
 # Each step is bounded by a timeout, so one that hangs leaves the others' logs, and all of them
 # by BUDGET seconds (default 480): a step gets what its own bound and the budget leave, and is
@@ -61,17 +62,29 @@ export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         echo "$l: $(ldconfig -p | grep -m1 "$l" || find ${LD_LIBRARY_PATH//:/ } -maxdepth 1 -name "$l*" 2>/dev/null | head -1)"
     done
     python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1
-} >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} 2>&1
 
 export RUST_BACKTRACE=1
 step "kernels: NVRTC for this card" 120 "$OUT/kernels.log" "$bin/cuda_kernels" --test-threads 1
 step "device: open, allocate, round trip, Zero" 60 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
 CUBLASLT_LOG_LEVEL=1 step "conformance suite on the GPU" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
 step "plan for the GPU" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --json
+# The card's memory in use sampled while the bench runs: the measured peak beside the plan's.
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 >/tmp/gpu-mem.txt 2>/dev/null &
+sampler=$!
 step "memwall bench on the GPU (gpt2, 16 x 1024, bf16)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
+kill $sampler 2>/dev/null
+echo "{\"gpu_memory_used_max_mib\": $(sort -n /tmp/gpu-mem.txt | tail -1), \"during\": \"bench gpt2 16 x 1024 bf16\"}" | tee -a "$OUT/runs.jsonl"
+step "memwall bench on the GPU (smollm2-135m, 16 x 1024, bf16: RMSNorm, SwiGLU, RoPE, GQA)" 90 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model smollm2-135m --batch 16 --seq 1024 --precision bf16 --steps 3
+step "memwall bench on the GPU (smollm2-135m QLoRA 16 on q4_0, 16 x 1024, bf16)" 90 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model smollm2-135m --lora 16 --base-quant q4_0 --batch 16 --seq 1024 --precision bf16 --steps 3
 step "memwall bench --time-ops on the GPU (each op waited for)" 90 "$OUT/ops.json" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 3 --time-ops
-if [ -d .gpu/data ]; then
+if [ "${NCU:-0}" = 1 ]; then
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    step "every kernel's duration over a bench step (Nsight Compute)" 200 "$OUT/ncu.csv" \
+        "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 2500 \
+        "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 1
+fi
+if [ "${TRAIN:-1}" != 0 ] && [ -d .gpu/data ]; then
     step "memwall train on the GPU (Shakespeare, gpt2, 8 x 1024, bf16, 60 steps)" 120 "$OUT/train.log" \
         "$bin/memwall" train --device cuda --model gpt2 --data .gpu/data --out /tmp/gpu-run --batch 8 --seq 1024 --precision bf16 --steps 60 --lr 6e-4
     step "memwall sample from the GPU run" 60 "$OUT/train.log" "$bin/memwall" sample --model /tmp/gpu-run/checkpoints/step-000060 --tokens 60

@@ -123,23 +123,41 @@ static void test_xent() {
                       {(unsigned)std::max(1, n / 2), 64, false},
                       {1, 32, false},
                       {(unsigned)((n + 63) / 64), 64, true}};
-        for (const Cfg& c : cfgs)
-            for (int g = 1; g >= 0; g--) {
-                std::vector<float> lg = logits, ls(n, -7.0f);
-                if (c.naive)
-                    K2_LAUNCH(xent_fused_naive, c.grid, c.block, lg.data(), tg.data(), ls.data(),
-                              n, v, scale, g);
-                else
-                    K2_LAUNCH(xent_fused, c.grid, c.block, lg.data(), tg.data(), ls.data(), n, v,
-                              scale, g);
-                char what[128];
-                snprintf(what, sizeof what, "%s %dx%d grid %u block %u%s grad=%d", p.c_str(), n,
-                         v, c.grid, c.block, c.naive ? " naive" : "", g);
-                std::string w(what);
-                check_f32((w + " loss").c_str(), ls.data(), g ? loss.data() : loss_fwd.data(), n);
-                check_f32((w + " logits").c_str(), lg.data(), g ? grad.data() : logits.data(),
-                          lg.size());
-            }
+        // Rows `ld` floats apart: unpadded, and padded by 3 (the pad must stay untouched).
+        for (int pad : {0, 3})
+            for (const Cfg& c : cfgs)
+                for (int g = 1; g >= 0; g--) {
+                    const int ld = v + pad;
+                    const float sentinel = 12345.0f;
+                    std::vector<float> lg((size_t)n * ld, sentinel), ls(n, -7.0f);
+                    for (int r = 0; r < n; r++)
+                        for (int j = 0; j < v; j++) lg[(size_t)r * ld + j] = logits[(size_t)r * v + j];
+                    if (c.naive)
+                        K2_LAUNCH(xent_fused_naive, c.grid, c.block, lg.data(), tg.data(),
+                                  ls.data(), n, v, ld, scale, g);
+                    else
+                        K2_LAUNCH(xent_fused, c.grid, c.block, lg.data(), tg.data(), ls.data(), n,
+                                  v, ld, scale, g);
+                    char what[160];
+                    snprintf(what, sizeof what, "%s %dx%d ld %d grid %u block %u%s grad=%d",
+                             p.c_str(), n, v, ld, c.grid, c.block, c.naive ? " naive" : "", g);
+                    std::string w(what);
+                    check_f32((w + " loss").c_str(), ls.data(), g ? loss.data() : loss_fwd.data(),
+                              n);
+                    std::vector<float> rows((size_t)n * v);
+                    bool pad_kept = true;
+                    for (int r = 0; r < n; r++) {
+                        for (int j = 0; j < v; j++) rows[(size_t)r * v + j] = lg[(size_t)r * ld + j];
+                        for (int j = v; j < ld; j++)
+                            pad_kept = pad_kept && lg[(size_t)r * ld + j] == sentinel;
+                    }
+                    check_f32((w + " logits").c_str(), rows.data(),
+                              g ? grad.data() : logits.data(), rows.size());
+                    if (!pad_kept) {
+                        failures++;
+                        printf("FAIL %s: a column past V was written\n", what);
+                    }
+                }
     }
     printf("xent done\n");
 }

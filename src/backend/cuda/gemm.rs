@@ -444,7 +444,9 @@ impl Plan {
                 .collect();
         }
         if plan.algos.is_empty() {
-            return Err(CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
+            return Err(CublasError(
+                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+            ));
         }
         Ok(plan)
     }
@@ -783,7 +785,9 @@ fn refused_before_running(err: CublasError) -> bool {
     use sys::cublasStatus_t as S;
     matches!(
         err.0,
-        S::CUBLAS_STATUS_INVALID_VALUE | S::CUBLAS_STATUS_NOT_SUPPORTED | S::CUBLAS_STATUS_ARCH_MISMATCH
+        S::CUBLAS_STATUS_INVALID_VALUE
+            | S::CUBLAS_STATUS_NOT_SUPPORTED
+            | S::CUBLAS_STATUS_ARCH_MISMATCH
     )
 }
 

@@ -15,7 +15,7 @@ use super::kernels::SOURCES;
 use super::nvrtc::{self, Arch};
 use super::rope_tables::{RopeTables, prepare_rope};
 use super::sizing::CudaSizing;
-use super::sizing::Scratch;
+use super::sizing::{SCRATCH_ALIGN, Scratch};
 use crate::backend::{Backend, Device, Peak, StepCtx, Unavailable};
 use crate::dist::Comms;
 use crate::dtype::DType;
@@ -252,11 +252,18 @@ impl GpuDevice {
                 device.bufs[i] = Some((base + b.placement.offset, b.bytes));
             }
         }
+        // The scratch's regions from its first 256-byte boundary (cuBLASLt refuses a
+        // workspace less aligned; a plan buffer is only `ALIGN`ed): `Scratch::total` holds
+        // the slack.
         device.scratch = program
             .schedule
             .implicit
             .scratch
-            .and_then(|id| device.bufs[id.0]);
+            .and_then(|id| device.bufs[id.0])
+            .map(|(ptr, bytes)| {
+                let at = ptr.next_multiple_of(SCRATCH_ALIGN);
+                (at, bytes - (at - ptr))
+            });
         device.rope = prepare_rope(program)?;
         for src in SOURCES {
             let ptx = nvrtc::cached(src, gpu.arch)?;

@@ -106,8 +106,12 @@ pub struct Scratch {
     pub link: u64,
 }
 
+/// The alignment of the scratch's start and of each of its regions (cuBLASLt's workspace
+/// must be 256-byte aligned: an H200 refused one 64 bytes off).
+pub const SCRATCH_ALIGN: u64 = 256;
+
 fn align(b: u64) -> u64 {
-    b.div_ceil(256) * 256
+    b.next_multiple_of(SCRATCH_ALIGN)
 }
 
 impl Scratch {
@@ -203,7 +207,11 @@ impl Scratch {
 
     /// Bytes of the one scratch allocation.
     pub fn total(&self) -> u64 {
-        self.offsets().1
+        match self.offsets().1 {
+            0 => 0,
+            // What aligning the start to SCRATCH_ALIGN may skip (a plan buffer starts ALIGNed).
+            at => at + SCRATCH_ALIGN - crate::ir::buffer::ALIGN,
+        }
     }
 
     /// Byte offset of the [`Scratch::link`] region.
@@ -422,6 +430,21 @@ mod tests {
         assert_eq!(o[5] % 256, 0);
         assert!(o[5] >= o[4] + s.attention_rows);
         assert_eq!(total, o[5] + align(s.link));
+    }
+
+    /// The scratch's regions start at its first 256-byte boundary (cuBLASLt's workspace
+    /// alignment), wherever the plan put the buffer: its bytes hold them from there.
+    #[test]
+    fn the_scratch_holds_its_regions_from_any_aligned_start() {
+        let s = Scratch::for_ops(&[], DType::Bf16);
+        let (_, regions) = s.offsets();
+        assert!(regions > 0);
+        for k in 0..SCRATCH_ALIGN / crate::ir::buffer::ALIGN {
+            let ptr = (1 << 20) + k * crate::ir::buffer::ALIGN;
+            let at = ptr.next_multiple_of(SCRATCH_ALIGN);
+            assert!(at + regions <= ptr + s.total(), "start {ptr}");
+        }
+        assert_eq!(Scratch::default().total(), 0);
     }
 
     fn lm_head(dinp: Option<BufId>) -> OpEntry {

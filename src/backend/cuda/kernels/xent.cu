@@ -79,12 +79,15 @@ __device__ __forceinline__ float xent_grad(float e, float s, float scale, bool i
 }
 
 // xent_fused: Op::LmHeadLoss's softmax cross-entropy over one chunk of rows, fused.
-//   logits  float [rows, V]  in: the chunk's logits; out (grad != 0): d(loss·scale)/dlogits
+//   logits  float [rows, ld] in: the chunk's logits (row r's V values at r·ld); out (grad != 0):
+//                            d(loss·scale)/dlogits (the ld − V columns past V untouched)
 //   targets u32   [rows]     the chunk's targets (the host offsets the pointer to the chunk's
 //                            first row); IGNORE_TARGET = not trained
 //   losses  float [rows]     out: each row's loss (pointer offset to the chunk's first row)
 //   rows    int              rows of the chunk (r)
-//   V       int              vocabulary (row length)
+//   V       int              vocabulary (the values of a row)
+//   ld      int              floats from one row to the next (>= V: the host pads rows to a
+//                            multiple of 64 floats, so the GEMMs' rows are 256-byte aligned)
 //   scale   float            loss_scale / max(loss_tokens, 1), computed by the host in f32 as
 //                            the CPU does (`ctx.loss_scale / ctx.loss_tokens.max(1) as f32`)
 //   grad    int              nonzero: write the gradient in place (training with dinp)
@@ -92,7 +95,7 @@ __device__ __forceinline__ float xent_grad(float e, float s, float scale, bool i
 // (any multiple of 32 from 32 to 1024: the results are the same bits), dynamic smem 0.
 // Scratch: none.
 extern "C" __global__ void xent_fused(float* logits, const unsigned int* targets, float* losses,
-                                      int rows, int V, float scale, int grad) {
+                                      int rows, int V, int ld, float scale, int grad) {
     __shared__ float red[32];
     __shared__ float bsum[64];  // one f32 block sum per half-warp of the round
     __shared__ double total_sh;
@@ -100,7 +103,7 @@ extern "C" __global__ void xent_fused(float* logits, const unsigned int* targets
     const int hw = tid >> 4, nhw = nthreads >> 4, ln = tid & (XENT_LANES - 1);
     const int nblocks = (V + XENT_SUM_BLOCK - 1) / XENT_SUM_BLOCK;
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
-        float* x = logits + (long long)row * V;
+        float* x = logits + (long long)row * ld;
         const unsigned int tgt = targets[row];
         if (tgt == MW_IGNORE_TARGET || tgt >= (unsigned int)V) {
             const float fill = tgt == MW_IGNORE_TARGET ? 0.0f : __uint_as_float(0x7fc00000u);
@@ -157,11 +160,11 @@ extern "C" __global__ void xent_fused(float* logits, const unsigned int* targets
 // sums), so its results are bitwise xent_fused's.
 // Launch: grid = (ceil(rows / 64)), block = (64), dynamic smem 0. Scratch: none.
 extern "C" __global__ void xent_fused_naive(float* logits, const unsigned int* targets,
-                                            float* losses, int rows, int V, float scale,
+                                            float* losses, int rows, int V, int ld, float scale,
                                             int grad) {
     const int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= rows) return;
-    float* x = logits + (long long)row * V;
+    float* x = logits + (long long)row * ld;
     const unsigned int tgt = targets[row];
     if (tgt == MW_IGNORE_TARGET || tgt >= (unsigned int)V) {
         const float fill = tgt == MW_IGNORE_TARGET ? 0.0f : __uint_as_float(0x7fc00000u);

@@ -178,6 +178,9 @@ impl GpuDevice {
                 );
                 // d(loss·loss_scale)/dlogits: the mean over the step's trained targets.
                 let scale = ctx.loss_scale / ctx.loss_tokens.max(1) as f32;
+                // The logits buffer's rows padded to `ld` (fewer rows a chunk), so every GEMM
+                // operand row is aligned.
+                let (per, ld) = padded_rows(per, v);
                 for (start, r) in chunks(n, per) {
                     let xr = x + (start * c) as u64 * es;
                     // logits[r, v0..v0 + vr] = xr[r, C] @ W[v0..v0 + vr]ᵀ, chunk by chunk.
@@ -191,7 +194,7 @@ impl GpuDevice {
                                 c,
                                 Operand::new(xr, t, c),
                                 Operand::new(wp, wt, c).t(),
-                                Operand::new(lg + v0 as u64 * 4, Ty::F32, v),
+                                Operand::new(lg + v0 as u64 * 4, Ty::F32, ld),
                             ),
                         )?;
                     }
@@ -200,14 +203,14 @@ impl GpuDevice {
                         lg,
                         tg + start as u64 * 4,
                         ls + start as u64 * 4,
-                        (r, v),
+                        (r, v, ld),
                         scale,
                         train.is_some(),
                     )?;
                     let Some(dx) = train else { continue };
                     let (dl, dlt) = match dl_copy {
                         Some(copy) => {
-                            self.narrow(e, lg, copy, (r * v) as u64)?;
+                            self.narrow(e, lg, copy, (r * ld) as u64)?;
                             (copy, t)
                         }
                         None => (lg, Ty::F32),
@@ -226,7 +229,7 @@ impl GpuDevice {
                             r,
                             c,
                             vr,
-                            Operand::new(dlk, dlt, v),
+                            Operand::new(dlk, dlt, ld),
                             Operand::new(wp, wt, c),
                             Operand::new(sum, sum_ty, c),
                         );
@@ -241,7 +244,7 @@ impl GpuDevice {
                                     vr,
                                     c,
                                     r,
-                                    Operand::new(dlk, dlt, v).t(),
+                                    Operand::new(dlk, dlt, ld).t(),
                                     Operand::new(xr, t, c),
                                     Operand::new(dw + (v0 * c) as u64 * es, t, c),
                                 )
@@ -293,8 +296,8 @@ impl GpuDevice {
         }
     }
 
-    /// `xent_fused` over one chunk of `rows` logits rows of `v`: losses, and with `grad` the
-    /// gradient in place.
+    /// `xent_fused` over one chunk of `rows` logits rows of `v` values, `ld` floats apart:
+    /// losses, and with `grad` the gradient in place.
     #[allow(clippy::too_many_arguments)]
     fn xent(
         &self,
@@ -302,20 +305,20 @@ impl GpuDevice {
         logits: u64,
         targets: u64,
         losses: u64,
-        (rows, v): (usize, usize),
+        (rows, v, ld): (usize, usize, usize),
         scale: f32,
         grad: bool,
     ) -> Result<()> {
         let f = self.plain_kernel("xent_fused")?;
-        let (rows_i, v_i, grad_i) = (int(e, rows)?, int(e, v)?, grad as i32);
+        let (rows_i, v_i, ld_i, grad_i) = (int(e, rows)?, int(e, v)?, int(e, ld)?, grad as i32);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
             block_dim: (XENT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: `xent_fused(float* logits, const unsigned* targets, float* losses, int rows,
-        // int V, float scale, int grad)`: logits hold rows·V f32, targets and losses rows each
-        // (pointers offset to the chunk's first row).
+        // int V, int ld, float scale, int grad)`: logits hold rows·ld f32 (ld >= V), targets
+        // and losses rows each (pointers offset to the chunk's first row).
         unsafe {
             self.launch(f)
                 .arg(&logits)
@@ -323,6 +326,7 @@ impl GpuDevice {
                 .arg(&losses)
                 .arg(&rows_i)
                 .arg(&v_i)
+                .arg(&ld_i)
                 .arg(&scale)
                 .arg(&grad_i)
                 .launch(cfg)
@@ -332,9 +336,46 @@ impl GpuDevice {
     }
 }
 
+/// Floats a logits row is padded to: 256 bytes, so each row of the f32 logits and of their
+/// storage-type copy starts where cuBLASLt's fastest algorithms read (GPT-2's 50257 unpadded
+/// put every other row 4 bytes off, and its head ran at a tenth of its GEMMs' rate on an
+/// H200).
+const LOGITS_LD_QUANTUM: usize = 64;
+
+/// Rows of a chunk and their stride (floats) in a logits buffer planned for `per` rows of
+/// `v`: rows padded to [`LOGITS_LD_QUANTUM`] when one padded row fits, as many as fit; else
+/// `per` rows of `v` (a one-row buffer: generation, or a tiny plan).
+fn padded_rows(per: usize, v: usize) -> (usize, usize) {
+    let ld = v.next_multiple_of(LOGITS_LD_QUANTUM);
+    match per * v / ld {
+        0 => (per, v),
+        rows => (rows, ld),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Padded rows stay within the planned buffer, at least one a chunk.
+    #[test]
+    fn padded_logits_rows_fit_the_planned_buffer() {
+        for (per, v) in [
+            (333, 50257),
+            (1, 50257),
+            (4, 13),
+            (1, 13),
+            (7, 64),
+            (128, 128256),
+        ] {
+            let (rows, ld) = padded_rows(per, v);
+            assert!(rows >= 1 && rows <= per && ld >= v, "{per} x {v}");
+            assert!(rows * ld <= per * v, "{per} x {v}");
+            assert!(ld == v || ld % LOGITS_LD_QUANTUM == 0, "{per} x {v}");
+        }
+        assert_eq!(padded_rows(333, 50257), (332, 50304));
+        assert_eq!(padded_rows(1, 50257), (1, 50257));
+    }
 
     #[test]
     fn chunks_cover_the_rows_as_the_cpu_loop() {
