@@ -205,6 +205,12 @@ pub trait Device: Send + Sync {
     fn queues_ops(&self) -> bool {
         false
     }
+    /// The device's memory in use now, by every process (a GPU's `cuMemGetInfo`: its context
+    /// and the plan's one allocation, so after a step it is the run's peak); `None` where the
+    /// plan lives in host memory (the CPU: its peak is the process's resident memory).
+    fn memory_in_use(&self) -> Option<u64> {
+        None
+    }
     /// Whether collectives run beside the ops that follow them until their await (`true`,
     /// the default) or each one whole where its op starts it (for machines with no core to
     /// spare, [`crate::dist::comm_thread_wanted`]). The same bits either way: the plan keeps

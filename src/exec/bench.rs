@@ -401,6 +401,8 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
     ex.finish_update()?;
     let peak = rss::peak_rss();
     let measured = peak.map(|p| p.saturating_sub(baseline));
+    // A GPU's plan: the device's memory in use after the steps (one allocation: the peak).
+    let device_in_use = ex.device_memory_in_use();
     let leak = leak.report();
     let report = write_profile(opts, &metrics, &profile)?;
     let mut report = json!({
@@ -453,6 +455,7 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
         "offload_note": offload_note,
         "stall_s": stall_s,
         "recompute_flops_per_step": recompute_flops,
+        "device_memory_in_use_bytes": device_in_use,
         "measured_minus_baseline_bytes": measured,
         "plan_error_pct": measured.map(|m| 100.0 * (plan_total as f64 - m as f64) / m as f64),
         "losses": losses,
@@ -536,7 +539,13 @@ pub fn summary(report: &Value) -> String {
         f(&report["step_s_median"])
     )];
     let peak = &report["fma_peak"];
-    parts.push(if peak.is_null() {
+    let gpu = report["config"]["gpu"].as_str();
+    parts.push(if let Some(gpu) = gpu.filter(|_| peak.is_null()) {
+        format!(
+            "{:.1} GFLOP/s on the {gpu} (its ceiling is not measured yet)",
+            f(&report["gflops_per_s"])
+        )
+    } else if peak.is_null() {
         format!(
             "{:.1} GFLOP/s (no FMA ceiling: the CPU has neither AVX2 + FMA nor AVX-512)",
             f(&report["gflops_per_s"])
@@ -553,6 +562,23 @@ pub fn summary(report: &Value) -> String {
         )
     });
     let bytes = |v: &Value| v.as_u64().map(crate::util::bytes::fmt_bytes);
+    // On a GPU the plan is device memory: the device's use against the plan and the
+    // context the device held when it was opened (the host's RSS says nothing of it).
+    if let (Some(in_use), Some(at_open), Some(plan)) = (
+        report["device_memory_in_use_bytes"].as_u64(),
+        report["config"]["gpu_used_at_open_bytes"].as_u64(),
+        report["plan_total_bytes"].as_u64(),
+    ) {
+        let planned = plan + at_open;
+        parts.push(format!(
+            "device memory in use {} after the steps, planned {} + {} at open ({:+.2}%)",
+            crate::util::bytes::fmt_bytes(in_use),
+            crate::util::bytes::fmt_bytes(plan),
+            crate::util::bytes::fmt_bytes(at_open),
+            100.0 * (planned as f64 - in_use as f64) / in_use as f64
+        ));
+        return parts.join(" · ");
+    }
     if let (Some(measured), Some(baseline), Some(plan)) = (
         bytes(&report["measured_minus_baseline_bytes"]),
         bytes(&report["baseline_rss_bytes"]),
@@ -585,6 +611,25 @@ mod tests {
             "310.2 tokens/s (median step 3.301 s) · 235.1 GFLOP/s, 0.844 of the avx2+fma peak \
              (278.4 GFLOP/s on 2 threads) · peak RSS 2.00 GiB above a 7.00 MiB baseline, \
              planned 2.01 GiB (+0.34%)"
+        );
+    }
+
+    /// On a GPU the memory line is the device's, against the plan and the context at open
+    /// (the figures of the H200 run of 2026-11-28: nvidia-smi's 5335 MiB).
+    #[test]
+    fn the_summary_gives_the_devices_memory_on_a_gpu() {
+        let report = json!({
+            "tokens_per_s": 83276.1, "step_s_median": 0.19674, "gflops_per_s": 67225.0,
+            "fma_peak": null, "config": {"gpu": "NVIDIA H200", "gpu_used_at_open_bytes": 552402944u64},
+            "device_memory_in_use_bytes": 5335u64 << 20, "plan_total_bytes": 5034646016u64,
+            "measured_minus_baseline_bytes": 500u64 << 20, "baseline_rss_bytes": 100u64 << 20,
+            "plan_error_pct": 831.0,
+        });
+        assert_eq!(
+            summary(&report),
+            "83276.1 tokens/s (median step 0.197 s) · 67225.0 GFLOP/s on the NVIDIA H200 (its \
+             ceiling is not measured yet) · device memory in use 5.21 GiB after the steps, \
+             planned 4.69 GiB + 526.81 MiB at open (-0.13%)"
         );
     }
 

@@ -654,6 +654,12 @@ impl Executor {
         self.device.offload_note()
     }
 
+    /// The device's memory in use now ([`crate::backend::Device::memory_in_use`]; `None` on
+    /// the CPU).
+    pub fn device_memory_in_use(&self) -> Option<u64> {
+        self.device.memory_in_use()
+    }
+
     /// Time the backend has spent on disk-tier transfers since it started.
     pub fn io_time(&self) -> crate::backend::IoTime {
         self.device.io_time()

@@ -83,33 +83,35 @@ std::vector<float> grid_values() {
 
 template <class T>
 void gelu_case(void (*fwd)(T*, const T*, long long), void (*bwd)(T*, const T*, long long),
-               dim3 grid, dim3 block) {
+               dim3 grid, dim3 block, size_t off = 0) {
+    // The kernels see elements off .. n − 1: off = 1 makes every pointer 16-byte misaligned
+    // (the one-value path); off = 0 takes 16 bytes at a time, n not a multiple of 8 (a tail).
     auto xv = grid_values();
     size_t n = xv.size();
     auto x = k1::stored<T>(xv);
     auto g = k1::stored<T>(k1::randn(n, 1.0f, 12));
     std::vector<T> out(n, from_f32<T>(12345.0f)), d = g;
-    emu_launch(fwd, grid, block, 0, out.data(), (const T*)x.data(), (long long)n);
-    emu_launch(bwd, grid, block, 0, d.data(), (const T*)x.data(), (long long)n);
+    emu_launch(fwd, grid, block, 0, out.data() + off, (const T*)x.data() + off, (long long)(n - off));
+    emu_launch(bwd, grid, block, 0, d.data() + off, (const T*)x.data() + off, (long long)(n - off));
     std::vector<T> want_o(n), want_d(n);
     std::vector<float> f64_o(n), f64_d(n);
     for (size_t i = 0; i < n; i++) {
         float xi = to_f32(x[i]), gi = to_f32(g[i]);
-        want_o[i] = from_f32<T>(ref::gelu(xi));
-        want_d[i] = from_f32<T>(ref::gelu_bwd(gi, xi));
+        want_o[i] = i < off ? from_f32<T>(12345.0f) : from_f32<T>(ref::gelu(xi));
+        want_d[i] = i < off ? g[i] : from_f32<T>(ref::gelu_bwd(gi, xi));
         f64_o[i] = (float)ref::gelu64(xi);
         f64_d[i] = (float)(gi * ref::gelu_grad64(xi));
     }
     char w[96];
-    snprintf(w, sizeof w, "gelu_forward %s grid %u", k1::tname<T>(), grid.x);
+    snprintf(w, sizeof w, "gelu_forward %s grid %u offset %zu (n %zu)", k1::tname<T>(), grid.x, off, n);
     emu::expect_bits(w, out, want_o);
-    snprintf(w, sizeof w, "gelu_backward %s grid %u", k1::tname<T>(), grid.x);
+    snprintf(w, sizeof w, "gelu_backward %s grid %u offset %zu", k1::tname<T>(), grid.x, off);
     emu::expect_bits(w, d, want_d);
     if (sizeof(T) == 4) {
         // Against f64 (the CPU tests' tolerance), where x is moderate (the f64 tanh formula
         // and the flushed f32 one differ far out in the tails only by denormal amounts).
         std::vector<float> a, b, c, e;
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = off; i < n; i++)
             if (fabsf(to_f32(x[i])) < 1e3f) {
                 a.push_back(to_f32(out[i]));
                 b.push_back(f64_o[i]);
@@ -171,6 +173,7 @@ void all(void (*gf)(T*, const T*, long long), void (*gb)(T*, const T*, long long
          void (*sf)(T*, const T*, int, int), void (*sb)(T*, const T*, const T*, int, int)) {
     gelu_case<T>(gf, gb, dim3(k1::ceil_div(5011, 256)), dim3(256));
     gelu_case<T>(gf, gb, dim3(3), dim3(64));  // grid-stride
+    gelu_case<T>(gf, gb, dim3(3), dim3(64), 1);  // misaligned: one value at a time
     const int shapes[][2] = {{1, 1}, {3, 5}, {7, 33}, {16, 64}};
     for (auto& s : shapes) {
         swiglu_case<T>(s[0], s[1], sf, sb, dim3(k1::ceil_div((long long)s[0] * s[1], 128)), dim3(128));

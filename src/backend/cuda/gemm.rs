@@ -39,7 +39,7 @@
 //! card and library (no atomics unless asked for), so a step's GEMMs are too.
 
 use super::gpu::GpuDevice;
-use super::launch::{grid_stride, launch_error, suffix};
+use super::launch::{grid_packs, grid_stride, launch_error, suffix};
 use crate::dtype::DType;
 use crate::ir::schedule::OpEntry;
 use anyhow::{Result, anyhow, bail};
@@ -601,7 +601,7 @@ impl GpuDevice {
                 .arg(&src)
                 .arg(&dst)
                 .arg(&count)
-                .launch(grid_stride(n))
+                .launch(grid_packs(n))
         }
         .map(|_| ())
         .map_err(|err| launch_error(e, &name, err))
@@ -772,7 +772,7 @@ impl GpuDevice {
                 .arg(&b)
                 .arg(&n)
                 .arg(&oc)
-                .launch(grid_stride((rows * cols) as u64))
+                .launch(grid_packs((rows * cols) as u64))
         }
         .map(|_| ())
         .map_err(|err| launch_error(e, &name, err))

@@ -331,6 +331,13 @@ impl Device for GpuDevice {
         true
     }
 
+    fn memory_in_use(&self) -> Option<u64> {
+        self.ctx
+            .mem_get_info()
+            .ok()
+            .map(|(free, total)| (total - free) as u64)
+    }
+
     fn scope(&self, f: &mut (dyn FnMut() + Send)) {
         // The context is current on the thread that started the device; ops issued from
         // another thread make it current there first.

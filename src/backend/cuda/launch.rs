@@ -30,6 +30,17 @@ pub fn grid_stride(work: u64) -> LaunchConfig {
     }
 }
 
+/// Values of the storage type a thread of the 16-byte kernels takes at once (8 bf16/f16
+/// values; an f32 kernel's 4 take a quarter of its items, so its grid is a little smaller
+/// than its work wants, and the kernel strides).
+pub const PACK: u64 = 8;
+
+/// A grid-stride launch of a kernel that takes [`PACK`] of its `work` items per thread
+/// (`MwPack`, kernels/common.cuh).
+pub fn grid_packs(work: u64) -> LaunchConfig {
+    grid_stride(work.div_ceil(PACK))
+}
+
 /// One warp per row over `rows` rows, `warps` warps a block.
 pub fn rows_of_warps(rows: u64, warps: u32) -> LaunchConfig {
     LaunchConfig {

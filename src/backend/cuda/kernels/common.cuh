@@ -87,3 +87,25 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
 // Instantiates `MACRO(T, suffix)` for each storage type: a kernel template `k<T>` becomes the
 // entries `k_f32`, `k_bf16`, `k_f16` through a macro the source defines.
 #define MW_STORAGE_ENTRIES(MACRO) MACRO(float, f32) MACRO(bf16, bf16) MACRO(f16, f16)
+
+// 16-byte accesses. The element-wise kernels move 16 bytes per thread per access (8 bf16/f16
+// values, 4 f32) where their pointers are 16-byte aligned, and one value at a time otherwise,
+// with the same arithmetic per element, so the path taken does not change a bit. One 2-byte
+// access per thread kept GELU, the bias and the f32 → bf16 rounding near 1.2 TB/s on an
+// H200, whose memory moves 4.3.
+template <typename T>
+struct alignas(16) MwPack {
+    T v[16 / sizeof(T)];
+};
+template <typename T>
+__device__ __forceinline__ bool mw_aligned16(const T* p) {
+    return ((unsigned long long)p & 15ull) == 0;
+}
+template <typename T>
+__device__ __forceinline__ MwPack<T> mw_load16(const T* p) {
+    return *reinterpret_cast<const MwPack<T>*>(p);
+}
+template <typename T>
+__device__ __forceinline__ void mw_store16(T* p, const MwPack<T>& x) {
+    *reinterpret_cast<MwPack<T>*>(p) = x;
+}

@@ -15,13 +15,26 @@
 // f32_to_storage_<S>: y[i] = T(x[i]) (round to nearest even; the prelude's from_f32<T>;
 // `_f32` copies).
 //   x  f32 [n];  y  T [n] out (may not overlap x);  n  i64
-// Launch: grid = (min(ceil(n / 256), 65535)), block = (256) (any: grid-stride), dynamic smem
-// 0. Scratch: none. Elementwise: no naive twin.
+// Launch: grid = (min(ceil(n / 8 / 256), 65535)), block = (256) (any: grid-stride), dynamic
+// smem 0. Scratch: none. A thread rounds 16 bytes of `y` at a time where both pointers are
+// 16-byte aligned, else one value: the same rounding either way. Elementwise: no naive twin.
 template <typename T>
 __device__ void f32_to_storage(const float* x, T* y, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x)
-        y[i] = from_f32<T>(x[i]);
+    constexpr int E = 16 / sizeof(T);  // values a pack of y; E / 4 packs of x
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long packs = mw_aligned16(x) && mw_aligned16(y) ? n / E : 0;
+    for (long long p = t0; p < packs; p += stride) {
+        MwPack<T> o;
+#pragma unroll
+        for (int q = 0; q < E / 4; q++) {
+            const MwPack<float> f = mw_load16(x + p * E + q * 4);
+#pragma unroll
+            for (int k = 0; k < 4; k++) o.v[q * 4 + k] = from_f32<T>(f.v[k]);
+        }
+        mw_store16(y + p * E, o);
+    }
+    for (long long i = packs * E + t0; i < n; i += stride) y[i] = from_f32<T>(x[i]);
 }
 #define F32_TO_STORAGE(T, S)                                                                 \
     extern "C" __global__ void f32_to_storage_##S(const float* x, T* y, long long n) {       \
@@ -48,6 +61,7 @@ __device__ void col_sum_partials(float* partials, const T* x, int N, int C, int 
         for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < C;
              c += (long long)gridDim.x * blockDim.x) {
             float s = 0.0f;
+#pragma unroll 8
             for (long long r = r0; r < r1; r++) s = __fadd_rn(s, to_f32(x[r * C + c]));
             partials[p * C + c] = s;
         }

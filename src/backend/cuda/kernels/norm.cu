@@ -117,6 +117,13 @@ __device__ void layernorm_forward_naive(T* out, float* mean, float* rstd, const 
     }
 }
 
+// One element's terms of the row sums: g = w·dy, n = (x − mean)·rstd.
+__device__ __forceinline__ void ln_bwd_terms(float wi, float dyi, float xi, float mu, float rs,
+                                             float* g, float* n) {
+    *g = __fmul_rn(wi, dyi);
+    *n = __fmul_rn(__fsub_rn(xi, mu), rs);
+}
+
 // dinp += layernorm_backward_input(dout) (Op::LayerNormBackward's input gradient; all of a
 // frozen layer norm's backward): one warp per row.
 //   dinp  T [N, C] +=;  dout, inp  T [N, C];  w  f32 [C];  mean, rstd  f32 [N]
@@ -124,30 +131,61 @@ __device__ void layernorm_forward_naive(T* out, float* mean, float* rstd, const 
 // Launch: as layernorm_forward (block = 32·W, grid = ceil(N / W)). No shared memory, no
 // scratch. Naive twin: layernorm_backward_input_naive_<S>.
 template <typename T>
-__device__ void layernorm_backward_input(T* dinp, const T* dout, const T* inp, const float* w,
-                                         const float* mean, const float* rstd, int N, int C) {
+__device__ void layernorm_backward_input(T* __restrict__ dinp, const T* __restrict__ dout,
+                                         const T* __restrict__ inp, const float* __restrict__ w,
+                                         const float* __restrict__ mean,
+                                         const float* __restrict__ rstd, int N, int C) {
+    // 16 bytes of each row a lane an access where the rows allow (lane l takes packs l, l + 32,
+    // ...), else one value (lane l takes values l, l + 32, ...): a fixed order either way.
+    constexpr int E = 16 / sizeof(T);
+    const bool vec = C % E == 0 && mw_aligned16(dinp) && mw_aligned16(dout) &&
+                     mw_aligned16(inp);
     int lane = threadIdx.x & 31;
     long long warps = blockDim.x >> 5;
     for (long long row = blockIdx.x * warps + (threadIdx.x >> 5); row < N;
          row += (long long)gridDim.x * warps) {
         const T* x = inp + row * C;
         const T* dy = dout + row * C;
+        T* d = dinp + row * C;
         float mu = mean[row], rs = rstd[row];
-        float sg = 0.0f, sgn = 0.0f;
-        for (int i = lane; i < C; i += 32) {
-            float g = __fmul_rn(w[i], to_f32(dy[i]));
-            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
-            sg += g;
-            sgn += g * n;
+        float sg = 0.0f, sgn = 0.0f, g, n;
+        if (vec) {
+            for (int i = lane * E; i < C; i += 32 * E) {
+                const MwPack<T> yv = mw_load16(dy + i), xv = mw_load16(x + i);
+#pragma unroll
+                for (int k = 0; k < E; k++) {
+                    ln_bwd_terms(w[i + k], to_f32(yv.v[k]), to_f32(xv.v[k]), mu, rs, &g, &n);
+                    sg += g;
+                    sgn += g * n;
+                }
+            }
+        } else {
+            for (int i = lane; i < C; i += 32) {
+                ln_bwd_terms(w[i], to_f32(dy[i]), to_f32(x[i]), mu, rs, &g, &n);
+                sg += g;
+                sgn += g * n;
+            }
         }
         float mean_g = warp_sum(sg) / (float)C;
         float mean_gn = warp_sum(sgn) / (float)C;
-        T* d = dinp + row * C;
-        for (int i = lane; i < C; i += 32) {
-            float g = __fmul_rn(w[i], to_f32(dy[i]));
-            float n = __fmul_rn(__fsub_rn(to_f32(x[i]), mu), rs);
-            float v = __fmul_rn(__fsub_rn(__fsub_rn(g, mean_g), __fmul_rn(n, mean_gn)), rs);
-            d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
+        if (vec) {
+            for (int i = lane * E; i < C; i += 32 * E) {
+                const MwPack<T> yv = mw_load16(dy + i), xv = mw_load16(x + i);
+                MwPack<T> dv = mw_load16(d + i);
+#pragma unroll
+                for (int k = 0; k < E; k++) {
+                    ln_bwd_terms(w[i + k], to_f32(yv.v[k]), to_f32(xv.v[k]), mu, rs, &g, &n);
+                    float v = __fmul_rn(__fsub_rn(__fsub_rn(g, mean_g), __fmul_rn(n, mean_gn)), rs);
+                    dv.v[k] = from_f32<T>(__fadd_rn(to_f32(dv.v[k]), v));
+                }
+                mw_store16(d + i, dv);
+            }
+        } else {
+            for (int i = lane; i < C; i += 32) {
+                ln_bwd_terms(w[i], to_f32(dy[i]), to_f32(x[i]), mu, rs, &g, &n);
+                float v = __fmul_rn(__fsub_rn(__fsub_rn(g, mean_g), __fmul_rn(n, mean_gn)), rs);
+                d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
+            }
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The activation family on the GPU (`kernels/activation.cu`): GELU and SwiGLU, forward and
 //! backward, elementwise, as the CPU's `ops/activation.rs`; each op one grid-stride launch
-//! ([`grid_stride`]):
+//! (GELU 16 bytes a thread, [`grid_packs`]; SwiGLU one value, [`grid_stride`]):
 //!
 //! - [`Op::Gelu`]: `gelu_forward_<S>(out, inp, N·width)`.
 //! - [`Op::GeluBackward`]: `gelu_backward_<S>(d, inp, N·width)` (d in place).
@@ -11,7 +11,7 @@
 //! on no elements.
 
 use super::super::gpu::GpuDevice;
-use super::super::launch::grid_stride;
+use super::super::launch::{grid_packs, grid_stride};
 use super::super::launch::{int, launch_kernel};
 use crate::backend::StepCtx;
 use crate::ir::schedule::{Op, OpEntry};
@@ -39,14 +39,7 @@ impl GpuDevice {
                 let (out, inp, len) = (self.ptr(*out)?, self.ptr(*inp)?, len as i64);
                 // SAFETY: gelu_forward_<S>(T* out, const T* inp, long long len): out, inp
                 // [N·width] T.
-                launch_kernel!(
-                    self,
-                    e,
-                    name,
-                    f,
-                    grid_stride(len as u64),
-                    [&out, &inp, &len]
-                )
+                launch_kernel!(self, e, name, f, grid_packs(len as u64), [&out, &inp, &len])
             }
             Op::GeluBackward {
                 d,
@@ -62,7 +55,7 @@ impl GpuDevice {
                 let (d, inp, len) = (self.ptr(*d)?, self.ptr(*inp)?, len as i64);
                 // SAFETY: gelu_backward_<S>(T* d, const T* inp, long long len): d (in place),
                 // inp [N·width] T.
-                launch_kernel!(self, e, name, f, grid_stride(len as u64), [&d, &inp, &len])
+                launch_kernel!(self, e, name, f, grid_packs(len as u64), [&d, &inp, &len])
             }
             Op::Swiglu { inp, out, rows, h } => {
                 let (n, h) = (rows.with_seq(ctx.seq).n(), *h);
