@@ -171,14 +171,14 @@ backend_suite!(cpu, memwall::backend::cpu::Cpu);
 backend_suite!(@one_process cuda, *memwall::backend::cuda::open(0).expect("a CUDA GPU"), ignore = "needs a CUDA GPU (scripts/gpu-check.sh)");
 
 /// The LM head over a vocabulary that the CUDA backend's weight tile holds a chunk of at a
-/// time (`layers::lm_head_loss_wide`): a 36M-parameter head, too slow for every `cargo test`,
+/// time (`layers::lm_head_loss_wide`): a 72M-parameter head, too slow for every `cargo test`,
 /// so run when asked (`--ignored`): on the backend under test (`MEMWALL_TEST_DEVICE`), and
 /// on GPU 0 by `scripts/gpu-check.sh` (its `cuda::` filter).
 mod wide_vocabulary {
     use super::*;
 
     #[test]
-    #[ignore = "a 36M-parameter head, slow for every cargo test: run with --ignored"]
+    #[ignore = "a 72M-parameter head, slow for every cargo test: run with --ignored"]
     fn lm_head_loss_wide() {
         for p in [Precision::Bf16, Precision::F16] {
             layers::lm_head_loss_wide(memwall::backend::under_test(), p);
