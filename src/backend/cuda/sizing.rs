@@ -25,10 +25,12 @@ pub struct CudaSizing;
 pub const CUBLASLT_WORKSPACE_BYTES: u64 = 32 << 20;
 
 /// Device memory the CUDA context, cuBLASLt's handle and the loaded kernels hold outside the
-/// plan: the baseline of a GPU's peak, as the process's resident memory is the CPU's. An
-/// estimate (H100, driver 580: a context holds about 0.5 GiB) until `scripts/gpu-check.sh`
-/// measures it on the card.
-pub const CONTEXT_BYTES: u64 = 512 << 20;
+/// plan: the baseline of a GPU's peak, as the process's resident memory is the CPU's.
+/// Measured: 552402944 bytes (527 MiB) in use when memwall had opened an H200 (driver
+/// 580.159.04, CUDA 13.0; docs/gpu-runs/2026-11-28.md), where the whole bench then peaked
+/// 7 MiB above plan + context. Another card or driver differs by some MiB: `bench` reports
+/// the device's own figure.
+pub const CONTEXT_BYTES: u64 = 527 << 20;
 
 /// Blocks a column reduction over rows (a bias gradient) is cut into: each writes one f32
 /// partial row, summed in block order by a second kernel.
