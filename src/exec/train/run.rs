@@ -108,6 +108,7 @@ impl Run<'_> {
             plan_total_bytes: self.plan_total,
             baseline_bytes: self.baseline,
             peak_rss_bytes: rss::peak_rss(),
+            device_in_use_bytes: self.ex.device_memory_in_use(),
             max_memory: opts.strategies.max_memory,
             predicted_peak_bytes: self.predicted_peak,
             last_checkpoint: self.last_ckpt,

@@ -46,7 +46,12 @@ impl<'a> Run<'a> {
         let (rank, ranks) = (comm.rank(), comm.size());
 
         // ---- plan (refused before anything is written if over budget), then allocate once ----
-        let baseline = baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0));
+        // A GPU's baseline is its context (the plan lives in device memory); else the
+        // process's resident memory.
+        let baseline = match opts.device.sizing().baseline_bytes() {
+            Some(context) => context,
+            None => baseline.unwrap_or_else(|| rss::current_rss().unwrap_or(0)),
+        };
         let packed = data.packs(opts.no_pack);
         let (plan, calibration) = plan_for(opts, &spec, baseline, ranks, packed)?;
         let dir = RunDir::new(&opts.out);
@@ -559,7 +564,7 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
         None => String::new(),
     };
     format!(
-        "plan: {} | batch {} x grad-accum {} x seq {} | {} | recompute {} | optimizer state {} | offload {}{offload} | arena {} + outside the arena {} | predicted peak RSS {}{lora}",
+        "plan: {} | batch {} x grad-accum {} x seq {} | {} | recompute {} | optimizer state {} | offload {}{offload} | arena {} + outside the arena {} | predicted {} {}{lora}",
         spec.describe(),
         opts.batch,
         opts.strategies.grad_accum,
@@ -570,6 +575,10 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
         plan.cfg.offload.set,
         fmt_bytes(plan.arena_bytes()),
         fmt_bytes(plan.external_bytes),
+        match plan.compute_tier() {
+            crate::ir::Tier::Device => "device peak",
+            _ => "peak RSS",
+        },
         fmt_bytes(plan.predicted_peak(baseline))
     )
 }

@@ -243,11 +243,18 @@ impl Run<'_> {
         let step = self.step;
         let rss_now = rss::current_rss();
         let peak = rss::peak_rss();
-        let over = super::over_max_memory(peak, self.opts.strategies.max_memory);
+        // On a GPU, --max-memory is the device's: its memory in use is what is held to it.
+        let device = self.ex.device_memory_in_use();
+        let held = device.or(peak);
+        let over = super::over_max_memory(held, self.opts.strategies.max_memory);
         if let (Some(by), false) = (over, self.warned_over_budget) {
             self.warned_over_budget = true;
             progress.message(&super::over_max_memory_warning(
-                peak.unwrap_or(0),
+                match device {
+                    Some(_) => ("device memory in use", "context"),
+                    None => ("peak RSS", "baseline"),
+                },
+                held.unwrap_or(0),
                 self.opts.strategies.max_memory.unwrap_or(0),
                 self.predicted_peak,
                 by,

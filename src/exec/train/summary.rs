@@ -25,6 +25,10 @@ pub struct TrainSummary {
     pub plan_total_bytes: u64,
     pub baseline_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
+    /// A GPU run: the device's memory in use after the last step (its context and the plan's
+    /// one allocation: the run's peak there). The memory line and `--max-memory` are then
+    /// the device's, and `baseline_bytes` is the context.
+    pub device_in_use_bytes: Option<u64>,
     /// `--max-memory`, and the peak predicted against it (plan + baseline + runtime reserve).
     pub max_memory: Option<u64>,
     pub predicted_peak_bytes: u64,
@@ -36,11 +40,26 @@ pub struct TrainSummary {
 }
 
 impl TrainSummary {
+    /// The measured peak the plan is held to: the device's memory on a GPU, else the
+    /// process's resident memory.
+    fn peak(&self) -> Option<u64> {
+        self.device_in_use_bytes.or(self.peak_rss_bytes)
+    }
+
+    /// What the peak and the baseline are called: a GPU's memory in use and its context, or
+    /// the process's peak RSS and baseline.
+    fn memory_words(&self) -> (&'static str, &'static str) {
+        match self.device_in_use_bytes {
+            Some(_) => ("device memory in use", "context"),
+            None => ("peak RSS", "baseline"),
+        }
+    }
+
     /// The lines `memwall train` ends with: steps, losses, throughput and memory; then the
     /// last checkpoint and the report, when there are any.
     pub fn describe(&self) -> String {
         let mut s = format!(
-            "trained steps {}..{}: {}{} | {} | peak RSS {} (plan {} + baseline {})",
+            "trained steps {}..{}: {}{} | {} | {} {} (plan {} + {} {})",
             self.first_step,
             self.last_step,
             match self.final_loss {
@@ -55,16 +74,17 @@ impl TrainSummary {
                 t if t > 0.0 => format!("{t:.0} tokens/s"),
                 _ => "tokens/s not timed (one step ran: the first is warm-up)".to_string(),
             },
-            self.peak_rss_bytes
-                .map(fmt_bytes)
-                .unwrap_or_else(|| "?".into()),
+            self.memory_words().0,
+            self.peak().map(fmt_bytes).unwrap_or_else(|| "?".into()),
             fmt_bytes(self.plan_total_bytes),
+            self.memory_words().1,
             fmt_bytes(self.baseline_bytes)
         );
-        if let Some(by) = over_max_memory(self.peak_rss_bytes, self.max_memory) {
+        if let Some(by) = over_max_memory(self.peak(), self.max_memory) {
             s.push('\n');
             s.push_str(&over_max_memory_warning(
-                self.peak_rss_bytes.unwrap_or(0),
+                self.memory_words(),
+                self.peak().unwrap_or(0),
                 self.max_memory.unwrap_or(0),
                 self.predicted_peak_bytes,
                 by,
@@ -98,11 +118,17 @@ pub fn over_max_memory(peak: Option<u64>, budget: Option<u64>) -> Option<u64> {
 
 /// The warning printed (once) and put in the summary when the measured peak exceeds
 /// `--max-memory`.
-pub fn over_max_memory_warning(peak: u64, budget: u64, predicted: u64, by: u64) -> String {
+pub fn over_max_memory_warning(
+    (what, baseline): (&str, &str),
+    peak: u64,
+    budget: u64,
+    predicted: u64,
+    by: u64,
+) -> String {
     format!(
-        "warning: peak RSS {} exceeds --max-memory {} by {} (predicted {}: plan + process \
-         baseline + runtime reserve); memory outside the plan outgrew the reserve: raise \
-         --max-memory by that much, and please report it",
+        "warning: {what} {} exceeds --max-memory {} by {} (predicted {}: plan + {baseline} + \
+         runtime reserve); memory outside the plan outgrew the reserve: raise --max-memory by \
+         that much, and please report it",
         fmt_bytes(peak),
         fmt_bytes(budget),
         fmt_bytes(by),
@@ -127,12 +153,31 @@ mod tests {
             plan_total_bytes: 100 << 20,
             baseline_bytes: 7 << 20,
             peak_rss_bytes: Some(peak),
+            device_in_use_bytes: None,
             max_memory: budget,
             predicted_peak_bytes: 112 << 20,
             last_checkpoint: None,
             leak: None,
             report: None,
         }
+    }
+
+    /// On a GPU the memory line is the device's (its use against plan + context), and so is
+    /// the warning.
+    #[test]
+    fn a_gpu_runs_summary_gives_the_devices_memory() {
+        let gpu = TrainSummary {
+            device_in_use_bytes: Some(130 << 20),
+            ..summary(50 << 20, Some(120 << 20))
+        };
+        let s = gpu.describe();
+        assert!(
+            s.contains("device memory in use 130.00 MiB (plan 100.00 MiB + context 7.00 MiB)")
+                && s.contains("warning: device memory in use 130.00 MiB exceeds --max-memory")
+                && s.contains("plan + context + runtime reserve")
+                && !s.contains("RSS"),
+            "{s}"
+        );
     }
 
     /// A measured peak above `--max-memory` is said in the summary, with by how much; within
