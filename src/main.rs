@@ -497,7 +497,8 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
 /// `train` as this process's rank of `comm`.
 fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Result<()> {
     let rank = comm.rank();
-    // Rank 0 reports; the other ranks print only their own summary line.
+    let world = comm.clone();
+    // Rank 0 reports, every rank's memory line included (the others send it theirs).
     let mut console = ConsoleProgress::new(10);
     let mut quiet = train::NoProgress;
     let progress: &mut dyn train::Progress = if rank == 0 { &mut console } else { &mut quiet };
@@ -518,20 +519,51 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         print_notes(&o.notes);
         train::train_among(&o, None, comm, progress)?
     };
+    let lines = ranks_memory_lines(&*world, &summary)?;
     if rank == 0 {
         print_summary(&summary);
-    } else {
-        println!(
-            "rank {rank}: peak RSS {} (plan {} + baseline {})",
-            summary
-                .peak_rss_bytes
-                .map(fmt_bytes)
-                .unwrap_or_else(|| "?".into()),
-            fmt_bytes(summary.plan_total_bytes),
-            fmt_bytes(summary.baseline_bytes)
-        );
+        for line in lines {
+            println!("{line}");
+        }
     }
     Ok(())
+}
+
+/// Rank 0's lines for the other ranks' memory, in rank order: each rank sends rank 0 its peak
+/// (0 where unmeasured), plan and baseline; the others get an empty list.
+fn ranks_memory_lines(
+    comm: &dyn memwall::dist::Comm,
+    summary: &train::TrainSummary,
+) -> Result<Vec<String>> {
+    let (rank, size) = (comm.rank(), comm.size());
+    let mine: Vec<u8> = [
+        summary.peak_rss_bytes.unwrap_or(0),
+        summary.plan_total_bytes,
+        summary.baseline_bytes,
+    ]
+    .iter()
+    .flat_map(|v| v.to_le_bytes())
+    .collect();
+    if rank != 0 {
+        comm.send(&mine, 0)?;
+        return Ok(Vec::new());
+    }
+    let mut lines = Vec::with_capacity(size.saturating_sub(1));
+    let mut theirs = [0u8; 24];
+    for from in 1..size {
+        comm.recv(&mut theirs, from)?;
+        let v = |i: usize| u64::from_le_bytes(theirs[8 * i..8 * i + 8].try_into().unwrap());
+        lines.push(format!(
+            "rank {from}: peak RSS {} (plan {} + baseline {})",
+            match v(0) {
+                0 => "?".to_string(),
+                peak => fmt_bytes(peak),
+            },
+            fmt_bytes(v(1)),
+            fmt_bytes(v(2))
+        ));
+    }
+    Ok(lines)
 }
 
 fn print_summary(s: &train::TrainSummary) {

@@ -105,6 +105,7 @@ impl Run<'_> {
                 .then(|| self.timed_comm_secs / self.timed_secs),
             comm_exposed_frac: (self.ex.comm().size() > 1 && self.timed_secs > 0.0)
                 .then(|| self.timed_comm_wait_secs / self.timed_secs),
+            pipeline_stages: self.ex.plan.cfg.mesh.size(crate::ir::Axis::Pipeline),
             plan_total_bytes: self.plan_total,
             baseline_bytes: self.baseline,
             peak_rss_bytes: rss::peak_rss(),

@@ -22,6 +22,9 @@ pub struct TrainSummary {
     /// Of step time, the share the ops waited for collectives: communication not hidden
     /// behind compute.
     pub comm_exposed_frac: Option<f64>,
+    /// Pipeline stages of the job (1: none): with several, what the ops wait for includes
+    /// the stages' sends and receives and the schedule's bubble, not only collectives.
+    pub pipeline_stages: usize,
     pub plan_total_bytes: u64,
     pub baseline_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
@@ -91,11 +94,21 @@ impl TrainSummary {
             ));
         }
         if let (Some(busy), Some(exposed)) = (self.comm_frac, self.comm_exposed_frac) {
-            s.push_str(&format!(
-                "\ncommunication: collectives busy {:.1}% of step time; {:.1}% exposed (ops waiting for them)",
-                100.0 * busy,
-                100.0 * exposed
-            ));
+            s.push_str(&match self.pipeline_stages {
+                1 => format!(
+                    "\ncommunication: collectives busy {:.1}% of step time; {:.1}% exposed (ops \
+                     waiting for them)",
+                    100.0 * busy,
+                    100.0 * exposed
+                ),
+                stages => format!(
+                    "\ncommunication: collectives and transfers between the {stages} stages busy \
+                     {:.1}% of step time; {:.1}% spent waiting for them (the pipeline's bubble \
+                     included)",
+                    100.0 * busy,
+                    100.0 * exposed
+                ),
+            });
         }
         if let Some(c) = &self.last_checkpoint {
             s.push_str(&format!("\ncheckpoint: {}", c.display()));
@@ -150,6 +163,7 @@ mod tests {
             tokens_per_s: 1.0,
             comm_frac: None,
             comm_exposed_frac: None,
+            pipeline_stages: 1,
             plan_total_bytes: 100 << 20,
             baseline_bytes: 7 << 20,
             peak_rss_bytes: Some(peak),
@@ -177,6 +191,31 @@ mod tests {
                 && s.contains("plan + context + runtime reserve")
                 && !s.contains("RSS"),
             "{s}"
+        );
+    }
+
+    /// A pipeline's waits are named as what they are: stage transfers and the bubble too.
+    #[test]
+    fn a_pipelines_waits_are_not_called_collectives_alone() {
+        let one = TrainSummary {
+            comm_frac: Some(0.2),
+            comm_exposed_frac: Some(0.1),
+            ..summary(50 << 20, None)
+        };
+        assert!(
+            one.describe().contains("collectives busy 20.0%"),
+            "{}",
+            one.describe()
+        );
+        let staged = TrainSummary {
+            pipeline_stages: 2,
+            ..one
+        }
+        .describe();
+        assert!(
+            staged.contains("transfers between the 2 stages busy 20.0%")
+                && staged.contains("10.0% spent waiting for them (the pipeline's bubble included)"),
+            "{staged}"
         );
     }
 
