@@ -68,6 +68,9 @@ export RUST_BACKTRACE=1
 step "kernels: NVRTC for this card" 120 "$OUT/kernels.log" "$bin/cuda_kernels" --test-threads 1
 step "device: open, allocate, round trip, Zero" 60 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
 CUBLASLT_LOG_LEVEL=1 step "conformance suite on the GPU" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
+# The tensor-core attention (off by default until a card confirms it): the suite and a bench.
+MEMWALL_CUDA_ATTENTION=mma step "conformance suite, attention on the tensor cores (MEMWALL_CUDA_ATTENTION=mma)" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
+MEMWALL_CUDA_ATTENTION=mma step "memwall bench, attention on the tensor cores (gpt2, 16 x 1024, bf16)" 90 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
 step "plan for the GPU" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --json
 # The card's memory in use sampled while the bench runs: the measured peak beside the plan's.
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 >/tmp/gpu-mem.txt 2>/dev/null &
