@@ -243,6 +243,124 @@ static void run_case(const char* tname, const Entries<T>& en, double tol, int B,
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// attention_mma.cu: the tensor-core forward entries (bf16, f16; hd64, hd128), grid
+// (ceil(T/64), NH, B), block 128, dynamic shared 2·(64·(HD+8) + HD·72) bytes.
+
+template <class T> struct MmaEntries {
+    void (*fwd[2])(const T*, const unsigned*, T*, float*, int, int, int, int, int);
+};
+#define MMA_ENTRIES(S) {{attention_forward_mma_hd64_##S, attention_forward_mma_hd128_##S}}
+
+static size_t mma_fwd_smem(int HD) { return 2 * (64 * (HD + 8) + HD * 72); }
+
+template <class T> struct FwdRun {
+    vector<T> out;
+    vector<float> lse;
+};
+
+template <class T>
+static FwdRun<T> run_mma_forward(const MmaEntries<T>& en, int which, const vector<T>& qkv,
+                                 const vector<uint32_t>* pos, int B, int Tn, int NH, int NKV,
+                                 int hd) {
+    FwdRun<T> r;
+    r.out.assign((size_t)B * Tn * NH * hd, from_f32<T>(__int_as_float(0x7fc00000)));
+    r.lse.assign((size_t)B * NH * Tn, NAN);
+    emu_launch(dim3{cdiv(Tn, 64), (unsigned)NH, (unsigned)B}, dim3{128},
+               mma_fwd_smem(64 << which), en.fwd[which], qkv.data(), pos ? pos->data() : nullptr,
+               r.out.data(), r.lse.data(), B, Tn, NH, NKV, hd);
+    return r;
+}
+
+// The mma forward against the f64 reference and attention.cu's FMA flash forward (same
+// inputs), twice (bitwise equal), and for hd ≤ 64 through the hd128 entry too (bitwise equal:
+// the extra k-steps multiply zeros).
+template <class T>
+static void run_mma_case(const char* tname, const MmaEntries<T>& en, const Entries<T>& fma,
+                         double tol, int B, int Tn, int NH, int NKV, int hd,
+                         const vector<vector<int>>* examples) {
+    int ld = (NH + 2 * NKV) * hd, co = NH * hd;
+    int which = hd <= 64 ? 0 : 1;
+    std::string tag = std::string(tname) + " B" + std::to_string(B) + " T" + std::to_string(Tn) +
+                      " NH" + std::to_string(NH) + " NKV" + std::to_string(NKV) + " hd" +
+                      std::to_string(hd) + (examples ? " packed" : "");
+    printf("mma %s (entry attention_forward_mma_hd%d)\n", tag.c_str(), 64 << which);
+    std::mt19937 rng(4321 + B * 7 + Tn * 13 + NH * 17 + NKV * 19 + hd * 23);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    vector<T> qkv((size_t)B * Tn * ld);
+    for (auto& x : qkv) x = from_f32<T>(1.5f * nd(rng));
+    vector<uint32_t> posv;
+    if (examples) {
+        for (int b = 0; b < B; ++b) {
+            int n = 0;
+            for (int len : (*examples)[b])
+                for (int p = 0; p < len; ++p, ++n) posv.push_back(p);
+            if (n != Tn) { printf("bad examples\n"); abort(); }
+        }
+    }
+    const vector<uint32_t>* pos = examples ? &posv : nullptr;
+    vector<double> rout, rlse, ratt;
+    ref_forward(widen(qkv), B, Tn, NH, NKV, hd, pos, rout, rlse, ratt);
+
+    FwdRun<T> f = run_mma_forward(en, which, qkv, pos, B, Tn, NH, NKV, hd);
+    check("mma out vs f64", tag, widen(f.out), rout, tol);
+    check("mma lse vs f64", tag, widen(f.lse), rlse, tol);
+
+    vector<T> fout((size_t)B * Tn * co, from_f32<T>(__int_as_float(0x7fc00000)));
+    vector<float> flse((size_t)B * NH * Tn, NAN);
+    int fw = hd <= 64 ? 0 : hd <= 128 ? 1 : 2;
+    emu_launch(dim3{cdiv(Tn, 32), (unsigned)NH, (unsigned)B}, dim3{256}, fwd_smem(hd),
+               fma.fwd[fw], qkv.data(), pos ? pos->data() : nullptr, fout.data(), flse.data(), B,
+               Tn, NH, NKV, hd);
+    check("mma out vs fma flash", tag, widen(f.out), widen(fout), tol);
+    check("mma lse vs fma flash", tag, widen(f.lse), widen(flse), tol);
+
+    FwdRun<T> f2 = run_mma_forward(en, which, qkv, pos, B, Tn, NH, NKV, hd);
+    expect(same_bits(f.out, f2.out) && same_bits(f.lse, f2.lse), "mma second run bitwise equal");
+    if (which == 0) {
+        FwdRun<T> f3 = run_mma_forward(en, 1, qkv, pos, B, Tn, NH, NKV, hd);
+        expect(same_bits(f.out, f3.out) && same_bits(f.lse, f3.lse),
+               "mma hd128 entry bitwise equal");
+    }
+}
+
+// One m16n8k16 through the emulated mma against a plain product (the fragment layout of
+// attention_mma.cu's header), for both operand types: catches a layout error of the emulator
+// independently of the kernels.
+template <class T> static void mma_unit(const char* tname, bool bf) {
+    static float A[16][16], Bm[16][8], D[16][8];
+    std::mt19937 rng(99);
+    std::uniform_int_distribution<int> ud(-8, 8);
+    for (auto& r : A) for (auto& x : r) x = to_f32(from_f32<T>(ud(rng) / 4.0f));
+    for (auto& r : Bm) for (auto& x : r) x = to_f32(from_f32<T>(ud(rng) / 4.0f));
+    auto bits = [](float x) { return (unsigned)from_f32<T>(x).bits; };
+    auto kernel = [&](int bfl) {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+        unsigned a[4] = {bits(A[g][2 * t]) | bits(A[g][2 * t + 1]) << 16,
+                         bits(A[g + 8][2 * t]) | bits(A[g + 8][2 * t + 1]) << 16,
+                         bits(A[g][2 * t + 8]) | bits(A[g][2 * t + 9]) << 16,
+                         bits(A[g + 8][2 * t + 8]) | bits(A[g + 8][2 * t + 9]) << 16};
+        unsigned b[2] = {bits(Bm[2 * t][g]) | bits(Bm[2 * t + 1][g]) << 16,
+                         bits(Bm[2 * t + 8][g]) | bits(Bm[2 * t + 9][g]) << 16};
+        float c[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+        emu_mma_m16n8k16(c, a, b, bfl != 0);
+        D[g][2 * t] = c[0];
+        D[g][2 * t + 1] = c[1];
+        D[g + 8][2 * t] = c[2];
+        D[g + 8][2 * t + 1] = c[3];
+    };
+    emu_launch(dim3{1}, dim3{32}, 0, kernel, bf ? 1 : 0);
+    bool ok = true;
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 8; ++j) {
+            double want = 1.0 + (i >= 8 ? 2 : 0) + (j & 1);
+            for (int k = 0; k < 16; ++k) want += (double)A[i][k] * Bm[k][j];
+            ok &= D[i][j] == (float)want;
+        }
+    printf("mma unit (%s)\n", tname);
+    expect(ok, "emulated mma.m16n8k16 == plain product (exact small values)");
+}
+
 int main(int argc, char** argv) {
     auto e32 = ENTRIES(float, f32);
     auto eb = ENTRIES(bf16, bf16);
@@ -266,6 +384,28 @@ int main(int argc, char** argv) {
         run_case("bf16", eb, 3e-2, 2, 70, 4, 2, 64, &ex70, true);
         run_case("f16", eh, 4e-3, 1, 45, 4, 4, 128, nullptr, true);
         if (mode == "long") run_case("f32", e32, 2e-5, 1, 200, 4, 1, 64, nullptr, true);
+    }
+    // attention_mma.cu (bf16 and f16 only).
+    MmaEntries<bf16> mb = MMA_ENTRIES(bf16);
+    MmaEntries<f16> mh = MMA_ENTRIES(f16);
+    mma_unit<bf16>("bf16", true);
+    mma_unit<f16>("f16", false);
+    vector<vector<int>> ex130 = {{64, 1, 65}};
+    if (mode == "quick") {
+        run_mma_case("bf16", mb, eb, 3e-2, 2, 70, 4, 2, 64, &ex70);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 45, 2, 1, 128, nullptr);
+    } else {
+        run_mma_case("bf16", mb, eb, 3e-2, 2, 70, 4, 2, 64, nullptr);
+        run_mma_case("bf16", mb, eb, 3e-2, 2, 70, 4, 2, 64, &ex70);
+        run_mma_case("bf16", mb, eb, 3e-2, 1, 130, 2, 1, 64, &ex130);
+        run_mma_case("bf16", mb, eb, 3e-2, 3, 100, 2, 1, 128, &ex100);
+        run_mma_case("bf16", mb, eb, 3e-2, 1, 33, 3, 1, 40, nullptr);
+        run_mma_case("bf16", mb, eb, 3e-2, 1, 1, 2, 1, 64, nullptr);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 45, 4, 4, 128, nullptr);
+        run_mma_case("f16", mh, eh, 4e-3, 2, 70, 4, 2, 64, &ex70);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 64, 6, 2, 72, nullptr);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 129, 2, 2, 64, nullptr);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 40, 2, 2, 33, &ex40);
     }
     printf(failures ? "FAILED: %d checks\n" : "all passed\n", failures);
     return failures ? 1 : 0;

@@ -1,0 +1,321 @@
+// Causal self-attention on the tensor cores: FlashAttention-2-style forward entries for the bf16
+// and f16 storage types, with `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`
+// (inline PTX, f32 accumulation). The same op, arguments and results as attention.cu's
+// `attention_forward_hd<HD>_<S>` (read its header for the shapes, the notation, the base-2
+// lse, packed rows through `pos` and the determinism rules); the f32 storage type and head
+// sizes above 128 stay on attention.cu's FMA kernels.
+//
+// STATUS: not yet run on a GPU. Checked by NVRTC (sm_80, sm_90) and by the CPU emulation
+// (python3 scripts/cuda-emu/tests/attention_run.py, the mma emulated from the PTX fragment
+// layout below) only. The host launches these entries only when MEMWALL_CUDA_ATTENTION=mma
+// (ops/attention.rs); the default stays `fma` until a GPU run has confirmed them.
+//
+// Entries (S = bf16 | f16; HD = 64 | 128 the head tile, for 1 ≤ hd ≤ HD):
+//   attention_forward_mma_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd): Op::Attention,
+//     writes out [N, NH·hd] and lse [B, NH, T] in full; no workspace.
+//     grid (ceil(T/64), NH, B), block 128 (exactly: other blocks return without writing),
+//     dynamic shared bytes 2·(64·(HD+8) + HD·72) (hd64: 18,432; hd128: 35,840: never above
+//     the 48 KiB that needs an opt-in), static shared 256 bytes. Needs sm_80 or newer (on an
+//     older card the entry traps; the host never selects it there).
+//
+// Tiling: CTA (x, h, b) serves queries q0 = 64x .. qend−1 (qend = min(q0 + 64, T)) of query
+// head h, row b: 4 warps, warp w owns the 16 queries q0 + 16w .. q0 + 16w + 15 (one mma
+// M-tile). Keys are visited in blocks of 64 from kmin = min over the CTA's queries of lo(i)
+// up to qend − 1 (as attention.cu). Shared memory holds 16-bit bits, rows padded by 8 halves
+// (16 bytes) so that the fragment reads below hit 32 distinct banks:
+//   Ks [64][HD+8]  keys kb .. kb+63 of the block (zero past qend and past hd); before the
+//                  first block it holds the CTA's 64 queries, read once into registers
+//   Vt [HD][72]    the block's values, TRANSPOSED (Vt[e][kk] = V[kb+kk][e]), so that PV's B
+//                  fragments are single 32-bit reads
+// Per key block, warp w computes S = Q Kᵀ (16 × 64, f32 accumulators, 8 n-tiles of 8 keys,
+// HD/16 k-steps), masks it, updates the online softmax (base 2, as attention.cu), rounds
+// P = 2^(S' − m) to the storage type (bf16/f16: the mma's operand type, as FlashAttention
+// does) and accumulates O += P V (16 × HD, HD/8 n-tiles, 4 k-steps of 16 keys). The row sum
+// l sums the ROUNDED p (the weights PV actually used), in a fixed order: a lane's 16 values
+// (n-tile ascending, then the column pair), then the quad's 4 lanes by xor 1 then xor 2.
+// No atomics, fixed loops: every run gives the same bits (the mma's own summation order is the
+// hardware's, fixed; the CPU emulation's differs from it, so the emulator's bits are not the
+// GPU's, only as close to the f64 reference).
+//
+// Fragment layout of mma.m16n8k16 (.row.col, 16-bit A and B, f32 C/D), lane l of the warp,
+// g = l / 4 (groupID), t = l % 4 (threadID_in_group); each 32-bit A/B register holds two
+// 16-bit values, the lower column (A) / k index (B) in the low half:
+//   A (16 × 16, row-major)   a0: row g,   cols 2t, 2t+1     a1: row g+8, cols 2t, 2t+1
+//                            a2: row g,   cols 2t+8, 2t+9   a3: row g+8, cols 2t+8, 2t+9
+//   B (16 × 8, k × n, "col": stored n-major) b0: k 2t, 2t+1 of col g   b1: k 2t+8, 2t+9 of col g
+//   C/D (16 × 8, f32)        c0, c1: row g, cols 2t, 2t+1   c2, c3: row g+8, cols 2t, 2t+1
+// As NVIDIA's PTX ISA documents it ("Matrix Fragments for mma.m16n8k16 with floating point
+// type", docs.nvidia.com/cuda/parallel-thread-execution/#mma-16816-a-f16, -16816-b-f16,
+// -16816-c: row = groupID for a_i with 0 ≤ i < 2 || 4 ≤ i < 6, groupID + 8 otherwise; col =
+// threadID_in_group·2 + (i & 1), + 8 for i ≥ 4; B row = threadID_in_group·2 + (i & 1), + 8 for
+// i ≥ 2, col = groupID; C row = groupID for i < 2, + 8 otherwise, col = threadID_in_group·2 +
+// (i & 1)), confirmed against ggml-cuda's mma.cuh (tile<16, 8, half2>::get_i/get_j: i =
+// (l % 2)·8 + lane/4, j = (l / 2)·4 + lane%4 in half2 units; tile<16, 8, float>: i = (l / 2)·8
+// + lane/4, j = (lane%4)·2 + l%2), the layout FlashAttention-2 and llm.c rely on. The C
+// fragments of two adjacent n-tiles (keys 16kk .. 16kk+15) are exactly the A fragment of one
+// k-step of PV: a0 = (c0, c1) of n-tile 2kk, a1 = (c2, c3) of 2kk, a2 = (c0, c1) of 2kk+1,
+// a3 = (c2, c3) of 2kk+1, so P never leaves the registers.
+
+#define ATTM_THREADS 128
+#define ATTM_BQ 64
+#define ATTM_BK 64
+#define ATTM_PAD 8
+#define ATTM_VS (ATTM_BK + ATTM_PAD)  // Vt's row stride (halves)
+#define ATTM_LOG2E 1.4426950408889634f
+#define ATTM_LN2 0.6931471805599453f
+#define ATTM_NEG_INF __int_as_float(0xff800000)
+#define ATTM_NO_KEY 0x7fffffff
+
+// D = A·B + C for one m16n8k16 tile (fragments as in the header), in place on c. The CPU
+// emulation (attention_run.py) replaces the asm with emu_mma_m16n8k16 (attention_emu.h).
+template <typename T>
+__device__ __forceinline__ void mw_mma_m16n8k16(float c[4], const unsigned a[4],
+                                                const unsigned b[2]);
+template <>
+__device__ __forceinline__ void mw_mma_m16n8k16<bf16>(float c[4], const unsigned a[4],
+                                                      const unsigned b[2]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // sm_80 and newer only; the host never selects these entries below
+#endif
+}
+template <>
+__device__ __forceinline__ void mw_mma_m16n8k16<f16>(float c[4], const unsigned a[4],
+                                                     const unsigned b[2]) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+
+// Two 16-bit values in one register: lo in the low half (the lower column / k index).
+__device__ __forceinline__ unsigned attm_pack(unsigned short lo, unsigned short hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+
+// First key query i of row b attends to (attention.cu's att_first_key).
+__device__ __forceinline__ int attm_first_key(const unsigned int* pos, int b, int Tn, int i) {
+    if (pos == nullptr) return 0;
+    unsigned int p = pos[(long long)b * Tn + i];
+    return p > (unsigned int)i ? 0 : i - (int)p;
+}
+
+// Rows row0 .. row0+63 of a [T, ld] operand (channels src + c, c < hd; rows ≥ rend and
+// channels ≥ hd read as 0) into shared memory as 16-bit bits: row-major into dst[r·(HD+8) + c]
+// (transposed == false) or transposed into dst[c·ATTM_VS + r]. 16-byte global loads when
+// `vec` (hd a multiple of 8 and qkv 16-byte aligned: every row start then is), else one value
+// at a time; the same bits either way.
+template <typename T, int HD>
+__device__ __forceinline__ void attm_load_tile(unsigned short* dst, const T* src, long long ld,
+                                               int row0, int rend, int hd, bool vec,
+                                               bool transposed) {
+    constexpr int CH = HD / 8;  // 8-value chunks of a row
+    for (int x = threadIdx.x; x < ATTM_BK * CH; x += ATTM_THREADS) {
+        const int r = x / CH, c0 = (x - r * CH) * 8, row = row0 + r;
+        unsigned short v[8];
+        if (row < rend && vec && c0 < hd) {
+            MwPack<T> p = mw_load16(src + (long long)row * ld + c0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = p.v[j].bits;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                v[j] = row < rend && c0 + j < hd ? src[(long long)row * ld + c0 + j].bits : 0;
+        }
+        if (transposed) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[(c0 + j) * ATTM_VS + r] = v[j];
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[r * (HD + ATTM_PAD) + c0 + j] = v[j];
+        }
+    }
+}
+
+template <typename T, int HD>
+__device__ __forceinline__ void attm_forward(const T* __restrict__ qkv,
+                                             const unsigned int* __restrict__ pos,
+                                             T* __restrict__ out, float* __restrict__ lse, int B,
+                                             int Tn, int NH, int NKV, int hd) {
+    extern __shared__ unsigned int attm_sm[];
+    __shared__ int los[ATTM_BQ];
+    constexpr int KS = HD / 16;  // k-steps of QKᵀ
+    constexpr int NO = HD / 8;   // n-tiles of O
+    constexpr int NS = ATTM_BK / 8;  // n-tiles of S
+    constexpr int KW = (HD + ATTM_PAD) / 2, VW = ATTM_VS / 2;  // row strides in 32-bit words
+    if (blockDim.x != ATTM_THREADS || Tn <= 0 || NKV <= 0 || NH <= 0 || NH % NKV != 0 ||
+        hd <= 0 || hd > HD)
+        return;
+    const int q0 = blockIdx.x * ATTM_BQ, h = blockIdx.y, b = blockIdx.z;
+    if (q0 >= Tn || h >= NH || b >= B) return;  // uniform over the CTA
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+    unsigned short* Ks = (unsigned short*)attm_sm;   // [64][HD+8]
+    unsigned short* Vt = Ks + ATTM_BK * (HD + ATTM_PAD);  // [HD][72]
+    const unsigned int* K32 = attm_sm;
+    const unsigned int* V32 = attm_sm + ATTM_BK * KW;
+    const int grp = NH / NKV, kvh = h / grp;
+    const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
+    const int qend = min(q0 + ATTM_BQ, Tn);
+    const float scale2 = ATTM_LOG2E / sqrtf((float)hd);
+    const T* base = qkv + (long long)b * Tn * ld;
+    const bool vec = hd % 8 == 0 && mw_aligned16(qkv);
+
+    if (tid < ATTM_BQ) {
+        int i = q0 + tid;
+        los[tid] = i < qend ? attm_first_key(pos, b, Tn, i) : ATTM_NO_KEY;
+    }
+    // The queries through Ks into registers: qf[ks] is the A fragment of k-step ks of the
+    // warp's 16 rows.
+    attm_load_tile<T, HD>(Ks, base + (long long)h * hd, ld, q0, qend, hd, vec, false);
+    __syncthreads();
+    int kmin = los[0];
+    for (int r = 1; r < ATTM_BQ; ++r) kmin = min(kmin, los[r]);
+    const int ra = w * 16 + g, rb = ra + 8;  // the lane's two rows of the tile (c0,c1 / c2,c3)
+    const int ia = q0 + ra, ib = q0 + rb, loa = los[ra], lob = los[rb];
+    unsigned qf[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        qf[ks][0] = K32[ra * KW + ks * 8 + t];
+        qf[ks][1] = K32[rb * KW + ks * 8 + t];
+        qf[ks][2] = K32[ra * KW + ks * 8 + 4 + t];
+        qf[ks][3] = K32[rb * KW + ks * 8 + 4 + t];
+    }
+
+    float o[NO][4], m[2] = {ATTM_NEG_INF, ATTM_NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    const T* kp = base + (long long)(NH + kvh) * hd;
+    const T* vp = base + (long long)(NH + NKV + kvh) * hd;
+    for (int kb = kmin; kb < qend; kb += ATTM_BK) {
+        __syncthreads();  // every warp is done with Ks (the queries, or the previous block), Vt
+        attm_load_tile<T, HD>(Ks, kp, ld, kb, qend, hd, vec, false);
+        attm_load_tile<T, HD>(Vt, vp, ld, kb, qend, hd, vec, true);
+        __syncthreads();
+        // S = Q Kᵀ: s[n] is the C fragment of keys kb + 8n .. kb + 8n + 7.
+        float s[NS][4];
+#pragma unroll
+        for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                const unsigned kf[2] = {K32[(n * 8 + g) * KW + ks * 8 + t],
+                                        K32[(n * 8 + g) * KW + ks * 8 + 4 + t]};
+                mw_mma_m16n8k16<T>(s[n], qf[ks], kf);
+            }
+        }
+        // Mask, scale (base 2), the rows' maxima over the block (the quad's 4 lanes hold a
+        // row's 64 keys).
+        float mx[2] = {ATTM_NEG_INF, ATTM_NEG_INF};
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int k = kb + n * 8 + 2 * t + (j & 1);
+                const int i = j < 2 ? ia : ib, lo = j < 2 ? loa : lob;
+                const bool ok = i < qend && k >= lo && k <= i;
+                s[n][j] = ok ? s[n][j] * scale2 : ATTM_NEG_INF;
+                mx[j >> 1] = fmaxf(mx[j >> 1], s[n][j]);
+            }
+        }
+        float alpha[2], mn[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            mn[r] = fmaxf(m[r], mx[r]);  // the same in the quad's 4 lanes
+            // m = −inf: nothing seen yet (o, l are 0); mn = −inf: nothing seen still.
+            alpha[r] = mn[r] == ATTM_NEG_INF ? 1.0f : exp2f(m[r] - mn[r]);
+        }
+        // P = 2^(S' − m), rounded to T (masked: exactly 0, never through exp2), packed as PV's
+        // A fragments; the row sums of the rounded values.
+        unsigned pf[ATTM_BK / 16][4];
+        float ps[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            unsigned short hb[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float sv = s[n][j];
+                const T p = from_f32<T>(sv == ATTM_NEG_INF ? 0.0f : exp2f(sv - mn[j >> 1]));
+                hb[j] = p.bits;
+                ps[j >> 1] += to_f32(p);
+            }
+            pf[n >> 1][(n & 1) * 2 + 0] = attm_pack(hb[0], hb[1]);  // row g: a0 / a2
+            pf[n >> 1][(n & 1) * 2 + 1] = attm_pack(hb[2], hb[3]);  // row g+8: a1 / a3
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 1);
+            ps[r] += __shfl_xor_sync(0xffffffffu, ps[r], 2);
+            l[r] = l[r] * alpha[r] + ps[r];
+            m[r] = mn[r];
+        }
+        // O = O·alpha + P V: k-step kk covers keys kb + 16kk .. (A: pf[kk]; B: Vt rows = the
+        // n-tile's channels, words kk·8 + t and kk·8 + 4 + t = keys 16kk + 2t, + 8).
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < ATTM_BK / 16; ++kk) {
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                const unsigned vf[2] = {V32[(n * 8 + g) * VW + kk * 8 + t],
+                                        V32[(n * 8 + g) * VW + kk * 8 + 4 + t]};
+                mw_mma_m16n8k16<T>(o[n], pf[kk], vf);
+            }
+        }
+    }
+    // out = O / l (channels < hd of the valid rows); lse = (m + log2 l)·ln 2 by the quad's
+    // first lane.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = r == 0 ? ia : ib;
+        if (i >= qend) continue;
+        const float inv = 1.0f / l[r];
+        T* orow = out + ((long long)b * Tn + i) * co + (long long)h * hd;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int e = n * 8 + 2 * t + j;
+                if (e < hd) orow[e] = from_f32<T>(o[n][2 * r + j] * inv);
+            }
+        }
+        if (t == 0) lse[((long long)b * NH + h) * Tn + i] = (m[r] + log2f(l[r])) * ATTM_LN2;
+    }
+}
+
+#define ATTM_FWD_PARAMS(T)                                                                     \
+    const T *qkv, const unsigned int *pos, T *out, float *lse, int B, int Tn, int NH, int NKV, \
+        int hd
+#define ATTM_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd
+
+extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma_hd64_bf16(
+    ATTM_FWD_PARAMS(bf16)) {
+    attm_forward<bf16, 64>(ATTM_FWD_ARGS);
+}
+extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma_hd128_bf16(
+    ATTM_FWD_PARAMS(bf16)) {
+    attm_forward<bf16, 128>(ATTM_FWD_ARGS);
+}
+extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma_hd64_f16(
+    ATTM_FWD_PARAMS(f16)) {
+    attm_forward<f16, 64>(ATTM_FWD_ARGS);
+}
+extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma_hd128_f16(
+    ATTM_FWD_PARAMS(f16)) {
+    attm_forward<f16, 128>(ATTM_FWD_ARGS);
+}
