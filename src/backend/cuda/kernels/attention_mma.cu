@@ -1,9 +1,12 @@
-// Causal self-attention on the tensor cores: FlashAttention-2-style forward entries for the bf16
-// and f16 storage types, with `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`
-// (inline PTX, f32 accumulation). The same op, arguments and results as attention.cu's
-// `attention_forward_hd<HD>_<S>` (read its header for the shapes, the notation, the base-2
-// lse, packed rows through `pos` and the determinism rules); the f32 storage type and head
-// sizes above 128 stay on attention.cu's FMA kernels.
+// Causal self-attention on the tensor cores: FlashAttention-2-style forward and backward
+// entries for the bf16 and f16 storage types, with
+// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32` (inline PTX, f32
+// accumulation). The same ops, arguments and results as attention.cu's
+// `attention_forward_hd<HD>_<S>`, `attention_backward_dkv_hd<HD>_<S>` and
+// `attention_backward_dq_hd<HD>_<S>` (read its header for the shapes, the notation, the
+// base-2 lse, packed rows through `pos`, the workspace D and the determinism rules); the
+// backward's launch 1 (D) stays attention.cu's `attention_backward_dot_<S>`. The f32 storage
+// type and head sizes above 128 stay on attention.cu's FMA kernels.
 //
 // STATUS: not yet run on a GPU. Checked by NVRTC (sm_80, sm_90) and by the CPU emulation
 // (python3 scripts/cuda-emu/tests/attention_run.py, the mma emulated from the PTX fragment
@@ -15,10 +18,20 @@
 //     writes out [N, NH·hd] and lse [B, NH, T] in full; no workspace.
 //     grid (ceil(T/64), NH, B), block 128 (exactly: other blocks return without writing),
 //     dynamic shared bytes 2·(64·(HD+8) + HD·72) (hd64: 18,432; hd128: 35,840: never above
-//     the 48 KiB that needs an opt-in), static shared 256 bytes. Needs sm_80 or newer (on an
-//     older card the entry traps; the host never selects it there).
+//     the 48 KiB that needs an opt-in), static shared 256 bytes.
+//   attention_backward_dkv_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd):
+//     Op::AttentionBackward launch 2, writes the K and V parts of dqkv in full.
+//     grid (ceil(T/64), NKV, B), block 128, dynamic shared bytes 2·(4·64·(HD+8) + 2·HD·72)
+//     (hd64: 55,296; hd128: 106,496: both need the opt-in), static shared 768 bytes.
+//   attention_backward_dq_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd):
+//     Op::AttentionBackward launch 3, writes the Q part of dqkv in full (launches 2 and 3
+//     write disjoint columns, read only ws: either order, after launch 1).
+//     grid (ceil(T/64), NH, B), block 128, dynamic shared bytes 2·(4·64·(HD+8) + HD·72)
+//     (hd64: 46,080; hd128: 88,064: opt-in), static shared 768 bytes.
+//   Every entry needs sm_80 or newer (on an older card the mma traps; the host never selects
+//   these entries there). Largest: 106,496 bytes, within sm_80's 163 KiB and sm_90's 227 KiB.
 //
-// Tiling: CTA (x, h, b) serves queries q0 = 64x .. qend−1 (qend = min(q0 + 64, T)) of query
+// Forward tiling: CTA (x, h, b) serves queries q0 = 64x .. qend−1 (qend = min(q0 + 64, T)) of query
 // head h, row b: 4 warps, warp w owns the 16 queries q0 + 16w .. q0 + 16w + 15 (one mma
 // M-tile). Keys are visited in blocks of 64 from kmin = min over the CTA's queries of lo(i)
 // up to qend − 1 (as attention.cu). Shared memory holds 16-bit bits, rows padded by 8 halves

@@ -15,13 +15,15 @@
 //! Launch shapes ([`forward_launch`], [`backward_launches`]) are pure functions of
 //! (B, T, NH, NKV, hd), the formulas of the kernels' doc comments.
 //!
-//! Tensor cores (`kernels/attention_mma.cu`): the forward `attention_forward_mma_hd<HD>_<S>`
-//! (mma.sync m16n8k16, f32 accumulation; HD = 64 or 128) serves bf16 and f16 plans with head
-//! sizes up to 128 on sm_80 and newer ([`select_forward`], [`uses_mma`]) ONLY when the
-//! environment says `MEMWALL_CUDA_ATTENTION=mma` (read once per process,
-//! [`AttentionKernels::from_env`]). The default is `fma`, attention.cu's kernels, until a GPU
-//! run has confirmed the mma kernels (so far they are checked by NVRTC and the CPU emulation
-//! only). f32 plans, larger heads and the backward always use attention.cu's kernels.
+//! Tensor cores (`kernels/attention_mma.cu`, mma.sync m16n8k16, f32 accumulation; HD = 64 or
+//! 128): the forward `attention_forward_mma_hd<HD>_<S>` and the backward's
+//! `attention_backward_dkv_mma_hd<HD>_<S>`, `attention_backward_dq_mma_hd<HD>_<S>` (launch 1,
+//! the dot, is the same) serve bf16 and f16 plans with head sizes up to 128 on sm_80 and newer
+//! ([`select_forward`], [`select_backward`], [`uses_mma`]) ONLY when the environment says
+//! `MEMWALL_CUDA_ATTENTION=mma` (read once per process, [`AttentionKernels::from_env`]). The
+//! default is `fma`, attention.cu's kernels, until a GPU run has confirmed the mma kernels (so
+//! far they are checked by NVRTC and the CPU emulation only). f32 plans and larger heads
+//! always use attention.cu's kernels.
 
 use super::super::gpu::GpuDevice;
 use super::super::launch::{grid_stride, launch_error, suffix};
@@ -264,6 +266,61 @@ pub fn select_forward(
     }
 }
 
+/// The tensor-core backward's launches: 1. as [`backward_launches`]'s; 2.
+/// `attention_backward_dkv_mma_hd<HD>`: grid (ceil(T/64), NKV, B), block 128, dynamic shared
+/// bytes 2·(4·64·(HD+8) + 2·HD·72) (hd64: 55,296; hd128: 106,496: both opt in); 3.
+/// `attention_backward_dq_mma_hd<HD>`: grid (ceil(T/64), NH, B), block 128, dynamic shared
+/// bytes 2·(4·64·(HD+8) + HD·72) (hd64: 46,080; hd128: 88,064, opting in). HD = 64 for
+/// hd ≤ 64, else 128; hd ≤ 128.
+pub fn mma_backward_launches(d: Dims) -> Result<[Launch; 3]> {
+    let (dkv, dq, hd_tile) = match d.hd {
+        1..=64 => (
+            "attention_backward_dkv_mma_hd64",
+            "attention_backward_dq_mma_hd64",
+            64,
+        ),
+        65..=128 => (
+            "attention_backward_dkv_mma_hd128",
+            "attention_backward_dq_mma_hd128",
+            128,
+        ),
+        hd => bail!("internal error: the tensor-core attention backward with head size {hd}"),
+    };
+    let [dot, _, _] = backward_launches(d)?;
+    let rows = 4 * ATTM_TILE * (hd_tile + 8);
+    let tiles = d.t.div_ceil(ATTM_TILE) as u32;
+    Ok([
+        dot,
+        Launch {
+            stem: dkv,
+            grid: (tiles, d.nkv as u32, d.b as u32),
+            block: ATTM_THREADS,
+            shared: (2 * (rows + 2 * hd_tile * 72)) as u32,
+        },
+        Launch {
+            stem: dq,
+            grid: (tiles, d.nh as u32, d.b as u32),
+            block: ATTM_THREADS,
+            shared: (2 * (rows + hd_tile * 72)) as u32,
+        },
+    ])
+}
+
+/// The backward's launches for a plan of storage `storage` on a card of compute capability
+/// `sm_major`.x: [`mma_backward_launches`] where [`uses_mma`], else [`backward_launches`].
+pub fn select_backward(
+    d: Dims,
+    storage: DType,
+    kernels: AttentionKernels,
+    sm_major: u32,
+) -> Result<[Launch; 3]> {
+    if uses_mma(kernels, storage, d.hd, sm_major) {
+        mma_backward_launches(d)
+    } else {
+        backward_launches(d)
+    }
+}
+
 /// The backward's three launches, in order:
 /// 1. `attention_backward_dot`: grid ceil(B·T·NH / 8), block 256, no shared memory;
 /// 2. `attention_backward_dkv_hd<HD>`: grid (ceil(T/32), NKV, B), block 256, dynamic shared
@@ -491,7 +548,9 @@ impl GpuDevice {
         if d.b * d.t == 0 {
             return Ok(());
         }
-        let [dot, dkv, dq] = backward_launches(d).map_err(|err| anyhow!("{}: {err}", e.name))?;
+        let [dot, dkv, dq] = AttentionKernels::from_env()
+            .and_then(|k| select_backward(d, self.storage, k, self.arch.major))
+            .map_err(|err| anyhow!("{}: {err}", e.name))?;
         let (n, es) = (d.b * d.t, self.att_elem_bytes());
         let rows_bytes = (n * d.ld()) as u64 * es;
         let out_bytes = (n * d.co()) as u64 * es;
@@ -811,6 +870,22 @@ mod tests {
         );
         let m = select_forward(d, DType::Bf16, Mma, 9).unwrap();
         assert_eq!(m, mma_forward_launch(d).unwrap());
+        assert_eq!(
+            select_backward(d, DType::Bf16, Fma, 9).unwrap(),
+            backward_launches(d).unwrap()
+        );
+        assert_eq!(
+            select_backward(d, DType::F32, Mma, 9).unwrap(),
+            backward_launches(d).unwrap()
+        );
+        assert_eq!(
+            select_backward(d, DType::F16, Mma, 8).unwrap(),
+            mma_backward_launches(d).unwrap()
+        );
+        assert_eq!(
+            select_backward(d, DType::F16, Mma, 7).unwrap(),
+            backward_launches(d).unwrap()
+        );
         let d256 = Dims { hd: 256, ..d };
         assert_eq!(
             select_forward(d256, DType::F16, Mma, 9).unwrap().stem,
@@ -857,6 +932,49 @@ mod tests {
         }
         assert!(mma_forward_launch(Dims { hd: 129, ..gpt2() }).is_err());
         assert!(mma_forward_launch(Dims { nkv: 5, ..gpt2() }).is_err());
+    }
+
+    #[test]
+    fn mma_backward_launches_follow_the_kernel_doc() {
+        let d = gpt2();
+        let [dot, dkv, dq] = mma_backward_launches(d).unwrap();
+        assert_eq!(
+            dot,
+            backward_launches(d).unwrap()[0],
+            "launch 1 is attention.cu's dot"
+        );
+        assert_eq!(dkv.stem, "attention_backward_dkv_mma_hd64");
+        assert_eq!(
+            (dkv.grid, dkv.block, dkv.shared),
+            ((16, 12, 4), 128, 55_296)
+        );
+        assert!(dkv.opts_in());
+        assert_eq!(dq.stem, "attention_backward_dq_mma_hd64");
+        assert_eq!((dq.grid, dq.block, dq.shared), ((16, 12, 4), 128, 46_080));
+        assert!(!dq.opts_in());
+        let [_, dkv, dq] = mma_backward_launches(llama3_8b()).unwrap();
+        assert_eq!(dkv.stem, "attention_backward_dkv_mma_hd128");
+        assert_eq!((dkv.grid, dkv.shared), ((128, 8, 1), 106_496)); // one column per KV head
+        assert_eq!(dq.stem, "attention_backward_dq_mma_hd128");
+        assert_eq!((dq.grid, dq.shared), ((128, 32, 1), 88_064));
+        assert!(dkv.opts_in() && dq.opts_in());
+        // Within sm_80's 163 KiB of opt-in shared memory.
+        assert!(dkv.shared <= 163 * 1024);
+        for (hd, tile) in [(1, 64), (33, 64), (72, 128), (128, 128)] {
+            let [_, dkv, dq] = mma_backward_launches(Dims {
+                hd,
+                t: 129,
+                ..gpt2()
+            })
+            .unwrap();
+            assert_eq!(
+                dkv.shared as usize,
+                2 * (4 * 64 * (tile + 8) + 2 * tile * 72)
+            );
+            assert_eq!(dq.shared as usize, 2 * (4 * 64 * (tile + 8) + tile * 72));
+            assert_eq!((dkv.grid.0, dq.grid.0), (3, 3));
+        }
+        assert!(mma_backward_launches(Dims { hd: 256, ..gpt2() }).is_err());
     }
 
     fn entry(op: Op) -> OpEntry {
