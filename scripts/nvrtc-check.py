@@ -57,7 +57,8 @@ def compile_one(nv, src, name, arch):
 def entries(src):
     """The `extern "C"` entry names a source declares: direct ones, and those its
     MW_STORAGE_ENTRIES instantiations make (a macro `#define NAME(T, S) ... void name_##S(`)."""
-    names = set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(', src))
+    names = set(re.findall(
+        r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)\s*\(', src))
     for macro, body in re.findall(r"#define\s+(\w+)\(T,\s*S\)((?:.*\\\n)*.*)", src):
         if re.search(rf"MW_STORAGE_ENTRIES\(\s*{macro}\s*\)", src):
             for stem in re.findall(r"void\s+(\w+?)_##\s*S\b", body):

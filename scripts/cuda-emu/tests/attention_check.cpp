@@ -243,6 +243,150 @@ static void run_case(const char* tname, const Entries<T>& en, double tol, int B,
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// attention_mma.cu: the tensor-core entries (bf16, f16; hd64, hd128), block 128:
+//   forward  grid (ceil(T/64), NH, B),  dynamic shared 2·(64·(HD+8) + HD·72) bytes
+//   dkv      grid (ceil(T/64), NKV, B), dynamic shared 2·(4·64·(HD+8) + 2·HD·72) bytes
+//   dq       grid (ceil(T/64), NH, B),  dynamic shared 2·(4·64·(HD+8) + HD·72) bytes
+// (the backward's D from attention.cu's attention_backward_dot_<S>, as the host launches it).
+
+template <class T> struct MmaEntries {
+    void (*fwd[2])(const T*, const unsigned*, T*, float*, int, int, int, int, int);
+    void (*dkv[2])(T*, const unsigned*, const T*, const T*, const float*, const float*, int,
+                   int, int, int, int);
+    void (*dq[2])(T*, const unsigned*, const T*, const T*, const float*, const float*, int, int,
+                  int, int, int);
+};
+#define MMA_ENTRIES(S)                                                                         \
+    {{attention_forward_mma_hd64_##S, attention_forward_mma_hd128_##S},                        \
+     {attention_backward_dkv_mma_hd64_##S, attention_backward_dkv_mma_hd128_##S},              \
+     {attention_backward_dq_mma_hd64_##S, attention_backward_dq_mma_hd128_##S}}
+
+static size_t mma_fwd_smem(int HD) { return 2 * (64 * (HD + 8) + HD * 72); }
+static size_t mma_dkv_smem(int HD) { return 2 * (4 * 64 * (HD + 8) + 2 * HD * 72); }
+static size_t mma_dq_smem(int HD) { return 2 * (4 * 64 * (HD + 8) + HD * 72); }
+
+// The mma forward, then the backward (D by attention.cu's dot entry from the mma forward's
+// out), through the entries of index `which` (0: hd64, 1: hd128).
+template <class T>
+static Run<T> run_mma(const MmaEntries<T>& en, const Entries<T>& fma, int which,
+                      const vector<T>& qkv, const vector<T>& dout, const vector<uint32_t>* pos,
+                      int B, int Tn, int NH, int NKV, int hd) {
+    int ld = (NH + 2 * NKV) * hd, co = NH * hd, HD = 64 << which;
+    Run<T> r;
+    T nanT = from_f32<T>(__int_as_float(0x7fc00000));
+    r.out.assign((size_t)B * Tn * co, nanT);
+    r.lse.assign((size_t)B * NH * Tn, NAN);
+    r.dqkv.assign((size_t)B * Tn * ld, nanT);
+    r.ws.assign((size_t)B * NH * Tn, NAN);
+    const unsigned* pp = pos ? pos->data() : nullptr;
+    emu_launch(dim3{cdiv(Tn, 64), (unsigned)NH, (unsigned)B}, dim3{128}, mma_fwd_smem(HD),
+               en.fwd[which], qkv.data(), pp, r.out.data(), r.lse.data(), B, Tn, NH, NKV, hd);
+    emu_launch(dim3{cdiv((long long)B * Tn * NH, 8)}, dim3{256}, 0, fma.dot, r.ws.data(),
+               dout.data(), (const T*)r.out.data(), B, Tn, NH, hd);
+    emu_launch(dim3{cdiv(Tn, 64), (unsigned)NKV, (unsigned)B}, dim3{128}, mma_dkv_smem(HD),
+               en.dkv[which], r.dqkv.data(), pp, dout.data(), qkv.data(),
+               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd);
+    emu_launch(dim3{cdiv(Tn, 64), (unsigned)NH, (unsigned)B}, dim3{128}, mma_dq_smem(HD),
+               en.dq[which], r.dqkv.data(), pp, dout.data(), qkv.data(),
+               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd);
+    return r;
+}
+
+// The mma forward and backward against the f64 reference and attention.cu's FMA flash entries
+// (same inputs); with `extra`, twice (bitwise equal) and, for hd ≤ 64, through the hd128
+// entries too (bitwise equal: the extra k-steps and n-tiles only meet zeros).
+template <class T>
+static void run_mma_case(const char* tname, const MmaEntries<T>& en, const Entries<T>& fma,
+                         double tol, int B, int Tn, int NH, int NKV, int hd,
+                         const vector<vector<int>>* examples, bool extra = false) {
+    int ld = (NH + 2 * NKV) * hd, co = NH * hd;
+    int which = hd <= 64 ? 0 : 1;
+    std::string tag = std::string(tname) + " B" + std::to_string(B) + " T" + std::to_string(Tn) +
+                      " NH" + std::to_string(NH) + " NKV" + std::to_string(NKV) + " hd" +
+                      std::to_string(hd) + (examples ? " packed" : "");
+    printf("mma %s (entries *_mma_hd%d)\n", tag.c_str(), 64 << which);
+    std::mt19937 rng(4321 + B * 7 + Tn * 13 + NH * 17 + NKV * 19 + hd * 23);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    vector<T> qkv((size_t)B * Tn * ld), dout((size_t)B * Tn * co);
+    for (auto& x : qkv) x = from_f32<T>(1.5f * nd(rng));
+    for (auto& x : dout) x = from_f32<T>(nd(rng));
+    vector<uint32_t> posv;
+    if (examples) {
+        for (int b = 0; b < B; ++b) {
+            int n = 0;
+            for (int len : (*examples)[b])
+                for (int p = 0; p < len; ++p, ++n) posv.push_back(p);
+            if (n != Tn) { printf("bad examples\n"); abort(); }
+        }
+    }
+    const vector<uint32_t>* pos = examples ? &posv : nullptr;
+    vector<double> rout, rlse, ratt, q64 = widen(qkv), d64 = widen(dout);
+    ref_forward(q64, B, Tn, NH, NKV, hd, pos, rout, rlse, ratt);
+    vector<double> rdqkv = ref_backward(d64, q64, B, Tn, NH, NKV, hd, pos);
+
+    Run<T> f = run_mma(en, fma, which, qkv, dout, pos, B, Tn, NH, NKV, hd);
+    check("mma out vs f64", tag, widen(f.out), rout, tol);
+    check("mma lse vs f64", tag, widen(f.lse), rlse, tol);
+    check("mma dqkv vs f64", tag, widen(f.dqkv), rdqkv, 4 * tol);
+
+    int fw = hd <= 64 ? 0 : hd <= 128 ? 1 : 2;
+    Run<T> ff = run_flash(fma, fw, qkv, dout, pos, B, Tn, NH, NKV, hd);
+    check("mma out vs fma flash", tag, widen(f.out), widen(ff.out), tol);
+    check("mma lse vs fma flash", tag, widen(f.lse), widen(ff.lse), tol);
+    check("mma dqkv vs fma flash", tag, widen(f.dqkv), widen(ff.dqkv), 4 * tol);
+
+    if (extra) {
+        Run<T> f2 = run_mma(en, fma, which, qkv, dout, pos, B, Tn, NH, NKV, hd);
+        expect(same_bits(f.out, f2.out) && same_bits(f.lse, f2.lse) &&
+                   same_bits(f.dqkv, f2.dqkv),
+               "mma second run bitwise equal");
+        if (which == 0) {
+            Run<T> f3 = run_mma(en, fma, 1, qkv, dout, pos, B, Tn, NH, NKV, hd);
+            expect(same_bits(f.out, f3.out) && same_bits(f.lse, f3.lse) &&
+                       same_bits(f.dqkv, f3.dqkv),
+                   "mma hd128 entries bitwise equal");
+        }
+    }
+}
+
+// One m16n8k16 through the emulated mma against a plain product (the fragment layout of
+// attention_mma.cu's header), for both operand types: catches a layout error of the emulator
+// independently of the kernels.
+template <class T> static void mma_unit(const char* tname, bool bf) {
+    static float A[16][16], Bm[16][8], D[16][8];
+    std::mt19937 rng(99);
+    std::uniform_int_distribution<int> ud(-8, 8);
+    for (auto& r : A) for (auto& x : r) x = to_f32(from_f32<T>(ud(rng) / 4.0f));
+    for (auto& r : Bm) for (auto& x : r) x = to_f32(from_f32<T>(ud(rng) / 4.0f));
+    auto bits = [](float x) { return (unsigned)from_f32<T>(x).bits; };
+    auto kernel = [&](int bfl) {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+        unsigned a[4] = {bits(A[g][2 * t]) | bits(A[g][2 * t + 1]) << 16,
+                         bits(A[g + 8][2 * t]) | bits(A[g + 8][2 * t + 1]) << 16,
+                         bits(A[g][2 * t + 8]) | bits(A[g][2 * t + 9]) << 16,
+                         bits(A[g + 8][2 * t + 8]) | bits(A[g + 8][2 * t + 9]) << 16};
+        unsigned b[2] = {bits(Bm[2 * t][g]) | bits(Bm[2 * t + 1][g]) << 16,
+                         bits(Bm[2 * t + 8][g]) | bits(Bm[2 * t + 9][g]) << 16};
+        float c[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+        emu_mma_m16n8k16(c, a, b, bfl != 0);
+        D[g][2 * t] = c[0];
+        D[g][2 * t + 1] = c[1];
+        D[g + 8][2 * t] = c[2];
+        D[g + 8][2 * t + 1] = c[3];
+    };
+    emu_launch(dim3{1}, dim3{32}, 0, kernel, bf ? 1 : 0);
+    bool ok = true;
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 8; ++j) {
+            double want = 1.0 + (i >= 8 ? 2 : 0) + (j & 1);
+            for (int k = 0; k < 16; ++k) want += (double)A[i][k] * Bm[k][j];
+            ok &= D[i][j] == (float)want;
+        }
+    printf("mma unit (%s)\n", tname);
+    expect(ok, "emulated mma.m16n8k16 == plain product (exact small values)");
+}
+
 int main(int argc, char** argv) {
     auto e32 = ENTRIES(float, f32);
     auto eb = ENTRIES(bf16, bf16);
@@ -266,6 +410,28 @@ int main(int argc, char** argv) {
         run_case("bf16", eb, 3e-2, 2, 70, 4, 2, 64, &ex70, true);
         run_case("f16", eh, 4e-3, 1, 45, 4, 4, 128, nullptr, true);
         if (mode == "long") run_case("f32", e32, 2e-5, 1, 200, 4, 1, 64, nullptr, true);
+    }
+    // attention_mma.cu (bf16 and f16 only).
+    MmaEntries<bf16> mb = MMA_ENTRIES(bf16);
+    MmaEntries<f16> mh = MMA_ENTRIES(f16);
+    mma_unit<bf16>("bf16", true);
+    mma_unit<f16>("f16", false);
+    vector<vector<int>> ex130 = {{64, 1, 65}};
+    if (mode == "quick") {
+        run_mma_case("bf16", mb, eb, 3e-2, 2, 70, 4, 2, 64, &ex70, true);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 45, 2, 1, 128, nullptr, true);
+    } else {
+        run_mma_case("bf16", mb, eb, 3e-2, 2, 70, 4, 2, 64, nullptr, true);
+        run_mma_case("bf16", mb, eb, 3e-2, 2, 70, 4, 2, 64, &ex70, true);
+        run_mma_case("bf16", mb, eb, 3e-2, 1, 130, 2, 1, 64, &ex130);
+        run_mma_case("bf16", mb, eb, 3e-2, 3, 100, 2, 1, 128, &ex100, true);
+        run_mma_case("bf16", mb, eb, 3e-2, 1, 33, 3, 1, 40, nullptr);
+        run_mma_case("bf16", mb, eb, 3e-2, 1, 1, 2, 1, 64, nullptr);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 45, 4, 4, 128, nullptr, true);
+        run_mma_case("f16", mh, eh, 4e-3, 2, 70, 4, 2, 64, &ex70, true);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 64, 6, 2, 72, nullptr);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 129, 2, 2, 64, nullptr);
+        run_mma_case("f16", mh, eh, 4e-3, 1, 40, 2, 2, 33, &ex40);
     }
     printf(failures ? "FAILED: %d checks\n" : "all passed\n", failures);
     return failures ? 1 : 0;

@@ -75,6 +75,26 @@ pub const SOURCES: &[Source] = &[
         plain: &[],
     },
     Source {
+        name: "attention_mma.cu",
+        text: include_str!("kernels/attention_mma.cu"),
+        // bf16 and f16 only (the tensor cores' operand types): plain entries.
+        per_storage: &[],
+        plain: &[
+            "attention_backward_dkv_mma_hd128_bf16",
+            "attention_backward_dkv_mma_hd128_f16",
+            "attention_backward_dkv_mma_hd64_bf16",
+            "attention_backward_dkv_mma_hd64_f16",
+            "attention_backward_dq_mma_hd128_bf16",
+            "attention_backward_dq_mma_hd128_f16",
+            "attention_backward_dq_mma_hd64_bf16",
+            "attention_backward_dq_mma_hd64_f16",
+            "attention_forward_mma_hd128_bf16",
+            "attention_forward_mma_hd128_f16",
+            "attention_forward_mma_hd64_bf16",
+            "attention_forward_mma_hd64_f16",
+        ],
+    },
+    Source {
         name: "bias.cu",
         text: include_str!("kernels/bias.cu"),
         per_storage: &["add_bias"],

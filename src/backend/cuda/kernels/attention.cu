@@ -16,6 +16,12 @@
 // CPU-emulated tests (f64 reference, twins, determinism, packed rows, odd hd):
 // python3 scripts/cuda-emu/tests/attention_run.py.
 //
+// Tensor cores: attention_mma.cu holds the same forward, dK/dV and dQ on mma.sync m16n8k16 for
+// bf16 and f16 storage and hd ≤ 128 (attention_{forward,backward_dkv,backward_dq}_mma_hd<HD>_<S>,
+// HD = 64 | 128; launch 1 of the backward is this file's dot). The host uses them only when
+// MEMWALL_CUDA_ATTENTION=mma (ops/attention.rs); the default `fma` keeps this file's kernels
+// for every plan until a GPU run has confirmed the mma ones.
+//
 // Shapes and notation (every dimension an `int`; element offsets are computed in 64 bits):
 //   B rows of T tokens (N = B·T), NH query heads, NKV key/value heads (NKV divides NH,
 //   g = NH/NKV), head size hd; ld = (NH + 2·NKV)·hd, co = NH·hd.

@@ -14,15 +14,27 @@
 //!
 //! Launch shapes ([`forward_launch`], [`backward_launches`]) are pure functions of
 //! (B, T, NH, NKV, hd), the formulas of the kernels' doc comments.
+//!
+//! Tensor cores (`kernels/attention_mma.cu`, mma.sync m16n8k16, f32 accumulation; HD = 64 or
+//! 128): the forward `attention_forward_mma_hd<HD>_<S>` and the backward's
+//! `attention_backward_dkv_mma_hd<HD>_<S>`, `attention_backward_dq_mma_hd<HD>_<S>` (launch 1,
+//! the dot, is the same) serve bf16 and f16 plans with head sizes up to 128 on sm_80 and newer
+//! ([`select_forward`], [`select_backward`], [`uses_mma`]) ONLY when the environment says
+//! `MEMWALL_CUDA_ATTENTION=mma` (read once per process, [`AttentionKernels::from_env`]). The
+//! default is `fma`, attention.cu's kernels, until a GPU run has confirmed the mma kernels (so
+//! far they are checked by NVRTC and the CPU emulation only). f32 plans and larger heads
+//! always use attention.cu's kernels.
 
 use super::super::gpu::GpuDevice;
 use super::super::launch::{grid_stride, launch_error, suffix};
 use super::super::rope_tables::RopeTables;
 use crate::backend::StepCtx;
+use crate::dtype::DType;
 use crate::ir::BufId;
 use crate::ir::schedule::{Op, OpEntry};
 use anyhow::{Result, anyhow, bail};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, sys as ds};
+use std::sync::OnceLock;
 
 /// Dynamic shared memory a block may use without opting in
 /// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
@@ -37,6 +49,45 @@ const ATT_TILE: usize = 32;
 const MAX_GRID_YZ: usize = 65535;
 /// The largest grid x dimension.
 const MAX_GRID_X: usize = i32::MAX as usize;
+
+/// Threads of a tensor-core attention block (`ATTM_THREADS`: exactly this many).
+const ATTM_THREADS: u32 = 128;
+/// Queries (and keys) of a tensor-core tile (`ATTM_BQ` = `ATTM_BK`).
+const ATTM_TILE: usize = 64;
+/// The environment variable choosing the attention kernels of bf16/f16 plans.
+pub const ATTENTION_ENV: &str = "MEMWALL_CUDA_ATTENTION";
+
+/// Which kernels run causal self-attention for bf16 and f16 plans: `fma` (attention.cu's
+/// f32 FMA kernels, the default) or `mma` (attention_mma.cu's tensor-core forward where it
+/// applies, [`uses_mma`]), as `MEMWALL_CUDA_ATTENTION` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKernels {
+    Fma,
+    Mma,
+}
+
+impl AttentionKernels {
+    /// The choice a value of `MEMWALL_CUDA_ATTENTION` names (unset or empty: `fma`).
+    pub fn parse(v: Option<&str>) -> Result<Self> {
+        match v.map(str::trim) {
+            None | Some("") | Some("fma") => Ok(Self::Fma),
+            Some("mma") => Ok(Self::Mma),
+            Some(other) => bail!("{ATTENTION_ENV}={other}: expected `fma` or `mma`"),
+        }
+    }
+
+    /// `MEMWALL_CUDA_ATTENTION`, read once per process.
+    pub fn from_env() -> Result<Self> {
+        static CHOICE: OnceLock<std::result::Result<AttentionKernels, String>> = OnceLock::new();
+        CHOICE
+            .get_or_init(|| {
+                let v = std::env::var(ATTENTION_ENV).ok();
+                Self::parse(v.as_deref()).map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|e| anyhow!(e))
+    }
+}
 
 /// The shape of one attention op: B rows of T tokens, NH query heads, NKV key/value heads,
 /// head size hd.
@@ -170,6 +221,104 @@ pub fn forward_launch(d: Dims) -> Result<Launch> {
         block: ATT_THREADS,
         shared: (4 * (32 * hd + 32 * (hd | 1) + 32 * hd + 1024)) as u32,
     })
+}
+
+/// Whether the tensor-core forward serves a head size `hd` in `storage` on a card of compute
+/// capability `sm_major`.x: `kernels` is [`AttentionKernels::Mma`], the storage bf16 or f16
+/// (the mma's operand types), 1 ≤ hd ≤ 128, and the card sm_80 or newer.
+pub fn uses_mma(kernels: AttentionKernels, storage: DType, hd: usize, sm_major: u32) -> bool {
+    kernels == AttentionKernels::Mma
+        && matches!(storage, DType::Bf16 | DType::F16)
+        && (1..=128).contains(&hd)
+        && sm_major >= 8
+}
+
+/// The tensor-core forward's launch: `attention_forward_mma_hd<HD>` (HD = 64 for hd ≤ 64,
+/// else 128; hd ≤ 128), grid (ceil(T/64), NH, B), block 128, dynamic shared bytes
+/// 2·(64·(HD+8) + HD·72) (hd64: 18,432; hd128: 35,840: no opt-in).
+pub fn mma_forward_launch(d: Dims) -> Result<Launch> {
+    let (stem, hd_tile) = match d.hd {
+        1..=64 => ("attention_forward_mma_hd64", 64),
+        65..=128 => ("attention_forward_mma_hd128", 128),
+        hd => bail!("internal error: the tensor-core attention forward with head size {hd}"),
+    };
+    check(d)?;
+    Ok(Launch {
+        stem,
+        grid: (d.t.div_ceil(ATTM_TILE) as u32, d.nh as u32, d.b as u32),
+        block: ATTM_THREADS,
+        shared: (2 * (64 * (hd_tile + 8) + hd_tile * 72)) as u32,
+    })
+}
+
+/// The forward's launch for a plan of storage `storage` on a card of compute capability
+/// `sm_major`.x: [`mma_forward_launch`] where [`uses_mma`], else [`forward_launch`].
+pub fn select_forward(
+    d: Dims,
+    storage: DType,
+    kernels: AttentionKernels,
+    sm_major: u32,
+) -> Result<Launch> {
+    if uses_mma(kernels, storage, d.hd, sm_major) {
+        mma_forward_launch(d)
+    } else {
+        forward_launch(d)
+    }
+}
+
+/// The tensor-core backward's launches: 1. as [`backward_launches`]'s; 2.
+/// `attention_backward_dkv_mma_hd<HD>`: grid (ceil(T/64), NKV, B), block 128, dynamic shared
+/// bytes 2·(4·64·(HD+8) + 2·HD·72) (hd64: 55,296; hd128: 106,496: both opt in); 3.
+/// `attention_backward_dq_mma_hd<HD>`: grid (ceil(T/64), NH, B), block 128, dynamic shared
+/// bytes 2·(4·64·(HD+8) + HD·72) (hd64: 46,080; hd128: 88,064, opting in). HD = 64 for
+/// hd ≤ 64, else 128; hd ≤ 128.
+pub fn mma_backward_launches(d: Dims) -> Result<[Launch; 3]> {
+    let (dkv, dq, hd_tile) = match d.hd {
+        1..=64 => (
+            "attention_backward_dkv_mma_hd64",
+            "attention_backward_dq_mma_hd64",
+            64,
+        ),
+        65..=128 => (
+            "attention_backward_dkv_mma_hd128",
+            "attention_backward_dq_mma_hd128",
+            128,
+        ),
+        hd => bail!("internal error: the tensor-core attention backward with head size {hd}"),
+    };
+    let [dot, _, _] = backward_launches(d)?;
+    let rows = 4 * ATTM_TILE * (hd_tile + 8);
+    let tiles = d.t.div_ceil(ATTM_TILE) as u32;
+    Ok([
+        dot,
+        Launch {
+            stem: dkv,
+            grid: (tiles, d.nkv as u32, d.b as u32),
+            block: ATTM_THREADS,
+            shared: (2 * (rows + 2 * hd_tile * 72)) as u32,
+        },
+        Launch {
+            stem: dq,
+            grid: (tiles, d.nh as u32, d.b as u32),
+            block: ATTM_THREADS,
+            shared: (2 * (rows + hd_tile * 72)) as u32,
+        },
+    ])
+}
+
+/// The backward's launches for a plan of storage `storage` on a card of compute capability
+/// `sm_major`.x: [`mma_backward_launches`] where [`uses_mma`], else [`backward_launches`].
+pub fn select_backward(
+    d: Dims,
+    storage: DType,
+    kernels: AttentionKernels,
+    sm_major: u32,
+) -> Result<[Launch; 3]> {
+    if uses_mma(kernels, storage, d.hd, sm_major) {
+        mma_backward_launches(d)
+    } else {
+        backward_launches(d)
+    }
 }
 
 /// The backward's three launches, in order:
@@ -338,7 +487,8 @@ impl GpuDevice {
     }
 
     /// [`Op::Attention`]: `attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV,
-    /// hd)`, writing out `[N, NH·hd]` and lse `[B, NH, T]` in full.
+    /// hd)` (or `attention_forward_mma_hd<HD>_<S>`, the same arguments, where
+    /// [`select_forward`] picks it), writing out `[N, NH·hd]` and lse `[B, NH, T]` in full.
     fn att_forward(
         &self,
         e: &OpEntry,
@@ -351,7 +501,9 @@ impl GpuDevice {
         if d.b * d.t == 0 {
             return Ok(());
         }
-        let l = forward_launch(d).map_err(|err| anyhow!("{}: {err}", e.name))?;
+        let l = AttentionKernels::from_env()
+            .and_then(|k| select_forward(d, self.storage, k, self.arch.major))
+            .map_err(|err| anyhow!("{}: {err}", e.name))?;
         let (n, es) = (d.b * d.t, self.att_elem_bytes());
         let qkv = self.att_sized(e, qkv, (n * d.ld()) as u64 * es, "qkv")?;
         let pos = self.att_positions(e, positions, n)?;
@@ -396,7 +548,9 @@ impl GpuDevice {
         if d.b * d.t == 0 {
             return Ok(());
         }
-        let [dot, dkv, dq] = backward_launches(d).map_err(|err| anyhow!("{}: {err}", e.name))?;
+        let [dot, dkv, dq] = AttentionKernels::from_env()
+            .and_then(|k| select_backward(d, self.storage, k, self.arch.major))
+            .map_err(|err| anyhow!("{}: {err}", e.name))?;
         let (n, es) = (d.b * d.t, self.att_elem_bytes());
         let rows_bytes = (n * d.ld()) as u64 * es;
         let out_bytes = (n * d.co()) as u64 * es;
@@ -675,6 +829,152 @@ mod tests {
             })
             .is_err()
         );
+    }
+
+    #[test]
+    fn the_attention_kernels_switch_parses() {
+        use AttentionKernels::*;
+        assert_eq!(AttentionKernels::parse(None).unwrap(), Fma);
+        assert_eq!(AttentionKernels::parse(Some("")).unwrap(), Fma);
+        assert_eq!(AttentionKernels::parse(Some("fma")).unwrap(), Fma);
+        assert_eq!(AttentionKernels::parse(Some("mma")).unwrap(), Mma);
+        assert_eq!(AttentionKernels::parse(Some(" mma\n")).unwrap(), Mma);
+        let err = AttentionKernels::parse(Some("wmma"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(ATTENTION_ENV) && err.contains("wmma"), "{err}");
+    }
+
+    #[test]
+    fn the_tensor_cores_serve_only_bf16_and_f16_heads_up_to_128_on_sm80_when_asked() {
+        use AttentionKernels::*;
+        for st in [DType::Bf16, DType::F16] {
+            for hd in [1, 33, 64, 65, 80, 128] {
+                assert!(uses_mma(Mma, st, hd, 8) && uses_mma(Mma, st, hd, 9));
+                assert!(!uses_mma(Fma, st, hd, 9), "fma is the default");
+            }
+            assert!(!uses_mma(Mma, st, 129, 9) && !uses_mma(Mma, st, 256, 9));
+            assert!(!uses_mma(Mma, st, 0, 9));
+            assert!(!uses_mma(Mma, st, 64, 7), "sm_75 has no bf16 m16n8k16");
+        }
+        assert!(!uses_mma(Mma, DType::F32, 64, 9));
+        // The selection: the fma launch unless the tensor cores serve the op.
+        let d = gpt2();
+        assert_eq!(
+            select_forward(d, DType::Bf16, Fma, 9).unwrap(),
+            forward_launch(d).unwrap()
+        );
+        assert_eq!(
+            select_forward(d, DType::F32, Mma, 9).unwrap(),
+            forward_launch(d).unwrap()
+        );
+        let m = select_forward(d, DType::Bf16, Mma, 9).unwrap();
+        assert_eq!(m, mma_forward_launch(d).unwrap());
+        assert_eq!(
+            select_backward(d, DType::Bf16, Fma, 9).unwrap(),
+            backward_launches(d).unwrap()
+        );
+        assert_eq!(
+            select_backward(d, DType::F32, Mma, 9).unwrap(),
+            backward_launches(d).unwrap()
+        );
+        assert_eq!(
+            select_backward(d, DType::F16, Mma, 8).unwrap(),
+            mma_backward_launches(d).unwrap()
+        );
+        assert_eq!(
+            select_backward(d, DType::F16, Mma, 7).unwrap(),
+            backward_launches(d).unwrap()
+        );
+        let d256 = Dims { hd: 256, ..d };
+        assert_eq!(
+            select_forward(d256, DType::F16, Mma, 9).unwrap().stem,
+            "attention_forward_hd256"
+        );
+    }
+
+    #[test]
+    fn mma_forward_launches_follow_the_kernel_doc() {
+        // GPT-2: hd 64, tiles of 64 queries.
+        let f = mma_forward_launch(gpt2()).unwrap();
+        assert_eq!(f.stem, "attention_forward_mma_hd64");
+        assert_eq!(f.grid, (16, 12, 4));
+        assert_eq!((f.block, f.shared), (128, 18_432));
+        assert!(!f.opts_in());
+        // Llama 3 8B: hd 128, GQA (the grid is over query heads).
+        let f = mma_forward_launch(llama3_8b()).unwrap();
+        assert_eq!(f.stem, "attention_forward_mma_hd128");
+        assert_eq!(f.grid, (128, 32, 1));
+        assert_eq!((f.block, f.shared), (128, 35_840));
+        assert!(!f.opts_in());
+        // Shared memory follows the tile HD (rows are zero-padded), not the runtime hd; a
+        // ragged T rounds up.
+        for (hd, tile) in [
+            (1, 64),
+            (40, 64),
+            (64, 64),
+            (65, 128),
+            (80, 128),
+            (128, 128),
+        ] {
+            let d = Dims {
+                hd,
+                t: 65,
+                ..gpt2()
+            };
+            let f = mma_forward_launch(d).unwrap();
+            assert_eq!(
+                f.shared as usize,
+                2 * (64 * (tile + 8) + tile * 72),
+                "hd {hd}"
+            );
+            assert_eq!(f.grid.0, 2);
+        }
+        assert!(mma_forward_launch(Dims { hd: 129, ..gpt2() }).is_err());
+        assert!(mma_forward_launch(Dims { nkv: 5, ..gpt2() }).is_err());
+    }
+
+    #[test]
+    fn mma_backward_launches_follow_the_kernel_doc() {
+        let d = gpt2();
+        let [dot, dkv, dq] = mma_backward_launches(d).unwrap();
+        assert_eq!(
+            dot,
+            backward_launches(d).unwrap()[0],
+            "launch 1 is attention.cu's dot"
+        );
+        assert_eq!(dkv.stem, "attention_backward_dkv_mma_hd64");
+        assert_eq!(
+            (dkv.grid, dkv.block, dkv.shared),
+            ((16, 12, 4), 128, 55_296)
+        );
+        assert!(dkv.opts_in());
+        assert_eq!(dq.stem, "attention_backward_dq_mma_hd64");
+        assert_eq!((dq.grid, dq.block, dq.shared), ((16, 12, 4), 128, 46_080));
+        assert!(!dq.opts_in());
+        let [_, dkv, dq] = mma_backward_launches(llama3_8b()).unwrap();
+        assert_eq!(dkv.stem, "attention_backward_dkv_mma_hd128");
+        assert_eq!((dkv.grid, dkv.shared), ((128, 8, 1), 106_496)); // one column per KV head
+        assert_eq!(dq.stem, "attention_backward_dq_mma_hd128");
+        assert_eq!((dq.grid, dq.shared), ((128, 32, 1), 88_064));
+        assert!(dkv.opts_in() && dq.opts_in());
+        // Within sm_80's 163 KiB of opt-in shared memory.
+        assert!(dkv.shared <= 163 * 1024);
+        for (hd, tile) in [(1, 64), (33, 64), (72, 128), (128, 128)] {
+            let [_, dkv, dq] = mma_backward_launches(Dims {
+                hd,
+                t: 129,
+                ..gpt2()
+            })
+            .unwrap();
+            assert_eq!(
+                dkv.shared as usize,
+                2 * (4 * 64 * (tile + 8) + 2 * tile * 72)
+            );
+            assert_eq!(dq.shared as usize, 2 * (4 * 64 * (tile + 8) + tile * 72));
+            assert_eq!((dkv.grid.0, dq.grid.0), (3, 3));
+        }
+        assert!(mma_backward_launches(Dims { hd: 256, ..gpt2() }).is_err());
     }
 
     fn entry(op: Op) -> OpEntry {
