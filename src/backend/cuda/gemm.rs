@@ -293,10 +293,10 @@ struct Plan {
     d: sys::cublasLtMatrixLayout_t,
     /// The heuristic's algorithms, best first ([`ALGOS`] at most); `algos[chosen]` runs.
     algos: Vec<sys::cublasLtMatmulAlgo_t>,
-    /// The first algorithm `cublasLtMatmul` accepted (one it refuses, as cuBLASLt 13.0 did
-    /// an algorithm for a 4×512 @ 512×65536 bf16 GEMM into f32 on an H200, is passed over
-    /// for the next: the choice is fixed per shape, card and library, so results stay
-    /// deterministic).
+    /// The first algorithm `cublasLtMatmul` accepted: one it refuses before running is
+    /// passed over for the next (a safeguard: the one refusal seen on an H200 was a
+    /// misaligned workspace, which every algorithm refused, now fixed by `SCRATCH_ALIGN`).
+    /// The choice is fixed per shape, card and library, so results stay deterministic.
     chosen: usize,
     /// The bias epilogue is set (else the caller adds the bias).
     bias: bool,

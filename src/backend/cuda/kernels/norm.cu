@@ -284,7 +284,7 @@ __device__ void layernorm_backward_params_naive(T* dw, T* db, const T* dout, con
 // rounded to T once). The sum in a fixed order: NORM_STRANDS strands, strand k summing
 // partials k, k + 8, k + 16, ... in order, then the strands added 0 to 7, so a thread has 8
 // loads in flight a round (one strand in index order left a few hundred threads waiting on
-// one load at a time: GPT-2's layer norms spent 0.5 ms a backward on an H200).
+// one load at a time: 40 µs for GPT-2's 768 columns on an H200, Nsight Compute).
 //   grad      T [C] +=
 //   partials  f32 [P, C] (from *_backward_partials; layer norm's db: its partials + P·C)
 //   P, C      (int; P = 0 leaves grad untouched)
