@@ -612,9 +612,10 @@ pub(crate) struct StrategyArgs {
     #[arg(long, value_name = "P")]
     pub(crate) lora_dropout: Option<f32>,
     /// How the frozen base of --lora is kept in memory: fp32; its matrices in bf16 (rounded
-    /// once on load: half of fp32); quantized once on load as llama.cpp's q8_0 (8.5 bits a weight), q4_0, q4_1 or q4_k (4.5, 5 and 4.5, in
-    /// blocks of 256: QLoRA's memory;
-    /// the embedding and head then in q8_0, as llama.cpp keeps them); or keep: a GGUF --init's
+    /// once on load: half of fp32); quantized once on load as llama.cpp's q8_0 (8.5 bits a
+    /// weight), q4_0, q4_1 or q4_k (4.5, 5 and 4.5, in blocks of 256: QLoRA's memory; the head,
+    /// or a tied embedding, then in q6_k, or q8_0 where its rows are not whole blocks of 256,
+    /// as llama-quantize keeps the output); or keep: a GGUF --init's
     /// own blocks (Q4_K, Q6_K, ... as the file has them), never re-quantized, except the parts
     /// of a fused projection (q, k, v; gate, up) the file stores as different types, which
     /// become q8_0. The norms stay f32. The frozen layers compute on the blocks, decoding a

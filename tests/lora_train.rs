@@ -137,7 +137,8 @@ fn a_quantized_base_is_its_dequantized_weights() {
         .count();
     assert_eq!(added, qwen.n_layer, "one bias op per layer's q|k|v product");
     // Each base buffer's dtype says how it stores its segment's values: f32 elements, or
-    // ggml blocks (q4_0, the vocabulary's rows q8_0) whose bytes are the blocks'.
+    // ggml blocks (q4_0, the tied embedding q8_0: its rows are not whole q6_k blocks) whose
+    // bytes are the blocks'.
     let base = plan.schedule.implicit.base.as_ref().unwrap();
     let mut dtypes = std::collections::HashSet::new();
     for s in &base.segments {
@@ -168,6 +169,19 @@ fn a_quantized_base_is_its_dequantized_weights() {
     let mut wide = spec.clone();
     (wide.n_embd, wide.mlp_hidden, wide.head_dim, wide.n_layer) = (256, 512, 64, 2);
     check_against_full_fine_tuning(&wide, "all", BaseQuant::Blocks(GgmlType::Q4_K));
+    // Untied: the embedding in the base's type (q4_k), the head in q6_k.
+    wide.tied_embeddings = false;
+    check_against_full_fine_tuning(&wide, "all", BaseQuant::Blocks(GgmlType::Q4_K));
+    cfg.base_quant = BaseQuant::Blocks(GgmlType::Q4_K);
+    let plan = build_plan(&wide, &cfg, Mode::Train, backend()).unwrap();
+    let dtype = |name: &str| {
+        plan.buffers
+            .iter()
+            .find(|b| b.name == name)
+            .map(|b| b.dtype)
+    };
+    assert_eq!(dtype("embed.base.q4_k"), Some(q(GgmlType::Q4_K)));
+    assert_eq!(dtype("lm_head.base.q6_k"), Some(q(GgmlType::Q6_K)));
     // bf16 activations on the quantized GEMMs: the fp32 step's loss to bf16's precision,
     // and the same under full recomputation, bitwise.
     let lora = lora_spec(spec.family, "all");
@@ -204,12 +218,14 @@ fn as_stored(spec: &ModelSpec, base: &[f32], quant: BaseQuant) -> Vec<f32> {
     let layout = ParamLayout::new(spec);
     let mut out = base.to_vec();
     for t in layout.tensors.iter().filter(|t| t.shape.len() == 2) {
-        // The vocabulary's rows are kept in q8_0 under a 4-bit type.
-        let ty = match t.shape[0] == spec.vocab_size
-            && [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4_K].contains(&ty)
-        {
-            true => GgmlType::Q8_0,
-            false => ty,
+        // The output (the head, or a tied embedding) in q6_k, or q8_0 where its rows are not
+        // whole blocks of 256; an untied embedding in the base's type.
+        let output = t.shape[0] == spec.vocab_size
+            && (spec.tied_embeddings || !t.name.contains("embed_tokens"));
+        let ty = match (output, ty == GgmlType::Q8_0 || t.shape[1] % 256 != 0) {
+            (true, true) => GgmlType::Q8_0,
+            (true, false) => GgmlType::Q6_K,
+            (false, _) => ty,
         };
         let w = &base[t.range.clone()];
         let mut q = vec![0u8; ty.bytes_for(w.len() as u64).unwrap() as usize];

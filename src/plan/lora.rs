@@ -118,10 +118,12 @@ pub(super) fn base_buffers(
         ),
         (_, t) => t,
     };
-    // Quantized to one type, the vocabulary's rows (the embedding, an untied head) stay q8_0
-    // under a 4-bit type, as llama.cpp's quantizer keeps them at higher precision: a tied head
-    // reads them too. Kept, each tensor is what the file holds (f32 as f32).
-    let storage = |t: &crate::model::ParamTensor| -> Result<DType> {
+    // Quantized to one type, the vocabulary's rows follow llama-quantize's rules
+    // (`llama_tensor_get_type`, as `export::mixing` applies them): the output (an untied head,
+    // or the embedding a tied head reads) in Q6_K, Q8_0 under a Q8_0 base or where its rows
+    // are not whole blocks of 256 (Q6_K's fallback); an untied embedding in the base's type.
+    // Kept, each tensor is what the file holds (f32 as f32).
+    let storage = |group: &str, t: &crate::model::ParamTensor| -> Result<DType> {
         if let (BaseQuant::Keep, Some(types)) = (quant, types) {
             // Vectors (norms) are decoded to f32 on load, whatever the file holds.
             if t.shape.len() != 2 {
@@ -142,8 +144,10 @@ pub(super) fn base_buffers(
             return Ok(DType::F32); // f32, by group
         };
         Ok(match t.shape.as_slice() {
-            [rows, _] if *rows == spec.vocab_size && bits_per_weight(ty) < 8.0 => {
-                DType::Ggml(GgmlType::Q8_0)
+            [rows, cols]
+                if *rows == spec.vocab_size && (spec.tied_embeddings || group != "embed") =>
+            {
+                DType::Ggml(output_type(ty, *cols))
             }
             [_, _] => DType::Ggml(ty),
             _ => DType::F32,
@@ -167,7 +171,7 @@ pub(super) fn base_buffers(
             segments.push(Segment { range, buf });
         };
         for t in &base.tensors[group.tensors.clone()] {
-            let kind = storage(t)?;
+            let kind = storage(&group.name, t)?;
             if let Some(k) = kind.ggml() {
                 let row = t.shape[1];
                 if !(row as u64).is_multiple_of(k.block_size) {
@@ -286,9 +290,17 @@ pub(super) fn split_biases(g: &mut Builder, base: &Segments) {
     }
 }
 
-/// Bits a weight of `ty` takes (its blocks' scales included): q4_0 4.5, q8_0 8.5.
-fn bits_per_weight(ty: GgmlType) -> f64 {
-    (8 * ty.type_size) as f64 / ty.block_size as f64
+/// The type of the output tensor (rows of `cols` values) in a base quantized to `ty`:
+/// llama-quantize's Q6_K (`new_type = GGML_TYPE_Q6_K` for `output.weight` unless the file is
+/// Q8_0), falling back to Q8_0 where the rows are not whole 256-value blocks
+/// (`tensor_type_fallback`).
+fn output_type(ty: GgmlType, cols: usize) -> GgmlType {
+    let q6_k = GgmlType::Q6_K;
+    if ty == GgmlType::Q8_0 || !(cols as u64).is_multiple_of(q6_k.block_size) {
+        GgmlType::Q8_0
+    } else {
+        q6_k
+    }
 }
 
 /// One adapter as the transformation places it.
