@@ -170,11 +170,12 @@ backend_suite!(cpu, memwall::backend::cpu::Cpu);
 #[cfg(feature = "cuda")]
 backend_suite!(@one_process cuda, *memwall::backend::cuda::open(0).expect("a CUDA GPU"), ignore = "needs a CUDA GPU (scripts/gpu-check.sh)");
 
-/// The LM head over a vocabulary that the CUDA backend's weight tile holds a chunk of at a
-/// time (`layers::lm_head_loss_wide`): a 72M-parameter head, too slow for every `cargo test`,
+/// The LM head over a vocabulary, and a linear layer, that the CUDA backend's weight tile holds
+/// a chunk of at a time (`layers::lm_head_loss_wide`, `layers::matmul_wide`): 72M and 71M
+/// parameters, too slow for every `cargo test`,
 /// so run when asked (`--ignored`): on the backend under test (`MEMWALL_TEST_DEVICE`), and
 /// on GPU 0 by `scripts/gpu-check.sh` (its `cuda::` filter).
-mod wide_vocabulary {
+mod wide_weights {
     use super::*;
 
     #[test]
@@ -183,6 +184,12 @@ mod wide_vocabulary {
         for p in [Precision::Bf16, Precision::F16] {
             layers::lm_head_loss_wide(memwall::backend::under_test(), p);
         }
+    }
+
+    #[test]
+    #[ignore = "a 71M-parameter weight, slow for every cargo test: run with --ignored"]
+    fn matmul_wide() {
+        layers::matmul_wide(memwall::backend::under_test(), Precision::Bf16);
     }
 
     #[cfg(feature = "cuda")]
@@ -196,6 +203,13 @@ mod wide_vocabulary {
             for p in [Precision::Bf16, Precision::F16] {
                 layers::lm_head_loss_wide(gpu, p);
             }
+        }
+
+        #[test]
+        #[ignore = "needs a CUDA GPU (scripts/gpu-check.sh)"]
+        fn matmul_wide() {
+            let gpu = memwall::backend::cuda::open(0).expect("a CUDA GPU");
+            layers::matmul_wide(gpu, Precision::Bf16);
         }
     }
 }

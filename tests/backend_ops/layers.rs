@@ -490,60 +490,87 @@ pub fn matmul_backward(be: &dyn Backend, p: Precision) {
     const OC: usize = 9;
     for layout in LAYOUTS {
         for bias in [true, false] {
-            let mut rig = Rig::new(p);
-            let w = rig.param(IC * OC); // [IC, OC] or [OC, IC]
-            let b = bias.then(|| rig.param(OC)); // [OC]
-            let dinp = rig.act("dinp", N * IC); // [N, IC], overwritten
-            let dout = rig.act("dout", N * OC); // [N, OC]
-            let inp = rig.act("inp", N * IC); // [N, IC]
-            let op = Op::MatmulBackward {
-                dinp,
-                dout,
-                inp,
-                w: w.clone(),
-                b: b.clone(),
-                layout,
-                rows: ROWS,
-                ic: IC,
-                oc: OC,
-            };
-            let op = rig.op(op, Bind::Both);
-            let mut s = rig.start(be);
-            let mut rng = Rng::new(9);
-            let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
-            let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
-            let x = s.fill(inp, &mut rng, -1.0, 1.0);
-            let dy = s.fill(dout, &mut rng, -1.0, 1.0);
-            s.fill(dinp, &mut rng, -1.0, 1.0);
-            s.run(op, &ctx());
-            let wv = &pw[local(&w)];
-            let dx: Vec<f64> = (0..N * IC)
-                .map(|e| {
-                    let (i, k) = (e / IC, e % IC);
-                    (0..OC)
-                        .map(|o| dy[i * OC + o] as f64 * weight(wv, layout, IC, OC, k, o))
-                        .sum()
-                })
-                .collect();
-            let mut g = wide(&g0);
-            for k in 0..IC {
-                for o in 0..OC {
-                    let at = local(&w).start + weight_at(layout, IC, OC, k, o);
-                    g[at] += (0..N)
-                        .map(|i| x[i * IC + k] as f64 * dy[i * OC + o] as f64)
-                        .sum::<f64>();
-                }
-            }
-            if let Some(b) = &b {
-                for o in 0..OC {
-                    g[local(b).start + o] += (0..N).map(|i| dy[i * OC + o] as f64).sum::<f64>();
-                }
-            }
-            let what = format!("matmul_backward ({layout:?}, bias {bias})");
-            check(&format!("{what} dinp"), &s.get(dinp), &dx, reduced(p));
-            check(&format!("{what} grads"), &s.get(s.grads()), &g, reduced(p));
+            matmul_backward_case(be, p, layout, bias, IC, OC);
         }
     }
+}
+
+/// A linear layer whose weight the CUDA backend's weight tile holds a chunk of at a time
+/// (`sizing::linear_tile`): IC = OC = 8448, 136 MiB in bf16/f16, over its 128 MiB
+/// (`sizing::WEIGHT_CHUNK_BYTES`), so the forward converts it in two chunks of output features
+/// (7936 and 512: each GEMM writing a column block of `out`, the bias added once after) and
+/// the backward in two chunks of input features (a column block of `dinp` each), in both
+/// layouts. A 71M-parameter weight, so the suite runs it only when asked (`--ignored`).
+pub fn matmul_wide(be: &dyn Backend, p: Precision) {
+    const WIDE: usize = 8448;
+    for layout in LAYOUTS {
+        matmul_case(be, p, layout, true, true, None, WIDE, WIDE);
+        matmul_backward_case(be, p, layout, true, WIDE, WIDE);
+    }
+}
+
+/// One [`matmul_backward`] case: `dinp = dout @ Wᵀ`, `dW += inpᵀ @ dout` (`[IC, OC]` in
+/// `InOut`), `db += Σ dout`.
+pub fn matmul_backward_case(
+    be: &dyn Backend,
+    p: Precision,
+    layout: WeightLayout,
+    bias: bool,
+    ic: usize,
+    oc: usize,
+) {
+    let mut rig = Rig::new(p);
+    let w = rig.param(ic * oc); // [IC, OC] or [OC, IC]
+    let b = bias.then(|| rig.param(oc)); // [OC]
+    let dinp = rig.act("dinp", N * ic); // [N, IC], overwritten
+    let dout = rig.act("dout", N * oc); // [N, OC]
+    let inp = rig.act("inp", N * ic); // [N, IC]
+    let op = Op::MatmulBackward {
+        dinp,
+        dout,
+        inp,
+        w: w.clone(),
+        b: b.clone(),
+        layout,
+        rows: ROWS,
+        ic,
+        oc,
+    };
+    let op = rig.op(op, Bind::Both);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(9);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+    let x = s.fill(inp, &mut rng, -1.0, 1.0);
+    let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+    s.fill(dinp, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let wv = &pw[local(&w)];
+    let dx: Vec<f64> = (0..N * ic)
+        .map(|e| {
+            let (i, k) = (e / ic, e % ic);
+            (0..oc)
+                .map(|o| dy[i * oc + o] as f64 * weight(wv, layout, ic, oc, k, o))
+                .sum()
+        })
+        .collect();
+    let mut g = wide(&g0);
+    for k in 0..ic {
+        for o in 0..oc {
+            let at = local(&w).start + weight_at(layout, ic, oc, k, o);
+            g[at] += (0..N)
+                .map(|i| x[i * ic + k] as f64 * dy[i * oc + o] as f64)
+                .sum::<f64>();
+        }
+    }
+    if let Some(b) = &b {
+        for o in 0..oc {
+            g[local(b).start + o] += (0..N).map(|i| dy[i * oc + o] as f64).sum::<f64>();
+        }
+    }
+    let what = format!("matmul_backward ({layout:?}, bias {bias}, IC {ic}, OC {oc})");
+    check(&format!("{what} dinp"), &s.get(dinp), &dx, reduced(p));
+    check(&format!("{what} grads"), &s.get(s.grads()), &g, reduced(p));
 }
 
 /// Attention shapes: (NH, NKV, hd): grouped-query (2 query heads per KV head) and
@@ -1058,7 +1085,7 @@ pub fn lm_head_loss(be: &dyn Backend, p: Precision) {
 }
 
 /// The LM head over a vocabulary wider than the CUDA backend's weight tile holds at once:
-/// V·C = 70000 × 1024, 137 MiB in bf16/f16, over its 128 MiB (`sizing::LM_HEAD_CHUNK_BYTES`),
+/// V·C = 70000 × 1024, 137 MiB in bf16/f16, over its 128 MiB (`sizing::WEIGHT_CHUNK_BYTES`),
 /// so its weight is converted in two chunks of vocabulary rows (65536 and 4464), the logits
 /// written a column block per chunk and `dinp` summed over the chunks. Targets on both sides
 /// of row 65536, logits of a few units (a peaked softmax), so a chunk misplaced or left out

@@ -347,8 +347,8 @@ static void test_lora() {
 
 // ---------------------------------------------------------------- dequant
 
-typedef void (*DqF32)(const unsigned char*, int, int, int, float*);
-typedef void (*DqBf16)(const unsigned char*, int, int, int, bf16*);
+typedef void (*DqF32)(const unsigned char*, int, int, int, int, int, float*);
+typedef void (*DqBf16)(const unsigned char*, int, int, int, int, int, bf16*);
 
 static void test_dequant() {
     struct {
@@ -369,15 +369,29 @@ static void test_dequant() {
         auto w = load<unsigned char>(p + "_w");
         auto y = load<float>(p + "_y");
         std::vector<float> all(oc * ic, -1.0f);
-        K2_LAUNCH(ty.f, 3, 256, w.data(), ic, 0, oc, all.data());
+        K2_LAUNCH(ty.f, 3, 256, w.data(), ic, 0, oc, 0, ic, all.data());
         check_f32((p + " all rows").c_str(), all.data(), y.data(), all.size());
         std::vector<float> part(4 * ic, -1.0f);
-        K2_LAUNCH(ty.f, 1, 64, w.data(), ic, 2, 4, part.data());
+        K2_LAUNCH(ty.f, 1, 64, w.data(), ic, 2, 4, 0, ic, part.data());
         check_f32((p + " rows 2..6").c_str(), part.data(), y.data() + 2 * ic, part.size());
         std::vector<bf16> pb(3 * ic), wb(3 * ic);
         for (int i = 0; i < 3 * ic; i++) wb[i] = from_f32<bf16>(y[4 * ic + i]);
-        K2_LAUNCH(ty.b, 2, 128, w.data(), ic, 4, 3, pb.data());
+        K2_LAUNCH(ty.b, 2, 128, w.data(), ic, 4, 3, 0, ic, pb.data());
         check_bytes((p + " bf16 rows 4..7").c_str(), pb.data(), wb.data(), pb.size() * 2);
+        // A column chunk (the backward's input features): columns [256, ic) of rows 1..6, a
+        // whole number of blocks of every type (ic is 512).
+        const int c0 = 256, width = ic - 256;
+        std::vector<float> cols(5 * width, -1.0f), want(5 * width);
+        for (int i = 0; i < 5; i++)
+            for (int j = 0; j < width; j++) want[i * width + j] = y[(1 + i) * ic + c0 + j];
+        K2_LAUNCH(ty.f, 2, 64, w.data(), ic, 1, 5, c0, width, cols.data());
+        check_f32((p + " rows 1..6, columns 256..").c_str(), cols.data(), want.data(),
+                  cols.size());
+        std::vector<bf16> cb(5 * width), cw(5 * width);
+        for (int i = 0; i < 5 * width; i++) cw[i] = from_f32<bf16>(want[i]);
+        K2_LAUNCH(ty.b, 3, 32, w.data(), ic, 1, 5, c0, width, cb.data());
+        check_bytes((p + " bf16 rows 1..6, columns 256..").c_str(), cb.data(), cw.data(),
+                    cb.size() * 2);
     }
     printf("dequant done\n");
 }

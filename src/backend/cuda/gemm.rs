@@ -531,7 +531,8 @@ impl GpuDevice {
     /// Rows `part` of weight `[rows, cols]` (parameter range `w` of `e`) as a GEMM reads them,
     /// `[part.len(), cols]` from the returned address, as [`GpuDevice::weight`] makes the
     /// whole: the f32 master in place, or those rows alone converted or decoded into the
-    /// weight tile at byte `at` (the LM head's vocabulary chunks).
+    /// weight tile at byte `at` (the LM head's vocabulary chunks, a linear layer's chunks of
+    /// output features).
     pub(super) fn weight_rows(
         &self,
         e: &OpEntry,
@@ -540,54 +541,85 @@ impl GpuDevice {
         part: Range<usize>,
         at: u64,
     ) -> Result<(u64, Ty)> {
-        if part.start > part.end || part.end > rows {
+        self.weight_block(e, w, (rows, cols), (part, 0..cols), at)
+    }
+
+    /// The block `rows_part × cols_part` of weight `[rows, cols]` (parameter range `w` of `e`)
+    /// as a GEMM reads it. With every column: as [`GpuDevice::weight_rows`] (rows `ld` = cols
+    /// apart when the f32 master is read in place). With fewer (a linear layer's chunk of input
+    /// features, for its backward): converted or decoded into the weight tile at byte `at`,
+    /// `[rows_part.len(), cols_part.len()]` row-major (`dequant_<type>_<S>`; an f32 master
+    /// through `dequant_f32_<S>`); a quantized weight's columns must be whole blocks.
+    pub(super) fn weight_block(
+        &self,
+        e: &OpEntry,
+        w: &Range<usize>,
+        (rows, cols): (usize, usize),
+        (part, cpart): (Range<usize>, Range<usize>),
+        at: u64,
+    ) -> Result<(u64, Ty)> {
+        if part.start > part.end || part.end > rows || cpart.start > cpart.end || cpart.end > cols {
             bail!(
-                "internal error: {}: rows {part:?} of a weight of {rows}",
+                "internal error: {}: rows {part:?}, columns {cpart:?} of a weight of {rows} × \
+                 {cols}",
                 e.name
             );
         }
+        let whole_rows = cpart.len() == cols;
         let t = self.storage_ty();
-        let n = (part.len() * cols) as u64;
+        let n = (part.len() * cpart.len()) as u64;
         let src = self.param_ptr(e, w)?;
-        match self.param_dtype(e) {
-            Some(DType::F32) if t == Ty::F32 => Ok((src + (part.start * cols) as u64 * 4, Ty::F32)),
-            Some(DType::F32) => {
+        let q = match self.param_dtype(e) {
+            Some(DType::F32) if t == Ty::F32 && whole_rows => {
+                return Ok((src + (part.start * cols) as u64 * 4, Ty::F32));
+            }
+            Some(DType::F32) if whole_rows => {
                 let dst = self.tile(e, at, n * t.bytes())?;
                 self.narrow(e, src + (part.start * cols) as u64 * 4, dst, n)?;
-                Ok((dst, t))
+                return Ok((dst, t));
             }
-            Some(DType::Ggml(q)) => {
-                if !q.dequantizable() {
-                    bail!(
-                        "{}: a {q} weight cannot be decoded (on the GPU as on the CPU)",
-                        e.name
-                    );
-                }
-                let dst = self.tile(e, at, n * t.bytes())?;
-                let name = format!("dequant_{}_{}", q.name.to_ascii_lowercase(), t.suffix());
-                let f = self.plain_kernel(&name)?;
-                let (cols_i, r0, rows_i) =
-                    (int(e, cols)?, int(e, part.start)?, int(e, part.len())?);
-                // SAFETY: `dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, T* out)`:
-                // `src` is the weight's first block (rows r0 .. r0 + rows of its `rows` are
-                // read), `dst` holds rows·cols T.
-                unsafe {
-                    self.launch(f)
-                        .arg(&src)
-                        .arg(&cols_i)
-                        .arg(&r0)
-                        .arg(&rows_i)
-                        .arg(&dst)
-                        .launch(grid_stride(n))
-                }
-                .map_err(|err| launch_error(e, &name, err))?;
-                Ok((dst, t))
-            }
+            Some(DType::F32) => crate::dtype::GgmlType::F32,
+            Some(DType::Ggml(q)) => q,
             d => bail!(
                 "internal error: {}: parameters stored as {d:?} are not a GEMM weight",
                 e.name
             ),
+        };
+        if !q.dequantizable() {
+            bail!(
+                "{}: a {q} weight cannot be decoded (on the GPU as on the CPU)",
+                e.name
+            );
         }
+        let bs = q.block_size as usize;
+        if !cpart.start.is_multiple_of(bs) || !(cpart.len().is_multiple_of(bs) || whole_rows) {
+            bail!(
+                "internal error: {}: columns {cpart:?} are not whole {q} blocks of {bs}",
+                e.name
+            );
+        }
+        let dst = self.tile(e, at, n * t.bytes())?;
+        let name = format!("dequant_{}_{}", q.name.to_ascii_lowercase(), t.suffix());
+        let f = self.plain_kernel(&name)?;
+        let (cols_i, r0, rows_i) = (int(e, cols)?, int(e, part.start)?, int(e, part.len())?);
+        let (c0, width) = (int(e, cpart.start)?, int(e, cpart.len())?);
+        // SAFETY: `dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, int c0, int
+        // width, T* out)`: `src` is the weight's first block (rows r0 .. r0 + rows, columns c0
+        // .. c0 + width of its `rows × cols` are read: checked above), `dst` holds rows·width
+        // T (checked by `tile`).
+        unsafe {
+            self.launch(f)
+                .arg(&src)
+                .arg(&cols_i)
+                .arg(&r0)
+                .arg(&rows_i)
+                .arg(&c0)
+                .arg(&width)
+                .arg(&dst)
+                .launch(grid_stride(n))
+        }
+        .map_err(|err| launch_error(e, &name, err))?;
+        Ok((dst, t))
     }
 
     /// `dst[i] = T(src[i])` for `n` f32 values (`f32_to_storage_<S>`, T the storage type).

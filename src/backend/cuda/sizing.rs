@@ -5,8 +5,8 @@
 //! the backend's own scratch among them ([`Scratch`], the plan's persistent
 //! `backend.scratch`, sized from the ops): cuBLASLt's workspace, the weight tile a GEMM reads
 //! in the storage type (an f32 master weight converted, or a quantized base's blocks
-//! decoded: a linear layer's whole, the LM head's a chunk of at most
-//! [`LM_HEAD_CHUNK_BYTES`] of vocabulary rows at a time, [`lm_head_tile`]), the partial sums
+//! decoded, a chunk of at most [`WEIGHT_CHUNK_BYTES`] at a time: a linear layer's output or
+//! input features, [`linear_tile`], the LM head's vocabulary rows, [`lm_head_tile`]), the partial sums
 //! of the deterministic reductions, attention's backward row statistics and the embedding
 //! backward's row links. The kernels' plan workspaces (`attention_workspace_elems` and the
 //! two GEMM tiles) are therefore empty on the GPU. The CUDA context's own device memory is
@@ -46,29 +46,52 @@ pub const NORM_CHUNK_ROWS: u64 = 64;
 /// `GN_CHUNK`).
 pub const GRADNORM_CHUNK: u64 = 16384;
 
-/// The most bytes of the LM head's weight `[V, C]` that the weight tile holds at once (in the
-/// type its GEMMs read): the head decodes (or converts) [`lm_head_vocab_rows`] vocabulary
-/// rows at a time, so a large vocabulary (Llama 3's 128256 × 4096: 1002 MiB in bf16) costs
-/// the tile 128 MiB. A head that fits is decoded once per op, as a linear layer's weight; one
-/// that does not is decoded 2K − 1 times per row chunk (K chunks), which is why the bound
-/// holds GPT-2's whole head (74 MiB in bf16): at 64 MiB its two chunks were converted 150
-/// times a step on an H200 (docs/gpu-runs/2026-11-28.md).
-pub const LM_HEAD_CHUNK_BYTES: u64 = 128 << 20;
+/// The most bytes of a weight that the weight tile holds at once (in the type its GEMMs
+/// read): a weight larger than this is converted or decoded a chunk at a time
+/// ([`weight_chunk`]), each chunk's GEMM writing its block of the output. For the LM head
+/// `[V, C]` the chunks are of vocabulary rows ([`lm_head_vocab_rows`]), so Llama 3's 128256 ×
+/// 4096 (1002 MiB in bf16) costs the tile 128 MiB; a linear layer's are of its output
+/// features in the forward and of its input features in the backward ([`linear_tile`]), so
+/// a 70B's gate|up (57344 × 8192: 896 MiB in bf16) costs it the same. A head that fits is
+/// decoded once per op; one that does not is decoded 2K − 1 times per row chunk (K chunks),
+/// which is why the bound holds GPT-2's whole head (74 MiB in bf16): at 64 MiB its two chunks
+/// were converted 150 times a step on an H200 (docs/gpu-runs/2026-11-28.md). A linear
+/// layer's chunks are each decoded once per GEMM, as its whole was.
+pub const WEIGHT_CHUNK_BYTES: u64 = 128 << 20;
 
-/// Vocabulary rows the chunks of [`LM_HEAD_CHUNK_BYTES`] are counted in: a chunk's first row
-/// is a multiple of it, so its column block of the logits (f32) and of their storage-type
-/// copy starts 512-byte aligned, as cuBLASLt's fastest algorithms want.
-pub const LM_HEAD_ROW_QUANTUM: usize = 256;
+/// Rows (or columns) the chunks of [`WEIGHT_CHUNK_BYTES`] are counted in: a chunk's first row
+/// or column is a multiple of it, so its block of the GEMM's output (f32 or T) starts 512-byte
+/// aligned, as cuBLASLt's fastest algorithms want, and a column chunk of a quantized weight is
+/// whole blocks (of 32 or 256 values).
+pub const CHUNK_QUANTUM: usize = 256;
+
+/// Of a weight's dimension of `len` (the one cut), the length a chunk takes when each of its
+/// elements brings `width · elem` bytes to the tile: as many whole [`CHUNK_QUANTUM`]s as fit
+/// in [`WEIGHT_CHUNK_BYTES`] (at least one quantum: a width over 256 KiB overshoots the bound),
+/// all of `len` when that is fewer (the last chunk may be shorter). A function of the shape
+/// alone, so the chunks, and the order of any sums over them, are the same on every run.
+pub fn weight_chunk(len: usize, width: usize, elem: u64) -> usize {
+    let row = (width as u64 * elem).max(1);
+    let fit = (WEIGHT_CHUNK_BYTES / row) as usize / CHUNK_QUANTUM * CHUNK_QUANTUM;
+    fit.max(CHUNK_QUANTUM).min(len.max(1))
+}
 
 /// Vocabulary rows of the LM head's weight (`[V, C]`, `elem` bytes a value in the tile)
-/// decoded at a time: as many whole [`LM_HEAD_ROW_QUANTUM`]s of rows as fit in
-/// [`LM_HEAD_CHUNK_BYTES`] (at least one quantum: a row wider than 256 KiB overshoots the
-/// bound), all of `V` when that is fewer. A function of the shape alone, so the chunks, and
-/// the order of the sums over them, are the same on every run.
+/// decoded at a time ([`weight_chunk`] over V).
 pub fn lm_head_vocab_rows(c: usize, v: usize, elem: u64) -> usize {
-    let row = (c as u64 * elem).max(1);
-    let fit = (LM_HEAD_CHUNK_BYTES / row) as usize / LM_HEAD_ROW_QUANTUM * LM_HEAD_ROW_QUANTUM;
-    fit.max(LM_HEAD_ROW_QUANTUM).min(v.max(1))
+    weight_chunk(v, c, elem)
+}
+
+/// How a linear op's GEMM reads its weight (logically `[IC, OC]`) through the tile, `elem`
+/// bytes a value there: the forward (`backward` false) by chunks of its OC output features
+/// (each `[chunk, IC]` of the weight, writing a column block of `out[N, OC]`), the backward's
+/// input gradient by chunks of its IC input features (`[OC, chunk]`, writing a column block of
+/// `dinp[N, IC]`). Returns (the chunk's length, the tile's bytes). One chunk when the weight
+/// fits [`WEIGHT_CHUNK_BYTES`].
+pub fn linear_tile(ic: usize, oc: usize, elem: u64, backward: bool) -> (usize, u64) {
+    let (len, width) = if backward { (ic, oc) } else { (oc, ic) };
+    let chunk = weight_chunk(len, width, elem);
+    (chunk, chunk as u64 * width as u64 * elem)
 }
 
 /// Chunks of [`NORM_CHUNK_ROWS`] rows over `n` rows: the partial rows a norm's backward
@@ -88,10 +111,11 @@ pub fn gradnorm_parts(len: u64) -> u64 {
 pub struct Scratch {
     /// cuBLASLt's workspace.
     pub cublaslt: u64,
-    /// The largest weight a GEMM reads, in the type the GEMM reads it: the storage type's
-    /// copy of an f32 master weight under mixed precision, or a quantized base's weight
-    /// decoded (to the storage type, f32 in fp32 plans); of the LM head, one chunk of its
-    /// vocabulary rows ([`lm_head_tile`]). Empty for an fp32 plan with no quantized base
+    /// The largest chunk of a weight a GEMM reads, in the type the GEMM reads it: the storage
+    /// type's copy of an f32 master weight under mixed precision, or a quantized base's weight
+    /// decoded (to the storage type, f32 in fp32 plans); of a linear layer, a chunk of its
+    /// output or input features ([`linear_tile`]); of the LM head, one of its vocabulary rows
+    /// ([`lm_head_tile`]). Empty for an fp32 plan with no quantized base
     /// (its GEMMs read the f32 weights where they are). Under mixed precision it also holds
     /// the other f32 operands rounded to the storage type beside the weight: the LM head's
     /// dlogits chunk and f32 input-gradient sum ([`lm_head_tile`]) and a LoRA adapter's `dh`
@@ -129,13 +153,14 @@ impl Scratch {
         let tile_elem = storage.size().unwrap_or(4) as u64;
         let mixed = storage != DType::F32;
         for e in ops {
-            // A GEMM's weight, when the GEMM cannot read it where it is.
+            // A GEMM's weight, when the GEMM cannot read it where it is: a chunk at a time.
             let weight = match &e.op {
-                Op::Matmul { ic, oc, .. } | Op::MatmulBackward { ic, oc, .. } => ic * oc,
+                Op::Matmul { ic, oc, .. } => linear_tile(*ic, *oc, tile_elem, false).1,
+                Op::MatmulBackward { ic, oc, .. } => linear_tile(*ic, *oc, tile_elem, true).1,
                 _ => 0,
-            } as u64;
+            };
             if mixed || e.frozen {
-                s.weight_tile = s.weight_tile.max(weight * tile_elem);
+                s.weight_tile = s.weight_tile.max(weight);
             }
             match &e.op {
                 Op::LmHeadLoss {
@@ -500,6 +525,36 @@ mod tests {
     }
 
     #[test]
+    fn a_large_linear_weight_is_decoded_a_bounded_chunk_at_a_time() {
+        // Llama 3 8B's gate|up (IC 4096, OC 28672) in bf16: 224 MiB whole; the forward's
+        // chunks of 16384 output features, the backward's of 2304 input features.
+        assert_eq!(
+            linear_tile(4096, 28672, 2, false),
+            (16384, WEIGHT_CHUNK_BYTES)
+        );
+        assert_eq!(linear_tile(4096, 28672, 2, true), (2304, 2304 * 28672 * 2));
+        // A 70B's (IC 8192, OC 57344): 896 MiB whole, 128 and 112 MiB a chunk.
+        assert_eq!(
+            linear_tile(8192, 57344, 2, false),
+            (8192, WEIGHT_CHUNK_BYTES)
+        );
+        assert_eq!(linear_tile(8192, 57344, 2, true), (1024, 1024 * 57344 * 2));
+        // A weight within the bound is one chunk, the whole (GPT-2's c_fc).
+        assert_eq!(linear_tile(768, 3072, 2, false), (3072, 768 * 3072 * 2));
+        assert_eq!(linear_tile(768, 3072, 2, true), (768, 768 * 3072 * 2));
+        let mut s = Scratch::default();
+        for (ic, oc) in [(4096, 28672), (14336, 4096), (8192, 57344), (28672, 8192)] {
+            for backward in [false, true] {
+                let (chunk, bytes) = linear_tile(ic, oc, 2, backward);
+                assert!(bytes <= WEIGHT_CHUNK_BYTES);
+                assert_eq!(chunk % CHUNK_QUANTUM, 0);
+                s.weight_tile = s.weight_tile.max(bytes);
+            }
+        }
+        assert_eq!(s.weight_tile, WEIGHT_CHUNK_BYTES);
+    }
+
+    #[test]
     fn a_large_vocabulary_is_decoded_a_bounded_chunk_at_a_time() {
         // Llama 3 8B (V 128256, C 4096) in bf16: 16384 rows (128 MiB) a chunk, 8 chunks.
         assert_eq!(lm_head_vocab_rows(4096, 128256, 2), 16384);
@@ -510,12 +565,12 @@ mod tests {
         assert_eq!(lm_head_vocab_rows(768, 50257, 4), 43520);
         // A head within the bound is one chunk; a row past 256 KiB still takes a quantum.
         assert_eq!(lm_head_vocab_rows(576, 49152, 2), 49152);
-        assert_eq!(lm_head_vocab_rows(1 << 20, 1000, 2), LM_HEAD_ROW_QUANTUM);
+        assert_eq!(lm_head_vocab_rows(1 << 20, 1000, 2), CHUNK_QUANTUM);
         assert_eq!(lm_head_vocab_rows(8, 0, 2), 1);
         for (c, v, elem) in [(4096, 128256, 2), (8192, 128256, 2), (768, 50257, 4)] {
             let rows = lm_head_vocab_rows(c, v, elem);
-            assert!(rows as u64 * c as u64 * elem <= LM_HEAD_CHUNK_BYTES);
-            assert_eq!(rows % LM_HEAD_ROW_QUANTUM, 0);
+            assert!(rows as u64 * c as u64 * elem <= WEIGHT_CHUNK_BYTES);
+            assert_eq!(rows % CHUNK_QUANTUM, 0);
         }
 
         // Training, 128 rows a chunk: the weight chunk, the bf16 dlogits of the row chunk,
@@ -524,9 +579,9 @@ mod tests {
         let dlogits = 128 * 128256 * 2;
         assert_eq!(tile.vocab_rows, 16384);
         assert_eq!(tile.chunks, 8);
-        assert_eq!(tile.dlogits, Some(LM_HEAD_CHUNK_BYTES));
-        assert_eq!(tile.dinp_sum, Some(LM_HEAD_CHUNK_BYTES + dlogits));
-        assert_eq!(tile.bytes, LM_HEAD_CHUNK_BYTES + dlogits + 128 * 4096 * 4);
+        assert_eq!(tile.dlogits, Some(WEIGHT_CHUNK_BYTES));
+        assert_eq!(tile.dinp_sum, Some(WEIGHT_CHUNK_BYTES + dlogits));
+        assert_eq!(tile.bytes, WEIGHT_CHUNK_BYTES + dlogits + 128 * 4096 * 4);
         // The whole weight would have been 1002 MiB.
         assert!(tile.bytes < 200 << 20);
         let mut op = lm_head(Some(BufId(4)));
@@ -548,7 +603,7 @@ mod tests {
         // A quantized head in an fp32 plan: an f32 weight chunk, nothing else.
         assert_eq!(
             Scratch::for_ops(&[op], DType::F32).weight_tile,
-            LM_HEAD_CHUNK_BYTES
+            WEIGHT_CHUNK_BYTES
         );
 
         // Generation's last row: the weight chunk alone (a frozen, quantized head in fp32).
@@ -565,7 +620,7 @@ mod tests {
         );
         assert_eq!(
             Scratch::for_ops(std::slice::from_ref(&last), DType::F32).weight_tile,
-            LM_HEAD_CHUNK_BYTES
+            WEIGHT_CHUNK_BYTES
         );
         let trained = OpEntry {
             frozen: false,

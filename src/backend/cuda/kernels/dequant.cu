@@ -37,13 +37,20 @@
 //                                                       y = (d·sc)·(q − 32)
 //   F32 (4 B), F16 (2 B), BF16 (2 B) per value: widened exactly.
 //
-// Every entry: dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, T* out)
+// Every entry: dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, int c0, int width,
+//                                 T* out)
 //   w     u8  the whole weight's bytes [OC · row_bytes] (the tensor's first byte)
 //   cols  int IC, the values per row (a whole number of blocks)
 //   r0    int the first row to decode
 //   rows  int rows to decode (r0 + rows <= OC)
-//   out   T   [rows, cols] out, row-major (ld = cols): out[i·cols + c] = W[r0 + i, c]
-// Launch: grid = (min(ceil(rows·cols / 256), 65535)), block = (256) (any: one thread per
+//   c0    int the first column to decode (a whole number of blocks)
+//   width int columns to decode (c0 + width <= cols; a whole number of blocks, or up to cols)
+//   out   T   [rows, width] out, row-major (ld = width): out[i·width + j] = W[r0 + i, c0 + j]
+// A linear layer's weight larger than the tile is decoded a chunk at a time: rows of output
+// features for the forward, columns of input features for the backward's input gradient
+// (backend/cuda/sizing.rs, `linear_tile`); a whole weight or the LM head's vocabulary rows
+// are c0 = 0, width = cols.
+// Launch: grid = (min(ceil(rows·width / 256), 65535)), block = (256) (any: one thread per
 // output value in a grid-stride loop), dynamic smem 0. Scratch: none. The kernels are the
 // plain version (one thread per value), so there are no naive twins.
 
@@ -139,16 +146,17 @@ __device__ __forceinline__ float dq_bf16v(const unsigned char* b, int) {
     return to_f32(x);
 }
 
-// Rows [r0, r0 + rows) of the weight into out [rows, cols]; BS values per block of TS bytes,
-// value v of a block decoded by DECODE(block, v).
+// Rows [r0, r0 + rows) and columns [c0, c0 + width) of the weight into out [rows, width];
+// BS values per block of TS bytes, value v of a block decoded by DECODE(block, v).
 template <typename T, int BS, int TS, float (*DECODE)(const unsigned char*, int)>
-__device__ void dequant_rows(const unsigned char* w, int cols, int r0, int rows, T* out) {
+__device__ void dequant_rows(const unsigned char* w, int cols, int r0, int rows, int c0,
+                             int width, T* out) {
     const long long row_bytes = (long long)(cols / BS) * TS;
-    const long long n = (long long)rows * cols;
+    const long long n = (long long)rows * width;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
          e += (long long)gridDim.x * blockDim.x) {
-        const long long i = e / cols;
-        const int c = (int)(e - i * cols);
+        const long long i = e / width;
+        const int c = c0 + (int)(e - i * width);
         const unsigned char* blk = w + (r0 + i) * row_bytes + (long long)(c / BS) * TS;
         out[e] = from_f32<T>(DECODE(blk, c % BS));
     }
@@ -158,48 +166,48 @@ __device__ void dequant_rows(const unsigned char* w, int cols, int r0, int rows,
 // dequant_q6_k_<S>, dequant_f32_<S>, dequant_f16_<S>, dequant_bf16_<S>: see the header.
 #define DEQUANT_Q8_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q8_0_##S(const unsigned char* w, int cols, int r0,    \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 32, 34, dq_q8_0>(w, cols, r0, rows, out);                            \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 32, 34, dq_q8_0>(w, cols, r0, rows, c0, width, out);                 \
     }
 #define DEQUANT_Q4_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_0_##S(const unsigned char* w, int cols, int r0,    \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 32, 18, dq_q4_0>(w, cols, r0, rows, out);                            \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 32, 18, dq_q4_0>(w, cols, r0, rows, c0, width, out);                 \
     }
 #define DEQUANT_Q4_1(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_1_##S(const unsigned char* w, int cols, int r0,    \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 32, 20, dq_q4_1>(w, cols, r0, rows, out);                            \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 32, 20, dq_q4_1>(w, cols, r0, rows, c0, width, out);                 \
     }
 #define DEQUANT_Q5_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q5_0_##S(const unsigned char* w, int cols, int r0,    \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 32, 22, dq_q5_0>(w, cols, r0, rows, out);                            \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 32, 22, dq_q5_0>(w, cols, r0, rows, c0, width, out);                 \
     }
 #define DEQUANT_Q4_K(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_k_##S(const unsigned char* w, int cols, int r0,    \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 256, 144, dq_q4_k>(w, cols, r0, rows, out);                          \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 256, 144, dq_q4_k>(w, cols, r0, rows, c0, width, out);               \
     }
 #define DEQUANT_Q6_K(T, S)                                                                   \
     extern "C" __global__ void dequant_q6_k_##S(const unsigned char* w, int cols, int r0,    \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 256, 210, dq_q6_k>(w, cols, r0, rows, out);                          \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 256, 210, dq_q6_k>(w, cols, r0, rows, c0, width, out);               \
     }
 #define DEQUANT_F32(T, S)                                                                    \
     extern "C" __global__ void dequant_f32_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 1, 4, dq_f32v>(w, cols, r0, rows, out);                              \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 1, 4, dq_f32v>(w, cols, r0, rows, c0, width, out);                   \
     }
 #define DEQUANT_F16(T, S)                                                                    \
     extern "C" __global__ void dequant_f16_##S(const unsigned char* w, int cols, int r0,     \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 1, 2, dq_f16v>(w, cols, r0, rows, out);                              \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 1, 2, dq_f16v>(w, cols, r0, rows, c0, width, out);                   \
     }
 #define DEQUANT_BF16(T, S)                                                                   \
     extern "C" __global__ void dequant_bf16_##S(const unsigned char* w, int cols, int r0,    \
-                                                  int rows, T* out) {                        \
-        dequant_rows<T, 1, 2, dq_bf16v>(w, cols, r0, rows, out);                             \
+                                                  int rows, int c0, int width, T* out) {     \
+        dequant_rows<T, 1, 2, dq_bf16v>(w, cols, r0, rows, c0, width, out);                  \
     }
 MW_STORAGE_ENTRIES(DEQUANT_Q8_0)
 MW_STORAGE_ENTRIES(DEQUANT_Q4_0)

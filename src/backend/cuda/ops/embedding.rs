@@ -5,7 +5,7 @@
 //!   or 0, N, T, C, V)`, grid-stride over the N·C outputs. A table bound to a quantized base
 //!   (ggml blocks: a LoRA plan's `--base-quant`, no `wpe`): the CPU decodes each row as it
 //!   gathers it; here the stream is drained, the tokens read back, and each row `n` is
-//!   `dequant_<type>_<S>(wte, C, tokens[n], 1, out + n·C)` (one launch per row; the decoded
+//!   `dequant_<type>_<S>(wte, C, tokens[n], 1, 0, C, out + n·C)` (one launch per row; the decoded
 //!   values rounded to T once, as the CPU's `T::from_f32`).
 //! - [`Op::EncoderBackward`] (nothing when frozen): for dwte, keyed by the tokens,
 //!   `encoder_link_rows(link, keys, N, T)`, `encoder_mark_rows(link, N)`,
@@ -255,19 +255,19 @@ impl GpuDevice {
         let w = self.param_ptr(e, wte)?;
         let out = self.ptr(out)?;
         let row_bytes = c as u64 * self.storage.size().unwrap_or(4) as u64;
-        let (cols, one) = (int(e, "C", c)?, 1i32);
+        let (cols, one, c0) = (int(e, "C", c)?, 1i32, 0i32);
         for (i, &tok) in ids.iter().enumerate() {
             let (r0, o) = (tok as i32, out + i as u64 * row_bytes);
-            // SAFETY: dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, T* out): w
-            // the table's blocks [V rows of C values], r0 + 1 <= V (checked), out row i of
-            // [N, C] T.
+            // SAFETY: dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, int c0,
+            // int width, T* out): w the table's blocks [V rows of C values], r0 + 1 <= V
+            // (checked), the whole row (c0 0, width C), out row i of [N, C] T.
             launch_kernel!(
                 self,
                 e,
                 name,
                 f,
                 grid_stride(c as u64),
-                [&w, &cols, &r0, &one, &o]
+                [&w, &cols, &r0, &one, &c0, &cols, &o]
             )?;
         }
         Ok(())

@@ -16,7 +16,7 @@
 use super::super::gemm::{Gemm, Operand, Ty, int};
 use super::super::gpu::GpuDevice;
 use super::super::launch::{BLOCK, grid_stride, launch_error};
-use super::super::sizing::REDUCE_BLOCKS;
+use super::super::sizing::{REDUCE_BLOCKS, linear_tile};
 use crate::backend::StepCtx;
 use crate::dtype::DType;
 use crate::ir::schedule::{Op, OpEntry, WeightLayout};
@@ -49,6 +49,32 @@ pub fn stored_shape(layout: WeightLayout, ic: usize, oc: usize) -> (usize, usize
     }
 }
 
+/// `0..len` cut into consecutive ranges of `chunk` (the last may be shorter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunks {
+    len: usize,
+    chunk: usize,
+}
+
+impl Chunks {
+    /// How many ranges.
+    pub fn count(&self) -> usize {
+        self.len.div_ceil(self.chunk)
+    }
+}
+
+impl IntoIterator for Chunks {
+    type Item = Range<usize>;
+    type IntoIter = std::vec::IntoIter<Range<usize>>;
+    fn into_iter(self) -> Self::IntoIter {
+        (0..self.len)
+            .step_by(self.chunk)
+            .map(|s| s..(s + self.chunk).min(self.len))
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+}
+
 /// Rows per partial sum of the bias gradient over `n` rows: at least 64, and few enough
 /// chunks (at most [`REDUCE_BLOCKS`]) for the scratch's partials. A function of `n` alone,
 /// so the sums are the same on every run.
@@ -76,26 +102,37 @@ impl GpuDevice {
                 if n == 0 || oc == 0 {
                     return Ok(());
                 }
-                let (wp, wt) = self.linear_weight(e, w, *layout, ic, oc)?;
-                let (ldw, trans) = w_as_b(*layout, ic, oc);
-                let mut g = Gemm::new(
-                    n,
-                    oc,
-                    ic,
-                    Operand::new(self.ptr(*inp)?, t, ic),
-                    Operand {
-                        ptr: wp,
-                        ty: wt,
-                        ld: ldw,
-                        trans,
-                    },
-                    Operand::new(self.ptr(*out)?, t, oc),
-                );
-                if let Some(r) = residual {
-                    g = g.plus(self.ptr(*r)?);
-                }
+                let (inp, out) = (self.ptr(*inp)?, self.ptr(*out)?);
+                let residual = residual.map(|r| self.ptr(r)).transpose()?;
                 let bias = b.as_ref().map(|b| self.param_ptr(e, b)).transpose()?;
-                self.gemm(e, &g.bias(bias))
+                let chunks = self.linear_chunks(e, ic, oc, false);
+                for cols in chunks {
+                    // out[:, cols] = (residual[:, cols] +) inp @ W[:, cols].
+                    let (wp, wt, ldw, trans) = self.linear_weight(e, w, *layout, ic, oc, &cols)?;
+                    let at = (cols.start * t.bytes() as usize) as u64;
+                    let mut g = Gemm::new(
+                        n,
+                        cols.len(),
+                        ic,
+                        Operand::new(inp, t, ic),
+                        Operand {
+                            ptr: wp,
+                            ty: wt,
+                            ld: ldw,
+                            trans,
+                        },
+                        Operand::new(out + at, t, oc),
+                    );
+                    if let Some(r) = residual {
+                        g = g.plus(r + at);
+                    }
+                    // One chunk: the bias by the epilogue; several: added once after.
+                    self.gemm(e, &g.bias(bias.filter(|_| chunks.count() == 1)))?;
+                }
+                match bias {
+                    Some(bias) if chunks.count() > 1 => self.add_bias(e, out, t, bias, (n, oc, oc)),
+                    _ => Ok(()),
+                }
             }
             Op::AddBias { out, b, rows, oc } => {
                 let n = rows.with_seq(ctx.seq).n();
@@ -121,25 +158,28 @@ impl GpuDevice {
                     return Ok(());
                 }
                 let (dinp, dout, inp) = (self.ptr(*dinp)?, self.ptr(*dout)?, self.ptr(*inp)?);
-                // dinp[N, IC] = dout[N, OC] @ Wᵀ.
-                let (wp, wt) = self.linear_weight(e, w, *layout, ic, oc)?;
-                let (ldw, trans) = wt_as_b(*layout, ic, oc);
-                self.gemm(
-                    e,
-                    &Gemm::new(
-                        n,
-                        ic,
-                        oc,
-                        Operand::new(dout, t, oc),
-                        Operand {
-                            ptr: wp,
-                            ty: wt,
-                            ld: ldw,
-                            trans,
-                        },
-                        Operand::new(dinp, t, ic),
-                    ),
-                )?;
+                for rows in self.linear_chunks(e, ic, oc, true) {
+                    // dinp[:, rows] = dout[N, OC] @ W[rows, :]ᵀ.
+                    let (wp, wt, ldw, trans) =
+                        self.linear_weight_t(e, w, *layout, ic, oc, &rows)?;
+                    let at = (rows.start * t.bytes() as usize) as u64;
+                    self.gemm(
+                        e,
+                        &Gemm::new(
+                            n,
+                            rows.len(),
+                            oc,
+                            Operand::new(dout, t, oc),
+                            Operand {
+                                ptr: wp,
+                                ty: wt,
+                                ld: ldw,
+                                trans,
+                            },
+                            Operand::new(dinp + at, t, ic),
+                        ),
+                    )?;
+                }
                 let quantized = matches!(self.param_dtype(e), Some(DType::Ggml(_)));
                 if e.frozen || quantized {
                     return Ok(());
@@ -176,7 +216,23 @@ impl GpuDevice {
         }
     }
 
-    /// The linear weight as the GEMM reads it ([`GpuDevice::weight`], at the tile's start).
+    /// The chunks a linear op's GEMMs cut the weight (logically `[IC, OC]`) into: of its OC
+    /// output columns in the forward, of its IC input rows in the backward
+    /// ([`linear_tile`]); one, the whole, where the GEMM reads the weight in place.
+    fn linear_chunks(&self, e: &OpEntry, ic: usize, oc: usize, backward: bool) -> Chunks {
+        let len = if backward { ic } else { oc };
+        let chunk = match self.weight_in_place(e) {
+            true => len,
+            false => linear_tile(ic, oc, self.storage_ty().bytes(), backward).0,
+        };
+        Chunks {
+            len,
+            chunk: chunk.max(1),
+        }
+    }
+
+    /// Columns `cols` of W (logically `[IC, OC]`) as a GEMM's right operand `[IC, cols]`:
+    /// (address, type, leading dimension, stored transposed), at the weight tile's start.
     fn linear_weight(
         &self,
         e: &OpEntry,
@@ -184,11 +240,70 @@ impl GpuDevice {
         layout: WeightLayout,
         ic: usize,
         oc: usize,
-    ) -> Result<(u64, Ty)> {
+        cols: &Range<usize>,
+    ) -> Result<(u64, Ty, usize, bool)> {
+        self.check_quantized_layout(e, layout)?;
+        let stored = stored_shape(layout, ic, oc);
+        let whole = cols.len() == oc;
+        Ok(match layout {
+            // [OC, IC]: rows `cols` of the stored weight, read transposed.
+            WeightLayout::OutIn => {
+                let (p, ty) = self.weight_rows(e, w, stored, cols.clone(), 0)?;
+                (p, ty, ic, true)
+            }
+            // [IC, OC]: its columns `cols`, read as they are.
+            WeightLayout::InOut => {
+                let (p, ty) = self.weight_block(e, w, stored, (0..ic, cols.clone()), 0)?;
+                let ld = if whole {
+                    w_as_b(layout, ic, oc).0
+                } else {
+                    cols.len()
+                };
+                (p, ty, ld, false)
+            }
+        })
+    }
+
+    /// Rows `rows` of W (logically `[IC, OC]`) transposed, as a GEMM's right operand
+    /// `[OC, rows]` (the backward's input gradient): (address, type, leading dimension,
+    /// stored transposed), at the weight tile's start.
+    fn linear_weight_t(
+        &self,
+        e: &OpEntry,
+        w: &Range<usize>,
+        layout: WeightLayout,
+        ic: usize,
+        oc: usize,
+        rows: &Range<usize>,
+    ) -> Result<(u64, Ty, usize, bool)> {
+        self.check_quantized_layout(e, layout)?;
+        let stored = stored_shape(layout, ic, oc);
+        let whole = rows.len() == ic;
+        Ok(match layout {
+            // [OC, IC]: its columns `rows` (`[OC, rows]`), read as they are.
+            WeightLayout::OutIn => {
+                let (p, ty) = self.weight_block(e, w, stored, (0..oc, rows.clone()), 0)?;
+                let ld = if whole {
+                    wt_as_b(layout, ic, oc).0
+                } else {
+                    rows.len()
+                };
+                (p, ty, ld, false)
+            }
+            // [IC, OC]: rows `rows` of the stored weight, read transposed.
+            WeightLayout::InOut => {
+                let (p, ty) = self.weight_rows(e, w, stored, rows.clone(), 0)?;
+                (p, ty, oc, true)
+            }
+        })
+    }
+
+    /// A quantized base is stored `[out, in]` (nn.Linear's layout) or not at all.
+    fn check_quantized_layout(&self, e: &OpEntry, layout: WeightLayout) -> Result<()> {
         if matches!(self.param_dtype(e), Some(DType::Ggml(_))) && layout != WeightLayout::OutIn {
             bail!("internal error: {}: a quantized base is [out, in]", e.name);
         }
-        self.weight(e, w, stored_shape(layout, ic, oc), 0)
+        Ok(())
     }
 
     /// `db[OC] += Σ_rows dout[N, OC]` (T): per-chunk f32 column sums into the scratch's
@@ -255,6 +370,30 @@ mod tests {
         assert_eq!(w_as_b(WeightLayout::OutIn, 3, 5), (3, true));
         assert_eq!(wt_as_b(WeightLayout::OutIn, 3, 5), (3, false));
         assert_eq!(stored_shape(WeightLayout::OutIn, 3, 5), (5, 3));
+    }
+
+    #[test]
+    fn chunks_cover_the_range_in_order() {
+        let ranges = |len, chunk| Chunks { len, chunk }.into_iter().collect::<Vec<_>>();
+        assert_eq!(ranges(28672, 16384), [0..16384, 16384..28672]);
+        assert_eq!(ranges(8448, 7936), [0..7936, 7936..8448]);
+        assert_eq!(ranges(3072, 3072), vec![0..3072usize]);
+        assert_eq!(
+            Chunks {
+                len: 8448,
+                chunk: 7936
+            }
+            .count(),
+            2
+        );
+        assert_eq!(
+            Chunks {
+                len: 3072,
+                chunk: 3072
+            }
+            .count(),
+            1
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! The head's weight `[V, C]` as the GEMMs read it: the f32 master in place in an fp32 plan;
 //! else its storage-type copy, or a quantized head decoded, in the weight tile, a chunk of
 //! vocabulary rows at a time (`sizing::lm_head_tile`: [`sizing::lm_head_vocab_rows`] rows,
-//! at most `sizing::LM_HEAD_CHUNK_BYTES`), so the tile never holds the whole of a large
+//! at most `sizing::WEIGHT_CHUNK_BYTES`), so the tile never holds the whole of a large
 //! vocabulary's head ([`HeadWeight`]). A chunk is decoded only when the tile holds another:
 //! a head of one chunk once per op; of K chunks 2K − 1 times per row chunk (the forward
 //! walks the chunks up, the backward down from the one the forward left). The logits are
