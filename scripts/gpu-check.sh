@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check of the CUDA backend that needs a GPU, in one run on a GPU machine (which has no
 # Rust): the binaries come from scripts/gpu-build.sh, run here, in .gpu/. Writes under $OUT
-# (default /tmp/gpu-check), at most 8 files:
+# (default /tmp/gpu-check), at most 9 files:
 #   check.log        everything, in order (what the device tool's output tail shows the end of),
 #                    first nvidia-smi, the driver, CUDA and the NVIDIA libraries found
 #   kernels.log      every kernel source compiled by this machine's NVRTC for its card
@@ -10,10 +10,12 @@
 #   runs.jsonl       memwall plan/bench on the GPU, and PyTorch's reference, one JSON line each
 #   ops.json         memwall bench --time-ops: seconds per op kind (each op waited for)
 #   train.log        memwall train on the GPU (Shakespeare, GPT-2 124M, bf16), then a sample
+#   parity.log       scripts/gpu-parity.sh: the CPU against the GPU (fp32, bf16), twice on the
+#                    GPU bitwise, recomputation bitwise, resumed from one device on the other
 #   ncu.csv          with NCU=1: every kernel's duration over a bench step (Nsight Compute)
 # TORCH=0 skips PyTorch's reference (its figure does not change between commits).
 # Each step is bounded by a timeout, so one that hangs leaves the others' logs, and all of them
-# by BUDGET seconds (default 480): a step gets what its own bound and the budget leave, and is
+# by BUDGET seconds (default 540): a step gets what its own bound and the budget leave, and is
 # skipped (counted failed) when under 10 s remain. Exit status: the number of failed steps
 # (0: all passed).
 #   Usage (device tool): carry [".gpu"], command "scripts/gpu-check.sh", timeout 600.
@@ -24,7 +26,7 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/check.log") 2>&1
 bin=.gpu/bin
 failed=0
-budget=${BUDGET:-480}
+budget=${BUDGET:-540}
 step() { # step NAME SECONDS LOG COMMAND...: runs one check, appending to LOG
     local name=$1 secs=$2 log=$3
     shift 3
@@ -68,6 +70,16 @@ export RUST_BACKTRACE=1
 step "kernels: NVRTC for this card" 120 "$OUT/kernels.log" "$bin/cuda_kernels" --test-threads 1
 step "device: open, allocate, round trip, Zero" 60 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
 CUBLASLT_LOG_LEVEL=1 step "conformance suite on the GPU" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
+if [ -d .gpu/data ]; then
+    step "parity: the CPU against the GPU, bitwise repeats, recomputation, resumed across devices" 150 "$OUT/parity.log" scripts/gpu-parity.sh
+fi
+# The issue's QLoRA shape (llama-3-8b, r 16, q4_k, 1 x 2048, full recomputation): the device
+# peak against the plan's (about 6.4 GiB with the context), with the memory sampled as above.
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 >/tmp/gpu-mem-8b.txt 2>/dev/null &
+sampler=$!
+step "memwall bench on the GPU (llama-3-8b QLoRA 16 on q4_k, 1 x 2048, bf16, recompute full)" 200 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model llama-3-8b --lora 16 --base-quant q4_k --batch 1 --seq 2048 --precision bf16 --recompute full --steps 2
+kill $sampler 2>/dev/null
+echo "{\"gpu_memory_used_max_mib\": $(sort -n /tmp/gpu-mem-8b.txt | tail -1), \"during\": \"bench llama-3-8b QLoRA 16 q4_k 1 x 2048 bf16\"}" | tee -a "$OUT/runs.jsonl"
 # The tensor-core attention (off by default until a card confirms it): the suite and a bench.
 MEMWALL_CUDA_ATTENTION=mma step "conformance suite, attention on the tensor cores (MEMWALL_CUDA_ATTENTION=mma)" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
 MEMWALL_CUDA_ATTENTION=mma step "memwall bench, attention on the tensor cores (gpt2, 16 x 1024, bf16)" 90 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5

@@ -489,15 +489,11 @@ pub(crate) struct StepArgs {
     pub(crate) max_memory: Option<u64>,
     /// The backend that plans and runs the steps, KIND or KIND:N, device N of that kind counted
     /// from 0 (KIND alone is device 0): cpu (= cpu:0, all of this machine's cores), or cuda (= gpu:
-    /// an NVIDIA GPU; planned by any build, run by a build with `--features cuda`) [default: cpu]
-    #[arg(
-        long,
-        value_name = "KIND[:N]",
-        value_parser = parse_device,
-        default_value = "cpu",
-        hide_default_value = true
-    )]
-    pub(crate) device: DeviceId,
+    /// an NVIDIA GPU; planned by any build, run by a build with `--features cuda`). A checkpoint
+    /// is the same on every device, so `--resume` continues a run on another (`--device cpu`
+    /// a run started on a GPU, and the reverse) [default: cpu; with --resume, the run's own]
+    #[arg(long, value_name = "KIND[:N]", value_parser = parse_device)]
+    pub(crate) device: Option<DeviceId>,
     #[command(flatten)]
     pub(crate) strategy: StrategyArgs,
 }
@@ -672,7 +668,7 @@ impl StepArgs {
             seq: self.seq,
             threads: self.threads,
             max_memory: self.max_memory,
-            device: self.device,
+            device: self.device.unwrap_or(DeviceId::CPU),
             strategy: self.strategy.request(),
         }
     }
@@ -702,6 +698,7 @@ impl TrainArgs {
                 ("--eval-every", self.eval_every.is_some()),
                 ("--eval-batches", self.eval_batches.is_some()),
                 ("--save-every", self.save_every.is_some()),
+                ("--device", self.step.device.is_some()),
             ]
             .into_iter()
             .filter_map(|(flag, given)| given.then_some(flag))

@@ -366,6 +366,45 @@ fn sizes_too_large_to_plan_are_refused_naming_the_flag() {
     ]);
 }
 
+/// A checkpoint is the same bytes from every backend, so a run started on a GPU resumes on
+/// the CPU with `--device cpu` (and the reverse). Here the run's record says `cuda` (as a GPU
+/// run's does): without `--device` the resumed run keeps it and, on a machine or build
+/// without a GPU, stops before writing anything, naming the device; with `--device cpu` it
+/// continues on the CPU, says so, and records the CPU. (`scripts/gpu-check.sh` resumes a run
+/// trained on a GPU on the CPU and the reverse.)
+#[test]
+fn a_run_resumes_on_the_device_it_is_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let cfg = common::micro_config(tmp.path());
+    let run = tmp.path().join("run");
+    let shape = ["--batch", "2", "--seq", "16", "--eval-every", "0"];
+    let mut args = common::train_args(&cfg, &data, &run, &shape);
+    args.extend(["--steps", "1", "--save-every", "1"].map(String::from));
+    ok(&args);
+    let r = run.to_str().unwrap();
+    let state = run.join("checkpoints/step-000001/trainer_state.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    assert!(v["train"].get("device").is_none(), "the CPU is left out: {v}");
+    v["train"]["device"] = "cuda".into();
+    std::fs::write(&state, v.to_string()).unwrap();
+    let e = fails(&["train", "--resume", r, "--steps", "2"]);
+    assert!(e.contains("cuda"), "{e}");
+    assert!(!run.join("checkpoints/step-000002").exists(), "{e}");
+    let o = memwall(&["train", "--resume", r, "--steps", "2", "--device", "cpu"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("--device cpu (the run used cuda)") && err.contains("continues on cpu"),
+        "{err}"
+    );
+    let next = run.join("checkpoints/step-000002/trainer_state.json");
+    let w: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(next).unwrap()).unwrap();
+    assert!(w["train"].get("device").is_none(), "recorded as the CPU: {w}");
+}
+
 #[test]
 fn a_resumed_run_takes_the_threads_it_is_given_and_checks_the_recorded_ones() {
     let tmp = tempfile::tempdir().unwrap();

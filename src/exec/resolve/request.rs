@@ -140,7 +140,8 @@ pub struct TrainRequest {
     /// Steps to profile (`--profile --profile-steps N`; 0: not profiling).
     pub profile_steps: u64,
     /// The flags among `--lr`, `--warmup`, `--weight-decay`, `--grad-clip`, `--seed`,
-    /// `--eval-every`, `--eval-batches` and `--save-every` given on the command line (the
-    /// fields above hold their defaults otherwise): a resumed run applies or refuses each.
+    /// `--eval-every`, `--eval-batches`, `--save-every` and `--device` given on the command
+    /// line (the fields above hold their defaults otherwise): a resumed run applies or refuses
+    /// each.
     pub given: Vec<&'static str>,
 }

@@ -228,6 +228,16 @@ pub fn resume(
         ));
         opts.threads = t;
     }
+    // A checkpoint is host bytes, the same from every backend: the run continues on the
+    // device given, said aloud (the last bits of its results follow the device's kernels).
+    if req.given.contains(&"--device") && req.step.device != opts.device {
+        opts.notes.push(format!(
+            "note: --device {} (the run used {}): the run continues on {}; its results may \
+             differ in the last bits from a run that kept {}",
+            req.step.device, opts.device, req.step.device, opts.device
+        ));
+        opts.device = req.step.device;
+    }
     // Recomputation never changes the weights, so a resumed run may change it.
     if let Some(r) = req.step.strategy.recompute {
         opts.strategies.recompute = r;
