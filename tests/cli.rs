@@ -386,7 +386,10 @@ fn a_run_resumes_on_the_device_it_is_given() {
     let state = run.join("checkpoints/step-000001/trainer_state.json");
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
-    assert!(v["train"].get("device").is_none(), "the CPU is left out: {v}");
+    assert!(
+        v["train"].get("device").is_none(),
+        "the CPU is left out: {v}"
+    );
     v["train"]["device"] = "cuda".into();
     std::fs::write(&state, v.to_string()).unwrap();
     let e = fails(&["train", "--resume", r, "--steps", "2"]);
@@ -402,7 +405,10 @@ fn a_run_resumes_on_the_device_it_is_given() {
     let next = run.join("checkpoints/step-000002/trainer_state.json");
     let w: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(next).unwrap()).unwrap();
-    assert!(w["train"].get("device").is_none(), "recorded as the CPU: {w}");
+    assert!(
+        w["train"].get("device").is_none(),
+        "recorded as the CPU: {w}"
+    );
 }
 
 #[test]
