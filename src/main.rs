@@ -248,10 +248,17 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         .strategies
         .step_config(r.batch, a.step.seq.unwrap_or(DEFAULT_SEQ), threads);
     let (recompute, offload) = (r.strategies.recompute, r.strategies.offload);
-    let cal = match &r.cal {
-        Some(c) => c.clone(),
-        None => memwall::exec::calibrate_transport::current(threads, a.ranks)?,
+    // A GPU's times come from its own calibration, or are not given (never the CPU's).
+    let gpu = req.device.kind == memwall::backend::DeviceKind::Cuda;
+    let gpu_cal = match gpu {
+        true => memwall::exec::calibrate::for_device(req.device, threads)?,
+        false => None,
     };
+    let cal = match (&r.cal, &gpu_cal) {
+        (Some(c), _) | (None, Some(c)) => c.clone(),
+        (None, None) => memwall::exec::calibrate_transport::current(threads, a.ranks)?,
+    };
+    let timed = !gpu || r.cal.is_some() || gpu_cal.is_some();
     // An over-budget fixed choice still prints its plan, then the refusal.
     let plan = match (recompute, offload) {
         (RecomputeChoice::Fixed(rc), OffloadChoice::Set(_)) => build_plan(
@@ -288,14 +295,14 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             &plan.cfg,
             backend,
             baseline,
-            (req.device.kind != memwall::backend::DeviceKind::Cuda).then_some(&cal),
+            timed.then_some(&cal),
         )?),
         false => None,
     };
     let plan_json = || -> Result<PlanJson> {
         let mut p = PlanJson::from_plan(&plan, baseline)?.with_budgets(&budgets);
         p.ranks = every.as_ref().map(serde_json::to_value).transpose()?;
-        if req.device.kind != memwall::backend::DeviceKind::Cuda {
+        if timed {
             p = p.with_prediction(&predicted, &cal);
         }
         p.fit = r.fit.clone();
@@ -319,11 +326,13 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             "{}",
             plan::report::table(&plan, baseline, &budgets, backend)
         );
-        if req.device.kind == memwall::backend::DeviceKind::Cuda {
-            // The time model is the CPU's: no figure rather than a wrong one.
+        if !timed {
+            // No GPU calibration: no figure rather than the CPU's.
             println!(
-                "  predicted step time          not modelled on a GPU yet (the time model is \
-                 the CPU's until `memwall calibrate --device cuda` exists)"
+                "  predicted step time          not modelled: no GPU calibration here (run \
+                 `memwall calibrate --device cuda` on the GPU machine; it saves \
+                 calibration/cuda-<gpu>.json in the user cache, which plans anywhere use \
+                 when copied there)"
             );
         } else {
             println!("{}", time_line(&plan, &predicted, &cal));
@@ -694,14 +703,23 @@ fn calibrate_cmd(a: CalibrateArgs) -> Result<()> {
         quick: a.quick,
         device: a.device,
     };
-    let path = calibrate::cache_file(opts.threads)
+    // Checked before the minute of measuring, so a machine with no cache fails at once.
+    calibrate::cache_file(opts.threads)
         .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;
-    eprintln!(
-        "calibrating {} on {} threads (about a minute on 2 cores)",
-        memwall::util::machine::cpu_name(),
-        opts.threads
-    );
+    match opts.device.kind {
+        memwall::backend::DeviceKind::Cuda => eprintln!(
+            "calibrating the GPU {} (its ops, at a GPU's sizes: a minute or two)",
+            opts.device
+        ),
+        _ => eprintln!(
+            "calibrating {} on {} threads (about a minute on 2 cores)",
+            memwall::util::machine::cpu_name(),
+            opts.threads
+        ),
+    }
     let cal = calibrate::run(&opts, &mut |s| eprintln!("  {s}"))?;
+    let path = calibrate::cache_file_of(&cal)
+        .context("no user cache to save the calibration in: set HOME or XDG_CACHE_HOME")?;
     calibrate::save(&cal, &path)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&cal)?);

@@ -645,3 +645,89 @@ fn plan_probes_a_small_disk_and_names_which_file_needs_what() {
         "{e}"
     );
 }
+
+/// A GPU's step time comes from its own calibration (`memwall calibrate --device cuda`,
+/// saved as `calibration/cuda-<gpu>.json`), never from the CPU's: without one, `plan
+/// --device cuda` gives no figure, `--fit --device cuda` is refused naming the command, and
+/// `bench` reports no prediction; with one (copied from a GPU machine; here a CPU calibration
+/// relabelled, since this test has no GPU), plans for the GPU are priced by it, `--fit`
+/// searches with it, and CPU plans keep the CPU's.
+#[test]
+fn a_gpu_plan_is_timed_by_the_gpus_own_calibration() {
+    let cache = tempfile::tempdir().unwrap();
+    let env = cache_env(cache.path());
+    let gpu_plan = [
+        "plan",
+        "--device",
+        "cuda",
+        "--model",
+        "gpt2-tiny",
+        "--seq",
+        "64",
+        "--threads",
+        "2",
+    ];
+    let table = run_ok(&env, &gpu_plan);
+    assert!(
+        table.contains("not modelled: no GPU calibration"),
+        "{table}"
+    );
+    let p: serde_json::Value =
+        serde_json::from_str(&run_ok(&env, &[&gpu_plan[..], &["--json"]].concat())).unwrap();
+    assert!(p["predicted_step_s"].is_null(), "{}", p["predicted_step_s"]);
+    let fit = [&gpu_plan[..], &["--fit", "--max-memory", "24GiB"]].concat();
+    let envs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = memwall_env(&envs, &fit);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("memwall calibrate --device cuda"),
+        "{e}"
+    );
+    // A GPU machine's calibration, copied here.
+    let out = run_ok(&env, &["calibrate", "--quick", "--threads", "2", "--json"]);
+    let mut cal: serde_json::Value = serde_json::from_str(&out).unwrap();
+    cal["cpu"] = "NVIDIA H200".into();
+    cal["gpu"] = true.into();
+    let dir = cache.path().join("memwall/calibration");
+    std::fs::write(dir.join("cuda-nvidia-h200.json"), cal.to_string()).unwrap();
+    let table = run_ok(&env, &gpu_plan);
+    assert!(
+        table.contains("predicted step time") && table.contains("on the GPU NVIDIA H200"),
+        "{table}"
+    );
+    let p: serde_json::Value =
+        serde_json::from_str(&run_ok(&env, &[&gpu_plan[..], &["--json"]].concat())).unwrap();
+    assert!(p["predicted_step_s"].as_f64().unwrap() > 0.0, "{p}");
+    let table = run_ok(&env, &fit);
+    assert!(
+        table.contains("fastest plans that fit --max-memory 24.00 GiB"),
+        "{table}"
+    );
+    // The CPU's plans keep the CPU's calibration.
+    let table = run_ok(
+        &env,
+        &[
+            "plan",
+            "--model",
+            "gpt2-tiny",
+            "--seq",
+            "64",
+            "--threads",
+            "2",
+        ],
+    );
+    assert!(
+        table.contains("predicted step time") && !table.contains("NVIDIA H200"),
+        "{table}"
+    );
+    // A damaged GPU calibration is named, with what to do.
+    std::fs::write(dir.join("cuda-nvidia-h200.json"), "{").unwrap();
+    let o = memwall_env(&envs, &gpu_plan);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && e.contains("cuda-nvidia-h200.json")
+            && e.contains("memwall calibrate --device cuda"),
+        "{e}"
+    );
+}

@@ -64,6 +64,9 @@ pub trait Backend: Sizing + Sync {
     /// The backend's facts a benchmark records beside its figures (for the CPU: the mixed
     /// precision path and whether the CPU has AVX512_BF16), as JSON fields.
     fn bench_facts(&self, storage: DType) -> serde_json::Map<String, serde_json::Value>;
+    /// The processor the ops run on, by name (the CPU's model, the GPU's): what a calibration
+    /// of this backend is kept for.
+    fn processor(&self) -> String;
 }
 
 /// A measured arithmetic ceiling: the f32 one the GEMMs run against, and every loop the

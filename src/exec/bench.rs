@@ -82,6 +82,8 @@ struct Bench {
     baseline: u64,
     calibration: Calibration,
     predicted: StepTime,
+    /// Whether `predicted` is the device's own (false: a GPU with no calibration).
+    timed: bool,
     plan: PlanFigures,
     ex: Executor,
     /// The FMA ceiling, measured before the steps.
@@ -151,7 +153,11 @@ fn set_up(opts: &BenchOptions) -> Result<Bench> {
     let spec = ModelSpec::resolve(&opts.model)?;
     let backend = opts.device.open()?;
     let baseline = rss::current_rss().unwrap_or(0);
-    let calibration = super::calibrate::current(opts.threads)?;
+    // On a GPU, its own calibration (none: the step is timed, not predicted).
+    let (calibration, timed) = match super::calibrate::for_device(opts.device, opts.threads)? {
+        Some(c) => (c, true),
+        None => (super::calibrate::current(opts.threads)?, false),
+    };
     let mut strategies = opts
         .strategies
         .with_offload_dir(std::path::Path::new("memwall-offload"));
@@ -169,10 +175,11 @@ fn set_up(opts: &BenchOptions) -> Result<Bench> {
             .with_context(|| format!("--profile {}: cannot create the directory", dir.display()))?;
         let budgets =
             crate::plan::Budgets::new(plan.compute_tier(), opts.strategies.max_memory, None);
-        PlanJson::from_plan(&plan, baseline)?
-            .with_budgets(&budgets)
-            .with_prediction(&predicted, &calibration)
-            .write(&RunDir::new(dir).plan())?;
+        let mut p = PlanJson::from_plan(&plan, baseline)?.with_budgets(&budgets);
+        if timed {
+            p = p.with_prediction(&predicted, &calibration);
+        }
+        p.write(&RunDir::new(dir).plan())?;
     }
     let figures = PlanFigures::of(&plan);
     let mut ex = Executor::on(plan, backend)?;
@@ -199,6 +206,7 @@ fn set_up(opts: &BenchOptions) -> Result<Bench> {
         baseline,
         calibration,
         predicted,
+        timed,
         plan: figures,
         ex,
         peak_before,
@@ -360,6 +368,7 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
         baseline,
         calibration,
         predicted,
+        timed,
         plan,
         mut ex,
         peak_before,
@@ -422,12 +431,15 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
         "tokens_per_s": tokens / median,
         "step_s_median": median,
         "step_s": times,
-        "predicted_step_s": predicted.step_s,
-        "time_error_pct": 100.0 * (predicted.step_s - median) / median,
+        "predicted_step_s": timed.then_some(predicted.step_s),
+        "time_error_pct": timed.then(|| 100.0 * (predicted.step_s - median) / median),
         "predicted": {
             "compute_s": predicted.compute_s, "io_s": predicted.io_s, "stall_s": predicted.stall_s,
             "bound": predicted.bound, "estimated": predicted.estimated,
-            "calibration": calibration.describe(),
+            "calibration": match timed {
+                true => calibration.describe(),
+                false => "none for this GPU: `memwall calibrate --device cuda` measures one".into(),
+            },
         },
         "gflops_per_s": flops as f64 / median / 1e9,
         "flops_per_step": flops,

@@ -125,6 +125,75 @@ const SUITE: [Case; 7] = [
     },
 ];
 
+/// The suite on a GPU: the same roles, index by index (GPT-2 shapes first, the LoRA runs on
+/// entry 5, the optimizer-state runs on 0 and 1), at the rows a GPU trains on (2K to 16K),
+/// widths up to a Llama 3 8B layer's, so the fitted rates are those of full-size kernels.
+const GPU_SUITE: [Case; 7] = [
+    Case {
+        preset: "gpt2",
+        c: 768,
+        heads: 12,
+        kv_heads: 12,
+        mlp: 3072,
+        b: 2,
+        t: 256,
+    },
+    Case {
+        preset: "gpt2",
+        c: 768,
+        heads: 12,
+        kv_heads: 12,
+        mlp: 3072,
+        b: 8,
+        t: 1024,
+    },
+    Case {
+        preset: "gpt2",
+        c: 1024,
+        heads: 16,
+        kv_heads: 16,
+        mlp: 4096,
+        b: 16,
+        t: 1024,
+    },
+    Case {
+        preset: "gpt2",
+        c: 1280,
+        heads: 20,
+        kv_heads: 20,
+        mlp: 5120,
+        b: 4,
+        t: 1024,
+    },
+    Case {
+        preset: "gpt2",
+        c: 1600,
+        heads: 25,
+        kv_heads: 25,
+        mlp: 6400,
+        b: 8,
+        t: 512,
+    },
+    Case {
+        preset: "smollm2-135m",
+        c: 576,
+        heads: 9,
+        kv_heads: 3,
+        mlp: 1536,
+        b: 16,
+        t: 1024,
+    },
+    Case {
+        preset: "smollm2-135m",
+        c: 4096,
+        heads: 32,
+        kv_heads: 8,
+        mlp: 14336,
+        b: 1,
+        t: 2048,
+    },
+];
+
 impl Case {
     fn spec(&self) -> Result<ModelSpec> {
         let mut s = ModelSpec::preset(self.preset)?;
@@ -347,15 +416,18 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     }
     let mut samples = Vec::new();
     let mut runs: Vec<(ModelSpec, StepConfig)> = Vec::new();
+    let backend = opts.device.open()?;
+    let gpu = opts.device.kind == crate::backend::DeviceKind::Cuda;
+    let all: &[Case; 7] = if gpu { &GPU_SUITE } else { &SUITE };
     let (precisions, suite): (&[Precision], Vec<&Case>) = if opts.quick {
         (
             &[Precision::F32],
-            [0, 1, 5].iter().map(|&i| &SUITE[i]).collect(),
+            [0, 1, 5].iter().map(|&i| &all[i]).collect(),
         )
     } else {
         (
             &[Precision::F32, Precision::Bf16, Precision::F16],
-            SUITE.iter().collect(),
+            all.iter().collect(),
         )
     };
     for &precision in precisions {
@@ -367,7 +439,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         // LoRA (r 16, every linear layer) on the Llama shape: the adapters' ops, the frozen
         // layers' input-gradient GEMMs, and those on a quantized base.
         for quant in [BaseQuant::F32, BaseQuant::Blocks(GgmlType::Q4_0)] {
-            let case = &SUITE[5];
+            let case = &all[5];
             let spec = case.spec()?;
             let mut cfg = StepConfig::new(case.b, case.t, opts.threads);
             cfg.precision = precision;
@@ -382,7 +454,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         }
         // The optimizer-state formats' AdamW, on the smaller GPT-2 shapes.
         for state in [OptimState::Bf16, OptimState::Int8] {
-            for case in &SUITE[..2] {
+            for case in &all[..2] {
                 let mut cfg = StepConfig::new(case.b, case.t, opts.threads);
                 cfg.precision = precision;
                 cfg.optim_state = state;
@@ -401,7 +473,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
             cfg.optim_state,
             t0.elapsed().as_secs_f64()
         ));
-        time_ops(spec, cfg, opts.device.open()?, &mut samples)
+        time_ops(spec, cfg, backend, &mut samples)
             .with_context(|| format!("calibrating on {}", spec.name))?;
     }
     let mut by_kind: BTreeMap<String, Vec<&Sample>> = BTreeMap::new();
@@ -427,14 +499,86 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     };
     Ok(Calibration {
         source: Source::Measured { at: utc_now() },
-        cpu: cpu_name(),
+        cpu: backend.processor(),
+        gpu,
         threads: opts.threads,
-        fma_peak_gflops: fma_peak(opts.threads, opts.device.open()?)?,
+        fma_peak_gflops: fma_peak(opts.threads, backend)?,
         kinds,
         disk,
         disk_dir: opts.offload_dir.clone(),
         transport: None,
     })
+}
+
+/// Where the calibration of the GPU named `gpu` is kept in the user cache
+/// (`calibration/cuda-<name>.json`, the name's letters and digits, `-` for the rest).
+pub fn gpu_cache_file(gpu: &str) -> Option<PathBuf> {
+    let slug: String = gpu
+        .chars()
+        .map(|c| match c.is_ascii_alphanumeric() {
+            true => c.to_ascii_lowercase(),
+            false => '-',
+        })
+        .collect();
+    crate::util::cache::memwall_cache()
+        .map(|d| d.join("calibration").join(format!("cuda-{slug}.json")))
+}
+
+/// Where `cal` is kept: by thread count for the CPU ([`cache_file`]), by name for a GPU
+/// ([`gpu_cache_file`]).
+pub fn cache_file_of(cal: &Calibration) -> Option<PathBuf> {
+    match cal.gpu {
+        true => gpu_cache_file(&cal.cpu),
+        false => cache_file(cal.threads),
+    }
+}
+
+/// The GPU calibrations saved in the user cache, newest first (by when they were measured).
+/// A file that cannot be read is an error naming it.
+pub fn saved_gpu_calibrations() -> Result<Vec<(PathBuf, Calibration)>> {
+    let Some(dir) = crate::util::cache::memwall_cache().map(|d| d.join("calibration")) else {
+        return Ok(Vec::new());
+    };
+    let entries = match std::fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let path = entry
+            .with_context(|| format!("cannot list {}", dir.display()))?
+            .path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !(name.starts_with("cuda-") && name.ends_with(".json")) {
+            continue;
+        }
+        let redo = "memwall calibrate --device cuda";
+        if let Some(cal) = load_json::<Calibration>(&path, redo, Calibration::check)?
+            && cal.gpu
+        {
+            found.push((path, cal));
+        }
+    }
+    let at = |c: &Calibration| match &c.source {
+        Source::Measured { at } => at.clone(),
+        Source::Estimate => String::new(),
+    };
+    found.sort_by(|a, b| at(&b.1).cmp(&at(&a.1)));
+    Ok(found)
+}
+
+/// The calibration the time model uses for plans on `device` with `threads` threads: the
+/// CPU's ([`current`]: saved, or estimated from the FMA peak); for a GPU, the newest saved
+/// GPU calibration (`memwall calibrate --device cuda`, made on a GPU machine and copied with
+/// the user cache), or `None`: a GPU's times are not estimated from anything less.
+pub fn for_device(device: DeviceId, threads: usize) -> Result<Option<Calibration>> {
+    match device.kind {
+        crate::backend::DeviceKind::Cuda => {
+            Ok(saved_gpu_calibrations()?.into_iter().next().map(|(_, c)| c))
+        }
+        _ => current(threads).map(Some),
+    }
 }
 
 /// Writes `cal` to `path` (atomically; the directory is created).
@@ -486,7 +630,7 @@ pub fn load(threads: usize) -> Result<Option<Calibration>> {
         return Ok(None);
     };
     let cal: Option<Calibration> = load_json(&path, "memwall calibrate", Calibration::check)?;
-    Ok(cal.filter(|c| c.cpu == cpu_name() && c.threads == threads))
+    Ok(cal.filter(|c| !c.gpu && c.cpu == cpu_name() && c.threads == threads))
 }
 
 /// The calibration the time model uses on `threads` threads: the saved one, else an

@@ -101,8 +101,13 @@ pub enum Source {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Calibration {
     pub source: Source,
-    /// The CPU's model name (a calibration taken on another CPU is not used).
+    /// The processor measured: the CPU's model name (a calibration taken on another CPU is
+    /// not used), or with `gpu` the GPU's (`NVIDIA H200`).
     pub cpu: String,
+    /// Whether the ops ran on a GPU (`memwall calibrate --device cuda`): the costs are the
+    /// GPU's, kept apart from the CPU's ([`crate::exec::calibrate::gpu_cache_file`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gpu: bool,
     pub threads: usize,
     /// The f32 FMA ceiling of these threads (GFLOP/s).
     pub fma_peak_gflops: f64,
@@ -206,6 +211,7 @@ impl Calibration {
             cpu,
             threads,
             fma_peak_gflops,
+            gpu: false,
             kinds: BTreeMap::new(),
             disk: None,
             disk_dir: None,
@@ -299,6 +305,11 @@ impl Calibration {
             (None, _) => "disk not measured (1 GB/s assumed)".to_string(),
         };
         match &self.source {
+            Source::Measured { at } if self.gpu => format!(
+                "calibrated {at} on the GPU {} (`memwall calibrate --device cuda`; {} op kinds)",
+                self.cpu,
+                self.kinds.len()
+            ),
             Source::Measured { at } => format!(
                 "calibrated {at} on {} ({} op kinds, FMA peak {:.0} GFLOP/s; {disk})",
                 crate::util::count(self.threads as u64, "thread"),

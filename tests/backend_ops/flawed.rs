@@ -64,6 +64,10 @@ impl Backend for Flawed {
     ) -> serde_json::Map<String, serde_json::Value> {
         under_test().bench_facts(storage)
     }
+
+    fn processor(&self) -> String {
+        under_test().processor()
+    }
 }
 
 struct FlawedDevice(Box<dyn Device>, Flaw);

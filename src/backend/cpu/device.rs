@@ -83,6 +83,10 @@ impl Backend for Cpu {
         super::peak::measure(5, 0.02)
     }
 
+    fn processor(&self) -> String {
+        crate::util::machine::cpu_name()
+    }
+
     fn bench_facts(&self, storage: DType) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
         m.insert(

@@ -158,6 +158,10 @@ impl Backend for Gpu {
         None
     }
 
+    fn processor(&self) -> String {
+        self.name.clone()
+    }
+
     fn bench_facts(&self, _storage: DType) -> serde_json::Map<String, serde_json::Value> {
         let mut m = serde_json::Map::new();
         m.insert("gpu".into(), self.name.clone().into());

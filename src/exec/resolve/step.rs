@@ -176,14 +176,6 @@ pub fn resolve_step(
              continues with that dropout)"
         );
     }
-    if step.fit && step.device.kind == crate::backend::DeviceKind::Cuda {
-        bail!(
-            "--fit --device {}: --fit ranks choices by the time model, which is the CPU's until \
-             `memwall calibrate --device cuda` exists; give the strategies (or --batch auto \
-             with --max-memory, which needs no time model)",
-            step.device
-        );
-    }
     if step.fit
         && (ranks > 1
             || st.zero.is_some()
@@ -206,7 +198,17 @@ pub fn resolve_step(
         if let Some((quant, types)) = &frozen.base {
             (space.base_quant, space.base_types) = (*quant, types.clone());
         }
-        let cal = crate::exec::calibrate::current(threads)?;
+        // A GPU's choices are ranked by its own calibration, never the CPU's.
+        let Some(cal) = crate::exec::calibrate::for_device(step.device, threads)? else {
+            bail!(
+                "--fit --device {}: --fit ranks choices by the time model, and there is no GPU \
+                 calibration here: run `memwall calibrate --device cuda` on the GPU machine \
+                 (it saves calibration/cuda-<gpu>.json in the user cache; copy that file to \
+                 plan elsewhere), or give the strategies (or --batch auto with --max-memory, \
+                 which needs no time model)",
+                step.device
+            );
+        };
         let f = search::fit(spec, &space, budget, baseline, &cal, backend)?;
         let mut r = Resolved::fitted(f, budget, st.offload_dir.clone(), cal);
         r.notes = notes;

@@ -329,7 +329,11 @@ pub fn plan_for(
         .strategies
         .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
     strategies.packed = packed;
-    let calibration = crate::exec::calibrate_transport::current(opts.threads, ranks)?;
+    // A GPU run is priced by the GPU's calibration where one is saved.
+    let calibration = match crate::exec::calibrate::for_device(opts.device, opts.threads)? {
+        Some(c) if c.gpu => c,
+        _ => crate::exec::calibrate_transport::current(opts.threads, ranks)?,
+    };
     let plan = strategies.plan(
         spec,
         (opts.batch, opts.seq, opts.threads),
