@@ -564,7 +564,7 @@ pub fn saved_gpu_calibrations() -> Result<Vec<(PathBuf, Calibration)>> {
         Source::Measured { at } => at.clone(),
         Source::Estimate => String::new(),
     };
-    found.sort_by(|a, b| at(&b.1).cmp(&at(&a.1)));
+    found.sort_by_key(|f| std::cmp::Reverse(at(&f.1)));
     Ok(found)
 }
 
