@@ -95,6 +95,7 @@ fn arch_of(spec: &ModelSpec) -> &'static str {
     match spec.family {
         Family::Llama => "llama",
         Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
         Family::Gpt2 => "gpt2",
     }
 }
