@@ -125,6 +125,8 @@ macro_rules! backend_suite {
                 layers::layernorm_backward,
                 layers::rmsnorm,
                 layers::rmsnorm_backward,
+                layers::qk_norm,
+                layers::qk_norm_backward,
                 layers::matmul,
                 layers::matmul_backward,
                 layers::attention,

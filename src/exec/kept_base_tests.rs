@@ -41,7 +41,7 @@ fn uniform(tied: bool) -> Vec<u8> {
 /// them. Qwen2's q, k and v biases stay f32 beside the blocks.
 #[test]
 fn a_kept_base_stores_mixed_fused_projections_as_q8_0() {
-    for arch in ["llama", "qwen2"] {
+    for arch in ["llama", "qwen2", "qwen3"] {
         kept_is_its_conversion(&tiny_model(arch, true).to_bytes(), true, fused_as_q8_0);
     }
 }

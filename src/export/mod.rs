@@ -95,6 +95,7 @@ fn arch_of(spec: &ModelSpec) -> &'static str {
     match spec.family {
         Family::Llama => "llama",
         Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
         Family::Gpt2 => "gpt2",
     }
 }
@@ -143,7 +144,9 @@ fn model_metadata(
             Value::F32(spec.norm_eps),
         ),
     ]);
-    if spec.head_dim * spec.n_head != spec.n_embd {
+    // llama.cpp's converter writes the lengths whenever config.json has `head_dim`, which
+    // every Qwen3 config has (convert_hf_to_gguf.py, `TextModel.set_gguf_parameters`).
+    if spec.family == Family::Qwen3 || spec.head_dim * spec.n_head != spec.n_embd {
         md.push((k("attention.key_length"), u(spec.head_dim)));
         md.push((k("attention.value_length"), u(spec.head_dim)));
     }

@@ -68,7 +68,7 @@ fn f32s(b: &[u8]) -> Vec<f32> {
 
 #[test]
 fn f32_export_then_convert_gives_back_every_tensor_bitwise() {
-    for arch in ["llama", "qwen2", "gpt2"] {
+    for arch in ["llama", "qwen2", "qwen3", "gpt2"] {
         let tmp = tempfile::tempdir().unwrap();
         let a = tiny_dir(tmp.path(), arch);
         let g = tmp.path().join("out.gguf");
@@ -786,7 +786,7 @@ fn smollm2_exports_back_to_its_own_tensors_and_metadata() {
 /// keys) is the file its conversion's export is, byte for byte, for each family and type.
 #[test]
 fn a_gguf_file_exports_in_place_as_its_conversion_does() {
-    for arch in ["llama", "qwen2", "gpt2"] {
+    for arch in ["llama", "qwen2", "qwen3", "gpt2"] {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tiny_dir(tmp.path(), arch);
         let src = tmp.path().join("src.gguf");

@@ -74,7 +74,8 @@ impl HfModel {
             "use_cache": true,
             "torch_dtype": torch_dtype,
         });
-        if d.head_dim * d.heads != d.hidden {
+        // Qwen3Config's head_dim defaults to 128 whatever the width: always written.
+        if self.arch == Arch::Qwen3 || d.head_dim * d.heads != d.hidden {
             c["head_dim"] = json!(d.head_dim);
         }
         match self.arch {
@@ -84,6 +85,7 @@ impl HfModel {
                 c["sliding_window"] = json!(d.context);
                 c["max_window_layers"] = json!(d.layers);
             }
+            Arch::Qwen3 => c["use_sliding_window"] = json!(false),
             Arch::Gpt2 => unreachable!("returned above"),
         }
         c
@@ -111,11 +113,16 @@ enum Part {
     Gate,
     Up,
     Down,
+    /// Qwen3's per-head norms.
+    QNorm,
+    KNorm,
 }
 
-const PARTS: [(&str, Part, &str); 9] = [
+const PARTS: [(&str, Part, &str); 11] = [
     ("attn_q", Part::Q, "self_attn.q_proj"),
     ("attn_k", Part::K, "self_attn.k_proj"),
+    ("attn_q_norm", Part::QNorm, "self_attn.q_norm"),
+    ("attn_k_norm", Part::KNorm, "self_attn.k_norm"),
     ("attn_v", Part::V, "self_attn.v_proj"),
     ("attn_output", Part::O, "self_attn.o_proj"),
     ("attn_norm", Part::AttnNorm, "input_layernorm"),
@@ -152,7 +159,7 @@ fn parse_name(name: &str) -> Option<Role> {
 pub fn hf_tensor_name(name: &str) -> Result<String> {
     let Some(role) = parse_name(name) else {
         bail!(
-            "unknown tensor {name}: a llama/qwen2 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}}"
+            "unknown tensor {name}: a llama/qwen2/qwen3 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}} (qwen3 also attn_q_norm, attn_k_norm)"
         );
     };
     Ok(match role {
@@ -307,7 +314,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let tied = f.tensor("output.weight").is_none();
     let attention_bias = match arch {
         Arch::Qwen2 => true,
-        Arch::Llama | Arch::Gpt2 => f.tensor("blk.0.attn_q.bias").is_some(),
+        Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => f.tensor("blk.0.attn_q.bias").is_some(),
     };
     let mut tensors = Vec::with_capacity(f.tensors.len());
     for t in &f.tensors {
@@ -337,10 +344,13 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let mut want = vec!["token_embd.weight".to_string(), "output_norm.weight".into()];
     for l in 0..layers {
         for (p, part, _) in PARTS {
+            if matches!(part, Part::QNorm | Part::KNorm) && arch != Arch::Qwen3 {
+                continue;
+            }
             want.push(format!("blk.{l}.{p}.weight"));
             let bias = match arch {
                 Arch::Qwen2 => matches!(part, Part::Q | Part::K | Part::V),
-                Arch::Llama | Arch::Gpt2 => {
+                Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => {
                     attention_bias && matches!(part, Part::Q | Part::K | Part::V | Part::O)
                 }
             };
@@ -453,7 +463,7 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
         Role::Layer(_, p, true) => {
             let allowed = match arch {
                 Arch::Qwen2 => matches!(p, Part::Q | Part::K | Part::V),
-                Arch::Llama | Arch::Gpt2 => {
+                Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => {
                     attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O)
                 }
             };
@@ -473,6 +483,8 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
             Part::AttnNorm | Part::FfnNorm => vec![h],
             Part::Gate | Part::Up => vec![h, ffn],
             Part::Down => vec![ffn, h],
+            Part::QNorm | Part::KNorm if arch == Arch::Qwen3 => vec![u(d.head_dim)],
+            Part::QNorm | Part::KNorm => bail!("a q/k norm is not part of a {} model", arch.name()),
         },
     })
 }

@@ -217,9 +217,9 @@ impl GgufWriter {
     }
 }
 
-/// A tiny `arch` model (llama or qwen2): 2 layers, width 32, 4 heads of 8, 2 KV heads, MLP
-/// 256, the test vocabulary; quantized tensors of every decodable type; `tied` leaves out
-/// `output.weight`.
+/// A tiny `arch` model (llama, qwen2 or qwen3): 2 layers, width 32, 4 heads of 8, 2 KV heads,
+/// MLP 256, the test vocabulary; quantized tensors of every decodable type; `tied` leaves out
+/// `output.weight`. qwen3 has `attn_q_norm` / `attn_k_norm` `[8]` and its key/value lengths.
 pub fn tiny_model(arch: &str, tied: bool) -> GgufWriter {
     let (h, q, kv, ffn, vocab) = (32u64, 32u64, 16u64, 256u64, TEST_VOCAB as u64);
     let mut w = GgufWriter::new(3);
@@ -239,6 +239,10 @@ pub fn tiny_model(arch: &str, tied: bool) -> GgufWriter {
     );
     w.kv(&format!("{arch}.rope.freq_base"), Value::F32(100000.0));
     w.kv(&format!("{arch}.rope.dimension_count"), Value::U32(8));
+    if arch == "qwen3" {
+        w.kv(&format!("{arch}.attention.key_length"), Value::U32(8));
+        w.kv(&format!("{arch}.attention.value_length"), Value::U32(8));
+    }
     w.tokenizer(Some("smollm"), false);
     w.random_tensor("token_embd.weight", &[h, vocab], GgmlType::Q8_0, 1);
     for l in 0..2u64 {
@@ -251,6 +255,10 @@ pub fn tiny_model(arch: &str, tied: bool) -> GgufWriter {
             w.random_tensor(&t("attn_q.bias"), &[q], GgmlType::F32, 50 + l);
             w.random_tensor(&t("attn_k.bias"), &[kv], GgmlType::F32, 60 + l);
             w.random_tensor(&t("attn_v.bias"), &[kv], GgmlType::F32, 70 + l);
+        }
+        if arch == "qwen3" {
+            w.random_tensor(&t("attn_q_norm.weight"), &[8], GgmlType::F32, 130 + l);
+            w.random_tensor(&t("attn_k_norm.weight"), &[8], GgmlType::F32, 140 + l);
         }
         w.random_tensor(&t("attn_output.weight"), &[q, h], GgmlType::BF16, 80 + l);
         w.random_tensor(&t("ffn_norm.weight"), &[h], GgmlType::F32, 90 + l);

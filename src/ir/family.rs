@@ -16,7 +16,7 @@ pub enum OpFamily {
     Fill,
     /// The token (and learned position) embedding: [`Op::Encoder`], [`Op::EncoderBackward`].
     Embedding,
-    /// Normalisations: [`Op::LayerNorm`], [`Op::RmsNorm`] and their backwards.
+    /// Normalisations: [`Op::LayerNorm`], [`Op::RmsNorm`], [`Op::QkNorm`] and their backwards.
     Norm,
     /// Linear layers: [`Op::Matmul`], [`Op::MatmulBackward`], and [`Op::AddBias`] (a frozen
     /// layer's bias stored apart from its quantized weight).
@@ -50,7 +50,9 @@ impl Op {
             Op::LayerNorm { .. }
             | Op::LayerNormBackward { .. }
             | Op::RmsNorm { .. }
-            | Op::RmsNormBackward { .. } => OpFamily::Norm,
+            | Op::RmsNormBackward { .. }
+            | Op::QkNorm { .. }
+            | Op::QkNormBackward { .. } => OpFamily::Norm,
             Op::Matmul { .. } | Op::MatmulBackward { .. } | Op::AddBias { .. } => OpFamily::Linear,
             Op::Attention { .. } | Op::AttentionBackward { .. } | Op::Rope { .. } => {
                 OpFamily::Attention

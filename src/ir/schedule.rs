@@ -165,6 +165,22 @@ pub enum Op {
         c: usize,
         eps: f32,
     },
+    /// Qwen3's per-head RMSNorm of a fused q|k|v row: `out[N,QKV], rstd[N,NH+NKV] =
+    /// qk_norm(inp[N,QKV]; w)`, QKV = (NH + 2·NKV)·hd. Each of the NH query heads and NKV key
+    /// heads (hd channels) is normalised as [`Op::RmsNorm`] normalises a row, with its own
+    /// statistics: query heads scaled by `w[..hd]` (`q_norm`), key heads by `w[hd..]`
+    /// (`k_norm`); the NKV value heads are copied.
+    QkNorm {
+        inp: BufId,
+        out: BufId,
+        rstd: BufId,
+        w: Range<usize>, // [2, hd]: q_norm, k_norm
+        rows: Rows,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        eps: f32,
+    },
     /// `out[n, :] += b` for every row `n` (`b` `[OC]`): a frozen linear layer's bias where its
     /// weight is stored apart from it (a quantized LoRA base: the weight in blocks, the bias in
     /// f32; `plan::lora::split_biases`).
@@ -343,6 +359,19 @@ pub enum Op {
         w: Range<usize>,
         rows: Rows,
         c: usize,
+    },
+    /// The backward of [`Op::QkNorm`] in place: `d[N,QKV]`, the gradient of its output, becomes
+    /// its input's (query and key heads replaced, value heads passed through unchanged);
+    /// `dw[2·hd] +=` (query heads' sum into `q_norm`'s, key heads' into `k_norm`'s).
+    QkNormBackward {
+        d: BufId,
+        inp: BufId,
+        rstd: BufId,
+        w: Range<usize>, // [2, hd]
+        rows: Rows,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
     },
     /// `dinp[N,2H] = swiglu_backward(dout[N,H], inp[N,2H])` (overwritten).
     SwigluBackward {

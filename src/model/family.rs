@@ -1,4 +1,4 @@
-//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`]) that knows its
+//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`], which also builds Qwen2 and Qwen3) that knows its
 //! architecture: presets, `config.json` reading, writing and validation, the parameter
 //! inventory with Hugging Face names, shapes and initialisation, checkpoint naming variants,
 //! and the emission of its layers into a step's schedule. [`Family`]'s methods, here,
@@ -13,7 +13,7 @@ use anyhow::Result;
 use serde_json::{Map, Value};
 
 impl Family {
-    pub const ALL: [Family; 3] = [Family::Gpt2, Family::Llama, Family::Qwen2];
+    pub const ALL: [Family; 4] = [Family::Gpt2, Family::Llama, Family::Qwen2, Family::Qwen3];
 
     /// Hugging Face's `model_type`.
     pub fn model_type(self) -> &'static str {
@@ -21,27 +21,34 @@ impl Family {
             Family::Gpt2 => "gpt2",
             Family::Llama => "llama",
             Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
         }
+    }
+
+    /// Whether each query and key head is RMS-normalised before RoPE (Qwen3's `q_norm` and
+    /// `k_norm`: transformers' `Qwen3Attention`, llama.cpp's `LLM_ARCH_QWEN3`).
+    pub fn qk_norm(self) -> bool {
+        matches!(self, Family::Qwen3)
     }
 
     pub fn preset_names(self) -> Vec<&'static str> {
         match self {
             Family::Gpt2 => gpt2::preset_names(),
-            Family::Llama | Family::Qwen2 => llama::preset_names(self),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::preset_names(self),
         }
     }
 
     pub fn preset(self, name: &str) -> Option<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::preset(name),
-            Family::Llama | Family::Qwen2 => llama::preset(self, name),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::preset(self, name),
         }
     }
 
     pub fn field_names(self) -> FieldNames {
         match self {
             Family::Gpt2 => gpt2::FIELDS,
-            Family::Llama | Family::Qwen2 => llama::FIELDS,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::FIELDS,
         }
     }
 
@@ -49,14 +56,16 @@ impl Family {
     pub fn from_hf_config(self, obj: &Map<String, Value>, source: &str) -> Result<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::from_hf_config(obj, source),
-            Family::Llama | Family::Qwen2 => llama::from_hf_config(self, obj, source),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => {
+                llama::from_hf_config(self, obj, source)
+            }
         }
     }
 
     pub fn to_hf_config(self, spec: &ModelSpec) -> Value {
         match self {
             Family::Gpt2 => gpt2::to_hf_config(spec),
-            Family::Llama | Family::Qwen2 => llama::to_hf_config(spec),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::to_hf_config(spec),
         }
     }
 
@@ -64,7 +73,7 @@ impl Family {
     pub fn validate(self, spec: &ModelSpec) -> Result<()> {
         match self {
             Family::Gpt2 => gpt2::validate(spec),
-            Family::Llama | Family::Qwen2 => llama::validate(spec),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::validate(spec),
         }
     }
 
@@ -72,7 +81,7 @@ impl Family {
     pub fn layout(self, spec: &ModelSpec, part: ModelPart) -> ParamLayout {
         match self {
             Family::Gpt2 => gpt2::layout(spec, part),
-            Family::Llama | Family::Qwen2 => llama::layout(spec, part),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::layout(spec, part),
         }
     }
 
@@ -82,7 +91,7 @@ impl Family {
     pub fn canonical_name(self, name: &str) -> Option<String> {
         match self {
             Family::Gpt2 => gpt2::canonical_name(name),
-            Family::Llama | Family::Qwen2 => llama::canonical_name(name),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::canonical_name(name),
         }
     }
 
@@ -97,7 +106,9 @@ impl Family {
     ) -> Emitted {
         match self {
             Family::Gpt2 => gpt2::emit::micro_batch(g, spec, cfg, mb),
-            Family::Llama | Family::Qwen2 => llama::emit::micro_batch(g, spec, cfg, mb),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => {
+                llama::emit::micro_batch(g, spec, cfg, mb)
+            }
         }
     }
 }

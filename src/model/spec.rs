@@ -27,6 +27,11 @@ pub enum Family {
     Llama,
     /// Qwen2/2.5: Llama's architecture with q/k/v biases (none on the output projection).
     Qwen2,
+    /// Qwen3 (dense): Llama's architecture with an RMSNorm on each query and key head
+    /// (`q_norm`, `k_norm`, weight `[head_dim]`) after the projections and before RoPE, no
+    /// biases unless `attention_bias`, and `head_dim` given apart from width / heads
+    /// (transformers' `modeling_qwen3.py`, `Qwen3Attention`).
+    Qwen3,
 }
 
 /// How a block normalises its input.
@@ -310,7 +315,7 @@ impl ModelSpec {
         ]
         .map(|x| x as u128);
         let qkv = (h + 2 * kv) * hd;
-        let per_layer = c * qkv + qkv + h * hd * c + c + 3 * c * m + 2 * m + 4 * c;
+        let per_layer = c * qkv + qkv + h * hd * c + c + 3 * c * m + 2 * m + 4 * c + 2 * hd;
         2 * v * c + p * c + l * per_layer + 2 * c
     }
 
@@ -337,6 +342,14 @@ impl ModelSpec {
     pub fn check_tensor_split(&self, tensor: usize) -> Result<()> {
         if tensor == 0 {
             bail!("--tp must be at least 1");
+        }
+        if tensor > 1 && self.family.qk_norm() {
+            bail!(
+                "--tp {tensor}: {} models normalise each query and key head with weights every \
+                 tensor rank shares, whose gradients memwall does not yet sum among them; use \
+                 --tp 1 (--pp and data ranks work)",
+                self.family.model_type()
+            );
         }
         let f = self.family.field_names();
         let mut counts = vec![(f.heads, self.n_head)];

@@ -148,6 +148,14 @@ macro_rules! for_each_operand {
                 $buf!(rstd, Write);
                 $params!(Tensor(w, None), Read);
             }
+            Op::QkNorm {
+                inp, out, rstd, w, ..
+            } => {
+                $buf!(inp, Read);
+                $buf!(out, Write);
+                $buf!(rstd, Write);
+                $params!(Tensor(w, None), Read);
+            }
             Op::Rope { x, positions, .. } => {
                 $buf!(x, ReadWrite);
                 if let Some(p) = positions {
@@ -314,6 +322,15 @@ macro_rules! for_each_operand {
                 $buf!(inp, Read);
                 $buf!(rstd, Read);
                 $buf!(dinp, ReadWrite);
+                $params!(Tensor(w, None), Read);
+                $grads!(Tensor(w, None), ReadWrite);
+            }
+            Op::QkNormBackward {
+                d, inp, rstd, w, ..
+            } => {
+                $buf!(inp, Read);
+                $buf!(rstd, Read);
+                $buf!(d, ReadWrite);
                 $params!(Tensor(w, None), Read);
                 $grads!(Tensor(w, None), ReadWrite);
             }

@@ -181,7 +181,7 @@ pub fn lora_backward(be: &dyn Backend, p: Precision) {
 pub fn frozen_backward(be: &dyn Backend, p: Precision) {
     const C: usize = 12;
     type Declare = fn(&mut Rig) -> (Op, memwall::ir::BufId);
-    let cases: [(&str, Declare); 3] = [
+    let cases: [(&str, Declare); 4] = [
         ("matmul_backward", |rig| {
             let w = rig.param(IC * OC);
             let bias = rig.param(OC);
@@ -212,6 +212,22 @@ pub fn frozen_backward(be: &dyn Backend, p: Precision) {
                 c: C,
             };
             (op, dinp)
+        }),
+        ("qk_norm_backward", |rig| {
+            // 2 query heads, 1 key/value head of 4 channels: QKV = 16.
+            let w = rig.param(8);
+            let d = rig.act("d", N * 16);
+            let op = Op::QkNormBackward {
+                d,
+                inp: rig.act("inp", N * 16),
+                rstd: rig.f32("rstd", N * 3),
+                w,
+                rows: ROWS,
+                nh: 2,
+                nkv: 1,
+                hd: 4,
+            };
+            (op, d)
         }),
         ("layernorm_backward", |rig| {
             let (w, b) = (rig.param(C), rig.param(C));

@@ -397,6 +397,118 @@ pub fn rmsnorm_backward(be: &dyn Backend, p: Precision) {
     check("rmsnorm_backward grads", &s.get(s.grads()), &g, reduced(p));
 }
 
+/// Qwen3's q/k norm shape: 4 query heads, 2 key/value heads of 6 channels (QKV = 48).
+const QK: (usize, usize, usize) = (4, 2, 6);
+
+/// 1/rms of each query and key head of fused `[N, QKV]` rows, `[N, NH + NKV]`.
+fn qk_rstd(x: &[f32], eps: f64) -> Vec<f64> {
+    let (nh, nkv, hd) = QK;
+    let qkv = (nh + 2 * nkv) * hd;
+    x.chunks(qkv)
+        .flat_map(|row| {
+            row[..(nh + nkv) * hd].chunks(hd).map(move |h| {
+                let ms = h.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hd as f64;
+                1.0 / (ms + eps).sqrt()
+            })
+        })
+        .collect()
+}
+
+pub fn qk_norm(be: &dyn Backend, p: Precision) {
+    let (nh, nkv, hd) = QK;
+    let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+    const EPS: f32 = 1e-6;
+    let mut rig = Rig::new(p);
+    let w = rig.param(2 * hd); // [2, hd]: q_norm, k_norm
+    let inp = rig.act("inp", N * qkv); // [N, QKV]
+    let out = rig.act("out", N * qkv); // [N, QKV]
+    let rstd = rig.f32("rstd", N * heads); // [N, NH + NKV]
+    let op = Op::QkNorm {
+        inp,
+        out,
+        rstd,
+        w: w.clone(),
+        rows: ROWS,
+        nh,
+        nkv,
+        hd,
+        eps: EPS,
+    };
+    let op = rig.op(op, Bind::Params);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(16);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let x = s.put(inp, &rows_with_offsets(&mut rng, N * (nh + 2 * nkv), hd));
+    s.fill(out, &mut rng, -1.0, 1.0);
+    s.fill(rstd, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let r = qk_rstd(&x, EPS as f64);
+    let w = &pw[local(&w)];
+    let want: Vec<f64> = (0..N * qkv)
+        .map(|k| {
+            let (i, h, j) = (k / qkv, (k % qkv) / hd, k % hd);
+            match h {
+                h if h < nh => x[k] as f64 * r[i * heads + h] * w[j] as f64,
+                h if h < heads => x[k] as f64 * r[i * heads + h] * w[hd + j] as f64,
+                _ => x[k] as f64,
+            }
+        })
+        .collect();
+    check("qk_norm out", &s.get(out), &want, rounded(p));
+    check("qk_norm rstd", &s.get(rstd), &r, STAT);
+}
+
+pub fn qk_norm_backward(be: &dyn Backend, p: Precision) {
+    let (nh, nkv, hd) = QK;
+    let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+    let mut rig = Rig::new(p);
+    let w = rig.param(2 * hd); // [2, hd]
+    let d = rig.act("d", N * qkv); // [N, QKV]: dout in, dinp out
+    let inp = rig.act("inp", N * qkv); // [N, QKV]
+    let rstd = rig.f32("rstd", N * heads); // [N, NH + NKV]
+    let op = Op::QkNormBackward {
+        d,
+        inp,
+        rstd,
+        w: w.clone(),
+        rows: ROWS,
+        nh,
+        nkv,
+        hd,
+    };
+    let op = rig.op(op, Bind::Both);
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(17);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+    let x = s.put(inp, &rows_with_offsets(&mut rng, N * (nh + 2 * nkv), hd));
+    let r: Vec<f32> = qk_rstd(&x, 1e-6).iter().map(|&v| v as f32).collect();
+    let r = s.put(rstd, &r);
+    let dy = s.fill(d, &mut rng, -1.0, 1.0);
+    s.run(op, &ctx());
+    let wv = &pw[local(&w)];
+    let wr = local(&w);
+    let mut dx = wide(&dy); // value heads pass through
+    let mut g = wide(&g0);
+    for i in 0..N {
+        for h in 0..heads {
+            let (at, which) = (i * qkv + h * hd, usize::from(h >= nh));
+            let ri = r[i * heads + h] as f64;
+            let xhat: Vec<f64> = (0..hd).map(|j| x[at + j] as f64 * ri).collect();
+            let gy: Vec<f64> = (0..hd)
+                .map(|j| dy[at + j] as f64 * wv[which * hd + j] as f64)
+                .collect();
+            let c = (0..hd).map(|j| gy[j] * xhat[j]).sum::<f64>() / hd as f64;
+            for j in 0..hd {
+                dx[at + j] = ri * (gy[j] - xhat[j] * c);
+                g[wr.start + which * hd + j] += dy[at + j] as f64 * xhat[j];
+            }
+        }
+    }
+    check("qk_norm_backward d", &s.get(d), &dx, reduced(p));
+    check("qk_norm_backward grads", &s.get(s.grads()), &g, reduced(p));
+}
+
 /// Element (k, o) of a linear layer's weight `w` in `layout` (W as `[IC, OC]`).
 fn weight(w: &[f32], layout: WeightLayout, ic: usize, oc: usize, k: usize, o: usize) -> f64 {
     (match layout {

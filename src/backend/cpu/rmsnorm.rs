@@ -8,6 +8,11 @@
 //! one over fixed column slices for the weight gradient, each slice walking all rows in
 //! order, so every result is identical for any thread count.
 //!
+//! Qwen3's per-head norm of fused q|k|v rows ([`qk_norm_forward`], [`qk_norm_backward`]) is
+//! the same arithmetic on each query and key head of hd channels (one statistic a head), the
+//! query heads scaled by `q_norm`, the key heads by `k_norm`, the value heads copied; its
+//! backward replaces the output's gradient by the input's in place.
+//!
 //! Storage type `T` ([`Elem`]: f32, bf16, f16) for activations and gradients, `W` for the
 //! weight (the fp32 master weight under mixed precision); `rstd` stays f32. Elements are
 //! widened to f32 as they are read, all arithmetic and accumulation is f32, and each stored
@@ -21,6 +26,7 @@ use super::features::multiversion;
 use super::reduce::{COL_CHUNK, rows_per_task, sum_f32, sum_sq_dev_f32};
 use crate::dtype::Elem;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// RMS-norm forward; also stores each row's 1/rms for the backward pass.
 #[allow(clippy::too_many_arguments)]
@@ -124,6 +130,149 @@ pub fn rmsnorm_backward_input<T: Elem, W: Elem>(
         .for_each(|(((dinp, dout), inp), rstd)| backward_rows(dinp, dout, inp, rstd, weight, c));
 }
 
+/// Qwen3's q/k norm forward over fused q|k|v rows (transformers' `Qwen3Attention`:
+/// `q_norm(q_proj(x).view(..., hd))`, `k_norm` likewise): each of the NH query and NKV key
+/// heads of a row normalised over its hd channels with its own 1/rms (stored in `rstd`, heads
+/// in row order), scaled by `weight[..hd]` (query) or `weight[hd..]` (key); the value heads
+/// copied. Per head exactly [`rmsnorm_forward`]'s arithmetic.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_forward<T: Elem, W: Elem>(
+    out: &mut [T],    // [N, QKV], QKV = (NH + 2·NKV)·hd
+    rstd: &mut [f32], // [N, NH + NKV]
+    inp: &[T],        // [N, QKV]
+    weight: &[W],     // [2, hd]: q_norm, k_norm
+    n: usize,
+    (nh, nkv, hd): (usize, usize, usize),
+    eps: f32,
+) {
+    let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+    assert_eq!(out.len(), n * qkv, "qk_norm_forward: out");
+    assert_eq!(rstd.len(), n * heads, "qk_norm_forward: rstd");
+    assert_eq!(inp.len(), n * qkv, "qk_norm_forward: inp");
+    assert_eq!(weight.len(), 2 * hd, "qk_norm_forward: weight");
+    if n == 0 || hd == 0 {
+        return;
+    }
+    let (wq, wk) = weight.split_at(hd);
+    let (q, k) = (nh * hd, (nh + nkv) * hd);
+    let rows = rows_per_task(qkv);
+    out.par_chunks_mut(rows * qkv)
+        .zip(inp.par_chunks(rows * qkv))
+        .zip(rstd.par_chunks_mut(rows * heads))
+        .for_each(|((out, inp), rstd)| {
+            let it = out.chunks_exact_mut(qkv).zip(inp.chunks_exact(qkv));
+            for ((o, x), rs) in it.zip(rstd.chunks_exact_mut(heads)) {
+                let (rq, rk) = rs.split_at_mut(nh);
+                forward_rows(&mut o[..q], &x[..q], rq, wq, hd, eps);
+                forward_rows(&mut o[q..k], &x[q..k], rk, wk, hd, eps);
+                o[k..].copy_from_slice(&x[k..]);
+            }
+        });
+}
+
+/// [`qk_norm_forward`]'s backward. `d` `[N, QKV]` holds the gradient of the output and is
+/// OVERWRITTEN with the input's (value heads unchanged: the copy's gradient is itself);
+/// `dweight` `[2, hd]` ACCUMULATES (`None`: a frozen norm, input gradient only). The weight
+/// gradient is read from `d` before it is overwritten, over fixed column slices walking rows
+/// and heads in order, so every result is identical for any thread count.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_backward<T: Elem, W: Elem>(
+    d: &mut [T],               // [N, QKV] in: dout, out: dinp
+    dweight: Option<&mut [T]>, // [2, hd] +=
+    inp: &[T],                 // [N, QKV]
+    weight: &[W],              // [2, hd]
+    rstd: &[f32],              // [N, NH + NKV]
+    n: usize,
+    (nh, nkv, hd): (usize, usize, usize),
+) {
+    let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+    assert_eq!(d.len(), n * qkv, "qk_norm_backward: d");
+    assert_eq!(inp.len(), n * qkv, "qk_norm_backward: inp");
+    assert_eq!(weight.len(), 2 * hd, "qk_norm_backward: weight");
+    assert_eq!(rstd.len(), n * heads, "qk_norm_backward: rstd");
+    if n == 0 || hd == 0 {
+        return;
+    }
+    if let Some(dw) = dweight {
+        assert_eq!(dw.len(), 2 * hd, "qk_norm_backward: dweight");
+        let dout: &[T] = d;
+        // Column slices of q_norm's gradient, then of k_norm's: (which, first column).
+        let slices: Vec<(usize, usize)> = (0..2)
+            .flat_map(|which| (0..hd).step_by(COL_CHUNK).map(move |c0| (which, c0)))
+            .collect();
+        let sums: Vec<Vec<f32>> = slices
+            .par_iter()
+            .map(|&(which, c0)| {
+                let w = COL_CHUNK.min(hd - c0);
+                let heads_of = if which == 0 { 0..nh } else { nh..nh + nkv };
+                qk_norm_cols(dout, inp, rstd, (c0, w), heads_of, (qkv, heads, hd))
+            })
+            .collect();
+        for (&(which, c0), acc) in slices.iter().zip(&sums) {
+            let dw = &mut dw[which * hd + c0..which * hd + c0 + acc.len()];
+            for (g, &a) in dw.iter_mut().zip(acc) {
+                *g = T::from_f32(g.to_f32() + a);
+            }
+        }
+    }
+    let (wq, wk) = weight.split_at(hd);
+    let rows = rows_per_task(qkv);
+    d.par_chunks_mut(rows * qkv)
+        .zip(inp.par_chunks(rows * qkv))
+        .zip(rstd.par_chunks(rows * heads))
+        .for_each(|((d, inp), rstd)| {
+            let it = d.chunks_exact_mut(qkv).zip(inp.chunks_exact(qkv));
+            for ((d, x), rs) in it.zip(rstd.chunks_exact(heads)) {
+                let heads = d[..heads * hd].chunks_exact_mut(hd).zip(x.chunks_exact(hd));
+                for (h, ((d, x), &s)) in heads.zip(rs).enumerate() {
+                    let w = if h < nh { wq } else { wk };
+                    qk_norm_head_input(d, x, w, s);
+                }
+            }
+        });
+}
+
+/// Σ over rows and the heads `heads_of` of x̂·dout, for the columns `c0..c0 + w` of a head.
+fn qk_norm_cols<T: Elem>(
+    dout: &[T],   // [N, QKV]
+    inp: &[T],    // [N, QKV]
+    rstd: &[f32], // [N, NH + NKV]
+    (c0, w): (usize, usize),
+    heads_of: Range<usize>,
+    (qkv, heads, hd): (usize, usize, usize),
+) -> Vec<f32> {
+    let mut acc = vec![0.0f32; w];
+    let rows = dout.chunks_exact(qkv).zip(inp.chunks_exact(qkv));
+    for ((dy, x), rs) in rows.zip(rstd.chunks_exact(heads)) {
+        for h in heads_of.clone() {
+            let s = rs[h];
+            let at = h * hd + c0;
+            let (dy, x) = (&dy[at..at + w], &x[at..at + w]);
+            for ((a, &dy), &x) in acc.iter_mut().zip(dy).zip(x) {
+                *a += x.to_f32() * s * dy.to_f32();
+            }
+        }
+    }
+    acc
+}
+
+/// One head's input gradient in place: `d` (dout in, dinp out) = rstd·(g − x̂·mean(g·x̂)),
+/// g = w·dout, x̂ = x·rstd (as [`rmsnorm_backward_input`], overwriting).
+#[inline(always)]
+fn qk_norm_head_input<T: Elem, W: Elem>(
+    d: &mut [T], // [hd]
+    x: &[T],     // [hd]
+    w: &[W],     // [hd]
+    s: f32,
+) {
+    let mean_gn = row_sum_gn(d, x, w, s) / d.len() as f32;
+    for ((d, &x), &w) in d.iter_mut().zip(x).zip(w) {
+        let norm = x.to_f32() * s;
+        let g = w.to_f32() * d.to_f32();
+        *d = T::from_f32((g - norm * mean_gn) * s);
+    }
+}
+
 multiversion! {
     /// Input gradient over a few whole rows.
     fn backward_rows<T: Elem, W: Elem>(
@@ -208,6 +357,80 @@ fn row_sum_gn<T: Elem, W: Elem>(
 
 /// Reference twins: per-row loops in f64.
 pub mod naive {
+    /// [`super::qk_norm_forward`], head by head in f64.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_forward(
+        out: &mut [f32],  // [N, QKV]
+        rstd: &mut [f32], // [N, NH + NKV]
+        inp: &[f32],      // [N, QKV]
+        weight: &[f32],   // [2, hd]
+        n: usize,
+        (nh, nkv, hd): (usize, usize, usize),
+        eps: f32,
+    ) {
+        let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+        out[..n * qkv].copy_from_slice(&inp[..n * qkv]);
+        for r in 0..n {
+            for h in 0..heads {
+                let at = r * qkv + h * hd;
+                let w = if h < nh { &weight[..hd] } else { &weight[hd..] };
+                let mut s = [0.0f32];
+                rmsnorm_forward(
+                    &mut out[at..at + hd],
+                    &mut s,
+                    &inp[at..at + hd],
+                    w,
+                    1,
+                    hd,
+                    eps,
+                );
+                rstd[r * heads + h] = s[0];
+            }
+        }
+    }
+
+    /// [`super::qk_norm_backward`], head by head in f64 (`d` overwritten, `dweight` +=).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_backward(
+        d: &mut [f32],       // [N, QKV]
+        dweight: &mut [f32], // [2, hd] +=
+        inp: &[f32],         // [N, QKV]
+        weight: &[f32],      // [2, hd]
+        rstd: &[f32],        // [N, NH + NKV]
+        n: usize,
+        (nh, nkv, hd): (usize, usize, usize),
+    ) {
+        let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+        let mut dw = vec![0.0f64; 2 * hd];
+        for r in 0..n {
+            for h in 0..heads {
+                let at = r * qkv + h * hd;
+                let which = usize::from(h >= nh);
+                let s = rstd[r * heads + h] as f64;
+                for i in 0..hd {
+                    dw[which * hd + i] += inp[at + i] as f64 * s * d[at + i] as f64;
+                }
+                let w = &weight[which * hd..(which + 1) * hd];
+                let mut dx = vec![0.0f32; hd];
+                let mut scratch = vec![0.0f32; hd];
+                rmsnorm_backward(
+                    &mut dx,
+                    &mut scratch,
+                    &d[at..at + hd],
+                    &inp[at..at + hd],
+                    w,
+                    &[s as f32],
+                    1,
+                    hd,
+                );
+                d[at..at + hd].copy_from_slice(&dx);
+            }
+        }
+        for (g, a) in dweight.iter_mut().zip(&dw) {
+            *g = (*g as f64 + a) as f32;
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_forward(
         out: &mut [f32],  // [N, C]
@@ -482,6 +705,129 @@ mod tests {
     #[ignore = "needs AVX-512F"]
     fn isa_invariant_avx512() {
         conformance::isa_invariant(&[Isa::Avx512], isa_run, "rmsnorm");
+    }
+
+    /// (N, NH, NKV, hd): GQA and MHA, one head, hd above a column slice and not a multiple.
+    const QK_SHAPES: [(usize, usize, usize, usize); 5] = [
+        (1, 1, 1, 2),
+        (3, 4, 2, 8),
+        (5, 2, 2, 16),
+        (7, 4, 1, 64),
+        (9, 3, 3, 130),
+    ];
+
+    fn qk_data(n: usize, (nh, nkv, hd): (usize, usize, usize), seed: u64) -> (Vec<f32>, Vec<f32>) {
+        data(n * (nh + 2 * nkv), hd, seed)
+    }
+
+    #[test]
+    fn qk_norm_matches_naive_and_copies_values() {
+        for (si, &(n, nh, nkv, hd)) in QK_SHAPES.iter().enumerate() {
+            let dims = (nh, nkv, hd);
+            let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+            let (inp, w1) = qk_data(n, dims, si as u64);
+            let w: Vec<f32> = w1
+                .iter()
+                .chain(w1.iter().map(|v| v * 0.5 - 0.25).collect::<Vec<_>>().iter())
+                .copied()
+                .collect();
+            let (mut o1, mut r1) = (vec![f32::NAN; n * qkv], vec![0.0; n * heads]);
+            let (mut o2, mut r2) = (vec![0.0; n * qkv], vec![0.0; n * heads]);
+            qk_norm_forward(&mut o1, &mut r1, &inp, &w, n, dims, 1e-6);
+            naive::qk_norm_forward(&mut o2, &mut r2, &inp, &w, n, dims, 1e-6);
+            let what = format!("{n}x{nh}/{nkv}x{hd}");
+            assert_close(&o1, &o2, 2e-5, 2e-5, &format!("out {what}"));
+            assert_close(&r1, &r2, 0.0, 1e-5, &format!("rstd {what}"));
+            for r in 0..n {
+                let v = r * qkv + heads * hd..(r + 1) * qkv;
+                assert_eq!(&o1[v.clone()], &inp[v], "values copied {what}");
+            }
+            // Backward: d overwritten, dw accumulated; frozen (None) gives the same d.
+            let dout = randn(n * qkv, 1.0, 50 + si as u64);
+            let dw0 = randn(2 * hd, 1.0, 60 + si as u64);
+            let (mut d1, mut dw1) = (dout.clone(), dw0.clone());
+            let (mut d2, mut dw2) = (dout.clone(), dw0.clone());
+            qk_norm_backward(&mut d1, Some(&mut dw1), &inp, &w, &r1, n, dims);
+            naive::qk_norm_backward(&mut d2, &mut dw2, &inp, &w, &r2, n, dims);
+            assert_close(&d1, &d2, 1e-3, 1e-4, &format!("dinp {what}"));
+            let tol = 2e-5 * ((n * heads) as f32).sqrt();
+            assert_close(&dw1, &dw2, tol, 1e-5, &format!("dweight {what}"));
+            let mut d3 = dout.clone();
+            qk_norm_backward::<f32, f32>(&mut d3, None, &inp, &w, &r1, n, dims);
+            assert_eq!(d3, d1, "frozen: the same input gradient {what}");
+        }
+    }
+
+    #[test]
+    fn qk_norm_backward_matches_finite_differences() {
+        let (n, dims) = (2, (2usize, 1usize, 6usize));
+        let (nh, nkv, hd) = dims;
+        let qkv = (nh + 2 * nkv) * hd;
+        let inp = randn(n * qkv, 1.0, 5);
+        let w = randn(2 * hd, 1.0, 6);
+        let g = randn(n * qkv, 1.0, 8);
+        let loss = |inp: &[f32], w: &[f32]| {
+            let (mut o, mut r) = (vec![0.0; n * qkv], vec![0.0; n * (nh + nkv)]);
+            naive::qk_norm_forward(&mut o, &mut r, inp, w, n, dims, 1e-6);
+            dot(&g, &o)
+        };
+        let (mut o, mut r) = (vec![0.0; n * qkv], vec![0.0; n * (nh + nkv)]);
+        qk_norm_forward(&mut o, &mut r, &inp, &w, n, dims, 1e-6);
+        let (mut d, mut dw) = (g.clone(), vec![0.0; 2 * hd]);
+        qk_norm_backward(&mut d, Some(&mut dw), &inp, &w, &r, n, dims);
+        let h = 1e-3;
+        assert_close(
+            &d,
+            &fd_grad(&inp, h, |x| loss(x, &w)),
+            2e-3,
+            2e-3,
+            "dinp vs fd",
+        );
+        assert_close(
+            &dw,
+            &fd_grad(&w, h, |x| loss(&inp, x)),
+            2e-3,
+            2e-3,
+            "dw vs fd",
+        );
+    }
+
+    #[test]
+    fn qk_norm_identical_for_any_thread_count() {
+        let (n, dims) = (61, (4usize, 2usize, 130usize));
+        let (nh, nkv, hd) = dims;
+        let qkv = (nh + 2 * nkv) * hd;
+        let run = || {
+            let (inp, _) = qk_data(n, dims, 3);
+            let w = randn(2 * hd, 0.5, 4);
+            let (mut o, mut r) = (vec![0.0; n * qkv], vec![0.0; n * (nh + nkv)]);
+            qk_norm_forward(&mut o, &mut r, &inp, &w, n, dims, 1e-6);
+            let (mut d, mut dw) = (randn(n * qkv, 1.0, 5), randn(2 * hd, 1.0, 6));
+            qk_norm_backward(&mut d, Some(&mut dw), &inp, &w, &r, n, dims);
+            [o, r, d, dw].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+        };
+        let a = with_threads(1, run);
+        assert!(a == with_threads(2, run));
+        assert!(a == with_threads(3, run));
+    }
+
+    /// bf16 storage: the f32 kernel on the widened inputs, each stored element rounded once.
+    #[test]
+    fn qk_norm_bf16_is_f32_rounded() {
+        let (n, dims) = (5, (2usize, 1usize, 16usize));
+        let (nh, nkv, hd) = dims;
+        let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+        let (inp, _) = qk_data(n, dims, 11);
+        let inp: Vec<f32> = inp.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        let w = randn(2 * hd, 0.5, 12);
+        let (mut o, mut r) = (vec![0.0f32; n * qkv], vec![0.0; n * heads]);
+        qk_norm_forward(&mut o, &mut r, &inp, &w, n, dims, 1e-6);
+        let ib: Vec<bf16> = narrow_vec(&inp);
+        let (mut ob, mut rb) = (vec![bf16::ZERO; n * qkv], vec![0.0; n * heads]);
+        qk_norm_forward(&mut ob, &mut rb, &ib, &w, n, dims, 1e-6);
+        assert_eq!(r, rb, "rstd bitwise");
+        let want: Vec<bf16> = narrow_vec(&o);
+        assert_eq!(ob, want, "out rounded once");
     }
 
     /// A non-finite input poisons its row (forward, dinp) and its column sums (dweight) and

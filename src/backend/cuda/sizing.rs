@@ -197,6 +197,10 @@ impl Scratch {
                 Op::RmsNormBackward { rows, c, .. } if !e.frozen => {
                     norm_chunks(rows.n() as u64) * *c as u64 * 4
                 }
+                // `[P, 2·hd]`: q_norm's and k_norm's columns.
+                Op::QkNormBackward { rows, hd, .. } if !e.frozen => {
+                    norm_chunks(rows.n() as u64) * 2 * *hd as u64 * 4
+                }
                 Op::MatmulBackward { oc, b: Some(_), .. } => REDUCE_BLOCKS * *oc as u64 * 2 * 4,
                 _ => 0,
             };
@@ -422,6 +426,23 @@ mod tests {
         // A frozen norm computes no parameter gradient.
         let s = Scratch::for_ops(&[entry(layer_norm_backward(4096), true)], DType::F32);
         assert_eq!(s.partials, 0);
+        // Qwen3's q/k norms: [P, 2·hd].
+        let qk = Op::QkNormBackward {
+            d: BufId(0),
+            inp: BufId(1),
+            rstd: BufId(2),
+            w: 0..256,
+            rows: ROWS,
+            nh: 16,
+            nkv: 8,
+            hd: 128,
+        };
+        let s = Scratch::for_ops(&[entry(qk.clone(), false)], DType::Bf16);
+        assert_eq!(s.partials, 63 * 256 * 4);
+        assert_eq!(
+            Scratch::for_ops(&[entry(qk, true)], DType::Bf16).partials,
+            0
+        );
     }
 
     #[test]

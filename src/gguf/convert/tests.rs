@@ -190,6 +190,65 @@ fn qwen2_keeps_qk_order_and_maps_biases() {
     );
 }
 
+/// Qwen3 (llama.cpp's `qwen3`): Q and K rows as they are (no permutation), the per-head
+/// norms mapped to `self_attn.q_norm` / `k_norm`, head_dim written, and the converted
+/// directory is a model memwall reads (with the norms in its layout).
+#[test]
+fn qwen3_maps_qk_norms_and_keeps_qk_order() {
+    let (f, _dir, out) = convert_tiny(&tiny_model("qwen3", false), OutDtype::F32);
+    let cfg = read_json(&out.join(CONFIG_FILE));
+    assert_eq!(cfg["model_type"], "qwen3");
+    assert_eq!(cfg["architectures"], json!(["Qwen3ForCausalLM"]));
+    assert_eq!(cfg["attention_bias"], false);
+    assert_eq!(cfg["head_dim"], 8);
+    let bytes = fs::read(out.join(MODEL_FILE)).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.names().len(), 3 + 2 * 11);
+    for (g, h) in [
+        (
+            "blk.1.attn_q.weight",
+            "model.layers.1.self_attn.q_proj.weight",
+        ),
+        (
+            "blk.1.attn_k.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+        ),
+        (
+            "blk.0.attn_q_norm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+        ),
+        (
+            "blk.1.attn_k_norm.weight",
+            "model.layers.1.self_attn.k_norm.weight",
+        ),
+    ] {
+        assert_eq!(
+            f32s(st.tensor(h).unwrap().data()),
+            gguf_values(&f, g),
+            "{h}"
+        );
+    }
+    let spec = crate::model::ModelSpec::from_hf_config_file(&out.join(CONFIG_FILE)).unwrap();
+    assert_eq!(spec.family, crate::model::Family::Qwen3);
+    let lay = crate::model::ParamLayout::new(&spec);
+    for name in st.names() {
+        assert!(lay.get(name).is_some(), "{name} is in memwall's layout");
+    }
+    assert_eq!(lay.tensors.len(), st.names().len());
+    // A q/k norm in a llama file is refused naming the tensor.
+    let mut w = tiny_model("llama", true);
+    w.random_tensor("blk.0.attn_q_norm.weight", &[8], GgmlType::F32, 9);
+    let (dir, path) = write_temp(&w.to_bytes());
+    let e = format!(
+        "{:#}",
+        convert(&opts(&path, &dir.path().join("hf"))).unwrap_err()
+    );
+    assert!(
+        e.contains("blk.0.attn_q_norm.weight") && e.contains("llama"),
+        "{e}"
+    );
+}
+
 #[test]
 fn llama_biases_are_unpermuted_like_their_rows() {
     let mut w = tiny_model("llama", true);
@@ -396,7 +455,7 @@ fn unknown_architecture_tensor_and_missing_tensors_are_named() {
         &w,
         &[
             "architecture \"falcon\" is not supported",
-            "llama, qwen2 or gpt2",
+            "llama, qwen2, qwen3 or gpt2",
         ],
     );
     let mut w = tiny_model("llama", true);

@@ -10,6 +10,9 @@ use anyhow::{Context, Result, bail};
 pub enum Arch {
     Llama,
     Qwen2,
+    /// Qwen3 (dense): llama.cpp's `LLM_ARCH_QWEN3`, `qwen2`'s tensors without the permutation
+    /// plus `attn_q_norm` / `attn_k_norm` (gguf-py `constants.py`, `MODEL_ARCH.QWEN3`).
+    Qwen3,
     Gpt2,
 }
 
@@ -19,6 +22,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
             Arch::Gpt2 => "gpt2",
         }
     }
@@ -28,19 +32,22 @@ impl Arch {
         match self {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Gpt2 => "GPT2LMHeadModel",
         }
     }
 
-    /// Reads `general.architecture`; anything but llama, qwen2 and gpt2 is refused by name.
+    /// Reads `general.architecture`; anything but llama, qwen2, qwen3 and gpt2 is refused by
+    /// name.
     pub fn of(f: &GgufFile) -> Result<Arch> {
         let path = f.path().display();
         match f.get_str("general.architecture")? {
             Some("llama") => Ok(Arch::Llama),
             Some("qwen2") => Ok(Arch::Qwen2),
+            Some("qwen3") => Ok(Arch::Qwen3),
             Some("gpt2") => Ok(Arch::Gpt2),
             Some(other) => bail!(
-                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2 or gpt2)"
+                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2, qwen3 or gpt2)"
             ),
             None => bail!("{path}: metadata general.architecture is missing"),
         }

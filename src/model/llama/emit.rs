@@ -2,7 +2,8 @@
 //! RMSNorm, the LM head with the loss, and the backward of each, for one micro-batch.
 //!
 //! A block (pre-norm, as transformers' `LlamaDecoderLayer`):
-//!   x1 = rmsnorm(x); qkv = x1 @ [Wq; Wk; Wv]ᵀ (+ b); rope(q, k) in place;
+//!   x1 = rmsnorm(x); qkv = x1 @ [Wq; Wk; Wv]ᵀ (+ b); [Qwen3: qkv = qk_norm(qkv)]; rope(q, k)
+//!   in place;
 //!   a = attention(qkv); r = x + a @ Woᵀ (+ bo);
 //!   x2 = rmsnorm(r); gu = x2 @ [Wgate; Wup]ᵀ (+ b); s = silu(gate) · up; out = r + s @ Wdownᵀ.
 //! As in GPT-2's emission, the forward is a sequence of [`Stage`]s writing fresh buffers, which
@@ -10,6 +11,12 @@
 //! the block's backward. The RoPE op rotates the fused q|k|v buffer in place right after the
 //! projection that wrote it, so the buffer every later reader sees is the rotated one; the
 //! backward un-rotates the attention's gradient in place before the projection's backward.
+//! Qwen3 ([`crate::model::Family::qk_norm`]) normalises each query and key head between the
+//! projection and RoPE (transformers' `Qwen3Attention`: `q_norm(q_proj(x).view(.., hd))`,
+//! then `apply_rotary_pos_emb`; llama.cpp's `LLM_ARCH_QWEN3` graph: `attn_q_norm` before
+//! `ggml_rope_ext`): the projection writes `qkv.raw`, which the backward keeps as the norm's
+//! input, [`Op::QkNorm`] writes `qkv`; the backward turns the un-rotated gradient into the
+//! projection's in place ([`Op::QkNormBackward`]).
 //! Shapes: B batch, T sequence, N = B·T rows, C width, H MLP width, NH query heads, NKV
 //! key/value heads, hd head size, QKV = (NH + 2·NKV)·hd, A = NH·hd, V vocabulary.
 
@@ -46,6 +53,8 @@ struct Dims {
     v: usize,
     /// This rank's part of each block (`nh`, `nkv` and `h` are its part's).
     tensor: TensorSplit,
+    /// Each query and key head RMS-normalised before RoPE (Qwen3).
+    qk_norm: bool,
 }
 
 impl Dims {
@@ -75,7 +84,10 @@ type Block<'a> = block_emit::Block<'a, Dims>;
 struct BlockActs {
     x1: BufId,      // [N, C] attention norm output
     x1_rstd: BufId, // [N]
-    qkv: BufId,     // [N, QKV] (q and k rotated)
+    qkv: BufId,     // [N, QKV] (q and k normalised when qk_norm, then rotated)
+    /// Qwen3: the projection's output, the q/k norm's input `[N, QKV]`, and its 1/rms
+    /// `[N, NH + NKV]`.
+    qk_norm: Option<(BufId, BufId)>,
     attn: BufId,    // [N, A]
     lse: BufId,     // [B, NH, T]
     res2: BufId,    // [N, C] residual after attention
@@ -104,6 +116,8 @@ struct Partial {
     x1: Option<BufId>,
     x1_rstd: Option<BufId>,
     qkv: Option<BufId>,
+    /// Written with `qkv` (the Qkv stage) when the model has q/k norms.
+    qk_norm: Option<(BufId, BufId)>,
     attn: Option<BufId>,
     lse: Option<BufId>,
     res2: Option<BufId>,
@@ -241,7 +255,12 @@ impl StagedBlock for Dims {
             Stage::Qkv => {
                 let inp = get(|a| a.x1, partial.x1);
                 let qkv = g.act(format!("{pfx}qkv"), Category::Activation, d.n * d.qkv());
-                let io = (inp, qkv, None);
+                // Qwen3: the projection into `qkv.raw` [N, QKV], normalised into `qkv`.
+                let raw = d.qk_norm.then(|| {
+                    let n = d.n * d.qkv();
+                    g.act(format!("{pfx}qkv.raw"), Category::Activation, n)
+                });
+                let io = (inp, raw.unwrap_or(qkv), None);
                 linear(
                     g,
                     d,
@@ -252,6 +271,27 @@ impl StagedBlock for Dims {
                     &p.qkv_b,
                     (d.c, d.qkv()),
                 );
+                if let (Some(raw), Some(w)) = (raw, &p.qk_norm) {
+                    let heads = d.n * (d.nh + d.nkv);
+                    let rstd = g.f32(format!("{pfx}qk_norm.rstd"), Category::Activation, heads); // [N, NH + NKV]
+                    g.op(
+                        format!("{pfx}qk_norm"),
+                        phase,
+                        0,
+                        Op::QkNorm {
+                            inp: raw,
+                            out: qkv,
+                            rstd,
+                            w: w.clone(),
+                            rows: d.rows,
+                            nh: d.nh,
+                            nkv: d.nkv,
+                            hd: d.hd,
+                            eps: d.eps,
+                        },
+                    );
+                    partial.qk_norm = Some((raw, rstd));
+                }
                 g.op(
                     format!("{pfx}rope"),
                     phase,
@@ -358,6 +398,10 @@ impl StagedBlock for Dims {
             x1: pick(partial.x1, |a| a.x1),
             x1_rstd: pick(partial.x1_rstd, |a| a.x1_rstd),
             qkv: pick(partial.qkv, |a| a.qkv),
+            qk_norm: match partial.qkv {
+                Some(_) => partial.qk_norm,
+                None => base.and_then(|a| a.qk_norm),
+            },
             attn: pick(partial.attn, |a| a.attn),
             lse: pick(partial.lse, |a| a.lse),
             res2: pick(partial.res2, |a| a.res2),
@@ -501,6 +545,23 @@ impl StagedBlock for Dims {
                 inverse: true,
             },
         );
+        if let (Some((raw, rstd)), Some(w)) = (a.qk_norm, &p.qk_norm) {
+            g.op(
+                format!("{name}qk_norm.bwd"),
+                bwd,
+                0,
+                Op::QkNormBackward {
+                    d: dqkv,
+                    inp: raw,
+                    rstd,
+                    w: w.clone(),
+                    rows: d.rows,
+                    nh: d.nh,
+                    nkv: d.nkv,
+                    hd: d.hd,
+                },
+            );
+        }
         let io = (dx1, dqkv, a.x1);
         let name_qkv = format!("{name}qkv.bwd");
         linear_backward(g, d, name_qkv.clone(), io, &p.qkv_w, &p.qkv_b, (c, d.qkv()));
@@ -596,6 +657,7 @@ pub(crate) fn micro_batch(
         positions: mb.positions,
         v: spec.vocab_size,
         tensor: split,
+        qk_norm: spec.family.qk_norm(),
     };
     let pfx = mb.prefix.as_str();
     let blocks = forward_blocks(g, &d, &p, mb, stage);

@@ -1,8 +1,9 @@
-//! The Llama family (Llama 2/3, SmolLM2, TinyLlama) and Qwen2, its sibling with q/k/v
-//! biases: pre-norm blocks with RMSNorm, rotary positions, grouped-query attention, a SwiGLU
-//! MLP, `torch.nn.Linear` weights (`[out, in]`), a tied or separate LM head. Presets,
-//! `config.json` as `LlamaForCausalLM` / `Qwen2ForCausalLM` read it, the parameter
-//! inventory ([`params`]) and the emission of a step (`emit`).
+//! The Llama family (Llama 2/3, SmolLM2, TinyLlama) and its siblings Qwen2 (q/k/v biases) and
+//! Qwen3 (an RMSNorm on each query and key head before RoPE, [`Family::qk_norm`]): pre-norm
+//! blocks with RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP,
+//! `torch.nn.Linear` weights (`[out, in]`), a tied or separate LM head. Presets,
+//! `config.json` as `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` read it, the
+//! parameter inventory ([`params`]) and the emission of a step (`emit`).
 
 pub(crate) mod emit;
 pub mod params;
@@ -49,6 +50,8 @@ struct Preset {
 
 /// Presets, from the models' published `config.json` files (`llama-tiny` is memwall's own,
 /// for tests: a few million parameters with GPT-2's vocabulary, so GPT-2-tokenized data fits).
+/// Qwen3's are the instruct models' (`Qwen/Qwen3-0.6B` … `Qwen/Qwen3-8B`: `head_dim` 128 at
+/// every width, θ 10⁶, 40960 positions, eos `<|im_end|>`; tied embeddings but on the 8B).
 const PRESETS: &[Preset] = &[
     Preset {
         name: "llama-tiny",
@@ -121,6 +124,78 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 151643,
         eos: 151643,
+    },
+    Preset {
+        name: "qwen3-0.6b",
+        family: Family::Qwen3,
+        vocab: 151936,
+        positions: 40960,
+        embd: 1024,
+        layers: 28,
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 3072,
+        eps: 1e-6,
+        theta: 1_000_000.0,
+        llama32_scaling: false,
+        tied: true,
+        bos: 151643,
+        eos: 151645,
+    },
+    Preset {
+        name: "qwen3-1.7b",
+        family: Family::Qwen3,
+        vocab: 151936,
+        positions: 40960,
+        embd: 2048,
+        layers: 28,
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 6144,
+        eps: 1e-6,
+        theta: 1_000_000.0,
+        llama32_scaling: false,
+        tied: true,
+        bos: 151643,
+        eos: 151645,
+    },
+    Preset {
+        name: "qwen3-4b",
+        family: Family::Qwen3,
+        vocab: 151936,
+        positions: 40960,
+        embd: 2560,
+        layers: 36,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 9728,
+        eps: 1e-6,
+        theta: 1_000_000.0,
+        llama32_scaling: false,
+        tied: true,
+        bos: 151643,
+        eos: 151645,
+    },
+    Preset {
+        name: "qwen3-8b",
+        family: Family::Qwen3,
+        vocab: 151936,
+        positions: 40960,
+        embd: 4096,
+        layers: 36,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 12288,
+        eps: 1e-6,
+        theta: 1_000_000.0,
+        llama32_scaling: false,
+        tied: false,
+        bos: 151643,
+        eos: 151645,
     },
     Preset {
         name: "llama-3.2-1b",
@@ -243,6 +318,13 @@ const LLAMA32_SCALING: Llama3Scaling = Llama3Scaling {
 /// The biases a family's linear layers have (`attention_bias` / `mlp_bias` for Llama).
 fn biases(family: Family, attention_bias: bool, mlp_bias: bool) -> Biases {
     match family {
+        // Qwen3: `attention_bias` puts biases on q, k, v and o alike; the MLP has none
+        // (`Qwen3Attention`, `Qwen3MLP` in transformers' modeling_qwen3.py).
+        Family::Qwen3 => Biases {
+            qkv: attention_bias,
+            attn_out: attention_bias,
+            mlp: false,
+        },
         // Qwen2: q/k/v biases always, none on o_proj, none in the MLP.
         Family::Qwen2 => Biases {
             qkv: true,
@@ -299,7 +381,7 @@ pub(super) fn preset(family: Family, name: &str) -> Option<ModelSpec> {
         .map(from_preset)
 }
 
-/// Reads a `config.json` of `model_type` `llama` or `qwen2`.
+/// Reads a `config.json` of `model_type` `llama`, `qwen2` or `qwen3`.
 pub(super) fn from_hf_config(
     family: Family,
     obj: &Map<String, Value>,
@@ -336,22 +418,41 @@ pub(super) fn from_hf_config(
     {
         bail!("{source}: field 'hidden_act' is {act}; memwall's Llama MLP is SwiGLU (\"silu\")");
     }
-    if family == Family::Qwen2 && flag("use_sliding_window", false)? {
+    let qwen = matches!(family, Family::Qwen2 | Family::Qwen3);
+    if qwen && flag("use_sliding_window", false)? {
         bail!(
             "{source}: field 'use_sliding_window' is true; memwall attends over the whole \
-             sequence (set it to false, as Qwen2.5's released configs do)"
+             sequence (set it to false, as Qwen2.5's and Qwen3's released configs do)"
         );
+    }
+    if let Some(types) = field("layer_types") {
+        let full = types
+            .as_array()
+            .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+        if !full {
+            bail!(
+                "{source}: field 'layer_types' is {types}; memwall implements only \
+                 \"full_attention\" layers (remove the field or list \"full_attention\" for \
+                 every layer)"
+            );
+        }
     }
     let c = uint("hidden_size", None)?;
     let nh = uint("num_attention_heads", None)?;
-    let nkv = uint("num_key_value_heads", Some(nh))?;
-    if nh > 0 && field("head_dim").is_none() && !c.is_multiple_of(nh) {
+    // Qwen3Config's defaults (configuration_qwen3.py): 32 key/value heads and head_dim 128,
+    // whatever the width; Llama and Qwen2 derive them from the heads and the width.
+    let (kv_default, hd_default) = match family {
+        Family::Qwen3 => (32, 128),
+        _ => (nh, c.checked_div(nh).unwrap_or(0)),
+    };
+    let nkv = uint("num_key_value_heads", Some(kv_default))?;
+    if family != Family::Qwen3 && nh > 0 && field("head_dim").is_none() && !c.is_multiple_of(nh) {
         bail!(
             "{source}: field 'hidden_size' ({c}) is not divisible by 'num_attention_heads' \
              ({nh}), and no 'head_dim' is given; each head needs hidden_size / heads channels"
         );
     }
-    let head_dim = uint("head_dim", Some(c.checked_div(nh).unwrap_or(0)))?;
+    let head_dim = uint("head_dim", Some(hd_default))?;
     let (theta, scaling) = rope(obj, source)?;
     let eos = match field("eos_token_id") {
         None => vec![],
@@ -460,7 +561,8 @@ fn rope(obj: &Map<String, Value>, source: &str) -> Result<(f32, Option<Llama3Sca
     }
 }
 
-/// The `config.json` transformers loads (`LlamaForCausalLM` or `Qwen2ForCausalLM`).
+/// The `config.json` transformers loads (`LlamaForCausalLM`, `Qwen2ForCausalLM` or
+/// `Qwen3ForCausalLM`).
 pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
     let Position::Rotary { theta, scaling } = s.position else {
         unreachable!("validated: Llama-family models use rotary positions")
@@ -481,7 +583,11 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         many => json!(many),
     };
     let mut v = json!({
-        "architectures": [if s.family == Family::Qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+        "architectures": [match s.family {
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            _ => "LlamaForCausalLM",
+        }],
         "model_type": s.family.model_type(),
         "vocab_size": s.vocab_size,
         "hidden_size": s.n_embd,
@@ -506,6 +612,9 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
     let obj = v.as_object_mut().expect("an object");
     if s.family == Family::Qwen2 {
         obj.insert("use_sliding_window".into(), json!(false));
+    } else if s.family == Family::Qwen3 {
+        obj.insert("use_sliding_window".into(), json!(false));
+        obj.insert("attention_bias".into(), json!(s.biases.qkv));
     } else {
         obj.insert("attention_bias".into(), json!(s.biases.qkv));
         obj.insert("mlp_bias".into(), json!(s.biases.mlp));
@@ -520,6 +629,12 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
         bail!(
             "{} models use RMSNorm and rotary positions",
             s.family.model_type()
+        );
+    }
+    if s.family == Family::Qwen3 && (s.biases.mlp || s.biases.qkv != s.biases.attn_out) {
+        bail!(
+            "qwen3 models have biases on all of q, k, v and o ('attention_bias': true) or on \
+             none, and none in the MLP"
         );
     }
     if s.head_dim > 512 {
@@ -566,6 +681,11 @@ mod tests {
             ("llama-2-7b", 6_738_415_616),
             ("llama-3-8b", 8_030_261_248),
             ("llama-3-70b", 70_553_706_496),
+            // Qwen3 (KerasHub's presets of the released weights, `params`).
+            ("qwen3-0.6b", 596_049_920),
+            ("qwen3-1.7b", 1_720_574_976),
+            ("qwen3-4b", 4_022_468_096),
+            ("qwen3-8b", 8_190_735_360),
         ] {
             let s = ModelSpec::preset(name).unwrap();
             assert_eq!(s.num_params(), want, "{name}");
@@ -583,6 +703,7 @@ mod tests {
         for name in preset_names(Family::Llama)
             .into_iter()
             .chain(preset_names(Family::Qwen2))
+            .chain(preset_names(Family::Qwen3))
         {
             let s = ModelSpec::preset(name).unwrap();
             let text = s.to_hf_config().to_string();
@@ -646,6 +767,79 @@ mod tests {
         let lay = s.family.layout(&s, crate::ir::ModelPart::WHOLE);
         assert!(lay.get("model.layers.0.self_attn.k_proj.bias").is_some());
         assert!(lay.get("model.layers.0.self_attn.o_proj.bias").is_none());
+    }
+
+    /// Qwen3-0.6B's published config.json: q/k norms in the layout, no biases, head_dim apart
+    /// from width / heads; Qwen3Config's defaults where a field is absent.
+    #[test]
+    fn reads_qwen3_configs() {
+        let published = r#"{"architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+            "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+            "initializer_range": 0.02, "intermediate_size": 3072,
+            "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+            "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+            "sliding_window": null, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false,
+            "vocab_size": 151936}"#;
+        let s = ModelSpec::from_hf_config_str(published, "qwen3/config.json").unwrap();
+        let preset = ModelSpec::preset("qwen3-0.6b").unwrap();
+        assert!(s.same_dims(&preset), "{s:?}");
+        assert_eq!(s.special_tokens, preset.special_tokens);
+        assert_eq!(s.biases, Biases::NONE);
+        let lay = s.family.layout(&s, crate::ir::ModelPart::WHOLE);
+        let qn = lay.get("model.layers.27.self_attn.q_norm.weight").unwrap();
+        assert_eq!(qn.shape, vec![128]);
+        let (_, p) = params::inventory(&s, crate::ir::ModelPart::WHOLE);
+        let kn = lay.range("model.layers.3.self_attn.k_norm.weight");
+        assert_eq!(p.layers[3].qk_norm.clone().unwrap().end, kn.end);
+        assert!(lay.get("model.layers.0.self_attn.q_proj.bias").is_none());
+        // attention_bias: q, k, v and o.
+        let tiny = |extra: &str| {
+            format!(
+                r#"{{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10{extra}}}"#
+            )
+        };
+        let s = ModelSpec::from_hf_config_str(
+            &tiny(r#", "attention_bias": true, "num_key_value_heads": 4"#),
+            "c.json",
+        )
+        .unwrap();
+        assert!(s.biases.qkv && s.biases.attn_out && !s.biases.mlp);
+        // Absent head_dim and num_key_value_heads: Qwen3Config's 128 and 32.
+        let e = format!(
+            "{:#}",
+            ModelSpec::from_hf_config_str(&tiny(""), "c.json").unwrap_err()
+        );
+        assert!(e.contains("'num_key_value_heads' (32)"), "{e}");
+        let s = ModelSpec::from_hf_config_str(&tiny(r#", "num_key_value_heads": 2"#), "c.json")
+            .unwrap();
+        assert_eq!((s.n_kv_head, s.head_dim), (2, 128));
+        // Sliding windows are refused, naming the field.
+        for (extra, field) in [
+            (
+                r#", "num_key_value_heads": 2, "use_sliding_window": true"#,
+                "use_sliding_window",
+            ),
+            (
+                r#", "num_key_value_heads": 2, "layer_types": ["sliding_attention"]"#,
+                "layer_types",
+            ),
+        ] {
+            let e = format!(
+                "{:#}",
+                ModelSpec::from_hf_config_str(&tiny(extra), "c.json").unwrap_err()
+            );
+            assert!(e.contains(field), "{e}");
+        }
+        // --tp is refused by name; the config round-trips.
+        let e = format!("{:#}", preset.check_tensor_split(2).unwrap_err());
+        assert!(e.contains("--tp 2") && e.contains("--tp 1"), "{e}");
+        let back = preset.to_hf_config();
+        assert_eq!(back["architectures"][0], "Qwen3ForCausalLM");
+        assert_eq!(back["model_type"], "qwen3");
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //! projections reading the same input are one matrix: `q_proj`, `k_proj` and `v_proj` rows
 //! follow each other (`[(NH + 2·NKV)·hd, C]` together, one GEMM writing the fused q|k|v row),
 //! as do `gate_proj` and `up_proj` (`[2H, C]`); their biases likewise.
+//! Qwen3's per-head norms (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, `[hd]` each)
+//! follow `o_proj`, as `Qwen3Attention` declares them, side by side: `[2, hd]` together, the
+//! one range the q/k norm ops read.
 //! Initialisation as transformers' `LlamaPreTrainedModel`: weights and embeddings
 //! N(0, 0.02), biases 0, norm weights 1.
 //!
@@ -38,6 +41,7 @@ pub struct LayerParams {
     pub qkv_b: Option<Range<usize>>,     // [QKV]
     pub o_w: Range<usize>,               // [C, A]
     pub o_b: Option<Range<usize>>,       // [C]
+    pub qk_norm: Option<Range<usize>>,   // [2, hd]: q_norm, k_norm (Qwen3)
     pub mlp_norm: Range<usize>,          // [C]
     pub gate_up_w: Range<usize>,         // [2H, C]: gate_proj, up_proj
     pub gate_up_b: Option<Range<usize>>, // [2H]
@@ -117,6 +121,11 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             .biases
             .attn_out
             .then(|| bias(&mut cur, "self_attn.o_proj.bias", c));
+        let qk_norm = spec.family.qk_norm().then(|| {
+            let qn = cur.push(p("self_attn.q_norm.weight"), &[hd], false, Init::Ones);
+            let kn = cur.push(p("self_attn.k_norm.weight"), &[hd], false, Init::Ones);
+            join(qn, kn)
+        });
         let mlp_norm = cur.push(
             p("post_attention_layernorm.weight"),
             &[c],
@@ -145,6 +154,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             qkv_b,
             o_w,
             o_b,
+            qk_norm,
             mlp_norm,
             gate_up_w: join(gate_w, up_w),
             gate_up_b,

@@ -1,5 +1,6 @@
-//! The normalisation family ([`OpFamily::Norm`]) on the CPU: layer norm and RMS norm, forward
-//! and backward (a frozen norm's backward computes only its input's gradient).
+//! The normalisation family ([`OpFamily::Norm`]) on the CPU: layer norm, RMS norm and Qwen3's
+//! per-head q/k norm, forward and backward (a frozen norm's backward computes only its input's
+//! gradient).
 
 use super::{Args, not_of};
 use crate::backend::StepCtx;
@@ -129,6 +130,52 @@ impl CpuDevice {
                     n,
                     c,
                 );
+            }
+            Op::QkNorm {
+                inp,
+                out,
+                rstd,
+                w,
+                rows,
+                nh,
+                nkv,
+                hd,
+                eps,
+            } => {
+                let n = rows.with_seq(ctx.seq).n();
+                let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+                rmsnorm::qk_norm_forward(
+                    &mut self.view::<T>(*out)[..n * qkv],
+                    &mut self.view::<f32>(*rstd)[..n * heads],
+                    &args.act(*inp)[..n * qkv],
+                    args.weights(w),
+                    n,
+                    (*nh, *nkv, *hd),
+                    *eps,
+                )
+            }
+            Op::QkNormBackward {
+                d,
+                inp,
+                rstd,
+                w,
+                rows,
+                nh,
+                nkv,
+                hd,
+            } => {
+                let n = rows.with_seq(ctx.seq).n();
+                let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
+                let dw = (!e.frozen).then(|| args.grad(w));
+                rmsnorm::qk_norm_backward(
+                    &mut self.view::<T>(*d)[..n * qkv],
+                    dw,
+                    &args.act(*inp)[..n * qkv],
+                    args.weights(w),
+                    &self.view::<f32>(*rstd)[..n * heads],
+                    n,
+                    (*nh, *nkv, *hd),
+                )
             }
             _ => not_of(OpFamily::Norm, e),
         }

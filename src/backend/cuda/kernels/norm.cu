@@ -1,4 +1,5 @@
-// The normalisation family: layer norm and RMS norm, forward and backward.
+// The normalisation family: layer norm, RMS norm and Qwen3's per-head q/k norm, forward and
+// backward.
 //
 //   Op::LayerNorm { inp, out, mean, rstd, w, b, rows, c, eps }
 //     ->  layernorm_forward_<S>(out, mean, rstd, inp, w, b, N, C, eps)
@@ -15,10 +16,19 @@
 //         and, unless frozen:
 //         rmsnorm_backward_partials_<S>(partials, dout, inp, rstd, N, C, R)
 //         norm_reduce_partials_<S>(dw, partials, P, C)
+//   Op::QkNorm { inp, out, rstd, w, rows, nh, nkv, hd, eps }
+//     ->  qk_norm_forward_<S>(out, rstd, inp, w, N, NH, NKV, HD, eps)
+//   Op::QkNormBackward { d, inp, rstd, w, rows, nh, nkv, hd }
+//     ->  unless frozen, FIRST (they read d before it is overwritten):
+//         qk_norm_backward_partials_<S>(partials, d, inp, rstd, N, NH, NKV, HD, R)
+//         norm_reduce_partials_<S>(dw, partials, P, 2·HD)
+//         then qk_norm_backward_input_<S>(d, inp, w, rstd, N, NH, NKV, HD)
 //   Naive twins (plain loops, one thread per row or per column; for tests):
 //     layernorm_forward_naive_<S>, layernorm_backward_input_naive_<S>,
 //     layernorm_backward_params_naive_<S> (dw, db += directly), rmsnorm_forward_naive_<S>,
-//     rmsnorm_backward_input_naive_<S>, rmsnorm_backward_params_naive_<S> (dw += directly).
+//     rmsnorm_backward_input_naive_<S>, rmsnorm_backward_params_naive_<S> (dw += directly),
+//     qk_norm_forward_naive_<S>, qk_norm_backward_input_naive_<S>,
+//     qk_norm_backward_params_naive_<S> (dw += directly).
 //
 // Dtypes (the CPU's `ops/norm.rs`, `backend/cpu/layernorm.rs`, `rmsnorm.rs`): inp, out, dout,
 // dinp and the parameter gradients dw, db are the storage type T (entries `_f32`, `_bf16`,
@@ -466,6 +476,194 @@ __device__ void rmsnorm_backward_params_naive(T* dw, const T* dout, const T* inp
     }
 }
 
+// ---- Qwen3's q/k norm (per head of a fused q|k|v row) ----
+//
+// Rows of QKV = (NH + 2·NKV)·HD: NH query heads, NKV key heads, NKV value heads of HD channels
+// (transformers' Qwen3Attention: q_norm(q_proj(x).view(.., HD)), k_norm likewise, before RoPE).
+// Each query and key head is one RMS norm "row" of HD (its statistic in rstd [N, NH + NKV],
+// heads in row order), scaled by w[0..HD) (q_norm) or w[HD..2·HD) (k_norm); value heads are
+// copied forward and passed through backward. Per head the arithmetic is rmsnorm's.
+
+// out, rstd = qk_norm(inp; w) (Op::QkNorm): one warp per (row, head) of all NH + 2·NKV heads.
+//   out  T [N, QKV];  rstd  f32 [N, NH + NKV] (written);  inp  T [N, QKV];  w  f32 [2, HD]
+//   N, NH, NKV, HD (int);  eps f32
+// Launch: block = 32·W, grid = ceil(N·(NH + 2·NKV) / W) (grid-strided). No shared memory.
+// Naive twin: qk_norm_forward_naive_<S>.
+template <typename T>
+__device__ void qk_norm_forward(T* out, float* rstd, const T* inp, const float* w, int N,
+                                int NH, int NKV, int HD, float eps) {
+    int lane = threadIdx.x & 31;
+    long long warps = blockDim.x >> 5;
+    long long heads = NH + 2LL * NKV, normed = NH + NKV;
+    for (long long u = blockIdx.x * warps + (threadIdx.x >> 5); u < (long long)N * heads;
+         u += (long long)gridDim.x * warps) {
+        long long row = u / heads, h = u % heads;
+        const T* x = inp + row * heads * HD + h * HD;
+        T* o = out + row * heads * HD + h * HD;
+        if (h >= normed) {
+            for (int i = lane; i < HD; i += 32) o[i] = x[i];
+            continue;
+        }
+        const float* wh = w + (h < NH ? 0 : HD);
+        float s = 0.0f;
+        for (int i = lane; i < HD; i += 32) {
+            float v = to_f32(x[i]);
+            s += v * v;
+        }
+        float ms = warp_sum(s) / (float)HD;
+        float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
+        for (int i = lane; i < HD; i += 32)
+            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), wh[i]));
+        if (lane == 0) rstd[row * normed + h] = rs;
+    }
+}
+
+// The naive twin of qk_norm_forward: one thread per (row, head), the sum in channel order.
+// Launch: grid-stride over N·(NH + 2·NKV), any shape.
+template <typename T>
+__device__ void qk_norm_forward_naive(T* out, float* rstd, const T* inp, const float* w, int N,
+                                      int NH, int NKV, int HD, float eps) {
+    long long heads = NH + 2LL * NKV, normed = NH + NKV;
+    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < (long long)N * heads;
+         u += (long long)gridDim.x * blockDim.x) {
+        long long row = u / heads, h = u % heads;
+        const T* x = inp + row * heads * HD + h * HD;
+        T* o = out + row * heads * HD + h * HD;
+        if (h >= normed) {
+            for (int i = 0; i < HD; i++) o[i] = x[i];
+            continue;
+        }
+        const float* wh = w + (h < NH ? 0 : HD);
+        float s = 0.0f;
+        for (int i = 0; i < HD; i++) {
+            float v = to_f32(x[i]);
+            s = __fadd_rn(s, __fmul_rn(v, v));
+        }
+        float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(s / (float)HD, eps)));
+        for (int i = 0; i < HD; i++)
+            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), wh[i]));
+        rstd[row * normed + h] = rs;
+    }
+}
+
+// d = qk_norm_backward_input(d) in place (Op::QkNormBackward's input gradient): the gradient
+// of each query and key head's output replaced by its input's, (g − norm·mean(g·norm))·rstd
+// with g = w·dout, norm = x·rstd; value heads untouched. One warp per (row, q/k head): each
+// lane reads and then overwrites only its own channels, after the warp's sum.
+//   d  T [N, QKV] (in: dout, out: dinp);  inp  T [N, QKV];  w  f32 [2, HD];
+//   rstd  f32 [N, NH + NKV];  N, NH, NKV, HD (int)
+// Launch: block = 32·W, grid = ceil(N·(NH + NKV) / W) (grid-strided). Run after the
+// partials. Naive twin: qk_norm_backward_input_naive_<S>.
+template <typename T>
+__device__ void qk_norm_backward_input(T* d, const T* inp, const float* w, const float* rstd,
+                                       int N, int NH, int NKV, int HD) {
+    int lane = threadIdx.x & 31;
+    long long warps = blockDim.x >> 5;
+    long long heads = NH + 2LL * NKV, normed = NH + NKV;
+    for (long long u = blockIdx.x * warps + (threadIdx.x >> 5); u < (long long)N * normed;
+         u += (long long)gridDim.x * warps) {
+        long long row = u / normed, h = u % normed;
+        const T* x = inp + row * heads * HD + h * HD;
+        T* dy = d + row * heads * HD + h * HD;
+        const float* wh = w + (h < NH ? 0 : HD);
+        float rs = rstd[u];
+        float sgn = 0.0f;
+        for (int i = lane; i < HD; i += 32) {
+            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            float n = __fmul_rn(to_f32(x[i]), rs);
+            sgn += g * n;
+        }
+        float mean_gn = warp_sum(sgn) / (float)HD;
+        for (int i = lane; i < HD; i += 32) {
+            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            float n = __fmul_rn(to_f32(x[i]), rs);
+            dy[i] = from_f32<T>(__fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs));
+        }
+    }
+}
+
+// The naive twin of qk_norm_backward_input: one thread per (row, q/k head), channel order.
+// Launch: grid-stride over N·(NH + NKV), any shape.
+template <typename T>
+__device__ void qk_norm_backward_input_naive(T* d, const T* inp, const float* w,
+                                             const float* rstd, int N, int NH, int NKV, int HD) {
+    long long heads = NH + 2LL * NKV, normed = NH + NKV;
+    for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < (long long)N * normed;
+         u += (long long)gridDim.x * blockDim.x) {
+        long long row = u / normed, h = u % normed;
+        const T* x = inp + row * heads * HD + h * HD;
+        T* dy = d + row * heads * HD + h * HD;
+        const float* wh = w + (h < NH ? 0 : HD);
+        float rs = rstd[u];
+        float sgn = 0.0f;
+        for (int i = 0; i < HD; i++) {
+            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            sgn = __fadd_rn(sgn, __fmul_rn(g, __fmul_rn(to_f32(x[i]), rs)));
+        }
+        float mean_gn = sgn / (float)HD;
+        for (int i = 0; i < HD; i++) {
+            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            float n = __fmul_rn(to_f32(x[i]), rs);
+            dy[i] = from_f32<T>(__fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs));
+        }
+    }
+}
+
+// Per-chunk sums of the q/k norms' weight gradient (Op::QkNormBackward, not frozen): for chunk
+// p (rows p·R … min(N, p·R + R) − 1, in order, and in each row the heads in order) and column
+// c of [2, HD] (c < HD: q_norm's channel c over the query heads; else k_norm's channel c − HD
+// over the key heads),
+//   partials[p, c] = Σ (x·rstd)·dout,   P = ceil(N / R) chunks.
+//   partials  f32 [P, 2·HD] scratch (written);  d (dout, before the input gradient overwrites
+//   it), inp  T [N, QKV];  rstd  f32 [N, NH + NKV];  N, NH, NKV, HD, R (>= 1) (int)
+// Launch: block = 256, grid = (ceil(2·HD / 256), min(P, 65535)). Then
+// norm_reduce_partials(dw, partials, P, 2·HD). Naive twin: qk_norm_backward_params_naive_<S>.
+template <typename T>
+__device__ void qk_norm_backward_partials(float* partials, const T* d, const T* inp,
+                                          const float* rstd, int N, int NH, int NKV, int HD,
+                                          int R) {
+    long long P = ((long long)N + R - 1) / R;
+    long long heads = NH + 2LL * NKV, normed = NH + NKV, C = 2LL * HD;
+    for (long long p = blockIdx.y; p < P; p += gridDim.y) {
+        long long r0 = p * R;
+        long long r1 = r0 + R < N ? r0 + R : N;
+        for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < C;
+             c += (long long)gridDim.x * blockDim.x) {
+            long long j = c % HD, h0 = c < HD ? 0 : NH, h1 = c < HD ? NH : normed;
+            float a = 0.0f;
+            for (long long r = r0; r < r1; r++)
+                for (long long h = h0; h < h1; h++) {
+                    long long at = r * heads * HD + h * HD + j;
+                    float n = __fmul_rn(to_f32(inp[at]), rstd[r * normed + h]);
+                    a = __fadd_rn(a, __fmul_rn(n, to_f32(d[at])));
+                }
+            partials[p * C + c] = a;
+        }
+    }
+}
+
+// The naive twin of qk_norm_backward_partials + norm_reduce_partials: one thread per column of
+// [2, HD], all rows and heads in order, added to the stored gradient and rounded once.
+//   dw  T [2, HD] +=;  d, inp  T [N, QKV];  rstd  f32 [N, NH + NKV]
+// Launch: grid-stride over 2·HD columns, any shape.
+template <typename T>
+__device__ void qk_norm_backward_params_naive(T* dw, const T* d, const T* inp, const float* rstd,
+                                              int N, int NH, int NKV, int HD) {
+    long long heads = NH + 2LL * NKV, normed = NH + NKV;
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < 2LL * HD;
+         c += (long long)gridDim.x * blockDim.x) {
+        long long j = c % HD, h0 = c < HD ? 0 : NH, h1 = c < HD ? NH : normed;
+        float a = 0.0f;
+        for (long long r = 0; r < N; r++)
+            for (long long h = h0; h < h1; h++) {
+                long long at = r * heads * HD + h * HD + j;
+                float n = __fmul_rn(to_f32(inp[at]), rstd[r * normed + h]);
+                a = __fadd_rn(a, __fmul_rn(n, to_f32(d[at])));
+            }
+        dw[c] = from_f32<T>(__fadd_rn(to_f32(dw[c]), a));
+    }
+}
+
 #define NORM_ENTRIES(T, S)                                                                   \
     extern "C" __global__ void layernorm_forward_##S(T* out, float* mean, float* rstd,        \
                                                      const T* inp, const float* w,           \
@@ -502,6 +700,36 @@ __device__ void rmsnorm_backward_params_naive(T* dw, const T* dout, const T* inp
     extern "C" __global__ void norm_reduce_partials_##S(T* grad, const float* partials,       \
                                                         int P, int C) {                      \
         norm_reduce_partials<T>(grad, partials, P, C);                                       \
+    }                                                                                        \
+    extern "C" __global__ void qk_norm_forward_##S(T* out, float* rstd, const T* inp,         \
+                                                   const float* w, int N, int NH, int NKV,   \
+                                                   int HD, float eps) {                      \
+        qk_norm_forward<T>(out, rstd, inp, w, N, NH, NKV, HD, eps);                          \
+    }                                                                                        \
+    extern "C" __global__ void qk_norm_forward_naive_##S(T* out, float* rstd, const T* inp,   \
+                                                         const float* w, int N, int NH,      \
+                                                         int NKV, int HD, float eps) {       \
+        qk_norm_forward_naive<T>(out, rstd, inp, w, N, NH, NKV, HD, eps);                    \
+    }                                                                                        \
+    extern "C" __global__ void qk_norm_backward_input_##S(T* d, const T* inp, const float* w, \
+                                                          const float* rstd, int N, int NH,  \
+                                                          int NKV, int HD) {                 \
+        qk_norm_backward_input<T>(d, inp, w, rstd, N, NH, NKV, HD);                          \
+    }                                                                                        \
+    extern "C" __global__ void qk_norm_backward_input_naive_##S(                             \
+        T* d, const T* inp, const float* w, const float* rstd, int N, int NH, int NKV,       \
+        int HD) {                                                                            \
+        qk_norm_backward_input_naive<T>(d, inp, w, rstd, N, NH, NKV, HD);                    \
+    }                                                                                        \
+    extern "C" __global__ void qk_norm_backward_partials_##S(                                \
+        float* partials, const T* d, const T* inp, const float* rstd, int N, int NH,         \
+        int NKV, int HD, int R) {                                                            \
+        qk_norm_backward_partials<T>(partials, d, inp, rstd, N, NH, NKV, HD, R);             \
+    }                                                                                        \
+    extern "C" __global__ void qk_norm_backward_params_naive_##S(                            \
+        T* dw, const T* d, const T* inp, const float* rstd, int N, int NH, int NKV,          \
+        int HD) {                                                                            \
+        qk_norm_backward_params_naive<T>(dw, d, inp, rstd, N, NH, NKV, HD);                  \
     }                                                                                        \
     extern "C" __global__ void rmsnorm_forward_##S(T* out, float* rstd, const T* inp,         \
                                                    const float* w, int N, int C, float eps) { \

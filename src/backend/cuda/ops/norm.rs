@@ -1,5 +1,5 @@
-//! The norm family on the GPU (`kernels/norm.cu`): layer norm and RMS norm, forward and
-//! backward, as the CPU's `ops/norm.rs`.
+//! The norm family on the GPU (`kernels/norm.cu`): layer norm, RMS norm and Qwen3's q/k norm,
+//! forward and backward, as the CPU's `ops/norm.rs`.
 //!
 //! - [`Op::LayerNorm`]: `layernorm_forward_<S>`, one warp per row ([`rows_of_warps`]).
 //! - [`Op::RmsNorm`]: `rmsnorm_forward_<S>`, likewise.
@@ -9,6 +9,10 @@
 //!   `norm_reduce_partials_<S>` twice: into dw from `partials`, into db from `partials + P·C`.
 //! - [`Op::RmsNormBackward`]: `rmsnorm_backward_input_<S>`, then, unless frozen,
 //!   `rmsnorm_backward_partials_<S>` (`[P, C]`) and `norm_reduce_partials_<S>` into dw.
+//! - [`Op::QkNorm`]: `qk_norm_forward_<S>`, one warp per (row, head).
+//! - [`Op::QkNormBackward`]: unless frozen, first `qk_norm_backward_partials_<S>` (`[P, 2·hd]`,
+//!   read from the output's gradient before it is overwritten) and `norm_reduce_partials_<S>`
+//!   into dw; then `qk_norm_backward_input_<S>` in place, one warp per (row, q/k head).
 //!
 //! N is the op's rows at the step's sequence length (`rows.with_seq(ctx.seq)`: generation's
 //! shorter prefix); nothing runs when N or C is 0 (the CPU then changes nothing).
@@ -204,6 +208,101 @@ impl GpuDevice {
                 )?;
                 let dw = self.grad_ptr(e, w)?;
                 self.reduce_partials(e, dw, partials, pi, ci, c)
+            }
+            Op::QkNorm {
+                inp,
+                out,
+                rstd,
+                w,
+                rows,
+                nh,
+                nkv,
+                hd,
+                eps,
+            } => {
+                let n = rows.with_seq(ctx.seq).n();
+                if n == 0 || *hd == 0 {
+                    return Ok(());
+                }
+                let (name, f) = self.entry("qk_norm_forward")?;
+                let (out, rstd, inp) = (self.ptr(*out)?, self.ptr(*rstd)?, self.ptr(*inp)?);
+                let w = self.f32_param_ptr(e, w)?;
+                let (ni, nhi, nkvi, hdi) = (
+                    int(e, "N", n)?,
+                    int(e, "NH", *nh)?,
+                    int(e, "NKV", *nkv)?,
+                    int(e, "HD", *hd)?,
+                );
+                let eps = *eps;
+                // SAFETY: qk_norm_forward_<S>(T* out, float* rstd, const T* inp, const float* w,
+                // int N, int NH, int NKV, int HD, float eps): out, inp [N, (NH + 2·NKV)·HD] T,
+                // rstd [N, NH + NKV] f32, w [2, HD] f32 (the range's first element).
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    row_warps(n * (nh + 2 * nkv)),
+                    [&out, &rstd, &inp, &w, &ni, &nhi, &nkvi, &hdi, &eps]
+                )
+            }
+            Op::QkNormBackward {
+                d,
+                inp,
+                rstd,
+                w,
+                rows,
+                nh,
+                nkv,
+                hd,
+            } => {
+                let n = rows.with_seq(ctx.seq).n();
+                if n == 0 || *hd == 0 {
+                    return Ok(());
+                }
+                let (d, inp, rstd) = (self.ptr(*d)?, self.ptr(*inp)?, self.ptr(*rstd)?);
+                let (ni, nhi, nkvi, hdi) = (
+                    int(e, "N", n)?,
+                    int(e, "NH", *nh)?,
+                    int(e, "NKV", *nkv)?,
+                    int(e, "HD", *hd)?,
+                );
+                if !e.frozen {
+                    // The weight gradient first: it reads d before the input gradient
+                    // overwrites it.
+                    let chunks = NormChunks::of(n, 2 * hd, 1);
+                    let partials = self.partials(e, chunks.bytes)?;
+                    let (pi, ri) = (int(e, "P", chunks.p)?, NORM_CHUNK_ROWS as i32);
+                    let ci = int(e, "C", 2 * hd)?;
+                    let (name, f) = self.entry("qk_norm_backward_partials")?;
+                    // SAFETY: qk_norm_backward_partials_<S>(float* partials, const T* d,
+                    // const T* inp, const float* rstd, int N, int NH, int NKV, int HD, int R):
+                    // partials f32 [P, 2·HD] (the region holds `chunks.bytes`), d, inp
+                    // [N, QKV] T, rstd [N, NH + NKV] f32.
+                    launch_kernel!(
+                        self,
+                        e,
+                        name,
+                        f,
+                        chunks.partials_grid(),
+                        [&partials, &d, &inp, &rstd, &ni, &nhi, &nkvi, &hdi, &ri]
+                    )?;
+                    let dw = self.grad_ptr(e, w)?;
+                    self.reduce_partials(e, dw, partials, pi, ci, 2 * hd)?;
+                }
+                let wp = self.f32_param_ptr(e, w)?;
+                let (name, f) = self.entry("qk_norm_backward_input")?;
+                // SAFETY: qk_norm_backward_input_<S>(T* d, const T* inp, const float* w,
+                // const float* rstd, int N, int NH, int NKV, int HD): d (in place), inp
+                // [N, QKV] T, w [2, HD] f32, rstd [N, NH + NKV] f32.
+                launch_kernel!(
+                    self,
+                    e,
+                    name,
+                    f,
+                    row_warps(n * (nh + nkv)),
+                    [&d, &inp, &wp, &rstd, &ni, &nhi, &nkvi, &hdi]
+                )
             }
             _ => bail!("internal error: {} is not a norm op", e.name),
         }
