@@ -349,18 +349,24 @@ static void test_lora() {
 
 typedef void (*DqF32)(const unsigned char*, int, int, int, int, int, float*);
 typedef void (*DqBf16)(const unsigned char*, int, int, int, int, int, bf16*);
+typedef void (*GaF32)(const unsigned char*, int, const unsigned int*, int, int, float*);
 
 static void test_dequant() {
     struct {
         const char* name;
         DqF32 f;
         DqBf16 b;
+        GaF32 g;
     } types[] = {
-        {"q8_0", dequant_q8_0_f32, dequant_q8_0_bf16}, {"q4_0", dequant_q4_0_f32, dequant_q4_0_bf16},
-        {"q4_1", dequant_q4_1_f32, dequant_q4_1_bf16}, {"q5_0", dequant_q5_0_f32, dequant_q5_0_bf16},
-        {"q4_k", dequant_q4_k_f32, dequant_q4_k_bf16}, {"q6_k", dequant_q6_k_f32, dequant_q6_k_bf16},
-        {"f32", dequant_f32_f32, dequant_f32_bf16},    {"f16", dequant_f16_f32, dequant_f16_bf16},
-        {"bf16", dequant_bf16_f32, dequant_bf16_bf16},
+        {"q8_0", dequant_q8_0_f32, dequant_q8_0_bf16, dequant_gather_q8_0_f32},
+        {"q4_0", dequant_q4_0_f32, dequant_q4_0_bf16, dequant_gather_q4_0_f32},
+        {"q4_1", dequant_q4_1_f32, dequant_q4_1_bf16, dequant_gather_q4_1_f32},
+        {"q5_0", dequant_q5_0_f32, dequant_q5_0_bf16, dequant_gather_q5_0_f32},
+        {"q4_k", dequant_q4_k_f32, dequant_q4_k_bf16, dequant_gather_q4_k_f32},
+        {"q6_k", dequant_q6_k_f32, dequant_q6_k_bf16, dequant_gather_q6_k_f32},
+        {"f32", dequant_f32_f32, dequant_f32_bf16, dequant_gather_f32_f32},
+        {"f16", dequant_f16_f32, dequant_f16_bf16, dequant_gather_f16_f32},
+        {"bf16", dequant_bf16_f32, dequant_bf16_bf16, dequant_gather_bf16_f32},
     };
     auto shape = load<unsigned>("dq_shape");
     const int oc = shape[0], ic = shape[1];
@@ -392,6 +398,19 @@ static void test_dequant() {
         K2_LAUNCH(ty.b, 3, 32, w.data(), ic, 1, 5, c0, width, cb.data());
         check_bytes((p + " bf16 rows 1..6, columns 256..").c_str(), cb.data(), cw.data(),
                     cb.size() * 2);
+        // The gather: rows 6, 0, 3, 0, then an id past the 7 rows (a NaN row).
+        const unsigned int ids[5] = {6, 0, 3, 0, 7};
+        std::vector<float> gat(5 * ic, -1.0f), gw(4 * ic);
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < ic; j++) gw[i * ic + j] = y[ids[i] * ic + j];
+        K2_LAUNCH(ty.g, 2, 128, w.data(), ic, ids, 5, oc, gat.data());
+        check_f32((p + " gather rows 6, 0, 3, 0").c_str(), gat.data(), gw.data(), 4 * ic);
+        int nan = 0;
+        for (int j = 0; j < ic; j++) nan += gat[4 * ic + j] != gat[4 * ic + j];
+        if (nan != ic) {
+            printf("FAIL %s gather: id 7 of 7 rows gave %d NaN of %d\n", p.c_str(), nan, ic);
+            failures++;
+        }
     }
     printf("dequant done\n");
 }

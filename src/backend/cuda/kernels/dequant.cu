@@ -162,52 +162,122 @@ __device__ void dequant_rows(const unsigned char* w, int cols, int r0, int rows,
     }
 }
 
+// Rows ids[0..n) of the weight into out [n, cols] (an embedding's gather, Op::Encoder on a
+// quantized table): row i is W[ids[i], :], decoded as dequant_rows decodes it; an id >= vocab
+// (a bad token; the CPU refuses it) gives a row of NaN rather than a read out of bounds, as
+// encoder_forward does.
+template <typename T, int BS, int TS, float (*DECODE)(const unsigned char*, int)>
+__device__ void dequant_gather(const unsigned char* w, int cols, const unsigned int* ids, int n,
+                               int vocab, T* out) {
+    const long long row_bytes = (long long)(cols / BS) * TS;
+    const long long total = (long long)n * cols;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (long long)gridDim.x * blockDim.x) {
+        const long long i = e / cols;
+        const int c = (int)(e - i * cols);
+        const unsigned int id = ids[i];
+        float v = __int_as_float(0x7fc00000);  // NaN
+        if (id < (unsigned int)vocab) {
+            v = DECODE(w + (long long)id * row_bytes + (long long)(c / BS) * TS, c % BS);
+        }
+        out[e] = from_f32<T>(v);
+    }
+}
+
 // dequant_q8_0_<S>, dequant_q4_0_<S>, dequant_q4_1_<S>, dequant_q5_0_<S>, dequant_q4_k_<S>,
-// dequant_q6_k_<S>, dequant_f32_<S>, dequant_f16_<S>, dequant_bf16_<S>: see the header.
+// dequant_q6_k_<S>, dequant_f32_<S>, dequant_f16_<S>, dequant_bf16_<S>: see the header; each
+// with its gather, dequant_gather_<type>_<S>(const u8* w, int cols, const u32* ids, int n,
+// int vocab, T* out): out [n, cols] = rows ids of the weight (vocab rows), launched as the
+// others (one thread per output value, grid-stride).
 #define DEQUANT_Q8_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q8_0_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 32, 34, dq_q8_0>(w, cols, r0, rows, c0, width, out);                 \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_q8_0_##S(const unsigned char* w, int cols,     \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 32, 34, dq_q8_0>(w, cols, ids, n, vocab, out);                     \
     }
 #define DEQUANT_Q4_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_0_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 32, 18, dq_q4_0>(w, cols, r0, rows, c0, width, out);                 \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_q4_0_##S(const unsigned char* w, int cols,     \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 32, 18, dq_q4_0>(w, cols, ids, n, vocab, out);                     \
     }
 #define DEQUANT_Q4_1(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_1_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 32, 20, dq_q4_1>(w, cols, r0, rows, c0, width, out);                 \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_q4_1_##S(const unsigned char* w, int cols,     \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 32, 20, dq_q4_1>(w, cols, ids, n, vocab, out);                     \
     }
 #define DEQUANT_Q5_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q5_0_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 32, 22, dq_q5_0>(w, cols, r0, rows, c0, width, out);                 \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_q5_0_##S(const unsigned char* w, int cols,     \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 32, 22, dq_q5_0>(w, cols, ids, n, vocab, out);                     \
     }
 #define DEQUANT_Q4_K(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_k_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 256, 144, dq_q4_k>(w, cols, r0, rows, c0, width, out);               \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_q4_k_##S(const unsigned char* w, int cols,     \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 256, 144, dq_q4_k>(w, cols, ids, n, vocab, out);                   \
     }
 #define DEQUANT_Q6_K(T, S)                                                                   \
     extern "C" __global__ void dequant_q6_k_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 256, 210, dq_q6_k>(w, cols, r0, rows, c0, width, out);               \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_q6_k_##S(const unsigned char* w, int cols,     \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 256, 210, dq_q6_k>(w, cols, ids, n, vocab, out);                   \
     }
 #define DEQUANT_F32(T, S)                                                                    \
     extern "C" __global__ void dequant_f32_##S(const unsigned char* w, int cols, int r0,     \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 1, 4, dq_f32v>(w, cols, r0, rows, c0, width, out);                   \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_f32_##S(const unsigned char* w, int cols,      \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 1, 4, dq_f32v>(w, cols, ids, n, vocab, out);                       \
     }
 #define DEQUANT_F16(T, S)                                                                    \
     extern "C" __global__ void dequant_f16_##S(const unsigned char* w, int cols, int r0,     \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 1, 2, dq_f16v>(w, cols, r0, rows, c0, width, out);                   \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_f16_##S(const unsigned char* w, int cols,      \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 1, 2, dq_f16v>(w, cols, ids, n, vocab, out);                       \
     }
 #define DEQUANT_BF16(T, S)                                                                   \
     extern "C" __global__ void dequant_bf16_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
         dequant_rows<T, 1, 2, dq_bf16v>(w, cols, r0, rows, c0, width, out);                  \
+    }                                                                                       \
+    extern "C" __global__ void dequant_gather_bf16_##S(const unsigned char* w, int cols,     \
+                                                    const unsigned int* ids, int n,          \
+                                                    int vocab, T* out) {                     \
+        dequant_gather<T, 1, 2, dq_bf16v>(w, cols, ids, n, vocab, out);                      \
     }
 MW_STORAGE_ENTRIES(DEQUANT_Q8_0)
 MW_STORAGE_ENTRIES(DEQUANT_Q4_0)

@@ -3,10 +3,9 @@
 //!
 //! - [`Op::Encoder`], f32 tables: `encoder_forward_<S>(out, tokens, positions or 0, wte, wpe
 //!   or 0, N, T, C, V)`, grid-stride over the N·C outputs. A table bound to a quantized base
-//!   (ggml blocks: a LoRA plan's `--base-quant`, no `wpe`): the CPU decodes each row as it
-//!   gathers it; here the stream is drained, the tokens read back, and each row `n` is
-//!   `dequant_<type>_<S>(wte, C, tokens[n], 1, 0, C, out + n·C)` (one launch per row; the decoded
-//!   values rounded to T once, as the CPU's `T::from_f32`).
+//!   (ggml blocks: a LoRA plan's `--base-quant`, no `wpe`): as the CPU decodes each row as it
+//!   gathers it, `dequant_gather_<type>_<S>(wte, C, tokens, N, V, out)` (`kernels/dequant.cu`;
+//!   the decoded values rounded to T once, as the CPU's `T::from_f32`).
 //! - [`Op::EncoderBackward`] (nothing when frozen): for dwte, keyed by the tokens,
 //!   `encoder_link_rows(link, keys, N, T)`, `encoder_mark_rows(link, N)`,
 //!   `encoder_backward_accumulate_<S>(dwte, dout, keys, link, N, T, C, V)`; then with `wpe`
@@ -21,7 +20,7 @@
 use super::super::gpu::GpuDevice;
 use super::super::launch::{BLOCK, grid_stride};
 use super::super::launch::{int, launch_kernel};
-use crate::backend::{Device, StepCtx};
+use crate::backend::StepCtx;
 use crate::dtype::{DType, GgmlType};
 use crate::ir::BufId;
 use crate::ir::schedule::{Op, OpEntry};
@@ -216,8 +215,9 @@ impl GpuDevice {
         )
     }
 
-    /// `out[n, :] = T(decode(wte row tokens[n]))` for a table of ggml blocks: the tokens read
-    /// back (the stream drained first), one `dequant_<type>_<S>` launch per row.
+    /// `out[n, :] = T(decode(wte row tokens[n]))` for a table of ggml blocks: one
+    /// `dequant_gather_<type>_<S>` launch (a token past the table gives a NaN row, as
+    /// `encoder_forward_<S>` does).
     #[allow(clippy::too_many_arguments)]
     fn gather_quantized(
         &self,
@@ -236,41 +236,24 @@ impl GpuDevice {
                 crate::dtype::ggml::DEQUANTIZABLE.join(", ")
             );
         }
-        let (name, f) = self.entry(&dequant_stem(ty))?;
-        let v = wte.len() / c;
-        let mut ids: Vec<u32> = Vec::new();
-        self.download(&[tokens], &mut |bufs| {
-            ids = bufs[0]
-                .chunks_exact(4)
-                .take(n)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-        })?;
-        if ids.len() < n {
-            bail!("internal error: {}: fewer than N = {n} tokens", e.name);
-        }
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= v) {
-            bail!("{}: token {bad} >= vocabulary {v}", e.name);
-        }
-        let w = self.param_ptr(e, wte)?;
-        let out = self.ptr(out)?;
-        let row_bytes = c as u64 * self.storage.size().unwrap_or(4) as u64;
-        let (cols, one, c0) = (int(e, "C", c)?, 1i32, 0i32);
-        for (i, &tok) in ids.iter().enumerate() {
-            let (r0, o) = (tok as i32, out + i as u64 * row_bytes);
-            // SAFETY: dequant_<type>_<S>(const u8* w, int cols, int r0, int rows, int c0,
-            // int width, T* out): w the table's blocks [V rows of C values], r0 + 1 <= V
-            // (checked), the whole row (c0 0, width C), out row i of [N, C] T.
-            launch_kernel!(
-                self,
-                e,
-                name,
-                f,
-                grid_stride(c as u64),
-                [&w, &cols, &r0, &one, &c0, &cols, &o]
-            )?;
-        }
-        Ok(())
+        let (name, f) = self.entry(&gather_stem(ty))?;
+        let (w, ids, out) = (self.param_ptr(e, wte)?, self.ptr(tokens)?, self.ptr(out)?);
+        let (cols, ni, vi) = (
+            int(e, "C", c)?,
+            int(e, "N", n)?,
+            int(e, "V", wte.len() / c)?,
+        );
+        // SAFETY: dequant_gather_<type>_<S>(const u8* w, int cols, const u32* ids, int n,
+        // int vocab, T* out): w the table's blocks [V rows of C values], ids [N] u32 (read
+        // only below V), out [N, C] T.
+        launch_kernel!(
+            self,
+            e,
+            name,
+            f,
+            grid_stride((n * c) as u64),
+            [&w, &cols, &ids, &ni, &vi, &out]
+        )
     }
 }
 
@@ -306,9 +289,9 @@ fn accumulate_grid(n: u64, c: u64) -> LaunchConfig {
     }
 }
 
-/// The stem of the kernel decoding ggml type `ty` (`dequant_q8_0`, `dequant_q4_k`, ...).
-fn dequant_stem(ty: GgmlType) -> String {
-    format!("dequant_{}", ty.name.to_ascii_lowercase())
+/// The stem of the kernel gathering rows of ggml type `ty` (`dequant_gather_q8_0`, ...).
+fn gather_stem(ty: GgmlType) -> String {
+    format!("dequant_gather_{}", ty.name.to_ascii_lowercase())
 }
 
 #[cfg(test)]
@@ -333,8 +316,11 @@ mod tests {
             let id = (0..64)
                 .find(|&id| GgmlType::from_id(id).is_ok_and(|t| t.name == *name))
                 .unwrap();
-            let stem = dequant_stem(GgmlType::from_id(id).unwrap());
-            assert!(dequant.per_storage.contains(&stem.as_str()), "{stem}");
+            let ty = GgmlType::from_id(id).unwrap();
+            let stem = format!("dequant_{}", ty.name.to_ascii_lowercase());
+            for stem in [stem, gather_stem(ty)] {
+                assert!(dequant.per_storage.contains(&stem.as_str()), "{stem}");
+            }
         }
     }
 }
