@@ -443,6 +443,11 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
         },
         "gflops_per_s": flops as f64 / median / 1e9,
         "flops_per_step": flops,
+        // On a GPU: the model's FLOPs (recomputation left out) per second, as a share of the
+        // card's bf16 GEMM rate (its calibration's).
+        "mfu": (timed && calibration.gpu && calibration.fma_peak_gflops > 0.0).then(|| {
+            (flops - recompute_flops) as f64 / median / 1e9 / calibration.fma_peak_gflops
+        }),
         "fma_peak": peak_before.zip(peak_after).map(|(b, a)| json!({
             "gflops_per_s_before": b.gflops_per_s, "gflops_per_s_after": a.gflops_per_s,
             "isa": b.isa, "threads": b.threads,

@@ -480,7 +480,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     for s in &samples {
         by_kind.entry(s.kind.clone()).or_default().push(s);
     }
-    let kinds = by_kind.into_iter().map(|(k, ss)| (k, fit(&ss))).collect();
+    let kinds: BTreeMap<String, Cost> = by_kind.into_iter().map(|(k, ss)| (k, fit(&ss))).collect();
     let disk = match &opts.offload_dir {
         Some(dir) => {
             let size = crate::mem::probe::probe_size(dir)?;
@@ -502,12 +502,24 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         cpu: backend.processor(),
         gpu,
         threads: opts.threads,
-        fma_peak_gflops: fma_peak(opts.threads, backend)?,
+        // A GPU's ceiling is its bf16 GEMMs' rate as fitted on the suite's GEMMs (what MFU
+        // is reported against); a CPU's, its FMA loops measured.
+        fma_peak_gflops: match gpu {
+            true => gemm_rate_gflops(&kinds, "matmul/bf16").unwrap_or(0.0),
+            false => fma_peak(opts.threads, backend)?,
+        },
         kinds,
         disk,
         disk_dir: opts.offload_dir.clone(),
         transport: None,
     })
+}
+
+/// The GFLOP/s of op kind `kind`'s fitted arithmetic term (1 / `s_per_flop`), if it was
+/// fitted with one.
+pub fn gemm_rate_gflops(kinds: &BTreeMap<String, Cost>, kind: &str) -> Option<f64> {
+    let c = kinds.get(kind)?;
+    (c.s_per_flop > 0.0).then(|| 1e-9 / c.s_per_flop)
 }
 
 /// Where the calibration of the GPU named `gpu` is kept in the user cache
