@@ -24,20 +24,19 @@ use anyhow::{Result, bail};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ops::Range;
 
-/// W (logically `[IC, OC]`) as a GEMM's right operand `[IC, OC]`: its leading dimension and
-/// whether it is stored transposed (the CPU's `Layout::as_b`).
-pub fn w_as_b(layout: WeightLayout, ic: usize, oc: usize) -> (usize, bool) {
-    match layout {
-        WeightLayout::InOut => (oc, false),
-        WeightLayout::OutIn => (ic, true),
-    }
-}
-
-/// Wᵀ as a GEMM's right operand `[OC, IC]` (the CPU's `Layout::transposed_as_b`).
-pub fn wt_as_b(layout: WeightLayout, ic: usize, oc: usize) -> (usize, bool) {
-    match layout {
-        WeightLayout::InOut => (oc, true),
-        WeightLayout::OutIn => (ic, false),
+/// How a GEMM reads part `part_len` of W's cut dimension (logically `[IC, OC]`: OC in the
+/// forward, IC in the backward's Wᵀ) from the weight tile: (whether the stored weight's rows
+/// are the cut dimension, the operand's leading dimension, stored transposed).
+pub fn operand_layout(
+    layout: WeightLayout,
+    (ic, oc): (usize, usize),
+    part_len: usize,
+    backward: bool,
+) -> (bool, usize, bool) {
+    let (_, cols) = stored_shape(layout, ic, oc);
+    match (layout == WeightLayout::OutIn) != backward {
+        true => (true, cols, true),
+        false => (false, part_len, false),
     }
 }
 
@@ -108,7 +107,8 @@ impl GpuDevice {
                 let chunks = self.linear_chunks(e, ic, oc, false);
                 for cols in chunks {
                     // out[:, cols] = (residual[:, cols] +) inp @ W[:, cols].
-                    let (wp, wt, ldw, trans) = self.linear_weight(e, w, *layout, ic, oc, &cols)?;
+                    let (wp, wt, ldw, trans) =
+                        self.linear_operand(e, w, *layout, (ic, oc), &cols, false)?;
                     let at = (cols.start * t.bytes() as usize) as u64;
                     let mut g = Gemm::new(
                         n,
@@ -161,7 +161,7 @@ impl GpuDevice {
                 for rows in self.linear_chunks(e, ic, oc, true) {
                     // dinp[:, rows] = dout[N, OC] @ W[rows, :]ᵀ.
                     let (wp, wt, ldw, trans) =
-                        self.linear_weight_t(e, w, *layout, ic, oc, &rows)?;
+                        self.linear_operand(e, w, *layout, (ic, oc), &rows, true)?;
                     let at = (rows.start * t.bytes() as usize) as u64;
                     self.gemm(
                         e,
@@ -231,79 +231,32 @@ impl GpuDevice {
         }
     }
 
-    /// Columns `cols` of W (logically `[IC, OC]`) as a GEMM's right operand `[IC, cols]`:
-    /// (address, type, leading dimension, stored transposed), at the weight tile's start.
-    fn linear_weight(
+    /// The part `part` of the cut dimension of W (logically `[IC, OC]`) as a GEMM's right
+    /// operand: in the forward W's columns `part` (`[IC, part]`), in the backward Wᵀ's
+    /// (`[OC, part]`, `part` of the IC rows). Returns (address, type, leading dimension,
+    /// stored transposed), at the weight tile's start. Where the stored weight's rows are the
+    /// cut dimension (`[OC, IC]` forward, `[IC, OC]` backward) they are read transposed,
+    /// `ld` its row; else its columns `part` are read as they are (`ld` = their count).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_operand(
         &self,
         e: &OpEntry,
         w: &Range<usize>,
         layout: WeightLayout,
-        ic: usize,
-        oc: usize,
-        cols: &Range<usize>,
+        (ic, oc): (usize, usize),
+        part: &Range<usize>,
+        backward: bool,
     ) -> Result<(u64, Ty, usize, bool)> {
-        self.check_quantized_layout(e, layout)?;
-        let stored = stored_shape(layout, ic, oc);
-        let whole = cols.len() == oc;
-        Ok(match layout {
-            // [OC, IC]: rows `cols` of the stored weight, read transposed.
-            WeightLayout::OutIn => {
-                let (p, ty) = self.weight_rows(e, w, stored, cols.clone(), 0)?;
-                (p, ty, ic, true)
-            }
-            // [IC, OC]: its columns `cols`, read as they are.
-            WeightLayout::InOut => {
-                let (p, ty) = self.weight_block(e, w, stored, (0..ic, cols.clone()), 0)?;
-                let ld = if whole {
-                    w_as_b(layout, ic, oc).0
-                } else {
-                    cols.len()
-                };
-                (p, ty, ld, false)
-            }
-        })
-    }
-
-    /// Rows `rows` of W (logically `[IC, OC]`) transposed, as a GEMM's right operand
-    /// `[OC, rows]` (the backward's input gradient): (address, type, leading dimension,
-    /// stored transposed), at the weight tile's start.
-    fn linear_weight_t(
-        &self,
-        e: &OpEntry,
-        w: &Range<usize>,
-        layout: WeightLayout,
-        ic: usize,
-        oc: usize,
-        rows: &Range<usize>,
-    ) -> Result<(u64, Ty, usize, bool)> {
-        self.check_quantized_layout(e, layout)?;
-        let stored = stored_shape(layout, ic, oc);
-        let whole = rows.len() == ic;
-        Ok(match layout {
-            // [OC, IC]: its columns `rows` (`[OC, rows]`), read as they are.
-            WeightLayout::OutIn => {
-                let (p, ty) = self.weight_block(e, w, stored, (0..oc, rows.clone()), 0)?;
-                let ld = if whole {
-                    wt_as_b(layout, ic, oc).0
-                } else {
-                    rows.len()
-                };
-                (p, ty, ld, false)
-            }
-            // [IC, OC]: rows `rows` of the stored weight, read transposed.
-            WeightLayout::InOut => {
-                let (p, ty) = self.weight_rows(e, w, stored, rows.clone(), 0)?;
-                (p, ty, oc, true)
-            }
-        })
-    }
-
-    /// A quantized base is stored `[out, in]` (nn.Linear's layout) or not at all.
-    fn check_quantized_layout(&self, e: &OpEntry, layout: WeightLayout) -> Result<()> {
         if matches!(self.param_dtype(e), Some(DType::Ggml(_))) && layout != WeightLayout::OutIn {
             bail!("internal error: {}: a quantized base is [out, in]", e.name);
         }
-        Ok(())
+        let (rows, cols) = stored_shape(layout, ic, oc);
+        let (cut_rows, ld, trans) = operand_layout(layout, (ic, oc), part.len(), backward);
+        let (p, ty) = match cut_rows {
+            true => self.weight_rows(e, w, (rows, cols), part.clone(), 0)?,
+            false => self.weight_block(e, w, (rows, cols), (0..rows, part.clone()), 0)?,
+        };
+        Ok((p, ty, ld, trans))
     }
 
     /// `db[OC] += Σ_rows dout[N, OC]` (T): per-chunk f32 column sums into the scratch's
@@ -360,6 +313,23 @@ impl GpuDevice {
 mod tests {
     use super::*;
 
+    /// W (logically `[IC, OC]`) as a GEMM's right operand `[IC, OC]`: its leading dimension and
+    /// whether it is stored transposed (the CPU's `Layout::as_b`).
+    fn w_as_b(layout: WeightLayout, ic: usize, oc: usize) -> (usize, bool) {
+        match layout {
+            WeightLayout::InOut => (oc, false),
+            WeightLayout::OutIn => (ic, true),
+        }
+    }
+
+    /// Wᵀ as a GEMM's right operand `[OC, IC]` (the CPU's `Layout::transposed_as_b`).
+    fn wt_as_b(layout: WeightLayout, ic: usize, oc: usize) -> (usize, bool) {
+        match layout {
+            WeightLayout::InOut => (oc, true),
+            WeightLayout::OutIn => (ic, false),
+        }
+    }
+
     #[test]
     fn weight_operands_follow_the_cpu_layouts() {
         // Conv1D [IC, OC]: W as is; Wᵀ read transposed.
@@ -370,6 +340,30 @@ mod tests {
         assert_eq!(w_as_b(WeightLayout::OutIn, 3, 5), (3, true));
         assert_eq!(wt_as_b(WeightLayout::OutIn, 3, 5), (3, false));
         assert_eq!(stored_shape(WeightLayout::OutIn, 3, 5), (5, 3));
+        // The whole weight read through the tile is the same operand; a part of the cut
+        // dimension keeps the row (transposed reads) or is its own row (a column block).
+        for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+            let (_, ld, trans) = operand_layout(layout, (3, 5), 5, false);
+            assert_eq!((ld, trans), w_as_b(layout, 3, 5), "{layout:?}");
+            let (_, ld, trans) = operand_layout(layout, (3, 5), 3, true);
+            assert_eq!((ld, trans), wt_as_b(layout, 3, 5), "{layout:?}");
+        }
+        assert_eq!(
+            operand_layout(WeightLayout::OutIn, (3, 5), 2, false),
+            (true, 3, true)
+        );
+        assert_eq!(
+            operand_layout(WeightLayout::OutIn, (3, 5), 2, true),
+            (false, 2, false)
+        );
+        assert_eq!(
+            operand_layout(WeightLayout::InOut, (3, 5), 2, false),
+            (false, 2, false)
+        );
+        assert_eq!(
+            operand_layout(WeightLayout::InOut, (3, 5), 2, true),
+            (true, 5, true)
+        );
     }
 
     #[test]
