@@ -6,7 +6,9 @@
 //! attention, a head size other than hidden / heads, Llama 3 rope scaling, q/k/v biases, tied
 //! and untied heads), hf-tiny-qwen3 and hf-tiny-qwen3-tied (make_hf_qwen3_fixtures.py: per-head
 //! q/k RMSNorm, head_dim apart from hidden / heads, GQA and MQA, q/k/v/o biases, tied and
-//! untied heads; 20 greedy tokens); memwall-qwen3-ckpt, a checkpoint memwall trained, with
+//! untied heads; 20 greedy tokens), hf-tiny-mistral and hf-tiny-mistral-window
+//! (make_hf_mistral_fixtures.py: no window, and a window as long as the sequence);
+//! memwall-qwen3-ckpt, a checkpoint memwall trained, with
 //! what transformers computes with it (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
 
@@ -204,6 +206,32 @@ fn qwen3_matches_transformers() {
 #[test]
 fn qwen3_tied_with_biases_matches_transformers() {
     llama_family_matches_transformers("hf-tiny-qwen3-tied");
+}
+
+#[test]
+fn mistral_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-mistral");
+}
+
+/// sliding_window 24 = the whole sequence: transformers' window mask is the causal mask there,
+/// and memwall's full attention computes it exactly; one token longer is refused, naming
+/// both numbers.
+#[test]
+fn mistral_with_a_window_as_long_as_the_sequence_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-mistral-window");
+    let (dir, _) = fixture_named("hf-tiny-mistral-window");
+    let spec = ckpt::load_spec(&dir).unwrap();
+    assert_eq!(spec.sliding_window, Some(24));
+    let e = build_plan(&spec, &StepConfig::new(1, 25, 2), Mode::Train, backend())
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap();
+    assert!(
+        e.contains("--seq 25")
+            && e.contains("sliding_window (24)")
+            && e.contains("--seq 24 or less"),
+        "{e}"
+    );
 }
 
 /// A Qwen3 checkpoint memwall trained (`memwall-qwen3-ckpt`: its config.json and
