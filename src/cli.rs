@@ -453,7 +453,7 @@ pub(crate) struct TokenizeArgs {
 pub(crate) struct StepArgs {
     /// Model: a preset (GPT-2: gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama:
     /// llama-tiny, smollm2-135m, smollm2-360m, qwen2.5-0.5b, qwen3-0.6b, qwen3-1.7b, qwen3-4b,
-    /// qwen3-8b, llama-3.2-1b, tinyllama-1.1b,
+    /// qwen3-8b, mistral-7b, llama-3.2-1b, tinyllama-1.1b,
     /// llama-3.2-3b, llama-2-7b, llama-3-8b), a Hugging Face model or checkpoint directory, or
     /// a config.json; for `plan`, also a GGUF file (planned as its conversion; with --lora the
     /// base keeps the file's blocks, as `train --init FILE.gguf --lora R` does) [default:

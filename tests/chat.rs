@@ -1,4 +1,4 @@
-//! Chat data against transformers: for the SmolLM2, Llama 3 and Qwen2.5 chat templates, every
+//! Chat data against transformers: for the SmolLM2, Llama 3, Qwen2.5 and Qwen3 chat templates, every
 //! conversation of `tests/fixtures/chat/conversations.jsonl` renders to the same text and the
 //! same token ids as `apply_chat_template(…, tokenize=True)`, with the trained-token mask that
 //! `make_chat_fixtures.py` computed (TRL's prefix method, checked there against transformers'
@@ -127,6 +127,34 @@ fn llama3_template_as_transformers() {
 #[test]
 fn qwen25_template_as_transformers() {
     check_against_transformers("qwen2.5");
+}
+
+/// Qwen3's template (thinking handling: an empty `<think>` block before an answer after the
+/// last user turn, none before the earlier ones) renders as transformers renders it, with the
+/// mask the fixture script checked against `return_assistant_tokens_mask`.
+#[test]
+fn qwen3_template_as_transformers() {
+    check_against_transformers("qwen3");
+    let (enc, fixture, _dir) = encoder("qwen3", TrainOn::Answers);
+    // Two answers: the first without the block, the last with it, each trained with its end
+    // of turn.
+    let ex = &fixture["examples"][1];
+    let got = example(&enc, ex["line"].as_str().unwrap());
+    let spans: Vec<&str> = got.spans.iter().map(|&(s, e)| &got.text[s..e]).collect();
+    assert_eq!(
+        spans,
+        [
+            "2 + 2 = 4.<|im_end|>\n",
+            "<think>\n\n</think>\n\n(2 + 2) × 10 = 40.<|im_end|>\n"
+        ]
+    );
+    // An earlier answer whose text the template rewrites (its reasoning dropped) is refused.
+    let e = format!(
+        "{:#}",
+        enc.encode_line(r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>hmm</think>Hello"}, {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye"}]}"#)
+            .unwrap_err()
+    );
+    assert!(e.contains("assistant turn 2"), "{e}");
 }
 
 fn inline(source: &str) -> Encoder {

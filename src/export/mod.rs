@@ -96,6 +96,10 @@ fn arch_of(spec: &ModelSpec) -> &'static str {
         Family::Llama => "llama",
         Family::Qwen2 => "qwen2",
         Family::Qwen3 => "qwen3",
+        // llama.cpp's convert_hf_to_gguf.py registers MistralForCausalLM on its LlamaModel
+        // (`model_arch = gguf.MODEL_ARCH.LLAMA`): a Mistral GGUF is a `llama` one, Q and K
+        // permuted alike.
+        Family::Mistral => "llama",
         Family::Gpt2 => "gpt2",
     }
 }

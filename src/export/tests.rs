@@ -815,3 +815,48 @@ fn a_gguf_file_exports_in_place_as_its_conversion_does() {
         }
     }
 }
+
+/// A Mistral directory exports as llama.cpp's convert_hf_to_gguf.py writes one (its
+/// `LlamaModel` is registered for `MistralForCausalLM`: architecture `llama`, Q and K
+/// permuted), and converts back to the same tensors, bitwise, as a Llama of the same
+/// dimensions (a GGUF `llama` file carries no sliding window).
+#[test]
+fn mistral_exports_as_llama() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tiny_dir(tmp.path(), "llama");
+    let cfg_path = a.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = "mistral".into();
+    cfg["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+    cfg["sliding_window"] = serde_json::Value::Null;
+    fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let spec = crate::model::ModelSpec::from_hf_config_file(&cfg_path).unwrap();
+    assert_eq!(spec.family, crate::model::Family::Mistral);
+    let g = tmp.path().join("out.gguf");
+    let s = export_to(&a, &g, ExportType::F32).unwrap();
+    assert_eq!(s.architecture, "llama");
+    let b = tmp.path().join("back");
+    reconvert(&g, &b);
+    let back = crate::model::ModelSpec::from_hf_config_file(&b.join("config.json")).unwrap();
+    assert_eq!(back.family, crate::model::Family::Llama);
+    assert_eq!(
+        (back.n_head, back.n_kv_head, back.head_dim, back.n_layer),
+        (spec.n_head, spec.n_kv_head, spec.head_dim, spec.n_layer)
+    );
+    let (ab, bb) = (
+        fs::read(a.join("model.safetensors")).unwrap(),
+        fs::read(b.join("model.safetensors")).unwrap(),
+    );
+    let (sa, sb) = (
+        SafeTensors::deserialize(&ab).unwrap(),
+        SafeTensors::deserialize(&bb).unwrap(),
+    );
+    assert_eq!(sa.names().len(), sb.names().len());
+    for n in sa.names() {
+        assert!(
+            sa.tensor(n).unwrap().data() == sb.tensor(n).unwrap().data(),
+            "{n} differs after the round trip"
+        );
+    }
+}

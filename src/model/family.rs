@@ -1,4 +1,4 @@
-//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`], which also builds Qwen2 and Qwen3) that knows its
+//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`], which also builds Qwen2, Qwen3 and Mistral) that knows its
 //! architecture: presets, `config.json` reading, writing and validation, the parameter
 //! inventory with Hugging Face names, shapes and initialisation, checkpoint naming variants,
 //! and the emission of its layers into a step's schedule. [`Family`]'s methods, here,
@@ -13,7 +13,13 @@ use anyhow::Result;
 use serde_json::{Map, Value};
 
 impl Family {
-    pub const ALL: [Family; 4] = [Family::Gpt2, Family::Llama, Family::Qwen2, Family::Qwen3];
+    pub const ALL: [Family; 5] = [
+        Family::Gpt2,
+        Family::Llama,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+    ];
 
     /// Hugging Face's `model_type`.
     pub fn model_type(self) -> &'static str {
@@ -22,6 +28,7 @@ impl Family {
             Family::Llama => "llama",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Mistral => "mistral",
         }
     }
 
@@ -34,21 +41,25 @@ impl Family {
     pub fn preset_names(self) -> Vec<&'static str> {
         match self {
             Family::Gpt2 => gpt2::preset_names(),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::preset_names(self),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+                llama::preset_names(self)
+            }
         }
     }
 
     pub fn preset(self, name: &str) -> Option<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::preset(name),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::preset(self, name),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+                llama::preset(self, name)
+            }
         }
     }
 
     pub fn field_names(self) -> FieldNames {
         match self {
             Family::Gpt2 => gpt2::FIELDS,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::FIELDS,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => llama::FIELDS,
         }
     }
 
@@ -56,7 +67,7 @@ impl Family {
     pub fn from_hf_config(self, obj: &Map<String, Value>, source: &str) -> Result<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::from_hf_config(obj, source),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
                 llama::from_hf_config(self, obj, source)
             }
         }
@@ -65,7 +76,9 @@ impl Family {
     pub fn to_hf_config(self, spec: &ModelSpec) -> Value {
         match self {
             Family::Gpt2 => gpt2::to_hf_config(spec),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::to_hf_config(spec),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+                llama::to_hf_config(spec)
+            }
         }
     }
 
@@ -73,7 +86,9 @@ impl Family {
     pub fn validate(self, spec: &ModelSpec) -> Result<()> {
         match self {
             Family::Gpt2 => gpt2::validate(spec),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::validate(spec),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+                llama::validate(spec)
+            }
         }
     }
 
@@ -81,7 +96,9 @@ impl Family {
     pub fn layout(self, spec: &ModelSpec, part: ModelPart) -> ParamLayout {
         match self {
             Family::Gpt2 => gpt2::layout(spec, part),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::layout(spec, part),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+                llama::layout(spec, part)
+            }
         }
     }
 
@@ -91,7 +108,9 @@ impl Family {
     pub fn canonical_name(self, name: &str) -> Option<String> {
         match self {
             Family::Gpt2 => gpt2::canonical_name(name),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => llama::canonical_name(name),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+                llama::canonical_name(name)
+            }
         }
     }
 
@@ -106,7 +125,7 @@ impl Family {
     ) -> Emitted {
         match self {
             Family::Gpt2 => gpt2::emit::micro_batch(g, spec, cfg, mb),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
                 llama::emit::micro_batch(g, spec, cfg, mb)
             }
         }

@@ -65,7 +65,7 @@ impl Target {
     pub fn all(family: Family) -> &'static [Target] {
         match family {
             Family::Gpt2 => &GPT2,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => &LLAMA,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => &LLAMA,
         }
     }
 
@@ -390,7 +390,7 @@ pub fn peft_name(module: &str, which: char) -> String {
 fn adapted(family: Family, name: &str, targets: &[Target]) -> Option<(usize, Target, String)> {
     let blocks = match family {
         Family::Gpt2 => "transformer.h.",
-        Family::Llama | Family::Qwen2 | Family::Qwen3 => "model.layers.",
+        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => "model.layers.",
     };
     let rest = name.strip_prefix(blocks)?.strip_suffix(".weight")?;
     let (layer, module) = rest.split_once('.')?;

@@ -32,6 +32,11 @@ pub enum Family {
     /// biases unless `attention_bias`, and `head_dim` given apart from width / heads
     /// (transformers' `modeling_qwen3.py`, `Qwen3Attention`).
     Qwen3,
+    /// Mistral (7B v0.1–v0.3): Llama's architecture (no biases, SwiGLU, GQA) with an
+    /// optional sliding attention window (`sliding_window`: each query sees the last
+    /// `sliding_window` keys, itself included; transformers' `modeling_mistral.py`,
+    /// `MistralModel.forward` masking with `create_sliding_window_causal_mask`).
+    Mistral,
 }
 
 /// How a block normalises its input.
@@ -118,6 +123,11 @@ pub struct ModelSpec {
     /// The LM head is the token embedding (stored once).
     pub tied_embeddings: bool,
     pub biases: Biases,
+    /// Mistral's `sliding_window`: a query attends to the last this many keys, itself included
+    /// (`None`: the whole causal prefix). memwall attends over the whole sequence, which is
+    /// the same attention while `--seq` is at most the window, so [`ModelSpec::check_seq`]
+    /// refuses a longer one.
+    pub sliding_window: Option<usize>,
     /// Not architecture (ignored by [`ModelSpec::same_dims`]): written back into config.json.
     pub special_tokens: SpecialTokens,
 }
@@ -332,7 +342,23 @@ impl ModelSpec {
                 self.n_positions
             );
         }
+        if let Some(window) = self.sliding_window
+            && seq > window
+        {
+            bail!(
+                "--seq {seq} is longer than the model's sliding_window ({window}): memwall has no \
+                 sliding-window attention yet and attends over the whole sequence, which is the \
+                 model's attention only up to {window} tokens; use --seq {window} or less"
+            );
+        }
         Ok(())
+    }
+
+    /// The longest sequence memwall computes exactly for this model: its positions, and no
+    /// more than its sliding window.
+    pub fn max_seq(&self) -> usize {
+        self.sliding_window
+            .map_or(self.n_positions, |w| w.min(self.n_positions))
     }
 
     /// Checks that `--tp tensor` ranks can each hold an equal part of every layer: the

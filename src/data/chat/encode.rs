@@ -12,7 +12,10 @@
 //! more is taken without it). Each rendering must be a prefix of the whole conversation's, and each span
 //! must contain its turn's content as written; a template that renders differently (one that
 //! trims or rewrites the answer, or depends on what follows) is refused, as the mask would not
-//! match the text.
+//! match the text. One dependence on what follows is taken: a header the template writes
+//! before an answer only when it is the last turn (Qwen3's empty `<think>\n\n</think>\n\n`
+//! block, dropped from answers before the last user turn) — such a turn is, in the whole
+//! conversation, its answer as written and what follows it up to the next turn.
 //!
 //! The whole rendering is then tokenized once (as `apply_chat_template(tokenize=True)`:
 //! special tokens parsed, nothing added), and spans are mapped to tokens as transformers maps
@@ -228,13 +231,8 @@ pub fn assistant_spans(
                  of the conversation through it",
             ));
         }
-        if !full.starts_with(&through) {
-            return Err(unstable(
-                "the conversation through this turn is not the start of the whole conversation",
-            ));
-        }
         let span = &through[prompt.len()..];
-        if !span.contains(m.content.as_str()) {
+        let Some(at) = span.find(m.content.as_str()) else {
             bail!(
                 "the chat template renders assistant turn {turn} differently from its content \
                  (it renders {span:?} for the content {:?}): the trained tokens would not be the \
@@ -242,9 +240,37 @@ pub fn assistant_spans(
                  or pass --chat-template FILE",
                 m.content
             );
+        };
+        let mut end = through.len();
+        if !full.starts_with(&through) {
+            // Templates that write a header before the answer only when it is the last turn
+            // (Qwen3's empty thinking block `<think>\n\n</think>\n\n`, which its template
+            // writes after the last user turn and drops before: Qwen3-0.6B's
+            // tokenizer_config.json, llama.cpp's models/templates/Qwen-Qwen3-0.6B.jinja): in
+            // the whole conversation the turn is the answer as written and what follows it up
+            // to the next turn (`<|im_end|>\n`), taken where the whole rendering has it.
+            let answer_on = &span[at..];
+            if !full[prompt.len()..].starts_with(answer_on) {
+                return Err(if full[prompt.len()..].starts_with(m.content.as_str()) {
+                    unstable(
+                        "the conversation through this turn is not the start of the whole \
+                         conversation",
+                    )
+                } else {
+                    anyhow!(
+                        "the chat template renders assistant turn {turn} differently from its \
+                         content when more turns follow (the content {:?} is not where the \
+                         turn starts in the whole conversation): the trained tokens would not \
+                         be the answer as written; fix the data (for example, reasoning the \
+                         template drops from earlier answers) or pass --chat-template FILE",
+                        m.content
+                    )
+                });
+            }
+            end = prompt.len() + answer_on.len();
         }
-        if !span.is_empty() {
-            spans.push((prompt.len(), through.len()));
+        if end > prompt.len() {
+            spans.push((prompt.len(), end));
         }
     }
     Ok(spans)

@@ -22,9 +22,11 @@
 //!
 //! **Invariant:** a chat template is rendered, never re-implemented, and the trained tokens
 //! are found by rendering, never by searching for marker strings; a template whose renderings
-//! are not prefixes of one another, or that renders an answer differently from its content, is
-//! refused. `tests/chat.rs` compares token for token with transformers on the SmolLM2, Llama 3
-//! and Qwen2.5 templates (fixtures made by `tests/fixtures/chat/make_chat_fixtures.py`).
+//! are not prefixes of one another (but for a header written before a last answer only, as
+//! Qwen3's thinking block: see [`encode`]), or that renders an answer differently from its
+//! content, is refused. `tests/chat.rs` compares token for token with transformers on the
+//! SmolLM2, Llama 3, Qwen2.5 and Qwen3 templates (fixtures made by
+//! `tests/fixtures/chat/make_chat_fixtures.py`).
 
 pub mod encode;
 pub mod format;

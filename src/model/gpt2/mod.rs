@@ -58,6 +58,7 @@ pub fn spec(name: &str, [v, t, c, l, h]: [usize; 5]) -> ModelSpec {
         position: Position::Learned,
         tied_embeddings: true,
         biases: Biases::ALL,
+        sliding_window: None,
         special_tokens: SpecialTokens {
             bos: Some(EOT),
             eos: vec![EOT],

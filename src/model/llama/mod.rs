@@ -1,8 +1,10 @@
-//! The Llama family (Llama 2/3, SmolLM2, TinyLlama) and its siblings Qwen2 (q/k/v biases) and
-//! Qwen3 (an RMSNorm on each query and key head before RoPE, [`Family::qk_norm`]): pre-norm
+//! The Llama family (Llama 2/3, SmolLM2, TinyLlama) and its siblings Qwen2 (q/k/v biases),
+//! Qwen3 (an RMSNorm on each query and key head before RoPE, [`Family::qk_norm`]) and Mistral
+//! (Llama's layout, no biases, an optional sliding window: [`ModelSpec::sliding_window`]): pre-norm
 //! blocks with RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP,
 //! `torch.nn.Linear` weights (`[out, in]`), a tied or separate LM head. Presets,
-//! `config.json` as `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` read it, the
+//! `config.json` as `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` /
+//! `MistralForCausalLM` read it, the
 //! parameter inventory ([`params`]) and the emission of a step (`emit`).
 
 pub(crate) mod emit;
@@ -197,6 +199,26 @@ const PRESETS: &[Preset] = &[
         bos: 151643,
         eos: 151645,
     },
+    // Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3's config.json: vocab 32768, θ 10⁶, 32768
+    // positions, rms_norm_eps 1e-5, sliding_window null, untied).
+    Preset {
+        name: "mistral-7b",
+        family: Family::Mistral,
+        vocab: 32768,
+        positions: 32768,
+        embd: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        mlp: 14336,
+        eps: 1e-5,
+        theta: 1_000_000.0,
+        llama32_scaling: false,
+        tied: false,
+        bos: 1,
+        eos: 2,
+    },
     Preset {
         name: "llama-3.2-1b",
         family: Family::Llama,
@@ -325,6 +347,10 @@ fn biases(family: Family, attention_bias: bool, mlp_bias: bool) -> Biases {
             attn_out: attention_bias,
             mlp: false,
         },
+        // Mistral: no bias anywhere, whatever the config says (`MistralAttention` and
+        // `MistralMLP` in transformers' modeling_mistral.py build every Linear with
+        // bias=False).
+        Family::Mistral => Biases::NONE,
         // Qwen2: q/k/v biases always, none on o_proj, none in the MLP.
         Family::Qwen2 => Biases {
             qkv: true,
@@ -359,6 +385,7 @@ fn from_preset(p: &Preset) -> ModelSpec {
         },
         tied_embeddings: p.tied,
         biases: biases(p.family, false, false),
+        sliding_window: None,
         special_tokens: SpecialTokens {
             bos: Some(p.bos),
             eos: vec![p.eos],
@@ -381,7 +408,7 @@ pub(super) fn preset(family: Family, name: &str) -> Option<ModelSpec> {
         .map(from_preset)
 }
 
-/// Reads a `config.json` of `model_type` `llama`, `qwen2` or `qwen3`.
+/// Reads a `config.json` of `model_type` `llama`, `qwen2`, `qwen3` or `mistral`.
 pub(super) fn from_hf_config(
     family: Family,
     obj: &Map<String, Value>,
@@ -440,9 +467,11 @@ pub(super) fn from_hf_config(
     let c = uint("hidden_size", None)?;
     let nh = uint("num_attention_heads", None)?;
     // Qwen3Config's defaults (configuration_qwen3.py): 32 key/value heads and head_dim 128,
-    // whatever the width; Llama and Qwen2 derive them from the heads and the width.
+    // whatever the width; MistralConfig's (configuration_mistral.py): 8 key/value heads;
+    // Llama and Qwen2 derive them from the heads and the width.
     let (kv_default, hd_default) = match family {
         Family::Qwen3 => (32, 128),
+        Family::Mistral => (8, c.checked_div(nh).unwrap_or(0)),
         _ => (nh, c.checked_div(nh).unwrap_or(0)),
     };
     let nkv = uint("num_key_value_heads", Some(kv_default))?;
@@ -465,11 +494,30 @@ pub(super) fn from_hf_config(
     let bos = field("bos_token_id")
         .map(|x| token_id(x, "bos_token_id", source))
         .transpose()?;
+    // Mistral's window: MistralConfig's default is 4096 when the field is absent, none when
+    // it is null (configuration_mistral.py); the other families here have none (Qwen's are
+    // refused above unless `use_sliding_window` is false, where transformers ignores it).
+    let sliding_window = match (family, obj.get("sliding_window")) {
+        (Family::Mistral, None) => Some(4096),
+        (Family::Mistral, Some(Value::Null)) => None,
+        (Family::Mistral, Some(x)) => match x.as_u64() {
+            Some(w) if w > 0 => Some(w as usize),
+            _ => bail!(
+                "{source}: field 'sliding_window' must be a positive integer or null, found {x}"
+            ),
+        },
+        _ => None,
+    };
+    // MistralConfig's defaults where the Llama path's differ: 4096·32 positions.
+    let positions_default = match family {
+        Family::Mistral => 4096 * 32,
+        _ => 2048,
+    };
     Ok(ModelSpec {
         name: source.to_string(),
         family,
         vocab_size: uint("vocab_size", None)?,
-        n_positions: uint("max_position_embeddings", Some(2048))?,
+        n_positions: uint("max_position_embeddings", Some(positions_default))?,
         n_embd: c,
         n_layer: uint("num_hidden_layers", None)?,
         n_head: nh,
@@ -485,6 +533,7 @@ pub(super) fn from_hf_config(
             flag("attention_bias", false)?,
             flag("mlp_bias", false)?,
         ),
+        sliding_window,
         special_tokens: SpecialTokens { bos, eos },
     })
 }
@@ -561,8 +610,8 @@ fn rope(obj: &Map<String, Value>, source: &str) -> Result<(f32, Option<Llama3Sca
     }
 }
 
-/// The `config.json` transformers loads (`LlamaForCausalLM`, `Qwen2ForCausalLM` or
-/// `Qwen3ForCausalLM`).
+/// The `config.json` transformers loads (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+/// `Qwen3ForCausalLM` or `MistralForCausalLM`).
 pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
     let Position::Rotary { theta, scaling } = s.position else {
         unreachable!("validated: Llama-family models use rotary positions")
@@ -586,6 +635,7 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         "architectures": [match s.family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
             _ => "LlamaForCausalLM",
         }],
         "model_type": s.family.model_type(),
@@ -615,6 +665,9 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
     } else if s.family == Family::Qwen3 {
         obj.insert("use_sliding_window".into(), json!(false));
         obj.insert("attention_bias".into(), json!(s.biases.qkv));
+    } else if s.family == Family::Mistral {
+        // Written always: an absent field means 4096 to MistralConfig.
+        obj.insert("sliding_window".into(), json!(s.sliding_window));
     } else {
         obj.insert("attention_bias".into(), json!(s.biases.qkv));
         obj.insert("mlp_bias".into(), json!(s.biases.mlp));
@@ -635,6 +688,15 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
         bail!(
             "qwen3 models have biases on all of q, k, v and o ('attention_bias': true) or on \
              none, and none in the MLP"
+        );
+    }
+    if s.family == Family::Mistral && s.biases != Biases::NONE {
+        bail!("mistral models have no biases (transformers' modeling_mistral.py)");
+    }
+    if s.family != Family::Mistral && s.sliding_window.is_some() {
+        bail!(
+            "{} models have no sliding window in memwall; only mistral's is read",
+            s.family.model_type()
         );
     }
     if s.head_dim > 512 {
@@ -686,6 +748,8 @@ mod tests {
             ("qwen3-1.7b", 1_720_574_976),
             ("qwen3-4b", 4_022_468_096),
             ("qwen3-8b", 8_190_735_360),
+            // Mistral-7B-v0.3 (its 32768-token vocabulary): 7.25B.
+            ("mistral-7b", 7_248_023_552),
         ] {
             let s = ModelSpec::preset(name).unwrap();
             assert_eq!(s.num_params(), want, "{name}");
@@ -704,6 +768,7 @@ mod tests {
             .into_iter()
             .chain(preset_names(Family::Qwen2))
             .chain(preset_names(Family::Qwen3))
+            .chain(preset_names(Family::Mistral))
         {
             let s = ModelSpec::preset(name).unwrap();
             let text = s.to_hf_config().to_string();
@@ -767,6 +832,60 @@ mod tests {
         let lay = s.family.layout(&s, crate::ir::ModelPart::WHOLE);
         assert!(lay.get("model.layers.0.self_attn.k_proj.bias").is_some());
         assert!(lay.get("model.layers.0.self_attn.o_proj.bias").is_none());
+    }
+
+    /// Mistral-7B-v0.3's published config.json is the preset; MistralConfig's defaults where a
+    /// field is absent (8 KV heads, a 4096-token window); the window is written back, null
+    /// included, and a --seq longer than it is refused naming both numbers.
+    #[test]
+    fn reads_mistral_configs() {
+        let published = r#"{"architectures": ["MistralForCausalLM"], "attention_dropout": 0.0,
+            "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+            "initializer_range": 0.02, "intermediate_size": 14336,
+            "max_position_embeddings": 32768, "model_type": "mistral",
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": null,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+            "transformers_version": "4.42.0.dev0", "use_cache": true, "vocab_size": 32768}"#;
+        let s = ModelSpec::from_hf_config_str(published, "mistral/config.json").unwrap();
+        let preset = ModelSpec::preset("mistral-7b").unwrap();
+        assert!(s.same_dims(&preset), "{s:?}");
+        assert_eq!(s.special_tokens, preset.special_tokens);
+        assert_eq!((s.sliding_window, s.biases), (None, Biases::NONE));
+        let back = preset.to_hf_config();
+        assert_eq!(back["architectures"][0], "MistralForCausalLM");
+        assert!(back["sliding_window"].is_null());
+        let tiny = |extra: &str| {
+            format!(
+                r#"{{"model_type": "mistral", "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 1, "num_attention_heads": 8, "vocab_size": 10{extra}}}"#
+            )
+        };
+        let s =
+            ModelSpec::from_hf_config_str(&tiny(r#", "attention_bias": true"#), "c.json").unwrap();
+        assert_eq!(
+            (s.n_kv_head, s.sliding_window, s.n_positions, s.biases),
+            (8, Some(4096), 131072, Biases::NONE)
+        );
+        s.check_seq(4096).unwrap();
+        let e = format!("{:#}", s.check_seq(4097).unwrap_err());
+        assert!(
+            e.contains("--seq 4097") && e.contains("sliding_window (4096)"),
+            "{e}"
+        );
+        let s =
+            ModelSpec::from_hf_config_str(&tiny(r#", "sliding_window": 512"#), "c.json").unwrap();
+        assert_eq!(s.to_hf_config()["sliding_window"], 512);
+        assert_eq!(s.max_seq(), 512);
+        let e = format!(
+            "{:#}",
+            ModelSpec::from_hf_config_str(&tiny(r#", "sliding_window": "big""#), "c.json")
+                .unwrap_err()
+        );
+        assert!(
+            e.contains("'sliding_window'") && e.contains("c.json"),
+            "{e}"
+        );
     }
 
     /// Qwen3-0.6B's published config.json: q/k norms in the layout, no biases, head_dim apart
