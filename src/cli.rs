@@ -554,7 +554,9 @@ pub(crate) struct StrategyArgs {
     /// Megatron cuts it (attention by heads, grouped-query attention by key/value heads,
     /// the MLP by channels), joined by an all-reduce after each attention and each MLP;
     /// the N/T copies split the batch. T must divide N and the heads, key/value heads and
-    /// MLP width. Checkpoints hold the whole model, so a run resumes with any --tp
+    /// MLP width. With --lora the adapters are cut with their layers (a quantized base,
+    /// --base-quant, is refused with --tp). Checkpoints hold the whole model (and a LoRA
+    /// run's whole adapter), so a run resumes with any --tp
     /// [default: 1; with --resume, the run's own]
     #[arg(long, value_name = "T")]
     pub(crate) tp: Option<usize>,

@@ -338,6 +338,38 @@ fn stages_train_lora_adapters_like_one_process() {
     matches_one_process_at((&spec, Some(&lora)), (2, 1, 2, Zero(2)), 2, Recompute::None);
 }
 
+/// LoRA on tensor ranks (adapters cut with their layers: `B`'s rows of a column-parallel
+/// layer, `A`'s columns of a row-parallel one, the other whole with its gradient summed over
+/// the tensor ranks), alone and on pipeline stages: GPT-2 (`c_attn`'s three ranges) and
+/// Llama (grouped-query attention), with input dropout (a rank's columns of a row-parallel
+/// input drawn as one process draws them), under no and full recomputation.
+#[test]
+fn tensor_ranks_train_lora_adapters_like_one_process() {
+    for (model, family) in [("gpt2-tiny", Family::Gpt2), ("llama-tiny", Family::Llama)] {
+        let spec = preset(model);
+        for (dropout, re) in [(0.0, Recompute::None), (0.1, Recompute::Full)] {
+            let lora = LoraSpec {
+                r: 4,
+                alpha: 8.0,
+                dropout,
+                targets: parse_targets("all", family).unwrap(),
+            };
+            let l = Some(&lora);
+            matches_one_process_at((&spec, l), (1, 2, 1, Zero::DP), 2, re);
+        }
+    }
+    let lora = LoraSpec {
+        r: 2,
+        alpha: 4.0,
+        dropout: 0.1,
+        targets: parse_targets("q,v,o,down", Family::Llama).unwrap(),
+    };
+    let spec = preset("llama-tiny");
+    let l = Some(&lora);
+    matches_one_process_at((&spec, l), (1, 2, 2, Zero::DP), 3, Recompute::Selective);
+    matches_one_process_at((&spec, l), (2, 2, 1, Zero(1)), 2, Recompute::None);
+}
+
 /// tp 2 × pp 2 × dp 2: every axis at once, 8 ranks.
 #[test]
 fn eight_ranks_of_every_axis_train_llama_like_one_process() {

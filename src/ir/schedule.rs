@@ -425,16 +425,21 @@ pub enum Op {
     /// Waits until every transfer started into or out of `bufs` (host staging buffers) is
     /// done; fails with the first one that failed.
     AwaitTransfers { bufs: Vec<BufId> },
-    /// `buf` (cut among the ranks as `cut` says) becomes its sum over the ranks of `axis`,
-    /// in place (a group's gradients, `--zero 0`; a row-parallel layer's output or a
-    /// column-parallel layer's input gradient, `--tp`); `scratch` receives the pieces in
-    /// flight (`dist::ring`).
+    /// `buf` (or its `elems`; cut among the ranks as `cut` says) becomes its sum over the
+    /// ranks of `axis`, in place (a group's gradients, `--zero 0`; a row-parallel layer's
+    /// output or a column-parallel layer's input gradient, `--tp`; the gradient of a LoRA
+    /// adapter's tensor that every tensor rank holds whole, `--tp` with `--lora`); `scratch`
+    /// receives the pieces in flight (`dist::ring`).
     AllReduce {
         buf: BufId,
         scratch: BufId,
         cut: CutOf,
-        /// The mesh axis whose ranks it runs among (today's plans: [`Axis::Data`]).
+        /// The mesh axis whose ranks it runs among.
         axis: Axis,
+        /// The elements of `buf` it sums (`None`: all of them): a LoRA adapter's tensor held
+        /// whole by every tensor rank, whose gradient each rank computes a partial sum of,
+        /// inside its group's gradients (`plan::lora::sum_shared_grads`).
+        elems: Option<Range<usize>>,
     },
     /// `shard` (as long as the rank's chunk) becomes (`accumulate`: gains) the sum over the
     /// ranks of chunk `rank` of `buf` (cut as `cut` says), whose contents are consumed
@@ -490,6 +495,18 @@ pub struct LoraDropout {
     pub micro: usize,
     /// `[N, IC]` f32 workspace: the masked input (and, in the backward, `dh @ a` after it).
     pub ws: BufId,
+    /// Where the op's input sits in the one-process input, whose elements the mask is drawn
+    /// by: `(width, offset)`, its rows `width` wide and the op's `IC` columns starting at
+    /// column `offset` (a tensor rank's part of a row-parallel layer's input, `--tp`);
+    /// `(IC, 0)` for a whole input.
+    pub cols: (usize, usize),
+}
+
+impl LoraDropout {
+    /// Whether the op's input is part of the one-process input's columns (`ic` of them).
+    pub fn is_cut(&self, ic: usize) -> bool {
+        self.cols != (ic, 0)
+    }
 }
 
 /// An op with its display name, phase, arithmetic cost, and where it finds the parameters

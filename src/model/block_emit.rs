@@ -201,6 +201,7 @@ pub(crate) fn join_tensor_parts(
             scratch,
             cut: CutOf::Even,
             axis: Axis::Tensor,
+            elems: None,
         },
     );
     g.op(

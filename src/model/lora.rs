@@ -11,13 +11,21 @@
 //! per block, in the order of the base's layers, each layer's `A` then `B`; gradients and
 //! optimizer state are planned over it as over any layout, and the base has neither.
 //!
+//! Under tensor parallelism (`--tp`) an adapter is cut with its layer (Megatron's layout):
+//! on a column-parallel layer (q|k|v, gate|up, GPT-2's `c_attn` and `c_fc`: output features
+//! cut) a rank keeps `B`'s rows of its output features (the weight's ranges, `c_attn`'s
+//! three) and `A` whole; on a row-parallel one (o, down, the `c_proj`s: input features cut)
+//! `A`'s columns of its input features and `B` whole. The tensors a rank keeps whole get
+//! partial gradients, summed over the tensor ranks (`plan::lora`). Initialisation draws the
+//! whole tensors' values ([`ParamLayout::initializer`]), so every rank starts as one process.
+//!
 //! Names are PEFT's, without an adapter name in the key: the base module's Hugging Face path
 //! under `base_model.model.`, then `lora_A.weight` / `lora_B.weight`, e.g.
 //! `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. GPT-2's linear layers are
 //! Conv1D (`[in, out]`), which PEFT marks with `fan_in_fan_out`; its `A` and `B` keep the
 //! shapes above all the same.
 
-use super::params::{Init, LayoutBuilder, ParamLayout};
+use super::params::{Init, LayoutBuilder, ParamLayout, TensorPart};
 use super::spec::Family;
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
@@ -191,7 +199,15 @@ impl LoraSpec {
     }
 }
 
-/// One adapted linear layer.
+/// A tensor rank's part of an adapted layer (the base weight's [`TensorPart`]): of its
+/// output features (`outputs`: a column-parallel layer) or of its input features (a
+/// row-parallel one), the ranges kept, in order.
+struct Cut {
+    outputs: bool,
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+/// One adapted linear layer (a tensor rank's part of it under `--tp`: its features kept).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Adapted {
     /// The base module's Hugging Face path, e.g. `model.layers.0.self_attn.q_proj`.
@@ -199,6 +215,8 @@ pub struct Adapted {
     pub target: Target,
     /// The block it is in.
     pub layer: usize,
+    /// Its input and output features: a tensor rank's part's (its `A` `[r, in]` and `B`
+    /// `[out, r]` are those of the part).
     pub in_features: usize,
     pub out_features: usize,
     /// Index of the base weight in the base's [`ParamLayout::tensors`].
@@ -251,48 +269,66 @@ impl AdapterLayout {
         // The base's tensors in model order: its own (their index), and on a pipeline stage
         // the other stages' (`None`), whose adapters are absent here but drawn at
         // initialisation, so each stage's adapters start as one process's do.
-        let mut order: Vec<(&str, &[usize], Option<usize>)> = Vec::new();
+        let mut order: Vec<(&str, &[usize], Option<&TensorPart>, Option<usize>)> = Vec::new();
         let mut absent = base.absent.iter().peekable();
         for (i, t) in base.tensors.iter().enumerate() {
             while let Some(a) = absent.next_if(|a| a.before <= i) {
-                order.push((&a.name, &a.shape, None));
+                order.push((&a.name, &a.shape, None, None));
             }
-            order.push((&t.name, &t.shape, Some(i)));
+            order.push((&t.name, t.whole_shape(), t.part.as_ref(), Some(i)));
         }
-        order.extend(absent.map(|a| (a.name.as_str(), a.shape.as_slice(), None)));
+        order.extend(absent.map(|a| (a.name.as_str(), a.shape.as_slice(), None, None)));
+        // Conv1D weights are [in, out]; nn.Linear's [out, in]: the dimension of the outputs.
+        let out_dim = match family {
+            Family::Gpt2 => 1,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 => 0,
+        };
         let mut all: Vec<(Adapted, bool)> = Vec::new();
-        for (name, shape, held) in order {
+        // The whole layers' (in, out) and each adapter's cut, in the order of `all`.
+        let mut wholes: Vec<((usize, usize), Option<Cut>)> = Vec::new();
+        for (name, shape, part, held) in order {
             let Some((layer, target, module)) = adapted(family, name, &spec.targets) else {
                 continue;
             };
-            let (in_features, out_features) = match (family, shape) {
-                // Conv1D weights are [in, out]; nn.Linear's [out, in].
-                (Family::Gpt2, &[i, o]) => (i, o),
-                (_, &[o, i]) => (i, o),
+            let (in_whole, out_whole) = match shape {
+                &[a, b] if out_dim == 1 => (a, b),
+                &[o, i] => (i, o),
                 _ => bail!("internal error: {name} is not a matrix ({shape:?})"),
             };
+            // A tensor rank's part of the layer: its output features (column-parallel: B's
+            // rows cut alike) or its input features (row-parallel: A's columns cut alike).
+            let cut = part.map(|p| Cut {
+                outputs: p.dim == out_dim,
+                ranges: p.ranges.clone(),
+            });
+            let kept = |whole: usize, cut_here: bool| match &cut {
+                Some(c) if cut_here => c.ranges.iter().map(|r| r.len()).sum(),
+                _ => whole,
+            };
+            let outputs = cut.as_ref().is_some_and(|c| c.outputs);
             let a = Adapted {
                 module,
                 target,
                 layer,
-                in_features,
-                out_features,
+                in_features: kept(in_whole, !outputs),
+                out_features: kept(out_whole, outputs),
                 base_tensor: held.unwrap_or(usize::MAX),
             };
             all.push((a, held.is_some()));
+            wholes.push(((in_whole, out_whole), cut));
         }
-        // The rank is bounded by the narrowest adapted layer (a GQA model's k and v).
-        if let Some((a, _)) = (all.iter()).min_by_key(|(a, _)| a.in_features.min(a.out_features))
-            && spec.r > a.in_features.min(a.out_features)
+        // The rank is bounded by the narrowest adapted layer (a GQA model's k and v), whole.
+        if let Some((a, (i, o))) = (all.iter().zip(&wholes))
+            .map(|((a, _), (w, _))| (a, *w))
+            .min_by_key(|(_, (i, o))| *i.min(o))
+            && spec.r > i.min(o)
         {
             bail!(
-                "--lora {}: above the rank of {} ({} -> {}), the narrowest layer adapted; give \
+                "--lora {}: above the rank of {} ({i} -> {o}), the narrowest layer adapted; give \
                  at most {}",
                 spec.r,
                 a.module,
-                a.in_features,
-                a.out_features,
-                a.in_features.min(a.out_features)
+                i.min(o)
             );
         }
         let found: std::collections::BTreeSet<Target> = all.iter().map(|(a, _)| a.target).collect();
@@ -305,22 +341,32 @@ impl AdapterLayout {
         }
         let mut cur = LayoutBuilder::new(family);
         let mut block = None;
-        for (a, held) in &all {
+        for ((a, held), ((in_whole, out_whole), cut)) in all.iter().zip(&wholes) {
             if block.is_some_and(|b| b != a.layer) {
                 cur.group(format!("h{}.lora", block.expect("a block")));
             }
             block = Some(a.layer);
             cur.hold(*held);
-            let bound = 1.0 / (a.in_features as f32).sqrt();
-            cur.push(
+            // Whole A [r, in] and B [out, r], of which a tensor rank keeps A's columns of its
+            // input features (row-parallel) or B's rows of its output features
+            // (column-parallel), and the other whole.
+            let (a_cut, b_cut) = match cut {
+                Some(c) if c.outputs => ((1, vec![0..*in_whole]), (0, c.ranges.clone())),
+                Some(c) => ((1, c.ranges.clone()), (0, vec![0..*out_whole])),
+                None => ((1, vec![0..*in_whole]), (0, vec![0..*out_whole])),
+            };
+            let bound = 1.0 / (*in_whole as f32).sqrt();
+            cur.push_cut(
                 peft_name(&a.module, 'A'),
-                &[spec.r, a.in_features],
+                &[spec.r, *in_whole],
+                a_cut,
                 true,
                 Init::Uniform { bound },
             );
-            cur.push(
+            cur.push_cut(
                 peft_name(&a.module, 'B'),
-                &[a.out_features, spec.r],
+                &[*out_whole, spec.r],
+                b_cut,
                 true,
                 Init::Zeros,
             );
@@ -338,11 +384,12 @@ impl AdapterLayout {
             spec,
             layers,
             first,
+            // The adapters of the base's part: its pipeline stage's, cut as its tensor
+            // rank's layers are.
             params: cur.finish(
                 Vec::new(),
-                // A stage's adapters (no tensor-parallel cut: refused with --lora).
                 crate::ir::ModelPart {
-                    tensor: crate::ir::TensorSplit::WHOLE,
+                    tensor: base.split,
                     stage: base.stage,
                 },
             ),

@@ -189,6 +189,9 @@ pub(super) fn build(
     optimizer(&mut g, &layout, &optim, sharded);
     io.deferred_update = deferred_update(&mut g, &r, &grads);
     zero_grads_before_first_write(&mut g, &grads);
+    if lora.is_some() {
+        super::lora::sum_shared_grads(&mut g, &layout, &grads);
+    }
     norm_when_final(&mut g, &layout, &grads);
     if let Some(plan) = base_storage(&mut g, &r, lora.as_ref(), base.as_ref())? {
         return Ok(plan);
@@ -319,9 +322,7 @@ fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
         bail!("--tp {t}: sampling runs on one rank; use --tp 1");
     }
     if cfg.lora.is_some() {
-        bail!(
-            "--tp {t} with --lora: adapters split with their layers are not there yet; use --tp 1"
-        );
+        check_tensor_lora(cfg, t)?;
     }
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--tp {t} with --offload: not there yet; use --offload none");
@@ -333,6 +334,31 @@ fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
             "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole \
              tensors, which the tensor ranks' parts would cut (their checkpoints could not \
              hold one process's moments); use --optim-state bf16 or fp32"
+        );
+    }
+    Ok(())
+}
+
+/// Checks LoRA under `--tp t` (adapters cut with their layers, `plan::lora`) against what
+/// it does not do yet, naming the flags: a quantized base (each rank would hold blocks of
+/// its part, and a kept GGUF base's blocks are the whole tensors'), and ZeRO 2 and 3 (which
+/// give each micro-batch its own gradients, where the adapters' shared tensors are summed
+/// over the tensor ranks in the group's).
+fn check_tensor_lora(cfg: &StepConfig, t: usize) -> Result<()> {
+    if cfg.base_quant != BaseQuant::F32 {
+        bail!(
+            "--tp {t} with --lora and --base-quant {}: a quantized base cut among tensor ranks is \
+             not there yet; use --base-quant fp32 (LoRA on an fp32 base) with --tp {t}, or \
+             --tp 1 for QLoRA",
+            cfg.base_quant
+        );
+    }
+    if cfg.zero.shards_grads() {
+        bail!(
+            "--tp {t} with --lora and --zero {}: the adapters' gradients shared by the tensor \
+             ranks are summed in each group's one buffer, which ZeRO 2 and 3 split per \
+             micro-batch; use --zero 0 or 1 with --tp {t}",
+            cfg.zero
         );
     }
     Ok(())

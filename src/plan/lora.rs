@@ -28,13 +28,25 @@
 //!   place in the step's batch), so the backward and a recomputed forward draw it again and
 //!   nothing is kept between them. With p = 0 the plan has no such workspace.
 //!
+//! - **Tensor ranks** (`--tp`): each adapter is cut with its layer
+//!   ([`crate::model::lora`]). On a column-parallel layer (`B` cut by output rows, `A`
+//!   whole) the forward is local; the backward's `dB` is local, `dh` a partial sum over the
+//!   rank's outputs, so `dA` is partial and its share `dh A` of the input gradient joins the
+//!   layer's own partial one before the layer's all-reduce. On a row-parallel layer (`A` cut
+//!   by input columns, `B` whole) `h` is partial and `h Bᵀ` joins the layer's partial output
+//!   before its all-reduce; `dh`, `dA` and the input gradient are local, `dB` partial. The
+//!   partial gradients of the whole matrices are summed over the tensor ranks once they are
+//!   final ([`sum_shared_grads`]). Dropout masks a rank's columns of a row-parallel input as
+//!   one process masks those columns ([`LoraDropout::cols`]).
+//!
 //! With `B = 0` (a fresh adapter) every `LoraForward` adds exact zeros, so the logits are the
 //! base's.
 
 use crate::dtype::DType;
 use crate::dtype::GgmlType;
 use crate::ir::builder::Builder;
-use crate::ir::schedule::{LoraDropout, Op, OpEntry, Segment, Segments, WeightLayout};
+use crate::ir::schedule::{LoraDropout, Op, OpEntry, Phase, Segment, Segments, WeightLayout};
+use crate::ir::{Axis, Cut, CutOf};
 use crate::ir::{BaseQuant, BaseTypes};
 use crate::ir::{BufId, Category};
 use crate::model::lora::AdapterLayout;
@@ -311,6 +323,9 @@ struct Placed {
     b: Range<usize>, // [out, r]
     out: usize,
     flag: &'static str,
+    /// Its input's place in one process's (`LoraDropout::cols`): `Some((width, offset))`
+    /// where a tensor rank holds columns of it (a row-parallel layer), `None` where whole.
+    cols: Option<(usize, usize)>,
 }
 
 /// Freezes the base ops of `g` and inserts the adapters' forward and backward (see the
@@ -327,17 +342,24 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
             b: ad.params.tensors[2 * i + 1].range.clone(),
             out: l.out_features,
             flag: l.target.flag(),
+            // A row-parallel layer's input features are one range of the whole's.
+            cols: ad.params.tensors[2 * i]
+                .part
+                .as_ref()
+                .map(|p| (p.whole[1], p.ranges[0].start)),
         })
         .collect();
     let (r, scale, p) = (ad.spec.r, ad.spec.scale(), ad.spec.dropout);
-    // An adapter's input dropout in op `name` of micro-batch `micro`, with its workspace.
-    let dropout_of = |g: &mut Builder, name: &str, adapter: usize, micro: usize, elems: usize| {
+    // An adapter's input dropout in op `name` of micro-batch `micro` (`n` rows of `ic`
+    // columns), with its workspace.
+    let dropout_of = |g: &mut Builder, name: &str, adapter: usize, micro: usize, (n, ic)| {
         (p > 0.0).then(|| LoraDropout {
             p,
             // Its index among the whole model's adapters (a pipeline stage holds some).
             adapter: ad.first + adapter,
             micro,
-            ws: g.f32(format!("{name}_xd"), Category::Workspace, elems), // [N, IC]
+            ws: g.f32(format!("{name}_xd"), Category::Workspace, n * ic), // [N, IC]
+            cols: placed[adapter].cols.unwrap_or((ic, 0)),
         })
     };
     // The adapters inside a linear layer's weight, with their first output column.
@@ -381,7 +403,7 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
                     let name = format!("{}.{}.lora", e.name, p.flag);
                     let h = g.act(format!("{name}_h"), Category::Activation, rows.n() * r);
                     h_of.insert((micro, i), h);
-                    let dropout = dropout_of(g, &name, i, micro, rows.n() * ic);
+                    let dropout = dropout_of(g, &name, i, micro, (rows.n(), *ic));
                     after.push((
                         name,
                         phase,
@@ -424,7 +446,7 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
                         .get(&(micro, i))
                         .expect("internal error: an adapter's backward before its forward");
                     let dh = g.f32(format!("{name}_dh"), Category::Workspace, rows.n() * r);
-                    let dropout = dropout_of(g, &name, i, micro, rows.n() * ic);
+                    let dropout = dropout_of(g, &name, i, micro, (rows.n(), *ic));
                     after.push((
                         name,
                         phase,
@@ -466,6 +488,91 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
                 frozen: false,
             });
         }
+    }
+    g.ops = ops;
+}
+
+/// Under tensor parallelism (`--tp`), sums over the tensor ranks the gradients of the
+/// adapters' tensors every rank holds whole (`A` of a column-parallel layer, `B` of a
+/// row-parallel one): each rank's is a partial sum (over its output features of `dh`, or its
+/// input features of `h`). After the last op writing a group's gradients (`grads`, one
+/// buffer per group of `layout`, the adapters'), each run of such tensors in the group is
+/// all-reduced on [`Axis::Tensor`] in place ([`Op::AllReduce`] over those `elems` of the
+/// group's buffer, its scratch `{group}.grad.tensor_sum{j}.comm`) and awaited at once, before
+/// the group's norm share and any data-axis collective on it. Nothing on one tensor rank.
+pub(super) fn sum_shared_grads(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
+    let split = layout.split;
+    if !split.is_split() {
+        return;
+    }
+    let update = |p: Phase| matches!(p, Phase::Optimizer | Phase::DeferredUpdate);
+    let mut last = vec![None; grads.segments.len()];
+    for (i, e) in g.ops.iter().enumerate() {
+        if update(e.phase) {
+            continue;
+        }
+        for r in e.grad_ranges() {
+            last[grads.segments.partition_point(|s| s.range.end <= r.start)] = Some(i);
+        }
+    }
+    let mut after: Vec<Vec<OpEntry>> = vec![Vec::new(); g.ops.len()];
+    for (k, (seg, group)) in grads.segments.iter().zip(&layout.groups).enumerate() {
+        let Some(at) = last[k] else {
+            continue;
+        };
+        // Runs of consecutive tensors held whole, as elements of the group's buffer.
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for t in layout.tensors[group.tensors.clone()]
+            .iter()
+            .filter(|t| t.part.is_none())
+        {
+            let r = t.range.start - seg.range.start..t.range.end - seg.range.start;
+            match runs.last_mut() {
+                Some(l) if l.end == r.start => l.end = r.end,
+                _ => runs.push(r),
+            }
+        }
+        let micro = g.ops[at].micro;
+        for (j, elems) in runs.into_iter().enumerate() {
+            let name = format!("{}.grad.tensor_sum{j}", group.name);
+            let cut = Cut::even(elems.len(), split.size);
+            let scratch = g.act(
+                format!("{name}.comm"),
+                Category::Communication,
+                cut.scratch(),
+            );
+            let entry = |name: String, op| OpEntry {
+                name,
+                phase: Phase::Backward,
+                op,
+                flops: 0,
+                params: None,
+                grads: None,
+                micro,
+                frozen: false,
+            };
+            after[at].push(entry(
+                format!("{name}.all_reduce"),
+                Op::AllReduce {
+                    buf: seg.buf,
+                    scratch,
+                    cut: CutOf::Even,
+                    axis: Axis::Tensor,
+                    elems: Some(elems),
+                },
+            ));
+            after[at].push(entry(
+                format!("{name}.all_reduce.await"),
+                Op::AwaitCollective {
+                    bufs: vec![seg.buf, scratch],
+                },
+            ));
+        }
+    }
+    let mut ops = Vec::with_capacity(g.ops.len());
+    for (e, then) in std::mem::take(&mut g.ops).into_iter().zip(after) {
+        ops.push(e);
+        ops.extend(then);
     }
     g.ops = ops;
 }

@@ -220,7 +220,12 @@ impl Plan {
         };
         let (cut, axis) = e.op.collective_cut().expect("a collective");
         let mesh = &self.cfg.mesh;
-        let len = self.buffer(buf).elems;
+        let len = match &e.op {
+            Op::AllReduce {
+                elems: Some(elems), ..
+            } => elems.len(),
+            _ => self.buffer(buf).elems,
+        };
         let cut = cut.resolve(&self.cuts, len, mesh.size(axis));
         let elems = cut.sent(c, mesh.coord(axis));
         let dtype = self.buffer(buf).dtype;

@@ -162,6 +162,7 @@ pub(crate) fn tied_embedding_sum(g: &mut Builder, layout: &ParamLayout, grads: &
             scratch,
             cut: CutOf::Even,
             axis: Axis::Pipeline,
+            elems: None,
         },
     );
     let wait = entry(

@@ -361,6 +361,7 @@ fn all_reduce(g: &mut Builder, gr: &Group, storage: DType, ins: &mut Inserts) {
         buf: grad,
         scratch: scratch(g, &format!("{name}.grad"), storage, cut),
         cut: CutOf::Group(k),
+        elems: None,
     };
     let at = gr.norm;
     let micro = g.ops[at].micro;

@@ -58,6 +58,7 @@ fn lora_forward_case(be: &dyn Backend, p: Precision, evaluating_with_dropout: bo
         adapter: 0,
         micro: 0,
         ws: rig.f32("xd", N * IC), // [N, IC]
+        cols: (IC, 0),
     });
     let op = Op::LoraForward {
         inp,

@@ -78,21 +78,27 @@ impl Job {
     /// an op that is not a collective.
     pub(super) fn new<'a, T: Summable>(op: &Op, view: impl Fn(BufId) -> &'a mut [T]) -> Job {
         let raw = |id| Raw::of(view(id));
+        // The elements of its buffer a ranged all-reduce sums (all of it otherwise).
+        let mut elems = None;
         let (key, kind, cut, axis, shard, scratch, accumulate) = match *op {
             Op::AllReduce {
                 buf,
                 scratch,
                 cut,
                 axis,
-            } => (
-                buf,
-                Collective::AllReduce,
-                cut,
-                axis,
-                None,
-                Some(scratch),
-                false,
-            ),
+                elems: ref e,
+            } => {
+                elems = e.clone();
+                (
+                    buf,
+                    Collective::AllReduce,
+                    cut,
+                    axis,
+                    None,
+                    Some(scratch),
+                    false,
+                )
+            }
             Op::ReduceScatter {
                 buf,
                 shard,
@@ -127,7 +133,10 @@ impl Job {
             kind,
             cut,
             axis,
-            buf: raw(key),
+            buf: match elems {
+                Some(e) => Raw::of(&mut view(key)[e]),
+                None => raw(key),
+            },
             shard: shard.map(raw),
             scratch: scratch.map(raw),
             accumulate,

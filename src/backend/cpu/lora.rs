@@ -38,8 +38,14 @@ pub struct Dropout {
     below: u64,
     /// What a kept element is multiplied by: `1 / (1 - p)`.
     scale: f32,
-    /// The index in the whole batch of this call's first element (its first row · IC).
+    /// The index in the whole batch of this call's first element (its first row · width).
     first: u64,
+    /// The call's row width (IC), the one-process input's (`width`) and the call's first
+    /// column in it: a tensor rank's columns of a row-parallel layer's input are drawn by
+    /// their place in one process's input. `ic == width`: the input is whole.
+    ic: usize,
+    width: usize,
+    offset: usize,
 }
 
 /// SplitMix64's increment (the golden ratio) and finaliser.
@@ -62,11 +68,36 @@ impl Dropout {
             below: (p as f64 * 4294967296.0) as u64,
             scale: 1.0 / (1.0 - p),
             first,
+            ic: 1,
+            width: 1,
+            offset: 0,
         }
     }
 
+    /// The same mask over an input of rows `ic` wide that are columns `offset..offset + ic`
+    /// of the one-process input's rows `width` wide (`first` counts whole rows of `width`).
+    pub fn in_columns(self, ic: usize, (width, offset): (usize, usize)) -> Dropout {
+        Dropout {
+            ic: ic.max(1),
+            width: width.max(1),
+            offset,
+            ..self
+        }
+    }
+
+    /// The index in the whole batch of the call's element `e`.
+    #[inline(always)]
+    fn index(&self, e: usize) -> u64 {
+        if self.ic == self.width {
+            return self.first + e as u64;
+        }
+        let (row, col) = (e / self.ic, e % self.ic);
+        self.first + (row * self.width + self.offset + col) as u64
+    }
+
     /// `(key, below, scale, first)`: the mask as the CUDA kernels take it
-    /// (`backend/cuda/kernels/lora.cu`), which hash each element as [`Dropout::keeps`] does.
+    /// (`backend/cuda/kernels/lora.cu`), which hash each element as [`Dropout::keeps`] does
+    /// for a whole input (they take no columns: the CUDA device runs no tensor ranks).
     pub fn parts(&self) -> (u64, u64, f32, u64) {
         (self.key, self.below, self.scale, self.first)
     }
@@ -74,9 +105,7 @@ impl Dropout {
     /// Whether element `e` of the call's input is kept.
     #[inline(always)]
     pub fn keeps(&self, e: usize) -> bool {
-        let z = self
-            .key
-            .wrapping_add((self.first + e as u64).wrapping_mul(GOLDEN));
+        let z = self.key.wrapping_add(self.index(e).wrapping_mul(GOLDEN));
         mix(z) >> 32 >= self.below
     }
 

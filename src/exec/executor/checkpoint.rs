@@ -889,8 +889,23 @@ impl Executor {
                     .map(|(a, b)| [&**a, &**b]),
             },
         };
-        // The whole model's layout where this rank holds parts of it.
+        // The whole model's layout where this rank holds parts of it (and a LoRA plan's
+        // whole adapters: PEFT's files of the whole model).
         let (spec, layout) = (&self.plan.spec, whole.as_ref().unwrap_or(layout));
+        let whole_adapters = match (split, &self.plan.lora) {
+            (true, Some(l)) => Some(crate::model::lora::AdapterLayout::new(
+                &ParamLayout::new(spec),
+                l.adapters.spec.clone(),
+            )?),
+            _ => None,
+        };
+        let opts = &SaveOptions {
+            adapter: opts.adapter.map(|a| crate::ckpt::AdapterCheckpoint {
+                adapters: whole_adapters.as_ref().unwrap_or(a.adapters),
+                ..a
+            }),
+            ..*opts
+        };
         let dir = crate::ckpt::save_checkpoint_lent(run_dir, spec, layout, &lent, state, opts)?;
         // The other ranks' sends the writer did not need are received too.
         stream.borrow_mut().finish()?;

@@ -88,7 +88,7 @@ impl CpuDevice {
     /// An adapter's dropout mask for this step and its workspace, in a training step (none
     /// otherwise: evaluation and generation use the whole input). The op's rows are
     /// `(ctx.first_micro + micro)·N..` of the step's batch, whose elements the mask is drawn
-    /// by.
+    /// by (a tensor rank's columns of it where the input is cut).
     #[allow(clippy::type_complexity)]
     fn dropout(
         &self,
@@ -98,8 +98,10 @@ impl CpuDevice {
         ctx: &StepCtx,
     ) -> Option<(lora::Dropout, &mut [f32])> {
         let d = d.as_ref().filter(|_| ctx.training)?;
-        let first = ((ctx.first_micro + d.micro) * rows.n() * ic) as u64;
-        let mask = lora::Dropout::new(d.p, ctx.dropout_seed, d.adapter as u64, first);
+        // Rows of the one-process input (a tensor rank's columns of it: `d.cols`).
+        let first = ((ctx.first_micro + d.micro) * rows.n() * d.cols.0) as u64;
+        let mask = lora::Dropout::new(d.p, ctx.dropout_seed, d.adapter as u64, first)
+            .in_columns(ic, d.cols);
         Some((mask, self.view::<f32>(d.ws)))
     }
 }

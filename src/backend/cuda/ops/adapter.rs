@@ -65,10 +65,25 @@ pub fn mask(p: f32, seed: u64, salt: u64, first: u64) -> Mask {
 /// An adapter's mask for this step and its workspace, in a training step (none otherwise:
 /// evaluation and generation use the whole input). The op's rows are `(ctx.first_micro +
 /// micro)·N..` of the step's batch (N the plan's rows), whose elements the mask is drawn by.
-pub fn step_mask(d: &Option<LoraDropout>, rows: Rows, ic: usize, ctx: &StepCtx) -> Option<Mask> {
-    let d = d.as_ref().filter(|_| ctx.training)?;
+/// A tensor rank's columns of a cut input (`LoraDropout::cols`) are refused: the GPU runs no
+/// tensor ranks, and its kernels hash whole rows.
+pub fn step_mask(
+    d: &Option<LoraDropout>,
+    rows: Rows,
+    ic: usize,
+    ctx: &StepCtx,
+) -> Result<Option<Mask>> {
+    let Some(d) = d.as_ref().filter(|_| ctx.training) else {
+        return Ok(None);
+    };
+    if d.is_cut(ic) {
+        bail!(
+            "--lora-dropout on a tensor rank's part of a layer's input (--tp): the CUDA device \
+             runs no tensor ranks; use --tp 1 or --device cpu"
+        );
+    }
     let first = ((ctx.first_micro + d.micro) * rows.n() * ic) as u64;
-    Some(mask(d.p, ctx.dropout_seed, d.adapter as u64, first))
+    Ok(Some(mask(d.p, ctx.dropout_seed, d.adapter as u64, first)))
 }
 
 impl GpuDevice {
@@ -100,7 +115,7 @@ impl GpuDevice {
                 let (at, _) = lora_tile(rows.n(), ic, oc, r);
                 let (inp, h) = (self.ptr(*inp)?, self.ptr(*h)?);
                 let nr = (n * r) as u64;
-                match (step_mask(dropout, *rows, ic, ctx), dropout) {
+                match (step_mask(dropout, *rows, ic, ctx)?, dropout) {
                     (Some(m), Some(d)) => {
                         // h = scale · (mask ⊙ inp / (1 − p)) @ aᵀ.
                         let ws = self.ptr(d.ws)?;
@@ -214,7 +229,7 @@ impl GpuDevice {
                     ),
                 )?;
                 self.scale(e, "lora_scale_f32", dh, nr, *scale)?;
-                match (step_mask(dropout, *rows, ic, ctx), dropout) {
+                match (step_mask(dropout, *rows, ic, ctx)?, dropout) {
                     (Some(m), Some(d)) => {
                         let ws = self.ptr(d.ws)?;
                         let nic = (n * ic) as u64;
@@ -413,6 +428,7 @@ mod tests {
             adapter: 4,
             micro: 1,
             ws: crate::ir::BufId(0),
+            cols: (5, 0),
         });
         let mut ctx = StepCtx {
             seq: None,
@@ -423,11 +439,11 @@ mod tests {
             first_micro: 2,
             loss_tokens: 1,
         };
-        let m = step_mask(&d, rows, 5, &ctx).unwrap();
+        let m = step_mask(&d, rows, 5, &ctx).unwrap().unwrap();
         assert_eq!(m.first, 3 * 6 * 5);
         assert_eq!(m, mask(0.25, 9, 4, 90));
         ctx.training = false;
-        assert!(step_mask(&d, rows, 5, &ctx).is_none());
+        assert!(step_mask(&d, rows, 5, &ctx).unwrap().is_none());
         assert!(
             step_mask(&None, rows, 5, &{
                 StepCtx {
@@ -435,6 +451,7 @@ mod tests {
                     ..ctx
                 }
             })
+            .unwrap()
             .is_none()
         );
     }
