@@ -237,6 +237,10 @@ pub struct AdapterLayout {
     pub params: ParamLayout,
 }
 
+/// A base tensor in the whole model's order: (name, whole shape, this rank's part of it, its
+/// index among this rank's tensors, `None` where another stage holds it).
+type Ordered<'a> = (&'a str, &'a [usize], Option<&'a TensorPart>, Option<usize>);
+
 impl AdapterLayout {
     /// The adapters `spec` puts on the base whose parameters are `base`: every block's
     /// targeted weight gets an `A` and a `B`. Refuses a rank of 0 or above a layer's
@@ -269,7 +273,7 @@ impl AdapterLayout {
         // The base's tensors in model order: its own (their index), and on a pipeline stage
         // the other stages' (`None`), whose adapters are absent here but drawn at
         // initialisation, so each stage's adapters start as one process's do.
-        let mut order: Vec<(&str, &[usize], Option<&TensorPart>, Option<usize>)> = Vec::new();
+        let mut order: Vec<Ordered> = Vec::new();
         let mut absent = base.absent.iter().peekable();
         for (i, t) in base.tensors.iter().enumerate() {
             while let Some(a) = absent.next_if(|a| a.before <= i) {
@@ -281,7 +285,7 @@ impl AdapterLayout {
         // Conv1D weights are [in, out]; nn.Linear's [out, in]: the dimension of the outputs.
         let out_dim = match family {
             Family::Gpt2 => 1,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => 0,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => 0,
         };
         let mut all: Vec<(Adapted, bool)> = Vec::new();
         // The whole layers' (in, out) and each adapter's cut, in the order of `all`.
@@ -290,9 +294,9 @@ impl AdapterLayout {
             let Some((layer, target, module)) = adapted(family, name, &spec.targets) else {
                 continue;
             };
-            let (in_whole, out_whole) = match shape {
-                &[a, b] if out_dim == 1 => (a, b),
-                &[o, i] => (i, o),
+            let (in_whole, out_whole) = match *shape {
+                [a, b] if out_dim == 1 => (a, b),
+                [o, i] => (i, o),
                 _ => bail!("internal error: {name} is not a matrix ({shape:?})"),
             };
             // A tensor rank's part of the layer: its output features (column-parallel: B's
@@ -350,10 +354,11 @@ impl AdapterLayout {
             // Whole A [r, in] and B [out, r], of which a tensor rank keeps A's columns of its
             // input features (row-parallel) or B's rows of its output features
             // (column-parallel), and the other whole.
+            let whole = |n: usize| std::iter::once(0..n).collect::<Vec<_>>();
             let (a_cut, b_cut) = match cut {
-                Some(c) if c.outputs => ((1, vec![0..*in_whole]), (0, c.ranges.clone())),
-                Some(c) => ((1, c.ranges.clone()), (0, vec![0..*out_whole])),
-                None => ((1, vec![0..*in_whole]), (0, vec![0..*out_whole])),
+                Some(c) if c.outputs => ((1, whole(*in_whole)), (0, c.ranges.clone())),
+                Some(c) => ((1, c.ranges.clone()), (0, whole(*out_whole))),
+                None => ((1, whole(*in_whole)), (0, whole(*out_whole))),
             };
             let bound = 1.0 / (*in_whole as f32).sqrt();
             cur.push_cut(

@@ -422,6 +422,7 @@ pub fn all_reduce(be: &dyn Backend, p: Precision) {
                 buf,
                 scratch,
                 cut: memwall::ir::CutOf::Group(0),
+                elems: None,
             },
             Bind::None,
         );
