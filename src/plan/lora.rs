@@ -36,7 +36,7 @@
 //!   by input columns, `B` whole) `h` is partial and `h Bᵀ` joins the layer's partial output
 //!   before its all-reduce; `dh`, `dA` and the input gradient are local, `dB` partial. The
 //!   partial gradients of the whole matrices are summed over the tensor ranks once they are
-//!   final ([`sum_shared_grads`]). Dropout masks a rank's columns of a row-parallel input as
+//!   final (`sum_shared_grads`). Dropout masks a rank's columns of a row-parallel input as
 //!   one process masks those columns ([`LoraDropout::cols`]).
 //!
 //! With `B = 0` (a fresh adapter) every `LoraForward` adds exact zeros, so the logits are the
