@@ -70,22 +70,28 @@ fn the_device_flag_takes_a_kind_and_a_number() {
 /// tier, with the CUDA context as the baseline), checked against `--max-memory` as the card's.
 #[test]
 fn a_gpu_plan_is_made_without_a_gpu() {
+    // A cache of its own: no GPU calibration in it.
+    let cache = tempfile::tempdir().unwrap();
+    let env = [("XDG_CACHE_HOME", cache.path().to_str().unwrap())];
     let plan = |max: &str| {
-        memwall(&[
-            "plan",
-            "--device",
-            "cuda",
-            "--model",
-            "gpt2",
-            "--batch",
-            "16",
-            "--seq",
-            "1024",
-            "--precision",
-            "bf16",
-            "--max-memory",
-            max,
-        ])
+        memwall_env(
+            &env,
+            &[
+                "plan",
+                "--device",
+                "cuda",
+                "--model",
+                "gpt2",
+                "--batch",
+                "16",
+                "--seq",
+                "1024",
+                "--precision",
+                "bf16",
+                "--max-memory",
+                max,
+            ],
+        )
     };
     let o = plan("80GiB");
     let out = String::from_utf8_lossy(&o.stdout);
@@ -99,7 +105,7 @@ fn a_gpu_plan_is_made_without_a_gpu() {
         "CUDA context (estimated)",
         "predicted device peak",
         "fits --max-memory 80.00 GiB",
-        "not modelled on a GPU yet",
+        "not modelled: no GPU calibration",
     ] {
         assert!(out.contains(says), "{says}: {out}");
     }
