@@ -60,17 +60,13 @@ impl Chunks {
     pub fn count(&self) -> usize {
         self.len.div_ceil(self.chunk)
     }
-}
 
-impl IntoIterator for Chunks {
-    type Item = Range<usize>;
-    type IntoIter = std::vec::IntoIter<Range<usize>>;
-    fn into_iter(self) -> Self::IntoIter {
-        (0..self.len)
-            .step_by(self.chunk)
-            .map(|s| s..(s + self.chunk).min(self.len))
-            .collect::<Vec<_>>()
-            .into_iter()
+    /// The ranges, in order (nothing allocated: this runs for every linear op of a step).
+    pub fn ranges(self) -> impl Iterator<Item = Range<usize>> {
+        let Chunks { len, chunk } = self;
+        (0..len)
+            .step_by(chunk)
+            .map(move |s| s..(s + chunk).min(len))
     }
 }
 
@@ -105,7 +101,7 @@ impl GpuDevice {
                 let residual = residual.map(|r| self.ptr(r)).transpose()?;
                 let bias = b.as_ref().map(|b| self.param_ptr(e, b)).transpose()?;
                 let chunks = self.linear_chunks(e, ic, oc, false);
-                for cols in chunks {
+                for cols in chunks.ranges() {
                     // out[:, cols] = (residual[:, cols] +) inp @ W[:, cols].
                     let (wp, wt, ldw, trans) =
                         self.linear_operand(e, w, *layout, (ic, oc), &cols, false)?;
@@ -158,7 +154,7 @@ impl GpuDevice {
                     return Ok(());
                 }
                 let (dinp, dout, inp) = (self.ptr(*dinp)?, self.ptr(*dout)?, self.ptr(*inp)?);
-                for rows in self.linear_chunks(e, ic, oc, true) {
+                for rows in self.linear_chunks(e, ic, oc, true).ranges() {
                     // dinp[:, rows] = dout[N, OC] @ W[rows, :]ᵀ.
                     let (wp, wt, ldw, trans) =
                         self.linear_operand(e, w, *layout, (ic, oc), &rows, true)?;
@@ -368,7 +364,7 @@ mod tests {
 
     #[test]
     fn chunks_cover_the_range_in_order() {
-        let ranges = |len, chunk| Chunks { len, chunk }.into_iter().collect::<Vec<_>>();
+        let ranges = |len, chunk| Chunks { len, chunk }.ranges().collect::<Vec<_>>();
         assert_eq!(ranges(28672, 16384), [0..16384, 16384..28672]);
         assert_eq!(ranges(8448, 7936), [0..7936, 7936..8448]);
         assert_eq!(ranges(3072, 3072), vec![0..3072usize]);
