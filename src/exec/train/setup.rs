@@ -330,9 +330,15 @@ pub fn plan_for(
         .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
     strategies.packed = packed;
     // A GPU run is priced by the GPU's calibration where one is saved.
-    let calibration = match crate::exec::calibrate::for_device(opts.device, opts.threads)? {
-        Some(c) if c.gpu => c,
-        _ => crate::exec::calibrate_transport::current(opts.threads, ranks)?,
+    let gpu = match opts.device.kind {
+        crate::backend::DeviceKind::Cuda => {
+            crate::exec::calibrate::for_device(opts.device, opts.threads)?
+        }
+        _ => None,
+    };
+    let calibration = match gpu {
+        Some(c) => c,
+        None => crate::exec::calibrate_transport::current(opts.threads, ranks)?,
     };
     let plan = strategies.plan(
         spec,
