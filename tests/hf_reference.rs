@@ -7,7 +7,9 @@
 //! and untied heads), hf-tiny-qwen3 and hf-tiny-qwen3-tied (make_hf_qwen3_fixtures.py: per-head
 //! q/k RMSNorm, head_dim apart from hidden / heads, GQA and MQA, q/k/v/o biases, tied and
 //! untied heads; 20 greedy tokens), hf-tiny-mistral and hf-tiny-mistral-window
-//! (make_hf_mistral_fixtures.py: no window, and a window as long as the sequence);
+//! (make_hf_mistral_fixtures.py: no window, and a window as long as the sequence),
+//! hf-tiny-phi3 and hf-tiny-phi3-longrope (make_hf_phi3_fixtures.py: fused q|k|v and gate|up
+//! tensors, LongRoPE's short and long factors and attention factor, a tied head);
 //! memwall-qwen3-ckpt, a checkpoint memwall trained, with
 //! what transformers computes with it (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
@@ -16,6 +18,7 @@ use memwall::backend::under_test as backend;
 use memwall::ckpt;
 use memwall::exec::Executor;
 use memwall::exec::generate::{SampleOptions, generate_tokens};
+use memwall::model::{Position, RopeScaling};
 use memwall::plan::{Mode, StepConfig, build_plan};
 use std::path::PathBuf;
 
@@ -211,6 +214,30 @@ fn qwen3_tied_with_biases_matches_transformers() {
 #[test]
 fn mistral_matches_transformers() {
     llama_family_matches_transformers("hf-tiny-mistral");
+}
+
+#[test]
+fn phi3_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-phi3");
+}
+
+/// LongRoPE: the prompt's logits with the short factors, the 24-token loss and gradients
+/// with the long ones (beyond the pretraining context of 16), greedy tokens across the switch;
+/// the cosines and sines scaled by √(1 + ln 4 / ln 16).
+#[test]
+fn phi3_with_longrope_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-phi3-longrope");
+    let (dir, _) = fixture_named("hf-tiny-phi3-longrope");
+    let spec = ckpt::load_spec(&dir).unwrap();
+    let Position::Rotary {
+        scaling: Some(RopeScaling::LongRope(l)),
+        ..
+    } = &spec.position
+    else {
+        panic!("longrope expected: {:?}", spec.position);
+    };
+    assert_eq!(l.original_max_position_embeddings, 16);
+    assert!((l.attention_factor - 1.5f32.sqrt()).abs() < 1e-7);
 }
 
 /// sliding_window 24 = the whole sequence: transformers' window mask is the causal mask there,

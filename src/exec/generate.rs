@@ -74,28 +74,40 @@ pub fn generate_tokens(
         .max_seq()
         .min(prompt.len().saturating_add(opts.tokens))
         .max(1);
-    let plan = build_plan(
-        &spec,
-        &StepConfig::new(1, ctx, opts.threads),
-        Mode::Generate,
-        opts.device.open()?,
-    )?;
-    let layout = plan.layout.clone();
-    let mut ex = Executor::on(plan, opts.device.open()?)?;
-    let adapter = match &opts.adapter {
-        Some(dir) => Some(ckpt::adapter::load_adapter(
-            &ckpt::adapter::resolve_dir(dir)?,
-            &layout,
-        )?),
-        None => None,
+    // Each token is computed from a forward over the sequence so far, as transformers
+    // computes it without a cache; LongRoPE picks its factors by that length, so a plan for
+    // the pretraining context serves until the sequence outgrows it, and one for the whole
+    // context after.
+    let first_ctx = match spec.rope_switch() {
+        Some(o) if prompt.len() <= o => ctx.min(o.max(1)),
+        _ => ctx,
     };
-    ex.with_params_mut(|p| -> Result<()> {
-        ckpt::load_params(&opts.checkpoint, &layout, p)?;
-        if let Some((adapters, values)) = &adapter {
-            crate::ckpt::adapter::merge_into(adapters, &layout, p, values);
-        }
-        Ok(())
-    })??;
+    let open = |ctx: usize| -> Result<Executor> {
+        let plan = build_plan(
+            &spec,
+            &StepConfig::new(1, ctx, opts.threads),
+            Mode::Generate,
+            opts.device.open()?,
+        )?;
+        let layout = plan.layout.clone();
+        let mut ex = Executor::on(plan, opts.device.open()?)?;
+        let adapter = match &opts.adapter {
+            Some(dir) => Some(ckpt::adapter::load_adapter(
+                &ckpt::adapter::resolve_dir(dir)?,
+                &layout,
+            )?),
+            None => None,
+        };
+        ex.with_params_mut(|p| -> Result<()> {
+            ckpt::load_params(&opts.checkpoint, &layout, p)?;
+            if let Some((adapters, values)) = &adapter {
+                crate::ckpt::adapter::merge_into(adapters, &layout, p, values);
+            }
+            Ok(())
+        })??;
+        Ok(ex)
+    };
+    let (mut ex, mut ex_ctx) = (open(first_ctx)?, first_ctx);
     let mut rng = Rng::new(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();
     let mut probs = vec![0f32; spec.vocab_size];
@@ -103,7 +115,13 @@ pub fn generate_tokens(
     // Grown as tokens come: --tokens may ask for more than memory holds ids of.
     let mut out = Vec::with_capacity(opts.tokens.min(1 << 16));
     for _ in 0..opts.tokens {
-        let start = all.len().saturating_sub(ctx);
+        if all.len() > ex_ctx && ex_ctx < ctx {
+            // One executor at a time: the first's memory is freed before the second's.
+            drop(ex);
+            ex = open(ctx)?;
+            ex_ctx = ctx;
+        }
+        let start = all.len().saturating_sub(ex_ctx);
         let logits = ex.next_token_logits(&all[start..])?;
         let next = if opts.temperature == 0.0 {
             argmax(logits)

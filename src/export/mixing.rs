@@ -16,6 +16,7 @@
 //!   name: `weight_name_comparer`), `n` is the number of `attn_v` tensors, or of layers for
 //!   `ffn_down`. An 80-layer model (llama.cpp's `LLM_TYPE_70B`: qwen2, or llama with grouped
 //!   KV heads) gets Q5_K for the other `attn_v`, which memwall does not write: refused.
+//! - Q4_K_M: Phi-3's fused `attn_qkv` gets Q5_K, which memwall does not write: refused.
 //! - Then the fallback for rows that are not whole blocks (`tensor_type_fallback`): Q4_K →
 //!   Q5_0, Q6_K → Q8_0 (Q5_K → Q5_1, refused); F16 when even those do not fit. Q4_0, Q4_1
 //!   and Q8_0 have no fallback in llama-quantize (it throws): refused here too, naming the
@@ -46,6 +47,8 @@ enum Category {
     Output,
     TokenEmbd,
     AttnV,
+    /// Phi-3's fused `attn_qkv`: counted with the `attn_v` tensors, typed by a rule of its own.
+    AttnQkv,
     FfnDown,
     Other,
 }
@@ -55,7 +58,9 @@ fn category(name: &str) -> Category {
         Category::Output
     } else if name == "token_embd.weight" {
         Category::TokenEmbd
-    } else if ["attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight"]
+    } else if name.contains("attn_qkv.weight") {
+        Category::AttnQkv
+    } else if ["attn_v.weight", "attn_kv_b.weight"]
         .iter()
         .any(|s| name.contains(s))
     {
@@ -107,7 +112,7 @@ pub fn tensor_types(
     let tied = !tensors.iter().any(|(n, _)| *n == "output.weight");
     let n_attn_v = tensors
         .iter()
-        .filter(|(n, _)| category(n) == Category::AttnV)
+        .filter(|(n, _)| matches!(category(n), Category::AttnV | Category::AttnQkv))
         .count();
     let is_70b = model.n_layer == 80 && (model.arch == "qwen2" || model.n_head != model.n_kv_head);
     // llama.cpp visits tensors by layer, then name; its counters follow that order.
@@ -144,6 +149,11 @@ pub fn tensor_types(
                 t = q5_k();
             }
             i_attn_v += 1;
+        } else if cat == Category::AttnQkv {
+            // llama-quant.cpp: `attn_qkv.weight` is Q5_K in a Q4_K_M file.
+            if ty == ExportType::Q4KM {
+                t = q5_k();
+            }
         } else if cat == Category::FfnDown {
             if ty == ExportType::Q4KM && use_more_bits(i_ffn_down, model.n_layer) {
                 t = GgmlType::Q6_K;

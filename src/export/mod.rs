@@ -56,7 +56,7 @@ use crate::dtype::GgmlType;
 use crate::gguf::file::Value;
 use crate::gguf::hf::{gguf_tensor_name, permute_rows};
 use crate::gguf::write::{TensorSpec, write_gguf};
-use crate::model::{Family, ModelSpec, Position};
+use crate::model::{Family, ModelSpec, Position, RopeScaling};
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 
@@ -100,6 +100,9 @@ fn arch_of(spec: &ModelSpec) -> &'static str {
         // (`model_arch = gguf.MODEL_ARCH.LLAMA`): a Mistral GGUF is a `llama` one, Q and K
         // permuted alike.
         Family::Mistral => "llama",
+        // convert_hf_to_gguf.py's `Phi3MiniModel`: `MODEL_ARCH.PHI3`, q|k|v and gate|up kept
+        // fused, no permutation (llama.cpp rotates phi3 NEOX-style, as HF does).
+        Family::Phi3 => "phi3",
         Family::Gpt2 => "gpt2",
     }
 }
@@ -133,6 +136,10 @@ fn model_metadata(
     };
     let u = |x: usize| Value::U32(x as u32);
     let k = |s: &str| format!("{arch}.{s}");
+    if spec.family == Family::Phi3 {
+        md.extend(phi3_metadata(spec, theta));
+        return Ok(md);
+    }
     md.extend([
         (k("vocab_size"), u(spec.vocab_size)),
         (k("context_length"), u(spec.n_positions)),
@@ -155,6 +162,74 @@ fn model_metadata(
         md.push((k("attention.value_length"), u(spec.head_dim)));
     }
     Ok(md)
+}
+
+/// The `phi3.*` keys `Phi3MiniModel.set_gguf_parameters` writes (no `vocab_size`, no key
+/// lengths; the sliding window 0 when there is none; LongRoPE's attention factor).
+fn phi3_metadata(spec: &ModelSpec, theta: f32) -> Vec<(String, Value)> {
+    let u = |x: usize| Value::U32(x as u32);
+    let k = |s: &str| format!("phi3.{s}");
+    let longrope = match &spec.position {
+        Position::Rotary {
+            scaling: Some(RopeScaling::LongRope(l)),
+            ..
+        } => Some(l),
+        _ => None,
+    };
+    // The pretraining context: LongRoPE's, else the context (Phi-3-mini-4k's configs give
+    // `original_max_position_embeddings` equal to it).
+    let original = longrope.map_or(spec.n_positions, |l| l.original_max_position_embeddings);
+    let mut md = vec![
+        (k("context_length"), u(spec.n_positions)),
+        (k("rope.scaling.original_context_length"), u(original)),
+        (k("embedding_length"), u(spec.n_embd)),
+        (k("feed_forward_length"), u(spec.mlp_hidden)),
+        (k("block_count"), u(spec.n_layer)),
+        (k("attention.head_count"), u(spec.n_head)),
+        (k("attention.head_count_kv"), u(spec.n_kv_head)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(spec.norm_eps),
+        ),
+        (k("rope.dimension_count"), u(spec.head_dim)),
+        (k("rope.freq_base"), Value::F32(theta)),
+        (
+            k("attention.sliding_window"),
+            u(spec.sliding_window.unwrap_or(0)),
+        ),
+    ];
+    if let Some(l) = longrope {
+        md.push((
+            k("rope.scaling.attn_factor"),
+            Value::F32(l.attention_factor),
+        ));
+    }
+    md
+}
+
+/// Phi-3's `rope_factors_long` and `rope_factors_short` tensors (F32 `[hd/2]`, in that order,
+/// before the model's, as `Phi3MiniModel.generate_extra_tensors` yields them) when the model
+/// has LongRoPE.
+fn rope_factor_tensors(spec: &ModelSpec) -> Vec<Planned> {
+    let Position::Rotary {
+        scaling: Some(RopeScaling::LongRope(l)),
+        ..
+    } = &spec.position
+    else {
+        return vec![];
+    };
+    [("long", &l.long_factor), ("short", &l.short_factor)]
+        .into_iter()
+        .map(|(which, f)| Planned {
+            spec: TensorSpec {
+                name: format!("rope_factors_{which}.weight"),
+                dims: vec![f.len() as u64],
+                ty: GgmlType::F32,
+            },
+            source: Source::Values(f.clone()),
+            reorder: Reorder::None,
+        })
+        .collect()
 }
 
 /// Where a tensor's values come from.
@@ -186,7 +261,7 @@ struct Planned {
 fn rope_freqs_tensor(spec: &ModelSpec) -> Option<Planned> {
     let Position::Rotary {
         theta,
-        scaling: Some(s),
+        scaling: Some(RopeScaling::Llama3(s)),
     } = spec.position
     else {
         return None;
@@ -237,6 +312,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     }
     let layout = crate::model::ParamLayout::new(&spec);
     let mut plan: Vec<Planned> = rope_freqs_tensor(&spec).into_iter().collect();
+    plan.extend(rope_factor_tensors(&spec));
     // Each tensor's GGUF name, whether it is transposed (GPT-2's Conv1D weights), and its
     // dims innermost first, as GGUF stores them: [cols, rows] (a transposed [in, out]
     // weight is written [out, in]).

@@ -198,9 +198,21 @@ pub fn gguf_tensor_name(name: &str) -> Option<String> {
     if suffix != "weight" && suffix != "bias" {
         return None;
     }
-    let part = PARTS.iter().find(|p| p.2 == hf)?.0;
+    let part = PARTS
+        .iter()
+        .map(|p| (p.0, p.2))
+        .chain(PHI3_FUSED)
+        .find(|p| p.1 == hf)?
+        .0;
     Some(format!("blk.{layer}.{part}.{suffix}"))
 }
+
+/// Phi-3's fused projections and their GGUF names (llama.cpp's `MODEL_ARCH.PHI3`:
+/// `ATTN_QKV`, and `FFN_UP` holding gate and up, gate first).
+const PHI3_FUSED: [(&str, &str); 2] = [
+    ("attn_qkv", "self_attn.qkv_proj"),
+    ("ffn_up", "mlp.gate_up_proj"),
+];
 
 /// Maps a llama / qwen2 GGUF file to HF: dimensions, config fields, tensor names and shapes.
 /// Every tensor is checked against the dimensions; unknown names, missing tensors and shape

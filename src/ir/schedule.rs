@@ -201,6 +201,9 @@ pub enum Op {
         rotated: usize,
         hd: usize,
         inv_freq: Vec<f32>, // [hd/2]
+        /// Cosines and sines are multiplied by this (LongRoPE's attention factor; 1
+        /// otherwise): the rotated channels come out scaled, in either direction.
+        scale: f32,
         /// The inverse rotation (angle −θ): the backward, turning the gradient of the
         /// rotated values into that of the un-rotated ones.
         inverse: bool,

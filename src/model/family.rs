@@ -1,4 +1,4 @@
-//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`], which also builds Qwen2, Qwen3 and Mistral) that knows its
+//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`], which also builds Qwen2, Qwen3, Mistral and Phi-3) that knows its
 //! architecture: presets, `config.json` reading, writing and validation, the parameter
 //! inventory with Hugging Face names, shapes and initialisation, checkpoint naming variants,
 //! and the emission of its layers into a step's schedule. [`Family`]'s methods, here,
@@ -13,12 +13,13 @@ use anyhow::Result;
 use serde_json::{Map, Value};
 
 impl Family {
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 6] = [
         Family::Gpt2,
         Family::Llama,
         Family::Qwen2,
         Family::Qwen3,
         Family::Mistral,
+        Family::Phi3,
     ];
 
     /// Hugging Face's `model_type`.
@@ -29,6 +30,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
+            Family::Phi3 => "phi3",
         }
     }
 
@@ -38,10 +40,16 @@ impl Family {
         matches!(self, Family::Qwen3)
     }
 
+    /// Whether q, k and v are one tensor (`qkv_proj`) and gate and up one (`gate_up_proj`) in
+    /// the family's checkpoints (Phi-3); memwall's layout keeps them fused in every family.
+    pub fn fused_projections(self) -> bool {
+        matches!(self, Family::Phi3)
+    }
+
     pub fn preset_names(self) -> Vec<&'static str> {
         match self {
             Family::Gpt2 => gpt2::preset_names(),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::preset_names(self)
             }
         }
@@ -50,7 +58,7 @@ impl Family {
     pub fn preset(self, name: &str) -> Option<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::preset(name),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::preset(self, name)
             }
         }
@@ -59,7 +67,7 @@ impl Family {
     pub fn field_names(self) -> FieldNames {
         match self {
             Family::Gpt2 => gpt2::FIELDS,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => llama::FIELDS,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => llama::FIELDS,
         }
     }
 
@@ -67,7 +75,7 @@ impl Family {
     pub fn from_hf_config(self, obj: &Map<String, Value>, source: &str) -> Result<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::from_hf_config(obj, source),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::from_hf_config(self, obj, source)
             }
         }
@@ -76,7 +84,7 @@ impl Family {
     pub fn to_hf_config(self, spec: &ModelSpec) -> Value {
         match self {
             Family::Gpt2 => gpt2::to_hf_config(spec),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::to_hf_config(spec)
             }
         }
@@ -86,7 +94,7 @@ impl Family {
     pub fn validate(self, spec: &ModelSpec) -> Result<()> {
         match self {
             Family::Gpt2 => gpt2::validate(spec),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::validate(spec)
             }
         }
@@ -96,7 +104,7 @@ impl Family {
     pub fn layout(self, spec: &ModelSpec, part: ModelPart) -> ParamLayout {
         match self {
             Family::Gpt2 => gpt2::layout(spec, part),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::layout(spec, part)
             }
         }
@@ -108,7 +116,7 @@ impl Family {
     pub fn canonical_name(self, name: &str) -> Option<String> {
         match self {
             Family::Gpt2 => gpt2::canonical_name(name),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::canonical_name(name)
             }
         }
@@ -125,7 +133,7 @@ impl Family {
     ) -> Emitted {
         match self {
             Family::Gpt2 => gpt2::emit::micro_batch(g, spec, cfg, mb),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => {
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::emit::micro_batch(g, spec, cfg, mb)
             }
         }

@@ -47,6 +47,10 @@ pub enum Target {
     Up,
     /// Llama's `mlp.down_proj`.
     Down,
+    /// Phi-3's `self_attn.qkv_proj` (q, k and v in one Linear).
+    Qkv,
+    /// Phi-3's `mlp.gate_up_proj` (gate and up in one Linear).
+    GateUp,
     /// GPT-2's `attn.c_attn` (q, k and v in one Conv1D).
     Attn,
     /// GPT-2's `attn.c_proj`.
@@ -66,6 +70,7 @@ const LLAMA: [Target; 7] = [
     Target::Up,
     Target::Down,
 ];
+const PHI3: [Target; 4] = [Target::Qkv, Target::O, Target::GateUp, Target::Down];
 const GPT2: [Target; 4] = [Target::Attn, Target::Proj, Target::Fc, Target::MlpProj];
 
 impl Target {
@@ -74,6 +79,7 @@ impl Target {
         match family {
             Family::Gpt2 => &GPT2,
             Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => &LLAMA,
+            Family::Phi3 => &PHI3,
         }
     }
 
@@ -87,6 +93,8 @@ impl Target {
             Target::Gate => "gate",
             Target::Up => "up",
             Target::Down => "down",
+            Target::Qkv => "qkv",
+            Target::GateUp => "gate_up",
             Target::Attn => "attn",
             Target::Proj => "proj",
             Target::Fc => "fc",
@@ -104,6 +112,8 @@ impl Target {
             Target::Gate => "mlp.gate_proj",
             Target::Up => "mlp.up_proj",
             Target::Down => "mlp.down_proj",
+            Target::Qkv => "self_attn.qkv_proj",
+            Target::GateUp => "mlp.gate_up_proj",
             Target::Attn => "attn.c_attn",
             Target::Proj => "attn.c_proj",
             Target::Fc => "mlp.c_fc",
@@ -285,7 +295,7 @@ impl AdapterLayout {
         // Conv1D weights are [in, out]; nn.Linear's [out, in]: the dimension of the outputs.
         let out_dim = match family {
             Family::Gpt2 => 1,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => 0,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => 0,
         };
         let mut all: Vec<(Adapted, bool)> = Vec::new();
         // The whole layers' (in, out) and each adapter's cut, in the order of `all`.
@@ -442,7 +452,9 @@ pub fn peft_name(module: &str, which: char) -> String {
 fn adapted(family: Family, name: &str, targets: &[Target]) -> Option<(usize, Target, String)> {
     let blocks = match family {
         Family::Gpt2 => "transformer.h.",
-        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => "model.layers.",
+        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
+            "model.layers."
+        }
     };
     let rest = name.strip_prefix(blocks)?.strip_suffix(".weight")?;
     let (layer, module) = rest.split_once('.')?;

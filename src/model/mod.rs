@@ -24,7 +24,7 @@ pub mod rope;
 pub mod spec;
 
 pub use params::{Init, ParamGroup, ParamInit, ParamLayout, ParamTensor, TensorPart, TiedName};
-pub use spec::{Biases, Family, ModelSpec, Norm, Position, SpecialTokens};
+pub use spec::{Biases, Family, ModelSpec, Norm, Position, RopeScaling, SpecialTokens};
 
 impl ParamLayout {
     /// The parameter inventory of `spec`, by its family.

@@ -232,10 +232,18 @@ impl LayoutBuilder {
         &mut self,
         name: String,
         whole: &[usize],
-        (dim, ranges): (usize, Vec<Range<usize>>),
+        (dim, cut): (usize, Vec<Range<usize>>),
         decay: bool,
         init: Init,
     ) -> Range<usize> {
+        // Runs that follow each other are one (a whole fused tensor's parts are the whole).
+        let mut ranges: Vec<Range<usize>> = Vec::with_capacity(cut.len());
+        for r in cut {
+            match ranges.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => ranges.push(r),
+            }
+        }
         if ranges.len() == 1 && ranges[0] == (0..whole[dim]) {
             return self.push(name, whole, decay, init);
         }

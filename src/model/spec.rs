@@ -1,7 +1,7 @@
 //! Model dimensions for every family ([`ModelSpec`]): presets, Hugging Face `config.json` in
 //! and out (dispatched on `model_type` to the family's module), validation naming the field.
 
-pub use super::rope::Llama3Scaling;
+pub use super::rope::{Llama3Scaling, LongRope, RopeScaling};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::path::Path;
@@ -37,6 +37,11 @@ pub enum Family {
     /// `sliding_window` keys, itself included; transformers' `modeling_mistral.py`,
     /// `MistralModel.forward` masking with `create_sliding_window_causal_mask`).
     Mistral,
+    /// Phi-3 and Phi-3.5 (mini): Llama's architecture with q, k and v stored as one
+    /// `qkv_proj` and gate and up as one `gate_up_proj` (gate first), no biases, an optional
+    /// sliding window, and LongRoPE scaling on the long-context models (transformers'
+    /// `modeling_phi3.py`).
+    Phi3,
 }
 
 /// How a block normalises its input.
@@ -49,15 +54,15 @@ pub enum Norm {
 }
 
 /// How positions enter the model.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Position {
     /// A learned embedding per position, added to the token embedding (GPT-2).
     Learned,
     /// Rotary embeddings applied to queries and keys (rotate-half convention), with base
-    /// `theta` and Llama 3's frequency scaling when set.
+    /// `theta` and a frequency scaling (Llama 3's, LongRoPE) when set.
     Rotary {
         theta: f32,
-        scaling: Option<Llama3Scaling>,
+        scaling: Option<RopeScaling>,
     },
 }
 
@@ -359,6 +364,18 @@ impl ModelSpec {
     pub fn max_seq(&self) -> usize {
         self.sliding_window
             .map_or(self.n_positions, |w| w.min(self.n_positions))
+    }
+
+    /// The length beyond which the rotary frequencies change (LongRoPE's pretraining
+    /// context: longer sequences use its long factors), if any.
+    pub fn rope_switch(&self) -> Option<usize> {
+        match &self.position {
+            Position::Rotary {
+                scaling: Some(RopeScaling::LongRope(l)),
+                ..
+            } => Some(l.original_max_position_embeddings),
+            _ => None,
+        }
     }
 
     /// Checks that `--tp tensor` ranks can each hold an equal part of every layer: the

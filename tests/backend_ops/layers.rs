@@ -894,13 +894,16 @@ pub fn rope_inverse(be: &dyn Backend, p: Precision) {
     rope_turn(be, p, true)
 }
 
-/// RoPE on q|k|v `[N, (NH + 2·NKV)·hd]` in place: queries and keys turned, values kept.
+/// RoPE on q|k|v `[N, (NH + 2·NKV)·hd]` in place: queries and keys turned and scaled
+/// (LongRoPE's attention factor), values kept.
 fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
     const NH: usize = 2;
     const NKV: usize = 1;
     const HD: usize = 8;
     const WIDTH: usize = (NH + 2 * NKV) * HD;
     const ROTATED: usize = (NH + NKV) * HD;
+    // √(1 + ln 32 / ln 4096): Phi-3-mini-128k's.
+    const SCALE: f32 = 1.190_238_1;
     let inv_freq: Vec<f32> = (0..HD / 2)
         .map(|i| 10000f64.powf(-2.0 * i as f64 / HD as f64) as f32)
         .collect();
@@ -916,6 +919,7 @@ fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
             rotated: ROTATED,
             hd: HD,
             inv_freq: inv_freq.clone(),
+            scale: SCALE,
             inverse,
         };
         let op = rig.op(op, Bind::None);
@@ -946,8 +950,9 @@ fn rope_turn(be: &dyn Backend, p: Precision, inverse: bool) {
                     // The angle as an f32 product, as transformers computes it.
                     let theta = (pos * inv_freq[i]) as f64 * sign;
                     let (a, b) = (x0[base + i] as f64, x0[base + i + HD / 2] as f64);
-                    want[base + i] = a * theta.cos() - b * theta.sin();
-                    want[base + i + HD / 2] = b * theta.cos() + a * theta.sin();
+                    let (c, sn) = (theta.cos() * SCALE as f64, theta.sin() * SCALE as f64);
+                    want[base + i] = a * c - b * sn;
+                    want[base + i + HD / 2] = b * c + a * sn;
                 }
             }
         }

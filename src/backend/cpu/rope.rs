@@ -44,6 +44,7 @@ pub fn rope_forward<T: Elem>(
     rotated: usize,
     hd: usize,
     inv_freq: &[f32], // [hd/2]
+    scale: f32,
     pos0: usize,
     positions: Option<&[u32]>, // [B, T] position inside the row's example (packed rows)
 ) {
@@ -54,7 +55,7 @@ pub fn rope_forward<T: Elem>(
         width,
         rotated,
         hd,
-        inv_freq,
+        (inv_freq, scale),
         (pos0, positions),
         false,
         "rope_forward",
@@ -73,6 +74,7 @@ pub fn rope_backward<T: Elem>(
     rotated: usize,
     hd: usize,
     inv_freq: &[f32], // [hd/2]
+    scale: f32,
     pos0: usize,
     positions: Option<&[u32]>, // [B, T] position inside the row's example (packed rows)
 ) {
@@ -83,7 +85,7 @@ pub fn rope_backward<T: Elem>(
         width,
         rotated,
         hd,
-        inv_freq,
+        (inv_freq, scale),
         (pos0, positions),
         true,
         "rope_backward",
@@ -98,7 +100,7 @@ fn rope<T: Elem>(
     width: usize,
     rotated: usize,
     hd: usize,
-    inv_freq: &[f32],                           // [hd/2]
+    (inv_freq, scale): (&[f32], f32),           // inv_freq: [hd/2]
     (pos0, positions): (usize, Option<&[u32]>), // positions: [B, T]
     inverse: bool,
     name: &str,
@@ -126,7 +128,7 @@ fn rope<T: Elem>(
         .for_each(|(k, x)| {
             let r0 = k * rows;
             let given = positions.map(|p| &p[r0..r0 + x.len() / width]);
-            rotate_rows(x, r0, t, width, rotated, hd, inv_freq, pos0, given, inverse)
+            rotate_rows(x, r0, t, width, rotated, hd, inv_freq, scale, pos0, given, inverse)
         });
 }
 
@@ -140,6 +142,7 @@ multiversion! {
         rotated: usize,
         hd: usize,
         inv_freq: &[f32], // [hd/2]
+        scale: f32,
         pos0: usize,
         positions: Option<&[u32]>, // [rows]: these rows' positions inside their examples
         inverse: bool,
@@ -156,9 +159,10 @@ multiversion! {
             let pos = (pos0 + within) as f32;
             for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
                 let angle = (pos * f) as f64;
-                *c = angle.cos() as f32;
+                // Scaled as transformers scales them: the f32 cosine times the f32 scale.
+                *c = angle.cos() as f32 * scale;
                 // The inverse rotation: sin(−θ) = −sin θ, exactly.
-                let sn = angle.sin() as f32;
+                let sn = angle.sin() as f32 * scale;
                 *s = if inverse { -sn } else { sn };
             }
             for head in row[..rotated].chunks_exact_mut(hd) {
@@ -192,6 +196,7 @@ pub mod naive {
         rotated: usize,
         hd: usize,
         inv_freq: &[f32], // [hd/2]
+        scale: f32,
         pos0: usize,
         positions: Option<&[u32]>, // [B, T] positions inside the rows' examples
         inverse: bool,
@@ -204,6 +209,7 @@ pub mod naive {
                     for (i, &f) in inv_freq.iter().enumerate() {
                         let within = positions.map_or(ti, |p| p[bi * t + ti] as usize);
                         let (c, s) = cos_sin(pos0 + within, f);
+                        let (c, s) = (c * scale as f64, s * scale as f64);
                         let (ia, ib) = (h * hd + i, h * hd + i + half);
                         let (xa, xb) = (row[ia] as f64, row[ib] as f64);
                         let (ya, yb) = if inverse {
@@ -269,18 +275,18 @@ mod tests {
         fn fwd<T: Elem>(&self, x: &mut [T]) {
             let f = self.inv_freq();
             let (w, r) = (self.width(), self.rotated());
-            rope_forward(x, self.b, self.t, w, r, self.hd, &f, self.pos0, None);
+            rope_forward(x, self.b, self.t, w, r, self.hd, &f, 1.0, self.pos0, None);
         }
         fn bwd<T: Elem>(&self, x: &mut [T]) {
             let f = self.inv_freq();
             let (w, r) = (self.width(), self.rotated());
-            rope_backward(x, self.b, self.t, w, r, self.hd, &f, self.pos0, None);
+            rope_backward(x, self.b, self.t, w, r, self.hd, &f, 1.0, self.pos0, None);
         }
         fn naive(&self, x: &mut [f32], inverse: bool) {
             let f = self.inv_freq();
             let (w, r) = (self.width(), self.rotated());
             naive::rope(
-                x, self.b, self.t, w, r, self.hd, &f, self.pos0, None, inverse,
+                x, self.b, self.t, w, r, self.hd, &f, 1.0, self.pos0, None, inverse,
             );
         }
     }
@@ -344,7 +350,7 @@ mod tests {
         let f = [std::f32::consts::FRAC_PI_2];
         let row = [2.0f32, 3.0, -1.0, 0.5, 7.0, 8.0];
         let mut x: Vec<f32> = row.repeat(b * t);
-        rope_forward(&mut x, b, t, width, 4, hd, &f, 0, None);
+        rope_forward(&mut x, b, t, width, 4, hd, &f, 1.0, 0, None);
         let want: [[f32; 6]; 3] = [
             [2.0, 3.0, -1.0, 0.5, 7.0, 8.0],   // 0°: the identity, exactly
             [-3.0, 2.0, -0.5, -1.0, 7.0, 8.0], // 90°: (a, b) → (−b, a)
@@ -357,10 +363,10 @@ mod tests {
         assert_eq!(&x[..width], &row, "position 0 is bitwise unchanged");
         // pos0 = 1 shifts every row by one quarter turn: row 0 now turns by 90°.
         let mut x: Vec<f32> = row.repeat(b * t);
-        rope_forward(&mut x, b, t, width, 4, hd, &f, 1, None);
+        rope_forward(&mut x, b, t, width, 4, hd, &f, 1.0, 1, None);
         assert_close(&x[..width], &want[1], 1e-6, 0.0, "pos0 = 1");
         // And the backward turns back.
-        rope_backward(&mut x, b, t, width, 4, hd, &f, 1, None);
+        rope_backward(&mut x, b, t, width, 4, hd, &f, 1.0, 1, None);
         assert_close(&x, &row.repeat(b * t), 1e-6, 0.0, "backward");
     }
 
@@ -385,7 +391,7 @@ mod tests {
             } else {
                 rope_forward::<f32>
             };
-            rotate(&mut packed, s.b, s.t, w, r, s.hd, &f, 0, Some(&positions));
+            rotate(&mut packed, s.b, s.t, w, r, s.hd, &f, 1.0, 0, Some(&positions));
             let mut naive_packed = x.clone();
             naive::rope(
                 &mut naive_packed,
@@ -395,6 +401,7 @@ mod tests {
                 r,
                 s.hd,
                 &f,
+                1.0,
                 0,
                 Some(&positions),
                 inverse,
@@ -410,7 +417,7 @@ mod tests {
             for l in lens {
                 for &n in l {
                     let mut alone = x[row0 * w..(row0 + n) * w].to_vec();
-                    rotate(&mut alone, 1, n, w, r, s.hd, &f, 0, None);
+                    rotate(&mut alone, 1, n, w, r, s.hd, &f, 1.0, 0, None);
                     assert_eq!(
                         bits(&packed[row0 * w..(row0 + n) * w]),
                         bits(&alone),
@@ -558,11 +565,52 @@ mod tests {
         assert_eq!(x.iter().filter(|v| v.is_nan()).count(), 2);
     }
 
+    /// LongRoPE's scale multiplies the rotated channels (cosine and sine alike), in the
+    /// forward and in the backward (the transpose of s·R is s·Rᵀ), and leaves the values; the
+    /// naive twin agrees.
+    #[test]
+    fn a_scale_multiplies_the_rotated_channels() {
+        let s = Shape::new(2, 9, 3, 1, 8, 5);
+        let (w, r, f) = (s.width(), s.rotated(), s.inv_freq());
+        let scale = 1.190_238_1f32;
+        let x = randn(s.len(), 1.0, 5);
+        for inverse in [false, true] {
+            let rotate = if inverse {
+                rope_backward::<f32>
+            } else {
+                rope_forward::<f32>
+            };
+            let (mut plain, mut scaled) = (x.clone(), x.clone());
+            rotate(&mut plain, s.b, s.t, w, r, s.hd, &f, 1.0, s.pos0, None);
+            rotate(&mut scaled, s.b, s.t, w, r, s.hd, &f, scale, s.pos0, None);
+            for (row, (p, q)) in plain.chunks(w).zip(scaled.chunks(w)).enumerate() {
+                let want: Vec<f32> = p[..r].iter().map(|v| v * scale).collect();
+                assert_close(&q[..r], &want, 1e-6, 1e-6, &format!("row {row}"));
+                assert_eq!(&q[r..], &x[row * w + r..(row + 1) * w], "values untouched");
+            }
+            let mut naive_scaled = x.clone();
+            naive::rope(
+                &mut naive_scaled,
+                s.b,
+                s.t,
+                w,
+                r,
+                s.hd,
+                &f,
+                scale,
+                s.pos0,
+                None,
+                inverse,
+            );
+            assert_close(&scaled, &naive_scaled, 1e-6, 1e-6, "naive twin");
+        }
+    }
+
     #[test]
     #[should_panic(expected = "head size")]
     fn rejects_odd_head_size() {
         let mut x = vec![0.0f32; 6];
-        rope_forward(&mut x, 1, 1, 6, 3, 3, &[1.0], 0, None);
+        rope_forward(&mut x, 1, 1, 6, 3, 3, &[1.0], 1.0, 0, None);
     }
 
     #[test]
@@ -570,6 +618,6 @@ mod tests {
     fn rejects_huge_head_size() {
         let hd = 2 * MAX_HEAD_DIM;
         let mut x = vec![0.0f32; hd];
-        rope_forward(&mut x, 1, 1, hd, hd, hd, &vec![1.0; hd / 2], 0, None);
+        rope_forward(&mut x, 1, 1, hd, hd, hd, &vec![1.0; hd / 2], 1.0, 0, None);
     }
 }

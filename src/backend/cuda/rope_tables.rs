@@ -95,6 +95,7 @@ mod tests {
                 rotated: 8,
                 hd: 8,
                 inv_freq,
+                scale: 1.0,
                 inverse,
             },
             flops: 0,

@@ -43,8 +43,8 @@ struct Dims {
     nkv: usize,
     hd: usize,
     eps: f32,
-    /// RoPE frequencies `[hd/2]`.
-    inv_freq: Vec<f32>,
+    /// RoPE frequencies `[hd/2]` and the scale of the rotation.
+    rope: rope::RopeTable,
     /// Attention workspace elements (forward or backward).
     attn_ws_len: usize,
     /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
@@ -303,7 +303,8 @@ impl StagedBlock for Dims {
                         width: d.qkv(),
                         rotated: (d.nh + d.nkv) * d.hd,
                         hd: d.hd,
-                        inv_freq: d.inv_freq.clone(),
+                        inv_freq: d.rope.inv_freq.clone(),
+                        scale: d.rope.scale,
                         inverse: false,
                     },
                 );
@@ -541,7 +542,8 @@ impl StagedBlock for Dims {
                 width: d.qkv(),
                 rotated: (d.nh + d.nkv) * d.hd,
                 hd: d.hd,
-                inv_freq: d.inv_freq.clone(),
+                inv_freq: d.rope.inv_freq.clone(),
+                scale: d.rope.scale,
                 inverse: true,
             },
         );
@@ -637,7 +639,7 @@ pub(crate) fn micro_batch(
             stage,
         },
     );
-    let Position::Rotary { theta, scaling } = spec.position else {
+    let Position::Rotary { theta, scaling } = &spec.position else {
         unreachable!("validated: Llama-family models use rotary positions")
     };
     let Rows { b, t } = mb.rows;
@@ -652,7 +654,7 @@ pub(crate) fn micro_batch(
         nkv: split.len(spec.n_kv_head),
         hd: spec.head_dim,
         eps: spec.norm_eps,
-        inv_freq: rope::inv_freq(spec.head_dim, theta, scaling.as_ref()),
+        rope: rope::table(spec.head_dim, *theta, scaling.as_ref(), t),
         attn_ws_len: mb.attn_ws_len,
         positions: mb.positions,
         v: spec.vocab_size,

@@ -11,7 +11,7 @@ pub(crate) mod emit;
 pub mod params;
 
 use super::ParamLayout;
-use super::rope::Llama3Scaling;
+use super::rope::{Llama3Scaling, LongRope, RopeScaling};
 use super::spec::{Biases, Family, FieldNames, ModelSpec, Norm, Position, SpecialTokens};
 use anyhow::{Context, Result, bail};
 use params::LM_HEAD;
@@ -48,6 +48,8 @@ struct Preset {
     tied: bool,
     bos: u32,
     eos: u32,
+    /// `sliding_window` (Phi-3-mini's 2047).
+    window: Option<usize>,
 }
 
 /// Presets, from the models' published `config.json` files (`llama-tiny` is memwall's own,
@@ -72,6 +74,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 50256,
         eos: 50256,
+        window: None,
     },
     Preset {
         name: "smollm2-135m",
@@ -90,6 +93,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 0,
         eos: 0,
+        window: None,
     },
     Preset {
         name: "smollm2-360m",
@@ -108,6 +112,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 0,
         eos: 0,
+        window: None,
     },
     Preset {
         name: "qwen2.5-0.5b",
@@ -126,6 +131,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 151643,
         eos: 151643,
+        window: None,
     },
     Preset {
         name: "qwen3-0.6b",
@@ -144,6 +150,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 151643,
         eos: 151645,
+        window: None,
     },
     Preset {
         name: "qwen3-1.7b",
@@ -162,6 +169,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 151643,
         eos: 151645,
+        window: None,
     },
     Preset {
         name: "qwen3-4b",
@@ -180,6 +188,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 151643,
         eos: 151645,
+        window: None,
     },
     Preset {
         name: "qwen3-8b",
@@ -198,6 +207,7 @@ const PRESETS: &[Preset] = &[
         tied: false,
         bos: 151643,
         eos: 151645,
+        window: None,
     },
     // Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3's config.json: vocab 32768, θ 10⁶, 32768
     // positions, rms_norm_eps 1e-5, sliding_window null, untied).
@@ -218,6 +228,7 @@ const PRESETS: &[Preset] = &[
         tied: false,
         bos: 1,
         eos: 2,
+        window: None,
     },
     Preset {
         name: "llama-3.2-1b",
@@ -236,6 +247,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 128000,
         eos: 128001,
+        window: None,
     },
     Preset {
         name: "tinyllama-1.1b",
@@ -254,6 +266,7 @@ const PRESETS: &[Preset] = &[
         tied: false,
         bos: 1,
         eos: 2,
+        window: None,
     },
     Preset {
         name: "llama-3.2-3b",
@@ -272,6 +285,7 @@ const PRESETS: &[Preset] = &[
         tied: true,
         bos: 128000,
         eos: 128001,
+        window: None,
     },
     Preset {
         name: "llama-2-7b",
@@ -290,6 +304,7 @@ const PRESETS: &[Preset] = &[
         tied: false,
         bos: 1,
         eos: 2,
+        window: None,
     },
     Preset {
         name: "llama-3-8b",
@@ -308,6 +323,7 @@ const PRESETS: &[Preset] = &[
         tied: false,
         bos: 128000,
         eos: 128001,
+        window: None,
     },
     Preset {
         name: "llama-3-70b",
@@ -326,6 +342,28 @@ const PRESETS: &[Preset] = &[
         tied: false,
         bos: 128000,
         eos: 128001,
+        window: None,
+    },
+    // microsoft/Phi-3-mini-4k-instruct: 32064 tokens (32000 and the chat's specials), 32 heads
+    // of 96 without grouping, a sliding window of 2047, eos <|endoftext|> 32000.
+    Preset {
+        name: "phi-3-mini",
+        family: Family::Phi3,
+        vocab: 32064,
+        positions: 4096,
+        embd: 3072,
+        layers: 32,
+        heads: 32,
+        kv_heads: 32,
+        head_dim: 96,
+        mlp: 8192,
+        eps: 1e-5,
+        theta: 10_000.0,
+        llama32_scaling: false,
+        tied: false,
+        bos: 1,
+        eos: 32000,
+        window: Some(2047),
     },
 ];
 
@@ -347,10 +385,9 @@ fn biases(family: Family, attention_bias: bool, mlp_bias: bool) -> Biases {
             attn_out: attention_bias,
             mlp: false,
         },
-        // Mistral: no bias anywhere, whatever the config says (`MistralAttention` and
-        // `MistralMLP` in transformers' modeling_mistral.py build every Linear with
-        // bias=False).
-        Family::Mistral => Biases::NONE,
+        // Mistral, Phi-3: no bias anywhere, whatever the config says (`MistralAttention`,
+        // `MistralMLP`, `Phi3Attention` and `Phi3MLP` build every Linear with bias=False).
+        Family::Mistral | Family::Phi3 => Biases::NONE,
         // Qwen2: q/k/v biases always, none on o_proj, none in the MLP.
         Family::Qwen2 => Biases {
             qkv: true,
@@ -381,11 +418,13 @@ fn from_preset(p: &Preset) -> ModelSpec {
         norm_eps: p.eps,
         position: Position::Rotary {
             theta: p.theta,
-            scaling: p.llama32_scaling.then_some(LLAMA32_SCALING),
+            scaling: p
+                .llama32_scaling
+                .then_some(RopeScaling::Llama3(LLAMA32_SCALING)),
         },
         tied_embeddings: p.tied,
         biases: biases(p.family, false, false),
-        sliding_window: None,
+        sliding_window: p.window,
         special_tokens: SpecialTokens {
             bos: Some(p.bos),
             eos: vec![p.eos],
@@ -452,6 +491,18 @@ pub(super) fn from_hf_config(
              sequence (set it to false, as Qwen2.5's and Qwen3's released configs do)"
         );
     }
+    // Dropout memwall does not apply (Phi-3's residual and embedding dropout among them):
+    // 0, or absent, only.
+    for key in ["attention_dropout", "resid_pdrop", "embd_pdrop"] {
+        if let Some(x) = field(key)
+            && x.as_f64() != Some(0.0)
+        {
+            bail!(
+                "{source}: field '{key}' is {x}; memwall trains without dropout there (set it \
+                 to 0.0; for adapters, --lora-dropout)"
+            );
+        }
+    }
     if let Some(types) = field("layer_types") {
         let full = types
             .as_array()
@@ -469,6 +520,7 @@ pub(super) fn from_hf_config(
     // Qwen3Config's defaults (configuration_qwen3.py): 32 key/value heads and head_dim 128,
     // whatever the width; MistralConfig's (configuration_mistral.py): 8 key/value heads;
     // Llama and Qwen2 derive them from the heads and the width.
+    // Phi3Config's: as many key/value heads as heads.
     let (kv_default, hd_default) = match family {
         Family::Qwen3 => (32, 128),
         Family::Mistral => (8, c.checked_div(nh).unwrap_or(0)),
@@ -482,7 +534,15 @@ pub(super) fn from_hf_config(
         );
     }
     let head_dim = uint("head_dim", Some(hd_default))?;
-    let (theta, scaling) = rope(obj, source)?;
+    // The configs' defaults where the Llama path's differ: MistralConfig's 4096·32
+    // positions, Phi3Config's 4096.
+    let positions_default = match family {
+        Family::Mistral => 4096 * 32,
+        Family::Phi3 => 4096,
+        _ => 2048,
+    };
+    let n_positions = uint("max_position_embeddings", Some(positions_default))?;
+    let (theta, scaling) = rope(family, obj, source, head_dim, n_positions)?;
     let eos = match field("eos_token_id") {
         None => vec![],
         Some(Value::Array(a)) => a
@@ -494,13 +554,14 @@ pub(super) fn from_hf_config(
     let bos = field("bos_token_id")
         .map(|x| token_id(x, "bos_token_id", source))
         .transpose()?;
-    // Mistral's window: MistralConfig's default is 4096 when the field is absent, none when
-    // it is null (configuration_mistral.py); the other families here have none (Qwen's are
-    // refused above unless `use_sliding_window` is false, where transformers ignores it).
+    // Mistral's and Phi-3's window: MistralConfig's default is 4096 when the field is
+    // absent, Phi3Config's none; null is none (configuration_mistral.py,
+    // configuration_phi3.py). The other families here have none (Qwen's are refused above
+    // unless `use_sliding_window` is false, where transformers ignores it).
     let sliding_window = match (family, obj.get("sliding_window")) {
         (Family::Mistral, None) => Some(4096),
-        (Family::Mistral, Some(Value::Null)) => None,
-        (Family::Mistral, Some(x)) => match x.as_u64() {
+        (Family::Mistral | Family::Phi3, None | Some(Value::Null)) => None,
+        (Family::Mistral | Family::Phi3, Some(x)) => match x.as_u64() {
             Some(w) if w > 0 => Some(w as usize),
             _ => bail!(
                 "{source}: field 'sliding_window' must be a positive integer or null, found {x}"
@@ -508,16 +569,11 @@ pub(super) fn from_hf_config(
         },
         _ => None,
     };
-    // MistralConfig's defaults where the Llama path's differ: 4096·32 positions.
-    let positions_default = match family {
-        Family::Mistral => 4096 * 32,
-        _ => 2048,
-    };
     Ok(ModelSpec {
         name: source.to_string(),
         family,
         vocab_size: uint("vocab_size", None)?,
-        n_positions: uint("max_position_embeddings", Some(positions_default))?,
+        n_positions,
         n_embd: c,
         n_layer: uint("num_hidden_layers", None)?,
         n_head: nh,
@@ -546,8 +602,15 @@ fn token_id(x: &Value, key: &str, source: &str) -> Result<u32> {
         })
 }
 
-/// θ and the scaling, from `rope_theta` / `rope_scaling` or the newer `rope_parameters`.
-fn rope(obj: &Map<String, Value>, source: &str) -> Result<(f32, Option<Llama3Scaling>)> {
+/// θ and the scaling, from `rope_theta` / `rope_scaling` or the newer `rope_parameters`
+/// (`head_dim` and the context `positions` check and complete LongRoPE's).
+fn rope(
+    family: Family,
+    obj: &Map<String, Value>,
+    source: &str,
+    head_dim: usize,
+    positions: usize,
+) -> Result<(f32, Option<RopeScaling>)> {
     let params = obj.get("rope_parameters").filter(|v| !v.is_null());
     let (scaling_key, scaling) = match params {
         Some(p) => ("rope_parameters", Some(p)),
@@ -567,6 +630,19 @@ fn rope(obj: &Map<String, Value>, source: &str) -> Result<(f32, Option<Llama3Sca
             _ => bail!("{source}: field 'rope_theta' must be a number above 1, found {x}"),
         },
     };
+    // Rotating a fraction of each head (Phi-4-mini's 0.75) is not implemented.
+    let partial = params
+        .and_then(|p| p.get("partial_rotary_factor"))
+        .or_else(|| obj.get("partial_rotary_factor"))
+        .filter(|v| !v.is_null());
+    if let Some(x) = partial
+        && x.as_f64() != Some(1.0)
+    {
+        bail!(
+            "{source}: field 'partial_rotary_factor' is {x}; memwall rotates whole heads (1.0) \
+             only"
+        );
+    }
     let Some(s) = scaling else {
         return Ok((theta, None));
     };
@@ -578,15 +654,24 @@ fn rope(obj: &Map<String, Value>, source: &str) -> Result<(f32, Option<Llama3Sca
         .or_else(|| s.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
+    let num = |k: &str| -> Result<Option<f64>> {
+        match s.get(k).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(x) => match x.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
+                _ => bail!("{source}: field '{scaling_key}.{k}' must be a positive number, found {x}"),
+            },
+        }
+    };
+    let need = |k: &str| -> Result<f64> {
+        num(k)?.with_context(|| {
+            format!("{source}: field '{scaling_key}.{k}' is missing (rope_type {kind})")
+        })
+    };
     match kind {
         "default" => Ok((theta, None)),
         "llama3" => {
-            let num = |k: &str| -> Result<f64> {
-                s.get(k).and_then(Value::as_f64).filter(|f| f.is_finite() && *f > 0.0).with_context(|| {
-                    format!("{source}: field '{scaling_key}.{k}' must be a positive number for rope_type llama3")
-                })
-            };
-            let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+            let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
             if high <= low {
                 bail!(
                     "{source}: '{scaling_key}': high_freq_factor ({high}) must exceed low_freq_factor ({low})"
@@ -594,36 +679,124 @@ fn rope(obj: &Map<String, Value>, source: &str) -> Result<(f32, Option<Llama3Sca
             }
             Ok((
                 theta,
-                Some(Llama3Scaling {
-                    factor: num("factor")? as f32,
+                Some(RopeScaling::Llama3(Llama3Scaling {
+                    factor: need("factor")? as f32,
                     low_freq_factor: low as f32,
                     high_freq_factor: high as f32,
-                    original_max_position_embeddings: num("original_max_position_embeddings")?
+                    original_max_position_embeddings: need("original_max_position_embeddings")?
                         as usize,
-                }),
+                })),
             ))
         }
+        // Phi3Config reads its older names `su` and `yarn` as `longrope`
+        // (configuration_phi3.py); elsewhere `yarn` is another scaling.
+        "su" | "yarn" if family == Family::Phi3 => Ok((
+            theta,
+            Some(longrope(s, source, scaling_key, head_dim, positions, obj)?),
+        )),
+        "longrope" => Ok((
+            theta,
+            Some(longrope(s, source, scaling_key, head_dim, positions, obj)?),
+        )),
         other => bail!(
-            "{source}: field '{scaling_key}' has rope_type '{other}'; memwall supports 'default' \
-             and 'llama3'"
+            "{source}: field '{scaling_key}' has rope_type '{other}'; memwall supports 'default', \
+             'llama3' and 'longrope'"
         ),
     }
+}
+
+/// LongRoPE's parameters as transformers' `_compute_longrope_parameters` reads them: the
+/// factor lists (`[hd/2]` each), the pretraining context (in the scaling object or at the
+/// config's top level, as Phi-3's configs give it), and `attention_factor` (given, or
+/// √(1 + ln f / ln original) with f the given `factor` or positions / original).
+fn longrope(
+    s: &Map<String, Value>,
+    source: &str,
+    key: &str,
+    head_dim: usize,
+    positions: usize,
+    obj: &Map<String, Value>,
+) -> Result<RopeScaling> {
+    let list = |k: &str| -> Result<Vec<f32>> {
+        let bad = || {
+            format!(
+                "{source}: field '{key}.{k}' must be a list of {} positive numbers (one per \
+                 rotated pair of a head of {head_dim})",
+                head_dim / 2
+            )
+        };
+        let a = s.get(k).and_then(Value::as_array).with_context(bad)?;
+        let v: Vec<f32> = a
+            .iter()
+            .map(|x| x.as_f64().filter(|f| f.is_finite() && *f > 0.0))
+            .collect::<Option<Vec<f64>>>()
+            .with_context(bad)?
+            .into_iter()
+            .map(|f| f as f32)
+            .collect();
+        if v.len() != head_dim / 2 {
+            bail!("{}, found {}", bad(), v.len());
+        }
+        Ok(v)
+    };
+    let pos = |x: Option<&Value>| x.filter(|v| !v.is_null()).map(|v| v.as_u64());
+    let original = match pos(s.get("original_max_position_embeddings"))
+        .or_else(|| pos(obj.get("original_max_position_embeddings")))
+    {
+        Some(Some(n)) if n > 1 => n as usize,
+        Some(_) => bail!(
+            "{source}: field 'original_max_position_embeddings' must be an integer above 1"
+        ),
+        None => bail!(
+            "{source}: rope_type longrope needs 'original_max_position_embeddings' (the \
+             pretraining context)"
+        ),
+    };
+    let positive = |k: &str| -> Result<Option<f64>> {
+        match s.get(k).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(x) => match x.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
+                _ => bail!("{source}: field '{key}.{k}' must be a positive number, found {x}"),
+            },
+        }
+    };
+    let factor = positive("factor")?.unwrap_or(positions as f64 / original as f64);
+    let attention_factor = match positive("attention_factor")? {
+        Some(f) => f as f32,
+        None => LongRope::default_attention_factor(factor, original),
+    };
+    Ok(RopeScaling::LongRope(LongRope {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    }))
 }
 
 /// The `config.json` transformers loads (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
 /// `Qwen3ForCausalLM` or `MistralForCausalLM`).
 pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
-    let Position::Rotary { theta, scaling } = s.position else {
+    let Position::Rotary { theta, scaling } = &s.position else {
         unreachable!("validated: Llama-family models use rotary positions")
     };
     let rope_scaling = match scaling {
         None => Value::Null,
-        Some(r) => json!({
+        Some(RopeScaling::Llama3(r)) => json!({
             "rope_type": "llama3",
             "factor": r.factor,
             "low_freq_factor": r.low_freq_factor,
             "high_freq_factor": r.high_freq_factor,
             "original_max_position_embeddings": r.original_max_position_embeddings,
+        }),
+        // `type` as Phi-3's configs write it; the attention factor given, so it is the one
+        // read whatever the context.
+        Some(RopeScaling::LongRope(l)) => json!({
+            "type": "longrope",
+            "short_factor": l.short_factor,
+            "long_factor": l.long_factor,
+            "original_max_position_embeddings": l.original_max_position_embeddings,
+            "attention_factor": l.attention_factor,
         }),
     };
     let eos = match s.special_tokens.eos.as_slice() {
@@ -636,6 +809,7 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
+            Family::Phi3 => "Phi3ForCausalLM",
             _ => "LlamaForCausalLM",
         }],
         "model_type": s.family.model_type(),
@@ -648,7 +822,7 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         "head_dim": s.head_dim,
         "max_position_embeddings": s.n_positions,
         "rms_norm_eps": s.norm_eps,
-        "rope_theta": theta,
+        "rope_theta": *theta,
         "rope_scaling": rope_scaling,
         "hidden_act": "silu",
         "tie_word_embeddings": s.tied_embeddings,
@@ -668,6 +842,16 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
     } else if s.family == Family::Mistral {
         // Written always: an absent field means 4096 to MistralConfig.
         obj.insert("sliding_window".into(), json!(s.sliding_window));
+    } else if s.family == Family::Phi3 {
+        obj.insert("sliding_window".into(), json!(s.sliding_window));
+        let original = match scaling {
+            Some(RopeScaling::LongRope(l)) => l.original_max_position_embeddings,
+            _ => s.n_positions,
+        };
+        obj.insert("original_max_position_embeddings".into(), json!(original));
+        for key in ["resid_pdrop", "embd_pdrop"] {
+            obj.insert(key.into(), json!(0.0));
+        }
     } else {
         obj.insert("attention_bias".into(), json!(s.biases.qkv));
         obj.insert("mlp_bias".into(), json!(s.biases.mlp));
@@ -693,10 +877,27 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
     if s.family == Family::Mistral && s.biases != Biases::NONE {
         bail!("mistral models have no biases (transformers' modeling_mistral.py)");
     }
-    if s.family != Family::Mistral && s.sliding_window.is_some() {
+    if s.family == Family::Phi3 && s.biases != Biases::NONE {
+        bail!("phi3 models have no biases (transformers' modeling_phi3.py)");
+    }
+    if !matches!(s.family, Family::Mistral | Family::Phi3) && s.sliding_window.is_some() {
         bail!(
-            "{} models have no sliding window in memwall; only mistral's is read",
+            "{} models have no sliding window in memwall; only mistral's and phi3's are read",
             s.family.model_type()
+        );
+    }
+    if let Position::Rotary {
+        scaling: Some(RopeScaling::LongRope(l)),
+        ..
+    } = &s.position
+        && (l.short_factor.len() != s.head_dim / 2 || l.long_factor.len() != s.head_dim / 2)
+    {
+        bail!(
+            "longrope needs {} short and long factors (half the head size {}), found {} and {}",
+            s.head_dim / 2,
+            s.head_dim,
+            l.short_factor.len(),
+            l.long_factor.len()
         );
     }
     if s.head_dim > 512 {

@@ -7,7 +7,9 @@
 //! (`crate::ir::schedule::WeightLayout`). Inside a block the tensors are placed so that
 //! projections reading the same input are one matrix: `q_proj`, `k_proj` and `v_proj` rows
 //! follow each other (`[(NH + 2·NKV)·hd, C]` together, one GEMM writing the fused q|k|v row),
-//! as do `gate_proj` and `up_proj` (`[2H, C]`); their biases likewise.
+//! as do `gate_proj` and `up_proj` (`[2H, C]`); their biases likewise. Phi-3's checkpoints
+//! store them so: `self_attn.qkv_proj` and `mlp.gate_up_proj` are those ranges, one tensor
+//! each ([`Family::fused_projections`](crate::model::Family::fused_projections)).
 //! Qwen3's per-head norms (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, `[hd]` each)
 //! follow `o_proj`, as `Qwen3Attention` declares them, side by side: `[2, hd]` together, the
 //! one range the q/k norm ops read.
@@ -17,7 +19,8 @@
 //! A tensor-parallel rank ([`crate::ir::TensorSplit`]) keeps its part of the query heads, key/value
 //! heads and MLP channels: the rows of `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`
 //! (and their biases), the columns of `o_proj` and `down_proj`; so its fused q|k|v and
-//! gate|up are its own heads' and channels', contiguous as on one rank. The rest is whole.
+//! gate|up are its own heads' and channels', contiguous as on one rank (of Phi-3's fused
+//! tensors, three runs of rows and two). The rest is whole.
 //!
 //! A pipeline stage ([`crate::ir::PipelineStage`]) holds its blocks; the first also the
 //! embedding, the last the final norm and the LM head (a tied one: the embedding, kept equal
@@ -107,9 +110,21 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             cur.push_cut(p(s), &shape, cut, true, normal)
         };
         let attn_norm = cur.push(p("input_layernorm.weight"), &[c], false, Init::Ones);
-        let q_w = weight(&mut cur, "self_attn.q_proj.weight", [q, c], rows(&q_part));
-        let k_w = weight(&mut cur, "self_attn.k_proj.weight", [kv, c], rows(&kv_part));
-        let v_w = weight(&mut cur, "self_attn.v_proj.weight", [kv, c], rows(&kv_part));
+        // A rank's rows of the fused q|k|v (`[QKV, C]`): its queries', keys' and values'.
+        let shift = |r: &Range<usize>, by: usize| r.start + by..r.end + by;
+        let qkv_w = if spec.family.fused_projections() {
+            let cut = vec![
+                q_part.clone(),
+                shift(&kv_part, q),
+                shift(&kv_part, q + kv),
+            ];
+            weight(&mut cur, "self_attn.qkv_proj.weight", [q + 2 * kv, c], (0, cut))
+        } else {
+            let q_w = weight(&mut cur, "self_attn.q_proj.weight", [q, c], rows(&q_part));
+            let k_w = weight(&mut cur, "self_attn.k_proj.weight", [kv, c], rows(&kv_part));
+            let v_w = weight(&mut cur, "self_attn.v_proj.weight", [kv, c], rows(&kv_part));
+            join(join(q_w, k_w), v_w)
+        };
         let qkv_b = spec.biases.qkv.then(|| {
             let qb = bias_part(&mut cur, "self_attn.q_proj.bias", q, &q_part);
             let kb = bias_part(&mut cur, "self_attn.k_proj.bias", kv, &kv_part);
@@ -132,8 +147,14 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             false,
             Init::Ones,
         );
-        let gate_w = weight(&mut cur, "mlp.gate_proj.weight", [h, c], rows(&h_part));
-        let up_w = weight(&mut cur, "mlp.up_proj.weight", [h, c], rows(&h_part));
+        let gate_up_w = if spec.family.fused_projections() {
+            let cut = vec![h_part.clone(), shift(&h_part, h)];
+            weight(&mut cur, "mlp.gate_up_proj.weight", [2 * h, c], (0, cut))
+        } else {
+            let gate_w = weight(&mut cur, "mlp.gate_proj.weight", [h, c], rows(&h_part));
+            let up_w = weight(&mut cur, "mlp.up_proj.weight", [h, c], rows(&h_part));
+            join(gate_w, up_w)
+        };
         let gate_up_b = spec.biases.mlp.then(|| {
             let gb = bias_part(&mut cur, "mlp.gate_proj.bias", h, &h_part);
             let ub = bias_part(&mut cur, "mlp.up_proj.bias", h, &h_part);
@@ -150,13 +171,13 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         }
         layers.push(LayerParams {
             attn_norm,
-            qkv_w: join(join(q_w, k_w), v_w),
+            qkv_w,
             qkv_b,
             o_w,
             o_b,
             qk_norm,
             mlp_norm,
-            gate_up_w: join(gate_w, up_w),
+            gate_up_w,
             gate_up_b,
             down_w,
             down_b,

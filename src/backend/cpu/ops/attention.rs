@@ -48,6 +48,7 @@ impl CpuDevice {
                 rotated,
                 hd,
                 inv_freq,
+                scale,
                 inverse,
             } => {
                 let r = rows.with_seq(ctx.seq);
@@ -64,6 +65,7 @@ impl CpuDevice {
                     *rotated,
                     *hd,
                     inv_freq,
+                    *scale,
                     0,
                     args.positions(pos, r),
                 )

@@ -1,9 +1,9 @@
 // Rotary position embedding, of the attention family: `Op::Rope` (forward, and its inverse
 // in the backward), in place.
 //
-//   Op::Rope { x, positions, rows, width, rotated, hd, inv_freq, inverse }
-//     ->  rope_<S>(x, positions or NULL, inv_freq (a device copy, [hd/2] f32), N = B·T, T,
-//                  width, rotated, hd, pos0 = 0, inverse)
+//   Op::Rope { x, positions, rows, width, rotated, hd, inv_freq, scale, inverse }
+//     ->  rope_<S>(x, positions or NULL, inv_freq (a device copy, [hd/2] f32), scale,
+//                  N = B·T, T, width, rotated, hd, pos0 = 0, inverse)
 //
 // As the CPU's `backend/cpu/rope.rs` (transformers' rotate-half convention): in each row the
 // first `rotated` channels, head by head (hd channels each), element i < hd/2 paired with
@@ -13,7 +13,8 @@
 // and with `inverse` the angle −θ (sin negated exactly). The angle is the f32 product
 // `(float)pos · inv_freq[i]` (as transformers and the CPU); its cosine and sine are computed
 // in f64 from that f32 angle and rounded to f32, as the CPU does (so they agree with it
-// except at a rare f64 near-tie or an f64 libm ulp difference). The rotation is in f32, each
+// except at a rare f64 near-tie or an f64 libm ulp difference), then multiplied by `scale`
+// in f32 (LongRoPE's attention factor, as transformers scales cos and sin; 1 otherwise). The rotation is in f32, each
 // product and difference rounded separately (`__fmul_rn`/`__fadd_rn`, no FMA, as the CPU),
 // rounded to T once. No reduction: the result does not depend on the launch shape.
 
@@ -21,6 +22,7 @@
 //   x          T [N, width] in place; channels rotated..width untouched
 //   positions  u32 [N] each row's place in its example (packed rows), or NULL: t = row % T
 //   inv_freq   f32 [hd/2] (device memory)
+//   scale      f32: cos and sin are multiplied by it
 //   N          rows B·T (int)
 //   T          the sequence length (int, > 0), used when positions is NULL
 //   width      row length (int)
@@ -33,8 +35,8 @@
 // min(ceil(N·(hd/2) / 256), 65535). No shared memory, no scratch. Plain version: no naive
 // twin.
 template <typename T>
-__device__ void rope(T* x, const unsigned int* positions, const float* inv_freq, int N, int T_,
-                     int width, int rotated, int hd, int pos0, int inverse) {
+__device__ void rope(T* x, const unsigned int* positions, const float* inv_freq, float scale,
+                     int N, int T_, int width, int rotated, int hd, int pos0, int inverse) {
     int half = hd / 2;
     if (half <= 0) return;
     int heads = rotated / hd;
@@ -46,8 +48,8 @@ __device__ void rope(T* x, const unsigned int* positions, const float* inv_freq,
         long long within = positions ? (long long)positions[row] : row % T_;
         float pos = (float)(pos0 + within);  // round to nearest, as Rust's `as f32`
         double angle = (double)__fmul_rn(pos, inv_freq[i]);
-        float c = (float)cos(angle);
-        float s = (float)sin(angle);
+        float c = __fmul_rn((float)cos(angle), scale);
+        float s = __fmul_rn((float)sin(angle), scale);
         if (inverse) s = -s;
         T* xr = x + row * (long long)width;
         for (int h = 0; h < heads; h++) {
@@ -62,8 +64,9 @@ __device__ void rope(T* x, const unsigned int* positions, const float* inv_freq,
 
 #define ROPE_ENTRIES(T, S)                                                                   \
     extern "C" __global__ void rope_##S(T* x, const unsigned int* positions,                  \
-                                        const float* inv_freq, int N, int T_, int width,     \
-                                        int rotated, int hd, int pos0, int inverse) {        \
-        rope<T>(x, positions, inv_freq, N, T_, width, rotated, hd, pos0, inverse);           \
+                                        const float* inv_freq, float scale, int N, int T_,   \
+                                        int width, int rotated, int hd, int pos0,            \
+                                        int inverse) {                                       \
+        rope<T>(x, positions, inv_freq, scale, N, T_, width, rotated, hd, pos0, inverse);    \
     }
 MW_STORAGE_ENTRIES(ROPE_ENTRIES)

@@ -614,7 +614,7 @@ impl GpuDevice {
         Ok(())
     }
 
-    /// [`Op::Rope`]: `rope_<S>(x, pos, inv_freq, N, T, width, rotated, hd, pos0 = 0,
+    /// [`Op::Rope`]: `rope_<S>(x, pos, inv_freq, scale, N, T, width, rotated, hd, pos0 = 0,
     /// inverse)` in place, grid-stride over N·hd/2.
     fn att_rope(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         let Op::Rope {
@@ -625,6 +625,7 @@ impl GpuDevice {
             rotated,
             hd,
             inv_freq,
+            scale,
             inverse,
         } = &e.op
         else {
@@ -672,14 +673,15 @@ impl GpuDevice {
         let pos = self.att_positions(e, *positions, n)?;
         let f = self.kernel("rope")?;
         let name = format!("rope_{}", suffix(self.storage));
-        // SAFETY: (T* x, const unsigned* positions, const float* inv_freq, int N, int T,
-        // int width, int rotated, int hd, int pos0, int inverse); x holds N·width elements
+        // SAFETY: (T* x, const unsigned* positions, const float* inv_freq, float scale,
+        // int N, int T, int width, int rotated, int hd, int pos0, int inverse); x holds N·width elements
         // (checked), inv_freq hd/2 f32 in device memory; any grid-stride shape.
         unsafe {
             self.launch(f)
                 .arg(&xp)
                 .arg(&pos)
                 .arg(&freq)
+                .arg(scale)
                 .arg(&n_i)
                 .arg(&t_i)
                 .arg(&width_i)
