@@ -67,7 +67,9 @@ impl Family {
     pub fn field_names(self) -> FieldNames {
         match self {
             Family::Gpt2 => gpt2::FIELDS,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => llama::FIELDS,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
+                llama::FIELDS
+            }
         }
     }
 

@@ -128,7 +128,9 @@ fn rope<T: Elem>(
         .for_each(|(k, x)| {
             let r0 = k * rows;
             let given = positions.map(|p| &p[r0..r0 + x.len() / width]);
-            rotate_rows(x, r0, t, width, rotated, hd, inv_freq, scale, pos0, given, inverse)
+            rotate_rows(
+                x, r0, t, width, rotated, hd, inv_freq, scale, pos0, given, inverse,
+            )
         });
 }
 
@@ -391,7 +393,18 @@ mod tests {
             } else {
                 rope_forward::<f32>
             };
-            rotate(&mut packed, s.b, s.t, w, r, s.hd, &f, 1.0, 0, Some(&positions));
+            rotate(
+                &mut packed,
+                s.b,
+                s.t,
+                w,
+                r,
+                s.hd,
+                &f,
+                1.0,
+                0,
+                Some(&positions),
+            );
             let mut naive_packed = x.clone();
             naive::rope(
                 &mut naive_packed,

@@ -659,7 +659,9 @@ fn rope(
             None => Ok(None),
             Some(x) => match x.as_f64() {
                 Some(f) if f.is_finite() && f > 0.0 => Ok(Some(f)),
-                _ => bail!("{source}: field '{scaling_key}.{k}' must be a positive number, found {x}"),
+                _ => bail!(
+                    "{source}: field '{scaling_key}.{k}' must be a positive number, found {x}"
+                ),
             },
         }
     };
@@ -744,9 +746,9 @@ fn longrope(
         .or_else(|| pos(obj.get("original_max_position_embeddings")))
     {
         Some(Some(n)) if n > 1 => n as usize,
-        Some(_) => bail!(
-            "{source}: field 'original_max_position_embeddings' must be an integer above 1"
-        ),
+        Some(_) => {
+            bail!("{source}: field 'original_max_position_embeddings' must be an integer above 1")
+        }
         None => bail!(
             "{source}: rope_type longrope needs 'original_max_position_embeddings' (the \
              pretraining context)"
@@ -951,6 +953,8 @@ mod tests {
             ("qwen3-8b", 8_190_735_360),
             // Mistral-7B-v0.3 (its 32768-token vocabulary): 7.25B.
             ("mistral-7b", 7_248_023_552),
+            // Phi-3-mini: 3.82B.
+            ("phi-3-mini", 3_821_079_552),
         ] {
             let s = ModelSpec::preset(name).unwrap();
             assert_eq!(s.num_params(), want, "{name}");
@@ -970,6 +974,7 @@ mod tests {
             .chain(preset_names(Family::Qwen2))
             .chain(preset_names(Family::Qwen3))
             .chain(preset_names(Family::Mistral))
+            .chain(preset_names(Family::Phi3))
         {
             let s = ModelSpec::preset(name).unwrap();
             let text = s.to_hf_config().to_string();
@@ -1232,5 +1237,141 @@ mod tests {
         assert_eq!(lay.range("lm_head.weight"), p.lm_head);
         assert_eq!(lay.groups.last().unwrap().name, "lm_head");
         assert!(lay.tied.is_empty());
+    }
+
+    /// Phi-3-mini-4k-instruct's config.json (no scaling, a window of 2047) and a 128k one's
+    /// LongRoPE (`type` longrope, the pretraining context at the top level); both written back
+    /// and read again unchanged.
+    #[test]
+    fn reads_phi3_configs() {
+        let mini = |extra: &str| {
+            format!(
+                r#"{{"architectures": ["Phi3ForCausalLM"], "attention_bias": false,
+                "attention_dropout": 0.0, "bos_token_id": 1, "embd_pdrop": 0.0,
+                "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072,
+                "initializer_range": 0.02, "intermediate_size": 8192,
+                "max_position_embeddings": 4096, "model_type": "phi3",
+                "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+                "original_max_position_embeddings": 4096, "pad_token_id": 32000,
+                "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                "sliding_window": 2047, "tie_word_embeddings": false, "vocab_size": 32064{extra}}}"#
+            )
+        };
+        let s =
+            ModelSpec::from_hf_config_str(&mini(r#", "rope_scaling": null"#), "c.json").unwrap();
+        let preset = ModelSpec::preset("phi-3-mini").unwrap();
+        assert!(s.same_dims(&preset), "{s:?} vs {preset:?}");
+        assert_eq!((s.family, s.sliding_window), (Family::Phi3, Some(2047)));
+        assert_eq!(s.to_hf_config()["architectures"][0], "Phi3ForCausalLM");
+        let factors = |v: f32| format!("[{}]", vec![v.to_string(); 48].join(", "));
+        let long = mini(&format!(
+            r#", "rope_scaling": {{"type": "longrope", "short_factor": {}, "long_factor": {}}}"#,
+            factors(1.0),
+            factors(2.5)
+        ))
+        .replace(
+            r#""max_position_embeddings": 4096"#,
+            r#""max_position_embeddings": 131072"#,
+        );
+        let s = ModelSpec::from_hf_config_str(&long, "c.json").unwrap();
+        let Position::Rotary {
+            scaling: Some(RopeScaling::LongRope(l)),
+            ..
+        } = &s.position
+        else {
+            panic!("longrope expected: {:?}", s.position)
+        };
+        // √(1 + ln 32 / ln 4096), as transformers computes it.
+        let want = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt() as f32;
+        assert_eq!(l.attention_factor, want);
+        assert_eq!(l.original_max_position_embeddings, 4096);
+        assert_eq!((l.short_factor[0], l.long_factor[47]), (1.0, 2.5));
+        assert_eq!(s.rope_switch(), Some(4096));
+        let back = ModelSpec::from_hf_config_str(&s.to_hf_config().to_string(), "c.json").unwrap();
+        assert_eq!(back.position, s.position);
+        assert_eq!(back.sliding_window, s.sliding_window);
+    }
+
+    /// What Phi-3 configs may ask that memwall does not compute is refused by its field.
+    #[test]
+    fn phi3_options_memwall_lacks_are_refused() {
+        let base = r#""model_type": "phi3", "hidden_size": 32, "num_attention_heads": 4,
+            "num_hidden_layers": 1, "intermediate_size": 48, "vocab_size": 10"#;
+        let e = |extra: &str| {
+            let text = format!("{{{base}{extra}}}");
+            format!(
+                "{:#}",
+                ModelSpec::from_hf_config_str(&text, "c.json").unwrap_err()
+            )
+        };
+        let x = e(r#", "partial_rotary_factor": 0.75"#);
+        assert!(
+            x.contains("'partial_rotary_factor'") && x.contains("0.75"),
+            "{x}"
+        );
+        let x = e(r#", "resid_pdrop": 0.1"#);
+        assert!(x.contains("'resid_pdrop'") && x.contains("c.json"), "{x}");
+        let x = e(
+            r#", "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1],
+            "long_factor": [1, 1, 1, 1]}, "original_max_position_embeddings": 16"#,
+        );
+        assert!(
+            x.contains("short_factor") && x.contains("4 positive"),
+            "{x}"
+        );
+        let x = e(
+            r#", "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1],
+            "long_factor": [1, 1, 1, 1]}"#,
+        );
+        assert!(x.contains("original_max_position_embeddings"), "{x}");
+        // Without a scaling, the fused model reads with Phi3Config's defaults.
+        let s = ModelSpec::from_hf_config_str(&format!("{{{base}}}"), "c.json").unwrap();
+        assert_eq!(
+            (s.n_kv_head, s.n_positions, s.sliding_window),
+            (4, 4096, None)
+        );
+    }
+
+    /// Phi-3's layout names the fused tensors, at the ranges Llama's separate ones take, and
+    /// a tensor rank keeps three runs of q|k|v rows and two of gate|up.
+    #[test]
+    fn phi3_stores_fused_projections() {
+        let mut s = ModelSpec::preset("llama-tiny").unwrap();
+        s.family = Family::Phi3;
+        let (lay, p) = params::inventory(&s, crate::ir::ModelPart::WHOLE);
+        assert_eq!(
+            lay.range("model.layers.0.self_attn.qkv_proj.weight"),
+            p.layers[0].qkv_w
+        );
+        assert_eq!(
+            lay.range("model.layers.0.mlp.gate_up_proj.weight"),
+            p.layers[0].gate_up_w
+        );
+        assert!(lay.get("model.layers.0.self_attn.q_proj.weight").is_none());
+        let mut llama = s.clone();
+        llama.family = Family::Llama;
+        let (_, lp) = params::inventory(&llama, crate::ir::ModelPart::WHOLE);
+        assert_eq!(
+            (lp.layers[1].qkv_w.clone(), lp.layers[1].gate_up_w.clone()),
+            (p.layers[1].qkv_w.clone(), p.layers[1].gate_up_w.clone())
+        );
+        let part = crate::ir::ModelPart {
+            tensor: crate::ir::TensorSplit { rank: 1, size: 2 },
+            stage: crate::ir::PipelineStage::WHOLE,
+        };
+        let (lay, _) = params::inventory(&s, part);
+        let qkv = lay.get("model.layers.0.self_attn.qkv_proj.weight").unwrap();
+        let cut = qkv.part.as_ref().unwrap();
+        let (q, kv) = (s.n_head * s.head_dim, s.n_kv_head * s.head_dim);
+        assert_eq!(
+            cut.ranges,
+            vec![q / 2..q, q + kv / 2..q + kv, q + kv + kv / 2..q + 2 * kv]
+        );
+        let gu = lay.get("model.layers.0.mlp.gate_up_proj.weight").unwrap();
+        let h = s.mlp_hidden;
+        assert_eq!(
+            gu.part.as_ref().unwrap().ranges,
+            vec![h / 2..h, h + h / 2..2 * h]
+        );
     }
 }

@@ -113,12 +113,13 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         // A rank's rows of the fused q|k|v (`[QKV, C]`): its queries', keys' and values'.
         let shift = |r: &Range<usize>, by: usize| r.start + by..r.end + by;
         let qkv_w = if spec.family.fused_projections() {
-            let cut = vec![
-                q_part.clone(),
-                shift(&kv_part, q),
-                shift(&kv_part, q + kv),
-            ];
-            weight(&mut cur, "self_attn.qkv_proj.weight", [q + 2 * kv, c], (0, cut))
+            let cut = vec![q_part.clone(), shift(&kv_part, q), shift(&kv_part, q + kv)];
+            weight(
+                &mut cur,
+                "self_attn.qkv_proj.weight",
+                [q + 2 * kv, c],
+                (0, cut),
+            )
         } else {
             let q_w = weight(&mut cur, "self_attn.q_proj.weight", [q, c], rows(&q_part));
             let k_w = weight(&mut cur, "self_attn.k_proj.weight", [kv, c], rows(&kv_part));
