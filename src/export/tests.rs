@@ -860,3 +860,154 @@ fn mistral_exports_as_llama() {
         );
     }
 }
+
+/// The tiny Llama directory as a Phi-3 one: its config `phi3` (with LongRoPE when asked), its
+/// q/k/v and gate/up weights joined into `qkv_proj` and `gate_up_proj` as Phi-3 stores them.
+fn phi3_dir(tmp: &Path, longrope: bool) -> PathBuf {
+    fs::create_dir_all(tmp).unwrap();
+    let a = tiny_dir(tmp, "llama");
+    let cfg_path = a.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = "phi3".into();
+    cfg["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+    // Phi-3-mini-4k's configs give the context itself; the 128k ones a quarter of it or less.
+    cfg["original_max_position_embeddings"] = if longrope { 32 } else { 128 }.into();
+    if longrope {
+        cfg["rope_scaling"] = serde_json::json!({
+            "type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [1.0, 2.5, 6.0, 12.0],
+        });
+    }
+    fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let bytes = fs::read(a.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let join = |names: &[String]| {
+        let views: Vec<_> = names.iter().map(|n| st.tensor(n).unwrap()).collect();
+        let rows = views.iter().map(|v| v.shape()[0]).sum();
+        let data: Vec<u8> = views.iter().flat_map(|v| v.data().to_vec()).collect();
+        (vec![rows, views[0].shape()[1]], data)
+    };
+    for name in st.names() {
+        let fused = [
+            (
+                "self_attn.q_proj",
+                "self_attn.qkv_proj",
+                &["q", "k", "v"][..],
+            ),
+            ("mlp.gate_proj", "mlp.gate_up_proj", &["gate", "up"][..]),
+        ];
+        if let Some((from, to, parts)) = fused.iter().find(|f| name.contains(f.0)) {
+            let names: Vec<String> = parts
+                .iter()
+                .map(|p| name.replace(from, &from.replace(parts[0], p)))
+                .collect();
+            let (shape, data) = join(&names);
+            out.push((name.replace(from, to), shape, data));
+        } else if !["k_proj", "v_proj", "up_proj"]
+            .iter()
+            .any(|p| name.contains(p))
+        {
+            let v = st.tensor(name).unwrap();
+            out.push((name.to_string(), v.shape().to_vec(), v.data().to_vec()));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = out
+        .iter()
+        .map(|(n, shape, data)| {
+            let v =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                    .unwrap();
+            (n.clone(), v)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &a.join("model.safetensors")).unwrap();
+    a
+}
+
+/// A Phi-3 directory exports as convert_hf_to_gguf.py's `Phi3MiniModel` writes it:
+/// architecture `phi3`, `attn_qkv` and the fused gate|up as `ffn_up` holding the same values
+/// (not permuted), its `phi3.*` keys (no vocab size; a sliding window of 0 when there is
+/// none); with LongRoPE, the long and short factors as the first two tensors and the
+/// attention factor as a key. A Q4_K_M export is refused naming the tensor llama-quantize
+/// would store as Q5_K.
+#[test]
+fn phi3_exports_fused_tensors_and_its_keys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = phi3_dir(tmp.path(), false);
+    let spec = crate::ckpt::load_spec(&a).unwrap();
+    assert_eq!(spec.family, Family::Phi3);
+    let g = tmp.path().join("phi3.gguf");
+    let s = export_to(&a, &g, ExportType::F32).unwrap();
+    assert_eq!(s.architecture, "phi3");
+    let f = GgufFile::open(&g).unwrap();
+    let bytes = fs::read(a.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for (gguf, hf) in [
+        (
+            "blk.1.attn_qkv.weight",
+            "model.layers.1.self_attn.qkv_proj.weight",
+        ),
+        (
+            "blk.1.ffn_up.weight",
+            "model.layers.1.mlp.gate_up_proj.weight",
+        ),
+    ] {
+        let t = f.tensor(gguf).unwrap_or_else(|| panic!("{gguf} missing"));
+        let v = st.tensor(hf).unwrap();
+        let dims: Vec<u64> = v.shape().iter().rev().map(|&d| d as u64).collect();
+        assert_eq!(t.dims, dims, "{gguf}");
+        assert_eq!(
+            f.tensor_data(t),
+            v.data(),
+            "{gguf}: the same values, unpermuted"
+        );
+    }
+    for absent in ["blk.0.attn_q.weight", "blk.0.ffn_gate.weight"] {
+        assert!(f.tensor(absent).is_none(), "{absent}");
+    }
+    let key = |k: &str| {
+        f.metadata
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(key("phi3.attention.sliding_window"), Some(Value::U32(0)));
+    assert_eq!(
+        key("phi3.rope.scaling.original_context_length"),
+        Some(Value::U32(128))
+    );
+    assert_eq!(key("phi3.rope.dimension_count"), Some(Value::U32(8)));
+    assert!(key("phi3.vocab_size").is_none() && key("phi3.rope.scaling.attn_factor").is_none());
+
+    let b = phi3_dir(&tmp.path().join("long"), true);
+    let g = tmp.path().join("long.gguf");
+    export_to(&b, &g, ExportType::F32).unwrap();
+    let f = GgufFile::open(&g).unwrap();
+    let names: Vec<&str> = f.tensors.iter().take(2).map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["rope_factors_long.weight", "rope_factors_short.weight"]
+    );
+    assert_eq!(f32s(f.tensor_data(&f.tensors[0])), [1.0, 2.5, 6.0, 12.0]);
+    assert_eq!(f32s(f.tensor_data(&f.tensors[1])), [1.0, 1.5, 2.0, 3.0]);
+    let key = |k: &str| {
+        f.metadata
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+    };
+    // 128 positions over a pretraining context of 32: √(1 + ln 4 / ln 32).
+    let want = (1.0 + 4f64.ln() / 32f64.ln()).sqrt() as f32;
+    assert_eq!(key("phi3.rope.scaling.attn_factor"), Some(Value::F32(want)));
+    assert_eq!(
+        key("phi3.rope.scaling.original_context_length"),
+        Some(Value::U32(32))
+    );
+
+    let e = export_to(&a, &tmp.path().join("q4.gguf"), ExportType::Q4KM).unwrap_err();
+    let e = format!("{e:#}");
+    // Q5_K, whose fallback for these 32-wide rows is Q5_1: neither is written here.
+    assert!(e.contains("attn_qkv") && e.contains("Q5_1"), "{e}");
+}
