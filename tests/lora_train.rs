@@ -97,10 +97,19 @@ fn random_adapter(total: usize) -> Vec<f32> {
 /// gradients are discarded.
 #[test]
 fn adapter_gradients_are_full_fine_tuning_seen_through_the_adapters() {
+    // Phi-3's layout: llama-tiny's shapes with q|k|v and gate|up one tensor each, so one
+    // adapter each.
+    let phi3 = ModelSpec {
+        family: Family::Phi3,
+        name: "phi3-tiny".into(),
+        ..tiny_llama()
+    };
     for (spec, targets) in [
         (tiny_llama(), "all"),
         (tiny_llama(), "q,v,down"),
         (micro_gpt2(), "all"),
+        (phi3.clone(), "all"),
+        (phi3, "qkv,down"),
     ] {
         check_against_full_fine_tuning(&spec, targets, BaseQuant::F32);
     }

@@ -871,6 +871,7 @@ fn phi3_dir(tmp: &Path, longrope: bool) -> PathBuf {
         serde_json::from_str(&fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["model_type"] = "phi3".into();
     cfg["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+    cfg["pad_token_id"] = 0.into();
     // Phi-3-mini-4k's configs give the context itself; the 128k ones a quarter of it or less.
     cfg["original_max_position_embeddings"] = if longrope { 32 } else { 128 }.into();
     if longrope {

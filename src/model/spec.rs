@@ -96,6 +96,9 @@ pub struct SpecialTokens {
     pub bos: Option<u32>,
     /// `eos_token_id`, which may be a list.
     pub eos: Vec<u32>,
+    /// `pad_token_id` where the family's config has a default that must be overridden when
+    /// absent (Phi3Config's 32000, outside a smaller vocabulary); `None` elsewhere.
+    pub pad: Option<u32>,
 }
 
 /// The dimensions and architectural choices of a decoder-only transformer.

@@ -62,6 +62,7 @@ pub fn spec(name: &str, [v, t, c, l, h]: [usize; 5]) -> ModelSpec {
         special_tokens: SpecialTokens {
             bos: Some(EOT),
             eos: vec![EOT],
+            pad: None,
         },
     }
 }

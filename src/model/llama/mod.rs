@@ -428,6 +428,8 @@ fn from_preset(p: &Preset) -> ModelSpec {
         special_tokens: SpecialTokens {
             bos: Some(p.bos),
             eos: vec![p.eos],
+            // Phi-3's released configs: the eos, <|endoftext|>.
+            pad: (p.family == Family::Phi3).then_some(p.eos),
         },
     }
 }
@@ -554,6 +556,15 @@ pub(super) fn from_hf_config(
     let bos = field("bos_token_id")
         .map(|x| token_id(x, "bos_token_id", source))
         .transpose()?;
+    // Phi3Config pads with 32000 when the field is absent; written back as read (null too).
+    let pad = match family {
+        Family::Phi3 => match obj.get("pad_token_id") {
+            None => Some(32000),
+            Some(Value::Null) => None,
+            Some(x) => Some(token_id(x, "pad_token_id", source)?),
+        },
+        _ => None,
+    };
     // Mistral's and Phi-3's window: MistralConfig's default is 4096 when the field is
     // absent, Phi3Config's none; null is none (configuration_mistral.py,
     // configuration_phi3.py). The other families here have none (Qwen's are refused above
@@ -590,7 +601,7 @@ pub(super) fn from_hf_config(
             flag("mlp_bias", false)?,
         ),
         sliding_window,
-        special_tokens: SpecialTokens { bos, eos },
+        special_tokens: SpecialTokens { bos, eos, pad },
     })
 }
 
@@ -846,6 +857,7 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         obj.insert("sliding_window".into(), json!(s.sliding_window));
     } else if s.family == Family::Phi3 {
         obj.insert("sliding_window".into(), json!(s.sliding_window));
+        obj.insert("pad_token_id".into(), json!(s.special_tokens.pad));
         let original = match scaling {
             Some(RopeScaling::LongRope(l)) => l.original_max_position_embeddings,
             _ => s.n_positions,
@@ -881,6 +893,17 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
     }
     if s.family == Family::Phi3 && s.biases != Biases::NONE {
         bail!("phi3 models have no biases (transformers' modeling_phi3.py)");
+    }
+    if let Some(pad) = s.special_tokens.pad
+        && pad as usize >= s.vocab_size
+    {
+        bail!(
+            "field 'pad_token_id' is {pad} (Phi3Config's default when absent is 32000), outside \
+             the vocabulary of {}: transformers cannot build the model; set it to a token id \
+             below {} (the eos id, say) or to null",
+            s.vocab_size,
+            s.vocab_size
+        );
     }
     if !matches!(s.family, Family::Mistral | Family::Phi3) && s.sliding_window.is_some() {
         bail!(
@@ -1296,7 +1319,8 @@ mod tests {
     #[test]
     fn phi3_options_memwall_lacks_are_refused() {
         let base = r#""model_type": "phi3", "hidden_size": 32, "num_attention_heads": 4,
-            "num_hidden_layers": 1, "intermediate_size": 48, "vocab_size": 10"#;
+            "num_hidden_layers": 1, "intermediate_size": 48, "vocab_size": 10,
+            "pad_token_id": 0"#;
         let e = |extra: &str| {
             let text = format!("{{{base}{extra}}}");
             format!(
@@ -1324,6 +1348,16 @@ mod tests {
             "long_factor": [1, 1, 1, 1]}"#,
         );
         assert!(x.contains("original_max_position_embeddings"), "{x}");
+        // Phi3Config's pad, 32000 when absent, would fall outside this vocabulary.
+        let text = format!("{{{base}}}").replace(r#""pad_token_id": 0"#, r#""rms_norm_eps": 1e-5"#);
+        let x = format!(
+            "{:#}",
+            ModelSpec::from_hf_config_str(&text, "c.json").unwrap_err()
+        );
+        assert!(
+            x.contains("'pad_token_id'") && x.contains("32000") && x.contains("c.json"),
+            "{x}"
+        );
         // Without a scaling, the fused model reads with Phi3Config's defaults.
         let s = ModelSpec::from_hf_config_str(&format!("{{{base}}}"), "c.json").unwrap();
         assert_eq!(
