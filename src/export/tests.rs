@@ -1007,6 +1007,39 @@ fn phi3_exports_fused_tensors_and_its_keys() {
         Some(Value::U32(32))
     );
 
+    // `convert` reads both back: the same tensors, bitwise, and the same model.
+    for (k, (dir, gguf)) in [(&a, tmp.path().join("phi3.gguf")), (&b, g.clone())]
+        .into_iter()
+        .enumerate()
+    {
+        let back = tmp.path().join(format!("back-{k}"));
+        reconvert(&gguf, &back);
+        let (x, y) = (
+            crate::ckpt::load_spec(dir).unwrap(),
+            crate::ckpt::load_spec(&back).unwrap(),
+        );
+        assert_eq!(
+            (y.family, &y.position, y.sliding_window),
+            (Family::Phi3, &x.position, x.sliding_window)
+        );
+        assert!(x.same_dims(&y), "{x:?} vs {y:?}");
+        let (ab, bb) = (
+            fs::read(dir.join("model.safetensors")).unwrap(),
+            fs::read(back.join("model.safetensors")).unwrap(),
+        );
+        let (sa, sb) = (
+            SafeTensors::deserialize(&ab).unwrap(),
+            SafeTensors::deserialize(&bb).unwrap(),
+        );
+        assert_eq!(sa.names().len(), sb.names().len());
+        for n in sa.names() {
+            assert!(
+                sa.tensor(n).unwrap().data() == sb.tensor(n).unwrap().data(),
+                "{n}"
+            );
+        }
+    }
+
     let e = export_to(&a, &tmp.path().join("q4.gguf"), ExportType::Q4KM).unwrap_err();
     let e = format!("{e:#}");
     // Q5_K, whose fallback for these 32-wide rows is Q5_1: neither is written here.

@@ -86,7 +86,11 @@ impl HfModel {
                 c["max_window_layers"] = json!(d.layers);
             }
             Arch::Qwen3 => c["use_sliding_window"] = json!(false),
+            Arch::Phi3 => {}
             Arch::Gpt2 => unreachable!("returned above"),
+        }
+        for (k, v) in &self.extra_config {
+            c[k] = v.clone();
         }
         c
     }
@@ -116,9 +120,12 @@ enum Part {
     /// Qwen3's per-head norms.
     QNorm,
     KNorm,
+    /// Phi-3's fused q|k|v.
+    Qkv,
 }
 
-const PARTS: [(&str, Part, &str); 11] = [
+const PARTS: [(&str, Part, &str); 12] = [
+    ("attn_qkv", Part::Qkv, "self_attn.qkv_proj"),
     ("attn_q", Part::Q, "self_attn.q_proj"),
     ("attn_k", Part::K, "self_attn.k_proj"),
     ("attn_q_norm", Part::QNorm, "self_attn.q_norm"),
@@ -155,11 +162,22 @@ fn parse_name(name: &str) -> Option<Role> {
     Some(Role::Layer(layer, p, bias))
 }
 
+/// The HF name of GGUF tensor `name` in a file of `arch` (Phi-3's `ffn_up` holds gate and
+/// up: `mlp.gate_up_proj`); an unknown name is an error naming it.
+fn hf_name_in(arch: Arch, name: &str) -> Result<String> {
+    match (arch, parse_name(name)) {
+        (Arch::Phi3, Some(Role::Layer(l, Part::Up, false))) => {
+            Ok(format!("model.layers.{l}.mlp.gate_up_proj.weight"))
+        }
+        _ => hf_tensor_name(name),
+    }
+}
+
 /// The HF name of GGUF tensor `name`; an unknown name is an error naming it.
 pub fn hf_tensor_name(name: &str) -> Result<String> {
     let Some(role) = parse_name(name) else {
         bail!(
-            "unknown tensor {name}: a llama/qwen2/qwen3 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}} (qwen3 also attn_q_norm, attn_k_norm)"
+            "unknown tensor {name}: a llama/qwen2/qwen3 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}} (qwen3 also attn_q_norm, attn_k_norm; phi3 attn_qkv for q, k and v, ffn_up for gate and up)"
         );
     };
     Ok(match role {
@@ -198,21 +216,13 @@ pub fn gguf_tensor_name(name: &str) -> Option<String> {
     if suffix != "weight" && suffix != "bias" {
         return None;
     }
-    let part = PARTS
-        .iter()
-        .map(|p| (p.0, p.2))
-        .chain(PHI3_FUSED)
-        .find(|p| p.1 == hf)?
-        .0;
+    // Phi-3's gate|up is llama.cpp's `FFN_UP` (`MODEL_ARCH.PHI3`, gate first).
+    let part = match hf {
+        "mlp.gate_up_proj" => "ffn_up",
+        _ => PARTS.iter().find(|p| p.2 == hf)?.0,
+    };
     Some(format!("blk.{layer}.{part}.{suffix}"))
 }
-
-/// Phi-3's fused projections and their GGUF names (llama.cpp's `MODEL_ARCH.PHI3`:
-/// `ATTN_QKV`, and `FFN_UP` holding gate and up, gate first).
-const PHI3_FUSED: [(&str, &str); 2] = [
-    ("attn_qkv", "self_attn.qkv_proj"),
-    ("ffn_up", "mlp.gate_up_proj"),
-];
 
 /// Maps a llama / qwen2 GGUF file to HF: dimensions, config fields, tensor names and shapes.
 /// Every tensor is checked against the dimensions; unknown names, missing tensors and shape
@@ -286,6 +296,9 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         None => 10000.0,
     };
     let rope_scaling = match (rope_scaling(f, a)?, f.tensor(rope_freqs::TENSOR)) {
+        (None, None) if arch == Arch::Phi3 => {
+            phi3_longrope(f, head_dim, context).with_context(|| path.clone())?
+        }
         (s, None) => s,
         (None, Some(t)) if arch == Arch::Llama => {
             llama3_scaling(f, t, head_dim, rope_theta).with_context(|| path.clone())?
@@ -326,14 +339,16 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let tied = f.tensor("output.weight").is_none();
     let attention_bias = match arch {
         Arch::Qwen2 => true,
+        Arch::Phi3 => false,
         Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => f.tensor("blk.0.attn_q.bias").is_some(),
     };
     let mut tensors = Vec::with_capacity(f.tensors.len());
     for t in &f.tensors {
-        if t.name == rope_freqs::TENSOR {
+        if t.name == rope_freqs::TENSOR || (arch == Arch::Phi3 && PHI3_FACTORS.contains(&&*t.name))
+        {
             continue; // read above as `rope_scaling`
         }
-        let name = hf_tensor_name(&t.name).with_context(|| path.clone())?;
+        let name = hf_name_in(arch, &t.name).with_context(|| path.clone())?;
         let role = parse_name(&t.name).expect("hf_tensor_name accepted it");
         let expected = expected_dims(role, &dims, arch, attention_bias)
             .with_context(|| format!("{path}: tensor {}", t.name))?;
@@ -356,12 +371,19 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let mut want = vec!["token_embd.weight".to_string(), "output_norm.weight".into()];
     for l in 0..layers {
         for (p, part, _) in PARTS {
-            if matches!(part, Part::QNorm | Part::KNorm) && arch != Arch::Qwen3 {
+            let held = match part {
+                Part::QNorm | Part::KNorm => arch == Arch::Qwen3,
+                Part::Qkv => arch == Arch::Phi3,
+                Part::Q | Part::K | Part::V | Part::Gate => arch != Arch::Phi3,
+                _ => true,
+            };
+            if !held {
                 continue;
             }
             want.push(format!("blk.{l}.{p}.weight"));
             let bias = match arch {
                 Arch::Qwen2 => matches!(part, Part::Q | Part::K | Part::V),
+                Arch::Phi3 => false,
                 Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => {
                     attention_bias && matches!(part, Part::Q | Part::K | Part::V | Part::O)
                 }
@@ -385,6 +407,23 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
             if n > 5 { ", ..." } else { "" }
         );
     }
+    let mut extra_config = serde_json::Map::new();
+    if arch == Arch::Phi3 {
+        // `phi3.attention.sliding_window` 0 means none (the converter's mark for Phi-4).
+        let window = f
+            .get_u64("phi3.attention.sliding_window")?
+            .filter(|&w| w > 0);
+        let original = match f.get_u64("phi3.rope.scaling.original_context_length")? {
+            Some(o) if o > 0 => o,
+            _ => context as u64,
+        };
+        let pad = f.get_u64("tokenizer.ggml.padding_token_id")?;
+        extra_config.insert("sliding_window".into(), json!(window));
+        extra_config.insert("original_max_position_embeddings".into(), json!(original));
+        extra_config.insert("pad_token_id".into(), json!(pad));
+        extra_config.insert("resid_pdrop".into(), json!(0.0));
+        extra_config.insert("embd_pdrop".into(), json!(0.0));
+    }
     Ok(HfModel {
         arch,
         dims,
@@ -393,8 +432,66 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         bos_token_id: f.get_u64("tokenizer.ggml.bos_token_id")?,
         eos_token_id: f.get_u64("tokenizer.ggml.eos_token_id")?,
         rope_scaling,
+        extra_config,
         tensors,
     })
+}
+
+/// Phi-3's LongRoPE tensors, long then short (`Phi3MiniModel.generate_extra_tensors`).
+const PHI3_FACTORS: [&str; 2] = ["rope_factors_long.weight", "rope_factors_short.weight"];
+
+/// HF `rope_scaling` (`longrope`) from a `phi3` file's `rope_factors_long` /
+/// `rope_factors_short` tensors, `phi3.rope.scaling.attn_factor` and
+/// `phi3.rope.scaling.original_context_length`; none without the tensors. One without the
+/// other, factors that are not `[head_dim / 2]`, or a missing key is an error naming it.
+fn phi3_longrope(
+    f: &GgufFile,
+    head_dim: usize,
+    context: usize,
+) -> Result<Option<serde_json::Value>> {
+    let (long, short) = (f.tensor(PHI3_FACTORS[0]), f.tensor(PHI3_FACTORS[1]));
+    let (long, short) = match (long, short) {
+        (None, None) => return Ok(None),
+        (Some(l), Some(s)) => (l, s),
+        _ => bail!(
+            "one of {} and {} is missing: LongRoPE needs both",
+            PHI3_FACTORS[0],
+            PHI3_FACTORS[1]
+        ),
+    };
+    let read = |t: &TensorInfo| -> Result<Vec<f32>> {
+        if t.dims != [head_dim as u64 / 2] {
+            bail!(
+                "tensor {} has GGUF dims {:?}, expected [{}] (one factor per rotary pair)",
+                t.name,
+                t.dims,
+                head_dim / 2
+            );
+        }
+        let mut v = vec![0f32; head_dim / 2];
+        crate::dtype::dequant::dequantize(t.ty, f.tensor_data(t), &mut v)
+            .with_context(|| format!("tensor {}", t.name))?;
+        Ok(v)
+    };
+    let original = f
+        .get_u64("phi3.rope.scaling.original_context_length")?
+        .filter(|&o| o > 1)
+        .context("metadata phi3.rope.scaling.original_context_length is missing (LongRoPE's pretraining context)")?;
+    let mut scaling = json!({
+        "type": "longrope",
+        "long_factor": read(long)?,
+        "short_factor": read(short)?,
+        "original_max_position_embeddings": original,
+    });
+    let key = "phi3.rope.scaling.attn_factor";
+    match get_float(f, key)? {
+        Some(x) => scaling["attention_factor"] = json!(check_above(f, key, x, 0.0)?),
+        None if context as u64 > original => {
+            bail!("metadata {key} is missing (LongRoPE's attention factor)")
+        }
+        None => {}
+    }
+    Ok(Some(scaling))
 }
 
 /// HF `rope_scaling` from `{arch}.rope.scaling.*` (or the older `rope.scale_linear`): none or
@@ -475,6 +572,7 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
         Role::Layer(_, p, true) => {
             let allowed = match arch {
                 Arch::Qwen2 => matches!(p, Part::Q | Part::K | Part::V),
+                Arch::Phi3 => false,
                 Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => {
                     attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O)
                 }
@@ -489,6 +587,12 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
             }
         }
         Role::Layer(_, p, false) => match p {
+            Part::Qkv if arch == Arch::Phi3 => vec![h, q + 2 * kv],
+            Part::Up if arch == Arch::Phi3 => vec![h, 2 * ffn],
+            Part::Qkv => bail!("a fused attn_qkv is not part of a {} model", arch.name()),
+            Part::Q | Part::K | Part::V | Part::Gate if arch == Arch::Phi3 => {
+                bail!("a phi3 model keeps q, k and v in attn_qkv and gate and up in ffn_up")
+            }
             Part::Q => vec![h, q],
             Part::K | Part::V => vec![h, kv],
             Part::O => vec![q, h],

@@ -223,6 +223,7 @@ pub(super) fn map_model(f: &GgufFile) -> Result<HfModel> {
         bos_token_id: f.get_u64("tokenizer.ggml.bos_token_id")?,
         eos_token_id: f.get_u64("tokenizer.ggml.eos_token_id")?,
         rope_scaling: None,
+        extra_config: Default::default(),
         tensors,
     })
 }

@@ -13,6 +13,10 @@ pub enum Arch {
     /// Qwen3 (dense): llama.cpp's `LLM_ARCH_QWEN3`, `qwen2`'s tensors without the permutation
     /// plus `attn_q_norm` / `attn_k_norm` (gguf-py `constants.py`, `MODEL_ARCH.QWEN3`).
     Qwen3,
+    /// Phi-3: llama.cpp's `LLM_ARCH_PHI3`, q|k|v fused as `attn_qkv` and gate|up as
+    /// `ffn_up` (gate first), NEOX rotation (no permutation), LongRoPE's factors as the
+    /// `rope_factors_long` / `rope_factors_short` tensors.
+    Phi3,
     Gpt2,
 }
 
@@ -23,6 +27,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Phi3 => "phi3",
             Arch::Gpt2 => "gpt2",
         }
     }
@@ -33,11 +38,12 @@ impl Arch {
             Arch::Llama => "LlamaForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Phi3 => "Phi3ForCausalLM",
             Arch::Gpt2 => "GPT2LMHeadModel",
         }
     }
 
-    /// Reads `general.architecture`; anything but llama, qwen2, qwen3 and gpt2 is refused by
+    /// Reads `general.architecture`; anything but llama, qwen2, qwen3, phi3 and gpt2 is refused by
     /// name.
     pub fn of(f: &GgufFile) -> Result<Arch> {
         let path = f.path().display();
@@ -45,9 +51,10 @@ impl Arch {
             Some("llama") => Ok(Arch::Llama),
             Some("qwen2") => Ok(Arch::Qwen2),
             Some("qwen3") => Ok(Arch::Qwen3),
+            Some("phi3") => Ok(Arch::Phi3),
             Some("gpt2") => Ok(Arch::Gpt2),
             Some(other) => bail!(
-                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2, qwen3 or gpt2)"
+                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2, qwen3, phi3 or gpt2)"
             ),
             None => bail!("{path}: metadata general.architecture is missing"),
         }
@@ -95,8 +102,11 @@ pub struct HfModel {
     pub attention_bias: bool,
     pub bos_token_id: Option<u64>,
     pub eos_token_id: Option<u64>,
-    /// HF `rope_scaling`, when the file has linear scaling.
+    /// HF `rope_scaling`, when the file has linear, llama3 or LongRoPE scaling.
     pub rope_scaling: Option<serde_json::Value>,
+    /// `config.json` fields of the architecture's own (Phi-3's window, pretraining context and
+    /// pad token).
+    pub extra_config: serde_json::Map<String, serde_json::Value>,
     pub tensors: Vec<HfTensor>,
 }
 
