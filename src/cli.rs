@@ -133,12 +133,12 @@ mpirun) time their collectives with it; without it they assume 5 GB/s and say so
     Calibrate(CalibrateArgs),
     /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
     Report(ReportArgs),
-    /// Turn a llama.cpp GGUF file (llama, qwen2, qwen3 or gpt2) into a Hugging Face model directory.
+    /// Turn a llama.cpp GGUF file (llama, qwen2, qwen3, phi3 or gpt2) into a Hugging Face model directory.
     #[command(
         long_about = "Turn a llama.cpp GGUF file into a Hugging Face model directory: config.json, \
 model.safetensors, tokenizer.json and tokenizer_config.json, which transformers' \
-LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / GPT2LMHeadModel (and AutoTokenizer) load.\n\n\
-Supported: general.architecture llama, qwen2, qwen3 or gpt2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
+LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Phi3ForCausalLM / GPT2LMHeadModel (and AutoTokenizer) load.\n\n\
+Supported: general.architecture llama, qwen2, qwen3, phi3 or gpt2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
 Q4_1, Q5_0, Q4_K, Q6_K (dequantized to f32: quantization error is kept, not undone); tokenizers \
 gpt2 (byte-level BPE, pre-tokenizer default, gpt2, smollm, llama-bpe or qwen2) and llama \
 (SentencePiece BPE with byte fallback). \
@@ -151,7 +151,7 @@ memwall convert model.gguf --out model-hf --dtype bf16 --force"
     /// Write a model directory (a checkpoint, or a Hugging Face directory) as one GGUF file
     /// for llama.cpp, Ollama and LM Studio.
     #[command(
-        long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face GPT-2 / Llama / SmolLM2 / Qwen2 / Qwen3 directory memwall loads; or a GGUF file, read in place (its tensors dequantized one at a time, its own tokenizer keys kept: no f32 copy on disk), to re-quantize it.\n\n\
+        long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face GPT-2 / Llama / SmolLM2 / Qwen2 / Qwen3 / Mistral / Phi-3 directory memwall loads; or a GGUF file, read in place (its tensors dequantized one at a time, its own tokenizer keys kept: no f32 copy on disk), to re-quantize it.\n\n\
 Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output; GPT-2: position_embd, blk.N.attn_qkv, ffn_up/ffn_down, its Conv1D weights transposed as the converter does), Q and K rows llama.cpp's order. Norms, biases and GPT-2's position embedding stay F32; every other tensor gets the type llama.cpp's llama-quantize would give it for --type: q4_k_m gives the output tensor (or a tied token_embd) and half the attn_v and ffn_down layers Q6_K, and rows that are not whole 256-value super-blocks (SmolLM2's 576) fall back as llama-quantize does (Q4_K to Q5_0, Q6_K to Q8_0); q4_0 and q4_1 give the output tensor Q6_K (Q8_0 when its rows do not fit). Blocks are computed as llama.cpp's reference quantizers compute them (the 32-value types checked bytewise against gguf-py). Llama 3 rope scaling is written as llama.cpp's rope_freqs tensor.\n\n\
 The metadata carries the hyper-parameters and the tokenizer: a directory `memwall convert` made (or a checkpoint trained from one) keeps the source GGUF's own tokenizer.* keys in tokenizer.gguf, written back as they were (the chat template follows the directory's chat_template.jinja / tokenizer_config.json); otherwise they are rebuilt from tokenizer.json and tokenizer_config.json (byte-level BPE: tokens, types, merges; SentencePiece with byte fallback, as Llama 2 and TinyLlama: tokens, scores ranked by the merges, types with byte tokens; special ids, add_bos_token, chat template). A GPT-2 checkpoint without tokenizer.json gets GPT-2's own tokenizer. The file is written under a temporary name and renamed when complete, so an error leaves an earlier OUT.gguf as it was.\n\n\
 With --adapter, a LoRA adapter (a checkpoint of `memwall train --lora`, its run directory, or any PEFT adapter directory) is merged into each weight as it is written, as `memwall merge` would, with no merged copy of the model on disk or in memory; the adapter's chat template, when it has one, replaces the base's. MODEL may then be left out: the base the adapter records (base_model_name_or_path) is used. A run directory as MODEL exports its newest checkpoint; general.name is the model's name (RUN-step-N for a checkpoint) unless --name gives one.\n\n\
@@ -453,8 +453,8 @@ pub(crate) struct TokenizeArgs {
 pub(crate) struct StepArgs {
     /// Model: a preset (GPT-2: gpt2-tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama:
     /// llama-tiny, smollm2-135m, smollm2-360m, qwen2.5-0.5b, qwen3-0.6b, qwen3-1.7b, qwen3-4b,
-    /// qwen3-8b, mistral-7b, llama-3.2-1b, tinyllama-1.1b,
-    /// llama-3.2-3b, llama-2-7b, llama-3-8b), a Hugging Face model or checkpoint directory, or
+    /// qwen3-8b, mistral-7b, phi-3-mini, llama-3.2-1b, tinyllama-1.1b,
+    /// llama-3.2-3b, llama-2-7b, llama-3-8b, llama-3-70b), a Hugging Face model or checkpoint directory, or
     /// a config.json; for `plan`, also a GGUF file (planned as its conversion; with --lora the
     /// base keeps the file's blocks, as `train --init FILE.gguf --lora R` does) [default:
     /// gpt2-tiny]
@@ -597,7 +597,8 @@ pub(crate) struct StrategyArgs {
     #[arg(long, value_name = "ALPHA", requires = "lora")]
     pub(crate) lora_alpha: Option<f32>,
     /// The linear layers of each block that get an adapter: all, or a comma list of
-    /// q,k,v,o,gate,up,down (Llama, Qwen2, Qwen3, SmolLM2) or attn,proj,fc,mlp_proj (GPT-2)
+    /// q,k,v,o,gate,up,down (Llama, Qwen2, Qwen3, Mistral, SmolLM2), qkv,o,gate_up,down
+    /// (Phi-3) or attn,proj,fc,mlp_proj (GPT-2)
     /// [default: all]
     #[arg(long, value_name = "LIST", requires = "lora")]
     pub(crate) lora_targets: Option<String>,
@@ -835,7 +836,7 @@ pub(crate) struct TrainArgs {
     pub(crate) no_pack: bool,
     /// Start from the weights of a Hugging Face model directory (config.json +
     /// model.safetensors, or shards with model.safetensors.index.json): a GPT-2, Llama or
-    /// Qwen2/Qwen3 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2 / qwen3 / gpt2), converted
+    /// Qwen2/Qwen3/Mistral/Phi-3 checkpoint, or a memwall checkpoint; or a GGUF file (llama / qwen2 / qwen3 / phi3 / gpt2), converted
     /// once into the user cache. Gives the architecture when --model is left out (fine-tuning).
     #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
     pub(crate) init: Option<PathBuf>,
@@ -860,7 +861,7 @@ pub(crate) struct TrainArgs {
 #[derive(Args)]
 pub(crate) struct SampleArgs {
     /// Checkpoint directory (config.json + model.safetensors), e.g. RUN/checkpoints/step-000500
-    /// or a Hugging Face model directory; or a GGUF file (llama / qwen2 / qwen3 / gpt2), converted once into
+    /// or a Hugging Face model directory; or a GGUF file (llama / qwen2 / qwen3 / phi3 / gpt2), converted once into
     /// the user cache.
     #[arg(long, value_name = "DIR|FILE.gguf")]
     pub(crate) model: PathBuf,
