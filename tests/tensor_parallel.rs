@@ -12,7 +12,7 @@ use memwall::backend::under_test as backend;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
 use memwall::ir::{Mesh, Recompute, Zero};
-use memwall::model::{ModelSpec, ParamLayout};
+use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};
 use std::sync::Arc;
 
@@ -50,7 +50,7 @@ fn train(
     accum: usize,
     re: Recompute,
 ) -> Outcome {
-    let spec = ModelSpec::preset(model).unwrap();
+    let spec = spec_of(model);
     let mut cfg = StepConfig::new(b, SEQ, 1);
     cfg.mesh = mesh;
     cfg.zero = zero;
@@ -117,6 +117,18 @@ fn ranks(
     })
 }
 
+/// A preset, or `"P as phi3"`: preset P's shapes in Phi-3's layout (q|k|v and gate|up one
+/// tensor each, so a tensor rank keeps three runs of one and two of the other).
+fn spec_of(model: &str) -> ModelSpec {
+    match model.strip_suffix(" as phi3") {
+        Some(m) => ModelSpec {
+            family: Family::Phi3,
+            ..ModelSpec::preset(m).unwrap()
+        },
+        None => ModelSpec::preset(model).unwrap(),
+    }
+}
+
 fn rel(a: f32, b: f32) -> f32 {
     (a - b).abs() / b.abs().max(1e-12)
 }
@@ -133,7 +145,7 @@ fn matches_one_process_at(model: &str, (data, tensor, zero): (usize, usize, Zero
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
     let reference = train(model, (Mesh::SINGLE, Zero::DP), single, b, data, re);
     let out = ranks(model, (data, tensor, zero), b, re);
-    let whole = ParamLayout::new(&ModelSpec::preset(model).unwrap());
+    let whole = ParamLayout::new(&spec_of(model));
     let what = format!("{model} data={data} tensor={tensor} zero={zero} {re:?}");
     for (rank, o) in out.iter().enumerate() {
         assert!(o.layout.split.is_split(), "{what}: rank {rank} holds parts");
@@ -192,6 +204,7 @@ fn two_tensor_ranks_train_llama_with_grouped_query_attention_like_one_process() 
     matches_one_process("llama-tiny", 1, 2, Recompute::None);
     matches_one_process("llama-tiny", 1, 2, Recompute::Full);
     matches_one_process("llama-tiny", 2, 2, Recompute::Selective);
+    matches_one_process("llama-tiny as phi3", 1, 2, Recompute::None);
 }
 
 #[test]
