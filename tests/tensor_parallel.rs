@@ -117,15 +117,21 @@ fn ranks(
     })
 }
 
-/// A preset, or `"P as phi3"`: preset P's shapes in Phi-3's layout (q|k|v and gate|up one
-/// tensor each, so a tensor rank keeps three runs of one and two of the other).
+/// A preset, or `"P as phi3"` / `"P as qwen3"`: preset P's shapes in Phi-3's layout (q|k|v
+/// and gate|up one tensor each, so a tensor rank keeps three runs of one and two of the
+/// other) or with Qwen3's per-head q/k norms (whole on every tensor rank, their gradients
+/// summed among them).
 fn spec_of(model: &str) -> ModelSpec {
-    match model.strip_suffix(" as phi3") {
-        Some(m) => ModelSpec {
-            family: Family::Phi3,
-            ..ModelSpec::preset(m).unwrap()
-        },
-        None => ModelSpec::preset(model).unwrap(),
+    let family = |m: &str, family| ModelSpec {
+        family,
+        ..ModelSpec::preset(m).unwrap()
+    };
+    if let Some(m) = model.strip_suffix(" as phi3") {
+        family(m, Family::Phi3)
+    } else if let Some(m) = model.strip_suffix(" as qwen3") {
+        family(m, Family::Qwen3)
+    } else {
+        ModelSpec::preset(model).unwrap()
     }
 }
 
@@ -205,6 +211,8 @@ fn two_tensor_ranks_train_llama_with_grouped_query_attention_like_one_process() 
     matches_one_process("llama-tiny", 1, 2, Recompute::Full);
     matches_one_process("llama-tiny", 2, 2, Recompute::Selective);
     matches_one_process("llama-tiny as phi3", 1, 2, Recompute::None);
+    matches_one_process("llama-tiny as qwen3", 1, 2, Recompute::Full);
+    matches_one_process("llama-tiny as qwen3", 2, 2, Recompute::None);
 }
 
 #[test]

@@ -39,6 +39,10 @@ pub struct ParamTensor {
     /// A tensor-parallel rank's part of the model's tensor of this name (`shape` is the
     /// part's); `None` for a tensor the rank holds whole.
     pub part: Option<TensorPart>,
+    /// Held whole on every tensor rank, each of which computes only its share of the
+    /// gradient (Qwen3's q/k norms: a rank normalises its own heads), so the plan sums it over
+    /// the tensor ranks (`plan::lora::sum_shared_grads`). `false` on one rank.
+    pub partial_grad: bool,
 }
 
 /// Where a tensor-parallel rank's tensor sits in the model's tensor of the same name: the
@@ -284,8 +288,17 @@ impl LayoutBuilder {
             decay,
             init,
             part,
+            partial_grad: false,
         });
         range
+    }
+
+    /// Marks the tensor pushed last, when held, as one whose gradient each tensor rank
+    /// computes only a share of ([`ParamTensor::partial_grad`]); nothing on one rank.
+    pub(crate) fn partial_grad(&mut self, split: crate::ir::TensorSplit) {
+        if let (true, Some(t)) = (split.is_split() && self.held, self.tensors.last_mut()) {
+            t.partial_grad = true;
+        }
     }
 
     /// Closes the group of the tensors pushed since the last group (none when those are

@@ -389,14 +389,6 @@ impl ModelSpec {
         if tensor == 0 {
             bail!("--tp must be at least 1");
         }
-        if tensor > 1 && self.family.qk_norm() {
-            bail!(
-                "--tp {tensor}: {} models normalise each query and key head with weights every \
-                 tensor rank shares, whose gradients memwall does not yet sum among them; use \
-                 --tp 1 (--pp and data ranks work)",
-                self.family.model_type()
-            );
-        }
         let f = self.family.field_names();
         let mut counts = vec![(f.heads, self.n_head)];
         if f.kv_heads != f.heads {

@@ -85,7 +85,7 @@ use crate::ir::schedule::{
 use crate::ir::strategy::{OptimState, Precision, QBLOCK};
 use crate::ir::{BufId, Buffer, Category, Placement, Tier, TierSize};
 use crate::model::lora::AdapterLayout;
-use crate::model::{ModelSpec, ParamLayout};
+use crate::model::{ModelSpec, ParamLayout, ParamTensor};
 use anyhow::{Result, bail};
 
 /// Builds and packs the plan for `spec` and `cfg`, with workspace sized by `backend`.
@@ -189,9 +189,12 @@ pub(super) fn build(
     optimizer(&mut g, &layout, &optim, sharded);
     io.deferred_update = deferred_update(&mut g, &r, &grads);
     zero_grads_before_first_write(&mut g, &grads);
-    if lora.is_some() {
-        super::lora::sum_shared_grads(&mut g, &layout, &grads);
-    }
+    // The adapters' whole tensors, or the model's with partial gradients (Qwen3's q/k norms).
+    let shared: fn(&ParamTensor) -> bool = match lora {
+        Some(_) => |t| t.part.is_none(),
+        None => |t| t.partial_grad,
+    };
+    super::lora::sum_shared_grads(&mut g, &layout, &grads, shared);
     norm_when_final(&mut g, &layout, &grads);
     if let Some(plan) = base_storage(&mut g, &r, lora.as_ref(), base.as_ref())? {
         return Ok(plan);

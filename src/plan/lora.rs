@@ -50,7 +50,7 @@ use crate::ir::{Axis, Cut, CutOf};
 use crate::ir::{BaseQuant, BaseTypes};
 use crate::ir::{BufId, Category};
 use crate::model::lora::AdapterLayout;
-use crate::model::{ModelSpec, ParamLayout};
+use crate::model::{ModelSpec, ParamLayout, ParamTensor};
 use anyhow::{Result, bail};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -493,14 +493,21 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
 }
 
 /// Under tensor parallelism (`--tp`), sums over the tensor ranks the gradients of the
-/// adapters' tensors every rank holds whole (`A` of a column-parallel layer, `B` of a
-/// row-parallel one): each rank's is a partial sum (over its output features of `dh`, or its
-/// input features of `h`). After the last op writing a group's gradients (`grads`, one
-/// buffer per group of `layout`, the adapters'), each run of such tensors in the group is
+/// tensors every rank holds whole but computes only a share of the gradient of (`shared`):
+/// the adapters' whole tensors (`A` of a column-parallel layer, `B` of a row-parallel one:
+/// each rank's is a partial sum over its output features of `dh`, or its input features of
+/// `h`), and in full fine-tuning the [`crate::model::ParamTensor::partial_grad`] ones
+/// (Qwen3's q/k norms). After the last op writing a group's gradients (`grads`, one
+/// buffer per group of `layout`), each run of such tensors in the group is
 /// all-reduced on [`Axis::Tensor`] in place ([`Op::AllReduce`] over those `elems` of the
 /// group's buffer, its scratch `{group}.grad.tensor_sum{j}.comm`) and awaited at once, before
 /// the group's norm share and any data-axis collective on it. Nothing on one tensor rank.
-pub(super) fn sum_shared_grads(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
+pub(super) fn sum_shared_grads(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    grads: &Segments,
+    shared: fn(&ParamTensor) -> bool,
+) {
     let split = layout.split;
     if !split.is_split() {
         return;
@@ -524,7 +531,7 @@ pub(super) fn sum_shared_grads(g: &mut Builder, layout: &ParamLayout, grads: &Se
         let mut runs: Vec<Range<usize>> = Vec::new();
         for t in layout.tensors[group.tensors.clone()]
             .iter()
-            .filter(|t| t.part.is_none())
+            .filter(|t| shared(t))
         {
             let r = t.range.start - seg.range.start..t.range.end - seg.range.start;
             match runs.last_mut() {

@@ -138,8 +138,11 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             .attn_out
             .then(|| bias(&mut cur, "self_attn.o_proj.bias", c));
         let qk_norm = spec.family.qk_norm().then(|| {
+            // Whole on every tensor rank, each normalising its own heads.
             let qn = cur.push(p("self_attn.q_norm.weight"), &[hd], false, Init::Ones);
+            cur.partial_grad(split);
             let kn = cur.push(p("self_attn.k_norm.weight"), &[hd], false, Init::Ones);
+            cur.partial_grad(split);
             join(qn, kn)
         });
         let mlp_norm = cur.push(
