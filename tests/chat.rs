@@ -79,10 +79,13 @@ fn check_against_transformers(name: &str) {
                 trained.contains(&0) && trained.contains(&1),
                 "{name}: {line}"
             );
+            // Each ends a turn: a newline, Llama 3's end of turn, or (the last answer, with
+            // Phi-3's template) the eos the rendering closes with.
+            let eos = fixture["tokenizer_config"]["eos_token"].as_str().unwrap();
             for &(s, e) in &got.spans {
                 let span = &got.text[s..e];
                 assert!(
-                    span.ends_with('\n') || span.ends_with("<|eot_id|>"),
+                    span.ends_with('\n') || span.ends_with("<|eot_id|>") || span.ends_with(eos),
                     "{span:?}"
                 );
             }
@@ -155,6 +158,26 @@ fn qwen3_template_as_transformers() {
             .unwrap_err()
     );
     assert!(e.contains("assistant turn 2"), "{e}");
+}
+
+/// Phi-3.5's template (each turn closed by `<|end|>`, the eos after the last one only when no
+/// generation prompt follows) renders as transformers renders it; an earlier answer is
+/// trained with its `<|end|>\n`, the last with the closing eos too, the mask the fixture script
+/// checked against `return_assistant_tokens_mask`.
+#[test]
+fn phi35_template_as_transformers() {
+    check_against_transformers("phi3.5");
+    let (enc, fixture, _dir) = encoder("phi3.5", TrainOn::Answers);
+    let ex = &fixture["examples"][1];
+    let got = example(&enc, ex["line"].as_str().unwrap());
+    let spans: Vec<&str> = got.spans.iter().map(|&(s, e)| &got.text[s..e]).collect();
+    assert_eq!(
+        spans,
+        [
+            "2 + 2 = 4.<|end|>\n",
+            "(2 + 2) × 10 = 40.<|end|>\n<|endoftext|>"
+        ]
+    );
 }
 
 fn inline(source: &str) -> Encoder {
