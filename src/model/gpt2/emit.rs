@@ -220,6 +220,7 @@ impl StagedBlock for Dims {
                         nh: d.nh,
                         nkv: d.nh,
                         hd: d.hd,
+                        window: None,
                     },
                 );
                 (partial.atty, partial.lse) = (Some(out), Some(lse));
@@ -447,6 +448,7 @@ impl StagedBlock for Dims {
                 nh: d.nh,
                 nkv: d.nh,
                 hd: d.hd,
+                window: None,
             },
         );
         g.op(
