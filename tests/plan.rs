@@ -317,3 +317,67 @@ fn too_small_a_budget_with_everything_offloaded_names_what_does_not_fit() {
         "{e}"
     );
 }
+
+/// A Mistral model with a sliding window shorter than `--seq` plans (no longer refused): its
+/// attention ops carry the window, their FLOPs are min(W, i + 1) keys a query (not the
+/// T²/2 triangle), their workspace follows the window, and the predicted time of the
+/// attention ops drops with them; a window of `--seq` or more plans exactly as none.
+#[test]
+fn sliding_window_plan_follows_the_window() {
+    use memwall::ir::Op;
+    use memwall::plan::time::{Calibration, predict};
+    let mistral = |window: &str| {
+        ModelSpec::from_hf_config_str(
+            &format!(
+                r#"{{"model_type": "mistral", "hidden_size": 128, "intermediate_size": 256,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 300, "sliding_window": {window}}}"#
+            ),
+            "config.json",
+        )
+        .unwrap()
+    };
+    let (b, t, w) = (1, 1024, 128);
+    let plan = |window: &str| {
+        build_plan(
+            &mistral(window),
+            &StepConfig::new(b, t, 2),
+            Mode::Train,
+            backend(),
+        )
+        .unwrap()
+    };
+    let attention = |p: &memwall::plan::Plan| -> (u64, u64, Vec<Option<usize>>) {
+        let (mut flops, mut ws, mut windows) = (0, 0, vec![]);
+        for e in &p.schedule.ops {
+            if let Op::Attention { ws: id, window, .. }
+            | Op::AttentionBackward { ws: id, window, .. } = &e.op
+            {
+                flops += e.flops;
+                ws = ws.max(p.buffer(*id).bytes);
+                windows.push(*window);
+            }
+        }
+        (flops, ws, windows)
+    };
+    let (full, windowed) = (plan("null"), plan(&w.to_string()));
+    let (f_full, ws_full, win_full) = attention(&full);
+    let (f_win, ws_win, win_win) = attention(&windowed);
+    assert!(win_full.iter().all(|x| x.is_none()) && !win_full.is_empty());
+    assert!(win_win.iter().all(|&x| x == Some(w)) && win_win.len() == win_full.len());
+    // Forward + backward (2.5×) per layer, 4·hd a pair and head: the pairs are
+    // W(W+1)/2 + (T − W)·W with the window, T²/2 without.
+    let (nh, hd, layers) = (4u64, 32u64, 2u64);
+    let (tt, ww) = (t as u64, w as u64);
+    let per_pair = layers * nh * hd * 4 * 7 / 2;
+    assert_eq!(f_win, per_pair * (ww * (ww + 1) / 2 + (tt - ww) * ww));
+    assert_eq!(f_full, per_pair * tt * tt / 2);
+    assert!(ws_win < ws_full, "workspace {ws_win} vs {ws_full}");
+    let cal = Calibration::estimate("test cpu".into(), 2, 100.0);
+    let (s_full, s_win) = (predict(&full, &cal), predict(&windowed, &cal));
+    assert!(s_win.compute_s < s_full.compute_s);
+    // A window as long as the sequence is no window.
+    let same = plan(&t.to_string());
+    assert_eq!(attention(&same).0, f_full);
+    assert_eq!(attention(&same).1, ws_full);
+}

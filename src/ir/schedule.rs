@@ -72,6 +72,20 @@ impl Rows {
         self.b * self.t
     }
 
+    /// Forward FLOPs of causal attention over these rows, `nh` query heads of size `hd`: 4·hd
+    /// a (query, key) pair attended per head (the score and the weighted value, a
+    /// multiply-add each). Without a sliding window, or with one of T keys or more, T²/2 pairs
+    /// a head (the triangle); with a window W < T, query i attends min(W, i + 1) keys:
+    /// W(W+1)/2 + (T − W)·W pairs.
+    pub fn attention_flops(self, nh: usize, hd: usize, window: Option<usize>) -> u64 {
+        let t = self.t as u64;
+        let twice_pairs = match window.map(|w| w as u64) {
+            Some(w) if w < t => w * (w + 1) + 2 * (t - w) * w,
+            _ => t * t,
+        };
+        2 * (self.b * nh * hd) as u64 * twice_pairs
+    }
+
     /// The same sequences cut to their first `t` positions, when `t` is given.
     pub fn with_seq(self, t: Option<usize>) -> Rows {
         Rows {
@@ -143,7 +157,10 @@ pub enum Op {
     /// `out[N,NH·hd], lse[B,NH,T] = causal_attention(qkv[N,(NH+2·NKV)·hd])`: NH query heads,
     /// then NKV key heads, then NKV value heads; KV head j serves query heads j·g…j·g+g−1
     /// (g = NH/NKV). With `positions` (rows that pack examples) a query attends only the
-    /// keys of its own example: `i − positions[i] ≤ j ≤ i`.
+    /// keys of its own example: `i − positions[i] ≤ j ≤ i`. With a sliding `window` (Mistral's
+    /// `sliding_window`) a query sees only the last `window` keys, itself included: `i − j <
+    /// window` as well (transformers' `sliding_window_overlay`); the kernels compute only
+    /// inside it, so the work is O(T·window), not O(T²).
     Attention {
         qkv: BufId,
         positions: Option<BufId>, // [B, T] u32, packed rows only
@@ -154,6 +171,7 @@ pub enum Op {
         nh: usize,
         nkv: usize,
         hd: usize,
+        window: Option<usize>,
     },
     /// `out[N,C], rstd[N] = rmsnorm(inp[N,C]; w)`.
     RmsNorm {
@@ -339,7 +357,7 @@ pub enum Op {
         dropout: Option<LoraDropout>,
     },
     /// `dqkv[N,(NH+2·NKV)·hd] from dout[N,NH·hd]` (probabilities recomputed from lse; a KV
-    /// head's gradient sums over its query heads).
+    /// head's gradient sums over its query heads). `positions` and `window` as the forward's.
     AttentionBackward {
         dqkv: BufId,
         positions: Option<BufId>, // [B, T] u32, packed rows only
@@ -352,6 +370,7 @@ pub enum Op {
         nh: usize,
         nkv: usize,
         hd: usize,
+        window: Option<usize>,
     },
     /// `dinp[N,C] += rmsnorm_backward(dout); dw +=`.
     RmsNormBackward {

@@ -9,13 +9,15 @@ use crate::dtype::DType;
 /// What the planner asks of a backend.
 pub trait Sizing {
     /// f32 elements of workspace one attention op needs (forward or backward) over `t`
-    /// positions with head size `hs` when activations are stored as `storage`, run by
-    /// `threads` workers (the plan's `--threads`).
+    /// positions with head size `hs` and an optional sliding `window` (keys a query sees at
+    /// most) when activations are stored as `storage`, run by `threads` workers (the plan's
+    /// `--threads`).
     fn attention_workspace_elems(
         &self,
         storage: DType,
         t: usize,
         hs: usize,
+        window: Option<usize>,
         threads: usize,
     ) -> usize;
     /// f32 elements of the tiles matmuls use when operands are not all f32 (mixed precision).

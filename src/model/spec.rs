@@ -132,9 +132,8 @@ pub struct ModelSpec {
     pub tied_embeddings: bool,
     pub biases: Biases,
     /// Mistral's `sliding_window`: a query attends to the last this many keys, itself included
-    /// (`None`: the whole causal prefix). memwall attends over the whole sequence, which is
-    /// the same attention while `--seq` is at most the window, so [`ModelSpec::check_seq`]
-    /// refuses a longer one.
+    /// (`None`: the whole causal prefix). Emitted into every layer's attention ops
+    /// ([`crate::ir::Op::Attention`]'s `window`), which compute only inside it.
     pub sliding_window: Option<usize>,
     /// Not architecture (ignored by [`ModelSpec::same_dims`]): written back into config.json.
     pub special_tokens: SpecialTokens,
@@ -350,23 +349,13 @@ impl ModelSpec {
                 self.n_positions
             );
         }
-        if let Some(window) = self.sliding_window
-            && seq > window
-        {
-            bail!(
-                "--seq {seq} is longer than the model's sliding_window ({window}): memwall has no \
-                 sliding-window attention yet and attends over the whole sequence, which is the \
-                 model's attention only up to {window} tokens; use --seq {window} or less"
-            );
-        }
         Ok(())
     }
 
-    /// The longest sequence memwall computes exactly for this model: its positions, and no
-    /// more than its sliding window.
+    /// The longest sequence memwall computes for this model: its positions (a sliding window
+    /// is computed as such, so it does not bound the sequence).
     pub fn max_seq(&self) -> usize {
-        self.sliding_window
-            .map_or(self.n_positions, |w| w.min(self.n_positions))
+        self.n_positions
     }
 
     /// The length beyond which the rotary frequencies change (LongRoPE's pretraining

@@ -275,8 +275,13 @@ impl<'a> Request<'a> {
             t: cfg.seq,
         };
         let storage = cfg.precision.storage();
-        let attn_ws_len =
-            backend.attention_workspace_elems(storage, cfg.seq, spec.head_size(), cfg.threads);
+        let attn_ws_len = backend.attention_workspace_elems(
+            storage,
+            cfg.seq,
+            spec.head_size(),
+            spec.sliding_window,
+            cfg.threads,
+        );
         let offload = match mode {
             Mode::Train => cfg.offload.set,
             Mode::Generate => OffloadSet::NONE,

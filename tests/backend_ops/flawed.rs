@@ -23,8 +23,15 @@ pub enum Flaw {
 pub struct Flawed(pub Flaw);
 
 impl Sizing for Flawed {
-    fn attention_workspace_elems(&self, s: DType, t: usize, hs: usize, threads: usize) -> usize {
-        under_test().attention_workspace_elems(s, t, hs, threads)
+    fn attention_workspace_elems(
+        &self,
+        s: DType,
+        t: usize,
+        hs: usize,
+        window: Option<usize>,
+        threads: usize,
+    ) -> usize {
+        under_test().attention_workspace_elems(s, t, hs, window, threads)
     }
     fn mixed_gemm_workspace_elems(&self) -> usize {
         under_test().mixed_gemm_workspace_elems()

@@ -693,20 +693,26 @@ const HEADS: [(usize, usize, usize); 2] = [(4, 2, 8), (3, 3, 4)];
 /// tokens, row 1 of 1, 1 and 3.
 const POSITIONS: [u32; N] = [0, 1, 0, 1, 2, 0, 0, 0, 1, 2];
 
+/// A sliding window shorter than the rows' T (each query sees its last 2 keys, itself
+/// included), run next to no window.
+const WINDOWS: [Option<usize>; 2] = [None, Some(2)];
+
 /// The first key query `i` of row `bb` attends: its example's first token (`pos` given: packed
-/// rows), else 0.
-fn first_key(pos: Option<&[u32]>, t: usize, bb: usize, i: usize) -> usize {
-    pos.map_or(0, |p| i - p[bb * t + i] as usize)
+/// rows), else 0; with a sliding window `w`, no earlier than `i + 1 - w`.
+fn first_key(pos: Option<&[u32]>, w: Option<usize>, t: usize, bb: usize, i: usize) -> usize {
+    let example = pos.map_or(0, |p| i - p[bb * t + i] as usize);
+    example.max(w.map_or(0, |w| (i + 1).saturating_sub(w)))
 }
 
 /// Causal attention of `qkv` `[b, t, (nh + 2·nkv)·hd]`: (out `[b, t, nh·hd]`, lse
 /// `[b, nh, t]`), scores scaled by 1/sqrt(hd), KV head h / g serving query head h; with
-/// `pos` (packed rows) query i attends only keys `i − pos[i] ..= i`.
+/// `pos` (packed rows) query i attends only keys `i − pos[i] ..= i`, with a sliding window
+/// `win` only keys `i − win < j` as well.
 fn attention_ref(
     qkv: &[f32],
     (b, t): (usize, usize),
     (nh, nkv, hd): (usize, usize, usize),
-    pos: Option<&[u32]>,
+    (pos, win): (Option<&[u32]>, Option<usize>),
 ) -> (Vec<f64>, Vec<f64>) {
     let w = (nh + 2 * nkv) * hd;
     let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
@@ -717,7 +723,7 @@ fn attention_ref(
         for h in 0..nh {
             let (qo, ko, vo) = (h * hd, (nh + h / g) * hd, (nh + nkv + h / g) * hd);
             for i in 0..t {
-                let k0 = first_key(pos, t, bb, i);
+                let k0 = first_key(pos, win, t, bb, i);
                 let s: Vec<f64> = (k0..=i)
                     .map(|j| {
                         (0..hd)
@@ -746,7 +752,7 @@ fn attention_backward_ref(
     dout: &[f32],
     (b, t): (usize, usize),
     (nh, nkv, hd): (usize, usize, usize),
-    pos: Option<&[u32]>,
+    (pos, win): (Option<&[u32]>, Option<usize>),
 ) -> Vec<f64> {
     let w = (nh + 2 * nkv) * hd;
     let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
@@ -757,7 +763,7 @@ fn attention_backward_ref(
             let (qo, ko, vo) = (h * hd, (nh + h / g) * hd, (nh + nkv + h / g) * hd);
             for i in 0..t {
                 let dy = |c: usize| dout[(bb * t + i) * nh * hd + h * hd + c] as f64;
-                let k0 = first_key(pos, t, bb, i);
+                let k0 = first_key(pos, win, t, bb, i);
                 let s: Vec<f64> = (k0..=i)
                     .map(|j| {
                         (0..hd)
@@ -797,11 +803,12 @@ fn runs(p: Precision) -> Vec<(Option<usize>, bool)> {
 }
 
 pub fn attention(be: &dyn Backend, p: Precision) {
-    for heads @ (nh, nkv, hd) in HEADS {
+    let all = HEADS.into_iter().flat_map(|h| WINDOWS.map(|win| (h, win)));
+    for (heads @ (nh, nkv, hd), window) in all {
         for (seq, packed) in runs(p) {
             let mut rig = Rig::new(p);
             let w = (nh + 2 * nkv) * hd;
-            let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, THREADS);
+            let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, window, THREADS);
             let qkv = rig.act("qkv", N * w); // [N, (NH + 2·NKV)·hd]
             let positions = packed.then(|| rig.u32("positions", N)); // [B, T]
             let out = rig.act("out", N * nh * hd); // [N, NH·hd]
@@ -817,6 +824,7 @@ pub fn attention(be: &dyn Backend, p: Precision) {
                 nh,
                 nkv,
                 hd,
+                window,
             };
             let op = rig.op(op, Bind::None);
             let mut s = rig.start(be);
@@ -830,9 +838,11 @@ pub fn attention(be: &dyn Backend, p: Precision) {
             s.run(op, &StepCtx { seq, ..ctx() });
             let tl = seq.unwrap_or(T);
             let pos = packed.then_some(&POSITIONS[..]);
-            let (o, l) = attention_ref(&x[..B * tl * w], (B, tl), heads, pos);
-            let what =
-                format!("attention (NH {nh}, NKV {nkv}, hd {hd}, seq {seq:?}, packed {packed})");
+            let (o, l) = attention_ref(&x[..B * tl * w], (B, tl), heads, (pos, window));
+            let what = format!(
+                "attention (NH {nh}, NKV {nkv}, hd {hd}, seq {seq:?}, packed {packed}, \
+                 window {window:?})"
+            );
             check_prefix(&format!("{what} out"), &s.get(out), &o, &out0, reduced(p));
             check_prefix(&format!("{what} lse"), &s.get(lse), &l, &lse0, STAT);
         }
@@ -840,10 +850,14 @@ pub fn attention(be: &dyn Backend, p: Precision) {
 }
 
 pub fn attention_backward(be: &dyn Backend, p: Precision) {
-    for (heads @ (nh, nkv, hd), packed) in HEADS.into_iter().flat_map(|h| [(h, false), (h, true)]) {
+    let all = HEADS
+        .into_iter()
+        .flat_map(|h| [(h, false), (h, true)])
+        .flat_map(|hp| WINDOWS.map(|win| (hp, win)));
+    for ((heads @ (nh, nkv, hd), packed), window) in all {
         let mut rig = Rig::new(p);
         let w = (nh + 2 * nkv) * hd;
-        let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, THREADS);
+        let ws_len = be.attention_workspace_elems(rig.storage(), T, hd, window, THREADS);
         let dqkv = rig.act("dqkv", N * w); // [N, (NH + 2·NKV)·hd], overwritten
         let dout = rig.act("dout", N * nh * hd); // [N, NH·hd]
         let qkv = rig.act("qkv", N * w); // [N, (NH + 2·NKV)·hd]
@@ -863,6 +877,7 @@ pub fn attention_backward(be: &dyn Backend, p: Precision) {
             nh,
             nkv,
             hd,
+            window,
         };
         let op = rig.op(op, Bind::None);
         let mut s = rig.start(be);
@@ -873,15 +888,17 @@ pub fn attention_backward(be: &dyn Backend, p: Precision) {
             s.put_u32(id, &POSITIONS);
         }
         // The forward's results, as the plan keeps them for the backward.
-        let (o, l) = attention_ref(&x, (B, T), heads, pos);
+        let (o, l) = attention_ref(&x, (B, T), heads, (pos, window));
         s.put(out, &o.iter().map(|&v| v as f32).collect::<Vec<_>>());
         s.put(lse, &l.iter().map(|&v| v as f32).collect::<Vec<_>>());
         let dy = s.fill(dout, &mut rng, -1.0, 1.0);
         s.fill(dqkv, &mut rng, -1.0, 1.0);
         s.run(op, &ctx());
-        let want = attention_backward_ref(&x, &dy, (B, T), heads, pos);
-        let what =
-            format!("attention_backward dqkv (NH {nh}, NKV {nkv}, hd {hd}, packed {packed})");
+        let want = attention_backward_ref(&x, &dy, (B, T), heads, (pos, window));
+        let what = format!(
+            "attention_backward dqkv (NH {nh}, NKV {nkv}, hd {hd}, packed {packed}, window \
+             {window:?})"
+        );
         check(&what, &s.get(dqkv), &want, reduced(p));
     }
 }

@@ -6,10 +6,11 @@ sources are rewritten for g++ (the f16 `asm` conversions become _Float16 ones, t
 statics, `extern __shared__` arrays a pointer into the emulator's guarded buffer) into a
 generated header.
 
-    python3 scripts/cuda-emu/tests/attention_run.py [--tsan] [--quick | --long]
+    python3 scripts/cuda-emu/tests/attention_run.py [--tsan] [--quick | --long | --window]
 
 --tsan builds with ThreadSanitizer (a missing barrier between shared-memory writes and reads
-shows up as a data race); --quick runs two cases only, --long adds a T = 200 case. The
+shows up as a data race); --quick runs two cases only (and a windowed one), --long adds a
+T = 200 case, --window runs only the sliding-window cases (FMA and mma entries). The
 kernel sources are $ATT_SRC and $ATT_MMA_SRC when set (to try a modified copy, e.g. with a
 planted bug), else attention.cu and attention_mma.cu."""
 import os
@@ -58,7 +59,7 @@ def main():
     cmd = ["g++", "-std=c++20", *flags, "-pthread", f'-DATT_GEN="{gen}"', "-I", HERE,
            os.path.join(HERE, "attention_check.cpp"), "-o", exe]
     subprocess.run(cmd, check=True)
-    mode = [m[2:] for m in ("--quick", "--long") if m in sys.argv]
+    mode = [m[2:] for m in ("--quick", "--long", "--window") if m in sys.argv]
     args = [exe] + mode[:1]
     sys.exit(subprocess.run(args).returncode)
 

@@ -32,12 +32,13 @@ impl Sizing for Cpu {
         storage: DType,
         t: usize,
         hs: usize,
+        window: Option<usize>,
         threads: usize,
     ) -> usize {
         match storage {
-            DType::Bf16 => attention_workspace_len::<bf16>(t, hs, threads),
-            DType::F16 => attention_workspace_len::<f16>(t, hs, threads),
-            _ => attention_workspace_len::<f32>(t, hs, threads),
+            DType::Bf16 => attention_workspace_len::<bf16>(t, hs, window, threads),
+            DType::F16 => attention_workspace_len::<f16>(t, hs, window, threads),
+            _ => attention_workspace_len::<f32>(t, hs, window, threads),
         }
     }
 

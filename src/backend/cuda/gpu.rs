@@ -113,8 +113,15 @@ impl Gpu {
 }
 
 impl Sizing for Gpu {
-    fn attention_workspace_elems(&self, s: DType, t: usize, hs: usize, threads: usize) -> usize {
-        CudaSizing.attention_workspace_elems(s, t, hs, threads)
+    fn attention_workspace_elems(
+        &self,
+        s: DType,
+        t: usize,
+        hs: usize,
+        window: Option<usize>,
+        threads: usize,
+    ) -> usize {
+        CudaSizing.attention_workspace_elems(s, t, hs, window, threads)
     }
     fn mixed_gemm_workspace_elems(&self) -> usize {
         CudaSizing.mixed_gemm_workspace_elems()

@@ -326,6 +326,7 @@ impl Sizing for CudaSizing {
         _storage: DType,
         _t: usize,
         _hs: usize,
+        _window: Option<usize>,
         _threads: usize,
     ) -> usize {
         0

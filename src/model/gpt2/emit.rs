@@ -102,9 +102,9 @@ fn mm_flops(d: &Dims, ic: usize, oc: usize) -> u64 {
     2 * (d.n * ic * oc) as u64
 }
 
-/// Causal attention forward FLOPs: half of 4·B·NH·T²·hs.
+/// Causal attention forward FLOPs: half of 4·B·NH·T²·hs (no window).
 fn attn_flops(d: &Dims) -> u64 {
-    2 * (d.b * d.nh * d.t * d.t * d.hd) as u64
+    d.rows.attention_flops(d.nh, d.hd, None)
 }
 
 impl StagedBlock for Dims {
@@ -220,6 +220,7 @@ impl StagedBlock for Dims {
                         nh: d.nh,
                         nkv: d.nh,
                         hd: d.hd,
+                        window: None,
                     },
                 );
                 (partial.atty, partial.lse) = (Some(out), Some(lse));
@@ -447,6 +448,7 @@ impl StagedBlock for Dims {
                 nh: d.nh,
                 nkv: d.nh,
                 hd: d.hd,
+                window: None,
             },
         );
         g.op(

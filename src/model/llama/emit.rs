@@ -47,6 +47,8 @@ struct Dims {
     rope: rope::RopeTable,
     /// Attention workspace elements (forward or backward).
     attn_ws_len: usize,
+    /// The sliding attention window (Mistral's `sliding_window`), for every layer.
+    window: Option<usize>,
     /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
     positions: Option<BufId>,
     /// The model's vocabulary.
@@ -70,9 +72,10 @@ impl Dims {
     fn mm_flops(&self, ic: usize, oc: usize) -> u64 {
         2 * (self.n * ic * oc) as u64
     }
-    /// Causal attention forward FLOPs: half of 4·B·NH·T²·hd.
+    /// Causal attention forward FLOPs: half of 4·B·NH·T²·hd, or with a window what it
+    /// leaves ([`Rows::attention_flops`]).
     fn attn_flops(&self) -> u64 {
-        2 * (self.b * self.nh * self.t * self.t * self.hd) as u64
+        self.rows.attention_flops(self.nh, self.hd, self.window)
     }
 }
 
@@ -333,6 +336,7 @@ impl StagedBlock for Dims {
                         nh: d.nh,
                         nkv: d.nkv,
                         hd: d.hd,
+                        window: d.window,
                     },
                 );
                 (partial.attn, partial.lse) = (Some(out), Some(lse));
@@ -529,6 +533,7 @@ impl StagedBlock for Dims {
                 nh: d.nh,
                 nkv: d.nkv,
                 hd: d.hd,
+                window: d.window,
             },
         );
         g.op(
@@ -656,6 +661,7 @@ pub(crate) fn micro_batch(
         eps: spec.norm_eps,
         rope: rope::table(spec.head_dim, *theta, scaling.as_ref(), t),
         attn_ws_len: mb.attn_ws_len,
+        window: spec.sliding_window,
         positions: mb.positions,
         v: spec.vocab_size,
         tensor: split,

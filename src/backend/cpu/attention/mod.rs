@@ -17,16 +17,22 @@
 //! Query i of row b attends to keys `i - pos[b, i] ..= i`: its example, causally. `None` is one
 //! example per row (`pos[b, i] = i`), and identity positions give bitwise its results.
 //!
+//! Sliding window (Mistral's `sliding_window`, transformers' `sliding_window_overlay`): with
+//! `window` W, query i sees only the last W keys, itself included, `i - W < j`, on top of the
+//! above. Query i's first key is therefore `lo(i) = max(i - pos[b, i], i + 1 - W)` (each term
+//! non-decreasing in i) and its keys `lo(i) ..= i`; `None` (or W ≥ T) is no window.
+//!
 //! The work is split into B·NKV independent (batch, KV head) units. Per unit, K and V of its
 //! KV head are first copied once into contiguous `[T, hd]` scratch (with software prefetch: rows
 //! several KiB apart defeat the hardware prefetchers, and the products run faster on contiguous
 //! operands); then the unit's g query heads are processed in order, h = j·g … j·g+g−1, each
 //! exactly as a multi-head kernel processes one head: the queries in row blocks of `BR` = 64
 //! rows `r0..r1` (nb = r1 - r0 rows). A block only needs keys k0..r1 (nk = r1 - k0 of them),
-//! where `k0 = r0 - pos[r0]` is the start of its first query's example (0 without positions;
-//! example starts never decrease along a row): the masked upper triangle is skipped except
-//! inside the diagonal nb×nb square, and in a packed row so are the keys of earlier examples,
-//! except those that later queries of a block straddling an example start still see. Masked
+//! where `k0 = lo(r0)` is its first query's first key (the start of its example, or of its
+//! window; 0 without either; first keys never decrease along a row): the masked upper triangle
+//! is skipped except inside the diagonal nb×nb square, and so are the keys of earlier examples
+//! and the keys that slid out of the window, except those that later queries of the block still
+//! see. So a block has at most nb + W - 1 keys, and the work is O(T·W), not O(T²). Masked
 //! entries are computed and then set to exactly 0 (never through the exponential). Score tiles
 //! are stored transposed, Sᵀ `[nk, nb]` (key index j major, query index li contiguous), which
 //! suits `gemm` and turns the per-query reductions of the element-wise passes into lane-wise
@@ -34,10 +40,15 @@
 //!
 //! A block whose queries all belong to one example is plain causal attention on the keys
 //! shifted by k0 (the same code, on K and V rows k0..r1, diagonal square at rows r0 - k0..);
-//! for k0 = 0 it is bitwise the unpacked block. A block whose queries straddle an example start
-//! masks per lane instead: lane li sees tile rows `r0 + li - pos[r0 + li] - k0 ..= r0 + li - k0`
-//! (first keys non-decreasing in li, so each tile row's unmasked lanes are one range) on the
-//! dynamic-width path. Every query sees at least itself, so no lane is ever all masked.
+//! for k0 = 0 it is bitwise the unpacked block. A block whose queries straddle an example
+//! start, or whose window slides within the block, masks per lane instead: lane li sees tile
+//! rows `lo(r0 + li) - k0 ..= r0 + li - k0` (first keys non-decreasing in li, so each tile
+//! row's unmasked lanes are one range) on the dynamic-width path. Every query sees at least itself, so no lane is ever all masked. A full
+//! block (nb = 64) inside one example whose window has slid by one key per query (the band
+//! case: `lo(r0 + li) = k0 + li`, every block past the first W queries of a windowed row) has
+//! fixed-size rows again: tile rows 0..64 are the window's lower-left triangle (lane li sees
+//! row j iff li ≤ j), rows 64..W-1 are whole, and the last 64 the causal diagonal square; it
+//! takes this fixed path when W > 64 (the triangles do not overlap), the dynamic one otherwise.
 //!
 //! Scores are kept in base-2 units, S' = log2(e) · S (the factor is folded into the product's
 //! scale), so the softmax needs 2^x, which is cheaper than e^x. Forward, per query head and block:
@@ -91,25 +102,40 @@ use rayon::prelude::*;
 /// Query rows per block.
 const BR: usize = 64;
 
+/// The most keys one query block's tile holds, nk ≤ `tile_keys(t, w)`: all T without a window
+/// (the last block's), else at most `nb + W - 1` (the block's first query sees W keys, each
+/// next one a key more), and never more than T.
+fn tile_keys(t: usize, window: Option<usize>) -> usize {
+    let br = BR.min(t);
+    window.map_or(t, |w| t.min((br + w).saturating_sub(1)))
+}
+
 /// Workspace elements (f32) per worker (backward needs the most):
-/// Pᵀ and dSᵀ tiles `[br, T]` each, K and V copies `[T, hd]` each, dK and dV accumulators `[T, hd]`
+/// Pᵀ and dSᵀ tiles `[br, nk]` each (nk = `tile_keys`: T, or nb + W - 1 with a window W),
+/// K and V copies `[T, hd]` each, dK and dV accumulators `[T, hd]`
 /// each, Q and dO block copies `[br, hd]` each, D [br], and for a storage type other than f32 a
 /// dQ block `[br, hd]`. The forward uses less: tile, K, V, m and l [br] each, and for other
 /// types Q and O blocks `[br, hd]` each. Independent of the number of query heads per KV head:
 /// a unit reuses the same buffers for each of its query heads.
-fn per_worker_len<T: Elem>(t: usize, hd: usize) -> usize {
+fn per_worker_len<T: Elem>(t: usize, hd: usize, window: Option<usize>) -> usize {
     let br = BR.min(t);
     let narrow = if is_f32::<T>() { 0 } else { br * hd };
-    2 * br * t + 4 * t * hd + 2 * br * hd + 2 * br + narrow
+    2 * br * tile_keys(t, window) + 4 * t * hd + 2 * br * hd + 2 * br + narrow
 }
 
 /// Workspace elements (f32) the kernels need for `threads` workers with storage type `T`:
-/// per worker two score tiles of [min(64,T), T], four `[T, hd]` buffers (K, V copies; dK, dV
-/// accumulators) and a few [min(64,T), hd] / [min(64,T)] block buffers (one more
-/// [min(64,T), hd] block for types other than f32). `hd` is the head size; the numbers of query
-/// and KV heads do not enter.
-pub fn attention_workspace_len<T: Elem>(t: usize, hd: usize, threads: usize) -> usize {
-    threads.max(1) * per_worker_len::<T>(t, hd)
+/// per worker two score tiles of [min(64,T), nk] (nk = T, or with a sliding `window` W
+/// min(T, min(64,T) + W - 1): the tiles follow the window, not the sequence), four `[T, hd]`
+/// buffers (K, V copies; dK, dV accumulators) and a few [min(64,T), hd] / [min(64,T)] block
+/// buffers (one more [min(64,T), hd] block for types other than f32). `hd` is the head size;
+/// the numbers of query and KV heads do not enter.
+pub fn attention_workspace_len<T: Elem>(
+    t: usize,
+    hd: usize,
+    window: Option<usize>,
+    threads: usize,
+) -> usize {
+    threads.max(1) * per_worker_len::<T>(t, hd, window)
 }
 
 /// Raw pointer that can be shared between rayon workers.
@@ -159,15 +185,21 @@ struct Dims {
     scale: f32,
     /// scale · log2(e): scores in base-2 units, the exponent `exp2_nonpos` takes.
     scale2: f32,
+    /// The sliding window W (keys a query sees at most, itself included); `usize::MAX` for
+    /// none.
+    w: usize,
+    /// Key rows of the score tiles, `tile_keys(t, window)`.
+    nk_max: usize,
 }
 
 impl Dims {
-    fn new(t: usize, nh: usize, nkv: usize, hd: usize) -> Self {
+    fn new(t: usize, nh: usize, nkv: usize, hd: usize, window: Option<usize>) -> Self {
         assert!(
             nh > 0 && nkv > 0 && nh.is_multiple_of(nkv),
             "NH={nh} must be a positive multiple of NKV={nkv}"
         );
         assert!(hd > 0, "head size hd must be positive");
+        assert!(window != Some(0), "a sliding window must be at least 1 key");
         Dims {
             t,
             nh,
@@ -178,6 +210,8 @@ impl Dims {
             co: nh * hd,
             scale: 1.0 / (hd as f32).sqrt(),
             scale2: std::f32::consts::LOG2_E / (hd as f32).sqrt(),
+            w: window.unwrap_or(usize::MAX),
+            nk_max: tile_keys(t, window),
         }
     }
 
@@ -214,26 +248,60 @@ fn check_positions(pos: &[u32], b: usize, t: usize) {
     }
 }
 
+/// First key query `i` of a row with positions `pos` `[T]` (None: plain causal) attends to
+/// under a sliding window of `w` keys (`usize::MAX`: none): `max(i - pos[i], i + 1 - w)`, the
+/// later of its example's start and its window's. Non-decreasing in i (positions checked).
+#[inline(always)]
+fn first_key(pos: Option<&[u32]>, w: usize, i: usize) -> usize {
+    let example = pos.map_or(0, |p| i - p[i] as usize);
+    example.max((i + 1).saturating_sub(w))
+}
+
+/// How a query block's tile is masked beyond the causal diagonal square.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum BlockMask {
+    /// Every query sees keys from k0 on: plain causal attention on keys shifted by k0.
+    Causal,
+    /// A full block (nb = BR) whose lane li's first key is k0 + li, with more than BR tile
+    /// rows before the diagonal square (r0 - k0 ≥ BR): the window's lower-left triangle in
+    /// tile rows 0..BR, whole rows, then the diagonal square; fixed-size rows.
+    Band,
+    /// Per-lane first keys `lb` (non-decreasing), on the dynamic-width path.
+    Lanes,
+}
+
 /// Keys of query block `r0..r1` of one row whose positions are `pos` `[T]` (None: plain causal,
-/// `pos[i] = i`). Returns `k0 = r0 - pos[r0]`, the first key of the block's first query (its
-/// example's start; example starts never decrease, so the block's keys are `k0..r1`), and
-/// whether the block's queries straddle an example start. Only then is `lb` written: lane li's
-/// first key relative to k0, `lb[li] = r0 + li - pos[r0 + li] - k0` (non-decreasing in li).
-/// A block within one example is plain causal attention on keys shifted by k0.
+/// `pos[i] = i`) under a sliding window of `w` keys (`usize::MAX`: none). Returns `k0 =
+/// first_key(r0)`, the first key of the block's first query (first keys never decrease, so the
+/// block's keys are `k0..r1`), and how the block is masked. Unless [`BlockMask::Causal`], `lb`
+/// holds lane li's first key relative to k0, `lb[li] = first_key(r0 + li) - k0`
+/// (non-decreasing in li). A block whose queries share their first key is plain causal
+/// attention on keys shifted by k0.
 #[inline]
-fn block_keys(pos: Option<&[u32]>, r0: usize, r1: usize, lb: &mut [usize; BR]) -> (usize, bool) {
-    let Some(p) = pos else {
-        return (0, false);
-    };
-    let k0 = r0 - p[r0] as usize;
-    // One example iff the positions count up across the block (checked: restarts are at 0).
-    if p[r1 - 1] as usize == p[r0] as usize + (r1 - 1 - r0) {
-        return (k0, false);
+fn block_keys(
+    pos: Option<&[u32]>,
+    w: usize,
+    r0: usize,
+    r1: usize,
+    lb: &mut [usize; BR],
+) -> (usize, BlockMask) {
+    let k0 = first_key(pos, w, r0);
+    if first_key(pos, w, r1 - 1) == k0 {
+        return (k0, BlockMask::Causal);
     }
-    for (li, l) in lb[..r1 - r0].iter_mut().enumerate() {
-        *l = r0 + li - p[r0 + li] as usize - k0;
+    let nb = r1 - r0;
+    for (li, l) in lb[..nb].iter_mut().enumerate() {
+        *l = first_key(pos, w, r0 + li) - k0;
     }
-    (k0, true)
+    let band = nb == BR && r0 - k0 >= BR && lb.iter().enumerate().all(|(li, &l)| l == li);
+    (
+        k0,
+        if band {
+            BlockMask::Band
+        } else {
+            BlockMask::Lanes
+        },
+    )
 }
 
 /// A strided read-only matrix operand for `gemm`: element (r, c) at `p + r·rs + c·cs`.
@@ -424,13 +492,16 @@ fn fmax(a: f32, b: f32) -> f32 {
 
 /// Forward softmax, in place on base-2 scores S'ᵀ `[nk, nb]` (nk = r0 + nb) → unnormalised
 /// Pᵀ = 2^(S' - m) (masked entries 0). Writes the per-query max `m` [nb] and sum `l` [nb].
+/// `band` ([`BlockMask::Band`], only with nb = BR ≤ r0): tile rows j < BR are also masked
+/// for lanes li > j (the sliding window's lower-left triangle).
 #[inline(always)]
-fn softmax_body(tile: &mut [f32], nb: usize, r0: usize, m: &mut [f32], l: &mut [f32]) {
+fn softmax_body(tile: &mut [f32], nb: usize, r0: usize, band: bool, m: &mut [f32], l: &mut [f32]) {
     if nb == BR {
         let m: &mut [f32; BR] = (&mut m[..BR]).try_into().unwrap();
         let l: &mut [f32; BR] = (&mut l[..BR]).try_into().unwrap();
-        return softmax_full(tile, r0, m, l);
+        return softmax_full(tile, r0, if band { BR } else { 0 }, m, l);
     }
+    debug_assert!(!band, "the band path is for full blocks only");
     let (m, l) = (&mut m[..nb], &mut l[..nb]);
     m.fill(f32::NEG_INFINITY);
     for (j, row) in tile.chunks_exact(nb).enumerate() {
@@ -453,13 +524,21 @@ fn softmax_body(tile: &mut [f32], nb: usize, r0: usize, m: &mut [f32], l: &mut [
 
 /// `softmax_body` for full-width blocks (nb = BR): rows are fixed-size arrays, so the lane
 /// loops unroll completely (short dynamic loops cost more in set-up than in work). Rows
-/// j < r0 have every lane unmasked; in the diagonal rows j = r0 + jj lanes li < jj are masked
+/// top ≤ j < r0 have every lane unmasked; in the diagonal rows j = r0 + jj lanes li < jj are
+/// masked, and in the window's rows j < top (top = BR in a band block, else 0) lanes li > j
 /// (selected away, so the results equal the dynamic path bitwise: masked lanes add +0.0).
 #[inline(always)]
-fn softmax_full(tile: &mut [f32], r0: usize, m: &mut [f32; BR], l: &mut [f32; BR]) {
+fn softmax_full(tile: &mut [f32], r0: usize, top: usize, m: &mut [f32; BR], l: &mut [f32; BR]) {
     let (rows, _) = tile.as_chunks_mut::<BR>();
     *m = [f32::NEG_INFINITY; BR];
-    let (full, diag) = rows.split_at_mut(r0);
+    let (win, rest) = rows.split_at_mut(top);
+    let (full, diag) = rest.split_at_mut(r0 - top);
+    for (jj, row) in win.iter().enumerate() {
+        for li in 0..BR {
+            let s = if li <= jj { row[li] } else { f32::NEG_INFINITY };
+            m[li] = fmax(s, m[li]);
+        }
+    }
     for row in full.iter() {
         for li in 0..BR {
             m[li] = fmax(row[li], m[li]);
@@ -472,6 +551,17 @@ fn softmax_full(tile: &mut [f32], r0: usize, m: &mut [f32; BR], l: &mut [f32; BR
         }
     }
     *l = [0.0; BR];
+    for (jj, row) in win.iter_mut().enumerate() {
+        for li in 0..BR {
+            let e = if li <= jj {
+                exp2_nonpos(row[li] - m[li])
+            } else {
+                0.0
+            };
+            row[li] = e;
+            l[li] += e;
+        }
+    }
     for row in full.iter_mut() {
         for li in 0..BR {
             let e = exp2_nonpos(row[li] - m[li]);
@@ -493,9 +583,10 @@ fn softmax_full(tile: &mut [f32], r0: usize, m: &mut [f32; BR], l: &mut [f32; BR
 }
 
 /// Backward: base-2 scores S'ᵀ `[nk, nb]` (nk = r0 + nb) → Pᵀ = 2^(S' - lse·log2 e) in place
-/// (masked entries 0); `lse` [nb] is the natural log-sum-exp of the forward.
+/// (masked entries 0); `lse` [nb] is the natural log-sum-exp of the forward. `band` as for
+/// `softmax_body`.
 #[inline(always)]
-fn probs_body(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
+fn probs_body(tile: &mut [f32], nb: usize, r0: usize, band: bool, lse: &[f32]) {
     // 2^min(s - lse2, 0): s ≤ lse2 up to rounding.
     let p = |s: f32, lse2: f32| exp2_nonpos(if s - lse2 < 0.0 { s - lse2 } else { 0.0 });
     let to2 = |l: f32| l * std::f32::consts::LOG2_E;
@@ -503,7 +594,14 @@ fn probs_body(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
         // Fixed-width rows, as in `softmax_full`.
         let lse: [f32; BR] = std::array::from_fn(|li| to2(lse[li]));
         let (rows, _) = tile.as_chunks_mut::<BR>();
-        let (full, diag) = rows.split_at_mut(r0);
+        let top = if band { BR } else { 0 };
+        let (win, rest) = rows.split_at_mut(top);
+        let (full, diag) = rest.split_at_mut(r0 - top);
+        for (jj, row) in win.iter_mut().enumerate() {
+            for li in 0..BR {
+                row[li] = if li <= jj { p(row[li], lse[li]) } else { 0.0 };
+            }
+        }
         for row in full.iter_mut() {
             for li in 0..BR {
                 row[li] = p(row[li], lse[li]);
@@ -516,6 +614,7 @@ fn probs_body(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
         }
         return;
     }
+    debug_assert!(!band, "the band path is for full blocks only");
     let lse = &lse[..nb];
     for (j, row) in tile.chunks_exact_mut(nb).enumerate() {
         let lo = first_lane(j, r0);
@@ -548,7 +647,8 @@ fn ds_body(dp: &mut [f32], p: &[f32], nb: usize, d: &[f32], scale: f32) {
     }
 }
 
-// Blocks whose queries straddle an example start (packed rows): tile row j is key k0 + j and
+// Blocks whose queries do not share a first key (packed rows straddling an example start,
+// windows sliding; `BlockMask::Lanes`): tile row j is key k0 + j and
 // lane li is query r0 + li (r0 relative to k0 here); entry (j, li) is unmasked iff
 // lb[li] ≤ j ≤ r0 + li, with lane li's first key lb[li] non-decreasing in li. The unmasked
 // lanes of row j are therefore one range, [first_lane(j, r0), lanes_from(j)).
@@ -565,7 +665,7 @@ fn lane_range(j: usize, r0: usize, lb: &[usize], hi: &mut usize) -> (usize, usiz
     (lo, (*hi).max(lo))
 }
 
-/// `softmax_body` for a block that straddles an example start: lane li sees tile rows
+/// `softmax_body` for a block whose queries do not share a first key: lane li sees tile rows
 /// `lb[li] ..= r0 + li` only (`lb` [nb]). Always the dynamic path; masked entries are selected
 /// away before the max and set to exactly 0 (never computed through the exponential), so a
 /// non-finite score of another example's key stays out of the lane.
@@ -601,7 +701,7 @@ fn softmax_lanes_body(
     }
 }
 
-/// `probs_body` for a block that straddles an example start (lane li sees tile rows
+/// `probs_body` for a block whose queries do not share a first key (lane li sees tile rows
 /// `lb[li] ..= r0 + li`; masked entries exactly 0).
 #[inline(always)]
 fn probs_lanes_body(tile: &mut [f32], nb: usize, r0: usize, lb: &[usize], lse: &[f32]) {
@@ -641,15 +741,22 @@ multiversion! {
 
 multiversion! {
     /// `softmax_body`, compiled for the widest vector ISA available.
-    fn softmax_tile(tile: &mut [f32], nb: usize, r0: usize, m: &mut [f32], l: &mut [f32]) {
-        softmax_body(tile, nb, r0, m, l)
+    fn softmax_tile(
+        tile: &mut [f32],
+        nb: usize,
+        r0: usize,
+        band: bool,
+        m: &mut [f32],
+        l: &mut [f32],
+    ) {
+        softmax_body(tile, nb, r0, band, m, l)
     }
 }
 
 multiversion! {
     /// `probs_body`, compiled for the widest vector ISA available.
-    fn probs_tile(tile: &mut [f32], nb: usize, r0: usize, lse: &[f32]) {
-        probs_body(tile, nb, r0, lse)
+    fn probs_tile(tile: &mut [f32], nb: usize, r0: usize, band: bool, lse: &[f32]) {
+        probs_body(tile, nb, r0, band, lse)
     }
 }
 
@@ -669,8 +776,9 @@ multiversion! {
 /// NKV must divide NH. `pos` `[B,T]` packs several examples into a row: each token's position
 /// in its example (0 where an example starts, else the previous position plus 1; checked), and
 /// query i attends to keys `i - pos[i] ..= i` only; `None` is plain causal attention (bitwise
-/// the same as positions `0, 1, …, T-1`). `ws` must hold at least
-/// `attention_workspace_len::<T>(t, hd, rayon::current_num_threads())` elements.
+/// the same as positions `0, 1, …, T-1`). A sliding `window` W (at least 1) keeps query i to
+/// keys `i - W < j` as well; the blocks outside it are never computed. `ws` must hold at least
+/// `attention_workspace_len::<T>(t, hd, window, rayon::current_num_threads())` elements.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<T: Elem>(
     out: &mut [T],   // [B, T, NH·hd]
@@ -682,9 +790,10 @@ pub fn attention_forward<T: Elem>(
     nkv: usize,
     hd: usize,
     pos: Option<&[u32]>, // [B, T]
-    ws: &mut [f32],      // [attention_workspace_len::<T>(T, hd, threads)]
+    window: Option<usize>,
+    ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, window, threads)]
 ) {
-    let dims = Dims::new(t, nh, nkv, hd);
+    let dims = Dims::new(t, nh, nkv, hd, window);
     if let Some(pos) = pos {
         check_positions(pos, b, t);
     }
@@ -696,7 +805,7 @@ pub fn attention_forward<T: Elem>(
         "qkv must be [B,T,(NH+2·NKV)·hd]"
     );
     let threads = rayon::current_num_threads();
-    let need = attention_workspace_len::<T>(t, hd, threads);
+    let need = attention_workspace_len::<T>(t, hd, window, threads);
     assert!(
         ws.len() >= need,
         "attention workspace too small: {} < {need}",
@@ -706,7 +815,7 @@ pub fn attention_forward<T: Elem>(
     if units == 0 || t == 0 {
         return;
     }
-    let per = per_worker_len::<T>(t, hd);
+    let per = per_worker_len::<T>(t, hd, window);
     let workers = threads.min(units);
     let out_p = SyncPtr(out.as_mut_ptr());
     let lse_p = SyncPtr(lse.as_mut_ptr());
@@ -747,11 +856,13 @@ unsafe fn forward_unit<T: Elem>(
         ld,
         co,
         scale2,
+        w,
+        nk_max,
         ..
     } = d;
     let (bi, j) = (u / nkv, u % nkv);
     let br = BR.min(t);
-    let (tile, rest) = ws.split_at_mut(br * t); // Sᵀ / Pᵀ block [nk, nb], nk ≤ T
+    let (tile, rest) = ws.split_at_mut(br * nk_max); // Sᵀ / Pᵀ block [nk, nb], nk ≤ nk_max
     let (kc, rest) = rest.split_at_mut(t * hd); // K [T, hd]
     let (vc, rest) = rest.split_at_mut(t * hd); // V [T, hd]
     let (mx, rest) = rest.split_at_mut(br); // row max m [nb]
@@ -777,13 +888,13 @@ unsafe fn forward_unit<T: Elem>(
                 std::slice::from_raw_parts_mut(lse.add((bi * nh + h) * t), t), // lse [T]
             )
         };
-        let mut lb = [0usize; BR]; // first key of each lane, relative to k0, in straddling blocks
+        let mut lb = [0usize; BR]; // first key of each lane, relative to k0 (unless Causal)
         let mut r0 = 0;
         while r0 < t {
             let r1 = (r0 + BR).min(t);
             let nb = r1 - r0;
             // Keys k0..r1 (nk rows); the block's first query is key rr0 of them.
-            let (k0, straddles) = block_keys(pos, r0, r1, &mut lb);
+            let (k0, mask) = block_keys(pos, w, r0, r1, &mut lb);
             let (nk, rr0) = (r1 - k0, r0 - k0);
             let tile = &mut tile[..nk * nb];
             for i in r0..r1 {
@@ -811,10 +922,9 @@ unsafe fn forward_unit<T: Elem>(
                     scale2,
                 );
             }
-            if straddles {
-                softmax_lanes_tile(tile, nb, rr0, &lb, mx, sum);
-            } else {
-                softmax_tile(tile, nb, rr0, mx, sum);
+            match mask {
+                BlockMask::Lanes => softmax_lanes_tile(tile, nb, rr0, &lb, mx, sum),
+                m => softmax_tile(tile, nb, rr0, m == BlockMask::Band, mx, sum),
             }
             // O rows r0..r1: in place for f32 (T is f32, so the cast is the same memory), else
             // the f32 block, rounded into `out` below.
@@ -862,8 +972,8 @@ unsafe fn forward_unit<T: Elem>(
 /// Backward of causal self-attention: overwrites all of `dqkv` `[B,T,(NH+2·NKV)·hd]` from `dout`
 /// `[B,T,NH·hd]`, the forward's inputs `qkv` `[B,T,(NH+2·NKV)·hd]` and its results `out`
 /// `[B,T,NH·hd]` and `lse` `[B,NH,T]`. The gradient of a KV head is the sum over the g query
-/// heads it serves. `pos` `[B,T]` (the positions the forward was given) and `ws` as for the
-/// forward.
+/// heads it serves. `pos` `[B,T]` and `window` (those the forward was given) and `ws` as for
+/// the forward.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: Elem>(
     dqkv: &mut [T], // [B, T, (NH + 2·NKV)·hd]
@@ -877,9 +987,10 @@ pub fn attention_backward<T: Elem>(
     nkv: usize,
     hd: usize,
     pos: Option<&[u32]>, // [B, T]
-    ws: &mut [f32],      // [attention_workspace_len::<T>(T, hd, threads)]
+    window: Option<usize>,
+    ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, window, threads)]
 ) {
-    let dims = Dims::new(t, nh, nkv, hd);
+    let dims = Dims::new(t, nh, nkv, hd, window);
     let (ld, co) = (dims.ld, dims.co);
     if let Some(pos) = pos {
         check_positions(pos, b, t);
@@ -890,7 +1001,7 @@ pub fn attention_backward<T: Elem>(
     assert_eq!(out.len(), b * t * co, "out must be [B,T,NH·hd]");
     assert_eq!(lse.len(), b * nh * t, "lse must be [B,NH,T]");
     let threads = rayon::current_num_threads();
-    let need = attention_workspace_len::<T>(t, hd, threads);
+    let need = attention_workspace_len::<T>(t, hd, window, threads);
     assert!(
         ws.len() >= need,
         "attention workspace too small: {} < {need}",
@@ -900,7 +1011,7 @@ pub fn attention_backward<T: Elem>(
     if units == 0 || t == 0 {
         return;
     }
-    let per = per_worker_len::<T>(t, hd);
+    let per = per_worker_len::<T>(t, hd, window);
     let workers = threads.min(units);
     let dqkv_p = SyncPtr(dqkv.as_mut_ptr());
     ws[..workers * per]
@@ -944,13 +1055,15 @@ unsafe fn backward_unit<T: Elem>(
         co,
         scale,
         scale2,
+        w,
+        nk_max,
     } = d;
     let (bi, j) = (u / nkv, u % nkv);
     let (kcol, vcol) = (d.k0(), d.v0()); // columns of key / value head 0
     let kvoff = bi * t * ld + j * hd; // row 0 of this batch, plus j·hd: K at +kcol, V at +vcol
     let br = BR.min(t);
-    let (p, rest) = ws.split_at_mut(br * t); // Pᵀ block [nk, nb], nk ≤ T
-    let (ds, rest) = rest.split_at_mut(br * t); // dPᵀ, then dSᵀ, block [nk, nb]
+    let (p, rest) = ws.split_at_mut(br * nk_max); // Pᵀ block [nk, nb], nk ≤ nk_max
+    let (ds, rest) = rest.split_at_mut(br * nk_max); // dPᵀ, then dSᵀ, block [nk, nb]
     let (kc, rest) = rest.split_at_mut(t * hd); // K [T, hd]
     let (vc, rest) = rest.split_at_mut(t * hd); // V [T, hd]
     let (dk, rest) = rest.split_at_mut(t * hd); // dK accumulator [T, hd]
@@ -971,13 +1084,13 @@ unsafe fn backward_unit<T: Elem>(
         let lse_u = &lse[(bi * nh + h) * t..][..t]; // [T]
         // SAFETY: in-bounds offset; this unit's exclusive dQ region [T, hd], row stride ld.
         let dq = unsafe { dqkv.add(qoff) };
-        let mut lb = [0usize; BR]; // first key of each lane, relative to k0, in straddling blocks
+        let mut lb = [0usize; BR]; // first key of each lane, relative to k0 (unless Causal)
         let mut r0 = 0;
         while r0 < t {
             let r1 = (r0 + BR).min(t);
             let nb = r1 - r0;
             // Keys k0..r1 (nk rows); the block's first query is key rr0 of them.
-            let (k0, straddles) = block_keys(pos, r0, r1, &mut lb);
+            let (k0, mask) = block_keys(pos, w, r0, r1, &mut lb);
             let (nk, rr0) = (r1 - k0, r0 - k0);
             let (p, ds) = (&mut p[..nk * nb], &mut ds[..nk * nb]);
             gather_rows(qb, &qkv[qoff + r0 * ld..], nb, hd, ld);
@@ -1017,10 +1130,9 @@ unsafe fn backward_unit<T: Elem>(
                     scale2,
                 );
             }
-            if straddles {
-                probs_lanes_tile(p, nb, rr0, &lb, &lse_u[r0..r1]);
-            } else {
-                probs_tile(p, nb, rr0, &lse_u[r0..r1]);
+            match mask {
+                BlockMask::Lanes => probs_lanes_tile(p, nb, rr0, &lb, &lse_u[r0..r1]),
+                m => probs_tile(p, nb, rr0, m == BlockMask::Band, &lse_u[r0..r1]),
             }
             unsafe {
                 // dV[k0..r1] += Pᵀ dO[r0..r1]        ([nk, nb] · [nb, hd])

@@ -1,6 +1,6 @@
 //! Straightforward reference twins of the attention kernels (allocating, f64 accumulation,
 //! materialised probabilities, K and V literally repeat-interleaved to NH heads; packed rows
-//! masked query by query).
+//! and sliding windows masked query by query, over the whole `[T, T]` square).
 
 /// Key (`v = false`) or value (`v = true`) heads of `qkv` `[B,T,(NH+2·NKV)·hd]`
 /// repeat-interleaved to NH heads, `[B, T, NH·hd]`: head h is KV head h / (NH/NKV), as
@@ -24,21 +24,30 @@ pub fn repeat_kv(
     rep
 }
 
-/// First key query i of row b attends to: `i - pos[b, i]` for positions `pos` `[B,T]`
-/// (packed examples), 0 without (plain causal).
-pub fn first_key(pos: Option<&[u32]>, t: usize, bi: usize, i: usize) -> usize {
-    pos.map_or(0, |p| i - p[bi * t + i] as usize)
+/// Whether query i of row b sees key j (the mask, literally): causally (`j ≤ i`), within its
+/// example for positions `pos` `[B,T]` (packed examples: `j ≥ i - pos[b, i]`), and within a
+/// sliding `window` (`i - j < window`, transformers' `sliding_window_overlay`).
+pub fn visible(
+    pos: Option<&[u32]>,
+    window: Option<usize>,
+    t: usize,
+    (bi, i, j): (usize, usize, usize),
+) -> bool {
+    j <= i
+        && pos.is_none_or(|p| j + p[bi * t + i] as usize >= i)
+        && window.is_none_or(|w| i - j < w)
 }
 
 /// f64 forward: returns (out `[B,T,NH·hd]`, lse `[B,NH,T]`, att `[B,NH,T,T]` probabilities,
-/// zero outside the mask) for `qkv` `[B,T,(NH+2·NKV)·hd]`. Query i of row b attends to keys
-/// `first_key(pos, t, b, i) ..= i`.
+/// zero outside the mask) for `qkv` `[B,T,(NH+2·NKV)·hd]`. Query i of row b attends to the
+/// keys j that are `visible(pos, window, t, (b, i, j))`.
 pub fn forward_f64(
     qkv: &[f64],
     b: usize,
     t: usize,
     (nh, nkv, hd): (usize, usize, usize),
     pos: Option<&[u32]>, // [B, T]
+    window: Option<usize>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     assert!(nkv > 0 && nh.is_multiple_of(nkv));
     let (ld, co) = ((nh + 2 * nkv) * hd, nh * hd);
@@ -53,27 +62,27 @@ pub fn forward_f64(
     for bi in 0..b {
         for h in 0..nh {
             for i in 0..t {
-                let lo = first_key(pos, t, bi, i);
+                let see = |j: usize| visible(pos, window, t, (bi, i, j));
                 let qi = &qkv[(bi * t + i) * ld + h * hd..][..hd];
                 let row = &mut att[((bi * nh + h) * t + i) * t..][..t];
                 let mut mx = f64::NEG_INFINITY;
-                for (j, r) in row.iter_mut().enumerate().take(i + 1).skip(lo) {
+                for (j, r) in row.iter_mut().enumerate().filter(|&(j, _)| see(j)) {
                     let kj = &k[(bi * t + j) * co + h * hd..][..hd];
                     let s: f64 = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * scale;
                     *r = s;
                     mx = mx.max(s);
                 }
                 let mut sum = 0.0;
-                for r in &mut row[lo..=i] {
+                for (_, r) in row.iter_mut().enumerate().filter(|&(j, _)| see(j)) {
                     *r = (*r - mx).exp();
                     sum += *r;
                 }
-                for r in &mut row[lo..=i] {
+                for (_, r) in row.iter_mut().enumerate().filter(|&(j, _)| see(j)) {
                     *r /= sum;
                 }
                 lse[(bi * nh + h) * t + i] = mx + sum.ln();
                 let o = &mut out[(bi * t + i) * co + h * hd..][..hd];
-                for (j, &pr) in row.iter().enumerate().take(i + 1).skip(lo) {
+                for (j, &pr) in row.iter().enumerate().filter(|&(j, _)| see(j)) {
                     let vj = &v[(bi * t + j) * co + h * hd..][..hd];
                     for (oo, vv) in o.iter_mut().zip(vj) {
                         *oo += pr * vv;
@@ -86,7 +95,8 @@ pub fn forward_f64(
 }
 
 /// Naive forward (f32 in/out, f64 inside): writes `out` `[B,T,NH·hd]` and `lse` `[B,NH,T]`
-/// from `qkv` `[B,T,(NH+2·NKV)·hd]`, with positions `pos` `[B,T]` as `forward_f64`.
+/// from `qkv` `[B,T,(NH+2·NKV)·hd]`, with positions `pos` `[B,T]` and `window` as
+/// `forward_f64`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     out: &mut [f32],
@@ -98,9 +108,10 @@ pub fn attention_forward(
     nkv: usize,
     hd: usize,
     pos: Option<&[u32]>,
+    window: Option<usize>,
 ) {
     let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-    let (o, l, _) = forward_f64(&q64, b, t, (nh, nkv, hd), pos);
+    let (o, l, _) = forward_f64(&q64, b, t, (nh, nkv, hd), pos, window);
     assert_eq!((out.len(), lse.len()), (o.len(), l.len()));
     for (d, s) in out.iter_mut().zip(&o) {
         *d = *s as f32;
@@ -113,7 +124,7 @@ pub fn attention_forward(
 /// f64 backward from scratch (recomputes the probabilities from `qkv`): returns dqkv
 /// `[B,T,(NH+2·NKV)·hd]` for upstream gradient `dout` `[B,T,NH·hd]`. The gradients of the
 /// repeated K and V (`[B,T,NH·hd]`) are computed per query head, then summed over each
-/// KV head's g copies. Positions `pos` `[B,T]` as `forward_f64`.
+/// KV head's g copies. Positions `pos` `[B,T]` and `window` as `forward_f64`.
 pub fn backward_f64(
     dout: &[f64],
     qkv: &[f64],
@@ -121,10 +132,11 @@ pub fn backward_f64(
     t: usize,
     (nh, nkv, hd): (usize, usize, usize),
     pos: Option<&[u32]>,
+    window: Option<usize>,
 ) -> Vec<f64> {
     let (ld, co, g) = ((nh + 2 * nkv) * hd, nh * hd, nh / nkv);
     let scale = 1.0 / (hd as f64).sqrt();
-    let (_, _, att) = forward_f64(qkv, b, t, (nh, nkv, hd), pos);
+    let (_, _, att) = forward_f64(qkv, b, t, (nh, nkv, hd), pos, window);
     let k = repeat_kv(qkv, (b, t), (nh, nkv, hd), false); // [B, T, NH·hd]
     let v = repeat_kv(qkv, (b, t), (nh, nkv, hd), true); // [B, T, NH·hd]
     let mut dqkv = vec![0.0; b * t * ld];
@@ -134,11 +146,11 @@ pub fn backward_f64(
     for bi in 0..b {
         for h in 0..nh {
             for i in 0..t {
-                let lo = first_key(pos, t, bi, i);
+                let see = |j: &usize| visible(pos, window, t, (bi, i, *j));
                 let p = &att[((bi * nh + h) * t + i) * t..][..t];
                 let doi = &dout[(bi * t + i) * co + h * hd..][..hd];
                 // dP[j] = dO_i · V_j ; dV_j += P[j] dO_i
-                for j in lo..=i {
+                for j in (0..t).filter(see) {
                     let vrow = (bi * t + j) * co + h * hd;
                     dp[j] = (0..hd).map(|e| doi[e] * v[vrow + e]).sum();
                     for e in 0..hd {
@@ -146,9 +158,9 @@ pub fn backward_f64(
                     }
                 }
                 // softmax backward: dS[j] = P[j] (dP[j] - Σ_k P[k] dP[k])
-                let dot: f64 = (lo..=i).map(|j| p[j] * dp[j]).sum();
+                let dot: f64 = (0..t).filter(see).map(|j| p[j] * dp[j]).sum();
                 let qrow = (bi * t + i) * ld + h * hd;
-                for j in lo..=i {
+                for j in (0..t).filter(see) {
                     let ds = p[j] * (dp[j] - dot) * scale;
                     let krow = (bi * t + j) * co + h * hd;
                     for e in 0..hd {
@@ -174,7 +186,7 @@ pub fn backward_f64(
 }
 
 /// Naive backward (f32 in/out, f64 inside): overwrites `dqkv` `[B,T,(NH+2·NKV)·hd]`, with
-/// positions `pos` `[B,T]` as `forward_f64`.
+/// positions `pos` `[B,T]` and `window` as `forward_f64`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     dqkv: &mut [f32],
@@ -186,10 +198,11 @@ pub fn attention_backward(
     nkv: usize,
     hd: usize,
     pos: Option<&[u32]>,
+    window: Option<usize>,
 ) {
     let d64: Vec<f64> = dout.iter().map(|&x| x as f64).collect();
     let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-    let g = backward_f64(&d64, &q64, b, t, (nh, nkv, hd), pos);
+    let g = backward_f64(&d64, &q64, b, t, (nh, nkv, hd), pos, window);
     assert_eq!(dqkv.len(), g.len());
     for (d, s) in dqkv.iter_mut().zip(&g) {
         *d = *s as f32;

@@ -1,6 +1,6 @@
 //! The attention kernels against their naive twins (f32, bf16, f16; multi-head, grouped- and
-//! multi-query; packed rows), finite differences, bitwise invariance to thread count and ISA,
-//! and the refusals of bad positions.
+//! multi-query; packed rows; sliding windows), finite differences, bitwise invariance to
+//! thread count and ISA, and the refusals of bad positions.
 
 use super::super::conformance::{self, Case, Out, Tol, check_stored_as, isas_here, stored};
 use super::super::features::Isa;
@@ -35,9 +35,9 @@ fn rand_vec(n: usize, seed: u64, amp: f32) -> Vec<f32> {
         .collect()
 }
 
-fn ws_for<T: Elem>(t: usize, hd: usize) -> Vec<f32> {
+fn ws_for<T: Elem>(t: usize, hd: usize, window: Option<usize>) -> Vec<f32> {
     let threads = rayon::current_num_threads();
-    vec![f32::NAN; attention_workspace_len::<T>(t, hd, threads)]
+    vec![f32::NAN; attention_workspace_len::<T>(t, hd, window, threads)]
 }
 
 fn fast_fwd<T: Elem>(qkv: &[T], b: usize, t: usize, heads: Heads) -> (Vec<T>, Vec<f32>) {
@@ -52,12 +52,26 @@ fn fast_fwd_pos<T: Elem>(
     heads: Heads,
     pos: Option<&[u32]>,
 ) -> (Vec<T>, Vec<f32>) {
+    fast_fwd_win(qkv, b, t, heads, pos, None)
+}
+
+/// The forward with positions `pos` `[B,T]` and a sliding `window`.
+fn fast_fwd_win<T: Elem>(
+    qkv: &[T],
+    b: usize,
+    t: usize,
+    heads: Heads,
+    pos: Option<&[u32]>,
+    window: Option<usize>,
+) -> (Vec<T>, Vec<f32>) {
     let (nh, nkv, hd) = heads;
     // NaN-filled outputs and workspace: any element not written shows up.
     let mut out = vec![T::from_f32(f32::NAN); b * t * widths(heads).1];
     let mut lse = vec![f32::NAN; b * nh * t];
-    let mut ws = ws_for::<T>(t, hd);
-    attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd, pos, &mut ws);
+    let mut ws = ws_for::<T>(t, hd, window);
+    attention_forward(
+        &mut out, &mut lse, qkv, b, t, nh, nkv, hd, pos, window, &mut ws,
+    );
     (out, lse)
 }
 
@@ -86,11 +100,27 @@ fn fast_bwd_pos<T: Elem>(
     heads: Heads,
     pos: Option<&[u32]>,
 ) -> Vec<T> {
+    fast_bwd_win(dout, qkv, out, lse, b, t, heads, pos, None)
+}
+
+/// The backward with positions `pos` `[B,T]` and a sliding `window`.
+#[allow(clippy::too_many_arguments)]
+fn fast_bwd_win<T: Elem>(
+    dout: &[T],
+    qkv: &[T],
+    out: &[T],
+    lse: &[f32],
+    b: usize,
+    t: usize,
+    heads: Heads,
+    pos: Option<&[u32]>,
+    window: Option<usize>,
+) -> Vec<T> {
     let (nh, nkv, hd) = heads;
     let mut dqkv = vec![T::from_f32(f32::NAN); b * t * widths(heads).0];
-    let mut ws = ws_for::<T>(t, hd);
+    let mut ws = ws_for::<T>(t, hd, window);
     attention_backward(
-        &mut dqkv, dout, qkv, out, lse, b, t, nh, nkv, hd, pos, &mut ws,
+        &mut dqkv, dout, qkv, out, lse, b, t, nh, nkv, hd, pos, window, &mut ws,
     );
     dqkv
 }
@@ -106,10 +136,21 @@ fn naive_fwd_pos(
     heads: Heads,
     pos: Option<&[u32]>,
 ) -> (Vec<f32>, Vec<f32>) {
+    naive_fwd_win(qkv, b, t, heads, pos, None)
+}
+
+fn naive_fwd_win(
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    heads: Heads,
+    pos: Option<&[u32]>,
+    window: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
     let (nh, nkv, hd) = heads;
     let mut out = vec![0.0; b * t * widths(heads).1];
     let mut lse = vec![0.0; b * nh * t];
-    naive::attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd, pos);
+    naive::attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd, pos, window);
     (out, lse)
 }
 
@@ -125,9 +166,21 @@ fn naive_bwd_pos(
     heads: Heads,
     pos: Option<&[u32]>,
 ) -> Vec<f32> {
+    naive_bwd_win(dout, qkv, b, t, heads, pos, None)
+}
+
+fn naive_bwd_win(
+    dout: &[f32],
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    heads: Heads,
+    pos: Option<&[u32]>,
+    window: Option<usize>,
+) -> Vec<f32> {
     let (nh, nkv, hd) = heads;
     let mut dqkv = vec![0.0; b * t * widths(heads).0];
-    naive::attention_backward(&mut dqkv, dout, qkv, b, t, nh, nkv, hd, pos);
+    naive::attention_backward(&mut dqkv, dout, qkv, b, t, nh, nkv, hd, pos, window);
     dqkv
 }
 
@@ -252,7 +305,7 @@ fn peaky_scores_match_naive() {
         let (out_n, lse_n) = naive_fwd(&qkv, b, t, heads);
         // Probabilities below 2^-126 (flushed to 0 by the fast kernel) must occur.
         let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-        let (_, _, att) = naive::forward_f64(&q64, b, t, heads, None);
+        let (_, _, att) = naive::forward_f64(&q64, b, t, heads, None, None);
         let tiny = att
             .iter()
             .filter(|&&p| p > 0.0 && p < 2f64.powi(-126))
@@ -271,21 +324,27 @@ fn peaky_scores_match_naive() {
 }
 
 /// Both backwards against central differences of L = Σ out ∘ R (f64 naive forward), for
-/// multi-head, grouped-query (g = 2) and multi-query (g = 3) heads, plain causal and with
-/// packed rows (every row the same examples, of the lengths given).
+/// multi-head, grouped-query (g = 2) and multi-query (g = 3) heads, plain causal, with
+/// packed rows (every row the same examples, of the lengths given) and with sliding windows
+/// (alone and with packed rows).
 #[test]
 fn backward_matches_finite_differences() {
-    let cases: [(usize, usize, Heads, &[usize]); 8] = [
-        (1, 1, mha(4, 1), &[]),
-        (2, 5, mha(6, 3), &[]),
-        (1, 9, mha(10, 2), &[]),
-        (1, 7, (4, 2, 3), &[]),
-        (2, 5, (3, 1, 4), &[]),
-        (1, 9, mha(10, 2), &[3, 1, 5]),
-        (2, 7, (4, 2, 3), &[2, 5]),
-        (1, 6, (3, 1, 4), &[1, 4, 1]),
+    /// (B, T, heads, each row's example lengths (empty: unpacked), window).
+    type FdCase<'a> = (usize, usize, Heads, &'a [usize], Option<usize>);
+    let cases: [FdCase; 11] = [
+        (1, 1, mha(4, 1), &[], None),
+        (2, 5, mha(6, 3), &[], None),
+        (1, 9, mha(10, 2), &[], None),
+        (1, 7, (4, 2, 3), &[], None),
+        (2, 5, (3, 1, 4), &[], None),
+        (1, 9, mha(10, 2), &[3, 1, 5], None),
+        (2, 7, (4, 2, 3), &[2, 5], None),
+        (1, 6, (3, 1, 4), &[1, 4, 1], None),
+        (1, 9, mha(10, 2), &[], Some(3)),
+        (2, 7, (4, 2, 3), &[2, 5], Some(2)),
+        (1, 8, (3, 1, 4), &[], Some(1)),
     ];
-    for (si, &(b, t, heads, lens)) in cases.iter().enumerate() {
+    for (si, &(b, t, heads, lens, window)) in cases.iter().enumerate() {
         let pos = (!lens.is_empty()).then(|| positions(&vec![lens.to_vec(); b]));
         let pos = pos.as_deref();
         let (ld, co) = widths(heads);
@@ -294,7 +353,7 @@ fn backward_matches_finite_differences() {
         let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
         let r64: Vec<f64> = r.iter().map(|&x| x as f64).collect();
         let loss = |x: &[f64]| -> f64 {
-            let (o, _, _) = naive::forward_f64(x, b, t, heads, pos);
+            let (o, _, _) = naive::forward_f64(x, b, t, heads, pos, window);
             o.iter().zip(&r64).map(|(a, b)| a * b).sum()
         };
         let eps = 1e-5;
@@ -312,15 +371,15 @@ fn backward_matches_finite_differences() {
             .collect();
         let maxabs = num.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         assert!(maxabs > 1e-3, "degenerate test: gradient is ~0");
-        let ana64 = naive::backward_f64(&r64, &q64, b, t, heads, pos);
+        let ana64 = naive::backward_f64(&r64, &q64, b, t, heads, pos, window);
         for (i, (&a, &n)) in ana64.iter().zip(&num).enumerate() {
             assert!(
                 (a - n).abs() <= 1e-7 * (1.0 + maxabs),
                 "naive d[{i}]: {a} vs fd {n}"
             );
         }
-        let (out, lse) = fast_fwd_pos(&qkv, b, t, heads, pos);
-        let fast = fast_bwd_pos(&r, &qkv, &out, &lse, b, t, heads, pos);
+        let (out, lse) = fast_fwd_win(&qkv, b, t, heads, pos, window);
+        let fast = fast_bwd_win(&r, &qkv, &out, &lse, b, t, heads, pos, window);
         for (i, (&a, &n)) in fast.iter().zip(&num).enumerate() {
             let a = a as f64;
             assert!(
@@ -472,8 +531,11 @@ fn rejects_small_workspace() {
     let qkv = rand_vec(b * t * 3 * c, 1, 1.0);
     let mut out = vec![0.0; b * t * c];
     let mut lse = vec![0.0; b * nh * t];
-    let mut ws =
-        vec![0.0; attention_workspace_len::<f32>(t, c / nh, rayon::current_num_threads()) - 1];
+    let mut ws = vec![
+        0.0;
+        attention_workspace_len::<f32>(t, c / nh, None, rayon::current_num_threads())
+            - 1
+    ];
     attention_forward(
         &mut out,
         &mut lse,
@@ -483,6 +545,7 @@ fn rejects_small_workspace() {
         nh,
         nh,
         c / nh,
+        None,
         None,
         &mut ws,
     );
@@ -494,10 +557,13 @@ fn rejects_small_workspace() {
 fn rejects_f32_sized_workspace_for_bf16() {
     let (b, t, c, nh) = (1, 8, 8, 2);
     let threads = rayon::current_num_threads();
-    let len32 = attention_workspace_len::<f32>(t, c / nh, threads);
-    let len16 = attention_workspace_len::<bf16>(t, c / nh, threads);
+    let len32 = attention_workspace_len::<f32>(t, c / nh, None, threads);
+    let len16 = attention_workspace_len::<bf16>(t, c / nh, None, threads);
     assert_eq!(len16, len32 + threads * t * (c / nh));
-    assert_eq!(len16, attention_workspace_len::<f16>(t, c / nh, threads));
+    assert_eq!(
+        len16,
+        attention_workspace_len::<f16>(t, c / nh, None, threads)
+    );
     let qkv: Vec<bf16> = narrow_vec(&rand_vec(b * t * 3 * c, 1, 1.0));
     let mut out = vec![bf16::ZERO; b * t * c];
     let mut lse = vec![0.0; b * nh * t];
@@ -511,6 +577,7 @@ fn rejects_f32_sized_workspace_for_bf16() {
         nh,
         nh,
         c / nh,
+        None,
         None,
         &mut ws,
     );
@@ -874,6 +941,243 @@ fn packed_deterministic_across_thread_counts() {
     }
 }
 
+// -----------------------------------------------------------------------------------------
+// Sliding windows
+
+/// A windowed call: (B, T, heads, window, each row's example lengths; empty: unpacked).
+type Windowed = (usize, usize, Heads, usize, Vec<Vec<usize>>);
+
+/// Windowed calls: windows of 1 key, shorter than a block (5, 63), a block (64), one more
+/// (65: the band path with no whole rows between its triangles), longer (100, 130), equal to
+/// T and longer than T; multi-head, grouped- and multi-query, odd head sizes; unpacked and
+/// packed (examples longer and shorter than the window, starts inside and on block edges).
+fn windowed_cases() -> Vec<Windowed> {
+    vec![
+        (1, 300, (2, 2, 20), 100, vec![]),
+        (2, 260, (9, 3, 16), 65, vec![]),
+        (1, 200, (4, 1, 12), 64, vec![]),
+        (2, 150, (4, 2, 8), 63, vec![]),
+        (1, 130, (3, 3, 5), 5, vec![]),
+        (1, 70, (6, 2, 5), 1, vec![]),
+        (1, 130, (4, 2, 8), 130, vec![]),
+        (2, 33, (6, 2, 5), 40, vec![]),
+        (
+            2,
+            300,
+            (4, 2, 12),
+            100,
+            vec![vec![1, 63, 150, 64, 22], random_lengths(300, 7)],
+        ),
+        (1, 260, (9, 3, 16), 65, vec![vec![200, 60]]),
+        (
+            2,
+            150,
+            (2, 1, 8),
+            30,
+            vec![vec![64, 64, 22], random_lengths(150, 8)],
+        ),
+    ]
+}
+
+fn tag_windowed((b, t, heads, w, rows): &Windowed) -> String {
+    format!("{} window {w} rows {rows:?}", tag(*b, *t, *heads))
+}
+
+/// Sliding windows against the naive twin (which masks `i - j < W` literally), forward
+/// (`out`, `lse`) and backward (`dqkv`), f32 and bf16, tolerances as `packed_matches_naive`
+/// but 3e-2 for bf16's dqkv (with a few keys a query's dP - D cancels more, and D is read
+/// from the rounded `out`), on workspaces of exactly the windowed length (NaN-filled). The
+/// window must matter where it is shorter than T: the naive outputs with and without it
+/// differ.
+#[test]
+fn window_matches_naive() {
+    fn check<T: Elem>(ci: u64, case: &Windowed, rtol: (f32, f32)) {
+        let (b, t, heads, w, rows) = case;
+        let (b, t, heads, w) = (*b, *t, *heads, Some(*w));
+        let (ld, co) = widths(heads);
+        let pos = (!rows.is_empty()).then(|| positions(rows));
+        let pos = pos.as_deref();
+        let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * ld, 2100 + ci, 2.0));
+        let dout: Vec<T> = narrow_vec(&rand_vec(b * t * co, 2200 + ci, 1.0));
+        let (qkv32, dout32) = (widen_vec(&qkv), widen_vec(&dout));
+        let tag = tag_windowed(case);
+        let (out, lse) = fast_fwd_win(&qkv, b, t, heads, pos, w);
+        let (out_n, lse_n) = naive_fwd_win(&qkv32, b, t, heads, pos, w);
+        assert_close(&format!("out {tag}"), &widen_vec(&out), &out_n, rtol.0);
+        assert_close(&format!("lse {tag}"), &lse, &lse_n, 1e-5);
+        let dqkv = fast_bwd_win(&dout, &qkv, &out, &lse, b, t, heads, pos, w);
+        let dqkv_n = naive_bwd_win(&dout32, &qkv32, b, t, heads, pos, w);
+        assert_close(&format!("dqkv {tag}"), &widen_vec(&dqkv), &dqkv_n, rtol.1);
+        if w.is_some_and(|w| w < t) {
+            let (out_c, _) = naive_fwd_pos(&qkv32, b, t, heads, pos);
+            let moved = out_c
+                .iter()
+                .zip(&out_n)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(moved > 0.05, "{tag}: the window changes nothing ({moved})");
+        }
+    }
+    for (ci, case) in windowed_cases().iter().enumerate() {
+        check::<f32>(ci as u64, case, (1e-5, 1e-5));
+        check::<bf16>(ci as u64, case, (4e-3, 3e-2));
+    }
+}
+
+/// The naive twin's mask is transformers' (`sliding_window_overlay` on the causal mask):
+/// query i sees key j iff j ≤ i and i - j < W; packed rows add j ≥ i - pos[i].
+#[test]
+fn naive_window_mask_is_transformers() {
+    let pos = positions(&[vec![3, 5]]);
+    let see = |i, j| naive::visible(Some(&pos), Some(2), 8, (0, i, j));
+    let seen: Vec<(usize, usize)> = (0..8)
+        .flat_map(|i| (0..8).map(move |j| (i, j)))
+        .filter(|&(i, j)| see(i, j))
+        .collect();
+    let want = [
+        (0, 0),
+        (1, 0),
+        (1, 1),
+        (2, 1),
+        (2, 2),
+        (3, 3),
+        (4, 3),
+        (4, 4),
+        (5, 4),
+        (5, 5),
+        (6, 5),
+        (6, 6),
+        (7, 6),
+        (7, 7),
+    ];
+    assert_eq!(seen, want);
+    assert!(naive::visible(None, Some(3), 8, (0, 7, 5)));
+    assert!(!naive::visible(None, Some(3), 8, (0, 7, 4)));
+}
+
+/// A window of T keys or more is no window: bitwise the results of `None`, forward and
+/// backward, f32 and bf16, on every shape.
+#[test]
+fn window_at_least_t_bitwise_none() {
+    fn run<T: Elem>(b: usize, t: usize, heads: Heads, w: Option<usize>) -> [Vec<u32>; 3] {
+        let (ld, co) = widths(heads);
+        let qkv: Vec<T> = narrow_vec(&rand_vec(b * t * ld, 87, 2.0));
+        let dout: Vec<T> = narrow_vec(&rand_vec(b * t * co, 88, 1.0));
+        let (out, lse) = fast_fwd_win(&qkv, b, t, heads, None, w);
+        let dqkv = fast_bwd_win(&dout, &qkv, &out, &lse, b, t, heads, None, w);
+        [bits(&out), bits(&lse), bits(&dqkv)]
+    }
+    for &(b, t, heads) in SHAPES {
+        let tag = tag(b, t, heads);
+        for w in [t, t + 1, 10 * t] {
+            assert!(
+                run::<f32>(b, t, heads, Some(w)) == run::<f32>(b, t, heads, None),
+                "f32 {tag} window {w}"
+            );
+            assert!(
+                run::<bf16>(b, t, heads, Some(w)) == run::<bf16>(b, t, heads, None),
+                "bf16 {tag} window {w}"
+            );
+        }
+    }
+}
+
+/// Windowed rows: bitwise identical results for 1, 2 and 3 worker threads, f32.
+#[test]
+fn window_deterministic_across_thread_counts() {
+    for (ci, case) in windowed_cases().iter().enumerate() {
+        let (b, t, heads, w, rows) = case;
+        let (b, t, heads, w) = (*b, *t, *heads, Some(*w));
+        let (ld, co) = widths(heads);
+        let pos = (!rows.is_empty()).then(|| positions(rows));
+        let qkv = rand_vec(b * t * ld, 2300 + ci as u64, 2.0);
+        let dout = rand_vec(b * t * co, 2400 + ci as u64, 1.0);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let (out, lse) = fast_fwd_win(&qkv, b, t, heads, pos.as_deref(), w);
+                let dqkv = fast_bwd_win(&dout, &qkv, &out, &lse, b, t, heads, pos.as_deref(), w);
+                [bits(&out), bits(&lse), bits(&dqkv)]
+            })
+        };
+        let reference = run(2);
+        for threads in [1, 3] {
+            assert!(
+                run(threads) == reference,
+                "{}: {threads} threads",
+                tag_windowed(case)
+            );
+        }
+    }
+}
+
+/// Which blocks of a windowed row take which path: the first W queries' blocks are plain
+/// causal from key 0 (no key has slid out yet) or masked per lane (the window starts sliding
+/// inside the block); past them, full blocks are bands (first key k0 + li) with k0 = r0 + 1 -
+/// W; the last, partial block per lane. Blocks never hold more than nb + W - 1 keys.
+#[test]
+fn window_blocks_follow_the_window() {
+    let (t, w) = (1000, 200);
+    let mut lb = [0; BR];
+    let mut r0 = 0;
+    while r0 < t {
+        let r1 = (r0 + BR).min(t);
+        let (k0, mask) = block_keys(None, w, r0, r1, &mut lb);
+        let want = if r1 <= w {
+            (0, BlockMask::Causal)
+        } else if r0 < w - 1 {
+            (0, BlockMask::Lanes)
+        } else if r1 - r0 == BR {
+            (r0 + 1 - w, BlockMask::Band)
+        } else {
+            (r0 + 1 - w, BlockMask::Lanes)
+        };
+        assert_eq!((k0, mask), want, "block {r0}..{r1}");
+        assert!(
+            r1 - k0 < (r1 - r0) + w,
+            "block {r0}..{r1}: {} keys",
+            r1 - k0
+        );
+        r0 = r1;
+    }
+    // A window of at most BR keys is never a band (its triangles would overlap).
+    assert_eq!(
+        block_keys(None, 64, 640, 704, &mut lb),
+        (577, BlockMask::Lanes)
+    );
+    assert_eq!(
+        block_keys(None, 65, 640, 704, &mut lb),
+        (576, BlockMask::Band)
+    );
+}
+
+/// The workspace follows the window: the score tiles hold min(T, min(64, T) + W - 1) keys,
+/// not T (the K, V copies and dK, dV accumulators stay `[T, hd]`), and a window of T or more
+/// is no window.
+#[test]
+fn workspace_follows_the_window() {
+    let (t, hd) = (4096, 128);
+    let full = attention_workspace_len::<f32>(t, hd, None, 1);
+    let win = attention_workspace_len::<f32>(t, hd, Some(512), 1);
+    assert_eq!(full - win, 2 * 64 * (t - (64 + 511)));
+    assert_eq!(attention_workspace_len::<f32>(t, hd, Some(t), 2), 2 * full);
+    assert_eq!(
+        attention_workspace_len::<f32>(t, hd, Some(1), 1),
+        full - 2 * 64 * (t - 64)
+    );
+    assert_eq!(
+        attention_workspace_len::<bf16>(100, 8, Some(5), 1),
+        attention_workspace_len::<bf16>(100, 8, None, 1) - 2 * 64 * (100 - 68)
+    );
+    // One block of 30 queries holds all 30 keys, window or not.
+    assert_eq!(
+        attention_workspace_len::<bf16>(30, 8, Some(5), 1),
+        attention_workspace_len::<bf16>(30, 8, None, 1)
+    );
+}
+
 /// Positions that neither restart at 0 nor count up by 1 are refused.
 #[test]
 #[should_panic(expected = "positions must start at 0")]
@@ -952,14 +1256,16 @@ fn packed_timing() {
         let mut out = vec![0.0f32; b * t * co];
         let mut lse = vec![0.0f32; b * nh * t];
         let mut dqkv = vec![0.0f32; b * t * ld];
-        let mut ws = ws_for::<f32>(t, hd);
+        let mut ws = ws_for::<f32>(t, hd, None);
         let mut time = |pos: Option<&[u32]>| {
             let mut step = || {
                 let start = std::time::Instant::now();
-                attention_forward(&mut out, &mut lse, &qkv, b, t, nh, nkv, hd, pos, &mut ws);
+                attention_forward(
+                    &mut out, &mut lse, &qkv, b, t, nh, nkv, hd, pos, None, &mut ws,
+                );
                 let fwd = start.elapsed().as_secs_f64();
                 attention_backward(
-                    &mut dqkv, &dout, &qkv, &out, &lse, b, t, nh, nkv, hd, pos, &mut ws,
+                    &mut dqkv, &dout, &qkv, &out, &lse, b, t, nh, nkv, hd, pos, None, &mut ws,
                 );
                 (fwd, start.elapsed().as_secs_f64())
             };

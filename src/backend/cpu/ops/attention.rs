@@ -1,5 +1,6 @@
 //! The attention family ([`OpFamily::Attention`]) on the CPU: causal attention forward and
-//! backward, and the rotary position embedding ([`Op::Rope`], in place, either direction).
+//! backward (packed rows, sliding windows), and the rotary position embedding ([`Op::Rope`],
+//! in place, either direction).
 
 use super::{Args, not_of};
 use crate::backend::StepCtx;
@@ -24,6 +25,7 @@ impl CpuDevice {
                 nh,
                 nkv,
                 hd,
+                window,
             } => {
                 let (r, nh, nkv, hd) = (rows.with_seq(ctx.seq), *nh, *nkv, *hd);
                 let n = r.n();
@@ -37,6 +39,7 @@ impl CpuDevice {
                     nkv,
                     hd,
                     args.positions(pos, r),
+                    *window,
                     self.view::<f32>(*ws),
                 )
             }
@@ -82,6 +85,7 @@ impl CpuDevice {
                 nh,
                 nkv,
                 hd,
+                window,
             } => {
                 let (r, nh, nkv, hd) = (rows.with_seq(ctx.seq), *nh, *nkv, *hd);
                 let n = r.n();
@@ -98,6 +102,7 @@ impl CpuDevice {
                     nkv,
                     hd,
                     args.positions(pos, r),
+                    *window,
                     self.view::<f32>(*ws),
                 )
             }

@@ -41,6 +41,13 @@
 //        kernels do not rely on the positions being valid: any positions give exactly these
 //        key ranges (valid ones only make the skipping of masked tiles effective). Every query
 //        attends at least to itself, so no softmax row is empty.
+//   W    the sliding window (int, the last argument of every entry but the dot): query i sees
+//        only keys j > i − W as well (Mistral's sliding_window, transformers'
+//        sliding_window_overlay), so lo(i) = max(i − pos[b·T + i], i + 1 − W). W ≤ 0 or W ≥ T
+//        is no window (the host passes T then). Key tiles outside every query's window are
+//        never visited: the forward and dQ start at the CTA's smallest lo(i), the dK/dV
+//        kernel stops at the last query block whose window reaches its keys (kend − 2 + W),
+//        so the work is O(T·W), not O(T²).
 //   dout [N, co] (T), dqkv [N, ld] (T): dqkv is OVERWRITTEN in full (as the CPU's
 //        attention_backward): the Q part by launch 3, the K and V parts by launch 2 (a KV
 //        head's gradient is the sum over the g query heads it serves, accumulated in f32 and
@@ -96,11 +103,16 @@
 #define ATT_NEG_INF __int_as_float(0xff800000)
 #define ATT_NO_KEY 0x7fffffff
 
-// First key query i of row b attends to: i − pos[b·T + i] (clamped to 0), 0 without pos.
-__device__ __forceinline__ int att_first_key(const unsigned int* pos, int b, int Tn, int i) {
-    if (pos == nullptr) return 0;
-    unsigned int p = pos[(long long)b * Tn + i];
-    return p > (unsigned int)i ? 0 : i - (int)p;
+// First key query i of row b attends to: i − pos[b·T + i] (clamped to 0), 0 without pos; with
+// a sliding window W ≥ 1, no earlier than i + 1 − W (W ≤ 0: no window).
+__device__ __forceinline__ int att_first_key(const unsigned int* pos, int b, int Tn, int i,
+                                             int W) {
+    int lo = 0;
+    if (pos != nullptr) {
+        unsigned int p = pos[(long long)b * Tn + i];
+        lo = p > (unsigned int)i ? 0 : i - (int)p;
+    }
+    return W > 0 ? max(lo, i + 1 - W) : lo;
 }
 
 // Whether the arguments are ones the flash kernels handle (checked by every CTA; a CTA of an
@@ -123,7 +135,7 @@ template <typename T, int HDC>
 __device__ __forceinline__ void att_forward(const T* __restrict__ qkv,
                                             const unsigned int* __restrict__ pos,
                                             T* __restrict__ out, float* __restrict__ lse, int B,
-                                            int Tn, int NH, int NKV, int hd) {
+                                            int Tn, int NH, int NKV, int hd, int W) {
     extern __shared__ float att_sm[];
     __shared__ int los[ATT_BQ];
     if (!att_args_ok(Tn, NH, NKV, hd, 32 * HDC)) return;
@@ -146,7 +158,7 @@ __device__ __forceinline__ void att_forward(const T* __restrict__ qkv,
 
     if (tid < ATT_BQ) {
         int i = q0 + tid;
-        los[tid] = i < qend ? att_first_key(pos, b, Tn, i) : ATT_NO_KEY;
+        los[tid] = i < qend ? att_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
     }
     for (int x = tid; x < ATT_BQ * hd; x += ATT_THREADS) {
         int r = x / hd, e = x - r * hd, i = q0 + r;
@@ -272,7 +284,7 @@ __device__ __forceinline__ void att_backward_dkv(T* __restrict__ dqkv,
                                                  const T* __restrict__ qkv,
                                                  const float* __restrict__ lse,
                                                  const float* __restrict__ D, int B, int Tn,
-                                                 int NH, int NKV, int hd) {
+                                                 int NH, int NKV, int hd, int W) {
     extern __shared__ float att_sm[];
     __shared__ int los[ATT_BQ];
     __shared__ float lse2s[ATT_BQ], Ds[ATT_BQ];
@@ -319,18 +331,21 @@ __device__ __forceinline__ void att_backward_dkv(T* __restrict__ dqkv,
         const T* dop = dout + (long long)b * Tn * co + (long long)h * hd;
         const float* lsep = lse + ((long long)b * NH + h) * Tn;
         const float* Dp = D + ((long long)b * NH + h) * Tn;
-        for (int q0 = k0; q0 < Tn; q0 += ATT_BQ) {
+        // Queries past kend − 2 + W see no key of the CTA (their windows start after it).
+        const int qlim = W > 0 ? (int)min((long long)Tn, (long long)kend - 1 + W) : Tn;
+        for (int q0 = k0; q0 < qlim; q0 += ATT_BQ) {
             // Does any query of this block attend a key of the CTA? (queries i ≥ q0 ≥ k0 see
             // key k0 causally; they reach a key below kend iff lo(i) ≤ kend − 1.) The barrier
             // also ends every warp's use of the previous block's tiles.
             bool att = false;
-            if (tid < ATT_BQ && q0 + tid < Tn) att = att_first_key(pos, b, Tn, q0 + tid) < kend;
+            if (tid < ATT_BQ && q0 + tid < Tn)
+                att = att_first_key(pos, b, Tn, q0 + tid, W) < kend;
             if (!__syncthreads_or(att)) continue;
             const int qend = min(q0 + ATT_BQ, Tn);
             if (tid < ATT_BQ) {
                 int i = q0 + tid;
                 bool in = i < qend;
-                los[tid] = in ? att_first_key(pos, b, Tn, i) : ATT_NO_KEY;
+                los[tid] = in ? att_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
                 lse2s[tid] = in ? lsep[i] * ATT_LOG2E : 0.0f;
                 Ds[tid] = in ? Dp[i] : 0.0f;
             }
@@ -420,7 +435,7 @@ __device__ __forceinline__ void att_backward_dq(T* __restrict__ dqkv,
                                                 const T* __restrict__ qkv,
                                                 const float* __restrict__ lse,
                                                 const float* __restrict__ D, int B, int Tn,
-                                                int NH, int NKV, int hd) {
+                                                int NH, int NKV, int hd, int W) {
     extern __shared__ float att_sm[];
     __shared__ int los[ATT_BQ];
     __shared__ float lse2s[ATT_BQ], Ds[ATT_BQ];
@@ -450,7 +465,7 @@ __device__ __forceinline__ void att_backward_dq(T* __restrict__ dqkv,
     if (tid < ATT_BQ) {
         int i = q0 + tid;
         bool in = i < qend;
-        los[tid] = in ? att_first_key(pos, b, Tn, i) : ATT_NO_KEY;
+        los[tid] = in ? att_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
         lse2s[tid] = in ? lsep[i] * ATT_LOG2E : 0.0f;
         Ds[tid] = in ? Dp[i] : 0.0f;
     }
@@ -545,7 +560,7 @@ template <typename T>
 __device__ __forceinline__ void att_forward_naive(const T* __restrict__ qkv,
                                                   const unsigned int* __restrict__ pos,
                                                   T* __restrict__ out, float* __restrict__ lse,
-                                                  int B, int Tn, int NH, int NKV, int hd) {
+                                                  int B, int Tn, int NH, int NKV, int hd, int W) {
     if (NKV <= 0 || NH % NKV != 0 || hd <= 0) return;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)B * Tn * NH * hd) return;
@@ -558,7 +573,7 @@ __device__ __forceinline__ void att_forward_naive(const T* __restrict__ qkv,
     const float scale2 = ATT_LOG2E / sqrtf((float)hd);
     const T* base = qkv + (long long)b * Tn * ld;
     const T* q = base + (long long)i * ld + (long long)h * hd;
-    const int lo = att_first_key(pos, b, Tn, i);
+    const int lo = att_first_key(pos, b, Tn, i, W);
     float m = ATT_NEG_INF;
     for (int k = lo; k <= i; ++k) {
         const T* kk = base + (long long)k * ld + (long long)(NH + kvh) * hd;
@@ -617,7 +632,7 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
                                                    const T* __restrict__ qkv,
                                                    const T* __restrict__ out,
                                                    const float* __restrict__ lse, int B, int Tn,
-                                                   int NH, int NKV, int hd) {
+                                                   int NH, int NKV, int hd, int W) {
     if (NKV <= 0 || NH % NKV != 0 || hd <= 0) return;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -638,7 +653,7 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
         const T* dorow = dbase + (long long)i * co + (long long)h * hd;
         const float Di = att_naive_d(dorow, obase + (long long)i * co + (long long)h * hd, hd);
         const float lse2 = lseb[(long long)h * Tn + i] * ATT_LOG2E;
-        for (int k = att_first_key(pos, b, Tn, i); k <= i; ++k) {
+        for (int k = att_first_key(pos, b, Tn, i, W); k <= i; ++k) {
             float p, ds;
             att_naive_terms(base, dorow, lse2, Di, i, k, h, kvh, NH, NKV, hd, ld, scale, scale2,
                             &p, &ds);
@@ -650,7 +665,7 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
         const int kvh = cc / hd, e = cc % hd, k = t;
         for (int h = kvh * g; h < (kvh + 1) * g; ++h) {
             for (int i = k; i < Tn; ++i) {
-                if (att_first_key(pos, b, Tn, i) > k) continue;
+                if (att_first_key(pos, b, Tn, i, W) > k) continue;
                 const T* dorow = dbase + (long long)i * co + (long long)h * hd;
                 const float Di =
                     att_naive_d(dorow, obase + (long long)i * co + (long long)h * hd, hd);
@@ -669,9 +684,10 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
 // ---------------------------------------------------------------------------------------------
 // Entries. Common arguments (see the header for shapes): qkv [N, ld] T; pos [B, T] u32 or
 // NULL; out [N, co] T; lse [B, NH, T] f32; dout [N, co] T; dqkv [N, ld] T (overwritten);
-// D = the backward's ws [B·NH·T] f32; then the ints B, T, NH, NKV, hd.
+// D = the backward's ws [B·NH·T] f32; then the ints B, T, NH, NKV, hd (and W, the window, but
+// for the dot).
 //
-// attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd), for 1 ≤ hd ≤ HD
+// attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W), for 1 ≤ hd ≤ HD
 // (HD = 64, 128, 256): Op::Attention; writes out and lse in full; needs no workspace.
 //   grid (ceil(T/32), NH, B), block 256, dynamic shared bytes
 //   4·(32·hd + 32·(hd|1) + 32·hd + 1024)   (hd 64: 28,800; hd 128: 53,376; hd 256: 102,528).
@@ -681,35 +697,35 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
 //   grid ceil(B·T·NH / 8), block 256 (one warp per (token, head); any multiple of 32 works,
 //   with grid ceil(B·T·NH / (block/32))), no dynamic shared memory. Any hd ≥ 1.
 //
-// attention_backward_dkv_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd), for
+// attention_backward_dkv_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W), for
 // 1 ≤ hd ≤ HD: Op::AttentionBackward, launch 2: writes the K and V parts of dqkv (columns
 // NH·hd .. ld) in full.
 //   grid (ceil(T/32), NKV, B), block 256, dynamic shared bytes
 //   4·(64·hd + 64·(hd|1) + 2048)   (hd 64: 41,216; hd 128: 73,984; hd 256: 139,520).
 //
-// attention_backward_dq_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd), for
+// attention_backward_dq_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W), for
 // 1 ≤ hd ≤ HD: Op::AttentionBackward, launch 3: writes the Q part of dqkv (columns 0 .. NH·hd)
 // in full.
 //   grid (ceil(T/32), NH, B), block 256, dynamic shared bytes
 //   4·(64·hd + 64·(hd|1) + 1024)   (hd 64: 37,120; hd 128: 69,888; hd 256: 135,424).
 //
-// attention_forward_naive_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd): the naive twin of the
+// attention_forward_naive_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W): the naive twin of the
 // forward (any hd ≥ 1): one thread per out element (b, i, h, e).
 //   grid ceil(B·T·NH·hd / 256), block 256 (any block size works), no shared memory.
 //
-// attention_backward_naive_<S>(dqkv, pos, dout, qkv, out, lse, B, T, NH, NKV, hd): the naive
+// attention_backward_naive_<S>(dqkv, pos, dout, qkv, out, lse, B, T, NH, NKV, hd, W): the naive
 // twin of the whole backward (any hd ≥ 1; no workspace: D is recomputed per term): one thread
 // per dqkv element, overwriting dqkv in full.
 //   grid ceil(B·T·(NH + 2·NKV)·hd / 256), block 256 (any block size works), no shared memory.
 
 #define ATT_FWD_PARAMS(T)                                                                      \
     const T *qkv, const unsigned int *pos, T *out, float *lse, int B, int Tn, int NH, int NKV,  \
-        int hd
+        int hd, int W
 #define ATT_BWD_PARAMS(T)                                                                      \
     T *dqkv, const unsigned int *pos, const T *dout, const T *qkv, const float *lse,            \
-        const float *D, int B, int Tn, int NH, int NKV, int hd
-#define ATT_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd
-#define ATT_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd
+        const float *D, int B, int Tn, int NH, int NKV, int hd, int W
+#define ATT_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd, W
+#define ATT_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd, W
 
 #define ATTENTION_ENTRIES(T, S)                                                                 \
     extern "C" __global__ __launch_bounds__(ATT_THREADS) void attention_forward_hd64_##S(       \
@@ -757,8 +773,8 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
     }                                                                                           \
     extern "C" __global__ void attention_backward_naive_##S(                                    \
         T* dqkv, const unsigned int* pos, const T* dout, const T* qkv, const T* out,            \
-        const float* lse, int B, int Tn, int NH, int NKV, int hd) {                             \
-        att_backward_naive<T>(dqkv, pos, dout, qkv, out, lse, B, Tn, NH, NKV, hd);             \
+        const float* lse, int B, int Tn, int NH, int NKV, int hd, int W) {                      \
+        att_backward_naive<T>(dqkv, pos, dout, qkv, out, lse, B, Tn, NH, NKV, hd, W);          \
     }
 
 MW_STORAGE_ENTRIES(ATTENTION_ENTRIES)

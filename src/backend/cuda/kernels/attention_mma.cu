@@ -4,8 +4,8 @@
 // accumulation). The same ops, arguments and results as attention.cu's
 // `attention_forward_hd<HD>_<S>`, `attention_backward_dkv_hd<HD>_<S>` and
 // `attention_backward_dq_hd<HD>_<S>` (read its header for the shapes, the notation, the
-// base-2 lse, packed rows through `pos`, the workspace D and the determinism rules); the
-// backward's launch 1 (D) stays attention.cu's `attention_backward_dot_<S>`. The f32 storage
+// base-2 lse, packed rows through `pos`, the sliding window W, the workspace D and the
+// determinism rules); the backward's launch 1 (D) stays attention.cu's `attention_backward_dot_<S>`. The f32 storage
 // type and head sizes above 128 stay on attention.cu's FMA kernels.
 //
 // STATUS: not yet run on a GPU. Checked by NVRTC (sm_80, sm_90) and by the CPU emulation
@@ -14,16 +14,16 @@
 // (ops/attention.rs); the default stays `fma` until a GPU run has confirmed them.
 //
 // Entries (S = bf16 | f16; HD = 64 | 128 the head tile, for 1 ≤ hd ≤ HD):
-//   attention_forward_mma_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd): Op::Attention,
+//   attention_forward_mma_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W): Op::Attention,
 //     writes out [N, NH·hd] and lse [B, NH, T] in full; no workspace.
 //     grid (ceil(T/64), NH, B), block 128 (exactly: other blocks return without writing),
 //     dynamic shared bytes 2·(64·(HD+8) + HD·72) (hd64: 18,432; hd128: 35,840: never above
 //     the 48 KiB that needs an opt-in), static shared 256 bytes.
-//   attention_backward_dkv_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd):
+//   attention_backward_dkv_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W):
 //     Op::AttentionBackward launch 2, writes the K and V parts of dqkv in full.
 //     grid (ceil(T/64), NKV, B), block 128, dynamic shared bytes 2·(4·64·(HD+8) + 2·HD·72)
 //     (hd64: 55,296; hd128: 106,496: both need the opt-in), static shared 768 bytes.
-//   attention_backward_dq_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd):
+//   attention_backward_dq_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W):
 //     Op::AttentionBackward launch 3, writes the Q part of dqkv in full (launches 2 and 3
 //     write disjoint columns, read only ws: either order, after launch 1).
 //     grid (ceil(T/64), NH, B), block 128, dynamic shared bytes 2·(4·64·(HD+8) + HD·72)
@@ -114,11 +114,15 @@ __device__ __forceinline__ unsigned attm_pack(unsigned short lo, unsigned short 
     return (unsigned)lo | ((unsigned)hi << 16);
 }
 
-// First key query i of row b attends to (attention.cu's att_first_key).
-__device__ __forceinline__ int attm_first_key(const unsigned int* pos, int b, int Tn, int i) {
-    if (pos == nullptr) return 0;
-    unsigned int p = pos[(long long)b * Tn + i];
-    return p > (unsigned int)i ? 0 : i - (int)p;
+// First key query i of row b attends to under the window W (attention.cu's att_first_key).
+__device__ __forceinline__ int attm_first_key(const unsigned int* pos, int b, int Tn, int i,
+                                              int W) {
+    int lo = 0;
+    if (pos != nullptr) {
+        unsigned int p = pos[(long long)b * Tn + i];
+        lo = p > (unsigned int)i ? 0 : i - (int)p;
+    }
+    return W > 0 ? max(lo, i + 1 - W) : lo;
 }
 
 // Rows row0 .. row0+63 of a [T, ld] operand (channels src + c, c < hd; rows ≥ rend and
@@ -174,7 +178,7 @@ template <typename T, int HD>
 __device__ __forceinline__ void attm_forward(const T* __restrict__ qkv,
                                              const unsigned int* __restrict__ pos,
                                              T* __restrict__ out, float* __restrict__ lse, int B,
-                                             int Tn, int NH, int NKV, int hd) {
+                                             int Tn, int NH, int NKV, int hd, int W) {
     extern __shared__ unsigned int attm_sm[];
     __shared__ int los[ATTM_BQ];
     constexpr int KS = HD / 16;  // k-steps of QKᵀ
@@ -200,7 +204,7 @@ __device__ __forceinline__ void attm_forward(const T* __restrict__ qkv,
 
     if (tid < ATTM_BQ) {
         int i = q0 + tid;
-        los[tid] = i < qend ? attm_first_key(pos, b, Tn, i) : ATTM_NO_KEY;
+        los[tid] = i < qend ? attm_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
     }
     // The queries through Ks into registers: qf[ks] is the A fragment of k-step ks of the
     // warp's 16 rows.
@@ -375,7 +379,7 @@ __device__ __forceinline__ void attm_backward_dkv(T* __restrict__ dqkv,
                                                   const T* __restrict__ qkv,
                                                   const float* __restrict__ lse,
                                                   const float* __restrict__ D, int B, int Tn,
-                                                  int NH, int NKV, int hd) {
+                                                  int NH, int NKV, int hd, int W) {
     extern __shared__ unsigned int attm_sm[];
     __shared__ int los[ATTM_BQ];
     __shared__ float lse2s[ATTM_BQ], Ds[ATTM_BQ];
@@ -422,18 +426,21 @@ __device__ __forceinline__ void attm_backward_dkv(T* __restrict__ dqkv,
         const T* dop = dout + (long long)b * Tn * co + (long long)h * hd;
         const float* lsep = lse + ((long long)b * NH + h) * Tn;
         const float* Dp = D + ((long long)b * NH + h) * Tn;
-        for (int q0 = k0; q0 < Tn; q0 += ATTM_BQ) {
+        // Queries past kend − 2 + W see no key of the CTA (their windows start after it).
+        const int qlim = W > 0 ? (int)min((long long)Tn, (long long)kend - 1 + W) : Tn;
+        for (int q0 = k0; q0 < qlim; q0 += ATTM_BQ) {
             // Does any query of the block attend a key of the CTA (queries i ≥ q0 ≥ k0 reach
             // a key below kend iff lo(i) < kend)? The barrier also ends every warp's use of
             // the previous block's tiles (and orders the K, V loads before the first use).
             bool att = false;
-            if (tid < ATTM_BQ && q0 + tid < Tn) att = attm_first_key(pos, b, Tn, q0 + tid) < kend;
+            if (tid < ATTM_BQ && q0 + tid < Tn)
+                att = attm_first_key(pos, b, Tn, q0 + tid, W) < kend;
             if (!__syncthreads_or(att)) continue;
             const int qend = min(q0 + ATTM_BQ, Tn);
             if (tid < ATTM_BQ) {
                 const int i = q0 + tid;
                 const bool in = i < qend;
-                los[tid] = in ? attm_first_key(pos, b, Tn, i) : ATTM_NO_KEY;
+                los[tid] = in ? attm_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
                 lse2s[tid] = in ? lsep[i] * ATTM_LOG2E : 0.0f;
                 Ds[tid] = in ? Dp[i] : 0.0f;
             }
@@ -520,7 +527,7 @@ __device__ __forceinline__ void attm_backward_dq(T* __restrict__ dqkv,
                                                  const T* __restrict__ qkv,
                                                  const float* __restrict__ lse,
                                                  const float* __restrict__ D, int B, int Tn,
-                                                 int NH, int NKV, int hd) {
+                                                 int NH, int NKV, int hd, int W) {
     extern __shared__ unsigned int attm_sm[];
     __shared__ int los[ATTM_BQ];
     __shared__ float lse2s[ATTM_BQ], Ds[ATTM_BQ];
@@ -548,7 +555,7 @@ __device__ __forceinline__ void attm_backward_dq(T* __restrict__ dqkv,
     if (tid < ATTM_BQ) {
         const int i = q0 + tid;
         const bool in = i < qend;
-        los[tid] = in ? attm_first_key(pos, b, Tn, i) : ATTM_NO_KEY;
+        los[tid] = in ? attm_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
         lse2s[tid] = in ? lse[((long long)b * NH + h) * Tn + i] * ATTM_LOG2E : 0.0f;
         Ds[tid] = in ? D[((long long)b * NH + h) * Tn + i] : 0.0f;
     }
@@ -631,8 +638,8 @@ __device__ __forceinline__ void attm_backward_dq(T* __restrict__ dqkv,
 
 #define ATTM_FWD_PARAMS(T)                                                                     \
     const T *qkv, const unsigned int *pos, T *out, float *lse, int B, int Tn, int NH, int NKV, \
-        int hd
-#define ATTM_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd
+        int hd, int W
+#define ATTM_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd, W
 
 extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma_hd64_bf16(
     ATTM_FWD_PARAMS(bf16)) {
@@ -653,8 +660,8 @@ extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma
 
 #define ATTM_BWD_PARAMS(T)                                                                     \
     T *dqkv, const unsigned int *pos, const T *dout, const T *qkv, const float *lse,            \
-        const float *D, int B, int Tn, int NH, int NKV, int hd
-#define ATTM_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd
+        const float *D, int B, int Tn, int NH, int NKV, int hd, int W
+#define ATTM_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd, W
 
 extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_backward_dkv_mma_hd64_bf16(
     ATTM_BWD_PARAMS(bf16)) {

@@ -5,6 +5,8 @@
 //! - [`Op::AttentionBackward`]: `attention_backward_dot_<S>` (D = rowsum(dout ⊙ out) into the
 //!   scratch region `attention_rows`), then `attention_backward_dkv_hd<HD>_<S>` (the K and V
 //!   parts of dqkv) and `attention_backward_dq_hd<HD>_<S>` (the Q part); dqkv is overwritten.
+//! - Both pass the op's sliding window as the kernels' last argument `W` (T for none); the
+//!   kernels skip the key tiles outside every query's window, so the work follows the window.
 //! - [`Op::Rope`]: `rope_<S>` in place, its `inv_freq` read from a device copy made when the
 //!   device starts ([`prepare_rope`], [`RopeTables`]).
 //!
@@ -385,6 +387,7 @@ impl GpuDevice {
                 nh,
                 nkv,
                 hd,
+                window,
                 ..
             } => {
                 let r = rows.with_seq(ctx.seq);
@@ -395,7 +398,7 @@ impl GpuDevice {
                     nkv: *nkv,
                     hd: *hd,
                 };
-                self.att_forward(e, d, *qkv, *positions, *out, *lse)
+                self.att_forward(e, (d, *window), *qkv, *positions, *out, *lse)
             }
             Op::AttentionBackward {
                 dqkv,
@@ -408,6 +411,7 @@ impl GpuDevice {
                 nh,
                 nkv,
                 hd,
+                window,
                 ..
             } => {
                 let r = rows.with_seq(ctx.seq);
@@ -418,7 +422,8 @@ impl GpuDevice {
                     nkv: *nkv,
                     hd: *hd,
                 };
-                self.att_backward(e, d, *dqkv, *positions, *dout, *qkv, *out, *lse)
+                let io = (*dqkv, *positions, *dout, *qkv, *out, *lse);
+                self.att_backward(e, (d, *window), io)
             }
             Op::Rope { .. } => self.att_rope(e, ctx),
             _ => bail!("internal error: {} is not an attention op", e.name),
@@ -451,6 +456,13 @@ impl GpuDevice {
             Some(id) => self.att_sized(e, id, (n * 4) as u64, "positions"),
             None => Ok(0),
         }
+    }
+
+    /// The kernels' window argument `W`: the window, or T for none (a window of T or more
+    /// is none); at least 1.
+    fn att_window(d: Dims, window: Option<usize>) -> Result<i32> {
+        let w = window.map_or(d.t, |w| w.clamp(1, d.t.max(1)));
+        i32::try_from(w).map_err(|_| anyhow!("window {w} does not fit the kernels' int"))
     }
 
     /// Bytes of one activation element (the storage type).
@@ -487,12 +499,13 @@ impl GpuDevice {
     }
 
     /// [`Op::Attention`]: `attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV,
-    /// hd)` (or `attention_forward_mma_hd<HD>_<S>`, the same arguments, where
-    /// [`select_forward`] picks it), writing out `[N, NH·hd]` and lse `[B, NH, T]` in full.
+    /// hd, W)` (or `attention_forward_mma_hd<HD>_<S>`, the same arguments, where
+    /// [`select_forward`] picks it), writing out `[N, NH·hd]` and lse `[B, NH, T]` in full;
+    /// `W` the sliding window (T for none: [`Self::att_window`]).
     fn att_forward(
         &self,
         e: &OpEntry,
-        d: Dims,
+        (d, window): (Dims, Option<usize>),
         qkv: BufId,
         positions: Option<BufId>,
         out: BufId,
@@ -510,10 +523,11 @@ impl GpuDevice {
         let out = self.att_sized(e, out, (n * d.co()) as u64 * es, "out")?;
         let lse = self.att_sized(e, lse, d.d_bytes(), "lse")?;
         let [b, t, nh, nkv, hd] = d.ints()?;
+        let w = Self::att_window(d, window)?;
         let (f, name) = self.att_entry(e, &l)?;
         // SAFETY: the forward entry's signature (const T* qkv, const unsigned* pos, T* out,
-        // float* lse, int B, int T, int NH, int NKV, int hd); the buffers hold what it reads
-        // and writes (checked above); its launch shape and shared memory are the doc's.
+        // float* lse, int B, int T, int NH, int NKV, int hd, int W); the buffers hold what it
+        // reads and writes (checked above); its launch shape and shared memory are the doc's.
         unsafe {
             self.launch(f)
                 .arg(&qkv)
@@ -525,6 +539,7 @@ impl GpuDevice {
                 .arg(&nh)
                 .arg(&nkv)
                 .arg(&hd)
+                .arg(&w)
                 .launch(l.config())
         }
         .map(|_| ())
@@ -532,18 +547,14 @@ impl GpuDevice {
     }
 
     /// [`Op::AttentionBackward`]: D into the scratch region `attention_rows` (launch 1), then
-    /// dK, dV (launch 2) and dQ (launch 3), overwriting dqkv in full.
-    #[allow(clippy::too_many_arguments)]
+    /// dK, dV (launch 2) and dQ (launch 3), overwriting dqkv in full; the window as the
+    /// forward's.
+    #[allow(clippy::type_complexity)]
     fn att_backward(
         &self,
         e: &OpEntry,
-        d: Dims,
-        dqkv: BufId,
-        positions: Option<BufId>,
-        dout: BufId,
-        qkv: BufId,
-        out: BufId,
-        lse: BufId,
+        (d, window): (Dims, Option<usize>),
+        (dqkv, positions, dout, qkv, out, lse): (BufId, Option<BufId>, BufId, BufId, BufId, BufId),
     ) -> Result<()> {
         if d.b * d.t == 0 {
             return Ok(());
@@ -570,6 +581,7 @@ impl GpuDevice {
             );
         }
         let [b, t, nh, nkv, hd] = d.ints()?;
+        let w = Self::att_window(d, window)?;
 
         // 1. D[(b·NH + h)·T + i] = Σ_c dout · out.
         let (f, name) = self.att_entry(e, &dot)?;
@@ -592,8 +604,8 @@ impl GpuDevice {
         for l in [dkv, dq] {
             let (f, name) = self.att_entry(e, &l)?;
             // SAFETY: (T* dqkv, const unsigned* pos, const T* dout, const T* qkv, const
-            // float* lse, const float* D, int B, int T, int NH, int NKV, int hd); the buffers
-            // hold what it reads and writes (checked above).
+            // float* lse, const float* D, int B, int T, int NH, int NKV, int hd, int W); the
+            // buffers hold what it reads and writes (checked above).
             unsafe {
                 self.launch(f)
                     .arg(&dqkv)
@@ -607,6 +619,7 @@ impl GpuDevice {
                     .arg(&nh)
                     .arg(&nkv)
                     .arg(&hd)
+                    .arg(&w)
                     .launch(l.config())
             }
             .map_err(|err| launch_error(e, &name, err))?;
@@ -1007,6 +1020,7 @@ mod tests {
                 nh: d.nh,
                 nkv: d.nkv,
                 hd: d.hd,
+                window: None,
             };
             let s = Scratch::for_ops(&[entry(op)], DType::Bf16);
             assert_eq!(s.attention_rows, d.d_bytes());
