@@ -459,20 +459,7 @@ fn phi3_longrope(
             PHI3_FACTORS[1]
         ),
     };
-    let read = |t: &TensorInfo| -> Result<Vec<f32>> {
-        if t.dims != [head_dim as u64 / 2] {
-            bail!(
-                "tensor {} has GGUF dims {:?}, expected [{}] (one factor per rotary pair)",
-                t.name,
-                t.dims,
-                head_dim / 2
-            );
-        }
-        let mut v = vec![0f32; head_dim / 2];
-        crate::dtype::dequant::dequantize(t.ty, f.tensor_data(t), &mut v)
-            .with_context(|| format!("tensor {}", t.name))?;
-        Ok(v)
-    };
+    let read = |t: &TensorInfo| pair_factors(f, t, head_dim);
     let original = f
         .get_u64("phi3.rope.scaling.original_context_length")?
         .filter(|&o| o > 1)
@@ -526,14 +513,9 @@ fn rope_scaling(f: &GgufFile, a: &str) -> Result<Option<serde_json::Value>> {
     }
 }
 
-/// HF `rope_scaling` (`rope_type` llama3) from the `rope_freqs.weight` factors `t`
-/// ([`rope_freqs::scaling_from_factors`]).
-fn llama3_scaling(
-    f: &GgufFile,
-    t: &TensorInfo,
-    head_dim: usize,
-    theta: f64,
-) -> Result<Option<serde_json::Value>> {
+/// The values of a rope factor tensor `t`: one per rotary pair of a head of `head_dim`
+/// (`rope_freqs`, Phi-3's `rope_factors_*`); other dims are an error naming the tensor.
+fn pair_factors(f: &GgufFile, t: &TensorInfo, head_dim: usize) -> Result<Vec<f32>> {
     if t.dims != [head_dim as u64 / 2] {
         bail!(
             "tensor {} has GGUF dims {:?}, expected [{}] (one factor per rotary pair)",
@@ -542,9 +524,21 @@ fn llama3_scaling(
             head_dim / 2
         );
     }
-    let mut vals = vec![0f32; head_dim / 2];
-    crate::dtype::dequant::dequantize(t.ty, f.tensor_data(t), &mut vals)
+    let mut v = vec![0f32; head_dim / 2];
+    crate::dtype::dequant::dequantize(t.ty, f.tensor_data(t), &mut v)
         .with_context(|| format!("tensor {}", t.name))?;
+    Ok(v)
+}
+
+/// HF `rope_scaling` (`rope_type` llama3) from the `rope_freqs.weight` factors `t`
+/// ([`rope_freqs::scaling_from_factors`]).
+fn llama3_scaling(
+    f: &GgufFile,
+    t: &TensorInfo,
+    head_dim: usize,
+    theta: f64,
+) -> Result<Option<serde_json::Value>> {
+    let vals = pair_factors(f, t, head_dim)?;
     Ok(
         rope_freqs::scaling_from_factors(&vals, head_dim, theta as f32)?.map(|p| {
             json!({
