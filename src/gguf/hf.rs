@@ -791,9 +791,22 @@ mod tests {
         ] {
             assert_eq!(gguf_tensor_name(bad), None, "{bad}");
         }
+        // Phi-3's fused tensors: attn_qkv by its name, ffn_up as gate|up in a phi3 file only.
+        assert_eq!(
+            hf_tensor_name("blk.1.attn_qkv.weight").unwrap(),
+            "model.layers.1.self_attn.qkv_proj.weight"
+        );
+        assert_eq!(
+            hf_name_in(Arch::Phi3, "blk.2.ffn_up.weight").unwrap(),
+            "model.layers.2.mlp.gate_up_proj.weight"
+        );
+        assert_eq!(
+            hf_name_in(Arch::Llama, "blk.2.ffn_up.weight").unwrap(),
+            "model.layers.2.mlp.up_proj.weight"
+        );
         for bad in [
             "blk.x.attn_q.weight",
-            "blk.1.attn_qkv.weight",
+            "blk.1.attn_qkvz.weight",
             "blk.1.attn_q.scale",
             "foo",
         ] {

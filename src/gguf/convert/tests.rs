@@ -455,12 +455,16 @@ fn unknown_architecture_tensor_and_missing_tensors_are_named() {
         &w,
         &[
             "architecture \"falcon\" is not supported",
-            "llama, qwen2, qwen3 or gpt2",
+            "llama, qwen2, qwen3, phi3 or gpt2",
         ],
     );
     let mut w = tiny_model("llama", true);
+    w.random_tensor("blk.0.attn_qkvz.weight", &[32, 64], GgmlType::F32, 5);
+    check(&w, &["unknown tensor blk.0.attn_qkvz.weight"]);
+    // Phi-3's fused q|k|v is known, but not in a llama file.
+    let mut w = tiny_model("llama", true);
     w.random_tensor("blk.0.attn_qkv.weight", &[32, 64], GgmlType::F32, 5);
-    check(&w, &["unknown tensor blk.0.attn_qkv.weight"]);
+    check(&w, &["blk.0.attn_qkv.weight", "not part of a llama model"]);
     let mut w = tiny_model("llama", true);
     w.remove_tensor("blk.1.ffn_up.weight");
     check(&w, &["missing", "blk.1.ffn_up.weight"]);
