@@ -103,18 +103,6 @@
 #define ATT_NEG_INF __int_as_float(0xff800000)
 #define ATT_NO_KEY 0x7fffffff
 
-// First key query i of row b attends to: i − pos[b·T + i] (clamped to 0), 0 without pos; with
-// a sliding window W ≥ 1, no earlier than i + 1 − W (W ≤ 0: no window).
-__device__ __forceinline__ int att_first_key(const unsigned int* pos, int b, int Tn, int i,
-                                             int W) {
-    int lo = 0;
-    if (pos != nullptr) {
-        unsigned int p = pos[(long long)b * Tn + i];
-        lo = p > (unsigned int)i ? 0 : i - (int)p;
-    }
-    return W > 0 ? max(lo, i + 1 - W) : lo;
-}
-
 // Whether the arguments are ones the flash kernels handle (checked by every CTA; a CTA of an
 // invalid launch returns without writing anything).
 __device__ __forceinline__ bool att_args_ok(int Tn, int NH, int NKV, int hd, int hd_max) {
@@ -158,7 +146,7 @@ __device__ __forceinline__ void att_forward(const T* __restrict__ qkv,
 
     if (tid < ATT_BQ) {
         int i = q0 + tid;
-        los[tid] = i < qend ? att_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
+        los[tid] = i < qend ? mw_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
     }
     for (int x = tid; x < ATT_BQ * hd; x += ATT_THREADS) {
         int r = x / hd, e = x - r * hd, i = q0 + r;
@@ -339,13 +327,13 @@ __device__ __forceinline__ void att_backward_dkv(T* __restrict__ dqkv,
             // also ends every warp's use of the previous block's tiles.
             bool att = false;
             if (tid < ATT_BQ && q0 + tid < Tn)
-                att = att_first_key(pos, b, Tn, q0 + tid, W) < kend;
+                att = mw_first_key(pos, b, Tn, q0 + tid, W) < kend;
             if (!__syncthreads_or(att)) continue;
             const int qend = min(q0 + ATT_BQ, Tn);
             if (tid < ATT_BQ) {
                 int i = q0 + tid;
                 bool in = i < qend;
-                los[tid] = in ? att_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
+                los[tid] = in ? mw_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
                 lse2s[tid] = in ? lsep[i] * ATT_LOG2E : 0.0f;
                 Ds[tid] = in ? Dp[i] : 0.0f;
             }
@@ -465,7 +453,7 @@ __device__ __forceinline__ void att_backward_dq(T* __restrict__ dqkv,
     if (tid < ATT_BQ) {
         int i = q0 + tid;
         bool in = i < qend;
-        los[tid] = in ? att_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
+        los[tid] = in ? mw_first_key(pos, b, Tn, i, W) : ATT_NO_KEY;
         lse2s[tid] = in ? lsep[i] * ATT_LOG2E : 0.0f;
         Ds[tid] = in ? Dp[i] : 0.0f;
     }
@@ -573,7 +561,7 @@ __device__ __forceinline__ void att_forward_naive(const T* __restrict__ qkv,
     const float scale2 = ATT_LOG2E / sqrtf((float)hd);
     const T* base = qkv + (long long)b * Tn * ld;
     const T* q = base + (long long)i * ld + (long long)h * hd;
-    const int lo = att_first_key(pos, b, Tn, i, W);
+    const int lo = mw_first_key(pos, b, Tn, i, W);
     float m = ATT_NEG_INF;
     for (int k = lo; k <= i; ++k) {
         const T* kk = base + (long long)k * ld + (long long)(NH + kvh) * hd;
@@ -653,7 +641,7 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
         const T* dorow = dbase + (long long)i * co + (long long)h * hd;
         const float Di = att_naive_d(dorow, obase + (long long)i * co + (long long)h * hd, hd);
         const float lse2 = lseb[(long long)h * Tn + i] * ATT_LOG2E;
-        for (int k = att_first_key(pos, b, Tn, i, W); k <= i; ++k) {
+        for (int k = mw_first_key(pos, b, Tn, i, W); k <= i; ++k) {
             float p, ds;
             att_naive_terms(base, dorow, lse2, Di, i, k, h, kvh, NH, NKV, hd, ld, scale, scale2,
                             &p, &ds);
@@ -665,7 +653,7 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
         const int kvh = cc / hd, e = cc % hd, k = t;
         for (int h = kvh * g; h < (kvh + 1) * g; ++h) {
             for (int i = k; i < Tn; ++i) {
-                if (att_first_key(pos, b, Tn, i, W) > k) continue;
+                if (mw_first_key(pos, b, Tn, i, W) > k) continue;
                 const T* dorow = dbase + (long long)i * co + (long long)h * hd;
                 const float Di =
                     att_naive_d(dorow, obase + (long long)i * co + (long long)h * hd, hd);

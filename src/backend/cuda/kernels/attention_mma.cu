@@ -114,17 +114,6 @@ __device__ __forceinline__ unsigned attm_pack(unsigned short lo, unsigned short 
     return (unsigned)lo | ((unsigned)hi << 16);
 }
 
-// First key query i of row b attends to under the window W (attention.cu's att_first_key).
-__device__ __forceinline__ int attm_first_key(const unsigned int* pos, int b, int Tn, int i,
-                                              int W) {
-    int lo = 0;
-    if (pos != nullptr) {
-        unsigned int p = pos[(long long)b * Tn + i];
-        lo = p > (unsigned int)i ? 0 : i - (int)p;
-    }
-    return W > 0 ? max(lo, i + 1 - W) : lo;
-}
-
 // Rows row0 .. row0+63 of a [T, ld] operand (channels src + c, c < hd; rows ≥ rend and
 // channels ≥ hd read as 0) into shared memory as 16-bit bits: row-major into dst[r·(HD+8) + c]
 // and/or transposed into dstT[c·ATTM_VS + r] (either may be NULL). 16-byte global loads when
@@ -204,7 +193,7 @@ __device__ __forceinline__ void attm_forward(const T* __restrict__ qkv,
 
     if (tid < ATTM_BQ) {
         int i = q0 + tid;
-        los[tid] = i < qend ? attm_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
+        los[tid] = i < qend ? mw_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
     }
     // The queries through Ks into registers: qf[ks] is the A fragment of k-step ks of the
     // warp's 16 rows.
@@ -434,13 +423,13 @@ __device__ __forceinline__ void attm_backward_dkv(T* __restrict__ dqkv,
             // the previous block's tiles (and orders the K, V loads before the first use).
             bool att = false;
             if (tid < ATTM_BQ && q0 + tid < Tn)
-                att = attm_first_key(pos, b, Tn, q0 + tid, W) < kend;
+                att = mw_first_key(pos, b, Tn, q0 + tid, W) < kend;
             if (!__syncthreads_or(att)) continue;
             const int qend = min(q0 + ATTM_BQ, Tn);
             if (tid < ATTM_BQ) {
                 const int i = q0 + tid;
                 const bool in = i < qend;
-                los[tid] = in ? attm_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
+                los[tid] = in ? mw_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
                 lse2s[tid] = in ? lsep[i] * ATTM_LOG2E : 0.0f;
                 Ds[tid] = in ? Dp[i] : 0.0f;
             }
@@ -555,7 +544,7 @@ __device__ __forceinline__ void attm_backward_dq(T* __restrict__ dqkv,
     if (tid < ATTM_BQ) {
         const int i = q0 + tid;
         const bool in = i < qend;
-        los[tid] = in ? attm_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
+        los[tid] = in ? mw_first_key(pos, b, Tn, i, W) : ATTM_NO_KEY;
         lse2s[tid] = in ? lse[((long long)b * NH + h) * Tn + i] * ATTM_LOG2E : 0.0f;
         Ds[tid] = in ? D[((long long)b * NH + h) * Tn + i] : 0.0f;
     }

@@ -109,3 +109,15 @@ template <typename T>
 __device__ __forceinline__ void mw_store16(T* p, const MwPack<T>& x) {
     *reinterpret_cast<MwPack<T>*>(p) = x;
 }
+
+// The first key query i of row b attends to, for both attention sources: i − pos[b·T + i]
+// (clamped to 0) for rows that pack examples, 0 without pos; with a sliding window W ≥ 1, no
+// earlier than i + 1 − W (W ≤ 0: no window).
+__device__ __forceinline__ int mw_first_key(const unsigned int* pos, int b, int Tn, int i, int W) {
+    int lo = 0;
+    if (pos != nullptr) {
+        unsigned int p = pos[(long long)b * Tn + i];
+        lo = p > (unsigned int)i ? 0 : i - (int)p;
+    }
+    return W > 0 ? max(lo, i + 1 - W) : lo;
+}
