@@ -1,9 +1,10 @@
-//! Chat data against transformers: for the SmolLM2, Llama 3, Qwen2.5 and Qwen3 chat templates, every
-//! conversation of `tests/fixtures/chat/conversations.jsonl` renders to the same text and the
-//! same token ids as `apply_chat_template(…, tokenize=True)`, with the trained-token mask that
-//! `make_chat_fixtures.py` computed (TRL's prefix method, checked there against transformers'
-//! `return_assistant_tokens_mask` on a `{% generation %}` copy of the SmolLM2 template); and
-//! templates that raise, are not prefix-stable or rewrite an answer are refused.
+//! Chat data against transformers: for the SmolLM2, Llama 3, Qwen2.5, Qwen3, Phi-3.5 and Gemma 3
+//! chat templates, every conversation of `tests/fixtures/chat/conversations.jsonl` renders to the
+//! same text and the same token ids as `apply_chat_template(…, tokenize=True)`, with the
+//! trained-token mask that `make_chat_fixtures.py` computed (TRL's prefix method, checked there
+//! against transformers' `return_assistant_tokens_mask` on a `{% generation %}` copy of the
+//! SmolLM2, Qwen3, Phi-3.5 and Gemma 3 templates); and templates that raise, are not
+//! prefix-stable or rewrite an answer are refused.
 
 mod common;
 use common::memwall;
@@ -177,6 +178,72 @@ fn phi35_template_as_transformers() {
             "2 + 2 = 4.<|end|>\n",
             "(2 + 2) × 10 = 40.<|end|>\n<|endoftext|>"
         ]
+    );
+}
+
+/// Gemma 3's template (google/gemma-3-*-it's: `<bos>` first, a system message folded into the
+/// first user turn, the assistant named `model`, every content trimmed, roles that do not
+/// alternate raised on) renders as transformers renders it; an answer is trained with its
+/// `<end_of_turn>\n` and nothing of `<start_of_turn>model\n`, the mask the fixture script
+/// checked against `return_assistant_tokens_mask`.
+#[test]
+fn gemma3_template_as_transformers() {
+    check_against_transformers("gemma3");
+    let (enc, fixture, _dir) = encoder("gemma3", TrainOn::Answers);
+    let ex = &fixture["examples"][1];
+    let got = example(&enc, ex["line"].as_str().unwrap());
+    assert!(
+        got.text.starts_with(
+            "<bos><start_of_turn>user\nYou answer in one short sentence.\n\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n"
+        ),
+        "{:?}",
+        got.text
+    );
+    let spans: Vec<&str> = got.spans.iter().map(|&(s, e)| &got.text[s..e]).collect();
+    assert_eq!(
+        spans,
+        [
+            "2 + 2 = 4.<end_of_turn>\n",
+            "(2 + 2) × 10 = 40.<end_of_turn>\n"
+        ]
+    );
+    // The trained tokens are exactly those spans' (the answer's first token starts after
+    // `model\n`; <end_of_turn> and the newline after it are tokens of their own), and of the
+    // four <end_of_turn> tokens only the answers' two are trained.
+    let marked: Vec<&str> = got.marked.iter().map(|&(s, e)| &got.text[s..e]).collect();
+    assert_eq!(marked, spans);
+    let trained: Vec<u32> = (got.ids.iter().zip(&got.trained))
+        .filter(|&(_, &t)| t == 1)
+        .map(|(&id, _)| id)
+        .collect();
+    assert_eq!(enc.tokenizer().decode(&trained), spans.concat());
+    let (end_of_turn, _) = enc.tokenizer().encode_rendered("<end_of_turn>").unwrap();
+    let [end_of_turn] = end_of_turn[..] else {
+        panic!("{end_of_turn:?}")
+    };
+    assert_eq!(got.ids.iter().filter(|&&id| id == end_of_turn).count(), 4);
+    assert_eq!(trained.iter().filter(|&&id| id == end_of_turn).count(), 2);
+    // The template trims an answer with surrounding whitespace: refused, as with Llama 3.
+    let refused = fixture["refused"].as_array().unwrap();
+    assert_eq!(refused.len(), 1);
+    let e = format!(
+        "{:#}",
+        enc.encode_line(refused[0].as_str().unwrap()).unwrap_err()
+    );
+    assert!(
+        e.contains("renders assistant turn 3 differently from its content")
+            && e.contains("\" yes, kept \""),
+        "{e}"
+    );
+    // Roles that do not alternate: the template's own exception.
+    let e = format!(
+        "{:#}",
+        enc.encode_line(r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Hello"}]}"#)
+            .unwrap_err()
+    );
+    assert_eq!(
+        e,
+        "the chat template raised: Conversation roles must alternate user/assistant/user/assistant/..."
     );
 }
 
