@@ -10,7 +10,9 @@
 //! (make_hf_mistral_fixtures.py: no window, and a window of 3 keys, shorter than the prompt
 //! and the sequence), hf-tiny-phi3 and hf-tiny-phi3-longrope (make_hf_phi3_fixtures.py: fused
 //! q|k|v and gate|up tensors, LongRoPE's short and long factors and attention factor, a tied
-//! head);
+//! head), hf-tiny-gemma3 (make_hf_gemma3_fixtures.py: 1 + w norms, q/k and post-norms,
+//! GeGLU, the √C embedding, sliding and full layers with their own RoPE bases, a window of 6
+//! within the 24-token sequence, linear scaling of the full layers' rotation);
 //! memwall-qwen3-ckpt, a checkpoint memwall trained, with
 //! what transformers computes with it (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
@@ -217,6 +219,28 @@ fn mistral_matches_transformers() {
     llama_family_matches_transformers("hf-tiny-mistral");
 }
 
+/// Every part of Gemma 3's arithmetic in three layers (sliding, full, sliding; window 6).
+/// Each matters: without the local layers' window the loss moves by far more than the parity
+/// allows.
+#[test]
+fn gemma3_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-gemma3");
+    let (dir, exp) = fixture_named("hf-tiny-gemma3");
+    let mut spec = ckpt::load_spec(&dir).unwrap();
+    assert_eq!(spec.family, memwall::model::Family::Gemma3);
+    assert_eq!(spec.layer_window(0), Some(6));
+    assert_eq!(spec.layer_window(1), None);
+    let mut seq = ids(&exp["prompt"]);
+    seq.extend(ids(&exp["greedy"]));
+    spec.sliding_window = Some(seq.len());
+    let whole = loss_of(&spec, &dir, &seq);
+    let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
+    assert!(
+        (whole - want).abs() > 1e-3,
+        "the window changes the loss: {whole} vs {want}"
+    );
+}
+
 #[test]
 fn phi3_matches_transformers() {
     llama_family_matches_transformers("hf-tiny-phi3");
@@ -258,24 +282,25 @@ fn mistral_with_a_window_shorter_than_the_sequence_matches_transformers() {
         "the sequence is far longer than the window"
     );
     spec.sliding_window = None;
-    let plan = build_plan(
-        &spec,
-        &StepConfig::new(1, seq.len() - 1, 2),
-        Mode::Train,
-        backend(),
-    );
-    let layout = plan.as_ref().unwrap().layout.clone();
-    let mut ex = Executor::on(plan.unwrap(), backend()).unwrap();
-    ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
-        .unwrap()
-        .unwrap();
-    ex.upload_batch(&seq).unwrap();
-    let full = ex.compute_gradients().unwrap() as f64;
+    let full = loss_of(&spec, &dir, &seq);
     let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
     assert!(
         (full - want).abs() > 1e-3,
         "full attention's loss {full} is the window's {want}"
     );
+}
+
+/// The loss memwall computes on `seq` with `spec` and the weights in `dir`.
+fn loss_of(spec: &memwall::model::ModelSpec, dir: &std::path::Path, seq: &[u32]) -> f64 {
+    let cfg = StepConfig::new(1, seq.len() - 1, 2);
+    let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
+    let layout = plan.layout.clone();
+    let mut ex = Executor::on(plan, backend()).unwrap();
+    ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))
+        .unwrap()
+        .unwrap();
+    ex.upload_batch(seq).unwrap();
+    ex.compute_gradients().unwrap() as f64
 }
 
 /// A Qwen3 checkpoint memwall trained (`memwall-qwen3-ckpt`: its config.json and

@@ -103,6 +103,7 @@ fn arch_of(spec: &ModelSpec) -> &'static str {
         // convert_hf_to_gguf.py's `Phi3MiniModel`: `MODEL_ARCH.PHI3`, q|k|v and gate|up kept
         // fused, no permutation (llama.cpp rotates phi3 NEOX-style, as HF does).
         Family::Phi3 => "phi3",
+        Family::Gemma3 => "gemma3",
         Family::Gpt2 => "gpt2",
     }
 }
@@ -303,6 +304,12 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         None => crate::ckpt::load_spec(dir)?,
     };
     inputs::check_replaceable(&o.out)?;
+    if spec.family == Family::Gemma3 {
+        bail!(
+            "{}: a gemma3_text model; memwall does not write Gemma 3 GGUF files yet (llama.cpp's              converter stores its norms as 1 + w): convert this directory with llama.cpp's              convert_hf_to_gguf.py",
+            dir.display()
+        );
+    }
     let arch = arch_of(&spec);
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
     let mut md = model_metadata(&spec, arch, &name, o.ty, dir)?;

@@ -24,7 +24,7 @@ pub enum OpFamily {
     /// Causal attention: [`Op::Attention`], [`Op::AttentionBackward`], and [`Op::Rope`] (the
     /// rotary position embedding of its queries and keys, and its inverse in the backward).
     Attention,
-    /// Pointwise activations: [`Op::Gelu`], [`Op::Swiglu`] and their backwards.
+    /// Pointwise activations: [`Op::Gelu`], [`Op::Glu`] and their backwards.
     Activation,
     /// The LM head: [`Op::LmHeadLoss`] (logits, cross-entropy and, in training, their
     /// gradients; under tensor parallelism after [`Op::LmHeadStats`]) and [`Op::LmHeadLast`]
@@ -57,10 +57,9 @@ impl Op {
             Op::Attention { .. } | Op::AttentionBackward { .. } | Op::Rope { .. } => {
                 OpFamily::Attention
             }
-            Op::Gelu { .. }
-            | Op::GeluBackward { .. }
-            | Op::Swiglu { .. }
-            | Op::SwigluBackward { .. } => OpFamily::Activation,
+            Op::Gelu { .. } | Op::GeluBackward { .. } | Op::Glu { .. } | Op::GluBackward { .. } => {
+                OpFamily::Activation
+            }
             Op::LmHeadLoss { .. } | Op::LmHeadStats { .. } | Op::LmHeadLast { .. } => {
                 OpFamily::LmHead
             }

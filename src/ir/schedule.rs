@@ -15,6 +15,15 @@ use std::ops::Range;
 /// tokens and a row's padding. No vocabulary reaches it (ids are below 2³¹).
 pub const IGNORE_TARGET: u32 = u32::MAX;
 
+/// The gate's activation of a gated linear unit ([`Op::Glu`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum GluAct {
+    /// `silu(g) = g·σ(g)` (SwiGLU: Llama's `hidden_act = "silu"`).
+    Silu,
+    /// GELU's tanh approximation (GeGLU: Gemma's `hidden_activation = "gelu_pytorch_tanh"`).
+    GeluTanh,
+}
+
 /// A tensor-parallel LM head's share of the vocabulary ([`Op::LmHeadLoss`]'s `vocab`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VocabShare {
@@ -118,7 +127,9 @@ pub enum Op {
     /// its sequence, or its place in its example when the rows pack examples (`positions`).
     /// Under tensor parallelism `wte` holds the rows of the token ids `first_token..` (the
     /// rank's part of the vocabulary): a token outside them gives a zero row (then `wpe`'s
-    /// alone), and the ranks' outputs are summed.
+    /// alone), and the ranks' outputs are summed. The token rows are multiplied by `scale`
+    /// (Gemma's √C, `Gemma3TextScaledWordEmbedding`; 1 elsewhere) before the positions are
+    /// added.
     Encoder {
         tokens: BufId,
         positions: Option<BufId>, // [B, T] u32, packed rows only
@@ -128,6 +139,7 @@ pub enum Op {
         first_token: usize,
         rows: Rows,
         c: usize,
+        scale: f32,
     },
     /// `out[N,C], mean[N], rstd[N] = layernorm(inp[N,C]; w, b)`.
     LayerNorm {
@@ -173,12 +185,16 @@ pub enum Op {
         hd: usize,
         window: Option<usize>,
     },
-    /// `out[N,C], rstd[N] = rmsnorm(inp[N,C]; w)`.
+    /// `out[N,C] = (residual[N,C] if any) + rmsnorm(inp[N,C]; w)`, `rstd[N]` its 1/rms. The
+    /// gain is `offset + w` (Gemma's `(1 + w)`, `Gemma3RMSNorm`; offset 0 elsewhere). The
+    /// residual is Gemma's post-norms' (`residual + post_attention_layernorm(o)`).
     RmsNorm {
         inp: BufId,
         out: BufId,
+        residual: Option<BufId>,
         rstd: BufId,
         w: Range<usize>, // [C]
+        offset: f32,
         rows: Rows,
         c: usize,
         eps: f32,
@@ -186,13 +202,14 @@ pub enum Op {
     /// Qwen3's per-head RMSNorm of a fused q|k|v row: `out[N,QKV], rstd[N,NH+NKV] =
     /// qk_norm(inp[N,QKV]; w)`, QKV = (NH + 2·NKV)·hd. Each of the NH query heads and NKV key
     /// heads (hd channels) is normalised as [`Op::RmsNorm`] normalises a row, with its own
-    /// statistics: query heads scaled by `w[..hd]` (`q_norm`), key heads by `w[hd..]`
-    /// (`k_norm`); the NKV value heads are copied.
+    /// statistics: query heads scaled by `offset + w[..hd]` (`q_norm`), key heads by `offset +
+    /// w[hd..]` (`k_norm`); the NKV value heads are copied.
     QkNorm {
         inp: BufId,
         out: BufId,
         rstd: BufId,
         w: Range<usize>, // [2, hd]: q_norm, k_norm
+        offset: f32,
         rows: Rows,
         nh: usize,
         nkv: usize,
@@ -226,12 +243,14 @@ pub enum Op {
         /// rotated values into that of the un-rotated ones.
         inverse: bool,
     },
-    /// `out[N,H] = silu(inp[.., 0..H]) · inp[.., H..2H]` (inp `[N, 2H]`: gate | up).
-    Swiglu {
+    /// A gated linear unit: `out[N,H] = act(inp[.., 0..H]) · inp[.., H..2H]` (inp `[N, 2H]`:
+    /// gate | up), `act` SiLU (SwiGLU, Llama) or the tanh GELU (GeGLU, Gemma).
+    Glu {
         inp: BufId,
         out: BufId,
         rows: Rows,
         h: usize,
+        act: GluAct,
     },
     /// `out = gelu(inp)`, both `[N, width]`.
     Gelu {
@@ -372,13 +391,15 @@ pub enum Op {
         hd: usize,
         window: Option<usize>,
     },
-    /// `dinp[N,C] += rmsnorm_backward(dout); dw +=`.
+    /// `dinp[N,C] += rmsnorm_backward(dout); dw +=` (the gain `offset + w`, as the forward's).
+    /// A residual the forward added is the caller's: its gradient is `dout` itself.
     RmsNormBackward {
         dinp: BufId,
         dout: BufId,
         inp: BufId,
         rstd: BufId,
         w: Range<usize>,
+        offset: f32,
         rows: Rows,
         c: usize,
     },
@@ -390,18 +411,21 @@ pub enum Op {
         inp: BufId,
         rstd: BufId,
         w: Range<usize>, // [2, hd]
+        offset: f32,
         rows: Rows,
         nh: usize,
         nkv: usize,
         hd: usize,
     },
-    /// `dinp[N,2H] = swiglu_backward(dout[N,H], inp[N,2H])` (overwritten).
-    SwigluBackward {
+    /// `dinp[N,2H] = glu_backward(dout[N,H], inp[N,2H])` (overwritten), `act` as the
+    /// forward's.
+    GluBackward {
         dinp: BufId,
         dout: BufId,
         inp: BufId,
         rows: Rows,
         h: usize,
+        act: GluAct,
     },
     /// `d[N,width] ← d ⊙ gelu'(inp)` in place.
     GeluBackward {
@@ -411,7 +435,7 @@ pub enum Op {
         width: usize,
     },
     /// `dwte (, dwpe) += scatter(dout[N,C])`; `dwte` gains only the rows of the token ids it
-    /// holds (`first_token..`, as in [`Op::Encoder`]).
+    /// holds (`first_token..`, as in [`Op::Encoder`]), `scale · dout` (the forward's scale).
     EncoderBackward {
         dout: BufId,
         tokens: BufId,
@@ -421,6 +445,7 @@ pub enum Op {
         first_token: usize,
         rows: Rows,
         c: usize,
+        scale: f32,
     },
     /// `out[slot] = Σ grad²` over the gradients of `range` (one parameter group's share of
     /// the global gradient norm, in f64; `out` is the step's `grad_norm.shares` `[groups]`,

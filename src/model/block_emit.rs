@@ -55,8 +55,9 @@ pub(crate) trait StagedBlock: Sized {
     /// The block's activations: those in `partial`, else `base`'s.
     fn acts(partial: Self::Partial, base: Option<&Self::Acts>) -> Self::Acts;
     /// Emits the forward op after the last stage; returns the block's output, the residual
-    /// stream entering the next block `[N, C]`.
-    fn emit_output(g: &mut Builder, blk: &Block<Self>, a: &Self::Acts) -> BufId;
+    /// stream entering the next block `[N, C]`. What it writes that the backward reads goes
+    /// into `a`.
+    fn emit_output(g: &mut Builder, blk: &Block<Self>, a: &mut Self::Acts) -> BufId;
     /// Emits the backward of the block: reads `a` and the block input, accumulates into the
     /// residual gradient `dres` `[N, C]` (in place) and the parameter gradients.
     fn backward(g: &mut Builder, blk: &Block<Self>, a: &Self::Acts, dres: BufId);
@@ -68,6 +69,8 @@ pub(crate) struct Block<'a, F: StagedBlock> {
     pub p: &'a F::Layer,
     /// Name prefix of its ops and buffers, e.g. `h3.` or `mb1.h3.`.
     pub name: String,
+    /// Its index among the model's blocks.
+    pub index: usize,
     /// The residual stream entering the block `[N, C]`.
     pub res_in: BufId,
 }
@@ -99,8 +102,8 @@ pub(crate) fn forward<F: StagedBlock>(
     let mut acts = Vec::with_capacity(layers.len());
     for (l, p) in layers.iter().enumerate() {
         let blk = block(d, p, pfx, first + l, residuals[l]);
-        let a = emit_stages(g, &blk, F::ALL_STAGES, None, &blk.name, Phase::Forward);
-        residuals.push(F::emit_output(g, &blk, &a));
+        let mut a = emit_stages(g, &blk, F::ALL_STAGES, None, &blk.name, Phase::Forward);
+        residuals.push(F::emit_output(g, &blk, &mut a));
         acts.push(a);
     }
     Blocks { residuals, acts }
@@ -140,7 +143,13 @@ fn block<'a, F: StagedBlock>(
     res_in: BufId,
 ) -> Block<'a, F> {
     let name = format!("{pfx}h{l}.");
-    Block { d, p, name, res_in }
+    Block {
+        d,
+        p,
+        name,
+        index: l,
+        res_in,
+    }
 }
 
 /// Emits `stages` of `blk` over `base`; returns the activations the backward reads.

@@ -31,6 +31,8 @@ pub(crate) struct Embedding<'a> {
     pub rows: Rows,
     pub c: usize,
     pub split: TensorSplit,
+    /// The token rows' factor (Gemma's √C, 1 elsewhere).
+    pub scale: f32,
     /// The micro-batch's name prefix (`mb1.` or empty).
     pub pfx: &'a str,
     /// Its op's name (`encoder`, `embed`); the backward's is `{op}.bwd`.
@@ -62,6 +64,7 @@ impl Embedding<'_> {
                 first_token: self.first_token(),
                 rows: self.rows,
                 c,
+                scale: self.scale,
             },
         );
         join_tensor_parts(g, self.split, (res, n * c), &name, Phase::Forward);
@@ -83,6 +86,7 @@ impl Embedding<'_> {
                 first_token: self.first_token(),
                 rows: self.rows,
                 c: self.c,
+                scale: self.scale,
             },
         );
     }

@@ -1,4 +1,6 @@
-//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`], which also builds Qwen2, Qwen3, Mistral and Phi-3) that knows its
+//! The model-family seam. A family is one module ([`super::gpt2`], [`super::llama`], which also
+//! builds Qwen2, Qwen3, Mistral and Phi-3, and [`super::gemma3`], whose configs and presets
+//! are its own and whose blocks [`super::llama`] emits) that knows its
 //! architecture: presets, `config.json` reading, writing and validation, the parameter
 //! inventory with Hugging Face names, shapes and initialisation, checkpoint naming variants,
 //! and the emission of its layers into a step's schedule. [`Family`]'s methods, here,
@@ -6,20 +8,22 @@
 //! planner's packing, the executor and the checkpoint writer never name a family.
 
 use super::spec::{Family, FieldNames};
-use super::{ModelSpec, ParamLayout, gpt2, llama};
+use super::{ModelSpec, ParamLayout, gemma3, gpt2, llama};
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
+use crate::ir::schedule::GluAct;
 use crate::ir::{EmitOptions, ModelPart};
 use anyhow::Result;
 use serde_json::{Map, Value};
 
 impl Family {
-    pub const ALL: [Family; 6] = [
+    pub const ALL: [Family; 7] = [
         Family::Gpt2,
         Family::Llama,
         Family::Qwen2,
         Family::Qwen3,
         Family::Mistral,
         Family::Phi3,
+        Family::Gemma3,
     ];
 
     /// Hugging Face's `model_type`.
@@ -31,13 +35,47 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
             Family::Phi3 => "phi3",
+            Family::Gemma3 => "gemma3_text",
         }
     }
 
-    /// Whether each query and key head is RMS-normalised before RoPE (Qwen3's `q_norm` and
-    /// `k_norm`: transformers' `Qwen3Attention`, llama.cpp's `LLM_ARCH_QWEN3`).
+    /// Whether each query and key head is RMS-normalised before RoPE (Qwen3's and Gemma 3's
+    /// `q_norm` and `k_norm`: transformers' `Qwen3Attention`, `Gemma3Attention`; llama.cpp's
+    /// `LLM_ARCH_QWEN3`, `LLM_ARCH_GEMMA3`).
     pub fn qk_norm(self) -> bool {
-        matches!(self, Family::Qwen3)
+        matches!(self, Family::Qwen3 | Family::Gemma3)
+    }
+
+    /// What every RMSNorm's gain adds to its weight: Gemma's 1 (`Gemma3RMSNorm`: `x̂ · (1 +
+    /// w)`, weights initialised to 0), 0 elsewhere.
+    pub fn norm_offset(self) -> f32 {
+        match self {
+            Family::Gemma3 => 1.0,
+            _ => 0.0,
+        }
+    }
+
+    /// Whether the attention's and the MLP's outputs are normalised before the residual adds
+    /// them (Gemma 3's `post_attention_layernorm` and `post_feedforward_layernorm`).
+    pub fn post_norms(self) -> bool {
+        matches!(self, Family::Gemma3)
+    }
+
+    /// The gated MLP's activation (GPT-2's MLP is not gated).
+    pub fn glu_act(self) -> GluAct {
+        match self {
+            Family::Gemma3 => GluAct::GeluTanh,
+            _ => GluAct::Silu,
+        }
+    }
+
+    /// What the token embedding's rows are multiplied by for a width of `c`: Gemma's √C
+    /// (`Gemma3TextScaledWordEmbedding`, in f32), 1 elsewhere.
+    pub fn embed_scale(self, c: usize) -> f32 {
+        match self {
+            Family::Gemma3 => (c as f32).sqrt(),
+            _ => 1.0,
+        }
     }
 
     /// Whether q, k and v are one tensor (`qkv_proj`) and gate and up one (`gate_up_proj`) in
@@ -49,6 +87,7 @@ impl Family {
     pub fn preset_names(self) -> Vec<&'static str> {
         match self {
             Family::Gpt2 => gpt2::preset_names(),
+            Family::Gemma3 => gemma3::preset_names(),
             Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::preset_names(self)
             }
@@ -58,6 +97,7 @@ impl Family {
     pub fn preset(self, name: &str) -> Option<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::preset(name),
+            Family::Gemma3 => gemma3::preset(name),
             Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::preset(self, name)
             }
@@ -67,9 +107,12 @@ impl Family {
     pub fn field_names(self) -> FieldNames {
         match self {
             Family::Gpt2 => gpt2::FIELDS,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
-                llama::FIELDS
-            }
+            Family::Llama
+            | Family::Qwen2
+            | Family::Qwen3
+            | Family::Mistral
+            | Family::Phi3
+            | Family::Gemma3 => llama::FIELDS,
         }
     }
 
@@ -77,6 +120,7 @@ impl Family {
     pub fn from_hf_config(self, obj: &Map<String, Value>, source: &str) -> Result<ModelSpec> {
         match self {
             Family::Gpt2 => gpt2::from_hf_config(obj, source),
+            Family::Gemma3 => gemma3::from_hf_config(obj, source),
             Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::from_hf_config(self, obj, source)
             }
@@ -86,6 +130,7 @@ impl Family {
     pub fn to_hf_config(self, spec: &ModelSpec) -> Value {
         match self {
             Family::Gpt2 => gpt2::to_hf_config(spec),
+            Family::Gemma3 => gemma3::to_hf_config(spec),
             Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::to_hf_config(spec)
             }
@@ -96,6 +141,7 @@ impl Family {
     pub fn validate(self, spec: &ModelSpec) -> Result<()> {
         match self {
             Family::Gpt2 => gpt2::validate(spec),
+            Family::Gemma3 => gemma3::validate(spec),
             Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
                 llama::validate(spec)
             }
@@ -106,9 +152,12 @@ impl Family {
     pub fn layout(self, spec: &ModelSpec, part: ModelPart) -> ParamLayout {
         match self {
             Family::Gpt2 => gpt2::layout(spec, part),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
-                llama::layout(spec, part)
-            }
+            Family::Llama
+            | Family::Qwen2
+            | Family::Qwen3
+            | Family::Mistral
+            | Family::Phi3
+            | Family::Gemma3 => llama::layout(spec, part),
         }
     }
 
@@ -118,9 +167,12 @@ impl Family {
     pub fn canonical_name(self, name: &str) -> Option<String> {
         match self {
             Family::Gpt2 => gpt2::canonical_name(name),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
-                llama::canonical_name(name)
-            }
+            Family::Llama
+            | Family::Qwen2
+            | Family::Qwen3
+            | Family::Mistral
+            | Family::Phi3
+            | Family::Gemma3 => llama::canonical_name(name),
         }
     }
 
@@ -135,9 +187,12 @@ impl Family {
     ) -> Emitted {
         match self {
             Family::Gpt2 => gpt2::emit::micro_batch(g, spec, cfg, mb),
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
-                llama::emit::micro_batch(g, spec, cfg, mb)
-            }
+            Family::Llama
+            | Family::Qwen2
+            | Family::Qwen3
+            | Family::Mistral
+            | Family::Phi3
+            | Family::Gemma3 => llama::emit::micro_batch(g, spec, cfg, mb),
         }
     }
 }

@@ -78,7 +78,9 @@ impl Target {
     pub fn all(family: Family) -> &'static [Target] {
         match family {
             Family::Gpt2 => &GPT2,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral => &LLAMA,
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Gemma3 => {
+                &LLAMA
+            }
             Family::Phi3 => &PHI3,
         }
     }
@@ -295,7 +297,12 @@ impl AdapterLayout {
         // Conv1D weights are [in, out]; nn.Linear's [out, in]: the dimension of the outputs.
         let out_dim = match family {
             Family::Gpt2 => 1,
-            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => 0,
+            Family::Llama
+            | Family::Qwen2
+            | Family::Qwen3
+            | Family::Mistral
+            | Family::Phi3
+            | Family::Gemma3 => 0,
         };
         let mut all: Vec<(Adapted, bool)> = Vec::new();
         // The whole layers' (in, out) and each adapter's cut, in the order of `all`.
@@ -452,9 +459,12 @@ pub fn peft_name(module: &str, which: char) -> String {
 fn adapted(family: Family, name: &str, targets: &[Target]) -> Option<(usize, Target, String)> {
     let blocks = match family {
         Family::Gpt2 => "transformer.h.",
-        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
-            "model.layers."
-        }
+        Family::Llama
+        | Family::Qwen2
+        | Family::Qwen3
+        | Family::Mistral
+        | Family::Phi3
+        | Family::Gemma3 => "model.layers.",
     };
     let rest = name.strip_prefix(blocks)?.strip_suffix(".weight")?;
     let (layer, module) = rest.split_once('.')?;

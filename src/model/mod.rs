@@ -1,5 +1,6 @@
 //! What to train: a model's dimensions ([`ModelSpec`]), its family ([`Family`], the seam
-//! behind which each architecture lives in one module: [`gpt2`], [`llama`] (with Qwen2)) and its parameter
+//! behind which each architecture lives in one module: [`gpt2`], [`llama`] (with Qwen2, Qwen3,
+//! Mistral and Phi-3), [`gemma3`] (its configs; its blocks are [`llama`]'s)) and its parameter
 //! inventory ([`ParamLayout`]) with Hugging Face tensor names and layouts. Around the
 //! families: [`spec`] (presets, `config.json` dispatched on `model_type`, validation naming the
 //! field), [`params`], [`lora`] (the adapters' layout and PEFT's files), [`rope`] (the
@@ -15,6 +16,7 @@
 pub(crate) mod block_emit;
 pub(crate) mod embedding;
 pub mod family;
+pub mod gemma3;
 pub mod gpt2;
 pub mod llama;
 pub(crate) mod lm_head;

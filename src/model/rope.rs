@@ -52,13 +52,19 @@ impl LongRope {
 pub enum RopeScaling {
     Llama3(Llama3Scaling),
     LongRope(LongRope),
+    /// Position interpolation (`rope_type` `linear`, Gemma 3's full layers on the 4B and
+    /// larger): every frequency divided by `factor` (transformers'
+    /// `_compute_linear_scaling_rope_parameters`).
+    Linear {
+        factor: f32,
+    },
 }
 
 impl RopeScaling {
     /// The factor cosines and sines are multiplied by (transformers' `attention_scaling`).
     pub fn attention_factor(&self) -> f32 {
         match self {
-            RopeScaling::Llama3(_) => 1.0,
+            RopeScaling::Llama3(_) | RopeScaling::Linear { .. } => 1.0,
             RopeScaling::LongRope(l) => l.attention_factor,
         }
     }
@@ -79,6 +85,11 @@ pub fn table(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>, seq: us
     let inv_freq = match scaling {
         None => inv_freq(head_dim, theta, None),
         Some(RopeScaling::Llama3(s)) => inv_freq(head_dim, theta, Some(s)),
+        // transformers: inv_freq /= factor.
+        Some(RopeScaling::Linear { factor }) => inv_freq(head_dim, theta, None)
+            .into_iter()
+            .map(|f| f / factor)
+            .collect(),
         Some(RopeScaling::LongRope(l)) => {
             let ext = if seq > l.original_max_position_embeddings {
                 &l.long_factor

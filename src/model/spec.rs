@@ -42,6 +42,25 @@ pub enum Family {
     /// sliding window, and LongRoPE scaling on the long-context models (transformers'
     /// `modeling_phi3.py`).
     Phi3,
+    /// Gemma 3 (text: `gemma3_text`; transformers' `modeling_gemma3.py`, llama.cpp's
+    /// `LLM_ARCH_GEMMA3`): Llama's layout with q/k norms as Qwen3's, every RMSNorm's gain
+    /// `1 + w` ([`Family::norm_offset`]), a norm after the attention and after the MLP as well
+    /// as before them ([`Family::post_norms`]), a GeGLU MLP (tanh GELU), embeddings multiplied
+    /// by √C, and sliding-window layers between full-attention ones with their own RoPE base
+    /// ([`ModelSpec::local_layers`]). Tied embeddings, no biases.
+    Gemma3,
+}
+
+/// Gemma 3's interleaved attention: which layers attend within the sliding window
+/// (`layer_types`' `"sliding_attention"`, the others `"full_attention"`: the whole prefix)
+/// and the RoPE base of those (`rope_local_base_freq`, unscaled; the full layers take the
+/// model's [`Position::Rotary`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalLayers {
+    /// `[L]`: layer l attends within [`ModelSpec::sliding_window`].
+    pub sliding: Vec<bool>,
+    /// θ of the sliding layers' rotation.
+    pub rope_theta: f32,
 }
 
 /// How a block normalises its input.
@@ -135,6 +154,9 @@ pub struct ModelSpec {
     /// (`None`: the whole causal prefix). Emitted into every layer's attention ops
     /// ([`crate::ir::Op::Attention`]'s `window`), which compute only inside it.
     pub sliding_window: Option<usize>,
+    /// Gemma 3's sliding and full layers (`None`: every layer has [`Self::sliding_window`],
+    /// if any, and the model's rotation).
+    pub local_layers: Option<LocalLayers>,
     /// Not architecture (ignored by [`ModelSpec::same_dims`]): written back into config.json.
     pub special_tokens: SpecialTokens,
 }
@@ -356,6 +378,27 @@ impl ModelSpec {
     /// is computed as such, so it does not bound the sequence).
     pub fn max_seq(&self) -> usize {
         self.n_positions
+    }
+
+    /// Layer `l`'s attention window: the model's sliding window, except on Gemma 3's full
+    /// layers (`None`: the whole causal prefix).
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        match &self.local_layers {
+            Some(ll) if !ll.sliding[l] => None,
+            _ => self.sliding_window,
+        }
+    }
+
+    /// Layer `l`'s rotation: θ and the scaling (Gemma 3's sliding layers: their own θ,
+    /// unscaled). `None` for learned positions.
+    pub fn layer_rope(&self, l: usize) -> Option<(f32, Option<&RopeScaling>)> {
+        let Position::Rotary { theta, scaling } = &self.position else {
+            return None;
+        };
+        Some(match &self.local_layers {
+            Some(ll) if ll.sliding[l] => (ll.rope_theta, None),
+            _ => (*theta, scaling.as_ref()),
+        })
     }
 
     /// The length beyond which the rotary frequencies change (LongRoPE's pretraining

@@ -141,9 +141,17 @@ macro_rules! for_each_operand {
                 $buf!(ws, Write);
             }
             Op::RmsNorm {
-                inp, out, rstd, w, ..
+                inp,
+                out,
+                residual,
+                rstd,
+                w,
+                ..
             } => {
                 $buf!(inp, Read);
+                if let Some(r) = residual {
+                    $buf!(r, Read);
+                }
                 $buf!(out, Write);
                 $buf!(rstd, Write);
                 $params!(Tensor(w, None), Read);
@@ -166,7 +174,7 @@ macro_rules! for_each_operand {
                 $buf!(out, ReadWrite);
                 $params!(Tensor(b, None), Read);
             }
-            Op::Swiglu { inp, out, .. } | Op::Gelu { inp, out, .. } => {
+            Op::Glu { inp, out, .. } | Op::Gelu { inp, out, .. } => {
                 $buf!(inp, Read);
                 $buf!(out, Write);
             }
@@ -334,7 +342,7 @@ macro_rules! for_each_operand {
                 $params!(Tensor(w, None), Read);
                 $grads!(Tensor(w, None), ReadWrite);
             }
-            Op::SwigluBackward {
+            Op::GluBackward {
                 dinp, dout, inp, ..
             } => {
                 $buf!(dout, Read);
@@ -658,6 +666,7 @@ mod tests {
                     first_token: 0,
                     rows,
                     c: 2,
+                    scale: 1.0,
                 },
                 None,
                 Some(10),

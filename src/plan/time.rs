@@ -24,7 +24,7 @@
 
 use super::Plan;
 use super::operands::Operand;
-use crate::ir::schedule::{Op, OpEntry, Phase};
+use crate::ir::schedule::{GluAct, Op, OpEntry, Phase};
 use crate::ir::{BufId, OptimState, Tier};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -231,6 +231,10 @@ impl Calibration {
             // A frozen layer's backward (one GEMM: the input gradient) runs at the rate of
             // the forward's GEMM, per FLOP, when the calibration has no fit of its own.
             self.kinds.get(&format!("matmul/{forward}")).copied()
+        } else if let Some(rest) = kind.strip_prefix("geglu") {
+            // GeGLU (Gemma) where the suite measured only SwiGLU: the same traffic, an
+            // exponential a value either way.
+            self.kinds.get(&format!("swiglu{rest}")).copied()
         } else {
             // A tensor-parallel head's statistics: the evaluating head's GEMM and reduction.
             let rest = kind.strip_prefix("lm_head_stats")?;
@@ -340,7 +344,13 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::QkNorm { .. } => "qk_norm",
         Op::Rope { .. } => "rope",
         Op::AddBias { .. } => "add_bias",
-        Op::Swiglu { .. } => "swiglu",
+        Op::Glu {
+            act: GluAct::Silu, ..
+        } => "swiglu",
+        Op::Glu {
+            act: GluAct::GeluTanh,
+            ..
+        } => "geglu",
         Op::Gelu { .. } => "gelu",
         Op::LmHeadLoss { dinp: Some(_), .. } => "lm_head_loss",
         Op::LmHeadLoss { dinp: None, .. } => "lm_head_eval",
@@ -354,7 +364,13 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::AttentionBackward { .. } => "attention_bwd",
         Op::RmsNormBackward { .. } => "rmsnorm_bwd",
         Op::QkNormBackward { .. } => "qk_norm_bwd",
-        Op::SwigluBackward { .. } => "swiglu_bwd",
+        Op::GluBackward {
+            act: GluAct::Silu, ..
+        } => "swiglu_bwd",
+        Op::GluBackward {
+            act: GluAct::GeluTanh,
+            ..
+        } => "geglu_bwd",
         Op::GeluBackward { .. } => "gelu_bwd",
         Op::EncoderBackward { .. } => "encoder_bwd",
         Op::GradNorm { .. } => "grad_norm",

@@ -209,6 +209,7 @@ pub fn frozen_backward(be: &dyn Backend, p: Precision) {
                 inp: rig.act("inp", N * C),
                 rstd: rig.f32("rstd", N),
                 w,
+                offset: 0.0,
                 rows: ROWS,
                 c: C,
             };
@@ -223,6 +224,7 @@ pub fn frozen_backward(be: &dyn Backend, p: Precision) {
                 inp: rig.act("inp", N * 16),
                 rstd: rig.f32("rstd", N * 3),
                 w,
+                offset: 0.0,
                 rows: ROWS,
                 nh: 2,
                 nkv: 1,

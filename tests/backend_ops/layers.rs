@@ -17,7 +17,7 @@
 
 use super::rig::*;
 use memwall::backend::{Backend, StepCtx};
-use memwall::ir::schedule::WeightLayout;
+use memwall::ir::schedule::{GluAct, WeightLayout};
 use memwall::ir::{IGNORE_TARGET, Op, Precision, Rows};
 use std::ops::Range;
 
@@ -97,6 +97,7 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
                 first_token: 0,
                 rows: ROWS,
                 c: C,
+                scale: 1.0,
             };
             let op = rig.op(op, Bind::Params);
             let mut s = rig.start(be);
@@ -152,6 +153,7 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
             first_token: 0,
             rows: ROWS,
             c: C,
+            scale: 1.0,
         };
         let op = rig.op(op, Bind::Grads);
         let mut s = rig.start(be);
@@ -315,8 +317,10 @@ pub fn rmsnorm(be: &dyn Backend, p: Precision) {
     let op = Op::RmsNorm {
         inp,
         out,
+        residual: None,
         rstd,
         w: w.clone(),
+        offset: 0.0,
         rows: ROWS,
         c: C,
         eps: EPS,
@@ -358,6 +362,7 @@ pub fn rmsnorm_backward(be: &dyn Backend, p: Precision) {
         inp,
         rstd,
         w: w.clone(),
+        offset: 0.0,
         rows: ROWS,
         c: C,
     };
@@ -428,6 +433,7 @@ pub fn qk_norm(be: &dyn Backend, p: Precision) {
         out,
         rstd,
         w: w.clone(),
+        offset: 0.0,
         rows: ROWS,
         nh,
         nkv,
@@ -471,6 +477,7 @@ pub fn qk_norm_backward(be: &dyn Backend, p: Precision) {
         inp,
         rstd,
         w: w.clone(),
+        offset: 0.0,
         rows: ROWS,
         nh,
         nkv,
@@ -993,11 +1000,12 @@ pub fn swiglu(be: &dyn Backend, p: Precision) {
     let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]: gate | up
     let out = rig.act("out", N * H); // [N, H]
     let op = rig.op(
-        Op::Swiglu {
+        Op::Glu {
             inp,
             out,
             rows: ROWS,
             h: H,
+            act: GluAct::Silu,
         },
         Bind::None,
     );
@@ -1022,12 +1030,13 @@ pub fn swiglu_backward(be: &dyn Backend, p: Precision) {
     let dinp = rig.act("dgate_up", N * 2 * H); // [N, 2H], overwritten
     let dout = rig.act("dout", N * H); // [N, H]
     let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]
-    let op = Op::SwigluBackward {
+    let op = Op::GluBackward {
         dinp,
         dout,
         inp,
         rows: ROWS,
         h: H,
+        act: GluAct::Silu,
     };
     let op = rig.op(op, Bind::None);
     let mut s = rig.start(be);

@@ -52,6 +52,7 @@ pub fn encoder_vocab_part(be: &dyn Backend, p: Precision) {
             first_token: PART.start,
             rows: ROWS,
             c: C,
+            scale: 1.0,
         };
         let fwd = rig.op(fwd, Bind::Params);
         let bwd = Op::EncoderBackward {
@@ -63,6 +64,7 @@ pub fn encoder_vocab_part(be: &dyn Backend, p: Precision) {
             first_token: PART.start,
             rows: ROWS,
             c: C,
+            scale: 1.0,
         };
         let bwd = rig.op(bwd, Bind::Grads);
         let mut s = rig.start(be);

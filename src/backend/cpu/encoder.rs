@@ -39,7 +39,8 @@ const ACC_COLS: usize = 64;
 /// column slice instead (same additions in the same order).
 const HIT_CAP: usize = 4096;
 
-/// `out = wte[tokens] (+ wpe[position] when given), summed in f32 and rounded once to T`.
+/// `out = scale · wte[tokens] (+ wpe[position] when given), in f32 and rounded once to T`
+/// (`scale` is Gemma's √C, 1 elsewhere: a product by 1 is exact).
 /// A row's position is `t` in its sequence, or `positions[b, t]` when given (rows that pack
 /// several examples: the position inside the row's example). `wte`'s rows are the token ids
 /// `first_token..`; a token outside them has a zero row.
@@ -51,6 +52,7 @@ pub fn encoder_forward<T: Elem, W: Elem>(
     wpe: Option<&[W]>,         // [maxT, C], only the first T rows used (learned positions)
     positions: Option<&[u32]>, // [B, T], each below T
     first_token: usize,
+    scale: f32,
     b: usize,
     t: usize,
     c: usize,
@@ -83,12 +85,17 @@ pub fn encoder_forward<T: Elem, W: Elem>(
                 match (e, p) {
                     (Some(e), Some(p)) => {
                         for ((o, &e), &p) in o.iter_mut().zip(e).zip(p) {
-                            *o = T::from_f32(e.to_f32() + p.to_f32());
+                            *o = T::from_f32(e.to_f32() * scale + p.to_f32());
                         }
                     }
-                    (Some(x), None) | (None, Some(x)) => {
-                        for (o, &x) in o.iter_mut().zip(x) {
-                            *o = T::from_f32(x.to_f32());
+                    (Some(e), None) => {
+                        for (o, &e) in o.iter_mut().zip(e) {
+                            *o = T::from_f32(e.to_f32() * scale);
+                        }
+                    }
+                    (None, Some(p)) => {
+                        for (o, &p) in o.iter_mut().zip(p) {
+                            *o = T::from_f32(p.to_f32());
                         }
                     }
                     (None, None) => o.fill(T::from_f32(0.0)),
@@ -97,7 +104,7 @@ pub fn encoder_forward<T: Elem, W: Elem>(
         });
 }
 
-/// `dwte[tokens[b, t]] += dout[b, t]; dwpe[t] += Σ_b dout[b, t]` (when given; with
+/// `dwte[tokens[b, t]] += scale · dout[b, t]; dwpe[t] += Σ_b dout[b, t]` (when given; with
 /// `positions`, `dwpe[positions[r]] += dout[r]` over the rows `r` in order).
 ///
 /// Every element receives its contributions in token order, added in f32 to its widened
@@ -114,6 +121,7 @@ pub fn encoder_backward<T: Elem>(
     tokens: &[u32],            // [B, T]
     positions: Option<&[u32]>, // [B, T], each below T
     first_token: usize,
+    scale: f32,
     b: usize,
     t: usize,
     c: usize,
@@ -140,7 +148,7 @@ pub fn encoder_backward<T: Elem>(
                     if tok >= lo && tok < hi {
                         let d = &mut block[(tok - lo) * c..(tok - lo + 1) * c];
                         for (d, &g) in d.iter_mut().zip(dy) {
-                            *d = T::from_f32(d.to_f32() + g.to_f32());
+                            *d = T::from_f32(d.to_f32() + scale * g.to_f32());
                         }
                     }
                 }
@@ -149,7 +157,7 @@ pub fn encoder_backward<T: Elem>(
         dwte.par_chunks_mut(ACC_ROWS * c)
             .enumerate()
             .for_each(|(bi, block)| {
-                dwte_block_acc(block, first_token + bi * ACC_ROWS, dout, tokens, c)
+                dwte_block_acc(block, first_token + bi * ACC_ROWS, dout, tokens, scale, c)
             });
     }
     let Some(dwpe) = dwpe else {
@@ -184,6 +192,7 @@ multiversion! {
         lo: usize,
         dout: &[T],      // [N, C]
         tokens: &[u32],  // [N]
+        scale: f32,
         c: usize,
     ) {
         let rows = block.len() / c;
@@ -215,7 +224,7 @@ multiversion! {
                     }
                 }
                 for (a, &g) in a.iter_mut().zip(&dout[r * c + c0..r * c + c0 + w]) {
-                    *a += g.to_f32();
+                    *a += scale * g.to_f32();
                 }
             };
             if listed {
@@ -288,6 +297,7 @@ pub mod naive {
         wpe: &[f32],               // [maxT, C], only the first T rows used
         positions: Option<&[u32]>, // [B, T]
         first_token: usize,
+        scale: f32,
         b: usize,
         t: usize,
         c: usize,
@@ -304,7 +314,7 @@ pub mod naive {
                     } else {
                         0.0
                     };
-                    out[(bb * t + tt) * c + i] = e + wpe[pos * c + i];
+                    out[(bb * t + tt) * c + i] = e * scale + wpe[pos * c + i];
                 }
             }
         }
@@ -318,6 +328,7 @@ pub mod naive {
         tokens: &[u32],            // [B, T]
         positions: Option<&[u32]>, // [B, T]
         first_token: usize,
+        scale: f32,
         b: usize,
         t: usize,
         c: usize,
@@ -331,7 +342,7 @@ pub mod naive {
                 for i in 0..c {
                     let g = dout[(bb * t + tt) * c + i];
                     if held {
-                        dwte[(tok - first_token) * c + i] += g;
+                        dwte[(tok - first_token) * c + i] += scale * g;
                     }
                     dwpe[pos * c + i] += g;
                 }
@@ -379,8 +390,8 @@ mod tests {
             let wpe = randn(mt * c, 1.0, 50 + si as u64);
             let tok = tokens(b * t, v, si as u64);
             let (mut o1, mut o2) = (vec![f32::NAN; b * t * c], vec![0.0; b * t * c]);
-            encoder_forward(&mut o1, &tok, &wte, Some(&wpe), None, 0, b, t, c);
-            naive::encoder_forward(&mut o2, &tok, &wte, &wpe, None, 0, b, t, c);
+            encoder_forward(&mut o1, &tok, &wte, Some(&wpe), None, 0, 1.0, b, t, c);
+            naive::encoder_forward(&mut o2, &tok, &wte, &wpe, None, 0, 1.0, b, t, c);
             assert_eq!(o1, o2, "{b}x{t}x{c}");
         }
     }
@@ -393,21 +404,32 @@ mod tests {
             let wte = randn(v * c, 1.0, si as u64);
             let tok = tokens(b * t, v, si as u64);
             let mut out = vec![f32::NAN; b * t * c];
-            encoder_forward::<f32, f32>(&mut out, &tok, &wte, None, None, 0, b, t, c);
+            encoder_forward::<f32, f32>(&mut out, &tok, &wte, None, None, 0, 1.0, b, t, c);
             for (r, row) in out.chunks_exact(c).enumerate() {
                 let k = tok[r] as usize;
                 assert_eq!(row, &wte[k * c..(k + 1) * c], "row {r}");
             }
             let mut narrow = vec![bf16::ZERO; b * t * c];
-            encoder_forward(&mut narrow, &tok, &wte, None, None, 0, b, t, c);
+            encoder_forward(&mut narrow, &tok, &wte, None, None, 0, 1.0, b, t, c);
             let rounded: Vec<bf16> = out.iter().map(|&x| bf16::from_f32(x)).collect();
             assert_eq!(narrow, rounded);
             let dout = randn(b * t * c, 1.0, 100 + si as u64);
             let dwte0 = randn(v * c, 1.0, 200 + si as u64);
             let (mut with, mut without) = (dwte0.clone(), dwte0.clone());
             let mut dwpe = vec![0.0; mt * c];
-            encoder_backward(&mut with, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
-            encoder_backward(&mut without, None, &dout, &tok, None, 0, b, t, c);
+            encoder_backward(
+                &mut with,
+                Some(&mut dwpe),
+                &dout,
+                &tok,
+                None,
+                0,
+                1.0,
+                b,
+                t,
+                c,
+            );
+            encoder_backward(&mut without, None, &dout, &tok, None, 0, 1.0, b, t, c);
             assert_eq!(with, without, "{b}x{t}x{c}");
         }
     }
@@ -421,7 +443,7 @@ mod tests {
             let dwpe0 = randn(mt * c, 1.0, 300 + si as u64);
             let run = || {
                 let (mut a, mut p) = (dwte0.clone(), dwpe0.clone());
-                encoder_backward(&mut a, Some(&mut p), &dout, &tok, None, 0, b, t, c);
+                encoder_backward(&mut a, Some(&mut p), &dout, &tok, None, 0, 1.0, b, t, c);
                 (a, p)
             };
             let (a1, p1) = with_threads(1, run);
@@ -430,13 +452,50 @@ mod tests {
                 "thread count changed result"
             );
             let (mut a2, mut p2) = (dwte0.clone(), dwpe0.clone());
-            naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, None, 0, b, t, c);
+            naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, None, 0, 1.0, b, t, c);
             let what = format!("{b}x{t}x{c}");
             assert_close(&a1, &a2, 1e-5, 1e-5, &format!("dwte {what}"));
             assert_close(&p1, &p2, 1e-5, 1e-5, &format!("dwpe {what}"));
             // Rows of wpe beyond T are untouched.
             assert_eq!(&p1[t * c..], &dwpe0[t * c..]);
         }
+    }
+
+    /// A scale (Gemma's √C) multiplies the token rows in the forward and their gradient in
+    /// the backward, not the positions': as the naive twin, for f32 and (rounded once) bf16.
+    #[test]
+    fn scaled_tokens() {
+        let (b, t, c, v, mt) = (2, 5, 3, 6, 8);
+        let scale = 24f32.sqrt();
+        let (wte, wpe, tok) = (
+            randn(v * c, 1.0, 1),
+            randn(mt * c, 1.0, 2),
+            tokens(b * t, v, 3),
+        );
+        let mut got = vec![f32::NAN; b * t * c];
+        encoder_forward(&mut got, &tok, &wte, Some(&wpe), None, 0, scale, b, t, c);
+        let mut want = vec![0.0; b * t * c];
+        naive::encoder_forward(&mut want, &tok, &wte, &wpe, None, 0, scale, b, t, c);
+        assert_eq!(got, want);
+        let mut unscaled = vec![0.0; b * t * c];
+        encoder_forward(&mut unscaled, &tok, &wte, None, None, 0, scale, b, t, c);
+        assert_eq!(unscaled[0], wte[tok[0] as usize * c] * scale);
+        let dout = randn(b * t * c, 1.0, 4);
+        let (mut dw, mut dp) = (vec![0.0; v * c], vec![0.0; mt * c]);
+        encoder_backward(&mut dw, Some(&mut dp), &dout, &tok, None, 0, scale, b, t, c);
+        let (mut dw2, mut dp2) = (vec![0.0; v * c], vec![0.0; mt * c]);
+        naive::encoder_backward(&mut dw2, &mut dp2, &dout, &tok, None, 0, scale, b, t, c);
+        assert_close(&dw, &dw2, 1e-6, 1e-6, "scaled dwte");
+        assert_close(&dp, &dp2, 1e-6, 1e-6, "dwpe unscaled");
+        // bf16 storage: the f32 sums of scaled contributions, rounded once.
+        let d16: Vec<bf16> = dout.iter().map(|&x| bf16::from_f32(x)).collect();
+        let mut dw16 = vec![bf16::ZERO; v * c];
+        encoder_backward(&mut dw16, None, &d16, &tok, None, 0, scale, b, t, c);
+        let widened: Vec<f32> = d16.iter().map(|x| x.to_f32()).collect();
+        let mut dw32 = vec![0.0; v * c];
+        encoder_backward(&mut dw32, None, &widened, &tok, None, 0, scale, b, t, c);
+        let rounded: Vec<bf16> = dw32.iter().map(|&x| bf16::from_f32(x)).collect();
+        assert_eq!(dw16, rounded);
     }
 
     /// Packed rows: a row's positions restart at each example, for the forward's wpe rows and
@@ -457,12 +516,24 @@ mod tests {
             Some(&wpe),
             Some(&positions),
             0,
+            1.0,
             b,
             t,
             c,
         );
         let mut want = vec![0.0; b * t * c];
-        naive::encoder_forward(&mut want, &tok, &wte, &wpe, Some(&positions), 0, b, t, c);
+        naive::encoder_forward(
+            &mut want,
+            &tok,
+            &wte,
+            &wpe,
+            Some(&positions),
+            0,
+            1.0,
+            b,
+            t,
+            c,
+        );
         assert_eq!(got, want);
         let dout = randn(b * t * c, 1.0, 4);
         let (dwte0, dwpe0) = (randn(v * c, 1.0, 5), randn(mt * c, 1.0, 6));
@@ -474,12 +545,24 @@ mod tests {
             &tok,
             Some(&positions),
             0,
+            1.0,
             b,
             t,
             c,
         );
         let (mut a2, mut p2) = (dwte0.clone(), dwpe0.clone());
-        naive::encoder_backward(&mut a2, &mut p2, &dout, &tok, Some(&positions), 0, b, t, c);
+        naive::encoder_backward(
+            &mut a2,
+            &mut p2,
+            &dout,
+            &tok,
+            Some(&positions),
+            0,
+            1.0,
+            b,
+            t,
+            c,
+        );
         assert_close(&a, &a2, 1e-6, 1e-6, "dwte");
         assert_close(&p, &p2, 1e-6, 1e-6, "dwpe");
         // Identity positions: bitwise the unpacked kernels, for f32 and bf16.
@@ -489,9 +572,20 @@ mod tests {
         let dwte16: Vec<bf16> = dwte0.iter().map(|&x| bf16::from_f32(x)).collect();
         let run = |given: Option<&[u32]>| {
             let mut o = vec![f32::NAN; b * t * c];
-            encoder_forward(&mut o, &tok, &wte, Some(&wpe), given, 0, b, t, c);
+            encoder_forward(&mut o, &tok, &wte, Some(&wpe), given, 0, 1.0, b, t, c);
             let (mut dw, mut dp) = (dwte16.clone(), dwpe16.clone());
-            encoder_backward(&mut dw, Some(&mut dp), &dout16, &tok, given, 0, b, t, c);
+            encoder_backward(
+                &mut dw,
+                Some(&mut dp),
+                &dout16,
+                &tok,
+                given,
+                0,
+                1.0,
+                b,
+                t,
+                c,
+            );
             (bits(&o), bits(&dw), bits(&dp))
         };
         assert!(run(Some(&identity)) == run(None), "identity positions");
@@ -506,11 +600,11 @@ mod tests {
         let g = randn(b * t * c, 1.0, 3);
         let loss = |wte: &[f32], wpe: &[f32]| {
             let mut o = vec![0.0; b * t * c];
-            naive::encoder_forward(&mut o, &tok, wte, wpe, None, 0, b, t, c);
+            naive::encoder_forward(&mut o, &tok, wte, wpe, None, 0, 1.0, b, t, c);
             dot(&g, &o)
         };
         let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; mt * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &g, &tok, None, 0, b, t, c);
+        encoder_backward(&mut dwte, Some(&mut dwpe), &g, &tok, None, 0, 1.0, b, t, c);
         assert_close(
             &dwte,
             &fd_grad(&wte, 1e-2, |x| loss(x, &wpe)),
@@ -544,8 +638,19 @@ mod tests {
             let mut dwte: Vec<S> = stored::<T, S>(&randn(v * c, 1.0, 200 + si));
             let mut dwpe: Vec<S> = stored::<T, S>(&randn(mt * c, 1.0, 300 + si));
             let mut o = vec![S::from_f32(f32::NAN); b * t * c];
-            encoder_forward(&mut o, &tok, &wte, Some(&wpe), None, 0, b, t, c);
-            encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
+            encoder_forward(&mut o, &tok, &wte, Some(&wpe), None, 0, 1.0, b, t, c);
+            encoder_backward(
+                &mut dwte,
+                Some(&mut dwpe),
+                &dout,
+                &tok,
+                None,
+                0,
+                1.0,
+                b,
+                t,
+                c,
+            );
             vec![
                 Out::stored("out", &o),
                 Out::stored("dwte", &dwte),
@@ -589,7 +694,18 @@ mod tests {
         let tok = vec![129u32; b * t];
         let dout = vec![one; b * t * c];
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
+        encoder_backward(
+            &mut dwte,
+            Some(&mut dwpe),
+            &dout,
+            &tok,
+            None,
+            0,
+            1.0,
+            b,
+            t,
+            c,
+        );
         assert!(dwte[129 * c..].iter().all(|&x| x.to_f32() == 300.0), "dwte");
         assert!(dwte[..129 * c].iter().all(|&x| x == bf16::ZERO));
         assert!(dwpe.iter().all(|&x| x.to_f32() == 300.0), "dwpe");
@@ -604,7 +720,18 @@ mod tests {
         dout[c] = bf16::from_f32(f32::NAN); // token 150, position 1, channel 0
         dout[2] = bf16::from_f32(f32::INFINITY); // token 3, position 0, channel 2
         let (mut dwte, mut dwpe) = (vec![bf16::ZERO; v * c], vec![bf16::ZERO; t * c]);
-        encoder_backward(&mut dwte, Some(&mut dwpe), &dout, &tok, None, 0, b, t, c);
+        encoder_backward(
+            &mut dwte,
+            Some(&mut dwpe),
+            &dout,
+            &tok,
+            None,
+            0,
+            1.0,
+            b,
+            t,
+            c,
+        );
         assert!(dwte[150 * c].is_nan() && dwpe[c].is_nan());
         assert!(dwte[3 * c + 2].is_infinite() && dwpe[2].is_infinite());
         let finite = |x: &[bf16]| x.iter().filter(|v| v.is_finite()).count();
@@ -615,7 +742,7 @@ mod tests {
         wte[7 * c + 1] = bf16::NAN; // token 7: row 3
         let mut wpe = vec![bf16::ONE; t * c];
         wpe[2] = bf16::INFINITY; // position 0: rows 0 and 2
-        encoder_forward(&mut out, &tok, &wte, Some(&wpe), None, 0, b, t, c);
+        encoder_forward(&mut out, &tok, &wte, Some(&wpe), None, 0, 1.0, b, t, c);
         assert!(out[3 * c + 1].is_nan() && out[2].is_infinite() && out[2 * c + 2].is_infinite());
         assert_eq!(finite(&out), b * t * c - 3);
     }
@@ -630,9 +757,20 @@ mod tests {
             randn(b * t * c, 1.0, 7),
         );
         let mut whole = vec![0.0; b * t * c];
-        encoder_forward(&mut whole, &tok, &wte, Some(&wpe), None, 0, b, t, c);
+        encoder_forward(&mut whole, &tok, &wte, Some(&wpe), None, 0, 1.0, b, t, c);
         let (mut dwhole, mut dpos) = (vec![0.0; v * c], vec![0.0; t * c]);
-        encoder_backward(&mut dwhole, Some(&mut dpos), &dout, &tok, None, 0, b, t, c);
+        encoder_backward(
+            &mut dwhole,
+            Some(&mut dpos),
+            &dout,
+            &tok,
+            None,
+            0,
+            1.0,
+            b,
+            t,
+            c,
+        );
         // Three ranks' parts, the first adding the positions: their sum is the whole.
         let mut sum = vec![0.0f32; b * t * c];
         let mut dparts = Vec::new();
@@ -640,15 +778,17 @@ mod tests {
             let table = &wte[part.start * c..part.end * c];
             let mut out = vec![f32::NAN; b * t * c];
             let pos = (r == 0).then_some(&wpe[..]);
-            encoder_forward(&mut out, &tok, table, pos, None, part.start, b, t, c);
+            encoder_forward(&mut out, &tok, table, pos, None, part.start, 1.0, b, t, c);
             let mut twin = vec![0.0; b * t * c];
             let zeros = vec![0.0; t * c];
             let twin_pos = if r == 0 { &wpe[..] } else { &zeros[..] };
-            naive::encoder_forward(&mut twin, &tok, table, twin_pos, None, part.start, b, t, c);
+            naive::encoder_forward(
+                &mut twin, &tok, table, twin_pos, None, part.start, 1.0, b, t, c,
+            );
             assert_eq!(out, twin, "part {part:?}");
             sum.iter_mut().zip(&out).for_each(|(s, o)| *s += o);
             let mut d = vec![0.0; part.len() * c];
-            encoder_backward(&mut d, None, &dout, &tok, None, part.start, b, t, c);
+            encoder_backward(&mut d, None, &dout, &tok, None, part.start, 1.0, b, t, c);
             dparts.extend(d);
         }
         assert_eq!(sum, whole);

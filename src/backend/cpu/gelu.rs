@@ -29,6 +29,22 @@ fn sig2u(x: f32) -> (f32, f32) {
     (sg, e * sg)
 }
 
+/// gelu(x) = x·σ(2u): the arithmetic of every GELU here (and of GeGLU's gate, `glu.rs`).
+#[inline(always)]
+pub(super) fn gelu(x: f32) -> f32 {
+    x * sig2u(x).0
+}
+
+/// gelu'(x) = σ(2u) + 2·x·σ(2u)·(1 − σ(2u))·sqrt(2/π)·(1 + 3·0.044715·x²).
+#[inline(always)]
+pub(super) fn gelu_grad(x: f32) -> f32 {
+    let (sg, one_minus) = sig2u(x);
+    // Beyond |x| = 12 the second term is below 1e-30; clamping keeps x³ finite.
+    let xc = x.clamp(-12.0, 12.0); // NaN stays NaN
+    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_K * xc * xc);
+    sg + 2.0 * xc * sg * one_minus * du
+}
+
 multiversion! {
     /// One chunk of the forward.
     fn forward_chunk<T: Elem>(
@@ -36,8 +52,7 @@ multiversion! {
         x: &[T],     // [len]
     ) {
         for (o, &x) in o.iter_mut().zip(x) {
-            let x = x.to_f32();
-            *o = T::from_f32(x * sig2u(x).0);
+            *o = T::from_f32(gelu(x.to_f32()));
         }
     }
 }
@@ -49,12 +64,7 @@ multiversion! {
         x: &[T],     // [len]
     ) {
         for (d, &x) in d.iter_mut().zip(x) {
-            let x = x.to_f32();
-            let (sg, one_minus) = sig2u(x);
-            // Beyond |x| = 12 the second term is below 1e-30; clamping keeps x³ finite.
-            let xc = x.clamp(-12.0, 12.0); // NaN stays NaN
-            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_K * xc * xc);
-            *d = T::from_f32(d.to_f32() * (sg + 2.0 * xc * sg * one_minus * du));
+            *d = T::from_f32(d.to_f32() * gelu_grad(x.to_f32()));
         }
     }
 }

@@ -15,7 +15,7 @@
 //! - [`gemm`]: the GEMMs ([`gemm::f32`], [`gemm::bf16_dot`], [`gemm::mixed`]).
 //! - the layers: [`encoder`], [`layernorm`] and [`rmsnorm`], [`matmul`] (the linear layer, on
 //!   [`gemm`]), [`attention`], [`rope`] (rotary position embedding, in place on q|k|v),
-//!   [`gelu`] and [`swiglu`] (the Llama MLP's activation), [`xent`], [`lora`] (an adapter
+//!   [`gelu`] and [`glu`] (the gated MLPs' activations: SwiGLU, GeGLU), [`xent`], [`lora`] (an adapter
 //!   on a frozen linear layer); the optimizers [`adamw`]
 //!   and [`quant`] (compressed optimizer state); [`peak`] (the machine's measured FMA
 //!   ceiling).
@@ -54,6 +54,7 @@ pub mod encoder;
 pub mod features;
 pub mod gelu;
 pub mod gemm;
+pub mod glu;
 pub mod layernorm;
 pub mod lora;
 pub mod matmul;
@@ -63,7 +64,6 @@ pub mod quant;
 pub mod reduce;
 pub mod rmsnorm;
 pub mod rope;
-pub mod swiglu;
 pub mod xent;
 pub mod xent_part;
 

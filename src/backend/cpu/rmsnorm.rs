@@ -1,6 +1,9 @@
 //! RMS normalisation over the channel dimension of `[N, C]` rows (Llama's norm, as
-//! transformers' `LlamaRMSNorm` computes it): `out = x · rstd · weight`,
-//! `rstd = 1 / sqrt(mean(x²) + eps)`, statistics in f32; no mean subtraction, no bias.
+//! transformers' `LlamaRMSNorm` computes it): `out = x · rstd · gain`,
+//! `rstd = 1 / sqrt(mean(x²) + eps)`, statistics in f32; no mean subtraction, no bias. The
+//! gain ([`Gain`]) is the weight, or Gemma's `1 + weight` (`Gemma3RMSNorm`, whose weights
+//! start at 0); the forward may add a residual to its output (Gemma's post-norms:
+//! `residual + post_attention_layernorm(o)`).
 //!
 //! Forward is parallel over rows; `Σ x²` is an f32 sum in 16 lanes. Backward runs two
 //! parallel passes with no workspace: one over rows for the input gradient (which
@@ -28,13 +31,52 @@ use crate::dtype::Elem;
 use rayon::prelude::*;
 use std::ops::Range;
 
-/// RMS-norm forward; also stores each row's 1/rms for the backward pass.
+/// A norm's per-channel gain: `offset + w` (Gemma's `1 + w`; the weight itself with offset
+/// 0, where adding +0 changes no value but a −0 weight's sign).
+#[derive(Clone, Copy, Debug)]
+pub struct Gain<'a, W> {
+    pub w: &'a [W],
+    pub offset: f32,
+}
+
+impl<'a, W: Elem> Gain<'a, W> {
+    /// The weight itself (Llama's, GPT-2's).
+    pub fn plain(w: &'a [W]) -> Self {
+        Gain { w, offset: 0.0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.w.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.w.is_empty()
+    }
+
+    /// The gains of channels `r` (a head's, a lane block's).
+    fn slice(&self, r: Range<usize>) -> Gain<'a, W> {
+        Gain {
+            w: &self.w[r],
+            offset: self.offset,
+        }
+    }
+}
+
+/// The gain of one weight element.
+#[inline(always)]
+fn gain<W: Elem>(w: W, offset: f32) -> f32 {
+    w.to_f32() + offset
+}
+
+/// RMS-norm forward, `out = (residual +) x · rstd · gain`; also stores each row's 1/rms for
+/// the backward pass.
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_forward<T: Elem, W: Elem>(
-    out: &mut [T],    // [N, C]
-    rstd: &mut [f32], // [N]
-    inp: &[T],        // [N, C]
-    weight: &[W],     // [C]
+    out: &mut [T],          // [N, C]
+    residual: Option<&[T]>, // [N, C]
+    rstd: &mut [f32],       // [N]
+    inp: &[T],              // [N, C]
+    weight: Gain<W>,        // [C]
     n: usize,
     c: usize,
     eps: f32,
@@ -43,33 +85,54 @@ pub fn rmsnorm_forward<T: Elem, W: Elem>(
     assert_eq!(rstd.len(), n, "rmsnorm_forward: rstd");
     assert_eq!(inp.len(), n * c, "rmsnorm_forward: inp");
     assert_eq!(weight.len(), c, "rmsnorm_forward: weight");
+    assert!(
+        residual.is_none_or(|r| r.len() == n * c),
+        "rmsnorm_forward: residual"
+    );
     if n == 0 || c == 0 {
         return;
     }
     let rows = rows_per_task(c);
-    out.par_chunks_mut(rows * c)
+    let work = out
+        .par_chunks_mut(rows * c)
         .zip(inp.par_chunks(rows * c))
         .zip(rstd.par_chunks_mut(rows))
-        .for_each(|((out, inp), rstd)| forward_rows(out, inp, rstd, weight, c, eps));
+        .enumerate();
+    work.for_each(|(i, ((out, inp), rstd))| {
+        let res = residual.map(|r| &r[i * rows * c..][..out.len()]);
+        forward_rows(out, res, inp, rstd, weight, c, eps)
+    });
 }
 
 multiversion! {
     /// Forward over a few whole rows.
     fn forward_rows<T: Elem, W: Elem>(
-        out: &mut [T],    // [rows, C]
-        inp: &[T],        // [rows, C]
-        rstd: &mut [f32], // [rows]
-        weight: &[W],     // [C]
+        out: &mut [T],          // [rows, C]
+        residual: Option<&[T]>, // [rows, C]
+        inp: &[T],              // [rows, C]
+        rstd: &mut [f32],       // [rows]
+        weight: Gain<W>,        // [C]
         c: usize,
         eps: f32,
     ) {
+        let (wt, off) = (weight.w, weight.offset);
         let it = out.chunks_exact_mut(c).zip(inp.chunks_exact(c));
-        for ((o, x), rs) in it.zip(rstd.iter_mut()) {
+        for (r, ((o, x), rs)) in it.zip(rstd.iter_mut()).enumerate() {
             // Σ (x - 0)² = Σ x²: the shared 16-lane sum of squared deviations.
             let ms = sum_sq_dev_f32(x, 0.0) / c as f32;
             let s = 1.0 / (ms + eps).sqrt();
-            for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
-                *o = T::from_f32(x.to_f32() * s * w.to_f32());
+            match residual {
+                None => {
+                    for ((o, &x), &w) in o.iter_mut().zip(x).zip(wt) {
+                        *o = T::from_f32(x.to_f32() * s * gain(w, off));
+                    }
+                }
+                Some(res) => {
+                    let res = &res[r * c..(r + 1) * c];
+                    for (((o, &x), &w), &y) in o.iter_mut().zip(x).zip(wt).zip(res) {
+                        *o = T::from_f32(y.to_f32() + x.to_f32() * s * gain(w, off));
+                    }
+                }
             }
             *rs = s;
         }
@@ -77,14 +140,15 @@ multiversion! {
 }
 
 /// RMS-norm backward. `dinp` ACCUMULATES (`+=`), as does `dweight`. With x̂ = x·rstd and
-/// g = dout·w: dinp += rstd·(g − x̂·mean(g·x̂)), dweight += Σ_rows dout·x̂.
+/// g = dout·gain: dinp += rstd·(g − x̂·mean(g·x̂)), dweight += Σ_rows dout·x̂ (the offset is
+/// a constant: the weight's gradient is the gain's).
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_backward<T: Elem, W: Elem>(
     dinp: &mut [T],    // [N, C] +=
     dweight: &mut [T], // [C] +=
     dout: &[T],        // [N, C]
     inp: &[T],         // [N, C]
-    weight: &[W],      // [C]
+    weight: Gain<W>,   // [C]
     rstd: &[f32],      // [N]
     n: usize,
     c: usize,
@@ -105,11 +169,11 @@ pub fn rmsnorm_backward<T: Elem, W: Elem>(
 /// The input gradient alone (a frozen RMS norm's backward, whose weight takes no gradient):
 /// `dinp` exactly as [`rmsnorm_backward`] computes it.
 pub fn rmsnorm_backward_input<T: Elem, W: Elem>(
-    dinp: &mut [T], // [N, C] +=
-    dout: &[T],     // [N, C]
-    inp: &[T],      // [N, C]
-    weight: &[W],   // [C]
-    rstd: &[f32],   // [N]
+    dinp: &mut [T],  // [N, C] +=
+    dout: &[T],      // [N, C]
+    inp: &[T],       // [N, C]
+    weight: Gain<W>, // [C]
+    rstd: &[f32],    // [N]
     n: usize,
     c: usize,
 ) {
@@ -140,7 +204,7 @@ pub fn qk_norm_forward<T: Elem, W: Elem>(
     out: &mut [T],    // [N, QKV], QKV = (NH + 2·NKV)·hd
     rstd: &mut [f32], // [N, NH + NKV]
     inp: &[T],        // [N, QKV]
-    weight: &[W],     // [2, hd]: q_norm, k_norm
+    weight: Gain<W>,  // [2, hd]: q_norm, k_norm
     n: usize,
     (nh, nkv, hd): (usize, usize, usize),
     eps: f32,
@@ -153,7 +217,7 @@ pub fn qk_norm_forward<T: Elem, W: Elem>(
     if n == 0 || hd == 0 {
         return;
     }
-    let (wq, wk) = weight.split_at(hd);
+    let (wq, wk) = (weight.slice(0..hd), weight.slice(hd..2 * hd));
     let (q, k) = (nh * hd, (nh + nkv) * hd);
     let rows = rows_per_task(qkv);
     out.par_chunks_mut(rows * qkv)
@@ -163,8 +227,8 @@ pub fn qk_norm_forward<T: Elem, W: Elem>(
             let it = out.chunks_exact_mut(qkv).zip(inp.chunks_exact(qkv));
             for ((o, x), rs) in it.zip(rstd.chunks_exact_mut(heads)) {
                 let (rq, rk) = rs.split_at_mut(nh);
-                forward_rows(&mut o[..q], &x[..q], rq, wq, hd, eps);
-                forward_rows(&mut o[q..k], &x[q..k], rk, wk, hd, eps);
+                forward_rows(&mut o[..q], None, &x[..q], rq, wq, hd, eps);
+                forward_rows(&mut o[q..k], None, &x[q..k], rk, wk, hd, eps);
                 o[k..].copy_from_slice(&x[k..]);
             }
         });
@@ -180,7 +244,7 @@ pub fn qk_norm_backward<T: Elem, W: Elem>(
     d: &mut [T],               // [N, QKV] in: dout, out: dinp
     dweight: Option<&mut [T]>, // [2, hd] +=
     inp: &[T],                 // [N, QKV]
-    weight: &[W],              // [2, hd]
+    weight: Gain<W>,           // [2, hd]
     rstd: &[f32],              // [N, NH + NKV]
     n: usize,
     (nh, nkv, hd): (usize, usize, usize),
@@ -215,7 +279,7 @@ pub fn qk_norm_backward<T: Elem, W: Elem>(
             }
         }
     }
-    let (wq, wk) = weight.split_at(hd);
+    let (wq, wk) = (weight.slice(0..hd), weight.slice(hd..2 * hd));
     let rows = rows_per_task(qkv);
     d.par_chunks_mut(rows * qkv)
         .zip(inp.par_chunks(rows * qkv))
@@ -260,15 +324,15 @@ fn qk_norm_cols<T: Elem>(
 /// g = w·dout, x̂ = x·rstd (as [`rmsnorm_backward_input`], overwriting).
 #[inline(always)]
 fn qk_norm_head_input<T: Elem, W: Elem>(
-    d: &mut [T], // [hd]
-    x: &[T],     // [hd]
-    w: &[W],     // [hd]
+    d: &mut [T],     // [hd]
+    x: &[T],         // [hd]
+    weight: Gain<W>, // [hd]
     s: f32,
 ) {
-    let mean_gn = row_sum_gn(d, x, w, s) / d.len() as f32;
-    for ((d, &x), &w) in d.iter_mut().zip(x).zip(w) {
+    let mean_gn = row_sum_gn(d, x, weight, s) / d.len() as f32;
+    for ((d, &x), &w) in d.iter_mut().zip(x).zip(weight.w) {
         let norm = x.to_f32() * s;
-        let g = w.to_f32() * d.to_f32();
+        let g = gain(w, weight.offset) * d.to_f32();
         *d = T::from_f32((g - norm * mean_gn) * s);
     }
 }
@@ -280,15 +344,15 @@ multiversion! {
         dout: &[T],       // [rows, C]
         inp: &[T],        // [rows, C]
         rstd: &[f32],     // [rows]
-        weight: &[W],     // [C]
+        weight: Gain<W>,  // [C]
         c: usize,
     ) {
         let it = dinp.chunks_exact_mut(c).zip(dout.chunks_exact(c)).zip(inp.chunks_exact(c));
         for (((di, dy), x), &s) in it.zip(rstd) {
             let mean_gn = row_sum_gn(dy, x, weight, s) / c as f32;
-            for (((d, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight) {
+            for (((d, &dy), &x), &w) in di.iter_mut().zip(dy).zip(x).zip(weight.w) {
                 let norm = x.to_f32() * s;
-                let g = w.to_f32() * dy.to_f32();
+                let g = gain(w, weight.offset) * dy.to_f32();
                 *d = T::from_f32(d.to_f32() + (g - norm * mean_gn) * s);
             }
         }
@@ -321,49 +385,53 @@ multiversion! {
     }
 }
 
-/// Σ (w·dy)·(x·rstd) over one row, in 16 f32 lanes.
+/// Σ (gain·dy)·(x·rstd) over one row, in 16 f32 lanes.
 #[inline(always)]
 fn row_sum_gn<T: Elem, W: Elem>(
-    dy: &[T], // [C]
-    x: &[T],  // [C]
-    w: &[W],  // [C]
+    dy: &[T],        // [C]
+    x: &[T],         // [C]
+    weight: Gain<W>, // [C]
     s: f32,
 ) -> f32 {
     const L: usize = 16;
     let mut acc = [0.0f32; L];
+    let off = weight.offset;
     #[inline(always)]
     fn lanes<T: Elem, W: Elem>(
         acc: &mut [f32], // [L]
         dy: &[T],        // [<= L]
         x: &[T],         // [<= L]
         w: &[W],         // [<= L]
-        s: f32,
+        (s, off): (f32, f32),
     ) {
         for (((a, &dy), &x), &w) in acc.iter_mut().zip(dy).zip(x).zip(w) {
-            *a += (w.to_f32() * dy.to_f32()) * (x.to_f32() * s);
+            *a += (gain(w, off) * dy.to_f32()) * (x.to_f32() * s);
         }
     }
+    let w = weight.w;
     let mut it = dy
         .chunks_exact(L)
         .zip(x.chunks_exact(L))
         .zip(w.chunks_exact(L));
     for ((dy, x), w) in &mut it {
-        lanes(&mut acc, dy, x, w, s);
+        lanes(&mut acc, dy, x, w, (s, off));
     }
     let tail = dy.len() - dy.len() % L;
-    lanes(&mut acc, &dy[tail..], &x[tail..], &w[tail..], s);
+    lanes(&mut acc, &dy[tail..], &x[tail..], &w[tail..], (s, off));
     sum_f32(&acc)
 }
 
 /// Reference twins: per-row loops in f64.
 pub mod naive {
+    use super::Gain;
+
     /// [`super::qk_norm_forward`], head by head in f64.
     #[allow(clippy::too_many_arguments)]
     pub fn qk_norm_forward(
-        out: &mut [f32],  // [N, QKV]
-        rstd: &mut [f32], // [N, NH + NKV]
-        inp: &[f32],      // [N, QKV]
-        weight: &[f32],   // [2, hd]
+        out: &mut [f32],   // [N, QKV]
+        rstd: &mut [f32],  // [N, NH + NKV]
+        inp: &[f32],       // [N, QKV]
+        weight: Gain<f32>, // [2, hd]
         n: usize,
         (nh, nkv, hd): (usize, usize, usize),
         eps: f32,
@@ -373,10 +441,12 @@ pub mod naive {
         for r in 0..n {
             for h in 0..heads {
                 let at = r * qkv + h * hd;
-                let w = if h < nh { &weight[..hd] } else { &weight[hd..] };
+                let w = if h < nh { 0..hd } else { hd..2 * hd };
+                let w = weight.slice(w);
                 let mut s = [0.0f32];
                 rmsnorm_forward(
                     &mut out[at..at + hd],
+                    None,
                     &mut s,
                     &inp[at..at + hd],
                     w,
@@ -395,7 +465,7 @@ pub mod naive {
         d: &mut [f32],       // [N, QKV]
         dweight: &mut [f32], // [2, hd] +=
         inp: &[f32],         // [N, QKV]
-        weight: &[f32],      // [2, hd]
+        weight: Gain<f32>,   // [2, hd]
         rstd: &[f32],        // [N, NH + NKV]
         n: usize,
         (nh, nkv, hd): (usize, usize, usize),
@@ -410,7 +480,7 @@ pub mod naive {
                 for i in 0..hd {
                     dw[which * hd + i] += inp[at + i] as f64 * s * d[at + i] as f64;
                 }
-                let w = &weight[which * hd..(which + 1) * hd];
+                let w = weight.slice(which * hd..(which + 1) * hd);
                 let mut dx = vec![0.0f32; hd];
                 let mut scratch = vec![0.0f32; hd];
                 rmsnorm_backward(
@@ -433,10 +503,11 @@ pub mod naive {
 
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_forward(
-        out: &mut [f32],  // [N, C]
-        rstd: &mut [f32], // [N]
-        inp: &[f32],      // [N, C]
-        weight: &[f32],   // [C]
+        out: &mut [f32],          // [N, C]
+        residual: Option<&[f32]>, // [N, C]
+        rstd: &mut [f32],         // [N]
+        inp: &[f32],              // [N, C]
+        weight: Gain<f32>,        // [C]
         n: usize,
         c: usize,
         eps: f32,
@@ -446,7 +517,9 @@ pub mod naive {
             let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / c as f64;
             let s = 1.0 / (ms + eps as f64).sqrt();
             for i in 0..c {
-                out[r * c + i] = (x[i] as f64 * s * weight[i] as f64) as f32;
+                let g = weight.w[i] as f64 + weight.offset as f64;
+                let y = residual.map_or(0.0, |res| res[r * c + i] as f64);
+                out[r * c + i] = (y + x[i] as f64 * s * g) as f32;
             }
             rstd[r] = s as f32;
         }
@@ -458,7 +531,7 @@ pub mod naive {
         dweight: &mut [f32], // [C] +=
         dout: &[f32],        // [N, C]
         inp: &[f32],         // [N, C]
-        weight: &[f32],      // [C]
+        weight: Gain<f32>,   // [C]
         rstd: &[f32],        // [N]
         n: usize,
         c: usize,
@@ -466,7 +539,8 @@ pub mod naive {
         for r in 0..n {
             let s = rstd[r] as f64;
             let norm = |i: usize| inp[r * c + i] as f64 * s;
-            let g = |i: usize| weight[i] as f64 * dout[r * c + i] as f64;
+            let gain = |i: usize| weight.w[i] as f64 + weight.offset as f64;
+            let g = |i: usize| gain(i) * dout[r * c + i] as f64;
             let mean_gn = (0..c).map(|i| g(i) * norm(i)).sum::<f64>() / c as f64;
             for i in 0..c {
                 let d = (g(i) - norm(i) * mean_gn) * s;
@@ -513,14 +587,78 @@ mod tests {
         (inp, w)
     }
 
+    /// Gemma's norm: the gain `1 + w` (weights near 0) and a residual added to the output,
+    /// forward and backward, as the naive twin; the q/k norm's gain likewise. And offset 0 is
+    /// the plain weight, bitwise.
+    #[test]
+    fn offset_gain_and_residual_match_naive() {
+        for (si, &(n, c)) in SHAPES.iter().enumerate() {
+            let (inp, w) = data(n, c, si as u64 * 10 + 3);
+            let w: Vec<f32> = w.iter().map(|v| v - 1.0).collect(); // around 0
+            let gain = Gain {
+                w: &w[..],
+                offset: 1.0,
+            };
+            let res = randn(n * c, 2.0, si as u64);
+            let (mut o1, mut r1) = (vec![0.0; n * c], vec![0.0; n]);
+            rmsnorm_forward(&mut o1, Some(&res), &mut r1, &inp, gain, n, c, 1e-6);
+            let (mut o2, mut r2) = (vec![0.0; n * c], vec![0.0; n]);
+            naive::rmsnorm_forward(&mut o2, Some(&res), &mut r2, &inp, gain, n, c, 1e-6);
+            assert_close(&o1, &o2, 2e-6, 2e-6, &format!("forward {n}x{c}"));
+            let dout = randn(n * c, 1.0, si as u64 + 7);
+            let (mut di1, mut dw1) = (vec![0.5; n * c], vec![0.25; c]);
+            rmsnorm_backward(&mut di1, &mut dw1, &dout, &inp, gain, &r1, n, c);
+            let (mut di2, mut dw2) = (vec![0.5; n * c], vec![0.25; c]);
+            naive::rmsnorm_backward(&mut di2, &mut dw2, &dout, &inp, gain, &r1, n, c);
+            assert_close(&di1, &di2, 1e-4, 1e-5, &format!("dinp {n}x{c}"));
+            assert_close(&dw1, &dw2, 1e-4, 1e-5, &format!("dw {n}x{c}"));
+            // Offset 1 with weights w is offset 0 with weights 1 + w.
+            let shifted: Vec<f32> = w.iter().map(|v| v + 1.0).collect();
+            let (mut o3, mut r3) = (vec![0.0; n * c], vec![0.0; n]);
+            rmsnorm_forward(
+                &mut o3,
+                None,
+                &mut r3,
+                &inp,
+                Gain::plain(&shifted),
+                n,
+                c,
+                1e-6,
+            );
+            let (mut o4, mut r4) = (vec![0.0; n * c], vec![0.0; n]);
+            rmsnorm_forward(&mut o4, None, &mut r4, &inp, gain, n, c, 1e-6);
+            assert_eq!(bits(&o3), bits(&o4), "{n}x{c}");
+        }
+        let (n, dims) = (5, (4, 2, 8));
+        let qkv = (4 + 2 * 2) * 8;
+        let inp = randn(n * qkv, 1.0, 3);
+        let w = randn(16, 0.1, 4);
+        let gain = Gain {
+            w: &w[..],
+            offset: 1.0,
+        };
+        let (mut o1, mut r1) = (vec![0.0; n * qkv], vec![0.0; n * 6]);
+        qk_norm_forward(&mut o1, &mut r1, &inp, gain, n, dims, 1e-6);
+        let (mut o2, mut r2) = (vec![0.0; n * qkv], vec![0.0; n * 6]);
+        naive::qk_norm_forward(&mut o2, &mut r2, &inp, gain, n, dims, 1e-6);
+        assert_close(&o1, &o2, 2e-6, 2e-6, "qk forward");
+        let dout = randn(n * qkv, 1.0, 5);
+        let (mut d1, mut dw1) = (dout.clone(), vec![0.0; 16]);
+        qk_norm_backward(&mut d1, Some(&mut dw1), &inp, gain, &r1, n, dims);
+        let (mut d2, mut dw2) = (dout.clone(), vec![0.0; 16]);
+        naive::qk_norm_backward(&mut d2, &mut dw2, &inp, gain, &r2, n, dims);
+        assert_close(&d1, &d2, 1e-4, 1e-5, "qk dinp");
+        assert_close(&dw1, &dw2, 1e-4, 1e-5, "qk dw");
+    }
+
     #[test]
     fn forward_matches_naive() {
         for (si, &(n, c)) in SHAPES.iter().enumerate() {
             let (inp, w) = data(n, c, si as u64 * 10);
             let (mut o1, mut r1) = (vec![0.0; n * c], vec![0.0; n]);
             let (mut o2, mut r2) = (vec![0.0; n * c], vec![0.0; n]);
-            rmsnorm_forward(&mut o1, &mut r1, &inp, &w, n, c, 1e-5);
-            naive::rmsnorm_forward(&mut o2, &mut r2, &inp, &w, n, c, 1e-5);
+            rmsnorm_forward(&mut o1, None, &mut r1, &inp, Gain::plain(&w), n, c, 1e-5);
+            naive::rmsnorm_forward(&mut o2, None, &mut r2, &inp, Gain::plain(&w), n, c, 1e-5);
             let what = format!("{n}x{c}");
             assert_close(&o1, &o2, 2e-5, 2e-5, &format!("out {what}"));
             assert_close(&r1, &r2, 0.0, 1e-5, &format!("rstd {what}"));
@@ -533,11 +671,11 @@ mod tests {
         let inp = [2.0f32, -2.0, 2.0, -2.0, 0.0, 0.0, 0.0, 0.0];
         let w = [1.0f32, 3.0, -0.5, 0.25];
         let (mut o, mut r) = ([9.0f32; 8], [9.0f32; 2]);
-        rmsnorm_forward(&mut o, &mut r, &inp, &w, 2, 4, 0.0);
+        rmsnorm_forward(&mut o, None, &mut r, &inp, Gain::plain(&w), 2, 4, 0.0);
         assert_eq!(r[0], 0.5);
         assert_eq!(&o[..4], &[1.0, -3.0, -0.5, -0.25]);
         // An all-zero row with eps > 0: rstd = 1/sqrt(eps), out = 0 (no NaN).
-        rmsnorm_forward(&mut o, &mut r, &inp, &w, 2, 4, 1e-6);
+        rmsnorm_forward(&mut o, None, &mut r, &inp, Gain::plain(&w), 2, 4, 1e-6);
         assert!((r[1] - 1000.0).abs() < 1e-2, "rstd {}", r[1]);
         assert!(o[4..].iter().all(|&v| v == 0.0));
     }
@@ -547,14 +685,14 @@ mod tests {
         for (si, &(n, c)) in SHAPES.iter().enumerate() {
             let (inp, w) = data(n, c, si as u64 * 10);
             let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
-            naive::rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+            naive::rmsnorm_forward(&mut o, None, &mut r, &inp, Gain::plain(&w), n, c, 1e-5);
             let dout = randn(n * c, 1.0, 77 + si as u64);
             let di0 = randn(n * c, 1.0, 78 + si as u64);
             let dw0 = randn(c, 1.0, 79 + si as u64);
             let (mut di1, mut dw1) = (di0.clone(), dw0.clone());
             let (mut di2, mut dw2) = (di0.clone(), dw0.clone());
-            rmsnorm_backward(&mut di1, &mut dw1, &dout, &inp, &w, &r, n, c);
-            naive::rmsnorm_backward(&mut di2, &mut dw2, &dout, &inp, &w, &r, n, c);
+            rmsnorm_backward(&mut di1, &mut dw1, &dout, &inp, Gain::plain(&w), &r, n, c);
+            naive::rmsnorm_backward(&mut di2, &mut dw2, &dout, &inp, Gain::plain(&w), &r, n, c);
             let what = format!("{n}x{c}");
             // dinp scales with rstd (up to 100 for the 0.01-scaled rows).
             assert_close(&di1, &di2, 1e-3, 1e-4, &format!("dinp {what}"));
@@ -562,7 +700,7 @@ mod tests {
             assert_close(&dw1, &dw2, tol, 1e-5, &format!("dweight {what}"));
             // And it accumulated: the kernel's result minus its start is the gradient alone.
             let (mut di3, mut dw3) = (vec![0.0; n * c], vec![0.0; c]);
-            naive::rmsnorm_backward(&mut di3, &mut dw3, &dout, &inp, &w, &r, n, c);
+            naive::rmsnorm_backward(&mut di3, &mut dw3, &dout, &inp, Gain::plain(&w), &r, n, c);
             let d: Vec<f32> = di1.iter().zip(&di0).map(|(a, b)| a - b).collect();
             assert_close(&d, &di3, 1e-3, 1e-3, &format!("dinp increment {what}"));
         }
@@ -576,13 +714,13 @@ mod tests {
         let g = randn(n * c, 1.0, 8);
         let loss = |inp: &[f32], w: &[f32]| {
             let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
-            naive::rmsnorm_forward(&mut o, &mut r, inp, w, n, c, 1e-5);
+            naive::rmsnorm_forward(&mut o, None, &mut r, inp, Gain::plain(w), n, c, 1e-5);
             dot(&g, &o)
         };
         let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
-        rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+        rmsnorm_forward(&mut o, None, &mut r, &inp, Gain::plain(&w), n, c, 1e-5);
         let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-        rmsnorm_backward(&mut di, &mut dw, &g, &inp, &w, &r, n, c);
+        rmsnorm_backward(&mut di, &mut dw, &g, &inp, Gain::plain(&w), &r, n, c);
         let h = 1e-3;
         let fd_di = fd_grad(&inp, h, |x| loss(x, &w));
         assert_close(&di, &fd_di, 2e-3, 2e-3, "dinp vs fd");
@@ -594,9 +732,9 @@ mod tests {
         let (inp, w) = data(n, c, 3);
         let dout = randn(n * c, 1.0, 4);
         let (mut o, mut r) = (vec![0.0; n * c], vec![0.0; n]);
-        rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+        rmsnorm_forward(&mut o, None, &mut r, &inp, Gain::plain(&w), n, c, 1e-5);
         let (mut di, mut dw) = (randn(n * c, 1.0, 5), randn(c, 1.0, 6));
-        rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &r, n, c);
+        rmsnorm_backward(&mut di, &mut dw, &dout, &inp, Gain::plain(&w), &r, n, c);
         [o, r, di, dw]
     }
 
@@ -633,8 +771,8 @@ mod tests {
             let mut di: Vec<S> = stored::<T, S>(&randn(n * c, 1.0, 78 + si as u64));
             let mut dw: Vec<S> = stored::<T, S>(&randn(c, 1.0, 79 + si as u64));
             let (mut o, mut r) = (vec![S::from_f32(f32::NAN); n * c], vec![0.0; n]);
-            rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
-            rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &r, n, c);
+            rmsnorm_forward(&mut o, None, &mut r, &inp, Gain::plain(&w), n, c, 1e-5);
+            rmsnorm_backward(&mut di, &mut dw, &dout, &inp, Gain::plain(&w), &r, n, c);
             vec![
                 Out::stored("out", &o),
                 Out::f32("rstd", &r),
@@ -733,8 +871,8 @@ mod tests {
                 .collect();
             let (mut o1, mut r1) = (vec![f32::NAN; n * qkv], vec![0.0; n * heads]);
             let (mut o2, mut r2) = (vec![0.0; n * qkv], vec![0.0; n * heads]);
-            qk_norm_forward(&mut o1, &mut r1, &inp, &w, n, dims, 1e-6);
-            naive::qk_norm_forward(&mut o2, &mut r2, &inp, &w, n, dims, 1e-6);
+            qk_norm_forward(&mut o1, &mut r1, &inp, Gain::plain(&w), n, dims, 1e-6);
+            naive::qk_norm_forward(&mut o2, &mut r2, &inp, Gain::plain(&w), n, dims, 1e-6);
             let what = format!("{n}x{nh}/{nkv}x{hd}");
             assert_close(&o1, &o2, 2e-5, 2e-5, &format!("out {what}"));
             assert_close(&r1, &r2, 0.0, 1e-5, &format!("rstd {what}"));
@@ -747,13 +885,13 @@ mod tests {
             let dw0 = randn(2 * hd, 1.0, 60 + si as u64);
             let (mut d1, mut dw1) = (dout.clone(), dw0.clone());
             let (mut d2, mut dw2) = (dout.clone(), dw0.clone());
-            qk_norm_backward(&mut d1, Some(&mut dw1), &inp, &w, &r1, n, dims);
-            naive::qk_norm_backward(&mut d2, &mut dw2, &inp, &w, &r2, n, dims);
+            qk_norm_backward(&mut d1, Some(&mut dw1), &inp, Gain::plain(&w), &r1, n, dims);
+            naive::qk_norm_backward(&mut d2, &mut dw2, &inp, Gain::plain(&w), &r2, n, dims);
             assert_close(&d1, &d2, 1e-3, 1e-4, &format!("dinp {what}"));
             let tol = 2e-5 * ((n * heads) as f32).sqrt();
             assert_close(&dw1, &dw2, tol, 1e-5, &format!("dweight {what}"));
             let mut d3 = dout.clone();
-            qk_norm_backward::<f32, f32>(&mut d3, None, &inp, &w, &r1, n, dims);
+            qk_norm_backward::<f32, f32>(&mut d3, None, &inp, Gain::plain(&w), &r1, n, dims);
             assert_eq!(d3, d1, "frozen: the same input gradient {what}");
         }
     }
@@ -768,13 +906,13 @@ mod tests {
         let g = randn(n * qkv, 1.0, 8);
         let loss = |inp: &[f32], w: &[f32]| {
             let (mut o, mut r) = (vec![0.0; n * qkv], vec![0.0; n * (nh + nkv)]);
-            naive::qk_norm_forward(&mut o, &mut r, inp, w, n, dims, 1e-6);
+            naive::qk_norm_forward(&mut o, &mut r, inp, Gain::plain(w), n, dims, 1e-6);
             dot(&g, &o)
         };
         let (mut o, mut r) = (vec![0.0; n * qkv], vec![0.0; n * (nh + nkv)]);
-        qk_norm_forward(&mut o, &mut r, &inp, &w, n, dims, 1e-6);
+        qk_norm_forward(&mut o, &mut r, &inp, Gain::plain(&w), n, dims, 1e-6);
         let (mut d, mut dw) = (g.clone(), vec![0.0; 2 * hd]);
-        qk_norm_backward(&mut d, Some(&mut dw), &inp, &w, &r, n, dims);
+        qk_norm_backward(&mut d, Some(&mut dw), &inp, Gain::plain(&w), &r, n, dims);
         let h = 1e-3;
         assert_close(
             &d,
@@ -801,9 +939,9 @@ mod tests {
             let (inp, _) = qk_data(n, dims, 3);
             let w = randn(2 * hd, 0.5, 4);
             let (mut o, mut r) = (vec![0.0; n * qkv], vec![0.0; n * (nh + nkv)]);
-            qk_norm_forward(&mut o, &mut r, &inp, &w, n, dims, 1e-6);
+            qk_norm_forward(&mut o, &mut r, &inp, Gain::plain(&w), n, dims, 1e-6);
             let (mut d, mut dw) = (randn(n * qkv, 1.0, 5), randn(2 * hd, 1.0, 6));
-            qk_norm_backward(&mut d, Some(&mut dw), &inp, &w, &r, n, dims);
+            qk_norm_backward(&mut d, Some(&mut dw), &inp, Gain::plain(&w), &r, n, dims);
             [o, r, d, dw].map(|x| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
         };
         let a = with_threads(1, run);
@@ -821,10 +959,10 @@ mod tests {
         let inp: Vec<f32> = inp.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
         let w = randn(2 * hd, 0.5, 12);
         let (mut o, mut r) = (vec![0.0f32; n * qkv], vec![0.0; n * heads]);
-        qk_norm_forward(&mut o, &mut r, &inp, &w, n, dims, 1e-6);
+        qk_norm_forward(&mut o, &mut r, &inp, Gain::plain(&w), n, dims, 1e-6);
         let ib: Vec<bf16> = narrow_vec(&inp);
         let (mut ob, mut rb) = (vec![bf16::ZERO; n * qkv], vec![0.0; n * heads]);
-        qk_norm_forward(&mut ob, &mut rb, &ib, &w, n, dims, 1e-6);
+        qk_norm_forward(&mut ob, &mut rb, &ib, Gain::plain(&w), n, dims, 1e-6);
         assert_eq!(r, rb, "rstd bitwise");
         let want: Vec<bf16> = narrow_vec(&o);
         assert_eq!(ob, want, "out rounded once");
@@ -839,7 +977,7 @@ mod tests {
         let (mut inp, w): (Vec<bf16>, Vec<bf16>) = (narrow_vec(&inp), narrow_vec(&w));
         inp[2 * c + 5] = bf16::NAN;
         let (mut o, mut r) = (vec![bf16::ZERO; n * c], vec![0.0; n]);
-        rmsnorm_forward(&mut o, &mut r, &inp, &w, n, c, 1e-5);
+        rmsnorm_forward(&mut o, None, &mut r, &inp, Gain::plain(&w), n, c, 1e-5);
         let row_bad = |x: &[bf16], i: usize| x[i * c..(i + 1) * c].iter().all(|v| v.is_nan());
         let row_ok = |x: &[bf16], i: usize| x[i * c..(i + 1) * c].iter().all(|v| v.is_finite());
         assert!(row_bad(&o, 2) && row_ok(&o, 0) && row_ok(&o, 1) && row_ok(&o, 3));
@@ -847,7 +985,7 @@ mod tests {
         let mut dout: Vec<bf16> = narrow_vec(&randn(n * c, 1.0, 1));
         dout[c + 3] = bf16::INFINITY;
         let (mut di, mut dw) = (vec![bf16::ZERO; n * c], vec![bf16::ZERO; c]);
-        rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &r, n, c);
+        rmsnorm_backward(&mut di, &mut dw, &dout, &inp, Gain::plain(&w), &r, n, c);
         assert!(row_ok(&di, 0) && row_ok(&di, 3) && !row_ok(&di, 1) && !row_ok(&di, 2));
         assert!(
             dw.iter().all(|v| v.is_nan()),

@@ -412,6 +412,7 @@ mod tests {
             inp: BufId(2),
             rstd: BufId(4),
             w: 0..4096,
+            offset: 0.0,
             rows: ROWS,
             c: 4096,
         };
@@ -433,6 +434,7 @@ mod tests {
             inp: BufId(1),
             rstd: BufId(2),
             w: 0..256,
+            offset: 0.0,
             rows: ROWS,
             nh: 16,
             nkv: 8,
@@ -474,6 +476,7 @@ mod tests {
             first_token: 0,
             rows: ROWS,
             c: 768,
+            scale: 1.0,
         };
         let s = Scratch::for_ops(&[entry(op, false)], DType::Bf16);
         assert_eq!(s.link, 2 * 4000 * 4);

@@ -312,7 +312,7 @@ impl StagedBlock for Dims {
     }
 
     /// The MLP projection.
-    fn emit_output(g: &mut Builder, blk: &Block, acts: &BlockActs) -> BufId {
+    fn emit_output(g: &mut Builder, blk: &Block, acts: &mut BlockActs) -> BufId {
         let (d, p, name) = (blk.d, blk.p, &blk.name);
         let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
         let once = d.tensor.adds_once();
@@ -498,6 +498,7 @@ fn embedding<'a>(d: &Dims, p: &Gpt2Params, mb: &'a MicroBatch) -> Embedding<'a> 
         rows: d.rows,
         c: d.c,
         split: d.tensor,
+        scale: 1.0,
         pfx: &mb.prefix,
         op: "encoder",
     }

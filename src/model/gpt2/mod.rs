@@ -59,6 +59,7 @@ pub fn spec(name: &str, [v, t, c, l, h]: [usize; 5]) -> ModelSpec {
         tied_embeddings: true,
         biases: Biases::ALL,
         sliding_window: None,
+        local_layers: None,
         special_tokens: SpecialTokens {
             bos: Some(EOT),
             eos: vec![EOT],

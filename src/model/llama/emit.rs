@@ -17,18 +17,27 @@
 //! `ggml_rope_ext`): the projection writes `qkv.raw`, which the backward keeps as the norm's
 //! input, [`Op::QkNorm`] writes `qkv`; the backward turns the un-rotated gradient into the
 //! projection's in place ([`Op::QkNormBackward`]).
+//! Gemma 3 ([`crate::model::Family::post_norms`]) normalises the attention's output projection
+//! `o` and the MLP's down projection `m` before the residual adds them: the projections write
+//! fresh buffers (`attn_o`, `mlp_out`), one [`Op::RmsNorm`] with the residual writes the
+//! stream (`r = x + norm(o)`, `out = r + norm(m)`); the backward takes each norm's input
+//! gradient into a zeroed buffer (the residual's gradient is the stream's own). The block
+//! output's norm is emitted with the down projection, outside the stages, so full
+//! recomputation keeps `mlp_out` from the forward. Gemma's gains are `1 + w` (every norm's
+//! `offset`), its MLP GeGLU ([`Op::Glu`]'s `act`), its embedding scaled by √C, and its layers
+//! attend and rotate each as [`ModelSpec::layer_window`] and [`ModelSpec::layer_rope`] say.
 //! Shapes: B batch, T sequence, N = B·T rows, C width, H MLP width, NH query heads, NKV
 //! key/value heads, hd head size, QKV = (NH + 2·NKV)·hd, A = NH·hd, V vocabulary.
 
 use super::params::{LayerParams, LlamaParams, inventory};
 use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
-use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
+use crate::ir::schedule::{GluAct, Op, Phase, Rows, WeightLayout};
 use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
 use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
-use crate::model::{ModelSpec, Position, rope};
+use crate::model::{ModelSpec, rope};
 use std::ops::Range;
 
 /// Dimensions of one micro-batch, shared by the emitters.
@@ -43,20 +52,32 @@ struct Dims {
     nkv: usize,
     hd: usize,
     eps: f32,
-    /// RoPE frequencies `[hd/2]` and the scale of the rotation.
-    rope: rope::RopeTable,
+    /// What every norm's gain adds to its weight (Gemma's 1).
+    norm_offset: f32,
+    /// Each layer's attention, by the model's layer index.
+    layers: Vec<LayerAttention>,
     /// Attention workspace elements (forward or backward).
     attn_ws_len: usize,
-    /// The sliding attention window (Mistral's `sliding_window`), for every layer.
-    window: Option<usize>,
     /// The rows' places in their examples `[B, T]` u32 when rows pack examples.
     positions: Option<BufId>,
     /// The model's vocabulary.
     v: usize,
     /// This rank's part of each block (`nh`, `nkv` and `h` are its part's).
     tensor: TensorSplit,
-    /// Each query and key head RMS-normalised before RoPE (Qwen3).
+    /// Each query and key head RMS-normalised before RoPE (Qwen3, Gemma 3).
     qk_norm: bool,
+    /// The gated MLP's activation.
+    act: GluAct,
+    /// The token embedding's factor (Gemma's √C).
+    embed_scale: f32,
+}
+
+/// One layer's attention: its window and its rotation.
+struct LayerAttention {
+    /// The sliding window (Mistral's and Phi-3's every layer's, Gemma's sliding layers').
+    window: Option<usize>,
+    /// RoPE frequencies `[hd/2]` and the scale of the rotation.
+    rope: rope::RopeTable,
 }
 
 impl Dims {
@@ -74,8 +95,15 @@ impl Dims {
     }
     /// Causal attention forward FLOPs: half of 4·B·NH·T²·hd, or with a window what it
     /// leaves ([`Rows::attention_flops`]).
-    fn attn_flops(&self) -> u64 {
-        self.rows.attention_flops(self.nh, self.hd, self.window)
+    fn attn_flops(&self, window: Option<usize>) -> u64 {
+        self.rows.attention_flops(self.nh, self.hd, window)
+    }
+}
+
+impl Block<'_> {
+    /// The block's attention (window and rotation).
+    fn attn(&self) -> &LayerAttention {
+        &self.d.layers[self.index]
     }
 }
 
@@ -91,13 +119,19 @@ struct BlockActs {
     /// Qwen3: the projection's output, the q/k norm's input `[N, QKV]`, and its 1/rms
     /// `[N, NH + NKV]`.
     qk_norm: Option<(BufId, BufId)>,
-    attn: BufId,    // [N, A]
-    lse: BufId,     // [B, NH, T]
-    res2: BufId,    // [N, C] residual after attention
+    attn: BufId, // [N, A]
+    lse: BufId,  // [B, NH, T]
+    res2: BufId, // [N, C] residual after attention
+    /// Gemma's post-attention norm: its input, the output projection's `[N, C]`, and its
+    /// 1/rms `[N]`.
+    post_attn: Option<(BufId, BufId)>,
     x2: BufId,      // [N, C] MLP norm output
     x2_rstd: BufId, // [N]
     gu: BufId,      // [N, 2H] gate | up
-    act: BufId,     // [N, H] silu(gate) · up
+    act: BufId,     // [N, H] act(gate) · up
+    /// Gemma's post-MLP norm: its input, the down projection's `[N, C]`, and its 1/rms `[N]`
+    /// (written with the block's output).
+    post_mlp: Option<(BufId, BufId)>,
 }
 
 /// The forward ops of a block that produce what its backward reads.
@@ -110,7 +144,7 @@ enum Stage {
     AttnOut,
     MlpNorm,
     GateUp,
-    Swiglu,
+    Glu,
 }
 
 /// Buffers written by the stages emitted so far (the rest come from the forward).
@@ -124,6 +158,8 @@ struct Partial {
     attn: Option<BufId>,
     lse: Option<BufId>,
     res2: Option<BufId>,
+    /// Written with `res2` (the AttnOut stage) when the model has post-norms.
+    post_attn: Option<(BufId, BufId)>,
     x2: Option<BufId>,
     x2_rstd: Option<BufId>,
     gu: Option<BufId>,
@@ -199,6 +235,20 @@ fn rmsnorm(
     w: &Range<usize>,
 ) -> (BufId, BufId) {
     let out = g.act(format!("{pfx}{tag}"), Category::Activation, d.n * d.c); // [N, C]
+    let rstd = norm_into(g, d, (pfx, tag), phase, (inp, out, None), w);
+    (out, rstd)
+}
+
+/// An RMSNorm of `inp` into `out` (plus `residual`, Gemma's post-norms): the op `{pfx}{tag}`
+/// and its fresh `{pfx}{tag}.rstd` `[N]`, returned.
+fn norm_into(
+    g: &mut Builder,
+    d: &Dims,
+    (pfx, tag): (&str, &str),
+    phase: Phase,
+    (inp, out, residual): (BufId, BufId, Option<BufId>),
+    w: &Range<usize>,
+) -> BufId {
     let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, d.n); // [N]
     g.op(
         format!("{pfx}{tag}"),
@@ -207,14 +257,57 @@ fn rmsnorm(
         Op::RmsNorm {
             inp,
             out,
+            residual,
             rstd,
             w: w.clone(),
+            offset: d.norm_offset,
             rows: d.rows,
             c: d.c,
             eps: d.eps,
         },
     );
-    (out, rstd)
+    rstd
+}
+
+/// The backward of a norm the forward added to the residual stream (Gemma's post-norms):
+/// its input's gradient `{name}d.{tag}` `[N, C]`, zeroed then accumulated from `dres`, the
+/// stream's gradient (also the residual's).
+fn post_norm_backward(
+    g: &mut Builder,
+    d: &Dims,
+    (name, tag): (&str, &str),
+    (inp, rstd): (BufId, BufId),
+    w: &Range<usize>,
+    dres: BufId,
+) -> BufId {
+    let dinp = g.act(
+        format!("{name}d.{tag}"),
+        Category::ActivationGrad,
+        d.n * d.c,
+    );
+    let bwd = Phase::Backward;
+    g.op(
+        format!("{name}zero d.{tag}"),
+        bwd,
+        0,
+        Op::Zero { buf: dinp },
+    );
+    g.op(
+        format!("{name}{tag}_norm.bwd"),
+        bwd,
+        0,
+        Op::RmsNormBackward {
+            dinp,
+            dout: dres,
+            inp,
+            rstd,
+            w: w.clone(),
+            offset: d.norm_offset,
+            rows: d.rows,
+            c: d.c,
+        },
+    );
+    dinp
 }
 
 impl StagedBlock for Dims {
@@ -230,11 +323,11 @@ impl StagedBlock for Dims {
         Stage::AttnOut,
         Stage::MlpNorm,
         Stage::GateUp,
-        Stage::Swiglu,
+        Stage::Glu,
     ];
 
-    /// Selective recomputation: the cheap, memory-heavy stages (norm outputs, the SwiGLU product).
-    const SELECTIVE_STAGES: &'static [Stage] = &[Stage::AttnNorm, Stage::MlpNorm, Stage::Swiglu];
+    /// Selective recomputation: the cheap, memory-heavy stages (norm outputs, the gated product).
+    const SELECTIVE_STAGES: &'static [Stage] = &[Stage::AttnNorm, Stage::MlpNorm, Stage::Glu];
 
     fn emit_stage(
         g: &mut Builder,
@@ -286,6 +379,7 @@ impl StagedBlock for Dims {
                             out: qkv,
                             rstd,
                             w: w.clone(),
+                            offset: d.norm_offset,
                             rows: d.rows,
                             nh: d.nh,
                             nkv: d.nkv,
@@ -295,6 +389,7 @@ impl StagedBlock for Dims {
                     );
                     partial.qk_norm = Some((raw, rstd));
                 }
+                let rope = &blk.attn().rope;
                 g.op(
                     format!("{pfx}rope"),
                     phase,
@@ -306,8 +401,8 @@ impl StagedBlock for Dims {
                         width: d.qkv(),
                         rotated: (d.nh + d.nkv) * d.hd,
                         hd: d.hd,
-                        inv_freq: d.rope.inv_freq.clone(),
-                        scale: d.rope.scale,
+                        inv_freq: rope.inv_freq.clone(),
+                        scale: rope.scale,
                         inverse: false,
                     },
                 );
@@ -322,10 +417,11 @@ impl StagedBlock for Dims {
                     d.b * d.nh * d.t,
                 );
                 let ws = g.f32(format!("{pfx}attn.ws"), Category::Workspace, d.attn_ws_len);
+                let window = blk.attn().window;
                 g.op(
                     format!("{pfx}attn"),
                     phase,
-                    d.attn_flops(),
+                    d.attn_flops(window),
                     Op::Attention {
                         qkv,
                         positions: d.positions,
@@ -336,7 +432,7 @@ impl StagedBlock for Dims {
                         nh: d.nh,
                         nkv: d.nkv,
                         hd: d.hd,
-                        window: d.window,
+                        window,
                     },
                 );
                 (partial.attn, partial.lse) = (Some(out), Some(lse));
@@ -346,12 +442,31 @@ impl StagedBlock for Dims {
                 let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.n * d.c);
                 // Row-parallel: the first tensor rank adds the residual and the bias.
                 let once = d.tensor.adds_once();
-                let io = (inp, out, once.then_some(blk.res_in));
                 let b = if once { &p.o_b } else { &None };
                 let name = format!("{pfx}attn_out");
-                linear(g, d, name.clone(), phase, io, &p.o_w, b, (d.a(), d.c));
-                join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, phase);
-                partial.res2 = Some(out);
+                let Some(w) = &p.post_attn_norm else {
+                    let io = (inp, out, once.then_some(blk.res_in));
+                    linear(g, d, name.clone(), phase, io, &p.o_w, b, (d.a(), d.c));
+                    join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, phase);
+                    partial.res2 = Some(out);
+                    return;
+                };
+                // Gemma: r = x + norm(o), the norm on every tensor rank after the join.
+                let o = g.act(format!("{pfx}attn_o"), Category::Activation, d.n * d.c);
+                linear(
+                    g,
+                    d,
+                    name.clone(),
+                    phase,
+                    (inp, o, None),
+                    &p.o_w,
+                    b,
+                    (d.a(), d.c),
+                );
+                join_tensor_parts(g, d.tensor, (o, d.n * d.c), &name, phase);
+                let io = (o, out, Some(blk.res_in));
+                let rstd = norm_into(g, d, (pfx, "post_attn_norm"), phase, io, w);
+                (partial.res2, partial.post_attn) = (Some(out), Some((o, rstd)));
             }
             Stage::MlpNorm => {
                 let res2 = get(|a| a.res2, partial.res2);
@@ -375,18 +490,20 @@ impl StagedBlock for Dims {
                 );
                 partial.gu = Some(gu);
             }
-            Stage::Swiglu => {
+            Stage::Glu => {
                 let inp = get(|a| a.gu, partial.gu);
-                let out = g.act(format!("{pfx}swiglu"), Category::Activation, d.n * d.h);
+                let tag = glu_name(d.act);
+                let out = g.act(format!("{pfx}{tag}"), Category::Activation, d.n * d.h);
                 g.op(
-                    format!("{pfx}swiglu"),
+                    format!("{pfx}{tag}"),
                     phase,
                     0,
-                    Op::Swiglu {
+                    Op::Glu {
                         inp,
                         out,
                         rows: d.rows,
                         h: d.h,
+                        act: d.act,
                     },
                 );
                 partial.act = Some(out);
@@ -410,31 +527,58 @@ impl StagedBlock for Dims {
             attn: pick(partial.attn, |a| a.attn),
             lse: pick(partial.lse, |a| a.lse),
             res2: pick(partial.res2, |a| a.res2),
+            post_attn: match partial.res2 {
+                Some(_) => partial.post_attn,
+                None => base.and_then(|a| a.post_attn),
+            },
             x2: pick(partial.x2, |a| a.x2),
             x2_rstd: pick(partial.x2_rstd, |a| a.x2_rstd),
             gu: pick(partial.gu, |a| a.gu),
             act: pick(partial.act, |a| a.act),
+            post_mlp: base.and_then(|a| a.post_mlp),
         }
     }
 
-    /// The down projection.
-    fn emit_output(g: &mut Builder, blk: &Block, acts: &BlockActs) -> BufId {
-        let (d, p, name) = (blk.d, blk.p, &blk.name);
-        let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
+    /// The down projection (Gemma: and its post-norm, recorded in `acts`).
+    fn emit_output(g: &mut Builder, blk: &Block, acts: &mut BlockActs) -> BufId {
+        let (d, p, pfx) = (blk.d, blk.p, &blk.name);
+        let out = g.act(format!("{pfx}out"), Category::Activation, d.n * d.c); // [N, C]
         let once = d.tensor.adds_once();
-        let io = (acts.act, out, once.then_some(acts.res2));
         let b = if once { &p.down_b } else { &None };
-        let name = format!("{name}down");
+        let name = format!("{pfx}down");
         let fwd = Phase::Forward;
-        linear(g, d, name.clone(), fwd, io, &p.down_w, b, (d.h, d.c));
-        join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, fwd);
+        let Some(w) = &p.post_mlp_norm else {
+            let io = (acts.act, out, once.then_some(acts.res2));
+            linear(g, d, name.clone(), fwd, io, &p.down_w, b, (d.h, d.c));
+            join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, fwd);
+            return out;
+        };
+        let m = g.act(format!("{pfx}mlp_out"), Category::Activation, d.n * d.c); // [N, C]
+        linear(
+            g,
+            d,
+            name.clone(),
+            fwd,
+            (acts.act, m, None),
+            &p.down_w,
+            b,
+            (d.h, d.c),
+        );
+        join_tensor_parts(g, d.tensor, (m, d.n * d.c), &name, fwd);
+        let io = (m, out, Some(acts.res2));
+        let rstd = norm_into(g, d, (pfx, "post_mlp_norm"), fwd, io, w);
+        acts.post_mlp = Some((m, rstd));
         out
     }
 
     fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
         let (d, p, name) = (blk.d, blk.p, &blk.name);
         let (n, c) = (d.n, d.c);
-        let dact = g.act(format!("{name}d.swiglu"), Category::ActivationGrad, n * d.h);
+        let dact = g.act(
+            format!("{name}d.{}", glu_name(d.act)),
+            Category::ActivationGrad,
+            n * d.h,
+        );
         let dgu = g.act(
             format!("{name}d.gate_up"),
             Category::ActivationGrad,
@@ -459,7 +603,12 @@ impl StagedBlock for Dims {
         );
         let bwd = Phase::Backward;
         let (down, gate_up) = ((&p.down_w, &p.down_b), (&p.gate_up_w, &p.gate_up_b));
-        let io = (dact, dres, a.act);
+        // Gemma: the down projection's output gradient is its post-norm's input gradient.
+        let dm = match (a.post_mlp, &p.post_mlp_norm) {
+            (Some(m), Some(w)) => post_norm_backward(g, d, (name, "post_mlp"), m, w, dres),
+            _ => dres,
+        };
+        let io = (dact, dm, a.act);
         linear_backward(
             g,
             d,
@@ -470,15 +619,16 @@ impl StagedBlock for Dims {
             (d.h, c),
         );
         g.op(
-            format!("{name}swiglu.bwd"),
+            format!("{name}{}.bwd", glu_name(d.act)),
             bwd,
             0,
-            Op::SwigluBackward {
+            Op::GluBackward {
                 dinp: dgu,
                 dout: dact,
                 inp: a.gu,
                 rows: d.rows,
                 h: d.h,
+                act: d.act,
             },
         );
         let io = (dx2, dgu, a.x2);
@@ -503,11 +653,16 @@ impl StagedBlock for Dims {
                 inp: a.res2,
                 rstd: a.x2_rstd,
                 w: p.mlp_norm.clone(),
+                offset: d.norm_offset,
                 rows: d.rows,
                 c,
             },
         );
-        let io = (dattn, dres, a.attn);
+        let d_o = match (a.post_attn, &p.post_attn_norm) {
+            (Some(o), Some(w)) => post_norm_backward(g, d, (name, "post_attn"), o, w, dres),
+            _ => dres,
+        };
+        let io = (dattn, d_o, a.attn);
         linear_backward(
             g,
             d,
@@ -517,10 +672,11 @@ impl StagedBlock for Dims {
             &p.o_b,
             (d.a(), c),
         );
+        let attn = blk.attn();
         g.op(
             format!("{name}attn.bwd"),
             bwd,
-            5 * d.attn_flops() / 2,
+            5 * d.attn_flops(attn.window) / 2,
             Op::AttentionBackward {
                 dqkv,
                 positions: d.positions,
@@ -533,7 +689,7 @@ impl StagedBlock for Dims {
                 nh: d.nh,
                 nkv: d.nkv,
                 hd: d.hd,
-                window: d.window,
+                window: attn.window,
             },
         );
         g.op(
@@ -547,8 +703,8 @@ impl StagedBlock for Dims {
                 width: d.qkv(),
                 rotated: (d.nh + d.nkv) * d.hd,
                 hd: d.hd,
-                inv_freq: d.rope.inv_freq.clone(),
-                scale: d.rope.scale,
+                inv_freq: attn.rope.inv_freq.clone(),
+                scale: attn.rope.scale,
                 inverse: true,
             },
         );
@@ -562,6 +718,7 @@ impl StagedBlock for Dims {
                     inp: raw,
                     rstd,
                     w: w.clone(),
+                    offset: d.norm_offset,
                     rows: d.rows,
                     nh: d.nh,
                     nkv: d.nkv,
@@ -583,10 +740,19 @@ impl StagedBlock for Dims {
                 inp: blk.res_in,
                 rstd: a.x1_rstd,
                 w: p.attn_norm.clone(),
+                offset: d.norm_offset,
                 rows: d.rows,
                 c,
             },
         );
+    }
+}
+
+/// The gated unit's name in ops and buffers (`swiglu`, `geglu`).
+fn glu_name(act: GluAct) -> &'static str {
+    match act {
+        GluAct::Silu => "swiglu",
+        GluAct::GeluTanh => "geglu",
     }
 }
 
@@ -601,6 +767,7 @@ fn embedding<'a>(d: &Dims, p: &LlamaParams, mb: &'a MicroBatch) -> Embedding<'a>
         rows: d.rows,
         c: d.c,
         split: d.tensor,
+        scale: d.embed_scale,
         pfx: &mb.prefix,
         op: "embed",
     }
@@ -644,10 +811,18 @@ pub(crate) fn micro_batch(
             stage,
         },
     );
-    let Position::Rotary { theta, scaling } = &spec.position else {
-        unreachable!("validated: Llama-family models use rotary positions")
-    };
     let Rows { b, t } = mb.rows;
+    let layers = (0..spec.n_layer)
+        .map(|l| {
+            let (theta, scaling) = spec
+                .layer_rope(l)
+                .expect("validated: Llama-family models use rotary positions");
+            LayerAttention {
+                window: spec.layer_window(l),
+                rope: rope::table(spec.head_dim, theta, scaling, t),
+            }
+        })
+        .collect();
     let d = Dims {
         b,
         t,
@@ -659,13 +834,15 @@ pub(crate) fn micro_batch(
         nkv: split.len(spec.n_kv_head),
         hd: spec.head_dim,
         eps: spec.norm_eps,
-        rope: rope::table(spec.head_dim, *theta, scaling.as_ref(), t),
+        norm_offset: spec.family.norm_offset(),
+        layers,
         attn_ws_len: mb.attn_ws_len,
-        window: spec.sliding_window,
         positions: mb.positions,
         v: spec.vocab_size,
         tensor: split,
         qk_norm: spec.family.qk_norm(),
+        act: spec.family.glu_act(),
+        embed_scale: spec.family.embed_scale(spec.n_embd),
     };
     let pfx = mb.prefix.as_str();
     let blocks = forward_blocks(g, &d, &p, mb, stage);
@@ -692,6 +869,7 @@ pub(crate) fn micro_batch(
                 inp: out,
                 rstd,
                 w: p.norm.clone(),
+                offset: d.norm_offset,
                 rows: d.rows,
                 c: d.c,
             },

@@ -425,6 +425,7 @@ fn from_preset(p: &Preset) -> ModelSpec {
         tied_embeddings: p.tied,
         biases: biases(p.family, false, false),
         sliding_window: p.window,
+        local_layers: None,
         special_tokens: SpecialTokens {
             bos: Some(p.bos),
             eos: vec![p.eos],
@@ -455,32 +456,11 @@ pub(super) fn from_hf_config(
     obj: &Map<String, Value>,
     source: &str,
 ) -> Result<ModelSpec> {
-    let field = |key: &str| obj.get(key).filter(|v| !v.is_null());
-    let uint = |key: &str, default: Option<usize>| -> Result<usize> {
-        match field(key) {
-            None => default.with_context(|| format!("{source}: missing field '{key}'")),
-            Some(x) => match x.as_u64() {
-                Some(n) => Ok(n as usize),
-                None => bail!("{source}: field '{key}' must be a non-negative integer, found {x}"),
-            },
-        }
-    };
-    let float = |key: &str, default: f64| -> Result<f64> {
-        match field(key) {
-            None => Ok(default),
-            Some(x) => match x.as_f64() {
-                Some(f) if f.is_finite() && f > 0.0 => Ok(f),
-                _ => bail!("{source}: field '{key}' must be a positive number, found {x}"),
-            },
-        }
-    };
-    let flag = |key: &str, default: bool| -> Result<bool> {
-        match field(key) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(x) => bail!("{source}: field '{key}' must be true or false, found {x}"),
-        }
-    };
+    let f = Fields { obj, source };
+    let field = |key: &str| f.get(key);
+    let uint = |key: &str, default: Option<usize>| f.uint(key, default);
+    let float = |key: &str, default: f64| f.float(key, default);
+    let flag = |key: &str, default: bool| f.flag(key, default);
     if let Some(act) = field("hidden_act")
         && act.as_str() != Some("silu")
     {
@@ -545,14 +525,7 @@ pub(super) fn from_hf_config(
     };
     let n_positions = uint("max_position_embeddings", Some(positions_default))?;
     let (theta, scaling) = rope(family, obj, source, head_dim, n_positions)?;
-    let eos = match field("eos_token_id") {
-        None => vec![],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|x| token_id(x, "eos_token_id", source))
-            .collect::<Result<_>>()?,
-        Some(x) => vec![token_id(x, "eos_token_id", source)?],
-    };
+    let eos = f.token_ids("eos_token_id")?.unwrap_or_default();
     let bos = field("bos_token_id")
         .map(|x| token_id(x, "bos_token_id", source))
         .transpose()?;
@@ -601,11 +574,76 @@ pub(super) fn from_hf_config(
             flag("mlp_bias", false)?,
         ),
         sliding_window,
+        local_layers: None,
         special_tokens: SpecialTokens { bos, eos, pad },
     })
 }
 
-fn token_id(x: &Value, key: &str, source: &str) -> Result<u32> {
+/// A `config.json` object's fields, read with errors naming the file and the field (a null
+/// field is an absent one).
+pub(super) struct Fields<'a> {
+    pub obj: &'a Map<String, Value>,
+    /// The file, for errors.
+    pub source: &'a str,
+}
+
+impl Fields<'_> {
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    /// A count; `default` when absent (`None`: required).
+    pub fn uint(&self, key: &str, default: Option<usize>) -> Result<usize> {
+        let source = self.source;
+        match self.get(key) {
+            None => default.with_context(|| format!("{source}: missing field '{key}'")),
+            Some(x) => match x.as_u64() {
+                Some(n) => Ok(n as usize),
+                None => bail!("{source}: field '{key}' must be a non-negative integer, found {x}"),
+            },
+        }
+    }
+
+    /// A positive number; `default` when absent.
+    pub fn float(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(x) => match x.as_f64() {
+                Some(f) if f.is_finite() && f > 0.0 => Ok(f),
+                _ => bail!(
+                    "{}: field '{key}' must be a positive number, found {x}",
+                    self.source
+                ),
+            },
+        }
+    }
+
+    pub fn flag(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(x) => bail!(
+                "{}: field '{key}' must be true or false, found {x}",
+                self.source
+            ),
+        }
+    }
+
+    /// A token id or a list of them (`eos_token_id`), `None` when absent.
+    pub fn token_ids(&self, key: &str) -> Result<Option<Vec<u32>>> {
+        Ok(match self.get(key) {
+            None => None,
+            Some(Value::Array(a)) => Some(
+                a.iter()
+                    .map(|x| token_id(x, key, self.source))
+                    .collect::<Result<_>>()?,
+            ),
+            Some(x) => Some(vec![token_id(x, key, self.source)?]),
+        })
+    }
+}
+
+pub(super) fn token_id(x: &Value, key: &str, source: &str) -> Result<u32> {
     x.as_u64()
         .and_then(|n| u32::try_from(n).ok())
         .with_context(|| {
@@ -804,6 +842,7 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         }),
         // `type` as Phi-3's configs write it; the attention factor given, so it is the one
         // read whatever the context.
+        Some(RopeScaling::Linear { factor }) => json!({"rope_type": "linear", "factor": factor}),
         Some(RopeScaling::LongRope(l)) => json!({
             "type": "longrope",
             "short_factor": l.short_factor,
@@ -905,7 +944,9 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
             s.vocab_size
         );
     }
-    if !matches!(s.family, Family::Mistral | Family::Phi3) && s.sliding_window.is_some() {
+    if !matches!(s.family, Family::Mistral | Family::Phi3 | Family::Gemma3)
+        && s.sliding_window.is_some()
+    {
         bail!(
             "{} models have no sliding window in memwall; only mistral's and phi3's are read",
             s.family.model_type()
@@ -923,6 +964,12 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
             s.head_dim,
             l.short_factor.len(),
             l.long_factor.len()
+        );
+    }
+    if s.family != Family::Gemma3 && s.local_layers.is_some() {
+        bail!(
+            "{} models attend alike in every layer ('layer_types' is Gemma 3's)",
+            s.family.model_type()
         );
     }
     if s.head_dim > 512 {

@@ -13,8 +13,11 @@
 //! Qwen3's per-head norms (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, `[hd]` each)
 //! follow `o_proj`, as `Qwen3Attention` declares them, side by side: `[2, hd]` together, the
 //! one range the q/k norm ops read.
+//! Gemma 3 ([`Family::post_norms`](crate::model::Family::post_norms)) has two norms more, after
+//! the attention (`post_attention_layernorm`, a name Llama gives its pre-MLP norm, which is
+//! Gemma's `pre_feedforward_layernorm`) and after the MLP (`post_feedforward_layernorm`).
 //! Initialisation as transformers' `LlamaPreTrainedModel`: weights and embeddings
-//! N(0, 0.02), biases 0, norm weights 1.
+//! N(0, 0.02), biases 0, norm weights 1 (Gemma's 0: its gains are `1 + w`).
 //!
 //! A tensor-parallel rank ([`crate::ir::TensorSplit`]) keeps its part of the query heads, key/value
 //! heads and MLP channels: the rows of `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`
@@ -39,17 +42,19 @@ pub(crate) const LM_HEAD: &str = "lm_head.weight";
 /// (NH + 2·NKV)·hd, A = NH·hd).
 #[derive(Clone, Debug)]
 pub struct LayerParams {
-    pub attn_norm: Range<usize>,         // [C]
-    pub qkv_w: Range<usize>,             // [QKV, C]: q_proj, k_proj, v_proj
-    pub qkv_b: Option<Range<usize>>,     // [QKV]
-    pub o_w: Range<usize>,               // [C, A]
-    pub o_b: Option<Range<usize>>,       // [C]
-    pub qk_norm: Option<Range<usize>>,   // [2, hd]: q_norm, k_norm (Qwen3)
-    pub mlp_norm: Range<usize>,          // [C]
-    pub gate_up_w: Range<usize>,         // [2H, C]: gate_proj, up_proj
-    pub gate_up_b: Option<Range<usize>>, // [2H]
-    pub down_w: Range<usize>,            // [C, H]
-    pub down_b: Option<Range<usize>>,    // [C]
+    pub attn_norm: Range<usize>,              // [C]
+    pub qkv_w: Range<usize>,                  // [QKV, C]: q_proj, k_proj, v_proj
+    pub qkv_b: Option<Range<usize>>,          // [QKV]
+    pub o_w: Range<usize>,                    // [C, A]
+    pub o_b: Option<Range<usize>>,            // [C]
+    pub qk_norm: Option<Range<usize>>,        // [2, hd]: q_norm, k_norm (Qwen3, Gemma 3)
+    pub post_attn_norm: Option<Range<usize>>, // [C] (Gemma 3)
+    pub mlp_norm: Range<usize>,               // [C]
+    pub gate_up_w: Range<usize>,              // [2H, C]: gate_proj, up_proj
+    pub gate_up_b: Option<Range<usize>>,      // [2H]
+    pub down_w: Range<usize>,                 // [C, H]
+    pub down_b: Option<Range<usize>>,         // [C]
+    pub post_mlp_norm: Option<Range<usize>>,  // [C] (Gemma 3)
 }
 
 /// Element ranges of every tensor, by role.
@@ -98,6 +103,12 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         a.start..b.end
     };
     let mut layers = Vec::with_capacity(held.len());
+    let post_norms = spec.family.post_norms();
+    // Gemma's gains are 1 + w: its norm weights start at 0 (`Gemma3RMSNorm`).
+    let norm_init = match spec.family.norm_offset() {
+        0.0 => Init::Ones,
+        _ => Init::Zeros,
+    };
     for l in 0..spec.n_layer {
         cur.hold(held.contains(&l));
         let p = |s: &str| format!("model.layers.{l}.{s}");
@@ -109,7 +120,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         let weight = |cur: &mut LayoutBuilder, s: &str, shape: [usize; 2], cut| {
             cur.push_cut(p(s), &shape, cut, true, normal)
         };
-        let attn_norm = cur.push(p("input_layernorm.weight"), &[c], false, Init::Ones);
+        let attn_norm = cur.push(p("input_layernorm.weight"), &[c], false, norm_init);
         // A rank's rows of the fused q|k|v (`[QKV, C]`): its queries', keys' and values'.
         let shift = |r: &Range<usize>, by: usize| r.start + by..r.end + by;
         let qkv_w = if spec.family.fused_projections() {
@@ -139,18 +150,19 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             .then(|| bias(&mut cur, "self_attn.o_proj.bias", c));
         let qk_norm = spec.family.qk_norm().then(|| {
             // Whole on every tensor rank, each normalising its own heads.
-            let qn = cur.push(p("self_attn.q_norm.weight"), &[hd], false, Init::Ones);
+            let qn = cur.push(p("self_attn.q_norm.weight"), &[hd], false, norm_init);
             cur.partial_grad(split);
-            let kn = cur.push(p("self_attn.k_norm.weight"), &[hd], false, Init::Ones);
+            let kn = cur.push(p("self_attn.k_norm.weight"), &[hd], false, norm_init);
             cur.partial_grad(split);
             join(qn, kn)
         });
-        let mlp_norm = cur.push(
-            p("post_attention_layernorm.weight"),
-            &[c],
-            false,
-            Init::Ones,
-        );
+        let post_attn_norm = post_norms
+            .then(|| cur.push(p("post_attention_layernorm.weight"), &[c], false, norm_init));
+        let mlp_norm = match post_norms {
+            true => "pre_feedforward_layernorm.weight",
+            false => "post_attention_layernorm.weight",
+        };
+        let mlp_norm = cur.push(p(mlp_norm), &[c], false, norm_init);
         let gate_up_w = if spec.family.fused_projections() {
             let cut = vec![h_part.clone(), shift(&h_part, h)];
             weight(&mut cur, "mlp.gate_up_proj.weight", [2 * h, c], (0, cut))
@@ -169,6 +181,14 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             .biases
             .mlp
             .then(|| bias(&mut cur, "mlp.down_proj.bias", c));
+        let post_mlp_norm = post_norms.then(|| {
+            cur.push(
+                p("post_feedforward_layernorm.weight"),
+                &[c],
+                false,
+                norm_init,
+            )
+        });
         cur.group(format!("h{l}"));
         if !held.contains(&l) {
             continue;
@@ -180,15 +200,17 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             o_w,
             o_b,
             qk_norm,
+            post_attn_norm,
             mlp_norm,
             gate_up_w,
             gate_up_b,
             down_w,
             down_b,
+            post_mlp_norm,
         });
     }
     cur.hold(stage.is_last());
-    let norm = cur.push("model.norm.weight".into(), &[c], false, Init::Ones);
+    let norm = cur.push("model.norm.weight".into(), &[c], false, norm_init);
     cur.group("norm");
     let (lm_head, tied) = if spec.tied_embeddings {
         // The head is the embedding, the first tensor wherever it is held.

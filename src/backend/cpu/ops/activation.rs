@@ -1,10 +1,10 @@
-//! The activation family ([`OpFamily::Activation`]) on the CPU: GELU and SwiGLU, forward and
-//! backward.
+//! The activation family ([`OpFamily::Activation`]) on the CPU: GELU and the gated units
+//! (SwiGLU, GeGLU), forward and backward.
 
 use super::{Args, not_of};
 use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
-use crate::backend::cpu::{gelu, swiglu};
+use crate::backend::cpu::{gelu, glu};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
 use crate::ir::schedule::{Op, OpEntry};
@@ -14,13 +14,20 @@ impl CpuDevice {
     pub(super) fn run_activation<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
-            Op::Swiglu { inp, out, rows, h } => {
+            Op::Glu {
+                inp,
+                out,
+                rows,
+                h,
+                act,
+            } => {
                 let (n, h) = (rows.with_seq(ctx.seq).n(), *h);
-                swiglu::swiglu_forward(
+                glu::glu_forward(
                     &mut self.view::<T>(*out)[..n * h],
                     &args.act(*inp)[..n * 2 * h],
                     n,
                     h,
+                    *act,
                 )
             }
             Op::Gelu {
@@ -32,20 +39,22 @@ impl CpuDevice {
                 let len = rows.with_seq(ctx.seq).n() * width;
                 gelu::gelu_forward(&mut self.view::<T>(*out)[..len], &args.act(*inp)[..len])
             }
-            Op::SwigluBackward {
+            Op::GluBackward {
                 dinp,
                 dout,
                 inp,
                 rows,
                 h,
+                act,
             } => {
                 let (n, h) = (rows.with_seq(ctx.seq).n(), *h);
-                swiglu::swiglu_backward(
+                glu::glu_backward(
                     &mut self.view::<T>(*dinp)[..n * 2 * h],
                     &args.act(*dout)[..n * h],
                     &args.act(*inp)[..n * 2 * h],
                     n,
                     h,
+                    *act,
                 )
             }
             Op::GeluBackward {

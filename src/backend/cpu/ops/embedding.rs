@@ -24,6 +24,7 @@ impl CpuDevice {
                 first_token,
                 rows,
                 c,
+                scale,
             } => {
                 let (r, c) = (rows.with_seq(ctx.seq), *c);
                 let n = r.n();
@@ -41,7 +42,7 @@ impl CpuDevice {
                         }
                         table.decode_row(k, row);
                         for (o, &x) in o.iter_mut().zip(row.iter()) {
-                            *o = T::from_f32(x);
+                            *o = T::from_f32(x * scale);
                         }
                     }
                     return;
@@ -53,6 +54,7 @@ impl CpuDevice {
                     wpe.as_ref().map(|r| args.weights(r)),
                     args.positions(pos, r),
                     *first_token,
+                    *scale,
                     r.b,
                     r.t,
                     c,
@@ -67,6 +69,7 @@ impl CpuDevice {
                 first_token,
                 rows,
                 c,
+                scale,
             } => {
                 let (r, c) = (rows.with_seq(ctx.seq), *c);
                 let n = r.n();
@@ -84,6 +87,7 @@ impl CpuDevice {
                     &self.u32_mut(*tokens)[..n],
                     args.positions(pos, r),
                     *first_token,
+                    *scale,
                     r.b,
                     r.t,
                     c,

@@ -5,6 +5,7 @@
 use super::{Args, not_of};
 use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
+use crate::backend::cpu::rmsnorm::Gain;
 use crate::backend::cpu::{layernorm, rmsnorm};
 use crate::dtype::Elem;
 use crate::ir::OpFamily;
@@ -42,8 +43,10 @@ impl CpuDevice {
             Op::RmsNorm {
                 inp,
                 out,
+                residual,
                 rstd,
                 w,
+                offset,
                 rows,
                 c,
                 eps,
@@ -51,9 +54,10 @@ impl CpuDevice {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
                 rmsnorm::rmsnorm_forward(
                     &mut self.view::<T>(*out)[..n * c],
+                    residual.map(|r| &args.act(r)[..n * c]),
                     &mut self.view::<f32>(*rstd)[..n],
                     &args.act(*inp)[..n * c],
-                    args.weights(w),
+                    gain(args.weights(w), *offset),
                     n,
                     c,
                     *eps,
@@ -104,6 +108,7 @@ impl CpuDevice {
                 inp,
                 rstd,
                 w,
+                offset,
                 rows,
                 c,
             } => {
@@ -113,7 +118,7 @@ impl CpuDevice {
                         &mut self.view::<T>(*dinp)[..n * c],
                         &args.act(*dout)[..n * c],
                         &args.act(*inp)[..n * c],
-                        args.weights(w),
+                        gain(args.weights(w), *offset),
                         &self.view::<f32>(*rstd)[..n],
                         n,
                         c,
@@ -125,7 +130,7 @@ impl CpuDevice {
                     args.grad(w),
                     &args.act(*dout)[..n * c],
                     &args.act(*inp)[..n * c],
-                    args.weights(w),
+                    gain(args.weights(w), *offset),
                     &self.view::<f32>(*rstd)[..n],
                     n,
                     c,
@@ -136,6 +141,7 @@ impl CpuDevice {
                 out,
                 rstd,
                 w,
+                offset,
                 rows,
                 nh,
                 nkv,
@@ -148,7 +154,7 @@ impl CpuDevice {
                     &mut self.view::<T>(*out)[..n * qkv],
                     &mut self.view::<f32>(*rstd)[..n * heads],
                     &args.act(*inp)[..n * qkv],
-                    args.weights(w),
+                    gain(args.weights(w), *offset),
                     n,
                     (*nh, *nkv, *hd),
                     *eps,
@@ -159,6 +165,7 @@ impl CpuDevice {
                 inp,
                 rstd,
                 w,
+                offset,
                 rows,
                 nh,
                 nkv,
@@ -171,7 +178,7 @@ impl CpuDevice {
                     &mut self.view::<T>(*d)[..n * qkv],
                     dw,
                     &args.act(*inp)[..n * qkv],
-                    args.weights(w),
+                    gain(args.weights(w), *offset),
                     &self.view::<f32>(*rstd)[..n * heads],
                     n,
                     (*nh, *nkv, *hd),
@@ -180,4 +187,9 @@ impl CpuDevice {
             _ => not_of(OpFamily::Norm, e),
         }
     }
+}
+
+/// A norm's gain from its weights and offset.
+fn gain<W: Elem>(w: &[W], offset: f32) -> Gain<'_, W> {
+    Gain { w, offset }
 }

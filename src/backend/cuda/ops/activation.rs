@@ -4,8 +4,8 @@
 //!
 //! - [`Op::Gelu`]: `gelu_forward_<S>(out, inp, N·width)`.
 //! - [`Op::GeluBackward`]: `gelu_backward_<S>(d, inp, N·width)` (d in place).
-//! - [`Op::Swiglu`]: `swiglu_forward_<S>(out, inp, N, H)`, over the N·H outputs.
-//! - [`Op::SwigluBackward`]: `swiglu_backward_<S>(dinp, dout, inp, N, H)` (dinp written).
+//! - [`Op::Glu`] (SwiGLU): `swiglu_forward_<S>(out, inp, N, H)`, over the N·H outputs.
+//! - [`Op::GluBackward`] (SwiGLU): `swiglu_backward_<S>(dinp, dout, inp, N, H)` (dinp written).
 //!
 //! N is the op's rows at the step's sequence length (`rows.with_seq(ctx.seq)`); nothing runs
 //! on no elements.
@@ -57,7 +57,9 @@ impl GpuDevice {
                 // inp [N·width] T.
                 launch_kernel!(self, e, name, f, grid_packs(len as u64), [&d, &inp, &len])
             }
-            Op::Swiglu { inp, out, rows, h } => {
+            Op::Glu {
+                inp, out, rows, h, ..
+            } => {
                 let (n, h) = (rows.with_seq(ctx.seq).n(), *h);
                 if n == 0 || h == 0 {
                     return Ok(());
@@ -76,12 +78,13 @@ impl GpuDevice {
                     [&out, &inp, &ni, &hi]
                 )
             }
-            Op::SwigluBackward {
+            Op::GluBackward {
                 dinp,
                 dout,
                 inp,
                 rows,
                 h,
+                ..
             } => {
                 let (n, h) = (rows.with_seq(ctx.seq).n(), *h);
                 if n == 0 || h == 0 {

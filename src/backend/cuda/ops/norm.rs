@@ -76,6 +76,7 @@ impl GpuDevice {
                 rows,
                 c,
                 eps,
+                ..
             } => {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
                 if n == 0 || c == 0 {
@@ -163,6 +164,7 @@ impl GpuDevice {
                 w,
                 rows,
                 c,
+                ..
             } => {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
                 if n == 0 || c == 0 {
@@ -219,6 +221,7 @@ impl GpuDevice {
                 nkv,
                 hd,
                 eps,
+                ..
             } => {
                 let n = rows.with_seq(ctx.seq).n();
                 if n == 0 || *hd == 0 {
@@ -255,6 +258,7 @@ impl GpuDevice {
                 nh,
                 nkv,
                 hd,
+                ..
             } => {
                 let n = rows.with_seq(ctx.seq).n();
                 if n == 0 || *hd == 0 {
