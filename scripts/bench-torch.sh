@@ -6,8 +6,8 @@
 #   PAIRS=3 MODEL=smollm2-135m scripts/bench-torch.sh --precision bf16
 #
 # Runs `memwall bench --model $MODEL --batch 4 --seq 256 --steps 4 --threads 2 [args]` and
-# `../shared/bench/torch_reference.py` on the same shape (GPT-2 124M for MODEL=gpt2, a Llama
-# preset otherwise: --arch llama --preset $MODEL) alternately, memwall first, PAIRS pairs
+# `../shared/bench/torch_reference.py` on the same shape (GPT-2 124M for MODEL=gpt2, a preset
+# otherwise: --arch qwen3 / gemma3 / llama --preset $MODEL) alternately, memwall first, PAIRS pairs
 # (default 3), so a slow spell of a shared machine falls on both sides. Prints each pair's
 # tokens/s and peak RSS, the pair's ratios (memwall/torch), their medians, and memwall's
 # fraction of the machine's measured FMA peak. A --precision given here goes to both; every
@@ -38,7 +38,13 @@ shape=(--batch 4 --seq 256 --steps 4 --threads 2)
 if [ "$model" = gpt2 ]; then
     torch_shape=(--layers 12 --embd 768 --heads 12)
 else
-    torch_shape=(--arch llama --preset "$model")
+    # The reference's own presets (published shapes) for the families it builds apart.
+    case "$model" in
+    qwen3-*) arch=qwen3 ;;
+    gemma-3-*) arch=gemma3 ;;
+    *) arch=llama ;;
+    esac
+    torch_shape=(--arch "$arch" --preset "$model")
 fi
 
 echo "config: model=$model precision=$precision ${shape[*]} memwall-extra=[${extra[*]}] pairs=$pairs"

@@ -13,7 +13,7 @@
 //! head), hf-tiny-gemma3 (make_hf_gemma3_fixtures.py: 1 + w norms, q/k and post-norms,
 //! GeGLU, the √C embedding, sliding and full layers with their own RoPE bases, a window of 6
 //! within the 24-token sequence, linear scaling of the full layers' rotation);
-//! memwall-qwen3-ckpt, a checkpoint memwall trained, with
+//! memwall-qwen3-ckpt and memwall-gemma3-ckpt, checkpoints memwall trained, with
 //! what transformers computes with it (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
 
@@ -310,11 +310,29 @@ fn loss_of(spec: &memwall::model::ModelSpec, dir: &std::path::Path, seq: &[u32])
 /// writes those files byte for byte, so what transformers was shown is what memwall writes.
 #[test]
 fn memwall_qwen3_checkpoint_decodes_the_same_in_transformers() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/memwall-qwen3-ckpt");
+    memwall_checkpoint_decodes_the_same_in_transformers("memwall-qwen3-ckpt", "Qwen3ForCausalLM");
+}
+
+/// A Gemma 3 checkpoint memwall trained (`memwall-gemma3-ckpt`: three layers, sliding, full,
+/// sliding with a window of 8, 300 steps on the Qwen3 checkpoint's data and flags) loads
+/// strictly into transformers as `Gemma3ForCausalLM` and decodes the same: its norms are
+/// stored as Gemma's `w` (the gain 1 + w), its config as transformers reads it.
+#[test]
+fn memwall_gemma3_checkpoint_decodes_the_same_in_transformers() {
+    memwall_checkpoint_decodes_the_same_in_transformers("memwall-gemma3-ckpt", "Gemma3ForCausalLM");
+}
+
+/// A checkpoint memwall trained (`tests/fixtures/{name}`) against what transformers computed
+/// with it as `class` (its `transformers.json`): the logits, 20 greedy tokens, and memwall's
+/// writer writing the same bytes.
+fn memwall_checkpoint_decodes_the_same_in_transformers(name: &str, class: &str) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name);
     let exp: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("transformers.json")).unwrap())
             .unwrap();
-    assert_eq!(exp["class"], "Qwen3ForCausalLM");
+    assert_eq!(exp["class"], class);
     let spec = ckpt::load_spec(&dir).unwrap();
     let prompt = ids(&exp["prompt"]);
     let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, backend()).unwrap();
@@ -330,7 +348,7 @@ fn memwall_qwen3_checkpoint_decodes_the_same_in_transformers() {
         let b = b.as_f64().unwrap();
         assert!(
             (a as f64 - b).abs() < 1e-4 * b.abs().max(1.0),
-            "logit {i}: memwall {a} vs transformers {b}"
+            "{name} logit {i}: memwall {a} vs transformers {b}"
         );
     }
     let want = ids(&exp["greedy"]);
@@ -347,7 +365,7 @@ fn memwall_qwen3_checkpoint_decodes_the_same_in_transformers() {
         stop: Vec::new(),
     };
     let got = generate_tokens(&opts, &prompt, &mut |_| {}, &mut |_| {}).unwrap();
-    assert_eq!(got, want, "greedy continuation");
+    assert_eq!(got, want, "{name}: greedy continuation");
 
     // Written again by memwall's writer: the same bytes.
     let params = ex.download_params().unwrap();
@@ -356,8 +374,8 @@ fn memwall_qwen3_checkpoint_decodes_the_same_in_transformers() {
     for file in ["config.json", "model.safetensors"] {
         assert!(
             std::fs::read(out.path().join(file)).unwrap() == std::fs::read(dir.join(file)).unwrap(),
-            "{file}: memwall now writes it otherwise; re-run check_memwall_checkpoint.py on a \
-             new checkpoint"
+            "{name} {file}: memwall now writes it otherwise; re-run check_memwall_checkpoint.py \
+             on a new checkpoint"
         );
     }
 }
