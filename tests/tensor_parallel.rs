@@ -12,6 +12,7 @@ use memwall::backend::under_test as backend;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
 use memwall::ir::{Mesh, Recompute, Zero};
+use memwall::model::spec::LocalLayers;
 use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::{Mode, StepConfig, build_plan};
 use std::sync::Arc;
@@ -117,16 +118,28 @@ fn ranks(
     })
 }
 
-/// A preset, or `"P as phi3"` / `"P as qwen3"`: preset P's shapes in Phi-3's layout (q|k|v
-/// and gate|up one tensor each, so a tensor rank keeps three runs of one and two of the
-/// other) or with Qwen3's per-head q/k norms (whole on every tensor rank, their gradients
-/// summed among them).
+/// A preset, or `"P as phi3"` / `"P as qwen3"` / `"P as gemma3"`: preset P's shapes in Phi-3's
+/// layout (q|k|v and gate|up one tensor each, so a tensor rank keeps three runs of one and two
+/// of the other), with Qwen3's per-head q/k norms (whole on every tensor rank, their gradients
+/// summed among them), or with Gemma 3's (its post-norms after the joins, whole and alike on
+/// every rank; its √C embedding summed over the vocabulary's parts).
 fn spec_of(model: &str) -> ModelSpec {
     let family = |m: &str, family| ModelSpec {
         family,
         ..ModelSpec::preset(m).unwrap()
     };
-    if let Some(m) = model.strip_suffix(" as phi3") {
+    if let Some(m) = model.strip_suffix(" as gemma3") {
+        // Gemma 3's arithmetic, its layers alternating sliding (a window of 5) and full.
+        let spec = family(m, Family::Gemma3);
+        ModelSpec {
+            sliding_window: Some(5),
+            local_layers: Some(LocalLayers {
+                sliding: (0..spec.n_layer).map(|l| l % 2 == 0).collect(),
+                rope_theta: 100.0,
+            }),
+            ..spec
+        }
+    } else if let Some(m) = model.strip_suffix(" as phi3") {
         family(m, Family::Phi3)
     } else if let Some(m) = model.strip_suffix(" as qwen3") {
         family(m, Family::Qwen3)
@@ -191,7 +204,21 @@ fn matches_one_process_at(model: &str, (data, tensor, zero): (usize, usize, Zero
             2.0 * hparams(1).lr * STEPS as f32,
             &what,
         );
-        let w = worst_tensor(&whole, &params, reference_params);
+        // Gemma's norm weights start at 0 and are gains 1 + w: compared as the gains, or the
+        // relative measure would divide rounding noise by weights a few steps from 0.
+        let offset = spec_of(model).family.norm_offset();
+        let gains = |p: &[f32]| {
+            let mut p = p.to_vec();
+            for t in whole
+                .tensors
+                .iter()
+                .filter(|t| t.name.ends_with("norm.weight"))
+            {
+                p[t.range.clone()].iter_mut().for_each(|x| *x += offset);
+            }
+            p
+        };
+        let w = worst_tensor(&whole, &gains(&params), &gains(reference_params));
         assert!(w < 1e-4, "{what} data rank {d}: weights differ by {w}");
     }
 }
@@ -213,6 +240,8 @@ fn two_tensor_ranks_train_llama_with_grouped_query_attention_like_one_process() 
     matches_one_process("llama-tiny as phi3", 1, 2, Recompute::None);
     matches_one_process("llama-tiny as qwen3", 1, 2, Recompute::Full);
     matches_one_process("llama-tiny as qwen3", 2, 2, Recompute::None);
+    matches_one_process("llama-tiny as gemma3", 1, 2, Recompute::Full);
+    matches_one_process("llama-tiny as gemma3", 2, 2, Recompute::Selective);
 }
 
 #[test]
