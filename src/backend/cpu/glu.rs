@@ -92,7 +92,7 @@ multiversion! {
 
 /// Gradient of the gate|up input; OVERWRITES `dinp`:
 /// `dinp[r, j] = dout·up·act'(g)` (d gate), `dinp[r, H + j] = dout·act(g)` (d up); SwiGLU's
-/// `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))`, GeGLU's [`gelu_grad`].
+/// `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))`, GeGLU's `gelu_grad` (gelu.rs).
 pub fn glu_backward<T: Elem>(
     dinp: &mut [T], // [N, 2H] overwritten: d gate | d up
     dout: &[T],     // [N, H]
