@@ -42,8 +42,9 @@
 //! That the checks can fail: `mod flawed` runs some of them on a backend that gets one thing
 //! wrong before the backend under test runs the op (a transposed weight, RoPE turned the wrong
 //! way, the loss scale or the weight decay ignored, a norm's epsilon, an element left
-//! unwritten, the rows of a sequence misread, gradients overwritten instead of added to), and
-//! each must fail with the checks' mismatch message; the same wrapper without a flaw passes.
+//! unwritten, the rows of a sequence misread, gradients overwritten instead of added to,
+//! Gemma's gain offset, residual, GeGLU or embedding scale ignored), and each must fail with
+//! the checks' mismatch message; the same wrapper without a flaw passes.
 
 mod backend_ops {
     pub mod adapters;
@@ -133,8 +134,8 @@ macro_rules! backend_suite {
                 layers::attention_backward,
                 layers::rope,
                 layers::rope_inverse,
-                layers::swiglu,
-                layers::swiglu_backward,
+                layers::glu,
+                layers::glu_backward,
                 layers::gelu,
                 layers::gelu_backward,
                 layers::lm_head_loss,
@@ -304,6 +305,62 @@ mod flawed {
         layers::gelu(&Flawed(flaw), Precision::F32)
     }
 
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn a_dropped_gain_offset_fails_rmsnorm_in_bf16() {
+        // Gemma's 1 + w computed as w.
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::RmsNorm { offset, .. } = op {
+                *offset = 0.0;
+            }
+        });
+        layers::rmsnorm(&Flawed(flaw), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn a_dropped_gain_offset_fails_qk_norm_backward_in_bf16() {
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::QkNormBackward { offset, .. } = op {
+                *offset = 0.0;
+            }
+        });
+        layers::qk_norm_backward(&Flawed(flaw), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn a_dropped_residual_fails_rmsnorm_in_f32() {
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::RmsNorm { residual, .. } = op {
+                *residual = None;
+            }
+        });
+        layers::rmsnorm(&Flawed(flaw), Precision::F32)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn geglu_run_as_swiglu_fails_in_bf16() {
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::GluBackward { act, .. } = op {
+                *act = memwall::ir::schedule::GluAct::Silu;
+            }
+        });
+        layers::glu_backward(&Flawed(flaw), Precision::Bf16)
+    }
+
+    #[test]
+    #[should_panic(expected = "does not match the reference")]
+    fn an_unscaled_embedding_gradient_fails_in_bf16() {
+        let flaw = Flaw::Op(|op, _| {
+            if let Op::EncoderBackward { scale, .. } = op {
+                *scale = 1.0;
+            }
+        });
+        layers::encoder_backward(&Flawed(flaw), Precision::Bf16)
+    }
+
     /// The wrapper without a flaw passes the same checks: the failures above are the flaws'.
     #[test]
     fn the_wrapper_alone_passes() {
@@ -316,5 +373,9 @@ mod flawed {
         state::adamw_f32_state(&honest, Precision::F32);
         layers::layernorm(&honest, Precision::F32);
         layers::gelu(&honest, Precision::F32);
+        layers::rmsnorm(&honest, Precision::Bf16);
+        layers::rmsnorm(&honest, Precision::F32);
+        layers::qk_norm_backward(&honest, Precision::Bf16);
+        layers::glu_backward(&honest, Precision::Bf16);
     }
 }

@@ -14,6 +14,11 @@
 //! it changes more than the number of rows (the encoder's and RoPE's positions, attention's
 //! sequences, the LM head's last row) and on the matmul; generation plans are fp32 only, so
 //! in fp32.
+//!
+//! Gemma's variants of the ops are checked beside the others': the RMS norms' gain `1 + w`
+//! (`offset` 1, with weights near 0, as Gemma's start) forward and backward, the q/k norms'
+//! likewise, the forward's residual (its post-norms), GeGLU beside SwiGLU ([`GluAct`]), and
+//! the embedding's scale (√C) on the token rows, forward and backward.
 
 use super::rig::*;
 use memwall::backend::{Backend, StepCtx};
@@ -76,11 +81,20 @@ pub fn zero(be: &dyn Backend, p: Precision) {
     same("zero: the buffer beside", &s.get(keep), &k);
 }
 
+/// An embedding scale as Gemma's (√C, for C = 6: not a power of two, so every product by it
+/// rounds); 1 elsewhere.
+fn embedding_scales() -> [f32; 2] {
+    [1.0, 6f32.sqrt()]
+}
+
 pub fn encoder(be: &dyn Backend, p: Precision) {
     const V: usize = 13;
     const C: usize = 6;
     const MAXT: usize = 8;
-    for learned in [true, false] {
+    let variants = [true, false]
+        .into_iter()
+        .flat_map(|l| embedding_scales().map(|s| (l, s)));
+    for (learned, scale) in variants {
         for (seq, packed) in runs(p) {
             let mut rig = Rig::new(p);
             let wte = rig.param(V * C); // [V, C]
@@ -97,7 +111,7 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
                 first_token: 0,
                 rows: ROWS,
                 c: C,
-                scale: 1.0,
+                scale,
             };
             let op = rig.op(op, Bind::Params);
             let mut s = rig.start(be);
@@ -120,14 +134,16 @@ pub fn encoder(be: &dyn Backend, p: Precision) {
                 };
                 let wte = &w[local(&wte)];
                 for (j, o) in row.iter_mut().enumerate() {
-                    *o = wte[tok[i] as usize * C + j] as f64;
+                    *o = wte[tok[i] as usize * C + j] as f64 * scale as f64;
                     if let Some(wpe) = &wpe {
                         *o += w[local(wpe)][t * C + j] as f64;
                     }
                 }
             }
-            let what =
-                format!("encoder out (learned positions: {learned}, seq {seq:?}, packed {packed})");
+            let what = format!(
+                "encoder out (learned positions: {learned}, scale {scale}, seq {seq:?}, packed \
+                 {packed})"
+            );
             check_prefix(&what, &s.get(out), &want, &before, rounded(p));
         }
     }
@@ -137,7 +153,15 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
     const V: usize = 13;
     const C: usize = 6;
     const MAXT: usize = 8;
-    for (learned, packed) in [(true, false), (true, true), (false, false)] {
+    let gemma = embedding_scales()[1];
+    let variants = [
+        (true, false, 1.0),
+        (true, true, 1.0),
+        (false, false, 1.0),
+        (true, true, gemma),
+        (false, false, gemma),
+    ];
+    for (learned, packed, scale) in variants {
         let mut rig = Rig::new(p);
         let wte = rig.param(V * C); // [V, C]
         let wpe = learned.then(|| rig.param(MAXT * C)); // [maxT, C]
@@ -153,7 +177,7 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
             first_token: 0,
             rows: ROWS,
             c: C,
-            scale: 1.0,
+            scale,
         };
         let op = rig.op(op, Bind::Grads);
         let mut s = rig.start(be);
@@ -171,14 +195,18 @@ pub fn encoder_backward(be: &dyn Backend, p: Precision) {
         for i in 0..N {
             let t = if packed { POSITIONS[i] as usize } else { i % T };
             for j in 0..C {
-                want[local(&wte).start + tok[i] as usize * C + j] += d[i * C + j] as f64;
+                // The token rows' gradient scaled, the positions' not.
+                want[local(&wte).start + tok[i] as usize * C + j] +=
+                    scale as f64 * d[i * C + j] as f64;
                 if let Some(wpe) = &wpe {
                     want[local(wpe).start + t * C + j] += d[i * C + j] as f64;
                 }
             }
         }
-        let what =
-            format!("encoder_backward grads (learned positions: {learned}, packed {packed})");
+        let what = format!(
+            "encoder_backward grads (learned positions: {learned}, packed {packed}, scale \
+             {scale})"
+        );
         check(&what, &s.get(s.grads()), &want, rounded(p));
     }
 }
@@ -306,100 +334,126 @@ pub fn layernorm_backward(be: &dyn Backend, p: Precision) {
     );
 }
 
+/// The range of a norm's weights: the suite's usual for the gain `w` (offset 0), near 0 for
+/// Gemma's `1 + w` (offset 1: its weights start at 0), so a backend that drops the offset is
+/// far off.
+fn gain_weights(offset: f32) -> (f32, f32) {
+    if offset == 0.0 {
+        (-1.0, 1.0)
+    } else {
+        (-0.1, 0.1)
+    }
+}
+
 pub fn rmsnorm(be: &dyn Backend, p: Precision) {
     const C: usize = 12;
     const EPS: f32 = 1e-5;
-    let mut rig = Rig::new(p);
-    let w = rig.param(C); // [C]
-    let inp = rig.act("inp", N * C); // [N, C]
-    let out = rig.act("out", N * C); // [N, C]
-    let rstd = rig.f32("rstd", N); // [N]
-    let op = Op::RmsNorm {
-        inp,
-        out,
-        residual: None,
-        rstd,
-        w: w.clone(),
-        offset: 0.0,
-        rows: ROWS,
-        c: C,
-        eps: EPS,
-    };
-    let op = rig.op(op, Bind::Params);
-    let mut s = rig.start(be);
-    let mut rng = Rng::new(6);
-    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
-    let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
-    s.fill(out, &mut rng, -1.0, 1.0);
-    s.fill(rstd, &mut rng, -1.0, 1.0);
-    s.run(op, &ctx());
-    let r: Vec<f64> = x
-        .chunks(C)
-        .map(|row| {
-            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
-            1.0 / (ms + EPS as f64).sqrt()
-        })
-        .collect();
-    let w = &pw[local(&w)];
-    let want: Vec<f64> = (0..N * C)
-        .map(|k| x[k] as f64 * r[k / C] * w[k % C] as f64)
-        .collect();
-    check("rmsnorm out", &s.get(out), &want, rounded(p));
-    check("rmsnorm rstd", &s.get(rstd), &r, STAT);
+    // Llama's (gain w), Gemma's pre-norm (1 + w) and post-norm (1 + w, a residual added).
+    for (offset, with_residual) in [(0.0, false), (1.0, false), (1.0, true)] {
+        let mut rig = Rig::new(p);
+        let w = rig.param(C); // [C]
+        let inp = rig.act("inp", N * C); // [N, C]
+        let out = rig.act("out", N * C); // [N, C]
+        let residual = with_residual.then(|| rig.act("residual", N * C)); // [N, C]
+        let rstd = rig.f32("rstd", N); // [N]
+        let op = Op::RmsNorm {
+            inp,
+            out,
+            residual,
+            rstd,
+            w: w.clone(),
+            offset,
+            rows: ROWS,
+            c: C,
+            eps: EPS,
+        };
+        let op = rig.op(op, Bind::Params);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(6);
+        let (lo, hi) = gain_weights(offset);
+        let pw = s.fill(s.params(), &mut rng, lo, hi);
+        let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
+        let y = residual.map(|id| s.fill(id, &mut rng, -1.0, 1.0));
+        s.fill(out, &mut rng, -1.0, 1.0);
+        s.fill(rstd, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let r: Vec<f64> = x
+            .chunks(C)
+            .map(|row| {
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
+                1.0 / (ms + EPS as f64).sqrt()
+            })
+            .collect();
+        let w = &pw[local(&w)];
+        let want: Vec<f64> = (0..N * C)
+            .map(|k| {
+                let v = x[k] as f64 * r[k / C] * (offset as f64 + w[k % C] as f64);
+                v + y.as_ref().map_or(0.0, |y| y[k] as f64)
+            })
+            .collect();
+        let what = format!("rmsnorm (offset {offset}, residual {with_residual})");
+        check(&format!("{what} out"), &s.get(out), &want, rounded(p));
+        check(&format!("{what} rstd"), &s.get(rstd), &r, STAT);
+    }
 }
 
 pub fn rmsnorm_backward(be: &dyn Backend, p: Precision) {
     const C: usize = 12;
-    let mut rig = Rig::new(p);
-    let w = rig.param(C); // [C]
-    let dinp = rig.act("dinp", N * C); // [N, C], accumulated into
-    let dout = rig.act("dout", N * C); // [N, C]
-    let inp = rig.act("inp", N * C); // [N, C]
-    let rstd = rig.f32("rstd", N); // [N]
-    let op = Op::RmsNormBackward {
-        dinp,
-        dout,
-        inp,
-        rstd,
-        w: w.clone(),
-        offset: 0.0,
-        rows: ROWS,
-        c: C,
-    };
-    let op = rig.op(op, Bind::Both);
-    let mut s = rig.start(be);
-    let mut rng = Rng::new(7);
-    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
-    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
-    let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
-    let r: Vec<f32> = x
-        .chunks(C)
-        .map(|row| {
-            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
-            (1.0 / (ms + 1e-5).sqrt()) as f32
-        })
-        .collect();
-    let r = s.put(rstd, &r);
-    let dy = s.fill(dout, &mut rng, -1.0, 1.0);
-    let dx0 = s.fill(dinp, &mut rng, -1.0, 1.0);
-    s.run(op, &ctx());
-    let (wv, wr) = (&pw[local(&w)], local(&w));
-    let mut dx = wide(&dx0);
-    let mut g = wide(&g0);
-    for i in 0..N {
-        let ri = r[i] as f64;
-        let xhat: Vec<f64> = (0..C).map(|j| x[i * C + j] as f64 * ri).collect();
-        let gy: Vec<f64> = (0..C)
-            .map(|j| dy[i * C + j] as f64 * wv[j] as f64)
+    // Llama's gain w and Gemma's 1 + w (the weight's gradient is the gain's).
+    for offset in [0.0, 1.0] {
+        let mut rig = Rig::new(p);
+        let w = rig.param(C); // [C]
+        let dinp = rig.act("dinp", N * C); // [N, C], accumulated into
+        let dout = rig.act("dout", N * C); // [N, C]
+        let inp = rig.act("inp", N * C); // [N, C]
+        let rstd = rig.f32("rstd", N); // [N]
+        let op = Op::RmsNormBackward {
+            dinp,
+            dout,
+            inp,
+            rstd,
+            w: w.clone(),
+            offset,
+            rows: ROWS,
+            c: C,
+        };
+        let op = rig.op(op, Bind::Both);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(7);
+        let (lo, hi) = gain_weights(offset);
+        let pw = s.fill(s.params(), &mut rng, lo, hi);
+        let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+        let x = s.put(inp, &rows_with_offsets(&mut rng, N, C));
+        let r: Vec<f32> = x
+            .chunks(C)
+            .map(|row| {
+                let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / C as f64;
+                (1.0 / (ms + 1e-5).sqrt()) as f32
+            })
             .collect();
-        let c = (0..C).map(|j| gy[j] * xhat[j]).sum::<f64>() / C as f64;
-        for j in 0..C {
-            dx[i * C + j] += ri * (gy[j] - xhat[j] * c);
-            g[wr.start + j] += dy[i * C + j] as f64 * xhat[j];
+        let r = s.put(rstd, &r);
+        let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+        let dx0 = s.fill(dinp, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let (wv, wr) = (&pw[local(&w)], local(&w));
+        let mut dx = wide(&dx0);
+        let mut g = wide(&g0);
+        for i in 0..N {
+            let ri = r[i] as f64;
+            let xhat: Vec<f64> = (0..C).map(|j| x[i * C + j] as f64 * ri).collect();
+            let gy: Vec<f64> = (0..C)
+                .map(|j| dy[i * C + j] as f64 * (offset as f64 + wv[j] as f64))
+                .collect();
+            let c = (0..C).map(|j| gy[j] * xhat[j]).sum::<f64>() / C as f64;
+            for j in 0..C {
+                dx[i * C + j] += ri * (gy[j] - xhat[j] * c);
+                g[wr.start + j] += dy[i * C + j] as f64 * xhat[j];
+            }
         }
+        let what = format!("rmsnorm_backward (offset {offset})");
+        check(&format!("{what} dinp"), &s.get(dinp), &dx, reduced(p));
+        check(&format!("{what} grads"), &s.get(s.grads()), &g, reduced(p));
     }
-    check("rmsnorm_backward dinp", &s.get(dinp), &dx, reduced(p));
-    check("rmsnorm_backward grads", &s.get(s.grads()), &g, reduced(p));
 }
 
 /// Qwen3's q/k norm shape: 4 query heads, 2 key/value heads of 6 channels (QKV = 48).
@@ -423,97 +477,108 @@ pub fn qk_norm(be: &dyn Backend, p: Precision) {
     let (nh, nkv, hd) = QK;
     let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
     const EPS: f32 = 1e-6;
-    let mut rig = Rig::new(p);
-    let w = rig.param(2 * hd); // [2, hd]: q_norm, k_norm
-    let inp = rig.act("inp", N * qkv); // [N, QKV]
-    let out = rig.act("out", N * qkv); // [N, QKV]
-    let rstd = rig.f32("rstd", N * heads); // [N, NH + NKV]
-    let op = Op::QkNorm {
-        inp,
-        out,
-        rstd,
-        w: w.clone(),
-        offset: 0.0,
-        rows: ROWS,
-        nh,
-        nkv,
-        hd,
-        eps: EPS,
-    };
-    let op = rig.op(op, Bind::Params);
-    let mut s = rig.start(be);
-    let mut rng = Rng::new(16);
-    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
-    let x = s.put(inp, &rows_with_offsets(&mut rng, N * (nh + 2 * nkv), hd));
-    s.fill(out, &mut rng, -1.0, 1.0);
-    s.fill(rstd, &mut rng, -1.0, 1.0);
-    s.run(op, &ctx());
-    let r = qk_rstd(&x, EPS as f64);
-    let w = &pw[local(&w)];
-    let want: Vec<f64> = (0..N * qkv)
-        .map(|k| {
-            let (i, h, j) = (k / qkv, (k % qkv) / hd, k % hd);
-            match h {
-                h if h < nh => x[k] as f64 * r[i * heads + h] * w[j] as f64,
-                h if h < heads => x[k] as f64 * r[i * heads + h] * w[hd + j] as f64,
-                _ => x[k] as f64,
-            }
-        })
-        .collect();
-    check("qk_norm out", &s.get(out), &want, rounded(p));
-    check("qk_norm rstd", &s.get(rstd), &r, STAT);
+    // Qwen3's gain w and Gemma's 1 + w.
+    for offset in [0.0, 1.0] {
+        let mut rig = Rig::new(p);
+        let w = rig.param(2 * hd); // [2, hd]: q_norm, k_norm
+        let inp = rig.act("inp", N * qkv); // [N, QKV]
+        let out = rig.act("out", N * qkv); // [N, QKV]
+        let rstd = rig.f32("rstd", N * heads); // [N, NH + NKV]
+        let op = Op::QkNorm {
+            inp,
+            out,
+            rstd,
+            w: w.clone(),
+            offset,
+            rows: ROWS,
+            nh,
+            nkv,
+            hd,
+            eps: EPS,
+        };
+        let op = rig.op(op, Bind::Params);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(16);
+        let (lo, hi) = gain_weights(offset);
+        let pw = s.fill(s.params(), &mut rng, lo, hi);
+        let x = s.put(inp, &rows_with_offsets(&mut rng, N * (nh + 2 * nkv), hd));
+        s.fill(out, &mut rng, -1.0, 1.0);
+        s.fill(rstd, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let r = qk_rstd(&x, EPS as f64);
+        let w = &pw[local(&w)];
+        let gain = |i: usize| offset as f64 + w[i] as f64;
+        let want: Vec<f64> = (0..N * qkv)
+            .map(|k| {
+                let (i, h, j) = (k / qkv, (k % qkv) / hd, k % hd);
+                match h {
+                    h if h < nh => x[k] as f64 * r[i * heads + h] * gain(j),
+                    h if h < heads => x[k] as f64 * r[i * heads + h] * gain(hd + j),
+                    _ => x[k] as f64,
+                }
+            })
+            .collect();
+        let what = format!("qk_norm (offset {offset})");
+        check(&format!("{what} out"), &s.get(out), &want, rounded(p));
+        check(&format!("{what} rstd"), &s.get(rstd), &r, STAT);
+    }
 }
 
 pub fn qk_norm_backward(be: &dyn Backend, p: Precision) {
     let (nh, nkv, hd) = QK;
     let (qkv, heads) = ((nh + 2 * nkv) * hd, nh + nkv);
-    let mut rig = Rig::new(p);
-    let w = rig.param(2 * hd); // [2, hd]
-    let d = rig.act("d", N * qkv); // [N, QKV]: dout in, dinp out
-    let inp = rig.act("inp", N * qkv); // [N, QKV]
-    let rstd = rig.f32("rstd", N * heads); // [N, NH + NKV]
-    let op = Op::QkNormBackward {
-        d,
-        inp,
-        rstd,
-        w: w.clone(),
-        offset: 0.0,
-        rows: ROWS,
-        nh,
-        nkv,
-        hd,
-    };
-    let op = rig.op(op, Bind::Both);
-    let mut s = rig.start(be);
-    let mut rng = Rng::new(17);
-    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
-    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
-    let x = s.put(inp, &rows_with_offsets(&mut rng, N * (nh + 2 * nkv), hd));
-    let r: Vec<f32> = qk_rstd(&x, 1e-6).iter().map(|&v| v as f32).collect();
-    let r = s.put(rstd, &r);
-    let dy = s.fill(d, &mut rng, -1.0, 1.0);
-    s.run(op, &ctx());
-    let wv = &pw[local(&w)];
-    let wr = local(&w);
-    let mut dx = wide(&dy); // value heads pass through
-    let mut g = wide(&g0);
-    for i in 0..N {
-        for h in 0..heads {
-            let (at, which) = (i * qkv + h * hd, usize::from(h >= nh));
-            let ri = r[i * heads + h] as f64;
-            let xhat: Vec<f64> = (0..hd).map(|j| x[at + j] as f64 * ri).collect();
-            let gy: Vec<f64> = (0..hd)
-                .map(|j| dy[at + j] as f64 * wv[which * hd + j] as f64)
-                .collect();
-            let c = (0..hd).map(|j| gy[j] * xhat[j]).sum::<f64>() / hd as f64;
-            for j in 0..hd {
-                dx[at + j] = ri * (gy[j] - xhat[j] * c);
-                g[wr.start + which * hd + j] += dy[at + j] as f64 * xhat[j];
+    // Qwen3's gain w and Gemma's 1 + w (the weight's gradient is the gain's).
+    for offset in [0.0, 1.0] {
+        let mut rig = Rig::new(p);
+        let w = rig.param(2 * hd); // [2, hd]
+        let d = rig.act("d", N * qkv); // [N, QKV]: dout in, dinp out
+        let inp = rig.act("inp", N * qkv); // [N, QKV]
+        let rstd = rig.f32("rstd", N * heads); // [N, NH + NKV]
+        let op = Op::QkNormBackward {
+            d,
+            inp,
+            rstd,
+            w: w.clone(),
+            offset,
+            rows: ROWS,
+            nh,
+            nkv,
+            hd,
+        };
+        let op = rig.op(op, Bind::Both);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(17);
+        let (lo, hi) = gain_weights(offset);
+        let pw = s.fill(s.params(), &mut rng, lo, hi);
+        let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+        let x = s.put(inp, &rows_with_offsets(&mut rng, N * (nh + 2 * nkv), hd));
+        let r: Vec<f32> = qk_rstd(&x, 1e-6).iter().map(|&v| v as f32).collect();
+        let r = s.put(rstd, &r);
+        let dy = s.fill(d, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let wv = &pw[local(&w)];
+        let wr = local(&w);
+        let mut dx = wide(&dy); // value heads pass through
+        let mut g = wide(&g0);
+        for i in 0..N {
+            for h in 0..heads {
+                let (at, which) = (i * qkv + h * hd, usize::from(h >= nh));
+                let ri = r[i * heads + h] as f64;
+                let xhat: Vec<f64> = (0..hd).map(|j| x[at + j] as f64 * ri).collect();
+                let gy: Vec<f64> = (0..hd)
+                    .map(|j| dy[at + j] as f64 * (offset as f64 + wv[which * hd + j] as f64))
+                    .collect();
+                let c = (0..hd).map(|j| gy[j] * xhat[j]).sum::<f64>() / hd as f64;
+                for j in 0..hd {
+                    dx[at + j] = ri * (gy[j] - xhat[j] * c);
+                    g[wr.start + which * hd + j] += dy[at + j] as f64 * xhat[j];
+                }
             }
         }
+        let what = format!("qk_norm_backward (offset {offset})");
+        check(&format!("{what} d"), &s.get(d), &dx, reduced(p));
+        check(&format!("{what} grads"), &s.get(s.grads()), &g, reduced(p));
     }
-    check("qk_norm_backward d", &s.get(d), &dx, reduced(p));
-    check("qk_norm_backward grads", &s.get(s.grads()), &g, reduced(p));
 }
 
 /// Element (k, o) of a linear layer's weight `w` in `layout` (W as `[IC, OC]`).
@@ -994,67 +1059,90 @@ fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
 
-pub fn swiglu(be: &dyn Backend, p: Precision) {
-    const H: usize = 6;
-    let mut rig = Rig::new(p);
-    let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]: gate | up
-    let out = rig.act("out", N * H); // [N, H]
-    let op = rig.op(
-        Op::Glu {
-            inp,
-            out,
-            rows: ROWS,
-            h: H,
-            act: GluAct::Silu,
-        },
-        Bind::None,
-    );
-    let mut s = rig.start(be);
-    let mut rng = Rng::new(13);
-    let x = s.fill(inp, &mut rng, -4.0, 4.0);
-    s.fill(out, &mut rng, -1.0, 1.0);
-    s.run(op, &ctx());
-    let want: Vec<f64> = (0..N * H)
-        .map(|e| {
-            let (i, j) = (e / H, e % H);
-            let (g, u) = (x[i * 2 * H + j] as f64, x[i * 2 * H + H + j] as f64);
-            g * sigmoid(g) * u
-        })
-        .collect();
-    check("swiglu out", &s.get(out), &want, rounded(p));
+/// A gated unit's gate activation and its derivative: SwiGLU's silu, GeGLU's tanh GELU.
+fn glu_act_ref(act: GluAct, g: f64) -> (f64, f64) {
+    match act {
+        GluAct::Silu => {
+            let sg = sigmoid(g);
+            (g * sg, sg * (1.0 + g * (1.0 - sg)))
+        }
+        GluAct::GeluTanh => gelu_ref(g),
+    }
 }
 
-pub fn swiglu_backward(be: &dyn Backend, p: Precision) {
+const GLU_ACTS: [GluAct; 2] = [GluAct::Silu, GluAct::GeluTanh];
+
+pub fn glu(be: &dyn Backend, p: Precision) {
     const H: usize = 6;
-    let mut rig = Rig::new(p);
-    let dinp = rig.act("dgate_up", N * 2 * H); // [N, 2H], overwritten
-    let dout = rig.act("dout", N * H); // [N, H]
-    let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]
-    let op = Op::GluBackward {
-        dinp,
-        dout,
-        inp,
-        rows: ROWS,
-        h: H,
-        act: GluAct::Silu,
-    };
-    let op = rig.op(op, Bind::None);
-    let mut s = rig.start(be);
-    let mut rng = Rng::new(14);
-    let x = s.fill(inp, &mut rng, -4.0, 4.0);
-    let dy = s.fill(dout, &mut rng, -1.0, 1.0);
-    s.fill(dinp, &mut rng, -1.0, 1.0);
-    s.run(op, &ctx());
-    let mut want = vec![0.0; N * 2 * H];
-    for i in 0..N {
-        for j in 0..H {
-            let (g, u) = (x[i * 2 * H + j] as f64, x[i * 2 * H + H + j] as f64);
-            let (sg, d) = (sigmoid(g), dy[i * H + j] as f64);
-            want[i * 2 * H + j] = d * u * sg * (1.0 + g * (1.0 - sg));
-            want[i * 2 * H + H + j] = d * g * sg;
-        }
+    for act in GLU_ACTS {
+        let mut rig = Rig::new(p);
+        let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]: gate | up
+        let out = rig.act("out", N * H); // [N, H]
+        let op = rig.op(
+            Op::Glu {
+                inp,
+                out,
+                rows: ROWS,
+                h: H,
+                act,
+            },
+            Bind::None,
+        );
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(13);
+        let x = s.fill(inp, &mut rng, -4.0, 4.0);
+        s.fill(out, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let want: Vec<f64> = (0..N * H)
+            .map(|e| {
+                let (i, j) = (e / H, e % H);
+                let (g, u) = (x[i * 2 * H + j] as f64, x[i * 2 * H + H + j] as f64);
+                glu_act_ref(act, g).0 * u
+            })
+            .collect();
+        check(
+            &format!("glu ({act:?}) out"),
+            &s.get(out),
+            &want,
+            rounded(p),
+        );
     }
-    check("swiglu_backward dinp", &s.get(dinp), &want, rounded(p));
+}
+
+pub fn glu_backward(be: &dyn Backend, p: Precision) {
+    const H: usize = 6;
+    for act in GLU_ACTS {
+        let mut rig = Rig::new(p);
+        let dinp = rig.act("dgate_up", N * 2 * H); // [N, 2H], overwritten
+        let dout = rig.act("dout", N * H); // [N, H]
+        let inp = rig.act("gate_up", N * 2 * H); // [N, 2H]
+        let op = Op::GluBackward {
+            dinp,
+            dout,
+            inp,
+            rows: ROWS,
+            h: H,
+            act,
+        };
+        let op = rig.op(op, Bind::None);
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(14);
+        let x = s.fill(inp, &mut rng, -4.0, 4.0);
+        let dy = s.fill(dout, &mut rng, -1.0, 1.0);
+        s.fill(dinp, &mut rng, -1.0, 1.0);
+        s.run(op, &ctx());
+        let mut want = vec![0.0; N * 2 * H];
+        for i in 0..N {
+            for j in 0..H {
+                let (g, u) = (x[i * 2 * H + j] as f64, x[i * 2 * H + H + j] as f64);
+                let ((a, da), d) = (glu_act_ref(act, g), dy[i * H + j] as f64);
+                want[i * 2 * H + j] = d * u * da;
+                want[i * 2 * H + H + j] = d * a;
+            }
+        }
+        let what = format!("glu_backward ({act:?}) dinp");
+        check(&what, &s.get(dinp), &want, rounded(p));
+    }
 }
 
 /// GPT-2's tanh approximation: (gelu(x), gelu'(x)).

@@ -1,9 +1,10 @@
-// activation.cu: gelu_forward/backward_<S>, swiglu_forward/backward_<S> against
-//  (1) a line-by-line C++ port of the CPU's f32 code (gelu.rs, swiglu.rs, reduce.rs exp_f32):
+// activation.cu: gelu_forward/backward_<S>, glu_forward/backward_<S> (SwiGLU and GeGLU, the
+// act flag) against
+//  (1) a line-by-line C++ port of the CPU's f32 code (gelu.rs, glu.rs, reduce.rs exp_f32):
 //      bitwise equal (the kernels round each operation as the CPU does), and
 //  (2) the textbook formulas in f64 (the CPU's `naive` twins): within the CPU tests' tolerance,
 // on a grid of -20..20, extremes (±50, ±1e6, ±3e30), random values and NaN, for each storage
-// type, with launch shapes that grid-stride.
+// type, with launch shapes that grid-stride. An unknown act writes nothing.
 //
 //     python3 scripts/cuda-emu/run.py scripts/cuda-emu/tests/k1_activation_test.cpp
 #include "emu.h"
@@ -123,9 +124,31 @@ void gelu_case(void (*fwd)(T*, const T*, long long), void (*bwd)(T*, const T*, l
     }
 }
 
+// The CPU's gate activation and its derivative (glu.rs: SwiGLU's silu(g) = g·σ(g),
+// σ(g)·(1 + g·(1 − σ(g))); GeGLU's gelu.rs `gelu`, `gelu_grad`), f32, and in f64.
+struct Act {
+    float a, da;
+};
+Act cpu_act(int act, float g) {
+    if (act == MW_GLU_SILU) {
+        float s, om;
+        ref::sigmoid(g, s, om);
+        return {g * s, s * (1.0f + g * om)};
+    }
+    return {ref::gelu(g), ref::gelu_bwd(1.0f, g)};
+}
+void act64(int act, double g, double& a, double& da) {
+    if (act == MW_GLU_SILU) {
+        double s = ref::sig64(g);
+        a = g * s, da = s * (1.0 + g * (1.0 - s));
+    } else {
+        a = ref::gelu64(g), da = ref::gelu_grad64(g);
+    }
+}
+
 template <class T>
-void swiglu_case(int N, int H, void (*fwd)(T*, const T*, int, int),
-                 void (*bwd)(T*, const T*, const T*, int, int), dim3 grid, dim3 block) {
+void glu_case(int N, int H, int act, void (*fwd)(T*, const T*, int, int, int),
+              void (*bwd)(T*, const T*, const T*, int, int, int), dim3 grid, dim3 block) {
     auto iv = k1::randn((size_t)N * 2 * H, 3.0f, 20 + N + H);
     if (N * 2 * H > 6) {
         iv[0] = -100.0f;
@@ -133,58 +156,79 @@ void swiglu_case(int N, int H, void (*fwd)(T*, const T*, int, int),
         iv[2] = -70.0f;
         iv[3] = 0.0f;
     }
+    if (H > 12) {  // the GELU's clamp at ±12 and its flush below 1e-30, in gates
+        iv[4] = -12.5f;
+        iv[5] = 12.5f;
+        iv[6] = -9.5f;
+        iv[7] = -1.2785f;
+    }
     auto inp = k1::stored<T>(iv);
     auto dout = k1::stored<T>(k1::randn((size_t)N * H, 1.0f, 30 + N + H));
     std::vector<T> out((size_t)N * H, from_f32<T>(7.0f)), dinp((size_t)N * 2 * H, from_f32<T>(7.0f));
-    emu_launch(fwd, grid, block, 0, out.data(), (const T*)inp.data(), N, H);
-    emu_launch(bwd, grid, block, 0, dinp.data(), (const T*)dout.data(), (const T*)inp.data(), N, H);
+    emu_launch(fwd, grid, block, 0, out.data(), (const T*)inp.data(), N, H, act);
+    emu_launch(bwd, grid, block, 0, dinp.data(), (const T*)dout.data(), (const T*)inp.data(), N, H, act);
     std::vector<T> want_o(out.size()), want_d(dinp.size());
     std::vector<float> got_o64, want_o64, got_d64, want_d64;
     for (int n = 0; n < N; n++)
         for (int j = 0; j < H; j++) {
             size_t b = (size_t)n * 2 * H;
             float gv = to_f32(inp[b + j]), uv = to_f32(inp[b + H + j]), dy = to_f32(dout[(size_t)n * H + j]);
-            float s, om;
-            ref::sigmoid(gv, s, om);
-            want_o[(size_t)n * H + j] = from_f32<T>(gv * s * uv);
-            want_d[b + j] = from_f32<T>(dy * uv * (s * (1.0f + gv * om)));
-            want_d[b + H + j] = from_f32<T>(dy * (gv * s));
-            double s64 = ref::sig64(gv);
+            // glu.rs: act(g)·u; (dy·u)·act'(g), dy·act(g).
+            Act c = cpu_act(act, gv);
+            want_o[(size_t)n * H + j] = from_f32<T>(c.a * uv);
+            want_d[b + j] = from_f32<T>(dy * uv * c.da);
+            want_d[b + H + j] = from_f32<T>(dy * c.a);
+            if (fabsf(gv) >= 1e3f) continue;  // f64 against the flushed f32 tails: see gelu_case
+            double a, da;
+            act64(act, gv, a, da);
             got_o64.push_back(to_f32(out[(size_t)n * H + j]));
-            want_o64.push_back((float)(gv * s64 * uv));
+            want_o64.push_back((float)(a * uv));
             got_d64.push_back(to_f32(dinp[b + j]));
-            want_d64.push_back((float)(dy * uv * s64 * (1.0 + gv * (1.0 - s64))));
+            want_d64.push_back((float)(dy * uv * da));
             got_d64.push_back(to_f32(dinp[b + H + j]));
-            want_d64.push_back((float)(dy * gv * s64));
+            want_d64.push_back((float)(dy * a));
         }
+    const char* name = act == MW_GLU_SILU ? "swiglu" : "geglu";
     char w[96];
-    snprintf(w, sizeof w, "swiglu_forward %s %dx%d grid %u", k1::tname<T>(), N, H, grid.x);
+    snprintf(w, sizeof w, "glu_forward %s %s %dx%d grid %u", name, k1::tname<T>(), N, H, grid.x);
     emu::expect_bits(w, out, want_o);
-    snprintf(w, sizeof w, "swiglu_backward %s %dx%d grid %u", k1::tname<T>(), N, H, grid.x);
+    snprintf(w, sizeof w, "glu_backward %s %s %dx%d grid %u", name, k1::tname<T>(), N, H, grid.x);
     emu::expect_bits(w, dinp, want_d);
     if (sizeof(T) == 4) {
-        emu::expect_near("swiglu_forward f32 vs f64", got_o64, want_o64, 1e-6, 2e-6);
-        emu::expect_near("swiglu_backward f32 vs f64", got_d64, want_d64, 2e-6, 4e-6);
+        snprintf(w, sizeof w, "glu_forward %s f32 vs f64", name);
+        emu::expect_near(w, got_o64, want_o64, 1e-6, 2e-6);
+        snprintf(w, sizeof w, "glu_backward %s f32 vs f64", name);
+        emu::expect_near(w, got_d64, want_d64, 2e-6, 4e-6);
     }
 }
 
 template <class T>
 void all(void (*gf)(T*, const T*, long long), void (*gb)(T*, const T*, long long),
-         void (*sf)(T*, const T*, int, int), void (*sb)(T*, const T*, const T*, int, int)) {
+         void (*sf)(T*, const T*, int, int, int), void (*sb)(T*, const T*, const T*, int, int, int)) {
     gelu_case<T>(gf, gb, dim3(k1::ceil_div(5011, 256)), dim3(256));
     gelu_case<T>(gf, gb, dim3(3), dim3(64));  // grid-stride
     gelu_case<T>(gf, gb, dim3(3), dim3(64), 1);  // misaligned: one value at a time
     const int shapes[][2] = {{1, 1}, {3, 5}, {7, 33}, {16, 64}};
-    for (auto& s : shapes) {
-        swiglu_case<T>(s[0], s[1], sf, sb, dim3(k1::ceil_div((long long)s[0] * s[1], 128)), dim3(128));
-        swiglu_case<T>(s[0], s[1], sf, sb, dim3(2), dim3(32));
-    }
+    for (int act : {MW_GLU_SILU, MW_GLU_GELU_TANH})
+        for (auto& s : shapes) {
+            glu_case<T>(s[0], s[1], act, sf, sb, dim3(k1::ceil_div((long long)s[0] * s[1], 128)),
+                        dim3(128));
+            glu_case<T>(s[0], s[1], act, sf, sb, dim3(2), dim3(32));
+        }
+    // An unknown act writes nothing.
+    std::vector<T> x = k1::stored<T>(k1::randn(2 * 2 * 3, 1.0f, 40)), dy = k1::stored<T>(k1::randn(2 * 3, 1.0f, 41));
+    std::vector<T> o(2 * 3, from_f32<T>(7.0f)), d(2 * 2 * 3, from_f32<T>(7.0f));
+    auto o0 = o, d0 = d;
+    emu_launch(sf, dim3(1), dim3(32), 0, o.data(), (const T*)x.data(), 2, 3, 2);
+    emu_launch(sb, dim3(1), dim3(32), 0, d.data(), (const T*)dy.data(), (const T*)x.data(), 2, 3, 2);
+    emu::expect_bits("glu_forward act 2: untouched", o, o0);
+    emu::expect_bits("glu_backward act 2: untouched", d, d0);
 }
 
 int main() {
-    all<float>(gelu_forward_f32, gelu_backward_f32, swiglu_forward_f32, swiglu_backward_f32);
-    all<bf16>(gelu_forward_bf16, gelu_backward_bf16, swiglu_forward_bf16, swiglu_backward_bf16);
-    all<f16>(gelu_forward_f16, gelu_backward_f16, swiglu_forward_f16, swiglu_backward_f16);
+    all<float>(gelu_forward_f32, gelu_backward_f32, glu_forward_f32, glu_backward_f32);
+    all<bf16>(gelu_forward_bf16, gelu_backward_bf16, glu_forward_bf16, glu_backward_bf16);
+    all<f16>(gelu_forward_f16, gelu_backward_f16, glu_forward_f16, glu_backward_f16);
     // NaN propagates to its own element only.
     std::vector<float> x = {1.0f, __int_as_float(0x7fc00000), -1.0f}, o(3, 0.0f), d(3, 1.0f);
     emu_launch(gelu_forward_f32, dim3(1), dim3(32), 0, o.data(), (const float*)x.data(), 3LL);

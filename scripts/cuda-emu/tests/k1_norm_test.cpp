@@ -3,6 +3,10 @@
 //  - the warp-per-row kernels and their naive twins against an f64 reference (the CPU's
 //    `naive` twins, on the same widened inputs and statistics) within the CPU tests'
 //    tolerances; dinp, dw and db accumulate onto nonzero values;
+//  - RMS norm with Gemma's gain (offset 1, weights near 0: out = x·rstd·(1 + w)) and with a
+//    residual added to the output (Gemma's post-norms), as well as Llama's (offset 0, no
+//    residual); given the kernel's rstd, every output element bitwise the CPU's f32 arithmetic
+//    (rmsnorm.rs `forward_rows`: (residual +) ((x·rstd)·(w + offset)), rounded once);
 //  - the parameter gradients by partials (R rows a chunk) + norm_reduce_partials, and by the
 //    naive twin, against the f64 reference;
 //  - determinism: every launch shape gives the same bits (blocks of 1, 2, 8 warps; grids
@@ -25,10 +29,10 @@ struct LnK {
 };
 template <class T>
 struct RmsK {
-    void (*fwd)(T*, float*, const T*, const float*, int, int, float);
-    void (*fwd_naive)(T*, float*, const T*, const float*, int, int, float);
-    void (*bin)(T*, const T*, const T*, const float*, const float*, int, int);
-    void (*bin_naive)(T*, const T*, const T*, const float*, const float*, int, int);
+    void (*fwd)(T*, float*, const T*, const T*, const float*, float, int, int, float);
+    void (*fwd_naive)(T*, float*, const T*, const T*, const float*, float, int, int, float);
+    void (*bin)(T*, const T*, const T*, const float*, float, const float*, int, int);
+    void (*bin_naive)(T*, const T*, const T*, const float*, float, const float*, int, int);
     void (*part)(float*, const T*, const T*, const float*, int, int, int);
     void (*params_naive)(T*, const T*, const T*, const float*, int, int);
     void (*reduce)(T*, const float*, int, int);
@@ -192,14 +196,37 @@ void layernorm(const LnK<T>& k, int N, int C) {
     }
 }
 
+// The CPU's f32 output of an RMS norm element given its row's rstd (rmsnorm.rs
+// `forward_rows`, compiled without FP contraction): (y +) (x·rstd)·(w + offset), rounded once.
 template <class T>
-void rmsnorm(const RmsK<T>& k, int N, int C) {
-    char tagbuf[64];
-    snprintf(tagbuf, sizeof tagbuf, " %s %dx%d", k1::tname<T>(), N, C);
+std::vector<T> rms_cpu_out(const std::vector<T>& inp, const std::vector<T>* res,
+                           const std::vector<float>& rstd, const std::vector<float>& w,
+                           float offset, int N, int C) {
+    std::vector<T> o((size_t)N * C);
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < C; c++) {
+            size_t i = (size_t)r * C + c;
+            float v = to_f32(inp[i]) * rstd[r] * (w[c] + offset);
+            o[i] = from_f32<T>(res ? to_f32((*res)[i]) + v : v);
+        }
+    return o;
+}
+
+// offset: the gain is w + offset (Gemma: 1, with weights near 0); residual: one is added to
+// the output (Gemma's post-norms).
+template <class T>
+void rmsnorm(const RmsK<T>& k, int N, int C, float offset, bool residual) {
+    char tagbuf[96];
+    snprintf(tagbuf, sizeof tagbuf, " %s %dx%d offset %g%s", k1::tname<T>(), N, C, offset,
+             residual ? " residual" : "");
     std::string tag(tagbuf);
     float eps = 1e-6f;
     auto inp = k1::stored<T>(k1::randn((size_t)N * C, 2.0f, 90 + N + C, 0.5f));
-    auto w = k1::randn(C, 0.5f, 91 + C, 1.0f);
+    // Llama's weights near 1; Gemma's near 0 (its gain 1 + w near 1).
+    auto w = offset == 0.0f ? k1::randn(C, 0.5f, 91 + C, 1.0f) : k1::randn(C, 0.1f, 91 + C);
+    if (offset != 0.0f && C > 2) w[1] = -0.0f, w[2] = -offset;  // a −0 weight; a zero gain
+    auto res = k1::stored<T>(k1::randn((size_t)N * C, 3.0f, 89 + N + C));
+    const T* resp = residual ? res.data() : nullptr;
     std::vector<double> ref_out((size_t)N * C), ref_rstd(N);
     for (int r = 0; r < N; r++) {
         double ss = 0;
@@ -208,9 +235,15 @@ void rmsnorm(const RmsK<T>& k, int N, int C) {
             ss += v * v;
         }
         double s = 1.0 / sqrt(ss / C + eps);
-        for (int c = 0; c < C; c++) ref_out[(size_t)r * C + c] = to_f32(inp[(size_t)r * C + c]) * s * w[c];
+        for (int c = 0; c < C; c++) {
+            size_t i = (size_t)r * C + c;
+            ref_out[i] = to_f32(inp[i]) * s * ((double)w[c] + offset);
+            if (residual) ref_out[i] += to_f32(res[i]);
+        }
         ref_rstd[r] = s;
     }
+    // The residual's magnitude (3) next to the norm's (about 1): the tolerance is of the sum.
+    double atol = residual ? 2e-5 * 4 : 2e-5;
     std::vector<T> out0;
     std::vector<float> rstd0;
     for (const Launch& l : LAUNCHES) {
@@ -218,11 +251,14 @@ void rmsnorm(const RmsK<T>& k, int N, int C) {
         std::vector<float> rstd(N, 9.0f);
         unsigned grid = l.grid ? l.grid : k1::ceil_div(N, l.warps);
         emu_launch(k.fwd, dim3(grid), dim3(32 * l.warps), 0, out.data(), rstd.data(),
-                   (const T*)inp.data(), (const float*)w.data(), N, C, eps);
+                   (const T*)inp.data(), resp, (const float*)w.data(), offset, N, C, eps);
         if (out0.empty()) {
             out0 = out, rstd0 = rstd;
-            near("rmsnorm_forward out" + tag, out, ref_out, 2e-5, 2e-5);
+            near("rmsnorm_forward out" + tag, out, ref_out, atol, 2e-5);
             near("rmsnorm_forward rstd" + tag, rstd, ref_rstd, 0.0, 1e-5);
+            auto want = rms_cpu_out(inp, residual ? &res : nullptr, rstd, w, offset, N, C);
+            emu::expect_bits(("rmsnorm_forward out bitwise the CPU's, given rstd" + tag).c_str(),
+                             out, want);
         } else {
             emu::expect_bits(("rmsnorm_forward same bits" + tag).c_str(), out, out0);
             emu::expect_bits(("rmsnorm_forward rstd same bits" + tag).c_str(), rstd, rstd0);
@@ -232,9 +268,12 @@ void rmsnorm(const RmsK<T>& k, int N, int C) {
         std::vector<T> out((size_t)N * C);
         std::vector<float> rstd(N);
         emu_launch(k.fwd_naive, dim3(1), dim3(32), 0, out.data(), rstd.data(), (const T*)inp.data(),
-                   (const float*)w.data(), N, C, eps);
-        near("rmsnorm_forward_naive out" + tag, out, ref_out, 2e-5, 2e-5);
+                   resp, (const float*)w.data(), offset, N, C, eps);
+        near("rmsnorm_forward_naive out" + tag, out, ref_out, atol, 2e-5);
         near("rmsnorm_forward_naive rstd" + tag, rstd, ref_rstd, 0.0, 1e-5);
+        auto want = rms_cpu_out(inp, residual ? &res : nullptr, rstd, w, offset, N, C);
+        emu::expect_bits(("rmsnorm_forward_naive out bitwise the CPU's, given rstd" + tag).c_str(),
+                         out, want);
     }
     auto dout = k1::stored<T>(k1::randn((size_t)N * C, 1.0f, 97 + N));
     auto di0 = k1::stored<T>(k1::randn((size_t)N * C, 1.0f, 98 + N));
@@ -244,7 +283,7 @@ void rmsnorm(const RmsK<T>& k, int N, int C) {
     for (int r = 0; r < N; r++) {
         double s = rstd[r], mgn = 0;
         auto norm = [&](int c) { return to_f32(inp[(size_t)r * C + c]) * s; };
-        auto g = [&](int c) { return (double)w[c] * to_f32(dout[(size_t)r * C + c]); };
+        auto g = [&](int c) { return ((double)w[c] + offset) * to_f32(dout[(size_t)r * C + c]); };
         for (int c = 0; c < C; c++) mgn += g(c) * norm(c);
         mgn /= C;
         for (int c = 0; c < C; c++)
@@ -262,7 +301,8 @@ void rmsnorm(const RmsK<T>& k, int N, int C) {
         std::vector<T> di = di0;
         unsigned grid = l.grid ? l.grid : k1::ceil_div(N, l.warps);
         emu_launch(k.bin, dim3(grid), dim3(32 * l.warps), 0, di.data(), (const T*)dout.data(),
-                   (const T*)inp.data(), (const float*)w.data(), (const float*)rstd.data(), N, C);
+                   (const T*)inp.data(), (const float*)w.data(), offset, (const float*)rstd.data(),
+                   N, C);
         if (di_first.empty()) {
             di_first = di;
             near("rmsnorm_backward_input" + tag, di, ref_di, 1e-4, 1e-4);
@@ -273,7 +313,8 @@ void rmsnorm(const RmsK<T>& k, int N, int C) {
     {
         std::vector<T> di = di0;
         emu_launch(k.bin_naive, dim3(2), dim3(32), 0, di.data(), (const T*)dout.data(),
-                   (const T*)inp.data(), (const float*)w.data(), (const float*)rstd.data(), N, C);
+                   (const T*)inp.data(), (const float*)w.data(), offset, (const float*)rstd.data(),
+                   N, C);
         near("rmsnorm_backward_input_naive" + tag, di, ref_di, 1e-4, 1e-4);
     }
     for (int R : {1, 5, 64}) {
@@ -310,8 +351,11 @@ void all(const LnK<T>& ln, const RmsK<T>& rms) {
     const int shapes[][2] = {{1, 1}, {1, 7}, {3, 16}, {5, 17}, {2, 64}, {13, 100}, {9, 300}, {70, 33}};
     for (auto& s : shapes) {
         layernorm<T>(ln, s[0], s[1]);
-        rmsnorm<T>(rms, s[0], s[1]);
+        rmsnorm<T>(rms, s[0], s[1], 0.0f, false);  // Llama's
+        rmsnorm<T>(rms, s[0], s[1], 1.0f, true);   // Gemma's post-norm: 1 + w, a residual
     }
+    rmsnorm<T>(rms, 5, 17, 1.0f, false);  // Gemma's pre-norm: 1 + w alone
+    rmsnorm<T>(rms, 5, 17, 0.0f, true);   // a residual alone
 }
 
 int main() {

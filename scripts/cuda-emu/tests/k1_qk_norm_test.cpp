@@ -5,7 +5,9 @@
 //    values) against the f64 reference, both computed from d BEFORE the input gradient;
 //  - qk_norm_backward_input (in place) and its naive twin against the f64 reference, value
 //    heads untouched bitwise;
-//  - determinism: blocks of 8, 1 and 2 warps and a grid that grid-strides give the same bits.
+//  - determinism: blocks of 8, 1 and 2 warps and a grid that grid-strides give the same bits;
+//  - Qwen3's gain w (offset 0) and Gemma's 1 + w (offset 1, weights near 0), the forward's
+//    outputs given the kernel's rstd bitwise the CPU's f32 arithmetic ((x·rstd)·(w + offset)).
 //
 //     python3 scripts/cuda-emu/run.py scripts/cuda-emu/tests/k1_qk_norm_test.cpp
 #include "emu.h"
@@ -15,10 +17,10 @@
 
 template <class T>
 struct QkK {
-    void (*fwd)(T*, float*, const T*, const float*, int, int, int, int, float);
-    void (*fwd_naive)(T*, float*, const T*, const float*, int, int, int, int, float);
-    void (*bin)(T*, const T*, const float*, const float*, int, int, int, int);
-    void (*bin_naive)(T*, const T*, const float*, const float*, int, int, int, int);
+    void (*fwd)(T*, float*, const T*, const float*, float, int, int, int, int, float);
+    void (*fwd_naive)(T*, float*, const T*, const float*, float, int, int, int, int, float);
+    void (*bin)(T*, const T*, const float*, float, const float*, int, int, int, int);
+    void (*bin_naive)(T*, const T*, const float*, float, const float*, int, int, int, int);
     void (*part)(float*, const T*, const T*, const float*, int, int, int, int, int);
     void (*params_naive)(T*, const T*, const T*, const float*, int, int, int, int);
     void (*reduce)(T*, const float*, int, int);
@@ -40,15 +42,37 @@ bool same(const T& a, const T& b) { return memcmp(&a, &b, sizeof(T)) == 0; }
 struct Launch { unsigned warps; unsigned grid; };  // grid 0: enough blocks for every unit
 const Launch LAUNCHES[] = {{8, 0}, {1, 0}, {2, 3}};
 
+// The CPU's f32 forward of the q/k heads given the rstd (rmsnorm.rs `forward_rows` per head,
+// compiled without FP contraction), value heads copied.
 template <class T>
-void qk(const QkK<T>& k, int N, int NH, int NKV, int HD) {
-    char tagbuf[80];
-    snprintf(tagbuf, sizeof tagbuf, " %s N%d %d/%d hd%d", k1::tname<T>(), N, NH, NKV, HD);
+std::vector<T> qk_cpu_out(const std::vector<T>& inp, const std::vector<float>& rstd,
+                          const std::vector<float>& w, float offset, int N, int NH, int NKV,
+                          int HD) {
+    const int heads = NH + 2 * NKV, normed = NH + NKV, QKV = heads * HD;
+    std::vector<T> o = inp;
+    for (int r = 0; r < N; r++)
+        for (int h = 0; h < normed; h++)
+            for (int i = 0; i < HD; i++) {
+                size_t at = (size_t)r * QKV + (size_t)h * HD + i;
+                float wi = w[(h < NH ? 0 : HD) + i];
+                o[at] = from_f32<T>(to_f32(inp[at]) * rstd[(size_t)r * normed + h] * (wi + offset));
+            }
+    return o;
+}
+
+// offset: the gain is w + offset (Gemma's 1 + w, with weights near 0).
+template <class T>
+void qk(const QkK<T>& k, int N, int NH, int NKV, int HD, float offset) {
+    char tagbuf[96];
+    snprintf(tagbuf, sizeof tagbuf, " %s N%d %d/%d hd%d offset %g", k1::tname<T>(), N, NH, NKV,
+             HD, offset);
     std::string tag(tagbuf);
     const float eps = 1e-6f;
     const int heads = NH + 2 * NKV, normed = NH + NKV, QKV = heads * HD;
     auto inp = k1::stored<T>(k1::randn((size_t)N * QKV, 2.0f, 90 + N + HD, 0.3f));
-    auto w = k1::randn(2 * HD, 0.5f, 91 + HD, 1.0f);
+    auto w = offset == 0.0f ? k1::randn(2 * HD, 0.5f, 91 + HD, 1.0f)
+                            : k1::randn(2 * HD, 0.1f, 91 + HD);
+    if (offset != 0.0f) w[1] = -0.0f, w[HD + 1] = -offset;  // a −0 weight; a zero gain
     auto dy = k1::stored<T>(k1::randn((size_t)N * QKV, 1.0f, 92 + HD));
     auto dw0 = k1::stored<T>(k1::randn(2 * HD, 1.0f, 93 + HD));
     // f64 references on the widened inputs.
@@ -65,7 +89,8 @@ void qk(const QkK<T>& k, int N, int NH, int NKV, int HD) {
                 }
                 continue;
             }
-            const float* wh = w.data() + (h < NH ? 0 : HD);
+            std::vector<double> wh(HD);
+            for (int i = 0; i < HD; i++) wh[i] = (double)w[(h < NH ? 0 : HD) + i] + offset;
             double ss = 0;
             for (int i = 0; i < HD; i++) ss += (double)to_f32(inp[at + i]) * to_f32(inp[at + i]);
             double s = 1.0 / sqrt(ss / HD + eps);
@@ -90,10 +115,12 @@ void qk(const QkK<T>& k, int N, int NH, int NKV, int HD) {
         std::vector<float> rstd((size_t)N * normed, 9.0f);
         unsigned grid = l.grid ? l.grid : k1::ceil_div((long long)N * heads, l.warps);
         emu_launch(k.fwd, dim3(grid), dim3(32 * l.warps), 0, out.data(), rstd.data(),
-                   inp.data(), w.data(), N, NH, NKV, HD, eps);
+                   inp.data(), w.data(), offset, N, NH, NKV, HD, eps);
         if (out0.empty()) {
             near("qk_norm_forward out" + tag, out, ref_out, 2e-5, 2e-5);
             near("qk_norm_forward rstd" + tag, rstd, ref_rstd, 0.0, 1e-5);
+            emu::expect_bits(("qk_norm_forward out bitwise the CPU's, given rstd" + tag).c_str(),
+                             out, qk_cpu_out(inp, rstd, w, offset, N, NH, NKV, HD));
             for (int r = 0; r < N; r++)
                 for (int i = normed * HD; i < QKV; i++)
                     EMU_CHECK(same(out[(size_t)r * QKV + i], inp[(size_t)r * QKV + i]),
@@ -109,8 +136,10 @@ void qk(const QkK<T>& k, int N, int NH, int NKV, int HD) {
         std::vector<T> out((size_t)N * QKV, from_f32<T>(9.0f));
         std::vector<float> rstd((size_t)N * normed, 9.0f);
         emu_launch(k.fwd_naive, dim3(2), dim3(64), 0, out.data(), rstd.data(), inp.data(),
-                   w.data(), N, NH, NKV, HD, eps);
+                   w.data(), offset, N, NH, NKV, HD, eps);
         near("qk_norm_forward_naive out" + tag, out, ref_out, 2e-5, 2e-5);
+        emu::expect_bits(("qk_norm_forward_naive out bitwise the CPU's, given rstd" + tag).c_str(),
+                         out, qk_cpu_out(inp, rstd, w, offset, N, NH, NKV, HD));
     }
     // Backward: the weight gradient from d first, then the input gradient in place.
     const int R = 4, P = (N + R - 1) / R;
@@ -140,7 +169,7 @@ void qk(const QkK<T>& k, int N, int NH, int NKV, int HD) {
         std::vector<T> d = dy;
         unsigned grid = l.grid ? l.grid : k1::ceil_div((long long)N * normed, l.warps);
         emu_launch(k.bin, dim3(grid), dim3(32 * l.warps), 0, d.data(), inp.data(), w.data(),
-                   rstd0.data(), N, NH, NKV, HD);
+                   offset, rstd0.data(), N, NH, NKV, HD);
         if (d_first.empty()) {
             near("qk_norm_backward_input" + tag, d, ref_d, 1e-4, 1e-4);
             for (int r = 0; r < N; r++)
@@ -155,7 +184,7 @@ void qk(const QkK<T>& k, int N, int NH, int NKV, int HD) {
     {
         std::vector<T> d = dy;
         emu_launch(k.bin_naive, dim3(3), dim3(32), 0, d.data(), inp.data(), w.data(),
-                   rstd0.data(), N, NH, NKV, HD);
+                   offset, rstd0.data(), N, NH, NKV, HD);
         near("qk_norm_backward_input_naive" + tag, d, ref_d, 1e-4, 1e-4);
     }
 }
@@ -163,7 +192,10 @@ void qk(const QkK<T>& k, int N, int NH, int NKV, int HD) {
 template <class T>
 void all(const QkK<T>& k) {
     const int shapes[][4] = {{3, 2, 1, 8}, {5, 4, 2, 32}, {7, 2, 2, 40}, {2, 1, 1, 130}};
-    for (const auto& s : shapes) qk<T>(k, s[0], s[1], s[2], s[3]);
+    for (const auto& s : shapes) {
+        qk<T>(k, s[0], s[1], s[2], s[3], 0.0f);  // Qwen3's gain w
+        qk<T>(k, s[0], s[1], s[2], s[3], 1.0f);  // Gemma's 1 + w
+    }
 }
 
 int main() {

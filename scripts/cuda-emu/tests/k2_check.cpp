@@ -349,7 +349,7 @@ static void test_lora() {
 
 typedef void (*DqF32)(const unsigned char*, int, int, int, int, int, float*);
 typedef void (*DqBf16)(const unsigned char*, int, int, int, int, int, bf16*);
-typedef void (*GaF32)(const unsigned char*, int, const unsigned int*, int, int, float*);
+typedef void (*GaF32)(const unsigned char*, int, const unsigned int*, int, int, float, float*);
 
 static void test_dequant() {
     struct {
@@ -403,8 +403,15 @@ static void test_dequant() {
         std::vector<float> gat(5 * ic, -1.0f), gw(4 * ic);
         for (int i = 0; i < 4; i++)
             for (int j = 0; j < ic; j++) gw[i * ic + j] = y[ids[i] * ic + j];
-        K2_LAUNCH(ty.g, 2, 128, w.data(), ic, ids, 5, oc, gat.data());
+        K2_LAUNCH(ty.g, 2, 128, w.data(), ic, ids, 5, oc, 1.0f, gat.data());
         check_f32((p + " gather rows 6, 0, 3, 0").c_str(), gat.data(), gw.data(), 4 * ic);
+        // Scaled (Gemma's √C: the CPU's `T::from_f32(x * scale)`, here f32): each decoded
+        // value times the scale, rounded once.
+        const float scale = sqrtf(640.0f);
+        std::vector<float> gs(5 * ic, -1.0f), gsw(4 * ic);
+        for (int i = 0; i < 4 * ic; i++) gsw[i] = gw[i] * scale;
+        K2_LAUNCH(ty.g, 3, 64, w.data(), ic, ids, 5, oc, scale, gs.data());
+        check_f32((p + " gather rows 6, 0, 3, 0 scaled").c_str(), gs.data(), gsw.data(), 4 * ic);
         int nan = 0;
         for (int j = 0; j < ic; j++) nan += gat[4 * ic + j] != gat[4 * ic + j];
         if (nan != ic) {

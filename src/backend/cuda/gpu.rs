@@ -311,12 +311,6 @@ impl GpuDevice {
 impl Device for GpuDevice {
     fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         self.bind()?;
-        if let Some(what) = not_on_gpu_yet(&e.op) {
-            bail!(
-                "{}: {what} does not run on the GPU yet; train this model with --device cpu",
-                e.name
-            );
-        }
         match e.op.family() {
             OpFamily::Fill => self.run_fill(e),
             OpFamily::Embedding => self.run_embedding(e, ctx),
@@ -407,34 +401,5 @@ impl Drop for GpuDevice {
             // SAFETY: allocated by `malloc_sync` in `new`, the stream's work done.
             let _ = unsafe { dr::free_sync(ptr) };
         }
-    }
-}
-
-/// What of Gemma 3's arithmetic an op asks for that the kernels lack, if anything.
-fn not_on_gpu_yet(op: &crate::ir::schedule::Op) -> Option<&'static str> {
-    use crate::ir::schedule::{GluAct, Op};
-    match op {
-        Op::RmsNorm {
-            offset, residual, ..
-        } if *offset != 0.0 || residual.is_some() => Some("Gemma's RMSNorm (1 + w, a residual)"),
-        Op::RmsNormBackward { offset, .. }
-        | Op::QkNorm { offset, .. }
-        | Op::QkNormBackward { offset, .. }
-            if *offset != 0.0 =>
-        {
-            Some("Gemma's RMSNorm (1 + w)")
-        }
-        Op::Encoder { scale, .. } | Op::EncoderBackward { scale, .. } if *scale != 1.0 => {
-            Some("a scaled embedding (Gemma's √C)")
-        }
-        Op::Glu {
-            act: GluAct::GeluTanh,
-            ..
-        }
-        | Op::GluBackward {
-            act: GluAct::GeluTanh,
-            ..
-        } => Some("GeGLU"),
-        _ => None,
     }
 }

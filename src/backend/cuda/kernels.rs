@@ -50,8 +50,8 @@ pub const SOURCES: &[Source] = &[
         per_storage: &[
             "gelu_backward",
             "gelu_forward",
-            "swiglu_backward",
-            "swiglu_forward",
+            "glu_backward",
+            "glu_forward",
         ],
         plain: &[],
     },

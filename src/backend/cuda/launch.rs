@@ -92,6 +92,11 @@ impl GpuDevice {
         self.addr(id).map(|(p, _)| p)
     }
 
+    /// Device address of `id`, or 0 (a kernel's NULL) for none.
+    pub(super) fn ptr_or_null(&self, id: Option<BufId>) -> Result<u64> {
+        id.map_or(Ok(0), |id| self.ptr(id))
+    }
+
     /// Device address of the first element of parameter range `r` of `e`'s parameter
     /// binding (f32 master weights; a quantized base's blocks: the byte of the block holding
     /// `r.start`).

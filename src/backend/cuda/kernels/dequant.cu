@@ -163,12 +163,13 @@ __device__ void dequant_rows(const unsigned char* w, int cols, int r0, int rows,
 }
 
 // Rows ids[0..n) of the weight into out [n, cols] (an embedding's gather, Op::Encoder on a
-// quantized table): row i is W[ids[i], :], decoded as dequant_rows decodes it; an id >= vocab
-// (a bad token; the CPU refuses it) gives a row of NaN rather than a read out of bounds, as
-// encoder_forward does.
+// quantized table): row i is scale·W[ids[i], :], each value decoded as dequant_rows decodes it,
+// times scale in f32 (Gemma's √C; 1 elsewhere, exact), rounded to T once (the CPU's
+// `ops/embedding.rs`: `T::from_f32(x * scale)`); an id >= vocab (a bad token; the CPU refuses
+// it) gives a row of NaN rather than a read out of bounds, as encoder_forward does.
 template <typename T, int BS, int TS, float (*DECODE)(const unsigned char*, int)>
 __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned int* ids, int n,
-                               int vocab, T* out) {
+                               int vocab, float scale, T* out) {
     const long long row_bytes = (long long)(cols / BS) * TS;
     const long long total = (long long)n * cols;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total;
@@ -178,7 +179,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
         const unsigned int id = ids[i];
         float v = __int_as_float(0x7fc00000);  // NaN
         if (id < (unsigned int)vocab) {
-            v = DECODE(w + (long long)id * row_bytes + (long long)(c / BS) * TS, c % BS);
+            const unsigned char* blk = w + (long long)id * row_bytes + (long long)(c / BS) * TS;
+            v = __fmul_rn(DECODE(blk, c % BS), scale);
         }
         out[e] = from_f32<T>(v);
     }
@@ -187,8 +189,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
 // dequant_q8_0_<S>, dequant_q4_0_<S>, dequant_q4_1_<S>, dequant_q5_0_<S>, dequant_q4_k_<S>,
 // dequant_q6_k_<S>, dequant_f32_<S>, dequant_f16_<S>, dequant_bf16_<S>: see the header; each
 // with its gather, dequant_gather_<type>_<S>(const u8* w, int cols, const u32* ids, int n,
-// int vocab, T* out): out [n, cols] = rows ids of the weight (vocab rows), launched as the
-// others (one thread per output value, grid-stride).
+// int vocab, float scale, T* out): out [n, cols] = scale · rows ids of the weight (vocab
+// rows), launched as the others (one thread per output value, grid-stride).
 #define DEQUANT_Q8_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q8_0_##S(const unsigned char* w, int cols, int r0,    \
                                                   int rows, int c0, int width, T* out) {     \
@@ -196,8 +198,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_q8_0_##S(const unsigned char* w, int cols,     \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 32, 34, dq_q8_0>(w, cols, ids, n, vocab, out);                     \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 32, 34, dq_q8_0>(w, cols, ids, n, vocab, scale, out);              \
     }
 #define DEQUANT_Q4_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_0_##S(const unsigned char* w, int cols, int r0,    \
@@ -206,8 +208,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_q4_0_##S(const unsigned char* w, int cols,     \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 32, 18, dq_q4_0>(w, cols, ids, n, vocab, out);                     \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 32, 18, dq_q4_0>(w, cols, ids, n, vocab, scale, out);              \
     }
 #define DEQUANT_Q4_1(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_1_##S(const unsigned char* w, int cols, int r0,    \
@@ -216,8 +218,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_q4_1_##S(const unsigned char* w, int cols,     \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 32, 20, dq_q4_1>(w, cols, ids, n, vocab, out);                     \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 32, 20, dq_q4_1>(w, cols, ids, n, vocab, scale, out);              \
     }
 #define DEQUANT_Q5_0(T, S)                                                                   \
     extern "C" __global__ void dequant_q5_0_##S(const unsigned char* w, int cols, int r0,    \
@@ -226,8 +228,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_q5_0_##S(const unsigned char* w, int cols,     \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 32, 22, dq_q5_0>(w, cols, ids, n, vocab, out);                     \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 32, 22, dq_q5_0>(w, cols, ids, n, vocab, scale, out);              \
     }
 #define DEQUANT_Q4_K(T, S)                                                                   \
     extern "C" __global__ void dequant_q4_k_##S(const unsigned char* w, int cols, int r0,    \
@@ -236,8 +238,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_q4_k_##S(const unsigned char* w, int cols,     \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 256, 144, dq_q4_k>(w, cols, ids, n, vocab, out);                   \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 256, 144, dq_q4_k>(w, cols, ids, n, vocab, scale, out);            \
     }
 #define DEQUANT_Q6_K(T, S)                                                                   \
     extern "C" __global__ void dequant_q6_k_##S(const unsigned char* w, int cols, int r0,    \
@@ -246,8 +248,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_q6_k_##S(const unsigned char* w, int cols,     \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 256, 210, dq_q6_k>(w, cols, ids, n, vocab, out);                   \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 256, 210, dq_q6_k>(w, cols, ids, n, vocab, scale, out);            \
     }
 #define DEQUANT_F32(T, S)                                                                    \
     extern "C" __global__ void dequant_f32_##S(const unsigned char* w, int cols, int r0,     \
@@ -256,8 +258,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_f32_##S(const unsigned char* w, int cols,      \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 1, 4, dq_f32v>(w, cols, ids, n, vocab, out);                       \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 1, 4, dq_f32v>(w, cols, ids, n, vocab, scale, out);                \
     }
 #define DEQUANT_F16(T, S)                                                                    \
     extern "C" __global__ void dequant_f16_##S(const unsigned char* w, int cols, int r0,     \
@@ -266,8 +268,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_f16_##S(const unsigned char* w, int cols,      \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 1, 2, dq_f16v>(w, cols, ids, n, vocab, out);                       \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 1, 2, dq_f16v>(w, cols, ids, n, vocab, scale, out);                \
     }
 #define DEQUANT_BF16(T, S)                                                                   \
     extern "C" __global__ void dequant_bf16_##S(const unsigned char* w, int cols, int r0,    \
@@ -276,8 +278,8 @@ __device__ void dequant_gather(const unsigned char* w, int cols, const unsigned 
     }                                                                                       \
     extern "C" __global__ void dequant_gather_bf16_##S(const unsigned char* w, int cols,     \
                                                     const unsigned int* ids, int n,          \
-                                                    int vocab, T* out) {                     \
-        dequant_gather<T, 1, 2, dq_bf16v>(w, cols, ids, n, vocab, out);                      \
+                                                    int vocab, float scale, T* out) {        \
+        dequant_gather<T, 1, 2, dq_bf16v>(w, cols, ids, n, vocab, scale, out);               \
     }
 MW_STORAGE_ENTRIES(DEQUANT_Q8_0)
 MW_STORAGE_ENTRIES(DEQUANT_Q4_0)

@@ -1,18 +1,26 @@
 // The embedding family: the token (and learned position) embedding's gather, `Op::Encoder`,
 // and its scatter into the tables' gradients, `Op::EncoderBackward`.
 //
-//   Op::Encoder { tokens, positions, out, wte, wpe, rows, c }
-//     ->  encoder_forward_<S>(out, tokens, positions or NULL, wte, wpe or NULL, N, T, C, V)
-//   Op::EncoderBackward { dout, tokens, positions, wte, wpe, rows, c }, in this order:
+//   Op::Encoder { tokens, positions, out, wte, wpe, rows, c, scale }
+//     ->  encoder_forward_<S>(out, tokens, positions or NULL, wte, wpe or NULL, N, T, C, V,
+//                             scale)
+//   Op::EncoderBackward { dout, tokens, positions, wte, wpe, rows, c, scale }, in this order:
 //     1. encoder_link_rows(link, tokens, N, T)                      rows linked by token
 //     2. encoder_mark_rows(link, N)
-//     3. encoder_backward_accumulate_<S>(dwte, dout, tokens, link, N, T, C, V)
+//     3. encoder_backward_accumulate_<S>(dwte, dout, tokens, link, N, T, C, V, scale)
 //     and with wpe (learned positions), the same three with the rows' positions as keys:
 //     4. encoder_link_rows(link, positions or NULL, N, T)           rows linked by position
 //     5. encoder_mark_rows(link, N)
-//     6. encoder_backward_accumulate_<S>(dwpe, dout, positions or NULL, link, N, T, C, T)
-//   (`encoder_backward_naive_<S>(dtable, dout, keys, N, T, C, rows)` is the plain twin of
-//   steps 1-3 (or 4-6) together, for tests.)
+//     6. encoder_backward_accumulate_<S>(dwpe, dout, positions or NULL, link, N, T, C, T, 1)
+//   (`encoder_backward_naive_<S>(dtable, dout, keys, N, T, C, rows, scale)` is the plain twin
+//   of steps 1-3 (or 4-6) together, for tests.)
+//   (A table of ggml blocks, a quantized LoRA base, is gathered by dequant.cu's
+//   `dequant_gather_<type>_<S>`, which takes the scale too.)
+//
+// `scale` multiplies the token rows only (Gemma's √C, `Gemma3TextScaledWordEmbedding`; 1
+// elsewhere, where every product by it is exact): the forward's token row before the position
+// is added, and each row's contribution to dwte in the backward (dwte += scale·dout; dwpe
+// gets dout itself, scale 1).
 //
 // Dtypes (as the CPU's `ops/embedding.rs`, `backend/cpu/encoder.rs`): `out`, `dout` and the
 // gradients `dwte`, `dwpe` are the storage type T (entries `_f32`, `_bf16`, `_f16`); the
@@ -44,20 +52,23 @@ __device__ __forceinline__ unsigned int emb_key(const unsigned int* keys, long l
 
 // ---- Forward ----
 
-// out[n, :] = wte[tokens[n], :] (+ wpe[pos(n), :] when wpe is given), summed in f32 and
-// rounded to T once (Op::Encoder); pos(n) = positions[n], or n % T when positions is NULL.
-// A token >= V (a bad id; the CPU panics) gives a row of NaN rather than a read out of bounds.
+// out[n, :] = scale·wte[tokens[n], :] (+ wpe[pos(n), :] when wpe is given), in f32 (the
+// product, then the sum, each rounded as the CPU's `encoder_forward`) and rounded to T once
+// (Op::Encoder); pos(n) = positions[n], or n % T when positions is NULL. A token >= V (a bad
+// id; the CPU panics) gives a row of NaN rather than a read out of bounds.
 //   out        T [N, C]
 //   tokens     u32 [N]
 //   positions  u32 [N] or NULL
 //   wte        f32 [V, C]
 //   wpe        f32 [maxT, C] or NULL (no learned positions)
 //   N, T, C, V  rows, sequence length (> 0), channels, vocabulary rows (int)
+//   scale      f32, the token rows' factor (1: the rows themselves)
 // Launch: grid-stride over the N·C elements, any shape: block = 256, grid =
 // min(ceil(N·C / 256), 65535). No shared memory, no scratch. Plain version: no naive twin.
 template <typename T>
 __device__ void encoder_forward(T* out, const unsigned int* tokens, const unsigned int* positions,
-                                const float* wte, const float* wpe, int N, int T_, int C, int V) {
+                                const float* wte, const float* wpe, int N, int T_, int C, int V,
+                                float scale) {
     long long total = (long long)N * C;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
@@ -68,7 +79,7 @@ __device__ void encoder_forward(T* out, const unsigned int* tokens, const unsign
         if (tok >= (unsigned int)V) {
             v = __int_as_float(0x7fc00000);  // NaN
         } else {
-            v = wte[(long long)tok * C + c];
+            v = __fmul_rn(wte[(long long)tok * C + c], scale);
             if (wpe) {
                 long long pos = emb_key(positions, n, T_);
                 v = __fadd_rn(v, wpe[pos * C + c]);
@@ -141,15 +152,16 @@ extern "C" __global__ void encoder_mark_rows(unsigned int* link, int N) {
     }
 }
 
-// Step 3 (and 6) of EncoderBackward: dtable[key(r), :] += Σ dout[r', :] over the rows r' with
-// that key, for each key's first row r: in f32 from the stored value, in row order, rounded
-// to T once (the CPU's order exactly). Rows whose key is >= table_rows are skipped (a bad id;
-// the CPU panics).
+// Step 3 (and 6) of EncoderBackward: dtable[key(r), :] += Σ scale·dout[r', :] over the rows
+// r' with that key, for each key's first row r: in f32 from the stored value, in row order
+// (each term scale·dout rounded, then added, as the CPU's), rounded to T once (the CPU's
+// order exactly). Rows whose key is >= table_rows are skipped (a bad id; the CPU panics).
 //   dtable      T [table_rows, C] += (dwte: table_rows = V; dwpe: table_rows = T)
 //   dout        T [N, C]
 //   keys        u32 [N] (tokens or positions) or NULL: key(r) = r % T, as given to step 1
 //   link        u32 [2·N] scratch, from encoder_link_rows then encoder_mark_rows
 //   N, T, C, table_rows  (int)
+//   scale       f32: the forward's for dwte, 1 for dwpe
 // One thread per (row, channel); only a key's first row does work (it walks the key's chain
 // of rows). Grid-stride in both directions, any shape: block = 256 (channels), grid =
 // (min(N, 2^31 - 1) rows, min(ceil(C / 256), 65535) channel blocks). No shared memory.
@@ -158,7 +170,7 @@ extern "C" __global__ void encoder_mark_rows(unsigned int* link, int N) {
 template <typename T>
 __device__ void encoder_backward_accumulate(T* dtable, const T* dout, const unsigned int* keys,
                                             const unsigned int* link, int N, int T_, int C,
-                                            int table_rows) {
+                                            int table_rows, float scale) {
     for (long long r = blockIdx.x; r < N; r += gridDim.x) {
         if (link[(long long)N + r] != 0u) continue;  // not its key's first row
         unsigned int key = emb_key(keys, r, T_);
@@ -168,7 +180,7 @@ __device__ void encoder_backward_accumulate(T* dtable, const T* dout, const unsi
              c += (long long)gridDim.y * blockDim.x) {
             float acc = to_f32(d[c]);
             for (unsigned int q = (unsigned int)r; q != EMB_NONE; q = link[q])
-                acc = __fadd_rn(acc, to_f32(dout[(long long)q * C + c]));
+                acc = __fadd_rn(acc, __fmul_rn(scale, to_f32(dout[(long long)q * C + c])));
             d[c] = from_f32<T>(acc);
         }
     }
@@ -178,12 +190,12 @@ __device__ void encoder_backward_accumulate(T* dtable, const T* dout, const unsi
 // row before r has r's key, it adds, in f32 from the stored value, dout[j, c] for every row
 // j >= r with that key in order, and rounds once. Same result, bitwise, as the linked
 // version; O(N²·C): for tests only.
-//   dtable, dout, keys, N, T, C, table_rows  as encoder_backward_accumulate (no link)
+//   dtable, dout, keys, N, T, C, table_rows, scale  as encoder_backward_accumulate (no link)
 // Launch: grid-stride over the N·C elements, any shape: block = 256, grid =
 // min(ceil(N·C / 256), 65535). No shared memory, no scratch.
 template <typename T>
 __device__ void encoder_backward_naive(T* dtable, const T* dout, const unsigned int* keys, int N,
-                                       int T_, int C, int table_rows) {
+                                       int T_, int C, int table_rows, float scale) {
     long long total = (long long)N * C;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
@@ -201,7 +213,8 @@ __device__ void encoder_backward_naive(T* dtable, const T* dout, const unsigned 
         T* d = dtable + (long long)key * C + c;
         float acc = to_f32(*d);
         for (long long j = r; j < N; j++)
-            if (emb_key(keys, j, T_) == key) acc = __fadd_rn(acc, to_f32(dout[j * C + c]));
+            if (emb_key(keys, j, T_) == key)
+                acc = __fadd_rn(acc, __fmul_rn(scale, to_f32(dout[j * C + c])));
         *d = from_f32<T>(acc);
     }
 }
@@ -209,17 +222,18 @@ __device__ void encoder_backward_naive(T* dtable, const T* dout, const unsigned 
 #define EMBEDDING_ENTRIES(T, S)                                                              \
     extern "C" __global__ void encoder_forward_##S(                                          \
         T* out, const unsigned int* tokens, const unsigned int* positions, const float* wte, \
-        const float* wpe, int N, int T_, int C, int V) {                                     \
-        encoder_forward<T>(out, tokens, positions, wte, wpe, N, T_, C, V);                   \
+        const float* wpe, int N, int T_, int C, int V, float scale) {                        \
+        encoder_forward<T>(out, tokens, positions, wte, wpe, N, T_, C, V, scale);            \
     }                                                                                        \
     extern "C" __global__ void encoder_backward_accumulate_##S(                              \
         T* dtable, const T* dout, const unsigned int* keys, const unsigned int* link, int N, \
-        int T_, int C, int table_rows) {                                                     \
-        encoder_backward_accumulate<T>(dtable, dout, keys, link, N, T_, C, table_rows);      \
+        int T_, int C, int table_rows, float scale) {                                        \
+        encoder_backward_accumulate<T>(dtable, dout, keys, link, N, T_, C, table_rows,       \
+                                       scale);                                               \
     }                                                                                        \
-    extern "C" __global__ void encoder_backward_naive_##S(T* dtable, const T* dout,           \
-                                                          const unsigned int* keys, int N,   \
-                                                          int T_, int C, int table_rows) {   \
-        encoder_backward_naive<T>(dtable, dout, keys, N, T_, C, table_rows);                 \
+    extern "C" __global__ void encoder_backward_naive_##S(                                   \
+        T* dtable, const T* dout, const unsigned int* keys, int N, int T_, int C,            \
+        int table_rows, float scale) {                                                       \
+        encoder_backward_naive<T>(dtable, dout, keys, N, T_, C, table_rows, scale);          \
     }
 MW_STORAGE_ENTRIES(EMBEDDING_ENTRIES)

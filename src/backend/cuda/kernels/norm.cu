@@ -9,31 +9,33 @@
 //         layernorm_backward_partials_<S>(partials, dout, inp, mean, rstd, N, C, R)
 //         norm_reduce_partials_<S>(dw, partials, P, C)
 //         norm_reduce_partials_<S>(db, partials + P·C, P, C)
-//   Op::RmsNorm { inp, out, rstd, w, rows, c, eps }
-//     ->  rmsnorm_forward_<S>(out, rstd, inp, w, N, C, eps)
-//   Op::RmsNormBackward { dinp, dout, inp, rstd, w, rows, c }
-//     ->  rmsnorm_backward_input_<S>(dinp, dout, inp, w, rstd, N, C)
+//   Op::RmsNorm { inp, out, residual, rstd, w, offset, rows, c, eps }
+//     ->  rmsnorm_forward_<S>(out, rstd, inp, residual or NULL, w, offset, N, C, eps)
+//   Op::RmsNormBackward { dinp, dout, inp, rstd, w, offset, rows, c }
+//     ->  rmsnorm_backward_input_<S>(dinp, dout, inp, w, offset, rstd, N, C)
 //         and, unless frozen:
 //         rmsnorm_backward_partials_<S>(partials, dout, inp, rstd, N, C, R)
 //         norm_reduce_partials_<S>(dw, partials, P, C)
-//   Op::QkNorm { inp, out, rstd, w, rows, nh, nkv, hd, eps }
-//     ->  qk_norm_forward_<S>(out, rstd, inp, w, N, NH, NKV, HD, eps)
-//   Op::QkNormBackward { d, inp, rstd, w, rows, nh, nkv, hd }
+//   Op::QkNorm { inp, out, rstd, w, offset, rows, nh, nkv, hd, eps }
+//     ->  qk_norm_forward_<S>(out, rstd, inp, w, offset, N, NH, NKV, HD, eps)
+//   Op::QkNormBackward { d, inp, rstd, w, offset, rows, nh, nkv, hd }
 //     ->  unless frozen, FIRST (they read d before it is overwritten):
 //         qk_norm_backward_partials_<S>(partials, d, inp, rstd, N, NH, NKV, HD, R)
 //         norm_reduce_partials_<S>(dw, partials, P, 2·HD)
-//         then qk_norm_backward_input_<S>(d, inp, w, rstd, N, NH, NKV, HD)
-//   Naive twins (plain loops, one thread per row or per column; for tests):
+//         then qk_norm_backward_input_<S>(d, inp, w, offset, rstd, N, NH, NKV, HD)
+//   Naive twins (plain loops, one thread per row or per column; for tests; each with the
+//   arguments of the kernel it twins, offset and residual included):
 //     layernorm_forward_naive_<S>, layernorm_backward_input_naive_<S>,
 //     layernorm_backward_params_naive_<S> (dw, db += directly), rmsnorm_forward_naive_<S>,
 //     rmsnorm_backward_input_naive_<S>, rmsnorm_backward_params_naive_<S> (dw += directly),
 //     qk_norm_forward_naive_<S>, qk_norm_backward_input_naive_<S>,
 //     qk_norm_backward_params_naive_<S> (dw += directly).
 //
-// Dtypes (the CPU's `ops/norm.rs`, `backend/cpu/layernorm.rs`, `rmsnorm.rs`): inp, out, dout,
-// dinp and the parameter gradients dw, db are the storage type T (entries `_f32`, `_bf16`,
-// `_f16`); the weights w, b, the statistics mean, rstd [N] and the partials scratch are f32.
-// Weight and gradient pointers are offset to their ranges' first element.
+// Dtypes (the CPU's `ops/norm.rs`, `backend/cpu/layernorm.rs`, `rmsnorm.rs`): inp, out,
+// residual, dout, dinp and the parameter gradients dw, db are the storage type T (entries
+// `_f32`, `_bf16`, `_f16`); the weights w, b, the gain's offset, the statistics mean, rstd [N]
+// and the partials scratch are f32. Weight and gradient pointers are offset to their ranges'
+// first element.
 //
 // Mathematics, as the CPU (statistics in f32, the biased variance, two passes):
 //   layer norm: mean = Σx / C, var = Σ(x − mean)² / C, rstd = 1 / sqrt(var + eps),
@@ -41,9 +43,14 @@
 //     backward, with norm = (x − mean)·rstd, g = w·dout:
 //     dinp += ((g − Σg/C) − norm·(Σ g·norm)/C)·rstd   (ACCUMULATES: the residual gradient),
 //     dw += Σ_rows norm·dout, db += Σ_rows dout        (ACCUMULATE, rounded to T once).
-//   RMS norm: rstd = 1 / sqrt(Σx² / C + eps), out = (x·rstd)·w;
-//     backward, with norm = x·rstd, g = w·dout:
-//     dinp += (g − norm·(Σ g·norm)/C)·rstd, dw += Σ_rows norm·dout.
+//   RMS norm: rstd = 1 / sqrt(Σx² / C + eps), out = (residual +) (x·rstd)·gain, with the gain
+//     gain = w + offset (Gemma's 1 + w; offset 0 elsewhere, still added, as the CPU adds it:
+//     a −0 weight gives a +0 gain) and the residual (Gemma's post-norms) added last, when the
+//     pointer is not NULL;
+//     backward, with norm = x·rstd, g = gain·dout:
+//     dinp += (g − norm·(Σ g·norm)/C)·rstd, dw += Σ_rows norm·dout (the offset is a constant:
+//     the weight's gradient is the gain's, so the partials take no offset).
+//   Qwen3's q/k norm: the RMS norm per head, its gain offset + w likewise (no residual).
 // Elementwise steps are rounded as the CPU rounds them (`__fmul_rn` etc., never an FMA), so
 // given the same statistics they are bitwise the CPU's; the sums differ from the CPU's only in
 // their order (a row: 32 lanes and a butterfly; the parameter gradients: rows in chunks of R,
@@ -323,13 +330,25 @@ __device__ void norm_reduce_partials(T* grad, const float* partials, int P, int 
 
 // ---- RMS norm ----
 
-// out, rstd = rmsnorm(inp; w) (Op::RmsNorm): one warp per row.
-//   out  T [N, C];  rstd  f32 [N] (written);  inp  T [N, C];  w  f32 [C];  N, C (int);  eps f32
-// Launch: as layernorm_forward (block = 32·W, grid = ceil(N / W)). No shared memory. Naive
-// twin: rmsnorm_forward_naive_<S>.
+// One output element of an RMS norm (or a q/k norm's head): (residual +) (x·rstd)·(w + offset),
+// rounded as the CPU rounds it (rmsnorm.rs `forward_rows`). res is ignored without a residual.
 template <typename T>
-__device__ void rmsnorm_forward(T* out, float* rstd, const T* inp, const float* w, int N, int C,
-                                float eps) {
+__device__ __forceinline__ T rms_out(float x, float rs, float wi, float offset, bool has_res,
+                                     float res) {
+    float v = __fmul_rn(__fmul_rn(x, rs), __fadd_rn(wi, offset));
+    return from_f32<T>(has_res ? __fadd_rn(res, v) : v);
+}
+
+// out, rstd = (residual +) rmsnorm(inp; w + offset) (Op::RmsNorm): one warp per row.
+//   out  T [N, C];  rstd  f32 [N] (written);  inp  T [N, C];
+//   residual  T [N, C] or NULL (added to the output: Gemma's post-norms);  w  f32 [C];
+//   offset  f32 (the gain is w + offset);  N, C (int);  eps f32
+// out must not overlap inp or residual (the plan's buffers never do). Launch: as
+// layernorm_forward (block = 32·W, grid = ceil(N / W)). No shared memory. Naive twin:
+// rmsnorm_forward_naive_<S>.
+template <typename T>
+__device__ void rmsnorm_forward(T* out, float* rstd, const T* inp, const T* residual,
+                                const float* w, float offset, int N, int C, float eps) {
     int lane = threadIdx.x & 31;
     long long warps = blockDim.x >> 5;
     for (long long row = blockIdx.x * warps + (threadIdx.x >> 5); row < N;
@@ -343,8 +362,10 @@ __device__ void rmsnorm_forward(T* out, float* rstd, const T* inp, const float* 
         float ms = warp_sum(s) / (float)C;
         float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
         T* o = out + row * C;
+        const T* y = residual ? residual + row * C : nullptr;
         for (int i = lane; i < C; i += 32)
-            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), w[i]));
+            o[i] = rms_out<T>(to_f32(x[i]), rs, w[i], offset, y != nullptr,
+                              y ? to_f32(y[i]) : 0.0f);
         if (lane == 0) rstd[row] = rs;
     }
 }
@@ -352,8 +373,8 @@ __device__ void rmsnorm_forward(T* out, float* rstd, const T* inp, const float* 
 // The naive twin of rmsnorm_forward: one thread per row, the sum in channel order.
 // Launch: grid-stride over rows, any shape: block = 256, grid = ceil(N / 256).
 template <typename T>
-__device__ void rmsnorm_forward_naive(T* out, float* rstd, const T* inp, const float* w, int N,
-                                      int C, float eps) {
+__device__ void rmsnorm_forward_naive(T* out, float* rstd, const T* inp, const T* residual,
+                                      const float* w, float offset, int N, int C, float eps) {
     for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < N;
          row += (long long)gridDim.x * blockDim.x) {
         const T* x = inp + row * C;
@@ -365,20 +386,25 @@ __device__ void rmsnorm_forward_naive(T* out, float* rstd, const T* inp, const f
         float ms = s / (float)C;
         float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
         T* o = out + row * C;
-        for (int i = 0; i < C; i++)
-            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), w[i]));
+        for (int i = 0; i < C; i++) {
+            float v = __fmul_rn(__fmul_rn(to_f32(x[i]), rs), __fadd_rn(w[i], offset));
+            if (residual) v = __fadd_rn(to_f32(residual[row * C + i]), v);
+            o[i] = from_f32<T>(v);
+        }
         rstd[row] = rs;
     }
 }
 
 // dinp += rmsnorm_backward_input(dout) (Op::RmsNormBackward's input gradient; all of a frozen
 // RMS norm's backward): one warp per row.
-//   dinp  T [N, C] +=;  dout, inp  T [N, C];  w  f32 [C];  rstd  f32 [N];  N, C  (int)
+//   dinp  T [N, C] +=;  dout, inp  T [N, C];  w  f32 [C];  offset  f32 (the gain w + offset,
+//   as the forward's);  rstd  f32 [N];  N, C  (int)
+// A residual the forward added is the caller's: its gradient is dout itself.
 // Launch: as layernorm_forward (block = 32·W, grid = ceil(N / W)). No shared memory. Naive
 // twin: rmsnorm_backward_input_naive_<S>.
 template <typename T>
 __device__ void rmsnorm_backward_input(T* dinp, const T* dout, const T* inp, const float* w,
-                                       const float* rstd, int N, int C) {
+                                       float offset, const float* rstd, int N, int C) {
     int lane = threadIdx.x & 31;
     long long warps = blockDim.x >> 5;
     for (long long row = blockIdx.x * warps + (threadIdx.x >> 5); row < N;
@@ -388,14 +414,14 @@ __device__ void rmsnorm_backward_input(T* dinp, const T* dout, const T* inp, con
         float rs = rstd[row];
         float sgn = 0.0f;
         for (int i = lane; i < C; i += 32) {
-            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(w[i], offset), to_f32(dy[i]));
             float n = __fmul_rn(to_f32(x[i]), rs);
             sgn += g * n;
         }
         float mean_gn = warp_sum(sgn) / (float)C;
         T* d = dinp + row * C;
         for (int i = lane; i < C; i += 32) {
-            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(w[i], offset), to_f32(dy[i]));
             float n = __fmul_rn(to_f32(x[i]), rs);
             float v = __fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs);
             d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
@@ -407,7 +433,8 @@ __device__ void rmsnorm_backward_input(T* dinp, const T* dout, const T* inp, con
 // Launch: grid-stride over rows, any shape: block = 256, grid = ceil(N / 256).
 template <typename T>
 __device__ void rmsnorm_backward_input_naive(T* dinp, const T* dout, const T* inp,
-                                             const float* w, const float* rstd, int N, int C) {
+                                             const float* w, float offset, const float* rstd,
+                                             int N, int C) {
     for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < N;
          row += (long long)gridDim.x * blockDim.x) {
         const T* x = inp + row * C;
@@ -415,14 +442,14 @@ __device__ void rmsnorm_backward_input_naive(T* dinp, const T* dout, const T* in
         float rs = rstd[row];
         float sgn = 0.0f;
         for (int i = 0; i < C; i++) {
-            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(w[i], offset), to_f32(dy[i]));
             float n = __fmul_rn(to_f32(x[i]), rs);
             sgn = __fadd_rn(sgn, __fmul_rn(g, n));
         }
         float mean_gn = sgn / (float)C;
         T* d = dinp + row * C;
         for (int i = 0; i < C; i++) {
-            float g = __fmul_rn(w[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(w[i], offset), to_f32(dy[i]));
             float n = __fmul_rn(to_f32(x[i]), rs);
             float v = __fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs);
             d[i] = from_f32<T>(__fadd_rn(to_f32(d[i]), v));
@@ -481,17 +508,19 @@ __device__ void rmsnorm_backward_params_naive(T* dw, const T* dout, const T* inp
 // Rows of QKV = (NH + 2·NKV)·HD: NH query heads, NKV key heads, NKV value heads of HD channels
 // (transformers' Qwen3Attention: q_norm(q_proj(x).view(.., HD)), k_norm likewise, before RoPE).
 // Each query and key head is one RMS norm "row" of HD (its statistic in rstd [N, NH + NKV],
-// heads in row order), scaled by w[0..HD) (q_norm) or w[HD..2·HD) (k_norm); value heads are
-// copied forward and passed through backward. Per head the arithmetic is rmsnorm's.
+// heads in row order), scaled by offset + w[0..HD) (q_norm) or offset + w[HD..2·HD) (k_norm);
+// value heads are copied forward and passed through backward. Per head the arithmetic is
+// rmsnorm's (without a residual).
 
-// out, rstd = qk_norm(inp; w) (Op::QkNorm): one warp per (row, head) of all NH + 2·NKV heads.
+// out, rstd = qk_norm(inp; w + offset) (Op::QkNorm): one warp per (row, head) of all
+// NH + 2·NKV heads.
 //   out  T [N, QKV];  rstd  f32 [N, NH + NKV] (written);  inp  T [N, QKV];  w  f32 [2, HD]
-//   N, NH, NKV, HD (int);  eps f32
+//   offset  f32 (the gain is w + offset);  N, NH, NKV, HD (int);  eps f32
 // Launch: block = 32·W, grid = ceil(N·(NH + 2·NKV) / W) (grid-strided). No shared memory.
 // Naive twin: qk_norm_forward_naive_<S>.
 template <typename T>
-__device__ void qk_norm_forward(T* out, float* rstd, const T* inp, const float* w, int N,
-                                int NH, int NKV, int HD, float eps) {
+__device__ void qk_norm_forward(T* out, float* rstd, const T* inp, const float* w, float offset,
+                                int N, int NH, int NKV, int HD, float eps) {
     int lane = threadIdx.x & 31;
     long long warps = blockDim.x >> 5;
     long long heads = NH + 2LL * NKV, normed = NH + NKV;
@@ -513,7 +542,7 @@ __device__ void qk_norm_forward(T* out, float* rstd, const T* inp, const float* 
         float ms = warp_sum(s) / (float)HD;
         float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(ms, eps)));
         for (int i = lane; i < HD; i += 32)
-            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), wh[i]));
+            o[i] = rms_out<T>(to_f32(x[i]), rs, wh[i], offset, false, 0.0f);
         if (lane == 0) rstd[row * normed + h] = rs;
     }
 }
@@ -521,8 +550,8 @@ __device__ void qk_norm_forward(T* out, float* rstd, const T* inp, const float* 
 // The naive twin of qk_norm_forward: one thread per (row, head), the sum in channel order.
 // Launch: grid-stride over N·(NH + 2·NKV), any shape.
 template <typename T>
-__device__ void qk_norm_forward_naive(T* out, float* rstd, const T* inp, const float* w, int N,
-                                      int NH, int NKV, int HD, float eps) {
+__device__ void qk_norm_forward_naive(T* out, float* rstd, const T* inp, const float* w,
+                                      float offset, int N, int NH, int NKV, int HD, float eps) {
     long long heads = NH + 2LL * NKV, normed = NH + NKV;
     for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < (long long)N * heads;
          u += (long long)gridDim.x * blockDim.x) {
@@ -541,22 +570,22 @@ __device__ void qk_norm_forward_naive(T* out, float* rstd, const T* inp, const f
         }
         float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(s / (float)HD, eps)));
         for (int i = 0; i < HD; i++)
-            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), wh[i]));
+            o[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(x[i]), rs), __fadd_rn(wh[i], offset)));
         rstd[row * normed + h] = rs;
     }
 }
 
 // d = qk_norm_backward_input(d) in place (Op::QkNormBackward's input gradient): the gradient
 // of each query and key head's output replaced by its input's, (g − norm·mean(g·norm))·rstd
-// with g = w·dout, norm = x·rstd; value heads untouched. One warp per (row, q/k head): each
-// lane reads and then overwrites only its own channels, after the warp's sum.
-//   d  T [N, QKV] (in: dout, out: dinp);  inp  T [N, QKV];  w  f32 [2, HD];
+// with g = (w + offset)·dout, norm = x·rstd; value heads untouched. One warp per (row, q/k
+// head): each lane reads and then overwrites only its own channels, after the warp's sum.
+//   d  T [N, QKV] (in: dout, out: dinp);  inp  T [N, QKV];  w  f32 [2, HD];  offset  f32;
 //   rstd  f32 [N, NH + NKV];  N, NH, NKV, HD (int)
 // Launch: block = 32·W, grid = ceil(N·(NH + NKV) / W) (grid-strided). Run after the
 // partials. Naive twin: qk_norm_backward_input_naive_<S>.
 template <typename T>
-__device__ void qk_norm_backward_input(T* d, const T* inp, const float* w, const float* rstd,
-                                       int N, int NH, int NKV, int HD) {
+__device__ void qk_norm_backward_input(T* d, const T* inp, const float* w, float offset,
+                                       const float* rstd, int N, int NH, int NKV, int HD) {
     int lane = threadIdx.x & 31;
     long long warps = blockDim.x >> 5;
     long long heads = NH + 2LL * NKV, normed = NH + NKV;
@@ -569,13 +598,13 @@ __device__ void qk_norm_backward_input(T* d, const T* inp, const float* w, const
         float rs = rstd[u];
         float sgn = 0.0f;
         for (int i = lane; i < HD; i += 32) {
-            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(wh[i], offset), to_f32(dy[i]));
             float n = __fmul_rn(to_f32(x[i]), rs);
             sgn += g * n;
         }
         float mean_gn = warp_sum(sgn) / (float)HD;
         for (int i = lane; i < HD; i += 32) {
-            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(wh[i], offset), to_f32(dy[i]));
             float n = __fmul_rn(to_f32(x[i]), rs);
             dy[i] = from_f32<T>(__fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs));
         }
@@ -585,7 +614,7 @@ __device__ void qk_norm_backward_input(T* d, const T* inp, const float* w, const
 // The naive twin of qk_norm_backward_input: one thread per (row, q/k head), channel order.
 // Launch: grid-stride over N·(NH + NKV), any shape.
 template <typename T>
-__device__ void qk_norm_backward_input_naive(T* d, const T* inp, const float* w,
+__device__ void qk_norm_backward_input_naive(T* d, const T* inp, const float* w, float offset,
                                              const float* rstd, int N, int NH, int NKV, int HD) {
     long long heads = NH + 2LL * NKV, normed = NH + NKV;
     for (long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x; u < (long long)N * normed;
@@ -597,12 +626,12 @@ __device__ void qk_norm_backward_input_naive(T* d, const T* inp, const float* w,
         float rs = rstd[u];
         float sgn = 0.0f;
         for (int i = 0; i < HD; i++) {
-            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(wh[i], offset), to_f32(dy[i]));
             sgn = __fadd_rn(sgn, __fmul_rn(g, __fmul_rn(to_f32(x[i]), rs)));
         }
         float mean_gn = sgn / (float)HD;
         for (int i = 0; i < HD; i++) {
-            float g = __fmul_rn(wh[i], to_f32(dy[i]));
+            float g = __fmul_rn(__fadd_rn(wh[i], offset), to_f32(dy[i]));
             float n = __fmul_rn(to_f32(x[i]), rs);
             dy[i] = from_f32<T>(__fmul_rn(__fsub_rn(g, __fmul_rn(n, mean_gn)), rs));
         }
@@ -701,25 +730,26 @@ __device__ void qk_norm_backward_params_naive(T* dw, const T* d, const T* inp, c
                                                         int P, int C) {                      \
         norm_reduce_partials<T>(grad, partials, P, C);                                       \
     }                                                                                        \
-    extern "C" __global__ void qk_norm_forward_##S(T* out, float* rstd, const T* inp,         \
-                                                   const float* w, int N, int NH, int NKV,   \
-                                                   int HD, float eps) {                      \
-        qk_norm_forward<T>(out, rstd, inp, w, N, NH, NKV, HD, eps);                          \
+    extern "C" __global__ void qk_norm_forward_##S(T* out, float* rstd, const T* inp,        \
+                                                   const float* w, float offset, int N,      \
+                                                   int NH, int NKV, int HD, float eps) {     \
+        qk_norm_forward<T>(out, rstd, inp, w, offset, N, NH, NKV, HD, eps);                  \
     }                                                                                        \
-    extern "C" __global__ void qk_norm_forward_naive_##S(T* out, float* rstd, const T* inp,   \
-                                                         const float* w, int N, int NH,      \
-                                                         int NKV, int HD, float eps) {       \
-        qk_norm_forward_naive<T>(out, rstd, inp, w, N, NH, NKV, HD, eps);                    \
+    extern "C" __global__ void qk_norm_forward_naive_##S(T* out, float* rstd, const T* inp,  \
+                                                         const float* w, float offset,       \
+                                                         int N, int NH, int NKV, int HD,     \
+                                                         float eps) {                        \
+        qk_norm_forward_naive<T>(out, rstd, inp, w, offset, N, NH, NKV, HD, eps);            \
     }                                                                                        \
     extern "C" __global__ void qk_norm_backward_input_##S(T* d, const T* inp, const float* w, \
-                                                          const float* rstd, int N, int NH,  \
-                                                          int NKV, int HD) {                 \
-        qk_norm_backward_input<T>(d, inp, w, rstd, N, NH, NKV, HD);                          \
+                                                          float offset, const float* rstd,   \
+                                                          int N, int NH, int NKV, int HD) {  \
+        qk_norm_backward_input<T>(d, inp, w, offset, rstd, N, NH, NKV, HD);                  \
     }                                                                                        \
     extern "C" __global__ void qk_norm_backward_input_naive_##S(                             \
-        T* d, const T* inp, const float* w, const float* rstd, int N, int NH, int NKV,       \
-        int HD) {                                                                            \
-        qk_norm_backward_input_naive<T>(d, inp, w, rstd, N, NH, NKV, HD);                    \
+        T* d, const T* inp, const float* w, float offset, const float* rstd, int N, int NH,  \
+        int NKV, int HD) {                                                                   \
+        qk_norm_backward_input_naive<T>(d, inp, w, offset, rstd, N, NH, NKV, HD);            \
     }                                                                                        \
     extern "C" __global__ void qk_norm_backward_partials_##S(                                \
         float* partials, const T* d, const T* inp, const float* rstd, int N, int NH,         \
@@ -731,24 +761,27 @@ __device__ void qk_norm_backward_params_naive(T* dw, const T* d, const T* inp, c
         int HD) {                                                                            \
         qk_norm_backward_params_naive<T>(dw, d, inp, rstd, N, NH, NKV, HD);                  \
     }                                                                                        \
-    extern "C" __global__ void rmsnorm_forward_##S(T* out, float* rstd, const T* inp,         \
-                                                   const float* w, int N, int C, float eps) { \
-        rmsnorm_forward<T>(out, rstd, inp, w, N, C, eps);                                    \
+    extern "C" __global__ void rmsnorm_forward_##S(T* out, float* rstd, const T* inp,        \
+                                                   const T* residual, const float* w,        \
+                                                   float offset, int N, int C, float eps) {  \
+        rmsnorm_forward<T>(out, rstd, inp, residual, w, offset, N, C, eps);                  \
     }                                                                                        \
-    extern "C" __global__ void rmsnorm_forward_naive_##S(T* out, float* rstd, const T* inp,   \
-                                                         const float* w, int N, int C,       \
+    extern "C" __global__ void rmsnorm_forward_naive_##S(T* out, float* rstd, const T* inp,  \
+                                                         const T* residual, const float* w,  \
+                                                         float offset, int N, int C,         \
                                                          float eps) {                        \
-        rmsnorm_forward_naive<T>(out, rstd, inp, w, N, C, eps);                              \
+        rmsnorm_forward_naive<T>(out, rstd, inp, residual, w, offset, N, C, eps);            \
     }                                                                                        \
-    extern "C" __global__ void rmsnorm_backward_input_##S(T* dinp, const T* dout,             \
+    extern "C" __global__ void rmsnorm_backward_input_##S(T* dinp, const T* dout,            \
                                                           const T* inp, const float* w,      \
-                                                          const float* rstd, int N, int C) { \
-        rmsnorm_backward_input<T>(dinp, dout, inp, w, rstd, N, C);                           \
+                                                          float offset, const float* rstd,   \
+                                                          int N, int C) {                    \
+        rmsnorm_backward_input<T>(dinp, dout, inp, w, offset, rstd, N, C);                   \
     }                                                                                        \
     extern "C" __global__ void rmsnorm_backward_input_naive_##S(                             \
-        T* dinp, const T* dout, const T* inp, const float* w, const float* rstd, int N,      \
-        int C) {                                                                             \
-        rmsnorm_backward_input_naive<T>(dinp, dout, inp, w, rstd, N, C);                     \
+        T* dinp, const T* dout, const T* inp, const float* w, float offset,                  \
+        const float* rstd, int N, int C) {                                                   \
+        rmsnorm_backward_input_naive<T>(dinp, dout, inp, w, offset, rstd, N, C);             \
     }                                                                                        \
     extern "C" __global__ void rmsnorm_backward_partials_##S(                                \
         float* partials, const T* dout, const T* inp, const float* rstd, int N, int C,       \

@@ -2,15 +2,19 @@
 //! quantized table), as the CPU's `ops/embedding.rs`:
 //!
 //! - [`Op::Encoder`], f32 tables: `encoder_forward_<S>(out, tokens, positions or 0, wte, wpe
-//!   or 0, N, T, C, V)`, grid-stride over the N·C outputs. A table bound to a quantized base
-//!   (ggml blocks: a LoRA plan's `--base-quant`, no `wpe`): as the CPU decodes each row as it
-//!   gathers it, `dequant_gather_<type>_<S>(wte, C, tokens, N, V, out)` (`kernels/dequant.cu`;
-//!   the decoded values rounded to T once, as the CPU's `T::from_f32`).
+//!   or 0, N, T, C, V, scale)`, grid-stride over the N·C outputs. A table bound to a quantized
+//!   base (ggml blocks: a LoRA plan's `--base-quant`, no `wpe`): as the CPU decodes each row as
+//!   it gathers it, `dequant_gather_<type>_<S>(wte, C, tokens, N, V, scale, out)`
+//!   (`kernels/dequant.cu`; the decoded values times the scale rounded to T once, as the CPU's
+//!   `T::from_f32(x * scale)`).
 //! - [`Op::EncoderBackward`] (nothing when frozen): for dwte, keyed by the tokens,
 //!   `encoder_link_rows(link, keys, N, T)`, `encoder_mark_rows(link, N)`,
-//!   `encoder_backward_accumulate_<S>(dwte, dout, keys, link, N, T, C, V)`; then with `wpe`
-//!   the same three keyed by the positions (or row % T: keys 0), into dwpe with T table rows.
-//!   `link` is the scratch's u32 `[2·N]` region ([`Scratch::link`]).
+//!   `encoder_backward_accumulate_<S>(dwte, dout, keys, link, N, T, C, V, scale)`; then with
+//!   `wpe` the same three keyed by the positions (or row % T: keys 0), into dwpe with T table
+//!   rows and scale 1. `link` is the scratch's u32 `[2·N]` region ([`Scratch::link`]).
+//!
+//! `scale` is the op's (Gemma's √C, 1 elsewhere): it multiplies the token rows, never the
+//! positions.
 //!
 //! N and T are the op's rows at the step's sequence length (`rows.with_seq(ctx.seq)`);
 //! nothing runs when N or C is 0.
@@ -48,6 +52,7 @@ impl GpuDevice {
                 wpe,
                 rows,
                 c,
+                scale,
                 ..
             } => {
                 let (r, c) = (rows.with_seq(ctx.seq), *c);
@@ -62,7 +67,8 @@ impl GpuDevice {
                         if wpe.is_some() {
                             bail!("internal error: {}: a quantized base with wpe", e.name);
                         }
-                        return self.gather_quantized(e, ty, *tokens, *out, wte, n, c);
+                        let (tokens, out) = (*tokens, *out);
+                        return self.gather_quantized(e, ty, tokens, out, wte, (n, c), *scale);
                     }
                     Some(d) => bail!(
                         "internal error: {}: its table is bound to {d} values, not f32 or \
@@ -85,17 +91,20 @@ impl GpuDevice {
                     int(e, "C", c)?,
                     int(e, "V", v)?,
                 );
+                let scale = *scale;
                 // SAFETY: encoder_forward_<S>(T* out, const unsigned* tokens, const unsigned*
-                // positions, const float* wte, const float* wpe, int N, int T, int C, int V):
-                // out [N, C] T, tokens (positions) [N] u32 or 0, wte [V, C] f32, wpe [maxT, C]
-                // f32 or 0 (the ranges' first elements).
+                // positions, const float* wte, const float* wpe, int N, int T, int C, int V,
+                // float scale): out [N, C] T, tokens (positions) [N] u32 or 0, wte [V, C] f32,
+                // wpe [maxT, C] f32 or 0 (the ranges' first elements).
                 launch_kernel!(
                     self,
                     e,
                     name,
                     f,
                     grid_stride((n * c) as u64),
-                    [&out, &tokens, &positions, &wte, &wpe, &ni, &ti, &ci, &vi]
+                    [
+                        &out, &tokens, &positions, &wte, &wpe, &ni, &ti, &ci, &vi, &scale
+                    ]
                 )
             }
             Op::EncoderBackward {
@@ -106,6 +115,7 @@ impl GpuDevice {
                 wpe,
                 rows,
                 c,
+                scale,
                 ..
             } => {
                 if e.frozen {
@@ -127,7 +137,7 @@ impl GpuDevice {
                     dout,
                 };
                 let tokens = self.ptr(*tokens)?;
-                self.scatter(e, &s, tokens, dwte, int(e, "V", wte.len() / c)?)?;
+                self.scatter(e, &s, tokens, dwte, int(e, "V", wte.len() / c)?, *scale)?;
                 let Some(wpe) = wpe else {
                     return Ok(());
                 };
@@ -141,15 +151,11 @@ impl GpuDevice {
                 }
                 let dwpe = self.grad_ptr(e, wpe)?;
                 let positions = self.ptr_or_null(*positions)?;
-                self.scatter(e, &s, positions, dwpe, s.t)
+                // The positions take dout unscaled.
+                self.scatter(e, &s, positions, dwpe, s.t, 1.0)
             }
             _ => bail!("internal error: {} is not an embedding op", e.name),
         }
-    }
-
-    /// Device address of `id`, or 0 (a kernel's NULL) for none.
-    fn ptr_or_null(&self, id: Option<BufId>) -> Result<u64> {
-        id.map_or(Ok(0), |id| self.ptr(id))
     }
 
     /// The scratch's `link` region, checked to hold u32 `[2·n]`.
@@ -167,8 +173,8 @@ impl GpuDevice {
         }
     }
 
-    /// Steps 1-3 (or 4-6) of the backward: `dtable[key(r)] += dout[r]` for every row, keyed
-    /// by `keys` (u32 `[N]`, or 0: row % T), over a table of `table_rows` rows.
+    /// Steps 1-3 (or 4-6) of the backward: `dtable[key(r)] += scale · dout[r]` for every row,
+    /// keyed by `keys` (u32 `[N]`, or 0: row % T), over a table of `table_rows` rows.
     fn scatter(
         &self,
         e: &OpEntry,
@@ -176,6 +182,7 @@ impl GpuDevice {
         keys: u64,
         dtable: u64,
         table_rows: i32,
+        scale: f32,
     ) -> Result<()> {
         let (link, dout) = (s.link, s.dout);
         let (n, t, c) = (s.n, s.t, s.c);
@@ -202,22 +209,32 @@ impl GpuDevice {
         )?;
         let (name, f) = self.entry("encoder_backward_accumulate")?;
         // SAFETY: encoder_backward_accumulate_<S>(T* dtable, const T* dout, const unsigned*
-        // keys, const unsigned* link, int N, int T, int C, int table_rows): dtable
-        // [table_rows, C] T +=, dout [N, C] T, keys as given to encoder_link_rows, link u32
-        // [2·N] from it and encoder_mark_rows.
+        // keys, const unsigned* link, int N, int T, int C, int table_rows, float scale):
+        // dtable [table_rows, C] T +=, dout [N, C] T, keys as given to encoder_link_rows, link
+        // u32 [2·N] from it and encoder_mark_rows.
         launch_kernel!(
             self,
             e,
             name,
             f,
             accumulate_grid(n as u64, c as u64),
-            [&dtable, &dout, &keys, &link, &n, &t, &c, &table_rows]
+            [
+                &dtable,
+                &dout,
+                &keys,
+                &link,
+                &n,
+                &t,
+                &c,
+                &table_rows,
+                &scale
+            ]
         )
     }
 
-    /// `out[n, :] = T(decode(wte row tokens[n]))` for a table of ggml blocks: one
-    /// `dequant_gather_<type>_<S>` launch (a token past the table gives a NaN row, as
-    /// `encoder_forward_<S>` does).
+    /// `out[n, :] = T(decode(wte row tokens[n]) · scale)` for a table of ggml blocks, `(n, c)`
+    /// its rows and channels: one `dequant_gather_<type>_<S>` launch (a token past the table
+    /// gives a NaN row, as `encoder_forward_<S>` does).
     #[allow(clippy::too_many_arguments)]
     fn gather_quantized(
         &self,
@@ -226,8 +243,8 @@ impl GpuDevice {
         tokens: BufId,
         out: BufId,
         wte: &std::ops::Range<usize>,
-        n: usize,
-        c: usize,
+        (n, c): (usize, usize),
+        scale: f32,
     ) -> Result<()> {
         if !ty.dequantizable() {
             bail!(
@@ -244,15 +261,15 @@ impl GpuDevice {
             int(e, "V", wte.len() / c)?,
         );
         // SAFETY: dequant_gather_<type>_<S>(const u8* w, int cols, const u32* ids, int n,
-        // int vocab, T* out): w the table's blocks [V rows of C values], ids [N] u32 (read
-        // only below V), out [N, C] T.
+        // int vocab, float scale, T* out): w the table's blocks [V rows of C values], ids [N]
+        // u32 (read only below V), out [N, C] T.
         launch_kernel!(
             self,
             e,
             name,
             f,
             grid_stride((n * c) as u64),
-            [&w, &cols, &ids, &ni, &vi, &out]
+            [&w, &cols, &ids, &ni, &vi, &scale, &out]
         )
     }
 }

@@ -2,17 +2,20 @@
 //! forward and backward, as the CPU's `ops/norm.rs`.
 //!
 //! - [`Op::LayerNorm`]: `layernorm_forward_<S>`, one warp per row ([`rows_of_warps`]).
-//! - [`Op::RmsNorm`]: `rmsnorm_forward_<S>`, likewise.
+//! - [`Op::RmsNorm`]: `rmsnorm_forward_<S>`, likewise, with the gain's offset (`offset + w`)
+//!   and the residual added to the output (its address, or 0 for none).
 //! - [`Op::LayerNormBackward`]: `layernorm_backward_input_<S>` (dinp +=, one warp per row),
 //!   then, unless the op is frozen, `layernorm_backward_partials_<S>` into the scratch's
 //!   `partials` (`[2, P, C]` f32, rows in chunks of [`NORM_CHUNK_ROWS`]) and
 //!   `norm_reduce_partials_<S>` twice: into dw from `partials`, into db from `partials + P·C`.
-//! - [`Op::RmsNormBackward`]: `rmsnorm_backward_input_<S>`, then, unless frozen,
-//!   `rmsnorm_backward_partials_<S>` (`[P, C]`) and `norm_reduce_partials_<S>` into dw.
-//! - [`Op::QkNorm`]: `qk_norm_forward_<S>`, one warp per (row, head).
+//! - [`Op::RmsNormBackward`]: `rmsnorm_backward_input_<S>` (the gain's offset), then, unless
+//!   frozen, `rmsnorm_backward_partials_<S>` (`[P, C]`) and `norm_reduce_partials_<S>` into dw
+//!   (the weight's gradient takes no offset).
+//! - [`Op::QkNorm`]: `qk_norm_forward_<S>`, one warp per (row, head), with the offset.
 //! - [`Op::QkNormBackward`]: unless frozen, first `qk_norm_backward_partials_<S>` (`[P, 2·hd]`,
 //!   read from the output's gradient before it is overwritten) and `norm_reduce_partials_<S>`
-//!   into dw; then `qk_norm_backward_input_<S>` in place, one warp per (row, q/k head).
+//!   into dw; then `qk_norm_backward_input_<S>` in place (with the offset), one warp per (row,
+//!   q/k head).
 //!
 //! N is the op's rows at the step's sequence length (`rows.with_seq(ctx.seq)`: generation's
 //! shorter prefix); nothing runs when N or C is 0 (the CPU then changes nothing).
@@ -71,12 +74,13 @@ impl GpuDevice {
             Op::RmsNorm {
                 inp,
                 out,
+                residual,
                 rstd,
                 w,
+                offset,
                 rows,
                 c,
                 eps,
-                ..
             } => {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
                 if n == 0 || c == 0 {
@@ -84,17 +88,20 @@ impl GpuDevice {
                 }
                 let (name, f) = self.entry("rmsnorm_forward")?;
                 let (out, rstd, inp) = (self.ptr(*out)?, self.ptr(*rstd)?, self.ptr(*inp)?);
+                let residual = self.ptr_or_null(*residual)?;
                 let w = self.f32_param_ptr(e, w)?;
-                let (ni, ci, eps) = (int(e, "N", n)?, int(e, "C", c)?, *eps);
-                // SAFETY: rmsnorm_forward_<S>(T* out, float* rstd, const T* inp, const float*
-                // w, int N, int C, float eps), shapes as the layer norm's.
+                let (ni, ci, eps, offset) = (int(e, "N", n)?, int(e, "C", c)?, *eps, *offset);
+                // SAFETY: rmsnorm_forward_<S>(T* out, float* rstd, const T* inp, const T*
+                // residual, const float* w, float offset, int N, int C, float eps): out, inp
+                // [N, C] T, residual [N, C] T or 0 (a buffer apart from out: the plan's never
+                // overlap), rstd [N] f32, w [C] f32 (the range's first element).
                 launch_kernel!(
                     self,
                     e,
                     name,
                     f,
                     row_warps(n),
-                    [&out, &rstd, &inp, &w, &ni, &ci, &eps]
+                    [&out, &rstd, &inp, &residual, &w, &offset, &ni, &ci, &eps]
                 )
             }
             Op::LayerNormBackward {
@@ -162,9 +169,9 @@ impl GpuDevice {
                 inp,
                 rstd,
                 w,
+                offset,
                 rows,
                 c,
-                ..
             } => {
                 let (n, c) = (rows.with_seq(ctx.seq).n(), *c);
                 if n == 0 || c == 0 {
@@ -177,18 +184,18 @@ impl GpuDevice {
                     self.ptr(*inp)?,
                     self.ptr(*rstd)?,
                 );
-                let wp = self.f32_param_ptr(e, w)?;
+                let (wp, offset) = (self.f32_param_ptr(e, w)?, *offset);
                 let (name, f) = self.entry("rmsnorm_backward_input")?;
                 // SAFETY: rmsnorm_backward_input_<S>(T* dinp, const T* dout, const T* inp,
-                // const float* w, const float* rstd, int N, int C): dinp, dout, inp [N, C] T
-                // (dinp +=), w [C] f32, rstd [N] f32.
+                // const float* w, float offset, const float* rstd, int N, int C): dinp, dout,
+                // inp [N, C] T (dinp +=), w [C] f32, rstd [N] f32.
                 launch_kernel!(
                     self,
                     e,
                     name,
                     f,
                     row_warps(n),
-                    [&dinp, &dout, &inp, &wp, &rstd, &ni, &ci]
+                    [&dinp, &dout, &inp, &wp, &offset, &rstd, &ni, &ci]
                 )?;
                 if e.frozen {
                     return Ok(());
@@ -216,12 +223,12 @@ impl GpuDevice {
                 out,
                 rstd,
                 w,
+                offset,
                 rows,
                 nh,
                 nkv,
                 hd,
                 eps,
-                ..
             } => {
                 let n = rows.with_seq(ctx.seq).n();
                 if n == 0 || *hd == 0 {
@@ -236,17 +243,18 @@ impl GpuDevice {
                     int(e, "NKV", *nkv)?,
                     int(e, "HD", *hd)?,
                 );
-                let eps = *eps;
+                let (eps, offset) = (*eps, *offset);
                 // SAFETY: qk_norm_forward_<S>(T* out, float* rstd, const T* inp, const float* w,
-                // int N, int NH, int NKV, int HD, float eps): out, inp [N, (NH + 2·NKV)·HD] T,
-                // rstd [N, NH + NKV] f32, w [2, HD] f32 (the range's first element).
+                // float offset, int N, int NH, int NKV, int HD, float eps): out, inp
+                // [N, (NH + 2·NKV)·HD] T, rstd [N, NH + NKV] f32, w [2, HD] f32 (the range's
+                // first element).
                 launch_kernel!(
                     self,
                     e,
                     name,
                     f,
                     row_warps(n * (nh + 2 * nkv)),
-                    [&out, &rstd, &inp, &w, &ni, &nhi, &nkvi, &hdi, &eps]
+                    [&out, &rstd, &inp, &w, &offset, &ni, &nhi, &nkvi, &hdi, &eps]
                 )
             }
             Op::QkNormBackward {
@@ -254,11 +262,11 @@ impl GpuDevice {
                 inp,
                 rstd,
                 w,
+                offset,
                 rows,
                 nh,
                 nkv,
                 hd,
-                ..
             } => {
                 let n = rows.with_seq(ctx.seq).n();
                 if n == 0 || *hd == 0 {
@@ -294,18 +302,18 @@ impl GpuDevice {
                     let dw = self.grad_ptr(e, w)?;
                     self.reduce_partials(e, dw, partials, pi, ci, 2 * hd)?;
                 }
-                let wp = self.f32_param_ptr(e, w)?;
+                let (wp, offset) = (self.f32_param_ptr(e, w)?, *offset);
                 let (name, f) = self.entry("qk_norm_backward_input")?;
                 // SAFETY: qk_norm_backward_input_<S>(T* d, const T* inp, const float* w,
-                // const float* rstd, int N, int NH, int NKV, int HD): d (in place), inp
-                // [N, QKV] T, w [2, HD] f32, rstd [N, NH + NKV] f32.
+                // float offset, const float* rstd, int N, int NH, int NKV, int HD): d (in
+                // place), inp [N, QKV] T, w [2, HD] f32, rstd [N, NH + NKV] f32.
                 launch_kernel!(
                     self,
                     e,
                     name,
                     f,
                     row_warps(n * (nh + nkv)),
-                    [&d, &inp, &wp, &rstd, &ni, &nhi, &nkvi, &hdi]
+                    [&d, &inp, &wp, &offset, &rstd, &ni, &nhi, &nkvi, &hdi]
                 )
             }
             _ => bail!("internal error: {} is not a norm op", e.name),
