@@ -2,8 +2,9 @@
 # Parity of the CUDA backend with the CPU backend, as issue #45 asks it, by whole training runs
 # on prepared data (scripts/gpu-build.sh puts Shakespeare in .gpu/data); called by
 # scripts/gpu-check.sh, or alone:
-#   1. fp32, gpt2-tiny and a llama-tiny (GQA, RoPE, SwiGLU), 100 steps on the CPU and on the
-#      GPU: first-step loss within 1e-5 relative, first gradient norm within 1e-4, every
+#   1. fp32, gpt2-tiny, a llama-tiny (GQA, RoPE, SwiGLU) and a gemma3-tiny (1 + w norms, q/k
+#      and post-norms, GeGLU, the √C embedding, sliding and full layers), 100 steps on the CPU
+#      and on the GPU: first-step loss within 1e-5 relative, first gradient norm within 1e-4, every
 #      step's loss within 1e-4; bf16 gpt2-tiny: every loss within 1e-2.
 #   2. Two GPU runs: bitwise the same losses and the same checkpoint bytes.
 #   3. Recomputation on the GPU, fp32: --recompute none and full, bitwise the same.
@@ -30,6 +31,14 @@ cat >"$work/llama-tiny.json" <<'EOF'
  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
  "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
  "tie_word_embeddings": true}
+EOF
+cat >"$work/gemma3-tiny.json" <<'EOF'
+{"model_type": "gemma3_text", "vocab_size": 50257, "hidden_size": 128, "intermediate_size": 352,
+ "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+ "query_pre_attn_scalar": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+ "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 48,
+ "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+ "tie_word_embeddings": true, "pad_token_id": 0}
 EOF
 failed=0
 train() { # train NAME DEVICE MODEL STEPS EXTRA...: a run in $work/NAME
@@ -81,9 +90,10 @@ same_bytes() { # same_bytes WHAT DIR_A DIR_B: every file of the last checkpoints
 }
 
 # 1. The CPU against the GPU.
-for m in gpt2-tiny llama; do
+for m in gpt2-tiny llama gemma3; do
     model=$m
     [ "$m" = llama ] && model="$work/llama-tiny.json"
+    [ "$m" = gemma3 ] && model="$work/gemma3-tiny.json"
     if train "$m-fp32-a" "$A" "$model" "$steps" --precision fp32 &&
         train "$m-fp32-b" "$B" "$model" "$steps" --precision fp32; then
         check compare "$m fp32, $A against $B" "$work/$m-fp32-b" "$work/$m-fp32-a" 1e-5 1e-4 1e-4

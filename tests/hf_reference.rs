@@ -241,6 +241,30 @@ fn gemma3_matches_transformers() {
     );
 }
 
+/// Gemma 3's full layers see more keys than its sliding ones: the attention workspace, shared
+/// by every layer, is sized for the widest (a plan sized by the sliding window alone ran out
+/// of workspace in the full layers at a sequence longer than the window).
+#[test]
+fn gemma3_trains_at_sequences_longer_than_its_window() {
+    let spec = memwall::model::ModelSpec::from_hf_config_str(
+        r#"{"model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 128,
+            "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 32,
+            "max_position_embeddings": 256, "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention"]}"#,
+        "gemma3-tiny.json",
+    )
+    .unwrap();
+    assert_eq!(spec.widest_window(), None);
+    let t = 128;
+    let plan = build_plan(&spec, &StepConfig::new(1, t, 2), Mode::Train, backend()).unwrap();
+    let mut ex = Executor::on(plan, backend()).unwrap();
+    let seq: Vec<u32> = (0..=t as u32).map(|i| (i * 37) % 300).collect();
+    ex.upload_batch(&seq).unwrap();
+    let loss = ex.compute_gradients().unwrap();
+    assert!(loss.is_finite() && loss > 0.0, "loss {loss}");
+}
+
 #[test]
 fn phi3_matches_transformers() {
     llama_family_matches_transformers("hf-tiny-phi3");

@@ -389,6 +389,14 @@ impl ModelSpec {
         }
     }
 
+    /// The widest attention window of any layer (`None`: some layer sees the whole prefix):
+    /// what one attention workspace, shared by every layer, must hold.
+    pub fn widest_window(&self) -> Option<usize> {
+        (0..self.n_layer)
+            .map(|l| self.layer_window(l))
+            .try_fold(0, |w, l| l.map(|l| w.max(l)))
+    }
+
     /// Layer `l`'s rotation: θ and the scaling (Gemma 3's sliding layers: their own θ,
     /// unscaled). `None` for learned positions.
     pub fn layer_rope(&self, l: usize) -> Option<(f32, Option<&RopeScaling>)> {

@@ -279,7 +279,7 @@ impl<'a> Request<'a> {
             storage,
             cfg.seq,
             spec.head_size(),
-            spec.sliding_window,
+            spec.widest_window(),
             cfg.threads,
         );
         let offload = match mode {
