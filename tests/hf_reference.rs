@@ -12,7 +12,8 @@
 //! q|k|v and gate|up tensors, LongRoPE's short and long factors and attention factor, a tied
 //! head), hf-tiny-gemma3 (make_hf_gemma3_fixtures.py: 1 + w norms, q/k and post-norms,
 //! GeGLU, the √C embedding, sliding and full layers with their own RoPE bases, a window of 6
-//! within the 24-token sequence, linear scaling of the full layers' rotation);
+//! within the 24-token sequence, linear scaling of the full layers' rotation) and
+//! hf-tiny-gemma3-multimodal (its text model inside a Gemma3ForConditionalGeneration);
 //! memwall-qwen3-ckpt and memwall-gemma3-ckpt, checkpoints memwall trained, with
 //! what transformers computes with it (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
@@ -239,6 +240,49 @@ fn gemma3_matches_transformers() {
         (whole - want).abs() > 1e-3,
         "the window changes the loss: {whole} vs {want}"
     );
+}
+
+/// A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, as the 4B and larger
+/// ship: `model_type` gemma3, the text model in `text_config` and under `language_model.`,
+/// a vision tower beside it): memwall loads its text model, and computes from text what the
+/// whole model computes (the prompt's logits, 20 greedy tokens).
+#[test]
+fn gemma3_multimodal_checkpoint_is_its_text_model() {
+    let (dir, exp) = fixture_named("hf-tiny-gemma3-multimodal");
+    let spec = ckpt::load_spec(&dir).unwrap();
+    assert_eq!(spec.family, memwall::model::Family::Gemma3);
+    let prompt = ids(&exp["prompt"]);
+    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, backend()).unwrap();
+    let layout = plan.layout.clone();
+    let mut ex = Executor::on(plan, backend()).unwrap();
+    ex.with_params_mut(|p| ckpt::load_params(&dir, &layout, p))
+        .unwrap()
+        .unwrap();
+    let logits = ex.next_token_logits(&prompt).unwrap().to_vec();
+    let want = exp["last_logits"].as_array().unwrap();
+    assert_eq!(logits.len(), want.len());
+    for (i, (&a, b)) in logits.iter().zip(want).enumerate() {
+        let b = b.as_f64().unwrap();
+        assert!(
+            (a as f64 - b).abs() < 1e-4,
+            "logit {i}: memwall {a} vs transformers {b}"
+        );
+    }
+    let want = ids(&exp["greedy"]);
+    let opts = SampleOptions {
+        checkpoint: dir.clone(),
+        prompt: String::new(),
+        tokens: want.len(),
+        temperature: 0.0,
+        top_k: 0,
+        seed: 1,
+        threads: 2,
+        device: Default::default(),
+        adapter: None,
+        stop: Vec::new(),
+    };
+    let got = generate_tokens(&opts, &prompt, &mut |_| {}, &mut |_| {}).unwrap();
+    assert_eq!(got, want, "greedy continuation");
 }
 
 /// Gemma 3's full layers see more keys than its sliding ones: the attention workspace, shared

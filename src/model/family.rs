@@ -167,12 +167,10 @@ impl Family {
     pub fn canonical_name(self, name: &str) -> Option<String> {
         match self {
             Family::Gpt2 => gpt2::canonical_name(name),
-            Family::Llama
-            | Family::Qwen2
-            | Family::Qwen3
-            | Family::Mistral
-            | Family::Phi3
-            | Family::Gemma3 => llama::canonical_name(name),
+            Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Phi3 => {
+                llama::canonical_name(name)
+            }
+            Family::Gemma3 => gemma3::canonical_name(name),
         }
     }
 

@@ -220,6 +220,59 @@ pub(super) fn from_hf_config(obj: &Map<String, Value>, source: &str) -> Result<M
     })
 }
 
+/// The text model's config of a multimodal Gemma 3 config (`model_type` `gemma3`,
+/// `Gemma3ForConditionalGeneration`: google/gemma-3-4b-it and larger), or `None` for any other
+/// config. Its `text_config`, completed by the top level's token ids where it has none; its
+/// weights are found by [`canonical_name`], the vision tower's left aside.
+pub(super) fn text_of_multimodal(
+    obj: &Map<String, Value>,
+    source: &str,
+) -> Result<Option<Map<String, Value>>> {
+    if obj.get("model_type").and_then(Value::as_str) != Some("gemma3") {
+        return Ok(None);
+    }
+    let Some(text) = obj.get("text_config").and_then(Value::as_object) else {
+        bail!(
+            "{source}: a multimodal Gemma 3 config (model_type 'gemma3') without a              'text_config' object; memwall trains its text model, described there"
+        );
+    };
+    let mut text = text.clone();
+    text.insert("model_type".into(), json!("gemma3_text"));
+    for key in [
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "tie_word_embeddings",
+    ] {
+        if let (None, Some(v)) = (text.get(key), obj.get(key)) {
+            text.insert(key.into(), v.clone());
+        }
+    }
+    Ok(Some(text))
+}
+
+/// The canonical (text model's) name of a tensor in a Gemma 3 file: a multimodal checkpoint's
+/// `language_model.model.*` (as the hub's files and transformers 5's `save_pretrained` write
+/// it) or `model.language_model.*` (transformers' module names) is the text model's `model.*`;
+/// the vision tower's and the projector's tensors are not the text model's (`None`).
+pub(super) fn canonical_name(name: &str) -> Option<String> {
+    let vision = ["vision_tower.", "multi_modal_projector."];
+    let bare = name.strip_prefix("model.").unwrap_or(name);
+    if vision.iter().any(|v| bare.starts_with(v)) {
+        return None;
+    }
+    if let Some(rest) = name
+        .strip_prefix("language_model.model.")
+        .or_else(|| name.strip_prefix("model.language_model."))
+    {
+        return Some(format!("model.{rest}"));
+    }
+    if let Some(rest) = name.strip_prefix("language_model.") {
+        return llama::canonical_name(rest);
+    }
+    llama::canonical_name(name)
+}
+
 /// `layer_types` (`"sliding_attention"` / `"full_attention"` per layer), or the pattern
 /// Gemma3TextConfig derives when it is absent (`sliding_window_pattern`, 6 by default).
 fn layer_types(f: &Fields, layers: usize) -> Result<Vec<bool>> {
@@ -481,6 +534,47 @@ mod tests {
             }
         );
         want.name.clear();
+    }
+
+    /// A multimodal checkpoint's names are its text model's; the vision tower's are left aside.
+    #[test]
+    fn multimodal_names_are_the_text_models() {
+        for (name, want) in [
+            (
+                "language_model.model.layers.0.mlp.up_proj.weight",
+                Some("model.layers.0.mlp.up_proj.weight"),
+            ),
+            (
+                "model.language_model.embed_tokens.weight",
+                Some("model.embed_tokens.weight"),
+            ),
+            ("language_model.lm_head.weight", Some("lm_head.weight")),
+            (
+                "model.layers.1.self_attn.q_norm.weight",
+                Some("model.layers.1.self_attn.q_norm.weight"),
+            ),
+            (
+                "vision_tower.vision_model.embeddings.patch_embedding.weight",
+                None,
+            ),
+            (
+                "model.multi_modal_projector.mm_input_projection_weight",
+                None,
+            ),
+        ] {
+            assert_eq!(canonical_name(name).as_deref(), want, "{name}");
+        }
+        let mm = r#"{"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024}, "vision_config": {"hidden_size": 1152}}"#;
+        let s = ModelSpec::from_hf_config_str(mm, "c.json").unwrap();
+        // google/gemma-3-4b-it's config.json: its text_config leaves the rest to
+        // Gemma3TextConfig's defaults, which are the 4B's.
+        assert!(s.same_dims(&ModelSpec::preset("gemma-3-4b").unwrap()));
+        assert_eq!(s.special_tokens.eos, vec![1, 106]);
+        let e = ModelSpec::from_hf_config_str(r#"{"model_type": "gemma3"}"#, "m.json").unwrap_err();
+        assert!(format!("{e:#}").contains("text_config"));
     }
 
     #[test]

@@ -233,6 +233,15 @@ impl ModelSpec {
                 "{source}: expected a JSON object with the model's fields (n_embd, n_layer, ...)"
             );
         };
+        // Gemma 3's multimodal checkpoints (`gemma3`, the 4B and larger): their text model.
+        let text_model;
+        let obj = match super::gemma3::text_of_multimodal(obj, source)? {
+            Some(text) => {
+                text_model = text;
+                &text_model
+            }
+            None => obj,
+        };
         let family = match obj.get("model_type").and_then(Value::as_str) {
             None => Family::Gpt2,
             Some(mt) => match Family::ALL.iter().find(|f| f.model_type() == mt) {
