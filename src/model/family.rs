@@ -116,6 +116,15 @@ impl Family {
         }
     }
 
+    /// The text model's config inside a multimodal config a family ships (Gemma 3's
+    /// `gemma3`), or `None` for any other config.
+    pub fn text_of_multimodal(
+        obj: &Map<String, Value>,
+        source: &str,
+    ) -> Result<Option<Map<String, Value>>> {
+        gemma3::text_of_multimodal(obj, source)
+    }
+
     /// Reads the family's `config.json` fields (`source` names the file in errors).
     pub fn from_hf_config(self, obj: &Map<String, Value>, source: &str) -> Result<ModelSpec> {
         match self {

@@ -235,7 +235,7 @@ impl ModelSpec {
         };
         // Gemma 3's multimodal checkpoints (`gemma3`, the 4B and larger): their text model.
         let text_model;
-        let obj = match super::gemma3::text_of_multimodal(obj, source)? {
+        let obj = match Family::text_of_multimodal(obj, source)? {
             Some(text) => {
                 text_model = text;
                 &text_model
