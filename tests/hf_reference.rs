@@ -415,7 +415,7 @@ fn memwall_checkpoint_decodes_the_same_in_transformers(name: &str, class: &str) 
             .unwrap();
     assert_eq!(exp["class"], class);
     let spec = ckpt::load_spec(&dir).unwrap();
-    let (mut ex, layout) = decodes_as_transformers(name, &dir, &exp);
+    let (ex, layout) = decodes_as_transformers(name, &dir, &exp);
 
     // Written again by memwall's writer: the same bytes.
     let params = ex.download_params().unwrap();
