@@ -7,6 +7,9 @@ into target/pyenv and passes that python as MEMWALL_GGUF_PY).
   gguf_py.py dequantize TYPE IN.bin OUT.f32  block bytes -> gguf.quants.dequantize
   gguf_py.py metadata FILE.gguf OUT.json     GGUFReader's fields (GGUF.* left out), as
                                              {key: {"types": [...], "value": ...}}
+  gguf_py.py tensor-names ARCH N OUT.json    the tensor names gguf-py's constants give
+                                             architecture ARCH (MODEL_TENSORS, TENSOR_NAMES)
+                                             for N blocks, as a JSON list
 
 TYPE is a GGMLQuantizationType name (Q8_0, Q4_K, ...). Exit status 2 when gguf or numpy is
 missing, 1 on any other failure.
@@ -36,7 +39,7 @@ def plain(v):
 
 def main(argv):
     cmd, args = (argv[0], argv[1:]) if argv else ("", [])
-    if len(args) != {"quantize": 3, "dequantize": 3, "metadata": 2}.get(cmd):
+    if len(args) != {"quantize": 3, "dequantize": 3, "metadata": 2, "tensor-names": 3}.get(cmd):
         sys.exit(__doc__)
     if cmd == "quantize":
         a, b, c = args
@@ -46,6 +49,15 @@ def main(argv):
         a, b, c = args
         q = np.fromfile(b, dtype=np.uint8)
         dequantize(q, gguf.GGMLQuantizationType[a]).astype("<f4").tofile(c)
+    elif cmd == "tensor-names":
+        a, b, c = args
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == a)
+        names = []
+        for t in gguf.MODEL_TENSORS[arch]:
+            fmt = gguf.TENSOR_NAMES[t]
+            names += [fmt.format(bid=i) for i in range(int(b))] if "{bid}" in fmt else [fmt]
+        with open(c, "w") as fh:
+            json.dump(names, fh)
     else:
         a, b = args
         r = gguf.GGUFReader(a)

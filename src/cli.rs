@@ -133,16 +133,18 @@ mpirun) time their collectives with it; without it they assume 5 GB/s and say so
     Calibrate(CalibrateArgs),
     /// (Re)write a run directory's report: report.html, memory.svg and, if profiled, trace.json.
     Report(ReportArgs),
-    /// Turn a llama.cpp GGUF file (llama, qwen2, qwen3, phi3 or gpt2) into a Hugging Face model directory.
+    /// Turn a llama.cpp GGUF file (llama, qwen2, qwen3, phi3, gemma3 or gpt2) into a Hugging Face model directory.
     #[command(
         long_about = "Turn a llama.cpp GGUF file into a Hugging Face model directory: config.json, \
 model.safetensors, tokenizer.json and tokenizer_config.json, which transformers' \
-LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Phi3ForCausalLM / GPT2LMHeadModel (and AutoTokenizer) load.\n\n\
-Supported: general.architecture llama, qwen2, qwen3, phi3 or gpt2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
+LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Phi3ForCausalLM / Gemma3ForCausalLM / GPT2LMHeadModel (and AutoTokenizer) load.\n\n\
+Supported: general.architecture llama, qwen2, qwen3, phi3, gemma3 or gpt2; tensor types F32, F16, BF16, Q8_0, Q4_0, \
 Q4_1, Q5_0, Q4_K, Q6_K (dequantized to f32: quantization error is kept, not undone); tokenizers \
 gpt2 (byte-level BPE, pre-tokenizer default, gpt2, smollm, llama-bpe or qwen2) and llama \
 (SentencePiece BPE with byte fallback). \
-The Q and K rows that llama.cpp permutes in llama files are put back in Hugging Face order. \
+The Q and K rows that llama.cpp permutes in llama files are put back in Hugging Face order; \
+Gemma 3's norms, which llama.cpp's converter stores as 1 + w, come back as w, and its layers slide \
+as llama.cpp makes them (every 6th full). \
 The directory is written under a temporary name and renamed when complete.",
         after_help = "Examples:\n  memwall convert SmolLM2-135M-Instruct.Q4_1.gguf --out smollm2\n  \
 memwall convert model.gguf --out model-hf --dtype bf16 --force"
@@ -151,8 +153,8 @@ memwall convert model.gguf --out model-hf --dtype bf16 --force"
     /// Write a model directory (a checkpoint, or a Hugging Face directory) as one GGUF file
     /// for llama.cpp, Ollama and LM Studio.
     #[command(
-        long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face GPT-2 / Llama / SmolLM2 / Qwen2 / Qwen3 / Mistral / Phi-3 directory memwall loads; or a GGUF file, read in place (its tensors dequantized one at a time, its own tokenizer keys kept: no f32 copy on disk), to re-quantize it.\n\n\
-Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output; GPT-2: position_embd, blk.N.attn_qkv, ffn_up/ffn_down, its Conv1D weights transposed as the converter does), Q and K rows llama.cpp's order. Norms, biases and GPT-2's position embedding stay F32; every other tensor gets the type llama.cpp's llama-quantize would give it for --type: q4_k_m gives the output tensor (or a tied token_embd) and half the attn_v and ffn_down layers Q6_K, and rows that are not whole 256-value super-blocks (SmolLM2's 576) fall back as llama-quantize does (Q4_K to Q5_0, Q6_K to Q8_0); q4_0 and q4_1 give the output tensor Q6_K (Q8_0 when its rows do not fit). Blocks are computed as llama.cpp's reference quantizers compute them (the 32-value types checked bytewise against gguf-py). Llama 3 rope scaling is written as llama.cpp's rope_freqs tensor.\n\n\
+        long_about = "Write a model directory as one GGUF file, as llama.cpp's convert_hf_to_gguf.py would: a checkpoint of `memwall train` (run/checkpoints/step-N), a directory `memwall convert` or `memwall merge` wrote, or any Hugging Face GPT-2 / Llama / SmolLM2 / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 3 directory memwall loads; or a GGUF file, read in place (its tensors dequantized one at a time, its own tokenizer keys kept: no f32 copy on disk), to re-quantize it.\n\n\
+Tensors get llama.cpp's names (token_embd, blk.N.attn_q, ..., output; GPT-2: position_embd, blk.N.attn_qkv, ffn_up/ffn_down, its Conv1D weights transposed as the converter does), Q and K rows llama.cpp's order. Norms, biases and GPT-2's position embedding stay F32; every other tensor gets the type llama.cpp's llama-quantize would give it for --type: q4_k_m gives the output tensor (or a tied token_embd) and half the attn_v and ffn_down layers Q6_K, and rows that are not whole 256-value super-blocks (SmolLM2's 576) fall back as llama-quantize does (Q4_K to Q5_0, Q6_K to Q8_0); q4_0 and q4_1 give the output tensor Q6_K (Q8_0 when its rows do not fit). Blocks are computed as llama.cpp's reference quantizers compute them (the 32-value types checked bytewise against gguf-py). Llama 3 rope scaling is written as llama.cpp's rope_freqs tensor. Gemma 3's norms are written as 1 + w, as the converter writes them; a Gemma 3 llama.cpp would run differently (a layer pattern other than every 6th layer full, a sliding-layer RoPE base other than 10000, 62 layers whose head size is not width / heads) is refused by name.\n\n\
 The metadata carries the hyper-parameters and the tokenizer: a directory `memwall convert` made (or a checkpoint trained from one) keeps the source GGUF's own tokenizer.* keys in tokenizer.gguf, written back as they were (the chat template follows the directory's chat_template.jinja / tokenizer_config.json); otherwise they are rebuilt from tokenizer.json and tokenizer_config.json (byte-level BPE: tokens, types, merges; SentencePiece with byte fallback, as Llama 2 and TinyLlama: tokens, scores ranked by the merges, types with byte tokens; special ids, add_bos_token, chat template). A GPT-2 checkpoint without tokenizer.json gets GPT-2's own tokenizer. The file is written under a temporary name and renamed when complete, so an error leaves an earlier OUT.gguf as it was.\n\n\
 With --adapter, a LoRA adapter (a checkpoint of `memwall train --lora`, its run directory, or any PEFT adapter directory) is merged into each weight as it is written, as `memwall merge` would, with no merged copy of the model on disk or in memory; the adapter's chat template, when it has one, replaces the base's. MODEL may then be left out: the base the adapter records (base_model_name_or_path) is used. A run directory as MODEL exports its newest checkpoint; general.name is the model's name (RUN-step-N for a checkpoint) unless --name gives one.\n\n\
 Not yet: q4_k_s, q5_* and lower-bit types (quantize a q8_0 or f16 export further with llama.cpp's llama-quantize), importance matrices.",

@@ -17,6 +17,9 @@
 //!   `ffn_down`. An 80-layer model (llama.cpp's `LLM_TYPE_70B`: qwen2, or llama with grouped
 //!   KV heads) gets Q5_K for the other `attn_v`, which memwall does not write: refused.
 //! - Q4_K_M: Phi-3's fused `attn_qkv` gets Q5_K, which memwall does not write: refused.
+//! - No rule names Gemma 3 (`llama_tensor_get_type_impl`): its four norms a layer and q/k
+//!   norms stay F32 (`_norm.weight`), and its tied `token_embd` takes the output tensor's
+//!   type as any tied model's does.
 //! - Then the fallback for rows that are not whole blocks (`tensor_type_fallback`): Q4_K →
 //!   Q5_0, Q6_K → Q8_0 (Q5_K → Q5_1, refused); F16 when even those do not fit. Q4_0, Q4_1
 //!   and Q8_0 have no fallback in llama-quantize (it throws): refused here too, naming the
@@ -34,7 +37,7 @@ use anyhow::{Result, bail};
 /// What the rules need of the model (llama.cpp's `hparams` and `model.type`).
 #[derive(Clone, Copy, Debug)]
 pub struct MixModel<'a> {
-    /// `general.architecture`: `llama`, `qwen2` or `gpt2`.
+    /// `general.architecture`: `llama`, `qwen2`, `qwen3`, `phi3`, `gemma3` or `gpt2`.
     pub arch: &'a str,
     pub n_layer: usize,
     pub n_head: usize,
@@ -114,7 +117,10 @@ pub fn tensor_types(
         .iter()
         .filter(|(n, _)| matches!(category(n), Category::AttnV | Category::AttnQkv))
         .count();
-    let is_70b = model.n_layer == 80 && (model.arch == "qwen2" || model.n_head != model.n_kv_head);
+    // llama.cpp's `LLM_TYPE_70B`: 80 layers of qwen2, or of llama with grouped KV heads
+    // (`load_hparams`); no other architecture memwall writes has that type at 80 layers.
+    let is_70b = model.n_layer == 80
+        && (model.arch == "qwen2" || (model.arch == "llama" && model.n_head != model.n_kv_head));
     // llama.cpp visits tensors by layer, then name; its counters follow that order.
     let mut order: Vec<usize> = (0..tensors.len()).collect();
     order.sort_by(|&a, &b| {

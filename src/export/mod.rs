@@ -1,7 +1,8 @@
 //! `memwall export DIR --gguf OUT.gguf --type T`: a model directory (a checkpoint, or any
 //! Hugging Face directory memwall loads) as one GGUF file that llama.cpp runs.
 //!
-//! Families: Llama (`llama`: Llama 3, SmolLM2), Qwen2 (`qwen2`) and GPT-2 (`gpt2`, see
+//! Families: Llama (`llama`: Llama 3, SmolLM2, Mistral), Qwen2 (`qwen2`), Qwen3 (`qwen3`),
+//! Phi-3 (`phi3`), Gemma 3 (`gemma3`, see `gemma3_metadata`) and GPT-2 (`gpt2`, see
 //! [`gpt2`]). What is written follows llama.cpp's `convert_hf_to_gguf.py`:
 //!
 //! - metadata: `general.architecture`, `.type` `model`, `.name` (the directory's name unless given), `.file_type`
@@ -21,6 +22,9 @@
 //!
 //! - Llama 3 rope scaling: the `rope_freqs.weight` tensor (F32, `head_dim / 2` factors) first,
 //!   as the converter yields it ([`crate::gguf::rope_freqs`]); no other metadata.
+//! - Gemma 3: every norm written as `1 + w` (`Gemma3Model.norm_shift`), its four norms a
+//!   layer under their GGUF names ([`crate::gguf::hf::gguf_tensor_name_in`]); what a llama.cpp
+//!   file cannot say is refused by name ([`check_gemma3`]).
 //!
 //! Every check that can fail is made before the file is opened: the family, the tokenizer,
 //! every tensor's name and block fit. The weights are then read tensor by tensor from the
@@ -54,7 +58,7 @@ pub use ftype::{EXPORT_TYPES, ExportType};
 
 use crate::dtype::GgmlType;
 use crate::gguf::file::Value;
-use crate::gguf::hf::{gguf_tensor_name, permute_rows};
+use crate::gguf::hf::{Arch, gguf_tensor_name, gguf_tensor_name_in, permute_rows};
 use crate::gguf::write::{TensorSpec, write_gguf};
 use crate::model::{Family, ModelSpec, Position, RopeScaling};
 use anyhow::{Context, Result, bail};
@@ -141,6 +145,10 @@ fn model_metadata(
         md.extend(phi3_metadata(spec, theta));
         return Ok(md);
     }
+    if spec.family == Family::Gemma3 {
+        md.extend(gemma3_metadata(spec, theta));
+        return Ok(md);
+    }
     md.extend([
         (k("vocab_size"), u(spec.vocab_size)),
         (k("context_length"), u(spec.n_positions)),
@@ -208,6 +216,110 @@ fn phi3_metadata(spec: &ModelSpec, theta: f32) -> Vec<(String, Value)> {
     md
 }
 
+/// llama.cpp's layer pattern for Gemma 3: `llama_model::load_hparams` (`LLM_ARCH_GEMMA3`)
+/// calls `hparams.set_swa_pattern(6)` whenever `gemma3.attention.sliding_window` is there and
+/// not 0, and `set_swa_pattern` makes layer `l` a sliding one when `l % 6 < 5`
+/// (`llama-hparams.cpp`). The converter writes no pattern key for Gemma 3.
+const GEMMA3_PATTERN: usize = 6;
+
+/// The θ llama.cpp rotates Gemma 3's sliding layers with (`load_hparams`, `LLM_ARCH_GEMMA3`:
+/// `rope_freq_base_train_swa = 10000.0f`, scale 1), whatever the file says.
+const GEMMA3_LOCAL_THETA: f32 = 10_000.0;
+
+/// What llama.cpp's file cannot say of a Gemma 3, refused by name before anything is
+/// written: a layer pattern other than the one llama.cpp derives (`GEMMA3_PATTERN`; a model
+/// whose layers are all full is written without a window, which llama.cpp reads as no
+/// sliding layer), a sliding layers' θ other than the one it assumes
+/// (`GEMMA3_LOCAL_THETA`), and a 62-layer model whose head size is not width / heads
+/// (llama.cpp takes 62 layers for Gemma 3 27B and scales its attention by
+/// `(n_embd / n_head)^-½`, not `head_dim^-½`: `f_attention_scale`).
+pub fn check_gemma3(spec: &ModelSpec) -> Result<()> {
+    let Some(ll) = &spec.local_layers else {
+        bail!("internal error: a Gemma 3 without layer types");
+    };
+    let pattern: Vec<bool> = (0..spec.n_layer)
+        .map(|l| l % GEMMA3_PATTERN < GEMMA3_PATTERN - 1)
+        .collect();
+    let all_full = ll.sliding.iter().all(|&s| !s);
+    if ll.sliding != pattern && !all_full {
+        let kinds = |v: &[bool]| -> String {
+            v.iter()
+                .map(|&s| if s { "s" } else { "F" })
+                .collect::<Vec<_>>()
+                .join("")
+        };
+        bail!(
+            "field 'layer_types' is {} (s: sliding, F: full); a gemma3 GGUF file has no layer              pattern: llama.cpp makes every 6th layer full ({}), so it would compute another              model. llama.cpp cannot run this model",
+            kinds(&ll.sliding),
+            kinds(&pattern)
+        );
+    }
+    if !all_full && ll.rope_theta != GEMMA3_LOCAL_THETA {
+        bail!(
+            "field 'rope_local_base_freq' is {}; llama.cpp rotates Gemma 3's sliding layers              with θ {GEMMA3_LOCAL_THETA} whatever the file says, so it would compute another              model",
+            ll.rope_theta
+        );
+    }
+    if spec.n_layer == 62 && spec.n_embd / spec.n_head != spec.head_dim {
+        bail!(
+            "the model has 62 layers, which llama.cpp takes for Gemma 3 27B: it would scale              attention by (hidden_size / num_attention_heads = {})^-1/2, not by head_dim {}^-1/2",
+            spec.n_embd / spec.n_head,
+            spec.head_dim
+        );
+    }
+    Ok(())
+}
+
+/// The `gemma3.*` keys `convert_hf_to_gguf.py` writes for a Gemma 3 text model: those of
+/// `TextModel.set_gguf_parameters` (block count, context, width, MLP width, head counts, the
+/// full layers' linear scaling as `rope.scaling.type` / `.factor`, `rope.freq_base`, the
+/// sliding layers' θ as `rope.freq_base_swa` (from `rope_local_base_freq`, mirrored into
+/// `rope_parameters` by `TextModel.__init__`), the RMS epsilon, `attention.key_length` /
+/// `.value_length` from `head_dim`), then `Gemma3Model.set_gguf_parameters`' (the same keys
+/// again, in place, and `attention.sliding_window` unless `sliding_window_pattern` is 1,
+/// i.e. unless no layer slides). No `vocab_size`, no `rope.dimension_count` (llama.cpp's
+/// default is the key length), no layer pattern.
+fn gemma3_metadata(spec: &ModelSpec, theta: f32) -> Vec<(String, Value)> {
+    let u = |x: usize| Value::U32(x as u32);
+    let k = |s: &str| format!("gemma3.{s}");
+    let mut md = vec![
+        (k("block_count"), u(spec.n_layer)),
+        (k("context_length"), u(spec.n_positions)),
+        (k("embedding_length"), u(spec.n_embd)),
+        (k("feed_forward_length"), u(spec.mlp_hidden)),
+        (k("attention.head_count"), u(spec.n_head)),
+        (k("attention.head_count_kv"), u(spec.n_kv_head)),
+    ];
+    if let Position::Rotary {
+        scaling: Some(RopeScaling::Linear { factor }),
+        ..
+    } = &spec.position
+    {
+        md.push((k("rope.scaling.type"), Value::String("linear".into())));
+        md.push((k("rope.scaling.factor"), Value::F32(*factor)));
+    }
+    md.push((k("rope.freq_base"), Value::F32(theta)));
+    let ll = spec.local_layers.as_ref();
+    if let Some(ll) = ll {
+        md.push((k("rope.freq_base_swa"), Value::F32(ll.rope_theta)));
+    }
+    md.extend([
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(spec.norm_eps),
+        ),
+        (k("attention.key_length"), u(spec.head_dim)),
+        (k("attention.value_length"), u(spec.head_dim)),
+    ]);
+    // llama.cpp's window is transformers': a key `n_swa` or more positions back is masked
+    // (`llama_hparams::is_masked_swa`, `LLAMA_SWA_TYPE_STANDARD`: `p1 - p0 >= n_swa`).
+    let slides = ll.is_some_and(|ll| ll.sliding.iter().any(|&s| s));
+    if let (true, Some(w)) = (slides, spec.sliding_window) {
+        md.push((k("attention.sliding_window"), u(w)));
+    }
+    md
+}
+
 /// Phi-3's `rope_factors_long` and `rope_factors_short` tensors (F32 `[hd/2]`, in that order,
 /// before the model's, as `Phi3MiniModel.generate_extra_tensors` yields them) when the model
 /// has LongRoPE.
@@ -249,6 +361,8 @@ enum Reorder {
     Permute(usize),
     /// A GPT-2 Conv1D weight `[in, out]` written `[out, in]`.
     Transpose,
+    /// Gemma 3's norms: this added to every value (`Gemma3Model.norm_shift`, 1).
+    Shift(f32),
 }
 
 /// One tensor to write: its info, where its values come from and how they are reordered.
@@ -305,10 +419,12 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     };
     inputs::check_replaceable(&o.out)?;
     if spec.family == Family::Gemma3 {
-        bail!(
-            "{}: a gemma3_text model; memwall does not write Gemma 3 GGUF files yet (llama.cpp's              converter stores its norms as 1 + w): convert this directory with llama.cpp's              convert_hf_to_gguf.py",
-            dir.display()
-        );
+        check_gemma3(&spec).with_context(|| {
+            format!(
+                "{}: this Gemma 3 cannot be written as a gemma3 GGUF file",
+                dir.display()
+            )
+        })?;
     }
     let arch = arch_of(&spec);
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
@@ -328,7 +444,11 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
         let (g, transpose) = if arch == "gpt2" {
             gpt2::tensor_name(&t.name)?
         } else {
-            let g = gguf_tensor_name(&t.name).with_context(|| {
+            let name = match spec.family {
+                Family::Gemma3 => gguf_tensor_name_in(Arch::Gemma3, &t.name),
+                _ => gguf_tensor_name(&t.name),
+            };
+            let g = name.with_context(|| {
                 format!(
                     "tensor {} has no GGUF name (memwall's {arch} layout)",
                     t.name
@@ -356,9 +476,12 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
     let types = mixing::tensor_types(o.ty, mix, &list)
         .with_context(|| format!("--type {:?} for {}", o.ty, dir.display()))?;
     for (i, ((g, transpose, dims), ty)) in named.into_iter().zip(types).enumerate() {
+        let hf = &layout.tensors[i].name;
         let reorder = match arch {
             "llama" if g.contains(".attn_q.") => Reorder::Permute(spec.n_head),
             "llama" if g.contains(".attn_k.") => Reorder::Permute(spec.n_kv_head),
+            // `Gemma3Model.norm_shift`: 1 for every HF name ending in `norm.weight`.
+            "gemma3" if hf.ends_with("norm.weight") => Reorder::Shift(1.0),
             _ if transpose => Reorder::Transpose,
             _ => Reorder::None,
         };
@@ -403,6 +526,7 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
                     vals = out;
                 }
                 Reorder::Transpose => vals = transpose(&vals, cols),
+                Reorder::Shift(x) => vals.iter_mut().for_each(|v| *v += x),
             }
             encode(&vals, p.spec.ty, buf).with_context(|| format!("tensor {}", t.name))?;
             bar.inc(1);

@@ -1036,3 +1036,354 @@ fn phi3_exports_fused_tensors_and_its_keys() {
     // Q5_K, whose fallback for these 32-wide rows is Q5_1: neither is written here.
     assert!(e.contains("attn_qkv") && e.contains("Q5_1"), "{e}");
 }
+
+/// A Gemma 3 directory: the tiny Llama directory's tokenizer, a `gemma3_text` config of
+/// `layer_types` (pattern 6 over 7 layers unless given: sliding but layer 5), head size 16 (so
+/// q is 64 wide for a width of 32), a window of 4, θ 10⁶ scaled linearly by 2 on the full
+/// layers, `local_theta` on the sliding ones, a tied head; random weights whose norms
+/// spread around 0 (Gemma's `1 + w` gains near 1).
+fn gemma3_dir(tmp: &Path, types: Option<Vec<&str>>, local_theta: f32) -> PathBuf {
+    fs::create_dir_all(tmp).unwrap();
+    let a = tiny_dir(tmp, "llama");
+    let vocab = crate::ckpt::load_spec(&a).unwrap().vocab_size;
+    let types = types.unwrap_or_else(|| {
+        (0..7)
+            .map(|l| match l % 6 < 5 {
+                true => "sliding_attention",
+                false => "full_attention",
+            })
+            .collect()
+    });
+    let cfg = serde_json::json!({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": types.len(), "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "query_pre_attn_scalar": 16, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_local_base_freq": local_theta,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "sliding_window": 4,
+        "layer_types": types, "tie_word_embeddings": true, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": null,
+    });
+    let spec = crate::model::ModelSpec::from_hf_config_str(&cfg.to_string(), "g.json").unwrap();
+    let layout = crate::model::ParamLayout::new(&spec);
+    let mut p = vec![0f32; layout.total];
+    layout.init(&mut p, 5);
+    let mut rng = crate::util::rng::Rng::new(11);
+    for t in layout
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with("norm.weight"))
+    {
+        p[t.range.clone()]
+            .iter_mut()
+            .for_each(|v| *v = 0.3 * rng.normal());
+    }
+    crate::ckpt::save_model(&a, &spec, &layout, &p).unwrap();
+    a
+}
+
+/// The next-token logits of the model in `dir` after `prompt`.
+fn logits(dir: &Path, prompt: &[u32]) -> Vec<f32> {
+    use crate::plan::{Mode, StepConfig, build_plan};
+    let spec = crate::ckpt::load_spec(dir).unwrap();
+    let be = crate::backend::under_test();
+    let plan = build_plan(&spec, &StepConfig::new(1, 16, 2), Mode::Generate, be).unwrap();
+    let layout = plan.layout.clone();
+    let mut ex = crate::exec::Executor::on(plan, be).unwrap();
+    ex.with_params_mut(|p| crate::ckpt::load_params(dir, &layout, p))
+        .unwrap()
+        .unwrap();
+    ex.next_token_logits(prompt).unwrap().to_vec()
+}
+
+/// A Gemma 3 exports as convert_hf_to_gguf.py's `Gemma3Model` writes it: architecture
+/// `gemma3`, the four norms of a layer and the q/k norms under their GGUF names holding
+/// `1 + w` (the projections as they are: NEOX rotation, no permutation), no `output.weight`
+/// (tied), its `gemma3.*` keys (linear scaling, both θ, the window, key and value lengths; no
+/// vocabulary size, rope dimension count or layer pattern); Q8_0 keeps the norms F32. The
+/// file converts back to the same model: the same config, the same tensors (the norms to
+/// within the rounding of `(w + 1) − 1`) and the same logits over a prompt longer than the
+/// window; the file exported in place gives the same tensors again.
+#[test]
+fn gemma3_exports_as_llama_cpp_s_converter_and_converts_back_to_the_same_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = gemma3_dir(&tmp.path().join("a"), None, 10_000.0);
+    let spec = crate::ckpt::load_spec(&a).unwrap();
+    assert_eq!(spec.family, Family::Gemma3);
+    let g = tmp.path().join("gemma3.gguf");
+    let s = export_to(&a, &g, ExportType::F32).unwrap();
+    assert_eq!(s.architecture, "gemma3");
+    let f = GgufFile::open(&g).unwrap();
+    assert_eq!(f.tensors.len(), 2 + 7 * 13);
+    assert!(f.tensor("output.weight").is_none() && f.tensor("rope_freqs.weight").is_none());
+    let bytes = fs::read(a.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let pairs = [
+        ("attn_norm", "input_layernorm", 1.0),
+        ("attn_q_norm", "self_attn.q_norm", 1.0),
+        ("attn_k_norm", "self_attn.k_norm", 1.0),
+        ("post_attention_norm", "post_attention_layernorm", 1.0),
+        ("ffn_norm", "pre_feedforward_layernorm", 1.0),
+        ("post_ffw_norm", "post_feedforward_layernorm", 1.0),
+        ("attn_q", "self_attn.q_proj", 0.0),
+        ("attn_k", "self_attn.k_proj", 0.0),
+        ("attn_v", "self_attn.v_proj", 0.0),
+        ("attn_output", "self_attn.o_proj", 0.0),
+        ("ffn_gate", "mlp.gate_proj", 0.0),
+        ("ffn_up", "mlp.up_proj", 0.0),
+        ("ffn_down", "mlp.down_proj", 0.0),
+    ];
+    let mut checked = 0;
+    for l in 0..7 {
+        for (gguf, hf, shift) in pairs {
+            let gname = format!("blk.{l}.{gguf}.weight");
+            let t = f
+                .tensor(&gname)
+                .unwrap_or_else(|| panic!("{gname} missing"));
+            let v = st.tensor(&format!("model.layers.{l}.{hf}.weight")).unwrap();
+            let dims: Vec<u64> = v.shape().iter().rev().map(|&d| d as u64).collect();
+            assert_eq!(t.dims, dims, "{gname}");
+            assert_eq!(t.ty, GgmlType::F32, "{gname}");
+            let want: Vec<f32> = f32s(v.data()).iter().map(|x| x + shift).collect();
+            assert_eq!(f32s(f.tensor_data(t)), want, "{gname}");
+            checked += 1;
+        }
+    }
+    let want: Vec<f32> = f32s(st.tensor("model.norm.weight").unwrap().data())
+        .iter()
+        .map(|x| x + 1.0)
+        .collect();
+    assert_eq!(
+        f32s(f.tensor_data(f.tensor("output_norm.weight").unwrap())),
+        want
+    );
+    assert_eq!(checked, 7 * 13);
+
+    let key = |k: &str| {
+        f.metadata
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+    };
+    for (k, v) in [
+        ("general.architecture", Value::String("gemma3".into())),
+        ("gemma3.block_count", Value::U32(7)),
+        ("gemma3.context_length", Value::U32(128)),
+        ("gemma3.embedding_length", Value::U32(32)),
+        ("gemma3.feed_forward_length", Value::U32(64)),
+        ("gemma3.attention.head_count", Value::U32(4)),
+        ("gemma3.attention.head_count_kv", Value::U32(2)),
+        ("gemma3.rope.scaling.type", Value::String("linear".into())),
+        ("gemma3.rope.scaling.factor", Value::F32(2.0)),
+        ("gemma3.rope.freq_base", Value::F32(1e6)),
+        ("gemma3.rope.freq_base_swa", Value::F32(1e4)),
+        ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("gemma3.attention.key_length", Value::U32(16)),
+        ("gemma3.attention.value_length", Value::U32(16)),
+        ("gemma3.attention.sliding_window", Value::U32(4)),
+    ] {
+        assert_eq!(key(k), Some(v), "{k}");
+    }
+    for absent in [
+        "gemma3.vocab_size",
+        "gemma3.rope.dimension_count",
+        "gemma3.attention.sliding_window_pattern",
+    ] {
+        assert!(key(absent).is_none(), "{absent}");
+    }
+
+    // Back: the same model, norms within an f32 rounding of 1, the same logits.
+    let b = tmp.path().join("back");
+    reconvert(&g, &b);
+    let back = crate::ckpt::load_spec(&b).unwrap();
+    assert!(back.same_dims(&spec), "{back:?} vs {spec:?}");
+    assert_eq!(
+        (&back.position, &back.local_layers, back.sliding_window),
+        (&spec.position, &spec.local_layers, spec.sliding_window)
+    );
+    let close_tensors = |x: &Path, y: &Path| {
+        let (xb, yb) = (
+            fs::read(x.join("model.safetensors")).unwrap(),
+            fs::read(y.join("model.safetensors")).unwrap(),
+        );
+        let (sx, sy) = (
+            SafeTensors::deserialize(&xb).unwrap(),
+            SafeTensors::deserialize(&yb).unwrap(),
+        );
+        assert_eq!(sx.names().len(), sy.names().len());
+        for n in sx.names() {
+            let (u, v) = (
+                f32s(sx.tensor(n).unwrap().data()),
+                f32s(sy.tensor(n).unwrap().data()),
+            );
+            if n.ends_with("norm.weight") {
+                for (p, q) in u.iter().zip(&v) {
+                    assert!((p - q).abs() <= 2f32.powi(-23), "{n}: {p} vs {q}");
+                }
+            } else {
+                assert!(u == v, "{n} differs after the round trip");
+            }
+        }
+    };
+    close_tensors(&a, &b);
+    let prompt: Vec<u32> = (0..12)
+        .map(|i| (i * 37 + 5) % spec.vocab_size as u32)
+        .collect();
+    let (la, lb) = (logits(&a, &prompt), logits(&b, &prompt));
+    assert_eq!(la.len(), lb.len());
+    for (i, (x, y)) in la.iter().zip(&lb).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+            "logit {i}: {x} vs {y}"
+        );
+    }
+
+    // The GGUF file exported in place: its conversion's tensors again.
+    let g2 = tmp.path().join("again.gguf");
+    export_to(&g, &g2, ExportType::F32).unwrap();
+    let c = tmp.path().join("again");
+    reconvert(&g2, &c);
+    close_tensors(&b, &c);
+
+    // Q8_0: the projections and the tied embedding Q8_0, every norm F32.
+    let q = tmp.path().join("q8.gguf");
+    export_to(&a, &q, ExportType::Q8_0).unwrap();
+    let f = GgufFile::open(&q).unwrap();
+    for t in &f.tensors {
+        let want = match t.dims.len() {
+            1 => GgmlType::F32,
+            _ => GgmlType::Q8_0,
+        };
+        assert_eq!(t.ty, want, "{}", t.name);
+    }
+}
+
+/// What a gemma3 GGUF cannot say is refused by name before a file is written: a layer
+/// pattern other than llama.cpp's (hf-tiny-gemma3's sliding, full, sliding), a sliding θ
+/// other than llama.cpp's 10000, 62 layers whose head size is not width / heads (llama.cpp's
+/// 27B scale). A model of only full layers is written without a window, which llama.cpp and
+/// `convert` read as no sliding layer.
+#[test]
+fn gemma3_exports_refuse_what_llama_cpp_cannot_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x.gguf");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny-gemma3");
+    let e = format!(
+        "{:#}",
+        export_to(&fixture, &out, ExportType::F32).unwrap_err()
+    );
+    assert!(
+        e.contains("layer_types") && e.contains("sFs") && e.contains("sss"),
+        "{e}"
+    );
+    assert!(!out.exists());
+
+    let a = gemma3_dir(&tmp.path().join("theta"), None, 20_000.0);
+    let e = format!("{:#}", export_to(&a, &out, ExportType::F32).unwrap_err());
+    assert!(
+        e.contains("rope_local_base_freq") && e.contains("20000"),
+        "{e}"
+    );
+    assert!(!out.exists());
+
+    // Only the config is read before the refusal.
+    let d = tmp.path().join("27b");
+    fs::create_dir_all(&d).unwrap();
+    let types: Vec<&str> = (0..62)
+        .map(|l| match l % 6 < 5 {
+            true => "sliding_attention",
+            false => "full_attention",
+        })
+        .collect();
+    let cfg = serde_json::json!({"model_type": "gemma3_text", "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 62, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+        "vocab_size": 100, "layer_types": types});
+    fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    let e = format!("{:#}", export_to(&d, &out, ExportType::F32).unwrap_err());
+    assert!(e.contains("62 layers") && e.contains("27B"), "{e}");
+    assert!(!out.exists());
+
+    let full = gemma3_dir(
+        &tmp.path().join("full"),
+        Some(vec!["full_attention"; 3]),
+        5e4,
+    );
+    export_to(&full, &out, ExportType::F32).unwrap();
+    let f = GgufFile::open(&out).unwrap();
+    assert!(
+        !f.metadata
+            .iter()
+            .any(|(k, _)| k == "gemma3.attention.sliding_window")
+    );
+    let back = tmp.path().join("full-back");
+    reconvert(&out, &back);
+    let spec = crate::ckpt::load_spec(&back).unwrap();
+    assert!((0..3).all(|l| spec.layer_window(l).is_none()));
+}
+
+/// gguf-py (llama.cpp's own Python package) reads a Gemma 3 export: every tensor name is
+/// one its constants give `gemma3` (`MODEL_TENSORS[MODEL_ARCH.GEMMA3]`, `TENSOR_NAMES`, which
+/// leave out `.weight`), and
+/// its `GGUFReader` finds the `gemma3.*` keys with the types the converter's `GGUFWriter`
+/// gives them (u32 counts, f32 θ, ε and factor, the scaling type a string).
+#[test]
+#[ignore = "needs gguf-py (set MEMWALL_GGUF_PY): .ci/run provides it"]
+fn gguf_py_reads_a_gemma3_export_as_its_own_names_and_keys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = gemma3_dir(&tmp.path().join("a"), None, 10_000.0);
+    let g = tmp.path().join("g.gguf");
+    export_to(&a, &g, ExportType::Q8_0).unwrap();
+    let (names, md) = (tmp.path().join("names.json"), tmp.path().join("md.json"));
+    crate::gguf::testutil::gguf_py(&[
+        "tensor-names".as_ref(),
+        "gemma3".as_ref(),
+        "7".as_ref(),
+        names.as_ref(),
+    ]);
+    crate::gguf::testutil::gguf_py(&["metadata".as_ref(), g.as_ref(), md.as_ref()]);
+    let known: Vec<String> = serde_json::from_str(&fs::read_to_string(&names).unwrap()).unwrap();
+    let f = GgufFile::open(&g).unwrap();
+    for t in &f.tensors {
+        // TENSOR_NAMES are the names without their `.weight`.
+        let base = t.name.strip_suffix(".weight").unwrap();
+        assert!(
+            known.iter().any(|k| k == base),
+            "{} is no gemma3 tensor of gguf-py's",
+            t.name
+        );
+    }
+    let md: serde_json::Value = serde_json::from_str(&fs::read_to_string(&md).unwrap()).unwrap();
+    for (k, ty, v) in [
+        ("gemma3.block_count", "UINT32", serde_json::json!(7)),
+        (
+            "gemma3.attention.sliding_window",
+            "UINT32",
+            serde_json::json!(4),
+        ),
+        (
+            "gemma3.attention.key_length",
+            "UINT32",
+            serde_json::json!(16),
+        ),
+        (
+            "gemma3.rope.freq_base_swa",
+            "FLOAT32",
+            serde_json::json!(10000.0),
+        ),
+        ("gemma3.rope.freq_base", "FLOAT32", serde_json::json!(1e6)),
+        (
+            "gemma3.rope.scaling.factor",
+            "FLOAT32",
+            serde_json::json!(2.0),
+        ),
+        (
+            "gemma3.rope.scaling.type",
+            "STRING",
+            serde_json::json!("linear"),
+        ),
+    ] {
+        assert_eq!(md[k]["types"], serde_json::json!([ty]), "{k}");
+        assert_eq!(md[k]["value"], v, "{k}");
+    }
+}

@@ -2,7 +2,8 @@
 //! each base tensor ([`BaseSource::types`], what the plan lays the base out with) and the
 //! copy of each tensor's bytes from the file into the plan's buffers ([`BaseSource::copy`]):
 //! the blocks as they are, never re-quantized, the rows of a Llama Q or K weight moved back
-//! into Hugging Face's order (whole rows of blocks at a time), vectors decoded to f32. The
+//! into Hugging Face's order (whole rows of blocks at a time), vectors decoded to f32 (Gemma
+//! 3's norms minus the 1 llama.cpp's converter adds, as `convert` gives them). The
 //! file is read row by row with its pages released as it goes, so little of it is resident
 //! beside the plan.
 
@@ -77,6 +78,15 @@ impl BaseSource {
         };
         let rows = t.range.len() / cols;
         let src = self.file.tensor_data(info);
+        if h.shift != 0.0 && storage.is_some() {
+            // Only vectors carry a shift (Gemma 3's norms), and vectors are decoded to f32
+            // (`plan::lora`'s base storage): blocks could not take the subtraction.
+            bail!(
+                "internal error: {} (stored plus {}) is to be kept as blocks",
+                t.name,
+                h.shift
+            );
+        }
         match storage {
             Some(ty) if ty != info.ty => self.convert(h, info, (rows, cols), ty, dst),
             Some(ty) => {
@@ -115,7 +125,8 @@ impl BaseSource {
                 for g in 0..rows {
                     let d = to(g);
                     for c in 0..cols {
-                        let x = values[g * cols + c].to_le_bytes();
+                        // Gemma 3's norms: the file's `1 + w` back to w, as `convert` does.
+                        let x = (values[g * cols + c] - h.shift).to_le_bytes();
                         dst[4 * (d * cols + c)..4 * (d * cols + c + 1)].copy_from_slice(&x);
                     }
                 }

@@ -381,8 +381,9 @@ struct LazyTensor<'a> {
 }
 
 /// The f32 values of the GGUF tensor behind `t`, in Hugging Face order and shape
-/// (dequantized, Q/K rows un-permuted, GPT-2's Conv1D weights transposed), each checked
-/// finite: what `convert` writes and what `export` reads from a GGUF file in place.
+/// (dequantized, Q/K rows un-permuted, GPT-2's Conv1D weights transposed, Gemma 3's norms
+/// minus the 1 the file adds: [`HfTensor::shift`]), each checked finite: what `convert`
+/// writes and what `export` reads from a GGUF file in place.
 pub fn hf_values(file: &GgufFile, t: &HfTensor) -> Result<Vec<f32>> {
     let info = file
         .tensor(&t.gguf)
@@ -414,6 +415,9 @@ pub fn hf_values(file: &GgufFile, t: &HfTensor) -> Result<Vec<f32>> {
             }
         }
         vals = hf;
+    }
+    if t.shift != 0.0 {
+        vals.iter_mut().for_each(|v| *v -= t.shift);
     }
     Ok(vals)
 }
@@ -480,5 +484,7 @@ impl View for LazyTensor<'_> {
     }
 }
 
+#[cfg(test)]
+mod gemma3_tests;
 #[cfg(test)]
 mod tests;

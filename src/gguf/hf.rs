@@ -1,6 +1,6 @@
-//! GGUF `llama` / `qwen2` models as Hugging Face sees them: `config.json` from the
-//! `{arch}.*` metadata, HF tensor names and shapes from GGUF's, and the inverse of the Q/K row
-//! permutation llama.cpp applies to `llama` files.
+//! GGUF `llama` / `qwen2` / `qwen3` / `phi3` / `gemma3` models as Hugging Face sees them:
+//! `config.json` from the `{arch}.*` metadata, HF tensor names and shapes from GGUF's, and the
+//! inverse of the Q/K row permutation llama.cpp applies to `llama` files.
 //!
 //! Names (`N` a layer index):
 //!
@@ -14,6 +14,24 @@
 //! | `blk.N.ffn_{gate,up,down}.weight` | `model.layers.N.mlp.{gate,up,down}_proj.weight` |
 //! | `output_norm.weight`         | `model.norm.weight`                            |
 //! | `output.weight`              | `lm_head.weight` (absent: the head is tied)    |
+//!
+//! **Gemma 3** (`gemma3`, gguf-py `constants.py`: `MODEL_ARCH.GEMMA3`'s tensors, named by
+//! `TENSOR_NAMES`) has four norms a layer and the q/k norms: `attn_norm` is
+//! `input_layernorm`, `post_attention_norm` (`ATTN_POST_NORM`) is `post_attention_layernorm`
+//! (Gemma's norm *after* attention), `ffn_norm` (`FFN_PRE_NORM`, the same name as Llama's
+//! `FFN_NORM`) is `pre_feedforward_layernorm`, `post_ffw_norm` (`FFN_POST_NORM`) is
+//! `post_feedforward_layernorm`, `attn_q_norm` / `attn_k_norm` are `self_attn.q_norm` /
+//! `k_norm`. `convert_hf_to_gguf.py`'s `Gemma3Model.modify_tensors` adds `norm_shift` = 1 to
+//! every tensor whose HF name ends in `norm.weight` (`Gemma3RMSNorm` computes `x̂ · (1 + w)`,
+//! llama.cpp `x̂ · w`), so those come back minus 1 ([`HfTensor::shift`]). Its metadata
+//! (`Gemma3Model.set_gguf_parameters` over `TextModel.set_gguf_parameters`) has no layer
+//! pattern: llama.cpp's `llama_model::load_hparams` (`LLM_ARCH_GEMMA3`) fixes it,
+//! `set_swa_pattern(6)` (layer `l` slides when `l % 6 < 5`), when
+//! `gemma3.attention.sliding_window` is there and not 0 (else no layer slides), and rotates
+//! the sliding layers with θ 10000 unscaled; the converter writes that θ as
+//! `gemma3.rope.freq_base_swa`, read here when present. Attention is scaled by
+//! `head_dim^-½` except for 62 layers (llama.cpp's `LLM_TYPE_27B`: `(n_embd / n_head)^-½`),
+//! written as `query_pre_attn_scalar`.
 //!
 //! GGUF lists dimensions innermost first, so a HF `[out, in]` weight has GGUF dims
 //! `[in, out]` and the same bytes; the HF shape is the GGUF dims reversed.
@@ -53,7 +71,7 @@ impl HfModel {
         let d = &self.dims;
         let mut c = json!({
             "architectures": [self.arch.hf_class()],
-            "model_type": self.arch.name(),
+            "model_type": self.arch.model_type(),
             "hidden_size": d.hidden,
             "intermediate_size": d.ffn,
             "num_hidden_layers": d.layers,
@@ -74,8 +92,9 @@ impl HfModel {
             "use_cache": true,
             "torch_dtype": torch_dtype,
         });
-        // Qwen3Config's head_dim defaults to 128 whatever the width: always written.
-        if self.arch == Arch::Qwen3 || d.head_dim * d.heads != d.hidden {
+        // Qwen3Config's head_dim defaults to 128 whatever the width (Gemma3TextConfig's to
+        // 256): always written.
+        if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) || d.head_dim * d.heads != d.hidden {
             c["head_dim"] = json!(d.head_dim);
         }
         match self.arch {
@@ -87,6 +106,13 @@ impl HfModel {
             }
             Arch::Qwen3 => c["use_sliding_window"] = json!(false),
             Arch::Phi3 => {}
+            Arch::Gemma3 => {
+                // GeGLU with the tanh GELU (transformers' `gelu_pytorch_tanh`, llama.cpp's
+                // `LLM_FFN_GELU` in `llm_build_gemma3`).
+                let o = c.as_object_mut().expect("an object");
+                o.remove("hidden_act");
+                o.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+            }
             Arch::Gpt2 => unreachable!("returned above"),
         }
         for (k, v) in &self.extra_config {
@@ -122,9 +148,12 @@ enum Part {
     KNorm,
     /// Phi-3's fused q|k|v.
     Qkv,
+    /// Gemma 3's norms after attention and after the MLP.
+    AttnPostNorm,
+    FfnPostNorm,
 }
 
-const PARTS: [(&str, Part, &str); 12] = [
+const PARTS: [(&str, Part, &str); 14] = [
     ("attn_qkv", Part::Qkv, "self_attn.qkv_proj"),
     ("attn_q", Part::Q, "self_attn.q_proj"),
     ("attn_k", Part::K, "self_attn.k_proj"),
@@ -137,7 +166,20 @@ const PARTS: [(&str, Part, &str); 12] = [
     ("ffn_gate", Part::Gate, "mlp.gate_proj"),
     ("ffn_up", Part::Up, "mlp.up_proj"),
     ("ffn_down", Part::Down, "mlp.down_proj"),
+    (
+        "post_attention_norm",
+        Part::AttnPostNorm,
+        "post_attention_layernorm",
+    ),
+    (
+        "post_ffw_norm",
+        Part::FfnPostNorm,
+        "post_feedforward_layernorm",
+    ),
 ];
+
+/// Gemma 3's `ffn_norm`: the norm before the MLP (gguf-py `FFN_PRE_NORM`).
+const GEMMA3_FFN_NORM: &str = "pre_feedforward_layernorm";
 
 fn parse_name(name: &str) -> Option<Role> {
     match name {
@@ -163,11 +205,15 @@ fn parse_name(name: &str) -> Option<Role> {
 }
 
 /// The HF name of GGUF tensor `name` in a file of `arch` (Phi-3's `ffn_up` holds gate and
-/// up: `mlp.gate_up_proj`); an unknown name is an error naming it.
+/// up: `mlp.gate_up_proj`; Gemma 3's `ffn_norm` is `pre_feedforward_layernorm`); an unknown
+/// name is an error naming it.
 fn hf_name_in(arch: Arch, name: &str) -> Result<String> {
     match (arch, parse_name(name)) {
         (Arch::Phi3, Some(Role::Layer(l, Part::Up, false))) => {
             Ok(format!("model.layers.{l}.mlp.gate_up_proj.weight"))
+        }
+        (Arch::Gemma3, Some(Role::Layer(l, Part::FfnNorm, false))) => {
+            Ok(format!("model.layers.{l}.{GEMMA3_FFN_NORM}.weight"))
         }
         _ => hf_tensor_name(name),
     }
@@ -177,7 +223,7 @@ fn hf_name_in(arch: Arch, name: &str) -> Result<String> {
 pub fn hf_tensor_name(name: &str) -> Result<String> {
     let Some(role) = parse_name(name) else {
         bail!(
-            "unknown tensor {name}: a llama/qwen2/qwen3 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}} (qwen3 also attn_q_norm, attn_k_norm; phi3 attn_qkv for q, k and v, ffn_up for gate and up)"
+            "unknown tensor {name}: a llama/qwen2/qwen3 GGUF has token_embd, output_norm, output and blk.N.{{attn_q,attn_k,attn_v,attn_output,attn_norm,ffn_norm,ffn_gate,ffn_up,ffn_down}} (qwen3 also attn_q_norm, attn_k_norm; gemma3 also those and post_attention_norm, post_ffw_norm; phi3 attn_qkv for q, k and v, ffn_up for gate and up)"
         );
     };
     Ok(match role {
@@ -196,6 +242,30 @@ pub fn hf_tensor_name(name: &str) -> Result<String> {
             )
         }
     })
+}
+
+/// The GGUF name of HF tensor `name` in a file of `arch` (the inverse of `hf_name_in`):
+/// [`gguf_tensor_name`], but for Gemma 3's norms (`post_attention_layernorm` is its
+/// `post_attention_norm`, `pre_feedforward_layernorm` its `ffn_norm`); `None` for a name the
+/// architecture has no tensor for.
+pub fn gguf_tensor_name_in(arch: Arch, name: &str) -> Option<String> {
+    if arch != Arch::Gemma3 {
+        return gguf_tensor_name(name);
+    }
+    let Some((layer, rest)) = name
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split_once('.'))
+    else {
+        return gguf_tensor_name(name);
+    };
+    let part = match rest {
+        "post_attention_layernorm.weight" => "post_attention_norm",
+        "pre_feedforward_layernorm.weight" => "ffn_norm",
+        "post_feedforward_layernorm.weight" => "post_ffw_norm",
+        _ => return gguf_tensor_name(name),
+    };
+    (!layer.is_empty() && layer.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| format!("blk.{layer}.{part}.weight"))
 }
 
 /// The GGUF name of HF tensor `name` (the inverse of [`hf_tensor_name`]); `None` for a name
@@ -295,6 +365,16 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         Some(t) => check_above(f, &theta_key, t, 1.0)?,
         None => 10000.0,
     };
+    if arch == Arch::Gemma3 {
+        // llama.cpp reads it (`LLM_KV_FINAL_LOGIT_SOFTCAPPING`) and applies it in
+        // `llm_build_gemma3`; memwall's Gemma 3 has none (no released Gemma 3 has).
+        let key = "gemma3.final_logit_softcapping";
+        if let Some(x) = get_float(f, key)?.filter(|&x| x != 0.0) {
+            bail!(
+                "{path}: metadata {key} is {x}; memwall computes Gemma 3's logits without                  softcapping"
+            );
+        }
+    }
     let rope_scaling = match (rope_scaling(f, a)?, f.tensor(rope_freqs::TENSOR)) {
         (None, None) if arch == Arch::Phi3 => {
             phi3_longrope(f, head_dim, context).with_context(|| path.clone())?
@@ -339,7 +419,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     let tied = f.tensor("output.weight").is_none();
     let attention_bias = match arch {
         Arch::Qwen2 => true,
-        Arch::Phi3 => false,
+        Arch::Phi3 | Arch::Gemma3 => false,
         Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => f.tensor("blk.0.attn_q.bias").is_some(),
     };
     let mut tensors = Vec::with_capacity(f.tensors.len());
@@ -358,12 +438,18 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
             (Arch::Llama, Role::Layer(_, Part::K, _)) => Some(kv_heads),
             _ => None,
         };
+        // `Gemma3Model.norm_shift`: 1 for every HF name ending in `norm.weight`.
+        let shift = match arch {
+            Arch::Gemma3 if name.ends_with("norm.weight") => 1.0,
+            _ => 0.0,
+        };
         tensors.push(HfTensor {
             gguf: t.name.clone(),
             name,
             shape: t.dims.iter().rev().map(|&d| d as usize).collect(),
             unpermute_heads,
             transpose: false,
+            shift,
         });
     }
     // Every tensor the HF model has must be there.
@@ -372,7 +458,8 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
     for l in 0..layers {
         for (p, part, _) in PARTS {
             let held = match part {
-                Part::QNorm | Part::KNorm => arch == Arch::Qwen3,
+                Part::QNorm | Part::KNorm => matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+                Part::AttnPostNorm | Part::FfnPostNorm => arch == Arch::Gemma3,
                 Part::Qkv => arch == Arch::Phi3,
                 Part::Q | Part::K | Part::V | Part::Gate => arch != Arch::Phi3,
                 _ => true,
@@ -383,7 +470,7 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
             want.push(format!("blk.{l}.{p}.weight"));
             let bias = match arch {
                 Arch::Qwen2 => matches!(part, Part::Q | Part::K | Part::V),
-                Arch::Phi3 => false,
+                Arch::Phi3 | Arch::Gemma3 => false,
                 Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => {
                     attention_bias && matches!(part, Part::Q | Part::K | Part::V | Part::O)
                 }
@@ -424,6 +511,9 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         extra_config.insert("resid_pdrop".into(), json!(0.0));
         extra_config.insert("embd_pdrop".into(), json!(0.0));
     }
+    if arch == Arch::Gemma3 {
+        gemma3_config(f, &dims, &mut extra_config).with_context(|| path.clone())?;
+    }
     Ok(HfModel {
         arch,
         dims,
@@ -435,6 +525,88 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         extra_config,
         tensors,
     })
+}
+
+/// Gemma 3's `config.json` fields beyond the common ones, as llama.cpp runs the file
+/// (`llama_model::load_hparams`, `LLM_ARCH_GEMMA3`): each layer's attention
+/// (`layer_types`: with `gemma3.attention.sliding_window` set and not 0, layer `l` slides
+/// when `l % p < p − 1`, `p` = 6, llama.cpp's `set_swa_pattern(6)`, or as
+/// `gemma3.attention.sliding_window_pattern` says where a file has it: a period, or a bool a
+/// layer; else every layer is full), the window, the sliding layers' θ (`gemma3.rope.freq_base_swa`, the converter's
+/// copy of `rope_local_base_freq`; 10000, the value llama.cpp hard-codes, when absent), the
+/// attention scale as `query_pre_attn_scalar` (`f_attention_scale`: head_dim, or
+/// `n_embd / n_head` for 62 layers), the pad token.
+fn gemma3_config(
+    f: &GgufFile,
+    d: &Dims,
+    extra: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    let window = f
+        .get_u64("gemma3.attention.sliding_window")?
+        .filter(|&w| w > 0);
+    // The converter writes no pattern for Gemma 3; a file that has one gives a period, or
+    // (newer llama.cpp's `load_swa_pattern`, as Gemma 4's converter writes it) a flag a layer.
+    let key = "gemma3.attention.sliding_window_pattern";
+    let sliding: Vec<bool> = match f.get(key) {
+        Some(super::file::Value::Array(flags)) => {
+            if flags.len() != d.layers {
+                bail!(
+                    "metadata {key} lists {} layers; the model has {}",
+                    flags.len(),
+                    d.layers
+                );
+            }
+            flags
+                .iter()
+                .map(|v| match v {
+                    super::file::Value::Bool(b) => Ok(*b),
+                    other => bail!(
+                        "metadata {key} holds a {}, not a bool a layer",
+                        other.type_name()
+                    ),
+                })
+                .collect::<Result<_>>()?
+        }
+        _ => {
+            let pattern = match f.get_u64(key)? {
+                Some(p) => usize_of(p, key, f)?,
+                None => 6,
+            };
+            (0..d.layers)
+                .map(|l| pattern == 0 || l % pattern < pattern - 1)
+                .collect()
+        }
+    };
+    let types: Vec<&str> = sliding
+        .iter()
+        .map(|&s| match window.is_some() && s {
+            true => "sliding_attention",
+            false => "full_attention",
+        })
+        .collect();
+    if let Some(w) = window {
+        extra.insert("sliding_window".into(), json!(w));
+    }
+    let key = "gemma3.rope.freq_base_swa";
+    let local = match get_float(f, key)? {
+        Some(t) => check_above(f, key, t, 1.0)?,
+        None => 10000.0,
+    };
+    let scalar = match d.layers {
+        62 => d.hidden / d.heads,
+        _ => d.head_dim,
+    };
+    extra.insert("layer_types".into(), json!(types));
+    extra.insert("rope_local_base_freq".into(), json!(local));
+    extra.insert("query_pre_attn_scalar".into(), json!(scalar));
+    extra.insert(
+        "pad_token_id".into(),
+        json!(f.get_u64("tokenizer.ggml.padding_token_id")?),
+    );
+    extra.insert("final_logit_softcapping".into(), serde_json::Value::Null);
+    extra.insert("attn_logit_softcapping".into(), serde_json::Value::Null);
+    extra.insert("use_bidirectional_attention".into(), json!(false));
+    Ok(())
 }
 
 /// Phi-3's LongRoPE tensors, long then short (`Phi3MiniModel.generate_extra_tensors`).
@@ -566,7 +738,7 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
         Role::Layer(_, p, true) => {
             let allowed = match arch {
                 Arch::Qwen2 => matches!(p, Part::Q | Part::K | Part::V),
-                Arch::Phi3 => false,
+                Arch::Phi3 | Arch::Gemma3 => false,
                 Arch::Llama | Arch::Qwen3 | Arch::Gpt2 => {
                     attention_bias && matches!(p, Part::Q | Part::K | Part::V | Part::O)
                 }
@@ -593,8 +765,17 @@ fn expected_dims(role: Role, d: &Dims, arch: Arch, attention_bias: bool) -> Resu
             Part::AttnNorm | Part::FfnNorm => vec![h],
             Part::Gate | Part::Up => vec![h, ffn],
             Part::Down => vec![ffn, h],
-            Part::QNorm | Part::KNorm if arch == Arch::Qwen3 => vec![u(d.head_dim)],
+            Part::QNorm | Part::KNorm if matches!(arch, Arch::Qwen3 | Arch::Gemma3) => {
+                vec![u(d.head_dim)]
+            }
             Part::QNorm | Part::KNorm => bail!("a q/k norm is not part of a {} model", arch.name()),
+            Part::AttnPostNorm | Part::FfnPostNorm if arch == Arch::Gemma3 => vec![h],
+            Part::AttnPostNorm | Part::FfnPostNorm => {
+                bail!(
+                    "a post-attention/post-MLP norm is not part of a {} model",
+                    arch.name()
+                )
+            }
         },
     })
 }
@@ -803,6 +984,33 @@ mod tests {
         assert_eq!(
             hf_name_in(Arch::Llama, "blk.2.ffn_up.weight").unwrap(),
             "model.layers.2.mlp.up_proj.weight"
+        );
+        // Gemma 3's norms: `ffn_norm` is the norm before the MLP there, and both ways agree.
+        for (g, h) in [
+            ("blk.2.ffn_norm.weight", "pre_feedforward_layernorm"),
+            (
+                "blk.2.post_attention_norm.weight",
+                "post_attention_layernorm",
+            ),
+            ("blk.2.post_ffw_norm.weight", "post_feedforward_layernorm"),
+            ("blk.2.attn_norm.weight", "input_layernorm"),
+            ("blk.2.attn_q_norm.weight", "self_attn.q_norm"),
+        ] {
+            let h = format!("model.layers.2.{h}.weight");
+            assert_eq!(hf_name_in(Arch::Gemma3, g).unwrap(), h);
+            assert_eq!(gguf_tensor_name_in(Arch::Gemma3, &h).as_deref(), Some(g));
+        }
+        assert_eq!(
+            gguf_tensor_name_in(Arch::Gemma3, "model.embed_tokens.weight").as_deref(),
+            Some("token_embd.weight")
+        );
+        assert_eq!(
+            gguf_tensor_name_in(
+                Arch::Llama,
+                "model.layers.2.post_attention_layernorm.weight"
+            )
+            .as_deref(),
+            Some("blk.2.ffn_norm.weight")
         );
         for bad in [
             "blk.x.attn_q.weight",

@@ -217,6 +217,61 @@ impl GgufWriter {
     }
 }
 
+/// A tiny Gemma 3 as llama.cpp's `convert_hf_to_gguf.py` writes one (`Gemma3Model`):
+/// `layers` layers, width 32, 4 heads of 16 (key/value lengths 16, no rope dimension count),
+/// 2 KV heads, MLP 64, the SentencePiece test vocabulary (`add_space_prefix` false), a tied
+/// head; `gemma3.*` keys with the full layers' linear scaling by 2 (θ 10⁶), the sliding
+/// layers' θ 10⁴ (`rope.freq_base_swa`) and a window of 4; per layer the four norms, the q/k
+/// norms (F32, holding the `1 + w` the converter stores) and the projections in several
+/// types.
+pub fn tiny_gemma3(layers: u64) -> GgufWriter {
+    let (h, q, kv, hd, ffn, vocab) = (32u64, 64u64, 32u64, 16u64, 64u64, TEST_VOCAB as u64);
+    let mut w = GgufWriter::new(3);
+    let k = |n: &str| format!("gemma3.{n}");
+    w.kv("general.architecture", s("gemma3"));
+    w.kv(&k("block_count"), Value::U32(layers as u32));
+    w.kv(&k("context_length"), Value::U32(128));
+    w.kv(&k("embedding_length"), Value::U32(h as u32));
+    w.kv(&k("feed_forward_length"), Value::U32(ffn as u32));
+    w.kv(&k("attention.head_count"), Value::U32(4));
+    w.kv(&k("attention.head_count_kv"), Value::U32(2));
+    w.kv(&k("rope.scaling.type"), s("linear"));
+    w.kv(&k("rope.scaling.factor"), Value::F32(2.0));
+    w.kv(&k("rope.freq_base"), Value::F32(1e6));
+    w.kv(&k("rope.freq_base_swa"), Value::F32(1e4));
+    w.kv(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
+    w.kv(&k("attention.key_length"), Value::U32(hd as u32));
+    w.kv(&k("attention.value_length"), Value::U32(hd as u32));
+    w.kv("general.file_type", Value::U32(0));
+    w.kv(&k("attention.sliding_window"), Value::U32(4));
+    w.spm_tokenizer();
+    w.kv("tokenizer.ggml.add_space_prefix", Value::Bool(false));
+    w.random_tensor("token_embd.weight", &[h, vocab], GgmlType::Q8_0, 1);
+    for l in 0..layers {
+        let t = |n: &str| format!("blk.{l}.{n}");
+        w.random_tensor(&t("attn_norm.weight"), &[h], GgmlType::F32, 10 + l);
+        w.random_tensor(&t("attn_q.weight"), &[h, q], GgmlType::Q8_0, 20 + l);
+        w.random_tensor(&t("attn_k.weight"), &[h, kv], GgmlType::F16, 30 + l);
+        w.random_tensor(&t("attn_v.weight"), &[h, kv], GgmlType::Q4_0, 40 + l);
+        w.random_tensor(&t("attn_q_norm.weight"), &[hd], GgmlType::F32, 50 + l);
+        w.random_tensor(&t("attn_k_norm.weight"), &[hd], GgmlType::F32, 60 + l);
+        w.random_tensor(&t("attn_output.weight"), &[q, h], GgmlType::BF16, 70 + l);
+        w.random_tensor(
+            &t("post_attention_norm.weight"),
+            &[h],
+            GgmlType::F32,
+            80 + l,
+        );
+        w.random_tensor(&t("ffn_norm.weight"), &[h], GgmlType::F32, 90 + l);
+        w.random_tensor(&t("ffn_gate.weight"), &[h, ffn], GgmlType::Q8_0, 100 + l);
+        w.random_tensor(&t("ffn_up.weight"), &[h, ffn], GgmlType::Q4_1, 110 + l);
+        w.random_tensor(&t("ffn_down.weight"), &[ffn, h], GgmlType::F16, 120 + l);
+        w.random_tensor(&t("post_ffw_norm.weight"), &[h], GgmlType::F32, 130 + l);
+    }
+    w.random_tensor("output_norm.weight", &[h], GgmlType::F32, 200);
+    w
+}
+
 /// A tiny `arch` model (llama, qwen2 or qwen3): 2 layers, width 32, 4 heads of 8, 2 KV heads,
 /// MLP 256, the test vocabulary; quantized tensors of every decodable type; `tied` leaves out
 /// `output.weight`. qwen3 has `attn_q_norm` / `attn_k_norm` `[8]` and its key/value lengths.

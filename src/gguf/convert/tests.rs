@@ -455,7 +455,7 @@ fn unknown_architecture_tensor_and_missing_tensors_are_named() {
         &w,
         &[
             "architecture \"falcon\" is not supported",
-            "llama, qwen2, qwen3, phi3 or gpt2",
+            "llama, qwen2, qwen3, phi3, gemma3 or gpt2",
         ],
     );
     let mut w = tiny_model("llama", true);

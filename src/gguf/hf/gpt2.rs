@@ -188,6 +188,7 @@ pub(super) fn map_model(f: &GgufFile) -> Result<HfModel> {
             shape,
             unpermute_heads: None,
             transpose,
+            shift: 0.0,
         });
     }
     let mut want = vec![

@@ -17,6 +17,12 @@ pub enum Arch {
     /// `ffn_up` (gate first), NEOX rotation (no permutation), LongRoPE's factors as the
     /// `rope_factors_long` / `rope_factors_short` tensors.
     Phi3,
+    /// Gemma 3 (text): llama.cpp's `LLM_ARCH_GEMMA3` (gguf-py `constants.py`,
+    /// `MODEL_ARCH.GEMMA3`): q/k norms, `post_attention_norm`, `ffn_norm` (the norm before the
+    /// MLP, transformers' `pre_feedforward_layernorm`) and `post_ffw_norm`, no permutation
+    /// (NEOX rotation), every norm stored as `1 + w` (`convert_hf_to_gguf.py`,
+    /// `Gemma3Model.norm_shift`).
+    Gemma3,
     Gpt2,
 }
 
@@ -28,7 +34,16 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Phi3 => "phi3",
+            Arch::Gemma3 => "gemma3",
             Arch::Gpt2 => "gpt2",
+        }
+    }
+
+    /// HF's `model_type` (the architecture's name but for Gemma 3's text model).
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Gemma3 => "gemma3_text",
+            a => a.name(),
         }
     }
 
@@ -39,12 +54,13 @@ impl Arch {
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
             Arch::Phi3 => "Phi3ForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
             Arch::Gpt2 => "GPT2LMHeadModel",
         }
     }
 
-    /// Reads `general.architecture`; anything but llama, qwen2, qwen3, phi3 and gpt2 is refused by
-    /// name.
+    /// Reads `general.architecture`; anything but llama, qwen2, qwen3, phi3, gemma3 and gpt2 is
+    /// refused by name.
     pub fn of(f: &GgufFile) -> Result<Arch> {
         let path = f.path().display();
         match f.get_str("general.architecture")? {
@@ -52,9 +68,10 @@ impl Arch {
             Some("qwen2") => Ok(Arch::Qwen2),
             Some("qwen3") => Ok(Arch::Qwen3),
             Some("phi3") => Ok(Arch::Phi3),
+            Some("gemma3") => Ok(Arch::Gemma3),
             Some("gpt2") => Ok(Arch::Gpt2),
             Some(other) => bail!(
-                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2, qwen3, phi3 or gpt2)"
+                "{path}: architecture {other:?} is not supported (general.architecture must be llama, qwen2, qwen3, phi3, gemma3 or gpt2)"
             ),
             None => bail!("{path}: metadata general.architecture is missing"),
         }
@@ -91,6 +108,9 @@ pub struct HfTensor {
     /// A GPT-2 Conv1D weight: GGUF holds it `[out, in]` row-major (dims `[in, out]`), HF
     /// `[in, out]`, so the values are transposed.
     pub transpose: bool,
+    /// What the file adds to every value (Gemma 3's norms: llama.cpp's converter stores the
+    /// gain `1 + w`); the HF value is the file's minus this.
+    pub shift: f32,
 }
 
 /// A GGUF model mapped to HF: dimensions, tying, special tokens, tensors in file order.
@@ -105,7 +125,7 @@ pub struct HfModel {
     /// HF `rope_scaling`, when the file has linear, llama3 or LongRoPE scaling.
     pub rope_scaling: Option<serde_json::Value>,
     /// `config.json` fields of the architecture's own (Phi-3's window, pretraining context and
-    /// pad token).
+    /// pad token; Gemma 3's layer types, window and sliding layers' θ).
     pub extra_config: serde_json::Map<String, serde_json::Value>,
     pub tensors: Vec<HfTensor>,
 }
