@@ -93,21 +93,12 @@ fn logits_and_loss_match_transformers() {
 #[test]
 fn greedy_decoding_picks_the_reference_tokens() {
     let (dir, exp) = fixture();
-    let want = ids(&exp["greedy"]);
-    let opts = SampleOptions {
-        checkpoint: dir,
-        prompt: String::new(),
-        tokens: want.len(),
-        temperature: 0.0,
-        top_k: 0,
-        seed: 1,
-        threads: 2,
-        device: Default::default(),
-        adapter: None,
-        stop: Vec::new(),
-    };
-    let got = generate_tokens(&opts, &ids(&exp["prompt"]), &mut |_| {}, &mut |_| {}).unwrap();
-    assert_eq!(got, want);
+    greedy_matches(
+        "hf-tiny-gpt2",
+        &dir,
+        &ids(&exp["prompt"]),
+        &ids(&exp["greedy"]),
+    );
 }
 
 /// Logits, loss, every parameter's gradient and the greedy continuation of a Llama-family
@@ -178,9 +169,13 @@ fn llama_family_matches_transformers(name: &str) {
         "{name}: a gradient for every parameter"
     );
 
-    let want = ids(&exp["greedy"]);
+    greedy_matches(name, &dir, &prompt, &ids(&exp["greedy"]));
+}
+
+/// `memwall sample`'s greedy continuation of `prompt` with the model in `dir` is `want`.
+fn greedy_matches(name: &str, dir: &std::path::Path, prompt: &[u32], want: &[u32]) {
     let opts = SampleOptions {
-        checkpoint: dir,
+        checkpoint: dir.to_path_buf(),
         prompt: String::new(),
         tokens: want.len(),
         temperature: 0.0,
@@ -191,8 +186,8 @@ fn llama_family_matches_transformers(name: &str) {
         adapter: None,
         stop: Vec::new(),
     };
-    let got = generate_tokens(&opts, &prompt, &mut |_| {}, &mut |_| {}).unwrap();
-    assert_eq!(got, want, "{name} greedy continuation");
+    let got = generate_tokens(&opts, prompt, &mut |_| {}, &mut |_| {}).unwrap();
+    assert_eq!(got, want, "{name}: greedy continuation");
 }
 
 #[test]
@@ -280,21 +275,7 @@ fn decodes_as_transformers(
             "{name} logit {i}: memwall {a} vs transformers {b}"
         );
     }
-    let want = ids(&exp["greedy"]);
-    let opts = SampleOptions {
-        checkpoint: dir.to_path_buf(),
-        prompt: String::new(),
-        tokens: want.len(),
-        temperature: 0.0,
-        top_k: 0,
-        seed: 1,
-        threads: 2,
-        device: Default::default(),
-        adapter: None,
-        stop: Vec::new(),
-    };
-    let got = generate_tokens(&opts, &prompt, &mut |_| {}, &mut |_| {}).unwrap();
-    assert_eq!(got, want, "{name}: greedy continuation");
+    greedy_matches(name, dir, &prompt, &ids(&exp["greedy"]));
     (ex, layout)
 }
 
