@@ -25,6 +25,11 @@ use memwall::util::bytes::fmt_bytes;
 use memwall::util::rss;
 use std::io::Write;
 
+/// The system allocator, with over-aligned heap blocks padded so that equal requests reuse
+/// their chunk (the `gemm` crate's packing scratch; see `util::malloc`).
+#[global_allocator]
+static ALLOCATOR: memwall::util::malloc::PaddedAligned = memwall::util::malloc::PaddedAligned;
+
 fn main() {
     // A reader that goes away (`memwall plan | head`) ends memwall as it ends any Unix tool,
     // quietly with status 141, instead of a panic at the next print (Rust ignores SIGPIPE).

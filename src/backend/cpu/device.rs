@@ -517,8 +517,18 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    /// Runs `f` on the pool's first worker, always the same thread. The `gemm` crate
+    /// allocates its packing scratch in the thread that calls it, and glibc keeps what a
+    /// thread frees in that thread's own arena: with `install`, which hands `f` to whichever
+    /// worker is free, steps that landed on two workers kept the scratch resident in two
+    /// arenas, where the plan counts it once.
     fn scope(&self, f: &mut (dyn FnMut() + Send)) {
-        self.pool.install(f)
+        let f = std::sync::Mutex::new(f);
+        self.pool.broadcast(|ctx| {
+            if ctx.index() == 0 {
+                (f.lock().expect("the step panicked"))()
+            }
+        });
     }
 
     unsafe fn spare_between_steps(&self, bytes: usize) -> Option<&mut [u8]> {
