@@ -473,8 +473,10 @@ pub(crate) struct StepArgs {
     pub(crate) global_batch: Option<usize>,
     /// Choose the fastest plan that fits --max-memory, by predicted step time: searches the
     /// micro-batch (keeping --global-batch), --recompute and --offload unless given, and
-    /// --precision / --optim-state where given as auto (they change the numerics); prints the
-    /// five best (`memwall calibrate` makes the prediction a measured one)
+    /// --precision / --optim-state where given as auto (they change the numerics); with `plan
+    /// --ranks N`, also --tp, --pp and --zero unless given (each rank planned, the heaviest
+    /// within the budget); prints the five best (`memwall calibrate` makes the prediction a
+    /// measured one)
     #[arg(long, requires = "max_memory")]
     pub(crate) fit: bool,
     /// Sequence length in tokens, at most the model's n_positions [default: 128]

@@ -110,6 +110,11 @@ fn space(global_batch: usize) -> Space {
         lora: None,
         base_quant: Default::default(),
         base_types: None,
+        ranks: 1,
+        tensor: Pick::Fixed(1),
+        pipeline: Pick::Fixed(1),
+        zero: Pick::Fixed(Default::default()),
+        stage_layers: Vec::new(),
     }
 }
 
@@ -358,6 +363,69 @@ fn fit_and_batch_auto_from_the_command_line() {
     assert!(e.contains("not a multiple of --batch 3"), "{e}");
     let e = fails(&["plan", "--batch", "many"]);
     assert!(e.contains("'many' is not a batch size"), "{e}");
+}
+
+/// `plan --ranks 4 --fit` from the command line: the table shows each candidate's mesh and
+/// its heaviest rank, the plan printed is the chosen mesh's with every rank's peak, and
+/// `--json` records the mesh of each candidate and every rank within the budget.
+#[test]
+fn fit_over_mesh_shapes_from_the_command_line() {
+    let cache = tempfile::tempdir().unwrap();
+    let env = cache_env(cache.path());
+    let args = [
+        "plan",
+        "--model",
+        "llama-tiny",
+        "--ranks",
+        "4",
+        "--seq",
+        "64",
+        "--threads",
+        "2",
+        "--global-batch",
+        "8",
+        "--max-memory",
+        "140MiB",
+        "--fit",
+    ];
+    let table = run_ok(&env, &args);
+    assert!(table.contains("tp x pp x dp, zero"), "{table}");
+    assert!(table.contains("every rank's predicted peak"), "{table}");
+    let mut json = args.to_vec();
+    json.push("--json");
+    let v: serde_json::Value = serde_json::from_str(&run_ok(&env, &json)).unwrap();
+    let best = &v["fit"]["candidates"][0];
+    let (tp, pp, dp) = (
+        best["tp"].as_u64(),
+        best["pp"].as_u64(),
+        best["dp"].as_u64(),
+    );
+    assert_eq!(tp.unwrap() * pp.unwrap() * dp.unwrap(), 4, "{best}");
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    for r in ranks {
+        assert!(
+            r["predicted_peak_rss_bytes"].as_u64().unwrap() <= 140 << 20,
+            "{r}"
+        );
+        assert!(r["coords"]["tp"].as_u64().unwrap() < tp.unwrap(), "{r}");
+    }
+    // Given sizes are kept; sizes the ranks cannot make are refused naming the flag.
+    let mut given = args.to_vec();
+    given.extend(["--tp", "1", "--zero", "0"]);
+    let v: serde_json::Value =
+        serde_json::from_str(&run_ok(&env, &[&given[..], &["--json"]].concat())).unwrap();
+    for k in v["fit"]["candidates"].as_array().unwrap() {
+        assert_eq!(
+            (k["tp"].as_u64(), k["zero"].as_u64()),
+            (Some(1), Some(0)),
+            "{k}"
+        );
+    }
+    let mut bad = args.to_vec();
+    bad.extend(["--tp", "3"]);
+    let e = fails(&bad);
+    assert!(e.contains("--tp 3"), "{e}");
 }
 
 #[test]
@@ -730,4 +798,131 @@ fn a_gpu_plan_is_timed_by_the_gpus_own_calibration() {
             && e.contains("memwall calibrate --device cuda"),
         "{e}"
     );
+}
+
+/// The best configuration of `ranks` ranks over every mesh shape, ZeRO stage, micro-batch and
+/// policy (nothing offloaded), each rank's plan built one by one: the heaviest rank within
+/// the budget, the slowest rank's time. With every fitting candidate's peak, for budgets.
+fn exhaustive_mesh(
+    spec: &ModelSpec,
+    space: &Space,
+    budget: u64,
+    cal: &Calibration,
+) -> ((f64, String), Vec<u64>) {
+    use memwall::ir::Mesh;
+    use memwall::ir::shard::Zero;
+    let mut best = (f64::INFINITY, String::new());
+    let mut peaks = Vec::new();
+    let mut policies = vec![Recompute::None, Recompute::Selective];
+    policies.extend((2..=spec.n_layer).map(Recompute::Every));
+    policies.push(Recompute::Full);
+    let n = space.ranks;
+    let given = |t: usize| match space.tensor {
+        Pick::Fixed(x) => t == x,
+        Pick::Auto => true,
+    };
+    let zero_given = |z: u8| match space.zero {
+        Pick::Fixed(x) => z == x.0,
+        Pick::Auto => true,
+    };
+    for t in (1..=n).filter(|&t| n.is_multiple_of(t) && given(t)) {
+        for p in (1..=n / t).filter(|p| (n / t).is_multiple_of(*p)) {
+            let mesh = Mesh::new(n, t, p, 0);
+            let per_rank = space.global_batch / mesh.data;
+            let zeros = if mesh.data > 1 { 0..=3 } else { 0..=0 };
+            for z in zeros.filter(|&z| zero_given(z)) {
+                for b in (1..=per_rank).filter(|&b| per_rank.is_multiple_of(b)) {
+                    for &r in &policies {
+                        let mut cfg = StepConfig::new(b, space.seq, space.threads);
+                        cfg.grad_accum = per_rank / b;
+                        cfg.recompute = r;
+                        cfg.zero = Zero(z);
+                        let mut worst = (0u64, 0f64);
+                        let mut ok = true;
+                        for rank in 0..n {
+                            cfg.mesh = Mesh { rank, ..mesh };
+                            // Shapes the model or the strategies refuse are not candidates.
+                            let Ok(plan) = build_plan(spec, &cfg, Mode::Train, backend()) else {
+                                ok = false;
+                                break;
+                            };
+                            worst.0 = worst.0.max(predicted_peak(&plan, 0));
+                            worst.1 = worst.1.max(predict(&plan, cal).step_s);
+                        }
+                        if !ok {
+                            continue;
+                        }
+                        peaks.push(worst.0);
+                        if worst.0 <= budget && worst.1 < best.0 {
+                            best = (worst.1, format!("tp {t} pp {p} zero {z} batch {b} {r}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (best, peaks)
+}
+
+/// `plan --ranks 4 --fit`: the search over mesh shapes (tensor and pipeline sizes, ZeRO
+/// stages) finds the time that building every shape's every rank finds, at budgets from
+/// roomy to the smallest shape's; each candidate's peak is its heaviest rank's, built afresh.
+#[test]
+fn the_mesh_search_finds_what_building_every_shape_finds() {
+    use memwall::ir::Mesh;
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    let cal = estimate();
+    let all = Space {
+        ranks: 4,
+        tensor: Pick::Auto,
+        pipeline: Pick::Auto,
+        zero: Pick::Auto,
+        offload: Pick::Fixed(OffloadSet::NONE),
+        ..space(8)
+    };
+    // Tensor parallelism given (none): the pipeline and ZeRO searched.
+    let no_tp = Space {
+        tensor: Pick::Fixed(1),
+        ..all.clone()
+    };
+    // Neither tensor parallelism nor ZeRO: the tight budgets leave pipelines alone, whose
+    // stages differ (the embedding on the first, the head on the last).
+    let pipelines = Space {
+        zero: Pick::Fixed(Default::default()),
+        ..no_tp.clone()
+    };
+    let mut shapes_chosen = std::collections::BTreeSet::new();
+    for sp in [all, no_tp, pipelines] {
+        let (_, mut peaks) = exhaustive_mesh(&spec, &sp, u64::MAX, &cal);
+        peaks.sort_unstable();
+        let (lo, hi) = (peaks[0], peaks[peaks.len() - 1]);
+        for budget in [hi, peaks[peaks.len() / 2], lo + (hi - lo) / 16, lo] {
+            let found = search::search(&spec, &sp, budget, 0, &cal, backend()).unwrap();
+            let ((want, what), _) = exhaustive_mesh(&spec, &sp, budget, &cal);
+            let best = &found.ranked[0];
+            assert!(
+                (best.time.step_s - want).abs() <= 1e-9 * want,
+                "budget {budget}: search {} ({}) vs every shape {want} ({what})",
+                best.time.step_s,
+                best.flags()
+            );
+            shapes_chosen.insert((best.cfg.mesh.tensor, best.cfg.mesh.pipeline));
+            for k in &found.ranked {
+                let mut heaviest = 0;
+                for rank in 0..k.cfg.mesh.world() {
+                    let cfg = StepConfig {
+                        mesh: Mesh { rank, ..k.cfg.mesh },
+                        ..k.cfg.clone()
+                    };
+                    let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+                    heaviest = heaviest.max(predicted_peak(&plan, 0));
+                }
+                assert_eq!(heaviest, k.peak, "{}", k.flags());
+                assert!(k.peak <= budget);
+            }
+        }
+    }
+    // The budgets make it choose more than one shape (else this would test one mesh).
+    assert!(shapes_chosen.len() > 1, "{shapes_chosen:?}");
+    eprintln!("{shapes_chosen:?}");
 }

@@ -316,7 +316,7 @@ impl<'a> Request<'a> {
 /// Checks the mesh of ranks against the model and the other strategies, naming the flags:
 /// each tensor rank's part of every layer must be equal; what tensor parallelism does not
 /// compose with yet is refused before anything is planned.
-fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
+pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     let mesh = &cfg.mesh;
     if mesh.pipeline > 1 {
         check_pipeline(spec, cfg, mode)?;

@@ -358,7 +358,8 @@ pub fn plan_fitting(
         (_, _, Some(b)) => b,
     };
     let space = Space {
-        global_batch: cfg.batch * cfg.grad_accum,
+        // The mesh as given: each data rank's part is this micro-batch × accumulation.
+        global_batch: cfg.batch * cfg.grad_accum * cfg.mesh.data,
         seq: cfg.seq,
         threads: cfg.threads,
         micro_batch: Some(cfg.batch),
@@ -376,6 +377,11 @@ pub fn plan_fitting(
         lora: cfg.lora.clone(),
         base_quant: cfg.base_quant,
         base_types: cfg.base_types.clone(),
+        ranks: cfg.mesh.world(),
+        tensor: Pick::Fixed(cfg.mesh.tensor),
+        pipeline: Pick::Fixed(cfg.mesh.pipeline),
+        zero: Pick::Fixed(cfg.zero),
+        stage_layers: cfg.stage_layers.clone(),
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {

@@ -18,6 +18,7 @@ mod pipeline;
 pub mod ranks;
 pub mod report;
 pub mod search;
+mod search_mesh;
 mod stage;
 pub mod stage_cut;
 pub mod stage_layers;

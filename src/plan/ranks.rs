@@ -83,21 +83,11 @@ pub fn every_rank_timed(
     cal: Option<&Calibration>,
 ) -> Result<Vec<RankPlan>> {
     let mesh = cfg.mesh;
-    let edges = cfg.zero.shards_optimizer() && cfg.optim_state == OptimState::Int8;
-    let mut made: BTreeMap<(usize, usize, usize, usize), RankPlan> = BTreeMap::new();
+    let mut made: BTreeMap<PlanKey, RankPlan> = BTreeMap::new();
     (0..mesh.world())
         .map(|rank| {
             let m = Mesh { rank, ..mesh };
-            // Tensor rank 0 adds what row-parallel layers add once; the others are alike but
-            // for their rows of a vocabulary the ranks do not divide. Each pipeline stage
-            // holds its own layers.
-            let key = (
-                m.coord(Axis::Tensor).min(1),
-                m.tensor_split().vocab_part(spec.vocab_size).len(),
-                if edges { m.coord(Axis::Data) } else { 0 },
-                m.coord(Axis::Pipeline),
-            );
-            let shared = match made.entry(key) {
+            let shared = match made.entry(plan_key(spec, cfg, rank)) {
                 std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::btree_map::Entry::Vacant(e) => {
                     let c = StepConfig {
@@ -114,6 +104,34 @@ pub fn every_rank_timed(
                 ..shared.clone()
             })
         })
+        .collect()
+}
+
+/// What makes one rank's plan differ from another's ([`plan_key`]).
+type PlanKey = (usize, usize, usize, usize);
+
+/// The rank of `cfg`'s mesh by what its plan holds: ranks with equal keys have plans of the
+/// same bytes and ops. Tensor rank 0 adds what row-parallel layers add once; the others are
+/// alike but for their rows of a vocabulary the ranks do not divide; data ranks differ only
+/// where 8-bit moments are sharded at the blocks' edges; each pipeline stage holds its own
+/// layers.
+fn plan_key(spec: &ModelSpec, cfg: &StepConfig, rank: usize) -> PlanKey {
+    let m = Mesh { rank, ..cfg.mesh };
+    let edges = cfg.zero.shards_optimizer() && cfg.optim_state == OptimState::Int8;
+    (
+        m.coord(Axis::Tensor).min(1),
+        m.tensor_split().vocab_part(spec.vocab_size).len(),
+        if edges { m.coord(Axis::Data) } else { 0 },
+        m.coord(Axis::Pipeline),
+    )
+}
+
+/// One rank for each distinct plan of `cfg`'s mesh (the first with its `plan_key`), in
+/// rank order: the plans `--fit` builds to know a mesh's heaviest and slowest rank.
+pub fn distinct_ranks(spec: &ModelSpec, cfg: &StepConfig) -> Vec<usize> {
+    let mut seen = std::collections::BTreeSet::new();
+    (0..cfg.mesh.world())
+        .filter(|&r| seen.insert(plan_key(spec, cfg, r)))
         .collect()
 }
 

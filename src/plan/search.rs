@@ -29,10 +29,12 @@
 //! the micro-batch, accumulation, precision and optimizer state fixed
 //! ([`super::fit::plan_fitting`]).
 
-use super::build::{Verify, build};
+use super::build::{Verify, build, check_mesh};
+use super::search_mesh::{Built, meshes, micro_batches_built};
 use super::time::{Calibration, StepTime, predict};
-use super::{Budgets, Mode, OffloadSet, Plan, StepConfig};
+use super::{Budgets, Mode, OffloadSet, StepConfig};
 use crate::ir::Sizing;
+use crate::ir::shard::Zero;
 use crate::ir::{OptimState, Precision, Recompute, Tier};
 use crate::model::ModelSpec;
 use crate::util::bytes::fmt_bytes;
@@ -69,6 +71,14 @@ impl<T: fmt::Display> fmt::Display for Pick<T> {
 }
 
 impl<T: Copy> Pick<T> {
+    /// The value given, or `None` for `auto`.
+    pub fn fixed(self) -> Option<T> {
+        match self {
+            Pick::Auto => None,
+            Pick::Fixed(t) => Some(t),
+        }
+    }
+
     fn options(self, all: &[T]) -> Vec<T> {
         match self {
             Pick::Auto => all.to_vec(),
@@ -97,6 +107,17 @@ pub struct Space {
     pub lora: Option<crate::model::lora::LoraSpec>,
     pub base_quant: crate::ir::BaseQuant,
     pub base_types: Option<std::sync::Arc<crate::ir::BaseTypes>>,
+    /// Processes of the job (`plan --ranks N`): with more than one, the search also chooses
+    /// the mesh (`plan::search_mesh`), each rank planned, the heaviest within the budget.
+    pub ranks: usize,
+    /// Tensor-parallel size (`--tp`), pipeline stages (`--pp`) and ZeRO stage (`--zero`):
+    /// given, or searched where there are ranks to search them over.
+    pub tensor: Pick<usize>,
+    pub pipeline: Pick<usize>,
+    pub zero: Pick<Zero>,
+    /// Layers of each pipeline stage (`--pp-layers`, with a fixed `pipeline`), or empty for
+    /// an even cut.
+    pub stage_layers: Vec<usize>,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -108,19 +129,37 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// The flags that select it.
+    /// The flags that select it (with the mesh's, for a job of several ranks).
     pub fn flags(&self) -> String {
         let c = &self.cfg;
-        format!(
+        let one = format!(
             "--batch {} --grad-accum {} --recompute {} --offload {} --precision {} --optim-state {}",
             c.batch, c.grad_accum, c.recompute, c.offload.set, c.precision, c.optim_state
-        )
+        );
+        match c.mesh.world() > 1 {
+            true => format!("{} {one}", mesh_flags(&c.mesh, c.zero)),
+            false => one,
+        }
     }
 
     /// Tokens per second at the predicted step time.
     pub fn tokens_per_s(&self) -> f64 {
-        (self.cfg.batch * self.cfg.grad_accum * self.cfg.seq) as f64 / self.time.step_s
+        (self.cfg.batch * self.cfg.grad_accum * self.cfg.mesh.data * self.cfg.seq) as f64
+            / self.time.step_s
     }
+}
+
+/// `--tp T --pp P --zero Z`.
+fn mesh_flags(mesh: &crate::ir::Mesh, zero: Zero) -> String {
+    format!("--tp {} --pp {} --zero {zero}", mesh.tensor, mesh.pipeline)
+}
+
+/// `tp 2 x pp 2 x dp 2, zero 1`.
+fn mesh_shape(mesh: &crate::ir::Mesh, zero: Zero) -> String {
+    format!(
+        "{} x {} x {}, {zero}",
+        mesh.tensor, mesh.pipeline, mesh.data
+    )
 }
 
 /// A group of the space that nothing fits, with its smallest plan's peak.
@@ -142,6 +181,8 @@ pub struct Found {
     pub plans_built: usize,
     /// The tier ops compute on, whose peak the candidates' `peak` is (the CPU's: RAM).
     pub compute: Tier,
+    /// Ranks of the job (`Space::ranks`).
+    pub ranks: usize,
     /// The offload directory and the bytes free on its disk, when a plan within the budget
     /// was refused because its offload file is larger.
     pub disk: Option<(std::path::PathBuf, u64)>,
@@ -166,8 +207,11 @@ impl Found {
             "calibration": cal.describe(),
             "plans_built": self.plans_built,
             "search_s": search_s,
+            "ranks": space.ranks,
             "candidates": self.ranked.iter().map(|k| serde_json::json!({
                 "flags": k.flags(), "batch": k.cfg.batch, "grad_accum": k.cfg.grad_accum,
+                "tp": k.cfg.mesh.tensor, "pp": k.cfg.mesh.pipeline, "dp": k.cfg.mesh.data,
+                "zero": k.cfg.zero.0,
                 "recompute": k.cfg.recompute.to_string(), "offload": k.cfg.offload.set.to_string(),
                 "precision": k.cfg.precision.to_string(), "optim_state": k.cfg.optim_state.to_string(),
                 "predicted_peak_bytes": k.peak, "predicted_step_s": k.time.step_s,
@@ -190,16 +234,25 @@ impl Found {
             fmt_bytes(budget),
             self.plans_built
         );
+        // Jobs of several ranks: the mesh first, the peak the heaviest rank's.
+        let mesh = |s: String| match self.ranks > 1 {
+            true => format!(" {s:>18}"),
+            false => String::new(),
+        };
         let _ = writeln!(
             o,
-            "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9} {:>9} {:>8}",
+            "  {:>2}{} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9} {:>9} {:>8}",
             "#",
+            mesh("tp x pp x dp, zero".into()),
             "batch x accum",
             "recompute",
             "offload",
             "prec",
             "optim",
-            format!("{} peak", self.compute.describe()),
+            match self.ranks > 1 {
+                true => format!("{} peak*", self.compute.describe()),
+                false => format!("{} peak", self.compute.describe()),
+            },
             "s/step",
             "tokens/s",
             "bound"
@@ -208,8 +261,9 @@ impl Found {
             let c = &k.cfg;
             let _ = writeln!(
                 o,
-                "  {:>2} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9.2} {:>9.1} {:>8}",
+                "  {:>2}{} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9.2} {:>9.1} {:>8}",
                 i + 1,
+                mesh(mesh_shape(&c.mesh, c.zero)),
                 format!("{} x {}", c.batch, c.grad_accum),
                 c.recompute.to_string(),
                 c.offload.set.to_string(),
@@ -221,12 +275,28 @@ impl Found {
                 format!("{:?}", k.time.bound).to_lowercase()
             );
         }
-        for r in &self.rejected {
+        if self.ranks > 1 {
+            let _ = writeln!(
+                o,
+                "  * the heaviest rank's; s/step the slowest rank's (batch: each data rank's micro-batch)"
+            );
+        }
+        // The groups nearest the budget (a mesh search rejects dozens).
+        let mut rejected: Vec<&Rejected> = self.rejected.iter().collect();
+        rejected.sort_by_key(|r| r.smallest_peak);
+        for r in rejected.iter().take(Self::KEEP) {
             let _ = writeln!(
                 o,
                 "  does not fit: {} (its smallest plan needs {})",
                 r.what,
                 fmt_bytes(r.smallest_peak)
+            );
+        }
+        if rejected.len() > Self::KEEP {
+            let _ = writeln!(
+                o,
+                "  and {} more groups that need more (plan.json's fit.not_fitting lists them)",
+                rejected.len() - Self::KEEP
             );
         }
         if let Some((dir, free)) = &self.disk {
@@ -331,18 +401,24 @@ pub fn search(
     if space.global_batch == 0 {
         bail!("--global-batch must be at least 1");
     }
-    let micro: Vec<usize> = match space.micro_batch {
-        Some(b) if b == 0 || !space.global_batch.is_multiple_of(b) => bail!(
+    let shapes = meshes(
+        spec,
+        space.ranks,
+        (
+            space.tensor.fixed(),
+            space.pipeline.fixed(),
+            space.zero.fixed(),
+        ),
+    )?;
+    if let Some(b) = space.micro_batch
+        && shapes.len() == 1
+        && (b == 0 || !(space.global_batch / shapes[0].0.data).is_multiple_of(b))
+    {
+        bail!(
             "--batch {b} does not divide --global-batch {}: the micro-batch times the accumulation must make the global batch",
             space.global_batch
-        ),
-        Some(b) => vec![b],
-        // Micro-batches that divide the global batch, in no more steps than a plan takes.
-        None => (1..=space.global_batch)
-            .filter(|&b| space.global_batch.is_multiple_of(b))
-            .filter(|&b| space.global_batch / b <= super::build::MAX_GRAD_ACCUM)
-            .collect(),
-    };
+        );
+    }
     let mut placements = space.offload.options(&OffloadSet::every());
     placements.sort_by_key(|&o| count(o));
     let policies = policies(space.recompute, spec.n_layer);
@@ -353,42 +429,98 @@ pub fn search(
         }
         _ => None,
     };
-    // Groups, each with a lower bound of its time: its unconstrained plan (least
-    // recomputation, least offload) without accumulation, its micro-batch part repeated.
+    // Groups: a mesh shape (one process's alone for one rank), precision, state format and
+    // micro-batch, each data rank taking an equal part of the global batch.
     let mut configs = Vec::new();
-    for &precision in &space
-        .precision
-        .options(&[Precision::F32, Precision::Bf16, Precision::F16])
-    {
-        for &state in
+    let mut refused = Vec::new();
+    for &(mesh, zero) in &shapes {
+        if mesh.world() > 1 && !placements.contains(&OffloadSet::NONE) {
+            refused.push(format!(
+                "{}: several ranks offload nothing yet (--offload none)",
+                mesh_flags(&mesh, zero)
+            ));
+            continue;
+        }
+        if !space.global_batch.is_multiple_of(mesh.data) {
+            refused.push(format!(
+                "{}: --global-batch {} does not split over {} data ranks",
+                mesh_flags(&mesh, zero),
+                space.global_batch,
+                mesh.data
+            ));
+            continue;
+        }
+        let per_rank = space.global_batch / mesh.data;
+        let micro: Vec<usize> = match space.micro_batch {
+            Some(b) if b > 0 && per_rank.is_multiple_of(b) => vec![b],
+            Some(_) => continue,
+            // Micro-batches that divide the rank's part, in no more steps than a plan takes.
+            None => (1..=per_rank)
+                .filter(|&b| per_rank.is_multiple_of(b))
+                .filter(|&b| per_rank / b <= super::build::MAX_GRAD_ACCUM)
+                .collect(),
+        };
+        for &precision in
             &space
-                .optim_state
-                .options(&[OptimState::F32, OptimState::Bf16, OptimState::Int8])
+                .precision
+                .options(&[Precision::F32, Precision::Bf16, Precision::F16])
         {
-            for &b in &micro {
-                let mut cfg = StepConfig::new(b, space.seq, space.threads);
-                cfg.grad_accum = space.global_batch / b;
-                cfg.precision = precision;
-                cfg.optim_state = state;
-                cfg.offload.dir = space.offload_dir.clone();
-                cfg.lora = space.lora.clone();
-                cfg.base_quant = space.base_quant;
-                cfg.base_types = space.base_types.clone();
-                configs.push(cfg);
+            for &state in
+                &space
+                    .optim_state
+                    .options(&[OptimState::F32, OptimState::Bf16, OptimState::Int8])
+            {
+                for &b in &micro {
+                    let mut cfg = StepConfig::new(b, space.seq, space.threads);
+                    cfg.grad_accum = per_rank / b;
+                    cfg.precision = precision;
+                    cfg.optim_state = state;
+                    cfg.offload.dir = space.offload_dir.clone();
+                    cfg.lora = space.lora.clone();
+                    cfg.base_quant = space.base_quant;
+                    cfg.base_types = space.base_types.clone();
+                    cfg.mesh = mesh;
+                    cfg.zero = zero;
+                    cfg.stage_layers = space.stage_layers.clone();
+                    // What the mesh does not compose with (int8 moments, a quantized base
+                    // under --tp, …) leaves the group out.
+                    if mesh.world() > 1
+                        && let Err(e) = check_mesh(spec, &cfg, Mode::Train)
+                    {
+                        refused.push(format!("{}: {e}", mesh_flags(&mesh, zero)));
+                        continue;
+                    }
+                    configs.push(cfg);
+                }
             }
         }
     }
+    if configs.is_empty() {
+        refused.dedup();
+        bail!(
+            "--fit: no mesh shape of the {} ranks can run this step: {}",
+            space.ranks,
+            refused.join("; ")
+        );
+    }
+    // Each group's lower bound of its time: its unconstrained plan (least recomputation,
+    // least offload) without accumulation, its micro-batch part repeated; on a mesh, rank
+    // 0's (the slowest rank is no faster).
     let mut groups = configs
         .into_par_iter()
         .map(|cfg| -> Result<Group> {
             let mut one = cfg.clone();
             one.grad_accum = 1;
             one.recompute = policies[0];
-            one.offload.set = placements[0];
+            one.offload.set = match one.mesh.world() > 1 {
+                true => OffloadSet::NONE,
+                false => placements[0],
+            };
             let t = predict(&build(spec, &one, Mode::Train, backend, Verify::No)?, cal);
             let k = cfg.grad_accum as f64;
+            // The pipeline's bubble is (p − 1) micro-batches' work whatever their number.
             Ok(Group {
-                bound: k * (t.step_s - t.update_s) + t.update_s,
+                bound: k * (t.step_s - t.update_s - t.bubble_s) + t.bubble_s + t.update_s,
                 cfg,
             })
         })
@@ -429,9 +561,13 @@ pub fn search(
             built += r.built;
             disk_refused |= r.disk_refused;
             if r.fitting.is_empty() {
+                let mesh = match g.cfg.mesh.world() > 1 {
+                    true => format!("{} ", mesh_flags(&g.cfg.mesh, g.cfg.zero)),
+                    false => String::new(),
+                };
                 rejected.push(Rejected {
                     what: format!(
-                        "--batch {} --grad-accum {} --precision {} --optim-state {}",
+                        "{mesh}--batch {} --grad-accum {} --precision {} --optim-state {}",
                         g.cfg.batch, g.cfg.grad_accum, g.cfg.precision, g.cfg.optim_state
                     ),
                     smallest_peak: r.smallest,
@@ -446,6 +582,7 @@ pub fn search(
     built += rebuilt;
     Ok(Found {
         compute: backend.tiers()[0],
+        ranks: space.ranks,
         ranked,
         rejected,
         skipped,
@@ -489,22 +626,22 @@ fn exact(
 ) -> Result<(Vec<Candidate>, usize)> {
     let rebuilt = ranked
         .into_par_iter()
-        .map(|k| -> Result<(Candidate, bool)> {
-            if k.cfg.grad_accum <= 2 {
-                return Ok((k, false));
+        .map(|k| -> Result<(Candidate, usize)> {
+            if micro_batches_built(&k.cfg.mesh, k.cfg.grad_accum) == k.cfg.grad_accum {
+                return Ok((k, 0));
             }
-            let plan = build(spec, &k.cfg, Mode::Train, backend, Verify::No)?;
+            let built = Built::new(spec, &k.cfg, backend)?;
             Ok((
                 Candidate {
-                    peak: plan.predicted_peak(baseline),
-                    time: predict(&plan, cal),
+                    peak: built.peak(baseline),
+                    time: built.time(cal),
                     cfg: k.cfg,
                 },
-                true,
+                built.count(),
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let built = rebuilt.iter().filter(|r| r.1).count();
+    let built = rebuilt.iter().map(|r| r.1).sum();
     let mut kept: Vec<Candidate> = rebuilt
         .into_iter()
         .map(|r| r.0)
@@ -525,7 +662,7 @@ fn search_group(
     (budget, disk_free): (u64, Option<u64>),
     baseline: u64,
     cal: &Calibration,
-    backend: &dyn Sizing,
+    backend: &(dyn Sizing + Sync),
 ) -> Result<GroupResult> {
     let budgets = Budgets::new(backend.tiers()[0], Some(budget), disk_free);
     let mut out = GroupResult {
@@ -547,20 +684,26 @@ fn search_group(
         if cap == 0 {
             continue;
         }
-        let mut fits_at = |i: usize| -> Result<(bool, Plan)> {
-            let mut c = cfg.clone();
+        // Several ranks offload nothing yet (`plan::zero::check`).
+        if cfg.mesh.world() > 1 && o != OffloadSet::NONE {
+            continue;
+        }
+        let mut placed = cfg.clone();
+        placed.offload.set = o;
+        let mut fits_at = |i: usize| -> Result<(bool, Built)> {
+            let mut c = placed.clone();
             c.recompute = policies[i];
-            c.offload.set = o;
-            // Micro-batches after the second repeat its buffers and ops: the search builds
-            // two (fast), and `exact` rebuilds the plans it keeps.
-            c.grad_accum = c.grad_accum.min(2);
-            let plan = build(spec, &c, Mode::Train, backend, Verify::No)?;
-            out.built += 1;
-            out.smallest = out.smallest.min(plan.predicted_peak(baseline));
-            // Every tier within its budget: the compute tier's, then the disk's.
-            let over = plan.over_budget(baseline, &budgets);
+            // Micro-batches after the second (a pipeline's first stage: the p-th) repeat its
+            // buffers and ops: the search builds that many (fast), and `exact` rebuilds the
+            // plans it keeps.
+            c.grad_accum = micro_batches_built(&c.mesh, c.grad_accum);
+            let plans = Built::new(spec, &c, backend)?;
+            out.built += plans.count();
+            out.smallest = out.smallest.min(plans.peak(baseline));
+            // Every tier within its budget on every rank: the compute tier's, then the disk's.
+            let over = plans.over_budget(baseline, &budgets);
             out.disk_refused |= over.as_ref().is_some_and(|u| u.tier == Tier::Nvme);
-            Ok((over.is_none(), plan))
+            Ok((over.is_none(), plans))
         };
         // The most recomputation allowed must fit, else nothing does with this placement.
         let (ok, plan) = fits_at(cap - 1)?;
@@ -579,24 +722,24 @@ fn search_group(
             }
         }
         least.push((o, hi));
-        let mut time = predict(&best, cal);
+        let mut time = best.time(cal);
         if o.activations && time.stall_s > 0.01 * time.step_s {
             // With activations on disk, recomputing more moves fewer bytes: a step that waits
             // for the disk can be faster with more recomputation. Try a few steps up the order.
             for i in coarse(policies).into_iter().filter(|&i| hi < i && i < cap) {
-                let (ok, plan) = fits_at(i)?;
-                let t = predict(&plan, cal);
+                let (ok, plans) = fits_at(i)?;
+                let t = plans.time(cal);
                 if ok && t.step_s < time.step_s {
-                    (best, time) = (plan, t);
+                    (best, time) = (plans, t);
                 }
             }
         }
-        let mut cfg_k = best.cfg.clone();
+        let mut cfg_k = best.cfg().clone();
         cfg_k.grad_accum = cfg.grad_accum;
         out.fitting.push(Candidate {
             cfg: cfg_k,
-            peak: best.predicted_peak(baseline),
-            time: repeat_micro_batches(time, best.cfg.grad_accum, cfg.grad_accum),
+            peak: best.peak(baseline),
+            time: repeat_micro_batches(time, best.cfg().grad_accum, cfg.grad_accum),
         });
     }
     Ok(out)

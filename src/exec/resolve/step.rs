@@ -3,6 +3,7 @@
 
 use super::request::{DEFAULT_SEQ, StepRequest, StrategyRequest};
 use crate::ir::Sizing;
+use crate::ir::shard::Zero;
 use crate::ir::{OptimState, Precision, RecomputeChoice};
 use crate::model::ModelSpec;
 use crate::plan::fit::{self, Strategies};
@@ -97,8 +98,15 @@ pub fn fit_space(
     notes: &mut Vec<String>,
     threads: usize,
     default_batch: usize,
+    ranks: usize,
 ) -> Result<search::Space> {
     let st = &step.strategy;
+    if st.pp_layers.is_some() {
+        bail!(
+            "--fit cuts the pipeline's layers evenly: drop --pp-layers, or give the strategies \
+             yourself (--pp, --pp-layers and the rest) without --fit"
+        );
+    }
     if st.grad_accum.is_some() && step.global_batch.is_some() {
         bail!("--fit chooses --grad-accum from --global-batch: give one of them");
     }
@@ -141,6 +149,24 @@ pub fn fit_space(
         lora: None,
         base_quant: st.base_quant.unwrap_or_default(),
         base_types: None,
+        ranks,
+        // One process has one shape; several are searched unless given.
+        tensor: match (st.tp, ranks) {
+            (Some(t), _) => Pick::Fixed(t),
+            (None, 1) => Pick::Fixed(1),
+            (None, _) => Pick::Auto,
+        },
+        pipeline: match (st.pp, ranks) {
+            (Some(p), _) => Pick::Fixed(p),
+            (None, 1) => Pick::Fixed(1),
+            (None, _) => Pick::Auto,
+        },
+        zero: match (st.zero, ranks) {
+            (Some(z), _) => Pick::Fixed(z),
+            (None, 1) => Pick::Fixed(Zero::DP),
+            (None, _) => Pick::Auto,
+        },
+        stage_layers: Vec::new(),
     })
 }
 
@@ -176,21 +202,10 @@ pub fn resolve_step(
              continues with that dropout)"
         );
     }
-    if step.fit
-        && (ranks > 1
-            || st.zero.is_some()
-            || st.tp.is_some()
-            || st.pp.is_some()
-            || st.pp_layers.is_some())
-    {
-        bail!(
-            "--fit searches one process's plan; with --ranks, --zero, --tp, --pp or --pp-layers give the strategies yourself (the per-rank search is not there yet)"
-        );
-    }
     if step.fit {
         let budget = step.max_memory.context("--fit needs --max-memory")?;
         let mut notes = Vec::new();
-        let mut space = fit_space(step, &mut notes, threads, default_batch)?;
+        let mut space = fit_space(step, &mut notes, threads, default_batch, ranks)?;
         space.lora = match &frozen.lora {
             Some(l) => Some(l.clone()),
             None => st.lora.as_ref().map(|l| l.spec(spec.family)).transpose()?,
@@ -417,7 +432,8 @@ mod tests {
         }
     }
 
-    /// `auto` precision or optimizer state is for `--fit` only; `--fit` refuses ranks.
+    /// `auto` precision or optimizer state is for `--fit` only; `--fit` cuts stages evenly, so
+    /// it refuses `--pp-layers`.
     #[test]
     fn auto_flags_outside_fit_are_refused() {
         let mut req = request(Some(4), None, None);
@@ -427,7 +443,9 @@ mod tests {
         let mut req = request(Some(4), None, None);
         req.fit = true;
         req.max_memory = Some(1 << 30);
+        req.strategy.pp = Some(2);
+        req.strategy.pp_layers = Some(crate::plan::stage_cut::StageCut::Auto);
         let e = format!("{:#}", resolved(&req, 2).unwrap_err());
-        assert!(e.contains("--fit searches one process's plan"), "{e}");
+        assert!(e.contains("--fit cuts the pipeline's layers evenly"), "{e}");
     }
 }

@@ -479,10 +479,15 @@ fn fit_run(
     progress: &mut dyn Progress,
 ) -> Result<()> {
     if ranks > 1 {
-        bail!("--fit searches one process's plan; under mpirun give the strategies yourself");
+        bail!(
+            "--fit under mpirun: each of the {ranks} ranks would search alone, and they must \
+             agree; run `memwall plan --ranks {ranks} --fit ...` with the same flags once, then \
+             start the ranks with the flags it prints (--tp, --pp, --zero, --batch, …) instead \
+             of --fit"
+        );
     }
     let mut notes = Vec::new();
-    let mut space = fit_space(&req.step, &mut notes, o.threads, o.batch)?;
+    let mut space = fit_space(&req.step, &mut notes, o.threads, o.batch, ranks)?;
     o.strategies = req.step.strategy.for_fit(req.step.max_memory);
     let budget = o
         .strategies
