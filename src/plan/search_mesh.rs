@@ -38,7 +38,10 @@ pub(super) fn meshes(
     let tensors: Vec<usize> = match tensor {
         Some(t) => {
             if t == 0 || !n.is_multiple_of(t) {
-                bail!("--tp {t} does not divide the {n} ranks (--ranks): --fit keeps it");
+                bail!(
+                    "--tp {t} does not divide the {n} ranks (plan --ranks N, or mpirun -np N): \
+                     --fit keeps the size given; give one that divides {n}, or leave it to --fit"
+                );
             }
             spec.check_tensor_split(t)?;
             vec![t]
@@ -56,7 +59,7 @@ pub(super) fn meshes(
         for p in pipelines {
             if p == 0 || !n.is_multiple_of(t * p) {
                 bail!(
-                    "--tp {t} × --pp {p} does not divide the {n} ranks (--ranks): --fit keeps \
+                    "--tp {t} × --pp {p} does not divide the {n} ranks (plan --ranks N, or mpirun -np N): --fit keeps \
                      the sizes given; give sizes whose product divides {n}, or leave them to it"
                 );
             }
