@@ -60,32 +60,33 @@ unsafe fn inside(raw: *mut u8, l: Layout) -> *mut u8 {
     }
 }
 
+/// A block for `l` from `system` (`System`'s `alloc` or `alloc_zeroed`): `l` itself, or the
+/// padded block's inside.
+///
+/// # Safety
+/// `l` has a non-zero size, and `system` returns a block of the layout it is given, or null.
+unsafe fn through(l: Layout, system: impl FnOnce(Layout) -> *mut u8) -> *mut u8 {
+    if !padded(l) {
+        return system(l);
+    }
+    let raw = system(outer(l));
+    if raw.is_null() {
+        raw
+    } else {
+        unsafe { inside(raw, l) }
+    }
+}
+
 // SAFETY: every pointer handed out is aligned as asked and valid for the size asked (see
 // `inside`); padded blocks are freed through the address stored below them, others go
 // straight to `System`, chosen by the same `padded(layout)` on both sides.
 unsafe impl GlobalAlloc for PaddedAligned {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if !padded(l) {
-            return unsafe { System.alloc(l) };
-        }
-        let raw = unsafe { System.alloc(outer(l)) };
-        if raw.is_null() {
-            raw
-        } else {
-            unsafe { inside(raw, l) }
-        }
+        unsafe { through(l, |l| System.alloc(l)) }
     }
 
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        if !padded(l) {
-            return unsafe { System.alloc_zeroed(l) };
-        }
-        let raw = unsafe { System.alloc_zeroed(outer(l)) };
-        if raw.is_null() {
-            raw
-        } else {
-            unsafe { inside(raw, l) }
-        }
+        unsafe { through(l, |l| System.alloc_zeroed(l)) }
     }
 
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
