@@ -53,8 +53,7 @@ const FULL: &str = "full_attention";
 #[test]
 fn gemma3_converts_to_transformers_names_with_every_norm_minus_one() {
     let (f, _dir, out) = convert_it(&tiny_gemma3(7));
-    let cfg: serde_json::Value =
-        serde_json::from_slice(&fs::read(out.join(CONFIG_FILE)).unwrap()).unwrap();
+    let cfg = super::tests::read_json(&out.join(CONFIG_FILE));
     for (k, v) in [
         ("model_type", json!("gemma3_text")),
         ("architectures", json!(["Gemma3ForCausalLM"])),

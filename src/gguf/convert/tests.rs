@@ -17,7 +17,7 @@ fn opts(input: &Path, out: &Path) -> ConvertOptions {
     }
 }
 
-fn read_json(p: &Path) -> serde_json::Value {
+pub(super) fn read_json(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&fs::read(p).unwrap()).unwrap()
 }
 
