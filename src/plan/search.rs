@@ -412,6 +412,7 @@ pub fn search(
     )?;
     if let Some(b) = space.micro_batch
         && shapes.len() == 1
+        && space.global_batch.is_multiple_of(shapes[0].0.data)
         && (b == 0 || !(space.global_batch / shapes[0].0.data).is_multiple_of(b))
     {
         bail!(
