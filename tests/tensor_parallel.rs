@@ -39,13 +39,16 @@ struct Outcome {
     layout: ParamLayout,
     sent: u64,
     planned: u64,
+    /// Bytes of the residual stream between the first two blocks (`h0.out`).
+    stream_bytes: u64,
 }
 
 /// Trains `model` with batch `b` per data rank for [`STEPS`] steps on `comm` as `mesh`'s
-/// rank, ZeRO stage `zero` (one process: `Single` and [`Mesh::SINGLE`], batch `b` with accumulation `accum`).
+/// rank, ZeRO stage `zero`, with sequence parallelism or not (one process: `Single` and
+/// [`Mesh::SINGLE`], batch `b` with accumulation `accum`).
 fn train(
     model: &str,
-    (mesh, zero): (Mesh, Zero),
+    (mesh, zero, sequence): (Mesh, Zero, bool),
     comm: Arc<dyn Comm>,
     b: usize,
     accum: usize,
@@ -55,10 +58,15 @@ fn train(
     let mut cfg = StepConfig::new(b, SEQ, 1);
     cfg.mesh = mesh;
     cfg.zero = zero;
+    cfg.sequence_parallel = sequence;
     cfg.grad_accum = accum;
     cfg.recompute = re;
     let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
     let planned = plan.comm_bytes_per_step();
+    let stream_bytes = (plan.buffers.iter())
+        .find(|b| b.name == "h0.out")
+        .expect("the first block's output")
+        .bytes;
     let layout = plan.layout.clone();
     let mut ex = Executor::among(plan, backend(), comm.clone()).unwrap();
     let mut init = layout.initializer(3);
@@ -86,13 +94,15 @@ fn train(
         layout,
         sent: (comm.bytes_sent() - before) / STEPS,
         planned,
+        stream_bytes,
     }
 }
 
-/// `data × tensor` ranks as threads, ZeRO stage `zero` on the data axis.
+/// `data × tensor` ranks as threads, ZeRO stage `zero` on the data axis, with sequence
+/// parallelism or not.
 fn ranks(
     model: &str,
-    (data, tensor, zero): (usize, usize, Zero),
+    (data, tensor, zero, sequence): (usize, usize, Zero, bool),
     b: usize,
     re: Recompute,
 ) -> Vec<Outcome> {
@@ -111,7 +121,7 @@ fn ranks(
                     pipeline: 1,
                     rank,
                 };
-                s.spawn(move || train(model, (mesh, zero), comm, b, 1, re))
+                s.spawn(move || train(model, (mesh, zero, sequence), comm, b, 1, re))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -160,12 +170,21 @@ fn matches_one_process(model: &str, data: usize, tensor: usize, re: Recompute) {
 /// [`matches_one_process`] with ZeRO stage `zero` on the data axis (at stage 3 the
 /// parameters are shards, so the losses and norms are compared, not the weights).
 fn matches_one_process_at(model: &str, (data, tensor, zero): (usize, usize, Zero), re: Recompute) {
+    matches_one_process_with(model, (data, tensor, zero, false), re)
+}
+
+/// [`matches_one_process_at`] with sequence parallelism or not.
+fn matches_one_process_with(
+    model: &str,
+    (data, tensor, zero, sequence): (usize, usize, Zero, bool),
+    re: Recompute,
+) {
     let b = 2;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
-    let reference = train(model, (Mesh::SINGLE, Zero::DP), single, b, data, re);
-    let out = ranks(model, (data, tensor, zero), b, re);
+    let reference = train(model, (Mesh::SINGLE, Zero::DP, false), single, b, data, re);
+    let out = ranks(model, (data, tensor, zero, sequence), b, re);
     let whole = ParamLayout::new(&spec_of(model));
-    let what = format!("{model} data={data} tensor={tensor} zero={zero} {re:?}");
+    let what = format!("{model} data={data} tensor={tensor} zero={zero} sequence={sequence} {re:?}");
     for (rank, o) in out.iter().enumerate() {
         assert!(o.layout.split.is_split(), "{what}: rank {rank} holds parts");
         assert!(o.layout.total < whole.total, "{what}: a part is smaller");
@@ -180,6 +199,9 @@ fn matches_one_process_at(model: &str, (data, tensor, zero): (usize, usize, Zero
             assert!(rel(*a, *b) < 1e-4, "{what} rank {rank}: norm {a} vs {b}");
         }
         assert_eq!(o.sent, o.planned, "{what} rank {rank}: bytes sent per step");
+        // Each rank holds its rows of the stream under sequence parallelism, all of it else.
+        let rows = if sequence { tensor } else { 1 } as u64;
+        assert_eq!(o.stream_bytes * rows, reference.stream_bytes, "{what}");
         assert!(o.planned > 0);
     }
     if zero.shards_params() {
@@ -242,6 +264,27 @@ fn two_tensor_ranks_train_llama_with_grouped_query_attention_like_one_process() 
     matches_one_process("llama-tiny as qwen3", 2, 2, Recompute::None);
     matches_one_process("llama-tiny as gemma3", 1, 2, Recompute::Full);
     matches_one_process("llama-tiny as gemma3", 2, 2, Recompute::Selective);
+}
+
+/// Sequence parallelism: the residual stream, the norms and their outputs cut by rows among
+/// the tensor ranks (all-gathers and reduce-scatters in place of the all-reduces, the norms'
+/// gradients summed), under every recomputation policy, for GPT-2 (LayerNorm, biases,
+/// learned positions), Llama with grouped-query attention, Qwen3's q/k norms and Gemma 3's
+/// post-norms; with data ranks and ZeRO beside it.
+#[test]
+fn sequence_parallel_tensor_ranks_train_like_one_process() {
+    let sp = |model, (data, tensor, zero), re| {
+        matches_one_process_with(model, (data, tensor, Zero(zero), true), re)
+    };
+    for re in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        sp("gpt2-tiny", (1, 2, 0), re);
+        sp("llama-tiny", (1, 2, 0), re);
+    }
+    sp("llama-tiny as qwen3", (1, 2, 0), Recompute::Selective);
+    sp("llama-tiny as gemma3", (1, 2, 0), Recompute::None);
+    sp("llama-tiny as gemma3", (1, 2, 0), Recompute::Full);
+    sp("llama-tiny as phi3", (2, 2, 1), Recompute::None);
+    sp("gpt2-tiny", (2, 2, 2), Recompute::Selective);
 }
 
 #[test]

@@ -1112,7 +1112,7 @@ fn tensor_parallel_parts_load_their_runs_of_the_whole_files() {
     for rank in 0..2 {
         let part = ParamLayout::part(
             &spec,
-            crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank }),
+            crate::ir::ModelPart::tensor(TensorSplit::new(2, rank)),
         );
         // What the rank should hold: each tensor's part of the whole one.
         let mine = |whole: &[f32]| -> Vec<f32> {
@@ -1160,7 +1160,7 @@ fn tensor_parallel_parts_load_their_runs_of_the_whole_files() {
         // A part of another model: refused, naming the whole models.
         let other = ParamLayout::part(
             &small_spec(101),
-            crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank }),
+            crate::ir::ModelPart::tensor(TensorSplit::new(2, rank)),
         );
         let (mut m4, mut v4) = (vec![0f32; other.total], vec![0f32; other.total]);
         let mm = MomentsMut::F32 {

@@ -105,10 +105,7 @@ impl Mesh {
 
     /// This rank's share of every layer along the tensor axis.
     pub fn tensor_split(&self) -> TensorSplit {
-        TensorSplit {
-            size: self.tensor.max(1),
-            rank: self.coord(Axis::Tensor),
-        }
+        TensorSplit::new(self.tensor.max(1), self.coord(Axis::Tensor))
     }
 
     /// This rank's stage of the layers along the pipeline axis, of the cut `counts` (each
@@ -156,17 +153,60 @@ impl Mesh {
 /// embedding and the LM head their rows of the vocabulary ([`TensorSplit::vocab_part`]), and
 /// every other tensor (norms, learned positions, the row-parallel biases) is whole on every
 /// rank.
+///
+/// With `sequence` (Megatron's sequence parallelism, Korthikanti et al. 2022) the residual
+/// stream between the parallel regions is cut too: each rank holds its `rank`-th run of the
+/// N token rows ([`TensorSplit::own_rows`]), on which the norms and residual adds run; a
+/// column-parallel layer gathers the rows it reads (all-gather), a row-parallel layer's
+/// output is reduce-scattered back to them, and in the backward the two swap. The norms'
+/// gradients are then each rank's share, summed over the tensor axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct TensorSplit {
     /// Ranks on the tensor axis.
     pub size: usize,
     /// This rank's index on it.
     pub rank: usize,
+    /// Sequence parallelism: the residual stream cut by token rows among the tensor ranks.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub sequence: bool,
 }
 
 impl TensorSplit {
     /// The whole model (one rank on the tensor axis).
-    pub const WHOLE: TensorSplit = TensorSplit { size: 1, rank: 0 };
+    pub const WHOLE: TensorSplit = TensorSplit {
+        size: 1,
+        rank: 0,
+        sequence: false,
+    };
+
+    /// The `rank`-th of `size` tensor ranks, the residual stream whole on each.
+    pub fn new(size: usize, rank: usize) -> TensorSplit {
+        TensorSplit {
+            size,
+            rank,
+            sequence: false,
+        }
+    }
+
+    /// Whether the residual stream is cut by rows among the ranks (sequence parallelism on
+    /// more than one rank).
+    pub fn cuts_rows(&self) -> bool {
+        self.sequence && self.is_split()
+    }
+
+    /// The rows of the residual stream this rank holds of `rows`: all of them, or under
+    /// sequence parallelism its `rank`-th run of N/size consecutive rows (N a multiple of
+    /// `size`: the plan's check), as one sequence of that many rows (the ops on them are
+    /// row by row).
+    pub fn own_rows(&self, rows: super::schedule::Rows) -> super::schedule::Rows {
+        match self.cuts_rows() {
+            true => super::schedule::Rows {
+                b: 1,
+                t: rows.n() / self.size,
+            },
+            false => rows,
+        }
+    }
 
     /// Whether the model is cut at all.
     pub fn is_split(&self) -> bool {

@@ -490,7 +490,10 @@ pub enum Op {
     },
     /// `shard` (as long as the rank's chunk) becomes (`accumulate`: gains) the sum over the
     /// ranks of chunk `rank` of `buf` (cut as `cut` says), whose contents are consumed
-    /// (`--zero 1` and up: a group's gradients).
+    /// (`--zero 1` and up: a group's gradients; under sequence parallelism a row-parallel
+    /// layer's output, or a column-parallel layer's input gradient, scattered to each
+    /// tensor rank's rows). With `residual` (as long as `shard`, not accumulating) `shard`
+    /// becomes `residual` plus the sum: the residual stream's add after a row-parallel layer.
     ReduceScatter {
         buf: BufId,
         shard: BufId,
@@ -498,6 +501,7 @@ pub enum Op {
         accumulate: bool,
         cut: CutOf,
         axis: Axis,
+        residual: Option<BufId>,
     },
     /// Every rank's chunk `rank` of `buf` (cut as `cut` says) is copied into every
     /// rank's `buf`; with `shard`, the rank's chunk is first copied from there (a group's

@@ -7,11 +7,12 @@
 //! head) around [`forward`] and [`backward`].
 //!
 //! Under tensor parallelism (`EmitOptions::tensor`) a family emits its rank's part of each
-//! block (its heads and MLP channels) and joins the parts with [`join_tensor_parts`]: after
-//! each row-parallel layer in the forward (the first rank alone adding the residual and the
-//! bias, so the sum adds them once) and after each column-parallel layer's input gradient in
-//! the backward (Megatron's f and g). Everything else is the same on every tensor rank,
-//! bitwise: the ring gives every rank the same sum.
+//! block (its heads and MLP channels) and joins the parts as [`super::tensor_join`] says:
+//! after each row-parallel layer in the forward (the first rank alone adding the bias, so
+//! the sum adds it once) and after each column-parallel layer's input gradient in the
+//! backward (Megatron's f and g); with sequence parallelism the residual stream (each
+//! block's input and output, `res_in`, `dres`) is the rank's rows of it. Everything else is
+//! the same on every tensor rank, bitwise: the ring gives every rank the same sum.
 //!
 //! Under pipeline parallelism (`EmitOptions::stage`) a family emits its stage's blocks
 //! (named by their index in the whole model) and, where the stage does not begin or end the
@@ -22,7 +23,7 @@
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{Op, Phase};
 use crate::ir::strategy::{BlockPolicy, Recompute};
-use crate::ir::{Axis, BufId, Category, Cut, CutOf, Peer, TensorSplit};
+use crate::ir::{BufId, Category, Peer};
 
 /// A family's block as stages. Implemented by the family's dimensions of one micro-batch,
 /// which all its blocks share.
@@ -55,7 +56,8 @@ pub(crate) trait StagedBlock: Sized {
     /// The block's activations: those in `partial`, else `base`'s.
     fn acts(partial: Self::Partial, base: Option<&Self::Acts>) -> Self::Acts;
     /// Emits the forward op after the last stage; returns the block's output, the residual
-    /// stream entering the next block `[N, C]`. What it writes that the backward reads goes
+    /// stream entering the next block `[N, C]` (the rank's rows: `[N/T, C]` under sequence
+    /// parallelism, as every `[N, C]` of the stream here). What it writes that the backward reads goes
     /// into `a`.
     fn emit_output(g: &mut Builder, blk: &Block<Self>, a: &mut Self::Acts) -> BufId;
     /// Emits the backward of the block: reads `a` and the block input, accumulates into the
@@ -179,48 +181,6 @@ pub(crate) fn residual_grad(g: &mut Builder, pfx: &str, len: usize) -> BufId {
         Op::Zero { buf: dres },
     );
     dres
-}
-
-/// Joins the tensor-parallel ranks' parts of `buf` (`len` elements; a row-parallel layer's
-/// output, a column-parallel layer's input gradient): it becomes its sum over the tensor
-/// axis, awaited at once (the next op reads it). Its scratch is `{name}.comm`. Nothing on
-/// one rank.
-pub(crate) fn join_tensor_parts(
-    g: &mut Builder,
-    split: TensorSplit,
-    (buf, len): (BufId, usize),
-    name: &str,
-    phase: Phase,
-) {
-    if !split.is_split() {
-        return;
-    }
-    let cut = Cut::even(len, split.size);
-    let scratch = g.act(
-        format!("{name}.comm"),
-        Category::Communication,
-        cut.scratch(),
-    );
-    g.op(
-        format!("{name}.all_reduce"),
-        phase,
-        0,
-        Op::AllReduce {
-            buf,
-            scratch,
-            cut: CutOf::Even,
-            axis: Axis::Tensor,
-            elems: None,
-        },
-    );
-    g.op(
-        format!("{name}.all_reduce.await"),
-        phase,
-        0,
-        Op::AwaitCollective {
-            bufs: vec![buf, scratch],
-        },
-    );
 }
 
 /// Receives `{pfx}{name}` (`len` elements in the storage type, of `category`) from the

@@ -5,11 +5,12 @@
 //! ([`crate::ir::TensorSplit::vocab_part`], Megatron's vocabulary-parallel embedding): it
 //! gathers the tokens it holds (zero rows for the others), the first rank alone adds the
 //! positions, and one all-reduce on the tensor axis sums the parts, so every rank holds the
-//! whole embedding, as one process does. In the backward every rank has the same gradient
-//! and scatters it into its own rows (and the positions', whole on every rank); nothing is
-//! sent.
+//! whole embedding, as one process does (under sequence parallelism a reduce-scatter, so
+//! each holds its rows of it). In the backward every rank has the same gradient (gathered
+//! from the ranks' rows under sequence parallelism) and scatters it into its own rows (and
+//! the positions', whole on every rank).
 
-use super::block_emit::join_tensor_parts;
+use super::tensor_join::{RowParallel, gather_rows};
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{Op, Phase, Rows};
 use crate::ir::{BufId, Category, TensorSplit};
@@ -45,10 +46,11 @@ impl Embedding<'_> {
         self.split.vocab_part(self.vocab).start
     }
 
-    /// Emits the forward into a fresh buffer `{pfx}{out}` `[N, C]` of the storage type.
+    /// Emits the forward into a fresh buffer `{pfx}{out}` `[N, C]` of the storage type (the
+    /// rank's rows under sequence parallelism).
     pub fn forward(&self, g: &mut Builder, out: &str) -> BufId {
         let (pfx, n, c) = (self.pfx, self.rows.n(), self.c);
-        let res = g.act(format!("{pfx}{out}"), Category::Activation, n * c); // [N, C]
+        let res = RowParallel::new(g, self.split, (&format!("{pfx}{out}"), n * c), None);
         let name = format!("{pfx}{}", self.op);
         g.op(
             name.clone(),
@@ -57,22 +59,26 @@ impl Embedding<'_> {
             Op::Encoder {
                 tokens: self.tokens,
                 positions: self.positions,
-                out: res,
+                out: res.out,
                 wte: self.wte.clone(),
                 // Added once to the ranks' sum.
-                wpe: self.wpe.clone().filter(|_| self.split.adds_once()),
+                wpe: self.wpe.clone().filter(|_| res.bias),
                 first_token: self.first_token(),
                 rows: self.rows,
                 c,
                 scale: self.scale,
             },
         );
-        join_tensor_parts(g, self.split, (res, n * c), &name, Phase::Forward);
-        res
+        res.join(g, &name, Phase::Forward)
     }
 
-    /// Emits the backward reading the gradient of the output `dout` `[N, C]`.
+    /// Emits the backward reading the gradient of the output `dout` `[N, C]` (the rank's
+    /// rows under sequence parallelism, gathered first).
     pub fn backward(&self, g: &mut Builder, dout: BufId) {
+        let (pfx, n, c) = (self.pfx, self.rows.n(), self.c);
+        let name = format!("{pfx}{}.bwd.dout", self.op);
+        let cat = (name.as_str(), Category::ActivationGrad);
+        let dout = gather_rows(g, self.split, (dout, n * c), cat, Phase::Backward);
         g.op(
             format!("{}{}.bwd", self.pfx, self.op),
             Phase::Backward,

@@ -10,12 +10,14 @@
 //! all-gather on the tensor axis gives every rank every rank's, and [`Op::LmHeadLoss`] then
 //! computes the same loss on every rank and its own columns of the logits' gradient (the
 //! logits computed again, unless they were one chunk and kept). The ranks' input gradients
-//! are partial sums, joined by an all-reduce.
+//! are partial sums, joined by an all-reduce. Under sequence parallelism the head's input is
+//! gathered from the ranks' rows first, and its gradient reduce-scattered back to them
+//! ([`super::tensor_join`]).
 
 use crate::ir::builder::{Builder, MicroBatch};
 use crate::ir::schedule::{Op, Phase, VocabShare};
 use crate::ir::{Axis, BufId, Category, CutOf, EmitOptions};
-use crate::model::block_emit::join_tensor_parts;
+use crate::model::tensor_join::{InputGrad, gather_rows};
 use std::ops::Range;
 
 /// Per row, the numbers [`Op::LmHeadStats`] keeps: maximum, sum of exponentials, target logit.
@@ -25,12 +27,14 @@ const STATS: usize = 3;
 pub(crate) enum Head {
     /// `Next-token logits [V]` (generation plans).
     Logits(BufId),
-    /// `d(loss)/d(inp) [N, C]` (training plans), named `{prefix}{dinp_name}`.
+    /// `d(loss)/d(inp) [N, C]` (training plans; the rank's rows under sequence
+    /// parallelism), named `{prefix}{dinp_name}`.
     InputGrad(BufId),
 }
 
-/// Emits the head reading `inp` `[N, C]` (the final norm's output) with weight `w` `[V, C]`
-/// (the rank's rows of the vocabulary `v` under tensor parallelism).
+/// Emits the head reading `inp` `[N, C]` (the final norm's output, the rank's rows of it
+/// under sequence parallelism) with weight `w` `[V, C]` (the rank's rows of the vocabulary
+/// `v` under tensor parallelism).
 pub(crate) fn emit(
     g: &mut Builder,
     cfg: &EmitOptions,
@@ -59,6 +63,9 @@ pub(crate) fn emit(
         return Head::Logits(logits);
     };
     let split = cfg.tensor;
+    let inp_name = format!("{pfx}lm_head.inp");
+    let cat = (inp_name.as_str(), Category::Activation);
+    let inp = gather_rows(g, split, (inp, n * c), cat, Phase::Forward);
     let vocab = split.vocab_part(v);
     let v = vocab.len();
     let row_bytes = (v * 4) as u64;
@@ -71,7 +78,7 @@ pub(crate) fn emit(
         Category::Workspace,
         rows_per_chunk * v,
     ); // [rows, Vpart]
-    let dinp = g.act(format!("{pfx}{dinp_name}"), Category::ActivationGrad, n * c); // [N, C]
+    let dinp = InputGrad::new(g, split, (&format!("{pfx}{dinp_name}"), n * c)); // [N, C]
     let name = format!("{pfx}lm_head+loss");
     let head_flops = 2 * (n * c * v) as u64;
     let vocab = split.is_split().then(|| {
@@ -140,7 +147,7 @@ pub(crate) fn emit(
             targets: loss.targets,
             losses: loss.losses,
             logits,
-            dinp: Some(dinp),
+            dinp: Some(dinp.buf),
             w,
             rows: mb.rows,
             c,
@@ -150,6 +157,5 @@ pub(crate) fn emit(
         },
     );
     // The ranks' input gradients are each their rows' share.
-    join_tensor_parts(g, split, (dinp, n * c), &name, Phase::Backward);
-    Head::InputGrad(dinp)
+    Head::InputGrad(dinp.join(g, &name, Phase::Backward))
 }

@@ -6,7 +6,8 @@
 //! field), [`params`], [`lora`] (the adapters' layout and PEFT's files), [`rope`] (the
 //! `inv_freq` table as transformers computes it), and the emission every family shares
 //! (`block_emit`: a block's stages, recomputation and backward; `lm_head`: the chunked head
-//! and loss, and the generation head).
+//! and loss, and the generation head; `tensor_join`: where the tensor ranks' parts meet,
+//! with or without sequence parallelism).
 //!
 //! **Invariant:** a family is one module. Adding one is a module under `model/` (inventory,
 //! initialisation, config, naming, emission), its arms in [`family`], and the ops its layers
@@ -24,6 +25,7 @@ pub mod lora;
 pub mod params;
 pub mod rope;
 pub mod spec;
+pub(crate) mod tensor_join;
 
 pub use params::{Init, ParamGroup, ParamInit, ParamLayout, ParamTensor, TensorPart, TiedName};
 pub use spec::{Biases, Family, ModelSpec, Norm, Position, RopeScaling, SpecialTokens};

@@ -301,6 +301,23 @@ impl LayoutBuilder {
         }
     }
 
+    /// Appends a norm's tensor (`[n]`, no decay): a norm on the residual stream's rows,
+    /// whose gradient each tensor rank computes a share of under sequence parallelism (its
+    /// rows'; [`ParamTensor::partial_grad`] then). Returns its element range.
+    pub(crate) fn push_norm(
+        &mut self,
+        name: String,
+        n: usize,
+        init: Init,
+        split: crate::ir::TensorSplit,
+    ) -> Range<usize> {
+        let r = self.push(name, &[n], false, init);
+        if split.cuts_rows() {
+            self.partial_grad(split);
+        }
+        r
+    }
+
     /// Closes the group of the tensors pushed since the last group (none when those are
     /// all absent).
     pub(crate) fn group(&mut self, name: impl Into<String>) {
@@ -606,7 +623,7 @@ mod tests {
             for rank in 0..2 {
                 let part = ParamLayout::part(
                     &spec,
-                    crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank }),
+                    crate::ir::ModelPart::tensor(TensorSplit::new(2, rank)),
                 );
                 assert!(part.same_model(&whole) && whole.same_model(&part), "{name}");
                 assert!(!part.same_layout(&whole), "{name}: a part is not the whole");
@@ -645,7 +662,7 @@ mod tests {
             for t in &whole.tensors {
                 let part = ParamLayout::part(
                     &spec,
-                    crate::ir::ModelPart::tensor(TensorSplit { size: 2, rank: 0 }),
+                    crate::ir::ModelPart::tensor(TensorSplit::new(2, 0)),
                 );
                 let cut = part.get(&t.name).unwrap().part.is_some();
                 let want = if cut { 1 } else { 2 };
@@ -675,7 +692,7 @@ mod tests {
                 .into_iter()
                 .filter(|c| spec.check_tensor_split(c.0).is_ok())
             {
-                let part = ParamLayout::part(&spec, ModelPart::tensor(TensorSplit { size, rank }));
+                let part = ParamLayout::part(&spec, ModelPart::tensor(TensorSplit::new(size, rank)));
                 let mut want = vec![f32::NAN; part.total];
                 for (w, r) in part.whole_runs(0..part.total) {
                     want[r.clone()].copy_from_slice(&values[w..w + r.len()]);

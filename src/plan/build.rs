@@ -321,6 +321,9 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
     if mesh.pipeline > 1 {
         check_pipeline(spec, cfg, mode)?;
     }
+    if cfg.sequence_parallel {
+        check_sequence_parallel(cfg)?;
+    }
     if mesh.tensor <= 1 {
         return Ok(());
     }
@@ -342,6 +345,28 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
             "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole \
              tensors, which the tensor ranks' parts would cut (their checkpoints could not \
              hold one process's moments); use --optim-state bf16 or fp32"
+        );
+    }
+    Ok(())
+}
+
+/// Checks sequence parallelism (`--sequence-parallel`): it cuts the residual stream among
+/// the tensor ranks, so it needs some, and a micro-batch's B·T rows must divide among them.
+fn check_sequence_parallel(cfg: &StepConfig) -> Result<()> {
+    let t = cfg.mesh.tensor;
+    if t <= 1 {
+        bail!(
+            "--sequence-parallel cuts the residual stream by token rows among the tensor ranks: \
+             give --tp 2 or more with it (or leave it out)"
+        );
+    }
+    let (b, s) = (cfg.batch, cfg.seq);
+    if (b * s) % t != 0 {
+        bail!(
+            "--sequence-parallel with --tp {t}: a micro-batch's {b} x {s} = {} token rows do not \
+             divide among {t} tensor ranks; choose --batch and --seq so that {t} divides their \
+             product",
+            b * s
         );
     }
     Ok(())

@@ -6,7 +6,7 @@ use super::Offload;
 use crate::ir::shard::{Sharding, Zero};
 use crate::ir::{
     BaseQuant, BaseTypes, EmitOptions, Mesh, ModelPart, OptimState, PipelineStage, Precision,
-    Recompute,
+    Recompute, TensorSplit,
 };
 use crate::model::lora::LoraSpec;
 use serde::Serialize;
@@ -52,6 +52,11 @@ pub struct StepConfig {
     /// as even as they divide ([`StepConfig::stage_counts`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stage_layers: Vec<usize>,
+    /// Sequence parallelism on the tensor axis (`--sequence-parallel`): the residual stream
+    /// between the tensor-parallel regions cut by token rows among the tensor ranks
+    /// ([`crate::ir::TensorSplit::sequence`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
     /// What each rank keeps of the model's state (`--zero`).
     pub zero: Zero,
     /// LoRA (`--lora`): train adapters on a frozen base instead of every weight
@@ -90,6 +95,7 @@ impl StepConfig {
             offload: Offload::default(),
             mesh: Mesh::SINGLE,
             stage_layers: Vec::new(),
+            sequence_parallel: false,
             zero: Zero::DP,
             lora: None,
             base_quant: BaseQuant::F32,
@@ -104,8 +110,17 @@ impl StepConfig {
         EmitOptions {
             recompute: self.recompute,
             logits_chunk_bytes: self.logits_chunk_bytes,
-            tensor: self.mesh.tensor_split(),
+            tensor: self.tensor_split(),
             stage: self.pipeline_stage(n_layer),
+        }
+    }
+
+    /// This rank's share of every layer along the tensor axis, with the sequence
+    /// parallelism asked for.
+    pub fn tensor_split(&self) -> TensorSplit {
+        TensorSplit {
+            sequence: self.sequence_parallel,
+            ..self.mesh.tensor_split()
         }
     }
 
@@ -126,7 +141,10 @@ impl StepConfig {
 
     /// This rank's part of a model of `n_layer` layers: its tensor share of its stage.
     pub fn model_part(&self, n_layer: usize) -> ModelPart {
-        self.mesh.model_part(&self.stage_counts(n_layer))
+        ModelPart {
+            tensor: self.tensor_split(),
+            stage: self.pipeline_stage(n_layer),
+        }
     }
 
     /// How state is split among ranks, for plans with more than one rank or a ZeRO stage.

@@ -412,11 +412,15 @@ macro_rules! for_each_operand {
                 shard,
                 scratch,
                 accumulate,
+                residual,
                 ..
             } => {
                 $buf!(buf, ReadWrite);
                 $buf!(shard, if *accumulate { ReadWrite } else { Write });
                 $buf!(scratch, Write);
+                if let Some(r) = residual {
+                    $buf!(r, Read);
+                }
             }
             Op::AllGather { buf, shard, .. } => {
                 $buf!(buf, ReadWrite);
@@ -645,6 +649,7 @@ mod tests {
                     accumulate: true,
                     cut: crate::ir::CutOf::Group(0),
                     axis: crate::ir::Axis::Data,
+                    residual: None,
                 },
                 None,
                 None,

@@ -470,6 +470,7 @@ fn reduce_scatter_each_micro_batch(
             scratch: scratch(g, &format!("mb{j}.{name}.grad"), storage, cut),
             accumulate: j > 0,
             cut: CutOf::Group(k),
+            residual: None,
         };
         ins.after.push((
             last,
@@ -494,6 +495,7 @@ fn reduce_scatter(g: &mut Builder, gr: &Group, shard: &Shard, storage: DType, in
         scratch: scratch(g, &format!("{name}.grad"), storage, cut),
         accumulate: false,
         cut: CutOf::Group(k),
+        residual: None,
     };
     let at = gr.norm;
     let micro = g.ops[at].micro;

@@ -68,6 +68,8 @@ pub(super) struct Job {
     buf: Raw,
     shard: Option<Raw>,
     scratch: Option<Raw>,
+    /// A reduce-scatter's residual: copied into its shard, which then gains the sum.
+    residual: Option<Raw>,
     accumulate: bool,
     /// The ring for the buffers' element type.
     ring: unsafe fn(&Job, &Cut, &dyn Comm) -> Result<()>,
@@ -78,8 +80,9 @@ impl Job {
     /// an op that is not a collective.
     pub(super) fn new<'a, T: Summable>(op: &Op, view: impl Fn(BufId) -> &'a mut [T]) -> Job {
         let raw = |id| Raw::of(view(id));
-        // The elements of its buffer a ranged all-reduce sums (all of it otherwise).
-        let mut elems = None;
+        // The elements of its buffer a ranged all-reduce sums (all of it otherwise), and what a
+        // reduce-scatter adds its sum to.
+        let (mut elems, mut residual) = (None, None);
         let (key, kind, cut, axis, shard, scratch, accumulate) = match *op {
             Op::AllReduce {
                 buf,
@@ -106,15 +109,19 @@ impl Job {
                 accumulate,
                 cut,
                 axis,
-            } => (
-                buf,
-                Collective::ReduceScatter,
-                cut,
-                axis,
-                Some(shard),
-                Some(scratch),
-                accumulate,
-            ),
+                residual: r,
+            } => {
+                residual = r;
+                (
+                    buf,
+                    Collective::ReduceScatter,
+                    cut,
+                    axis,
+                    Some(shard),
+                    Some(scratch),
+                    accumulate,
+                )
+            }
             Op::AllGather {
                 buf,
                 shard,
@@ -139,6 +146,7 @@ impl Job {
             },
             shard: shard.map(raw),
             scratch: scratch.map(raw),
+            residual: residual.map(raw),
             accumulate,
             ring: ring_of::<T>,
         }
@@ -162,6 +170,7 @@ impl Job {
             },
             shard: None,
             scratch: None,
+            residual: None,
             accumulate: false,
             ring: ring_of::<T>,
         }
@@ -208,14 +217,15 @@ unsafe fn ring_of<T: Summable>(job: &Job, cut: &Cut, comm: &dyn Comm) -> Result<
     };
     match kind {
         Collective::AllReduce => ring::all_reduce(comm, buf, cut, scratch.expect(planned)),
-        Collective::ReduceScatter => ring::reduce_scatter(
-            comm,
-            buf,
-            cut,
-            shard.expect(planned),
-            scratch.expect(planned),
-            job.accumulate,
-        ),
+        Collective::ReduceScatter => {
+            let shard = shard.expect(planned);
+            // SAFETY: as above; the residual is read only.
+            if let Some(residual) = job.residual.map(|r| unsafe { r.get::<T>() }) {
+                shard.copy_from_slice(residual);
+            }
+            let accumulate = job.accumulate || job.residual.is_some();
+            ring::reduce_scatter(comm, buf, cut, shard, scratch.expect(planned), accumulate)
+        }
         Collective::AllGather => {
             if let Some(shard) = shard {
                 buf[cut.shard(comm.rank())].copy_from_slice(shard);

@@ -7,8 +7,10 @@
 //! instead of the forward's, so the forward's buffers die at their last forward reader.
 //! Shapes: B batch, T sequence, C channels, H MLP width, NH heads, V vocabulary, N = B·T,
 //! A = NH·hd the attention's width (C on one rank; under tensor parallelism NH, H and A are
-//! the rank's part, and [`join_tensor_parts`] sums the two row-parallel projections' outputs
-//! and the two column-parallel ones' input gradients over the tensor ranks).
+//! the rank's part, and [`crate::model::tensor_join`] sums the two row-parallel projections' outputs and
+//! the two column-parallel ones' input gradients over the tensor ranks; under sequence
+//! parallelism the residual stream, the layer norms and their outputs are the rank's rows,
+//! `[N/T, C]`, gathered for the projections that read them).
 
 use super::params::{Gpt2Params, LayerParams, inventory};
 use crate::ir::EmitOptions;
@@ -16,7 +18,8 @@ use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
 use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::ModelSpec;
-use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
+use crate::model::block_emit::{self, Blocks, StagedBlock};
+use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
 use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
 
@@ -35,6 +38,9 @@ struct Dims {
     n: usize,
     /// The same rows as ops carry them.
     rows: Rows,
+    /// The rows of the residual stream this rank holds (all `rows`, or its N/T under
+    /// sequence parallelism): the layer norms' and the stream's.
+    own: Rows,
     /// Layer-norm epsilon.
     eps: f32,
     /// Attention workspace elements (forward or backward).
@@ -52,6 +58,7 @@ type Block<'a> = block_emit::Block<'a, Dims>;
 
 /// The activations of one block that its backward reads.
 #[derive(Clone, Debug)]
+/// (The stream's and the norms' `[N, C]` and `[N]` are the rank's rows: `own`.)
 struct BlockActs {
     ln1: BufId,      // [N, C]
     ln1_mean: BufId, // [N]
@@ -136,7 +143,7 @@ impl StagedBlock for Dims {
         phase: Phase,
     ) {
         let (d, p, res_in) = (blk.d, blk.p, blk.res_in);
-        let (n, c) = (d.n, d.c);
+        let (n, c, own) = (d.n, d.c, d.own.n());
         let get = |f: fn(&BlockActs) -> BufId, own: Option<BufId>| -> BufId {
             own.or_else(|| base.map(f))
                 .expect("stages are emitted in order")
@@ -149,9 +156,9 @@ impl StagedBlock for Dims {
                     let res2 = get(|a| a.res2, partial.res2);
                     (res2, &p.ln2_w, &p.ln2_b, "ln2")
                 };
-                let out = g.act(format!("{pfx}{tag}"), Category::Activation, n * c);
-                let mean = g.f32(format!("{pfx}{tag}.mean"), Category::Activation, n);
-                let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, n);
+                let out = g.act(format!("{pfx}{tag}"), Category::Activation, own * c);
+                let mean = g.f32(format!("{pfx}{tag}.mean"), Category::Activation, own);
+                let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, own);
                 g.op(
                     format!("{pfx}{tag}"),
                     phase,
@@ -163,7 +170,7 @@ impl StagedBlock for Dims {
                         rstd,
                         w: w.clone(),
                         b: b.clone(),
-                        rows: d.rows,
+                        rows: d.own,
                         c,
                         eps: d.eps,
                     },
@@ -177,7 +184,7 @@ impl StagedBlock for Dims {
                 }
             }
             Stage::Qkv => {
-                let inp = get(|a| a.ln1, partial.ln1);
+                let inp = d.gathered(g, get(|a| a.ln1, partial.ln1), &format!("{pfx}ln1"), phase);
                 let out = g.act(format!("{pfx}qkv"), Category::Activation, 3 * n * d.a);
                 g.op(
                     format!("{pfx}qkv"),
@@ -227,9 +234,8 @@ impl StagedBlock for Dims {
             }
             Stage::AttnProj => {
                 let inp = get(|a| a.atty, partial.atty);
-                let out = g.act(format!("{pfx}res_attn"), Category::Activation, n * c);
-                // Row-parallel: the first tensor rank adds the residual and the bias.
-                let once = d.tensor.adds_once();
+                // Row-parallel: the ranks' sum adds the residual and the bias once.
+                let out = RowParallel::new(g, d.tensor, (&format!("{pfx}res_attn"), n * c), Some(res_in));
                 let name = format!("{pfx}attn_proj");
                 g.op(
                     name.clone(),
@@ -237,21 +243,20 @@ impl StagedBlock for Dims {
                     mm_flops(d, d.a, c),
                     Op::Matmul {
                         inp,
-                        out,
-                        residual: once.then_some(res_in),
+                        out: out.out,
+                        residual: out.residual,
                         w: p.proj_w.clone(),
-                        b: once.then(|| p.proj_b.clone()),
+                        b: out.bias.then(|| p.proj_b.clone()),
                         layout: WeightLayout::InOut,
                         rows: d.rows,
                         ic: d.a,
                         oc: c,
                     },
                 );
-                join_tensor_parts(g, d.tensor, (out, n * c), &name, phase);
-                partial.res2 = Some(out);
+                partial.res2 = Some(out.join(g, &name, phase));
             }
             Stage::Fc => {
-                let inp = get(|a| a.ln2, partial.ln2);
+                let inp = d.gathered(g, get(|a| a.ln2, partial.ln2), &format!("{pfx}ln2"), phase);
                 let out = g.act(format!("{pfx}fc"), Category::Activation, n * d.h);
                 g.op(
                     format!("{pfx}fc"),
@@ -314,8 +319,7 @@ impl StagedBlock for Dims {
     /// The MLP projection.
     fn emit_output(g: &mut Builder, blk: &Block, acts: &mut BlockActs) -> BufId {
         let (d, p, name) = (blk.d, blk.p, &blk.name);
-        let out = g.act(format!("{name}out"), Category::Activation, d.n * d.c); // [N, C]
-        let once = d.tensor.adds_once();
+        let out = RowParallel::new(g, d.tensor, (&format!("{name}out"), d.n * d.c), Some(acts.res2));
         let name = format!("{name}mlp_proj");
         g.op(
             name.clone(),
@@ -323,18 +327,17 @@ impl StagedBlock for Dims {
             mm_flops(d, d.h, d.c),
             Op::Matmul {
                 inp: acts.fch_gelu,
-                out,
-                residual: once.then_some(acts.res2),
+                out: out.out,
+                residual: out.residual,
                 w: p.fcproj_w.clone(),
-                b: once.then(|| p.fcproj_b.clone()),
+                b: out.bias.then(|| p.fcproj_b.clone()),
                 layout: WeightLayout::InOut,
                 rows: d.rows,
                 ic: d.h,
                 oc: d.c,
             },
         );
-        join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, Phase::Forward);
-        out
+        out.join(g, &name, Phase::Forward)
     }
 
     fn backward(g: &mut Builder, blk: &Block, a: &BlockActs, dres: BufId) {
@@ -342,27 +345,28 @@ impl StagedBlock for Dims {
         let (n, c) = (d.n, d.c);
         let mm = |ic: usize, oc: usize| 2 * mm_flops(d, ic, oc);
         let dfch = g.act(format!("{name}d.fc"), Category::ActivationGrad, n * d.h);
-        let dln2 = g.act(format!("{name}d.ln2"), Category::ActivationGrad, n * c);
+        let dln2 = InputGrad::new(g, d.tensor, (&format!("{name}d.ln2"), n * c));
         let datty = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * d.a);
         let dqkv = g.act(
             format!("{name}d.qkv"),
             Category::ActivationGrad,
             3 * n * d.a,
         );
-        let dln1 = g.act(format!("{name}d.ln1"), Category::ActivationGrad, n * c);
+        let dln1 = InputGrad::new(g, d.tensor, (&format!("{name}d.ln1"), n * c));
         let attn_ws = g.f32(
             format!("{name}attn.ws.bwd"),
             Category::Workspace,
             d.attn_ws_len,
         );
         let bwd = Phase::Backward;
+        let dout = d.gathered_grad(g, dres, &format!("{name}d.out"));
         g.op(
             format!("{name}mlp_proj.bwd"),
             bwd,
             mm(d.h, c),
             Op::MatmulBackward {
                 dinp: dfch,
-                dout: dres,
+                dout,
                 inp: a.fch_gelu,
                 w: p.fcproj_w.clone(),
                 b: Some(p.fcproj_b.clone()),
@@ -383,14 +387,15 @@ impl StagedBlock for Dims {
                 width: d.h,
             },
         );
+        let ln2 = d.gathered(g, a.ln2, &format!("{name}ln2.bwd"), bwd);
         g.op(
             format!("{name}fc.bwd"),
             bwd,
             mm(c, d.h),
             Op::MatmulBackward {
-                dinp: dln2,
+                dinp: dln2.buf,
                 dout: dfch,
-                inp: a.ln2,
+                inp: ln2,
                 w: p.fc_w.clone(),
                 b: Some(p.fc_b.clone()),
                 layout: WeightLayout::InOut,
@@ -399,7 +404,7 @@ impl StagedBlock for Dims {
                 oc: d.h,
             },
         );
-        join_tensor_parts(g, d.tensor, (dln2, n * c), &format!("{name}fc.bwd"), bwd);
+        let dln2 = dln2.join(g, &format!("{name}fc.bwd"), bwd);
         g.op(
             format!("{name}ln2.bwd"),
             bwd,
@@ -412,17 +417,18 @@ impl StagedBlock for Dims {
                 rstd: a.ln2_rstd,
                 w: p.ln2_w.clone(),
                 b: p.ln2_b.clone(),
-                rows: d.rows,
+                rows: d.own,
                 c,
             },
         );
+        let dout = d.gathered_grad(g, dres, &format!("{name}d.res_attn"));
         g.op(
             format!("{name}attn_proj.bwd"),
             bwd,
             mm(d.a, c),
             Op::MatmulBackward {
                 dinp: datty,
-                dout: dres,
+                dout,
                 inp: a.atty,
                 w: p.proj_w.clone(),
                 b: Some(p.proj_b.clone()),
@@ -451,14 +457,15 @@ impl StagedBlock for Dims {
                 window: None,
             },
         );
+        let ln1 = d.gathered(g, a.ln1, &format!("{name}ln1.bwd"), bwd);
         g.op(
             format!("{name}qkv.bwd"),
             bwd,
             mm(c, 3 * d.a),
             Op::MatmulBackward {
-                dinp: dln1,
+                dinp: dln1.buf,
                 dout: dqkv,
-                inp: a.ln1,
+                inp: ln1,
                 w: p.qkv_w.clone(),
                 b: Some(p.qkv_b.clone()),
                 layout: WeightLayout::InOut,
@@ -467,7 +474,7 @@ impl StagedBlock for Dims {
                 oc: 3 * d.a,
             },
         );
-        join_tensor_parts(g, d.tensor, (dln1, n * c), &format!("{name}qkv.bwd"), bwd);
+        let dln1 = dln1.join(g, &format!("{name}qkv.bwd"), bwd);
         g.op(
             format!("{name}ln1.bwd"),
             bwd,
@@ -480,10 +487,25 @@ impl StagedBlock for Dims {
                 rstd: a.ln1_rstd,
                 w: p.ln1_w.clone(),
                 b: p.ln1_b.clone(),
-                rows: d.rows,
+                rows: d.own,
                 c,
             },
         );
+    }
+}
+
+impl Dims {
+    /// The rank's rows `x` of an activation of the stream (`[N, C]`) gathered for a
+    /// column-parallel layer: `x` itself unless the rows are cut (`{name}.all` then).
+    fn gathered(&self, g: &mut Builder, x: BufId, name: &str, phase: Phase) -> BufId {
+        let cat = (name, Category::Activation);
+        gather_rows(g, self.tensor, (x, self.n * self.c), cat, phase)
+    }
+
+    /// The stream's gradient `dres` gathered for a row-parallel layer's backward.
+    fn gathered_grad(&self, g: &mut Builder, dres: BufId, name: &str) -> BufId {
+        let cat = (name, Category::ActivationGrad);
+        gather_rows(g, self.tensor, (dres, self.n * self.c), cat, Phase::Backward)
     }
 }
 
@@ -513,7 +535,7 @@ fn forward_blocks(
     mb: &MicroBatch,
     stage: PipelineStage,
 ) -> Blocks<BlockActs> {
-    let (n, c, pfx) = (d.n, d.c, mb.prefix.as_str());
+    let (n, c, pfx) = (d.own.n(), d.c, mb.prefix.as_str());
     let res = if stage.is_first() {
         embedding(d, p, mb).forward(g, "encoded")
     } else {
@@ -532,7 +554,7 @@ fn head(
     mb: &MicroBatch,
     out: BufId,
 ) -> Head {
-    let (n, c, v, pfx) = (d.n, d.c, spec.vocab_size, mb.prefix.as_str());
+    let (n, c, v, pfx) = (d.own.n(), d.c, spec.vocab_size, mb.prefix.as_str());
     let lnf = g.act(format!("{pfx}lnf"), Category::Activation, n * c);
     let lnf_mean = g.f32(format!("{pfx}lnf.mean"), Category::Activation, n);
     let lnf_rstd = g.f32(format!("{pfx}lnf.rstd"), Category::Activation, n);
@@ -547,7 +569,7 @@ fn head(
             rstd: lnf_rstd,
             w: p.lnf_w.clone(),
             b: p.lnf_b.clone(),
-            rows: d.rows,
+            rows: d.own,
             c,
             eps: d.eps,
         },
@@ -569,7 +591,7 @@ fn head(
             rstd: lnf_rstd,
             w: p.lnf_w.clone(),
             b: p.lnf_b.clone(),
-            rows: d.rows,
+            rows: d.own,
             c,
         },
     );
@@ -607,13 +629,14 @@ pub(crate) fn micro_batch(
         a: nh * spec.head_dim,
         n: b * t,
         rows: mb.rows,
+        own: split.own_rows(mb.rows),
         eps: spec.norm_eps,
         attn_ws_len: mb.attn_ws_len,
         positions: mb.positions,
         v: spec.vocab_size,
         tensor: split,
     };
-    let (n, c, pfx) = (d.n, d.c, mb.prefix.as_str());
+    let (n, c, pfx) = (d.own.n(), d.c, mb.prefix.as_str());
     let blocks = forward_blocks(g, &d, &p, mb, stage);
     let dres = if stage.is_last() {
         match head(g, (spec, cfg), (&d, &p), mb, blocks.out()) {

@@ -101,16 +101,16 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params)
         let bias = |cur: &mut LayoutBuilder, s: &str, n: usize, ranges: Vec<Range<usize>>| {
             cur.push_cut(p(s), &[n], (0, ranges), false, Init::Zeros)
         };
-        let ln1_w = cur.push(p("ln_1.weight"), &[c], false, Init::Ones);
-        let ln1_b = cur.push(p("ln_1.bias"), &[c], false, Init::Zeros);
+        let ln1_w = cur.push_norm(p("ln_1.weight"), c, Init::Ones, split);
+        let ln1_b = cur.push_norm(p("ln_1.bias"), c, Init::Zeros, split);
         let cut = (1, qkv_cols.clone());
         let qkv_w = weight(&mut cur, "attn.c_attn.weight", &[c, 3 * c], cut, normal);
         let qkv_b = bias(&mut cur, "attn.c_attn.bias", 3 * c, qkv_cols.clone());
         let cut = (0, vec![a.clone()]);
         let proj_w = weight(&mut cur, "attn.c_proj.weight", &[c, c], cut, resid);
         let proj_b = cur.push(p("attn.c_proj.bias"), &[c], false, Init::Zeros);
-        let ln2_w = cur.push(p("ln_2.weight"), &[c], false, Init::Ones);
-        let ln2_b = cur.push(p("ln_2.bias"), &[c], false, Init::Zeros);
+        let ln2_w = cur.push_norm(p("ln_2.weight"), c, Init::Ones, split);
+        let ln2_b = cur.push_norm(p("ln_2.bias"), c, Init::Zeros, split);
         let cut = (1, vec![m.clone()]);
         let fc_w = weight(&mut cur, "mlp.c_fc.weight", &[c, h], cut, normal);
         let fc_b = bias(&mut cur, "mlp.c_fc.bias", h, vec![m.clone()]);
@@ -137,8 +137,8 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params)
         });
     }
     cur.hold(stage.is_last());
-    let lnf_w = cur.push("transformer.ln_f.weight".into(), &[c], false, Init::Ones);
-    let lnf_b = cur.push("transformer.ln_f.bias".into(), &[c], false, Init::Zeros);
+    let lnf_w = cur.push_norm("transformer.ln_f.weight".into(), c, Init::Ones, split);
+    let lnf_b = cur.push_norm("transformer.ln_f.bias".into(), c, Init::Zeros, split);
     cur.group("ln_f");
     // The head is tied to wte, the first tensor wherever it is held.
     let tied = (stage.is_first() || stage.is_last())

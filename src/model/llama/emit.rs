@@ -26,6 +26,10 @@
 //! recomputation keeps `mlp_out` from the forward. Gemma's gains are `1 + w` (every norm's
 //! `offset`), its MLP GeGLU ([`Op::Glu`]'s `act`), its embedding scaled by √C, and its layers
 //! attend and rotate each as [`ModelSpec::layer_window`] and [`ModelSpec::layer_rope`] say.
+//! Under tensor parallelism the projections are the rank's parts, joined as
+//! [`crate::model::tensor_join`] says; under sequence parallelism the residual stream, every
+//! norm and its output are the rank's rows (`own`, `[N/T, C]`), gathered for the
+//! projections that read them.
 //! Shapes: B batch, T sequence, N = B·T rows, C width, H MLP width, NH query heads, NKV
 //! key/value heads, hd head size, QKV = (NH + 2·NKV)·hd, A = NH·hd, V vocabulary.
 
@@ -34,7 +38,8 @@ use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{GluAct, Op, Phase, Rows, WeightLayout};
 use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
-use crate::model::block_emit::{self, Blocks, StagedBlock, join_tensor_parts};
+use crate::model::block_emit::{self, Blocks, StagedBlock};
+use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
 use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
 use crate::model::{ModelSpec, rope};
@@ -46,6 +51,9 @@ struct Dims {
     t: usize,
     n: usize,
     rows: Rows,
+    /// The rows of the residual stream this rank holds (all `rows`, or its N/T under
+    /// sequence parallelism): every norm's and the stream's.
+    own: Rows,
     c: usize,
     h: usize,
     nh: usize,
@@ -98,6 +106,22 @@ impl Dims {
     fn attn_flops(&self, window: Option<usize>) -> u64 {
         self.rows.attention_flops(self.nh, self.hd, window)
     }
+    /// Elements of the rank's rows of the stream `[N, C]`.
+    fn stream_len(&self) -> usize {
+        self.own.n() * self.c
+    }
+    /// The rank's rows `x` of a norm's output gathered for a column-parallel layer: `x`
+    /// itself unless the rows are cut (`{name}.all` then).
+    fn gathered(&self, g: &mut Builder, x: BufId, name: &str, phase: Phase) -> BufId {
+        let cat = (name, Category::Activation);
+        gather_rows(g, self.tensor, (x, self.n * self.c), cat, phase)
+    }
+    /// The stream's gradient (or a post-norm's input's) gathered for a row-parallel layer's
+    /// backward.
+    fn gathered_grad(&self, g: &mut Builder, d: BufId, name: &str) -> BufId {
+        let cat = (name, Category::ActivationGrad);
+        gather_rows(g, self.tensor, (d, self.n * self.c), cat, Phase::Backward)
+    }
 }
 
 impl Block<'_> {
@@ -110,7 +134,8 @@ impl Block<'_> {
 /// One block of one micro-batch.
 type Block<'a> = block_emit::Block<'a, Dims>;
 
-/// The activations of one block that its backward reads.
+/// The activations of one block that its backward reads (the norms' `[N, C]` and `[N]` are
+/// the rank's rows: `own`).
 #[derive(Clone, Debug)]
 struct BlockActs {
     x1: BufId,      // [N, C] attention norm output
@@ -234,7 +259,7 @@ fn rmsnorm(
     inp: BufId,
     w: &Range<usize>,
 ) -> (BufId, BufId) {
-    let out = g.act(format!("{pfx}{tag}"), Category::Activation, d.n * d.c); // [N, C]
+    let out = g.act(format!("{pfx}{tag}"), Category::Activation, d.stream_len()); // [N, C]
     let rstd = norm_into(g, d, (pfx, tag), phase, (inp, out, None), w);
     (out, rstd)
 }
@@ -249,7 +274,7 @@ fn norm_into(
     (inp, out, residual): (BufId, BufId, Option<BufId>),
     w: &Range<usize>,
 ) -> BufId {
-    let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, d.n); // [N]
+    let rstd = g.f32(format!("{pfx}{tag}.rstd"), Category::Activation, d.own.n()); // [N]
     g.op(
         format!("{pfx}{tag}"),
         phase,
@@ -261,7 +286,7 @@ fn norm_into(
             rstd,
             w: w.clone(),
             offset: d.norm_offset,
-            rows: d.rows,
+            rows: d.own,
             c: d.c,
             eps: d.eps,
         },
@@ -283,7 +308,7 @@ fn post_norm_backward(
     let dinp = g.act(
         format!("{name}d.{tag}"),
         Category::ActivationGrad,
-        d.n * d.c,
+        d.stream_len(),
     );
     let bwd = Phase::Backward;
     g.op(
@@ -303,7 +328,7 @@ fn post_norm_backward(
             rstd,
             w: w.clone(),
             offset: d.norm_offset,
-            rows: d.rows,
+            rows: d.own,
             c: d.c,
         },
     );
@@ -349,7 +374,8 @@ impl StagedBlock for Dims {
                 (partial.x1, partial.x1_rstd) = (Some(x1), Some(rstd));
             }
             Stage::Qkv => {
-                let inp = get(|a| a.x1, partial.x1);
+                let x1 = get(|a| a.x1, partial.x1);
+                let inp = d.gathered(g, x1, &format!("{pfx}attn_norm"), phase);
                 let qkv = g.act(format!("{pfx}qkv"), Category::Activation, d.n * d.qkv());
                 // Qwen3: the projection into `qkv.raw` [N, QKV], normalised into `qkv`.
                 let raw = d.qk_norm.then(|| {
@@ -439,31 +465,33 @@ impl StagedBlock for Dims {
             }
             Stage::AttnOut => {
                 let inp = get(|a| a.attn, partial.attn);
-                let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.n * d.c);
-                // Row-parallel: the first tensor rank adds the residual and the bias.
-                let once = d.tensor.adds_once();
-                let b = if once { &p.o_b } else { &None };
+                // Row-parallel: the ranks' sum adds the residual and the bias once.
                 let name = format!("{pfx}attn_out");
+                let nc = d.n * d.c;
                 let Some(w) = &p.post_attn_norm else {
-                    let io = (inp, out, once.then_some(blk.res_in));
+                    let res = Some(blk.res_in);
+                    let out = RowParallel::new(g, d.tensor, (&format!("{pfx}res_attn"), nc), res);
+                    let b = if out.bias { &p.o_b } else { &None };
+                    let io = (inp, out.out, out.residual);
                     linear(g, d, name.clone(), phase, io, &p.o_w, b, (d.a(), d.c));
-                    join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, phase);
-                    partial.res2 = Some(out);
+                    partial.res2 = Some(out.join(g, &name, phase));
                     return;
                 };
                 // Gemma: r = x + norm(o), the norm on every tensor rank after the join.
-                let o = g.act(format!("{pfx}attn_o"), Category::Activation, d.n * d.c);
+                let o = RowParallel::new(g, d.tensor, (&format!("{pfx}attn_o"), nc), None);
+                let b = if o.bias { &p.o_b } else { &None };
                 linear(
                     g,
                     d,
                     name.clone(),
                     phase,
-                    (inp, o, None),
+                    (inp, o.out, None),
                     &p.o_w,
                     b,
                     (d.a(), d.c),
                 );
-                join_tensor_parts(g, d.tensor, (o, d.n * d.c), &name, phase);
+                let o = o.join(g, &name, phase);
+                let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.stream_len());
                 let io = (o, out, Some(blk.res_in));
                 let rstd = norm_into(g, d, (pfx, "post_attn_norm"), phase, io, w);
                 (partial.res2, partial.post_attn) = (Some(out), Some((o, rstd)));
@@ -474,7 +502,8 @@ impl StagedBlock for Dims {
                 (partial.x2, partial.x2_rstd) = (Some(x2), Some(rstd));
             }
             Stage::GateUp => {
-                let inp = get(|a| a.x2, partial.x2);
+                let x2 = get(|a| a.x2, partial.x2);
+                let inp = d.gathered(g, x2, &format!("{pfx}mlp_norm"), phase);
                 let gu = g.act(format!("{pfx}gate_up"), Category::Activation, d.n * 2 * d.h);
                 let io = (inp, gu, None);
                 let (w, b) = (&p.gate_up_w, &p.gate_up_b);
@@ -542,29 +571,30 @@ impl StagedBlock for Dims {
     /// The down projection (Gemma: and its post-norm, recorded in `acts`).
     fn emit_output(g: &mut Builder, blk: &Block, acts: &mut BlockActs) -> BufId {
         let (d, p, pfx) = (blk.d, blk.p, &blk.name);
-        let out = g.act(format!("{pfx}out"), Category::Activation, d.n * d.c); // [N, C]
-        let once = d.tensor.adds_once();
-        let b = if once { &p.down_b } else { &None };
         let name = format!("{pfx}down");
-        let fwd = Phase::Forward;
+        let (fwd, nc) = (Phase::Forward, d.n * d.c);
         let Some(w) = &p.post_mlp_norm else {
-            let io = (acts.act, out, once.then_some(acts.res2));
+            let res = Some(acts.res2);
+            let out = RowParallel::new(g, d.tensor, (&format!("{pfx}out"), nc), res); // [N, C]
+            let b = if out.bias { &p.down_b } else { &None };
+            let io = (acts.act, out.out, out.residual);
             linear(g, d, name.clone(), fwd, io, &p.down_w, b, (d.h, d.c));
-            join_tensor_parts(g, d.tensor, (out, d.n * d.c), &name, fwd);
-            return out;
+            return out.join(g, &name, fwd);
         };
-        let m = g.act(format!("{pfx}mlp_out"), Category::Activation, d.n * d.c); // [N, C]
+        let m = RowParallel::new(g, d.tensor, (&format!("{pfx}mlp_out"), nc), None); // [N, C]
+        let b = if m.bias { &p.down_b } else { &None };
         linear(
             g,
             d,
             name.clone(),
             fwd,
-            (acts.act, m, None),
+            (acts.act, m.out, None),
             &p.down_w,
             b,
             (d.h, d.c),
         );
-        join_tensor_parts(g, d.tensor, (m, d.n * d.c), &name, fwd);
+        let m = m.join(g, &name, fwd);
+        let out = g.act(format!("{pfx}out"), Category::Activation, d.stream_len()); // [N, C]
         let io = (m, out, Some(acts.res2));
         let rstd = norm_into(g, d, (pfx, "post_mlp_norm"), fwd, io, w);
         acts.post_mlp = Some((m, rstd));
@@ -584,18 +614,14 @@ impl StagedBlock for Dims {
             Category::ActivationGrad,
             n * 2 * d.h,
         );
-        let dx2 = g.act(format!("{name}d.mlp_norm"), Category::ActivationGrad, n * c);
+        let dx2 = InputGrad::new(g, d.tensor, (&format!("{name}d.mlp_norm"), n * c));
         let dattn = g.act(format!("{name}d.attn"), Category::ActivationGrad, n * d.a());
         let dqkv = g.act(
             format!("{name}d.qkv"),
             Category::ActivationGrad,
             n * d.qkv(),
         );
-        let dx1 = g.act(
-            format!("{name}d.attn_norm"),
-            Category::ActivationGrad,
-            n * c,
-        );
+        let dx1 = InputGrad::new(g, d.tensor, (&format!("{name}d.attn_norm"), n * c));
         let attn_ws = g.f32(
             format!("{name}attn.ws.bwd"),
             Category::Workspace,
@@ -608,6 +634,7 @@ impl StagedBlock for Dims {
             (Some(m), Some(w)) => post_norm_backward(g, d, (name, "post_mlp"), m, w, dres),
             _ => dres,
         };
+        let dm = d.gathered_grad(g, dm, &format!("{name}d.down"));
         let io = (dact, dm, a.act);
         linear_backward(
             g,
@@ -631,7 +658,8 @@ impl StagedBlock for Dims {
                 act: d.act,
             },
         );
-        let io = (dx2, dgu, a.x2);
+        let x2 = d.gathered(g, a.x2, &format!("{name}mlp_norm.bwd"), bwd);
+        let io = (dx2.buf, dgu, x2);
         let name_gu = format!("{name}gate_up.bwd");
         linear_backward(
             g,
@@ -642,7 +670,7 @@ impl StagedBlock for Dims {
             gate_up.1,
             (c, 2 * d.h),
         );
-        join_tensor_parts(g, d.tensor, (dx2, n * c), &name_gu, bwd);
+        let dx2 = dx2.join(g, &name_gu, bwd);
         g.op(
             format!("{name}mlp_norm.bwd"),
             bwd,
@@ -654,7 +682,7 @@ impl StagedBlock for Dims {
                 rstd: a.x2_rstd,
                 w: p.mlp_norm.clone(),
                 offset: d.norm_offset,
-                rows: d.rows,
+                rows: d.own,
                 c,
             },
         );
@@ -662,6 +690,7 @@ impl StagedBlock for Dims {
             (Some(o), Some(w)) => post_norm_backward(g, d, (name, "post_attn"), o, w, dres),
             _ => dres,
         };
+        let d_o = d.gathered_grad(g, d_o, &format!("{name}d.attn_out"));
         let io = (dattn, d_o, a.attn);
         linear_backward(
             g,
@@ -726,10 +755,11 @@ impl StagedBlock for Dims {
                 },
             );
         }
-        let io = (dx1, dqkv, a.x1);
+        let x1 = d.gathered(g, a.x1, &format!("{name}attn_norm.bwd"), bwd);
+        let io = (dx1.buf, dqkv, x1);
         let name_qkv = format!("{name}qkv.bwd");
         linear_backward(g, d, name_qkv.clone(), io, &p.qkv_w, &p.qkv_b, (c, d.qkv()));
-        join_tensor_parts(g, d.tensor, (dx1, n * c), &name_qkv, bwd);
+        let dx1 = dx1.join(g, &name_qkv, bwd);
         g.op(
             format!("{name}attn_norm.bwd"),
             bwd,
@@ -741,7 +771,7 @@ impl StagedBlock for Dims {
                 rstd: a.x1_rstd,
                 w: p.attn_norm.clone(),
                 offset: d.norm_offset,
-                rows: d.rows,
+                rows: d.own,
                 c,
             },
         );
@@ -786,7 +816,7 @@ fn forward_blocks(
     let res = if stage.is_first() {
         embedding(d, p, mb).forward(g, "embedded")
     } else {
-        let act = (Category::Activation, d.n * d.c);
+        let act = (Category::Activation, d.stream_len());
         block_emit::receive_from_stage(g, (pfx, "stage.in"), act, Peer::Prev, Phase::Forward)
     };
     block_emit::forward(g, d, (&p.layers, p.first_layer), pfx, res)
@@ -828,6 +858,7 @@ pub(crate) fn micro_batch(
         t,
         n: b * t,
         rows: mb.rows,
+        own: split.own_rows(mb.rows),
         c: spec.n_embd,
         h: split.len(spec.mlp_hidden),
         nh: split.len(spec.n_head),
@@ -858,7 +889,7 @@ pub(crate) fn micro_batch(
             }
             Head::InputGrad(dnormed) => dnormed,
         };
-        let dres = block_emit::residual_grad(g, pfx, d.n * d.c);
+        let dres = block_emit::residual_grad(g, pfx, d.stream_len());
         g.op(
             format!("{pfx}norm.bwd"),
             Phase::Backward,
@@ -870,13 +901,13 @@ pub(crate) fn micro_batch(
                 rstd,
                 w: p.norm.clone(),
                 offset: d.norm_offset,
-                rows: d.rows,
+                rows: d.own,
                 c: d.c,
             },
         );
         dres
     } else {
-        block_emit::hand_on(g, blocks.out(), pfx, d.n * d.c)
+        block_emit::hand_on(g, blocks.out(), pfx, d.stream_len())
     };
     let layers = (p.layers.as_slice(), p.first_layer);
     block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);

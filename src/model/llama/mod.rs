@@ -1432,7 +1432,7 @@ mod tests {
             (p.layers[1].qkv_w.clone(), p.layers[1].gate_up_w.clone())
         );
         let part = crate::ir::ModelPart {
-            tensor: crate::ir::TensorSplit { rank: 1, size: 2 },
+            tensor: crate::ir::TensorSplit::new(2, 1),
             stage: crate::ir::PipelineStage::WHOLE,
         };
         let (lay, _) = params::inventory(&s, part);

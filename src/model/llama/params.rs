@@ -120,7 +120,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         let weight = |cur: &mut LayoutBuilder, s: &str, shape: [usize; 2], cut| {
             cur.push_cut(p(s), &shape, cut, true, normal)
         };
-        let attn_norm = cur.push(p("input_layernorm.weight"), &[c], false, norm_init);
+        let attn_norm = cur.push_norm(p("input_layernorm.weight"), c, norm_init, split);
         // A rank's rows of the fused q|k|v (`[QKV, C]`): its queries', keys' and values'.
         let shift = |r: &Range<usize>, by: usize| r.start + by..r.end + by;
         let qkv_w = if spec.family.fused_projections() {
@@ -157,12 +157,12 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             join(qn, kn)
         });
         let post_attn_norm = post_norms
-            .then(|| cur.push(p("post_attention_layernorm.weight"), &[c], false, norm_init));
+            .then(|| cur.push_norm(p("post_attention_layernorm.weight"), c, norm_init, split));
         let mlp_norm = match post_norms {
             true => "pre_feedforward_layernorm.weight",
             false => "post_attention_layernorm.weight",
         };
-        let mlp_norm = cur.push(p(mlp_norm), &[c], false, norm_init);
+        let mlp_norm = cur.push_norm(p(mlp_norm), c, norm_init, split);
         let gate_up_w = if spec.family.fused_projections() {
             let cut = vec![h_part.clone(), shift(&h_part, h)];
             weight(&mut cur, "mlp.gate_up_proj.weight", [2 * h, c], (0, cut))
@@ -182,11 +182,11 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             .mlp
             .then(|| bias(&mut cur, "mlp.down_proj.bias", c));
         let post_mlp_norm = post_norms.then(|| {
-            cur.push(
+            cur.push_norm(
                 p("post_feedforward_layernorm.weight"),
-                &[c],
-                false,
+                c,
                 norm_init,
+                split,
             )
         });
         cur.group(format!("h{l}"));
@@ -210,7 +210,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         });
     }
     cur.hold(stage.is_last());
-    let norm = cur.push("model.norm.weight".into(), &[c], false, norm_init);
+    let norm = cur.push_norm("model.norm.weight".into(), c, norm_init, split);
     cur.group("norm");
     let (lm_head, tied) = if spec.tied_embeddings {
         // The head is the embedding, the first tensor wherever it is held.
