@@ -42,11 +42,11 @@ struct Outcome {
 }
 
 /// Trains `spec` for [`STEPS`] steps as `mesh`'s rank on `comm` (its stages cut as `cut`
-/// gives: empty, as even as they divide), `micro` micro-batches of [`B`] rows per data rank
-/// and step.
+/// gives: empty, as even as they divide; sequence parallelism on its tensor axis or not),
+/// `micro` micro-batches of [`B`] rows per data rank and step.
 fn train(
     (spec, lora): (&ModelSpec, Option<&LoraSpec>),
-    (mesh, zero, cut): (Mesh, Zero, &[usize]),
+    (mesh, zero, cut, sequence): (Mesh, Zero, &[usize], bool),
     comm: Arc<dyn Comm>,
     micro: usize,
     re: Recompute,
@@ -55,6 +55,7 @@ fn train(
     cfg.mesh = mesh;
     cfg.stage_layers = cut.to_vec();
     cfg.zero = zero;
+    cfg.sequence_parallel = sequence;
     cfg.lora = lora.cloned();
     cfg.grad_accum = micro;
     cfg.recompute = re;
@@ -103,11 +104,11 @@ fn train(
 }
 
 /// `data × tensor × pipeline` ranks as threads, ZeRO stage `zero` on the data axis, the
-/// stages cut as `cut` gives.
+/// stages cut as `cut` gives, with sequence parallelism or not.
 fn ranks(
     spec: (&ModelSpec, Option<&LoraSpec>),
     (data, tensor, pipeline, zero): (usize, usize, usize, Zero),
-    cut: &[usize],
+    (cut, sequence): (&[usize], bool),
     micro: usize,
     re: Recompute,
 ) -> Vec<Outcome> {
@@ -122,7 +123,7 @@ fn ranks(
             .enumerate()
             .map(|(rank, comm)| {
                 let mesh = Mesh::new(n, tensor, pipeline, rank);
-                s.spawn(move || train(spec, (mesh, zero, cut), comm, micro, re))
+                s.spawn(move || train(spec, (mesh, zero, cut, sequence), comm, micro, re))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -154,17 +155,28 @@ fn matches_one_process_at(
 /// [`matches_one_process_at`] with the stages cut as `cut` gives (each stage's count of
 /// layers; empty: as even as they divide), each stage holding those layers.
 fn matches_one_process_cut(
-    (spec, lora): (&ModelSpec, Option<&LoraSpec>),
+    spec: (&ModelSpec, Option<&LoraSpec>),
     mesh: (usize, usize, usize, Zero),
     cut: &[usize],
     micro: usize,
     re: Recompute,
 ) {
+    matches_one_process_with(spec, mesh, (cut, false), micro, re)
+}
+
+/// [`matches_one_process_cut`] with sequence parallelism on the tensor axis or not.
+fn matches_one_process_with(
+    (spec, lora): (&ModelSpec, Option<&LoraSpec>),
+    mesh: (usize, usize, usize, Zero),
+    (cut, sequence): (&[usize], bool),
+    micro: usize,
+    re: Recompute,
+) {
     let (data, tensor, pipeline, zero) = mesh;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
-    let one = (Mesh::SINGLE, Zero::DP, &[][..]);
+    let one = (Mesh::SINGLE, Zero::DP, &[][..], false);
     let reference = train((spec, lora), one, single, micro * data, re);
-    let out = ranks((spec, lora), mesh, cut, micro, re);
+    let out = ranks((spec, lora), mesh, (cut, sequence), micro, re);
     let counts = match cut.is_empty() {
         true => memwall::ir::mesh::even_layers(spec.n_layer, pipeline),
         false => cut.to_vec(),
@@ -179,7 +191,7 @@ fn matches_one_process_cut(
         None => ParamLayout::new(spec),
     };
     let what = format!(
-        "{} data={data} tensor={tensor} pipeline={pipeline} cut={cut:?} zero={zero} micro={micro} {re:?}",
+        "{} data={data} tensor={tensor} sequence={sequence} pipeline={pipeline} cut={cut:?} zero={zero} micro={micro} {re:?}",
         spec.name
     );
     for (rank, o) in out.iter().enumerate() {
@@ -370,10 +382,40 @@ fn tensor_ranks_train_lora_adapters_like_one_process() {
     matches_one_process_at((&spec, l), (2, 2, 1, Zero(1)), 2, Recompute::None);
 }
 
-/// tp 2 × pp 2 × dp 2: every axis at once, 8 ranks.
+/// tp 2 × pp 2 × dp 2: every axis at once, 8 ranks; with sequence parallelism (each stage
+/// sending its tensor rank's rows of the stream) and LoRA too.
 #[test]
 fn eight_ranks_of_every_axis_train_llama_like_one_process() {
     matches_one_process(&preset("llama-tiny"), (2, 2, 2), 2, Recompute::None);
+    let sp = (&[][..], true);
+    let spec = preset("llama-tiny");
+    matches_one_process_with((&spec, None), (2, 2, 2, Zero(1)), sp, 2, Recompute::Selective);
+    let lora = LoraSpec {
+        r: 2,
+        alpha: 4.0,
+        dropout: 0.1,
+        targets: parse_targets("all", Family::Llama).unwrap(),
+    };
+    let l = Some(&lora);
+    matches_one_process_with((&spec, l), (2, 2, 2, Zero::DP), sp, 2, Recompute::Full);
+}
+
+/// Sequence parallelism on stages of tensor ranks (GPT-2: LayerNorm, learned positions, the
+/// tied head on both ends), and with LoRA on tensor ranks (the frozen embedding's backward
+/// and the gather feeding it dropped).
+#[test]
+fn sequence_parallel_stages_and_adapters_train_like_one_process() {
+    let sp = (&[][..], true);
+    let gpt2 = preset("gpt2-tiny");
+    matches_one_process_with((&gpt2, None), (1, 2, 2, Zero::DP), sp, 3, Recompute::None);
+    let lora = LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.1,
+        targets: parse_targets("all", Family::Gpt2).unwrap(),
+    };
+    let l = Some(&lora);
+    matches_one_process_with((&gpt2, l), (1, 2, 1, Zero::DP), sp, 2, Recompute::Selective);
 }
 
 /// Under 1F1B, stage s holds at most min(p − s, m) micro-batches of activations: the first

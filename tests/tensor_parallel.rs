@@ -39,7 +39,8 @@ struct Outcome {
     layout: ParamLayout,
     sent: u64,
     planned: u64,
-    /// Bytes of the residual stream between the first two blocks (`h0.out`).
+    /// Bytes of the residual stream between the first two blocks (`h0.out`, of the first
+    /// micro-batch).
     stream_bytes: u64,
 }
 
@@ -64,7 +65,7 @@ fn train(
     let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
     let planned = plan.comm_bytes_per_step();
     let stream_bytes = (plan.buffers.iter())
-        .find(|b| b.name == "h0.out")
+        .find(|b| b.name.ends_with("h0.out"))
         .expect("the first block's output")
         .bytes;
     let layout = plan.layout.clone();

@@ -25,6 +25,9 @@ pub struct EmitOptions {
     /// to the stage after ([`super::Op::StageSend`], [`super::Op::StageRecv`]); the gradients
     /// travel back the same way.
     pub stage: super::PipelineStage,
+    /// The token embedding is frozen (a LoRA plan: `plan::lora`): its backward, and what
+    /// only it reads, is not emitted.
+    pub frozen_embedding: bool,
 }
 
 /// One micro-batch as the planner hands it to the model family: its buffers and shape.

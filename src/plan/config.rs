@@ -112,6 +112,7 @@ impl StepConfig {
             logits_chunk_bytes: self.logits_chunk_bytes,
             tensor: self.tensor_split(),
             stage: self.pipeline_stage(n_layer),
+            frozen_embedding: self.lora.is_some(),
         }
     }
 

@@ -379,20 +379,6 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
     // The latest `h` of (micro-batch, adapter): the forward's, then its recomputation's.
     let mut h_of: HashMap<(usize, usize), BufId> = HashMap::new();
     let old = std::mem::take(&mut g.ops);
-    // The frozen embedding's backward goes, and with it what only it reads: under sequence
-    // parallelism the stream's gradient gathered for it.
-    let embedding_grads: Vec<BufId> = (old.iter())
-        .filter_map(|e| match e.op {
-            Op::EncoderBackward { dout, .. } => Some(dout),
-            _ => None,
-        })
-        .collect();
-    let gathered_for_embedding: Vec<BufId> = (old.iter())
-        .filter_map(|e| match e.op {
-            Op::AllGather { buf, .. } if embedding_grads.contains(&buf) => Some(buf),
-            _ => None,
-        })
-        .collect();
     let mut ops = Vec::with_capacity(old.len() * 2);
     for mut e in old {
         if !e.op.param_ranges().is_empty() {
@@ -401,9 +387,6 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
         let (micro, phase) = (e.micro, e.phase);
         let mut after = Vec::new();
         match &e.op {
-            Op::EncoderBackward { .. } => continue,
-            Op::AllGather { buf, .. } if gathered_for_embedding.contains(buf) => continue,
-            Op::AwaitCollective { bufs } if gathered_for_embedding.contains(&bufs[0]) => continue,
             Op::Matmul {
                 inp,
                 out,

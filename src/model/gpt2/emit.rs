@@ -653,7 +653,9 @@ pub(crate) fn micro_batch(
     let layers = (p.layers.as_slice(), p.first_layer);
     block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
     if stage.is_first() {
-        embedding(&d, &p, mb).backward(g, dres);
+        if !cfg.frozen_embedding {
+            embedding(&d, &p, mb).backward(g, dres);
+        }
     } else {
         block_emit::hand_back(g, dres, pfx);
     }
