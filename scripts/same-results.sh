@@ -72,8 +72,9 @@
 #                   category, dtype, size and offset, but not the schedule nor the buffers'
 #                   op indices and tiers (a refactor may add or split ops without moving a
 #                   byte; PLAN_COMPARE=whole compares those too). Never compared:
-#                   baseline_bytes and predicted_peak_rss_bytes, which hold the process's
-#                   measured resident memory at start-up (machine- and moment-dependent),
+#                   baseline_bytes and predicted_peak_rss_bytes (the plan's and each rank's
+#                   in `ranks`), which hold the process's measured resident memory at
+#                   start-up (machine- and moment-dependent),
 #                   nor RAM's peak_bytes in `tiers` (the same sum); nor a top-level field
 #                   only the new side writes (a report that grew, such as `tiers`). A base
 #                   built before b81cb33 has u8 buffers where the new has ggml block types:
@@ -344,6 +345,10 @@ def plan(path):
     d = json.load(open(path))
     for k in PLAN_MEASURED:
         d.pop(k, None)
+    # Each rank's peak (`ranks`) counts the measured baseline too.
+    for r in d.get("ranks", []):
+        for k in PLAN_MEASURED:
+            r.pop(k, None)
     # RAM's peak counts the measured baseline, as predicted_peak_rss_bytes does.
     for t in d.get("tiers", []):
         if t.get("tier") == "host":
