@@ -564,6 +564,17 @@ pub(crate) struct StrategyArgs {
     /// [default: 1; with --resume, the run's own]
     #[arg(long, value_name = "T")]
     pub(crate) tp: Option<usize>,
+    /// Sequence parallelism on the --tp ranks (Megatron's --sequence-parallel, Korthikanti
+    /// et al. 2022): the residual stream between the tensor-parallel layers, the norms and
+    /// their outputs are cut by token rows among the T ranks instead of held whole on each,
+    /// so those activations take 1/T of the memory. Each all-reduce becomes an all-gather
+    /// before the layer that reads the rows and a reduce-scatter after the one that writes
+    /// them (the same bytes), and the backward gathers the norms' outputs again rather than
+    /// keep them. Needs --tp 2 or more, and T must divide a micro-batch's batch x seq rows.
+    /// The math is one process's; a run resumes with or without it
+    /// [default: off; with --resume, the run's own; `--sequence-parallel false` turns it off]
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub(crate) sequence_parallel: Option<bool>,
     /// Pipeline parallelism: the model's layers cut into P stages of consecutive layers
     /// (as even as they divide, or as --pp-layers says; the first stage also holds the
     /// embedding, the last the final norm, the head and the loss, a tied embedding both),
@@ -652,6 +663,7 @@ impl StrategyArgs {
             offload_dir: self.offload_dir.clone(),
             zero: self.zero,
             tp: self.tp,
+            sequence_parallel: self.sequence_parallel,
             pp: self.pp,
             pp_layers: self.pp_layers.clone(),
             lora: self.lora.map(|r| LoraRequest {

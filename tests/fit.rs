@@ -114,6 +114,7 @@ fn space(global_batch: usize) -> Space {
         tensor: Pick::Fixed(1),
         pipeline: Pick::Fixed(1),
         zero: Pick::Fixed(Default::default()),
+        sequence_parallel: Pick::Fixed(false),
         stage_layers: Vec::new(),
     }
 }
@@ -830,13 +831,22 @@ fn exhaustive_mesh(
             let mesh = Mesh::new(n, t, p, 0);
             let per_rank = space.global_batch / mesh.data;
             let zeros = if mesh.data > 1 { 0..=3 } else { 0..=0 };
-            for z in zeros.filter(|&z| zero_given(z)) {
+            // Sequence parallelism where there are tensor ranks, both ways unless given.
+            let sequences: Vec<bool> = match space.sequence_parallel {
+                Pick::Fixed(s) => vec![s],
+                Pick::Auto if t > 1 => vec![false, true],
+                Pick::Auto => vec![false],
+            };
+            for (z, sequence) in (zeros.filter(|&z| zero_given(z)))
+                .flat_map(|z| sequences.iter().map(move |&s| (z, s)))
+            {
                 for b in (1..=per_rank).filter(|&b| per_rank.is_multiple_of(b)) {
                     for &r in &policies {
                         let mut cfg = StepConfig::new(b, space.seq, space.threads);
                         cfg.grad_accum = per_rank / b;
                         cfg.recompute = r;
                         cfg.zero = Zero(z);
+                        cfg.sequence_parallel = sequence;
                         let mut worst = (0u64, 0f64);
                         let mut ok = true;
                         for rank in 0..n {
@@ -854,7 +864,11 @@ fn exhaustive_mesh(
                         }
                         peaks.push(worst.0);
                         if worst.0 <= budget && worst.1 < best.0 {
-                            best = (worst.1, format!("tp {t} pp {p} zero {z} batch {b} {r}"));
+                            let sp = if sequence { " sp" } else { "" };
+                            best = (
+                                worst.1,
+                                format!("tp {t}{sp} pp {p} zero {z} batch {b} {r}"),
+                            );
                         }
                     }
                 }
@@ -877,12 +891,14 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
         tensor: Pick::Auto,
         pipeline: Pick::Auto,
         zero: Pick::Auto,
+        sequence_parallel: Pick::Auto,
         offload: Pick::Fixed(OffloadSet::NONE),
         ..space(8)
     };
     // Tensor parallelism given (none): the pipeline and ZeRO searched.
     let no_tp = Space {
         tensor: Pick::Fixed(1),
+        sequence_parallel: Pick::Fixed(false),
         ..all.clone()
     };
     // Neither tensor parallelism nor ZeRO: the tight budgets leave pipelines alone, whose
@@ -906,7 +922,8 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
                 best.time.step_s,
                 best.flags()
             );
-            shapes_chosen.insert((best.cfg.mesh.tensor, best.cfg.mesh.pipeline));
+            let c = &best.cfg;
+            shapes_chosen.insert((c.mesh.tensor, c.sequence_parallel, c.mesh.pipeline));
             for k in &found.ranked {
                 let mut heaviest = 0;
                 for rank in 0..k.cfg.mesh.world() {

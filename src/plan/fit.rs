@@ -50,6 +50,9 @@ pub struct Strategies {
     /// `ranks / tensor` copies split the batch.
     #[serde(default = "one")]
     pub tensor: usize,
+    /// Sequence parallelism on the tensor axis (`--sequence-parallel`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
     /// Pipeline stages, each holding consecutive layers (`--pp`, pipeline parallelism); the
     /// `ranks / (tensor · pipeline)` copies split the batch.
     #[serde(default = "one")]
@@ -104,6 +107,7 @@ impl Default for Strategies {
             offload_dir: None,
             ranks: 1,
             tensor: 1,
+            sequence_parallel: false,
             pipeline: 1,
             pipeline_layers: StageCut::Even,
             zero: Zero::DP,
@@ -185,6 +189,7 @@ impl Strategies {
             cfg.stage_layers = c.clone();
         }
         cfg.zero = self.zero;
+        cfg.sequence_parallel = self.sequence_parallel;
         cfg.lora = self.lora.clone();
         cfg.packed = self.packed;
         cfg.base_quant = self.base_quant;
@@ -208,6 +213,7 @@ impl Strategies {
             offload_dir,
             ranks: cfg.mesh.world(),
             tensor: cfg.mesh.tensor,
+            sequence_parallel: cfg.sequence_parallel,
             pipeline: cfg.mesh.pipeline,
             pipeline_layers: match cfg.stage_layers.is_empty() {
                 true => StageCut::Even,
@@ -381,6 +387,7 @@ pub fn plan_fitting(
         tensor: Pick::Fixed(cfg.mesh.tensor),
         pipeline: Pick::Fixed(cfg.mesh.pipeline),
         zero: Pick::Fixed(cfg.zero),
+        sequence_parallel: Pick::Fixed(cfg.sequence_parallel),
         stage_layers: cfg.stage_layers.clone(),
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;

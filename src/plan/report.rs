@@ -42,12 +42,20 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     }
     let mesh = &cfg.mesh;
     if mesh.tensor > 1 {
+        let joins = match cfg.sequence_parallel {
+            true => format!(
+                "sequence parallel: {} of the {} token rows of the residual stream and its \
+                 norms, an all-gather before and a reduce-scatter after each attention and MLP",
+                cfg.batch * cfg.seq / mesh.tensor,
+                cfg.batch * cfg.seq
+            ),
+            false => "an all-reduce after each attention and MLP, forward and backward".into(),
+        };
         let _ = writeln!(
             s,
             "      one rank of {}: tensor rank {} of {} (its part of every layer: {} of {} heads, \
-             {} of {} MLP channels; an all-reduce after each attention and MLP, forward and \
-             backward; token ids {:?} of the embedding and the head), copy {} of {} of the \
-             model (the copies split the batch)",
+             {} of {} MLP channels; {joins}; token ids {:?} of the embedding and the head), \
+             copy {} of {} of the model (the copies split the batch)",
             mesh.world(),
             mesh.coord(crate::ir::Axis::Tensor),
             mesh.tensor,

@@ -115,6 +115,9 @@ pub struct Space {
     pub tensor: Pick<usize>,
     pub pipeline: Pick<usize>,
     pub zero: Pick<Zero>,
+    /// Sequence parallelism on the tensor axis (`--sequence-parallel`): given, or tried both
+    /// ways on meshes of two tensor ranks or more.
+    pub sequence_parallel: Pick<bool>,
     /// Layers of each pipeline stage (`--pp-layers`, with a fixed `pipeline`), or empty for
     /// an even cut.
     pub stage_layers: Vec<usize>,
@@ -137,7 +140,7 @@ impl Candidate {
             c.batch, c.grad_accum, c.recompute, c.offload.set, c.precision, c.optim_state
         );
         match c.mesh.world() > 1 {
-            true => format!("{} {one}", mesh_flags(&c.mesh, c.zero)),
+            true => format!("{} {one}", mesh_flags(&c.mesh, c.zero, c.sequence_parallel)),
             false => one,
         }
     }
@@ -149,15 +152,17 @@ impl Candidate {
     }
 }
 
-/// `--tp T --pp P --zero Z`.
-fn mesh_flags(mesh: &crate::ir::Mesh, zero: Zero) -> String {
-    format!("--tp {} --pp {} --zero {zero}", mesh.tensor, mesh.pipeline)
+/// `--tp T --pp P --zero Z` (and `--sequence-parallel`).
+fn mesh_flags(mesh: &crate::ir::Mesh, zero: Zero, sequence: bool) -> String {
+    let sp = if sequence { " --sequence-parallel" } else { "" };
+    format!("--tp {}{sp} --pp {} --zero {zero}", mesh.tensor, mesh.pipeline)
 }
 
-/// `tp 2 x pp 2 x dp 2, zero 1`.
-fn mesh_shape(mesh: &crate::ir::Mesh, zero: Zero) -> String {
+/// `2 x 2 x 2, 1` (tp x pp x dp, ZeRO stage; `2+sp x …` with sequence parallelism).
+fn mesh_shape(mesh: &crate::ir::Mesh, zero: Zero, sequence: bool) -> String {
+    let sp = if sequence { "+sp" } else { "" };
     format!(
-        "{} x {} x {}, {zero}",
+        "{}{sp} x {} x {}, {zero}",
         mesh.tensor, mesh.pipeline, mesh.data
     )
 }
@@ -211,7 +216,7 @@ impl Found {
             "candidates": self.ranked.iter().map(|k| serde_json::json!({
                 "flags": k.flags(), "batch": k.cfg.batch, "grad_accum": k.cfg.grad_accum,
                 "tp": k.cfg.mesh.tensor, "pp": k.cfg.mesh.pipeline, "dp": k.cfg.mesh.data,
-                "zero": k.cfg.zero.0,
+                "zero": k.cfg.zero.0, "sequence_parallel": k.cfg.sequence_parallel,
                 "recompute": k.cfg.recompute.to_string(), "offload": k.cfg.offload.set.to_string(),
                 "precision": k.cfg.precision.to_string(), "optim_state": k.cfg.optim_state.to_string(),
                 "predicted_peak_bytes": k.peak, "predicted_step_s": k.time.step_s,
@@ -263,7 +268,7 @@ impl Found {
                 o,
                 "  {:>2}{} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9.2} {:>9.1} {:>8}",
                 i + 1,
-                mesh(mesh_shape(&c.mesh, c.zero)),
+                mesh(mesh_shape(&c.mesh, c.zero, c.sequence_parallel)),
                 format!("{} x {}", c.batch, c.grad_accum),
                 c.recompute.to_string(),
                 c.offload.set.to_string(),
@@ -364,6 +369,20 @@ fn subset(a: OffloadSet, b: OffloadSet) -> bool {
         && (!a.activations || b.activations)
 }
 
+/// Sequence parallelism to try on a mesh of `tensor` ranks with micro-batches of `rows` token
+/// rows: as given (on, only where there are tensor ranks), or both ways where there are
+/// tensor ranks and they divide the rows, else off.
+fn sequence_options(space: &Space, tensor: usize, rows: usize) -> impl Iterator<Item = bool> {
+    let can = tensor > 1 && rows.is_multiple_of(tensor);
+    let options: &[bool] = match space.sequence_parallel {
+        Pick::Fixed(true) if tensor > 1 => &[true],
+        Pick::Fixed(true) => &[],
+        Pick::Auto if can => &[false, true],
+        _ => &[false],
+    };
+    options.iter().copied()
+}
+
 fn count(o: OffloadSet) -> usize {
     [o.optimizer, o.params, o.grads, o.activations]
         .iter()
@@ -438,14 +457,14 @@ pub fn search(
         if mesh.world() > 1 && !placements.contains(&OffloadSet::NONE) {
             refused.push(format!(
                 "{}: several ranks offload nothing yet (--offload none)",
-                mesh_flags(&mesh, zero)
+                mesh_flags(&mesh, zero, false)
             ));
             continue;
         }
         if !space.global_batch.is_multiple_of(mesh.data) {
             refused.push(format!(
                 "{}: --global-batch {} does not split over {} data ranks",
-                mesh_flags(&mesh, zero),
+                mesh_flags(&mesh, zero, false),
                 space.global_batch,
                 mesh.data
             ));
@@ -471,8 +490,11 @@ pub fn search(
                     .optim_state
                     .options(&[OptimState::F32, OptimState::Bf16, OptimState::Int8])
             {
-                for &b in &micro {
+                for (&b, sequence) in (micro.iter())
+                    .flat_map(|b| sequence_options(space, mesh.tensor, b * space.seq).map(move |s| (b, s)))
+                {
                     let mut cfg = StepConfig::new(b, space.seq, space.threads);
+                    cfg.sequence_parallel = sequence;
                     cfg.grad_accum = per_rank / b;
                     cfg.precision = precision;
                     cfg.optim_state = state;
@@ -488,7 +510,7 @@ pub fn search(
                     if mesh.world() > 1
                         && let Err(e) = check_mesh(spec, &cfg, Mode::Train)
                     {
-                        refused.push(format!("{}: {e}", mesh_flags(&mesh, zero)));
+                        refused.push(format!("{}: {e}", mesh_flags(&mesh, zero, sequence)));
                         continue;
                     }
                     configs.push(cfg);
@@ -563,7 +585,10 @@ pub fn search(
             disk_refused |= r.disk_refused;
             if r.fitting.is_empty() {
                 let mesh = match g.cfg.mesh.world() > 1 {
-                    true => format!("{} ", mesh_flags(&g.cfg.mesh, g.cfg.zero)),
+                    true => {
+                        let c = &g.cfg;
+                        format!("{} ", mesh_flags(&c.mesh, c.zero, c.sequence_parallel))
+                    }
                     false => String::new(),
                 };
                 rejected.push(Rejected {

@@ -40,6 +40,8 @@ pub struct StrategyRequest {
     pub zero: Option<Zero>,
     /// `--tp`.
     pub tp: Option<usize>,
+    /// `--sequence-parallel`.
+    pub sequence_parallel: Option<bool>,
     /// `--pp`.
     pub pp: Option<usize>,
     /// `--pp-layers`.

@@ -166,6 +166,11 @@ pub fn fit_space(
             (None, 1) => Pick::Fixed(Zero::DP),
             (None, _) => Pick::Auto,
         },
+        sequence_parallel: match (st.sequence_parallel, ranks) {
+            (Some(s), _) => Pick::Fixed(s),
+            (None, 1) => Pick::Fixed(false),
+            (None, _) => Pick::Auto,
+        },
         stage_layers: Vec::new(),
     })
 }
@@ -232,6 +237,7 @@ pub fn resolve_step(
     let mut strategies = st.strategies(step.max_memory)?;
     strategies.ranks = ranks;
     strategies.tensor = st.tp.unwrap_or(1);
+    strategies.sequence_parallel = st.sequence_parallel.unwrap_or(false);
     strategies.pipeline = st.pp.unwrap_or(1);
     strategies.pipeline_layers = st.pp_layers.clone().unwrap_or_default();
     strategies.check_mesh()?;

@@ -257,6 +257,19 @@ pub fn resume(
     if let Some(t) = req.step.strategy.tp {
         opts.strategies.tensor = t;
     }
+    match req.step.strategy.sequence_parallel {
+        Some(s) => opts.strategies.sequence_parallel = s,
+        // Kept from the run, unless the ranks now hold the model whole.
+        None if opts.strategies.sequence_parallel && opts.strategies.tensor <= 1 => {
+            opts.strategies.sequence_parallel = false;
+            opts.notes.push(
+                "note: the run used --sequence-parallel, which cuts the stream among --tp \
+                 ranks; with --tp 1 it is off"
+                    .into(),
+            );
+        }
+        None => {}
+    }
     if let Some(p) = req.step.strategy.pp {
         // The run's cut is of its own stages: another --pp cuts evenly unless told.
         let cut = &opts.strategies.pipeline_layers;
