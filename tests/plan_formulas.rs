@@ -27,8 +27,8 @@
 //! 5as/h)` without parallelism, `sbh(10 + 24/t + 5as/(ht))` with tensor parallelism (t ranks),
 //! `sbh(34/t + 5as/(ht))` with sequence parallelism too, `sbh(10 + 24/t)` and `sbh(34/t)` with
 //! their selective recomputation (the attention core: QKᵀ, softmax, its dropout), and `2sbh`
-//! with full recomputation (s sequence, b micro-batch, h hidden, a heads). memwall has no
-//! sequence parallelism, so the forms checked are TP's (t = 1 gives the first). memwall's side
+//! with full recomputation (s sequence, b micro-batch, h hidden, a heads), every form checked
+//! (t = 1 gives the first; sequence parallelism with `--sequence-parallel`). memwall's side
 //! is the activation buffers of block l (`h{l}.*`) alive across the forward/backward boundary
 //! (written before the first backward op, read at or after it), for a GPT-2 layer (the shapes
 //! the paper assumes: MLP width 4h, head size h/a, GELU, LayerNorm), term by term in
@@ -533,14 +533,17 @@ fn row(what: &'static str, paper: i128, buffer: Option<&'static str>, memwall: i
 }
 
 /// Korthikanti's Table 2 rows for one layer under tensor parallelism (16-bit activations, t
-/// ranks, no sequence parallelism) and memwall's counterpart of each, for a GPT-2 layer of
-/// `s` positions, `b` rows, width `h`, `a` heads under `recompute`.
+/// ranks, with sequence parallelism or not) and memwall's counterpart of each, for a GPT-2
+/// layer of `s` positions, `b` rows, width `h`, `a` heads under `recompute`.
 fn korthikanti_rows(
     (s, b, h, a): (i128, i128, i128, i128),
-    t: i128,
+    (t, sp): (i128, bool),
     recompute: Recompute,
 ) -> Vec<Row> {
     let sbh = s * b * h;
+    // What sequence parallelism cuts among the t ranks (the norms, their inputs and
+    // outputs, the dropouts outside the attention core): whole without it.
+    let q = if sp { t } else { 1 };
     let (keep_all, selective) = (
         recompute == Recompute::None,
         recompute == Recompute::Selective,
@@ -566,12 +569,14 @@ fn korthikanti_rows(
         // The input of the layer's first layer norm: memwall's block output `h{l}.out` is
         // the next block's input, kept for its ln_1 backward (one per layer; full
         // recomputation keeps only it, as the paper's 2sbh does).
-        row("LN1 input 2sbh", 2 * sbh, Some("out"), 2 * sbh),
+        row("LN1 input 2sbh", exact(2 * sbh, q), Some("out"), exact(2 * sbh, q)),
+        // Under sequence parallelism the norm's output is kept as the rank's rows and
+        // gathered again in the backward (memwall and Megatron alike).
         row(
             "QKV input 2sbh",
-            paper(2 * sbh, false),
+            paper(exact(2 * sbh, q), false),
             Some("ln1"),
-            mem(2 * sbh, true),
+            mem(exact(2 * sbh, q), true),
         ),
         // Q and K (4sbh/t) and V (2sbh/t): memwall's fused q|k|v.
         row(
@@ -609,18 +614,23 @@ fn korthikanti_rows(
             mem(exact(2 * sbh, t), false),
         ),
         // No dropout in memwall's layers (only LoRA's input dropout, its mask hashed).
-        row("attention dropout mask sbh", paper(sbh, false), None, 0),
+        row(
+            "attention dropout mask sbh",
+            paper(exact(sbh, q), false),
+            None,
+            0,
+        ),
         row(
             "LN2 input 2sbh",
-            paper(2 * sbh, false),
+            paper(exact(2 * sbh, q), false),
             Some("res_attn"),
-            mem(2 * sbh, false),
+            mem(exact(2 * sbh, q), false),
         ),
         row(
             "MLP input 2sbh",
-            paper(2 * sbh, false),
+            paper(exact(2 * sbh, q), false),
             Some("ln2"),
-            mem(2 * sbh, true),
+            mem(exact(2 * sbh, q), true),
         ),
         row(
             "fc output 8sbh/t",
@@ -634,47 +644,57 @@ fn korthikanti_rows(
             Some("fc.gelu"),
             mem(exact(8 * sbh, t), true),
         ),
-        row("MLP dropout mask sbh", paper(sbh, false), None, 0),
+        row("MLP dropout mask sbh", paper(exact(sbh, q), false), None, 0),
         // The paper's layer norms keep their input only; memwall's also keep the mean and
         // 1/σ of each row (f32) for the backward, recomputed with the norm by its selective.
         row(
             "(no row) LN1 mean 4sb",
             0,
             Some("ln1.mean"),
-            mem(4 * s * b, true),
+            mem(exact(4 * s * b, q), true),
         ),
         row(
             "(no row) LN1 rstd 4sb",
             0,
             Some("ln1.rstd"),
-            mem(4 * s * b, true),
+            mem(exact(4 * s * b, q), true),
         ),
         row(
             "(no row) LN2 mean 4sb",
             0,
             Some("ln2.mean"),
-            mem(4 * s * b, true),
+            mem(exact(4 * s * b, q), true),
         ),
         row(
             "(no row) LN2 rstd 4sb",
             0,
             Some("ln2.rstd"),
-            mem(4 * s * b, true),
+            mem(exact(4 * s * b, q), true),
         ),
     ]
 }
 
-/// Korthikanti's closed forms (Table 2, tensor parallelism without sequence parallelism),
-/// in bytes per layer.
-fn korthikanti_closed((s, b, h, a): (i128, i128, i128, i128), t: i128, re: Recompute) -> i128 {
+/// Korthikanti's closed forms (Table 2, tensor parallelism with sequence parallelism or
+/// not), in bytes per layer.
+fn korthikanti_closed(
+    (s, b, h, a): (i128, i128, i128, i128),
+    (t, sp): (i128, bool),
+    re: Recompute,
+) -> i128 {
     let sbh = s * b * h;
-    match re {
+    match (re, sp) {
         // sbh(10 + 24/t + 5as/(ht))
-        Recompute::None => 10 * sbh + exact(24 * sbh, t) + exact(5 * a * s * s * b, t),
+        (Recompute::None, false) => 10 * sbh + exact(24 * sbh, t) + exact(5 * a * s * s * b, t),
+        // sbh(34/t + 5as/(ht))
+        (Recompute::None, true) => exact(34 * sbh, t) + exact(5 * a * s * s * b, t),
         // sbh(10 + 24/t)
-        Recompute::Selective => 10 * sbh + exact(24 * sbh, t),
-        // 2sbh
-        _ => 2 * sbh,
+        (Recompute::Selective, false) => 10 * sbh + exact(24 * sbh, t),
+        // sbh(34/t)
+        (Recompute::Selective, true) => exact(34 * sbh, t),
+        // 2sbh: the layer's input, which sequence parallelism cuts too (the paper's row is
+        // given without it).
+        (_, false) => 2 * sbh,
+        (_, true) => exact(2 * sbh, t),
     }
 }
 
@@ -710,7 +730,8 @@ fn activations_per_layer_are_korthikantis_with_every_difference_named() {
     assert_eq!(spec.mlp_hidden, 4 * spec.n_embd);
     assert_eq!(spec.n_head * spec.head_dim, spec.n_embd);
     for precision in [Precision::Bf16, Precision::F16] {
-        for tp in [1, 2, 4] {
+        let meshes = [(1, false), (2, false), (4, false), (2, true), (4, true)];
+        for (tp, sp) in meshes {
             for re in [Recompute::None, Recompute::Selective, Recompute::Full] {
                 let mut cfg = StepConfig::new(b, s, 1);
                 cfg.mesh = Mesh {
@@ -719,15 +740,16 @@ fn activations_per_layer_are_korthikantis_with_every_difference_named() {
                     pipeline: 1,
                     rank: 0,
                 };
+                cfg.sequence_parallel = sp;
                 cfg.precision = precision;
                 cfg.recompute = re;
                 let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
-                let rows = korthikanti_rows(shape, tp as i128, re);
+                let rows = korthikanti_rows(shape, (tp as i128, sp), re);
                 let paper: i128 = rows.iter().map(|r| r.paper).sum();
                 assert_eq!(
                     paper,
-                    korthikanti_closed(shape, tp as i128, re),
-                    "{re:?} tp {tp}"
+                    korthikanti_closed(shape, (tp as i128, sp), re),
+                    "{re:?} tp {tp} sp {sp}"
                 );
                 let want: BTreeMap<String, i128> = rows
                     .iter()
@@ -739,7 +761,7 @@ fn activations_per_layer_are_korthikantis_with_every_difference_named() {
                     assert_eq!(
                         got,
                         want,
-                        "{precision} tp {tp} {re:?} layer {l}: memwall's kept buffers against \
+                        "{precision} tp {tp} sp {sp} {re:?} layer {l}: memwall's kept buffers against \
                          the rows (paper, memwall):{}",
                         rows.iter()
                             .map(|r| format!(
@@ -751,22 +773,26 @@ fn activations_per_layer_are_korthikantis_with_every_difference_named() {
                     // The whole: the paper's closed form plus the differences, in closed form.
                     let (s, b, h, a) = shape;
                     let (t, sbh) = (tp as i128, s * b * h);
+                    // What sequence parallelism cuts (the norms and the dropouts).
+                    let q = if sp { t } else { 1 };
                     let diff = match re {
                         // No dropout masks (2 × sbh), no attention core (5as²b/t), a
                         // log-sum-exp per head and row (4asb/t), two norms' statistics (16sb).
                         Recompute::None => {
-                            -2 * sbh - exact(5 * a * s * s * b, t)
+                            -exact(2 * sbh, q) - exact(5 * a * s * s * b, t)
                                 + exact(4 * a * s * b, t)
-                                + 16 * s * b
+                                + exact(16 * s * b, q)
                         }
                         // No dropout masks, the norms' outputs (2 × 2sbh) and GELU's (8sbh/t)
                         // recomputed, the log-sum-exp kept.
                         Recompute::Selective => {
-                            -2 * sbh - 4 * sbh - exact(8 * sbh, t) + exact(4 * a * s * b, t)
+                            -exact(2 * sbh, q) - exact(4 * sbh, q) - exact(8 * sbh, t)
+                                + exact(4 * a * s * b, t)
                         }
                         _ => 0,
                     };
-                    assert_eq!(got.values().sum::<i128>(), paper + diff, "{re:?} tp {tp}");
+                    let what = format!("{re:?} tp {tp} sp {sp}");
+                    assert_eq!(got.values().sum::<i128>(), paper + diff, "{what}");
                 }
             }
         }
