@@ -865,10 +865,7 @@ fn exhaustive_mesh(
                         peaks.push(worst.0);
                         if worst.0 <= budget && worst.1 < best.0 {
                             let sp = if sequence { " sp" } else { "" };
-                            best = (
-                                worst.1,
-                                format!("tp {t}{sp} pp {p} zero {z} batch {b} {r}"),
-                            );
+                            best = (worst.1, format!("tp {t}{sp} pp {p} zero {z} batch {b} {r}"));
                         }
                     }
                 }

@@ -466,6 +466,45 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
     close("pp 2 resumed on one process", &killed, &one);
 }
 
+/// `--tp 2 --sequence-parallel` as processes: 2 stages × 2 tensor ranks (the residual stream,
+/// the norms and what each stage sends cut by rows among the tensor ranks) train like one
+/// process, each rank peaking at its own plan; 2 tensor ranks killed in step 7 resume on one
+/// process (`--tp 1`: sequence parallelism off, a note says so) and finish like an
+/// uninterrupted one.
+#[test]
+fn sequence_parallel_ranks_train_peak_as_planned_and_resume_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 10;
+    let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
+    let one = dir.path().join("one");
+    ok(&common::memwall(&strs(&args(&one, &[]))));
+    let four = dir.path().join("tp2pp2sp");
+    let sp = ["--tp", "2", "--pp", "2", "--sequence-parallel"];
+    let text = ok(&mpirun(4, &strs(&args(&four, &sp)), &[]));
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(
+        plan["config"]["sequence_parallel"],
+        serde_json::json!(true),
+        "{plan}"
+    );
+    assert_close_tensor_ranks("tp 2 sp x pp 2", &four, &one, steps);
+    peaks_as_planned("tp 2 sp x pp 2", &text, 4);
+    let killed = dir.path().join("killed");
+    let o = mpirun(
+        2,
+        &strs(&args(&killed, &["--tp", "2", "--sequence-parallel"])),
+        &[("MEMWALL_KILL_RANK", "1:7")],
+    );
+    assert!(!o.status.success(), "{}", output_text(&o));
+    let mut again = resume(&killed);
+    again.extend(["--tp".into(), "1".into()]);
+    let text = ok(&common::memwall(&strs(&again)));
+    assert!(text.contains("--sequence-parallel"), "{text}");
+    assert_close_tensor_ranks("tp 2 sp resumed on one process", &killed, &one, steps);
+}
+
 /// `--pp 2 --pp-layers 3,1` as processes: stages of 3 layers and of 1 (with the head),
 /// killed in step 7, resume on their own cut (which `--resume` keeps), and a copy resumes on
 /// another (`--pp-layers 1,3`: checkpoints are whole models); both finish like the

@@ -389,7 +389,13 @@ fn eight_ranks_of_every_axis_train_llama_like_one_process() {
     matches_one_process(&preset("llama-tiny"), (2, 2, 2), 2, Recompute::None);
     let sp = (&[][..], true);
     let spec = preset("llama-tiny");
-    matches_one_process_with((&spec, None), (2, 2, 2, Zero(1)), sp, 2, Recompute::Selective);
+    matches_one_process_with(
+        (&spec, None),
+        (2, 2, 2, Zero(1)),
+        sp,
+        2,
+        Recompute::Selective,
+    );
     let lora = LoraSpec {
         r: 2,
         alpha: 4.0,

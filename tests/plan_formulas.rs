@@ -569,7 +569,12 @@ fn korthikanti_rows(
         // The input of the layer's first layer norm: memwall's block output `h{l}.out` is
         // the next block's input, kept for its ln_1 backward (one per layer; full
         // recomputation keeps only it, as the paper's 2sbh does).
-        row("LN1 input 2sbh", exact(2 * sbh, q), Some("out"), exact(2 * sbh, q)),
+        row(
+            "LN1 input 2sbh",
+            exact(2 * sbh, q),
+            Some("out"),
+            exact(2 * sbh, q),
+        ),
         // Under sequence parallelism the norm's output is kept as the rank's rows and
         // gathered again in the backward (memwall and Megatron alike).
         row(

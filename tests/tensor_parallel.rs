@@ -185,7 +185,8 @@ fn matches_one_process_with(
     let reference = train(model, (Mesh::SINGLE, Zero::DP, false), single, b, data, re);
     let out = ranks(model, (data, tensor, zero, sequence), b, re);
     let whole = ParamLayout::new(&spec_of(model));
-    let what = format!("{model} data={data} tensor={tensor} zero={zero} sequence={sequence} {re:?}");
+    let what =
+        format!("{model} data={data} tensor={tensor} zero={zero} sequence={sequence} {re:?}");
     for (rank, o) in out.iter().enumerate() {
         assert!(o.layout.split.is_split(), "{what}: rank {rank} holds parts");
         assert!(o.layout.total < whole.total, "{what}: a part is smaller");

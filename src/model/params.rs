@@ -660,10 +660,8 @@ mod tests {
                 }
             }
             for t in &whole.tensors {
-                let part = ParamLayout::part(
-                    &spec,
-                    crate::ir::ModelPart::tensor(TensorSplit::new(2, 0)),
-                );
+                let part =
+                    ParamLayout::part(&spec, crate::ir::ModelPart::tensor(TensorSplit::new(2, 0)));
                 let cut = part.get(&t.name).unwrap().part.is_some();
                 let want = if cut { 1 } else { 2 };
                 assert!(
@@ -692,7 +690,8 @@ mod tests {
                 .into_iter()
                 .filter(|c| spec.check_tensor_split(c.0).is_ok())
             {
-                let part = ParamLayout::part(&spec, ModelPart::tensor(TensorSplit::new(size, rank)));
+                let part =
+                    ParamLayout::part(&spec, ModelPart::tensor(TensorSplit::new(size, rank)));
                 let mut want = vec![f32::NAN; part.total];
                 for (w, r) in part.whole_runs(0..part.total) {
                     want[r.clone()].copy_from_slice(&values[w..w + r.len()]);

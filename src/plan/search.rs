@@ -155,7 +155,10 @@ impl Candidate {
 /// `--tp T --pp P --zero Z` (and `--sequence-parallel`).
 fn mesh_flags(mesh: &crate::ir::Mesh, zero: Zero, sequence: bool) -> String {
     let sp = if sequence { " --sequence-parallel" } else { "" };
-    format!("--tp {}{sp} --pp {} --zero {zero}", mesh.tensor, mesh.pipeline)
+    format!(
+        "--tp {}{sp} --pp {} --zero {zero}",
+        mesh.tensor, mesh.pipeline
+    )
 }
 
 /// `2 x 2 x 2, 1` (tp x pp x dp, ZeRO stage; `2+sp x …` with sequence parallelism).
@@ -490,9 +493,9 @@ pub fn search(
                     .optim_state
                     .options(&[OptimState::F32, OptimState::Bf16, OptimState::Int8])
             {
-                for (&b, sequence) in (micro.iter())
-                    .flat_map(|b| sequence_options(space, mesh.tensor, b * space.seq).map(move |s| (b, s)))
-                {
+                for (&b, sequence) in (micro.iter()).flat_map(|b| {
+                    sequence_options(space, mesh.tensor, b * space.seq).map(move |s| (b, s))
+                }) {
                     let mut cfg = StepConfig::new(b, space.seq, space.threads);
                     cfg.sequence_parallel = sequence;
                     cfg.grad_accum = per_rank / b;

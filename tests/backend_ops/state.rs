@@ -446,12 +446,14 @@ pub fn all_reduce(be: &dyn Backend, p: Precision) {
 }
 
 pub fn reduce_scatter(be: &dyn Backend, p: Precision) {
-    for accumulate in [false, true] {
+    // Into the shard, adding to it, or onto a residual (sequence parallelism's stream).
+    for (accumulate, with_residual) in [(false, false), (true, false), (false, true)] {
         let cut = cut();
         let mut ranks = ranks(be, p, |rig, r| {
             let buf = rig.act("buf", LEN); // [LEN], consumed
             let shard = rig.act("shard", cut.shard(r).len()); // [the rank's chunk]
             let scratch = rig.act("scratch", SCRATCH); // [SCRATCH]
+            let residual = with_residual.then(|| rig.act("residual", cut.shard(r).len())); // [chunk]
             let op = Op::ReduceScatter {
                 axis: memwall::ir::Axis::Data,
                 buf,
@@ -459,26 +461,34 @@ pub fn reduce_scatter(be: &dyn Backend, p: Precision) {
                 scratch,
                 accumulate,
                 cut: memwall::ir::CutOf::Group(0),
+                residual,
             };
             rig.op(op, Bind::None);
-            (buf, shard)
+            (buf, shard, residual)
         });
         let mut rng = Rng::new(41);
         let mut sum = [0.0f64; LEN];
-        let mut shard0 = Vec::new();
-        for (s, (buf, shard)) in &mut ranks {
+        let mut added = Vec::new();
+        for (s, (buf, shard, residual)) in &mut ranks {
             let x = s.fill(*buf, &mut rng, -1.0, 1.0);
             sum.iter_mut().zip(&x).for_each(|(w, &v)| *w += v as f64);
-            shard0.push(s.fill(*shard, &mut rng, -1.0, 1.0));
+            let before = s.fill(*shard, &mut rng, -1.0, 1.0);
+            added.push(match residual {
+                Some(res) => s.fill(*res, &mut rng, -1.0, 1.0),
+                None if accumulate => before,
+                None => vec![0.0; before.len()],
+            });
         }
         run_collective(&ranks);
-        for (r, (s, (_, shard))) in ranks.iter().enumerate() {
+        for (r, (s, (_, shard, _))) in ranks.iter().enumerate() {
             let want: Vec<f64> = cut
                 .shard(r)
                 .enumerate()
-                .map(|(k, e)| sum[e] + if accumulate { shard0[r][k] as f64 } else { 0.0 })
+                .map(|(k, e)| sum[e] + added[r][k] as f64)
                 .collect();
-            let what = format!("reduce_scatter (accumulate {accumulate}) on rank {r}");
+            let what = format!(
+                "reduce_scatter (accumulate {accumulate}, residual {with_residual}) on rank {r}"
+            );
             check(&what, &s.get(*shard), &want, summed(p));
         }
     }

@@ -19,9 +19,9 @@ use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
 use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::ModelSpec;
 use crate::model::block_emit::{self, Blocks, StagedBlock};
-use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
 use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
+use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
 
 /// Dimensions of one micro-batch, shared by the emitters.
 struct Dims {
@@ -235,7 +235,12 @@ impl StagedBlock for Dims {
             Stage::AttnProj => {
                 let inp = get(|a| a.atty, partial.atty);
                 // Row-parallel: the ranks' sum adds the residual and the bias once.
-                let out = RowParallel::new(g, d.tensor, (&format!("{pfx}res_attn"), n * c), Some(res_in));
+                let out = RowParallel::new(
+                    g,
+                    d.tensor,
+                    (&format!("{pfx}res_attn"), n * c),
+                    Some(res_in),
+                );
                 let name = format!("{pfx}attn_proj");
                 g.op(
                     name.clone(),
@@ -319,7 +324,12 @@ impl StagedBlock for Dims {
     /// The MLP projection.
     fn emit_output(g: &mut Builder, blk: &Block, acts: &mut BlockActs) -> BufId {
         let (d, p, name) = (blk.d, blk.p, &blk.name);
-        let out = RowParallel::new(g, d.tensor, (&format!("{name}out"), d.n * d.c), Some(acts.res2));
+        let out = RowParallel::new(
+            g,
+            d.tensor,
+            (&format!("{name}out"), d.n * d.c),
+            Some(acts.res2),
+        );
         let name = format!("{name}mlp_proj");
         g.op(
             name.clone(),
@@ -505,7 +515,13 @@ impl Dims {
     /// The stream's gradient `dres` gathered for a row-parallel layer's backward.
     fn gathered_grad(&self, g: &mut Builder, dres: BufId, name: &str) -> BufId {
         let cat = (name, Category::ActivationGrad);
-        gather_rows(g, self.tensor, (dres, self.n * self.c), cat, Phase::Backward)
+        gather_rows(
+            g,
+            self.tensor,
+            (dres, self.n * self.c),
+            cat,
+            Phase::Backward,
+        )
     }
 }
 

@@ -39,9 +39,9 @@ use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{GluAct, Op, Phase, Rows, WeightLayout};
 use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
 use crate::model::block_emit::{self, Blocks, StagedBlock};
-use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
 use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
+use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
 use crate::model::{ModelSpec, rope};
 use std::ops::Range;
 
@@ -491,7 +491,11 @@ impl StagedBlock for Dims {
                     (d.a(), d.c),
                 );
                 let o = o.join(g, &name, phase);
-                let out = g.act(format!("{pfx}res_attn"), Category::Activation, d.stream_len());
+                let out = g.act(
+                    format!("{pfx}res_attn"),
+                    Category::Activation,
+                    d.stream_len(),
+                );
                 let io = (o, out, Some(blk.res_in));
                 let rstd = norm_into(g, d, (pfx, "post_attn_norm"), phase, io, w);
                 (partial.res2, partial.post_attn) = (Some(out), Some((o, rstd)));

@@ -181,14 +181,8 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
             .biases
             .mlp
             .then(|| bias(&mut cur, "mlp.down_proj.bias", c));
-        let post_mlp_norm = post_norms.then(|| {
-            cur.push_norm(
-                p("post_feedforward_layernorm.weight"),
-                c,
-                norm_init,
-                split,
-            )
-        });
+        let post_mlp_norm = post_norms
+            .then(|| cur.push_norm(p("post_feedforward_layernorm.weight"), c, norm_init, split));
         cur.group(format!("h{l}"));
         if !held.contains(&l) {
             continue;
