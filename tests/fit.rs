@@ -115,7 +115,7 @@ fn space(global_batch: usize) -> Space {
         pipeline: Pick::Fixed(1),
         zero: Pick::Fixed(Default::default()),
         sequence_parallel: Pick::Fixed(false),
-        stage_layers: Vec::new(),
+        stage_layers: Pick::Fixed(Vec::new()),
     }
 }
 
@@ -810,8 +810,9 @@ fn exhaustive_mesh(
     budget: u64,
     cal: &Calibration,
 ) -> ((f64, String), Vec<u64>) {
-    use memwall::ir::Mesh;
     use memwall::ir::shard::Zero;
+    use memwall::ir::{Mesh, mesh::even_layers};
+    use memwall::plan::stage_cut::balanced;
     let mut best = (f64::INFINITY, String::new());
     let mut peaks = Vec::new();
     let mut policies = vec![Recompute::None, Recompute::Selective];
@@ -841,12 +842,29 @@ fn exhaustive_mesh(
                 .flat_map(|z| sequences.iter().map(move |&s| (z, s)))
             {
                 for b in (1..=per_rank).filter(|&b| per_rank.is_multiple_of(b)) {
-                    for &r in &policies {
+                    // The even cut, and with the cut left to the search the one balanced by
+                    // predicted time (priced with no recomputation, one micro-batch).
+                    let mut cuts = vec![Vec::new()];
+                    if p > 1 && space.stage_layers == Pick::Auto {
+                        let mut one = StepConfig::new(b, space.seq, space.threads);
+                        one.mesh = mesh;
+                        one.zero = Zero(z);
+                        one.sequence_parallel = sequence;
+                        if let Ok(b) = balanced(spec, &one, cal, None, 0, backend())
+                            && b.counts != even_layers(spec.n_layer, p)
+                        {
+                            cuts.push(b.counts);
+                        }
+                    }
+                    for (r, cut) in
+                        (policies.iter()).flat_map(|&r| cuts.iter().map(move |c| (r, c)))
+                    {
                         let mut cfg = StepConfig::new(b, space.seq, space.threads);
                         cfg.grad_accum = per_rank / b;
                         cfg.recompute = r;
                         cfg.zero = Zero(z);
                         cfg.sequence_parallel = sequence;
+                        cfg.stage_layers = cut.clone();
                         let mut worst = (0u64, 0f64);
                         let mut ok = true;
                         for rank in 0..n {
@@ -865,7 +883,8 @@ fn exhaustive_mesh(
                         peaks.push(worst.0);
                         if worst.0 <= budget && worst.1 < best.0 {
                             let sp = if sequence { " sp" } else { "" };
-                            best = (worst.1, format!("tp {t}{sp} pp {p} zero {z} batch {b} {r}"));
+                            let what = format!("tp {t}{sp} pp {p} {cut:?} zero {z} batch {b} {r}");
+                            best = (worst.1, what);
                         }
                     }
                 }
@@ -889,6 +908,7 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
         pipeline: Pick::Auto,
         zero: Pick::Auto,
         sequence_parallel: Pick::Auto,
+        stage_layers: Pick::Auto,
         offload: Pick::Fixed(OffloadSet::NONE),
         ..space(8)
     };
@@ -920,7 +940,8 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
                 best.flags()
             );
             let c = &best.cfg;
-            shapes_chosen.insert((c.mesh.tensor, c.sequence_parallel, c.mesh.pipeline));
+            let shape = (c.mesh.tensor, c.sequence_parallel, c.mesh.pipeline);
+            shapes_chosen.insert((shape, c.stage_layers.clone()));
             for k in &found.ranked {
                 let mut heaviest = 0;
                 for rank in 0..k.cfg.mesh.world() {

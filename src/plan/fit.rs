@@ -388,7 +388,7 @@ pub fn plan_fitting(
         pipeline: Pick::Fixed(cfg.mesh.pipeline),
         zero: Pick::Fixed(cfg.zero),
         sequence_parallel: Pick::Fixed(cfg.sequence_parallel),
-        stage_layers: cfg.stage_layers.clone(),
+        stage_layers: Pick::Fixed(cfg.stage_layers.clone()),
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {

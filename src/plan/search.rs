@@ -118,9 +118,10 @@ pub struct Space {
     /// Sequence parallelism on the tensor axis (`--sequence-parallel`): given, or tried both
     /// ways on meshes of two tensor ranks or more.
     pub sequence_parallel: Pick<bool>,
-    /// Layers of each pipeline stage (`--pp-layers`, with a fixed `pipeline`), or empty for
-    /// an even cut.
-    pub stage_layers: Vec<usize>,
+    /// Layers of each pipeline stage (`--pp-layers`, with a fixed `pipeline`; empty for an
+    /// even cut), or `Auto`: on each pipeline the even cut and the one balanced by predicted
+    /// time (`plan::stage_cut::balanced`), where they differ.
+    pub stage_layers: Pick<Vec<usize>>,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -140,7 +141,7 @@ impl Candidate {
             c.batch, c.grad_accum, c.recompute, c.offload.set, c.precision, c.optim_state
         );
         match c.mesh.world() > 1 {
-            true => format!("{} {one}", mesh_flags(&c.mesh, c.zero, c.sequence_parallel)),
+            true => format!("{} {one}", mesh_flags(c)),
             false => one,
         }
     }
@@ -152,21 +153,39 @@ impl Candidate {
     }
 }
 
-/// `--tp T --pp P --zero Z` (and `--sequence-parallel`).
-fn mesh_flags(mesh: &crate::ir::Mesh, zero: Zero, sequence: bool) -> String {
-    let sp = if sequence { " --sequence-parallel" } else { "" };
+/// `--tp T --pp P --zero Z` of `c` (and `--sequence-parallel`, `--pp-layers`).
+fn mesh_flags(c: &StepConfig) -> String {
+    let sp = if c.sequence_parallel {
+        " --sequence-parallel"
+    } else {
+        ""
+    };
+    let cut = match c.stage_layers.is_empty() {
+        true => String::new(),
+        false => format!(
+            " --pp-layers {}",
+            super::stage_layers::list(&c.stage_layers)
+        ),
+    };
+    let (m, zero) = (&c.mesh, c.zero);
     format!(
-        "--tp {}{sp} --pp {} --zero {zero}",
-        mesh.tensor, mesh.pipeline
+        "--tp {}{sp} --pp {}{cut} --zero {zero}",
+        m.tensor, m.pipeline
     )
 }
 
-/// `2 x 2 x 2, 1` (tp x pp x dp, ZeRO stage; `2+sp x …` with sequence parallelism).
-fn mesh_shape(mesh: &crate::ir::Mesh, zero: Zero, sequence: bool) -> String {
-    let sp = if sequence { "+sp" } else { "" };
+/// `2 x 2 x 2, 1` of `c` (tp x pp x dp, ZeRO stage; `2+sp x …` with sequence parallelism,
+/// `… x 2(9,3) x …` with an uneven cut).
+fn mesh_shape(c: &StepConfig) -> String {
+    let sp = if c.sequence_parallel { "+sp" } else { "" };
+    let cut = match c.stage_layers.is_empty() {
+        true => String::new(),
+        false => format!("({})", super::stage_layers::list(&c.stage_layers)),
+    };
+    let (m, zero) = (&c.mesh, c.zero);
     format!(
-        "{}{sp} x {} x {}, {zero}",
-        mesh.tensor, mesh.pipeline, mesh.data
+        "{}{sp} x {}{cut} x {}, {zero}",
+        m.tensor, m.pipeline, m.data
     )
 }
 
@@ -271,7 +290,7 @@ impl Found {
                 o,
                 "  {:>2}{} {:>13} {:>10} {:<34} {:>5} {:>6} {:>10} {:>9.2} {:>9.1} {:>8}",
                 i + 1,
-                mesh(mesh_shape(&c.mesh, c.zero, c.sequence_parallel)),
+                mesh(mesh_shape(c)),
                 format!("{} x {}", c.batch, c.grad_accum),
                 c.recompute.to_string(),
                 c.offload.set.to_string(),
@@ -386,6 +405,34 @@ fn sequence_options(space: &Space, tensor: usize, rows: usize) -> impl Iterator<
     options.iter().copied()
 }
 
+/// Each pipeline configuration of `configs` again, its layers cut by predicted time
+/// ([`super::stage_cut::balanced`], priced at recomputation `least` and one micro-batch),
+/// where that cut is not the even one: a stage holding the embedding or the head takes fewer
+/// layers.
+fn balanced_cuts(
+    spec: &ModelSpec,
+    configs: &[StepConfig],
+    least: Recompute,
+    cal: &Calibration,
+    backend: &(dyn Sizing + Sync),
+) -> Result<Vec<StepConfig>> {
+    let cut = |cfg: &StepConfig| -> Result<Option<StepConfig>> {
+        let mut one = cfg.clone();
+        (one.grad_accum, one.recompute) = (1, least);
+        let b = super::stage_cut::balanced(spec, &one, cal, None, 0, backend)?;
+        let even = crate::ir::mesh::even_layers(spec.n_layer, cfg.mesh.pipeline);
+        Ok((b.counts != even).then(|| StepConfig {
+            stage_layers: b.counts,
+            ..cfg.clone()
+        }))
+    };
+    let cuts = (configs.par_iter())
+        .filter(|c| c.mesh.pipeline > 1 && c.stage_layers.is_empty())
+        .map(cut)
+        .collect::<Result<Vec<_>>>()?;
+    Ok(cuts.into_iter().flatten().collect())
+}
+
 fn count(o: OffloadSet) -> usize {
     [o.optimizer, o.params, o.grads, o.activations]
         .iter()
@@ -457,17 +504,22 @@ pub fn search(
     let mut configs = Vec::new();
     let mut refused = Vec::new();
     for &(mesh, zero) in &shapes {
+        let shape = StepConfig {
+            mesh,
+            zero,
+            ..StepConfig::new(1, space.seq, space.threads)
+        };
         if mesh.world() > 1 && !placements.contains(&OffloadSet::NONE) {
             refused.push(format!(
                 "{}: several ranks offload nothing yet (--offload none)",
-                mesh_flags(&mesh, zero, false)
+                mesh_flags(&shape)
             ));
             continue;
         }
         if !space.global_batch.is_multiple_of(mesh.data) {
             refused.push(format!(
                 "{}: --global-batch {} does not split over {} data ranks",
-                mesh_flags(&mesh, zero, false),
+                mesh_flags(&shape),
                 space.global_batch,
                 mesh.data
             ));
@@ -507,19 +559,24 @@ pub fn search(
                     cfg.base_types = space.base_types.clone();
                     cfg.mesh = mesh;
                     cfg.zero = zero;
-                    cfg.stage_layers = space.stage_layers.clone();
+                    if let Pick::Fixed(cut) = &space.stage_layers {
+                        cfg.stage_layers = cut.clone();
+                    }
                     // What the mesh does not compose with (int8 moments, a quantized base
                     // under --tp, …) leaves the group out.
                     if mesh.world() > 1
                         && let Err(e) = check_mesh(spec, &cfg, Mode::Train)
                     {
-                        refused.push(format!("{}: {e}", mesh_flags(&mesh, zero, sequence)));
+                        refused.push(format!("{}: {e}", mesh_flags(&cfg)));
                         continue;
                     }
                     configs.push(cfg);
                 }
             }
         }
+    }
+    if space.stage_layers == Pick::Auto {
+        configs.extend(balanced_cuts(spec, &configs, policies[0], cal, backend)?);
     }
     if configs.is_empty() {
         refused.dedup();
@@ -588,10 +645,7 @@ pub fn search(
             disk_refused |= r.disk_refused;
             if r.fitting.is_empty() {
                 let mesh = match g.cfg.mesh.world() > 1 {
-                    true => {
-                        let c = &g.cfg;
-                        format!("{} ", mesh_flags(&c.mesh, c.zero, c.sequence_parallel))
-                    }
+                    true => format!("{} ", mesh_flags(&g.cfg)),
                     false => String::new(),
                 };
                 rejected.push(Rejected {

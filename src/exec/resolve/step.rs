@@ -103,8 +103,9 @@ pub fn fit_space(
     let st = &step.strategy;
     if st.pp_layers.is_some() {
         bail!(
-            "--fit cuts the pipeline's layers evenly: drop --pp-layers, or give the strategies \
-             yourself (--pp, --pp-layers and the rest) without --fit"
+            "--fit chooses how the pipeline's layers are cut (evenly, or balanced by predicted \
+             time as --pp-layers auto does): drop --pp-layers, or give the strategies yourself \
+             (--pp, --pp-layers and the rest) without --fit"
         );
     }
     if st.grad_accum.is_some() && step.global_batch.is_some() {
@@ -171,7 +172,7 @@ pub fn fit_space(
             (None, 1) => Pick::Fixed(false),
             (None, _) => Pick::Auto,
         },
-        stage_layers: Vec::new(),
+        stage_layers: Pick::Auto,
     })
 }
 
