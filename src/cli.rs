@@ -474,8 +474,9 @@ pub(crate) struct StepArgs {
     /// Choose the fastest plan that fits --max-memory, by predicted step time: searches the
     /// micro-batch (keeping --global-batch), --recompute and --offload unless given, and
     /// --precision / --optim-state where given as auto (they change the numerics); with `plan
-    /// --ranks N`, also --tp, --pp and --zero unless given (each rank planned, the heaviest
-    /// within the budget); prints the five best (`memwall calibrate` makes the prediction a
+    /// --ranks N` (or `train` under `mpirun -np N`: rank 0 searches, every rank trains its
+    /// choice), also --tp, --sequence-parallel, --pp (and its cut) and --zero unless given
+    /// (each rank planned, the heaviest within the budget); prints the five best (`memwall calibrate` makes the prediction a
     /// measured one)
     #[arg(long, requires = "max_memory")]
     pub(crate) fit: bool,

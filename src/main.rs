@@ -529,7 +529,7 @@ fn train_rank(a: TrainArgs, comm: std::sync::Arc<dyn memwall::dist::Comm>) -> Re
         })?;
         train::train_among(&opts, Some(&ck), comm, progress)?
     } else {
-        let o = resolve::new_run(&req, threads(req.step.threads)?, comm.size(), progress)?;
+        let o = resolve::new_run(&req, threads(req.step.threads)?, &*comm, progress)?;
         print_notes(&o.notes);
         train::train_among(&o, None, comm, progress)?
     };

@@ -505,6 +505,58 @@ fn sequence_parallel_ranks_train_peak_as_planned_and_resume_on_one() {
     assert_close_tensor_ranks("tp 2 sp resumed on one process", &killed, &one, steps);
 }
 
+/// `train --fit` under mpirun: rank 0 searches the job's meshes (tensor and pipeline sizes,
+/// sequence parallelism, ZeRO stage, the micro-batch and the rest) with its calibration, and
+/// every rank trains its choice: the ranks' options agree (a rank whose options differed from
+/// rank 0's would stop the run), and plan.json holds the choice the table names.
+#[test]
+fn train_fit_under_mpirun_trains_rank_0s_choice_on_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let out = dir.path().join("fit");
+    let mut a = run_args(&data, &out, 2, 4);
+    let at = a.iter().position(|f| f == "--batch").unwrap();
+    a.drain(at..at + 2);
+    a.extend(["--global-batch", "8", "--fit", "--max-memory", "1GiB"].map(String::from));
+    let text = ok(&mpirun(4, &strs(&a), &[]));
+    let chosen = (text.lines())
+        .find_map(|l| l.split("training with the fastest: ").nth(1))
+        .unwrap_or_else(|| panic!("the choice named:\n{text}"));
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
+    let c = &plan["config"];
+    let flag = |f: &str| {
+        let v = chosen
+            .split(&format!("{f} "))
+            .nth(1)
+            .unwrap_or_else(|| panic!("{f} in {chosen}"));
+        v.split_whitespace().next().unwrap().to_string()
+    };
+    assert_eq!(
+        c["tensor"].as_u64().unwrap_or(1).to_string(),
+        flag("--tp"),
+        "{c}"
+    );
+    assert_eq!(
+        c["pipeline"].as_u64().unwrap_or(1).to_string(),
+        flag("--pp"),
+        "{c}"
+    );
+    assert_eq!(c["batch"].to_string(), flag("--batch"), "{c}");
+    assert!(
+        plan["fit"]["candidates"].is_array(),
+        "the search's record: {plan}"
+    );
+    for r in 1..4 {
+        let m = metrics::read(&out.join(format!("metrics.rank{r}.jsonl"))).unwrap();
+        assert_eq!(
+            m.iter().filter(|s| s.update.is_some()).count(),
+            4,
+            "rank {r}"
+        );
+    }
+}
+
 /// `--pp 2 --pp-layers 3,1` as processes: stages of 3 layers and of 1 (with the head),
 /// killed in step 7, resume on their own cut (which `--resume` keeps), and a copy resumes on
 /// another (`--pp-layers 1,3`: checkpoints are whole models); both finish like the

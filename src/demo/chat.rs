@@ -434,7 +434,7 @@ pub fn run(o: &ChatOptions) -> Result<ChatReport> {
     RunDir::new(&run).replace_previous(&what, &mut |m| eprintln!("{m}"))?;
     let req = train_request(o, &gguf, &data, &run);
     let mut progress = ConsoleProgress::new(10);
-    let t = resolve::new_run(&req, o.threads, 1, &mut progress)?;
+    let t = resolve::new_run(&req, o.threads, &crate::dist::Single, &mut progress)?;
     for note in &t.notes {
         eprintln!("{note}");
     }

@@ -191,6 +191,36 @@ pub fn gather_values<T: Copy>(comm: &dyn Comm, mine: &[T], out: &mut [T]) -> Res
     all_gather(comm, out, &Cut::equal(mine.len(), comm.size()))
 }
 
+/// Rank `root`'s `bytes` on every rank: the root sends their length, then them, to each
+/// other rank in turn; the others pass `None` and receive them.
+pub fn broadcast_bytes(comm: &dyn Comm, root: usize, bytes: Option<Vec<u8>>) -> Result<Vec<u8>> {
+    let (r, n) = (comm.rank(), comm.size());
+    match bytes {
+        Some(b) => {
+            ensure!(
+                r == root,
+                "internal error: rank {r} broadcasting as root {root}"
+            );
+            for to in (0..n).filter(|&to| to != root) {
+                comm.send(&(b.len() as u64).to_le_bytes(), to)?;
+                comm.send(&b, to)?;
+            }
+            Ok(b)
+        }
+        None => {
+            ensure!(
+                r != root,
+                "internal error: root {root} broadcasting nothing"
+            );
+            let mut len = [0u8; 8];
+            comm.recv(&mut len, root)?;
+            let mut b = vec![0u8; u64::from_le_bytes(len) as usize];
+            comm.recv(&mut b, root)?;
+            Ok(b)
+        }
+    }
+}
+
 /// Rank `root`'s `buf` (N chunks of `mine.len()` bytes) receives every rank's `mine` in rank
 /// order; the other ranks pass no `buf` (checkpoints: one group's shards at a time, so no
 /// rank holds more than one group's whole state).
@@ -258,6 +288,17 @@ mod tests {
     }
 
     /// Rank r's value of element i: distinct per rank and element, exact in f32 sums.
+    #[test]
+    fn broadcast_bytes_gives_every_rank_the_roots() {
+        for root in [0, 2] {
+            let got = on_ranks(3, |c| {
+                let mine = (c.rank() == root).then(|| vec![7u8, root as u8, 9]);
+                broadcast_bytes(c, root, mine).unwrap()
+            });
+            assert!(got.iter().all(|b| *b == [7, root as u8, 9]), "{got:?}");
+        }
+    }
+
     fn value(r: usize, i: usize) -> f32 {
         ((r * 131 + i * 7) % 97) as f32 - 40.0
     }

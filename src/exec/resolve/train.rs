@@ -6,6 +6,7 @@
 use super::base::{base_storage, kept_types};
 use super::request::{DEFAULT_MODEL, TrainRequest};
 use super::step::{Frozen, Resolved, fit_measured, fit_space, fixed, resolve_step};
+use crate::dist::Comm;
 use crate::exec::train::{
     Progress, TrainOptions, planning_baseline, resume_options, with_data_open,
 };
@@ -21,12 +22,15 @@ use std::path::{Path, PathBuf};
 /// among `ranks` processes: the micro-batch and strategies resolved with the data open, as
 /// the run will measure its baseline (`--fit` searches when the run starts, for the same
 /// reason).
+/// The options of a new run of `req` on `threads` threads, this process being one rank of
+/// `comm` (`--fit` under mpirun: rank 0 searches, every rank trains its choice).
 pub fn new_run(
     req: &TrainRequest,
     threads: usize,
-    ranks: usize,
+    comm: &dyn Comm,
     progress: &mut dyn Progress,
 ) -> Result<TrainOptions> {
+    let ranks = comm.size();
     let (Some(data), Some(out)) = (&req.data, &req.out) else {
         bail!("a new run needs --data (prepared data) and --out (its run directory)");
     };
@@ -88,7 +92,7 @@ pub fn new_run(
     o.no_pack = req.no_pack;
     o.profile_steps = req.profile_steps;
     if req.step.fit {
-        fit_run(&mut o, req, ranks, progress)?;
+        fit_run(&mut o, req, comm, progress)?;
     } else {
         let spec = ModelSpec::resolve(&o.model)?;
         // With the data open, as the run will measure it (`--batch auto` plans with it).
@@ -484,21 +488,17 @@ pub fn resume(
 /// `--fit` for the new run `o`: the search, with the data open as the run will have it and
 /// the baseline measured after the search handed its memory back; `o` takes the fastest
 /// choice, its record (for plan.json) and that baseline (the run plans with it). The table
-/// of the best goes to `progress`.
+/// of the best goes to `progress`. Under mpirun (`comm` of several ranks) the search is of
+/// the job's meshes too, and rank 0 alone runs it, with its calibration, and sends its
+/// choice to the others ([`crate::dist::ring::broadcast_bytes`]), so every rank trains the
+/// same configuration; each plans with its own baseline.
 fn fit_run(
     o: &mut TrainOptions,
     req: &TrainRequest,
-    ranks: usize,
+    comm: &dyn Comm,
     progress: &mut dyn Progress,
 ) -> Result<()> {
-    if ranks > 1 {
-        bail!(
-            "--fit under mpirun: each of the {ranks} ranks would search alone, and they must \
-             agree; run `memwall plan --ranks {ranks} --fit ...` with the same flags once, then \
-             start the ranks with the flags it prints (--tp, --pp, --zero, --batch, …) instead \
-             of --fit"
-        );
-    }
+    let ranks = comm.size();
     let mut notes = Vec::new();
     let mut space = fit_space(&req.step, &mut notes, o.threads, o.batch, ranks)?;
     o.strategies = req.step.strategy.for_fit(req.step.max_memory);
@@ -507,7 +507,7 @@ fn fit_run(
         .max_memory
         .context("--fit needs --max-memory: it picks the fastest plan that fits that budget")?;
     o.check()?;
-    let (f, baseline, cal) = with_data_open(o, |spec| {
+    let (f, baseline, base_types) = with_data_open(o, |spec| {
         let asked = (req.step.strategy.lora.as_ref())
             .map(|l| l.spec(spec.family))
             .transpose()?;
@@ -523,27 +523,56 @@ fn fit_run(
             "--init",
             &mut notes,
         )?;
+        if comm.rank() > 0 {
+            // Rank 0's choice, made below.
+            let baseline = crate::util::rss::current_rss().unwrap_or(0);
+            return Ok((None, baseline, space.base_types.clone()));
+        }
         let cal = crate::exec::calibrate::current(o.threads)?;
         // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
         if space.offload_dir.is_none() {
             space.offload_dir = Some(o.out.join(crate::run_dir::OFFLOAD_DIR));
         }
         let (f, baseline) = fit_measured(spec, &space, budget, &cal, o.device.sizing())?;
-        Ok((f, baseline, cal))
+        Ok((Some((f, cal)), baseline, space.base_types.clone()))
     })?;
-    for line in f.found.table(budget).lines() {
-        progress.message(line);
-    }
-    progress.message(&format!(
-        "training with the fastest: {}",
-        f.found.ranked[0].flags()
-    ));
+    // The micro-batch, the strategies and the search's record: rank 0's. Under mpirun every
+    // rank, rank 0 too, takes them as sent, so their options are the same to the bit.
+    type Choice = (usize, Strategies, Option<serde_json::Value>);
+    let (batch, strategies, fit): Choice = match f {
+        Some((f, cal)) => {
+            for line in f.found.table(budget).lines() {
+                progress.message(line);
+            }
+            progress.message(&format!(
+                "training with the fastest: {}",
+                f.found.ranked[0].flags()
+            ));
+            let r = Resolved::fitted(f, budget, req.step.strategy.offload_dir.clone(), cal);
+            match ranks > 1 {
+                true => {
+                    let choice = serde_json::to_vec(&(r.batch, &r.strategies, &r.fit))?;
+                    let sent = crate::dist::ring::broadcast_bytes(comm, 0, Some(choice))?;
+                    serde_json::from_slice(&sent)?
+                }
+                false => (r.batch, r.strategies, r.fit),
+            }
+        }
+        None => {
+            let bytes = crate::dist::ring::broadcast_bytes(comm, 0, None)?;
+            serde_json::from_slice(&bytes).context("internal error: rank 0's --fit choice")?
+        }
+    };
     o.notes.extend(notes);
-    let r = Resolved::fitted(f, budget, req.step.strategy.offload_dir.clone(), cal);
     o.init_adapter = req.init_adapter.clone();
-    o.batch = r.batch;
-    o.strategies = r.strategies;
-    o.fit = r.fit;
+    o.batch = batch;
+    // What the choice does not carry (the base's storage types, read from the file) is this
+    // rank's own, the same as rank 0's.
+    o.strategies = Strategies {
+        base_types,
+        ..strategies
+    };
+    o.fit = fit;
     o.planned_baseline = Some(baseline);
     Ok(())
 }
