@@ -13,7 +13,7 @@ use common::worst_tensor;
 use memwall::backend::under_test as backend;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
-use memwall::ir::{Mesh, Recompute, Zero};
+use memwall::ir::{BaseQuant, Mesh, Recompute, Zero};
 use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::stage_cut::{NOMINAL_PEAK_GFLOPS, balanced};
@@ -22,6 +22,8 @@ use memwall::plan::{Mode, StepConfig, build_plan};
 use std::sync::Arc;
 
 const SEQ: usize = 32;
+/// A LoRA plan's base in f32 (`--base-quant fp32`).
+const F32: BaseQuant = BaseQuant::F32;
 const STEPS: u64 = 4;
 /// Rows of one micro-batch.
 const B: usize = 2;
@@ -45,7 +47,7 @@ struct Outcome {
 /// gives: empty, as even as they divide; sequence parallelism on its tensor axis or not),
 /// `micro` micro-batches of [`B`] rows per data rank and step.
 fn train(
-    (spec, lora): (&ModelSpec, Option<&LoraSpec>),
+    (spec, lora, base): (&ModelSpec, Option<&LoraSpec>, BaseQuant),
     (mesh, zero, cut, sequence): (Mesh, Zero, &[usize], bool),
     comm: Arc<dyn Comm>,
     micro: usize,
@@ -57,6 +59,7 @@ fn train(
     cfg.zero = zero;
     cfg.sequence_parallel = sequence;
     cfg.lora = lora.cloned();
+    cfg.base_quant = base;
     cfg.grad_accum = micro;
     cfg.recompute = re;
     let plan = build_plan(spec, &cfg, Mode::Train, backend()).unwrap();
@@ -106,7 +109,7 @@ fn train(
 /// `data × tensor × pipeline` ranks as threads, ZeRO stage `zero` on the data axis, the
 /// stages cut as `cut` gives, with sequence parallelism or not.
 fn ranks(
-    spec: (&ModelSpec, Option<&LoraSpec>),
+    spec: (&ModelSpec, Option<&LoraSpec>, BaseQuant),
     (data, tensor, pipeline, zero): (usize, usize, usize, Zero),
     (cut, sequence): (&[usize], bool),
     micro: usize,
@@ -161,12 +164,14 @@ fn matches_one_process_cut(
     micro: usize,
     re: Recompute,
 ) {
-    matches_one_process_with(spec, mesh, (cut, false), micro, re)
+    let (spec, lora) = spec;
+    matches_one_process_with((spec, lora, BaseQuant::F32), mesh, (cut, false), micro, re)
 }
 
-/// [`matches_one_process_cut`] with sequence parallelism on the tensor axis or not.
+/// [`matches_one_process_cut`] with the base of a LoRA plan stored as `base` (`--base-quant`),
+/// and sequence parallelism on the tensor axis or not.
 fn matches_one_process_with(
-    (spec, lora): (&ModelSpec, Option<&LoraSpec>),
+    (spec, lora, base): (&ModelSpec, Option<&LoraSpec>, BaseQuant),
     mesh: (usize, usize, usize, Zero),
     (cut, sequence): (&[usize], bool),
     micro: usize,
@@ -175,8 +180,8 @@ fn matches_one_process_with(
     let (data, tensor, pipeline, zero) = mesh;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
     let one = (Mesh::SINGLE, Zero::DP, &[][..], false);
-    let reference = train((spec, lora), one, single, micro * data, re);
-    let out = ranks((spec, lora), mesh, (cut, sequence), micro, re);
+    let reference = train((spec, lora, base), one, single, micro * data, re);
+    let out = ranks((spec, lora, base), mesh, (cut, sequence), micro, re);
     let counts = match cut.is_empty() {
         true => memwall::ir::mesh::even_layers(spec.n_layer, pipeline),
         false => cut.to_vec(),
@@ -382,6 +387,47 @@ fn tensor_ranks_train_lora_adapters_like_one_process() {
     matches_one_process_at((&spec, l), (2, 2, 1, Zero(1)), 2, Recompute::None);
 }
 
+/// QLoRA on tensor ranks: each rank's part of the base quantized as it loads (as one process
+/// quantizes those rows and those columns, whole blocks), so they train as one process's
+/// QLoRA does: q8_0 and q4_0 bases, alone, with sequence parallelism and on stages. The MLP
+/// is widened to 384 channels so that a row-parallel part (192) is whole blocks of 32.
+#[test]
+fn tensor_ranks_train_qlora_adapters_like_one_process() {
+    use memwall::dtype::GgmlType;
+    let spec = ModelSpec {
+        mlp_hidden: 384,
+        ..preset("llama-tiny")
+    };
+    let lora = LoraSpec {
+        r: 2,
+        alpha: 4.0,
+        dropout: 0.1,
+        targets: parse_targets("all", Family::Llama).unwrap(),
+    };
+    let l = Some(&lora);
+    let (q8, q4) = (
+        BaseQuant::Blocks(GgmlType::Q8_0),
+        BaseQuant::Blocks(GgmlType::Q4_0),
+    );
+    let even = (&[][..], false);
+    matches_one_process_with(
+        (&spec, l, q8),
+        (1, 2, 1, Zero::DP),
+        even,
+        2,
+        Recompute::None,
+    );
+    let sp = (&[][..], true);
+    matches_one_process_with((&spec, l, q4), (1, 2, 1, Zero::DP), sp, 2, Recompute::Full);
+    matches_one_process_with(
+        (&spec, l, q4),
+        (1, 2, 2, Zero::DP),
+        even,
+        3,
+        Recompute::Selective,
+    );
+}
+
 /// tp 2 × pp 2 × dp 2: every axis at once, 8 ranks; with sequence parallelism (each stage
 /// sending its tensor rank's rows of the stream) and LoRA too.
 #[test]
@@ -390,7 +436,7 @@ fn eight_ranks_of_every_axis_train_llama_like_one_process() {
     let sp = (&[][..], true);
     let spec = preset("llama-tiny");
     matches_one_process_with(
-        (&spec, None),
+        (&spec, None, F32),
         (2, 2, 2, Zero(1)),
         sp,
         2,
@@ -403,7 +449,7 @@ fn eight_ranks_of_every_axis_train_llama_like_one_process() {
         targets: parse_targets("all", Family::Llama).unwrap(),
     };
     let l = Some(&lora);
-    matches_one_process_with((&spec, l), (2, 2, 2, Zero::DP), sp, 2, Recompute::Full);
+    matches_one_process_with((&spec, l, F32), (2, 2, 2, Zero::DP), sp, 2, Recompute::Full);
 }
 
 /// Sequence parallelism on stages of tensor ranks (GPT-2: LayerNorm, learned positions, the
@@ -413,7 +459,13 @@ fn eight_ranks_of_every_axis_train_llama_like_one_process() {
 fn sequence_parallel_stages_and_adapters_train_like_one_process() {
     let sp = (&[][..], true);
     let gpt2 = preset("gpt2-tiny");
-    matches_one_process_with((&gpt2, None), (1, 2, 2, Zero::DP), sp, 3, Recompute::None);
+    matches_one_process_with(
+        (&gpt2, None, F32),
+        (1, 2, 2, Zero::DP),
+        sp,
+        3,
+        Recompute::None,
+    );
     let lora = LoraSpec {
         r: 4,
         alpha: 8.0,
@@ -421,7 +473,13 @@ fn sequence_parallel_stages_and_adapters_train_like_one_process() {
         targets: parse_targets("all", Family::Gpt2).unwrap(),
     };
     let l = Some(&lora);
-    matches_one_process_with((&gpt2, l), (1, 2, 1, Zero::DP), sp, 2, Recompute::Selective);
+    matches_one_process_with(
+        (&gpt2, l, F32),
+        (1, 2, 1, Zero::DP),
+        sp,
+        2,
+        Recompute::Selective,
+    );
 }
 
 /// Under 1F1B, stage s holds at most min(p − s, m) micro-batches of activations: the first

@@ -156,7 +156,7 @@ impl Mesh {
 ///
 /// With `sequence` (Megatron's sequence parallelism, Korthikanti et al. 2022) the residual
 /// stream between the parallel regions is cut too: each rank holds its `rank`-th run of the
-/// N token rows ([`TensorSplit::own_rows`]), on which the norms and residual adds run; a
+/// N token rows ([`super::schedule::Rows::own`]), on which the norms and residual adds run; a
 /// column-parallel layer gathers the rows it reads (all-gather), a row-parallel layer's
 /// output is reduce-scattered back to them, and in the backward the two swap. The norms'
 /// gradients are then each rank's share, summed over the tensor axis.
@@ -192,20 +192,6 @@ impl TensorSplit {
     /// more than one rank).
     pub fn cuts_rows(&self) -> bool {
         self.sequence && self.is_split()
-    }
-
-    /// The rows of the residual stream this rank holds of `rows`: all of them, or under
-    /// sequence parallelism its `rank`-th run of N/size consecutive rows (N a multiple of
-    /// `size`: the plan's check), as one sequence of that many rows (the ops on them are
-    /// row by row).
-    pub fn own_rows(&self, rows: super::schedule::Rows) -> super::schedule::Rows {
-        match self.cuts_rows() {
-            true => super::schedule::Rows {
-                b: 1,
-                t: rows.n() / self.size,
-            },
-            false => rows,
-        }
     }
 
     /// Whether the model is cut at all.

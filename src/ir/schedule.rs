@@ -95,6 +95,20 @@ impl Rows {
         2 * (self.b * nh * hd) as u64 * twice_pairs
     }
 
+    /// The rows of the residual stream a tensor rank holds of these (`split`): all of them,
+    /// or under sequence parallelism its `rank`-th run of N/size consecutive rows (N a
+    /// multiple of the size: the plan's check), as one sequence of that many rows (the ops
+    /// on them work row by row).
+    pub fn own(self, split: super::mesh::TensorSplit) -> Rows {
+        match split.cuts_rows() {
+            true => Rows {
+                b: 1,
+                t: self.n() / split.size,
+            },
+            false => self,
+        }
+    }
+
     /// The same sequences cut to their first `t` positions, when `t` is given.
     pub fn with_seq(self, t: Option<usize>) -> Rows {
         Rows {

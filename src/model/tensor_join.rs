@@ -4,7 +4,7 @@
 //! a row-parallel layer's output (each rank's partial sum, the first rank adding the bias
 //! and the residual) and a column-parallel layer's input gradient are all-reduced in place
 //! ([`join_tensor_parts`]). With it ([`TensorSplit::cuts_rows`]) each rank holds its run of
-//! N/T rows of the stream (`[N/T, C]`, [`TensorSplit::own_rows`]), on which the norms and the
+//! N/T rows of the stream (`[N/T, C]`, [`crate::ir::Rows::own`]), on which the norms and the
 //! residual adds run:
 //!
 //! - a column-parallel layer reads the rows gathered from every rank ([`gather_rows`]: an

@@ -373,17 +373,17 @@ fn check_sequence_parallel(cfg: &StepConfig) -> Result<()> {
 }
 
 /// Checks LoRA under `--tp t` (adapters cut with their layers, `plan::lora`) against what
-/// it does not do yet, naming the flags: a quantized base (each rank would hold blocks of
-/// its part, and a kept GGUF base's blocks are the whole tensors'), and ZeRO 2 and 3 (which
+/// it does not do yet, naming the flags: a base kept as a GGUF file's blocks (the whole
+/// tensors'; a base quantized as it loads is each rank's part, quantized as one process
+/// quantizes those rows and columns: `plan::lora::base_buffers`), and ZeRO 2 and 3 (which
 /// give each micro-batch its own gradients, where the adapters' shared tensors are summed
 /// over the tensor ranks in the group's).
 fn check_tensor_lora(cfg: &StepConfig, t: usize) -> Result<()> {
-    if cfg.base_quant != BaseQuant::F32 {
+    if cfg.base_quant == BaseQuant::Keep {
         bail!(
-            "--tp {t} with --lora and --base-quant {}: a quantized base cut among tensor ranks is \
-             not there yet; use --base-quant fp32 (LoRA on an fp32 base) with --tp {t}, or \
-             --tp 1 for QLoRA",
-            cfg.base_quant
+            "--tp {t} with --lora and --base-quant keep: a GGUF file's blocks cut among tensor \
+             ranks are not there yet; quantize the base as it loads instead (--base-quant \
+             q8_0, q4_0, q4_1 or q4_k, each rank its part), or use --tp 1"
         );
     }
     if cfg.zero.shards_grads() {

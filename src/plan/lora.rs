@@ -155,13 +155,15 @@ pub(super) fn base_buffers(
         let BaseQuant::Blocks(ty) = quant else {
             return Ok(DType::F32); // f32, by group
         };
-        Ok(match t.shape.as_slice() {
-            [rows, cols]
+        // By the whole tensor's shape: a tensor rank's part (`--tp`) is stored as one
+        // process stores those rows (its vocabulary rows, or its columns of whole blocks).
+        Ok(match (t.whole_shape(), t.shape.as_slice()) {
+            ([rows, _], [_, cols])
                 if *rows == spec.vocab_size && (spec.tied_embeddings || group != "embed") =>
             {
                 DType::Ggml(output_type(ty, *cols))
             }
-            [_, _] => DType::Ggml(ty),
+            (_, [_, _]) => DType::Ggml(ty),
             _ => DType::F32,
         })
     };

@@ -439,8 +439,8 @@ mod tests {
         }
     }
 
-    /// `auto` precision or optimizer state is for `--fit` only; `--fit` cuts stages evenly, so
-    /// it refuses `--pp-layers`.
+    /// `auto` precision or optimizer state is for `--fit` only; `--fit` chooses the stages'
+    /// cut, so it refuses `--pp-layers`.
     #[test]
     fn auto_flags_outside_fit_are_refused() {
         let mut req = request(Some(4), None, None);
@@ -453,6 +453,9 @@ mod tests {
         req.strategy.pp = Some(2);
         req.strategy.pp_layers = Some(crate::plan::stage_cut::StageCut::Auto);
         let e = format!("{:#}", resolved(&req, 2).unwrap_err());
-        assert!(e.contains("--fit cuts the pipeline's layers evenly"), "{e}");
+        assert!(
+            e.contains("--fit chooses how the pipeline's layers are cut"),
+            "{e}"
+        );
     }
 }

@@ -645,7 +645,7 @@ pub(crate) fn micro_batch(
         a: nh * spec.head_dim,
         n: b * t,
         rows: mb.rows,
-        own: split.own_rows(mb.rows),
+        own: mb.rows.own(split),
         eps: spec.norm_eps,
         attn_ws_len: mb.attn_ws_len,
         positions: mb.positions,

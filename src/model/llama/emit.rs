@@ -862,7 +862,7 @@ pub(crate) fn micro_batch(
         t,
         n: b * t,
         rows: mb.rows,
-        own: split.own_rows(mb.rows),
+        own: mb.rows.own(split),
         c: spec.n_embd,
         h: split.len(spec.mlp_hidden),
         nh: split.len(spec.n_head),
