@@ -387,6 +387,16 @@ fn tensor_ranks_train_lora_adapters_like_one_process() {
     matches_one_process_at((&spec, l), (2, 2, 1, Zero(1)), 2, Recompute::None);
 }
 
+/// Adapters of rank `r` on every layer of `family` with input dropout `dropout`.
+fn adapters_everywhere(r: usize, dropout: f32, family: Family) -> LoraSpec {
+    LoraSpec {
+        r,
+        alpha: 2.0 * r as f32,
+        dropout,
+        targets: parse_targets("all", family).unwrap(),
+    }
+}
+
 /// QLoRA on tensor ranks: each rank's part of the base quantized as it loads (as one process
 /// quantizes those rows and those columns, whole blocks), so they train as one process's
 /// QLoRA does: q8_0 and q4_0 bases, alone, with sequence parallelism and on stages. The MLP
@@ -398,12 +408,7 @@ fn tensor_ranks_train_qlora_adapters_like_one_process() {
         mlp_hidden: 384,
         ..preset("llama-tiny")
     };
-    let lora = LoraSpec {
-        r: 2,
-        alpha: 4.0,
-        dropout: 0.1,
-        targets: parse_targets("all", Family::Llama).unwrap(),
-    };
+    let lora = adapters_everywhere(2, 0.1, Family::Llama);
     let l = Some(&lora);
     let (q8, q4) = (
         BaseQuant::Blocks(GgmlType::Q8_0),
@@ -442,19 +447,14 @@ fn eight_ranks_of_every_axis_train_llama_like_one_process() {
         2,
         Recompute::Selective,
     );
-    let lora = LoraSpec {
-        r: 2,
-        alpha: 4.0,
-        dropout: 0.1,
-        targets: parse_targets("all", Family::Llama).unwrap(),
-    };
+    let lora = adapters_everywhere(2, 0.1, Family::Llama);
     let l = Some(&lora);
     matches_one_process_with((&spec, l, F32), (2, 2, 2, Zero::DP), sp, 2, Recompute::Full);
 }
 
 /// Sequence parallelism on stages of tensor ranks (GPT-2: LayerNorm, learned positions, the
-/// tied head on both ends), and with LoRA on tensor ranks (the frozen embedding's backward
-/// and the gather feeding it dropped).
+/// tied head on both ends), and with LoRA on tensor ranks (the frozen embedding's backward,
+/// and the gather that would feed it, not emitted).
 #[test]
 fn sequence_parallel_stages_and_adapters_train_like_one_process() {
     let sp = (&[][..], true);
@@ -466,12 +466,7 @@ fn sequence_parallel_stages_and_adapters_train_like_one_process() {
         3,
         Recompute::None,
     );
-    let lora = LoraSpec {
-        r: 4,
-        alpha: 8.0,
-        dropout: 0.1,
-        targets: parse_targets("all", Family::Gpt2).unwrap(),
-    };
+    let lora = adapters_everywhere(4, 0.1, Family::Gpt2);
     let l = Some(&lora);
     matches_one_process_with(
         (&gpt2, l, F32),

@@ -143,21 +143,9 @@ impl RowParallel {
     /// stream's buffer: [`RowParallel::out`] all-reduced, or under sequence parallelism the
     /// rank's rows of the sum (plus the residual) in a fresh `{name}` `[N/T, C]`.
     pub(crate) fn join(self, g: &mut Builder, op: &str, phase: Phase) -> BufId {
-        if !self.split.cuts_rows() {
-            join_tensor_parts(g, self.split, (self.out, self.len), op, phase);
-            return self.out;
-        }
-        let rows = g.act(
-            self.name.clone(),
-            Category::Activation,
-            own_len(self.split, self.len),
-        );
-        let res = self.scatter_residual;
-        let scratch = scatter_rows(g, self.split, (self.out, rows, self.len), res, op, phase);
-        let mut bufs = vec![self.out, rows, scratch];
-        bufs.extend(res);
-        await_collective(g, op, "reduce_scatter", bufs, phase);
-        rows
+        let stream = (self.name.as_str(), Category::Activation);
+        let (buf, res) = ((self.out, self.len), self.scatter_residual);
+        join_rows(g, self.split, buf, stream, res, (op, phase))
     }
 }
 
@@ -191,32 +179,28 @@ impl InputGrad {
     /// rows: [`InputGrad::buf`] all-reduced, or its rows of the sum in a fresh `{name}`
     /// `[N/T, C]`.
     pub(crate) fn join(self, g: &mut Builder, op: &str, phase: Phase) -> BufId {
-        if !self.split.cuts_rows() {
-            join_tensor_parts(g, self.split, (self.buf, self.len), op, phase);
-            return self.buf;
-        }
-        let rows = g.act(
-            self.name.clone(),
-            Category::ActivationGrad,
-            own_len(self.split, self.len),
-        );
-        let scratch = scatter_rows(g, self.split, (self.buf, rows, self.len), None, op, phase);
-        let bufs = vec![self.buf, rows, scratch];
-        await_collective(g, op, "reduce_scatter", bufs, phase);
-        rows
+        let grad = (self.name.as_str(), Category::ActivationGrad);
+        join_rows(g, self.split, (self.buf, self.len), grad, None, (op, phase))
     }
 }
 
-/// Reduce-scatters `all` `[N, C]` (`len` elements) to the rank's rows `rows` (plus
-/// `residual`), started; returns its scratch `{op}.comm`.
-fn scatter_rows(
+/// The tensor ranks' parts `buf` (`len` = N·C elements) joined after op `op`: `buf` itself
+/// all-reduced, or under sequence parallelism reduce-scattered to the rank's rows (plus
+/// `residual`) in a fresh `{name}` of `category` `[N/T, C]` (scratch `{op}.comm`), awaited
+/// at once; returns the joined buffer.
+fn join_rows(
     g: &mut Builder,
     split: TensorSplit,
-    (all, rows, len): (BufId, BufId, usize),
+    (buf, len): (BufId, usize),
+    (name, category): (&str, Category),
     residual: Option<BufId>,
-    op: &str,
-    phase: Phase,
+    (op, phase): (&str, Phase),
 ) -> BufId {
+    if !split.cuts_rows() {
+        join_tensor_parts(g, split, (buf, len), op, phase);
+        return buf;
+    }
+    let rows = g.act(name.to_string(), category, own_len(split, len));
     let scratch = g.act(
         format!("{op}.comm"),
         Category::Communication,
@@ -227,7 +211,7 @@ fn scatter_rows(
         phase,
         0,
         Op::ReduceScatter {
-            buf: all,
+            buf,
             shard: rows,
             scratch,
             accumulate: false,
@@ -236,7 +220,10 @@ fn scatter_rows(
             residual,
         },
     );
-    scratch
+    let mut bufs = vec![buf, rows, scratch];
+    bufs.extend(residual);
+    await_collective(g, op, "reduce_scatter", bufs, phase);
+    rows
 }
 
 /// Awaits the collective `{name}.{what}` on `bufs` (its own buffer first).
