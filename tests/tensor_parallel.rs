@@ -289,6 +289,36 @@ fn sequence_parallel_tensor_ranks_train_like_one_process() {
     sp("gpt2-tiny", (2, 2, 2), Recompute::Selective);
 }
 
+/// Sequence parallelism without tensor ranks, or with rows the tensor ranks do not divide,
+/// is refused before anything is allocated, naming the flags.
+#[test]
+fn sequence_parallelism_it_cannot_do_is_refused_naming_the_flags() {
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    let refused = |(b, t, tensor): (usize, usize, usize)| {
+        let mut cfg = StepConfig::new(b, t, 1);
+        cfg.mesh = Mesh::new(tensor, tensor, 1, 0);
+        cfg.sequence_parallel = true;
+        let e = build_plan(&spec, &cfg, Mode::Train, backend()).err();
+        format!("{:#}", e.expect("refused"))
+    };
+    let e = refused((1, SEQ, 1));
+    assert!(
+        e.contains("--sequence-parallel") && e.contains("--tp 2"),
+        "{e}"
+    );
+    // 1 x 33 rows among 2 tensor ranks.
+    let e = refused((1, SEQ + 1, 2));
+    assert!(
+        e.contains("1 x 33 = 33 token rows") && e.contains("--tp 2"),
+        "{e}"
+    );
+    // Generation runs on one rank.
+    let mut cfg = StepConfig::new(1, SEQ, 1);
+    cfg.mesh = Mesh::new(2, 2, 1, 0);
+    cfg.sequence_parallel = true;
+    assert!(build_plan(&spec, &cfg, Mode::Generate, backend()).is_err());
+}
+
 #[test]
 fn tensor_and_data_ranks_together_train_gpt2_like_one_process() {
     matches_one_process("gpt2-tiny", 2, 2, Recompute::None);
