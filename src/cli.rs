@@ -98,7 +98,7 @@ memwall tokenize --tokenizer gpt2 --chat chats.jsonl.gz --chat-template chatml.j
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
     #[command(
-        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero, --tp, --pp, --pp-layers and --grad-accum (keeping the global batch) may.\n\n\
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero, --tp, --sequence-parallel, --pp, --pp-layers and --grad-accum (keeping the global batch) may.\n\n\
 Chat data (`memwall prepare chats.jsonl --tokenizer MODEL`): the loss is on the trained tokens \
 only (the answers, by default), short examples are packed into each row without seeing each \
 other (--no-pack: one a row), the validation loss is on answers only, and every checkpoint \
