@@ -105,6 +105,11 @@ fn resume(run: &Path) -> Vec<String> {
     ]
 }
 
+/// The plan.json a run wrote.
+fn plan_json(run: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run.join("plan.json")).unwrap()).unwrap()
+}
+
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(|s| s.as_str()).collect()
 }
@@ -203,9 +208,7 @@ fn ranks_train_like_one_process_with_accumulation_at_every_stage() {
             );
             // Every rank wrote its own metrics (rank 0 the run's), and sent per step what the
             // plan says, as MPI's transport counted it.
-            let plan: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap())
-                    .unwrap();
+            let plan = plan_json(&out);
             let planned = plan["comm_bytes_per_step"].as_u64().unwrap();
             assert!(planned > 0);
             for r in 0..ranks {
@@ -350,8 +353,7 @@ fn tensor_ranks_train_like_one_process_and_resume_on_one() {
     ok(&common::memwall(&strs(&a)));
     let four = dir.path().join("tp2dp2");
     ok(&mpirun(4, &strs(&tp(&four)), &[]));
-    let plan: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    let plan = plan_json(&four);
     assert_eq!(
         (&plan["config"]["tensor"], &plan["config"]["ranks"]),
         (&serde_json::json!(2), &serde_json::json!(2)),
@@ -448,8 +450,7 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
         &strs(&args(&four, &["--tp", "2", "--pp", "2"])),
         &[],
     ));
-    let plan: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    let plan = plan_json(&four);
     assert_eq!(plan["config"]["pipeline"], serde_json::json!(2), "{plan}");
     close("tp 2 x pp 2", &four, &one);
     peaks_as_planned("tp 2 x pp 2", &text, 4);
@@ -482,8 +483,7 @@ fn sequence_parallel_ranks_train_peak_as_planned_and_resume_on_one() {
     let four = dir.path().join("tp2pp2sp");
     let sp = ["--tp", "2", "--pp", "2", "--sequence-parallel"];
     let text = ok(&mpirun(4, &strs(&args(&four, &sp)), &[]));
-    let plan: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(four.join("plan.json")).unwrap()).unwrap();
+    let plan = plan_json(&four);
     assert_eq!(
         plan["config"]["sequence_parallel"],
         serde_json::json!(true),
@@ -522,8 +522,7 @@ fn train_fit_under_mpirun_trains_rank_0s_choice_on_every_rank() {
     let chosen = (text.lines())
         .find_map(|l| l.split("training with the fastest: ").nth(1))
         .unwrap_or_else(|| panic!("the choice named:\n{text}"));
-    let plan: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
+    let plan = plan_json(&out);
     let c = &plan["config"];
     let flag = |f: &str| {
         let v = chosen
@@ -569,10 +568,7 @@ fn uneven_stages_resume_on_their_cut_or_another_and_peak_as_planned() {
     let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
     let one = dir.path().join("one");
     ok(&common::memwall(&strs(&args(&one, &[]))));
-    let cut = |run: &Path| -> serde_json::Value {
-        let text = std::fs::read_to_string(run.join("plan.json")).unwrap();
-        serde_json::from_str::<serde_json::Value>(&text).unwrap()["config"]["stage_layers"].clone()
-    };
+    let cut = |run: &Path| plan_json(run)["config"]["stage_layers"].clone();
     let as_planned = |what: &str, text: &str| peaks_as_planned(what, text, 2);
     let killed = dir.path().join("killed");
     let uneven = args(&killed, &["--pp", "2", "--pp-layers", "3,1"]);
