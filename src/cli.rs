@@ -603,6 +603,18 @@ pub(crate) struct StrategyArgs {
     /// time [default: even; with --resume, the run's own cut, or even for another --pp]
     #[arg(long, value_name = "even|auto|N,N,...", value_parser = parse_stage_cut)]
     pub(crate) pp_layers: Option<StageCut>,
+    /// The interleaved 1F1B schedule (Narayanan et al. 2021, Megatron's virtual pipeline
+    /// stages): the layers cut as even as they divide into P x V runs, stage s holding runs
+    /// s, s + P, s + 2P, ... (V of them), so each micro-batch passes every stage V times, the
+    /// last stage sending on to the first. The fill and drain then cost one run each, not a
+    /// stage: the pipeline idles (P - 1)/(V·M + P - 1) of the step instead of
+    /// (P - 1)/(M + P - 1), for V times the messages and more activations in flight on the
+    /// first stages (stage s holds at most 2(P - s - 1) + (V - 1)P + 1 runs' worth). Needs
+    /// --pp 2 or more, P x V at most the layer count, the micro-batches of a step (M) a
+    /// multiple of P, and no --pp-layers. The math is one process's; a run resumes with
+    /// any --pp-chunks [default: 1; with --resume, the run's own]
+    #[arg(long, value_name = "V")]
+    pub(crate) pp_chunks: Option<usize>,
     /// LoRA: train rank-R adapters on a frozen base instead of every weight (Hu et al.
     /// 2021, as PEFT does it). The base has no gradients and no optimizer state, and each
     /// frozen layer's backward skips its weight-gradient GEMM; checkpoints hold the adapter
@@ -668,6 +680,7 @@ impl StrategyArgs {
             sequence_parallel: self.sequence_parallel,
             pp: self.pp,
             pp_layers: self.pp_layers.clone(),
+            pp_chunks: self.pp_chunks,
             lora: self.lora.map(|r| LoraRequest {
                 r,
                 alpha: self.lora_alpha,

@@ -221,8 +221,12 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
         String::new()
     };
     if t.bubble_s > 0.0 {
+        let per = match plan.cfg.pipeline_chunks {
+            0 | 1 => "micro-batches".to_string(),
+            v => format!("({v} x micro-batches)"),
+        };
         comm.push_str(&format!(
-            "\n  predicted pipeline bubble     {:.2} s idle in the step ((pp - 1)/micro-batches of its forward and backward)",
+            "\n  predicted pipeline bubble     {:.2} s idle in the step ((pp - 1)/{per} of its forward and backward)",
             t.bubble_s
         ));
     }

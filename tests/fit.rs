@@ -116,6 +116,7 @@ fn space(global_batch: usize) -> Space {
         zero: Pick::Fixed(Default::default()),
         sequence_parallel: Pick::Fixed(false),
         stage_layers: Pick::Fixed(Vec::new()),
+        pipeline_chunks: 1,
     }
 }
 

@@ -13,7 +13,7 @@ use common::worst_tensor;
 use memwall::backend::under_test as backend;
 use memwall::dist::{Comm, Local};
 use memwall::exec::{Executor, OptimHparams};
-use memwall::ir::{BaseQuant, Mesh, Recompute, Zero};
+use memwall::ir::{Axis, BaseQuant, Mesh, PipelineStage, Recompute, Zero};
 use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::stage_cut::{NOMINAL_PEAK_GFLOPS, balanced};
@@ -27,6 +27,31 @@ const F32: BaseQuant = BaseQuant::F32;
 const STEPS: u64 = 4;
 /// Rows of one micro-batch.
 const B: usize = 2;
+
+/// How a mesh's ranks cut the model beyond their counts: each stage's count of layers
+/// (`--pp-layers`; empty: as even as they divide), sequence parallelism on the tensor axis,
+/// and each stage's runs of layers (`--pp-chunks`: more than 1 interleaves them).
+#[derive(Clone, Copy, Debug)]
+struct Cut<'a> {
+    layers: &'a [usize],
+    sequence: bool,
+    chunks: usize,
+}
+
+const EVEN: Cut<'static> = Cut {
+    layers: &[],
+    sequence: false,
+    chunks: 1,
+};
+const SP: Cut<'static> = Cut {
+    sequence: true,
+    ..EVEN
+};
+
+/// The even cut with `v` runs of layers a stage.
+fn interleaved(v: usize) -> Cut<'static> {
+    Cut { chunks: v, ..EVEN }
+}
 
 fn hparams(step: u64) -> OptimHparams {
     common::rank_test_hparams(step)
@@ -43,21 +68,21 @@ struct Outcome {
     planned: u64,
 }
 
-/// Trains `spec` for [`STEPS`] steps as `mesh`'s rank on `comm` (its stages cut as `cut`
-/// gives: empty, as even as they divide; sequence parallelism on its tensor axis or not),
-/// `micro` micro-batches of [`B`] rows per data rank and step.
+/// Trains `spec` for [`STEPS`] steps as `mesh`'s rank on `comm` (the model cut as `cut`
+/// says), `micro` micro-batches of [`B`] rows per data rank and step.
 fn train(
     (spec, lora, base): (&ModelSpec, Option<&LoraSpec>, BaseQuant),
-    (mesh, zero, cut, sequence): (Mesh, Zero, &[usize], bool),
+    (mesh, zero, cut): (Mesh, Zero, Cut),
     comm: Arc<dyn Comm>,
     micro: usize,
     re: Recompute,
 ) -> Outcome {
     let mut cfg = StepConfig::new(B, SEQ, 1);
     cfg.mesh = mesh;
-    cfg.stage_layers = cut.to_vec();
+    cfg.stage_layers = cut.layers.to_vec();
     cfg.zero = zero;
-    cfg.sequence_parallel = sequence;
+    cfg.sequence_parallel = cut.sequence;
+    cfg.pipeline_chunks = cut.chunks;
     cfg.lora = lora.cloned();
     cfg.base_quant = base;
     cfg.grad_accum = micro;
@@ -107,11 +132,11 @@ fn train(
 }
 
 /// `data × tensor × pipeline` ranks as threads, ZeRO stage `zero` on the data axis, the
-/// stages cut as `cut` gives, with sequence parallelism or not.
+/// model cut as `cut` says.
 fn ranks(
     spec: (&ModelSpec, Option<&LoraSpec>, BaseQuant),
     (data, tensor, pipeline, zero): (usize, usize, usize, Zero),
-    (cut, sequence): (&[usize], bool),
+    cut: Cut,
     micro: usize,
     re: Recompute,
 ) -> Vec<Outcome> {
@@ -126,7 +151,7 @@ fn ranks(
             .enumerate()
             .map(|(rank, comm)| {
                 let mesh = Mesh::new(n, tensor, pipeline, rank);
-                s.spawn(move || train(spec, (mesh, zero, cut, sequence), comm, micro, re))
+                s.spawn(move || train(spec, (mesh, zero, cut), comm, micro, re))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -165,26 +190,27 @@ fn matches_one_process_cut(
     re: Recompute,
 ) {
     let (spec, lora) = spec;
-    matches_one_process_with((spec, lora, BaseQuant::F32), mesh, (cut, false), micro, re)
+    let cut = Cut { layers: cut, ..EVEN };
+    matches_one_process_with((spec, lora, BaseQuant::F32), mesh, cut, micro, re)
 }
 
 /// [`matches_one_process_cut`] with the base of a LoRA plan stored as `base` (`--base-quant`),
-/// and sequence parallelism on the tensor axis or not.
+/// and the model cut as `cut` says (sequence parallelism, interleaved runs).
 fn matches_one_process_with(
     (spec, lora, base): (&ModelSpec, Option<&LoraSpec>, BaseQuant),
     mesh: (usize, usize, usize, Zero),
-    (cut, sequence): (&[usize], bool),
+    cut: Cut,
     micro: usize,
     re: Recompute,
 ) {
     let (data, tensor, pipeline, zero) = mesh;
     let single: Arc<dyn Comm> = Arc::new(memwall::dist::Single);
-    let one = (Mesh::SINGLE, Zero::DP, &[][..], false);
+    let one = (Mesh::SINGLE, Zero::DP, EVEN);
     let reference = train((spec, lora, base), one, single, micro * data, re);
-    let out = ranks((spec, lora, base), mesh, (cut, sequence), micro, re);
-    let counts = match cut.is_empty() {
+    let out = ranks((spec, lora, base), mesh, cut, micro, re);
+    let counts = match cut.layers.is_empty() {
         true => memwall::ir::mesh::even_layers(spec.n_layer, pipeline),
-        false => cut.to_vec(),
+        false => cut.layers.to_vec(),
     };
     // What is trained: the model, or the adapters on it.
     let whole = match lora {
@@ -196,12 +222,16 @@ fn matches_one_process_with(
         None => ParamLayout::new(spec),
     };
     let what = format!(
-        "{} data={data} tensor={tensor} sequence={sequence} pipeline={pipeline} cut={cut:?} zero={zero} micro={micro} {re:?}",
+        "{} data={data} tensor={tensor} pipeline={pipeline} {cut:?} zero={zero} micro={micro} {re:?}",
         spec.name
     );
     for (rank, o) in out.iter().enumerate() {
         assert_eq!(o.layout.stage.size, pipeline, "{what}: rank {rank}");
-        let stage = Mesh::new(out.len(), tensor, pipeline, rank).pipeline_stage(&counts);
+        let mesh = Mesh::new(out.len(), tensor, pipeline, rank);
+        let stage = match cut.chunks {
+            1 => mesh.pipeline_stage(&counts),
+            v => PipelineStage::interleaved(pipeline, mesh.coord(Axis::Pipeline), v, spec.n_layer),
+        };
         assert_eq!(o.layout.stage, stage, "{what}: rank {rank}");
         // The stage's layout holds its layers' blocks and no other's.
         let blocks: std::collections::BTreeSet<usize> = o
@@ -210,7 +240,7 @@ fn matches_one_process_with(
             .iter()
             .filter_map(|t| block_of(&t.name))
             .collect();
-        let held: Vec<usize> = stage.layers(spec.n_layer).collect();
+        let held: Vec<usize> = stage.chunk_layers(spec.n_layer).into_iter().flatten().collect();
         assert_eq!(
             blocks.into_iter().collect::<Vec<_>>(),
             held,
@@ -414,20 +444,18 @@ fn tensor_ranks_train_qlora_adapters_like_one_process() {
         BaseQuant::Blocks(GgmlType::Q8_0),
         BaseQuant::Blocks(GgmlType::Q4_0),
     );
-    let even = (&[][..], false);
     matches_one_process_with(
         (&spec, l, q8),
         (1, 2, 1, Zero::DP),
-        even,
+        EVEN,
         2,
         Recompute::None,
     );
-    let sp = (&[][..], true);
-    matches_one_process_with((&spec, l, q4), (1, 2, 1, Zero::DP), sp, 2, Recompute::Full);
+    matches_one_process_with((&spec, l, q4), (1, 2, 1, Zero::DP), SP, 2, Recompute::Full);
     matches_one_process_with(
         (&spec, l, q4),
         (1, 2, 2, Zero::DP),
-        even,
+        EVEN,
         3,
         Recompute::Selective,
     );
@@ -438,18 +466,17 @@ fn tensor_ranks_train_qlora_adapters_like_one_process() {
 #[test]
 fn eight_ranks_of_every_axis_train_llama_like_one_process() {
     matches_one_process(&preset("llama-tiny"), (2, 2, 2), 2, Recompute::None);
-    let sp = (&[][..], true);
     let spec = preset("llama-tiny");
     matches_one_process_with(
         (&spec, None, F32),
         (2, 2, 2, Zero(1)),
-        sp,
+        SP,
         2,
         Recompute::Selective,
     );
     let lora = adapters_everywhere(2, 0.1, Family::Llama);
     let l = Some(&lora);
-    matches_one_process_with((&spec, l, F32), (2, 2, 2, Zero::DP), sp, 2, Recompute::Full);
+    matches_one_process_with((&spec, l, F32), (2, 2, 2, Zero::DP), SP, 2, Recompute::Full);
 }
 
 /// Sequence parallelism on stages of tensor ranks (GPT-2: LayerNorm, learned positions, the
@@ -457,12 +484,11 @@ fn eight_ranks_of_every_axis_train_llama_like_one_process() {
 /// and the gather that would feed it, not emitted).
 #[test]
 fn sequence_parallel_stages_and_adapters_train_like_one_process() {
-    let sp = (&[][..], true);
     let gpt2 = preset("gpt2-tiny");
     matches_one_process_with(
         (&gpt2, None, F32),
         (1, 2, 2, Zero::DP),
-        sp,
+        SP,
         3,
         Recompute::None,
     );
@@ -471,7 +497,7 @@ fn sequence_parallel_stages_and_adapters_train_like_one_process() {
     matches_one_process_with(
         (&gpt2, l, F32),
         (1, 2, 1, Zero::DP),
-        sp,
+        SP,
         2,
         Recompute::Selective,
     );
@@ -666,4 +692,96 @@ fn every_rank_plan_reflects_the_cut() {
     assert_eq!(b[1].num_params + 3 * block, a[1].num_params);
     assert!(b[0].predicted_peak_rss_bytes > a[0].predicted_peak_rss_bytes);
     assert!(b[1].predicted_peak_rss_bytes < a[1].predicted_peak_rss_bytes);
+}
+
+/// The interleaved schedule (`--pp-chunks V`): each stage holds V runs of layers, a
+/// micro-batch passing every stage V times (the last stage sending on to the first), and
+/// the stages train as one process does: GPT-2 under every recomputation policy, Llama with
+/// its tied head on both ends, an untied Llama of 7 layers in 3 × 2 uneven runs, with tensor
+/// and data ranks (ZeRO 1) beside the stages, and LoRA with dropout (each stage drawing the
+/// masks of its runs' adapters as one process does).
+#[test]
+fn interleaved_stages_train_like_one_process() {
+    let (none, dp) = (Recompute::None, Zero::DP);
+    let gpt2 = preset("gpt2-tiny");
+    for re in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        matches_one_process_with((&gpt2, None, F32), (1, 1, 2, dp), interleaved(2), 4, re);
+    }
+    let llama = preset("llama-tiny");
+    matches_one_process_with((&llama, None, F32), (1, 1, 2, dp), interleaved(2), 2, none);
+    let seven = ModelSpec {
+        n_layer: 7,
+        tied_embeddings: false,
+        ..preset("llama-tiny")
+    };
+    matches_one_process_with((&seven, None, F32), (1, 1, 3, dp), interleaved(2), 3, none);
+    matches_one_process_with((&llama, None, F32), (2, 2, 2, Zero(1)), interleaved(2), 2, none);
+    let lora = adapters_everywhere(2, 0.1, Family::Gpt2);
+    let l = Some(&lora);
+    let re = Recompute::Selective;
+    matches_one_process_with((&gpt2, l, F32), (1, 1, 2, dp), interleaved(2), 2, re);
+}
+
+/// Interleaved, a stage holds its warm-up's runs of activations and one more (stage r of p:
+/// 2(p − r − 1) + (V − 1)p + 1 runs, each of 1/V of its layers) where 1F1B holds p − r
+/// micro-batches of all its layers: with p = 2, V = 2, m = 4, stage 0 holds 5 half-stage
+/// runs (1.25 × 1F1B's 2 micro-batches) and stage 1 holds 3 (1.5 × 1F1B's one). Both idle
+/// less of the step by the time model ((p − 1)/(V·m) of the work, not (p − 1)/m).
+#[test]
+fn interleaved_stages_hold_their_warm_up_and_idle_less() {
+    use memwall::ir::Category;
+    let mut spec = preset("llama-tiny");
+    spec.tied_embeddings = false;
+    let plan = |rank: usize, chunks: usize| {
+        let mut cfg = StepConfig::new(B, SEQ, 1);
+        cfg.mesh = Mesh::new(2, 1, 2, rank);
+        cfg.grad_accum = 4;
+        cfg.pipeline_chunks = chunks;
+        build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
+    };
+    let acts = |rank: usize, chunks: usize| {
+        let p = plan(rank, chunks);
+        let by = p.peak_by_category();
+        by.iter()
+            .find(|(c, _)| *c == Category::Activation)
+            .map_or(0, |(_, b)| *b) as f64
+    };
+    for (rank, want) in [(0, 1.25), (1, 1.5)] {
+        let (one, two) = (acts(rank, 1), acts(rank, 2));
+        let ratio = two / one;
+        assert!(
+            (ratio - want).abs() < 0.05 * want,
+            "stage {rank}: {one} bytes under 1F1B, {two} interleaved: {ratio:.3}x, not {want}x"
+        );
+    }
+    let cal = Calibration::estimate("test cpu".into(), 1, 100.0);
+    let bubble = |chunks| memwall::plan::time::predict(&plan(0, chunks), &cal).bubble_s;
+    let (one, two) = (bubble(1), bubble(2));
+    assert!(two < 0.6 * one, "bubble {one} s under 1F1B, {two} s interleaved");
+}
+
+/// `--pp-chunks` without stages, with more runs than layers, with `--pp-layers`, or with a
+/// step's micro-batches not in groups of the stages: each refused naming the flags.
+#[test]
+fn a_bad_interleaving_is_refused_naming_the_flags() {
+    let mut spec = preset("llama-tiny");
+    spec.tied_embeddings = false;
+    let refused = |p: usize, chunks: usize, micro: usize, cut: &[usize]| {
+        let mut cfg = StepConfig::new(1, SEQ, 1);
+        cfg.mesh = Mesh::new(p, 1, p, 0);
+        cfg.pipeline_chunks = chunks;
+        cfg.grad_accum = micro;
+        cfg.stage_layers = cut.to_vec();
+        let e = build_plan(&spec, &cfg, Mode::Train, backend()).err();
+        format!("{:#}", e.expect("refused"))
+    };
+    let msg = refused(1, 2, 2, &[]);
+    assert!(msg.contains("--pp-chunks 2") && msg.contains("--pp 2"), "{msg}");
+    let msg = refused(2, 3, 2, &[]);
+    assert!(msg.contains("6 runs") && msg.contains("4 layers"), "{msg}");
+    assert!(msg.contains("--pp-chunks 2 or less"), "{msg}");
+    let msg = refused(2, 2, 2, &[3, 1]);
+    assert!(msg.contains("--pp-layers"), "{msg}");
+    let msg = refused(2, 2, 3, &[]);
+    assert!(msg.contains("3") && msg.contains("multiple of 2"), "{msg}");
 }

@@ -241,16 +241,28 @@ pub enum Peer {
 /// `start..end` (as even as they divide by default, [`even_layers`]; any runs `--pp-layers`
 /// gives). The first stage also holds the embedding, the last the final norm, the LM head
 /// and the loss; a tied embedding is held by both ends, its gradients summed between them.
+///
+/// **Interleaved** (`chunks` V > 1, `--pp-chunks`; Narayanan et al. 2021, Megatron's virtual
+/// pipeline stages): the layers are cut as even as they divide into `size × V` runs (virtual
+/// stages), and the stage holds runs `rank`, `rank + size`, … ([`PipelineStage::chunk_layers`]),
+/// so a micro-batch passes every rank V times, the last sending on to the first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct PipelineStage {
     /// Stages on the pipeline axis.
     pub size: usize,
     /// This stage's index on it.
     pub rank: usize,
-    /// Its first layer.
+    /// Its first layer (of its one run: `chunks` is 1).
     pub start: usize,
     /// One past its last layer (`usize::MAX` for [`PipelineStage::WHOLE`]: to the model's end).
     pub end: usize,
+    /// The runs of layers it holds: 1, or V of the interleaved schedule.
+    #[serde(skip_serializing_if = "is_one")]
+    pub chunks: usize,
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 /// Each of `p` stages' count of the `n` layers, as even as they divide: the first `n % p`
@@ -267,6 +279,7 @@ impl PipelineStage {
         rank: 0,
         start: 0,
         end: usize::MAX,
+        chunks: 1,
     };
 
     /// Stage `rank` of the cut `counts`: each stage's count of consecutive layers, in order
@@ -278,6 +291,23 @@ impl PipelineStage {
             rank,
             start,
             end: start + counts[rank],
+            chunks: 1,
+        }
+    }
+
+    /// Stage `rank` of `size` holding `chunks` runs of the layers cut as even as they divide
+    /// into `size × chunks` (the interleaved schedule; `chunks` 1: [`PipelineStage::even`]'s
+    /// run, given the layer count `n`).
+    pub fn interleaved(size: usize, rank: usize, chunks: usize, n: usize) -> PipelineStage {
+        match chunks {
+            0 | 1 => PipelineStage::even(size, rank, n),
+            _ => PipelineStage {
+                size,
+                rank,
+                start: 0,
+                end: 0,
+                chunks,
+            },
         }
     }
 
@@ -288,10 +318,16 @@ impl PipelineStage {
 
     /// The stage `rank` of the same cut (another rank's on the pipeline axis).
     pub fn sibling(&self, rank: usize, counts: &[usize]) -> PipelineStage {
-        match self.is_split() {
-            true => PipelineStage::of(counts, rank),
-            false => *self,
+        match (self.is_split(), self.chunks > 1) {
+            (false, _) => *self,
+            (true, true) => PipelineStage { rank, ..*self },
+            (true, false) => PipelineStage::of(counts, rank),
         }
+    }
+
+    /// Whether it holds several runs of layers (the interleaved schedule).
+    pub fn is_interleaved(&self) -> bool {
+        self.chunks > 1
     }
 
     /// Whether the model is cut into stages at all.
@@ -309,29 +345,48 @@ impl PipelineStage {
         self.rank + 1 == self.size
     }
 
-    /// This stage's layers of the model's `n` (a cut's stages end within them:
-    /// `plan::stage_layers::check`; [`PipelineStage::WHOLE`]'s are all `n`).
-    pub fn layers(&self, n: usize) -> std::ops::Range<usize> {
-        debug_assert!(
-            self.end == usize::MAX || self.end <= n,
-            "{self:?} of {n} layers"
-        );
-        self.start.min(n)..self.end.min(n)
+    /// This stage's runs of the model's `n` layers, in model order: one (a cut's stages
+    /// end within them: `plan::stage_layers::check`; [`PipelineStage::WHOLE`]'s is all `n`),
+    /// or its `chunks` virtual stages' (each one layer or more: checked by the planner).
+    pub fn chunk_layers(&self, n: usize) -> Vec<std::ops::Range<usize>> {
+        if self.chunks <= 1 {
+            debug_assert!(
+                self.end == usize::MAX || self.end <= n,
+                "{self:?} of {n} layers"
+            );
+            return vec![self.start.min(n)..self.end.min(n)];
+        }
+        let counts = even_layers(n, self.size * self.chunks);
+        let start = |v: usize| counts[..v].iter().sum::<usize>();
+        (0..self.chunks)
+            .map(|k| k * self.size + self.rank)
+            .map(|v| start(v)..start(v) + counts[v])
+            .collect()
     }
 
-    /// The index on the pipeline axis of `peer` (which exists: not past either end).
+    /// Whether it holds layer `l` of the model's `n`.
+    pub fn holds(&self, l: usize, n: usize) -> bool {
+        self.chunk_layers(n).iter().any(|r| r.contains(&l))
+    }
+
+    /// The index on the pipeline axis of `peer`: the neighbour, the last stage's next being
+    /// the first under the interleaved schedule (a micro-batch's next chunk).
     pub fn peer(&self, peer: Peer) -> usize {
         match peer {
-            Peer::Next => self.rank + 1,
-            Peer::Prev => self.rank - 1,
+            Peer::Next => (self.rank + 1) % self.size,
+            Peer::Prev => (self.rank + self.size - 1) % self.size,
         }
     }
 
     /// Micro-batches whose forward this stage runs before its first backward under 1F1B
     /// (Narayanan et al. 2021; Megatron's `num_warmup_microbatches` + 1): `min(size − rank,
-    /// m)`, the most whose activations it holds at once.
+    /// m)`, the most whose activations it holds at once. Interleaved, in chunks (each
+    /// 1/V of its layers): `min(2(size − rank − 1) + (V − 1)·size + 1, V·m)`.
     pub fn in_flight(&self, micro: usize) -> usize {
-        (self.size - self.rank).min(micro)
+        match self.chunks {
+            0 | 1 => (self.size - self.rank).min(micro),
+            v => (2 * (self.size - self.rank - 1) + (v - 1) * self.size + 1).min(v * micro),
+        }
     }
 }
 
@@ -423,7 +478,7 @@ mod tests {
             let mut next = 0;
             for rank in 0..p {
                 let s = PipelineStage::even(p, rank, n);
-                let l = s.layers(n);
+                let l = s.chunk_layers(n)[0].clone();
                 assert_eq!(l.start, next, "{n} layers, {p} stages");
                 assert!(l.len() == n / p || l.len() == n / p + 1, "{l:?}");
                 next = l.end;
@@ -433,10 +488,15 @@ mod tests {
         let m = Mesh::new(8, 2, 2, 6);
         assert_eq!((m.data, m.tensor, m.pipeline), (2, 2, 2));
         assert_eq!(m.pipeline_stage(&[9, 3]), PipelineStage::of(&[9, 3], 1));
-        assert_eq!(m.pipeline_stage(&[9, 3]).layers(12), 9..12);
+        assert_eq!(m.pipeline_stage(&[9, 3]).chunk_layers(12), [9..12]);
         assert_eq!(PipelineStage::even(4, 1, 8).in_flight(8), 3);
         assert_eq!(PipelineStage::even(4, 0, 8).in_flight(2), 2);
-        assert_eq!(Mesh::SINGLE.pipeline_stage(&[]).layers(12), 0..12);
+        assert_eq!(Mesh::SINGLE.pipeline_stage(&[]).chunk_layers(12), [0..12]);
+        // Interleaved: 10 layers in 2 × 3 runs (2,2,2,2,1,1); stage 1 holds runs 1, 3, 5.
+        let s = PipelineStage::interleaved(2, 1, 3, 10);
+        assert_eq!(s.chunk_layers(10), [2..4, 6..8, 9..10]);
+        assert!(s.holds(9, 10) && !s.holds(8, 10));
+        assert_eq!((s.peer(Peer::Next), s.peer(Peer::Prev)), (0, 0));
     }
 
     #[test]

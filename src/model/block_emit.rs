@@ -24,6 +24,7 @@ use crate::ir::builder::Builder;
 use crate::ir::schedule::{Op, Phase};
 use crate::ir::strategy::{BlockPolicy, Recompute};
 use crate::ir::{BufId, Category, Peer};
+use std::ops::Range;
 
 /// A family's block as stages. Implemented by the family's dimensions of one micro-batch,
 /// which all its blocks share.
@@ -232,17 +233,87 @@ pub(crate) fn send_to_stage(
     );
 }
 
-/// A stage that does not end the model: sends its output `out` (`len` elements) to the next
-/// stage in the forward, and receives its gradient `{pfx}d.residual` back in the backward,
-/// which the blocks' backward then accumulates into.
-pub(crate) fn hand_on(g: &mut Builder, out: BufId, pfx: &str, len: usize) -> BufId {
-    send_to_stage(g, out, (pfx, "stage.out"), Peer::Next, Phase::Forward);
-    let grad = (Category::ActivationGrad, len);
-    receive_from_stage(g, (pfx, "d.residual"), grad, Peer::Next, Phase::Backward)
+/// The name prefix of run `k` of a stage's `v` runs of blocks (`c1.`; none for one run).
+fn run_name(k: usize, v: usize) -> String {
+    match v {
+        1 => String::new(),
+        _ => format!("c{k}."),
+    }
 }
 
-/// A stage that does not begin the model: sends the gradient of its input `dres` back to
-/// the stage before.
-pub(crate) fn hand_back(g: &mut Builder, dres: BufId, pfx: &str) {
-    send_to_stage(g, dres, (pfx, "d.stage.in"), Peer::Prev, Phase::Backward);
+/// Emits the forward of a pipeline stage's runs of blocks `chunks` (the model's layers;
+/// `layers` their blocks, in order) of one micro-batch. The first run reads `input` (the
+/// embedding's output, on the first stage), every other run receives its input from the
+/// stage before (the last stage, for a later run under the interleaved schedule), and each
+/// run hands its output to the stage after unless it `ends` the model (the last run of the
+/// last stage). `len`: elements of the residual stream, `[N, C]`.
+pub(crate) fn stage_forward<F: StagedBlock>(
+    g: &mut Builder,
+    d: &F,
+    (layers, chunks): (&[F::Layer], &[Range<usize>]),
+    pfx: &str,
+    input: Option<BufId>,
+    (len, ends): (usize, bool),
+) -> Vec<Blocks<F::Acts>> {
+    let v = chunks.len();
+    let (mut out, mut at) = (Vec::with_capacity(v), 0);
+    for (k, run) in chunks.iter().enumerate() {
+        let name = run_name(k, v);
+        let res = match (k, input) {
+            (0, Some(res)) => res,
+            _ => {
+                let act = (Category::Activation, len);
+                let input = name.clone() + "stage.in";
+                receive_from_stage(g, (pfx, &input), act, Peer::Prev, Phase::Forward)
+            }
+        };
+        let blocks = forward(g, d, (&layers[at..at + run.len()], run.start), pfx, res);
+        at += run.len();
+        if !(ends && k + 1 == v) {
+            let name = name + "stage.out";
+            send_to_stage(g, blocks.out(), (pfx, &name), Peer::Next, Phase::Forward);
+        }
+        out.push(blocks);
+    }
+    out
+}
+
+/// Emits the backward of the runs [`stage_forward`] emitted (`fwd`), the last run first:
+/// each accumulates into the residual stream's gradient `dres` (the head's, on the last
+/// stage's last run) or one received from the stage after, and sends it back to the stage
+/// before, unless it `begins` the model (the first stage's first run): that gradient is
+/// returned, for the embedding's backward.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_backward<F: StagedBlock>(
+    g: &mut Builder,
+    d: &F,
+    (layers, chunks): (&[F::Layer], &[Range<usize>]),
+    pfx: &str,
+    fwd: &[Blocks<F::Acts>],
+    recompute: Recompute,
+    dres: Option<BufId>,
+    (len, begins): (usize, bool),
+) -> Option<BufId> {
+    let v = chunks.len();
+    let mut at = layers.len();
+    for (k, run) in chunks.iter().enumerate().rev() {
+        let name = run_name(k, v);
+        let grad = match (k + 1 == v, dres) {
+            (true, Some(dres)) => dres,
+            _ => {
+                let grad = (Category::ActivationGrad, len);
+                let name = name.clone() + "d.residual";
+                receive_from_stage(g, (pfx, &name), grad, Peer::Next, Phase::Backward)
+            }
+        };
+        at -= run.len();
+        let blocks = (&layers[at..at + run.len()], run.start);
+        backward(g, d, blocks, pfx, &fwd[k], recompute, grad);
+        if begins && k == 0 {
+            return Some(grad);
+        }
+        let name = name + "d.stage.in";
+        send_to_stage(g, grad, (pfx, &name), Peer::Prev, Phase::Backward);
+    }
+    None
 }

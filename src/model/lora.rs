@@ -241,10 +241,10 @@ pub struct AdapterLayout {
     pub spec: LoraSpec,
     /// In the order of the base's tensors (a pipeline stage's: its own layers').
     pub layers: Vec<Adapted>,
-    /// The index of `layers[0]` among the whole model's adapters (0 but on a pipeline stage
-    /// after the first): what an adapter's dropout mask is drawn by, so a stage draws one
+    /// The index of each of `layers` among the whole model's adapters (`0..` but on a
+    /// pipeline stage): what an adapter's dropout mask is drawn by, so a stage draws one
     /// process's masks.
-    pub first: usize,
+    pub whole_index: Vec<usize>,
     /// `A` then `B` of each layer, one group per block (`h{l}.lora`).
     pub params: ParamLayout,
 }
@@ -396,7 +396,10 @@ impl AdapterLayout {
         if let Some(b) = block {
             cur.group(format!("h{b}.lora"));
         }
-        let first = all.iter().position(|(_, h)| *h).unwrap_or(0);
+        let whole_index = (all.iter().enumerate())
+            .filter(|(_, (_, h))| *h)
+            .map(|(i, _)| i)
+            .collect();
         let layers = all
             .into_iter()
             .filter(|(_, h)| *h)
@@ -405,7 +408,7 @@ impl AdapterLayout {
         Ok(AdapterLayout {
             spec,
             layers,
-            first,
+            whole_index,
             // The adapters of the base's part: its pipeline stage's, cut as its tensor
             // rank's layers are.
             params: cur.finish(

@@ -321,6 +321,9 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
     if mesh.pipeline > 1 {
         check_pipeline(spec, cfg, mode)?;
     }
+    if cfg.pipeline_chunks > 1 {
+        check_interleaved(spec, cfg)?;
+    }
     if cfg.sequence_parallel {
         check_sequence_parallel(cfg)?;
     }
@@ -345,6 +348,42 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
             "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole \
              tensors, which the tensor ranks' parts would cut (their checkpoints could not \
              hold one process's moments); use --optim-state bf16 or fp32"
+        );
+    }
+    Ok(())
+}
+
+/// Checks the interleaved schedule (`--pp-chunks V`, V > 1): each of the P stages holds V
+/// runs of one layer or more, cut evenly, and the step's micro-batches go through the runs
+/// in groups of P (Megatron's interleaved schedule asks the same).
+fn check_interleaved(spec: &ModelSpec, cfg: &StepConfig) -> Result<()> {
+    let (p, v, m, n) = (
+        cfg.mesh.pipeline,
+        cfg.pipeline_chunks,
+        cfg.grad_accum,
+        spec.n_layer,
+    );
+    if p <= 1 {
+        bail!(
+            "--pp-chunks {v} interleaves the runs of layers of pipeline stages: give --pp 2 or              more with it (or leave it out)"
+        );
+    }
+    if p * v > n {
+        bail!(
+            "--pp {p} --pp-chunks {v} cuts the model into {} runs of one layer or more, and it              has {n} layers: use --pp-chunks {} or less",
+            p * v,
+            n / p
+        );
+    }
+    if !cfg.stage_layers.is_empty() {
+        bail!(
+            "--pp-layers with --pp-chunks {v}: the interleaved runs are cut as even as they              divide; leave out --pp-layers (or --pp-chunks)"
+        );
+    }
+    if m % p != 0 {
+        bail!(
+            "--pp-chunks {v}: the interleaved schedule runs a step's micro-batches through each              run in groups of --pp {p}, and this step has {m} (--grad-accum, or --global-batch              over --batch and the data ranks): use a multiple of {p}, such as {}",
+            m.div_ceil(p) * p
         );
     }
     Ok(())

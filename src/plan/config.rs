@@ -52,6 +52,10 @@ pub struct StepConfig {
     /// as even as they divide ([`StepConfig::stage_counts`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stage_layers: Vec<usize>,
+    /// Runs of layers each pipeline stage holds (`--pp-chunks`): 1, or V > 1 for the
+    /// interleaved 1F1B schedule ([`PipelineStage::interleaved`]; its runs cut evenly).
+    #[serde(skip_serializing_if = "is_one")]
+    pub pipeline_chunks: usize,
     /// Sequence parallelism on the tensor axis (`--sequence-parallel`): the residual stream
     /// between the tensor-parallel regions cut by token rows among the tensor ranks
     /// ([`crate::ir::TensorSplit::sequence`]).
@@ -95,6 +99,7 @@ impl StepConfig {
             offload: Offload::default(),
             mesh: Mesh::SINGLE,
             stage_layers: Vec::new(),
+            pipeline_chunks: 1,
             sequence_parallel: false,
             zero: Zero::DP,
             lora: None,
@@ -137,7 +142,15 @@ impl StepConfig {
 
     /// This rank's pipeline stage of a model of `n_layer` layers.
     pub fn pipeline_stage(&self, n_layer: usize) -> PipelineStage {
-        self.mesh.pipeline_stage(&self.stage_counts(n_layer))
+        match self.pipeline_chunks > 1 && self.mesh.pipeline > 1 {
+            true => PipelineStage::interleaved(
+                self.mesh.pipeline,
+                self.mesh.coord(crate::ir::Axis::Pipeline),
+                self.pipeline_chunks,
+                n_layer,
+            ),
+            false => self.mesh.pipeline_stage(&self.stage_counts(n_layer)),
+        }
     }
 
     /// This rank's part of a model of `n_layer` layers: its tensor share of its stage.
@@ -156,4 +169,8 @@ impl StepConfig {
             zero: self.zero,
         })
     }
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }

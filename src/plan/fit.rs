@@ -61,6 +61,10 @@ pub struct Strategies {
     /// into each stage's count before a run's options are saved: [`StageCut`]).
     #[serde(default, skip_serializing_if = "is_even")]
     pub pipeline_layers: StageCut,
+    /// Runs of layers each stage holds (`--pp-chunks`): more than 1 for the interleaved
+    /// schedule.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub pipeline_chunks: usize,
     /// What each rank keeps of the model's state (`--zero`).
     #[serde(default)]
     pub zero: Zero,
@@ -95,6 +99,10 @@ fn one() -> usize {
     1
 }
 
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
 impl Default for Strategies {
     fn default() -> Self {
         Strategies {
@@ -110,6 +118,7 @@ impl Default for Strategies {
             sequence_parallel: false,
             pipeline: 1,
             pipeline_layers: StageCut::Even,
+            pipeline_chunks: 1,
             zero: Zero::DP,
             rank: 0,
             lora: None,
@@ -190,6 +199,7 @@ impl Strategies {
         }
         cfg.zero = self.zero;
         cfg.sequence_parallel = self.sequence_parallel;
+        cfg.pipeline_chunks = self.pipeline_chunks;
         cfg.lora = self.lora.clone();
         cfg.packed = self.packed;
         cfg.base_quant = self.base_quant;
@@ -219,6 +229,7 @@ impl Strategies {
                 true => StageCut::Even,
                 false => StageCut::Layers(cfg.stage_layers.clone()),
             },
+            pipeline_chunks: cfg.pipeline_chunks,
             zero: cfg.zero,
             rank: cfg.mesh.rank,
             lora: cfg.lora.clone(),
@@ -389,6 +400,7 @@ pub fn plan_fitting(
         zero: Pick::Fixed(cfg.zero),
         sequence_parallel: Pick::Fixed(cfg.sequence_parallel),
         stage_layers: Pick::Fixed(cfg.stage_layers.clone()),
+        pipeline_chunks: cfg.pipeline_chunks,
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {

@@ -358,7 +358,7 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
         (p > 0.0).then(|| LoraDropout {
             p,
             // Its index among the whole model's adapters (a pipeline stage holds some).
-            adapter: ad.first + adapter,
+            adapter: ad.whole_index[adapter],
             micro,
             ws: g.f32(format!("{name}_xd"), Category::Workspace, n * ic), // [N, IC]
             cols: placed[adapter].cols.unwrap_or((ic, 0)),

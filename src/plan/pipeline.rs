@@ -63,46 +63,227 @@ pub(crate) fn order(stage: PipelineStage, m: usize) -> Vec<Piece> {
     out
 }
 
+/// Where an op of one micro-batch's run of layers goes among its pieces: the receive of its
+/// input (and its await), its forward, the send of its output, the receive of its output's
+/// gradient, its backward, the send of its input's gradient. Each is empty where the run
+/// begins or ends the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Slot {
+    Receive,
+    Forward,
+    Send,
+    GradReceive,
+    Backward,
+    GradSend,
+}
+
+/// A slot of micro-batch `.1`'s run `.2` (0 but under the interleaved schedule).
+pub(crate) type Step = (Slot, usize, usize);
+
+/// [`order`]'s pieces as slots (its forward holds the receive, its backward the send back).
+fn one_run_steps(stage: PipelineStage, m: usize) -> Vec<Step> {
+    let mut out = Vec::with_capacity(6 * m);
+    for piece in order(stage, m) {
+        match piece {
+            Piece::Forward(i) => out.extend([(Slot::Receive, i, 0), (Slot::Forward, i, 0)]),
+            Piece::ForwardSend(i) => out.push((Slot::Send, i, 0)),
+            Piece::BackwardRecv(i) => out.push((Slot::GradReceive, i, 0)),
+            Piece::Backward(i) => out.extend([(Slot::Backward, i, 0), (Slot::GradSend, i, 0)]),
+        }
+    }
+    out
+}
+
 /// Reorders the ops of the `m` micro-batches just emitted (each forward then backward, in
-/// order) into [`order`]'s 1F1B schedule for `stage`. Nothing on one stage.
+/// order; a stage of several runs of layers emits each run's forward in turn, then their
+/// backward last run first) into [`order`]'s 1F1B schedule for `stage`, or
+/// [`interleaved_order`]'s where it holds several runs. Nothing on one stage.
 pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
     if !stage.is_split() {
         return;
     }
-    // Per micro-batch: [forward, its trailing send, the backward's leading receive, the rest].
-    let mut pieces: Vec<[Vec<OpEntry>; 4]> = (0..m).map(|_| Default::default()).collect();
+    let v = stage.chunks.max(1);
+    // Per micro-batch and run, its ops by slot.
+    let mut pieces: Vec<[Vec<OpEntry>; 6]> = (0..m * v).map(|_| Default::default()).collect();
+    // The run each micro-batch's next forward and backward op belongs to.
+    let (mut fwd_run, mut bwd_run) = (vec![0; m], vec![v - 1; m]);
     for e in std::mem::take(&mut g.ops) {
-        let k = e.micro;
-        let p = &mut pieces[k];
+        let i = e.micro;
         let slot = match e.phase {
-            Phase::Forward if is_stage_comm(&e.op, &p[1], true) => 1,
             Phase::Forward => {
-                assert!(
-                    p[1].is_empty(),
-                    "internal error: {} after its stage's send",
-                    e.name
-                );
-                0
+                let k = &mut fwd_run[i];
+                // A run's forward ends with its send and the send's await: what follows is
+                // the next run's.
+                let sent = &pieces[i * v + *k][Slot::Send as usize];
+                if !sent.is_empty() && !is_stage_comm(&e.op, sent, true) {
+                    *k += 1;
+                }
+                let p = &pieces[i * v + *k];
+                if is_stage_comm(&e.op, &p[Slot::Send as usize], true) {
+                    Slot::Send
+                } else if p[Slot::Forward as usize].is_empty()
+                    && is_stage_comm(&e.op, &p[Slot::Receive as usize], false)
+                {
+                    Slot::Receive
+                } else {
+                    Slot::Forward
+                }
             }
-            Phase::Backward | Phase::Recompute
-                if p[3].is_empty() && is_stage_comm(&e.op, &p[2], false) =>
-            {
-                2
+            Phase::Backward | Phase::Recompute => {
+                let k = &mut bwd_run[i];
+                // A run's backward begins with its receive (but the head's): one after the
+                // run's own ops is the run before's.
+                let p = &pieces[i * v + *k];
+                let begun =
+                    !p[Slot::Backward as usize].is_empty() || !p[Slot::GradSend as usize].is_empty();
+                if matches!(e.op, Op::StageRecv { .. }) && begun {
+                    *k = k.checked_sub(1).unwrap_or_else(|| {
+                        panic!("internal error: {} before the stage's first run", e.name)
+                    });
+                }
+                let p = &pieces[i * v + *k];
+                if p[Slot::Backward as usize].is_empty()
+                    && is_stage_comm(&e.op, &p[Slot::GradReceive as usize], false)
+                {
+                    Slot::GradReceive
+                } else if is_stage_comm(&e.op, &p[Slot::GradSend as usize], true) {
+                    Slot::GradSend
+                } else {
+                    Slot::Backward
+                }
             }
-            Phase::Backward | Phase::Recompute => 3,
             other => panic!("internal error: {other:?} op {} in a micro-batch", e.name),
         };
-        p[slot].push(e);
+        let p = &mut pieces[i * v + match slot < Slot::GradReceive {
+            true => fwd_run[i],
+            false => bwd_run[i],
+        }];
+        assert!(
+            !matches!(slot, Slot::Forward | Slot::Backward)
+                || p[slot as usize + 1].is_empty(),
+            "internal error: {} after its run's send",
+            e.name
+        );
+        p[slot as usize].push(e);
     }
-    for piece in order(stage, m) {
-        let (k, slot) = match piece {
-            Piece::Forward(k) => (k, 0),
-            Piece::ForwardSend(k) => (k, 1),
-            Piece::BackwardRecv(k) => (k, 2),
-            Piece::Backward(k) => (k, 3),
-        };
-        g.ops.append(&mut pieces[k][slot]);
+    let steps = match v {
+        1 => one_run_steps(stage, m),
+        _ => interleaved_order(stage, m),
+    };
+    for (slot, i, k) in steps {
+        g.ops.append(&mut pieces[i * v + k][slot as usize]);
     }
+    debug_assert!(pieces.iter().flatten().all(Vec::is_empty));
+}
+
+/// The j-th forward of an interleaved stage's schedule as (micro-batch, run): runs in
+/// turn over groups of `p` micro-batches (Megatron's `get_model_chunk_id`); the j-th
+/// backward takes the runs the other way. `m` is a multiple of `p` (checked by the planner).
+fn interleaved_piece(j: usize, p: usize, v: usize, forward: bool) -> (usize, usize) {
+    let run = (j / p) % v;
+    let micro = (j / (p * v)) * p + j % p;
+    (micro, if forward { run } else { v - 1 - run })
+}
+
+/// Each stage's forwards and backwards, in order, under the interleaved schedule
+/// (Narayanan et al. 2021; Megatron's `forward_backward_pipelining_with_interleaving`):
+/// stage `r` of `p` runs `w = min(2(p − r − 1) + (V − 1)·p, V·m)` forwards first, then one
+/// forward and one backward in turn, then the backwards left, so it holds at most `w + 1`
+/// runs' activations ([`PipelineStage::in_flight`]). (forward?, micro-batch, run).
+fn interleaved_compute(r: usize, p: usize, v: usize, m: usize) -> Vec<(bool, usize, usize)> {
+    let total = m * v;
+    let w = (2 * (p - r - 1) + (v - 1) * p).min(total);
+    let f = |j| {
+        let (i, k) = interleaved_piece(j, p, v, true);
+        (true, i, k)
+    };
+    let b = |j| {
+        let (i, k) = interleaved_piece(j, p, v, false);
+        (false, i, k)
+    };
+    let mut out: Vec<_> = (0..w).map(f).collect();
+    for j in 0..total - w {
+        out.extend([f(w + j), b(j)]);
+    }
+    out.extend((total - w..total).map(b));
+    out
+}
+
+/// `stage`'s slots of `m` micro-batches under the interleaved schedule
+/// ([`interleaved_compute`]'s order of forwards and backwards), with its sends and receives
+/// placed so that no two stages ever wait on each other.
+///
+/// Every message (an activation from virtual stage `c` to `c + 1`, a gradient from `c + 1`
+/// to `c`) gets a time: when its sender's forward or backward ends, in a simulation of all
+/// the stages where a forward takes 1 and a backward 2 and each waits for its input. Each
+/// stage runs its sends and receives in the order of those times (ties in one order all
+/// stages share), its forwards and backwards in the order above, each after the messages
+/// timed at or before its start. So every stage meets its messages in one global order,
+/// and a transport whose sends wait for their receiver (MPI's rendezvous) never deadlocks
+/// whatever the real times: the earliest message not yet passed has both its ends ready.
+pub(crate) fn interleaved_order(stage: PipelineStage, m: usize) -> Vec<Step> {
+    use std::collections::HashMap;
+    let (p, v) = (stage.size, stage.chunks);
+    let last = p * v - 1;
+    // (forward?, micro-batch, virtual stage) -> (start, end).
+    let mut times: HashMap<(bool, usize, usize), (u64, u64)> = HashMap::new();
+    let orders: Vec<_> = (0..p).map(|r| interleaved_compute(r, p, v, m)).collect();
+    let (mut at, mut free) = (vec![0; p], vec![0u64; p]);
+    loop {
+        let mut moved = false;
+        for r in 0..p {
+            while let Some(&(fwd, i, k)) = orders[r].get(at[r]) {
+                let c = k * p + r;
+                let input = match (fwd, c) {
+                    (true, 0) => Some(0),
+                    (true, _) => times.get(&(true, i, c - 1)).map(|t| t.1),
+                    (false, c) if c == last => times.get(&(true, i, c)).map(|t| t.1),
+                    (false, _) => times.get(&(false, i, c + 1)).map(|t| t.1),
+                };
+                let Some(ready) = input else { break };
+                let start = free[r].max(ready);
+                free[r] = start + if fwd { 1 } else { 2 };
+                times.insert((fwd, i, c), (start, free[r]));
+                at[r] += 1;
+                moved = true;
+            }
+        }
+        if !moved {
+            break;
+        }
+    }
+    let r = stage.rank;
+    assert_eq!(
+        at[r],
+        orders[r].len(),
+        "internal error: the interleaved schedule stalls (p {p}, V {v}, m {m})"
+    );
+    // (time, comm before compute, message: (gradient?, from, micro-batch), position) -> slot.
+    let mut events: Vec<((u64, u8, (bool, usize, usize), usize), Step)> = Vec::new();
+    for (n, &(fwd, i, k)) in orders[r].iter().enumerate() {
+        let c = k * p + r;
+        let (start, end) = times[&(fwd, i, c)];
+        let mut comm = |time: u64, msg, slot| events.push(((time, 0, msg, 0), (slot, i, k)));
+        if fwd {
+            if c > 0 {
+                comm(times[&(true, i, c - 1)].1, (false, c - 1, i), Slot::Receive);
+            }
+            if c < last {
+                comm(end, (false, c, i), Slot::Send);
+            }
+        } else {
+            if c < last {
+                comm(times[&(false, i, c + 1)].1, (true, c + 1, i), Slot::GradReceive);
+            }
+            if c > 0 {
+                comm(end, (true, c, i), Slot::GradSend);
+            }
+        }
+        let slot = if fwd { Slot::Forward } else { Slot::Backward };
+        events.push(((start, 1, (false, 0, 0), n), (slot, i, k)));
+    }
+    events.sort_by_key(|e| e.0);
+    events.into_iter().map(|e| e.1).collect()
 }
 
 /// Whether `op` is a stage send (`send`) or receive, or the await of the one just before
@@ -178,11 +359,13 @@ pub(crate) fn tied_embedding_sum(g: &mut Builder, layout: &ParamLayout, grads: &
 mod tests {
     use super::*;
 
-    /// A message between two neighbouring stages.
+    /// A message between two neighbouring stages: micro-batch `.0`'s activation or
+    /// gradient, sent by virtual stage `.1` (the stage itself but under the interleaved
+    /// schedule).
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     enum Msg {
-        Act(usize),
-        Grad(usize),
+        Act(usize, usize),
+        Grad(usize, usize),
     }
 
     /// Stage `s` of `p`'s sends and receives in the order `pieces` gives: (send?, peer
@@ -192,12 +375,18 @@ mod tests {
         let mut out = Vec::new();
         for piece in pieces {
             match piece {
-                Piece::Forward(i) if !stage.is_first() => out.push((false, s - 1, Msg::Act(i))),
-                Piece::ForwardSend(i) if !stage.is_last() => out.push((true, s + 1, Msg::Act(i))),
-                Piece::BackwardRecv(i) if !stage.is_last() => {
-                    out.push((false, s + 1, Msg::Grad(i)))
+                Piece::Forward(i) if !stage.is_first() => {
+                    out.push((false, s - 1, Msg::Act(i, s - 1)))
                 }
-                Piece::Backward(i) if !stage.is_first() => out.push((true, s - 1, Msg::Grad(i))),
+                Piece::ForwardSend(i) if !stage.is_last() => {
+                    out.push((true, s + 1, Msg::Act(i, s)))
+                }
+                Piece::BackwardRecv(i) if !stage.is_last() => {
+                    out.push((false, s + 1, Msg::Grad(i, s + 1)))
+                }
+                Piece::Backward(i) if !stage.is_first() => {
+                    out.push((true, s - 1, Msg::Grad(i, s)))
+                }
                 _ => {}
             }
         }
@@ -291,5 +480,118 @@ mod tests {
             })
             .collect();
         assert!(!runs_to_the_end(&ev));
+    }
+
+    /// Stage `r`'s sends and receives under the interleaved schedule, in the order
+    /// [`interleaved_order`] gives: (send?, peer stage, message).
+    fn interleaved_events(r: usize, p: usize, v: usize, m: usize) -> Vec<(bool, usize, Msg)> {
+        let stage = PipelineStage::interleaved(p, r, v, p * v);
+        let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+        let mut out = Vec::new();
+        for (slot, i, k) in interleaved_order(stage, m) {
+            let c = k * p + r;
+            match slot {
+                Slot::Receive => out.push((false, prev, Msg::Act(i, c - 1))),
+                Slot::Send => out.push((true, next, Msg::Act(i, c))),
+                Slot::GradReceive => out.push((false, next, Msg::Grad(i, c + 1))),
+                Slot::GradSend => out.push((true, prev, Msg::Grad(i, c))),
+                Slot::Forward | Slot::Backward => {}
+            }
+        }
+        out
+    }
+
+    /// Under the interleaved schedule every stage runs each run's forward and backward of
+    /// every micro-batch once, receives each input before the forward reading it and each
+    /// gradient before the backward, sends each output after its forward, and holds at most
+    /// `in_flight` runs' activations (Megatron's warm-up plus one), reached.
+    #[test]
+    fn interleaved_stages_run_every_piece_once_holding_at_most_their_warm_up() {
+        for p in 2..=4 {
+            for v in 2..=3 {
+                for m in [p, 2 * p, 3 * p] {
+                    for r in 0..p {
+                        let stage = PipelineStage::interleaved(p, r, v, p * v);
+                        let o = interleaved_order(stage, m);
+                        let last = p * v - 1;
+                        let at = |x: Step| {
+                            let found = o.iter().position(|&y| y == x);
+                            found.unwrap_or_else(|| panic!("p {p} v {v} m {m} r {r}: {x:?}"))
+                        };
+                        let (mut held, mut most) = (0usize, 0usize);
+                        for i in 0..m {
+                            for k in 0..v {
+                                let c = k * p + r;
+                                assert!(at((Slot::Forward, i, k)) < at((Slot::Backward, i, k)));
+                                if c > 0 {
+                                    assert!(at((Slot::Receive, i, k)) < at((Slot::Forward, i, k)));
+                                    assert!(at((Slot::Backward, i, k)) < at((Slot::GradSend, i, k)));
+                                }
+                                if c < last {
+                                    assert!(at((Slot::Forward, i, k)) < at((Slot::Send, i, k)));
+                                    let recv = at((Slot::GradReceive, i, k));
+                                    assert!(recv < at((Slot::Backward, i, k)));
+                                }
+                            }
+                        }
+                        let comm = 4 * m * v - 2 * m * usize::from(r == 0)
+                            - 2 * m * usize::from(r + 1 == p);
+                        assert_eq!(o.len(), 2 * m * v + comm, "p {p} v {v} m {m} r {r}");
+                        for x in &o {
+                            match x.0 {
+                                Slot::Forward => held += 1,
+                                Slot::Backward => held -= 1,
+                                _ => {}
+                            }
+                            most = most.max(held);
+                        }
+                        assert_eq!(most, stage.in_flight(m), "p {p} v {v} m {m} r {r}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_interleaved_schedule_never_deadlocks_on_a_rendezvous_transport() {
+        for p in 2..=5 {
+            for v in 2..=4 {
+                for m in [p, 2 * p, 3 * p] {
+                    let ev: Vec<_> = (0..p).map(|r| interleaved_events(r, p, v, m)).collect();
+                    assert!(runs_to_the_end(&ev), "p {p} v {v} m {m}");
+                }
+            }
+        }
+    }
+
+    /// Each stage's sends and receives as soon as it can (a receive just before the
+    /// forward or backward reading it, a send just after the one writing it) would deadlock
+    /// some interleaved pipeline: the check above catches it.
+    #[test]
+    fn eager_sends_would_deadlock_the_interleaved_schedule() {
+        let deadlocks = |p: usize, v: usize, m: usize| {
+            let ev: Vec<_> = (0..p)
+                .map(|r| {
+                    let (next, prev, last) = ((r + 1) % p, (r + p - 1) % p, p * v - 1);
+                    let mut out = Vec::new();
+                    for (fwd, i, k) in interleaved_compute(r, p, v, m) {
+                        let c = k * p + r;
+                        match fwd {
+                            true if c > 0 => out.push((false, prev, Msg::Act(i, c - 1))),
+                            false if c < last => out.push((false, next, Msg::Grad(i, c + 1))),
+                            _ => {}
+                        }
+                        match fwd {
+                            true if c < last => out.push((true, next, Msg::Act(i, c))),
+                            false if c > 0 => out.push((true, prev, Msg::Grad(i, c))),
+                            _ => {}
+                        }
+                    }
+                    out
+                })
+                .collect();
+            !runs_to_the_end(&ev)
+        };
+        assert!((2..=4).any(|p| (2..=3).any(|v| deadlocks(p, v, 2 * p))));
     }
 }

@@ -37,8 +37,12 @@ pub struct RankPlan {
     /// Bytes of each category live in memory at the plan's peak op: what the rank holds
     /// when it peaks (their sum and the process baseline make its peak).
     pub peak_by_category: BTreeMap<String, u64>,
-    /// The model's layers this rank's pipeline stage holds (all of them for one stage).
+    /// The model's layers this rank's pipeline stage holds (all of them for one stage;
+    /// under the interleaved schedule, from its first run's first to its last run's last).
     pub layers: std::ops::Range<usize>,
+    /// Under the interleaved schedule, its runs of layers (empty otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<std::ops::Range<usize>>,
     /// Its stage's predicted forward and backward of one micro-batch (seconds: the plan's
     /// ops but the update's, over its micro-batches), where a calibration priced it.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -141,8 +145,16 @@ fn of_plan(plan: &Plan, baseline: u64, cal: Option<&Calibration>) -> RankPlan {
         let t = super::time::predict(plan, cal);
         (t.compute_s - t.update_s) / plan.cfg.grad_accum.max(1) as f64
     };
+    let chunks = plan.layout.stage.chunk_layers(plan.spec.n_layer);
     RankPlan {
-        layers: plan.layout.stage.layers(plan.spec.n_layer),
+        layers: {
+            let runs = &chunks;
+            runs[0].start..runs[runs.len() - 1].end
+        },
+        chunks: match chunks.len() {
+            1 => Vec::new(),
+            _ => chunks,
+        },
         predicted_micro_batch_s: cal.map(micro),
         rank: plan.cfg.mesh.rank,
         coords: Coords::of(&plan.cfg.mesh),
@@ -189,17 +201,28 @@ pub fn describe_stages(ranks: &[RankPlan], cfg: &StepConfig, n_layer: usize) -> 
         true => "as even as they divide",
         false => "by --pp-layers",
     };
-    let _ = writeln!(
-        s,
-        "  pipeline stages: the {n_layer} layers cut {} ({how})",
-        super::stage_layers::list(&counts)
-    );
+    let _ = match cfg.pipeline_chunks {
+        0 | 1 => writeln!(
+            s,
+            "  pipeline stages: the {n_layer} layers cut {} ({how})",
+            super::stage_layers::list(&counts)
+        ),
+        v => writeln!(
+            s,
+            "  pipeline stages: the {n_layer} layers cut into {} runs as even as they divide, \
+             each stage holding {v} (--pp-chunks {v}: stage s runs s, s + {p}, ...)",
+            p * v
+        ),
+    };
     let mut times = Vec::new();
     for stage in 0..p {
         let mine: Vec<&RankPlan> = ranks.iter().filter(|r| r.coords.pp == stage).collect();
         let Some(first) = mine.first() else { continue };
         let heaviest = mine.iter().map(|r| r.predicted_peak_rss_bytes).max();
-        let l = &first.layers;
+        let layers = match first.chunks.is_empty() {
+            true => describe_layers(std::slice::from_ref(&first.layers)),
+            false => describe_layers(&first.chunks),
+        };
         let ends = match stage {
             0 => ", the embedding",
             s if s + 1 == p => ", the head and the loss",
@@ -215,27 +238,47 @@ pub fn describe_stages(ranks: &[RankPlan], cfg: &StepConfig, n_layer: usize) -> 
         let who: Vec<usize> = mine.iter().map(|r| r.rank).collect();
         let _ = writeln!(
             s,
-            "    stage {stage}: layers {}-{}{ends}{time}, peak {} ({})",
-            l.start,
-            l.end - 1,
+            "    stage {stage}: {layers}{ends}{time}, peak {} ({})",
             crate::util::bytes::fmt_bytes(heaviest.unwrap_or(0)),
             describe_ranks(&who)
         );
     }
     if times.len() == p {
-        let m = cfg.grad_accum.max(1);
+        let (m, v) = (cfg.grad_accum.max(1), cfg.pipeline_chunks.max(1));
         let slowest = times.iter().copied().fold(0.0, f64::max);
-        let step = (m - 1) as f64 * slowest + times.iter().sum::<f64>();
+        // Interleaved, the fill and drain pass each stage once per run: (V·m − 1) runs of
+        // the slowest stage and each stage's run once, a run being 1/V of a stage's work.
+        let step = ((v * m - 1) as f64 * slowest + times.iter().sum::<f64>()) / v as f64;
         let ideal = m as f64 * times.iter().sum::<f64>() / p as f64;
+        let (what, how) = match v {
+            1 => ("1F1B".to_string(), "(m - 1) x the slowest stage + each once"),
+            _ => (
+                format!("Interleaved 1F1B ({v} runs a stage)"),
+                "(Vm - 1) x the slowest stage's run + each stage's once",
+            ),
+        };
         let _ = writeln!(
             s,
-            "    1F1B over {m} micro-batches: about {step:.2} s of forward and backward ((m - 1) x \
-             the slowest stage + each once), {:.2}x the ideal {ideal:.2} s (the work split \
-             evenly, no bubble)",
+            "    {what} over {m} micro-batches: about {step:.2} s of forward and backward \
+             ({how}), {:.2}x the ideal {ideal:.2} s (the work split evenly, no bubble)",
             step / ideal
         );
     }
     s
+}
+
+/// `layer 3`, `layers 0-5`, or the runs of an interleaved stage, `layers 0-1, 4-5`.
+pub fn describe_layers(runs: &[std::ops::Range<usize>]) -> String {
+    let each: Vec<String> = (runs.iter())
+        .map(|r| match r.len() {
+            1 => r.start.to_string(),
+            _ => format!("{}-{}", r.start, r.end - 1),
+        })
+        .collect();
+    match runs.len() == 1 && runs[0].len() == 1 {
+        true => format!("layer {}", each[0]),
+        false => format!("layers {}", each.join(", ")),
+    }
 }
 
 /// `ranks 0-3, 6` for a sorted list of ranks.

@@ -70,24 +70,38 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     }
     if mesh.pipeline > 1 {
         let stage = cfg.pipeline_stage(plan.spec.n_layer);
-        let layers = match stage.layers(plan.spec.n_layer) {
-            l if l.len() == 1 => format!("layer {}", l.start),
-            l => format!("layers {}-{}", l.start, l.end - 1),
-        };
-        let (p, m) = (stage.size, cfg.grad_accum);
-        let bubble = (p - 1) as f64 / (m + p - 1) as f64;
+        let runs = stage.chunk_layers(plan.spec.n_layer);
+        let layers = super::ranks::describe_layers(&runs);
+        let (p, m, v) = (stage.size, cfg.grad_accum, stage.chunks);
+        // 1F1B's bubble (p − 1)/(m + p − 1) of the step; interleaved, each of the fill and
+        // drain's p − 1 slots is one run of the V: (p − 1)/(V·m + p − 1).
+        let idle = |m: usize| 100.0 * (p - 1) as f64 / (v * m + p - 1) as f64;
         let more = match m < 4 * (p - 1) {
-            true => format!("; {} micro-batches would make it {:.0}%", 4 * (p - 1), {
-                let m4 = 4 * (p - 1);
-                100.0 * (p - 1) as f64 / (m4 + p - 1) as f64
-            }),
+            true => format!(
+                "; {} micro-batches would make it {:.0}%",
+                4 * (p - 1),
+                idle(4 * (p - 1))
+            ),
             false => String::new(),
+        };
+        let order = match v {
+            1 => format!("the 1F1B order: at most {} in flight", stage.in_flight(m)),
+            _ => format!(
+                "the interleaved 1F1B order, {v} runs of layers each: at most {} runs' \
+                 activations in flight ({:.1} micro-batches')",
+                stage.in_flight(m),
+                stage.in_flight(m) as f64 / v as f64
+            ),
+        };
+        let formula = match v {
+            1 => "(p - 1)/(m + p - 1)".to_string(),
+            _ => format!("(p - 1)/({v}m + p - 1)"),
         };
         let _ = writeln!(
             s,
             "      one rank of {}: pipeline stage {} of {p} ({layers} of {}{}{}), its {m} \
-             micro-batches in the 1F1B order: at most {} in flight; the pipeline idles \
-             (p - 1)/(m + p - 1) = {:.0}% of the step filling and draining{more}",
+             micro-batches in {order}; the pipeline idles {formula} = {:.0}% of the step \
+             filling and draining{more}",
             mesh.world(),
             stage.rank,
             plan.spec.n_layer,
@@ -101,8 +115,7 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             } else {
                 ""
             },
-            stage.in_flight(m),
-            100.0 * bubble,
+            idle(m),
         );
     }
     let per_rank = (mesh.world() > 1 || cfg.zero.0 > 0).then(|| super::zero::per_rank(plan));

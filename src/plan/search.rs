@@ -122,6 +122,9 @@ pub struct Space {
     /// even cut), or `Auto`: on each pipeline the even cut and the one balanced by predicted
     /// time (`plan::stage_cut::balanced`), where they differ.
     pub stage_layers: Pick<Vec<usize>>,
+    /// Runs of layers each pipeline stage holds (`--pp-chunks`), as given: more than 1
+    /// interleaves the stages of every mesh with a pipeline.
+    pub pipeline_chunks: usize,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -167,20 +170,25 @@ fn mesh_flags(c: &StepConfig) -> String {
             super::stage_layers::list(&c.stage_layers)
         ),
     };
+    let chunks = match c.pipeline_chunks {
+        0 | 1 => String::new(),
+        v => format!(" --pp-chunks {v}"),
+    };
     let (m, zero) = (&c.mesh, c.zero);
     format!(
-        "--tp {}{sp} --pp {}{cut} --zero {zero}",
+        "--tp {}{sp} --pp {}{cut}{chunks} --zero {zero}",
         m.tensor, m.pipeline
     )
 }
 
 /// `2 x 2 x 2, 1` of `c` (tp x pp x dp, ZeRO stage; `2+sp x …` with sequence parallelism,
-/// `… x 2(9,3) x …` with an uneven cut).
+/// `… x 2(9,3) x …` with an uneven cut, `… x 2(v2) x …` interleaved).
 fn mesh_shape(c: &StepConfig) -> String {
     let sp = if c.sequence_parallel { "+sp" } else { "" };
-    let cut = match c.stage_layers.is_empty() {
-        true => String::new(),
-        false => format!("({})", super::stage_layers::list(&c.stage_layers)),
+    let cut = match (c.stage_layers.is_empty(), c.pipeline_chunks) {
+        (true, 0 | 1) => String::new(),
+        (true, v) => format!("(v{v})"),
+        (false, _) => format!("({})", super::stage_layers::list(&c.stage_layers)),
     };
     let (m, zero) = (&c.mesh, c.zero);
     format!(
@@ -427,7 +435,7 @@ fn balanced_cuts(
         }))
     };
     let cuts = (configs.par_iter())
-        .filter(|c| c.mesh.pipeline > 1 && c.stage_layers.is_empty())
+        .filter(|c| c.mesh.pipeline > 1 && c.stage_layers.is_empty() && c.pipeline_chunks <= 1)
         .map(cut)
         .collect::<Result<Vec<_>>>()?;
     Ok(cuts.into_iter().flatten().collect())
@@ -561,6 +569,9 @@ pub fn search(
                     cfg.zero = zero;
                     if let Pick::Fixed(cut) = &space.stage_layers {
                         cfg.stage_layers = cut.clone();
+                    }
+                    if mesh.pipeline > 1 {
+                        cfg.pipeline_chunks = space.pipeline_chunks;
                     }
                     // What the mesh does not compose with (int8 moments, a quantized base
                     // under --tp, …) leaves the group out.

@@ -487,7 +487,8 @@ pub struct StepTime {
     /// Seconds of the update's ops (`Optimizer` and `DeferredUpdate` phases), in `compute_s`.
     pub update_s: f64,
     /// Seconds a pipeline stage idles while the pipeline fills and drains (1F1B's bubble:
-    /// (p − 1)/m of its forward and backward, stages taken as balanced), in `step_s`.
+    /// (p − 1)/m of its forward and backward, stages taken as balanced; (p − 1)/(V·m) under
+    /// the interleaved schedule of V runs per stage), in `step_s`.
     pub bubble_s: f64,
     pub bound: Bound,
     /// Seconds by op kind, largest first.
@@ -563,7 +564,8 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
     }
     let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s;
     let stage = plan.layout.stage;
-    let bubble_s = (compute_s - update_s) * (stage.size - 1) as f64 / plan.cfg.grad_accum as f64;
+    let slots = (stage.chunks.max(1) * plan.cfg.grad_accum) as f64;
+    let bubble_s = (compute_s - update_s) * (stage.size - 1) as f64 / slots;
     let step_s = tc.max(ti).max(tcomm) + bubble_s;
     let mut by_kind: Vec<(String, f64)> = by_kind.into_iter().collect();
     by_kind.sort_by(|a, b| b.1.total_cmp(&a.1));

@@ -181,9 +181,11 @@ impl Job {
     /// # Safety
     /// The views the job was made of are still valid and used by nobody else.
     unsafe fn run(&self, cuts: &[Cut], comm: &dyn Comm) -> Result<()> {
+        // The pipeline's neighbours; the last stage's next is the first under the
+        // interleaved schedule (`ir::PipelineStage::peer`).
         let peer = |p| match p {
-            Peer::Next => comm.rank() + 1,
-            Peer::Prev => comm.rank().wrapping_sub(1),
+            Peer::Next => (comm.rank() + 1) % comm.size(),
+            Peer::Prev => (comm.rank() + comm.size() - 1) % comm.size(),
         };
         match self.kind {
             // SAFETY: the caller's; a point-to-point job's view is of bytes.

@@ -46,6 +46,8 @@ pub struct StrategyRequest {
     pub pp: Option<usize>,
     /// `--pp-layers`.
     pub pp_layers: Option<StageCut>,
+    /// `--pp-chunks`.
+    pub pp_chunks: Option<usize>,
     /// `--lora R` and its companions.
     pub lora: Option<LoraRequest>,
     /// `--base-quant`.

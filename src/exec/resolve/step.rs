@@ -172,7 +172,11 @@ pub fn fit_space(
             (None, 1) => Pick::Fixed(false),
             (None, _) => Pick::Auto,
         },
-        stage_layers: Pick::Auto,
+        stage_layers: match st.pp_chunks {
+            Some(v) if v > 1 => Pick::Fixed(Vec::new()),
+            _ => Pick::Auto,
+        },
+        pipeline_chunks: st.pp_chunks.unwrap_or(1),
     })
 }
 
@@ -241,6 +245,7 @@ pub fn resolve_step(
     strategies.sequence_parallel = st.sequence_parallel.unwrap_or(false);
     strategies.pipeline = st.pp.unwrap_or(1);
     strategies.pipeline_layers = st.pp_layers.clone().unwrap_or_default();
+    strategies.pipeline_chunks = st.pp_chunks.unwrap_or(1);
     strategies.check_mesh()?;
     // The copies of the model that split the batch (each `--tp` × `--pp` ranks hold one).
     let ranks = strategies.data_ranks();

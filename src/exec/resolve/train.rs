@@ -295,6 +295,19 @@ pub fn resume(
     if let Some(cut) = &req.step.strategy.pp_layers {
         opts.strategies.pipeline_layers = cut.clone();
     }
+    match req.step.strategy.pp_chunks {
+        Some(v) => opts.strategies.pipeline_chunks = v,
+        // Kept from the run, unless the model is now one stage.
+        None if opts.strategies.pipeline_chunks > 1 && opts.strategies.pipeline <= 1 => {
+            opts.notes.push(format!(
+                "note: the run used --pp-chunks {} (the interleaved schedule of --pp stages); \
+                 with --pp 1 it is off",
+                opts.strategies.pipeline_chunks
+            ));
+            opts.strategies.pipeline_chunks = 1;
+        }
+        None => {}
+    }
     let resumed = Strategies {
         ranks,
         ..opts.strategies.clone()

@@ -16,9 +16,9 @@ use super::params::{Gpt2Params, LayerParams, inventory};
 use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{Op, Phase, Rows, WeightLayout};
-use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
+use crate::ir::{BufId, Category, ModelPart, TensorSplit};
 use crate::model::ModelSpec;
-use crate::model::block_emit::{self, Blocks, StagedBlock};
+use crate::model::block_emit::{self, StagedBlock};
 use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
 use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
@@ -542,25 +542,6 @@ fn embedding<'a>(d: &Dims, p: &Gpt2Params, mb: &'a MicroBatch) -> Embedding<'a> 
     }
 }
 
-/// Emits the encoder (the first stage) or receives the stage before's output, then the
-/// stage's blocks of one micro-batch.
-fn forward_blocks(
-    g: &mut Builder,
-    d: &Dims,
-    p: &Gpt2Params,
-    mb: &MicroBatch,
-    stage: PipelineStage,
-) -> Blocks<BlockActs> {
-    let (n, c, pfx) = (d.own.n(), d.c, mb.prefix.as_str());
-    let res = if stage.is_first() {
-        embedding(d, p, mb).forward(g, "encoded")
-    } else {
-        let act = (Category::Activation, n * c);
-        block_emit::receive_from_stage(g, (pfx, "stage.in"), act, Peer::Prev, Phase::Forward)
-    };
-    block_emit::forward(g, d, (&p.layers, p.first_layer), pfx, res)
-}
-
 /// Emits the final layernorm, the LM head (with the loss) and their backward of the last
 /// stage; returns the head's generation logits, or the residual stream's gradient.
 fn head(
@@ -652,28 +633,31 @@ pub(crate) fn micro_batch(
         v: spec.vocab_size,
         tensor: split,
     };
-    let (n, c, pfx) = (d.own.n(), d.c, mb.prefix.as_str());
-    let blocks = forward_blocks(g, &d, &p, mb, stage);
-    let dres = if stage.is_last() {
-        match head(g, (spec, cfg), (&d, &p), mb, blocks.out()) {
-            Head::InputGrad(dres) => dres,
-            Head::Logits(logits) => {
-                return Emitted {
-                    logits: Some(logits),
-                };
+    let (len, pfx) = (d.own.n() * d.c, mb.prefix.as_str());
+    let encoded = stage
+        .is_first()
+        .then(|| embedding(&d, &p, mb).forward(g, "encoded"));
+    let layers = (p.layers.as_slice(), p.chunks.as_slice());
+    let ends = (len, stage.is_last());
+    let runs = block_emit::stage_forward(g, &d, layers, pfx, encoded, ends);
+    let dres = match stage.is_last() {
+        true => {
+            let out = runs.last().expect("a stage holds a run").out();
+            match head(g, (spec, cfg), (&d, &p), mb, out) {
+                Head::InputGrad(dres) => Some(dres),
+                Head::Logits(logits) => {
+                    return Emitted {
+                        logits: Some(logits),
+                    };
+                }
             }
         }
-    } else {
-        block_emit::hand_on(g, blocks.out(), pfx, n * c)
+        false => None,
     };
-    let layers = (p.layers.as_slice(), p.first_layer);
-    block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
-    if stage.is_first() {
-        if !cfg.frozen_embedding {
-            embedding(&d, &p, mb).backward(g, dres);
-        }
-    } else {
-        block_emit::hand_back(g, dres, pfx);
+    let begins = (len, stage.is_first());
+    let dres = block_emit::stage_backward(g, &d, layers, pfx, &runs, cfg.recompute, dres, begins);
+    if let Some(dres) = dres.filter(|_| !cfg.frozen_embedding) {
+        embedding(&d, &p, mb).backward(g, dres);
     }
     Emitted { logits: None }
 }

@@ -46,9 +46,11 @@ pub struct LayerParams {
 pub struct Gpt2Params {
     pub wte: Range<usize>, // [Vpart, C], tied with the LM head: this rank's rows of the vocabulary
     pub wpe: Range<usize>, // [maxT, C]
-    /// The stage's blocks, the first being the model's block `first_layer`.
+    /// The stage's blocks: those of its runs of the model's layers, `chunks`, in order.
     pub layers: Vec<LayerParams>,
-    pub first_layer: usize,
+    /// The model's layers the stage holds, run by run (one run but under the interleaved
+    /// schedule: [`crate::ir::PipelineStage::chunk_layers`]).
+    pub chunks: Vec<Range<usize>>,
     pub lnf_w: Range<usize>, // [C]
     pub lnf_b: Range<usize>, // [C]
 }
@@ -57,7 +59,8 @@ pub struct Gpt2Params {
 /// does not hold are empty).
 pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params) {
     let (split, stage) = (part.tensor, part.stage);
-    let held = stage.layers(spec.n_layer);
+    let chunks = stage.chunk_layers(spec.n_layer);
+    let held = |l: usize| chunks.iter().any(|r| r.contains(&l));
     let (v, c, t, h) = (
         spec.vocab_size,
         spec.n_embd,
@@ -91,9 +94,9 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params)
     // that reads the two (the encoder) keeps its ranges in one group.
     let wpe = cur.push("transformer.wpe.weight".into(), &[t, c], true, normal);
     cur.group("embed");
-    let mut layers = Vec::with_capacity(held.len());
+    let mut layers = Vec::with_capacity(chunks.iter().map(|r| r.len()).sum());
     for l in 0..spec.n_layer {
-        cur.hold(held.contains(&l));
+        cur.hold(held(l));
         let p = |s: &str| format!("transformer.h.{l}.{s}");
         let weight = |cur: &mut LayoutBuilder, s: &str, shape: &[usize], cut, init| {
             cur.push_cut(p(s), shape, cut, true, init)
@@ -118,7 +121,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params)
         let fcproj_w = weight(&mut cur, "mlp.c_proj.weight", &[h, c], cut, resid);
         let fcproj_b = cur.push(p("mlp.c_proj.bias"), &[c], false, Init::Zeros);
         cur.group(format!("h{l}"));
-        if !held.contains(&l) {
+        if !held(l) {
             continue;
         }
         layers.push(LayerParams {
@@ -152,7 +155,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, Gpt2Params)
         wte,
         wpe,
         layers,
-        first_layer: held.start,
+        chunks,
         lnf_w,
         lnf_b,
     };

@@ -37,8 +37,8 @@ use super::params::{LayerParams, LlamaParams, inventory};
 use crate::ir::EmitOptions;
 use crate::ir::builder::{Builder, Emitted, MicroBatch};
 use crate::ir::schedule::{GluAct, Op, Phase, Rows, WeightLayout};
-use crate::ir::{BufId, Category, ModelPart, Peer, PipelineStage, TensorSplit};
-use crate::model::block_emit::{self, Blocks, StagedBlock};
+use crate::ir::{BufId, Category, ModelPart, TensorSplit};
+use crate::model::block_emit::{self, StagedBlock};
 use crate::model::embedding::Embedding;
 use crate::model::lm_head::{self, Head};
 use crate::model::tensor_join::{InputGrad, RowParallel, gather_rows};
@@ -807,25 +807,6 @@ fn embedding<'a>(d: &Dims, p: &LlamaParams, mb: &'a MicroBatch) -> Embedding<'a>
     }
 }
 
-/// Emits the embedding (the first stage) or receives the stage before's output, then the
-/// stage's blocks of one micro-batch.
-fn forward_blocks(
-    g: &mut Builder,
-    d: &Dims,
-    p: &LlamaParams,
-    mb: &MicroBatch,
-    stage: PipelineStage,
-) -> Blocks<BlockActs> {
-    let pfx = mb.prefix.as_str();
-    let res = if stage.is_first() {
-        embedding(d, p, mb).forward(g, "embedded")
-    } else {
-        let act = (Category::Activation, d.stream_len());
-        block_emit::receive_from_stage(g, (pfx, "stage.in"), act, Peer::Prev, Phase::Forward)
-    };
-    block_emit::forward(g, d, (&p.layers, p.first_layer), pfx, res)
-}
-
 /// Emits one micro-batch of the stage `cfg.stage` (the whole model on one rank): the
 /// forward, then in training plans the LM head with the loss and the backward (gradients
 /// accumulate), in generation plans the next-token logits. A stage that does not end the
@@ -879,10 +860,15 @@ pub(crate) fn micro_batch(
         act: spec.family.glu_act(),
         embed_scale: spec.family.embed_scale(spec.n_embd),
     };
-    let pfx = mb.prefix.as_str();
-    let blocks = forward_blocks(g, &d, &p, mb, stage);
+    let (len, pfx) = (d.stream_len(), mb.prefix.as_str());
+    let embedded = stage
+        .is_first()
+        .then(|| embedding(&d, &p, mb).forward(g, "embedded"));
+    let layers = (p.layers.as_slice(), p.chunks.as_slice());
+    let ends = (len, stage.is_last());
+    let runs = block_emit::stage_forward(g, &d, layers, pfx, embedded, ends);
     let dres = if stage.is_last() {
-        let out = blocks.out();
+        let out = runs.last().expect("a stage holds a run").out();
         let (normed, rstd) = rmsnorm(g, &d, (pfx, "norm"), Phase::Forward, out, &p.norm);
         let cv = (d.c, spec.vocab_size);
         let dnormed = match lm_head::emit(g, cfg, mb, normed, p.lm_head.clone(), cv, "d.norm") {
@@ -909,18 +895,14 @@ pub(crate) fn micro_batch(
                 c: d.c,
             },
         );
-        dres
+        Some(dres)
     } else {
-        block_emit::hand_on(g, blocks.out(), pfx, d.stream_len())
+        None
     };
-    let layers = (p.layers.as_slice(), p.first_layer);
-    block_emit::backward(g, &d, layers, pfx, &blocks, cfg.recompute, dres);
-    if stage.is_first() {
-        if !cfg.frozen_embedding {
-            embedding(&d, &p, mb).backward(g, dres);
-        }
-    } else {
-        block_emit::hand_back(g, dres, pfx);
+    let begins = (len, stage.is_first());
+    let dres = block_emit::stage_backward(g, &d, layers, pfx, &runs, cfg.recompute, dres, begins);
+    if let Some(dres) = dres.filter(|_| !cfg.frozen_embedding) {
+        embedding(&d, &p, mb).backward(g, dres);
     }
     Emitted { logits: None }
 }

@@ -61,9 +61,11 @@ pub struct LayerParams {
 #[derive(Clone, Debug)]
 pub struct LlamaParams {
     pub embed: Range<usize>, // [Vpart, C]: this rank's rows of the vocabulary
-    /// The stage's blocks, the first being the model's block `first_layer`.
+    /// The stage's blocks: those of its runs of the model's layers, `chunks`, in order.
     pub layers: Vec<LayerParams>,
-    pub first_layer: usize,
+    /// The model's layers the stage holds, run by run (one run but under the interleaved
+    /// schedule: [`crate::ir::PipelineStage::chunk_layers`]).
+    pub chunks: Vec<Range<usize>>,
     pub norm: Range<usize>,    // [C]
     pub lm_head: Range<usize>, // [Vpart, C]: `embed` when tied
 }
@@ -72,7 +74,8 @@ pub struct LlamaParams {
 /// does not hold are empty).
 pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams) {
     let (split, stage) = (part.tensor, part.stage);
-    let held = stage.layers(spec.n_layer);
+    let chunks = stage.chunk_layers(spec.n_layer);
+    let held = |l: usize| chunks.iter().any(|r| r.contains(&l));
     let tied_here = spec.tied_embeddings && stage.is_last();
     let (v, c, h) = (spec.vocab_size, spec.n_embd, spec.mlp_hidden);
     let hd = spec.head_dim;
@@ -102,7 +105,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         debug_assert_eq!(a.end, b.start, "consecutive tensors");
         a.start..b.end
     };
-    let mut layers = Vec::with_capacity(held.len());
+    let mut layers = Vec::with_capacity(chunks.iter().map(|r| r.len()).sum());
     let post_norms = spec.family.post_norms();
     // Gemma's gains are 1 + w: its norm weights start at 0 (`Gemma3RMSNorm`).
     let norm_init = match spec.family.norm_offset() {
@@ -110,7 +113,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         _ => Init::Zeros,
     };
     for l in 0..spec.n_layer {
-        cur.hold(held.contains(&l));
+        cur.hold(held(l));
         let p = |s: &str| format!("model.layers.{l}.{s}");
         let bias =
             |cur: &mut LayoutBuilder, s: &str, n: usize| cur.push(p(s), &[n], false, Init::Zeros);
@@ -184,7 +187,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
         let post_mlp_norm = post_norms
             .then(|| cur.push_norm(p("post_feedforward_layernorm.weight"), c, norm_init, split));
         cur.group(format!("h{l}"));
-        if !held.contains(&l) {
+        if !held(l) {
             continue;
         }
         layers.push(LayerParams {
@@ -224,7 +227,7 @@ pub fn inventory(spec: &ModelSpec, part: ModelPart) -> (ParamLayout, LlamaParams
     let params = LlamaParams {
         embed,
         layers,
-        first_layer: held.start,
+        chunks,
         norm,
         lm_head,
     };
