@@ -593,6 +593,38 @@ fn uneven_stages_resume_on_their_cut_or_another_and_peak_as_planned() {
     assert_close_tensor_ranks("pp 2 cut 3,1 resumed on 1,3", &copy, &one, steps);
 }
 
+/// `--pp 2 --pp-chunks 2` as processes: the interleaved schedule (each stage two runs of
+/// layers, the last stage sending on to the first) trains like one process, each rank
+/// peaking at its own plan; killed in step 7, it resumes on its own schedule (which
+/// `--resume` keeps) and a copy resumes on one process (`--pp 1`: the interleaving off, a
+/// note says so), both finishing like the uninterrupted one process.
+#[test]
+fn interleaved_stages_train_peak_as_planned_and_resume_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 10;
+    let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
+    let one = dir.path().join("one");
+    ok(&common::memwall(&strs(&args(&one, &[]))));
+    let chunks = |run: &Path| plan_json(run)["config"]["pipeline_chunks"].clone();
+    let killed = dir.path().join("killed");
+    let interleaved = args(&killed, &["--pp", "2", "--pp-chunks", "2"]);
+    let o = mpirun(2, &strs(&interleaved), &[("MEMWALL_KILL_RANK", "1:7")]);
+    assert!(!o.status.success(), "{}", output_text(&o));
+    assert_eq!(chunks(&killed), serde_json::json!(2));
+    let copy = dir.path().join("copy");
+    copy_dir(&killed, &copy);
+    let text = ok(&mpirun(2, &strs(&resume(&killed)), &[]));
+    assert_eq!(chunks(&killed), serde_json::json!(2), "--resume keeps it");
+    peaks_as_planned("pp 2 x 2 runs resumed", &text, 2);
+    assert_close_tensor_ranks("pp 2 x 2 runs resumed", &killed, &one, steps);
+    let mut alone = resume(&copy);
+    alone.extend(["--pp".into(), "1".into()]);
+    let text = ok(&common::memwall(&strs(&alone)));
+    assert!(text.contains("--pp-chunks 2"), "{text}");
+    assert_close_tensor_ranks("pp 2 x 2 runs resumed on one", &copy, &one, steps);
+}
+
 /// [`run_args`] for the pipeline tests: 2 rows of 4 micro-batches a step, saved every 5
 /// steps, then `extra`.
 fn staged_args(data: &Path, out: &Path, steps: u64, extra: &[&str]) -> Vec<String> {
