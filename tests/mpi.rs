@@ -335,7 +335,7 @@ fn a_killed_rank_stops_the_run_which_resumes_bitwise_or_re_sharded() {
 fn tensor_ranks_train_like_one_process_and_resume_on_one() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let steps = 10;
+    let steps = 20;
     let close = |what: &str, run: &Path, reference: &Path| {
         assert_close_tensor_ranks(what, run, reference, steps)
     };
@@ -380,7 +380,7 @@ fn tensor_ranks_train_like_one_process_and_resume_on_one() {
 fn lora_on_tensor_ranks_resumes_on_one_process_like_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let steps = 10;
+    let steps = 20;
     let lora = |out: &Path, extra: &[&str]| {
         let mut a = run_args(&data, out, 2, steps);
         let at = a.iter().position(|f| f == "--save-every").unwrap();
@@ -437,7 +437,7 @@ fn lora_on_tensor_ranks_resumes_on_one_process_like_one_process() {
 fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let steps = 10;
+    let steps = 20;
     let close = |what: &str, run: &Path, reference: &Path| {
         assert_close_tensor_ranks(what, run, reference, steps)
     };
@@ -467,6 +467,39 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
     close("pp 2 resumed on one process", &killed, &one);
 }
 
+/// tp 2 × pp 2 × dp 2 as 8 processes with ZeRO 1 on the data axis: every rank peaks within
+/// 2% of its own plan (the stages differ, and the tensor ranks of a stage) and the job trains
+/// like one process with the data ranks' accumulation.
+#[test]
+fn eight_ranks_of_every_axis_train_like_one_process_and_peak_as_planned() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 20;
+    let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
+    let one = dir.path().join("one");
+    // One process takes both data ranks' 4 micro-batches a step.
+    let mut alone = args(&one, &[]);
+    let at = alone.iter().position(|f| f == "--grad-accum").unwrap();
+    alone[at + 1] = "8".into();
+    ok(&common::memwall(&strs(&alone)));
+    let eight = dir.path().join("tp2pp2dp2");
+    let mesh = ["--tp", "2", "--pp", "2", "--zero", "1"];
+    let text = ok(&mpirun(8, &strs(&args(&eight, &mesh)), &[]));
+    let plan = plan_json(&eight);
+    let c = &plan["config"];
+    assert_eq!(
+        (&c["ranks"], &c["tensor"], &c["pipeline"]),
+        (
+            &serde_json::json!(2),
+            &serde_json::json!(2),
+            &serde_json::json!(2)
+        ),
+        "{plan}"
+    );
+    peaks_as_planned("tp 2 x pp 2 x dp 2", &text, 8);
+    assert_close_tensor_ranks("tp 2 x pp 2 x dp 2", &eight, &one, steps);
+}
+
 /// `--tp 2 --sequence-parallel` as processes: 2 stages × 2 tensor ranks (the residual stream,
 /// the norms and what each stage sends cut by rows among the tensor ranks) train like one
 /// process, each rank peaking at its own plan; 2 tensor ranks killed in step 7 resume on one
@@ -476,7 +509,7 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
 fn sequence_parallel_ranks_train_peak_as_planned_and_resume_on_one() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let steps = 10;
+    let steps = 20;
     let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
     let one = dir.path().join("one");
     ok(&common::memwall(&strs(&args(&one, &[]))));
@@ -564,7 +597,7 @@ fn train_fit_under_mpirun_trains_rank_0s_choice_on_every_rank() {
 fn uneven_stages_resume_on_their_cut_or_another_and_peak_as_planned() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let steps = 10;
+    let steps = 20;
     let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
     let one = dir.path().join("one");
     ok(&common::memwall(&strs(&args(&one, &[]))));
@@ -602,7 +635,7 @@ fn uneven_stages_resume_on_their_cut_or_another_and_peak_as_planned() {
 fn interleaved_stages_train_peak_as_planned_and_resume_on_one() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let steps = 10;
+    let steps = 20;
     let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
     let one = dir.path().join("one");
     ok(&common::memwall(&strs(&args(&one, &[]))));
@@ -640,14 +673,15 @@ fn staged_args(data: &Path, out: &Path, steps: u64, extra: &[&str]) -> Vec<Strin
     a
 }
 
-/// Each of the `ranks` summaries in `text` peaks within 3% of its own rank's plan.
+/// Each of the `ranks` summaries in `text` peaks within 2% of its own rank's plan (the
+/// issue's bound).
 fn peaks_as_planned(what: &str, text: &str, ranks: usize) {
     let p = peaks(text);
     assert_eq!(p.len(), ranks, "{what}: a summary per rank:\n{text}");
     for (rank, (peak, planned)) in p.into_iter().enumerate() {
         let err = (peak - planned).abs() / planned;
         assert!(
-            err <= 0.03,
+            err <= 0.02,
             "{what} rank {rank}: peak RSS {peak} vs its plan {planned} ({:.1}%)",
             err * 100.0
         );

@@ -17,6 +17,14 @@
 //! (Megatron pairs the two in one `send_forward_recv_backward`); [`order`] writes that
 //! down and its test runs every (p, m) against a rendezvous transport.
 //!
+//! **Interleaved** (`--pp-chunks V`, [`PipelineStage::chunks`]): a stage holds V runs of
+//! layers and emits each run's forward in turn, then their backwards; [`one_f_one_b`] cuts
+//! each micro-batch's ops into its runs' pieces and orders them as Megatron's
+//! `forward_backward_pipelining_with_interleaving` does ([`interleaved_order`]). There the
+//! pairing above does not suffice (the last stage also sends to the first), so each stage's
+//! sends and receives follow the times a simulation of every stage gives the messages: one
+//! global order, which no rendezvous can deadlock.
+//!
 //! A tied embedding is held by the first and the last stage ([`tied_embedding_sum`]): their
 //! gradients are summed between the two after the step's backward, so both apply the same
 //! update and stay equal.
@@ -64,32 +72,59 @@ pub(crate) fn order(stage: PipelineStage, m: usize) -> Vec<Piece> {
 }
 
 /// Where an op of one micro-batch's run of layers goes among its pieces: the receive of its
-/// input (and its await), its forward, the send of its output, the receive of its output's
-/// gradient, its backward, the send of its input's gradient. Each is empty where the run
-/// begins or ends the model.
+/// input and its await, its forward, the send of its output and its await, the receive of
+/// its output's gradient and its await, its backward, the send of its input's gradient and
+/// its await. The sends and receives are empty where the run begins or ends the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Slot {
     Receive,
+    ReceiveWait,
     Forward,
     Send,
+    SendWait,
     GradReceive,
+    GradReceiveWait,
     Backward,
     GradSend,
+    GradSendWait,
+}
+
+/// Slots of one micro-batch's run.
+const SLOTS: usize = 10;
+
+impl Slot {
+    /// The await of a send or receive.
+    fn wait(self) -> Slot {
+        match self {
+            Slot::Receive => Slot::ReceiveWait,
+            Slot::Send => Slot::SendWait,
+            Slot::GradReceive => Slot::GradReceiveWait,
+            Slot::GradSend => Slot::GradSendWait,
+            other => other,
+        }
+    }
 }
 
 /// A slot of micro-batch `.1`'s run `.2` (0 but under the interleaved schedule).
 pub(crate) type Step = (Slot, usize, usize);
 
-/// [`order`]'s pieces as slots (its forward holds the receive, its backward the send back).
+/// [`order`]'s pieces as slots (its forward holds the receive, its backward the send back;
+/// each send and receive awaited at once).
 fn one_run_steps(stage: PipelineStage, m: usize) -> Vec<Step> {
-    let mut out = Vec::with_capacity(6 * m);
+    use Slot::*;
+    let mut out = Vec::with_capacity(SLOTS * m);
     for piece in order(stage, m) {
-        match piece {
-            Piece::Forward(i) => out.extend([(Slot::Receive, i, 0), (Slot::Forward, i, 0)]),
-            Piece::ForwardSend(i) => out.push((Slot::Send, i, 0)),
-            Piece::BackwardRecv(i) => out.push((Slot::GradReceive, i, 0)),
-            Piece::Backward(i) => out.extend([(Slot::Backward, i, 0), (Slot::GradSend, i, 0)]),
-        }
+        let slots: &[Slot] = match piece {
+            Piece::Forward(_) => &[Receive, ReceiveWait, Forward],
+            Piece::ForwardSend(_) => &[Send, SendWait],
+            Piece::BackwardRecv(_) => &[GradReceive, GradReceiveWait],
+            Piece::Backward(_) => &[Backward, GradSend, GradSendWait],
+        };
+        let i = match piece {
+            Piece::Forward(i) | Piece::ForwardSend(i) => i,
+            Piece::BackwardRecv(i) | Piece::Backward(i) => i,
+        };
+        out.extend(slots.iter().map(|&s| (s, i, 0)));
     }
     out
 }
@@ -104,29 +139,29 @@ pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
     }
     let v = stage.chunks.max(1);
     // Per micro-batch and run, its ops by slot.
-    let mut pieces: Vec<[Vec<OpEntry>; 6]> = (0..m * v).map(|_| Default::default()).collect();
+    let mut pieces: Vec<[Vec<OpEntry>; SLOTS]> =
+        (0..m * v).map(|_| Default::default()).collect();
     // The run each micro-batch's next forward and backward op belongs to.
     let (mut fwd_run, mut bwd_run) = (vec![0; m], vec![v - 1; m]);
     for e in std::mem::take(&mut g.ops) {
         let i = e.micro;
+        let at = |p: &[Vec<OpEntry>; SLOTS], s: Slot| awaits(&e.op, &p[s as usize]);
         let slot = match e.phase {
             Phase::Forward => {
                 let k = &mut fwd_run[i];
                 // A run's forward ends with its send and the send's await: what follows is
                 // the next run's.
-                let sent = &pieces[i * v + *k][Slot::Send as usize];
-                if !sent.is_empty() && !is_stage_comm(&e.op, sent, true) {
+                let p = &pieces[i * v + *k];
+                if !p[Slot::Send as usize].is_empty() && !at(p, Slot::Send) {
                     *k += 1;
                 }
                 let p = &pieces[i * v + *k];
-                if is_stage_comm(&e.op, &p[Slot::Send as usize], true) {
-                    Slot::Send
-                } else if p[Slot::Forward as usize].is_empty()
-                    && is_stage_comm(&e.op, &p[Slot::Receive as usize], false)
-                {
-                    Slot::Receive
-                } else {
-                    Slot::Forward
+                match e.op {
+                    Op::StageSend { .. } => Slot::Send,
+                    Op::StageRecv { .. } if p[Slot::Forward as usize].is_empty() => Slot::Receive,
+                    _ if at(p, Slot::Send) => Slot::SendWait,
+                    _ if at(p, Slot::Receive) => Slot::ReceiveWait,
+                    _ => Slot::Forward,
                 }
             }
             Phase::Backward | Phase::Recompute => {
@@ -142,14 +177,14 @@ pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
                     });
                 }
                 let p = &pieces[i * v + *k];
-                if p[Slot::Backward as usize].is_empty()
-                    && is_stage_comm(&e.op, &p[Slot::GradReceive as usize], false)
-                {
-                    Slot::GradReceive
-                } else if is_stage_comm(&e.op, &p[Slot::GradSend as usize], true) {
-                    Slot::GradSend
-                } else {
-                    Slot::Backward
+                match e.op {
+                    Op::StageRecv { .. } => Slot::GradReceive,
+                    Op::StageSend { .. } => Slot::GradSend,
+                    // A run sends back the buffer it received (the stream's gradient,
+                    // accumulated in place): the send's await is the later one.
+                    _ if at(p, Slot::GradSend) => Slot::GradSendWait,
+                    _ if at(p, Slot::GradReceive) => Slot::GradReceiveWait,
+                    _ => Slot::Backward,
                 }
             }
             other => panic!("internal error: {other:?} op {} in a micro-batch", e.name),
@@ -283,22 +318,46 @@ pub(crate) fn interleaved_order(stage: PipelineStage, m: usize) -> Vec<Step> {
         events.push(((start, 1, (false, 0, 0), n), (slot, i, k)));
     }
     events.sort_by_key(|e| e.0);
-    events.into_iter().map(|e| e.1).collect()
+    // Each send and receive is issued there, its await as late as it may be: a receive's
+    // just before the forward or backward reading it, a send's after the next forward or
+    // backward (its buffer lives until then). The compute then waits for nothing it does
+    // not read, whatever the real times, and the transport still meets the messages in
+    // the order above.
+    let mut out = Vec::with_capacity(events.len() * 2);
+    let (mut armed, mut ripe): (Vec<Step>, Vec<Step>) = (Vec::new(), Vec::new());
+    for (_, (slot, i, k)) in events {
+        match slot {
+            Slot::Forward | Slot::Backward => {
+                let c = k * p + r;
+                match slot {
+                    Slot::Forward if c > 0 => out.push((Slot::ReceiveWait, i, k)),
+                    Slot::Backward if c < last => out.push((Slot::GradReceiveWait, i, k)),
+                    _ => {}
+                }
+                out.push((slot, i, k));
+                out.append(&mut ripe);
+                ripe = std::mem::take(&mut armed);
+            }
+            Slot::Send | Slot::GradSend => {
+                out.push((slot, i, k));
+                armed.push((slot.wait(), i, k));
+            }
+            _ => out.push((slot, i, k)),
+        }
+    }
+    out.extend(ripe.into_iter().chain(armed));
+    out
 }
 
-/// Whether `op` is a stage send (`send`) or receive, or the await of the one just before
-/// it in `piece` (the pair is moved together).
-fn is_stage_comm(op: &Op, piece: &[OpEntry], send: bool) -> bool {
-    match op {
-        Op::StageSend { .. } => send,
-        Op::StageRecv { .. } => !send,
-        Op::AwaitCollective { bufs } => piece.last().is_some_and(|e| match e.op {
-            Op::StageSend { buf, .. } => send && bufs[0] == buf,
-            Op::StageRecv { buf, .. } => !send && bufs[0] == buf,
-            _ => false,
-        }),
+/// Whether `op` awaits the stage send or receive that `piece` ends with.
+fn awaits(op: &Op, piece: &[OpEntry]) -> bool {
+    let Op::AwaitCollective { bufs } = op else {
+        return false;
+    };
+    piece.last().is_some_and(|e| match e.op {
+        Op::StageSend { buf, .. } | Op::StageRecv { buf, .. } => bufs[0] == buf,
         _ => false,
-    }
+    })
 }
 
 /// On the first and the last stage of a model whose LM head is its embedding, both holding
@@ -495,7 +554,7 @@ mod tests {
                 Slot::Send => out.push((true, next, Msg::Act(i, c))),
                 Slot::GradReceive => out.push((false, next, Msg::Grad(i, c + 1))),
                 Slot::GradSend => out.push((true, prev, Msg::Grad(i, c))),
-                Slot::Forward | Slot::Backward => {}
+                _ => {}
             }
         }
         out
@@ -513,7 +572,6 @@ mod tests {
                     for r in 0..p {
                         let stage = PipelineStage::interleaved(p, r, v, p * v);
                         let o = interleaved_order(stage, m);
-                        let last = p * v - 1;
                         let at = |x: Step| {
                             let found = o.iter().position(|&y| y == x);
                             found.unwrap_or_else(|| panic!("p {p} v {v} m {m} r {r}: {x:?}"))
@@ -522,21 +580,30 @@ mod tests {
                         for i in 0..m {
                             for k in 0..v {
                                 let c = k * p + r;
-                                assert!(at((Slot::Forward, i, k)) < at((Slot::Backward, i, k)));
+                                let before = |a: Slot, b: Slot| {
+                                    assert!(at((a, i, k)) < at((b, i, k)), "{a:?} {b:?}")
+                                };
+                                before(Slot::Forward, Slot::Backward);
+                                // Each receive awaited before the op reading it, each send
+                                // after the op writing it, each await after its issue.
                                 if c > 0 {
-                                    assert!(at((Slot::Receive, i, k)) < at((Slot::Forward, i, k)));
-                                    assert!(at((Slot::Backward, i, k)) < at((Slot::GradSend, i, k)));
+                                    before(Slot::Receive, Slot::ReceiveWait);
+                                    before(Slot::ReceiveWait, Slot::Forward);
+                                    before(Slot::Backward, Slot::GradSend);
+                                    before(Slot::GradSend, Slot::GradSendWait);
                                 }
-                                if c < last {
-                                    assert!(at((Slot::Forward, i, k)) < at((Slot::Send, i, k)));
-                                    let recv = at((Slot::GradReceive, i, k));
-                                    assert!(recv < at((Slot::Backward, i, k)));
+                                if c < p * v - 1 {
+                                    before(Slot::Forward, Slot::Send);
+                                    before(Slot::Send, Slot::SendWait);
+                                    before(Slot::GradReceive, Slot::GradReceiveWait);
+                                    before(Slot::GradReceiveWait, Slot::Backward);
                                 }
                             }
                         }
+                        // Forward and backward, and each send and receive with its await.
                         let comm = 4 * m * v - 2 * m * usize::from(r == 0)
                             - 2 * m * usize::from(r + 1 == p);
-                        assert_eq!(o.len(), 2 * m * v + comm, "p {p} v {v} m {m} r {r}");
+                        assert_eq!(o.len(), 2 * m * v + 2 * comm, "p {p} v {v} m {m} r {r}");
                         for x in &o {
                             match x.0 {
                                 Slot::Forward => held += 1,
