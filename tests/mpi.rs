@@ -515,7 +515,16 @@ fn ranks_of_a_124m_model_peak_within_2_percent_of_their_plans() {
         a[seq + 1] = "128".into();
         let save = a.iter().position(|f| f == "--save-every").unwrap();
         a[save + 1] = "0".into();
-        let mesh = ["--grad-accum", "2", "--tp", "2", "--pp", "2", "--zero", zero];
+        let mesh = [
+            "--grad-accum",
+            "2",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--zero",
+            zero,
+        ];
         a.extend(mesh.map(String::from));
         let text = ok(&mpirun(np, &strs(&a), &[]));
         peaks_within(&format!("gpt2 on {np} ranks"), &text, np, 0.02);

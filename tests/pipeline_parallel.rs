@@ -190,7 +190,10 @@ fn matches_one_process_cut(
     re: Recompute,
 ) {
     let (spec, lora) = spec;
-    let cut = Cut { layers: cut, ..EVEN };
+    let cut = Cut {
+        layers: cut,
+        ..EVEN
+    };
     matches_one_process_with((spec, lora, BaseQuant::F32), mesh, cut, micro, re)
 }
 
@@ -240,7 +243,11 @@ fn matches_one_process_with(
             .iter()
             .filter_map(|t| block_of(&t.name))
             .collect();
-        let held: Vec<usize> = stage.chunk_layers(spec.n_layer).into_iter().flatten().collect();
+        let held: Vec<usize> = stage
+            .chunk_layers(spec.n_layer)
+            .into_iter()
+            .flatten()
+            .collect();
         assert_eq!(
             blocks.into_iter().collect::<Vec<_>>(),
             held,
@@ -715,7 +722,13 @@ fn interleaved_stages_train_like_one_process() {
         ..preset("llama-tiny")
     };
     matches_one_process_with((&seven, None, F32), (1, 1, 3, dp), interleaved(2), 3, none);
-    matches_one_process_with((&llama, None, F32), (2, 2, 2, Zero(1)), interleaved(2), 2, none);
+    matches_one_process_with(
+        (&llama, None, F32),
+        (2, 2, 2, Zero(1)),
+        interleaved(2),
+        2,
+        none,
+    );
     let lora = adapters_everywhere(2, 0.1, Family::Gpt2);
     let l = Some(&lora);
     let re = Recompute::Selective;
@@ -757,7 +770,10 @@ fn interleaved_stages_hold_their_warm_up_and_idle_less() {
     let cal = Calibration::estimate("test cpu".into(), 1, 100.0);
     let bubble = |chunks| memwall::plan::time::predict(&plan(0, chunks), &cal).bubble_s;
     let (one, two) = (bubble(1), bubble(2));
-    assert!(two < 0.6 * one, "bubble {one} s under 1F1B, {two} s interleaved");
+    assert!(
+        two < 0.6 * one,
+        "bubble {one} s under 1F1B, {two} s interleaved"
+    );
 }
 
 /// `--pp-chunks` without stages, with more runs than layers, with `--pp-layers`, or with a
@@ -776,7 +792,10 @@ fn a_bad_interleaving_is_refused_naming_the_flags() {
         format!("{:#}", e.expect("refused"))
     };
     let msg = refused(1, 2, 2, &[]);
-    assert!(msg.contains("--pp-chunks 2") && msg.contains("--pp 2"), "{msg}");
+    assert!(
+        msg.contains("--pp-chunks 2") && msg.contains("--pp 2"),
+        "{msg}"
+    );
     let msg = refused(2, 3, 2, &[]);
     assert!(msg.contains("6 runs") && msg.contains("4 layers"), "{msg}");
     assert!(msg.contains("--pp-chunks 2 or less"), "{msg}");

@@ -139,8 +139,7 @@ pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
     }
     let v = stage.chunks.max(1);
     // Per micro-batch and run, its ops by slot.
-    let mut pieces: Vec<[Vec<OpEntry>; SLOTS]> =
-        (0..m * v).map(|_| Default::default()).collect();
+    let mut pieces: Vec<[Vec<OpEntry>; SLOTS]> = (0..m * v).map(|_| Default::default()).collect();
     // The run each micro-batch's next forward and backward op belongs to.
     let (mut fwd_run, mut bwd_run) = (vec![0; m], vec![v - 1; m]);
     for e in std::mem::take(&mut g.ops) {
@@ -169,8 +168,8 @@ pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
                 // A run's backward begins with its receive (but the head's): one after the
                 // run's own ops is the run before's.
                 let p = &pieces[i * v + *k];
-                let begun =
-                    !p[Slot::Backward as usize].is_empty() || !p[Slot::GradSend as usize].is_empty();
+                let begun = !p[Slot::Backward as usize].is_empty()
+                    || !p[Slot::GradSend as usize].is_empty();
                 if matches!(e.op, Op::StageRecv { .. }) && begun {
                     *k = k.checked_sub(1).unwrap_or_else(|| {
                         panic!("internal error: {} before the stage's first run", e.name)
@@ -189,13 +188,13 @@ pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
             }
             other => panic!("internal error: {other:?} op {} in a micro-batch", e.name),
         };
-        let p = &mut pieces[i * v + match slot < Slot::GradReceive {
-            true => fwd_run[i],
-            false => bwd_run[i],
-        }];
+        let p = &mut pieces[i * v
+            + match slot < Slot::GradReceive {
+                true => fwd_run[i],
+                false => bwd_run[i],
+            }];
         assert!(
-            !matches!(slot, Slot::Forward | Slot::Backward)
-                || p[slot as usize + 1].is_empty(),
+            !matches!(slot, Slot::Forward | Slot::Backward) || p[slot as usize + 1].is_empty(),
             "internal error: {} after its run's send",
             e.name
         );
@@ -308,7 +307,11 @@ pub(crate) fn interleaved_order(stage: PipelineStage, m: usize) -> Vec<Step> {
             }
         } else {
             if c < last {
-                comm(times[&(false, i, c + 1)].1, (true, c + 1, i), Slot::GradReceive);
+                comm(
+                    times[&(false, i, c + 1)].1,
+                    (true, c + 1, i),
+                    Slot::GradReceive,
+                );
             }
             if c > 0 {
                 comm(end, (true, c, i), Slot::GradSend);
@@ -443,9 +446,7 @@ mod tests {
                 Piece::BackwardRecv(i) if !stage.is_last() => {
                     out.push((false, s + 1, Msg::Grad(i, s + 1)))
                 }
-                Piece::Backward(i) if !stage.is_first() => {
-                    out.push((true, s - 1, Msg::Grad(i, s)))
-                }
+                Piece::Backward(i) if !stage.is_first() => out.push((true, s - 1, Msg::Grad(i, s))),
                 _ => {}
             }
         }
@@ -601,7 +602,8 @@ mod tests {
                             }
                         }
                         // Forward and backward, and each send and receive with its await.
-                        let comm = 4 * m * v - 2 * m * usize::from(r == 0)
+                        let comm = 4 * m * v
+                            - 2 * m * usize::from(r == 0)
                             - 2 * m * usize::from(r + 1 == p);
                         assert_eq!(o.len(), 2 * m * v + 2 * comm, "p {p} v {v} m {m} r {r}");
                         for x in &o {

@@ -251,7 +251,10 @@ pub fn describe_stages(ranks: &[RankPlan], cfg: &StepConfig, n_layer: usize) -> 
         let step = ((v * m - 1) as f64 * slowest + times.iter().sum::<f64>()) / v as f64;
         let ideal = m as f64 * times.iter().sum::<f64>() / p as f64;
         let (what, how) = match v {
-            1 => ("1F1B".to_string(), "(m - 1) x the slowest stage + each once"),
+            1 => (
+                "1F1B".to_string(),
+                "(m - 1) x the slowest stage + each once",
+            ),
             _ => (
                 format!("Interleaved 1F1B ({v} runs a stage)"),
                 "(Vm - 1) x the slowest stage's run + each stage's once",
