@@ -531,6 +531,22 @@ fn ranks_of_a_124m_model_peak_within_2_percent_of_their_plans() {
     }
 }
 
+/// `--pp 3` as processes on GPT-2's tied embedding: the first and the last stage hold it and
+/// sum its gradients between the two of them alone (the middle stage holds none), and the
+/// three train like one process.
+#[test]
+fn a_tied_embedding_on_three_stages_trains_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let steps = 20;
+    let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
+    let one = dir.path().join("one");
+    ok(&common::memwall(&strs(&args(&one, &[]))));
+    let three = dir.path().join("pp3");
+    ok(&mpirun(3, &strs(&args(&three, &["--pp", "3"])), &[]));
+    assert_close_tensor_ranks("pp 3, tied", &three, &one, steps);
+}
+
 /// `--tp 2 --sequence-parallel` as processes: 2 stages × 2 tensor ranks (the residual stream,
 /// the norms and what each stage sends cut by rows among the tensor ranks) train like one
 /// process, each rank peaking at its own plan; 2 tensor ranks killed in step 7 resume on one

@@ -2,7 +2,11 @@
 //! the job that differ from this one along one axis, speaking over the job's communicator
 //! with its ranks renumbered, so the collectives of [`super::ring`] run on it unchanged.
 //! Two ranks share at most one axis's group (they differ in one coordinate or in more), so
-//! the messages between them belong to one group and arrive in order.
+//! the messages between them belong to one group and arrive in order; the one exception,
+//! the pipeline's ends ([`Axis::PipelineEnds`], also neighbours on the pipeline axis under
+//! the interleaved schedule, or its two stages), sum a tied embedding's gradients after
+//! every stage message of the step on both, so the two still meet their messages in one
+//! order.
 
 use super::Comm;
 use crate::ir::{Axis, Mesh};
@@ -96,6 +100,8 @@ pub struct Comms {
     /// Along each axis, in [`Axis::ALL`]'s order (the whole job itself where the axis spans
     /// it, as the data axis does today).
     axes: [Arc<dyn Comm>; 3],
+    /// The ends of this rank's pipeline ([`Axis::PipelineEnds`]), where it is one of them.
+    ends: Option<Arc<dyn Comm>>,
 }
 
 impl Comms {
@@ -126,6 +132,10 @@ impl Comms {
                 along(Axis::ALL[1])?,
                 along(Axis::ALL[2])?,
             ],
+            ends: match mesh.at_pipeline_end() {
+                true => Some(along(Axis::PipelineEnds)?),
+                false => None,
+            },
             world,
         })
     }
@@ -136,8 +146,13 @@ impl Comms {
         Comms::new(world, &mesh).expect("the mesh is the job's")
     }
 
-    /// The communicator along `axis`.
+    /// The communicator along `axis` (the pipeline's ends: on the first or the last stage).
     pub fn along(&self, axis: Axis) -> &Arc<dyn Comm> {
+        if axis == Axis::PipelineEnds {
+            return self.ends.as_ref().expect(
+                "internal error: a collective between the pipeline's ends on a middle stage",
+            );
+        }
         let i = Axis::ALL.iter().position(|&a| a == axis).expect("an axis");
         &self.axes[i]
     }

@@ -22,9 +22,14 @@ pub enum Axis {
     Tensor,
     /// Ranks that each hold a stage of the layers.
     Pipeline,
+    /// The first and the last stage of this rank's pipeline (two ranks where there are
+    /// stages): the two holding a tied embedding, whose gradients are summed between them.
+    /// Not an axis of the mesh ([`Axis::ALL`]): a group of the pipeline axis's ends.
+    PipelineEnds,
 }
 
 impl Axis {
+    /// The axes of the mesh.
     pub const ALL: [Axis; 3] = [Axis::Tensor, Axis::Data, Axis::Pipeline];
 }
 
@@ -90,6 +95,7 @@ impl Mesh {
             Axis::Data => self.data,
             Axis::Tensor => self.tensor,
             Axis::Pipeline => self.pipeline,
+            Axis::PipelineEnds => self.pipeline.min(2),
         }
     }
 
@@ -100,7 +106,15 @@ impl Mesh {
             Axis::Tensor => self.rank % t,
             Axis::Data => (self.rank / t) % d,
             Axis::Pipeline => self.rank / (t * d),
+            Axis::PipelineEnds => usize::from(self.rank / (t * d) > 0),
         }
+    }
+
+    /// Whether this rank is on the first or the last pipeline stage (a member of its
+    /// [`Axis::PipelineEnds`] group).
+    pub fn at_pipeline_end(&self) -> bool {
+        let s = self.coord(Axis::Pipeline);
+        s == 0 || s + 1 == self.pipeline.max(1)
     }
 
     /// This rank's share of every layer along the tensor axis.
@@ -141,6 +155,7 @@ impl Mesh {
                 Axis::Tensor => at(i, dc, pc),
                 Axis::Data => at(tc, i, pc),
                 Axis::Pipeline => at(tc, dc, i),
+                Axis::PipelineEnds => at(tc, dc, i * (self.pipeline - 1)),
             })
             .collect()
     }

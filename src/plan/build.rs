@@ -440,13 +440,6 @@ fn check_tensor_lora(cfg: &StepConfig, t: usize) -> Result<()> {
 /// strategies, naming the flags.
 fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     let p = cfg.mesh.pipeline;
-    if spec.tied_embeddings && p > 2 {
-        bail!(
-            "--pp {p} with a tied embedding (its LM head is the embedding, held by the first and \
-             the last stage): their gradients are summed between the two ends of --pp 2 only \
-             so far; use --pp 2"
-        );
-    }
     if p > spec.n_layer {
         bail!(
             "--pp {p}: the model has {} layers, so at most --pp {} stages (each holds one layer or more)",

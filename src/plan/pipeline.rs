@@ -365,15 +365,14 @@ fn awaits(op: &Op, piece: &[OpEntry]) -> bool {
 
 /// On the first and the last stage of a model whose LM head is its embedding, both holding
 /// it: sums the gradients of the embedding's parameter group between the two (an
-/// all-reduce along the pipeline axis, whose two stages they are: `--pp 2`, checked by the
-/// planner), after the step's backward, so both update it alike. Both ends hold the same
+/// all-reduce among the pipeline's ends, [`Axis::PipelineEnds`]: Megatron's embedding
+/// group), after the step's backward, so both update it alike. Both ends hold the same
 /// group (GPT-2's keeps `wpe` beside `wte` on the last stage too). Nothing otherwise.
 pub(crate) fn tied_embedding_sum(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
     let stage = layout.stage;
     if !stage.is_split() || layout.tied.is_empty() {
         return;
     }
-    debug_assert_eq!(stage.size, 2, "checked: tied embeddings with --pp 2 only");
     let tensor = &layout.tensors[layout.tied[0].tensor];
     let seg = grads.locate(&tensor.range);
     let (buf, len) = (seg.buf, seg.range.len());
@@ -404,7 +403,7 @@ pub(crate) fn tied_embedding_sum(g: &mut Builder, layout: &ParamLayout, grads: &
             buf,
             scratch,
             cut: CutOf::Even,
-            axis: Axis::Pipeline,
+            axis: Axis::PipelineEnds,
             elems: None,
         },
     );
