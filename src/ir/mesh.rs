@@ -369,7 +369,7 @@ impl PipelineStage {
                 self.end == usize::MAX || self.end <= n,
                 "{self:?} of {n} layers"
             );
-            return vec![self.start.min(n)..self.end.min(n)];
+            return std::iter::once(self.start.min(n)..self.end.min(n)).collect();
         }
         let counts = even_layers(n, self.size * self.chunks);
         let start = |v: usize| counts[..v].iter().sum::<usize>();
@@ -503,10 +503,13 @@ mod tests {
         let m = Mesh::new(8, 2, 2, 6);
         assert_eq!((m.data, m.tensor, m.pipeline), (2, 2, 2));
         assert_eq!(m.pipeline_stage(&[9, 3]), PipelineStage::of(&[9, 3], 1));
-        assert_eq!(m.pipeline_stage(&[9, 3]).chunk_layers(12), [9..12]);
+        assert_eq!(m.pipeline_stage(&[9, 3]).chunk_layers(12), vec![(9..12)]);
         assert_eq!(PipelineStage::even(4, 1, 8).in_flight(8), 3);
         assert_eq!(PipelineStage::even(4, 0, 8).in_flight(2), 2);
-        assert_eq!(Mesh::SINGLE.pipeline_stage(&[]).chunk_layers(12), [0..12]);
+        assert_eq!(
+            Mesh::SINGLE.pipeline_stage(&[]).chunk_layers(12),
+            vec![(0..12)]
+        );
         // Interleaved: 10 layers in 2 × 3 runs (2,2,2,2,1,1); stage 1 holds runs 1, 3, 5.
         let s = PipelineStage::interleaved(2, 1, 3, 10);
         assert_eq!(s.chunk_layers(10), [2..4, 6..8, 9..10]);

@@ -293,7 +293,8 @@ pub(crate) fn interleaved_order(stage: PipelineStage, m: usize) -> Vec<Step> {
         "internal error: the interleaved schedule stalls (p {p}, V {v}, m {m})"
     );
     // (time, comm before compute, message: (gradient?, from, micro-batch), position) -> slot.
-    let mut events: Vec<((u64, u8, (bool, usize, usize), usize), Step)> = Vec::new();
+    type Key = (u64, u8, (bool, usize, usize), usize);
+    let mut events: Vec<(Key, Step)> = Vec::new();
     for (n, &(fwd, i, k)) in orders[r].iter().enumerate() {
         let c = k * p + r;
         let (start, end) = times[&(fwd, i, c)];
