@@ -138,11 +138,24 @@ pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
         return;
     }
     let v = stage.chunks.max(1);
-    // Per micro-batch and run, its ops by slot.
+    let mut pieces = slots_of_runs(std::mem::take(&mut g.ops), m, v);
+    let steps = match v {
+        1 => one_run_steps(stage, m),
+        _ => interleaved_order(stage, m),
+    };
+    for (slot, i, k) in steps {
+        g.ops.append(&mut pieces[i * v + k][slot as usize]);
+    }
+    debug_assert!(pieces.iter().flatten().all(Vec::is_empty));
+}
+
+/// The ops of `m` micro-batches of `v` runs each (emitted as [`one_f_one_b`] says), by
+/// micro-batch and run (`i * v + k`), by slot.
+fn slots_of_runs(ops: Vec<OpEntry>, m: usize, v: usize) -> Vec<[Vec<OpEntry>; SLOTS]> {
     let mut pieces: Vec<[Vec<OpEntry>; SLOTS]> = (0..m * v).map(|_| Default::default()).collect();
     // The run each micro-batch's next forward and backward op belongs to.
     let (mut fwd_run, mut bwd_run) = (vec![0; m], vec![v - 1; m]);
-    for e in std::mem::take(&mut g.ops) {
+    for e in ops {
         let i = e.micro;
         let at = |p: &[Vec<OpEntry>; SLOTS], s: Slot| awaits(&e.op, &p[s as usize]);
         let slot = match e.phase {
@@ -200,14 +213,7 @@ pub(crate) fn one_f_one_b(g: &mut Builder, stage: PipelineStage, m: usize) {
         );
         p[slot as usize].push(e);
     }
-    let steps = match v {
-        1 => one_run_steps(stage, m),
-        _ => interleaved_order(stage, m),
-    };
-    for (slot, i, k) in steps {
-        g.ops.append(&mut pieces[i * v + k][slot as usize]);
-    }
-    debug_assert!(pieces.iter().flatten().all(Vec::is_empty));
+    pieces
 }
 
 /// The j-th forward of an interleaved stage's schedule as (micro-batch, run): runs in
