@@ -792,6 +792,8 @@ fn a_bad_interleaving_is_refused_naming_the_flags() {
         let e = build_plan(&spec, &cfg, Mode::Train, backend()).err();
         format!("{:#}", e.expect("refused"))
     };
+    let msg = refused(2, 0, 2, &[]);
+    assert!(msg.contains("--pp-chunks must be at least 1"), "{msg}");
     let msg = refused(1, 2, 2, &[]);
     assert!(
         msg.contains("--pp-chunks 2") && msg.contains("--pp 2"),

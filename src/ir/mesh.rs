@@ -340,11 +340,6 @@ impl PipelineStage {
         }
     }
 
-    /// Whether it holds several runs of layers (the interleaved schedule).
-    pub fn is_interleaved(&self) -> bool {
-        self.chunks > 1
-    }
-
     /// Whether the model is cut into stages at all.
     pub fn is_split(&self) -> bool {
         self.size > 1
@@ -377,11 +372,6 @@ impl PipelineStage {
             .map(|k| k * self.size + self.rank)
             .map(|v| start(v)..start(v) + counts[v])
             .collect()
-    }
-
-    /// Whether it holds layer `l` of the model's `n`.
-    pub fn holds(&self, l: usize, n: usize) -> bool {
-        self.chunk_layers(n).iter().any(|r| r.contains(&l))
     }
 
     /// The index on the pipeline axis of `peer`: the neighbour, the last stage's next being
@@ -513,7 +503,8 @@ mod tests {
         // Interleaved: 10 layers in 2 × 3 runs (2,2,2,2,1,1); stage 1 holds runs 1, 3, 5.
         let s = PipelineStage::interleaved(2, 1, 3, 10);
         assert_eq!(s.chunk_layers(10), [2..4, 6..8, 9..10]);
-        assert!(s.holds(9, 10) && !s.holds(8, 10));
+        let held = |l: usize| s.chunk_layers(10).iter().any(|r| r.contains(&l));
+        assert!(held(9) && !held(8));
         assert_eq!((s.peer(Peer::Next), s.peer(Peer::Prev)), (0, 0));
     }
 

@@ -321,6 +321,9 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
     if mesh.pipeline > 1 {
         check_pipeline(spec, cfg, mode)?;
     }
+    if cfg.pipeline_chunks == 0 {
+        bail!("--pp-chunks must be at least 1 (runs of layers each pipeline stage holds)");
+    }
     if cfg.pipeline_chunks > 1 {
         check_interleaved(spec, cfg)?;
     }

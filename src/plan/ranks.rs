@@ -147,10 +147,7 @@ fn of_plan(plan: &Plan, baseline: u64, cal: Option<&Calibration>) -> RankPlan {
     };
     let chunks = plan.layout.stage.chunk_layers(plan.spec.n_layer);
     RankPlan {
-        layers: {
-            let runs = &chunks;
-            runs[0].start..runs[runs.len() - 1].end
-        },
+        layers: chunks[0].start..chunks[chunks.len() - 1].end,
         chunks: match chunks.len() {
             1 => Vec::new(),
             _ => chunks,

@@ -172,10 +172,8 @@ pub fn fit_space(
             (None, 1) => Pick::Fixed(false),
             (None, _) => Pick::Auto,
         },
-        stage_layers: match st.pp_chunks {
-            Some(v) if v > 1 => Pick::Fixed(Vec::new()),
-            _ => Pick::Auto,
-        },
+        // Interleaved meshes keep their even runs (`search::balanced_cuts` leaves them).
+        stage_layers: Pick::Auto,
         pipeline_chunks: st.pp_chunks.unwrap_or(1),
     })
 }
