@@ -699,24 +699,31 @@ fn zero_alone_saves_int8_moments_sharded_at_block_edges_as_one_process_does() {
     }
 }
 
-/// One process's uninterrupted [`STEPS`] steps of `model`: the losses and the weights.
-fn uninterrupted(model: &str) -> (Vec<f32>, Vec<f32>) {
+/// One process's uninterrupted [`STEPS`] steps of `model` (moments as `state`): the losses
+/// and the weights.
+fn uninterrupted(model: &str, state: OptimState) -> (Vec<f32>, Vec<f32>) {
     Layout::ONE
-        .run(model, OptimState::F32, |r| {
+        .run(model, state, |r| {
             r.init();
             (r.train(1..=STEPS), r.ex.download_params().unwrap())
         })
         .remove(0)
 }
 
-/// `model` on layout `first` trains 2 steps and saves; resumed on each of `then`, it trains
-/// 2 more and saves: its losses and weights are `reference`'s (one process's uninterrupted
-/// run), losses within 1e-5 and weights within 1e-4 (GPT-2's key bias: its noise bound).
-fn resumes_on(model: &str, first: Layout, then: &[Layout], reference: &(Vec<f32>, Vec<f32>)) {
+/// `model` on layout `first` trains 2 steps and saves (moments as `reference`'s, given
+/// with it); resumed on each of `then`, it trains 2 more and saves: its losses and weights
+/// are `reference`'s (one process's uninterrupted run), losses within 1e-5 and weights
+/// within 1e-4 (GPT-2's key bias: its noise bound).
+fn resumes_on(
+    model: &str,
+    first: Layout,
+    then: &[Layout],
+    (reference, state): (&(Vec<f32>, Vec<f32>), OptimState),
+) {
     let tmp = tempfile::tempdir().unwrap();
     let opts = SaveOptions::default();
     let run = tmp.path().join("first");
-    let out = first.run(model, OptimState::F32, |r| {
+    let out = first.run(model, state, |r| {
         r.init();
         (r.train(1..=2), r.save(&run, 2, &opts))
     });
@@ -733,7 +740,7 @@ fn resumes_on(model: &str, first: Layout, then: &[Layout], reference: &(Vec<f32>
     for (k, &then) in then.iter().enumerate() {
         let what = format!("{model}: saved on {first}, resumed on {then}");
         let last = tmp.path().join(format!("then{k}"));
-        let out = then.run(model, OptimState::F32, |r| {
+        let out = then.run(model, state, |r| {
             assert_eq!(r.resume(&dir).step, 2);
             let losses = r.train(3..=STEPS);
             (losses, r.save(&last, STEPS, &opts))
@@ -765,12 +772,12 @@ fn resumes_on(model: &str, first: Layout, then: &[Layout], reference: &(Vec<f32>
 /// and on dp 2 at that stage alone; runs saved on each of those resume on dp 2 × tp 2; all
 /// train on as one process's uninterrupted run.
 fn zero_with_tensor_ranks_resumes_on_every_layout(model: &str, zero: u8) {
-    let reference = uninterrupted(model);
+    let reference = uninterrupted(model, OptimState::F32);
     let both = Layout::new(2, 2, zero);
     let others = [Layout::ONE, Layout::new(1, 2, 0), Layout::new(2, 1, zero)];
-    resumes_on(model, both, &others, &reference);
+    resumes_on(model, both, &others, (&reference, OptimState::F32));
     for other in others {
-        resumes_on(model, other, &[both], &reference);
+        resumes_on(model, other, &[both], (&reference, OptimState::F32));
     }
 }
 
@@ -814,11 +821,69 @@ fn pipeline_stages_save_what_one_process_saves() {
 /// tensor ranks too, training on as one uninterrupted process.
 #[test]
 fn pipeline_stages_resume_on_one_process_and_back() {
-    let reference = uninterrupted("gpt2-tiny");
+    let reference = uninterrupted("gpt2-tiny", OptimState::F32);
     let staged = Layout::staged(1, 1, 2, 0);
-    resumes_on("gpt2-tiny", staged, &[Layout::ONE], &reference);
-    resumes_on("gpt2-tiny", Layout::ONE, &[staged], &reference);
-    let reference = uninterrupted("llama-tiny");
+    resumes_on(
+        "gpt2-tiny",
+        staged,
+        &[Layout::ONE],
+        (&reference, OptimState::F32),
+    );
+    resumes_on(
+        "gpt2-tiny",
+        Layout::ONE,
+        &[staged],
+        (&reference, OptimState::F32),
+    );
+    let reference = uninterrupted("llama-tiny", OptimState::F32);
     let every = Layout::staged(2, 2, 2, 3);
-    resumes_on("llama-tiny", every, &[Layout::ONE, staged], &reference);
+    resumes_on(
+        "llama-tiny",
+        every,
+        &[Layout::ONE, staged],
+        (&reference, OptimState::F32),
+    );
+}
+
+/// 8-bit moments on pipeline stages (whole tensors: their blocks are one process's), alone
+/// and with data ranks at ZeRO 1 and 3: rank 0 gathers each tensor's block scales from the
+/// stage (and the data rank) holding them and saves what one process saves; the checkpoint
+/// loads back on one process and on the stages, which save it again byte for byte.
+#[test]
+fn pipeline_stages_save_int8_moments_as_one_process_does() {
+    let f = ckpt::DEFAULT_MAX_SHARD_BYTES;
+    let staged = Layout::staged(1, 1, 2, 0);
+    saves_what_every_layout_saves("gpt2-tiny", staged, OptimState::Int8, f, &[Layout::ONE]);
+    for zero in [1, 3] {
+        let both = Layout::staged(2, 1, 2, zero);
+        saves_what_every_layout_saves(
+            "llama-tiny",
+            both,
+            OptimState::Int8,
+            f,
+            &[Layout::ONE, staged],
+        );
+    }
+}
+
+/// A run with 8-bit moments saved on pipeline stages resumes on one process and the
+/// reverse (and on stages of data ranks at ZeRO 1), training on as one uninterrupted
+/// process does.
+#[test]
+fn pipeline_stages_resume_int8_moments_on_one_process_and_back() {
+    let int8 = OptimState::Int8;
+    let staged = Layout::staged(1, 1, 2, 0);
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let reference = uninterrupted(model, int8);
+        resumes_on(model, staged, &[Layout::ONE], (&reference, int8));
+        resumes_on(model, Layout::ONE, &[staged], (&reference, int8));
+    }
+    let reference = uninterrupted("llama-tiny", int8);
+    let both = Layout::staged(2, 1, 2, 1);
+    resumes_on(
+        "llama-tiny",
+        both,
+        &[Layout::ONE, staged],
+        (&reference, int8),
+    );
 }

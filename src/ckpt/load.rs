@@ -309,10 +309,11 @@ pub fn load_trainer_state_by(
             describe(layout)
         )
     };
-    // A tensor-parallel part reads its runs of the whole model's flat arrays; 8-bit
-    // moments' blocks are the whole tensors' (such plans are refused: `plan::build`).
+    // A tensor-parallel part or a pipeline stage reads its runs of the whole model's flat
+    // arrays; 8-bit moments' blocks are the whole tensors' (a stage's are, a part's are not:
+    // such plans are refused, `plan::build`).
     let (total, n_blocks) = (layout.total, layout.block_offsets(QBLOCK).1);
-    let whole_total = layout.whole_total();
+    let (whole_total, whole_blocks) = (layout.whole_total(), layout.whole_blocks(QBLOCK));
     if layout.split.is_split() && format == OptimState::Int8 {
         bail!("internal error: int8 moments of a tensor-parallel part");
     }
@@ -344,10 +345,10 @@ pub fn load_trainer_state_by(
                 format!("{FLAT_EXP_AVG}{ABSMAX}"),
                 format!("{FLAT_EXP_AVG_SQ}{ABSMAX}"),
             );
-            check_raw(&file, FLAT_EXP_AVG, Dtype::I8, total)
-                .and_then(|_| check_raw(&file, FLAT_EXP_AVG_SQ, Dtype::U8, total))
-                .and_then(|_| check_raw(&file, &m_absmax, Dtype::F32, n_blocks))
-                .and_then(|_| check_raw(&file, &v_absmax, Dtype::F32, n_blocks))
+            check_raw(&file, FLAT_EXP_AVG, Dtype::I8, whole_total)
+                .and_then(|_| check_raw(&file, FLAT_EXP_AVG_SQ, Dtype::U8, whole_total))
+                .and_then(|_| check_raw(&file, &m_absmax, Dtype::F32, whole_blocks))
+                .and_then(|_| check_raw(&file, &v_absmax, Dtype::F32, whole_blocks))
                 .with_context(what)?;
             Default::default()
         }
@@ -394,24 +395,40 @@ pub fn load_trainer_state_by(
                 v,
                 v_absmax,
             } => {
-                read_part(&file, FLAT_EXP_AVG, 1, &elems, m.len(), |b| {
-                    for (d, &x) in m.iter_mut().zip(b) {
-                        *d = x as i8;
+                if m.len() != elems.len() || m_absmax.len() != blocks.len() {
+                    bail!("internal error: 8-bit moments of {elems:?} into other lengths");
+                }
+                // The codes' and the scales' runs of the flat arrays (one each, unless this
+                // is a stage).
+                for (w, r) in layout.whole_runs(elems.clone()) {
+                    let (whole, at) = (w..w + r.len(), r.start - elems.start..r.end - elems.start);
+                    let dst = &mut m[at.clone()];
+                    read_part(&file, FLAT_EXP_AVG, 1, &whole, dst.len(), |b| {
+                        for (d, &x) in dst.iter_mut().zip(b) {
+                            *d = x as i8;
+                        }
+                    })?;
+                    let dst = &mut v[at];
+                    read_part(&file, FLAT_EXP_AVG_SQ, 1, &whole, dst.len(), |b| {
+                        dst.copy_from_slice(b)
+                    })?;
+                }
+                let Some(runs) = layout.whole_block_runs(blocks.clone(), QBLOCK) else {
+                    bail!("internal error: int8 moments of a tensor-parallel part");
+                };
+                for (w, r) in runs {
+                    let whole = w..w + r.len();
+                    let at = r.start - blocks.start..r.end - blocks.start;
+                    for (name, dst) in [
+                        (FLAT_EXP_AVG, &mut *m_absmax),
+                        (FLAT_EXP_AVG_SQ, &mut *v_absmax),
+                    ] {
+                        let (name, dst) = (format!("{name}{ABSMAX}"), &mut dst[at.clone()]);
+                        read_part(&file, &name, 4, &whole, dst.len(), |b| f32s(dst, b))?;
+                        check_finite(&file, &name, &whole, dst.iter().copied())?;
                     }
-                })?;
-                read_part(&file, FLAT_EXP_AVG_SQ, 1, &elems, v.len(), |b| {
-                    v.copy_from_slice(b)
-                })?;
-                let name = format!("{FLAT_EXP_AVG}{ABSMAX}");
-                read_part(&file, &name, 4, &blocks, m_absmax.len(), |b| {
-                    f32s(m_absmax, b)
-                })?;
-                check_finite(&file, &name, &blocks, m_absmax.iter().copied())?;
-                let name = format!("{FLAT_EXP_AVG_SQ}{ABSMAX}");
-                read_part(&file, &name, 4, &blocks, v_absmax.len(), |b| {
-                    f32s(v_absmax, b)
-                })?;
-                check_finite(&file, &name, &blocks, v_absmax.iter().copied())
+                }
+                Ok(())
             }
         }
         .with_context(what)

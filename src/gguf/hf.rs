@@ -371,7 +371,8 @@ pub fn map_model(f: &GgufFile) -> Result<HfModel> {
         let key = "gemma3.final_logit_softcapping";
         if let Some(x) = get_float(f, key)?.filter(|&x| x != 0.0) {
             bail!(
-                "{path}: metadata {key} is {x}; memwall computes Gemma 3's logits without                  softcapping"
+                "{path}: metadata {key} is {x}; memwall computes Gemma 3's logits without \
+                 softcapping"
             );
         }
     }

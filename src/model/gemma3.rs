@@ -233,7 +233,8 @@ pub(super) fn text_of_multimodal(
     }
     let Some(text) = obj.get("text_config").and_then(Value::as_object) else {
         bail!(
-            "{source}: a multimodal Gemma 3 config (model_type 'gemma3') without a              'text_config' object; memwall trains its text model, described there"
+            "{source}: a multimodal Gemma 3 config (model_type 'gemma3') without a \
+             'text_config' object; memwall trains its text model, described there"
         );
     };
     let mut text = text.clone();

@@ -427,6 +427,51 @@ impl ParamLayout {
         runs
     }
 
+    /// Blocks of `block` values counted per tensor ([`ParamLayout::block_offsets`]) of the
+    /// whole model: this layout's tensors whole and the other stages' ones.
+    pub fn whole_blocks(&self, block: usize) -> usize {
+        let held: usize = (self.tensors.iter())
+            .map(|t| t.whole_len().div_ceil(block))
+            .sum();
+        held + (self.absent.iter())
+            .map(|a| a.len().div_ceil(block))
+            .sum::<usize>()
+    }
+
+    /// This layout's blocks `range` (of `block` values counted per tensor,
+    /// [`ParamLayout::block_offsets`]) as runs of the whole model's blocks, as
+    /// [`ParamLayout::whole_runs`] maps elements: (the run's first block in the whole
+    /// model's numbering, the blocks of this layout it holds), adjacent runs joined. `None`
+    /// where a tensor-parallel part's tensor has any of them: a part's blocks are not its
+    /// whole tensor's.
+    pub fn whole_block_runs(
+        &self,
+        range: Range<usize>,
+        block: usize,
+    ) -> Option<Vec<(usize, Range<usize>)>> {
+        let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
+        let (mut local, mut whole) = (0, 0);
+        for (k, t) in self.tensors.iter().enumerate() {
+            let skipped = self.absent.iter().filter(|a| a.before == k);
+            whole += skipped.map(|a| a.len().div_ceil(block)).sum::<usize>();
+            let n = t.range.len().div_ceil(block);
+            let (lo, hi) = (range.start.max(local), range.end.min(local + n));
+            if lo < hi {
+                if t.part.is_some() {
+                    return None;
+                }
+                let w = whole + lo - local;
+                match runs.last_mut() {
+                    Some((lw, lr)) if *lw + lr.len() == w && lr.end == lo => lr.end = hi,
+                    _ => runs.push((w, lo..hi)),
+                }
+            }
+            local += n;
+            whole += t.whole_len().div_ceil(block);
+        }
+        Some(runs)
+    }
+
     /// Looks a tensor up by its Hugging Face name.
     pub fn get(&self, name: &str) -> Option<&ParamTensor> {
         self.tensors.iter().find(|t| t.name == name)

@@ -368,24 +368,29 @@ fn check_interleaved(spec: &ModelSpec, cfg: &StepConfig) -> Result<()> {
     );
     if p <= 1 {
         bail!(
-            "--pp-chunks {v} interleaves the runs of layers of pipeline stages: give --pp 2 or              more with it (or leave it out)"
+            "--pp-chunks {v} interleaves the runs of layers of pipeline stages: give --pp 2 or \
+             more with it (or leave it out)"
         );
     }
     if p * v > n {
         bail!(
-            "--pp {p} --pp-chunks {v} cuts the model into {} runs of one layer or more, and it              has {n} layers: use --pp-chunks {} or less",
+            "--pp {p} --pp-chunks {v} cuts the model into {} runs of one layer or more, and it \
+             has {n} layers: use --pp-chunks {} or less",
             p * v,
             n / p
         );
     }
     if !cfg.stage_layers.is_empty() {
         bail!(
-            "--pp-layers with --pp-chunks {v}: the interleaved runs are cut as even as they              divide; leave out --pp-layers (or --pp-chunks)"
+            "--pp-layers with --pp-chunks {v}: the interleaved runs are cut as even as they \
+             divide; leave out --pp-layers (or --pp-chunks)"
         );
     }
     if m % p != 0 {
         bail!(
-            "--pp-chunks {v}: the interleaved schedule runs a step's micro-batches through each              run in groups of --pp {p}, and this step has {m} (--grad-accum, or --global-batch              over --batch and the data ranks): use a multiple of {p}, such as {}",
+            "--pp-chunks {v}: the interleaved schedule runs a step's micro-batches through each \
+             run in groups of --pp {p}, and this step has {m} (--grad-accum, or --global-batch \
+             over --batch and the data ranks): use a multiple of {p}, such as {}",
             m.div_ceil(p) * p
         );
     }
@@ -458,12 +463,6 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
     }
     if cfg.offload.set != OffloadSet::NONE {
         bail!("--pp {p} with --offload: not there yet; use --offload none");
-    }
-    if cfg.optim_state == OptimState::Int8 {
-        bail!(
-            "--pp {p} with --optim-state int8: the checkpoints of a pipeline's 8-bit moments \
-             are not there yet; use --optim-state bf16 or fp32"
-        );
     }
     Ok(())
 }
@@ -1278,7 +1277,8 @@ fn check_transfers(ops: &[OpEntry], buffers: &[Buffer], tiers: &[Tier]) -> Resul
         };
         if !adjacent || f.bytes != t.bytes {
             bail!(
-                "internal error: op {} moves {} ({}, {} B) to {} ({}, {} B): a transfer moves                  one size between adjacent tiers of {tiers:?}",
+                "internal error: op {} moves {} ({}, {} B) to {} ({}, {} B): a transfer moves \
+                 one size between adjacent tiers of {tiers:?}",
                 e.name,
                 f.name,
                 f.placement.tier.describe(),

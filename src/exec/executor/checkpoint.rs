@@ -31,7 +31,7 @@ use super::{Executor, pod, pod_bytes_mut};
 use crate::backend::Device;
 use crate::ckpt::{Lend, LentMoments, LentState, OutData, SaveOptions, TrainerState};
 use crate::dtype::DType;
-use crate::ir::{BufId, Cut, Mesh, OptimBufs};
+use crate::ir::{BufId, Cut, Mesh, OptimBufs, QBLOCK};
 use crate::model::{ParamLayout, TensorPart};
 use anyhow::{Result, bail};
 use std::ops::Range;
@@ -348,6 +348,72 @@ impl<'a> Owners<'a> {
             cut: cut.then_some(parts),
             shares,
         })
+    }
+
+    /// The 8-bit block scales of tensor `i` (the whole model's blocks of it, [`QBLOCK`]
+    /// values each, counted per tensor), sharded along the data axis or not: its stage's
+    /// tensor rank 0's (8-bit moments are of whole tensors), each data rank's those of its
+    /// group's block cut ([`crate::plan::zero::block_cut`]).
+    fn tensor_blocks(&self, i: usize, sharded: bool, whole_first: &[usize]) -> Result<Part> {
+        let name = &self.whole.tensors[i].name;
+        let n = self.whole.tensors[i].range.len().div_ceil(QBLOCK);
+        let whole = whole_first[i]..whole_first[i] + n;
+        let (stage, j) = self.located[i];
+        let st = &self.stages[stage];
+        let layout = &st.layouts[0];
+        if layout.tensors[j].part.is_some() {
+            bail!("internal error: 8-bit moments of {name}, cut among tensor ranks");
+        }
+        let (first, _) = layout.block_offsets(QBLOCK);
+        let k = st.group_of[j];
+        let g0 = first[layout.groups[k].tensors.start];
+        // The tensor's blocks, counted from its group's first.
+        let mine = first[j] - g0..first[j] - g0 + n;
+        let cut = sharded.then(|| crate::plan::zero::block_cut(layout, k, &st.cuts[0][k]));
+        let mut shares = Vec::new();
+        for d in 0..self.data_ranks(sharded) {
+            let held = match &cut {
+                Some(cut) => cut.owned(&(0..cut.len()), d),
+                None => mine.clone(),
+            };
+            let (lo, hi) = (held.start.max(mine.start), held.end.min(mine.end));
+            if lo < hi {
+                let owner = Owner {
+                    data: d,
+                    tensor: 0,
+                    stage,
+                };
+                shares.push(Share {
+                    owner,
+                    rank: owner.rank(&self.mesh),
+                    of: lo - mine.start..hi - mine.start,
+                    local: g0 + lo..g0 + hi,
+                });
+            }
+        }
+        if shares.iter().map(|s| s.of.len()).sum::<usize>() != n {
+            bail!("internal error: the block scales of {name} are not covered once");
+        }
+        Ok(Part {
+            whole,
+            cut: None,
+            shares,
+        })
+    }
+
+    /// Every tensor's 8-bit block scales of moments sharded along the data axis or not,
+    /// held in `held`.
+    fn blocks(
+        &self,
+        ex: &Executor,
+        held: Vec<(Range<usize>, BufId)>,
+        sharded: bool,
+    ) -> Result<Array> {
+        let (first, _) = self.whole.block_offsets(QBLOCK);
+        let parts = (0..self.whole.tensors.len())
+            .map(|i| self.tensor_blocks(i, sharded, &first))
+            .collect::<Result<_>>()?;
+        Ok(Array::of(ex, held, parts))
     }
 
     /// Every tensor of an array sharded along the data axis or not, held in `held`.
@@ -739,9 +805,6 @@ impl Executor {
         };
         let (params_sharded, moments_sharded) = (self.params_sharded(), self.moments_sharded());
         let int8 = optim.iter().any(|o| o.m_scale.is_some());
-        if split && int8 {
-            bail!("internal error: a tensor-parallel or pipeline checkpoint of 8-bit moments");
-        }
         // Every stage's tensor ranks' layouts (their parts of each tensor), or this plan's.
         let counts = self.plan.cfg.stage_counts(self.plan.spec.n_layer);
         let stages = (0..stage.size)
@@ -781,43 +844,23 @@ impl Executor {
                 .map(|(k, o)| (self.moment_elems(k, o), pick(o)))
                 .collect()
         };
-        // 8-bit moments' scales, sharded by blocks: each group's blocks, cut as its elements.
-        let (first_block, _) = layout.block_offsets(crate::ir::strategy::QBLOCK);
-        let scales = |pick: fn(&OptimBufs) -> Option<BufId>| -> Result<Array> {
-            let mut held = Vec::new();
-            let mut parts = Vec::new();
-            for (k, o) in optim.iter().enumerate() {
-                let Some(id) = pick(o) else {
-                    bail!("internal error: 8-bit moments without scales in group {k}");
-                };
-                let cut = crate::plan::zero::block_cut(layout, k, &self.plan.cuts[k]);
-                let first = first_block[layout.groups[k].tensors.start];
-                let mine = cut.owned(&(0..cut.len()), mesh.data_rank());
-                held.push((o.block_base..o.block_base + mine.len(), id));
-                let shares = (0..mesh.data.max(1))
-                    .map(|d| (d, cut.owned(&(0..cut.len()), d)))
-                    .filter(|(_, of)| !of.is_empty())
-                    .map(|(d, of)| {
-                        let owner = Owner {
-                            data: d,
-                            tensor: 0,
-                            stage: 0,
-                        };
-                        Share {
-                            owner,
-                            rank: owner.rank(&mesh),
-                            local: first + of.start..first + of.end,
-                            of,
+        // 8-bit moments' scales where this rank holds them (its shard's blocks under ZeRO).
+        let scale_bufs = |pick: fn(&OptimBufs) -> Option<BufId>| -> Result<Vec<_>> {
+            (optim.iter().enumerate())
+                .map(|(k, o)| {
+                    let Some(id) = pick(o) else {
+                        bail!("internal error: 8-bit moments without scales in group {k}");
+                    };
+                    let n = match moments_sharded {
+                        true => {
+                            let cut = crate::plan::zero::block_cut(layout, k, &self.plan.cuts[k]);
+                            cut.owned(&(0..cut.len()), mesh.data_rank()).len()
                         }
-                    })
-                    .collect();
-                parts.push(Part {
-                    whole: first..first + cut.len(),
-                    cut: None,
-                    shares,
-                });
-            }
-            Ok(Array::of(self, held, parts))
+                        false => self.plan.buffer(id).elems,
+                    };
+                    Ok((o.block_base..o.block_base + n, id))
+                })
+                .collect()
         };
         // The spread arrays in the order the writer reads them (the weights, then m, its
         // scales, v, its scales) and the index of each in that schedule.
@@ -833,13 +876,13 @@ impl Executor {
         let (m_at, v_at, m_scale_at, v_scale_at);
         if split || moments_sharded {
             m_at = push(owners.array(self, moment_bufs(|o| o.m), moments_sharded))?;
-            m_scale_at = match moments_sharded && int8 {
-                true => push(scales(|o| o.m_scale))?,
+            m_scale_at = match int8 {
+                true => push(owners.blocks(self, scale_bufs(|o| o.m_scale)?, moments_sharded))?,
                 false => None,
             };
             v_at = push(owners.array(self, moment_bufs(|o| o.v), moments_sharded))?;
-            v_scale_at = match moments_sharded && int8 {
-                true => push(scales(|o| o.v_scale))?,
+            v_scale_at = match int8 {
+                true => push(owners.blocks(self, scale_bufs(|o| o.v_scale)?, moments_sharded))?,
                 false => None,
             };
         } else {
