@@ -690,6 +690,66 @@ fn interleaved_stages_train_peak_as_planned_and_resume_on_one() {
     assert_close_tensor_ranks("pp 2 x 2 runs resumed on one", &copy, &one, steps);
 }
 
+/// Every rank of tp 2 × pp 2, then of dp 2 (ZeRO 1) × pp 2, offloads its state
+/// (`--offload all`: one file per rank in the directory they share) and trains as the same
+/// ranks do in RAM, checkpoints byte for byte; each rank peaks as planned; the offload
+/// files are gone when the run ends; a run whose rank is killed resumes offloaded and ends
+/// as the run in RAM.
+#[test]
+fn ranks_that_offload_train_as_in_ram_peak_as_planned_and_resume() {
+    let steps = 10;
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let scratch = dir.path().join("scratch");
+    let offload = [
+        "--offload",
+        "all",
+        "--offload-dir",
+        scratch.to_str().unwrap(),
+    ];
+    let args = |out: &Path, extra: &[&str]| staged_args(&data, out, steps, extra);
+    for (what, mesh) in [
+        ("tp 2 x pp 2", ["--tp", "2", "--pp", "2", "--zero", "0"]),
+        (
+            "dp 2 x pp 2 zero 1",
+            ["--tp", "1", "--pp", "2", "--zero", "1"],
+        ),
+    ] {
+        let ram = dir.path().join(format!("{what} ram"));
+        ok(&mpirun(4, &strs(&args(&ram, &mesh)), &[]));
+        let off = dir.path().join(format!("{what} offloaded"));
+        let text = ok(&mpirun(
+            4,
+            &strs(&args(&off, &[&mesh[..], &offload].concat())),
+            &[],
+        ));
+        assert!(text.contains("offload all"), "{what}: {text}");
+        same_checkpoints(what, &off, &ram, steps);
+        peaks_as_planned(&format!("{what} offloaded"), &text, 4);
+        let left: Vec<_> = std::fs::read_dir(&scratch).into_iter().flatten().collect();
+        assert!(left.is_empty(), "{what}: offload files left: {left:?}");
+        let killed = dir.path().join(format!("{what} killed"));
+        let o = mpirun(
+            4,
+            &strs(&args(&killed, &[&mesh[..], &offload].concat())),
+            &[("MEMWALL_KILL_RANK", "1:7")],
+        );
+        assert!(!o.status.success(), "{what}: {}", output_text(&o));
+        ok(&mpirun(4, &strs(&resume(&killed)), &[]));
+        same_checkpoints(&format!("{what} killed and resumed"), &killed, &ram, steps);
+    }
+}
+
+/// Asserts that runs `a` and `b` saved the same checkpoint at `step`, byte for byte.
+fn same_checkpoints(what: &str, a: &Path, b: &Path, step: u64) {
+    let at = |run: &Path| run.join(format!("checkpoints/step-{step:06}"));
+    for name in ["model.safetensors", "optimizer.safetensors"] {
+        let (x, y) = (at(a).join(name), at(b).join(name));
+        let (x, y) = (std::fs::read(&x).unwrap(), std::fs::read(&y).unwrap());
+        assert!(x == y, "{what}: {name} differs");
+    }
+}
+
 /// A temporary directory with prepared data and the one-process run the pipeline tests
 /// compare with ([`staged_args`], `steps` steps): (the directory, the data, the run).
 fn staged_reference(steps: u64) -> (tempfile::TempDir, PathBuf, PathBuf) {

@@ -18,7 +18,8 @@ use memwall::model::lora::{AdapterLayout, LoraSpec, parse_targets};
 use memwall::model::{Family, ModelSpec, ParamLayout};
 use memwall::plan::stage_cut::{NOMINAL_PEAK_GFLOPS, balanced};
 use memwall::plan::time::Calibration;
-use memwall::plan::{Mode, StepConfig, build_plan};
+use memwall::plan::{Mode, OffloadSet, StepConfig, build_plan};
+use std::path::Path;
 use std::sync::Arc;
 
 const SEQ: usize = 32;
@@ -30,18 +31,21 @@ const B: usize = 2;
 
 /// How a mesh's ranks cut the model beyond their counts: each stage's count of layers
 /// (`--pp-layers`; empty: as even as they divide), sequence parallelism on the tensor axis,
-/// and each stage's runs of layers (`--pp-chunks`: more than 1 interleaves them).
+/// each stage's runs of layers (`--pp-chunks`: more than 1 interleaves them), and what each
+/// rank puts on the disk tier in a directory they share (`--offload`, `--offload-dir`).
 #[derive(Clone, Copy, Debug)]
 struct Cut<'a> {
     layers: &'a [usize],
     sequence: bool,
     chunks: usize,
+    offload: Option<(OffloadSet, &'a Path)>,
 }
 
 const EVEN: Cut<'static> = Cut {
     layers: &[],
     sequence: false,
     chunks: 1,
+    offload: None,
 };
 const SP: Cut<'static> = Cut {
     sequence: true,
@@ -83,6 +87,10 @@ fn train(
     cfg.zero = zero;
     cfg.sequence_parallel = cut.sequence;
     cfg.pipeline_chunks = cut.chunks;
+    if let Some((set, dir)) = cut.offload {
+        cfg.offload.set = set;
+        cfg.offload.dir = Some(dir.to_path_buf());
+    }
     cfg.lora = lora.cloned();
     cfg.base_quant = base;
     cfg.grad_accum = micro;
@@ -118,6 +126,8 @@ fn train(
         losses.push(s.loss);
         norms.push(s.grad_norm);
     }
+    // A deferred update (offloaded gradients) is applied before the weights are read.
+    ex.finish_update().unwrap();
     Outcome {
         losses,
         norms,
@@ -254,7 +264,7 @@ fn matches_one_process_with(
             "{what} rank {rank}"
         );
         assert!(
-            o.layout.total < whole.total,
+            o.layout.total < whole.total || tensor * pipeline == 1,
             "{what}: a stage holds part of the model"
         );
         for (k, (a, b)) in o.losses.iter().zip(&reference.losses).enumerate() {
@@ -806,4 +816,31 @@ fn a_bad_interleaving_is_refused_naming_the_flags() {
     assert!(msg.contains("--pp-layers"), "{msg}");
     let msg = refused(2, 2, 3, &[]);
     assert!(msg.contains("3") && msg.contains("multiple of 2"), "{msg}");
+}
+
+/// Every rank of a mesh offloads its own state (`--offload`: parameters, gradients, moments
+/// and activations on the disk tier, one file per rank in the directory they share) and the
+/// ranks train as one process does: data ranks at every ZeRO stage, tensor ranks, stages,
+/// and all three together.
+#[test]
+fn ranks_that_offload_train_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let off = Cut {
+        offload: Some((OffloadSet::ALL, dir.path())),
+        ..EVEN
+    };
+    let (gpt2, llama) = (preset("gpt2-tiny"), preset("llama-tiny"));
+    let none = Recompute::None;
+    for zero in [Zero::DP, Zero(1), Zero(2), Zero(3)] {
+        matches_one_process_with((&gpt2, None, F32), (2, 1, 1, zero), off, 2, none);
+    }
+    matches_one_process_with((&llama, None, F32), (1, 2, 1, Zero::DP), off, 2, none);
+    matches_one_process_with((&gpt2, None, F32), (1, 1, 2, Zero::DP), off, 4, none);
+    let selective = Recompute::Selective;
+    matches_one_process_with((&llama, None, F32), (2, 2, 2, Zero(1)), off, 2, selective);
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "the ranks' offload files are scratch: {left:?}"
+    );
 }

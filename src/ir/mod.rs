@@ -62,7 +62,7 @@ pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
 pub use family::OpFamily;
 pub use mesh::{Axis, Mesh, ModelPart, Peer, PipelineStage, TensorSplit};
 pub use moments::{Moments, MomentsMut};
-pub use program::{DISK_TIER_FILE, Program};
+pub use program::{DISK_TIER_FILE, Program, disk_tier_file};
 pub use schedule::{
     Binding, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Phase,
     Rows, Schedule, Segment, Segments, VocabShare, WeightLayout,

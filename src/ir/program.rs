@@ -11,8 +11,18 @@ use super::shard::Cut;
 use crate::dtype::DType;
 use std::path::Path;
 
-/// Name of the disk tier's file inside its directory (`--offload-dir`).
+/// Name of the disk tier's file inside its directory (`--offload-dir`) for one process;
+/// each rank of a job of several names its own ([`disk_tier_file`]).
 pub const DISK_TIER_FILE: &str = "memwall-offload.bin";
+
+/// Name of the disk tier's file of rank `rank` (`None`: a job of one process): ranks that
+/// share an `--offload-dir` (one machine's) each have a file of their own.
+pub fn disk_tier_file(rank: Option<usize>) -> String {
+    match rank {
+        None => DISK_TIER_FILE.to_string(),
+        Some(r) => format!("memwall-offload.rank{r}.bin"),
+    }
+}
 
 /// A plan as a backend runs it, borrowed from the plan.
 #[derive(Clone, Copy, Debug)]
@@ -34,9 +44,17 @@ pub struct Program<'a> {
     /// Directory of the disk tier's file ([`DISK_TIER_FILE`]; `--offload-dir`); `None` when
     /// the plan puts nothing there or was never meant to run.
     pub disk_dir: Option<&'a Path>,
+    /// This rank's index in a job of several ranks (`None`: one process), naming its disk
+    /// tier's file ([`disk_tier_file`]).
+    pub rank: Option<usize>,
 }
 
 impl Program<'_> {
+    /// Name of this program's disk tier file within [`Program::disk_dir`].
+    pub fn disk_file(&self) -> String {
+        disk_tier_file(self.rank)
+    }
+
     /// Bytes the program packs in tier `t` (0 for a tier it does not plan).
     pub fn tier_bytes(&self, t: Tier) -> u64 {
         tier_bytes(self.tiers, t)

@@ -341,9 +341,6 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
     if cfg.lora.is_some() {
         check_tensor_lora(cfg, t)?;
     }
-    if cfg.offload.set != OffloadSet::NONE {
-        bail!("--tp {t} with --offload: not there yet; use --offload none");
-    }
     // A checkpoint holds the whole model's moments, and 8-bit ones are quantized in blocks
     // of each whole tensor, which a rank's part of a cut tensor does not keep.
     if cfg.optim_state == OptimState::Int8 {
@@ -461,9 +458,6 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
     if mode == Mode::Generate {
         bail!("--pp {p}: sampling runs on one rank; use --pp 1");
     }
-    if cfg.offload.set != OffloadSet::NONE {
-        bail!("--pp {p} with --offload: not there yet; use --offload none");
-    }
     Ok(())
 }
 
@@ -513,7 +507,7 @@ fn generation(r: &Request) -> Result<Plan> {
 fn sharding(cfg: &StepConfig) -> Result<Option<Sharding>> {
     let sharding = cfg.sharding();
     if let Some(sh) = &sharding {
-        zero::check(cfg, sh)?;
+        zero::check(sh)?;
     }
     Ok(sharding)
 }
@@ -673,9 +667,11 @@ fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
 
 /// With gradients on the disk tier, each step runs the previous step's update in its
 /// forward ([`defer_updates`]), so the update's transfers overlap arithmetic; the gradients
-/// are then kept across the step boundary (on disk: no RAM for it). Returns whether it does.
+/// are then kept across the step boundary (on disk: no RAM for it). Not with a sharded
+/// optimizer (ZeRO 1 and up): each rank's update is then followed by the all-gather of the
+/// updated shards, which the forward must await. Returns whether it does.
 fn deferred_update(g: &mut Builder, r: &Request, grads: &Segments) -> bool {
-    let deferred = r.offload.grads;
+    let deferred = r.offload.grads && !r.cfg.zero.shards_optimizer();
     if deferred {
         defer_updates(g, grads);
         for id in grads.bufs() {

@@ -342,7 +342,8 @@ pub fn plan_fitting(
 ) -> Result<Plan> {
     // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing: its
     // `--offload auto` is none.
-    // Nor does a rank of a model split among ranks (`--tp`, `--pp`: offload refused there).
+    // Nor does a rank of a model split among ranks choose to (`--tp`, `--pp`: the ranks
+    // hold parts of the state already); `--offload` given offloads there too.
     let split = cfg.mesh.tensor > 1 || cfg.mesh.pipeline > 1;
     let offload = match offload {
         OffloadChoice::Auto if split || !backend.tiers().contains(&crate::ir::Tier::Nvme) => {

@@ -102,6 +102,7 @@ impl Plan {
             storage: self.cfg.precision.storage(),
             threads: self.cfg.threads,
             disk_dir: self.cfg.offload.dir.as_deref(),
+            rank: (self.cfg.mesh.world() > 1).then_some(self.cfg.mesh.rank),
         }
     }
 

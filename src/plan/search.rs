@@ -517,13 +517,6 @@ pub fn search(
             zero,
             ..StepConfig::new(1, space.seq, space.threads)
         };
-        if mesh.world() > 1 && !placements.contains(&OffloadSet::NONE) {
-            refused.push(format!(
-                "{}: several ranks offload nothing yet (--offload none)",
-                mesh_flags(&shape)
-            ));
-            continue;
-        }
         if !space.global_batch.is_multiple_of(mesh.data) {
             refused.push(format!(
                 "{}: --global-batch {} does not split over {} data ranks",
@@ -606,10 +599,7 @@ pub fn search(
             let mut one = cfg.clone();
             one.grad_accum = 1;
             one.recompute = policies[0];
-            one.offload.set = match one.mesh.world() > 1 {
-                true => OffloadSet::NONE,
-                false => placements[0],
-            };
+            one.offload.set = placements[0];
             let t = predict(&build(spec, &one, Mode::Train, backend, Verify::No)?, cal);
             let k = cfg.grad_accum as f64;
             // The pipeline's bubble is (p − 1) micro-batches' work whatever their number.
@@ -778,8 +768,10 @@ fn search_group(
         if cap == 0 {
             continue;
         }
-        // Several ranks offload nothing yet (`plan::zero::check`).
-        if cfg.mesh.world() > 1 && o != OffloadSet::NONE {
+        // Where offloading is the search's choice, a mesh of several ranks offloads
+        // nothing: its ranks shard the state instead (and the search stays short); a
+        // placement given by --offload is every mesh's.
+        if cfg.mesh.world() > 1 && o != OffloadSet::NONE && placements.contains(&OffloadSet::NONE) {
             continue;
         }
         let mut placed = cfg.clone();

@@ -12,7 +12,8 @@
 //!   [`crate::ir::IO_ALIGN`] for direct I/O.
 //! - A home's uses are split into spans where the step's part changes (forward; recompute
 //!   and backward; optimizer) and, for parameters, gradients and moments, where another home
-//!   of the same kind is used in between (another parameter group). So the parameters of
+//!   of the same kind is used in between (another parameter group), but never between a
+//!   collective on the home and its await (the ranks' communication works on the copy). So the parameters of
 //!   block l are read before its forward and again before its backward, its gradients are
 //!   written after each micro-batch's backward and read back for the next and for the
 //!   update, and its moments are read for its `AdamW` op and written after it.
@@ -52,6 +53,7 @@ pub(super) enum Kind {
 }
 
 /// A buffer to keep on the disk tier.
+#[derive(Clone, Copy)]
 pub(super) struct Home {
     pub id: BufId,
     pub kind: Kind,
@@ -122,6 +124,21 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
     }
     let uses = home_uses(g, homes);
     let mut spans = spans(g, homes, &uses);
+    // A home whose spans neither read nor write it back holds nothing between them (a
+    // micro-batch's gradients reduce-scattered into a shard, ZeRO 2 and 3): it stays an
+    // ordinary buffer.
+    let moved: Vec<bool> = (0..homes.len())
+        .map(|k| spans.iter().any(|s| s.home == k && (s.read || s.write)))
+        .collect();
+    let (kept, homes): (Vec<usize>, Vec<Home>) = (homes.iter().enumerate())
+        .filter(|(k, _)| moved[*k])
+        .map(|(k, h)| (k, h.clone()))
+        .unzip();
+    spans.retain(|s| moved[s.home]);
+    for s in &mut spans {
+        s.home = kept.iter().position(|&k| k == s.home).expect("kept");
+    }
+    let homes = &homes[..];
     staging_copies(g, homes, &mut spans);
     let inserts = transfers(g, homes, &spans, blocks);
     insert(g, inserts);
@@ -192,18 +209,23 @@ fn spans(g: &Builder, homes: &[Home], uses: &[Vec<Use>]) -> Vec<Span> {
         }
         let persistent = g.buffers[home.id.0].persistent;
         let mut start = 0;
+        // The last op of a collective on the home still at work (its await): the ranks'
+        // communication reads and writes the copy until then, so no span ends before it.
+        let mut busy_until = 0;
         for j in 1..=us.len() {
-            let split = j == us.len() || {
-                let (a, b) = (us[j - 1].0, us[j].0);
-                let other = between.is_some_and(|(_, ops)| {
-                    let i = ops.partition_point(|&(o, _)| o <= a);
-                    ops[i..]
-                        .iter()
-                        .take_while(|&&(o, _)| o < b)
-                        .any(|&(_, other)| other != key(k))
-                });
-                other || class(home.kind, g.ops[a].phase) != class(home.kind, g.ops[b].phase)
-            };
+            busy_until = busy_until.max(awaited_at(g, us[j - 1].0));
+            let split = j == us.len()
+                || us[j].0 > busy_until && {
+                    let (a, b) = (us[j - 1].0, us[j].0);
+                    let other = between.is_some_and(|(_, ops)| {
+                        let i = ops.partition_point(|&(o, _)| o <= a);
+                        ops[i..]
+                            .iter()
+                            .take_while(|&&(o, _)| o < b)
+                            .any(|&(_, other)| other != key(k))
+                    });
+                    other || class(home.kind, g.ops[a].phase) != class(home.kind, g.ops[b].phase)
+                };
             if !split {
                 continue;
             }
@@ -223,6 +245,20 @@ fn spans(g: &Builder, homes: &[Home], uses: &[Vec<Use>]) -> Vec<Span> {
         }
     }
     spans
+}
+
+/// Where op `i` is awaited when it is a collective (`i` itself when it is none, or is never
+/// awaited: `plan::build` refuses that): its communication reads and writes its buffers
+/// (the home among them) until then.
+fn awaited_at(g: &Builder, i: usize) -> usize {
+    let Some(buf) = g.ops[i].op.collective_buf() else {
+        return i;
+    };
+    let waits = |e: &OpEntry| matches!(&e.op, Op::AwaitCollective { bufs } if bufs[0] == buf);
+    g.ops[i + 1..]
+        .iter()
+        .position(waits)
+        .map_or(i, |k| i + 1 + k)
 }
 
 /// Declares each span's staging copy, named by its home and the part of the step it serves

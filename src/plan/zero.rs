@@ -54,7 +54,7 @@
 //! `exec::executor::checkpoint`), and loading fills each rank's shards from the whole file
 //! (tensors may be cut), so a run resumes on any number of ranks at any stage.
 
-use super::{OffloadSet, Plan, StepConfig};
+use super::Plan;
 use crate::dtype::DType;
 use crate::ir::Axis;
 use crate::ir::builder::Builder;
@@ -67,15 +67,10 @@ use anyhow::{Result, bail};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-/// Refuses what sharded plans cannot do yet, naming the flags.
-pub(super) fn check(cfg: &StepConfig, sh: &Sharding) -> Result<()> {
+/// Checks this rank's place among the ranks.
+pub(super) fn check(sh: &Sharding) -> Result<()> {
     if sh.ranks == 0 || sh.rank >= sh.ranks {
         bail!("internal error: rank {} of {} ranks", sh.rank, sh.ranks);
-    }
-    if cfg.offload.set != OffloadSet::NONE {
-        bail!(
-            "--offload with --zero or several ranks is not supported yet: shard the state across ranks (--zero 1|2|3) or offload it in one process, not both"
-        );
     }
     Ok(())
 }

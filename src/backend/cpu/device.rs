@@ -16,7 +16,7 @@ use crate::ir::MomentsMut;
 use crate::ir::Sizing;
 use crate::ir::schedule::OptimBufs;
 use crate::ir::schedule::{ImplicitBufs, OpEntry, WeightLayout};
-use crate::ir::{BufId, Buffer, DISK_TIER_FILE, Op, OptimState, Program, Tier};
+use crate::ir::{BufId, Buffer, Op, OptimState, Program, Tier};
 use crate::mem::arena::Arena;
 use crate::mem::disk::{DiskTier, IoThread, Ticket};
 use anyhow::{Context, Result, bail};
@@ -181,7 +181,7 @@ impl CpuDevice {
                 // Room to time one step's transfers (the executor takes them after each run).
                 let per_step = program.schedule.ops.iter();
                 let per_step = per_step.filter(|e| matches!(e.op, Op::Transfer { .. }));
-                let disk = DiskTier::create(dir, DISK_TIER_FILE, bytes)?;
+                let disk = DiskTier::create(dir, &program.disk_file(), bytes)?;
                 Some(IoThread::new(disk, per_step.count())?)
             }
             (_, None) => bail!("--offload needs --offload-dir (a directory on a local disk)"),

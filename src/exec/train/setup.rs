@@ -549,7 +549,7 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
         (bytes, Some(dir)) => format!(
             " ({} file in {})",
             fmt_bytes(bytes),
-            dir.join(crate::ir::DISK_TIER_FILE).display()
+            dir.join(plan.program().disk_file()).display()
         ),
         (bytes, None) => format!(" ({} file)", fmt_bytes(bytes)),
     };
