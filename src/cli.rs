@@ -560,8 +560,9 @@ pub(crate) struct StrategyArgs {
     /// the MLP by channels), joined by an all-reduce after each attention and each MLP;
     /// the N/T copies split the batch. T must divide N and the heads, key/value heads and
     /// MLP width. With --lora the adapters are cut with their layers, and a quantized base
-    /// (--base-quant q8_0 and the like) is each rank's part, quantized as it loads (a row-
-    /// parallel part must be whole blocks; --base-quant keep is refused). Checkpoints hold the whole model (and a LoRA
+    /// (--base-quant q8_0 and the like) is each rank's part, quantized as it loads, or a
+    /// GGUF file's blocks (--base-quant keep) each rank's part of them, copied (a row-
+    /// parallel part must be whole blocks). Checkpoints hold the whole model (and a LoRA
     /// run's whole adapter), so a run resumes with any --tp
     /// [default: 1; with --resume, the run's own]
     #[arg(long, value_name = "T")]

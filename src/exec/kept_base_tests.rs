@@ -161,3 +161,129 @@ fn kept_is_its_conversion(
         );
     }
 }
+
+/// The test model with row-parallel weights whose columns cut in two are whole blocks (down
+/// in Q8_0; o in BF16 already): what `--tp 2` keeps.
+fn tensor_rank_friendly(arch: &str, tied: bool) -> Vec<u8> {
+    let mut w = tiny_model(arch, tied);
+    for l in 0..2u64 {
+        let name = format!("blk.{l}.ffn_down.weight");
+        w.remove_tensor(&name);
+        w.random_tensor(&name, &[256, 32], GgmlType::Q8_0, 500 + l);
+    }
+    w.to_bytes()
+}
+
+/// Two tensor ranks (`--tp 2`) keep their parts of the file's blocks (rows of a
+/// column-parallel weight, whole blocks of a row-parallel one's columns, a fused
+/// projection's parts of other types as q8_0, Qwen2's biases cut as f32) and train the
+/// adapters as one process keeping the whole file does: the same losses and gradient norms.
+#[test]
+fn tensor_ranks_keep_their_parts_of_the_file_blocks_and_train_as_one_process() {
+    use crate::dist::{Comm, Local};
+    use crate::ir::Mesh;
+    use std::sync::Arc;
+    for (arch, tied) in [("llama", false), ("qwen2", true)] {
+        let (_tmp, gguf) = write_temp(&tensor_rank_friendly(arch, tied));
+        let cache = tempfile::tempdir().unwrap();
+        let dir =
+            crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init", &mut |_| {}).unwrap();
+        let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
+        let src = BaseSource::open(&gguf).unwrap();
+        let lora = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: Target::all(spec.family).to_vec(),
+        };
+        let (b, t) = (2, 8);
+        let run = |mesh: Mesh, comm: Arc<dyn Comm>| {
+            let mut cfg = StepConfig::new(b, t, 1);
+            cfg.lora = Some(lora.clone());
+            cfg.base_quant = BaseQuant::Keep;
+            cfg.base_types = Some(std::sync::Arc::new(src.types()));
+            cfg.mesh = mesh;
+            let plan = build_plan(&spec, &cfg, Mode::Train, backend()).unwrap();
+            let layout = plan.layout.clone();
+            let mut ex = Executor::among(plan, backend(), comm).unwrap();
+            ex.fill_base_bytes(|t, storage, dst| src.copy(t, storage, dst))
+                .unwrap();
+            let mut init = layout.initializer(9);
+            ex.fill_params(|r, p| {
+                init.fill(r, p);
+                Ok(())
+            })
+            .unwrap();
+            (1..=3u64)
+                .map(|step| {
+                    let mut rng = Rng::new(step);
+                    let batch: Vec<u32> = (0..b * (t + 1))
+                        .map(|_| rng.below(spec.vocab_size as u64) as u32)
+                        .collect();
+                    ex.upload_batch(&batch).unwrap();
+                    let hp = crate::exec::OptimHparams {
+                        lr: 1e-2,
+                        beta1: 0.9,
+                        beta2: 0.95,
+                        eps: 1e-8,
+                        weight_decay: 0.0,
+                        grad_clip: 0.0,
+                        step,
+                    };
+                    let s = ex.train_step(&hp).unwrap();
+                    (s.loss, s.grad_norm)
+                })
+                .collect::<Vec<_>>()
+        };
+        let one = run(Mesh::SINGLE, Arc::new(crate::dist::Single));
+        let ranks: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (Local::group(2).into_iter().enumerate())
+                .map(|(rank, comm)| {
+                    let run = &run;
+                    s.spawn(move || run(Mesh::new(2, 2, 1, rank), Arc::new(comm)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, steps) in ranks.iter().enumerate() {
+            for (k, ((l, n), (l1, n1))) in steps.iter().zip(&one).enumerate() {
+                let what = format!("{arch} tensor rank {rank} step {}", k + 1);
+                assert!(
+                    (l - l1).abs() <= 1e-5 * l1.abs(),
+                    "{what}: loss {l} vs {l1}"
+                );
+                assert!(
+                    (n - n1).abs() <= 1e-4 * n1.abs(),
+                    "{what}: norm {n} vs {n1}"
+                );
+            }
+        }
+    }
+}
+
+/// A row-parallel weight whose columns cut among the tensor ranks are not whole blocks of
+/// the file's type (the test model's down in Q4_K: 128 of its 256 columns a rank) is
+/// refused before any rank loads, naming the tensor.
+#[test]
+fn a_kept_part_of_partial_blocks_is_refused_naming_the_tensor() {
+    let (_tmp, gguf) = write_temp(&tiny_model("llama", false).to_bytes());
+    let cache = tempfile::tempdir().unwrap();
+    let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init", &mut |_| {}).unwrap();
+    let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
+    let src = BaseSource::open(&gguf).unwrap();
+    let mut cfg = StepConfig::new(2, 8, 1);
+    cfg.lora = Some(LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: Target::all(spec.family).to_vec(),
+    });
+    cfg.base_quant = BaseQuant::Keep;
+    cfg.base_types = Some(std::sync::Arc::new(src.types()));
+    cfg.mesh = crate::ir::Mesh::new(2, 2, 1, 0);
+    let e = build_plan(&spec, &cfg, Mode::Train, backend())
+        .err()
+        .expect("refused");
+    let e = format!("{e:#}");
+    assert!(e.contains("down_proj"), "{e}");
+}

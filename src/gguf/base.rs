@@ -72,6 +72,9 @@ impl BaseSource {
             .file
             .tensor(&h.gguf)
             .expect("map_model lists the file's tensors");
+        if let Some(part) = &t.part {
+            return self.copy_part(h, info, (t, part), storage, dst);
+        }
         let cols = match t.shape.as_slice() {
             [_, cols] => *cols,
             _ => 1,
@@ -137,6 +140,108 @@ impl BaseSource {
 }
 
 impl BaseSource {
+    /// [`BaseSource::copy`] of a tensor rank's part of tensor `t` (`--tp`): each of its runs
+    /// of a Hugging Face row (whole rows of a column-parallel weight, a slice of columns of
+    /// a row-parallel one, of whole blocks: `plan::lora` lays parts out so) copied from its
+    /// GGUF row, as blocks of the file's type, converted to another (`convert`'s case), or
+    /// decoded to f32 values. The tensor's pages are released once it is copied.
+    fn copy_part(
+        &self,
+        h: &HfTensor,
+        info: &super::file::TensorInfo,
+        (t, part): (&ParamTensor, &crate::model::TensorPart),
+        storage: Option<GgmlType>,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let path = self.file.path().display().to_string();
+        let what = || {
+            format!(
+                "{path}: tensor {} ({}), a tensor rank's part",
+                h.gguf, info.ty
+            )
+        };
+        let cols = match t.whole_shape() {
+            [_, cols] => *cols,
+            _ => 1,
+        };
+        let rows = t.whole_len() / cols;
+        if h.shift != 0.0 && storage.is_some() {
+            bail!(
+                "internal error: {} (stored plus {}) is to be kept as blocks",
+                t.name,
+                h.shift
+            );
+        }
+        // HF row d is GGUF row from[d].
+        let to = unpermute(h.unpermute_heads, rows);
+        let mut from = vec![0; rows];
+        for g in 0..rows {
+            from[to(g)] = g;
+        }
+        let src = self.file.tensor_data(info);
+        let src_row = info.ty.bytes_for(cols as u64).with_context(what)? as usize;
+        if src.len() != src_row * rows {
+            bail!("internal error: {} is not {rows} rows of {cols}", h.gguf);
+        }
+        let bytes = |ty: GgmlType, n: usize| -> Result<usize> {
+            Ok(ty.bytes_for(n as u64).with_context(what)? as usize)
+        };
+        let mut values = vec![0f32; cols];
+        // The part's runs, each cut at the rows it crosses: (HF row, first column, columns).
+        let mut at = 0; // elements of the part copied
+        for (w, n) in part.runs() {
+            let mut e = w;
+            while e < w + n {
+                let (d, c0) = (e / cols, e % cols);
+                let k = (cols - c0).min(w + n - e);
+                let g = from[d];
+                let row = &src[g * src_row..(g + 1) * src_row];
+                match storage {
+                    Some(ty) if ty == info.ty => {
+                        let (lo, len, out) = (bytes(ty, c0)?, bytes(ty, k)?, bytes(ty, at)?);
+                        dst[out..out + len].copy_from_slice(&row[lo..lo + len]);
+                    }
+                    Some(ty) => {
+                        dequant::dequantize(info.ty, row, &mut values).with_context(what)?;
+                        let (out, len) = (bytes(ty, at)?, bytes(ty, k)?);
+                        let dst = &mut dst[out..out + len];
+                        super::quantize::quantize(ty, &values[c0..c0 + k], dst)
+                            .with_context(what)?;
+                    }
+                    None => {
+                        dequant::dequantize(info.ty, row, &mut values).with_context(what)?;
+                        for (j, &x) in values[c0..c0 + k].iter().enumerate() {
+                            if !x.is_finite() {
+                                bail!(
+                                    "{path}: tensor {} has {x} at element {}",
+                                    h.gguf,
+                                    g * cols + c0 + j
+                                );
+                            }
+                            let b = (x - h.shift).to_le_bytes();
+                            dst[4 * (at + j)..4 * (at + j + 1)].copy_from_slice(&b);
+                        }
+                    }
+                }
+                (e, at) = (e + k, at + k);
+            }
+        }
+        let out = match storage {
+            Some(ty) => bytes(ty, at)?,
+            None => 4 * at,
+        };
+        if out != dst.len() {
+            bail!(
+                "internal error: {} of {} bytes into {}",
+                t.name,
+                out,
+                dst.len()
+            );
+        }
+        self.file.release(info, 0..src.len());
+        Ok(())
+    }
+
     /// Copies the tensor of `h` (GGUF `info`, `rows` × `cols`) into `dst` as blocks of `ty`,
     /// another type than the file's (the parts of a fused projection the file stores as
     /// different types, `plan::lora::unify_storage`): each row decoded and quantized again,
@@ -249,5 +354,93 @@ mod convert_tests {
             checked += 1;
         }
         assert!(checked >= 8, "{checked} tensors checked");
+    }
+}
+
+#[cfg(test)]
+mod part_tests {
+    use super::*;
+    use crate::gguf::testutil::{tiny_model, write_temp};
+    use crate::ir::{ModelPart, TensorSplit};
+    use crate::model::ParamLayout;
+
+    /// `bytes` of `n` values stored as `storage`, decoded to f32.
+    fn decoded(storage: Option<GgmlType>, bytes: &[u8], n: usize) -> Vec<f32> {
+        let mut v = vec![0f32; n];
+        match storage {
+            Some(ty) => dequant::dequantize(ty, bytes, &mut v).unwrap(),
+            None => {
+                for (x, b) in v.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *x = f32::from_le_bytes(b.try_into().unwrap());
+                }
+            }
+        }
+        v
+    }
+
+    /// A tensor rank's part of each tensor (`--tp 2`), copied as the file's blocks, as q8_0
+    /// converted from them, or as f32, holds the values of the whole tensor's copy at the
+    /// part's places, bit for bit: Llama's Q and K rows un-permuted, row-parallel columns of
+    /// whole blocks, Qwen2's cut biases.
+    #[test]
+    fn a_part_holds_the_whole_copys_values_at_its_places() {
+        for arch in ["llama", "qwen2"] {
+            let mut w = tiny_model(arch, false);
+            for l in 0..2u64 {
+                let name = format!("blk.{l}.ffn_down.weight");
+                w.remove_tensor(&name);
+                w.random_tensor(&name, &[256, 32], GgmlType::Q8_0, 500 + l);
+            }
+            let (_tmp, gguf) = write_temp(&w.to_bytes());
+            let cache = tempfile::tempdir().unwrap();
+            let dir = crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init", &mut |_| {})
+                .unwrap();
+            let spec = crate::ckpt::load_spec(&dir).unwrap();
+            let whole = ParamLayout::new(&spec);
+            let src = BaseSource::open(&gguf).unwrap();
+            let types = src.types();
+            let mut checked = 0;
+            for rank in 0..2 {
+                let part = ParamLayout::part(&spec, ModelPart::tensor(TensorSplit::new(2, rank)));
+                for t in part.tensors.iter().filter(|t| t.part.is_some()) {
+                    let w = whole.get(&t.name).unwrap();
+                    let file = types[&t.name];
+                    let cols = *t.shape.last().unwrap();
+                    let mut storages = vec![None];
+                    for ty in [file, GgmlType::Q8_0] {
+                        if t.shape.len() == 2 && ty.bytes_for(cols as u64).is_some() {
+                            storages.push(Some(ty));
+                        }
+                    }
+                    for storage in storages {
+                        let size = |n: usize| match storage {
+                            Some(ty) => ty.bytes_for(n as u64).unwrap() as usize,
+                            None => 4 * n,
+                        };
+                        let (mut a, mut b) = (
+                            vec![0u8; size(t.range.len())],
+                            vec![0u8; size(w.range.len())],
+                        );
+                        src.copy(t, storage, &mut a).unwrap();
+                        src.copy(w, storage, &mut b).unwrap();
+                        let (a, b) = (
+                            decoded(storage, &a, t.range.len()),
+                            decoded(storage, &b, w.range.len()),
+                        );
+                        let runs = t.part.as_ref().unwrap().runs();
+                        let want: Vec<f32> =
+                            runs.flat_map(|(at, n)| b[at..at + n].to_vec()).collect();
+                        let same = a.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(
+                            same && a.len() == want.len(),
+                            "{arch} rank {rank} {} as {storage:?}",
+                            t.name
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+            assert!(checked >= 20, "{arch}: {checked} parts checked");
+        }
     }
 }

@@ -416,20 +416,12 @@ fn check_sequence_parallel(cfg: &StepConfig) -> Result<()> {
     Ok(())
 }
 
-/// Checks LoRA under `--tp t` (adapters cut with their layers, `plan::lora`) against what
-/// it does not do yet, naming the flags: a base kept as a GGUF file's blocks (the whole
-/// tensors'; a base quantized as it loads is each rank's part, quantized as one process
-/// quantizes those rows and columns: `plan::lora::base_buffers`), and ZeRO 2 and 3 (which
-/// give each micro-batch its own gradients, where the adapters' shared tensors are summed
-/// over the tensor ranks in the group's).
+/// Checks LoRA under `--tp t` (adapters cut with their layers, `plan::lora`; a quantized
+/// base is each rank's part of the blocks, as one process stores those rows and columns:
+/// `plan::lora::base_buffers`) against what it does not do yet, naming the flags: ZeRO 2
+/// and 3 (which give each micro-batch its own gradients, where the adapters' shared tensors
+/// are summed over the tensor ranks in the group's).
 fn check_tensor_lora(cfg: &StepConfig, t: usize) -> Result<()> {
-    if cfg.base_quant == BaseQuant::Keep {
-        bail!(
-            "--tp {t} with --lora and --base-quant keep: a GGUF file's blocks cut among tensor \
-             ranks are not there yet; quantize the base as it loads instead (--base-quant \
-             q8_0, q4_0, q4_1 or q4_k, each rank its part), or use --tp 1"
-        );
-    }
     if cfg.zero.shards_grads() {
         bail!(
             "--tp {t} with --lora and --zero {}: the adapters' gradients shared by the tensor \
