@@ -78,11 +78,12 @@ fn main() {
         pool.install(|| {
             let start = Instant::now();
             attention_forward(
-                &mut out, &mut lse, &qkv, b, t, nh, nkv, hd, None, w, &mut ws[k],
+                &mut out, &mut lse, &qkv, b, t, nh, nkv, hd, hd as f32, None, w, &mut ws[k],
             );
             let fwd = start.elapsed().as_secs_f64();
             attention_backward(
-                &mut dqkv, &dout, &qkv, &out, &lse, b, t, nh, nkv, hd, None, w, &mut ws[k],
+                &mut dqkv, &dout, &qkv, &out, &lse, b, t, nh, nkv, hd, hd as f32, None, w,
+                &mut ws[k],
             );
             (fwd, start.elapsed().as_secs_f64())
         })

@@ -182,17 +182,39 @@ fn each_stage_keeps_less_and_plain_plans_have_no_collectives() {
     );
 }
 
+/// A rank of a plan of several ranks offloads its own state: the disk tier holds what
+/// `--offload all` names of it (its shard of the moments under ZeRO), so its RAM is less than
+/// the same rank's in RAM, and its file one process's (ZeRO 0) or less.
 #[test]
-fn sharded_plans_refuse_what_they_cannot_do_yet() {
+fn sharded_plans_offload_the_ranks_own_state() {
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-    let mut cfg = StepConfig::new(1, 32, 1);
-    cfg.mesh = memwall::ir::Mesh::data_parallel(2, 0);
-    cfg.zero = Zero(1);
-    cfg.offload.set = OffloadSet::ALL;
-    let e = build_plan(&spec, &cfg, Mode::Train, backend())
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("--offload"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let plan_of = |ranks: usize, zero: u8, offload: OffloadSet| {
+        let mut cfg = StepConfig::new(1, 32, 1);
+        cfg.mesh = memwall::ir::Mesh::data_parallel(ranks, 0);
+        cfg.zero = Zero(zero);
+        cfg.offload.set = offload;
+        cfg.offload.dir = Some(dir.path().to_path_buf());
+        build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
+    };
+    for zero in [0, 1, 2, 3] {
+        let (ram, off) = (
+            plan_of(2, zero, OffloadSet::NONE),
+            plan_of(2, zero, OffloadSet::ALL),
+        );
+        assert!(off.total_bytes() < ram.total_bytes(), "zero {zero}");
+        let one = plan_of(1, 0, OffloadSet::ALL).nvme_bytes();
+        assert!(off.nvme_bytes() > 0, "zero {zero}");
+        match zero {
+            // Every rank holds the whole state: one process's file.
+            0 => assert!(off.nvme_bytes().abs_diff(one) <= one / 10, "zero {zero}"),
+            _ => assert!(
+                off.nvme_bytes() < one,
+                "zero {zero}: {} vs {one}",
+                off.nvme_bytes()
+            ),
+        }
+    }
 }
 
 #[test]

@@ -237,6 +237,26 @@ fn gemma3_matches_transformers() {
     );
 }
 
+/// Gemma 3 whose `query_pre_attn_scalar` is not its head size (27B's layout: hidden / heads,
+/// here 64 / 4 = 16 with heads of 8): scores are q·k / √16. Computed with the head size
+/// instead, the loss moves by far more than the parity allows.
+#[test]
+fn gemma3_with_an_attention_scalar_apart_from_its_head_size_matches_transformers() {
+    llama_family_matches_transformers("hf-tiny-gemma3-scalar");
+    let (dir, exp) = fixture_named("hf-tiny-gemma3-scalar");
+    let mut spec = ckpt::load_spec(&dir).unwrap();
+    assert_eq!((spec.head_dim, spec.query_pre_attn_scalar), (8, Some(16.0)));
+    let mut seq = ids(&exp["prompt"]);
+    seq.extend(ids(&exp["greedy"]));
+    spec.query_pre_attn_scalar = None;
+    let by_head = loss_of(&spec, &dir, &seq);
+    let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
+    assert!(
+        (by_head - want).abs() > 1e-3,
+        "the scalar changes the loss: {by_head} vs {want}"
+    );
+}
+
 /// A multimodal Gemma 3 checkpoint (`Gemma3ForConditionalGeneration`, as the 4B and larger
 /// ship: `model_type` gemma3, the text model in `text_config` and under `language_model.`,
 /// a vision tower beside it): memwall loads its text model, and computes from text what the

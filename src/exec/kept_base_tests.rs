@@ -281,9 +281,7 @@ fn a_kept_part_of_partial_blocks_is_refused_naming_the_tensor() {
     cfg.base_quant = BaseQuant::Keep;
     cfg.base_types = Some(std::sync::Arc::new(src.types()));
     cfg.mesh = crate::ir::Mesh::new(2, 2, 1, 0);
-    let e = build_plan(&spec, &cfg, Mode::Train, backend())
-        .err()
-        .expect("refused");
+    let e = build_plan(&spec, &cfg, Mode::Train, backend()).expect_err("refused");
     let e = format!("{e:#}");
     assert!(e.contains("down_proj"), "{e}");
 }

@@ -230,9 +230,9 @@ const GEMMA3_LOCAL_THETA: f32 = 10_000.0;
 /// written: a layer pattern other than the one llama.cpp derives (`GEMMA3_PATTERN`; a model
 /// whose layers are all full is written without a window, which llama.cpp reads as no
 /// sliding layer), a sliding layers' θ other than the one it assumes
-/// (`GEMMA3_LOCAL_THETA`), and a 62-layer model whose head size is not width / heads
-/// (llama.cpp takes 62 layers for Gemma 3 27B and scales its attention by
-/// `(n_embd / n_head)^-½`, not `head_dim^-½`: `f_attention_scale`).
+/// (`GEMMA3_LOCAL_THETA`), and an attention scale other than llama.cpp's
+/// `f_attention_scale`: `(n_embd / n_head)^-½` for 62 layers (it takes those for Gemma 3
+/// 27B), `head_dim^-½` else, against the model's `query_pre_attn_scalar^-½`.
 pub fn check_gemma3(spec: &ModelSpec) -> Result<()> {
     let Some(ll) = &spec.local_layers else {
         bail!("internal error: a Gemma 3 without layer types");
@@ -249,22 +249,39 @@ pub fn check_gemma3(spec: &ModelSpec) -> Result<()> {
                 .join("")
         };
         bail!(
-            "field 'layer_types' is {} (s: sliding, F: full); a gemma3 GGUF file has no layer              pattern: llama.cpp makes every 6th layer full ({}), so it would compute another              model. llama.cpp cannot run this model",
+            "field 'layer_types' is {} (s: sliding, F: full); a gemma3 GGUF file has no layer \
+             pattern: llama.cpp makes every 6th layer full ({}), so it would compute another \
+             model. llama.cpp cannot run this model",
             kinds(&ll.sliding),
             kinds(&pattern)
         );
     }
     if !all_full && ll.rope_theta != GEMMA3_LOCAL_THETA {
         bail!(
-            "field 'rope_local_base_freq' is {}; llama.cpp rotates Gemma 3's sliding layers              with θ {GEMMA3_LOCAL_THETA} whatever the file says, so it would compute another              model",
+            "field 'rope_local_base_freq' is {}; llama.cpp rotates Gemma 3's sliding layers \
+             with θ {GEMMA3_LOCAL_THETA} whatever the file says, so it would compute another \
+             model",
             ll.rope_theta
         );
     }
-    if spec.n_layer == 62 && spec.n_embd / spec.n_head != spec.head_dim {
-        bail!(
-            "the model has 62 layers, which llama.cpp takes for Gemma 3 27B: it would scale              attention by (hidden_size / num_attention_heads = {})^-1/2, not by head_dim {}^-1/2",
+    // llama.cpp's `f_attention_scale`: (n_embd / n_head)^-½ for 62 layers, head_dim^-½ else.
+    let (scalar, why) = match spec.n_layer {
+        62 => (
             spec.n_embd / spec.n_head,
-            spec.head_dim
+            "the model has 62 layers, which llama.cpp takes for Gemma 3 27B: it divides \
+             scores by the root of hidden_size / num_attention_heads",
+        ),
+        _ => (
+            spec.head_dim,
+            "llama.cpp divides a Gemma 3's scores by the root of head_dim (but for 27B's 62 \
+             layers)",
+        ),
+    };
+    if spec.attention_scale_dim() != scalar as f32 {
+        bail!(
+            "field 'query_pre_attn_scalar' is {}; {why}, {scalar}, so it would compute another \
+             model. llama.cpp cannot run this model",
+            spec.attention_scale_dim()
         );
     }
     Ok(())

@@ -1260,8 +1260,8 @@ fn gemma3_exports_as_llama_cpp_s_converter_and_converts_back_to_the_same_logits(
 
 /// What a gemma3 GGUF cannot say is refused by name before a file is written: a layer
 /// pattern other than llama.cpp's (hf-tiny-gemma3's sliding, full, sliding), a sliding θ
-/// other than llama.cpp's 10000, 62 layers whose head size is not width / heads (llama.cpp's
-/// 27B scale). A model of only full layers is written without a window, which llama.cpp and
+/// other than llama.cpp's 10000, a `query_pre_attn_scalar` other than llama.cpp's (width /
+/// heads for 62 layers, its 27B; the head size else). A model of only full layers is written without a window, which llama.cpp and
 /// `convert` read as no sliding layer.
 #[test]
 fn gemma3_exports_refuse_what_llama_cpp_cannot_run() {
@@ -1301,8 +1301,18 @@ fn gemma3_exports_refuse_what_llama_cpp_cannot_run() {
         "vocab_size": 100, "layer_types": types});
     fs::write(d.join("config.json"), cfg.to_string()).unwrap();
     let e = format!("{:#}", export_to(&d, &out, ExportType::F32).unwrap_err());
-    assert!(e.contains("62 layers") && e.contains("27B"), "{e}");
+    assert!(
+        e.contains("query_pre_attn_scalar") && e.contains("62 layers") && e.contains("27B"),
+        "{e}"
+    );
     assert!(!out.exists());
+    // 27B's own: scores over √(hidden / heads), which llama.cpp computes (the export goes on,
+    // to find no weights here).
+    let mut cfg = cfg;
+    cfg["query_pre_attn_scalar"] = serde_json::json!(8);
+    fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    let e = format!("{:#}", export_to(&d, &out, ExportType::F32).unwrap_err());
+    assert!(!e.contains("query_pre_attn_scalar"), "{e}");
 
     let full = gemma3_dir(
         &tmp.path().join("full"),

@@ -198,6 +198,9 @@ pub enum Op {
         nkv: usize,
         hd: usize,
         window: Option<usize>,
+        /// Scores are q·k / √scale_dim: the head size `hd`, or Gemma 3's
+        /// `query_pre_attn_scalar`.
+        scale_dim: f32,
     },
     /// `out[N,C] = (residual[N,C] if any) + rmsnorm(inp[N,C]; w)`, `rstd[N]` its 1/rms. The
     /// gain is `offset + w` (Gemma's `(1 + w)`, `Gemma3RMSNorm`; offset 0 elsewhere). The
@@ -404,6 +407,8 @@ pub enum Op {
         nkv: usize,
         hd: usize,
         window: Option<usize>,
+        /// The forward's `scale_dim`.
+        scale_dim: f32,
     },
     /// `dinp[N,C] += rmsnorm_backward(dout); dw +=` (the gain `offset + w`, as the forward's).
     /// A residual the forward added is the caller's: its gradient is `dout` itself.

@@ -9,8 +9,8 @@
 //!   x2 = norm(r); m = (gelu_tanh(x2 @ Wgateᵀ) · (x2 @ Wupᵀ)) @ Wdownᵀ; out = r + norm(m),
 //!
 //! every norm an RMSNorm with gain `1 + w`, the embedding's rows multiplied by √C, the
-//! attention scaled by `query_pre_attn_scalar^-½` (memwall reads only configs where that is
-//! `head_dim^-½`, as in every Gemma 3 up to 12B), sliding layers attending to the last
+//! attention scaled by `query_pre_attn_scalar^-½` (`head_dim^-½` in every Gemma 3 up to 12B,
+//! `(hidden / heads)^-½` in 27B: [`ModelSpec::query_pre_attn_scalar`]), sliding layers attending to the last
 //! `sliding_window` keys (themselves included) with RoPE base `rope_local_base_freq`, full
 //! layers to the whole prefix with `rope_theta` (and the config's scaling: linear, by
 //! `factor`, on the 4B and larger).
@@ -111,6 +111,7 @@ fn from_preset(p: &Preset) -> ModelSpec {
             sliding: default_layers(p.layers, PATTERN),
             rope_theta: 10_000.0,
         }),
+        query_pre_attn_scalar: None,
         special_tokens: SpecialTokens {
             bos: Some(2),
             eos: vec![1, 106], // <eos>, <end_of_turn>
@@ -165,14 +166,15 @@ pub(super) fn from_hf_config(obj: &Map<String, Value>, source: &str) -> Result<M
     let c = f.uint("hidden_size", Some(2304))?;
     let nh = f.uint("num_attention_heads", Some(8))?;
     let head_dim = f.uint("head_dim", Some(256))?;
-    let scalar = f.float("query_pre_attn_scalar", 256.0)?;
-    if scalar != head_dim as f64 {
+    // Attention scores are q·k / √query_pre_attn_scalar (`Gemma3Attention.scaling`).
+    let scalar = f.float("query_pre_attn_scalar", head_dim as f64)?;
+    if !(scalar.is_finite() && scalar > 0.0) {
         bail!(
-            "{source}: field 'query_pre_attn_scalar' is {scalar}, not the head size \
-             {head_dim}; memwall scales attention scores by head_dim^-1/2 only (Gemma 3 27B's \
-             configs differ: not supported yet)"
+            "{source}: field 'query_pre_attn_scalar' is {scalar}; it must be a positive number \
+             (attention scores are divided by its square root)"
         );
     }
+    let query_pre_attn_scalar = (scalar != head_dim as f64).then_some(scalar as f32);
     let layers = f.uint("num_hidden_layers", Some(26))?;
     let sliding = layer_types(&f, layers)?;
     let window = match obj.get("sliding_window") {
@@ -216,6 +218,7 @@ pub(super) fn from_hf_config(obj: &Map<String, Value>, source: &str) -> Result<M
             sliding,
             rope_theta: local_theta,
         }),
+        query_pre_attn_scalar,
         special_tokens: SpecialTokens { bos, eos, pad },
     })
 }
@@ -375,6 +378,15 @@ fn rope(f: &Fields) -> Result<(f32, f32, Option<RopeScaling>)> {
     Ok((theta, local_theta, scaling))
 }
 
+/// `query_pre_attn_scalar` as the released configs write it: an integer (256, 168) where it
+/// is one.
+fn scalar_json(x: f32) -> Value {
+    match x.fract() == 0.0 && x >= 0.0 && x < u32::MAX as f32 {
+        true => json!(x as u32),
+        false => json!(x),
+    }
+}
+
 /// The `config.json` transformers loads (`Gemma3ForCausalLM`), in the released configs'
 /// form (which transformers 5 reads into its `rope_parameters`).
 pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
@@ -412,7 +424,7 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         "num_attention_heads": s.n_head,
         "num_key_value_heads": s.n_kv_head,
         "head_dim": s.head_dim,
-        "query_pre_attn_scalar": s.head_dim,
+        "query_pre_attn_scalar": scalar_json(s.attention_scale_dim()),
         "max_position_embeddings": s.n_positions,
         "rms_norm_eps": s.norm_eps,
         "rope_theta": *theta,
@@ -591,7 +603,7 @@ mod tests {
                 "final_logit_softcapping",
             ),
             (r#", "hidden_activation": "silu""#, "hidden_activation"),
-            (r#", "query_pre_attn_scalar": 168"#, "query_pre_attn_scalar"),
+            (r#", "query_pre_attn_scalar": 0"#, "query_pre_attn_scalar"),
             (r#", "layer_types": ["full_attention"]"#, "layer_types"),
             (
                 r#", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}"#,

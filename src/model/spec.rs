@@ -157,6 +157,10 @@ pub struct ModelSpec {
     /// Gemma 3's sliding and full layers (`None`: every layer has [`Self::sliding_window`],
     /// if any, and the model's rotation).
     pub local_layers: Option<LocalLayers>,
+    /// Gemma 3's `query_pre_attn_scalar` where it is not the head size: attention scores are
+    /// q·k / √it (Gemma 3 27B's is hidden / heads, 168, with heads of 128). `None`: q·k /
+    /// √head_dim. See [`ModelSpec::attention_scale_dim`].
+    pub query_pre_attn_scalar: Option<f32>,
     /// Not architecture (ignored by [`ModelSpec::same_dims`]): written back into config.json.
     pub special_tokens: SpecialTokens,
 }
@@ -490,6 +494,12 @@ impl ModelSpec {
             ..s.clone()
         };
         bare(self) == bare(o)
+    }
+
+    /// What attention scores are divided by the square root of ([`crate::ir::Op::Attention`]'s
+    /// `scale_dim`): the head size, or Gemma 3's `query_pre_attn_scalar`.
+    pub fn attention_scale_dim(&self) -> f32 {
+        self.query_pre_attn_scalar.unwrap_or(self.head_dim as f32)
     }
 
     /// One-line description, e.g. `gpt2 (124.4M params: L=12 C=768 NH=12 V=50257 maxT=1024)`

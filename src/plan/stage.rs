@@ -132,7 +132,7 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
         .collect();
     let (kept, homes): (Vec<usize>, Vec<Home>) = (homes.iter().enumerate())
         .filter(|(k, _)| moved[*k])
-        .map(|(k, h)| (k, h.clone()))
+        .map(|(k, h)| (k, *h))
         .unzip();
     spans.retain(|s| moved[s.home]);
     for s in &mut spans {

@@ -777,9 +777,15 @@ fn first_key(pos: Option<&[u32]>, w: Option<usize>, t: usize, bb: usize, i: usiz
 }
 
 /// Causal attention of `qkv` `[b, t, (nh + 2·nkv)·hd]`: (out `[b, t, nh·hd]`, lse
-/// `[b, nh, t]`), scores scaled by 1/sqrt(hd), KV head h / g serving query head h; with
+/// `[b, nh, t]`), scores scaled by 1/√[`scale_dim`], KV head h / g serving query head h; with
 /// `pos` (packed rows) query i attends only keys `i − pos[i] ..= i`, with a sliding window
 /// `win` only keys `i − win < j` as well.
+/// What the attention checks divide scores by the square root of: not the head size (as
+/// Gemma 3's `query_pre_attn_scalar` may not be), so the ops must read it.
+fn scale_dim(hd: usize) -> f32 {
+    hd as f32 + 3.0
+}
+
 fn attention_ref(
     qkv: &[f32],
     (b, t): (usize, usize),
@@ -787,7 +793,7 @@ fn attention_ref(
     (pos, win): (Option<&[u32]>, Option<usize>),
 ) -> (Vec<f64>, Vec<f64>) {
     let w = (nh + 2 * nkv) * hd;
-    let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
+    let (g, scale) = (nh / nkv, 1.0 / (scale_dim(hd) as f64).sqrt());
     let at = |bb: usize, i: usize, off: usize, c: usize| qkv[(bb * t + i) * w + off + c] as f64;
     let mut out = vec![0.0; b * t * nh * hd];
     let mut lse = vec![0.0; b * nh * t];
@@ -827,7 +833,7 @@ fn attention_backward_ref(
     (pos, win): (Option<&[u32]>, Option<usize>),
 ) -> Vec<f64> {
     let w = (nh + 2 * nkv) * hd;
-    let (g, scale) = (nh / nkv, 1.0 / (hd as f64).sqrt());
+    let (g, scale) = (nh / nkv, 1.0 / (scale_dim(hd) as f64).sqrt());
     let at = |bb: usize, i: usize, off: usize, c: usize| qkv[(bb * t + i) * w + off + c] as f64;
     let mut d = vec![0.0; b * t * w];
     for bb in 0..b {
@@ -897,6 +903,7 @@ pub fn attention(be: &dyn Backend, p: Precision) {
                 nkv,
                 hd,
                 window,
+                scale_dim: scale_dim(hd),
             };
             let op = rig.op(op, Bind::None);
             let mut s = rig.start(be);
@@ -950,6 +957,7 @@ pub fn attention_backward(be: &dyn Backend, p: Precision) {
             nkv,
             hd,
             window,
+            scale_dim: scale_dim(hd),
         };
         let op = rig.op(op, Bind::None);
         let mut s = rig.start(be);

@@ -22,11 +22,15 @@ static int first_key(const vector<uint32_t>* pos, int W, int t, int b, int i) {
     int lo = pos ? i - (int)(*pos)[b * t + i] : 0;
     return W > 0 ? std::max(lo, i + 1 - W) : lo;
 }
+// What scores are divided by the square root of (the entries' last argument, `sd`): not the
+// head size, as Gemma 3's query_pre_attn_scalar may not be, so the kernels must read it.
+static float scale_dim(int hd) { return (float)hd + 3.0f; }
+
 static void ref_forward(const vector<double>& qkv, int B, int T, int NH, int NKV, int hd,
                         const vector<uint32_t>* pos, int W, vector<double>& out,
                         vector<double>& lse, vector<double>& att) {
     int ld = (NH + 2 * NKV) * hd, co = NH * hd, g = NH / NKV;
-    double scale = 1.0 / std::sqrt((double)hd);
+    double scale = 1.0 / std::sqrt((double)scale_dim(hd));
     out.assign((size_t)B * T * co, 0.0);
     lse.assign((size_t)B * NH * T, 0.0);
     att.assign((size_t)B * NH * T * T, 0.0);
@@ -59,7 +63,7 @@ static vector<double> ref_backward(const vector<double>& dout, const vector<doub
                                    int T, int NH, int NKV, int hd,
                                    const vector<uint32_t>* pos, int W) {
     int ld = (NH + 2 * NKV) * hd, co = NH * hd, g = NH / NKV;
-    double scale = 1.0 / std::sqrt((double)hd);
+    double scale = 1.0 / std::sqrt((double)scale_dim(hd));
     vector<double> out, lse, att;
     ref_forward(qkv, B, T, NH, NKV, hd, pos, W, out, lse, att);
     vector<double> dqkv((size_t)B * T * ld, 0.0), dp(T);
@@ -124,15 +128,15 @@ static void expect(bool c, const char* what) {
 
 
 template <class T> struct Entries {
-    void (*fwd[3])(const T*, const unsigned*, T*, float*, int, int, int, int, int, int);
+    void (*fwd[3])(const T*, const unsigned*, T*, float*, int, int, int, int, int, int, float);
     void (*dkv[3])(T*, const unsigned*, const T*, const T*, const float*, const float*, int,
-                   int, int, int, int, int);
+                   int, int, int, int, int, float);
     void (*dq[3])(T*, const unsigned*, const T*, const T*, const float*, const float*, int, int,
-                  int, int, int, int);
+                  int, int, int, int, float);
     void (*dot)(float*, const T*, const T*, int, int, int, int);
-    void (*fwd_naive)(const T*, const unsigned*, T*, float*, int, int, int, int, int, int);
+    void (*fwd_naive)(const T*, const unsigned*, T*, float*, int, int, int, int, int, int, float);
     void (*bwd_naive)(T*, const unsigned*, const T*, const T*, const T*, const float*, int, int,
-                      int, int, int, int);
+                      int, int, int, int, float);
 };
 #define ENTRIES(T, S)                                                                          \
     Entries<T>{{attention_forward_hd64_##S, attention_forward_hd128_##S,                       \
@@ -169,15 +173,15 @@ static Run<T> run_flash(const Entries<T>& en, int which, const vector<T>& qkv,
     r.ws.assign((size_t)B * NH * Tn, NAN);
     const unsigned* pp = pos ? pos->data() : nullptr;
     emu_launch(dim3{cdiv(Tn, 32), (unsigned)NH, (unsigned)B}, dim3{256}, fwd_smem(hd),
-               en.fwd[which], qkv.data(), pp, r.out.data(), r.lse.data(), B, Tn, NH, NKV, hd, W);
+               en.fwd[which], qkv.data(), pp, r.out.data(), r.lse.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     emu_launch(dim3{cdiv((long long)B * Tn * NH, 8)}, dim3{256}, 0, en.dot, r.ws.data(),
                dout.data(), (const T*)r.out.data(), B, Tn, NH, hd);
     emu_launch(dim3{cdiv(Tn, 32), (unsigned)NKV, (unsigned)B}, dim3{256}, dkv_smem(hd),
                en.dkv[which], r.dqkv.data(), pp, dout.data(), qkv.data(),
-               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W);
+               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     emu_launch(dim3{cdiv(Tn, 32), (unsigned)NH, (unsigned)B}, dim3{256}, dq_smem(hd),
                en.dq[which], r.dqkv.data(), pp, dout.data(), qkv.data(),
-               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W);
+               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     return r;
 }
 
@@ -224,10 +228,10 @@ static void run_case(const char* tname, const Entries<T>& en, double tol, int B,
     vector<T> nout((size_t)B * Tn * co, nanT), ndqkv((size_t)B * Tn * ld, nanT);
     vector<float> nlse((size_t)B * NH * Tn, NAN);
     emu_launch(dim3{cdiv((long long)B * Tn * NH * hd, 256)}, dim3{256}, 0, en.fwd_naive,
-               qkv.data(), pp, nout.data(), nlse.data(), B, Tn, NH, NKV, hd, W);
+               qkv.data(), pp, nout.data(), nlse.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     emu_launch(dim3{cdiv((long long)B * Tn * ld, 256)}, dim3{256}, 0, en.bwd_naive,
                ndqkv.data(), pp, dout.data(), qkv.data(), (const T*)f.out.data(),
-               (const float*)f.lse.data(), B, Tn, NH, NKV, hd, W);
+               (const float*)f.lse.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     check("naive out vs f64", tag, widen(nout), rout, tol);
     check("naive lse vs f64", tag, widen(nlse), rlse, tol);
     check("naive dqkv vs f64", tag, widen(ndqkv), rdqkv, 4 * tol);
@@ -256,11 +260,11 @@ static void run_case(const char* tname, const Entries<T>& en, double tol, int B,
 // (the backward's D from attention.cu's attention_backward_dot_<S>, as the host launches it).
 
 template <class T> struct MmaEntries {
-    void (*fwd[2])(const T*, const unsigned*, T*, float*, int, int, int, int, int, int);
+    void (*fwd[2])(const T*, const unsigned*, T*, float*, int, int, int, int, int, int, float);
     void (*dkv[2])(T*, const unsigned*, const T*, const T*, const float*, const float*, int,
-                   int, int, int, int, int);
+                   int, int, int, int, int, float);
     void (*dq[2])(T*, const unsigned*, const T*, const T*, const float*, const float*, int, int,
-                  int, int, int, int);
+                  int, int, int, int, float);
 };
 #define MMA_ENTRIES(S)                                                                         \
     {{attention_forward_mma_hd64_##S, attention_forward_mma_hd128_##S},                        \
@@ -286,15 +290,15 @@ static Run<T> run_mma(const MmaEntries<T>& en, const Entries<T>& fma, int which,
     r.ws.assign((size_t)B * NH * Tn, NAN);
     const unsigned* pp = pos ? pos->data() : nullptr;
     emu_launch(dim3{cdiv(Tn, 64), (unsigned)NH, (unsigned)B}, dim3{128}, mma_fwd_smem(HD),
-               en.fwd[which], qkv.data(), pp, r.out.data(), r.lse.data(), B, Tn, NH, NKV, hd, W);
+               en.fwd[which], qkv.data(), pp, r.out.data(), r.lse.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     emu_launch(dim3{cdiv((long long)B * Tn * NH, 8)}, dim3{256}, 0, fma.dot, r.ws.data(),
                dout.data(), (const T*)r.out.data(), B, Tn, NH, hd);
     emu_launch(dim3{cdiv(Tn, 64), (unsigned)NKV, (unsigned)B}, dim3{128}, mma_dkv_smem(HD),
                en.dkv[which], r.dqkv.data(), pp, dout.data(), qkv.data(),
-               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W);
+               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     emu_launch(dim3{cdiv(Tn, 64), (unsigned)NH, (unsigned)B}, dim3{128}, mma_dq_smem(HD),
                en.dq[which], r.dqkv.data(), pp, dout.data(), qkv.data(),
-               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W);
+               (const float*)r.lse.data(), (const float*)r.ws.data(), B, Tn, NH, NKV, hd, W, scale_dim(hd));
     return r;
 }
 

@@ -228,6 +228,7 @@ impl StagedBlock for Dims {
                         nkv: d.nh,
                         hd: d.hd,
                         window: None,
+                        scale_dim: d.hd as f32,
                     },
                 );
                 (partial.atty, partial.lse) = (Some(out), Some(lse));
@@ -465,6 +466,7 @@ impl StagedBlock for Dims {
                 nkv: d.nh,
                 hd: d.hd,
                 window: None,
+                scale_dim: d.hd as f32,
             },
         );
         let ln1 = d.gathered(g, a.ln1, &format!("{name}ln1.bwd"), bwd);

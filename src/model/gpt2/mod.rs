@@ -60,6 +60,7 @@ pub fn spec(name: &str, [v, t, c, l, h]: [usize; 5]) -> ModelSpec {
         biases: Biases::ALL,
         sliding_window: None,
         local_layers: None,
+        query_pre_attn_scalar: None,
         special_tokens: SpecialTokens {
             bos: Some(EOT),
             eos: vec![EOT],

@@ -78,6 +78,8 @@ struct Dims {
     act: GluAct,
     /// The token embedding's factor (Gemma's √C).
     embed_scale: f32,
+    /// Attention scores are q·k / √scale_dim ([`ModelSpec::attention_scale_dim`]).
+    scale_dim: f32,
 }
 
 /// One layer's attention: its window and its rotation.
@@ -459,6 +461,7 @@ impl StagedBlock for Dims {
                         nkv: d.nkv,
                         hd: d.hd,
                         window,
+                        scale_dim: d.scale_dim,
                     },
                 );
                 (partial.attn, partial.lse) = (Some(out), Some(lse));
@@ -723,6 +726,7 @@ impl StagedBlock for Dims {
                 nkv: d.nkv,
                 hd: d.hd,
                 window: attn.window,
+                scale_dim: d.scale_dim,
             },
         );
         g.op(
@@ -859,6 +863,7 @@ pub(crate) fn micro_batch(
         qk_norm: spec.family.qk_norm(),
         act: spec.family.glu_act(),
         embed_scale: spec.family.embed_scale(spec.n_embd),
+        scale_dim: spec.attention_scale_dim(),
     };
     let (len, pfx) = (d.stream_len(), mb.prefix.as_str());
     let embedded = stage

@@ -426,6 +426,7 @@ fn from_preset(p: &Preset) -> ModelSpec {
         biases: biases(p.family, false, false),
         sliding_window: p.window,
         local_layers: None,
+        query_pre_attn_scalar: None,
         special_tokens: SpecialTokens {
             bos: Some(p.bos),
             eos: vec![p.eos],
@@ -575,6 +576,7 @@ pub(super) fn from_hf_config(
         ),
         sliding_window,
         local_layers: None,
+        query_pre_attn_scalar: None,
         special_tokens: SpecialTokens { bos, eos, pad },
     })
 }

@@ -8,8 +8,8 @@
 //! `(NH+NKV)·hd + j·hd..` (`hd` each). KV head j serves query heads j·g … j·g+g−1
 //! (repeat-interleave, as transformers' `repeat_kv`, not tiling). `out` is `[B, T, NH·hd]` with
 //! head h in channels `h·hd..(h+1)·hd`; `dqkv` is laid out like `qkv`. Multi-head attention is
-//! NKV = NH (GPT-2: `[B, T, 3C]`, hd = C/NH). Scores are scaled by 1/sqrt(hd); query position i
-//! attends to key positions 0..=i, or, in a packed row, to its own example's keys only.
+//! NKV = NH (GPT-2: `[B, T, 3C]`, hd = C/NH). Scores are scaled by 1/√scale_dim (hd, or
+//! Gemma 3's `query_pre_attn_scalar`); query position i attends to key positions 0..=i, or, in a packed row, to its own example's keys only.
 //!
 //! Packed rows (sequence packing): several examples share a row of T tokens, and the optional
 //! positions `pos` `[B, T]` (u32) give each token's position in its example: `pos[b, 0] = 0`,
@@ -181,7 +181,8 @@ struct Dims {
     ld: usize,
     /// Row width of `out` / `dout`, NH·hd.
     co: usize,
-    /// 1/sqrt(hd): scores are scale · q·k.
+    /// 1/√scale_dim (the head size, or Gemma 3's `query_pre_attn_scalar`): scores are
+    /// scale · q·k.
     scale: f32,
     /// scale · log2(e): scores in base-2 units, the exponent `exp2_nonpos` takes.
     scale2: f32,
@@ -193,7 +194,12 @@ struct Dims {
 }
 
 impl Dims {
-    fn new(t: usize, nh: usize, nkv: usize, hd: usize, window: Option<usize>) -> Self {
+    fn new(
+        t: usize,
+        (nh, nkv, hd): (usize, usize, usize),
+        scale_dim: f32,
+        window: Option<usize>,
+    ) -> Self {
         assert!(
             nh > 0 && nkv > 0 && nh.is_multiple_of(nkv),
             "NH={nh} must be a positive multiple of NKV={nkv}"
@@ -208,8 +214,8 @@ impl Dims {
             hd,
             ld: (nh + 2 * nkv) * hd,
             co: nh * hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-            scale2: std::f32::consts::LOG2_E / (hd as f32).sqrt(),
+            scale: 1.0 / scale_dim.sqrt(),
+            scale2: std::f32::consts::LOG2_E / scale_dim.sqrt(),
             w: window.unwrap_or(usize::MAX),
             nk_max: tile_keys(t, window),
         }
@@ -789,11 +795,12 @@ pub fn attention_forward<T: Elem>(
     nh: usize,
     nkv: usize,
     hd: usize,
+    scale_dim: f32,
     pos: Option<&[u32]>, // [B, T]
     window: Option<usize>,
     ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, window, threads)]
 ) {
-    let dims = Dims::new(t, nh, nkv, hd, window);
+    let dims = Dims::new(t, (nh, nkv, hd), scale_dim, window);
     if let Some(pos) = pos {
         check_positions(pos, b, t);
     }
@@ -986,11 +993,12 @@ pub fn attention_backward<T: Elem>(
     nh: usize,
     nkv: usize,
     hd: usize,
+    scale_dim: f32,
     pos: Option<&[u32]>, // [B, T]
     window: Option<usize>,
     ws: &mut [f32], // [attention_workspace_len::<T>(T, hd, window, threads)]
 ) {
-    let dims = Dims::new(t, nh, nkv, hd, window);
+    let dims = Dims::new(t, (nh, nkv, hd), scale_dim, window);
     let (ld, co) = (dims.ld, dims.co);
     if let Some(pos) = pos {
         check_positions(pos, b, t);

@@ -46,6 +46,7 @@ pub fn forward_f64(
     b: usize,
     t: usize,
     (nh, nkv, hd): (usize, usize, usize),
+    scale_dim: f64,
     pos: Option<&[u32]>, // [B, T]
     window: Option<usize>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
@@ -55,7 +56,7 @@ pub fn forward_f64(
     assert!(pos.is_none_or(|p| p.len() == b * t));
     let k = repeat_kv(qkv, (b, t), (nh, nkv, hd), false); // [B, T, NH·hd]
     let v = repeat_kv(qkv, (b, t), (nh, nkv, hd), true); // [B, T, NH·hd]
-    let scale = 1.0 / (hd as f64).sqrt();
+    let scale = 1.0 / scale_dim.sqrt();
     let mut out = vec![0.0; b * t * co];
     let mut lse = vec![0.0; b * nh * t];
     let mut att = vec![0.0; b * nh * t * t];
@@ -107,11 +108,12 @@ pub fn attention_forward(
     nh: usize,
     nkv: usize,
     hd: usize,
+    scale_dim: f32,
     pos: Option<&[u32]>,
     window: Option<usize>,
 ) {
     let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-    let (o, l, _) = forward_f64(&q64, b, t, (nh, nkv, hd), pos, window);
+    let (o, l, _) = forward_f64(&q64, b, t, (nh, nkv, hd), scale_dim as f64, pos, window);
     assert_eq!((out.len(), lse.len()), (o.len(), l.len()));
     for (d, s) in out.iter_mut().zip(&o) {
         *d = *s as f32;
@@ -125,18 +127,20 @@ pub fn attention_forward(
 /// `[B,T,(NH+2·NKV)·hd]` for upstream gradient `dout` `[B,T,NH·hd]`. The gradients of the
 /// repeated K and V (`[B,T,NH·hd]`) are computed per query head, then summed over each
 /// KV head's g copies. Positions `pos` `[B,T]` and `window` as `forward_f64`.
+#[allow(clippy::too_many_arguments)]
 pub fn backward_f64(
     dout: &[f64],
     qkv: &[f64],
     b: usize,
     t: usize,
     (nh, nkv, hd): (usize, usize, usize),
+    scale_dim: f64,
     pos: Option<&[u32]>,
     window: Option<usize>,
 ) -> Vec<f64> {
     let (ld, co, g) = ((nh + 2 * nkv) * hd, nh * hd, nh / nkv);
-    let scale = 1.0 / (hd as f64).sqrt();
-    let (_, _, att) = forward_f64(qkv, b, t, (nh, nkv, hd), pos, window);
+    let scale = 1.0 / scale_dim.sqrt();
+    let (_, _, att) = forward_f64(qkv, b, t, (nh, nkv, hd), scale_dim, pos, window);
     let k = repeat_kv(qkv, (b, t), (nh, nkv, hd), false); // [B, T, NH·hd]
     let v = repeat_kv(qkv, (b, t), (nh, nkv, hd), true); // [B, T, NH·hd]
     let mut dqkv = vec![0.0; b * t * ld];
@@ -197,12 +201,22 @@ pub fn attention_backward(
     nh: usize,
     nkv: usize,
     hd: usize,
+    scale_dim: f32,
     pos: Option<&[u32]>,
     window: Option<usize>,
 ) {
     let d64: Vec<f64> = dout.iter().map(|&x| x as f64).collect();
     let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-    let g = backward_f64(&d64, &q64, b, t, (nh, nkv, hd), pos, window);
+    let g = backward_f64(
+        &d64,
+        &q64,
+        b,
+        t,
+        (nh, nkv, hd),
+        scale_dim as f64,
+        pos,
+        window,
+    );
     assert_eq!(dqkv.len(), g.len());
     for (d, s) in dqkv.iter_mut().zip(&g) {
         *d = *s as f32;

@@ -70,7 +70,7 @@ fn fast_fwd_win<T: Elem>(
     let mut lse = vec![f32::NAN; b * nh * t];
     let mut ws = ws_for::<T>(t, hd, window);
     attention_forward(
-        &mut out, &mut lse, qkv, b, t, nh, nkv, hd, pos, window, &mut ws,
+        &mut out, &mut lse, qkv, b, t, nh, nkv, hd, hd as f32, pos, window, &mut ws,
     );
     (out, lse)
 }
@@ -120,7 +120,7 @@ fn fast_bwd_win<T: Elem>(
     let mut dqkv = vec![T::from_f32(f32::NAN); b * t * widths(heads).0];
     let mut ws = ws_for::<T>(t, hd, window);
     attention_backward(
-        &mut dqkv, dout, qkv, out, lse, b, t, nh, nkv, hd, pos, window, &mut ws,
+        &mut dqkv, dout, qkv, out, lse, b, t, nh, nkv, hd, hd as f32, pos, window, &mut ws,
     );
     dqkv
 }
@@ -150,7 +150,9 @@ fn naive_fwd_win(
     let (nh, nkv, hd) = heads;
     let mut out = vec![0.0; b * t * widths(heads).1];
     let mut lse = vec![0.0; b * nh * t];
-    naive::attention_forward(&mut out, &mut lse, qkv, b, t, nh, nkv, hd, pos, window);
+    naive::attention_forward(
+        &mut out, &mut lse, qkv, b, t, nh, nkv, hd, hd as f32, pos, window,
+    );
     (out, lse)
 }
 
@@ -180,7 +182,9 @@ fn naive_bwd_win(
 ) -> Vec<f32> {
     let (nh, nkv, hd) = heads;
     let mut dqkv = vec![0.0; b * t * widths(heads).0];
-    naive::attention_backward(&mut dqkv, dout, qkv, b, t, nh, nkv, hd, pos, window);
+    naive::attention_backward(
+        &mut dqkv, dout, qkv, b, t, nh, nkv, hd, hd as f32, pos, window,
+    );
     dqkv
 }
 
@@ -305,7 +309,7 @@ fn peaky_scores_match_naive() {
         let (out_n, lse_n) = naive_fwd(&qkv, b, t, heads);
         // Probabilities below 2^-126 (flushed to 0 by the fast kernel) must occur.
         let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
-        let (_, _, att) = naive::forward_f64(&q64, b, t, heads, None, None);
+        let (_, _, att) = naive::forward_f64(&q64, b, t, heads, heads.2 as f64, None, None);
         let tiny = att
             .iter()
             .filter(|&&p| p > 0.0 && p < 2f64.powi(-126))
@@ -353,7 +357,7 @@ fn backward_matches_finite_differences() {
         let q64: Vec<f64> = qkv.iter().map(|&x| x as f64).collect();
         let r64: Vec<f64> = r.iter().map(|&x| x as f64).collect();
         let loss = |x: &[f64]| -> f64 {
-            let (o, _, _) = naive::forward_f64(x, b, t, heads, pos, window);
+            let (o, _, _) = naive::forward_f64(x, b, t, heads, heads.2 as f64, pos, window);
             o.iter().zip(&r64).map(|(a, b)| a * b).sum()
         };
         let eps = 1e-5;
@@ -371,7 +375,7 @@ fn backward_matches_finite_differences() {
             .collect();
         let maxabs = num.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         assert!(maxabs > 1e-3, "degenerate test: gradient is ~0");
-        let ana64 = naive::backward_f64(&r64, &q64, b, t, heads, pos, window);
+        let ana64 = naive::backward_f64(&r64, &q64, b, t, heads, heads.2 as f64, pos, window);
         for (i, (&a, &n)) in ana64.iter().zip(&num).enumerate() {
             assert!(
                 (a - n).abs() <= 1e-7 * (1.0 + maxabs),
@@ -545,6 +549,7 @@ fn rejects_small_workspace() {
         nh,
         nh,
         c / nh,
+        (c / nh) as f32,
         None,
         None,
         &mut ws,
@@ -577,6 +582,7 @@ fn rejects_f32_sized_workspace_for_bf16() {
         nh,
         nh,
         c / nh,
+        (c / nh) as f32,
         None,
         None,
         &mut ws,
@@ -1261,11 +1267,12 @@ fn packed_timing() {
             let mut step = || {
                 let start = std::time::Instant::now();
                 attention_forward(
-                    &mut out, &mut lse, &qkv, b, t, nh, nkv, hd, pos, None, &mut ws,
+                    &mut out, &mut lse, &qkv, b, t, nh, nkv, hd, hd as f32, pos, None, &mut ws,
                 );
                 let fwd = start.elapsed().as_secs_f64();
                 attention_backward(
-                    &mut dqkv, &dout, &qkv, &out, &lse, b, t, nh, nkv, hd, pos, None, &mut ws,
+                    &mut dqkv, &dout, &qkv, &out, &lse, b, t, nh, nkv, hd, hd as f32, pos, None,
+                    &mut ws,
                 );
                 (fwd, start.elapsed().as_secs_f64())
             };
@@ -1304,4 +1311,44 @@ fn packed_timing() {
         println!("packed ~100 / identity: {:.3}", pack.1 / ident.1);
         assert!(pack.1 <= 1.05 * ident.1, "packing costs more than 5%");
     });
+}
+
+/// Scores scaled by 1/√scale_dim with a scale_dim other than the head size (Gemma 3's
+/// `query_pre_attn_scalar`): the fast kernels match their naive twin, forward and backward,
+/// and differ from the head size's scaling.
+#[test]
+fn a_scale_other_than_the_head_size_matches_the_naive_twin() {
+    let (b, t, heads) = (2, 37, (4, 2, 8));
+    let (nh, nkv, hd) = heads;
+    let (ld, co) = widths(heads);
+    let qkv = rand_vec(b * t * ld, 21, 1.0);
+    let dout = rand_vec(b * t * co, 22, 1.0);
+    for (window, scale_dim) in [(None, 21.0f32), (Some(5), 3.5)] {
+        let what = format!("scale_dim {scale_dim} window {window:?}");
+        let (mut out, mut lse) = (vec![0.0; b * t * co], vec![0.0; b * nh * t]);
+        let mut ws = ws_for::<f32>(t, hd, window);
+        attention_forward(
+            &mut out, &mut lse, &qkv, b, t, nh, nkv, hd, scale_dim, None, window, &mut ws,
+        );
+        let (mut nout, mut nlse) = (vec![0.0; b * t * co], vec![0.0; b * nh * t]);
+        naive::attention_forward(
+            &mut nout, &mut nlse, &qkv, b, t, nh, nkv, hd, scale_dim, None, window,
+        );
+        assert_close(&format!("{what} out"), &out, &nout, 1e-5);
+        assert_close(&format!("{what} lse"), &lse, &nlse, 1e-5);
+        let (plain, _) = naive_fwd_win(&qkv, b, t, heads, None, window);
+        assert!(
+            plain.iter().zip(&nout).any(|(a, b)| (a - b).abs() > 1e-3),
+            "{what}: the scale is used"
+        );
+        let mut dqkv = vec![0.0; b * t * ld];
+        attention_backward(
+            &mut dqkv, &dout, &qkv, &out, &lse, b, t, nh, nkv, hd, scale_dim, None, window, &mut ws,
+        );
+        let mut ndqkv = vec![0.0; b * t * ld];
+        naive::attention_backward(
+            &mut ndqkv, &dout, &qkv, b, t, nh, nkv, hd, scale_dim, None, window,
+        );
+        assert_close(&format!("{what} dqkv"), &dqkv, &ndqkv, 1e-4);
+    }
 }

@@ -26,6 +26,7 @@ impl CpuDevice {
                 nkv,
                 hd,
                 window,
+                scale_dim,
             } => {
                 let (r, nh, nkv, hd) = (rows.with_seq(ctx.seq), *nh, *nkv, *hd);
                 let n = r.n();
@@ -38,6 +39,7 @@ impl CpuDevice {
                     nh,
                     nkv,
                     hd,
+                    *scale_dim,
                     args.positions(pos, r),
                     *window,
                     self.view::<f32>(*ws),
@@ -86,6 +88,7 @@ impl CpuDevice {
                 nkv,
                 hd,
                 window,
+                scale_dim,
             } => {
                 let (r, nh, nkv, hd) = (rows.with_seq(ctx.seq), *nh, *nkv, *hd);
                 let n = r.n();
@@ -101,6 +104,7 @@ impl CpuDevice {
                     nh,
                     nkv,
                     hd,
+                    *scale_dim,
                     args.positions(pos, r),
                     *window,
                     self.view::<f32>(*ws),

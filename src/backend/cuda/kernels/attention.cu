@@ -31,9 +31,10 @@
 //        repeat_kv).
 //   out  [N, co] (T): query head h's output in channels h·hd ..
 //   lse  [B, NH, T] f32: lse[(b·NH + h)·T + i] = ln Σ_{j attended} exp(S_ij), the NATURAL
-//        log-sum-exp of the scaled scores S_ij = (q_i · k_j) / sqrt(hd). As on the CPU it is
-//        computed in base 2: S'_ij = q_i·k_j · scale2 with scale2 = log2(e)/sqrt(hd) (f32:
-//        1.44269504f / sqrtf(hd)), m = max_j S', l = Σ_j 2^(S'_ij − m), lse = (m + log2 l)·ln 2.
+//        log-sum-exp of the scaled scores S_ij = (q_i · k_j) / sqrt(sd) (sd, the last argument
+//        of every entry but the dot: the head size hd, or Gemma 3's query_pre_attn_scalar).
+//        As on the CPU it is computed in base 2: S'_ij = q_i·k_j · scale2 with scale2 = log2(e)/sqrt(sd) (f32:
+//        1.44269504f / sqrtf(sd)), m = max_j S', l = Σ_j 2^(S'_ij − m), lse = (m + log2 l)·ln 2.
 //   pos  [B, T] u32, or a NULL pointer for plain causal rows: positions of packed rows (each
 //        token's position in its example: 0 where an example starts, else the previous plus
 //        1; the CPU checks this). Query i of row b attends to keys lo(i) ..= i, lo(i) =
@@ -57,7 +58,7 @@
 // attended (i, j), 0 otherwise (recomputed from lse, never stored),
 //   D_i   = Σ_c dout[i, c] · out[i, c]          (f32, from the stored out and dout)
 //   dP_ij = dout_i · v_j
-//   dS_ij = P_ij · (dP_ij − D_i) · scale         (scale = 1/sqrtf(hd))
+//   dS_ij = P_ij · (dP_ij − D_i) · scale         (scale = 1/sqrtf(sd))
 //   dV_j  = Σ_i P_ij dout_i,  dK_j = Σ_i dS_ij q_i,  dQ_i = Σ_j dS_ij k_j
 // (dK, dV summed also over the g query heads of the KV head).
 //
@@ -123,7 +124,7 @@ template <typename T, int HDC>
 __device__ __forceinline__ void att_forward(const T* __restrict__ qkv,
                                             const unsigned int* __restrict__ pos,
                                             T* __restrict__ out, float* __restrict__ lse, int B,
-                                            int Tn, int NH, int NKV, int hd, int W) {
+                                            int Tn, int NH, int NKV, int hd, int W, float sd) {
     extern __shared__ float att_sm[];
     __shared__ int los[ATT_BQ];
     if (!att_args_ok(Tn, NH, NKV, hd, 32 * HDC)) return;
@@ -138,7 +139,7 @@ __device__ __forceinline__ void att_forward(const T* __restrict__ qkv,
     const int g = NH / NKV, kvh = h / g;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const int qend = min(q0 + ATT_BQ, Tn);
-    const float scale2 = ATT_LOG2E / sqrtf((float)hd);
+    const float scale2 = ATT_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const T* qp = base + (long long)h * hd;
     const T* kp = base + (long long)(NH + kvh) * hd;
@@ -272,7 +273,7 @@ __device__ __forceinline__ void att_backward_dkv(T* __restrict__ dqkv,
                                                  const T* __restrict__ qkv,
                                                  const float* __restrict__ lse,
                                                  const float* __restrict__ D, int B, int Tn,
-                                                 int NH, int NKV, int hd, int W) {
+                                                 int NH, int NKV, int hd, int W, float sd) {
     extern __shared__ float att_sm[];
     __shared__ int los[ATT_BQ];
     __shared__ float lse2s[ATT_BQ], Ds[ATT_BQ];
@@ -290,8 +291,8 @@ __device__ __forceinline__ void att_backward_dkv(T* __restrict__ dqkv,
     const int g = NH / NKV;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const int kend = min(k0 + ATT_BK, Tn);
-    const float scale = 1.0f / sqrtf((float)hd);
-    const float scale2 = ATT_LOG2E / sqrtf((float)hd);
+    const float scale = 1.0f / sqrtf(sd);
+    const float scale2 = ATT_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const T* kp = base + (long long)(NH + j) * hd;
     const T* vp = base + (long long)(NH + NKV + j) * hd;
@@ -423,7 +424,7 @@ __device__ __forceinline__ void att_backward_dq(T* __restrict__ dqkv,
                                                 const T* __restrict__ qkv,
                                                 const float* __restrict__ lse,
                                                 const float* __restrict__ D, int B, int Tn,
-                                                int NH, int NKV, int hd, int W) {
+                                                int NH, int NKV, int hd, int W, float sd) {
     extern __shared__ float att_sm[];
     __shared__ int los[ATT_BQ];
     __shared__ float lse2s[ATT_BQ], Ds[ATT_BQ];
@@ -440,8 +441,8 @@ __device__ __forceinline__ void att_backward_dq(T* __restrict__ dqkv,
     const int g = NH / NKV, kvh = h / g;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const int qend = min(q0 + ATT_BQ, Tn);
-    const float scale = 1.0f / sqrtf((float)hd);
-    const float scale2 = ATT_LOG2E / sqrtf((float)hd);
+    const float scale = 1.0f / sqrtf(sd);
+    const float scale2 = ATT_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const T* qp = base + (long long)h * hd;
     const T* kp = base + (long long)(NH + kvh) * hd;
@@ -548,7 +549,7 @@ template <typename T>
 __device__ __forceinline__ void att_forward_naive(const T* __restrict__ qkv,
                                                   const unsigned int* __restrict__ pos,
                                                   T* __restrict__ out, float* __restrict__ lse,
-                                                  int B, int Tn, int NH, int NKV, int hd, int W) {
+                                                  int B, int Tn, int NH, int NKV, int hd, int W, float sd) {
     if (NKV <= 0 || NH % NKV != 0 || hd <= 0) return;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)B * Tn * NH * hd) return;
@@ -558,7 +559,7 @@ __device__ __forceinline__ void att_forward_naive(const T* __restrict__ qkv,
     const int b = (int)(n / Tn), i = (int)(n % Tn);
     const int g = NH / NKV, kvh = h / g;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
-    const float scale2 = ATT_LOG2E / sqrtf((float)hd);
+    const float scale2 = ATT_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const T* q = base + (long long)i * ld + (long long)h * hd;
     const int lo = mw_first_key(pos, b, Tn, i, W);
@@ -620,7 +621,7 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
                                                    const T* __restrict__ qkv,
                                                    const T* __restrict__ out,
                                                    const float* __restrict__ lse, int B, int Tn,
-                                                   int NH, int NKV, int hd, int W) {
+                                                   int NH, int NKV, int hd, int W, float sd) {
     if (NKV <= 0 || NH % NKV != 0 || hd <= 0) return;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -629,8 +630,8 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
     const long long n = idx / ld;
     const int b = (int)(n / Tn), t = (int)(n % Tn);
     const int g = NH / NKV;
-    const float scale = 1.0f / sqrtf((float)hd);
-    const float scale2 = ATT_LOG2E / sqrtf((float)hd);
+    const float scale = 1.0f / sqrtf(sd);
+    const float scale2 = ATT_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const T* dbase = dout + (long long)b * Tn * co;
     const T* obase = out + (long long)b * Tn * co;
@@ -675,7 +676,7 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
 // D = the backward's ws [B·NH·T] f32; then the ints B, T, NH, NKV, hd (and W, the window, but
 // for the dot).
 //
-// attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W), for 1 ≤ hd ≤ HD
+// attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W, sd), for 1 ≤ hd ≤ HD
 // (HD = 64, 128, 256): Op::Attention; writes out and lse in full; needs no workspace.
 //   grid (ceil(T/32), NH, B), block 256, dynamic shared bytes
 //   4·(32·hd + 32·(hd|1) + 32·hd + 1024)   (hd 64: 28,800; hd 128: 53,376; hd 256: 102,528).
@@ -685,35 +686,35 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
 //   grid ceil(B·T·NH / 8), block 256 (one warp per (token, head); any multiple of 32 works,
 //   with grid ceil(B·T·NH / (block/32))), no dynamic shared memory. Any hd ≥ 1.
 //
-// attention_backward_dkv_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W), for
+// attention_backward_dkv_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W, sd), for
 // 1 ≤ hd ≤ HD: Op::AttentionBackward, launch 2: writes the K and V parts of dqkv (columns
 // NH·hd .. ld) in full.
 //   grid (ceil(T/32), NKV, B), block 256, dynamic shared bytes
 //   4·(64·hd + 64·(hd|1) + 2048)   (hd 64: 41,216; hd 128: 73,984; hd 256: 139,520).
 //
-// attention_backward_dq_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W), for
+// attention_backward_dq_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W, sd), for
 // 1 ≤ hd ≤ HD: Op::AttentionBackward, launch 3: writes the Q part of dqkv (columns 0 .. NH·hd)
 // in full.
 //   grid (ceil(T/32), NH, B), block 256, dynamic shared bytes
 //   4·(64·hd + 64·(hd|1) + 1024)   (hd 64: 37,120; hd 128: 69,888; hd 256: 135,424).
 //
-// attention_forward_naive_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W): the naive twin of the
+// attention_forward_naive_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W, sd): the naive twin of the
 // forward (any hd ≥ 1): one thread per out element (b, i, h, e).
 //   grid ceil(B·T·NH·hd / 256), block 256 (any block size works), no shared memory.
 //
-// attention_backward_naive_<S>(dqkv, pos, dout, qkv, out, lse, B, T, NH, NKV, hd, W): the naive
+// attention_backward_naive_<S>(dqkv, pos, dout, qkv, out, lse, B, T, NH, NKV, hd, W, sd): the naive
 // twin of the whole backward (any hd ≥ 1; no workspace: D is recomputed per term): one thread
 // per dqkv element, overwriting dqkv in full.
 //   grid ceil(B·T·(NH + 2·NKV)·hd / 256), block 256 (any block size works), no shared memory.
 
 #define ATT_FWD_PARAMS(T)                                                                      \
     const T *qkv, const unsigned int *pos, T *out, float *lse, int B, int Tn, int NH, int NKV,  \
-        int hd, int W
+        int hd, int W, float sd
 #define ATT_BWD_PARAMS(T)                                                                      \
     T *dqkv, const unsigned int *pos, const T *dout, const T *qkv, const float *lse,            \
-        const float *D, int B, int Tn, int NH, int NKV, int hd, int W
-#define ATT_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd, W
-#define ATT_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd, W
+        const float *D, int B, int Tn, int NH, int NKV, int hd, int W, float sd
+#define ATT_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd, W, sd
+#define ATT_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd, W, sd
 
 #define ATTENTION_ENTRIES(T, S)                                                                 \
     extern "C" __global__ __launch_bounds__(ATT_THREADS) void attention_forward_hd64_##S(       \
@@ -761,8 +762,8 @@ __device__ __forceinline__ void att_backward_naive(T* __restrict__ dqkv,
     }                                                                                           \
     extern "C" __global__ void attention_backward_naive_##S(                                    \
         T* dqkv, const unsigned int* pos, const T* dout, const T* qkv, const T* out,            \
-        const float* lse, int B, int Tn, int NH, int NKV, int hd, int W) {                      \
-        att_backward_naive<T>(dqkv, pos, dout, qkv, out, lse, B, Tn, NH, NKV, hd, W);          \
+        const float* lse, int B, int Tn, int NH, int NKV, int hd, int W, float sd) {            \
+        att_backward_naive<T>(dqkv, pos, dout, qkv, out, lse, B, Tn, NH, NKV, hd, W, sd);       \
     }
 
 MW_STORAGE_ENTRIES(ATTENTION_ENTRIES)

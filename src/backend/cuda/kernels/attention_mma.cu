@@ -14,16 +14,16 @@
 // (ops/attention.rs); the default stays `fma` until a GPU run has confirmed them.
 //
 // Entries (S = bf16 | f16; HD = 64 | 128 the head tile, for 1 ≤ hd ≤ HD):
-//   attention_forward_mma_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W): Op::Attention,
+//   attention_forward_mma_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV, hd, W, sd): Op::Attention,
 //     writes out [N, NH·hd] and lse [B, NH, T] in full; no workspace.
 //     grid (ceil(T/64), NH, B), block 128 (exactly: other blocks return without writing),
 //     dynamic shared bytes 2·(64·(HD+8) + HD·72) (hd64: 18,432; hd128: 35,840: never above
 //     the 48 KiB that needs an opt-in), static shared 256 bytes.
-//   attention_backward_dkv_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W):
+//   attention_backward_dkv_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W, sd):
 //     Op::AttentionBackward launch 2, writes the K and V parts of dqkv in full.
 //     grid (ceil(T/64), NKV, B), block 128, dynamic shared bytes 2·(4·64·(HD+8) + 2·HD·72)
 //     (hd64: 55,296; hd128: 106,496: both need the opt-in), static shared 768 bytes.
-//   attention_backward_dq_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W):
+//   attention_backward_dq_mma_hd<HD>_<S>(dqkv, pos, dout, qkv, lse, D, B, T, NH, NKV, hd, W, sd):
 //     Op::AttentionBackward launch 3, writes the Q part of dqkv in full (launches 2 and 3
 //     write disjoint columns, read only ws: either order, after launch 1).
 //     grid (ceil(T/64), NH, B), block 128, dynamic shared bytes 2·(4·64·(HD+8) + HD·72)
@@ -167,7 +167,7 @@ template <typename T, int HD>
 __device__ __forceinline__ void attm_forward(const T* __restrict__ qkv,
                                              const unsigned int* __restrict__ pos,
                                              T* __restrict__ out, float* __restrict__ lse, int B,
-                                             int Tn, int NH, int NKV, int hd, int W) {
+                                             int Tn, int NH, int NKV, int hd, int W, float sd) {
     extern __shared__ unsigned int attm_sm[];
     __shared__ int los[ATTM_BQ];
     constexpr int KS = HD / 16;  // k-steps of QKᵀ
@@ -187,7 +187,7 @@ __device__ __forceinline__ void attm_forward(const T* __restrict__ qkv,
     const int grp = NH / NKV, kvh = h / grp;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const int qend = min(q0 + ATTM_BQ, Tn);
-    const float scale2 = ATTM_LOG2E / sqrtf((float)hd);
+    const float scale2 = ATTM_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const bool vec = hd % 8 == 0 && mw_aligned16(qkv);
 
@@ -320,7 +320,7 @@ __device__ __forceinline__ void attm_forward(const T* __restrict__ qkv,
 // Backward (launches 2 and 3 of Op::AttentionBackward; launch 1, D = rowsum(dout ⊙ out) into
 // ws, stays attention.cu's attention_backward_dot_<S>). With lse2 = lse·log2(e), as attention.cu:
 //   P_ij = 2^min(S'_ij − lse2_i, 0) (attended; else 0), dS_ij = P_ij (dP_ij − D_i) · scale,
-//   dP = dO Vᵀ, dV = Pᵀ dO, dK = dSᵀ Q, dQ = dS K (scale = 1/sqrtf(hd)),
+//   dP = dO Vᵀ, dV = Pᵀ dO, dK = dSᵀ Q, dQ = dS K (scale = 1/sqrtf(sd)),
 // S and dP accumulated in f32 by the mma; P and dS rounded to T (bf16/f16) as the operands of
 // the dV, dK and dQ products (as FlashAttention-2 does), accumulated in f32, rounded to T once.
 
@@ -368,7 +368,7 @@ __device__ __forceinline__ void attm_backward_dkv(T* __restrict__ dqkv,
                                                   const T* __restrict__ qkv,
                                                   const float* __restrict__ lse,
                                                   const float* __restrict__ D, int B, int Tn,
-                                                  int NH, int NKV, int hd, int W) {
+                                                  int NH, int NKV, int hd, int W, float sd) {
     extern __shared__ unsigned int attm_sm[];
     __shared__ int los[ATTM_BQ];
     __shared__ float lse2s[ATTM_BQ], Ds[ATTM_BQ];
@@ -395,8 +395,8 @@ __device__ __forceinline__ void attm_backward_dkv(T* __restrict__ dqkv,
     const int grp = NH / NKV;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const int kend = min(k0 + ATTM_BK, Tn);
-    const float scale = 1.0f / sqrtf((float)hd);
-    const float scale2 = ATTM_LOG2E / sqrtf((float)hd);
+    const float scale = 1.0f / sqrtf(sd);
+    const float scale2 = ATTM_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const bool vq = hd % 8 == 0 && mw_aligned16(qkv), vd = hd % 8 == 0 && mw_aligned16(dout);
 
@@ -516,7 +516,7 @@ __device__ __forceinline__ void attm_backward_dq(T* __restrict__ dqkv,
                                                  const T* __restrict__ qkv,
                                                  const float* __restrict__ lse,
                                                  const float* __restrict__ D, int B, int Tn,
-                                                 int NH, int NKV, int hd, int W) {
+                                                 int NH, int NKV, int hd, int W, float sd) {
     extern __shared__ unsigned int attm_sm[];
     __shared__ int los[ATTM_BQ];
     __shared__ float lse2s[ATTM_BQ], Ds[ATTM_BQ];
@@ -536,8 +536,8 @@ __device__ __forceinline__ void attm_backward_dq(T* __restrict__ dqkv,
     const int grp = NH / NKV, kvh = h / grp;
     const long long ld = (long long)(NH + 2 * NKV) * hd, co = (long long)NH * hd;
     const int qend = min(q0 + ATTM_BQ, Tn);
-    const float scale = 1.0f / sqrtf((float)hd);
-    const float scale2 = ATTM_LOG2E / sqrtf((float)hd);
+    const float scale = 1.0f / sqrtf(sd);
+    const float scale2 = ATTM_LOG2E / sqrtf(sd);
     const T* base = qkv + (long long)b * Tn * ld;
     const bool vq = hd % 8 == 0 && mw_aligned16(qkv), vd = hd % 8 == 0 && mw_aligned16(dout);
 
@@ -627,8 +627,8 @@ __device__ __forceinline__ void attm_backward_dq(T* __restrict__ dqkv,
 
 #define ATTM_FWD_PARAMS(T)                                                                     \
     const T *qkv, const unsigned int *pos, T *out, float *lse, int B, int Tn, int NH, int NKV, \
-        int hd, int W
-#define ATTM_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd, W
+        int hd, int W, float sd
+#define ATTM_FWD_ARGS qkv, pos, out, lse, B, Tn, NH, NKV, hd, W, sd
 
 extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma_hd64_bf16(
     ATTM_FWD_PARAMS(bf16)) {
@@ -649,8 +649,8 @@ extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_forward_mma
 
 #define ATTM_BWD_PARAMS(T)                                                                     \
     T *dqkv, const unsigned int *pos, const T *dout, const T *qkv, const float *lse,            \
-        const float *D, int B, int Tn, int NH, int NKV, int hd, int W
-#define ATTM_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd, W
+        const float *D, int B, int Tn, int NH, int NKV, int hd, int W, float sd
+#define ATTM_BWD_ARGS dqkv, pos, dout, qkv, lse, D, B, Tn, NH, NKV, hd, W, sd
 
 extern "C" __global__ __launch_bounds__(ATTM_THREADS) void attention_backward_dkv_mma_hd64_bf16(
     ATTM_BWD_PARAMS(bf16)) {

@@ -388,6 +388,7 @@ impl GpuDevice {
                 nkv,
                 hd,
                 window,
+                scale_dim,
                 ..
             } => {
                 let r = rows.with_seq(ctx.seq);
@@ -398,7 +399,7 @@ impl GpuDevice {
                     nkv: *nkv,
                     hd: *hd,
                 };
-                self.att_forward(e, (d, *window), *qkv, *positions, *out, *lse)
+                self.att_forward(e, (d, *window, *scale_dim), *qkv, *positions, *out, *lse)
             }
             Op::AttentionBackward {
                 dqkv,
@@ -412,6 +413,7 @@ impl GpuDevice {
                 nkv,
                 hd,
                 window,
+                scale_dim,
                 ..
             } => {
                 let r = rows.with_seq(ctx.seq);
@@ -423,7 +425,7 @@ impl GpuDevice {
                     hd: *hd,
                 };
                 let io = (*dqkv, *positions, *dout, *qkv, *out, *lse);
-                self.att_backward(e, (d, *window), io)
+                self.att_backward(e, (d, *window, *scale_dim), io)
             }
             Op::Rope { .. } => self.att_rope(e, ctx),
             _ => bail!("internal error: {} is not an attention op", e.name),
@@ -499,13 +501,14 @@ impl GpuDevice {
     }
 
     /// [`Op::Attention`]: `attention_forward_hd<HD>_<S>(qkv, pos, out, lse, B, T, NH, NKV,
-    /// hd, W)` (or `attention_forward_mma_hd<HD>_<S>`, the same arguments, where
+    /// hd, W, sd)` (or `attention_forward_mma_hd<HD>_<S>`, the same arguments, where
     /// [`select_forward`] picks it), writing out `[N, NH·hd]` and lse `[B, NH, T]` in full;
-    /// `W` the sliding window (T for none: [`Self::att_window`]).
+    /// `W` the sliding window (T for none: [`Self::att_window`]), `sd` the op's `scale_dim`
+    /// (scores are q·k / √sd).
     fn att_forward(
         &self,
         e: &OpEntry,
-        (d, window): (Dims, Option<usize>),
+        (d, window, sd): (Dims, Option<usize>, f32),
         qkv: BufId,
         positions: Option<BufId>,
         out: BufId,
@@ -526,7 +529,7 @@ impl GpuDevice {
         let w = Self::att_window(d, window)?;
         let (f, name) = self.att_entry(e, &l)?;
         // SAFETY: the forward entry's signature (const T* qkv, const unsigned* pos, T* out,
-        // float* lse, int B, int T, int NH, int NKV, int hd, int W); the buffers hold what it
+        // float* lse, int B, int T, int NH, int NKV, int hd, int W, float sd); the buffers hold what it
         // reads and writes (checked above); its launch shape and shared memory are the doc's.
         unsafe {
             self.launch(f)
@@ -540,6 +543,7 @@ impl GpuDevice {
                 .arg(&nkv)
                 .arg(&hd)
                 .arg(&w)
+                .arg(&sd)
                 .launch(l.config())
         }
         .map(|_| ())
@@ -547,13 +551,13 @@ impl GpuDevice {
     }
 
     /// [`Op::AttentionBackward`]: D into the scratch region `attention_rows` (launch 1), then
-    /// dK, dV (launch 2) and dQ (launch 3), overwriting dqkv in full; the window as the
-    /// forward's.
+    /// dK, dV (launch 2) and dQ (launch 3), overwriting dqkv in full; the window and `sd` as
+    /// the forward's.
     #[allow(clippy::type_complexity)]
     fn att_backward(
         &self,
         e: &OpEntry,
-        (d, window): (Dims, Option<usize>),
+        (d, window, sd): (Dims, Option<usize>, f32),
         (dqkv, positions, dout, qkv, out, lse): (BufId, Option<BufId>, BufId, BufId, BufId, BufId),
     ) -> Result<()> {
         if d.b * d.t == 0 {
@@ -604,8 +608,8 @@ impl GpuDevice {
         for l in [dkv, dq] {
             let (f, name) = self.att_entry(e, &l)?;
             // SAFETY: (T* dqkv, const unsigned* pos, const T* dout, const T* qkv, const
-            // float* lse, const float* D, int B, int T, int NH, int NKV, int hd, int W); the
-            // buffers hold what it reads and writes (checked above).
+            // float* lse, const float* D, int B, int T, int NH, int NKV, int hd, int W, float
+            // sd); the buffers hold what it reads and writes (checked above).
             unsafe {
                 self.launch(f)
                     .arg(&dqkv)
@@ -620,6 +624,7 @@ impl GpuDevice {
                     .arg(&nkv)
                     .arg(&hd)
                     .arg(&w)
+                    .arg(&sd)
                     .launch(l.config())
             }
             .map_err(|err| launch_error(e, &name, err))?;
@@ -1021,6 +1026,7 @@ mod tests {
                 nkv: d.nkv,
                 hd: d.hd,
                 window: None,
+                scale_dim: d.hd as f32,
             };
             let s = Scratch::for_ops(&[entry(op)], DType::Bf16);
             assert_eq!(s.attention_rows, d.d_bytes());
