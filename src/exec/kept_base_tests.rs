@@ -68,6 +68,16 @@ fn fused_as_q8_0(layout: &ParamLayout, base: &mut [f32], types: &BaseTypes) -> V
     names
 }
 
+/// Rank-4 adapters on every layer `spec`'s family has, without dropout.
+fn adapters(spec: &ModelSpec) -> LoraSpec {
+    LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: Target::all(spec.family).to_vec(),
+    }
+}
+
 #[test]
 fn a_kept_base_computes_as_its_conversion() {
     for tied in [true, false] {
@@ -95,12 +105,7 @@ fn kept_is_its_conversion(
         let src = BaseSource::open(&gguf).unwrap();
         let mut requantized = amend(&layout, &mut base, &src.types());
         requantized.sort();
-        let lora = LoraSpec {
-            r: 4,
-            alpha: 8.0,
-            dropout: 0.0,
-            targets: Target::all(spec.family).to_vec(),
-        };
+        let lora = adapters(&spec);
         let (b, t) = (2, 8);
         let mut rng = Rng::new(3);
         let batch: Vec<u32> = (0..b * (t + 1))
@@ -190,12 +195,7 @@ fn tensor_ranks_keep_their_parts_of_the_file_blocks_and_train_as_one_process() {
             crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--init", &mut |_| {}).unwrap();
         let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
         let src = BaseSource::open(&gguf).unwrap();
-        let lora = LoraSpec {
-            r: 4,
-            alpha: 8.0,
-            dropout: 0.0,
-            targets: Target::all(spec.family).to_vec(),
-        };
+        let lora = adapters(&spec);
         let (b, t) = (2, 8);
         let run = |mesh: Mesh, comm: Arc<dyn Comm>| {
             let mut cfg = StepConfig::new(b, t, 1);
@@ -272,12 +272,7 @@ fn a_kept_part_of_partial_blocks_is_refused_naming_the_tensor() {
     let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
     let src = BaseSource::open(&gguf).unwrap();
     let mut cfg = StepConfig::new(2, 8, 1);
-    cfg.lora = Some(LoraSpec {
-        r: 4,
-        alpha: 8.0,
-        dropout: 0.0,
-        targets: Target::all(spec.family).to_vec(),
-    });
+    cfg.lora = Some(adapters(&spec));
     cfg.base_quant = BaseQuant::Keep;
     cfg.base_types = Some(std::sync::Arc::new(src.types()));
     cfg.mesh = crate::ir::Mesh::new(2, 2, 1, 0);

@@ -13,10 +13,13 @@
 //! - A home's uses are split into spans where the step's part changes (forward; recompute
 //!   and backward; optimizer) and, for parameters, gradients and moments, where another home
 //!   of the same kind is used in between (another parameter group), but never between a
-//!   collective on the home and its await (the ranks' communication works on the copy). So the parameters of
-//!   block l are read before its forward and again before its backward, its gradients are
-//!   written after each micro-batch's backward and read back for the next and for the
-//!   update, and its moments are read for its `AdamW` op and written after it.
+//!   collective on the home and its await (the ranks' communication works on the copy). So
+//!   the parameters of block l are read before its forward and again before its backward,
+//!   its gradients are written after each micro-batch's backward and read back for the next
+//!   and for the update, and its moments are read for its `AdamW` op and written after it.
+//!   A home none of whose spans reads or writes it back (each micro-batch's gradients,
+//!   reduce-scattered into a shard under ZeRO 2 and 3) stays in RAM: it holds nothing
+//!   between its uses.
 //! - A span reads its home first when its first op reads it (not when it starts by zeroing
 //!   or overwriting it), and writes it back when an op in it writes and the value is needed
 //!   later (a later span, or state that persists across steps).

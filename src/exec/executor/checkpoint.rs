@@ -7,7 +7,8 @@
 //!
 //! **Owners.** Every spread array (the parameters at ZeRO stage 3 or of a tensor-parallel
 //! plan, m and v at stage ≥ 1 or of a tensor-parallel plan, the 8-bit moments' block
-//! scales at stage ≥ 1) is described tensor by tensor ([`Part`], whole-model order), and
+//! scales at stage ≥ 1 or of a pipeline's stages: [`Owners::blocks`]) is described tensor by
+//! tensor ([`Part`], whole-model order), and
 //! each tensor as its [`Share`]s: a run of elements and the rank that owns it, named by its
 //! coordinates on the mesh ([`Owner`]). A tensor the tensor ranks cut has a share per tensor
 //! rank (its part, [`TensorPart`]), one held whole has tensor rank 0's only; each of those is
@@ -128,11 +129,11 @@ struct Array {
     elem: OutData<'static>,
     /// Bytes per element.
     size: usize,
-    /// Its tensors (8-bit block scales: its groups' blocks) in the whole model's order.
+    /// Its tensors (8-bit block scales: each tensor's blocks) in the whole model's order.
     parts: Vec<Part>,
 }
 
-/// One tensor of a spread array (or one group's 8-bit block scales).
+/// One tensor of a spread array (or its 8-bit block scales).
 struct Part {
     /// The whole array's elements it covers (the whole model's layout).
     whole: Range<usize>,
