@@ -129,19 +129,15 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
     let mut spans = spans(g, homes, &uses);
     // A home whose spans neither read nor write it back holds nothing between them (a
     // micro-batch's gradients reduce-scattered into a shard, ZeRO 2 and 3): it stays an
-    // ordinary buffer.
-    let moved: Vec<bool> = (0..homes.len())
-        .map(|k| spans.iter().any(|s| s.home == k && (s.read || s.write)))
-        .collect();
-    let (kept, homes): (Vec<usize>, Vec<Home>) = (homes.iter().enumerate())
-        .filter(|(k, _)| moved[*k])
-        .map(|(k, h)| (k, *h))
-        .unzip();
-    spans.retain(|s| moved[s.home]);
-    for s in &mut spans {
-        s.home = kept.iter().position(|&k| k == s.home).expect("kept");
+    // ordinary buffer, and the others are staged without it.
+    let moved = |k: usize| spans.iter().any(|s| s.home == k && (s.read || s.write));
+    if !(0..homes.len()).all(moved) {
+        let kept: Vec<Home> = (0..homes.len())
+            .filter(|&k| moved(k))
+            .map(|k| homes[k])
+            .collect();
+        return stage(g, &kept, blocks);
     }
-    let homes = &homes[..];
     staging_copies(g, homes, &mut spans);
     let inserts = transfers(g, homes, &spans, blocks);
     insert(g, inserts);

@@ -411,10 +411,7 @@ impl<'a> Owners<'a> {
         sharded: bool,
     ) -> Result<Array> {
         let (first, _) = self.whole.block_offsets(QBLOCK);
-        let parts = (0..self.whole.tensors.len())
-            .map(|i| self.tensor_blocks(i, sharded, &first))
-            .collect::<Result<_>>()?;
-        Ok(Array::of(ex, held, parts))
+        self.parts(ex, held, |i| self.tensor_blocks(i, sharded, &first))
     }
 
     /// Every tensor of an array sharded along the data axis or not, held in `held`.
@@ -424,8 +421,18 @@ impl<'a> Owners<'a> {
         held: Vec<(Range<usize>, BufId)>,
         sharded: bool,
     ) -> Result<Array> {
+        self.parts(ex, held, |i| self.tensor(i, sharded))
+    }
+
+    /// The array held in `held` whose part of the whole model's tensor `i` is `part(i)`.
+    fn parts(
+        &self,
+        ex: &Executor,
+        held: Vec<(Range<usize>, BufId)>,
+        part: impl Fn(usize) -> Result<Part>,
+    ) -> Result<Array> {
         let parts = (0..self.whole.tensors.len())
-            .map(|i| self.tensor(i, sharded))
+            .map(part)
             .collect::<Result<_>>()?;
         Ok(Array::of(ex, held, parts))
     }
