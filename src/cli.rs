@@ -184,6 +184,106 @@ have been made for this base: its family, and every adapted layer with the adapt
         after_help = "Examples:\n  memwall merge smol adapter-dir --out smol-tuned\n  memwall merge SmolLM2-135M-Instruct.Q4_1.gguf adapter-dir --out smol-tuned"
     )]
     Merge(MergeArgs),
+    /// Prune a model to a smaller one of the same family: importance of its embedding
+    /// channels, heads, MLP channels and layers from a forward pass over your data, then the
+    /// weights cut to a shape given, a parameter fraction (--keep) or a memory budget
+    /// (--fit-memory).
+    #[command(
+        long_about = "Prune a model to a smaller one of the same family (Llama, Qwen2, Qwen3, Mistral, \
+Gemma 3), as NVIDIA's Minitron prunes by width: a forward pass over --calibration sequences of \
+--data scores every embedding channel (the norms' outputs), attention head (its output's norm), MLP \
+channel (its activation) and layer (Block Influence, 1 - cos(input, output), as ShortGPT); the \
+weights are then cut to the highest-scoring ones. Every layer keeps the same widths, so the result \
+is an ordinary Hugging Face directory (config.json, model.safetensors, the tokenizer) that \
+transformers, llama.cpp (after `memwall export`) and memwall load unchanged; prune.json beside it \
+holds the scores and what was kept.\n\n\
+The shape: widths given (--hidden, --mlp, --heads, --kv-heads, --depth), the rest kept; or \
+--keep F, the embedding and MLP widths shrunk by about the same fraction until F of the \
+parameters remain (heads and layers kept unless given); or --fit-memory SIZE --for USE, the \
+largest such shape whose plan for USE (memwall's own plan, as `memwall plan` prints it) fits SIZE.\n\n\
+A pruned model loses quality until it is trained again: heal it with `memwall train --init OUT`.",
+        after_help = "Examples:\n  memwall prune --model smol --data data-smol --out smol-pruned --keep 0.75\n  memwall prune --model llama-3.2-1b-dir --data d --out small --fit-memory 2GiB --for qlora\n  memwall prune --model smol --data d --out smol-d24 --depth 24 --report\n  memwall train --init smol-pruned --data data-smol --out run --steps 300"
+    )]
+    Prune(PruneArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct PruneArgs {
+    /// The model to prune: a Hugging Face model directory, a checkpoint, or a GGUF file
+    /// (converted once into the user cache).
+    #[arg(long, value_name = "DIR|FILE.gguf")]
+    pub(crate) model: PathBuf,
+    /// Calibration data (`memwall prepare` with the model's tokenizer): the training split's
+    /// sequences are scored.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) data: PathBuf,
+    /// The pruned model's directory (must not exist, or be empty).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) out: PathBuf,
+    /// Keep this fraction of the parameters (0 < F <= 1), shrinking the embedding and MLP
+    /// widths alike (with --hidden or --mlp given, the other one).
+    #[arg(long, value_name = "F")]
+    pub(crate) keep: Option<f64>,
+    /// Embedding width to keep.
+    #[arg(long, value_name = "N")]
+    pub(crate) hidden: Option<usize>,
+    /// MLP width to keep.
+    #[arg(long, value_name = "N")]
+    pub(crate) mlp: Option<usize>,
+    /// Query heads to keep (a multiple of the key/value heads kept, at most the model's group
+    /// size each).
+    #[arg(long, value_name = "N")]
+    pub(crate) heads: Option<usize>,
+    /// Key/value heads to keep (whole groups; alone, each keeps all its query heads).
+    #[arg(long, value_name = "N")]
+    pub(crate) kv_heads: Option<usize>,
+    /// Layers to keep: those of the highest Block Influence.
+    #[arg(long, value_name = "N")]
+    pub(crate) depth: Option<usize>,
+    /// Choose the largest shape whose plan for --for fits this memory, e.g. 2GiB (plan +
+    /// process baseline, as `memwall plan --max-memory` counts it).
+    #[arg(long, value_parser = parse_bytes, value_name = "SIZE")]
+    pub(crate) fit_memory: Option<u64>,
+    /// What the --fit-memory plan is for: train (full fine-tuning, fp32 AdamW), lora (rank
+    /// 16, f32 base), qlora (rank 16, q4_k base) or sample.
+    #[arg(
+        long = "for",
+        value_name = "USE",
+        default_value = "train",
+        requires = "fit_memory"
+    )]
+    pub(crate) for_use: memwall::prune::Use,
+    /// The --fit-memory step's micro-batch (sequences of --seq tokens).
+    #[arg(long, default_value_t = 1, requires = "fit_memory")]
+    pub(crate) batch: usize,
+    /// Tokens per calibration sequence (and the --fit-memory step's sequence length).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) seq: usize,
+    /// Calibration sequences scored (drawn from the training split as training draws them).
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub(crate) calibration: usize,
+    /// Seed of the calibration draw.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Print every layer's scores and what each choice removes.
+    #[arg(long)]
+    pub(crate) report: bool,
+    /// Print the result as JSON (prune.json's, without the per-channel scores).
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub(crate) threads: Option<usize>,
+    /// The backend that scores the model, KIND or KIND:N (cpu, or cuda with a build of
+    /// `--features cuda`) [default: cpu]
+    #[arg(
+        long,
+        value_name = "KIND[:N]",
+        value_parser = parse_device,
+        default_value = "cpu",
+        hide_default_value = true
+    )]
+    pub(crate) device: DeviceId,
 }
 
 #[derive(Args)]

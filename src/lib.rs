@@ -26,5 +26,6 @@ pub mod mem;
 pub mod model;
 pub mod plan;
 pub mod profile;
+pub mod prune;
 pub mod run_dir;
 pub mod util;

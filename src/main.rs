@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use cli::{
     BenchArgs, CacheArgs, CalibrateArgs, Cli, Cmd, ConvertArgs, DemoArgs, DemoWhat, ExportArgs,
-    MergeArgs, PlanArgs, PrepareArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
+    MergeArgs, PlanArgs, PrepareArgs, PruneArgs, ReportArgs, SampleArgs, TokenizeArgs, TrainArgs,
 };
 use memwall::data::{Tokenizer, prepare};
 use memwall::demo::{
@@ -52,6 +52,7 @@ fn main() {
         Cmd::Export(a) => export_cmd(a),
         Cmd::Cache(a) => cache_cmd(a),
         Cmd::Merge(a) => merge_cmd(a),
+        Cmd::Prune(a) => prune_cmd(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -937,7 +938,7 @@ fn merge_cmd(a: MergeArgs) -> Result<()> {
     use memwall::ckpt::adapter;
     // The cheap checks before a GGUF base's conversion.
     let ad = adapter::check_adapter_dir(&a.adapter, "ADAPTER")?;
-    adapter::check_merge_out(&a.out)?;
+    adapter::check_new_out_dir(&a.out)?;
     adapter::check_base(&ad, &a.base)?;
     let base = gguf::cache::model_dir(&a.base, "BASE", &mut say)?;
     let bf16 = match a.dtype {
@@ -953,6 +954,69 @@ fn merge_cmd(a: MergeArgs) -> Result<()> {
         m.r,
         m.scale,
         a.out.display()
+    );
+    Ok(())
+}
+
+fn prune_cmd(a: PruneArgs) -> Result<()> {
+    use memwall::prune::{self, FitMemory, PruneOptions, shape::ShapeRequest};
+    // The process before anything is loaded: the baseline `memwall plan` counts.
+    let baseline = rss::current_rss().unwrap_or(0);
+    let opts = PruneOptions {
+        model: gguf::cache::model_dir(&a.model, "--model", &mut say)?,
+        data: a.data.clone(),
+        out: a.out.clone(),
+        shape: ShapeRequest {
+            keep: a.keep,
+            hidden: a.hidden,
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            mlp: a.mlp,
+            depth: a.depth,
+        },
+        fit: a.fit_memory.map(|bytes| FitMemory {
+            bytes,
+            for_use: a.for_use,
+            batch: a.batch,
+            seq: a.seq,
+            baseline,
+        }),
+        sequences: a.calibration,
+        seq: a.seq,
+        seed: a.seed,
+        threads: threads(a.threads)?,
+        device: a.device,
+    };
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(a.calibration as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} scoring {pos}/{len} sequences eta {eta}")
+            .expect("valid template"),
+    );
+    let result = prune::prune(&opts, &mut |done, _| bar.set_position(done as u64));
+    bar.finish_and_clear();
+    let p = result?;
+    if a.json {
+        let mut v = serde_json::to_value(&p)?;
+        if let Some(o) = v.as_object_mut() {
+            o.remove("scores");
+            o.remove("kept");
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    if a.report {
+        print!("{}", prune::report::layers(&p));
+    }
+    print!("{}", prune::report::summary(&p));
+    println!(
+        "written to {} ({} beside the model); heal it with `memwall train --init {} --data {} --out RUN`",
+        a.out.display(),
+        prune::REPORT_FILE,
+        a.out.display(),
+        a.data.display()
     );
     Ok(())
 }

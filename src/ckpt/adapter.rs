@@ -251,7 +251,7 @@ pub struct Merged {
 /// available.
 pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merged> {
     let adapter = &resolve_dir(adapter)?;
-    check_merge_out(out)?;
+    check_new_out_dir(out)?;
     let spec = super::load_spec(base)?;
     let layout = ParamLayout::new(&spec);
     let bytes = layout.total as u64 * 4;
@@ -281,7 +281,7 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merg
     // no partial model under `out` (and its temporary is swept by the next merge).
     let tmp = crate::util::atomic_dir::TempDir::create_for(out)?;
     super::save_model_as(&tmp.path, &spec, &layout, &params, bf16, &opts)?;
-    check_merge_out(out)?;
+    check_new_out_dir(out)?;
     tmp.publish(out)?;
     Ok(Merged {
         layers: adapters.layers.len(),
@@ -290,10 +290,11 @@ pub fn merge(base: &Path, adapter: &Path, out: &Path, bf16: bool) -> Result<Merg
     })
 }
 
-/// `merge --out`: a directory that does not exist or is empty, once what killed merges left
-/// is gone (their temporary siblings `OUT.tmp-<pid>-<n>`, and the hidden temporaries older
-/// versions wrote inside `OUT`, whose process no longer runs).
-pub fn check_merge_out(out: &Path) -> Result<()> {
+/// `--out` of a command that writes a whole model directory at once (`merge`, `prune`): a
+/// directory that does not exist or is empty, once what killed runs left is gone (their
+/// temporary siblings `OUT.tmp-<pid>-<n>`, and the hidden temporaries older versions wrote
+/// inside `OUT`, whose process no longer runs).
+pub fn check_new_out_dir(out: &Path) -> Result<()> {
     use crate::util::atomic::writer_is_gone;
     let parent = crate::util::atomic::parent_dir(out);
     if let (Some(name), Ok(entries)) = (out.file_name(), std::fs::read_dir(parent)) {

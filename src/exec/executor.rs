@@ -989,17 +989,8 @@ impl Executor {
         if let Some(bad) = context.iter().find(|&&x| x >= v) {
             bail!("token id {bad} is outside the model's vocabulary ({v})");
         }
-        let s = &self.plan.schedule;
-        let (tokens, logits) = (s.tokens[0], s.logits.expect("generation plan"));
-        self.device
-            .upload(&[tokens], &mut |b| {
-                pod::cast_mut::<u32>(b[0])[..t].copy_from_slice(context)
-            })
-            .with_context(|| self.moving("uploading", &[tokens]))?;
-        let ctx = StepCtx {
-            seq: Some(t),
-            ..self.ctx(false)
-        };
+        let ctx = self.upload_context(context)?;
+        let logits = self.plan.schedule.logits.expect("generation plan");
         let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
         self.run(&ops, ctx, None)?;
         let mut out = std::mem::take(&mut self.logits);
@@ -1011,6 +1002,74 @@ impl Executor {
             .with_context(|| self.moving("downloading", &[logits]))?;
         self.logits = out;
         Ok(&self.logits)
+    }
+
+    /// Stages `context` (checked by the caller: 1 to the plan's `seq` tokens of the
+    /// vocabulary) as a generation plan's tokens; returns the step values that run its
+    /// forward on those rows.
+    fn upload_context(&mut self, context: &[u32]) -> Result<StepCtx> {
+        let tokens = self.plan.schedule.tokens[0];
+        self.device
+            .upload(&[tokens], &mut |b| {
+                pod::cast_mut::<u32>(b[0])[..context.len()].copy_from_slice(context)
+            })
+            .with_context(|| self.moving("uploading", &[tokens]))?;
+        Ok(StepCtx {
+            seq: Some(context.len()),
+            ..self.ctx(false)
+        })
+    }
+
+    /// The forward of a generation plan over `context` (as many tokens as the plan's
+    /// `seq`), stopping after each op of `watch` (op index, f32 buffer; in schedule order)
+    /// to hand `on` the watch's index and the buffer's contents `[seq, …]`: what an
+    /// analysis of the model's activations reads (`prune`'s importance scores), with the
+    /// plan's own kernels and memory.
+    pub fn forward_watching(
+        &mut self,
+        context: &[u32],
+        watch: &[(usize, BufId)],
+        on: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        assert_eq!(self.plan.mode, Mode::Generate);
+        if context.len() != self.plan.cfg.seq {
+            bail!(
+                "internal error: a watched forward of {} tokens for a plan of {}",
+                context.len(),
+                self.plan.cfg.seq
+            );
+        }
+        let v = self.plan.spec.vocab_size as u32;
+        if let Some(bad) = context.iter().find(|&&x| x >= v) {
+            bail!("token id {bad} is outside the model's vocabulary ({v})");
+        }
+        let ctx = self.upload_context(context)?;
+        let mut next = 0;
+        let mut data = Vec::new();
+        for (k, &(op, buf)) in watch.iter().enumerate() {
+            if k > 0 && op < watch[k - 1].0 {
+                bail!("internal error: watched ops out of schedule order");
+            }
+            if op >= next {
+                let ops: Vec<usize> = (next..=op).collect();
+                self.run(&ops, ctx, None)?;
+                next = op + 1;
+            }
+            if self.plan.buffer(buf).dtype != DType::F32 {
+                bail!(
+                    "internal error: watched buffer {} is not f32",
+                    self.plan.buffer(buf).name
+                );
+            }
+            self.device
+                .download(&[buf], &mut |b| {
+                    data.clear();
+                    data.extend_from_slice(pod::cast::<f32>(b[0]))
+                })
+                .with_context(|| self.moving("downloading", &[buf]))?;
+            on(k, &data)?;
+        }
+        Ok(())
     }
 
     /// Starts recording a span per executed op into `recorder` (profiling, `bench --time-ops`),

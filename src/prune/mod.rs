@@ -1,0 +1,319 @@
+//! `memwall prune`: a smaller model of the same family, chosen by the parameters or the
+//! memory it must fit, that loads anywhere its family loads.
+//!
+//! 1. **Scores** ([`score`]): a forward pass over calibration sequences of the user's data
+//!    (the model run as `sample` runs it, nothing else in memory) gives each embedding
+//!    channel, attention head, MLP channel and layer an importance.
+//! 2. **Shape** ([`shape`]): one width per kind for every layer (an ordinary config),
+//!    from flags, a parameter fraction (`--keep`), or a memory budget for a use
+//!    (`--fit-memory` with `--for`: the plan of that use, as `memwall plan` makes it).
+//! 3. **Weights** ([`slice`]): every tensor cut to the kept channels, heads and layers of the
+//!    highest scores, written as a Hugging Face directory with the model's tokenizer, and
+//!    `prune.json` (the scores, what was kept, the shape and its plan).
+//!
+//! The pruned model is meant to be healed by training (`train --init OUT`).
+
+pub mod report;
+pub mod score;
+pub mod shape;
+pub mod slice;
+
+use crate::backend::DeviceId;
+use crate::ckpt;
+use crate::data::DataSet;
+use crate::data::tokenizer::model_tokenizer_id;
+use crate::exec::Executor;
+use crate::model::{ModelSpec, ParamLayout};
+use crate::plan::{Mode, StepConfig, build_plan};
+use anyhow::{Context, Result, bail};
+use score::Scores;
+use serde::Serialize;
+use shape::{Shape, ShapeRequest};
+use slice::Kept;
+use std::path::PathBuf;
+
+/// What the pruned model must fit (`--fit-memory` with `--for`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Use {
+    /// Full fine-tuning (fp32 weights and AdamW moments).
+    Train,
+    /// LoRA (rank 16 on every layer) on an f32 base.
+    Lora,
+    /// QLoRA: LoRA on a base kept in q4_k blocks.
+    Qlora,
+    /// Generation (`memwall sample`).
+    Sample,
+}
+
+impl Use {
+    /// The `--for` values.
+    pub const NAMES: &'static str = "train, lora, qlora, sample";
+}
+
+impl std::str::FromStr for Use {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Use> {
+        Ok(match s {
+            "train" => Use::Train,
+            "lora" => Use::Lora,
+            "qlora" => Use::Qlora,
+            "sample" => Use::Sample,
+            _ => bail!("--for {s}: choose one of {}", Use::NAMES),
+        })
+    }
+}
+
+/// A memory budget for the pruned model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FitMemory {
+    pub bytes: u64,
+    pub for_use: Use,
+    /// The step the budget is for (batch 1 when sampling).
+    pub batch: usize,
+    pub seq: usize,
+    /// The process's memory before planning (`memwall plan`'s baseline).
+    pub baseline: u64,
+}
+
+/// What to prune and how.
+#[derive(Clone, Debug)]
+pub struct PruneOptions {
+    /// A Hugging Face model directory (a GGUF is converted into one first).
+    pub model: PathBuf,
+    pub data: PathBuf,
+    pub out: PathBuf,
+    pub shape: ShapeRequest,
+    pub fit: Option<FitMemory>,
+    /// Calibration sequences and their length.
+    pub sequences: usize,
+    pub seq: usize,
+    pub seed: u64,
+    pub threads: usize,
+    pub device: DeviceId,
+}
+
+/// The plan of `fit`'s use of `spec`: its predicted peak (bytes).
+pub fn planned_peak(
+    spec: &ModelSpec,
+    fit: &FitMemory,
+    threads: usize,
+    device: DeviceId,
+) -> Result<u64> {
+    let (mut cfg, mode) = match fit.for_use {
+        Use::Sample => (StepConfig::new(1, fit.seq, threads), Mode::Generate),
+        _ => (StepConfig::new(fit.batch, fit.seq, threads), Mode::Train),
+    };
+    if matches!(fit.for_use, Use::Lora | Use::Qlora) {
+        let lora = crate::exec::resolve::LoraRequest {
+            r: 16,
+            ..Default::default()
+        };
+        cfg.lora = Some(lora.spec(spec.family)?);
+    }
+    if fit.for_use == Use::Qlora {
+        cfg.base_quant = crate::ir::BaseQuant::Blocks(crate::dtype::GgmlType::Q4_K);
+    }
+    let plan = build_plan(spec, &cfg, mode, device.sizing())?;
+    Ok(plan.predicted_peak(fit.baseline))
+}
+
+/// The shape `opts` asks for (before any scoring: every flag is checked first), with the
+/// fit's figures: the chosen shape's planned peak and the next larger shape's.
+pub fn resolve_shape(spec: &ModelSpec, opts: &PruneOptions) -> Result<(Shape, Option<FitReport>)> {
+    let Some(fit) = &opts.fit else {
+        return Ok((shape::resolve(spec, &opts.shape)?, None));
+    };
+    if opts.shape.keep.is_some() || opts.shape.hidden.is_some() || opts.shape.mlp.is_some() {
+        bail!(
+            "--fit-memory chooses the embedding and MLP widths: leave out --keep, --hidden and \
+             --mlp (--heads, --kv-heads and --depth may be given with it)"
+        );
+    }
+    let base = shape::resolve(spec, &opts.shape)?;
+    let peak = |s: &Shape| planned_peak(&s.apply(spec), fit, opts.threads, opts.device);
+    let mut fits = |s: &Shape| Ok(peak(s)? <= fit.bytes);
+    let (chosen, larger) = match shape::largest_fitting(spec, base, &mut fits)? {
+        Some((s, l)) => (s, Some(l)),
+        None => (base, None),
+    };
+    let report = FitReport {
+        budget_bytes: fit.bytes,
+        for_use: fit.for_use,
+        batch: fit.batch,
+        seq: fit.seq,
+        peak_bytes: peak(&chosen)?,
+        larger: match larger {
+            Some(l) => Some((l, peak(&l)?)),
+            None => None,
+        },
+    };
+    Ok((chosen, Some(report)))
+}
+
+/// `--fit-memory`'s result: the budget, the chosen shape's planned peak and the next larger
+/// shape's (over the budget; `None` when the model's own widths fit).
+#[derive(Clone, Debug, Serialize)]
+pub struct FitReport {
+    pub budget_bytes: u64,
+    pub for_use: Use,
+    pub batch: usize,
+    pub seq: usize,
+    pub peak_bytes: u64,
+    pub larger: Option<(Shape, u64)>,
+}
+
+/// What `prune` did (also written as `prune.json` beside the model).
+#[derive(Clone, Debug, Serialize)]
+pub struct Pruned {
+    pub model: PathBuf,
+    pub out: PathBuf,
+    pub before: Shape,
+    pub after: Shape,
+    pub params_before: usize,
+    pub params_after: usize,
+    /// Of each kind's total importance, the fraction kept (heads and MLP: the mean over the
+    /// kept layers; layers: of the total Block Influence).
+    pub kept_importance: KeptImportance,
+    pub fit: Option<FitReport>,
+    /// What the pruned model's layers keep of the original's.
+    pub kept: Kept,
+    pub scores: Scores,
+}
+
+/// Fractions of the importance kept, per kind.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct KeptImportance {
+    pub hidden: f64,
+    pub heads: f64,
+    pub mlp: f64,
+    pub layers: f64,
+}
+
+fn fraction(all: &[f64], kept: &[usize]) -> f64 {
+    let total: f64 = all.iter().sum();
+    if total > 0.0 {
+        kept.iter().map(|&i| all[i]).sum::<f64>() / total
+    } else {
+        1.0
+    }
+}
+
+fn kept_importance(scores: &Scores, kept: &Kept) -> KeptImportance {
+    let mean = |per: &dyn Fn(usize, usize) -> f64| {
+        let n = kept.layers.len().max(1) as f64;
+        kept.layers
+            .iter()
+            .enumerate()
+            .map(|(k, &l)| per(k, l))
+            .sum::<f64>()
+            / n
+    };
+    KeptImportance {
+        hidden: fraction(&scores.hidden, &kept.hidden),
+        heads: mean(&|k, l| fraction(&scores.heads[l], &kept.heads[k])),
+        mlp: mean(&|k, l| fraction(&scores.mlp[l], &kept.mlp[k])),
+        layers: fraction(&scores.block_influence, &kept.layers),
+    }
+}
+
+/// Prunes `opts.model` to the shape asked for; `tick(done, total)` follows the scoring.
+pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<Pruned> {
+    let spec = ckpt::load_spec(&opts.model)?;
+    slice::check_family(&spec)?;
+    let (after, fit) = resolve_shape(&spec, opts)?;
+    ckpt::adapter::check_new_out_dir(&opts.out)?;
+    if opts.sequences == 0 {
+        bail!("--calibration 0: give at least one sequence to score the model on");
+    }
+    let data = open_data(opts, &spec)?;
+    let plan = build_plan(
+        &spec,
+        &StepConfig::new(1, opts.seq, opts.threads),
+        Mode::Generate,
+        opts.device.open()?,
+    )?;
+    let layout = plan.layout.clone();
+    let mut ex = Executor::on(plan, opts.device.open()?)?;
+    ex.with_params_mut(|p| ckpt::load_params(&opts.model, &layout, p))??;
+    let n = opts.sequences;
+    let mut done = 0;
+    let scores = score::score(&mut ex, &spec, &data, (n, opts.seed), &mut || {
+        done += 1;
+        tick(done, n);
+    })?;
+    let kept = slice::choose(&spec, &scores, &after);
+    let mut new_spec = after.apply(&spec);
+    new_spec.name = opts.out.display().to_string();
+    let new_layout = ParamLayout::new(&new_spec);
+    let params = ex.with_params(|p| slice::slice(&spec, &kept, (&layout, p), &new_layout))??;
+    drop(ex);
+    let pruned = Pruned {
+        model: opts.model.clone(),
+        out: opts.out.clone(),
+        before: Shape::of(&spec),
+        after,
+        params_before: spec.num_params(),
+        params_after: new_layout.total,
+        kept_importance: kept_importance(&scores, &kept),
+        fit,
+        kept,
+        scores,
+    };
+    write(opts, &new_spec, &new_layout, &params, &pruned)?;
+    Ok(pruned)
+}
+
+/// Opens the calibration data, checked against the model's tokenizer and long enough.
+fn open_data(opts: &PruneOptions, spec: &ModelSpec) -> Result<DataSet> {
+    let data = DataSet::open(&opts.data)?;
+    if let Some(id) = model_tokenizer_id(&[opts.model.as_path()], false)? {
+        crate::data::check::check_tokenizer(&id, &data.meta, &opts.data)?;
+    }
+    if data.meta.vocab_size > spec.vocab_size {
+        bail!(
+            "--data {}: prepared for a vocabulary of {} tokens but the model has {}",
+            opts.data.display(),
+            data.meta.vocab_size,
+            spec.vocab_size
+        );
+    }
+    if data.examples.is_none() {
+        crate::data::loader::check_fits(&data.train, "train", opts.seq)?;
+    }
+    if opts.seq == 0 || opts.seq > spec.max_seq() {
+        bail!(
+            "--seq {}: calibration sequences must be 1 to {} tokens (the model's context)",
+            opts.seq,
+            spec.max_seq()
+        );
+    }
+    Ok(data)
+}
+
+/// Writes the pruned model (config, weights in the original's dtype, tokenizer and chat
+/// template files) and `prune.json` into a temporary sibling of `opts.out`, then renames
+/// it: a prune that stops leaves no partial model.
+fn write(
+    opts: &PruneOptions,
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    params: &[f32],
+    pruned: &Pruned,
+) -> Result<()> {
+    let bf16 = ckpt::adapter::stored_as_bf16(&opts.model);
+    let save = ckpt::SaveOptions {
+        tokenizer_dir: Some(&opts.model),
+        ..Default::default()
+    };
+    let tmp = crate::util::atomic_dir::TempDir::create_for(&opts.out)?;
+    ckpt::save_model_as(&tmp.path, spec, layout, params, bf16, &save)?;
+    let json = serde_json::to_vec_pretty(pruned)?;
+    crate::util::atomic::write_file(&tmp.path.join(REPORT_FILE), &json)
+        .with_context(|| format!("writing {REPORT_FILE}"))?;
+    ckpt::adapter::check_new_out_dir(&opts.out)?;
+    tmp.publish(&opts.out)
+}
+
+/// The report `prune` writes beside the pruned model.
+pub const REPORT_FILE: &str = "prune.json";

@@ -1,0 +1,397 @@
+//! The pruned model's shape: the same heads, MLP width, embedding width and layer count in
+//! every layer, so the result is an ordinary config of its family that transformers,
+//! llama.cpp and memwall load unchanged (per-layer widths are what made LLM-Pruner's models
+//! unloadable: LLM-Pruner #16, #68; llama.cpp #9483).
+//!
+//! Chosen from flags ([`ShapeRequest`]): widths given, a parameter fraction to keep
+//! (`--keep`: the embedding and MLP widths shrunk by about the same fraction, heads and
+//! layers kept, as Minitron's best width-pruned models do), or a memory budget
+//! (`--fit-memory`: the largest shape on that ladder whose plan for the use fits).
+
+use crate::model::{Family, ModelSpec};
+use anyhow::{Result, bail};
+use serde::Serialize;
+
+/// What every layer of the pruned model keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Shape {
+    /// Embedding (residual stream) width C.
+    pub hidden: usize,
+    /// Query heads (each of the model's head size).
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// MLP width.
+    pub mlp: usize,
+    /// Layers.
+    pub layers: usize,
+}
+
+/// The shape flags as given (`None`: not given).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ShapeRequest {
+    /// `--keep F`: this fraction of the parameters.
+    pub keep: Option<f64>,
+    pub hidden: Option<usize>,
+    pub heads: Option<usize>,
+    pub kv_heads: Option<usize>,
+    pub mlp: Option<usize>,
+    /// `--depth N`: layers kept (those of the highest Block Influence).
+    pub depth: Option<usize>,
+}
+
+impl Shape {
+    /// The model's own shape.
+    pub fn of(spec: &ModelSpec) -> Shape {
+        Shape {
+            hidden: spec.n_embd,
+            heads: spec.n_head,
+            kv_heads: spec.n_kv_head,
+            mlp: spec.mlp_hidden,
+            layers: spec.n_layer,
+        }
+    }
+
+    /// The spec of `spec` pruned to this shape: the same family, head size, vocabulary,
+    /// positions and options.
+    pub fn apply(&self, spec: &ModelSpec) -> ModelSpec {
+        let mut s = spec.clone();
+        s.n_embd = self.hidden;
+        s.n_head = self.heads;
+        s.n_kv_head = self.kv_heads;
+        s.mlp_hidden = self.mlp;
+        s.n_layer = self.layers;
+        s
+    }
+
+    /// Parameters of `spec` pruned to this shape.
+    pub fn params(&self, spec: &ModelSpec) -> usize {
+        self.apply(spec).num_params()
+    }
+
+    /// Checks this shape against `spec`, naming the flag of a width that is not there.
+    pub fn check(&self, spec: &ModelSpec) -> Result<()> {
+        let w = |flag: &str, v: usize, max: usize, what: &str| -> Result<()> {
+            if v == 0 || v > max {
+                bail!(
+                    "{flag} {v}: the model has {max} {what}; keep 1 to {max} (fewer prunes more)"
+                );
+            }
+            Ok(())
+        };
+        w("--hidden", self.hidden, spec.n_embd, "embedding channels")?;
+        w("--mlp", self.mlp, spec.mlp_hidden, "MLP channels")?;
+        w("--depth", self.layers, spec.n_layer, "layers")?;
+        w(
+            "--kv-heads",
+            self.kv_heads,
+            spec.n_kv_head,
+            "key/value heads",
+        )?;
+        w("--heads", self.heads, spec.n_head, "query heads")?;
+        let g = spec.n_head / spec.n_kv_head;
+        if !self.heads.is_multiple_of(self.kv_heads) || self.heads / self.kv_heads > g {
+            bail!(
+                "--heads {} with --kv-heads {}: grouped-query attention needs the query heads a \
+                 multiple of the key/value heads, at most {g} each (the model's groups: {} query \
+                 heads on {} key/value heads); e.g. --heads {} --kv-heads {}",
+                self.heads,
+                self.kv_heads,
+                spec.n_head,
+                spec.n_kv_head,
+                self.kv_heads * g.min((self.heads / self.kv_heads).max(1)),
+                self.kv_heads
+            );
+        }
+        if self.layers != spec.n_layer && spec.family == Family::Gemma3 {
+            bail!(
+                "--depth {}: Gemma 3's sliding and full layers follow a fixed pattern (llama.cpp \
+                 derives it from the layer index), which removing layers would break; prune its \
+                 widths (--keep, --hidden, --mlp, --heads) instead",
+                self.layers
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Widths are kept multiples of this where the model's are (32 if its embedding and MLP
+/// widths are multiples of 32, else 8, else 1): the shapes kernels and quantized formats
+/// handle best (a GGUF k-quant needs rows of multiples of 256 to use its blocks, which the
+/// exporter checks per tensor).
+fn align(spec: &ModelSpec) -> usize {
+    [32, 8]
+        .into_iter()
+        .find(|&a| spec.n_embd.is_multiple_of(a) && spec.mlp_hidden.is_multiple_of(a))
+        .unwrap_or(1)
+}
+
+/// `x` rounded down to a multiple of `a`, at least `a`.
+fn down(x: f64, a: usize) -> usize {
+    ((x / a as f64).floor() as usize).max(1) * a
+}
+
+/// The widest MLP (a multiple of `a`, or `base.mlp`) that `fits` with `base`'s other
+/// widths, by bisection (a wider MLP never needs less); `None` when even `a` does not fit.
+fn widest_mlp(
+    base: Shape,
+    a: usize,
+    fits: &mut dyn FnMut(&Shape) -> Result<bool>,
+) -> Result<Option<usize>> {
+    let with = |m: usize| Shape { mlp: m, ..base };
+    if fits(&with(base.mlp))? {
+        return Ok(Some(base.mlp));
+    }
+    // Bisect the widths k·a, k = 1..=mlp/a: k = lo fits (or lo = 0), k = hi does not.
+    let (mut lo, mut hi) = (0, base.mlp / a + 1);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(&with(mid * a))? {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok((lo > 0).then_some(lo * a))
+}
+
+/// The embedding and MLP widths that shrink alike: for each embedding width (the model's,
+/// then multiples of the alignment down to a quarter of it), the widest MLP that `fits`;
+/// of those, the one whose two widths keep the closest fractions of `base`'s. Returns it
+/// and the next larger shape (one step wider MLP, or at `base`'s MLP one step wider
+/// embedding), which does not fit; `None` when `base` itself fits.
+pub fn largest_fitting(
+    spec: &ModelSpec,
+    base: Shape,
+    fits: &mut dyn FnMut(&Shape) -> Result<bool>,
+) -> Result<Option<(Shape, Shape)>> {
+    if fits(&base)? {
+        return Ok(None);
+    }
+    let a = align(spec);
+    let (c, i) = (base.hidden, base.mlp);
+    let mut widths = vec![c];
+    let mut h = down(c as f64 - 1.0, a);
+    while h < c && h * 4 >= c {
+        widths.push(h);
+        if h <= a {
+            break;
+        }
+        h -= a;
+    }
+    // (gap between the fractions, the shape, the embedding width above it)
+    let mut best: Option<(f64, Shape, usize)> = None;
+    for (k, &h) in widths.iter().enumerate() {
+        let at = Shape { hidden: h, ..base };
+        let Some(m) = widest_mlp(at, a, fits)? else {
+            continue;
+        };
+        let gap = h as f64 / c as f64 - m as f64 / i as f64;
+        if best.is_none_or(|(g, _, _)| gap.abs() < g.abs()) {
+            let above = if k > 0 { widths[k - 1] } else { c };
+            best = Some((gap, Shape { mlp: m, ..at }, above));
+        }
+        if gap <= 0.0 {
+            break; // narrower embeddings only widen the gap
+        }
+    }
+    let Some((_, chosen, above)) = best else {
+        bail!(
+            "no embedding width down to a quarter of the model's ({}) gives a shape that fits; \
+             prune heads (--heads, --kv-heads) or layers (--depth) as well",
+            c / 4
+        );
+    };
+    let larger = match chosen.mlp < i {
+        true => Shape {
+            mlp: (chosen.mlp + a).min(i),
+            ..chosen
+        },
+        false => Shape {
+            hidden: above,
+            ..chosen
+        },
+    };
+    Ok(Some((chosen, larger)))
+}
+
+/// The shape `req` asks for on `spec`: the widths given, the rest the model's, then (with
+/// `--keep`) the widths not given chosen under the parameter budget ([`largest_fitting`],
+/// or the one width left shrunk alone).
+pub fn resolve(spec: &ModelSpec, req: &ShapeRequest) -> Result<Shape> {
+    let mut s = Shape::of(spec);
+    if let Some(v) = req.hidden {
+        s.hidden = v;
+    }
+    if let Some(v) = req.mlp {
+        s.mlp = v;
+    }
+    if let Some(v) = req.heads {
+        s.heads = v;
+    }
+    if let Some(v) = req.kv_heads {
+        s.kv_heads = v;
+        if req.heads.is_none() {
+            s.heads = v * (spec.n_head / spec.n_kv_head);
+        }
+    }
+    if let Some(v) = req.depth {
+        s.layers = v;
+    }
+    s.check(spec)?;
+    let Some(keep) = req.keep else {
+        return Ok(s);
+    };
+    if !(keep > 0.0 && keep <= 1.0) {
+        bail!("--keep {keep}: give the fraction of the parameters to keep, above 0 and at most 1");
+    }
+    if req.hidden.is_some() && req.mlp.is_some() {
+        bail!(
+            "--keep with both --hidden and --mlp: nothing is left for --keep to choose; leave \
+             out --keep (or one of the widths)"
+        );
+    }
+    let budget = (keep * spec.num_params() as f64).floor() as usize;
+    if s.params(spec) <= budget {
+        return Ok(s);
+    }
+    let mut fits = |x: &Shape| Ok(x.params(spec) <= budget);
+    let chosen = match (req.hidden, req.mlp) {
+        (None, None) => largest_fitting(spec, s, &mut fits)?.map(|(x, _)| x),
+        // One width given: the other shrinks alone.
+        (Some(_), None) => shrink_one(spec, s, false, &mut fits)?,
+        (None, Some(_)) => shrink_one(spec, s, true, &mut fits)?,
+        (Some(_), Some(_)) => unreachable!(),
+    };
+    let Some(chosen) = chosen else {
+        return Ok(s);
+    };
+    chosen.check(spec)?;
+    Ok(chosen)
+}
+
+/// The widest shape with `s`'s other widths whose embedding width (`hidden`) or MLP width
+/// (else) fits; `None` when `s` itself does.
+fn shrink_one(
+    spec: &ModelSpec,
+    s: Shape,
+    hidden: bool,
+    fits: &mut dyn FnMut(&Shape) -> Result<bool>,
+) -> Result<Option<Shape>> {
+    if fits(&s)? {
+        return Ok(None);
+    }
+    let a = align(spec);
+    let max = if hidden { s.hidden } else { s.mlp };
+    let mut w = down(max as f64 - 1.0, a);
+    loop {
+        let x = match hidden {
+            true => Shape { hidden: w, ..s },
+            false => Shape { mlp: w, ..s },
+        };
+        if fits(&x)? {
+            return Ok(Some(x));
+        }
+        if w <= a {
+            let flag = if hidden { "--hidden" } else { "--mlp" };
+            bail!(
+                "--keep: with the widths given, even {flag} {w} leaves more than the budget; \
+                 prune more of the others"
+            );
+        }
+        w -= a;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smol() -> ModelSpec {
+        ModelSpec::preset("smollm2-135m").unwrap()
+    }
+
+    #[test]
+    fn keep_shrinks_embedding_and_mlp_alike_within_the_budget() {
+        let spec = smol();
+        let req = ShapeRequest {
+            keep: Some(0.75),
+            ..Default::default()
+        };
+        let s = resolve(&spec, &req).unwrap();
+        let (p, budget) = (s.params(&spec), 0.75 * spec.num_params() as f64);
+        assert!(p as f64 <= budget, "{s:?}: {p} > {budget}");
+        assert!(p as f64 > 0.70 * spec.num_params() as f64, "{s:?}: {p}");
+        assert_eq!((s.heads, s.kv_heads, s.layers), (9, 3, 30));
+        assert!(s.hidden % 32 == 0 && s.mlp % 32 == 0, "{s:?}");
+        let (fh, fm) = (s.hidden as f64 / 576.0, s.mlp as f64 / 1536.0);
+        assert!((fh - fm).abs() < 0.1, "{s:?}");
+        // The next wider MLP would not fit.
+        let wider = Shape {
+            mlp: s.mlp + 32,
+            ..s
+        };
+        assert!(wider.params(&spec) as f64 > budget || wider.mlp as f64 / 1536.0 > fh + 0.06);
+    }
+
+    #[test]
+    fn a_shape_that_breaks_grouped_query_attention_is_refused_naming_the_flags() {
+        let spec = smol(); // 9 heads on 3 KV heads
+        let bad = |req: ShapeRequest| resolve(&spec, &req).unwrap_err().to_string();
+        let e = bad(ShapeRequest {
+            heads: Some(7),
+            ..Default::default()
+        });
+        assert!(e.contains("--heads 7") && e.contains("--kv-heads 3"), "{e}");
+        let e = bad(ShapeRequest {
+            heads: Some(0),
+            ..Default::default()
+        });
+        assert!(e.contains("--heads 0"), "{e}");
+        let e = bad(ShapeRequest {
+            kv_heads: Some(4),
+            ..Default::default()
+        });
+        assert!(
+            e.contains("--kv-heads 4") && e.contains("3 key/value heads"),
+            "{e}"
+        );
+        let e = bad(ShapeRequest {
+            keep: Some(0.0),
+            ..Default::default()
+        });
+        assert!(e.contains("--keep 0"), "{e}");
+        let e = bad(ShapeRequest {
+            keep: Some(0.5),
+            hidden: Some(256),
+            mlp: Some(512),
+            ..Default::default()
+        });
+        assert!(e.contains("--keep with both"), "{e}");
+        // Whole KV groups: --kv-heads 2 keeps their 3 query heads each.
+        let s = resolve(
+            &spec,
+            &ShapeRequest {
+                kv_heads: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!((s.heads, s.kv_heads), (6, 2));
+    }
+
+    #[test]
+    fn gemma3_depth_is_refused() {
+        let spec = ModelSpec::preset("gemma-3-270m").unwrap();
+        let e = resolve(
+            &spec,
+            &ShapeRequest {
+                depth: Some(10),
+                ..Default::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--depth 10") && e.contains("Gemma 3"), "{e}");
+    }
+}

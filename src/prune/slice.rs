@@ -1,0 +1,272 @@
+//! Which channels, heads and layers a shape keeps (the highest scores), and the pruned
+//! weights: every tensor of the pruned model is its namesake's rows and columns at the kept
+//! indices, in their order (so each kept head, channel and layer computes what it did).
+//!
+//! Heads are kept by key/value group, as grouped-query attention shares keys: the groups of
+//! the highest summed query-head scores, then within each the query heads of the highest
+//! scores, so new key/value head j still serves new query heads j·g'..(j+1)·g'.
+
+use super::score::Scores;
+use super::shape::Shape;
+use crate::model::{Family, ModelSpec, ParamLayout};
+use anyhow::{Result, bail};
+
+/// The kept indices of the original model, each list ascending.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Kept {
+    /// Residual-stream channels `[C']`.
+    pub hidden: Vec<usize>,
+    /// The original layers kept `[L']`.
+    pub layers: Vec<usize>,
+    /// Per kept layer: query heads `[NH']` and key/value heads `[NKV']`.
+    pub heads: Vec<Vec<usize>>,
+    pub kv_heads: Vec<Vec<usize>>,
+    /// Per kept layer: MLP channels `[I']`.
+    pub mlp: Vec<Vec<usize>>,
+}
+
+/// The `k` indices of the highest `scores`, ascending (ties: the lower index first).
+pub fn top(scores: &[f64], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order.sort_unstable();
+    order
+}
+
+/// What `shape` keeps of `spec` by `scores`.
+pub fn choose(spec: &ModelSpec, scores: &Scores, shape: &Shape) -> Kept {
+    let layers = top(&scores.block_influence, shape.layers);
+    let g = spec.n_head / spec.n_kv_head;
+    let per_group = shape.heads / shape.kv_heads;
+    let mut heads = Vec::new();
+    let mut kv_heads = Vec::new();
+    for &l in &layers {
+        let h = &scores.heads[l];
+        let groups: Vec<f64> = (0..spec.n_kv_head)
+            .map(|j| h[j * g..(j + 1) * g].iter().sum())
+            .collect();
+        let kv = top(&groups, shape.kv_heads);
+        let q = kv
+            .iter()
+            .flat_map(|&j| {
+                top(&h[j * g..(j + 1) * g], per_group)
+                    .into_iter()
+                    .map(move |i| j * g + i)
+            })
+            .collect();
+        heads.push(q);
+        kv_heads.push(kv);
+    }
+    Kept {
+        hidden: top(&scores.hidden, shape.hidden),
+        mlp: layers
+            .iter()
+            .map(|&l| top(&scores.mlp[l], shape.mlp))
+            .collect(),
+        layers,
+        heads,
+        kv_heads,
+    }
+}
+
+/// The axis a tensor dimension runs along.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Ax {
+    /// The residual stream's channels.
+    Hidden,
+    /// Query heads' channels (head-major).
+    Q,
+    /// Key/value heads' channels.
+    Kv,
+    Mlp,
+    /// Kept whole (the vocabulary, a head's channels).
+    All,
+}
+
+/// The axes of a tensor of a Llama-layout family by its Hugging Face name (`model.layers.N.`
+/// stripped); an unknown name is refused, so a family's new tensor never goes through
+/// unsliced.
+fn axes(name: &str) -> Result<&'static [Ax]> {
+    use Ax::*;
+    let kind = name.rsplit('.').nth(1).unwrap_or("");
+    let bias = name.ends_with(".bias");
+    Ok(match (kind, bias) {
+        ("embed_tokens" | "lm_head", false) => &[All, Hidden],
+        ("q_norm" | "k_norm", false) => &[All],
+        (k, false) if k == "norm" || k.ends_with("_layernorm") => &[Hidden],
+        ("q_proj", false) => &[Q, Hidden],
+        ("q_proj", true) => &[Q],
+        ("k_proj" | "v_proj", false) => &[Kv, Hidden],
+        ("k_proj" | "v_proj", true) => &[Kv],
+        ("o_proj", false) => &[Hidden, Q],
+        ("o_proj" | "down_proj", true) => &[Hidden],
+        ("gate_proj" | "up_proj", false) => &[Mlp, Hidden],
+        ("gate_proj" | "up_proj", true) => &[Mlp],
+        ("down_proj", false) => &[Hidden, Mlp],
+        _ => bail!("internal error: prune does not know the axes of tensor {name}"),
+    })
+}
+
+/// The families `prune` handles: those of Llama's layout (separate q, k, v, o, gate, up and
+/// down projections).
+pub fn check_family(spec: &ModelSpec) -> Result<()> {
+    match spec.family {
+        Family::Llama | Family::Qwen2 | Family::Qwen3 | Family::Mistral | Family::Gemma3 => Ok(()),
+        f => bail!(
+            "prune handles Llama, Qwen2, Qwen3, Mistral and Gemma 3 models; this one is {} \
+             ({}), whose fused or coupled projections it does not cut yet",
+            f.model_type(),
+            spec.name
+        ),
+    }
+}
+
+/// `model.layers.N.rest` as (N, rest); `None` for a tensor outside the layers.
+fn layer_name(name: &str) -> Option<(usize, &str)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (n, rest) = rest.split_once('.')?;
+    Some((n.parse().ok()?, rest))
+}
+
+/// The kept indices along `ax` of layer `l` (index among the kept layers), `hd` the head
+/// size.
+fn indices(kept: &Kept, ax: Ax, l: Option<usize>, n: usize, hd: usize) -> Vec<usize> {
+    let heads = |hs: &[usize]| hs.iter().flat_map(|&h| h * hd..(h + 1) * hd).collect();
+    match (ax, l) {
+        (Ax::Hidden, _) => kept.hidden.clone(),
+        (Ax::Q, Some(l)) => heads(&kept.heads[l]),
+        (Ax::Kv, Some(l)) => heads(&kept.kv_heads[l]),
+        (Ax::Mlp, Some(l)) => kept.mlp[l].clone(),
+        _ => (0..n).collect(),
+    }
+}
+
+/// The pruned model's weights (`new_layout`'s order), each tensor its namesake's of `old`
+/// (`old_layout`) at the kept indices.
+pub fn slice(
+    spec: &ModelSpec,
+    kept: &Kept,
+    (old_layout, old): (&ParamLayout, &[f32]),
+    new_layout: &ParamLayout,
+) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; new_layout.total];
+    for t in &new_layout.tensors {
+        let (l, old_name) = match layer_name(&t.name) {
+            Some((l, rest)) => (Some(l), format!("model.layers.{}.{rest}", kept.layers[l])),
+            None => (None, t.name.clone()),
+        };
+        let Some(src) = old_layout.get(&old_name) else {
+            bail!(
+                "internal error: the pruned model's {} has no {old_name}",
+                t.name
+            );
+        };
+        let ax = axes(&t.name)?;
+        if ax.len() != src.shape.len() {
+            bail!("internal error: {old_name} has shape {:?}", src.shape);
+        }
+        let idx: Vec<Vec<usize>> = ax
+            .iter()
+            .zip(&src.shape)
+            .map(|(&a, &n)| indices(kept, a, l, n, spec.head_dim))
+            .collect();
+        let want: Vec<usize> = idx.iter().map(Vec::len).collect();
+        if want != t.shape {
+            bail!(
+                "internal error: {} cut to {want:?}, the pruned model's is {:?}",
+                t.name,
+                t.shape
+            );
+        }
+        gather(
+            &old[src.range.clone()],
+            &src.shape,
+            &idx,
+            &mut out[t.range.clone()],
+        );
+    }
+    Ok(out)
+}
+
+/// `dst` = `src` (shape `shape`, 1 or 2 dimensions) at the rows `idx[0]` (and columns
+/// `idx[1]`).
+fn gather(src: &[f32], shape: &[usize], idx: &[Vec<usize>], dst: &mut [f32]) {
+    match idx {
+        [rows] => {
+            for (d, &r) in dst.iter_mut().zip(rows) {
+                *d = src[r];
+            }
+        }
+        [rows, cols] => {
+            let w = shape[1];
+            for (drow, &r) in dst.chunks_exact_mut(cols.len()).zip(rows) {
+                let row: &[f32] = &src[r * w..(r + 1) * w];
+                for (d, &c) in drow.iter_mut().zip(cols) {
+                    *d = row[c];
+                }
+            }
+        }
+        _ => unreachable!("tensors of 1 or 2 dimensions"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_keeps_the_highest_in_order_and_breaks_ties_by_index() {
+        assert_eq!(top(&[0.1, 0.9, 0.5, 0.9], 2), vec![1, 3]);
+        assert_eq!(top(&[0.1, 0.9, 0.5, 0.9], 3), vec![1, 2, 3]);
+        assert_eq!(top(&[1.0, 1.0, 1.0], 2), vec![0, 1]);
+    }
+
+    #[test]
+    fn heads_are_kept_by_group_and_stay_group_major() {
+        let spec = ModelSpec::preset("llama-tiny").unwrap();
+        let (nh, nkv) = (spec.n_head, spec.n_kv_head);
+        let g = nh / nkv;
+        assert!(nkv >= 2 && g >= 2, "llama-tiny has grouped heads");
+        let mut scores = Scores {
+            hidden: vec![1.0; spec.n_embd],
+            heads: vec![(0..nh).map(|h| h as f64).collect(); spec.n_layer],
+            mlp: vec![vec![1.0; spec.mlp_hidden]; spec.n_layer],
+            block_influence: (0..spec.n_layer).map(|l| l as f64).collect(),
+            sequences: 1,
+            seq: 1,
+        };
+        scores.heads[0][0] = 100.0; // group 0 now outscores the last group
+        let shape = Shape {
+            heads: nkv - 1,
+            kv_heads: nkv - 1,
+            ..Shape::of(&spec)
+        };
+        let k = choose(&spec, &scores, &shape);
+        // Layer 0 keeps group 0 (its head 0) and the last groups' highest heads.
+        assert_eq!(k.kv_heads[0][0], 0);
+        assert_eq!(k.heads[0][0], 0);
+        for (q, kv) in k.heads[0].iter().zip(&k.kv_heads[0]) {
+            assert_eq!(q / g, *kv, "query head {q} served by its own group");
+        }
+        // Other layers drop group 0, the lowest.
+        assert!(!k.kv_heads[1].contains(&0));
+    }
+
+    #[test]
+    fn every_tensor_of_a_llama_layout_has_axes() {
+        for name in [
+            "llama-tiny",
+            "qwen2.5-0.5b",
+            "qwen3-0.6b",
+            "gemma-3-270m",
+            "mistral-7b",
+        ] {
+            let spec = ModelSpec::preset(name).unwrap();
+            for t in &ParamLayout::new(&spec).tensors {
+                let ax = axes(&t.name).unwrap();
+                assert_eq!(ax.len(), t.shape.len(), "{}", t.name);
+            }
+        }
+    }
+}
