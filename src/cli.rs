@@ -245,7 +245,7 @@ pub(crate) struct PruneArgs {
     #[arg(long, value_parser = parse_bytes, value_name = "SIZE")]
     pub(crate) fit_memory: Option<u64>,
     /// What the --fit-memory plan is for: train (full fine-tuning, fp32 AdamW), lora (rank
-    /// 16, f32 base), qlora (rank 16, q4_k base) or sample.
+    /// 16, f32 base), qlora (rank 16, q4_0 base) or sample.
     #[arg(
         long = "for",
         value_name = "USE",

@@ -14,8 +14,9 @@
 //! GeGLU, the √C embedding, sliding and full layers with their own RoPE bases, a window of 6
 //! within the 24-token sequence, linear scaling of the full layers' rotation) and
 //! hf-tiny-gemma3-multimodal (its text model inside a Gemma3ForConditionalGeneration);
-//! memwall-qwen3-ckpt and memwall-gemma3-ckpt, checkpoints memwall trained, with
-//! what transformers computes with it (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
+//! memwall-qwen3-ckpt and memwall-gemma3-ckpt, checkpoints memwall trained, and
+//! memwall-llama-pruned, a model memwall pruned, with what transformers computes with each
+//! (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
 
 use memwall::backend::under_test as backend;
@@ -407,6 +408,14 @@ fn memwall_gemma3_checkpoint_decodes_the_same_in_transformers() {
 /// A checkpoint memwall trained (`tests/fixtures/{name}`) against what transformers computed
 /// with it as `class` (its `transformers.json`): the logits, 20 greedy tokens, and memwall's
 /// writer writing the same bytes.
+/// A model `memwall prune` cut from a Llama memwall trained (`memwall-llama-pruned`: 2
+/// query heads on 1 KV head of 12 channels, a width of 38, so `head_dim` is not width /
+/// heads) loads strictly into transformers as `LlamaForCausalLM` and decodes the same.
+#[test]
+fn memwall_pruned_llama_decodes_the_same_in_transformers() {
+    memwall_checkpoint_decodes_the_same_in_transformers("memwall-llama-pruned", "LlamaForCausalLM");
+}
+
 fn memwall_checkpoint_decodes_the_same_in_transformers(name: &str, class: &str) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")

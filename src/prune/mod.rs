@@ -40,7 +40,7 @@ pub enum Use {
     Train,
     /// LoRA (rank 16 on every layer) on an f32 base.
     Lora,
-    /// QLoRA: LoRA on a base kept in q4_k blocks.
+    /// QLoRA: LoRA on a base kept in q4_0 blocks (4.5 bits a weight, rows of any multiple of 32).
     Qlora,
     /// Generation (`memwall sample`).
     Sample,
@@ -49,6 +49,26 @@ pub enum Use {
 impl Use {
     /// The `--for` values.
     pub const NAMES: &'static str = "train, lora, qlora, sample";
+
+    /// Its `--for` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Use::Train => "train",
+            Use::Lora => "lora",
+            Use::Qlora => "qlora",
+            Use::Sample => "sample",
+        }
+    }
+
+    /// The `memwall plan` flags of the same plan (`None`: `plan` does not plan generation).
+    pub fn plan_flags(self) -> Option<&'static str> {
+        match self {
+            Use::Train => Some(""),
+            Use::Lora => Some(" --lora 16"),
+            Use::Qlora => Some(" --lora 16 --base-quant q4_0"),
+            Use::Sample => None,
+        }
+    }
 }
 
 impl std::str::FromStr for Use {
@@ -102,7 +122,14 @@ pub fn planned_peak(
 ) -> Result<u64> {
     let (mut cfg, mode) = match fit.for_use {
         Use::Sample => (StepConfig::new(1, fit.seq, threads), Mode::Generate),
-        _ => (StepConfig::new(fit.batch, fit.seq, threads), Mode::Train),
+        _ => {
+            let mut cfg = StepConfig::new(fit.batch, fit.seq, threads);
+            // `train`'s default recomputation (selective), as `memwall plan` plans it.
+            if let crate::ir::RecomputeChoice::Fixed(r) = crate::ir::RecomputeChoice::default() {
+                cfg.recompute = r;
+            }
+            (cfg, Mode::Train)
+        }
     };
     if matches!(fit.for_use, Use::Lora | Use::Qlora) {
         let lora = crate::exec::resolve::LoraRequest {
@@ -112,7 +139,7 @@ pub fn planned_peak(
         cfg.lora = Some(lora.spec(spec.family)?);
     }
     if fit.for_use == Use::Qlora {
-        cfg.base_quant = crate::ir::BaseQuant::Blocks(crate::dtype::GgmlType::Q4_K);
+        cfg.base_quant = crate::ir::BaseQuant::Blocks(crate::dtype::GgmlType::Q4_0);
     }
     let plan = build_plan(spec, &cfg, mode, device.sizing())?;
     Ok(plan.predicted_peak(fit.baseline))

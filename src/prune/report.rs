@@ -49,13 +49,22 @@ pub fn summary(p: &Pruned) -> String {
     if let Some(f) = &p.fit {
         let _ = write!(
             o,
-            "  fit: the {:?} plan (batch {} x seq {}) peaks at {} of {}",
-            f.for_use,
+            "  fit: the {} plan (batch {} x seq {}) peaks at {} of {}",
+            f.for_use.name(),
             f.batch,
             f.seq,
             fmt_bytes(f.peak_bytes),
             fmt_bytes(f.budget_bytes)
         );
+        if let Some(flags) = f.for_use.plan_flags() {
+            let _ = write!(
+                o,
+                " (`memwall plan --model {}{flags} --batch {} --seq {}`)",
+                p.out.display(),
+                f.batch,
+                f.seq
+            );
+        }
         match &f.larger {
             Some((s, peak)) => {
                 let _ = writeln!(

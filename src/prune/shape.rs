@@ -116,13 +116,14 @@ impl Shape {
 }
 
 /// Widths are kept multiples of this where the model's are (32 if its embedding and MLP
-/// widths are multiples of 32, else 8, else 1): the shapes kernels and quantized formats
-/// handle best (a GGUF k-quant needs rows of multiples of 256 to use its blocks, which the
-/// exporter checks per tensor).
+/// widths are multiples of 32, else 8, else 1; a step of at most an eighth of the
+/// embedding): the shapes kernels and quantized formats handle best (GGUF's 32-value blocks;
+/// a k-quant needs rows of multiples of 256, which the exporter checks per tensor).
 fn align(spec: &ModelSpec) -> usize {
+    let (c, i) = (spec.n_embd, spec.mlp_hidden);
     [32, 8]
         .into_iter()
-        .find(|&a| spec.n_embd.is_multiple_of(a) && spec.mlp_hidden.is_multiple_of(a))
+        .find(|&a| c.is_multiple_of(a) && i.is_multiple_of(a) && c >= 8 * a)
         .unwrap_or(1)
 }
 
@@ -331,7 +332,7 @@ mod tests {
             mlp: s.mlp + 32,
             ..s
         };
-        assert!(wider.params(&spec) as f64 > budget || wider.mlp as f64 / 1536.0 > fh + 0.06);
+        assert!(wider.params(&spec) as f64 > budget, "{wider:?} fits too");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::model::{Family, ModelSpec, ParamLayout};
 use anyhow::{Result, bail};
 
 /// The kept indices of the original model, each list ascending.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Kept {
     /// Residual-stream channels `[C']`.
     pub hidden: Vec<usize>,

@@ -1,0 +1,421 @@
+//! `memwall prune` on tiny models of each Llama-layout family: what contributes nothing is
+//! what is pruned (and pruning it leaves the logits where they were), the kept weights are
+//! the original's at the kept indices, a memory budget picks a shape whose plan fits while
+//! the next larger one's does not, and bad input is refused naming the flag.
+
+use memwall::backend::DeviceId;
+use memwall::ckpt;
+use memwall::data::{PrepareOptions, Tokenizer, prepare_with};
+use memwall::exec::Executor;
+use memwall::model::{ModelSpec, ParamLayout};
+use memwall::plan::{Mode, StepConfig, build_plan};
+use memwall::prune::shape::{Shape, ShapeRequest};
+use memwall::prune::{self, FitMemory, PruneOptions, Pruned, Use};
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// A tiny config of `model_type` (4 layers, 4 query heads on 2 KV heads of 8, MLP 64)
+/// beside the 267-token fixture tokenizer.
+fn config(model_type: &str) -> String {
+    let extra = match model_type {
+        "gemma3_text" => {
+            r#", "sliding_window": 8, "layer_types": ["sliding_attention", "sliding_attention",
+               "sliding_attention", "full_attention"], "query_pre_attn_scalar": 8,
+               "hidden_activation": "gelu_pytorch_tanh""#
+        }
+        _ => r#", "hidden_act": "silu""#,
+    };
+    format!(
+        r#"{{"model_type": "{model_type}", "vocab_size": 267, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true{extra}}}"#
+    )
+}
+
+/// Writes a model of `spec` with weights `params` and the fixture tokenizer into `dir`.
+fn write_model(dir: &Path, spec: &ModelSpec, params: &[f32]) {
+    let layout = ParamLayout::new(spec);
+    let opts = ckpt::SaveOptions {
+        tokenizer_dir: Some(&fixture("tiny-bpe")),
+        ..Default::default()
+    };
+    ckpt::save_model_with(dir, spec, &layout, params, &opts).unwrap();
+}
+
+/// Calibration text prepared with the fixture tokenizer.
+fn data(dir: &Path) -> PathBuf {
+    let text = dir.join("text.txt");
+    let lines: String = (0..300)
+        .map(|i| format!("Line {i}: the cat and the hat sat on the mat.\n"))
+        .collect();
+    std::fs::write(&text, lines).unwrap();
+    let tok = Tokenizer::from_file(fixture("tiny-bpe").join("tokenizer.json")).unwrap();
+    let out = dir.join("data");
+    let opts = PrepareOptions {
+        inputs: vec![text],
+        out: out.clone(),
+        val_fraction: 0.1,
+    };
+    prepare_with(&opts, &tok).unwrap();
+    out
+}
+
+fn options(model: &Path, data: &Path, out: &Path, shape: ShapeRequest) -> PruneOptions {
+    PruneOptions {
+        model: model.to_path_buf(),
+        data: data.to_path_buf(),
+        out: out.to_path_buf(),
+        shape,
+        fit: None,
+        sequences: 6,
+        seq: 24,
+        seed: 3,
+        threads: 2,
+        device: DeviceId::CPU,
+    }
+}
+
+/// The last position's logits of `context` under the model in `dir`.
+fn logits(dir: &Path, context: &[u32]) -> Vec<f32> {
+    let spec = ckpt::load_spec(dir).unwrap();
+    let cfg = StepConfig::new(1, context.len(), 2);
+    let plan = build_plan(&spec, &cfg, Mode::Generate, DeviceId::CPU.open().unwrap()).unwrap();
+    let layout = plan.layout.clone();
+    let mut ex = Executor::on(plan, DeviceId::CPU.open().unwrap()).unwrap();
+    ex.with_params_mut(|p| ckpt::load_params(dir, &layout, p))
+        .unwrap()
+        .unwrap();
+    ex.next_token_logits(context).unwrap().to_vec()
+}
+
+/// The parameters of `spec` drawn at random, then: in layer l, KV head l % 2's values zeroed
+/// (its query heads output nothing), 8 MLP channels of `up` zeroed (their activations are
+/// 0), and (with `identity`) layer 2's output projections zeroed (the block passes its
+/// input on). Returns them with the zeroed channels per layer.
+fn with_dead_parts(spec: &ModelSpec, identity: bool) -> (Vec<f32>, Vec<Vec<usize>>) {
+    let layout = ParamLayout::new(spec);
+    let mut p = vec![0f32; layout.total];
+    layout.init(&mut p, 11);
+    let hd = spec.head_dim;
+    let mut dead_mlp = Vec::new();
+    for l in 0..spec.n_layer {
+        let name = |t: &str| format!("model.layers.{l}.{t}.weight");
+        let c = spec.n_embd;
+        let v = layout.range(&name("self_attn.v_proj"));
+        let j = l % spec.n_kv_head;
+        p[v.start + j * hd * c..v.start + (j + 1) * hd * c].fill(0.0);
+        let up = layout.range(&name("mlp.up_proj"));
+        let mut dead: Vec<usize> = (0..8).map(|k| (l * 5 + k * 7) % spec.mlp_hidden).collect();
+        dead.sort_unstable();
+        for &ch in &dead {
+            p[up.start + ch * c..up.start + (ch + 1) * c].fill(0.0);
+        }
+        dead_mlp.push(dead);
+        if identity && l == 2 {
+            for t in ["self_attn.o_proj", "mlp.down_proj"] {
+                let r = layout.range(&name(t));
+                p[r].fill(0.0);
+            }
+        }
+    }
+    (p, dead_mlp)
+}
+
+fn prune_dead_parts(model_type: &str, depth: bool) {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = ModelSpec::from_hf_config_str(&config(model_type), "config.json").unwrap();
+    let (params, dead_mlp) = with_dead_parts(&spec, depth);
+    let model = tmp.path().join("model");
+    write_model(&model, &spec, &params);
+    let data = data(tmp.path());
+    let out = tmp.path().join("pruned");
+    let shape = ShapeRequest {
+        kv_heads: Some(1),
+        mlp: Some(spec.mlp_hidden - 8),
+        depth: depth.then_some(3),
+        ..Default::default()
+    };
+    let p: Pruned = prune::prune(&options(&model, &data, &out, shape), &mut |_, _| {}).unwrap();
+    let k = &p.kept;
+    let layers: Vec<usize> = if depth {
+        vec![0, 1, 3]
+    } else {
+        vec![0, 1, 2, 3]
+    };
+    assert_eq!(
+        k.layers, layers,
+        "{model_type}: the identity layer is dropped"
+    );
+    for (at, &l) in k.layers.iter().enumerate() {
+        let live = 1 - l % 2;
+        assert_eq!(k.kv_heads[at], vec![live], "{model_type} layer {l}");
+        assert_eq!(
+            k.heads[at],
+            vec![2 * live, 2 * live + 1],
+            "{model_type} layer {l}"
+        );
+        let kept: Vec<usize> = (0..spec.mlp_hidden)
+            .filter(|c| !dead_mlp[l].contains(c))
+            .collect();
+        assert_eq!(k.mlp[at], kept, "{model_type} layer {l}");
+    }
+    assert!(p.scores.block_influence[2] < 1e-5 || !depth);
+    let pruned = ckpt::load_spec(&out).unwrap();
+    assert_eq!(
+        (pruned.n_head, pruned.n_kv_head, pruned.n_layer),
+        (2, 1, layers.len())
+    );
+    assert_eq!(pruned.family, spec.family);
+    // What contributed nothing is gone, and nothing else moved.
+    let context: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % 267).collect();
+    let (a, b) = (logits(&model, &context), logits(&out, &context));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "{model_type}: logits moved by {worst}");
+    assert!(out.join("tokenizer.json").is_file());
+    assert!(out.join(prune::REPORT_FILE).is_file());
+}
+
+#[test]
+fn what_contributes_nothing_is_pruned_and_the_logits_stay() {
+    prune_dead_parts("llama", true);
+    prune_dead_parts("qwen3", true);
+    prune_dead_parts("mistral", true);
+}
+
+/// Gemma 3 (1 + w norms, post-norms, GeGLU): widths only, its layer pattern kept.
+#[test]
+fn gemma3_widths_are_pruned_the_same_way() {
+    prune_dead_parts("gemma3_text", false);
+}
+
+/// `--keep` with the embedding pruned: the files hold an ordinary config of the family with
+/// the shape chosen, and every tensor is the original's at the kept rows and columns.
+#[test]
+fn kept_weights_are_the_originals_at_the_kept_indices() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = ModelSpec::from_hf_config_str(&config("qwen2"), "config.json").unwrap();
+    let layout = ParamLayout::new(&spec);
+    let mut params = vec![0f32; layout.total];
+    layout.init(&mut params, 5);
+    let model = tmp.path().join("model");
+    write_model(&model, &spec, &params);
+    let data = data(tmp.path());
+    let out = tmp.path().join("pruned");
+    let shape = ShapeRequest {
+        keep: Some(0.7),
+        ..Default::default()
+    };
+    let p = prune::prune(&options(&model, &data, &out, shape), &mut |_, _| {}).unwrap();
+    assert!(p.params_after as f64 <= 0.7 * p.params_before as f64);
+    assert!(p.after.hidden < 32 && p.after.mlp < 64, "{:?}", p.after);
+    let new = ckpt::load_spec(&out).unwrap();
+    assert_eq!(Shape::of(&new), p.after);
+    assert_eq!(new.head_dim, 8, "heads keep their size");
+    let new_layout = ParamLayout::new(&new);
+    let mut got = vec![0f32; new_layout.total];
+    ckpt::load_params(&out, &new_layout, &mut got).unwrap();
+    let k = &p.kept;
+    let (c, hd) = (spec.n_embd, spec.head_dim);
+    for (at, &l) in k.layers.iter().enumerate() {
+        // q_proj [NH·hd, C]: kept heads' rows, kept channels' columns; its bias the rows.
+        let q_old = layout.range(&format!("model.layers.{l}.self_attn.q_proj.weight"));
+        let q_new = new_layout.range(&format!("model.layers.{at}.self_attn.q_proj.weight"));
+        let rows: Vec<usize> = (k.heads[at].iter())
+            .flat_map(|&h| h * hd..(h + 1) * hd)
+            .collect();
+        for (i, &r) in rows.iter().enumerate() {
+            for (j, &col) in k.hidden.iter().enumerate() {
+                let want = params[q_old.start + r * c + col];
+                assert_eq!(got[q_new.start + i * k.hidden.len() + j], want);
+            }
+        }
+        let b_old = layout.range(&format!("model.layers.{l}.self_attn.q_proj.bias"));
+        let b_new = new_layout.range(&format!("model.layers.{at}.self_attn.q_proj.bias"));
+        for (i, &r) in rows.iter().enumerate() {
+            assert_eq!(got[b_new.start + i], params[b_old.start + r]);
+        }
+        // down_proj [C, I]: kept channels' rows, kept MLP channels' columns.
+        let d_old = layout.range(&format!("model.layers.{l}.mlp.down_proj.weight"));
+        let d_new = new_layout.range(&format!("model.layers.{at}.mlp.down_proj.weight"));
+        let i_new = k.mlp[at].len();
+        for (i, &r) in k.hidden.iter().enumerate() {
+            for (j, &m) in k.mlp[at].iter().enumerate() {
+                let want = params[d_old.start + r * spec.mlp_hidden + m];
+                assert_eq!(got[d_new.start + i * i_new + j], want);
+            }
+        }
+    }
+    // The embedding: every token's kept channels.
+    let e_old = layout.range("model.embed_tokens.weight");
+    let e_new = new_layout.range("model.embed_tokens.weight");
+    for t in [0, 100, 266] {
+        for (j, &col) in k.hidden.iter().enumerate() {
+            let want = params[e_old.start + t * c + col];
+            assert_eq!(got[e_new.start + t * k.hidden.len() + j], want);
+        }
+    }
+    // The shape is what prune.json says.
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join(prune::REPORT_FILE)).unwrap()).unwrap();
+    assert_eq!(report["after"]["hidden"], p.after.hidden);
+    assert_eq!(report["params_after"], new_layout.total);
+}
+
+/// `--fit-memory`: the chosen shape's plan for the use fits the budget and the next larger
+/// shape's does not, each as `planned_peak` (the plan `memwall plan` prints) counts it.
+#[test]
+fn fit_memory_picks_a_shape_whose_plan_fits_and_the_next_larger_does_not() {
+    let spec = ModelSpec::preset("smollm2-135m").unwrap();
+    for (for_use, bytes) in [(Use::Qlora, 200u64 << 20), (Use::Train, 900 << 20)] {
+        let fit = FitMemory {
+            bytes,
+            for_use,
+            batch: 1,
+            seq: 128,
+            baseline: 8 << 20,
+        };
+        let mut opts = options(
+            Path::new("m"),
+            Path::new("d"),
+            Path::new("o"),
+            Default::default(),
+        );
+        opts.fit = Some(fit);
+        let (shape, report) = prune::resolve_shape(&spec, &opts).unwrap();
+        let report = report.unwrap();
+        let peak = prune::planned_peak(&shape.apply(&spec), &fit, 2, DeviceId::CPU).unwrap();
+        assert_eq!(peak, report.peak_bytes);
+        assert!(peak <= bytes, "{for_use:?}: {peak} > {bytes}");
+        let (larger, larger_peak) = report.larger.unwrap();
+        assert!(larger_peak > bytes, "{for_use:?}: {larger:?} fits too");
+        assert!(larger.params(&spec) > shape.params(&spec));
+        assert_eq!((shape.heads, shape.layers), (9, 30));
+        // The two widths shrink by about the same fraction.
+        let (fh, fm) = (shape.hidden as f64 / 576.0, shape.mlp as f64 / 1536.0);
+        assert!((fh - fm).abs() < 0.12, "{for_use:?}: {shape:?}");
+    }
+}
+
+#[test]
+fn bad_input_is_refused_naming_what_to_change() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = data(tmp.path());
+    let spec = ModelSpec::from_hf_config_str(&config("llama"), "config.json").unwrap();
+    let layout = ParamLayout::new(&spec);
+    let mut params = vec![0f32; layout.total];
+    layout.init(&mut params, 1);
+    let model = tmp.path().join("model");
+    write_model(&model, &spec, &params);
+    let out = tmp.path().join("out");
+    let err = |opts: &PruneOptions| {
+        let e = prune::prune(opts, &mut |_, _| {}).unwrap_err();
+        format!("{e:#}")
+    };
+    // Heads that break grouped-query attention (4 on 2: groups of 2).
+    let e = err(&options(
+        &model,
+        &data,
+        &out,
+        ShapeRequest {
+            heads: Some(3),
+            kv_heads: Some(1),
+            ..Default::default()
+        },
+    ));
+    assert!(e.contains("--heads 3") && e.contains("--kv-heads 1"), "{e}");
+    // No head left.
+    let e = err(&options(
+        &model,
+        &data,
+        &out,
+        ShapeRequest {
+            kv_heads: Some(0),
+            ..Default::default()
+        },
+    ));
+    assert!(e.contains("--kv-heads 0"), "{e}");
+    // A non-empty --out, before any scoring.
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("x"), "keep me").unwrap();
+    let e = err(&options(&model, &data, &out, Default::default()));
+    assert!(e.contains("--out") && e.contains("not empty"), "{e}");
+    assert_eq!(std::fs::read_to_string(out.join("x")).unwrap(), "keep me");
+    let out = tmp.path().join("out2");
+    // Data prepared with another tokenizer (GPT-2's).
+    let text = tmp.path().join("t.txt");
+    std::fs::write(&text, "the cat and the hat sat on the mat. ".repeat(200)).unwrap();
+    let gpt2_data = tmp.path().join("gpt2-data");
+    memwall::data::prepare(&PrepareOptions {
+        inputs: vec![text],
+        out: gpt2_data.clone(),
+        val_fraction: 0.1,
+    })
+    .unwrap();
+    let e = err(&options(&model, &gpt2_data, &out, Default::default()));
+    assert!(e.contains("--data") && e.contains("tokenizer"), "{e}");
+    // --fit-memory with --keep.
+    let mut opts = options(
+        &model,
+        &data,
+        &out,
+        ShapeRequest {
+            keep: Some(0.5),
+            ..Default::default()
+        },
+    );
+    opts.fit = Some(FitMemory {
+        bytes: 1 << 30,
+        for_use: Use::Train,
+        batch: 1,
+        seq: 24,
+        baseline: 0,
+    });
+    let e = err(&opts);
+    assert!(e.contains("--fit-memory") && e.contains("--keep"), "{e}");
+    // A family prune does not cut.
+    let gpt2 = fixture("hf-tiny-gpt2");
+    let e = err(&options(&gpt2, &data, &out, Default::default()));
+    assert!(e.contains("gpt2") && e.contains("prune handles"), "{e}");
+    assert!(!out.exists(), "nothing is written on refusal");
+}
+
+/// The pruned fixture transformers decodes (`memwall-llama-pruned`, checked in
+/// `hf_reference.rs`) is what `prune` cuts from its original (`memwall-llama-ckpt`) at the
+/// kept indices its prune.json records, byte for byte as `prune` writes it.
+#[test]
+fn the_fixture_transformers_decodes_is_what_prune_writes() {
+    use memwall::prune::slice::{Kept, slice};
+    let (orig, pruned) = (
+        fixture("memwall-llama-ckpt"),
+        fixture("memwall-llama-pruned"),
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(pruned.join(prune::REPORT_FILE)).unwrap()).unwrap();
+    let kept: Kept = serde_json::from_value(report["kept"].clone()).unwrap();
+    let spec = ckpt::load_spec(&orig).unwrap();
+    let layout = ParamLayout::new(&spec);
+    let mut params = vec![0f32; layout.total];
+    ckpt::load_params(&orig, &layout, &mut params).unwrap();
+    let new_spec = ckpt::load_spec(&pruned).unwrap();
+    let new_layout = ParamLayout::new(&new_spec);
+    let cut = slice(&spec, &kept, (&layout, &params), &new_layout).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    ckpt::save_model(out.path(), &new_spec, &new_layout, &cut).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        assert!(
+            std::fs::read(out.path().join(file)).unwrap()
+                == std::fs::read(pruned.join(file)).unwrap(),
+            "{file}: prune now writes it otherwise; make the fixture again (check_memwall_checkpoint.py)"
+        );
+    }
+}
