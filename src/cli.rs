@@ -256,9 +256,10 @@ pub(crate) struct PruneArgs {
     /// The --fit-memory step's micro-batch (sequences of --seq tokens).
     #[arg(long, default_value_t = 1, requires = "fit_memory")]
     pub(crate) batch: usize,
-    /// Tokens per calibration sequence (and the --fit-memory step's sequence length).
-    #[arg(long, default_value_t = 256)]
-    pub(crate) seq: usize,
+    /// Tokens per calibration sequence (and the --fit-memory step's sequence length)
+    /// [default: 256, or the model's context if shorter]
+    #[arg(long)]
+    pub(crate) seq: Option<usize>,
     /// Calibration sequences scored (drawn from the training split as training draws them).
     #[arg(long, default_value_t = 128, value_name = "N")]
     pub(crate) calibration: usize,

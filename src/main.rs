@@ -978,7 +978,6 @@ fn prune_cmd(a: PruneArgs) -> Result<()> {
             bytes,
             for_use: a.for_use,
             batch: a.batch,
-            seq: a.seq,
             baseline,
         }),
         sequences: a.calibration,

@@ -3,6 +3,9 @@
 //! the original's at the kept indices, a memory budget picks a shape whose plan fits while
 //! the next larger one's does not, and bad input is refused naming the flag.
 
+mod common;
+
+use common::{fails, ok};
 use memwall::backend::DeviceId;
 use memwall::ckpt;
 use memwall::data::{PrepareOptions, Tokenizer, prepare_with};
@@ -74,7 +77,7 @@ fn options(model: &Path, data: &Path, out: &Path, shape: ShapeRequest) -> PruneO
         shape,
         fit: None,
         sequences: 6,
-        seq: 24,
+        seq: Some(24),
         seed: 3,
         threads: 2,
         device: DeviceId::CPU,
@@ -281,7 +284,6 @@ fn fit_memory_picks_a_shape_whose_plan_fits_and_the_next_larger_does_not() {
             bytes,
             for_use,
             batch: 1,
-            seq: 128,
             baseline: 8 << 20,
         };
         let mut opts = options(
@@ -291,9 +293,10 @@ fn fit_memory_picks_a_shape_whose_plan_fits_and_the_next_larger_does_not() {
             Default::default(),
         );
         opts.fit = Some(fit);
+        opts.seq = Some(128);
         let (shape, report) = prune::resolve_shape(&spec, &opts).unwrap();
         let report = report.unwrap();
-        let peak = prune::planned_peak(&shape.apply(&spec), &fit, 2, DeviceId::CPU).unwrap();
+        let peak = prune::planned_peak(&shape.apply(&spec), &fit, (128, 2), DeviceId::CPU).unwrap();
         assert_eq!(peak, report.peak_bytes);
         assert!(peak <= bytes, "{for_use:?}: {peak} > {bytes}");
         let (larger, larger_peak) = report.larger.unwrap();
@@ -377,7 +380,6 @@ fn bad_input_is_refused_naming_what_to_change() {
         bytes: 1 << 30,
         for_use: Use::Train,
         batch: 1,
-        seq: 24,
         baseline: 0,
     });
     let e = err(&opts);
@@ -418,4 +420,119 @@ fn the_fixture_transformers_decodes_is_what_prune_writes() {
             "{file}: prune now writes it otherwise; make the fixture again (check_memwall_checkpoint.py)"
         );
     }
+}
+
+/// A pruned model exports to GGUF with the keys llama.cpp's converter writes for its shape:
+/// the head size apart from width / heads (`attention.key_length`), the kept widths and
+/// counts, and each tensor's kept shape.
+#[test]
+fn a_pruned_model_exports_the_keys_llama_cpp_reads_its_shape_from() {
+    use memwall::export::{ExportOptions, ExportType, export};
+    use memwall::gguf::file::GgufFile;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("pruned");
+    std::fs::create_dir(&dir).unwrap();
+    for (from, name) in [
+        (fixture("memwall-llama-pruned"), "config.json"),
+        (fixture("memwall-llama-pruned"), "model.safetensors"),
+        (fixture("tiny-bpe"), "tokenizer.json"),
+    ] {
+        std::fs::copy(from.join(name), dir.join(name)).unwrap();
+    }
+    let out = tmp.path().join("pruned.gguf");
+    export(&ExportOptions {
+        input: dir,
+        out: out.clone(),
+        ty: ExportType::F32,
+        name: None,
+        adapter: None,
+        progress: false,
+    })
+    .unwrap();
+    let f = GgufFile::open(&out).unwrap();
+    for (key, want) in [
+        ("llama.embedding_length", 38),
+        ("llama.feed_forward_length", 77),
+        ("llama.attention.head_count", 2),
+        ("llama.attention.head_count_kv", 1),
+        ("llama.attention.key_length", 12),
+        ("llama.attention.value_length", 12),
+        ("llama.block_count", 3),
+    ] {
+        assert_eq!(f.get_u64(key).unwrap(), Some(want), "{key}");
+    }
+    assert_eq!(f.tensor("blk.0.attn_q.weight").unwrap().dims, vec![38, 24]);
+    assert_eq!(f.tensor("blk.0.attn_k.weight").unwrap().dims, vec![38, 12]);
+    assert_eq!(
+        f.tensor("blk.2.ffn_down.weight").unwrap().dims,
+        vec![77, 38]
+    );
+}
+
+/// The command: the summary and (`--report`) every layer's scores, `--json` for scripts,
+/// and flags that cannot work refused before anything runs.
+#[test]
+fn the_command_prints_its_choice_its_report_and_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for (from, name) in [
+        (fixture("memwall-llama-ckpt"), "config.json"),
+        (fixture("memwall-llama-ckpt"), "model.safetensors"),
+        (fixture("tiny-bpe"), "tokenizer.json"),
+    ] {
+        std::fs::copy(from.join(name), model.join(name)).unwrap();
+    }
+    let data = data(tmp.path());
+    let (m, d) = (p(&model), p(&data));
+    let out = p(&tmp.path().join("a"));
+    let flags = ["--seq", "32", "--calibration", "4"];
+    let mut args = vec![
+        "prune", "--model", &m, "--data", &d, "--out", &out, "--keep", "0.6",
+    ];
+    args.extend(flags);
+    args.push("--report");
+    let text = ok(&args);
+    assert!(text.contains("layer  block-influence"), "{text}");
+    assert!(
+        text.contains("before: hidden 48, heads 4 (kv 2), mlp 96, layers 3"),
+        "{text}"
+    );
+    assert!(
+        text.contains("heal it with `memwall train --init"),
+        "{text}"
+    );
+    let out = p(&tmp.path().join("b"));
+    let mut args = vec![
+        "prune", "--model", &m, "--data", &d, "--out", &out, "--depth", "2",
+    ];
+    args.extend(flags);
+    args.push("--json");
+    let json: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+    assert_eq!(json["after"]["layers"], 2);
+    assert_eq!(json["after"]["hidden"], 48);
+    assert!(json["params_after"].as_u64() < json["params_before"].as_u64());
+    assert!(
+        json.get("scores").is_none(),
+        "--json leaves the per-channel scores to prune.json"
+    );
+    let out = p(&tmp.path().join("c"));
+    let e = fails(&[
+        "prune", "--model", &m, "--data", &d, "--out", &out, "--for", "qlora",
+    ]);
+    assert!(e.contains("--fit-memory"), "{e}");
+    let e = fails(&[
+        "prune",
+        "--model",
+        &m,
+        "--data",
+        &d,
+        "--out",
+        &out,
+        "--fit-memory",
+        "1KiB",
+    ]);
+    assert!(e.contains("gives a shape that fits"), "{e}");
+    assert!(!tmp.path().join("c").exists());
 }

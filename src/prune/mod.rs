@@ -89,9 +89,9 @@ impl std::str::FromStr for Use {
 pub struct FitMemory {
     pub bytes: u64,
     pub for_use: Use,
-    /// The step the budget is for (batch 1 when sampling).
+    /// The step's micro-batch the budget is for (1 when sampling; its sequences are the
+    /// calibration's length).
     pub batch: usize,
-    pub seq: usize,
     /// The process's memory before planning (`memwall plan`'s baseline).
     pub baseline: u64,
 }
@@ -105,25 +105,44 @@ pub struct PruneOptions {
     pub out: PathBuf,
     pub shape: ShapeRequest,
     pub fit: Option<FitMemory>,
-    /// Calibration sequences and their length.
+    /// Calibration sequences and their length (`None`: [`DEFAULT_SEQ`] or the model's
+    /// context if shorter), which is also the `fit`'s step's.
     pub sequences: usize,
-    pub seq: usize,
+    pub seq: Option<usize>,
     pub seed: u64,
     pub threads: usize,
     pub device: DeviceId,
 }
 
-/// The plan of `fit`'s use of `spec`: its predicted peak (bytes).
+/// Tokens per calibration sequence unless `--seq` says.
+pub const DEFAULT_SEQ: usize = 256;
+
+impl PruneOptions {
+    /// The calibration's (and the fit's) sequence length for `spec`, checked.
+    pub fn seq_for(&self, spec: &ModelSpec) -> Result<usize> {
+        let seq = self.seq.unwrap_or(DEFAULT_SEQ.min(spec.max_seq()));
+        if seq == 0 || seq > spec.max_seq() {
+            bail!(
+                "--seq {seq}: calibration sequences must be 1 to {} tokens (the model's context)",
+                spec.max_seq()
+            );
+        }
+        Ok(seq)
+    }
+}
+
+/// The plan of `fit`'s use of `spec` with sequences of `seq` tokens: its predicted peak
+/// (bytes).
 pub fn planned_peak(
     spec: &ModelSpec,
     fit: &FitMemory,
-    threads: usize,
+    (seq, threads): (usize, usize),
     device: DeviceId,
 ) -> Result<u64> {
     let (mut cfg, mode) = match fit.for_use {
-        Use::Sample => (StepConfig::new(1, fit.seq, threads), Mode::Generate),
+        Use::Sample => (StepConfig::new(1, seq, threads), Mode::Generate),
         _ => {
-            let mut cfg = StepConfig::new(fit.batch, fit.seq, threads);
+            let mut cfg = StepConfig::new(fit.batch, seq, threads);
             // `train`'s default recomputation (selective), as `memwall plan` plans it.
             if let crate::ir::RecomputeChoice::Fixed(r) = crate::ir::RecomputeChoice::default() {
                 cfg.recompute = r;
@@ -158,7 +177,8 @@ pub fn resolve_shape(spec: &ModelSpec, opts: &PruneOptions) -> Result<(Shape, Op
         );
     }
     let base = shape::resolve(spec, &opts.shape)?;
-    let peak = |s: &Shape| planned_peak(&s.apply(spec), fit, opts.threads, opts.device);
+    let seq = opts.seq_for(spec)?;
+    let peak = |s: &Shape| planned_peak(&s.apply(spec), fit, (seq, opts.threads), opts.device);
     let mut fits = |s: &Shape| Ok(peak(s)? <= fit.bytes);
     let (chosen, larger) = match shape::largest_fitting(spec, base, &mut fits)? {
         Some((s, l)) => (s, Some(l)),
@@ -168,7 +188,7 @@ pub fn resolve_shape(spec: &ModelSpec, opts: &PruneOptions) -> Result<(Shape, Op
         budget_bytes: fit.bytes,
         for_use: fit.for_use,
         batch: fit.batch,
-        seq: fit.seq,
+        seq,
         peak_bytes: peak(&chosen)?,
         larger: match larger {
             Some(l) => Some((l, peak(&l)?)),
@@ -250,13 +270,14 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
     slice::check_family(&spec)?;
     let (after, fit) = resolve_shape(&spec, opts)?;
     ckpt::adapter::check_new_out_dir(&opts.out)?;
+    let seq = opts.seq_for(&spec)?;
     if opts.sequences == 0 {
         bail!("--calibration 0: give at least one sequence to score the model on");
     }
-    let data = open_data(opts, &spec)?;
+    let data = open_data(opts, &spec, seq)?;
     let plan = build_plan(
         &spec,
-        &StepConfig::new(1, opts.seq, opts.threads),
+        &StepConfig::new(1, seq, opts.threads),
         Mode::Generate,
         opts.device.open()?,
     )?;
@@ -292,7 +313,7 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
 }
 
 /// Opens the calibration data, checked against the model's tokenizer and long enough.
-fn open_data(opts: &PruneOptions, spec: &ModelSpec) -> Result<DataSet> {
+fn open_data(opts: &PruneOptions, spec: &ModelSpec, seq: usize) -> Result<DataSet> {
     let data = DataSet::open(&opts.data)?;
     if let Some(id) = model_tokenizer_id(&[opts.model.as_path()], false)? {
         crate::data::check::check_tokenizer(&id, &data.meta, &opts.data)?;
@@ -306,14 +327,7 @@ fn open_data(opts: &PruneOptions, spec: &ModelSpec) -> Result<DataSet> {
         );
     }
     if data.examples.is_none() {
-        crate::data::loader::check_fits(&data.train, "train", opts.seq)?;
-    }
-    if opts.seq == 0 || opts.seq > spec.max_seq() {
-        bail!(
-            "--seq {}: calibration sequences must be 1 to {} tokens (the model's context)",
-            opts.seq,
-            spec.max_seq()
-        );
+        crate::data::loader::check_fits(&data.train, "train", seq)?;
     }
     Ok(data)
 }
