@@ -324,7 +324,10 @@ mod tests {
         assert!(p as f64 <= budget, "{s:?}: {p} > {budget}");
         assert!(p as f64 > 0.70 * spec.num_params() as f64, "{s:?}: {p}");
         assert_eq!((s.heads, s.kv_heads, s.layers), (9, 3, 30));
-        assert!(s.hidden.is_multiple_of(32) && s.mlp.is_multiple_of(32), "{s:?}");
+        assert!(
+            s.hidden.is_multiple_of(32) && s.mlp.is_multiple_of(32),
+            "{s:?}"
+        );
         let (fh, fm) = (s.hidden as f64 / 576.0, s.mlp as f64 / 1536.0);
         assert!((fh - fm).abs() < 0.1, "{s:?}");
         // The next wider MLP would not fit.

@@ -15,7 +15,8 @@
 //! - [`gemm`]: the GEMMs ([`gemm::f32`], [`gemm::bf16_dot`], [`gemm::mixed`]).
 //! - the layers: [`encoder`], [`layernorm`] and [`rmsnorm`], [`matmul`] (the linear layer, on
 //!   [`gemm`]), [`attention`], [`rope`] (rotary position embedding, in place on q|k|v),
-//!   [`gelu`] and [`glu`] (the gated MLPs' activations: SwiGLU, GeGLU), [`xent`], [`lora`] (an adapter
+//!   [`gelu`] and [`glu`] (the gated MLPs' activations: SwiGLU, GeGLU), [`xent`] and
+//!   [`distill`] (the losses on the logits: cross-entropy, distillation), [`lora`] (an adapter
 //!   on a frozen linear layer); the optimizers [`adamw`]
 //!   and [`quant`] (compressed optimizer state); [`peak`] (the machine's measured FMA
 //!   ceiling).
@@ -49,6 +50,7 @@ mod collective;
 #[cfg(test)]
 pub(crate) mod conformance;
 pub mod device;
+pub mod distill;
 pub mod elem;
 pub mod encoder;
 pub mod features;
