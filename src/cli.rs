@@ -844,6 +844,8 @@ impl TrainArgs {
             no_pack: self.no_pack,
             init: self.init.clone(),
             init_adapter: self.init_adapter.clone(),
+            distill_from: self.distill_from.clone(),
+            distill_alpha: self.distill_alpha,
             resume: self.resume.clone(),
             profile_steps: if self.profile { self.profile_steps } else { 0 },
         }
@@ -979,6 +981,17 @@ pub(crate) struct TrainArgs {
     /// may be left out; given, it must agree)
     #[arg(long, conflicts_with = "resume", requires = "init", value_name = "DIR")]
     pub(crate) init_adapter: Option<PathBuf>,
+    /// Distil from a teacher (a model directory or a GGUF file; the same tokenizer): the
+    /// loss becomes --distill-alpha x KL(teacher || model) on the logits + (1 - alpha) x the
+    /// data's cross-entropy, as Minitron heals a pruned model (`memwall prune`). The teacher
+    /// runs frozen beside the step, a sequence at a time, its logits computed a chunk of
+    /// rows at a time; validation losses stay the data's cross-entropy. CPU, one model copy
+    /// per rank (no --tp, --pp).
+    #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
+    pub(crate) distill_from: Option<PathBuf>,
+    /// The teacher's weight in the loss, 0 to 1 [default: 1, the teacher alone]
+    #[arg(long, requires = "distill_from", value_name = "A")]
+    pub(crate) distill_alpha: Option<f32>,
     /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.
     #[arg(long, value_name = "RUN_DIR")]
     pub(crate) resume: Option<PathBuf>,

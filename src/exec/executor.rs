@@ -707,6 +707,44 @@ impl Executor {
         Ok(())
     }
 
+    /// Distillation: stages the teacher's final-norm output for the batch last uploaded,
+    /// `[micro-batches, B·T, Ct]` in the batch's order (`plan.schedule.teacher_hidden`).
+    pub fn upload_teacher(&mut self, hidden: &[f32]) -> Result<()> {
+        let ids = self.plan.schedule.teacher_hidden.clone();
+        let per = ids.first().map_or(0, |&b| self.plan.buffer(b).elems);
+        if ids.is_empty() || hidden.len() != per * ids.len() {
+            bail!(
+                "internal error: teacher outputs of {} values for {} buffers of {per}",
+                hidden.len(),
+                ids.len()
+            );
+        }
+        self.device
+            .upload(&ids, &mut |bufs| {
+                for (k, b) in bufs.iter_mut().enumerate() {
+                    pod::cast_mut::<f32>(b).copy_from_slice(&hidden[k * per..(k + 1) * per]);
+                }
+            })
+            .with_context(|| self.moving("uploading", &ids))
+    }
+
+    /// Distillation: fills the teacher's LM head `[V, Ct]` (once, before the first step).
+    pub fn fill_teacher_head(&mut self, w: &[f32]) -> Result<()> {
+        let id = self
+            .plan
+            .schedule
+            .teacher_head
+            .context("internal error: a plan without a teacher")?;
+        if w.len() != self.plan.buffer(id).elems {
+            bail!("internal error: a teacher head of {} values", w.len());
+        }
+        self.device
+            .upload(&[id], &mut |bufs| {
+                pod::cast_mut::<f32>(bufs[0]).copy_from_slice(w)
+            })
+            .with_context(|| self.moving("uploading", &[id]))
+    }
+
     /// The trained targets of the batch last uploaded, every rank's: what the step's loss is
     /// the mean over (0: the step trains nothing and its update is skipped).
     pub fn loss_tokens(&self) -> usize {

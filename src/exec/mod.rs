@@ -14,6 +14,7 @@ mod kept_base_tests;
 pub mod loss_scale;
 pub mod lr;
 pub mod resolve;
+pub mod teacher;
 pub mod train;
 
 pub use executor::{Executor, OptimHparams, StepStats, dropout_seed};

@@ -52,6 +52,18 @@ pub struct Loss {
     pub targets: BufId,
     /// `Per-row losses [N]` (f32).
     pub losses: BufId,
+    /// Distillation: what the head reads of the teacher.
+    pub teacher: Option<Teacher>,
+}
+
+/// A micro-batch's teacher (distillation): its final-norm output `hidden` `[N, Ct]` and its
+/// LM head `head` `[V, Ct]` (both f32), its width Ct and the KL's weight `alpha`.
+#[derive(Clone, Copy, Debug)]
+pub struct Teacher {
+    pub hidden: BufId,
+    pub head: BufId,
+    pub c: usize,
+    pub alpha: f32,
 }
 
 /// What a family's emission of a micro-batch leaves for the planner.

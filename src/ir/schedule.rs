@@ -38,6 +38,23 @@ pub struct VocabShare {
     pub logits_kept: bool,
 }
 
+/// Distillation's teacher at an LM head ([`Op::LmHeadLoss`]'s `teacher`): the teacher's
+/// final-norm output for the head's rows, its head, and a chunk of its logits; the loss is
+/// `alpha` · KL(teacher ‖ student) + (1 − `alpha`) · cross-entropy in training steps (the
+/// cross-entropy alone in evaluation).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TeacherLogits {
+    /// `[N, Ct]` f32: the teacher's final-norm output for the rows (uploaded each step).
+    pub hidden: BufId,
+    /// `[V, Ct]` f32: the teacher's LM head (frozen; filled once).
+    pub w: BufId,
+    /// `[rows_per_chunk, V]` f32: a chunk of the teacher's logits.
+    pub logits: BufId,
+    /// Ct: the teacher's width.
+    pub c: usize,
+    pub alpha: f32,
+}
+
 /// Which part of the step an op belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -298,6 +315,8 @@ pub enum Op {
         v: usize,
         rows_per_chunk: usize,
         vocab: Option<VocabShare>,
+        /// Distillation (`train --distill-from`): the teacher's logits, chunk by chunk.
+        teacher: Option<TeacherLogits>,
     },
     /// A tensor-parallel LM head's first pass over the rank's rows `w` `[v, C]` of the
     /// vocabulary (token ids `first_token..`), chunked like [`Op::LmHeadLoss`]: per row of
@@ -736,6 +755,10 @@ pub struct Schedule {
     pub losses: Vec<BufId>,
     /// `Next-token logits [V] (generation plans)`.
     pub logits: Option<BufId>,
+    /// Distillation: the teacher's final-norm output `[B·T, Ct]` per micro-batch (filled
+    /// each step, `Executor::upload_teacher`) and its LM head `[V, Ct]` (filled once).
+    pub teacher_hidden: Vec<BufId>,
+    pub teacher_head: Option<BufId>,
     /// Each step runs the previous step's update in its forward (`DeferredUpdate` ops), and
     /// the `Optimizer` ops only finish a pending update between steps. Set when gradients
     /// live on the disk tier (they are then kept across the step boundary there).

@@ -15,7 +15,7 @@
 //! ([`super::tensor_join`]).
 
 use crate::ir::builder::{Builder, MicroBatch};
-use crate::ir::schedule::{Op, Phase, VocabShare};
+use crate::ir::schedule::{Op, Phase, TeacherLogits, VocabShare};
 use crate::ir::{Axis, BufId, Category, CutOf, EmitOptions};
 use crate::model::tensor_join::{InputGrad, gather_rows};
 use std::ops::Range;
@@ -138,10 +138,23 @@ pub(crate) fn emit(
         }
     });
     let kept = vocab.is_some_and(|s| s.logits_kept);
+    // Distillation: the teacher's logits, a chunk at a time beside the student's.
+    let teacher = loss.teacher.map(|t| TeacherLogits {
+        hidden: t.hidden,
+        w: t.head,
+        logits: g.f32(
+            format!("{pfx}teacher.logits.chunk"),
+            Category::Workspace,
+            rows_per_chunk * v,
+        ), // [rows, V]
+        c: t.c,
+        alpha: t.alpha,
+    });
+    let teacher_flops = teacher.map_or(0, |t| 2 * (n * t.c * v) as u64);
     g.op(
         name.clone(),
         Phase::Forward,
-        3 * head_flops - if kept { head_flops } else { 0 },
+        3 * head_flops - if kept { head_flops } else { 0 } + teacher_flops,
         Op::LmHeadLoss {
             inp,
             targets: loss.targets,
@@ -154,6 +167,7 @@ pub(crate) fn emit(
             v,
             rows_per_chunk,
             vocab,
+            teacher,
         },
     );
     // The ranks' input gradients are each their rows' share.

@@ -77,7 +77,7 @@ use crate::dtype::DType;
 use crate::ir::BaseQuant;
 use crate::ir::Sharding;
 use crate::ir::Sizing;
-use crate::ir::builder::{Builder, Loss, MicroBatch};
+use crate::ir::builder::{Builder, Loss, MicroBatch, Teacher};
 use crate::ir::schedule::{
     Binding, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule, Segment,
     Segments,
@@ -318,6 +318,9 @@ impl<'a> Request<'a> {
 /// compose with yet is refused before anything is planned.
 pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> {
     let mesh = &cfg.mesh;
+    if let Some(d) = cfg.distill {
+        check_distill(d, cfg)?;
+    }
     if mesh.pipeline > 1 {
         check_pipeline(spec, cfg, mode)?;
     }
@@ -389,6 +392,29 @@ fn check_interleaved(spec: &ModelSpec, cfg: &StepConfig) -> Result<()> {
              run in groups of --pp {p}, and this step has {m} (--grad-accum, or --global-batch \
              over --batch and the data ranks): use a multiple of {p}, such as {}",
             m.div_ceil(p) * p
+        );
+    }
+    Ok(())
+}
+
+/// Checks distillation (`--distill-from`) against what its head does not compose with yet:
+/// a head cut among tensor ranks, or one on a pipeline's last stage alone.
+fn check_distill(d: super::config::Distill, cfg: &StepConfig) -> Result<()> {
+    if !(0.0..=1.0).contains(&d.alpha) {
+        bail!(
+            "--distill-alpha {}: the weight of the teacher's KL against the data's \
+             cross-entropy, from 0 (the data alone) to 1 (the teacher alone)",
+            d.alpha
+        );
+    }
+    if d.teacher_width == 0 {
+        bail!("internal error: a teacher of width 0");
+    }
+    let (t, p) = (cfg.mesh.tensor, cfg.mesh.pipeline);
+    if t > 1 || p > 1 {
+        bail!(
+            "--distill-from with --tp {t} --pp {p}: the teacher's logits are computed at a \
+             whole head on one rank; distil with data-parallel ranks (--zero) only"
         );
     }
     Ok(())
@@ -480,6 +506,8 @@ fn generation(r: &Request) -> Result<Plan> {
         targets: vec![],
         losses: vec![],
         logits: emitted.logits,
+        teacher_hidden: vec![],
+        teacher_head: None,
         deferred_update: false,
     };
     bind_state(&mut g, &params, None, None);
@@ -618,8 +646,16 @@ fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
         targets: vec![],
         losses: vec![],
         logits: None,
+        teacher_hidden: vec![],
+        teacher_head: None,
         deferred_update: false,
     };
+    // Distillation: the teacher's head, frozen, filled once ([V, Ct]).
+    let teacher_head = cfg.distill.map(|d| {
+        let len = spec.vocab_size * d.teacher_width;
+        g.persistent("teacher.lm_head", Category::Param, DType::F32, len)
+    });
+    io.teacher_head = teacher_head;
     for k in 0..micro {
         // Micro-batch k: its own batch buffers and activations (packing reuses the bytes of
         // micro-batch k-1's, whose lifetimes have ended); gradients accumulate.
@@ -635,13 +671,33 @@ fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
         let positions = cfg.packed.then(|| io_buf(g, "positions", DType::U32)); // [B, T]
         let targets = io_buf(g, "targets", DType::U32); // [B, T]
         let losses = io_buf(g, "losses", DType::F32); // [N]
+        // Distillation: the teacher's final-norm output for the rows ([N, Ct]).
+        let teacher = cfg.distill.zip(teacher_head).map(|(d, head)| {
+            let len = n * d.teacher_width;
+            let hidden = g.persistent(
+                &format!("{prefix}teacher.hidden"),
+                Category::IoStaging,
+                DType::F32,
+                len,
+            );
+            Teacher {
+                hidden,
+                head,
+                c: d.teacher_width,
+                alpha: d.alpha,
+            }
+        });
         let mb = MicroBatch {
             prefix,
             tokens,
             positions,
             // The step's loss is the mean over every micro-batch's trained targets, on every
             // rank: a count of the step's data (`StepCtx::loss_tokens`), not of the plan.
-            loss: Some(Loss { targets, losses }),
+            loss: Some(Loss {
+                targets,
+                losses,
+                teacher,
+            }),
             rows: r.rows,
             attn_ws_len: r.attn_ws_len,
         };
@@ -653,6 +709,7 @@ fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
         io.positions.extend(positions);
         io.targets.push(targets);
         io.losses.push(losses);
+        io.teacher_hidden.extend(teacher.map(|t| t.hidden));
     }
     io
 }
@@ -1134,6 +1191,8 @@ struct Io {
     targets: Vec<BufId>,
     losses: Vec<BufId>,
     logits: Option<BufId>,
+    teacher_hidden: Vec<BufId>,
+    teacher_head: Option<BufId>,
     deferred_update: bool,
 }
 
@@ -1173,6 +1232,8 @@ fn finish(
             targets: io.targets,
             losses: io.losses,
             logits: io.logits,
+            teacher_hidden: io.teacher_hidden,
+            teacher_head: io.teacher_head,
             deferred_update: io.deferred_update,
         },
         buffers: g.buffers,

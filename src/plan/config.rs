@@ -79,6 +79,20 @@ pub struct StepConfig {
     /// the row. Training plans only.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub packed: bool,
+    /// Distillation (`train --distill-from`): the head's loss against a teacher's logits.
+    /// Training plans only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distill: Option<Distill>,
+}
+
+/// Distillation's loss at the LM head: `alpha` · KL(teacher ‖ student) + (1 − `alpha`) ·
+/// cross-entropy. The teacher runs apart (its own plan); the step takes its final-norm
+/// output `[B·T, teacher_width]` per micro-batch and its head `[V, teacher_width]` as
+/// inputs, and computes its logits a chunk of rows at a time beside the student's.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct Distill {
+    pub teacher_width: usize,
+    pub alpha: f32,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {
@@ -106,6 +120,7 @@ impl StepConfig {
             base_quant: BaseQuant::F32,
             base_types: None,
             packed: false,
+            distill: None,
         }
     }
 

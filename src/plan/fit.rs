@@ -85,6 +85,10 @@ pub struct Strategies {
     /// (an examples data set, unless `--no-pack`), not saved.
     #[serde(skip)]
     pub packed: bool,
+    /// Distillation's loss at the head (`train --distill-from`): the teacher's width and
+    /// the KL's weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distill: Option<crate::plan::config::Distill>,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {
@@ -125,6 +129,7 @@ impl Default for Strategies {
             base_quant: BaseQuant::F32,
             base_types: None,
             packed: false,
+            distill: None,
         }
     }
 }
@@ -204,6 +209,7 @@ impl Strategies {
         cfg.packed = self.packed;
         cfg.base_quant = self.base_quant;
         cfg.base_types = self.base_types.clone();
+        cfg.distill = self.distill;
         cfg
     }
 
@@ -236,6 +242,7 @@ impl Strategies {
             base_quant: cfg.base_quant,
             base_types: cfg.base_types.clone(),
             packed: cfg.packed,
+            distill: cfg.distill,
         }
     }
 

@@ -27,7 +27,7 @@ pub mod time;
 pub mod zero;
 
 pub use build::build_plan;
-pub use config::{Mode, StepConfig};
+pub use config::{Distill, Mode, StepConfig};
 pub use lora::LoraPlan;
 pub use offload::{Offload, OffloadChoice, OffloadSet};
 pub use tiers::{Budgets, TierUse};

@@ -5,7 +5,9 @@
 //! a new op is described here once and nowhere else. Visiting allocates nothing.
 
 use crate::ir::buffer::BufId;
-use crate::ir::schedule::{LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, VocabShare};
+use crate::ir::schedule::{
+    LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, TeacherLogits, VocabShare,
+};
 use std::ops::Range;
 
 /// How an op uses one of its operands.
@@ -186,11 +188,23 @@ macro_rules! for_each_operand {
                 dinp,
                 w,
                 vocab,
+                teacher,
                 ..
             } => {
                 $buf!(inp, Read);
                 $buf!(targets, Read);
                 $buf!(losses, Write);
+                if let Some(TeacherLogits {
+                    hidden,
+                    w: head,
+                    logits: teacher_logits,
+                    ..
+                }) = teacher
+                {
+                    $buf!(hidden, Read);
+                    $buf!(head, Read);
+                    $buf!(teacher_logits, Write);
+                }
                 match vocab {
                     // The ranks' statistics, and the logits `Op::LmHeadStats` left.
                     Some(VocabShare {

@@ -1273,6 +1273,7 @@ fn lm_head_rig_of(p: Precision, sh: HeadShape, with_dinp: bool, bind: Bind) -> (
         v: sh.v,
         rows_per_chunk: sh.chunk,
         vocab: None,
+        teacher: None,
     };
     let op = rig.op(op, bind);
     let head = Head {

@@ -516,6 +516,7 @@ mod tests {
                 v: 100,
                 rows_per_chunk: 4,
                 vocab: None,
+                teacher: None,
             },
             false,
         )

@@ -91,6 +91,11 @@ pub fn new_run(
     o.keep_last = req.keep_last.unwrap_or(0);
     o.no_pack = req.no_pack;
     o.profile_steps = req.profile_steps;
+    if let Some(p) = &req.distill_from {
+        let dir = gguf::cache::model_dir(p, "--distill-from", &mut |m: &str| progress.message(m))?;
+        o.distill_from = Some(absolute(&dir));
+        o.distill_alpha = req.distill_alpha.unwrap_or(1.0);
+    }
     if req.step.fit {
         fit_run(&mut o, req, comm, progress)?;
     } else {

@@ -69,6 +69,12 @@ pub struct TrainOptions {
     /// Start the LoRA adapters from this PEFT adapter directory (`--init-adapter`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_adapter: Option<PathBuf>,
+    /// Distillation's teacher (`--distill-from`, a model directory: a GGUF file's
+    /// conversion) and its weight in the loss (`--distill-alpha`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distill_from: Option<PathBuf>,
+    #[serde(default = "one_f32")]
+    pub distill_alpha: f32,
     /// Copy this directory's tokenizer files (`tokenizer.json`, ...) into every checkpoint.
     /// When `None` on a fresh run, training sets it to the `--init` directory if it holds a
     /// `tokenizer.json`, else to the `--model` directory if that holds one; `--resume` keeps
@@ -135,6 +141,8 @@ impl TrainOptions {
             keep_last: 0,
             init: None,
             init_adapter: None,
+            distill_from: None,
+            distill_alpha: 1.0,
             init_gguf: None,
             base_fingerprint: None,
             tokenizer_dir: None,
@@ -472,6 +480,10 @@ fn relative_path(path: &Path, base: &Path) -> PathBuf {
 }
 
 /// The shard limit of runs saved before `max_shard_bytes` existed: the default.
+fn one_f32() -> f32 {
+    1.0
+}
+
 fn default_max_shard_bytes() -> u64 {
     ckpt::DEFAULT_MAX_SHARD_BYTES
 }

@@ -25,6 +25,8 @@ pub(super) struct Run<'a> {
     pub(super) spec: ModelSpec,
     pub(super) data: DataSet,
     pub(super) ex: Executor,
+    /// Distillation's teacher (`--distill-from`).
+    pub(super) teacher: Option<crate::exec::teacher::Teacher>,
     /// fp16 runs only.
     pub(super) scaler: Option<LossScaler>,
     pub(super) loader: BatchLoader,

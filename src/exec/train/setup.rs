@@ -165,6 +165,10 @@ impl<'a> Run<'a> {
             part,
         )?;
         let batch = vec![0u32; rows * (opts.seq + 1)];
+        let teacher = match &opts.distill_from {
+            Some(dir) => Some(open_teacher(dir, opts, &spec, &data, &mut ex, progress)?),
+            None => None,
+        };
         if let Some((train, _)) = &data.examples {
             progress.message(&cut_examples(
                 train.len(),
@@ -196,6 +200,7 @@ impl<'a> Run<'a> {
             spec,
             data,
             ex,
+            teacher,
             scaler,
             loader,
             batch,
@@ -222,6 +227,37 @@ impl<'a> Run<'a> {
             timed_comm_wait_secs: 0.0,
         })
     }
+}
+
+/// Opens distillation's teacher in `dir` (checked against the data's tokenizer) and fills its
+/// head into the student's plan.
+fn open_teacher(
+    dir: &Path,
+    opts: &TrainOptions,
+    spec: &ModelSpec,
+    data: &DataSet,
+    ex: &mut Executor,
+    progress: &mut dyn Progress,
+) -> Result<crate::exec::teacher::Teacher> {
+    let gpt2 = spec.family == Family::Gpt2;
+    if let Some(id) = tokenizer::model_tokenizer_id(&[dir], gpt2)? {
+        check_tokenizer(&id, &data.meta, &opts.data)
+            .with_context(|| format!("--distill-from {}", dir.display()))?;
+    }
+    let teacher =
+        crate::exec::teacher::Teacher::open(dir, spec, opts.seq, opts.threads, opts.device)?;
+    ex.fill_teacher_head(&teacher.head()?)?;
+    let t = &teacher.spec;
+    progress.message(&format!(
+        "distilling from {} ({:.1}M parameters, width {}): loss = {} x KL(teacher || model) + \
+         {} x cross-entropy; validation losses are the cross-entropy",
+        dir.display(),
+        t.num_params() as f64 / 1e6,
+        t.n_embd,
+        opts.distill_alpha,
+        1.0 - opts.distill_alpha
+    ));
+    Ok(teacher)
 }
 
 /// Refuses to start when this rank's configuration differs from rank 0's (ranks started
@@ -329,6 +365,15 @@ pub fn plan_for(
         .strategies
         .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
     strategies.packed = packed;
+    if let Some(dir) = &opts.distill_from {
+        let teacher =
+            ckpt::load_spec(dir).with_context(|| format!("--distill-from {}", dir.display()))?;
+        crate::exec::teacher::check(&teacher, spec, dir)?;
+        strategies.distill = Some(crate::plan::Distill {
+            teacher_width: teacher.n_embd,
+            alpha: opts.distill_alpha,
+        });
+    }
     // A GPU run is priced by the GPU's calibration where one is saved.
     let gpu = match opts.device.kind {
         crate::backend::DeviceKind::Cuda => {

@@ -156,6 +156,10 @@ impl Run<'_> {
         self.loader.next_into(&mut self.batch)?;
         let t_loaded = Instant::now();
         upload(&mut self.ex, &self.data, &self.batch)?;
+        if let Some(t) = &mut self.teacher {
+            let hidden = t.outputs(&self.batch, self.opts.seq)?;
+            self.ex.upload_teacher(hidden)?;
+        }
         if profiling {
             spans.push(span(
                 self.epoch,

@@ -9,7 +9,7 @@ use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::gemm::mixed as gemm_mixed;
 use crate::backend::cpu::gemm::quantized::{self, QuantWeight};
-use crate::backend::cpu::{xent, xent_part};
+use crate::backend::cpu::{distill, xent, xent_part};
 use crate::dtype::Elem;
 use crate::ir::schedule::{Op, OpEntry};
 use crate::ir::{OpFamily, VocabShare};
@@ -80,6 +80,7 @@ impl CpuDevice {
                 v,
                 rows_per_chunk,
                 vocab,
+                teacher,
             } => {
                 let (planned, n, c, v) = (rows.n(), rows.with_seq(ctx.seq).n(), *c, *v);
                 let wt = self.head_weight(&args, e, w, (v, c));
@@ -111,12 +112,13 @@ impl CpuDevice {
                     }
                     let (tr, lr) = (&tg[start..start + r], &mut losses[start..start + r]);
                     let Some(d) = dinp.filter(|_| training) else {
+                        // Evaluation: the data's cross-entropy (a distilled run's too).
                         xent::softmax_xent_forward(lg, tr, lr, r, v);
                         start += r;
                         continue;
                     };
-                    match gathered {
-                        Some((all, s)) => xent_part::part_backward_inplace(
+                    match (gathered, teacher) {
+                        (Some((all, s)), _) => xent_part::part_backward_inplace(
                             lg,
                             tr,
                             lr,
@@ -126,7 +128,31 @@ impl CpuDevice {
                             scale,
                             v,
                         ),
-                        None => xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v),
+                        (None, Some(t)) => {
+                            // The teacher's logits of the rows: tl[r, V] = h[r, Ct] @ Wtᵀ.
+                            let tl = &mut self.view::<f32>(t.logits)[..r * v];
+                            let h = &self.view::<f32>(t.hidden)[start * t.c..(start + r) * t.c];
+                            let tw = &self.view::<f32>(t.w)[..v * t.c];
+                            gemm_mixed::gemm_mixed(
+                                r,
+                                v,
+                                t.c,
+                                h,
+                                t.c,
+                                false,
+                                tw,
+                                t.c,
+                                true,
+                                tl,
+                                v,
+                                false,
+                                args.ws(),
+                            );
+                            distill::distill_backward_inplace(lg, tl, tr, lr, t.alpha, scale, r, v)
+                        }
+                        (None, None) => {
+                            xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v)
+                        }
                     }
                     let dx = &mut self.view::<T>(d)[start * c..(start + r) * c];
                     wt.input_grad(&args, dx, lg, (r, c, v));

@@ -126,6 +126,13 @@ impl GpuDevice {
                 e.name
             ),
             Op::LmHeadLoss {
+                teacher: Some(_), ..
+            } => bail!(
+                "{}: distillation (train --distill-from) runs on the CPU only for now; use \
+                 --device cpu",
+                e.name
+            ),
+            Op::LmHeadLoss {
                 inp,
                 targets,
                 losses,
@@ -137,6 +144,7 @@ impl GpuDevice {
                 v,
                 rows_per_chunk,
                 vocab: None,
+                teacher: None,
             } => {
                 let (n, c, v, per) = (rows.with_seq(ctx.seq).n(), *c, *v, *rows_per_chunk);
                 if n == 0 {
