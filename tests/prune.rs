@@ -536,3 +536,172 @@ fn the_command_prints_its_choice_its_report_and_json() {
     assert!(e.contains("gives a shape that fits"), "{e}");
     assert!(!tmp.path().join("c").exists());
 }
+
+/// The model in a fresh directory (the fixture's config and weights beside the fixture
+/// tokenizer), and data prepared with that tokenizer, under `tmp`.
+fn llama_model_and_data(tmp: &Path) -> (PathBuf, PathBuf) {
+    let model = tmp.join("model");
+    std::fs::create_dir(&model).unwrap();
+    for (from, name) in [
+        (fixture("memwall-llama-ckpt"), "config.json"),
+        (fixture("memwall-llama-ckpt"), "model.safetensors"),
+        (fixture("tiny-bpe"), "tokenizer.json"),
+    ] {
+        std::fs::copy(from.join(name), model.join(name)).unwrap();
+    }
+    (model, data(tmp))
+}
+
+/// `train` on `model` for 3 steps (or `--steps` in `extra`) with `extra` flags; the losses
+/// of its steps.
+fn train_losses(tmp: &Path, name: &str, model: &Path, data: &Path, extra: &[&str]) -> Vec<f64> {
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let out = tmp.join(name);
+    let (m, d, o) = (p(model), p(data), p(&out));
+    let mut args = vec![
+        "train",
+        "--init",
+        &m,
+        "--data",
+        &d,
+        "--out",
+        &o,
+        "--batch",
+        "2",
+        "--seq",
+        "24",
+        "--eval-every",
+        "0",
+        "--lr",
+        "1e-3",
+        "--threads",
+        "2",
+    ];
+    if !extra.contains(&"--steps") {
+        args.extend(["--steps", "3"]);
+    }
+    args.extend(extra);
+    ok(&args);
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|m| m["loss"].as_f64())
+        .collect()
+}
+
+/// Distillation's loss as the step computes it: with the model as its own teacher, the KL is
+/// 0 (α = 1) and α = ½ is half the data's cross-entropy; α = 0 is a run without a teacher.
+#[test]
+fn distillation_from_itself_has_no_kl_and_alpha_weighs_the_cross_entropy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, data) = llama_model_and_data(tmp.path());
+    let teacher = model.to_str().unwrap().to_string();
+    let plain = train_losses(tmp.path(), "plain", &model, &data, &[]);
+    let kl = train_losses(
+        tmp.path(),
+        "kl",
+        &model,
+        &data,
+        &["--distill-from", &teacher],
+    );
+    assert!(kl[0].abs() < 1e-5, "step 1: KL to itself {}", kl[0]);
+    let half = ["--distill-from", &teacher, "--distill-alpha", "0.5"];
+    let half = train_losses(tmp.path(), "half", &model, &data, &half);
+    assert!(
+        (half[0] - 0.5 * plain[0]).abs() < 1e-5 * plain[0],
+        "{half:?} vs {plain:?}"
+    );
+    let zero = ["--distill-from", &teacher, "--distill-alpha", "0"];
+    let zero = train_losses(tmp.path(), "zero", &model, &data, &zero);
+    for (a, b) in zero.iter().zip(&plain) {
+        assert!(
+            (a - b).abs() < 1e-5 * b,
+            "alpha 0 {zero:?} vs no teacher {plain:?}"
+        );
+    }
+}
+
+/// A pruned model distilled from its original: the KL to the teacher falls, and the
+/// checkpoint is an ordinary one (it loads as the pruned shape).
+#[test]
+fn a_pruned_model_distilled_from_its_original_moves_toward_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, data) = llama_model_and_data(tmp.path());
+    let pruned = tmp.path().join("pruned");
+    let shape = ShapeRequest {
+        keep: Some(0.6),
+        ..Default::default()
+    };
+    prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
+    let teacher = model.to_str().unwrap().to_string();
+    let args = ["--distill-from", teacher.as_str(), "--steps", "12"];
+    let losses = train_losses(tmp.path(), "healed", &pruned, &data, &args);
+    assert_eq!(losses.len(), 12);
+    let (first, last) = (losses[0], losses[11]);
+    assert!(last < 0.7 * first, "KL {first} -> {last}");
+    let ck = tmp.path().join("healed/checkpoints/step-000012");
+    assert_eq!(
+        Shape::of(&ckpt::load_spec(&ck).unwrap()),
+        Shape::of(&ckpt::load_spec(&pruned).unwrap())
+    );
+}
+
+#[test]
+fn a_teacher_that_cannot_teach_is_refused_naming_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, data) = llama_model_and_data(tmp.path());
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let (m, d) = (p(&model), p(&data));
+    // Another vocabulary (GPT-2's tiny fixture).
+    let gpt2 = p(&fixture("hf-tiny-gpt2"));
+    let out = p(&tmp.path().join("a"));
+    let e = fails(&[
+        "train",
+        "--init",
+        &m,
+        "--data",
+        &d,
+        "--out",
+        &out,
+        "--steps",
+        "1",
+        "--seq",
+        "24",
+        "--distill-from",
+        &gpt2,
+    ]);
+    assert!(
+        e.contains("--distill-from") && e.contains("vocabulary"),
+        "{e}"
+    );
+    let e = fails(&[
+        "train",
+        "--init",
+        &m,
+        "--data",
+        &d,
+        "--out",
+        &out,
+        "--steps",
+        "1",
+        "--seq",
+        "24",
+        "--distill-from",
+        &m,
+        "--distill-alpha",
+        "1.5",
+    ]);
+    assert!(e.contains("--distill-alpha 1.5"), "{e}");
+    let e = fails(&[
+        "train",
+        "--init",
+        &m,
+        "--data",
+        &d,
+        "--out",
+        &out,
+        "--distill-alpha",
+        "0.5",
+    ]);
+    assert!(e.contains("--distill-from"), "{e}");
+}

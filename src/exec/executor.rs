@@ -728,21 +728,24 @@ impl Executor {
             .with_context(|| self.moving("uploading", &ids))
     }
 
-    /// Distillation: fills the teacher's LM head `[V, Ct]` (once, before the first step).
-    pub fn fill_teacher_head(&mut self, w: &[f32]) -> Result<()> {
+    /// Distillation: fills the teacher's LM head `[V, Ct]` (once, before the first step)
+    /// with what `fill` writes into it.
+    pub fn fill_teacher_head(
+        &mut self,
+        fill: &mut dyn FnMut(&mut [f32]) -> Result<()>,
+    ) -> Result<()> {
         let id = self
             .plan
             .schedule
             .teacher_head
             .context("internal error: a plan without a teacher")?;
-        if w.len() != self.plan.buffer(id).elems {
-            bail!("internal error: a teacher head of {} values", w.len());
-        }
+        let mut result = Ok(());
         self.device
             .upload(&[id], &mut |bufs| {
-                pod::cast_mut::<f32>(bufs[0]).copy_from_slice(w)
+                result = fill(pod::cast_mut::<f32>(bufs[0]));
             })
-            .with_context(|| self.moving("uploading", &[id]))
+            .with_context(|| self.moving("uploading", &[id]))?;
+        result
     }
 
     /// The trained targets of the batch last uploaded, every rank's: what the step's loss is

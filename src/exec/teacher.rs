@@ -70,13 +70,28 @@ impl Teacher {
         })
     }
 
-    /// The teacher's LM head `[V, Ct]` (its tied embedding, where it has one).
-    pub fn head(&self) -> Result<Vec<f32>> {
+    /// The bytes of the teacher's plan (its weights, one sequence's activations) and of the
+    /// step's outputs it hands over: what a distilled run holds beside the student's plan.
+    pub fn plan_bytes(&self) -> u64 {
+        let plan = &self.ex.plan;
+        plan.total_bytes() + plan.runtime_reserve()
+    }
+
+    /// Copies the teacher's LM head `[V, Ct]` (its tied embedding, where it has one) into
+    /// `dst`.
+    pub fn copy_head(&self, dst: &mut [f32]) -> Result<()> {
         let w = match &self.ex.plan.schedule.ops[self.watch.0].op {
             Op::LmHeadLast { w, .. } => w.clone(),
             _ => unreachable!("the watched op is the head"),
         };
-        self.ex.with_params(|p| p[w].to_vec())
+        if dst.len() != w.len() {
+            bail!(
+                "internal error: a teacher head of {} values for {}",
+                w.len(),
+                dst.len()
+            );
+        }
+        self.ex.with_params(|p| dst.copy_from_slice(&p[w]))
     }
 
     /// The teacher's final-norm output for every row of `batch` (`[rows, T + 1]` token ids

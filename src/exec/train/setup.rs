@@ -98,8 +98,8 @@ impl<'a> Run<'a> {
                 }
             ));
         }
-        let plan_total = plan.total_bytes();
-        let predicted_peak = plan.predicted_peak(baseline);
+        let mut plan_total = plan.total_bytes();
+        let mut predicted_peak = plan.predicted_peak(baseline);
         let mut ex = Executor::among(plan, opts.device.open()?, comm)?;
         ex.set_comm_thread(comm_thread);
         if let Some(note) = ex.offload_note() {
@@ -169,6 +169,11 @@ impl<'a> Run<'a> {
             Some(dir) => Some(open_teacher(dir, opts, &spec, &data, &mut ex, progress)?),
             None => None,
         };
+        // The teacher's own plan is held beside the student's.
+        if let Some(t) = &teacher {
+            plan_total += t.plan_bytes();
+            predicted_peak += t.plan_bytes();
+        }
         if let Some((train, _)) = &data.examples {
             progress.message(&cut_examples(
                 train.len(),
@@ -246,7 +251,7 @@ fn open_teacher(
     }
     let teacher =
         crate::exec::teacher::Teacher::open(dir, spec, opts.seq, opts.threads, opts.device)?;
-    ex.fill_teacher_head(&teacher.head()?)?;
+    ex.fill_teacher_head(&mut |dst| teacher.copy_head(dst))?;
     let t = &teacher.spec;
     progress.message(&format!(
         "distilling from {} ({:.1}M parameters, width {}): loss = {} x KL(teacher || model) + \
