@@ -705,3 +705,39 @@ fn a_teacher_that_cannot_teach_is_refused_naming_the_flag() {
     ]);
     assert!(e.contains("--distill-from"), "{e}");
 }
+
+/// A distilled run resumed from its checkpoint continues bitwise (the teacher is reopened
+/// from the run's options).
+#[test]
+fn a_distilled_run_resumes_bitwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, data) = llama_model_and_data(tmp.path());
+    let teacher = model.to_str().unwrap().to_string();
+    let pruned = tmp.path().join("pruned");
+    let shape = ShapeRequest {
+        keep: Some(0.6),
+        ..Default::default()
+    };
+    prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
+    let flags = [
+        "--distill-from",
+        teacher.as_str(),
+        "--distill-alpha",
+        "0.7",
+        "--steps",
+        "4",
+    ];
+    let mut flags = flags.to_vec();
+    flags.extend(["--save-every", "2"]);
+    train_losses(tmp.path(), "full", &pruned, &data, &flags);
+    let (full, resumed) = (tmp.path().join("full"), tmp.path().join("resumed"));
+    let copy = std::process::Command::new("cp")
+        .args(["-r", full.to_str().unwrap(), resumed.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    std::fs::remove_dir_all(resumed.join("checkpoints/step-000004")).unwrap();
+    ok(&["train", "--resume", resumed.to_str().unwrap()]);
+    let weights = |run: &Path| std::fs::read(run.join("checkpoints/step-000004/model.safetensors"));
+    assert!(weights(&full).unwrap() == weights(&resumed).unwrap());
+}
