@@ -152,8 +152,10 @@ macro_rules! backend_suite {
             backend_suite!(@$ranks $backend, $p, $attr);
         }
     };
+    // What only the CPU backend runs yet: collectives, and distillation's head.
     (@ranks $backend:expr, $p:expr, $attr:meta) => {
         storage_checks!($backend, $p, $attr;
+            layers::lm_head_distill,
             state::all_reduce,
             state::reduce_scatter,
             state::all_gather,

@@ -1416,6 +1416,85 @@ fn lm_head_loss_of(be: &dyn Backend, p: Precision, sh: HeadShape, bind: Bind) {
     }
 }
 
+/// The LM head distilling (`teacher`): per row the loss α · KL(softmax(h Wtᵀ) ‖ softmax(x
+/// Wᵀ)) + (1 − α) · cross-entropy, its input's and weight's gradients, the teacher's logits
+/// computed from its final-norm output `h` `[N, Ct]` and head `Wt` `[V, Ct]` a chunk of rows
+/// at a time (the last chunk short); two targets not trained.
+pub fn lm_head_distill(be: &dyn Backend, p: Precision) {
+    use memwall::ir::schedule::TeacherLogits;
+    const TC: usize = 5;
+    let alpha = 0.75;
+    let (mut rig, h) = lm_head_rig(p, true);
+    let hidden = rig.f32("teacher.hidden", N * TC); // [N, Ct]
+    let head = rig.f32("teacher.head", HV * TC); // [V, Ct]
+    let tl = rig.f32("teacher.logits", CHUNK * HV); // [rows_per_chunk, V]
+    let Op::LmHeadLoss { teacher, .. } = rig.op_mut(h.op) else {
+        unreachable!("the rig's op is the head")
+    };
+    *teacher = Some(TeacherLogits {
+        hidden,
+        w: head,
+        logits: tl,
+        c: TC,
+        alpha,
+    });
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(19);
+    let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+    let x = s.fill(h.inp, &mut rng, -1.0, 1.0);
+    let th = s.fill(hidden, &mut rng, -1.0, 1.0);
+    let tw = s.fill(head, &mut rng, -1.0, 1.0);
+    let mut tg: Vec<u32> = (0..N).map(|_| rng.below(HV as u64) as u32).collect();
+    tg[0] = IGNORE_TARGET;
+    tg[N - 2] = IGNORE_TARGET;
+    s.put_u32(h.targets, &tg);
+    let dinp = h.dinp.expect("training head");
+    s.fill(dinp, &mut rng, -1.0, 1.0);
+    let ctx = StepCtx {
+        loss_scale: LOSS_SCALE,
+        loss_tokens: LOSS_ROWS,
+        ..ctx()
+    };
+    s.run(h.op, &ctx);
+    let (wv, scale) = (&pw[local(&h.w)], LOSS_SCALE as f64 / LOSS_ROWS as f64);
+    let log_softmax = |z: Vec<f64>| {
+        let m = z.iter().cloned().fold(f64::MIN, f64::max);
+        let lse = m + z.iter().map(|&v| (v - m).exp()).sum::<f64>().ln();
+        z.into_iter().map(|v| v - lse).collect::<Vec<f64>>()
+    };
+    let (mut loss, mut dx, mut g) = (vec![0.0; N], vec![0.0; N * HC], wide(&g0));
+    for i in 0..N {
+        if tg[i] == IGNORE_TARGET {
+            continue;
+        }
+        let (xi, hi) = (&x[i * HC..][..HC], &th[i * TC..][..TC]);
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&p, &q)| p as f64 * q as f64).sum();
+        let ls = log_softmax((0..HV).map(|v| dot(xi, &wv[v * HC..][..HC])).collect());
+        let lt = log_softmax((0..HV).map(|v| dot(hi, &tw[v * TC..][..TC])).collect());
+        let a = alpha as f64;
+        let kl: f64 = (0..HV).map(|v| lt[v].exp() * (lt[v] - ls[v])).sum();
+        loss[i] = a * kl - (1.0 - a) * ls[tg[i] as usize];
+        for v in 0..HV {
+            let onehot = if v == tg[i] as usize { 1.0 } else { 0.0 };
+            let dz = scale * (ls[v].exp() - a * lt[v].exp() - (1.0 - a) * onehot);
+            for c in 0..HC {
+                dx[i * HC + c] += dz * wv[v * HC + c] as f64;
+                g[local(&h.w).start + v * HC + c] += dz * xi[c] as f64;
+            }
+        }
+    }
+    let what = "lm_head_loss distilling";
+    check(
+        &format!("{what} losses"),
+        &s.get(h.losses),
+        &loss,
+        reduced(p),
+    );
+    check(&format!("{what} dinp"), &s.get(dinp), &dx, reduced(p));
+    check(&format!("{what} grads"), &s.get(s.grads()), &g, reduced(p));
+}
+
 /// The LM head evaluating: not training (or training without `dinp`): losses only, no
 /// gradient written.
 pub fn lm_head_eval(be: &dyn Backend, p: Precision) {

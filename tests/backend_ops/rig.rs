@@ -182,6 +182,11 @@ impl Rig {
         self.ops.len() - 1
     }
 
+    /// Op `i`, to change after it was appended (a field set by a variant of a check).
+    pub fn op_mut(&mut self, i: usize) -> &mut Op {
+        &mut self.ops[i].op
+    }
+
     /// Packs the buffers into a plan and starts it on `backend` as one process; panics
     /// naming what failed.
     pub fn start(self, backend: &dyn Backend) -> Started {
@@ -270,6 +275,8 @@ impl Rig {
                 targets: vec![],
                 losses: vec![],
                 logits: None,
+                teacher_hidden: vec![],
+                teacher_head: None,
                 deferred_update: false,
             },
             buffers: self.buffers,

@@ -170,6 +170,7 @@ pub fn lm_head_vocab_parallel(be: &dyn Backend, p: Precision) {
             v: VP,
             rows_per_chunk: chunk,
             vocab: Some(vocab),
+            teacher: None,
         };
         let loss = rig.op(loss, Bind::Both);
         let mut s = rig.start(be);
