@@ -396,7 +396,7 @@ fn bad_input_is_refused_naming_what_to_change() {
 /// kept indices its prune.json records, byte for byte as `prune` writes it.
 #[test]
 fn the_fixture_transformers_decodes_is_what_prune_writes() {
-    use memwall::prune::slice::{Kept, slice};
+    use memwall::prune::cut::{Kept, weights};
     let (orig, pruned) = (
         fixture("memwall-llama-ckpt"),
         fixture("memwall-llama-pruned"),
@@ -410,7 +410,7 @@ fn the_fixture_transformers_decodes_is_what_prune_writes() {
     ckpt::load_params(&orig, &layout, &mut params).unwrap();
     let new_spec = ckpt::load_spec(&pruned).unwrap();
     let new_layout = ParamLayout::new(&new_spec);
-    let cut = slice(&spec, &kept, (&layout, &params), &new_layout).unwrap();
+    let cut = weights(&spec, &kept, (&layout, &params), &new_layout).unwrap();
     let out = tempfile::tempdir().unwrap();
     ckpt::save_model(out.path(), &new_spec, &new_layout, &cut).unwrap();
     for file in ["config.json", "model.safetensors"] {

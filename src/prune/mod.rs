@@ -7,16 +7,16 @@
 //! 2. **Shape** ([`shape`]): one width per kind for every layer (an ordinary config),
 //!    from flags, a parameter fraction (`--keep`), or a memory budget for a use
 //!    (`--fit-memory` with `--for`: the plan of that use, as `memwall plan` makes it).
-//! 3. **Weights** ([`slice`]): every tensor cut to the kept channels, heads and layers of the
+//! 3. **Weights** ([`cut`]): every tensor cut to the kept channels, heads and layers of the
 //!    highest scores, written as a Hugging Face directory with the model's tokenizer, and
 //!    `prune.json` (the scores, what was kept, the shape and its plan).
 //!
 //! The pruned model is meant to be healed by training (`train --init OUT`).
 
+pub mod cut;
 pub mod report;
 pub mod score;
 pub mod shape;
-pub mod slice;
 
 use crate::backend::DeviceId;
 use crate::ckpt;
@@ -26,10 +26,10 @@ use crate::exec::Executor;
 use crate::model::{ModelSpec, ParamLayout};
 use crate::plan::{Mode, StepConfig, build_plan};
 use anyhow::{Context, Result, bail};
+use cut::Kept;
 use score::Scores;
 use serde::Serialize;
 use shape::{Shape, ShapeRequest};
-use slice::Kept;
 use std::path::PathBuf;
 
 /// What the pruned model must fit (`--fit-memory` with `--for`).
@@ -267,7 +267,7 @@ fn kept_importance(scores: &Scores, kept: &Kept) -> KeptImportance {
 /// Prunes `opts.model` to the shape asked for; `tick(done, total)` follows the scoring.
 pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<Pruned> {
     let spec = ckpt::load_spec(&opts.model)?;
-    slice::check_family(&spec)?;
+    cut::check_family(&spec)?;
     let (after, fit) = resolve_shape(&spec, opts)?;
     ckpt::adapter::check_new_out_dir(&opts.out)?;
     let seq = opts.seq_for(&spec)?;
@@ -290,11 +290,11 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
         done += 1;
         tick(done, n);
     })?;
-    let kept = slice::choose(&spec, &scores, &after);
+    let kept = cut::choose(&spec, &scores, &after);
     let mut new_spec = after.apply(&spec);
     new_spec.name = opts.out.display().to_string();
     let new_layout = ParamLayout::new(&new_spec);
-    let params = ex.with_params(|p| slice::slice(&spec, &kept, (&layout, p), &new_layout))??;
+    let params = ex.with_params(|p| cut::weights(&spec, &kept, (&layout, p), &new_layout))??;
     drop(ex);
     let pruned = Pruned {
         model: opts.model.clone(),

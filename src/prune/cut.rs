@@ -86,7 +86,7 @@ enum Ax {
 
 /// The axes of a tensor of a Llama-layout family by its Hugging Face name (`model.layers.N.`
 /// stripped); an unknown name is refused, so a family's new tensor never goes through
-/// unsliced.
+/// uncut.
 fn axes(name: &str) -> Result<&'static [Ax]> {
     use Ax::*;
     let kind = name.rsplit('.').nth(1).unwrap_or("");
@@ -144,7 +144,7 @@ fn indices(kept: &Kept, ax: Ax, l: Option<usize>, n: usize, hd: usize) -> Vec<us
 
 /// The pruned model's weights (`new_layout`'s order), each tensor its namesake's of `old`
 /// (`old_layout`) at the kept indices.
-pub fn slice(
+pub fn weights(
     spec: &ModelSpec,
     kept: &Kept,
     (old_layout, old): (&ParamLayout, &[f32]),
