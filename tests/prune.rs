@@ -651,58 +651,24 @@ fn a_teacher_that_cannot_teach_is_refused_naming_the_flag() {
     let tmp = tempfile::tempdir().unwrap();
     let (model, data) = llama_model_and_data(tmp.path());
     let p = |x: &Path| x.to_str().unwrap().to_string();
-    let (m, d) = (p(&model), p(&data));
+    let (m, d, out) = (p(&model), p(&data), p(&tmp.path().join("a")));
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train", "--init", &m, "--data", &d, "--out", &out, "--seq", "24",
+        ];
+        args.extend(extra);
+        fails(&args)
+    };
     // Another vocabulary (GPT-2's tiny fixture).
     let gpt2 = p(&fixture("hf-tiny-gpt2"));
-    let out = p(&tmp.path().join("a"));
-    let e = fails(&[
-        "train",
-        "--init",
-        &m,
-        "--data",
-        &d,
-        "--out",
-        &out,
-        "--steps",
-        "1",
-        "--seq",
-        "24",
-        "--distill-from",
-        &gpt2,
-    ]);
+    let e = train(&["--distill-from", &gpt2]);
     assert!(
         e.contains("--distill-from") && e.contains("vocabulary"),
         "{e}"
     );
-    let e = fails(&[
-        "train",
-        "--init",
-        &m,
-        "--data",
-        &d,
-        "--out",
-        &out,
-        "--steps",
-        "1",
-        "--seq",
-        "24",
-        "--distill-from",
-        &m,
-        "--distill-alpha",
-        "1.5",
-    ]);
+    let e = train(&["--distill-from", &m, "--distill-alpha", "1.5"]);
     assert!(e.contains("--distill-alpha 1.5"), "{e}");
-    let e = fails(&[
-        "train",
-        "--init",
-        &m,
-        "--data",
-        &d,
-        "--out",
-        &out,
-        "--distill-alpha",
-        "0.5",
-    ]);
+    let e = train(&["--distill-alpha", "0.5"]);
     assert!(e.contains("--distill-from"), "{e}");
 }
 

@@ -1,7 +1,7 @@
 //! Does the prepared data suit the model? Token ids only mean something under the tokenizer
 //! that made them: data prepared with another tokenizer than the model's trains the model on
 //! noise (silently, when the ids happen to fit its vocabulary). [`check_tokenizer`] refuses it
-//! before any work starts.
+//! before any work starts, and [`check_vocabulary`] ids beyond the model's vocabulary.
 
 use crate::data::loader::Meta;
 use crate::data::tokenizer::{GPT2_HASH, TokenizerId};
@@ -33,6 +33,20 @@ pub fn check_tokenizer(model: &TokenizerId, data: &Meta, data_dir: &Path) -> Res
         data_id.describe(),
         model.describe()
     )
+}
+
+/// Refuses data (`meta.json` of `data_dir`) whose token ids reach beyond a model's
+/// vocabulary of `vocab_size`.
+pub fn check_vocabulary(data: &Meta, vocab_size: usize, data_dir: &Path) -> Result<()> {
+    if data.vocab_size > vocab_size {
+        bail!(
+            "--data {}: prepared for a vocabulary of {} tokens but the model has vocab_size {}",
+            data_dir.display(),
+            data.vocab_size,
+            vocab_size
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -318,14 +318,7 @@ fn open_data(opts: &PruneOptions, spec: &ModelSpec, seq: usize) -> Result<DataSe
     if let Some(id) = model_tokenizer_id(&[opts.model.as_path()], false)? {
         crate::data::check::check_tokenizer(&id, &data.meta, &opts.data)?;
     }
-    if data.meta.vocab_size > spec.vocab_size {
-        bail!(
-            "--data {}: prepared for a vocabulary of {} tokens but the model has {}",
-            opts.data.display(),
-            data.meta.vocab_size,
-            spec.vocab_size
-        );
-    }
+    crate::data::check::check_vocabulary(&data.meta, spec.vocab_size, &opts.data)?;
     if data.examples.is_none() {
         crate::data::loader::check_fits(&data.train, "train", seq)?;
     }

@@ -414,14 +414,7 @@ fn open_data(opts: &TrainOptions, spec: &ModelSpec) -> Result<DataSet> {
     if let Some(id) = tokenizer::model_tokenizer_id(&places, spec.family == Family::Gpt2)? {
         check_tokenizer(&id, &data.meta, &opts.data)?;
     }
-    if data.meta.vocab_size > spec.vocab_size {
-        bail!(
-            "--data {}: prepared for a vocabulary of {} tokens but the model has vocab_size {}",
-            opts.data.display(),
-            data.meta.vocab_size,
-            spec.vocab_size
-        );
-    }
+    crate::data::check::check_vocabulary(&data.meta, spec.vocab_size, &opts.data)?;
     match &data.examples {
         // Examples are cut or padded to the sequence: any length fits, but a split whose
         // every trained token lies past a row would train (or measure) nothing.
