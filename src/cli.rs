@@ -201,8 +201,9 @@ The shape: widths given (--hidden, --mlp, --heads, --kv-heads, --depth), the res
 --keep F, the embedding and MLP widths shrunk by about the same fraction until F of the \
 parameters remain (heads and layers kept unless given); or --fit-memory SIZE --for USE, the \
 largest such shape whose plan for USE (memwall's own plan, as `memwall plan` prints it) fits SIZE.\n\n\
-A pruned model loses quality until it is trained again: heal it with `memwall train --init OUT`.",
-        after_help = "Examples:\n  memwall prune --model smol --data data-smol --out smol-pruned --keep 0.75\n  memwall prune --model llama-3.2-1b-dir --data d --out small --fit-memory 2GiB --for qlora\n  memwall prune --model smol --data d --out smol-d24 --depth 24 --report\n  memwall train --init smol-pruned --data data-smol --out run --steps 300"
+A pruned model loses quality until it is trained again: heal it with `memwall train --init OUT \
+--distill-from MODEL` (the original as its teacher), or on the data alone.",
+        after_help = "Examples:\n  memwall prune --model smol --data data-smol --out smol-pruned --keep 0.75\n  memwall prune --model llama-3.2-1b-dir --data d --out small --fit-memory 2GiB --for qlora\n  memwall prune --model smol --data d --out smol-d24 --depth 24 --report\n  memwall train --init smol-pruned --distill-from smol --data data-smol --out run --steps 300"
     )]
     Prune(PruneArgs),
 }

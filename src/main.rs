@@ -1011,10 +1011,12 @@ fn prune_cmd(a: PruneArgs) -> Result<()> {
     }
     print!("{}", prune::report::summary(&p));
     println!(
-        "written to {} ({} beside the model); heal it with `memwall train --init {} --data {} --out RUN`",
+        "written to {} ({} beside the model); heal it with `memwall train --init {} \
+         --distill-from {} --data {} --out RUN`",
         a.out.display(),
         prune::REPORT_FILE,
         a.out.display(),
+        a.model.display(),
         a.data.display()
     );
     Ok(())
