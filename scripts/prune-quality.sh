@@ -8,9 +8,11 @@
 #   scripts/prune-quality.sh SMOLLM2.gguf DATA [STEPS] [BATCH] [SEQ] [EVAL]
 #
 # DATA: `memwall prepare ../shared/data/shakespeare --tokenizer SMOLLM2.gguf --out DATA`.
+# ALPHA (environment, default 1): the distilled runs' --distill-alpha.
 set -euo pipefail
 GGUF=$1; DATA=$2; STEPS=${3:-300}; BATCH=${4:-2}; SEQ=${5:-128}; EVAL=${6:-16}
 M=${MEMWALL:-target/release/memwall}
+ALPHA=${ALPHA:-1}
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 val() { # RUN: the last val_loss in its metrics
@@ -21,7 +23,7 @@ train() { # NAME INIT [FLAGS...]
   $M train --init "$init" --data "$DATA" --out "$W/$name" --steps "$STEPS" --batch "$BATCH" \
     --seq "$SEQ" --lr 3e-4 --eval-every "$STEPS" --eval-batches "$EVAL" --save-every "$STEPS" \
     "$@" >"$W/$name.log" 2>&1
-  echo "{\"model\": \"$name\", \"steps\": $STEPS, \"val_loss\": $(val "$W/$name")}"
+  echo "{\"model\": \"$name\", \"steps\": $STEPS, \"alpha\": $ALPHA, \"val_loss\": $(val "$W/$name")}"
 }
 eval0() { # NAME DIR: the step-0 validation loss
   $M train --init "$2" --data "$DATA" --out "$W/e-$1" --steps 1 --batch "$BATCH" --seq "$SEQ" \
@@ -34,6 +36,6 @@ python3 -c "import json; [print(json.dumps({'pruned': n, 'params': json.load(ope
 eval0 original "$GGUF"
 eval0 width-pruned "$W/width"
 eval0 depth-pruned "$W/depth"
-train width-distilled "$W/width" --distill-from "$GGUF"
+train width-distilled "$W/width" --distill-from "$GGUF" --distill-alpha "$ALPHA"
 train width-cross-entropy "$W/width"
-train depth-distilled "$W/depth" --distill-from "$GGUF"
+train depth-distilled "$W/depth" --distill-from "$GGUF" --distill-alpha "$ALPHA"
