@@ -73,7 +73,7 @@ pub struct TrainOptions {
     /// conversion) and its weight in the loss (`--distill-alpha`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distill_from: Option<PathBuf>,
-    #[serde(default = "one_f32")]
+    #[serde(default = "one_f32", skip_serializing_if = "is_one_f32")]
     pub distill_alpha: f32,
     /// Copy this directory's tokenizer files (`tokenizer.json`, ...) into every checkpoint.
     /// When `None` on a fresh run, training sets it to the `--init` directory if it holds a
@@ -482,6 +482,10 @@ fn relative_path(path: &Path, base: &Path) -> PathBuf {
 /// The shard limit of runs saved before `max_shard_bytes` existed: the default.
 fn one_f32() -> f32 {
     1.0
+}
+
+fn is_one_f32(x: &f32) -> bool {
+    *x == 1.0
 }
 
 fn default_max_shard_bytes() -> u64 {
