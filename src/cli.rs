@@ -990,7 +990,8 @@ pub(crate) struct TrainArgs {
     /// per rank (no --tp, --pp).
     #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
     pub(crate) distill_from: Option<PathBuf>,
-    /// The teacher's weight in the loss, 0 to 1 [default: 1, the teacher alone]
+    /// The teacher's weight in the loss, 0 to 1 (1: the teacher alone, as Minitron distils
+    /// from a teacher first trained on the data) [default: 0.5]
     #[arg(long, requires = "distill_from", value_name = "A")]
     pub(crate) distill_alpha: Option<f32>,
     /// Continue the run in RUN_DIR from its newest checkpoint, with its own configuration.

@@ -597,13 +597,8 @@ fn distillation_from_itself_has_no_kl_and_alpha_weighs_the_cross_entropy() {
     let (model, data) = llama_model_and_data(tmp.path());
     let teacher = model.to_str().unwrap().to_string();
     let plain = train_losses(tmp.path(), "plain", &model, &data, &[]);
-    let kl = train_losses(
-        tmp.path(),
-        "kl",
-        &model,
-        &data,
-        &["--distill-from", &teacher],
-    );
+    let kl = ["--distill-from", &teacher, "--distill-alpha", "1"];
+    let kl = train_losses(tmp.path(), "kl", &model, &data, &kl);
     assert!(kl[0].abs() < 1e-5, "step 1: KL to itself {}", kl[0]);
     let half = ["--distill-from", &teacher, "--distill-alpha", "0.5"];
     let half = train_losses(tmp.path(), "half", &model, &data, &half);
@@ -634,7 +629,14 @@ fn a_pruned_model_distilled_from_its_original_moves_toward_it() {
     };
     prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
     let teacher = model.to_str().unwrap().to_string();
-    let args = ["--distill-from", teacher.as_str(), "--steps", "12"];
+    let args = [
+        "--distill-from",
+        teacher.as_str(),
+        "--distill-alpha",
+        "1",
+        "--steps",
+        "12",
+    ];
     let losses = train_losses(tmp.path(), "healed", &pruned, &data, &args);
     assert_eq!(losses.len(), 12);
     let (first, last) = (losses[0], losses[11]);

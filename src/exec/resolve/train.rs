@@ -94,7 +94,7 @@ pub fn new_run(
     if let Some(p) = &req.distill_from {
         let dir = gguf::cache::model_dir(p, "--distill-from", &mut |m: &str| progress.message(m))?;
         o.distill_from = Some(absolute(&dir));
-        o.distill_alpha = req.distill_alpha.unwrap_or(1.0);
+        o.distill_alpha = req.distill_alpha.unwrap_or(DEFAULT_DISTILL_ALPHA);
     }
     if req.step.fit {
         fit_run(&mut o, req, comm, progress)?;
@@ -136,6 +136,12 @@ pub fn new_run(
     }
     Ok(o)
 }
+
+/// `--distill-alpha` unless given: the teacher's KL and the data's cross-entropy weighed alike.
+/// Measured better than either alone when healing a pruned SmolLM2-135M on Shakespeare from
+/// its original, which was not trained on that data (`scripts/prune-quality.sh`: 300 steps,
+/// validation CE 3.99 against 4.32 for the KL alone and 4.08 for the cross-entropy alone).
+pub const DEFAULT_DISTILL_ALPHA: f32 = 0.5;
 
 /// Whether the run trains adapters (`--lora`, or `--init-adapter`).
 fn lora_run(req: &TrainRequest) -> bool {
