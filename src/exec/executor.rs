@@ -97,6 +97,8 @@ pub struct Executor {
     io_spans: Vec<IoSpan>,
     /// Next-token logits downloaded by [`Executor::next_token_logits`].
     logits: Vec<f32>,
+    /// The op indices of a segment of [`Executor::forward_watching`], reused.
+    segment: Vec<usize>,
     /// The plan buffer the `GradNorm` ops write each group's share of the norm into
     /// (`grad_norm.shares` `[groups]` f64; training plans), read once when the update is
     /// settled.
@@ -249,6 +251,7 @@ impl Executor {
             recorder: None,
             io_spans: Vec::new(),
             logits: Vec::new(),
+            segment: Vec::new(),
             norm_shares,
             pending: None,
             comm,
@@ -1026,10 +1029,6 @@ impl Executor {
                 self.plan.cfg.seq
             );
         }
-        let v = self.plan.spec.vocab_size as u32;
-        if let Some(bad) = context.iter().find(|&&x| x >= v) {
-            bail!("token id {bad} is outside the model's vocabulary ({v})");
-        }
         let ctx = self.upload_context(context)?;
         let logits = self.plan.schedule.logits.expect("generation plan");
         let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
@@ -1045,10 +1044,14 @@ impl Executor {
         Ok(&self.logits)
     }
 
-    /// Stages `context` (checked by the caller: 1 to the plan's `seq` tokens of the
-    /// vocabulary) as a generation plan's tokens; returns the step values that run its
-    /// forward on those rows.
+    /// Stages `context` (1 to the plan's `seq` tokens, checked by the caller) as a
+    /// generation plan's tokens, refusing ids outside the vocabulary; returns the step values
+    /// that run its forward on those rows.
     fn upload_context(&mut self, context: &[u32]) -> Result<StepCtx> {
+        let v = self.plan.spec.vocab_size as u32;
+        if let Some(bad) = context.iter().find(|&&x| x >= v) {
+            bail!("token id {bad} is outside the model's vocabulary ({v})");
+        }
         let tokens = self.plan.schedule.tokens[0];
         self.device
             .upload(&[tokens], &mut |b| {
@@ -1080,20 +1083,21 @@ impl Executor {
                 self.plan.cfg.seq
             );
         }
-        let v = self.plan.spec.vocab_size as u32;
-        if let Some(bad) = context.iter().find(|&&x| x >= v) {
-            bail!("token id {bad} is outside the model's vocabulary ({v})");
-        }
         let ctx = self.upload_context(context)?;
         let mut next = 0;
-        let mut data = Vec::new();
         for (k, &(op, buf)) in watch.iter().enumerate() {
             if k > 0 && op < watch[k - 1].0 {
                 bail!("internal error: watched ops out of schedule order");
             }
             if op >= next {
-                let ops: Vec<usize> = (next..=op).collect();
-                self.run(&ops, ctx, None)?;
+                // The ops up to this one (a list kept between calls: the teacher of a
+                // distilled run watches every row of every step).
+                let mut segment = std::mem::take(&mut self.segment);
+                segment.clear();
+                segment.extend(next..=op);
+                let ran = self.run(&segment, ctx, None);
+                self.segment = segment;
+                ran?;
                 next = op + 1;
             }
             if self.plan.buffer(buf).dtype != DType::F32 {
@@ -1102,13 +1106,11 @@ impl Executor {
                     self.plan.buffer(buf).name
                 );
             }
+            let mut handed = Ok(());
             self.device
-                .download(&[buf], &mut |b| {
-                    data.clear();
-                    data.extend_from_slice(pod::cast::<f32>(b[0]))
-                })
+                .download(&[buf], &mut |b| handed = on(k, pod::cast::<f32>(b[0])))
                 .with_context(|| self.moving("downloading", &[buf]))?;
-            on(k, &data)?;
+            handed?;
         }
         Ok(())
     }

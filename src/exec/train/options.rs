@@ -479,7 +479,7 @@ fn relative_path(path: &Path, base: &Path) -> PathBuf {
     rel
 }
 
-/// The shard limit of runs saved before `max_shard_bytes` existed: the default.
+/// `distill_alpha` where a run's options do not say (runs without a teacher).
 fn one_f32() -> f32 {
     1.0
 }
@@ -488,6 +488,7 @@ fn is_one_f32(x: &f32) -> bool {
     *x == 1.0
 }
 
+/// The shard limit of runs saved before `max_shard_bytes` existed: the default.
 fn default_max_shard_bytes() -> u64 {
     ckpt::DEFAULT_MAX_SHARD_BYTES
 }
