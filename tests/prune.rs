@@ -430,15 +430,7 @@ fn a_pruned_model_exports_the_keys_llama_cpp_reads_its_shape_from() {
     use memwall::export::{ExportOptions, ExportType, export};
     use memwall::gguf::file::GgufFile;
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("pruned");
-    std::fs::create_dir(&dir).unwrap();
-    for (from, name) in [
-        (fixture("memwall-llama-pruned"), "config.json"),
-        (fixture("memwall-llama-pruned"), "model.safetensors"),
-        (fixture("tiny-bpe"), "tokenizer.json"),
-    ] {
-        std::fs::copy(from.join(name), dir.join(name)).unwrap();
-    }
+    let dir = with_tokenizer(tmp.path(), "memwall-llama-pruned");
     let out = tmp.path().join("pruned.gguf");
     export(&ExportOptions {
         input: dir,
@@ -475,16 +467,7 @@ fn a_pruned_model_exports_the_keys_llama_cpp_reads_its_shape_from() {
 fn the_command_prints_its_choice_its_report_and_json() {
     let tmp = tempfile::tempdir().unwrap();
     let p = |x: &Path| x.to_str().unwrap().to_string();
-    let model = tmp.path().join("model");
-    std::fs::create_dir(&model).unwrap();
-    for (from, name) in [
-        (fixture("memwall-llama-ckpt"), "config.json"),
-        (fixture("memwall-llama-ckpt"), "model.safetensors"),
-        (fixture("tiny-bpe"), "tokenizer.json"),
-    ] {
-        std::fs::copy(from.join(name), model.join(name)).unwrap();
-    }
-    let data = data(tmp.path());
+    let (model, data) = llama_model_and_data(tmp.path());
     let (m, d) = (p(&model), p(&data));
     let out = p(&tmp.path().join("a"));
     let flags = ["--seq", "32", "--calibration", "4"];
@@ -540,16 +523,21 @@ fn the_command_prints_its_choice_its_report_and_json() {
 /// The model in a fresh directory (the fixture's config and weights beside the fixture
 /// tokenizer), and data prepared with that tokenizer, under `tmp`.
 fn llama_model_and_data(tmp: &Path) -> (PathBuf, PathBuf) {
-    let model = tmp.join("model");
-    std::fs::create_dir(&model).unwrap();
-    for (from, name) in [
-        (fixture("memwall-llama-ckpt"), "config.json"),
-        (fixture("memwall-llama-ckpt"), "model.safetensors"),
+    (with_tokenizer(tmp, "memwall-llama-ckpt"), data(tmp))
+}
+
+/// Fixture `name`'s config and weights beside the fixture tokenizer, in `tmp/name`.
+fn with_tokenizer(tmp: &Path, name: &str) -> PathBuf {
+    let dir = tmp.join(name);
+    std::fs::create_dir(&dir).unwrap();
+    for (from, file) in [
+        (fixture(name), "config.json"),
+        (fixture(name), "model.safetensors"),
         (fixture("tiny-bpe"), "tokenizer.json"),
     ] {
-        std::fs::copy(from.join(name), model.join(name)).unwrap();
+        std::fs::copy(from.join(file), dir.join(file)).unwrap();
     }
-    (model, data(tmp))
+    dir
 }
 
 /// `train` on `model` for 3 steps (or `--steps` in `extra`) with `extra` flags; the losses
