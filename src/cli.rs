@@ -808,6 +808,8 @@ impl StepArgs {
             max_memory: self.max_memory,
             device: self.device.unwrap_or(DeviceId::CPU),
             strategy: self.strategy.request(),
+            distill_from: None,
+            distill_alpha: None,
         }
     }
 }
@@ -815,7 +817,11 @@ impl StepArgs {
 impl TrainArgs {
     pub(crate) fn request(&self) -> TrainRequest {
         TrainRequest {
-            step: self.step.request(),
+            step: StepRequest {
+                distill_from: self.distill_from.clone(),
+                distill_alpha: self.distill_alpha,
+                ..self.step.request()
+            },
             data: self.data.clone(),
             out: self.out.clone(),
             steps: self.steps,
@@ -845,8 +851,6 @@ impl TrainArgs {
             no_pack: self.no_pack,
             init: self.init.clone(),
             init_adapter: self.init_adapter.clone(),
-            distill_from: self.distill_from.clone(),
-            distill_alpha: self.distill_alpha,
             resume: self.resume.clone(),
             profile_steps: if self.profile { self.profile_steps } else { 0 },
         }
@@ -920,6 +924,14 @@ pub(crate) struct PlanArgs {
     /// Also draw the predicted memory timeline (stacked by category, peak marked) to this SVG file.
     #[arg(long, value_name = "FILE")]
     pub(crate) svg: Option<PathBuf>,
+    /// Plan a distilled run (`train --distill-from`): the teacher's own plan (its weights
+    /// and one sequence's activations) is held beside the step's, and counted in its peak
+    /// and in what --fit and --batch auto fit
+    #[arg(long, value_name = "DIR|FILE.gguf")]
+    pub(crate) distill_from: Option<PathBuf>,
+    /// The teacher's weight in the loss, 0 to 1 [default: 0.5]
+    #[arg(long, requires = "distill_from", value_name = "A")]
+    pub(crate) distill_alpha: Option<f32>,
 }
 
 #[derive(Args)]

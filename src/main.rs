@@ -244,7 +244,11 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
 }
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
-    let req = a.step.request();
+    let req = resolve::StepRequest {
+        distill_from: a.distill_from.clone(),
+        distill_alpha: a.distill_alpha,
+        ..a.step.request()
+    };
     // A plan needs only the device's sizing: made for a GPU on any machine.
     let backend = req.device.sizing();
     let threads = checked_threads(req.threads, false)?;

@@ -110,6 +110,7 @@ fn space(global_batch: usize) -> Space {
         lora: None,
         base_quant: Default::default(),
         base_types: None,
+        distill: None,
         ranks: 1,
         tensor: Pick::Fixed(1),
         pipeline: Pick::Fixed(1),

@@ -258,6 +258,28 @@ fn kept_weights_are_the_originals_at_the_kept_indices() {
             }
         }
     }
+    // The norms over the residual stream: their kept channels, the gain scaled by the
+    // ratio of root mean squares the calibration measured (> 1: the strongest channels
+    // stay).
+    let norms = (k.layers.iter())
+        .flat_map(|l| {
+            ["input_layernorm", "post_attention_layernorm"]
+                .map(|n| (format!("model.layers.{l}.{n}.weight"), l))
+        })
+        .chain([("model.norm.weight".to_string(), &usize::MAX)]);
+    for (name, &l) in norms {
+        let gain = k.norm_gains[&name];
+        assert!(gain > 1.0 && gain < 2.0, "{name}: {gain}");
+        let new_name = match k.layers.iter().position(|&x| x == l) {
+            Some(at) => name.replace(&format!(".{l}."), &format!(".{at}.")),
+            None => name.clone(),
+        };
+        let (old, new) = (layout.range(&name), new_layout.range(&new_name));
+        for (j, &col) in k.hidden.iter().enumerate() {
+            let want = (params[old.start + col] as f64 * gain) as f32;
+            assert_eq!(got[new.start + j], want, "{new_name}[{j}]");
+        }
+    }
     // The embedding: every token's kept channels.
     let e_old = layout.range("model.embed_tokens.weight");
     let e_new = new_layout.range("model.embed_tokens.weight");
@@ -696,4 +718,59 @@ fn a_distilled_run_resumes_bitwise() {
     ok(&["train", "--resume", resumed.to_str().unwrap()]);
     let weights = |run: &Path| std::fs::read(run.join("checkpoints/step-000004/model.safetensors"));
     assert!(weights(&full).unwrap() == weights(&resumed).unwrap());
+}
+
+/// `plan --distill-from`: the teacher's own plan is one buffer of the student's (its
+/// category `teacher`), so the peak counts it and `--batch auto` fits the pair.
+#[test]
+fn a_distilled_plan_holds_the_teachers_plan_and_fits_the_pair() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, _) = llama_model_and_data(tmp.path());
+    let m = model.to_str().unwrap();
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "plan",
+            "--model",
+            m,
+            "--seq",
+            "24",
+            "--threads",
+            "2",
+            "--json",
+        ];
+        args.extend(extra);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let bytes = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    let teacher = build_plan(
+        &ckpt::load_spec(&model).unwrap(),
+        &StepConfig::new(1, 24, 2),
+        Mode::Generate,
+        DeviceId::CPU.sizing(),
+    )
+    .unwrap()
+    .total_bytes();
+    let plain = plan(&["--batch", "2"]);
+    let pair = plan(&["--batch", "2", "--distill-from", m]);
+    assert_eq!(plain["by_category"]["teacher"].as_u64(), Some(0));
+    assert_eq!(pair["by_category"]["teacher"].as_u64(), Some(teacher));
+    // (Each process measures its own baseline: the totals are the plans'.)
+    assert!(bytes(&pair, "total_bytes") >= bytes(&plain, "total_bytes") + teacher);
+    let peak = "predicted_peak_rss_bytes";
+    // A budget that holds 32 rows alone holds fewer beside the teacher.
+    let budget = bytes(&plan(&["--batch", "32"]), peak).to_string();
+    let auto = ["--batch", "auto", "--max-memory", budget.as_str()];
+    let alone = plan(&auto);
+    let mut with = auto.to_vec();
+    with.extend(["--distill-from", m]);
+    let with = plan(&with);
+    let batch = |v: &serde_json::Value| v["config"]["batch"].as_u64().unwrap();
+    assert!(
+        batch(&with) < batch(&alone),
+        "{} {}",
+        batch(&with),
+        batch(&alone)
+    );
+    assert!(bytes(&with, peak) <= budget.parse().unwrap());
+    assert_eq!(with["by_category"]["teacher"].as_u64(), Some(teacher));
 }

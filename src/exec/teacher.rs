@@ -11,7 +11,7 @@ use crate::data::examples::{EXAMPLE_START, UNTRAINED};
 use crate::ir::BufId;
 use crate::ir::schedule::Op;
 use crate::model::ModelSpec;
-use crate::plan::{Mode, Plan, StepConfig, build_plan};
+use crate::plan::{Distill, Mode, Plan, StepConfig, build_plan};
 use anyhow::{Context, Result, bail};
 use std::path::Path;
 
@@ -31,8 +31,28 @@ pub fn plan(spec: &ModelSpec, seq: usize, threads: usize, device: DeviceId) -> R
         spec,
         &StepConfig::new(1, seq, threads),
         Mode::Generate,
-        device.open()?,
+        device.sizing(),
     )
+}
+
+/// The distillation a student `student` of sequences of `seq` tokens gets from the teacher
+/// in `dir` (a model directory; checked as [`Teacher::open`] checks it) with the KL's weight
+/// `alpha`: the teacher's width and its plan's bytes, which the student's plan holds beside
+/// its own. Planning only: nothing is loaded but the teacher's config.
+pub fn distill(
+    dir: &Path,
+    student: &ModelSpec,
+    alpha: f32,
+    (seq, threads, device): (usize, usize, DeviceId),
+) -> Result<Distill> {
+    let spec = ckpt::load_spec(dir).with_context(|| format!("--distill-from {}", dir.display()))?;
+    check(&spec, student, dir)?;
+    let plan = plan(&spec, seq, threads, device)?;
+    Ok(Distill {
+        teacher_width: spec.n_embd,
+        alpha,
+        teacher_bytes: plan.total_bytes(),
+    })
 }
 
 impl Teacher {
@@ -70,11 +90,10 @@ impl Teacher {
         })
     }
 
-    /// The bytes of the teacher's plan (its weights, one sequence's activations) and of the
-    /// step's outputs it hands over: what a distilled run holds beside the student's plan.
+    /// The bytes of the teacher's plan (its weights, one sequence's activations): what a
+    /// distilled run holds beside the student's plan ([`Distill::teacher_bytes`]).
     pub fn plan_bytes(&self) -> u64 {
-        let plan = &self.ex.plan;
-        plan.total_bytes() + plan.runtime_reserve()
+        self.ex.plan.total_bytes()
     }
 
     /// Copies the teacher's LM head `[V, Ct]` (its tied embedding, where it has one) into

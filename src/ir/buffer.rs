@@ -40,10 +40,13 @@ pub enum Category {
     IoStaging,
     /// Collective-communication buffers (multi-process; unused in single-process plans).
     Communication,
+    /// A distillation teacher's own plan (its weights and one sequence's activations), held
+    /// beside the student's by its executor (`train --distill-from`).
+    Teacher,
 }
 
 impl Category {
-    pub const ALL: [Category; 10] = [
+    pub const ALL: [Category; 11] = [
         Category::Param,
         Category::Grad,
         Category::Master,
@@ -54,6 +57,7 @@ impl Category {
         Category::Workspace,
         Category::IoStaging,
         Category::Communication,
+        Category::Teacher,
     ];
 
     pub fn name(self) -> &'static str {
@@ -68,6 +72,7 @@ impl Category {
             Category::Workspace => "workspace",
             Category::IoStaging => "io_staging",
             Category::Communication => "communication",
+            Category::Teacher => "teacher",
         }
     }
 }

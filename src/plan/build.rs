@@ -1250,8 +1250,9 @@ fn finish(
 }
 
 /// Declares the owned buffers, outside the arena: the loader's two prefetch buffers and the
-/// trainer's batch buffer ([accum·B, T+1] u32 each), and the scratch the backend's libraries
-/// keep for themselves (the `gemm` crate's packing on the CPU).
+/// trainer's batch buffer ([accum·B, T+1] u32 each), a distillation teacher's own plan, and
+/// the scratch the backend's libraries keep for themselves (the `gemm` crate's packing on
+/// the CPU).
 fn owned_buffers(g: &mut Builder, r: &Request) {
     let cfg = r.cfg;
     if r.mode == Mode::Train {
@@ -1262,6 +1263,15 @@ fn owned_buffers(g: &mut Builder, r: &Request) {
             3 * cfg.grad_accum * cfg.batch * (cfg.seq + 1),
         );
         g.buffers[id.0].placement = Placement::OWNED;
+        if let Some(d) = cfg.distill.filter(|d| d.teacher_bytes > 0) {
+            let id = g.persistent(
+                "teacher.plan",
+                Category::Teacher,
+                DType::U8,
+                d.teacher_bytes as usize,
+            );
+            g.buffers[id.0].placement = Placement::OWNED;
+        }
     }
     let scratch = r
         .backend

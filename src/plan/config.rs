@@ -86,13 +86,18 @@ pub struct StepConfig {
 }
 
 /// Distillation's loss at the LM head: `alpha` · KL(teacher ‖ student) + (1 − `alpha`) ·
-/// cross-entropy. The teacher runs apart (its own plan); the step takes its final-norm
-/// output `[B·T, teacher_width]` per micro-batch and its head `[V, teacher_width]` as
-/// inputs, and computes its logits a chunk of rows at a time beside the student's.
+/// cross-entropy. The teacher runs apart (its own plan, of `teacher_bytes`, which the
+/// student's plan counts as one owned buffer of [`crate::ir::Category::Teacher`]); the step
+/// takes its final-norm output `[B·T, teacher_width]` per micro-batch and its head
+/// `[V, teacher_width]` as inputs, and computes its logits a chunk of rows at a time beside
+/// the student's.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Distill {
     pub teacher_width: usize,
     pub alpha: f32,
+    /// The teacher's plan's bytes ([`crate::plan::Plan::total_bytes`]).
+    #[serde(default)]
+    pub teacher_bytes: u64,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {

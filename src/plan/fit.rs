@@ -402,6 +402,7 @@ pub fn plan_fitting(
         lora: cfg.lora.clone(),
         base_quant: cfg.base_quant,
         base_types: cfg.base_types.clone(),
+        distill: cfg.distill,
         ranks: cfg.mesh.world(),
         tensor: Pick::Fixed(cfg.mesh.tensor),
         pipeline: Pick::Fixed(cfg.mesh.pipeline),

@@ -107,6 +107,9 @@ pub struct Space {
     pub lora: Option<crate::model::lora::LoraSpec>,
     pub base_quant: crate::ir::BaseQuant,
     pub base_types: Option<std::sync::Arc<crate::ir::BaseTypes>>,
+    /// Distillation (`--distill-from`), as given: its teacher's plan is counted in every
+    /// candidate's.
+    pub distill: Option<crate::plan::Distill>,
     /// Processes of the job (`plan --ranks N`): with more than one, the search also chooses
     /// the mesh (`plan::search_mesh`), each rank planned, the heaviest within the budget.
     pub ranks: usize,
@@ -558,6 +561,7 @@ pub fn search(
                     cfg.lora = space.lora.clone();
                     cfg.base_quant = space.base_quant;
                     cfg.base_types = space.base_types.clone();
+                    cfg.distill = space.distill;
                     cfg.mesh = mesh;
                     cfg.zero = zero;
                     if let Pick::Fixed(cut) = &space.stage_layers {

@@ -32,6 +32,7 @@ pub fn category_color(c: Category) -> RGBColor {
         Category::Workspace => RGBColor(127, 127, 127),
         Category::IoStaging => RGBColor(188, 189, 34),
         Category::Communication => RGBColor(23, 190, 207),
+        Category::Teacher => RGBColor(96, 96, 160),
     }
 }
 

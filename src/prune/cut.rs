@@ -5,6 +5,12 @@
 //! Heads are kept by key/value group, as grouped-query attention shares keys: the groups of
 //! the highest summed query-head scores, then within each the query heads of the highest
 //! scores, so new key/value head j still serves new query heads j·g'..(j+1)·g'.
+//!
+//! A norm over the residual stream divides by the root mean square of the channels it
+//! sees: with fewer (and the strongest) channels kept, that root mean square grows and every
+//! kept channel's output shrinks. Each such norm's gain is multiplied by the ratio measured
+//! on the calibration data ([`norm_gains`]), so its kept channels put out on average what
+//! they did before the cut.
 
 use super::score::Scores;
 use super::shape::Shape;
@@ -23,6 +29,10 @@ pub struct Kept {
     pub kv_heads: Vec<Vec<usize>>,
     /// Per kept layer: MLP channels `[I']`.
     pub mlp: Vec<Vec<usize>>,
+    /// Per norm over the residual stream (its original weight's name): the factor its gain
+    /// is multiplied by (none when every channel is kept).
+    #[serde(default)]
+    pub norm_gains: std::collections::BTreeMap<String, f64>,
 }
 
 /// The `k` indices of the highest `scores`, ascending (ties: the lower index first).
@@ -58,8 +68,10 @@ pub fn choose(spec: &ModelSpec, scores: &Scores, shape: &Shape) -> Kept {
         heads.push(q);
         kv_heads.push(kv);
     }
+    let hidden = top(&scores.hidden, shape.hidden);
     Kept {
-        hidden: top(&scores.hidden, shape.hidden),
+        norm_gains: norm_gains(&scores.norm_energy, &hidden),
+        hidden,
         mlp: layers
             .iter()
             .map(|&l| top(&scores.mlp[l], shape.mlp))
@@ -68,6 +80,28 @@ pub fn choose(spec: &ModelSpec, scores: &Scores, shape: &Shape) -> Kept {
         heads,
         kv_heads,
     }
+}
+
+/// Per norm of `energy` (its input's mean (x_c / rms(x))² per channel c): the factor that
+/// keeps its output's scale when only the channels `hidden` are kept, √(mean over the kept
+/// channels / mean over all). The norm then divides by rms(x_kept) ≈ factor · rms(x), and
+/// its gain times the factor undoes it. Empty when every channel is kept.
+pub fn norm_gains(
+    energy: &[(String, Vec<f64>)],
+    hidden: &[usize],
+) -> std::collections::BTreeMap<String, f64> {
+    let mut gains = std::collections::BTreeMap::new();
+    for (name, e) in energy {
+        if hidden.len() == e.len() {
+            continue;
+        }
+        let all = e.iter().sum::<f64>() / e.len() as f64;
+        let kept = hidden.iter().map(|&c| e[c]).sum::<f64>() / hidden.len() as f64;
+        if all > 0.0 && kept > 0.0 {
+            gains.insert(name.clone(), (kept / all).sqrt());
+        }
+    }
+    gains
 }
 
 /// The axis a tensor dimension runs along.
@@ -179,12 +213,15 @@ pub fn weights(
                 t.shape
             );
         }
-        gather(
-            &old[src.range.clone()],
-            &src.shape,
-            &idx,
-            &mut out[t.range.clone()],
-        );
+        let dst = &mut out[t.range.clone()];
+        gather(&old[src.range.clone()], &src.shape, &idx, dst);
+        if let Some(&gain) = kept.norm_gains.get(&old_name) {
+            // The gain is offset + w (Gemma's 1 + w).
+            let offset = spec.family.norm_offset();
+            for w in dst {
+                *w = ((offset + *w) as f64 * gain) as f32 - offset;
+            }
+        }
     }
     Ok(out)
 }
@@ -235,6 +272,7 @@ mod tests {
             block_influence: (0..spec.n_layer).map(|l| l as f64).collect(),
             sequences: 1,
             seq: 1,
+            norm_energy: Vec::new(),
         };
         scores.heads[0][0] = 100.0; // group 0 now outscores the last group
         let shape = Shape {
@@ -251,6 +289,27 @@ mod tests {
         }
         // Other layers drop group 0, the lowest.
         assert!(!k.kv_heads[1].contains(&0));
+    }
+
+    #[test]
+    fn a_norm_keeping_its_strongest_channels_gains_the_ratio_of_their_root_mean_squares() {
+        // Channel energies 3, 1, 0, 0 (mean 1): keeping channels 0 and 1 raises the root mean
+        // square by √2; keeping all changes nothing.
+        let energy = vec![("n.weight".to_string(), vec![3.0, 1.0, 0.0, 0.0])];
+        let g = norm_gains(&energy, &[0, 1]);
+        assert!((g["n.weight"] - 2f64.sqrt()).abs() < 1e-12);
+        assert!(norm_gains(&energy, &[0, 1, 2, 3]).is_empty());
+        // A row x = (√3, 1, 0, 0)·s: the kept norm with the gain puts out what the whole did.
+        let x = [3f64.sqrt(), 1.0];
+        let rms_all = ((3.0 + 1.0) / 4.0f64).sqrt();
+        let rms_kept = ((3.0 + 1.0) / 2.0f64).sqrt();
+        for (a, b) in x
+            .iter()
+            .map(|v| v / rms_all)
+            .zip(x.iter().map(|v| v / rms_kept * g["n.weight"]))
+        {
+            assert!((a - b).abs() < 1e-12);
+        }
     }
 
     #[test]

@@ -17,6 +17,10 @@
 //!   output row (the next block's input, or the final norm's).
 //!
 //! Every mean is over every token of every calibration sequence.
+//!
+//! Beside the scores, each RMSNorm over the residual stream's channels records the mean
+//! square of each channel of its normalised input (x / rms(x)), so the cut can rescale the
+//! norm's gain for the channels it keeps (see [`super::cut::norm_gains`]).
 
 use crate::data::DataSet;
 use crate::data::examples::{EXAMPLE_START, UNTRAINED};
@@ -24,7 +28,7 @@ use crate::data::loader::{Part, Source};
 use crate::exec::Executor;
 use crate::ir::BufId;
 use crate::ir::schedule::{Op, Phase};
-use crate::model::ModelSpec;
+use crate::model::{ModelSpec, ParamLayout};
 use crate::plan::Plan;
 use anyhow::{Result, bail};
 use serde::Serialize;
@@ -43,6 +47,11 @@ pub struct Scores {
     /// Calibration sequences and their length.
     pub sequences: usize,
     pub seq: usize,
+    /// Per RMSNorm over the residual stream's channels (by its weight's Hugging Face name):
+    /// the mean of (x_c / rms(x))² per channel c of its input `[C]`; the channels' mean is
+    /// 1 (less the norm's ε).
+    #[serde(skip)]
+    pub norm_energy: Vec<(String, Vec<f64>)>,
 }
 
 /// What a watched buffer is.
@@ -54,11 +63,16 @@ enum Watch {
     FinalIn,
     /// A pre-norm's output `[T, C]`.
     Norm,
+    /// The input `[T, C]` of norm `k` of [`Scores::norm_energy`], its ε.
+    NormIn(usize, f32),
     /// Block `l`'s attention output `[T, NH·hd]`.
     Heads(usize),
     /// Block `l`'s MLP activations `[T, I]`.
     Mlp(usize),
 }
+
+/// A watched buffer: the op after which it is read, the buffer, what it is.
+type Watched = (usize, BufId, Watch);
 
 /// The layer of a block's op (its name's `h{l}.`), if any.
 fn layer_of(name: &str) -> Option<usize> {
@@ -67,9 +81,12 @@ fn layer_of(name: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
-/// The buffers of `plan`'s forward the scores read, in schedule order.
-fn watches(plan: &Plan, spec: &ModelSpec) -> Result<Vec<(usize, BufId, Watch)>> {
+/// The buffers of `plan`'s forward the scores read, in schedule order, and the names of
+/// the norms over the residual stream's channels (the weights of the `NormIn` watches).
+fn watches(plan: &Plan, spec: &ModelSpec) -> Result<(Vec<Watched>, Vec<String>)> {
     let c = spec.n_embd;
+    let layout = ParamLayout::new(spec);
+    let mut norms = Vec::new();
     let mut out = Vec::new();
     let mut first_norm = vec![false; spec.n_layer];
     let (mut heads, mut mlp) = (vec![false; spec.n_layer], vec![false; spec.n_layer]);
@@ -79,6 +96,20 @@ fn watches(plan: &Plan, spec: &ModelSpec) -> Result<Vec<(usize, BufId, Watch)>> 
             continue;
         }
         let layer = layer_of(&e.name);
+        if let Op::RmsNorm {
+            inp, w, c: nc, eps, ..
+        } = &e.op
+            && *nc == c
+        {
+            let Some(t) = layout.tensors.iter().find(|t| t.range == *w) else {
+                bail!(
+                    "internal error: no tensor of the model holds norm {}'s weights",
+                    e.name
+                );
+            };
+            out.push((i, *inp, Watch::NormIn(norms.len(), *eps)));
+            norms.push(t.name.clone());
+        }
         match (&e.op, layer) {
             (
                 Op::RmsNorm {
@@ -130,7 +161,7 @@ fn watches(plan: &Plan, spec: &ModelSpec) -> Result<Vec<(usize, BufId, Watch)>> 
     if !final_in {
         bail!("internal error: no final norm found in the plan");
     }
-    Ok(out)
+    Ok((out, norms))
 }
 
 /// Accumulates the scores of sequences (sums per token; [`Acc::finish`] divides).
@@ -142,7 +173,7 @@ struct Acc {
 }
 
 impl Acc {
-    fn new(spec: &ModelSpec, seq: usize) -> Acc {
+    fn new(spec: &ModelSpec, seq: usize, norms: Vec<String>) -> Acc {
         let l = spec.n_layer;
         Acc {
             scores: Scores {
@@ -152,6 +183,10 @@ impl Acc {
                 block_influence: vec![0.0; l],
                 sequences: 0,
                 seq,
+                norm_energy: norms
+                    .into_iter()
+                    .map(|n| (n, vec![0.0; spec.n_embd]))
+                    .collect(),
             },
             pending: None,
             rows: 0,
@@ -170,6 +205,9 @@ impl Acc {
                 }
             }
             Watch::Norm => add_abs(&mut self.scores.hidden, x),
+            Watch::NormIn(k, eps) => {
+                add_normalised_square(&mut self.scores.norm_energy[k].1, x, eps)
+            }
             Watch::Mlp(l) => add_abs(&mut self.scores.mlp[l], x),
             Watch::Heads(l) => {
                 let hd = spec.head_dim;
@@ -193,7 +231,8 @@ impl Acc {
         let s = &mut self.scores;
         let all = s.hidden.iter_mut().chain(s.block_influence.iter_mut());
         let all = all.chain(s.heads.iter_mut().flatten());
-        for v in all.chain(s.mlp.iter_mut().flatten()) {
+        let all = all.chain(s.mlp.iter_mut().flatten());
+        for v in all.chain(s.norm_energy.iter_mut().flat_map(|(_, e)| e)) {
             *v /= n;
         }
         self.scores
@@ -205,6 +244,18 @@ fn add_abs(acc: &mut [f64], x: &[f32]) {
     for row in x.chunks_exact(acc.len()) {
         for (a, &v) in acc.iter_mut().zip(row) {
             *a += v.abs() as f64;
+        }
+    }
+}
+
+/// Adds (x_c / rms(x))² per channel c of each row of `x` `[rows, acc.len()]` into `acc`,
+/// rms(x) = √(mean(x²) + ε) as the norm computes it.
+fn add_normalised_square(acc: &mut [f64], x: &[f32], eps: f32) {
+    for row in x.chunks_exact(acc.len()) {
+        let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / row.len() as f64;
+        let inv = 1.0 / (ms + eps as f64);
+        for (a, &v) in acc.iter_mut().zip(row) {
+            *a += (v as f64) * (v as f64) * inv;
         }
     }
 }
@@ -249,10 +300,10 @@ pub fn score(
     tick: &mut dyn FnMut(),
 ) -> Result<Scores> {
     let seq = ex.plan.cfg.seq;
-    let watch = watches(&ex.plan, spec)?;
+    let (watch, norms) = watches(&ex.plan, spec)?;
     let ids: Vec<(usize, BufId)> = watch.iter().map(|&(i, b, _)| (i, b)).collect();
     let source = data.train_source(false);
-    let mut acc = Acc::new(spec, seq);
+    let mut acc = Acc::new(spec, seq, norms);
     for k in 0..n {
         let row = calibration_row(&source, seq, seed, k as u64)?;
         ex.forward_watching(&row, &ids, &mut |w, x| {

@@ -41,7 +41,20 @@ pub fn plan_target(
         false => ModelSpec::resolve(&model.to_string_lossy())?,
     };
     let mut notes = Vec::new();
+    let teacher = match &req.distill_from {
+        Some(path) => {
+            let dir = crate::gguf::cache::model_dir(path, "--distill-from", say)?;
+            let alpha = req
+                .distill_alpha
+                .unwrap_or(super::train::DEFAULT_DISTILL_ALPHA);
+            let seq = req.seq.unwrap_or(super::request::DEFAULT_SEQ);
+            let at = (seq, threads, req.device);
+            Some(crate::exec::teacher::distill(&dir, &spec, alpha, at)?)
+        }
+        None => None,
+    };
     let frozen = Frozen {
+        teacher,
         lora: None,
         base: Some(base_storage(
             gguf.then_some(model),

@@ -102,6 +102,9 @@ pub struct StepRequest {
     /// `--device`.
     pub device: DeviceId,
     pub strategy: StrategyRequest,
+    /// `--distill-from`: a teacher (model directory or GGUF file) and `--distill-alpha`.
+    pub distill_from: Option<PathBuf>,
+    pub distill_alpha: Option<f32>,
 }
 
 /// A training run asked for (`train`): a new one (`data` and `out` given), or the
@@ -139,9 +142,6 @@ pub struct TrainRequest {
     pub init: Option<PathBuf>,
     /// `--init-adapter`: a PEFT adapter to start the adapters from.
     pub init_adapter: Option<PathBuf>,
-    /// `--distill-from`: a teacher (model directory or GGUF file) and `--distill-alpha`.
-    pub distill_from: Option<PathBuf>,
-    pub distill_alpha: Option<f32>,
     /// `--resume`: the run directory to continue.
     pub resume: Option<PathBuf>,
     /// Steps to profile (`--profile --profile-steps N`; 0: not profiling).

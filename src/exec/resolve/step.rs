@@ -150,6 +150,7 @@ pub fn fit_space(
         lora: None,
         base_quant: st.base_quant.unwrap_or_default(),
         base_types: None,
+        distill: None,
         ranks,
         // One process has one shape; several are searched unless given.
         tensor: match (st.tp, ranks) {
@@ -184,6 +185,8 @@ pub fn fit_space(
 #[derive(Clone, Debug, Default)]
 pub struct Frozen {
     pub lora: Option<crate::model::lora::LoraSpec>,
+    /// Distillation's teacher (`--distill-from`), whose plan every candidate holds.
+    pub teacher: Option<crate::plan::Distill>,
     pub base: Option<(
         crate::ir::BaseQuant,
         Option<std::sync::Arc<crate::ir::BaseTypes>>,
@@ -221,6 +224,7 @@ pub fn resolve_step(
         if let Some((quant, types)) = &frozen.base {
             (space.base_quant, space.base_types) = (*quant, types.clone());
         }
+        space.distill = frozen.teacher;
         // A GPU's choices are ranked by its own calibration, never the CPU's.
         let Some(cal) = crate::exec::calibrate::for_device(step.device, threads)? else {
             bail!(
@@ -254,6 +258,7 @@ pub fn resolve_step(
     if let Some((quant, types)) = &frozen.base {
         (strategies.base_quant, strategies.base_types) = (*quant, types.clone());
     }
+    strategies.distill = frozen.teacher;
     let batch = match step.batch {
         Some(Pick::Auto) => {
             let budget = step

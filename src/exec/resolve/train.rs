@@ -91,10 +91,10 @@ pub fn new_run(
     o.keep_last = req.keep_last.unwrap_or(0);
     o.no_pack = req.no_pack;
     o.profile_steps = req.profile_steps;
-    if let Some(p) = &req.distill_from {
+    if let Some(p) = &req.step.distill_from {
         let dir = gguf::cache::model_dir(p, "--distill-from", &mut |m: &str| progress.message(m))?;
         o.distill_from = Some(absolute(&dir));
-        o.distill_alpha = req.distill_alpha.unwrap_or(DEFAULT_DISTILL_ALPHA);
+        o.distill_alpha = req.step.distill_alpha.unwrap_or(DEFAULT_DISTILL_ALPHA);
     }
     if req.step.fit {
         fit_run(&mut o, req, comm, progress)?;
@@ -108,6 +108,7 @@ pub fn new_run(
             .map(|l| l.spec(spec.family))
             .transpose()?;
         let frozen = Frozen {
+            teacher: o.distill(&spec)?,
             lora: match &req.init_adapter {
                 Some(dir) => Some(adapter_spec(
                     dir,
@@ -547,6 +548,7 @@ fn fit_run(
             "--init",
             &mut notes,
         )?;
+        space.distill = o.distill(spec)?;
         if comm.rank() > 0 {
             // Rank 0's choice, made below.
             let baseline = crate::util::rss::current_rss().unwrap_or(0);

@@ -383,6 +383,15 @@ fn examples_sha256(dir: &Path) -> Result<String> {
 }
 
 impl TrainOptions {
+    /// The run's distillation (`--distill-from`): its teacher's width and plan bytes at the
+    /// run's sequence length, or `None` without a teacher.
+    pub fn distill(&self, spec: &crate::model::ModelSpec) -> Result<Option<crate::plan::Distill>> {
+        let at = (self.seq, self.threads, self.device);
+        (self.distill_from.as_deref())
+            .map(|dir| crate::exec::teacher::distill(dir, spec, self.distill_alpha, at))
+            .transpose()
+    }
+
     /// Makes a new run's data path absolute, records it relative to the run directory too,
     /// and records what the data holds, so that `--resume` finds it from any directory.
     pub fn pin_data(&mut self) -> Result<()> {

@@ -98,8 +98,8 @@ impl<'a> Run<'a> {
                 }
             ));
         }
-        let mut plan_total = plan.total_bytes();
-        let mut predicted_peak = plan.predicted_peak(baseline);
+        let plan_total = plan.total_bytes();
+        let predicted_peak = plan.predicted_peak(baseline);
         let mut ex = Executor::among(plan, opts.device.open()?, comm)?;
         ex.set_comm_thread(comm_thread);
         if let Some(note) = ex.offload_note() {
@@ -169,10 +169,15 @@ impl<'a> Run<'a> {
             Some(dir) => Some(open_teacher(dir, opts, &spec, &data, &mut ex, progress)?),
             None => None,
         };
-        // The teacher's own plan is held beside the student's.
-        if let Some(t) = &teacher {
-            plan_total += t.plan_bytes();
-            predicted_peak += t.plan_bytes();
+        // The teacher's own plan is held beside the student's, which counts it.
+        if let (Some(t), Some(d)) = (&teacher, ex.plan.cfg.distill)
+            && t.plan_bytes() != d.teacher_bytes
+        {
+            bail!(
+                "internal error: the teacher's plan holds {} bytes, the student's plan counts {}",
+                t.plan_bytes(),
+                d.teacher_bytes
+            );
         }
         if let Some((train, _)) = &data.examples {
             progress.message(&cut_examples(
@@ -370,15 +375,7 @@ pub fn plan_for(
         .strategies
         .with_offload_dir(&opts.out.join(crate::run_dir::OFFLOAD_DIR));
     strategies.packed = packed;
-    if let Some(dir) = &opts.distill_from {
-        let teacher =
-            ckpt::load_spec(dir).with_context(|| format!("--distill-from {}", dir.display()))?;
-        crate::exec::teacher::check(&teacher, spec, dir)?;
-        strategies.distill = Some(crate::plan::Distill {
-            teacher_width: teacher.n_embd,
-            alpha: opts.distill_alpha,
-        });
-    }
+    strategies.distill = opts.distill(spec)?;
     // A GPU run is priced by the GPU's calibration where one is saved.
     let gpu = match opts.device.kind {
         crate::backend::DeviceKind::Cuda => {
