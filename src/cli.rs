@@ -197,10 +197,12 @@ weights are then cut to the highest-scoring ones. Every layer keeps the same wid
 is an ordinary Hugging Face directory (config.json, model.safetensors, the tokenizer) that \
 transformers, llama.cpp (after `memwall export`) and memwall load unchanged; prune.json beside it \
 holds the scores and what was kept.\n\n\
-The shape: widths given (--hidden, --mlp, --heads, --kv-heads, --depth), the rest kept; or \
---keep F, the embedding and MLP widths shrunk by about the same fraction until F of the \
-parameters remain (heads and layers kept unless given); or --fit-memory SIZE --for USE, the \
-largest such shape whose plan for USE (memwall's own plan, as `memwall plan` prints it) fits SIZE.\n\n\
+The shape: widths given (--hidden, --mlp, --heads, --kv-heads, --depth), the rest kept; or a \
+budget: --keep F (F of the parameters) or --fit-memory SIZE --for USE (memwall's own plan for \
+USE, as `memwall plan` prints it, within SIZE). A budget allows a frontier of embedding and MLP \
+widths (for each embedding width, the widest MLP that fits; heads and layers kept unless \
+given): each candidate is cut and run on held-out calibration sequences, and the one of the \
+lowest loss is kept.\n\n\
 A pruned model loses quality until it is trained again: heal it with `memwall train --init OUT \
 --distill-from MODEL` (the original as its teacher), or on the data alone.",
         after_help = "Examples:\n  memwall prune --model smol --data data-smol --out smol-pruned --keep 0.75\n  memwall prune --model llama-3.2-1b-dir --data d --out small --fit-memory 2GiB --for qlora\n  memwall prune --model smol --data d --out smol-d24 --depth 24 --report\n  memwall train --init smol-pruned --distill-from smol --data data-smol --out run --steps 300"
@@ -221,8 +223,9 @@ pub(crate) struct PruneArgs {
     /// The pruned model's directory (must not exist, or be empty).
     #[arg(long, value_name = "DIR")]
     pub(crate) out: PathBuf,
-    /// Keep this fraction of the parameters (0 < F <= 1), shrinking the embedding and MLP
-    /// widths alike (with --hidden or --mlp given, the other one).
+    /// Keep this fraction of the parameters (0 < F <= 1): of the embedding and MLP widths
+    /// within it, those whose pruned model has the lowest calibration loss (with --hidden or
+    /// --mlp given, the other one shrinks alone).
     #[arg(long, value_name = "F")]
     pub(crate) keep: Option<f64>,
     /// Embedding width to keep.
@@ -241,8 +244,9 @@ pub(crate) struct PruneArgs {
     /// Layers to keep: those of the highest Block Influence.
     #[arg(long, value_name = "N")]
     pub(crate) depth: Option<usize>,
-    /// Choose the largest shape whose plan for --for fits this memory, e.g. 2GiB (plan +
-    /// process baseline, as `memwall plan --max-memory` counts it).
+    /// Choose a shape whose plan for --for fits this memory, e.g. 2GiB (plan + process
+    /// baseline, as `memwall plan --max-memory` counts it): of the largest that fit, the one
+    /// of the lowest calibration loss.
     #[arg(long, value_parser = parse_bytes, value_name = "SIZE")]
     pub(crate) fit_memory: Option<u64>,
     /// What the --fit-memory plan is for: train (full fine-tuning, fp32 AdamW), lora (rank

@@ -995,10 +995,15 @@ fn prune_cmd(a: PruneArgs) -> Result<()> {
         indicatif::ProgressDrawTarget::stderr(),
     );
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} scoring {pos}/{len} sequences eta {eta}")
-            .expect("valid template"),
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} sequences (scoring, then each candidate shape) eta {eta}",
+        )
+        .expect("valid template"),
     );
-    let result = prune::prune(&opts, &mut |done, _| bar.set_position(done as u64));
+    let result = prune::prune(&opts, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64)
+    });
     bar.finish_and_clear();
     let p = result?;
     if a.json {

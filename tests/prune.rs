@@ -214,8 +214,10 @@ fn kept_weights_are_the_originals_at_the_kept_indices() {
     write_model(&model, &spec, &params);
     let data = data(tmp.path());
     let out = tmp.path().join("pruned");
+    // The embedding width given, the MLP shrinks alone to the budget.
     let shape = ShapeRequest {
         keep: Some(0.7),
+        hidden: Some(24),
         ..Default::default()
     };
     let p = prune::prune(&options(&model, &data, &out, shape), &mut |_, _| {}).unwrap();
@@ -316,18 +318,20 @@ fn fit_memory_picks_a_shape_whose_plan_fits_and_the_next_larger_does_not() {
         );
         opts.fit = Some(fit);
         opts.seq = Some(128);
-        let (shape, report) = prune::resolve_shape(&spec, &opts).unwrap();
-        let report = report.unwrap();
-        let peak = prune::planned_peak(&shape.apply(&spec), &fit, (128, 2), DeviceId::CPU).unwrap();
-        assert_eq!(peak, report.peak_bytes);
-        assert!(peak <= bytes, "{for_use:?}: {peak} > {bytes}");
-        let (larger, larger_peak) = report.larger.unwrap();
-        assert!(larger_peak > bytes, "{for_use:?}: {larger:?} fits too");
-        assert!(larger.params(&spec) > shape.params(&spec));
-        assert_eq!((shape.heads, shape.layers), (9, 30));
-        // The two widths shrink by about the same fraction.
-        let (fh, fm) = (shape.hidden as f64 / 576.0, shape.mlp as f64 / 1536.0);
-        assert!((fh - fm).abs() < 0.12, "{for_use:?}: {shape:?}");
+        // The frontier: each embedding width with the widest MLP that fits.
+        let shapes = prune::resolve_shapes(&spec, &opts).unwrap();
+        assert!(shapes.len() > 1, "{for_use:?}: {shapes:?}");
+        for shape in shapes {
+            let report = prune::fit_report(&spec, &opts, shape).unwrap().unwrap();
+            let peak =
+                prune::planned_peak(&shape.apply(&spec), &fit, (128, 2), DeviceId::CPU).unwrap();
+            assert_eq!(peak, report.peak_bytes);
+            assert!(peak <= bytes, "{for_use:?}: {peak} > {bytes}");
+            let (larger, larger_peak) = report.larger.unwrap();
+            assert!(larger_peak > bytes, "{for_use:?}: {larger:?} fits too");
+            assert!(larger.params(&spec) > shape.params(&spec));
+            assert_eq!((shape.heads, shape.layers), (9, 30));
+        }
     }
 }
 
@@ -773,4 +777,66 @@ fn a_distilled_plan_holds_the_teachers_plan_and_fits_the_pair() {
     );
     assert!(bytes(&with, peak) <= budget.parse().unwrap());
     assert_eq!(with["by_category"]["teacher"].as_u64(), Some(teacher));
+}
+
+/// `--keep` without widths: every shape of the budget's frontier is tried, and the one kept
+/// has the lowest calibration loss, which is the written model's own (each position's
+/// cross-entropy from the last-position logits `sample` computes, prefix by prefix).
+#[test]
+fn a_budget_keeps_the_candidate_of_the_lowest_calibration_loss() {
+    use memwall::prune::{score, select};
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, data) = llama_model_and_data(tmp.path());
+    let out = tmp.path().join("pruned");
+    let shape = ShapeRequest {
+        keep: Some(0.7),
+        ..Default::default()
+    };
+    let opts = options(&model, &data, &out, shape);
+    let p = prune::prune(&opts, &mut |_, _| {}).unwrap();
+    assert!(p.candidates.len() > 1, "{:?}", p.candidates);
+    let chosen = p.candidates.iter().find(|c| c.shape == p.after).unwrap();
+    for c in &p.candidates {
+        assert!(chosen.loss <= c.loss, "{:?} kept over {c:?}", chosen);
+        assert!(c.params as f64 <= 0.7 * p.params_before as f64, "{c:?}");
+    }
+    // The held-out rows: drawn after the scored ones.
+    let source = memwall::data::DataSet::open(&data)
+        .unwrap()
+        .train_source(false);
+    let (seq, n) = (24, opts.sequences);
+    let rows: Vec<Vec<u32>> = (n..n + select::SEQUENCES)
+        .map(|k| score::calibration_window(&source, seq, opts.seed, k as u64).unwrap())
+        .collect();
+    let mut sum = 0.0f64;
+    for row in &rows[..2] {
+        for t in 0..seq {
+            let l = logits(&out, &row[..t + 1]);
+            let max = l.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+            let z: f64 = l.iter().map(|&x| (x as f64 - max).exp()).sum();
+            sum += max + z.ln() - l[row[t + 1] as usize] as f64;
+        }
+    }
+    let want = sum / (2 * seq) as f64;
+    let spec = ckpt::load_spec(&out).unwrap();
+    let plan = build_plan(
+        &spec,
+        &StepConfig::new(1, seq, 2),
+        Mode::Generate,
+        DeviceId::CPU.open().unwrap(),
+    )
+    .unwrap();
+    let layout = plan.layout.clone();
+    let mut ex = Executor::on(plan, DeviceId::CPU.open().unwrap()).unwrap();
+    ex.with_params_mut(|p| ckpt::load_params(&out, &layout, p))
+        .unwrap()
+        .unwrap();
+    let got = select::calibration_loss(&mut ex, &rows[..2], &mut || {}).unwrap();
+    assert!((got - want).abs() < 1e-4 * want, "{got} vs {want}");
+    let all = select::calibration_loss(&mut ex, &rows, &mut || {}).unwrap();
+    assert!(
+        (all - chosen.loss).abs() < 1e-6 * all,
+        "{all} vs {}",
+        chosen.loss
+    );
 }

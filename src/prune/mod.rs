@@ -6,7 +6,9 @@
 //!    channel, attention head, MLP channel and layer an importance.
 //! 2. **Shape** ([`shape`]): one width per kind for every layer (an ordinary config),
 //!    from flags, a parameter fraction (`--keep`), or a memory budget for a use
-//!    (`--fit-memory` with `--for`: the plan of that use, as `memwall plan` makes it).
+//!    (`--fit-memory` with `--for`: the plan of that use, as `memwall plan` makes it). A
+//!    budget allows a frontier of embedding and MLP widths; [`select`] keeps the candidate
+//!    whose pruned model has the lowest loss on held-out calibration sequences.
 //! 3. **Weights** ([`cut`]): every tensor cut to the kept channels, heads and layers of the
 //!    highest scores, written as a Hugging Face directory with the model's tokenizer, and
 //!    `prune.json` (the scores, what was kept, the shape and its plan).
@@ -16,6 +18,7 @@
 pub mod cut;
 pub mod report;
 pub mod score;
+pub mod select;
 pub mod shape;
 
 use crate::backend::DeviceId;
@@ -164,11 +167,13 @@ pub fn planned_peak(
     Ok(plan.predicted_peak(fit.baseline))
 }
 
-/// The shape `opts` asks for (before any scoring: every flag is checked first), with the
-/// fit's figures: the chosen shape's planned peak and the next larger shape's.
-pub fn resolve_shape(spec: &ModelSpec, opts: &PruneOptions) -> Result<(Shape, Option<FitReport>)> {
+/// The shapes `opts` allows (before any scoring: every flag is checked first): the one its
+/// flags give, or the frontier of embedding and MLP widths its budget allows, widest
+/// embedding first (`--keep`, or `--fit-memory`: each the largest of its kind whose plan for
+/// the use fits).
+pub fn resolve_shapes(spec: &ModelSpec, opts: &PruneOptions) -> Result<Vec<Shape>> {
     let Some(fit) = &opts.fit else {
-        return Ok((shape::resolve(spec, &opts.shape)?, None));
+        return shape::resolve(spec, &opts.shape);
     };
     if opts.shape.keep.is_some() || opts.shape.hidden.is_some() || opts.shape.mlp.is_some() {
         bail!(
@@ -176,26 +181,47 @@ pub fn resolve_shape(spec: &ModelSpec, opts: &PruneOptions) -> Result<(Shape, Op
              --mlp (--heads, --kv-heads and --depth may be given with it)"
         );
     }
-    let base = shape::resolve(spec, &opts.shape)?;
+    let base = fit_base(spec, opts)?;
     let seq = opts.seq_for(spec)?;
     let peak = |s: &Shape| planned_peak(&s.apply(spec), fit, (seq, opts.threads), opts.device);
     let mut fits = |s: &Shape| Ok(peak(s)? <= fit.bytes);
-    let (chosen, larger) = match shape::largest_fitting(spec, base, &mut fits)? {
-        Some((s, l)) => (s, Some(l)),
-        None => (base, None),
+    Ok(shape::frontier(spec, base, &mut fits)?.unwrap_or(vec![base]))
+}
+
+/// The shape `--fit-memory` shrinks: the model's, with the heads and depth given.
+fn fit_base(spec: &ModelSpec, opts: &PruneOptions) -> Result<Shape> {
+    let one = shape::resolve(spec, &opts.shape)?;
+    Ok(one[0])
+}
+
+/// `--fit-memory`'s figures for the shape `chosen` (one of [`resolve_shapes`]): its planned
+/// peak and the next larger shape's (`None` without `--fit-memory`).
+pub fn fit_report(
+    spec: &ModelSpec,
+    opts: &PruneOptions,
+    chosen: Shape,
+) -> Result<Option<FitReport>> {
+    let Some(fit) = &opts.fit else {
+        return Ok(None);
     };
-    let report = FitReport {
+    let base = fit_base(spec, opts)?;
+    let seq = opts.seq_for(spec)?;
+    let peak = |s: &Shape| planned_peak(&s.apply(spec), fit, (seq, opts.threads), opts.device);
+    let larger = match chosen == base {
+        true => None,
+        false => {
+            let l = shape::next_larger(spec, chosen, base);
+            Some((l, peak(&l)?))
+        }
+    };
+    Ok(Some(FitReport {
         budget_bytes: fit.bytes,
         for_use: fit.for_use,
         batch: fit.batch,
         seq,
         peak_bytes: peak(&chosen)?,
-        larger: match larger {
-            Some(l) => Some((l, peak(&l)?)),
-            None => None,
-        },
-    };
-    Ok((chosen, Some(report)))
+        larger,
+    }))
 }
 
 /// `--fit-memory`'s result: the budget, the chosen shape's planned peak and the next larger
@@ -223,6 +249,10 @@ pub struct Pruned {
     /// kept layers; layers: of the total Block Influence).
     pub kept_importance: KeptImportance,
     pub fit: Option<FitReport>,
+    /// The shapes the budget allowed and each one's calibration loss ([`select`]; empty
+    /// when the flags gave one shape). The chosen one has the lowest.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub candidates: Vec<select::Candidate>,
     /// What the pruned model's layers keep of the original's.
     pub kept: Kept,
     pub scores: Scores,
@@ -264,11 +294,12 @@ fn kept_importance(scores: &Scores, kept: &Kept) -> KeptImportance {
     }
 }
 
-/// Prunes `opts.model` to the shape asked for; `tick(done, total)` follows the scoring.
+/// Prunes `opts.model` to the shape asked for; `tick(done, total)` follows the
+/// sequences run (scoring, then each candidate's calibration loss).
 pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<Pruned> {
     let spec = ckpt::load_spec(&opts.model)?;
     cut::check_family(&spec)?;
-    let (after, fit) = resolve_shape(&spec, opts)?;
+    let shapes = resolve_shapes(&spec, opts)?;
     ckpt::adapter::check_new_out_dir(&opts.out)?;
     let seq = opts.seq_for(&spec)?;
     if opts.sequences == 0 {
@@ -285,11 +316,36 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
     let mut ex = Executor::on(plan, opts.device.open()?)?;
     ex.with_params_mut(|p| ckpt::load_params(&opts.model, &layout, p))??;
     let n = opts.sequences;
+    let choosing = shapes.len() > 1;
+    let total = n + if choosing {
+        shapes.len() * select::SEQUENCES
+    } else {
+        0
+    };
     let mut done = 0;
-    let scores = score::score(&mut ex, &spec, &data, (n, opts.seed), &mut || {
+    let mut tick = || {
         done += 1;
-        tick(done, n);
-    })?;
+        tick(done, total);
+    };
+    let scores = score::score(&mut ex, &spec, &data, (n, opts.seed), &mut tick)?;
+    let (after, candidates) = match choosing {
+        false => (shapes[0], Vec::new()),
+        true => {
+            // Sequences drawn after the scored ones.
+            let source = data.train_source(false);
+            let rows = (n..n + select::SEQUENCES)
+                .map(|k| score::calibration_window(&source, seq, opts.seed, k as u64))
+                .collect::<Result<Vec<_>>>()?;
+            let at = (opts.threads, opts.device);
+            let c = select::by_loss(&ex, (&spec, &scores), &shapes, &rows, at, &mut tick)?;
+            let best = (c.iter())
+                .min_by(|a, b| a.loss.total_cmp(&b.loss))
+                .expect("candidates")
+                .shape;
+            (best, c)
+        }
+    };
+    let fit = fit_report(&spec, opts, after)?;
     let kept = cut::choose(&spec, &scores, &after);
     let mut new_spec = after.apply(&spec);
     new_spec.name = opts.out.display().to_string();
@@ -305,6 +361,7 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
         params_after: new_layout.total,
         kept_importance: kept_importance(&scores, &kept),
         fit,
+        candidates,
         kept,
         scores,
     };

@@ -34,6 +34,25 @@ pub fn summary(p: &Pruned) -> String {
     );
     let _ = writeln!(o, "  before: {}", describe(b));
     let _ = writeln!(o, "  after:  {}", describe(a));
+    if !p.candidates.is_empty() {
+        let _ = writeln!(
+            o,
+            "  candidates (embedding and MLP widths the budget allows; the lowest loss on {} \
+             held-out calibration sequences kept):",
+            super::select::SEQUENCES
+        );
+        for c in &p.candidates {
+            let _ = writeln!(
+                o,
+                "    {} hidden {:>5}, mlp {:>6}: {:>7} parameters, loss {:.4}",
+                if c.shape == *a { "*" } else { " " },
+                c.shape.hidden,
+                c.shape.mlp,
+                millions(c.params),
+                c.loss
+            );
+        }
+    }
     let k = &p.kept_importance;
     let _ = writeln!(
         o,

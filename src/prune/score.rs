@@ -281,9 +281,15 @@ fn one_minus_cos(a: &[f32], b: &[f32], c: usize) -> f64 {
 /// The token ids of calibration sequence `index` of `source` (`seq` tokens, the markers of
 /// chat data removed), drawn as training draws its rows under `seed`.
 pub fn calibration_row(source: &Source, seq: usize, seed: u64, index: u64) -> Result<Vec<u32>> {
+    let mut row = calibration_window(source, seq, seed, index)?;
+    row.truncate(seq);
+    Ok(row)
+}
+
+/// [`calibration_row`] with the token after it: `seq + 1` ids (each input's next token).
+pub fn calibration_window(source: &Source, seq: usize, seed: u64, index: u64) -> Result<Vec<u32>> {
     let mut row = vec![0u32; seq + 1];
     source.fill((1, seq), seed, index, Part::WHOLE, &mut row)?;
-    row.truncate(seq);
     for x in &mut row {
         *x &= !(UNTRAINED | EXAMPLE_START);
     }

@@ -3,10 +3,12 @@
 //! llama.cpp and memwall load unchanged (per-layer widths are what made LLM-Pruner's models
 //! unloadable: LLM-Pruner #16, #68; llama.cpp #9483).
 //!
-//! Chosen from flags ([`ShapeRequest`]): widths given, a parameter fraction to keep
-//! (`--keep`: the embedding and MLP widths shrunk by about the same fraction, heads and
-//! layers kept, as Minitron's best width-pruned models do), or a memory budget
-//! (`--fit-memory`: the largest shape on that ladder whose plan for the use fits).
+//! Chosen from flags ([`ShapeRequest`]): widths given, or candidates under a budget: a
+//! parameter fraction to keep (`--keep`) or a memory budget (`--fit-memory`: the plan of
+//! the use). The candidates are the budget's frontier of embedding and MLP widths
+//! ([`frontier`]: for each embedding width, the widest MLP that fits), heads and layers kept
+//! unless given, as Minitron's best width-pruned models keep them; `prune` chooses among
+//! them by the calibration loss of each pruned model ([`super::select`]).
 
 use crate::model::{Family, ModelSpec};
 use anyhow::{Result, bail};
@@ -156,21 +158,10 @@ fn widest_mlp(
     Ok((lo > 0).then_some(lo * a))
 }
 
-/// The embedding and MLP widths that shrink alike: for each embedding width (the model's,
-/// then multiples of the alignment down to a quarter of it), the widest MLP that `fits`;
-/// of those, the one whose two widths keep the closest fractions of `base`'s. Returns it
-/// and the next larger shape (one step wider MLP, or at `base`'s MLP one step wider
-/// embedding), which does not fit; `None` when `base` itself fits.
-pub fn largest_fitting(
-    spec: &ModelSpec,
-    base: Shape,
-    fits: &mut dyn FnMut(&Shape) -> Result<bool>,
-) -> Result<Option<(Shape, Shape)>> {
-    if fits(&base)? {
-        return Ok(None);
-    }
-    let a = align(spec);
-    let (c, i) = (base.hidden, base.mlp);
+/// The embedding widths the frontier tries on `base`: its own, then multiples of the
+/// alignment down to a quarter of it.
+fn embedding_widths(spec: &ModelSpec, base: Shape) -> Vec<usize> {
+    let (a, c) = (align(spec), base.hidden);
     let mut widths = vec![c];
     let mut h = down(c as f64 - 1.0, a);
     while h < c && h * 4 >= c {
@@ -180,46 +171,66 @@ pub fn largest_fitting(
         }
         h -= a;
     }
-    // (gap between the fractions, the shape, the embedding width above it)
-    let mut best: Option<(f64, Shape, usize)> = None;
-    for (k, &h) in widths.iter().enumerate() {
+    widths
+}
+
+/// The budget's frontier of embedding and MLP widths on `base`: for each embedding width
+/// (the model's, then multiples of the alignment down to a quarter of it), the widest MLP
+/// that `fits`, until one keeps `base`'s whole MLP (a narrower embedding then only loses).
+/// Widest embedding first; `None` when `base` itself fits. Each is the largest of its kind:
+/// its [`next_larger`] does not fit.
+pub fn frontier(
+    spec: &ModelSpec,
+    base: Shape,
+    fits: &mut dyn FnMut(&Shape) -> Result<bool>,
+) -> Result<Option<Vec<Shape>>> {
+    if fits(&base)? {
+        return Ok(None);
+    }
+    let a = align(spec);
+    let mut out = Vec::new();
+    for h in embedding_widths(spec, base) {
         let at = Shape { hidden: h, ..base };
         let Some(m) = widest_mlp(at, a, fits)? else {
             continue;
         };
-        let gap = h as f64 / c as f64 - m as f64 / i as f64;
-        if best.is_none_or(|(g, _, _)| gap.abs() < g.abs()) {
-            let above = if k > 0 { widths[k - 1] } else { c };
-            best = Some((gap, Shape { mlp: m, ..at }, above));
-        }
-        if gap <= 0.0 {
-            break; // narrower embeddings only widen the gap
+        out.push(Shape { mlp: m, ..at });
+        if m == base.mlp {
+            break;
         }
     }
-    let Some((_, chosen, above)) = best else {
+    if out.is_empty() {
         bail!(
             "no embedding width down to a quarter of the model's ({}) gives a shape that fits; \
              prune heads (--heads, --kv-heads) or layers (--depth) as well",
-            c / 4
+            base.hidden / 4
         );
-    };
-    let larger = match chosen.mlp < i {
-        true => Shape {
-            mlp: (chosen.mlp + a).min(i),
-            ..chosen
-        },
-        false => Shape {
-            hidden: above,
-            ..chosen
-        },
-    };
-    Ok(Some((chosen, larger)))
+    }
+    Ok(Some(out))
 }
 
-/// The shape `req` asks for on `spec`: the widths given, the rest the model's, then (with
-/// `--keep`) the widths not given chosen under the parameter budget ([`largest_fitting`],
-/// or the one width left shrunk alone).
-pub fn resolve(spec: &ModelSpec, req: &ShapeRequest) -> Result<Shape> {
+/// The next larger shape than `s` of `base`'s [`frontier`]: one alignment step wider MLP,
+/// or (at `base`'s MLP) one step wider embedding.
+pub fn next_larger(spec: &ModelSpec, s: Shape, base: Shape) -> Shape {
+    let a = align(spec);
+    if s.mlp < base.mlp {
+        return Shape {
+            mlp: (s.mlp + a).min(base.mlp),
+            ..s
+        };
+    }
+    let widths = embedding_widths(spec, base);
+    let above = (widths.iter().rev())
+        .find(|&&h| h > s.hidden)
+        .copied()
+        .unwrap_or(base.hidden);
+    Shape { hidden: above, ..s }
+}
+
+/// The shapes `req` allows on `spec`: the widths given, the rest the model's; with `--keep`,
+/// the widths not given chosen under the parameter budget (the [`frontier`], or the one
+/// width left shrunk alone). One shape unless there is a frontier to choose from.
+pub fn resolve(spec: &ModelSpec, req: &ShapeRequest) -> Result<Vec<Shape>> {
     let mut s = Shape::of(spec);
     if let Some(v) = req.hidden {
         s.hidden = v;
@@ -241,7 +252,7 @@ pub fn resolve(spec: &ModelSpec, req: &ShapeRequest) -> Result<Shape> {
     }
     s.check(spec)?;
     let Some(keep) = req.keep else {
-        return Ok(s);
+        return Ok(vec![s]);
     };
     if !(keep > 0.0 && keep <= 1.0) {
         bail!("--keep {keep}: give the fraction of the parameters to keep, above 0 and at most 1");
@@ -254,20 +265,22 @@ pub fn resolve(spec: &ModelSpec, req: &ShapeRequest) -> Result<Shape> {
     }
     let budget = (keep * spec.num_params() as f64).floor() as usize;
     if s.params(spec) <= budget {
-        return Ok(s);
+        return Ok(vec![s]);
     }
     let mut fits = |x: &Shape| Ok(x.params(spec) <= budget);
     let chosen = match (req.hidden, req.mlp) {
-        (None, None) => largest_fitting(spec, s, &mut fits)?.map(|(x, _)| x),
+        (None, None) => frontier(spec, s, &mut fits)?,
         // One width given: the other shrinks alone.
-        (Some(_), None) => shrink_one(spec, s, false, &mut fits)?,
-        (None, Some(_)) => shrink_one(spec, s, true, &mut fits)?,
+        (Some(_), None) => shrink_one(spec, s, false, &mut fits)?.map(|x| vec![x]),
+        (None, Some(_)) => shrink_one(spec, s, true, &mut fits)?.map(|x| vec![x]),
         (Some(_), Some(_)) => unreachable!(),
     };
     let Some(chosen) = chosen else {
-        return Ok(s);
+        return Ok(vec![s]);
     };
-    chosen.check(spec)?;
+    for x in &chosen {
+        x.check(spec)?;
+    }
     Ok(chosen)
 }
 
@@ -313,29 +326,35 @@ mod tests {
     }
 
     #[test]
-    fn keep_shrinks_embedding_and_mlp_alike_within_the_budget() {
+    fn keep_gives_the_frontier_of_embedding_and_mlp_widths_within_the_budget() {
         let spec = smol();
         let req = ShapeRequest {
             keep: Some(0.75),
             ..Default::default()
         };
-        let s = resolve(&spec, &req).unwrap();
-        let (p, budget) = (s.params(&spec), 0.75 * spec.num_params() as f64);
-        assert!(p as f64 <= budget, "{s:?}: {p} > {budget}");
-        assert!(p as f64 > 0.70 * spec.num_params() as f64, "{s:?}: {p}");
-        assert_eq!((s.heads, s.kv_heads, s.layers), (9, 3, 30));
+        let all = resolve(&spec, &req).unwrap();
+        let budget = 0.75 * spec.num_params() as f64;
+        // From the whole embedding down, until the whole MLP fits.
+        assert_eq!(all[0].hidden, 576);
+        assert_eq!(all.last().unwrap().mlp, 1536);
         assert!(
-            s.hidden.is_multiple_of(32) && s.mlp.is_multiple_of(32),
-            "{s:?}"
+            all.windows(2)
+                .all(|w| w[0].hidden > w[1].hidden && w[0].mlp < w[1].mlp)
         );
-        let (fh, fm) = (s.hidden as f64 / 576.0, s.mlp as f64 / 1536.0);
-        assert!((fh - fm).abs() < 0.1, "{s:?}");
-        // The next wider MLP would not fit.
-        let wider = Shape {
-            mlp: s.mlp + 32,
-            ..s
-        };
-        assert!(wider.params(&spec) as f64 > budget, "{wider:?} fits too");
+        let base = Shape::of(&spec);
+        for &s in &all {
+            let p = s.params(&spec);
+            assert!(p as f64 <= budget, "{s:?}: {p} > {budget}");
+            assert!(p as f64 > 0.70 * spec.num_params() as f64, "{s:?}: {p}");
+            assert_eq!((s.heads, s.kv_heads, s.layers), (9, 3, 30));
+            assert!(
+                s.hidden.is_multiple_of(32) && s.mlp.is_multiple_of(32),
+                "{s:?}"
+            );
+            // The next larger shape would not fit.
+            let larger = next_larger(&spec, s, base);
+            assert!(larger.params(&spec) as f64 > budget, "{larger:?} fits too");
+        }
     }
 
     #[test]
@@ -381,7 +400,7 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!((s.heads, s.kv_heads), (6, 2));
+        assert_eq!((s[0].heads, s[0].kv_heads), (6, 2));
     }
 
     #[test]
