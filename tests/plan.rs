@@ -381,3 +381,46 @@ fn sliding_window_plan_follows_the_window() {
     assert_eq!(attention(&same).0, f_full);
     assert_eq!(attention(&same).1, ws_full);
 }
+
+/// A distilled step's plan holds the teacher's plan as one owned buffer, and its predicted
+/// time adds the teacher's forward over each of the step's rows, at the rate of the
+/// student's own forward.
+#[test]
+fn a_distilled_plan_counts_the_teachers_bytes_and_forward() {
+    use memwall::plan::Distill;
+    use memwall::plan::time::{Calibration, predict};
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    let cal = Calibration::estimate("test cpu".into(), 2, 100.0);
+    let plan = |accum: usize, flops: u64| {
+        let mut cfg = StepConfig::new(2, 32, 2);
+        cfg.grad_accum = accum;
+        cfg.distill = (flops > 0).then_some(Distill {
+            teacher_width: spec.n_embd,
+            alpha: 0.5,
+            teacher_bytes: 10 << 20,
+            teacher_flops: flops,
+        });
+        build_plan(&spec, &cfg, Mode::Train, backend()).unwrap()
+    };
+    let teacher_s = |accum: usize, flops: u64| {
+        let t = predict(&plan(accum, flops), &cal);
+        let s = (t.by_kind.iter()).find(|(k, _)| k == "teacher forward");
+        (s.map_or(0.0, |x| x.1), t)
+    };
+    let (plain, pair) = (plan(3, 0), plan(3, 5_000_000_000));
+    let by = pair.bytes_by_category();
+    let teacher_bytes = by.iter().find(|x| x.0 == Category::Teacher).unwrap().1;
+    assert_eq!(teacher_bytes, 10 << 20);
+    assert!(pair.total_bytes() >= plain.total_bytes() + (10 << 20));
+    let (none, _) = teacher_s(3, 0);
+    assert_eq!(none, 0.0);
+    // 6 rows (2 × 3 micro-batches) of 5 GFLOP: at most the 100 GFLOP/s peak.
+    let (s, t) = teacher_s(3, 5_000_000_000);
+    assert!(s >= 6.0 * 5e9 / 100e9, "{s} s");
+    assert!(t.step_s >= predict(&plain, &cal).step_s + s);
+    // Proportional to the teacher's arithmetic and to the rows.
+    let (half, _) = teacher_s(3, 2_500_000_000);
+    assert!((s - 2.0 * half).abs() < 1e-9 * s, "{s} vs {half}");
+    let (one, _) = teacher_s(1, 5_000_000_000);
+    assert!((s - 3.0 * one).abs() < 0.05 * s, "{s} vs {one}");
+}

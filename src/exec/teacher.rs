@@ -52,6 +52,7 @@ pub fn distill(
         teacher_width: spec.n_embd,
         alpha,
         teacher_bytes: plan.total_bytes(),
+        teacher_flops: plan.schedule.ops.iter().map(|e| e.flops).sum(),
     })
 }
 

@@ -98,6 +98,10 @@ pub struct Distill {
     /// The teacher's plan's bytes ([`crate::plan::Plan::total_bytes`]).
     #[serde(default)]
     pub teacher_bytes: u64,
+    /// The arithmetic of the teacher's forward over one sequence (its plan's FLOPs), which
+    /// runs for every row of a step ([`crate::plan::time::predict`] times it).
+    #[serde(default)]
+    pub teacher_flops: u64,
 }
 
 fn is_f32(q: &BaseQuant) -> bool {

@@ -512,6 +512,8 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
     let mut by_kind: BTreeMap<String, f64> = BTreeMap::new();
     let mut costs: BTreeMap<String, Cost> = BTreeMap::new();
     let mut update_s = 0.0;
+    // The forward's seconds and arithmetic (the rate a distillation teacher runs at).
+    let (mut forward_s, mut forward_flops) = (0.0f64, 0u64);
     for e in &plan.schedule.ops {
         if !plan.schedule.in_step(e.phase) {
             continue;
@@ -558,9 +560,25 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
                     if matches!(e.phase, Phase::Optimizer | Phase::DeferredUpdate) {
                         update_s += s;
                     }
+                    if e.phase == Phase::Forward {
+                        forward_s += s;
+                        forward_flops += e.flops;
+                    }
                 }
             }
         }
+    }
+    // A distillation teacher's forward over each row of the step, before the step's own
+    // (`exec::teacher`), at the rate of the student's forward.
+    if let Some(d) = plan
+        .cfg
+        .distill
+        .filter(|d| d.teacher_flops > 0 && forward_flops > 0)
+    {
+        let rows = (plan.schedule.teacher_hidden.len() * plan.cfg.batch) as f64;
+        let s = rows * d.teacher_flops as f64 * forward_s / forward_flops as f64;
+        *by_kind.entry("teacher forward".into()).or_default() += s;
+        tc += s;
     }
     let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s;
     let stage = plan.layout.stage;
