@@ -840,3 +840,102 @@ fn a_budget_keeps_the_candidate_of_the_lowest_calibration_loss() {
         chosen.loss
     );
 }
+
+/// A teacher given as a GGUF file is kept as the file's blocks (f16 here): its plan holds
+/// fewer bytes than its f32 conversion's, and distilling from it trains as distilling from
+/// that conversion does.
+#[test]
+fn a_gguf_teacher_is_kept_as_its_blocks_and_teaches_as_its_conversion() {
+    use memwall::export::{ExportOptions, ExportType, export};
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, _) = llama_model_and_data(tmp.path());
+    let gguf = tmp.path().join("teacher.f16.gguf");
+    export(&ExportOptions {
+        input: model.clone(),
+        out: gguf.clone(),
+        ty: ExportType::F16,
+        name: None,
+        adapter: None,
+        progress: false,
+    })
+    .unwrap();
+    let cache = tmp.path().join("cache");
+    let env = [("XDG_CACHE_HOME", cache.to_str().unwrap())];
+    let run = |args: &[&str]| {
+        let o = common::memwall_env(&env, args);
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "memwall {args:?}:\n{err}");
+        (String::from_utf8_lossy(&o.stdout).to_string(), err)
+    };
+    let p = |x: &Path| x.to_str().unwrap().to_string();
+    let conv = tmp.path().join("conv");
+    run(&["convert", &p(&gguf), "--out", &p(&conv)]);
+    // The student: the conversion, on data prepared with its tokenizer (the GGUF's).
+    let data = tmp.path().join("data-gguf");
+    let tok = Tokenizer::from_file(conv.join("tokenizer.json")).unwrap();
+    let text = tmp.path().join("text.txt");
+    let inputs = vec![text];
+    let prep = PrepareOptions {
+        inputs,
+        out: data.clone(),
+        val_fraction: 0.1,
+    };
+    prepare_with(&prep, &tok).unwrap();
+    let (m, d) = (p(&conv), p(&data));
+    let teacher_bytes = |teacher: &str| {
+        let (out, _) = run(&[
+            "plan",
+            "--model",
+            &m,
+            "--seq",
+            "24",
+            "--batch",
+            "2",
+            "--threads",
+            "2",
+            "--json",
+            "--distill-from",
+            teacher,
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["by_category"]["teacher"].as_u64().unwrap()
+    };
+    let (kept, f32s) = (teacher_bytes(&p(&gguf)), teacher_bytes(&p(&conv)));
+    assert!(kept < f32s, "{kept} vs {f32s}");
+    let losses = |name: &str, teacher: &str| {
+        let out = p(&tmp.path().join(name));
+        let (_, err) = run(&[
+            "train",
+            "--init",
+            &m,
+            "--data",
+            &d,
+            "--out",
+            &out,
+            "--seq",
+            "24",
+            "--batch",
+            "2",
+            "--steps",
+            "3",
+            "--eval-every",
+            "0",
+            "--threads",
+            "2",
+            "--distill-from",
+            teacher,
+        ]);
+        let text = std::fs::read_to_string(Path::new(&out).join("metrics.jsonl")).unwrap();
+        let l: Vec<f64> = (text.lines())
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|m| m["loss"].as_f64())
+            .collect();
+        (l, err)
+    };
+    let ((from_gguf, said), (from_conv, _)) = (losses("a", &p(&gguf)), losses("b", &p(&conv)));
+    assert!(said.contains("kept as its blocks"), "{said}");
+    assert_eq!(from_gguf.len(), 3);
+    for (a, b) in from_gguf.iter().zip(&from_conv) {
+        assert!((a - b).abs() < 1e-5 * b, "{from_gguf:?} vs {from_conv:?}");
+    }
+}

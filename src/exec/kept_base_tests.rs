@@ -280,3 +280,60 @@ fn a_kept_part_of_partial_blocks_is_refused_naming_the_tensor() {
     let e = format!("{e:#}");
     assert!(e.contains("down_proj"), "{e}");
 }
+
+/// A generation plan of a model kept as its GGUF file's blocks (no adapters: the frozen base
+/// alone) gives the logits of its conversion to f32, in a fraction of its bytes.
+#[test]
+fn a_model_kept_as_its_file_blocks_generates_as_its_conversion() {
+    for tied in [true, false] {
+        let (_tmp, gguf) = write_temp(&uniform(tied));
+        let cache = tempfile::tempdir().unwrap();
+        let dir =
+            crate::gguf::cache::model_dir_in(cache.path(), &gguf, "--model", &mut |_| {}).unwrap();
+        let spec: ModelSpec = crate::ckpt::load_spec(&dir).unwrap();
+        let src = BaseSource::open(&gguf).unwrap();
+        let t = 8;
+        let mut rng = Rng::new(3);
+        let context: Vec<u32> = (0..t)
+            .map(|_| rng.below(spec.vocab_size as u64) as u32)
+            .collect();
+        let run = |keep: bool| {
+            let mut cfg = StepConfig::new(1, t, 2);
+            if keep {
+                cfg.base_quant = BaseQuant::Keep;
+                cfg.base_types = Some(std::sync::Arc::new(src.types()));
+            }
+            let plan = build_plan(&spec, &cfg, Mode::Generate, backend()).unwrap();
+            // The weights' bytes (the tiny model's are fewer than its workspace's).
+            let by = plan.bytes_by_category();
+            let bytes = by
+                .iter()
+                .find(|x| x.0 == crate::ir::Category::Param)
+                .unwrap()
+                .1;
+            let layout = plan.layout.clone();
+            assert_eq!(keep, layout.total == 0, "tied {tied}: nothing trainable");
+            let mut ex = Executor::on(plan, backend()).unwrap();
+            if keep {
+                ex.fill_base_bytes(|t, storage, dst| src.copy(t, storage, dst))
+                    .unwrap();
+            } else {
+                ex.with_params_mut(|p| crate::ckpt::load_params(&dir, &layout, p))
+                    .unwrap()
+                    .unwrap();
+            }
+            (ex.next_token_logits(&context).unwrap().to_vec(), bytes)
+        };
+        let ((kept, kept_bytes), (f32s, f32_bytes)) = (run(true), run(false));
+        let scale = f32s.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = (kept.iter().zip(&f32s)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            scale > 0.0 && worst <= 1e-5 * scale,
+            "tied {tied}: {worst} of {scale}"
+        );
+        assert!(
+            kept_bytes < f32_bytes,
+            "tied {tied}: {kept_bytes} vs {f32_bytes}"
+        );
+    }
+}

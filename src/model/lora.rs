@@ -254,6 +254,22 @@ pub struct AdapterLayout {
 type Ordered<'a> = (&'a str, &'a [usize], Option<&'a TensorPart>, Option<usize>);
 
 impl AdapterLayout {
+    /// No adapters: the base alone, frozen (a generation plan of a model kept as quantized
+    /// blocks, `plan::build`'s `generation`). Its trainable layout is empty.
+    pub fn none(base: &ParamLayout) -> AdapterLayout {
+        AdapterLayout {
+            spec: LoraSpec {
+                r: 0,
+                alpha: 1.0,
+                dropout: 0.0,
+                targets: Vec::new(),
+            },
+            layers: Vec::new(),
+            whole_index: Vec::new(),
+            params: LayoutBuilder::new(base.family).finish(Vec::new(), crate::ir::ModelPart::WHOLE),
+        }
+    }
+
     /// The adapters `spec` puts on the base whose parameters are `base`: every block's
     /// targeted weight gets an `A` and a `B`. Refuses a rank of 0 or above a layer's
     /// min(in, out), naming `--lora`, and targets the base lacks.

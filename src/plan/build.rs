@@ -480,14 +480,30 @@ fn check_pipeline(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Result<()> 
 }
 
 /// A generation plan: the parameters (and the mixed-precision workspace), one batch of
-/// tokens, the model's forward to the last row's logits; then [`finish`].
+/// tokens, the model's forward to the last row's logits; then [`finish`]. With
+/// `--base-quant` the model is a frozen base of quantized blocks (a LoRA plan's, without
+/// adapters: [`AdapterLayout::none`]), read as a QLoRA step reads its base.
 fn generation(r: &Request) -> Result<Plan> {
     let (spec, cfg) = (r.spec, r.cfg);
-    let layout = ParamLayout::new(spec);
+    let frozen = (cfg.base_quant != BaseQuant::F32).then(|| {
+        let base = ParamLayout::new(spec);
+        LoraPlan {
+            adapters: AdapterLayout::none(&base),
+            base,
+            requantized: Vec::new(),
+        }
+    });
+    let layout = match &frozen {
+        Some(f) => f.adapters.params.clone(),
+        None => ParamLayout::new(spec),
+    };
     let mut g = Builder::new(cfg.precision.storage());
     let State {
-        params, gemm_ws, ..
-    } = state_buffers(&mut g, r, &layout, None, None)?;
+        params,
+        base,
+        quant_ws,
+        gemm_ws,
+    } = state_buffers(&mut g, r, &layout, frozen.as_ref(), None)?;
     let tokens = g.persistent("tokens", Category::IoStaging, DType::U32, r.rows.n()); // [B, T]
     let mb = MicroBatch {
         prefix: String::new(),
@@ -510,17 +526,23 @@ fn generation(r: &Request) -> Result<Plan> {
         teacher_head: None,
         deferred_update: false,
     };
-    bind_state(&mut g, &params, None, None);
+    if let Some(f) = &frozen {
+        super::lora::apply(&mut g, f);
+    }
+    if let Some(plan) = base_storage(&mut g, r, frozen.as_ref(), base.as_ref())? {
+        return Ok(plan);
+    }
+    bind_state(&mut g, &params, None, base.as_ref());
     let p = ImplicitBufs {
         params,
-        base: None,
-        quant_ws: None,
+        base,
+        quant_ws,
         gemm_ws,
         grads: None,
         optim: None,
         scratch: None,
     };
-    finish(r, (layout, None), g, p, io)
+    finish(r, (layout, frozen), g, p, io)
 }
 
 /// A training plan's ranks (`--ranks`, `--zero`), checked; `None` for one process.

@@ -16,7 +16,7 @@
 //! - `train.rs`: a new run's options, and a resumed run's (its own configuration, with the
 //!   changes a resume allows checked).
 
-mod base;
+pub mod base;
 mod plan;
 mod request;
 mod stages;

@@ -49,7 +49,13 @@ pub fn plan_target(
                 .unwrap_or(super::train::DEFAULT_DISTILL_ALPHA);
             let seq = req.seq.unwrap_or(super::request::DEFAULT_SEQ);
             let at = (seq, threads, req.device);
-            Some(crate::exec::teacher::distill(&dir, &spec, alpha, at)?)
+            let gguf = crate::util::sniff::is_gguf(path).then_some(path.as_path());
+            Some(crate::exec::teacher::distill(
+                (&dir, gguf),
+                &spec,
+                alpha,
+                at,
+            )?)
         }
         None => None,
     };

@@ -94,6 +94,7 @@ pub fn new_run(
     if let Some(p) = &req.step.distill_from {
         let dir = gguf::cache::model_dir(p, "--distill-from", &mut |m: &str| progress.message(m))?;
         o.distill_from = Some(absolute(&dir));
+        o.distill_gguf = crate::util::sniff::is_gguf(p).then(|| absolute(p));
         o.distill_alpha = req.step.distill_alpha.unwrap_or(DEFAULT_DISTILL_ALPHA);
     }
     if req.step.fit {

@@ -75,6 +75,9 @@ pub struct TrainOptions {
     pub distill_from: Option<PathBuf>,
     #[serde(default = "one_f32", skip_serializing_if = "is_one_f32")]
     pub distill_alpha: f32,
+    /// The teacher's GGUF file, when `--distill-from` gave one: the teacher keeps its blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distill_gguf: Option<PathBuf>,
     /// Copy this directory's tokenizer files (`tokenizer.json`, ...) into every checkpoint.
     /// When `None` on a fresh run, training sets it to the `--init` directory if it holds a
     /// `tokenizer.json`, else to the `--model` directory if that holds one; `--resume` keeps
@@ -143,6 +146,7 @@ impl TrainOptions {
             init_adapter: None,
             distill_from: None,
             distill_alpha: 1.0,
+            distill_gguf: None,
             init_gguf: None,
             base_fingerprint: None,
             tokenizer_dir: None,
@@ -388,7 +392,10 @@ impl TrainOptions {
     pub fn distill(&self, spec: &crate::model::ModelSpec) -> Result<Option<crate::plan::Distill>> {
         let at = (self.seq, self.threads, self.device);
         (self.distill_from.as_deref())
-            .map(|dir| crate::exec::teacher::distill(dir, spec, self.distill_alpha, at))
+            .map(|dir| {
+                let from = (dir, self.distill_gguf.as_deref());
+                crate::exec::teacher::distill(from, spec, self.distill_alpha, at)
+            })
             .transpose()
     }
 

@@ -254,16 +254,23 @@ fn open_teacher(
         check_tokenizer(&id, &data.meta, &opts.data)
             .with_context(|| format!("--distill-from {}", dir.display()))?;
     }
-    let teacher =
-        crate::exec::teacher::Teacher::open(dir, spec, opts.seq, opts.threads, opts.device)?;
+    let teacher = crate::exec::teacher::Teacher::open(
+        (dir, opts.distill_gguf.as_deref()),
+        spec,
+        (opts.seq, opts.threads, opts.device),
+    )?;
     ex.fill_teacher_head(&mut |dst| teacher.copy_head(dst))?;
     let t = &teacher.spec;
+    let held = match &opts.distill_gguf {
+        Some(gguf) => format!("{}, kept as its blocks", gguf.display()),
+        None => dir.display().to_string(),
+    };
     progress.message(&format!(
-        "distilling from {} ({:.1}M parameters, width {}): loss = {} x KL(teacher || model) + \
-         {} x cross-entropy; validation losses are the cross-entropy",
-        dir.display(),
+        "distilling from {held} ({:.1}M parameters, width {}, {} held): loss = {} x \
+         KL(teacher || model) + {} x cross-entropy; validation losses are the cross-entropy",
         t.num_params() as f64 / 1e6,
         t.n_embd,
+        crate::util::bytes::fmt_bytes(teacher.plan_bytes()),
         opts.distill_alpha,
         1.0 - opts.distill_alpha
     ));

@@ -216,21 +216,9 @@ impl CpuDevice {
             } => {
                 let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
                 let x = &args.act(*inp)[(n - 1) * c..n * c];
-                gemm_mixed::gemm_mixed(
-                    1,
-                    v,
-                    c,
-                    x,
-                    c,
-                    false,
-                    args.weights(w),
-                    c,
-                    true,
-                    self.view::<f32>(*logits),
-                    v,
-                    false,
-                    args.ws(),
-                );
+                // f32 weights, or a model kept as quantized blocks (a frozen base).
+                let wt = self.head_weight(&args, e, w, (v, c));
+                wt.logits(&args, self.view::<f32>(*logits), x, (1, c, v));
             }
             _ => not_of(OpFamily::LmHead, e),
         }
