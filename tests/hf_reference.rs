@@ -15,7 +15,8 @@
 //! within the 24-token sequence, linear scaling of the full layers' rotation) and
 //! hf-tiny-gemma3-multimodal (its text model inside a Gemma3ForConditionalGeneration);
 //! memwall-qwen3-ckpt and memwall-gemma3-ckpt, checkpoints memwall trained, and
-//! memwall-llama-pruned, a model memwall pruned, with what transformers computes with each
+//! memwall-llama-pruned and memwall-llama-distilled, a model memwall pruned and that model
+//! healed by distillation, with what transformers computes with each
 //! (check_memwall_checkpoint.py). Logits agree within 1e-4 absolute (so within 1e-4
 //! relative to max(1, |logit|)).
 
@@ -414,6 +415,17 @@ fn memwall_gemma3_checkpoint_decodes_the_same_in_transformers() {
 #[test]
 fn memwall_pruned_llama_decodes_the_same_in_transformers() {
     memwall_checkpoint_decodes_the_same_in_transformers("memwall-llama-pruned", "LlamaForCausalLM");
+}
+
+/// That pruned model healed by distillation from its original (`memwall-llama-distilled`: 30
+/// steps of `train --distill-from`) is an ordinary checkpoint: it loads strictly into
+/// transformers and decodes the same.
+#[test]
+fn memwall_pruned_and_distilled_llama_decodes_the_same_in_transformers() {
+    memwall_checkpoint_decodes_the_same_in_transformers(
+        "memwall-llama-distilled",
+        "LlamaForCausalLM",
+    );
 }
 
 fn memwall_checkpoint_decodes_the_same_in_transformers(name: &str, class: &str) {

@@ -5,8 +5,12 @@ use super::{Pruned, Shape};
 use crate::util::bytes::fmt_bytes;
 use std::fmt::Write;
 
+/// A parameter count: `99.7M`, or `37.2K` under a million.
 fn millions(n: usize) -> String {
-    format!("{:.1}M", n as f64 / 1e6)
+    match n {
+        0..1_000_000 => format!("{:.1}K", n as f64 / 1e3),
+        _ => format!("{:.1}M", n as f64 / 1e6),
+    }
 }
 
 fn pct(x: f64) -> String {

@@ -174,11 +174,15 @@ fn embedding_widths(spec: &ModelSpec, base: Shape) -> Vec<usize> {
     widths
 }
 
-/// The budget's frontier of embedding and MLP widths on `base`: for each embedding width
-/// (the model's, then multiples of the alignment down to a quarter of it), the widest MLP
-/// that `fits`, until one keeps `base`'s whole MLP (a narrower embedding then only loses).
-/// Widest embedding first; `None` when `base` itself fits. Each is the largest of its kind:
-/// its [`next_larger`] does not fit.
+/// The most shapes a frontier holds (each is cut and run to choose among them).
+pub const MAX_CANDIDATES: usize = 8;
+
+/// The budget's frontier of embedding and MLP widths on `base`: for embedding widths from
+/// the model's down (multiples of the alignment, to a quarter of it) to the widest that
+/// keeps `base`'s whole MLP (a narrower embedding then only loses), at most
+/// [`MAX_CANDIDATES`] of them evenly spaced, the widest MLP that `fits`. Widest embedding
+/// first; `None` when `base` itself fits. Each is the largest of its kind: its
+/// [`next_larger`] does not fit.
 pub fn frontier(
     spec: &ModelSpec,
     base: Shape,
@@ -188,15 +192,25 @@ pub fn frontier(
         return Ok(None);
     }
     let a = align(spec);
+    let widths = embedding_widths(spec, base);
+    // The widest embedding under the whole MLP, by bisection (a narrower one fits more
+    // easily): widths[lo] does not fit it, widths[hi] does (or hi is past the end).
+    let whole = |h: usize| Shape { hidden: h, ..base };
+    let (mut lo, mut hi) = (0, widths.len());
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if fits(&whole(widths[mid]))? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let span = &widths[..hi.min(widths.len() - 1) + 1];
     let mut out = Vec::new();
-    for h in embedding_widths(spec, base) {
+    for h in evenly(span, MAX_CANDIDATES) {
         let at = Shape { hidden: h, ..base };
-        let Some(m) = widest_mlp(at, a, fits)? else {
-            continue;
-        };
-        out.push(Shape { mlp: m, ..at });
-        if m == base.mlp {
-            break;
+        if let Some(m) = widest_mlp(at, a, fits)? {
+            out.push(Shape { mlp: m, ..at });
         }
     }
     if out.is_empty() {
@@ -207,6 +221,17 @@ pub fn frontier(
         );
     }
     Ok(Some(out))
+}
+
+/// At most `n` of `xs`, evenly spaced, the first and last included.
+fn evenly(xs: &[usize], n: usize) -> Vec<usize> {
+    if xs.len() <= n {
+        return xs.to_vec();
+    }
+    let last = xs.len() - 1;
+    let mut picked: Vec<usize> = (0..n).map(|k| xs[(k * last).div_ceil(n - 1)]).collect();
+    picked.dedup();
+    picked
 }
 
 /// The next larger shape than `s` of `base`'s [`frontier`]: one alignment step wider MLP,
@@ -355,6 +380,29 @@ mod tests {
             let larger = next_larger(&spec, s, base);
             assert!(larger.params(&spec) as f64 > budget, "{larger:?} fits too");
         }
+    }
+
+    #[test]
+    fn a_frontier_of_many_widths_tries_a_few_evenly_spaced() {
+        assert_eq!(evenly(&[9, 8, 7], 8), vec![9, 8, 7]);
+        let xs: Vec<usize> = (0..20).rev().collect();
+        let e = evenly(&xs, 8);
+        assert_eq!((e.len(), e[0], e[7]), (8, 19, 0));
+        assert!(
+            e.windows(2).all(|w| w[0] > w[1] && w[0] - w[1] <= 3),
+            "{e:?}"
+        );
+        // A 7B at 60%: a frontier of at most MAX_CANDIDATES shapes, each within the budget.
+        let spec = ModelSpec::preset("llama-2-7b").unwrap();
+        let req = ShapeRequest {
+            keep: Some(0.6),
+            ..Default::default()
+        };
+        let all = resolve(&spec, &req).unwrap();
+        assert!(all.len() > 2 && all.len() <= MAX_CANDIDATES, "{all:?}");
+        let budget = 0.6 * spec.num_params() as f64;
+        assert!(all.iter().all(|s| (s.params(&spec) as f64) <= budget));
+        assert_eq!(all.last().unwrap().mlp, spec.mlp_hidden);
     }
 
     #[test]
