@@ -939,3 +939,30 @@ fn a_gguf_teacher_is_kept_as_its_blocks_and_teaches_as_its_conversion() {
         assert!((a - b).abs() < 1e-5 * b, "{from_gguf:?} vs {from_conv:?}");
     }
 }
+
+/// Distillation composes with the other strategies: offloading everything and recomputing
+/// every layer train bitwise as in RAM; LoRA adapters start as the base (B = 0), so their
+/// first step's loss is the full model's.
+#[test]
+fn distillation_composes_with_offload_recomputation_and_lora() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, data) = llama_model_and_data(tmp.path());
+    let pruned = tmp.path().join("pruned");
+    let shape = ShapeRequest {
+        keep: Some(0.6),
+        ..Default::default()
+    };
+    prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
+    let teacher = model.to_str().unwrap().to_string();
+    let run = |name: &str, extra: &[&str]| {
+        let mut args = vec!["--distill-from", teacher.as_str(), "--steps", "4"];
+        args.extend(extra);
+        train_losses(tmp.path(), name, &pruned, &data, &args)
+    };
+    let plain = run("plain", &[]);
+    assert_eq!(run("offload", &["--offload", "all"]), plain);
+    assert_eq!(run("recompute", &["--recompute", "full"]), plain);
+    let lora = run("lora", &["--lora", "4"]);
+    assert_eq!(lora[0], plain[0], "{lora:?} vs {plain:?}");
+    assert!(lora[3] < lora[0], "{lora:?}");
+}
