@@ -566,9 +566,31 @@ fn with_tokenizer(tmp: &Path, name: &str) -> PathBuf {
     dir
 }
 
+/// The fixture Llama and its data in `tmp`, and that model pruned to 60% (`tmp/pruned`).
+fn pruned_llama(tmp: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let (model, data) = llama_model_and_data(tmp);
+    let pruned = tmp.join("pruned");
+    let shape = ShapeRequest {
+        keep: Some(0.6),
+        ..Default::default()
+    };
+    prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
+    (model, data, pruned)
+}
+
 /// `train` on `model` for 3 steps (or `--steps` in `extra`) with `extra` flags; the losses
 /// of its steps.
 fn train_losses(tmp: &Path, name: &str, model: &Path, data: &Path, extra: &[&str]) -> Vec<f64> {
+    train_run(tmp, (name, model, data), extra, &[]).0
+}
+
+/// [`train_losses`] with the environment `env`; also returns what the run printed to stderr.
+fn train_run(
+    tmp: &Path,
+    (name, model, data): (&str, &Path, &Path),
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Vec<f64>, String) {
     let p = |x: &Path| x.to_str().unwrap().to_string();
     let out = tmp.join(name);
     let (m, d, o) = (p(model), p(data), p(&out));
@@ -595,12 +617,15 @@ fn train_losses(tmp: &Path, name: &str, model: &Path, data: &Path, extra: &[&str
         args.extend(["--steps", "3"]);
     }
     args.extend(extra);
-    ok(&args);
+    let o = common::memwall_env(env, &args);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "memwall {args:?} failed:\n{err}");
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    text.lines()
+    let losses = (text.lines())
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
         .filter_map(|m| m["loss"].as_f64())
-        .collect()
+        .collect();
+    (losses, err)
 }
 
 /// Distillation's loss as the step computes it: with the model as its own teacher, the KL is
@@ -635,13 +660,7 @@ fn distillation_from_itself_has_no_kl_and_alpha_weighs_the_cross_entropy() {
 #[test]
 fn a_pruned_model_distilled_from_its_original_moves_toward_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let (model, data) = llama_model_and_data(tmp.path());
-    let pruned = tmp.path().join("pruned");
-    let shape = ShapeRequest {
-        keep: Some(0.6),
-        ..Default::default()
-    };
-    prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
+    let (model, data, pruned) = pruned_llama(tmp.path());
     let teacher = model.to_str().unwrap().to_string();
     let args = [
         "--distill-from",
@@ -693,14 +712,8 @@ fn a_teacher_that_cannot_teach_is_refused_naming_the_flag() {
 #[test]
 fn a_distilled_run_resumes_bitwise() {
     let tmp = tempfile::tempdir().unwrap();
-    let (model, data) = llama_model_and_data(tmp.path());
+    let (model, data, pruned) = pruned_llama(tmp.path());
     let teacher = model.to_str().unwrap().to_string();
-    let pruned = tmp.path().join("pruned");
-    let shape = ShapeRequest {
-        keep: Some(0.6),
-        ..Default::default()
-    };
-    prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
     let flags = [
         "--distill-from",
         teacher.as_str(),
@@ -881,7 +894,7 @@ fn a_gguf_teacher_is_kept_as_its_blocks_and_teaches_as_its_conversion() {
         val_fraction: 0.1,
     };
     prepare_with(&prep, &tok).unwrap();
-    let (m, d) = (p(&conv), p(&data));
+    let m = p(&conv);
     let teacher_bytes = |teacher: &str| {
         let (out, _) = run(&[
             "plan",
@@ -903,34 +916,8 @@ fn a_gguf_teacher_is_kept_as_its_blocks_and_teaches_as_its_conversion() {
     let (kept, f32s) = (teacher_bytes(&p(&gguf)), teacher_bytes(&p(&conv)));
     assert!(kept < f32s, "{kept} vs {f32s}");
     let losses = |name: &str, teacher: &str| {
-        let out = p(&tmp.path().join(name));
-        let (_, err) = run(&[
-            "train",
-            "--init",
-            &m,
-            "--data",
-            &d,
-            "--out",
-            &out,
-            "--seq",
-            "24",
-            "--batch",
-            "2",
-            "--steps",
-            "3",
-            "--eval-every",
-            "0",
-            "--threads",
-            "2",
-            "--distill-from",
-            teacher,
-        ]);
-        let text = std::fs::read_to_string(Path::new(&out).join("metrics.jsonl")).unwrap();
-        let l: Vec<f64> = (text.lines())
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter_map(|m| m["loss"].as_f64())
-            .collect();
-        (l, err)
+        let extra = ["--distill-from", teacher];
+        train_run(tmp.path(), (name, &conv, &data), &extra, &env)
     };
     let ((from_gguf, said), (from_conv, _)) = (losses("a", &p(&gguf)), losses("b", &p(&conv)));
     assert!(said.contains("kept as its blocks"), "{said}");
@@ -946,13 +933,7 @@ fn a_gguf_teacher_is_kept_as_its_blocks_and_teaches_as_its_conversion() {
 #[test]
 fn distillation_composes_with_offload_recomputation_and_lora() {
     let tmp = tempfile::tempdir().unwrap();
-    let (model, data) = llama_model_and_data(tmp.path());
-    let pruned = tmp.path().join("pruned");
-    let shape = ShapeRequest {
-        keep: Some(0.6),
-        ..Default::default()
-    };
-    prune::prune(&options(&model, &data, &pruned, shape), &mut |_, _| {}).unwrap();
+    let (model, data, pruned) = pruned_llama(tmp.path());
     let teacher = model.to_str().unwrap().to_string();
     let run = |name: &str, extra: &[&str]| {
         let mut args = vec!["--distill-from", teacher.as_str(), "--steps", "4"];
