@@ -1098,3 +1098,48 @@ fn calibrating_under_mpirun_measures_the_collectives_that_plans_for_as_many_rank
         output_text(&o)
     );
 }
+
+/// Distillation on data ranks (`--distill-from` under mpirun, ZeRO 0 and 2): each rank runs
+/// the teacher over its own rows, and the ranks train as one process accumulating them, each
+/// rank's peak as its plan (teacher included) predicts.
+#[test]
+fn distilling_ranks_train_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    // The teacher: gpt2-tiny trained a little.
+    let teacher = dir.path().join("teacher");
+    ok(&common::memwall(&strs(&run_args(&data, &teacher, 4, 10))));
+    let teacher = teacher.join("checkpoints/step-000010");
+    let distill = ["--distill-from".to_string(), teacher.display().to_string()];
+    let steps = 6;
+    let reference = dir.path().join("ref");
+    let mut args = run_args(&data, &reference, 2, steps);
+    args.extend(distill.clone());
+    args.extend(["--grad-accum".into(), "2".into()]);
+    ok(&common::memwall(&strs(&args)));
+    for zero in [0, 2] {
+        let out = dir.path().join(format!("z{zero}"));
+        let mut args = run_args(&data, &out, 2, steps);
+        args.extend(distill.clone());
+        args.extend(["--zero".into(), zero.to_string()]);
+        let text = ok(&mpirun(2, &strs(&args), &[]));
+        assert!(text.contains("distilling from"), "{text}");
+        assert_same_training(
+            &format!("distilled, --zero {zero}"),
+            &out,
+            &reference,
+            steps,
+        );
+        let p = peaks(&text);
+        assert_eq!(p.len(), 2, "a summary per rank:\n{text}");
+        for (peak, planned) in p {
+            let err = (peak - planned).abs() / planned;
+            assert!(
+                err <= 0.03,
+                "--zero {zero}: peak RSS {peak} vs plan {planned}"
+            );
+        }
+        let json = plan_json(&out);
+        assert!(json["by_category"]["teacher"].as_u64().unwrap() > 0);
+    }
+}
