@@ -1001,9 +1001,10 @@ pub(crate) struct TrainArgs {
     /// Distil from a teacher (a model directory or a GGUF file; the same tokenizer): the
     /// loss becomes --distill-alpha x KL(teacher || model) on the logits + (1 - alpha) x the
     /// data's cross-entropy, as Minitron heals a pruned model (`memwall prune`). The teacher
-    /// runs frozen beside the step, a sequence at a time, its logits computed a chunk of
-    /// rows at a time; validation losses stay the data's cross-entropy. CPU, one model copy
-    /// per rank (no --tp, --pp).
+    /// runs frozen beside the step, a sequence at a time (a GGUF file kept as its own
+    /// blocks), its logits computed a chunk of rows at a time; its plan is counted in the
+    /// run's (`memwall plan --distill-from`); validation losses stay the data's
+    /// cross-entropy. CPU, one model copy per rank (data ranks and ZeRO; no --tp, --pp).
     #[arg(long, conflicts_with = "resume", value_name = "DIR|FILE.gguf")]
     pub(crate) distill_from: Option<PathBuf>,
     /// The teacher's weight in the loss, 0 to 1 (1: the teacher alone, as Minitron distils
