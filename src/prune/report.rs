@@ -69,6 +69,18 @@ pub fn summary(p: &Pruned) -> String {
         p.scores.sequences,
         p.scores.seq
     );
+    let gains = p.kept.norm_gains.values();
+    if let (Some(lo), Some(hi)) = (
+        gains.clone().copied().reduce(f64::min),
+        gains.copied().reduce(f64::max),
+    ) {
+        let _ = writeln!(
+            o,
+            "  norms over the residual stream: gains scaled by {lo:.3} to {hi:.3} (the kept \
+             channels' root-mean-square ratio), {} norms",
+            p.kept.norm_gains.len()
+        );
+    }
     if let Some(f) = &p.fit {
         let _ = write!(
             o,
