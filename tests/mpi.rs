@@ -245,6 +245,20 @@ fn peaks(text: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// Each of `ranks` ranks' summary in `text` has its peak RSS within 3% of its plan.
+fn assert_peaks_as_planned(text: &str, ranks: usize, what: &str) {
+    let p = peaks(text);
+    assert_eq!(p.len(), ranks, "{what}: a summary per rank:\n{text}");
+    for (peak, planned) in p {
+        let err = (peak - planned).abs() / planned;
+        assert!(
+            err <= 0.03,
+            "{what}: peak RSS {peak} vs plan {planned} ({:.1}%)",
+            err * 100.0
+        );
+    }
+}
+
 #[test]
 fn each_rank_peaks_as_planned() {
     let dir = tempfile::tempdir().unwrap();
@@ -263,16 +277,7 @@ fn each_rank_peaks_as_planned() {
         let mut args = run_args(&data, &out, 4, 12);
         args.extend(extra.iter().map(|s| s.to_string()));
         let text = ok(&mpirun(2, &strs(&args), &[]));
-        let p = peaks(&text);
-        assert_eq!(p.len(), 2, "a summary per rank:\n{text}");
-        for (peak, planned) in p {
-            let err = (peak - planned).abs() / planned;
-            assert!(
-                err <= 0.03,
-                "{zero}: peak RSS {peak} vs plan {planned} ({:.1}%)",
-                err * 100.0
-            );
-        }
+        assert_peaks_as_planned(&text, 2, &zero);
     }
 }
 
@@ -1130,15 +1135,7 @@ fn distilling_ranks_train_like_one_process() {
             &reference,
             steps,
         );
-        let p = peaks(&text);
-        assert_eq!(p.len(), 2, "a summary per rank:\n{text}");
-        for (peak, planned) in p {
-            let err = (peak - planned).abs() / planned;
-            assert!(
-                err <= 0.03,
-                "--zero {zero}: peak RSS {peak} vs plan {planned}"
-            );
-        }
+        assert_peaks_as_planned(&text, 2, &format!("distilled, --zero {zero}"));
         let json = plan_json(&out);
         assert!(json["by_category"]["teacher"].as_u64().unwrap() > 0);
     }
