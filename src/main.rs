@@ -968,6 +968,8 @@ fn prune_cmd(a: PruneArgs) -> Result<()> {
     let baseline = rss::current_rss().unwrap_or(0);
     let opts = PruneOptions {
         model: gguf::cache::model_dir(&a.model, "--model", &mut say)?,
+        gguf: memwall::util::sniff::is_gguf(&a.model).then(|| a.model.clone()),
+        base_quant: a.base_quant,
         data: a.data.clone(),
         out: a.out.clone(),
         shape: ShapeRequest {
@@ -1006,6 +1008,9 @@ fn prune_cmd(a: PruneArgs) -> Result<()> {
     });
     bar.finish_and_clear();
     let p = result?;
+    for n in &p.notes {
+        eprintln!("{n}");
+    }
     if a.json {
         let mut v = serde_json::to_value(&p)?;
         if let Some(o) = v.as_object_mut() {

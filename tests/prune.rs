@@ -72,6 +72,8 @@ fn data(dir: &Path) -> PathBuf {
 fn options(model: &Path, data: &Path, out: &Path, shape: ShapeRequest) -> PruneOptions {
     PruneOptions {
         model: model.to_path_buf(),
+        gguf: None,
+        base_quant: None,
         data: data.to_path_buf(),
         out: out.to_path_buf(),
         shape,
@@ -844,9 +846,14 @@ fn a_budget_keeps_the_candidate_of_the_lowest_calibration_loss() {
     ex.with_params_mut(|p| ckpt::load_params(&out, &layout, p))
         .unwrap()
         .unwrap();
-    let got = select::calibration_loss(&mut ex, &rows[..2], &mut || {}).unwrap();
+    let params = ex.download_params().unwrap();
+    let head = select::head(&ex.plan, &layout, &mut |t, put| {
+        put(&params[t.range.clone()])
+    });
+    let head = head.unwrap();
+    let got = select::calibration_loss(&mut ex, &head, &rows[..2], &mut || {}).unwrap();
     assert!((got - want).abs() < 1e-4 * want, "{got} vs {want}");
-    let all = select::calibration_loss(&mut ex, &rows, &mut || {}).unwrap();
+    let all = select::calibration_loss(&mut ex, &head, &rows, &mut || {}).unwrap();
     assert!(
         (all - chosen.loss).abs() < 1e-6 * all,
         "{all} vs {}",

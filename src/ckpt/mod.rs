@@ -78,7 +78,7 @@ pub use save::{
     AdapterCheckpoint, SaveOptions, save_checkpoint, save_checkpoint_with, save_model,
     save_model_as, save_model_with,
 };
-pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent};
+pub(crate) use save::{LentMoments, LentState, save_checkpoint_lent, save_model_lent};
 pub use shards::DEFAULT_MAX_SHARD_BYTES;
 pub use state::{LossScaleState, TrainerState};
 pub use tokenizer::{TOKENIZER_FILE, TOKENIZER_FILES, copy_chat_template, copy_tokenizer_files};

@@ -359,10 +359,6 @@ pub fn save_model_as(
     bf16: bool,
     opts: &SaveOptions,
 ) -> Result<()> {
-    let what = || format!("saving model to {}", dir.display());
-    check_buffers(spec, layout, None, &[("parameter", params.len())]).with_context(what)?;
-    fs::create_dir_all(dir)
-        .with_context(|| format!("cannot create directory {}", dir.display()))?;
     let rounded: Vec<half::bf16>;
     let params = match bf16 {
         true => {
@@ -371,7 +367,25 @@ pub fn save_model_as(
         }
         false => Whole(OutData::F32(params)),
     };
-    let model = model_tensors(layout, &params);
+    save_model_lent(dir, spec, layout, &params, opts)
+}
+
+/// [`save_model_as`] from parameters lent piece by piece (`layout`'s order; bf16 where
+/// their elements are): a model written without a copy of it in memory (`memwall prune`
+/// cuts each tensor as it is written).
+pub(crate) fn save_model_lent(
+    dir: &Path,
+    spec: &ModelSpec,
+    layout: &ParamLayout,
+    params: &dyn Lend,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let what = || format!("saving model to {}", dir.display());
+    check_buffers(spec, layout, None, &[("parameter", params.len())]).with_context(what)?;
+    fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create directory {}", dir.display()))?;
+    let bf16 = matches!(params.elem(), OutData::Bf16(_));
+    let model = model_tensors(layout, params);
     let files = weight_files(&model, opts.max_shard_bytes).with_context(what)?;
     for (name, file) in &files {
         atomic::write_with(&dir.join(name), |f| file.write_to(f)).with_context(what)?;

@@ -14,8 +14,9 @@
 
 use super::score::Scores;
 use super::shape::Shape;
-use crate::model::{Family, ModelSpec, ParamLayout};
+use crate::model::{Family, ModelSpec, ParamLayout, ParamTensor};
 use anyhow::{Result, bail};
+use std::ops::Range;
 
 /// The kept indices of the original model, each list ascending.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -163,6 +164,15 @@ fn layer_name(name: &str) -> Option<(usize, &str)> {
     Some((n.parse().ok()?, rest))
 }
 
+/// The pruned model's tensor `name` as (its layer among the kept ones, the name of the
+/// original's tensor it is cut from).
+pub fn original_name(name: &str, kept: &Kept) -> (Option<usize>, String) {
+    match layer_name(name) {
+        Some((l, rest)) => (Some(l), format!("model.layers.{}.{rest}", kept.layers[l])),
+        None => (None, name.to_string()),
+    }
+}
+
 /// The kept indices along `ax` of layer `l` (index among the kept layers), `hd` the head
 /// size.
 fn indices(kept: &Kept, ax: Ax, l: Option<usize>, n: usize, hd: usize) -> Vec<usize> {
@@ -176,21 +186,50 @@ fn indices(kept: &Kept, ax: Ax, l: Option<usize>, n: usize, hd: usize) -> Vec<us
     }
 }
 
-/// The pruned model's weights (`new_layout`'s order), each tensor its namesake's of `old`
-/// (`old_layout`) at the kept indices.
-pub fn weights(
-    spec: &ModelSpec,
-    kept: &Kept,
-    (old_layout, old): (&ParamLayout, &[f32]),
-    new_layout: &ParamLayout,
-) -> Result<Vec<f32>> {
-    let mut out = vec![0f32; new_layout.total];
-    for t in &new_layout.tensors {
-        let (l, old_name) = match layer_name(&t.name) {
-            Some((l, rest)) => (Some(l), format!("model.layers.{}.{rest}", kept.layers[l])),
-            None => (None, t.name.clone()),
-        };
-        let Some(src) = old_layout.get(&old_name) else {
+/// Reads elements `range` of the original model's parameters (its layout's order) into
+/// `dst` (`range.len()` values): a checkpoint's files ([`crate::ckpt::load_params_by`]) or
+/// a slice.
+pub type Read<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
+
+/// Values a cut tensor is handed over in: whole rows, about this many (4 MiB of f32).
+pub const PIECE: usize = 1 << 20;
+
+/// The cut of every tensor of the pruned model from the original's, streamed: a tensor is
+/// read a run of kept rows at a time and handed over a piece of whole rows at a time, so
+/// cutting a model holds a few pieces, never a whole tensor of either model.
+pub struct Cut<'a> {
+    spec: &'a ModelSpec,
+    kept: &'a Kept,
+    old: &'a ParamLayout,
+    /// Runs of the original's rows `[rows, W]`, then the cut rows `[rows, W']`.
+    rows: Vec<f32>,
+    piece: Vec<f32>,
+}
+
+impl<'a> Cut<'a> {
+    /// The cut by `kept` of the model `spec` whose parameters are laid out as `old`.
+    pub fn new(spec: &'a ModelSpec, kept: &'a Kept, old: &'a ParamLayout) -> Cut<'a> {
+        Cut {
+            spec,
+            kept,
+            old,
+            rows: Vec::new(),
+            piece: Vec::new(),
+        }
+    }
+
+    /// Tensor `t` of the pruned model, its namesake's of the original at the kept indices
+    /// (a norm's gain rescaled, [`norm_gains`]), handed to `put` in order as pieces of whole
+    /// rows (at most [`PIECE`] values, or one row where a row is longer); the original's
+    /// values come from `read`.
+    pub fn tensor(
+        &mut self,
+        t: &ParamTensor,
+        read: &mut Read<'_>,
+        put: &mut dyn FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let (l, old_name) = original_name(&t.name, self.kept);
+        let Some(src) = self.old.get(&old_name) else {
             bail!(
                 "internal error: the pruned model's {} has no {old_name}",
                 t.name
@@ -203,7 +242,7 @@ pub fn weights(
         let idx: Vec<Vec<usize>> = ax
             .iter()
             .zip(&src.shape)
-            .map(|(&a, &n)| indices(kept, a, l, n, spec.head_dim))
+            .map(|(&a, &n)| indices(self.kept, a, l, n, self.spec.head_dim))
             .collect();
         let want: Vec<usize> = idx.iter().map(Vec::len).collect();
         if want != t.shape {
@@ -213,39 +252,77 @@ pub fn weights(
                 t.shape
             );
         }
-        let dst = &mut out[t.range.clone()];
-        gather(&old[src.range.clone()], &src.shape, &idx, dst);
-        if let Some(&gain) = kept.norm_gains.get(&old_name) {
-            // The gain is offset + w (Gemma's 1 + w).
-            let offset = spec.family.norm_offset();
-            for w in dst {
-                *w = ((offset + *w) as f64 * gain) as f32 - offset;
+        let base = src.range.start;
+        match idx.as_slice() {
+            [cols] => {
+                // A vector (a norm's gain, a bias): small, whole.
+                self.rows.resize(src.range.len(), 0.0);
+                read(src.range.clone(), &mut self.rows)?;
+                let out: Vec<f32> = cols.iter().map(|&c| self.rows[c]).collect();
+                let out = match self.kept.norm_gains.get(&old_name) {
+                    // The gain is offset + w (Gemma's 1 + w).
+                    Some(&gain) => {
+                        let offset = self.spec.family.norm_offset();
+                        (out.iter())
+                            .map(|&w| ((offset + w) as f64 * gain) as f32 - offset)
+                            .collect()
+                    }
+                    None => out,
+                };
+                put(&out)
             }
+            [rows, cols] => {
+                let w = src.shape[1];
+                let per_piece = (PIECE / cols.len().max(1)).max(1);
+                for chunk in rows.chunks(per_piece) {
+                    self.piece.clear();
+                    // Runs of consecutive original rows, each read at once.
+                    let mut i = 0;
+                    while i < chunk.len() {
+                        let mut n = 1;
+                        while i + n < chunk.len() && chunk[i + n] == chunk[i] + n {
+                            n += 1;
+                        }
+                        let r0 = chunk[i];
+                        self.rows.resize(n * w, 0.0);
+                        read(base + r0 * w..base + (r0 + n) * w, &mut self.rows)?;
+                        for row in self.rows.chunks_exact(w) {
+                            self.piece.extend(cols.iter().map(|&c| row[c]));
+                        }
+                        i += n;
+                    }
+                    put(&self.piece)?;
+                }
+                Ok(())
+            }
+            _ => bail!("internal error: {old_name} has {} dimensions", idx.len()),
         }
     }
-    Ok(out)
 }
 
-/// `dst` = `src` (shape `shape`, 1 or 2 dimensions) at the rows `idx[0]` (and columns
-/// `idx[1]`).
-fn gather(src: &[f32], shape: &[usize], idx: &[Vec<usize>], dst: &mut [f32]) {
-    match idx {
-        [rows] => {
-            for (d, &r) in dst.iter_mut().zip(rows) {
-                *d = src[r];
-            }
-        }
-        [rows, cols] => {
-            let w = shape[1];
-            for (drow, &r) in dst.chunks_exact_mut(cols.len()).zip(rows) {
-                let row: &[f32] = &src[r * w..(r + 1) * w];
-                for (d, &c) in drow.iter_mut().zip(cols) {
-                    *d = row[c];
-                }
-            }
-        }
-        _ => unreachable!("tensors of 1 or 2 dimensions"),
+/// The pruned model's weights (`new_layout`'s order), each tensor its namesake's of `old`
+/// (`old_layout`) at the kept indices: [`Cut`] over a whole model in memory.
+pub fn weights(
+    spec: &ModelSpec,
+    kept: &Kept,
+    (old_layout, old): (&ParamLayout, &[f32]),
+    new_layout: &ParamLayout,
+) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; new_layout.total];
+    let mut read = |r: Range<usize>, dst: &mut [f32]| {
+        dst.copy_from_slice(&old[r]);
+        Ok(())
+    };
+    let mut cut = Cut::new(spec, kept, old_layout);
+    for t in &new_layout.tensors {
+        let mut at = t.range.start;
+        cut.tensor(t, &mut read, &mut |piece| {
+            out[at..at + piece.len()].copy_from_slice(piece);
+            at += piece.len();
+            Ok(())
+        })?;
     }
+    Ok(out)
 }
 
 #[cfg(test)]

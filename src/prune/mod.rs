@@ -16,17 +16,18 @@
 //! The pruned model is meant to be healed by training (`train --init OUT`).
 
 pub mod cut;
+pub mod held;
 pub mod report;
 pub mod score;
 pub mod select;
 pub mod shape;
+mod write;
 
 use crate::backend::DeviceId;
 use crate::ckpt;
 use crate::data::DataSet;
 use crate::data::tokenizer::model_tokenizer_id;
-use crate::exec::Executor;
-use crate::model::{ModelSpec, ParamLayout};
+use crate::model::{ModelSpec, ParamLayout, ParamTensor};
 use crate::plan::{Mode, StepConfig, build_plan};
 use anyhow::{Context, Result, bail};
 use cut::Kept;
@@ -104,6 +105,12 @@ pub struct FitMemory {
 pub struct PruneOptions {
     /// A Hugging Face model directory (a GGUF is converted into one first).
     pub model: PathBuf,
+    /// The GGUF file `model` was converted from, whose blocks the original is held as
+    /// unless `base_quant` says otherwise.
+    pub gguf: Option<PathBuf>,
+    /// How the original is held while scored (`--base-quant`; `None`: a GGUF's own blocks,
+    /// else f32), and so each candidate ([`held`]).
+    pub base_quant: Option<crate::ir::BaseQuant>,
     pub data: PathBuf,
     pub out: PathBuf,
     pub shape: ShapeRequest,
@@ -245,6 +252,8 @@ pub struct Pruned {
     pub after: Shape,
     pub params_before: usize,
     pub params_after: usize,
+    /// How the original was held while it was scored.
+    pub held: Held,
     /// Of each kind's total importance, the fraction kept (heads and MLP: the mean over the
     /// kept layers; layers: of the total Block Influence).
     pub kept_importance: KeptImportance,
@@ -256,6 +265,18 @@ pub struct Pruned {
     /// What the pruned model's layers keep of the original's.
     pub kept: Kept,
     pub scores: Scores,
+    /// What the user should know (a GGUF quantized again by `--base-quant`).
+    #[serde(skip)]
+    pub notes: Vec<String>,
+}
+
+/// How `prune` held the original while it scored it ([`held`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct Held {
+    /// `f32`, `q8_0 blocks`, `the blocks of FILE`.
+    pub storage: String,
+    /// The scoring plan's bytes (the weights as held, one sequence's activations).
+    pub bytes: u64,
 }
 
 /// Fractions of the importance kept, per kind.
@@ -296,6 +317,9 @@ fn kept_importance(scores: &Scores, kept: &Kept) -> KeptImportance {
 
 /// Prunes `opts.model` to the shape asked for; `tick(done, total)` follows the
 /// sequences run (scoring, then each candidate's calibration loss).
+///
+/// One model is held at a time ([`held`]): the original while it is scored, then each
+/// candidate; the pruned weights are cut from the original's files as they are written.
 pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<Pruned> {
     let spec = ckpt::load_spec(&opts.model)?;
     cut::check_family(&spec)?;
@@ -306,15 +330,13 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
         bail!("--calibration 0: give at least one sequence to score the model on");
     }
     let data = open_data(opts, &spec, seq)?;
-    let plan = build_plan(
-        &spec,
-        &StepConfig::new(1, seq, opts.threads),
-        Mode::Generate,
-        opts.device.open()?,
-    )?;
-    let layout = plan.layout.clone();
-    let mut ex = Executor::on(plan, opts.device.open()?)?;
-    ex.with_params_mut(|p| ckpt::load_params(&opts.model, &layout, p))??;
+    let mut notes = Vec::new();
+    let gguf = opts.gguf.as_deref();
+    let storage = held::original_storage(&spec, gguf, opts.base_quant, &mut notes)?;
+    let blocks = match (storage.quant, gguf) {
+        (crate::ir::BaseQuant::Keep, Some(g)) => Some(crate::gguf::base::BaseSource::open(g)?),
+        _ => None,
+    };
     let n = opts.sequences;
     let choosing = shapes.len() > 1;
     let total = n + if choosing {
@@ -327,46 +349,65 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
         done += 1;
         tick(done, total);
     };
-    let scores = score::score(&mut ex, &spec, &data, (n, opts.seed), &mut tick)?;
-    let (after, candidates) = match choosing {
-        false => (shapes[0], Vec::new()),
-        true => {
-            // Sequences drawn after the scored ones.
-            let source = data.train_source(false);
-            let rows = (n..n + select::SEQUENCES)
-                .map(|k| score::calibration_window(&source, seq, opts.seed, k as u64))
-                .collect::<Result<Vec<_>>>()?;
-            let at = (opts.threads, opts.device);
-            let c = select::by_loss(&ex, (&spec, &scores), &shapes, &rows, at, &mut tick)?;
-            let best = (c.iter())
-                .min_by(|a, b| a.loss.total_cmp(&b.loss))
-                .expect("candidates")
-                .shape;
-            (best, c)
-        }
-    };
-    let fit = fit_report(&spec, opts, after)?;
-    let kept = cut::choose(&spec, &scores, &after);
-    let mut new_spec = after.apply(&spec);
-    new_spec.name = opts.out.display().to_string();
-    let new_layout = ParamLayout::new(&new_spec);
-    let params = ex.with_params(|p| cut::weights(&spec, &kept, (&layout, p), &new_layout))??;
-    drop(ex);
-    let pruned = Pruned {
-        model: opts.model.clone(),
-        out: opts.out.clone(),
-        before: Shape::of(&spec),
-        after,
-        params_before: spec.num_params(),
-        params_after: new_layout.total,
-        kept_importance: kept_importance(&scores, &kept),
-        fit,
-        candidates,
-        kept,
-        scores,
-    };
-    write(opts, &new_spec, &new_layout, &params, &pruned)?;
-    Ok(pruned)
+    let layout = ParamLayout::new(&spec);
+    let at = (opts.threads, opts.device);
+    let mut pruned = None;
+    ckpt::load_params_by(&opts.model, &layout, |read| {
+        let plan = held::plan(&spec, seq, &storage, at)?;
+        let held_bytes = plan.total_bytes();
+        let mut values =
+            |t: &ParamTensor, put: &mut dyn FnMut(&[f32]) -> Result<()>| held::rows(t, read, put);
+        let mut ex = held::open(plan, opts.device, blocks.as_ref(), &mut values)?;
+        let scores = score::score(&mut ex, &spec, &data, (n, opts.seed), &mut tick)?;
+        let held = held::storage_of(&ex.plan);
+        drop(ex);
+        let (after, candidates) = match choosing {
+            false => (shapes[0], Vec::new()),
+            true => {
+                // Sequences drawn after the scored ones.
+                let source = data.train_source(false);
+                let rows = (n..n + select::SEQUENCES)
+                    .map(|k| score::calibration_window(&source, seq, opts.seed, k as u64))
+                    .collect::<Result<Vec<_>>>()?;
+                let on = (seq, opts.threads, opts.device);
+                let what = (&spec, &scores, held.as_ref());
+                let c = select::by_loss(read, what, &shapes, &rows, on, &mut tick)?;
+                let best = (c.iter())
+                    .min_by(|a, b| a.loss.total_cmp(&b.loss))
+                    .expect("candidates")
+                    .shape;
+                (best, c)
+            }
+        };
+        let fit = fit_report(&spec, opts, after)?;
+        let kept = cut::choose(&spec, &scores, &after);
+        let mut new_spec = after.apply(&spec);
+        new_spec.name = opts.out.display().to_string();
+        let new_layout = ParamLayout::new(&new_spec);
+        let p = Pruned {
+            model: opts.model.clone(),
+            out: opts.out.clone(),
+            before: Shape::of(&spec),
+            after,
+            params_before: spec.num_params(),
+            params_after: new_layout.total,
+            held: Held {
+                storage: storage.describe(gguf),
+                bytes: held_bytes,
+            },
+            kept_importance: kept_importance(&scores, &kept),
+            fit,
+            candidates,
+            kept: kept.clone(),
+            scores,
+            notes: std::mem::take(&mut notes),
+        };
+        let cut = cut::Cut::new(&spec, &kept, &layout);
+        write::write(opts, (&new_spec, &new_layout), (cut, read), &p)?;
+        pruned = Some(p);
+        Ok(())
+    })?;
+    pruned.context("internal error: prune wrote nothing")
 }
 
 /// Opens the calibration data, checked against the model's tokenizer and long enough.
@@ -380,30 +421,6 @@ fn open_data(opts: &PruneOptions, spec: &ModelSpec, seq: usize) -> Result<DataSe
         crate::data::loader::check_fits(&data.train, "train", seq)?;
     }
     Ok(data)
-}
-
-/// Writes the pruned model (config, weights in the original's dtype, tokenizer and chat
-/// template files) and `prune.json` into a temporary sibling of `opts.out`, then renames
-/// it: a prune that stops leaves no partial model.
-fn write(
-    opts: &PruneOptions,
-    spec: &ModelSpec,
-    layout: &ParamLayout,
-    params: &[f32],
-    pruned: &Pruned,
-) -> Result<()> {
-    let bf16 = ckpt::adapter::stored_as_bf16(&opts.model);
-    let save = ckpt::SaveOptions {
-        tokenizer_dir: Some(&opts.model),
-        ..Default::default()
-    };
-    let tmp = crate::util::atomic_dir::TempDir::create_for(&opts.out)?;
-    ckpt::save_model_as(&tmp.path, spec, layout, params, bf16, &save)?;
-    let json = serde_json::to_vec_pretty(pruned)?;
-    crate::util::atomic::write_file(&tmp.path.join(REPORT_FILE), &json)
-        .with_context(|| format!("writing {REPORT_FILE}"))?;
-    ckpt::adapter::check_new_out_dir(&opts.out)?;
-    tmp.publish(&opts.out)
 }
 
 /// The report `prune` writes beside the pruned model.

@@ -69,6 +69,12 @@ pub fn summary(p: &Pruned) -> String {
         p.scores.sequences,
         p.scores.seq
     );
+    let _ = writeln!(
+        o,
+        "  held while scored: {}, {} planned (weights and one sequence's activations)",
+        p.held.storage,
+        fmt_bytes(p.held.bytes)
+    );
     let gains = p.kept.norm_gains.values();
     if let (Some(lo), Some(hi)) = (
         gains.clone().copied().reduce(f64::min),

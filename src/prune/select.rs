@@ -1,24 +1,27 @@
 //! Which shape `prune` keeps when its budget allows several (`--keep` or `--fit-memory`
 //! without widths: the frontier of embedding and MLP widths, [`super::shape::frontier`]):
 //! the one whose pruned model predicts held-out calibration tokens best. Each candidate is
-//! cut from the scores as the result would be and run as `sample` runs it, over
-//! [`SEQUENCES`] sequences drawn after the scored ones.
+//! cut from the scores as the result would be and run as `sample` runs it, held as
+//! [`super::held`] holds it, over [`SEQUENCES`] sequences drawn after the scored ones.
 //!
 //! Minitron ranks candidate architectures after a short retraining; the loss before any
 //! training is the cheap proxy. On SmolLM2-135M at 75% it ranked the candidates as 300
 //! distilled steps did (`docs/benchmarks.md`).
 
-use super::cut;
+use super::cut::{self, Cut, Read};
+use super::held::{self, Values};
 use super::score::Scores;
 use super::shape::Shape;
 use crate::backend::DeviceId;
 use crate::backend::host;
+use crate::dtype::DType;
 use crate::exec::Executor;
 use crate::ir::schedule::Op;
-use crate::model::ModelSpec;
-use crate::plan::{Mode, StepConfig, build_plan};
-use anyhow::{Context, Result};
+use crate::model::{ModelSpec, ParamLayout, ParamTensor};
+use crate::plan::Plan;
+use anyhow::{Context, Result, bail};
 use serde::Serialize;
+use std::collections::BTreeMap;
 
 /// Held-out calibration sequences each candidate is measured on.
 pub const SEQUENCES: usize = 16;
@@ -36,21 +39,27 @@ pub struct Candidate {
 const ROWS: usize = 32;
 
 /// The mean next-token cross-entropy of the model `ex` runs (a generation plan of `seq`
-/// tokens) over `rows` (`seq + 1` token ids each: the inputs, then each one's next);
-/// `tick` after each row.
+/// tokens) with its LM head `head` `[V, C]` (f32) over `rows` (`seq + 1` token ids each:
+/// the inputs, then each one's next); `tick` after each row.
 pub fn calibration_loss(
     ex: &mut Executor,
+    head: &[f32],
     rows: &[Vec<u32>],
     tick: &mut dyn FnMut(),
 ) -> Result<f64> {
     let seq = ex.plan.cfg.seq;
-    let (at, inp, w, c, v) = (ex.plan.schedule.ops.iter().enumerate())
+    let (at, inp, c, v) = (ex.plan.schedule.ops.iter().enumerate())
         .find_map(|(i, e)| match &e.op {
-            Op::LmHeadLast { inp, w, c, v, .. } => Some((i, *inp, w.clone(), *c, *v)),
+            Op::LmHeadLast { inp, c, v, .. } => Some((i, *inp, *c, *v)),
             _ => None,
         })
         .context("internal error: a generation plan without its head")?;
-    let head = ex.with_params(|p| p[w].to_vec())?; // [V, C]
+    if head.len() != v * c {
+        bail!(
+            "internal error: a head of {} values for [{v}, {c}]",
+            head.len()
+        );
+    }
     let mut logits = vec![0f32; ROWS * v]; // [ROWS, V]
     let (mut sum, mut n) = (0f64, 0usize);
     for row in rows {
@@ -61,7 +70,7 @@ pub fn calibration_loss(
                 let r = xs.len() / c;
                 let out = &mut logits[..r * v];
                 out.fill(0.0);
-                host::sgemm_acc((r, v, c), 1.0, (xs, c, false), (&head, c, true), out, v);
+                host::sgemm_acc((r, v, c), 1.0, (xs, c, false), (head, c, true), out, v);
                 for (k, l) in out.chunks_exact(v).enumerate() {
                     sum += cross_entropy(l, next[t0 * ROWS + k] as usize);
                 }
@@ -74,6 +83,26 @@ pub fn calibration_loss(
     Ok(sum / n.max(1) as f64)
 }
 
+/// The LM head `[V, C]` of the model `plan` runs (its tied embedding, where it has one),
+/// in f32 from `values` (the model's layout `layout`).
+pub fn head(plan: &Plan, layout: &ParamLayout, values: &mut Values<'_>) -> Result<Vec<f32>> {
+    let w = (plan.schedule.ops.iter())
+        .find_map(|e| match &e.op {
+            Op::LmHeadLast { w, .. } => Some(w.clone()),
+            _ => None,
+        })
+        .context("internal error: a generation plan without its head")?;
+    let Some(t) = layout.tensors.iter().find(|t| t.range == w) else {
+        bail!("internal error: no tensor of the model is its head {w:?}");
+    };
+    let mut out = Vec::with_capacity(w.len());
+    values(t, &mut |piece| {
+        out.extend_from_slice(piece);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
 /// −log softmax(`logits`)[`target`], in f64.
 fn cross_entropy(logits: &[f32], target: usize) -> f64 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
@@ -81,34 +110,31 @@ fn cross_entropy(logits: &[f32], target: usize) -> f64 {
     max + sum.ln() - logits[target] as f64
 }
 
-/// Each of `shapes` cut from the model `original` runs (a generation plan of `spec`) by
-/// `scores`, and its calibration loss over `rows`; `tick` after each row of each.
+/// Each of `shapes` cut by `scores` from the model `spec` (its parameters read by `read`,
+/// held as `held`, [`super::held::storage_of`]), and its calibration loss over `rows`, run
+/// one candidate at a time; `tick` after each row of each.
 pub fn by_loss(
-    original: &Executor,
-    (spec, scores): (&ModelSpec, &Scores),
+    read: &mut Read<'_>,
+    (spec, scores, held): (&ModelSpec, &Scores, Option<&BTreeMap<String, DType>>),
     shapes: &[Shape],
     rows: &[Vec<u32>],
-    (threads, device): (usize, DeviceId),
+    (seq, threads, device): (usize, usize, DeviceId),
     tick: &mut dyn FnMut(),
 ) -> Result<Vec<Candidate>> {
-    let seq = original.plan.cfg.seq;
+    let old = ParamLayout::new(spec);
     let mut out = Vec::with_capacity(shapes.len());
     for &shape in shapes {
         let kept = cut::choose(spec, scores, &shape);
         let new_spec = shape.apply(spec);
-        let plan = build_plan(
-            &new_spec,
-            &StepConfig::new(1, seq, threads),
-            Mode::Generate,
-            device.open()?,
-        )?;
-        let layout = plan.layout.clone();
-        let old = &original.plan.layout;
-        let weights = original.with_params(|p| cut::weights(spec, &kept, (old, p), &layout))??;
-        let mut ex = Executor::on(plan, device.open()?)?;
-        ex.with_params_mut(|p| p.copy_from_slice(&weights))?;
-        drop(weights);
-        let loss = calibration_loss(&mut ex, rows, tick)?;
+        let storage = held::candidate_storage(held, &new_spec, &kept)?;
+        let plan = held::plan(&new_spec, seq, &storage, (threads, device))?;
+        let layout = ParamLayout::new(&new_spec);
+        let mut cut = Cut::new(spec, &kept, &old);
+        let mut values =
+            |t: &ParamTensor, put: &mut dyn FnMut(&[f32]) -> Result<()>| cut.tensor(t, read, put);
+        let head = head(&plan, &layout, &mut values)?;
+        let mut ex = held::open(plan, device, None, &mut values)?;
+        let loss = calibration_loss(&mut ex, &head, rows, tick)?;
         out.push(Candidate {
             shape,
             params: layout.total,

@@ -1,0 +1,244 @@
+//! How `prune` holds the models it runs: the original while it is scored, each candidate
+//! shape while its calibration loss is measured ([`super::select`]). Each runs as `sample`
+//! runs a model (a generation plan of one sequence), its weights in f32 or, as QLoRA holds
+//! a base, as ggml blocks: `--base-quant`, a GGUF's own blocks by default. So a 7B given as
+//! a 4-bit GGUF is scored in about its file's bytes, not 28 GB of f32.
+//!
+//! A candidate is held at about the bits of the tensors it is cut from
+//! ([`candidate_storage`]), so no candidate needs more memory than the original. The values
+//! come streamed, a piece of whole rows at a time (from the checkpoint's files, or cut from
+//! them by [`super::cut::Cut`]): nothing else holds a model.
+
+use super::cut::{self, Kept, PIECE, Read};
+use crate::backend::DeviceId;
+use crate::dtype::{DType, GgmlType};
+use crate::exec::Executor;
+use crate::exec::resolve::base::base_storage;
+use crate::gguf::base::BaseSource;
+use crate::gguf::quantize::{QUANTIZABLE, quantize};
+use crate::ir::{BaseQuant, BaseTypes};
+use crate::model::{ModelSpec, ParamLayout, ParamTensor};
+use crate::plan::{Mode, Plan, StepConfig, build_plan};
+use anyhow::{Context, Result, bail};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// How a model's weights are held: f32, one block type, or each tensor's own
+/// (`BaseQuant::Keep` with `types`).
+#[derive(Clone, Debug)]
+pub struct Storage {
+    pub quant: BaseQuant,
+    pub types: Option<Arc<BaseTypes>>,
+}
+
+impl Storage {
+    /// What the summary says of it.
+    pub fn describe(&self, gguf: Option<&Path>) -> String {
+        match (self.quant, gguf) {
+            (BaseQuant::F32, _) => "f32".into(),
+            (BaseQuant::Blocks(ty), _) => format!("{} blocks", ty.name.to_ascii_lowercase()),
+            (BaseQuant::Keep, Some(f)) => format!("the blocks of {}", f.display()),
+            (BaseQuant::Keep, None) => "blocks of each tensor's own type".into(),
+        }
+    }
+}
+
+/// How the original is held while scored: as `asked` (`--base-quant`), else a GGUF
+/// `gguf`'s own blocks, else f32. Notes for the user (a GGUF quantized again) go to `notes`.
+pub fn original_storage(
+    spec: &ModelSpec,
+    gguf: Option<&Path>,
+    asked: Option<BaseQuant>,
+    notes: &mut Vec<String>,
+) -> Result<Storage> {
+    let (quant, types) = base_storage(gguf, spec.family, true, asked, "--model", notes)?;
+    Ok(Storage { quant, types })
+}
+
+/// Hands tensor `t`'s values to `put`, as pieces of whole rows in order.
+pub type Values<'a> =
+    dyn FnMut(&ParamTensor, &mut dyn FnMut(&[f32]) -> Result<()>) -> Result<()> + 'a;
+
+/// Tensor `t`'s values read by `read` (the model's own layout), a piece of whole rows at a
+/// time (at most [`PIECE`] values, or one row where a row is longer).
+pub fn rows(
+    t: &ParamTensor,
+    read: &mut Read<'_>,
+    put: &mut dyn FnMut(&[f32]) -> Result<()>,
+) -> Result<()> {
+    let width = t.shape.get(1).copied().unwrap_or(t.range.len()).max(1);
+    let per = (PIECE / width).max(1) * width;
+    let mut piece = vec![0f32; per.min(t.range.len())];
+    for lo in t.range.clone().step_by(per) {
+        let r = lo..(lo + per).min(t.range.end);
+        let p = &mut piece[..r.len()];
+        read(r, p)?;
+        put(p)?;
+    }
+    Ok(())
+}
+
+/// The generation plan of `spec` over sequences of `seq` tokens, its weights held as
+/// `storage`.
+pub fn plan(
+    spec: &ModelSpec,
+    seq: usize,
+    storage: &Storage,
+    (threads, device): (usize, DeviceId),
+) -> Result<Plan> {
+    let mut cfg = StepConfig::new(1, seq, threads);
+    cfg.base_quant = storage.quant;
+    cfg.base_types = storage.types.clone();
+    build_plan(spec, &cfg, Mode::Generate, device.sizing())
+}
+
+/// Runs `plan` on `device`, its weights copied from `gguf` (a plan keeping that file's
+/// blocks) or filled from `values` (quantized where the plan keeps blocks).
+pub fn open(
+    plan: Plan,
+    device: DeviceId,
+    gguf: Option<&BaseSource>,
+    values: &mut Values<'_>,
+) -> Result<Executor> {
+    let layout = plan.layout.clone();
+    let kept = plan.lora.is_some();
+    let mut ex = Executor::on(plan, device.open()?)?;
+    match (kept, gguf) {
+        (false, _) => ex.with_params_mut(|p| -> Result<()> {
+            for t in &layout.tensors {
+                let mut at = t.range.start;
+                values(t, &mut |piece| {
+                    p[at..at + piece.len()].copy_from_slice(piece);
+                    at += piece.len();
+                    Ok(())
+                })?;
+            }
+            Ok(())
+        })??,
+        (true, Some(src)) => ex.fill_base_bytes(|t, storage, dst| src.copy(t, storage, dst))?,
+        (true, None) => ex.fill_base_bytes(|t, storage, dst| fill(t, storage, dst, values))?,
+    }
+    Ok(ex)
+}
+
+/// Fills tensor `t`'s bytes `dst` (f32, or blocks of `storage`) from `values`.
+fn fill(
+    t: &ParamTensor,
+    storage: Option<GgmlType>,
+    dst: &mut [u8],
+    values: &mut Values<'_>,
+) -> Result<()> {
+    let mut at = 0usize;
+    values(t, &mut |piece| {
+        let end = at + piece.len();
+        match storage {
+            None => {
+                let bytes = &mut dst[at * 4..end * 4];
+                for (d, v) in bytes.chunks_exact_mut(4).zip(piece) {
+                    d.copy_from_slice(&v.to_ne_bytes());
+                }
+            }
+            Some(ty) => {
+                let (Some(a), Some(b)) = (ty.bytes_for(at as u64), ty.bytes_for(end as u64)) else {
+                    bail!(
+                        "internal error: {} values {at}..{end} are not whole {ty} blocks",
+                        t.name
+                    );
+                };
+                quantize(ty, piece, &mut dst[a as usize..b as usize])
+                    .with_context(|| format!("quantizing {} to {ty}", t.name))?;
+            }
+        }
+        at = end;
+        Ok(())
+    })
+}
+
+/// Each tensor's storage in `plan` by its name, where the plan keeps its weights as a base
+/// (`None`: all f32).
+pub fn storage_of(plan: &Plan) -> Option<BTreeMap<String, DType>> {
+    let (lora, base) = (plan.lora.as_ref()?, plan.schedule.implicit.base.as_ref()?);
+    let mut out = BTreeMap::new();
+    for t in &lora.base.tensors {
+        if let Some(s) = base.find(&t.range) {
+            out.insert(t.name.clone(), plan.buffer(s.buf).dtype);
+        }
+    }
+    Some(out)
+}
+
+/// How a candidate of `new_spec` cut by `kept` from a model held as `original`
+/// ([`storage_of`]) is held: f32 where the original is; else each matrix as the type of the
+/// tensor it is cut from where that type can be written and its rows are whole blocks, or
+/// the smallest type that can of at least as many bits a weight, or f32.
+pub fn candidate_storage(
+    original: Option<&BTreeMap<String, DType>>,
+    new_spec: &ModelSpec,
+    kept: &Kept,
+) -> Result<Storage> {
+    let Some(original) = original else {
+        return Ok(Storage {
+            quant: BaseQuant::F32,
+            types: None,
+        });
+    };
+    let mut types = BaseTypes::new();
+    for t in ParamLayout::new(new_spec).tensors {
+        let [_, cols] = t.shape[..] else { continue };
+        let (_, name) = cut::original_name(&t.name, kept);
+        let Some(&dtype) = original.get(&name) else {
+            bail!("internal error: the held model has no {name}");
+        };
+        types.insert(t.name, held_type(dtype, cols));
+    }
+    Ok(Storage {
+        quant: BaseQuant::Keep,
+        types: Some(Arc::new(types)),
+    })
+}
+
+/// The type a matrix of rows of `cols` values is held as, cut from one held as `original`.
+fn held_type(original: DType, cols: usize) -> GgmlType {
+    let DType::Ggml(ty) = original else {
+        return GgmlType::F32;
+    };
+    let fits =
+        |t: GgmlType| cols.is_multiple_of(t.block_size as usize) && QUANTIZABLE.contains(&t.name);
+    let bits = |t: GgmlType| t.type_size as f64 * 8.0 / t.block_size as f64;
+    if fits(ty) {
+        return ty;
+    }
+    use GgmlType as G;
+    [
+        G::Q4_0,
+        G::Q4_K,
+        G::Q4_1,
+        G::Q5_0,
+        G::Q6_K,
+        G::Q8_0,
+        G::BF16,
+    ]
+    .into_iter()
+    .filter(|&t| fits(t) && bits(t) >= bits(ty))
+    .min_by(|&a, &b| bits(a).total_cmp(&bits(b)))
+    .unwrap_or(G::F32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_candidate_keeps_its_originals_type_or_the_nearest_that_fits_its_rows() {
+        let q = |t: GgmlType| DType::Ggml(t);
+        use GgmlType as G;
+        assert_eq!(held_type(DType::F32, 64), G::F32);
+        assert_eq!(held_type(q(G::Q4_K), 512), G::Q4_K);
+        // Rows of 864: not whole Q4_K blocks of 256; Q4_0 has as many bits.
+        assert_eq!(held_type(q(G::Q4_K), 864), G::Q4_0);
+        assert_eq!(held_type(q(G::Q6_K), 864), G::Q8_0);
+        assert_eq!(held_type(q(G::Q8_0), 38), G::F32);
+        assert_eq!(held_type(q(G::F16), 64), G::BF16);
+    }
+}
