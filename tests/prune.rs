@@ -866,20 +866,9 @@ fn a_budget_keeps_the_candidate_of_the_lowest_calibration_loss() {
 /// that conversion does.
 #[test]
 fn a_gguf_teacher_is_kept_as_its_blocks_and_teaches_as_its_conversion() {
-    use memwall::export::{ExportOptions, ExportType, export};
     let tmp = tempfile::tempdir().unwrap();
-    let (model, _) = llama_model_and_data(tmp.path());
-    let gguf = tmp.path().join("teacher.f16.gguf");
-    export(&ExportOptions {
-        input: model.clone(),
-        out: gguf.clone(),
-        ty: ExportType::F16,
-        name: None,
-        adapter: None,
-        progress: false,
-    })
-    .unwrap();
-    let cache = tmp.path().join("cache");
+    let model = with_tokenizer(tmp.path(), "memwall-llama-ckpt");
+    let (gguf, conv, data, cache) = gguf_and_conversion(tmp.path(), &model, "f16");
     let env = [("XDG_CACHE_HOME", cache.to_str().unwrap())];
     let run = |args: &[&str]| {
         let o = common::memwall_env(&env, args);
@@ -888,19 +877,6 @@ fn a_gguf_teacher_is_kept_as_its_blocks_and_teaches_as_its_conversion() {
         (String::from_utf8_lossy(&o.stdout).to_string(), err)
     };
     let p = |x: &Path| x.to_str().unwrap().to_string();
-    let conv = tmp.path().join("conv");
-    run(&["convert", &p(&gguf), "--out", &p(&conv)]);
-    // The student: the conversion, on data prepared with its tokenizer (the GGUF's).
-    let data = tmp.path().join("data-gguf");
-    let tok = Tokenizer::from_file(conv.join("tokenizer.json")).unwrap();
-    let text = tmp.path().join("text.txt");
-    let inputs = vec![text];
-    let prep = PrepareOptions {
-        inputs,
-        out: data.clone(),
-        val_fraction: 0.1,
-    };
-    prepare_with(&prep, &tok).unwrap();
     let m = p(&conv);
     let teacher_bytes = |teacher: &str| {
         let (out, _) = run(&[
@@ -953,4 +929,96 @@ fn distillation_composes_with_offload_recomputation_and_lora() {
     let lora = run("lora", &["--lora", "4"]);
     assert_eq!(lora[0], plain[0], "{lora:?} vs {plain:?}");
     assert!(lora[3] < lora[0], "{lora:?}");
+}
+
+/// `model` exported as a GGUF file of `ty` (`f16`, `q8_0`), its conversion (by
+/// `memwall convert`) and data prepared with the conversion's tokenizer (the GGUF's), in
+/// `tmp`; and the user cache it used, in `tmp`.
+fn gguf_and_conversion(tmp: &Path, model: &Path, ty: &str) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    use memwall::export::{ExportOptions, export};
+    data(tmp); // writes tmp/text.txt
+    let gguf = tmp.join(format!("model.{ty}.gguf"));
+    export(&ExportOptions {
+        input: model.to_path_buf(),
+        out: gguf.clone(),
+        ty: ty.parse().unwrap(),
+        name: None,
+        adapter: None,
+        progress: false,
+    })
+    .unwrap();
+    let cache = tmp.join("cache");
+    let conv = tmp.join("conv");
+    let o = common::memwall_env(
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+        &[
+            "convert",
+            gguf.to_str().unwrap(),
+            "--out",
+            conv.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let data = tmp.join("data-gguf");
+    let tok = Tokenizer::from_file(conv.join("tokenizer.json")).unwrap();
+    let text = tmp.join("text.txt");
+    let prep = PrepareOptions {
+        inputs: vec![text],
+        out: data.clone(),
+        val_fraction: 0.1,
+    };
+    prepare_with(&prep, &tok).unwrap();
+    (gguf, conv, data, cache)
+}
+
+/// A model given as a GGUF file is scored as its blocks (a fraction of the f32 plan's
+/// bytes) and keeps what its f32 conversion keeps, cut from that conversion; its candidates
+/// are held in q8_0 (bf16 where rows are not whole blocks) and lose what f32 ones lose.
+#[test]
+fn a_gguf_model_is_scored_as_its_blocks_and_pruned_as_its_conversion() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = ModelSpec::from_hf_config_str(&config("llama"), "config.json").unwrap();
+    let model = tmp.path().join("model");
+    write_model(&model, &spec, &with_dead_parts(&spec, false).0);
+    let (gguf, conv, data, _) = gguf_and_conversion(tmp.path(), &model, "q8_0");
+    let shape = ShapeRequest {
+        keep: Some(0.7),
+        ..Default::default()
+    };
+    let run = |name: &str, gguf: Option<&Path>, quant: Option<&str>| {
+        let out = tmp.path().join(name);
+        let mut o = options(&conv, &data, &out, shape.clone());
+        o.gguf = gguf.map(Path::to_path_buf);
+        o.base_quant = quant.map(|q| q.parse().unwrap());
+        (prune::prune(&o, &mut |_, _| {}).unwrap(), out)
+    };
+    let (blocks, a) = run("from-blocks", Some(&gguf), None);
+    let (f32s, b) = run("from-f32", None, None);
+    // A checkpoint quantized on load (--base-quant) is held so too.
+    let (q4, _) = run("q4", None, Some("q4_0"));
+    assert_eq!(q4.held.storage, "q4_0 blocks");
+    assert!(q4.held.weight_bytes < blocks.held.weight_bytes);
+    assert_eq!(q4.candidates.len(), f32s.candidates.len());
+    assert!(
+        blocks.held.storage.contains("blocks of"),
+        "{:?}",
+        blocks.held
+    );
+    assert_eq!(f32s.held.storage, "f32");
+    // Q8_0: 8.5 bits a weight (the norms f32).
+    assert!(
+        blocks.held.weight_bytes * 3 < f32s.held.weight_bytes,
+        "{:?} vs {:?}",
+        blocks.held,
+        f32s.held
+    );
+    assert_eq!(blocks.kept, f32s.kept);
+    assert_eq!(blocks.after, f32s.after);
+    let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(weights(&a) == weights(&b), "the same cut of the same files");
+    assert!(blocks.candidates.len() > 1);
+    for (q, f) in blocks.candidates.iter().zip(&f32s.candidates) {
+        assert_eq!(q.shape, f.shape);
+        assert!((q.loss - f.loss).abs() < 1e-2 * f.loss, "{q:?} vs {f:?}");
+    }
 }

@@ -277,6 +277,8 @@ pub struct Held {
     pub storage: String,
     /// The scoring plan's bytes (the weights as held, one sequence's activations).
     pub bytes: u64,
+    /// Of which the weights.
+    pub weight_bytes: u64,
 }
 
 /// Fractions of the importance kept, per kind.
@@ -355,6 +357,10 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
     ckpt::load_params_by(&opts.model, &layout, |read| {
         let plan = held::plan(&spec, seq, &storage, at)?;
         let held_bytes = plan.total_bytes();
+        let weight_bytes = (plan.bytes_by_category().into_iter())
+            .filter(|(c, _)| *c == crate::ir::Category::Param)
+            .map(|(_, b)| b)
+            .sum();
         let mut values =
             |t: &ParamTensor, put: &mut dyn FnMut(&[f32]) -> Result<()>| held::rows(t, read, put);
         let mut ex = held::open(plan, opts.device, blocks.as_ref(), &mut values)?;
@@ -394,6 +400,7 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
             held: Held {
                 storage: storage.describe(gguf),
                 bytes: held_bytes,
+                weight_bytes,
             },
             kept_importance: kept_importance(&scores, &kept),
             fit,

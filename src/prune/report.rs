@@ -71,9 +71,10 @@ pub fn summary(p: &Pruned) -> String {
     );
     let _ = writeln!(
         o,
-        "  held while scored: {}, {} planned (weights and one sequence's activations)",
+        "  held while scored: {}, {} planned ({} of weights)",
         p.held.storage,
-        fmt_bytes(p.held.bytes)
+        fmt_bytes(p.held.bytes),
+        fmt_bytes(p.held.weight_bytes)
     );
     let gains = p.kept.norm_gains.values();
     if let (Some(lo), Some(hi)) = (
