@@ -847,10 +847,14 @@ fn a_budget_keeps_the_candidate_of_the_lowest_calibration_loss() {
         .unwrap()
         .unwrap();
     let params = ex.download_params().unwrap();
-    let head = select::head(&ex.plan, &layout, &mut |t, put| {
+    let f32s = prune::held::Storage {
+        quant: Default::default(),
+        types: None,
+    };
+    let mut values = |t: &memwall::model::ParamTensor, put: &mut dyn FnMut(&[f32]) -> _| {
         put(&params[t.range.clone()])
-    });
-    let head = head.unwrap();
+    };
+    let head = select::Head::of(&ex.plan, &layout, &f32s, &mut values).unwrap();
     let got = select::calibration_loss(&mut ex, &head, &rows[..2], &mut || {}).unwrap();
     assert!((got - want).abs() < 1e-4 * want, "{got} vs {want}");
     let all = select::calibration_loss(&mut ex, &head, &rows, &mut || {}).unwrap();

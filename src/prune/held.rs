@@ -123,7 +123,7 @@ pub fn open(
 }
 
 /// Fills tensor `t`'s bytes `dst` (f32, or blocks of `storage`) from `values`.
-fn fill(
+pub fn fill(
     t: &ParamTensor,
     storage: Option<GgmlType>,
     dst: &mut [u8],
@@ -153,6 +153,18 @@ fn fill(
         at = end;
         Ok(())
     })
+}
+
+impl Storage {
+    /// The blocks tensor `name` is held as (`None`: f32).
+    pub fn type_of(&self, name: &str) -> Option<GgmlType> {
+        match (self.quant, &self.types) {
+            (BaseQuant::Keep, Some(types)) => types.get(name).copied(),
+            (BaseQuant::Blocks(ty), _) => Some(ty),
+            _ => None,
+        }
+        .filter(|&ty| ty != GgmlType::F32)
+    }
 }
 
 /// Each tensor's storage in `plan` by its name, where the plan keeps its weights as a base
