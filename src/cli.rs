@@ -203,6 +203,12 @@ USE, as `memwall plan` prints it, within SIZE). A budget allows a frontier of em
 widths (for each embedding width, the widest MLP that fits; heads and layers kept unless \
 given): each candidate is cut and run on held-out calibration sequences, and the one of the \
 lowest loss is kept.\n\n\
+Memory: one model is held at a time, as `memwall sample` holds it (its weights and one \
+sequence's activations): the original while it is scored, then each candidate. A GGUF --model \
+is held as its own blocks (--base-quant keep; a 4-bit 7B in about 4 GB), a checkpoint in fp32 \
+unless --base-quant gives blocks; candidates of a model held as blocks are held in q8_0. The \
+pruned weights are cut from the checkpoint's files (a GGUF's f32 conversion in the user cache) \
+as they are written, a few rows at a time; the summary prints what scoring held.\n\n\
 A pruned model loses quality until it is trained again: heal it with `memwall train --init OUT \
 --distill-from MODEL` (the original as its teacher), or on the data alone.",
         after_help = "Examples:\n  memwall prune --model smol --data data-smol --out smol-pruned --keep 0.75\n  memwall prune --model llama-3.2-1b-dir --data d --out small --fit-memory 2GiB --for qlora\n  memwall prune --model smol --data d --out smol-d24 --depth 24 --report\n  memwall train --init smol-pruned --distill-from smol --data data-smol --out run --steps 300"

@@ -23,6 +23,8 @@ pub mod select;
 pub mod shape;
 mod write;
 
+pub use write::REPORT_FILE;
+
 use crate::backend::DeviceId;
 use crate::ckpt;
 use crate::data::DataSet;
@@ -410,7 +412,9 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
             notes: std::mem::take(&mut notes),
         };
         let cut = cut::Cut::new(&spec, &kept, &layout);
-        write::write(opts, (&new_spec, &new_layout), (cut, read), &p)?;
+        let report = serde_json::to_vec_pretty(&p)?;
+        let to = (opts.model.as_path(), opts.out.as_path());
+        write::write(to, (&new_spec, &new_layout), (cut, read), &report)?;
         pruned = Some(p);
         Ok(())
     })?;
@@ -430,5 +434,3 @@ fn open_data(opts: &PruneOptions, spec: &ModelSpec, seq: usize) -> Result<DataSe
     Ok(data)
 }
 
-/// The report `prune` writes beside the pruned model.
-pub const REPORT_FILE: &str = "prune.json";

@@ -5,12 +5,15 @@
 //! partial model, and writing one holds a few pieces of it, never the whole.
 
 use super::cut::{Cut, Read};
-use super::{PruneOptions, Pruned, REPORT_FILE};
 use crate::ckpt::{self, Lend, OutData};
 use crate::model::{ModelSpec, ParamLayout};
 use anyhow::{Context, Result, bail};
 use std::cell::RefCell;
 use std::ops::Range;
+use std::path::Path;
+
+/// The report `prune` writes beside the pruned model.
+pub const REPORT_FILE: &str = "prune.json";
 
 /// The pruned parameters (`layout`'s order) lent as they are cut from the original's
 /// (`read`), rounded to bf16 where `bf16`.
@@ -64,29 +67,29 @@ impl Lend for Lent<'_, '_> {
     }
 }
 
-/// Writes the pruned model `spec` (`layout`) cut by `cut` from the original's parameters
-/// (`read`), and `pruned` as `prune.json`, to `opts.out`.
+/// Writes the pruned model `spec` (`layout`) cut by `cut` from the parameters of the
+/// original in `model` (`read`), with its tokenizer files and `report` as
+/// [`REPORT_FILE`], to `out`.
 pub fn write(
-    opts: &PruneOptions,
+    (model, out): (&Path, &Path),
     (spec, layout): (&ModelSpec, &ParamLayout),
     (cut, read): (Cut<'_>, &mut Read<'_>),
-    pruned: &Pruned,
+    report: &[u8],
 ) -> Result<()> {
     let params = Lent {
         cut: RefCell::new(cut),
         read: RefCell::new(read),
         layout,
-        bf16: ckpt::adapter::stored_as_bf16(&opts.model),
+        bf16: ckpt::adapter::stored_as_bf16(model),
     };
     let save = ckpt::SaveOptions {
-        tokenizer_dir: Some(&opts.model),
+        tokenizer_dir: Some(model),
         ..Default::default()
     };
-    let tmp = crate::util::atomic_dir::TempDir::create_for(&opts.out)?;
+    let tmp = crate::util::atomic_dir::TempDir::create_for(out)?;
     ckpt::save_model_lent(&tmp.path, spec, layout, &params, &save)?;
-    let json = serde_json::to_vec_pretty(pruned)?;
-    crate::util::atomic::write_file(&tmp.path.join(REPORT_FILE), &json)
+    crate::util::atomic::write_file(&tmp.path.join(REPORT_FILE), report)
         .with_context(|| format!("writing {REPORT_FILE}"))?;
-    ckpt::adapter::check_new_out_dir(&opts.out)?;
-    tmp.publish(&opts.out)
+    ckpt::adapter::check_new_out_dir(out)?;
+    tmp.publish(out)
 }
