@@ -201,9 +201,12 @@ pub struct Cut<'a> {
     spec: &'a ModelSpec,
     kept: &'a Kept,
     old: &'a ParamLayout,
-    /// Runs of the original's rows `[rows, W]`, then the cut rows `[rows, W']`.
+    /// The original's rows read at once `[rows, W]`.
     rows: Vec<f32>,
+    /// The cut rows handed over `[rows, W']`.
     piece: Vec<f32>,
+    /// Values per piece ([`PIECE`]).
+    per_piece: usize,
 }
 
 impl<'a> Cut<'a> {
@@ -215,6 +218,7 @@ impl<'a> Cut<'a> {
             old,
             rows: Vec::new(),
             piece: Vec::new(),
+            per_piece: PIECE,
         }
     }
 
@@ -273,10 +277,22 @@ impl<'a> Cut<'a> {
             }
             [rows, cols] => {
                 let w = src.shape[1];
-                let per_piece = (PIECE / cols.len().max(1)).max(1);
-                for chunk in rows.chunks(per_piece) {
+                let piece = self.per_piece;
+                for chunk in rows.chunks((piece / cols.len().max(1)).max(1)) {
                     self.piece.clear();
-                    // Runs of consecutive original rows, each read at once.
+                    let (first, last) = (chunk[0], chunk[chunk.len() - 1]);
+                    if (last + 1 - first) * w <= 2 * piece.max(w) {
+                        // The span of the chunk's rows at once, the rows between skipped.
+                        self.rows.resize((last + 1 - first) * w, 0.0);
+                        read(base + first * w..base + (last + 1) * w, &mut self.rows)?;
+                        for &r in chunk {
+                            let row = &self.rows[(r - first) * w..(r - first + 1) * w];
+                            self.piece.extend(cols.iter().map(|&c| row[c]));
+                        }
+                        put(&self.piece)?;
+                        continue;
+                    }
+                    // Sparse rows: runs of consecutive rows, each read at once.
                     let mut i = 0;
                     while i < chunk.len() {
                         let mut n = 1;
@@ -308,12 +324,17 @@ pub fn weights(
     (old_layout, old): (&ParamLayout, &[f32]),
     new_layout: &ParamLayout,
 ) -> Result<Vec<f32>> {
+    let cut = Cut::new(spec, kept, old_layout);
+    weights_by(cut, old, new_layout)
+}
+
+/// [`weights`] by `cut`.
+fn weights_by(mut cut: Cut<'_>, old: &[f32], new_layout: &ParamLayout) -> Result<Vec<f32>> {
     let mut out = vec![0f32; new_layout.total];
     let mut read = |r: Range<usize>, dst: &mut [f32]| {
         dst.copy_from_slice(&old[r]);
         Ok(())
     };
-    let mut cut = Cut::new(spec, kept, old_layout);
     for t in &new_layout.tensors {
         let mut at = t.range.start;
         cut.tensor(t, &mut read, &mut |piece| {
@@ -386,6 +407,80 @@ mod tests {
             .zip(x.iter().map(|v| v / rms_kept * g["n.weight"]))
         {
             assert!((a - b).abs() < 1e-12);
+        }
+    }
+
+    /// The naive cut: every value of the pruned model looked up by its indices.
+    fn naive(
+        spec: &ModelSpec,
+        kept: &Kept,
+        old: &ParamLayout,
+        p: &[f32],
+        new: &ParamLayout,
+    ) -> Vec<f32> {
+        let mut out = vec![0f32; new.total];
+        for t in &new.tensors {
+            let (l, name) = original_name(&t.name, kept);
+            let src = old.get(&name).unwrap();
+            let ax = axes(&t.name).unwrap();
+            let idx: Vec<Vec<usize>> = (ax.iter().zip(&src.shape))
+                .map(|(&a, &n)| indices(kept, a, l, n, spec.head_dim))
+                .collect();
+            let dst = &mut out[t.range.clone()];
+            match idx.as_slice() {
+                [c] => (0..c.len()).for_each(|j| dst[j] = p[src.range.start + c[j]]),
+                [r, c] => {
+                    for (i, &ri) in r.iter().enumerate() {
+                        for (j, &cj) in c.iter().enumerate() {
+                            dst[i * c.len() + j] = p[src.range.start + ri * src.shape[1] + cj];
+                        }
+                    }
+                }
+                _ => unreachable!(),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_streamed_cut_is_the_naive_one_for_every_piece_size() {
+        let spec = ModelSpec::preset("llama-tiny").unwrap();
+        let old = ParamLayout::new(&spec);
+        let mut p = vec![0f32; old.total];
+        old.init(&mut p, 5);
+        // Every other embedding channel and MLP channel, a kv group, the first and last
+        // layers: sparse rows and dense ones.
+        let every_other = |n: usize| (0..n).step_by(2).collect::<Vec<_>>();
+        let g = spec.n_head / spec.n_kv_head;
+        let layers = vec![0, spec.n_layer - 1];
+        let kept = Kept {
+            hidden: every_other(spec.n_embd),
+            heads: vec![(g..2 * g).collect(); 2],
+            kv_heads: vec![vec![1]; 2],
+            mlp: vec![
+                every_other(spec.mlp_hidden),
+                (0..spec.mlp_hidden / 2).collect(),
+            ],
+            layers,
+            norm_gains: Default::default(),
+        };
+        let shape = Shape {
+            hidden: kept.hidden.len(),
+            heads: g,
+            kv_heads: 1,
+            mlp: spec.mlp_hidden / 2,
+            layers: 2,
+        };
+        let new = ParamLayout::new(&shape.apply(&spec));
+        let want = naive(&spec, &kept, &old, &p, &new);
+        // Pieces of one value (a row at a time, runs of rows), a few rows, the default.
+        for piece in [1, 40, 3000, PIECE] {
+            let mut cut = Cut::new(&spec, &kept, &old);
+            cut.per_piece = piece;
+            assert!(
+                weights_by(cut, &p, &new).unwrap() == want,
+                "pieces of {piece}"
+            );
         }
     }
 

@@ -433,4 +433,3 @@ fn open_data(opts: &PruneOptions, spec: &ModelSpec, seq: usize) -> Result<DataSe
     }
     Ok(data)
 }
-

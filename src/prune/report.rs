@@ -48,12 +48,13 @@ pub fn summary(p: &Pruned) -> String {
         for c in &p.candidates {
             let _ = writeln!(
                 o,
-                "    {} hidden {:>5}, mlp {:>6}: {:>7} parameters, loss {:.4}",
+                "    {} hidden {:>5}, mlp {:>6}: {:>7} parameters, loss {:.4} ({} held)",
                 if c.shape == *a { "*" } else { " " },
                 c.shape.hidden,
                 c.shape.mlp,
                 millions(c.params),
-                c.loss
+                c.loss,
+                fmt_bytes(c.bytes)
             );
         }
     }
@@ -76,6 +77,17 @@ pub fn summary(p: &Pruned) -> String {
         fmt_bytes(p.held.bytes),
         fmt_bytes(p.held.weight_bytes)
     );
+    if let Some(c) = p.candidates.iter().max_by_key(|c| c.bytes)
+        && c.bytes > p.held.bytes
+    {
+        let _ = writeln!(
+            o,
+            "  the most held at once: {}, candidate hidden {}, mlp {} (planned, with its head)",
+            fmt_bytes(c.bytes),
+            c.shape.hidden,
+            c.shape.mlp
+        );
+    }
     let gains = p.kept.norm_gains.values();
     if let (Some(lo), Some(hi)) = (
         gains.clone().copied().reduce(f64::min),

@@ -34,6 +34,9 @@ pub struct Candidate {
     pub params: usize,
     /// The mean next-token cross-entropy over the held-out sequences (nats).
     pub loss: f64,
+    /// What running it held: its plan's bytes and its head's copy ([`Head`]).
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// Rows of the LM head decoded and multiplied at once (`[VOCAB_CHUNK, C]` floats).
@@ -179,12 +182,14 @@ pub fn by_loss(
         let mut values =
             |t: &ParamTensor, put: &mut dyn FnMut(&[f32]) -> Result<()>| cut.tensor(t, read, put);
         let head = Head::of(&plan, &layout, &storage, &mut values)?;
+        let bytes = plan.total_bytes() + head.bytes.len() as u64;
         let mut ex = held::open(plan, device, None, &mut values)?;
         let loss = calibration_loss(&mut ex, &head, rows, tick)?;
         out.push(Candidate {
             shape,
             params: layout.total,
             loss,
+            bytes,
         });
     }
     Ok(out)
