@@ -1026,3 +1026,39 @@ fn a_gguf_model_is_scored_as_its_blocks_and_pruned_as_its_conversion() {
         assert!((q.loss - f.loss).abs() < 1e-2 * f.loss, "{q:?} vs {f:?}");
     }
 }
+
+/// Planning only: a Llama-2-7B held as q4_0 blocks while it is scored (one sequence of 256
+/// tokens) plans less than its QLoRA step (rank 16 on a q4_0 base, 1 × 256), and a quarter
+/// of what it would hold in f32: pruning a 7B takes no more memory than fine-tuning it so.
+#[test]
+fn scoring_a_7b_held_as_blocks_plans_less_than_its_qlora_step() {
+    use memwall::dtype::GgmlType;
+    use memwall::ir::BaseQuant;
+    use prune::held::{Storage, plan};
+    let spec = ModelSpec::preset("llama-2-7b").unwrap();
+    let held = |quant| {
+        let s = Storage { quant, types: None };
+        plan(&spec, 256, &s, (2, DeviceId::CPU))
+            .unwrap()
+            .total_bytes()
+    };
+    let (blocks, f32s) = (
+        held(BaseQuant::Blocks(GgmlType::Q4_0)),
+        held(BaseQuant::F32),
+    );
+    let fit = FitMemory {
+        bytes: u64::MAX,
+        for_use: Use::Qlora,
+        batch: 1,
+        baseline: 0,
+    };
+    let qlora = prune::planned_peak(&spec, &fit, (256, 2), DeviceId::CPU).unwrap();
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    assert!(
+        blocks < qlora && 4 * blocks < f32s,
+        "scoring {:.2} GiB, QLoRA step {:.2} GiB, f32 {:.2} GiB",
+        gib(blocks),
+        gib(qlora),
+        gib(f32s)
+    );
+}
