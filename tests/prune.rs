@@ -1029,7 +1029,8 @@ fn a_gguf_model_is_scored_as_its_blocks_and_pruned_as_its_conversion() {
 
 /// Planning only: a Llama-2-7B held as q4_0 blocks while it is scored (one sequence of 256
 /// tokens) plans less than its QLoRA step (rank 16 on a q4_0 base, 1 × 256), and a quarter
-/// of what it would hold in f32: pruning a 7B takes no more memory than fine-tuning it so.
+/// of what it would hold in f32; so does each candidate of `--keep 0.75` held in q8_0:
+/// pruning a 7B takes no more memory than fine-tuning it so.
 #[test]
 fn scoring_a_7b_held_as_blocks_plans_less_than_its_qlora_step() {
     use memwall::dtype::GgmlType;
@@ -1061,4 +1062,21 @@ fn scoring_a_7b_held_as_blocks_plans_less_than_its_qlora_step() {
         gib(qlora),
         gib(f32s)
     );
+    let shape = ShapeRequest {
+        keep: Some(0.75),
+        ..Default::default()
+    };
+    let none = Path::new("unused");
+    let shapes = prune::resolve_shapes(&spec, &options(none, none, none, shape)).unwrap();
+    assert!(shapes.len() > 1);
+    let q8 = Storage {
+        quant: BaseQuant::Blocks(GgmlType::Q8_0),
+        types: None,
+    };
+    for s in shapes {
+        let c = plan(&s.apply(&spec), 256, &q8, (2, DeviceId::CPU)).unwrap();
+        // With the head's copy the loss is computed with, in q8_0.
+        let b = c.total_bytes() + (spec.vocab_size * s.hidden) as u64 * 34 / 32;
+        assert!(b < qlora, "{s:?}: {:.2} GiB", gib(b));
+    }
 }
