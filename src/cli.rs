@@ -730,7 +730,8 @@ pub(crate) struct StrategyArgs {
     /// first stages (stage s holds at most 2(P - s - 1) + (V - 1)P + 1 runs' worth). Needs
     /// --pp 2 or more, P x V at most the layer count, the micro-batches of a step (M) a
     /// multiple of P, and no --pp-layers. The math is one process's; a run resumes with
-    /// any --pp-chunks [default: 1; with --resume, the run's own]
+    /// any --pp-chunks [default: 1; with --resume, the run's own; with --fit over ranks,
+    /// 1 and 2 are tried]
     #[arg(long, value_name = "V")]
     pub(crate) pp_chunks: Option<usize>,
     /// LoRA: train rank-R adapters on a frozen base instead of every weight (Hu et al.

@@ -117,7 +117,7 @@ fn space(global_batch: usize) -> Space {
         zero: Pick::Fixed(Default::default()),
         sequence_parallel: Pick::Fixed(false),
         stage_layers: Pick::Fixed(Vec::new()),
-        pipeline_chunks: 1,
+        pipeline_chunks: Pick::Fixed(1),
     }
 }
 
@@ -825,12 +825,16 @@ fn exhaustive_mesh(
         Pick::Fixed(x) => t == x,
         Pick::Auto => true,
     };
+    let pipe_given = |p: usize| match space.pipeline {
+        Pick::Fixed(x) => p == x,
+        Pick::Auto => true,
+    };
     let zero_given = |z: u8| match space.zero {
         Pick::Fixed(x) => z == x.0,
         Pick::Auto => true,
     };
     for t in (1..=n).filter(|&t| n.is_multiple_of(t) && given(t)) {
-        for p in (1..=n / t).filter(|p| (n / t).is_multiple_of(*p)) {
+        for p in (1..=n / t).filter(|&p| (n / t).is_multiple_of(p) && pipe_given(p)) {
             let mesh = Mesh::new(n, t, p, 0);
             let per_rank = space.global_batch / mesh.data;
             let zeros = if mesh.data > 1 { 0..=3 } else { 0..=0 };
@@ -858,10 +862,26 @@ fn exhaustive_mesh(
                             cuts.push(b.counts);
                         }
                     }
-                    for (r, cut) in
-                        (policies.iter()).flat_map(|&r| cuts.iter().map(move |c| (r, c)))
-                    {
+                    // The interleaved schedule (2 runs a stage) where it divides, unless
+                    // given.
+                    let interleaves = p > 1 && 2 * p <= spec.n_layer;
+                    let chunks = |cut: &Vec<usize>| match space.pipeline_chunks {
+                        Pick::Fixed(v) if p > 1 => vec![v],
+                        Pick::Auto
+                            if interleaves
+                                && cut.is_empty()
+                                && (per_rank / b).is_multiple_of(p) =>
+                        {
+                            vec![1, 2]
+                        }
+                        _ => vec![1],
+                    };
+                    for (r, cut, v) in (policies.iter()).flat_map(|&r| {
+                        cuts.iter()
+                            .flat_map(move |c| chunks(c).into_iter().map(move |v| (r, c, v)))
+                    }) {
                         let mut cfg = StepConfig::new(b, space.seq, space.threads);
+                        cfg.pipeline_chunks = v;
                         cfg.grad_accum = per_rank / b;
                         cfg.recompute = r;
                         cfg.zero = Zero(z);
@@ -885,7 +905,8 @@ fn exhaustive_mesh(
                         peaks.push(worst.0);
                         if worst.0 <= budget && worst.1 < best.0 {
                             let sp = if sequence { " sp" } else { "" };
-                            let what = format!("tp {t}{sp} pp {p} {cut:?} zero {z} batch {b} {r}");
+                            let what =
+                                format!("tp {t}{sp} pp {p}(v{v}) {cut:?} zero {z} batch {b} {r}");
                             best = (worst.1, what);
                         }
                     }
@@ -897,8 +918,9 @@ fn exhaustive_mesh(
 }
 
 /// `plan --ranks 4 --fit`: the search over mesh shapes (tensor and pipeline sizes, ZeRO
-/// stages) finds the time that building every shape's every rank finds, at budgets from
-/// roomy to the smallest shape's; each candidate's peak is its heaviest rank's, built afresh.
+/// stages, interleaved or not) finds the time that building every shape's every rank finds,
+/// at budgets from roomy to the smallest shape's; each candidate's peak is its heaviest
+/// rank's, built afresh.
 #[test]
 fn the_mesh_search_finds_what_building_every_shape_finds() {
     use memwall::ir::Mesh;
@@ -911,6 +933,7 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
         zero: Pick::Auto,
         sequence_parallel: Pick::Auto,
         stage_layers: Pick::Auto,
+        pipeline_chunks: Pick::Auto,
         offload: Pick::Fixed(OffloadSet::NONE),
         ..space(8)
     };
@@ -926,8 +949,14 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
         zero: Pick::Fixed(Default::default()),
         ..no_tp.clone()
     };
+    // Two pipeline stages, nothing else: the interleaved schedule halves their bubble.
+    let two_stages = Space {
+        ranks: 2,
+        pipeline: Pick::Fixed(2),
+        ..pipelines.clone()
+    };
     let mut shapes_chosen = std::collections::BTreeSet::new();
-    for sp in [all, no_tp, pipelines] {
+    for sp in [all, no_tp, pipelines, two_stages] {
         let (_, mut peaks) = exhaustive_mesh(&spec, &sp, u64::MAX, &cal);
         peaks.sort_unstable();
         let (lo, hi) = (peaks[0], peaks[peaks.len() - 1]);
@@ -943,7 +972,7 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
             );
             let c = &best.cfg;
             let shape = (c.mesh.tensor, c.sequence_parallel, c.mesh.pipeline);
-            shapes_chosen.insert((shape, c.stage_layers.clone()));
+            shapes_chosen.insert((shape, c.stage_layers.clone(), c.pipeline_chunks));
             for k in &found.ranked {
                 let mut heaviest = 0;
                 for rank in 0..k.cfg.mesh.world() {
@@ -961,5 +990,9 @@ fn the_mesh_search_finds_what_building_every_shape_finds() {
     }
     // The budgets make it choose more than one shape (else this would test one mesh).
     assert!(shapes_chosen.len() > 1, "{shapes_chosen:?}");
+    assert!(
+        shapes_chosen.iter().any(|(_, _, chunks)| *chunks == 2),
+        "the interleaved schedule never chosen: {shapes_chosen:?}"
+    );
     eprintln!("{shapes_chosen:?}");
 }

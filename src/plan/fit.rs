@@ -409,7 +409,7 @@ pub fn plan_fitting(
         zero: Pick::Fixed(cfg.zero),
         sequence_parallel: Pick::Fixed(cfg.sequence_parallel),
         stage_layers: Pick::Fixed(cfg.stage_layers.clone()),
-        pipeline_chunks: cfg.pipeline_chunks,
+        pipeline_chunks: Pick::Fixed(cfg.pipeline_chunks),
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {

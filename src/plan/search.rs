@@ -125,9 +125,10 @@ pub struct Space {
     /// even cut), or `Auto`: on each pipeline the even cut and the one balanced by predicted
     /// time (`plan::stage_cut::balanced`), where they differ.
     pub stage_layers: Pick<Vec<usize>>,
-    /// Runs of layers each pipeline stage holds (`--pp-chunks`), as given: more than 1
-    /// interleaves the stages of every mesh with a pipeline.
-    pub pipeline_chunks: usize,
+    /// Runs of layers each pipeline stage holds (`--pp-chunks`): given (more than 1
+    /// interleaves the stages of every mesh with a pipeline), or `Auto`: 1 and, where the
+    /// interleaved schedule divides, 2 ([`chunk_options`]).
+    pub pipeline_chunks: Pick<usize>,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -444,6 +445,23 @@ fn balanced_cuts(
     Ok(cuts.into_iter().flatten().collect())
 }
 
+/// The `--pp-chunks` values tried for `cfg`: 1 without a pipeline; as given; else 1 and 2
+/// where the interleaved schedule can run (an even cut into twice the stages' runs, the
+/// micro-batches in whole groups of the stages: `build::check_interleaved`).
+fn chunk_options(spec: &ModelSpec, space: &Space, cfg: &StepConfig) -> Vec<usize> {
+    let p = cfg.mesh.pipeline;
+    match (p > 1, &space.pipeline_chunks) {
+        (false, _) => vec![1],
+        (true, Pick::Fixed(v)) => vec![*v],
+        (true, Pick::Auto) => {
+            let fits = 2 * p <= spec.n_layer
+                && cfg.grad_accum.is_multiple_of(p)
+                && cfg.stage_layers.is_empty();
+            if fits { vec![1, 2] } else { vec![1] }
+        }
+    }
+}
+
 fn count(o: OffloadSet) -> usize {
     [o.optimizer, o.params, o.grads, o.activations]
         .iter()
@@ -567,18 +585,19 @@ pub fn search(
                     if let Pick::Fixed(cut) = &space.stage_layers {
                         cfg.stage_layers = cut.clone();
                     }
-                    if mesh.pipeline > 1 {
-                        cfg.pipeline_chunks = space.pipeline_chunks;
+                    for chunks in chunk_options(spec, space, &cfg) {
+                        let mut cfg = cfg.clone();
+                        cfg.pipeline_chunks = chunks;
+                        // What the mesh does not compose with (int8 moments, a quantized base
+                        // under --tp, …) leaves the group out.
+                        if mesh.world() > 1
+                            && let Err(e) = check_mesh(spec, &cfg, Mode::Train)
+                        {
+                            refused.push(format!("{}: {e}", mesh_flags(&cfg)));
+                            continue;
+                        }
+                        configs.push(cfg);
                     }
-                    // What the mesh does not compose with (int8 moments, a quantized base
-                    // under --tp, …) leaves the group out.
-                    if mesh.world() > 1
-                        && let Err(e) = check_mesh(spec, &cfg, Mode::Train)
-                    {
-                        refused.push(format!("{}: {e}", mesh_flags(&cfg)));
-                        continue;
-                    }
-                    configs.push(cfg);
                 }
             }
         }
@@ -595,17 +614,22 @@ pub fn search(
         );
     }
     // Each group's lower bound of its time: its unconstrained plan (least recomputation,
-    // least offload) without accumulation, its micro-batch part repeated; on a mesh, rank
+    // least offload) with the fewest micro-batches, their part repeated; on a mesh, rank
     // 0's (the slowest rank is no faster).
     let mut groups = configs
         .into_par_iter()
         .map(|cfg| -> Result<Group> {
             let mut one = cfg.clone();
-            one.grad_accum = 1;
+            // The fewest micro-batches the schedule runs: one, or a group of the stages for
+            // the interleaved one.
+            one.grad_accum = match cfg.pipeline_chunks > 1 {
+                true => cfg.mesh.pipeline,
+                false => 1,
+            };
             one.recompute = policies[0];
             one.offload.set = placements[0];
             let t = predict(&build(spec, &one, Mode::Train, backend, Verify::No)?, cal);
-            let k = cfg.grad_accum as f64;
+            let k = cfg.grad_accum as f64 / one.grad_accum as f64;
             // The pipeline's bubble is (p − 1) micro-batches' work whatever their number.
             Ok(Group {
                 bound: k * (t.step_s - t.update_s - t.bubble_s) + t.bubble_s + t.update_s,

@@ -175,7 +175,11 @@ pub fn fit_space(
         },
         // Interleaved meshes keep their even runs (`search::balanced_cuts` leaves them).
         stage_layers: Pick::Auto,
-        pipeline_chunks: st.pp_chunks.unwrap_or(1),
+        pipeline_chunks: match (st.pp_chunks, ranks) {
+            (Some(v), _) => Pick::Fixed(v),
+            (None, 1) => Pick::Fixed(1),
+            (None, _) => Pick::Auto,
+        },
     })
 }
 
