@@ -127,7 +127,7 @@ pub struct Space {
     pub stage_layers: Pick<Vec<usize>>,
     /// Runs of layers each pipeline stage holds (`--pp-chunks`): given (more than 1
     /// interleaves the stages of every mesh with a pipeline), or `Auto`: 1 and, where the
-    /// interleaved schedule divides, 2 ([`chunk_options`]).
+    /// interleaved schedule divides, 2 (`chunk_options`).
     pub pipeline_chunks: Pick<usize>,
 }
 

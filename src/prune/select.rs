@@ -43,7 +43,7 @@ pub struct Candidate {
 const VOCAB_CHUNK: usize = 4096;
 
 /// A candidate's LM head `[V, C]` held as the candidate holds it (f32, or rows of ggml
-/// blocks), decoded [`VOCAB_CHUNK`] rows at a time: a pruned 8B's 128k-token head is about
+/// blocks), decoded `VOCAB_CHUNK` (4096) rows at a time: a pruned 8B's 128k-token head is about
 /// 0.5 GB in q8_0, 1.8 GB in f32.
 pub struct Head {
     ty: GgmlType,
@@ -95,7 +95,7 @@ impl Head {
 
 /// The mean next-token cross-entropy of the model `ex` runs (a generation plan of `seq`
 /// tokens) with its LM head `head` over `rows` (`seq + 1` token ids each: the inputs, then
-/// each one's next); `tick` after each row. The logits are computed [`VOCAB_CHUNK`] words
+/// each one's next); `tick` after each row. The logits are computed `VOCAB_CHUNK` (4096) words
 /// at a time for a whole sequence, each position's log-sum-exp carried across the chunks.
 pub fn calibration_loss(
     ex: &mut Executor,
