@@ -277,9 +277,9 @@ pub(crate) struct PruneArgs {
     /// Seed of the calibration draw.
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
-    /// How the model is held while scored and while each candidate runs: fp32, or blocks
-    /// as QLoRA holds a base (q8_0, q4_0, ...; keep: a GGUF's own) [default: keep for a
-    /// GGUF, fp32 otherwise]. Blocks hold a 7B in a few GB.
+    /// How the model is held while scored: fp32, or blocks as QLoRA holds a base (q8_0,
+    /// q4_0, ...; keep: a GGUF's own); the candidates then in q8_0, else fp32 [default: keep
+    /// for a GGUF, fp32 otherwise]. Blocks hold a 7B in a few GB.
     #[arg(long, value_name = "fp32|bf16|q8_0|q4_0|q4_1|q4_k|keep", value_parser = parse_base_quant)]
     pub(crate) base_quant: Option<BaseQuant>,
     /// Print every layer's scores and what each choice removes.
