@@ -206,7 +206,7 @@ lowest loss is kept.\n\n\
 Memory: one model is held at a time, as `memwall sample` holds it (its weights and one \
 sequence's activations): the original while it is scored, then each candidate. A GGUF --model \
 is held as its own blocks (--base-quant keep; a 4-bit 7B in about 4 GB), a checkpoint in fp32 \
-unless --base-quant gives blocks; candidates of a model held as blocks are held in q8_0. The \
+(q8_0 where fp32 would be more than the memory available) unless --base-quant says; candidates of a model held as blocks are held in q8_0. The \
 pruned weights are cut from the checkpoint's files (a GGUF's f32 conversion in the user cache) \
 as they are written, a few rows at a time; the summary prints what scoring held.\n\n\
 A pruned model loses quality until it is trained again: heal it with `memwall train --init OUT \
@@ -279,7 +279,8 @@ pub(crate) struct PruneArgs {
     pub(crate) seed: u64,
     /// How the model is held while scored: fp32, or blocks as QLoRA holds a base (q8_0,
     /// q4_0, ...; keep: a GGUF's own); the candidates then in q8_0, else fp32 [default: keep
-    /// for a GGUF, fp32 otherwise]. Blocks hold a 7B in a few GB.
+    /// for a GGUF; fp32 otherwise, or q8_0 where fp32 is more than the memory available].
+    /// Blocks hold a 7B in a few GB.
     #[arg(long, value_name = "fp32|bf16|q8_0|q4_0|q4_1|q4_k|keep", value_parser = parse_base_quant)]
     pub(crate) base_quant: Option<BaseQuant>,
     /// Print every layer's scores and what each choice removes.

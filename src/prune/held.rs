@@ -45,15 +45,45 @@ impl Storage {
 }
 
 /// How the original is held while scored: as `asked` (`--base-quant`), else a GGUF
-/// `gguf`'s own blocks, else f32. Notes for the user (a GGUF quantized again) go to `notes`.
+/// `gguf`'s own blocks, else f32, unless its f32 plan (`seq` tokens, `at`) is more than the
+/// memory available now (`available`), then q8_0 blocks ([`too_big_for_f32`]). Notes for
+/// the user (a GGUF quantized again, f32 given up) go to `notes`.
 pub fn original_storage(
     spec: &ModelSpec,
-    gguf: Option<&Path>,
-    asked: Option<BaseQuant>,
+    (gguf, asked): (Option<&Path>, Option<BaseQuant>),
+    (seq, at): (usize, (usize, DeviceId)),
+    available: Option<u64>,
     notes: &mut Vec<String>,
 ) -> Result<Storage> {
     let (quant, types) = base_storage(gguf, spec.family, true, asked, "--model", notes)?;
-    Ok(Storage { quant, types })
+    let storage = Storage { quant, types };
+    if asked.is_some() || quant != BaseQuant::F32 {
+        return Ok(storage);
+    }
+    let bytes = plan(spec, seq, &storage, at)?.total_bytes();
+    match too_big_for_f32(bytes, available) {
+        Some(note) => {
+            notes.push(note);
+            Ok(Storage {
+                quant: BaseQuant::Blocks(GgmlType::Q8_0),
+                types: None,
+            })
+        }
+        None => Ok(storage),
+    }
+}
+
+/// Where an f32 scoring plan of `bytes` is more than the `available` memory: what the user
+/// is told as the model is held in q8_0 blocks instead.
+pub fn too_big_for_f32(bytes: u64, available: Option<u64>) -> Option<String> {
+    let available = available?;
+    (bytes > available).then(|| {
+        format!(
+            "memwall: note: holding --model in fp32 takes {}, and {} is available: it is held              as q8_0 blocks (about 1.1 bytes a weight; give --base-quant fp32 to insist)",
+            crate::util::bytes::fmt_bytes(bytes),
+            crate::util::bytes::fmt_bytes(available)
+        )
+    })
 }
 
 /// Hands tensor `t`'s values to `put`, as pieces of whole rows in order.
@@ -248,6 +278,14 @@ fn held_type(original: DType, cols: usize) -> GgmlType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_model_is_held_in_f32_only_where_the_memory_available_holds_it() {
+        assert!(too_big_for_f32(100, Some(100)).is_none());
+        assert!(too_big_for_f32(100, None).is_none());
+        let note = too_big_for_f32(3 << 30, Some(1 << 30)).unwrap();
+        assert!(note.contains("3.00 GiB") && note.contains("--base-quant fp32"), "{note}");
+    }
 
     #[test]
     fn a_candidate_is_held_in_q8_0_or_as_wide_as_its_original() {

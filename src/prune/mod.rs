@@ -111,7 +111,8 @@ pub struct PruneOptions {
     /// unless `base_quant` says otherwise.
     pub gguf: Option<PathBuf>,
     /// How the original is held while scored (`--base-quant`; `None`: a GGUF's own blocks,
-    /// else f32), and so each candidate ([`held`]).
+    /// else f32 where the memory available holds it, else q8_0), and so each candidate
+    /// ([`held`]).
     pub base_quant: Option<crate::ir::BaseQuant>,
     pub data: PathBuf,
     pub out: PathBuf,
@@ -336,7 +337,10 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
     let data = open_data(opts, &spec, seq)?;
     let mut notes = Vec::new();
     let gguf = opts.gguf.as_deref();
-    let storage = held::original_storage(&spec, gguf, opts.base_quant, &mut notes)?;
+    let at = (opts.threads, opts.device);
+    let available = crate::util::rss::available_memory();
+    let (given, on) = ((gguf, opts.base_quant), (seq, at));
+    let storage = held::original_storage(&spec, given, on, available, &mut notes)?;
     let blocks = match (storage.quant, gguf) {
         (crate::ir::BaseQuant::Keep, Some(g)) => Some(crate::gguf::base::BaseSource::open(g)?),
         _ => None,
@@ -354,7 +358,6 @@ pub fn prune(opts: &PruneOptions, tick: &mut dyn FnMut(usize, usize)) -> Result<
         tick(done, total);
     };
     let layout = ParamLayout::new(&spec);
-    let at = (opts.threads, opts.device);
     let mut pruned = None;
     ckpt::load_params_by(&opts.model, &layout, |read| {
         let plan = held::plan(&spec, seq, &storage, at)?;
