@@ -284,7 +284,10 @@ mod tests {
         assert!(too_big_for_f32(100, Some(100)).is_none());
         assert!(too_big_for_f32(100, None).is_none());
         let note = too_big_for_f32(3 << 30, Some(1 << 30)).unwrap();
-        assert!(note.contains("3.00 GiB") && note.contains("--base-quant fp32"), "{note}");
+        assert!(
+            note.contains("3.00 GiB") && note.contains("--base-quant fp32"),
+            "{note}"
+        );
     }
 
     #[test]
