@@ -42,6 +42,16 @@ impl Storage {
             (BaseQuant::Keep, None) => "blocks of each tensor's own type".into(),
         }
     }
+
+    /// The blocks tensor `name` is held as (`None`: f32).
+    pub fn type_of(&self, name: &str) -> Option<GgmlType> {
+        match (self.quant, &self.types) {
+            (BaseQuant::Keep, Some(types)) => types.get(name).copied(),
+            (BaseQuant::Blocks(ty), _) => Some(ty),
+            _ => None,
+        }
+        .filter(|&ty| ty != GgmlType::F32)
+    }
 }
 
 /// How the original is held while scored: as `asked` (`--base-quant`), else a GGUF
@@ -79,7 +89,8 @@ pub fn too_big_for_f32(bytes: u64, available: Option<u64>) -> Option<String> {
     let available = available?;
     (bytes > available).then(|| {
         format!(
-            "memwall: note: holding --model in fp32 takes {}, and {} is available: it is held              as q8_0 blocks (about 1.1 bytes a weight; give --base-quant fp32 to insist)",
+            "memwall: note: holding --model in fp32 takes {}, and {} is available: it is held \
+             as q8_0 blocks (about 1.1 bytes a weight; give --base-quant fp32 to insist)",
             crate::util::bytes::fmt_bytes(bytes),
             crate::util::bytes::fmt_bytes(available)
         )
@@ -185,18 +196,6 @@ pub fn fill(
     })
 }
 
-impl Storage {
-    /// The blocks tensor `name` is held as (`None`: f32).
-    pub fn type_of(&self, name: &str) -> Option<GgmlType> {
-        match (self.quant, &self.types) {
-            (BaseQuant::Keep, Some(types)) => types.get(name).copied(),
-            (BaseQuant::Blocks(ty), _) => Some(ty),
-            _ => None,
-        }
-        .filter(|&ty| ty != GgmlType::F32)
-    }
-}
-
 /// Each tensor's storage in `plan` by its name, where the plan keeps its weights as a base
 /// (`None`: all f32).
 pub fn storage_of(plan: &Plan) -> Option<BTreeMap<String, DType>> {
@@ -285,7 +284,7 @@ mod tests {
         assert!(too_big_for_f32(100, None).is_none());
         let note = too_big_for_f32(3 << 30, Some(1 << 30)).unwrap();
         assert!(
-            note.contains("3.00 GiB") && note.contains("--base-quant fp32"),
+            note.contains("3.00 GiB") && note.contains("--base-quant fp32") && !note.contains("  "),
             "{note}"
         );
     }
