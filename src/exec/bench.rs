@@ -311,7 +311,11 @@ impl Bench {
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.1,
-            grad_clip: 1.0,
+            // An update inside the backward takes no clipping (`--update in-backward`).
+            grad_clip: match opts.strategies.update {
+                crate::ir::Update::End => 1.0,
+                crate::ir::Update::InBackward => 0.0,
+            },
             step: step as u64 + 1,
         })?;
         let dt = t0.elapsed().as_secs_f64();

@@ -22,7 +22,7 @@ use crate::dist::{Comm, Comms, Single};
 use crate::dtype::DType;
 use crate::dtype::GgmlType;
 use crate::ir::schedule::{Op, Phase};
-use crate::ir::{Axis, BufId, IGNORE_TARGET, OptimBufs, OptimState};
+use crate::ir::{Axis, BufId, IGNORE_TARGET, OptimBufs, OptimState, Update};
 use crate::ir::{Moments, MomentsMut};
 use crate::plan::{Mode, Plan};
 use crate::profile::record::{Direction, OpRecorder, Span, Track, micros};
@@ -875,6 +875,8 @@ impl Executor {
             let (o, update) = untrained_skips(self.settle(hp)?, self.loss_tokens.all);
             self.pending = update;
             o
+        } else if self.plan.cfg.update == Update::InBackward {
+            self.step_updating_in_backward(hp)?
         } else {
             let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
             let o = self.run(&ops, self.ctx(true), Some(hp))?;
@@ -891,6 +893,40 @@ impl Executor {
             comm_bytes: self.comm.bytes_sent() - sent_before,
             loss_tokens: self.loss_tokens.all,
         })
+    }
+
+    /// A step of a plan whose updates run inside the backward (`--update in-backward`): the
+    /// AdamW step is known before the norm (no clipping), so each group's update runs where
+    /// the plan put it; the norm is read after the step. A step whose gradients are not
+    /// finite cannot be skipped whole (the groups before it in the backward are updated):
+    /// the run stops with an error, its last checkpoint untouched.
+    fn step_updating_in_backward(&mut self, hp: &OptimHparams) -> Result<StepOutcome> {
+        if hp.grad_clip != 0.0 {
+            bail!(
+                "--update in-backward with --grad-clip {}: clipping by the global gradient \
+                 norm needs every gradient before the first update; use --grad-clip 0 (or \
+                 --update end)",
+                hp.grad_clip
+            );
+        }
+        let (_, step) = clip(0.0, self.loss_scale, hp);
+        let ctx = StepCtx {
+            update: step.filter(|_| self.loss_tokens.all > 0),
+            ..self.ctx(true)
+        };
+        let ops: Vec<usize> = (0..self.plan.schedule.ops.len()).collect();
+        self.run(&ops, ctx, None)?;
+        let (o, _) = untrained_skips(self.settle(hp)?, self.loss_tokens.all);
+        if !o.grad_norm.is_finite() {
+            bail!(
+                "the step's gradients are not finite (norm {}), and with --update in-backward \
+                 some groups were already updated with them: the run stops here (its last \
+                 checkpoint is kept). Resume it with a lower --lr or --update end, which skips \
+                 such a step",
+                o.grad_norm
+            );
+        }
+        Ok(o)
     }
 
     /// Applies the update the last step left pending (plans with a deferred update; does
@@ -920,6 +956,7 @@ impl Executor {
     /// pending update). No update is run (neither phase's, nor their transfers).
     pub fn compute_gradients(&mut self) -> Result<f32> {
         assert_eq!(self.plan.mode, Mode::Train);
+        self.gradients_outlive_the_backward()?;
         self.finish_update()?;
         let ops = self.ops_where(|p| !matches!(p, Phase::Optimizer | Phase::DeferredUpdate));
         self.run(&ops, self.ctx(true), None)?;
@@ -931,11 +968,24 @@ impl Executor {
     /// gradients are not finite. Returns the norm before clipping and whether the update was
     /// skipped.
     pub fn apply_optimizer(&mut self, hp: &OptimHparams) -> Result<StepOutcome> {
+        self.gradients_outlive_the_backward()?;
         let ops = self.ops_where(|p| p == Phase::Optimizer);
         let ctx = self.ctx(true);
         Ok(self
             .run(&ops, ctx, Some(hp))?
             .expect("the optimizer phase has AdamW ops"))
+    }
+
+    /// Refuses to split a step of a plan whose gradients die inside the backward
+    /// (`--update in-backward`), where there are none to read or update afterwards.
+    fn gradients_outlive_the_backward(&self) -> Result<()> {
+        if self.plan.cfg.update == Update::InBackward {
+            bail!(
+                "internal error: a plan with --update in-backward has no gradients after its \
+                 backward; run its steps whole (train_step)"
+            );
+        }
+        Ok(())
     }
 
     fn ctx(&self, training: bool) -> StepCtx {

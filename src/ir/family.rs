@@ -60,9 +60,10 @@ impl Op {
             Op::Gelu { .. } | Op::GeluBackward { .. } | Op::Glu { .. } | Op::GluBackward { .. } => {
                 OpFamily::Activation
             }
-            Op::LmHeadLoss { .. } | Op::LmHeadStats { .. } | Op::LmHeadLast { .. } => {
-                OpFamily::LmHead
-            }
+            Op::LmHeadLoss { .. }
+            | Op::LmHeadStats { .. }
+            | Op::LmHeadLast { .. }
+            | Op::LmHeadWeightGrad { .. } => OpFamily::LmHead,
             Op::LoraForward { .. } | Op::LoraBackward { .. } => OpFamily::Adapter,
             Op::GradNorm { .. } | Op::AdamW { .. } => OpFamily::Optimizer,
             Op::Transfer { .. } | Op::AwaitTransfers { .. } => OpFamily::Transfer,

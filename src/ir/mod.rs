@@ -71,4 +71,5 @@ pub use shard::{Collective, Cut, CutOf, Sharding, Zero};
 pub use sizing::Sizing;
 pub use strategy::{
     BaseQuant, BaseTypes, BlockPolicy, OptimState, Precision, QBLOCK, Recompute, RecomputeChoice,
+    Update,
 };

@@ -317,6 +317,29 @@ pub enum Op {
         vocab: Option<VocabShare>,
         /// Distillation (`train --distill-from`): the teacher's logits, chunk by chunk.
         teacher: Option<TeacherLogits>,
+        /// `[N, 2]` f32 (`--update in-backward`): the head's weight gradient is not taken
+        /// here but after the backward, by [`Op::LmHeadWeightGrad`] ops over slices of the
+        /// vocabulary; each row's softmax maximum and `scale / Σ exp(logit − max)` are
+        /// written here for them (a row of an untrained target: 0 and 0).
+        row_stats: Option<BufId>,
+    },
+    /// The LM head's weight gradient for the vocabulary's rows `first_token..first_token +
+    /// v` (`w` `[v, C]`), taken after the backward (`--update in-backward`,
+    /// `plan::update`): per chunk of rows of `inp[N,C]`, the logits of those words again,
+    /// `logits[rows, v] = inp @ wᵀ`, their gradient from `row_stats` `[N, 2]` (what
+    /// [`Op::LmHeadLoss`] left) and the targets, and `dw += dlogitsᵀ @ inp`: the rows of
+    /// the whole head's `dw`.
+    LmHeadWeightGrad {
+        inp: BufId,
+        targets: BufId,
+        row_stats: BufId,
+        logits: BufId,
+        w: Range<usize>, // [v, C]
+        first_token: usize,
+        rows: Rows,
+        c: usize,
+        v: usize,
+        rows_per_chunk: usize,
     },
     /// A tensor-parallel LM head's first pass over the rank's rows `w` `[v, C]` of the
     /// vocabulary (token ids `first_token..`), chunked like [`Op::LmHeadLoss`]: per row of

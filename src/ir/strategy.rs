@@ -273,6 +273,44 @@ impl FromStr for OptimState {
 
 serde_as_flag_text!(OptimState);
 
+/// When each parameter group's AdamW step runs (`--update`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Update {
+    /// After the whole backward: every group's gradients are live together at its end.
+    #[default]
+    End,
+    /// As soon as the group's gradients are final, inside the backward (PyTorch's
+    /// optimizer-in-backward, LOMO's fused update): each group's gradients live only from
+    /// its backward to its update, and the LM head's weight gradient is taken after the
+    /// backward a slice of the vocabulary at a time, each slice updated as it is done
+    /// (`plan::update`). The same arithmetic as [`Update::End`] without clipping by the
+    /// global norm, which needs every gradient first (`--grad-clip 0`).
+    InBackward,
+}
+
+impl fmt::Display for Update {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Update::End => "end",
+            Update::InBackward => "in-backward",
+        })
+    }
+}
+
+impl FromStr for Update {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Update> {
+        Ok(match s.trim() {
+            "end" => Update::End,
+            "in-backward" | "in_backward" | "backward" => Update::InBackward,
+            other => bail!("--update {other}: expected end or in-backward"),
+        })
+    }
+}
+
+serde_as_flag_text!(Update);
+
 /// How a LoRA plan keeps its frozen base (`--base-quant`): f32, or its matrices (the
 /// linear layers' weights and the embeddings, whose rows are whole blocks) as ggml blocks,
 /// quantized once when the base is loaded (llama.cpp's reference quantizers, bitwise), the

@@ -168,6 +168,7 @@ pub(crate) fn emit(
             rows_per_chunk,
             vocab,
             teacher,
+            row_stats: None,
         },
     );
     // The ranks' input gradients are each their rows' share.

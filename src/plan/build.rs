@@ -71,6 +71,7 @@
 use super::config::{Mode, StepConfig};
 use super::packing;
 use super::stage::{self, Home, Kind};
+use super::update;
 use super::zero;
 use super::{LoraPlan, OffloadSet, Plan};
 use crate::dtype::DType;
@@ -82,7 +83,7 @@ use crate::ir::schedule::{
     Binding, ImplicitBufs, Op, OpEntry, OptimBufs, ParamSlice, Phase, Rows, Schedule, Segment,
     Segments,
 };
-use crate::ir::strategy::{OptimState, Precision, QBLOCK};
+use crate::ir::strategy::{OptimState, Precision, QBLOCK, Update};
 use crate::ir::{BufId, Buffer, Category, Placement, Tier, TierSize};
 use crate::model::lora::AdapterLayout;
 use crate::model::{ModelSpec, ParamLayout, ParamTensor};
@@ -178,7 +179,8 @@ pub(super) fn build(
         quant_ws,
         gemm_ws,
     } = state_buffers(&mut g, &r, &layout, lora.as_ref(), sharded)?;
-    let grads = grad_buffers(&mut g, &layout, split.as_ref());
+    let head = update::head_slices(cfg, &layout);
+    let grads = grad_buffers(&mut g, &layout, split.as_ref(), head.as_ref());
     let optim = moments(&mut g, &r, &layout, sharded);
     let mut io = emit_micro_batches(&mut g, &r);
     super::pipeline::one_f_one_b(&mut g, cfg.pipeline_stage(spec.n_layer), cfg.grad_accum);
@@ -186,7 +188,10 @@ pub(super) fn build(
     if let Some(l) = &lora {
         super::lora::apply(&mut g, l);
     }
-    optimizer(&mut g, &layout, &optim, sharded);
+    if let Some(h) = &head {
+        update::head_after_backward(&mut g, h);
+    }
+    optimizer(&mut g, &layout, &optim, sharded, &grads);
     io.deferred_update = deferred_update(&mut g, &r, &grads);
     zero_grads_before_first_write(&mut g, &grads);
     // The adapters' whole tensors, or the model's with partial gradients (Qwen3's q/k norms).
@@ -196,6 +201,9 @@ pub(super) fn build(
     };
     super::lora::sum_shared_grads(&mut g, &layout, &grads, shared);
     norm_when_final(&mut g, &layout, &grads);
+    if cfg.update == Update::InBackward {
+        update::move_updates(&mut g, &grads);
+    }
     if let Some(plan) = base_storage(&mut g, &r, lora.as_ref(), base.as_ref())? {
         return Ok(plan);
     }
@@ -267,6 +275,9 @@ impl<'a> Request<'a> {
         }
         check_sizes(cfg)?;
         check_mesh(spec, cfg, mode)?;
+        if mode == Mode::Train {
+            update::check(cfg)?;
+        }
         if mode == Mode::Generate && cfg.precision != Precision::F32 {
             bail!("internal error: generation plans run in fp32");
         }
@@ -889,19 +900,39 @@ fn param_buffers(
 
 /// Declares one gradient buffer per parameter group (`{group}.grad`, in the storage type;
 /// as long as the group's cut for the collectives of a plan with ranks, `split`).
-fn grad_buffers(g: &mut Builder, layout: &ParamLayout, split: Option<&zero::Split>) -> Segments {
-    let segments = layout
-        .groups
-        .iter()
-        .enumerate()
-        .map(|(k, group)| {
-            let range = layout.group_range(group);
-            let elems = split.map_or(range.len(), |s| s.cuts[k].len());
-            let buf = g.act(format!("{}.grad", group.name), Category::Grad, elems);
-            Segment { range, buf }
-        })
-        .collect();
+fn grad_buffers(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    split: Option<&zero::Split>,
+    head: Option<&update::HeadSlices>,
+) -> Segments {
+    let mut segments = Vec::new();
+    for (k, group) in layout.groups.iter().enumerate() {
+        let range = layout.group_range(group);
+        // `--update in-backward`: the head's group, cut at the head's slices.
+        if let Some(parts) = head.and_then(|h| h.group_segments(&range)) {
+            for (suffix, range) in parts {
+                let name = format!("{}{suffix}.grad", group.name);
+                let buf = g.act(name, Category::Grad, range.len());
+                segments.push(Segment { range, buf });
+            }
+            continue;
+        }
+        let elems = split.map_or(range.len(), |s| s.cuts[k].len());
+        let buf = g.act(format!("{}.grad", group.name), Category::Grad, elems);
+        segments.push(Segment { range, buf });
+    }
     Segments { segments }
+}
+
+/// Each gradient segment's name: its buffer's, less `.grad` (the group's name, or a slice
+/// of the LM head's group: `embed.slice3`).
+fn segment_names(g: &Builder, grads: &Segments) -> Vec<String> {
+    let name = |s: &Segment| {
+        let n = &g.buffers[s.buf.0].name;
+        n.strip_suffix(".grad").unwrap_or(n).to_string()
+    };
+    grads.segments.iter().map(name).collect()
 }
 
 /// Inserts a `Zero` of each gradient buffer just before the first op that touches it (the
@@ -940,9 +971,15 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
 /// or cut ([`norm_runs`]): the executor counts the first once and adds the tensor ranks'
 /// second.
 fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
-    let runs: Vec<Vec<std::ops::Range<usize>>> = (0..grads.segments.len())
-        .map(|k| norm_runs(layout, k, &grads.segments[k].range))
+    // A segment per group, or the LM head's group cut into slices (one process).
+    let sliced = grads.segments.len() != layout.groups.len();
+    let runs: Vec<Vec<std::ops::Range<usize>>> = (grads.segments.iter().enumerate())
+        .map(|(k, s)| match sliced {
+            true => vec![s.range.clone()],
+            false => norm_runs(layout, k, &s.range),
+        })
         .collect();
+    let names = segment_names(g, grads);
     // The last pipeline stage's copy of a tied embedding's group: the first stage's share
     // counts it (the two are equal after their sum), so this one takes its share over nothing.
     let copy = (layout.stage.is_split() && !layout.stage.is_first() && !layout.tied.is_empty())
@@ -1003,7 +1040,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
         ops.push(e);
         for &k in &after[i] {
             for (j, range) in runs[k].iter().enumerate() {
-                let name = &layout.groups[k].name;
+                let name = &names[k];
                 ops.push(OpEntry {
                     name: match runs[k].len() {
                         1 => format!("{name}.grad_norm"),
@@ -1145,27 +1182,31 @@ fn optimizer(
     layout: &ParamLayout,
     state: &[OptimBufs],
     sharded: Option<&zero::Split>,
+    grads: &Segments,
 ) {
     let (state_block, _) = layout.block_offsets(QBLOCK);
+    let sliced = grads.segments.len() != layout.groups.len();
+    if sliced {
+        // The LM head's group cut into slices (`--update in-backward`): one update per
+        // gradient segment, of one process's whole state.
+        assert!(sharded.is_none() && state.len() == 1);
+        let names = segment_names(g, grads);
+        for (seg, name) in grads.segments.iter().zip(names) {
+            let tensors = slices_of(layout, &state_block, &seg.range, 0..layout.tensors.len());
+            let op = Op::AdamW {
+                tensors,
+                state: state[0],
+            };
+            g.op(format!("{name}.adamw"), Phase::Optimizer, 0, op);
+        }
+        return;
+    }
     for (k, group) in layout.groups.iter().enumerate() {
         let owned = match sharded {
             Some(s) => s.owned(&layout.group_range(group), k),
             None => layout.group_range(group),
         };
-        let tensors = group
-            .tensors
-            .clone()
-            .filter_map(|i| {
-                let t = &layout.tensors[i];
-                let lo = t.range.start.max(owned.start);
-                let hi = t.range.end.min(owned.end);
-                (lo < hi).then(|| ParamSlice {
-                    range: lo..hi,
-                    decay: t.decay,
-                    state_block: state_block[i] + (lo - t.range.start) / QBLOCK,
-                })
-            })
-            .collect();
+        let tensors = slices_of(layout, &state_block, &owned, group.tensors.clone());
         let state = if let [whole] = state {
             *whole
         } else {
@@ -1178,6 +1219,28 @@ fn optimizer(
             Op::AdamW { tensors, state },
         );
     }
+}
+
+/// The parts of tensors `among` (indices into the layout) within elements `owned`, as an
+/// `AdamW` op names them (each part starts a block of 8-bit state: `owned` is cut so).
+fn slices_of(
+    layout: &ParamLayout,
+    state_block: &[usize],
+    owned: &std::ops::Range<usize>,
+    among: std::ops::Range<usize>,
+) -> Vec<ParamSlice> {
+    among
+        .filter_map(|i| {
+            let t = &layout.tensors[i];
+            let lo = t.range.start.max(owned.start);
+            let hi = t.range.end.min(owned.end);
+            (lo < hi).then(|| ParamSlice {
+                range: lo..hi,
+                decay: t.decay,
+                state_block: state_block[i] + (lo - t.range.start) / QBLOCK,
+            })
+        })
+        .collect()
 }
 
 /// Declares the AdamW moments in `format` (see [`OptimBufs`]): one set covering every

@@ -6,7 +6,7 @@ use super::Offload;
 use crate::ir::shard::{Sharding, Zero};
 use crate::ir::{
     BaseQuant, BaseTypes, EmitOptions, Mesh, ModelPart, OptimState, PipelineStage, Precision,
-    Recompute, TensorSplit,
+    Recompute, TensorSplit, Update,
 };
 use crate::model::lora::LoraSpec;
 use serde::Serialize;
@@ -83,6 +83,14 @@ pub struct StepConfig {
     /// Training plans only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub distill: Option<Distill>,
+    /// When each parameter group's AdamW step runs (`--update`; [`Update::InBackward`]:
+    /// inside the backward, [`super::update`]). Training plans only.
+    #[serde(skip_serializing_if = "is_end")]
+    pub update: Update,
+}
+
+fn is_end(u: &Update) -> bool {
+    *u == Update::End
 }
 
 /// Distillation's loss at the LM head: `alpha` · KL(teacher ‖ student) + (1 − `alpha`) ·
@@ -130,6 +138,7 @@ impl StepConfig {
             base_types: None,
             packed: false,
             distill: None,
+            update: Update::End,
         }
     }
 

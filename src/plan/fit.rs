@@ -9,7 +9,7 @@ use crate::dtype::GgmlType;
 use crate::ir::BaseQuant;
 use crate::ir::Sizing;
 use crate::ir::shard::Zero;
-use crate::ir::{OptimState, Precision, Recompute, RecomputeChoice};
+use crate::ir::{OptimState, Precision, Recompute, RecomputeChoice, Update};
 use crate::model::ModelSpec;
 use crate::model::lora::LoraSpec;
 use crate::util::bytes::fmt_bytes;
@@ -89,6 +89,13 @@ pub struct Strategies {
     /// the KL's weight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub distill: Option<crate::plan::config::Distill>,
+    /// When each group's AdamW step runs (`--update`).
+    #[serde(default, skip_serializing_if = "is_end")]
+    pub update: Update,
+}
+
+fn is_end(u: &Update) -> bool {
+    *u == Update::End
 }
 
 fn is_f32(q: &BaseQuant) -> bool {
@@ -130,6 +137,7 @@ impl Default for Strategies {
             base_types: None,
             packed: false,
             distill: None,
+            update: Update::End,
         }
     }
 }
@@ -210,6 +218,7 @@ impl Strategies {
         cfg.base_quant = self.base_quant;
         cfg.base_types = self.base_types.clone();
         cfg.distill = self.distill;
+        cfg.update = self.update;
         cfg
     }
 
@@ -243,6 +252,7 @@ impl Strategies {
             base_types: cfg.base_types.clone(),
             packed: cfg.packed,
             distill: cfg.distill,
+            update: cfg.update,
         }
     }
 

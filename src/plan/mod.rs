@@ -24,6 +24,7 @@ pub mod stage_cut;
 pub mod stage_layers;
 pub mod tiers;
 pub mod time;
+mod update;
 pub mod zero;
 
 pub use build::build_plan;

@@ -189,6 +189,7 @@ macro_rules! for_each_operand {
                 w,
                 vocab,
                 teacher,
+                row_stats,
                 ..
             } => {
                 $buf!(inp, Read);
@@ -216,11 +217,30 @@ macro_rules! for_each_operand {
                     None => $buf!(logits, Write),
                 }
                 $params!(Tensor(w, None), Read);
-                // Training: the input's gradient, and the head's gradients accumulated.
+                // Training: the input's gradient, and the head's gradients accumulated (or
+                // the rows' statistics, for the gradient taken after the backward).
                 if let Some(d) = dinp {
                     $buf!(d, Write);
-                    $grads!(Tensor(w, None), ReadWrite);
+                    match row_stats {
+                        Some(s) => $buf!(s, Write),
+                        None => $grads!(Tensor(w, None), ReadWrite),
+                    }
                 }
+            }
+            Op::LmHeadWeightGrad {
+                inp,
+                targets,
+                row_stats,
+                logits,
+                w,
+                ..
+            } => {
+                $buf!(inp, Read);
+                $buf!(targets, Read);
+                $buf!(row_stats, Read);
+                $buf!(logits, Write);
+                $params!(Tensor(w, None), Read);
+                $grads!(Tensor(w, None), ReadWrite);
             }
             Op::LmHeadStats {
                 inp,

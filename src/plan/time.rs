@@ -355,6 +355,7 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::LmHeadLoss { dinp: Some(_), .. } => "lm_head_loss",
         Op::LmHeadLoss { dinp: None, .. } => "lm_head_eval",
         Op::LmHeadStats { .. } => "lm_head_stats",
+        Op::LmHeadWeightGrad { .. } => "lm_head_weight_grad",
         Op::LmHeadLast { .. } => "lm_head_last",
         Op::LayerNormBackward { .. } => "layernorm_bwd",
         Op::MatmulBackward { .. } if e.frozen => "matmul_bwd_input",

@@ -131,6 +131,16 @@ fn gemm_panel_bytes(op: &Op) -> u64 {
                 .max(packing_bytes(r, *v))
                 .max(packing_bytes(*v, r))
         }
+        // logits = x @ wᵀ and dw += dlogitsᵀ @ x, per chunk of r rows, over v words.
+        Op::LmHeadWeightGrad {
+            rows_per_chunk,
+            c,
+            v,
+            ..
+        } => {
+            let r = *rows_per_chunk;
+            packing_bytes(r, *c).max(packing_bytes(*v, r))
+        }
         Op::LmHeadLast { c, .. } => packing_bytes(1, *c),
         _ => 0,
     }

@@ -15,7 +15,8 @@
 //! - [`gemm`]: the GEMMs ([`gemm::f32`], [`gemm::bf16_dot`], [`gemm::mixed`]).
 //! - the layers: [`encoder`], [`layernorm`] and [`rmsnorm`], [`matmul`] (the linear layer, on
 //!   [`gemm`]), [`attention`], [`rope`] (rotary position embedding, in place on q|k|v),
-//!   [`gelu`] and [`glu`] (the gated MLPs' activations: SwiGLU, GeGLU), [`xent`] and
+//!   [`gelu`] and [`glu`] (the gated MLPs' activations: SwiGLU, GeGLU), [`xent`] (and
+//!   [`xent_slice`], its gradient for a slice of the vocabulary) and
 //!   [`distill`] (the losses on the logits: cross-entropy, distillation), [`lora`] (an adapter
 //!   on a frozen linear layer); the optimizers [`adamw`]
 //!   and [`quant`] (compressed optimizer state); [`peak`] (the machine's measured FMA
@@ -68,5 +69,6 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod xent;
 pub mod xent_part;
+pub mod xent_slice;
 
 pub use device::{Cpu, CpuDevice};

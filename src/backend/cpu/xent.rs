@@ -102,22 +102,72 @@ pub fn softmax_xent_backward_inplace(
         .par_chunks_mut(rows * v)
         .zip(targets.par_chunks(rows))
         .zip(losses.par_chunks_mut(rows))
-        .for_each(|((lg, tg), ls)| backward_rows(lg, tg, ls, dloss_scale, v));
+        .for_each(|((lg, tg), ls)| backward_rows(lg, tg, ls, &mut [], dloss_scale, v));
 }
 
+/// [`softmax_xent_backward_inplace`], also writing each row's [`ROW_STATS`] into `stats`
+/// `[n, 2]`: its maximum and the factor `dloss_scale / Σ exp(logit − max)` (0 and 0 for an
+/// untrained target), from which [`super::xent_slice::grad_slice`] computes the same
+/// gradient for any slice of the row's vocabulary, its logits computed again.
+pub fn softmax_xent_backward_with_stats(
+    logits: &mut [f32], // [n, V] in: logits, out: dloss/dlogits
+    targets: &[u32],    // [n]
+    losses: &mut [f32], // [n]
+    stats: &mut [f32],  // [n, 2] out: max, dloss_scale / Σ exp
+    dloss_scale: f32,
+    n: usize,
+    v: usize,
+) {
+    assert_eq!(
+        stats.len(),
+        n * ROW_STATS,
+        "softmax_xent_backward_with_stats: stats"
+    );
+    assert_eq!(
+        logits.len(),
+        n * v,
+        "softmax_xent_backward_with_stats: logits"
+    );
+    assert_eq!(
+        targets.len(),
+        n,
+        "softmax_xent_backward_with_stats: targets"
+    );
+    assert_eq!(losses.len(), n, "softmax_xent_backward_with_stats: losses");
+    if n == 0 {
+        return;
+    }
+    assert!(v > 0, "softmax_xent_backward_with_stats: empty vocabulary");
+    let rows = rows_per_task(v);
+    logits
+        .par_chunks_mut(rows * v)
+        .zip(targets.par_chunks(rows))
+        .zip(losses.par_chunks_mut(rows))
+        .zip(stats.par_chunks_mut(rows * ROW_STATS))
+        .for_each(|(((lg, tg), ls), st)| backward_rows(lg, tg, ls, st, dloss_scale, v));
+}
+
+/// Numbers per row [`softmax_xent_backward_with_stats`] keeps: the maximum and the factor.
+pub const ROW_STATS: usize = 2;
+
 multiversion! {
-    /// The fused backward over a few whole rows.
+    /// The fused backward over a few whole rows; each row's max and factor into `st`
+    /// `[rows, 2]` unless it is empty.
     fn backward_rows(
         lg: &mut [f32], // [rows, V]
         tg: &[u32],     // [rows]
         ls: &mut [f32], // [rows]
+        st: &mut [f32], // [rows, 2] or []
         dloss_scale: f32,
         v: usize,
     ) {
-        for ((row, &tgt), loss) in lg.chunks_exact_mut(v).zip(tg).zip(ls) {
+        for (i, ((row, &tgt), loss)) in lg.chunks_exact_mut(v).zip(tg).zip(ls).enumerate() {
             if tgt == IGNORE_TARGET {
                 *loss = 0.0;
                 row.fill(0.0);
+                if !st.is_empty() {
+                    st[i * ROW_STATS..(i + 1) * ROW_STATS].fill(0.0);
+                }
                 continue;
             }
             let tgt = check_target(tgt, v);
@@ -126,6 +176,10 @@ multiversion! {
             let sum = exp_sum(row, max);
             *loss = (sum.ln() - (x_t - max) as f64) as f32;
             let s = (dloss_scale as f64 / sum) as f32;
+            if !st.is_empty() {
+                st[i * ROW_STATS] = max;
+                st[i * ROW_STATS + 1] = s;
+            }
             for x in row.iter_mut() {
                 // Flush what would be denormal (the LM-head GEMMs read this) to 0.
                 let g = *x * s;

@@ -5,7 +5,7 @@
 use crate::backend::DeviceId;
 use crate::ir::BaseQuant;
 use crate::ir::shard::Zero;
-use crate::ir::{OptimState, Precision, RecomputeChoice};
+use crate::ir::{OptimState, Precision, RecomputeChoice, Update};
 use crate::model::Family;
 use crate::model::lora::{LoraSpec, parse_targets};
 use crate::plan::OffloadChoice;
@@ -52,6 +52,8 @@ pub struct StrategyRequest {
     pub lora: Option<LoraRequest>,
     /// `--base-quant`.
     pub base_quant: Option<BaseQuant>,
+    /// `--update`.
+    pub update: Option<Update>,
     /// `--lora-dropout` without `--lora`: the dropout `train --init-adapter` continues the
     /// adapter with (refused elsewhere, naming the flag).
     pub adapter_dropout: Option<f32>,

@@ -29,6 +29,7 @@ impl StrategyRequest {
             offload_dir: self.offload_dir.clone(),
             zero: self.zero.unwrap_or(d.zero),
             base_quant: self.base_quant.unwrap_or(d.base_quant),
+            update: self.update.unwrap_or(d.update),
             ..d
         })
     }

@@ -11,6 +11,7 @@ use crate::exec::train::{
     Progress, TrainOptions, planning_baseline, resume_options, with_data_open,
 };
 use crate::gguf;
+use crate::ir::Update;
 use crate::model::ModelSpec;
 use crate::plan::fit::Strategies;
 use crate::plan::search::Pick;
@@ -136,6 +137,11 @@ pub fn new_run(
         o.strategies = r.strategies;
         o.init_adapter = req.init_adapter.clone();
     }
+    // An update inside the backward cannot wait for the global norm: no clipping, unless
+    // asked for (then refused by the options' check, naming both flags).
+    if o.strategies.update == Update::InBackward && !req.given.contains(&"--grad-clip") {
+        o.grad_clip = 0.0;
+    }
     Ok(o)
 }
 
@@ -259,6 +265,10 @@ pub fn resume(
     // Recomputation never changes the weights, so a resumed run may change it.
     if let Some(r) = req.step.strategy.recompute {
         opts.strategies.recompute = r;
+    }
+    // Nor does the update's place (without clipping, which `--update in-backward` refuses).
+    if let Some(u) = req.step.strategy.update {
+        opts.strategies.update = u;
     }
     if req.step.max_memory.is_some() {
         opts.strategies.max_memory = req.step.max_memory;

@@ -4,9 +4,10 @@
 //! They are saved as JSON in every checkpoint's `trainer_state.json` (field `train`), so their
 //! serialised keys are a file format: runs resume from saved options.
 
-use crate::backend::DeviceId;
+use crate::backend::{DeviceId, DeviceKind};
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::DataSet;
+use crate::ir::Update;
 use crate::plan::fit::Strategies;
 use crate::run_dir::RunDir;
 use anyhow::{Context, Result, bail};
@@ -288,6 +289,21 @@ impl TrainOptions {
             bail!(
                 "--grad-clip must be >= 0 (0 disables clipping), got {}",
                 self.grad_clip
+            );
+        }
+        if self.strategies.update == Update::InBackward && self.grad_clip != 0.0 {
+            bail!(
+                "--update in-backward with --grad-clip {}: clipping by the global gradient norm \
+                 needs every gradient before the first update; use --grad-clip 0 (the default \
+                 with --update in-backward; a resumed run keeps its own) or --update end",
+                self.grad_clip
+            );
+        }
+        if self.strategies.update == Update::InBackward && self.device.kind != DeviceKind::Cpu {
+            bail!(
+                "--update in-backward with --device {}: runs on the CPU only for now; use \
+                 --update end",
+                self.device
             );
         }
         if self.eval_batches == 0 {

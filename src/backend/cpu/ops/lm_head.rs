@@ -1,15 +1,17 @@
 //! The LM head family ([`OpFamily::LmHead`]) on the CPU: [`Op::LmHeadLoss`], chunked over rows
 //! (logits, softmax cross-entropy and, in training, the input's and the head's gradients; on
 //! f32 weights or a quantized base's), a tensor-parallel head's [`Op::LmHeadStats`] (its
-//! part of the vocabulary's softmax statistics, [`xent_part`]), and generation's
-//! [`Op::LmHeadLast`].
+//! part of the vocabulary's softmax statistics, [`xent_part`]), the weight gradient of a
+//! slice of the vocabulary taken after the backward ([`Op::LmHeadWeightGrad`],
+//! [`xent_slice`]), and generation's [`Op::LmHeadLast`].
 
 use super::{Args, not_of};
 use crate::backend::StepCtx;
 use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::gemm::mixed as gemm_mixed;
 use crate::backend::cpu::gemm::quantized::{self, QuantWeight};
-use crate::backend::cpu::{distill, xent, xent_part};
+use crate::backend::cpu::xent::ROW_STATS;
+use crate::backend::cpu::{distill, xent, xent_part, xent_slice};
 use crate::dtype::Elem;
 use crate::ir::schedule::{Op, OpEntry};
 use crate::ir::{OpFamily, VocabShare};
@@ -81,6 +83,7 @@ impl CpuDevice {
                 rows_per_chunk,
                 vocab,
                 teacher,
+                row_stats,
             } => {
                 let (planned, n, c, v) = (rows.n(), rows.with_seq(ctx.seq).n(), *c, *v);
                 let wt = self.head_weight(&args, e, w, (v, c));
@@ -150,15 +153,26 @@ impl CpuDevice {
                             );
                             distill::distill_backward_inplace(lg, tl, tr, lr, t.alpha, scale, r, v)
                         }
-                        (None, None) => {
-                            xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v)
-                        }
+                        (None, None) => match row_stats {
+                            Some(s) => xent::softmax_xent_backward_with_stats(
+                                lg,
+                                tr,
+                                lr,
+                                &mut self.view::<f32>(*s)
+                                    [start * ROW_STATS..(start + r) * ROW_STATS],
+                                scale,
+                                r,
+                                v,
+                            ),
+                            None => xent::softmax_xent_backward_inplace(lg, tr, lr, scale, r, v),
+                        },
                     }
                     let dx = &mut self.view::<T>(d)[start * c..(start + r) * c];
                     wt.input_grad(&args, dx, lg, (r, c, v));
                     // dw[V, C] += dlogitsᵀ[V, r] @ xr[r, C] (a frozen head, a quantized
-                    // base's among them, takes no gradient).
-                    if let (HeadWeight::F32(_), false) = (&wt, e.frozen) {
+                    // base's among them, takes no gradient; with `row_stats` it is taken
+                    // after the backward, by `LmHeadWeightGrad`).
+                    if let (HeadWeight::F32(_), false, None) = (&wt, e.frozen, row_stats) {
                         gemm_mixed::gemm_mixed(
                             v,
                             c,
@@ -175,6 +189,56 @@ impl CpuDevice {
                             args.ws(),
                         );
                     }
+                    start += r;
+                }
+            }
+            Op::LmHeadWeightGrad {
+                inp,
+                targets,
+                row_stats,
+                logits,
+                w,
+                first_token,
+                rows,
+                c,
+                v,
+                rows_per_chunk,
+            } => {
+                let (n, c, v) = (rows.with_seq(ctx.seq).n(), *c, *v);
+                let wt = self.head_weight(&args, e, w, (v, c));
+                let x = &args.act(*inp)[..n * c];
+                let tg = &self.u32_mut(*targets)[..n];
+                let stats = &self.view::<f32>(*row_stats)[..n * ROW_STATS];
+                let logits = self.view::<f32>(*logits);
+                // As `LmHeadLoss` scales the logits' gradient.
+                let scale = ctx.loss_scale / ctx.loss_tokens.max(1) as f32;
+                let mut start = 0;
+                while start < n {
+                    let r = (*rows_per_chunk).min(n - start);
+                    let lg = &mut logits[..r * v];
+                    let xr = &x[start * c..(start + r) * c];
+                    wt.logits(&args, lg, xr, (r, c, v));
+                    let (tr, st) = (
+                        &tg[start..start + r],
+                        &stats[start * ROW_STATS..(start + r) * ROW_STATS],
+                    );
+                    xent_slice::grad_slice(lg, tr, st, *first_token, scale, r, v);
+                    // dw[v, C] += dlogitsᵀ[v, r] @ xr[r, C], as `LmHeadLoss` takes it.
+                    gemm_mixed::gemm_mixed(
+                        v,
+                        c,
+                        r,
+                        &lg[..],
+                        v,
+                        true,
+                        xr,
+                        c,
+                        false,
+                        args.grad(w),
+                        c,
+                        true,
+                        args.ws(),
+                    );
                     start += r;
                 }
             }

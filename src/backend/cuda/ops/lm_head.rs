@@ -133,6 +133,14 @@ impl GpuDevice {
                 e.name
             ),
             Op::LmHeadLoss {
+                row_stats: Some(_), ..
+            }
+            | Op::LmHeadWeightGrad { .. } => bail!(
+                "{}: --update in-backward runs on the CPU only for now; use --update end with \
+                 --device cuda",
+                e.name
+            ),
+            Op::LmHeadLoss {
                 inp,
                 targets,
                 losses,
@@ -145,6 +153,7 @@ impl GpuDevice {
                 rows_per_chunk,
                 vocab: None,
                 teacher: None,
+                row_stats: None,
             } => {
                 let (n, c, v, per) = (rows.with_seq(ctx.seq).n(), *c, *v, *rows_per_chunk);
                 if n == 0 {
