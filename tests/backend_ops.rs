@@ -152,10 +152,12 @@ macro_rules! backend_suite {
             backend_suite!(@$ranks $backend, $p, $attr);
         }
     };
-    // What only the CPU backend runs yet: collectives, and distillation's head.
+    // What only the CPU backend runs yet: collectives, distillation's head, and the head's
+    // weight gradient taken after the backward (`--update in-backward`).
     (@ranks $backend:expr, $p:expr, $attr:meta) => {
         storage_checks!($backend, $p, $attr;
             layers::lm_head_distill,
+            layers::lm_head_weight_grad,
             state::all_reduce,
             state::reduce_scatter,
             state::all_gather,

@@ -260,7 +260,7 @@ fn what_it_does_not_compose_with_is_refused_naming_the_flags() {
     let mut ex = Executor::on(plan, backend()).unwrap();
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();
-    ex.upload_batch(&vec![1u32; 2 * 17]).unwrap();
+    ex.upload_batch(&[1u32; 2 * 17]).unwrap();
     let e = format!(
         "{:#}",
         ex.train_step(&OptimHparams {

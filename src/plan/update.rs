@@ -260,7 +260,10 @@ pub(super) fn move_updates(g: &mut Builder, grads: &Segments) {
             continue;
         }
         // A frozen op's parameters are the base's, not these.
-        let params = (!e.frozen).then(|| e.op.param_ranges()).unwrap_or_default();
+        let params = match e.frozen {
+            true => Vec::new(),
+            false => e.op.param_ranges(),
+        };
         for r in params.iter().chain(&e.grad_ranges()) {
             let mut k = first(r);
             while k < segs.len() && segs[k].range.start < r.end {

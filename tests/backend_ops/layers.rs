@@ -1274,6 +1274,7 @@ fn lm_head_rig_of(p: Precision, sh: HeadShape, with_dinp: bool, bind: Bind) -> (
         rows_per_chunk: sh.chunk,
         vocab: None,
         teacher: None,
+        row_stats: None,
     };
     let op = rig.op(op, bind);
     let head = Head {
@@ -1414,6 +1415,99 @@ fn lm_head_loss_of(be: &dyn Backend, p: Precision, sh: HeadShape, bind: Bind) {
     } else {
         check(&format!("{what} grads"), &grads, &g, reduced(p));
     }
+}
+
+/// The LM head's weight gradient taken after the backward (`--update in-backward`): the head
+/// op with `row_stats` writes the losses, `dinp` and each row's statistics but no weight
+/// gradient; then [`Op::LmHeadWeightGrad`] over two slices of the vocabulary (words 0..5
+/// and 5..V, targets on both sides; the last chunk of rows short) adds each slice's rows
+/// of it. Every output against the f64 reference, and the slices' gradient bitwise the one
+/// [`Op::LmHeadLoss`] takes whole on the same inputs (the same chunks of rows).
+pub fn lm_head_weight_grad(be: &dyn Backend, p: Precision) {
+    let run = |sliced: bool| {
+        let (mut rig, h) = lm_head_rig(p, true);
+        let stats = rig.f32("row_stats", N * 2); // [N, 2]
+        let slice_logits = rig.f32("slice.logits", CHUNK * HV); // [rows_per_chunk, v]
+        let cut = 5;
+        let slices = if sliced {
+            let Op::LmHeadLoss { row_stats, .. } = rig.op_mut(h.op) else {
+                unreachable!("the rig's op is the head")
+            };
+            *row_stats = Some(stats);
+            [0..cut, cut..HV]
+                .into_iter()
+                .map(|words| {
+                    let w = h.w.start + words.start * HC..h.w.start + words.end * HC;
+                    let op = Op::LmHeadWeightGrad {
+                        inp: h.inp,
+                        targets: h.targets,
+                        row_stats: stats,
+                        logits: slice_logits,
+                        w,
+                        first_token: words.start,
+                        rows: ROWS,
+                        c: HC,
+                        v: words.len(),
+                        rows_per_chunk: CHUNK,
+                    };
+                    rig.op(op, Bind::Both)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut s = rig.start(be);
+        let mut rng = Rng::new(17);
+        let pw = s.fill(s.params(), &mut rng, -1.0, 1.0);
+        let g0 = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+        let x = s.fill(h.inp, &mut rng, -1.0, 1.0);
+        let mut tg: Vec<u32> = (0..N).map(|i| (i * 7 % HV) as u32).collect();
+        tg[1] = IGNORE_TARGET;
+        s.put_u32(h.targets, &tg);
+        let ctx = StepCtx {
+            loss_scale: LOSS_SCALE,
+            loss_tokens: LOSS_ROWS,
+            ..ctx()
+        };
+        s.run(h.op, &ctx);
+        if sliced {
+            // The head took no weight gradient.
+            same("lm_head_loss with row_stats: grads", &s.get(s.grads()), &g0);
+        }
+        for &op in &slices {
+            s.run(op, &ctx);
+        }
+        let wv = &pw[local(&h.w)];
+        let rows = head_ref(&x, wv, &tg, LOSS_SCALE as f64 / LOSS_ROWS as f64);
+        let mut g = wide(&g0);
+        for (i, (_, dz)) in rows.iter().enumerate() {
+            for (v, &dzv) in dz.iter().enumerate() {
+                let gv = &mut g[local(&h.w).start + v * HC..][..HC];
+                for (gc, &xc) in gv.iter_mut().zip(&x[i * HC..][..HC]) {
+                    *gc += dzv * xc as f64;
+                }
+            }
+        }
+        let loss: Vec<f64> = rows.iter().map(|r| r.0).collect();
+        let what = format!("lm_head_weight_grad (sliced {sliced})");
+        check(
+            &format!("{what} losses"),
+            &s.get(h.losses),
+            &loss,
+            reduced(p),
+        );
+        let grads = s.get(s.grads());
+        check(&format!("{what} grads"), &grads, &g, reduced(p));
+        (
+            s.get(h.losses),
+            s.get(h.dinp.expect("training head")),
+            grads,
+        )
+    };
+    let (whole, sliced) = (run(false), run(true));
+    same("lm_head_weight_grad: losses", &sliced.0, &whole.0);
+    same("lm_head_weight_grad: dinp", &sliced.1, &whole.1);
+    same("lm_head_weight_grad: grads", &sliced.2, &whole.2);
 }
 
 /// The LM head distilling (`teacher`): per row the loss α · KL(softmax(h Wtᵀ) ‖ softmax(x

@@ -623,6 +623,7 @@ pub fn kind(op: &Op) -> &'static str {
         Op::LmHeadLoss { .. } => "lm_head_loss",
         Op::LmHeadStats { .. } => "lm_head_stats",
         Op::LmHeadLast { .. } => "lm_head_last",
+        Op::LmHeadWeightGrad { .. } => "lm_head_weight_grad",
         Op::LayerNormBackward { .. } => "layernorm_backward",
         Op::MatmulBackward { .. } => "matmul_backward",
         Op::LoraForward { .. } => "lora_forward",

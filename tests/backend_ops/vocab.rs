@@ -171,6 +171,7 @@ pub fn lm_head_vocab_parallel(be: &dyn Backend, p: Precision) {
             rows_per_chunk: chunk,
             vocab: Some(vocab),
             teacher: None,
+            row_stats: None,
         };
         let loss = rig.op(loss, Bind::Both);
         let mut s = rig.start(be);

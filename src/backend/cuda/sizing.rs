@@ -517,6 +517,7 @@ mod tests {
                 rows_per_chunk: 4,
                 vocab: None,
                 teacher: None,
+                row_stats: None,
             },
             false,
         )
