@@ -680,7 +680,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         device: a.device,
     };
     eprintln!(
-        "bench: model {} batch {} x grad-accum {} seq {} threads {} {} recompute {} optimizer state {}{}, 1 warm-up + {} timed steps",
+        "bench: model {} batch {} x grad-accum {} seq {} threads {} {} recompute {} optimizer state {}{}{}, 1 warm-up + {} timed steps",
         opts.model,
         opts.batch,
         opts.strategies.grad_accum,
@@ -689,6 +689,10 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         opts.strategies.precision,
         opts.strategies.recompute,
         opts.strategies.optim_state,
+        match opts.strategies.update {
+            memwall::ir::Update::End => "",
+            memwall::ir::Update::InBackward => " update in-backward",
+        },
         opts.profile
             .as_ref()
             .map(|d| format!(", profiling into {}", d.display()))

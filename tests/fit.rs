@@ -118,6 +118,7 @@ fn space(global_batch: usize) -> Space {
         sequence_parallel: Pick::Fixed(false),
         stage_layers: Pick::Fixed(Vec::new()),
         pipeline_chunks: Pick::Fixed(1),
+        update: Default::default(),
     }
 }
 

@@ -311,11 +311,7 @@ impl Bench {
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.1,
-            // An update inside the backward takes no clipping (`--update in-backward`).
-            grad_clip: match opts.strategies.update {
-                crate::ir::Update::End => 1.0,
-                crate::ir::Update::InBackward => 0.0,
-            },
+            grad_clip: grad_clip(opts.strategies.update),
             step: step as u64 + 1,
         })?;
         let dt = t0.elapsed().as_secs_f64();
@@ -427,6 +423,8 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
             "optim_state": opts.strategies.optim_state.to_string(),
             "offload": ex.plan.cfg.offload.set.to_string(),
             "optimizer": "adamw", "seed": opts.seed,
+            "update": opts.strategies.update.to_string(),
+            "grad_clip": grad_clip(opts.strategies.update),
             "data": match opts.packed {
                 Some(len) => format!("uniform random tokens, rows packing examples of {len} (first third untrained)"),
                 None => "uniform random tokens".into(),
@@ -611,6 +609,15 @@ pub fn summary(report: &Value) -> String {
         ));
     }
     parts.join(" · ")
+}
+
+/// The steps' gradient clipping: by a global norm of 1, except where the update runs inside
+/// the backward (`--update in-backward`), which takes none.
+fn grad_clip(update: crate::ir::Update) -> f32 {
+    match update {
+        crate::ir::Update::End => 1.0,
+        crate::ir::Update::InBackward => 0.0,
+    }
 }
 
 #[cfg(test)]

@@ -27,8 +27,9 @@ pub enum OpFamily {
     /// Pointwise activations: [`Op::Gelu`], [`Op::Glu`] and their backwards.
     Activation,
     /// The LM head: [`Op::LmHeadLoss`] (logits, cross-entropy and, in training, their
-    /// gradients; under tensor parallelism after [`Op::LmHeadStats`]) and [`Op::LmHeadLast`]
-    /// (generation's next-token logits).
+    /// gradients; under tensor parallelism after [`Op::LmHeadStats`]), [`Op::LmHeadWeightGrad`]
+    /// (the weight gradient of a slice of the vocabulary, after the backward) and
+    /// [`Op::LmHeadLast`] (generation's next-token logits).
     LmHead,
     /// LoRA adapters on frozen linear layers: [`Op::LoraForward`], [`Op::LoraBackward`].
     Adapter,

@@ -65,7 +65,9 @@ pub enum Phase {
     Backward,
     /// The update after the backward: `AdamW` over each parameter group. In plans with a
     /// deferred update ([`Schedule::deferred_update`]) these ops run only to finish an update
-    /// outside a step (before a checkpoint, an evaluation or a read of the weights).
+    /// outside a step (before a checkpoint, an evaluation or a read of the weights); with
+    /// `--update in-backward` each sits inside the backward, just after the last op that
+    /// touches its group (`plan::update`).
     Optimizer,
     /// The previous step's `AdamW` of one parameter group, run in this step's forward just
     /// before the group's first use (plans with [`Schedule::deferred_update`]): the update's

@@ -420,6 +420,7 @@ pub fn plan_fitting(
         sequence_parallel: Pick::Fixed(cfg.sequence_parallel),
         stage_layers: Pick::Fixed(cfg.stage_layers.clone()),
         pipeline_chunks: Pick::Fixed(cfg.pipeline_chunks),
+        update: cfg.update,
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {

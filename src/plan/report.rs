@@ -40,6 +40,13 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     if let Some(l) = &plan.lora {
         let _ = writeln!(s, "      {}; base {}", l.describe(), cfg.base_quant);
     }
+    if cfg.update == crate::ir::Update::InBackward && plan.mode == super::Mode::Train {
+        let _ = writeln!(
+            s,
+            "      update in-backward: each group's AdamW step as soon as its gradients are \
+             final; the LM head's weight gradient after the backward, by vocabulary slices"
+        );
+    }
     let mesh = &cfg.mesh;
     if mesh.tensor > 1 {
         let joins = match cfg.sequence_parallel {

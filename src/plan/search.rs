@@ -129,6 +129,9 @@ pub struct Space {
     /// interleaves the stages of every mesh with a pipeline), or `Auto`: 1 and, where the
     /// interleaved schedule divides, 2 (`chunk_options`).
     pub pipeline_chunks: Pick<usize>,
+    /// When each group's update runs (`--update`), as given: with `in-backward`, which
+    /// composes with neither, nothing is offloaded and fp16 is not tried.
+    pub update: crate::ir::Update,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -499,6 +502,13 @@ pub fn search(
     if space.global_batch == 0 {
         bail!("--global-batch must be at least 1");
     }
+    if space.update == crate::ir::Update::InBackward && space.ranks > 1 {
+        bail!(
+            "--fit with --update in-backward over {} ranks: the update inside the backward runs \
+             on one process for now; use --update end",
+            space.ranks
+        );
+    }
     let shapes = meshes(
         spec,
         space.ranks,
@@ -519,6 +529,9 @@ pub fn search(
         );
     }
     let mut placements = space.offload.options(&OffloadSet::every());
+    if space.update == crate::ir::Update::InBackward {
+        placements.retain(|o| !o.any());
+    }
     placements.sort_by_key(|&o| count(o));
     let policies = policies(space.recompute, spec.n_layer);
     // The offload file must fit the disk of --offload-dir as the plan must fit the budget.
@@ -562,6 +575,9 @@ pub fn search(
                 .precision
                 .options(&[Precision::F32, Precision::Bf16, Precision::F16])
         {
+            if precision == Precision::F16 && space.update == crate::ir::Update::InBackward {
+                continue;
+            }
             for &state in
                 &space
                     .optim_state
@@ -580,6 +596,7 @@ pub fn search(
                     cfg.base_quant = space.base_quant;
                     cfg.base_types = space.base_types.clone();
                     cfg.distill = space.distill;
+                    cfg.update = space.update;
                     cfg.mesh = mesh;
                     cfg.zero = zero;
                     if let Pick::Fixed(cut) = &space.stage_layers {

@@ -235,6 +235,10 @@ impl Calibration {
             // GeGLU (Gemma) where the suite measured only SwiGLU: the same traffic, an
             // exponential a value either way.
             self.kinds.get(&format!("swiglu{rest}")).copied()
+        } else if let Some(rest) = kind.strip_prefix("lm_head_weight_grad") {
+            // A slice of the head's weight gradient (`--update in-backward`): the training
+            // head's GEMMs and softmax, per FLOP.
+            self.kinds.get(&format!("lm_head_loss{rest}")).copied()
         } else {
             // A tensor-parallel head's statistics: the evaluating head's GEMM and reduction.
             let rest = kind.strip_prefix("lm_head_stats")?;
@@ -251,8 +255,14 @@ impl Calibration {
         let peak = self.fma_peak_gflops.max(1.0) * 1e9;
         let base = kind.split('/').next().unwrap_or(kind);
         let efficiency = match base {
-            "matmul" | "matmul_bwd" | "matmul_bwd_input" | "lm_head_loss" | "lm_head_eval"
-            | "lm_head_stats" | "lm_head_last" => 0.7,
+            "matmul"
+            | "matmul_bwd"
+            | "matmul_bwd_input"
+            | "lm_head_loss"
+            | "lm_head_eval"
+            | "lm_head_stats"
+            | "lm_head_last"
+            | "lm_head_weight_grad" => 0.7,
             "matmul_q" | "matmul_bwd_input_q" | "lm_head_loss_q" | "lm_head_eval_q"
             | "lm_head_stats_q" => 0.6,
             // Rank-r GEMMs: thin, so further from the peak.

@@ -181,6 +181,7 @@ pub fn fit_space(
             (None, 1) => Pick::Fixed(1),
             (None, _) => Pick::Auto,
         },
+        update: st.update.unwrap_or_default(),
     })
 }
 
