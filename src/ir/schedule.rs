@@ -24,6 +24,10 @@ pub enum GluAct {
     GeluTanh,
 }
 
+/// Numbers per row [`Op::LmHeadLoss`] keeps in its `row_stats` for [`Op::LmHeadWeightGrad`]:
+/// the row's softmax maximum and `scale / Σ exp(logit − max)`.
+pub const HEAD_ROW_STATS: usize = 2;
+
 /// A tensor-parallel LM head's share of the vocabulary ([`Op::LmHeadLoss`]'s `vocab`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VocabShare {

@@ -84,7 +84,7 @@ pub struct StepConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub distill: Option<Distill>,
     /// When each parameter group's AdamW step runs (`--update`; [`Update::InBackward`]:
-    /// inside the backward, [`super::update`]). Training plans only.
+    /// inside the backward, `plan::update`). Training plans only.
     #[serde(skip_serializing_if = "is_end")]
     pub update: Update,
 }

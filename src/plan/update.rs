@@ -24,9 +24,8 @@
 //! be skipped whole: the executor stops the run (its last checkpoint is kept).
 
 use super::config::StepConfig;
-use crate::backend::cpu::xent::ROW_STATS;
 use crate::ir::builder::Builder;
-use crate::ir::schedule::{Op, OpEntry, Phase, Segments};
+use crate::ir::schedule::{HEAD_ROW_STATS, Op, OpEntry, Phase, Segments};
 use crate::ir::{Category, Precision, QBLOCK, Update};
 use crate::model::ParamLayout;
 use anyhow::{Result, bail};
@@ -174,7 +173,7 @@ pub(super) fn head_after_backward(g: &mut Builder, s: &HeadSlices) {
         unreachable!()
     };
     let n = rows.n();
-    let stats = g.f32("lm_head.row_stats", Category::Workspace, n * ROW_STATS); // [N, 2]
+    let stats = g.f32("lm_head.row_stats", Category::Workspace, n * HEAD_ROW_STATS); // [N, 2]
     let head = &mut g.ops[at];
     if let Op::LmHeadLoss { row_stats, .. } = &mut head.op {
         *row_stats = Some(stats);

@@ -147,8 +147,9 @@ pub fn softmax_xent_backward_with_stats(
         .for_each(|(((lg, tg), ls), st)| backward_rows(lg, tg, ls, st, dloss_scale, v));
 }
 
-/// Numbers per row [`softmax_xent_backward_with_stats`] keeps: the maximum and the factor.
-pub const ROW_STATS: usize = 2;
+/// Numbers per row [`softmax_xent_backward_with_stats`] keeps: the maximum and the factor
+/// (the plan's [`HEAD_ROW_STATS`](crate::ir::schedule::HEAD_ROW_STATS)).
+pub const ROW_STATS: usize = crate::ir::schedule::HEAD_ROW_STATS;
 
 multiversion! {
     /// The fused backward over a few whole rows; each row's max and factor into `st`
