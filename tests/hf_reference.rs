@@ -8,7 +8,9 @@
 //! q/k RMSNorm, head_dim apart from hidden / heads, GQA and MQA, q/k/v/o biases, tied and
 //! untied heads; 20 greedy tokens), hf-tiny-mistral and hf-tiny-mistral-window
 //! (make_hf_mistral_fixtures.py: no window, and a window of 3 keys, shorter than the prompt
-//! and the sequence), hf-tiny-phi3 and hf-tiny-phi3-longrope (make_hf_phi3_fixtures.py: fused
+//! and the sequence), hf-tiny-qwen2-window and hf-tiny-qwen3-window
+//! (make_hf_qwen_window_fixtures.py: sliding-window layers beside full ones, by
+//! `max_window_layers` and by `layer_types`), hf-tiny-phi3 and hf-tiny-phi3-longrope (make_hf_phi3_fixtures.py: fused
 //! q|k|v and gate|up tensors, LongRoPE's short and long factors and attention factor, a tied
 //! head), hf-tiny-gemma3 (make_hf_gemma3_fixtures.py: 1 + w norms, q/k and post-norms,
 //! GeGLU, the √C embedding, sliding and full layers with their own RoPE bases, a window of 6
@@ -372,6 +374,34 @@ fn mistral_with_a_window_shorter_than_the_sequence_matches_transformers() {
         (full - want).abs() > 1e-3,
         "full attention's loss {full} is the window's {want}"
     );
+}
+
+/// Qwen2 and Qwen3 with sliding-window layers (`use_sliding_window`; a window of 3 keys,
+/// shorter than the prompt and the sequence): layers 1 and 2 of hf-tiny-qwen2-window by
+/// `max_window_layers` 1, layer 1 of hf-tiny-qwen3-window by its `layer_types`. memwall's
+/// per-layer windows give transformers' logits, loss, gradients and greedy tokens; without
+/// them the loss moves by far more than the parity allows.
+#[test]
+fn qwen_with_sliding_layers_matches_transformers() {
+    for (name, kinds) in [
+        ("hf-tiny-qwen2-window", [false, true, true]),
+        ("hf-tiny-qwen3-window", [false, true, false]),
+    ] {
+        llama_family_matches_transformers(name);
+        let (dir, exp) = fixture_named(name);
+        let mut spec = ckpt::load_spec(&dir).unwrap();
+        let windows: Vec<bool> = (0..3).map(|l| spec.layer_window(l) == Some(3)).collect();
+        assert_eq!(windows, kinds, "{name}: each layer's window");
+        let mut seq = ids(&exp["prompt"]);
+        seq.extend(ids(&exp["greedy"]));
+        (spec.sliding_window, spec.local_layers) = (None, None);
+        let full = loss_of(&spec, &dir, &seq);
+        let want = exp["loss_on_greedy_sequence"].as_f64().unwrap();
+        assert!(
+            (full - want).abs() > 1e-3,
+            "{name}: full attention's loss {full} is the windows' {want}"
+        );
+    }
 }
 
 /// The loss memwall computes on `seq` with `spec` and the weights in `dir`.

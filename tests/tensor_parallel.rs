@@ -147,6 +147,7 @@ fn spec_of(model: &str) -> ModelSpec {
             local_layers: Some(LocalLayers {
                 sliding: (0..spec.n_layer).map(|l| l % 2 == 0).collect(),
                 rope_theta: 100.0,
+                own_rotation: true,
             }),
             ..spec
         }

@@ -443,6 +443,17 @@ pub fn export(o: &ExportOptions) -> Result<ExportSummary> {
             )
         })?;
     }
+    // llama.cpp's qwen2 and qwen3 read no window (its converter writes none for them), so
+    // the file would compute another model.
+    if matches!(spec.family, Family::Qwen2 | Family::Qwen3) && spec.sliding_window.is_some() {
+        bail!(
+            "{}: a {} with sliding-window layers ('use_sliding_window' true) cannot be written \
+             as a GGUF file: llama.cpp's {} attends over the whole context in every layer",
+            dir.display(),
+            spec.family.model_type(),
+            spec.family.model_type()
+        );
+    }
     let arch = arch_of(&spec);
     let name = o.name.clone().unwrap_or_else(|| fs_name(dir));
     let mut md = model_metadata(&spec, arch, &name, o.ty, dir)?;

@@ -110,6 +110,7 @@ fn from_preset(p: &Preset) -> ModelSpec {
         local_layers: Some(LocalLayers {
             sliding: default_layers(p.layers, PATTERN),
             rope_theta: 10_000.0,
+            own_rotation: true,
         }),
         query_pre_attn_scalar: None,
         special_tokens: SpecialTokens {
@@ -217,6 +218,7 @@ pub(super) fn from_hf_config(obj: &Map<String, Value>, source: &str) -> Result<M
         local_layers: Some(LocalLayers {
             sliding,
             rope_theta: local_theta,
+            own_rotation: true,
         }),
         query_pre_attn_scalar,
         special_tokens: SpecialTokens { bos, eos, pad },

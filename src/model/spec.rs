@@ -61,6 +61,9 @@ pub struct LocalLayers {
     pub sliding: Vec<bool>,
     /// θ of the sliding layers' rotation.
     pub rope_theta: f32,
+    /// Whether the sliding layers rotate by `rope_theta`, unscaled (Gemma 3's
+    /// `rope_local_base_freq`), instead of as the full layers do (Qwen2's and Qwen3's).
+    pub own_rotation: bool,
 }
 
 /// How a block normalises its input.
@@ -417,7 +420,7 @@ impl ModelSpec {
             return None;
         };
         Some(match &self.local_layers {
-            Some(ll) if ll.sliding[l] => (ll.rope_theta, None),
+            Some(ll) if ll.sliding[l] && ll.own_rotation => (ll.rope_theta, None),
             _ => (*theta, scaling.as_ref()),
         })
     }

@@ -12,7 +12,9 @@ pub mod params;
 
 use super::ParamLayout;
 use super::rope::{Llama3Scaling, LongRope, RopeScaling};
-use super::spec::{Biases, Family, FieldNames, ModelSpec, Norm, Position, SpecialTokens};
+use super::spec::{
+    Biases, Family, FieldNames, LocalLayers, ModelSpec, Norm, Position, SpecialTokens,
+};
 use anyhow::{Context, Result, bail};
 use params::LM_HEAD;
 use serde_json::{Map, Value, json};
@@ -468,12 +470,6 @@ pub(super) fn from_hf_config(
         bail!("{source}: field 'hidden_act' is {act}; memwall's Llama MLP is SwiGLU (\"silu\")");
     }
     let qwen = matches!(family, Family::Qwen2 | Family::Qwen3);
-    if qwen && flag("use_sliding_window", false)? {
-        bail!(
-            "{source}: field 'use_sliding_window' is true; memwall attends over the whole \
-             sequence (set it to false, as Qwen2.5's and Qwen3's released configs do)"
-        );
-    }
     // Dropout memwall does not apply (Phi-3's residual and embedding dropout among them):
     // 0, or absent, only.
     for key in ["attention_dropout", "resid_pdrop", "embd_pdrop"] {
@@ -486,18 +482,44 @@ pub(super) fn from_hf_config(
             );
         }
     }
-    if let Some(types) = field("layer_types") {
-        let full = types
-            .as_array()
-            .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
-        if !full {
-            bail!(
-                "{source}: field 'layer_types' is {types}; memwall implements only \
-                 \"full_attention\" layers (remove the field or list \"full_attention\" for \
-                 every layer)"
-            );
+    let n_layer = uint("num_hidden_layers", None)?;
+    let kinds = layer_kinds(field("layer_types"), n_layer, source)?;
+    // Qwen2's and Qwen3's windows (configuration_qwen2.py, configuration_qwen3.py): only
+    // with `use_sliding_window`, on the layers `layer_types` names "sliding_attention"
+    // (by default those from `max_window_layers` on); without it every layer sees the
+    // whole prefix, whatever the other fields say.
+    let qwen_window = match qwen && flag("use_sliding_window", false)? {
+        false => None,
+        true => match obj.get("sliding_window") {
+            None => Some(4096),
+            Some(Value::Null) => None,
+            Some(x) => match x.as_u64() {
+                Some(w) if w > 0 => Some(w as usize),
+                _ => bail!(
+                    "{source}: field 'sliding_window' must be a positive integer or null, found {x}"
+                ),
+            },
+        },
+    };
+    let local_layers = match (qwen_window, kinds) {
+        (Some(_), kinds) => {
+            let sliding = match kinds {
+                Some(k) => k,
+                None => {
+                    let first = uint("max_window_layers", Some(28))?;
+                    (0..n_layer).map(|l| l >= first).collect()
+                }
+            };
+            Some(sliding)
         }
-    }
+        (None, Some(k)) if !qwen && k.iter().any(|&s| s) => bail!(
+            "{source}: field 'layer_types' lists \"sliding_attention\" layers; memwall's {} \
+             layers all attend alike (list \"full_attention\" for every layer, or remove \
+             the field)",
+            family.model_type()
+        ),
+        (None, _) => None,
+    };
     let c = uint("hidden_size", None)?;
     let nh = uint("num_attention_heads", None)?;
     // Qwen3Config's defaults (configuration_qwen3.py): 32 key/value heads and head_dim 128,
@@ -544,6 +566,7 @@ pub(super) fn from_hf_config(
     // configuration_phi3.py). The other families here have none (Qwen's are refused above
     // unless `use_sliding_window` is false, where transformers ignores it).
     let sliding_window = match (family, obj.get("sliding_window")) {
+        (Family::Qwen2 | Family::Qwen3, _) => qwen_window,
         (Family::Mistral, None) => Some(4096),
         (Family::Mistral | Family::Phi3, None | Some(Value::Null)) => None,
         (Family::Mistral | Family::Phi3, Some(x)) => match x.as_u64() {
@@ -574,11 +597,45 @@ pub(super) fn from_hf_config(
             flag("attention_bias", false)?,
             flag("mlp_bias", false)?,
         ),
-        sliding_window,
-        local_layers: None,
+        // A window no layer has is none.
+        sliding_window: sliding_window
+            .filter(|_| local_layers.as_ref().is_none_or(|s| s.contains(&true))),
+        local_layers: local_layers
+            .filter(|s| s.contains(&true))
+            .map(|sliding| LocalLayers {
+                sliding,
+                rope_theta: theta,
+                own_rotation: false,
+            }),
         query_pre_attn_scalar: None,
         special_tokens: SpecialTokens { bos, eos, pad },
     })
+}
+
+/// `layer_types` (transformers' list of each layer's attention), read: whether each layer is
+/// a "sliding_attention" one (else "full_attention"); `None` when absent.
+fn layer_kinds(types: Option<&Value>, n_layer: usize, source: &str) -> Result<Option<Vec<bool>>> {
+    let Some(types) = types else {
+        return Ok(None);
+    };
+    let kinds = (types.as_array())
+        .filter(|a| a.len() == n_layer)
+        .and_then(|a| {
+            a.iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Some(false),
+                    Some("sliding_attention") => Some(true),
+                    _ => None,
+                })
+                .collect::<Option<Vec<bool>>>()
+        });
+    match kinds {
+        Some(k) => Ok(Some(k)),
+        None => bail!(
+            "{source}: field 'layer_types' is {types}; expected one of \"full_attention\" or \
+             \"sliding_attention\" for each of the {n_layer} layers"
+        ),
+    }
 }
 
 /// A `config.json` object's fields, read with errors naming the file and the field (a null
@@ -888,10 +945,27 @@ pub(super) fn to_hf_config(s: &ModelSpec) -> Value {
         "torch_dtype": "float32",
     });
     let obj = v.as_object_mut().expect("an object");
-    if s.family == Family::Qwen2 {
-        obj.insert("use_sliding_window".into(), json!(false));
-    } else if s.family == Family::Qwen3 {
-        obj.insert("use_sliding_window".into(), json!(false));
+    if matches!(s.family, Family::Qwen2 | Family::Qwen3) {
+        // Windows as Qwen2Config / Qwen3Config read them: the window, and each layer's kind.
+        obj.insert(
+            "use_sliding_window".into(),
+            json!(s.sliding_window.is_some()),
+        );
+        if let Some(w) = s.sliding_window {
+            let sliding = |l: usize| s.layer_window(l).is_some();
+            let leading_full = (0..s.n_layer).take_while(|&l| !sliding(l)).count();
+            let kinds: Vec<&str> = (0..s.n_layer)
+                .map(|l| match sliding(l) {
+                    true => "sliding_attention",
+                    false => "full_attention",
+                })
+                .collect();
+            obj.insert("sliding_window".into(), json!(w));
+            obj.insert("max_window_layers".into(), json!(leading_full));
+            obj.insert("layer_types".into(), json!(kinds));
+        }
+    }
+    if s.family == Family::Qwen3 {
         obj.insert("attention_bias".into(), json!(s.biases.qkv));
     } else if s.family == Family::Mistral {
         // Written always: an absent field means 4096 to MistralConfig.
@@ -946,11 +1020,14 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
             s.vocab_size
         );
     }
-    if !matches!(s.family, Family::Mistral | Family::Phi3 | Family::Gemma3)
-        && s.sliding_window.is_some()
+    if !matches!(
+        s.family,
+        Family::Mistral | Family::Phi3 | Family::Gemma3 | Family::Qwen2 | Family::Qwen3
+    ) && s.sliding_window.is_some()
     {
         bail!(
-            "{} models have no sliding window in memwall; only mistral's and phi3's are read",
+            "{} models have no sliding window in memwall; only mistral's, phi3's, gemma3's, \
+             qwen2's and qwen3's are read",
             s.family.model_type()
         );
     }
@@ -968,9 +1045,12 @@ pub(super) fn validate(s: &ModelSpec) -> Result<()> {
             l.long_factor.len()
         );
     }
-    if s.family != Family::Gemma3 && s.local_layers.is_some() {
+    if !matches!(s.family, Family::Gemma3 | Family::Qwen2 | Family::Qwen3)
+        && s.local_layers.is_some()
+    {
         bail!(
-            "{} models attend alike in every layer ('layer_types' is Gemma 3's)",
+            "{} models attend alike in every layer ('layer_types' with sliding layers is \
+             Gemma 3's, Qwen2's and Qwen3's)",
             s.family.model_type()
         );
     }
@@ -1210,23 +1290,30 @@ mod tests {
         let s = ModelSpec::from_hf_config_str(&tiny(r#", "num_key_value_heads": 2"#), "c.json")
             .unwrap();
         assert_eq!((s.n_kv_head, s.head_dim), (2, 128));
-        // Sliding windows are refused, naming the field.
-        for (extra, field) in [
-            (
-                r#", "num_key_value_heads": 2, "use_sliding_window": true"#,
-                "use_sliding_window",
-            ),
-            (
-                r#", "num_key_value_heads": 2, "layer_types": ["sliding_attention"]"#,
-                "layer_types",
-            ),
-        ] {
-            let e = format!(
-                "{:#}",
-                ModelSpec::from_hf_config_str(&tiny(extra), "c.json").unwrap_err()
-            );
-            assert!(e.contains(field), "{e}");
-        }
+        // Windows: only with use_sliding_window (Qwen3Config's default window 4096, from
+        // max_window_layers on, or as layer_types lists them); a malformed list is refused.
+        let kv = r#", "num_key_value_heads": 2"#;
+        let read =
+            |extra: &str| ModelSpec::from_hf_config_str(&tiny(&format!("{kv}{extra}")), "c.json");
+        let ignored = read(r#", "layer_types": ["sliding_attention"]"#).unwrap();
+        assert_eq!(
+            (ignored.sliding_window, ignored.layer_window(0)),
+            (None, None)
+        );
+        let from = read(r#", "use_sliding_window": true, "max_window_layers": 0"#).unwrap();
+        assert_eq!(from.layer_window(0), Some(4096));
+        let none = read(r#", "use_sliding_window": true, "max_window_layers": 1"#).unwrap();
+        assert_eq!((none.sliding_window, none.local_layers), (None, None));
+        let listed = read(
+            r#", "use_sliding_window": true, "sliding_window": 5, "layer_types": ["sliding_attention"]"#,
+        )
+        .unwrap();
+        assert_eq!(listed.layer_window(0), Some(5));
+        let back =
+            ModelSpec::from_hf_config_str(&listed.to_hf_config().to_string(), "back").unwrap();
+        assert_eq!(back.layer_window(0), Some(5));
+        let e = format!("{:#}", read(r#", "layer_types": ["local"]"#).unwrap_err());
+        assert!(e.contains("layer_types"), "{e}");
         // --tp splits it (its q/k norms whole on every rank); the config round-trips.
         preset.check_tensor_split(2).unwrap();
         let back = preset.to_hf_config();
