@@ -418,7 +418,8 @@ fn stages_train_lora_adapters_like_one_process() {
 /// layer, `A`'s columns of a row-parallel one, the other whole with its gradient summed over
 /// the tensor ranks), alone and on pipeline stages: GPT-2 (`c_attn`'s three ranges) and
 /// Llama (grouped-query attention), with input dropout (a rank's columns of a row-parallel
-/// input drawn as one process draws them), under no and full recomputation.
+/// input drawn as one process draws them), under no and full recomputation; with ZeRO 2 and 3
+/// on data ranks, over one micro-batch and two.
 #[test]
 fn tensor_ranks_train_lora_adapters_like_one_process() {
     for (model, family) in [("gpt2-tiny", Family::Gpt2), ("llama-tiny", Family::Llama)] {
@@ -444,6 +445,28 @@ fn tensor_ranks_train_lora_adapters_like_one_process() {
     let l = Some(&lora);
     matches_one_process_at((&spec, l), (1, 2, 2, Zero::DP), 3, Recompute::Selective);
     matches_one_process_at((&spec, l), (2, 2, 1, Zero(1)), 2, Recompute::None);
+    // ZeRO 2 and 3 on the data axis: each micro-batch's gradients, their whole adapter
+    // tensors summed over the tensor ranks first, reduce-scattered (one micro-batch, and
+    // two).
+    for zero in [2, 3] {
+        for micro in [1, 2] {
+            matches_one_process_at((&spec, l), (2, 2, 1, Zero(zero)), micro, Recompute::None);
+        }
+    }
+}
+
+/// Qwen3's q/k norms (held whole on every tensor rank, each computing a share of their
+/// gradient) under ZeRO 2 and 3 over two micro-batches: each micro-batch's shares summed over
+/// the tensor ranks before its gradients are reduce-scattered on the data axis.
+#[test]
+fn tensor_ranks_sum_qk_norm_gradients_per_micro_batch_under_zero_2_and_3() {
+    let spec = ModelSpec {
+        family: Family::Qwen3,
+        ..preset("llama-tiny")
+    };
+    for zero in [2, 3] {
+        matches_one_process_at((&spec, None), (2, 2, 1, Zero(zero)), 2, Recompute::None);
+    }
 }
 
 /// Adapters of rank `r` on every layer of `family` with input dropout `dropout`.

@@ -199,7 +199,9 @@ pub(super) fn build(
         Some(_) => |t| t.part.is_none(),
         None => |t| t.partial_grad,
     };
-    super::lora::sum_shared_grads(&mut g, &layout, &grads, shared);
+    // ZeRO 2 and 3 reduce-scatter each micro-batch's gradients (`zero::collectives`).
+    let per_micro = split.is_some() && cfg.zero.shards_grads() && cfg.grad_accum > 1;
+    super::lora::sum_shared_grads(&mut g, &layout, &grads, shared, per_micro);
     norm_when_final(&mut g, &layout, &grads);
     if cfg.update == Update::InBackward {
         update::move_updates(&mut g, &grads);
@@ -352,9 +354,6 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
     if mode == Mode::Generate {
         bail!("--tp {t}: sampling runs on one rank; use --tp 1");
     }
-    if cfg.lora.is_some() {
-        check_tensor_lora(cfg, t)?;
-    }
     // A checkpoint holds the whole model's moments, and 8-bit ones are quantized in blocks
     // of each whole tensor, which a rank's part of a cut tensor does not keep.
     if cfg.optim_state == OptimState::Int8 {
@@ -448,23 +447,6 @@ fn check_sequence_parallel(cfg: &StepConfig) -> Result<()> {
              divide among {t} tensor ranks; choose --batch and --seq so that {t} divides their \
              product",
             b * s
-        );
-    }
-    Ok(())
-}
-
-/// Checks LoRA under `--tp t` (adapters cut with their layers, `plan::lora`; a quantized
-/// base is each rank's part of the blocks, as one process stores those rows and columns:
-/// `plan::lora::base_buffers`) against what it does not do yet, naming the flags: ZeRO 2
-/// and 3 (which give each micro-batch its own gradients, where the adapters' shared tensors
-/// are summed over the tensor ranks in the group's).
-fn check_tensor_lora(cfg: &StepConfig, t: usize) -> Result<()> {
-    if cfg.zero.shards_grads() {
-        bail!(
-            "--tp {t} with --lora and --zero {}: the adapters' gradients shared by the tensor \
-             ranks are summed in each group's one buffer, which ZeRO 2 and 3 split per \
-             micro-batch; use --zero 0 or 1 with --tp {t}",
-            cfg.zero
         );
     }
     Ok(())

@@ -502,79 +502,43 @@ pub(super) fn apply(g: &mut Builder, lora: &LoraPlan) {
 /// buffer per group of `layout`), each run of such tensors in the group is
 /// all-reduced on [`Axis::Tensor`] in place ([`Op::AllReduce`] over those `elems` of the
 /// group's buffer, its scratch `{group}.grad.tensor_sum{j}.comm`) and awaited at once, before
-/// the group's norm share and any data-axis collective on it. Nothing on one tensor rank.
+/// the group's norm share and any data-axis collective on it. With `per_micro` (ZeRO 2 and
+/// 3 over several micro-batches, whose gradients are reduce-scattered on the data axis
+/// micro-batch by micro-batch, `zero::reduce_scatter_each_micro_batch`) the sum runs after
+/// each micro-batch's last write instead, on that micro-batch's gradients. Nothing on one
+/// tensor rank.
 pub(super) fn sum_shared_grads(
     g: &mut Builder,
     layout: &ParamLayout,
     grads: &Segments,
     shared: fn(&ParamTensor) -> bool,
+    per_micro: bool,
 ) {
     let split = layout.split;
     if !split.is_split() {
         return;
     }
     let update = |p: Phase| matches!(p, Phase::Optimizer | Phase::DeferredUpdate);
-    let mut last = vec![None; grads.segments.len()];
+    // Each group's last gradient write: of the step, or of each micro-batch.
+    let mut last: Vec<std::collections::BTreeMap<usize, usize>> =
+        vec![Default::default(); grads.segments.len()];
     for (i, e) in g.ops.iter().enumerate() {
         if update(e.phase) {
             continue;
         }
         for r in e.grad_ranges() {
-            last[grads.segments.partition_point(|s| s.range.end <= r.start)] = Some(i);
+            let k = grads.segments.partition_point(|s| s.range.end <= r.start);
+            last[k].insert(if per_micro { e.micro } else { 0 }, i);
         }
     }
     let mut after: Vec<Vec<OpEntry>> = vec![Vec::new(); g.ops.len()];
     for (k, (seg, group)) in grads.segments.iter().zip(&layout.groups).enumerate() {
-        let Some(at) = last[k] else {
-            continue;
-        };
-        // Runs of consecutive tensors held whole, as elements of the group's buffer.
-        let mut runs: Vec<Range<usize>> = Vec::new();
-        for t in layout.tensors[group.tensors.clone()]
-            .iter()
-            .filter(|t| shared(t))
-        {
-            let r = t.range.start - seg.range.start..t.range.end - seg.range.start;
-            match runs.last_mut() {
-                Some(l) if l.end == r.start => l.end = r.end,
-                _ => runs.push(r),
-            }
-        }
-        let micro = g.ops[at].micro;
-        for (j, elems) in runs.into_iter().enumerate() {
-            let name = format!("{}.grad.tensor_sum{j}", group.name);
-            let cut = Cut::even(elems.len(), split.size);
-            let scratch = g.act(
-                format!("{name}.comm"),
-                Category::Communication,
-                cut.scratch(),
-            );
-            let entry = |name: String, op| OpEntry {
-                name,
-                phase: Phase::Backward,
-                op,
-                flops: 0,
-                params: None,
-                grads: None,
-                micro,
-                frozen: false,
+        for (&m, &at) in &last[k] {
+            let mb = match per_micro {
+                true => format!("mb{m}."),
+                false => String::new(),
             };
-            after[at].push(entry(
-                format!("{name}.all_reduce"),
-                Op::AllReduce {
-                    buf: seg.buf,
-                    scratch,
-                    cut: CutOf::Even,
-                    axis: Axis::Tensor,
-                    elems: Some(elems),
-                },
-            ));
-            after[at].push(entry(
-                format!("{name}.all_reduce.await"),
-                Op::AwaitCollective {
-                    bufs: vec![seg.buf, scratch],
-                },
-            ));
+            sum_runs(g, layout, (seg, group), at, &mb, shared, &mut after[at]);
         }
     }
     let mut ops = Vec::with_capacity(g.ops.len());
@@ -583,6 +547,68 @@ pub(super) fn sum_shared_grads(
         ops.extend(then);
     }
     g.ops = ops;
+}
+
+/// The all-reduces (and their awaits) of group `group`'s runs of `shared` tensors in its
+/// gradient buffer `seg`, to go after op `at` (its micro-batch's), named with prefix `mb`.
+fn sum_runs(
+    g: &mut Builder,
+    layout: &ParamLayout,
+    (seg, group): (&crate::ir::schedule::Segment, &crate::model::ParamGroup),
+    at: usize,
+    mb: &str,
+    shared: fn(&ParamTensor) -> bool,
+    after: &mut Vec<OpEntry>,
+) {
+    let split = layout.split;
+    // Runs of consecutive tensors held whole, as elements of the group's buffer.
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for t in layout.tensors[group.tensors.clone()]
+        .iter()
+        .filter(|t| shared(t))
+    {
+        let r = t.range.start - seg.range.start..t.range.end - seg.range.start;
+        match runs.last_mut() {
+            Some(l) if l.end == r.start => l.end = r.end,
+            _ => runs.push(r),
+        }
+    }
+    let micro = g.ops[at].micro;
+    for (j, elems) in runs.into_iter().enumerate() {
+        let name = format!("{mb}{}.grad.tensor_sum{j}", group.name);
+        let cut = Cut::even(elems.len(), split.size);
+        let scratch = g.act(
+            format!("{name}.comm"),
+            Category::Communication,
+            cut.scratch(),
+        );
+        let entry = |name: String, op| OpEntry {
+            name,
+            phase: Phase::Backward,
+            op,
+            flops: 0,
+            params: None,
+            grads: None,
+            micro,
+            frozen: false,
+        };
+        after.push(entry(
+            format!("{name}.all_reduce"),
+            Op::AllReduce {
+                buf: seg.buf,
+                scratch,
+                cut: CutOf::Even,
+                axis: Axis::Tensor,
+                elems: Some(elems),
+            },
+        ));
+        after.push(entry(
+            format!("{name}.all_reduce.await"),
+            Op::AwaitCollective {
+                bufs: vec![seg.buf, scratch],
+            },
+        ));
+    }
 }
 
 /// FLOPs of one adapter's forward over `n` rows: `x Aᵀ` and `h Bᵀ`.

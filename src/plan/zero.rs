@@ -427,11 +427,21 @@ fn reduce_scatter_each_micro_batch(
     let (name, grad, cut, k) = (&gr.name, gr.grad, gr.cut, gr.k);
     let shard = shard.buf;
     // The ops of micro-batch j that write gradient buffer `buf` (not the norm share
-    // or the update, which read the shard).
+    // or the update, which read the shard), and under tensor parallelism the sum of its
+    // tensors every tensor rank holds whole over those ranks (`lora::sum_shared_grads`,
+    // after the micro-batch's last write).
     let writes = |e: &OpEntry, j: usize, buf: BufId| {
         e.micro == j
-            && e.grads.is_some_and(|b| b.buf == buf)
-            && !matches!(e.op, Op::GradNorm { .. } | Op::AdamW { .. })
+            && match &e.op {
+                Op::GradNorm { .. } | Op::AdamW { .. } => false,
+                Op::AllReduce {
+                    buf: b,
+                    axis: Axis::Tensor,
+                    ..
+                } => *b == buf,
+                Op::AwaitCollective { bufs } => bufs[0] == buf,
+                _ => e.grads.is_some_and(|b| b.buf == buf),
+            }
     };
     for j in 0..micro {
         let buf = if j == 0 {
