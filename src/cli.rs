@@ -647,11 +647,13 @@ pub(crate) struct StrategyArgs {
     /// optimizer-in-backward and LOMO do): each group's gradients then live only from its
     /// backward to its update, and the LM head's weight gradient is taken after the
     /// backward a slice of the vocabulary at a time, so no step holds the whole model's
-    /// gradients (a 0.6B Qwen3 at 4 x 256 with --recompute full: 6.9 GiB instead of 9.0).
-    /// The same arithmetic as end, without clipping: needs --grad-clip 0 (clipping by the
-    /// global norm needs every gradient before the first update), one process, no
-    /// --offload, fp32 or bf16, and no --distill-from. The LM head's logits are computed
-    /// once more (a few percent of a step). A run resumes with either
+    /// gradients (a 0.6B Qwen3 at 4 x 256 with --recompute full: a predicted peak of 7.0 GiB
+    /// instead of 9.1). Bitwise the weights of end, without clipping: needs --grad-clip 0
+    /// (its default here: clipping by the global norm needs every gradient before the first
+    /// update), one process on the CPU, no --offload, fp32 or bf16, and no --distill-from.
+    /// The LM head's logits are computed once more (a few percent of a step; a fifth of
+    /// Gemma 3 270M's, whose 262k-word head is large beside its layers). A run resumes with
+    /// either
     /// [default: end; with --resume, the run's own]
     #[arg(long, value_name = "end|in-backward", value_parser = parse_update)]
     pub(crate) update: Option<Update>,
