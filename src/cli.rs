@@ -98,7 +98,7 @@ memwall tokenize --tokenizer gpt2 --chat chats.jsonl.gz --chat-template chatml.j
     Plan(PlanArgs),
     /// Train a GPT-2 or Llama-family model from a static memory plan (from scratch or --init).
     #[command(
-        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --max-memory, --zero, --tp, --sequence-parallel, --pp, --pp-layers and --grad-accum (keeping the global batch) may.\n\n\
+        after_help = "With --init, --model defaults to the --init model. With --resume, every flag left out keeps the run's own value; batch, sequence, precision, optimizer state, --lr, --warmup, --weight-decay, --grad-clip, --seed and the LoRA settings cannot change (each is refused, naming it); --steps, --eval-every, --eval-batches, --save-every, --keep-last, --threads, --recompute, --update, --max-memory, --zero, --tp, --sequence-parallel, --pp, --pp-layers and --grad-accum (keeping the global batch) may.\n\n\
 Chat data (`memwall prepare chats.jsonl --tokenizer MODEL`): the loss is on the trained tokens \
 only (the answers, by default), short examples are packed into each row without seeing each \
 other (--no-pack: one a row), the validation loss is on answers only, and every checkpoint \
@@ -648,9 +648,11 @@ pub(crate) struct StrategyArgs {
     /// backward to its update, and the LM head's weight gradient is taken after the
     /// backward a slice of the vocabulary at a time, so no step holds the whole model's
     /// gradients (a 0.6B Qwen3 at 4 x 256 with --recompute full: a predicted peak of 7.0 GiB
-    /// instead of 9.1). Bitwise the weights of end, without clipping: needs --grad-clip 0
-    /// (its default here: clipping by the global norm needs every gradient before the first
-    /// update), one process on the CPU, no --offload, fp32 or bf16, and no --distill-from.
+    /// instead of 9.1). Bitwise the weights of end, without clipping (clipping by the global
+    /// norm needs every gradient before the first update: train's --grad-clip is then 0,
+    /// and refused otherwise), one process on the CPU, no --offload, fp32 or bf16, and no
+    /// --distill-from. With --grad-accum above 1 the gradients add up over the micro-batches,
+    /// so they are freed in the last one's backward only, and the head's is not sliced.
     /// The LM head's logits are computed once more (a few percent of a step; a fifth of
     /// Gemma 3 270M's, whose 262k-word head is large beside its layers). A run resumes with
     /// either

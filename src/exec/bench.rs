@@ -611,13 +611,11 @@ pub fn summary(report: &Value) -> String {
     parts.join(" · ")
 }
 
-/// The steps' gradient clipping: by a global norm of 1, except where the update runs inside
-/// the backward (`--update in-backward`), which takes none.
-fn grad_clip(update: crate::ir::Update) -> f32 {
-    match update {
-        crate::ir::Update::End => 1.0,
-        crate::ir::Update::InBackward => 0.0,
-    }
+/// The steps' gradient clipping: none, as the PyTorch reference's, and as an update inside
+/// the backward (`--update in-backward`) must, so `--update end` and `in-backward` compute
+/// the same weights.
+fn grad_clip(_update: crate::ir::Update) -> f32 {
+    0.0
 }
 
 #[cfg(test)]

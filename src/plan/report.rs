@@ -40,12 +40,8 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     if let Some(l) = &plan.lora {
         let _ = writeln!(s, "      {}; base {}", l.describe(), cfg.base_quant);
     }
-    if cfg.update == crate::ir::Update::InBackward && plan.mode == super::Mode::Train {
-        let _ = writeln!(
-            s,
-            "      update in-backward: each group's AdamW step as soon as its gradients are \
-             final; the LM head's weight gradient after the backward, by vocabulary slices"
-        );
+    if let Some(line) = describe_update(plan) {
+        let _ = writeln!(s, "      {line}");
     }
     let mesh = &cfg.mesh;
     if mesh.tensor > 1 {
@@ -324,4 +320,32 @@ pub fn tiers(plan: &Plan, baseline: u64, budgets: &Budgets) -> String {
         );
     }
     s
+}
+
+/// What `--update in-backward` does in `plan` (`None` for an update after the backward): where
+/// the groups' updates run, and the LM head's slices with the arithmetic they add.
+pub fn describe_update(plan: &Plan) -> Option<String> {
+    use crate::ir::schedule::Op;
+    if plan.cfg.update != crate::ir::Update::InBackward || plan.mode != super::Mode::Train {
+        return None;
+    }
+    let slices: Vec<u64> = (plan.schedule.ops.iter())
+        .filter(|e| matches!(e.op, Op::LmHeadWeightGrad { .. }))
+        .map(|e| e.flops)
+        .collect();
+    Some(match slices.len() {
+        0 => format!(
+            "update in-backward: each group's AdamW step in the last micro-batch's backward, \
+             once its gradients are final (they add up over the {} micro-batches, so the LM \
+             head's gradient is whole, not sliced)",
+            plan.cfg.grad_accum
+        ),
+        n => format!(
+            "update in-backward: each group's AdamW step as soon as its gradients are final; \
+             the LM head's weight gradient after the backward in {n} slice{} of the \
+             vocabulary ({:.1} GFLOP a step, its logits computed again)",
+            if n == 1 { "" } else { "s" },
+            slices.iter().sum::<u64>() as f64 / 2e9
+        ),
+    })
 }

@@ -228,6 +228,8 @@ pub struct Found {
     /// The offload directory and the bytes free on its disk, when a plan within the budget
     /// was refused because its offload file is larger.
     pub disk: Option<(std::path::PathBuf, u64)>,
+    /// The search kept `--update in-backward` (so it offloaded nothing).
+    pub in_backward: bool,
 }
 
 impl Found {
@@ -721,6 +723,7 @@ pub fn search(
             .clone()
             .zip(disk_free)
             .filter(|_| disk_refused),
+        in_backward: space.update == crate::ir::Update::InBackward,
     })
 }
 
@@ -909,6 +912,12 @@ pub fn fit(
 
 /// The refusal when nothing fits: the smallest plan's peak, and what it was.
 pub fn nothing_fits(found: &Found, budget: u64) -> anyhow::Error {
+    let searched = match found.in_backward {
+        true => {
+            "the most recomputation searched; with --update in-backward nothing is offloaded, which --update end may"
+        }
+        false => "the most recomputation and offload searched",
+    };
     let smallest = found.rejected.iter().min_by_key(|r| r.smallest_peak);
     let disk = match &found.disk {
         Some((dir, free)) => format!(
@@ -920,7 +929,7 @@ pub fn nothing_fits(found: &Found, budget: u64) -> anyhow::Error {
     };
     match smallest {
         Some(r) if r.smallest_peak > budget => anyhow::anyhow!(
-            "--fit: nothing fits --max-memory {}: the smallest plan ({} with the most recomputation and offload searched) needs {}; raise --max-memory, or allow --precision auto --optim-state auto{disk}",
+            "--fit: nothing fits --max-memory {}: the smallest plan ({} with {searched}) needs {}; raise --max-memory, or allow --precision auto --optim-state auto{disk}",
             fmt_bytes(budget),
             r.what,
             fmt_bytes(r.smallest_peak)

@@ -213,6 +213,15 @@ pub fn resolve_step(
 ) -> Result<Resolved> {
     let st = &step.strategy;
     let backend = step.device.sizing();
+    if st.update == Some(crate::ir::Update::InBackward)
+        && step.device.kind != crate::backend::DeviceKind::Cpu
+    {
+        bail!(
+            "--update in-backward with --device {}: runs on the CPU only for now; use --update \
+             end",
+            step.device
+        );
+    }
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {
         bail!(
             "--lora-dropout needs --lora R (or, in `train`, --init-adapter DIR: the adapter then \

@@ -141,6 +141,11 @@ pub fn new_run(
     // asked for (then refused by the options' check, naming both flags).
     if o.strategies.update == Update::InBackward && !req.given.contains(&"--grad-clip") {
         o.grad_clip = 0.0;
+        o.notes.push(
+            "note: --update in-backward trains without clipping (--grad-clip 0): the global \
+             norm is known only after the updates"
+                .into(),
+        );
     }
     Ok(o)
 }

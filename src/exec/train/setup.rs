@@ -620,8 +620,11 @@ fn plan_line(opts: &TrainOptions, spec: &ModelSpec, plan: &Plan, baseline: u64) 
         ),
         None => String::new(),
     };
+    let update = crate::plan::report::describe_update(plan)
+        .map(|u| format!("\n      {u}"))
+        .unwrap_or_default();
     format!(
-        "plan: {} | batch {} x grad-accum {} x seq {} | {} | recompute {} | optimizer state {} | offload {}{offload} | arena {} + outside the arena {} | predicted {} {}{lora}",
+        "plan: {} | batch {} x grad-accum {} x seq {} | {} | recompute {} | optimizer state {} | offload {}{offload} | arena {} + outside the arena {} | predicted {} {}{lora}{update}",
         spec.describe(),
         opts.batch,
         opts.strategies.grad_accum,
