@@ -51,6 +51,12 @@ impl HeadWeight<'_> {
 /// A chunk's rows, the model width and the head's rows.
 type Dims = (usize, usize, usize);
 
+/// `dw[v, C] += dlogitsᵀ[v, r] @ xr[r, C]`: a chunk of rows' share of the head's weight
+/// gradient (of the whole head, or of a slice of its vocabulary).
+fn weight_grad<T: Elem>(args: &Args<T>, dw: &mut [T], dl: &[f32], xr: &[T], (r, c, v): Dims) {
+    gemm_mixed::gemm_mixed(v, c, r, dl, v, true, xr, c, false, dw, c, true, args.ws())
+}
+
 impl CpuDevice {
     /// The weight `w` `[v, c]` of head op `e`.
     fn head_weight<'a, T: Elem>(
@@ -173,21 +179,7 @@ impl CpuDevice {
                     // base's among them, takes no gradient; with `row_stats` it is taken
                     // after the backward, by `LmHeadWeightGrad`).
                     if let (HeadWeight::F32(_), false, None) = (&wt, e.frozen, row_stats) {
-                        gemm_mixed::gemm_mixed(
-                            v,
-                            c,
-                            r,
-                            &lg[..],
-                            v,
-                            true,
-                            xr,
-                            c,
-                            false,
-                            args.grad(w),
-                            c,
-                            true,
-                            args.ws(),
-                        );
+                        weight_grad(&args, args.grad(w), lg, xr, (r, c, v));
                     }
                     start += r;
                 }
@@ -223,22 +215,8 @@ impl CpuDevice {
                         &stats[start * ROW_STATS..(start + r) * ROW_STATS],
                     );
                     xent_slice::grad_slice(lg, tr, st, *first_token, scale, r, v);
-                    // dw[v, C] += dlogitsᵀ[v, r] @ xr[r, C], as `LmHeadLoss` takes it.
-                    gemm_mixed::gemm_mixed(
-                        v,
-                        c,
-                        r,
-                        &lg[..],
-                        v,
-                        true,
-                        xr,
-                        c,
-                        false,
-                        args.grad(w),
-                        c,
-                        true,
-                        args.ws(),
-                    );
+                    // The slice's rows of dw, as `LmHeadLoss` takes the whole.
+                    weight_grad(&args, args.grad(w), lg, xr, (r, c, v));
                     start += r;
                 }
             }
