@@ -255,8 +255,15 @@ fn what_it_does_not_compose_with_is_refused_naming_the_flags() {
     ranks.mesh = memwall::ir::Mesh::new(2, 1, 1, 0);
     let e = err(ranks);
     assert!(e.contains("one process"), "{e}");
-    // Clipping by the global norm needs every gradient first.
+    // A plan over its budget is told what would fit, offload only with the update after
+    // the backward.
     let plan = build_plan(&spec, &inside, Mode::Train, backend()).unwrap();
+    let e = format!(
+        "{:#}",
+        memwall::plan::fit::check_budget(&plan, 1 << 20, 0, backend()).unwrap_err()
+    );
+    assert!(e.contains("--update end --offload all"), "{e}");
+    // Clipping by the global norm needs every gradient first.
     let mut ex = Executor::on(plan, backend()).unwrap();
     let layout = ex.plan.layout.clone();
     ex.with_params_mut(|p| layout.init(p, 7)).unwrap();

@@ -426,16 +426,18 @@ pub fn plan_fitting(
     if let Some(best) = found.ranked.first() {
         return with(best.cfg.recompute, best.cfg.offload.set);
     }
-    // Nothing fits: name the smallest candidate (the most recomputation, the most offload).
+    // Nothing fits: name the smallest candidate (the most recomputation, the most offload:
+    // none with the update inside the backward, which offloads nothing).
     let most = |r: RecomputeChoice, all: Recompute| match r {
         RecomputeChoice::Fixed(r) => r,
         RecomputeChoice::Auto => all,
     };
     let smallest = with(
         most(recompute, Recompute::Full),
-        match offload {
-            OffloadChoice::Set(o) => o,
-            OffloadChoice::Auto => OffloadSet::ALL,
+        match (offload, cfg.update) {
+            (OffloadChoice::Set(o), _) => o,
+            (OffloadChoice::Auto, Update::InBackward) => OffloadSet::NONE,
+            (OffloadChoice::Auto, Update::End) => OffloadSet::ALL,
         },
     )?;
     let err = match check_budget(&smallest, budget, baseline, backend) {
@@ -484,14 +486,20 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
     };
     let can_offload = backend.tiers().contains(&crate::ir::Tier::Nvme);
     if plan.mode == Mode::Train && can_offload && cfg.offload.set != OffloadSet::ALL {
+        // Offload composes with the update after the backward only.
         let mut all = StepConfig {
             recompute: Recompute::Full,
+            update: Update::End,
             ..cfg.clone()
         };
         all.offload.set = OffloadSet::ALL;
         let p = predicted_peak(&build_plan(&plan.spec, &all, plan.mode, backend)?, baseline);
         advice.push_str(&format!(
-            "; --offload all --recompute full needs {}{}",
+            "; {}--offload all --recompute full needs {}{}",
+            match cfg.update {
+                Update::InBackward => "--update end ",
+                Update::End => "",
+            },
             fmt_bytes(p),
             if p <= budget {
                 " and fits (or let --offload auto choose)"
@@ -609,8 +617,10 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
     if plan.mode == Mode::Train {
         small.precision = Precision::Bf16;
         small.optim_state = OptimState::Int8;
-        // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing.
-        let can_offload = backend.tiers().contains(&crate::ir::Tier::Nvme);
+        // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing;
+        // nor does an update inside the backward.
+        let can_offload = backend.tiers().contains(&crate::ir::Tier::Nvme)
+            && cfg.update == Update::End;
         if can_offload {
             small.offload.set = OffloadSet::ALL;
         }
