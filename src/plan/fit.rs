@@ -619,8 +619,8 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
         small.optim_state = OptimState::Int8;
         // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing;
         // nor does an update inside the backward.
-        let can_offload = backend.tiers().contains(&crate::ir::Tier::Nvme)
-            && cfg.update == Update::End;
+        let can_offload =
+            backend.tiers().contains(&crate::ir::Tier::Nvme) && cfg.update == Update::End;
         if can_offload {
             small.offload.set = OffloadSet::ALL;
         }
