@@ -279,4 +279,12 @@ fn what_it_does_not_compose_with_is_refused_naming_the_flags() {
     assert!(e.contains("--grad-clip 0"), "{e}");
     // Its gradients do not outlive the backward: there are none to read after it.
     assert!(ex.compute_gradients().is_err());
+    // Gradients that are not finite stop the run (part of the update is applied): an
+    // error, where the update after the backward would skip the step.
+    ex.with_params_mut(|p| p[0] = f32::NAN).unwrap();
+    let e = format!("{:#}", ex.train_step(&hp(1)).unwrap_err());
+    assert!(
+        e.contains("not finite") && e.contains("--update end"),
+        "{e}"
+    );
 }

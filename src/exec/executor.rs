@@ -921,8 +921,9 @@ impl Executor {
             bail!(
                 "the step's gradients are not finite (norm {}), and with --update in-backward \
                  some groups were already updated with them: the run stops here (its last \
-                 checkpoint is kept). Resume it with a lower --lr or --update end, which skips \
-                 such a step",
+                 checkpoint is kept). Resume it with --update end, which skips such a step, \
+                 or start a new run from that checkpoint (--init RUN/checkpoints/step-N) with \
+                 a lower --lr",
                 o.grad_norm
             );
         }
