@@ -881,7 +881,8 @@ fn param_buffers(
 }
 
 /// Declares one gradient buffer per parameter group (`{group}.grad`, in the storage type;
-/// as long as the group's cut for the collectives of a plan with ranks, `split`).
+/// as long as the group's cut for the collectives of a plan with ranks, `split`); the LM
+/// head's group has one per slice of the head with `--update in-backward` (`head`).
 fn grad_buffers(
     g: &mut Builder,
     layout: &ParamLayout,
@@ -1154,9 +1155,10 @@ fn bind_state(
     }
 }
 
-/// Emits the optimizer phase: AdamW over each parameter group (embeddings, each block, the
-/// final norm), one op each, with the group's moments (`state`: one set covering every
-/// parameter, or one per group). The gradient norm's shares are taken in the backward
+/// Emits the optimizer phase: AdamW over each gradient segment (each parameter group:
+/// embeddings, each block, the final norm; with `--update in-backward` the LM head's group
+/// cut at its slices), one op each, with its group's moments (`state`: one set covering
+/// every parameter, or one per group). The gradient norm's shares are taken in the backward
 /// ([`norm_when_final`]); moments on the disk tier are staged by `plan::stage`. With a
 /// sharded optimizer (`--zero 1` and up) each op updates the rank's shard of the group.
 fn optimizer(
@@ -1167,26 +1169,14 @@ fn optimizer(
     grads: &Segments,
 ) {
     let (state_block, _) = layout.block_offsets(QBLOCK);
-    let sliced = grads.segments.len() != layout.groups.len();
-    if sliced {
-        // The LM head's group cut into slices (`--update in-backward`): one update per
-        // gradient segment, of one process's whole state.
-        assert!(sharded.is_none() && state.len() == 1);
-        let names = segment_names(g, grads);
-        for (seg, name) in grads.segments.iter().zip(names) {
-            let tensors = slices_of(layout, &state_block, &seg.range, 0..layout.tensors.len());
-            let op = Op::AdamW {
-                tensors,
-                state: state[0],
-            };
-            g.op(format!("{name}.adamw"), Phase::Optimizer, 0, op);
-        }
-        return;
-    }
-    for (k, group) in layout.groups.iter().enumerate() {
+    let names = segment_names(g, grads);
+    for (seg, name) in grads.segments.iter().zip(names) {
+        let k = (layout.groups).partition_point(|gr| layout.group_range(gr).end <= seg.range.start);
+        let group = &layout.groups[k];
+        // A sharded plan's segments are its groups.
         let owned = match sharded {
-            Some(s) => s.owned(&layout.group_range(group), k),
-            None => layout.group_range(group),
+            Some(s) => s.owned(&seg.range, k),
+            None => seg.range.clone(),
         };
         let tensors = slices_of(layout, &state_block, &owned, group.tensors.clone());
         let state = if let [whole] = state {
@@ -1195,7 +1185,7 @@ fn optimizer(
             state[k]
         };
         g.op(
-            format!("{}.adamw", group.name),
+            format!("{name}.adamw"),
             Phase::Optimizer,
             0,
             Op::AdamW { tensors, state },

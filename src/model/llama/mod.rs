@@ -484,42 +484,47 @@ pub(super) fn from_hf_config(
     }
     let n_layer = uint("num_hidden_layers", None)?;
     let kinds = layer_kinds(field("layer_types"), n_layer, source)?;
-    // Qwen2's and Qwen3's windows (configuration_qwen2.py, configuration_qwen3.py): only
-    // with `use_sliding_window`, on the layers `layer_types` names "sliding_attention"
-    // (by default those from `max_window_layers` on); without it every layer sees the
-    // whole prefix, whatever the other fields say.
-    let qwen_window = match qwen && flag("use_sliding_window", false)? {
-        false => None,
-        true => match obj.get("sliding_window") {
-            None => Some(4096),
-            Some(Value::Null) => None,
+    // `sliding_window` where the family reads one: `default` when absent, none when null.
+    let window = |default: Option<usize>| -> Result<Option<usize>> {
+        match obj.get("sliding_window") {
+            None => Ok(default),
+            Some(Value::Null) => Ok(None),
             Some(x) => match x.as_u64() {
-                Some(w) if w > 0 => Some(w as usize),
+                Some(w) if w > 0 => Ok(Some(w as usize)),
                 _ => bail!(
                     "{source}: field 'sliding_window' must be a positive integer or null, found {x}"
                 ),
             },
-        },
+        }
     };
-    let local_layers = match (qwen_window, kinds) {
-        (Some(_), kinds) => {
-            let sliding = match kinds {
-                Some(k) => k,
+    // Qwen2's and Qwen3's sliding layers (configuration_qwen2.py, configuration_qwen3.py):
+    // only with `use_sliding_window` and a window (default 4096), the layers `layer_types`
+    // names "sliding_attention" (by default those from `max_window_layers` on); otherwise
+    // every layer sees the whole prefix, whatever the other fields say. A window no layer
+    // has is none.
+    let (qwen_window, sliding) = match qwen && flag("use_sliding_window", false)? {
+        false => (None, None),
+        true => {
+            let w = window(Some(4096))?;
+            let sliding: Vec<bool> = match &kinds {
+                Some(k) => k.clone(),
                 None => {
                     let first = uint("max_window_layers", Some(28))?;
                     (0..n_layer).map(|l| l >= first).collect()
                 }
             };
-            Some(sliding)
+            let sliding = Some(sliding).filter(|s| w.is_some() && s.contains(&true));
+            (w.filter(|_| sliding.is_some()), sliding)
         }
-        (None, Some(k)) if !qwen && k.iter().any(|&s| s) => bail!(
+    };
+    if !qwen && kinds.as_ref().is_some_and(|k| k.contains(&true)) {
+        bail!(
             "{source}: field 'layer_types' lists \"sliding_attention\" layers; memwall's {} \
              layers all attend alike (list \"full_attention\" for every layer, or remove \
              the field)",
             family.model_type()
-        ),
-        (None, _) => None,
-    };
+        );
+    }
     let c = uint("hidden_size", None)?;
     let nh = uint("num_attention_heads", None)?;
     // Qwen3Config's defaults (configuration_qwen3.py): 32 key/value heads and head_dim 128,
@@ -561,20 +566,13 @@ pub(super) fn from_hf_config(
         },
         _ => None,
     };
-    // Mistral's and Phi-3's window: MistralConfig's default is 4096 when the field is
-    // absent, Phi3Config's none; null is none (configuration_mistral.py,
-    // configuration_phi3.py). The other families here have none (Qwen's are refused above
-    // unless `use_sliding_window` is false, where transformers ignores it).
-    let sliding_window = match (family, obj.get("sliding_window")) {
-        (Family::Qwen2 | Family::Qwen3, _) => qwen_window,
-        (Family::Mistral, None) => Some(4096),
-        (Family::Mistral | Family::Phi3, None | Some(Value::Null)) => None,
-        (Family::Mistral | Family::Phi3, Some(x)) => match x.as_u64() {
-            Some(w) if w > 0 => Some(w as usize),
-            _ => bail!(
-                "{source}: field 'sliding_window' must be a positive integer or null, found {x}"
-            ),
-        },
+    // Mistral's and Phi-3's one window for every layer: MistralConfig's default is 4096
+    // when the field is absent, Phi3Config's none (configuration_mistral.py,
+    // configuration_phi3.py); Qwen's as read above. The other families here have none.
+    let sliding_window = match family {
+        Family::Qwen2 | Family::Qwen3 => qwen_window,
+        Family::Mistral => window(Some(4096))?,
+        Family::Phi3 => window(None)?,
         _ => None,
     };
     Ok(ModelSpec {
@@ -583,7 +581,7 @@ pub(super) fn from_hf_config(
         vocab_size: uint("vocab_size", None)?,
         n_positions,
         n_embd: c,
-        n_layer: uint("num_hidden_layers", None)?,
+        n_layer,
         n_head: nh,
         n_kv_head: nkv,
         head_dim,
@@ -597,16 +595,12 @@ pub(super) fn from_hf_config(
             flag("attention_bias", false)?,
             flag("mlp_bias", false)?,
         ),
-        // A window no layer has is none.
-        sliding_window: sliding_window
-            .filter(|_| local_layers.as_ref().is_none_or(|s| s.contains(&true))),
-        local_layers: local_layers
-            .filter(|s| s.contains(&true))
-            .map(|sliding| LocalLayers {
-                sliding,
-                rope_theta: theta,
-                own_rotation: false,
-            }),
+        sliding_window,
+        local_layers: sliding.map(|sliding| LocalLayers {
+            sliding,
+            rope_theta: theta,
+            own_rotation: false,
+        }),
         query_pre_attn_scalar: None,
         special_tokens: SpecialTokens { bos, eos, pad },
     })
