@@ -310,13 +310,10 @@ pub fn load_trainer_state_by(
         )
     };
     // A tensor-parallel part or a pipeline stage reads its runs of the whole model's flat
-    // arrays; 8-bit moments' blocks are the whole tensors' (a stage's are, a part's are not:
-    // such plans are refused, `plan::build`).
+    // arrays; 8-bit moments' blocks are the whole tensors' (a part's too: it numbers its
+    // whole tensor's blocks, `ParamLayout::block_offsets`).
     let (total, n_blocks) = (layout.total, layout.block_offsets(QBLOCK).1);
     let (whole_total, whole_blocks) = (layout.whole_total(), layout.whole_blocks(QBLOCK));
-    if layout.split.is_split() && format == OptimState::Int8 {
-        bail!("internal error: int8 moments of a tensor-parallel part");
-    }
     let src = Sources::single(&file);
     let mut targets = Vec::new();
     let located = match format {
@@ -413,10 +410,7 @@ pub fn load_trainer_state_by(
                         dst.copy_from_slice(b)
                     })?;
                 }
-                let Some(runs) = layout.whole_block_runs(blocks.clone(), QBLOCK) else {
-                    bail!("internal error: int8 moments of a tensor-parallel part");
-                };
-                for (w, r) in runs {
+                for (w, r) in layout.whole_block_runs(blocks.clone(), QBLOCK) {
                     let whole = w..w + r.len();
                     let at = r.start - blocks.start..r.end - blocks.start;
                     for (name, dst) in [

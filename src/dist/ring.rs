@@ -9,7 +9,8 @@
 //!   partial sums.
 //! - [`all_gather`]: N−1 steps; at step k rank r sends chunk r−k to rank r+1 and receives
 //!   chunk r−k−1 from rank r−1 straight into place.
-//! - [`all_reduce`]: the two in turn, in place.
+//! - [`all_reduce`]: the two in turn, in place; [`all_reduce_max`] likewise, with the
+//!   maximum in place of the sum.
 //!
 //! Messages go in pieces of at most the scratch's length (the plan sizes it), so nothing is
 //! allocated here; every rank sends as many pieces per step, enough for the longest chunk
@@ -27,21 +28,43 @@ use crate::ir::Cut;
 use anyhow::{Result, ensure};
 use half::{bf16, f16};
 
-/// An element type the collectives can sum.
+/// An element type the collectives can sum (and take the maximum of).
 pub trait Summable: Copy + Send + Sync + 'static {
     /// `acc[i] += x[i]`, in f32 or wider, rounded once.
     fn add_into(acc: &mut [Self], x: &[Self]);
+
+    /// `acc[i] = max(acc[i], x[i])`, NaN if either is NaN (exact in any order).
+    fn max_into(acc: &mut [Self], x: &[Self]);
+}
+
+/// The larger of `a` and `b`, NaN if either is.
+fn max_nan(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 impl Summable for f32 {
     fn add_into(acc: &mut [f32], x: &[f32]) {
         acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b);
     }
+
+    fn max_into(acc: &mut [f32], x: &[f32]) {
+        (acc.iter_mut().zip(x)).for_each(|(a, b)| *a = max_nan(*a as f64, *b as f64) as f32);
+    }
 }
 
 impl Summable for f64 {
     fn add_into(acc: &mut [f64], x: &[f64]) {
         acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b);
+    }
+
+    fn max_into(acc: &mut [f64], x: &[f64]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, b)| *a = max_nan(*a, *b));
     }
 }
 
@@ -51,6 +74,11 @@ impl Summable for bf16 {
             .zip(x)
             .for_each(|(a, b)| *a = bf16::from_f32(a.to_f32() + b.to_f32()));
     }
+
+    fn max_into(acc: &mut [bf16], x: &[bf16]) {
+        let wide = |a: bf16| a.to_f64();
+        (acc.iter_mut().zip(x)).for_each(|(a, b)| *a = bf16::from_f64(max_nan(wide(*a), wide(*b))));
+    }
 }
 
 impl Summable for f16 {
@@ -58,6 +86,11 @@ impl Summable for f16 {
         acc.iter_mut()
             .zip(x)
             .for_each(|(a, b)| *a = <f16 as Elem>::from_f32(Elem::to_f32(*a) + Elem::to_f32(*b)));
+    }
+
+    fn max_into(acc: &mut [f16], x: &[f16]) {
+        let wide = |a: f16| a.to_f64();
+        (acc.iter_mut().zip(x)).for_each(|(a, b)| *a = f16::from_f64(max_nan(wide(*a), wide(*b))));
     }
 }
 
@@ -85,13 +118,15 @@ fn check_cut<T>(comm: &dyn Comm, buf: &[T], cut: &Cut) -> Result<()> {
     Ok(())
 }
 
-/// Leaves chunk `rank` of `buf` holding the sum of every rank's chunk `rank` (the other
-/// chunks hold partial sums), using `scratch` for the pieces received.
+/// Leaves chunk `rank` of `buf` holding the sum (with `combine` = `T::max_into`, the
+/// maximum) of every rank's chunk `rank` (the other chunks hold partial sums), using
+/// `scratch` for the pieces received.
 fn reduce_in_place<T: Summable>(
     comm: &dyn Comm,
     buf: &mut [T],
     cut: &Cut,
     scratch: &mut [T],
+    combine: fn(&mut [T], &[T]),
 ) -> Result<()> {
     let (r, n) = (comm.rank(), comm.size());
     check_cut(comm, buf, cut)?;
@@ -115,7 +150,7 @@ fn reduce_in_place<T: Summable>(
             let (send, recv) = (part(&send), part(&recv));
             let piece = &mut scratch[..recv.len()];
             comm.sendrecv(as_bytes(&buf[send]), next, as_bytes_mut(piece), prev)?;
-            T::add_into(&mut buf[recv], piece);
+            combine(&mut buf[recv], piece);
         }
     }
     Ok(())
@@ -138,7 +173,7 @@ pub fn reduce_scatter<T: Summable>(
         out.len(),
         mine.len()
     );
-    reduce_in_place(comm, buf, cut, scratch)?;
+    reduce_in_place(comm, buf, cut, scratch, T::add_into)?;
     let mine = &buf[mine];
     if accumulate {
         T::add_into(out, mine);
@@ -173,7 +208,20 @@ pub fn all_reduce<T: Summable>(
     cut: &Cut,
     scratch: &mut [T],
 ) -> Result<()> {
-    reduce_in_place(comm, buf, cut, scratch)?;
+    reduce_in_place(comm, buf, cut, scratch, T::add_into)?;
+    all_gather(comm, buf, cut)
+}
+
+/// Every element of `buf` (cut by `cut`) becomes its maximum over ranks (NaN if any rank's
+/// is), using `scratch` for the pieces received: 8-bit block scales the tensor ranks agree
+/// on.
+pub fn all_reduce_max<T: Summable>(
+    comm: &dyn Comm,
+    buf: &mut [T],
+    cut: &Cut,
+    scratch: &mut [T],
+) -> Result<()> {
+    reduce_in_place(comm, buf, cut, scratch, T::max_into)?;
     all_gather(comm, buf, cut)
 }
 

@@ -33,7 +33,8 @@ pub enum OpFamily {
     LmHead,
     /// LoRA adapters on frozen linear layers: [`Op::LoraForward`], [`Op::LoraBackward`].
     Adapter,
-    /// The update: [`Op::GradNorm`] (a group's share of the gradient norm) and [`Op::AdamW`].
+    /// The update: [`Op::GradNorm`] (a group's share of the gradient norm), [`Op::AdamW`] and
+    /// [`Op::AdamWBlockMax`] (8-bit block scales of tensor-parallel parts).
     Optimizer,
     /// Copies between tiers, run beside the ops: [`Op::Transfer`], [`Op::AwaitTransfers`].
     Transfer,
@@ -66,7 +67,9 @@ impl Op {
             | Op::LmHeadLast { .. }
             | Op::LmHeadWeightGrad { .. } => OpFamily::LmHead,
             Op::LoraForward { .. } | Op::LoraBackward { .. } => OpFamily::Adapter,
-            Op::GradNorm { .. } | Op::AdamW { .. } => OpFamily::Optimizer,
+            Op::GradNorm { .. } | Op::AdamW { .. } | Op::AdamWBlockMax { .. } => {
+                OpFamily::Optimizer
+            }
             Op::Transfer { .. } | Op::AwaitTransfers { .. } => OpFamily::Transfer,
             Op::AllReduce { .. }
             | Op::ReduceScatter { .. }

@@ -21,6 +21,8 @@
 //! - [`shard`]: how a parameter group is cut among the data-parallel ranks ([`Cut`],
 //!   [`Sharding`]) and the ZeRO stage ([`Zero`]).
 //! - [`moments`]: the AdamW moments as stored, borrowed ([`Moments`], [`MomentsMut`]).
+//! - [`part`]: a tensor-parallel rank's part of a tensor ([`TensorPart`]) and its 8-bit
+//!   blocks.
 //! - [`sizing`]: what the planner asks of a backend ([`Sizing`]).
 //! - [`program`]: what a backend starts on ([`Program`]: a plan's buffers, schedule, tier
 //!   sizes and cuts), so no backend imports the planner.
@@ -51,6 +53,7 @@ pub mod builder;
 pub mod family;
 pub mod mesh;
 pub mod moments;
+pub mod part;
 pub mod program;
 pub mod schedule;
 pub mod shard;
@@ -62,10 +65,11 @@ pub use builder::{Builder, EmitOptions, Emitted, Loss, MicroBatch};
 pub use family::OpFamily;
 pub use mesh::{Axis, Mesh, ModelPart, Peer, PipelineStage, TensorSplit};
 pub use moments::{Moments, MomentsMut};
+pub use part::TensorPart;
 pub use program::{DISK_TIER_FILE, Program, disk_tier_file};
 pub use schedule::{
-    Binding, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, Phase,
-    Rows, Schedule, Segment, Segments, VocabShare, WeightLayout,
+    Binding, BlockScales, IGNORE_TARGET, ImplicitBufs, LoraDropout, Op, OpEntry, OptimBufs,
+    ParamSlice, Phase, Reduce, Rows, Schedule, Segment, Segments, VocabShare, WeightLayout,
 };
 pub use shard::{Collective, Cut, CutOf, Sharding, Zero};
 pub use sizing::Sizing;

@@ -6,8 +6,9 @@
 
 use super::buffer::BufId;
 use super::mesh::{Axis, Peer};
+use super::part::TensorPart;
 use super::shard::CutOf;
-use super::strategy::OptimState;
+use super::strategy::{OptimState, QBLOCK};
 use serde::Serialize;
 use std::ops::Range;
 
@@ -143,12 +144,71 @@ impl Rows {
 
 /// One parameter tensor an optimizer op updates: its element range (the same range of the
 /// parameters, the gradients and the moments), whether weight decay applies, and the index of
-/// its first block of 8-bit optimizer state (see [`super::strategy::QBLOCK`]).
+/// its first block of 8-bit optimizer state (see [`super::strategy::QBLOCK`]): the block of
+/// its first element.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSlice {
     pub range: Range<usize>,
     pub decay: bool,
     pub state_block: usize,
+    /// Of a tensor-parallel part: the part, and where the slice starts in it (its 8-bit
+    /// blocks are the whole tensor's, [`TensorPart::block_pieces`]); `None` for a slice of
+    /// a tensor held whole, whose blocks are its runs of [`QBLOCK`] values from its start.
+    pub part: Option<(TensorPart, usize)>,
+}
+
+impl ParamSlice {
+    /// The slice's elements by 8-bit block: (the block's index in the state's numbering,
+    /// the slice's elements in it, counted from its first), in order.
+    pub fn block_pieces(&self) -> Box<dyn Iterator<Item = (usize, Range<usize>)> + Send + '_> {
+        let n = self.range.len();
+        match &self.part {
+            None => Box::new(
+                (0..n.div_ceil(QBLOCK))
+                    .map(move |k| (self.state_block + k, k * QBLOCK..((k + 1) * QBLOCK).min(n))),
+            ),
+            Some((part, at)) => {
+                let first = part
+                    .runs_in(*at..at + 1)
+                    .next()
+                    .map_or(0, |(w, _)| w / QBLOCK);
+                Box::new(
+                    part.block_pieces(*at..at + n, QBLOCK).map(move |(b, r)| {
+                        (self.state_block + b - first, r.start - at..r.end - at)
+                    }),
+                )
+            }
+        }
+    }
+
+    /// The 8-bit blocks the slice's elements are in, first to last (state numbering).
+    pub fn blocks(&self) -> Range<usize> {
+        let last = self
+            .block_pieces()
+            .last()
+            .map_or(self.state_block, |(b, _)| b + 1);
+        self.state_block..last
+    }
+}
+
+/// The 8-bit block scales the tensor ranks agree on before an update of slices of parts
+/// (`plan::build::agree_block_scales`): `buf`, f32 `[2, blocks.len()]`, holds the new
+/// scales of m then of v of blocks `blocks` (state numbering), each the maximum over the
+/// tensor ranks of what each computed of its elements ([`Op::AdamWBlockMax`], then an
+/// [`Op::AllReduce`] with [`Reduce::Max`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockScales {
+    pub buf: BufId,
+    pub blocks: Range<usize>,
+}
+
+/// What an [`Op::AllReduce`] computes of the ranks' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// Their sum, in the ring's fixed order.
+    Sum,
+    /// Their maximum (NaN if any is NaN): 8-bit block scales ([`BlockScales`]).
+    Max,
 }
 
 /// One op. Parameter tensors are element ranges of the flat parameter vector; the matching
@@ -530,6 +590,18 @@ pub enum Op {
     AdamW {
         tensors: Vec<ParamSlice>,
         state: OptimBufs,
+        /// 8-bit state of slices of tensor-parallel parts: each block's new scales, agreed
+        /// among the tensor ranks, which the update encodes the moments at instead of its
+        /// elements' maxima.
+        scales: Option<BlockScales>,
+    },
+    /// The new 8-bit block scales an [`Op::AdamW`] of the same `tensors` and `state` would
+    /// compute (the maxima of |m| and |v| after the update, over the rank's elements of
+    /// each block), into `out` (0 for a block it holds none of), changing nothing else.
+    AdamWBlockMax {
+        tensors: Vec<ParamSlice>,
+        state: OptimBufs,
+        out: BlockScales,
     },
     /// Starts copying buffer `from` into buffer `to`: one size, on two adjacent tiers of the
     /// backend's list ([`crate::ir::Sizing::tiers`]; the CPU's: a disk-tier buffer and a RAM
@@ -554,6 +626,8 @@ pub enum Op {
         /// whole by every tensor rank, whose gradient each rank computes a partial sum of,
         /// inside its group's gradients (`plan::lora::sum_shared_grads`).
         elems: Option<Range<usize>>,
+        /// Sum, or maximum (8-bit block scales, f32).
+        reduce: Reduce,
     },
     /// `shard` (as long as the rank's chunk) becomes (`accumulate`: gains) the sum over the
     /// ranks of chunk `rank` of `buf` (cut as `cut` says), whose contents are consumed

@@ -6,6 +6,7 @@
 //! executor, checkpoints) reads only this.
 
 use super::spec::Family;
+pub use crate::ir::TensorPart;
 use crate::ir::{ModelPart, PipelineStage, TensorSplit};
 use std::ops::Range;
 
@@ -43,73 +44,6 @@ pub struct ParamTensor {
     /// gradient (Qwen3's q/k norms: a rank normalises its own heads), so the plan sums it over
     /// the tensor ranks (`plan::lora::sum_shared_grads`). `false` on one rank.
     pub partial_grad: bool,
-}
-
-/// Where a tensor-parallel rank's tensor sits in the model's tensor of the same name: the
-/// ranges of dimension `dim` it keeps, concatenated in order (GPT-2's fused `c_attn` keeps
-/// three: its q, k and v columns). The rank's tensor is contiguous in its own layout, so
-/// its kernels read it as any tensor; only loading, saving and initialising map it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TensorPart {
-    /// The whole tensor's shape (as Hugging Face stores it).
-    pub whole: Vec<usize>,
-    /// The dimension cut.
-    pub dim: usize,
-    /// The ranges of `dim` kept, in the part's order.
-    pub ranges: Vec<Range<usize>>,
-}
-
-impl TensorPart {
-    /// Elements of the whole tensor.
-    pub fn whole_len(&self) -> usize {
-        self.whole.iter().product()
-    }
-
-    /// The part's contiguous runs in order: (offset in the whole tensor, length); the part
-    /// is their concatenation.
-    pub fn runs(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        let outer: usize = self.whole[..self.dim].iter().product();
-        let inner: usize = self.whole[self.dim + 1..].iter().product();
-        let d = self.whole[self.dim];
-        (0..outer).flat_map(move |o| {
-            self.ranges
-                .iter()
-                .map(move |r| ((o * d + r.start) * inner, r.len() * inner))
-        })
-    }
-
-    /// The part's elements `range` (in the part's order) as runs of the whole tensor, in
-    /// order: (offset in the whole tensor, the part's elements it holds). What loading and
-    /// saving a piece of a part map through, so neither needs the whole tensor's runs.
-    pub fn runs_in(&self, range: Range<usize>) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
-        let mut at = 0;
-        self.runs().filter_map(move |(w, n)| {
-            let (lo, hi) = (range.start.max(at), range.end.min(at + n));
-            let run = (lo < hi).then(|| (w + lo - at, lo..hi));
-            at += n;
-            run
-        })
-    }
-
-    /// Copies the part out of the whole tensor `whole` into `part`.
-    pub fn take<T: Copy>(&self, whole: &[T], part: &mut [T]) {
-        let mut at = 0;
-        for (w, n) in self.runs() {
-            part[at..at + n].copy_from_slice(&whole[w..w + n]);
-            at += n;
-        }
-        debug_assert_eq!(at, part.len());
-    }
-
-    /// Copies `part` into its place in the whole tensor `whole`.
-    pub fn put<T: Copy>(&self, part: &[T], whole: &mut [T]) {
-        let mut at = 0;
-        for (w, n) in self.runs() {
-            whole[w..w + n].copy_from_slice(&part[at..at + n]);
-            at += n;
-        }
-        debug_assert_eq!(at, part.len());
-    }
 }
 
 impl ParamTensor {
@@ -441,25 +375,21 @@ impl ParamLayout {
     /// This layout's blocks `range` (of `block` values counted per tensor,
     /// [`ParamLayout::block_offsets`]) as runs of the whole model's blocks, as
     /// [`ParamLayout::whole_runs`] maps elements: (the run's first block in the whole
-    /// model's numbering, the blocks of this layout it holds), adjacent runs joined. `None`
-    /// where a tensor-parallel part's tensor has any of them: a part's blocks are not its
-    /// whole tensor's.
+    /// model's numbering, the blocks of this layout it holds), adjacent runs joined. A
+    /// tensor-parallel part's blocks are its whole tensor's, so they map one to one.
     pub fn whole_block_runs(
         &self,
         range: Range<usize>,
         block: usize,
-    ) -> Option<Vec<(usize, Range<usize>)>> {
+    ) -> Vec<(usize, Range<usize>)> {
         let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
         let (mut local, mut whole) = (0, 0);
         for (k, t) in self.tensors.iter().enumerate() {
             let skipped = self.absent.iter().filter(|a| a.before == k);
             whole += skipped.map(|a| a.len().div_ceil(block)).sum::<usize>();
-            let n = t.range.len().div_ceil(block);
+            let n = t.whole_len().div_ceil(block);
             let (lo, hi) = (range.start.max(local), range.end.min(local + n));
             if lo < hi {
-                if t.part.is_some() {
-                    return None;
-                }
                 let w = whole + lo - local;
                 match runs.last_mut() {
                     Some((lw, lr)) if *lw + lr.len() == w && lr.end == lo => lr.end = hi,
@@ -467,9 +397,9 @@ impl ParamLayout {
                 }
             }
             local += n;
-            whole += t.whole_len().div_ceil(block);
+            whole += n;
         }
-        Some(runs)
+        runs
     }
 
     /// Looks a tensor up by its Hugging Face name.
@@ -512,13 +442,15 @@ impl ParamLayout {
     }
 
     /// Cutting each tensor into blocks of `block` values (its last block partial): the index
-    /// of every tensor's first block, and the total number of blocks.
+    /// of every tensor's first block, and the total number of blocks. A tensor-parallel
+    /// part counts its whole tensor's blocks ([`TensorPart::block_pieces`] places its
+    /// elements in them), so every tensor rank numbers the blocks alike, as one process does.
     pub fn block_offsets(&self, block: usize) -> (Vec<usize>, usize) {
         let mut offsets = Vec::with_capacity(self.tensors.len());
         let mut total = 0;
         for t in &self.tensors {
             offsets.push(total);
-            total += t.range.len().div_ceil(block);
+            total += t.whole_len().div_ceil(block);
         }
         (offsets, total)
     }

@@ -20,7 +20,7 @@
 //! On one rank all of these emit nothing and every buffer is the whole stream's.
 
 use crate::ir::builder::Builder;
-use crate::ir::schedule::{Op, Phase};
+use crate::ir::schedule::{Op, Phase, Reduce};
 use crate::ir::{Axis, BufId, Category, Cut, CutOf, TensorSplit};
 
 /// Joins the tensor-parallel ranks' parts of `buf` (`len` elements; a row-parallel layer's
@@ -53,6 +53,7 @@ pub(crate) fn join_tensor_parts(
             cut: CutOf::Even,
             axis: Axis::Tensor,
             elems: None,
+            reduce: Reduce::Sum,
         },
     );
     await_collective(g, name, "all_reduce", vec![buf, scratch], phase);

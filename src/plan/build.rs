@@ -214,6 +214,7 @@ pub(super) fn build(
         Some(split) => zero::collectives(&mut g, &layout, split, &params, &grads, cfg.grad_accum),
         None => params,
     };
+    super::block_scales::agree(&mut g, &layout);
     let homes = offload_homes(
         &g,
         &r,
@@ -353,15 +354,6 @@ pub(super) fn check_mesh(spec: &ModelSpec, cfg: &StepConfig, mode: Mode) -> Resu
     let t = mesh.tensor;
     if mode == Mode::Generate {
         bail!("--tp {t}: sampling runs on one rank; use --tp 1");
-    }
-    // A checkpoint holds the whole model's moments, and 8-bit ones are quantized in blocks
-    // of each whole tensor, which a rank's part of a cut tensor does not keep.
-    if cfg.optim_state == OptimState::Int8 {
-        bail!(
-            "--tp {t} with --optim-state int8: 8-bit moments are quantized in blocks of whole \
-             tensors, which the tensor ranks' parts would cut (their checkpoints could not \
-             hold one process's moments); use --optim-state bf16 or fp32"
-        );
     }
     Ok(())
 }
@@ -1188,7 +1180,11 @@ fn optimizer(
             format!("{name}.adamw"),
             Phase::Optimizer,
             0,
-            Op::AdamW { tensors, state },
+            Op::AdamW {
+                tensors,
+                state,
+                scales: None,
+            },
         );
     }
 }
@@ -1206,10 +1202,17 @@ fn slices_of(
             let t = &layout.tensors[i];
             let lo = t.range.start.max(owned.start);
             let hi = t.range.end.min(owned.end);
+            let at = lo - t.range.start;
+            // The block of the slice's first element: of a part, in its whole tensor.
+            let first = match &t.part {
+                None => at,
+                Some(p) => p.runs_in(at..at + 1).next().map_or(0, |(w, _)| w),
+            };
             (lo < hi).then(|| ParamSlice {
                 range: lo..hi,
                 decay: t.decay,
-                state_block: state_block[i] + (lo - t.range.start) / QBLOCK,
+                state_block: state_block[i] + first / QBLOCK,
+                part: t.part.clone().map(|p| (p, at)),
             })
         })
         .collect()

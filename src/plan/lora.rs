@@ -45,7 +45,9 @@
 use crate::dtype::DType;
 use crate::dtype::GgmlType;
 use crate::ir::builder::Builder;
-use crate::ir::schedule::{LoraDropout, Op, OpEntry, Phase, Segment, Segments, WeightLayout};
+use crate::ir::schedule::{
+    LoraDropout, Op, OpEntry, Phase, Reduce, Segment, Segments, WeightLayout,
+};
 use crate::ir::{Axis, Cut, CutOf};
 use crate::ir::{BaseQuant, BaseTypes};
 use crate::ir::{BufId, Category};
@@ -600,6 +602,7 @@ fn sum_runs(
                 cut: CutOf::Even,
                 axis: Axis::Tensor,
                 elems: Some(elems),
+                reduce: Reduce::Sum,
             },
         ));
         after.push(entry(

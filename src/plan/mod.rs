@@ -7,6 +7,7 @@
 //! overlap never share bytes. The executor allocates that arena once and hands out views; so the
 //! plan's arena size *is* the step's memory, and `memwall plan` answers "will it fit?" up front.
 
+mod block_scales;
 pub mod build;
 mod config;
 pub mod fit;

@@ -6,7 +6,7 @@
 
 use crate::ir::buffer::BufId;
 use crate::ir::schedule::{
-    LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, TeacherLogits, VocabShare,
+    BlockScales, LoraDropout, Op, OpEntry, OptimBufs, ParamSlice, TeacherLogits, VocabShare,
 };
 use std::ops::Range;
 
@@ -416,6 +416,7 @@ macro_rules! for_each_operand {
                         v_scale,
                         ..
                     },
+                scales,
             } => {
                 $buf!(m, ReadWrite);
                 $buf!(v, ReadWrite);
@@ -425,7 +426,34 @@ macro_rules! for_each_operand {
                 if let Some(s) = v_scale {
                     $buf!(s, ReadWrite);
                 }
+                if let Some(BlockScales { buf, .. }) = scales {
+                    $buf!(buf, Read);
+                }
                 $params!(Slices(tensors), ReadWrite);
+                $grads!(Slices(tensors), Read);
+            }
+            Op::AdamWBlockMax {
+                tensors,
+                state:
+                    OptimBufs {
+                        m,
+                        v,
+                        m_scale,
+                        v_scale,
+                        ..
+                    },
+                out: BlockScales { buf, .. },
+            } => {
+                $buf!(m, Read);
+                $buf!(v, Read);
+                if let Some(s) = m_scale {
+                    $buf!(s, Read);
+                }
+                if let Some(s) = v_scale {
+                    $buf!(s, Read);
+                }
+                $buf!(buf, Write);
+                $params!(Slices(tensors), Read);
                 $grads!(Slices(tensors), Read);
             }
             Op::Transfer { from, to } => {
@@ -644,6 +672,7 @@ mod tests {
             Op::AdamW {
                 tensors: vec![],
                 state,
+                scales: None,
             },
             Some(5),
             Some(6),

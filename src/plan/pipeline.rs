@@ -30,7 +30,7 @@
 //! update and stay equal.
 
 use crate::ir::builder::Builder;
-use crate::ir::schedule::{Op, OpEntry, Phase, Segments};
+use crate::ir::schedule::{Op, OpEntry, Phase, Reduce, Segments};
 use crate::ir::{Axis, Category, Cut, CutOf, PipelineStage};
 use crate::model::ParamLayout;
 
@@ -412,6 +412,7 @@ pub(crate) fn tied_embedding_sum(g: &mut Builder, layout: &ParamLayout, grads: &
             cut: CutOf::Even,
             axis: Axis::PipelineEnds,
             elems: None,
+            reduce: Reduce::Sum,
         },
     );
     let wait = entry(

@@ -388,6 +388,9 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::AdamW { state, .. } => {
             return Some(format!("adamw.{}/{storage}", state.format));
         }
+        Op::AdamWBlockMax { state, .. } => {
+            return Some(format!("adamw_block_max.{}/{storage}", state.format));
+        }
         Op::Transfer { .. } | Op::AwaitTransfers { .. } | Op::AwaitCollective { .. } => {
             return None;
         }
@@ -431,10 +434,15 @@ fn state_bytes(format: OptimState) -> f64 {
 pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
     let g = plan.cfg.precision.storage_size() as f64;
     let bytes = match &e.op {
-        Op::AdamW { tensors, state } => {
+        Op::AdamW { tensors, state, .. } => {
             let n: usize = tensors.iter().map(|t| t.range.len()).sum();
             // Parameters read and written, gradients read, moments read and written.
             n as f64 * (8.0 + g + 2.0 * state_bytes(state.format))
+        }
+        Op::AdamWBlockMax { tensors, state, .. } => {
+            let n: usize = tensors.iter().map(|t| t.range.len()).sum();
+            // Parameters, gradients and moments read.
+            n as f64 * (4.0 + g + state_bytes(state.format))
         }
         Op::GradNorm { range, .. } => range.len() as f64 * g,
         // A gather (or scatter) of N rows of the table: twice the activation's bytes.

@@ -5,8 +5,8 @@
 //! and parameters are padded to `N·S` ([`Sharding::even`]) so the ring collectives work in
 //! place, and each collective has a scratch piece (category `communication`) for what it
 //! receives. With 8-bit optimizer state the groups are cut at the blocks' edges instead
-//! ([`Sharding::at_edges`]), so each rank's moments are whole blocks: the same blocks, and
-//! so the same arithmetic, as one process's. Each collective runs beside the ops after it
+//! ([`Sharding::at_edges`] on the whole tensors, `int8_cut`), so each rank's moments are
+//! whole blocks: the same blocks, and so the same arithmetic, as one process's. Each collective runs beside the ops after it
 //! until its [`Op::AwaitCollective`] (`overlap`); stage 3 gathers the next group's
 //! parameters while the current one computes (`prefetch`).
 //!
@@ -58,7 +58,7 @@ use super::Plan;
 use crate::dtype::DType;
 use crate::ir::Axis;
 use crate::ir::builder::Builder;
-use crate::ir::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Segment, Segments};
+use crate::ir::schedule::{Binding, Op, OpEntry, OptimBufs, Phase, Reduce, Segment, Segments};
 use crate::ir::strategy::QBLOCK;
 use crate::ir::{BufId, Category, OptimState};
 use crate::ir::{Cut, CutOf, Sharding};
@@ -79,8 +79,11 @@ pub(super) fn check(sh: &Sharding) -> Result<()> {
 pub(super) struct Split {
     pub sh: Sharding,
     /// One per parameter group: even ([`Sharding::even`]), or with 8-bit moments sharded at
-    /// the blocks' edges ([`block_edges`]).
+    /// the blocks' edges ([`int8_cut`]).
     pub cuts: Vec<Cut>,
+    /// With 8-bit moments sharded, each group's blocks cut as its elements are (block
+    /// indices within the group: its first block is 0); empty otherwise.
+    pub block_cuts: Vec<Cut>,
 }
 
 /// The ZeRO cut of each of `layout`'s parameter groups along the data axis under `cfg`
@@ -92,22 +95,33 @@ pub fn group_cuts(layout: &ParamLayout, cfg: &super::StepConfig) -> Vec<Cut> {
         .unwrap_or_default()
 }
 
+/// The 8-bit blocks of each of `layout`'s parameter groups cut along the data axis under
+/// `cfg` (block indices within the group), as its elements are by [`group_cuts`]; empty
+/// unless 8-bit moments are sharded.
+pub fn group_block_cuts(layout: &ParamLayout, cfg: &super::StepConfig) -> Vec<Cut> {
+    cfg.sharding()
+        .map(|sh| Split::new(layout, cfg.optim_state, sh).block_cuts)
+        .unwrap_or_default()
+}
+
 impl Split {
     pub fn new(layout: &ParamLayout, format: OptimState, sh: Sharding) -> Split {
         let at_blocks = sh.zero.shards_optimizer() && format == OptimState::Int8;
-        let cuts = layout
-            .groups
-            .iter()
-            .map(|group| {
-                let n = layout.group_range(group).len();
-                if at_blocks {
-                    sh.at_edges(n, &block_edges(layout, group))
-                } else {
-                    sh.even(n)
-                }
-            })
-            .collect();
-        Split { sh, cuts }
+        let (mut cuts, mut block_cuts) = (Vec::new(), Vec::new());
+        for group in &layout.groups {
+            if at_blocks {
+                let (elems, blocks) = int8_cut(layout, group, &sh);
+                cuts.push(elems);
+                block_cuts.push(blocks);
+            } else {
+                cuts.push(sh.even(layout.group_range(group).len()));
+            }
+        }
+        Split {
+            sh,
+            cuts,
+            block_cuts,
+        }
     }
 
     /// The parameter elements of group `k` (elements `group` of the model) this rank owns.
@@ -116,36 +130,44 @@ impl Split {
     }
 }
 
-/// Offsets within `group` where one of its 8-bit blocks starts (blocks of [`QBLOCK`] values
-/// counted per tensor, [`ParamLayout::block_offsets`]), and its length last, ascending.
-fn block_edges(layout: &ParamLayout, group: &ParamGroup) -> Vec<usize> {
-    let start = layout.group_range(group).start;
-    let mut edges: Vec<usize> = layout.tensors[group.tensors.clone()]
-        .iter()
-        .flat_map(|t| t.range.clone().step_by(QBLOCK).map(|e| e - start))
-        .skip(1)
-        .collect();
-    edges.push(layout.group_range(group).len());
-    edges
-}
-
-/// The 8-bit blocks of `group` that start before group offset `e` (a block edge or the
-/// group's end).
-fn blocks_before(layout: &ParamLayout, group: &ParamGroup, e: usize) -> usize {
-    let start = layout.group_range(group).start;
-    layout.tensors[group.tensors.clone()]
-        .iter()
-        .map(|t| (start + e).clamp(t.range.start, t.range.end) - t.range.start)
-        .map(|len| len.div_ceil(QBLOCK))
-        .sum()
-}
-
-/// The 8-bit blocks of group `k` cut as its elements are by `cut` (block indices within the
-/// group: its first block is 0).
-pub fn block_cut(layout: &ParamLayout, k: usize, cut: &Cut) -> Cut {
-    let group = &layout.groups[k];
-    let n = layout.group_range(group).len();
-    cut.map(|e| blocks_before(layout, group, e.min(n)))
+/// The cut of `group` for sharded 8-bit moments: its elements and its blocks (of
+/// [`QBLOCK`] values counted per tensor, [`ParamLayout::block_offsets`]), each rank's
+/// shard whole blocks, so the same blocks and the same arithmetic as one process's.
+///
+/// The cut is made on the group's whole tensors ([`Sharding::at_edges`] at their block
+/// edges) and each edge is then placed in this layout: for tensors held whole the same
+/// edge; for a tensor-parallel part, the part's elements before it (the part's elements of
+/// a block are consecutive, `TensorPart::block_pieces`). So every tensor rank of a data
+/// rank holds the same blocks (the scales they agree on, `plan::block_scales`), whatever
+/// its part.
+fn int8_cut(layout: &ParamLayout, group: &ParamGroup, sh: &Sharding) -> (Cut, Cut) {
+    let tensors = &layout.tensors[group.tensors.clone()];
+    // The whole tensors' block edges, in the group's whole elements, and the length last.
+    let mut edges = Vec::new();
+    let mut at = 0;
+    for t in tensors {
+        edges.extend((at..at + t.whole_len()).step_by(QBLOCK));
+        at += t.whole_len();
+    }
+    edges.push(at);
+    edges.remove(0);
+    let whole = sh.at_edges(at, &edges);
+    // Of edge `e` (a block edge of the whole tensors): this layout's elements before it,
+    // and the blocks before it.
+    let place = |e: usize| {
+        let (mut elems, mut blocks, mut at) = (0, 0, 0);
+        for t in tensors {
+            let within = e.clamp(at, at + t.whole_len()) - at;
+            elems += match &t.part {
+                None => within,
+                Some(p) => p.elems_before(within),
+            };
+            blocks += within.div_ceil(QBLOCK);
+            at += t.whole_len();
+        }
+        (elems, blocks)
+    };
+    (whole.map(|e| place(e).0), whole.map(|e| place(e).1))
 }
 
 /// The AdamW moments of this rank's shard of every group (ZeRO ≥ 1): `{group}.adamw.m`,
@@ -166,7 +188,7 @@ pub(super) fn shard_moments(
         .map(|(k, group)| {
             let chunk = split.cuts[k].shard(rank);
             let base = layout.group_range(group).start + chunk.start;
-            let blocks = block_cut(layout, k, &split.cuts[k]).shard(rank);
+            let blocks = split.block_cuts[k].shard(rank);
             let first = first_block[group.tensors.start];
             let name = format!("{}.adamw", group.name);
             let (elems, blocks) = (
@@ -357,6 +379,7 @@ fn all_reduce(g: &mut Builder, gr: &Group, storage: DType, ins: &mut Inserts) {
         scratch: scratch(g, &format!("{name}.grad"), storage, cut),
         cut: CutOf::Group(k),
         elems: None,
+        reduce: Reduce::Sum,
     };
     let at = gr.norm;
     let micro = g.ops[at].micro;

@@ -15,7 +15,7 @@
 
 use crate::backend::{CommSpan, CommTime};
 use crate::dist::{Comm, Comms, Summable, ring};
-use crate::ir::{Axis, BufId, Buffer, Op, Peer};
+use crate::ir::{Axis, BufId, Buffer, Op, Peer, Reduce};
 use crate::ir::{Collective, Cut, CutOf};
 use anyhow::{Context, Result, anyhow};
 use std::collections::VecDeque;
@@ -71,6 +71,8 @@ pub(super) struct Job {
     /// A reduce-scatter's residual: copied into its shard, which then gains the sum.
     residual: Option<Raw>,
     accumulate: bool,
+    /// An all-reduce's sum or maximum.
+    reduce: Reduce,
     /// The ring for the buffers' element type.
     ring: unsafe fn(&Job, &Cut, &dyn Comm) -> Result<()>,
 }
@@ -82,7 +84,7 @@ impl Job {
         let raw = |id| Raw::of(view(id));
         // The elements of its buffer a ranged all-reduce sums (all of it otherwise), and what a
         // reduce-scatter adds its sum to.
-        let (mut elems, mut residual) = (None, None);
+        let (mut elems, mut residual, mut reduce) = (None, None, Reduce::Sum);
         let (key, kind, cut, axis, shard, scratch, accumulate) = match *op {
             Op::AllReduce {
                 buf,
@@ -90,8 +92,10 @@ impl Job {
                 cut,
                 axis,
                 elems: ref e,
+                reduce: r,
             } => {
                 elems = e.clone();
+                reduce = r;
                 (
                     buf,
                     Collective::AllReduce,
@@ -148,6 +152,7 @@ impl Job {
             scratch: scratch.map(raw),
             residual: residual.map(raw),
             accumulate,
+            reduce,
             ring: ring_of::<T>,
         }
     }
@@ -172,6 +177,7 @@ impl Job {
             scratch: None,
             residual: None,
             accumulate: false,
+            reduce: Reduce::Sum,
             ring: ring_of::<T>,
         }
     }
@@ -218,7 +224,10 @@ unsafe fn ring_of<T: Summable>(job: &Job, cut: &Cut, comm: &dyn Comm) -> Result<
         unreachable!("point-to-point jobs run in Job::run")
     };
     match kind {
-        Collective::AllReduce => ring::all_reduce(comm, buf, cut, scratch.expect(planned)),
+        Collective::AllReduce => match job.reduce {
+            Reduce::Sum => ring::all_reduce(comm, buf, cut, scratch.expect(planned)),
+            Reduce::Max => ring::all_reduce_max(comm, buf, cut, scratch.expect(planned)),
+        },
         Collective::ReduceScatter => {
             let shard = shard.expect(planned);
             // SAFETY: as above; the residual is read only.

@@ -199,19 +199,42 @@ fn absmax(x: &[f32] /* [len] */) -> f32 {
     acc.iter().fold(0.0f32, |m, &a| m.max(a))
 }
 
+/// Encodes one block (`x.len() <= QBLOCK`) of the first moment into signed log codes `q`
+/// and returns the block's scale, max |x| (0 for an all-zero block, whose codes are all 0).
+pub fn quantize_signed(
+    x: &[f32],    // [len] values, len <= QBLOCK
+    q: &mut [i8], // [len] codes out
+) -> f32 {
+    let scale = absmax(x);
+    quantize_signed_at(x, scale, q);
+    scale
+}
+
+/// Encodes one block (`x.len() <= QBLOCK`) of the second moment (see
+/// [`quantize_unsigned_at`]); returns the scale, max |x|.
+pub fn quantize_unsigned(
+    x: &[f32],    // [len] values, len <= QBLOCK
+    q: &mut [u8], // [len] codes out
+) -> f32 {
+    let scale = absmax(x);
+    quantize_unsigned_at(x, scale, q);
+    scale
+}
+
 multiversion! {
-    /// Encodes one block (`x.len() <= QBLOCK`) of the first moment into signed log codes `q`
-    /// and returns the block's scale, max |x| (0 for an all-zero block, whose codes are all 0).
-    pub fn quantize_signed(
-        x: &[f32],     // [len] values, len <= QBLOCK
+    /// Encodes part of a block of the first moment at the block's `scale` (max |x| over
+    /// the whole block, which may hold more than `x`: under tensor parallelism a block's
+    /// values are on several ranks) into signed log codes `q`.
+    pub fn quantize_signed_at(
+        x: &[f32],     // [len] values, len <= QBLOCK, |x| <= scale
+        scale: f32,
         q: &mut [i8],  // [len] codes out
-    ) -> f32 {
+    ) {
         assert!(x.len() <= QBLOCK, "quantize_signed: x longer than QBLOCK");
         assert_eq!(q.len(), x.len(), "quantize_signed: q length");
-        let scale = absmax(x);
         if scale == 0.0 {
             q.fill(0);
-            return 0.0;
+            return;
         }
         for (q, &x) in q.iter_mut().zip(x) {
             let y = x.abs() / scale; // (0, 1], or 0 for zero / underflow
@@ -219,7 +242,6 @@ multiversion! {
             let k = (MAX_I8 + log_code(y)).clamp(0, MAX_I8);
             *q = (if x < 0.0 { -k } else { k }) as i8;
         }
-        scale
     }
 }
 
@@ -241,31 +263,31 @@ multiversion! {
 }
 
 multiversion! {
-    /// Encodes one block (`x.len() <= QBLOCK`) of the second moment (v ≥ 0; the sign of a
-    /// negative input is ignored) into unsigned log codes `q`; returns the scale, max |x|.
+    /// Encodes part of a block of the second moment (v ≥ 0; the sign of a negative input is
+    /// ignored) at the block's `scale` (as [`quantize_signed_at`]) into unsigned log codes
+    /// `q`.
     ///
     /// Code 0 is reserved for exactly 0.0: a positive value below the smallest level (even
     /// one whose ratio to the scale underflows) rounds up to code 1. Rounding it to 0 would
     /// decode v as 0 while m may be nonzero, and the update m/(sqrt(v)+ε) would then jump to
     /// m/ε, a step of up to 1e8 times the learning rate. Rounding up merely shortens the step
     /// of that element.
-    pub fn quantize_unsigned(
-        x: &[f32],     // [len] values, len <= QBLOCK
+    pub fn quantize_unsigned_at(
+        x: &[f32],     // [len] values, len <= QBLOCK, |x| <= scale
+        scale: f32,
         q: &mut [u8],  // [len] codes out
-    ) -> f32 {
+    ) {
         assert!(x.len() <= QBLOCK, "quantize_unsigned: x longer than QBLOCK");
         assert_eq!(q.len(), x.len(), "quantize_unsigned: q length");
-        let scale = absmax(x);
         if scale == 0.0 {
             q.fill(0);
-            return 0.0;
+            return;
         }
         for (q, &x) in q.iter_mut().zip(x) {
             let y = x.abs() / scale;
             let k = (MAX_U8 + log_code(y)).clamp(1, MAX_U8); // never 0 for x != 0
             *q = if x == 0.0 { 0 } else { k as u8 };
         }
-        scale
     }
 }
 
@@ -350,6 +372,58 @@ pub fn adamw_update_int8<G: Elem>(
             *ms = quantize_signed(m, mq);
             *vs = quantize_unsigned(v, vq);
         });
+}
+
+/// The new block scales (max |m|, max |v|) one AdamW step would give `params`' part of a
+/// block (a piece, `len <= QBLOCK`, at the block's scales `m_scale`, `v_scale`), changing
+/// nothing: what a tensor rank contributes to a block its part shares with others.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_piece_max<G: Elem>(
+    params: &[f32], // [len]
+    grads: &[G],    // [len]
+    m_q: &[i8],     // [len] first-moment codes
+    m_scale: f32,
+    v_q: &[u8], // [len] second-moment codes
+    v_scale: f32,
+    hp: &AdamWStep,
+) -> (f32, f32) {
+    let n = params.len();
+    assert!(n <= QBLOCK, "adamw_piece_max: a piece longer than QBLOCK");
+    let mut p = [0.0f32; QBLOCK]; // [n used] the parameters' copy the update runs on
+    let mut m = [0.0f32; QBLOCK]; // [n used] decoded first moment
+    let mut v = [0.0f32; QBLOCK]; // [n used] decoded second moment
+    let (p, m, v) = (&mut p[..n], &mut m[..n], &mut v[..n]);
+    p.copy_from_slice(params);
+    dequantize_signed(m_q, m_scale, m);
+    dequantize_unsigned(v_q, v_scale, v);
+    adamw::update_chunk(p, grads, m, v, &adamw::consts(hp));
+    (absmax(m), absmax(v))
+}
+
+/// One AdamW step of a piece of a block (`len <= QBLOCK`), its moments decoded at the
+/// block's scales `old` (m's, v's) and encoded again at `new`, the block's new scales over
+/// every rank's piece of it ([`adamw_piece_max`], reduced): the codes one process's
+/// [`adamw_update_int8`] writes for these elements.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_piece_at<G: Elem>(
+    params: &mut [f32], // [len]
+    grads: &[G],        // [len]
+    m_q: &mut [i8],     // [len] first-moment codes
+    v_q: &mut [u8],     // [len] second-moment codes
+    old: (f32, f32),
+    new: (f32, f32),
+    hp: &AdamWStep,
+) {
+    let n = params.len();
+    assert!(n <= QBLOCK, "adamw_piece_at: a piece longer than QBLOCK");
+    let mut m = [0.0f32; QBLOCK]; // [n used] decoded first moment
+    let mut v = [0.0f32; QBLOCK]; // [n used] decoded second moment
+    let (m, v) = (&mut m[..n], &mut v[..n]);
+    dequantize_signed(m_q, old.0, m);
+    dequantize_unsigned(v_q, old.1, v);
+    adamw::update_chunk(params, grads, m, v, &adamw::consts(hp));
+    quantize_signed_at(m, new.0, m_q);
+    quantize_unsigned_at(v, new.1, v_q);
 }
 
 /// One AdamW step with the moments stored as bf16 (round to nearest even). Per chunk of
@@ -907,6 +981,98 @@ mod tests {
             assert!(flips <= 2 + len / 1000, "len={len}: {flips} code flips");
             assert!(vs.iter().all(|&s| s > 0.0));
         }
+    }
+
+    /// A tensor cut among tensor ranks (by rows, by columns, with blocks holding several
+    /// ranks' values): each rank's pieces of the whole tensor's blocks, their maxima reduced
+    /// (`adamw_piece_max`), updated at the agreed scales (`adamw_piece_at`) and put
+    /// together, give bitwise the whole tensor's parameters, codes and scales.
+    #[test]
+    fn parts_at_agreed_block_scales_update_as_the_whole_tensor() {
+        use crate::backend::cpu::reduce::max_nan;
+        use crate::ir::TensorPart;
+        for (whole, dim, t) in [
+            (vec![40, 150], 1, 2),
+            (vec![40, 150], 0, 4),
+            (vec![3, 3000], 1, 3),
+        ] {
+            let (n, d) = (whole.iter().product::<usize>(), whole[dim]);
+            let nb = n.div_ceil(QBLOCK);
+            let mut p = randn(n, 1.0, n as u64);
+            let (mut mq, mut vq) = (vec![0i8; n], vec![0u8; n]);
+            let (mut ms, mut vs) = (vec![0.0f32; nb], vec![0.0f32; nb]);
+            for step in 1..=2u64 {
+                let g = randn(n, 1.0, 7 * step);
+                adamw_update_int8(&mut p, &g, &mut mq, &mut ms, &mut vq, &mut vs, &hp(step));
+            }
+            let g = randn(n, 1.0, 99);
+            let h = hp(3);
+            let parts: Vec<TensorPart> = (0..t)
+                .map(|k| TensorPart {
+                    whole: whole.clone(),
+                    dim,
+                    ranges: vec![k * d / t..(k + 1) * d / t],
+                })
+                .collect();
+            let take = |part: &TensorPart| {
+                let len = part.runs().map(|r| r.1).sum();
+                let (mut pp, mut pg) = (vec![0.0; len], vec![0.0; len]);
+                let (mut pm, mut pv) = (vec![0i8; len], vec![0u8; len]);
+                part.take(&p, &mut pp);
+                part.take(&g, &mut pg);
+                part.take(&mq, &mut pm);
+                part.take(&vq, &mut pv);
+                (pp, pg, pm, pv)
+            };
+            let mut held: Vec<_> = parts.iter().map(take).collect();
+            // Each rank's maxima, reduced over the ranks.
+            let (mut am, mut av) = (vec![0.0f32; nb], vec![0.0f32; nb]);
+            for (part, (pp, pg, pm, pv)) in parts.iter().zip(&held) {
+                for (b, r) in part.block_pieces(0..pp.len(), QBLOCK) {
+                    let (x, y) = adamw_piece_max(
+                        &pp[r.clone()],
+                        &pg[r.clone()],
+                        &pm[r.clone()],
+                        ms[b],
+                        &pv[r],
+                        vs[b],
+                        &h,
+                    );
+                    (am[b], av[b]) = (max_nan(am[b], x), max_nan(av[b], y));
+                }
+            }
+            let (mut wp, mut wm, mut wv) = (p.clone(), mq.clone(), vq.clone());
+            let (mut wms, mut wvs) = (ms.clone(), vs.clone());
+            adamw_update_int8(&mut wp, &g, &mut wm, &mut wms, &mut wv, &mut wvs, &h);
+            let what = format!("{whole:?} cut on {dim} among {t}");
+            assert_eq!(bits_of(&am), bits_of(&wms), "{what}: m scales");
+            assert_eq!(bits_of(&av), bits_of(&wvs), "{what}: v scales");
+            for (part, (pp, pg, pm, pv)) in parts.iter().zip(&mut held) {
+                for (b, r) in part.block_pieces(0..pp.len(), QBLOCK) {
+                    let (old, new) = ((ms[b], vs[b]), (am[b], av[b]));
+                    let (x, y) = (&mut pm[r.clone()], &mut pv[r.clone()]);
+                    adamw_piece_at(&mut pp[r.clone()], &pg[r], x, y, old, new, &h);
+                }
+                part.put(pp, &mut p);
+                part.put(pm, &mut mq);
+                part.put(pv, &mut vq);
+            }
+            assert_eq!(bits_of(&p), bits_of(&wp), "{what}: parameters");
+            assert_eq!(mq, wm, "{what}: m codes");
+            assert_eq!(vq, wv, "{what}: v codes");
+            // Blocks held by several ranks were there to agree on.
+            let shared = (0..nb).filter(|&b| {
+                let holders = parts
+                    .iter()
+                    .filter(|q| q.block_pieces(0..n / t, QBLOCK).any(|(c, _)| c == b));
+                holders.count() > 1
+            });
+            assert!(shared.count() > 0, "{what}: no block is shared");
+        }
+    }
+
+    fn bits_of(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
     }
 
     #[test]

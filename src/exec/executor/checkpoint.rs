@@ -182,13 +182,21 @@ struct StageState {
     layouts: Vec<ParamLayout>,
     /// Each tensor rank's cut of each of its groups along the data axis (ZeRO).
     cuts: Vec<Vec<Cut>>,
+    /// With 8-bit moments sharded, each group's blocks cut along the data axis
+    /// ([`crate::plan::zero::group_block_cuts`]: the same on every tensor rank).
+    block_cuts: Vec<Cut>,
     /// The group of each of its tensors.
     group_of: Vec<usize>,
 }
 
 impl StageState {
-    /// The stage whose tensor ranks' layouts are `layouts`, their groups cut by `cuts`.
-    fn new(layouts: Vec<ParamLayout>, cuts: Vec<Vec<Cut>>) -> Result<StageState> {
+    /// The stage whose tensor ranks' layouts are `layouts`, their groups cut by `cuts` (and
+    /// their 8-bit blocks by `block_cuts`).
+    fn new(
+        layouts: Vec<ParamLayout>,
+        cuts: Vec<Vec<Cut>>,
+        block_cuts: Vec<Cut>,
+    ) -> Result<StageState> {
         let first = &layouts[0];
         let mut group_of = vec![usize::MAX; first.tensors.len()];
         for (k, g) in first.groups.iter().enumerate() {
@@ -210,6 +218,7 @@ impl StageState {
         Ok(StageState {
             layouts,
             cuts,
+            block_cuts,
             group_of,
         })
     }
@@ -353,8 +362,9 @@ impl<'a> Owners<'a> {
 
     /// The 8-bit block scales of tensor `i` (the whole model's blocks of it, [`QBLOCK`]
     /// values each, counted per tensor), sharded along the data axis or not: its stage's
-    /// tensor rank 0's (8-bit moments are of whole tensors), each data rank's those of its
-    /// group's block cut ([`crate::plan::zero::block_cut`]).
+    /// tensor rank 0's (every tensor rank holds its whole tensor's blocks, with the scales
+    /// they agreed on, `plan::block_scales`), each data rank's those of its group's block
+    /// cut ([`StageState::block_cuts`]).
     fn tensor_blocks(&self, i: usize, sharded: bool, whole_first: &[usize]) -> Result<Part> {
         let name = &self.whole.tensors[i].name;
         let n = self.whole.tensors[i].range.len().div_ceil(QBLOCK);
@@ -362,15 +372,12 @@ impl<'a> Owners<'a> {
         let (stage, j) = self.located[i];
         let st = &self.stages[stage];
         let layout = &st.layouts[0];
-        if layout.tensors[j].part.is_some() {
-            bail!("internal error: 8-bit moments of {name}, cut among tensor ranks");
-        }
         let (first, _) = layout.block_offsets(QBLOCK);
         let k = st.group_of[j];
         let g0 = first[layout.groups[k].tensors.start];
         // The tensor's blocks, counted from its group's first.
         let mine = first[j] - g0..first[j] - g0 + n;
-        let cut = sharded.then(|| crate::plan::zero::block_cut(layout, k, &st.cuts[0][k]));
+        let cut = sharded.then(|| &st.block_cuts[k]);
         let mut shares = Vec::new();
         for d in 0..self.data_ranks(sharded) {
             let held = match &cut {
@@ -836,7 +843,8 @@ impl Executor {
                         },
                     )
                     .collect();
-                StageState::new(layouts, cuts)
+                let block_cuts = crate::plan::zero::group_block_cuts(&layouts[0], &self.plan.cfg);
+                StageState::new(layouts, cuts, block_cuts)
             })
             .collect::<Result<Vec<_>>>()?;
         let owners = Owners::new(mesh, stages, whole.as_ref().unwrap_or(layout))?;
@@ -853,6 +861,7 @@ impl Executor {
                 .collect()
         };
         // 8-bit moments' scales where this rank holds them (its shard's blocks under ZeRO).
+        let block_cuts = crate::plan::zero::group_block_cuts(layout, &self.plan.cfg);
         let scale_bufs = |pick: fn(&OptimBufs) -> Option<BufId>| -> Result<Vec<_>> {
             (optim.iter().enumerate())
                 .map(|(k, o)| {
@@ -861,8 +870,7 @@ impl Executor {
                     };
                     let n = match moments_sharded {
                         true => {
-                            let cut = crate::plan::zero::block_cut(layout, k, &self.plan.cuts[k]);
-                            cut.owned(&(0..cut.len()), mesh.data_rank()).len()
+                            (block_cuts[k].owned(&(0..block_cuts[k].len()), mesh.data_rank())).len()
                         }
                         false => self.plan.buffer(id).elems,
                     };

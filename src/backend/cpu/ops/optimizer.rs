@@ -7,8 +7,9 @@ use crate::backend::cpu::device::CpuDevice;
 use crate::backend::cpu::{adamw, quant, reduce};
 use crate::backend::{AdamWStep, StepCtx};
 use crate::dtype::Elem;
-use crate::ir::schedule::{Op, OpEntry, OptimBufs, ParamSlice};
+use crate::ir::schedule::{BlockScales, Op, OpEntry, OptimBufs, ParamSlice};
 use crate::ir::{MomentsMut, OpFamily};
+use rayon::prelude::*;
 
 impl CpuDevice {
     /// Runs `e`, an op of [`OpFamily::Optimizer`], with activations stored as `T`.
@@ -18,9 +19,24 @@ impl CpuDevice {
             Op::GradNorm { range, out, slot } => {
                 self.f64_mut(*out)[*slot] = reduce::sum_squares(&*args.grad(range));
             }
-            Op::AdamW { tensors, state } => {
+            Op::AdamW {
+                tensors,
+                state,
+                scales,
+            } => {
                 let step = ctx.update.expect("the executor sets the AdamW step");
-                self.adamw::<T>(e, tensors, state, &step);
+                match scales {
+                    None => self.adamw::<T>(e, tensors, state, &step),
+                    Some(s) => self.adamw_at_scales::<T>(e, tensors, state, s, &step),
+                }
+            }
+            Op::AdamWBlockMax {
+                tensors,
+                state,
+                out,
+            } => {
+                let step = ctx.update.expect("the executor sets the AdamW step");
+                self.adamw_block_max::<T>(e, tensors, state, out, &step);
             }
             _ => not_of(OpFamily::Optimizer, e),
         }
@@ -76,5 +92,126 @@ impl CpuDevice {
                 ),
             }
         }
+    }
+
+    /// The new 8-bit block scales of [`Op::AdamWBlockMax`]: per piece of a block
+    /// ([`ParamSlice::block_pieces`]), the maxima of |m| and |v| an update would give, into
+    /// `out` (`[2, blocks]`: m's then v's; 0 for the blocks this rank holds none of).
+    fn adamw_block_max<T: Elem>(
+        &self,
+        e: &OpEntry,
+        tensors: &[ParamSlice],
+        moments: &OptimBufs,
+        out: &BlockScales,
+        step: &AdamWStep,
+    ) {
+        let bound = e
+            .params
+            .expect("internal error: AdamWBlockMax has its parameters bound");
+        let master = self.view::<f32>(bound.buf);
+        let MomentsMut::Int8 {
+            m,
+            m_absmax,
+            v,
+            v_absmax,
+        } = self.moments_view(moments)
+        else {
+            unreachable!("internal error: block scales of moments that are not 8-bit");
+        };
+        let (m, m_absmax, v, v_absmax) = (&*m, &*m_absmax, &*v, &*v_absmax);
+        let scales = self.view::<f32>(out.buf); // [2, blocks]
+        let nb = out.blocks.len();
+        scales.fill(0.0);
+        for t in tensors {
+            let r = t.range.clone();
+            let local = r.start - moments.base..r.end - moments.base;
+            let p = AdamWStep {
+                weight_decay: if t.decay { step.weight_decay } else { 0.0 },
+                ..*step
+            };
+            let (params, g) = (&master[bound.local(&r)], &*self.grad::<T>(e, &r));
+            let (mq, vq) = (&m[local.clone()], &v[local]);
+            let maxima: Vec<(usize, f32, f32)> = t
+                .block_pieces()
+                .par_bridge()
+                .map(|(b, r)| {
+                    let k = b - moments.block_base;
+                    let (mx, vx) = quant::adamw_piece_max(
+                        &params[r.clone()],
+                        &g[r.clone()],
+                        &mq[r.clone()],
+                        m_absmax[k],
+                        &vq[r],
+                        v_absmax[k],
+                        &p,
+                    );
+                    (b - out.blocks.start, mx, vx)
+                })
+                .collect();
+            for (k, mx, vx) in maxima {
+                scales[k] = reduce::max_nan(scales[k], mx);
+                scales[nb + k] = reduce::max_nan(scales[nb + k], vx);
+            }
+        }
+    }
+
+    /// [`Op::AdamW`] of 8-bit moments at block scales the tensor ranks agreed on
+    /// (`scales`, from [`Op::AdamWBlockMax`] reduced by maximum): each piece of a block
+    /// decoded at the block's scales and encoded at the agreed ones, which then become the
+    /// state's for every block of `scales.blocks` (those this rank holds none of too, so
+    /// every tensor rank keeps the same scales, as one process would).
+    fn adamw_at_scales<T: Elem>(
+        &self,
+        e: &OpEntry,
+        tensors: &[ParamSlice],
+        moments: &OptimBufs,
+        scales: &BlockScales,
+        step: &AdamWStep,
+    ) {
+        let bound = e
+            .params
+            .expect("internal error: AdamW has its parameters bound");
+        let master = self.view::<f32>(bound.buf);
+        let MomentsMut::Int8 {
+            m,
+            m_absmax,
+            v,
+            v_absmax,
+        } = self.moments_view(moments)
+        else {
+            unreachable!("internal error: agreed block scales of moments that are not 8-bit");
+        };
+        let agreed = &*self.view::<f32>(scales.buf); // [2, blocks]
+        let nb = scales.blocks.len();
+        for t in tensors {
+            let r = t.range.clone();
+            let local = r.start - moments.base..r.end - moments.base;
+            let p = AdamWStep {
+                weight_decay: if t.decay { step.weight_decay } else { 0.0 },
+                ..*step
+            };
+            let (mut params, mut g) = (&mut master[bound.local(&r)], &*self.grad::<T>(e, &r));
+            let (mut mq, mut vq) = (&mut m[local.clone()], &mut v[local]);
+            let (old_m, old_v) = (&*m_absmax, &*v_absmax);
+            // The pieces cover the slice in order: each takes the next elements.
+            let pieces = t.block_pieces().map(move |(b, r)| {
+                let n = r.len();
+                let (p_, p_rest) = std::mem::take(&mut params).split_at_mut(n);
+                let (g_, g_rest) = g.split_at(n);
+                let (mq_, mq_rest) = std::mem::take(&mut mq).split_at_mut(n);
+                let (vq_, vq_rest) = std::mem::take(&mut vq).split_at_mut(n);
+                (params, g, mq, vq) = (p_rest, g_rest, mq_rest, vq_rest);
+                (b, p_, g_, mq_, vq_)
+            });
+            pieces.par_bridge().for_each(|(b, params, g, mq, vq)| {
+                let (k, a) = (b - moments.block_base, b - scales.blocks.start);
+                let (old, new) = ((old_m[k], old_v[k]), (agreed[a], agreed[nb + a]));
+                quant::adamw_piece_at(params, g, mq, vq, old, new, &p);
+            });
+        }
+        let state =
+            scales.blocks.start - moments.block_base..scales.blocks.end - moments.block_base;
+        m_absmax[state.clone()].copy_from_slice(&agreed[..nb]);
+        v_absmax[state].copy_from_slice(&agreed[nb..]);
     }
 }
