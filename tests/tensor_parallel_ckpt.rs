@@ -4,7 +4,8 @@
 //! each cut tensor's parts from data rank 0's tensor ranks, whole tensors are its own, and
 //! the data ranks beside them write nothing. Each tensor rank loads its parts back from the
 //! whole files, so a run saved by one process resumes on two tensor ranks, and the reverse,
-//! training on as one process does (losses within 1e-5, weights within 1e-4). With ZeRO 1–3
+//! training on as one process does (losses within 1e-5, weights within 1e-4), with any
+//! moments (8-bit ones too: a part's blocks are its whole tensor's). With ZeRO 1–3
 //! on the data axis (dp 2 × tp 2), rank 0 gathers each piece from its owner (data shard and
 //! tensor part): the files are those one process, tp 2 and zero alone write of the same
 //! state, and a run resumes on each of those layouts and back like an uninterrupted one.
@@ -463,25 +464,6 @@ fn llama_saved_by_one_process_resumes_on_two_tensor_ranks_and_back() {
     resumes_on_other_tensor_ranks("llama-tiny", 2, 1);
 }
 
-#[test]
-fn int8_moments_with_tensor_ranks_are_refused_before_work() {
-    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-    let mut cfg = StepConfig::new(BATCH, SEQ, 1);
-    cfg.mesh = Mesh {
-        data: 1,
-        tensor: 2,
-        pipeline: 1,
-        rank: 0,
-    };
-    cfg.optim_state = OptimState::Int8;
-    let e = build_plan(&spec, &cfg, Mode::Train, backend())
-        .err()
-        .unwrap();
-    let msg = format!("{e:#}");
-    assert!(msg.contains("--tp 2 with --optim-state int8"), "{msg}");
-    assert!(msg.contains("use --optim-state bf16 or fp32"), "{msg}");
-}
-
 /// A job's layout: data ranks (ZeRO stage `zero` on that axis) × tensor ranks.
 #[derive(Clone, Copy, Debug)]
 struct Layout {
@@ -756,15 +738,19 @@ fn resumes_on(
         }
         let mut params = vec![0f32; whole.total];
         ckpt::load_params(&out[0].1, &whole, &mut params).unwrap();
-        common::key_biases_within_noise(
-            &whole,
-            &mut params,
-            &reference.1,
-            2.0 * hparams(1).lr * STEPS as f32,
-            &what,
-        );
+        let bound = 2.0 * hparams(1).lr * STEPS as f32;
+        common::key_biases_within_noise(&whole, &mut params, &reference.1, bound, &what);
+        // Tensor ranks' gradients differ from one process's in the last bits; 8-bit
+        // moments turn a few of those into a step of another level, and the others' into
+        // differences up to 1e-5 (small tensors' norms: up to ~1e-4 of them, as ZeRO's
+        // data ranks do, `dist_train.rs`), against fp32's 1e-7.
+        let mut most = 1e-4;
+        if state == OptimState::Int8 && first.tensor.max(then.tensor) > 1 {
+            common::int8_flips_within(&whole, &mut params, &reference.1, bound, &what);
+            most = 1e-3;
+        }
         let w = worst_tensor(&whole, &params, &reference.1);
-        assert!(w < 1e-4, "{what}: weights differ by {w}");
+        assert!(w < most, "{what}: weights differ by {w}");
     }
 }
 
@@ -886,4 +872,35 @@ fn pipeline_stages_resume_int8_moments_on_one_process_and_back() {
         &[Layout::ONE, staged],
         (&reference, int8),
     );
+}
+
+/// 8-bit moments on tensor ranks (their parts' blocks are the whole tensors', each block's
+/// scale agreed among the ranks holding its values), alone and with data ranks at ZeRO 1
+/// and 3: rank 0 gathers the codes from each part and the scales from tensor rank 0, and
+/// saves what one process saves; the checkpoint loads back on one process, on tensor
+/// ranks and on data ranks, which save it again byte for byte.
+#[test]
+fn tensor_ranks_save_int8_moments_as_one_process_does() {
+    let f = ckpt::DEFAULT_MAX_SHARD_BYTES;
+    let tp = Layout::new(1, 2, 0);
+    saves_what_every_layout_saves("gpt2-tiny", tp, OptimState::Int8, f, &[Layout::ONE]);
+    for (model, zero) in [("llama-tiny", 1), ("gpt2-tiny", 3)] {
+        zero_and_tensor_ranks_save_as_every_layout(model, zero, OptimState::Int8, f);
+    }
+}
+
+/// A run with 8-bit moments saved on tensor ranks resumes on one process and the reverse
+/// (and on tensor and data ranks at ZeRO 1), training on as one uninterrupted process does.
+#[test]
+fn tensor_ranks_resume_int8_moments_on_one_process_and_back() {
+    let int8 = OptimState::Int8;
+    let tp = Layout::new(1, 2, 0);
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let reference = uninterrupted(model, int8);
+        resumes_on(model, tp, &[Layout::ONE], (&reference, int8));
+        resumes_on(model, Layout::ONE, &[tp], (&reference, int8));
+    }
+    let reference = uninterrupted("llama-tiny", int8);
+    let both = Layout::new(2, 2, 1);
+    resumes_on("llama-tiny", both, &[Layout::ONE, tp], (&reference, int8));
 }

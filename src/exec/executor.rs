@@ -562,13 +562,15 @@ impl Executor {
             .unwrap_or_default();
         for (k, o) in sets.iter().enumerate() {
             let elems = self.moment_elems(k, o);
-            if elems.is_empty() {
-                continue;
-            }
             let blocks = match o.m_scale {
                 Some(s) => o.block_base..o.block_base + self.plan.buffer(s).elems,
                 None => o.block_base..o.block_base,
             };
+            // A tensor rank's shard may hold no element of its part and yet the scales of
+            // blocks the other parts' elements are in (`plan::block_scales`).
+            if elems.is_empty() && blocks.is_empty() {
+                continue;
+            }
             // A shard's padding holds no parameter: m and v are lent for the owned
             // elements only (the whole buffers everywhere else).
             let lens = [o.m, o.v].map(|id| {
@@ -1261,7 +1263,7 @@ impl Executor {
         device.scope(&mut || {
             for &i in ops {
                 let e = &plan.schedule.ops[i];
-                if matches!(e.op, Op::AdamW { .. }) {
+                if matches!(e.op, Op::AdamW { .. } | Op::AdamWBlockMax { .. }) {
                     if let (None, Some(hp)) = (outcome, hp) {
                         let settled = read_norm_shares(plan, device, shares)
                             .and_then(|s| settle(&s, loss_scale, hp, &norm_ranks));
@@ -1367,7 +1369,10 @@ impl Executor {
 
 /// Per `GradNorm` slot of `plan`, whether its range holds whole tensors only (the same on
 /// every tensor rank), rather than tensor-parallel parts; the plan's emission keeps the two
-/// in separate slots.
+/// in separate slots. An empty range (a ZeRO shard holding none of the slot's elements) is
+/// counted as parts: its share, 0, is then added to the other tensor ranks' as theirs are
+/// (a cut tensor's shards may end elsewhere on each tensor rank, `plan::zero::int8_cut`,
+/// but a whole tensor's end alike), so every tensor rank settles the same norm.
 fn whole_slots(plan: &Plan) -> Vec<bool> {
     let mut whole = Vec::new();
     for e in &plan.schedule.ops {
@@ -1375,12 +1380,10 @@ fn whole_slots(plan: &Plan) -> Vec<bool> {
             if whole.len() <= *slot {
                 whole.resize(*slot + 1, true);
             }
-            whole[*slot] = plan
-                .layout
-                .tensors
-                .iter()
-                .filter(|t| t.range.start < range.end && range.start < t.range.end)
-                .all(|t| t.part.is_none());
+            whole[*slot] = !range.is_empty()
+                && (plan.layout.tensors.iter())
+                    .filter(|t| t.range.start < range.end && range.start < t.range.end)
+                    .all(|t| t.part.is_none());
         }
     }
     whole
