@@ -152,12 +152,14 @@ macro_rules! backend_suite {
             backend_suite!(@$ranks $backend, $p, $attr);
         }
     };
-    // What only the CPU backend runs yet: collectives, distillation's head, and the head's
-    // weight gradient taken after the backward (`--update in-backward`).
+    // What only the CPU backend runs yet: collectives, distillation's head, the head's
+    // weight gradient taken after the backward (`--update in-backward`), and 8-bit AdamW of
+    // tensor-parallel parts.
     (@ranks $backend:expr, $p:expr, $attr:meta) => {
         storage_checks!($backend, $p, $attr;
             layers::lm_head_distill,
             layers::lm_head_weight_grad,
+            state::adamw_int8_part,
             state::all_reduce,
             state::reduce_scatter,
             state::all_gather,

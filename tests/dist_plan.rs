@@ -106,7 +106,7 @@ fn every_parameter_is_updated_by_exactly_one_rank() {
                         c.optim_state = format;
                     });
                     for e in &p.schedule.ops {
-                        let Op::AdamW { tensors, state } = &e.op else {
+                        let Op::AdamW { tensors, state, .. } = &e.op else {
                             continue;
                         };
                         for t in tensors {

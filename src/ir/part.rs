@@ -120,6 +120,7 @@ impl TensorPart {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // a part keeping one range of its dimension
 mod tests {
     use super::*;
 

@@ -637,6 +637,7 @@ pub fn kind(op: &Op) -> &'static str {
         Op::EncoderBackward { .. } => "encoder_backward",
         Op::GradNorm { .. } => "grad_norm",
         Op::AdamW { .. } => "adamw",
+        Op::AdamWBlockMax { .. } => "adamw_block_max",
         Op::Transfer { .. } => "transfer",
         Op::AwaitTransfers { .. } => "await_transfers",
         Op::AllReduce { .. } => "all_reduce",

@@ -10,7 +10,9 @@ use memwall::ir::Cut;
 use memwall::ir::schedule::OpEntry;
 use memwall::ir::shard::{Sharding, Zero};
 use memwall::ir::strategy::QBLOCK;
-use memwall::ir::{Op, OptimBufs, OptimState, ParamSlice, Precision};
+use memwall::ir::{
+    BlockScales, Op, OptimBufs, OptimState, ParamSlice, Precision, Reduce, TensorPart,
+};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -142,14 +144,23 @@ fn adamw(be: &dyn Backend, p: Precision, format: OptimState) {
             range: t0.clone(),
             decay: true,
             state_block: BLOCK_BASE,
+            part: None,
         },
         ParamSlice {
             range: t1.clone(),
             decay: false,
             state_block: BLOCK_BASE + 2,
+            part: None,
         },
     ];
-    let op = rig.op(Op::AdamW { tensors, state }, Bind::Both);
+    let op = rig.op(
+        Op::AdamW {
+            tensors,
+            state,
+            scales: None,
+        },
+        Bind::Both,
+    );
     let mut s = rig.start(be);
     let mut rng = Rng::new(21 + format as u64);
     let p0 = s.fill(s.params(), &mut rng, -1.0, 1.0);
@@ -296,6 +307,176 @@ fn adamw(be: &dyn Backend, p: Precision, format: OptimState) {
     }
 }
 
+/// 8-bit `AdamW` of a tensor-parallel part (columns 0..1000 of a [2, 5000] tensor: its
+/// elements in the whole tensor's blocks 0 and 2 of 5, none in 1, 3 or 4) beside a tensor
+/// held whole: `AdamWBlockMax` gives each block's maxima of |m| and v after the step over
+/// the rank's elements (0 where it has none); `AdamW` at scales agreed with other ranks
+/// (those maxima or more) updates the parameters as the reference, encodes the moments at
+/// the agreed scales and keeps those for every block of the range.
+pub fn adamw_int8_part(be: &dyn Backend, p: Precision) {
+    let mut rig = Rig::new(p);
+    let kept = 0..1000;
+    let whole = TensorPart {
+        whole: vec![2, 5000],
+        dim: 1,
+        ranges: vec![kept],
+    };
+    let t0 = rig.param(2000); // the part
+    let t1 = rig.param(50); // a tensor held whole
+    let len = rig.space().len();
+    let n_blocks = 6; // the part's tensor's 5 blocks, then the whole tensor's
+    let m = rig.buf("m.q", DType::I8, len);
+    let v = rig.buf("v.q", DType::U8, len);
+    let (m_scale, v_scale) = (rig.f32("m.absmax", n_blocks), rig.f32("v.absmax", n_blocks));
+    let state = OptimBufs {
+        format: OptimState::Int8,
+        m,
+        v,
+        m_scale: Some(m_scale),
+        v_scale: Some(v_scale),
+        base: PARAM_BASE,
+        block_base: BLOCK_BASE,
+    };
+    let tensors = vec![
+        ParamSlice {
+            range: t0.clone(),
+            decay: true,
+            state_block: BLOCK_BASE,
+            part: Some((whole.clone(), 0)),
+        },
+        ParamSlice {
+            range: t1.clone(),
+            decay: false,
+            state_block: BLOCK_BASE + 5,
+            part: None,
+        },
+    ];
+    // Each element (index into the rig's space) with its block (index into the scales):
+    // the part's row r column c is the whole tensor's element 5000 r + c.
+    let elems: Vec<(usize, usize)> = (local(&t0).enumerate())
+        .map(|(k, e)| (e, ((k / 1000) * 5000 + k % 1000) / QBLOCK))
+        .chain(local(&t1).map(|e| (e, 5)))
+        .collect();
+    let decays = |e: usize| local(&t0).contains(&e);
+    let out = BlockScales {
+        buf: rig.f32("adamw.scales", 2 * n_blocks),
+        blocks: BLOCK_BASE..BLOCK_BASE + n_blocks,
+    };
+    let max = rig.op(
+        Op::AdamWBlockMax {
+            tensors: tensors.clone(),
+            state,
+            out: out.clone(),
+        },
+        Bind::Both,
+    );
+    let update = rig.op(
+        Op::AdamW {
+            tensors,
+            state,
+            scales: Some(out.clone()),
+        },
+        Bind::Both,
+    );
+    let mut s = rig.start(be);
+    let mut rng = Rng::new(23);
+    let p0 = s.fill(s.params(), &mut rng, -1.0, 1.0);
+    let g = s.fill(s.grads(), &mut rng, -1.0, 1.0);
+    let mc: Vec<i8> = (0..len)
+        .map(|_| (rng.below(255) as i32 - 127) as i8)
+        .collect();
+    let vc: Vec<u8> = (0..len).map(|_| 200 + rng.below(56) as u8).collect();
+    let ms = s.fill(m_scale, &mut rng, 0.05, 0.1);
+    let vs = s.fill(v_scale, &mut rng, 0.005, 0.01);
+    s.put_bytes(m, &mc.iter().map(|&c| c as u8).collect::<Vec<_>>());
+    s.put_bytes(v, &vc);
+    let step = StepCtx {
+        update: Some(STEP),
+        ..ctx()
+    };
+    s.fill(out.buf, &mut rng, 5.0, 6.0); // overwritten whole
+    s.run(max, &step);
+    let (mut want_p, mut want_m, mut want_v) = (wide(&p0), vec![0.0; len], vec![0.0; len]);
+    let (mut want_ms, mut want_vs) = (vec![0.0f64; n_blocks], vec![0.0f64; n_blocks]);
+    for &(e, b) in &elems {
+        let (m0, v0) = (decode_m(mc[e], ms[b]), decode_v(vc[e], vs[b]));
+        (want_p[e], want_m[e], want_v[e]) = adamw_ref(p0[e] as f64, g[e] as f64, m0, v0, decays(e));
+        want_ms[b] = want_ms[b].max(want_m[e].abs());
+        want_vs[b] = want_vs[b].max(want_v[e]);
+    }
+    let got = s.get(out.buf);
+    let what = "adamw_block_max of a tensor-parallel part";
+    check(
+        &format!("{what}: m"),
+        &got[..n_blocks],
+        &want_ms,
+        Tol::rel(1e-6, 0.0),
+    );
+    check(
+        &format!("{what}: v"),
+        &got[n_blocks..],
+        &want_vs,
+        Tol::rel(1e-6, 0.0),
+    );
+    for b in [1, 3, 4] {
+        assert_eq!(
+            (got[b], got[n_blocks + b]),
+            (0.0, 0.0),
+            "{what}: block {b} has none"
+        );
+    }
+    same(
+        &format!("{what}: params (read only)"),
+        &s.get(s.params()),
+        &p0,
+    );
+    // Other ranks' maxima: some larger, and the blocks this rank holds none of.
+    let agreed: Vec<f32> = (0..2 * n_blocks)
+        .map(|k| match (k % n_blocks, got[k]) {
+            (_, 0.0) => 0.01 + rng.f32(0.0, 0.05),
+            (b, x) if b % 2 == 0 => x * 1.5,
+            (_, x) => x,
+        })
+        .collect();
+    s.put(out.buf, &agreed);
+    s.run(update, &step);
+    let what = "adamw of a tensor-parallel part at agreed scales";
+    check(
+        &format!("{what}: params"),
+        &s.get(s.params()),
+        &want_p,
+        Tol::rel(1e-6, 1e-7),
+    );
+    same(
+        &format!("{what}: m scales"),
+        &s.get(m_scale),
+        &agreed[..n_blocks],
+    );
+    same(
+        &format!("{what}: v scales"),
+        &s.get(v_scale),
+        &agreed[n_blocks..],
+    );
+    let (mc, vc) = (s.get_bytes(m), s.get_bytes(v));
+    let level = 2f64.powf(1.0 / 16.0) - 1.0 + 1e-4;
+    let (mut got_m, mut got_v) = (vec![0.0f32; len], vec![0.0f32; len]);
+    let (mut tm, mut tv) = (want_m.clone(), want_v.clone());
+    for &(e, b) in &elems {
+        let (sm, sv) = (agreed[b] as f64, agreed[n_blocks + b] as f64);
+        got_m[e] = decode_m(mc[e] as i8, sm as f32) as f32;
+        got_v[e] = decode_v(vc[e], sv as f32) as f32;
+        // Below the codes' range of the agreed scale: within its smallest level.
+        if tm[e].abs() < sm * 2f64.powf(-126.0 / 8.0) {
+            tm[e] = got_m[e] as f64;
+        }
+        if tv[e] < sv * 2f64.powf(-254.0 / 8.0) {
+            tv[e] = got_v[e] as f64;
+        }
+    }
+    check(&format!("{what}: m"), &got_m, &tm, Tol::rel(level, 0.0));
+    check(&format!("{what}: v"), &got_v, &tv, Tol::rel(level, 0.0));
+}
+
 /// Transfers between the host and the disk tier: a host buffer written to a disk-tier
 /// buffer, then read back into another host buffer, each awaited; the device reports both.
 pub fn transfers(be: &dyn Backend) {
@@ -412,36 +593,45 @@ fn summed(p: Precision) -> Tol {
     }
 }
 
+/// The sum over the ranks, and the maximum (8-bit block scales; exact in any order).
 pub fn all_reduce(be: &dyn Backend, p: Precision) {
-    let mut ranks = ranks(be, p, |rig, _| {
-        let buf = rig.act("buf", LEN); // [LEN], cut among the ranks
-        let scratch = rig.act("scratch", SCRATCH); // [SCRATCH]
-        rig.op(
-            Op::AllReduce {
-                axis: memwall::ir::Axis::Data,
-                buf,
-                scratch,
-                cut: memwall::ir::CutOf::Group(0),
-                elems: None,
-            },
-            Bind::None,
-        );
-        buf
-    });
-    let mut rng = Rng::new(40);
-    let mut want = vec![0.0f64; LEN];
-    for (s, buf) in &mut ranks {
-        let x = s.fill(*buf, &mut rng, -1.0, 1.0);
-        want.iter_mut().zip(&x).for_each(|(w, &v)| *w += v as f64);
-    }
-    run_collective(&ranks);
-    for (r, (s, buf)) in ranks.iter().enumerate() {
-        check(
-            &format!("all_reduce on rank {r}"),
-            &s.get(*buf),
-            &want,
-            summed(p),
-        );
+    for reduce in [Reduce::Sum, Reduce::Max] {
+        let mut ranks = ranks(be, p, |rig, _| {
+            let buf = rig.act("buf", LEN); // [LEN], cut among the ranks
+            let scratch = rig.act("scratch", SCRATCH); // [SCRATCH]
+            rig.op(
+                Op::AllReduce {
+                    axis: memwall::ir::Axis::Data,
+                    buf,
+                    scratch,
+                    cut: memwall::ir::CutOf::Group(0),
+                    elems: None,
+                    reduce,
+                },
+                Bind::None,
+            );
+            buf
+        });
+        let mut rng = Rng::new(40);
+        let (mut sum, mut max) = (vec![0.0f64; LEN], vec![f64::MIN; LEN]);
+        for (s, buf) in &mut ranks {
+            let x = s.fill(*buf, &mut rng, -1.0, 1.0);
+            sum.iter_mut().zip(&x).for_each(|(w, &v)| *w += v as f64);
+            max.iter_mut()
+                .zip(&x)
+                .for_each(|(w, &v)| *w = w.max(v as f64));
+        }
+        run_collective(&ranks);
+        for (r, (s, buf)) in ranks.iter().enumerate() {
+            let what = format!("all_reduce ({reduce:?}) on rank {r}");
+            match reduce {
+                Reduce::Sum => check(&what, &s.get(*buf), &sum, summed(p)),
+                Reduce::Max => {
+                    let max: Vec<f32> = max.iter().map(|&x| x as f32).collect();
+                    same(&what, &s.get(*buf), &max);
+                }
+            }
+        }
     }
 }
 

@@ -1008,10 +1008,13 @@ mod tests {
             let g = randn(n, 1.0, 99);
             let h = hp(3);
             let parts: Vec<TensorPart> = (0..t)
-                .map(|k| TensorPart {
-                    whole: whole.clone(),
-                    dim,
-                    ranges: vec![k * d / t..(k + 1) * d / t],
+                .map(|k| {
+                    let kept = k * d / t..(k + 1) * d / t;
+                    TensorPart {
+                        whole: whole.clone(),
+                        dim,
+                        ranges: vec![kept],
+                    }
                 })
                 .collect();
             let take = |part: &TensorPart| {

@@ -38,7 +38,11 @@ impl GpuDevice {
     pub(in crate::backend::cuda) fn run_optimizer(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         match &e.op {
             Op::GradNorm { range, out, slot } => self.grad_norm(e, range, *out, *slot),
-            Op::AdamW { tensors, state } => {
+            Op::AdamW {
+                tensors,
+                state,
+                scales: None,
+            } => {
                 let Some(step) = &ctx.update else {
                     return Ok(());
                 };
@@ -46,6 +50,15 @@ impl GpuDevice {
                     .iter()
                     .try_for_each(|t| self.adamw_tensor(e, t, state, step))
             }
+            // Agreed 8-bit block scales come with tensor ranks, which run on the CPU only.
+            Op::AdamW {
+                scales: Some(_), ..
+            }
+            | Op::AdamWBlockMax { .. } => bail!(
+                "{}: 8-bit moments of tensor-parallel parts are not run on the GPU yet; use \
+                 --device cpu",
+                e.name
+            ),
             _ => bail!("internal error: {} is not an optimizer op", e.name),
         }
     }
