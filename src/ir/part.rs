@@ -51,18 +51,6 @@ impl TensorPart {
         })
     }
 
-    /// How many of the part's elements lie before offset `x` of the whole tensor.
-    pub fn elems_before(&self, x: usize) -> usize {
-        let inner: usize = self.whole[self.dim + 1..].iter().product();
-        let row = self.whole[self.dim] * inner;
-        let kept: usize = self.ranges.iter().map(|r| r.len() * inner).sum();
-        let (rows, rest) = (x / row.max(1), x % row.max(1));
-        let partial: usize = (self.ranges.iter())
-            .map(|r| rest.clamp(r.start * inner, r.end * inner) - r.start * inner)
-            .sum();
-        (rows * kept + partial).min(kept * (self.whole_len() / row.max(1)))
-    }
-
     /// The part's elements `range` cut where the whole tensor's blocks of `block` values
     /// change (8-bit optimizer state is quantized in such blocks, `ir::strategy::QBLOCK`):
     /// (the whole tensor's block, the part's elements in it), in order. The runs keep the
@@ -178,14 +166,6 @@ mod tests {
                     assert_eq!(got.len(), range.len());
                 }
             }
-        }
-        for p in &parts {
-            let n: usize = p.runs().map(|r| r.1).sum();
-            for x in 0..=p.whole_len() + 3 {
-                let before: usize = p.runs().map(|(w, k)| x.clamp(w, w + k) - w).sum();
-                assert_eq!(p.elems_before(x), before, "{p:?} at {x}");
-            }
-            assert_eq!(p.elems_before(p.whole_len()), n);
         }
         // Columns 5..10 of rows of 10 in blocks of 4: the part's elements 0..5 are whole
         // elements 5..10 (blocks 1 and 2), then 15..20 (blocks 3 and 4).

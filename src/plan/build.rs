@@ -214,7 +214,11 @@ pub(super) fn build(
         Some(split) => zero::collectives(&mut g, &layout, split, &params, &grads, cfg.grad_accum),
         None => params,
     };
-    super::block_scales::agree(&mut g, &layout);
+    // 8-bit moments sharded among data ranks: the agreement on block scales spans them too.
+    let data = sharded
+        .map(|s| s.sh.ranks)
+        .filter(|_| cfg.optim_state == OptimState::Int8);
+    super::block_scales::agree(&mut g, &layout, data);
     let homes = offload_homes(
         &g,
         &r,

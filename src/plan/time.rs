@@ -235,6 +235,10 @@ impl Calibration {
             // GeGLU (Gemma) where the suite measured only SwiGLU: the same traffic, an
             // exponential a value either way.
             self.kinds.get(&format!("swiglu{rest}")).copied()
+        } else if let Some(rest) = kind.strip_prefix("adamw_block_max") {
+            // The tensor ranks' 8-bit block maxima: AdamW's arithmetic on its bytes read
+            // (`op_bytes`), per byte.
+            self.kinds.get(&format!("adamw{rest}")).copied()
         } else if let Some(rest) = kind.strip_prefix("lm_head_weight_grad") {
             // A slice of the head's weight gradient (`--update in-backward`): the training
             // head's GEMMs and softmax, per FLOP.

@@ -134,40 +134,47 @@ impl Split {
 /// [`QBLOCK`] values counted per tensor, [`ParamLayout::block_offsets`]), each rank's
 /// shard whole blocks, so the same blocks and the same arithmetic as one process's.
 ///
-/// The cut is made on the group's whole tensors ([`Sharding::at_edges`] at their block
-/// edges) and each edge is then placed in this layout: for tensors held whole the same
-/// edge; for a tensor-parallel part, the part's elements before it (the part's elements of
-/// a block are consecutive, `TensorPart::block_pieces`). So every tensor rank of a data
-/// rank holds the same blocks (the scales they agree on, `plan::block_scales`), whatever
-/// its part.
+/// The elements are cut where a block starts ([`Sharding::at_edges`]): in a tensor held
+/// whole, every [`QBLOCK`] values from its start; in a tensor-parallel part, where its
+/// elements pass into another of the whole tensor's blocks (`TensorPart::block_pieces`).
+/// The blocks are cut alike, a part's shard holding every block from its first piece's to
+/// the next shard's (blocks of the other parts' elements too, whose scales the tensor
+/// ranks agree on, `plan::block_scales`). Each tensor rank cuts its own part, so each
+/// data rank's shards are as even as the edges let them be; a tensor held whole is cut
+/// alike on every tensor rank (its edges and place in the group are the same).
 fn int8_cut(layout: &ParamLayout, group: &ParamGroup, sh: &Sharding) -> (Cut, Cut) {
     let tensors = &layout.tensors[group.tensors.clone()];
-    // The whole tensors' block edges, in the group's whole elements, and the length last.
-    let mut edges = Vec::new();
-    let mut at = 0;
+    let start = layout.group_range(group).start;
+    // Group offsets where a block starts (each tensor's first included), with the blocks
+    // before each, and the group's length (and blocks) last.
+    let mut edges: Vec<(usize, usize)> = Vec::new();
+    let mut blocks = 0;
     for t in tensors {
-        edges.extend((at..at + t.whole_len()).step_by(QBLOCK));
-        at += t.whole_len();
-    }
-    edges.push(at);
-    edges.remove(0);
-    let whole = sh.at_edges(at, &edges);
-    // Of edge `e` (a block edge of the whole tensors): this layout's elements before it,
-    // and the blocks before it.
-    let place = |e: usize| {
-        let (mut elems, mut blocks, mut at) = (0, 0, 0);
-        for t in tensors {
-            let within = e.clamp(at, at + t.whole_len()) - at;
-            elems += match &t.part {
-                None => within,
-                Some(p) => p.elems_before(within),
-            };
-            blocks += within.div_ceil(QBLOCK);
-            at += t.whole_len();
+        let at = t.range.start - start;
+        match &t.part {
+            None => edges.extend(
+                (0..t.range.len())
+                    .step_by(QBLOCK)
+                    .map(|e| (at + e, blocks + e / QBLOCK)),
+            ),
+            Some(p) => edges.extend(
+                p.block_pieces(0..t.range.len(), QBLOCK)
+                    .map(|(b, r)| (at + r.start, blocks + b)),
+            ),
         }
-        (elems, blocks)
+        blocks += t.whole_len().div_ceil(QBLOCK);
+    }
+    let n = layout.group_range(group).len();
+    edges.push((n, blocks));
+    edges.remove(0);
+    let allowed: Vec<usize> = edges.iter().map(|e| e.0).collect();
+    let elems = sh.at_edges(n, &allowed);
+    let blocks_at = |e: usize| match e {
+        0 => 0,
+        e => edges[allowed.partition_point(|&a| a < e)].1,
     };
-    (whole.map(|e| place(e).0), whole.map(|e| place(e).1))
+    let blocks = elems.map(blocks_at);
+    (elems, blocks)
 }
 
 /// The AdamW moments of this rank's shard of every group (ZeRO ≥ 1): `{group}.adamw.m`,
@@ -188,7 +195,8 @@ pub(super) fn shard_moments(
         .map(|(k, group)| {
             let chunk = split.cuts[k].shard(rank);
             let base = layout.group_range(group).start + chunk.start;
-            let blocks = split.block_cuts[k].shard(rank);
+            // 8-bit moments' blocks (none of other formats).
+            let blocks = split.block_cuts.get(k).map_or(0..0, |c| c.shard(rank));
             let first = first_block[group.tensors.start];
             let name = format!("{}.adamw", group.name);
             let (elems, blocks) = (

@@ -155,11 +155,11 @@ impl CpuDevice {
         }
     }
 
-    /// [`Op::AdamW`] of 8-bit moments at block scales the tensor ranks agreed on
-    /// (`scales`, from [`Op::AdamWBlockMax`] reduced by maximum): each piece of a block
-    /// decoded at the block's scales and encoded at the agreed ones, which then become the
-    /// state's for every block of `scales.blocks` (those this rank holds none of too, so
-    /// every tensor rank keeps the same scales, as one process would).
+    /// [`Op::AdamW`] of 8-bit moments at block scales the ranks agreed on (`scales`, from
+    /// [`Op::AdamWBlockMax`] reduced by maximum): each piece of a block decoded at the
+    /// block's scales and encoded at the agreed ones, which then become the state's for
+    /// every block it holds (those of other ranks' elements too, so each rank keeps the
+    /// scales one process would).
     fn adamw_at_scales<T: Elem>(
         &self,
         e: &OpEntry,
@@ -209,9 +209,17 @@ impl CpuDevice {
                 quant::adamw_piece_at(params, g, mq, vq, old, new, &p);
             });
         }
-        let state =
-            scales.blocks.start - moments.block_base..scales.blocks.end - moments.block_base;
-        m_absmax[state.clone()].copy_from_slice(&agreed[..nb]);
-        v_absmax[state].copy_from_slice(&agreed[nb..]);
+        // The state's blocks of the agreed range (a ZeRO shard's, or all of them).
+        let held = moments.block_base..moments.block_base + m_absmax.len();
+        let (lo, hi) = (
+            held.start.max(scales.blocks.start),
+            held.end.min(scales.blocks.end),
+        );
+        if lo < hi {
+            let state = lo - held.start..hi - held.start;
+            let a = lo - scales.blocks.start..hi - scales.blocks.start;
+            m_absmax[state.clone()].copy_from_slice(&agreed[a.clone()]);
+            v_absmax[state].copy_from_slice(&agreed[nb + a.start..nb + a.end]);
+        }
     }
 }
