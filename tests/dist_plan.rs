@@ -147,6 +147,103 @@ fn every_parameter_is_updated_by_exactly_one_rank() {
     }
 }
 
+/// 8-bit moments on tensor ranks × data ranks (ZeRO 1 and 3, 3 data ranks: uneven cuts):
+/// each tensor rank's data ranks update each element of its part once, as even as the
+/// blocks' edges let them, and hold each block of the model's numbering once (so tensor
+/// rank 0 holds every scale a checkpoint writes); each group holding cut tensors agrees on
+/// its scales (`AdamWBlockMax`, then a maximum over the tensor and the data ranks) before
+/// its update, which encodes at them.
+#[test]
+fn tensor_ranks_shard_int8_moments_evenly_and_agree_on_their_blocks() {
+    let (tensor, data) = (2, 3);
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        for zero in [1u8, 3] {
+            for t in 0..tensor {
+                let (mut count, mut block_count, mut held) = (Vec::new(), Vec::new(), Vec::new());
+                for d in 0..data {
+                    let p = plan(model, 2, 32, tensor * data, zero, |c| {
+                        c.mesh = memwall::ir::Mesh::new(tensor * data, tensor, 1, t + tensor * d);
+                        c.optim_state = OptimState::Int8;
+                    });
+                    let (_, blocks) = p.layout.block_offsets(QBLOCK);
+                    count.resize(p.layout.total, 0u8);
+                    block_count.resize(blocks, 0u8);
+                    let mut agreed = Vec::new();
+                    for (i, e) in p.schedule.ops.iter().enumerate() {
+                        match &e.op {
+                            Op::AdamW {
+                                tensors,
+                                state,
+                                scales,
+                            } => {
+                                tensors
+                                    .iter()
+                                    .for_each(|x| x.range.clone().for_each(|i| count[i] += 1));
+                                let n = p.buffer(state.m_scale.unwrap()).elems;
+                                (state.block_base..state.block_base + n)
+                                    .for_each(|b| block_count[b] += 1);
+                                held.push(tensors.iter().map(|x| x.range.len()).sum::<usize>());
+                                if let Some(s) = scales {
+                                    agreed.push((i, s.buf));
+                                }
+                            }
+                            Op::AdamWBlockMax { out, .. } => agreed.push((i, out.buf)),
+                            _ => {}
+                        }
+                    }
+                    // Every group with a cut tensor: its maxima, two reductions, its update.
+                    let groups = p.layout.groups.iter().filter(|g| {
+                        p.layout.tensors[g.tensors.clone()]
+                            .iter()
+                            .any(|t| t.part.is_some())
+                    });
+                    assert_eq!(agreed.len(), 2 * groups.count(), "{model} zero {zero}");
+                    for pair in agreed.chunks(2) {
+                        let ((i, buf), (j, _)) = (pair[0], pair[1]);
+                        let between = &p.schedule.ops[i + 1..j];
+                        let axes: Vec<_> = between
+                            .iter()
+                            .filter_map(|e| match &e.op {
+                                Op::AllReduce {
+                                    buf: b,
+                                    axis,
+                                    reduce,
+                                    ..
+                                } if *b == buf => {
+                                    assert_eq!(*reduce, memwall::ir::Reduce::Max);
+                                    Some(*axis)
+                                }
+                                _ => None,
+                            })
+                            .collect();
+                        use memwall::ir::Axis;
+                        assert_eq!(axes, [Axis::Tensor, Axis::Data], "{model} zero {zero}");
+                    }
+                }
+                let what = format!("{model} zero {zero} tensor rank {t}");
+                assert!(
+                    count.iter().all(|&c| c == 1),
+                    "{what}: elements updated once"
+                );
+                assert!(
+                    block_count.iter().all(|&c| c == 1),
+                    "{what}: blocks held once"
+                );
+                // The data ranks' shares: within a block per group of a third.
+                let total: usize = held.iter().sum::<usize>();
+                let groups = held.len() / data;
+                for d in 0..data {
+                    let mine: usize = held[d * groups..(d + 1) * groups].iter().sum();
+                    assert!(
+                        mine.abs_diff(total / data) <= groups * QBLOCK,
+                        "{what}: data rank {d} updates {mine} of {total}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn int8_moments_follow_the_zero_paper_at_64_and_1024_ranks() {
     for ranks in [64, 1024] {
