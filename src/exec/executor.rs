@@ -1367,23 +1367,18 @@ impl Executor {
     }
 }
 
-/// Per `GradNorm` slot of `plan`, whether its range holds whole tensors only (the same on
-/// every tensor rank), rather than tensor-parallel parts; the plan's emission keeps the two
-/// in separate slots. An empty range (a ZeRO shard holding none of the slot's elements) is
-/// counted as parts: its share, 0, is then added to the other tensor ranks' as theirs are
-/// (a cut tensor's shards may end elsewhere on each tensor rank, `plan::zero::int8_cut`,
-/// but a whole tensor's end alike), so every tensor rank settles the same norm.
+/// Per `GradNorm` slot of `plan`, whether it holds whole tensors only (the same on every
+/// tensor rank), rather than tensor-parallel parts; the plan's emission keeps the two in
+/// separate slots and says which (`parts`: a ZeRO shard's range of a slot may be empty, on
+/// some tensor ranks and not others, `plan::zero::int8_cut`).
 fn whole_slots(plan: &Plan) -> Vec<bool> {
     let mut whole = Vec::new();
     for e in &plan.schedule.ops {
-        if let Op::GradNorm { range, slot, .. } = &e.op {
+        if let Op::GradNorm { slot, parts, .. } = &e.op {
             if whole.len() <= *slot {
                 whole.resize(*slot + 1, true);
             }
-            whole[*slot] = !range.is_empty()
-                && (plan.layout.tensors.iter())
-                    .filter(|t| t.range.start < range.end && range.start < t.range.end)
-                    .all(|t| t.part.is_none());
+            whole[*slot] = !parts;
         }
     }
     whole

@@ -583,6 +583,10 @@ pub enum Op {
         range: Range<usize>,
         out: BufId, // [groups] f64
         slot: usize,
+        /// The slot's tensors are tensor-parallel parts (the executor adds the tensor
+        /// ranks' shares), not tensors every tensor rank holds whole (counted once). Set
+        /// by the slot, not by `range`, which a ZeRO shard may leave empty.
+        parts: bool,
     },
     /// AdamW on these parameter tensors (master weights, gradients and moments of the same
     /// ranges; the moments in `state`), with the step's clipping factor; not run when the

@@ -952,9 +952,9 @@ fn zero_grads_before_first_write(g: &mut Builder, grads: &Segments) {
 fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
     // A segment per group, or the LM head's group cut into slices (one process).
     let sliced = grads.segments.len() != layout.groups.len();
-    let runs: Vec<Vec<std::ops::Range<usize>>> = (grads.segments.iter().enumerate())
+    let runs: Vec<Vec<(bool, std::ops::Range<usize>)>> = (grads.segments.iter().enumerate())
         .map(|(k, s)| match sliced {
-            true => vec![s.range.clone()],
+            true => vec![(false, s.range.clone())],
             false => norm_runs(layout, k, &s.range),
         })
         .collect();
@@ -968,10 +968,10 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
                 .range
                 .clone()
         });
-    let runs: Vec<Vec<std::ops::Range<usize>>> = runs
+    let runs: Vec<Vec<(bool, std::ops::Range<usize>)>> = runs
         .into_iter()
         .map(|r| match &copy {
-            Some(c) if r[0].start == c.start => std::iter::once(c.start..c.start).collect(),
+            Some(c) if r[0].1.start == c.start => vec![(r[0].0, c.start..c.start)],
             _ => r,
         })
         .collect();
@@ -1018,7 +1018,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
         let micro = e.micro;
         ops.push(e);
         for &k in &after[i] {
-            for (j, range) in runs[k].iter().enumerate() {
+            for (j, (parts, range)) in runs[k].iter().enumerate() {
                 let name = &names[k];
                 ops.push(OpEntry {
                     name: match runs[k].len() {
@@ -1030,6 +1030,7 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
                         range: range.clone(),
                         out,
                         slot: first_slot[k] + j,
+                        parts: *parts,
                     },
                     flops: 0,
                     params: None,
@@ -1043,16 +1044,17 @@ fn norm_when_final(g: &mut Builder, layout: &ParamLayout, grads: &Segments) {
     g.ops = ops;
 }
 
-/// The ranges group `k` (elements `range`) takes its norm shares over: the whole group,
-/// or under tensor parallelism each maximal run of its tensors that are all whole (the
-/// same on every tensor rank) or all cut.
+/// The ranges group `k` (elements `range`) takes its norm shares over, each with whether
+/// it holds tensor-parallel parts: the whole group, or under tensor parallelism each
+/// maximal run of its tensors that are all whole (the same on every tensor rank) or all
+/// cut.
 fn norm_runs(
     layout: &ParamLayout,
     k: usize,
     range: &std::ops::Range<usize>,
-) -> Vec<std::ops::Range<usize>> {
+) -> Vec<(bool, std::ops::Range<usize>)> {
     if !layout.split.is_split() {
-        return vec![range.clone()];
+        return vec![(false, range.clone())];
     }
     let mut runs: Vec<(bool, std::ops::Range<usize>)> = Vec::new();
     for t in &layout.tensors[layout.groups[k].tensors.clone()] {
@@ -1066,7 +1068,7 @@ fn norm_runs(
         (runs[0].1.start, runs[runs.len() - 1].1.end),
         (range.start, range.end)
     );
-    runs.into_iter().map(|(_, r)| r).collect()
+    runs
 }
 
 /// Whether ops of `phase` apply an update (they read the step's gradients, never write them).

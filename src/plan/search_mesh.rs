@@ -6,8 +6,9 @@
 //! the model's heads, key/value heads and MLP channels (`ModelSpec::check_tensor_split`), the
 //! pipeline sizes at most one stage per layer, the ZeRO stages 0–3 where there are data ranks
 //! to shard over (0 alone where `d = 1`). What the user gives (`--tp`, `--pp`, `--zero`) is
-//! kept. Shapes that the other strategies rule out (`plan::build::check_mesh`: LoRA on a
-//! quantized base or int8 moments with `--tp`, …) are dropped where the search forms its groups.
+//! kept. Shapes that the other strategies rule out (`plan::build::check_mesh`: distillation
+//! with `--tp` or `--pp`, rows that sequence parallelism cannot cut, …) are dropped where the
+//! search forms its groups.
 //!
 //! Ranks differ (pipeline stages hold their own layers, the first and last the embedding and
 //! head; the first tensor rank adds the row-parallel biases), so a configuration is a plan per

@@ -5,10 +5,11 @@
 //! and parameters are padded to `N·S` ([`Sharding::even`]) so the ring collectives work in
 //! place, and each collective has a scratch piece (category `communication`) for what it
 //! receives. With 8-bit optimizer state the groups are cut at the blocks' edges instead
-//! ([`Sharding::at_edges`] on the whole tensors, `int8_cut`), so each rank's moments are
-//! whole blocks: the same blocks, and so the same arithmetic, as one process's. Each collective runs beside the ops after it
-//! until its [`Op::AwaitCollective`] (`overlap`); stage 3 gathers the next group's
-//! parameters while the current one computes (`prefetch`).
+//! ([`Sharding::at_edges`], `int8_cut`; a tensor-parallel part where its elements pass into
+//! another of its whole tensor's blocks), so each rank's moments are whole blocks: the same
+//! blocks, and so the same arithmetic, as one process's. Each collective runs beside the
+//! ops after it until its [`Op::AwaitCollective`] (`overlap`); stage 3 gathers the next
+//! group's parameters while the current one computes (`prefetch`).
 //!
 //! Per parameter group (embeddings, each block, the final norm), on each rank:
 //! - `--zero 0`: parameters, gradients and moments whole. The group's gradients are
@@ -557,6 +558,7 @@ fn read_shard(g: &mut Builder, gr: &Group, shard: &Shard) {
             out,
             slot,
             ref range,
+            parts,
         } = e.op
         else {
             unreachable!("a group's norm share is a GradNorm op")
@@ -567,6 +569,7 @@ fn read_shard(g: &mut Builder, gr: &Group, shard: &Shard) {
             range: lo..hi,
             out,
             slot,
+            parts,
         };
         e.grads = Some(shard_binding);
     }

@@ -27,8 +27,15 @@ pub fn grad_norm(be: &dyn Backend, p: Precision) {
     // The shares go to their slots of one f64 buffer, which the executor reads once; the
     // slot between them is left as it was.
     let out = rig.buf("grad_norm.shares", DType::F64, 3);
-    let ops = [(a.clone(), 0), (b.clone(), 2)]
-        .map(|(range, slot)| rig.op(Op::GradNorm { range, out, slot }, Bind::Grads));
+    let ops = [(a.clone(), 0), (b.clone(), 2)].map(|(range, slot)| {
+        let op = Op::GradNorm {
+            range,
+            out,
+            slot,
+            parts: false,
+        };
+        rig.op(op, Bind::Grads)
+    });
     let mut s = rig.start(be);
     s.put_bytes(out, &[7.0f64; 3].map(f64::to_le_bytes).concat());
     let mut rng = Rng::new(20);

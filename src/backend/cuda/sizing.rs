@@ -456,6 +456,7 @@ mod tests {
                     range: 10..10 + len,
                     out: BufId(0),
                     slot: 0,
+                    parts: false,
                 },
                 false,
             )

@@ -16,7 +16,9 @@ impl CpuDevice {
     pub(super) fn run_optimizer<T: Elem>(&self, e: &OpEntry, ctx: &StepCtx) {
         let args = Args::<T>::new(self, e);
         match &e.op {
-            Op::GradNorm { range, out, slot } => {
+            Op::GradNorm {
+                range, out, slot, ..
+            } => {
                 self.f64_mut(*out)[*slot] = reduce::sum_squares(&*args.grad(range));
             }
             Op::AdamW {

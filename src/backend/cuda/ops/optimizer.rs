@@ -37,7 +37,9 @@ impl GpuDevice {
     /// Runs `e`, an op of the optimizer family.
     pub(in crate::backend::cuda) fn run_optimizer(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         match &e.op {
-            Op::GradNorm { range, out, slot } => self.grad_norm(e, range, *out, *slot),
+            Op::GradNorm {
+                range, out, slot, ..
+            } => self.grad_norm(e, range, *out, *slot),
             Op::AdamW {
                 tensors,
                 state,
