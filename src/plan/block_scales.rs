@@ -23,6 +23,7 @@
 //!   {g}.adamw              decode at the old scales, update, encode at the agreed ones
 //! ```
 
+use super::zero::entry;
 use crate::dtype::DType;
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{BlockScales, Op, OpEntry, Phase, Reduce};
@@ -105,12 +106,15 @@ pub(super) fn agree(g: &mut Builder, layout: &ParamLayout, sharded: Option<usize
                 elems: None,
                 reduce: Reduce::Max,
             };
-            ops.push(collective(what.clone(), op, micro));
-            let bufs = vec![buf, scratch];
-            ops.push(collective(
+            ops.push(entry(what.clone(), Phase::Optimizer, micro, op));
+            let await_ = Op::AwaitCollective {
+                bufs: vec![buf, scratch],
+            };
+            ops.push(entry(
                 format!("{what}.await"),
-                Op::AwaitCollective { bufs },
+                Phase::Optimizer,
                 micro,
+                await_,
             ));
         }
         if let Op::AdamW { scales, .. } = &mut g.ops[i].op {
@@ -120,19 +124,5 @@ pub(super) fn agree(g: &mut Builder, layout: &ParamLayout, sharded: Option<usize
     }
     for (i, ops) in before.into_iter().rev() {
         g.ops.splice(i..i, ops);
-    }
-}
-
-/// An inserted collective of the optimizer phase: no flops, no bindings.
-fn collective(name: String, op: Op, micro: usize) -> OpEntry {
-    OpEntry {
-        name,
-        phase: Phase::Optimizer,
-        op,
-        flops: 0,
-        params: None,
-        grads: None,
-        micro,
-        frozen: false,
     }
 }

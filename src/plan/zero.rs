@@ -319,7 +319,7 @@ struct Inserts {
 }
 
 /// An inserted op: no flops, no bindings.
-fn entry(name: String, phase: Phase, micro: usize, op: Op) -> OpEntry {
+pub(super) fn entry(name: String, phase: Phase, micro: usize, op: Op) -> OpEntry {
     OpEntry {
         name,
         phase,

@@ -65,10 +65,7 @@ impl CpuDevice {
             let b0 = t.state_block - block_base;
             let blocks = b0..b0 + r.len().div_ceil(quant::QBLOCK);
             let local = r.start - base..r.end - base;
-            let p = AdamWStep {
-                weight_decay: if t.decay { step.weight_decay } else { 0.0 },
-                ..*step
-            };
+            let p = tensor_step(step, t);
             let (p_, g) = (&mut master[bound.local(&r)], &*self.grad::<T>(e, &r));
             let r = local;
             match &mut state {
@@ -111,15 +108,7 @@ impl CpuDevice {
             .params
             .expect("internal error: AdamWBlockMax has its parameters bound");
         let master = self.view::<f32>(bound.buf);
-        let MomentsMut::Int8 {
-            m,
-            m_absmax,
-            v,
-            v_absmax,
-        } = self.moments_view(moments)
-        else {
-            unreachable!("internal error: block scales of moments that are not 8-bit");
-        };
+        let (m, m_absmax, v, v_absmax) = self.int8_moments(moments);
         let (m, m_absmax, v, v_absmax) = (&*m, &*m_absmax, &*v, &*v_absmax);
         let scales = self.view::<f32>(out.buf); // [2, blocks]
         let nb = out.blocks.len();
@@ -127,10 +116,7 @@ impl CpuDevice {
         for t in tensors {
             let r = t.range.clone();
             let local = r.start - moments.base..r.end - moments.base;
-            let p = AdamWStep {
-                weight_decay: if t.decay { step.weight_decay } else { 0.0 },
-                ..*step
-            };
+            let p = tensor_step(step, t);
             let (params, g) = (&master[bound.local(&r)], &*self.grad::<T>(e, &r));
             let (mq, vq) = (&m[local.clone()], &v[local]);
             let maxima: Vec<(usize, f32, f32)> = t
@@ -174,24 +160,13 @@ impl CpuDevice {
             .params
             .expect("internal error: AdamW has its parameters bound");
         let master = self.view::<f32>(bound.buf);
-        let MomentsMut::Int8 {
-            m,
-            m_absmax,
-            v,
-            v_absmax,
-        } = self.moments_view(moments)
-        else {
-            unreachable!("internal error: agreed block scales of moments that are not 8-bit");
-        };
+        let (m, m_absmax, v, v_absmax) = self.int8_moments(moments);
         let agreed = &*self.view::<f32>(scales.buf); // [2, blocks]
         let nb = scales.blocks.len();
         for t in tensors {
             let r = t.range.clone();
             let local = r.start - moments.base..r.end - moments.base;
-            let p = AdamWStep {
-                weight_decay: if t.decay { step.weight_decay } else { 0.0 },
-                ..*step
-            };
+            let p = tensor_step(step, t);
             let (mut params, mut g) = (&mut master[bound.local(&r)], &*self.grad::<T>(e, &r));
             let (mut mq, mut vq) = (&mut m[local.clone()], &mut v[local]);
             let (old_m, old_v) = (&*m_absmax, &*v_absmax);
@@ -223,5 +198,27 @@ impl CpuDevice {
             m_absmax[state.clone()].copy_from_slice(&agreed[a.clone()]);
             v_absmax[state].copy_from_slice(&agreed[nb + a.start..nb + a.end]);
         }
+    }
+
+    /// 8-bit moments' codes and scales: m, m's scales, v, v's scales.
+    #[allow(clippy::type_complexity)]
+    fn int8_moments(&self, moments: &OptimBufs) -> (&mut [i8], &mut [f32], &mut [u8], &mut [f32]) {
+        match self.moments_view(moments) {
+            MomentsMut::Int8 {
+                m,
+                m_absmax,
+                v,
+                v_absmax,
+            } => (m, m_absmax, v, v_absmax),
+            _ => unreachable!("internal error: agreed block scales of moments not 8-bit"),
+        }
+    }
+}
+
+/// The step of tensor `t`: weight decay where it applies.
+fn tensor_step(step: &AdamWStep, t: &ParamSlice) -> AdamWStep {
+    AdamWStep {
+        weight_decay: if t.decay { step.weight_decay } else { 0.0 },
+        ..*step
     }
 }
