@@ -180,22 +180,14 @@ impl ParamSlice {
             }
         }
     }
-
-    /// The 8-bit blocks the slice's elements are in, first to last (state numbering).
-    pub fn blocks(&self) -> Range<usize> {
-        let last = self
-            .block_pieces()
-            .last()
-            .map_or(self.state_block, |(b, _)| b + 1);
-        self.state_block..last
-    }
 }
 
-/// The 8-bit block scales the tensor ranks agree on before an update of slices of parts
-/// (`plan::build::agree_block_scales`): `buf`, f32 `[2, blocks.len()]`, holds the new
-/// scales of m then of v of blocks `blocks` (state numbering), each the maximum over the
-/// tensor ranks of what each computed of its elements ([`Op::AdamWBlockMax`], then an
-/// [`Op::AllReduce`] with [`Reduce::Max`]).
+/// The 8-bit block scales the ranks agree on before the update of a group holding
+/// tensor-parallel parts (`plan::block_scales`): `buf`, f32 `[2, blocks.len()]`, holds the
+/// new scales of m then of v of blocks `blocks` (state numbering: the group's), each the
+/// maximum over the ranks of what each computed of its elements ([`Op::AdamWBlockMax`],
+/// then an [`Op::AllReduce`] with [`Reduce::Max`] on the tensor axis, and on the data axis
+/// where the moments are sharded).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockScales {
     pub buf: BufId,
@@ -594,9 +586,9 @@ pub enum Op {
     AdamW {
         tensors: Vec<ParamSlice>,
         state: OptimBufs,
-        /// 8-bit state of slices of tensor-parallel parts: each block's new scales, agreed
-        /// among the tensor ranks, which the update encodes the moments at instead of its
-        /// elements' maxima.
+        /// 8-bit state of a group holding tensor-parallel parts: each block's new scales,
+        /// agreed among the ranks, which the update encodes the moments at instead of its
+        /// elements' maxima (and keeps for every block of its state).
         scales: Option<BlockScales>,
     },
     /// The new 8-bit block scales an [`Op::AdamW`] of the same `tensors` and `state` would
