@@ -741,9 +741,10 @@ fn resumes_on(
         let bound = 2.0 * hparams(1).lr * STEPS as f32;
         common::key_biases_within_noise(&whole, &mut params, &reference.1, bound, &what);
         // Tensor ranks' gradients differ from one process's in the last bits; 8-bit
-        // moments turn a few of those into a step of another level, and the others' into
-        // differences up to 1e-5 (small tensors' norms: up to ~1e-4 of them, as ZeRO's
-        // data ranks do, `dist_train.rs`), against fp32's 1e-7.
+        // moments round a few of those to another level (a step moved by a share of lr,
+        // taken out by `int8_flips_within`) and leave the rest within 1e-5 each, which
+        // a small tensor's norm sees as up to ~1e-4 (ZeRO's data ranks likewise,
+        // `dist_train.rs`).
         let mut most = 1e-4;
         if state == OptimState::Int8 && first.tensor.max(then.tensor) > 1 {
             common::int8_flips_within(&whole, &mut params, &reference.1, bound, &what);

@@ -152,16 +152,6 @@ multiversion! {
     }
 }
 
-/// The larger of `a` and `b`, NaN if either is (`f32::max` would drop it): how 8-bit
-/// block scales combine, so a NaN stays visible.
-pub fn max_nan(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.max(b)
-    }
-}
-
 /// Sum of squares of all elements, accumulated in f64, deterministic (fixed chunks summed in
 /// order), parallel. The chunks are combined along a binary tree that depends only on
 /// `x.len()`, so the result is bit-identical for any thread count. Elements of any storage

@@ -111,35 +111,33 @@ impl CpuDevice {
         let (m, m_absmax, v, v_absmax) = self.int8_moments(moments);
         let (m, m_absmax, v, v_absmax) = (&*m, &*m_absmax, &*v, &*v_absmax);
         let scales = self.view::<f32>(out.buf); // [2, blocks]
-        let nb = out.blocks.len();
         scales.fill(0.0);
+        let (m_out, v_out) = scales.split_at_mut(out.blocks.len());
+        // Each block comes once, in increasing order (pieces of a slice, then the next
+        // slice's), so each piece is handed its two outputs.
+        let (mut m_out, mut v_out) = (Slots::new(m_out), Slots::new(v_out));
         for t in tensors {
             let r = t.range.clone();
             let local = r.start - moments.base..r.end - moments.base;
             let p = tensor_step(step, t);
             let (params, g) = (&master[bound.local(&r)], &*self.grad::<T>(e, &r));
             let (mq, vq) = (&m[local.clone()], &v[local]);
-            let maxima: Vec<(usize, f32, f32)> = t
-                .block_pieces()
-                .par_bridge()
-                .map(|(b, r)| {
-                    let k = b - moments.block_base;
-                    let (mx, vx) = quant::adamw_piece_max(
-                        &params[r.clone()],
-                        &g[r.clone()],
-                        &mq[r.clone()],
-                        m_absmax[k],
-                        &vq[r],
-                        v_absmax[k],
-                        &p,
-                    );
-                    (b - out.blocks.start, mx, vx)
-                })
-                .collect();
-            for (k, mx, vx) in maxima {
-                scales[k] = reduce::max_nan(scales[k], mx);
-                scales[nb + k] = reduce::max_nan(scales[nb + k], vx);
-            }
+            let pieces = t.block_pieces().map(|(b, r)| {
+                let k = b - out.blocks.start;
+                (b, r, m_out.take(k), v_out.take(k))
+            });
+            pieces.par_bridge().for_each(|(b, r, m_max, v_max)| {
+                let k = b - moments.block_base;
+                (*m_max, *v_max) = quant::adamw_piece_max(
+                    &params[r.clone()],
+                    &g[r.clone()],
+                    &mq[r.clone()],
+                    m_absmax[k],
+                    &vq[r],
+                    v_absmax[k],
+                    &p,
+                );
+            });
         }
     }
 
@@ -220,5 +218,29 @@ fn tensor_step(step: &AdamWStep, t: &ParamSlice) -> AdamWStep {
     AdamWStep {
         weight_decay: if t.decay { step.weight_decay } else { 0.0 },
         ..*step
+    }
+}
+
+/// Hands out the elements of a slice one at a time, at increasing indices, each at most
+/// once: disjoint `&mut`s that parallel tasks may write.
+struct Slots<'a, T> {
+    rest: &'a mut [T],
+    /// The index of `rest[0]`.
+    at: usize,
+}
+
+impl<'a, T> Slots<'a, T> {
+    fn new(x: &'a mut [T]) -> Slots<'a, T> {
+        Slots { rest: x, at: 0 }
+    }
+
+    /// Element `i` (above every index taken before).
+    fn take(&mut self, i: usize) -> &'a mut T {
+        let rest = std::mem::take(&mut self.rest);
+        let (x, rest) = rest[i - self.at..]
+            .split_first_mut()
+            .expect("internal error: a block past the scales' range");
+        (self.rest, self.at) = (rest, i + 1);
+        x
     }
 }
