@@ -611,6 +611,12 @@ pub(crate) struct StepArgs {
     /// --device cuda, the GPU's memory: the plan + the CUDA context + the reserve
     #[arg(long, value_parser = parse_bytes)]
     pub(crate) max_memory: Option<u64>,
+    /// With --device cuda: the budget of pinned host RAM, where --offload keeps what it names
+    /// beneath the GPU (moved to device memory for each use by transfers the plan schedules),
+    /// e.g. 110GiB; refuse plans whose host tier exceeds it (its buffers + the loader's).
+    /// On the CPU, RAM is the compute tier: --max-memory is its budget
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
+    pub(crate) max_host_memory: Option<u64>,
     /// The backend that plans and runs the steps, KIND or KIND:N, device N of that kind counted
     /// from 0 (KIND alone is device 0): cpu (= cpu:0, all of this machine's cores), or cuda (= gpu:
     /// an NVIDIA GPU; planned by any build, run by a build with `--features cuda`). A checkpoint
@@ -845,6 +851,7 @@ impl StepArgs {
             seq: self.seq,
             threads: self.threads,
             max_memory: self.max_memory,
+            max_host_memory: self.max_host_memory,
             device: self.device.unwrap_or(DeviceId::CPU),
             strategy: self.strategy.request(),
             distill_from: None,

@@ -301,7 +301,8 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         Some(dir) if plan.nvme_bytes() > 0 => Some(memwall::mem::disk::free_bytes_for(dir)?),
         _ => None,
     };
-    let budgets = plan::Budgets::new(plan.compute_tier(), a.step.max_memory, disk_free);
+    let budgets = plan::Budgets::new(plan.compute_tier(), a.step.max_memory, disk_free)
+        .with_host(plan.compute_tier(), a.step.max_host_memory);
     // Every rank of a job of several, planned once per distinct plan.
     let every = match plan.cfg.mesh.world() > 1 {
         true => Some(plan::ranks::every_rank_timed(
@@ -394,6 +395,21 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         }
         if !a.json {
             println!("  fits --max-memory {}", fmt_bytes(budget));
+        }
+    }
+    if let Some(host) = a.step.max_host_memory {
+        let over = plan.over_budget(baseline, &budgets);
+        if let Some(u) = over.filter(|u| u.tier == memwall::ir::Tier::Host) {
+            anyhow::bail!(
+                "the plan's {} ({} at its peak) does not fit --max-host-memory {}: offload less \
+                 (--offload names what lives there), or give more",
+                u.name,
+                fmt_bytes(u.peak_bytes),
+                fmt_bytes(host)
+            );
+        }
+        if !a.json {
+            println!("  fits --max-host-memory {}", fmt_bytes(host));
         }
     } else if !a.json
         && backend.baseline_bytes().is_none()

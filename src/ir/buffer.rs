@@ -140,6 +140,12 @@ impl Tier {
     pub fn is_memory(self) -> bool {
         !matches!(self, Tier::Nvme)
     }
+
+    /// Whether a buffer on this tier is held in the memory of compute tier `compute`: on it,
+    /// or owned (its owner's host allocation) when the compute tier is host RAM.
+    pub fn held_in(self, compute: Tier) -> bool {
+        self == compute || (self == Tier::Owned && compute == Tier::Host)
+    }
 }
 
 /// One tier a plan packs and its size: the bytes of the one allocation the backend makes

@@ -3,7 +3,7 @@
 //! order. The planner ([`crate::plan::build`]) emits the persistent state, the micro-batch loop and
 //! the optimizer phase; a model family emits each micro-batch's layers ([`MicroBatch`]).
 
-use super::buffer::{BufId, Buffer, Category, Placement};
+use super::buffer::{BufId, Buffer, Category, Placement, Tier};
 use super::schedule::{Op, OpEntry, OptimBufs, Phase, Rows};
 use super::strategy::OptimState;
 use crate::dtype::DType;
@@ -78,6 +78,8 @@ pub struct Builder {
     pub(crate) ops: Vec<OpEntry>,
     /// Element type of activations, compute weights and gradients.
     storage: DType,
+    /// The tier ops compute on (the backend's first): where every buffer is declared.
+    compute: Tier,
     /// The micro-batch the ops emitted now belong to ([`OpEntry::micro`]).
     pub(crate) micro: usize,
 }
@@ -118,11 +120,13 @@ impl Builder {
         }
     }
 
-    pub(crate) fn new(storage: DType) -> Builder {
+    /// A plan whose activations are stored as `storage`, computed on tier `compute`.
+    pub(crate) fn new(storage: DType, compute: Tier) -> Builder {
         Builder {
             buffers: Vec::new(),
             ops: Vec::new(),
             storage,
+            compute,
             micro: 0,
         }
     }
@@ -193,19 +197,23 @@ impl Builder {
             persistent,
             first_op: usize::MAX,
             last_op: 0,
-            placement: Placement::HOST,
+            placement: Placement {
+                tier: self.compute,
+                offset: 0,
+            },
             align: super::buffer::ALIGN,
         });
         BufId(self.buffers.len() - 1)
     }
 
-    /// Makes `id` one end of disk transfers: on the offload tier when `on_disk`, and aligned
-    /// for direct I/O ([`crate::ir::buffer::IO_ALIGN`]) in either tier.
-    pub(crate) fn for_io(&mut self, id: BufId, on_disk: bool) -> BufId {
+    /// Makes `id` one end of transfers between tiers: moved to tier `home` when given (an
+    /// offloaded buffer's home), and aligned for direct I/O ([`crate::ir::buffer::IO_ALIGN`])
+    /// on either tier.
+    pub(crate) fn for_io(&mut self, id: BufId, home: Option<Tier>) -> BufId {
         let b = &mut self.buffers[id.0];
         b.align = super::buffer::IO_ALIGN;
-        if on_disk {
-            b.placement = Placement::NVME;
+        if let Some(tier) = home {
+            b.placement = Placement { tier, offset: 0 };
         }
         id
     }

@@ -172,7 +172,7 @@ pub(super) fn build(
     let layout = trainable_layout(spec, cfg, lora.as_ref());
     let split = sharding.map(|sh| zero::Split::new(&layout, cfg.optim_state, sh));
     let sharded = split.as_ref().filter(|s| s.sh.zero.shards_optimizer());
-    let mut g = Builder::new(cfg.precision.storage());
+    let mut g = Builder::new(cfg.precision.storage(), r.backend.tiers()[0]);
     let State {
         params,
         base,
@@ -229,7 +229,9 @@ pub(super) fn build(
         &optim,
     );
     // Blocks in the step: every micro-batch's.
-    stage::stage(&mut g, &homes, spec.n_layer * cfg.grad_accum);
+    if let Some(tier) = r.home_tier {
+        stage::stage(&mut g, &homes, spec.n_layer * cfg.grad_accum, tier);
+    }
     let implicit = ImplicitBufs {
         params,
         base,
@@ -255,8 +257,11 @@ struct Request<'a> {
     rows: Rows,
     /// The attention kernel's workspace, in elements ([`Sizing::attention_workspace_elems`]).
     attn_ws_len: usize,
-    /// What lives on the disk tier (nothing in a generation plan).
+    /// What lives on the tier beneath the compute tier (nothing in a generation plan).
     offload: OffloadSet,
+    /// The tier offloaded buffers live on between their uses (the backend's second: the
+    /// CPU's disk, a GPU's pinned host RAM); `None` where the backend plans one tier.
+    home_tier: Option<Tier>,
 }
 
 impl<'a> Request<'a> {
@@ -304,11 +309,11 @@ impl<'a> Request<'a> {
             Mode::Train => cfg.offload.set,
             Mode::Generate => OffloadSet::NONE,
         };
-        if offload != OffloadSet::NONE && !backend.tiers().contains(&Tier::Nvme) {
+        let home_tier = backend.tiers().get(1).copied();
+        if offload != OffloadSet::NONE && home_tier.is_none() {
             bail!(
                 "--offload {}: this device plans no slower tier to offload to (its tiers: {}); \
-                 host RAM and disk beneath a GPU are not there yet ([gpu-offload]); give \
-                 --offload none, or --device cpu",
+                 give --offload none",
                 offload,
                 backend
                     .tiers()
@@ -327,6 +332,7 @@ impl<'a> Request<'a> {
             rows,
             attn_ws_len,
             offload,
+            home_tier,
         })
     }
 }
@@ -486,7 +492,7 @@ fn generation(r: &Request) -> Result<Plan> {
         Some(f) => f.adapters.params.clone(),
         None => ParamLayout::new(spec),
     };
-    let mut g = Builder::new(cfg.precision.storage());
+    let mut g = Builder::new(cfg.precision.storage(), r.backend.tiers()[0]);
     let State {
         params,
         base,
@@ -1422,15 +1428,6 @@ fn check_transfers(ops: &[OpEntry], buffers: &[Buffer], tiers: &[Tier]) -> Resul
 /// compute tier's peak and the bytes outside the tiers.
 fn pack(g: &mut Builder, tiers: &[Tier], verify: Verify) -> Result<Packed> {
     let n_ops = g.ops.len();
-    // The passes place compute buffers in the host arena (`Placement::HOST`), the CPU's
-    // compute tier; a backend that computes elsewhere (a GPU's memory) gets them there.
-    if tiers[0] != Tier::Host {
-        for b in g.buffers.iter_mut() {
-            if b.placement.tier == Tier::Host {
-                b.placement.tier = tiers[0];
-            }
-        }
-    }
     if let Some(b) = g
         .buffers
         .iter()
@@ -1481,6 +1478,7 @@ fn pack(g: &mut Builder, tiers: &[Tier], verify: Verify) -> Result<Packed> {
 /// (the executor relies on this to hand out `&mut` and `&` views of one arena).
 fn verify_ops(plan: &Plan) -> Result<()> {
     verify_collectives(plan)?;
+    verify_transfers(plan)?;
     for e in &plan.schedule.ops {
         let mut clash = None;
         e.buffers(|written, access| {
@@ -1500,6 +1498,59 @@ fn verify_ops(plan: &Plan) -> Result<()> {
                 e.name,
                 a.name,
                 o.name
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Checks the tiers' invariants: an op that is not a transfer touches only buffers of the
+/// compute tier (or owned ones); every transfer is awaited later in the step, by an
+/// `AwaitTransfers` naming its staging buffer (its end on the compute tier), and no op in
+/// between touches that buffer (the copy reads or writes it meanwhile).
+fn verify_transfers(plan: &Plan) -> Result<()> {
+    let compute = plan.compute_tier();
+    let ops = &plan.schedule.ops;
+    for (i, e) in ops.iter().enumerate() {
+        let Op::Transfer { from, to } = e.op else {
+            let mut elsewhere = None;
+            if !matches!(e.op, Op::AwaitTransfers { .. }) {
+                e.buffers(|id, _| {
+                    let b = plan.buffer(id);
+                    if b.placement.tier != compute && !b.is_owned() {
+                        elsewhere.get_or_insert(b);
+                    }
+                });
+            }
+            if let Some(b) = elsewhere {
+                bail!(
+                    "internal error: op {} touches {}, which is on {} (ops compute on {})",
+                    e.name,
+                    b.name,
+                    b.placement.tier.describe(),
+                    compute.describe()
+                );
+            }
+            continue;
+        };
+        let stage = match plan.buffer(from).placement.tier == compute {
+            true => from,
+            false => to,
+        };
+        let awaits =
+            |x: &OpEntry| matches!(&x.op, Op::AwaitTransfers { bufs } if bufs.contains(&stage));
+        let Some(k) = ops[i + 1..].iter().position(awaits) else {
+            bail!("internal error: transfer {} is never awaited", e.name);
+        };
+        if let Some(x) = ops[i + 1..i + 1 + k]
+            .iter()
+            .find(|x| !matches!(x.op, Op::Transfer { .. }) && x.touches(stage))
+        {
+            bail!(
+                "internal error: op {} touches {} while transfer {} moves it",
+                x.name,
+                plan.buffer(stage).name,
+                e.name
             );
         }
     }
@@ -1532,4 +1583,95 @@ fn verify_collectives(plan: &Plan) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::DeviceKind;
+
+    /// A llama-tiny plan for a GPU with everything offloaded to pinned RAM.
+    fn offloaded() -> Plan {
+        let spec = ModelSpec::preset("llama-tiny").unwrap();
+        let mut cfg = StepConfig::new(2, 32, 1);
+        cfg.offload.set = OffloadSet::ALL;
+        build_plan(&spec, &cfg, Mode::Train, DeviceKind::Cuda.sizing()).unwrap()
+    }
+
+    /// The first read into a staging copy: (the transfer's index, its wait's, the copy).
+    fn first_read(plan: &Plan) -> (usize, usize, BufId) {
+        let ops = &plan.schedule.ops;
+        let (i, to) = ops
+            .iter()
+            .enumerate()
+            .find_map(|(i, e)| match e.op {
+                Op::Transfer { from, to } if plan.buffer(from).placement.tier == Tier::Host => {
+                    Some((i, to))
+                }
+                _ => None,
+            })
+            .unwrap();
+        let waits = |e: &OpEntry| matches!(&e.op, Op::AwaitTransfers { bufs } if bufs == &[to]);
+        let w = i + ops[i..].iter().position(waits).unwrap();
+        (i, w, to)
+    }
+
+    #[test]
+    fn transfers_are_verified_awaited_before_use_and_ops_compute_on_the_compute_tier() {
+        let plan = offloaded();
+        verify_ops(&plan).unwrap();
+        let (i, w, to) = first_read(&plan);
+
+        // The wait moved past the copy's first use.
+        let mut late = plan.clone();
+        let wait = late.schedule.ops.remove(w);
+        let used = w + late.schedule.ops[w..]
+            .iter()
+            .position(|e| e.touches(to))
+            .unwrap();
+        assert!(!matches!(
+            late.schedule.ops[used].op,
+            Op::AwaitTransfers { .. }
+        ));
+        late.schedule.ops.insert(used + 1, wait);
+        let e = format!("{:#}", verify_ops(&late).unwrap_err());
+        assert!(
+            e.contains("while transfer") && e.contains(&plan.buffer(to).name),
+            "{e}"
+        );
+
+        // The wait gone: the copy is used while the read may still be filling it (a later
+        // wait on the same copy, its write-back's, comes after those uses).
+        let mut never = plan.clone();
+        never.schedule.ops.remove(w);
+        let e = format!("{:#}", verify_ops(&never).unwrap_err());
+        let read = &plan.schedule.ops[i].name;
+        assert!(e.contains(&format!("while transfer {read} moves")), "{e}");
+        // And with no wait at all after it.
+        let mut unawaited = plan.clone();
+        unawaited
+            .schedule
+            .ops
+            .retain(|e| !matches!(&e.op, Op::AwaitTransfers { bufs } if bufs.contains(&to)));
+        let e = format!("{:#}", verify_ops(&unawaited).unwrap_err());
+        assert!(e.contains(&format!("{read} is never awaited")), "{e}");
+
+        // An op reading the home in pinned RAM instead of its copy on the device.
+        let Op::Transfer { from: home, .. } = plan.schedule.ops[i].op else {
+            unreachable!()
+        };
+        let mut home_read = plan.clone();
+        let user = w
+            + 1
+            + plan.schedule.ops[w + 1..]
+                .iter()
+                .position(|e| e.touches(to))
+                .unwrap();
+        home_read.schedule.ops[user].rename(to, home);
+        let e = format!("{:#}", verify_ops(&home_read).unwrap_err());
+        assert!(
+            e.contains("which is on RAM") && e.contains("device memory"),
+            "{e}"
+        );
+    }
 }

@@ -148,18 +148,20 @@ impl Plan {
             .collect()
     }
 
-    /// Per category, the most bytes in RAM live at any one op (each category's own
-    /// high-water mark; what a strategy such as recomputation shrinks). Disk-tier buffers
-    /// are left out: see [`Plan::nvme_bytes`].
+    /// Per category, the most bytes in the compute tier (the CPU's RAM, a GPU's memory) live
+    /// at any one op (each category's own high-water mark; what a strategy such as
+    /// recomputation shrinks). Buffers on the tiers beneath are left out: see
+    /// [`Plan::tier_bytes`].
     pub fn peak_by_category(&self) -> Vec<(Category, u64)> {
         let n_ops = self.schedule.ops.len();
+        let compute = self.compute_tier();
         Category::ALL
             .iter()
             .map(|&c| {
                 let of_c = self
                     .buffers
                     .iter()
-                    .filter(|b| b.category == c && b.placement.tier.is_memory());
+                    .filter(|b| b.category == c && b.placement.tier.held_in(compute));
                 let live = packing::live_bytes_per_op(
                     of_c.map(|b| (b.first_op, b.last_op, b.bytes)),
                     n_ops,
@@ -278,15 +280,18 @@ impl Plan {
         data + (t - 1) * 8 * slots + pipeline
     }
 
-    /// Bytes per category of the RAM buffers live at op `op`.
+    /// Bytes per category of the compute tier's buffers live at op `op`.
     pub fn live_by_category(&self, op: usize) -> Vec<(Category, u64)> {
+        let compute = self.compute_tier();
         Category::ALL
             .iter()
             .map(|&c| {
                 let s = self
                     .buffers
                     .iter()
-                    .filter(|b| b.category == c && b.live_at(op) && b.placement.tier.is_memory())
+                    .filter(|b| {
+                        b.category == c && b.live_at(op) && b.placement.tier.held_in(compute)
+                    })
                     .map(|b| b.bytes)
                     .sum();
                 (c, s)

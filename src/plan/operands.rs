@@ -599,6 +599,13 @@ impl OpEntry {
         });
     }
 
+    /// Whether the op reads or writes buffer `id`.
+    pub fn touches(&self, id: BufId) -> bool {
+        let mut hit = false;
+        self.buffers(|b, _| hit |= b == id);
+        hit
+    }
+
     /// Whether the two ops share a buffer that one of them writes (so neither may run while
     /// the other is in flight).
     pub fn conflicts(&self, other: &OpEntry) -> bool {

@@ -307,7 +307,7 @@ pub fn tiers(plan: &Plan, baseline: u64, budgets: &Budgets) -> String {
             Some(b) => format!(
                 "   of {} ({}){}",
                 fmt_bytes(b),
-                Budgets::source(u.tier),
+                Budgets::source(u.tier, plan.compute_tier()),
                 if u.over_by() > 0 { ": OVER" } else { "" }
             ),
             None => String::new(),

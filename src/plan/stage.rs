@@ -42,7 +42,7 @@
 
 use crate::ir::builder::Builder;
 use crate::ir::schedule::{Op, OpEntry, Phase};
-use crate::ir::{BufId, Category};
+use crate::ir::{BufId, Category, Tier};
 
 /// What a home holds. Spans of one kind form one pipeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,7 +121,7 @@ pub(super) fn kept_activations(g: &Builder) -> Vec<BufId> {
 /// `blocks` (the step's blocks: layers × micro-batches) sets how far ahead activations move.
 /// In steps: each home's uses, split into spans, a staging copy per span, and the transfers
 /// and waits around them.
-pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
+pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize, home_tier: Tier) {
     if homes.is_empty() {
         return;
     }
@@ -136,9 +136,9 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize) {
             .filter(|&k| moved(k))
             .map(|k| homes[k])
             .collect();
-        return stage(g, &kept, blocks);
+        return stage(g, &kept, blocks, home_tier);
     }
-    staging_copies(g, homes, &mut spans);
+    staging_copies(g, homes, &mut spans, home_tier);
     let inserts = transfers(g, homes, &spans, blocks);
     insert(g, inserts);
 }
@@ -263,7 +263,7 @@ fn awaited_at(g: &Builder, i: usize) -> usize {
 /// Declares each span's staging copy, named by its home and the part of the step it serves
 /// (`h3.params.fwd`, `h3.params.bwd1`, …), marks the homes and the copies for direct I/O,
 /// and renames each span's ops from the home to its copy.
-fn staging_copies(g: &mut Builder, homes: &[Home], spans: &mut [Span]) {
+fn staging_copies(g: &mut Builder, homes: &[Home], spans: &mut [Span], home_tier: Tier) {
     // Staging buffers, named by the part of the step they serve.
     let mut count = std::collections::HashMap::new();
     for s in spans.iter_mut() {
@@ -282,10 +282,10 @@ fn staging_copies(g: &mut Builder, homes: &[Home], spans: &mut [Span]) {
         *n += 1;
         let (category, dtype, elems) = (home.category, home.dtype, home.elems);
         let id = g.buf(name, category, dtype, elems);
-        s.stage = g.for_io(id, false);
+        s.stage = g.for_io(id, None);
     }
     for h in homes {
-        g.for_io(h.id, true);
+        g.for_io(h.id, Some(home_tier));
     }
     for s in spans.iter() {
         let home = homes[s.home].id;

@@ -29,16 +29,27 @@ impl Budgets {
         )
     }
 
+    /// These budgets, and `host` (`--max-host-memory`) for host RAM where it is not the
+    /// compute tier (the pinned tier beneath a GPU).
+    pub fn with_host(mut self, compute_tier: Tier, host: Option<u64>) -> Budgets {
+        if let Some(b) = host.filter(|_| compute_tier != Tier::Host) {
+            self.0.push((Tier::Host, b));
+        }
+        self
+    }
+
     /// The budget of tier `t`, if it has one.
     pub fn of(&self, t: Tier) -> Option<u64> {
         self.0.iter().find(|(x, _)| *x == t).map(|&(_, b)| b)
     }
 
-    /// The flag or fact a tier's budget comes from, for messages.
-    pub fn source(t: Tier) -> &'static str {
+    /// The flag or fact a tier's budget comes from, for messages, in a plan computing on
+    /// `compute`.
+    pub fn source(t: Tier, compute: Tier) -> &'static str {
         match t {
             Tier::Nvme => "free at --offload-dir",
-            _ => "--max-memory",
+            t if t == compute => "--max-memory",
+            _ => "--max-host-memory",
         }
     }
 }
@@ -47,7 +58,7 @@ impl Budgets {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierUse {
     pub tier: Tier,
-    /// Its name in reports: `RAM`, `disk`, `device memory`.
+    /// Its name in reports: `RAM`, `disk`, `device memory`, `pinned RAM`.
     pub name: String,
     /// Bytes the plan packs there: the size of the tier's arena or file.
     pub packed_bytes: u64,
@@ -89,7 +100,11 @@ impl Plan {
             .iter()
             .map(|s| TierUse {
                 tier: s.tier,
-                name: s.tier.describe().to_string(),
+                name: match s.tier {
+                    // Host RAM beneath a GPU: page-locked, so the GPU copies it directly.
+                    Tier::Host if self.compute_tier() != Tier::Host => "pinned RAM".to_string(),
+                    t => t.describe().to_string(),
+                },
                 packed_bytes: s.bytes,
                 peak_bytes: self.tier_peak(s.tier, baseline),
                 budget_bytes: budgets.of(s.tier),

@@ -222,7 +222,12 @@ impl ReportPage<'_> {
                 .iter()
                 .map(|u| {
                     let budget = u.budget_bytes.map_or(String::new(), |b| {
-                        format!(" of {} ({})", fmt_bytes(b), Budgets::source(u.tier))
+                        let compute = p.tiers[0].tier;
+                        format!(
+                            " of {} ({})",
+                            fmt_bytes(b),
+                            Budgets::source(u.tier, compute)
+                        )
                     });
                     format!("{} peak {}{budget}", u.name, fmt_bytes(u.peak_bytes))
                 })

@@ -361,7 +361,7 @@ impl Sizing for CudaSizing {
     }
 
     fn tiers(&self) -> &'static [Tier] {
-        &[Tier::Device]
+        &[Tier::Device, Tier::Host]
     }
 
     fn baseline_bytes(&self) -> Option<u64> {

@@ -101,6 +101,8 @@ pub struct StepRequest {
     pub threads: Option<usize>,
     /// `--max-memory`.
     pub max_memory: Option<u64>,
+    /// `--max-host-memory`: the pinned host tier's budget beneath a GPU.
+    pub max_host_memory: Option<u64>,
     /// `--device`.
     pub device: DeviceId,
     pub strategy: StrategyRequest,

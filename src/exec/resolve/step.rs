@@ -222,6 +222,14 @@ pub fn resolve_step(
             step.device
         );
     }
+    if step.max_host_memory.is_some() && backend.tiers()[0] == crate::ir::Tier::Host {
+        bail!(
+            "--max-host-memory with --device {}: host RAM is where this device computes, so \
+             --max-memory is its budget; --max-host-memory budgets the pinned RAM beneath a GPU \
+             (--device cuda)",
+            step.device
+        );
+    }
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {
         bail!(
             "--lora-dropout needs --lora R (or, in `train`, --init-adapter DIR: the adapter then \

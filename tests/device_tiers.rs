@@ -1,0 +1,210 @@
+//! Tiers beneath a GPU, planned without one ([gpu-offload]): `--device cuda --offload X`
+//! keeps what X names in pinned host RAM between its uses, and stages each use into device
+//! memory by transfers the plan schedules. The transformation is the CPU's disk tier's, one
+//! tier up: the same ops in the same order, the same transfers at the same places, so the
+//! arithmetic (bitwise the weights of a run that offloads nothing, on the CPU) is unchanged.
+
+use memwall::backend::DeviceKind;
+use memwall::ir::schedule::Op;
+use memwall::ir::{Category, OptimState, Precision, Recompute, Tier};
+use memwall::model::ModelSpec;
+use memwall::plan::{Budgets, Mode, OffloadSet, Plan, StepConfig, build_plan};
+
+fn cfg(set: OffloadSet, precision: Precision, optim: OptimState, accum: usize) -> StepConfig {
+    let mut c = StepConfig::new(2, 64, 2);
+    c.offload.set = set;
+    c.precision = precision;
+    c.optim_state = optim;
+    c.grad_accum = accum;
+    c.recompute = Recompute::Full;
+    c
+}
+
+fn plan_on(kind: DeviceKind, spec: &ModelSpec, c: &StepConfig) -> Plan {
+    build_plan(spec, c, Mode::Train, kind.sizing())
+        .unwrap_or_else(|e| panic!("{} on {kind}: {e:#}", c.offload.set))
+}
+
+/// The categories a placement keeps beneath the compute tier.
+fn homes_of(set: OffloadSet) -> Vec<Category> {
+    let mut v = Vec::new();
+    if set.params {
+        v.extend([Category::Param, Category::Master]);
+    }
+    if set.grads {
+        v.push(Category::Grad);
+    }
+    if set.optimizer {
+        v.push(Category::OptimizerState);
+    }
+    if set.activations {
+        v.push(Category::Activation);
+    }
+    v
+}
+
+/// Every placement, on GPT-2 and Llama shapes, fp32 and bf16, fp32 and int8 moments, with and
+/// without accumulation: the GPU's plan has two tiers, device memory and pinned RAM; what
+/// the placement names lives in pinned RAM and nothing else does; every op but a transfer
+/// computes on device memory; every transfer moves one buffer between the two.
+#[test]
+fn every_placement_keeps_its_homes_in_pinned_ram_and_computes_on_the_device() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let spec = ModelSpec::preset(model).unwrap();
+        for (precision, optim, accum) in [
+            (Precision::F32, OptimState::F32, 1),
+            (Precision::Bf16, OptimState::Int8, 2),
+        ] {
+            for set in OffloadSet::every() {
+                let plan = plan_on(DeviceKind::Cuda, &spec, &cfg(set, precision, optim, accum));
+                let what = format!("{model} {precision:?} {optim:?} accum {accum} --offload {set}");
+                let tiers: Vec<Tier> = plan.tiers.iter().map(|t| t.tier).collect();
+                assert_eq!(tiers, [Tier::Device, Tier::Host], "{what}");
+                assert_eq!(plan.tier_bytes(Tier::Host) > 0, set.any(), "{what}");
+                let homes = homes_of(set);
+                for b in &plan.buffers {
+                    match b.placement.tier {
+                        Tier::Host => assert!(
+                            homes.contains(&b.category),
+                            "{what}: {} ({:?}) in pinned RAM",
+                            b.name,
+                            b.category
+                        ),
+                        Tier::Device | Tier::Owned => {}
+                        Tier::Nvme => panic!("{what}: {} on disk", b.name),
+                    }
+                }
+                for e in &plan.schedule.ops {
+                    if let Op::Transfer { from, to } = e.op {
+                        let mut ends =
+                            [plan.buffer(from), plan.buffer(to)].map(|b| b.placement.tier);
+                        ends.sort();
+                        assert_eq!(ends, [Tier::Device, Tier::Host], "{what}: {}", e.name);
+                        assert_eq!(plan.buffer(from).bytes, plan.buffer(to).bytes);
+                        continue;
+                    }
+                    if matches!(e.op, Op::AwaitTransfers { .. }) {
+                        continue;
+                    }
+                    e.buffers(|id, _| {
+                        let t = plan.buffer(id).placement.tier;
+                        assert!(
+                            t == Tier::Device || t == Tier::Owned,
+                            "{what}: op {} touches {} on {t:?}",
+                            e.name,
+                            plan.buffer(id).name
+                        );
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The GPU's staging is the CPU's disk tier's, one tier up: the same ops, transfers and
+/// waits in the same order, each transfer moving the same buffer (by name) in the same
+/// direction, for every placement.
+#[test]
+fn the_gpu_stages_as_the_cpu_does_one_tier_up() {
+    let spec = ModelSpec::preset("llama-tiny").unwrap();
+    for set in OffloadSet::every() {
+        let c = cfg(set, Precision::Bf16, OptimState::F32, 2);
+        let (cpu, gpu) = (
+            plan_on(DeviceKind::Cpu, &spec, &c),
+            plan_on(DeviceKind::Cuda, &spec, &c),
+        );
+        let moves = |p: &Plan| -> Vec<String> {
+            p.schedule
+                .ops
+                .iter()
+                .map(|e| match e.op {
+                    Op::Transfer { from, to } => {
+                        let (f, t) = (p.buffer(from), p.buffer(to));
+                        let up = t.placement.tier == p.compute_tier();
+                        format!("{} {} {}", e.name, if up { "in" } else { "out" }, f.name)
+                    }
+                    _ => e.name.clone(),
+                })
+                .collect()
+        };
+        assert_eq!(moves(&cpu), moves(&gpu), "--offload {set}");
+        assert_eq!(cpu.tier_bytes(Tier::Nvme) > 0, set.any(), "--offload {set}");
+    }
+}
+
+/// On a 124M model the device holds less for each thing offloaded: the optimizer's moments
+/// leave it whole (beside one group's staging copy), and what stays is under the plan that
+/// offloads nothing.
+#[test]
+fn offloading_moves_bytes_from_the_device_to_pinned_ram() {
+    let spec = ModelSpec::preset("gpt2").unwrap();
+    let c = |set| {
+        let mut c = cfg(set, Precision::Bf16, OptimState::F32, 1);
+        c.batch = 4;
+        c.seq = 1024;
+        c
+    };
+    let none = plan_on(DeviceKind::Cuda, &spec, &c(OffloadSet::NONE));
+    let moments = 2 * 4 * spec.num_params() as u64;
+    let mut optimizer = OffloadSet::NONE;
+    optimizer.optimizer = true;
+    let off = plan_on(DeviceKind::Cuda, &spec, &c(optimizer));
+    // Each home is aligned for direct I/O (4 KiB), as the disk tier's are.
+    let host = off.tier_bytes(Tier::Host);
+    let homes = off
+        .buffers
+        .iter()
+        .filter(|b| b.placement.tier == Tier::Host);
+    assert!(
+        moments <= host && host < moments + 4096 * homes.count() as u64,
+        "{host} bytes in pinned RAM for {moments} of moments"
+    );
+    let (d0, d1) = (none.arena_bytes(), off.arena_bytes());
+    // The largest group's moments (the token embedding's, 8 bytes a parameter) are staged
+    // whole; a block's beside them.
+    let wte = 8 * (spec.vocab_size * spec.n_embd) as u64;
+    assert!(
+        d1 + moments <= d0 + wte + moments / 8,
+        "device {d1} with the moments in pinned RAM, {d0} without"
+    );
+    // State offloaded (with or without the activations) lowers the device's peak. The kept
+    // activations alone do not here: under full recomputation they are the block inputs
+    // (25 MiB), and the peak is the backward's working set, which they are not part of.
+    let state = |s: &OffloadSet| s.params || s.grads || s.optimizer;
+    for set in OffloadSet::every().into_iter().filter(state) {
+        let p = plan_on(DeviceKind::Cuda, &spec, &c(set));
+        assert!(
+            p.arena_bytes() < d0,
+            "--offload {set}: device {} of {d0}",
+            p.arena_bytes()
+        );
+    }
+}
+
+/// `--max-host-memory` is the pinned tier's budget: a plan over it is named with the flag;
+/// where host RAM is the compute tier (the CPU) it adds nothing.
+#[test]
+fn the_pinned_tier_has_its_own_budget() {
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let plan = plan_on(
+        DeviceKind::Cuda,
+        &spec,
+        &cfg(OffloadSet::ALL, Precision::F32, OptimState::F32, 1),
+    );
+    let host = plan.tier_peak(Tier::Host, 0);
+    assert_eq!(host, plan.tier_bytes(Tier::Host) + plan.external_bytes);
+    let fits = Budgets::new(Tier::Device, None, None).with_host(Tier::Device, Some(host));
+    assert_eq!(plan.over_budget(0, &fits), None);
+    let small = Budgets::new(Tier::Device, None, None).with_host(Tier::Device, Some(host - 1));
+    let over = plan.over_budget(0, &small).unwrap();
+    assert_eq!((over.name.as_str(), over.over_by()), ("pinned RAM", 1));
+    assert_eq!(
+        Budgets::source(Tier::Host, Tier::Device),
+        "--max-host-memory"
+    );
+    assert_eq!(Budgets::source(Tier::Host, Tier::Host), "--max-memory");
+    assert_eq!(
+        Budgets::new(Tier::Host, None, None).with_host(Tier::Host, Some(1)),
+        Budgets::NONE
+    );
+}
