@@ -11,7 +11,8 @@
 #   ops.json         memwall bench --time-ops: seconds per op kind (each op waited for)
 #   train.log        memwall train on the GPU (Shakespeare, GPT-2 124M, bf16), then a sample
 #   parity.log       scripts/gpu-parity.sh: the CPU against the GPU (fp32, bf16), twice on the
-#                    GPU bitwise, recomputation bitwise, resumed from one device on the other
+#                    GPU bitwise, recomputation bitwise, resumed from one device on the other,
+#                    offload to pinned RAM bitwise
 #   calibrate.log    memwall calibrate --device cuda, and cuda-<gpu>.json: the calibration saved
 #   ncu.csv          with NCU=1: every kernel's duration over a bench step (Nsight Compute)
 # TORCH=0 skips PyTorch's reference (its figure does not change between commits). PART=1 runs
@@ -92,12 +93,17 @@ if [ "$part" = all ] || [ "$part" = 1 ]; then
     step "device: open, allocate, round trip, Zero" 60 "$OUT/device.log" "$bin/cuda_device" --ignored --nocapture --test-threads 1
     CUBLASLT_LOG_LEVEL=1 step "conformance suite on the GPU" 180 "$OUT/conformance.log" "$bin/backend_ops" --ignored cuda:: --test-threads 1
     if [ -d .gpu/data ]; then
-        step "parity: the CPU against the GPU, bitwise repeats, recomputation, resumed across devices" 150 "$OUT/parity.log" scripts/gpu-parity.sh
+        step "parity: the CPU against the GPU, bitwise repeats, recomputation, resumed across devices, offload to pinned RAM" 210 "$OUT/parity.log" scripts/gpu-parity.sh
     fi
     # The QLoRA shape (llama-3-8b, r 16, q4_k, 1 x 2048, full recomputation): the
     # device peak against the plan's (6.44 GiB with the context).
     sampled "bench llama-3-8b QLoRA 16 q4_k 1 x 2048 bf16" \
         step "memwall bench on the GPU (llama-3-8b QLoRA 16 on q4_k, 1 x 2048, bf16, recompute full)" 200 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model llama-3-8b --lora 16 --base-quant q4_k --batch 1 --seq 2048 --precision bf16 --recompute full --steps 2
+    # [gpu-offload]: the optimizer's moments and the parameters in pinned RAM, staged in
+    # for each use: the device's peak against the plan's, and the step time beside the
+    # bench above.
+    sampled "bench gpt2 16 x 1024 bf16 --offload optimizer,params" \
+        step "memwall bench on the GPU, state in pinned RAM (gpt2, 16 x 1024, bf16, --offload optimizer,params)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --offload optimizer,params --steps 5
     step "plan for the GPU" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --json
     sampled "bench gpt2 16 x 1024 bf16" \
         step "memwall bench on the GPU (gpt2, 16 x 1024, bf16)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5

@@ -10,6 +10,9 @@
 #   3. Recomputation on the GPU, fp32: --recompute none and full, bitwise the same.
 #   4. A run started on the GPU resumes on the CPU (--resume --device cpu), and the reverse:
 #      each within 1e-4 of the run that stayed where it started.
+#   5. Offload ([gpu-offload]: pinned host RAM beneath the GPU): --offload all, optimizer and
+#      params, grads, activations, each bitwise the weights of the run that offloads nothing
+#      (fp32), and all in bf16.
 # A and B name the two devices (default cpu and cuda); `B=cpu scripts/gpu-parity.sh` runs the
 # same checks on a machine without a GPU, which tests this script (every comparison then
 # holds bitwise). Writes runs under $WORK (default /tmp/gpu-parity); prints one line per check;
@@ -137,5 +140,22 @@ for pair in "$B $A b" "$A $B a"; do
         failed=$((failed + 1))
     fi
 done
+# 5. Offload on B (pinned RAM beneath a GPU; the disk on the CPU): weights bitwise those of
+#    the run that offloads nothing (3.), fp32 and bf16.
+for set in all optimizer,params grads activations; do
+    if train "offload-$set-b" "$B" "$work/llama-tiny.json" 20 --precision fp32 --recompute full --offload "$set"; then
+        check compare "llama fp32 on $B, --offload $set against none" "$work/offload-$set-b" "$work/full-b" bitwise - -
+        check same_bytes "llama fp32 on $B, --offload $set against none" "$work/offload-$set-b" "$work/full-b"
+    else
+        failed=$((failed + 1))
+    fi
+done
+if train "bf16-none-b" "$B" "$work/llama-tiny.json" 20 --precision bf16 --recompute full &&
+    train "bf16-offload-b" "$B" "$work/llama-tiny.json" 20 --precision bf16 --recompute full --offload all; then
+    check compare "llama bf16 on $B, --offload all against none" "$work/bf16-offload-b" "$work/bf16-none-b" bitwise - -
+    check same_bytes "llama bf16 on $B, --offload all against none" "$work/bf16-offload-b" "$work/bf16-none-b"
+else
+    failed=$((failed + 1))
+fi
 echo "gpu-parity: $failed check(s) failed"
 exit $failed

@@ -355,6 +355,11 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         if plan.nvme_bytes() > 0 {
             print_disk_time(&plan, a.step.strategy.offload_dir.as_deref())?;
         }
+        if plan.compute_tier() != memwall::ir::Tier::Host
+            && plan.tier_bytes(memwall::ir::Tier::Host) > 0
+        {
+            print_bus_time(&plan, &cal);
+        }
         if let Some(every) = &every {
             print_every_rank(every);
             print!(
@@ -486,6 +491,26 @@ fn fmt_gib_floor(bytes: u64) -> String {
 /// Checks that the plan's offload file fits the free space of `--offload-dir`, probes that
 /// disk (512 MiB written and read back, or half its free space where less) and prints how
 /// long the plan's transfers of a step take on it; without the flag, says how to get that.
+/// A GPU plan's traffic with pinned RAM a step, and what it takes at the bus's rates (its
+/// calibration's, or the nominal ones, said so).
+fn print_bus_time(plan: &plan::Plan, cal: &plan::time::Calibration) {
+    let (read, written) = plan.io_bytes_per_step();
+    let rates = cal.rates_to(memwall::ir::Tier::Host);
+    let seconds = read as f64 / rates.read_bytes_per_s + written as f64 / rates.write_bytes_per_s;
+    println!(
+        "  pinned RAM <-> device        {} in, {} out a step: at least {:.3} s at {:.0} / {:.0} GB/s{}",
+        fmt_bytes(read),
+        fmt_bytes(written),
+        seconds,
+        rates.read_bytes_per_s / 1e9,
+        rates.write_bytes_per_s / 1e9,
+        match cal.bus {
+            Some(_) => " (measured)",
+            None => " (assumed: `memwall calibrate --device cuda` measures the bus)",
+        }
+    );
+}
+
 fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<()> {
     let Some(dir) = dir else {
         println!(

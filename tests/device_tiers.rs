@@ -208,3 +208,41 @@ fn the_pinned_tier_has_its_own_budget() {
         Budgets::NONE
     );
 }
+
+/// The time model prices a GPU's transfers at its bus's rates (measured, or 25 GB/s each
+/// way), a CPU's at its disk's: the I/O clock's busy seconds are the step's bytes each way
+/// over them.
+#[test]
+fn transfers_to_pinned_ram_are_priced_at_the_bus_rates() {
+    use memwall::plan::time::{Bandwidth, Calibration, NOMINAL_BUS, NOMINAL_DISK, predict};
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let c = cfg(OffloadSet::ALL, Precision::F32, OptimState::F32, 1);
+    let busy = |p: &Plan, rates: Bandwidth| {
+        let (read, written) = p.io_bytes_per_step();
+        assert!(read > 0 && written > 0);
+        read as f64 / rates.read_bytes_per_s + written as f64 / rates.write_bytes_per_s
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.max(1e-12);
+    let gpu = plan_on(DeviceKind::Cuda, &spec, &c);
+    let mut cal = Calibration::estimate("an H200".into(), 1, 1000.0);
+    cal.gpu = true;
+    let t = predict(&gpu, &cal);
+    assert!(close(t.io_s, busy(&gpu, NOMINAL_BUS)), "{} s", t.io_s);
+    let measured = Bandwidth {
+        read_bytes_per_s: 50e9,
+        write_bytes_per_s: 40e9,
+    };
+    cal.bus = Some(measured);
+    // A disk measured too changes nothing beneath a GPU.
+    cal.disk = Some(Bandwidth {
+        read_bytes_per_s: 1e6,
+        write_bytes_per_s: 1e6,
+    });
+    let t = predict(&gpu, &cal);
+    assert!(close(t.io_s, busy(&gpu, measured)), "{} s", t.io_s);
+    let cpu = plan_on(DeviceKind::Cpu, &spec, &c);
+    let mut cal = Calibration::estimate("a CPU".into(), 1, 100.0);
+    cal.bus = Some(measured);
+    assert!(close(predict(&cpu, &cal).io_s, busy(&cpu, NOMINAL_DISK)));
+    assert_eq!(gpu.io_bytes_per_step(), cpu.io_bytes_per_step());
+}

@@ -9,7 +9,7 @@ use memwall::ir::{OptimState, Precision, Recompute};
 use memwall::model::ModelSpec;
 use memwall::plan::fit::predicted_peak;
 use memwall::plan::search::{self, Pick, Space};
-use memwall::plan::time::{Bound, Calibration, DiskRates, predict};
+use memwall::plan::time::{Bandwidth, Bound, Calibration, predict};
 use memwall::plan::{Mode, OffloadSet, StepConfig, build_plan};
 
 fn estimate() -> Calibration {
@@ -18,7 +18,7 @@ fn estimate() -> Calibration {
 
 fn with_disk(bytes_per_s: f64) -> Calibration {
     let mut c = estimate();
-    c.disk = Some(DiskRates {
+    c.disk = Some(Bandwidth {
         read_bytes_per_s: bytes_per_s,
         write_bytes_per_s: bytes_per_s,
     });

@@ -61,6 +61,11 @@ pub trait Backend: Sizing + Sync {
     /// The backend's f32 arithmetic ceiling, measured now on the calling thread pool (a
     /// throughput figure is a fraction of it); `None` where it cannot be measured.
     fn measure_peak(&self) -> Option<Peak>;
+    /// A GPU's copies between pinned host RAM and its memory, measured: (host to device,
+    /// device to host) bytes per second; `None` for a backend with no such bus (the CPU).
+    fn measure_bus(&self) -> Result<Option<(f64, f64)>> {
+        Ok(None)
+    }
     /// The backend's facts a benchmark records beside its figures (for the CPU: the mixed
     /// precision path and whether the CPU has AVX512_BF16), as JSON fields.
     fn bench_facts(&self, storage: DType) -> serde_json::Map<String, serde_json::Value>;

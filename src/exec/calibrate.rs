@@ -22,7 +22,7 @@ use crate::ir::BaseQuant;
 use crate::ir::{OptimState, Precision};
 use crate::model::ModelSpec;
 use crate::model::lora::{LoraSpec, Target};
-use crate::plan::time::{Calibration, Cost, DiskRates, Source, op_bytes, op_kind};
+use crate::plan::time::{Bandwidth, Calibration, Cost, Source, op_bytes, op_kind};
 use crate::plan::{Mode, StepConfig, build_plan};
 use crate::profile::OpRecorder;
 use crate::util::clock::utc_now;
@@ -490,7 +490,7 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
                 crate::util::bytes::fmt_bytes(size)
             ));
             let d = crate::mem::probe::probe(dir, size)?;
-            Some(DiskRates {
+            Some(Bandwidth {
                 read_bytes_per_s: d.read_bytes_per_s,
                 write_bytes_per_s: d.write_bytes_per_s,
             })
@@ -510,6 +510,10 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
         },
         kinds,
         disk,
+        bus: backend.measure_bus()?.map(|(read, write)| Bandwidth {
+            read_bytes_per_s: read,
+            write_bytes_per_s: write,
+        }),
         disk_dir: opts.offload_dir.clone(),
         transport: None,
     })
@@ -711,7 +715,7 @@ mod tests {
         let mut cal = Calibration::estimate("cpu".into(), 2, 500.0);
         cal.kinds
             .insert("matmul/f32".into(), fit(&[&sample(1e9, 1e6, 1e-2)]));
-        cal.disk = Some(DiskRates {
+        cal.disk = Some(Bandwidth {
             read_bytes_per_s: 1e9,
             write_bytes_per_s: 5e8,
         });

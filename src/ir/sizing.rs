@@ -44,6 +44,11 @@ pub trait Sizing {
     fn tiers(&self) -> &'static [Tier] {
         &[Tier::Host, Tier::Nvme]
     }
+    /// The tier `--offload` keeps state on between its uses: the one beneath the compute
+    /// tier (the CPU's disk, a GPU's pinned host RAM); `None` for a backend of one tier.
+    fn offload_tier(&self) -> Option<Tier> {
+        self.tiers().get(1).copied()
+    }
     /// Bytes of the compute tier the backend holds outside any plan (a GPU's context), the
     /// baseline its peak adds to the plan's; `None` where the baseline is the process's
     /// resident memory, measured when the run plans (the CPU).

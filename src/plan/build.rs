@@ -309,7 +309,7 @@ impl<'a> Request<'a> {
             Mode::Train => cfg.offload.set,
             Mode::Generate => OffloadSet::NONE,
         };
-        let home_tier = backend.tiers().get(1).copied();
+        let home_tier = backend.offload_tier();
         if offload != OffloadSet::NONE && home_tier.is_none() {
             bail!(
                 "--offload {}: this device plans no slower tier to offload to (its tiers: {}); \

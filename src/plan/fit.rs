@@ -357,13 +357,12 @@ pub fn plan_fitting(
     cal: &Calibration,
     backend: &(dyn Sizing + Sync),
 ) -> Result<Plan> {
-    // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing: its
-    // `--offload auto` is none.
+    // A backend with no slower tier offloads nothing: its `--offload auto` is none.
     // Nor does a rank of a model split among ranks choose to (`--tp`, `--pp`: the ranks
     // hold parts of the state already); `--offload` given offloads there too.
     let split = cfg.mesh.tensor > 1 || cfg.mesh.pipeline > 1;
     let offload = match offload {
-        OffloadChoice::Auto if split || !backend.tiers().contains(&crate::ir::Tier::Nvme) => {
+        OffloadChoice::Auto if split || backend.offload_tier().is_none() => {
             OffloadChoice::Set(OffloadSet::NONE)
         }
         o => o,
@@ -484,7 +483,7 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
         ),
         None => even_batch_1(plan, budget, baseline, backend)?,
     };
-    let can_offload = backend.tiers().contains(&crate::ir::Tier::Nvme);
+    let can_offload = backend.offload_tier().is_some();
     if plan.mode == Mode::Train && can_offload && cfg.offload.set != OffloadSet::ALL {
         // Offload composes with the update after the backward only.
         let mut all = StepConfig {
@@ -617,10 +616,9 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
     if plan.mode == Mode::Train {
         small.precision = Precision::Bf16;
         small.optim_state = OptimState::Int8;
-        // A backend with no slower tier (a GPU's, until [gpu-offload]) offloads nothing;
-        // nor does an update inside the backward.
-        let can_offload =
-            backend.tiers().contains(&crate::ir::Tier::Nvme) && cfg.update == Update::End;
+        // A backend with no slower tier offloads nothing; nor does an update inside the
+        // backward.
+        let can_offload = backend.offload_tier().is_some() && cfg.update == Update::End;
         if can_offload {
             small.offload.set = OffloadSet::ALL;
         }

@@ -186,10 +186,11 @@ impl Plan {
             .sum()
     }
 
-    /// Bytes of transfers per step: (read from the disk tier, written to it). With a
-    /// deferred update, a step's transfers are those of its forward (with the previous
-    /// step's update) and backward.
+    /// Bytes of transfers per step: (read from the tier beneath the compute tier, written
+    /// to it: the CPU's disk, a GPU's pinned RAM). With a deferred update, a step's
+    /// transfers are those of its forward (with the previous step's update) and backward.
     pub fn io_bytes_per_step(&self) -> (u64, u64) {
+        let compute = self.compute_tier();
         let (mut read, mut written) = (0, 0);
         let in_step = self
             .schedule
@@ -199,10 +200,9 @@ impl Plan {
         for e in in_step {
             if let Op::Transfer { from, to } = e.op {
                 let (f, t) = (self.buffer(from), self.buffer(to));
-                if f.placement.tier == Tier::Nvme {
+                if t.placement.tier == compute {
                     read += f.padded_bytes();
-                }
-                if t.placement.tier == Tier::Nvme {
+                } else {
                     written += t.padded_bytes();
                 }
             }

@@ -79,9 +79,11 @@ fn check_positive(field: &str, x: f64) -> Result<(), String> {
     }
 }
 
-/// Sequential disk bandwidth of the offload directory (direct I/O).
+/// How fast a tier beneath the compute tier moves bytes: `read` into the compute tier (the
+/// CPU's disk tier: the offload directory's sequential direct I/O; a GPU's pinned RAM: host
+/// to device over the bus), `write` out of it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct DiskRates {
+pub struct Bandwidth {
     pub read_bytes_per_s: f64,
     pub write_bytes_per_s: f64,
 }
@@ -114,7 +116,10 @@ pub struct Calibration {
     /// Fitted costs by op kind ([`op_kind`]).
     pub kinds: BTreeMap<String, Cost>,
     /// The offload directory's disk, if it was measured.
-    pub disk: Option<DiskRates>,
+    pub disk: Option<Bandwidth>,
+    /// A GPU's bus to pinned host RAM (`calibrate --device cuda`), if it was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bus: Option<Bandwidth>,
     /// The offload directory that was measured.
     #[serde(default)]
     pub disk_dir: Option<std::path::PathBuf>,
@@ -171,9 +176,17 @@ pub fn is_collective(kind: &str) -> bool {
 }
 
 /// Assumed disk bandwidth when none was measured (a SATA-class SSD's).
-pub const NOMINAL_DISK: DiskRates = DiskRates {
+pub const NOMINAL_DISK: Bandwidth = Bandwidth {
     read_bytes_per_s: 1e9,
     write_bytes_per_s: 1e9,
+};
+
+/// Assumed bandwidth of a GPU's bus to pinned host RAM when none was measured, each way: a
+/// PCIe 4.0 x16 link's pinned copies (about 25 GB/s; PCIe 5.0 and NVLink-C2C are faster,
+/// which `memwall calibrate --device cuda` measures).
+pub const NOMINAL_BUS: Bandwidth = Bandwidth {
+    read_bytes_per_s: 25e9,
+    write_bytes_per_s: 25e9,
 };
 
 impl Calibration {
@@ -197,6 +210,10 @@ impl Calibration {
             check_positive("disk.read_bytes_per_s", d.read_bytes_per_s)?;
             check_positive("disk.write_bytes_per_s", d.write_bytes_per_s)?;
         }
+        if let Some(b) = &self.bus {
+            check_positive("bus.read_bytes_per_s", b.read_bytes_per_s)?;
+            check_positive("bus.write_bytes_per_s", b.write_bytes_per_s)?;
+        }
         if let Some(t) = &self.transport {
             t.check().map_err(|e| format!("transport.{e}"))?;
         }
@@ -214,6 +231,7 @@ impl Calibration {
             gpu: false,
             kinds: BTreeMap::new(),
             disk: None,
+            bus: None,
             disk_dir: None,
             transport: None,
         }
@@ -291,8 +309,17 @@ impl Calibration {
     }
 
     /// Disk bandwidth: measured, or [`NOMINAL_DISK`].
-    pub fn disk_rates(&self) -> DiskRates {
+    pub fn disk_rates(&self) -> Bandwidth {
         self.disk.unwrap_or(NOMINAL_DISK)
+    }
+
+    /// The bandwidth of transfers between the compute tier and `beneath`: the disk's, or a
+    /// GPU's bus to pinned RAM (measured, or [`NOMINAL_BUS`]).
+    pub fn rates_to(&self, beneath: Tier) -> Bandwidth {
+        match beneath {
+            Tier::Nvme => self.disk_rates(),
+            _ => self.bus.unwrap_or(NOMINAL_BUS),
+        }
     }
 
     /// Where the collectives' figures come from, for a plan among `ranks` ranks.
@@ -324,9 +351,20 @@ impl Calibration {
         };
         match &self.source {
             Source::Measured { at } if self.gpu => format!(
-                "calibrated {at} on the GPU {} (`memwall calibrate --device cuda`; {} op kinds)",
+                "calibrated {at} on the GPU {} (`memwall calibrate --device cuda`; {} op kinds; {})",
                 self.cpu,
-                self.kinds.len()
+                self.kinds.len(),
+                match &self.bus {
+                    Some(b) => format!(
+                        "pinned RAM to device {:.1} GB/s, back {:.1} GB/s",
+                        b.read_bytes_per_s / 1e9,
+                        b.write_bytes_per_s / 1e9
+                    ),
+                    None => format!(
+                        "bus not measured ({:.0} GB/s assumed)",
+                        NOMINAL_BUS.read_bytes_per_s / 1e9
+                    ),
+                }
             ),
             Source::Measured { at } => format!(
                 "calibrated {at} on {} ({} op kinds, FMA peak {:.0} GFLOP/s; {disk})",
@@ -474,13 +512,14 @@ pub fn op_bytes(plan: &Plan, e: &OpEntry) -> u64 {
     bytes as u64
 }
 
-/// Which way a transfer moves bytes, and how many.
-fn transfer(plan: &Plan, from: BufId, to: BufId) -> (bool, u64) {
+/// Which way a transfer moves bytes (into the compute tier: a read), how many, and the tier
+/// beneath it moves them to or from.
+fn transfer(plan: &Plan, from: BufId, to: BufId) -> (bool, u64, Tier) {
     let (f, t) = (plan.buffer(from), plan.buffer(to));
-    if f.placement.tier == Tier::Nvme {
-        (true, f.padded_bytes())
+    if t.placement.tier == plan.compute_tier() {
+        (true, f.padded_bytes(), f.placement.tier)
     } else {
-        (false, t.padded_bytes())
+        (false, t.padded_bytes(), t.placement.tier)
     }
 }
 
@@ -524,7 +563,6 @@ pub struct StepTime {
 /// Predicts the time of one training step of `plan` on the calibrated machine: the ops a
 /// step runs ([`crate::ir::Schedule::in_step`]) in order, transfers on the I/O clock.
 pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
-    let disk = cal.disk_rates();
     let mut estimated = cal.source == Source::Estimate;
     let (mut tc, mut ti, mut stall, mut busy) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     // The communication thread's clock, its busy seconds, and the compute clock's waits
@@ -543,11 +581,12 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
         }
         match &e.op {
             Op::Transfer { from, to } => {
-                let (read, bytes) = transfer(plan, *from, *to);
+                let (read, bytes, beneath) = transfer(plan, *from, *to);
+                let rates = cal.rates_to(beneath);
                 let rate = if read {
-                    disk.read_bytes_per_s
+                    rates.read_bytes_per_s
                 } else {
-                    disk.write_bytes_per_s
+                    rates.write_bytes_per_s
                 };
                 let d = bytes as f64 / rate;
                 ti = ti.max(tc) + d;

@@ -16,6 +16,7 @@ use super::nvrtc::{self, Arch};
 use super::rope_tables::{RopeTables, prepare_rope};
 use super::sizing::CudaSizing;
 use super::sizing::{SCRATCH_ALIGN, Scratch};
+use super::transfer::{Copies, Pinned};
 use crate::backend::{Backend, Device, Peak, StepCtx, Unavailable};
 use crate::dist::Comms;
 use crate::dtype::DType;
@@ -165,6 +166,10 @@ impl Backend for Gpu {
         None
     }
 
+    fn measure_bus(&self) -> Result<Option<(f64, f64)>> {
+        super::transfer::measure_bus(&self.ctx).map(Some)
+    }
+
     fn processor(&self) -> String {
         self.name.clone()
     }
@@ -184,11 +189,16 @@ impl Backend for Gpu {
 pub struct GpuDevice {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,
-    /// One allocation per tier the plan packs (address, bytes), freed on drop.
+    /// The device memory the plan packs (address, bytes), freed on drop.
     tiers: Vec<(ds::CUdeviceptr, u64)>,
-    /// Each buffer's device address and bytes (`None`: not in device memory, an owned host
-    /// buffer).
+    /// Each buffer's device address and bytes (`None`: not in device memory: in the pinned
+    /// tier, or an owned host buffer).
     bufs: Vec<Option<(ds::CUdeviceptr, u64)>>,
+    /// The pinned host tier, where the plan offloads to (`--offload`), and the copy stream
+    /// that moves its buffers ([`super::transfer`]); each buffer's host address there.
+    pinned: Option<Pinned>,
+    pub(super) copies: Option<Copies>,
+    pinned_bufs: Vec<Option<(usize, u64)>>,
     /// Each buffer's dtype (how its bytes are laid out).
     pub(super) dtypes: Vec<DType>,
     /// Every kernel entry of every source, by name.
@@ -224,6 +234,9 @@ impl GpuDevice {
             stream,
             tiers: Vec::new(),
             bufs: vec![None; program.buffers.len()],
+            pinned: None,
+            copies: None,
+            pinned_bufs: vec![None; program.buffers.len()],
             dtypes: program.buffers.iter().map(|b| b.dtype).collect(),
             functions: HashMap::new(),
             storage: program.storage,
@@ -234,12 +247,25 @@ impl GpuDevice {
         };
         let mut bases = HashMap::new();
         for t in program.tiers {
-            if t.tier != Tier::Device {
-                bail!(
-                    "internal error: the CUDA backend plans device memory only, and this plan \
-                     packs {}",
-                    t.tier.describe()
-                );
+            match t.tier {
+                Tier::Device => {}
+                Tier::Host if t.bytes == 0 => continue,
+                Tier::Host => {
+                    let stream = gpu.ctx.new_stream().map_err(|e| {
+                        anyhow!(
+                            "--device {}: cannot make a copy stream ({e:?})",
+                            flag(gpu.index)
+                        )
+                    })?;
+                    device.pinned = Some(Pinned::new(t.bytes)?);
+                    device.copies = Some(Copies::new(stream));
+                    continue;
+                }
+                other => bail!(
+                    "internal error: the CUDA backend plans device memory and pinned RAM, and \
+                     this plan packs {}",
+                    other.describe()
+                ),
             }
             let bytes = t.bytes.max(1);
             // SAFETY: a fresh allocation of `bytes`, zeroed before any use and freed on drop.
@@ -261,6 +287,9 @@ impl GpuDevice {
         for (i, b) in program.buffers.iter().enumerate() {
             if let Some(&base) = bases.get(&b.placement.tier) {
                 device.bufs[i] = Some((base + b.placement.offset, b.bytes));
+            }
+            if let (Tier::Host, Some(p)) = (b.placement.tier, &device.pinned) {
+                device.pinned_bufs[i] = Some((p.at(b.placement.offset), b.bytes));
             }
         }
         // The scratch's regions from its first 256-byte boundary (cuBLASLt refuses a
@@ -300,6 +329,38 @@ impl GpuDevice {
             .map_err(|e| anyhow!("making the GPU's context current: {e:?}"))
     }
 
+    /// Buffer `id`'s device address and bytes, when it is in device memory.
+    pub(super) fn device_addr(&self, id: BufId) -> Option<(ds::CUdeviceptr, u64)> {
+        self.bufs[id.0]
+    }
+
+    /// Buffer `id`'s host address, when it is in the pinned tier.
+    pub(super) fn pinned_addr(&self, id: BufId) -> Option<usize> {
+        self.pinned_bufs[id.0].map(|(at, _)| at)
+    }
+
+    /// The bytes of buffer `id`, in the pinned tier at host address `at`.
+    ///
+    /// # Safety
+    /// Only while no copy is in flight (both streams synchronised) and no other view of the
+    /// buffer lives.
+    unsafe fn pinned_bytes(&self, id: BufId, at: usize) -> &[u8] {
+        let bytes = self.pinned_bufs[id.0].map_or(0, |(_, n)| n);
+        // SAFETY: the plan placed the buffer's `bytes` at `at` in the pinned allocation.
+        unsafe { std::slice::from_raw_parts(at as *const u8, bytes as usize) }
+    }
+
+    /// [`GpuDevice::pinned_bytes`], to write.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::pinned_bytes`].
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn pinned_bytes_mut(&self, id: BufId, at: usize) -> &mut [u8] {
+        let bytes = self.pinned_bufs[id.0].map_or(0, |(_, n)| n);
+        // SAFETY: as in `pinned_bytes`.
+        unsafe { std::slice::from_raw_parts_mut(at as *mut u8, bytes as usize) }
+    }
+
     /// The device address and bytes of plan buffer `id` (an internal error for one not in
     /// device memory).
     pub(super) fn addr(&self, id: BufId) -> Result<(ds::CUdeviceptr, u64)> {
@@ -321,10 +382,7 @@ impl Device for GpuDevice {
             OpFamily::LmHead => self.run_lm_head(e, ctx),
             OpFamily::Adapter => self.run_adapter(e, ctx),
             OpFamily::Optimizer => self.run_optimizer(e, ctx),
-            OpFamily::Transfer => bail!(
-                "internal error: {}: the CUDA backend plans no tier to transfer between",
-                e.name
-            ),
+            OpFamily::Transfer => self.run_transfer(e),
             OpFamily::Collective => bail!(
                 "internal error: {}: the CUDA backend runs one process (no collectives)",
                 e.name
@@ -335,7 +393,14 @@ impl Device for GpuDevice {
     fn sync(&self) -> Result<()> {
         self.stream
             .synchronize()
-            .map_err(|e| anyhow!("waiting for the GPU: {e:?}"))
+            .map_err(|e| anyhow!("waiting for the GPU: {e:?}"))?;
+        if let Some(c) = &self.copies {
+            c.stream.synchronize().map_err(|e| {
+                anyhow!("waiting for the GPU's copies to and from pinned RAM: {e:?}")
+            })?;
+            c.clear();
+        }
+        Ok(())
     }
 
     fn queues_ops(&self) -> bool {
@@ -361,6 +426,10 @@ impl Device for GpuDevice {
         self.sync()?;
         let mut host = Vec::with_capacity(bufs.len());
         for &id in bufs {
+            if self.pinned_addr(id).is_some() {
+                host.push(Vec::new());
+                continue;
+            }
             let (ptr, bytes) = self.addr(id)?;
             let mut v = vec![0u8; bytes as usize];
             // SAFETY: `v` holds the buffer's bytes; the stream's work is done.
@@ -368,7 +437,16 @@ impl Device for GpuDevice {
                 .map_err(|e| anyhow!("copying a buffer from the GPU: {e:?}"))?;
             host.push(v);
         }
-        let views: Vec<&[u8]> = host.iter().map(|v| v.as_slice()).collect();
+        let views: Vec<&[u8]> = bufs
+            .iter()
+            .zip(&host)
+            .map(|(&id, v)| match self.pinned_addr(id) {
+                // SAFETY: the buffer's bytes in the pinned tier; both streams are done, and
+                // no op runs while the view lives.
+                Some(at) => unsafe { self.pinned_bytes(id, at) },
+                None => v.as_slice(),
+            })
+            .collect();
         f(&views);
         Ok(())
     }
@@ -378,13 +456,27 @@ impl Device for GpuDevice {
         self.sync()?;
         let mut host: Vec<Vec<u8>> = bufs
             .iter()
-            .map(|&id| self.addr(id).map(|(_, bytes)| vec![0u8; bytes as usize]))
+            .map(|&id| match self.pinned_addr(id) {
+                Some(_) => Ok(Vec::new()),
+                None => self.addr(id).map(|(_, bytes)| vec![0u8; bytes as usize]),
+            })
             .collect::<Result<_>>()?;
         {
-            let mut views: Vec<&mut [u8]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let mut views: Vec<&mut [u8]> = bufs
+                .iter()
+                .zip(host.iter_mut())
+                .map(|(&id, v)| match self.pinned_addr(id) {
+                    // SAFETY: as in `download`; each buffer's bytes are its own.
+                    Some(at) => unsafe { self.pinned_bytes_mut(id, at) },
+                    None => v.as_mut_slice(),
+                })
+                .collect();
             f(&mut views);
         }
         for (&id, v) in bufs.iter().zip(&host) {
+            if self.pinned_addr(id).is_some() {
+                continue;
+            }
             let (ptr, _) = self.addr(id)?;
             // SAFETY: the buffer holds `v.len()` bytes; the stream's work is done.
             unsafe { dr::memcpy_htod_sync(ptr, v) }
@@ -397,6 +489,9 @@ impl Device for GpuDevice {
 impl Drop for GpuDevice {
     fn drop(&mut self) {
         let _ = self.stream.synchronize();
+        if let Some(c) = &self.copies {
+            let _ = c.stream.synchronize();
+        }
         for &(ptr, _) in &self.tiers {
             // SAFETY: allocated by `malloc_sync` in `new`, the stream's work done.
             let _ = unsafe { dr::free_sync(ptr) };

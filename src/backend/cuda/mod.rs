@@ -33,6 +33,8 @@ pub mod nvrtc;
 mod ops;
 #[cfg(feature = "cuda")]
 mod rope_tables;
+#[cfg(feature = "cuda")]
+mod transfer;
 
 pub use flag::flag;
 pub use sizing::CudaSizing;

@@ -1,0 +1,218 @@
+//! The GPU's second tier, pinned host RAM ([`Pinned`]), and the transfers between it and
+//! device memory ([`Copies`]): what `--device cuda --offload X` runs.
+//!
+//! - The tier is one page-locked host allocation (`cuMemHostAlloc` with no flags: cached,
+//!   not write-combined, since the host reads it too: checkpoints, and later the CPU's
+//!   AdamW), zeroed when the plan starts; its buffers are views at their packed offsets.
+//! - Transfers run on a stream of their own, in the order the plan starts them, so a read
+//!   queued after a write of the same bytes sees them (as the disk tier's one I/O thread
+//!   does on the CPU). A `Transfer` op first makes the copy stream wait for everything the
+//!   compute stream has queued so far (an event): a write-back copies what the ops before it
+//!   wrote, and a read overwrites bytes that earlier ops used for another buffer. An
+//!   `AwaitTransfers` makes the compute stream wait for the copies into or out of its
+//!   buffers (their events): the host never blocks, the GPU orders itself.
+//! - The plan guarantees the rest (`plan::build::verify_transfers`): every transfer is
+//!   awaited before its device copy is used, and no op touches pinned memory.
+
+use super::gpu::GpuDevice;
+use crate::ir::BufId;
+use crate::ir::schedule::{Op, OpEntry};
+use anyhow::{Result, anyhow};
+use cudarc::driver::{CudaEvent, CudaStream, result as dr, sys as ds};
+use std::sync::{Arc, Mutex};
+
+/// The pinned host tier: one page-locked allocation, freed on drop.
+pub(super) struct Pinned {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl Pinned {
+    /// `bytes` of page-locked host memory, zeroed.
+    pub(super) fn new(bytes: u64) -> Result<Pinned> {
+        let bytes = bytes.max(1) as usize;
+        // SAFETY: a fresh allocation of `bytes` (flags 0: portable to this context only,
+        // cached, not mapped), freed on drop.
+        let ptr = unsafe { dr::malloc_host(bytes, 0) }.map_err(|e| {
+            anyhow!(
+                "cannot pin {} of host RAM for the plan's offloaded state ({e:?}); `memwall \
+                 plan --device cuda --max-host-memory <free RAM>` tells what fits",
+                crate::util::bytes::fmt_bytes(bytes as u64)
+            )
+        })? as *mut u8;
+        // SAFETY: `ptr` holds `bytes` writable bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        Ok(Pinned { ptr, bytes })
+    }
+
+    /// The address of byte `offset` (of a buffer the plan placed there).
+    pub(super) fn at(&self, offset: u64) -> usize {
+        assert!(
+            offset as usize <= self.bytes,
+            "offset {offset} past the pinned tier"
+        );
+        self.ptr as usize + offset as usize
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `malloc_host` in `new`; the device synchronised both streams
+        // before dropping its tiers.
+        let _ = unsafe { dr::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// The copy stream and the transfers in flight on it, by their device copy.
+pub(super) struct Copies {
+    pub(super) stream: Arc<CudaStream>,
+    pending: Mutex<Vec<(BufId, CudaEvent)>>,
+}
+
+/// Events only order streams here: no timing.
+const NO_TIMING: Option<ds::CUevent_flags> = Some(ds::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+
+impl Copies {
+    pub(super) fn new(stream: Arc<CudaStream>) -> Copies {
+        Copies {
+            stream,
+            pending: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Forgets the transfers in flight (after both streams were synchronised).
+    pub(super) fn clear(&self) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+}
+
+impl GpuDevice {
+    /// Runs a `Transfer` (queued on the copy stream after the compute stream's work so far)
+    /// or an `AwaitTransfers` (the compute stream waits for those copies).
+    pub(super) fn run_transfer(&self, e: &OpEntry) -> Result<()> {
+        let copies = self
+            .copies
+            .as_ref()
+            .ok_or_else(|| anyhow!("internal error: {}: the plan has no pinned tier", e.name))?;
+        let failed = |what: &str, err: ds::CUresult| anyhow!("{}: {what} ({err:?})", e.name);
+        match &e.op {
+            Op::Transfer { from, to } => {
+                let after = self
+                    .stream
+                    .record_event(NO_TIMING)
+                    .map_err(|x| failed("event", x.0))?;
+                copies
+                    .stream
+                    .wait(&after)
+                    .map_err(|x| failed("ordering the copy", x.0))?;
+                let cu = copies.stream.cu_stream();
+                let stage = match (self.device_addr(*from), self.pinned_addr(*to)) {
+                    // Device copy -> pinned home: a write-back.
+                    (Some((src, bytes)), Some(dst)) => {
+                        // SAFETY: `dst` is the home's `bytes` in the pinned tier, which only
+                        // transfers touch while steps run; the copy stream orders them.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(dst as *mut u8, bytes as usize)
+                        };
+                        unsafe { dr::memcpy_dtoh_async(dst, src, cu) }
+                            .map_err(|x| failed("copying to pinned RAM", x.0))?;
+                        *from
+                    }
+                    _ => {
+                        // Pinned home -> device copy: a read.
+                        let (dst, bytes) = self.device_addr(*to).ok_or_else(|| {
+                            anyhow!("internal error: {}: neither end in device memory", e.name)
+                        })?;
+                        let src = self.pinned_addr(*from).ok_or_else(|| {
+                            anyhow!("internal error: {}: neither end in pinned RAM", e.name)
+                        })?;
+                        // SAFETY: as above, for the home's bytes read.
+                        let src =
+                            unsafe { std::slice::from_raw_parts(src as *const u8, bytes as usize) };
+                        unsafe { dr::memcpy_htod_async(dst, src, cu) }
+                            .map_err(|x| failed("copying from pinned RAM", x.0))?;
+                        *to
+                    }
+                };
+                let done = copies
+                    .stream
+                    .record_event(NO_TIMING)
+                    .map_err(|x| failed("event", x.0))?;
+                copies
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((stage, done));
+                Ok(())
+            }
+            Op::AwaitTransfers { bufs } => {
+                let mine: Vec<CudaEvent> = {
+                    let mut pending = copies.pending.lock().unwrap_or_else(|p| p.into_inner());
+                    let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
+                        .into_iter()
+                        .partition(|(b, _)| bufs.contains(b));
+                    *pending = rest;
+                    mine.into_iter().map(|(_, ev)| ev).collect()
+                };
+                for ev in &mine {
+                    self.stream
+                        .wait(ev)
+                        .map_err(|x| failed("waiting for a copy", x.0))?;
+                }
+                Ok(())
+            }
+            _ => Err(anyhow!("internal error: {} is not a transfer", e.name)),
+        }
+    }
+}
+
+/// Bytes each way [`measure_bus`] copies per timed copy.
+const BUS_PROBE_BYTES: usize = 256 << 20;
+
+/// Copies [`BUS_PROBE_BYTES`] between pinned host RAM and device memory on a stream of its
+/// own, one copy each way to warm up then five timed: (host to device, device to host)
+/// bytes per second, the median of the five each way.
+pub(super) fn measure_bus(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<(f64, f64)> {
+    let failed = |what: &str, e: cudarc::driver::DriverError| {
+        anyhow!("measuring the GPU's bus to pinned RAM: {what} ({e:?})")
+    };
+    ctx.bind_to_thread().map_err(|e| failed("its context", e))?;
+    let stream = ctx.new_stream().map_err(|e| failed("a stream", e))?;
+    let host = Pinned::new(BUS_PROBE_BYTES as u64)?;
+    // SAFETY: a fresh allocation, freed below after the stream's work.
+    let dev =
+        unsafe { dr::malloc_sync(BUS_PROBE_BYTES) }.map_err(|e| failed("device memory", e))?;
+    let cu = stream.cu_stream();
+    let time = |up: bool| -> Result<f64> {
+        let mut secs = Vec::new();
+        for round in 0..6 {
+            let t0 = std::time::Instant::now();
+            // SAFETY: both ends hold BUS_PROBE_BYTES; the stream is synchronised before the
+            // next copy and before either is freed.
+            unsafe {
+                if up {
+                    let src = std::slice::from_raw_parts(host.ptr as *const u8, BUS_PROBE_BYTES);
+                    dr::memcpy_htod_async(dev, src, cu)
+                } else {
+                    let dst = std::slice::from_raw_parts_mut(host.ptr, BUS_PROBE_BYTES);
+                    dr::memcpy_dtoh_async(dst, dev, cu)
+                }
+            }
+            .map_err(|e| failed("a copy", e))?;
+            stream.synchronize().map_err(|e| failed("waiting", e))?;
+            if round > 0 {
+                secs.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        secs.sort_by(f64::total_cmp);
+        Ok(BUS_PROBE_BYTES as f64 / secs[secs.len() / 2])
+    };
+    let rates = time(true).and_then(|up| Ok((up, time(false)?)));
+    // SAFETY: allocated above; the stream's copies are done (or failed).
+    let _ = stream.synchronize();
+    let _ = unsafe { dr::free_sync(dev) };
+    rates
+}
