@@ -290,6 +290,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             Mode::Train,
             choice,
             (a.step.max_memory, baseline),
+            a.step.max_host_memory,
             &cal,
             backend,
         )?,
@@ -403,16 +404,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         }
     }
     if let Some(host) = a.step.max_host_memory {
-        let over = plan.over_budget(baseline, &budgets);
-        if let Some(u) = over.filter(|u| u.tier == memwall::ir::Tier::Host) {
-            anyhow::bail!(
-                "the plan's {} ({} at its peak) does not fit --max-host-memory {}: offload less \
-                 (--offload names what lives there), or give more",
-                u.name,
-                fmt_bytes(u.peak_bytes),
-                fmt_bytes(host)
-            );
-        }
+        plan::fit::check_host_budget(&plan, Some(host))?;
         if !a.json {
             println!("  fits --max-host-memory {}", fmt_bytes(host));
         }

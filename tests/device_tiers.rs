@@ -246,3 +246,103 @@ fn transfers_to_pinned_ram_are_priced_at_the_bus_rates() {
     assert!(close(predict(&cpu, &cal).io_s, busy(&cpu, NOMINAL_DISK)));
     assert_eq!(gpu.io_bytes_per_step(), cpu.io_bytes_per_step());
 }
+
+/// `--fit` beneath a GPU: under a device budget and a pinned-RAM budget, the search finds the
+/// fastest of every candidate (micro-batch, recomputation, placement) built one by one that
+/// fits both, and every plan it keeps fits both.
+#[test]
+fn the_search_picks_the_fastest_placement_within_both_budgets() {
+    use memwall::plan::search::{self, Pick, Space};
+    use memwall::plan::time::{Bandwidth, Calibration, predict};
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let gpu = DeviceKind::Cuda.sizing();
+    let mut cal = Calibration::estimate("an H200".into(), 1, 2000.0);
+    cal.gpu = true;
+    // A slow bus, so offloading costs time and the search weighs it.
+    cal.bus = Some(Bandwidth {
+        read_bytes_per_s: 2e8,
+        write_bytes_per_s: 2e8,
+    });
+    let space = |host_budget| Space {
+        global_batch: 2,
+        seq: 64,
+        threads: 2,
+        micro_batch: None,
+        recompute: Pick::Auto,
+        offload: Pick::Auto,
+        precision: Pick::Fixed(Precision::F32),
+        optim_state: Pick::Fixed(OptimState::F32),
+        offload_dir: None,
+        lora: None,
+        base_quant: Default::default(),
+        base_types: None,
+        distill: None,
+        ranks: 1,
+        tensor: Pick::Fixed(1),
+        pipeline: Pick::Fixed(1),
+        zero: Pick::Fixed(Default::default()),
+        sequence_parallel: Pick::Fixed(false),
+        stage_layers: Pick::Fixed(Vec::new()),
+        pipeline_chunks: Pick::Fixed(1),
+        update: Default::default(),
+        host_budget,
+    };
+    let plan = |b: usize, r: Recompute, o: OffloadSet| {
+        let mut c = StepConfig::new(b, 64, 2);
+        c.grad_accum = 2 / b;
+        c.recompute = r;
+        c.offload.set = o;
+        build_plan(&spec, &c, Mode::Train, gpu).unwrap()
+    };
+    let free = plan(2, Recompute::None, OffloadSet::NONE);
+    let small = plan(1, Recompute::Full, OffloadSet::ALL);
+    let (hi, lo) = (free.predicted_peak(0), small.predicted_peak(0));
+    let all_host = small.tier_peak(Tier::Host, 0);
+    let mut policies = vec![Recompute::None, Recompute::Selective];
+    policies.extend((2..=spec.n_layer).map(Recompute::Every));
+    policies.push(Recompute::Full);
+    for (budget, host) in [
+        ((hi + lo) / 2, None),
+        ((hi + lo) / 2, Some(all_host / 2)),
+        (lo + (hi - lo) / 8, Some(all_host * 3 / 4)),
+    ] {
+        let found = search::search(&spec, &space(host), budget, 0, &cal, gpu).unwrap();
+        let mut want = (f64::INFINITY, String::new());
+        for b in [1, 2] {
+            for &r in &policies {
+                for o in OffloadSet::every() {
+                    let p = plan(b, r, o);
+                    let fits = p.predicted_peak(0) <= budget
+                        && host.is_none_or(|h| p.tier_peak(Tier::Host, 0) <= h);
+                    let t = predict(&p, &cal).step_s;
+                    if fits && t < want.0 {
+                        want = (t, format!("--batch {b} --recompute {r} --offload {o}"));
+                    }
+                }
+            }
+        }
+        let what = format!("device {budget}, pinned {host:?}");
+        let best = found
+            .ranked
+            .first()
+            .unwrap_or_else(|| panic!("{what}: none found"));
+        assert!(
+            (best.time.step_s - want.0).abs() <= 1e-9 * want.0,
+            "{what}: the search's {} ({}) against every candidate's {} ({})",
+            best.time.step_s,
+            best.flags(),
+            want.0,
+            want.1
+        );
+        for k in &found.ranked {
+            let p = build_plan(&spec, &k.cfg, Mode::Train, gpu).unwrap();
+            assert!(p.predicted_peak(0) <= budget, "{what}: {}", k.flags());
+            assert!(
+                host.is_none_or(|h| p.tier_peak(Tier::Host, 0) <= h),
+                "{what}: {} keeps {} in pinned RAM",
+                k.flags(),
+                p.tier_peak(Tier::Host, 0)
+            );
+        }
+    }
+}

@@ -119,6 +119,7 @@ fn space(global_batch: usize) -> Space {
         stage_layers: Pick::Fixed(Vec::new()),
         pipeline_chunks: Pick::Fixed(1),
         update: Default::default(),
+        host_budget: None,
     }
 }
 

@@ -6,9 +6,9 @@ use super::stage_cut::StageCut;
 use super::time::Calibration;
 use super::{Mode, OffloadChoice, OffloadSet, Plan, StepConfig, build_plan};
 use crate::dtype::GgmlType;
-use crate::ir::BaseQuant;
 use crate::ir::Sizing;
 use crate::ir::shard::Zero;
+use crate::ir::{BaseQuant, Tier};
 use crate::ir::{OptimState, Precision, Recompute, RecomputeChoice, Update};
 use crate::model::ModelSpec;
 use crate::model::lora::LoraSpec;
@@ -35,6 +35,9 @@ pub struct Strategies {
     /// Refuse plans whose predicted peak exceeds this many bytes.
     #[serde(default)]
     pub max_memory: Option<u64>,
+    /// The budget of pinned host RAM beneath a GPU (`--max-host-memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_host_memory: Option<u64>,
     /// What lives on the disk tier between uses (`--offload`; `auto` is resolved against
     /// `max_memory`).
     #[serde(default)]
@@ -122,6 +125,7 @@ impl Default for Strategies {
             optim_state: OptimState::default(),
             precision: Precision::default(),
             max_memory: None,
+            max_host_memory: None,
             offload: OffloadChoice::default(),
             offload_dir: None,
             ranks: 1,
@@ -234,6 +238,7 @@ impl Strategies {
             optim_state: cfg.optim_state,
             precision: cfg.precision,
             max_memory: Some(budget),
+            max_host_memory: None,
             offload: OffloadChoice::Set(cfg.offload.set),
             offload_dir,
             ranks: cfg.mesh.world(),
@@ -283,10 +288,31 @@ impl Strategies {
             Mode::Train,
             (self.recompute, self.offload),
             (self.max_memory, baseline),
+            self.max_host_memory,
             cal,
             backend,
         )
     }
+}
+
+/// Refuses a GPU plan whose pinned host tier exceeds `budget` (`--max-host-memory`), naming
+/// the flag; a plan computing in host RAM has no such tier (its budget is `--max-memory`).
+pub fn check_host_budget(plan: &Plan, budget: Option<u64>) -> Result<()> {
+    let Some(budget) = budget.filter(|_| plan.compute_tier() != Tier::Host) else {
+        return Ok(());
+    };
+    let peak = plan.tier_peak(Tier::Host, 0);
+    if peak > budget {
+        bail!(
+            "the plan keeps {} in pinned RAM ({} of offloaded state and the loader's buffers) \
+             but --max-host-memory is {}: offload less (--offload names what lives there; \
+             --optim-state int8 or bf16 shrinks the moments), or give more",
+            fmt_bytes(peak),
+            fmt_bytes(plan.tier_bytes(Tier::Host)),
+            fmt_bytes(budget)
+        );
+    }
+    Ok(())
 }
 
 /// Predicted peak resident memory of a process running `plan`: the plan's bytes, the
@@ -354,6 +380,7 @@ pub fn plan_fitting(
     mode: Mode,
     (recompute, offload): (RecomputeChoice, OffloadChoice),
     (budget, baseline): (Option<u64>, u64),
+    host_budget: Option<u64>,
     cal: &Calibration,
     backend: &(dyn Sizing + Sync),
 ) -> Result<Plan> {
@@ -381,6 +408,7 @@ pub fn plan_fitting(
             if let Some(b) = budget {
                 check_budget(&plan, b, baseline, backend)?;
             }
+            check_host_budget(&plan, host_budget)?;
             return Ok(plan);
         }
         (RecomputeChoice::Auto, _, None) => bail!(
@@ -420,6 +448,7 @@ pub fn plan_fitting(
         stage_layers: Pick::Fixed(cfg.stage_layers.clone()),
         pipeline_chunks: Pick::Fixed(cfg.pipeline_chunks),
         update: cfg.update,
+        host_budget,
     };
     let found = search(spec, &space, budget, baseline, cal, backend)?;
     if let Some(best) = found.ranked.first() {
@@ -544,7 +573,7 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
 /// How the compute tier's peak is made beyond the arena, for messages: the owned buffers (on
 /// the CPU, where they count) and the baseline's name.
 fn baseline_terms(plan: &Plan) -> (String, &'static str) {
-    if plan.compute_tier() == crate::ir::Tier::Host {
+    if plan.compute_tier() == Tier::Host {
         (
             format!(" + outside the arena {}", fmt_bytes(plan.external_bytes)),
             "process baseline",

@@ -132,6 +132,9 @@ pub struct Space {
     /// When each group's update runs (`--update`), as given: with `in-backward`, which
     /// composes with neither, nothing is offloaded and fp16 is not tried.
     pub update: crate::ir::Update,
+    /// The pinned host tier's budget beneath a GPU (`--max-host-memory`): what a placement
+    /// keeps there must fit it.
+    pub host_budget: Option<u64>,
 }
 
 /// One configuration that fits, with its plan's peak and predicted time.
@@ -681,7 +684,7 @@ pub fn search(
                     &g.cfg,
                     &placements,
                     &policies,
-                    (budget, disk_free),
+                    (budget, disk_free, space.host_budget),
                     baseline,
                     cal,
                     backend,
@@ -791,12 +794,13 @@ fn search_group(
     cfg: &StepConfig,
     placements: &[OffloadSet],
     policies: &[Recompute],
-    (budget, disk_free): (u64, Option<u64>),
+    (budget, disk_free, host): (u64, Option<u64>, Option<u64>),
     baseline: u64,
     cal: &Calibration,
     backend: &(dyn Sizing + Sync),
 ) -> Result<GroupResult> {
-    let budgets = Budgets::new(backend.tiers()[0], Some(budget), disk_free);
+    let compute = backend.tiers()[0];
+    let budgets = Budgets::new(compute, Some(budget), disk_free).with_host(compute, host);
     let mut out = GroupResult {
         fitting: Vec::new(),
         smallest: u64::MAX,
@@ -834,7 +838,8 @@ fn search_group(
             let plans = Built::new(spec, &c, backend)?;
             out.built += plans.count();
             out.smallest = out.smallest.min(plans.peak(baseline));
-            // Every tier within its budget on every rank: the compute tier's, then the disk's.
+            // Every tier within its budget on every rank: the compute tier's, then the pinned
+            // RAM's beneath a GPU, or the disk's.
             let over = plans.over_budget(baseline, &budgets);
             out.disk_refused |= over.as_ref().is_some_and(|u| u.tier == Tier::Nvme);
             Ok((over.is_none(), plans))

@@ -182,6 +182,7 @@ pub fn fit_space(
             (None, _) => Pick::Auto,
         },
         update: st.update.unwrap_or_default(),
+        host_budget: step.max_host_memory,
     })
 }
 
@@ -261,10 +262,12 @@ pub fn resolve_step(
         };
         let f = search::fit(spec, &space, budget, baseline, &cal, backend)?;
         let mut r = Resolved::fitted(f, budget, st.offload_dir.clone(), cal);
+        r.strategies.max_host_memory = step.max_host_memory;
         r.notes = notes;
         return Ok(r);
     }
     let mut strategies = st.strategies(step.max_memory)?;
+    strategies.max_host_memory = step.max_host_memory;
     strategies.ranks = ranks;
     strategies.tensor = st.tp.unwrap_or(1);
     strategies.sequence_parallel = st.sequence_parallel.unwrap_or(false);
