@@ -77,7 +77,7 @@ macro_rules! storage_checks {
 /// makes module `name` with a module per storage precision (`fp32`, `bf16`, `fp16`), one for
 /// what only fp32 plans have (`fp32_generation`), the transfers between tiers, the
 /// collectives among ranks and the tensor-parallel vocabulary's ops (`vocab`). `backend_suite!(@one_process name, expression, attribute)` makes
-/// the compute ops' checks only (a backend with one tier and one process: the CUDA
+/// the compute ops' checks and the transfers only (a backend of one process: the CUDA
 /// backend's today), each test with the attribute (`ignore = "needs ..."`).
 macro_rules! backend_suite {
     ($name:ident, $backend:expr) => {
@@ -108,6 +108,12 @@ macro_rules! backend_suite {
             mod fp32_generation {
                 use super::*;
                 storage_checks!($backend, Precision::F32, $attr; layers::lm_head_last);
+            }
+
+            #[test]
+            #[$attr]
+            fn transfers() {
+                state::transfers(&$backend)
             }
 
             backend_suite!(@storage $backend, fp32, Precision::F32, $attr, one_process);
@@ -175,7 +181,7 @@ backend_suite!(cpu, memwall::backend::cpu::Cpu);
 
 // The CUDA backend on GPU 0 (feature `cuda`): needs a GPU, so its checks are ignored here
 // and run by `scripts/gpu-check.sh` on a GPU machine (`--ignored`); without one each fails
-// naming what is missing. One process and one tier: no transfers or collectives yet.
+// naming what is missing. One process: no collectives yet.
 #[cfg(feature = "cuda")]
 backend_suite!(@one_process cuda, *memwall::backend::cuda::open(0).expect("a CUDA GPU"), ignore = "needs a CUDA GPU (scripts/gpu-check.sh)");
 

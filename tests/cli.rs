@@ -139,9 +139,15 @@ fn a_gpu_plan_is_made_without_a_gpu() {
         "--json",
     ]);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    // Device memory, then host RAM beneath it (holding nothing pinned without --offload).
     let tiers = v["tiers"].as_array().unwrap();
-    assert_eq!(tiers.len(), 1, "{json}");
+    assert_eq!(tiers.len(), 2, "{json}");
     assert_eq!(tiers[0]["tier"], "device", "{json}");
+    assert_eq!(
+        (&tiers[1]["tier"], &tiers[1]["packed_bytes"]),
+        (&"host".into(), &0.into()),
+        "{json}"
+    );
     let scratch = v["buffers"]
         .as_array()
         .unwrap()
@@ -149,20 +155,28 @@ fn a_gpu_plan_is_made_without_a_gpu() {
         .find(|b| b["name"] == "backend.scratch")
         .expect("the backend's scratch is a plan buffer");
     assert!(scratch["bytes"].as_u64().unwrap() >= 32 << 20, "{scratch}");
-    // What the GPU has no tier for yet is refused by name.
-    let e = fails(&[
-        "plan",
-        "--device",
-        "cuda",
-        "--model",
-        "gpt2-tiny",
-        "--offload",
-        "optimizer",
-    ]);
+    // --offload keeps the moments in pinned host RAM, within --max-host-memory (the flag
+    // named when it does not fit; refused on the CPU, whose RAM --max-memory budgets).
+    let offloaded = |host: &str| {
+        let mut a = vec!["plan", "--device", "cuda", "--model", "gpt2-tiny"];
+        a.extend(["--offload", "optimizer", "--max-host-memory", host]);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let out = ok(&offloaded("1GiB"));
+    for says in [
+        "host RAM",
+        "pinned RAM <-> device",
+        "fits --max-host-memory 1.00 GiB",
+    ] {
+        assert!(out.contains(says), "{says}: {out}");
+    }
+    let e = fails(&offloaded("1MiB"));
     assert!(
-        e.contains("--offload optimizer") && e.contains("[gpu-offload]"),
+        e.contains("in host RAM") && e.contains("--max-host-memory is 1.00 MiB"),
         "{e}"
     );
+    let e = fails(&["plan", "--model", "gpt2-tiny", "--max-host-memory", "1GiB"]);
+    assert!(e.contains("--max-host-memory with --device cpu"), "{e}");
     let e = fails(&[
         "plan",
         "--device",

@@ -197,7 +197,7 @@ fn the_pinned_tier_has_its_own_budget() {
     assert_eq!(plan.over_budget(0, &fits), None);
     let small = Budgets::new(Tier::Device, None, None).with_host(Tier::Device, Some(host - 1));
     let over = plan.over_budget(0, &small).unwrap();
-    assert_eq!((over.name.as_str(), over.over_by()), ("pinned RAM", 1));
+    assert_eq!((over.name.as_str(), over.over_by()), ("host RAM", 1));
     assert_eq!(
         Budgets::source(Tier::Host, Tier::Device),
         "--max-host-memory"

@@ -287,8 +287,7 @@ impl Strategies {
             &cfg,
             Mode::Train,
             (self.recompute, self.offload),
-            (self.max_memory, baseline),
-            self.max_host_memory,
+            (self.max_memory, self.max_host_memory, baseline),
             cal,
             backend,
         )
@@ -304,9 +303,9 @@ pub fn check_host_budget(plan: &Plan, budget: Option<u64>) -> Result<()> {
     let peak = plan.tier_peak(Tier::Host, 0);
     if peak > budget {
         bail!(
-            "the plan keeps {} in pinned RAM ({} of offloaded state and the loader's buffers) \
-             but --max-host-memory is {}: offload less (--offload names what lives there; \
-             --optim-state int8 or bf16 shrinks the moments), or give more",
+            "the plan keeps {} in host RAM ({} of it pinned for offloaded state, the rest the \
+             loader's buffers) but --max-host-memory is {}: offload less (--offload names what \
+             lives there; --optim-state int8 or bf16 shrinks the moments), or give more",
             fmt_bytes(peak),
             fmt_bytes(plan.tier_bytes(Tier::Host)),
             fmt_bytes(budget)
@@ -371,7 +370,8 @@ pub fn largest_batch(
 }
 
 /// Builds the plan of `cfg` with the recomputation policy and offload placement `choice`,
-/// refusing it when it does not fit `budget` (with the process `baseline`). Where either is
+/// refusing it when it does not fit `budget` (with the process `baseline`) or, beneath a GPU,
+/// `host_budget` (`--max-host-memory`). Where either is
 /// `auto`, the fastest candidate that fits by predicted step time (timed with `cal`) is kept:
 /// [`super::search`] with the micro-batch, accumulation, precision and optimizer state fixed.
 pub fn plan_fitting(
@@ -379,8 +379,7 @@ pub fn plan_fitting(
     cfg: &StepConfig,
     mode: Mode,
     (recompute, offload): (RecomputeChoice, OffloadChoice),
-    (budget, baseline): (Option<u64>, u64),
-    host_budget: Option<u64>,
+    (budget, host_budget, baseline): (Option<u64>, Option<u64>, u64),
     cal: &Calibration,
     backend: &(dyn Sizing + Sync),
 ) -> Result<Plan> {

@@ -58,7 +58,7 @@ impl Budgets {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierUse {
     pub tier: Tier,
-    /// Its name in reports: `RAM`, `disk`, `device memory`, `pinned RAM`.
+    /// Its name in reports: `RAM`, `disk`, `device memory`, `host RAM` (beneath a GPU).
     pub name: String,
     /// Bytes the plan packs there: the size of the tier's arena or file.
     pub packed_bytes: u64,
@@ -101,8 +101,9 @@ impl Plan {
             .map(|s| TierUse {
                 tier: s.tier,
                 name: match s.tier {
-                    // Host RAM beneath a GPU: page-locked, so the GPU copies it directly.
-                    Tier::Host if self.compute_tier() != Tier::Host => "pinned RAM".to_string(),
+                    // Host RAM beneath a GPU: its arena page-locked, so the GPU copies it
+                    // directly; the loader's buffers beside it.
+                    Tier::Host if self.compute_tier() != Tier::Host => "host RAM".to_string(),
                     t => t.describe().to_string(),
                 },
                 packed_bytes: s.bytes,

@@ -57,7 +57,9 @@ pub struct Rig {
     space: usize,
     params: BufId,
     grads: BufId,
-    /// The disk tier's directory (checks of transfers), removed when the plan is dropped.
+    /// Buffers on the tier beneath the compute tier (checks of transfers).
+    beneath: Vec<BufId>,
+    /// The disk tier's directory (transfers on the CPU), removed when the plan is dropped.
     disk: Option<tempfile::TempDir>,
     /// Ranks, this rank, and the cut of parameter group 0 (checks of collectives).
     ranks: Option<(usize, usize, memwall::ir::Cut)>,
@@ -74,6 +76,7 @@ impl Rig {
             space: GAP,
             params: BufId(0),
             grads: BufId(0),
+            beneath: Vec::new(),
             disk: None,
             ranks: None,
             stages: false,
@@ -121,17 +124,14 @@ impl Rig {
         self.buf(name, DType::U32, elems)
     }
 
-    /// A buffer that is one end of disk transfers: aligned for direct I/O, on the disk tier
-    /// when `on_disk` (the plan then gets a disk tier in a fresh temporary directory).
-    pub fn io_buf(&mut self, name: &str, dtype: DType, elems: usize, on_disk: bool) -> BufId {
+    /// A buffer that is one end of transfers: aligned for direct I/O, and on the tier
+    /// beneath the backend's compute tier when `beneath` (the CPU's disk, in a fresh
+    /// temporary directory; a GPU's pinned host RAM).
+    pub fn io_buf(&mut self, name: &str, dtype: DType, elems: usize, beneath: bool) -> BufId {
         let id = self.buf(name, dtype, elems);
-        let b = &mut self.buffers[id.0];
-        b.align = packing::IO_ALIGN;
-        if on_disk {
-            b.placement = Placement::NVME;
-            if self.disk.is_none() {
-                self.disk = Some(tempfile::tempdir().expect("a temporary directory"));
-            }
+        self.buffers[id.0].align = packing::IO_ALIGN;
+        if beneath {
+            self.beneath.push(id);
         }
         id
     }
@@ -223,6 +223,17 @@ impl Rig {
         for b in &mut self.buffers {
             if b.placement.tier == Tier::Host {
                 b.placement.tier = tiers[0];
+            }
+        }
+        if !self.beneath.is_empty() {
+            let tier = *tiers
+                .get(1)
+                .expect("the backend has a tier beneath its compute tier");
+            for id in &self.beneath {
+                self.buffers[id.0].placement.tier = tier;
+            }
+            if tier == Tier::Nvme {
+                self.disk = Some(tempfile::tempdir().expect("a temporary directory"));
             }
         }
         let tier_sizes: Vec<TierSize> = tiers
