@@ -670,14 +670,18 @@ pub(crate) struct StrategyArgs {
     /// --fit choose [default: fp32]
     #[arg(long, value_parser = parse_precision, value_name = "fp32|bf16|fp16|auto")]
     pub(crate) precision: Option<Pick<Precision>>,
-    /// What to keep on disk between uses, so it needs RAM only in its turn: none, all, auto
+    /// What to keep beneath the compute tier between uses, so it needs that memory only in its
+    /// turn: on the CPU, on disk (--offload-dir); with --device cuda, in pinned host RAM
+    /// (--max-host-memory), copied to the GPU for each use. Values: none, all, auto
     /// (the fastest placement that fits --max-memory, by predicted step time), or a comma list of
     /// optimizer (the AdamW moments, read one parameter group at a time for its update and
     /// written back), params (read one group at a time before its forward, its backward and
     /// its update; with --lora, the frozen base too), grads (written after each group's backward, read back for the update,
     /// which then runs in the next step's forward so its disk traffic overlaps arithmetic),
     /// activations (what the forward keeps for the backward: with --recompute full, only the
-    /// block inputs). Weights are bitwise the same under every placement
+    /// block inputs). Weights are bitwise the same under every placement. On a GPU, unified
+    /// memory (cudaMallocManaged) is not offered: past the card's memory it pages on demand,
+    /// unpredictably slowly (NVIDIA: "can vary up to 100x"); memwall plans every copy instead
     /// [default: none]
     #[arg(long, value_parser = parse_offload)]
     pub(crate) offload: Option<OffloadChoice>,
