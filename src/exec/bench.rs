@@ -114,12 +114,16 @@ struct PlanFigures {
     flops: u64,
     recompute_flops: u64,
     by_category: serde_json::Map<String, Value>,
+    /// Each tier's packed bytes and predicted peak (`plan.json`'s `tiers`; a GPU's host RAM
+    /// is the pinned arena and the loader's buffers).
+    tiers: Value,
     layout: ParamLayout,
     n_ops: usize,
 }
 
 impl PlanFigures {
-    fn of(plan: &Plan) -> PlanFigures {
+    /// The figures of `plan`, its compute tier's peak over `baseline`.
+    fn of(plan: &Plan, baseline: u64) -> PlanFigures {
         let recompute = plan.cfg.recompute;
         let (io_read, io_write) = plan.io_bytes_per_step();
         let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes()});
@@ -140,6 +144,7 @@ impl PlanFigures {
             flops,
             recompute_flops,
             by_category,
+            tiers: json!(plan.tier_uses(baseline, &crate::plan::Budgets::NONE)),
             layout: plan.layout.clone(),
             n_ops: plan.schedule.ops.len(),
         }
@@ -181,7 +186,7 @@ fn set_up(opts: &BenchOptions) -> Result<Bench> {
         }
         p.write(&RunDir::new(dir).plan())?;
     }
-    let figures = PlanFigures::of(&plan);
+    let figures = PlanFigures::of(&plan, backend.baseline_bytes().unwrap_or(baseline));
     let mut ex = Executor::on(plan, backend)?;
     // The sitting's arithmetic ceiling, measured on as many threads as the steps run on,
     // before and after them (a shared machine's ceiling moves; a fraction of it is what a
@@ -385,6 +390,7 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
         io_read,
         io_write,
         by_tier,
+        tiers,
         total: plan_total,
         flops,
         recompute_flops,
@@ -468,6 +474,7 @@ fn report(opts: &BenchOptions, bench: Bench) -> Result<Value> {
         "plan_total_bytes": plan_total,
         "plan_peak_by_category": by_category,
         "by_tier": by_tier,
+        "tiers": tiers,
         "io_read_bytes_per_step": io_read,
         "io_write_bytes_per_step": io_write,
         "io_busy_s": io_busy_s,
