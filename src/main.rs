@@ -483,13 +483,14 @@ fn fmt_gib_floor(bytes: u64) -> String {
 /// disk (512 MiB written and read back, or half its free space where less) and prints how
 /// long the plan's transfers of a step take on it; without the flag, says how to get that.
 /// A GPU plan's traffic with pinned RAM a step, and what it takes at the bus's rates (its
-/// calibration's, or the nominal ones, said so).
+/// calibration's, or the nominal ones, said so): the copies run in turn on one stream, so
+/// the two directions add up.
 fn print_bus_time(plan: &plan::Plan, cal: &plan::time::Calibration) {
     let (read, written) = plan.io_bytes_per_step();
     let rates = cal.rates_to(memwall::ir::Tier::Host);
     let seconds = read as f64 / rates.read_bytes_per_s + written as f64 / rates.write_bytes_per_s;
     println!(
-        "  pinned RAM <-> device        {} in, {} out a step: at least {:.3} s at {:.0} / {:.0} GB/s{}",
+        "  pinned RAM <-> device        {} in, {} out a step: {:.3} s of copies at {:.0} / {:.0} GB/s (one copy stream: in and out in turn){}",
         fmt_bytes(read),
         fmt_bytes(written),
         seconds,

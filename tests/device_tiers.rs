@@ -159,6 +159,9 @@ fn offloading_moves_bytes_from_the_device_to_pinned_ram() {
         moments <= host && host < moments + 4096 * homes.count() as u64,
         "{host} bytes in pinned RAM for {moments} of moments"
     );
+    // The state is counted once, wherever it lives (not again in its staging copies).
+    let state = |p: &Plan| memwall::plan::zero::per_rank(p).model_state.optimizer;
+    assert_eq!(state(&off), state(&none));
     let (d0, d1) = (none.arena_bytes(), off.arena_bytes());
     // The largest group's moments (the token embedding's, 8 bytes a parameter) are staged
     // whole; a block's beside them.
@@ -345,4 +348,12 @@ fn the_search_picks_the_fastest_placement_within_both_budgets() {
             );
         }
     }
+    // Too little host RAM for what the device budget needs offloaded: nothing fits, and the
+    // refusal names --max-host-memory.
+    let budget = lo + (hi - lo) / 8;
+    let found = search::search(&spec, &space(Some(1 << 10)), budget, 0, &cal, gpu).unwrap();
+    assert!(found.ranked.is_empty());
+    assert_eq!(found.host, Some(1 << 10));
+    let e = search::nothing_fits(&found, budget).to_string();
+    assert!(e.contains("--max-host-memory 1.00 KiB"), "{e}");
 }

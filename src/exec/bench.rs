@@ -126,7 +126,7 @@ impl PlanFigures {
     fn of(plan: &Plan, baseline: u64) -> PlanFigures {
         let recompute = plan.cfg.recompute;
         let (io_read, io_write) = plan.io_bytes_per_step();
-        let by_tier = json!({"host": plan.total_bytes(), "nvme": plan.nvme_bytes()});
+        let by_tier = json!(plan.by_tier());
         let (total, flops, recompute_flops) =
             (plan.total_bytes(), plan.flops(), plan.recompute_flops());
         let by_category: serde_json::Map<String, Value> = plan

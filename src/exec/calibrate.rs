@@ -597,6 +597,21 @@ pub fn for_device(device: DeviceId, threads: usize) -> Result<Option<Calibration
     }
 }
 
+/// The calibration that ranks `what`'s choices (`--fit`, `--offload auto`, ...) for plans
+/// on `device` ([`for_device`]); for a GPU without one, an error naming `what` and the
+/// command that measures one (a GPU's choices are never ranked by the CPU's costs).
+pub fn for_ranking(device: DeviceId, threads: usize, what: &str) -> Result<Calibration> {
+    for_device(device, threads)?.ok_or_else(|| {
+        anyhow::anyhow!(
+            "{what} --device {device}: {what} ranks choices by the time model, and there is no \
+             GPU calibration here: run `memwall calibrate --device cuda` on the GPU machine \
+             (it saves calibration/cuda-<gpu>.json in the user cache; copy that file to plan \
+             elsewhere), or give the strategies (or --batch auto with --max-memory, which needs \
+             no time model)"
+        )
+    })
+}
+
 /// Writes `cal` to `path` (atomically; the directory is created).
 pub fn save(cal: &Calibration, path: &Path) -> Result<()> {
     save_json(cal, path)

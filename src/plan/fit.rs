@@ -401,6 +401,21 @@ pub fn plan_fitting(
         c.offload.set = o;
         build_plan(spec, &c, mode, backend)
     };
+    // A GPU's choices are ranked by its own calibration, never the CPU's costs.
+    let auto = recompute == RecomputeChoice::Auto || offload == OffloadChoice::Auto;
+    if auto && backend.tiers()[0] != Tier::Host && !cal.gpu {
+        let flag = match recompute {
+            RecomputeChoice::Auto => "--recompute auto",
+            _ => "--offload auto",
+        };
+        bail!(
+            "{flag} with a GPU: it picks the fastest choice by the time model, and there is no \
+             GPU calibration here: run `memwall calibrate --device cuda` on the GPU machine (it \
+             saves calibration/cuda-<gpu>.json in the user cache; copy that file to plan \
+             elsewhere), or give {} yourself",
+            flag.trim_end_matches(" auto")
+        );
+    }
     let budget = match (recompute, offload, budget) {
         (RecomputeChoice::Fixed(r), OffloadChoice::Set(o), budget) => {
             let plan = with(r, o)?;
@@ -467,7 +482,10 @@ pub fn plan_fitting(
             (OffloadChoice::Auto, Update::End) => OffloadSet::ALL,
         },
     )?;
-    let err = match check_budget(&smallest, budget, baseline, backend) {
+    // The smallest plan fits the compute tier: what refused it is host RAM beneath a GPU.
+    let err = match check_budget(&smallest, budget, baseline, backend)
+        .and_then(|()| check_host_budget(&smallest, host_budget))
+    {
         Err(e) => e,
         Ok(()) => anyhow::anyhow!("the smallest plan fits but the search found nothing"),
     };
@@ -520,9 +538,15 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
             ..cfg.clone()
         };
         all.offload.set = OffloadSet::ALL;
-        let p = predicted_peak(&build_plan(&plan.spec, &all, plan.mode, backend)?, baseline);
+        let all = build_plan(&plan.spec, &all, plan.mode, backend)?;
+        let p = predicted_peak(&all, baseline);
+        // Beneath a GPU, what it offloads goes to host RAM (within --max-host-memory).
+        let host = match all.compute_tier() {
+            Tier::Host => String::new(),
+            _ => format!(" ({} of host RAM)", fmt_bytes(all.tier_peak(Tier::Host, 0))),
+        };
         advice.push_str(&format!(
-            "; {}--offload all --recompute full needs {}{}",
+            "; {}--offload all --recompute full needs {}{host}{}",
             match cfg.update {
                 Update::InBackward => "--update end ",
                 Update::End => "",
@@ -616,15 +640,17 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
         .take(3)
         .map(|(c, b)| format!("{} {}", c.name(), fmt_bytes(*b)))
         .collect();
+    let (_, base) = baseline_terms(&one);
     let mut s = format!(
-        "even --batch 1 does not fit: it needs {} (arena {}, at its peak, op {}: {}{}; outside the arena {}; process baseline {}; runtime reserve {})",
+        "even --batch 1 does not fit: it needs {} (arena {}, at its peak, op {}: {}{}; outside the arena {}; {base} {}; runtime reserve {})",
         fmt_bytes(predicted_peak(&one, baseline)),
         fmt_bytes(one.arena_bytes()),
         one.schedule.ops[one.peak_op].name,
         parts.join(", "),
         if state > 0 {
             format!(
-                "; of it parameters, gradients and optimizer state kept in RAM {}",
+                "; of it parameters, gradients and optimizer state kept in {} {}",
+                one.compute_tier().describe(),
                 fmt_bytes(state)
             )
         } else {

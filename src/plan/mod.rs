@@ -79,6 +79,20 @@ impl Plan {
         self.tiers[0].tier
     }
 
+    /// Bytes by tier as `plan.json` and `bench` give them (`by_tier`): on the CPU, `host`
+    /// (the arena and the owned buffers) and `nvme` (the offload file); on a GPU, `device`
+    /// (its arena), `host` (the pinned arena and the owned buffers) and `nvme`.
+    pub fn by_tier(&self) -> serde_json::Map<String, serde_json::Value> {
+        let host = self.tier_bytes(Tier::Host) + self.external_bytes;
+        let mut m = serde_json::Map::new();
+        if self.compute_tier() != Tier::Host {
+            m.insert("device".into(), self.arena_bytes().into());
+        }
+        m.insert("host".into(), host.into());
+        m.insert("nvme".into(), self.nvme_bytes().into());
+        m
+    }
+
     /// Bytes packed in tier `t` (0 for a tier the plan does not use).
     pub fn tier_bytes(&self, t: Tier) -> u64 {
         crate::ir::program::tier_bytes(&self.tiers, t)

@@ -98,6 +98,15 @@ impl FromStr for OffloadSet {
     type Err = anyhow::Error;
 
     fn from_str(s: &str) -> Result<OffloadSet> {
+        let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+        if parts.len() > 1
+            && let Some(alone) = parts.iter().find(|p| matches!(**p, "none" | "all"))
+        {
+            bail!(
+                "--offload {s}: {alone} stands alone (it names every part, or none); give it \
+                 by itself, or a comma list of optimizer, params, grads, activations"
+            );
+        }
         let mut set = OffloadSet::NONE;
         for part in s.split(',').map(str::trim) {
             match part {
@@ -112,7 +121,8 @@ impl FromStr for OffloadSet {
                 }
                 other => bail!(
                     "--offload {other}: expected none, all, auto, or a comma list of optimizer, \
-                     params, grads, activations (what to keep on disk)"
+                     params, grads, activations (what to keep beneath the compute tier: on disk, \
+                     or in host RAM beneath a GPU)"
                 ),
             }
         }
@@ -224,5 +234,9 @@ mod tests {
         assert!(e.contains("--offload disk") && e.contains("params"), "{e}");
         let e = format!("{:#}", "auto,params".parse::<OffloadChoice>().unwrap_err());
         assert!(e.contains("auto"), "{e}");
+        for both in ["none,all", "params,none", "all, grads"] {
+            let e = format!("{:#}", both.parse::<OffloadSet>().unwrap_err());
+            assert!(e.contains("stands alone"), "{both}: {e}");
+        }
     }
 }

@@ -233,6 +233,9 @@ pub struct Found {
     pub disk: Option<(std::path::PathBuf, u64)>,
     /// The search kept `--update in-backward` (so it offloaded nothing).
     pub in_backward: bool,
+    /// `--max-host-memory`, when a plan within the budget was refused because what it keeps
+    /// in host RAM beneath the GPU is more.
+    pub host: Option<u64>,
 }
 
 impl Found {
@@ -492,6 +495,8 @@ struct GroupResult {
     built: usize,
     /// A plan within the budget was refused for its offload file alone.
     disk_refused: bool,
+    /// A plan was refused for its host RAM beneath a GPU (`--max-host-memory`).
+    host_refused: bool,
 }
 
 /// Searches `space` for the fastest plans of `spec` that fit `budget` (bytes of peak
@@ -664,7 +669,7 @@ pub fn search(
     let mut ranked: Vec<Candidate> = Vec::new();
     let mut rejected = Vec::new();
     let mut skipped = 0;
-    let mut disk_refused = false;
+    let (mut disk_refused, mut host_refused) = (false, false);
     // Groups are searched fastest bound first, as many at once as there are threads.
     let width = rayon::current_num_threads().max(1);
     let mut rest = &groups[..];
@@ -694,6 +699,7 @@ pub fn search(
         for (g, r) in todo.iter().zip(results) {
             built += r.built;
             disk_refused |= r.disk_refused;
+            host_refused |= r.host_refused;
             if r.fitting.is_empty() {
                 let mesh = match g.cfg.mesh.world() > 1 {
                     true => format!("{} ", mesh_flags(&g.cfg)),
@@ -726,6 +732,7 @@ pub fn search(
             .clone()
             .zip(disk_free)
             .filter(|_| disk_refused),
+        host: space.host_budget.filter(|_| host_refused),
         in_backward: space.update == crate::ir::Update::InBackward,
     })
 }
@@ -806,6 +813,7 @@ fn search_group(
         smallest: u64::MAX,
         built: 0,
         disk_refused: false,
+        host_refused: false,
     };
     // For each placement that fits: the index of the least recomputation that does.
     let mut least: Vec<(OffloadSet, usize)> = Vec::new();
@@ -842,6 +850,8 @@ fn search_group(
             // RAM's beneath a GPU, or the disk's.
             let over = plans.over_budget(baseline, &budgets);
             out.disk_refused |= over.as_ref().is_some_and(|u| u.tier == Tier::Nvme);
+            out.host_refused |=
+                over.as_ref().is_some_and(|u| u.tier == Tier::Host) && compute != Tier::Host;
             Ok((over.is_none(), plans))
         };
         // The most recomputation allowed must fit, else nothing does with this placement.
@@ -931,6 +941,14 @@ pub fn nothing_fits(found: &Found, budget: u64) -> anyhow::Error {
             dir.display()
         ),
         None => String::new(),
+    };
+    let disk = match found.host {
+        Some(host) => format!(
+            "{disk} (what --offload keeps in host RAM must also fit --max-host-memory {}: give \
+             more, or offload less)",
+            fmt_bytes(host)
+        ),
+        None => disk,
     };
     match smallest {
         Some(r) if r.smallest_peak > budget => anyhow::anyhow!(

@@ -887,7 +887,8 @@ pub fn per_rank(plan: &Plan) -> PerRank {
     let model_state = ModelState {
         params: sum(&|b| b.persistent && matches!(b.category, Category::Param | Category::Master)),
         grads,
-        optimizer: sum(&|b| b.category == Category::OptimizerState),
+        // The state itself, wherever it lives: not the staging copies `--offload` makes.
+        optimizer: sum(&|b| b.persistent && b.category == Category::OptimizerState),
     };
     let psi = plan.layout.total as f64;
     let n = cfg.mesh.data as f64;

@@ -218,12 +218,7 @@ impl PlanJson {
             live_at_peak_by_category: by_category(plan.live_by_category(plan.peak_op)),
             flops_per_step: plan.flops(),
             recompute_flops_per_step: plan.recompute_flops(),
-            by_tier: [
-                ("host".to_string(), Value::from(plan.total_bytes())),
-                ("nvme".to_string(), Value::from(plan.nvme_bytes())),
-            ]
-            .into_iter()
-            .collect(),
+            by_tier: plan.by_tier(),
             tiers: plan.tier_uses(baseline, &Budgets::NONE),
             io_read_bytes_per_step: io_read,
             io_write_bytes_per_step: io_write,

@@ -223,6 +223,9 @@ pub fn resolve_step(
             step.device
         );
     }
+    if step.max_host_memory == Some(0) {
+        bail!("--max-host-memory 0: give the host RAM the plan may pin, e.g. 64GiB");
+    }
     if step.max_host_memory.is_some() && backend.tiers()[0] == crate::ir::Tier::Host {
         bail!(
             "--max-host-memory with --device {}: host RAM is where this device computes, so \
@@ -250,16 +253,7 @@ pub fn resolve_step(
         }
         space.distill = frozen.teacher;
         // A GPU's choices are ranked by its own calibration, never the CPU's.
-        let Some(cal) = crate::exec::calibrate::for_device(step.device, threads)? else {
-            bail!(
-                "--fit --device {}: --fit ranks choices by the time model, and there is no GPU \
-                 calibration here: run `memwall calibrate --device cuda` on the GPU machine \
-                 (it saves calibration/cuda-<gpu>.json in the user cache; copy that file to \
-                 plan elsewhere), or give the strategies (or --batch auto with --max-memory, \
-                 which needs no time model)",
-                step.device
-            );
-        };
+        let cal = crate::exec::calibrate::for_ranking(step.device, threads, "--fit")?;
         let f = search::fit(spec, &space, budget, baseline, &cal, backend)?;
         let mut r = Resolved::fitted(f, budget, st.offload_dir.clone(), cal);
         r.strategies.max_host_memory = step.max_host_memory;
@@ -367,6 +361,13 @@ pub fn resolve_step(
         backend,
         &mut notes,
     )?;
+    if st.offload_dir.is_some() && backend.offload_tier() != Some(crate::ir::Tier::Nvme) {
+        notes.push(format!(
+            "memwall: --offload-dir is the disk tier's, and --device {} offloads to host RAM \
+             (the disk beneath it is not there yet): it is not used",
+            step.device
+        ));
+    }
     Ok(Resolved {
         batch,
         strategies,

@@ -571,7 +571,8 @@ fn fit_run(
             let baseline = crate::util::rss::current_rss().unwrap_or(0);
             return Ok((None, baseline, space.base_types.clone()));
         }
-        let cal = crate::exec::calibrate::current(o.threads)?;
+        // A GPU's choices are ranked by its own calibration, never the CPU's.
+        let cal = crate::exec::calibrate::for_ranking(o.device, o.threads, "--fit")?;
         // The offload file goes to --offload-dir, else the run's `offload/`: its disk bounds it.
         if space.offload_dir.is_none() {
             space.offload_dir = Some(o.out.join(crate::run_dir::OFFLOAD_DIR));
