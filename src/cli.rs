@@ -1162,6 +1162,10 @@ pub(crate) struct BenchArgs {
     /// --recompute auto and --offload auto).
     #[arg(long, value_parser = parse_bytes)]
     pub(crate) max_memory: Option<u64>,
+    /// With --device cuda: the budget of pinned host RAM for what --offload keeps beneath
+    /// the GPU (as `plan --max-host-memory`)
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
+    pub(crate) max_host_memory: Option<u64>,
     /// The backend measured, KIND or KIND:N, device N of that kind counted from 0 (KIND alone is
     /// device 0): cpu (= cpu:0, all of this machine's cores), or cuda (= gpu: an NVIDIA GPU;
     /// planned by any build, run by a build with `--features cuda`) [default: cpu]

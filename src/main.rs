@@ -695,6 +695,19 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         );
     }
     let mut strategies = a.strategy.request().strategies(a.max_memory)?;
+    if let Some(host) = a.max_host_memory {
+        if a.device.kind != memwall::backend::DeviceKind::Cuda {
+            bail!(
+                "--max-host-memory with --device {}: host RAM is where this device computes, \
+                 so --max-memory is its budget",
+                a.device
+            );
+        }
+        if host == 0 {
+            bail!("--max-host-memory 0: give the host RAM the plan may pin, e.g. 64GiB");
+        }
+        strategies.max_host_memory = Some(host);
+    }
     if let Some(l) = a.strategy.request().lora {
         let family = memwall::model::ModelSpec::resolve(&a.model)?.family;
         strategies.lora = Some(l.spec(family)?);
