@@ -16,11 +16,11 @@ use super::nvrtc::{self, Arch};
 use super::rope_tables::{RopeTables, prepare_rope};
 use super::sizing::CudaSizing;
 use super::sizing::{SCRATCH_ALIGN, Scratch};
-use super::transfer::{Copies, Pinned};
+use super::transfer::{Copies, Copy, Pinned};
 use crate::backend::{Backend, Device, Peak, StepCtx, Unavailable};
 use crate::dist::Comms;
 use crate::dtype::DType;
-use crate::ir::schedule::OpEntry;
+use crate::ir::schedule::{Op, OpEntry};
 use crate::ir::{BufId, OpFamily, Program, Sizing, Tier};
 use anyhow::{Result, anyhow, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result as dr, sys as ds};
@@ -197,7 +197,7 @@ pub struct GpuDevice {
     /// The pinned host tier, where the plan offloads to (`--offload`), and the copy stream
     /// that moves its buffers ([`super::transfer`]); each buffer's host address there.
     pinned: Option<Pinned>,
-    pub(super) copies: Option<Copies>,
+    copies: Option<Copies>,
     pinned_bufs: Vec<Option<(usize, u64)>>,
     /// Each buffer's dtype (how its bytes are laid out).
     pub(super) dtypes: Vec<DType>,
@@ -329,13 +329,43 @@ impl GpuDevice {
             .map_err(|e| anyhow!("making the GPU's context current: {e:?}"))
     }
 
-    /// Buffer `id`'s device address and bytes, when it is in device memory.
-    pub(super) fn device_addr(&self, id: BufId) -> Option<(ds::CUdeviceptr, u64)> {
-        self.bufs[id.0]
+    /// Runs a `Transfer` (queued on the copy stream after the compute stream's work so far)
+    /// or an `AwaitTransfers` (the compute stream waits for those copies): `transfer`.
+    fn run_transfer(&self, e: &OpEntry) -> Result<()> {
+        let copies = self
+            .copies
+            .as_ref()
+            .ok_or_else(|| anyhow!("internal error: {}: the plan has no pinned tier", e.name))?;
+        let named = |x: anyhow::Error| anyhow!("{}: {x:#}", e.name);
+        match &e.op {
+            Op::Transfer { from, to } => {
+                let ends = (self.bufs[from.0], self.pinned_bufs[to.0]);
+                let (stage, copy, bytes) = match ends {
+                    (Some((src, bytes)), Some((dst, _))) => {
+                        (*from, Copy::ToHost { dst, src }, bytes)
+                    }
+                    _ => match (self.pinned_bufs[from.0], self.bufs[to.0]) {
+                        (Some((src, _)), Some((dst, bytes))) => {
+                            (*to, Copy::ToDevice { dst, src }, bytes)
+                        }
+                        _ => bail!(
+                            "internal error: {}: a transfer between device memory and pinned \
+                             RAM has an end elsewhere",
+                            e.name
+                        ),
+                    },
+                };
+                copies
+                    .start(&self.stream, stage, copy, bytes)
+                    .map_err(named)
+            }
+            Op::AwaitTransfers { bufs } => copies.wait(&self.stream, bufs).map_err(named),
+            _ => bail!("internal error: {} is not a transfer", e.name),
+        }
     }
 
     /// Buffer `id`'s host address, when it is in the pinned tier.
-    pub(super) fn pinned_addr(&self, id: BufId) -> Option<usize> {
+    fn pinned_addr(&self, id: BufId) -> Option<usize> {
         self.pinned_bufs[id.0].map(|(at, _)| at)
     }
 

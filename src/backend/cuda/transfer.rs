@@ -14,9 +14,7 @@
 //! - The plan guarantees the rest (`plan::build::verify_transfers`): every transfer is
 //!   awaited before its device copy is used, and no op touches pinned memory.
 
-use super::gpu::GpuDevice;
 use crate::ir::BufId;
-use crate::ir::schedule::{Op, OpEntry};
 use anyhow::{Result, anyhow};
 use cudarc::driver::{CudaEvent, CudaStream, result as dr, sys as ds};
 use std::sync::{Arc, Mutex};
@@ -89,83 +87,77 @@ impl Copies {
     }
 }
 
-impl GpuDevice {
-    /// Runs a `Transfer` (queued on the copy stream after the compute stream's work so far)
-    /// or an `AwaitTransfers` (the compute stream waits for those copies).
-    pub(super) fn run_transfer(&self, e: &OpEntry) -> Result<()> {
-        let copies = self
-            .copies
-            .as_ref()
-            .ok_or_else(|| anyhow!("internal error: {}: the plan has no pinned tier", e.name))?;
-        let failed = |what: &str, err: ds::CUresult| anyhow!("{}: {what} ({err:?})", e.name);
-        match &e.op {
-            Op::Transfer { from, to } => {
-                let after = self
-                    .stream
-                    .record_event(NO_TIMING)
-                    .map_err(|x| failed("event", x.0))?;
-                copies
-                    .stream
-                    .wait(&after)
-                    .map_err(|x| failed("ordering the copy", x.0))?;
-                let cu = copies.stream.cu_stream();
-                let stage = match (self.device_addr(*from), self.pinned_addr(*to)) {
-                    // Device copy -> pinned home: a write-back.
-                    (Some((src, bytes)), Some(dst)) => {
-                        // SAFETY: `dst` is the home's `bytes` in the pinned tier, which only
-                        // transfers touch while steps run; the copy stream orders them.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(dst as *mut u8, bytes as usize)
-                        };
-                        unsafe { dr::memcpy_dtoh_async(dst, src, cu) }
-                            .map_err(|x| failed("copying to pinned RAM", x.0))?;
-                        *from
-                    }
-                    _ => {
-                        // Pinned home -> device copy: a read.
-                        let (dst, bytes) = self.device_addr(*to).ok_or_else(|| {
-                            anyhow!("internal error: {}: neither end in device memory", e.name)
-                        })?;
-                        let src = self.pinned_addr(*from).ok_or_else(|| {
-                            anyhow!("internal error: {}: neither end in pinned RAM", e.name)
-                        })?;
-                        // SAFETY: as above, for the home's bytes read.
-                        let src =
-                            unsafe { std::slice::from_raw_parts(src as *const u8, bytes as usize) };
-                        unsafe { dr::memcpy_htod_async(dst, src, cu) }
-                            .map_err(|x| failed("copying from pinned RAM", x.0))?;
-                        *to
-                    }
-                };
-                let done = copies
-                    .stream
-                    .record_event(NO_TIMING)
-                    .map_err(|x| failed("event", x.0))?;
-                copies
-                    .pending
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push((stage, done));
-                Ok(())
-            }
-            Op::AwaitTransfers { bufs } => {
-                let mine: Vec<CudaEvent> = {
-                    let mut pending = copies.pending.lock().unwrap_or_else(|p| p.into_inner());
-                    let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
-                        .into_iter()
-                        .partition(|(b, _)| bufs.contains(b));
-                    *pending = rest;
-                    mine.into_iter().map(|(_, ev)| ev).collect()
-                };
-                for ev in &mine {
-                    self.stream
-                        .wait(ev)
-                        .map_err(|x| failed("waiting for a copy", x.0))?;
+/// One copy between the tiers: its ends' addresses.
+pub(super) enum Copy {
+    /// A pinned home (host address) into its device copy: a read.
+    ToDevice { dst: ds::CUdeviceptr, src: usize },
+    /// A device copy back to its pinned home: a write-back.
+    ToHost { dst: usize, src: ds::CUdeviceptr },
+}
+
+impl Copies {
+    /// Queues `copy` of `bytes` on the copy stream after everything `compute` has queued so
+    /// far, recording its end against `stage` (its device copy) for [`Copies::wait`].
+    pub(super) fn start(
+        &self,
+        compute: &CudaStream,
+        stage: BufId,
+        copy: Copy,
+        bytes: u64,
+    ) -> Result<()> {
+        let failed = |what: &str, e: cudarc::driver::DriverError| anyhow!("{what} ({e:?})");
+        let after = compute
+            .record_event(NO_TIMING)
+            .map_err(|e| failed("an event on the compute stream", e))?;
+        self.stream
+            .wait(&after)
+            .map_err(|e| failed("ordering the copy after the compute", e))?;
+        let cu = self.stream.cu_stream();
+        let n = bytes as usize;
+        // SAFETY: the plan placed `bytes` at each end; between this op and its await only
+        // the copy stream touches them (`plan::build::verify_transfers`), and the pinned
+        // allocation outlives the stream's work (the device synchronises before freeing).
+        unsafe {
+            match copy {
+                Copy::ToDevice { dst, src } => {
+                    let src = std::slice::from_raw_parts(src as *const u8, n);
+                    dr::memcpy_htod_async(dst, src, cu)
                 }
-                Ok(())
+                Copy::ToHost { dst, src } => {
+                    let dst = std::slice::from_raw_parts_mut(dst as *mut u8, n);
+                    dr::memcpy_dtoh_async(dst, src, cu)
+                }
             }
-            _ => Err(anyhow!("internal error: {} is not a transfer", e.name)),
         }
+        .map_err(|e| failed("a copy between pinned RAM and the GPU", e))?;
+        let done = self
+            .stream
+            .record_event(NO_TIMING)
+            .map_err(|e| failed("an event on the copy stream", e))?;
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((stage, done));
+        Ok(())
+    }
+
+    /// Makes `compute` wait (on the GPU, the host going on) for the copies started into or
+    /// out of `bufs`.
+    pub(super) fn wait(&self, compute: &CudaStream, bufs: &[BufId]) -> Result<()> {
+        let mine: Vec<CudaEvent> = {
+            let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+            let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
+                .into_iter()
+                .partition(|(b, _)| bufs.contains(b));
+            *pending = rest;
+            mine.into_iter().map(|(_, ev)| ev).collect()
+        };
+        for ev in &mine {
+            compute
+                .wait(ev)
+                .map_err(|e| anyhow!("waiting for a copy ({e:?})"))?;
+        }
+        Ok(())
     }
 }
 
