@@ -4,6 +4,8 @@
 //! tier up: the same ops in the same order, the same transfers at the same places, so the
 //! arithmetic (bitwise the weights of a run that offloads nothing, on the CPU) is unchanged.
 
+mod common;
+
 use memwall::backend::DeviceKind;
 use memwall::ir::schedule::Op;
 use memwall::ir::{Category, OptimState, Precision, Recompute, Tier};
@@ -255,7 +257,7 @@ fn transfers_to_pinned_ram_are_priced_at_the_bus_rates() {
 /// fits both, and every plan it keeps fits both.
 #[test]
 fn the_search_picks_the_fastest_placement_within_both_budgets() {
-    use memwall::plan::search::{self, Pick, Space};
+    use memwall::plan::search::{self, Space};
     use memwall::plan::time::{Bandwidth, Calibration, predict};
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
     let gpu = DeviceKind::Cuda.sizing();
@@ -267,28 +269,8 @@ fn the_search_picks_the_fastest_placement_within_both_budgets() {
         write_bytes_per_s: 2e8,
     });
     let space = |host_budget| Space {
-        global_batch: 2,
-        seq: 64,
-        threads: 2,
-        micro_batch: None,
-        recompute: Pick::Auto,
-        offload: Pick::Auto,
-        precision: Pick::Fixed(Precision::F32),
-        optim_state: Pick::Fixed(OptimState::F32),
-        offload_dir: None,
-        lora: None,
-        base_quant: Default::default(),
-        base_types: None,
-        distill: None,
-        ranks: 1,
-        tensor: Pick::Fixed(1),
-        pipeline: Pick::Fixed(1),
-        zero: Pick::Fixed(Default::default()),
-        sequence_parallel: Pick::Fixed(false),
-        stage_layers: Pick::Fixed(Vec::new()),
-        pipeline_chunks: Pick::Fixed(1),
-        update: Default::default(),
         host_budget,
+        ..common::one_process_space(2, 64)
     };
     let plan = |b: usize, r: Recompute, o: OffloadSet| {
         let mut c = StepConfig::new(b, 64, 2);

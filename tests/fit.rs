@@ -5,7 +5,7 @@ mod common;
 
 use common::{fails, memwall_env};
 use memwall::backend::under_test as backend;
-use memwall::ir::{OptimState, Precision, Recompute};
+use memwall::ir::Recompute;
 use memwall::model::ModelSpec;
 use memwall::plan::fit::predicted_peak;
 use memwall::plan::search::{self, Pick, Space};
@@ -97,30 +97,7 @@ fn exhaustive(spec: &ModelSpec, space: &Space, budget: u64, cal: &Calibration) -
 }
 
 fn space(global_batch: usize) -> Space {
-    Space {
-        global_batch,
-        seq: 64,
-        threads: 2,
-        micro_batch: None,
-        recompute: Pick::Auto,
-        offload: Pick::Auto,
-        precision: Pick::Fixed(Precision::F32),
-        optim_state: Pick::Fixed(OptimState::F32),
-        offload_dir: None,
-        lora: None,
-        base_quant: Default::default(),
-        base_types: None,
-        distill: None,
-        ranks: 1,
-        tensor: Pick::Fixed(1),
-        pipeline: Pick::Fixed(1),
-        zero: Pick::Fixed(Default::default()),
-        sequence_parallel: Pick::Fixed(false),
-        stage_layers: Pick::Fixed(Vec::new()),
-        pipeline_chunks: Pick::Fixed(1),
-        update: Default::default(),
-        host_budget: None,
-    }
+    common::one_process_space(global_batch, 64)
 }
 
 #[test]

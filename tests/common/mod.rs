@@ -285,3 +285,34 @@ pub fn rank_test_hparams(step: u64) -> memwall::exec::OptimHparams {
         step,
     }
 }
+
+/// What `--fit` searches on one process for `global_batch` rows of `seq` tokens: the
+/// micro-batch, recomputation and placement (fp32, fp32 moments, nothing else).
+pub fn one_process_space(global_batch: usize, seq: usize) -> memwall::plan::search::Space {
+    use memwall::ir::{OptimState, Precision};
+    use memwall::plan::search::{Pick, Space};
+    Space {
+        global_batch,
+        seq,
+        threads: 2,
+        micro_batch: None,
+        recompute: Pick::Auto,
+        offload: Pick::Auto,
+        precision: Pick::Fixed(Precision::F32),
+        optim_state: Pick::Fixed(OptimState::F32),
+        offload_dir: None,
+        lora: None,
+        base_quant: Default::default(),
+        base_types: None,
+        distill: None,
+        ranks: 1,
+        tensor: Pick::Fixed(1),
+        pipeline: Pick::Fixed(1),
+        zero: Pick::Fixed(Default::default()),
+        sequence_parallel: Pick::Fixed(false),
+        stage_layers: Pick::Fixed(Vec::new()),
+        pipeline_chunks: Pick::Fixed(1),
+        update: Default::default(),
+        host_budget: None,
+    }
+}
