@@ -135,12 +135,6 @@ impl Tier {
         }
     }
 
-    /// Whether the tier is memory (counts in a process's or a device's resident bytes), not
-    /// a file.
-    pub fn is_memory(self) -> bool {
-        !matches!(self, Tier::Nvme)
-    }
-
     /// Whether a buffer on this tier is held in the memory of compute tier `compute`: on it,
     /// or owned (its owner's host allocation) when the compute tier is host RAM.
     pub fn held_in(self, compute: Tier) -> bool {

@@ -68,9 +68,11 @@ impl MemoryTimeline {
     }
 }
 
-/// The buffers in RAM (the disk tier's are not memory: `plan.json`'s `by_tier` has them).
+/// The buffers in the compute tier's memory (the CPU's RAM, a GPU's: the tiers beneath are
+/// not stacked with it; `plan.json`'s `by_tier` has them).
 fn in_ram(plan: &PlanJson) -> impl Iterator<Item = &BufferInfo> {
-    plan.buffers.iter().filter(|b| b.tier.is_memory())
+    let compute = plan.tiers.first().map_or(Tier::Host, |u| u.tier);
+    plan.buffers.iter().filter(move |b| b.tier.held_in(compute))
 }
 
 /// The buffers live at `op`, largest first.
