@@ -189,6 +189,17 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
         compute.describe(),
         plan.schedule.ops[plan.peak_op].name
     );
+    if let Some(beneath) = plan.tiers.get(1).filter(|t| t.bytes > 0) {
+        let _ = writeln!(
+            s,
+            "  sum of bytes: every buffer once, on every tier: an offloaded buffer's home ({}) \
+             and each of its staging copies.",
+            plan.tier_uses(0, &Budgets::NONE)
+                .iter()
+                .find(|u| u.tier == beneath.tier)
+                .map_or(beneath.tier.describe().to_string(), |u| u.name.clone())
+        );
+    }
     let _ = writeln!(
         s,
         "\n  arena (packed by lifetime)  {:>12}   lower bound {} (peak live, at op {})",
