@@ -490,6 +490,10 @@ fn print_bus_time(plan: &plan::Plan, cal: &plan::time::Calibration) {
     let rates = cal.rates_to(memwall::ir::Tier::Host);
     let seconds = read as f64 / rates.read_bytes_per_s + written as f64 / rates.write_bytes_per_s;
     println!(
+        "  host RAM counts              the pinned arena and the loader's buffers; the process's \
+         own resident memory (CUDA's libraries: not planned yet) comes on top"
+    );
+    println!(
         "  pinned RAM <-> device        {} in, {} out a step: {:.3} s of copies at {:.0} / {:.0} GB/s (one copy stream: in and out in turn){}",
         fmt_bytes(read),
         fmt_bytes(written),
