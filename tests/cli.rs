@@ -188,6 +188,54 @@ fn a_gpu_plan_is_made_without_a_gpu() {
         "8GiB",
     ]);
     assert!(e.contains("--fit --device cuda"), "{e}");
+    // Nor do `train --fit` and the auto flags rank a GPU's choices by the CPU's costs: both
+    // refuse, naming the calibration that would rank them, before any run is made.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::prepared(tmp.path(), &common::small_corpus(tmp.path()));
+    let run = tmp.path().join("run");
+    let (data_s, run_s) = (data.to_str().unwrap(), run.to_str().unwrap());
+    let o = memwall_env(
+        &env,
+        &[
+            "train",
+            "--device",
+            "cuda",
+            "--model",
+            "gpt2-tiny",
+            "--data",
+            data_s,
+            "--out",
+            run_s,
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--fit",
+            "--max-memory",
+            "8GiB",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("--fit --device cuda")
+            && err.contains("memwall calibrate --device cuda"),
+        "{err}"
+    );
+    assert!(!run.exists(), "a refused run left {}", run.display());
+    for auto in [["--offload", "auto"], ["--recompute", "auto"]] {
+        let mut a = vec!["plan", "--device", "cuda", "--model", "gpt2-tiny"];
+        a.extend(auto);
+        a.extend(["--max-memory", "8GiB"]);
+        let o = memwall_env(&env, &a);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success()
+                && err.contains(&format!("{} auto with a GPU", auto[0]))
+                && err.contains("memwall calibrate --device cuda"),
+            "{err}"
+        );
+    }
 }
 
 /// A build without the `cuda` feature refuses to run on a GPU, naming the feature, with exit
