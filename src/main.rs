@@ -401,12 +401,6 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         if !a.json {
             println!("  fits --max-memory {}", fmt_bytes(budget));
         }
-    }
-    if let Some(host) = a.step.max_host_memory {
-        plan::fit::check_host_budget(&plan, Some(host))?;
-        if !a.json {
-            println!("  fits --max-host-memory {}", fmt_bytes(host));
-        }
     } else if !a.json
         && backend.baseline_bytes().is_none()
         && let Some(available) = rss::available_memory()
@@ -417,6 +411,12 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
             .max()
             .unwrap_or_else(|| plan::fit::predicted_peak(&plan, baseline));
         println!("{}", fits_this_machine(peak, available, a.ranks));
+    }
+    if let Some(host) = a.step.max_host_memory {
+        plan::fit::check_host_budget(&plan, Some(host))?;
+        if !a.json {
+            println!("  fits --max-host-memory {}", fmt_bytes(host));
+        }
     }
     Ok(())
 }
@@ -479,9 +479,6 @@ fn fmt_gib_floor(bytes: u64) -> String {
     format!("{}GiB", (bytes >> 30).max(1))
 }
 
-/// Checks that the plan's offload file fits the free space of `--offload-dir`, probes that
-/// disk (512 MiB written and read back, or half its free space where less) and prints how
-/// long the plan's transfers of a step take on it; without the flag, says how to get that.
 /// A GPU plan's traffic with pinned RAM a step, and what it takes at the bus's rates (its
 /// calibration's, or the nominal ones, said so): the copies run in turn on one stream, so
 /// the two directions add up.
@@ -507,6 +504,9 @@ fn print_bus_time(plan: &plan::Plan, cal: &plan::time::Calibration) {
     );
 }
 
+/// Checks that the plan's offload file fits the free space of `--offload-dir`, probes that
+/// disk (512 MiB written and read back, or half its free space where less) and prints how
+/// long the plan's transfers of a step take on it; without the flag, says how to get that.
 fn print_disk_time(plan: &plan::Plan, dir: Option<&std::path::Path>) -> Result<()> {
     let Some(dir) = dir else {
         println!(
@@ -699,19 +699,8 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         );
     }
     let mut strategies = a.strategy.request().strategies(a.max_memory)?;
-    if let Some(host) = a.max_host_memory {
-        if a.device.kind != memwall::backend::DeviceKind::Cuda {
-            bail!(
-                "--max-host-memory with --device {}: host RAM is where this device computes, \
-                 so --max-memory is its budget",
-                a.device
-            );
-        }
-        if host == 0 {
-            bail!("--max-host-memory 0: give the host RAM the plan may pin, e.g. 64GiB");
-        }
-        strategies.max_host_memory = Some(host);
-    }
+    resolve::check_host_memory_flag(a.max_host_memory, a.device)?;
+    strategies.max_host_memory = a.max_host_memory;
     if let Some(l) = a.strategy.request().lora {
         let family = memwall::model::ModelSpec::resolve(&a.model)?.family;
         strategies.lora = Some(l.spec(family)?);

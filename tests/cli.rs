@@ -1467,6 +1467,12 @@ fn plan_says_whether_it_fits_this_machine() {
         small.contains("own RAM peak: ") && small.contains("live at peak: "),
         "{small}"
     );
+    // Given a budget, it speaks of that budget instead.
+    let budgeted = ok(&["plan", "--model", "gpt2-tiny", "--max-memory", "2GiB"]);
+    assert!(
+        budgeted.contains("fits --max-memory 2.00 GiB") && !budgeted.contains("fits this machine"),
+        "{budgeted}"
+    );
     // Terabytes: more than any machine this runs on.
     let huge = ok(&[
         "plan",

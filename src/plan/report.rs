@@ -194,10 +194,7 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
             s,
             "  sum of bytes: every buffer once, on every tier: an offloaded buffer's home ({}) \
              and each of its staging copies.",
-            plan.tier_uses(0, &Budgets::NONE)
-                .iter()
-                .find(|u| u.tier == beneath.tier)
-                .map_or(beneath.tier.describe().to_string(), |u| u.name.clone())
+            plan.tier_name(beneath.tier)
         );
     }
     let _ = writeln!(

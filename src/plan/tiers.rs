@@ -94,18 +94,23 @@ impl Plan {
         peak
     }
 
+    /// Tier `t`'s name in this plan's reports: its own ([`Tier::describe`]), or `host RAM`
+    /// beneath a GPU (its arena page-locked, so the GPU copies it directly; the loader's
+    /// buffers beside it).
+    pub fn tier_name(&self, t: Tier) -> &'static str {
+        match t {
+            Tier::Host if self.compute_tier() != Tier::Host => "host RAM",
+            t => t.describe(),
+        }
+    }
+
     /// Each tier the plan packs, in the backend's order, with its peak and budget.
     pub fn tier_uses(&self, baseline: u64, budgets: &Budgets) -> Vec<TierUse> {
         self.tiers
             .iter()
             .map(|s| TierUse {
                 tier: s.tier,
-                name: match s.tier {
-                    // Host RAM beneath a GPU: its arena page-locked, so the GPU copies it
-                    // directly; the loader's buffers beside it.
-                    Tier::Host if self.compute_tier() != Tier::Host => "host RAM".to_string(),
-                    t => t.describe().to_string(),
-                },
+                name: self.tier_name(s.tier).to_string(),
                 packed_bytes: s.bytes,
                 peak_bytes: self.tier_peak(s.tier, baseline),
                 budget_bytes: budgets.of(s.tier),

@@ -2,6 +2,7 @@
 //! `--global-batch` make them, or as the `--fit` search chooses them.
 
 use super::request::{DEFAULT_SEQ, StepRequest, StrategyRequest};
+use crate::backend::DeviceId;
 use crate::ir::Sizing;
 use crate::ir::shard::Zero;
 use crate::ir::{OptimState, Precision, RecomputeChoice};
@@ -200,6 +201,20 @@ pub struct Frozen {
     )>,
 }
 
+/// Refuses `--max-host-memory` (`host`) where it budgets nothing: 0, or a device that
+/// computes in host RAM (whose budget is `--max-memory`).
+pub fn check_host_memory_flag(host: Option<u64>, device: DeviceId) -> Result<()> {
+    match host {
+        Some(0) => bail!("--max-host-memory 0: give the host RAM the plan may pin, e.g. 64GiB"),
+        Some(_) if device.sizing().tiers()[0] == crate::ir::Tier::Host => bail!(
+            "--max-host-memory with --device {device}: host RAM is where this device computes, \
+             so --max-memory is its budget; --max-host-memory budgets the pinned RAM beneath a \
+             GPU (--device cuda)"
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Resolves `--batch`, `--global-batch`, `--fit` and the strategy flags for `spec`, with
 /// the base and adapters `frozen` gives where it gives them (so `--batch auto` and `--fit`
 /// plan the base as the run will keep it).
@@ -223,17 +238,7 @@ pub fn resolve_step(
             step.device
         );
     }
-    if step.max_host_memory == Some(0) {
-        bail!("--max-host-memory 0: give the host RAM the plan may pin, e.g. 64GiB");
-    }
-    if step.max_host_memory.is_some() && backend.tiers()[0] == crate::ir::Tier::Host {
-        bail!(
-            "--max-host-memory with --device {}: host RAM is where this device computes, so \
-             --max-memory is its budget; --max-host-memory budgets the pinned RAM beneath a GPU \
-             (--device cuda)",
-            step.device
-        );
-    }
+    check_host_memory_flag(step.max_host_memory, step.device)?;
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {
         bail!(
             "--lora-dropout needs --lora R (or, in `train`, --init-adapter DIR: the adapter then \
