@@ -231,12 +231,19 @@ fn time_line(plan: &plan::Plan, t: &plan::time::StepTime, cal: &plan::time::Cali
             t.bubble_s
         ));
     }
+    // Beneath a GPU the transfers cross its bus, and updates may run on the host's cores.
+    let gpu = plan.compute_tier() == memwall::ir::Tier::Device;
+    let host = match t.host_s > 0.0 {
+        true => format!(", host AdamW {:.2} s", t.host_s),
+        false => String::new(),
+    };
     format!(
-        "  predicted step time          {:.2} s ({:.0} tokens/s; {}-bound: compute {:.2} s, disk {:.2} s, waiting {:.2} s){comm}\n  time model                   {}",
+        "  predicted step time          {:.2} s ({:.0} tokens/s; {}-bound: compute {:.2} s, {} {:.2} s{host}, waiting {:.2} s){comm}\n  time model                   {}",
         t.step_s,
         tokens / t.step_s,
         format!("{:?}", t.bound).to_lowercase(),
         t.compute_s,
+        if gpu { "bus" } else { "disk" },
         t.io_s,
         t.stall_s,
         cal.describe()

@@ -3,11 +3,14 @@
 //! memory by transfers the plan schedules. The transformation is the CPU's disk tier's, one
 //! tier up: the same ops in the same order, the same transfers at the same places, so the
 //! arithmetic (bitwise the weights of a run that offloads nothing, on the CPU) is unchanged.
+//! Where the update's whole state is in pinned RAM (parameters, gradients and moments), the
+//! update runs on the host's cores in place instead: every op still reads the values the
+//! CPU's plan gives it.
 
 mod common;
 
 use memwall::backend::DeviceKind;
-use memwall::ir::schedule::Op;
+use memwall::ir::schedule::{Op, OpEntry};
 use memwall::ir::{Category, OptimState, Precision, Recompute, Tier};
 use memwall::model::ModelSpec;
 use memwall::plan::{Budgets, Mode, OffloadSet, Plan, StepConfig, build_plan};
@@ -25,6 +28,12 @@ fn cfg(set: OffloadSet, precision: Precision, optim: OptimState, accum: usize) -
 fn plan_on(kind: DeviceKind, spec: &ModelSpec, c: &StepConfig) -> Plan {
     build_plan(spec, c, Mode::Train, kind.sizing())
         .unwrap_or_else(|e| panic!("{} on {kind}: {e:#}", c.offload.set))
+}
+
+/// Whether a placement keeps the update's whole state in pinned RAM (so the update runs on
+/// the host's cores).
+fn update_on_host(set: OffloadSet) -> bool {
+    set.params && set.grads && set.optimizer
 }
 
 /// The categories a placement keeps beneath the compute tier.
@@ -48,7 +57,9 @@ fn homes_of(set: OffloadSet) -> Vec<Category> {
 /// Every placement, on GPT-2 and Llama shapes, fp32 and bf16, fp32 and int8 moments, with and
 /// without accumulation: the GPU's plan has two tiers, device memory and pinned RAM; what
 /// the placement names lives in pinned RAM and nothing else does; every op but a transfer
-/// computes on device memory; every transfer moves one buffer between the two.
+/// computes on device memory, but the updates where the placement keeps their whole state
+/// in pinned RAM, which run there (and touch nothing else); every transfer moves one buffer
+/// between the two.
 #[test]
 fn every_placement_keeps_its_homes_in_pinned_ram_and_computes_on_the_device() {
     for model in ["gpt2-tiny", "llama-tiny"] {
@@ -88,10 +99,14 @@ fn every_placement_keeps_its_homes_in_pinned_ram_and_computes_on_the_device() {
                     if matches!(e.op, Op::AwaitTransfers { .. }) {
                         continue;
                     }
+                    let on_host = e.runs_on_host(&plan.buffers, Tier::Device);
+                    let update = matches!(e.op, Op::AdamW { .. });
+                    assert_eq!(on_host, update && update_on_host(set), "{what}: {}", e.name);
+                    let tier = if on_host { Tier::Host } else { Tier::Device };
                     e.buffers(|id, _| {
                         let t = plan.buffer(id).placement.tier;
                         assert!(
-                            t == Tier::Device || t == Tier::Owned,
+                            t == tier || t == Tier::Owned,
                             "{what}: op {} touches {} on {t:?}",
                             e.name,
                             plan.buffer(id).name
@@ -105,11 +120,14 @@ fn every_placement_keeps_its_homes_in_pinned_ram_and_computes_on_the_device() {
 
 /// The GPU's staging is the CPU's disk tier's, one tier up: the same ops, transfers and
 /// waits in the same order, each transfer moving the same buffer (by name) in the same
-/// direction, for every placement.
+/// direction, for every placement whose update stays on the device.
 #[test]
 fn the_gpu_stages_as_the_cpu_does_one_tier_up() {
     let spec = ModelSpec::preset("llama-tiny").unwrap();
-    for set in OffloadSet::every() {
+    for set in OffloadSet::every()
+        .into_iter()
+        .filter(|&s| !update_on_host(s))
+    {
         let c = cfg(set, Precision::Bf16, OptimState::F32, 2);
         let (cpu, gpu) = (
             plan_on(DeviceKind::Cpu, &spec, &c),
@@ -132,6 +150,143 @@ fn the_gpu_stages_as_the_cpu_does_one_tier_up() {
         assert_eq!(moves(&cpu), moves(&gpu), "--offload {set}");
         assert_eq!(cpu.tier_bytes(Tier::Nvme) > 0, set.any(), "--offload {set}");
     }
+}
+
+/// A value's writer: the op and the step (`None`: the value the run started with).
+type Writer = Option<(String, usize)>;
+
+/// What each op of one step reads, as the value's writer: for every read of a buffer by an
+/// op (a staging copy read as its home), the op that last wrote it, and in which of two
+/// steps run in a row (`None`: the value the run started with). Transfers copy the value
+/// where they start (nothing touches either end until their await, and they run in order).
+fn reads(p: &Plan) -> Vec<(String, String, Writer)> {
+    let mut home: Vec<usize> = (0..p.buffers.len()).collect();
+    for e in &p.schedule.ops {
+        if let Op::Transfer { from, to } = e.op {
+            let (stage, h) = match p.buffer(from).placement.tier == p.compute_tier() {
+                true => (from, to),
+                false => (to, from),
+            };
+            home[stage.0] = h.0;
+        }
+    }
+    let mut value: Vec<Writer> = vec![None; p.buffers.len()];
+    let mut out = Vec::new();
+    let in_step = |e: &&OpEntry| p.schedule.in_step(e.phase);
+    for step in 0..2 {
+        for e in p.schedule.ops.iter().filter(in_step) {
+            match e.op {
+                Op::Transfer { from, to } => value[to.0] = value[from.0].clone(),
+                Op::AwaitTransfers { .. } => {}
+                _ => {
+                    let mut written = Vec::new();
+                    e.buffers(|id, access| {
+                        if access.reads() && step == 1 {
+                            let what = p.buffers[home[id.0]].name.clone();
+                            out.push((e.name.clone(), what, value[id.0].clone()));
+                        }
+                        if access.writes() {
+                            written.push(id);
+                        }
+                    });
+                    for id in written {
+                        value[id.0] = Some((e.name.clone(), step));
+                    }
+                }
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Every placement, fp32 and bf16, with and without accumulation, on GPT-2 and Llama shapes:
+/// each op of a GPU's step reads the value the CPU's plan (its disk tier, bitwise the plan
+/// that offloads nothing) gives it, written by the same op in the same step, whether the
+/// update runs on the device or on the host (there a group early: each forward still reads
+/// the weights its update just wrote, never the step before's).
+#[test]
+fn every_op_reads_what_the_cpu_plan_gives_it() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let spec = ModelSpec::preset(model).unwrap();
+        for (precision, accum) in [(Precision::F32, 1), (Precision::Bf16, 2)] {
+            for set in OffloadSet::every() {
+                let c = cfg(set, precision, OptimState::F32, accum);
+                let (cpu, gpu) = (
+                    plan_on(DeviceKind::Cpu, &spec, &c),
+                    plan_on(DeviceKind::Cuda, &spec, &c),
+                );
+                let (want, got) = (reads(&cpu), reads(&gpu));
+                let what = format!("{model} {precision:?} accum {accum} --offload {set}");
+                if let Some(k) = (0..want.len().min(got.len())).find(|&k| want[k] != got[k]) {
+                    panic!("{what}: the CPU's {:?}, the GPU's {:?}", want[k], got[k]);
+                }
+                assert_eq!(want.len(), got.len(), "{what}");
+            }
+        }
+    }
+}
+
+/// With parameters, gradients and moments in pinned RAM the update runs on the host, in
+/// place: no moment crosses the bus, and the bus carries less than the CPU's disk tier does
+/// for the same placement (which stages the update's state in and out). The time model
+/// puts those updates on the host's clock at its own rate (`host_adamw`), beside the GPU's.
+#[test]
+fn updates_in_pinned_ram_run_on_the_host_and_on_its_clock() {
+    use memwall::plan::time::{Bound, Calibration, Cost, op_kind, predict};
+    let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+    let c = cfg(OffloadSet::ALL, Precision::Bf16, OptimState::F32, 1);
+    let (cpu, gpu) = (
+        plan_on(DeviceKind::Cpu, &spec, &c),
+        plan_on(DeviceKind::Cuda, &spec, &c),
+    );
+    let on_host: Vec<&OpEntry> = (gpu.schedule.ops.iter())
+        .filter(|e| e.runs_on_host(&gpu.buffers, Tier::Device))
+        .collect();
+    let updates = gpu
+        .schedule
+        .ops
+        .iter()
+        .filter(|e| matches!(e.op, Op::AdamW { .. }));
+    assert_eq!(on_host.len(), updates.count());
+    for e in &gpu.schedule.ops {
+        if let Op::Transfer { from, to } = e.op {
+            for b in [from, to] {
+                assert_ne!(
+                    gpu.buffer(b).category,
+                    Category::OptimizerState,
+                    "{}",
+                    e.name
+                );
+            }
+        }
+    }
+    let (gpu_in, gpu_out) = gpu.io_bytes_per_step();
+    let (cpu_in, cpu_out) = cpu.io_bytes_per_step();
+    assert!(gpu_in < cpu_in && gpu_out < cpu_out);
+    // The host's AdamW, made slow: the step waits for it.
+    let mut cal = Calibration::estimate("an H200".into(), 1, 1000.0);
+    cal.gpu = true;
+    let kind = op_kind(&gpu, on_host[0]).unwrap();
+    assert!(kind.starts_with("host_adamw."), "{kind}");
+    let slow = Cost {
+        s_per_flop: 0.0,
+        s_per_byte: 1e-6,
+        s_per_op: 0.0,
+        samples: 1,
+        fit_error_pct: 0.0,
+    };
+    cal.kinds.insert(kind, slow);
+    let t = predict(&gpu, &cal);
+    let host: f64 = on_host
+        .iter()
+        .filter(|e| gpu.schedule.in_step(e.phase))
+        .map(|e| slow.seconds(e.flops, memwall::plan::time::op_bytes(&gpu, e)))
+        .sum();
+    assert!((t.host_s - host).abs() <= 1e-9 * host && host > 0.0);
+    assert_eq!(t.bound, Bound::Host);
+    assert!(t.step_s >= t.host_s && t.compute_s + t.io_s < t.host_s);
 }
 
 /// On a 124M model the device holds less for each thing offloaded: the optimizer's moments
@@ -221,7 +376,10 @@ fn the_pinned_tier_has_its_own_budget() {
 fn transfers_to_pinned_ram_are_priced_at_the_bus_rates() {
     use memwall::plan::time::{Bandwidth, Calibration, NOMINAL_BUS, NOMINAL_DISK, predict};
     let spec = ModelSpec::preset("gpt2-tiny").unwrap();
-    let c = cfg(OffloadSet::ALL, Precision::F32, OptimState::F32, 1);
+    // Everything but the moments: the update stays on the device, as on the CPU.
+    let mut set = OffloadSet::ALL;
+    set.optimizer = false;
+    let c = cfg(set, Precision::F32, OptimState::F32, 1);
     let busy = |p: &Plan, rates: Bandwidth| {
         let (read, written) = p.io_bytes_per_step();
         assert!(read > 0 && written > 0);
@@ -283,13 +441,22 @@ fn the_search_picks_the_fastest_placement_within_both_budgets() {
     let small = plan(1, Recompute::Full, OffloadSet::ALL);
     let (hi, lo) = (free.predicted_peak(0), small.predicted_peak(0));
     let all_host = small.tier_peak(Tier::Host, 0);
+    // Only the moments in pinned RAM: a budget pair this placement fits exactly.
+    let mut optimizer = OffloadSet::NONE;
+    optimizer.optimizer = true;
+    let moments = plan(1, Recompute::Full, optimizer);
     let mut policies = vec![Recompute::None, Recompute::Selective];
     policies.extend((2..=spec.n_layer).map(Recompute::Every));
     policies.push(Recompute::Full);
+    let mut found_some = 0;
     for (budget, host) in [
         ((hi + lo) / 2, None),
         ((hi + lo) / 2, Some(all_host / 2)),
-        (lo + (hi - lo) / 8, Some(all_host * 3 / 4)),
+        (
+            moments.predicted_peak(0),
+            Some(moments.tier_peak(Tier::Host, 0)),
+        ),
+        (lo + (hi - lo) / 8, Some(all_host)),
     ] {
         let found = search::search(&spec, &space(host), budget, 0, &cal, gpu).unwrap();
         let mut want = (f64::INFINITY, String::new());
@@ -307,6 +474,11 @@ fn the_search_picks_the_fastest_placement_within_both_budgets() {
             }
         }
         let what = format!("device {budget}, pinned {host:?}");
+        if want.0.is_infinite() {
+            assert!(found.ranked.is_empty(), "{what}: no candidate fits");
+            continue;
+        }
+        found_some += 1;
         let best = found
             .ranked
             .first()
@@ -330,6 +502,10 @@ fn the_search_picks_the_fastest_placement_within_both_budgets() {
             );
         }
     }
+    assert!(
+        found_some >= 3,
+        "the budgets leave too few searches to check"
+    );
     // Too little host RAM for what the device budget needs offloaded: nothing fits, and the
     // refusal names --max-host-memory.
     let budget = lo + (hi - lo) / 8;

@@ -4,7 +4,7 @@
 //! and a backend runs an op knowing nothing of the model, its parameter layout or the
 //! strategy that produced it.
 
-use super::buffer::BufId;
+use super::buffer::{BufId, Buffer, Tier};
 use super::mesh::{Axis, Peer};
 use super::part::TensorPart;
 use super::shard::CutOf;
@@ -716,6 +716,20 @@ pub struct OpEntry {
     /// `plan::lora`): [`OpEntry::params`] binds them in the base's buffers, and the op
     /// computes no gradient for them (a backward op still computes its input's gradient).
     pub frozen: bool,
+}
+
+impl OpEntry {
+    /// Whether the op runs on the host's cores, on its buffers where they live beneath a
+    /// GPU (`compute` is device memory): an [`Op::AdamW`] whose master weights are in
+    /// pinned host RAM. The planner keeps every buffer of such an op there (`plan::stage`,
+    /// checked by `plan::build::verify_transfers`), so its state never crosses the bus.
+    pub fn runs_on_host(&self, buffers: &[Buffer], compute: Tier) -> bool {
+        compute == Tier::Device
+            && matches!(self.op, Op::AdamW { .. })
+            && self
+                .params
+                .is_some_and(|b| buffers[b.buf.0].placement.tier == Tier::Host)
+    }
 }
 
 /// AdamW moment buffers in the plan's `OptimState` format, holding the moments of parameter

@@ -739,7 +739,10 @@ fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
 fn deferred_update(g: &mut Builder, r: &Request, grads: &Segments) -> bool {
     let deferred = r.offload.grads && !r.cfg.zero.shards_optimizer();
     if deferred {
-        defer_updates(g, grads);
+        // Updates of state all in pinned RAM run on the host (`stage::host_updates`): each
+        // goes a group early, so the read of its new weights can start a group ahead.
+        let on_host = r.home_tier == Some(Tier::Host) && r.offload.params && r.offload.optimizer;
+        defer_updates(g, grads, on_host);
         for id in grads.bufs() {
             g.buffers[id.0].persistent = true;
         }
@@ -1086,8 +1089,10 @@ fn is_update(phase: Phase) -> bool {
 /// just before the first op of the step that uses the group's parameters or gradients (its
 /// first forward op), as a [`Phase::DeferredUpdate`] op: there it applies the previous
 /// step's update, before anything reads the new values or overwrites the gradients (runs
-/// before gradient zeroing is inserted, which then comes after it).
-fn defer_updates(g: &mut Builder, grads: &Segments) {
+/// before gradient zeroing is inserted, which then comes after it). `early`: each goes
+/// before the first op of the group used just before its own instead (the first group's
+/// stays), so a transfer of its new weights that must follow it can start a group ahead.
+fn defer_updates(g: &mut Builder, grads: &Segments, early: bool) {
     let group =
         |r: &std::ops::Range<usize>| grads.segments.partition_point(|s| s.range.end <= r.start);
     let mut updates: Vec<Option<OpEntry>> = vec![None; grads.segments.len()];
@@ -1105,6 +1110,14 @@ fn defer_updates(g: &mut Builder, grads: &Segments) {
                 let k = group(&r);
                 at[k] = at[k].min(i);
             }
+        }
+    }
+    if early {
+        let mut order: Vec<usize> = (0..at.len()).collect();
+        order.sort_by_key(|&k| at[k]);
+        let first_uses: Vec<usize> = order.iter().map(|&k| at[k]).collect();
+        for (j, &k) in order.iter().enumerate().skip(1) {
+            at[k] = first_uses[j - 1];
         }
     }
     let mut before: Vec<Vec<OpEntry>> = vec![Vec::new(); g.ops.len()];
@@ -1513,43 +1526,52 @@ fn verify_transfers(plan: &Plan) -> Result<()> {
     let ops = &plan.schedule.ops;
     for (i, e) in ops.iter().enumerate() {
         let Op::Transfer { from, to } = e.op else {
+            // An update on the host runs where its state is (pinned RAM), the rest on the
+            // compute tier.
+            let on = match e.runs_on_host(&plan.buffers, compute) {
+                true => Tier::Host,
+                false => compute,
+            };
             let mut elsewhere = None;
             if !matches!(e.op, Op::AwaitTransfers { .. }) {
                 e.buffers(|id, _| {
                     let b = plan.buffer(id);
-                    if b.placement.tier != compute && !b.is_owned() {
+                    if b.placement.tier != on && !b.is_owned() {
                         elsewhere.get_or_insert(b);
                     }
                 });
             }
             if let Some(b) = elsewhere {
                 bail!(
-                    "internal error: op {} touches {}, which is on {} (ops compute on {})",
+                    "internal error: op {} touches {}, which is on {} (the op computes on {})",
                     e.name,
                     b.name,
                     b.placement.tier.describe(),
-                    compute.describe()
+                    on.describe()
                 );
             }
             continue;
         };
-        let stage = match plan.buffer(from).placement.tier == compute {
-            true => from,
-            false => to,
+        let (stage, home) = match plan.buffer(from).placement.tier == compute {
+            true => (from, to),
+            false => (to, from),
         };
         let awaits =
             |x: &OpEntry| matches!(&x.op, Op::AwaitTransfers { bufs } if bufs.contains(&stage));
         let Some(k) = ops[i + 1..].iter().position(awaits) else {
             bail!("internal error: transfer {} is never awaited", e.name);
         };
-        if let Some(x) = ops[i + 1..i + 1 + k]
-            .iter()
-            .find(|x| !matches!(x.op, Op::Transfer { .. }) && x.touches(stage))
-        {
+        // Nothing touches either end meanwhile: the device copy (ops on the compute tier)
+        // or the home (an update on the host).
+        let meddles = |x: &OpEntry| {
+            !matches!(x.op, Op::Transfer { .. }) && (x.touches(stage) || x.touches(home))
+        };
+        if let Some(x) = ops[i + 1..i + 1 + k].iter().find(|x| meddles(x)) {
+            let moved = if x.touches(stage) { stage } else { home };
             bail!(
                 "internal error: op {} touches {} while transfer {} moves it",
                 x.name,
-                plan.buffer(stage).name,
+                plan.buffer(moved).name,
                 e.name
             );
         }
@@ -1640,13 +1662,18 @@ mod tests {
             "{e}"
         );
 
-        // The wait gone: the copy is used while the read may still be filling it (a later
-        // wait on the same copy, its write-back's, comes after those uses).
+        // The wait gone: the copy is used while the read may still be filling it (or, where
+        // a later wait on the same copy comes after those uses, its write-back's, that one
+        // is taken for it).
         let mut never = plan.clone();
         never.schedule.ops.remove(w);
         let e = format!("{:#}", verify_ops(&never).unwrap_err());
         let read = &plan.schedule.ops[i].name;
-        assert!(e.contains(&format!("while transfer {read} moves")), "{e}");
+        assert!(
+            e.contains(&format!("while transfer {read} moves"))
+                || e.contains(&format!("{read} is never awaited")),
+            "{e}"
+        );
         // And with no wait at all after it.
         let mut unawaited = plan.clone();
         unawaited
@@ -1671,6 +1698,34 @@ mod tests {
         let e = format!("{:#}", verify_ops(&home_read).unwrap_err());
         assert!(
             e.contains("which is on RAM") && e.contains("device memory"),
+            "{e}"
+        );
+
+        // The update on the host (in place, in pinned RAM) moved to between the read of its
+        // weights and that read's wait: it would write them while the copy reads them.
+        let on_host = |e: &OpEntry| e.runs_on_host(&plan.buffers, Tier::Device) && e.touches(home);
+        let u = plan.schedule.ops.iter().position(on_host).unwrap();
+        assert!(u < i, "the update runs before its weights are read");
+        let mut racing = plan.clone();
+        let update = racing.schedule.ops.remove(u);
+        racing.schedule.ops.insert(i, update);
+        let e = format!("{:#}", verify_ops(&racing).unwrap_err());
+        assert!(
+            e.contains(&format!(
+                "touches {} while transfer {read}",
+                plan.buffer(home).name
+            )),
+            "{e}"
+        );
+        // And an update on the host given a buffer on the device (its first moment).
+        let mut astray = plan.clone();
+        let Op::AdamW { state, .. } = &plan.schedule.ops[u].op else {
+            unreachable!()
+        };
+        astray.schedule.ops[u].rename(state.m, to);
+        let e = format!("{:#}", verify_ops(&astray).unwrap_err());
+        assert!(
+            e.contains("which is on device memory (the op computes on RAM)"),
             "{e}"
         );
     }

@@ -659,7 +659,7 @@ pub fn search(
             let k = cfg.grad_accum as f64 / one.grad_accum as f64;
             // The pipeline's bubble is (p − 1) micro-batches' work whatever their number.
             Ok(Group {
-                bound: k * (t.step_s - t.update_s - t.bubble_s) + t.bubble_s + t.update_s,
+                bound: k * (t.step_s - t.once_s() - t.bubble_s).max(0.0) + t.bubble_s + t.once_s(),
                 cfg,
             })
         })
@@ -747,7 +747,7 @@ fn repeat_micro_batches(t: StepTime, built: usize, k: usize) -> StepTime {
     let scale = |x: f64| x * f;
     StepTime {
         // A stage's idle time is (p − 1) micro-batches' work, whatever their number.
-        step_s: t.update_s + (t.step_s - t.update_s - t.bubble_s) * f + t.bubble_s,
+        step_s: t.once_s() + (t.step_s - t.once_s() - t.bubble_s).max(0.0) * f + t.bubble_s,
         compute_s: t.update_s + (t.compute_s - t.update_s) * f,
         io_s: scale(t.io_s),
         stall_s: scale(t.stall_s),

@@ -125,12 +125,16 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize, home_tier: T
     if homes.is_empty() {
         return;
     }
-    let uses = home_uses(g, homes);
+    let on_host = host_updates(g, homes, home_tier);
+    let uses = home_uses(g, homes, &on_host);
     let mut spans = spans(g, homes, &uses);
     // A home whose spans neither read nor write it back holds nothing between them (a
     // micro-batch's gradients reduce-scattered into a shard, ZeRO 2 and 3): it stays an
-    // ordinary buffer, and the others are staged without it.
-    let moved = |k: usize| spans.iter().any(|s| s.home == k && (s.read || s.write));
+    // ordinary buffer, and the others are staged without it. A home an op uses in place
+    // (on the host) stays one.
+    let moved = |k: usize| {
+        uses[k].iter().any(|u| u.3) || spans.iter().any(|s| s.home == k && (s.read || s.write))
+    };
     if !(0..homes.len()).all(moved) {
         let kept: Vec<Home> = (0..homes.len())
             .filter(|&k| moved(k))
@@ -139,20 +143,43 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize, home_tier: T
         return stage(g, &kept, blocks, home_tier);
     }
     staging_copies(g, homes, &mut spans, home_tier);
-    let inserts = transfers(g, homes, &spans, blocks);
+    let inserts = transfers(g, homes, &spans, &uses, blocks);
     insert(g, inserts);
 }
 
-/// One op's use of a home: (op, reads, writes).
-type Use = (usize, bool, bool);
+/// One op's use of a home: (op, reads, writes, on the host: the op runs on the home itself,
+/// see [`host_updates`]).
+type Use = (usize, bool, bool, bool);
+
+/// Which ops run on the homes themselves, by op index: beneath a GPU (`home_tier` is pinned
+/// host RAM), an `AdamW` all of whose buffers (master weights, gradients, moments) are homes
+/// runs on the host's cores where its state is (`--offload optimizer,params,grads`), so its
+/// state never crosses the bus; only the gradients come out and the weights go back in.
+/// Such an op is no span's: the home's spans end before it, their write-backs are awaited
+/// before it, and reads after it start after it.
+fn host_updates(g: &Builder, homes: &[Home], home_tier: Tier) -> Vec<bool> {
+    let mut is_home = vec![false; g.buffers.len()];
+    for h in homes {
+        is_home[h.id.0] = true;
+    }
+    g.ops
+        .iter()
+        .map(|e| {
+            let mut all = home_tier == Tier::Host && matches!(e.op, Op::AdamW { .. });
+            e.buffers(|id, _| all &= is_home[id.0]);
+            all
+        })
+        .collect()
+}
 
 /// The key of home `k`: homes of one key are one parameter group (see `Home::group`).
 fn group_key(homes: &[Home], k: usize) -> usize {
     homes[k].group.map_or(k, |g| homes.len() + g)
 }
 
-/// Each home's uses, in schedule order, one per op.
-fn home_uses(g: &Builder, homes: &[Home]) -> Vec<Vec<Use>> {
+/// Each home's uses, in schedule order, one per op (`on_host`: the ops run on the homes
+/// themselves).
+fn home_uses(g: &Builder, homes: &[Home], on_host: &[bool]) -> Vec<Vec<Use>> {
     let mut home_of = vec![None; g.buffers.len()];
     for (k, h) in homes.iter().enumerate() {
         home_of[h.id.0] = Some(k);
@@ -168,7 +195,7 @@ fn home_uses(g: &Builder, homes: &[Home]) -> Vec<Vec<Use>> {
                     u.1 |= reads;
                     u.2 |= writes;
                 }
-                _ => uses[k].push((i, reads, writes)),
+                _ => uses[k].push((i, reads, writes, on_host[i])),
             }
         });
     }
@@ -202,45 +229,46 @@ fn spans(g: &Builder, homes: &[Home], uses: &[Vec<Use>]) -> Vec<Span> {
     let mut spans: Vec<Span> = Vec::new();
     for (k, home) in homes.iter().enumerate() {
         let between = by_kind.iter().find(|(kind, _)| *kind == home.kind);
-        let us = &uses[k];
-        if us.is_empty() {
-            continue;
-        }
         let persistent = g.buffers[home.id.0].persistent;
-        let mut start = 0;
-        // The last op of a collective on the home still at work (its await): the ranks'
-        // communication reads and writes the copy until then, so no span ends before it.
-        let mut busy_until = 0;
-        for j in 1..=us.len() {
-            busy_until = busy_until.max(awaited_at(g, us[j - 1].0));
-            let split = j == us.len()
-                || us[j].0 > busy_until && {
-                    let (a, b) = (us[j - 1].0, us[j].0);
-                    let other = between.is_some_and(|(_, ops)| {
-                        let i = ops.partition_point(|&(o, _)| o <= a);
-                        ops[i..]
-                            .iter()
-                            .take_while(|&&(o, _)| o < b)
-                            .any(|&(_, other)| other != key(k))
-                    });
-                    other || class(home.kind, g.ops[a].phase) != class(home.kind, g.ops[b].phase)
-                };
-            if !split {
-                continue;
+        let last_use = uses[k].last().map_or(0, |u| u.0);
+        // An op on the home itself (on the host) ends the spans before it.
+        for us in uses[k].split(|u| u.3).filter(|us| !us.is_empty()) {
+            let mut start = 0;
+            // The last op of a collective on the home still at work (its await): the ranks'
+            // communication reads and writes the copy until then, so no span ends before it.
+            let mut busy_until = 0;
+            for j in 1..=us.len() {
+                busy_until = busy_until.max(awaited_at(g, us[j - 1].0));
+                let split = j == us.len()
+                    || us[j].0 > busy_until && {
+                        let (a, b) = (us[j - 1].0, us[j].0);
+                        let other = between.is_some_and(|(_, ops)| {
+                            let i = ops.partition_point(|&(o, _)| o <= a);
+                            ops[i..]
+                                .iter()
+                                .take_while(|&&(o, _)| o < b)
+                                .any(|&(_, other)| other != key(k))
+                        });
+                        other
+                            || class(home.kind, g.ops[a].phase) != class(home.kind, g.ops[b].phase)
+                    };
+                if !split {
+                    continue;
+                }
+                let run = &us[start..j];
+                let written = run.iter().any(|u| u.2);
+                let last = run[run.len() - 1].0;
+                spans.push(Span {
+                    home: k,
+                    first: run[0].0,
+                    last,
+                    read: run[0].1,
+                    write: written && (persistent || last < last_use),
+                    class: class(home.kind, g.ops[run[0].0].phase),
+                    stage: home.id, // set by `staging_copies`
+                });
+                start = j;
             }
-            let run = &us[start..j];
-            let written = run.iter().any(|u| u.2);
-            let later = j < us.len();
-            spans.push(Span {
-                home: k,
-                first: run[0].0,
-                last: run[run.len() - 1].0,
-                read: run[0].1,
-                write: written && (persistent || later),
-                class: class(home.kind, g.ops[run[0].0].phase),
-                stage: home.id, // set by `staging_copies`
-            });
-            start = j;
         }
     }
     spans
@@ -304,8 +332,19 @@ type Insert = (usize, u8, OpEntry);
 /// per kind (see the module docs): a read starts `ahead` spans of its kind early and is
 /// awaited before the span's first op; a write starts after its last op and is awaited
 /// `ahead` spans of its kind later.
-fn transfers(g: &Builder, homes: &[Home], spans: &[Span], blocks: usize) -> Vec<Insert> {
+fn transfers(
+    g: &Builder,
+    homes: &[Home],
+    spans: &[Span],
+    uses: &[Vec<Use>],
+    blocks: usize,
+) -> Vec<Insert> {
     let n_ops = g.ops.len();
+    // The ops that run on each home itself (host updates, in order).
+    let on_home: Vec<Vec<usize>> = uses
+        .iter()
+        .map(|us| us.iter().filter(|u| u.3).map(|u| u.0).collect())
+        .collect();
     let key = |k: usize| group_key(homes, k);
     // With a deferred update, a step runs every op but the `Optimizer` ones, which run
     // alone between steps: a transfer is prefetched and awaited within the ops that run
@@ -371,10 +410,17 @@ fn transfers(g: &Builder, homes: &[Home], spans: &[Span], blocks: usize) -> Vec<
                     .checked_sub(ahead)
                     .map(|i| starts[i])
                     .or(starts.first().copied());
+                // Nor before an op on the home itself finished with it.
                 let prev_home = of_kind
                     .iter()
                     .filter(|o| o.home == s.home && o.last < s.first)
                     .map(|o| o.last + 1)
+                    .chain(
+                        on_home[s.home]
+                            .iter()
+                            .filter(|&&h| h < s.first)
+                            .map(|h| h + 1),
+                    )
                     .max();
                 let at = prev_kind
                     .unwrap_or(s.first)
@@ -403,10 +449,13 @@ fn transfers(g: &Builder, homes: &[Home], spans: &[Span], blocks: usize) -> Vec<
                     .copied()
                     .collect();
                 later.dedup_by_key(|o| o.first);
+                // And before an op on the home itself reads it.
+                let host = on_home[s.home].iter().find(|&&h| h > s.last).copied();
                 let next = later
                     .get(ahead - 1)
                     .map(|o| o.last + 1)
-                    .unwrap_or(end_of(s.class));
+                    .unwrap_or(end_of(s.class))
+                    .min(host.unwrap_or(n_ops));
                 let wait = Op::AwaitTransfers {
                     bufs: vec![s.stage],
                 };

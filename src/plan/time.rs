@@ -427,6 +427,10 @@ pub fn op_kind(plan: &Plan, e: &OpEntry) -> Option<String> {
         Op::GeluBackward { .. } => "gelu_bwd",
         Op::EncoderBackward { .. } => "encoder_bwd",
         Op::GradNorm { .. } => "grad_norm",
+        // An update on the host's cores, where its state is (beneath a GPU).
+        Op::AdamW { state, .. } if e.runs_on_host(&plan.buffers, plan.compute_tier()) => {
+            return Some(format!("host_adamw.{}/{storage}", state.format));
+        }
         Op::AdamW { state, .. } => {
             return Some(format!("adamw.{}/{storage}", state.format));
         }
@@ -523,12 +527,14 @@ fn transfer(plan: &Plan, from: BufId, to: BufId) -> (bool, u64, Tier) {
     }
 }
 
-/// Whether a step is bounded by arithmetic or by the disk.
+/// Whether a step is bounded by arithmetic, by the transfers (the disk, or a GPU's bus), or
+/// by the update on the host's cores beneath a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Bound {
     Compute,
     Io,
+    Host,
 }
 
 /// A step's predicted time.
@@ -546,8 +552,14 @@ pub struct StepTime {
     pub comm_s: f64,
     /// Seconds the compute waits for collectives: communication not hidden.
     pub comm_wait_s: f64,
-    /// Seconds of the update's ops (`Optimizer` and `DeferredUpdate` phases), in `compute_s`.
+    /// Seconds of the update's ops (`Optimizer` and `DeferredUpdate` phases) on the compute
+    /// tier, in `compute_s`.
     pub update_s: f64,
+    /// Seconds of the ops on the host's cores beside a GPU (updates of state in pinned RAM,
+    /// [`OpEntry::runs_on_host`]), not in `compute_s`: the host runs them while the GPU
+    /// works through what was queued before them.
+    #[serde(default)]
+    pub host_s: f64,
     /// Seconds a pipeline stage idles while the pipeline fills and drains (1F1B's bubble:
     /// (p − 1)/m of its forward and backward, stages taken as balanced; (p − 1)/(V·m) under
     /// the interleaved schedule of V runs per stage), in `step_s`.
@@ -560,11 +572,25 @@ pub struct StepTime {
     pub estimated: bool,
 }
 
+impl StepTime {
+    /// Seconds a step spends once whatever its number of micro-batches: its update, on the
+    /// compute tier and on the host.
+    pub fn once_s(&self) -> f64 {
+        self.update_s + self.host_s
+    }
+}
+
 /// Predicts the time of one training step of `plan` on the calibrated machine: the ops a
 /// step runs ([`crate::ir::Schedule::in_step`]) in order, transfers on the I/O clock.
+///
+/// Beneath a GPU, the host issues ops in order without waiting for them, except the ops it
+/// runs itself ([`OpEntry::runs_on_host`]): each waits for the transfers into or out of its
+/// buffers, and nothing after it starts before it ends (the host clock `th`).
 pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
     let mut estimated = cal.source == Source::Estimate;
     let (mut tc, mut ti, mut stall, mut busy) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let (mut th, mut host_s) = (0.0f64, 0.0f64);
+    let compute = plan.compute_tier();
     // The communication thread's clock, its busy seconds, and the compute clock's waits
     // for it.
     let (mut tcomm, mut comm_s, mut comm_wait) = (0.0f64, 0.0f64, 0.0f64);
@@ -589,7 +615,7 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
                     rates.write_bytes_per_s
                 };
                 let d = bytes as f64 / rate;
-                ti = ti.max(tc) + d;
+                ti = ti.max(tc).max(th) + d;
                 busy += d;
                 done[from.0] = ti;
                 done[to.0] = ti;
@@ -613,12 +639,17 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
                 });
                 let s = cost.seconds(e.flops, op_bytes(plan, e));
                 *by_kind.entry(kind).or_default() += s;
-                if let Some(buf) = e.op.collective_buf() {
+                if e.runs_on_host(&plan.buffers, compute) {
+                    let mut ready = th;
+                    e.buffers(|b, _| ready = ready.max(done[b.0]));
+                    th = ready + s;
+                    host_s += s;
+                } else if let Some(buf) = e.op.collective_buf() {
                     tcomm = tcomm.max(tc) + s;
                     done[buf.0] = tcomm;
                     comm_s += s;
                 } else {
-                    tc += s;
+                    tc = tc.max(th) + s;
                     if matches!(e.phase, Phase::Optimizer | Phase::DeferredUpdate) {
                         update_s += s;
                     }
@@ -642,11 +673,11 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
         *by_kind.entry("teacher forward".into()).or_default() += s;
         tc += s;
     }
-    let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s;
+    let compute_s: f64 = by_kind.values().sum::<f64>() - comm_s - host_s;
     let stage = plan.layout.stage;
     let slots = (stage.chunks.max(1) * plan.cfg.grad_accum) as f64;
     let bubble_s = (compute_s - update_s) * (stage.size - 1) as f64 / slots;
-    let step_s = tc.max(ti).max(tcomm) + bubble_s;
+    let step_s = tc.max(ti).max(tcomm).max(th) + bubble_s;
     let mut by_kind: Vec<(String, f64)> = by_kind.into_iter().collect();
     by_kind.sort_by(|a, b| b.1.total_cmp(&a.1));
     StepTime {
@@ -657,8 +688,11 @@ pub fn predict(plan: &Plan, cal: &Calibration) -> StepTime {
         comm_s,
         comm_wait_s: comm_wait + (tcomm - tc.max(ti)).max(0.0),
         update_s,
+        host_s,
         bubble_s,
-        bound: if busy > compute_s {
+        bound: if host_s > busy.max(compute_s) {
+            Bound::Host
+        } else if busy > compute_s {
             Bound::Io
         } else {
             Bound::Compute
