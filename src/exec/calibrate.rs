@@ -215,11 +215,11 @@ impl Case {
 }
 
 /// One timed op: its kind, FLOPs, bytes and seconds.
-struct Sample {
-    kind: String,
-    flops: f64,
-    bytes: f64,
-    secs: f64,
+pub(super) struct Sample {
+    pub(super) kind: String,
+    pub(super) flops: f64,
+    pub(super) bytes: f64,
+    pub(super) secs: f64,
 }
 
 /// Trains `cfg` on `spec` for a warm-up and one timed step, every op timed.
@@ -312,7 +312,7 @@ fn solve(mut a: Vec<Vec<f64>>, mut b: Vec<f64>) -> Option<Vec<f64>> {
 /// Fits `secs ≈ a · flops + b · bytes + c` with a, b, c ≥ 0, minimising the squared relative
 /// error: every subset of the three terms is solved by least squares, and the best fit whose
 /// coefficients are all non-negative is kept.
-fn fit(samples: &[&Sample]) -> Cost {
+pub(super) fn fit(samples: &[&Sample]) -> Cost {
     let feats = |s: &Sample| [s.flops, s.bytes, 1.0];
     let mut best: Option<(f64, [f64; 3])> = None;
     for mask in 1u8..8 {
@@ -480,7 +480,14 @@ pub fn run(opts: &CalibrateOptions, progress: &mut dyn FnMut(&str)) -> Result<Ca
     for s in &samples {
         by_kind.entry(s.kind.clone()).or_default().push(s);
     }
-    let kinds: BTreeMap<String, Cost> = by_kind.into_iter().map(|(k, ss)| (k, fit(&ss))).collect();
+    let mut kinds: BTreeMap<String, Cost> =
+        by_kind.into_iter().map(|(k, ss)| (k, fit(&ss))).collect();
+    if gpu {
+        // Updates of state in pinned RAM run on the host's cores (`--offload
+        // optimizer,params,grads`).
+        progress("the host's AdamW, for updates in pinned RAM");
+        kinds.extend(super::calibrate_host::measure(opts.threads)?);
+    }
     let disk = match &opts.offload_dir {
         Some(dir) => {
             let size = crate::mem::probe::probe_size(dir)?;

@@ -11,6 +11,9 @@ use std::ptr::NonNull;
 pub struct Arena {
     ptr: NonNull<u8>,
     layout: Layout,
+    /// Whether the arena allocated its memory (and frees it), or borrows another's
+    /// ([`Arena::borrowed`]).
+    owned: bool,
 }
 
 // SAFETY: the arena is plain memory; synchronisation of views is the executor's job, which
@@ -34,7 +37,11 @@ impl Arena {
                 crate::util::bytes::fmt_bytes(bytes)
             );
         };
-        let arena = Arena { ptr, layout };
+        let arena = Arena {
+            ptr,
+            layout,
+            owned: true,
+        };
         {
             use rayon::prelude::*;
             // SAFETY: the whole allocation, exclusively ours here.
@@ -42,6 +49,30 @@ impl Arena {
             all.par_chunks_mut(1 << 20).for_each(|c| c.fill(0));
         }
         Ok(arena)
+    }
+
+    /// An arena over `bytes` of memory at `ptr` that another owns (a GPU's pinned host tier,
+    /// whose buffers the CPU's kernels then update in place); never freed by the arena.
+    ///
+    /// # Safety
+    /// `ptr` must hold `bytes` writable bytes, aligned to [`crate::ir::IO_ALIGN`], that
+    /// outlive the arena and that nothing else touches while its views are live.
+    pub unsafe fn borrowed(ptr: *mut u8, bytes: usize) -> Result<Arena> {
+        let layout = Layout::from_size_align(bytes.max(1), crate::ir::IO_ALIGN as usize)?;
+        let Some(ptr) = NonNull::new(ptr) else {
+            bail!("internal error: an arena over a null pointer");
+        };
+        if !(ptr.as_ptr() as usize).is_multiple_of(layout.align()) {
+            bail!(
+                "internal error: borrowed memory not aligned to {} bytes",
+                layout.align()
+            );
+        }
+        Ok(Arena {
+            ptr,
+            layout,
+            owned: false,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -70,7 +101,9 @@ impl Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        if self.owned {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        }
     }
 }

@@ -253,6 +253,15 @@ impl Calibration {
             // GeGLU (Gemma) where the suite measured only SwiGLU: the same traffic, an
             // exponential a value either way.
             self.kinds.get(&format!("swiglu{rest}")).copied()
+        } else if let Some((_, storage)) = kind
+            .strip_prefix("host_adamw.")
+            .and_then(|rest| rest.split_once('/'))
+        {
+            // The host's update with moments in another format: the f32 state's rate, per
+            // byte (`op_bytes` counts the format's bytes).
+            self.kinds
+                .get(&format!("host_adamw.f32/{storage}"))
+                .copied()
         } else if let Some(rest) = kind.strip_prefix("adamw_block_max") {
             // The tensor ranks' 8-bit block maxima: AdamW's arithmetic on its bytes read
             // (`op_bytes`), per byte.

@@ -146,6 +146,18 @@ fn gemm_panel_bytes(op: &Op) -> u64 {
     }
 }
 
+/// The pool of `threads` compute workers a device runs its kernels on.
+fn worker_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("memwall-worker-{i}"))
+        .build()
+        .map_err(|e| {
+            let what = format!("the {threads} compute threads");
+            crate::util::threads::refused(&what, e)
+        })
+}
+
 /// A plan started on the CPU: its host arena, its buffers' placements and the worker pool.
 pub struct CpuDevice {
     /// The disk tier's file and its I/O thread (plans with `--offload`). Declared first so
@@ -177,14 +189,7 @@ impl CpuDevice {
             );
         }
         crate::util::malloc::keep_library_scratch_resident();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(program.threads)
-            .thread_name(|i| format!("memwall-worker-{i}"))
-            .build()
-            .map_err(|e| {
-                let what = format!("the {} compute threads", program.threads);
-                crate::util::threads::refused(&what, e)
-            })?;
+        let pool = worker_pool(program.threads)?;
         let io = match (program.tier_bytes(Tier::Nvme), program.disk_dir) {
             (0, _) => None,
             (bytes, Some(dir)) => {
@@ -213,7 +218,45 @@ impl CpuDevice {
         })
     }
 
-    /// Whether the disk tier fell back to buffered I/O (its file system refused `O_DIRECT`).
+    /// The host's half of a plan started on a GPU: the updates whose whole state is in
+    /// pinned host RAM ([`OpEntry::runs_on_host`]) run here, with the CPU's own kernels on
+    /// `program.threads` workers, over `pinned` (the GPU's pinned tier, borrowed: the plan's
+    /// `Host` buffers are at their offsets in it). Nothing else of the plan runs here.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(in crate::backend) fn beneath_gpu(
+        program: &Program,
+        pinned: Arena,
+        comms: Comms,
+    ) -> Result<CpuDevice> {
+        Ok(CpuDevice {
+            io: None,
+            collectives: Collectives::new(comms, program.cuts, 0),
+            pending: Default::default(),
+            stall_ns: Default::default(),
+            arena: pinned,
+            pool: worker_pool(program.threads)?,
+            buffers: program.buffers.to_vec(),
+            storage: program.storage,
+            free_between_steps: (0, 0),
+            state: program.schedule.implicit.clone(),
+        })
+    }
+
+    /// The whole arena, `bytes` of it (tests).
+    #[cfg(test)]
+    #[allow(clippy::mut_from_ref)]
+    fn padded_all(&self, bytes: u64) -> &mut [u8] {
+        // SAFETY: tests only, with no op running.
+        unsafe { self.arena.view_mut::<u8>(0, bytes as usize) }
+    }
+
+    /// The plan's buffers, with their tiers and offsets.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(in crate::backend) fn buffers(&self) -> &[Buffer] {
+        &self.buffers
+    }
+
+    /// The disk tier's I/O thread (plans with a disk tier only).
     fn io(&self) -> &IoThread {
         self.io
             .as_ref()
@@ -645,5 +688,113 @@ pub(super) fn two_ranges<T>(
         let (lo, hi) = buf.split_at_mut(a.start);
         let bl = b.end - b.start;
         (&mut hi[..a.end - a.start], &mut lo[b.start..b.start + bl])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{AdamWStep, DeviceKind};
+    use crate::dist::{Comms, Single};
+    use crate::model::ModelSpec;
+    use crate::plan::{Mode, OffloadSet, StepConfig, build_plan};
+    use std::sync::Arc;
+
+    /// The host's half of a GPU plan whose updates have their state in pinned RAM: over an
+    /// arena laid out as the pinned tier, each update on the host changes its group's master
+    /// weights and moments in place exactly as the CPU's AdamW does on copies of them, and
+    /// touches no other byte of the tier.
+    #[test]
+    fn the_updates_beneath_a_gpu_run_on_the_pinned_tier_in_place() {
+        let spec = ModelSpec::preset("llama-tiny").unwrap();
+        let mut cfg = StepConfig::new(2, 32, 2);
+        cfg.offload.set = OffloadSet::ALL;
+        cfg.precision = crate::ir::Precision::Bf16;
+        let plan = build_plan(&spec, &cfg, Mode::Train, DeviceKind::Cuda.sizing()).unwrap();
+        let program = plan.program();
+        let bytes = program.tier_bytes(Tier::Host);
+        let world: Arc<dyn crate::dist::Comm> = Arc::new(Single);
+        let comms = Comms::new(world, &plan.cfg.mesh).unwrap();
+        let host = CpuDevice::beneath_gpu(&program, Arena::new(bytes).unwrap(), comms).unwrap();
+        // Every byte of the tier set to something distinct (finite as f32 and bf16).
+        let all = host.padded_all(bytes);
+        for (i, b) in all.iter_mut().enumerate() {
+            *b = [0x3c, 0x3d, 0x3e, 0x3f][i % 4] ^ ((i / 4) % 7) as u8;
+        }
+        let before = all.to_vec();
+        let step = AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 3,
+            grad_scale: 0.5,
+        };
+        let ctx = StepCtx {
+            seq: None,
+            training: true,
+            loss_scale: 1.0,
+            update: Some(step),
+            dropout_seed: 0,
+            first_micro: 0,
+            loss_tokens: 1,
+        };
+        let on_host = |e: &&OpEntry| e.runs_on_host(&plan.buffers, Tier::Device);
+        let updates: Vec<&OpEntry> = plan.schedule.ops.iter().filter(on_host).collect();
+        assert!(!updates.is_empty());
+        let mut want = before.clone();
+        let mut changed = vec![false; before.len()];
+        for e in &updates {
+            let Op::AdamW { tensors, state, .. } = &e.op else {
+                unreachable!()
+            };
+            let (p, g) = (e.params.unwrap(), e.grads.unwrap());
+            let at = |id: BufId| plan.buffer(id).placement.offset as usize;
+            for t in tensors {
+                let f32s = |buf: BufId, base: usize| {
+                    let o = at(buf) + 4 * (t.range.start - base);
+                    o..o + 4 * t.range.len()
+                };
+                let (pr, mr, vr) = (
+                    f32s(p.buf, p.base),
+                    f32s(state.m, state.base),
+                    f32s(state.v, state.base),
+                );
+                let go = at(g.buf) + 2 * (t.range.start - g.base);
+                let grads: Vec<half::bf16> = want[go..go + 2 * t.range.len()]
+                    .chunks(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                    .collect();
+                let read = |r: &std::ops::Range<usize>, w: &[u8]| -> Vec<f32> {
+                    w[r.clone()]
+                        .chunks(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect()
+                };
+                let (mut pv, mut mv, mut vv) =
+                    (read(&pr, &want), read(&mr, &want), read(&vr, &want));
+                let hp = AdamWStep {
+                    weight_decay: if t.decay { step.weight_decay } else { 0.0 },
+                    ..step
+                };
+                super::super::adamw::adamw_update(&mut pv, &grads, &mut mv, &mut vv, &hp);
+                for (r, v) in [(pr, pv), (mr, mv), (vr, vv)] {
+                    let out: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    want[r.clone()].copy_from_slice(&out);
+                    changed[r].fill(true);
+                }
+            }
+            host.run(e, &ctx).unwrap();
+        }
+        let got = host.padded_all(bytes);
+        assert!(changed.iter().any(|&c| c));
+        for (i, (&a, &b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                a, b,
+                "byte {i} of the pinned tier (changed by an update: {})",
+                changed[i]
+            );
+        }
     }
 }

@@ -17,6 +17,7 @@ use super::rope_tables::{RopeTables, prepare_rope};
 use super::sizing::CudaSizing;
 use super::sizing::{SCRATCH_ALIGN, Scratch};
 use super::transfer::{Copies, Copy, Pinned};
+use crate::backend::cpu::CpuDevice;
 use crate::backend::{Backend, Device, Peak, StepCtx, Unavailable};
 use crate::dist::Comms;
 use crate::dtype::DType;
@@ -158,7 +159,7 @@ impl Backend for Gpu {
                 flag(self.index)
             );
         }
-        Ok(Box::new(GpuDevice::new(self, program)?))
+        Ok(Box::new(GpuDevice::new(self, program, comms)?))
     }
 
     /// The GPU's ceiling is not measured yet (a cuBLASLt GEMM's rate will be).
@@ -194,6 +195,9 @@ pub struct GpuDevice {
     /// Each buffer's device address and bytes (`None`: not in device memory: in the pinned
     /// tier, or an owned host buffer).
     bufs: Vec<Option<(ds::CUdeviceptr, u64)>>,
+    /// The updates that run on the host's cores, over the pinned tier (declared before it,
+    /// so dropped first): plans whose updates have their whole state there.
+    host: Option<CpuDevice>,
     /// The pinned host tier, where the plan offloads to (`--offload`), and the copy stream
     /// that moves its buffers ([`super::transfer`]); each buffer's host address there.
     pinned: Option<Pinned>,
@@ -221,7 +225,8 @@ unsafe impl Send for GpuDevice {}
 unsafe impl Sync for GpuDevice {}
 
 impl GpuDevice {
-    fn new(gpu: &Gpu, program: &Program) -> Result<GpuDevice> {
+    fn new(gpu: &Gpu, program: &Program, comms: Comms) -> Result<GpuDevice> {
+        let mut comms = Some(comms);
         gpu.ctx.bind_to_thread().map_err(|e| {
             anyhow!(
                 "--device {}: cannot use its context ({e:?})",
@@ -234,6 +239,7 @@ impl GpuDevice {
             stream,
             tiers: Vec::new(),
             bufs: vec![None; program.buffers.len()],
+            host: None,
             pinned: None,
             copies: None,
             pinned_bufs: vec![None; program.buffers.len()],
@@ -257,7 +263,16 @@ impl GpuDevice {
                             flag(gpu.index)
                         )
                     })?;
-                    device.pinned = Some(Pinned::new(t.bytes)?);
+                    let pinned = Pinned::new(t.bytes)?;
+                    let on_host = |e: &OpEntry| e.runs_on_host(program.buffers, Tier::Device);
+                    if program.schedule.ops.iter().any(on_host) {
+                        // SAFETY: `host` is declared before `pinned`, so dropped first; its
+                        // updates run between their buffers' `settle` and their next copies.
+                        let arena = unsafe { pinned.arena()? };
+                        let comms = comms.take().expect("one pinned tier");
+                        device.host = Some(CpuDevice::beneath_gpu(program, arena, comms)?);
+                    }
+                    device.pinned = Some(pinned);
                     device.copies = Some(Copies::new(stream));
                     continue;
                 }
@@ -342,11 +357,11 @@ impl GpuDevice {
                 let ends = (self.bufs[from.0], self.pinned_bufs[to.0]);
                 let (stage, copy, bytes) = match ends {
                     (Some((src, bytes)), Some((dst, _))) => {
-                        (*from, Copy::ToHost { dst, src }, bytes)
+                        ((*from, *to), Copy::ToHost { dst, src }, bytes)
                     }
                     _ => match (self.pinned_bufs[from.0], self.bufs[to.0]) {
                         (Some((src, _)), Some((dst, bytes))) => {
-                            (*to, Copy::ToDevice { dst, src }, bytes)
+                            ((*to, *from), Copy::ToDevice { dst, src }, bytes)
                         }
                         _ => bail!(
                             "internal error: {}: a transfer between device memory and pinned \
@@ -362,6 +377,30 @@ impl GpuDevice {
             Op::AwaitTransfers { bufs } => copies.wait(&self.stream, bufs).map_err(named),
             _ => bail!("internal error: {} is not a transfer", e.name),
         }
+    }
+
+    /// Runs `e`, an update whose whole state is in pinned RAM, on the host's cores with the
+    /// CPU's kernels (`host`), once the copies into or out of its buffers are done; the GPU
+    /// meanwhile works through what was queued before it.
+    fn run_on_host(&self, host: &CpuDevice, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
+        let Op::AdamW { state, .. } = &e.op else {
+            bail!(
+                "internal error: {} runs on the host but is no update",
+                e.name
+            );
+        };
+        if ctx.update.is_none() {
+            return Ok(()); // a skipped step
+        }
+        let mut homes = state.ids();
+        homes.extend(e.params.map(|b| b.buf));
+        homes.extend(e.grads.map(|b| b.buf));
+        if let Some(c) = &self.copies {
+            c.settle(&homes).map_err(|x| anyhow!("{}: {x:#}", e.name))?;
+        }
+        let mut result = Ok(());
+        host.scope(&mut || result = host.run(e, ctx));
+        result
     }
 
     /// Buffer `id`'s host address, when it is in the pinned tier.
@@ -402,6 +441,11 @@ impl GpuDevice {
 impl Device for GpuDevice {
     fn run(&self, e: &OpEntry, ctx: &StepCtx) -> Result<()> {
         self.bind()?;
+        if let Some(host) = &self.host
+            && e.runs_on_host(host.buffers(), Tier::Device)
+        {
+            return self.run_on_host(host, e, ctx);
+        }
         match e.op.family() {
             OpFamily::Fill => self.run_fill(e),
             OpFamily::Embedding => self.run_embedding(e, ctx),

@@ -11,18 +11,37 @@
 //!   wrote, and a read overwrites bytes that earlier ops used for another buffer. An
 //!   `AwaitTransfers` makes the compute stream wait for the copies into or out of its
 //!   buffers (their events): the host never blocks, the GPU orders itself.
+//! - An update whose whole state is in pinned RAM runs on the host's cores
+//!   ([`crate::ir::schedule::OpEntry::runs_on_host`]): before it, the host waits for the
+//!   last copy into or out of each of its buffers ([`Copies::settle`]); copies started after
+//!   it are queued after it returns, so they carry what it wrote.
 //! - The plan guarantees the rest (`plan::build::verify_transfers`): every transfer is
-//!   awaited before its device copy is used, and no op touches pinned memory.
+//!   awaited before its device copy is used, no op on the device touches pinned memory, and
+//!   no update on the host touches a buffer while a transfer moves it.
 
 use crate::ir::BufId;
 use anyhow::{Result, anyhow};
 use cudarc::driver::{CudaEvent, CudaStream, result as dr, sys as ds};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// The pinned host tier: one page-locked allocation, freed on drop.
 pub(super) struct Pinned {
     ptr: *mut u8,
     bytes: usize,
+}
+
+impl Pinned {
+    /// The tier as a host arena, for the CPU's kernels to update its buffers in place.
+    ///
+    /// # Safety
+    /// The arena must be dropped before the tier, and its views used only where no copy
+    /// moves their bytes (between a buffer's [`Copies::settle`] and its next copy).
+    pub(super) unsafe fn arena(&self) -> Result<crate::mem::arena::Arena> {
+        // SAFETY: `ptr` holds `bytes` (page-aligned, from cuMemHostAlloc); the caller keeps
+        // the rest of the contract.
+        unsafe { crate::mem::arena::Arena::borrowed(self.ptr, self.bytes) }
+    }
 }
 
 impl Pinned {
@@ -61,10 +80,12 @@ impl Drop for Pinned {
     }
 }
 
-/// The copy stream and the transfers in flight on it, by their device copy.
+/// The copy stream and the transfers in flight on it, by their device copy; and the last
+/// copy into or out of each pinned home, for the host's updates to wait for.
 pub(super) struct Copies {
     pub(super) stream: Arc<CudaStream>,
-    pending: Mutex<Vec<(BufId, CudaEvent)>>,
+    pending: Mutex<Vec<(BufId, Arc<CudaEvent>)>>,
+    last_on_home: Mutex<HashMap<BufId, Arc<CudaEvent>>>,
 }
 
 /// Events only order streams here: no timing.
@@ -75,6 +96,7 @@ impl Copies {
         Copies {
             stream,
             pending: Mutex::new(Vec::new()),
+            last_on_home: Mutex::new(HashMap::new()),
         }
     }
 
@@ -84,6 +106,24 @@ impl Copies {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
+        self.last_on_home
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Blocks the host until the last copy into or out of each of `homes` (pinned buffers)
+    /// is done: the copy stream runs in order, so every earlier one is too.
+    pub(super) fn settle(&self, homes: &[BufId]) -> Result<()> {
+        let events: Vec<Arc<CudaEvent>> = {
+            let mut last = self.last_on_home.lock().unwrap_or_else(|p| p.into_inner());
+            homes.iter().filter_map(|h| last.remove(h)).collect()
+        };
+        for ev in events {
+            ev.synchronize()
+                .map_err(|e| anyhow!("waiting for a copy to or from pinned RAM ({e:?})"))?;
+        }
+        Ok(())
     }
 }
 
@@ -97,11 +137,12 @@ pub(super) enum Copy {
 
 impl Copies {
     /// Queues `copy` of `bytes` on the copy stream after everything `compute` has queued so
-    /// far, recording its end against `stage` (its device copy) for [`Copies::wait`].
+    /// far, recording its end against `stage` (its device copy) for [`Copies::wait`] and
+    /// against `home` (its pinned buffer) for [`Copies::settle`].
     pub(super) fn start(
         &self,
         compute: &CudaStream,
-        stage: BufId,
+        (stage, home): (BufId, BufId),
         copy: Copy,
         bytes: u64,
     ) -> Result<()> {
@@ -134,17 +175,22 @@ impl Copies {
             .stream
             .record_event(NO_TIMING)
             .map_err(|e| failed("an event on the copy stream", e))?;
+        let done = Arc::new(done);
         self.pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push((stage, done));
+            .push((stage, done.clone()));
+        self.last_on_home
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(home, done);
         Ok(())
     }
 
     /// Makes `compute` wait (on the GPU, the host going on) for the copies started into or
     /// out of `bufs`.
     pub(super) fn wait(&self, compute: &CudaStream, bufs: &[BufId]) -> Result<()> {
-        let mine: Vec<CudaEvent> = {
+        let mine: Vec<Arc<CudaEvent>> = {
             let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
             let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
                 .into_iter()
