@@ -6,7 +6,7 @@
 //! [`crate::plan::time::op_bytes`] counts them (the other moment formats are priced per byte
 //! at the f32 state's rate).
 
-use super::calibrate::{Sample, fit};
+use super::calibrate_fit::{Sample, fit};
 use crate::backend::AdamWStep;
 use crate::backend::cpu::adamw::adamw_update;
 use crate::dtype::Elem;

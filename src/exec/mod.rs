@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod calibrate;
+mod calibrate_fit;
 mod calibrate_host;
 pub mod calibrate_transport;
 pub mod executor;
