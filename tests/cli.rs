@@ -177,6 +177,22 @@ fn a_gpu_plan_is_made_without_a_gpu() {
     );
     let e = fails(&["plan", "--model", "gpt2-tiny", "--max-host-memory", "1GiB"]);
     assert!(e.contains("--max-host-memory with --device cpu"), "{e}");
+    // --update in-backward on a GPU: with the update's state in pinned RAM each update runs
+    // on the host's cores; any other placement is refused, naming the one that runs.
+    let in_backward = |offload: &str| {
+        let mut a = vec!["plan", "--device", "cuda", "--model", "gpt2-tiny"];
+        a.extend(["--update", "in-backward", "--offload", offload]);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let out = ok(&in_backward("optimizer,params,grads"));
+    assert!(out.contains("pinned RAM <-> device"), "{out}");
+    let e = fails(&in_backward("optimizer"));
+    assert!(
+        e.contains(
+            "--update in-backward with --device cuda: only with --offload optimizer,params,grads"
+        ),
+        "{e}"
+    );
     let e = fails(&[
         "plan",
         "--device",

@@ -10,7 +10,7 @@
 mod common;
 
 use memwall::backend::DeviceKind;
-use memwall::ir::schedule::{Op, OpEntry};
+use memwall::ir::schedule::{Op, OpEntry, Phase};
 use memwall::ir::{Category, OptimState, Precision, Recompute, Tier};
 use memwall::model::ModelSpec;
 use memwall::plan::{Budgets, Mode, OffloadSet, Plan, StepConfig, build_plan};
@@ -159,7 +159,9 @@ type Writer = Option<(String, usize)>;
 /// op (a staging copy read as its home), the op that last wrote it, and in which of two
 /// steps run in a row (`None`: the value the run started with). Transfers copy the value
 /// where they start (nothing touches either end until their await, and they run in order).
-fn reads(p: &Plan) -> Vec<(String, String, Writer)> {
+/// `logical`: as the plan means it, each staging copy being its home and transfers moving
+/// nothing; staging is right when every op reads the same either way.
+fn reads(p: &Plan, logical: bool) -> Vec<(String, String, Writer)> {
     let mut home: Vec<usize> = (0..p.buffers.len()).collect();
     for e in &p.schedule.ops {
         if let Op::Transfer { from, to } = e.op {
@@ -171,11 +173,13 @@ fn reads(p: &Plan) -> Vec<(String, String, Writer)> {
         }
     }
     let mut value: Vec<Writer> = vec![None; p.buffers.len()];
+    let at = |id: memwall::ir::BufId| if logical { home[id.0] } else { id.0 };
     let mut out = Vec::new();
     let in_step = |e: &&OpEntry| p.schedule.in_step(e.phase);
     for step in 0..2 {
         for e in p.schedule.ops.iter().filter(in_step) {
             match e.op {
+                Op::Transfer { .. } | Op::AwaitTransfers { .. } if logical => {}
                 Op::Transfer { from, to } => value[to.0] = value[from.0].clone(),
                 Op::AwaitTransfers { .. } => {}
                 _ => {
@@ -183,14 +187,14 @@ fn reads(p: &Plan) -> Vec<(String, String, Writer)> {
                     e.buffers(|id, access| {
                         if access.reads() && step == 1 {
                             let what = p.buffers[home[id.0]].name.clone();
-                            out.push((e.name.clone(), what, value[id.0].clone()));
+                            out.push((e.name.clone(), what, value[at(id)].clone()));
                         }
                         if access.writes() {
                             written.push(id);
                         }
                     });
                     for id in written {
-                        value[id.0] = Some((e.name.clone(), step));
+                        value[at(id)] = Some((e.name.clone(), step));
                     }
                 }
             }
@@ -217,12 +221,58 @@ fn every_op_reads_what_the_cpu_plan_gives_it() {
                     plan_on(DeviceKind::Cpu, &spec, &c),
                     plan_on(DeviceKind::Cuda, &spec, &c),
                 );
-                let (want, got) = (reads(&cpu), reads(&gpu));
                 let what = format!("{model} {precision:?} accum {accum} --offload {set}");
-                if let Some(k) = (0..want.len().min(got.len())).find(|&k| want[k] != got[k]) {
-                    panic!("{what}: the CPU's {:?}, the GPU's {:?}", want[k], got[k]);
-                }
-                assert_eq!(want.len(), got.len(), "{what}");
+                same_reads(&reads(&cpu, false), &reads(&gpu, false), &what);
+                same_reads(&reads(&gpu, true), &reads(&gpu, false), &what);
+            }
+        }
+    }
+}
+
+/// Fails naming the first read that differs between `want` and `got`.
+fn same_reads(want: &[(String, String, Writer)], got: &[(String, String, Writer)], what: &str) {
+    if let Some(k) = (0..want.len().min(got.len())).find(|&k| want[k] != got[k]) {
+        panic!("{what}: {:?} where {:?} was meant", got[k], want[k]);
+    }
+    assert_eq!(want.len(), got.len(), "{what}");
+}
+
+/// `--update in-backward` beneath a GPU, with the update's state in pinned RAM: each group's
+/// update runs on the host inside the backward (a group late, so the GPU has the next
+/// group's backward to run meanwhile), and every op, updates included, reads what the plan
+/// means it to (each staging copy its home, transfers moving nothing): the gradients of this
+/// step's backward, the weights of the last step's update.
+#[test]
+fn updates_inside_the_backward_run_on_the_host_and_read_what_they_should() {
+    for model in ["gpt2-tiny", "llama-tiny"] {
+        let spec = ModelSpec::preset(model).unwrap();
+        for precision in [Precision::F32, Precision::Bf16] {
+            let mut set = OffloadSet::ALL;
+            for activations in [true, false] {
+                set.activations = activations;
+                let mut c = cfg(set, precision, OptimState::F32, 1);
+                c.update = memwall::ir::Update::InBackward;
+                let p = plan_on(DeviceKind::Cuda, &spec, &c);
+                let what = format!("{model} {precision:?} --offload {set} --update in-backward");
+                let ops = &p.schedule.ops;
+                let updates: Vec<usize> = (0..ops.len())
+                    .filter(|&i| matches!(ops[i].op, Op::AdamW { .. }))
+                    .collect();
+                assert!(
+                    updates
+                        .iter()
+                        .all(|&i| ops[i].runs_on_host(&p.buffers, Tier::Device))
+                );
+                // Inside the backward: all but the last two (each goes a group late) come
+                // before its last op.
+                let computes = |e: &OpEntry| {
+                    e.phase == Phase::Backward
+                        && !matches!(e.op, Op::Transfer { .. } | Op::AwaitTransfers { .. })
+                };
+                let last_backward = ops.iter().rposition(computes).unwrap();
+                let after = updates.iter().filter(|&&i| i > last_backward).count();
+                assert_eq!(after, 2, "{what}");
+                same_reads(&reads(&p, true), &reads(&p, false), &what);
             }
         }
     }

@@ -179,7 +179,9 @@ pub(super) fn build(
         quant_ws,
         gemm_ws,
     } = state_buffers(&mut g, &r, &layout, lora.as_ref(), sharded)?;
-    let head = update::head_slices(cfg, &layout);
+    // Updates on the host take the head whole: each slice's would split the head's weights
+    // into a read from pinned RAM per slice.
+    let head = update::head_slices(cfg, &layout).filter(|_| !r.updates_on_host());
     let grads = grad_buffers(&mut g, &layout, split.as_ref(), head.as_ref());
     let optim = moments(&mut g, &r, &layout, sharded);
     let mut io = emit_micro_batches(&mut g, &r);
@@ -204,7 +206,7 @@ pub(super) fn build(
     super::lora::sum_shared_grads(&mut g, &layout, &grads, shared, per_micro);
     norm_when_final(&mut g, &layout, &grads);
     if cfg.update == Update::InBackward {
-        update::move_updates(&mut g, &grads);
+        update::move_updates(&mut g, &grads, r.updates_on_host());
     }
     if let Some(plan) = base_storage(&mut g, &r, lora.as_ref(), base.as_ref())? {
         return Ok(plan);
@@ -264,7 +266,18 @@ struct Request<'a> {
     home_tier: Option<Tier>,
 }
 
+/// Whether the updates run on the host's cores (`stage::host_updates`): beneath a GPU,
+/// with their whole state (parameters, gradients, moments) in pinned RAM.
+fn updates_on_host(home_tier: Option<Tier>, offload: OffloadSet) -> bool {
+    home_tier == Some(Tier::Host) && offload.holds_the_update()
+}
+
 impl<'a> Request<'a> {
+    /// Whether the plan's updates run on the host's cores ([`updates_on_host`]).
+    fn updates_on_host(&self) -> bool {
+        updates_on_host(self.home_tier, self.offload)
+    }
+
     /// Checks the model and the step's sizes, naming the flags, and derives what the passes
     /// share.
     fn checked(
@@ -287,9 +300,6 @@ impl<'a> Request<'a> {
         }
         check_sizes(cfg)?;
         check_mesh(spec, cfg, mode)?;
-        if mode == Mode::Train {
-            update::check(cfg)?;
-        }
         if mode == Mode::Generate && cfg.precision != Precision::F32 {
             bail!("internal error: generation plans run in fp32");
         }
@@ -322,6 +332,9 @@ impl<'a> Request<'a> {
                     .collect::<Vec<_>>()
                     .join(", ")
             );
+        }
+        if mode == Mode::Train {
+            update::check(cfg, updates_on_host(home_tier, offload))?;
         }
         Ok(Request {
             spec,
@@ -737,12 +750,12 @@ fn emit_micro_batches(g: &mut Builder, r: &Request) -> Io {
 /// optimizer (ZeRO 1 and up): each rank's update is then followed by the all-gather of the
 /// updated shards, which the forward must await. Returns whether it does.
 fn deferred_update(g: &mut Builder, r: &Request, grads: &Segments) -> bool {
-    let deferred = r.offload.grads && !r.cfg.zero.shards_optimizer();
+    let deferred =
+        r.offload.grads && !r.cfg.zero.shards_optimizer() && r.cfg.update != Update::InBackward;
     if deferred {
-        // Updates of state all in pinned RAM run on the host (`stage::host_updates`): each
-        // goes a group early, so the read of its new weights can start a group ahead.
-        let on_host = r.home_tier == Some(Tier::Host) && r.offload.params && r.offload.optimizer;
-        defer_updates(g, grads, on_host);
+        // Updates on the host go a group early, so the read of their new weights can start
+        // a group ahead.
+        defer_updates(g, grads, r.updates_on_host());
         for id in grads.bufs() {
             g.buffers[id.0].persistent = true;
         }

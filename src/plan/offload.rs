@@ -67,6 +67,12 @@ impl OffloadSet {
         activations: true,
     };
 
+    /// Whether it keeps the update's whole state (parameters, gradients, moments) beneath
+    /// the compute tier: beneath a GPU the update then runs on the host's cores, in place.
+    pub fn holds_the_update(self) -> bool {
+        self.params && self.grads && self.optimizer
+    }
+
     /// Whether anything is offloaded.
     pub fn any(self) -> bool {
         self != OffloadSet::NONE
@@ -181,6 +187,13 @@ impl OffloadChoice {
     /// Whether this may put anything on disk (so an offload directory is needed).
     pub fn may_offload(self) -> bool {
         self != OffloadChoice::Set(OffloadSet::NONE)
+    }
+
+    /// Whether this is a placement that keeps the update's whole state beneath the compute
+    /// tier ([`OffloadSet::holds_the_update`]), so that beneath a GPU `--update in-backward`
+    /// runs (each update on the host's cores).
+    pub fn holds_the_update(self) -> bool {
+        matches!(self, OffloadChoice::Set(s) if s.holds_the_update())
     }
 
     /// The placements to try: the one asked for, or every one for `auto`.

@@ -31,8 +31,9 @@ use crate::model::ParamLayout;
 use anyhow::{Result, bail};
 use std::ops::Range;
 
-/// Refuses what `--update in-backward` does not compose with, naming the flags.
-pub(super) fn check(cfg: &StepConfig) -> Result<()> {
+/// Refuses what `--update in-backward` does not compose with, naming the flags;
+/// `on_host`: the updates run on the host's cores, their state in pinned RAM beneath a GPU.
+pub(super) fn check(cfg: &StepConfig, on_host: bool) -> Result<()> {
     if cfg.update != Update::InBackward {
         return Ok(());
     }
@@ -45,10 +46,11 @@ pub(super) fn check(cfg: &StepConfig) -> Result<()> {
             cfg.mesh.world()
         );
     }
-    if cfg.offload.set.any() {
+    if cfg.offload.set.any() && !on_host {
         bail!(
             "{flag} with --offload {}: offloaded state is staged for an update after the \
-             backward; use --update end, or --offload none",
+             backward; use --update end, or --offload none (beneath a GPU, --offload \
+             optimizer,params,grads runs each update on the host's cores inside the backward)",
             cfg.offload.set
         );
     }
@@ -249,8 +251,11 @@ pub(super) fn head_after_backward(g: &mut Builder, s: &HeadSlices) {
 
 /// Moves each `AdamW` op (of the optimizer phase, one per gradient segment) to just after
 /// the last op of the step that touches its segment's parameters or gradients (the
-/// segment's norm share among them), so its gradients die there.
-pub(super) fn move_updates(g: &mut Builder, grads: &Segments) {
+/// segment's norm share among them), so its gradients die there. `late` (updates on the
+/// host's cores): each goes where the next one would instead (the last stays), so the host,
+/// which waits for a group's gradients to land before updating it, has already queued the
+/// next group's backward for the GPU to run meanwhile.
+pub(super) fn move_updates(g: &mut Builder, grads: &Segments, late: bool) {
     let segs = &grads.segments;
     let first = |r: &Range<usize>| segs.partition_point(|s| s.range.end <= r.start);
     let mut last = vec![0usize; segs.len()];
@@ -274,13 +279,23 @@ pub(super) fn move_updates(g: &mut Builder, grads: &Segments) {
     let ops = std::mem::take(&mut g.ops);
     let mut after: Vec<Vec<OpEntry>> = vec![Vec::new(); ops.len()];
     let mut kept = Vec::with_capacity(ops.len());
+    let mut updates = Vec::new();
     for (i, e) in ops.into_iter().enumerate() {
         match (&e.op, e.phase) {
             (Op::AdamW { tensors, .. }, Phase::Optimizer) if !tensors.is_empty() => {
-                after[last[first(&tensors[0].range)]].push(e)
+                updates.push((last[first(&tensors[0].range)], e))
             }
             _ => kept.push((i, e)),
         }
+    }
+    updates.sort_by_key(|u| u.0);
+    let places: Vec<usize> = updates.iter().map(|u| u.0).collect();
+    for (j, (at, e)) in updates.into_iter().enumerate() {
+        let at = match late {
+            true => places.get(j + 1).copied().unwrap_or(at),
+            false => at,
+        };
+        after[at].push(e);
     }
     for (i, e) in kept {
         g.ops.push(e);

@@ -28,5 +28,7 @@ pub use request::{
     DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ, LoraRequest, StepRequest, StrategyRequest,
     TrainRequest,
 };
-pub use step::{Frozen, Resolved, check_host_memory_flag, fit_space, fixed, resolve_step};
+pub use step::{
+    Frozen, Resolved, check_host_memory_flag, fit_space, fixed, in_backward_on_gpu, resolve_step,
+};
 pub use train::{new_run, resume};

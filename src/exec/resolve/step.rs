@@ -201,6 +201,17 @@ pub struct Frozen {
     )>,
 }
 
+/// Why `--update in-backward` is refused on `device`, a GPU, without the placement that runs
+/// it there (`train` and `plan`/`bench` say the same).
+pub fn in_backward_on_gpu(device: DeviceId) -> String {
+    format!(
+        "--update in-backward with --device {device}: only with --offload \
+         optimizer,params,grads, which runs each update on the host's cores inside the backward \
+         (the GPU keeps the update after the backward otherwise); use --update end, or that \
+         --offload"
+    )
+}
+
 /// Refuses `--max-host-memory` (`host`) where it budgets nothing: 0, or a device that
 /// computes in host RAM (whose budget is `--max-memory`).
 pub fn check_host_memory_flag(host: Option<u64>, device: DeviceId) -> Result<()> {
@@ -231,12 +242,9 @@ pub fn resolve_step(
     let backend = step.device.sizing();
     if st.update == Some(crate::ir::Update::InBackward)
         && step.device.kind != crate::backend::DeviceKind::Cpu
+        && !st.offload.is_some_and(OffloadChoice::holds_the_update)
     {
-        bail!(
-            "--update in-backward with --device {}: runs on the CPU only for now; use --update \
-             end",
-            step.device
-        );
+        bail!("{}", in_backward_on_gpu(step.device));
     }
     check_host_memory_flag(step.max_host_memory, step.device)?;
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {

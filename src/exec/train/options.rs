@@ -299,12 +299,11 @@ impl TrainOptions {
                 self.grad_clip
             );
         }
-        if self.strategies.update == Update::InBackward && self.device.kind != DeviceKind::Cpu {
-            bail!(
-                "--update in-backward with --device {}: runs on the CPU only for now; use \
-                 --update end",
-                self.device
-            );
+        if self.strategies.update == Update::InBackward
+            && self.device.kind != DeviceKind::Cpu
+            && !self.strategies.offload.holds_the_update()
+        {
+            bail!("{}", crate::exec::resolve::in_backward_on_gpu(self.device));
         }
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
