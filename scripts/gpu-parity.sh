@@ -12,7 +12,10 @@
 #      each within 1e-4 of the run that stayed where it started.
 #   5. Offload ([gpu-offload]: pinned host RAM beneath the GPU): --offload all, optimizer and
 #      params, grads, activations, each bitwise the weights of the run that offloads nothing
-#      (fp32), and all in bf16.
+#      (fp32), and all in bf16 (with all of the update's state in pinned RAM, the update runs
+#      on the host's cores: the CPU's AdamW, bitwise the GPU's); --update in-backward with the
+#      update's state in pinned RAM (each update on the host inside the backward), bitwise
+#      --update end, both without clipping (on the CPU, without offload).
 # A and B name the two devices (default cpu and cuda); `B=cpu scripts/gpu-parity.sh` runs the
 # same checks on a machine without a GPU, which tests this script (every comparison then
 # holds bitwise). Writes runs under $WORK (default /tmp/gpu-parity); prints one line per check;
@@ -154,6 +157,16 @@ if train "bf16-none-b" "$B" "$work/llama-tiny.json" 20 --precision bf16 --recomp
     train "bf16-offload-b" "$B" "$work/llama-tiny.json" 20 --precision bf16 --recompute full --offload all; then
     check compare "llama bf16 on $B, --offload all against none" "$work/bf16-offload-b" "$work/bf16-none-b" bitwise - -
     check same_bytes "llama bf16 on $B, --offload all against none" "$work/bf16-offload-b" "$work/bf16-none-b"
+else
+    failed=$((failed + 1))
+fi
+# In-backward updates on the host (B a GPU; the CPU runs them in RAM): bitwise --update end.
+inb_offload=""
+[ "$B" = cuda ] && inb_offload="--offload optimizer,params,grads"
+if train "end-noclip-b" "$B" "$work/llama-tiny.json" 20 --precision fp32 --recompute full --grad-clip 0 $inb_offload &&
+    train "inb-b" "$B" "$work/llama-tiny.json" 20 --precision fp32 --recompute full --update in-backward $inb_offload; then
+    check compare "llama fp32 on $B, --update in-backward against end $inb_offload" "$work/inb-b" "$work/end-noclip-b" bitwise - -
+    check same_bytes "llama fp32 on $B, --update in-backward against end $inb_offload" "$work/inb-b" "$work/end-noclip-b"
 else
     failed=$((failed + 1))
 fi

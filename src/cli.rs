@@ -656,8 +656,10 @@ pub(crate) struct StrategyArgs {
     /// gradients (a 0.6B Qwen3 at 4 x 256 with --recompute full: a predicted peak of 7.0 GiB
     /// instead of 9.1). Bitwise the weights of end, without clipping (clipping by the global
     /// norm needs every gradient before the first update: train's --grad-clip is then 0,
-    /// and refused otherwise), one process on the CPU, no --offload, fp32 or bf16, and no
-    /// --distill-from. With --grad-accum above 1 the gradients add up over the micro-batches,
+    /// and refused otherwise), one process, fp32 or bf16, and no --distill-from; on the CPU
+    /// without --offload; on a GPU only with --offload optimizer,params,grads, where each
+    /// update runs on the host's cores while the GPU runs the next group's backward (the
+    /// step then takes about the longest of the GPU, the bus and the host's AdamW). With --grad-accum above 1 the gradients add up over the micro-batches,
     /// so they are freed in the last one's backward only, and the head's is not sliced.
     /// The LM head's logits are computed once more (a few percent of a step; a fifth of
     /// Gemma 3 270M's, whose 262k-word head is large beside its layers). A run resumes with
@@ -679,7 +681,10 @@ pub(crate) struct StrategyArgs {
     /// its update; with --lora, the frozen base too), grads (written after each group's backward, read back for the update,
     /// which then runs in the next step's forward so its disk traffic overlaps arithmetic),
     /// activations (what the forward keeps for the backward: with --recompute full, only the
-    /// block inputs). Weights are bitwise the same under every placement. On a GPU, unified
+    /// block inputs). With --device cuda and optimizer,params,grads together, the update runs
+    /// on the host's cores where its state is (the CPU's AdamW, bitwise the GPU's): only the
+    /// gradients cross the bus out and the weights back in. Weights are bitwise the same
+    /// under every placement. On a GPU, unified
     /// memory (cudaMallocManaged) is not offered: past the card's memory it pages on demand,
     /// unpredictably slowly (NVIDIA: "can vary up to 100x"); memwall plans every copy instead
     /// [default: none]

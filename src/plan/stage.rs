@@ -35,6 +35,15 @@
 //! - A transfer and its wait take the phase of the span they serve, so evaluation (forward
 //!   ops only) and the executor's split of a step into gradients and update each start and
 //!   wait for their own transfers.
+//! - Beneath a GPU (homes in pinned host RAM), an `AdamW` all of whose buffers are homes
+//!   (`--offload optimizer,params,grads`) runs on the host's cores on the homes themselves
+//!   ([`crate::ir::schedule::OpEntry::runs_on_host`]): it is no span's. Its home's spans end
+//!   before it, their write-backs are awaited before it, and reads after it start after it;
+//!   only the gradients cross the bus out and the weights back in. The planner places such
+//!   updates where the host has GPU work queued to overlap them: a deferred update a group
+//!   early (its weights' read can still start a group ahead), an update inside the backward
+//!   a group late (the next group's backward is queued before the host waits for this
+//!   group's gradients).
 //! - With a deferred update ([`crate::ir::schedule::Phase::DeferredUpdate`]), a group's update
 //!   and its forward ops share one parameter copy (read, updated, used, written back: one
 //!   read and one write fewer per step), and the `Optimizer` ops, which then run only
