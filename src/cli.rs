@@ -658,8 +658,9 @@ pub(crate) struct StrategyArgs {
     /// norm needs every gradient before the first update: train's --grad-clip is then 0,
     /// and refused otherwise), one process, fp32 or bf16, and no --distill-from; on the CPU
     /// without --offload; on a GPU only with --offload optimizer,params,grads, where each
-    /// update runs on the host's cores while the GPU runs the next group's backward (the
-    /// step then takes about the longest of the GPU, the bus and the host's AdamW). With --grad-accum above 1 the gradients add up over the micro-batches,
+    /// update runs on the host's cores while the GPU runs the next group's backward (a step
+    /// then takes about the forward plus the longer of the backward and the host's AdamW,
+    /// where --update end overlaps the host's AdamW with the next forward only). With --grad-accum above 1 the gradients add up over the micro-batches,
     /// so they are freed in the last one's backward only, and the head's is not sliced.
     /// The LM head's logits are computed once more (a few percent of a step; a fifth of
     /// Gemma 3 270M's, whose 262k-word head is large beside its layers). A run resumes with
