@@ -565,3 +565,49 @@ fn the_search_picks_the_fastest_placement_within_both_budgets() {
     let e = search::nothing_fits(&found, budget).to_string();
     assert!(e.contains("--max-host-memory 1.00 KiB"), "{e}");
 }
+
+/// The time model's host clock: each update on the host runs while the GPU works through
+/// what was queued before it. With the host's AdamW as long as the GPU's arithmetic, a
+/// deferred update hides some of it behind the next forward, and one inside the backward
+/// hides more, behind the backward (layers dominate this model): the step is longer than
+/// either, shorter than both one after the other.
+#[test]
+fn the_host_update_overlaps_the_gpus_work() {
+    use memwall::plan::time::{Calibration, Cost, op_kind, predict};
+    let spec = ModelSpec::preset("smollm2-135m").unwrap();
+    let mut hidden = Vec::new();
+    for update in [memwall::ir::Update::End, memwall::ir::Update::InBackward] {
+        let mut c = cfg(OffloadSet::ALL, Precision::Bf16, OptimState::F32, 1);
+        c.update = update;
+        let p = plan_on(DeviceKind::Cuda, &spec, &c);
+        let mut cal = Calibration::estimate("an H200".into(), 1, 1000.0);
+        cal.gpu = true;
+        let base = predict(&p, &cal);
+        let host = p
+            .schedule
+            .ops
+            .iter()
+            .find(|e| e.runs_on_host(&p.buffers, Tier::Device));
+        let kind = op_kind(&p, host.unwrap()).unwrap();
+        // The host's AdamW made as long as the GPU's arithmetic.
+        let scale = base.compute_s / base.host_s;
+        let as_long = Cost {
+            s_per_flop: 0.0,
+            s_per_byte: scale / 20e9,
+            s_per_op: scale * 10e-6,
+            samples: 1,
+            fit_error_pct: 0.0,
+        };
+        cal.kinds.insert(kind, as_long);
+        let t = predict(&p, &cal);
+        let what = format!("{update:?}: {t:?}");
+        assert!(
+            (t.host_s - t.compute_s).abs() < 1e-9 * t.compute_s,
+            "{what}"
+        );
+        assert!(t.step_s >= t.host_s.max(t.compute_s), "{what}");
+        assert!(t.step_s < t.host_s + t.compute_s, "{what}");
+        hidden.push((t.host_s + t.compute_s - t.step_s) / t.compute_s);
+    }
+    assert!(hidden[1] > 0.5 && hidden[1] > 2.0 * hidden[0], "{hidden:?}");
+}

@@ -9,7 +9,8 @@
 use super::calibrate_fit::{Sample, fit};
 use crate::backend::AdamWStep;
 use crate::backend::cpu::adamw::adamw_update;
-use crate::dtype::Elem;
+use crate::dtype::{DType, Elem};
+use crate::ir::OptimState;
 use crate::plan::time::Cost;
 use anyhow::Result;
 use half::{bf16, f16};
@@ -21,7 +22,7 @@ use std::time::Instant;
 const SIZES: [usize; 3] = [1 << 20, 4 << 20, 16 << 20];
 
 /// The fitted cost of the host's AdamW (f32 moments) by gradient storage type, as the kinds
-/// `host_adamw.f32/<storage>`, on `threads` workers.
+/// `host_adamw.fp32/<storage>` ([`crate::plan::time::op_kind`]'s), on `threads` workers.
 pub fn measure(threads: usize) -> Result<BTreeMap<String, Cost>> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -29,11 +30,17 @@ pub fn measure(threads: usize) -> Result<BTreeMap<String, Cost>> {
         .map_err(|e| crate::util::threads::refused("the host's AdamW threads", e))?;
     let mut kinds = BTreeMap::new();
     pool.install(|| {
-        kinds.insert("host_adamw.f32/f32".to_string(), fit_kind::<f32>());
-        kinds.insert("host_adamw.f32/bf16".to_string(), fit_kind::<bf16>());
-        kinds.insert("host_adamw.f32/f16".to_string(), fit_kind::<f16>());
+        kinds.insert(kind(DType::F32), fit_kind::<f32>());
+        kinds.insert(kind(DType::Bf16), fit_kind::<bf16>());
+        kinds.insert(kind(DType::F16), fit_kind::<f16>());
     });
     Ok(kinds)
+}
+
+/// The kind of a host update of f32 moments with gradients stored as `storage`, spelled as
+/// the time model spells it.
+pub fn kind(storage: DType) -> String {
+    format!("host_adamw.{}/{storage}", OptimState::F32)
 }
 
 /// Times the update with gradients stored as `G` over each of [`SIZES`] (one warm-up, then
@@ -77,6 +84,35 @@ fn fit_kind<G: Elem>() -> Cost {
 
 #[cfg(test)]
 mod tests {
+    use crate::backend::DeviceKind;
+    use crate::dtype::DType;
+    use crate::ir::{Precision, Tier};
+    use crate::model::ModelSpec;
+    use crate::plan::time::op_kind;
+    use crate::plan::{Mode, OffloadSet, StepConfig, build_plan};
+
+    /// The kinds measured are those the time model asks for a GPU plan's host updates, in
+    /// each storage type.
+    #[test]
+    fn the_kinds_measured_are_the_host_updates_kinds() {
+        let spec = ModelSpec::preset("gpt2-tiny").unwrap();
+        for (precision, storage) in [
+            (Precision::F32, DType::F32),
+            (Precision::Bf16, DType::Bf16),
+            (Precision::F16, DType::F16),
+        ] {
+            let mut cfg = StepConfig::new(1, 32, 1);
+            cfg.offload.set = OffloadSet::ALL;
+            cfg.precision = precision;
+            let p = build_plan(&spec, &cfg, Mode::Train, DeviceKind::Cuda.sizing()).unwrap();
+            let ops = &p.schedule.ops;
+            let e = ops
+                .iter()
+                .find(|e| e.runs_on_host(&p.buffers, Tier::Device));
+            assert_eq!(op_kind(&p, e.unwrap()).unwrap(), super::kind(storage));
+        }
+    }
+
     /// The measurement fits a positive per-byte rate for each storage type (its figures are
     /// the machine's: not checked here).
     #[test]
@@ -86,9 +122,9 @@ mod tests {
         assert_eq!(
             names,
             [
-                "host_adamw.f32/bf16",
-                "host_adamw.f32/f16",
-                "host_adamw.f32/f32"
+                "host_adamw.fp32/bf16",
+                "host_adamw.fp32/f16",
+                "host_adamw.fp32/f32"
             ]
         );
         for (kind, c) in &kinds {

@@ -260,7 +260,7 @@ impl Calibration {
             // The host's update with moments in another format: the f32 state's rate, per
             // byte (`op_bytes` counts the format's bytes).
             self.kinds
-                .get(&format!("host_adamw.f32/{storage}"))
+                .get(&format!("host_adamw.{}/{storage}", OptimState::F32))
                 .copied()
         } else if let Some(rest) = kind.strip_prefix("adamw_block_max") {
             // The tensor ranks' 8-bit block maxima: AdamW's arithmetic on its bytes read
