@@ -142,7 +142,8 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize, home_tier: T
     // ordinary buffer, and the others are staged without it. A home an op uses in place
     // (on the host) stays one.
     let moved = |k: usize| {
-        uses[k].iter().any(|u| u.3) || spans.iter().any(|s| s.home == k && (s.read || s.write))
+        uses[k].iter().any(|u| u.in_place)
+            || spans.iter().any(|s| s.home == k && (s.read || s.write))
     };
     if !(0..homes.len()).all(moved) {
         let kept: Vec<Home> = (0..homes.len())
@@ -156,9 +157,15 @@ pub(super) fn stage(g: &mut Builder, homes: &[Home], blocks: usize, home_tier: T
     insert(g, inserts);
 }
 
-/// One op's use of a home: (op, reads, writes, on the host: the op runs on the home itself,
-/// see [`host_updates`]).
-type Use = (usize, bool, bool, bool);
+/// One op's use of a home.
+#[derive(Clone, Copy)]
+struct Use {
+    op: usize,
+    reads: bool,
+    writes: bool,
+    /// The op runs on the home itself, on the host ([`host_updates`]).
+    in_place: bool,
+}
 
 /// Which ops run on the homes themselves, by op index: beneath a GPU (`home_tier` is pinned
 /// host RAM), an `AdamW` all of whose buffers (master weights, gradients, moments) are homes
@@ -200,11 +207,16 @@ fn home_uses(g: &Builder, homes: &[Home], on_host: &[bool]) -> Vec<Vec<Use>> {
             let Some(k) = home_of[id.0] else { return };
             let (reads, writes) = (access.reads(), access.writes());
             match uses[k].last_mut() {
-                Some(u) if u.0 == i => {
-                    u.1 |= reads;
-                    u.2 |= writes;
+                Some(u) if u.op == i => {
+                    u.reads |= reads;
+                    u.writes |= writes;
                 }
-                _ => uses[k].push((i, reads, writes, on_host[i])),
+                _ => uses[k].push(Use {
+                    op: i,
+                    reads,
+                    writes,
+                    in_place: on_host[i],
+                }),
             }
         });
     }
@@ -224,7 +236,7 @@ fn spans(g: &Builder, homes: &[Home], uses: &[Vec<Use>]) -> Vec<Span> {
     let kind_ops = |kind: Kind| {
         let mut ops: Vec<(usize, usize)> = (0..homes.len())
             .filter(|&k| homes[k].kind == kind)
-            .flat_map(|k| uses[k].iter().map(move |u| (u.0, key(k))))
+            .flat_map(|k| uses[k].iter().map(move |u| (u.op, key(k))))
             .collect();
         ops.sort_unstable();
         ops
@@ -239,18 +251,18 @@ fn spans(g: &Builder, homes: &[Home], uses: &[Vec<Use>]) -> Vec<Span> {
     for (k, home) in homes.iter().enumerate() {
         let between = by_kind.iter().find(|(kind, _)| *kind == home.kind);
         let persistent = g.buffers[home.id.0].persistent;
-        let last_use = uses[k].last().map_or(0, |u| u.0);
+        let last_use = uses[k].last().map_or(0, |u| u.op);
         // An op on the home itself (on the host) ends the spans before it.
-        for us in uses[k].split(|u| u.3).filter(|us| !us.is_empty()) {
+        for us in uses[k].split(|u| u.in_place).filter(|us| !us.is_empty()) {
             let mut start = 0;
             // The last op of a collective on the home still at work (its await): the ranks'
             // communication reads and writes the copy until then, so no span ends before it.
             let mut busy_until = 0;
             for j in 1..=us.len() {
-                busy_until = busy_until.max(awaited_at(g, us[j - 1].0));
+                busy_until = busy_until.max(awaited_at(g, us[j - 1].op));
                 let split = j == us.len()
-                    || us[j].0 > busy_until && {
-                        let (a, b) = (us[j - 1].0, us[j].0);
+                    || us[j].op > busy_until && {
+                        let (a, b) = (us[j - 1].op, us[j].op);
                         let other = between.is_some_and(|(_, ops)| {
                             let i = ops.partition_point(|&(o, _)| o <= a);
                             ops[i..]
@@ -265,15 +277,15 @@ fn spans(g: &Builder, homes: &[Home], uses: &[Vec<Use>]) -> Vec<Span> {
                     continue;
                 }
                 let run = &us[start..j];
-                let written = run.iter().any(|u| u.2);
-                let last = run[run.len() - 1].0;
+                let written = run.iter().any(|u| u.writes);
+                let last = run[run.len() - 1].op;
                 spans.push(Span {
                     home: k,
-                    first: run[0].0,
+                    first: run[0].op,
                     last,
-                    read: run[0].1,
+                    read: run[0].reads,
                     write: written && (persistent || last < last_use),
-                    class: class(home.kind, g.ops[run[0].0].phase),
+                    class: class(home.kind, g.ops[run[0].op].phase),
                     stage: home.id, // set by `staging_copies`
                 });
                 start = j;
@@ -352,7 +364,7 @@ fn transfers(
     // The ops that run on each home itself (host updates, in order).
     let on_home: Vec<Vec<usize>> = uses
         .iter()
-        .map(|us| us.iter().filter(|u| u.3).map(|u| u.0).collect())
+        .map(|us| us.iter().filter(|u| u.in_place).map(|u| u.op).collect())
         .collect();
     let key = |k: usize| group_key(homes, k);
     // With a deferred update, a step runs every op but the `Optimizer` ones, which run
