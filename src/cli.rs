@@ -657,7 +657,8 @@ pub(crate) struct StrategyArgs {
     /// instead of 9.1). Bitwise the weights of end, without clipping (clipping by the global
     /// norm needs every gradient before the first update: train's --grad-clip is then 0,
     /// and refused otherwise), one process, fp32 or bf16, and no --distill-from; on the CPU
-    /// without --offload; on a GPU only with --offload optimizer,params,grads, where each
+    /// without --offload; on a GPU only with an --offload that includes optimizer,params,grads
+    /// (all does), where each
     /// update runs on the host's cores while the GPU runs the next group's backward (a step
     /// then takes about the forward plus the longer of the backward and the host's AdamW,
     /// where --update end overlaps the host's AdamW with the next forward only). With --grad-accum above 1 the gradients add up over the micro-batches,

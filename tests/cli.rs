@@ -185,11 +185,30 @@ fn a_gpu_plan_is_made_without_a_gpu() {
         a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
     };
     let out = ok(&in_backward("optimizer,params,grads"));
-    assert!(out.contains("pinned RAM <-> device"), "{out}");
+    for says in [
+        "pinned RAM <-> device",
+        "AdamW                        on the host's cores",
+    ] {
+        assert!(out.contains(says), "{says}: {out}");
+    }
+    // plan.json marks the ops that run on the host: the updates, and only those.
+    let mut json = in_backward("all");
+    json.push("--json".into());
+    let v: serde_json::Value = serde_json::from_str(&ok(&json)).unwrap();
+    let ops = v["schedule"].as_array().unwrap();
+    let on_host: Vec<&str> = (ops.iter())
+        .filter(|o| o["on_host"] == true)
+        .map(|o| o["name"].as_str().unwrap())
+        .collect();
+    let updates = ops
+        .iter()
+        .filter(|o| o["name"].as_str().unwrap().ends_with(".adamw"));
+    assert_eq!(on_host.len(), updates.count(), "{on_host:?}");
+    assert!(on_host.iter().all(|n| n.ends_with(".adamw")), "{on_host:?}");
     let e = fails(&in_backward("optimizer"));
     assert!(
         e.contains(
-            "--update in-backward with --device cuda: only with --offload optimizer,params,grads"
+            "--update in-backward with --device cuda: only with an --offload that includes optimizer,params,grads"
         ),
         "{e}"
     );

@@ -307,9 +307,18 @@ pub fn table(plan: &Plan, baseline: u64, budgets: &Budgets, backend: &dyn Sizing
     s
 }
 
-/// One line per tier the plan packs, fastest first: its peak and the budget it must fit.
+/// One line per tier the plan packs, fastest first: its peak and the budget it must fit; and
+/// where the updates run when that is on the host's cores.
 pub fn tiers(plan: &Plan, baseline: u64, budgets: &Budgets) -> String {
-    let mut s = String::from("  tiers (ops compute on the first):\n");
+    let compute = plan.compute_tier();
+    let on_host = |e: &&crate::ir::schedule::OpEntry| e.runs_on_host(&plan.buffers, compute);
+    let host_updates = plan.schedule.ops.iter().filter(on_host).count();
+    let mut s = match host_updates {
+        0 => String::from("  tiers (ops compute on the first):\n"),
+        _ => String::from(
+            "  tiers (ops compute on the first; the AdamW updates on the host, below):\n",
+        ),
+    };
     for u in plan.tier_uses(baseline, budgets) {
         let budget = match u.budget_bytes {
             Some(b) => format!(
@@ -327,6 +336,14 @@ pub fn tiers(plan: &Plan, baseline: u64, budgets: &Budgets) -> String {
             fmt_bytes(u.peak_bytes)
         );
     }
+    if host_updates > 0 {
+        let _ = writeln!(
+            s,
+            "  AdamW                        on the host's cores ({} threads), in pinned RAM where \
+             its state is: the gradients go out over the bus, the weights come back in",
+            plan.cfg.threads
+        );
+    }
     s
 }
 
@@ -341,7 +358,14 @@ pub fn describe_update(plan: &Plan) -> Option<String> {
         .filter(|e| matches!(e.op, Op::LmHeadWeightGrad { .. }))
         .map(|e| e.flops)
         .collect();
+    let on_host =
+        (plan.schedule.ops.iter()).any(|e| e.runs_on_host(&plan.buffers, plan.compute_tier()));
     Some(match slices.len() {
+        0 if on_host => "update in-backward: each group's AdamW step on the host's cores once \
+             its gradients are final and written out, while the GPU runs the next group's \
+             backward (the LM head's gradient whole: slices would read its weights from pinned \
+             RAM once each)"
+            .to_string(),
         0 => format!(
             "update in-backward: each group's AdamW step in the last micro-batch's backward, \
              once its gradients are final (they add up over the {} micro-batches, so the LM \

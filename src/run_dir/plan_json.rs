@@ -53,9 +53,13 @@ fn host() -> Tier {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct OpInfo {
     pub name: String,
-    /// forward, recompute, backward or optimizer.
+    /// forward, recompute, backward, optimizer or deferred_update.
     pub phase: String,
     pub flops: u64,
+    /// The op runs on the host's cores beside a GPU (an update whose state is in pinned RAM,
+    /// `OpEntry::runs_on_host`); absent for the ops of the compute tier.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub on_host: bool,
 }
 
 /// The content of `plan.json`.
@@ -194,6 +198,7 @@ impl PlanJson {
                     name: o.name.clone(),
                     phase: spelling(&o.phase)?,
                     flops: o.flops,
+                    on_host: o.runs_on_host(&plan.buffers, plan.compute_tier()),
                 })
             })
             .collect::<Result<_>>()?;

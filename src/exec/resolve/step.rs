@@ -205,10 +205,10 @@ pub struct Frozen {
 /// it there (`train` and `plan`/`bench` say the same).
 pub fn in_backward_on_gpu(device: DeviceId) -> String {
     format!(
-        "--update in-backward with --device {device}: only with --offload \
-         optimizer,params,grads, which runs each update on the host's cores inside the backward \
-         (the GPU keeps the update after the backward otherwise); use --update end, or that \
-         --offload"
+        "--update in-backward with --device {device}: only with an --offload that includes \
+         optimizer,params,grads (all does), which runs each update on the host's cores inside \
+         the backward (the GPU keeps the update after the backward otherwise); use --update \
+         end, or such an --offload"
     )
 }
 
