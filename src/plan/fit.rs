@@ -531,10 +531,16 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
     };
     let can_offload = backend.offload_tier().is_some();
     if plan.mode == Mode::Train && can_offload && cfg.offload.set != OffloadSet::ALL {
-        // Offload composes with the update after the backward only.
+        // Offload composes with the update after the backward, but beneath a GPU, where the
+        // update then runs on the host's cores.
+        let gpu = backend.offload_tier() == Some(Tier::Host);
+        let update = match gpu {
+            true => cfg.update,
+            false => Update::End,
+        };
         let mut all = StepConfig {
             recompute: Recompute::Full,
-            update: Update::End,
+            update,
             ..cfg.clone()
         };
         all.offload.set = OffloadSet::ALL;
@@ -547,9 +553,9 @@ pub fn check_budget(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizin
         };
         advice.push_str(&format!(
             "; {}--offload all --recompute full needs {}{host}{}",
-            match cfg.update {
-                Update::InBackward => "--update end ",
-                Update::End => "",
+            match cfg.update != update {
+                true => "--update end ",
+                false => "",
             },
             fmt_bytes(p),
             if p <= budget {
