@@ -32,19 +32,6 @@ pub(super) struct Pinned {
 }
 
 impl Pinned {
-    /// The tier as a host arena, for the CPU's kernels to update its buffers in place.
-    ///
-    /// # Safety
-    /// The arena must be dropped before the tier, and its views used only where no copy
-    /// moves their bytes (between a buffer's [`Copies::settle`] and its next copy).
-    pub(super) unsafe fn arena(&self) -> Result<crate::mem::arena::Arena> {
-        // SAFETY: `ptr` holds `bytes` (page-aligned, from cuMemHostAlloc); the caller keeps
-        // the rest of the contract.
-        unsafe { crate::mem::arena::Arena::borrowed(self.ptr, self.bytes) }
-    }
-}
-
-impl Pinned {
     /// `bytes` of page-locked host memory, zeroed.
     pub(super) fn new(bytes: u64) -> Result<Pinned> {
         let bytes = bytes.max(1) as usize;
@@ -60,6 +47,17 @@ impl Pinned {
         // SAFETY: `ptr` holds `bytes` writable bytes.
         unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
         Ok(Pinned { ptr, bytes })
+    }
+
+    /// The tier as a host arena, for the CPU's kernels to update its buffers in place.
+    ///
+    /// # Safety
+    /// The arena must be dropped before the tier, and its views used only where no copy
+    /// moves their bytes (between a buffer's [`Copies::settle`] and its next copy).
+    pub(super) unsafe fn arena(&self) -> Result<crate::mem::arena::Arena> {
+        // SAFETY: `ptr` holds `bytes` (page-aligned, from cuMemHostAlloc); the caller keeps
+        // the rest of the contract.
+        unsafe { crate::mem::arena::Arena::borrowed(self.ptr, self.bytes) }
     }
 
     /// The address of byte `offset` (of a buffer the plan placed there).
