@@ -104,6 +104,9 @@ if [ "$part" = all ] || [ "$part" = 1 ]; then
     # bench above.
     sampled "bench gpt2 16 x 1024 bf16 --offload optimizer,params" \
         step "memwall bench on the GPU, state in pinned RAM (gpt2, 16 x 1024, bf16, --offload optimizer,params)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --offload optimizer,params --steps 5
+    # The update's whole state in pinned RAM: each AdamW on the host's cores, in place.
+    sampled "bench gpt2 16 x 1024 bf16 --offload all" \
+        step "memwall bench on the GPU, updates on the host (gpt2, 16 x 1024, bf16, --offload all)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --offload all --steps 5
     step "plan for the GPU" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --json
     sampled "bench gpt2 16 x 1024 bf16" \
         step "memwall bench on the GPU (gpt2, 16 x 1024, bf16)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
@@ -117,6 +120,13 @@ if [ "$part" = all ] || [ "$part" = 2 ]; then
     step "memwall bench on the GPU (gpt2, 16 x 1024, bf16; predicted by the calibration)" 120 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 5
     step "memwall bench on the GPU (smollm2-135m, 16 x 1024, bf16: RMSNorm, SwiGLU, RoPE, GQA)" 90 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model smollm2-135m --batch 16 --seq 1024 --precision bf16 --steps 3
     step "memwall bench on the GPU (smollm2-135m QLoRA 16 on q4_0, 16 x 1024, bf16)" 90 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model smollm2-135m --lora 16 --base-quant q4_0 --batch 16 --seq 1024 --precision bf16 --steps 3
+    # [gpu-offload]: updates on the host's cores (llama-3.2-1b, 17 GiB of pinned state), after
+    # the backward and inside it: the step against the calibration's prediction (GPU, bus
+    # and host AdamW all measured now), the device's peak against the plan's.
+    for upd in end in-backward; do
+        sampled "bench llama-3.2-1b 1 x 2048 bf16 --offload optimizer,params,grads --update $upd" \
+            step "memwall bench, updates on the host (llama-3.2-1b, 1 x 2048, bf16, recompute full, --update $upd)" 150 "$OUT/runs.jsonl" "$bin/memwall" bench --device cuda --model llama-3.2-1b --batch 1 --seq 2048 --precision bf16 --recompute full --offload optimizer,params,grads --update "$upd" --steps 3
+    done
     step "memwall plan --device cuda --fit (gpt2, 24 GiB)" 60 "$OUT/runs.jsonl" "$bin/memwall" plan --device cuda --model gpt2 --seq 1024 --global-batch 32 --max-memory 24GiB --fit --json
     step "memwall bench --time-ops on the GPU (each op waited for)" 90 "$OUT/ops.json" "$bin/memwall" bench --device cuda --model gpt2 --batch 16 --seq 1024 --precision bf16 --steps 3 --time-ops
     if [ "${NCU:-0}" = 1 ]; then
