@@ -611,3 +611,30 @@ fn the_host_update_overlaps_the_gpus_work() {
     }
     assert!(hidden[1] > 0.5 && hidden[1] > 2.0 * hidden[0], "{hidden:?}");
 }
+
+/// Over its device budget, a GPU plan is told what fits: the update's state offloaded, whose
+/// moments then leave device memory in any format (so no 8-bit advice).
+#[test]
+fn over_its_budget_a_gpu_plan_is_told_to_offload_the_update() {
+    use memwall::plan::fit::{check_budget, predicted_peak};
+    let spec = ModelSpec::preset("gpt2").unwrap();
+    let mut optimizer = OffloadSet::NONE;
+    optimizer.optimizer = true;
+    let c = |set| {
+        let mut c = cfg(set, Precision::Bf16, OptimState::F32, 1);
+        c.batch = 1;
+        c.seq = 256;
+        c
+    };
+    let gpu = DeviceKind::Cuda.sizing();
+    let plan = plan_on(DeviceKind::Cuda, &spec, &c(optimizer));
+    let all = plan_on(DeviceKind::Cuda, &spec, &c(OffloadSet::ALL));
+    let budget = predicted_peak(&all, 0);
+    assert!(budget < predicted_peak(&plan, 0));
+    let e = format!("{:#}", check_budget(&plan, budget, 0, gpu).unwrap_err());
+    assert!(
+        e.contains("with --offload all --batch 1 needs") && e.contains("and fits"),
+        "{e}"
+    );
+    assert!(!e.contains("int8"), "{e}");
+}

@@ -675,16 +675,24 @@ fn even_batch_1(plan: &Plan, budget: u64, baseline: u64, backend: &dyn Sizing) -
     let mut flags = Vec::new();
     if plan.mode == Mode::Train {
         small.precision = Precision::Bf16;
-        small.optim_state = OptimState::Int8;
         // A backend with no slower tier offloads nothing; nor does an update inside the
-        // backward.
-        let can_offload = backend.offload_tier().is_some() && cfg.update == Update::End;
+        // backward, but beneath a GPU (where it then runs on the host).
+        let gpu = backend.offload_tier() == Some(Tier::Host);
+        let can_offload = backend.offload_tier().is_some() && (cfg.update == Update::End || gpu);
         if can_offload {
             small.offload.set = OffloadSet::ALL;
         }
+        // Moments offloaded beneath a GPU are in pinned RAM: 8-bit ones save no device memory.
+        let int8 = !(gpu && can_offload);
+        if int8 {
+            small.optim_state = OptimState::Int8;
+        }
         for (differs, flag) in [
             (cfg.precision != Precision::Bf16, "--precision bf16"),
-            (cfg.optim_state != OptimState::Int8, "--optim-state int8"),
+            (
+                int8 && cfg.optim_state != OptimState::Int8,
+                "--optim-state int8",
+            ),
             (cfg.recompute != Recompute::Full, "--recompute full"),
             (
                 can_offload && cfg.offload.set != OffloadSet::ALL,
