@@ -29,6 +29,7 @@ pub use request::{
     TrainRequest,
 };
 pub use step::{
-    Frozen, Resolved, check_host_memory_flag, fit_space, fixed, in_backward_on_gpu, resolve_step,
+    Frozen, Resolved, check_host_memory_flag, check_in_backward_device, fit_space, fixed,
+    resolve_step,
 };
 pub use train::{new_run, resume};

@@ -201,15 +201,26 @@ pub struct Frozen {
     )>,
 }
 
-/// Why `--update in-backward` is refused on `device`, a GPU, without the placement that runs
-/// it there (`train` and `plan`/`bench` say the same).
-pub fn in_backward_on_gpu(device: DeviceId) -> String {
-    format!(
-        "--update in-backward with --device {device}: only with an --offload that includes \
-         optimizer,params,grads (all does), which runs each update on the host's cores inside \
-         the backward (the GPU keeps the update after the backward otherwise); use --update \
-         end, or such an --offload"
-    )
+/// Refuses `--update in-backward` on a GPU without the placement that runs it there (the
+/// update's whole state in pinned RAM, so each update runs on the host's cores); `train`
+/// and `plan`/`bench` check alike.
+pub fn check_in_backward_device(
+    update: Option<crate::ir::Update>,
+    device: DeviceId,
+    offload: Option<OffloadChoice>,
+) -> Result<()> {
+    if update == Some(crate::ir::Update::InBackward)
+        && device.kind != crate::backend::DeviceKind::Cpu
+        && !offload.is_some_and(OffloadChoice::holds_the_update)
+    {
+        bail!(
+            "--update in-backward with --device {device}: only with an --offload that includes \
+             optimizer,params,grads (all does), which runs each update on the host's cores \
+             inside the backward (the GPU keeps the update after the backward otherwise); use \
+             --update end, or such an --offload"
+        );
+    }
+    Ok(())
 }
 
 /// Refuses `--max-host-memory` (`host`) where it budgets nothing: 0, or a device that
@@ -240,12 +251,7 @@ pub fn resolve_step(
 ) -> Result<Resolved> {
     let st = &step.strategy;
     let backend = step.device.sizing();
-    if st.update == Some(crate::ir::Update::InBackward)
-        && step.device.kind != crate::backend::DeviceKind::Cpu
-        && !st.offload.is_some_and(OffloadChoice::holds_the_update)
-    {
-        bail!("{}", in_backward_on_gpu(step.device));
-    }
+    check_in_backward_device(st.update, step.device, st.offload)?;
     check_host_memory_flag(step.max_host_memory, step.device)?;
     if st.adapter_dropout.is_some() && frozen.lora.is_none() {
         bail!(

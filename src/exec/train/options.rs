@@ -4,7 +4,7 @@
 //! They are saved as JSON in every checkpoint's `trainer_state.json` (field `train`), so their
 //! serialised keys are a file format: runs resume from saved options.
 
-use crate::backend::{DeviceId, DeviceKind};
+use crate::backend::DeviceId;
 use crate::ckpt::{self, TrainerState};
 use crate::data::loader::DataSet;
 use crate::ir::Update;
@@ -299,12 +299,11 @@ impl TrainOptions {
                 self.grad_clip
             );
         }
-        if self.strategies.update == Update::InBackward
-            && self.device.kind != DeviceKind::Cpu
-            && !self.strategies.offload.holds_the_update()
-        {
-            bail!("{}", crate::exec::resolve::in_backward_on_gpu(self.device));
-        }
+        crate::exec::resolve::check_in_backward_device(
+            Some(self.strategies.update),
+            self.device,
+            Some(self.strategies.offload),
+        )?;
         if self.eval_batches == 0 {
             bail!("--eval-batches must be at least 1");
         }
